@@ -1,0 +1,1 @@
+"""Backpressure policies, one module each; every refusal is a ``policies.reasons.Rejected``."""

@@ -1,0 +1,181 @@
+"""Concurrency limit with a bounded, prioritised queue (config key ``concurrency``).
+
+At most ``limit`` requests of a route are at the upstream at once. A request that finds every
+slot busy waits in a queue of at most ``queue`` entries for at most ``max_wait`` seconds, served
+by priority class first and arrival order second (HAProxy's ``(class, enqueue time)`` key). A
+freed slot is handed straight to the next waiter, so the count never dips and a newcomer cannot
+overtake the queue.
+
+``per_tenant`` caps one tenant's requests on the route, in flight *and* queued together, so one
+tenant can never hold more than ``per_tenant`` slots; the next one is answered 429
+``tenant_concurrency`` at once (its own quota is spent, SPEC).
+
+Rejections carry an honest ``retry_after`` estimated with Little's law: a queue of ``n`` ahead
+drains in about ``n * S / limit`` seconds, where ``S`` is the route's mean service time (an
+exponentially weighted average of observed upstream durations).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+
+from policies.reasons import Reason, Rejected
+
+#: Priority classes by ``X-Priority`` value; lower is served first.
+PRIORITIES = {"critical": 0, "standard": 1, "best-effort": 2}
+DEFAULT_PRIORITY = 1
+
+_EWMA_WEIGHT = 0.1  # weight of the newest sample in the service-time average
+_INITIAL_SERVICE_S = 1.0  # assumed mean service time before the first completion, seconds
+
+
+class _Waiter:
+    __slots__ = ("future", "live", "tenant", "timer")
+
+    def __init__(self, future: asyncio.Future[None], tenant: str) -> None:
+        self.future = future
+        self.tenant = tenant
+        self.live = True
+        self.timer: asyncio.TimerHandle | None = None
+
+
+class ConcurrencyLimiter:
+    """Slots and the queue of one route.
+
+    Use ``try_acquire`` (never suspends) and, only when it returns False, ``await wait(...)``;
+    call ``release`` exactly once for every successful acquire, on every exit path.
+
+    Args:
+        limit: slots, i.e. requests at the upstream at once.
+        queue: waiters allowed beyond ``limit``; 0 means answer at once when full.
+        max_wait: longest time a waiter stays queued, seconds.
+        per_tenant: a tenant's requests in flight plus queued; ``None`` for no cap.
+    """
+
+    def __init__(self, limit: int, queue: int, max_wait: float, per_tenant: int | None) -> None:
+        self.limit = limit
+        self.queue_capacity = queue
+        self.max_wait = max_wait
+        self.per_tenant = per_tenant
+        self.inflight = 0
+        self.queued = 0
+        self.mean_service_s = _INITIAL_SERVICE_S
+        self._heap: list[tuple[int, int, _Waiter]] = []
+        self._order = itertools.count()
+        self._by_tenant: dict[str, int] = {}
+
+    # -- admission ----------------------------------------------------------------------------
+
+    def try_acquire(self, tenant: str) -> bool:
+        """Take a slot now if one is free and nobody is queued; never suspends.
+
+        Raises:
+            Rejected: ``tenant_concurrency`` when ``tenant`` is at ``per_tenant``.
+        """
+        if self.per_tenant is not None:
+            held = self._by_tenant.get(tenant, 0)
+            if held >= self.per_tenant:
+                raise Rejected(
+                    Reason.TENANT_CONCURRENCY,
+                    self.mean_service_s / max(held, 1),
+                    f"limit {self.per_tenant} in flight or queued per tenant",
+                    ("tenant-concurrency", self.per_tenant, 0),
+                )
+            self._by_tenant[tenant] = held + 1
+        if self.inflight < self.limit and not self.queued:
+            self.inflight += 1
+            return True
+        return False
+
+    async def wait(self, tenant: str, priority: int, max_wait: float) -> None:
+        """Queue for a slot after ``try_acquire`` returned False.
+
+        ``max_wait`` may be below the configured one when the caller's own deadline is nearer.
+
+        Raises:
+            Rejected: ``queue_full`` at once, or ``queue_timeout`` after ``max_wait`` seconds.
+            asyncio.CancelledError: the caller went away; nothing is left held.
+        """
+        if self.queued >= self.queue_capacity:
+            self._forget(tenant)
+            raise Rejected(
+                Reason.QUEUE_FULL,
+                self._drain_estimate(self.queued + 1),
+                f"{self.limit} slots busy and {self.queue_capacity} queued",
+                ("concurrency", self.limit, 0),
+            )
+        loop = asyncio.get_running_loop()
+        waiter = _Waiter(loop.create_future(), tenant)
+        heapq.heappush(self._heap, (priority, next(self._order), waiter))
+        self.queued += 1
+        waiter.timer = loop.call_later(max_wait, self._expire, waiter)
+        try:
+            await waiter.future
+        except asyncio.CancelledError:
+            if waiter.live:
+                self._drop(waiter)
+                self._forget(tenant)
+            elif waiter.future.done() and not waiter.future.cancelled():
+                # The slot was handed over just as the caller left: give it back.
+                self.release(tenant, None)
+            raise
+        except Rejected:
+            self._forget(tenant)
+            raise
+
+    def release(self, tenant: str, service_s: float | None) -> None:
+        """Free the slot taken for ``tenant``; ``service_s`` updates the mean service time."""
+        if service_s is not None:
+            self.mean_service_s += _EWMA_WEIGHT * (service_s - self.mean_service_s)
+        self._forget(tenant)
+        while self._heap:
+            _, _, waiter = heapq.heappop(self._heap)
+            if waiter.live:
+                waiter.live = False
+                self.queued -= 1
+                if waiter.timer is not None:
+                    waiter.timer.cancel()
+                waiter.future.set_result(None)  # the slot passes on; inflight is unchanged
+                return
+        self.inflight -= 1
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _expire(self, waiter: _Waiter) -> None:
+        if not waiter.live:
+            return
+        self._drop(waiter)
+        if not waiter.future.done():
+            waiter.future.set_exception(
+                Rejected(
+                    Reason.QUEUE_TIMEOUT,
+                    self._drain_estimate(self.queued + 1),
+                    f"waited the queue's max_wait of {self.max_wait:g}s",
+                    ("concurrency", self.limit, 0),
+                )
+            )
+
+    def _drop(self, waiter: _Waiter) -> None:
+        """Take a waiter out of the count; its heap entry is skipped when popped."""
+        waiter.live = False
+        self.queued -= 1
+        if waiter.timer is not None:
+            waiter.timer.cancel()
+        if len(self._heap) > 2 * self.queued + 64:
+            self._heap = [entry for entry in self._heap if entry[2].live]
+            heapq.heapify(self._heap)
+
+    def _forget(self, tenant: str) -> None:
+        if self.per_tenant is None:
+            return
+        held = self._by_tenant[tenant] - 1
+        if held:
+            self._by_tenant[tenant] = held
+        else:
+            del self._by_tenant[tenant]
+
+    def _drain_estimate(self, ahead: int) -> float:
+        """Seconds until ``ahead`` queued requests have been served (Little's law)."""
+        return ahead * self.mean_service_s / self.limit

@@ -1,0 +1,98 @@
+"""Request rate limits per route and per tenant (config key ``rate``).
+
+A rate ``N/period`` is an aiolimiter leaky bucket of size ``N`` draining at ``N/period`` per
+second: a burst of up to ``N`` passes, then requests pass at the steady rate. A request that
+finds no capacity is answered 429 ``rate_limited`` at once; it never waits in the bucket, so a
+caller is never left hanging by a rate limit.
+
+``Retry-After`` is the time until the bucket has drained enough for one more request:
+``(level + 1 - N) / (N / period)`` seconds (the RFC 6585 meaning of 429's Retry-After).
+aiolimiter exposes no public reading of its level, so this reads ``_level`` right after the
+public ``has_capacity()`` has brought it up to date; the version is pinned for that reason.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from aiolimiter import AsyncLimiter
+
+from policies.reasons import Reason, Rejected
+from proxy.config import Rate, RateConfig
+
+#: Tenants whose buckets are kept; beyond it the least recently seen *idle* ones are dropped.
+MAX_TENANT_BUCKETS = 10_000
+
+
+class Bucket:
+    """One ``N/period`` limit. ``take()`` admits one request or raises ``Rejected``."""
+
+    __slots__ = ("_limiter", "policy", "rate")
+
+    def __init__(self, rate: Rate, policy_name: str) -> None:
+        self.rate = rate
+        self._limiter = AsyncLimiter(rate.count, rate.period_s)
+        self.policy = (policy_name, rate.count, rate.period_s)
+
+    def take(self) -> None:
+        """Consume one request's capacity; never suspends.
+
+        Raises:
+            Rejected: ``rate_limited`` with the seconds until capacity returns.
+        """
+        limiter = self._limiter
+        if limiter.has_capacity(1):
+            limiter._level += 1  # what acquire(1) does when it does not wait
+            return
+        deficit = limiter._level + 1 - limiter.max_rate
+        raise Rejected(
+            Reason.RATE_LIMITED,
+            deficit * limiter.time_period / limiter.max_rate,
+            f"limit {self.rate}",
+            self.policy,
+        )
+
+    @property
+    def idle(self) -> bool:
+        """True when the bucket has drained empty, so dropping it forgets nothing."""
+        return self._limiter.has_capacity(self.rate.count)
+
+
+class RateLimiter:
+    """The ``rate`` block of one route: a route-wide bucket and one bucket per tenant."""
+
+    def __init__(self, config: RateConfig) -> None:
+        self.route_bucket = Bucket(config.requests, "requests") if config.requests else None
+        per_tenant = config.per_tenant
+        self.tenant_rate = per_tenant.requests if per_tenant else None
+        self._tenants: OrderedDict[str, Bucket] = OrderedDict()
+
+    def admit(self, tenant: str) -> None:
+        """Charge one request to the tenant's bucket, then the route's.
+
+        The tenant is checked first so one tenant's burst is refused before it drains the
+        route-wide bucket that every tenant shares.
+
+        Raises:
+            Rejected: ``rate_limited`` from whichever bucket is empty.
+        """
+        if self.tenant_rate is not None:
+            self._tenant_bucket(tenant).take()
+        if self.route_bucket is not None:
+            self.route_bucket.take()
+
+    def _tenant_bucket(self, tenant: str) -> Bucket:
+        bucket = self._tenants.get(tenant)
+        if bucket is None:
+            if len(self._tenants) >= MAX_TENANT_BUCKETS:
+                self._evict_idle()
+            bucket = self._tenants[tenant] = Bucket(self.tenant_rate, "requests-per-tenant")
+        else:
+            self._tenants.move_to_end(tenant)
+        return bucket
+
+    def _evict_idle(self) -> None:
+        for name in [name for name, bucket in self._tenants.items() if bucket.idle]:
+            del self._tenants[name]
+        while len(self._tenants) >= MAX_TENANT_BUCKETS:
+            self._tenants.popitem(last=False)

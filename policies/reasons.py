@@ -1,0 +1,68 @@
+"""Every reason Sluice answers a caller itself instead of forwarding, named once.
+
+A policy that cannot admit a request raises :class:`Rejected`; the server turns it into the
+response the SPEC fixes (status, ``Retry-After``, ``retry-after-ms``, ``x-should-retry``,
+``X-Sluice-Reason`` and a body in the route protocol's error shape).
+
+Status rule (SPEC, "A caller that cannot be served now"): 429 when the caller's own quota is
+spent, 503 when the route is overloaded or unavailable, 409/422 for idempotency-key conflicts.
+The request faults and upstream faults at the end are not admission decisions but share the
+same rendering, so that every answer Sluice writes itself looks alike.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class Reason(enum.Enum):
+    """A reason code, its HTTP status, and a one-line explanation for people."""
+
+    # The caller's own quota is spent: 429.
+    RATE_LIMITED = ("rate_limited", 429, "request rate limit reached")
+    TENANT_CONCURRENCY = ("tenant_concurrency", 429, "too many requests of this tenant in flight")
+    # The route is overloaded or unavailable: 503.
+    QUEUE_FULL = ("queue_full", 503, "all slots busy and the queue is full")
+    QUEUE_TIMEOUT = ("queue_timeout", 503, "no slot freed within the queue's max_wait")
+    DRAINING = ("draining", 503, "Sluice is shutting down and accepts no new requests")
+    # The request itself cannot be forwarded.
+    NO_ROUTE = ("no_route", 404, "no route matches this path; Sluice forwards only to its routes")
+    BAD_REQUEST = ("bad_request", 400, "the request cannot be forwarded as sent")
+    BODY_TOO_LARGE = ("request_too_large", 413, "the request body exceeds the proxy's limit")
+    # Faults of the upstream itself, written by Sluice because no upstream answer exists.
+    UPSTREAM_UNREACHABLE = ("upstream_unreachable", 502, "the upstream could not be reached")
+    UPSTREAM_TIMEOUT = ("upstream_timeout", 504, "the upstream did not answer in time")
+
+    def __init__(self, code: str, status: int, summary: str) -> None:
+        self.code = code
+        self.status = status
+        self.summary = summary
+
+
+class Rejected(Exception):
+    """A policy refused the request now.
+
+    Attributes:
+        reason: why, from :class:`Reason`.
+        retry_after: seconds until a retry can succeed, as truthfully as the policy can tell
+            (from the limit that denied, never another one's reset); ``None`` when retrying
+            will not help.
+        detail: a sentence for the caller, naming the limit (e.g. ``"limit 8 per tenant"``).
+        policy: ``(name, quota, window_s)`` of the limit that denied, for the IETF
+            ``RateLimit-Policy``/``RateLimit`` fields; ``None`` when no such quota applies.
+    """
+
+    __slots__ = ("detail", "policy", "reason", "retry_after")
+
+    def __init__(
+        self,
+        reason: Reason,
+        retry_after: float | None,
+        detail: str = "",
+        policy: tuple[str, int, int] | None = None,
+    ) -> None:
+        super().__init__(reason.code)
+        self.reason = reason
+        self.retry_after = retry_after
+        self.detail = detail
+        self.policy = policy

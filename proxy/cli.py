@@ -1,0 +1,72 @@
+"""The ``sluice`` command line (SPEC, "Command line").
+
+``sluice serve [--config PATH]`` runs the proxy; ``sluice check-config PATH`` validates a file
+and exits 0, or 2 after printing one ``FILE:LINE: KEY: PROBLEM`` line per problem.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from proxy.config import ConfigError, load_config
+
+DEFAULT_CONFIG = "config/sluice.yaml"
+EXIT_CONFIG_ERROR = 2
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from proxy.server import serve
+
+    try:
+        config = load_config(args.config)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    try:
+        import uvloop
+    except ImportError:  # uvloop is optional off Linux/macOS; asyncio's loop works too
+        asyncio.run(serve(config))
+    else:
+        uvloop.run(serve(config))
+    return 0
+
+
+def _check_config(args: argparse.Namespace) -> int:
+    try:
+        config = load_config(args.path)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    print(f"{args.path}: ok ({len(config.routes)} route(s))")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="sluice", description="Backpressure sidecar for AI agents' LLM and tool calls."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="run the proxy")
+    serve.add_argument("--config", default=DEFAULT_CONFIG, help=f"default: {DEFAULT_CONFIG}")
+    serve.set_defaults(func=_serve)
+    check = sub.add_parser("check-config", help="validate a config file (exit 2 if invalid)")
+    check.add_argument("path")
+    check.set_defaults(func=_check_config)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``sluice`` console script; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO, stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,353 @@
+"""Loading and validating the YAML config file.
+
+Every problem is reported as ``FILE:LINE: KEY: PROBLEM`` (all of them at once, not only the
+first), and :class:`ConfigError` is raised so the caller can keep its old config serving.
+
+Two YAML 1.1 habits of PyYAML are closed off here because each one silently changes a limit:
+
+* duplicate keys: PyYAML keeps the last one without a word (yaml/pyyaml#165);
+* implicit types: ``on``/``no`` become booleans, ``1:30`` becomes 90 (sexagesimal), ``0755``
+  becomes 493, ``2024-01-01`` a date. :class:`StrictLoader` resolves scalars the YAML 1.2 core
+  way instead (``true``/``false`` only, decimal numbers only, no timestamps), and the pydantic
+  models are strict, so a boolean or a number where a string belongs is an error.
+
+Durations are strings with a unit (``250ms``, ``5s``, ``10m``, ``24h``, ``1d``) and become
+float seconds; rates are ``N/s``, ``N/min``, ``N/h``, ``N/day`` and become :class:`Rate`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+)
+
+
+class ConfigError(Exception):
+    """The config file is unreadable or invalid.
+
+    Attributes:
+        problems: one ``FILE:LINE: KEY: PROBLEM`` line per problem found.
+    """
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("\n".join(problems))
+        self.problems = problems
+
+
+# --- units -----------------------------------------------------------------------------------
+
+_DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h|d)$")
+_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+_RATE = re.compile(r"^(\d+)/(s|min|h|day)$")
+_RATE_PERIODS = {"s": 1, "min": 60, "h": 3600, "day": 86400}
+
+
+@dataclass(frozen=True, slots=True)
+class Rate:
+    """``count`` events per ``period_s`` seconds, as written ``N/unit`` in the config."""
+
+    count: int
+    period_s: int
+    text: str
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def _parse_duration(value: Any) -> float:
+    if not isinstance(value, str) or not (m := _DURATION.match(value.strip())):
+        raise ValueError(
+            f"{value!r} is not a duration: write a number and a unit, e.g. 250ms, 5s, 10m, 24h"
+        )
+    return float(m.group(1)) * _DURATION_UNITS[m.group(2)]
+
+
+def _parse_rate(value: Any) -> Rate:
+    if not isinstance(value, str) or not (m := _RATE.match(value.strip())):
+        raise ValueError(f"{value!r} is not a rate: write N/s, N/min, N/h or N/day, e.g. 600/min")
+    count = int(m.group(1))
+    if count < 1:
+        raise ValueError(f"{value!r}: a rate must allow at least 1 per period")
+    return Rate(count, _RATE_PERIODS[m.group(2)], value.strip())
+
+
+def _parse_listen(value: str) -> str:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"{value!r} is not HOST:PORT, e.g. 127.0.0.1:8080")
+    return value
+
+
+def _positive(value: float) -> float:
+    if value <= 0:
+        raise ValueError("must be greater than 0")
+    return value
+
+
+Duration = Annotated[float, BeforeValidator(_parse_duration)]
+PositiveDuration = Annotated[float, BeforeValidator(_parse_duration), AfterValidator(_positive)]
+RateSpec = Annotated[Rate, BeforeValidator(_parse_rate)]
+Listen = Annotated[str, AfterValidator(_parse_listen)]
+
+
+Path_ = tuple[str | int, ...]
+
+
+# --- the schema ------------------------------------------------------------------------------
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class ServerConfig(_Section):
+    listen: Listen = "0.0.0.0:8080"
+    admin_listen: Listen = "127.0.0.1:9901"
+    drain_timeout: Duration = 30.0
+    #: Largest request body accepted, bytes; bigger bodies get 413.
+    max_request_bytes: int = Field(default=32 * 1024 * 1024, gt=0)
+
+
+class StateConfig(_Section):
+    backend: Literal["memory"] = "memory"
+
+
+class IdentityConfig(_Section):
+    tenant_header: str = "X-Tenant-ID"
+    run_header: str = "X-Run-ID"
+    priority_header: str = "X-Priority"
+    default_tenant: str = Field(default="default", min_length=1)
+
+
+class EventsConfig(_Section):
+    #: Where the admission timeline goes as JSON lines; ``None`` means stdout.
+    path: str | None = None
+
+
+class TimeoutsConfig(_Section):
+    connect: PositiveDuration = 5.0
+    total: PositiveDuration = 600.0
+
+
+class ConcurrencyConfig(_Section):
+    limit: int = Field(gt=0)
+    queue: int = Field(default=0, ge=0)
+    max_wait: Duration = 5.0
+    per_tenant: int | None = Field(default=None, gt=0)
+
+
+class TenantRateConfig(_Section):
+    requests: RateSpec
+
+
+class RateConfig(_Section):
+    requests: RateSpec | None = None
+    per_tenant: TenantRateConfig | None = None
+
+
+class RouteConfig(_Section):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
+    path_prefix: str
+    upstream: str
+    protocol: Literal["openai", "anthropic", "mcp", "http"] = "http"
+    timeouts: TimeoutsConfig = TimeoutsConfig()
+    concurrency: ConcurrencyConfig | None = None
+    rate: RateConfig | None = None
+
+    @field_validator("path_prefix")
+    @classmethod
+    def _prefix(cls, value: str) -> str:
+        if not value.startswith("/") or not value.endswith("/") or "/../" in value:
+            raise ValueError(f"{value!r} must start and end with '/', e.g. /openai/")
+        return value
+
+    @field_validator("upstream")
+    @classmethod
+    def _upstream(cls, value: str) -> str:
+        if not re.match(r"^https?://[^/?#\s]+(/[^?#\s]*)?$", value):
+            raise ValueError(
+                f"{value!r} must be an http:// or https:// base URL with no query or fragment"
+            )
+        return value.rstrip("/")
+
+
+class Config(_Section):
+    server: ServerConfig = ServerConfig()
+    state: StateConfig = StateConfig()
+    identity: IdentityConfig = IdentityConfig()
+    events: EventsConfig = EventsConfig()
+    routes: list[RouteConfig] = Field(min_length=1)
+
+
+def _cross_checks(config: Config) -> Iterator[tuple[Path_, str]]:
+    """Problems no single key shows: the same route name or prefix twice."""
+    seen: dict[tuple[str, str], int] = {}
+    for index, route in enumerate(config.routes):
+        for key in ("name", "path_prefix"):
+            value = getattr(route, key)
+            if (key, value) in seen:
+                yield ("routes", index, key), (
+                    f"{value!r} is already used by routes[{seen[key, value]}]"
+                )
+            seen.setdefault((key, value), index)
+
+
+# --- YAML with YAML 1.2 scalars, duplicate-key errors and line numbers ----------------------
+
+
+class StrictLoader(yaml.SafeLoader):
+    """SafeLoader resolving plain scalars as the YAML 1.2 core schema does."""
+
+
+StrictLoader.yaml_implicit_resolvers = {}
+StrictLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+)
+StrictLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:int", re.compile(r"^[-+]?[0-9]+$"), list("-+0123456789")
+)
+StrictLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?$"),
+    list("-+.0123456789"),
+)
+StrictLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:null", re.compile(r"^(?:~|null|Null|NULL|)$"), ["~", "n", "N", ""]
+)
+
+
+
+
+def _walk(node: yaml.Node, path: Path_, marks: dict[Path_, int], dupes: list[tuple[Path_, int]]):
+    """Index the 1-based line of every key path, and collect duplicate keys."""
+    marks[path] = node.start_mark.line + 1
+    if isinstance(node, yaml.MappingNode):
+        seen: set[Any] = set()
+        for key_node, value_node in node.value:
+            key = key_node.value
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                dupes.append(((*path, key), line))
+            seen.add(key)
+            marks[(*path, key)] = line
+            _walk(value_node, (*path, key), marks, dupes)
+            marks[(*path, key)] = line  # the key's own line, not its value's
+    elif isinstance(node, yaml.SequenceNode):
+        for index, item in enumerate(node.value):
+            _walk(item, (*path, index), marks, dupes)
+
+
+def _dotted(path: Path_) -> str:
+    out = ""
+    for part in path:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "(top)"
+
+
+def _nearest_line(path: Path_, marks: dict[Path_, int]) -> int:
+    for cut in range(len(path), -1, -1):
+        if path[:cut] in marks:
+            return marks[path[:cut]]
+    return 1
+
+
+def _problems(err: ValidationError, marks: dict[Path_, int], filename: str) -> Iterator[str]:
+    for item in err.errors():
+        # pydantic puts the Annotated validator's name in the path for union members; drop
+        # anything that is not a config key so the path reads as the user wrote it.
+        path = tuple(p for p in item["loc"] if isinstance(p, int) or p in _KNOWN_KEYS)
+        message = item["msg"].removeprefix("Value error, ")
+        if item["type"] == "extra_forbidden":
+            message = "unknown key (a typo here would silently disable a limit)"
+        elif item["type"] == "missing":
+            message = "required key is missing"
+        yield f"{filename}:{_nearest_line(path, marks)}: {_dotted(path)}: {message}"
+
+
+def _all_keys(model: type[BaseModel]) -> set[str]:
+    keys: set[str] = set()
+    for name, field in model.model_fields.items():
+        keys.add(name)
+        for arg in _type_args(field.annotation):
+            if isinstance(arg, type) and issubclass(arg, BaseModel):
+                keys |= _all_keys(arg)
+    return keys
+
+
+def _type_args(tp: Any) -> Iterator[Any]:
+    yield tp
+    for arg in getattr(tp, "__args__", ()):
+        yield from _type_args(arg)
+
+
+_KNOWN_KEYS = _all_keys(Config)
+
+
+def parse_config(text: str, filename: str = "<config>") -> Config:
+    """Parse and validate config ``text``; ``filename`` is used in messages.
+
+    Raises:
+        ConfigError: with every problem found, each as ``FILE:LINE: KEY: PROBLEM``.
+    """
+    try:
+        loader = StrictLoader(text)
+        try:
+            node = loader.get_single_node()
+            if node is None:
+                raise ConfigError([f"{filename}:1: (top): the file is empty"])
+            marks: dict[Path_, int] = {}
+            dupes: list[tuple[Path_, int]] = []
+            _walk(node, (), marks, dupes)
+            if dupes:
+                raise ConfigError(
+                    [f"{filename}:{line}: {_dotted(p)}: duplicate key" for p, line in dupes]
+                )
+            data = loader.construct_document(node)
+        finally:
+            loader.dispose()
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        line = mark.line + 1 if mark else 1
+        raise ConfigError([f"{filename}:{line}: (yaml): {exc.problem or exc}"]) from None
+    except yaml.YAMLError as exc:
+        raise ConfigError([f"{filename}:1: (yaml): {exc}"]) from None
+    if not isinstance(data, dict):
+        raise ConfigError([f"{filename}:1: (top): the file must be a mapping of sections"])
+    try:
+        config = Config.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(list(_problems(exc, marks, filename))) from None
+    problems = [
+        f"{filename}:{_nearest_line(path, marks)}: {_dotted(path)}: {message}"
+        for path, message in _cross_checks(config)
+    ]
+    if problems:
+        raise ConfigError(problems)
+    return config
+
+
+def load_config(path: str | Path) -> Config:
+    """Read and validate the config file at ``path``.
+
+    Raises:
+        ConfigError: the file is missing, unreadable or invalid.
+    """
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError([f"{path}:1: (file): cannot read: {exc}"]) from None
+    return parse_config(text, str(path))

@@ -1,0 +1,85 @@
+"""The admission timeline: one JSON object per line (SPEC, "Events").
+
+Every line has ``ts`` (Unix seconds), ``event``, ``request_id``, ``route``, ``tenant``, ``run``
+and ``idempotency_key``, then the event's own fields. Lines are buffered in memory and written
+by a background task every ``FLUSH_INTERVAL_S`` (and at shutdown), so the request path never
+waits on a disk or a pipe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+import time
+from typing import IO, Any
+
+import orjson
+
+FLUSH_INTERVAL_S = 0.2
+
+
+class EventLog:
+    """Buffered JSON-lines writer to a file path, or to stdout when ``path`` is ``None``."""
+
+    def __init__(self, path: str | None) -> None:
+        self.path = path
+        self._buffer: list[bytes] = []
+        self._stream: IO[bytes] | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    def emit(self, event: str, request_id: str, route: str, tenant: str, run: str | None,
+             idempotency_key: str | None = None, **fields: Any) -> None:
+        """Queue one event line; never blocks."""
+        record = {
+            "ts": round(time.time(), 6),
+            "event": event,
+            "request_id": request_id,
+            "route": route,
+            "tenant": tenant,
+            "run": run,
+            "idempotency_key": idempotency_key,
+        }
+        if fields:
+            record.update(fields)
+        self._buffer.append(orjson.dumps(record, option=orjson.OPT_APPEND_NEWLINE))
+
+    def emit_system(self, event: str, **fields: Any) -> None:
+        """Queue an event that belongs to no request (e.g. ``config_reloaded``)."""
+        record = {"ts": round(time.time(), 6), "event": event, **fields}
+        self._buffer.append(orjson.dumps(record, option=orjson.OPT_APPEND_NEWLINE))
+
+    async def start(self) -> None:
+        """Open the destination and start the flusher."""
+        if self.path is None:
+            self._stream = sys.stdout.buffer
+        else:
+            self._stream = open(self.path, "ab")
+        self._task = asyncio.create_task(self._flush_forever(), name="sluice-events")
+
+    def flush(self) -> None:
+        """Write out what is buffered (a few KiB; cheap enough to run on the loop)."""
+        if not self._buffer or self._stream is None:
+            return
+        lines, self._buffer = self._buffer, []
+        try:
+            self._stream.write(b"".join(lines))
+            self._stream.flush()
+        except (OSError, ValueError):
+            pass  # a closed or full destination must not take the proxy down
+
+    async def close(self) -> None:
+        """Stop the flusher, write what is left, and close a file destination."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        self.flush()
+        if self._stream is not None and self.path is not None:
+            self._stream.close()
+        self._stream = None
+
+    async def _flush_forever(self) -> None:
+        while True:
+            await asyncio.sleep(FLUSH_INTERVAL_S)
+            self.flush()

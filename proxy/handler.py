@@ -1,0 +1,154 @@
+"""The request path, top to bottom.
+
+match route -> identify caller -> read body -> admit (cheapest first: draining, rate, then the
+concurrency slot and its queue) -> forward -> release and record.
+
+Every exit after admission runs the ``finally`` that frees the slot: success, upstream error,
+upstream timeout, client disconnect (the handler is cancelled, which also closes the upstream
+request) and any proxy error. The bookkeeping in that ``finally`` never awaits, so a
+cancellation cannot interrupt it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import orjson
+from aiohttp import web
+
+from policies.concurrency import DEFAULT_PRIORITY, PRIORITIES
+from policies.reasons import Reason, Rejected
+from proxy import forward as fwd
+from proxy.rejections import render
+from proxy.routes import Route, has_dot_segment
+from proxy.runtime import RUNTIME, Runtime
+
+log = logging.getLogger("sluice")
+
+#: How long a draining replica suggests callers wait (another replica can take them), seconds.
+DRAINING_RETRY_AFTER_S = 1.0
+
+
+def _caller_deadline(request: web.Request) -> float | None:
+    """The caller's own timeout in seconds, from the Stainless SDKs' headers, if sent."""
+    raw = request.headers.get("x-stainless-timeout") or request.headers.get(
+        "x-stainless-read-timeout"
+    )
+    if raw:
+        try:
+            value = float(raw)
+        except ValueError:
+            return None
+        if value > 0:
+            return value
+    return None
+
+
+async def handle(request: web.Request) -> web.StreamResponse:
+    """Serve one agent request (the only handler of the proxy port)."""
+    rt: Runtime = request.app[RUNTIME]
+    raw_path = request.raw_path
+    route = rt.router.match(raw_path)
+    if route is None:
+        detail = "absolute-form request targets are refused" if raw_path[:1] != "/" else raw_path
+        return render(Rejected(Reason.NO_ROUTE, None, detail[:200]), "http")
+    if has_dot_segment(raw_path):
+        return render(Rejected(Reason.BAD_REQUEST, None, "dot-segments in path"), route.protocol)
+
+    headers = request.headers
+    tenant = headers.get(rt.tenant_header) or rt.default_tenant
+    run = headers.get(rt.run_header)
+    request_id = headers.get("X-Request-ID") or rt.next_request_id()
+    events = rt.events
+    metrics = route.metrics
+
+    if rt.draining:
+        return _reject(rt, route, Rejected(Reason.DRAINING, DRAINING_RETRY_AFTER_S), request_id,
+                       tenant, run)
+    try:
+        body = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        return render(
+            Rejected(Reason.BODY_TOO_LARGE, None,
+                     f"limit {rt.config.server.max_request_bytes} bytes"), route.protocol
+        )
+
+    limiter = route.concurrency
+    try:
+        if route.rate is not None:
+            route.rate.admit(tenant)
+        if limiter is not None and not limiter.try_acquire(tenant):
+            priority = PRIORITIES.get(headers.get(rt.priority_header, ""), DEFAULT_PRIORITY)
+            max_wait = limiter.max_wait
+            deadline = _caller_deadline(request)
+            if deadline is not None and deadline < max_wait:
+                max_wait = deadline
+            events.emit("enqueued", request_id, route.name, tenant, run,
+                        queue_depth=limiter.queued + 1)
+            enqueued_at = time.monotonic()
+            try:
+                await limiter.wait(tenant, priority, max_wait)
+            except Rejected as rejected:
+                if rejected.reason is Reason.QUEUE_TIMEOUT:
+                    events.emit("expired", request_id, route.name, tenant, run,
+                                waited_s=round(time.monotonic() - enqueued_at, 6))
+                raise
+            metrics.queue_wait.observe(time.monotonic() - enqueued_at)
+    except Rejected as rejected:
+        return _reject(rt, route, rejected, request_id, tenant, run, body)
+
+    # Admitted: from here every exit passes through the finally below.
+    route.inflight += 1
+    events.emit("admitted", request_id, route.name, tenant, run)
+    started = time.monotonic()
+    outcome = "upstream_error"
+    status = 0
+    try:
+        url = fwd.upstream_url(route.upstream_base, raw_path[len(route.prefix) - 1:])
+        response, outcome = await fwd.forward(request, rt.session, url, body, route.timeout)
+        status = response.status
+        return response
+    except Rejected as rejected:
+        outcome = "upstream_timeout" if rejected.reason is Reason.UPSTREAM_TIMEOUT else outcome
+        status = rejected.reason.status
+        return render(rejected, route.protocol, _jsonrpc_id(route, body))
+    except (asyncio.CancelledError, ConnectionResetError):
+        outcome = "client_disconnected"
+        raise
+    except Exception:
+        log.exception("proxy error on route %s (request %s)", route.name, request_id)
+        status = 502
+        return render(Rejected(Reason.UPSTREAM_UNREACHABLE, None, "proxy error"), route.protocol)
+    finally:
+        elapsed = time.monotonic() - started
+        route.inflight -= 1
+        if limiter is not None:
+            limiter.release(tenant, elapsed if outcome[0].isdigit() else None)
+        metrics.upstream_duration.observe(elapsed)
+        metrics.outcomes[outcome].inc()
+        events.emit("completed", request_id, route.name, tenant, run, status=status,
+                    outcome=outcome, duration_s=round(elapsed, 6))
+
+
+def _reject(rt: Runtime, route: Route, rejected: Rejected, request_id: str, tenant: str,
+            run: str | None, body: bytes = b"") -> web.Response:
+    """Count, log as an event, and render a rejection before admission."""
+    route.metrics.rejections[rejected.reason].inc()
+    route.metrics.outcomes["rejected"].inc()
+    rt.events.emit("rejected", request_id, route.name, tenant, run, reason=rejected.reason.code,
+                   retry_after_s=None if rejected.retry_after is None
+                   else round(rejected.retry_after, 3))
+    return render(rejected, route.protocol, _jsonrpc_id(route, body))
+
+
+def _jsonrpc_id(route: Route, body: bytes) -> object:
+    """The JSON-RPC ``id`` of an MCP request, echoed in its error (``None`` if unknown)."""
+    if route.protocol != "mcp" or not body:
+        return None
+    try:
+        message = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    return message.get("id") if isinstance(message, dict) else None

@@ -1,0 +1,106 @@
+"""Turning a :class:`~policies.reasons.Rejected` into the response the SPEC fixes.
+
+Headers on every answer Sluice writes itself:
+
+* ``Retry-After``: whole seconds, rounded up, at least 1 (RFC 9110 §10.2.3 allows no
+  fractions); ``retry-after-ms`` carries the precise value, which the OpenAI and Anthropic SDKs
+  read first.
+* ``x-should-retry``: ``true`` when the wait is at most 60 s, else ``false``. Both SDKs obey it
+  before their status rules; the OpenAI SDK gives up on waits over 120 s and the Anthropic SDK
+  ignores waits over 60 s, so a longer wait must say "do not retry" outright.
+* ``X-Sluice-Reason``: the reason code.
+* For quota rejections, the IETF RateLimit fields (draft-ietf-httpapi-ratelimit-headers):
+  ``RateLimit-Policy: "name";q=N;w=S`` and ``RateLimit: "name";r=0;t=S``.
+
+The body uses the route protocol's own error shape so each SDK raises its usual error type.
+"""
+
+from __future__ import annotations
+
+import math
+
+import orjson
+from aiohttp import web
+
+from policies.reasons import Reason, Rejected
+
+#: Longest wait both official SDKs honour as given (the Anthropic SDK's cap), seconds.
+SDK_RETRY_AFTER_CAP_S = 60.0
+
+_OPENAI_TYPES = {429: "rate_limit_error", 503: "server_error", 502: "server_error"}
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+
+
+def rejection_headers(rejected: Rejected) -> dict[str, str]:
+    """The SPEC's "not now" headers for ``rejected`` (see the module docstring)."""
+    headers = {"X-Sluice-Reason": rejected.reason.code, "Cache-Control": "no-store"}
+    wait = rejected.retry_after
+    if wait is not None:
+        wait = max(wait, 0.001)
+        seconds = max(1, math.ceil(wait))
+        headers["Retry-After"] = str(seconds)
+        headers["retry-after-ms"] = str(math.ceil(wait * 1000))
+        headers["x-should-retry"] = "true" if wait <= SDK_RETRY_AFTER_CAP_S else "false"
+        if rejected.policy is not None:
+            name, quota, window = rejected.policy
+            unit = ';qu="concurrent-requests"' if window == 0 else f";w={window}"
+            headers["RateLimit-Policy"] = f'"{name}";q={quota}{unit}'
+            headers["RateLimit"] = f'"{name}";r=0;t={seconds}'
+    return headers
+
+
+def _message(rejected: Rejected) -> str:
+    reason = rejected.reason
+    text = f"Sluice: {reason.summary}"
+    if rejected.detail:
+        text += f" ({rejected.detail})"
+    if rejected.retry_after is not None:
+        text += f"; retry after {rejected.retry_after:.3g}s"
+    return text
+
+
+def rejection_body(rejected: Rejected, protocol: str, jsonrpc_id: object = None) -> bytes:
+    """The error body in ``protocol``'s shape: openai, anthropic, mcp or http."""
+    reason: Reason = rejected.reason
+    message = _message(rejected)
+    if protocol == "openai":
+        kind = _OPENAI_TYPES.get(reason.status, "invalid_request_error")
+        if reason.status >= 500 and reason.status not in _OPENAI_TYPES:
+            kind = "server_error"
+        body: dict = {
+            "error": {"message": message, "type": kind, "param": None, "code": reason.code}
+        }
+    elif protocol == "anthropic":
+        kind = _ANTHROPIC_TYPES.get(reason.status, "api_error")
+        body = {"type": "error", "error": {"type": kind, "message": message}}
+    elif protocol == "mcp":
+        data: dict = {"reason": reason.code}
+        if rejected.retry_after is not None:
+            data["retryAfterMs"] = math.ceil(rejected.retry_after * 1000)
+        # JSON-RPC code = the HTTP status: outside -32768..-32000, which JSON-RPC and MCP
+        # reserve (MCP 2026-07-28 basic/index), and what ToolHive uses for rate limits.
+        body = {
+            "jsonrpc": "2.0",
+            "id": jsonrpc_id,
+            "error": {"code": reason.status, "message": message, "data": data},
+        }
+    else:
+        retry_s = None if rejected.retry_after is None else round(rejected.retry_after, 3)
+        body = {"error": {"reason": reason.code, "message": message, "retry_after_s": retry_s}}
+    return orjson.dumps(body)
+
+
+def render(rejected: Rejected, protocol: str, jsonrpc_id: object = None) -> web.Response:
+    """The whole response for ``rejected`` on a route of ``protocol``."""
+    return web.Response(
+        status=rejected.reason.status,
+        body=rejection_body(rejected, protocol, jsonrpc_id),
+        content_type="application/json",
+        headers=rejection_headers(rejected),
+    )

@@ -1,0 +1,113 @@
+"""The two listeners (agents' traffic and admin), their lifecycle, and graceful shutdown.
+
+SIGTERM (or SIGINT) starts a drain, as Kubernetes expects of a pod being stopped: ``/readyz``
+turns 503 at once so the endpoint is taken out of rotation, new requests on the proxy port get
+503 ``draining`` (the listener stays open, so a caller gets an answer rather than a refused
+connection), and in-flight requests get up to ``server.drain_timeout`` seconds to finish before
+the remaining ones are cut and the process exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+
+from aiohttp import web
+from prometheus_client.aiohttp import make_aiohttp_handler
+
+from proxy.config import Config
+from proxy.handler import handle
+from proxy.runtime import RUNTIME, Runtime
+
+log = logging.getLogger("sluice")
+
+#: How often the drain checks whether in-flight work has finished, seconds.
+DRAIN_POLL_S = 0.05
+#: After the drain, how long aiohttp waits for handlers before cancelling them, seconds.
+SHUTDOWN_GRACE_S = 1.0
+
+
+def build_proxy_app(runtime: Runtime) -> web.Application:
+    """The app on ``server.listen``: every path goes through :func:`proxy.handler.handle`."""
+    app = web.Application(client_max_size=runtime.config.server.max_request_bytes)
+    app[RUNTIME] = runtime
+    app.router.add_route("*", "/{tail:.*}", handle)
+    return app
+
+
+def build_admin_app(runtime: Runtime) -> web.Application:
+    """The app on ``server.admin_listen``: ``/metrics``, ``/healthz``, ``/readyz``."""
+    app = web.Application()
+    app[RUNTIME] = runtime
+    app.router.add_get("/metrics", make_aiohttp_handler(runtime.metrics.registry))
+    app.router.add_get("/healthz", _healthz)
+    app.router.add_get("/readyz", _readyz)
+    return app
+
+
+async def _healthz(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def _readyz(request: web.Request) -> web.Response:
+    runtime = request.app[RUNTIME]
+    if runtime.draining:
+        return web.json_response({"status": "draining"}, status=503)
+    return web.json_response({"status": "ready"})
+
+
+def _split(listen: str) -> tuple[str, int]:
+    host, _, port = listen.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+async def serve(config: Config) -> None:
+    """Run Sluice until SIGTERM/SIGINT, then drain and return."""
+    runtime = Runtime(config)
+    await runtime.open()
+    proxy_runner = web.AppRunner(
+        build_proxy_app(runtime),
+        handler_cancellation=True,  # a caller's disconnect cancels its upstream request
+        access_log=None,  # per-request logging is the event log's job
+        auto_decompress=False,  # bodies pass through byte for byte
+        shutdown_timeout=SHUTDOWN_GRACE_S,
+    )
+    admin_runner = web.AppRunner(
+        build_admin_app(runtime), access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await proxy_runner.setup()
+        await admin_runner.setup()
+        host, port = _split(config.server.listen)
+        await web.TCPSite(proxy_runner, host, port, reuse_address=True).start()
+        admin_host, admin_port = _split(config.server.admin_listen)
+        await web.TCPSite(admin_runner, admin_host, admin_port, reuse_address=True).start()
+        log.info(
+            "sluice serving on %s (admin %s), %d route(s)",
+            config.server.listen, config.server.admin_listen, len(runtime.routes),
+        )
+        await stop.wait()
+        await _drain(runtime, config.server.drain_timeout)
+    finally:
+        await proxy_runner.cleanup()
+        await admin_runner.cleanup()
+        await runtime.close()
+
+
+async def _drain(runtime: Runtime, timeout_s: float) -> None:
+    runtime.draining = True
+    log.info("draining: %d request(s) in flight, waiting up to %gs", runtime.inflight, timeout_s)
+    deadline = time.monotonic() + timeout_s
+    # Polling keeps the request path free of drain bookkeeping; it runs only at shutdown.
+    while runtime.inflight and time.monotonic() < deadline:  # noqa: ASYNC110
+        await asyncio.sleep(DRAIN_POLL_S)
+    if runtime.inflight:
+        log.warning("drain timeout: cutting %d request(s) still in flight", runtime.inflight)
+    else:
+        log.info("drained")
