@@ -54,7 +54,8 @@ class EventLog:
         if self.path is None:
             self._stream = sys.stdout.buffer
         else:
-            self._stream = open(self.path, "ab")
+            # Opened once at startup, before any traffic; closed in close().
+            self._stream = open(self.path, "ab")  # noqa: ASYNC230
         self._task = asyncio.create_task(self._flush_forever(), name="sluice-events")
 
     def flush(self) -> None:
