@@ -13,7 +13,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+)
 
 from policies.reasons import Reason
 
@@ -33,6 +39,10 @@ OUTCOMES = (
     "upstream_timeout",
     "client_disconnected",  # the caller left before the answer was complete
 )
+
+
+# The ``*_created`` series double every counter and histogram and nothing here reads them.
+disable_created_metrics()
 
 
 class Metrics:

@@ -1,0 +1,167 @@
+"""Shared fixtures: a fake upstream in the test's loop and Sluice as a real subprocess.
+
+``start_sluice(config)`` writes ``config`` (a dict or YAML text) to a temporary file, runs
+``python -m proxy serve --config FILE`` on free loopback ports, waits for ``/readyz`` and
+returns a :class:`SluiceProcess`. Its event log goes to a file the test can read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+import aiohttp
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.fakeupstream import FakeUpstream
+
+REPO = Path(__file__).resolve().parent.parent
+STARTUP_TIMEOUT_S = 20.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class SluiceProcess:
+    """A running ``sluice serve`` and the addresses it listens on."""
+
+    def __init__(self, proc: subprocess.Popen, port: int, admin_port: int, events: Path,
+                 stderr: Path, config_path: Path) -> None:
+        self.proc = proc
+        self.port = port
+        self.admin_port = admin_port
+        self.events_path = events
+        self.stderr_path = stderr
+        self.config_path = config_path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def admin_url(self) -> str:
+        return f"http://127.0.0.1:{self.admin_port}"
+
+    def events(self) -> list[dict]:
+        """Event lines written so far (the log is flushed every 0.2 s)."""
+        if not self.events_path.exists():
+            return []
+        return [json.loads(line) for line in self.events_path.read_text().splitlines() if line]
+
+    def stderr(self) -> str:
+        return self.stderr_path.read_text() if self.stderr_path.exists() else ""
+
+    async def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        """``{(sample name, sorted labels): value}`` from ``/metrics``."""
+        async with aiohttp.ClientSession() as s, s.get(self.admin_url + "/metrics") as r:
+            text = await r.text()
+        out = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+        return out
+
+    async def metric(self, name: str, **labels: str) -> float:
+        return (await self.metrics()).get((name, tuple(sorted(labels.items()))), 0.0)
+
+    async def wait_metric(self, name: str, value: float, timeout: float = 10.0,
+                          **labels: str) -> None:
+        """Wait until a sample equals ``value`` (tests wait on gauges, never on sleeps)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            current = await self.metric(name, **labels)
+            if current == value:
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{name}{labels} is {current}, expected {value}")
+            await asyncio.sleep(0.05)
+
+    def signal(self, sig: int) -> None:
+        self.proc.send_signal(sig)
+
+    async def wait_exit(self, timeout: float = 30.0) -> int:
+        deadline = time.monotonic() + timeout
+        while self.proc.poll() is None:
+            if time.monotonic() > deadline:
+                raise AssertionError("sluice did not exit in time")
+            await asyncio.sleep(0.05)
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+
+def route(name: str, upstream: str, protocol: str = "openai", **policies: object) -> dict:
+    """A route config dict with prefix ``/<name>/``."""
+    return {"name": name, "path_prefix": f"/{name}/", "upstream": upstream,
+            "protocol": protocol, **policies}
+
+
+@pytest.fixture
+async def upstream() -> AsyncIterator[FakeUpstream]:
+    fake = await FakeUpstream().start()
+    yield fake
+    if fake.hold is not None:
+        fake.hold.set()
+    await fake.stop()
+
+
+@pytest.fixture
+async def start_sluice(tmp_path: Path) -> AsyncIterator[Callable[..., Awaitable[SluiceProcess]]]:
+    started: list[SluiceProcess] = []
+
+    async def start(config: dict | str, *, env: dict[str, str] | None = None) -> SluiceProcess:
+        data = yaml.safe_load(config) if isinstance(config, str) else json.loads(
+            json.dumps(config))
+        port, admin_port = free_port(), free_port()
+        index = len(started)
+        events = tmp_path / f"events-{index}.jsonl"
+        server = data.setdefault("server", {})
+        server.setdefault("listen", f"127.0.0.1:{port}")
+        server.setdefault("admin_listen", f"127.0.0.1:{admin_port}")
+        server.setdefault("drain_timeout", "5s")
+        data.setdefault("events", {"path": str(events)})
+        port = int(server["listen"].rpartition(":")[2])
+        admin_port = int(server["admin_listen"].rpartition(":")[2])
+        config_path = tmp_path / f"sluice-{index}.yaml"
+        config_path.write_text(yaml.safe_dump(data, sort_keys=False))
+        stderr = tmp_path / f"sluice-{index}.stderr"
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "proxy", "serve", "--config", str(config_path)],
+            cwd=REPO, stdout=subprocess.DEVNULL, stderr=stderr.open("wb"),
+            env={**os.environ, **(env or {})},
+        )
+        sluice = SluiceProcess(proc, port, admin_port, events, stderr, config_path)
+        started.append(sluice)
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        async with aiohttp.ClientSession() as session:
+            while True:
+                if proc.poll() is not None:
+                    raise AssertionError(f"sluice exited at startup:\n{sluice.stderr()}")
+                with contextlib.suppress(aiohttp.ClientError):
+                    async with session.get(sluice.admin_url + "/readyz") as r:
+                        if r.status == 200:
+                            return sluice
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"sluice not ready in time:\n{sluice.stderr()}")
+                await asyncio.sleep(0.05)
+
+    yield start
+    for sluice in started:
+        sluice.kill()

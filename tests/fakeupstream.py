@@ -1,0 +1,199 @@
+"""A fake OpenAI- and Anthropic-compatible upstream that records what reaches it.
+
+It runs in the test's own event loop on 127.0.0.1 and a free port. Behaviour is set on the
+object (``delay``, ``chunk_delay``, ``statuses``, ``hold``) or per request with headers
+(``x-fake-delay``, ``x-fake-status``); what arrived is kept in ``requests`` and the live and
+peak concurrency in ``inflight`` / ``peak_inflight``.
+
+Endpoints:
+    POST /v1/chat/completions   OpenAI chat completion, plain or SSE (``"stream": true``)
+    POST /v1/messages           Anthropic message, plain or SSE
+    anything else               echoes method, path, query, headers and body length as JSON
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+
+@dataclass
+class Seen:
+    """One request as the upstream received it."""
+
+    method: str
+    path_qs: str
+    headers: dict[str, str]
+    body: bytes
+    at: float
+
+
+@dataclass
+class FakeUpstream:
+    delay: float = 0.0  # seconds before the response headers
+    chunk_delay: float = 0.01  # seconds between SSE events
+    chunks: int = 5  # content events in a stream
+    statuses: list[int] = field(default_factory=list)  # next answers' statuses, consumed FIFO
+    prompt_tokens: int = 11
+    completion_tokens: int = 5
+    hold: asyncio.Event | None = None  # when set, requests wait for it before answering
+    requests: list[Seen] = field(default_factory=list)
+    inflight: int = 0
+    peak_inflight: int = 0
+    completed: int = 0
+    cancelled: int = 0
+    port: int = 0
+    _runner: web.AppRunner | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def start(self) -> FakeUpstream:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self._openai)
+        app.router.add_post("/v1/messages", self._anthropic)
+        app.router.add_route("*", "/{tail:.*}", self._echo)
+        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]
+        return self
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    # -- plumbing -------------------------------------------------------------------------------
+
+    async def _enter(self, request: web.Request) -> tuple[bytes, int | None]:
+        body = await request.read()
+        self.requests.append(
+            Seen(request.method, request.path_qs, dict(request.headers), body, time.monotonic())
+        )
+        self.inflight += 1
+        self.peak_inflight = max(self.peak_inflight, self.inflight)
+        delay = float(request.headers.get("x-fake-delay", self.delay))
+        if self.hold is not None:
+            await self.hold.wait()
+        if delay:
+            await asyncio.sleep(delay)
+        status = request.headers.get("x-fake-status")
+        if status is None and self.statuses:
+            return body, self.statuses.pop(0)
+        return body, int(status) if status else None
+
+    def _leave(self, cancelled: bool) -> None:
+        self.inflight -= 1
+        if cancelled:
+            self.cancelled += 1
+        else:
+            self.completed += 1
+
+    async def _guard(self, request: web.Request, answer) -> web.StreamResponse:
+        cancelled = False
+        try:
+            body, status = await self._enter(request)
+            if status is not None and status >= 400:
+                return web.json_response(
+                    {"error": {"message": f"fake upstream status {status}", "type": "fake",
+                               "code": None}},
+                    status=status,
+                )
+            return await answer(request, body)
+        except asyncio.CancelledError:
+            cancelled = True
+            raise
+        finally:
+            self._leave(cancelled)
+
+    # -- endpoints ----------------------------------------------------------------------------
+
+    async def _echo(self, request: web.Request) -> web.StreamResponse:
+        async def answer(req: web.Request, body: bytes) -> web.StreamResponse:
+            return web.json_response(
+                {"method": req.method, "path_qs": req.path_qs, "headers": dict(req.headers),
+                 "body_len": len(body)}
+            )
+
+        return await self._guard(request, answer)
+
+    async def _openai(self, request: web.Request) -> web.StreamResponse:
+        return await self._guard(request, self._openai_answer)
+
+    async def _anthropic(self, request: web.Request) -> web.StreamResponse:
+        return await self._guard(request, self._anthropic_answer)
+
+    async def _openai_answer(self, request: web.Request, body: bytes) -> web.StreamResponse:
+        payload = json.loads(body or b"{}")
+        model = payload.get("model", "gpt-test")
+        usage = {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+        }
+        if not payload.get("stream"):
+            return web.json_response({
+                "id": "chatcmpl-fake", "object": "chat.completion", "created": 1, "model": model,
+                "choices": [{"index": 0, "finish_reason": "stop",
+                             "message": {"role": "assistant", "content": "hello from fake"}}],
+                "usage": usage,
+            })
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for i in range(self.chunks):
+            chunk = {"id": "chatcmpl-fake", "object": "chat.completion.chunk", "created": 1,
+                     "model": model,
+                     "choices": [{"index": 0, "delta": {"content": f"tok{i} "},
+                                  "finish_reason": None}]}
+            await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            await asyncio.sleep(self.chunk_delay)
+        if (payload.get("stream_options") or {}).get("include_usage"):
+            tail = {"id": "chatcmpl-fake", "object": "chat.completion.chunk", "created": 1,
+                    "model": model, "choices": [], "usage": usage}
+            await response.write(f"data: {json.dumps(tail)}\n\n".encode())
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    async def _anthropic_answer(self, request: web.Request, body: bytes) -> web.StreamResponse:
+        payload = json.loads(body or b"{}")
+        model = payload.get("model", "claude-test")
+        message = {
+            "id": "msg_fake", "type": "message", "role": "assistant", "model": model,
+            "content": [{"type": "text", "text": "hello from fake"}],
+            "stop_reason": "end_turn", "stop_sequence": None,
+            "usage": {"input_tokens": self.prompt_tokens,
+                      "output_tokens": self.completion_tokens},
+        }
+        if not payload.get("stream"):
+            return web.json_response(message)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+
+        async def event(name: str, data: dict) -> None:
+            await response.write(f"event: {name}\ndata: {json.dumps(data)}\n\n".encode())
+
+        start = dict(message, content=[], stop_reason=None,
+                     usage={"input_tokens": self.prompt_tokens, "output_tokens": 1})
+        await event("message_start", {"type": "message_start", "message": start})
+        await event("content_block_start", {"type": "content_block_start", "index": 0,
+                                            "content_block": {"type": "text", "text": ""}})
+        for i in range(self.chunks):
+            await event("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                                "delta": {"type": "text_delta",
+                                                          "text": f"tok{i} "}})
+            await asyncio.sleep(self.chunk_delay)
+        await event("content_block_stop", {"type": "content_block_stop", "index": 0})
+        await event("message_delta", {"type": "message_delta",
+                                      "delta": {"stop_reason": "end_turn",
+                                                "stop_sequence": None},
+                                      "usage": {"output_tokens": self.completion_tokens}})
+        await event("message_stop", {"type": "message_stop"})
+        await response.write_eof()
+        return response
