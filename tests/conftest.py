@@ -107,6 +107,33 @@ class SluiceProcess:
             self.proc.wait(10)
 
 
+async def wait_until(predicate: Callable[[], bool], timeout: float = 10.0,
+                     what: str = "condition") -> None:
+    """Poll ``predicate`` until it is true (tests wait on conditions, never on fixed sleeps)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+async def raw_request(port: int, data: bytes, timeout: float = 10.0) -> bytes:
+    """Send ``data`` over a fresh TCP connection and return every byte until the peer closes.
+
+    For requests an HTTP client would refuse to send (absolute-form targets, dot-segments,
+    hop-by-hop headers of the test's choosing). Send ``Connection: close`` to get the answer
+    back promptly.
+    """
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(data)
+        await writer.drain()
+        async with asyncio.timeout(timeout):
+            return await reader.read(-1)
+    finally:
+        writer.close()
+
+
 def route(name: str, upstream: str, protocol: str = "openai", **policies: object) -> dict:
     """A route config dict with prefix ``/<name>/``."""
     return {"name": name, "path_prefix": f"/{name}/", "upstream": upstream,

@@ -8,17 +8,28 @@ peak concurrency in ``inflight`` / ``peak_inflight``.
 Endpoints:
     POST /v1/chat/completions   OpenAI chat completion, plain or SSE (``"stream": true``)
     POST /v1/messages           Anthropic message, plain or SSE
+    GET  /gzip                  a gzip-encoded JSON body (``GZIP_BODY``), ``Content-Encoding: gzip``
     anything else               echoes method, path, query, headers and body length as JSON
+
+``stream_hold``, when set to an event, stops a stream after its first content event until the
+event is set, so a test can look at what the client has received while the stream is open.
+
+:class:`RawUpstream` answers every request with fixed bytes, for responses an aiohttp server
+would not write (hop-by-hop headers of the test's choosing, malformed status lines).
 """
 
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import time
 from dataclasses import dataclass, field
 
 from aiohttp import web
+
+#: The bytes ``GET /gzip`` sends, already compressed (mtime fixed so they never change).
+GZIP_BODY = gzip.compress(b'{"compressed": true, "pad": "' + b"z" * 2000 + b'"}', mtime=0)
 
 
 @dataclass
@@ -30,6 +41,7 @@ class Seen:
     headers: dict[str, str]
     body: bytes
     at: float
+    raw_path: str = ""  # the request target exactly as sent, before any decoding
 
 
 @dataclass
@@ -41,6 +53,7 @@ class FakeUpstream:
     prompt_tokens: int = 11
     completion_tokens: int = 5
     hold: asyncio.Event | None = None  # when set, requests wait for it before answering
+    stream_hold: asyncio.Event | None = None  # when set, streams wait for it after one event
     requests: list[Seen] = field(default_factory=list)
     inflight: int = 0
     peak_inflight: int = 0
@@ -57,6 +70,7 @@ class FakeUpstream:
         app = web.Application()
         app.router.add_post("/v1/chat/completions", self._openai)
         app.router.add_post("/v1/messages", self._anthropic)
+        app.router.add_get("/gzip", self._gzip)
         app.router.add_route("*", "/{tail:.*}", self._echo)
         self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
         await self._runner.setup()
@@ -74,7 +88,8 @@ class FakeUpstream:
     async def _enter(self, request: web.Request) -> tuple[bytes, int | None]:
         body = await request.read()
         self.requests.append(
-            Seen(request.method, request.path_qs, dict(request.headers), body, time.monotonic())
+            Seen(request.method, request.path_qs, dict(request.headers), body, time.monotonic(),
+                 request.raw_path)
         )
         self.inflight += 1
         self.peak_inflight = max(self.peak_inflight, self.inflight)
@@ -123,6 +138,17 @@ class FakeUpstream:
 
         return await self._guard(request, answer)
 
+    async def _gzip(self, request: web.Request) -> web.StreamResponse:
+        async def answer(req: web.Request, body: bytes) -> web.StreamResponse:
+            return web.Response(body=GZIP_BODY, headers={"Content-Encoding": "gzip",
+                                                         "Content-Type": "application/json"})
+
+        return await self._guard(request, answer)
+
+    async def _stream_pause(self, index: int) -> None:
+        if index == 0 and self.stream_hold is not None:
+            await self.stream_hold.wait()
+
     async def _openai(self, request: web.Request) -> web.StreamResponse:
         return await self._guard(request, self._openai_answer)
 
@@ -152,6 +178,7 @@ class FakeUpstream:
                      "choices": [{"index": 0, "delta": {"content": f"tok{i} "},
                                   "finish_reason": None}]}
             await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            await self._stream_pause(i)
             await asyncio.sleep(self.chunk_delay)
         if (payload.get("stream_options") or {}).get("include_usage"):
             tail = {"id": "chatcmpl-fake", "object": "chat.completion.chunk", "created": 1,
@@ -188,6 +215,7 @@ class FakeUpstream:
             await event("content_block_delta", {"type": "content_block_delta", "index": 0,
                                                 "delta": {"type": "text_delta",
                                                           "text": f"tok{i} "}})
+            await self._stream_pause(i)
             await asyncio.sleep(self.chunk_delay)
         await event("content_block_stop", {"type": "content_block_stop", "index": 0})
         await event("message_delta", {"type": "message_delta",
@@ -197,3 +225,48 @@ class FakeUpstream:
         await event("message_stop", {"type": "message_stop"})
         await response.write_eof()
         return response
+
+
+class RawUpstream:
+    """A TCP server that reads one HTTP/1.1 request per connection and answers ``response``.
+
+    The request head and body (by ``Content-Length``) are kept in ``requests`` as raw bytes;
+    the connection is closed after each answer.
+    """
+
+    def __init__(self, response: bytes) -> None:
+        self.response = response
+        self.requests: list[bytes] = []
+        self.port = 0
+        self._server: asyncio.Server | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def start(self) -> RawUpstream:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = 0
+            for line in head.split(b"\r\n"):
+                name, _, value = line.partition(b":")
+                if name.strip().lower() == b"content-length":
+                    length = int(value)
+            body = await reader.readexactly(length) if length else b""
+            self.requests.append(head + body)
+            writer.write(self.response)
+            await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
