@@ -21,6 +21,8 @@ answer rather than a clean end (aiohttp's ``ClientPayloadError`` on the other si
 
 from __future__ import annotations
 
+import re
+
 import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
@@ -46,6 +48,11 @@ _RESPONSE_DROP = HOP_BY_HOP
 
 #: Complete answers up to this size are read whole and sent in one write.
 BUFFER_LIMIT_BYTES = 256 * 1024
+
+#: Characters aiohttp refuses to write in a header (control characters but tab; the same set
+#: as its own writer's check), though its client accepts them from an upstream.
+_FORBIDDEN_IN_HEADERS = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
+_BAD_HEADER = "a response header has control characters"
 
 
 def _copy_headers(headers: CIMultiDictProxy[str], drop: frozenset[str]) -> CIMultiDict[str]:
@@ -110,8 +117,13 @@ async def forward(
     except aiohttp.ClientError as exc:
         raise Rejected(Reason.UPSTREAM_UNREACHABLE, None, type(exc).__name__) from None
 
-    outcome = f"{upstream.status // 100}xx"
     try:
+        status = upstream.status
+        if not 200 <= status <= 599:
+            # 600-999 are invalid (RFC 9110 §15: treat as 5xx); the only final 1xx aiohttp
+            # returns is 101, an upgrade Sluice never asks for (Upgrade is hop-by-hop).
+            raise Rejected(Reason.UPSTREAM_UNREACHABLE, None, f"invalid status {status}")
+        outcome = f"{status // 100}xx"
         headers = _copy_headers(upstream.headers, _RESPONSE_DROP)
         length = upstream.content_length
         streaming = length is None or length > BUFFER_LIMIT_BYTES
@@ -122,10 +134,21 @@ async def forward(
                 raise Rejected(
                     Reason.UPSTREAM_UNREACHABLE, None, "the upstream's answer was cut short"
                 ) from None
-            return web.Response(
-                status=upstream.status, reason=upstream.reason, body=data, headers=headers
-            ), outcome
-        out = web.StreamResponse(status=upstream.status, reason=upstream.reason, headers=headers)
+            response = web.Response(
+                status=status, reason=upstream.reason, body=data, headers=headers
+            )
+            try:
+                # Prepared here rather than by aiohttp after the handler returns, so that a
+                # header aiohttp refuses to write becomes a 502 instead of a dropped connection.
+                await response.prepare(request)
+            except ValueError:
+                raise Rejected(Reason.UPSTREAM_UNREACHABLE, None, _BAD_HEADER) from None
+            return response, outcome
+        if _FORBIDDEN_IN_HEADERS.search("".join((upstream.reason or "", *headers.values()))):
+            # Checked before prepare(): a failed prepare has already switched the caller's
+            # connection to chunked framing, so not even an error answer could follow.
+            raise Rejected(Reason.UPSTREAM_UNREACHABLE, None, _BAD_HEADER)
+        out = web.StreamResponse(status=status, reason=upstream.reason, headers=headers)
         await out.prepare(request)
         content = upstream.content
         while True:
