@@ -1,0 +1,284 @@
+"""Forwarding: what reaches the upstream and what comes back, byte for byte.
+
+Requests an HTTP client library would tidy up (hop-by-hop headers, absolute-form targets,
+dot-segments) are written by hand over a raw socket, so Sluice sees exactly what a hostile or
+sloppy caller could send.
+"""
+
+from __future__ import annotations
+
+import aiohttp
+from yarl import URL
+
+from tests.conftest import free_port, raw_request, route, wait_until
+from tests.fakeupstream import GZIP_BODY, RawUpstream
+
+QUERY = "?a=1&b=%2F%20x&c=&d=x%3Dy&e=%E2%82%AC"
+BODY = bytes(range(256)) * 8  # every byte value, not valid UTF-8 or JSON
+
+
+def _status_and_headers(raw: bytes) -> tuple[int, dict[str, str], bytes]:
+    head, _, body = raw.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = {}
+    for line in lines[1:]:
+        name, _, value = line.partition(":")
+        headers[name.strip().lower()] = value.strip()
+    return int(lines[0].split()[1]), headers, body
+
+
+async def test_prefix_stripped_base_path_kept_method_query_body_exact(upstream, start_sluice):
+    sluice = await start_sluice(
+        {"routes": [route("svc", upstream.url + "/base/v1", "http")]}
+    )
+    url = URL(f"{sluice.url}/svc/things/42{QUERY}", encoded=True)
+    methods = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
+    async with aiohttp.ClientSession() as session:
+        for method in methods:
+            async with session.request(
+                method, url, data=BODY, headers={"Content-Type": "application/octet-stream"}
+            ) as r:
+                assert r.status == 200
+                assert (await r.json())["body_len"] == len(BODY)
+    assert [seen.method for seen in upstream.requests] == methods
+    for seen in upstream.requests:
+        assert seen.raw_path == f"/base/v1/things/42{QUERY}"
+        assert seen.body == BODY
+        assert seen.headers["Content-Length"] == str(len(BODY))
+
+
+async def test_request_hop_by_hop_headers_dropped_end_to_end_kept(upstream, start_sluice):
+    sluice = await start_sluice({"routes": [route("svc", upstream.url, "http")]})
+    request = (
+        b"POST /svc/h HTTP/1.1\r\n"
+        b"Host: sluice.example\r\n"
+        b"Connection: close, X-Hop-Secret\r\n"
+        b"X-Hop-Secret: must-not-pass\r\n"
+        b"Keep-Alive: timeout=5\r\n"
+        b"TE: trailers\r\n"
+        b"Trailer: X-Checksum\r\n"
+        b"Upgrade: h2c\r\n"
+        b"Proxy-Authorization: Basic Zm9vOmJhcg==\r\n"
+        b"Proxy-Connection: keep-alive\r\n"
+        b"Authorization: Bearer sk-test-passes-through\r\n"
+        b"X-Forwarded-For: 203.0.113.7\r\n"
+        b"X-End-To-End: kept\r\n"
+        b"Transfer-Encoding: chunked\r\n"
+        b"\r\n"
+        b"5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n"
+    )
+    status, _, _ = _status_and_headers(await raw_request(sluice.port, request))
+    assert status == 200
+    [seen] = upstream.requests
+    got = {name.lower(): value for name, value in seen.headers.items()}
+    for hop in ("connection", "x-hop-secret", "keep-alive", "te", "trailer", "upgrade",
+                "proxy-authorization", "proxy-connection", "transfer-encoding"):
+        assert hop not in got, hop
+    assert got["host"] == f"127.0.0.1:{upstream.port}"
+    assert got["authorization"] == "Bearer sk-test-passes-through"
+    assert got["x-forwarded-for"] == "203.0.113.7, 127.0.0.1"
+    assert got["x-end-to-end"] == "kept"
+    assert seen.body == b"hello world"
+    assert got["content-length"] == "11"
+
+
+async def test_x_forwarded_for_set_when_absent(upstream, start_sluice):
+    sluice = await start_sluice({"routes": [route("svc", upstream.url, "http")]})
+    async with aiohttp.ClientSession() as session, session.get(sluice.url + "/svc/x") as r:
+        assert r.status == 200
+    assert upstream.requests[0].headers["X-Forwarded-For"] == "127.0.0.1"
+
+
+async def test_response_hop_by_hop_headers_dropped(start_sluice):
+    raw = await RawUpstream(
+        b"HTTP/1.1 200 OK\r\n"
+        b"Content-Type: application/json\r\n"
+        b"Content-Length: 11\r\n"
+        b"Connection: close, X-Hop-Resp\r\n"
+        b"X-Hop-Resp: must-not-pass\r\n"
+        b"Keep-Alive: timeout=5\r\n"
+        b"Proxy-Authenticate: Basic realm=x\r\n"
+        b"Proxy-Connection: close\r\n"
+        b"Upgrade: h2c\r\n"
+        b"Trailer: X-T\r\n"
+        b"X-End-To-End: kept\r\n"
+        b"\r\n"
+        b'{"ok":true}'
+    ).start()
+    try:
+        sluice = await start_sluice({"routes": [route("svc", raw.url, "http")]})
+        answer = await raw_request(
+            sluice.port, b"GET /svc/x HTTP/1.1\r\nHost: s\r\nConnection: close\r\n\r\n"
+        )
+    finally:
+        await raw.stop()
+    status, headers, body = _status_and_headers(answer)
+    assert status == 200
+    assert body == b'{"ok":true}'
+    assert headers["x-end-to-end"] == "kept"
+    assert headers["content-length"] == "11"
+    for hop in ("x-hop-resp", "keep-alive", "proxy-authenticate", "proxy-connection",
+                "upgrade", "trailer"):
+        assert hop not in headers, hop
+    assert "x-hop-resp" not in headers.get("connection", "").lower()
+
+
+async def test_chunked_response_reframed_not_forwarded(start_sluice):
+    raw = await RawUpstream(
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nConnection: X-Hop\r\nX-Hop: 1\r\n\r\n"
+        b"3\r\nabc\r\n4\r\ndefg\r\n0\r\n\r\n"
+    ).start()
+    try:
+        sluice = await start_sluice({"routes": [route("svc", raw.url, "http")]})
+        async with aiohttp.ClientSession() as session, session.get(sluice.url + "/svc/x") as r:
+            assert r.status == 200
+            assert await r.read() == b"abcdefg"
+            assert "X-Hop" not in r.headers
+    finally:
+        await raw.stop()
+
+
+async def test_gzip_bytes_and_content_encoding_pass_through(upstream, start_sluice):
+    sluice = await start_sluice({"routes": [route("svc", upstream.url, "http")]})
+    async with aiohttp.ClientSession(auto_decompress=False) as session, session.get(
+        sluice.url + "/svc/gzip", headers={"Accept-Encoding": "gzip"}
+    ) as r:
+        assert r.status == 200
+        assert r.headers["Content-Encoding"] == "gzip"
+        assert r.headers["Content-Length"] == str(len(GZIP_BODY))
+        assert await r.read() == GZIP_BODY
+    assert upstream.requests[0].headers["Accept-Encoding"] == "gzip"
+
+
+async def test_authorization_passes_through_and_is_never_logged(upstream, start_sluice):
+    secret = "sk-live-Zq8vK2sEcReT"
+    closed = f"http://127.0.0.1:{free_port()}"  # bound then released: refused
+    sluice = await start_sluice({"routes": [
+        route("svc", upstream.url, "openai"),
+        route("dead", closed, "openai"),
+    ]})
+    headers = {"Authorization": f"Bearer {secret}", "x-api-key": secret}
+    async with aiohttp.ClientSession() as session:
+        for path, fake_status, expect in (("/svc/v1/chat/completions", None, 200),
+                                          ("/svc/v1/chat/completions", "500", 500),
+                                          ("/dead/v1/chat/completions", None, 502)):
+            extra = {"x-fake-status": fake_status} if fake_status else {}
+            async with session.post(sluice.url + path, json={"model": "m", "messages": []},
+                                    headers={**headers, **extra}) as r:
+                assert r.status == expect
+    assert [s.headers["Authorization"] for s in upstream.requests] == [f"Bearer {secret}"] * 2
+    await wait_until(lambda: sum(e["event"] == "completed" for e in sluice.events()) == 3,
+                     what="3 completed events")
+    assert secret not in sluice.events_path.read_text()
+    assert secret not in sluice.stderr()
+
+
+async def test_unknown_prefix_is_404_with_reason(upstream, start_sluice):
+    sluice = await start_sluice({"routes": [route("svc", upstream.url, "openai")]})
+    async with aiohttp.ClientSession() as session:
+        for path in ("/nope/v1/chat/completions", "/svc", "/", "/SVC/x"):
+            async with session.post(sluice.url + path, json={}) as r:
+                assert r.status == 404, path
+                assert r.headers["X-Sluice-Reason"] == "no_route"
+                body = await r.json()
+                assert body["error"]["reason"] == "no_route"
+    assert upstream.requests == []
+
+
+async def test_absolute_uri_is_404_and_never_proxied(upstream, start_sluice):
+    sluice = await start_sluice({"routes": [route("svc", upstream.url, "http")]})
+    for line in (b"GET http://evil.example/ HTTP/1.1",
+                 b"GET http://evil.example/svc/x HTTP/1.1",
+                 b"GET http://127.0.0.1:%d/svc/x HTTP/1.1" % upstream.port):
+        answer = await raw_request(
+            sluice.port, line + b"\r\nHost: evil.example\r\nConnection: close\r\n\r\n"
+        )
+        status, headers, body = _status_and_headers(answer)
+        assert status == 404, line
+        assert headers["x-sluice-reason"] == "no_route"
+        assert b"absolute-form" in body
+    # aiohttp's router answers these itself (a plain 404) before Sluice's handler runs.
+    for line in (b"CONNECT evil.example:443 HTTP/1.1", b"OPTIONS * HTTP/1.1"):
+        answer = await raw_request(
+            sluice.port, line + b"\r\nHost: evil.example\r\nConnection: close\r\n\r\n"
+        )
+        assert _status_and_headers(answer)[0] == 404, line
+    assert upstream.requests == []
+
+
+async def test_dot_segments_refused_dots_inside_segments_forwarded(upstream, start_sluice):
+    sluice = await start_sluice({"routes": [route("svc", upstream.url, "http")]})
+    for target, status in ((b"/svc/../admin", 400),
+                           (b"/svc/a/../../admin", 400),
+                           (b"/svc/./x", 400),
+                           (b"/svc/%2e%2e/admin", 400),
+                           (b"/svc/%2E%2e/admin", 400),
+                           (b"/svc/.%2e/admin?x=1", 400),
+                           (b"/svc/x/..", 400),
+                           (b"/other/../svc/x", 404)):
+        answer = await raw_request(
+            sluice.port, b"GET " + target + b" HTTP/1.1\r\nHost: s\r\nConnection: close\r\n\r\n"
+        )
+        got, headers, _ = _status_and_headers(answer)
+        assert got == status, target
+        assert headers["x-sluice-reason"] == ("bad_request" if status == 400 else "no_route")
+    assert upstream.requests == []
+    async with aiohttp.ClientSession() as session, session.get(
+        URL(sluice.url + "/svc/v1/file.v2..json?q=../x", encoded=True)
+    ) as r:
+        assert r.status == 200
+    assert upstream.requests[0].raw_path == "/v1/file.v2..json?q=../x"
+
+
+async def test_body_over_max_request_bytes_is_413_in_protocol_shape(upstream, start_sluice):
+    sluice = await start_sluice({
+        "server": {"max_request_bytes": 1024},
+        "routes": [route(p, upstream.url, p) for p in ("openai", "anthropic", "http")],
+    })
+    bodies = {}
+    async with aiohttp.ClientSession() as session:
+        for protocol in ("openai", "anthropic", "http"):
+            url = f"{sluice.url}/{protocol}/upload"
+            async with session.post(url, data=b"x" * 1024) as r:
+                assert r.status == 200  # exactly the limit is allowed
+            async with session.post(url, data=b"x" * 4096) as r:
+                assert r.status == 413
+                assert r.headers["X-Sluice-Reason"] == "request_too_large"
+                bodies[protocol] = await r.json()
+    assert len(upstream.requests) == 3
+    assert bodies["openai"]["error"]["code"] == "request_too_large"
+    assert bodies["openai"]["error"]["type"] == "invalid_request_error"
+    assert "1024" in bodies["openai"]["error"]["message"]
+    assert bodies["anthropic"]["type"] == "error"
+    assert bodies["anthropic"]["error"]["type"] == "request_too_large"
+    assert bodies["http"]["error"]["reason"] == "request_too_large"
+
+
+async def test_answers_that_cannot_be_relayed_become_502(start_sluice):
+    """Statuses outside 200-599 and header values aiohttp refuses to write get a clean 502."""
+    raw = await RawUpstream(b"").start()
+    try:
+        sluice = await start_sluice({"routes": [route("svc", raw.url, "openai")]})
+        async with aiohttp.ClientSession() as session:
+            for response, detail in (
+                (b"HTTP/1.1 999 Odd\r\nContent-Length: 2\r\n\r\nok", "invalid status 999"),
+                (b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: h2c\r\nConnection: upgrade\r\n"
+                 b"\r\n", "invalid status 101"),
+                (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nX-Bad: a\x01b\r\n\r\nok",
+                 "control characters"),
+                (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nX-Bad: a\x01b\r\n\r\n"
+                 b"2\r\nok\r\n0\r\n\r\n", "control characters"),
+            ):
+                raw.response = response
+                async with session.get(sluice.url + "/svc/x") as r:
+                    assert r.status == 502
+                    assert r.headers["X-Sluice-Reason"] == "upstream_unreachable"
+                    error = (await r.json())["error"]
+                    assert error["code"] == "upstream_unreachable"
+                    assert detail in error["message"]
+            await sluice.wait_metric("sluice_inflight_requests", 0, route="svc")
+            assert await sluice.metric("sluice_requests_total", route="svc",
+                                       outcome="upstream_error") == 4
+    finally:
+        await raw.stop()
+    assert "Traceback" not in sluice.stderr()
