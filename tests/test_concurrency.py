@@ -1,0 +1,172 @@
+"""The concurrency policy end to end: slots, the bounded queue, priorities, per-tenant caps.
+
+The fake upstream's ``hold`` keeps admitted requests at the upstream until the test releases
+them, so "every slot is busy" is a fact the test observes, not a timing guess.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aiohttp
+
+from tests.conftest import route, wait_until
+
+CHAT = {"model": "gpt-test", "messages": [{"role": "user", "content": "hi"}]}
+
+
+async def chat(session: aiohttp.ClientSession, url: str, **headers: str):
+    """POST a chat completion; returns ``(status, headers, json body, seconds taken)``."""
+    started = time.monotonic()
+    async with session.post(url + "/openai/v1/chat/completions", json=CHAT,
+                            headers=headers) as r:
+        return r.status, r.headers, await r.json(), time.monotonic() - started
+
+
+def openai_route(upstream, **concurrency) -> dict:
+    return route("openai", upstream.url, "openai", concurrency=concurrency)
+
+
+async def test_upstream_never_sees_more_than_the_limit(upstream, start_sluice):
+    sluice = await start_sluice({"routes": [
+        openai_route(upstream, limit=3, queue=20, max_wait="60s")]})
+    upstream.hold = asyncio.Event()
+    async with aiohttp.ClientSession() as session:
+        calls = [asyncio.create_task(chat(session, sluice.url)) for _ in range(12)]
+        await wait_until(lambda: upstream.inflight == 3, what="3 requests at the upstream")
+        await sluice.wait_metric("sluice_queue_depth", 9, route="openai")
+        assert upstream.inflight == 3
+        assert await sluice.metric("sluice_inflight_requests", route="openai") == 3
+        upstream.hold.set()
+        results = await asyncio.gather(*calls)
+    assert [status for status, *_ in results] == [200] * 12
+    assert len(upstream.requests) == 12
+    assert upstream.peak_inflight == 3
+
+
+async def test_overflow_is_answered_while_every_slot_is_busy(upstream, start_sluice):
+    sluice = await start_sluice({"routes": [
+        openai_route(upstream, limit=2, queue=1, max_wait="60s")]})
+    upstream.hold = asyncio.Event()
+    async with aiohttp.ClientSession() as session:
+        busy = [asyncio.create_task(chat(session, sluice.url)) for _ in range(2)]
+        await wait_until(lambda: upstream.inflight == 2, what="both slots busy")
+        queued = asyncio.create_task(chat(session, sluice.url))
+        await sluice.wait_metric("sluice_queue_depth", 1, route="openai")
+
+        status, headers, body, _ = await chat(session, sluice.url)
+
+        # Answered while both slots are still held and the queue is full.
+        assert not upstream.hold.is_set()
+        assert upstream.inflight == 2 and not queued.done()
+        assert status == 503
+        assert headers["X-Sluice-Reason"] == "queue_full"
+        # One queued ahead, two slots, 1 s assumed service time: (1 + 1) * 1 / 2 = 1 s.
+        assert headers["retry-after-ms"] == "1000"
+        assert headers["Retry-After"] == "1"
+        assert headers["x-should-retry"] == "true"
+        assert headers["RateLimit-Policy"] == '"concurrency";q=2;qu="concurrent-requests"'
+        assert headers["RateLimit"] == '"concurrency";r=0;t=1'
+        assert headers["Cache-Control"] == "no-store"
+        assert headers["Content-Type"] == "application/json"
+        assert body["error"]["code"] == "queue_full"
+        assert body["error"]["type"] == "server_error"
+        assert body["error"]["message"].startswith("Sluice: ")
+
+        upstream.hold.set()
+        assert [r[0] for r in await asyncio.gather(*busy, queued)] == [200, 200, 200]
+    assert len(upstream.requests) == 3
+    await wait_until(lambda: any(e["event"] == "rejected" for e in sluice.events()),
+                     what="the rejected event")
+    [rejected] = [e for e in sluice.events() if e["event"] == "rejected"]
+    assert rejected["reason"] == "queue_full" and rejected["retry_after_s"] == 1.0
+
+
+async def test_queue_timeout_after_max_wait(upstream, start_sluice):
+    sluice = await start_sluice({"routes": [
+        openai_route(upstream, limit=1, queue=2, max_wait="300ms")]})
+    upstream.hold = asyncio.Event()
+    async with aiohttp.ClientSession() as session:
+        first = asyncio.create_task(chat(session, sluice.url))
+        await wait_until(lambda: upstream.inflight == 1, what="the slot taken")
+        status, headers, body, waited = await chat(session, sluice.url)
+        assert status == 503
+        assert headers["X-Sluice-Reason"] == "queue_timeout"
+        assert body["error"]["code"] == "queue_timeout"
+        assert int(headers["Retry-After"]) >= 1
+        assert headers["x-should-retry"] == "true"
+        assert waited >= 0.3
+        upstream.hold.set()
+        assert (await first)[0] == 200
+    assert len(upstream.requests) == 1
+    await sluice.wait_metric("sluice_queue_depth", 0, route="openai")
+    await wait_until(lambda: any(e["event"] == "expired" for e in sluice.events()),
+                     what="the expired event")
+    [expired] = [e for e in sluice.events() if e["event"] == "expired"]
+    assert expired["waited_s"] >= 0.3
+
+
+async def test_critical_is_served_before_standard_before_best_effort(upstream, start_sluice):
+    sluice = await start_sluice({"routes": [
+        openai_route(upstream, limit=1, queue=10, max_wait="60s")]})
+    upstream.hold = asyncio.Event()
+    async with aiohttp.ClientSession() as session:
+        calls = [asyncio.create_task(chat(session, sluice.url, **{"X-Tag": "first"}))]
+        await wait_until(lambda: upstream.inflight == 1, what="the slot taken")
+        arrivals = [("best-effort", "be"), ("standard", "std-1"), ("critical", "crit"),
+                    (None, "std-2"), ("bogus", "std-3"), ("critical", "crit-2")]
+        for depth, (priority, tag) in enumerate(arrivals, start=1):
+            headers = {"X-Tag": tag} | ({"X-Priority": priority} if priority else {})
+            calls.append(asyncio.create_task(chat(session, sluice.url, **headers)))
+            await sluice.wait_metric("sluice_queue_depth", depth, route="openai")
+        upstream.hold.set()
+        assert [r[0] for r in await asyncio.gather(*calls)] == [200] * 7
+    # An unknown or missing X-Priority counts as standard; arrival order within a class.
+    assert [r.headers["X-Tag"] for r in upstream.requests] == [
+        "first", "crit", "crit-2", "std-1", "std-2", "std-3", "be"]
+    assert upstream.peak_inflight == 1
+
+
+async def test_per_tenant_cap_is_429_and_other_tenants_are_unaffected(upstream, start_sluice):
+    sluice = await start_sluice({"routes": [
+        openai_route(upstream, limit=4, queue=4, max_wait="60s", per_tenant=1)]})
+    upstream.hold = asyncio.Event()
+    async with aiohttp.ClientSession() as session:
+        a1 = asyncio.create_task(chat(session, sluice.url, **{"X-Tenant-ID": "a"}))
+        await wait_until(lambda: upstream.inflight == 1, what="tenant a's request upstream")
+
+        status, headers, body, _ = await chat(session, sluice.url, **{"X-Tenant-ID": "a"})
+        assert status == 429
+        assert headers["X-Sluice-Reason"] == "tenant_concurrency"
+        assert headers["x-should-retry"] == "true"
+        assert int(headers["Retry-After"]) >= 1
+        assert headers["RateLimit-Policy"] == (
+            '"tenant-concurrency";q=1;qu="concurrent-requests"')
+        assert body["error"]["code"] == "tenant_concurrency"
+        assert body["error"]["type"] == "rate_limit_error"
+
+        b1 = asyncio.create_task(chat(session, sluice.url, **{"X-Tenant-ID": "b"}))
+        await wait_until(lambda: upstream.inflight == 2, what="tenant b's request upstream")
+        upstream.hold.set()
+        assert [(await a1)[0], (await b1)[0]] == [200, 200]
+        # Tenant a's share was given back when its request finished.
+        assert (await chat(session, sluice.url, **{"X-Tenant-ID": "a"}))[0] == 200
+    assert await sluice.metric("sluice_rejections_total", route="openai",
+                               reason="tenant_concurrency") == 1
+
+
+async def test_callers_own_timeout_shortens_the_queue_wait(upstream, start_sluice):
+    sluice = await start_sluice({"routes": [
+        openai_route(upstream, limit=1, queue=2, max_wait="60s")]})
+    upstream.hold = asyncio.Event()
+    async with aiohttp.ClientSession() as session:
+        first = asyncio.create_task(chat(session, sluice.url))
+        await wait_until(lambda: upstream.inflight == 1, what="the slot taken")
+        status, headers, _, waited = await chat(session, sluice.url,
+                                                **{"x-stainless-timeout": "0.5"})
+        assert status == 503
+        assert headers["X-Sluice-Reason"] == "queue_timeout"
+        assert 0.5 <= waited < 30  # the caller's 0.5 s, not the route's 60 s
+        upstream.hold.set()
+        assert (await first)[0] == 200

@@ -1,0 +1,198 @@
+"""Every way a request can end gives its concurrency slot back.
+
+Each route has ``limit: 1, queue: 0``: had a failure leaked its slot, the next request would be
+answered 503 ``queue_full`` at once instead of being served. After each failure the test waits
+for ``sluice_inflight_requests`` to read 0 and then sends a request that must succeed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+import proxy.forward
+from proxy.config import parse_config
+from proxy.runtime import Runtime
+from proxy.server import build_proxy_app
+from tests.conftest import free_port, route, wait_until
+
+CHAT = {"model": "gpt-test", "messages": [{"role": "user", "content": "hi"}]}
+STREAM = {**CHAT, "stream": True}
+ONE_SLOT = {"limit": 1, "queue": 0}
+
+
+def one_slot_route(upstream_url: str, name: str = "openai", **extra) -> dict:
+    return route(name, upstream_url, "openai", concurrency=ONE_SLOT, **extra)
+
+
+async def post(session: aiohttp.ClientSession, url: str, payload: dict = CHAT,
+               **headers: str) -> tuple[int, dict[str, str], bytes]:
+    async with session.post(url, json=payload, headers=headers) as r:
+        return r.status, dict(r.headers), await r.read()
+
+
+async def assert_slot_free(sluice, session, upstream, name: str = "openai") -> None:
+    """In-flight is back to 0 and the one slot serves the next request."""
+    await sluice.wait_metric("sluice_inflight_requests", 0, route=name)
+    assert await sluice.metric("sluice_queue_depth", route=name) == 0
+    upstream.hold = None
+    upstream.stream_hold = None
+    status, _, _ = await post(session, f"{sluice.url}/{name}/v1/chat/completions")
+    assert status == 200
+
+
+async def test_upstream_error_status(upstream, start_sluice):
+    sluice = await start_sluice({"routes": [one_slot_route(upstream.url)]})
+    upstream.statuses = [500, 503]
+    async with aiohttp.ClientSession() as session:
+        for expected in (500, 503):
+            status, headers, body = await post(session, sluice.url + "/openai/v1/chat/completions")
+            assert status == expected
+            assert "X-Sluice-Reason" not in headers  # the upstream's own answer, passed on
+            assert b"fake upstream status" in body
+        await assert_slot_free(sluice, session, upstream)
+    assert await sluice.metric("sluice_requests_total", route="openai", outcome="5xx") == 2
+
+
+async def test_upstream_connect_refused(upstream, start_sluice):
+    closed = f"http://127.0.0.1:{free_port()}"  # bound then released: nothing listens
+    sluice = await start_sluice({"routes": [one_slot_route(closed, "dead"),
+                                            one_slot_route(upstream.url)]})
+    async with aiohttp.ClientSession() as session:
+        for _ in range(2):  # the second would be queue_full had the first leaked its slot
+            status, headers, _ = await post(session, sluice.url + "/dead/v1/chat/completions")
+            assert status == 502
+            assert headers["X-Sluice-Reason"] == "upstream_unreachable"
+        await sluice.wait_metric("sluice_inflight_requests", 0, route="dead")
+        assert await sluice.metric("sluice_requests_total", route="dead",
+                                   outcome="upstream_error") == 2
+        await assert_slot_free(sluice, session, upstream)
+
+
+async def test_upstream_timeout_before_headers_and_mid_stream(upstream, start_sluice):
+    sluice = await start_sluice({"routes": [
+        one_slot_route(upstream.url, timeouts={"connect": "1s", "total": "500ms"})]})
+    url = sluice.url + "/openai/v1/chat/completions"
+    async with aiohttp.ClientSession() as session:
+        upstream.hold = asyncio.Event()  # stalled before the response headers
+        status, headers, _ = await post(session, url)
+        assert status == 504
+        assert headers["X-Sluice-Reason"] == "upstream_timeout"
+        await wait_until(lambda: upstream.cancelled == 1, what="the upstream request closed")
+        await assert_slot_free(sluice, session, upstream)
+
+        upstream.stream_hold = asyncio.Event()  # stalled after the first event
+        async with session.post(url, json=STREAM) as r:
+            assert r.status == 200
+            with pytest.raises(aiohttp.ClientPayloadError):
+                await r.read()  # cut, not ended cleanly
+        await wait_until(lambda: upstream.cancelled == 2, what="the stalled stream closed")
+        await assert_slot_free(sluice, session, upstream)
+    assert await sluice.metric("sluice_requests_total", route="openai",
+                               outcome="upstream_timeout") == 2
+
+
+async def test_client_disconnect_while_waiting_for_the_upstream(upstream, start_sluice):
+    sluice = await start_sluice({"routes": [one_slot_route(upstream.url)]})
+    upstream.hold = asyncio.Event()
+    async with aiohttp.ClientSession() as session:
+        call = asyncio.create_task(post(session, sluice.url + "/openai/v1/chat/completions"))
+        await wait_until(lambda: upstream.inflight == 1, what="the request at the upstream")
+        call.cancel()  # aiohttp closes the connection of a cancelled request
+        with contextlib.suppress(asyncio.CancelledError):
+            await call
+        # The disconnect cancels the upstream request too: its handler sees the cancellation.
+        await wait_until(lambda: upstream.cancelled == 1, what="the upstream request cancelled")
+        await assert_slot_free(sluice, session, upstream)
+    assert await sluice.metric("sluice_requests_total", route="openai",
+                               outcome="client_disconnected") == 1
+
+
+async def test_client_disconnect_mid_stream(upstream, start_sluice):
+    sluice = await start_sluice({"routes": [one_slot_route(upstream.url)]})
+    upstream.stream_hold = asyncio.Event()
+    async with aiohttp.ClientSession() as session:
+        r = await session.post(sluice.url + "/openai/v1/chat/completions", json=STREAM)
+        assert r.status == 200
+        first = await r.content.readuntil(b"\n\n")
+        assert b"tok0" in first
+        r.close()  # drop the connection mid-stream
+        await wait_until(lambda: upstream.cancelled == 1, what="the upstream stream cancelled")
+        assert upstream.completed == 0
+        await assert_slot_free(sluice, session, upstream)
+    await sluice.wait_metric("sluice_requests_total", 1, route="openai",
+                             outcome="client_disconnected")
+
+
+async def test_client_disconnect_while_queued(upstream, start_sluice):
+    sluice = await start_sluice({"routes": [route(
+        "openai", upstream.url, "openai", concurrency={"limit": 1, "queue": 1,
+                                                       "max_wait": "60s"})]})
+    upstream.hold = asyncio.Event()
+    url = sluice.url + "/openai/v1/chat/completions"
+    async with aiohttp.ClientSession() as session:
+        first = asyncio.create_task(post(session, url))
+        await wait_until(lambda: upstream.inflight == 1, what="the slot taken")
+        waiting = asyncio.create_task(post(session, url))
+        await sluice.wait_metric("sluice_queue_depth", 1, route="openai")
+        waiting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await waiting
+        await sluice.wait_metric("sluice_queue_depth", 0, route="openai")
+        upstream.hold.set()
+        assert (await first)[0] == 200
+        await assert_slot_free(sluice, session, upstream)
+    assert len(upstream.requests) == 2  # the queued caller that left never reached it
+
+
+async def test_proxy_error(upstream, monkeypatch, caplog):
+    """A bug in Sluice itself cannot be provoked from outside, so this runs the proxy app
+    in-process and makes forwarding raise once."""
+    config = parse_config(
+        "routes:\n"
+        f"  - {{name: openai, path_prefix: /openai/, upstream: '{upstream.url}',\n"
+        "      protocol: openai, concurrency: {limit: 1, queue: 0}}\n"
+    )
+    runtime = Runtime(config)
+    await runtime.open()
+    real_forward = proxy.forward.forward
+    failures = []
+
+    async def broken_forward(*args, **kwargs):
+        if not failures:
+            failures.append(1)
+            raise RuntimeError("injected proxy bug")
+        return await real_forward(*args, **kwargs)
+
+    monkeypatch.setattr(proxy.forward, "forward", broken_forward)
+    runner = web.AppRunner(build_proxy_app(runtime), handler_cancellation=True,
+                           access_log=None, auto_decompress=False)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    url = f"http://127.0.0.1:{port}/openai/v1/chat/completions"
+    try:
+        with caplog.at_level(logging.ERROR, logger="sluice"):
+            async with aiohttp.ClientSession() as session:
+                status, headers, body = await post(session, url,
+                                                   Authorization="Bearer sk-never-logged")
+                assert status == 502
+                assert headers["X-Sluice-Reason"] == "upstream_unreachable"
+                assert b'"code":"upstream_unreachable"' in body
+                [openai_route] = runtime.routes
+                assert openai_route.inflight == 0
+                assert openai_route.concurrency.inflight == 0
+                assert runtime.metrics.registry.get_sample_value(
+                    "sluice_inflight_requests", {"route": "openai"}) == 0
+                assert (await post(session, url))[0] == 200
+        assert "injected proxy bug" in caplog.text
+        assert "sk-never-logged" not in caplog.text
+    finally:
+        await runner.cleanup()
+        await runtime.close()
