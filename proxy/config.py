@@ -9,7 +9,9 @@ Two YAML 1.1 habits of PyYAML are closed off here because each one silently chan
 * implicit types: ``on``/``no`` become booleans, ``1:30`` becomes 90 (sexagesimal), ``0755``
   becomes 493, ``2024-01-01`` a date. :class:`StrictLoader` resolves scalars the YAML 1.2 core
   way instead (``true``/``false`` only, decimal numbers only, no timestamps), and the pydantic
-  models are strict, so a boolean or a number where a string belongs is an error.
+  models are strict, so a boolean or a number where a string belongs is an error. A plain
+  ``on``/``off``/``yes``/``no`` or a leading-zero number is refused wherever it appears: the
+  file would mean something else to every YAML 1.1 tool (and reader) that sees it.
 
 Durations are strings with a unit (``250ms``, ``5s``, ``10m``, ``24h``, ``1d``) and become
 float seconds; rates are ``N/s``, ``N/min``, ``N/h``, ``N/day`` and become :class:`Rate`.
@@ -231,8 +233,29 @@ StrictLoader.add_implicit_resolver(
 
 
 
-def _walk(node: yaml.Node, path: Path_, marks: dict[Path_, int], dupes: list[tuple[Path_, int]]):
-    """Index the 1-based line of every key path, and collect duplicate keys."""
+#: Plain scalars PyYAML and other YAML 1.1 readers take for booleans; YAML 1.2 for strings.
+_YAML11_BOOL = re.compile(r"^(?:yes|Yes|YES|no|No|NO|on|On|ON|off|Off|OFF)$")
+#: Plain integers with a leading zero: octal to YAML 1.1 readers, decimal to YAML 1.2.
+_YAML11_OCTAL = re.compile(r"^[-+]?0[0-9]+$")
+
+
+def _ambiguous(node: yaml.ScalarNode) -> str | None:
+    """Why a plain scalar means one thing to YAML 1.1 readers and another here, if it does."""
+    if node.style is not None:  # quoted or block scalars are strings to every reader
+        return None
+    value = node.value
+    if _YAML11_BOOL.match(value):
+        return (f"{value!r} is a boolean to YAML 1.1 readers and a string to YAML 1.2: "
+                "write true or false, or quote the string")
+    if _YAML11_OCTAL.match(value):
+        return (f"{value!r} is octal to YAML 1.1 readers ({int(value, 8)}) and decimal to "
+                "YAML 1.2: drop the leading zero, or quote the string")
+    return None
+
+
+def _walk(node: yaml.Node, path: Path_, marks: dict[Path_, int],
+          problems: list[tuple[Path_, int, str]]) -> None:
+    """Index the 1-based line of every key path; collect duplicate keys and YAML 1.1 traps."""
     marks[path] = node.start_mark.line + 1
     if isinstance(node, yaml.MappingNode):
         seen: set[Any] = set()
@@ -240,14 +263,16 @@ def _walk(node: yaml.Node, path: Path_, marks: dict[Path_, int], dupes: list[tup
             key = key_node.value
             line = key_node.start_mark.line + 1
             if key in seen:
-                dupes.append(((*path, key), line))
+                problems.append(((*path, key), line, "duplicate key"))
             seen.add(key)
             marks[(*path, key)] = line
-            _walk(value_node, (*path, key), marks, dupes)
+            _walk(value_node, (*path, key), marks, problems)
             marks[(*path, key)] = line  # the key's own line, not its value's
     elif isinstance(node, yaml.SequenceNode):
         for index, item in enumerate(node.value):
-            _walk(item, (*path, index), marks, dupes)
+            _walk(item, (*path, index), marks, problems)
+    elif isinstance(node, yaml.ScalarNode) and (why := _ambiguous(node)):
+        problems.append((path, node.start_mark.line + 1, why))
 
 
 def _dotted(path: Path_) -> str:
@@ -268,9 +293,12 @@ def _problems(err: ValidationError, marks: dict[Path_, int], filename: str) -> I
     for item in err.errors():
         # pydantic puts the Annotated validator's name in the path for union members; drop
         # anything that is not a config key so the path reads as the user wrote it.
-        path = tuple(p for p in item["loc"] if isinstance(p, int) or p in _KNOWN_KEYS)
+        loc = item["loc"]
+        path = tuple(p for p in loc if isinstance(p, int) or p in _KNOWN_KEYS)
         message = item["msg"].removeprefix("Value error, ")
         if item["type"] == "extra_forbidden":
+            # The unknown key is, by definition, not a known one: name it all the same.
+            path = (*(p for p in loc[:-1] if isinstance(p, int) or p in _KNOWN_KEYS), loc[-1])
             message = "unknown key (a typo here would silently disable a limit)"
         elif item["type"] == "missing":
             message = "required key is missing"
@@ -309,11 +337,11 @@ def parse_config(text: str, filename: str = "<config>") -> Config:
             if node is None:
                 raise ConfigError([f"{filename}:1: (top): the file is empty"])
             marks: dict[Path_, int] = {}
-            dupes: list[tuple[Path_, int]] = []
-            _walk(node, (), marks, dupes)
-            if dupes:
+            found: list[tuple[Path_, int, str]] = []
+            _walk(node, (), marks, found)
+            if found:
                 raise ConfigError(
-                    [f"{filename}:{line}: {_dotted(p)}: duplicate key" for p, line in dupes]
+                    [f"{filename}:{line}: {_dotted(p)}: {problem}" for p, line, problem in found]
                 )
             data = loader.construct_document(node)
         finally:
