@@ -1,0 +1,166 @@
+"""``sluice check-config``: every bad file gets the exact ``FILE:LINE: KEY: PROBLEM`` lines.
+
+The table runs the CLI's own ``main()`` in-process (the console script calls nothing else), so
+it stays fast; the last tests run the installed ``sluice`` script and ``python -m proxy`` as a
+user would.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from proxy.cli import main
+from tests.conftest import REPO
+
+ROUTE = ("routes:\n"
+         "  - name: openai\n"
+         "    path_prefix: /openai/\n"
+         "    upstream: https://api.openai.com\n")
+TYPO = "(a typo here would silently disable a limit)"
+NOT_A_DURATION = "is not a duration: write a number and a unit, e.g. 250ms, 5s, 10m, 24h"
+NOT_A_RATE = "is not a rate: write N/s, N/min, N/h or N/day, e.g. 600/min"
+NOT_A_URL = "must be an http:// or https:// base URL with no query or fragment"
+YAML11_BOOL = ("is a boolean to YAML 1.1 readers and a string to YAML 1.2: "
+               "write true or false, or quote the string")
+
+# (case id, file text, expected stderr lines with {f} for the file's path)
+BAD_FILES = [
+    ("unknown top-level key", "servr:\n  listen: 127.0.0.1:8080\n" + ROUTE,
+     [f"{{f}}:1: servr: unknown key {TYPO}"]),
+    ("unknown route key", ROUTE + "    concurency: {limit: 2}\n",
+     [f"{{f}}:5: routes[0].concurency: unknown key {TYPO}"]),
+    ("unknown nested key", ROUTE + "    concurrency:\n      limit: 2\n      max_wiat: 5s\n",
+     [f"{{f}}:7: routes[0].concurrency.max_wiat: unknown key {TYPO}"]),
+    ("known key in the wrong section", ROUTE + "    limit: 2\n",
+     [f"{{f}}:5: routes[0].limit: unknown key {TYPO}"]),
+    ("duplicate key", ROUTE + "    protocol: openai\n    protocol: http\n",
+     ["{f}:6: routes[0].protocol: duplicate key"]),
+    ("duplicate section", "server:\n  drain_timeout: 5s\nserver:\n  drain_timeout: 6s\n" + ROUTE,
+     ["{f}:3: server: duplicate key"]),
+    ("duration with a spaced unit", "server:\n  drain_timeout: 5 sec\n" + ROUTE,
+     [f"{{f}}:2: server.drain_timeout: '5 sec' {NOT_A_DURATION}"]),
+    ("sexagesimal duration", "server:\n  drain_timeout: 1:30\n" + ROUTE,
+     [f"{{f}}:2: server.drain_timeout: '1:30' {NOT_A_DURATION}"]),
+    ("duration without a unit", ROUTE + "    concurrency: {limit: 2, max_wait: 30}\n",
+     [f"{{f}}:5: routes[0].concurrency.max_wait: 30 {NOT_A_DURATION}"]),
+    ("rate with a long unit", ROUTE + "    rate: {requests: 600/minute}\n",
+     [f"{{f}}:5: routes[0].rate.requests: '600/minute' {NOT_A_RATE}"]),
+    ("rate without a period", ROUTE + "    rate: {per_tenant: {requests: 600}}\n",
+     [f"{{f}}:5: routes[0].rate.per_tenant.requests: 600 {NOT_A_RATE}"]),
+    ("zero rate", ROUTE + "    rate: {requests: 0/min}\n",
+     ["{f}:5: routes[0].rate.requests: '0/min': a rate must allow at least 1 per period"]),
+    ("'on' where a string belongs", "identity:\n  default_tenant: on\n" + ROUTE,
+     [f"{{f}}:2: identity.default_tenant: 'on' {YAML11_BOOL}"]),
+    ("'no' where a string belongs", "identity:\n  tenant_header: no\n" + ROUTE,
+     [f"{{f}}:2: identity.tenant_header: 'no' {YAML11_BOOL}"]),
+    ("leading-zero number", ROUTE + "    concurrency: {limit: 0755}\n",
+     ["{f}:5: routes[0].concurrency.limit: '0755' is octal to YAML 1.1 readers (493) and "
+      "decimal to YAML 1.2: drop the leading zero, or quote the string"]),
+    ("number where a string belongs", "identity:\n  default_tenant: 3.10\n" + ROUTE,
+     ["{f}:2: identity.default_tenant: Input should be a valid string"]),
+    ("string where a number belongs", ROUTE + "    concurrency: {limit: '8'}\n",
+     ["{f}:5: routes[0].concurrency.limit: Input should be a valid integer"]),
+    ("zero limit", ROUTE + "    concurrency: {limit: 0}\n",
+     ["{f}:5: routes[0].concurrency.limit: Input should be greater than 0"]),
+    ("missing upstream", "routes:\n  - name: openai\n    path_prefix: /openai/\n",
+     ["{f}:2: routes[0].upstream: required key is missing"]),
+    ("upstream without a scheme",
+     "routes:\n  - name: openai\n    path_prefix: /openai/\n    upstream: api.openai.com\n",
+     [f"{{f}}:4: routes[0].upstream: 'api.openai.com' {NOT_A_URL}"]),
+    ("upstream with a query", "routes:\n  - name: openai\n    path_prefix: /openai/\n"
+     "    upstream: https://api.openai.com/v1?x=1\n",
+     [f"{{f}}:4: routes[0].upstream: 'https://api.openai.com/v1?x=1' {NOT_A_URL}"]),
+    ("duplicate route name",
+     ROUTE + "  - name: openai\n    path_prefix: /other/\n    upstream: https://x.example\n",
+     ["{f}:5: routes[1].name: 'openai' is already used by routes[0]"]),
+    ("duplicate route prefix",
+     ROUTE + "  - name: other\n    path_prefix: /openai/\n    upstream: https://x.example\n",
+     ["{f}:6: routes[1].path_prefix: '/openai/' is already used by routes[0]"]),
+    ("prefix without slashes",
+     "routes:\n  - name: openai\n    path_prefix: openai\n    upstream: https://x.example\n",
+     ["{f}:3: routes[0].path_prefix: 'openai' must start and end with '/', e.g. /openai/"]),
+    ("unknown protocol", ROUTE + "    protocol: grpc\n",
+     ["{f}:5: routes[0].protocol: Input should be 'openai', 'anthropic', 'mcp' or 'http'"]),
+    ("bad listen address", "server:\n  listen: nowhere\n" + ROUTE,
+     ["{f}:2: server.listen: 'nowhere' is not HOST:PORT, e.g. 127.0.0.1:8080"]),
+    ("no routes", "server:\n  drain_timeout: 5s\n",
+     ["{f}:1: routes: required key is missing"]),
+    ("routes as a mapping", "routes:\n  openai: {path_prefix: /openai/}\n",
+     ["{f}:1: routes: Input should be a valid list"]),
+    ("empty file", "", ["{f}:1: (top): the file is empty"]),
+    ("comments only", "# nothing here\n", ["{f}:1: (top): the file is empty"]),
+    ("not a mapping", "- a\n- b\n", ["{f}:1: (top): the file must be a mapping of sections"]),
+    ("YAML syntax error", "server:\n  listen: [127.0.0.1\n" + ROUTE,
+     ["{f}:3: (yaml): expected ',' or ']', but got ':'"]),
+    ("tab indentation", "server:\n\tlisten: 127.0.0.1:8080\n" + ROUTE,
+     ["{f}:2: (yaml): found character '\\t' that cannot start any token"]),
+    ("several problems at once",
+     "server:\n  drain_timeout: 5 sec\n  listen: nowhere\n" + ROUTE + "    concurency: 1\n",
+     ["{f}:3: server.listen: 'nowhere' is not HOST:PORT, e.g. 127.0.0.1:8080",
+      f"{{f}}:2: server.drain_timeout: '5 sec' {NOT_A_DURATION}",
+      f"{{f}}:8: routes[0].concurency: unknown key {TYPO}"]),
+]
+
+
+@pytest.mark.parametrize("text,expected", [case[1:] for case in BAD_FILES],
+                         ids=[case[0] for case in BAD_FILES])
+def test_bad_file_names_file_line_and_key(tmp_path: Path, capsys, text: str,
+                                          expected: list[str]) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    assert main(["check-config", str(path)]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.splitlines() == [line.format(f=path) for line in expected]
+    assert captured.out == ""
+
+
+def test_quoted_yaml11_words_and_every_key_are_accepted(tmp_path: Path, capsys) -> None:
+    path = tmp_path / "good.yaml"
+    path.write_text(
+        "server: {listen: '127.0.0.1:8080', admin_listen: '127.0.0.1:9901',"
+        " drain_timeout: 250ms, max_request_bytes: 1048576}\n"
+        "state: {backend: memory}\n"
+        "identity: {tenant_header: 'no', run_header: X-Run, priority_header: X-Prio,"
+        " default_tenant: \"on\"}\n"
+        "events: {path: null}\n"
+        "routes:\n"
+        "  - name: api.v2_x-1\n"
+        "    path_prefix: /a/b/\n"
+        "    upstream: http://127.0.0.1:9/base/\n"
+        "    protocol: mcp\n"
+        "    timeouts: {connect: 1.5s, total: 10m}\n"
+        "    concurrency: {limit: 1, queue: 0, max_wait: 0s, per_tenant: 1}\n"
+        "    rate: {requests: 1/day, per_tenant: {requests: 10/h}}\n"
+    )
+    assert main(["check-config", str(path)]) == 0
+    assert capsys.readouterr().out == f"{path}: ok (1 route(s))\n"
+
+
+def test_missing_file_is_an_error(tmp_path: Path, capsys) -> None:
+    path = tmp_path / "absent.yaml"
+    assert main(["check-config", str(path)]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"{path}:1: (file): cannot read: ")
+
+
+def test_console_script_exit_codes_and_default_config(tmp_path: Path) -> None:
+    script = Path(sys.executable).parent / "sluice"
+    sluice = [str(script)] if script.exists() else [sys.executable, "-m", "proxy"]
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(ROUTE + "    concurency: {limit: 2}\n")
+    expected = f"{bad}:5: routes[0].concurency: unknown key {TYPO}\n"
+
+    def run(*command: str) -> subprocess.CompletedProcess:
+        return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=60)
+
+    ok = run(*sluice, "check-config", "config/sluice.yaml")
+    assert (ok.returncode, ok.stdout, ok.stderr) == (
+        0, "config/sluice.yaml: ok (2 route(s))\n", "")
+    failed = run(*sluice, "check-config", str(bad))
+    assert (failed.returncode, failed.stderr) == (2, expected)
+    module = run(sys.executable, "-m", "proxy", "serve", "--config", str(bad))
+    assert (module.returncode, module.stderr) == (2, expected)  # serve refuses it the same way
