@@ -1,0 +1,85 @@
+"""SIGTERM: stop taking work, finish what is in flight, exit; cut what outlives drain_timeout."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+
+import aiohttp
+import pytest
+
+from tests.conftest import route, wait_until
+
+CHAT = {"model": "gpt-test", "messages": [{"role": "user", "content": "hi"}]}
+
+
+async def test_sigterm_drains_in_flight_work_and_refuses_new(upstream, start_sluice):
+    sluice = await start_sluice({
+        "server": {"drain_timeout": "20s"},
+        "routes": [route("openai", upstream.url, "openai")],
+    })
+    url = sluice.url + "/openai/v1/chat/completions"
+    upstream.hold = asyncio.Event()
+    async with aiohttp.ClientSession() as session:
+        async def in_flight() -> tuple[int, dict]:
+            async with session.post(url, json=CHAT) as r:
+                return r.status, await r.json()
+
+        call = asyncio.create_task(in_flight())
+        await wait_until(lambda: upstream.inflight == 1, what="the request at the upstream")
+        sluice.signal(signal.SIGTERM)
+        signalled = time.monotonic()
+
+        async def not_ready() -> bool:
+            async with session.get(sluice.admin_url + "/readyz") as r:
+                return r.status == 503 and (await r.json()) == {"status": "draining"}
+
+        while not await not_ready():
+            await asyncio.sleep(0.02)
+        async with session.get(sluice.admin_url + "/healthz") as r:
+            assert r.status == 200  # alive, only not ready
+
+        async with session.post(url, json=CHAT) as r:
+            assert r.status == 503
+            assert r.headers["X-Sluice-Reason"] == "draining"
+            assert r.headers["Retry-After"] == "1"
+            assert r.headers["x-should-retry"] == "true"
+            assert (await r.json())["error"]["code"] == "draining"
+        assert len(upstream.requests) == 1  # the refused request never reached the upstream
+        assert not call.done()
+
+        upstream.hold.set()
+        status, body = await call
+    assert status == 200 and body["choices"][0]["message"]["content"] == "hello from fake"
+    assert await sluice.wait_exit(timeout=20) == 0
+    assert time.monotonic() - signalled < 20  # it left when the work was done, not at the timeout
+    events = sluice.events()  # flushed at exit
+    assert [e["reason"] for e in events if e["event"] == "rejected"] == ["draining"]
+    assert [e["status"] for e in events if e["event"] == "completed"] == [200]
+    assert "drained" in sluice.stderr()
+
+
+async def test_work_past_drain_timeout_is_cut_and_the_process_exits(upstream, start_sluice):
+    sluice = await start_sluice({
+        "server": {"drain_timeout": "500ms"},
+        "routes": [route("openai", upstream.url, "openai")],
+    })
+    upstream.hold = asyncio.Event()  # never set: this request outlives the drain
+    async with aiohttp.ClientSession() as session:
+        async def stuck() -> int:
+            async with session.post(sluice.url + "/openai/v1/chat/completions",
+                                    json=CHAT) as r:
+                return r.status
+
+        call = asyncio.create_task(stuck())
+        await wait_until(lambda: upstream.inflight == 1, what="the request at the upstream")
+        sluice.signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        assert await sluice.wait_exit(timeout=30) == 0
+        assert time.monotonic() - signalled >= 0.5
+        with pytest.raises(aiohttp.ClientError):  # cut: no answer, not a made-up one
+            await call
+    # The cut reached the upstream too: its request was cancelled, not left running.
+    await wait_until(lambda: upstream.cancelled == 1, what="the upstream request cancelled")
+    assert "drain timeout: cutting 1 request(s) still in flight" in sluice.stderr()
