@@ -1,0 +1,84 @@
+"""``/metrics`` on the admin port: Prometheus text, and the values a scenario must leave."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aiohttp
+
+from policies.reasons import Reason
+from tests.conftest import route, wait_until
+
+CHAT = {"model": "gpt-test", "messages": [{"role": "user", "content": "hi"}]}
+
+
+async def test_content_type_is_prometheus_text(upstream, start_sluice):
+    sluice = await start_sluice({"routes": [route("openai", upstream.url, "openai")]})
+    async with aiohttp.ClientSession() as session:
+        async with session.get(sluice.admin_url + "/metrics") as r:
+            assert r.status == 200
+            assert r.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+            text = await r.text()
+        async with session.get(sluice.admin_url + "/metrics",
+                               headers={"Accept": "application/openmetrics-text"}) as r:
+            assert r.headers["Content-Type"].startswith("application/openmetrics-text")
+            assert (await r.text()).rstrip().endswith("# EOF")
+    for family in ("sluice_requests_total", "sluice_rejections_total",
+                   "sluice_inflight_requests", "sluice_queue_depth",
+                   "sluice_queue_wait_seconds", "sluice_upstream_duration_seconds"):
+        assert f"# TYPE {family.removesuffix('_total')}" in text, family
+
+
+async def test_scenario_leaves_the_right_values(upstream, start_sluice):
+    sluice = await start_sluice({"routes": [
+        route("openai", upstream.url, "openai",
+              concurrency={"limit": 1, "queue": 1, "max_wait": "60s"}),
+        route("limited", upstream.url, "http", rate={"requests": "1/min"}),
+    ]})
+    url = sluice.url + "/openai/v1/chat/completions"
+    upstream.hold = asyncio.Event()
+    async with aiohttp.ClientSession() as session:
+        async def call() -> int:
+            async with session.post(url, json=CHAT) as r:
+                await r.read()
+                return r.status
+
+        first = asyncio.create_task(call())
+        await wait_until(lambda: upstream.inflight == 1, what="the slot taken")
+        queued = asyncio.create_task(call())
+        await sluice.wait_metric("sluice_queue_depth", 1, route="openai")
+        queued_seen = time.monotonic()
+        assert await sluice.metric("sluice_inflight_requests", route="openai") == 1
+        assert await call() == 503  # queue full
+        await asyncio.sleep(0.2)  # hold the queued request for a measurable wait
+        released = time.monotonic()
+        upstream.hold.set()
+        assert await asyncio.gather(first, queued) == [200, 200]
+        statuses = []
+        for _ in range(2):
+            async with session.get(sluice.url + "/limited/x") as r:
+                statuses.append(r.status)
+        assert statuses == [200, 429]
+    held_s = released - queued_seen
+
+    await sluice.wait_metric("sluice_inflight_requests", 0, route="openai")
+    m = await sluice.metrics()
+
+    def value(name: str, **labels: str) -> float:
+        return m[(name, tuple(sorted(labels.items())))]
+
+    assert value("sluice_queue_depth", route="openai") == 0
+    assert value("sluice_queue_wait_seconds_count", route="openai") == 1
+    assert value("sluice_queue_wait_seconds_sum", route="openai") >= held_s
+    assert value("sluice_upstream_duration_seconds_count", route="openai") == 2
+    # The first request was held at the upstream at least as long as the second queued.
+    assert value("sluice_upstream_duration_seconds_sum", route="openai") >= held_s
+    assert value("sluice_upstream_duration_seconds_count", route="limited") == 1
+    assert value("sluice_requests_total", route="openai", outcome="2xx") == 2
+    assert value("sluice_requests_total", route="openai", outcome="rejected") == 1
+    assert value("sluice_requests_total", route="limited", outcome="rejected") == 1
+    rejections = {reason.code: value("sluice_rejections_total", route="openai",
+                                     reason=reason.code) for reason in Reason}
+    assert rejections == {code: (1 if code == "queue_full" else 0) for code in rejections}
+    assert value("sluice_rejections_total", route="limited", reason="rate_limited") == 1
