@@ -30,6 +30,7 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    PlainSerializer,
     ValidationError,
     field_validator,
 )
@@ -99,7 +100,7 @@ def _positive(value: float) -> float:
 
 Duration = Annotated[float, BeforeValidator(_parse_duration)]
 PositiveDuration = Annotated[float, BeforeValidator(_parse_duration), AfterValidator(_positive)]
-RateSpec = Annotated[Rate, BeforeValidator(_parse_rate)]
+RateSpec = Annotated[Rate, BeforeValidator(_parse_rate), PlainSerializer(str)]  # dumps as written
 Listen = Annotated[str, AfterValidator(_parse_listen)]
 
 
@@ -271,6 +272,7 @@ def _problems(err: ValidationError, marks: dict[Path_, int], filename: str) -> I
         path = tuple(p for p in item["loc"] if isinstance(p, int) or p in _KNOWN_KEYS)
         message = item["msg"].removeprefix("Value error, ")
         if item["type"] == "extra_forbidden":
+            path = (*path, item["loc"][-1])  # name the unknown key itself, and point at its line
             message = "unknown key (a typo here would silently disable a limit)"
         elif item["type"] == "missing":
             message = "required key is missing"
