@@ -1,7 +1,7 @@
 """The admin API on ``server.admin_listen``, beside ``/metrics``, ``/healthz`` and ``/readyz``.
 
 * ``GET /admin/config``: the config now serving, as JSON, with secrets redacted
-  (:func:`redact`); durations are in seconds, rates as written (``600/min``). Also the file's
+  (:func:`proxy.redact.redact`); durations are in seconds, rates as written (``600/min``). Also the file's
   path, when it was loaded and how the last reload attempt went.
 * ``GET /admin/routes``: each route's live state: in flight (including requests admitted before
   a reload), and each policy's ``state()`` (limits, queued, bucket levels, per-tenant holders...).
@@ -15,62 +15,17 @@ probes and Prometheus reach it, so nothing it serves may carry a secret.
 from __future__ import annotations
 
 import html
-import re
 import time
 from typing import Any
 
 from aiohttp import web
 
+from proxy.redact import redact
 from proxy.reload import RELOADER
 from proxy.runtime import RUNTIME, Runtime
 
 #: Seconds between refreshes of the status page.
 PAGE_REFRESH_S = 2
-REDACTED = "<redacted>"
-
-# Key names that hold secrets, matched on whole words of the key (``api_key``,
-# ``redis_password``, ``auth_token``) so that ``tokens`` (a budget unit) is left alone.
-_SECRET_WORDS = frozenset(
-    {"secret", "password", "passwd", "token", "key", "apikey", "credential", "credentials",
-     "authorization", "auth", "cookie"}
-)
-_WORD_SPLIT = re.compile(r"[_\-.\s]+|(?<=[a-z])(?=[A-Z])")
-# scheme://user:password@host or scheme://token@host: the part before '@'.
-_URL_USERINFO = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*://)([^/@?#]*)@")
-# Values that are credentials whatever their key is called.
-_SECRET_VALUE = re.compile(r"^(?:sk-|sk_|rk_|xox[abp]-|gh[pousr]_|AKIA|Bearer\s|Basic\s)")
-
-
-def redact(value: Any, key: str = "") -> Any:
-    """A copy of a JSON-ready ``value`` with anything that looks like a secret replaced.
-
-    Redacted: the value of a key with a secret-sounding word (``password``, ``token``,
-    ``api_key``, ``auth``...); the password, or a lone token, in a URL's userinfo
-    (``redis://:pw@host`` -> ``redis://:<redacted>@host``); strings shaped like API keys or
-    ``Authorization`` values (``sk-...``, ``Bearer ...``).
-    """
-    if isinstance(value, dict):
-        return {k: redact(v, str(k)) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [redact(v, key) for v in value]
-    if not isinstance(value, str):
-        if value is not None and _secret_key(key) and not isinstance(value, bool):
-            return REDACTED
-        return value
-    if _secret_key(key) or _SECRET_VALUE.match(value):
-        return REDACTED if value else value
-    match = _URL_USERINFO.match(value)
-    if match:
-        user, sep, _ = match.group(2).partition(":")
-        userinfo = f"{user}:{REDACTED}" if sep else REDACTED
-        return f"{match.group(1)}{userinfo}@{value[match.end():]}"
-    return value
-
-
-def _secret_key(key: str) -> bool:
-    return any(word.lower() in _SECRET_WORDS for word in _WORD_SPLIT.split(key) if word)
-
-
 def config_view(request: web.Request) -> dict[str, Any]:
     """What ``/admin/config`` serves (see the module docstring)."""
     runtime = request.app[RUNTIME]

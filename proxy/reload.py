@@ -35,7 +35,8 @@ the file has stayed the same for ``SETTLE_S``, so a half-written file is not rea
 * block changed: ``reconfigure(old_object, new_block)`` adopts the new limits in place and keeps
   the state; a policy given no ``reconfigure`` gets its fresh object instead (state reset), so
   give one to every policy whose state must survive a change of its own limits;
-* block added or removed: the new object, or ``None``.
+* block added or removed: the new object, or ``None`` (a limit added by a reload counts only
+  the calls admitted after it).
 
 A policy object may also have ``state() -> dict`` (JSON-ready); list its attribute in
 ``Route.POLICIES`` and ``/admin/routes`` and the status page show it. Top-level settings that the
@@ -56,6 +57,7 @@ from typing import Any
 from aiohttp import web
 
 from proxy.config import Config, ConfigError, load_config
+from proxy.redact import redact
 from proxy.runtime import Runtime
 
 log = logging.getLogger("sluice")
@@ -179,12 +181,13 @@ class Reloader:
         try:
             config = await asyncio.to_thread(load_config, self.path)
         except ConfigError as exc:
+            problems = redact(exc.problems)  # a rejected value may be a URL with a password
             metrics.config_reload_failures.inc()
             metrics.config_last_reload_successful.set(0)
             self.last_attempt = {"at": time.time(), "trigger": trigger, "ok": False,
-                                 "problems": exc.problems}
+                                 "problems": problems}
             log.error("config reload (%s) refused, the running config stays in force:", trigger)
-            for problem in exc.problems:
+            for problem in problems:
                 log.error("%s", problem)
             return False
         running = self.runtime.config

@@ -7,7 +7,7 @@ import asyncio
 import aiohttp
 import pytest
 
-from proxy.admin import REDACTED, redact
+from proxy.redact import REDACTED, redact
 from tests.conftest import route
 from tests.test_reload import CHAT, until
 
@@ -23,6 +23,8 @@ from tests.test_reload import CHAT, until
     ({"upstream": "https://ghp_abc@git.example.com"},
      {"upstream": f"https://{REDACTED}@git.example.com"}),
     ({"headers": {"X-Extra": "Bearer sk-123"}}, {"headers": {"X-Extra": REDACTED}}),
+    ({"problems": ["f:3: state.redis_url: 'redis://u:pw@h:1/x' is not valid"]},
+     {"problems": [f"f:3: state.redis_url: 'redis://u:{REDACTED}@h:1/x' is not valid"]}),
     ({"list": ["sk-abc", "plain"], "limit": 5, "secret": None},
      {"list": [REDACTED, "plain"], "limit": 5, "secret": None}),
 ])
