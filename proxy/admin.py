@@ -1,8 +1,8 @@
 """The admin API on ``server.admin_listen``, beside ``/metrics``, ``/healthz`` and ``/readyz``.
 
 * ``GET /admin/config``: the config now serving, as JSON, with secrets redacted
-  (:func:`proxy.redact.redact`); durations are in seconds, rates as written (``600/min``). Also the file's
-  path, when it was loaded and how the last reload attempt went.
+  (:func:`proxy.redact.redact`); durations are in seconds, rates as written (``600/min``).
+  Also the file's path, when it was loaded and how the last reload attempt went.
 * ``GET /admin/routes``: each route's live state: in flight (including requests admitted before
   a reload), and each policy's ``state()`` (limits, queued, bucket levels, per-tenant holders...).
 * ``GET /admin/``: a status page for a person showing the same at a glance; plain HTML with no
