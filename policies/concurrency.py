@@ -8,7 +8,15 @@ overtake the queue.
 
 ``per_tenant`` caps one tenant's requests on the route, in flight *and* queued together, so one
 tenant can never hold more than ``per_tenant`` slots; the next one is answered 429
-``tenant_concurrency`` at once (its own quota is spent, SPEC).
+``tenant_concurrency`` at once (its own quota is spent, SPEC). Each tenant's count is kept even
+without a cap (one dict update per request), so a cap switched on by a reload is exact at once
+and the admin API can show who holds the slots.
+
+On a config reload the limiter is reconfigured in place (:meth:`ConcurrencyLimiter.reconfigure`):
+nothing held or queued is dropped. A higher ``limit`` hands the new slots to waiters at once; a
+lower one takes effect as requests finish (a freed slot is handed over only while the count is
+under the new limit). A smaller ``queue`` or ``per_tenant`` refuses newcomers until the counts
+fall below it; a new ``max_wait`` applies to requests queued after the reload.
 
 Rejections carry an honest ``retry_after`` estimated with Little's law: a queue of ``n`` ahead
 drains in about ``n * S / limit`` seconds, where ``S`` is the route's mean service time (an
@@ -29,6 +37,7 @@ DEFAULT_PRIORITY = 1
 
 _EWMA_WEIGHT = 0.1  # weight of the newest sample in the service-time average
 _INITIAL_SERVICE_S = 1.0  # assumed mean service time before the first completion, seconds
+_TENANTS_SHOWN = 20  # tenants listed by state(), the biggest holders first
 
 
 class _Waiter:
@@ -74,16 +83,15 @@ class ConcurrencyLimiter:
         Raises:
             Rejected: ``tenant_concurrency`` when ``tenant`` is at ``per_tenant``.
         """
-        if self.per_tenant is not None:
-            held = self._by_tenant.get(tenant, 0)
-            if held >= self.per_tenant:
-                raise Rejected(
-                    Reason.TENANT_CONCURRENCY,
-                    self.mean_service_s / max(held, 1),
-                    f"limit {self.per_tenant} in flight or queued per tenant",
-                    ("tenant-concurrency", self.per_tenant, 0),
-                )
-            self._by_tenant[tenant] = held + 1
+        held = self._by_tenant.get(tenant, 0)
+        if self.per_tenant is not None and held >= self.per_tenant:
+            raise Rejected(
+                Reason.TENANT_CONCURRENCY,
+                self.mean_service_s / max(held, 1),
+                f"limit {self.per_tenant} in flight or queued per tenant",
+                ("tenant-concurrency", self.per_tenant, 0),
+            )
+        self._by_tenant[tenant] = held + 1
         if self.inflight < self.limit and not self.queued:
             self.inflight += 1
             return True
@@ -130,18 +138,56 @@ class ConcurrencyLimiter:
         if service_s is not None:
             self.mean_service_s += _EWMA_WEIGHT * (service_s - self.mean_service_s)
         self._forget(tenant)
-        while self._heap:
+        # Over the limit only after a reload lowered it: then the slot is retired, not passed on.
+        if self.queued and self.inflight <= self.limit:
+            self._hand_over()  # the slot passes on; inflight is unchanged
+            return
+        self.inflight -= 1
+
+    # -- reload -------------------------------------------------------------------------------
+
+    def reconfigure(self, limit: int, queue: int, max_wait: float, per_tenant: int | None) -> None:
+        """Adopt new limits in place, keeping every request held or queued (hot reload).
+
+        Args are those of the constructor. Waiters that fit under a raised ``limit`` are
+        admitted at once; a lowered one is reached as in-flight requests finish.
+        """
+        self.limit = limit
+        self.queue_capacity = queue
+        self.max_wait = max_wait
+        self.per_tenant = per_tenant
+        while self.queued and self.inflight < self.limit:
+            self.inflight += 1
+            self._hand_over()
+
+    def state(self) -> dict[str, object]:
+        """Limits and live counts for the admin API (JSON-ready; seconds for durations)."""
+        return {
+            "limit": self.limit,
+            "inflight": self.inflight,
+            "queue": self.queue_capacity,
+            "queued": self.queued,
+            "max_wait_s": self.max_wait,
+            "per_tenant": self.per_tenant,
+            "mean_service_s": round(self.mean_service_s, 6),
+            "tenants": dict(
+                sorted(self._by_tenant.items(), key=lambda kv: -kv[1])[:_TENANTS_SHOWN]
+            ),
+        }
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _hand_over(self) -> None:
+        """Give a slot already counted in ``inflight`` to the first live waiter (``queued > 0``)."""
+        while True:
             _, _, waiter = heapq.heappop(self._heap)
             if waiter.live:
                 waiter.live = False
                 self.queued -= 1
                 if waiter.timer is not None:
                     waiter.timer.cancel()
-                waiter.future.set_result(None)  # the slot passes on; inflight is unchanged
+                waiter.future.set_result(None)
                 return
-        self.inflight -= 1
-
-    # -- internals ----------------------------------------------------------------------------
 
     def _expire(self, waiter: _Waiter) -> None:
         if not waiter.live:
@@ -168,8 +214,6 @@ class ConcurrencyLimiter:
             heapq.heapify(self._heap)
 
     def _forget(self, tenant: str) -> None:
-        if self.per_tenant is None:
-            return
         held = self._by_tenant[tenant] - 1
         if held:
             self._by_tenant[tenant] = held

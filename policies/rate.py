@@ -9,6 +9,10 @@ caller is never left hanging by a rate limit.
 ``(level + 1 - N) / (N / period)`` seconds (the RFC 6585 meaning of 429's Retry-After).
 aiolimiter exposes no public reading of its level, so this reads ``_level`` right after the
 public ``has_capacity()`` has brought it up to date; the version is pinned for that reason.
+
+On a config reload (:meth:`RateLimiter.reconfigure`) a bucket whose rate is unchanged is kept as
+it is; one whose rate changed is replaced by a bucket of the new size that starts at the old
+one's level, so a reload neither forgets recent traffic nor grants a fresh burst.
 """
 
 from __future__ import annotations
@@ -34,6 +38,21 @@ class Bucket:
         self._limiter = AsyncLimiter(rate.count, rate.period_s)
         self.policy = (policy_name, rate.count, rate.period_s)
 
+    def successor(self, rate: Rate | None) -> Bucket | None:
+        """The bucket to use after a reload sets this limit to ``rate`` (``None``: no limit).
+
+        Same rate: this very bucket. Another rate: a new bucket carrying this one's level (the
+        requests it counts as recent), which then drains at the new rate.
+        """
+        if rate is None or rate == self.rate:
+            return None if rate is None else self
+        new = Bucket(rate, self.policy[0])
+        old = self._limiter
+        old.has_capacity()  # brings _level and _last_check up to now
+        new._limiter._level = old._level
+        new._limiter._last_check = old._last_check
+        return new
+
     def take(self) -> None:
         """Consume one request's capacity; never suspends.
 
@@ -52,6 +71,13 @@ class Bucket:
             self.policy,
         )
 
+    def state(self) -> dict[str, object]:
+        """The rate as written and the requests it can admit right now."""
+        limiter = self._limiter
+        limiter.has_capacity()  # brings _level up to now
+        available = int(max(0.0, limiter.max_rate - limiter._level))
+        return {"rate": str(self.rate), "available": available}
+
     @property
     def idle(self) -> bool:
         """True when the bucket has drained empty, so dropping it forgets nothing."""
@@ -66,6 +92,28 @@ class RateLimiter:
         per_tenant = config.per_tenant
         self.tenant_rate = per_tenant.requests if per_tenant else None
         self._tenants: OrderedDict[str, Bucket] = OrderedDict()
+
+    def reconfigure(self, config: RateConfig) -> None:
+        """Adopt a changed ``rate`` block in place, keeping each bucket's level (hot reload)."""
+        if self.route_bucket is not None:
+            self.route_bucket = self.route_bucket.successor(config.requests)
+        elif config.requests is not None:
+            self.route_bucket = Bucket(config.requests, "requests")
+        per_tenant = config.per_tenant
+        self.tenant_rate = per_tenant.requests if per_tenant else None
+        if self.tenant_rate is None:
+            self._tenants.clear()
+        else:
+            for name, bucket in self._tenants.items():
+                self._tenants[name] = bucket.successor(self.tenant_rate)
+
+    def state(self) -> dict[str, object]:
+        """Limits and fill levels for the admin API (JSON-ready)."""
+        return {
+            "requests": None if self.route_bucket is None else self.route_bucket.state(),
+            "per_tenant": None if self.tenant_rate is None else str(self.tenant_rate),
+            "tenants_tracked": len(self._tenants),
+        }
 
     def admit(self, tenant: str) -> None:
         """Charge one request to the tenant's bucket, then the route's.

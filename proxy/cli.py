@@ -1,7 +1,9 @@
 """The ``sluice`` command line (SPEC, "Command line").
 
 ``sluice serve [--config PATH]`` runs the proxy; ``sluice check-config PATH`` validates a file
-and exits 0, or 2 after printing one ``FILE:LINE: KEY: PROBLEM`` line per problem.
+and exits 0, or 2 after printing one ``FILE:LINE: KEY: PROBLEM`` line per problem;
+``sluice timeline RUN_ID [--config PATH] [--events FILE]`` prints a run's admission timeline
+(exit 1 when the log has no event of that run).
 """
 
 from __future__ import annotations
@@ -28,9 +30,9 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         import uvloop
     except ImportError:  # uvloop is optional off Linux/macOS; asyncio's loop works too
-        asyncio.run(serve(config))
+        asyncio.run(serve(config, args.config))
     else:
-        uvloop.run(serve(config))
+        uvloop.run(serve(config, args.config))
     return 0
 
 
@@ -44,6 +46,31 @@ def _check_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _timeline(args: argparse.Namespace) -> int:
+    from proxy.timeline import print_timeline
+
+    path = args.events
+    if path is None:
+        try:
+            path = load_config(args.config).events.path
+        except ConfigError as exc:
+            print(exc, file=sys.stderr)
+            return EXIT_CONFIG_ERROR
+        if path is None:
+            print(
+                f"{args.config}: events.path is null, so events go to Sluice's stdout; pass the "
+                "captured output with --events FILE, or --events - to read standard input "
+                "(e.g. kubectl logs POD -c sluice | sluice timeline RUN_ID --events -)",
+                file=sys.stderr,
+            )
+            return EXIT_CONFIG_ERROR
+    try:
+        return print_timeline(args.run_id, path, sys.stdout)
+    except OSError as exc:
+        print(f"{path}: cannot read the event log: {exc}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="sluice", description="Backpressure sidecar for AI agents' LLM and tool calls."
@@ -55,6 +82,13 @@ def build_parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check-config", help="validate a config file (exit 2 if invalid)")
     check.add_argument("path")
     check.set_defaults(func=_check_config)
+    timeline = sub.add_parser("timeline", help="print one run's admission timeline")
+    timeline.add_argument("run_id", metavar="RUN_ID", help="the run's X-Run-ID value")
+    timeline.add_argument("--config", default=DEFAULT_CONFIG,
+                          help=f"names the event log (events.path); default: {DEFAULT_CONFIG}")
+    timeline.add_argument("--events", metavar="FILE",
+                          help="read this event log instead ('-' for standard input)")
+    timeline.set_defaults(func=_timeline)
     return parser
 
 

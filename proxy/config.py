@@ -32,6 +32,7 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    PlainSerializer,
     ValidationError,
     field_validator,
 )
@@ -101,7 +102,7 @@ def _positive(value: float) -> float:
 
 Duration = Annotated[float, BeforeValidator(_parse_duration)]
 PositiveDuration = Annotated[float, BeforeValidator(_parse_duration), AfterValidator(_positive)]
-RateSpec = Annotated[Rate, BeforeValidator(_parse_rate)]
+RateSpec = Annotated[Rate, BeforeValidator(_parse_rate), PlainSerializer(str)]  # dumps as written
 Listen = Annotated[str, AfterValidator(_parse_listen)]
 
 

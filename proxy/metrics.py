@@ -12,6 +12,7 @@ to their labels once per route (``RouteMetrics``) so a request does no label loo
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from prometheus_client import (
     CollectorRegistry,
@@ -20,8 +21,12 @@ from prometheus_client import (
     Histogram,
     disable_created_metrics,
 )
+from prometheus_client.metrics import MetricWrapperBase
 
 from policies.reasons import Reason
+
+if TYPE_CHECKING:
+    from policies.concurrency import ConcurrencyLimiter
 
 #: LLM calls run from under a second to many minutes; the default buckets stop at 10 s.
 DURATION_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
@@ -82,14 +87,77 @@ class Metrics:
             buckets=DURATION_BUCKETS_S,
             registry=r,
         )
+        # The configured concurrency limits, so dashboards and alerts can put the live values
+        # next to them (they change on reload); only routes with a concurrency block have them.
+        self.concurrency_limit = Gauge(
+            "sluice_concurrency_limit", "Configured concurrency limit (slots).", ["route"],
+            registry=r,
+        )
+        self.queue_limit = Gauge(
+            "sluice_queue_limit", "Configured queue capacity (requests).", ["route"], registry=r
+        )
+        self.queue_max_wait = Gauge(
+            "sluice_queue_max_wait_seconds", "Configured longest wait in the queue.", ["route"],
+            registry=r,
+        )
+        # Config reloads (proxy/reload.py); the gauge pair follows Prometheus's own
+        # prometheus_config_last_reload_* convention.
+        self.config_reloads = Counter(
+            "sluice_config_reloads", "Config reloads applied (SIGHUP or a changed file).",
+            registry=r,
+        )
+        self.config_reload_failures = Counter(
+            "sluice_config_reload_failures",
+            "Config reloads refused because the new file was invalid (the old one still serves).",
+            registry=r,
+        )
+        self.config_last_reload_successful = Gauge(
+            "sluice_config_last_reload_successful",
+            "1 if the last config load or reload succeeded, 0 if it was refused.",
+            registry=r,
+        )
+        self.config_last_reload_success = Gauge(
+            "sluice_config_last_reload_success_timestamp_seconds",
+            "Unix time of the last successful config load or reload.",
+            registry=r,
+        )
+        self.config_last_reload_successful.set(1)
+        self.config_last_reload_success.set_to_current_time()
 
     def for_route(
-        self, route: str, inflight: Callable[[], float], queued: Callable[[], float]
+        self,
+        route: str,
+        inflight: Callable[[], float],
+        queued: Callable[[], float],
+        limits: Callable[[], ConcurrencyLimiter] | None = None,
     ) -> RouteMetrics:
-        """Bind every series to ``route``; the two callables are read at scrape time."""
+        """Bind every series to ``route``; the callables are read at scrape time.
+
+        ``limits`` returns the route's concurrency limiter, or is ``None`` when the route has
+        no concurrency block (its limit gauges are then removed, e.g. after a reload).
+        """
         self.inflight.labels(route).set_function(inflight)
         self.queue_depth.labels(route).set_function(queued)
+        gauges = {
+            self.concurrency_limit: lambda lim: lim.limit,
+            self.queue_limit: lambda lim: lim.queue_capacity,
+            self.queue_max_wait: lambda lim: lim.max_wait,
+        }
+        for gauge, read in gauges.items():
+            if limits is None:
+                gauge.remove_by_labels({"route": route})
+            else:
+                gauge.labels(route).set_function(lambda read=read: read(limits()))
         return RouteMetrics(self, route)
+
+    def forget_route(self, route: str) -> None:
+        """Drop every series of a route removed from the config (its values would go stale)."""
+        for metric in vars(self).values():
+            if isinstance(metric, MetricWrapperBase):
+                try:
+                    metric.remove_by_labels({"route": route})
+                except ValueError:  # a series without a route label
+                    continue
 
 
 class RouteMetrics:

@@ -2,10 +2,16 @@
 
 Everything a request needs from its route (upstream URL parts, client timeout, policy objects,
 bound metrics) is computed here at load time, so the request path does no config lookups.
+
+A config reload builds new ``Route`` objects and each one calls :meth:`Route.take_over` on the
+route of the same name it replaces, so live policy state (slots held, queues, bucket levels)
+carries over; see :mod:`proxy.reload` for the pattern a policy follows.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any, TypeVar
 from urllib.parse import unquote
 
 import aiohttp
@@ -25,8 +31,14 @@ class Route:
             request path after the prefix is appended to it.
         timeout: the aiohttp client timeout: ``connect`` to get a connection, ``total`` for the
             whole exchange including a streamed body (seconds).
-        inflight: requests admitted and not finished (for the gauge and the drain).
+        inflight: requests admitted through this object and not finished.
+        retired: the routes of the same name this one replaced on reloads that still had
+            requests in flight then; their counts join ``inflight_total``.
     """
+
+    #: Attributes holding policy objects, in admission order. A policy object may have a
+    #: ``state()`` method returning a JSON-ready dict, shown by the admin API under its name.
+    POLICIES = ("rate", "concurrency")
 
     __slots__ = (
         "concurrency",
@@ -37,6 +49,7 @@ class Route:
         "prefix",
         "protocol",
         "rate",
+        "retired",
         "timeout",
         "upstream_base",
     )
@@ -56,12 +69,70 @@ class Route:
         )
         self.rate = RateLimiter(config.rate) if config.rate else None
         self.inflight = 0
-        limiter = self.concurrency
+        self.retired: tuple[Route, ...] = ()
+        # Gauges read self.concurrency at scrape time: take_over() may swap the object.
         self.metrics: RouteMetrics = metrics.for_route(
             self.name,
-            inflight=lambda: self.inflight,
-            queued=(lambda: limiter.queued) if limiter else (lambda: 0),
+            inflight=lambda: self.inflight_total,
+            queued=lambda: self.concurrency.queued if self.concurrency else 0,
+            limits=(lambda: self.concurrency) if self.concurrency else None,
         )
+
+    @property
+    def inflight_total(self) -> int:
+        """Requests in flight on this route, including those admitted before a reload."""
+        return self.inflight + sum(route.inflight for route in self.retired)
+
+    def take_over(self, old: Route) -> None:
+        """Carry the live state of ``old``, the route of the same name this one replaces.
+
+        One line per policy, all alike (see :mod:`proxy.reload`).
+        """
+        new, prev = self.config, old.config
+        self.concurrency = carry_over(
+            old.concurrency, self.concurrency, prev.concurrency, new.concurrency,
+            lambda limiter, c: limiter.reconfigure(c.limit, c.queue, c.max_wait, c.per_tenant),
+        )
+        self.rate = carry_over(
+            old.rate, self.rate, prev.rate, new.rate, lambda rate, c: rate.reconfigure(c)
+        )
+        self.retired = tuple(route for route in (old, *old.retired) if route.inflight)
+
+    def state(self) -> dict[str, Any]:
+        """Config summary and live state for the admin API (JSON-ready)."""
+        out: dict[str, Any] = {
+            "name": self.name,
+            "path_prefix": self.prefix,
+            "upstream": self.upstream_base,
+            "protocol": self.protocol,
+            "inflight": self.inflight_total,
+        }
+        for name in self.POLICIES:
+            policy = getattr(self, name)
+            state = getattr(policy, "state", None)
+            out[name] = None if policy is None else (state() if state else {})
+        return out
+
+
+P = TypeVar("P")
+C = TypeVar("C")
+
+
+def carry_over(old: P | None, new: P | None, old_config: C | None, new_config: C | None,
+               reconfigure: Callable[[P, C], None] | None = None) -> P | None:
+    """The policy object a reloaded route keeps: ``old`` where it can, else ``new``.
+
+    ``old`` is kept as it is when its config block is unchanged, and reconfigured in place with
+    ``reconfigure(old, new_config)`` when the block changed; without a ``reconfigure`` a changed
+    block gets the ``new`` object (fresh state). A block added or removed gives ``new``.
+    """
+    if old is None or new is None:
+        return new
+    if old_config != new_config:
+        if reconfigure is None:
+            return new
+        reconfigure(old, new_config)  # type: ignore[arg-type]
+    return old
 
 
 class Router:

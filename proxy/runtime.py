@@ -23,20 +23,54 @@ class Runtime:
     """
 
     def __init__(self, config: Config) -> None:
-        self.config = config
         self.metrics = Metrics()
-        self.routes = [Route(rc, self.metrics) for rc in config.routes]
-        self.router = Router(self.routes)
+        self.routes: list[Route] = []
+        #: Routes a reload deleted that still had requests in flight (counted by the drain).
+        self.removed: list[Route] = []
         self.events = EventLog(config.events.path)
         self.draining = False
         self.session: aiohttp.ClientSession | None = None
+        self._ids = itertools.count(1)
+        self._id_prefix = f"{os.getpid():x}-{os.urandom(3).hex()}-"
+        self.configure(config)
+
+    def configure(self, config: Config) -> dict[str, list[str]]:
+        """Apply ``config``: at startup, and again on every reload (:mod:`proxy.reload`).
+
+        Builds the routes (each new one takes over the live state of the old route of the same
+        name), then swaps routes, router and settings in one step, with no await in between.
+        Everything the request path derives from the config is set here.
+
+        Returns:
+            route names by what happened to them: ``added``, ``changed``, ``unchanged``,
+            ``removed``.
+        """
+        old = {route.name: route for route in self.routes}
+        routes = [Route(rc, self.metrics) for rc in config.routes]
+        summary: dict[str, list[str]] = {"added": [], "changed": [], "unchanged": [],
+                                         "removed": []}
+        for route in routes:
+            previous = old.pop(route.name, None)
+            if previous is None:
+                summary["added"].append(route.name)
+                continue
+            summary["changed" if previous.config != route.config else "unchanged"].append(
+                route.name)
+            route.take_over(previous)
+        for name, gone in old.items():
+            summary["removed"].append(name)
+            self.metrics.forget_route(name)
+            self.removed.append(gone)
+        self.removed = [route for route in self.removed if route.inflight_total]
+        self.config = config
+        self.routes = routes
+        self.router = Router(routes)
         identity = config.identity
         self.tenant_header = identity.tenant_header
         self.run_header = identity.run_header
         self.priority_header = identity.priority_header
         self.default_tenant = identity.default_tenant
-        self._ids = itertools.count(1)
-        self._id_prefix = f"{os.getpid():x}-{os.urandom(3).hex()}-"
+        return summary
 
     def next_request_id(self) -> str:
         """A request id unique to this process (cheaper than a UUID on the hot path)."""
@@ -44,8 +78,8 @@ class Runtime:
 
     @property
     def inflight(self) -> int:
-        """Requests admitted on any route and not yet finished."""
-        return sum(route.inflight for route in self.routes)
+        """Requests admitted on any route and not yet finished, including before a reload."""
+        return sum(route.inflight_total for route in (*self.routes, *self.removed))
 
     async def open(self) -> None:
         """Open the upstream session and the event log (inside the running loop)."""

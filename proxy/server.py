@@ -5,6 +5,8 @@ turns 503 at once so the endpoint is taken out of rotation, new requests on the 
 503 ``draining`` (the listener stays open, so a caller gets an answer rather than a refused
 connection), and in-flight requests get up to ``server.drain_timeout`` seconds to finish before
 the remaining ones are cut and the process exits.
+
+SIGHUP, or a change of the config file, reloads the config in place (:mod:`proxy.reload`).
 """
 
 from __future__ import annotations
@@ -17,8 +19,10 @@ import time
 from aiohttp import web
 from prometheus_client.aiohttp import make_aiohttp_handler
 
+from proxy.admin import add_admin_routes
 from proxy.config import Config
 from proxy.handler import handle
+from proxy.reload import RELOADER, Reloader
 from proxy.runtime import RUNTIME, Runtime
 
 log = logging.getLogger("sluice")
@@ -37,13 +41,16 @@ def build_proxy_app(runtime: Runtime) -> web.Application:
     return app
 
 
-def build_admin_app(runtime: Runtime) -> web.Application:
-    """The app on ``server.admin_listen``: ``/metrics``, ``/healthz``, ``/readyz``."""
+def build_admin_app(runtime: Runtime, reloader: Reloader | None = None) -> web.Application:
+    """The app on ``server.admin_listen``: ``/metrics``, ``/healthz``, ``/readyz``, ``/admin/``."""
     app = web.Application()
     app[RUNTIME] = runtime
+    if reloader is not None:
+        app[RELOADER] = reloader
     app.router.add_get("/metrics", make_aiohttp_handler(runtime.metrics.registry))
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
+    add_admin_routes(app)
     return app
 
 
@@ -63,9 +70,14 @@ def _split(listen: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-async def serve(config: Config) -> None:
-    """Run Sluice until SIGTERM/SIGINT, then drain and return."""
+async def serve(config: Config, config_path: str | None = None) -> None:
+    """Run Sluice until SIGTERM/SIGINT, then drain and return.
+
+    With ``config_path`` (the file ``config`` was loaded from), SIGHUP and changes to that file
+    reload the config; without it, SIGHUP is ignored.
+    """
     runtime = Runtime(config)
+    reloader = Reloader(runtime, config_path) if config_path else None
     await runtime.open()
     proxy_runner = web.AppRunner(
         build_proxy_app(runtime),
@@ -75,12 +87,14 @@ async def serve(config: Config) -> None:
         shutdown_timeout=SHUTDOWN_GRACE_S,
     )
     admin_runner = web.AppRunner(
-        build_admin_app(runtime), access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S
+        build_admin_app(runtime, reloader), access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    # Until the reloader takes it over, a SIGHUP must not kill the process (its default).
+    loop.add_signal_handler(signal.SIGHUP, lambda: None)
     try:
         await proxy_runner.setup()
         await admin_runner.setup()
@@ -92,8 +106,12 @@ async def serve(config: Config) -> None:
             "sluice serving on %s (admin %s), %d route(s)",
             config.server.listen, config.server.admin_listen, len(runtime.routes),
         )
+        if reloader is not None:
+            reloader.start()
         await stop.wait()
-        await _drain(runtime, config.server.drain_timeout)
+        if reloader is not None:
+            await reloader.stop()
+        await _drain(runtime, runtime.config.server.drain_timeout)
     finally:
         await proxy_runner.cleanup()
         await admin_runner.cleanup()

@@ -2,7 +2,9 @@
 
 ``start_sluice(config)`` writes ``config`` (a dict or YAML text) to a temporary file, runs
 ``python -m proxy serve --config FILE`` on free loopback ports, waits for ``/readyz`` and
-returns a :class:`SluiceProcess`. Its event log goes to a file the test can read.
+returns a :class:`SluiceProcess`. Its event log goes to a file the test can read. With
+``config_path=`` the config is written there (through a symlink, if it is one) and Sluice is
+started on that path.
 """
 
 from __future__ import annotations
@@ -153,7 +155,8 @@ async def upstream() -> AsyncIterator[FakeUpstream]:
 async def start_sluice(tmp_path: Path) -> AsyncIterator[Callable[..., Awaitable[SluiceProcess]]]:
     started: list[SluiceProcess] = []
 
-    async def start(config: dict | str, *, env: dict[str, str] | None = None) -> SluiceProcess:
+    async def start(config: dict | str, *, env: dict[str, str] | None = None,
+                    config_path: Path | None = None) -> SluiceProcess:
         data = yaml.safe_load(config) if isinstance(config, str) else json.loads(
             json.dumps(config))
         port, admin_port = free_port(), free_port()
@@ -166,7 +169,7 @@ async def start_sluice(tmp_path: Path) -> AsyncIterator[Callable[..., Awaitable[
         data.setdefault("events", {"path": str(events)})
         port = int(server["listen"].rpartition(":")[2])
         admin_port = int(server["admin_listen"].rpartition(":")[2])
-        config_path = tmp_path / f"sluice-{index}.yaml"
+        config_path = config_path or tmp_path / f"sluice-{index}.yaml"
         config_path.write_text(yaml.safe_dump(data, sort_keys=False))
         stderr = tmp_path / f"sluice-{index}.stderr"
         proc = subprocess.Popen(

@@ -1,0 +1,176 @@
+"""The admin API on ``server.admin_listen``, beside ``/metrics``, ``/healthz`` and ``/readyz``.
+
+* ``GET /admin/config``: the config now serving, as JSON, with secrets redacted
+  (:func:`proxy.redact.redact`); durations are in seconds, rates as written (``600/min``).
+  Also the file's path, when it was loaded and how the last reload attempt went.
+* ``GET /admin/routes``: each route's live state: in flight (including requests admitted before
+  a reload), and each policy's ``state()`` (limits, queued, bucket levels, per-tenant holders...).
+* ``GET /admin/``: a status page for a person showing the same at a glance; plain HTML with no
+  external assets, refreshing itself every ``PAGE_REFRESH_S`` seconds.
+
+The admin port carries no agent traffic; in a pod it listens on ``0.0.0.0`` so the kubelet's
+probes and Prometheus reach it, so nothing it serves may carry a secret.
+"""
+
+from __future__ import annotations
+
+import html
+import time
+from typing import Any
+
+from aiohttp import web
+
+from proxy.redact import redact
+from proxy.reload import RELOADER
+from proxy.runtime import RUNTIME, Runtime
+
+#: Seconds between refreshes of the status page.
+PAGE_REFRESH_S = 2
+def config_view(request: web.Request) -> dict[str, Any]:
+    """What ``/admin/config`` serves (see the module docstring)."""
+    runtime = request.app[RUNTIME]
+    reloader = request.app.get(RELOADER)
+    return {
+        "path": str(reloader.path) if reloader else None,
+        "loaded_at": reloader.loaded_at if reloader else None,
+        "last_reload": reloader.last_attempt if reloader else None,
+        "config": redact(runtime.config.model_dump(mode="json")),
+    }
+
+
+def routes_view(runtime: Runtime) -> dict[str, Any]:
+    """What ``/admin/routes`` serves (see the module docstring)."""
+    return {
+        "draining": runtime.draining,
+        "inflight": runtime.inflight,
+        "routes": [redact(route.state()) for route in runtime.routes],
+    }
+
+
+async def admin_config(request: web.Request) -> web.Response:
+    return web.json_response(config_view(request))
+
+
+async def admin_routes(request: web.Request) -> web.Response:
+    return web.json_response(routes_view(request.app[RUNTIME]))
+
+
+async def status_page(request: web.Request) -> web.Response:
+    runtime = request.app[RUNTIME]
+    return web.Response(
+        text=render_page(routes_view(runtime), config_view(request)),
+        content_type="text/html",
+        headers={"Cache-Control": "no-store"},
+    )
+
+
+def add_admin_routes(app: web.Application) -> None:
+    """Register ``/admin/``, ``/admin/config`` and ``/admin/routes`` on the admin app."""
+    app.router.add_get("/admin/", status_page)
+    app.router.add_get("/admin", status_page)
+    app.router.add_get("/admin/config", admin_config)
+    app.router.add_get("/admin/routes", admin_routes)
+
+
+# --- the status page -------------------------------------------------------------------------
+
+_STYLE = """
+body{font:14px/1.4 system-ui,sans-serif;margin:1.5em;color:#1d2330;background:#fafbfc}
+h1{font-size:20px;margin:0 0 .2em}h1 small{font-weight:normal;color:#667}
+table{border-collapse:collapse;width:100%;background:#fff;margin:1em 0}
+th,td{border:1px solid #dde;padding:.4em .6em;text-align:left;vertical-align:top}
+th{background:#eef1f5;font-weight:600}td.num{text-align:right;font-variant-numeric:tabular-nums}
+.ok{color:#17692d}.bad{color:#b3261e;font-weight:600}.muted{color:#778}
+.bar{width:9em;height:.7em;background:#e6e9ef;border-radius:3px;overflow:hidden;margin-top:.2em}
+.bar span{display:block;height:100%;background:#3b7dd8}.bar span.hot{background:#d9822b}
+dl{margin:0;display:grid;grid-template-columns:auto auto;gap:0 .8em}dt{color:#667}dd{margin:0}
+pre{background:#fff;border:1px solid #dde;padding:.6em;white-space:pre-wrap}
+"""
+
+
+def _e(value: Any) -> str:
+    return html.escape(str(value), quote=True)
+
+
+def _bar(used: float, limit: float) -> str:
+    share = min(1.0, used / limit) if limit else 0.0
+    hot = " class=hot" if share >= 0.8 else ""
+    return f'<div class=bar><span{hot} style="width:{share * 100:.0f}%"></span></div>'
+
+
+def _policy_cell(state: Any) -> str:
+    if state is None:
+        return '<span class=muted>off</span>'
+    if not isinstance(state, dict) or not state:
+        return '<span class=muted>on</span>'
+    # Any policy reporting a count against a limit gets a bar (concurrency does, others may).
+    bars = ""
+    for used, limit, label in (("inflight", "limit", "in flight"), ("queued", "queue", "queued")):
+        if isinstance(state.get(used), int) and isinstance(state.get(limit), int):
+            bars += f"{state[used]} / {state[limit]} {label}{_bar(state[used], state[limit])}"
+    items = "".join(
+        f"<dt>{_e(k)}</dt><dd>{_e(_compact(v))}</dd>" for k, v in state.items()
+        if k not in {"limit", "inflight", "queue", "queued"} or not bars
+    )
+    return f"{bars}<dl>{items}</dl>"
+
+
+def _compact(value: Any) -> str:
+    if isinstance(value, dict):
+        return ", ".join(f"{k}: {_compact(v)}" for k, v in value.items()) or "-"
+    if value is None:
+        return "-"
+    return str(value)
+
+
+def render_page(routes: dict[str, Any], config: dict[str, Any]) -> str:
+    """The status page as one HTML document (no scripts, styles inline, no external assets)."""
+    policies = sorted({k for r in routes["routes"] for k in r} - {
+        "name", "path_prefix", "upstream", "protocol", "inflight"})
+    if routes["draining"]:
+        status = '<span class=bad>draining</span>'
+    else:
+        status = '<span class=ok>serving</span>'
+    last = config.get("last_reload")
+    if last is None:
+        reload_line = "no reload since start"
+    elif last["ok"]:
+        held = f" (kept until restart: {', '.join(last['held'])})" if last.get("held") else ""
+        reload_line = f'<span class=ok>last reload applied</span> {_ago(last["at"])}{_e(held)}'
+    else:
+        problems = _e("\n".join(last["problems"]))
+        reload_line = (f'<span class=bad>last reload refused</span> {_ago(last["at"])}; '
+                       f"the previous config still serves:<pre>{problems}</pre>")
+    head = "".join(f"<th>{_e(p)}</th>" for p in policies)
+    rows = []
+    for route in routes["routes"]:
+        cells = "".join(f"<td>{_policy_cell(route.get(p))}</td>" for p in policies)
+        rows.append(
+            f"<tr><td><b>{_e(route['name'])}</b><br><span class=muted>{_e(route['path_prefix'])}"
+            f" &rarr; {_e(route['upstream'])}</span><br>{_e(route['protocol'])}</td>"
+            f"<td class=num>{_e(route['inflight'])}</td>{cells}</tr>"
+        )
+    loaded = _ago(config["loaded_at"]) if config.get("loaded_at") else ""
+    path = _e(config.get("path") or "-")
+    return f"""<!doctype html>
+<html lang=en><head><meta charset=utf-8>
+<meta http-equiv=refresh content="{PAGE_REFRESH_S}">
+<meta name=viewport content="width=device-width,initial-scale=1">
+<title>Sluice status</title><style>{_STYLE}</style></head><body>
+<h1>Sluice <small>{status} &middot; {_e(routes['inflight'])} in flight</small></h1>
+<div>config <code>{path}</code> loaded {loaded} &middot; {reload_line}</div>
+<table><thead><tr><th>route</th><th>in flight</th>{head}</tr></thead>
+<tbody>{''.join(rows)}</tbody></table>
+<div class=muted>JSON: <a href="/admin/routes">/admin/routes</a> &middot;
+<a href="/admin/config">/admin/config</a> &middot; <a href="/metrics">/metrics</a>
+&middot; refreshes every {PAGE_REFRESH_S}s</div>
+</body></html>
+"""
+
+
+def _ago(at: float) -> str:
+    seconds = max(0, int(time.time() - at))
+    text = f"{seconds}s" if seconds < 120 else f"{seconds // 60}m" if seconds < 7200 else (
+        f"{seconds // 3600}h")
+    stamp = _e(time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(at)))
+    return f'<span title="{stamp}">{text} ago</span>'

@@ -1,0 +1,55 @@
+"""Redacting secrets from what Sluice shows or logs (admin API, reload errors).
+
+Sluice's config may hold credentials (a Redis URL with a password, an upstream URL with user
+info, API keys in headers); nothing served on the admin port or written to the log may show them.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+REDACTED = "<redacted>"
+
+# Key names that hold secrets, matched on whole words of the key (``api_key``,
+# ``redis_password``, ``auth_token``) so that ``tokens`` (a budget unit) is left alone.
+_SECRET_WORDS = frozenset(
+    {"secret", "password", "passwd", "token", "key", "apikey", "credential", "credentials",
+     "authorization", "auth", "cookie"}
+)
+_WORD_SPLIT = re.compile(r"[_\-.\s]+|(?<=[a-z])(?=[A-Z])")
+# scheme://user:password@host or scheme://token@host, anywhere in a string (error messages
+# quote the values they reject): the userinfo before '@'.
+_URL_USERINFO = re.compile(r"\b([a-zA-Z][a-zA-Z0-9+.-]*://)([^/@?#\s'\"]*)@")
+# Values that are credentials whatever their key is called.
+_SECRET_VALUE = re.compile(r"^(?:sk-|sk_|rk_|xox[abp]-|gh[pousr]_|AKIA|Bearer\s|Basic\s)")
+
+
+def redact(value: Any, key: str = "") -> Any:
+    """A copy of a JSON-ready ``value`` with anything that looks like a secret replaced.
+
+    Redacted: the value of a key with a secret-sounding word (``password``, ``token``,
+    ``api_key``, ``auth``...); the password, or a lone token, in a URL's userinfo, also inside
+    a longer string (``redis://:pw@host`` -> ``redis://:<redacted>@host``); strings shaped
+    like API keys or ``Authorization`` values (``sk-...``, ``Bearer ...``).
+    """
+    if isinstance(value, dict):
+        return {k: redact(v, str(k)) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [redact(v, key) for v in value]
+    if not isinstance(value, str):
+        if value is not None and _secret_key(key) and not isinstance(value, bool):
+            return REDACTED
+        return value
+    if _secret_key(key) or _SECRET_VALUE.match(value):
+        return REDACTED if value else value
+    return _URL_USERINFO.sub(_redact_userinfo, value)
+
+
+def _redact_userinfo(match: re.Match[str]) -> str:
+    user, sep, _ = match.group(2).partition(":")
+    return f"{match.group(1)}{user}:{REDACTED}@" if sep else f"{match.group(1)}{REDACTED}@"
+
+
+def _secret_key(key: str) -> bool:
+    return any(word.lower() in _SECRET_WORDS for word in _WORD_SPLIT.split(key) if word)

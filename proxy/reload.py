@@ -1,0 +1,219 @@
+"""Hot reload: apply a changed config file while serving, without dropping a request.
+
+**Triggers.** ``SIGHUP``, and a change of the file seen by polling ``os.stat`` every
+``POLL_INTERVAL_S``. ``stat`` follows symlinks, so polling the device, inode, size and mtime of
+the resolved file catches every way a file gets replaced: an editor's write-and-rename, an
+in-place write, and a Kubernetes ConfigMap update, where the kubelet writes a new timestamped
+directory and swaps the ``..data`` symlink to it (the mounted ``sluice.yaml ->
+..data/sluice.yaml`` then resolves to a new inode). An inotify watch on the file would miss
+that swap; one stat a second costs nothing and needs no dependency. A change is applied once
+the file has stayed the same for ``SETTLE_S``, so a half-written file is not read.
+
+**A reload** (:meth:`Reloader.reload`):
+
+1. reads and validates the file in a worker thread. An invalid file changes nothing: each
+   problem is logged as ``FILE:LINE: KEY: PROBLEM``, ``sluice_config_reload_failures_total``
+   counts the attempt and ``sluice_config_last_reload_successful`` turns 0;
+2. keeps the keys in ``RESTART_ONLY`` (listener addresses, body size limit, event log
+   destination, state backend) at their running values, with a warning naming each one
+   that changed: a reload cannot move a bound socket or an open file;
+3. applies the rest with :meth:`proxy.runtime.Runtime.configure`: new ``Route`` objects are
+   built and each takes over the live state of the old route of the same name
+   (:meth:`proxy.routes.Route.take_over`), then routes, router and settings are swapped in one
+   step on the event loop. A request already past route matching finishes under the route
+   object it matched (upstream, timeouts, prefix); policy objects are shared, so its slot goes
+   back to the same limiter the new route uses. Series of removed routes are dropped;
+4. emits the ``config_reloaded`` event and counts ``sluice_config_reloads_total``.
+
+**Carrying a policy's state over** is one line per policy in ``Route.take_over``::
+
+    self.budget = carry_over(old.budget, self.budget, prev.budget, new.budget,
+                             lambda budget, c: budget.reconfigure(c))
+
+* config block unchanged: the old object is kept as it is (counters, stored keys, breaker
+  state, queue);
+* block changed: ``reconfigure(old_object, new_block)`` adopts the new limits in place and keeps
+  the state; a policy given no ``reconfigure`` gets its fresh object instead (state reset), so
+  give one to every policy whose state must survive a change of its own limits;
+* block added or removed: the new object, or ``None`` (a limit added by a reload counts only
+  the calls admitted after it).
+
+A policy object may also have ``state() -> dict`` (JSON-ready); list its attribute in
+``Route.POLICIES`` and ``/admin/routes`` and the status page show it. Top-level settings that the
+request path reads from the ``Runtime`` (e.g. a pricing table) are set in ``Runtime.configure``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from proxy.config import Config, ConfigError, load_config
+from proxy.redact import redact
+from proxy.runtime import Runtime
+
+log = logging.getLogger("sluice")
+
+#: How often the config file is checked for a change, seconds.
+POLL_INTERVAL_S = 1.0
+#: How long a changed file must stay unchanged before it is read, seconds.
+SETTLE_S = 0.2
+
+#: Keys a reload cannot change (a bound socket, an app's body limit, an open file, a store).
+RESTART_ONLY: tuple[tuple[str, ...], ...] = (
+    ("server", "listen"),
+    ("server", "admin_listen"),
+    ("server", "max_request_bytes"),
+    ("events", "path"),
+    ("state",),
+)
+
+Fingerprint = tuple[int, int, int, int] | None
+
+
+def fingerprint(path: Path) -> Fingerprint:
+    """Device, inode, size and mtime (ns) of the file ``path`` resolves to; ``None`` if absent."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def keep_restart_only(running: Config, new: Config) -> tuple[Config, list[str]]:
+    """``new`` with the ``RESTART_ONLY`` keys set back to their ``running`` values.
+
+    Returns:
+        the config to apply, and the dotted names of the keys that were held back.
+    """
+    held: list[str] = []
+    for path in RESTART_ONLY:
+        value = _get(running, path)
+        if _get(new, path) != value:
+            held.append(".".join(path))
+            new = _set(new, path, value)
+    return new, held
+
+
+def _get(model: Any, path: tuple[str, ...]) -> Any:
+    for key in path:
+        model = getattr(model, key)
+    return model
+
+
+def _set(model: Any, path: tuple[str, ...], value: Any) -> Any:
+    if len(path) == 1:
+        return model.model_copy(update={path[0]: value})
+    return model.model_copy(update={path[0]: _set(getattr(model, path[0]), path[1:], value)})
+
+
+class Reloader:
+    """Watches the config file and applies changes to a running :class:`Runtime`.
+
+    Attributes:
+        path: the config file as given on the command line (a symlink is followed each time).
+        loaded_at: Unix time the config now serving was loaded.
+        last_attempt: outcome of the last reload attempt for the admin API: ``at`` (Unix
+            time), ``trigger``, ``ok``, and ``problems`` (``FILE:LINE: KEY: PROBLEM`` lines) or
+            ``held`` (restart-only keys kept); ``None`` before the first attempt.
+    """
+
+    def __init__(self, runtime: Runtime, path: str | Path,
+                 poll_interval_s: float = POLL_INTERVAL_S) -> None:
+        self.runtime = runtime
+        self.path = Path(path)
+        self.poll_interval_s = poll_interval_s
+        self.loaded_at = time.time()
+        self.last_attempt: dict[str, Any] | None = None
+        self._applied = fingerprint(self.path)
+        self._signalled = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        """Install the SIGHUP handler and start watching the file (inside the running loop)."""
+        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self._signalled.set)
+        self._task = asyncio.create_task(self._watch(), name="sluice-reload")
+
+    async def stop(self) -> None:
+        """Stop watching; SIGHUP is then ignored rather than fatal."""
+        loop = asyncio.get_running_loop()
+        loop.remove_signal_handler(signal.SIGHUP)
+        loop.add_signal_handler(signal.SIGHUP, lambda: None)
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _watch(self) -> None:
+        while True:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.poll_interval_s):
+                    await self._signalled.wait()
+            if self._signalled.is_set():
+                self._signalled.clear()
+                self._applied = fingerprint(self.path)
+                await self.reload("sighup")
+                continue
+            seen = fingerprint(self.path)
+            if seen is None or seen == self._applied:
+                continue  # unchanged, or briefly absent while being replaced
+            await asyncio.sleep(SETTLE_S)
+            if fingerprint(self.path) != seen:
+                continue  # still being written: look again at the next poll
+            self._applied = seen
+            await self.reload("file")
+
+    async def reload(self, trigger: str) -> bool:
+        """Read, validate and apply the config file; True if it was applied.
+
+        Never raises for a bad file: the running config stays in force and the problems are
+        logged, counted and kept in ``last_attempt``.
+        """
+        metrics = self.runtime.metrics
+        try:
+            config = await asyncio.to_thread(load_config, self.path)
+        except ConfigError as exc:
+            problems = redact(exc.problems)  # a rejected value may be a URL with a password
+            metrics.config_reload_failures.inc()
+            metrics.config_last_reload_successful.set(0)
+            self.last_attempt = {"at": time.time(), "trigger": trigger, "ok": False,
+                                 "problems": problems}
+            log.error("config reload (%s) refused, the running config stays in force:", trigger)
+            for problem in problems:
+                log.error("%s", problem)
+            return False
+        running = self.runtime.config
+        config, held = keep_restart_only(running, config)
+        for key in held:
+            log.warning(
+                "config reload: %s changed but cannot change while running; still %r until "
+                "a restart", key, _get(running, tuple(key.split("."))),
+            )
+        summary = self.runtime.configure(config)
+        self.loaded_at = time.time()
+        metrics.config_reloads.inc()
+        metrics.config_last_reload_successful.set(1)
+        metrics.config_last_reload_success.set(self.loaded_at)
+        self.last_attempt = {"at": self.loaded_at, "trigger": trigger, "ok": True, "held": held}
+        self.runtime.events.emit_system(
+            "config_reloaded", path=str(self.path), trigger=trigger,
+            routes_added=summary["added"], routes_changed=summary["changed"],
+            routes_removed=summary["removed"], held_until_restart=held,
+        )
+        log.info(
+            "config reloaded from %s (%s): %d route(s); changed %s, added %s, removed %s",
+            self.path, trigger, len(self.runtime.routes), summary["changed"] or "none",
+            summary["added"] or "none", summary["removed"] or "none",
+        )
+        return True
+
+
+RELOADER = web.AppKey("sluice_reloader", Reloader)

@@ -1,0 +1,217 @@
+"""``sluice timeline RUN_ID``: one agent run's admission story, rebuilt from the event log.
+
+Reads the JSON-lines event log (SPEC, "Events") that the config's ``events.path`` names, or the
+file given with ``--events`` (``-`` for standard input, e.g. ``kubectl logs POD -c sluice |
+sluice timeline RUN --events -`` when events go to stdout). Lines that are not JSON events, such
+as log lines interleaved with them, are skipped.
+
+It prints two tables:
+
+* every event of the run in order, with its time since the run's first event and what it says
+  (queue depth, wait, status, reason, Retry-After, attempt...);
+* one row per request: when it arrived, how long it queued, how long the upstream took, how many
+  times it was retried, and how it ended (status, rejection reason, replay, dead letter).
+
+Events this module does not know by name are shown with all their own fields, so events added
+later appear without a change here.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+import orjson
+
+#: Fields every request event has; the rest are the event's own.
+COMMON_FIELDS = ("ts", "event", "request_id", "route", "tenant", "run", "idempotency_key")
+
+
+def read_run(lines: Iterable[bytes | str], run_id: str) -> list[dict[str, Any]]:
+    """The events of run ``run_id`` among ``lines`` (JSON lines), ordered by ``ts``."""
+    # The log is written by orjson, so the run id appears in a line exactly as orjson
+    # encodes it: a substring test skips the other runs' lines without parsing them.
+    needle = orjson.dumps(run_id)[1:-1]
+    events = []
+    for line in lines:
+        raw = line.encode() if isinstance(line, str) else line
+        if needle not in raw:
+            continue
+        try:
+            event = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            continue
+        if isinstance(event, dict) and event.get("run") == run_id and "event" in event:
+            events.append(event)
+    events.sort(key=lambda e: e.get("ts", 0.0))
+    return events
+
+
+@dataclass
+class RequestStory:
+    """What happened to one request of the run, summed up from its events (seconds)."""
+
+    request_id: str
+    route: str
+    tenant: str
+    arrived: float
+    queued_s: float | None = None
+    upstream_s: float | None = None
+    retries: int = 0
+    result: str = "in flight"
+    events: list[str] = field(default_factory=list)
+
+
+def stories(events: list[dict[str, Any]]) -> list[RequestStory]:
+    """One :class:`RequestStory` per request, in order of arrival."""
+    out: dict[str, RequestStory] = {}
+    enqueued: dict[str, float] = {}
+    for ev in events:
+        rid = ev.get("request_id")
+        if rid is None:
+            continue
+        story = out.get(rid)
+        if story is None:
+            story = out[rid] = RequestStory(rid, str(ev.get("route")), str(ev.get("tenant")),
+                                            ev["ts"])
+        kind = ev["event"]
+        story.events.append(kind)
+        if kind == "enqueued":
+            enqueued[rid] = ev["ts"]
+        elif kind == "admitted" and rid in enqueued:
+            story.queued_s = ev["ts"] - enqueued[rid]
+        elif kind == "expired":
+            story.queued_s = ev.get("waited_s", ev["ts"] - enqueued.get(rid, ev["ts"]))
+        elif kind == "retried":
+            story.retries += 1
+        elif kind == "completed":
+            story.upstream_s = ev.get("duration_s")
+            status = ev.get("status")
+            story.result = f"{status} {ev.get('outcome', '')}".strip() if status else str(
+                ev.get("outcome", "completed"))
+        elif kind == "rejected":
+            story.result = f"rejected {ev.get('reason', '')}".strip()
+        elif kind == "replayed":
+            story.result = "replayed"
+        elif kind == "dead_lettered":
+            story.result = "dead-lettered"
+    return list(out.values())
+
+
+def describe(event: dict[str, Any]) -> str:
+    """What one event says, in words, from its own fields."""
+    own = {k: v for k, v in event.items() if k not in COMMON_FIELDS}
+    kind = event["event"]
+    words: list[str] = []
+    if kind == "enqueued" and "queue_depth" in own:
+        words.append(f"queue depth {own.pop('queue_depth')}")
+    elif kind == "expired" and "waited_s" in own:
+        words.append(f"gave up after {_s(own.pop('waited_s'))} in the queue")
+    elif kind == "completed":
+        if "status" in own:
+            words.append(f"status {own.pop('status')}")
+        if "outcome" in own:
+            words.append(str(own.pop("outcome")))
+        if "duration_s" in own:
+            words.append(f"upstream {_s(own.pop('duration_s'))}")
+    elif kind == "rejected":
+        if "reason" in own:
+            words.append(str(own.pop("reason")))
+        if own.get("retry_after_s") is not None:
+            words.append(f"Retry-After {_s(own.pop('retry_after_s'))}")
+        own.pop("retry_after_s", None)
+    if event.get("idempotency_key"):
+        own["key"] = event["idempotency_key"]
+    words.extend(f"{k}={_value(v)}" for k, v in own.items())
+    return ", ".join(words)
+
+
+def render(run_id: str, events: list[dict[str, Any]]) -> str:
+    """The two tables described in the module docstring, as text."""
+    start = events[0]["ts"]
+    span = events[-1]["ts"] - start
+    requests = stories(events)
+    lines = [
+        f"run {run_id}: {len(requests)} request(s), {len(events)} event(s) over {_s(span)}, "
+        f"from {_utc(start)}",
+        "",
+    ]
+    lines += _table(
+        ("+time", "request", "route", "tenant", "event", "detail"),
+        [(f"+{ev['ts'] - start:.3f}s", str(ev.get("request_id") or "-"),
+          str(ev.get("route") or "-"), str(ev.get("tenant") or "-"), ev["event"], describe(ev))
+         for ev in events],
+        right=(0,),
+    )
+    lines.append("")
+    lines += _table(
+        ("request", "route", "tenant", "arrived", "queued", "upstream", "retries", "result"),
+        [(s.request_id, s.route, s.tenant, f"+{s.arrived - start:.3f}s",
+          _s(s.queued_s) if s.queued_s is not None else "-",
+          _s(s.upstream_s) if s.upstream_s is not None else "-",
+          str(s.retries), s.result) for s in requests],
+        right=(3, 4, 5, 6),
+    )
+    return "\n".join(lines) + "\n"
+
+
+def open_events(path: str) -> Iterator[bytes]:
+    """Lines of the event log at ``path``; ``-`` reads standard input."""
+    if path == "-":
+        yield from sys.stdin.buffer
+        return
+    with open(path, "rb") as stream:
+        yield from stream
+
+
+def print_timeline(run_id: str, path: str, out: IO[str]) -> int:
+    """Print run ``run_id``'s timeline from the log at ``path``; the exit status.
+
+    Raises:
+        OSError: the log cannot be read.
+    """
+    events = read_run(open_events(path), run_id)
+    if not events:
+        print(f"no events for run {run_id!r} in {path}", file=sys.stderr)
+        return 1
+    out.write(render(run_id, events))
+    return 0
+
+
+def _table(header: tuple[str, ...], rows: list[tuple[str, ...]],
+           right: tuple[int, ...] = ()) -> list[str]:
+    widths = [max(len(header[i]), *(len(r[i]) for r in rows)) if rows else len(header[i])
+              for i in range(len(header))]
+    last = len(header) - 1
+
+    def line(cells: tuple[str, ...]) -> str:
+        parts = []
+        for i, cell in enumerate(cells):
+            if i == last:
+                parts.append(cell)
+            elif i in right:
+                parts.append(cell.rjust(widths[i]))
+            else:
+                parts.append(cell.ljust(widths[i]))
+        return "  ".join(parts).rstrip()
+
+    return [line(header), line(tuple("-" * w for w in widths)), *(line(r) for r in rows)]
+
+
+def _s(seconds: Any) -> str:
+    if not isinstance(seconds, int | float):
+        return str(seconds)
+    return f"{seconds * 1000:.0f}ms" if seconds < 1 else f"{seconds:.3f}s"
+
+
+def _value(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    return orjson.dumps(value).decode()
+
+
+def _utc(ts: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(ts))

@@ -1,0 +1,83 @@
+"""The admin API: live route state, the redacted config, and the status page."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import pytest
+
+from proxy.redact import REDACTED, redact
+from tests.conftest import route
+from tests.test_reload import CHAT, until
+
+
+@pytest.mark.parametrize(("value", "expected"), [
+    ({"api_key": "abc"}, {"api_key": REDACTED}),
+    ({"redis_password": "pw", "authToken": "t", "tokens": "5000/day"},
+     {"redis_password": REDACTED, "authToken": REDACTED, "tokens": "5000/day"}),
+    ({"redis_url": "redis://:s3cret@127.0.0.1:6379/0"},
+     {"redis_url": f"redis://:{REDACTED}@127.0.0.1:6379/0"}),
+    ({"upstream": "https://user:pw@api.example.com/v1"},
+     {"upstream": f"https://user:{REDACTED}@api.example.com/v1"}),
+    ({"upstream": "https://ghp_abc@git.example.com"},
+     {"upstream": f"https://{REDACTED}@git.example.com"}),
+    ({"headers": {"X-Extra": "Bearer sk-123"}}, {"headers": {"X-Extra": REDACTED}}),
+    ({"problems": ["f:3: state.redis_url: 'redis://u:pw@h:1/x' is not valid"]},
+     {"problems": [f"f:3: state.redis_url: 'redis://u:{REDACTED}@h:1/x' is not valid"]}),
+    ({"list": ["sk-abc", "plain"], "limit": 5, "secret": None},
+     {"list": [REDACTED, "plain"], "limit": 5, "secret": None}),
+])
+def test_redact(value, expected):
+    assert redact(value) == expected
+
+
+async def test_routes_state_config_and_status_page(upstream, start_sluice):
+    upstream.hold = asyncio.Event()
+    sluice = await start_sluice({"routes": [
+        route("llm", f"http://svc:hunter2@127.0.0.1:{upstream.port}",
+              concurrency={"limit": 1, "queue": 4, "max_wait": "30s", "per_tenant": 3},
+              rate={"requests": "100/min"}),
+        route("plain", upstream.url),
+    ]})
+    async with aiohttp.ClientSession() as session:
+        url = sluice.url + "/plain/v1/chat/completions"
+        pending = [asyncio.create_task(session.post(
+            sluice.url + "/llm/v1/chat/completions", json=CHAT,
+            headers={"X-Tenant-ID": "acme"})) for _ in range(3)]
+        await until(lambda: upstream.inflight == 1)
+        await sluice.wait_metric("sluice_queue_depth", 2, route="llm")
+
+        async with session.get(sluice.admin_url + "/admin/routes") as r:
+            assert r.status == 200
+            state = await r.json()
+        llm, plain = state["routes"]
+        assert state["inflight"] == 1 and state["draining"] is False
+        assert llm["name"] == "llm" and llm["inflight"] == 1
+        assert llm["upstream"] == f"http://svc:{REDACTED}@127.0.0.1:{upstream.port}"
+        conc = llm["concurrency"]
+        assert (conc["limit"], conc["inflight"], conc["queue"], conc["queued"]) == (1, 1, 4, 2)
+        assert conc["tenants"] == {"acme": 3} and conc["max_wait_s"] == 30.0
+        assert llm["rate"]["requests"] == {"rate": "100/min", "available": 97}
+        assert plain["concurrency"] is None and plain["rate"] is None
+
+        async with session.get(sluice.admin_url + "/admin/config") as r:
+            view = await r.json()
+        assert view["path"] == str(sluice.config_path)
+        assert view["config"]["routes"][0]["upstream"].startswith(f"http://svc:{REDACTED}@")
+        assert view["config"]["routes"][0]["rate"] == {"requests": "100/min", "per_tenant": None}
+        assert "hunter2" not in str(view)
+
+        async with session.get(sluice.admin_url + "/admin/") as r:
+            assert r.status == 200 and r.content_type == "text/html"
+            page = await r.text()
+        assert "hunter2" not in page
+        assert "<b>llm</b>" in page and "1 / 1 in flight" in page and "2 / 4 queued" in page
+        assert 'http-equiv=refresh' in page and "src=" not in page and "<script" not in page
+
+        upstream.hold.set()
+        for response in await asyncio.gather(*pending):
+            assert response.status == 200
+            response.release()
+        async with session.post(url, json=CHAT) as r:
+            assert r.status == 200

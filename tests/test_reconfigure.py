@@ -1,0 +1,158 @@
+"""Policies reconfigured in place, state carried across reloads, and what a reload holds back."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from policies.concurrency import ConcurrencyLimiter
+from policies.rate import RateLimiter
+from policies.reasons import Reason, Rejected
+from proxy.config import RateConfig, parse_config
+from proxy.metrics import Metrics
+from proxy.reload import keep_restart_only
+from proxy.routes import Route, carry_over
+
+
+async def _queue(limiter: ConcurrencyLimiter, tenant: str = "t") -> asyncio.Task[None]:
+    assert not limiter.try_acquire(tenant)
+    task = asyncio.create_task(limiter.wait(tenant, 1, 30.0))
+    await asyncio.sleep(0)
+    return task
+
+
+async def test_raised_limit_admits_waiters_at_once():
+    limiter = ConcurrencyLimiter(limit=1, queue=10, max_wait=30.0, per_tenant=None)
+    assert limiter.try_acquire("t")
+    waiters = [await _queue(limiter) for _ in range(3)]
+    limiter.reconfigure(limit=3, queue=10, max_wait=30.0, per_tenant=None)
+    await asyncio.sleep(0)
+    assert [w.done() for w in waiters] == [True, True, False]
+    assert (limiter.inflight, limiter.queued) == (3, 1)
+    limiter.release("t", 0.1)  # the freed slot passes to the last waiter
+    await asyncio.sleep(0)
+    assert waiters[2].done() and (limiter.inflight, limiter.queued) == (3, 0)
+
+
+async def test_lowered_limit_retires_slots_before_handing_any_over():
+    limiter = ConcurrencyLimiter(limit=3, queue=10, max_wait=30.0, per_tenant=None)
+    for _ in range(3):
+        assert limiter.try_acquire("t")
+    waiter = await _queue(limiter)
+    limiter.reconfigure(limit=1, queue=10, max_wait=30.0, per_tenant=None)
+    limiter.release("t", None)
+    limiter.release("t", None)
+    await asyncio.sleep(0)
+    assert not waiter.done() and limiter.inflight == 1  # nothing dropped, nothing handed over
+    limiter.release("t", None)
+    await asyncio.sleep(0)
+    assert waiter.done() and limiter.inflight == 1
+    limiter.release("t", None)
+    assert limiter.inflight == 0
+
+
+async def test_per_tenant_cap_switched_on_counts_requests_already_in_flight():
+    limiter = ConcurrencyLimiter(limit=10, queue=0, max_wait=1.0, per_tenant=None)
+    assert limiter.try_acquire("a") and limiter.try_acquire("a")
+    limiter.reconfigure(limit=10, queue=0, max_wait=1.0, per_tenant=2)
+    with pytest.raises(Rejected) as refused:
+        limiter.try_acquire("a")
+    assert refused.value.reason is Reason.TENANT_CONCURRENCY
+    assert limiter.try_acquire("b")
+    limiter.release("a", None)
+    assert limiter.try_acquire("a")
+    assert limiter.state()["tenants"] == {"a": 2, "b": 1}
+
+
+async def test_smaller_queue_refuses_newcomers_but_keeps_the_queued():
+    limiter = ConcurrencyLimiter(limit=1, queue=3, max_wait=30.0, per_tenant=None)
+    assert limiter.try_acquire("t")
+    waiters = [await _queue(limiter) for _ in range(2)]
+    limiter.reconfigure(limit=1, queue=1, max_wait=30.0, per_tenant=None)
+    assert not limiter.try_acquire("t")
+    with pytest.raises(Rejected) as refused:
+        await limiter.wait("t", 1, 30.0)
+    assert refused.value.reason is Reason.QUEUE_FULL
+    limiter.release("t", None)
+    limiter.release("t", None)
+    await asyncio.sleep(0)
+    assert all(w.done() and w.exception() is None for w in waiters)
+
+
+async def test_changed_rate_keeps_the_bucket_level():
+    limiter = RateLimiter(RateConfig.model_validate({"requests": "5/min"}))
+    for _ in range(5):
+        limiter.admit("t")
+    limiter.reconfigure(RateConfig.model_validate({"requests": "6/min"}))
+    limiter.admit("t")  # one more fits the bigger bucket...
+    with pytest.raises(Rejected):
+        limiter.admit("t")  # ...and no fresh burst was granted
+    same = limiter.route_bucket
+    limiter.reconfigure(RateConfig.model_validate({"requests": "6/min"}))
+    assert limiter.route_bucket is same
+
+
+async def test_tenant_buckets_follow_the_new_per_tenant_rate():
+    limiter = RateLimiter(RateConfig.model_validate({"per_tenant": {"requests": "1/min"}}))
+    limiter.admit("a")
+    with pytest.raises(Rejected):
+        limiter.admit("a")
+    limiter.reconfigure(RateConfig.model_validate({"per_tenant": {"requests": "2/min"}}))
+    limiter.admit("a")
+    with pytest.raises(Rejected):
+        limiter.admit("a")
+    limiter.reconfigure(RateConfig.model_validate({}))
+    for _ in range(5):
+        limiter.admit("a")
+    assert limiter.state() == {"requests": None, "per_tenant": None, "tenants_tracked": 0}
+
+
+def _routes(yaml_text: str) -> list[Route]:
+    config = parse_config(yaml_text)
+    metrics = Metrics()
+    return [Route(rc, metrics) for rc in config.routes]
+
+
+ROUTE = """
+routes:
+  - name: r
+    path_prefix: /r/
+    upstream: http://127.0.0.1:1
+    concurrency: {{limit: {limit}, queue: 4}}
+    rate: {{requests: {rate}}}
+"""
+
+
+def test_take_over_keeps_unchanged_policies_and_reconfigures_changed_ones():
+    (old,) = _routes(ROUTE.format(limit=2, rate="10/s"))
+    old.inflight = 1
+    (new,) = _routes(ROUTE.format(limit=5, rate="10/s"))
+    new.take_over(old)
+    assert new.concurrency is old.concurrency and new.concurrency.limit == 5
+    assert new.rate is old.rate
+    assert new.inflight_total == 1 and new.retired == (old,)
+    (newer,) = _routes(ROUTE.format(limit=5, rate="10/s"))
+    old.inflight = 0
+    newer.take_over(new)
+    assert newer.retired == () and newer.concurrency is old.concurrency
+
+
+def test_carry_over_without_reconfigure_takes_the_fresh_object():
+    old, new = object(), object()
+    assert carry_over(old, new, {"a": 1}, {"a": 1}) is old
+    assert carry_over(old, new, {"a": 1}, {"a": 2}) is new
+    assert carry_over(None, new, None, {"a": 2}) is new
+    assert carry_over(old, None, {"a": 1}, None) is None
+
+
+def test_restart_only_keys_are_held_back():
+    running = parse_config("server: {listen: 127.0.0.1:1000}\n" + ROUTE.format(limit=1, rate="1/s"))
+    new = parse_config(
+        "server: {listen: 127.0.0.1:2000, drain_timeout: 9s}\nevents: {path: /tmp/x}\n"
+        "state: {backend: memory}\n" + ROUTE.format(limit=3, rate="1/s"))
+    applied, held = keep_restart_only(running, new)
+    assert held == ["server.listen", "events.path"]
+    assert applied.server.listen == "127.0.0.1:1000" and applied.events.path is None
+    assert applied.server.drain_timeout == 9.0
+    assert applied.routes[0].concurrency.limit == 3

@@ -1,0 +1,214 @@
+"""Hot reload end to end: limits change under load, bad files are refused, ConfigMap swaps land."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import aiohttp
+import yaml
+
+from tests.conftest import route
+
+CHAT = {"model": "gpt-test", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def rewrite(path: Path, mutate: Callable[[dict], object]) -> None:
+    """Change the YAML config at ``path`` the way an editor does: write aside, rename over."""
+    data = yaml.safe_load(path.read_text())
+    mutate(data)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(yaml.safe_dump(data, sort_keys=False))
+    os.replace(tmp, path)
+
+
+def set_limit(limit: int) -> Callable[[dict], None]:
+    def mutate(data: dict) -> None:
+        data["routes"][0]["concurrency"]["limit"] = limit
+    return mutate
+
+
+async def until(condition: Callable[[], bool], timeout: float = 20.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what or condition}")
+        await asyncio.sleep(0.02)
+
+
+async def test_limit_changes_under_load_without_failing_a_request(upstream, start_sluice):
+    upstream.delay = 0.15
+    sluice = await start_sluice({"routes": [
+        route("llm", upstream.url, concurrency={"limit": 2, "queue": 64, "max_wait": "60s"})]})
+    statuses: list[int] = []
+    stop = asyncio.Event()
+
+    async def agent(session: aiohttp.ClientSession) -> None:
+        while not stop.is_set():
+            async with session.post(sluice.url + "/llm/v1/chat/completions", json=CHAT) as r:
+                await r.read()
+                statuses.append(r.status)
+
+    async def sluice_inflight() -> float:
+        return await sluice.metric("sluice_inflight_requests", route="llm")
+
+    async with aiohttp.ClientSession() as session:
+        agents = [asyncio.create_task(agent(session)) for _ in range(8)]
+        await until(lambda: len(statuses) >= 6, what="traffic under limit 2")
+        assert upstream.peak_inflight == 2
+
+        rewrite(sluice.config_path, set_limit(4))
+        await sluice.wait_metric("sluice_concurrency_limit", 4, route="llm")
+        upstream.peak_inflight = upstream.inflight
+        done = len(statuses)
+        await until(lambda: len(statuses) >= done + 12, what="traffic under limit 4")
+        assert upstream.peak_inflight == 4  # raised: queued requests took the new slots
+
+        rewrite(sluice.config_path, set_limit(1))
+        await sluice.wait_metric("sluice_concurrency_limit", 1, route="llm")
+        deadline = time.monotonic() + 20
+        while await sluice_inflight() > 1:  # requests admitted under 4 finish first
+            assert time.monotonic() < deadline, "in-flight requests did not drain to 1"
+            await asyncio.sleep(0.02)
+        upstream.peak_inflight = upstream.inflight
+        done = len(statuses)
+        await until(lambda: len(statuses) >= done + 6, what="traffic under limit 1")
+        assert upstream.peak_inflight == 1  # lowered: holds as soon as the excess finished
+
+        stop.set()
+        await asyncio.gather(*agents)
+
+    assert len(statuses) >= 24
+    assert set(statuses) == {200}, f"a request failed across reloads: {sorted(set(statuses))}"
+    assert upstream.cancelled == 0
+    assert await sluice.metric("sluice_config_reloads_total") == 2
+    await until(lambda: len([e for e in sluice.events() if e["event"] == "config_reloaded"]) == 2)
+    reloads = [e for e in sluice.events() if e["event"] == "config_reloaded"]
+    assert [e["routes_changed"] for e in reloads] == [["llm"], ["llm"]]
+
+
+async def test_invalid_file_keeps_the_old_limit(upstream, start_sluice):
+    upstream.hold = asyncio.Event()
+    sluice = await start_sluice({"routes": [
+        route("llm", upstream.url, concurrency={"limit": 2, "queue": 0})]})
+
+    def break_it(data: dict) -> None:
+        data["routes"][0]["concurrency"]["limit"] = "two"
+        data["routes"][0]["concurrency"]["max_wiat"] = "1s"
+
+    rewrite(sluice.config_path, break_it)
+    await sluice.wait_metric("sluice_config_reload_failures_total", 1)
+    assert await sluice.metric("sluice_config_last_reload_successful") == 0
+    assert await sluice.metric("sluice_config_reloads_total") == 0
+    assert await sluice.metric("sluice_concurrency_limit", route="llm") == 2
+    log = sluice.stderr()
+    name = sluice.config_path.name
+    assert f"{name}:" in log and ": routes[0].concurrency.limit: " in log
+    assert ": routes[0].concurrency.max_wiat: unknown key" in log
+
+    # The old limit still holds: two requests reach the upstream, the third is refused.
+    async with aiohttp.ClientSession() as session:
+        url = sluice.url + "/llm/v1/chat/completions"
+        held = [asyncio.create_task(session.post(url, json=CHAT)) for _ in range(2)]
+        await until(lambda: upstream.inflight == 2)
+        async with session.post(url, json=CHAT) as third:
+            assert third.status == 503
+            assert third.headers["X-Sluice-Reason"] == "queue_full"
+        async with session.get(sluice.admin_url + "/admin/config") as r:
+            view = await r.json()
+        assert view["last_reload"]["ok"] is False
+        assert any(": routes[0].concurrency.limit: " in p for p in view["last_reload"]["problems"])
+        assert view["config"]["routes"][0]["concurrency"]["limit"] == 2
+        upstream.hold.set()
+        for response in await asyncio.gather(*held):
+            assert response.status == 200
+            response.release()
+
+    def fix_it(data: dict) -> None:
+        data["routes"][0]["concurrency"] = {"limit": 3, "queue": 0}
+
+    rewrite(sluice.config_path, fix_it)  # fixed: the next good file applies
+    await sluice.wait_metric("sluice_concurrency_limit", 3, route="llm")
+    assert await sluice.metric("sluice_config_last_reload_successful") == 1
+
+
+async def test_configmap_symlink_swap_is_picked_up(upstream, start_sluice, tmp_path):
+    # The layout the kubelet gives a ConfigMap volume, and its atomic update (AtomicWriter):
+    # write a new timestamped directory, point ..data_tmp at it, rename it over ..data.
+    mount = tmp_path / "etc-sluice"
+    (mount / "..2026_01_01_00_00_00.1").mkdir(parents=True)
+    (mount / "..data").symlink_to("..2026_01_01_00_00_00.1")
+    (mount / "sluice.yaml").symlink_to("..data/sluice.yaml")
+    sluice = await start_sluice(
+        {"routes": [route("llm", upstream.url, concurrency={"limit": 2, "queue": 4})]},
+        config_path=mount / "sluice.yaml",
+    )
+    data = yaml.safe_load((mount / "sluice.yaml").read_text())
+    data["routes"][0]["concurrency"]["limit"] = 5
+    new_dir = mount / "..2026_01_01_00_01_00.2"
+    new_dir.mkdir()
+    (new_dir / "sluice.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
+    (mount / "..data_tmp").symlink_to(new_dir.name)
+    os.replace(mount / "..data_tmp", mount / "..data")
+
+    await sluice.wait_metric("sluice_concurrency_limit", 5, route="llm")
+    await until(lambda: any(e["event"] == "config_reloaded" for e in sluice.events()))
+    reloaded = [e for e in sluice.events() if e["event"] == "config_reloaded"]
+    assert reloaded[-1]["trigger"] == "file"
+    assert reloaded[-1]["path"] == str(mount / "sluice.yaml")
+    async with aiohttp.ClientSession() as session, session.post(
+            sluice.url + "/llm/v1/chat/completions", json=CHAT) as r:
+        assert r.status == 200
+
+
+async def test_sighup_reloads_and_listeners_stay_put(upstream, start_sluice):
+    sluice = await start_sluice({"routes": [route("llm", upstream.url)]})
+    sluice.signal(signal.SIGHUP)
+    await sluice.wait_metric("sluice_config_reloads_total", 1)
+    await until(lambda: any(e["event"] == "config_reloaded" for e in sluice.events()))
+    assert [e["trigger"] for e in sluice.events() if e["event"] == "config_reloaded"] == [
+        "sighup"]
+
+    def move_listener(data: dict) -> None:
+        data["server"]["listen"] = "127.0.0.1:1"
+        data["routes"][0]["timeouts"] = {"connect": "2s", "total": "60s"}
+
+    rewrite(sluice.config_path, move_listener)
+    await sluice.wait_metric("sluice_config_reloads_total", 2)
+    async with aiohttp.ClientSession() as session:
+        async with session.post(sluice.url + "/llm/v1/chat/completions", json=CHAT) as r:
+            assert r.status == 200  # still on the old address
+        async with session.get(sluice.admin_url + "/admin/config") as r:
+            view = await r.json()
+    assert view["last_reload"]["held"] == ["server.listen"]
+    assert view["config"]["server"]["listen"] == f"127.0.0.1:{sluice.port}"
+    assert view["config"]["routes"][0]["timeouts"] == {"connect": 2.0, "total": 60.0}
+    assert "server.listen changed but cannot change while running" in sluice.stderr()
+
+
+async def test_routes_added_and_removed(upstream, start_sluice):
+    sluice = await start_sluice({"routes": [
+        route("old", upstream.url, concurrency={"limit": 3})]})
+    async with aiohttp.ClientSession() as session:
+        async with session.post(sluice.url + "/old/v1/chat/completions", json=CHAT) as r:
+            assert r.status == 200
+
+        def swap(data: dict) -> None:
+            data["routes"] = [route("new", upstream.url, concurrency={"limit": 7})]
+
+        rewrite(sluice.config_path, swap)
+        await sluice.wait_metric("sluice_concurrency_limit", 7, route="new")
+        async with session.post(sluice.url + "/new/v1/chat/completions", json=CHAT) as r:
+            assert r.status == 200
+        async with session.post(sluice.url + "/old/v1/chat/completions", json=CHAT) as r:
+            assert r.status == 404
+        metrics = await sluice.metrics()
+    assert not [key for key in metrics if ("route", "old") in key[1]]
+    assert metrics[("sluice_requests_total", (("outcome", "2xx"), ("route", "new")))] == 1
+    await until(lambda: any(e["event"] == "config_reloaded" for e in sluice.events()))
+    event = [e for e in sluice.events() if e["event"] == "config_reloaded"][-1]
+    assert (event["routes_added"], event["routes_removed"]) == (["new"], ["old"])

@@ -1,0 +1,100 @@
+"""``sluice timeline``: a run's story rebuilt from the event log of a real Sluice."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+
+import aiohttp
+
+from tests.conftest import REPO, route
+from tests.test_reload import CHAT, until
+
+
+def timeline(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "proxy", "timeline", *args], cwd=REPO,
+                          capture_output=True, text=True, input=stdin, timeout=60)
+
+
+def rows(output: str, first_column: str) -> dict[str, list[str]]:
+    """The per-request table: request id -> its columns."""
+    table = output.split("\n\n")[-1].splitlines()
+    assert table[0].split()[0] == first_column
+    return {line.split()[0]: line.split() for line in table[2:] if line.strip()}
+
+
+async def test_queued_rejected_and_retried_requests_are_rebuilt(upstream, start_sluice):
+    upstream.hold = asyncio.Event()
+    sluice = await start_sluice({"routes": [
+        route("llm", upstream.url, concurrency={"limit": 1, "queue": 1, "max_wait": "30s"})]})
+    run = {"X-Run-ID": "run-7", "X-Tenant-ID": "acme"}
+    async with aiohttp.ClientSession() as session:
+        url = sluice.url + "/llm/v1/chat/completions"
+
+        def send(request_id: str) -> asyncio.Task:
+            return asyncio.create_task(session.post(
+                url, json=CHAT, headers={**run, "X-Request-ID": request_id}))
+
+        first = send("req-first")
+        await until(lambda: upstream.inflight == 1)
+        queued = send("req-queued")
+        await sluice.wait_metric("sluice_queue_depth", 1, route="llm")
+        refused = {**run, "X-Request-ID": "req-refused"}
+        async with session.post(url, json=CHAT, headers=refused) as r:
+            assert r.status == 503 and r.headers["X-Sluice-Reason"] == "queue_full"
+        async with session.post(url, json=CHAT, headers={"X-Run-ID": "other-run"}) as r:
+            assert r.status == 503  # another run's event, which must not show
+        upstream.hold.set()
+        for response in await asyncio.gather(first, queued):
+            assert response.status == 200
+            response.release()
+    await until(lambda: sum(e["event"] == "completed" for e in sluice.events()) == 2)
+
+    # Issue 5's retry layer emits `retried`; until it lands, append the line it will write.
+    admitted = next(e for e in sluice.events()
+                    if e["event"] == "admitted" and e["request_id"] == "req-first")
+    with sluice.events_path.open("a") as log:
+        log.write(json.dumps({
+            "ts": admitted["ts"] + 0.001, "event": "retried", "request_id": "req-first",
+            "route": "llm", "tenant": "acme", "run": "run-7", "idempotency_key": None,
+            "attempt": 2, "status": 503, "backoff_s": 0.25}) + "\n")
+        log.write("not json: a log line in between\n")
+
+    result = timeline("run-7", "--config", str(sluice.config_path))
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert out.startswith("run run-7: 3 request(s), 8 event(s) over ")
+    events = [line.split()[:5] for line in out.split("\n\n")[1].splitlines()[2:]]
+    assert [(e[1], e[4]) for e in events] == [
+        ("req-first", "admitted"), ("req-first", "retried"), ("req-queued", "enqueued"),
+        ("req-refused", "enqueued"), ("req-refused", "rejected"), ("req-first", "completed"),
+        ("req-queued", "admitted"), ("req-queued", "completed"),
+    ]
+    assert events[0][0] == "+0.000s" and all(e[2:4] == ["llm", "acme"] for e in events)
+    assert "other-run" not in out and "not json" not in out
+    assert "queue depth 1" in out and "attempt=2, status=503, backoff_s=0.25" in out
+    assert "queue_full, Retry-After" in out
+
+    story = rows(out, "request")
+    assert story["req-first"][-2:] == ["200", "2xx"] and story["req-first"][6] == "1"
+    assert story["req-queued"][4] != "-" and story["req-queued"][-2:] == ["200", "2xx"]
+    assert story["req-refused"][-2:] == ["rejected", "queue_full"]
+    assert story["req-refused"][5] == "-"  # never reached the upstream
+
+    # The same story from standard input, as from `kubectl logs ... | sluice timeline -`.
+    piped = timeline("run-7", "--events", "-", stdin=sluice.events_path.read_text())
+    assert piped.returncode == 0 and piped.stdout == out
+
+
+def test_unknown_run_and_stdout_events(tmp_path):
+    log = tmp_path / "events.jsonl"
+    log.write_text('{"ts": 1, "event": "admitted", "run": "a", "request_id": "x"}\n')
+    missing = timeline("nope", "--events", str(log))
+    assert missing.returncode == 1 and "no events for run 'nope'" in missing.stderr
+    config = tmp_path / "sluice.yaml"
+    config.write_text("events: {path: null}\nroutes:\n  - {name: r, path_prefix: /r/, "
+                      "upstream: 'http://127.0.0.1:1'}\n")
+    stdout_events = timeline("a", "--config", str(config))
+    assert stdout_events.returncode == 2 and "--events -" in stdout_events.stderr
