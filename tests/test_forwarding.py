@@ -166,10 +166,20 @@ async def test_authorization_passes_through_and_is_never_logged(upstream, start_
             async with session.post(sluice.url + path, json={"model": "m", "messages": []},
                                     headers={**headers, **extra}) as r:
                 assert r.status == expect
+    # Malformed requests are refused by aiohttp's parser, whose error names the offending line:
+    # a key with a stray control character, or one in a query string.
+    for malformed in (b"GET /svc/x HTTP/1.1\r\nAuthorization: Bearer %s\x01\r\n",
+                      b"GET /svc/x HTTP/1.1\r\nx-api-key: %s\rx\r\n",
+                      b"GET /svc/x?key=%s\x7f HTTP/1.1\r\n"):
+        answer = await raw_request(sluice.port, malformed % secret.encode()
+                                   + b"Host: s\r\nConnection: close\r\n\r\n")
+        assert answer.startswith(b"HTTP/1.0 400") or answer.startswith(b"HTTP/1.1 400")
     assert [s.headers["Authorization"] for s in upstream.requests] == [f"Bearer {secret}"] * 2
     await wait_until(lambda: sum(e["event"] == "completed" for e in sluice.events()) == 3,
                      what="3 completed events")
     assert secret not in sluice.events_path.read_text()
+    await wait_until(lambda: sluice.stderr().count("Error handling request") >= 3,
+                     what="the malformed requests logged")
     assert secret not in sluice.stderr()
 
 
