@@ -54,8 +54,6 @@ async def handle(request: web.Request) -> web.StreamResponse:
     if route is None:
         detail = "absolute-form request targets are refused" if raw_path[:1] != "/" else raw_path
         return render(Rejected(Reason.NO_ROUTE, None, detail[:200]), "http")
-    if has_dot_segment(raw_path):
-        return render(Rejected(Reason.BAD_REQUEST, None, "dot-segments in path"), route.protocol)
 
     headers = request.headers
     tenant = headers.get(rt.tenant_header) or rt.default_tenant
@@ -64,16 +62,18 @@ async def handle(request: web.Request) -> web.StreamResponse:
     events = rt.events
     metrics = route.metrics
 
-    if rt.draining:
-        return _reject(rt, route, Rejected(Reason.DRAINING, DRAINING_RETRY_AFTER_S), request_id,
-                       tenant, run)
+    if has_dot_segment(raw_path):
+        return _reject(rt, route, Rejected(Reason.BAD_REQUEST, None, "dot-segments in path"),
+                       request_id, tenant, run)
     try:
         body = await request.read()
     except web.HTTPRequestEntityTooLarge:
-        return render(
-            Rejected(Reason.BODY_TOO_LARGE, None,
-                     f"limit {rt.config.server.max_request_bytes} bytes"), route.protocol
-        )
+        return _reject(rt, route, Rejected(Reason.BODY_TOO_LARGE, None,
+                                           f"limit {rt.config.server.max_request_bytes} bytes"),
+                       request_id, tenant, run)
+    if rt.draining:  # after the read, so an MCP caller's error carries its request id
+        return _reject(rt, route, Rejected(Reason.DRAINING, DRAINING_RETRY_AFTER_S), request_id,
+                       tenant, run, body)
 
     limiter = route.concurrency
     try:

@@ -17,6 +17,7 @@ import signal
 import time
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client.aiohttp import make_aiohttp_handler
 
 from proxy.admin import add_admin_routes
@@ -31,6 +32,24 @@ log = logging.getLogger("sluice")
 DRAIN_POLL_S = 0.05
 #: After the drain, how long aiohttp waits for handlers before cancelling them, seconds.
 SHUTDOWN_GRACE_S = 1.0
+
+
+class RedactMalformedRequests(logging.Filter):
+    """Keeps request bytes out of aiohttp's log of a request its parser refused.
+
+    That log quotes the offending header line or request target, which may hold an API key
+    (an ``Authorization`` value with a stray control character, a key in a query string);
+    the record keeps the peer and the error's kind and drops the quoted bytes.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError):
+            record.msg = f"{record.getMessage()}: {type(exc).__name__} ({exc.code}), not quoted"
+            record.args = None
+            record.exc_info = None
+            record.exc_text = None
+        return True
 
 
 def build_proxy_app(runtime: Runtime) -> web.Application:
@@ -76,6 +95,9 @@ async def serve(config: Config, config_path: str | None = None) -> None:
     With ``config_path`` (the file ``config`` was loaded from), SIGHUP and changes to that file
     reload the config; without it, SIGHUP is ignored.
     """
+    server_log = logging.getLogger("aiohttp.server")
+    if not any(isinstance(f, RedactMalformedRequests) for f in server_log.filters):
+        server_log.addFilter(RedactMalformedRequests())
     runtime = Runtime(config)
     reloader = Reloader(runtime, config_path) if config_path else None
     await runtime.open()

@@ -1,8 +1,9 @@
 """Shared fixtures: a fake upstream in the test's loop and Sluice as a real subprocess.
 
 ``start_sluice(config)`` writes ``config`` (a dict or YAML text) to a temporary file, runs
-``python -m proxy serve --config FILE`` on free loopback ports, waits for ``/readyz`` and
-returns a :class:`SluiceProcess`. Its event log goes to a file the test can read. With
+``sluice serve --config FILE`` in its own process (forked warm, see ``tests/sluice_child.py``)
+on free loopback ports, waits for ``/readyz`` and returns a :class:`SluiceProcess`. Its event
+log goes to a file the test can read. With
 ``config_path=`` the config is written there (through a symlink, if it is one) and Sluice is
 started on that path.
 """
@@ -12,11 +13,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import signal
 import socket
-import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -27,6 +25,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.fakeupstream import FakeUpstream
+from tests.sluice_child import ForkedSluice
 
 REPO = Path(__file__).resolve().parent.parent
 STARTUP_TIMEOUT_S = 20.0
@@ -41,7 +40,7 @@ def free_port() -> int:
 class SluiceProcess:
     """A running ``sluice serve`` and the addresses it listens on."""
 
-    def __init__(self, proc: subprocess.Popen, port: int, admin_port: int, events: Path,
+    def __init__(self, proc: ForkedSluice, port: int, admin_port: int, events: Path,
                  stderr: Path, config_path: Path) -> None:
         self.proc = proc
         self.port = port
@@ -172,11 +171,7 @@ async def start_sluice(tmp_path: Path) -> AsyncIterator[Callable[..., Awaitable[
         config_path = config_path or tmp_path / f"sluice-{index}.yaml"
         config_path.write_text(yaml.safe_dump(data, sort_keys=False))
         stderr = tmp_path / f"sluice-{index}.stderr"
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "proxy", "serve", "--config", str(config_path)],
-            cwd=REPO, stdout=subprocess.DEVNULL, stderr=stderr.open("wb"),
-            env={**os.environ, **(env or {})},
-        )
+        proc = ForkedSluice(str(config_path), str(stderr), str(REPO), env or {})
         sluice = SluiceProcess(proc, port, admin_port, events, stderr, config_path)
         started.append(sluice)
         deadline = time.monotonic() + STARTUP_TIMEOUT_S

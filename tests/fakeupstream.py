@@ -8,7 +8,8 @@ peak concurrency in ``inflight`` / ``peak_inflight``.
 Endpoints:
     POST /v1/chat/completions   OpenAI chat completion, plain or SSE (``"stream": true``)
     POST /v1/messages           Anthropic message, plain or SSE
-    GET  /gzip                  a gzip-encoded JSON body (``GZIP_BODY``), ``Content-Encoding: gzip``
+    GET  /gzip                  ``GZIP_BODY`` with ``Content-Encoding: gzip``; ``?stream``
+                                sends it chunked, in 16-byte writes
     anything else               echoes method, path, query, headers and body length as JSON
 
 ``stream_hold``, when set to an event, stops a stream after its first content event until the
@@ -72,7 +73,9 @@ class FakeUpstream:
         app.router.add_post("/v1/messages", self._anthropic)
         app.router.add_get("/gzip", self._gzip)
         app.router.add_route("*", "/{tail:.*}", self._echo)
-        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+        # auto_decompress off: ``requests`` keeps bodies exactly as they arrived.
+        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True,
+                                     auto_decompress=False)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
         await site.start()
@@ -140,8 +143,15 @@ class FakeUpstream:
 
     async def _gzip(self, request: web.Request) -> web.StreamResponse:
         async def answer(req: web.Request, body: bytes) -> web.StreamResponse:
-            return web.Response(body=GZIP_BODY, headers={"Content-Encoding": "gzip",
-                                                         "Content-Type": "application/json"})
+            headers = {"Content-Encoding": "gzip", "Content-Type": "application/json"}
+            if "stream" not in req.query:
+                return web.Response(body=GZIP_BODY, headers=headers)
+            response = web.StreamResponse(headers=headers)  # chunked, no Content-Length
+            await response.prepare(req)
+            for start in range(0, len(GZIP_BODY), 16):
+                await response.write(GZIP_BODY[start:start + 16])
+            await response.write_eof()
+            return response
 
         return await self._guard(request, answer)
 

@@ -17,7 +17,7 @@ CHAT = {"model": "gpt-test", "messages": [{"role": "user", "content": "hi"}]}
 async def test_sigterm_drains_in_flight_work_and_refuses_new(upstream, start_sluice):
     sluice = await start_sluice({
         "server": {"drain_timeout": "20s"},
-        "routes": [route("openai", upstream.url, "openai")],
+        "routes": [route("openai", upstream.url, "openai"), route("mcp", upstream.url, "mcp")],
     })
     url = sluice.url + "/openai/v1/chat/completions"
     upstream.hold = asyncio.Event()
@@ -46,7 +46,13 @@ async def test_sigterm_drains_in_flight_work_and_refuses_new(upstream, start_slu
             assert r.headers["Retry-After"] == "1"
             assert r.headers["x-should-retry"] == "true"
             assert (await r.json())["error"]["code"] == "draining"
-        assert len(upstream.requests) == 1  # the refused request never reached the upstream
+        # An MCP caller gets a JSON-RPC error for its own request id.
+        async with session.post(sluice.url + "/mcp/mcp", json={
+                "jsonrpc": "2.0", "id": 41, "method": "tools/list"}) as r:
+            assert r.status == 503
+            body = await r.json()
+        assert body["id"] == 41 and body["error"]["data"]["reason"] == "draining"
+        assert len(upstream.requests) == 1  # the refused requests never reached the upstream
         assert not call.done()
 
         upstream.hold.set()
@@ -55,7 +61,7 @@ async def test_sigterm_drains_in_flight_work_and_refuses_new(upstream, start_slu
     assert await sluice.wait_exit(timeout=20) == 0
     assert time.monotonic() - signalled < 20  # it left when the work was done, not at the timeout
     events = sluice.events()  # flushed at exit
-    assert [e["reason"] for e in events if e["event"] == "rejected"] == ["draining"]
+    assert [e["reason"] for e in events if e["event"] == "rejected"] == ["draining"] * 2
     assert [e["status"] for e in events if e["event"] == "completed"] == [200]
     assert "drained" in sluice.stderr()
 

@@ -140,14 +140,21 @@ async def test_chunked_response_reframed_not_forwarded(start_sluice):
 
 async def test_gzip_bytes_and_content_encoding_pass_through(upstream, start_sluice):
     sluice = await start_sluice({"routes": [route("svc", upstream.url, "http")]})
-    async with aiohttp.ClientSession(auto_decompress=False) as session, session.get(
-        sluice.url + "/svc/gzip", headers={"Accept-Encoding": "gzip"}
-    ) as r:
-        assert r.status == 200
-        assert r.headers["Content-Encoding"] == "gzip"
-        assert r.headers["Content-Length"] == str(len(GZIP_BODY))
-        assert await r.read() == GZIP_BODY
-    assert upstream.requests[0].headers["Accept-Encoding"] == "gzip"
+    async with aiohttp.ClientSession(auto_decompress=False) as session:
+        for path, length in (("/svc/gzip", str(len(GZIP_BODY))), ("/svc/gzip?stream", None)):
+            async with session.get(sluice.url + path,
+                                   headers={"Accept-Encoding": "gzip"}) as r:
+                assert r.status == 200
+                assert r.headers["Content-Encoding"] == "gzip"
+                assert r.headers.get("Content-Length") == length
+                assert await r.read() == GZIP_BODY
+        # A compressed request body goes up as sent, with its Content-Encoding.
+        async with session.post(sluice.url + "/svc/upload", data=GZIP_BODY,
+                                headers={"Content-Encoding": "gzip"}) as r:
+            assert r.status == 200
+    assert [s.headers["Accept-Encoding"] for s in upstream.requests[:2]] == ["gzip"] * 2
+    assert upstream.requests[2].body == GZIP_BODY
+    assert upstream.requests[2].headers["Content-Encoding"] == "gzip"
 
 
 async def test_authorization_passes_through_and_is_never_logged(upstream, start_sluice):
@@ -166,10 +173,20 @@ async def test_authorization_passes_through_and_is_never_logged(upstream, start_
             async with session.post(sluice.url + path, json={"model": "m", "messages": []},
                                     headers={**headers, **extra}) as r:
                 assert r.status == expect
+    # Malformed requests are refused by aiohttp's parser, whose error names the offending line:
+    # a key with a stray control character, or one in a query string.
+    for malformed in (b"GET /svc/x HTTP/1.1\r\nAuthorization: Bearer %s\x01\r\n",
+                      b"GET /svc/x HTTP/1.1\r\nx-api-key: %s\rx\r\n",
+                      b"GET /svc/x?key=%s\x7f HTTP/1.1\r\n"):
+        answer = await raw_request(sluice.port, malformed % secret.encode()
+                                   + b"Host: s\r\nConnection: close\r\n\r\n")
+        assert answer.startswith(b"HTTP/1.0 400") or answer.startswith(b"HTTP/1.1 400")
     assert [s.headers["Authorization"] for s in upstream.requests] == [f"Bearer {secret}"] * 2
     await wait_until(lambda: sum(e["event"] == "completed" for e in sluice.events()) == 3,
                      what="3 completed events")
     assert secret not in sluice.events_path.read_text()
+    await wait_until(lambda: sluice.stderr().count("Error handling request") >= 3,
+                     what="the malformed requests logged")
     assert secret not in sluice.stderr()
 
 

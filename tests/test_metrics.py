@@ -6,6 +6,7 @@ import asyncio
 import time
 
 import aiohttp
+from yarl import URL
 
 from policies.reasons import Reason
 from tests.conftest import route, wait_until
@@ -82,3 +83,21 @@ async def test_scenario_leaves_the_right_values(upstream, start_sluice):
                                      reason=reason.code) for reason in Reason}
     assert rejections == {code: (1 if code == "queue_full" else 0) for code in rejections}
     assert value("sluice_rejections_total", route="limited", reason="rate_limited") == 1
+
+
+async def test_request_faults_are_counted_by_reason_on_their_route(upstream, start_sluice):
+    sluice = await start_sluice({"server": {"max_request_bytes": 100},
+                                 "routes": [route("svc", upstream.url, "http")]})
+    async with aiohttp.ClientSession() as session:
+        async with session.post(sluice.url + "/svc/x", data=b"x" * 1000) as r:
+            assert r.status == 413
+        async with session.get(URL(sluice.url + "/svc/../x", encoded=True)) as r:
+            assert r.status == 400
+    assert await sluice.metric("sluice_rejections_total", route="svc",
+                               reason="request_too_large") == 1
+    assert await sluice.metric("sluice_rejections_total", route="svc",
+                               reason="bad_request") == 1
+    assert await sluice.metric("sluice_requests_total", route="svc", outcome="rejected") == 2
+    await wait_until(lambda: len(sluice.events()) == 2, what="two rejected events")
+    assert sorted(e["reason"] for e in sluice.events()) == ["bad_request", "request_too_large"]
+    assert upstream.requests == []

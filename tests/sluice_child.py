@@ -1,0 +1,72 @@
+"""``sluice serve`` in a child forked from a warm interpreter, for the test harness.
+
+Starting ``python -m proxy`` costs about a second of imports on a busy machine, and the suite
+starts Sluice some forty times. A ``forkserver`` that has imported Sluice once forks each
+server in tens of milliseconds instead; the child then runs the same entry point as the
+console script (``proxy.cli.main``) with its own stdout, stderr, working directory and
+environment, so it is still a separate process that signals, exit codes and crashes reach.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+
+#: Imported once by the fork server, so each child starts warm.
+PRELOAD = ["tests.sluice_child", "proxy.cli", "proxy.server", "uvloop", "pytest"]
+
+
+def _serve(config_path: str, stderr_path: str, cwd: str, env: dict[str, str]) -> None:
+    os.chdir(cwd)
+    os.environ.update(env)
+    for fd, path, flags in ((1, os.devnull, os.O_WRONLY),
+                            (2, stderr_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)):
+        opened = os.open(path, flags, 0o644)
+        os.dup2(opened, fd)
+        os.close(opened)
+    from proxy.cli import main
+
+    sys.exit(main(["serve", "--config", config_path]))
+
+
+class ForkedSluice:
+    """A ``subprocess.Popen``-like handle (``pid``, ``poll``, ``wait``, ``send_signal``,
+    ``returncode``) on one forked ``sluice serve``."""
+
+    _context: multiprocessing.context.ForkServerContext | None = None
+
+    def __init__(self, config_path: str, stderr_path: str, cwd: str,
+                 env: dict[str, str]) -> None:
+        if ForkedSluice._context is None:
+            context = multiprocessing.get_context("forkserver")
+            context.set_forkserver_preload(PRELOAD)
+            ForkedSluice._context = context
+        self._process = ForkedSluice._context.Process(
+            target=_serve, args=(config_path, stderr_path, cwd, env),
+            daemon=True,  # never left running after the session, even if a test leaks it
+        )
+        self._process.start()
+        self.pid = self._process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._process.exitcode
+
+    def poll(self) -> int | None:
+        return self._process.exitcode
+
+    def send_signal(self, sig: int) -> None:
+        if self._process.exitcode is None:
+            os.kill(self.pid, sig)
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            raise subprocess.TimeoutExpired(f"sluice pid {self.pid}", timeout or 0)
+        return self._process.exitcode
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
