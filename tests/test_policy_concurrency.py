@@ -29,6 +29,7 @@ async def test_service_time_average_drives_retry_after():
     limiter.release("t", 3.0)  # EWMA: 1.0 + 0.1 * (3.0 - 1.0)
     assert limiter.mean_service_s == pytest.approx(1.2)
     assert limiter.try_acquire("t")
+    assert not limiter.try_acquire("t")
     with pytest.raises(Rejected) as full:
         await limiter.wait("t", 1, 5.0)
     assert full.value.retry_after == pytest.approx(1.2)
@@ -40,6 +41,7 @@ async def test_freed_slot_goes_to_the_best_waiter_without_dipping():
     served: list[str] = []
 
     async def waiter(name: str, priority: int) -> None:
+        assert not limiter.try_acquire("t")  # the handler's order: try, then queue
         await limiter.wait("t", priority, 30.0)
         served.append(name)
 
@@ -96,6 +98,7 @@ async def test_caller_leaving_the_queue_frees_its_place():
 async def test_caller_leaving_just_as_the_slot_is_handed_over_gives_it_back():
     limiter = ConcurrencyLimiter(limit=1, queue=5, max_wait=30.0, per_tenant=None)
     assert limiter.try_acquire("t")
+    assert not limiter.try_acquire("t")
     task = asyncio.create_task(limiter.wait("t", 1, 30.0))
     await asyncio.sleep(0)
     limiter.release("t", None)  # handed to the waiter, which has not run yet...
@@ -140,6 +143,7 @@ async def test_queue_full_does_not_keep_the_tenants_share():
 async def test_many_departures_do_not_grow_the_queue_without_bound():
     limiter = ConcurrencyLimiter(limit=1, queue=10_000, max_wait=30.0, per_tenant=None)
     assert limiter.try_acquire("t")
+    assert not any(limiter.try_acquire("t") for _ in range(1000))
     tasks = [asyncio.create_task(limiter.wait("t", 1, 30.0)) for _ in range(1000)]
     await asyncio.sleep(0)
     for task in tasks[:-1]:
