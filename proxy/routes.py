@@ -11,6 +11,7 @@ from urllib.parse import unquote
 import aiohttp
 
 from policies.concurrency import ConcurrencyLimiter
+from policies.idempotency import Idempotency
 from policies.rate import RateLimiter
 from proxy.config import RouteConfig
 from proxy.metrics import Metrics, RouteMetrics
@@ -31,6 +32,7 @@ class Route:
     __slots__ = (
         "concurrency",
         "config",
+        "idempotency",
         "inflight",
         "metrics",
         "name",
@@ -55,6 +57,8 @@ class Route:
             ConcurrencyLimiter(c.limit, c.queue, c.max_wait, c.per_tenant) if c else None
         )
         self.rate = RateLimiter(config.rate) if config.rate else None
+        i = config.idempotency
+        self.idempotency = Idempotency(i, self.name) if i and i.mode != "off" else None
         self.inflight = 0
         limiter = self.concurrency
         self.metrics: RouteMetrics = metrics.for_route(
@@ -62,6 +66,10 @@ class Route:
             inflight=lambda: self.inflight,
             queued=(lambda: limiter.queued) if limiter else (lambda: 0),
         )
+        idem = self.idempotency
+        if idem is not None:
+            metrics.bind_idempotency(self.name, entries=lambda: len(idem.store),
+                                     size=lambda: idem.store.bytes, waiting=lambda: idem.waiting)
 
 
 class Router:
