@@ -16,8 +16,8 @@ GET, HEAD, OPTIONS and TRACE pass untouched).
    headers must identify one call: two different calls in the same run and step would share
    a key, and the second would get 422.
 3. otherwise a fresh random key for this request, ``"sluice-<32 hex>"``: nobody else can know
-   it, so it is not looked up or stored; it is what Sluice's own retries of this request
-   reuse (:attr:`Claim.header`).
+   it, so it is not looked up or stored. The handler holds it for the whole request
+   (:attr:`Claim.header`), so a retry layer inside Sluice sends every attempt with it.
 
 Sluice's keys go upstream as sf-strings (quoted), the draft's form. Records are scoped by
 tenant and route: two tenants never share a stored result, whatever keys they send.
