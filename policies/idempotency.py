@@ -49,8 +49,9 @@ tenant and route: two tenants never share a stored result, whatever keys they se
   retry: Sluice's own refusals (429/503 before the upstream), connect errors, timeouts, 5xx,
   a stream cut short, and a caller that disconnected (its upstream request is cancelled, and
   the next waiter, if any, runs its own identical request). This follows Stripe's rule that a
-  result is saved only once the endpoint executed, made stricter for 5xx as the lead's design
-  asks; the draft would replay errors too.
+  result is saved only once the endpoint executed, made stricter for 5xx: those are mostly
+  transient here (overload, a bad deploy), and storing one would fail that key for ``ttl``
+  although a retry would succeed. The draft would replay errors too.
 * an answer larger than ``max_replay_bytes`` is passed through to its caller but not stored:
   a duplicate gets 409 ``idempotency_conflict`` with ``x-should-retry: false`` and a
   ``Retry-After`` equal to the time left until the key expires (it must not execute again,
@@ -259,7 +260,7 @@ class Idempotency:
                  store: ResultStore | None = None) -> None:
         self.mode = config.mode
         self.dedup = config.mode == "dedup"
-        self.wait = config.on_in_flight == "wait"
+        self.wait_in_flight = config.on_in_flight == "wait"
         self.derive_from = tuple(config.derive_from)
         self.max_replay_bytes = config.max_replay_bytes
         self.store: ResultStore = store or MemoryStore(config.max_entries, config.max_bytes,
@@ -306,7 +307,8 @@ class Idempotency:
             claim.header = f'"{key}"'
 
         store_key = (tenant, key)
-        record = self.store.get(store_key) if store_key not in self._flights else None
+        flight = self._flights.get(store_key)
+        record = self.store.get(store_key) if flight is None else None
         if self.mode == "forward":
             if record is None:
                 self.store.put(store_key, Record(SEEN, b""))
@@ -317,14 +319,13 @@ class Idempotency:
         claim.fingerprint = fingerprint
         claim._policy = self
         claim._store_key = store_key
-        flight = self._flights.get(store_key)
         if flight is None and record is None:
             claim.new_unit = not is_client_retry(headers)
         if flight is not None:
             if self.dedup and flight.fingerprint != fingerprint:
                 claim.rejected = _mismatch()
                 return claim
-            if not self.wait:
+            if not self.wait_in_flight:
                 claim.rejected = Rejected(
                     Reason.IDEMPOTENCY_CONFLICT, IN_FLIGHT_RETRY_AFTER_S,
                     "a request with this Idempotency-Key is in flight")
