@@ -135,8 +135,10 @@ async def test_sdk_retry_without_a_key_is_counted_not_deduplicated(upstream, sta
     """Without a key or derive headers each attempt gets a fresh key; the retry is still
     recognised by x-stainless-retry-count, so the amplification metrics stay true."""
     upstream.statuses = [503]
-    sluice = await start_sluice({"routes": [route(
-        "openai", upstream.url, idempotency={"derive_from": ["X-Run-ID", "X-Step-ID"]})]})
+    sluice = await start_sluice({"routes": [
+        route("openai", upstream.url, idempotency={"derive_from": ["X-Run-ID", "X-Step-ID"]}),
+        route("plain", upstream.url),
+    ]})
     client = openai.AsyncOpenAI(base_url=sluice.url + "/openai/v1", api_key="sk-test",
                                 max_retries=2)
     await client.chat.completions.create(**CHAT)
@@ -144,7 +146,17 @@ async def test_sdk_retry_without_a_key_is_counted_not_deduplicated(upstream, sta
     assert len(keys) == 2 and keys[0] != keys[1]
     assert await sluice.metric("sluice_upstream_attempts_total", route="openai") == 2
     assert await sluice.metric("sluice_work_units_total", route="openai") == 1
+
+    # A route with no idempotency block counts the same way, and injects no key.
+    upstream.statuses = [503]
+    plain = openai.AsyncOpenAI(base_url=sluice.url + "/plain/v1", api_key="sk-test",
+                               max_retries=2)
+    await plain.chat.completions.create(**CHAT)
+    assert all("Idempotency-Key" not in r.headers for r in upstream.requests[2:])
+    assert await sluice.metric("sluice_upstream_attempts_total", route="plain") == 2
+    assert await sluice.metric("sluice_work_units_total", route="plain") == 1
     await client.close()
+    await plain.close()
 
 
 async def test_serialize_never_overlaps_at_the_upstream(upstream, start_sluice):
