@@ -25,6 +25,13 @@ class Reason(enum.Enum):
     QUEUE_FULL = ("queue_full", 503, "all slots busy and the queue is full")
     QUEUE_TIMEOUT = ("queue_timeout", 503, "no slot freed within the queue's max_wait")
     DRAINING = ("draining", 503, "Sluice is shutting down and accepts no new requests")
+    # Idempotency-key conflicts (draft-ietf-httpapi-idempotency-key-header-06 §2.7): 409/422.
+    IDEMPOTENCY_CONFLICT = (
+        "idempotency_conflict", 409, "this Idempotency-Key is held by another request"
+    )
+    IDEMPOTENCY_MISMATCH = (
+        "idempotency_mismatch", 422, "this Idempotency-Key was already used for another request"
+    )
     # The request itself cannot be forwarded.
     NO_ROUTE = ("no_route", 404, "no route matches this path; Sluice forwards only to its routes")
     BAD_REQUEST = ("bad_request", 400, "the request cannot be forwarded as sent")

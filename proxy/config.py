@@ -35,6 +35,7 @@ from pydantic import (
     PlainSerializer,
     ValidationError,
     field_validator,
+    model_validator,
 )
 
 
@@ -161,6 +162,47 @@ class RateConfig(_Section):
     per_tenant: TenantRateConfig | None = None
 
 
+_TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
+
+
+def _header_name(value: str) -> str:
+    if not _TOKEN.match(value):
+        raise ValueError(f"{value!r} is not an HTTP header name (RFC 9110 §5.1 token)")
+    return value
+
+
+HeaderName = Annotated[str, AfterValidator(_header_name)]
+
+
+class IdempotencyConfig(_Section):
+    """Idempotency keys on a route (``policies/idempotency.py``; every key is documented there
+    and in ``config/sluice.yaml``)."""
+
+    mode: Literal["dedup", "forward", "serialize", "off"] = "dedup"
+    ttl: PositiveDuration = 86400.0
+    derive_from: list[HeaderName] = Field(default_factory=list)
+    on_in_flight: Literal["wait", "reject"] = "wait"
+    max_entries: int = Field(default=10_000, gt=0)
+    max_bytes: int = Field(default=64 * 1024 * 1024, gt=0)
+    max_replay_bytes: int = Field(default=1024 * 1024, gt=0)
+
+    @model_validator(mode="after")
+    def _coherent(self) -> IdempotencyConfig:
+        # A key the mode never reads would be a silent no-op: refuse it ("off" may keep any).
+        unused = {"forward": ("on_in_flight", "max_replay_bytes"),
+                  "serialize": ("max_replay_bytes",)}
+        for key in unused.get(self.mode, ()):
+            if key in self.model_fields_set:
+                raise ValueError(f"{key} has no effect in mode {self.mode}")
+        if self.max_replay_bytes > self.max_bytes:
+            raise ValueError(
+                f"max_replay_bytes ({self.max_replay_bytes}) exceeds max_bytes ({self.max_bytes})"
+            )
+        if len(set(map(str.lower, self.derive_from))) != len(self.derive_from):
+            raise ValueError("derive_from names a header twice")
+        return self
+
+
 class RouteConfig(_Section):
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
     path_prefix: str
@@ -169,6 +211,7 @@ class RouteConfig(_Section):
     timeouts: TimeoutsConfig = TimeoutsConfig()
     concurrency: ConcurrencyConfig | None = None
     rate: RateConfig | None = None
+    idempotency: IdempotencyConfig | None = None
 
     @field_validator("path_prefix")
     @classmethod

@@ -10,13 +10,19 @@ bytes they describe. Only framing is the proxy's own (RFC 9110 §7.6.1):
 * on the request, ``Host`` (the upstream's own is set from its URL) and ``Content-Length``
   (recomputed from the buffered body) are dropped too, since forwarding them stale desyncs or
   misroutes the upstream connection;
-* ``X-Forwarded-For`` gets the caller's address appended.
+* ``X-Forwarded-For`` gets the caller's address appended;
+* ``Idempotency-Key`` is set when the route's idempotency policy chose the key (derived or
+  fresh); a caller's own key passes as it came.
 
 A response is streamed chunk by chunk as it arrives (``iter_any``), so SSE events reach the
 caller with no added buffering; a small, complete, non-streaming answer is read whole and sent
 in one write, which costs less. If the upstream fails after the status line was sent, the
 connection to the caller is closed without the final chunk, so the caller sees a truncated
 answer rather than a clean end (aiohttp's ``ClientPayloadError`` on the other side).
+
+The one hook for the idempotency store: an optional ``capture`` sees the status line, the
+headers and every body chunk as it is relayed, so a stored answer is exactly what the first
+caller received, without a second forwarding path.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
+from policies.idempotency import KEY_HEADER, Capture
 from policies.reasons import Reason, Rejected
 
 HOP_BY_HOP = frozenset(
@@ -92,8 +99,13 @@ async def forward(
     url: URL,
     body: bytes,
     client_timeout: aiohttp.ClientTimeout,
+    idempotency_key: str | None = None,
+    capture: Capture | None = None,
 ) -> tuple[web.StreamResponse, str]:
     """Send the request upstream and relay the answer.
+
+    ``idempotency_key``, when given, is sent as the ``Idempotency-Key`` field value;
+    ``capture``, when given, is fed the answer as it is relayed.
 
     Returns:
         ``(response, outcome)``; ``outcome`` is a ``sluice_requests_total`` outcome label.
@@ -103,11 +115,14 @@ async def forward(
             caller can be told in its protocol's error shape.
         asyncio.CancelledError: the caller disconnected; the upstream request is closed.
     """
+    sent = upstream_headers(request)
+    if idempotency_key is not None:
+        sent[KEY_HEADER] = idempotency_key
     try:
         upstream = await session.request(
             request.method,
             url,
-            headers=upstream_headers(request),
+            headers=sent,
             data=body if body else None,
             allow_redirects=False,
             timeout=client_timeout,
@@ -125,6 +140,8 @@ async def forward(
             raise Rejected(Reason.UPSTREAM_UNREACHABLE, None, f"invalid status {status}")
         outcome = f"{status // 100}xx"
         headers = _copy_headers(upstream.headers, _RESPONSE_DROP)
+        if capture is not None:
+            capture.begin(upstream.status, upstream.reason, headers)
         length = upstream.content_length
         streaming = length is None or length > BUFFER_LIMIT_BYTES
         if not streaming:
@@ -134,6 +151,8 @@ async def forward(
                 raise Rejected(
                     Reason.UPSTREAM_UNREACHABLE, None, "the upstream's answer was cut short"
                 ) from None
+            if capture is not None:
+                capture.feed(data)
             response = web.Response(
                 status=status, reason=upstream.reason, body=data, headers=headers
             )
@@ -161,6 +180,8 @@ async def forward(
                 return out, "upstream_timeout" if isinstance(e, TimeoutError) else "upstream_error"
             if not chunk:
                 break
+            if capture is not None:
+                capture.feed(chunk)
             await out.write(chunk)  # raises ConnectionResetError if the caller has gone
         await out.write_eof()
         return out, outcome

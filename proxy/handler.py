@@ -1,12 +1,14 @@
 """The request path, top to bottom.
 
-match route -> identify caller -> read body -> admit (cheapest first: draining, rate, then the
-concurrency slot and its queue) -> forward -> release and record.
+match route -> identify caller -> read body -> idempotency key (a replay or a wait for an
+in-flight twin happens here, so it costs no quota and no slot) -> admit (cheapest first:
+draining, rate, then the concurrency slot and its queue) -> forward -> release and record.
 
 Every exit after admission runs the ``finally`` that frees the slot: success, upstream error,
 upstream timeout, client disconnect (the handler is cancelled, which also closes the upstream
 request) and any proxy error. The bookkeeping in that ``finally`` never awaits, so a
-cancellation cannot interrupt it.
+cancellation cannot interrupt it. A request holding an idempotency key settles it on every
+exit too (``claim.finish``): a refusal before the upstream frees the key for a retry.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import orjson
 from aiohttp import web
 
 from policies.concurrency import DEFAULT_PRIORITY, PRIORITIES
+from policies.idempotency import SAFE_METHODS, Claim, is_client_retry, replay_response
 from policies.reasons import Reason, Rejected
 from proxy import forward as fwd
 from proxy.rejections import render
@@ -75,6 +78,21 @@ async def handle(request: web.Request) -> web.StreamResponse:
         return _reject(rt, route, Rejected(Reason.DRAINING, DRAINING_RETRY_AFTER_S), request_id,
                        tenant, run, body)
 
+    idem = route.idempotency
+    claim: Claim | None = None
+    ikey = None
+    if idem is not None and request.method not in SAFE_METHODS:
+        claim = await idem.claim(request.method, raw_path, headers, tenant, body)
+        ikey = claim.key
+        if claim.new_unit:
+            metrics.work_units.inc()
+        if claim.rejected is not None:
+            return _reject(rt, route, claim.rejected, request_id, tenant, run, body, ikey)
+        if claim.replay is not None:
+            return _replay(rt, route, claim, request_id, tenant, run)
+    elif not is_client_retry(headers):
+        metrics.work_units.inc()
+
     limiter = route.concurrency
     try:
         if route.rate is not None:
@@ -97,17 +115,26 @@ async def handle(request: web.Request) -> web.StreamResponse:
                 raise
             metrics.queue_wait.observe(time.monotonic() - enqueued_at)
     except Rejected as rejected:
-        return _reject(rt, route, rejected, request_id, tenant, run, body)
+        if claim is not None:
+            claim.finish("rejected")
+        return _reject(rt, route, rejected, request_id, tenant, run, body, ikey)
+    except asyncio.CancelledError:
+        if claim is not None:
+            claim.finish("client_disconnected")
+        raise
 
     # Admitted: from here every exit passes through the finally below.
     route.inflight += 1
-    events.emit("admitted", request_id, route.name, tenant, run)
+    events.emit("admitted", request_id, route.name, tenant, run, ikey)
     started = time.monotonic()
     outcome = "upstream_error"
     status = 0
     try:
         url = fwd.upstream_url(route.upstream_base, raw_path[len(route.prefix) - 1:])
-        response, outcome = await fwd.forward(request, rt.session, url, body, route.timeout)
+        metrics.upstream_attempts.inc()
+        response, outcome = await fwd.forward(
+            request, rt.session, url, body, route.timeout,
+            claim.header if claim else None, claim.capture if claim else None)
         status = response.status
         return response
     except Rejected as rejected:
@@ -128,19 +155,36 @@ async def handle(request: web.Request) -> web.StreamResponse:
             limiter.release(tenant, elapsed if outcome[0].isdigit() else None)
         metrics.upstream_duration.observe(elapsed)
         metrics.outcomes[outcome].inc()
-        events.emit("completed", request_id, route.name, tenant, run, status=status,
+        if claim is not None:
+            claim.finish(outcome)
+        events.emit("completed", request_id, route.name, tenant, run, ikey, status=status,
                     outcome=outcome, duration_s=round(elapsed, 6))
 
 
 def _reject(rt: Runtime, route: Route, rejected: Rejected, request_id: str, tenant: str,
-            run: str | None, body: bytes = b"") -> web.Response:
+            run: str | None, body: bytes = b"", idempotency_key: str | None = None
+            ) -> web.Response:
     """Count, log as an event, and render a rejection before admission."""
     route.metrics.rejections[rejected.reason].inc()
     route.metrics.outcomes["rejected"].inc()
-    rt.events.emit("rejected", request_id, route.name, tenant, run, reason=rejected.reason.code,
+    rt.events.emit("rejected", request_id, route.name, tenant, run, idempotency_key,
+                   reason=rejected.reason.code,
                    retry_after_s=None if rejected.retry_after is None
                    else round(rejected.retry_after, 3))
     return render(rejected, route.protocol, _jsonrpc_id(route, body))
+
+
+def _replay(rt: Runtime, route: Route, claim: Claim, request_id: str, tenant: str,
+            run: str | None) -> web.Response:
+    """Count, log as an event, and answer with the stored response of the key's first use."""
+    record = claim.replay
+    assert record is not None
+    route.metrics.replays.inc()
+    route.metrics.outcomes["replayed"].inc()
+    rt.events.emit("replayed", request_id, route.name, tenant, run, claim.key,
+                   status=record.status, bytes=len(record.body),
+                   waited_s=round(claim.waited_s, 6))
+    return replay_response(record)
 
 
 def _jsonrpc_id(route: Route, body: bytes) -> object:

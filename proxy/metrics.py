@@ -43,6 +43,7 @@ OUTCOMES = (
     "upstream_error",  # no usable answer: connect failure, reset, cut stream
     "upstream_timeout",
     "client_disconnected",  # the caller left before the answer was complete
+    "replayed",  # answered from the idempotency store (see sluice_idempotent_replays_total)
 )
 
 
@@ -124,6 +125,37 @@ class Metrics:
         self.config_last_reload_successful.set(1)
         self.config_last_reload_success.set_to_current_time()
 
+        # Amplification: attempts / work units (SPEC); see policies/idempotency.py.
+        self.upstream_attempts = Counter(
+            "sluice_upstream_attempts", "Requests sent to the upstream, retries included.",
+            ["route"], registry=r,
+        )
+        self.work_units = Counter(
+            "sluice_work_units",
+            "Distinct logical calls: requests that are neither a client retry nor a repeat of "
+            "a known idempotency key.",
+            ["route"], registry=r,
+        )
+        self.idempotent_replays = Counter(
+            "sluice_idempotent_replays",
+            "Answers replayed from the idempotency store instead of forwarded.",
+            ["route"], registry=r,
+        )
+        self.idempotency_entries = Gauge(
+            "sluice_idempotency_store_entries", "Records in the route's idempotency store.",
+            ["route"], registry=r,
+        )
+        self.idempotency_bytes = Gauge(
+            "sluice_idempotency_store_bytes",
+            "Bytes charged to the route's idempotency store (bounded by max_bytes).",
+            ["route"], registry=r,
+        )
+        self.idempotency_waiting = Gauge(
+            "sluice_idempotency_waiting",
+            "Requests waiting for an in-flight request with the same idempotency key.",
+            ["route"], registry=r,
+        )
+
     def for_route(
         self,
         route: str,
@@ -159,14 +191,25 @@ class Metrics:
                 except ValueError:  # a series without a route label
                     continue
 
+    def bind_idempotency(self, route: str, entries: Callable[[], float],
+                         size: Callable[[], float], waiting: Callable[[], float]) -> None:
+        """Read a route's idempotency store size and waiters at scrape time."""
+        self.idempotency_entries.labels(route).set_function(entries)
+        self.idempotency_bytes.labels(route).set_function(size)
+        self.idempotency_waiting.labels(route).set_function(waiting)
+
 
 class RouteMetrics:
     """One route's series, bound to their labels once."""
 
-    __slots__ = ("outcomes", "queue_wait", "rejections", "upstream_duration")
+    __slots__ = ("outcomes", "queue_wait", "rejections", "replays", "upstream_attempts",
+                 "upstream_duration", "work_units")
 
     def __init__(self, metrics: Metrics, route: str) -> None:
         self.outcomes = {o: metrics.requests.labels(route, o) for o in OUTCOMES}
         self.rejections = {r: metrics.rejections.labels(route, r.code) for r in Reason}
         self.queue_wait = metrics.queue_wait.labels(route)
         self.upstream_duration = metrics.upstream_duration.labels(route)
+        self.upstream_attempts = metrics.upstream_attempts.labels(route)
+        self.work_units = metrics.work_units.labels(route)
+        self.replays = metrics.idempotent_replays.labels(route)

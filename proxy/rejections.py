@@ -31,7 +31,9 @@ _OPENAI_TYPES = {429: "rate_limit_error", 503: "server_error", 502: "server_erro
 _ANTHROPIC_TYPES = {
     400: "invalid_request_error",
     404: "not_found_error",
+    409: "invalid_request_error",
     413: "request_too_large",
+    422: "invalid_request_error",
     429: "rate_limit_error",
     503: "overloaded_error",
 }

@@ -17,6 +17,7 @@ from urllib.parse import unquote
 import aiohttp
 
 from policies.concurrency import ConcurrencyLimiter
+from policies.idempotency import Idempotency
 from policies.rate import RateLimiter
 from proxy.config import RouteConfig
 from proxy.metrics import Metrics, RouteMetrics
@@ -43,6 +44,7 @@ class Route:
     __slots__ = (
         "concurrency",
         "config",
+        "idempotency",
         "inflight",
         "metrics",
         "name",
@@ -68,6 +70,8 @@ class Route:
             ConcurrencyLimiter(c.limit, c.queue, c.max_wait, c.per_tenant) if c else None
         )
         self.rate = RateLimiter(config.rate) if config.rate else None
+        i = config.idempotency
+        self.idempotency = Idempotency(i, self.name) if i and i.mode != "off" else None
         self.inflight = 0
         self.retired: tuple[Route, ...] = ()
         # Gauges read self.concurrency at scrape time: take_over() may swap the object.
@@ -77,6 +81,14 @@ class Route:
             queued=lambda: self.concurrency.queued if self.concurrency else 0,
             limits=(lambda: self.concurrency) if self.concurrency else None,
         )
+        if self.idempotency is not None:
+            # Read through self: take_over() may keep the old route's policy and its store.
+            metrics.bind_idempotency(
+                self.name,
+                entries=lambda: len(self.idempotency.store) if self.idempotency else 0,
+                size=lambda: self.idempotency.store.bytes if self.idempotency else 0,
+                waiting=lambda: self.idempotency.waiting if self.idempotency else 0,
+            )
 
     @property
     def inflight_total(self) -> int:
@@ -95,6 +107,11 @@ class Route:
         )
         self.rate = carry_over(
             old.rate, self.rate, prev.rate, new.rate, lambda rate, c: rate.reconfigure(c)
+        )
+        # Stored results and keys in flight survive a reload that leaves the block unchanged;
+        # a changed block starts a fresh store (its bounds and TTL may no longer hold).
+        self.idempotency = carry_over(
+            old.idempotency, self.idempotency, prev.idempotency, new.idempotency
         )
         self.retired = tuple(route for route in (old, *old.retired) if route.inflight)
 

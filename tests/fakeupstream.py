@@ -3,7 +3,8 @@
 It runs in the test's own event loop on 127.0.0.1 and a free port. Behaviour is set on the
 object (``delay``, ``chunk_delay``, ``statuses``, ``hold``) or per request with headers
 (``x-fake-delay``, ``x-fake-status``); what arrived is kept in ``requests`` and the live and
-peak concurrency in ``inflight`` / ``peak_inflight``.
+peak concurrency in ``inflight`` / ``peak_inflight``; ``executed`` counts the requests it answered
+with success, i.e. the side effects a tool would have performed.
 
 Endpoints:
     POST /v1/chat/completions   OpenAI chat completion, plain or SSE (``"stream": true``)
@@ -32,6 +33,9 @@ from aiohttp import web
 #: The bytes ``GET /gzip`` sends, already compressed (mtime fixed so they never change).
 GZIP_BODY = gzip.compress(b'{"compressed": true, "pad": "' + b"z" * 2000 + b'"}', mtime=0)
 
+#: The position of a request in ``FakeUpstream.requests`` (0-based), set on arrival.
+SEQ = web.RequestKey("fake_seq", int)
+
 
 @dataclass
 class Seen:
@@ -59,6 +63,7 @@ class FakeUpstream:
     inflight: int = 0
     peak_inflight: int = 0
     completed: int = 0
+    executed: int = 0
     cancelled: int = 0
     port: int = 0
     _runner: web.AppRunner | None = None
@@ -90,6 +95,7 @@ class FakeUpstream:
 
     async def _enter(self, request: web.Request) -> tuple[bytes, int | None]:
         body = await request.read()
+        request[SEQ] = len(self.requests)
         self.requests.append(
             Seen(request.method, request.path_qs, dict(request.headers), body, time.monotonic(),
                  request.raw_path)
@@ -123,7 +129,9 @@ class FakeUpstream:
                                "code": None}},
                     status=status,
                 )
-            return await answer(request, body)
+            response = await answer(request, body)
+            self.executed += 1
+            return response
         except asyncio.CancelledError:
             cancelled = True
             raise
@@ -136,7 +144,7 @@ class FakeUpstream:
         async def answer(req: web.Request, body: bytes) -> web.StreamResponse:
             return web.json_response(
                 {"method": req.method, "path_qs": req.path_qs, "headers": dict(req.headers),
-                 "body_len": len(body)}
+                 "body_len": len(body), "seq": req[SEQ]}
             )
 
         return await self._guard(request, answer)

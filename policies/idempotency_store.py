@@ -1,0 +1,138 @@
+"""Where idempotency records live: a small synchronous interface and its in-memory backend.
+
+A record is what Sluice remembers about one idempotency key (scoped by tenant, per route):
+
+* ``SEEN``: the key was used and no outcome was stored (the request was refused before the
+  upstream, failed transiently, its caller left, or the route only forwards or serializes).
+  A later request with the key is then recognised as a retry, not a new unit of work.
+* ``DONE``: the upstream's answer, stored for replay (status, reason, headers, body).
+* ``TOO_LARGE``: the upstream answered, but the body exceeded ``max_replay_bytes``, so only
+  the fact is kept: a duplicate must not execute again, and cannot be replayed either.
+
+:class:`MemoryStore` bounds itself by entry count and by bytes (least recently used first)
+and expires records ``ttl`` seconds after they were written (Stripe prunes keys once they are
+24 h old; the IETF draft lets the resource publish its own expiry). The interface is
+synchronous so the request path never suspends on it; a shared backend (Redis) would put a
+local cache in front of it or change the interface, and would also need the in-flight
+coordination that :mod:`policies.idempotency` keeps per process.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from typing import Protocol
+
+SEEN = 0
+DONE = 1
+TOO_LARGE = 2
+
+#: Bytes charged per record on top of its body and header text: the record, its key and
+#: fingerprint and the store's own bookkeeping (~430 B traced on CPython 3.11), and each
+#: header's tuple and string objects (~290 B). tests/test_idempotency_store.py checks with
+#: tracemalloc that the charge covers what the records really hold, so max_bytes is a bound.
+RECORD_OVERHEAD_BYTES = 512
+HEADER_OVERHEAD_BYTES = 320
+
+
+class Record:
+    """What is remembered about one key.
+
+    Attributes:
+        kind: ``SEEN``, ``DONE`` or ``TOO_LARGE`` (see the module docstring).
+        fingerprint: SHA-256 of the request's method, path and body (32 bytes).
+        status, reason, headers, body: the stored answer (``DONE``; ``status`` also for
+            ``TOO_LARGE``); ``headers`` is a tuple of ``(name, value)`` pairs.
+        size: bytes charged against the store's ``max_bytes``.
+        expires_at: the store's clock reading after which the record is gone, seconds.
+    """
+
+    __slots__ = ("body", "expires_at", "fingerprint", "headers", "kind", "reason", "size",
+                 "status")
+
+    def __init__(self, kind: int, fingerprint: bytes, status: int = 0, reason: str = "",
+                 headers: tuple[tuple[str, str], ...] = (), body: bytes = b"") -> None:
+        self.kind = kind
+        self.fingerprint = fingerprint
+        self.status = status
+        self.reason = reason
+        self.headers = headers
+        self.body = body
+        self.size = RECORD_OVERHEAD_BYTES + len(body) + sum(
+            HEADER_OVERHEAD_BYTES + len(n) + len(v) for n, v in headers)
+        self.expires_at = 0.0
+
+
+class ResultStore(Protocol):
+    """The interface the idempotency policy uses; every call returns without suspending."""
+
+    #: Bytes charged for the records held (for the ``sluice_idempotency_store_bytes`` gauge).
+    bytes: int
+
+    def __len__(self) -> int:
+        """Records held."""
+        ...
+
+    def get(self, key: Hashable) -> Record | None:
+        """The live record for ``key``, or ``None`` (never stored, expired or evicted)."""
+        ...
+
+    def put(self, key: Hashable, record: Record) -> None:
+        """Store ``record`` for ``key`` (replacing any), expiring ``ttl`` seconds from now."""
+        ...
+
+    def ttl_left(self, record: Record) -> float:
+        """Seconds until ``record`` expires (0 if it has)."""
+        ...
+
+
+class MemoryStore:
+    """An LRU of records bounded by ``max_entries`` and ``max_bytes``, with a TTL.
+
+    Args:
+        max_entries: records kept at most.
+        max_bytes: sum of the records' ``size`` kept at most, bytes.
+        ttl_s: a record's lifetime from when it was written, seconds.
+        clock: monotonic seconds (a test passes a fake one).
+    """
+
+    def __init__(self, max_entries: int, max_bytes: int, ttl_s: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self.ttl_s = ttl_s
+        self.bytes = 0
+        self._clock = clock
+        self._records: OrderedDict[Hashable, Record] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def get(self, key: Hashable) -> Record | None:
+        record = self._records.get(key)
+        if record is None:
+            return None
+        if record.expires_at <= self._clock():
+            del self._records[key]
+            self.bytes -= record.size
+            return None
+        self._records.move_to_end(key)
+        return record
+
+    def ttl_left(self, record: Record) -> float:
+        return max(record.expires_at - self._clock(), 0.0)
+
+    def put(self, key: Hashable, record: Record) -> None:
+        records = self._records
+        old = records.pop(key, None)
+        if old is not None:
+            self.bytes -= old.size
+        if record.size > self.max_bytes:
+            return  # could never fit; the policy caps bodies below max_bytes anyway
+        record.expires_at = self._clock() + self.ttl_s
+        records[key] = record
+        self.bytes += record.size
+        while len(records) > self.max_entries or self.bytes > self.max_bytes:
+            _, evicted = records.popitem(last=False)
+            self.bytes -= evicted.size

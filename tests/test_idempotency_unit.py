@@ -1,0 +1,241 @@
+"""Unit tests of the idempotency store, key parsing, the policy's waiting and hand-over, and
+the config checks (the end-to-end behaviour is in test_idempotency.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+import tracemalloc
+
+import pytest
+from multidict import CIMultiDict, CIMultiDictProxy
+
+from policies.idempotency import Capture, Idempotency, parse_key
+from policies.idempotency_store import DONE, SEEN, TOO_LARGE, MemoryStore, Record
+from proxy.config import ConfigError, IdempotencyConfig, parse_config
+
+MiB = 1024 * 1024
+
+
+def answer(body_len: int, fingerprint: bytes = b"f" * 32) -> Record:
+    """A stored answer shaped like a real one: four headers, as an LLM API sends at least."""
+    capture = Capture(MiB)
+    capture.begin(200, "OK", CIMultiDict([
+        ("Content-Type", "application/json"),
+        ("Date", "Tue, 25 Aug 2026 10:00:00 GMT"),
+        ("x-request-id", "req_" + os.urandom(12).hex()),
+        ("openai-processing-ms", "412"),
+    ]))
+    capture.feed(os.urandom(body_len))
+    return capture.record(fingerprint)
+
+
+def _mixed(i: int) -> Record:
+    return Record(SEEN, os.urandom(32)) if i % 3 == 0 else answer(100 + i % 1500)
+
+
+@pytest.mark.parametrize(("max_entries", "max_bytes"), [(10_000, 64 * MiB), (100_000, 4 * MiB)])
+def test_100k_distinct_keys_stay_within_the_caps(max_entries, max_bytes):
+    store = MemoryStore(max_entries, max_bytes, ttl_s=86400)
+    for i in range(100_000):
+        store.put(("tenant-a", f"key-{i}"), _mixed(i))
+        assert len(store) <= max_entries and store.bytes <= max_bytes
+    # Full, not emptied by an over-eager eviction: one more record would not have fit.
+    assert len(store) == max_entries or store.bytes > max_bytes - answer(1600).size
+    assert store.get(("tenant-a", "key-99999")) is not None
+    assert store.get(("tenant-a", "key-0")) is None
+
+
+def test_charged_bytes_cover_the_memory_records_hold():
+    """So max_bytes bounds real memory, not only an estimate of it."""
+    store = MemoryStore(max_entries=100_000, max_bytes=1024 * MiB, ttl_s=86400)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(10_000):
+            store.put(("tenant-a", f"key-{i}-{os.urandom(8).hex()}"), _mixed(i))
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert len(store) == 10_000
+    assert held <= store.bytes, (held, store.bytes)
+
+
+async def test_100k_keys_through_the_policy_leave_no_flights():
+    policy = Idempotency(IdempotencyConfig(max_entries=5_000, max_bytes=8 * MiB), "r")
+    for i in range(100_000):
+        headers = CIMultiDictProxy(CIMultiDict({"Idempotency-Key": f"k{i}"}))
+        claim = await policy.claim("POST", "/v1/x", headers, "t", b"{}")
+        assert claim.capture is not None and claim.new_unit
+        claim.capture.begin(200, "OK", CIMultiDict({"Content-Type": "application/json"}))
+        claim.capture.feed(b'{"ok":true}')
+        claim.finish("2xx")
+    assert len(policy.store) == 5_000 and policy.store.bytes <= 8 * MiB
+    assert policy.in_flight == 0 and policy.waiting == 0
+
+
+def test_records_expire_after_ttl_and_lru_order_is_by_use():
+    now = [0.0]
+    store = MemoryStore(max_entries=2, max_bytes=MiB, ttl_s=60, clock=lambda: now[0])
+    store.put("a", answer(10))
+    store.put("b", answer(10))
+    assert store.get("a") is not None  # "a" is now the most recently used
+    store.put("c", answer(10))
+    assert store.get("b") is None and store.get("a") is not None
+    now[0] = 59.9
+    assert store.ttl_left(store.get("c")) == pytest.approx(0.1)
+    now[0] = 60.0
+    assert store.get("a") is None and store.get("c") is None
+    assert len(store) == 0 and store.bytes == 0
+
+
+def test_a_record_larger_than_the_store_is_not_kept():
+    store = MemoryStore(max_entries=10, max_bytes=2000, ttl_s=60)
+    store.put("small", answer(10))
+    store.put("huge", answer(5000))
+    assert store.get("huge") is None and store.get("small") is not None
+
+
+def test_capture_keeps_bodies_up_to_the_limit_only():
+    capture = Capture(limit=10)
+    capture.begin(200, "OK", CIMultiDict({"Set-Cookie": "s=1", "Content-Length": "12",
+                                          "Content-Type": "text/event-stream"}))
+    capture.feed(b"data: 1\n\n")
+    record = capture.record(b"f")
+    assert (record.kind, record.body) == (DONE, b"data: 1\n\n")
+    assert record.headers == (("Content-Type", "text/event-stream"),)
+    capture.feed(b"data: 2\n\n")
+    assert capture.chunks == [] and capture.record(b"f").kind == TOO_LARGE
+
+    failed = Capture(limit=10)
+    failed.begin(503, "Service Unavailable", CIMultiDict())
+    failed.feed(b"x")
+    assert not failed.storable and failed.chunks == []
+
+
+@pytest.mark.parametrize(("raw", "key"), [
+    ("abc-123", "abc-123"),
+    ('"abc-123"', "abc-123"),
+    ('  "with space" ', "with space"),
+    ('"q\\"uote\\\\d"', 'q"uote\\d'),
+    ("k" * 255, "k" * 255),
+    ("Zm9v+/=:;", "Zm9v+/=:;"),
+])
+def test_keys_quoted_or_bare(raw, key):
+    assert parse_key(raw) == key
+
+
+@pytest.mark.parametrize(("raw", "problem"), [
+    ("", "visible ASCII"),
+    ('""', "empty"),
+    ("k" * 256, "longer than 255"),
+    ('"' + "k" * 256 + '"', "longer than 255"),
+    ("a b", "visible ASCII"),
+    ("a,b", "visible ASCII"),
+    ('"open', "RFC 8941"),
+    ('"bad\\n"', "RFC 8941"),
+    ('"tab\there"', "RFC 8941"),
+    ("caf\u00e9", "visible ASCII"),
+])
+def test_invalid_keys_say_why(raw, problem):
+    with pytest.raises(ValueError, match=problem):
+        parse_key(raw)
+
+
+def _headers(key: str) -> CIMultiDictProxy[str]:
+    return CIMultiDictProxy(CIMultiDict({"Idempotency-Key": key}))
+
+
+async def _waiting(policy: Idempotency, count: int) -> None:
+    while policy.waiting < count:
+        await asyncio.sleep(0)
+
+
+async def test_waiters_get_the_stored_answer():
+    policy = Idempotency(IdempotencyConfig(), "r")
+    owner = await policy.claim("POST", "/p", _headers("k"), "t", b"1")
+    waiters = [asyncio.create_task(policy.claim("POST", "/p", _headers("k"), "t", b"1"))
+               for _ in range(3)]
+    await _waiting(policy, 3)
+    owner.capture.begin(201, "Created", CIMultiDict({"Content-Type": "application/json"}))
+    owner.capture.feed(b'{"id":1}')
+    owner.finish("2xx")
+    for claim in await asyncio.gather(*waiters):
+        assert claim.replay.status == 201 and claim.replay.body == b'{"id":1}'
+        assert not claim.new_unit
+    assert policy.in_flight == 0 and policy.waiting == 0
+
+
+async def test_a_key_handed_to_a_leaving_waiter_passes_to_the_next():
+    policy = Idempotency(IdempotencyConfig(), "r")
+    owner = await policy.claim("POST", "/p", _headers("k"), "t", b"1")
+    first = asyncio.create_task(policy.claim("POST", "/p", _headers("k"), "t", b"1"))
+    await _waiting(policy, 1)
+    second = asyncio.create_task(policy.claim("POST", "/p", _headers("k"), "t", b"1"))
+    await _waiting(policy, 2)
+    owner.finish("upstream_error")  # the key is handed to the first waiter ...
+    first.cancel()  # ... whose caller leaves before it runs
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    claim = await asyncio.wait_for(second, 5)
+    assert claim.replay is None and claim.rejected is None and claim.capture is not None
+    claim.finish("client_disconnected")
+    assert policy.in_flight == 0 and policy.waiting == 0
+    # Every use so far failed, so the next request runs, recognised as a retry.
+    again = await policy.claim("POST", "/p", _headers("k"), "t", b"1")
+    assert again.replay is None and not again.new_unit
+
+
+async def test_a_waiter_that_leaves_is_forgotten():
+    policy = Idempotency(IdempotencyConfig(), "r")
+    owner = await policy.claim("POST", "/p", _headers("k"), "t", b"1")
+    waiter = asyncio.create_task(policy.claim("POST", "/p", _headers("k"), "t", b"1"))
+    await _waiting(policy, 1)
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert policy.waiting == 0
+    owner.finish("rejected")
+    assert policy.in_flight == 0
+
+
+async def test_finish_is_idempotent_and_keys_are_scoped_by_tenant():
+    policy = Idempotency(IdempotencyConfig(), "r")
+    owner = await policy.claim("POST", "/p", _headers("k"), "t1", b"1")
+    other = await policy.claim("POST", "/p", _headers("k"), "t2", b"1")
+    assert owner.new_unit and other.new_unit and policy.in_flight == 2
+    owner.finish("rejected")
+    owner.finish("rejected")
+    other.finish("rejected")
+    assert policy.in_flight == 0
+
+
+@pytest.mark.parametrize(("block", "problem"), [
+    ("{mode: forward, on_in_flight: reject}", "on_in_flight has no effect in mode forward"),
+    ("{mode: serialize, max_replay_bytes: 10}", "max_replay_bytes has no effect"),
+    ("{max_replay_bytes: 2000, max_bytes: 1000}", "exceeds max_bytes"),
+    ("{derive_from: [X-Run-ID, x-run-id]}", "names a header twice"),
+    ("{derive_from: ['X Run']}", "not an HTTP header name"),
+    ("{ttl: 24}", "not a duration"),
+    ("{mode: on}", "Input should be 'dedup'"),
+    ("{max_entries: 0}", "greater than 0"),
+    ("{on_inflight: wait}", "unknown key"),
+])
+def test_config_problems_are_reported(block, problem):
+    text = ("routes:\n  - {name: r, path_prefix: /r/, upstream: 'http://u', idempotency: "
+            f"{block}}}\n")
+    with pytest.raises(ConfigError, match=problem) as info:
+        parse_config(text, "c.yaml")
+    assert info.value.problems[0].startswith("c.yaml:2: routes[0].idempotency")
+
+
+def test_off_accepts_any_keys_and_defaults_are_documented_values():
+    text = ("routes:\n  - {name: r, path_prefix: /r/, upstream: 'http://u',\n"
+            "     idempotency: {mode: off, on_in_flight: reject}}\n")
+    assert parse_config(text).routes[0].idempotency.mode == "off"
+    config = IdempotencyConfig()
+    assert (config.mode, config.ttl, config.on_in_flight, config.max_replay_bytes) == (
+        "dedup", 86400.0, "wait", MiB)
