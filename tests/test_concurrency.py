@@ -104,7 +104,8 @@ async def test_queue_timeout_after_max_wait(upstream, start_sluice):
     await wait_until(lambda: any(e["event"] == "expired" for e in sluice.events()),
                      what="the expired event")
     [expired] = [e for e in sluice.events() if e["event"] == "expired"]
-    assert expired["waited_s"] >= 0.3
+    # The loop's timer and time.monotonic() may round apart by a millisecond.
+    assert expired["waited_s"] >= 0.299
 
 
 async def test_critical_is_served_before_standard_before_best_effort(upstream, start_sluice):

@@ -220,7 +220,7 @@ async def test_finish_is_idempotent_and_keys_are_scoped_by_tenant():
     ("{derive_from: [X-Run-ID, x-run-id]}", "names a header twice"),
     ("{derive_from: ['X Run']}", "not an HTTP header name"),
     ("{ttl: 24}", "not a duration"),
-    ("{mode: on}", "Input should be 'dedup'"),
+    ("{mode: on}", "'on' is a boolean to YAML 1.1 readers"),
     ("{max_entries: 0}", "greater than 0"),
     ("{on_inflight: wait}", "unknown key"),
 ])
