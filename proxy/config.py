@@ -315,7 +315,8 @@ def _walk(node: yaml.Node, path: Path_, marks: dict[Path_, int],
     elif isinstance(node, yaml.SequenceNode):
         for index, item in enumerate(node.value):
             _walk(item, (*path, index), marks, problems)
-    elif isinstance(node, yaml.ScalarNode) and (why := _ambiguous(node)):
+    elif (isinstance(node, yaml.ScalarNode) and (why := _ambiguous(node))
+          and (path[-1:], node.value) not in _ENUM_WORDS):
         problems.append((path, node.start_mark.line + 1, why))
 
 
@@ -366,6 +367,25 @@ def _type_args(tp: Any) -> Iterator[Any]:
 
 
 _KNOWN_KEYS = _all_keys(Config)
+
+
+def _enum_words(model: type[BaseModel]) -> set[tuple[tuple[str], str]]:
+    """``((key,), word)`` for every word a ``Literal`` field accepts, e.g. ``mode: off``.
+
+    Such a word is what the user meant even where YAML 1.1 would read a boolean, so the
+    YAML 1.1 check lets it pass (the field accepts nothing else that could be confused).
+    """
+    words: set[tuple[tuple[str], str]] = set()
+    for name, field in model.model_fields.items():
+        for arg in _type_args(field.annotation):
+            if getattr(arg, "__origin__", None) is Literal:
+                words |= {((name,), word) for word in arg.__args__ if isinstance(word, str)}
+            elif isinstance(arg, type) and issubclass(arg, BaseModel):
+                words |= _enum_words(arg)
+    return words
+
+
+_ENUM_WORDS = _enum_words(Config)
 
 
 def parse_config(text: str, filename: str = "<config>") -> Config:
