@@ -25,6 +25,10 @@ class Reason(enum.Enum):
     QUEUE_FULL = ("queue_full", 503, "all slots busy and the queue is full")
     QUEUE_TIMEOUT = ("queue_timeout", 503, "no slot freed within the queue's max_wait")
     DRAINING = ("draining", 503, "Sluice is shutting down and accepts no new requests")
+    CIRCUIT_OPEN = ("circuit_open", 503, "the upstream is failing and its circuit breaker is open")
+    DEADLINE_UNREACHABLE = (
+        "deadline_unreachable", 503, "the upstream could not answer within the request's deadline"
+    )
     # The request itself cannot be forwarded.
     NO_ROUTE = ("no_route", 404, "no route matches this path; Sluice forwards only to its routes")
     BAD_REQUEST = ("bad_request", 400, "the request cannot be forwarded as sent")

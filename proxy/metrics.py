@@ -83,6 +83,39 @@ class Metrics:
             registry=r,
         )
 
+        # Retries, circuit breakers and dead letters (policies/retry.py, breaker.py,
+        # deadletter.py). attempts / work units is the amplification factor.
+        self.upstream_attempts = Counter(
+            "sluice_upstream_attempts", "Requests sent to the upstream, retries included.",
+            ["route"], registry=r,
+        )
+        self.work_units = Counter(
+            "sluice_work_units",
+            "Units of work received: requests that are not an SDK's own retry "
+            "(x-stainless-retry-count absent or 0).",
+            ["route"], registry=r,
+        )
+        self.retries = Counter(
+            "sluice_retries", "Retries Sluice made after a failed attempt.", ["route"], registry=r
+        )
+        self.retry_overflow = Counter(
+            "sluice_retry_overflow",
+            "Retries skipped because the retry budget was spent (Envoy's retry_overflow).",
+            ["route"], registry=r,
+        )
+        self.circuit_state = Gauge(
+            "sluice_circuit_state", "Circuit breaker state: 0 closed, 1 half-open, 2 open.",
+            ["route"], registry=r,
+        )
+        self.dead_letters = Counter(
+            "sluice_dead_letters", "Requests recorded in the dead-letter store.", ["route"],
+            registry=r,
+        )
+        self.dead_letter_depth = Gauge(
+            "sluice_dead_letter_depth", "Records in the dead-letter store.", ["route"],
+            registry=r,
+        )
+
     def for_route(
         self, route: str, inflight: Callable[[], float], queued: Callable[[], float]
     ) -> RouteMetrics:
@@ -91,14 +124,37 @@ class Metrics:
         self.queue_depth.labels(route).set_function(queued)
         return RouteMetrics(self, route)
 
+    def bind_circuit_state(self, route: str, state: Callable[[], float]) -> None:
+        """Read ``route``'s breaker state (0, 1, 2) at scrape time."""
+        self.circuit_state.labels(route).set_function(state)
+
+    def bind_dead_letter_depth(self, route: str, depth: Callable[[], float]) -> None:
+        """Read ``route``'s dead-letter count at scrape time."""
+        self.dead_letter_depth.labels(route).set_function(depth)
+
 
 class RouteMetrics:
     """One route's series, bound to their labels once."""
 
-    __slots__ = ("outcomes", "queue_wait", "rejections", "upstream_duration")
+    __slots__ = (
+        "dead_letters",
+        "outcomes",
+        "queue_wait",
+        "rejections",
+        "retries",
+        "retry_overflow",
+        "upstream_attempts",
+        "upstream_duration",
+        "work_units",
+    )
 
     def __init__(self, metrics: Metrics, route: str) -> None:
         self.outcomes = {o: metrics.requests.labels(route, o) for o in OUTCOMES}
         self.rejections = {r: metrics.rejections.labels(route, r.code) for r in Reason}
         self.queue_wait = metrics.queue_wait.labels(route)
         self.upstream_duration = metrics.upstream_duration.labels(route)
+        self.upstream_attempts = metrics.upstream_attempts.labels(route)
+        self.work_units = metrics.work_units.labels(route)
+        self.retries = metrics.retries.labels(route)
+        self.retry_overflow = metrics.retry_overflow.labels(route)
+        self.dead_letters = metrics.dead_letters.labels(route)
