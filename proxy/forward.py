@@ -86,7 +86,7 @@ async def forward(
     body: bytes,
     client_timeout: aiohttp.ClientTimeout,
 ) -> tuple[web.StreamResponse, str]:
-    """Send the request upstream and relay the answer.
+    """Send the request upstream once and relay the answer (:func:`send`, then :func:`relay`).
 
     Returns:
         ``(response, outcome)``; ``outcome`` is a ``sluice_requests_total`` outcome label.
@@ -96,23 +96,66 @@ async def forward(
             caller can be told in its protocol's error shape.
         asyncio.CancelledError: the caller disconnected; the upstream request is closed.
     """
+    upstream = await send(
+        session, request.method, url, upstream_headers(request), body, client_timeout
+    )
+    return await relay(request, upstream)
+
+
+async def send(
+    session: aiohttp.ClientSession,
+    method: str,
+    url: URL,
+    headers: CIMultiDict[str],
+    body: bytes,
+    client_timeout: aiohttp.ClientTimeout,
+) -> aiohttp.ClientResponse:
+    """Send one request upstream and wait for its status line and headers.
+
+    This is the phase a retry may repeat: nothing has reached the caller yet.
+
+    Raises:
+        Rejected: ``upstream_timeout`` or ``upstream_unreachable``; the aiohttp error is its
+            ``__cause__`` (a ``ClientConnectorError`` or ``ConnectionTimeoutError`` means the
+            request never left).
+    """
     try:
-        upstream = await session.request(
-            request.method,
+        return await session.request(
+            method,
             url,
-            headers=upstream_headers(request),
+            headers=headers,
             data=body if body else None,
             allow_redirects=False,
             timeout=client_timeout,
         )
-    except TimeoutError:
-        raise Rejected(Reason.UPSTREAM_TIMEOUT, None, "no response headers in time") from None
+    except TimeoutError as exc:
+        raise Rejected(Reason.UPSTREAM_TIMEOUT, None, "no response headers in time") from exc
     except aiohttp.ClientError as exc:
-        raise Rejected(Reason.UPSTREAM_UNREACHABLE, None, type(exc).__name__) from None
+        raise Rejected(Reason.UPSTREAM_UNREACHABLE, None, type(exc).__name__) from exc
 
+
+async def relay(
+    request: web.Request,
+    upstream: aiohttp.ClientResponse,
+    extra_headers: dict[str, str] | None = None,
+) -> tuple[web.StreamResponse, str]:
+    """Relay an upstream answer to the caller, then release it; never retried.
+
+    ``extra_headers`` are set on the answer, replacing upstream fields of the same name.
+
+    Returns:
+        ``(response, outcome)`` as :func:`forward` does.
+
+    Raises:
+        Rejected: ``upstream_unreachable`` when a small answer was cut before any of it was
+            sent.
+        asyncio.CancelledError: the caller disconnected.
+    """
     outcome = f"{upstream.status // 100}xx"
     try:
         headers = _copy_headers(upstream.headers, _RESPONSE_DROP)
+        if extra_headers:
+            headers.update(extra_headers)
         length = upstream.content_length
         streaming = length is None or length > BUFFER_LIMIT_BYTES
         if not streaming:

@@ -1,7 +1,8 @@
 """The request path, top to bottom.
 
-match route -> identify caller -> read body -> admit (cheapest first: draining, rate, then the
-concurrency slot and its queue) -> forward -> release and record.
+match route -> identify caller -> read body -> admit (cheapest first: draining, circuit breaker,
+rate, then the concurrency slot and its queue) -> forward (with the breaker and retries when the
+route has them: ``proxy.attempts``) -> release and record.
 
 Every exit after admission runs the ``finally`` that frees the slot: success, upstream error,
 upstream timeout, client disconnect (the handler is cancelled, which also closes the upstream
@@ -15,13 +16,14 @@ import asyncio
 import logging
 import time
 
-import orjson
 from aiohttp import web
 
 from policies.concurrency import DEFAULT_PRIORITY, PRIORITIES
 from policies.reasons import Reason, Rejected
+from policies.retry import is_client_retry
+from proxy import attempts
 from proxy import forward as fwd
-from proxy.rejections import render
+from proxy.rejections import jsonrpc_id, render
 from proxy.routes import Route, has_dot_segment
 from proxy.runtime import RUNTIME, Runtime
 
@@ -63,6 +65,8 @@ async def handle(request: web.Request) -> web.StreamResponse:
     request_id = headers.get("X-Request-ID") or rt.next_request_id()
     events = rt.events
     metrics = route.metrics
+    if not is_client_retry(headers):
+        metrics.work_units.inc()
 
     if rt.draining:
         return _reject(rt, route, Rejected(Reason.DRAINING, DRAINING_RETRY_AFTER_S), request_id,
@@ -77,6 +81,8 @@ async def handle(request: web.Request) -> web.StreamResponse:
 
     limiter = route.concurrency
     try:
+        if route.breaker is not None:
+            route.breaker.check()
         if route.rate is not None:
             route.rate.admit(tenant)
         if limiter is not None and not limiter.try_acquire(tenant):
@@ -107,7 +113,13 @@ async def handle(request: web.Request) -> web.StreamResponse:
     status = 0
     try:
         url = fwd.upstream_url(route.upstream_base, raw_path[len(route.prefix) - 1:])
-        response, outcome = await fwd.forward(request, rt.session, url, body, route.timeout)
+        if route.resilient:
+            response, outcome = await attempts.forward(
+                request, rt, route, url, body, request_id, tenant, run, _caller_deadline(request)
+            )
+        else:
+            metrics.upstream_attempts.inc()
+            response, outcome = await fwd.forward(request, rt.session, url, body, route.timeout)
         status = response.status
         return response
     except Rejected as rejected:
@@ -145,10 +157,4 @@ def _reject(rt: Runtime, route: Route, rejected: Rejected, request_id: str, tena
 
 def _jsonrpc_id(route: Route, body: bytes) -> object:
     """The JSON-RPC ``id`` of an MCP request, echoed in its error (``None`` if unknown)."""
-    if route.protocol != "mcp" or not body:
-        return None
-    try:
-        message = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        return None
-    return message.get("id") if isinstance(message, dict) else None
+    return jsonrpc_id(route.protocol, body)

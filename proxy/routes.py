@@ -10,9 +10,12 @@ from urllib.parse import unquote
 
 import aiohttp
 
+from policies.breaker import Breaker
 from policies.concurrency import ConcurrencyLimiter
 from policies.rate import RateLimiter
+from policies.retry import RetryPolicy
 from proxy.config import RouteConfig
+from proxy.events import EventLog
 from proxy.metrics import Metrics, RouteMetrics
 
 
@@ -26,9 +29,12 @@ class Route:
         timeout: the aiohttp client timeout: ``connect`` to get a connection, ``total`` for the
             whole exchange including a streamed body (seconds).
         inflight: requests admitted and not finished (for the gauge and the drain).
+        resilient: the route has a breaker or retries, so requests go through
+            ``proxy.attempts`` rather than the plain one-shot forward.
     """
 
     __slots__ = (
+        "breaker",
         "concurrency",
         "config",
         "inflight",
@@ -37,11 +43,13 @@ class Route:
         "prefix",
         "protocol",
         "rate",
+        "resilient",
+        "retry",
         "timeout",
         "upstream_base",
     )
 
-    def __init__(self, config: RouteConfig, metrics: Metrics) -> None:
+    def __init__(self, config: RouteConfig, metrics: Metrics, events: EventLog) -> None:
         self.config = config
         self.name = config.name
         self.prefix = config.path_prefix
@@ -55,6 +63,10 @@ class Route:
             ConcurrencyLimiter(c.limit, c.queue, c.max_wait, c.per_tenant) if c else None
         )
         self.rate = RateLimiter(config.rate) if config.rate else None
+        cb = config.circuit_breaker
+        self.breaker = Breaker(cb, self.name, events) if cb else None
+        self.retry = RetryPolicy(config.retry) if config.retry else None
+        self.resilient = self.breaker is not None or self.retry is not None
         self.inflight = 0
         limiter = self.concurrency
         self.metrics: RouteMetrics = metrics.for_route(
@@ -62,6 +74,8 @@ class Route:
             inflight=lambda: self.inflight,
             queued=(lambda: limiter.queued) if limiter else (lambda: 0),
         )
+        if self.breaker is not None:
+            metrics.bind_circuit_state(self.name, self.breaker.state_value)
 
 
 class Router:

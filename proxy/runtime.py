@@ -8,6 +8,7 @@ import os
 import aiohttp
 from aiohttp import web
 
+from policies.deadletter import DeadLetterQueue
 from proxy.config import Config
 from proxy.events import EventLog
 from proxy.metrics import Metrics
@@ -20,14 +21,23 @@ class Runtime:
     Attributes:
         draining: set on SIGTERM; new requests are then answered 503 ``draining``.
         session: the one upstream ``ClientSession``, opened in the proxy app's startup.
+        dead_letters: the dead-letter store, when a route has ``retry``; else ``None``.
     """
 
     def __init__(self, config: Config) -> None:
         self.config = config
         self.metrics = Metrics()
-        self.routes = [Route(rc, self.metrics) for rc in config.routes]
-        self.router = Router(self.routes)
         self.events = EventLog(config.events.path)
+        self.routes = [Route(rc, self.metrics, self.events) for rc in config.routes]
+        self.router = Router(self.routes)
+        self.dead_letters: DeadLetterQueue | None = None
+        if any(route.retry is not None for route in self.routes):
+            store = self.dead_letters = DeadLetterQueue(config.dead_letter)
+            for route in self.routes:
+                if route.retry is not None:
+                    self.metrics.bind_dead_letter_depth(
+                        route.name, lambda name=route.name: store.depth(name)
+                    )
         self.draining = False
         self.session: aiohttp.ClientSession | None = None
         identity = config.identity
@@ -48,7 +58,11 @@ class Runtime:
         return sum(route.inflight for route in self.routes)
 
     async def open(self) -> None:
-        """Open the upstream session and the event log (inside the running loop)."""
+        """Open the upstream session, the event log and the dead-letter store.
+
+        Raises:
+            sqlite3.Error: the dead-letter file cannot be opened or created.
+        """
         connector = aiohttp.TCPConnector(
             limit=0,  # concurrency is bounded by the routes' own limits, not by the pool
             ttl_dns_cache=60,
@@ -63,11 +77,15 @@ class Runtime:
             cookie_jar=aiohttp.DummyCookieJar(),
         )
         await self.events.start()
+        if self.dead_letters is not None:
+            await self.dead_letters.open()
 
     async def close(self) -> None:
-        """Close the upstream session and flush the event log."""
+        """Close the upstream session, the dead-letter store, and flush the event log."""
         if self.session is not None:
             await self.session.close()
+        if self.dead_letters is not None:
+            await self.dead_letters.close()
         await self.events.close()
 
 
