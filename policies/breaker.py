@@ -2,7 +2,9 @@
 
 States (Nygard, "Release It!"; Resilience4j's names): **closed** lets attempts through and
 counts their outcomes; **open** answers 503 ``circuit_open`` at once, with ``Retry-After`` =
-the time left until half-open, and calls nothing upstream; **half-open** lets exactly one probe
+the time left until half-open plus a random share of up to one ``reset_timeout`` (so refused
+callers do not all return at the same instant, see :meth:`Breaker._rejection`), and calls
+nothing upstream; **half-open** lets exactly one probe
 through at a time, and ``success_threshold`` successful probes in a row close it again while a
 failed probe opens it for another ``reset_timeout``. Like Resilience4j's default, the move from
 open to half-open happens on the first attempt after the wait, not on a timer.
@@ -44,6 +46,7 @@ cancelled probe would close the breaker), this module
 from __future__ import annotations
 
 import math
+import random
 import time
 from collections.abc import Mapping
 
@@ -55,7 +58,8 @@ from proxy.events import EventLog
 
 #: ``sluice_circuit_state`` values.
 STATE_VALUES = {pybreaker.STATE_CLOSED: 0, pybreaker.STATE_HALF_OPEN: 1, pybreaker.STATE_OPEN: 2}
-#: Retry-After while a half-open probe is in flight: its answer is typically seconds away.
+#: Wait while a half-open probe is in flight (its answer is typically a second or so away),
+#: before the spread :meth:`Breaker._rejection` adds.
 PROBE_RETRY_AFTER_S = 1.0
 #: Longest open time an upstream Retry-After can ask for, seconds (Envoy's 300 s caps on
 #: rate-limited back-off and on outlier ejection time).
@@ -220,7 +224,23 @@ class Breaker(pybreaker.CircuitBreakerListener):
         return self._epoch
 
     def _rejection(self, wait: float) -> Rejected:
-        detail = "a probe is in flight" if self._probing else f"opened by {self._cause}"
+        """503 ``circuit_open`` telling the caller to come back after ``wait`` seconds, spread.
+
+        Every caller refused while open would otherwise be told the same instant (the SDKs
+        honour ``retry-after-ms`` to the millisecond) and return together, where only one
+        probe can pass: the rest are refused again and return together once more, and when
+        the breaker closes the whole herd lands on the upstream at once (measured in
+        ``bench/storm.py``: it re-opened the breaker on a healthy upstream). So the wait is
+        never shorter than ``wait`` but gets a random share of up to one ``reset_timeout``
+        (one ``PROBE_RETRY_AFTER_S`` while a probe is in flight): the refused callers come
+        back spread over about as long as they arrived in.
+        """
+        if self._probing:
+            detail = "a probe is in flight"
+            wait += random.uniform(0, PROBE_RETRY_AFTER_S)
+        else:
+            detail = f"opened by {self._cause}"
+            wait += random.uniform(0, self.reset_timeout)
         return Rejected(Reason.CIRCUIT_OPEN, wait, f"route {self.route}: {detail}")
 
     # -- outcomes -----------------------------------------------------------------------------

@@ -35,20 +35,22 @@ async def test_upstream_down_opens_fails_fast_then_one_probe_closes(upstream, st
             assert (await post(s, sluice.url))[0] == 503
         assert len(upstream.requests) == 3
         await sluice.wait_metric("sluice_circuit_state", 2, route="openai")
+        half_open_at = time.monotonic() + 2.0  # at the latest
 
-        # Open: answered at once by Sluice, no upstream call, Retry-After = time to half-open.
+        # Open: answered at once by Sluice, no upstream call, Retry-After = time to half-open
+        # plus a spread of up to one reset_timeout.
         for _ in range(5):
             status, headers = await post(s, sluice.url)
             assert status == 503 and headers["X-Sluice-Reason"] == "circuit_open"
-            assert headers["Retry-After"] in ("1", "2")
-            assert 0 < int(headers["retry-after-ms"]) <= 2000
+            assert headers["Retry-After"] in ("1", "2", "3", "4")
+            assert 0 < int(headers["retry-after-ms"]) <= 4000
             assert headers["x-should-retry"] == "true"
         assert len(upstream.requests) == 3
         assert await sluice.metric("sluice_rejections_total", route="openai",
                                    reason="circuit_open") == 5
 
-        # After reset_timeout (honouring the Retry-After we were given): exactly one probe.
-        await asyncio.sleep(int(headers["retry-after-ms"]) / 1000 + 0.05)
+        # After reset_timeout: exactly one probe.
+        await asyncio.sleep(half_open_at + 0.05 - time.monotonic())
         upstream.status = None
         upstream.hold = asyncio.Event()
         calls = [asyncio.create_task(post(s, sluice.url)) for _ in range(10)]
@@ -113,10 +115,11 @@ async def test_upstream_retry_after_extends_the_open_time(upstream, start_sluice
     upstream.status = 503
     upstream.error_headers = {"Retry-After": "8"}
     async with aiohttp.ClientSession() as s:
-        for name, expected in (("short", 8), ("long", 20)):
+        # Open for max(reset_timeout, upstream Retry-After), plus up to one reset_timeout spread.
+        for name, low, high in (("short", 7, 9), ("long", 19, 40)):
             async with s.post(f"{sluice.url}/{name}/v1/chat/completions", json=BODY) as r:
                 assert r.status == 503 and r.headers["Retry-After"] == "8"  # relayed as sent
             async with s.post(f"{sluice.url}/{name}/v1/chat/completions", json=BODY) as r:
                 assert r.headers["X-Sluice-Reason"] == "circuit_open"
-                assert expected - 1 <= int(r.headers["Retry-After"]) <= expected
+                assert low <= int(r.headers["Retry-After"]) <= high
     assert len(upstream.requests) == 2
