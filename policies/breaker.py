@@ -259,17 +259,17 @@ class Breaker(pybreaker.CircuitBreakerListener):
             self._probing = False
             if outcome != NEUTRAL:
                 failed = outcome == FAILURE
-                if (not failed and self._window is None and self._breaker.fail_counter == 0
-                        and self._breaker.current_state == pybreaker.STATE_CLOSED):
-                    # The common case: pybreaker would only reset a counter that is already
-                    # 0; skipping its ~5 us of generator plumbing keeps the hot path cheap.
-                    return
-                try:
-                    with self._breaker.calling():
-                        if failed:
-                            raise _UpstreamFailure
-                except _UpstreamFailure:
-                    pass
+                # The common case, a success while closed with no failure counted, would only
+                # make pybreaker reset a counter that is already 0: skipping its ~5 us of
+                # generator plumbing keeps the hot path cheap.
+                if (failed or self._breaker.fail_counter
+                        or self._breaker.current_state != pybreaker.STATE_CLOSED):
+                    try:
+                        with self._breaker.calling():
+                            if failed:
+                                raise _UpstreamFailure
+                    except _UpstreamFailure:
+                        pass
                 window = self._window
                 if (window is not None and ticket == self._epoch
                         and window.add(failed, time.monotonic())
