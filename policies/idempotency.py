@@ -80,6 +80,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 from policies.idempotency_store import DONE, SEEN, TOO_LARGE, MemoryStore, Record, ResultStore
 from policies.reasons import Reason, Rejected
+from policies.retry import is_client_retry
 from proxy.config import IdempotencyConfig
 
 #: Methods that are idempotent by definition and never get a key (RFC 9110 §9.2.1).
@@ -137,12 +138,6 @@ def parse_key(raw: str) -> str:
     if len(key) > MAX_KEY_LENGTH:
         raise ValueError(f"the Idempotency-Key is longer than {MAX_KEY_LENGTH} characters")
     return key
-
-
-def is_client_retry(headers: CIMultiDictProxy[str]) -> bool:
-    """True if the request says it is an SDK's retry (``x-stainless-retry-count`` above 0)."""
-    count = headers.get("x-stainless-retry-count")
-    return count is not None and count != "0" and count.isdigit()
 
 
 class Capture:

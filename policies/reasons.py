@@ -25,6 +25,10 @@ class Reason(enum.Enum):
     QUEUE_FULL = ("queue_full", 503, "all slots busy and the queue is full")
     QUEUE_TIMEOUT = ("queue_timeout", 503, "no slot freed within the queue's max_wait")
     DRAINING = ("draining", 503, "Sluice is shutting down and accepts no new requests")
+    CIRCUIT_OPEN = ("circuit_open", 503, "the upstream is failing and its circuit breaker is open")
+    DEADLINE_UNREACHABLE = (
+        "deadline_unreachable", 503, "the upstream could not answer within the request's deadline"
+    )
     # Idempotency-key conflicts (draft-ietf-httpapi-idempotency-key-header-06 §2.7): 409/422.
     IDEMPOTENCY_CONFLICT = (
         "idempotency_conflict", 409, "this Idempotency-Key is held by another request"

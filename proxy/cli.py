@@ -4,6 +4,8 @@
 and exits 0, or 2 after printing one ``FILE:LINE: KEY: PROBLEM`` line per problem;
 ``sluice timeline RUN_ID [--config PATH] [--events FILE]`` prints a run's admission timeline
 (exit 1 when the log has no event of that run).
+``sluice dlq list|show ID|replay ID|purge [--config PATH]`` inspects and replays dead-lettered
+work (see ``proxy/dlq.py``).
 """
 
 from __future__ import annotations
@@ -71,6 +73,17 @@ def _timeline(args: argparse.Namespace) -> int:
         return EXIT_CONFIG_ERROR
 
 
+def _dlq(args: argparse.Namespace) -> int:
+    from proxy.dlq import run
+
+    try:
+        config = load_config(args.config)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    return run(config, args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="sluice", description="Backpressure sidecar for AI agents' LLM and tool calls."
@@ -89,6 +102,30 @@ def build_parser() -> argparse.ArgumentParser:
     timeline.add_argument("--events", metavar="FILE",
                           help="read this event log instead ('-' for standard input)")
     timeline.set_defaults(func=_timeline)
+    dlq = sub.add_parser("dlq", help="inspect and replay dead-lettered work")
+    dlq_sub = dlq.add_subparsers(dest="dlq_command", required=True)
+    config_help = f"the config naming the dead-letter file (default: {DEFAULT_CONFIG})"
+    listing = dlq_sub.add_parser("list", help="summaries of the stored records")
+    listing.add_argument("--limit", type=int, default=100, help="newest N records (100)")
+    show = dlq_sub.add_parser("show", help="one record in full, as JSON")
+    show.add_argument("id", type=int)
+    replay = dlq_sub.add_parser(
+        "replay", help="re-send a record to its route's upstream and record the result"
+    )
+    replay.add_argument("id", type=int)
+    replay.add_argument(
+        "-H", "--header", action="append", default=[], metavar="'NAME: VALUE'",
+        help="add or replace a header, e.g. the credentials removed when recording",
+    )
+    replay.add_argument(
+        "--header-from-env", action="append", default=[], metavar="NAME=ENVVAR",
+        help="add a header whose value is read from an environment variable",
+    )
+    replay.add_argument("--output", metavar="FILE", help="write the upstream's answer here")
+    dlq_sub.add_parser("purge", help="delete every record")
+    for command in (listing, show, replay, dlq_sub.choices["purge"]):
+        command.add_argument("--config", default=DEFAULT_CONFIG, help=config_help)
+    dlq.set_defaults(func=_dlq)
     return parser
 
 

@@ -203,6 +203,68 @@ class IdempotencyConfig(_Section):
         return self
 
 
+class CircuitBreakerConfig(_Section):
+    """``circuit_breaker``: one breaker per route upstream (see ``policies/breaker.py``)."""
+
+    #: Consecutive upstream failures that open the breaker.
+    fail_max: int = Field(default=5, gt=0)
+    #: Optional failure-rate trip: the fraction of calls in the last ``window`` that failed,
+    #: evaluated once ``min_calls`` calls are in the window (Resilience4j semantics, ``>=``).
+    rate: float | None = Field(default=None, gt=0, le=1)
+    window: PositiveDuration = 30.0
+    min_calls: int = Field(default=10, gt=0)
+    #: Time open before one probe is let through, seconds.
+    reset_timeout: PositiveDuration = 30.0
+    #: Successful probes in a row that close the breaker again.
+    success_threshold: int = Field(default=1, gt=0)
+
+
+class BackoffConfig(_Section):
+    base: PositiveDuration = 0.25
+    max: PositiveDuration = 8.0
+
+
+class RetryBudgetConfig(_Section):
+    """Retries in flight <= max(``min_concurrency``, ``ratio`` x active requests) (Envoy)."""
+
+    ratio: float = Field(default=0.2, gt=0, le=1)
+    min_concurrency: int = Field(default=3, ge=0)
+
+
+def _retry_on(value: Any) -> Any:
+    if isinstance(value, int) and not isinstance(value, bool) and not 400 <= value <= 599:
+        raise ValueError(f"{value} is not an error status (400-599)")
+    return value
+
+
+RetryOn = Annotated[int | Literal["connect_error", "timeout"], AfterValidator(_retry_on)]
+
+
+class RetryConfig(_Section):
+    """``retry``: Sluice's one retry layer (see ``policies/retry.py``)."""
+
+    #: Upstream attempts in all, the first one included.
+    attempts: int = Field(default=3, ge=1, le=10)
+    #: Bound on one attempt, up to the upstream's response headers, seconds.
+    per_try_timeout: PositiveDuration | None = None
+    #: Bound on all attempts and the waits between them, seconds.
+    deadline: PositiveDuration | None = None
+    backoff: BackoffConfig = BackoffConfig()
+    on: list[RetryOn] = Field(
+        default_factory=lambda: [502, 503, 504, "connect_error", "timeout"], min_length=1
+    )
+    #: Longest upstream ``Retry-After`` Sluice waits for; a longer one ends the retries.
+    max_retry_after: PositiveDuration = 60.0
+    budget: RetryBudgetConfig = RetryBudgetConfig()
+
+
+class DeadLetterConfig(_Section):
+    #: SQLite file for dead-lettered work (created on first use).
+    path: str = Field(default="sluice-dlq.sqlite", min_length=1)
+    #: Request bodies are kept up to this size, bytes; longer ones are cut and not replayable.
+    max_body_bytes: int = Field(default=1024 * 1024, ge=0)
+
+
 class RouteConfig(_Section):
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
     path_prefix: str
@@ -212,6 +274,8 @@ class RouteConfig(_Section):
     concurrency: ConcurrencyConfig | None = None
     rate: RateConfig | None = None
     idempotency: IdempotencyConfig | None = None
+    circuit_breaker: CircuitBreakerConfig | None = None
+    retry: RetryConfig | None = None
 
     @field_validator("path_prefix")
     @classmethod
@@ -235,6 +299,7 @@ class Config(_Section):
     state: StateConfig = StateConfig()
     identity: IdentityConfig = IdentityConfig()
     events: EventsConfig = EventsConfig()
+    dead_letter: DeadLetterConfig = DeadLetterConfig()
     routes: list[RouteConfig] = Field(min_length=1)
 
 
@@ -249,6 +314,12 @@ def _cross_checks(config: Config) -> Iterator[tuple[Path_, str]]:
                     f"{value!r} is already used by routes[{seen[key, value]}]"
                 )
             seen.setdefault((key, value), index)
+        retry = route.retry
+        if retry is not None:
+            if retry.backoff.base > retry.backoff.max:
+                yield ("routes", index, "retry", "backoff", "base"), "must not exceed backoff.max"
+            if retry.per_try_timeout and retry.deadline and retry.per_try_timeout > retry.deadline:
+                yield ("routes", index, "retry", "per_try_timeout"), "must not exceed deadline"
 
 
 # --- YAML with YAML 1.2 scalars, duplicate-key errors and line numbers ----------------------

@@ -102,7 +102,7 @@ async def forward(
     idempotency_key: str | None = None,
     capture: Capture | None = None,
 ) -> tuple[web.StreamResponse, str]:
-    """Send the request upstream and relay the answer.
+    """Send the request upstream once and relay the answer (:func:`send`, then :func:`relay`).
 
     ``idempotency_key``, when given, is sent as the ``Idempotency-Key`` field value;
     ``capture``, when given, is fed the answer as it is relayed.
@@ -118,20 +118,61 @@ async def forward(
     sent = upstream_headers(request)
     if idempotency_key is not None:
         sent[KEY_HEADER] = idempotency_key
+    upstream = await send(session, request.method, url, sent, body, client_timeout)
+    return await relay(request, upstream, capture=capture)
+
+
+async def send(
+    session: aiohttp.ClientSession,
+    method: str,
+    url: URL,
+    headers: CIMultiDict[str],
+    body: bytes,
+    client_timeout: aiohttp.ClientTimeout,
+) -> aiohttp.ClientResponse:
+    """Send one request upstream and wait for its status line and headers.
+
+    This is the phase a retry may repeat: nothing has reached the caller yet.
+
+    Raises:
+        Rejected: ``upstream_timeout`` or ``upstream_unreachable``; the aiohttp error is its
+            ``__cause__`` (a ``ClientConnectorError`` or ``ConnectionTimeoutError`` means the
+            request never left).
+    """
     try:
-        upstream = await session.request(
-            request.method,
+        return await session.request(
+            method,
             url,
-            headers=sent,
+            headers=headers,
             data=body if body else None,
             allow_redirects=False,
             timeout=client_timeout,
         )
-    except TimeoutError:
-        raise Rejected(Reason.UPSTREAM_TIMEOUT, None, "no response headers in time") from None
+    except TimeoutError as exc:
+        raise Rejected(Reason.UPSTREAM_TIMEOUT, None, "no response headers in time") from exc
     except aiohttp.ClientError as exc:
-        raise Rejected(Reason.UPSTREAM_UNREACHABLE, None, type(exc).__name__) from None
+        raise Rejected(Reason.UPSTREAM_UNREACHABLE, None, type(exc).__name__) from exc
 
+
+async def relay(
+    request: web.Request,
+    upstream: aiohttp.ClientResponse,
+    extra_headers: dict[str, str] | None = None,
+    capture: Capture | None = None,
+) -> tuple[web.StreamResponse, str]:
+    """Relay an upstream answer to the caller, then release it; never retried.
+
+    ``extra_headers`` are set on the answer, replacing upstream fields of the same name;
+    ``capture``, when given, is fed the answer as it is relayed.
+
+    Returns:
+        ``(response, outcome)`` as :func:`forward` does.
+
+    Raises:
+        Rejected: ``upstream_unreachable`` when a small answer was cut before any of it was
+            sent.
+        asyncio.CancelledError: the caller disconnected.
+    """
     try:
         status = upstream.status
         if not 200 <= status <= 599:
@@ -140,6 +181,8 @@ async def forward(
             raise Rejected(Reason.UPSTREAM_UNREACHABLE, None, f"invalid status {status}")
         outcome = f"{status // 100}xx"
         headers = _copy_headers(upstream.headers, _RESPONSE_DROP)
+        if extra_headers:
+            headers.update(extra_headers)
         if capture is not None:
             capture.begin(upstream.status, upstream.reason, headers)
         length = upstream.content_length

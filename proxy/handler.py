@@ -2,7 +2,8 @@
 
 match route -> identify caller -> read body -> idempotency key (a replay or a wait for an
 in-flight twin happens here, so it costs no quota and no slot) -> admit (cheapest first:
-draining, rate, then the concurrency slot and its queue) -> forward -> release and record.
+draining, circuit breaker, rate, then the concurrency slot and its queue) -> forward (with
+the breaker and retries when the route has them: ``proxy.attempts``) -> release and record.
 
 Every exit after admission runs the ``finally`` that frees the slot: success, upstream error,
 upstream timeout, client disconnect (the handler is cancelled, which also closes the upstream
@@ -17,14 +18,15 @@ import asyncio
 import logging
 import time
 
-import orjson
 from aiohttp import web
 
 from policies.concurrency import DEFAULT_PRIORITY, PRIORITIES
-from policies.idempotency import SAFE_METHODS, Claim, is_client_retry, replay_response
+from policies.idempotency import SAFE_METHODS, Claim, replay_response
 from policies.reasons import Reason, Rejected
+from policies.retry import is_client_retry
+from proxy import attempts
 from proxy import forward as fwd
-from proxy.rejections import render
+from proxy.rejections import jsonrpc_id, render
 from proxy.routes import Route, has_dot_segment
 from proxy.runtime import RUNTIME, Runtime
 
@@ -95,6 +97,8 @@ async def handle(request: web.Request) -> web.StreamResponse:
 
     limiter = route.concurrency
     try:
+        if route.breaker is not None:
+            route.breaker.check()
         if route.rate is not None:
             route.rate.admit(tenant)
         if limiter is not None and not limiter.try_acquire(tenant):
@@ -131,10 +135,17 @@ async def handle(request: web.Request) -> web.StreamResponse:
     status = 0
     try:
         url = fwd.upstream_url(route.upstream_base, raw_path[len(route.prefix) - 1:])
-        metrics.upstream_attempts.inc()
-        response, outcome = await fwd.forward(
-            request, rt.session, url, body, route.timeout,
-            claim.header if claim else None, claim.capture if claim else None)
+        key = claim.header if claim else None
+        capture = claim.capture if claim else None
+        if route.resilient:
+            response, outcome = await attempts.forward(
+                request, rt, route, url, body, request_id, tenant, run, _caller_deadline(request),
+                key, capture,
+            )
+        else:
+            metrics.upstream_attempts.inc()
+            response, outcome = await fwd.forward(
+                request, rt.session, url, body, route.timeout, key, capture)
         status = response.status
         return response
     except Rejected as rejected:
@@ -189,10 +200,4 @@ def _replay(rt: Runtime, route: Route, claim: Claim, request_id: str, tenant: st
 
 def _jsonrpc_id(route: Route, body: bytes) -> object:
     """The JSON-RPC ``id`` of an MCP request, echoed in its error (``None`` if unknown)."""
-    if route.protocol != "mcp" or not body:
-        return None
-    try:
-        message = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        return None
-    return message.get("id") if isinstance(message, dict) else None
+    return jsonrpc_id(route.protocol, body)

@@ -156,6 +156,29 @@ class Metrics:
             ["route"], registry=r,
         )
 
+        # Retries, circuit breakers and dead letters (policies/retry.py, breaker.py,
+        # deadletter.py).
+        self.retries = Counter(
+            "sluice_retries", "Retries Sluice made after a failed attempt.", ["route"], registry=r
+        )
+        self.retry_overflow = Counter(
+            "sluice_retry_overflow",
+            "Retries skipped because the retry budget was spent (Envoy's retry_overflow).",
+            ["route"], registry=r,
+        )
+        self.circuit_state = Gauge(
+            "sluice_circuit_state", "Circuit breaker state: 0 closed, 1 half-open, 2 open.",
+            ["route"], registry=r,
+        )
+        self.dead_letters = Counter(
+            "sluice_dead_letters", "Requests recorded in the dead-letter store.", ["route"],
+            registry=r,
+        )
+        self.dead_letter_depth = Gauge(
+            "sluice_dead_letter_depth", "Records in the dead-letter store.", ["route"],
+            registry=r,
+        )
+
     def for_route(
         self,
         route: str,
@@ -198,12 +221,30 @@ class Metrics:
         self.idempotency_bytes.labels(route).set_function(size)
         self.idempotency_waiting.labels(route).set_function(waiting)
 
+    def bind_circuit_state(self, route: str, state: Callable[[], float]) -> None:
+        """Read ``route``'s breaker state (0, 1, 2) at scrape time."""
+        self.circuit_state.labels(route).set_function(state)
+
+    def bind_dead_letter_depth(self, route: str, depth: Callable[[], float]) -> None:
+        """Read ``route``'s dead-letter count at scrape time."""
+        self.dead_letter_depth.labels(route).set_function(depth)
+
 
 class RouteMetrics:
     """One route's series, bound to their labels once."""
 
-    __slots__ = ("outcomes", "queue_wait", "rejections", "replays", "upstream_attempts",
-                 "upstream_duration", "work_units")
+    __slots__ = (
+        "dead_letters",
+        "outcomes",
+        "queue_wait",
+        "rejections",
+        "replays",
+        "retries",
+        "retry_overflow",
+        "upstream_attempts",
+        "upstream_duration",
+        "work_units",
+    )
 
     def __init__(self, metrics: Metrics, route: str) -> None:
         self.outcomes = {o: metrics.requests.labels(route, o) for o in OUTCOMES}
@@ -213,3 +254,6 @@ class RouteMetrics:
         self.upstream_attempts = metrics.upstream_attempts.labels(route)
         self.work_units = metrics.work_units.labels(route)
         self.replays = metrics.idempotent_replays.labels(route)
+        self.retries = metrics.retries.labels(route)
+        self.retry_overflow = metrics.retry_overflow.labels(route)
+        self.dead_letters = metrics.dead_letters.labels(route)

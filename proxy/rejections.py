@@ -98,6 +98,17 @@ def rejection_body(rejected: Rejected, protocol: str, jsonrpc_id: object = None)
     return orjson.dumps(body)
 
 
+def jsonrpc_id(protocol: str, body: bytes) -> object:
+    """The JSON-RPC ``id`` of an MCP request, echoed in its error (``None`` if unknown)."""
+    if protocol != "mcp" or not body:
+        return None
+    try:
+        message = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    return message.get("id") if isinstance(message, dict) else None
+
+
 def render(rejected: Rejected, protocol: str, jsonrpc_id: object = None) -> web.Response:
     """The whole response for ``rejected`` on a route of ``protocol``."""
     return web.Response(

@@ -15,7 +15,7 @@ the file has stayed the same for ``SETTLE_S``, so a half-written file is not rea
    problem is logged as ``FILE:LINE: KEY: PROBLEM``, ``sluice_config_reload_failures_total``
    counts the attempt and ``sluice_config_last_reload_successful`` turns 0;
 2. keeps the keys in ``RESTART_ONLY`` (listener addresses, body size limit, event log
-   destination, state backend) at their running values, with a warning naming each one
+   destination, state backend, dead-letter file) at their running values, with a warning naming each one
    that changed: a reload cannot move a bound socket or an open file;
 3. applies the rest with :meth:`proxy.runtime.Runtime.configure`: new ``Route`` objects are
    built and each takes over the live state of the old route of the same name
@@ -74,6 +74,7 @@ RESTART_ONLY: tuple[tuple[str, ...], ...] = (
     ("server", "max_request_bytes"),
     ("events", "path"),
     ("state",),
+    ("dead_letter",),
 )
 
 Fingerprint = tuple[int, int, int, int] | None

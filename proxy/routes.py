@@ -16,10 +16,13 @@ from urllib.parse import unquote
 
 import aiohttp
 
+from policies.breaker import Breaker
 from policies.concurrency import ConcurrencyLimiter
 from policies.idempotency import Idempotency
 from policies.rate import RateLimiter
+from policies.retry import RetryPolicy
 from proxy.config import RouteConfig
+from proxy.events import EventLog
 from proxy.metrics import Metrics, RouteMetrics
 
 
@@ -35,13 +38,16 @@ class Route:
         inflight: requests admitted through this object and not finished.
         retired: the routes of the same name this one replaced on reloads that still had
             requests in flight then; their counts join ``inflight_total``.
+        resilient: the route has a breaker or retries, so requests go through
+            ``proxy.attempts`` rather than the plain one-shot forward.
     """
 
     #: Attributes holding policy objects, in admission order. A policy object may have a
     #: ``state()`` method returning a JSON-ready dict, shown by the admin API under its name.
-    POLICIES = ("rate", "concurrency")
+    POLICIES = ("breaker", "rate", "concurrency", "idempotency", "retry")
 
     __slots__ = (
+        "breaker",
         "concurrency",
         "config",
         "idempotency",
@@ -51,12 +57,14 @@ class Route:
         "prefix",
         "protocol",
         "rate",
+        "resilient",
         "retired",
+        "retry",
         "timeout",
         "upstream_base",
     )
 
-    def __init__(self, config: RouteConfig, metrics: Metrics) -> None:
+    def __init__(self, config: RouteConfig, metrics: Metrics, events: EventLog) -> None:
         self.config = config
         self.name = config.name
         self.prefix = config.path_prefix
@@ -72,6 +80,10 @@ class Route:
         self.rate = RateLimiter(config.rate) if config.rate else None
         i = config.idempotency
         self.idempotency = Idempotency(i, self.name) if i and i.mode != "off" else None
+        cb = config.circuit_breaker
+        self.breaker = Breaker(cb, self.name, events) if cb else None
+        self.retry = RetryPolicy(config.retry) if config.retry else None
+        self.resilient = self.breaker is not None or self.retry is not None
         self.inflight = 0
         self.retired: tuple[Route, ...] = ()
         # Gauges read self.concurrency at scrape time: take_over() may swap the object.
@@ -88,6 +100,10 @@ class Route:
                 entries=lambda: len(self.idempotency.store) if self.idempotency else 0,
                 size=lambda: self.idempotency.store.bytes if self.idempotency else 0,
                 waiting=lambda: self.idempotency.waiting if self.idempotency else 0,
+            )
+        if self.breaker is not None:
+            metrics.bind_circuit_state(
+                self.name, lambda: self.breaker.state_value() if self.breaker else 0
             )
 
     @property
@@ -113,6 +129,10 @@ class Route:
         self.idempotency = carry_over(
             old.idempotency, self.idempotency, prev.idempotency, new.idempotency
         )
+        # An unchanged breaker keeps its state (open stays open); a changed one starts closed.
+        self.breaker = carry_over(old.breaker, self.breaker, prev.circuit_breaker,
+                                  new.circuit_breaker)
+        self.retry = carry_over(old.retry, self.retry, prev.retry, new.retry)
         self.retired = tuple(route for route in (old, *old.retired) if route.inflight)
 
     def state(self) -> dict[str, Any]:

@@ -8,6 +8,7 @@ import os
 import aiohttp
 from aiohttp import web
 
+from policies.deadletter import DeadLetterQueue
 from proxy.config import Config
 from proxy.events import EventLog
 from proxy.metrics import Metrics
@@ -20,6 +21,7 @@ class Runtime:
     Attributes:
         draining: set on SIGTERM; new requests are then answered 503 ``draining``.
         session: the one upstream ``ClientSession``, opened in the proxy app's startup.
+        dead_letters: the dead-letter store (its file is opened once a route retries).
     """
 
     def __init__(self, config: Config) -> None:
@@ -28,6 +30,9 @@ class Runtime:
         #: Routes a reload deleted that still had requests in flight (counted by the drain).
         self.removed: list[Route] = []
         self.events = EventLog(config.events.path)
+        # Created at startup from the restart-only dead_letter block; its file is opened only
+        # when some route retries (see open() and DeadLetterQueue.add).
+        self.dead_letters = DeadLetterQueue(config.dead_letter)
         self.draining = False
         self.session: aiohttp.ClientSession | None = None
         self._ids = itertools.count(1)
@@ -46,7 +51,12 @@ class Runtime:
             ``removed``.
         """
         old = {route.name: route for route in self.routes}
-        routes = [Route(rc, self.metrics) for rc in config.routes]
+        routes = [Route(rc, self.metrics, self.events) for rc in config.routes]
+        for route in routes:
+            if route.retry is not None:
+                self.metrics.bind_dead_letter_depth(
+                    route.name, lambda name=route.name: self.dead_letters.depth(name)
+                )
         summary: dict[str, list[str]] = {"added": [], "changed": [], "unchanged": [],
                                          "removed": []}
         for route in routes:
@@ -82,7 +92,11 @@ class Runtime:
         return sum(route.inflight_total for route in (*self.routes, *self.removed))
 
     async def open(self) -> None:
-        """Open the upstream session and the event log (inside the running loop)."""
+        """Open the upstream session, the event log and the dead-letter store.
+
+        Raises:
+            sqlite3.Error: the dead-letter file cannot be opened or created.
+        """
         connector = aiohttp.TCPConnector(
             limit=0,  # concurrency is bounded by the routes' own limits, not by the pool
             ttl_dns_cache=60,
@@ -97,11 +111,14 @@ class Runtime:
             cookie_jar=aiohttp.DummyCookieJar(),
         )
         await self.events.start()
+        if any(route.retry is not None for route in self.routes):
+            await self.dead_letters.open()
 
     async def close(self) -> None:
-        """Close the upstream session and flush the event log."""
+        """Close the upstream session, the dead-letter store, and flush the event log."""
         if self.session is not None:
             await self.session.close()
+        await self.dead_letters.close()
         await self.events.close()
 
 

@@ -1,7 +1,8 @@
 """A fake OpenAI- and Anthropic-compatible upstream that records what reaches it.
 
 It runs in the test's own event loop on 127.0.0.1 and a free port. Behaviour is set on the
-object (``delay``, ``chunk_delay``, ``statuses``, ``hold``) or per request with headers
+object (``delay``, ``chunk_delay``, ``statuses``, ``status``, ``fail_first``,
+``error_headers``, ``hold``) or per request with headers
 (``x-fake-delay``, ``x-fake-status``); what arrived is kept in ``requests`` and the live and
 peak concurrency in ``inflight`` / ``peak_inflight``; ``executed`` counts the requests it answered
 with success, i.e. the side effects a tool would have performed.
@@ -55,6 +56,9 @@ class FakeUpstream:
     chunk_delay: float = 0.01  # seconds between SSE events
     chunks: int = 5  # content events in a stream
     statuses: list[int] = field(default_factory=list)  # next answers' statuses, consumed FIFO
+    status: int | None = None  # every answer's status once ``statuses`` is used up
+    fail_first: int | None = None  # status of the first request of each Idempotency-Key, at once
+    error_headers: dict[str, str] = field(default_factory=dict)  # added to answers >= 400
     prompt_tokens: int = 11
     completion_tokens: int = 5
     hold: asyncio.Event | None = None  # when set, requests wait for it before answering
@@ -65,6 +69,7 @@ class FakeUpstream:
     completed: int = 0
     executed: int = 0
     cancelled: int = 0
+    keys_seen: set[str] = field(default_factory=set)
     port: int = 0
     _runner: web.AppRunner | None = None
 
@@ -102,6 +107,10 @@ class FakeUpstream:
         )
         self.inflight += 1
         self.peak_inflight = max(self.peak_inflight, self.inflight)
+        key = request.headers.get("Idempotency-Key")
+        if self.fail_first is not None and key is not None and key not in self.keys_seen:
+            self.keys_seen.add(key)  # answered at once: hold and delay apply to later attempts
+            return body, self.fail_first
         delay = float(request.headers.get("x-fake-delay", self.delay))
         if self.hold is not None:
             await self.hold.wait()
@@ -110,7 +119,9 @@ class FakeUpstream:
         status = request.headers.get("x-fake-status")
         if status is None and self.statuses:
             return body, self.statuses.pop(0)
-        return body, int(status) if status else None
+        if status is None:
+            return body, self.status
+        return body, int(status)
 
     def _leave(self, cancelled: bool) -> None:
         self.inflight -= 1
@@ -128,6 +139,7 @@ class FakeUpstream:
                     {"error": {"message": f"fake upstream status {status}", "type": "fake",
                                "code": None}},
                     status=status,
+                    headers=self.error_headers,
                 )
             response = await answer(request, body)
             self.executed += 1

@@ -1,0 +1,283 @@
+"""Dead letters: work Sluice gave up on, kept so that it does not vanish (key ``dead_letter``).
+
+A request on a route with ``retry`` whose failure was one Sluice retries on (a status or error
+kind in ``retry.on``) and that still failed when the retries ended (attempts spent, deadline,
+retry budget, breaker opened, unsafe to repeat, upstream asking for too long a wait) is
+written here with its route, tenant, run, idempotency key, method, path, headers, body and
+every attempt (time, status or error, duration), and the reason retries ended. The answer to
+the caller names the record in ``X-Sluice-Dead-Letter``.
+
+Secrets are never written: headers whose name says they carry credentials (``Authorization``,
+``Cookie``, ``X-Api-Key``, anything with ``auth``, ``api-key``, ``token``, ``secret``,
+``password``) are removed and only their names kept, so ``sluice dlq replay`` must be given them
+again. Bodies are kept up to ``max_body_bytes``; a cut body is marked and cannot be replayed.
+
+Storage is one SQLite file (WAL mode, so ``sluice dlq`` can read while the server writes).
+The server does all SQLite work on one dedicated thread, so the event loop never waits on the
+disk; a request that is dead-lettered waits for its own record to be written (the
+``X-Sluice-Dead-Letter`` id needs it), nothing else does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import concurrent.futures
+import sqlite3
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from proxy.config import DeadLetterConfig
+
+#: Header-name fragments that mark a credential (matched on the lower-cased name).
+SECRET_HEADER_PARTS = ("auth", "cookie", "api-key", "api_key", "apikey", "token", "secret",
+                       "password")
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS dead_letters (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    created_at REAL NOT NULL,
+    route TEXT NOT NULL,
+    tenant TEXT NOT NULL,
+    run TEXT,
+    idempotency_key TEXT,
+    request_id TEXT NOT NULL,
+    method TEXT NOT NULL,
+    path TEXT NOT NULL,
+    headers TEXT NOT NULL,
+    redacted TEXT NOT NULL,
+    body BLOB NOT NULL,
+    body_size INTEGER NOT NULL,
+    attempts TEXT NOT NULL,
+    reason TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS dead_letters_route ON dead_letters (route);
+CREATE TABLE IF NOT EXISTS replays (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    dead_letter_id INTEGER NOT NULL,
+    at REAL NOT NULL,
+    status INTEGER,
+    error TEXT,
+    duration_s REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS replays_dead_letter ON replays (dead_letter_id);
+"""
+
+
+def redact(headers: Iterable[tuple[str, str]]) -> tuple[list[tuple[str, str]], list[str]]:
+    """Split headers into those safe to store and the names of those removed as secrets."""
+    kept: list[tuple[str, str]] = []
+    removed: list[str] = []
+    for name, value in headers:
+        lower = name.lower()
+        if any(part in lower for part in SECRET_HEADER_PARTS):
+            removed.append(name)
+        else:
+            kept.append((name, value))
+    return kept, removed
+
+
+@dataclass(slots=True)
+class Attempt:
+    """One upstream attempt: when (Unix seconds), its status or error kind, how long (s)."""
+
+    at: float
+    status: int | None
+    error: str | None
+    duration_s: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"at": round(self.at, 6), "status": self.status, "error": self.error,
+                "duration_s": round(self.duration_s, 6)}
+
+
+@dataclass(slots=True)
+class DeadLetter:
+    """One record; ``body`` is already cut to the store's limit, ``body_size`` is the original."""
+
+    route: str
+    tenant: str
+    run: str | None
+    idempotency_key: str | None
+    request_id: str
+    method: str
+    path: str
+    headers: list[tuple[str, str]]
+    redacted: list[str]
+    body: bytes
+    body_size: int
+    attempts: list[Attempt]
+    reason: str
+    created_at: float = field(default_factory=time.time)
+    id: int | None = None
+    replays: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def truncated(self) -> bool:
+        """True when the body was cut, so the request cannot be replayed as it was."""
+        return self.body_size > len(self.body)
+
+    def as_dict(self) -> dict[str, Any]:
+        """A JSON-ready view; the body is text when it is UTF-8, else base64."""
+        try:
+            body: dict[str, Any] = {"text": self.body.decode()}
+        except UnicodeDecodeError:
+            body = {"base64": base64.b64encode(self.body).decode()}
+        return {
+            "id": self.id, "created_at": self.created_at, "route": self.route,
+            "tenant": self.tenant, "run": self.run, "idempotency_key": self.idempotency_key,
+            "request_id": self.request_id, "method": self.method, "path": self.path,
+            "headers": [list(h) for h in self.headers], "redacted_headers": self.redacted,
+            "body": body, "body_size": self.body_size, "body_truncated": self.truncated,
+            "attempts": [a.as_dict() for a in self.attempts], "reason": self.reason,
+            "replays": self.replays,
+        }
+
+
+class DeadLetterFile:
+    """Blocking access to the SQLite file: for the server's writer thread and the CLI."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.execute("PRAGMA busy_timeout=5000")
+        self._db.executescript(_SCHEMA)
+
+    def close(self) -> None:
+        self._db.close()
+
+    def add(self, letter: DeadLetter) -> int:
+        """Store ``letter``; returns its id."""
+        cursor = self._db.execute(
+            "INSERT INTO dead_letters (created_at, route, tenant, run, idempotency_key,"
+            " request_id, method, path, headers, redacted, body, body_size, attempts, reason)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (letter.created_at, letter.route, letter.tenant, letter.run, letter.idempotency_key,
+             letter.request_id, letter.method, letter.path, orjson.dumps(letter.headers),
+             orjson.dumps(letter.redacted), letter.body, letter.body_size,
+             orjson.dumps([a.as_dict() for a in letter.attempts]), letter.reason),
+        )
+        return int(cursor.lastrowid or 0)
+
+    def depth(self) -> dict[str, int]:
+        """Records per route."""
+        rows = self._db.execute("SELECT route, COUNT(*) FROM dead_letters GROUP BY route")
+        return {route: count for route, count in rows}
+
+    def list(self, limit: int = 100) -> list[dict[str, Any]]:
+        """The newest ``limit`` records as short summaries, oldest first."""
+        rows = self._db.execute(
+            "SELECT d.id, d.created_at, d.route, d.tenant, d.method, d.path, d.attempts,"
+            " d.reason, (SELECT status FROM replays r WHERE r.dead_letter_id = d.id"
+            "            ORDER BY r.id DESC LIMIT 1),"
+            " (SELECT error FROM replays r WHERE r.dead_letter_id = d.id"
+            "  ORDER BY r.id DESC LIMIT 1)"
+            " FROM dead_letters d ORDER BY d.id DESC LIMIT ?", (limit,),
+        ).fetchall()
+        return [
+            {"id": r[0], "created_at": r[1], "route": r[2], "tenant": r[3], "method": r[4],
+             "path": r[5], "attempts": len(orjson.loads(r[6])), "reason": r[7],
+             "last_replay": r[8] if r[8] is not None else r[9]}
+            for r in reversed(rows)
+        ]
+
+    def get(self, letter_id: int) -> DeadLetter | None:
+        """The whole record ``letter_id`` with its replays, or ``None``."""
+        row = self._db.execute(
+            "SELECT id, created_at, route, tenant, run, idempotency_key, request_id, method,"
+            " path, headers, redacted, body, body_size, attempts, reason"
+            " FROM dead_letters WHERE id = ?", (letter_id,),
+        ).fetchone()
+        if row is None:
+            return None
+        replays = [
+            {"at": at, "status": status, "error": error, "duration_s": duration}
+            for at, status, error, duration in self._db.execute(
+                "SELECT at, status, error, duration_s FROM replays WHERE dead_letter_id = ?"
+                " ORDER BY id", (letter_id,))
+        ]
+        return DeadLetter(
+            id=row[0], created_at=row[1], route=row[2], tenant=row[3], run=row[4],
+            idempotency_key=row[5], request_id=row[6], method=row[7], path=row[8],
+            headers=[(n, v) for n, v in orjson.loads(row[9])], redacted=orjson.loads(row[10]),
+            body=bytes(row[11]), body_size=row[12],
+            attempts=[Attempt(**a) for a in orjson.loads(row[13])], reason=row[14],
+            replays=replays,
+        )
+
+    def add_replay(self, letter_id: int, status: int | None, error: str | None,
+                   duration_s: float) -> None:
+        """Record the result of replaying ``letter_id``."""
+        self._db.execute(
+            "INSERT INTO replays (dead_letter_id, at, status, error, duration_s)"
+            " VALUES (?, ?, ?, ?, ?)", (letter_id, time.time(), status, error, duration_s),
+        )
+
+    def purge(self) -> int:
+        """Delete every record and replay; returns how many records there were."""
+        with self._db:
+            self._db.execute("BEGIN IMMEDIATE")
+            count = self._db.execute("DELETE FROM dead_letters").rowcount
+            self._db.execute("DELETE FROM replays")
+        return count
+
+
+class DeadLetterQueue:
+    """The server's side: writes happen on one thread of their own, off the event loop."""
+
+    def __init__(self, config: DeadLetterConfig) -> None:
+        self.path = config.path
+        self.max_body_bytes = config.max_body_bytes
+        self._depth: dict[str, int] = {}
+        self._file: DeadLetterFile | None = None
+        self._thread = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="sluice-dlq"
+        )
+
+    def depth(self, route: str) -> int:
+        """Records of ``route`` in the store (for the depth gauge)."""
+        return self._depth.get(route, 0)
+
+    async def open(self) -> None:
+        """Open (or create) the file and read the current depth.
+
+        Raises:
+            sqlite3.Error: the file cannot be opened or created.
+        """
+        self._file = await self._run(DeadLetterFile, self.path)
+        self._depth = await self._run(self._file.depth)
+
+    async def add(self, letter: DeadLetter) -> int:
+        """Write ``letter`` (its body cut to ``max_body_bytes`` here) and return its id.
+
+        The write completes even if the awaiting request is cancelled meanwhile.
+        """
+        if self._file is None:  # a reload gave a route its first retry block
+            await self.open()
+        letter.body_size = len(letter.body)
+        letter.body = letter.body[: self.max_body_bytes]
+        write = self._run(self._file.add, letter)
+        route = letter.route
+
+        def count(done: asyncio.Future[int]) -> None:
+            if not done.cancelled() and done.exception() is None:
+                self._depth[route] = self._depth.get(route, 0) + 1
+
+        write.add_done_callback(count)
+        return await asyncio.shield(write)
+
+    async def close(self) -> None:
+        """Finish pending writes and close the file."""
+        if self._file is not None:
+            await self._run(self._file.close)
+            self._file = None
+        self._thread.shutdown(wait=True)
+
+    def _run(self, fn: Any, *args: Any) -> asyncio.Future[Any]:
+        return asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)

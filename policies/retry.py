@@ -1,0 +1,166 @@
+"""Sluice's one retry layer (config key ``retry``).
+
+When a route has a ``retry`` block, Sluice owns retries for it (Google SRE: retry at one layer
+only). An attempt that fails with a status or error kind listed in ``on`` is retried while all
+of these hold:
+
+* attempts remain (``attempts`` counts the first one);
+* it is safe (:func:`retry_is_safe`, RFC 9110 §9.2.2);
+* the wait fits: the upstream's ``retry-after-ms``/``Retry-After`` if it sent one (a longer one
+  than ``max_retry_after`` ends the retries: the upstream will not be back in time), otherwise
+  exponential back-off with full jitter, ``U[0, min(backoff.max, backoff.base * 2^n))`` for
+  retry ``n`` (AWS Architecture Blog, "Exponential Backoff and Jitter"; Envoy's default);
+  and the next attempt would start before the deadline;
+* the retry budget has room (:class:`RetryBudget`).
+
+Never retried: a request that is itself an SDK's retry (``x-stainless-retry-count`` > 0: the
+client already owns that retry and stacking Sluice's on it multiplies attempts), and anything
+after response bytes reached the caller (only the phase up to the upstream's response headers
+is retried).
+
+``deadline`` bounds all attempts and the waits between them (Envoy's route timeout includes
+retries). ``per_try_timeout`` bounds each attempt up to its response headers (Envoy's
+per-try timeout); the caller's own timeout (``x-stainless-timeout``) caps both.
+
+When retries end on a failure, the answer carries ``x-should-retry: false`` (the OpenAI and
+Anthropic SDKs obey it before their own rules) so the caller's SDK does not add its own three
+attempts on top of Sluice's.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Mapping
+from email.utils import parsedate_to_datetime
+
+from proxy.config import RetryConfig
+
+#: Methods RFC 9110 §9.2.2 defines as idempotent.
+IDEMPOTENT_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"})
+#: The request header that makes a non-idempotent request safe to repeat (IETF
+#: draft-ietf-httpapi-idempotency-key-header).
+IDEMPOTENCY_HEADER = "Idempotency-Key"
+#: Sent by the Stainless-generated SDKs (openai, anthropic): 0 on a first attempt.
+CLIENT_RETRY_HEADER = "x-stainless-retry-count"
+#: Jitter on an upstream-requested wait: ``U[d, 1.25 d]``, never earlier than asked.
+HINT_JITTER = 0.25
+
+
+def retry_is_safe(method: str, has_idempotency_key: bool, sent: bool) -> bool:
+    """True when repeating the request cannot apply it twice (RFC 9110 §9.2.2).
+
+    Args:
+        method: the HTTP method, upper case.
+        has_idempotency_key: the request carries an idempotency key the upstream dedups on.
+        sent: the request may have reached the upstream (False only when the connection
+            was never made).
+    """
+    return not sent or has_idempotency_key or method in IDEMPOTENT_METHODS
+
+
+def is_client_retry(headers: Mapping[str, str]) -> bool:
+    """True when an SDK says this request is its own retry (``x-stainless-retry-count`` > 0)."""
+    count = headers.get(CLIENT_RETRY_HEADER)
+    return count is not None and count.isdigit() and int(count) > 0
+
+
+def upstream_retry_after(headers: Mapping[str, str]) -> float | None:
+    """The wait an upstream answer asks for, seconds, or ``None``.
+
+    ``retry-after-ms`` (float milliseconds, the OpenAI/Anthropic extension) is read first, then
+    ``Retry-After`` as delay-seconds or an HTTP-date (RFC 9110 §10.2.3). Fractional seconds
+    are accepted as the SDKs accept them; negative or unparsable values are ignored.
+    """
+    raw = headers.get("retry-after-ms")
+    if raw is not None:
+        try:
+            value = float(raw) / 1000
+        except ValueError:
+            value = -1.0
+        if value >= 0:
+            return value
+    raw = headers.get("Retry-After")
+    if raw is None:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        try:
+            value = parsedate_to_datetime(raw).timestamp() - time.time()
+        except (TypeError, ValueError):
+            return None
+    if math.isnan(value):
+        return None
+    return max(value, 0.0)
+
+
+class RetryBudget:
+    """Retries in flight <= ``max(min_concurrency, ratio * active requests)``.
+
+    Envoy's ``retry_budget`` (``budget_percent`` 20 %, ``min_retry_concurrency`` 3): under a
+    storm most requests fail at once, and a ratio of the active ones bounds the extra load the
+    retries add, while the floor still lets a quiet route retry. A retry is in flight from the
+    decision to retry until its attempt has an outcome, back-off wait included.
+    """
+
+    __slots__ = ("in_flight", "min_concurrency", "ratio")
+
+    def __init__(self, ratio: float, min_concurrency: int) -> None:
+        self.ratio = ratio
+        self.min_concurrency = min_concurrency
+        self.in_flight = 0
+
+    def try_acquire(self, active: int) -> bool:
+        """Take a slot for one retry if the budget has room; ``active`` = requests in flight."""
+        if self.in_flight >= max(self.min_concurrency, self.ratio * active):
+            return False
+        self.in_flight += 1
+        return True
+
+    def hold(self) -> None:
+        """Count a retry that happens anyway (an SDK's own), so Sluice's retries leave room."""
+        self.in_flight += 1
+
+    def release(self) -> None:
+        """End one retry taken with ``try_acquire`` or ``hold``."""
+        self.in_flight -= 1
+
+
+class RetryPolicy:
+    """The ``retry`` block of one route, resolved once at load."""
+
+    __slots__ = ("attempts", "backoff_base", "backoff_max", "budget", "deadline",
+                 "max_retry_after", "on_connect_error", "on_statuses", "on_timeout",
+                 "per_try_timeout")
+
+    def __init__(self, config: RetryConfig) -> None:
+        self.attempts = config.attempts
+        self.per_try_timeout = config.per_try_timeout
+        self.deadline = config.deadline
+        self.backoff_base = config.backoff.base
+        self.backoff_max = config.backoff.max
+        self.on_statuses = frozenset(v for v in config.on if isinstance(v, int))
+        self.on_connect_error = "connect_error" in config.on
+        self.on_timeout = "timeout" in config.on
+        self.max_retry_after = config.max_retry_after
+        self.budget = RetryBudget(config.budget.ratio, config.budget.min_concurrency)
+
+    def retries_error(self, kind: str) -> bool:
+        """True when a failure with no answer (``connect_error`` or ``timeout``) is in ``on``."""
+        return self.on_timeout if kind == "timeout" else self.on_connect_error
+
+    def wait(self, retry_index: int, retry_after: float | None) -> float | None:
+        """Seconds to wait before retry number ``retry_index`` (0 for the first retry).
+
+        Returns:
+            The upstream's wait jittered up by at most 25 %, or full-jitter back-off when it
+            sent none; ``None`` when it asked for longer than ``max_retry_after``.
+        """
+        if retry_after is not None:
+            if retry_after > self.max_retry_after:
+                return None
+            return retry_after * (1 + HINT_JITTER * random.random())
+        cap = min(self.backoff_max, self.backoff_base * (2 ** retry_index))
+        return random.uniform(0, cap)

@@ -1,0 +1,125 @@
+"""The shared circuit breaker, end to end: Sluice as a subprocess, aiohttp callers."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aiohttp
+
+from tests.conftest import route
+
+CHAT = "/openai/v1/chat/completions"
+BODY = {"model": "gpt-test", "messages": [{"role": "user", "content": "hi"}]}
+
+
+async def post(session: aiohttp.ClientSession, url: str, **headers: str) -> tuple[int, dict]:
+    async with session.post(url + CHAT, json=BODY, headers=headers) as r:
+        await r.read()
+        return r.status, dict(r.headers)
+
+
+async def wait_for(condition, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.02)
+
+
+async def test_upstream_down_opens_fails_fast_then_one_probe_closes(upstream, start_sluice):
+    sluice = await start_sluice({"routes": [route(
+        "openai", upstream.url, circuit_breaker={"fail_max": 3, "reset_timeout": "2s"})]})
+    upstream.status = 503
+    async with aiohttp.ClientSession() as s:
+        for _ in range(3):
+            assert (await post(s, sluice.url))[0] == 503
+        assert len(upstream.requests) == 3
+        await sluice.wait_metric("sluice_circuit_state", 2, route="openai")
+        half_open_at = time.monotonic() + 2.0  # at the latest
+
+        # Open: answered at once by Sluice, no upstream call, Retry-After = time to half-open
+        # plus a spread of up to one reset_timeout.
+        for _ in range(5):
+            status, headers = await post(s, sluice.url)
+            assert status == 503 and headers["X-Sluice-Reason"] == "circuit_open"
+            assert headers["Retry-After"] in ("1", "2", "3", "4")
+            assert 0 < int(headers["retry-after-ms"]) <= 4000
+            assert headers["x-should-retry"] == "true"
+        assert len(upstream.requests) == 3
+        assert await sluice.metric("sluice_rejections_total", route="openai",
+                                   reason="circuit_open") == 5
+
+        # After reset_timeout: exactly one probe.
+        await asyncio.sleep(half_open_at + 0.05 - time.monotonic())
+        upstream.status = None
+        upstream.hold = asyncio.Event()
+        calls = [asyncio.create_task(post(s, sluice.url)) for _ in range(10)]
+        await wait_for(lambda: sum(c.done() for c in calls) == 9 and upstream.inflight == 1)
+        assert len(upstream.requests) == 4
+        refused = [c.result() for c in calls if c.done()]
+        assert {(st, h["X-Sluice-Reason"]) for st, h in refused} == {(503, "circuit_open")}
+        await sluice.wait_metric("sluice_circuit_state", 1, route="openai")
+
+        upstream.hold.set()  # the probe succeeds: the breaker closes
+        assert sorted(st for st, _ in await asyncio.gather(*calls)) == [200] + [503] * 9
+        await sluice.wait_metric("sluice_circuit_state", 0, route="openai")
+        assert (await post(s, sluice.url))[0] == 200
+    await asyncio.sleep(0.3)  # the event log is flushed every 0.2 s
+    transitions = [e for e in sluice.events() if e["event"].startswith("circuit_")]
+    assert [e["event"] for e in transitions] == [
+        "circuit_opened", "circuit_half_open", "circuit_closed"]
+    assert transitions[0]["route"] == "openai" and transitions[0]["cause"] == "fail_max"
+
+
+async def test_client_deadlines_and_bad_requests_never_trip_it(upstream, start_sluice):
+    sluice = await start_sluice({"routes": [route(
+        "openai", upstream.url, circuit_breaker={"fail_max": 2, "reset_timeout": "30s"})]})
+    async with aiohttp.ClientSession() as s:
+        # One tenant's bad requests: the upstream answered, the request was at fault.
+        for status in (400, 401, 404, 413, 422, 400, 400):
+            got, _ = await post(s, sluice.url, **{"X-Tenant-ID": "careless",
+                                                  "x-fake-status": str(status)})
+            assert got == status
+        # Callers that give up: their own timeout, and their declared deadline.
+        for _ in range(3):
+            try:
+                async with s.post(sluice.url + CHAT, json=BODY,
+                                  headers={"x-fake-delay": "5"},
+                                  timeout=aiohttp.ClientTimeout(total=0.3)) as r:
+                    await r.read()
+            except TimeoutError:
+                pass
+        await sluice.wait_metric("sluice_requests_total", 3, route="openai",
+                                 outcome="client_disconnected")
+        for _ in range(3):
+            got, headers = await post(s, sluice.url, **{"x-fake-delay": "5",
+                                                        "x-stainless-timeout": "0.3"})
+            assert got == 504  # Sluice stopped at the caller's deadline
+        assert await sluice.metric("sluice_circuit_state", route="openai") == 0
+
+        # Another tenant is served as usual.
+        assert (await post(s, sluice.url, **{"X-Tenant-ID": "careful"}))[0] == 200
+
+        # The breaker is live: two real upstream failures do open it.
+        for _ in range(2):
+            assert (await post(s, sluice.url, **{"x-fake-status": "500"}))[0] == 500
+        status, headers = await post(s, sluice.url, **{"X-Tenant-ID": "careful"})
+        assert status == 503 and headers["X-Sluice-Reason"] == "circuit_open"
+
+
+async def test_upstream_retry_after_extends_the_open_time(upstream, start_sluice):
+    sluice = await start_sluice({"routes": [
+        route("short", upstream.url, circuit_breaker={"fail_max": 1, "reset_timeout": "1s"}),
+        route("long", upstream.url, circuit_breaker={"fail_max": 1, "reset_timeout": "20s"}),
+    ]})
+    upstream.status = 503
+    upstream.error_headers = {"Retry-After": "8"}
+    async with aiohttp.ClientSession() as s:
+        # Open for max(reset_timeout, upstream Retry-After), plus up to one reset_timeout spread.
+        for name, low, high in (("short", 7, 9), ("long", 19, 40)):
+            async with s.post(f"{sluice.url}/{name}/v1/chat/completions", json=BODY) as r:
+                assert r.status == 503 and r.headers["Retry-After"] == "8"  # relayed as sent
+            async with s.post(f"{sluice.url}/{name}/v1/chat/completions", json=BODY) as r:
+                assert r.headers["X-Sluice-Reason"] == "circuit_open"
+                assert low <= int(r.headers["Retry-After"]) <= high
+    assert len(upstream.requests) == 2

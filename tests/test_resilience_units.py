@@ -1,0 +1,224 @@
+"""Unit tests of the breaker, retry and dead-letter building blocks (no subprocess)."""
+
+from __future__ import annotations
+
+import time
+from datetime import UTC, datetime, timedelta
+from email.utils import format_datetime
+
+import orjson
+import pytest
+
+from policies import breaker as brk
+from policies.deadletter import Attempt, DeadLetter, DeadLetterFile, redact
+from policies.reasons import Reason, Rejected
+from policies.retry import RetryBudget, RetryPolicy, retry_is_safe, upstream_retry_after
+from proxy.config import CircuitBreakerConfig, RetryConfig
+from proxy.events import EventLog
+
+
+class Clock:
+    """A monotonic clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
+    c = Clock()
+    monkeypatch.setattr(brk.time, "monotonic", c)
+    return c
+
+
+def make_breaker(**config: object) -> tuple[brk.Breaker, EventLog]:
+    events = EventLog(None)
+    return brk.Breaker(CircuitBreakerConfig(**config), "r", events), events
+
+
+def emitted(events: EventLog) -> list[str]:
+    return [orjson.loads(line)["event"] for line in events._buffer]
+
+
+def test_retry_is_safe_follows_rfc9110() -> None:
+    for method in ("GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"):
+        assert retry_is_safe(method, has_idempotency_key=False, sent=True)
+    for method in ("POST", "PATCH"):
+        assert not retry_is_safe(method, has_idempotency_key=False, sent=True)
+        assert retry_is_safe(method, has_idempotency_key=True, sent=True)
+        assert retry_is_safe(method, has_idempotency_key=False, sent=False)
+
+
+def test_upstream_retry_after_forms() -> None:
+    assert upstream_retry_after({"retry-after-ms": "1500", "Retry-After": "9"}) == 1.5
+    assert upstream_retry_after({"Retry-After": "7"}) == 7.0
+    assert upstream_retry_after({"Retry-After": "0.5"}) == 0.5
+    future = datetime.now(UTC) + timedelta(seconds=30)
+    assert 27 < upstream_retry_after({"Retry-After": format_datetime(future, usegmt=True)}) <= 30
+    assert upstream_retry_after({"Retry-After": "soon"}) is None
+    assert upstream_retry_after({"Retry-After": "nan"}) is None
+    assert upstream_retry_after({"retry-after-ms": "junk"}) is None
+    assert upstream_retry_after({}) is None
+
+
+def test_backoff_is_full_jitter_and_hints_are_capped() -> None:
+    policy = RetryPolicy(RetryConfig.model_validate(
+        {"backoff": {"base": "100ms", "max": "300ms"}, "max_retry_after": "10s"}))
+    for n, cap in ((0, 0.1), (1, 0.2), (2, 0.3), (5, 0.3)):
+        waits = [policy.wait(n, None) for _ in range(200)]
+        assert all(0 <= w < cap for w in waits)
+        assert max(waits) > cap / 2  # jitter spreads over the whole range
+    assert 4.0 <= policy.wait(0, 4.0) <= 5.0  # the upstream's wait, never shorter
+    assert policy.wait(0, 11.0) is None  # longer than max_retry_after: stop retrying
+
+
+def test_retry_budget_ratio_with_floor() -> None:
+    budget = RetryBudget(0.2, 3)
+    assert [budget.try_acquire(active=10) for _ in range(4)] == [True, True, True, False]
+    budget.release()
+    assert budget.try_acquire(active=10)
+    assert [budget.try_acquire(active=30) for _ in range(4)] == [True, True, True, False]
+    budget.hold()  # an SDK's own retry is counted even over budget
+    assert budget.in_flight == 7
+
+
+def test_classify_outcomes() -> None:
+    assert brk.classify(200, {}) == brk.SUCCESS
+    for status in (400, 401, 404, 409, 413, 422):
+        assert brk.classify(status, {}) == brk.SUCCESS
+    assert brk.classify(429, {}) == brk.FAILURE
+    assert brk.classify(429, {"retry-after": "3"}) == brk.NEUTRAL
+    assert brk.classify(429, {"x-ratelimit-reset-requests": "1s"}) == brk.NEUTRAL
+    for status in (500, 502, 503, 504, 529):
+        assert brk.classify(status, {}) == brk.FAILURE
+
+
+def test_consecutive_failures_open_then_one_probe_closes(clock: Clock) -> None:
+    breaker, events = make_breaker(fail_max=3, reset_timeout="10s")
+    for _ in range(2):
+        breaker.record(breaker.admit(), brk.FAILURE)
+    breaker.record(breaker.admit(), brk.SUCCESS)  # a success resets the consecutive count
+    for _ in range(3):
+        breaker.record(breaker.admit(), brk.FAILURE)
+    assert breaker.state == "open" and breaker.state_value() == 2
+    with pytest.raises(Rejected) as info:
+        breaker.admit()
+    # Retry-After: the time to half-open, plus a spread of up to one reset_timeout.
+    assert info.value.reason is Reason.CIRCUIT_OPEN and 10.0 <= info.value.retry_after <= 20.0
+    assert breaker.blocked_for() == 10.0
+    clock.now += 4
+    with pytest.raises(Rejected) as info:
+        breaker.check()
+    assert 6.0 <= info.value.retry_after <= 16.0
+    spread = set()
+    for _ in range(50):
+        with pytest.raises(Rejected) as info:
+            breaker.check()
+        spread.add(round(info.value.retry_after, 1))
+    assert len(spread) > 10  # refused callers are not all sent back at the same instant
+
+    clock.now += 6
+    breaker.check()  # due: check() passes but takes nothing
+    probe = breaker.admit()
+    assert breaker.state == "half-open"
+    with pytest.raises(Rejected) as info:
+        breaker.admit()  # exactly one probe
+    assert 1.0 <= info.value.retry_after / brk.PROBE_RETRY_AFTER_S <= 2.0
+    breaker.record(probe, brk.SUCCESS)
+    assert breaker.state == "closed" and breaker.state_value() == 0
+    assert emitted(events) == ["circuit_opened", "circuit_half_open", "circuit_closed"]
+
+
+def test_cancelled_probe_is_neutral_and_failed_probe_reopens(clock: Clock) -> None:
+    breaker, _ = make_breaker(fail_max=1, reset_timeout="5s", success_threshold=2)
+    breaker.record(breaker.admit(), brk.FAILURE)
+    clock.now += 5
+    probe = breaker.admit()
+    breaker.release(probe)  # the caller went away: no verdict, the next caller probes
+    assert breaker.state == "half-open"
+    probe = breaker.admit()
+    breaker.record(probe, brk.SUCCESS)
+    assert breaker.state == "half-open"  # success_threshold 2: one more probe needed
+    breaker.record(breaker.admit(), brk.FAILURE)
+    assert breaker.state == "open" and breaker.blocked_for() == 5.0
+
+
+def test_stale_outcomes_are_dropped(clock: Clock) -> None:
+    breaker, _ = make_breaker(fail_max=2, reset_timeout="5s")
+    early = [breaker.admit() for _ in range(4)]  # four attempts admitted while closed
+    breaker.record(early[0], brk.FAILURE)
+    breaker.record(early[1], brk.FAILURE)
+    assert breaker.state == "open"
+    clock.now += 5
+    probe = breaker.admit()
+    breaker.record(early[2], brk.FAILURE)  # lands after the state moved on: ignored
+    assert breaker.state == "half-open"
+    breaker.record(probe, brk.SUCCESS)
+    breaker.record(early[3], brk.FAILURE)  # from an older epoch: does not count toward fail_max
+    breaker.record(breaker.admit(), brk.FAILURE)
+    assert breaker.state == "closed"
+
+
+def test_upstream_retry_after_extends_never_shortens(clock: Clock) -> None:
+    breaker, _ = make_breaker(fail_max=1, reset_timeout="10s")
+    breaker.record(breaker.admit(), brk.FAILURE, 503, 1.0)
+    assert breaker.blocked_for() == 10.0  # a shorter hint does not shorten
+    breaker.record(0, brk.FAILURE, 503, 45.0)
+    assert breaker.blocked_for() == 45.0
+    breaker.record(0, brk.FAILURE, 500, 90.0)  # only 429 and 503 carry the hint
+    breaker.record(0, brk.FAILURE, 429, 10_000.0)
+    assert breaker.blocked_for() == brk.MAX_OPEN_HINT_S
+
+
+def test_failure_rate_window(clock: Clock) -> None:
+    breaker, events = make_breaker(fail_max=100, rate=0.5, window="10s", min_calls=4)
+    for outcome in (brk.FAILURE, brk.FAILURE, brk.FAILURE):
+        breaker.record(breaker.admit(), outcome)
+    assert breaker.state == "closed"  # below min_calls: never trips
+    clock.now += 11  # those fall out of the window
+    for outcome in (brk.SUCCESS, brk.FAILURE, brk.SUCCESS):
+        breaker.record(breaker.admit(), outcome)
+    assert breaker.state == "closed"
+    breaker.record(breaker.admit(), brk.FAILURE)  # 2 of 4 = 50 %: trips (>=)
+    assert breaker.state == "open"
+    assert "failure_rate" in events._buffer[-1].decode()
+
+
+def test_neutral_outcome_does_not_reset_the_count(clock: Clock) -> None:
+    breaker, _ = make_breaker(fail_max=2)
+    breaker.record(breaker.admit(), brk.FAILURE)
+    breaker.release(breaker.admit())  # a cancelled attempt
+    breaker.record(breaker.admit(), brk.NEUTRAL, 429, 3.0)  # a quota answer
+    breaker.record(breaker.admit(), brk.FAILURE)
+    assert breaker.state == "open"
+
+
+def test_redact_and_store_roundtrip(tmp_path) -> None:
+    kept, removed = redact([
+        ("Authorization", "Bearer sk-secret"), ("x-api-key", "k"), ("Cookie", "a=b"),
+        ("Idempotency-Key", "key-1"), ("Content-Type", "application/json"),
+        ("X-Auth-Token", "t"),
+    ])
+    assert removed == ["Authorization", "x-api-key", "Cookie", "X-Auth-Token"]
+    assert kept == [("Idempotency-Key", "key-1"), ("Content-Type", "application/json")]
+
+    store = DeadLetterFile(str(tmp_path / "dlq.sqlite"))
+    letter_id = store.add(DeadLetter(
+        route="r", tenant="t", run=None, idempotency_key="key-1", request_id="q",
+        method="POST", path="/v1/x?y=1", headers=kept, redacted=removed, body=b"\xff\x00",
+        body_size=2, attempts=[Attempt(time.time(), 503, None, 0.01),
+                               Attempt(time.time(), None, "timeout", 1.0)],
+        reason="attempts_exhausted",
+    ))
+    back = store.get(letter_id)
+    assert back is not None and back.body == b"\xff\x00" and back.headers == kept
+    assert back.as_dict()["body"] == {"base64": "/wA="}
+    assert [a.error for a in back.attempts] == [None, "timeout"]
+    store.add_replay(letter_id, 200, None, 0.1)
+    assert store.list()[0]["last_replay"] == 200
+    assert store.depth() == {"r": 1}
+    assert store.purge() == 1 and store.list() == []
+    store.close()

@@ -1,0 +1,236 @@
+"""Sluice's retry layer and dead letters, end to end, through the official openai SDK."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+
+import aiohttp
+import openai
+import pytest
+from multidict import CIMultiDict
+
+from tests.conftest import REPO, free_port, route
+
+CHAT = "/v1/chat/completions"
+BODY = {"model": "gpt-test", "messages": [{"role": "user", "content": "hi"}]}
+FAST_BACKOFF = {"base": "10ms", "max": "50ms"}
+
+
+async def sluice_cli(*args: str) -> tuple[int, str, str]:
+    """Run ``python -m proxy ARGS`` without blocking the loop the fake upstream runs in."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "proxy", *args, cwd=REPO,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await proc.communicate()
+    return proc.returncode, out.decode(), err.decode()
+
+
+def header(seen, name: str) -> str | None:
+    """A header of a request the fake upstream saw, by case-insensitive name."""
+    return CIMultiDict(seen.headers).get(name)
+
+
+async def dlq_list(sluice) -> str:
+    code, out, err = await sluice_cli("dlq", "list", "--config", str(sluice.config_path))
+    assert code == 0, err
+    return out
+
+
+async def retry_sluice(start_sluice, tmp_path, *routes: dict):
+    return await start_sluice({"dead_letter": {"path": str(tmp_path / "dlq.sqlite")},
+                               "routes": list(routes)})
+
+
+async def post(session: aiohttp.ClientSession, url: str, **headers: str) -> tuple[int, dict]:
+    async with session.post(url, json=BODY, headers=headers) as r:
+        await r.read()
+        return r.status, dict(r.headers)
+
+
+async def test_retry_storm_is_one_layer_and_dead_letter_replays(upstream, start_sluice,
+                                                                 tmp_path):
+    sluice = await retry_sluice(start_sluice, tmp_path, route(
+        "openai", upstream.url, retry={"attempts": 3, "backoff": FAST_BACKOFF}))
+    upstream.status = 503
+    client = openai.AsyncOpenAI(base_url=sluice.url + "/openai/v1", api_key="sk-test-secret",
+                                max_retries=2)
+    with pytest.raises(openai.InternalServerError) as info:
+        await client.chat.completions.create(
+            model="gpt-test", messages=[{"role": "user", "content": "hi"}],
+            extra_headers={"Idempotency-Key": "key-storm-1", "X-Tenant-ID": "acme",
+                           "X-Run-ID": "run-7"})
+    await client.close()
+    response = info.value.response
+    assert response.status_code == 503 and response.headers["x-should-retry"] == "false"
+    letter_id = response.headers["x-sluice-dead-letter"]
+
+    # One logical call: Sluice's 3 attempts, none from the SDK on top (not 9).
+    assert len(upstream.requests) == 3
+    assert {header(r, "Idempotency-Key") for r in upstream.requests} == {"key-storm-1"}
+    assert await sluice.metric("sluice_upstream_attempts_total", route="openai") == 3
+    assert await sluice.metric("sluice_work_units_total", route="openai") == 1
+    assert await sluice.metric("sluice_retries_total", route="openai") == 2
+    assert await sluice.metric("sluice_dead_letters_total", route="openai") == 1
+    assert await sluice.metric("sluice_dead_letter_depth", route="openai") == 1
+
+    config = str(sluice.config_path)
+    code, out, _ = await sluice_cli("dlq", "list", "--config", config)
+    assert code == 0
+    rows = out.splitlines()[1:]
+    assert len(rows) == 1 and rows[0].split()[0] == letter_id
+    assert "attempts_exhausted" in rows[0] and "POST /v1/chat/completions" in rows[0]
+    code, out, _ = await sluice_cli("dlq", "show", letter_id, "--config", config)
+    record = json.loads(out)
+    assert (record["route"], record["tenant"], record["run"], record["idempotency_key"]) == (
+        "openai", "acme", "run-7", "key-storm-1")
+    assert [a["status"] for a in record["attempts"]] == [503, 503, 503]
+    assert record["reason"] == "attempts_exhausted"
+    assert record["body"]["text"].encode() == upstream.requests[0].body
+    assert "Authorization" in record["redacted_headers"]
+    assert b"sk-test-secret" not in (tmp_path / "dlq.sqlite").read_bytes()
+
+    # The upstream is back: the operator replays the work with the same idempotency key.
+    upstream.status = None
+    code, out, err = await sluice_cli(
+        "dlq", "replay", letter_id, "--config", config,
+        "-H", "Authorization: Bearer sk-test-secret")
+    assert code == 0, err
+    assert "HTTP 200" in out
+    replayed = upstream.requests[-1]
+    assert len(upstream.requests) == 4
+    assert header(replayed, "Idempotency-Key") == "key-storm-1"
+    assert header(replayed, "Authorization") == "Bearer sk-test-secret"
+    assert replayed.body == upstream.requests[0].body and replayed.path_qs == CHAT
+    code, out, _ = await sluice_cli("dlq", "show", letter_id, "--config", config)
+    assert [r["status"] for r in json.loads(out)["replays"]] == [200]
+    code, out, _ = await sluice_cli("dlq", "purge", "--config", config)
+    assert (code, out.split()[1]) == (0, "1")
+
+    await asyncio.sleep(0.3)  # the event log is flushed every 0.2 s
+    request_id = record["request_id"]
+    events = [e for e in sluice.events() if e.get("request_id") == request_id]
+    assert [e["event"] for e in events] == [
+        "admitted", "retried", "retried", "dead_lettered", "completed"]
+    assert events[3]["dead_letter_id"] == int(letter_id) and events[4]["status"] == 503
+
+
+async def test_first_attempt_fails_every_caller_gets_200_amplification_2(upstream, start_sluice,
+                                                                         tmp_path):
+    # ratio 1.0: this test is about amplification, not about the budget (tested below).
+    sluice = await retry_sluice(start_sluice, tmp_path, route(
+        "openai", upstream.url,
+        retry={"attempts": 3, "backoff": FAST_BACKOFF, "budget": {"ratio": 1.0}}))
+    upstream.fail_first = 503
+    client = openai.AsyncOpenAI(base_url=sluice.url + "/openai/v1", api_key="sk-test")
+
+    async def call(i: int) -> str:
+        reply = await client.chat.completions.create(
+            model="gpt-test", messages=[{"role": "user", "content": "hi"}],
+            extra_headers={"Idempotency-Key": f"key-{i}"})
+        return reply.choices[0].message.content
+
+    assert await asyncio.gather(*(call(i) for i in range(8))) == ["hello from fake"] * 8
+    await client.close()
+    attempts = await sluice.metric("sluice_upstream_attempts_total", route="openai")
+    work = await sluice.metric("sluice_work_units_total", route="openai")
+    assert (attempts, work, attempts / work) == (16, 8, 2.0)
+    assert await sluice.metric("sluice_retries_total", route="openai") == 8
+    assert await sluice.metric("sluice_dead_letters_total", route="openai") == 0
+
+
+async def test_retry_budget_stops_a_storm(upstream, start_sluice, tmp_path):
+    sluice = await retry_sluice(start_sluice, tmp_path, route(
+        "openai", upstream.url, retry={"attempts": 3, "backoff": FAST_BACKOFF}))
+    upstream.fail_first = 503  # first attempts fail at once ...
+    upstream.hold = asyncio.Event()  # ... and the retries stay in flight until released
+    async with aiohttp.ClientSession() as s:
+        calls = [asyncio.create_task(post(s, sluice.url + "/openai" + CHAT,
+                                          **{"Idempotency-Key": f"k{i}"}))
+                 for i in range(10)]
+        deadline = time.monotonic() + 10
+        while not (sum(c.done() for c in calls) == 7 and upstream.inflight == 3):
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.02)
+        refused = [c.result() for c in calls if c.done()]
+        assert {st for st, _ in refused} == {503}
+        assert {h["x-should-retry"] for _, h in refused} == {"false"}
+        upstream.hold.set()
+        results = await asyncio.gather(*calls)
+    assert sorted(st for st, _ in results) == [200] * 3 + [503] * 7
+    assert len(upstream.requests) == 13
+    assert await sluice.metric("sluice_retry_overflow_total", route="openai") == 7
+    out = await dlq_list(sluice)
+    assert [line.split()[5] for line in out.splitlines()[1:]] == ["retry_budget"] * 7
+
+
+async def test_only_safe_requests_are_retried(upstream, start_sluice, tmp_path):
+    closed = f"http://127.0.0.1:{free_port()}"
+    retry = {"attempts": 3, "backoff": FAST_BACKOFF}
+    sluice = await retry_sluice(start_sluice, tmp_path, route("openai", upstream.url, retry=retry),
+                                route("down", closed, retry=retry))
+    async with aiohttp.ClientSession() as s:
+        # POST without an idempotency key that reached the upstream: not repeated.
+        upstream.status = 503
+        status, headers = await post(s, sluice.url + "/openai" + CHAT)
+        assert (status, headers["x-should-retry"]) == (503, "false")
+        assert len(upstream.requests) == 1
+        # An idempotent method is.
+        upstream.status = None
+        upstream.statuses = [503, 502]
+        async with s.get(sluice.url + "/openai/v1/models") as r:
+            assert r.status == 200
+        assert len(upstream.requests) == 4
+        # A POST that never left (connection refused) is safe to repeat.
+        status, headers = await post(s, sluice.url + "/down" + CHAT)
+        assert status == 502 and headers["X-Sluice-Reason"] == "upstream_unreachable"
+        assert headers["x-should-retry"] == "false" and "X-Sluice-Dead-Letter" in headers
+        assert await sluice.metric("sluice_upstream_attempts_total", route="down") == 3
+        # An SDK's own retry is not retried again by Sluice.
+        upstream.status = 503
+        status, headers = await post(s, sluice.url + "/openai" + CHAT,
+                                     **{"Idempotency-Key": "k", "x-stainless-retry-count": "1"})
+        assert (status, headers["x-should-retry"]) == (503, "false")
+        assert len(upstream.requests) == 5
+    assert await sluice.metric("sluice_work_units_total", route="openai") == 2
+    out = await dlq_list(sluice)
+    reasons = [(line.split()[2], line.split()[5]) for line in out.splitlines()[1:]]
+    assert reasons == [("openai", "unsafe_to_retry"), ("down", "attempts_exhausted"),
+                       ("openai", "attempts_exhausted")]
+
+
+async def test_retry_after_and_deadline(upstream, start_sluice, tmp_path):
+    sluice = await retry_sluice(
+        start_sluice, tmp_path,
+        route("openai", upstream.url, retry={"attempts": 3, "backoff": FAST_BACKOFF,
+                                             "max_retry_after": "2s", "deadline": "1s"}),
+        route("slow", upstream.url, retry={"attempts": 5, "backoff": FAST_BACKOFF,
+                                           "per_try_timeout": "300ms", "deadline": "500ms"}),
+    )
+    async with aiohttp.ClientSession() as s:
+        # The upstream's wait is honoured (never shorter than asked).
+        upstream.statuses = [503]
+        upstream.error_headers = {"retry-after-ms": "400"}
+        async with s.get(sluice.url + "/openai/v1/models") as r:
+            assert r.status == 200
+        assert upstream.requests[1].at - upstream.requests[0].at >= 0.4
+        # A wait longer than max_retry_after, or past the deadline, ends the retries.
+        for wait in ("5", "1.5"):  # ended by: retry_after_too_long, deadline
+            upstream.statuses = [503]
+            upstream.error_headers = {"Retry-After": wait}
+            async with s.get(sluice.url + "/openai/v1/models") as r:
+                assert (r.status, r.headers["Retry-After"]) == (503, wait)  # the upstream's own
+                assert r.headers["x-should-retry"] == "false"
+        assert len(upstream.requests) == 4
+        # No answer within the deadline: 503 deadline_unreachable.
+        upstream.error_headers = {}
+        async with s.get(sluice.url + "/slow/v1/models", headers={"x-fake-delay": "3"}) as r:
+            assert r.status == 503
+            assert r.headers["X-Sluice-Reason"] == "deadline_unreachable"
+            assert r.headers["x-should-retry"] == "false"
+    out = await dlq_list(sluice)
+    assert [line.split()[5] for line in out.splitlines()[1:]] == [
+        "retry_after_too_long", "deadline", "deadline"]
