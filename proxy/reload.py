@@ -15,8 +15,8 @@ the file has stayed the same for ``SETTLE_S``, so a half-written file is not rea
    problem is logged as ``FILE:LINE: KEY: PROBLEM``, ``sluice_config_reload_failures_total``
    counts the attempt and ``sluice_config_last_reload_successful`` turns 0;
 2. keeps the keys in ``RESTART_ONLY`` (listener addresses, body size limit, event log
-   destination, state backend, dead-letter file) at their running values, with a warning naming each one
-   that changed: a reload cannot move a bound socket or an open file;
+   destination, state backend, dead-letter file) at their running values, with a warning
+   naming each one that changed: a reload cannot move a bound socket or an open file;
 3. applies the rest with :meth:`proxy.runtime.Runtime.configure`: new ``Route`` objects are
    built and each takes over the live state of the old route of the same name
    (:meth:`proxy.routes.Route.take_over`), then routes, router and settings are swapped in one
