@@ -83,6 +83,10 @@ async def test_overflow_is_answered_while_every_slot_is_busy(upstream, start_slu
                      what="the rejected event")
     [rejected] = [e for e in sluice.events() if e["event"] == "rejected"]
     assert rejected["reason"] == "queue_full" and rejected["retry_after_s"] == 1.0
+    # Its timeline is that one line: it never sat in the queue.
+    assert [e["event"] for e in sluice.events()
+            if e["request_id"] == rejected["request_id"]] == ["rejected"]
+    assert [e["queue_depth"] for e in sluice.events() if e["event"] == "enqueued"] == [1]
 
 
 async def test_queue_timeout_after_max_wait(upstream, start_sluice):
