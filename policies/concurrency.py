@@ -106,7 +106,7 @@ class ConcurrencyLimiter:
             Rejected: ``queue_full`` at once, or ``queue_timeout`` after ``max_wait`` seconds.
             asyncio.CancelledError: the caller went away; nothing is left held.
         """
-        if self.queued >= self.queue_capacity:
+        if self.queue_full:
             self._forget(tenant)
             raise Rejected(
                 Reason.QUEUE_FULL,
@@ -132,6 +132,11 @@ class ConcurrencyLimiter:
         except Rejected:
             self._forget(tenant)
             raise
+
+    @property
+    def queue_full(self) -> bool:
+        """True when ``wait`` would answer a newcomer ``queue_full`` without queueing it."""
+        return self.queued >= self.queue_capacity
 
     def release(self, tenant: str, service_s: float | None) -> None:
         """Free the slot taken for ``tenant``; ``service_s`` updates the mean service time."""

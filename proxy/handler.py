@@ -107,8 +107,9 @@ async def handle(request: web.Request) -> web.StreamResponse:
             deadline = _caller_deadline(request)
             if deadline is not None and deadline < max_wait:
                 max_wait = deadline
-            events.emit("enqueued", request_id, route.name, tenant, run,
-                        queue_depth=limiter.queued + 1)
+            if not limiter.queue_full:  # a queue_full answer was never in the queue
+                events.emit("enqueued", request_id, route.name, tenant, run,
+                            queue_depth=limiter.queued + 1)
             enqueued_at = time.monotonic()
             try:
                 await limiter.wait(tenant, priority, max_wait)
