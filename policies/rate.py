@@ -123,15 +123,24 @@ class RateLimiter:
         """Charge one request to the tenant's bucket, then the route's.
 
         The tenant is checked first so one tenant's burst is refused before it drains the
-        route-wide bucket that every tenant shares.
+        route-wide bucket that every tenant shares; a request the route then refuses gets the
+        tenant's unit back, since it was never served.
 
         Raises:
             Rejected: ``rate_limited`` from whichever bucket is empty.
         """
-        if self.tenant_rate is not None:
-            self._tenant_bucket(tenant).take()
+        if self.tenant_rate is None:
+            if self.route_bucket is not None:
+                self.route_bucket.take()
+            return
+        bucket = self._tenant_bucket(tenant)
+        bucket.take()
         if self.route_bucket is not None:
-            self.route_bucket.take()
+            try:
+                self.route_bucket.take()
+            except Rejected:
+                bucket.give_back()
+                raise
 
     def _tenant_bucket(self, tenant: str) -> Bucket:
         bucket = self._tenants.get(tenant)

@@ -72,6 +72,16 @@ async def test_a_tenant_refused_by_its_own_quota_does_not_spend_the_routes():
     assert limited.value.policy == ("requests", 2, 60)
 
 
+async def test_a_request_refused_by_the_route_does_not_spend_the_tenants_quota():
+    limits = limiter("1/min", tenant="1/h")
+    limits.admit("a")
+    with pytest.raises(Rejected) as limited:
+        limits.admit("b")
+    assert limited.value.policy == ("requests", 1, 60)  # refused by the route...
+    limits.route_bucket = None  # ...so once the route has room, b's own quota is intact
+    limits.admit("b")
+
+
 async def test_idle_tenant_buckets_are_dropped_first_when_full(monkeypatch):
     monkeypatch.setattr(policies.rate, "MAX_TENANT_BUCKETS", 3)
     limits = limiter(tenant="1/h")
