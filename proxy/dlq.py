@@ -30,6 +30,7 @@ import orjson
 from multidict import CIMultiDict
 
 from policies.deadletter import DeadLetter, DeadLetterFile
+from proxy.client import upstream_session
 from proxy.config import Config, RouteConfig
 from proxy.forward import upstream_url
 
@@ -123,10 +124,7 @@ async def _send(route: RouteConfig, letter: DeadLetter,
                 headers: CIMultiDict[str]) -> tuple[int | None, str | None, bytes]:
     """One attempt: ``(status, None, answer body)`` or ``(None, error kind, b"")``."""
     timeout = aiohttp.ClientTimeout(total=route.timeouts.total, connect=route.timeouts.connect)
-    async with aiohttp.ClientSession(
-        auto_decompress=False, trust_env=False, cookie_jar=aiohttp.DummyCookieJar(),
-        skip_auto_headers=("Accept-Encoding", "User-Agent", "Content-Type"),
-    ) as session:
+    async with upstream_session() as session:
         try:
             async with session.request(
                 letter.method, upstream_url(route.upstream, letter.path), headers=headers,

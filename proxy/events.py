@@ -32,7 +32,7 @@ class EventLog:
              idempotency_key: str | None = None, **fields: Any) -> None:
         """Queue one event line; never blocks."""
         record = {
-            "ts": round(time.time(), 6),
+            "ts": time.time(),
             "event": event,
             "request_id": request_id,
             "route": route,

@@ -9,6 +9,7 @@ import aiohttp
 from aiohttp import web
 
 from policies.deadletter import DeadLetterQueue
+from proxy.client import upstream_session
 from proxy.config import Config
 from proxy.events import EventLog
 from proxy.metrics import Metrics
@@ -103,13 +104,7 @@ class Runtime:
             keepalive_timeout=30,
             enable_cleanup_closed=True,  # closes leaked TLS transports on Python 3.11
         )
-        self.session = aiohttp.ClientSession(
-            connector=connector,
-            auto_decompress=False,
-            trust_env=False,
-            skip_auto_headers=("Accept-Encoding", "User-Agent", "Content-Type"),
-            cookie_jar=aiohttp.DummyCookieJar(),
-        )
+        self.session = upstream_session(connector)
         await self.events.start()
         if any(route.retry is not None for route in self.routes):
             await self.dead_letters.open()

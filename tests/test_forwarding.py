@@ -89,6 +89,19 @@ async def test_x_forwarded_for_set_when_absent(upstream, start_sluice):
     assert upstream.requests[0].headers["X-Forwarded-For"] == "127.0.0.1"
 
 
+async def test_sluice_adds_no_header_of_its_own_but_x_forwarded_for(upstream, start_sluice):
+    """aiohttp's client would add Accept, Accept-Encoding, User-Agent and a Content-Type."""
+    sluice = await start_sluice({"routes": [route("up", upstream.url, "http")]})
+    answer = await raw_request(sluice.port, (
+        b"POST /up/bare HTTP/1.1\r\nHost: sluice\r\nContent-Length: 5\r\n"
+        b"Connection: close\r\n\r\nhello"))
+    assert answer.startswith(b"HTTP/1.1 200")
+    [seen] = upstream.requests
+    assert seen.body == b"hello"
+    assert sorted(name.lower() for name in seen.headers) == [
+        "content-length", "host", "x-forwarded-for"]
+
+
 async def test_response_hop_by_hop_headers_dropped(start_sluice):
     raw = await RawUpstream(
         b"HTTP/1.1 200 OK\r\n"
