@@ -27,6 +27,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
 from policies.reasons import Reason, Rejected
+from policies.usage import Meter
 
 HOP_BY_HOP = frozenset(
     {
@@ -85,8 +86,13 @@ async def forward(
     url: URL,
     body: bytes,
     client_timeout: aiohttp.ClientTimeout,
+    meter: Meter | None = None,
 ) -> tuple[web.StreamResponse, str]:
     """Send the request upstream and relay the answer.
+
+    ``meter`` (on metered LLM calls) reads usage from the answer as it passes: it asks the
+    upstream for uncompressed bytes, adds its headers, and may drop the usage chunk Sluice
+    itself asked for (:class:`policies.usage.Meter`).
 
     Returns:
         ``(response, outcome)``; ``outcome`` is a ``sluice_requests_total`` outcome label.
@@ -96,11 +102,14 @@ async def forward(
             caller can be told in its protocol's error shape.
         asyncio.CancelledError: the caller disconnected; the upstream request is closed.
     """
+    headers = upstream_headers(request)
+    if meter is not None:
+        meter.request_headers(headers)
     try:
         upstream = await session.request(
             request.method,
             url,
-            headers=upstream_headers(request),
+            headers=headers,
             data=body if body else None,
             allow_redirects=False,
             timeout=client_timeout,
@@ -108,11 +117,15 @@ async def forward(
     except TimeoutError:
         raise Rejected(Reason.UPSTREAM_TIMEOUT, None, "no response headers in time") from None
     except aiohttp.ClientError as exc:
+        if meter is not None and isinstance(exc, aiohttp.ClientConnectorError):
+            meter.sent = False  # no connection, so the upstream never saw it
         raise Rejected(Reason.UPSTREAM_UNREACHABLE, None, type(exc).__name__) from None
 
     outcome = f"{upstream.status // 100}xx"
     try:
         headers = _copy_headers(upstream.headers, _RESPONSE_DROP)
+        if meter is not None:
+            meter.start(upstream.status, headers)
         length = upstream.content_length
         streaming = length is None or length > BUFFER_LIMIT_BYTES
         if not streaming:
@@ -122,6 +135,8 @@ async def forward(
                 raise Rejected(
                     Reason.UPSTREAM_UNREACHABLE, None, "the upstream's answer was cut short"
                 ) from None
+            if meter is not None:
+                data = meter.body(data)
             return web.Response(
                 status=upstream.status, reason=upstream.reason, body=data, headers=headers
             ), outcome
@@ -138,7 +153,13 @@ async def forward(
                 return out, "upstream_timeout" if isinstance(e, TimeoutError) else "upstream_error"
             if not chunk:
                 break
+            if meter is not None:
+                chunk = meter.chunk(chunk)
+                if not chunk:
+                    continue
             await out.write(chunk)  # raises ConnectionResetError if the caller has gone
+        if meter is not None and (tail := meter.finish()):
+            await out.write(tail)
         await out.write_eof()
         return out, outcome
     finally:

@@ -1,12 +1,14 @@
 """The request path, top to bottom.
 
-match route -> identify caller -> read body -> admit (cheapest first: draining, rate, then the
-concurrency slot and its queue) -> forward -> release and record.
+match route -> identify caller -> read body -> admit (cheapest first: draining, rate, token
+accounting: token rate and budget reservation, then the concurrency slot and its queue) ->
+forward (metering usage) -> release, settle and record.
 
-Every exit after admission runs the ``finally`` that frees the slot: success, upstream error,
-upstream timeout, client disconnect (the handler is cancelled, which also closes the upstream
-request) and any proxy error. The bookkeeping in that ``finally`` never awaits, so a
-cancellation cannot interrupt it.
+Every exit after admission runs the ``finally`` that frees the slot and settles the budget:
+success, upstream error, upstream timeout, client disconnect (the handler is cancelled, which
+also closes the upstream request) and any proxy error. The bookkeeping in that ``finally``
+never awaits, so a cancellation cannot interrupt it. A request refused or abandoned after its
+reservation but before admission gives the reservation back.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ log = logging.getLogger("sluice")
 
 #: How long a draining replica suggests callers wait (another replica can take them), seconds.
 DRAINING_RETRY_AFTER_S = 1.0
+_NOTHING_CHARGED: dict[str, object] = {}
 
 
 def _caller_deadline(request: web.Request) -> float | None:
@@ -76,9 +79,15 @@ async def handle(request: web.Request) -> web.StreamResponse:
         )
 
     limiter = route.concurrency
+    charge = None
     try:
         if route.rate is not None:
             route.rate.admit(tenant)
+        if route.accounting is not None:
+            charge = route.accounting.open(request.method, raw_path, body, tenant, run)
+            if charge is not None:
+                body = charge.body
+                await route.accounting.reserve(charge)
         if limiter is not None and not limiter.try_acquire(tenant):
             priority = PRIORITIES.get(headers.get(rt.priority_header, ""), DEFAULT_PRIORITY)
             max_wait = limiter.max_wait
@@ -97,7 +106,13 @@ async def handle(request: web.Request) -> web.StreamResponse:
                 raise
             metrics.queue_wait.observe(time.monotonic() - enqueued_at)
     except Rejected as rejected:
+        if charge is not None:
+            charge.release()
         return _reject(rt, route, rejected, request_id, tenant, run, body)
+    except BaseException:
+        if charge is not None:
+            charge.release()
+        raise
 
     # Admitted: from here every exit passes through the finally below.
     route.inflight += 1
@@ -107,7 +122,8 @@ async def handle(request: web.Request) -> web.StreamResponse:
     status = 0
     try:
         url = fwd.upstream_url(route.upstream_base, raw_path[len(route.prefix) - 1:])
-        response, outcome = await fwd.forward(request, rt.session, url, body, route.timeout)
+        response, outcome = await fwd.forward(request, rt.session, url, body, route.timeout,
+                                              charge.meter if charge is not None else None)
         status = response.status
         return response
     except Rejected as rejected:
@@ -128,8 +144,9 @@ async def handle(request: web.Request) -> web.StreamResponse:
             limiter.release(tenant, elapsed if outcome[0].isdigit() else None)
         metrics.upstream_duration.observe(elapsed)
         metrics.outcomes[outcome].inc()
+        charged = charge.settle(outcome) if charge is not None else _NOTHING_CHARGED
         events.emit("completed", request_id, route.name, tenant, run, status=status,
-                    outcome=outcome, duration_s=round(elapsed, 6))
+                    outcome=outcome, duration_s=round(elapsed, 6), **charged)
 
 
 def _reject(rt: Runtime, route: Route, rejected: Rejected, request_id: str, tenant: str,

@@ -6,13 +6,17 @@ bound metrics) is computed here at load time, so the request path does no config
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from urllib.parse import unquote
 
 import aiohttp
 
+from policies.accounting import Accounting
+from policies.budget import Budgets, MemoryLedger
 from policies.concurrency import ConcurrencyLimiter
 from policies.rate import RateLimiter
-from proxy.config import RouteConfig
+from proxy.config import ModelPrice, RouteConfig
 from proxy.metrics import Metrics, RouteMetrics
 
 
@@ -26,9 +30,11 @@ class Route:
         timeout: the aiohttp client timeout: ``connect`` to get a connection, ``total`` for the
             whole exchange including a streamed body (seconds).
         inflight: requests admitted and not finished (for the gauge and the drain).
+        accounting: token accounting, on ``openai`` and ``anthropic`` routes only.
     """
 
     __slots__ = (
+        "accounting",
         "concurrency",
         "config",
         "inflight",
@@ -41,7 +47,9 @@ class Route:
         "upstream_base",
     )
 
-    def __init__(self, config: RouteConfig, metrics: Metrics) -> None:
+    def __init__(self, config: RouteConfig, metrics: Metrics, *,
+                 pricing: dict[str, ModelPrice] | None = None,
+                 clock: Callable[[], float] = time.time, run_header: str = "X-Run-ID") -> None:
         self.config = config
         self.name = config.name
         self.prefix = config.path_prefix
@@ -62,6 +70,16 @@ class Route:
             inflight=lambda: self.inflight,
             queued=(lambda: limiter.queued) if limiter else (lambda: 0),
         )
+        self.accounting: Accounting | None = None
+        if config.protocol in ("openai", "anthropic"):
+            budgets = None
+            if config.budget:
+                # One ledger per route: its counters are keyed by limit names unique per route.
+                budgets = Budgets(config.budget, pricing or {}, MemoryLedger(), clock)
+            self.accounting = Accounting(
+                config, pricing or {}, self.rate.tokens if self.rate else None, budgets,
+                metrics, self.metrics, run_header,
+            )
 
 
 class Router:

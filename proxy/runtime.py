@@ -8,6 +8,7 @@ import os
 import aiohttp
 from aiohttp import web
 
+from policies.budget import clock_from_env
 from proxy.config import Config
 from proxy.events import EventLog
 from proxy.metrics import Metrics
@@ -25,7 +26,13 @@ class Runtime:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.metrics = Metrics()
-        self.routes = [Route(rc, self.metrics) for rc in config.routes]
+        #: Unix seconds now, as budgets' windows read it (``SLUICE_TEST_NOW`` moves it, for tests).
+        self.clock = clock_from_env()
+        self.routes = [
+            Route(rc, self.metrics, pricing=config.pricing, clock=self.clock,
+                  run_header=config.identity.run_header)
+            for rc in config.routes
+        ]
         self.router = Router(self.routes)
         self.events = EventLog(config.events.path)
         self.draining = False
