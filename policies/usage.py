@@ -42,6 +42,8 @@ BYTES_PER_TOKEN = 3
 #: Tokens assumed per base64 attachment: Anthropic bills about w*h/750 per image, about 1,600
 #: at the largest size it takes unscaled; OpenAI about 765 for a 1024x1024 high-detail image.
 ATTACHMENT_TOKENS = 1600
+#: Content events of a stream parsed to measure their text; later ones count as their mean.
+SAMPLE_EVENTS = 16
 #: A base64 string under a ``data`` key longer than this is an attachment, bytes.
 _ATTACHMENT_MIN_BYTES = 256
 
@@ -264,8 +266,9 @@ class Meter:
         usage: as the upstream reported it so far.
         final: ``usage`` is the upstream's final count.
         streamed_tokens: estimated output tokens in the content events passed on, for a
-            stream that ends without usage (one per :data:`BYTES_PER_TOKEN` bytes of text,
-            at least one per event).
+            stream that ends without usage: one per :data:`BYTES_PER_TOKEN` bytes of text, at
+            least one per event; after the first :data:`SAMPLE_EVENTS`, each event counts as
+            their mean.
         headers: added to the answer's headers (the budget's, set at admission).
     """
 
@@ -275,6 +278,9 @@ class Meter:
         "_kind",
         "_mode",
         "_pending",
+        "_per_event",
+        "_sample_tokens",
+        "_sampled",
         "_strip",
         "complete",
         "final",
@@ -291,13 +297,16 @@ class Meter:
         self._strip = strip_usage
         self._mode = _NONE
         self._pending = b""
-        self._cr = False
+        self._cr: bool | None = None
         self.sent = True
         self.status = 0
         self.complete = False
         self.usage = Usage()
         self.final = False
         self.streamed_tokens = 0
+        self._sampled = 0
+        self._sample_tokens = 0
+        self._per_event = 1
         self.headers: dict[str, str] | None = None
 
     # -- the forwarder's calls ----------------------------------------------------------------
@@ -345,8 +354,15 @@ class Meter:
         """One streamed chunk; returns what to write now (maybe less, never later data)."""
         if self._mode != _SSE:
             return data
-        if not self._cr and b"\r" in data:
-            self._cr = True
+        if self._cr is None and b"\n" in data:  # a stream keeps its line ending: look once
+            self._cr = b"\r" in self._pending or b"\r" in data
+        if not self._pending and not self._cr and data.endswith(b"\n\n"):
+            size = len(data)
+            if data.find(b"\n\n") == size - 2:
+                # The common case, one whole event per chunk: no splitting, no copies.
+                if self._event(data, 0, size - 2) and self._strip:
+                    return b""
+                return data
         buf = self._pending + data if self._pending else data
         if self._strip:
             out, end = self._filter(buf)
@@ -360,9 +376,10 @@ class Meter:
         """The stream ended cleanly; returns any bytes still held back."""
         self.complete = True
         tail, self._pending = self._pending, b""
-        if tail and self._mode == _SSE and self._event(tail) and self._strip:
+        if not tail or self._mode != _SSE:
             return b""
-        return tail if self._strip else b""
+        dropped = self._event(tail, 0, len(tail))
+        return tail if self._strip and not dropped else b""
 
     # -- SSE ----------------------------------------------------------------------------------
 
@@ -382,7 +399,7 @@ class Meter:
             end, after = self._boundary(buf, pos)
             if end < 0:
                 return pos
-            self._event(buf[pos:end])
+            self._event(buf, pos, end)
             pos = after
 
     def _filter(self, buf: bytes) -> tuple[bytes, int]:
@@ -393,7 +410,7 @@ class Meter:
             end, after = self._boundary(buf, pos)
             if end < 0:
                 break
-            if self._event(buf[pos:end]):
+            if self._event(buf, pos, end):
                 parts.append(buf[kept_from:pos])
                 kept_from = after
             pos = after
@@ -402,27 +419,56 @@ class Meter:
         parts.append(buf[kept_from:pos])
         return b"".join(parts), pos
 
-    def _event(self, event: bytes) -> bool:
-        """Read one event's data; returns True if it is the usage chunk to strip."""
-        if event.startswith(b"data:") and b"\n" not in event:
-            payload = event[5:]
+    def _event(self, buf: bytes, start: int, end: int) -> bool:
+        """Read the event ``buf[start:end]``; returns True if it is the usage chunk to strip.
+
+        Only events carrying a usage object are parsed in full, found by the bytes
+        ``"usage"`` followed by ``{`` (an escaped quote inside text cannot match). Content
+        events are counted: the first :data:`SAMPLE_EVENTS` are parsed to measure their text,
+        later ones count as the sample's mean, so a long stream costs a few byte searches per
+        event and no copies.
+        """
+        if buf.startswith(b"data:", start):
+            first = start + 5
         else:
-            lines = [line[5:] for line in event.split(b"\n") if line.startswith(b"data:")]
-            if not lines:
-                return False
+            line = buf.find(b"\ndata:", start, end)
+            if line < 0:
+                return False  # a comment, or an event without data
+            first = line + 6
+        if buf.find(b"\n", first, end) >= 0:  # several data lines: join them (WHATWG SSE)
+            lines = [x[5:] for x in buf[start:end].split(b"\n") if x.startswith(b"data:")]
             payload = b"\n".join(lines)
-        if b"{" not in payload[:4]:
+            buf, first, end = payload, 0, len(payload)
+        if buf.find(b"{", first, first + 4) < 0:
             return False  # [DONE], or not JSON
+        at = buf.find(b'"usage"', first, end)
+        if at >= 0 and buf.find(b"{", at + 7, at + 11) >= 0:
+            return self._parse(buf[first:end], True)
+        if self._kind is MESSAGES:
+            if buf.find(b"content_block_delta", start, start + 64) < 0:
+                return False
+        elif self._kind is RESPONSES and buf.find(b".delta", start, start + 64) < 0:
+            return False
+        if self._sampled < SAMPLE_EVENTS:
+            self._parse(buf[first:end], False)
+        else:
+            self.streamed_tokens += self._per_event
+        return False
+
+    def _parse(self, payload: bytes, has_usage: bool) -> bool:
+        """Parse one event: take its usage, measure its text; True if it is to be stripped."""
         try:
             obj = orjson.loads(payload)
         except orjson.JSONDecodeError:
             return False
         if not isinstance(obj, dict):
             return False
+        text = 0
+        strip = False
         if self._anthropic:
             kind = obj.get("type")
             if kind == "content_block_delta":
-                self._streamed(_text_bytes(obj.get("delta")))
+                text = _text_bytes(obj.get("delta"))
             elif kind == "message_start":
                 message = obj.get("message")
                 if isinstance(message, dict) and isinstance(u := message.get("usage"), dict):
@@ -430,12 +476,11 @@ class Meter:
             elif kind == "message_delta" and isinstance(u := obj.get("usage"), dict):
                 self._take(u)
                 self.final = True
-            return False
-        if self._kind is RESPONSES:
+        elif self._kind is RESPONSES:
             kind = obj.get("type")
             if isinstance(kind, str):
                 if kind.endswith(".delta"):
-                    self._streamed(_text_bytes(obj.get("delta")))
+                    text = _text_bytes(obj.get("delta"))
                 elif kind in _FINAL_RESPONSE_EVENTS:
                     response = obj.get("response")
                     if isinstance(response, dict) and isinstance(
@@ -443,24 +488,25 @@ class Meter:
                     ):
                         self._take(u)
                         self.final = True
-            return False
-        choices = obj.get("choices")
-        usage = obj.get("usage")
-        if isinstance(usage, dict):
-            self._take(usage)
-            self.final = True
-            if self._strip and choices == []:
-                return True
-        if choices:
-            field = "delta" if self._kind is CHAT else "text"
-            for choice in choices:
-                if isinstance(choice, dict):
-                    self._streamed(_text_bytes(choice.get(field)))
-        return False
-
-    def _streamed(self, text_bytes: int) -> None:
-        if text_bytes:
-            self.streamed_tokens += max(1, -(-text_bytes // BYTES_PER_TOKEN))
+        else:
+            choices = obj.get("choices")
+            if has_usage and isinstance(u := obj.get("usage"), dict):
+                self._take(u)
+                self.final = True
+                strip = self._strip and choices == []
+            if choices:
+                field = "delta" if self._kind is CHAT else "text"
+                for choice in choices:
+                    if isinstance(choice, dict):
+                        text += _text_bytes(choice.get(field))
+        if text:
+            tokens = max(1, -(-text // BYTES_PER_TOKEN))
+            self.streamed_tokens += tokens
+            if self._sampled < SAMPLE_EVENTS:
+                self._sampled += 1
+                self._sample_tokens += tokens
+                self._per_event = max(1, -(-self._sample_tokens // self._sampled))
+        return strip
 
     def _take(self, raw: dict) -> None:
         """Merge one usage object (counts only grow: Anthropic's are cumulative)."""

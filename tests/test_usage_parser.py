@@ -14,6 +14,7 @@ from policies.usage import (
     CHAT,
     MESSAGES,
     RESPONSES,
+    SAMPLE_EVENTS,
     Meter,
     endpoint_for,
     read_request,
@@ -152,6 +153,27 @@ def test_streamed_estimate_counts_text_at_least_one_per_event():
     meter.chunk(sse(chat_chunk("a"), chat_chunk("abcdefg"), chat_chunk("")))
     assert meter.streamed_tokens == 1 + 3
     assert not meter.final and not meter.complete
+
+
+def test_long_streams_count_later_events_at_the_sample_mean():
+    meter = Meter(CHAT, anthropic=False, strip_usage=False)
+    started(meter)
+    for i in range(SAMPLE_EVENTS):
+        meter.chunk(sse(chat_chunk("abcdef" if i % 2 else "abc")))  # 2 and 1 tokens
+    assert meter.streamed_tokens == SAMPLE_EVENTS * 3 // 2
+    for _ in range(10):
+        meter.chunk(sse(chat_chunk("x")))
+    assert meter.streamed_tokens == SAMPLE_EVENTS * 3 // 2 + 10 * 2  # mean 1.5, rounded up
+
+    names = ["content_block_start", "content_block_delta", "ping"]
+    meter = Meter(MESSAGES, anthropic=True, strip_usage=False)
+    started(meter)
+    for _ in range(SAMPLE_EVENTS + 4):
+        meter.chunk(sse({"type": "content_block_start", "index": 0},
+                        {"type": "content_block_delta", "delta": {"type": "text_delta",
+                                                                  "text": "a b"}},
+                        {"type": "ping"}, event_names=names))
+    assert meter.streamed_tokens == SAMPLE_EVENTS + 4  # only the deltas count
 
 
 def test_anthropic_stream_usage_is_cumulative():
