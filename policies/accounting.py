@@ -142,10 +142,11 @@ class Accounting:
             self._watch(charge.tenant)
 
     def _watch(self, tenant: str) -> None:
-        """Export a tenant's remaining budget, unless it is beyond the label cap."""
-        self._gauged.add(tenant)
+        """Export a tenant's remaining budget, unless it is beyond the label cap (then it has
+        no gauges: one ``other`` series could not say whose budget it is)."""
         if self.route_metrics.tenant(tenant).label == OTHER_TENANT:
             return
+        self._gauged.add(tenant)
         for unit in self._tenant_units:
             self._gauge(tenant, "tenant", tenant, unit)
 

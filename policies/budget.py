@@ -241,7 +241,8 @@ class Budgets:
 
     def headers(self, reservation: Reservation) -> dict[str, str]:
         """Headers for an admitted answer, from the binding limit: the one with the largest
-        share spent or reserved (this request's reservation included).
+        share spent or reserved (this request's reservation included); the warning names the
+        fullest limit past its block's ``warn_at``.
 
         ``X-Sluice-Budget-Remaining`` is what is left of it (tokens, or USD);
         ``X-Sluice-Budget-Policy`` names it in the IETF ``RateLimit-Policy`` syntax
@@ -250,11 +251,15 @@ class Budgets:
         (``"name";used=FRACTION``) appears once the block's ``warn_at`` is reached.
         """
         binding: tuple[float, Limit, float] | None = None
+        warning: tuple[float, Limit] | None = None
         for limit, claim in zip(reservation.limits, reservation.claims, strict=True):
             spent, held = self.ledger.level(claim.key)
             used = (spent + held) / limit.amount
             if binding is None or used > binding[0]:
                 binding = (used, limit, limit.amount - spent - held)
+            if limit.warn_at is not None and used >= limit.warn_at and (
+                    warning is None or used > warning[0]):
+                warning = (used, limit)
         assert binding is not None
         used, limit, left = binding
         headers = {REMAINING_HEADER: _fmt_number(limit.unit, max(left, 0.0))}
@@ -265,7 +270,8 @@ class Budgets:
             headers[POLICY_HEADER] = f'"{limit.name}";q={quota};w={limit.period_s}'
             now = self.clock()
             headers[RESET_HEADER] = str(math.ceil(_window_end(limit.period_s, now) - now))
-        if limit.warn_at is not None and used >= limit.warn_at:
+        if warning is not None:
+            used, limit = warning
             headers[WARNING_HEADER] = f'"{limit.name}";used={min(used, 1.0):.3f}'
         return headers
 
