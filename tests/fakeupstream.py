@@ -3,7 +3,8 @@
 It runs in the test's own event loop on 127.0.0.1 and a free port. Behaviour is set on the
 object (``delay``, ``chunk_delay``, ``statuses``, ``hold``, ``stream_usage``) or per request
 with headers (``x-fake-delay``, ``x-fake-status``, ``x-fake-tokens``, ``x-fake-chunk-delay``,
-``x-fake-usage``); what arrived is kept in ``requests`` and the live and peak concurrency in
+``x-fake-usage``, ``x-fake-cut-after``: drop the connection after N events of a stream); what
+arrived is kept in ``requests`` and the live and peak concurrency in
 ``inflight`` / ``peak_inflight``.
 
 Usage it reports: ``prompt_tokens`` input tokens and ``completion_tokens`` output tokens, or
@@ -167,7 +168,12 @@ class FakeUpstream:
             return web.json_response(answer)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
+        cut_after = int(request.headers.get("x-fake-cut-after", -1))
         for i in range(events):
+            if i == cut_after:
+                assert request.transport is not None
+                request.transport.close()  # the upstream dies mid-answer
+                return response
             chunk = {"id": "chatcmpl-fake", "object": "chat.completion.chunk", "created": 1,
                      "model": model,
                      "choices": [{"index": 0, "delta": {"content": f"tok{i} "},

@@ -336,28 +336,52 @@ async def test_queue_refusal_gives_the_reservation_back(upstream, start_sluice):
     await client.close()
 
 
-async def test_upstream_errors_and_refused_connections_charge_nothing(upstream, start_sluice):
+async def test_every_failure_path_settles(upstream, start_sluice):
     from tests.conftest import free_port
 
     closed = f"http://127.0.0.1:{free_port()}"
-    budget = {"output_tokens": "1000/day", "per": "tenant"}
+    budget = {"output_tokens": "10000/day", "per": "tenant"}
     sluice = await start_sluice({"routes": [
-        route("openai", upstream.url, budget=budget),
+        route("openai", upstream.url, budget=budget, timeouts={"total": "500ms"}),
         route("down", closed, "openai", budget=budget),
     ]})
-    upstream.statuses = [500]
     client = oai(sluice)
+    # the upstream answers an error: providers bill nothing, so nothing is charged
+    upstream.statuses = [500]
     with pytest.raises(openai.InternalServerError):
         await client.chat.completions.create(model="gpt-test", messages=MSG, max_tokens=300)
-    down = openai.AsyncOpenAI(base_url=sluice.url + "/down/v1", api_key="k", max_retries=0)
+    # nobody listens: the request never left, nothing is charged
+    down = oai(sluice)
+    down.base_url = sluice.url + "/down/v1"
     with pytest.raises(openai.APIStatusError) as unreachable:
         await down.chat.completions.create(model="gpt-test", messages=MSG, max_tokens=300)
     assert unreachable.value.status_code == 502
-    events = await completed_events(sluice, 2)
-    assert [(e["route"], e["usage"], e["output_tokens"]) for e in events] == [
-        ("openai", "none", 0), ("down", "none", 0)]
+    # no answer in time: the upstream may have billed it all, so the reservation is charged
+    with pytest.raises(openai.APIStatusError) as timeout:
+        await client.chat.completions.create(model="gpt-test", messages=MSG, max_tokens=300,
+                                             extra_headers={"x-fake-delay": "3"})
+    assert timeout.value.status_code == 504
+    # the upstream dies mid-stream: what was streamed is charged
+    stream = await client.chat.completions.create(
+        model="gpt-test", messages=MSG, max_tokens=300, stream=True,
+        extra_headers={"x-fake-tokens": "50", "x-fake-cut-after": "10"})
+    received = 0
+    with pytest.raises(openai.APIError):
+        async for chunk in stream:
+            received += bool(chunk.choices and chunk.choices[0].delta.content)
+    assert received == 10
+
+    events = await completed_events(sluice, 4)
+    assert [(e["route"], e["outcome"], e["usage"]) for e in events] == [
+        ("openai", "5xx", "none"), ("down", "upstream_error", "none"),
+        ("openai", "upstream_timeout", "reserved"), ("openai", "upstream_error", "estimated")]
+    assert [e["output_tokens"] for e in events[:3]] == [0, 0, 300]
+    assert 10 <= events[3]["output_tokens"] < 50
+    await sluice.wait_metric("sluice_budget_reserved", 0, route="openai", tenant="acme",
+                             unit="output_tokens")
     assert await sluice.metric("sluice_budget_remaining", route="openai", tenant="acme",
-                               unit="output_tokens") == 1000
+                               unit="output_tokens") == 10000 - 300 - events[3]["output_tokens"]
+    assert await sluice.metric("sluice_usage_missing_total", route="openai") == 2
     for c in (client, down):
         await c.close()
 
