@@ -23,8 +23,9 @@ audio, file) counted as :data:`ATTACHMENT_TOKENS` instead of its size. It is an 
 text, PDFs and long audio can cost more than it says, and the settle uses the upstream's count.
 
 Response side (:class:`Meter`): the answer passes through byte for byte while usage is read
-from it: a JSON body once complete, an SSE stream event by event as chunks arrive (events may
-split across chunks). Only when Sluice itself asked an OpenAI stream for its usage chunk does
+from it: a JSON body once complete (a chunked one is copied aside as it passes, up to
+:data:`JSON_LIMIT_BYTES`), an SSE stream event by event as chunks arrive (events may split
+across chunks). Only when Sluice itself asked an OpenAI stream for its usage chunk does
 the stream change: that chunk is removed, so the client sees what it asked for. Then an
 incomplete trailing event is held back until its end arrives (it might be the usage chunk); a
 complete event is never held. Without that, every chunk is written first and read after.
@@ -42,6 +43,9 @@ BYTES_PER_TOKEN = 3
 #: Tokens assumed per base64 attachment: Anthropic bills about w*h/750 per image, about 1,600
 #: at the largest size it takes unscaled; OpenAI about 765 for a 1024x1024 high-detail image.
 ATTACHMENT_TOKENS = 1600
+#: A JSON answer sent in chunks is held (a copy; the chunks go on at once) up to this size to
+#: read its usage at the end, bytes.
+JSON_LIMIT_BYTES = 4 * 1024 * 1024
 #: Content events of a stream parsed to measure their text; later ones count as their mean.
 SAMPLE_EVENTS = 16
 #: A base64 string under a ``data`` key longer than this is an attachment, bytes.
@@ -275,6 +279,8 @@ class Meter:
     __slots__ = (
         "_anthropic",
         "_cr",
+        "_json",
+        "_json_bytes",
         "_kind",
         "_mode",
         "_pending",
@@ -297,6 +303,8 @@ class Meter:
         self._strip = strip_usage
         self._mode = _NONE
         self._pending = b""
+        self._json: list[bytes] = []
+        self._json_bytes = 0
         self._cr: bool | None = None
         self.sent = True
         self.status = 0
@@ -337,22 +345,22 @@ class Meter:
     def body(self, data: bytes) -> bytes:
         """A whole buffered answer; returns it (without the usage chunk, if stripping)."""
         if self._mode == _SSE:
-            data = self.chunk(data) + self.finish()
-        else:
-            if self._mode == _JSON:
-                try:
-                    obj = orjson.loads(data)
-                except orjson.JSONDecodeError:
-                    obj = None
-                if isinstance(obj, dict) and isinstance(usage := obj.get("usage"), dict):
-                    self._take(usage)
-                    self.final = True
-            self.complete = True
+            return self.chunk(data) + self.finish()
+        if self._mode == _JSON:
+            self._read_json(data)
+        self.complete = True
         return data
 
     def chunk(self, data: bytes) -> bytes:
         """One streamed chunk; returns what to write now (maybe less, never later data)."""
         if self._mode != _SSE:
+            if self._mode == _JSON:  # a JSON answer sent in chunks: read it whole at the end
+                if self._json_bytes + len(data) <= JSON_LIMIT_BYTES:
+                    self._json.append(data)
+                    self._json_bytes += len(data)
+                else:  # too big to hold: its usage goes unread (charged as missing)
+                    self._mode = _NONE
+                    self._json = []
             return data
         if self._cr is None and b"\n" in data:  # a stream keeps its line ending: look once
             self._cr = b"\r" in self._pending or b"\r" in data
@@ -375,11 +383,24 @@ class Meter:
     def finish(self) -> bytes:
         """The stream ended cleanly; returns any bytes still held back."""
         self.complete = True
+        if self._mode == _JSON:
+            self._read_json(b"".join(self._json))
+            self._json = []
+            return b""
         tail, self._pending = self._pending, b""
         if not tail or self._mode != _SSE:
             return b""
         dropped = self._event(tail, 0, len(tail))
         return tail if self._strip and not dropped else b""
+
+    def _read_json(self, data: bytes) -> None:
+        try:
+            obj = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            return
+        if isinstance(obj, dict) and isinstance(usage := obj.get("usage"), dict):
+            self._take(usage)
+            self.final = True
 
     # -- SSE ----------------------------------------------------------------------------------
 

@@ -3,9 +3,9 @@
 It runs in the test's own event loop on 127.0.0.1 and a free port. Behaviour is set on the
 object (``delay``, ``chunk_delay``, ``statuses``, ``hold``, ``stream_usage``) or per request
 with headers (``x-fake-delay``, ``x-fake-status``, ``x-fake-tokens``, ``x-fake-chunk-delay``,
-``x-fake-usage``, ``x-fake-cut-after``: drop the connection after N events of a stream); what
-arrived is kept in ``requests`` and the live and peak concurrency in
-``inflight`` / ``peak_inflight``.
+``x-fake-usage``, ``x-fake-cut-after``: drop the connection after N events of a stream,
+``x-fake-chunked: 1``: send a JSON answer chunked, without Content-Length); what arrived is
+kept in ``requests`` and the live and peak concurrency in ``inflight`` / ``peak_inflight``.
 
 Usage it reports: ``prompt_tokens`` input tokens and ``completion_tokens`` output tokens, or
 with ``x-fake-tokens: N``, N output tokens; a stream then has N content events of one token
@@ -140,6 +140,18 @@ class FakeUpstream:
     async def _anthropic(self, request: web.Request) -> web.StreamResponse:
         return await self._guard(request, self._anthropic_answer)
 
+    async def _json(self, request: web.Request, answer: dict) -> web.StreamResponse:
+        if request.headers.get("x-fake-chunked") != "1":
+            return web.json_response(answer)
+        data = json.dumps(answer).encode()
+        response = web.StreamResponse(headers={"Content-Type": "application/json"})
+        await response.prepare(request)
+        await response.write(data[: len(data) // 2])
+        await asyncio.sleep(0.01)
+        await response.write(data[len(data) // 2:])
+        await response.write_eof()
+        return response
+
     def _shape(self, request: web.Request) -> tuple[int, int, float, bool]:
         """(content events, output tokens, seconds between events, report usage)."""
         tokens = request.headers.get("x-fake-tokens")
@@ -165,7 +177,7 @@ class FakeUpstream:
             }
             if report:
                 answer["usage"] = usage
-            return web.json_response(answer)
+            return await self._json(request, answer)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         cut_after = int(request.headers.get("x-fake-cut-after", -1))
@@ -208,7 +220,7 @@ class FakeUpstream:
                       "output_tokens_details": {"reasoning_tokens": 0}} if report else None,
         }
         if not payload.get("stream"):
-            return web.json_response(result)
+            return await self._json(request, result)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         sequence = 0
@@ -243,7 +255,7 @@ class FakeUpstream:
         if not report:
             del message["usage"]
         if not payload.get("stream"):
-            return web.json_response(message)
+            return await self._json(request, message)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
 

@@ -386,15 +386,27 @@ async def test_every_failure_path_settles(upstream, start_sluice):
         await c.close()
 
 
-async def test_responses_api_stream_is_metered(upstream, start_sluice):
-    sluice = await start_sluice({"routes": [route(
-        "openai", upstream.url, budget={"tokens": "10000/day"})]})
+async def test_responses_api_and_chunked_answers_are_metered(upstream, start_sluice):
+    sluice = await start_sluice({"routes": [
+        route("openai", upstream.url, budget={"tokens": "10000/day"}),
+        route("anthropic", upstream.url, "anthropic", budget={"tokens": "10000/day"}),
+    ]})
     client = oai(sluice)
     stream = await client.responses.create(model="gpt-test", input="hi", max_output_tokens=50,
                                            stream=True, extra_headers={"x-fake-tokens": "7"})
     kinds = [event.type async for event in stream]
     assert kinds[-1] == "response.completed"
-    events = await completed_events(sluice, 1)
-    assert (events[0]["input_tokens"], events[0]["output_tokens"], events[0]["usage"]) == (
-        11, 7, "reported")
+    reply = await client.responses.create(model="gpt-test", input="hi", max_output_tokens=50,
+                                          extra_headers={"x-fake-tokens": "8",
+                                                         "x-fake-chunked": "1"})
+    assert reply.usage.output_tokens == 8
+    anthropic_client = claude(sluice)
+    message = await anthropic_client.messages.create(
+        model="claude-test", messages=MSG, max_tokens=50,
+        extra_headers={"x-fake-tokens": "9", "x-fake-chunked": "1"})
+    assert message.usage.output_tokens == 9
+    await anthropic_client.close()
+    events = await completed_events(sluice, 3)
+    assert [(e["input_tokens"], e["output_tokens"], e["usage"]) for e in events] == [
+        (11, 7, "reported"), (11, 8, "reported"), (11, 9, "reported")]
     await client.close()

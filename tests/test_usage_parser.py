@@ -228,6 +228,14 @@ def test_plain_json_body_and_error_body():
     assert meter.complete and not meter.final
 
 
+def test_chunked_json_body_is_read_at_the_end():
+    body = orjson.dumps({"id": "x", "usage": {"input_tokens": 3, "output_tokens": 9}})
+    meter = Meter(MESSAGES, anthropic=True, strip_usage=False)
+    started(meter, "application/json")
+    assert feed_in_pieces(meter, body, [5, 17]) == body
+    assert meter.final and meter.usage.output_tokens == 9
+
+
 def test_compressed_answer_passes_untouched_and_unread():
     meter = Meter(CHAT, anthropic=False, strip_usage=True)
     headers = CIMultiDict({"Content-Type": "text/event-stream", "Content-Encoding": "gzip",
