@@ -103,7 +103,8 @@ class Ledger(Protocol):
         ...
 
     def level(self, key: Hashable) -> tuple[float, float]:
-        """``(spent, reserved)`` of a counter."""
+        """``(spent, reserved)`` of a counter, for headers and gauges (a remote ledger may
+        answer from the values its last ``reserve`` saw)."""
         ...
 
 

@@ -27,8 +27,9 @@ from it: a JSON body once complete (a chunked one is copied aside as it passes, 
 :data:`JSON_LIMIT_BYTES`), an SSE stream event by event as chunks arrive (events may split
 across chunks). Only when Sluice itself asked an OpenAI stream for its usage chunk does
 the stream change: that chunk is removed, so the client sees what it asked for. Then an
-incomplete trailing event is held back until its end arrives (it might be the usage chunk); a
-complete event is never held. Without that, every chunk is written first and read after.
+incomplete trailing event is held back until its end arrives (it might be the usage chunk;
+an SSE client cannot act on part of an event anyway); a complete event is never held.
+Otherwise every chunk is passed on as it came, and read after.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ BYTES_PER_TOKEN = 3
 #: at the largest size it takes unscaled; OpenAI about 765 for a 1024x1024 high-detail image.
 ATTACHMENT_TOKENS = 1600
 #: A JSON answer sent in chunks is held (a copy; the chunks go on at once) up to this size to
-#: read its usage at the end, bytes.
+#: read its usage at the end, and an SSE event may grow to this size before Sluice stops
+#: reading the stream (its usage then counts as missing), bytes.
 JSON_LIMIT_BYTES = 4 * 1024 * 1024
 #: Content events of a stream parsed to measure their text; later ones count as their mean.
 SAMPLE_EVENTS = 16
@@ -375,10 +377,14 @@ class Meter:
         if self._strip:
             out, end = self._filter(buf)
             self._pending = buf[end:]
-            return out
-        end = self._scan(buf)
-        self._pending = buf[end:] if end < len(buf) else b""
-        return data
+        else:
+            out, end = data, self._scan(buf)
+            self._pending = buf[end:] if end < len(buf) else b""
+        if len(self._pending) > JSON_LIMIT_BYTES:  # no event is this big: stop reading
+            if self._strip:
+                out += self._pending
+            self._mode, self._strip, self._pending = _NONE, False, b""
+        return out
 
     def finish(self) -> bytes:
         """The stream ended cleanly; returns any bytes still held back."""

@@ -12,6 +12,7 @@ from multidict import CIMultiDict
 from policies.usage import (
     ATTACHMENT_TOKENS,
     CHAT,
+    JSON_LIMIT_BYTES,
     MESSAGES,
     RESPONSES,
     SAMPLE_EVENTS,
@@ -138,6 +139,16 @@ def test_strip_holds_back_only_an_incomplete_event():
     first = sse(chat_chunk("Hi"))
     assert meter.chunk(first + b'data: {"id": "c", "cho') == first
     assert meter.chunk(b'ices": []}\n\n') == b'data: {"id": "c", "choices": []}\n\n'
+
+
+def test_an_endless_event_stops_the_reading_not_the_stream():
+    meter = Meter(CHAT, anthropic=False, strip_usage=True)
+    started(meter)
+    big = b'data: {"choices": [{"delta": {"content": "' + b"x" * (JSON_LIMIT_BYTES + 1)
+    assert meter.chunk(big) == big
+    assert meter.chunk(b'"}}]}\n\n') == b'"}}]}\n\n'
+    assert meter.chunk(sse(USAGE_CHUNK)) == sse(USAGE_CHUNK)
+    assert not meter.final
 
 
 def test_unchanged_chunks_are_the_same_objects():
