@@ -30,6 +30,10 @@ def claude(sluice, tenant: str = "acme") -> anthropic.AsyncAnthropic:
                                     max_retries=0, default_headers={"X-Tenant-ID": tenant})
 
 
+#: Budgets' clock for most tests: today 12:00 UTC, so no daily window rolls over mid-test.
+NOON = {"SLUICE_TEST_NOW": str(int(time.time()) // 86400 * 86400 + 43200)}
+
+
 async def until(condition, timeout: float = 20.0, what: str = "condition") -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -51,7 +55,7 @@ async def completed_events(sluice, count: int) -> list[dict]:
 async def test_race_of_twenty_admits_exactly_ten(upstream, start_sluice, tenant_seen_before):
     tenant = f"tenant-{uuid.uuid4().hex[:8]}"
     sluice = await start_sluice({"routes": [route(
-        "openai", upstream.url, budget={"output_tokens": "1000/day", "per": "tenant"})]})
+        "openai", upstream.url, budget={"output_tokens": "1000/day", "per": "tenant"})]}, env=NOON)
     client = oai(sluice, tenant)
     if tenant_seen_before:  # a request that spends nothing, so the tenant's counters exist
         await client.chat.completions.create(model="gpt-test", messages=MSG, max_tokens=1,
@@ -99,7 +103,7 @@ async def test_six_streams_of_200_against_1000_serve_five(upstream, start_sluice
     protocol = "anthropic" if flavour == "anthropic" else "openai"
     sluice = await start_sluice({"routes": [route(
         protocol, upstream.url, protocol,
-        budget={"output_tokens": "1000/day", "per": "tenant"})]})
+        budget={"output_tokens": "1000/day", "per": "tenant"})]}, env=NOON)
     fast = {"x-fake-tokens": "200", "x-fake-chunk-delay": "0"}
     served = 0
     refusal = None
@@ -128,9 +132,9 @@ async def test_six_streams_of_200_against_1000_serve_five(upstream, start_sluice
     assert served == 5
     assert refusal is not None and refusal.response.headers["X-Sluice-Reason"] == (
         "budget_exhausted")
-    # the spend alone fills the day: the wait is until 00:00 UTC, too long for an SDK retry
-    seconds_to_midnight = 86400 - time.time() % 86400
-    assert abs(int(refusal.response.headers["Retry-After"]) - seconds_to_midnight) < 30
+    # the spend alone fills the day: the wait is until 00:00 UTC (12 h after Sluice's noon),
+    # too long for an SDK retry
+    assert 43200 - 60 < int(refusal.response.headers["Retry-After"]) <= 43200
     assert refusal.response.headers["x-should-retry"] == "false"
     assert len(upstream.requests) == 5
     if protocol == "openai":
@@ -150,7 +154,7 @@ async def test_cut_streams_release_reservations_and_charge_what_was_streamed(
         upstream, start_sluice, protocol):
     sluice = await start_sluice({"routes": [route(
         protocol, upstream.url, protocol,
-        budget={"output_tokens": "100000/day", "per": "tenant"})]})
+        budget={"output_tokens": "100000/day", "per": "tenant"})]}, env=NOON)
     slow = {"x-fake-tokens": "100", "x-fake-chunk-delay": "0.05"}  # 5 s for the whole stream
 
     async def read_then_leave(keep: int) -> int:
@@ -230,7 +234,7 @@ async def test_headers_costs_events_and_metrics(upstream, start_sluice):
         "routes": [route("openai", upstream.url,
                          budget={"tokens": "1000/day", "per": "tenant", "warn_at": 0.5},
                          usage={"default_max_tokens": 200})],
-    })
+    }, env=NOON)
     client = oai(sluice, **{"X-Run-ID": "run-7"})
     reply = await client.chat.completions.with_raw_response.create(model="gpt-test",
                                                                    messages=MSG)
@@ -241,6 +245,7 @@ async def test_headers_costs_events_and_metrics(upstream, start_sluice):
     remaining = int(reply.headers["X-Sluice-Budget-Remaining"])
     assert 1000 - 200 - 50 < remaining < 1000 - 200  # this request's worst case is reserved
     assert reply.headers["X-Sluice-Budget-Policy"] == '"tokens-per-tenant-day";q=1000;w=86400'
+    assert 43200 - 60 < int(reply.headers["X-Sluice-Budget-Reset"]) <= 43200  # noon to 00:00
     assert "X-Sluice-Budget-Warning" not in reply.headers
 
     reply = await client.chat.completions.with_raw_response.create(
@@ -267,7 +272,7 @@ async def test_usd_budget_and_requests_that_can_never_fit(upstream, start_sluice
         "pricing": {"gpt-test": {"input": 1.0, "output": 10.0}},
         "routes": [route("openai", upstream.url,
                          budget={"usd": "0.01/day", "output_tokens": "1000/day"})],
-    })
+    }, env=NOON)
     client = oai(sluice, retries=2)
     with pytest.raises(openai.BadRequestError) as unpriced:
         await client.chat.completions.create(model="gpt-unknown", messages=MSG, max_tokens=10)
@@ -287,7 +292,7 @@ async def test_usd_budget_and_requests_that_can_never_fit(upstream, start_sluice
 
 async def test_run_total_budget(upstream, start_sluice):
     sluice = await start_sluice({"routes": [route(
-        "openai", upstream.url, budget={"output_tokens": "150/total", "per": "run"})]})
+        "openai", upstream.url, budget={"output_tokens": "150/total", "per": "run"})]}, env=NOON)
     no_run = oai(sluice)
     with pytest.raises(openai.BadRequestError) as missing:
         await no_run.chat.completions.create(model="gpt-test", messages=MSG, max_tokens=10)
@@ -315,7 +320,7 @@ async def test_run_total_budget(upstream, start_sluice):
 async def test_queue_refusal_gives_the_reservation_back(upstream, start_sluice):
     sluice = await start_sluice({"routes": [route(
         "openai", upstream.url, concurrency={"limit": 1, "queue": 0},
-        budget={"output_tokens": "1000/day", "per": "tenant"})]})
+        budget={"output_tokens": "1000/day", "per": "tenant"})]}, env=NOON)
     upstream.hold = asyncio.Event()
     client = oai(sluice)
     first = asyncio.create_task(client.chat.completions.create(
@@ -344,7 +349,7 @@ async def test_every_failure_path_settles(upstream, start_sluice):
     sluice = await start_sluice({"routes": [
         route("openai", upstream.url, budget=budget, timeouts={"total": "500ms"}),
         route("down", closed, "openai", budget=budget),
-    ]})
+    ]}, env=NOON)
     client = oai(sluice)
     # the upstream answers an error: providers bill nothing, so nothing is charged
     upstream.statuses = [500]
@@ -390,7 +395,7 @@ async def test_responses_api_and_chunked_answers_are_metered(upstream, start_slu
     sluice = await start_sluice({"routes": [
         route("openai", upstream.url, budget={"tokens": "10000/day"}),
         route("anthropic", upstream.url, "anthropic", budget={"tokens": "10000/day"}),
-    ]})
+    ]}, env=NOON)
     client = oai(sluice)
     stream = await client.responses.create(model="gpt-test", input="hi", max_output_tokens=50,
                                            stream=True, extra_headers={"x-fake-tokens": "7"})
