@@ -78,6 +78,14 @@ class Limit:
     ttl_s: float
     text: str
 
+    @property
+    def policy_header(self) -> str:
+        """This limit in the IETF ``RateLimit-Policy`` syntax."""
+        quota = _fmt_number(self.unit, self.amount)
+        if self.period_s is None:
+            return f'"{self.name}";q={quota}'
+        return f'"{self.name}";q={quota};w={self.period_s}'
+
 
 class Claim(NamedTuple):
     """One limit's part of a reservation: ``amount`` held on counter ``key`` whose limit is
@@ -188,6 +196,7 @@ class Budgets:
                     amount=allowance.amount, period_s=allowance.period_s, per=block.per,
                     warn_at=block.warn_at, ttl_s=block.ttl, text=allowance.text,
                 ))
+        self._policy_headers = {limit.name: limit.policy_header for limit in self.limits}
         self.needs_run = any(limit.per == "run" for limit in self.limits)
         self.needs_price = any(limit.unit == "usd" for limit in self.limits)
         self.pricing = pricing
@@ -263,12 +272,9 @@ class Budgets:
                 warning = (used, limit)
         assert binding is not None
         used, limit, left = binding
-        headers = {REMAINING_HEADER: _fmt_number(limit.unit, max(left, 0.0))}
-        quota = _fmt_number(limit.unit, limit.amount)
-        if limit.period_s is None:
-            headers[POLICY_HEADER] = f'"{limit.name}";q={quota}'
-        else:
-            headers[POLICY_HEADER] = f'"{limit.name}";q={quota};w={limit.period_s}'
+        headers = {REMAINING_HEADER: _fmt_number(limit.unit, max(left, 0.0)),
+                   POLICY_HEADER: self._policy_headers[limit.name]}
+        if limit.period_s is not None:
             now = self.clock()
             headers[RESET_HEADER] = str(math.ceil(_window_end(limit.period_s, now) - now))
         if warning is not None:

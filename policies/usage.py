@@ -121,7 +121,7 @@ class RequestCost:
             default, else ``None`` (unknown).
         strip_usage: Sluice added ``stream_options.include_usage``, so the usage chunk must be
             removed from the client's stream.
-        body: the body to forward (rewritten only if a cap or the usage option was added).
+        body: the body to forward (with the cap or the usage option added, if they were).
     """
 
     endpoint: Endpoint
@@ -153,7 +153,7 @@ def read_request(endpoint: Endpoint, body: bytes, default_cap: int | None, write
         raise ValueError("the body is not a JSON object")
     model = obj.get("model")
     stream = obj.get("stream") is True
-    changed = False
+    added: dict[str, object] = {}
     cap: int | None = 0 if endpoint.write_field is None else None
     for field in endpoint.cap_fields:
         value = obj.get(field)
@@ -163,15 +163,14 @@ def read_request(endpoint: Endpoint, body: bytes, default_cap: int | None, write
     if cap is None and default_cap is not None:
         cap = default_cap
         if write_cap and endpoint.write_field is not None:
-            obj[endpoint.write_field] = default_cap
-            changed = True
+            added[endpoint.write_field] = default_cap
     strip = False
     if stream and endpoint.usage_option and stream_usage:
         options = obj.get("stream_options")
         if not (isinstance(options, dict) and options.get("include_usage") is True):
-            obj["stream_options"] = {**(options if isinstance(options, dict) else {}),
-                                     "include_usage": True}
-            strip = changed = True
+            added["stream_options"] = {**(options if isinstance(options, dict) else {}),
+                                       "include_usage": True}
+            strip = True
     return RequestCost(
         endpoint=endpoint,
         model=model if isinstance(model, str) else None,
@@ -179,8 +178,18 @@ def read_request(endpoint: Endpoint, body: bytes, default_cap: int | None, write
         input_tokens=estimate_input_tokens(body, obj),
         output_cap=cap,
         strip_usage=strip,
-        body=orjson.dumps(obj) if changed else body,
+        body=_with_fields(body, obj, added) if added else body,
     )
+
+
+def _with_fields(body: bytes, obj: dict, added: dict[str, object]) -> bytes:
+    """``body`` with top-level ``added`` fields. They are spliced in before the closing brace,
+    keeping the client's bytes (and sparing a re-serialisation of a long prompt); the body is
+    rewritten whole only when one of them is already there (a duplicate key is ambiguous)."""
+    if not obj or any(key in obj for key in added):
+        return orjson.dumps({**obj, **added})
+    end = body.rstrip().rfind(b"}")
+    return body[:end] + b"," + orjson.dumps(added)[1:-1] + body[end:]
 
 
 def estimate_input_tokens(body: bytes, obj: object) -> int:

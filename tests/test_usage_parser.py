@@ -94,6 +94,13 @@ def test_request_reads_cap_and_adds_usage_option_and_default_cap():
     assert cost.body == asked  # nothing to add: forwarded byte for byte
     assert (cost.output_cap, cost.strip_usage) == (50, False)
 
+    spliced = read_request(CHAT, b'{"model": "m", "stream": true}\n', 7, True, True)
+    assert spliced.body == (b'{"model": "m", "stream": true,"max_completion_tokens":7,'
+                            b'"stream_options":{"include_usage":true}}\n')
+    rewritten = read_request(CHAT, b'{"stream": true, "stream_options": {"x": 1}}', 7, True,
+                             True)
+    assert orjson.loads(rewritten.body)["stream_options"] == {"x": 1, "include_usage": True}
+
     none = read_request(MESSAGES, b'{"model": "c", "messages": []}', None, True, True)
     assert none.output_cap is None
     with pytest.raises(ValueError):
