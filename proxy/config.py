@@ -317,8 +317,17 @@ def _budget_checks(config: Config, index: int, route: RouteConfig) -> Iterator[t
                 f"{default_cap} exceeds rate.tokens {route.rate.tokens}: every request without "
                 f"max_tokens would be refused"
             )
+    seen: dict[tuple[str, str, int | None], int] = {}
     for b, block in enumerate(route.budget or ()):
         where = (*at, "budget", b) if len(route.budget or ()) > 1 else (*at, "budget")
+        for unit, allowance in block.limits():
+            same = (unit, block.per, allowance.period_s)
+            if same in seen:
+                yield (*where, unit), (
+                    f"budget[{seen[same]}] already limits {unit} per {block.per} over the same "
+                    f"window; keep the smaller one"
+                )
+            seen.setdefault(same, b)
         if not llm:
             yield where, (
                 f"budgets need protocol openai or anthropic (Sluice reads usage from those "

@@ -91,6 +91,15 @@ routes:
     ]
 
 
+def test_the_same_limit_twice_is_an_error():
+    text = GOOD.replace("{output_tokens: 200000/total, per: run, ttl: 2h}",
+                        "{tokens: 9000/day, per: tenant}")
+    assert problems(text) == [
+        "f.yaml:12: routes[0].budget[1].tokens: budget[0] already limits tokens per tenant "
+        "over the same window; keep the smaller one",
+    ]
+
+
 def test_check_config_reports_file_lines(tmp_path):
     path = tmp_path / "sluice.yaml"
     path.write_text(GOOD.replace("input: 0.15", "input: cheap"))
