@@ -63,20 +63,25 @@ class Endpoint:
         cap_fields: request fields that cap output tokens, the first present one wins.
         write_field: where a configured default cap is written, ``None`` if output is 0.
         usage_option: streams carry usage only when ``stream_options.include_usage`` is set.
+        choices: ``n`` asks for that many answers, each up to the cap.
     """
 
     name: str
     cap_fields: tuple[str, ...]
     write_field: str | None
     usage_option: bool
+    choices: bool
 
 
 CHAT = Endpoint("chat.completions", ("max_completion_tokens", "max_tokens"),
-                "max_completion_tokens", True)
-COMPLETIONS = Endpoint("completions", ("max_tokens",), "max_tokens", True)
-RESPONSES = Endpoint("responses", ("max_output_tokens",), "max_output_tokens", False)
-EMBEDDINGS = Endpoint("embeddings", (), None, False)
-MESSAGES = Endpoint("messages", ("max_tokens",), "max_tokens", False)
+                "max_completion_tokens", usage_option=True, choices=True)
+COMPLETIONS = Endpoint("completions", ("max_tokens",), "max_tokens", usage_option=True,
+                       choices=True)
+RESPONSES = Endpoint("responses", ("max_output_tokens",), "max_output_tokens",
+                     usage_option=False, choices=False)
+EMBEDDINGS = Endpoint("embeddings", (), None, usage_option=False, choices=False)
+MESSAGES = Endpoint("messages", ("max_tokens",), "max_tokens", usage_option=False,
+                    choices=False)
 
 
 def endpoint_for(protocol: str, method: str, raw_path: str) -> Endpoint | None:
@@ -118,7 +123,7 @@ class RequestCost:
         stream: the client asked for SSE.
         input_tokens: estimated input tokens (see the module docstring).
         output_cap: the most output tokens it may produce: its own cap, else the configured
-            default, else ``None`` (unknown).
+            default, else ``None`` (unknown); times ``n`` when it asks for several choices.
         strip_usage: Sluice added ``stream_options.include_usage``, so the usage chunk must be
             removed from the client's stream.
         body: the body to forward (with the cap or the usage option added, if they were).
@@ -164,6 +169,9 @@ def read_request(endpoint: Endpoint, body: bytes, default_cap: int | None, write
         cap = default_cap
         if write_cap and endpoint.write_field is not None:
             added[endpoint.write_field] = default_cap
+    choices = obj.get("n")
+    if cap and endpoint.choices and type(choices) is int and choices > 1:
+        cap *= choices  # the cap applies to each of the n choices
     strip = False
     if stream and endpoint.usage_option and stream_usage:
         options = obj.get("stream_options")

@@ -101,6 +101,10 @@ def test_request_reads_cap_and_adds_usage_option_and_default_cap():
                              True)
     assert orjson.loads(rewritten.body)["stream_options"] == {"x": 1, "include_usage": True}
 
+    several = read_request(CHAT, b'{"model": "m", "n": 3, "max_tokens": 10}', None, True,
+                           True)
+    assert several.output_cap == 30  # each of the 3 choices may use the whole cap
+
     none = read_request(MESSAGES, b'{"model": "c", "messages": []}', None, True, True)
     assert none.output_cap is None
     with pytest.raises(ValueError):
