@@ -13,6 +13,14 @@ public ``has_capacity()`` has brought it up to date; the version is pinned for t
 On a config reload (:meth:`RateLimiter.reconfigure`) a bucket whose rate is unchanged is kept as
 it is; one whose rate changed is replaced by a bucket of the new size that starts at the old
 one's level, so a reload neither forgets recent traffic nor grants a fresh burst.
+
+``tokens: N/period`` is the same bucket counting tokens: each request takes its *reserved*
+worst case (estimated input + output cap) at admission, as OpenAI counts ``max_tokens`` against
+its own tokens-per-minute limit when a request arrives, so Sluice refuses what the upstream
+would. Nothing is given back after the answer (aiolimiter has no refund, and the upstream does
+not refund either); only a request refused later in admission, which never reached the
+upstream, gets its tokens back. A request reserving more than ``N`` could never pass (and
+``acquire(n > N)`` raises in aiolimiter): it is refused at once with 400 ``exceeds_limit``.
 """
 
 from __future__ import annotations
@@ -88,17 +96,64 @@ class Bucket:
         return self._limiter.has_capacity(self.rate.count)
 
 
+class TokenBucket:
+    """``rate.tokens``: ``take(n)`` admits a request reserving ``n`` tokens or raises."""
+
+    __slots__ = ("_limiter", "policy", "rate")
+
+    def __init__(self, rate: Rate) -> None:
+        self.rate = rate
+        self._limiter = AsyncLimiter(rate.count, rate.period_s)
+        self.policy = ("tokens", rate.count, rate.period_s)
+
+    def take(self, tokens: int) -> None:
+        """Consume ``tokens``; never suspends.
+
+        Raises:
+            Rejected: ``exceeds_limit`` if ``tokens`` exceeds the whole bucket;
+                ``token_rate_limited`` with the seconds until it fits.
+        """
+        limiter = self._limiter
+        if tokens > limiter.max_rate:
+            raise Rejected(
+                Reason.EXCEEDS_LIMIT, None,
+                f"this request reserves {tokens} tokens, more than the whole token rate "
+                f"limit of {self.rate}; lower max_tokens", retry=False,
+            )
+        if limiter.has_capacity(tokens):
+            limiter._level += tokens  # what acquire(tokens) does when it does not wait
+            return
+        deficit = limiter._level + tokens - limiter.max_rate
+        raise Rejected(
+            Reason.TOKEN_RATE_LIMITED,
+            deficit * limiter.time_period / limiter.max_rate,
+            f"limit {self.rate} tokens; this request reserves {tokens}",
+            self.policy,
+        )
+
+    def refund(self, tokens: int) -> None:
+        """Give back what a request took when it never reached the upstream."""
+        limiter = self._limiter
+        limiter.has_capacity(0)  # drains the bucket up to now
+        limiter._level = max(limiter._level - tokens, 0.0)
+
+
 class RateLimiter:
-    """The ``rate`` block of one route: a route-wide bucket and one bucket per tenant."""
+    """The ``rate`` block of one route: a route-wide bucket and one bucket per tenant, and the
+    route's token bucket (used by :mod:`policies.accounting`)."""
 
     def __init__(self, config: RateConfig) -> None:
+        self.tokens = TokenBucket(config.tokens) if config.tokens else None
         self.route_bucket = Bucket(config.requests, "requests") if config.requests else None
         per_tenant = config.per_tenant
         self.tenant_rate = per_tenant.requests if per_tenant else None
         self._tenants: OrderedDict[str, Bucket] = OrderedDict()
 
     def reconfigure(self, config: RateConfig) -> None:
-        """Adopt a changed ``rate`` block in place, keeping each bucket's level (hot reload)."""
+        """Adopt a changed ``rate`` block in place, keeping each request bucket's level (hot
+        reload); a changed ``tokens`` rate starts a fresh token bucket."""
+        if config.tokens != (self.tokens.rate if self.tokens else None):
+            self.tokens = TokenBucket(config.tokens) if config.tokens else None
         if self.route_bucket is not None:
             self.route_bucket = self.route_bucket.successor(config.requests)
         elif config.requests is not None:

@@ -20,6 +20,8 @@ class Reason(enum.Enum):
 
     # The caller's own quota is spent: 429.
     RATE_LIMITED = ("rate_limited", 429, "request rate limit reached")
+    TOKEN_RATE_LIMITED = ("token_rate_limited", 429, "token rate limit reached")
+    BUDGET_EXHAUSTED = ("budget_exhausted", 429, "budget spent for now")
     TENANT_CONCURRENCY = ("tenant_concurrency", 429, "too many requests of this tenant in flight")
     # The route is overloaded or unavailable: 503.
     QUEUE_FULL = ("queue_full", 503, "all slots busy and the queue is full")
@@ -40,6 +42,12 @@ class Reason(enum.Enum):
     NO_ROUTE = ("no_route", 404, "no route matches this path; Sluice forwards only to its routes")
     BAD_REQUEST = ("bad_request", 400, "the request cannot be forwarded as sent")
     BODY_TOO_LARGE = ("request_too_large", 413, "the request body exceeds the proxy's limit")
+    EXCEEDS_LIMIT = (
+        "exceeds_limit", 400, "the request's worst case exceeds a whole limit, so it never fits"
+    )
+    UNPRICED_MODEL = (
+        "unpriced_model", 400, "the model has no price and this route has a usd budget"
+    )
     # Faults of the upstream itself, written by Sluice because no upstream answer exists.
     UPSTREAM_UNREACHABLE = ("upstream_unreachable", 502, "the upstream could not be reached")
     UPSTREAM_TIMEOUT = ("upstream_timeout", 504, "the upstream did not answer in time")
@@ -61,9 +69,12 @@ class Rejected(Exception):
         detail: a sentence for the caller, naming the limit (e.g. ``"limit 8 per tenant"``).
         policy: ``(name, quota, window_s)`` of the limit that denied, for the IETF
             ``RateLimit-Policy``/``RateLimit`` fields; ``None`` when no such quota applies.
+        retry: ``False`` when retrying this request as sent cannot succeed soon (a spent
+            total budget, a request bigger than a limit), so ``x-should-retry: false`` is sent
+            whatever ``retry_after`` says; ``None`` leaves it to ``retry_after``.
     """
 
-    __slots__ = ("detail", "policy", "reason", "retry_after")
+    __slots__ = ("detail", "policy", "reason", "retry", "retry_after")
 
     def __init__(
         self,
@@ -71,9 +82,11 @@ class Rejected(Exception):
         retry_after: float | None,
         detail: str = "",
         policy: tuple[str, int, int] | None = None,
+        retry: bool | None = None,
     ) -> None:
         super().__init__(reason.code)
         self.reason = reason
         self.retry_after = retry_after
         self.detail = detail
         self.policy = policy
+        self.retry = retry

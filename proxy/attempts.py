@@ -45,6 +45,7 @@ from policies.retry import (
     retry_is_safe,
     upstream_retry_after,
 )
+from policies.usage import Meter
 from proxy import forward as fwd
 from proxy.rejections import jsonrpc_id, render
 from proxy.routes import Route
@@ -74,6 +75,7 @@ async def forward(
     caller_timeout: float | None,
     idempotency_key: str | None = None,
     capture: Capture | None = None,
+    meter: Meter | None = None,
 ) -> tuple[web.StreamResponse, str]:
     """Forward with the route's breaker and retries; see the module docstring.
 
@@ -83,6 +85,8 @@ async def forward(
         idempotency_key: the ``Idempotency-Key`` value the route's idempotency policy sends
             upstream (the same on every attempt), if the route has one.
         capture: fed the answer finally relayed, for the idempotency store.
+        meter: reads the relayed answer's usage (token accounting); told when no attempt
+            reached the upstream.
 
     Returns:
         ``(response, outcome)``; ``outcome`` is a ``sluice_requests_total`` outcome label.
@@ -99,6 +103,9 @@ async def forward(
     if idempotency_key is not None:
         headers[IDEMPOTENCY_HEADER] = idempotency_key
     key = headers.get(IDEMPOTENCY_HEADER)
+    if meter is not None:
+        meter.request_headers(headers)
+    reached = False  # some attempt reached the upstream (a charge may apply)
     client_retry = retry is not None and is_client_retry(request.headers)
     allowed = retry.attempts if retry is not None and not client_retry else 1
     now = time.monotonic()
@@ -143,12 +150,13 @@ async def forward(
                     error = exc
                     kind = "timeout" if exc.reason is Reason.UPSTREAM_TIMEOUT else "connect_error"
                     sent = not isinstance(exc.__cause__, _NOT_SENT)
+                    reached = reached or sent
                     neutral = False
                 else:
                     error = Rejected(Reason.UPSTREAM_TIMEOUT, None,
                                      f"no response headers within {limit:.3g}s")
                     kind = "timeout"
-                    sent = True
+                    sent = reached = True
                     # Cut short by the caller's own deadline: not the upstream's fault.
                     neutral = callers_limit
                 if breaker is not None:
@@ -177,6 +185,7 @@ async def forward(
                 if last is not None:
                     last.release()
                 last, error, sent = response, None, True
+                reached = True
                 if retry is None or status not in retry.on_statuses:
                     break
             finally:
@@ -226,8 +235,10 @@ async def forward(
             response, last = last, None
             if extra is None and retry is not None and _final(response.status):
                 extra = {"x-should-retry": "false"}
-            return await fwd.relay(request, response, extra, capture)
+            return await fwd.relay(request, response, extra, capture, meter)
         assert error is not None
+        if meter is not None and not reached:
+            meter.sent = False  # no attempt reached the upstream: nothing to charge
         answer = render(error, route.protocol, jsonrpc_id(route.protocol, body))
         if retry is not None:
             answer.headers.update(extra or {"x-should-retry": "false"})

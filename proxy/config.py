@@ -57,6 +57,7 @@ _DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h|d)$")
 _DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _RATE = re.compile(r"^(\d+)/(s|min|h|day)$")
 _RATE_PERIODS = {"s": 1, "min": 60, "h": 3600, "day": 86400}
+_ALLOWANCE = re.compile(r"^(\d+(?:\.\d+)?)/(s|min|h|day|total)$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +70,32 @@ class Rate:
 
     def __str__(self) -> str:
         return self.text
+
+
+@dataclass(frozen=True, slots=True)
+class Allowance:
+    """A budget: ``amount`` (tokens or USD) per UTC-aligned window of ``period_s`` seconds, or
+    in total when ``period_s`` is ``None``; written ``N/min``, ``N/h``, ``N/day`` or ``N/total``.
+    """
+
+    amount: float
+    period_s: int | None
+    text: str
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def _parse_allowance(value: Any) -> Allowance:
+    if isinstance(value, str) and (m := _ALLOWANCE.match(value.strip())):
+        amount = float(m.group(1))
+        if amount <= 0:
+            raise ValueError(f"{value!r}: a budget must allow more than 0")
+        unit = m.group(2)
+        return Allowance(amount, None if unit == "total" else _RATE_PERIODS[unit], value.strip())
+    raise ValueError(
+        f"{value!r} is not a budget: write N/min, N/h, N/day or N/total, e.g. 5000000/day"
+    )
 
 
 def _parse_duration(value: Any) -> float:
@@ -104,6 +131,7 @@ def _positive(value: float) -> float:
 Duration = Annotated[float, BeforeValidator(_parse_duration)]
 PositiveDuration = Annotated[float, BeforeValidator(_parse_duration), AfterValidator(_positive)]
 RateSpec = Annotated[Rate, BeforeValidator(_parse_rate), PlainSerializer(str)]  # dumps as written
+AllowanceSpec = Annotated[Allowance, BeforeValidator(_parse_allowance)]
 Listen = Annotated[str, AfterValidator(_parse_listen)]
 
 
@@ -159,6 +187,8 @@ class TenantRateConfig(_Section):
 
 class RateConfig(_Section):
     requests: RateSpec | None = None
+    #: Tokens per period, each request weighted by its reserved worst case (policies/rate.py).
+    tokens: RateSpec | None = None
     per_tenant: TenantRateConfig | None = None
 
 
@@ -265,6 +295,64 @@ class DeadLetterConfig(_Section):
     max_body_bytes: int = Field(default=1024 * 1024, ge=0)
 
 
+class BudgetConfig(_Section):
+    """One budget block (policies/budget.py): limits per unit, for one kind of scope."""
+
+    tokens: AllowanceSpec | None = None  # input + output tokens
+    input_tokens: AllowanceSpec | None = None
+    output_tokens: AllowanceSpec | None = None
+    usd: AllowanceSpec | None = None  # priced from the top-level ``pricing`` table
+    per: Literal["tenant", "run", "route"] = "tenant"
+    #: Fraction of a limit spent (0 < warn_at <= 1) from which answers carry a warning header.
+    warn_at: float | None = Field(default=None, gt=0, le=1)
+    #: How long an idle run's ``N/total`` spend is remembered (memory is bounded by it).
+    ttl: PositiveDuration = 86400.0
+
+    @model_validator(mode="after")
+    def _some_limit(self) -> BudgetConfig:
+        if not self.limits():
+            raise ValueError("set at least one of tokens, input_tokens, output_tokens, usd")
+        return self
+
+    def limits(self) -> list[tuple[str, Allowance]]:
+        """``[(unit, allowance)]`` for each unit this block limits."""
+        return [
+            (unit, allowance)
+            for unit in BUDGET_UNITS
+            if (allowance := getattr(self, unit)) is not None
+        ]
+
+
+#: Units a budget can count, as they appear in config keys and metric labels.
+BUDGET_UNITS = ("tokens", "input_tokens", "output_tokens", "usd")
+
+
+def _one_or_many(value: Any) -> Any:
+    return [value] if isinstance(value, dict) else value
+
+
+class UsageConfig(_Section):
+    """How an openai/anthropic route reads and shapes token usage (policies/usage.py)."""
+
+    #: Output cap reserved for a request that sets none (max_tokens and the like), tokens.
+    default_max_tokens: int | None = Field(default=None, gt=0)
+    #: Write that cap into such requests, so the upstream cannot exceed the reservation.
+    write_max_tokens: bool = True
+    #: Ask OpenAI streams for their usage chunk; it is stripped if the client did not ask.
+    stream_usage: bool = True
+
+
+class ModelPrice(_Section):
+    """USD per million tokens of one model."""
+
+    input: float = Field(ge=0)
+    output: float = Field(ge=0)
+    #: Input tokens read from a prompt cache; defaults to ``input``.
+    cache_read: float | None = Field(default=None, ge=0)
+    #: Input tokens written to a prompt cache (Anthropic); defaults to ``input``.
+    cache_write: float | None = Field(default=None, ge=0)
+
+
 class RouteConfig(_Section):
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
     path_prefix: str
@@ -276,6 +364,9 @@ class RouteConfig(_Section):
     idempotency: IdempotencyConfig | None = None
     circuit_breaker: CircuitBreakerConfig | None = None
     retry: RetryConfig | None = None
+    #: One budget block, or a list of them (e.g. per tenant and per run).
+    budget: Annotated[list[BudgetConfig], BeforeValidator(_one_or_many)] | None = None
+    usage: UsageConfig = UsageConfig()
 
     @field_validator("path_prefix")
     @classmethod
@@ -300,11 +391,14 @@ class Config(_Section):
     identity: IdentityConfig = IdentityConfig()
     events: EventsConfig = EventsConfig()
     dead_letter: DeadLetterConfig = DeadLetterConfig()
+    #: USD per million tokens, by model name as the request names it.
+    pricing: dict[str, ModelPrice] = {}
     routes: list[RouteConfig] = Field(min_length=1)
 
 
 def _cross_checks(config: Config) -> Iterator[tuple[Path_, str]]:
-    """Problems no single key shows: the same route name or prefix twice."""
+    """Problems no single key shows: the same route name or prefix twice, budgets that could
+    not bind."""
     seen: dict[tuple[str, str], int] = {}
     for index, route in enumerate(config.routes):
         for key in ("name", "path_prefix"):
@@ -320,6 +414,62 @@ def _cross_checks(config: Config) -> Iterator[tuple[Path_, str]]:
                 yield ("routes", index, "retry", "backoff", "base"), "must not exceed backoff.max"
             if retry.per_try_timeout and retry.deadline and retry.per_try_timeout > retry.deadline:
                 yield ("routes", index, "retry", "per_try_timeout"), "must not exceed deadline"
+        yield from _budget_checks(config, index, route)
+
+
+def _budget_checks(config: Config, index: int, route: RouteConfig) -> Iterator[tuple[Path_, str]]:
+    """Token limits only bind where Sluice can read usage, and each must be able to admit."""
+    at: Path_ = ("routes", index)
+    llm = route.protocol in ("openai", "anthropic")
+    if route.rate is not None and route.rate.tokens is not None and not llm:
+        yield (*at, "rate", "tokens"), (
+            f"token limits need protocol openai or anthropic (Sluice reads usage from those "
+            f"only), not {route.protocol}"
+        )
+    default_cap = route.usage.default_max_tokens
+    if route.rate is not None and route.rate.tokens is not None and default_cap is not None:
+        if default_cap > route.rate.tokens.count:
+            yield (*at, "usage", "default_max_tokens"), (
+                f"{default_cap} exceeds rate.tokens {route.rate.tokens}: every request without "
+                f"max_tokens would be refused"
+            )
+    seen: dict[tuple[str, str, int | None], int] = {}
+    for b, block in enumerate(route.budget or ()):
+        where = (*at, "budget", b) if len(route.budget or ()) > 1 else (*at, "budget")
+        for unit, allowance in block.limits():
+            same = (unit, block.per, allowance.period_s)
+            if same in seen:
+                yield (*where, unit), (
+                    f"budget[{seen[same]}] already limits {unit} per {block.per} over the same "
+                    f"window; keep the smaller one"
+                )
+            seen.setdefault(same, b)
+        if not llm:
+            yield where, (
+                f"budgets need protocol openai or anthropic (Sluice reads usage from those "
+                f"only), not {route.protocol}"
+            )
+        for unit, allowance in block.limits():
+            if allowance.period_s is None and block.per != "run":
+                yield (*where, unit), (
+                    f"{allowance} needs per: run (a tenant's or route's all-time spend is not "
+                    f"kept across restarts; use a window such as N/day)"
+                )
+            if unit == "usd" and not config.pricing:
+                yield (*where, unit), "a usd budget needs the top-level pricing table"
+            if (
+                default_cap is not None
+                and unit in ("tokens", "output_tokens")
+                and default_cap > allowance.amount
+            ):
+                yield (*at, "usage", "default_max_tokens"), (
+                    f"{default_cap} exceeds the {unit} budget {allowance}: every request "
+                    f"without max_tokens would be refused"
+                )
+        if "ttl" in block.model_fields_set and not any(
+            a.period_s is None for _, a in block.limits()
+        ):
+            yield (*where, "ttl"), "ttl applies only to N/total budgets"
 
 
 # --- YAML with YAML 1.2 scalars, duplicate-key errors and line numbers ----------------------
@@ -411,6 +561,7 @@ def _problems(err: ValidationError, marks: dict[Path_, int], filename: str) -> I
         # anything that is not a config key so the path reads as the user wrote it.
         loc = item["loc"]
         path = tuple(p for p in loc if isinstance(p, int) or p in _KNOWN_KEYS)
+        path = _user_path(item["loc"], marks)
         message = item["msg"].removeprefix("Value error, ")
         if item["type"] == "extra_forbidden":
             # The unknown key is, by definition, not a known one: name it all the same.
@@ -419,6 +570,17 @@ def _problems(err: ValidationError, marks: dict[Path_, int], filename: str) -> I
         elif item["type"] == "missing":
             message = "required key is missing"
         yield f"{filename}:{_nearest_line(path, marks)}: {_dotted(path)}: {message}"
+
+
+def _user_path(loc: tuple[str | int, ...], marks: dict[Path_, int]) -> Path_:
+    """``loc`` as the user wrote it: pydantic adds union members' validator names, and a list
+    index where one block stood for a one-item list; keep config keys and what the file has
+    (such as model names under ``pricing``)."""
+    path: list[str | int] = []
+    for part in loc:
+        if (*path, part) in marks or (isinstance(part, str) and part in _KNOWN_KEYS):
+            path.append(part)
+    return tuple(path)
 
 
 def _all_keys(model: type[BaseModel]) -> set[str]:

@@ -36,6 +36,7 @@ from yarl import URL
 
 from policies.idempotency import KEY_HEADER, Capture
 from policies.reasons import Reason, Rejected
+from policies.usage import Meter
 
 HOP_BY_HOP = frozenset(
     {
@@ -101,11 +102,16 @@ async def forward(
     client_timeout: aiohttp.ClientTimeout,
     idempotency_key: str | None = None,
     capture: Capture | None = None,
+    meter: Meter | None = None,
 ) -> tuple[web.StreamResponse, str]:
     """Send the request upstream once and relay the answer (:func:`send`, then :func:`relay`).
 
     ``idempotency_key``, when given, is sent as the ``Idempotency-Key`` field value;
     ``capture``, when given, is fed the answer as it is relayed.
+
+    ``meter`` (on metered LLM calls) reads usage from the answer as it passes: it asks the
+    upstream for uncompressed bytes, adds its headers, and may drop the usage chunk Sluice
+    itself asked for (:class:`policies.usage.Meter`).
 
     Returns:
         ``(response, outcome)``; ``outcome`` is a ``sluice_requests_total`` outcome label.
@@ -118,8 +124,15 @@ async def forward(
     sent = upstream_headers(request)
     if idempotency_key is not None:
         sent[KEY_HEADER] = idempotency_key
-    upstream = await send(session, request.method, url, sent, body, client_timeout)
-    return await relay(request, upstream, capture=capture)
+    if meter is not None:
+        meter.request_headers(sent)
+    try:
+        upstream = await send(session, request.method, url, sent, body, client_timeout)
+    except Rejected as exc:
+        if meter is not None and isinstance(exc.__cause__, aiohttp.ClientConnectorError):
+            meter.sent = False  # no connection, so the upstream never saw it
+        raise
+    return await relay(request, upstream, capture=capture, meter=meter)
 
 
 async def send(
@@ -159,11 +172,13 @@ async def relay(
     upstream: aiohttp.ClientResponse,
     extra_headers: dict[str, str] | None = None,
     capture: Capture | None = None,
+    meter: Meter | None = None,
 ) -> tuple[web.StreamResponse, str]:
     """Relay an upstream answer to the caller, then release it; never retried.
 
     ``extra_headers`` are set on the answer, replacing upstream fields of the same name;
-    ``capture``, when given, is fed the answer as it is relayed.
+    ``capture``, when given, is fed the answer as it is relayed; ``meter`` reads its usage
+    (and may drop the usage chunk Sluice itself asked for) before either sees it.
 
     Returns:
         ``(response, outcome)`` as :func:`forward` does.
@@ -183,8 +198,10 @@ async def relay(
         headers = _copy_headers(upstream.headers, _RESPONSE_DROP)
         if extra_headers:
             headers.update(extra_headers)
+        if meter is not None:
+            meter.start(status, headers)
         if capture is not None:
-            capture.begin(upstream.status, upstream.reason, headers)
+            capture.begin(status, upstream.reason, headers)
         length = upstream.content_length
         streaming = length is None or length > BUFFER_LIMIT_BYTES
         if not streaming:
@@ -194,6 +211,8 @@ async def relay(
                 raise Rejected(
                     Reason.UPSTREAM_UNREACHABLE, None, "the upstream's answer was cut short"
                 ) from None
+            if meter is not None:
+                data = meter.body(data)
             if capture is not None:
                 capture.feed(data)
             response = web.Response(
@@ -223,9 +242,17 @@ async def relay(
                 return out, "upstream_timeout" if isinstance(e, TimeoutError) else "upstream_error"
             if not chunk:
                 break
+            if meter is not None:
+                chunk = meter.chunk(chunk)
+                if not chunk:
+                    continue
             if capture is not None:
                 capture.feed(chunk)
             await out.write(chunk)  # raises ConnectionResetError if the caller has gone
+        if meter is not None and (tail := meter.finish()):
+            if capture is not None:
+                capture.feed(tail)
+            await out.write(tail)
         await out.write_eof()
         return out, outcome
     finally:

@@ -2,14 +2,16 @@
 
 match route -> identify caller -> read body -> idempotency key (a replay or a wait for an
 in-flight twin happens here, so it costs no quota and no slot) -> admit (cheapest first:
-draining, circuit breaker, rate, then the concurrency slot and its queue) -> forward (with
-the breaker and retries when the route has them: ``proxy.attempts``) -> release and record.
+draining, circuit breaker, rate, token accounting: token rate and budget reservation, then the
+concurrency slot and its queue) -> forward (with the breaker and retries when the route has
+them: ``proxy.attempts``; metering usage) -> release, settle and record.
 
-Every exit after admission runs the ``finally`` that frees the slot: success, upstream error,
-upstream timeout, client disconnect (the handler is cancelled, which also closes the upstream
-request) and any proxy error. The bookkeeping in that ``finally`` never awaits, so a
-cancellation cannot interrupt it. A request holding an idempotency key settles it on every
-exit too (``claim.finish``): a refusal before the upstream frees the key for a retry.
+Every exit after admission runs the ``finally`` that frees the slot and settles the budget:
+success, upstream error, upstream timeout, client disconnect (the handler is cancelled, which
+also closes the upstream request) and any proxy error. The bookkeeping in that ``finally``
+never awaits, so a cancellation cannot interrupt it. A request refused or abandoned before
+admission gives its reservation back, and a request holding an idempotency key settles it on
+every exit too (``claim.finish``): a refusal before the upstream frees the key for a retry.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ log = logging.getLogger("sluice")
 
 #: How long a draining replica suggests callers wait (another replica can take them), seconds.
 DRAINING_RETRY_AFTER_S = 1.0
+_NOTHING_CHARGED: dict[str, object] = {}
 
 
 def _caller_deadline(request: web.Request) -> float | None:
@@ -96,11 +99,17 @@ async def handle(request: web.Request) -> web.StreamResponse:
         metrics.work_units.inc()
 
     limiter = route.concurrency
+    charge = None
     try:
         if route.breaker is not None:
             route.breaker.check()
         if route.rate is not None:
             route.rate.admit(tenant)
+        if route.accounting is not None:
+            charge = route.accounting.open(request.method, raw_path, body, tenant, run)
+            if charge is not None:
+                body = charge.body
+                await route.accounting.reserve(charge)
         if limiter is not None and not limiter.try_acquire(tenant):
             priority = PRIORITIES.get(headers.get(rt.priority_header, ""), DEFAULT_PRIORITY)
             max_wait = limiter.max_wait
@@ -120,10 +129,14 @@ async def handle(request: web.Request) -> web.StreamResponse:
                 raise
             metrics.queue_wait.observe(time.monotonic() - enqueued_at)
     except Rejected as rejected:
+        if charge is not None:
+            charge.release()
         if claim is not None:
             claim.finish("rejected")
         return _reject(rt, route, rejected, request_id, tenant, run, body, ikey)
-    except asyncio.CancelledError:
+    except BaseException:
+        if charge is not None:
+            charge.release()
         if claim is not None:
             claim.finish("client_disconnected")
         raise
@@ -137,16 +150,17 @@ async def handle(request: web.Request) -> web.StreamResponse:
     try:
         url = fwd.upstream_url(route.upstream_base, raw_path[len(route.prefix) - 1:])
         key = claim.header if claim else None
+        meter = charge.meter if charge is not None else None
         capture = claim.capture if claim else None
         if route.resilient:
             response, outcome = await attempts.forward(
                 request, rt, route, url, body, request_id, tenant, run, _caller_deadline(request),
-                key, capture,
+                key, capture, meter,
             )
         else:
             metrics.upstream_attempts.inc()
             response, outcome = await fwd.forward(
-                request, rt.session, url, body, route.timeout, key, capture)
+                request, rt.session, url, body, route.timeout, key, capture, meter)
         status = response.status
         return response
     except Rejected as rejected:
@@ -169,8 +183,9 @@ async def handle(request: web.Request) -> web.StreamResponse:
         metrics.outcomes[outcome].inc()
         if claim is not None:
             claim.finish(outcome)
+        charged = charge.settle(outcome) if charge is not None else _NOTHING_CHARGED
         events.emit("completed", request_id, route.name, tenant, run, ikey, status=status,
-                    outcome=outcome, duration_s=round(elapsed, 6))
+                    outcome=outcome, duration_s=round(elapsed, 6), **charged)
 
 
 def _reject(rt: Runtime, route: Route, rejected: Rejected, request_id: str, tenant: str,

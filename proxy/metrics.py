@@ -47,6 +47,10 @@ OUTCOMES = (
 )
 
 
+#: Distinct tenant label values; tenants seen after these share the label ``other``.
+MAX_TENANT_LABELS = 100
+OTHER_TENANT = "other"
+
 # The ``*_created`` series double every counter and histogram and nothing here reads them.
 disable_created_metrics()
 
@@ -179,6 +183,51 @@ class Metrics:
             registry=r,
         )
 
+        # Token accounting (policies/accounting.py).
+        self.tokens = Counter(
+            "sluice_tokens",
+            "Tokens charged, by direction (input, output): as the upstream reported them, "
+            "else estimated (see sluice_usage_missing_total).",
+            ["route", "tenant", "direction"],
+            registry=r,
+        )
+        self.cost = Counter(
+            "sluice_cost_usd", "USD charged, priced from the pricing table.",
+            ["route", "tenant"], registry=r,
+        )
+        self.usage_missing = Counter(
+            "sluice_usage_missing",
+            "Answers without a usage report: charged at their reservation, or estimated for a "
+            "stream that was cut.",
+            ["route"],
+            registry=r,
+        )
+        self.budget_remaining = Gauge(
+            "sluice_budget_remaining",
+            "Budget left in the current window (tokens or USD), per tenant (tenant=\"*\" for a "
+            "per-route budget).",
+            ["route", "tenant", "unit"],
+            registry=r,
+        )
+        self.budget_reserved = Gauge(
+            "sluice_budget_reserved",
+            "Budget held by requests in flight (tokens or USD), per tenant.",
+            ["route", "tenant", "unit"],
+            registry=r,
+        )
+        self._tenant_labels: set[str] = set()
+
+    def tenant_label(self, tenant: str) -> str:
+        """``tenant`` as a label value: the first ``MAX_TENANT_LABELS`` tenants seen keep their
+        name, later ones share ``other`` (label values from a header must stay bounded)."""
+        labels = self._tenant_labels
+        if tenant in labels:
+            return tenant
+        if len(labels) < MAX_TENANT_LABELS:
+            labels.add(tenant)
+            return tenant
+        return OTHER_TENANT
+
     def for_route(
         self,
         route: str,
@@ -231,22 +280,32 @@ class Metrics:
 
 
 class RouteMetrics:
-    """One route's series, bound to their labels once."""
+    """One route's series, bound to their labels once (per tenant: at first sight)."""
 
     __slots__ = (
+        "_by_tenant",
+        "_metrics",
         "dead_letters",
+        "name",
+        "outcomes",
         "outcomes",
         "queue_wait",
+        "queue_wait",
+        "rejections",
         "rejections",
         "replays",
         "retries",
         "retry_overflow",
         "upstream_attempts",
         "upstream_duration",
+        "upstream_duration",
+        "usage_missing",
         "work_units",
     )
 
     def __init__(self, metrics: Metrics, route: str) -> None:
+        self._metrics = metrics
+        self.name = route
         self.outcomes = {o: metrics.requests.labels(route, o) for o in OUTCOMES}
         self.rejections = {r: metrics.rejections.labels(route, r.code) for r in Reason}
         self.queue_wait = metrics.queue_wait.labels(route)
@@ -257,3 +316,31 @@ class RouteMetrics:
         self.retries = metrics.retries.labels(route)
         self.retry_overflow = metrics.retry_overflow.labels(route)
         self.dead_letters = metrics.dead_letters.labels(route)
+        self.usage_missing = metrics.usage_missing.labels(route)
+        self._by_tenant: dict[str, TenantSeries] = {}
+
+    def tenant(self, tenant: str) -> TenantSeries:
+        """The per-tenant series of this route (``other`` beyond the label cap)."""
+        series = self._by_tenant.get(tenant)
+        if series is None:
+            label = self._metrics.tenant_label(tenant)
+            series = self._by_tenant.get(label)
+            if series is None:
+                series = TenantSeries(self._metrics, self.name, label)
+                self._by_tenant[label] = series
+            if label == tenant or len(self._by_tenant) < 4 * MAX_TENANT_LABELS:
+                self._by_tenant[tenant] = series
+        return series
+
+
+class TenantSeries:
+    """Token and cost counters of one (route, tenant label); ``label`` is ``other`` for
+    tenants beyond the cap."""
+
+    __slots__ = ("cost", "input_tokens", "label", "output_tokens")
+
+    def __init__(self, metrics: Metrics, route: str, label: str) -> None:
+        self.label = label
+        self.input_tokens = metrics.tokens.labels(route, label, "input")
+        self.output_tokens = metrics.tokens.labels(route, label, "output")
+        self.cost = metrics.cost.labels(route, label)

@@ -7,7 +7,9 @@ Headers on every answer Sluice writes itself:
   read first.
 * ``x-should-retry``: ``true`` when the wait is at most 60 s, else ``false``. Both SDKs obey it
   before their status rules; the OpenAI SDK gives up on waits over 120 s and the Anthropic SDK
-  ignores waits over 60 s, so a longer wait must say "do not retry" outright.
+  ignores waits over 60 s, so a longer wait must say "do not retry" outright. It is also
+  ``false``, with or without a wait, when the policy says retrying cannot help
+  (``Rejected.retry``), e.g. a spent ``N/total`` budget.
 * ``X-Sluice-Reason``: the reason code.
 * For quota rejections, the IETF RateLimit fields (draft-ietf-httpapi-ratelimit-headers):
   ``RateLimit-Policy: "name";q=N;w=S`` and ``RateLimit: "name";r=0;t=S``.
@@ -54,6 +56,8 @@ def rejection_headers(rejected: Rejected) -> dict[str, str]:
             unit = ';qu="concurrent-requests"' if window == 0 else f";w={window}"
             headers["RateLimit-Policy"] = f'"{name}";q={quota}{unit}'
             headers["RateLimit"] = f'"{name}";r=0;t={seconds}'
+    if rejected.retry is False:
+        headers["x-should-retry"] = "false"
     return headers
 
 

@@ -10,18 +10,21 @@ carries over; see :mod:`proxy.reload` for the pattern a policy follows.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 from urllib.parse import unquote
 
 import aiohttp
 
+from policies.accounting import Accounting
 from policies.breaker import Breaker
+from policies.budget import Budgets, MemoryLedger
 from policies.concurrency import ConcurrencyLimiter
 from policies.idempotency import Idempotency
 from policies.rate import RateLimiter
 from policies.retry import RetryPolicy
-from proxy.config import RouteConfig
+from proxy.config import ModelPrice, RouteConfig
 from proxy.events import EventLog
 from proxy.metrics import Metrics, RouteMetrics
 
@@ -40,6 +43,7 @@ class Route:
             requests in flight then; their counts join ``inflight_total``.
         resilient: the route has a breaker or retries, so requests go through
             ``proxy.attempts`` rather than the plain one-shot forward.
+        accounting: token accounting, on ``openai`` and ``anthropic`` routes only.
     """
 
     #: Attributes holding policy objects, in admission order. A policy object may have a
@@ -47,6 +51,7 @@ class Route:
     POLICIES = ("breaker", "rate", "concurrency", "idempotency", "retry")
 
     __slots__ = (
+        "accounting",
         "breaker",
         "concurrency",
         "config",
@@ -64,7 +69,9 @@ class Route:
         "upstream_base",
     )
 
-    def __init__(self, config: RouteConfig, metrics: Metrics, events: EventLog) -> None:
+    def __init__(self, config: RouteConfig, metrics: Metrics, events: EventLog, *,
+                 pricing: dict[str, ModelPrice] | None = None,
+                 clock: Callable[[], float] = time.time, run_header: str = "X-Run-ID") -> None:
         self.config = config
         self.name = config.name
         self.prefix = config.path_prefix
@@ -101,6 +108,16 @@ class Route:
                 size=lambda: self.idempotency.store.bytes if self.idempotency else 0,
                 waiting=lambda: self.idempotency.waiting if self.idempotency else 0,
             )
+        self.accounting: Accounting | None = None
+        if config.protocol in ("openai", "anthropic"):
+            budgets = None
+            if config.budget:
+                # One ledger per route: its counters are keyed by limit names unique per route.
+                budgets = Budgets(config.budget, pricing or {}, MemoryLedger(), clock)
+            self.accounting = Accounting(
+                config, pricing or {}, self.rate.tokens if self.rate else None, budgets,
+                metrics, self.metrics, run_header,
+            )
         if self.breaker is not None:
             metrics.bind_circuit_state(
                 self.name, lambda: self.breaker.state_value() if self.breaker else 0
@@ -133,6 +150,12 @@ class Route:
         self.breaker = carry_over(old.breaker, self.breaker, prev.circuit_breaker,
                                   new.circuit_breaker)
         self.retry = carry_over(old.retry, self.retry, prev.retry, new.retry)
+        # Accounting is rebuilt from the new blocks, but spend carries over: the budget ledger
+        # (keyed by unit, scope and window, not by amount) and the route's token bucket.
+        if self.accounting is not None and old.accounting is not None:
+            if self.accounting.budgets is not None and old.accounting.budgets is not None:
+                self.accounting.budgets.ledger = old.accounting.budgets.ledger
+            self.accounting.token_bucket = self.rate.tokens if self.rate else None
         self.retired = tuple(route for route in (old, *old.retired) if route.inflight)
 
     def state(self) -> dict[str, Any]:

@@ -8,6 +8,7 @@ import os
 import aiohttp
 from aiohttp import web
 
+from policies.budget import clock_from_env
 from policies.deadletter import DeadLetterQueue
 from proxy.client import upstream_session
 from proxy.config import Config
@@ -30,6 +31,8 @@ class Runtime:
         self.routes: list[Route] = []
         #: Routes a reload deleted that still had requests in flight (counted by the drain).
         self.removed: list[Route] = []
+        #: Unix seconds now, as budgets' windows read it (``SLUICE_TEST_NOW`` moves it, for tests).
+        self.clock = clock_from_env()
         self.events = EventLog(config.events.path)
         # Created at startup from the restart-only dead_letter block; its file is opened only
         # when some route retries (see open() and DeadLetterQueue.add).
@@ -52,7 +55,11 @@ class Runtime:
             ``removed``.
         """
         old = {route.name: route for route in self.routes}
-        routes = [Route(rc, self.metrics, self.events) for rc in config.routes]
+        routes = [
+            Route(rc, self.metrics, self.events, pricing=config.pricing, clock=self.clock,
+                  run_header=config.identity.run_header)
+            for rc in config.routes
+        ]
         for route in routes:
             if route.retry is not None:
                 self.metrics.bind_dead_letter_depth(

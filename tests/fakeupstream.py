@@ -2,13 +2,22 @@
 
 It runs in the test's own event loop on 127.0.0.1 and a free port. Behaviour is set on the
 object (``delay``, ``chunk_delay``, ``statuses``, ``status``, ``fail_first``,
-``error_headers``, ``hold``) or per request with headers
-(``x-fake-delay``, ``x-fake-status``); what arrived is kept in ``requests`` and the live and
-peak concurrency in ``inflight`` / ``peak_inflight``; ``executed`` counts the requests it answered
-with success, i.e. the side effects a tool would have performed.
+``error_headers``, ``hold``, ``stream_usage``) or per request with headers (``x-fake-delay``,
+``x-fake-status``, ``x-fake-tokens``, ``x-fake-chunk-delay``, ``x-fake-usage``,
+``x-fake-cut-after``: drop the connection after N events of a stream, ``x-fake-chunked: 1``:
+send a JSON answer chunked, without Content-Length); what arrived is kept in ``requests`` and
+the live and peak concurrency in ``inflight`` / ``peak_inflight``; ``executed`` counts the
+requests it answered with success, i.e. the side effects a tool would have performed.
+
+Usage it reports: ``prompt_tokens`` input tokens and ``completion_tokens`` output tokens, or
+with ``x-fake-tokens: N``, N output tokens; a stream then has N content events of one token
+each (``tok0 ``, ``tok1 `` ...). OpenAI streams send the usage chunk only when asked
+(``stream_options.include_usage``) and ``stream_usage`` is on; ``x-fake-usage: 0`` leaves usage
+out of any answer (an upstream that does not report it).
 
 Endpoints:
     POST /v1/chat/completions   OpenAI chat completion, plain or SSE (``"stream": true``)
+    POST /v1/responses          OpenAI Responses API, plain or SSE
     POST /v1/messages           Anthropic message, plain or SSE
     GET  /gzip                  ``GZIP_BODY`` with ``Content-Encoding: gzip``; ``?stream``
                                 sends it chunked, in 16-byte writes
@@ -61,6 +70,7 @@ class FakeUpstream:
     error_headers: dict[str, str] = field(default_factory=dict)  # added to answers >= 400
     prompt_tokens: int = 11
     completion_tokens: int = 5
+    stream_usage: bool = True  # honour stream_options.include_usage
     hold: asyncio.Event | None = None  # when set, requests wait for it before answering
     stream_hold: asyncio.Event | None = None  # when set, streams wait for it after one event
     requests: list[Seen] = field(default_factory=list)
@@ -82,6 +92,7 @@ class FakeUpstream:
         app.router.add_post("/v1/chat/completions", self._openai)
         app.router.add_post("/v1/messages", self._anthropic)
         app.router.add_get("/gzip", self._gzip)
+        app.router.add_post("/v1/responses", self._responses)
         app.router.add_route("*", "/{tail:.*}", self._echo)
         # auto_decompress off: ``requests`` keeps bodies exactly as they arrived.
         self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True,
@@ -185,32 +196,61 @@ class FakeUpstream:
     async def _anthropic(self, request: web.Request) -> web.StreamResponse:
         return await self._guard(request, self._anthropic_answer)
 
+    async def _json(self, request: web.Request, answer: dict) -> web.StreamResponse:
+        if request.headers.get("x-fake-chunked") != "1":
+            return web.json_response(answer)
+        data = json.dumps(answer).encode()
+        response = web.StreamResponse(headers={"Content-Type": "application/json"})
+        await response.prepare(request)
+        await response.write(data[: len(data) // 2])
+        await asyncio.sleep(0.01)
+        await response.write(data[len(data) // 2:])
+        await response.write_eof()
+        return response
+
+    def _shape(self, request: web.Request) -> tuple[int, int, float, bool]:
+        """(content events, output tokens, seconds between events, report usage)."""
+        tokens = request.headers.get("x-fake-tokens")
+        events = int(tokens) if tokens else self.chunks
+        output = int(tokens) if tokens else self.completion_tokens
+        gap = float(request.headers.get("x-fake-chunk-delay", self.chunk_delay))
+        return events, output, gap, request.headers.get("x-fake-usage") != "0"
+
     async def _openai_answer(self, request: web.Request, body: bytes) -> web.StreamResponse:
         payload = json.loads(body or b"{}")
         model = payload.get("model", "gpt-test")
+        events, output, gap, report = self._shape(request)
         usage = {
             "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "completion_tokens": output,
+            "total_tokens": self.prompt_tokens + output,
         }
         if not payload.get("stream"):
-            return web.json_response({
+            answer = {
                 "id": "chatcmpl-fake", "object": "chat.completion", "created": 1, "model": model,
                 "choices": [{"index": 0, "finish_reason": "stop",
                              "message": {"role": "assistant", "content": "hello from fake"}}],
-                "usage": usage,
-            })
+            }
+            if report:
+                answer["usage"] = usage
+            return await self._json(request, answer)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
-        for i in range(self.chunks):
+        cut_after = int(request.headers.get("x-fake-cut-after", -1))
+        for i in range(events):
+            if i == cut_after:
+                assert request.transport is not None
+                request.transport.close()  # the upstream dies mid-answer
+                return response
             chunk = {"id": "chatcmpl-fake", "object": "chat.completion.chunk", "created": 1,
                      "model": model,
                      "choices": [{"index": 0, "delta": {"content": f"tok{i} "},
                                   "finish_reason": None}]}
             await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
             await self._stream_pause(i)
-            await asyncio.sleep(self.chunk_delay)
-        if (payload.get("stream_options") or {}).get("include_usage"):
+            await asyncio.sleep(gap)
+        asked = (payload.get("stream_options") or {}).get("include_usage")
+        if asked and self.stream_usage and report:
             tail = {"id": "chatcmpl-fake", "object": "chat.completion.chunk", "created": 1,
                     "model": model, "choices": [], "usage": usage}
             await response.write(f"data: {json.dumps(tail)}\n\n".encode())
@@ -218,40 +258,85 @@ class FakeUpstream:
         await response.write_eof()
         return response
 
+    async def _responses(self, request: web.Request) -> web.StreamResponse:
+        return await self._guard(request, self._responses_answer)
+
+    async def _responses_answer(self, request: web.Request, body: bytes) -> web.StreamResponse:
+        payload = json.loads(body or b"{}")
+        events, output, gap, report = self._shape(request)
+        text = "".join(f"tok{i} " for i in range(events))
+        result = {
+            "id": "resp_fake", "object": "response", "created_at": 1, "status": "completed",
+            "model": payload.get("model", "gpt-test"),
+            "output": [{"type": "message", "id": "msg_fake", "status": "completed",
+                        "role": "assistant",
+                        "content": [{"type": "output_text", "text": text, "annotations": []}]}],
+            "usage": {"input_tokens": self.prompt_tokens, "output_tokens": output,
+                      "total_tokens": self.prompt_tokens + output,
+                      "input_tokens_details": {"cached_tokens": 0},
+                      "output_tokens_details": {"reasoning_tokens": 0}} if report else None,
+        }
+        if not payload.get("stream"):
+            return await self._json(request, result)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        sequence = 0
+
+        async def event(name: str, data: dict) -> None:
+            nonlocal sequence
+            data = {"type": name, "sequence_number": sequence, **data}
+            sequence += 1
+            await response.write(f"event: {name}\ndata: {json.dumps(data)}\n\n".encode())
+
+        await event("response.created",
+                    {"response": dict(result, status="in_progress", output=[], usage=None)})
+        for i in range(events):
+            await event("response.output_text.delta", {"item_id": "msg_fake",
+                                                       "output_index": 0, "content_index": 0,
+                                                       "delta": f"tok{i} "})
+            await asyncio.sleep(gap)
+        await event("response.completed", {"response": result})
+        await response.write_eof()
+        return response
+
     async def _anthropic_answer(self, request: web.Request, body: bytes) -> web.StreamResponse:
         payload = json.loads(body or b"{}")
         model = payload.get("model", "claude-test")
+        events, output, gap, report = self._shape(request)
         message = {
             "id": "msg_fake", "type": "message", "role": "assistant", "model": model,
             "content": [{"type": "text", "text": "hello from fake"}],
             "stop_reason": "end_turn", "stop_sequence": None,
-            "usage": {"input_tokens": self.prompt_tokens,
-                      "output_tokens": self.completion_tokens},
+            "usage": {"input_tokens": self.prompt_tokens, "output_tokens": output},
         }
+        if not report:
+            del message["usage"]
         if not payload.get("stream"):
-            return web.json_response(message)
+            return await self._json(request, message)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
 
         async def event(name: str, data: dict) -> None:
             await response.write(f"event: {name}\ndata: {json.dumps(data)}\n\n".encode())
 
-        start = dict(message, content=[], stop_reason=None,
-                     usage={"input_tokens": self.prompt_tokens, "output_tokens": 1})
+        start = dict(message, content=[], stop_reason=None)
+        if report:
+            start["usage"] = {"input_tokens": self.prompt_tokens, "output_tokens": 1}
         await event("message_start", {"type": "message_start", "message": start})
         await event("content_block_start", {"type": "content_block_start", "index": 0,
                                             "content_block": {"type": "text", "text": ""}})
-        for i in range(self.chunks):
+        for i in range(events):
             await event("content_block_delta", {"type": "content_block_delta", "index": 0,
                                                 "delta": {"type": "text_delta",
                                                           "text": f"tok{i} "}})
             await self._stream_pause(i)
-            await asyncio.sleep(self.chunk_delay)
+            await asyncio.sleep(gap)
         await event("content_block_stop", {"type": "content_block_stop", "index": 0})
-        await event("message_delta", {"type": "message_delta",
-                                      "delta": {"stop_reason": "end_turn",
-                                                "stop_sequence": None},
-                                      "usage": {"output_tokens": self.completion_tokens}})
+        delta = {"type": "message_delta",
+                 "delta": {"stop_reason": "end_turn", "stop_sequence": None}}
+        if report:
+            delta["usage"] = {"output_tokens": output}
+        await event("message_delta", delta)
         await event("message_stop", {"type": "message_stop"})
         await response.write_eof()
         return response

@@ -1,0 +1,578 @@
+"""Token usage per protocol: what a request may cost, and what its answer says it cost.
+
+Metered endpoints (POST only; every other path of the route passes through unmetered):
+
+==========================  ==================  ===============================================
+endpoint (path ends with)   output cap field    usage in the answer
+==========================  ==================  ===============================================
+OpenAI ``/chat/completions``  ``max_completion_tokens``, ``max_tokens``  ``usage``; streams: a last
+                                                chunk with ``choices: []`` and ``usage``, sent
+                                                only if ``stream_options.include_usage``
+OpenAI ``/completions``      ``max_tokens``      the same
+OpenAI ``/responses``        ``max_output_tokens``  ``usage``; streams: ``response.completed``
+OpenAI ``/embeddings``       (none: 0 output)    ``usage``
+Anthropic ``/messages``      ``max_tokens``      ``usage``; streams: ``message_start`` (input),
+                                                then ``message_delta`` (final output)
+==========================  ==================  ===============================================
+
+Request side (:func:`read_request`): the body is parsed once for the model, the output cap,
+``stream`` and ``stream_options``. Input tokens are *estimated* at one token per
+:data:`BYTES_PER_TOKEN` bytes of the JSON body, a little more than English prose (about 4 bytes
+a token, OpenAI's rule of thumb) or code (about 3.5) use, with each base64 attachment (image,
+audio, file) counted as :data:`ATTACHMENT_TOKENS` instead of its size. It is an estimate: CJK
+text, PDFs and long audio can cost more than it says, and the settle uses the upstream's count.
+
+Response side (:class:`Meter`): the answer passes through byte for byte while usage is read
+from it: a JSON body once complete (a chunked one is copied aside as it passes, up to
+:data:`JSON_LIMIT_BYTES`), an SSE stream event by event as chunks arrive (events may split
+across chunks). Only when Sluice itself asked an OpenAI stream for its usage chunk does
+the stream change: that chunk is removed, so the client sees what it asked for. Then an
+incomplete trailing event is held back until its end arrives (it might be the usage chunk;
+an SSE client cannot act on part of an event anyway); a complete event is never held.
+Otherwise every chunk is passed on as it came, and read after.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import orjson
+from multidict import CIMultiDict
+
+#: Bytes of request or streamed text counted as one token by the estimates.
+BYTES_PER_TOKEN = 3
+#: Tokens assumed per base64 attachment: Anthropic bills about w*h/750 per image, about 1,600
+#: at the largest size it takes unscaled; OpenAI about 765 for a 1024x1024 high-detail image.
+ATTACHMENT_TOKENS = 1600
+#: A JSON answer sent in chunks is held (a copy; the chunks go on at once) up to this size to
+#: read its usage at the end, and an SSE event may grow to this size before Sluice stops
+#: reading the stream (its usage then counts as missing), bytes.
+JSON_LIMIT_BYTES = 4 * 1024 * 1024
+#: Content events of a stream parsed to measure their text; later ones count as their mean.
+SAMPLE_EVENTS = 16
+#: A base64 string under a ``data`` key longer than this is an attachment, bytes.
+_ATTACHMENT_MIN_BYTES = 256
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """A metered API call.
+
+    Attributes:
+        name: for messages and events.
+        cap_fields: request fields that cap output tokens, the first present one wins.
+        write_field: where a configured default cap is written, ``None`` if output is 0.
+        usage_option: streams carry usage only when ``stream_options.include_usage`` is set.
+        choices: ``n`` asks for that many answers, each up to the cap.
+    """
+
+    name: str
+    cap_fields: tuple[str, ...]
+    write_field: str | None
+    usage_option: bool
+    choices: bool
+
+
+CHAT = Endpoint("chat.completions", ("max_completion_tokens", "max_tokens"),
+                "max_completion_tokens", usage_option=True, choices=True)
+COMPLETIONS = Endpoint("completions", ("max_tokens",), "max_tokens", usage_option=True,
+                       choices=True)
+RESPONSES = Endpoint("responses", ("max_output_tokens",), "max_output_tokens",
+                     usage_option=False, choices=False)
+EMBEDDINGS = Endpoint("embeddings", (), None, usage_option=False, choices=False)
+MESSAGES = Endpoint("messages", ("max_tokens",), "max_tokens", usage_option=False,
+                    choices=False)
+
+
+def endpoint_for(protocol: str, method: str, raw_path: str) -> Endpoint | None:
+    """The metered endpoint a request calls, or ``None`` if it is not metered."""
+    if method != "POST":
+        return None
+    path = raw_path.partition("?")[0].rstrip("/")
+    if protocol == "anthropic":
+        return MESSAGES if path.endswith("/messages") else None
+    if path.endswith("/chat/completions"):
+        return CHAT
+    if path.endswith("/completions"):
+        return COMPLETIONS
+    if path.endswith("/responses"):
+        return RESPONSES
+    if path.endswith("/embeddings"):
+        return EMBEDDINGS
+    return None
+
+
+@dataclass(slots=True)
+class Usage:
+    """Tokens of one call. ``cache_read_tokens`` and ``cache_write_tokens`` are part of
+    ``input_tokens`` (OpenAI counts cached tokens in ``prompt_tokens``; Anthropic reports them
+    beside ``input_tokens``, and they are added in here)."""
+
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cache_read_tokens: int = 0
+    cache_write_tokens: int = 0
+
+
+@dataclass(slots=True)
+class RequestCost:
+    """What one metered request may cost, read from its body.
+
+    Attributes:
+        model: the ``model`` field, ``None`` if absent.
+        stream: the client asked for SSE.
+        input_tokens: estimated input tokens (see the module docstring).
+        output_cap: the most output tokens it may produce: its own cap, else the configured
+            default, else ``None`` (unknown); times ``n`` when it asks for several choices.
+        strip_usage: Sluice added ``stream_options.include_usage``, so the usage chunk must be
+            removed from the client's stream.
+        body: the body to forward (with the cap or the usage option added, if they were).
+    """
+
+    endpoint: Endpoint
+    model: str | None
+    stream: bool
+    input_tokens: int
+    output_cap: int | None
+    strip_usage: bool
+    body: bytes
+
+
+def read_request(endpoint: Endpoint, body: bytes, default_cap: int | None, write_cap: bool,
+                 stream_usage: bool) -> RequestCost:
+    """Parse a metered request once; optionally write the default cap and the usage option.
+
+    Args:
+        default_cap: output tokens to assume when the request sets no cap.
+        write_cap: write ``default_cap`` into a request without a cap.
+        stream_usage: add ``stream_options.include_usage`` to OpenAI streams.
+
+    Raises:
+        ValueError: the body is not a JSON object.
+    """
+    try:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise ValueError(f"the body is not JSON ({exc})") from None
+    if not isinstance(obj, dict):
+        raise ValueError("the body is not a JSON object")
+    model = obj.get("model")
+    stream = obj.get("stream") is True
+    added: dict[str, object] = {}
+    cap: int | None = 0 if endpoint.write_field is None else None
+    for field in endpoint.cap_fields:
+        value = obj.get(field)
+        if type(value) is int and value >= 0:
+            cap = value
+            break
+    if cap is None and default_cap is not None:
+        cap = default_cap
+        if write_cap and endpoint.write_field is not None:
+            added[endpoint.write_field] = default_cap
+    choices = obj.get("n")
+    if cap and endpoint.choices and type(choices) is int and choices > 1:
+        cap *= choices  # the cap applies to each of the n choices
+    strip = False
+    if stream and endpoint.usage_option and stream_usage:
+        options = obj.get("stream_options")
+        if not (isinstance(options, dict) and options.get("include_usage") is True):
+            added["stream_options"] = {**(options if isinstance(options, dict) else {}),
+                                       "include_usage": True}
+            strip = True
+    return RequestCost(
+        endpoint=endpoint,
+        model=model if isinstance(model, str) else None,
+        stream=stream,
+        input_tokens=estimate_input_tokens(body, obj),
+        output_cap=cap,
+        strip_usage=strip,
+        body=_with_fields(body, obj, added) if added else body,
+    )
+
+
+def _with_fields(body: bytes, obj: dict, added: dict[str, object]) -> bytes:
+    """``body`` with top-level ``added`` fields. They are spliced in before the closing brace,
+    keeping the client's bytes (and sparing a re-serialisation of a long prompt); the body is
+    rewritten whole only when one of them is already there (a duplicate key is ambiguous)."""
+    if not obj or any(key in obj for key in added):
+        return orjson.dumps({**obj, **added})
+    end = body.rstrip().rfind(b"}")
+    return body[:end] + b"," + orjson.dumps(added)[1:-1] + body[end:]
+
+
+def estimate_input_tokens(body: bytes, obj: object) -> int:
+    """Input tokens of a request body, estimated (see the module docstring); at least 1.
+
+    A body without base64 payloads costs O(1); one with them is walked once to set them apart.
+    """
+    size = len(body)
+    attachments = 0
+    if b"base64" in body or b'"input_audio"' in body:
+        stack = [obj]
+        while stack:
+            node = stack.pop()
+            if isinstance(node, dict):
+                for key, value in node.items():
+                    if isinstance(value, str):
+                        if _is_attachment(key, value):
+                            attachments += 1
+                            size -= len(value)
+                    elif isinstance(value, dict | list):
+                        stack.append(value)
+            elif isinstance(node, list):
+                for value in node:
+                    if isinstance(value, str):
+                        if _is_attachment("", value):
+                            attachments += 1
+                            size -= len(value)
+                    elif isinstance(value, dict | list):
+                        stack.append(value)
+    return max(1, -(-size // BYTES_PER_TOKEN)) + attachments * ATTACHMENT_TOKENS
+
+
+def _is_attachment(key: str, value: str) -> bool:
+    if value.startswith("data:") and ";base64," in value[:128]:
+        return True
+    return key in ("data", "file_data") and len(value) > _ATTACHMENT_MIN_BYTES
+
+
+def _text_bytes(node: object) -> int:
+    """UTF-8 bytes of the generated text in a delta: its strings, minus bookkeeping fields."""
+    if isinstance(node, str):
+        return len(node) if node.isascii() else len(node.encode())
+    total = 0
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key not in _NOT_TEXT:
+                total += _text_bytes(value)
+    elif isinstance(node, list):
+        for value in node:
+            total += _text_bytes(value)
+    return total
+
+
+_NOT_TEXT = frozenset({"role", "type", "id", "index", "signature"})
+
+
+def _count(value: object) -> int:
+    return value if type(value) is int and value > 0 else 0
+
+
+def cost_usd(usage: Usage, price_input: float, price_output: float, price_cache_read: float,
+             price_cache_write: float) -> float:
+    """USD of ``usage`` at prices in USD per million tokens."""
+    plain = usage.input_tokens - usage.cache_read_tokens - usage.cache_write_tokens
+    return (
+        max(plain, 0) * price_input
+        + usage.cache_read_tokens * price_cache_read
+        + usage.cache_write_tokens * price_cache_write
+        + usage.output_tokens * price_output
+    ) / 1_000_000
+
+
+_NONE, _JSON, _SSE = 0, 1, 2
+_FINAL_RESPONSE_EVENTS = frozenset({"response.completed", "response.incomplete",
+                                    "response.failed"})
+
+
+class Meter:
+    """Reads the usage of one answer as it passes (see the module docstring).
+
+    :mod:`proxy.forward` calls ``request_headers`` before sending, ``start`` with the status
+    and headers, then either ``body`` once (a buffered answer) or ``chunk`` per chunk and
+    ``finish`` at a clean end; each returns the bytes to send on.
+
+    Attributes:
+        sent: ``False`` once the request is known never to have reached the upstream.
+        status: the upstream's status, 0 until headers arrive.
+        complete: the whole answer went through (a clean end, not a cut).
+        usage: as the upstream reported it so far.
+        final: ``usage`` is the upstream's final count.
+        streamed_tokens: estimated output tokens in the content events passed on, for a
+            stream that ends without usage: one per :data:`BYTES_PER_TOKEN` bytes of text, at
+            least one per event; after the first :data:`SAMPLE_EVENTS`, each event counts as
+            their mean.
+        headers: added to the answer's headers (the budget's, set at admission).
+    """
+
+    __slots__ = (
+        "_anthropic",
+        "_cr",
+        "_json",
+        "_json_bytes",
+        "_kind",
+        "_mode",
+        "_pending",
+        "_per_event",
+        "_sample_tokens",
+        "_sampled",
+        "_strip",
+        "complete",
+        "final",
+        "headers",
+        "sent",
+        "status",
+        "streamed_tokens",
+        "usage",
+    )
+
+    def __init__(self, endpoint: Endpoint, anthropic: bool, strip_usage: bool) -> None:
+        self._kind = endpoint
+        self._anthropic = anthropic
+        self._strip = strip_usage
+        self._mode = _NONE
+        self._pending = b""
+        self._json: list[bytes] = []
+        self._json_bytes = 0
+        self._cr: bool | None = None
+        self.sent = True
+        self.status = 0
+        self.complete = False
+        self.usage = Usage()
+        self.final = False
+        self.streamed_tokens = 0
+        self._sampled = 0
+        self._sample_tokens = 0
+        self._per_event = 1
+        self.headers: dict[str, str] | None = None
+
+    # -- the forwarder's calls ----------------------------------------------------------------
+
+    def request_headers(self, headers: CIMultiDict[str]) -> None:
+        """Ask for an uncompressed answer, so its bytes can be read as they pass."""
+        headers["Accept-Encoding"] = "identity"
+
+    def start(self, status: int, headers: CIMultiDict[str]) -> None:
+        """Note the status; add the budget headers; choose how to read the body."""
+        self.status = status
+        if self.headers:
+            headers.update(self.headers)
+        encoding = headers.get("Content-Encoding")
+        content_type = headers.get("Content-Type", "")
+        if encoding and encoding.lower() != "identity":
+            self._strip = False  # compressed anyway: unreadable, so passed on untouched
+        elif content_type.startswith("text/event-stream"):
+            self._mode = _SSE
+            if self._strip:
+                headers.popall("Content-Length", None)  # the body may get shorter
+        elif "json" in content_type:
+            self._mode = _JSON
+            self._strip = False
+        else:
+            self._strip = False
+
+    def body(self, data: bytes) -> bytes:
+        """A whole buffered answer; returns it (without the usage chunk, if stripping)."""
+        if self._mode == _SSE:
+            return self.chunk(data) + self.finish()
+        if self._mode == _JSON:
+            self._read_json(data)
+        self.complete = True
+        return data
+
+    def chunk(self, data: bytes) -> bytes:
+        """One streamed chunk; returns what to write now (maybe less, never later data)."""
+        if self._mode != _SSE:
+            if self._mode == _JSON:  # a JSON answer sent in chunks: read it whole at the end
+                if self._json_bytes + len(data) <= JSON_LIMIT_BYTES:
+                    self._json.append(data)
+                    self._json_bytes += len(data)
+                else:  # too big to hold: its usage goes unread (charged as missing)
+                    self._mode = _NONE
+                    self._json = []
+            return data
+        if self._cr is None and b"\n" in data:  # a stream keeps its line ending: look once
+            self._cr = b"\r" in self._pending or b"\r" in data
+        if not self._pending and not self._cr and data.endswith(b"\n\n"):
+            size = len(data)
+            if data.find(b"\n\n") == size - 2:
+                # The common case, one whole event per chunk: no splitting, no copies.
+                if self._event(data, 0, size - 2) and self._strip:
+                    return b""
+                return data
+        buf = self._pending + data if self._pending else data
+        if self._strip:
+            out, end = self._filter(buf)
+            self._pending = buf[end:]
+        else:
+            out, end = data, self._scan(buf)
+            self._pending = buf[end:] if end < len(buf) else b""
+        if len(self._pending) > JSON_LIMIT_BYTES:  # no event is this big: stop reading
+            if self._strip:
+                out += self._pending
+            self._mode, self._strip, self._pending = _NONE, False, b""
+        return out
+
+    def finish(self) -> bytes:
+        """The stream ended cleanly; returns any bytes still held back."""
+        self.complete = True
+        if self._mode == _JSON:
+            self._read_json(b"".join(self._json))
+            self._json = []
+            return b""
+        tail, self._pending = self._pending, b""
+        if not tail or self._mode != _SSE:
+            return b""
+        dropped = self._event(tail, 0, len(tail))
+        return tail if self._strip and not dropped else b""
+
+    def _read_json(self, data: bytes) -> None:
+        try:
+            obj = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            return
+        if isinstance(obj, dict) and isinstance(usage := obj.get("usage"), dict):
+            self._take(usage)
+            self.final = True
+
+    # -- SSE ----------------------------------------------------------------------------------
+
+    def _boundary(self, buf: bytes, pos: int) -> tuple[int, int]:
+        """``(end of event, start of the next)`` after ``pos``; ``(-1, -1)`` if incomplete."""
+        end = buf.find(b"\n\n", pos)
+        if self._cr:
+            crlf = buf.find(b"\n\r\n", pos)
+            if crlf >= 0 and (end < 0 or crlf < end):
+                return crlf, crlf + 3
+        return (end, end + 2) if end >= 0 else (-1, -1)
+
+    def _scan(self, buf: bytes) -> int:
+        """Read every complete event in ``buf``; returns where the incomplete tail starts."""
+        pos = 0
+        while True:
+            end, after = self._boundary(buf, pos)
+            if end < 0:
+                return pos
+            self._event(buf, pos, end)
+            pos = after
+
+    def _filter(self, buf: bytes) -> tuple[bytes, int]:
+        """Like ``_scan``, also returning the complete events minus the usage chunk."""
+        pos = kept_from = 0
+        parts: list[bytes] = []
+        while True:
+            end, after = self._boundary(buf, pos)
+            if end < 0:
+                break
+            if self._event(buf, pos, end):
+                parts.append(buf[kept_from:pos])
+                kept_from = after
+            pos = after
+        if not parts:
+            return (buf[:pos] if pos < len(buf) else buf), pos
+        parts.append(buf[kept_from:pos])
+        return b"".join(parts), pos
+
+    def _event(self, buf: bytes, start: int, end: int) -> bool:
+        """Read the event ``buf[start:end]``; returns True if it is the usage chunk to strip.
+
+        Only events carrying a usage object are parsed in full, found by the bytes
+        ``"usage"`` followed by ``{`` (an escaped quote inside text cannot match). Content
+        events are counted: the first :data:`SAMPLE_EVENTS` are parsed to measure their text,
+        later ones count as the sample's mean, so a long stream costs a few byte searches per
+        event and no copies.
+        """
+        if buf.startswith(b"data:", start):
+            first = start + 5
+        else:
+            line = buf.find(b"\ndata:", start, end)
+            if line < 0:
+                return False  # a comment, or an event without data
+            first = line + 6
+        if buf.find(b"\n", first, end) >= 0:  # several data lines: join them (WHATWG SSE)
+            lines = [x[5:] for x in buf[start:end].split(b"\n") if x.startswith(b"data:")]
+            payload = b"\n".join(lines)
+            buf, first, end = payload, 0, len(payload)
+        if buf.find(b"{", first, first + 4) < 0:
+            return False  # [DONE], or not JSON
+        at = buf.find(b'"usage"', first, end)
+        if at >= 0 and buf.find(b"{", at + 7, at + 11) >= 0:
+            return self._parse(buf[first:end], True)
+        if self._kind is MESSAGES:
+            if buf.find(b"content_block_delta", start, start + 64) < 0:
+                return False
+        elif self._kind is RESPONSES and buf.find(b".delta", start, start + 64) < 0:
+            return False
+        if self._sampled < SAMPLE_EVENTS:
+            self._parse(buf[first:end], False)
+        else:
+            self.streamed_tokens += self._per_event
+        return False
+
+    def _parse(self, payload: bytes, has_usage: bool) -> bool:
+        """Parse one event: take its usage, measure its text; True if it is to be stripped."""
+        try:
+            obj = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            return False
+        if not isinstance(obj, dict):
+            return False
+        text = 0
+        strip = False
+        if self._anthropic:
+            kind = obj.get("type")
+            if kind == "content_block_delta":
+                text = _text_bytes(obj.get("delta"))
+            elif kind == "message_start":
+                message = obj.get("message")
+                if isinstance(message, dict) and isinstance(u := message.get("usage"), dict):
+                    self._take(u)
+            elif kind == "message_delta" and isinstance(u := obj.get("usage"), dict):
+                self._take(u)
+                self.final = True
+        elif self._kind is RESPONSES:
+            kind = obj.get("type")
+            if isinstance(kind, str):
+                if kind.endswith(".delta"):
+                    text = _text_bytes(obj.get("delta"))
+                elif kind in _FINAL_RESPONSE_EVENTS:
+                    response = obj.get("response")
+                    if isinstance(response, dict) and isinstance(
+                        u := response.get("usage"), dict
+                    ):
+                        self._take(u)
+                        self.final = True
+        else:
+            choices = obj.get("choices")
+            if has_usage and isinstance(u := obj.get("usage"), dict):
+                self._take(u)
+                self.final = True
+                strip = self._strip and choices == []
+            if choices:
+                field = "delta" if self._kind is CHAT else "text"
+                for choice in choices:
+                    if isinstance(choice, dict):
+                        text += _text_bytes(choice.get(field))
+        if text:
+            tokens = max(1, -(-text // BYTES_PER_TOKEN))
+            self.streamed_tokens += tokens
+            if self._sampled < SAMPLE_EVENTS:
+                self._sampled += 1
+                self._sample_tokens += tokens
+                self._per_event = max(1, -(-self._sample_tokens // self._sampled))
+        return strip
+
+    def _take(self, raw: dict) -> None:
+        """Merge one usage object (counts only grow: Anthropic's are cumulative)."""
+        if self._anthropic:
+            read = _count(raw.get("cache_read_input_tokens"))
+            write = _count(raw.get("cache_creation_input_tokens"))
+            total_in = _count(raw.get("input_tokens")) + read + write
+            out = _count(raw.get("output_tokens"))
+        elif "prompt_tokens" in raw:
+            total_in = _count(raw.get("prompt_tokens"))
+            out = _count(raw.get("completion_tokens"))
+            details = raw.get("prompt_tokens_details")
+            read = _count(details.get("cached_tokens")) if isinstance(details, dict) else 0
+            write = 0
+        else:
+            total_in = _count(raw.get("input_tokens"))
+            out = _count(raw.get("output_tokens"))
+            details = raw.get("input_tokens_details")
+            read = _count(details.get("cached_tokens")) if isinstance(details, dict) else 0
+            write = 0
+        u = self.usage
+        u.input_tokens = max(u.input_tokens, total_in)
+        u.output_tokens = max(u.output_tokens, out)
+        u.cache_read_tokens = max(u.cache_read_tokens, read)
+        u.cache_write_tokens = max(u.cache_write_tokens, write)

@@ -1,0 +1,268 @@
+"""Usage parsing per protocol (policies/usage.py): request side, plain bodies, and SSE streams
+fed in every possible split, since chunk boundaries are not event boundaries."""
+
+from __future__ import annotations
+
+import json
+
+import orjson
+import pytest
+from multidict import CIMultiDict
+
+from policies.usage import (
+    ATTACHMENT_TOKENS,
+    CHAT,
+    JSON_LIMIT_BYTES,
+    MESSAGES,
+    RESPONSES,
+    SAMPLE_EVENTS,
+    Meter,
+    endpoint_for,
+    read_request,
+)
+
+
+def sse(*payloads: dict | str, event_names: list[str] | None = None, crlf: bool = False
+        ) -> bytes:
+    out = b""
+    for i, payload in enumerate(payloads):
+        data = payload if isinstance(payload, str) else json.dumps(payload)
+        head = f"event: {event_names[i]}\n" if event_names else ""
+        out += f"{head}data: {data}\n\n".encode()
+    return out.replace(b"\n", b"\r\n") if crlf else out
+
+
+def chat_chunk(text: str) -> dict:
+    return {"id": "c", "object": "chat.completion.chunk", "model": "m",
+            "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}],
+            "usage": None}
+
+
+USAGE_CHUNK = {"id": "c", "object": "chat.completion.chunk", "model": "m", "choices": [],
+               "usage": {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10,
+                         "prompt_tokens_details": {"cached_tokens": 2}}}
+OPENAI_STREAM = sse(chat_chunk("Hello"), chat_chunk(" wor"), chat_chunk("ld"), USAGE_CHUNK,
+                    "[DONE]")
+
+
+def started(meter: Meter, content_type: str = "text/event-stream") -> CIMultiDict[str]:
+    headers: CIMultiDict[str] = CIMultiDict({"Content-Type": content_type,
+                                              "Content-Length": "999"})
+    meter.start(200, headers)
+    return headers
+
+
+def feed_in_pieces(meter: Meter, data: bytes, cuts: list[int]) -> bytes:
+    out = b""
+    last = 0
+    for cut in [*cuts, len(data)]:
+        out += meter.chunk(data[last:cut])
+        last = cut
+    return out + meter.finish()
+
+
+def splits(data: bytes):
+    """Every split in two, and every split into single bytes."""
+    for i in range(1, len(data)):
+        yield [i]
+    yield list(range(1, len(data)))
+
+
+def test_endpoints_by_protocol_and_path():
+    assert endpoint_for("openai", "POST", "/v1/chat/completions?x=1") is CHAT
+    assert endpoint_for("openai", "POST", "/v1/responses") is RESPONSES
+    assert endpoint_for("openai", "GET", "/v1/responses") is None
+    assert endpoint_for("openai", "POST", "/v1/files") is None
+    assert endpoint_for("anthropic", "POST", "/v1/messages") is MESSAGES
+    assert endpoint_for("anthropic", "POST", "/v1/messages/count_tokens") is None
+
+
+def test_request_reads_cap_and_adds_usage_option_and_default_cap():
+    body = orjson.dumps({"model": "gpt-x", "stream": True,
+                         "messages": [{"role": "user", "content": "hi"}]})
+    cost = read_request(CHAT, body, default_cap=300, write_cap=True, stream_usage=True)
+    sent = orjson.loads(cost.body)
+    assert (cost.model, cost.stream, cost.output_cap, cost.strip_usage) == ("gpt-x", True, 300,
+                                                                           True)
+    assert sent["stream_options"] == {"include_usage": True}
+    assert sent["max_completion_tokens"] == 300
+    assert cost.input_tokens == -(-len(body) // 3)
+
+    asked = orjson.dumps({"model": "m", "stream": True, "max_tokens": 50,
+                          "stream_options": {"include_usage": True}})
+    cost = read_request(CHAT, asked, default_cap=300, write_cap=True, stream_usage=True)
+    assert cost.body == asked  # nothing to add: forwarded byte for byte
+    assert (cost.output_cap, cost.strip_usage) == (50, False)
+
+    spliced = read_request(CHAT, b'{"model": "m", "stream": true}\n', 7, True, True)
+    assert spliced.body == (b'{"model": "m", "stream": true,"max_completion_tokens":7,'
+                            b'"stream_options":{"include_usage":true}}\n')
+    rewritten = read_request(CHAT, b'{"stream": true, "stream_options": {"x": 1}}', 7, True,
+                             True)
+    assert orjson.loads(rewritten.body)["stream_options"] == {"x": 1, "include_usage": True}
+
+    several = read_request(CHAT, b'{"model": "m", "n": 3, "max_tokens": 10}', None, True,
+                           True)
+    assert several.output_cap == 30  # each of the 3 choices may use the whole cap
+
+    none = read_request(MESSAGES, b'{"model": "c", "messages": []}', None, True, True)
+    assert none.output_cap is None
+    with pytest.raises(ValueError):
+        read_request(CHAT, b"not json", None, True, True)
+
+
+def test_attachments_count_flat_not_by_size():
+    image = "data:image/png;base64," + "A" * 400_000
+    body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is this?"},
+        {"type": "image_url", "image_url": {"url": image}}]}]})
+    cost = read_request(CHAT, body, 100, False, True)
+    assert ATTACHMENT_TOKENS < cost.input_tokens < ATTACHMENT_TOKENS + 100
+
+
+@pytest.mark.parametrize("crlf", [False, True])
+def test_openai_stream_any_split_reads_usage_and_passes_bytes(crlf):
+    stream = OPENAI_STREAM.replace(b"\n", b"\r\n") if crlf else OPENAI_STREAM
+    for cuts in splits(stream):
+        meter = Meter(CHAT, anthropic=False, strip_usage=False)
+        started(meter)
+        assert feed_in_pieces(meter, stream, cuts) == stream
+        assert meter.final and meter.complete
+        assert (meter.usage.input_tokens, meter.usage.output_tokens,
+                meter.usage.cache_read_tokens) == (7, 3, 2)
+
+
+@pytest.mark.parametrize("crlf", [False, True])
+def test_strip_removes_only_the_usage_chunk_at_any_split(crlf):
+    stream = sse(chat_chunk("Hello"), chat_chunk(" wor"), USAGE_CHUNK, "[DONE]", crlf=crlf)
+    expected = sse(chat_chunk("Hello"), chat_chunk(" wor"), "[DONE]", crlf=crlf)
+    for cuts in splits(stream):
+        meter = Meter(CHAT, anthropic=False, strip_usage=True)
+        headers = started(meter)
+        assert "Content-Length" not in headers
+        assert feed_in_pieces(meter, stream, cuts) == expected
+        assert meter.final and meter.usage.output_tokens == 3
+
+
+def test_strip_holds_back_only_an_incomplete_event():
+    meter = Meter(CHAT, anthropic=False, strip_usage=True)
+    started(meter)
+    first = sse(chat_chunk("Hi"))
+    assert meter.chunk(first + b'data: {"id": "c", "cho') == first
+    assert meter.chunk(b'ices": []}\n\n') == b'data: {"id": "c", "choices": []}\n\n'
+
+
+def test_an_endless_event_stops_the_reading_not_the_stream():
+    meter = Meter(CHAT, anthropic=False, strip_usage=True)
+    started(meter)
+    big = b'data: {"choices": [{"delta": {"content": "' + b"x" * (JSON_LIMIT_BYTES + 1)
+    assert meter.chunk(big) == big
+    assert meter.chunk(b'"}}]}\n\n') == b'"}}]}\n\n'
+    assert meter.chunk(sse(USAGE_CHUNK)) == sse(USAGE_CHUNK)
+    assert not meter.final
+
+
+def test_unchanged_chunks_are_the_same_objects():
+    meter = Meter(CHAT, anthropic=False, strip_usage=False)
+    started(meter)
+    chunk = sse(chat_chunk("x"))
+    assert meter.chunk(chunk) is chunk
+
+
+def test_streamed_estimate_counts_text_at_least_one_per_event():
+    meter = Meter(CHAT, anthropic=False, strip_usage=False)
+    started(meter)
+    meter.chunk(sse(chat_chunk("a"), chat_chunk("abcdefg"), chat_chunk("")))
+    assert meter.streamed_tokens == 1 + 3
+    assert not meter.final and not meter.complete
+
+
+def test_long_streams_count_later_events_at_the_sample_mean():
+    meter = Meter(CHAT, anthropic=False, strip_usage=False)
+    started(meter)
+    for i in range(SAMPLE_EVENTS):
+        meter.chunk(sse(chat_chunk("abcdef" if i % 2 else "abc")))  # 2 and 1 tokens
+    assert meter.streamed_tokens == SAMPLE_EVENTS * 3 // 2
+    for _ in range(10):
+        meter.chunk(sse(chat_chunk("x")))
+    assert meter.streamed_tokens == SAMPLE_EVENTS * 3 // 2 + 10 * 2  # mean 1.5, rounded up
+
+    names = ["content_block_start", "content_block_delta", "ping"]
+    meter = Meter(MESSAGES, anthropic=True, strip_usage=False)
+    started(meter)
+    for _ in range(SAMPLE_EVENTS + 4):
+        meter.chunk(sse({"type": "content_block_start", "index": 0},
+                        {"type": "content_block_delta", "delta": {"type": "text_delta",
+                                                                  "text": "a b"}},
+                        {"type": "ping"}, event_names=names))
+    assert meter.streamed_tokens == SAMPLE_EVENTS + 4  # only the deltas count
+
+
+def test_anthropic_stream_usage_is_cumulative():
+    names = ["message_start", "content_block_delta", "message_delta", "message_stop"]
+    stream = sse(
+        {"type": "message_start", "message": {"usage": {
+            "input_tokens": 5, "cache_read_input_tokens": 100,
+            "cache_creation_input_tokens": 20, "output_tokens": 1}}},
+        {"type": "content_block_delta", "index": 0,
+         "delta": {"type": "text_delta", "text": "hello there"}},
+        {"type": "message_delta", "delta": {"stop_reason": "end_turn"},
+         "usage": {"output_tokens": 42}},
+        {"type": "message_stop"},
+        event_names=names,
+    )
+    for cuts in splits(stream):
+        meter = Meter(MESSAGES, anthropic=True, strip_usage=False)
+        started(meter)
+        assert feed_in_pieces(meter, stream, cuts) == stream
+        u = meter.usage
+        assert (u.input_tokens, u.output_tokens, u.cache_read_tokens,
+                u.cache_write_tokens) == (125, 42, 100, 20)
+        assert meter.final
+
+
+def test_responses_stream_reads_completed_event():
+    stream = sse(
+        {"type": "response.created", "response": {"usage": None}},
+        {"type": "response.output_text.delta", "delta": "hey"},
+        {"type": "response.completed", "response": {"usage": {
+            "input_tokens": 9, "output_tokens": 4,
+            "input_tokens_details": {"cached_tokens": 3}}}},
+        event_names=["response.created", "response.output_text.delta", "response.completed"],
+    )
+    meter = Meter(RESPONSES, anthropic=False, strip_usage=False)
+    started(meter)
+    meter.chunk(stream)
+    assert (meter.usage.input_tokens, meter.usage.output_tokens) == (9, 4)
+    assert meter.final and meter.streamed_tokens == 1
+
+
+def test_plain_json_body_and_error_body():
+    meter = Meter(CHAT, anthropic=False, strip_usage=False)
+    started(meter, "application/json")
+    body = orjson.dumps({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 4}})
+    assert meter.body(body) == body
+    assert meter.final and meter.usage.output_tokens == 4
+
+    meter = Meter(CHAT, anthropic=False, strip_usage=False)
+    meter.start(400, CIMultiDict({"Content-Type": "application/json"}))
+    meter.body(b'{"error": {"message": "bad"}}')
+    assert meter.complete and not meter.final
+
+
+def test_chunked_json_body_is_read_at_the_end():
+    body = orjson.dumps({"id": "x", "usage": {"input_tokens": 3, "output_tokens": 9}})
+    meter = Meter(MESSAGES, anthropic=True, strip_usage=False)
+    started(meter, "application/json")
+    assert feed_in_pieces(meter, body, [5, 17]) == body
+    assert meter.final and meter.usage.output_tokens == 9
+
+
+def test_compressed_answer_passes_untouched_and_unread():
+    meter = Meter(CHAT, anthropic=False, strip_usage=True)
+    headers = CIMultiDict({"Content-Type": "text/event-stream", "Content-Encoding": "gzip",
+                           "Content-Length": "10"})
+    meter.start(200, headers)
+    assert headers["Content-Length"] == "10"
+    assert meter.chunk(b"\x1f\x8bgarbage") == b"\x1f\x8bgarbage"
+    assert not meter.final
