@@ -170,6 +170,7 @@ class RateLimiter:
         """Limits and fill levels for the admin API (JSON-ready)."""
         return {
             "requests": None if self.route_bucket is None else self.route_bucket.state(),
+            "tokens": None if self.tokens is None else str(self.tokens.rate),
             "per_tenant": None if self.tenant_rate is None else str(self.tenant_rate),
             "tenants_tracked": len(self._tenants),
         }

@@ -65,7 +65,8 @@ async def test_routes_state_config_and_status_page(upstream, start_sluice):
             view = await r.json()
         assert view["path"] == str(sluice.config_path)
         assert view["config"]["routes"][0]["upstream"].startswith(f"http://svc:{REDACTED}@")
-        assert view["config"]["routes"][0]["rate"] == {"requests": "100/min", "per_tenant": None}
+        assert view["config"]["routes"][0]["rate"] == {
+            "requests": "100/min", "tokens": None, "per_tenant": None}
         assert "hunter2" not in str(view)
 
         async with session.get(sluice.admin_url + "/admin/") as r:

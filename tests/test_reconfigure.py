@@ -106,7 +106,8 @@ async def test_tenant_buckets_follow_the_new_per_tenant_rate():
     limiter.reconfigure(RateConfig.model_validate({}))
     for _ in range(5):
         limiter.admit("a")
-    assert limiter.state() == {"requests": None, "per_tenant": None, "tenants_tracked": 0}
+    assert limiter.state() == {
+        "requests": None, "tokens": None, "per_tenant": None, "tenants_tracked": 0}
 
 
 def _routes(yaml_text: str) -> list[Route]:
