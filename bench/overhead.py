@@ -72,6 +72,8 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from upstream import COMPLETION  # bench/upstream.py: nginx answers the same body
 
+from proxy.config import StrictLoader
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 RESULTS = HERE / "results"
@@ -252,7 +254,7 @@ def sluice_config(upstream: Service, port: int, admin_port: int, events: Path) -
     The openai route keeps both policies but with limits no benchmark reaches: 1024 slots and
     queue places, ~100,000 requests/s per route and per tenant.
     """
-    config = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    config = yaml.load(DEFAULT_CONFIG.read_text(), Loader=StrictLoader)
     config["server"]["listen"] = f"127.0.0.1:{port}"
     config["server"]["admin_listen"] = f"127.0.0.1:{admin_port}"
     config["server"]["drain_timeout"] = "2s"

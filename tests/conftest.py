@@ -24,6 +24,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from proxy.config import StrictLoader
 from tests.fakeupstream import FakeUpstream
 from tests.sluice_child import ForkedSluice
 
@@ -156,7 +157,7 @@ async def start_sluice(tmp_path: Path) -> AsyncIterator[Callable[..., Awaitable[
 
     async def start(config: dict | str, *, env: dict[str, str] | None = None,
                     config_path: Path | None = None) -> SluiceProcess:
-        data = yaml.safe_load(config) if isinstance(config, str) else json.loads(
+        data = yaml.load(config, Loader=StrictLoader) if isinstance(config, str) else json.loads(
             json.dumps(config))
         port, admin_port = free_port(), free_port()
         index = len(started)

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from proxy.config import StrictLoader
 from tests.conftest import REPO, SluiceProcess, route
 from tests.test_deploy import tool
 
@@ -78,7 +79,7 @@ async def test_tune_limits_while_it_runs(upstream, start_sluice, tmp_path):
         {"routes": [route("openai", upstream.url,
                           concurrency={"limit": 32, "queue": 128, "max_wait": "5s"})]},
         config_path=tmp_path / "my-sluice.yaml")
-    data = yaml.safe_load(sluice.config_path.read_text())
+    data = yaml.load(sluice.config_path.read_text(), Loader=StrictLoader)
     data["routes"][0]["concurrency"]["limit"] = 64
     sluice.config_path.write_text(yaml.safe_dump(data, sort_keys=False))  # as an editor saves
     await sluice.wait_metric("sluice_concurrency_limit", 64, route="openai")

@@ -12,6 +12,7 @@ from pathlib import Path
 import aiohttp
 import yaml
 
+from proxy.config import StrictLoader
 from tests.conftest import route
 
 CHAT = {"model": "gpt-test", "messages": [{"role": "user", "content": "hi"}]}
@@ -19,7 +20,7 @@ CHAT = {"model": "gpt-test", "messages": [{"role": "user", "content": "hi"}]}
 
 def rewrite(path: Path, mutate: Callable[[dict], object]) -> None:
     """Change the YAML config at ``path`` the way an editor does: write aside, rename over."""
-    data = yaml.safe_load(path.read_text())
+    data = yaml.load(path.read_text(), Loader=StrictLoader)
     mutate(data)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(yaml.safe_dump(data, sort_keys=False))
@@ -147,7 +148,7 @@ async def test_configmap_symlink_swap_is_picked_up(upstream, start_sluice, tmp_p
         {"routes": [route("llm", upstream.url, concurrency={"limit": 2, "queue": 4})]},
         config_path=mount / "sluice.yaml",
     )
-    data = yaml.safe_load((mount / "sluice.yaml").read_text())
+    data = yaml.load((mount / "sluice.yaml").read_text(), Loader=StrictLoader)
     data["routes"][0]["concurrency"]["limit"] = 5
     new_dir = mount / "..2026_01_01_00_01_00.2"
     new_dir.mkdir()
