@@ -64,7 +64,7 @@ def _final(status: int) -> bool:
 
 
 async def forward(
-    request: web.Request,
+    request: web.BaseRequest,
     rt: Runtime,
     route: Route,
     url: URL,
@@ -285,7 +285,7 @@ def _refuse(rt: Runtime, route: Route, rejected: Rejected, request_id: str, tena
     return render(rejected, route.protocol, jsonrpc_id(route.protocol, body))
 
 
-async def _dead_letter(rt: Runtime, route: Route, request: web.Request,
+async def _dead_letter(rt: Runtime, route: Route, request: web.BaseRequest,
                        headers: CIMultiDict[str], body: bytes, key: str | None,
                        request_id: str, tenant: str, run: str | None,
                        attempts: list[Attempt], reason: str) -> int | None:

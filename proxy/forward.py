@@ -74,7 +74,7 @@ def _copy_headers(headers: CIMultiDictProxy[str], drop: frozenset[str]) -> CIMul
     return out
 
 
-def upstream_headers(request: web.Request) -> CIMultiDict[str]:
+def upstream_headers(request: web.BaseRequest) -> CIMultiDict[str]:
     """The caller's headers as they go upstream (see the module docstring)."""
     headers = _copy_headers(request.headers, _REQUEST_DROP)
     peer = request.remote
@@ -95,7 +95,7 @@ def upstream_url(origin_and_base: str, rest: str) -> URL:
 
 
 async def forward(
-    request: web.Request,
+    request: web.BaseRequest,
     session: aiohttp.ClientSession,
     url: URL,
     body: bytes,
@@ -168,7 +168,7 @@ async def send(
 
 
 async def relay(
-    request: web.Request,
+    request: web.BaseRequest,
     upstream: aiohttp.ClientResponse,
     extra_headers: dict[str, str] | None = None,
     capture: Capture | None = None,

@@ -30,7 +30,7 @@ from proxy import attempts
 from proxy import forward as fwd
 from proxy.rejections import jsonrpc_id, render
 from proxy.routes import Route, has_dot_segment
-from proxy.runtime import RUNTIME, Runtime
+from proxy.runtime import Runtime
 
 log = logging.getLogger("sluice")
 
@@ -39,7 +39,7 @@ DRAINING_RETRY_AFTER_S = 1.0
 _NOTHING_CHARGED: dict[str, object] = {}
 
 
-def _caller_deadline(request: web.Request) -> float | None:
+def _caller_deadline(request: web.BaseRequest) -> float | None:
     """The caller's own timeout in seconds, from the Stainless SDKs' headers, if sent."""
     raw = request.headers.get("x-stainless-timeout") or request.headers.get(
         "x-stainless-read-timeout"
@@ -54,9 +54,8 @@ def _caller_deadline(request: web.Request) -> float | None:
     return None
 
 
-async def handle(request: web.Request) -> web.StreamResponse:
-    """Serve one agent request (the only handler of the proxy port)."""
-    rt: Runtime = request.app[RUNTIME]
+async def handle(rt: Runtime, request: web.BaseRequest) -> web.StreamResponse:
+    """Serve one agent request (the only handler of the proxy port, bound to its runtime)."""
     raw_path = request.raw_path
     route = rt.router.match(raw_path)
     if route is None:

@@ -18,7 +18,7 @@ from aiohttp import web
 import proxy.forward
 from proxy.config import parse_config
 from proxy.runtime import Runtime
-from proxy.server import build_proxy_app
+from proxy.server import build_proxy_server
 from tests.conftest import free_port, route, wait_until
 
 CHAT = {"model": "gpt-test", "messages": [{"role": "user", "content": "hi"}]}
@@ -170,8 +170,7 @@ async def test_proxy_error(upstream, monkeypatch, caplog):
         return await real_forward(*args, **kwargs)
 
     monkeypatch.setattr(proxy.forward, "forward", broken_forward)
-    runner = web.AppRunner(build_proxy_app(runtime), handler_cancellation=True,
-                           access_log=None, auto_decompress=False)
+    runner = web.ServerRunner(build_proxy_server(runtime))
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
