@@ -82,6 +82,22 @@ class Accounting:
                 if per == "route":
                     self._gauge(ROUTE_SCOPE_LABEL, "route", "", unit)
 
+    def state(self) -> dict[str, object]:
+        """Budget left now, per tenant seen (within the label cap) and per route, for the
+        admin API (JSON-ready; tokens or USD by unit)."""
+        budgets = self.budgets
+        if budgets is None:
+            return {"budget_remaining": None}
+        per_route = {unit: round(budgets.remaining(unit, "route", ""), 6)
+                     for limit in budgets.limits if limit.per == "route"
+                     for unit in (limit.unit,)}
+        per_tenant = {
+            tenant: {unit: round(budgets.remaining(unit, "tenant", tenant), 6)
+                     for unit in self._tenant_units}
+            for tenant in sorted(self._gauged)
+        }
+        return {"budget_remaining": {"route": per_route or None, "tenants": per_tenant}}
+
     def open(self, method: str, raw_path: str, body: bytes, tenant: str,
              run: str | None) -> Charge | None:
         """Read a request; ``None`` if it is not a metered call (it then passes unmetered).

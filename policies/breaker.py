@@ -173,9 +173,13 @@ class Breaker(pybreaker.CircuitBreakerListener):
     # -- admission ----------------------------------------------------------------------------
 
     @property
-    def state(self) -> str:
+    def current(self) -> str:
         """``closed``, ``open`` or ``half-open``."""
         return self._breaker.current_state
+
+    def state(self) -> dict[str, object]:
+        """The breaker for the admin API (JSON-ready)."""
+        return {"state": self.current, "blocked_for_s": round(self.blocked_for(), 3)}
 
     def state_value(self) -> int:
         """The state as ``sluice_circuit_state`` reports it: 0 closed, 1 half-open, 2 open."""

@@ -48,7 +48,7 @@ class Route:
 
     #: Attributes holding policy objects, in admission order. A policy object may have a
     #: ``state()`` method returning a JSON-ready dict, shown by the admin API under its name.
-    POLICIES = ("breaker", "rate", "concurrency", "idempotency", "retry")
+    POLICIES = ("breaker", "rate", "accounting", "concurrency", "idempotency", "retry")
 
     __slots__ = (
         "accounting",

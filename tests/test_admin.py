@@ -82,3 +82,26 @@ async def test_routes_state_config_and_status_page(upstream, start_sluice):
             response.release()
         async with session.post(url, json=CHAT) as r:
             assert r.status == 200
+
+
+async def test_every_policy_shows_its_state(upstream, start_sluice):
+    """The default config's policies (breaker, retry, idempotency, budgets) all render."""
+    sluice = await start_sluice({"routes": [route(
+        "llm", upstream.url, "openai",
+        circuit_breaker={"fail_max": 5}, retry={"attempts": 2},
+        idempotency={"mode": "dedup"},
+        budget={"tokens": "10000/day", "per": "tenant"},
+        usage={"default_max_tokens": 100},
+    )]})
+    async with aiohttp.ClientSession() as session:
+        async with session.post(sluice.url + "/llm/v1/chat/completions", json=CHAT,
+                                headers={"X-Tenant-ID": "acme"}) as r:
+            assert r.status == 200
+        async with session.get(sluice.admin_url + "/admin/routes") as r:
+            assert r.status == 200
+            [llm] = (await r.json())["routes"]
+        async with session.get(sluice.admin_url + "/admin/") as r:
+            assert r.status == 200 and "acme" in await r.text()
+    assert llm["breaker"] == {"state": "closed", "blocked_for_s": 0.0}
+    spent = upstream.prompt_tokens + upstream.completion_tokens
+    assert llm["accounting"]["budget_remaining"]["tenants"] == {"acme": {"tokens": 10000 - spent}}

@@ -103,7 +103,7 @@ def test_consecutive_failures_open_then_one_probe_closes(clock: Clock) -> None:
     breaker.record(breaker.admit(), brk.SUCCESS)  # a success resets the consecutive count
     for _ in range(3):
         breaker.record(breaker.admit(), brk.FAILURE)
-    assert breaker.state == "open" and breaker.state_value() == 2
+    assert breaker.current == "open" and breaker.state_value() == 2
     with pytest.raises(Rejected) as info:
         breaker.admit()
     # Retry-After: the time to half-open, plus a spread of up to one reset_timeout.
@@ -123,12 +123,12 @@ def test_consecutive_failures_open_then_one_probe_closes(clock: Clock) -> None:
     clock.now += 6
     breaker.check()  # due: check() passes but takes nothing
     probe = breaker.admit()
-    assert breaker.state == "half-open"
+    assert breaker.current == "half-open"
     with pytest.raises(Rejected) as info:
         breaker.admit()  # exactly one probe
     assert 1.0 <= info.value.retry_after / brk.PROBE_RETRY_AFTER_S <= 2.0
     breaker.record(probe, brk.SUCCESS)
-    assert breaker.state == "closed" and breaker.state_value() == 0
+    assert breaker.current == "closed" and breaker.state_value() == 0
     assert emitted(events) == ["circuit_opened", "circuit_half_open", "circuit_closed"]
 
 
@@ -138,12 +138,12 @@ def test_cancelled_probe_is_neutral_and_failed_probe_reopens(clock: Clock) -> No
     clock.now += 5
     probe = breaker.admit()
     breaker.release(probe)  # the caller went away: no verdict, the next caller probes
-    assert breaker.state == "half-open"
+    assert breaker.current == "half-open"
     probe = breaker.admit()
     breaker.record(probe, brk.SUCCESS)
-    assert breaker.state == "half-open"  # success_threshold 2: one more probe needed
+    assert breaker.current == "half-open"  # success_threshold 2: one more probe needed
     breaker.record(breaker.admit(), brk.FAILURE)
-    assert breaker.state == "open" and breaker.blocked_for() == 5.0
+    assert breaker.current == "open" and breaker.blocked_for() == 5.0
 
 
 def test_stale_outcomes_are_dropped(clock: Clock) -> None:
@@ -151,15 +151,15 @@ def test_stale_outcomes_are_dropped(clock: Clock) -> None:
     early = [breaker.admit() for _ in range(4)]  # four attempts admitted while closed
     breaker.record(early[0], brk.FAILURE)
     breaker.record(early[1], brk.FAILURE)
-    assert breaker.state == "open"
+    assert breaker.current == "open"
     clock.now += 5
     probe = breaker.admit()
     breaker.record(early[2], brk.FAILURE)  # lands after the state moved on: ignored
-    assert breaker.state == "half-open"
+    assert breaker.current == "half-open"
     breaker.record(probe, brk.SUCCESS)
     breaker.record(early[3], brk.FAILURE)  # from an older epoch: does not count toward fail_max
     breaker.record(breaker.admit(), brk.FAILURE)
-    assert breaker.state == "closed"
+    assert breaker.current == "closed"
 
 
 def test_upstream_retry_after_extends_never_shortens(clock: Clock) -> None:
@@ -177,13 +177,13 @@ def test_failure_rate_window(clock: Clock) -> None:
     breaker, events = make_breaker(fail_max=100, rate=0.5, window="10s", min_calls=4)
     for outcome in (brk.FAILURE, brk.FAILURE, brk.FAILURE):
         breaker.record(breaker.admit(), outcome)
-    assert breaker.state == "closed"  # below min_calls: never trips
+    assert breaker.current == "closed"  # below min_calls: never trips
     clock.now += 11  # those fall out of the window
     for outcome in (brk.SUCCESS, brk.FAILURE, brk.SUCCESS):
         breaker.record(breaker.admit(), outcome)
-    assert breaker.state == "closed"
+    assert breaker.current == "closed"
     breaker.record(breaker.admit(), brk.FAILURE)  # 2 of 4 = 50 %: trips (>=)
-    assert breaker.state == "open"
+    assert breaker.current == "open"
     assert "failure_rate" in events._buffer[-1].decode()
 
 
@@ -193,7 +193,7 @@ def test_neutral_outcome_does_not_reset_the_count(clock: Clock) -> None:
     breaker.release(breaker.admit())  # a cancelled attempt
     breaker.record(breaker.admit(), brk.NEUTRAL, 429, 3.0)  # a quota answer
     breaker.record(breaker.admit(), brk.FAILURE)
-    assert breaker.state == "open"
+    assert breaker.current == "open"
 
 
 def test_redact_and_store_roundtrip(tmp_path) -> None:
