@@ -36,6 +36,8 @@ from proxy.config import DeadLetterConfig
 #: Header-name fragments that mark a credential (matched on the lower-cased name).
 SECRET_HEADER_PARTS = ("auth", "cookie", "api-key", "api_key", "apikey", "token", "secret",
                        "password")
+#: Query parameters dropped for the same reason (``?key=`` is how some APIs authenticate).
+SECRET_QUERY_PARTS = (*SECRET_HEADER_PARTS, "key", "sig", "signature")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS dead_letters (
@@ -79,6 +81,26 @@ def redact(headers: Iterable[tuple[str, str]]) -> tuple[list[tuple[str, str]], l
         else:
             kept.append((name, value))
     return kept, removed
+
+
+def redact_path(path: str) -> tuple[str, list[str]]:
+    """Drop credential-like query parameters from ``path`` (as received, percent-encoded).
+
+    Returns the path to store and ``?NAME`` for each parameter dropped, so a replay knows what
+    must be supplied again.
+    """
+    target, sep, query = path.partition("?")
+    if not sep:
+        return path, []
+    kept: list[str] = []
+    removed: list[str] = []
+    for pair in query.split("&"):
+        name = pair.partition("=")[0].lower()
+        if any(part in name for part in SECRET_QUERY_PARTS):
+            removed.append("?" + pair.partition("=")[0])
+        else:
+            kept.append(pair)
+    return (f"{target}?{'&'.join(kept)}" if kept else target), removed
 
 
 @dataclass(slots=True)

@@ -35,7 +35,7 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from policies import breaker as brk
-from policies.deadletter import Attempt, DeadLetter, redact
+from policies.deadletter import Attempt, DeadLetter, redact, redact_path
 from policies.idempotency import Capture
 from policies.reasons import Reason, Rejected
 from policies.retry import (
@@ -294,10 +294,11 @@ async def _dead_letter(rt: Runtime, route: Route, request: web.BaseRequest,
     if store is None:
         return None
     kept, removed = redact(headers.items())
+    path, removed_query = redact_path(request.raw_path[len(route.prefix) - 1:])
     letter = DeadLetter(
         route=route.name, tenant=tenant, run=run, idempotency_key=key, request_id=request_id,
-        method=request.method, path=request.raw_path[len(route.prefix) - 1:], headers=kept,
-        redacted=removed, body=body, body_size=len(body), attempts=attempts, reason=reason,
+        method=request.method, path=path, headers=kept, redacted=removed + removed_query,
+        body=body, body_size=len(body), attempts=attempts, reason=reason,
     )
     try:
         letter_id = await store.add(letter)

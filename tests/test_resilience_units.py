@@ -10,7 +10,7 @@ import orjson
 import pytest
 
 from policies import breaker as brk
-from policies.deadletter import Attempt, DeadLetter, DeadLetterFile, redact
+from policies.deadletter import Attempt, DeadLetter, DeadLetterFile, redact, redact_path
 from policies.reasons import Reason, Rejected
 from policies.retry import RetryBudget, RetryPolicy, retry_is_safe, upstream_retry_after
 from proxy.config import CircuitBreakerConfig, RetryConfig
@@ -194,6 +194,14 @@ def test_neutral_outcome_does_not_reset_the_count(clock: Clock) -> None:
     breaker.record(breaker.admit(), brk.NEUTRAL, 429, 3.0)  # a quota answer
     breaker.record(breaker.admit(), brk.FAILURE)
     assert breaker.current == "open"
+
+
+def test_credential_query_parameters_are_not_stored() -> None:
+    assert redact_path("/v1/models/m:generate?key=SECRET&alt=sse") == (
+        "/v1/models/m:generate?alt=sse", ["?key"])
+    assert redact_path("/v1/x?api_key=a&sig=b") == ("/v1/x", ["?api_key", "?sig"])
+    assert redact_path("/v1/x?y=1") == ("/v1/x?y=1", [])
+    assert redact_path("/v1/x") == ("/v1/x", [])
 
 
 def test_redact_and_store_roundtrip(tmp_path) -> None:
