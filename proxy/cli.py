@@ -19,6 +19,8 @@ from proxy.config import ConfigError, load_config
 
 DEFAULT_CONFIG = "config/sluice.yaml"
 EXIT_CONFIG_ERROR = 2
+#: ``serve`` could not start: a listener could not bind, or a file could not be opened.
+EXIT_START_FAILED = 1
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -32,9 +34,14 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         import uvloop
     except ImportError:  # uvloop is optional off Linux/macOS; asyncio's loop works too
-        asyncio.run(serve(config, args.config))
+        run = asyncio.run
     else:
-        uvloop.run(serve(config, args.config))
+        run = uvloop.run
+    try:
+        run(serve(config, args.config))
+    except OSError as exc:  # a port already taken, or a file that cannot be opened
+        print(f"sluice: cannot start: {exc}", file=sys.stderr)
+        return EXIT_START_FAILED
     return 0
 
 

@@ -396,9 +396,17 @@ class Config(_Section):
     routes: list[RouteConfig] = Field(min_length=1)
 
 
+def _port(listen: str) -> int:
+    return int(listen.rpartition(":")[2])
+
+
 def _cross_checks(config: Config) -> Iterator[tuple[Path_, str]]:
-    """Problems no single key shows: the same route name or prefix twice, budgets that could
-    not bind."""
+    """Problems no single key shows: one port for both listeners, the same route name or prefix
+    twice, budgets that could not bind."""
+    if _port(config.server.listen) == _port(config.server.admin_listen) != 0:
+        yield ("server", "admin_listen"), (
+            f"{config.server.admin_listen} uses the same port as listen ({config.server.listen})"
+        )
     seen: dict[tuple[str, str], int] = {}
     for index, route in enumerate(config.routes):
         for key in ("name", "path_prefix"):

@@ -7,6 +7,7 @@ user would.
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -37,6 +38,9 @@ BAD_FILES = [
      [f"{{f}}:7: routes[0].concurrency.max_wiat: unknown key {TYPO}"]),
     ("known key in the wrong section", ROUTE + "    limit: 2\n",
      [f"{{f}}:5: routes[0].limit: unknown key {TYPO}"]),
+    ("one port for both listeners",
+     "server:\n  listen: 127.0.0.1:8080\n  admin_listen: 0.0.0.0:8080\n" + ROUTE,
+     ["{f}:3: server.admin_listen: 0.0.0.0:8080 uses the same port as listen (127.0.0.1:8080)"]),
     ("duplicate key", ROUTE + "    protocol: openai\n    protocol: http\n",
      ["{f}:6: routes[0].protocol: duplicate key"]),
     ("duplicate section", "server:\n  drain_timeout: 5s\nserver:\n  drain_timeout: 6s\n" + ROUTE,
@@ -164,3 +168,19 @@ def test_console_script_exit_codes_and_default_config(tmp_path: Path) -> None:
     assert (failed.returncode, failed.stderr) == (2, expected)
     module = run(sys.executable, "-m", "proxy", "serve", "--config", str(bad))
     assert (module.returncode, module.stderr) == (2, expected)  # serve refuses it the same way
+
+
+def test_a_port_already_taken_is_one_clear_line_not_a_traceback(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        config = tmp_path / "sluice.yaml"
+        config.write_text(f"server: {{listen: '127.0.0.1:{port}', admin_listen: '127.0.0.1:0'}}\n"
+                          + ROUTE)
+        done = subprocess.run([sys.executable, "-m", "proxy", "serve", "--config", str(config)],
+                              capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1
+    assert f"sluice: cannot start: [Errno 98] error while attempting to bind on address " \
+           f"('127.0.0.1', {port}): address already in use" in done.stderr
+    assert "Traceback" not in done.stderr
