@@ -148,7 +148,8 @@ def read_request(endpoint: Endpoint, body: bytes, default_cap: int | None, write
         stream_usage: add ``stream_options.include_usage`` to OpenAI streams.
 
     Raises:
-        ValueError: the body is not a JSON object.
+        ValueError: the body is not a JSON object, or a cap or ``n`` is present but not a
+            non-negative integer (reading it as "no cap" would reserve too little).
     """
     try:
         obj = orjson.loads(body)
@@ -162,15 +163,20 @@ def read_request(endpoint: Endpoint, body: bytes, default_cap: int | None, write
     cap: int | None = 0 if endpoint.write_field is None else None
     for field in endpoint.cap_fields:
         value = obj.get(field)
-        if type(value) is int and value >= 0:
-            cap = value
-            break
+        if value is None:
+            continue
+        if type(value) is not int or value < 0:
+            raise ValueError(f"{field} must be a non-negative integer, not {value!r:.40}")
+        cap = value
+        break
     if cap is None and default_cap is not None:
         cap = default_cap
         if write_cap and endpoint.write_field is not None:
             added[endpoint.write_field] = default_cap
     choices = obj.get("n")
-    if cap and endpoint.choices and type(choices) is int and choices > 1:
+    if choices is not None and (type(choices) is not int or choices < 1):
+        raise ValueError(f"n must be a positive integer, not {choices!r:.40}")
+    if cap and endpoint.choices and choices is not None and choices > 1:
         cap *= choices  # the cap applies to each of the n choices
     strip = False
     if stream and endpoint.usage_option and stream_usage:

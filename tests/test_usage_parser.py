@@ -266,3 +266,14 @@ def test_compressed_answer_passes_untouched_and_unread():
     assert headers["Content-Length"] == "10"
     assert meter.chunk(b"\x1f\x8bgarbage") == b"\x1f\x8bgarbage"
     assert not meter.final
+
+
+@pytest.mark.parametrize("body", [
+    b'{"max_tokens": "100000"}', b'{"max_tokens": 1e3}', b'{"max_tokens": -1}',
+    b'{"max_completion_tokens": true}', b'{"max_tokens": 10, "n": 1e308}', b'{"n": 0}',
+])
+def test_a_cap_or_n_that_is_not_an_integer_is_refused_not_ignored(body):
+    # Read as "no cap", the default would be reserved while a lenient upstream honours the
+    # client's own value: the budget could be overshot.
+    with pytest.raises(ValueError, match="must be a"):
+        read_request(CHAT, body, default_cap=50, write_cap=True, stream_usage=True)
