@@ -19,7 +19,8 @@ under the new limit). A smaller ``queue`` or ``per_tenant`` refuses newcomers un
 fall below it; a new ``max_wait`` applies to requests queued after the reload.
 
 Rejections carry an honest ``retry_after`` estimated with Little's law: a queue of ``n`` ahead
-drains in about ``n * S / limit`` seconds, where ``S`` is the route's mean service time (an
+drains in about ``n * S / limit`` seconds (spread up to +50% at random, so callers refused
+together do not retry together), where ``S`` is the route's mean service time (an
 exponentially weighted average of observed upstream durations).
 """
 
@@ -28,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+import random
 
 from policies.reasons import Reason, Rejected
 
@@ -36,7 +38,9 @@ PRIORITIES = {"critical": 0, "standard": 1, "best-effort": 2}
 DEFAULT_PRIORITY = 1
 
 _EWMA_WEIGHT = 0.1  # weight of the newest sample in the service-time average
-_INITIAL_SERVICE_S = 1.0  # assumed mean service time before the first completion, seconds
+_INITIAL_SERVICE_S = 1.0
+#: Largest factor the Retry-After estimate is spread by (see ``_drain_estimate``).
+JITTER_MAX = 1.5  # assumed mean service time before the first completion, seconds
 _TENANTS_SHOWN = 20  # tenants listed by state(), the biggest holders first
 
 
@@ -226,5 +230,7 @@ class ConcurrencyLimiter:
             del self._by_tenant[tenant]
 
     def _drain_estimate(self, ahead: int) -> float:
-        """Seconds until ``ahead`` queued requests have been served (Little's law)."""
-        return ahead * self.mean_service_s / self.limit
+        """Seconds until ``ahead`` queued requests have been served (Little's law), spread at
+        random up to +50% so that callers refused together do not all return at the same
+        instant and collide again (Envoy jitters its rate-limited back-off to [d, 1.5d])."""
+        return ahead * self.mean_service_s / self.limit * random.uniform(1.0, JITTER_MAX)

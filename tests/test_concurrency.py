@@ -7,6 +7,7 @@ them, so "every slot is busy" is a fact the test observes, not a timing guess.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 
 import aiohttp
@@ -64,12 +65,14 @@ async def test_overflow_is_answered_while_every_slot_is_busy(upstream, start_slu
         assert upstream.inflight == 2 and not queued.done()
         assert status == 503
         assert headers["X-Sluice-Reason"] == "queue_full"
-        # One queued ahead, two slots, 1 s assumed service time: (1 + 1) * 1 / 2 = 1 s.
-        assert headers["retry-after-ms"] == "1000"
-        assert headers["Retry-After"] == "1"
+        # One queued ahead, two slots, 1 s assumed service time: (1 + 1) * 1 / 2 = 1 s,
+        # spread up to +50% at random.
+        advertised_ms = int(headers["retry-after-ms"])
+        assert 1000 <= advertised_ms <= 1500
+        assert headers["Retry-After"] == str(math.ceil(int(headers["retry-after-ms"]) / 1000))
         assert headers["x-should-retry"] == "true"
         assert headers["RateLimit-Policy"] == '"concurrency";q=2;qu="concurrent-requests"'
-        assert headers["RateLimit"] == '"concurrency";r=0;t=1'
+        assert headers["RateLimit"] == f'"concurrency";r=0;t={headers["Retry-After"]}'
         assert headers["Cache-Control"] == "no-store"
         assert headers["Content-Type"] == "application/json"
         assert body["error"]["code"] == "queue_full"
@@ -82,7 +85,8 @@ async def test_overflow_is_answered_while_every_slot_is_busy(upstream, start_slu
     await wait_until(lambda: any(e["event"] == "rejected" for e in sluice.events()),
                      what="the rejected event")
     [rejected] = [e for e in sluice.events() if e["event"] == "rejected"]
-    assert rejected["reason"] == "queue_full" and rejected["retry_after_s"] == 1.0
+    assert rejected["reason"] == "queue_full"
+    assert abs(rejected["retry_after_s"] * 1000 - advertised_ms) <= 1  # the same wait, logged
     # Its timeline is that one line: it never sat in the queue.
     assert [e["event"] for e in sluice.events()
             if e["request_id"] == rejected["request_id"]] == ["rejected"]
