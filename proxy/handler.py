@@ -167,7 +167,8 @@ async def handle(rt: Runtime, request: web.BaseRequest) -> web.StreamResponse:
         status = rejected.reason.status
         return render(rejected, route.protocol, _jsonrpc_id(route, body))
     except (asyncio.CancelledError, ConnectionResetError):
-        outcome = "client_disconnected"
+        # Cancelled: by the caller leaving, or by the drain cutting what outlived it.
+        outcome = "drain_cut" if rt.cutting else "client_disconnected"
         raise
     except Exception:
         log.exception("proxy error on route %s (request %s)", route.name, request_id)

@@ -43,6 +43,7 @@ OUTCOMES = (
     "upstream_error",  # no usable answer: connect failure, reset, cut stream
     "upstream_timeout",
     "client_disconnected",  # the caller left before the answer was complete
+    "drain_cut",  # still running when the drain_timeout ran out at shutdown
     "replayed",  # answered from the idempotency store (see sluice_idempotent_replays_total)
 )
 

@@ -38,6 +38,9 @@ class Runtime:
         # when some route retries (see open() and DeadLetterQueue.add).
         self.dead_letters = DeadLetterQueue(config.dead_letter)
         self.draining = False
+        #: Set when the drain timeout ran out: requests cancelled from then on were cut by
+        #: Sluice, not left by their callers.
+        self.cutting = False
         self.session: aiohttp.ClientSession | None = None
         self._ids = itertools.count(1)
         self._id_prefix = f"{os.getpid():x}-{os.urandom(3).hex()}-"

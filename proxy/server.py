@@ -160,6 +160,7 @@ async def _drain(runtime: Runtime, timeout_s: float) -> None:
     while runtime.inflight and time.monotonic() < deadline:  # noqa: ASYNC110
         await asyncio.sleep(DRAIN_POLL_S)
     if runtime.inflight:
+        runtime.cutting = True
         log.warning("drain timeout: cutting %d request(s) still in flight", runtime.inflight)
     else:
         log.info("drained")

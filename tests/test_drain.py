@@ -89,3 +89,6 @@ async def test_work_past_drain_timeout_is_cut_and_the_process_exits(upstream, st
     # The cut reached the upstream too: its request was cancelled, not left running.
     await wait_until(lambda: upstream.cancelled == 1, what="the upstream request cancelled")
     assert "drain timeout: cutting 1 request(s) still in flight" in sluice.stderr()
+    # Logged as Sluice's cut, not blamed on the caller.
+    [completed] = [e for e in sluice.events() if e["event"] == "completed"]
+    assert completed["outcome"] == "drain_cut"
