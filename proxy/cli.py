@@ -47,11 +47,12 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _check_config(args: argparse.Namespace) -> int:
     try:
-        config = load_config(args.path)
+        path = args.path or args.config_option or DEFAULT_CONFIG
+        config = load_config(path)
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return EXIT_CONFIG_ERROR
-    print(f"{args.path}: ok ({len(config.routes)} route(s))")
+    print(f"{path}: ok ({len(config.routes)} route(s))")
     return 0
 
 
@@ -100,7 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", default=DEFAULT_CONFIG, help=f"default: {DEFAULT_CONFIG}")
     serve.set_defaults(func=_serve)
     check = sub.add_parser("check-config", help="validate a config file (exit 2 if invalid)")
-    check.add_argument("path")
+    check.add_argument("path", nargs="?", help=f"default: {DEFAULT_CONFIG}")
+    # --config too, as every other command takes it.
+    check.add_argument("--config", dest="config_option", metavar="PATH", help="same as PATH")
     check.set_defaults(func=_check_config)
     timeline = sub.add_parser("timeline", help="print one run's admission timeline")
     timeline.add_argument("run_id", metavar="RUN_ID", help="the run's X-Run-ID value")

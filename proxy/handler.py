@@ -34,6 +34,9 @@ from proxy.runtime import Runtime
 
 log = logging.getLogger("sluice")
 
+#: Longest tenant or run id accepted, characters.
+MAX_ID_LENGTH = 128
+
 #: How long a draining replica suggests callers wait (another replica can take them), seconds.
 DRAINING_RETRY_AFTER_S = 1.0
 _NOTHING_CHARGED: dict[str, object] = {}
@@ -72,6 +75,12 @@ async def handle(rt: Runtime, request: web.BaseRequest) -> web.StreamResponse:
     if has_dot_segment(raw_path):
         return _reject(rt, route, Rejected(Reason.BAD_REQUEST, None, "dot-segments in path"),
                        request_id, tenant, run)
+    if len(tenant) > MAX_ID_LENGTH or (run is not None and len(run) > MAX_ID_LENGTH):
+        # They become metric labels, event fields and ledger keys: keep them bounded.
+        return _reject(rt, route, Rejected(
+            Reason.BAD_REQUEST, None,
+            f"{rt.tenant_header} and {rt.run_header} take at most {MAX_ID_LENGTH} characters"),
+            request_id, tenant[:MAX_ID_LENGTH], run and run[:MAX_ID_LENGTH])
     try:
         body = await request.read()
     except web.HTTPRequestEntityTooLarge:

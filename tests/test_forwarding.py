@@ -312,3 +312,17 @@ async def test_answers_that_cannot_be_relayed_become_502(start_sluice):
     finally:
         await raw.stop()
     assert "Traceback" not in sluice.stderr()
+
+
+async def test_an_overlong_tenant_or_run_id_is_a_clear_400(upstream, start_sluice):
+    sluice = await start_sluice({"routes": [route("up", upstream.url, "openai")]})
+    async with aiohttp.ClientSession() as session:
+        for header in ("X-Tenant-ID", "X-Run-ID"):
+            async with session.post(sluice.url + "/up/v1/chat/completions", json={},
+                                    headers={header: "t" * 129}) as r:
+                assert r.status == 400 and r.headers["X-Sluice-Reason"] == "bad_request"
+                assert "at most 128 characters" in (await r.json())["error"]["message"]
+        async with session.post(sluice.url + "/up/v1/chat/completions", json={},
+                                headers={"X-Tenant-ID": "t" * 128}) as r:
+            assert r.status == 200
+    assert len(upstream.requests) == 1
