@@ -261,13 +261,14 @@ async def sluice_counters(session: aiohttp.ClientSession, admin_url: str) -> dic
 
 async def run_storm(scenario: Scenario, modes: tuple[str, ...] = MODES, seed: int = 1,
                     progress: Progress | None = None,
-                    config_hook: Callable[[dict], dict] | None = None,
+                    config_hook: Callable[[str, dict], dict] | None = None,
                     keep: Path | None = None) -> list[ModeResult]:
     """Run ``modes`` in order against one provider process; returns their results.
 
-    ``config_hook`` may change the Sluice config before it is used (the benchmark's
-    variants). The processes' logs, Sluice's config and event log go to a temporary
-    directory, removed at the end, or to ``keep``, left in place.
+    A mode other than ``direct`` runs through a Sluice of its own; ``config_hook(mode,
+    config)`` may change its config first (the benchmark's variants). The processes' logs,
+    Sluice's config and event log go to a temporary directory, removed at the end, or to
+    ``keep``, left in place.
     """
     results: list[ModeResult] = []
     with contextlib.ExitStack() as stack:
@@ -286,7 +287,7 @@ async def run_storm(scenario: Scenario, modes: tuple[str, ...] = MODES, seed: in
                 port, admin_port = free_port(), free_port()
                 config = sluice_config(scenario, provider_url, port, admin_port, workdir)
                 if config_hook is not None:
-                    config = config_hook(config)
+                    config = config_hook(mode, config)
                 with sluice_process(config, workdir):
                     url = f"http://127.0.0.1:{port}/llm/v1/chat/completions"
                     results.append(await run_mode(mode, url, provider_url, scenario, seed,
