@@ -233,18 +233,21 @@ class Load:
         return self.requests / self.duration_s
 
 
-WRK_SCRIPT = """
-wrk.method = "POST"
-wrk.body = [==[{body}]==]
-{headers}
+#: wrk's ``done()`` hook: one ``BENCH_JSON {...}`` line with the counts and percentiles.
+WRK_DONE = """
 done = function(summary, latency, requests)
   local e = summary.errors
   io.write(string.format(
-    'BENCH_JSON {{"requests":%d,"duration_us":%d,"connect":%d,"read":%d,"write":%d,' ..
-    '"status":%d,"timeout":%d,"p50_us":%d,"p90_us":%d,"p99_us":%d,"max_us":%d}}\\n',
+    'BENCH_JSON {"requests":%d,"duration_us":%d,"connect":%d,"read":%d,"write":%d,' ..
+    '"status":%d,"timeout":%d,"p50_us":%d,"p90_us":%d,"p99_us":%d,"max_us":%d}\\n',
     summary.requests, summary.duration, e.connect, e.read, e.write, e.status, e.timeout,
     latency:percentile(50), latency:percentile(90), latency:percentile(99), latency.max))
 end
+"""
+WRK_POST = """
+wrk.method = "POST"
+wrk.body = [==[{body}]==]
+{headers}
 """
 
 
@@ -254,14 +257,13 @@ def find_wrk() -> str | None:
 
 def run_wrk(wrk: str, url: str, threads: int, connections: int, duration_s: float, tmp: Path,
             headers: dict[str, str] = REQUEST_HEADERS, script: str | None = None) -> Load:
-    """wrk for ``duration_s`` seconds; ``script`` replaces the default POST script."""
+    """wrk for ``duration_s`` seconds; ``script`` (Lua) replaces the default POST of
+    :data:`REQUEST_BODY` with ``headers``; :data:`WRK_DONE` is added to it either way."""
     path = tmp / f"wrk-{os.getpid()}-{time.monotonic_ns()}.lua"
     if script is None:
         lua_headers = "\n".join(f'wrk.headers["{k}"] = "{v}"' for k, v in headers.items())
-        script = WRK_SCRIPT.format(body=REQUEST_BODY, headers=lua_headers)
-    else:
-        script += WRK_SCRIPT.split("\n", 4)[4]  # its done(): the BENCH_JSON line
-    path.write_text(script)
+        script = WRK_POST.format(body=REQUEST_BODY, headers=lua_headers)
+    path.write_text(script + WRK_DONE)
     argv = [wrk, f"-t{threads}", f"-c{connections}", f"-d{duration_s:g}s", "--timeout", "10s",
             "-s", str(path), url]
     try:
