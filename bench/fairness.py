@@ -27,6 +27,7 @@ refusals by reason (on arrival: ``queue_full``, ``tenant_concurrency``; after wa
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import tempfile
 import time
@@ -109,14 +110,18 @@ def plot(rows: list[TenantRow], args: argparse.Namespace, path: Path) -> Path | 
     labels = {"direct": "direct", "shared": "Sluice, shared queue",
               "per_tenant": "Sluice, per_tenant"}
     for n, target in enumerate(targets):
-        first = {r.tenant: r for r in rows if r.target == target and r.repeat == 1}
+        def median(tenant: str, attr: str, target: str = target) -> float:
+            values = [getattr(r, attr) or 0.0 for r in rows
+                      if r.target == target and r.tenant == tenant]
+            return statistics.median(values)
+
         xs = [i + n * width for i in range(len(tenants))]
-        axes[0].bar(xs, [first[t].served_share * 100 for t in tenants], width,
+        axes[0].bar(xs, [median(t, "served_share") * 100 for t in tenants], width,
                     color=colours[target], label=labels[target])
-        axes[1].bar(xs, [first[t].ok_p99_ms or 0 for t in tenants], width,
+        axes[1].bar(xs, [median(t, "ok_p99_ms") for t in tenants], width,
                     color=colours[target], label=labels[target])
-    for ax, title in zip(axes, ("share of its requests answered, %",
-                                "p99 latency of answered requests, ms"), strict=True):
+    for ax, title in zip(axes, ("share of its requests answered, % (median of repeats)",
+                                "p99 latency of answered requests, ms (median)"), strict=True):
         ax.set_xticks([i + width * (len(targets) - 1) / 2 for i in range(len(tenants))],
                       tenants)
         ax.set_title(title, fontsize=9)

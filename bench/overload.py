@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -164,12 +165,20 @@ def plot(steps: list[Step], args: argparse.Namespace, path: Path) -> Path | None
               ("refused_p99_ms", "p99 latency of refusals on arrival, ms", 1.0))
     for ax, (key, label, scale) in zip(axes, panels, strict=True):
         for target in TARGETS:
-            points = sorted((s.multiple, getattr(s, key)) for s in steps
-                            if s.target == target and getattr(s, key) is not None)
-            if points:
-                ax.plot([p[0] for p in points], [p[1] * scale for p in points], "o-",
-                        color=colours[target], label="through Sluice" if target == "sluice"
-                        else "direct", ms=4)
+            # The median of the repeats, with their range as an error bar.
+            xs, mids, lows, highs = [], [], [], []
+            for multiple in sorted({s.multiple for s in steps}):
+                values = [getattr(s, key) * scale for s in steps if s.target == target
+                          and s.multiple == multiple and getattr(s, key) is not None]
+                if values:
+                    xs.append(multiple)
+                    mids.append(statistics.median(values))
+                    lows.append(mids[-1] - min(values))
+                    highs.append(max(values) - mids[-1])
+            if xs:
+                ax.errorbar(xs, mids, yerr=[lows, highs], fmt="o-", ms=4, capsize=3,
+                            color=colours[target],
+                            label="through Sluice" if target == "sluice" else "direct")
         ax.set_xscale("log")
         ax.set_xlabel("offered load, x capacity")
         ax.set_title(label, fontsize=9)

@@ -89,8 +89,10 @@ def plot(results: list[ModeResult], scenario: Scenario, path: Path,
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    colours = {"direct": "#d62728", "sluice": "#1f77b4"}
-    fig, axes = plt.subplots(3, 1, figsize=(8, 7), sharex=True)
+    spare = iter(("#2ca02c", "#9467bd", "#ff7f0e", "#8c564b"))
+    colours = {r.mode: {"direct": "#d62728", "sluice": "#1f77b4"}.get(r.mode) or next(spare)
+               for r in results}
+    fig, axes = plt.subplots(3, 1, figsize=(8, 7 + 0.2 * len(results)), sharex=True)
     panels = (("upstream_attempts_per_s", "upstream attempts/s"),
               ("upstream_inflight", "requests in the provider"),
               ("completed_per_s", "units completed/s"))
@@ -104,7 +106,7 @@ def plot(results: list[ModeResult], scenario: Scenario, path: Path,
         for result in results:
             series = timeline(result, scenario)
             ax.step(series["t"], series[key], where="post", lw=1.4,
-                    color=colours.get(result.mode), label=TITLES.get(result.mode, result.mode))
+                    color=colours[result.mode], label=TITLES.get(result.mode, result.mode))
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
     for phase in scenario.provider.phases:
@@ -115,7 +117,7 @@ def plot(results: list[ModeResult], scenario: Scenario, path: Path,
     axes[0].legend(loc="upper right", fontsize=8)
     axes[-1].set_xlabel("seconds since the run started")
     sums = {r.mode: summarise(r, scenario) for r in results}
-    facts = "   ".join(
+    facts = "\n".join(
         f"{TITLES.get(m, m)}: {s['amplification']:.2f} attempts/unit, "
         f"{s['completion_rate']:.0%} done in {scenario.fleet.deadline_s:g} s, "
         f"{s['duplicate_side_effects']} dup."
