@@ -71,7 +71,7 @@ def verdict(results: list[ModeResult], scenario: Scenario) -> list[str]:
     if set(by_mode) != {"direct", "sluice"}:
         return []
     d, s = by_mode["direct"], by_mode["sluice"]
-    lines = [
+    return [
         f"Upstream attempts per unit of work: {d['amplification']:.2f} direct, "
         f"{s['amplification']:.2f} through Sluice.",
         f"Steps completed within {scenario.fleet.deadline_s:g}s: {d['completion_rate']:.0%} "
@@ -80,7 +80,6 @@ def verdict(results: list[ModeResult], scenario: Scenario) -> list[str]:
         f"duplicate side effects: {d['duplicate_side_effects']} direct, "
         f"{s['duplicate_side_effects']} through Sluice.",
     ]
-    return lines
 
 
 def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
@@ -89,12 +88,8 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     _intro(scenario, out)
     progress = _Progress(out)
     started = time.monotonic()
-
-    def on_progress(mode: str, elapsed: float, state: dict) -> None:
-        progress(mode, elapsed, state)
-
     try:
-        results = asyncio.run(run_storm(scenario, seed=args.seed, progress=on_progress))
+        results = asyncio.run(run_storm(scenario, seed=args.seed, progress=progress))
     except (RuntimeError, OSError) as exc:
         progress.end()
         print(f"sluice demo: {exc}", file=sys.stderr)

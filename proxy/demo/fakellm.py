@@ -222,17 +222,19 @@ class FakeLLM:
         heapq.heappush(self._heap, (self._virtual + work, next(self._order), done))
         self.peak_inflight = max(self.peak_inflight, len(self._heap))
         # The caller leaving does not stop a completion in service: shield it.
-        finished = await asyncio.shield(self._finish(done, request.headers))
+        key = request.headers.get("Idempotency-Key", "")
+        finished = await asyncio.shield(self._finish(done, key))
         if not finished:
             return self._refused("cut", "the service is unavailable")
         return web.Response(body=self._answer, content_type="application/json")
 
-    async def _finish(self, done: asyncio.Future[bool], headers: object) -> bool:
+    async def _finish(self, done: asyncio.Future[bool], key: str) -> bool:
+        """Wait for a completion; when it finishes, bill it and apply its side effect."""
         finished = await done
         if finished:
             self.outcomes["ok"] += 1
             self._bin()["ok"] += 1
-            self.executions[headers.get("Idempotency-Key", "")] += 1  # type: ignore[attr-defined]
+            self.executions[key] += 1
             self.tokens += self.provider.tokens_per_call
         return finished
 

@@ -99,7 +99,6 @@ class FleetRun:
     answers: Counter[str] = field(default_factory=Counter)  # per request: status/reason
     t0: float = 0.0
     in_flight: int = 0  # HTTP requests awaiting an answer now
-    finished: int = 0  # units completed or abandoned
 
     @property
     def completed(self) -> int:
@@ -136,7 +135,6 @@ class FleetRun:
                     if attempt + 1 < self.fleet.agent_tries:
                         interval = AGENT_INITIAL_INTERVAL_S * AGENT_BACKOFF_FACTOR ** attempt
                         await asyncio.sleep(interval + rng.uniform(0, AGENT_JITTER_S))
-        self.finished += 1
 
     async def _sdk_call(self, session: aiohttp.ClientSession, unit: Unit,
                         rng: random.Random) -> bool:

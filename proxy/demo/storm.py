@@ -19,15 +19,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import math
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
@@ -174,8 +177,6 @@ def sluice_process(config: dict, workdir: Path) -> Iterator[subprocess.Popen[byt
             if proc.poll() is not None:
                 raise RuntimeError(f"sluice exited at startup:\n{log.read_text()}")
             try:
-                import urllib.request
-
                 with urllib.request.urlopen(ready, timeout=1) as answer:
                     if answer.status == 200:
                         break
@@ -188,8 +189,6 @@ def sluice_process(config: dict, workdir: Path) -> Iterator[subprocess.Popen[byt
 
 
 def free_port() -> int:
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -375,14 +374,10 @@ def record(results: list[ModeResult], scenario: Scenario) -> dict:
     return {
         "scenario": scenario.name,
         "provider": json.loads(scenario.provider.to_json()),
-        "fleet": {**scenario.fleet.__dict__, "units": scenario.fleet.units},
+        "fleet": {**dataclasses.asdict(scenario.fleet), "units": scenario.fleet.units},
         "modes": {r.mode: {"summary": summarise(r, scenario), "per_phase": per_phase(r, scenario),
                            "answers": r.answers, "sluice": r.sluice,
                            "upstream_outcomes": r.upstream["outcomes"],
                            "timeline": timeline(r, scenario)} for r in results},
     }
 
-
-def scaled(scenario: Scenario, **fleet: float) -> Scenario:
-    """``scenario`` with some of the fleet's settings changed."""
-    return replace(scenario, fleet=replace(scenario.fleet, **fleet))
