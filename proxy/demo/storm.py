@@ -165,7 +165,11 @@ def provider_process(provider: Provider, workdir: Path, seed: int = 1) -> Iterat
 
 @contextlib.contextmanager
 def sluice_process(config: dict, workdir: Path) -> Iterator[subprocess.Popen[bytes]]:
-    """Run ``sluice serve`` (``python -m proxy serve``) on ``config``; ready when yielded."""
+    """Run ``sluice serve`` (``python -m proxy serve``) on ``config``; ready when yielded.
+
+    It waits for ``/readyz`` with blocking calls: it runs between the fleet's runs, when
+    nothing else is scheduled on the event loop.
+    """
     path = workdir / "sluice.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     log = workdir / "sluice.log"
