@@ -24,13 +24,16 @@ timeouts, and Sluice's CPU time per request it handled. Targets (issue 7) at 10x
 
     python -m bench overload                         # 0.5,1,2,5,10 x, 5 s each, ~2 min
     python -m bench overload --multiples 10 --repeat 3
+    python -m bench overload --multiples 10 --profile   # + where a refusal's CPU goes (py-spy)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -40,6 +43,7 @@ from pathlib import Path
 
 from bench import common
 from bench.common import fmt, pct
+from bench.overhead import PYSPY_RATE_HZ, profile_report, summarise_profile
 
 TARGETS = ("direct", "sluice")
 
@@ -114,6 +118,33 @@ def measure(args: argparse.Namespace, target: str, url: str, multiple: float, re
     # Let what the step left behind (queued requests, timers) clear before the next one.
     time.sleep(args.timeout + 0.5)
     return step
+
+
+def profile_refusals(args: argparse.Namespace, sluice: common.Service, raw: Path) -> dict:
+    """Sample Sluice with py-spy under the highest multiple's load (not a measured step)."""
+    py_spy = shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))
+    if py_spy is None:
+        raise SystemExit("--profile needs py-spy: pip install py-spy")
+    rate = args.slots / args.delay * max(args.multiples)
+    spy = subprocess.Popen(
+        [py_spy, "record", "--pid", str(sluice.pid), "--rate", str(PYSPY_RATE_HZ), "--duration",
+         str(max(1, int(args.duration) - 1)), "--format", "raw", "--output", str(raw)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    user0, sys0 = common.cpu_times(sluice.pid)
+    sent = common.collect_open(common.run_open(sluice.url + common.UPSTREAM_PATH, rate,
+                                               args.duration, args.timeout))
+    user1, sys1 = common.cpu_times(sluice.pid)
+    _, err = spy.communicate()
+    if spy.returncode != 0 or not raw.exists():
+        raise SystemExit(f"py-spy failed (root, or ptrace allowed, is needed):\n{err.decode()}")
+    us_per_req = ((user1 - user0) + (sys1 - sys0)) / len(sent) * 1e6
+    profile = summarise_profile(raw, us_per_req)
+    refused = sum(1 for s in sent if s.outcome == "queue_full")
+    profile.update(raw=str(raw), cpu_us_per_req=us_per_req, rps_while_profiled=len(sent) /
+                   args.duration, sys_us_per_req=(sys1 - sys0) / len(sent) * 1e6,
+                   scenario=f"{max(args.multiples):g}x overload, {refused / len(sent):.0%} "
+                   "refused on arrival")
+    return profile
 
 
 def table(steps: list[Step]) -> str:
@@ -209,6 +240,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-wait", type=float, default=0.1, help="Sluice max_wait, s (0.1)")
     p.add_argument("--targets", default="direct,sluice")
     p.add_argument("--repeat", type=int, default=1, help="runs of every step, interleaved (1)")
+    p.add_argument("--profile", action="store_true",
+                   help="then sample Sluice with py-spy under the highest multiple's load")
     p.add_argument("--quick", action="store_true", help="multiples 0.5,10 at 3 s each")
     p.add_argument("--output", type=Path, help="JSON result path (bench/results/...)")
     args = p.parse_args(argv)
@@ -235,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{args.max_wait * 1e3:g}ms}}, nothing else"]
     print("\n".join(header), file=sys.stderr, flush=True)
     steps: list[Step] = []
+    out = common.result_path("overload", started, output=args.output)
+    profile = None
     with tempfile.TemporaryDirectory(prefix="sluice-bench-") as tmp, common.stopping() as live:
         workdir = Path(tmp)
         upstream = common.start_upstream(workdir, args.delay, args.slots)
@@ -248,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
                 for target in args.targets:
                     steps.append(measure(args, target, urls[target], multiple, repeat,
                                          upstream, sluice if target == "sluice" else None))
+        if args.profile:
+            profile = profile_refusals(args, sluice, out.with_name(f"{out.stem}-pyspy.txt"))
     # The upstream's own p99 is its service time (a fixed sleep) plus scheduling: take the
     # direct p99 at the lowest load measured as the reference.
     low = [s for s in steps if s.target == "direct" and s.ok_p99_ms is not None]
@@ -256,9 +293,10 @@ def main(argv: list[str] | None = None) -> int:
     lines = [*header, f"load average {load1[0]:.2f} {load1[1]:.2f} {load1[2]:.2f} at end", "",
              table(steps), "", f"upstream p99 (direct, lowest load): {upstream_p99:.1f} ms",
              *targets_check(steps, args, upstream_p99)]
+    if profile is not None:
+        lines += ["", *profile_report(profile)]
     print("\n".join(lines), flush=True)
-    out = common.result_path("overload", started, output=args.output)
-    common.write_record(out, {"started": started.isoformat(), "versions": info,
+    common.write_record(out, {"profile": profile,"started": started.isoformat(), "versions": info,
                               "settings": {k: v for k, v in vars(args).items() if k != "output"},
                               "load_average_end": load1, "upstream_p99_ms": upstream_p99,
                               "steps": [asdict(s) for s in steps], "table": table(steps)})
