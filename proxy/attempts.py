@@ -137,6 +137,10 @@ async def forward(
                         return _refuse(rt, route, rejected, request_id, tenant, run, key,
                                        body), "rejected"
                     stop = "circuit_open"
+                    # The breaker opened during the back-off, after the failed answer was let
+                    # go: the refusal is what is left to tell the caller.
+                    if last is None and error is None:
+                        error = rejected
                     break
             started_at = time.time()
             started = time.monotonic()

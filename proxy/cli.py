@@ -6,6 +6,8 @@ and exits 0, or 2 after printing one ``FILE:LINE: KEY: PROBLEM`` line per proble
 (exit 1 when the log has no event of that run).
 ``sluice dlq list|show ID|replay ID|purge [--config PATH]`` inspects and replays dead-lettered
 work (see ``proxy/dlq.py``).
+``sluice demo [--quick]`` runs a retry storm on a local fake provider, direct and through
+Sluice, and compares them (see ``proxy/demo/cli.py``).
 """
 
 from __future__ import annotations
@@ -92,6 +94,12 @@ def _dlq(args: argparse.Namespace) -> int:
     return run(config, args)
 
 
+def _demo(args: argparse.Namespace) -> int:
+    from proxy.demo.cli import run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="sluice", description="Backpressure sidecar for AI agents' LLM and tool calls."
@@ -136,6 +144,17 @@ def build_parser() -> argparse.ArgumentParser:
     for command in (listing, show, replay, dlq_sub.choices["purge"]):
         command.add_argument("--config", default=DEFAULT_CONFIG, help=config_help)
     dlq.set_defaults(func=_dlq)
+    demo = sub.add_parser(
+        "demo", help="watch Sluice contain a retry storm on a local fake provider (~1 min)"
+    )
+    demo.add_argument("--quick", action="store_true",
+                      help="a shorter schedule (~10 s per run instead of ~20 s)")
+    demo.add_argument("--plot", default="sluice-demo.png",
+                      help="where to write the plot (default: sluice-demo.png)")
+    demo.add_argument("--no-plot", action="store_true", help="do not write a plot")
+    demo.add_argument("--json", metavar="FILE", help="also write the full record as JSON")
+    demo.add_argument("--seed", type=int, default=1, help="random seed of the fleet (1)")
+    demo.set_defaults(func=_demo)
     return parser
 
 
