@@ -358,12 +358,12 @@ class Idempotency:
     def _derive(self, headers: CIMultiDictProxy[str], tenant: str) -> str | None:
         if not self.derive_from:
             return None
+        values = [headers.get(name) for name in self.derive_from]
+        if None in values:  # most requests: decided before any hashing
+            return None
         digest = hashlib.sha256(self._route)
         digest.update(b"\0" + tenant.encode("utf-8", "surrogateescape"))
-        for name in self.derive_from:
-            value = headers.get(name)
-            if value is None:
-                return None
+        for value in values:
             digest.update(b"\0" + value.encode("utf-8", "surrogateescape"))
         return f"sluice-d-{digest.hexdigest()[:32]}"
 
