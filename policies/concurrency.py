@@ -75,6 +75,8 @@ class ConcurrencyLimiter:
         self.inflight = 0
         self.queued = 0
         self.mean_service_s = _INITIAL_SERVICE_S
+        #: True once a completion has updated ``mean_service_s`` (before, it is a guess).
+        self.observed = False
         self._heap: list[tuple[int, int, _Waiter]] = []
         self._order = itertools.count()
         self._by_tenant: dict[str, int] = {}
@@ -101,15 +103,36 @@ class ConcurrencyLimiter:
             return True
         return False
 
+    def wait_budget(self, caller_timeout: float | None) -> float:
+        """How long a request may queue, seconds: ``max_wait``, or less when the caller's own
+        timeout leaves less room once the mean service time is set aside for the call itself
+        (HAProxy's ``timeout queue`` bounded by the caller's deadline; waiting longer only
+        admits work the caller will have abandoned). The service time is set aside only once
+        it has been observed; ``wait`` refuses a budget of 0 or less at once."""
+        if caller_timeout is None:
+            return self.max_wait
+        room = caller_timeout - self.mean_service_s if self.observed else caller_timeout
+        return min(self.max_wait, room)
+
     async def wait(self, tenant: str, priority: int, max_wait: float) -> None:
         """Queue for a slot after ``try_acquire`` returned False.
 
-        ``max_wait`` may be below the configured one when the caller's own deadline is nearer.
+        ``max_wait`` may be below the configured one when the caller's own deadline is nearer
+        (see :meth:`wait_budget`).
 
         Raises:
-            Rejected: ``queue_full`` at once, or ``queue_timeout`` after ``max_wait`` seconds.
+            Rejected: ``queue_full`` at once; ``deadline_unreachable`` at once when
+                ``max_wait`` is 0 or less; ``queue_timeout`` after ``max_wait`` seconds.
             asyncio.CancelledError: the caller went away; nothing is left held.
         """
+        if max_wait <= 0:
+            self._forget(tenant)
+            raise Rejected(
+                Reason.DEADLINE_UNREACHABLE,
+                self._drain_estimate(self.queued + 1),
+                f"the caller's timeout leaves no time to queue: calls take "
+                f"{self.mean_service_s:.3g}s on average",
+            )
         if self.queue_full:
             self._forget(tenant)
             raise Rejected(
@@ -146,6 +169,7 @@ class ConcurrencyLimiter:
         """Free the slot taken for ``tenant``; ``service_s`` updates the mean service time."""
         if service_s is not None:
             self.mean_service_s += _EWMA_WEIGHT * (service_s - self.mean_service_s)
+            self.observed = True
         self._forget(tenant)
         # Over the limit only after a reload lowered it: then the slot is retired, not passed on.
         if self.queued and self.inflight <= self.limit:

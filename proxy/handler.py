@@ -120,11 +120,8 @@ async def handle(rt: Runtime, request: web.BaseRequest) -> web.StreamResponse:
                 await route.accounting.reserve(charge)
         if limiter is not None and not limiter.try_acquire(tenant):
             priority = PRIORITIES.get(headers.get(rt.priority_header, ""), DEFAULT_PRIORITY)
-            max_wait = limiter.max_wait
-            deadline = _caller_deadline(request)
-            if deadline is not None and deadline < max_wait:
-                max_wait = deadline
-            if not limiter.queue_full:  # a queue_full answer was never in the queue
+            max_wait = limiter.wait_budget(_caller_deadline(request))
+            if not limiter.queue_full and max_wait > 0:  # else refused before queueing
                 events.emit("enqueued", request_id, route.name, tenant, run,
                             queue_depth=limiter.queued + 1)
             enqueued_at = time.monotonic()

@@ -155,3 +155,21 @@ async def test_many_departures_do_not_grow_the_queue_without_bound():
     await tasks[-1]  # the one that stayed is served
     limiter.release("t", None)
     assert (limiter.inflight, limiter.queued) == (0, 0)
+
+
+async def test_the_callers_timeout_less_the_service_time_bounds_the_wait():
+    limiter = ConcurrencyLimiter(limit=1, queue=5, max_wait=30.0, per_tenant=2)
+    # Before any completion the service time is a guess: only the caller's timeout counts.
+    assert limiter.wait_budget(None) == 30.0
+    assert limiter.wait_budget(2.0) == 2.0
+    assert limiter.try_acquire("t")
+    limiter.release("t", 1.5)  # observed: 1.0 + 0.1 * (1.5 - 1.0) = 1.05 s
+    assert limiter.wait_budget(2.0) == pytest.approx(0.95)
+    assert limiter.wait_budget(60.0) == 30.0
+    # A caller whose timeout cannot cover even the call itself is told at once.
+    assert limiter.try_acquire("t")
+    assert not limiter.try_acquire("t")
+    with pytest.raises(Rejected) as unreachable:
+        await limiter.wait("t", 1, limiter.wait_budget(1.0))
+    assert unreachable.value.reason is Reason.DEADLINE_UNREACHABLE
+    assert (limiter.queued, limiter._by_tenant) == (0, {"t": 1})
