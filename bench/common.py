@@ -16,6 +16,7 @@ Every process binds 127.0.0.1 only, and every :class:`Service` is stopped on the
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import datetime
 import json
@@ -443,6 +444,24 @@ def save_plot(plt: ModuleType, fig: object, path: Path) -> Path:
     fig.savefig(path, dpi=90)  # type: ignore[attr-defined]
     plt.close(fig)
     return path
+
+
+def parser(name: str, doc: str) -> argparse.ArgumentParser:
+    """The argument parser of ``python -m bench NAME``: the module docstring's first paragraph
+    is its description, the rest its epilog."""
+    return argparse.ArgumentParser(prog=f"python -m bench {name}",
+                                   description=doc.split("\n\n")[0],
+                                   formatter_class=argparse.RawDescriptionHelpFormatter,
+                                   epilog=doc.split("\n\n", 1)[1])
+
+
+def add_queue_args(p: argparse.ArgumentParser) -> None:
+    """The options of a scenario with a slotted upstream and a Sluice queue in front of it."""
+    p.add_argument("--timeout", type=float, default=2.0, help="client timeout, s (2)")
+    p.add_argument("--slots", type=int, default=8, help="upstream slots = Sluice limit (8)")
+    p.add_argument("--delay", type=float, default=0.05, help="upstream service time, s (0.05)")
+    p.add_argument("--queue", type=int, default=8, help="Sluice queue places (8)")
+    p.add_argument("--max-wait", type=float, default=0.1, help="Sluice max_wait, s (0.1)")
 
 
 def utcnow() -> datetime.datetime:

@@ -136,16 +136,9 @@ def plot(rows: list[TenantRow], args: argparse.Namespace, path: Path) -> Path | 
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench fairness",
-                                description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__.split("\n\n", 1)[1])
+    p = common.parser("fairness", __doc__)
     p.add_argument("--duration", type=float, default=8.0, help="seconds per target (8)")
-    p.add_argument("--timeout", type=float, default=2.0, help="client timeout, s (2)")
-    p.add_argument("--slots", type=int, default=8, help="upstream slots = Sluice limit (8)")
-    p.add_argument("--delay", type=float, default=0.05, help="upstream service time, s (0.05)")
-    p.add_argument("--queue", type=int, default=8, help="Sluice queue places (8)")
-    p.add_argument("--max-wait", type=float, default=0.1, help="Sluice max_wait, s (0.1)")
+    common.add_queue_args(p)
     p.add_argument("--per-tenant", type=int, default=4, help="per_tenant cap (4)")
     p.add_argument("--quiet", type=float, default=0.25, help="each quiet tenant, x capacity")
     p.add_argument("--noisy", type=float, default=4.0, help="the noisy tenant, x capacity")

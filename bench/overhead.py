@@ -530,10 +530,7 @@ def tool_versions(args: argparse.Namespace) -> dict[str, str]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench overhead",
-                                description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__.split("\n\n", 1)[1])
+    p = common.parser("overhead", __doc__)
     p.add_argument("--duration", type=float, default=10.0, help="seconds per case (10)")
     p.add_argument("--warmup", type=float, default=2.0, help="unmeasured seconds first (2)")
     p.add_argument("--threads", type=int, default=2, help="load generator threads (2)")

@@ -227,17 +227,10 @@ def plot(steps: list[Step], args: argparse.Namespace, path: Path) -> Path | None
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench overload",
-                                description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__.split("\n\n", 1)[1])
+    p = common.parser("overload", __doc__)
     p.add_argument("--multiples", default="0.5,1,2,5,10", help="x capacity (0.5,1,2,5,10)")
     p.add_argument("--duration", type=float, default=5.0, help="seconds per step (5)")
-    p.add_argument("--timeout", type=float, default=2.0, help="client timeout, s (2)")
-    p.add_argument("--slots", type=int, default=8, help="upstream slots = Sluice limit (8)")
-    p.add_argument("--delay", type=float, default=0.05, help="upstream service time, s (0.05)")
-    p.add_argument("--queue", type=int, default=8, help="Sluice queue places (8)")
-    p.add_argument("--max-wait", type=float, default=0.1, help="Sluice max_wait, s (0.1)")
+    common.add_queue_args(p)
     p.add_argument("--targets", default="direct,sluice")
     p.add_argument("--repeat", type=int, default=1, help="runs of every step, interleaved (1)")
     p.add_argument("--profile", action="store_true",

@@ -192,10 +192,7 @@ def plot(results: list[Result], path: Path) -> Path | None:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench replay",
-                                description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__.split("\n\n", 1)[1])
+    p = common.parser("replay", __doc__)
     p.add_argument("--duration", type=float, default=8, help="seconds per case (8)")
     p.add_argument("--warmup", type=float, default=1, help="seconds before each case (1)")
     p.add_argument("--threads", type=int, default=2, help="wrk threads (2)")

@@ -91,10 +91,7 @@ def medians(runs: list[list[ModeResult]], scenario: Scenario) -> str:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench storm",
-                                description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__.split("\n\n", 1)[1])
+    p = common.parser("storm", __doc__)
     p.add_argument("--modes", default="direct,sluice",
                    help="direct,sluice[,sluice-no-breaker,sluice-no-retry,sluice-limit-only]")
     p.add_argument("--quick", action="store_true", help="the demo's --quick schedule")
