@@ -40,6 +40,8 @@ class Bucket:
     """One ``N/period`` limit. ``take()`` admits one request or raises ``Rejected``."""
 
     __slots__ = ("_limiter", "policy", "rate")
+    #: Why a request this bucket cannot hold is refused.
+    reason = Reason.RATE_LIMITED
 
     def __init__(self, rate: Rate, policy_name: str) -> None:
         self.rate = rate
@@ -49,35 +51,45 @@ class Bucket:
     def successor(self, rate: Rate | None) -> Bucket | None:
         """The bucket to use after a reload sets this limit to ``rate`` (``None``: no limit).
 
-        Same rate: this very bucket. Another rate: a new bucket carrying this one's level (the
-        requests it counts as recent), which then drains at the new rate.
+        Same rate: this very bucket. Another rate: a new bucket carrying this one's level (what
+        it counts as recent), which then drains at the new rate.
         """
         if rate is None or rate == self.rate:
             return None if rate is None else self
-        new = Bucket(rate, self.policy[0])
+        new = type(self)(rate, self.policy[0])
         old = self._limiter
         old.has_capacity()  # brings _level and _last_check up to now
         new._limiter._level = old._level
         new._limiter._last_check = old._last_check
         return new
 
-    def take(self) -> None:
-        """Consume one request's capacity; never suspends.
+    def take(self, amount: int = 1) -> None:
+        """Consume ``amount`` (requests, or tokens for ``rate.tokens``); never suspends.
 
         Raises:
-            Rejected: ``rate_limited`` with the seconds until capacity returns.
+            Rejected: ``self.reason`` with the seconds until ``amount`` fits.
         """
         limiter = self._limiter
-        if limiter.has_capacity(1):
-            limiter._level += 1  # what acquire(1) does when it does not wait
+        if limiter.has_capacity(amount):
+            limiter._level += amount  # what acquire(amount) does when it does not wait
             return
-        deficit = limiter._level + 1 - limiter.max_rate
+        deficit = limiter._level + amount - limiter.max_rate
         raise Rejected(
-            Reason.RATE_LIMITED,
+            self.reason,
             deficit * limiter.time_period / limiter.max_rate,
-            f"limit {self.rate}",
+            self._detail(amount),
             self.policy,
         )
+
+    def _detail(self, amount: int) -> str:
+        return f"limit {self.rate}"
+
+    def refund(self, amount: int = 1) -> None:
+        """Give back what a request took when another limit then refused it, or it never
+        reached the upstream."""
+        limiter = self._limiter
+        limiter.has_capacity(0)  # drains the bucket up to now
+        limiter._level = max(limiter._level - amount, 0.0)
 
     def state(self) -> dict[str, object]:
         """The rate as written and the requests it can admit right now."""
@@ -86,56 +98,39 @@ class Bucket:
         available = int(max(0.0, limiter.max_rate - limiter._level))
         return {"rate": str(self.rate), "available": available}
 
-    def give_back(self) -> None:
-        """Undo the ``take()`` just made, for a request another limit then refused."""
-        self._limiter._level -= 1
-
     @property
     def idle(self) -> bool:
         """True when the bucket has drained empty, so dropping it forgets nothing."""
         return self._limiter.has_capacity(self.rate.count)
 
 
-class TokenBucket:
+class TokenBucket(Bucket):
     """``rate.tokens``: ``take(n)`` admits a request reserving ``n`` tokens or raises."""
 
-    __slots__ = ("_limiter", "policy", "rate")
+    __slots__ = ()
+    reason = Reason.TOKEN_RATE_LIMITED
 
-    def __init__(self, rate: Rate) -> None:
-        self.rate = rate
-        self._limiter = AsyncLimiter(rate.count, rate.period_s)
-        self.policy = ("tokens", rate.count, rate.period_s)
+    def __init__(self, rate: Rate, policy_name: str = "tokens") -> None:
+        super().__init__(rate, policy_name)
 
-    def take(self, tokens: int) -> None:
-        """Consume ``tokens``; never suspends.
+    def take(self, amount: int = 1) -> None:
+        """Consume ``amount`` tokens; never suspends.
 
         Raises:
-            Rejected: ``exceeds_limit`` if ``tokens`` exceeds the whole bucket;
-                ``token_rate_limited`` with the seconds until it fits.
+            Rejected: ``exceeds_limit`` if ``amount`` exceeds the whole bucket (it could never
+                pass, and aiolimiter's ``acquire`` would raise); ``token_rate_limited`` with
+                the seconds until it fits.
         """
-        limiter = self._limiter
-        if tokens > limiter.max_rate:
+        if amount > self._limiter.max_rate:
             raise Rejected(
                 Reason.EXCEEDS_LIMIT, None,
-                f"this request reserves {tokens} tokens, more than the whole token rate "
+                f"this request reserves {amount} tokens, more than the whole token rate "
                 f"limit of {self.rate}; lower max_tokens", retry=False,
             )
-        if limiter.has_capacity(tokens):
-            limiter._level += tokens  # what acquire(tokens) does when it does not wait
-            return
-        deficit = limiter._level + tokens - limiter.max_rate
-        raise Rejected(
-            Reason.TOKEN_RATE_LIMITED,
-            deficit * limiter.time_period / limiter.max_rate,
-            f"limit {self.rate} tokens; this request reserves {tokens}",
-            self.policy,
-        )
+        super().take(amount)
 
-    def refund(self, tokens: int) -> None:
-        """Give back what a request took when it never reached the upstream."""
-        limiter = self._limiter
-        limiter.has_capacity(0)  # drains the bucket up to now
-        limiter._level = max(limiter._level - tokens, 0.0)
+    def _detail(self, amount: int) -> str:
+        return f"limit {self.rate} tokens; this request reserves {amount}"
 
 
 class RateLimiter:
@@ -151,9 +146,11 @@ class RateLimiter:
 
     def reconfigure(self, config: RateConfig) -> None:
         """Adopt a changed ``rate`` block in place, keeping each request bucket's level (hot
-        reload); a changed ``tokens`` rate starts a fresh token bucket."""
-        if config.tokens != (self.tokens.rate if self.tokens else None):
-            self.tokens = TokenBucket(config.tokens) if config.tokens else None
+        reload), the token bucket's too."""
+        if self.tokens is not None:
+            self.tokens = self.tokens.successor(config.tokens)
+        elif config.tokens is not None:
+            self.tokens = TokenBucket(config.tokens)
         if self.route_bucket is not None:
             self.route_bucket = self.route_bucket.successor(config.requests)
         elif config.requests is not None:
@@ -195,7 +192,7 @@ class RateLimiter:
             try:
                 self.route_bucket.take()
             except Rejected:
-                bucket.give_back()
+                bucket.refund()
                 raise
 
     def _tenant_bucket(self, tenant: str) -> Bucket:
