@@ -30,7 +30,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -453,6 +453,16 @@ def parser(name: str, doc: str) -> argparse.ArgumentParser:
                                    description=doc.split("\n\n")[0],
                                    formatter_class=argparse.RawDescriptionHelpFormatter,
                                    epilog=doc.split("\n\n", 1)[1])
+
+
+def comma_list(p: argparse.ArgumentParser, value: str, allowed: Iterable[str],
+               what: str) -> list[str]:
+    """``value`` split on commas; a name not in ``allowed`` is a usage error naming it."""
+    names = [name for name in value.split(",") if name]
+    unknown = sorted(set(names) - set(allowed))
+    if unknown:
+        p.error(f"unknown {what}: {', '.join(unknown)} (choose from {', '.join(allowed)})")
+    return names
 
 
 def add_queue_args(p: argparse.ArgumentParser) -> None:

@@ -149,9 +149,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.quick:
         args.duration = 4.0
-    args.targets = [t for t in args.targets.split(",") if t]
-    if set(args.targets) - set(TARGETS):
-        p.error("unknown target")
+    args.targets = common.comma_list(p, args.targets, TARGETS, "target")
     return args
 
 

@@ -555,11 +555,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.quick:
         args.duration, args.warmup = 3.0, 1.0
-    args.scenarios = [s for s in args.scenarios.split(",") if s]
-    args.targets = [t for t in args.targets.split(",") if t]
+    args.scenarios = common.comma_list(p, args.scenarios, ("fast", "slow"), "scenario")
+    args.targets = common.comma_list(p, args.targets, TARGETS, "target")
     args.headers = REQUEST_HEADERS | (SDK_HEADERS if args.sdk_headers else {})
-    if set(args.scenarios) - {"fast", "slow"} or set(args.targets) - set(TARGETS):
-        p.error("unknown scenario or target")
     return args
 
 

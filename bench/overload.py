@@ -242,9 +242,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         # 0.5x, not 1x: the lowest multiple's direct p99 is the upstream p99 of the target.
         args.multiples, args.duration = "0.5,10", 3.0
     args.multiples = [float(m) for m in args.multiples.split(",") if m]
-    args.targets = [t for t in args.targets.split(",") if t]
-    if set(args.targets) - set(TARGETS):
-        p.error("unknown target")
+    args.targets = common.comma_list(p, args.targets, TARGETS, "target")
     return args
 
 

@@ -105,9 +105,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--agent-tries", type=int, help="fleet: framework tries per step (3)")
     p.add_argument("--output", type=Path, help="JSON result path (bench/results/...)")
     args = p.parse_args(argv)
-    args.modes = tuple(m for m in args.modes.split(",") if m)
-    if set(args.modes) - {"direct", *VARIANTS}:
-        p.error("unknown mode")
+    args.modes = tuple(common.comma_list(p, args.modes, ("direct", *VARIANTS), "mode"))
     return args
 
 

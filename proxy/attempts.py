@@ -47,7 +47,7 @@ from policies.retry import (
 )
 from policies.usage import Meter
 from proxy import forward as fwd
-from proxy.rejections import jsonrpc_id, render
+from proxy.rejections import jsonrpc_id, refuse, render
 from proxy.routes import Route
 from proxy.runtime import Runtime
 
@@ -134,8 +134,8 @@ async def forward(
                     ticket = breaker.admit()
                 except Rejected as rejected:
                     if number == 1:
-                        return _refuse(rt, route, rejected, request_id, tenant, run, key,
-                                       body), "rejected"
+                        return refuse(rt, route, rejected, request_id, tenant, run, key,
+                                      body), "rejected"
                     stop = "circuit_open"
                     # The breaker opened during the back-off, after the failed answer was let
                     # go: the refusal is what is left to tell the caller.
@@ -276,17 +276,6 @@ def _too_late(at: float, deadline: float | None, caller_deadline: float | None) 
 def _queued(route: Route) -> int:
     limiter = route.concurrency
     return limiter.queued if limiter is not None else 0
-
-
-def _refuse(rt: Runtime, route: Route, rejected: Rejected, request_id: str, tenant: str,
-            run: str | None, key: str | None, body: bytes) -> web.Response:
-    """Answer a request the breaker refused after admission (counted as a rejection)."""
-    route.metrics.rejections[rejected.reason].inc()
-    rt.events.emit("rejected", request_id, route.name, tenant, run, key,
-                   reason=rejected.reason.code,
-                   retry_after_s=None if rejected.retry_after is None
-                   else round(rejected.retry_after, 3))
-    return render(rejected, route.protocol, jsonrpc_id(route.protocol, body))
 
 
 async def _dead_letter(rt: Runtime, route: Route, request: web.BaseRequest,

@@ -28,7 +28,7 @@ from policies.reasons import Reason, Rejected
 from policies.retry import is_client_retry
 from proxy import attempts
 from proxy import forward as fwd
-from proxy.rejections import jsonrpc_id, render
+from proxy.rejections import jsonrpc_id, refuse, render
 from proxy.routes import Route, has_dot_segment
 from proxy.runtime import Runtime
 
@@ -171,7 +171,7 @@ async def handle(rt: Runtime, request: web.BaseRequest) -> web.StreamResponse:
     except Rejected as rejected:
         outcome = "upstream_timeout" if rejected.reason is Reason.UPSTREAM_TIMEOUT else outcome
         status = rejected.reason.status
-        return render(rejected, route.protocol, _jsonrpc_id(route, body))
+        return render(rejected, route.protocol, jsonrpc_id(route.protocol, body))
     except (asyncio.CancelledError, ConnectionResetError):
         # Cancelled: by the caller leaving, or by the drain cutting what outlived it.
         outcome = "drain_cut" if rt.cutting else "client_disconnected"
@@ -197,14 +197,9 @@ async def handle(rt: Runtime, request: web.BaseRequest) -> web.StreamResponse:
 def _reject(rt: Runtime, route: Route, rejected: Rejected, request_id: str, tenant: str,
             run: str | None, body: bytes = b"", idempotency_key: str | None = None
             ) -> web.Response:
-    """Count, log as an event, and render a rejection before admission."""
-    route.metrics.rejections[rejected.reason].inc()
+    """Refuse before admission: the refusal, and the request's ``rejected`` outcome."""
     route.metrics.outcomes["rejected"].inc()
-    rt.events.emit("rejected", request_id, route.name, tenant, run, idempotency_key,
-                   reason=rejected.reason.code,
-                   retry_after_s=None if rejected.retry_after is None
-                   else round(rejected.retry_after, 3))
-    return render(rejected, route.protocol, _jsonrpc_id(route, body))
+    return refuse(rt, route, rejected, request_id, tenant, run, idempotency_key, body)
 
 
 def _replay(rt: Runtime, route: Route, claim: Claim, request_id: str, tenant: str,
@@ -218,8 +213,3 @@ def _replay(rt: Runtime, route: Route, claim: Claim, request_id: str, tenant: st
                    status=record.status, bytes=len(record.body),
                    waited_s=round(claim.waited_s, 6))
     return replay_response(record)
-
-
-def _jsonrpc_id(route: Route, body: bytes) -> object:
-    """The JSON-RPC ``id`` of an MCP request, echoed in its error (``None`` if unknown)."""
-    return jsonrpc_id(route.protocol, body)

@@ -20,11 +20,16 @@ The body uses the route protocol's own error shape so each SDK raises its usual 
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import orjson
 from aiohttp import web
 
 from policies.reasons import Reason, Rejected
+
+if TYPE_CHECKING:
+    from proxy.routes import Route
+    from proxy.runtime import Runtime
 
 #: Longest wait both official SDKs honour as given (the Anthropic SDK's cap), seconds.
 SDK_RETRY_AFTER_CAP_S = 60.0
@@ -121,3 +126,19 @@ def render(rejected: Rejected, protocol: str, jsonrpc_id: object = None) -> web.
         content_type="application/json",
         headers=rejection_headers(rejected),
     )
+
+
+def refuse(rt: Runtime, route: Route, rejected: Rejected, request_id: str, tenant: str,
+           run: str | None, idempotency_key: str | None = None, body: bytes = b"",
+           ) -> web.Response:
+    """Count ``rejected`` by reason, log its ``rejected`` event, and render it for ``route``.
+
+    The one way Sluice refuses a request on a route, whether before admission (the handler)
+    or at the breaker after it (``proxy.attempts``); ``body`` supplies an MCP request's id.
+    """
+    route.metrics.rejections[rejected.reason].inc()
+    rt.events.emit("rejected", request_id, route.name, tenant, run, idempotency_key,
+                   reason=rejected.reason.code,
+                   retry_after_s=None if rejected.retry_after is None
+                   else round(rejected.retry_after, 3))
+    return render(rejected, route.protocol, jsonrpc_id(route.protocol, body))
