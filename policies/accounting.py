@@ -32,10 +32,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from policies.budget import Budgets, Reservation, price_usd
+from policies.config import ModelPrice, RouteConfig
 from policies.rate import TokenBucket
 from policies.reasons import Reason, Rejected
 from policies.usage import Meter, RequestCost, Usage, endpoint_for, read_request
-from proxy.config import ModelPrice, RouteConfig
 from proxy.metrics import OTHER_TENANT, Metrics, RouteMetrics
 
 #: Label of the per-route budget's gauges, which belong to no tenant.

@@ -52,8 +52,8 @@ from collections.abc import Mapping
 
 import pybreaker
 
+from policies.config import CircuitBreakerConfig
 from policies.reasons import Reason, Rejected
-from proxy.config import CircuitBreakerConfig
 from proxy.events import EventLog
 
 #: ``sluice_circuit_state`` values.

@@ -35,9 +35,9 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
+from policies.config import BudgetConfig, ModelPrice
 from policies.reasons import Reason, Rejected
 from policies.usage import Usage, cost_usd
-from proxy.config import BudgetConfig, ModelPrice
 
 #: Suggested wait when only reservations of requests in flight deny, seconds: they settle
 #: within a request's duration, usually to less than they hold.

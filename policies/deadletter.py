@@ -31,7 +31,7 @@ from typing import Any
 
 import orjson
 
-from proxy.config import DeadLetterConfig
+from policies.config import DeadLetterConfig
 
 #: Header-name fragments that mark a credential (matched on the lower-cased name).
 SECRET_HEADER_PARTS = ("auth", "cookie", "api-key", "api_key", "apikey", "token", "secret",

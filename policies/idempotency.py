@@ -78,10 +78,10 @@ from collections.abc import Hashable
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from policies.config import IdempotencyConfig
 from policies.idempotency_store import DONE, SEEN, TOO_LARGE, MemoryStore, Record, ResultStore
 from policies.reasons import Reason, Rejected
 from policies.retry import is_client_retry
-from proxy.config import IdempotencyConfig
 
 #: Methods that are idempotent by definition and never get a key (RFC 9110 §9.2.1).
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})

@@ -29,8 +29,8 @@ from collections import OrderedDict
 
 from aiolimiter import AsyncLimiter
 
+from policies.config import Rate, RateConfig
 from policies.reasons import Reason, Rejected
-from proxy.config import Rate, RateConfig
 
 #: Tenants whose buckets are kept; beyond it the least recently seen *idle* ones are dropped.
 MAX_TENANT_BUCKETS = 10_000

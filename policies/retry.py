@@ -35,7 +35,7 @@ import time
 from collections.abc import Mapping
 from email.utils import parsedate_to_datetime
 
-from proxy.config import RetryConfig
+from policies.config import RetryConfig
 
 #: Methods RFC 9110 §9.2.2 defines as idempotent.
 IDEMPOTENT_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"})

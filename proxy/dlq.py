@@ -29,9 +29,9 @@ import aiohttp
 import orjson
 from multidict import CIMultiDict
 
+from policies.config import Config, RouteConfig
 from policies.deadletter import DeadLetter, DeadLetterFile
 from proxy.client import upstream_session
-from proxy.config import Config, RouteConfig
 from proxy.forward import upstream_url
 
 EXIT_FAILED = 1

@@ -56,7 +56,8 @@ from typing import Any
 
 from aiohttp import web
 
-from proxy.config import Config, ConfigError, load_config
+from policies.config import Config
+from proxy.config import ConfigError, load_config
 from proxy.redact import redact
 from proxy.runtime import Runtime
 

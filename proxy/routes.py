@@ -21,10 +21,10 @@ from policies.accounting import Accounting
 from policies.breaker import Breaker
 from policies.budget import Budgets, MemoryLedger
 from policies.concurrency import ConcurrencyLimiter
+from policies.config import ModelPrice, RouteConfig
 from policies.idempotency import Idempotency
 from policies.rate import RateLimiter
 from policies.retry import RetryPolicy
-from proxy.config import ModelPrice, RouteConfig
 from proxy.events import EventLog
 from proxy.metrics import Metrics, RouteMetrics
 

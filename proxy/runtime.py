@@ -9,9 +9,9 @@ import aiohttp
 from aiohttp import web
 
 from policies.budget import clock_from_env
+from policies.config import Config
 from policies.deadletter import DeadLetterQueue
 from proxy.client import upstream_session
-from proxy.config import Config
 from proxy.events import EventLog
 from proxy.metrics import Metrics
 from proxy.routes import Route, Router

@@ -21,8 +21,8 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client.aiohttp import make_aiohttp_handler
 
+from policies.config import Config
 from proxy.admin import add_admin_routes
-from proxy.config import Config
 from proxy.handler import handle
 from proxy.reload import RELOADER, Reloader
 from proxy.runtime import RUNTIME, Runtime

@@ -18,9 +18,9 @@ from policies.budget import (
     MemoryLedger,
     clock_from_env,
 )
+from policies.config import BudgetConfig, ModelPrice
 from policies.reasons import Reason, Rejected
 from policies.usage import Usage
-from proxy.config import BudgetConfig, ModelPrice
 from proxy.rejections import rejection_headers
 
 

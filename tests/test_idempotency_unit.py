@@ -11,9 +11,10 @@ import tracemalloc
 import pytest
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from policies.config import IdempotencyConfig
 from policies.idempotency import Capture, Idempotency, parse_key
 from policies.idempotency_store import DONE, SEEN, TOO_LARGE, MemoryStore, Record
-from proxy.config import ConfigError, IdempotencyConfig, parse_config
+from proxy.config import ConfigError, parse_config
 
 MiB = 1024 * 1024
 

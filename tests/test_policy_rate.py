@@ -7,9 +7,9 @@ import asyncio
 import pytest
 
 import policies.rate
+from policies.config import Rate, RateConfig
 from policies.rate import Bucket, RateLimiter
 from policies.reasons import Reason, Rejected
-from proxy.config import Rate, RateConfig
 
 
 def rate(count: int, period_s: int) -> Rate:

@@ -7,9 +7,10 @@ import asyncio
 import pytest
 
 from policies.concurrency import ConcurrencyLimiter
+from policies.config import RateConfig
 from policies.rate import RateLimiter
 from policies.reasons import Reason, Rejected
-from proxy.config import RateConfig, parse_config
+from proxy.config import parse_config
 from proxy.events import EventLog
 from proxy.metrics import Metrics
 from proxy.reload import keep_restart_only

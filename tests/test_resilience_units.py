@@ -10,10 +10,10 @@ import orjson
 import pytest
 
 from policies import breaker as brk
+from policies.config import CircuitBreakerConfig, RetryConfig
 from policies.deadletter import Attempt, DeadLetter, DeadLetterFile, redact, redact_path
 from policies.reasons import Reason, Rejected
 from policies.retry import RetryBudget, RetryPolicy, retry_is_safe, upstream_retry_after
-from proxy.config import CircuitBreakerConfig, RetryConfig
 from proxy.events import EventLog
 
 

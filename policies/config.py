@@ -1,0 +1,470 @@
+"""The config schema: every section and policy block as a strict, frozen pydantic model.
+
+This module is neutral ground: the policies (``policies/``) read their blocks from here and the
+server (``proxy/``) loads files into them (``proxy/config.py``: YAML, line numbers, messages),
+so neither has to import the other.
+
+Durations are strings with a unit (``250ms``, ``5s``, ``10m``, ``24h``, ``1d``) and become
+float seconds; rates are ``N/s``, ``N/min``, ``N/h``, ``N/day`` and become :class:`Rate`.
+The models are strict, so a boolean or a number where a string belongs is an error (see
+``proxy/config.py`` for the YAML 1.1 habits that makes matter).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    field_validator,
+    model_validator,
+)
+
+
+class ConfigError(Exception):
+    """The config file is unreadable or invalid.
+
+    Attributes:
+        problems: one ``FILE:LINE: KEY: PROBLEM`` line per problem found.
+    """
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("\n".join(problems))
+        self.problems = problems
+
+
+# --- units -----------------------------------------------------------------------------------
+
+_DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h|d)$")
+_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+_RATE = re.compile(r"^(\d+)/(s|min|h|day)$")
+_RATE_PERIODS = {"s": 1, "min": 60, "h": 3600, "day": 86400}
+_ALLOWANCE = re.compile(r"^(\d+(?:\.\d+)?)/(s|min|h|day|total)$")
+
+
+@dataclass(frozen=True, slots=True)
+class Rate:
+    """``count`` events per ``period_s`` seconds, as written ``N/unit`` in the config."""
+
+    count: int
+    period_s: int
+    text: str
+
+    def __str__(self) -> str:
+        return self.text
+
+
+@dataclass(frozen=True, slots=True)
+class Allowance:
+    """A budget: ``amount`` (tokens or USD) per UTC-aligned window of ``period_s`` seconds, or
+    in total when ``period_s`` is ``None``; written ``N/min``, ``N/h``, ``N/day`` or ``N/total``.
+    """
+
+    amount: float
+    period_s: int | None
+    text: str
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def _parse_allowance(value: Any) -> Allowance:
+    if isinstance(value, str) and (m := _ALLOWANCE.match(value.strip())):
+        amount = float(m.group(1))
+        if amount <= 0:
+            raise ValueError(f"{value!r}: a budget must allow more than 0")
+        unit = m.group(2)
+        return Allowance(amount, None if unit == "total" else _RATE_PERIODS[unit], value.strip())
+    raise ValueError(
+        f"{value!r} is not a budget: write N/min, N/h, N/day or N/total, e.g. 5000000/day"
+    )
+
+
+def _parse_duration(value: Any) -> float:
+    if not isinstance(value, str) or not (m := _DURATION.match(value.strip())):
+        raise ValueError(
+            f"{value!r} is not a duration: write a number and a unit, e.g. 250ms, 5s, 10m, 24h"
+        )
+    return float(m.group(1)) * _DURATION_UNITS[m.group(2)]
+
+
+def _parse_rate(value: Any) -> Rate:
+    if not isinstance(value, str) or not (m := _RATE.match(value.strip())):
+        raise ValueError(f"{value!r} is not a rate: write N/s, N/min, N/h or N/day, e.g. 600/min")
+    count = int(m.group(1))
+    if count < 1:
+        raise ValueError(f"{value!r}: a rate must allow at least 1 per period")
+    return Rate(count, _RATE_PERIODS[m.group(2)], value.strip())
+
+
+def _parse_listen(value: str) -> str:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"{value!r} is not HOST:PORT, e.g. 127.0.0.1:8080")
+    return value
+
+
+def _positive(value: float) -> float:
+    if value <= 0:
+        raise ValueError("must be greater than 0")
+    return value
+
+
+Duration = Annotated[float, BeforeValidator(_parse_duration)]
+PositiveDuration = Annotated[float, BeforeValidator(_parse_duration), AfterValidator(_positive)]
+RateSpec = Annotated[Rate, BeforeValidator(_parse_rate), PlainSerializer(str)]  # dumps as written
+AllowanceSpec = Annotated[Allowance, BeforeValidator(_parse_allowance)]
+Listen = Annotated[str, AfterValidator(_parse_listen)]
+
+
+Path_ = tuple[str | int, ...]
+
+
+# --- the schema ------------------------------------------------------------------------------
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class ServerConfig(_Section):
+    listen: Listen = "0.0.0.0:8080"
+    admin_listen: Listen = "127.0.0.1:9901"
+    drain_timeout: Duration = 30.0
+    #: Largest request body accepted, bytes; bigger bodies get 413.
+    max_request_bytes: int = Field(default=32 * 1024 * 1024, gt=0)
+
+
+class StateConfig(_Section):
+    backend: Literal["memory"] = "memory"
+
+
+class IdentityConfig(_Section):
+    tenant_header: str = "X-Tenant-ID"
+    run_header: str = "X-Run-ID"
+    priority_header: str = "X-Priority"
+    default_tenant: str = Field(default="default", min_length=1)
+
+
+class EventsConfig(_Section):
+    #: Where the admission timeline goes as JSON lines; ``None`` means stdout.
+    path: str | None = None
+
+
+class TimeoutsConfig(_Section):
+    connect: PositiveDuration = 5.0
+    total: PositiveDuration = 600.0
+
+
+class ConcurrencyConfig(_Section):
+    limit: int = Field(gt=0)
+    queue: int = Field(default=0, ge=0)
+    max_wait: Duration = 5.0
+    per_tenant: int | None = Field(default=None, gt=0)
+
+
+class TenantRateConfig(_Section):
+    requests: RateSpec
+
+
+class RateConfig(_Section):
+    requests: RateSpec | None = None
+    #: Tokens per period, each request weighted by its reserved worst case (policies/rate.py).
+    tokens: RateSpec | None = None
+    per_tenant: TenantRateConfig | None = None
+
+
+_TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
+
+
+def _header_name(value: str) -> str:
+    if not _TOKEN.match(value):
+        raise ValueError(f"{value!r} is not an HTTP header name (RFC 9110 §5.1 token)")
+    return value
+
+
+HeaderName = Annotated[str, AfterValidator(_header_name)]
+
+
+class IdempotencyConfig(_Section):
+    """Idempotency keys on a route (``policies/idempotency.py``; every key is documented there
+    and in ``config/sluice.yaml``)."""
+
+    mode: Literal["dedup", "forward", "serialize", "off"] = "dedup"
+    ttl: PositiveDuration = 86400.0
+    derive_from: list[HeaderName] = Field(default_factory=list)
+    on_in_flight: Literal["wait", "reject"] = "wait"
+    max_entries: int = Field(default=10_000, gt=0)
+    max_bytes: int = Field(default=64 * 1024 * 1024, gt=0)
+    max_replay_bytes: int = Field(default=1024 * 1024, gt=0)
+
+    @model_validator(mode="after")
+    def _coherent(self) -> IdempotencyConfig:
+        # A key the mode never reads would be a silent no-op: refuse it ("off" may keep any).
+        unused = {"forward": ("on_in_flight", "max_replay_bytes"),
+                  "serialize": ("max_replay_bytes",)}
+        for key in unused.get(self.mode, ()):
+            if key in self.model_fields_set:
+                raise ValueError(f"{key} has no effect in mode {self.mode}")
+        if self.max_replay_bytes > self.max_bytes:
+            raise ValueError(
+                f"max_replay_bytes ({self.max_replay_bytes}) exceeds max_bytes ({self.max_bytes})"
+            )
+        if len(set(map(str.lower, self.derive_from))) != len(self.derive_from):
+            raise ValueError("derive_from names a header twice")
+        return self
+
+
+class CircuitBreakerConfig(_Section):
+    """``circuit_breaker``: one breaker per route upstream (see ``policies/breaker.py``)."""
+
+    #: Consecutive upstream failures that open the breaker.
+    fail_max: int = Field(default=5, gt=0)
+    #: Optional failure-rate trip: the fraction of calls in the last ``window`` that failed,
+    #: evaluated once ``min_calls`` calls are in the window (Resilience4j semantics, ``>=``).
+    rate: float | None = Field(default=None, gt=0, le=1)
+    window: PositiveDuration = 30.0
+    min_calls: int = Field(default=10, gt=0)
+    #: Time open before one probe is let through, seconds.
+    reset_timeout: PositiveDuration = 30.0
+    #: Successful probes in a row that close the breaker again.
+    success_threshold: int = Field(default=1, gt=0)
+
+
+class BackoffConfig(_Section):
+    base: PositiveDuration = 0.25
+    max: PositiveDuration = 8.0
+
+
+class RetryBudgetConfig(_Section):
+    """Retries in flight <= max(``min_concurrency``, ``ratio`` x active requests) (Envoy)."""
+
+    ratio: float = Field(default=0.2, gt=0, le=1)
+    min_concurrency: int = Field(default=3, ge=0)
+
+
+def _retry_on(value: Any) -> Any:
+    if isinstance(value, int) and not isinstance(value, bool) and not 400 <= value <= 599:
+        raise ValueError(f"{value} is not an error status (400-599)")
+    return value
+
+
+RetryOn = Annotated[int | Literal["connect_error", "timeout"], AfterValidator(_retry_on)]
+
+
+class RetryConfig(_Section):
+    """``retry``: Sluice's one retry layer (see ``policies/retry.py``)."""
+
+    #: Upstream attempts in all, the first one included.
+    attempts: int = Field(default=3, ge=1, le=10)
+    #: Bound on one attempt, up to the upstream's response headers, seconds.
+    per_try_timeout: PositiveDuration | None = None
+    #: Bound on all attempts and the waits between them, seconds.
+    deadline: PositiveDuration | None = None
+    backoff: BackoffConfig = BackoffConfig()
+    on: list[RetryOn] = Field(
+        default_factory=lambda: [502, 503, 504, "connect_error", "timeout"], min_length=1
+    )
+    #: Longest upstream ``Retry-After`` Sluice waits for; a longer one ends the retries.
+    max_retry_after: PositiveDuration = 60.0
+    budget: RetryBudgetConfig = RetryBudgetConfig()
+
+
+class DeadLetterConfig(_Section):
+    #: SQLite file for dead-lettered work (created on first use).
+    path: str = Field(default="sluice-dlq.sqlite", min_length=1)
+    #: Request bodies are kept up to this size, bytes; longer ones are cut and not replayable.
+    max_body_bytes: int = Field(default=1024 * 1024, ge=0)
+
+
+class BudgetConfig(_Section):
+    """One budget block (policies/budget.py): limits per unit, for one kind of scope."""
+
+    tokens: AllowanceSpec | None = None  # input + output tokens
+    input_tokens: AllowanceSpec | None = None
+    output_tokens: AllowanceSpec | None = None
+    usd: AllowanceSpec | None = None  # priced from the top-level ``pricing`` table
+    per: Literal["tenant", "run", "route"] = "tenant"
+    #: Fraction of a limit spent (0 < warn_at <= 1) from which answers carry a warning header.
+    warn_at: float | None = Field(default=None, gt=0, le=1)
+    #: How long an idle run's ``N/total`` spend is remembered (memory is bounded by it).
+    ttl: PositiveDuration = 86400.0
+
+    @model_validator(mode="after")
+    def _some_limit(self) -> BudgetConfig:
+        if not self.limits():
+            raise ValueError("set at least one of tokens, input_tokens, output_tokens, usd")
+        return self
+
+    def limits(self) -> list[tuple[str, Allowance]]:
+        """``[(unit, allowance)]`` for each unit this block limits."""
+        return [
+            (unit, allowance)
+            for unit in BUDGET_UNITS
+            if (allowance := getattr(self, unit)) is not None
+        ]
+
+
+#: Units a budget can count, as they appear in config keys and metric labels.
+BUDGET_UNITS = ("tokens", "input_tokens", "output_tokens", "usd")
+
+
+def _one_or_many(value: Any) -> Any:
+    return [value] if isinstance(value, dict) else value
+
+
+class UsageConfig(_Section):
+    """How an openai/anthropic route reads and shapes token usage (policies/usage.py)."""
+
+    #: Output cap reserved for a request that sets none (max_tokens and the like), tokens.
+    default_max_tokens: int | None = Field(default=None, gt=0)
+    #: Write that cap into such requests, so the upstream cannot exceed the reservation.
+    write_max_tokens: bool = True
+    #: Ask OpenAI streams for their usage chunk; it is stripped if the client did not ask.
+    stream_usage: bool = True
+
+
+class ModelPrice(_Section):
+    """USD per million tokens of one model."""
+
+    input: float = Field(ge=0)
+    output: float = Field(ge=0)
+    #: Input tokens read from a prompt cache; defaults to ``input``.
+    cache_read: float | None = Field(default=None, ge=0)
+    #: Input tokens written to a prompt cache (Anthropic); defaults to ``input``.
+    cache_write: float | None = Field(default=None, ge=0)
+
+
+class RouteConfig(_Section):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
+    path_prefix: str
+    upstream: str
+    protocol: Literal["openai", "anthropic", "mcp", "http"] = "http"
+    timeouts: TimeoutsConfig = TimeoutsConfig()
+    concurrency: ConcurrencyConfig | None = None
+    rate: RateConfig | None = None
+    idempotency: IdempotencyConfig | None = None
+    circuit_breaker: CircuitBreakerConfig | None = None
+    retry: RetryConfig | None = None
+    #: One budget block, or a list of them (e.g. per tenant and per run).
+    budget: Annotated[list[BudgetConfig], BeforeValidator(_one_or_many)] | None = None
+    usage: UsageConfig = UsageConfig()
+
+    @field_validator("path_prefix")
+    @classmethod
+    def _prefix(cls, value: str) -> str:
+        if not value.startswith("/") or not value.endswith("/") or "/../" in value:
+            raise ValueError(f"{value!r} must start and end with '/', e.g. /openai/")
+        return value
+
+    @field_validator("upstream")
+    @classmethod
+    def _upstream(cls, value: str) -> str:
+        if not re.match(r"^https?://[^/?#\s]+(/[^?#\s]*)?$", value):
+            raise ValueError(
+                f"{value!r} must be an http:// or https:// base URL with no query or fragment"
+            )
+        return value.rstrip("/")
+
+
+class Config(_Section):
+    server: ServerConfig = ServerConfig()
+    state: StateConfig = StateConfig()
+    identity: IdentityConfig = IdentityConfig()
+    events: EventsConfig = EventsConfig()
+    dead_letter: DeadLetterConfig = DeadLetterConfig()
+    #: USD per million tokens, by model name as the request names it.
+    pricing: dict[str, ModelPrice] = {}
+    routes: list[RouteConfig] = Field(min_length=1)
+
+
+def _port(listen: str) -> int:
+    return int(listen.rpartition(":")[2])
+
+
+def cross_checks(config: Config) -> Iterator[tuple[Path_, str]]:
+    """Problems no single key shows: one port for both listeners, the same route name or prefix
+    twice, budgets that could not bind."""
+    if _port(config.server.listen) == _port(config.server.admin_listen) != 0:
+        yield ("server", "admin_listen"), (
+            f"{config.server.admin_listen} uses the same port as listen ({config.server.listen})"
+        )
+    seen: dict[tuple[str, str], int] = {}
+    for index, route in enumerate(config.routes):
+        for key in ("name", "path_prefix"):
+            value = getattr(route, key)
+            if (key, value) in seen:
+                yield ("routes", index, key), (
+                    f"{value!r} is already used by routes[{seen[key, value]}]"
+                )
+            seen.setdefault((key, value), index)
+        retry = route.retry
+        if retry is not None:
+            if retry.backoff.base > retry.backoff.max:
+                yield ("routes", index, "retry", "backoff", "base"), "must not exceed backoff.max"
+            if retry.per_try_timeout and retry.deadline and retry.per_try_timeout > retry.deadline:
+                yield ("routes", index, "retry", "per_try_timeout"), "must not exceed deadline"
+        yield from budget_checks(config, index, route)
+
+
+def budget_checks(config: Config, index: int, route: RouteConfig) -> Iterator[tuple[Path_, str]]:
+    """Token limits only bind where Sluice can read usage, and each must be able to admit."""
+    at: Path_ = ("routes", index)
+    llm = route.protocol in ("openai", "anthropic")
+    if route.rate is not None and route.rate.tokens is not None and not llm:
+        yield (*at, "rate", "tokens"), (
+            f"token limits need protocol openai or anthropic (Sluice reads usage from those "
+            f"only), not {route.protocol}"
+        )
+    default_cap = route.usage.default_max_tokens
+    if route.rate is not None and route.rate.tokens is not None and default_cap is not None:
+        if default_cap > route.rate.tokens.count:
+            yield (*at, "usage", "default_max_tokens"), (
+                f"{default_cap} exceeds rate.tokens {route.rate.tokens}: every request without "
+                f"max_tokens would be refused"
+            )
+    seen: dict[tuple[str, str, int | None], int] = {}
+    for b, block in enumerate(route.budget or ()):
+        where = (*at, "budget", b) if len(route.budget or ()) > 1 else (*at, "budget")
+        for unit, allowance in block.limits():
+            same = (unit, block.per, allowance.period_s)
+            if same in seen:
+                yield (*where, unit), (
+                    f"budget[{seen[same]}] already limits {unit} per {block.per} over the same "
+                    f"window; keep the smaller one"
+                )
+            seen.setdefault(same, b)
+        if not llm:
+            yield where, (
+                f"budgets need protocol openai or anthropic (Sluice reads usage from those "
+                f"only), not {route.protocol}"
+            )
+        for unit, allowance in block.limits():
+            if allowance.period_s is None and block.per != "run":
+                yield (*where, unit), (
+                    f"{allowance} needs per: run (a tenant's or route's all-time spend is not "
+                    f"kept across restarts; use a window such as N/day)"
+                )
+            if unit == "usd" and not config.pricing:
+                yield (*where, unit), "a usd budget needs the top-level pricing table"
+            if (
+                default_cap is not None
+                and unit in ("tokens", "output_tokens")
+                and default_cap > allowance.amount
+            ):
+                yield (*at, "usage", "default_max_tokens"), (
+                    f"{default_cap} exceeds the {unit} budget {allowance}: every request "
+                    f"without max_tokens would be refused"
+                )
+        if "ttl" in block.model_fields_set and not any(
+            a.period_s is None for _, a in block.limits()
+        ):
+            yield (*where, "ttl"), "ttl applies only to N/total budgets"
