@@ -1,22 +1,24 @@
 """Token accounting of one request on an ``openai`` or ``anthropic`` route, end to end.
 
-The request path (:mod:`proxy.handler`) calls, in order:
+It is one step of the admission pipeline (:mod:`policies.pipeline`):
 
-1. :meth:`Accounting.open`: is this a metered call (:func:`policies.usage.endpoint_for`)? Read
-   its body once (model, output cap, stream), maybe rewrite it (default cap, usage option).
-2. :meth:`Accounting.reserve`: take its worst case from the token rate (``rate.tokens``) and
-   reserve it on the budgets (``budget``), or raise :class:`~policies.reasons.Rejected`.
-3. If admission fails later (queue full, caller gone): :meth:`Charge.release` gives it all back.
-4. While forwarding, :attr:`Charge.meter` reads the answer's usage as it passes.
-5. In the handler's ``finally``, whatever happened: :meth:`Charge.settle` replaces the
-   reservation by what was used, counts tokens and cost, and returns the ``completed``
-   event's fields. It never awaits.
+1. :meth:`Accounting.admit` reads the call's body once (model, output cap, stream) if it is a
+   metered call (:func:`policies.usage.endpoint_for`), maybe rewrites it (default cap, usage
+   option), then takes its worst case from the token rate (``rate.tokens``) and reserves it on
+   the budgets (``budget``), or raises :class:`~policies.reasons.Rejected`. It leaves the
+   :class:`Charge` held, its meter on ``call.meter``.
+2. While forwarding, the meter reads the answer's usage as it passes.
+3. When the call ends, whatever ended it, :meth:`Charge.release` is told the outcome. A call
+   that never reached the upstream (refused by a later step, caller gone, no connection) gets
+   everything back: its tokens and its reservation. Otherwise the reservation is replaced by
+   what was used, and ``call.charged`` gets the ``completed`` event's fields (tokens, cost,
+   how usage was known), which the request path also counts in its metrics. Never awaits.
 
 What is charged (``usage`` in the event):
 
 * ``reported``: the upstream's own count, whenever the answer carried one.
-* ``none`` (0): the request never reached the upstream (connection refused), or the upstream
-  answered an error status in full: providers bill neither.
+* ``none`` (0): the request never reached the upstream (refused, or no connection), or the
+  upstream answered an error status in full: providers bill neither.
 * ``estimated``: a stream cut before its usage arrived (caller gone, upstream cut or stalled):
   the input (the upstream's count if it came, else the estimate) and the output streamed so
   far, at least 1 token and at most the cap; never 0.
@@ -24,22 +26,21 @@ What is charged (``usage`` in the event):
   before the answer, a proxy error): the whole reservation, since the upstream may have
   billed it all.
 
-The last two count in ``sluice_usage_missing_total``: missing usage is never counted as zero.
+The last two are counted in ``sluice_usage_missing_total`` by the request path: missing usage
+is never counted as zero.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from policies.budget import Budgets, Reservation, price_usd
 from policies.config import ModelPrice, RouteConfig
+from policies.pipeline import Call, Outcome
 from policies.rate import TokenBucket
 from policies.reasons import Reason, Rejected
 from policies.usage import Meter, RequestCost, Usage, endpoint_for, read_request
-from proxy.metrics import OTHER_TENANT, Metrics, RouteMetrics
 
-#: Label of the per-route budget's gauges, which belong to no tenant.
-ROUTE_SCOPE_LABEL = "*"
+#: Tenants whose remaining budget the admin API lists (the first seen).
+MAX_TENANTS_SHOWN = 100
 
 
 class Accounting:
@@ -50,13 +51,12 @@ class Accounting:
         pricing: the top-level ``pricing`` table.
         token_bucket: the route's ``rate.tokens`` bucket, if any.
         budgets: the route's budgets, if any.
-        metrics: the server's series; ``route_metrics`` the route's bound ones.
         run_header: the header naming a run, for the message when it is missing.
     """
 
     def __init__(self, config: RouteConfig, pricing: dict[str, ModelPrice],
-                 token_bucket: TokenBucket | None, budgets: Budgets | None, metrics: Metrics,
-                 route_metrics: RouteMetrics, run_header: str) -> None:
+                 token_bucket: TokenBucket | None, budgets: Budgets | None,
+                 run_header: str) -> None:
         self.protocol = config.protocol
         self.anthropic = config.protocol == "anthropic"
         usage = config.usage
@@ -67,20 +67,13 @@ class Accounting:
         self.token_bucket = token_bucket
         self.budgets = budgets
         self.enforcing = token_bucket is not None or budgets is not None
-        self.metrics = metrics
-        self.route_metrics = route_metrics
         self.run_header = run_header
-        self._gauged: set[str] = set()
-        self._tenant_units: list[str] = []
+        #: Tenants seen on this route (the first ``MAX_TENANTS_SHOWN``), for the admin API.
+        self.tenants: dict[str, None] = {}
+        self.tenant_units: list[str] = []
         if budgets is not None:
-            units: dict[tuple[str, str], None] = {}
-            for limit in budgets.limits:
-                if limit.per in ("tenant", "route"):
-                    units[limit.per, limit.unit] = None
-            self._tenant_units = [unit for per, unit in units if per == "tenant"]
-            for per, unit in units:
-                if per == "route":
-                    self._gauge(ROUTE_SCOPE_LABEL, "route", "", unit)
+            self.tenant_units = list(dict.fromkeys(
+                limit.unit for limit in budgets.limits if limit.per == "tenant"))
 
     def state(self) -> dict[str, object]:
         """Budget left now, per tenant seen (within the label cap) and per route, for the
@@ -93,10 +86,26 @@ class Accounting:
                      for unit in (limit.unit,)}
         per_tenant = {
             tenant: {unit: round(budgets.remaining(unit, "tenant", tenant), 6)
-                     for unit in self._tenant_units}
-            for tenant in sorted(self._gauged)
+                     for unit in self.tenant_units}
+            for tenant in sorted(self.tenants)
         }
         return {"budget_remaining": {"route": per_route or None, "tenants": per_tenant}}
+
+    async def admit(self, call: Call) -> Charge | None:
+        """The pipeline step (:class:`policies.pipeline.Policy`): read and reserve a metered
+        call (see the module docstring); ``None`` for a call that is not metered.
+
+        Raises:
+            Rejected: from :meth:`open` or :meth:`reserve`; nothing is held.
+        """
+        charge = self.open(call.method, call.path, call.body, call.tenant, call.run)
+        if charge is None:
+            return None
+        await self.reserve(charge)
+        call.body = charge.body
+        call.meter = charge.meter
+        charge.call = call
+        return charge
 
     def open(self, method: str, raw_path: str, body: bytes, tenant: str,
              run: str | None) -> Charge | None:
@@ -150,35 +159,13 @@ class Accounting:
         try:
             charge.reservation = await budgets.reserve(
                 charge.tenant, charge.run, cost.model, cost.input_tokens, cap)
+            charge.meter.headers = budgets.headers(charge.reservation)
         except BaseException:
-            charge.release()
+            charge.release(None)
             raise
-        charge.meter.headers = budgets.headers(charge.reservation)
-        if self._tenant_units and charge.tenant not in self._gauged:
-            self._watch(charge.tenant)
-
-    def _watch(self, tenant: str) -> None:
-        """Export a tenant's remaining budget, unless it is beyond the label cap (then it has
-        no gauges: one ``other`` series could not say whose budget it is)."""
-        if self.route_metrics.tenant(tenant).label == OTHER_TENANT:
-            return
-        self._gauged.add(tenant)
-        for unit in self._tenant_units:
-            self._gauge(tenant, "tenant", tenant, unit)
-
-    def _gauge(self, label: str, per: str, tenant: str, unit: str) -> None:
-        budgets = self.budgets
-        assert budgets is not None
-        route = self.route_metrics.name
-        self.metrics.budget_remaining.labels(route, label, unit).set_function(
-            _reader(budgets.remaining, unit, per, tenant))
-        self.metrics.budget_reserved.labels(route, label, unit).set_function(
-            _reader(budgets.reserved, unit, per, tenant))
-
-
-def _reader(read: Callable[[str, str, str], float], unit: str, per: str,
-            tenant: str) -> Callable[[], float]:
-    return lambda: read(unit, per, tenant)
+        if (self.tenant_units and charge.tenant not in self.tenants
+                and len(self.tenants) < MAX_TENANTS_SHOWN):
+            self.tenants[charge.tenant] = None
 
 
 class Charge:
@@ -191,7 +178,7 @@ class Charge:
         rate_tokens: taken from the token rate, if any.
     """
 
-    __slots__ = ("_acct", "_open", "cost", "meter", "rate_tokens", "reservation", "run",
+    __slots__ = ("_acct", "_open", "call", "cost", "meter", "rate_tokens", "reservation", "run",
                  "tenant")
 
     def __init__(self, acct: Accounting, cost: RequestCost, tenant: str, run: str | None):
@@ -203,49 +190,39 @@ class Charge:
         self.meter = Meter(cost.endpoint, acct.anthropic, cost.strip_usage)
         self.reservation: Reservation | None = None
         self.rate_tokens = 0
+        self.call: Call | None = None
 
     @property
     def body(self) -> bytes:
         """The body to forward."""
         return self.cost.body
 
-    def release(self) -> None:
-        """The request will not be forwarded: give back its tokens and its reservation."""
+    def release(self, outcome: Outcome | None) -> None:
+        """End the charge, once (a :class:`policies.pipeline.Holding`). Never awaits.
+
+        ``outcome`` ``None`` or not ``reached``: the upstream never saw the request, so its
+        tokens and its reservation are given back in full. Otherwise the reservation settles
+        to what was used (see the module docstring), and the ``completed`` event's fields go
+        to ``call.charged``.
+        """
         if not self._open:
             return
         self._open = False
         acct = self._acct
-        if self.rate_tokens and acct.token_bucket is not None:
-            acct.token_bucket.refund(self.rate_tokens)
-        if self.reservation is not None and acct.budgets is not None:
-            acct.budgets.settle(self.reservation, None)
-
-    def settle(self, outcome: str) -> dict[str, object]:
-        """Charge what was used (see the module docstring); returns event fields. Never awaits.
-
-        Args:
-            outcome: the ``sluice_requests_total`` outcome of the request.
-        """
-        if not self._open:
-            return {}
-        self._open = False
-        acct = self._acct
-        usage, source = self._used(outcome)
-        if source in ("estimated", "reserved"):
-            acct.route_metrics.usage_missing.inc()
+        if outcome is None or not outcome.reached:
+            if self.rate_tokens and acct.token_bucket is not None:
+                acct.token_bucket.refund(self.rate_tokens)
+            usage, source = Usage(), "none"
+        else:
+            usage, source = self._used(outcome.label)
         if self.reservation is not None and acct.budgets is not None:
             acct.budgets.settle(self.reservation, usage)
+        if self.call is None or outcome is None or outcome.label == "rejected":
+            return
         model = self.cost.model
         price = acct.pricing.get(model) if model is not None else None
         usd = price_usd(price, usage) if price is not None else None
-        series = acct.route_metrics.tenant(self.tenant)
-        if usage.input_tokens:
-            series.input_tokens.inc(usage.input_tokens)
-        if usage.output_tokens:
-            series.output_tokens.inc(usage.output_tokens)
-        if usd:
-            series.cost.inc(usd)
-        return {
+        self.call.charged = {
             "model": model,
             "input_tokens": usage.input_tokens,
             "output_tokens": usage.output_tokens,
@@ -256,8 +233,6 @@ class Charge:
     def _used(self, outcome: str) -> tuple[Usage, str]:
         meter = self.meter
         cost = self.cost
-        if not meter.sent:
-            return Usage(), "none"
         if meter.final:
             return meter.usage, "reported"
         status = meter.status

@@ -35,7 +35,7 @@ lands late outcomes on whatever state is current. So instead of holding ``callin
 across the ``await`` (where a caller's cancellation could only count as a success, and a
 cancelled probe would close the breaker), this module
 
-* admits attempts itself (:meth:`Breaker.admit`): open-until on the monotonic clock, one probe
+* admits attempts itself (:meth:`Breaker.attempt`): open-until on the monotonic clock, one probe
   in half-open;
 * feeds pybreaker each outcome synchronously, once the attempt's response headers (or error)
   are in, through ``calling()`` around a block that raises for a failure;
@@ -48,13 +48,13 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import pybreaker
 
 from policies.config import CircuitBreakerConfig
+from policies.pipeline import Call
 from policies.reasons import Reason, Rejected
-from proxy.events import EventLog
 
 #: ``sluice_circuit_state`` values.
 STATE_VALUES = {pybreaker.STATE_CLOSED: 0, pybreaker.STATE_HALF_OPEN: 1, pybreaker.STATE_OPEN: 2}
@@ -142,16 +142,23 @@ class FailureRateWindow:
 class Breaker(pybreaker.CircuitBreakerListener):
     """The breaker of one route.
 
-    Per attempt: ``ticket = admit()`` (raises ``Rejected``), then exactly one of
+    Per attempt: ``ticket = attempt()`` (raises ``Rejected``), then exactly one of
     ``record(ticket, outcome, status, retry_after)`` or ``release(ticket)`` (neutral outcome,
-    e.g. the caller went away). ``check()`` is the same test as ``admit()`` without taking
-    anything, for refusing a request before it queues.
+    e.g. the caller went away). ``check()`` is the same test as ``attempt()`` without taking
+    anything, for refusing a call before it queues (the pipeline step :meth:`admit`).
+
+    Args:
+        config: the route's ``circuit_breaker`` block.
+        route: the route's name, for events and messages.
+        on_event: called as ``on_event(event, **fields)`` on every transition
+            (``circuit_opened``, ``circuit_half_open``, ``circuit_closed``).
     """
 
-    def __init__(self, config: CircuitBreakerConfig, route: str, events: EventLog) -> None:
+    def __init__(self, config: CircuitBreakerConfig, route: str,
+                 on_event: Callable[..., None]) -> None:
         self.route = route
         self.reset_timeout = config.reset_timeout
-        self._events = events
+        self._on_event = on_event
         self._window = (
             FailureRateWindow(config.window, config.rate, config.min_calls)
             if config.rate is not None else None
@@ -205,7 +212,13 @@ class Breaker(pybreaker.CircuitBreakerListener):
         if wait > 0:
             raise self._rejection(wait)
 
-    def admit(self) -> int:
+    async def admit(self, call: Call) -> None:
+        """The pipeline step (:class:`policies.pipeline.Policy`): refuse a call before it
+        queues or spends anything while no attempt would be let through (:meth:`check`).
+        Holds nothing: each attempt is admitted on its own (:meth:`attempt`)."""
+        self.check()
+
+    def attempt(self) -> int:
         """Permission for one upstream attempt; the ticket goes to ``record`` or ``release``.
 
         Moves an open breaker whose wait is over to half-open, and makes this attempt its
@@ -304,12 +317,12 @@ class Breaker(pybreaker.CircuitBreakerListener):
             self._open_until = time.monotonic() + self.reset_timeout
             cause = "probe_failed" if old == pybreaker.STATE_HALF_OPEN else self._trip_cause
             self._cause = cause
-            self._events.emit_system("circuit_opened", route=self.route, cause=cause,
+            self._on_event("circuit_opened", route=self.route, cause=cause,
                                      open_for_s=self.reset_timeout)
         elif name == pybreaker.STATE_HALF_OPEN:
-            self._events.emit_system("circuit_half_open", route=self.route)
+            self._on_event("circuit_half_open", route=self.route)
         else:
             self._trip_cause = "fail_max"
             if self._window is not None:
                 self._window.reset()
-            self._events.emit_system("circuit_closed", route=self.route)
+            self._on_event("circuit_closed", route=self.route)

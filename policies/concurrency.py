@@ -30,7 +30,10 @@ import asyncio
 import heapq
 import itertools
 import random
+import time
+from collections.abc import Callable
 
+from policies.pipeline import Call, Outcome
 from policies.reasons import Reason, Rejected
 
 #: Priority classes by ``X-Priority`` value; lower is served first.
@@ -44,21 +47,43 @@ JITTER_MAX = 1.5  # assumed mean service time before the first completion, secon
 _TENANTS_SHOWN = 20  # tenants listed by state(), the biggest holders first
 
 
+class Slot:
+    """One slot held for one call (a :class:`policies.pipeline.Holding`)."""
+
+    __slots__ = ("limiter", "tenant")
+
+    def __init__(self, limiter: ConcurrencyLimiter, tenant: str) -> None:
+        self.limiter = limiter
+        self.tenant = tenant
+
+    def release(self, outcome: Outcome) -> None:
+        """Free the slot; an answer from the upstream updates the mean service time."""
+        self.limiter.release(self.tenant, outcome.service_s)
+
+
+# A waiter's life: WAITING until exactly one of a hand-over (GRANTED), its max_wait running out
+# (EXPIRED) or its caller leaving (GONE) ends it. Only a WAITING waiter can change state, so a
+# timer, a hand-over and a cancellation racing for it cannot both act on it.
+WAITING, GRANTED, EXPIRED, GONE = range(4)
+
+
 class _Waiter:
-    __slots__ = ("future", "live", "tenant", "timer")
+    __slots__ = ("future", "state", "tenant", "timer")
 
     def __init__(self, future: asyncio.Future[None], tenant: str) -> None:
         self.future = future
         self.tenant = tenant
-        self.live = True
+        self.state = WAITING
         self.timer: asyncio.TimerHandle | None = None
 
 
 class ConcurrencyLimiter:
     """Slots and the queue of one route.
 
-    Use ``try_acquire`` (never suspends) and, only when it returns False, ``await wait(...)``;
-    call ``release`` exactly once for every successful acquire, on every exit path.
+    ``await acquire(...)`` returns holding one slot, which the caller gives back with exactly
+    one ``release``; if ``acquire`` raises (a refusal, the caller's cancellation at any point),
+    nothing is held. That is the whole contract, whatever the interleaving of arrivals,
+    hand-overs, expiries, cancellations and reloads (proven in tests/test_limiter_properties.py).
 
     Args:
         limit: slots, i.e. requests at the upstream at once.
@@ -83,11 +108,23 @@ class ConcurrencyLimiter:
 
     # -- admission ----------------------------------------------------------------------------
 
-    def try_acquire(self, tenant: str) -> bool:
-        """Take a slot now if one is free and nobody is queued; never suspends.
+    async def acquire(self, tenant: str, priority: int = DEFAULT_PRIORITY,
+                      caller_timeout: float | None = None,
+                      on_queued: Callable[[int], None] | None = None) -> None:
+        """Take a slot for ``tenant``, queueing for one if none is free.
+
+        Args:
+            priority: the queue class, 0 first (see :data:`PRIORITIES`).
+            caller_timeout: the caller's own timeout in seconds, if it sent one; it can
+                shorten the wait (:meth:`wait_budget`).
+            on_queued: called with the queue depth once this call has joined the queue.
 
         Raises:
-            Rejected: ``tenant_concurrency`` when ``tenant`` is at ``per_tenant``.
+            Rejected: ``tenant_concurrency`` (429) when ``tenant`` is at ``per_tenant``;
+                ``deadline_unreachable`` when the caller's timeout leaves no time to queue,
+                ``queue_full`` when the queue is full, both at once; ``queue_timeout`` when
+                no slot freed within the wait. Nothing is held.
+            asyncio.CancelledError: the caller went away; nothing is held.
         """
         held = self._by_tenant.get(tenant, 0)
         if self.per_tenant is not None and held >= self.per_tenant:
@@ -97,36 +134,12 @@ class ConcurrencyLimiter:
                 f"limit {self.per_tenant} in flight or queued per tenant",
                 ("tenant-concurrency", self.per_tenant, 0),
             )
-        self._by_tenant[tenant] = held + 1
         if self.inflight < self.limit and not self.queued:
             self.inflight += 1
-            return True
-        return False
-
-    def wait_budget(self, caller_timeout: float | None) -> float:
-        """How long a request may queue, seconds: ``max_wait``, or less when the caller's own
-        timeout leaves less room once the mean service time is set aside for the call itself
-        (HAProxy's ``timeout queue`` bounded by the caller's deadline; waiting longer only
-        admits work the caller will have abandoned). The service time is set aside only once
-        it has been observed; ``wait`` refuses a budget of 0 or less at once."""
-        if caller_timeout is None:
-            return self.max_wait
-        room = caller_timeout - self.mean_service_s if self.observed else caller_timeout
-        return min(self.max_wait, room)
-
-    async def wait(self, tenant: str, priority: int, max_wait: float) -> None:
-        """Queue for a slot after ``try_acquire`` returned False.
-
-        ``max_wait`` may be below the configured one when the caller's own deadline is nearer
-        (see :meth:`wait_budget`).
-
-        Raises:
-            Rejected: ``queue_full`` at once; ``deadline_unreachable`` at once when
-                ``max_wait`` is 0 or less; ``queue_timeout`` after ``max_wait`` seconds.
-            asyncio.CancelledError: the caller went away; nothing is left held.
-        """
+            self._by_tenant[tenant] = held + 1
+            return
+        max_wait = self.wait_budget(caller_timeout)
         if max_wait <= 0:
-            self._forget(tenant)
             raise Rejected(
                 Reason.DEADLINE_UNREACHABLE,
                 self._drain_estimate(self.queued + 1),
@@ -134,7 +147,6 @@ class ConcurrencyLimiter:
                 f"{self.mean_service_s:.3g}s on average",
             )
         if self.queue_full:
-            self._forget(tenant)
             raise Rejected(
                 Reason.QUEUE_FULL,
                 self._drain_estimate(self.queued + 1),
@@ -143,22 +155,49 @@ class ConcurrencyLimiter:
             )
         loop = asyncio.get_running_loop()
         waiter = _Waiter(loop.create_future(), tenant)
+        # From here to the end, every exit runs the except below or returns holding the slot.
+        self._by_tenant[tenant] = held + 1
         heapq.heappush(self._heap, (priority, next(self._order), waiter))
         self.queued += 1
-        waiter.timer = loop.call_later(max_wait, self._expire, waiter)
         try:
+            waiter.timer = loop.call_later(max_wait, self._expire, waiter)
+            if on_queued is not None:
+                on_queued(self.queued)
             await waiter.future
-        except asyncio.CancelledError:
-            if waiter.live:
-                self._drop(waiter)
-                self._forget(tenant)
-            elif waiter.future.done() and not waiter.future.cancelled():
-                # The slot was handed over just as the caller left: give it back.
-                self.release(tenant, None)
+        except BaseException:
+            self._abandon(waiter)
             raise
-        except Rejected:
-            self._forget(tenant)
+
+    async def admit(self, call: Call) -> Slot:
+        """The pipeline step (:class:`policies.pipeline.Policy`): a slot for ``call``, held
+        until the call ends; ``enqueued`` and ``expired`` are reported through
+        ``call.notify``.
+
+        Raises:
+            Rejected: as :meth:`acquire` does.
+        """
+        def queued(depth: int) -> None:
+            call.enqueued_at = time.monotonic()
+            call.notify("enqueued", {"queue_depth": depth})
+
+        try:
+            await self.acquire(call.tenant, call.priority, call.timeout, queued)
+        except Rejected as rejected:
+            if rejected.reason is Reason.QUEUE_TIMEOUT and call.enqueued_at is not None:
+                call.notify("expired", {"waited_s": round(time.monotonic() - call.enqueued_at, 6)})
             raise
+        return Slot(self, call.tenant)
+
+    def wait_budget(self, caller_timeout: float | None) -> float:
+        """How long a request may queue, seconds: ``max_wait``, or less when the caller's own
+        timeout leaves less room once the mean service time is set aside for the call itself
+        (HAProxy's ``timeout queue`` bounded by the caller's deadline; waiting longer only
+        admits work the caller will have abandoned). The service time is set aside only once
+        it has been observed; ``acquire`` refuses a budget of 0 or less at once."""
+        if caller_timeout is None:
+            return self.max_wait
+        room = caller_timeout - self.mean_service_s if self.observed else caller_timeout
+        return min(self.max_wait, room)
 
     @property
     def queue_full(self) -> bool:
@@ -172,9 +211,8 @@ class ConcurrencyLimiter:
             self.observed = True
         self._forget(tenant)
         # Over the limit only after a reload lowered it: then the slot is retired, not passed on.
-        if self.queued and self.inflight <= self.limit:
-            self._hand_over()  # the slot passes on; inflight is unchanged
-            return
+        if self.inflight <= self.limit and self._hand_over():
+            return  # the slot passed on; inflight is unchanged
         self.inflight -= 1
 
     # -- reload -------------------------------------------------------------------------------
@@ -189,9 +227,11 @@ class ConcurrencyLimiter:
         self.queue_capacity = queue
         self.max_wait = max_wait
         self.per_tenant = per_tenant
-        while self.queued and self.inflight < self.limit:
+        while self.inflight < self.limit:
             self.inflight += 1
-            self._hand_over()
+            if not self._hand_over():
+                self.inflight -= 1
+                break
 
     def state(self) -> dict[str, object]:
         """Limits and live counts for the admin API (JSON-ready; seconds for durations)."""
@@ -210,40 +250,58 @@ class ConcurrencyLimiter:
 
     # -- internals ----------------------------------------------------------------------------
 
-    def _hand_over(self) -> None:
-        """Give a slot already counted in ``inflight`` to the first live waiter (``queued > 0``)."""
-        while True:
+    def _hand_over(self) -> bool:
+        """Give a slot already counted in ``inflight`` to the first waiter still waiting.
+
+        Returns False when nobody waits. A waiter whose caller was cancelled but has not run
+        yet (its future is already cancelled) is skipped and dropped here.
+        """
+        while self._heap:  # re-read: _drop may compact the heap into a new list
             _, _, waiter = heapq.heappop(self._heap)
-            if waiter.live:
-                waiter.live = False
-                self.queued -= 1
-                if waiter.timer is not None:
-                    waiter.timer.cancel()
-                waiter.future.set_result(None)
-                return
+            if waiter.state != WAITING:
+                continue
+            if waiter.future.done():
+                self._drop(waiter, GONE)
+                continue
+            self._drop(waiter, GRANTED)
+            waiter.future.set_result(None)
+            return True
+        return False
 
     def _expire(self, waiter: _Waiter) -> None:
-        if not waiter.live:
+        if waiter.state != WAITING:
             return
-        self._drop(waiter)
-        if not waiter.future.done():
-            waiter.future.set_exception(
-                Rejected(
-                    Reason.QUEUE_TIMEOUT,
-                    self._drain_estimate(self.queued + 1),
-                    f"waited the queue's max_wait of {self.max_wait:g}s",
-                    ("concurrency", self.limit, 0),
-                )
+        if waiter.future.done():  # cancelled; its caller has not run yet
+            self._drop(waiter, GONE)
+            return
+        self._drop(waiter, EXPIRED)
+        waiter.future.set_exception(
+            Rejected(
+                Reason.QUEUE_TIMEOUT,
+                self._drain_estimate(self.queued + 1),
+                f"waited the queue's max_wait of {self.max_wait:g}s",
+                ("concurrency", self.limit, 0),
             )
+        )
 
-    def _drop(self, waiter: _Waiter) -> None:
-        """Take a waiter out of the count; its heap entry is skipped when popped."""
-        waiter.live = False
+    def _abandon(self, waiter: _Waiter) -> None:
+        """The waiting caller is leaving by an exception: leave nothing held for it."""
+        if waiter.state == GRANTED:
+            # The slot was handed over just as the caller left: pass it on.
+            self.release(waiter.tenant, None)
+            return
+        if waiter.state == WAITING:
+            self._drop(waiter, GONE)
+        self._forget(waiter.tenant)
+
+    def _drop(self, waiter: _Waiter, state: int) -> None:
+        """End a waiting waiter in ``state``; its heap entry, if still there, is skipped."""
+        waiter.state = state
         self.queued -= 1
         if waiter.timer is not None:
             waiter.timer.cancel()
-        if len(self._heap) > 2 * self.queued + 64:
-            self._heap = [entry for entry in self._heap if entry[2].live]
+        if state != GRANTED and len(self._heap) > 2 * self.queued + 64:
+            self._heap = [entry for entry in self._heap if entry[2].state == WAITING]
             heapq.heapify(self._heap)
 
     def _forget(self, tenant: str) -> None:

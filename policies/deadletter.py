@@ -258,6 +258,7 @@ class DeadLetterQueue:
         self.max_body_bytes = config.max_body_bytes
         self._depth: dict[str, int] = {}
         self._file: DeadLetterFile | None = None
+        self._opening: asyncio.Future[None] | None = None
         self._thread = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="sluice-dlq"
         )
@@ -267,13 +268,20 @@ class DeadLetterQueue:
         return self._depth.get(route, 0)
 
     async def open(self) -> None:
-        """Open (or create) the file and read the current depth.
+        """Open (or create) the file and read the current depth, once: concurrent callers
+        share one opening, and a failed one is tried again by the next caller.
 
         Raises:
             sqlite3.Error: the file cannot be opened or created.
         """
-        self._file = await self._run(DeadLetterFile, self.path)
-        self._depth = await self._run(self._file.depth)
+        if self._opening is None or (self._opening.done() and self._file is None):
+            self._opening = asyncio.ensure_future(self._open())
+        await asyncio.shield(self._opening)
+
+    async def _open(self) -> None:
+        file = await self._run(DeadLetterFile, self.path)
+        self._depth = await self._run(file.depth)
+        self._file = file
 
     async def add(self, letter: DeadLetter) -> int:
         """Write ``letter`` (its body cut to ``max_body_bytes`` here) and return its id.
@@ -284,6 +292,7 @@ class DeadLetterQueue:
             await self.open()
         letter.body_size = len(letter.body)
         letter.body = letter.body[: self.max_body_bytes]
+        assert self._file is not None
         write = self._run(self._file.add, letter)
         route = letter.route
 

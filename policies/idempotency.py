@@ -80,6 +80,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 from policies.config import IdempotencyConfig
 from policies.idempotency_store import DONE, SEEN, TOO_LARGE, MemoryStore, Record, ResultStore
+from policies.pipeline import Call, Outcome
 from policies.reasons import Reason, Rejected
 from policies.retry import is_client_retry
 
@@ -187,6 +188,20 @@ class Capture:
                       b"".join(self.chunks))
 
 
+class Replay(Exception):
+    """The call's answer is a stored one: reply with :func:`replay_response` of ``record``.
+
+    Attributes:
+        record: the stored answer.
+        waited_s: how long the call waited for its in-flight twin, seconds.
+    """
+
+    def __init__(self, record: Record, waited_s: float) -> None:
+        super().__init__("replay")
+        self.record = record
+        self.waited_s = waited_s
+
+
 class _Flight:
     """A key whose request is running: its payload and who waits for it."""
 
@@ -228,6 +243,10 @@ class Claim:
         self._store_key: Hashable = None
         self._flight: _Flight | None = None
 
+    def release(self, outcome: Outcome) -> None:
+        """The pipeline's end of the claim (a :class:`policies.pipeline.Holding`)."""
+        self.finish(outcome.label)
+
     def finish(self, outcome: str) -> None:
         """Settle the key: store the answer or free the key for a retry.
 
@@ -263,6 +282,31 @@ class Idempotency:
         self.waiting = 0
         self._route = route.encode()
         self._flights: dict[Hashable, _Flight] = {}
+
+    async def admit(self, call: Call) -> Claim | None:
+        """The pipeline step (:class:`policies.pipeline.Policy`): resolve the call's key
+        (:meth:`claim`) and hold it until the call ends. Safe methods pass untouched.
+
+        Sets ``call.idempotency_key``, ``call.upstream_key``, ``call.capture`` and
+        ``call.new_unit``.
+
+        Raises:
+            Rejected: 400, 409 or 422 (see :meth:`claim`); nothing is held.
+            Replay: a stored answer is the reply; nothing is held.
+            asyncio.CancelledError: the caller left while waiting for a twin.
+        """
+        if call.method in SAFE_METHODS:
+            return None
+        claim = await self.claim(call.method, call.path, call.headers, call.tenant, call.body)
+        call.new_unit = claim.new_unit
+        call.idempotency_key = claim.key
+        if claim.rejected is not None:
+            raise claim.rejected
+        if claim.replay is not None:
+            raise Replay(claim.replay, claim.waited_s)
+        call.upstream_key = claim.header
+        call.capture = claim.capture
+        return claim if claim._flight is not None else None
 
     @property
     def in_flight(self) -> int:

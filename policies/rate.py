@@ -30,6 +30,7 @@ from collections import OrderedDict
 from aiolimiter import AsyncLimiter
 
 from policies.config import Rate, RateConfig
+from policies.pipeline import Call, Outcome
 from policies.reasons import Reason, Rejected
 
 #: Tenants whose buckets are kept; beyond it the least recently seen *idle* ones are dropped.
@@ -133,6 +134,26 @@ class TokenBucket(Bucket):
         return f"limit {self.rate} tokens; this request reserves {amount}"
 
 
+class Units:
+    """The request units one call took (a :class:`policies.pipeline.Holding`): kept when the
+    request reached the upstream (it was served), given back when it never did (refused by a
+    later step, or its caller left first), so refused calls do not burn a tenant's quota."""
+
+    __slots__ = ("route", "tenant")
+
+    def __init__(self, tenant: Bucket | None, route: Bucket | None) -> None:
+        self.tenant = tenant
+        self.route = route
+
+    def release(self, outcome: Outcome) -> None:
+        if outcome.reached:
+            return
+        if self.tenant is not None:
+            self.tenant.refund()
+        if self.route is not None:
+            self.route.refund()
+
+
 class RateLimiter:
     """The ``rate`` block of one route: a route-wide bucket and one bucket per tenant, and the
     route's token bucket (used by :mod:`policies.accounting`)."""
@@ -172,28 +193,32 @@ class RateLimiter:
             "tenants_tracked": len(self._tenants),
         }
 
-    def admit(self, tenant: str) -> None:
-        """Charge one request to the tenant's bucket, then the route's.
+    async def admit(self, call: Call) -> Units | None:
+        """The pipeline step (:class:`policies.pipeline.Policy`): one request unit from the
+        tenant's bucket, then the route's, held as :class:`Units`. Never suspends.
 
         The tenant is checked first so one tenant's burst is refused before it drains the
         route-wide bucket that every tenant shares; a request the route then refuses gets the
         tenant's unit back, since it was never served.
 
         Raises:
-            Rejected: ``rate_limited`` from whichever bucket is empty.
+            Rejected: ``rate_limited`` from whichever bucket is empty; nothing is held.
         """
+        route_bucket = self.route_bucket
         if self.tenant_rate is None:
-            if self.route_bucket is not None:
-                self.route_bucket.take()
-            return
-        bucket = self._tenant_bucket(tenant)
+            if route_bucket is None:
+                return None
+            route_bucket.take()
+            return Units(None, route_bucket)
+        bucket = self._tenant_bucket(call.tenant)
         bucket.take()
-        if self.route_bucket is not None:
+        if route_bucket is not None:
             try:
-                self.route_bucket.take()
+                route_bucket.take()
             except Rejected:
                 bucket.refund()
                 raise
+        return Units(bucket, route_bucket)
 
     def _tenant_bucket(self, tenant: str) -> Bucket:
         bucket = self._tenants.get(tenant)

@@ -289,7 +289,6 @@ class Meter:
     ``finish`` at a clean end; each returns the bytes to send on.
 
     Attributes:
-        sent: ``False`` once the request is known never to have reached the upstream.
         status: the upstream's status, 0 until headers arrive.
         complete: the whole answer went through (a clean end, not a cut).
         usage: as the upstream reported it so far.
@@ -316,7 +315,6 @@ class Meter:
         "complete",
         "final",
         "headers",
-        "sent",
         "status",
         "streamed_tokens",
         "usage",
@@ -331,7 +329,6 @@ class Meter:
         self._json: list[bytes] = []
         self._json_bytes = 0
         self._cr: bool | None = None
-        self.sent = True
         self.status = 0
         self.complete = False
         self.usage = Usage()

@@ -1,25 +1,29 @@
-"""Forwarding through the circuit breaker and the retry layer: the attempt loop.
+"""Forwarding one admitted call: its upstream attempts, then the one answer relayed.
 
-Routes with a ``circuit_breaker`` or ``retry`` block forward through :func:`forward` here
-instead of :func:`proxy.forward.forward`. One admitted request becomes one or more upstream
-attempts. Each attempt is admitted by the breaker and covers only the phase up to the
-upstream's response headers (:func:`proxy.forward.send`); the answer finally chosen is relayed
-once (:func:`proxy.forward.relay`) and never retried, so no response byte reaches the caller
-twice.
+Every route forwards through :func:`forward`. A plain route makes one attempt; a route with a
+``circuit_breaker`` admits each attempt through it (:func:`_attempt`, the breaker step), and
+a route with ``retry`` repeats failed attempts (:func:`_attempts`, the retry loop). Each
+attempt covers only the phase up to the upstream's response headers
+(:func:`proxy.forward.send`); the answer finally chosen is relayed once
+(:func:`proxy.forward.relay`) and never retried, so no response byte reaches the caller twice.
 
-How a request ends:
+How a call ends here:
 
-* the breaker refuses its first attempt: 503 ``circuit_open`` (a rejection, counted as one);
+* the breaker refuses its first attempt: :class:`~policies.reasons.Rejected` is raised, a
+  refusal like any admission refusal (nothing reached the upstream, nothing is charged);
 * success, or a failure the route does not retry on: the upstream's answer, relayed;
 * a failure the route retries on (``retry.on``) that is still failing when retries end:
-  dead-lettered (``policies/deadletter.py``), then the upstream's last answer is relayed, or,
+  dead-lettered (:func:`_dead_letter`), then the upstream's last answer is relayed, or,
   if it never answered, Sluice writes 502 ``upstream_unreachable``, 504 ``upstream_timeout``,
   or 503 ``deadline_unreachable`` when the deadline left no time to try again.
 
+Whether the request reached the upstream is decided in one place, :func:`proxy.forward.left`,
+for plain and retrying routes alike: it decides what is charged and whether a POST without a
+key may be repeated.
+
 On a route with ``retry``, Sluice owns retries: every failure it relays or writes (408, 429,
 5xx, no answer) carries ``x-should-retry: false``, which the OpenAI and Anthropic SDKs obey
-before their own rules, so they do not stack their retries on Sluice's. The upstream's status,
-body and other headers are relayed unchanged.
+before their own rules, so they do not stack their retries on Sluice's.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from yarl import URL
 
 from policies import breaker as brk
 from policies.deadletter import Attempt, DeadLetter, redact, redact_path
-from policies.idempotency import Capture
+from policies.pipeline import Call
 from policies.reasons import Reason, Rejected
 from policies.retry import (
     IDEMPOTENCY_HEADER,
@@ -45,77 +49,124 @@ from policies.retry import (
     retry_is_safe,
     upstream_retry_after,
 )
-from policies.usage import Meter
 from proxy import forward as fwd
-from proxy.rejections import jsonrpc_id, refuse, render
+from proxy.rejections import jsonrpc_id, render
 from proxy.routes import Route
 from proxy.runtime import Runtime
 
 log = logging.getLogger("sluice")
 
-#: aiohttp errors raised before the request left: repeating it cannot apply it twice.
-_NOT_SENT = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
 #: Answers the SDKs would retry themselves (408, 429, >= 500).
 _SDK_RETRIED = frozenset({408, 429})
+_NO_RETRY = {"x-should-retry": "false"}
 
 
 def _final(status: int) -> bool:
     return status >= 500 or status in _SDK_RETRIED
 
 
-async def forward(
-    request: web.BaseRequest,
-    rt: Runtime,
-    route: Route,
-    url: URL,
-    body: bytes,
-    request_id: str,
-    tenant: str,
-    run: str | None,
-    caller_timeout: float | None,
-    idempotency_key: str | None = None,
-    capture: Capture | None = None,
-    meter: Meter | None = None,
-) -> tuple[web.StreamResponse, str]:
-    """Forward with the route's breaker and retries; see the module docstring.
+class _Tries:
+    """What the attempts of one call came to.
 
-    Args:
-        caller_timeout: the caller's own timeout in seconds (``x-stainless-timeout``), if it
-            sent one; no attempt or wait outlasts it.
-        idempotency_key: the ``Idempotency-Key`` value the route's idempotency policy sends
-            upstream (the same on every attempt), if the route has one.
-        capture: fed the answer finally relayed, for the idempotency store.
-        meter: reads the relayed answer's usage (token accounting); told when no attempt
-            reached the upstream.
+    Attributes:
+        response: the latest failed answer still open (relayed if it is the last word).
+        error: or the latest failure that had no answer.
+        kind: ``connect_error`` or ``timeout`` for ``error``.
+        reached: some attempt may have reached the upstream.
+        stop: why retrying ended on a failure the route retries on; set means dead-lettered.
+        log: every attempt, for the dead letter (routes with ``retry`` only).
+    """
+
+    __slots__ = ("error", "kind", "log", "reached", "response", "stop")
+
+    def __init__(self) -> None:
+        self.response: aiohttp.ClientResponse | None = None
+        self.error: Rejected | None = None
+        self.kind = ""
+        self.reached = False
+        self.stop = ""
+        self.log: list[Attempt] = []
+
+    def answered(self, response: aiohttp.ClientResponse) -> None:
+        self.drop_response()
+        self.response, self.error, self.reached = response, None, True
+
+    def drop_response(self) -> None:
+        if self.response is not None:
+            self.response.release()
+            self.response = None
+
+
+async def forward(request: web.BaseRequest, rt: Runtime, route: Route,
+                  call: Call) -> tuple[web.StreamResponse, str, bool]:
+    """Forward an admitted call; see the module docstring.
 
     Returns:
-        ``(response, outcome)``; ``outcome`` is a ``sluice_requests_total`` outcome label.
+        ``(response, outcome, reached)``: ``outcome`` is a ``sluice_requests_total`` label,
+        ``reached`` whether the request may have reached the upstream.
 
     Raises:
+        Rejected: the breaker refused the first attempt (nothing was sent).
         asyncio.CancelledError: the caller disconnected; the attempt in flight is closed and
             the breaker hears nothing of it.
     """
-    retry = route.retry
-    breaker = route.breaker
-    metrics = route.metrics
-    method = request.method
     headers = fwd.upstream_headers(request)
-    if idempotency_key is not None:
-        headers[IDEMPOTENCY_HEADER] = idempotency_key
-    key = headers.get(IDEMPOTENCY_HEADER)
+    if call.upstream_key is not None:
+        headers[IDEMPOTENCY_HEADER] = call.upstream_key
+    meter = call.meter
     if meter is not None:
         meter.request_headers(headers)
-    reached = False  # some attempt reached the upstream (a charge may apply)
-    client_retry = retry is not None and is_client_retry(request.headers)
+    url = fwd.upstream_url(route.upstream_base, call.path[len(route.prefix) - 1:])
+    tries = _Tries()
+    try:
+        await _attempts(rt, route, call, url, headers, tries)
+        retry = route.retry
+        extra: dict[str, str] | None = None
+        if tries.stop:
+            extra = dict(_NO_RETRY)
+            letter_id = await _dead_letter(rt, route, call, headers, tries)
+            if letter_id is not None:
+                extra["X-Sluice-Dead-Letter"] = str(letter_id)
+            if tries.response is None and tries.stop == "deadline":
+                tries.error = Rejected(Reason.DEADLINE_UNREACHABLE, None,
+                                       f"{len(tries.log)} attempt(s); the last: {tries.kind}")
+        if tries.response is not None:
+            response, tries.response = tries.response, None
+            if extra is None and retry is not None and _final(response.status):
+                extra = _NO_RETRY
+            call.status = response.status
+            try:
+                answer, outcome = await fwd.relay(request, response, extra, call.capture, meter)
+            except Rejected as error:  # an answer that cannot be relayed: a bad status or header
+                call.status = error.reason.status
+                return (render(error, route.protocol, jsonrpc_id(route.protocol, call.body)),
+                        "upstream_error", True)
+            return answer, outcome, True
+        error = tries.error
+        assert error is not None
+        answer = render(error, route.protocol, jsonrpc_id(route.protocol, call.body))
+        if retry is not None:
+            answer.headers.update(extra or _NO_RETRY)
+        outcome = "upstream_timeout" if tries.kind == "timeout" else "upstream_error"
+        return answer, outcome, tries.reached
+    finally:
+        tries.drop_response()
+
+
+async def _attempts(rt: Runtime, route: Route, call: Call, url: URL,
+                    headers: CIMultiDict[str], tries: _Tries) -> None:
+    """The retry loop: attempts until one is final, or retrying ends (``tries.stop``).
+
+    Raises:
+        Rejected: the breaker refused the first attempt.
+    """
+    retry = route.retry
+    client_retry = retry is not None and is_client_retry(call.headers)
     allowed = retry.attempts if retry is not None and not client_retry else 1
     now = time.monotonic()
     deadline = now + retry.deadline if retry is not None and retry.deadline else None
-    caller_deadline = now + caller_timeout if caller_timeout else None
-    attempts: list[Attempt] = []
-    last: aiohttp.ClientResponse | None = None  # the latest failed answer, relayed if final
-    error: Rejected | None = None  # or the latest failure that had no answer
-    kind = ""  # "connect_error" or "timeout" for ``error``
-    stop = ""  # why retrying ended on a failure it retries on; set means dead-lettered
+    caller_deadline = now + call.timeout if call.timeout else None
+    has_key = IDEMPOTENCY_HEADER in headers
     holding = False  # a retry-budget slot is held for the attempt in flight
     if client_retry:
         retry.budget.hold()
@@ -126,132 +177,116 @@ async def forward(
             number += 1
             limit, callers_limit = _attempt_limit(retry, deadline, caller_deadline)
             if number > 1 and limit is not None and limit <= 0:
-                stop = "deadline"
-                break
-            ticket = 0
-            if breaker is not None:
-                try:
-                    ticket = breaker.admit()
-                except Rejected as rejected:
-                    if number == 1:
-                        return refuse(rt, route, rejected, request_id, tenant, run, key,
-                                      body), "rejected"
-                    stop = "circuit_open"
-                    # The breaker opened during the back-off, after the failed answer was let
-                    # go: the refusal is what is left to tell the caller.
-                    if last is None and error is None:
-                        error = rejected
-                    break
-            started_at = time.time()
-            started = time.monotonic()
-            metrics.upstream_attempts.inc()
+                tries.stop = "deadline"
+                return
             try:
-                async with asyncio.timeout(limit):
-                    response = await fwd.send(rt.session, method, url, headers, body,
-                                              route.timeout)
-            except (Rejected, TimeoutError) as exc:
-                if isinstance(exc, Rejected):
-                    error = exc
-                    kind = "timeout" if exc.reason is Reason.UPSTREAM_TIMEOUT else "connect_error"
-                    sent = not isinstance(exc.__cause__, _NOT_SENT)
-                    reached = reached or sent
-                    neutral = False
-                else:
-                    error = Rejected(Reason.UPSTREAM_TIMEOUT, None,
-                                     f"no response headers within {limit:.3g}s")
-                    kind = "timeout"
-                    sent = reached = True
-                    # Cut short by the caller's own deadline: not the upstream's fault.
-                    neutral = callers_limit
-                if breaker is not None:
-                    if neutral:
-                        breaker.release(ticket)
-                    else:
-                        breaker.record(ticket, brk.FAILURE)
-                attempts.append(Attempt(started_at, None, kind, time.monotonic() - started))
-                status = None
-                hint = None
-                if last is not None:
-                    last.release()
-                    last = None
-                if retry is None or not retry.retries_error(kind):
-                    break
-            except BaseException:
-                if breaker is not None:
-                    breaker.release(ticket)
-                raise
-            else:
-                status = response.status
-                hint = upstream_retry_after(response.headers) if status >= 400 else None
-                if breaker is not None:
-                    breaker.record(ticket, brk.classify(status, response.headers), status, hint)
-                attempts.append(Attempt(started_at, status, None, time.monotonic() - started))
-                if last is not None:
-                    last.release()
-                last, error, sent = response, None, True
-                reached = True
-                if retry is None or status not in retry.on_statuses:
-                    break
+                status, hint, sent = await _attempt(rt, route, call, url, headers, tries,
+                                                    limit, callers_limit)
+            except Rejected as rejected:  # the breaker's refusal
+                if number == 1:
+                    raise
+                tries.stop = "circuit_open"
+                # The breaker opened during the back-off, after the failed answer was let
+                # go: the refusal is what is left to tell the caller.
+                if tries.response is None and tries.error is None:
+                    tries.error = rejected
+                return
             finally:
                 if holding:
                     retry.budget.release()
                     holding = False
-
+            if retry is None or not (status in retry.on_statuses if status is not None
+                                     else retry.retries_error(tries.kind)):
+                return
             # A failure this route retries on: retry it, or say why not.
             wait = 0.0
             if number >= allowed:
-                stop = "attempts_exhausted"
-            elif not retry_is_safe(method, key is not None, sent):
-                stop = "unsafe_to_retry"
+                tries.stop = "attempts_exhausted"
+            elif not retry_is_safe(call.method, has_key, sent):
+                tries.stop = "unsafe_to_retry"
             else:
                 wait = retry.wait(number - 1, hint)
+                breaker = route.breaker
                 if wait is None:
-                    stop = "retry_after_too_long"
+                    tries.stop = "retry_after_too_long"
                 elif _too_late(time.monotonic() + wait, deadline, caller_deadline):
-                    stop = "deadline"
+                    tries.stop = "deadline"
                 elif breaker is not None and breaker.blocked_for() > wait:
-                    stop = "circuit_open"
+                    tries.stop = "circuit_open"
                 elif not retry.budget.try_acquire(route.inflight + _queued(route)):
-                    stop = "retry_budget"
-                    metrics.retry_overflow.inc()
-            if stop:
-                break
+                    tries.stop = "retry_budget"
+                    route.metrics.retry_overflow.inc()
+            if tries.stop:
+                return
             holding = True
-            metrics.retries.inc()
-            rt.events.emit("retried", request_id, route.name, tenant, run, key,
-                           attempt=number + 1, after=status or kind, wait_s=round(wait, 3))
-            if last is not None:
-                last.release()
-                last = None
+            route.metrics.retries.inc()
+            rt.events.emit("retried", call.request_id, route.name, call.tenant, call.run,
+                           call.idempotency_key, attempt=number + 1,
+                           after=status or tries.kind, wait_s=round(wait, 3))
+            tries.drop_response()
             await asyncio.sleep(wait)
-
-        extra: dict[str, str] | None = None
-        if stop:
-            extra = {"x-should-retry": "false"}
-            letter_id = await _dead_letter(rt, route, request, headers, body, key, request_id,
-                                           tenant, run, attempts, stop)
-            if letter_id is not None:
-                extra["X-Sluice-Dead-Letter"] = str(letter_id)
-            if last is None and stop == "deadline":
-                error = Rejected(Reason.DEADLINE_UNREACHABLE, None,
-                                 f"{len(attempts)} attempt(s); the last: {kind}")
-        if last is not None:
-            response, last = last, None
-            if extra is None and retry is not None and _final(response.status):
-                extra = {"x-should-retry": "false"}
-            return await fwd.relay(request, response, extra, capture, meter)
-        assert error is not None
-        if meter is not None and not reached:
-            meter.sent = False  # no attempt reached the upstream: nothing to charge
-        answer = render(error, route.protocol, jsonrpc_id(route.protocol, body))
-        if retry is not None:
-            answer.headers.update(extra or {"x-should-retry": "false"})
-        return answer, "upstream_timeout" if kind == "timeout" else "upstream_error"
     finally:
         if holding:
             retry.budget.release()
-        if last is not None:
-            last.release()
+
+
+async def _attempt(rt: Runtime, route: Route, call: Call, url: URL,
+                   headers: CIMultiDict[str], tries: _Tries, limit: float | None,
+                   callers_limit: bool) -> tuple[int | None, float | None, bool]:
+    """The breaker step: one attempt, admitted by the route's breaker and reported to it.
+
+    Returns:
+        ``(status, retry_after, sent)``: the upstream's status (``None`` when it did not
+        answer), the wait it asked for, and whether the request may have reached it.
+
+    Raises:
+        Rejected: ``circuit_open`` from the breaker; nothing was sent.
+        asyncio.CancelledError: the caller left; the breaker hears nothing.
+    """
+    breaker = route.breaker
+    ticket = breaker.attempt() if breaker is not None else 0
+    started_at = time.time() if route.retry is not None else 0.0
+    started = time.monotonic()
+    try:
+        route.metrics.upstream_attempts.inc()
+        async with asyncio.timeout(limit):
+            response = await fwd.send(rt.session, call.method, url, headers, call.body,
+                                      route.timeout)
+    except Rejected as exc:
+        tries.error = exc
+        tries.kind = "timeout" if exc.reason is Reason.UPSTREAM_TIMEOUT else "connect_error"
+        sent = fwd.left(exc)
+        neutral = False
+    except TimeoutError:
+        tries.error = Rejected(Reason.UPSTREAM_TIMEOUT, None,
+                               f"no response headers within {limit:.3g}s")
+        tries.kind = "timeout"
+        sent = True
+        # Cut short by the caller's own deadline: not the upstream's fault.
+        neutral = callers_limit
+    except BaseException:
+        if breaker is not None:
+            breaker.release(ticket)
+        raise
+    else:
+        status = response.status
+        hint = upstream_retry_after(response.headers) if status >= 400 else None
+        if breaker is not None:
+            breaker.record(ticket, brk.classify(status, response.headers), status, hint)
+        if route.retry is not None:
+            tries.log.append(Attempt(started_at, status, None, time.monotonic() - started))
+        tries.answered(response)
+        return status, hint, True
+    tries.reached = tries.reached or sent
+    tries.drop_response()
+    if breaker is not None:
+        if neutral:
+            breaker.release(ticket)
+        else:
+            breaker.record(ticket, brk.FAILURE)
+    if route.retry is not None:
+        tries.log.append(Attempt(started_at, None, tries.kind, time.monotonic() - started))
+    return None, None, sent
 
 
 def _attempt_limit(retry: RetryPolicy | None, deadline: float | None,
@@ -278,28 +313,30 @@ def _queued(route: Route) -> int:
     return limiter.queued if limiter is not None else 0
 
 
-async def _dead_letter(rt: Runtime, route: Route, request: web.BaseRequest,
-                       headers: CIMultiDict[str], body: bytes, key: str | None,
-                       request_id: str, tenant: str, run: str | None,
-                       attempts: list[Attempt], reason: str) -> int | None:
-    """Record failed work; returns its id, or ``None`` if it could not be written."""
+async def _dead_letter(rt: Runtime, route: Route, call: Call, headers: CIMultiDict[str],
+                       tries: _Tries) -> int | None:
+    """Dead-lettering: record the failed work; returns its id, or ``None`` if it could not be
+    written (the caller still gets its answer)."""
     store = rt.dead_letters
     if store is None:
         return None
     kept, removed = redact(headers.items())
-    path, removed_query = redact_path(request.raw_path[len(route.prefix) - 1:])
+    path, removed_query = redact_path(call.path[len(route.prefix) - 1:])
+    key = headers.get(IDEMPOTENCY_HEADER)
     letter = DeadLetter(
-        route=route.name, tenant=tenant, run=run, idempotency_key=key, request_id=request_id,
-        method=request.method, path=path, headers=kept, redacted=removed + removed_query,
-        body=body, body_size=len(body), attempts=attempts, reason=reason,
+        route=route.name, tenant=call.tenant, run=call.run, idempotency_key=key,
+        request_id=call.request_id, method=call.method, path=path, headers=kept,
+        redacted=removed + removed_query, body=call.body, body_size=len(call.body),
+        attempts=tries.log, reason=tries.stop,
     )
     try:
         letter_id = await store.add(letter)
     except sqlite3.Error:
         log.exception("dead-letter write failed on route %s (request %s)", route.name,
-                      request_id)
+                      call.request_id)
         return None
     route.metrics.dead_letters.inc()
-    rt.events.emit("dead_lettered", request_id, route.name, tenant, run, key,
-                   dead_letter_id=letter_id, reason=reason, attempts=len(attempts))
+    rt.events.emit("dead_lettered", call.request_id, route.name, call.tenant, call.run,
+                   call.idempotency_key, dead_letter_id=letter_id, reason=tries.stop,
+                   attempts=len(tries.log))
     return letter_id

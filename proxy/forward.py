@@ -34,7 +34,7 @@ from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
-from policies.idempotency import KEY_HEADER, Capture
+from policies.idempotency import Capture
 from policies.reasons import Reason, Rejected
 from policies.usage import Meter
 
@@ -52,6 +52,8 @@ HOP_BY_HOP = frozenset(
     }
 )
 _REQUEST_DROP = HOP_BY_HOP | {"host", "content-length"}
+#: aiohttp errors raised before the request left (see :func:`left`).
+_NOT_SENT = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
 _RESPONSE_DROP = HOP_BY_HOP
 
 #: Complete answers up to this size are read whole and sent in one write.
@@ -94,45 +96,15 @@ def upstream_url(origin_and_base: str, rest: str) -> URL:
     return URL(origin_and_base + rest, encoded=True)
 
 
-async def forward(
-    request: web.BaseRequest,
-    session: aiohttp.ClientSession,
-    url: URL,
-    body: bytes,
-    client_timeout: aiohttp.ClientTimeout,
-    idempotency_key: str | None = None,
-    capture: Capture | None = None,
-    meter: Meter | None = None,
-) -> tuple[web.StreamResponse, str]:
-    """Send the request upstream once and relay the answer (:func:`send`, then :func:`relay`).
+def left(error: Rejected) -> bool:
+    """Whether a request that got no answer may have reached the upstream: the one rule for
+    what is charged and what may be repeated.
 
-    ``idempotency_key``, when given, is sent as the ``Idempotency-Key`` field value;
-    ``capture``, when given, is fed the answer as it is relayed.
-
-    ``meter`` (on metered LLM calls) reads usage from the answer as it passes: it asks the
-    upstream for uncompressed bytes, adds its headers, and may drop the usage chunk Sluice
-    itself asked for (:class:`policies.usage.Meter`).
-
-    Returns:
-        ``(response, outcome)``; ``outcome`` is a ``sluice_requests_total`` outcome label.
-
-    Raises:
-        Rejected: ``upstream_unreachable`` or ``upstream_timeout`` when no answer came, so the
-            caller can be told in its protocol's error shape.
-        asyncio.CancelledError: the caller disconnected; the upstream request is closed.
+    Only a failure to get a connection at all (refused, unreachable, or no connection within
+    ``timeouts.connect``) shows the request never left; any later failure (a reset, a
+    timeout while waiting for the answer) may have reached an upstream that acted on it.
     """
-    sent = upstream_headers(request)
-    if idempotency_key is not None:
-        sent[KEY_HEADER] = idempotency_key
-    if meter is not None:
-        meter.request_headers(sent)
-    try:
-        upstream = await send(session, request.method, url, sent, body, client_timeout)
-    except Rejected as exc:
-        if meter is not None and isinstance(exc.__cause__, aiohttp.ClientConnectorError):
-            meter.sent = False  # no connection, so the upstream never saw it
-        raise
-    return await relay(request, upstream, capture=capture, meter=meter)
+    return not isinstance(error.__cause__, _NOT_SENT)
 
 
 async def send(

@@ -26,6 +26,7 @@ from prometheus_client.metrics import MetricWrapperBase
 from policies.reasons import Reason
 
 if TYPE_CHECKING:
+    from policies.accounting import Accounting
     from policies.concurrency import ConcurrencyLimiter
 
 #: LLM calls run from under a second to many minutes; the default buckets stop at 10 s.
@@ -271,9 +272,19 @@ class Metrics:
         self.idempotency_bytes.labels(route).set_function(size)
         self.idempotency_waiting.labels(route).set_function(waiting)
 
+    def unbind_idempotency(self, route: str) -> None:
+        """Drop a route's idempotency gauges (a reload removed its block)."""
+        for gauge in (self.idempotency_entries, self.idempotency_bytes,
+                      self.idempotency_waiting):
+            gauge.remove_by_labels({"route": route})
+
     def bind_circuit_state(self, route: str, state: Callable[[], float]) -> None:
         """Read ``route``'s breaker state (0, 1, 2) at scrape time."""
         self.circuit_state.labels(route).set_function(state)
+
+    def unbind_circuit_state(self, route: str) -> None:
+        """Drop a route's breaker gauge (a reload removed its block)."""
+        self.circuit_state.remove_by_labels({"route": route})
 
     def bind_dead_letter_depth(self, route: str, depth: Callable[[], float]) -> None:
         """Read ``route``'s dead-letter count at scrape time."""
@@ -345,3 +356,44 @@ class TenantSeries:
         self.input_tokens = metrics.tokens.labels(route, label, "input")
         self.output_tokens = metrics.tokens.labels(route, label, "output")
         self.cost = metrics.cost.labels(route, label)
+
+
+#: Label of the per-route budget's gauges, which belong to no tenant.
+ROUTE_SCOPE_LABEL = "*"
+
+
+class BudgetGauges:
+    """``sluice_budget_remaining`` and ``sluice_budget_reserved`` of one route's budgets, read
+    at scrape time: the route-wide ones at once, a tenant's once it is first charged (unless
+    it is beyond the tenant label cap: one ``other`` series could not say whose budget it is).
+    """
+
+    __slots__ = ("_accounting", "_gauged", "_metrics", "_route")
+
+    def __init__(self, metrics: Metrics, route: str, accounting: Accounting | None) -> None:
+        self._metrics = metrics
+        self._route = route
+        self._accounting = accounting
+        self._gauged: set[str] = set()
+        budgets = accounting.budgets if accounting is not None else None
+        if budgets is not None:
+            for unit in dict.fromkeys(lim.unit for lim in budgets.limits if lim.per == "route"):
+                self._bind(ROUTE_SCOPE_LABEL, "route", "", unit)
+
+    def watch(self, tenant: str, series: TenantSeries) -> None:
+        """Export ``tenant``'s remaining budget, if it has one and a label of its own."""
+        accounting = self._accounting
+        if (accounting is None or not accounting.tenant_units or tenant in self._gauged
+                or series.label == OTHER_TENANT):
+            return
+        self._gauged.add(tenant)
+        for unit in accounting.tenant_units:
+            self._bind(tenant, "tenant", tenant, unit)
+
+    def _bind(self, label: str, per: str, tenant: str, unit: str) -> None:
+        budgets = self._accounting.budgets  # type: ignore[union-attr]
+        metrics, route = self._metrics, self._route
+        metrics.budget_remaining.labels(route, label, unit).set_function(
+            lambda: budgets.remaining(unit, per, tenant))
+        metrics.budget_reserved.labels(route, label, unit).set_function(
+            lambda: budgets.reserved(unit, per, tenant))

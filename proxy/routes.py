@@ -23,10 +23,11 @@ from policies.budget import Budgets, MemoryLedger
 from policies.concurrency import ConcurrencyLimiter
 from policies.config import ModelPrice, RouteConfig
 from policies.idempotency import Idempotency
+from policies.pipeline import Policy
 from policies.rate import RateLimiter
 from policies.retry import RetryPolicy
 from proxy.events import EventLog
-from proxy.metrics import Metrics, RouteMetrics
+from proxy.metrics import BudgetGauges, Metrics, RouteMetrics
 
 
 class Route:
@@ -41,28 +42,28 @@ class Route:
         inflight: requests admitted through this object and not finished.
         retired: the routes of the same name this one replaced on reloads that still had
             requests in flight then; their counts join ``inflight_total``.
-        resilient: the route has a breaker or retries, so requests go through
-            ``proxy.attempts`` rather than the plain one-shot forward.
+        policies: the admission steps, in order (:meth:`_admission_order`).
         accounting: token accounting, on ``openai`` and ``anthropic`` routes only.
     """
 
-    #: Attributes holding policy objects, in admission order. A policy object may have a
-    #: ``state()`` method returning a JSON-ready dict, shown by the admin API under its name.
-    POLICIES = ("breaker", "rate", "accounting", "concurrency", "idempotency", "retry")
+    #: Attributes holding policy objects. A policy object may have a ``state()`` method
+    #: returning a JSON-ready dict, shown by the admin API under its name.
+    POLICIES = ("idempotency", "breaker", "rate", "accounting", "concurrency", "retry")
 
     __slots__ = (
         "accounting",
         "breaker",
+        "budget_gauges",
         "concurrency",
         "config",
         "idempotency",
         "inflight",
         "metrics",
         "name",
+        "policies",
         "prefix",
         "protocol",
         "rate",
-        "resilient",
         "retired",
         "retry",
         "timeout",
@@ -88,26 +89,10 @@ class Route:
         i = config.idempotency
         self.idempotency = Idempotency(i, self.name) if i and i.mode != "off" else None
         cb = config.circuit_breaker
-        self.breaker = Breaker(cb, self.name, events) if cb else None
+        self.breaker = Breaker(cb, self.name, events.emit_system) if cb else None
         self.retry = RetryPolicy(config.retry) if config.retry else None
-        self.resilient = self.breaker is not None or self.retry is not None
         self.inflight = 0
         self.retired: tuple[Route, ...] = ()
-        # Gauges read self.concurrency at scrape time: take_over() may swap the object.
-        self.metrics: RouteMetrics = metrics.for_route(
-            self.name,
-            inflight=lambda: self.inflight_total,
-            queued=lambda: self.concurrency.queued if self.concurrency else 0,
-            limits=(lambda: self.concurrency) if self.concurrency else None,
-        )
-        if self.idempotency is not None:
-            # Read through self: take_over() may keep the old route's policy and its store.
-            metrics.bind_idempotency(
-                self.name,
-                entries=lambda: len(self.idempotency.store) if self.idempotency else 0,
-                size=lambda: self.idempotency.store.bytes if self.idempotency else 0,
-                waiting=lambda: self.idempotency.waiting if self.idempotency else 0,
-            )
         self.accounting: Accounting | None = None
         if config.protocol in ("openai", "anthropic"):
             budgets = None
@@ -116,12 +101,48 @@ class Route:
                 budgets = Budgets(config.budget, pricing or {}, MemoryLedger(), clock)
             self.accounting = Accounting(
                 config, pricing or {}, self.rate.tokens if self.rate else None, budgets,
-                metrics, self.metrics, run_header,
+                run_header,
             )
+        self.policies: tuple[Policy, ...] = ()
+        self._admission_order()
+        # Gauges read this route's policies at scrape time (take_over() may swap them); a
+        # gauge of a block this route lacks is removed, so it cannot keep reading the
+        # object of a route a reload replaced.
+        self.metrics: RouteMetrics = metrics.for_route(
+            self.name,
+            inflight=lambda: self.inflight_total,
+            queued=lambda: self.concurrency.queued if self.concurrency else 0,
+            limits=(lambda: self.concurrency) if self.concurrency else None,
+        )
+        if self.idempotency is not None:
+            metrics.bind_idempotency(
+                self.name,
+                entries=lambda: len(self.idempotency.store) if self.idempotency else 0,
+                size=lambda: self.idempotency.store.bytes if self.idempotency else 0,
+                waiting=lambda: self.idempotency.waiting if self.idempotency else 0,
+            )
+        else:
+            metrics.unbind_idempotency(self.name)
         if self.breaker is not None:
             metrics.bind_circuit_state(
-                self.name, lambda: self.breaker.state_value() if self.breaker else 0
-            )
+                self.name, lambda: self.breaker.state_value() if self.breaker else 0)
+        else:
+            metrics.unbind_circuit_state(self.name)
+        self.budget_gauges = BudgetGauges(metrics, self.name, self.accounting)
+
+    def _admission_order(self) -> None:
+        """The route's policies in the order they admit a call (docs/design.md): the ones
+        that cost nothing and hold nothing first, the queue last, so a call refused by a
+        quota never waits in the queue, and one waiting in the queue holds its quota."""
+        self.policies = tuple(
+            policy for policy in (
+                self.idempotency,  # a replay or a wait for a twin costs no quota or slot
+                self.breaker,  # an open breaker refuses before anything is taken
+                self.rate,
+                self.accounting,  # token rate and budget reservation
+                self.concurrency,  # the slot, and its queue
+            ) if policy is not None
+        )
 
     @property
     def inflight_total(self) -> int:
@@ -157,6 +178,7 @@ class Route:
                 self.accounting.budgets.ledger = old.accounting.budgets.ledger
             self.accounting.token_bucket = self.rate.tokens if self.rate else None
         self.retired = tuple(route for route in (old, *old.retired) if route.inflight)
+        self._admission_order()
 
     def state(self) -> dict[str, Any]:
         """Config summary and live state for the admin API (JSON-ready)."""

@@ -1,4 +1,8 @@
-"""Unit tests of ``policies.concurrency.ConcurrencyLimiter``, in-process."""
+"""Unit tests of ``policies.concurrency.ConcurrencyLimiter``, in-process.
+
+Random interleavings are driven in ``tests/test_limiter_properties.py``; here each behaviour
+and each race found in review has its own readable test.
+"""
 
 from __future__ import annotations
 
@@ -10,39 +14,52 @@ from policies.concurrency import JITTER_MAX, ConcurrencyLimiter
 from policies.reasons import Reason, Rejected
 
 
+def limiter_with(limit: int = 1, queue: int = 5, max_wait: float = 30.0,
+                 per_tenant: int | None = None) -> ConcurrencyLimiter:
+    return ConcurrencyLimiter(limit, queue, max_wait, per_tenant)
+
+
+async def queued(limiter: ConcurrencyLimiter, tenant: str = "t", priority: int = 1,
+                 timeout: float | None = None) -> asyncio.Task[None]:
+    """A task queueing on ``limiter``, once it is in the queue."""
+    before = limiter.queued
+    task = asyncio.create_task(limiter.acquire(tenant, priority, timeout))
+    await asyncio.sleep(0)
+    assert limiter.queued == before + 1
+    return task
+
+
 async def test_slots_then_queue_full_with_a_drain_estimate():
-    limiter = ConcurrencyLimiter(limit=2, queue=0, max_wait=5.0, per_tenant=None)
-    assert limiter.try_acquire("t") and limiter.try_acquire("t")
-    assert not limiter.try_acquire("t")
+    limiter = limiter_with(limit=2, queue=0, max_wait=5.0)
+    await limiter.acquire("t")
+    await limiter.acquire("t")
     with pytest.raises(Rejected) as full:
-        await limiter.wait("t", 1, 5.0)
+        await limiter.acquire("t")
     assert full.value.reason is Reason.QUEUE_FULL
     # Nobody queued, two slots, 1 s assumed service time: the next slot in ~0.5 s.
     assert 0.5 <= full.value.retry_after <= 0.5 * JITTER_MAX
     assert full.value.policy == ("concurrency", 2, 0)
-    assert (limiter.inflight, limiter.queued) == (2, 0)
+    assert (limiter.inflight, limiter.queued, limiter._by_tenant) == (2, 0, {"t": 2})
 
 
 async def test_service_time_average_drives_retry_after():
-    limiter = ConcurrencyLimiter(limit=1, queue=0, max_wait=5.0, per_tenant=None)
-    assert limiter.try_acquire("t")
+    limiter = limiter_with(queue=0, max_wait=5.0)
+    await limiter.acquire("t")
     limiter.release("t", 3.0)  # EWMA: 1.0 + 0.1 * (3.0 - 1.0)
     assert limiter.mean_service_s == pytest.approx(1.2)
-    assert limiter.try_acquire("t")
-    assert not limiter.try_acquire("t")
+    await limiter.acquire("t")
     with pytest.raises(Rejected) as full:
-        await limiter.wait("t", 1, 5.0)
+        await limiter.acquire("t")
     assert 1.2 <= full.value.retry_after <= 1.2 * JITTER_MAX
 
 
 async def test_freed_slot_goes_to_the_best_waiter_without_dipping():
-    limiter = ConcurrencyLimiter(limit=1, queue=10, max_wait=30.0, per_tenant=None)
-    assert limiter.try_acquire("t")
+    limiter = limiter_with(queue=10)
+    await limiter.acquire("t")
     served: list[str] = []
 
     async def waiter(name: str, priority: int) -> None:
-        assert not limiter.try_acquire("t")  # the handler's order: try, then queue
-        await limiter.wait("t", priority, 30.0)
+        await limiter.acquire("t", priority)
         served.append(name)
 
     tasks = []
@@ -53,7 +70,8 @@ async def test_freed_slot_goes_to_the_best_waiter_without_dipping():
     # A newcomer may not overtake the queue even at the instant a slot frees.
     limiter.release("t", None)
     assert (limiter.inflight, limiter.queued) == (1, 3)
-    assert not limiter.try_acquire("t")
+    newcomer = await queued(limiter)
+    newcomer.cancel()
     for _ in range(4):
         await asyncio.sleep(0)
         limiter.release("t", None)
@@ -63,13 +81,12 @@ async def test_freed_slot_goes_to_the_best_waiter_without_dipping():
 
 
 async def test_queue_timeout_after_max_wait_leaves_nothing_behind():
-    limiter = ConcurrencyLimiter(limit=1, queue=5, max_wait=30.0, per_tenant=2)
-    assert limiter.try_acquire("t")
-    assert not limiter.try_acquire("t")
+    limiter = limiter_with(per_tenant=2)
+    await limiter.acquire("t")
     loop = asyncio.get_running_loop()
     started = loop.time()
     with pytest.raises(Rejected) as expired:
-        await limiter.wait("t", 1, 0.05)  # the caller's shorter deadline wins
+        await limiter.acquire("t", 1, 0.05)  # the caller's shorter deadline wins
     assert loop.time() - started >= 0.05
     assert expired.value.reason is Reason.QUEUE_TIMEOUT
     assert 1.0 <= expired.value.retry_after <= JITTER_MAX
@@ -80,12 +97,9 @@ async def test_queue_timeout_after_max_wait_leaves_nothing_behind():
 
 
 async def test_caller_leaving_the_queue_frees_its_place():
-    limiter = ConcurrencyLimiter(limit=1, queue=5, max_wait=30.0, per_tenant=3)
-    assert limiter.try_acquire("t")
-    assert not limiter.try_acquire("t")
-    task = asyncio.create_task(limiter.wait("t", 1, 30.0))
-    await asyncio.sleep(0)
-    assert limiter.queued == 1
+    limiter = limiter_with(per_tenant=3)
+    await limiter.acquire("t")
+    task = await queued(limiter)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
@@ -96,33 +110,61 @@ async def test_caller_leaving_the_queue_frees_its_place():
 
 
 async def test_caller_leaving_just_as_the_slot_is_handed_over_gives_it_back():
-    limiter = ConcurrencyLimiter(limit=1, queue=5, max_wait=30.0, per_tenant=None)
-    assert limiter.try_acquire("t")
-    assert not limiter.try_acquire("t")
-    task = asyncio.create_task(limiter.wait("t", 1, 30.0))
-    await asyncio.sleep(0)
+    limiter = limiter_with()
+    await limiter.acquire("t")
+    task = await queued(limiter)
     limiter.release("t", None)  # handed to the waiter, which has not run yet...
     task.cancel()  # ...and is cancelled before it can
     with pytest.raises(asyncio.CancelledError):
         await task
-    assert (limiter.inflight, limiter.queued) == (0, 0)
-    assert limiter.try_acquire("t")
+    assert (limiter.inflight, limiter.queued, limiter._by_tenant) == (0, 0, {})
+
+
+async def test_waiter_cancelled_then_a_release_before_it_runs_frees_the_slot():
+    # Issue 10's first race: the cancelled waiter's future is already cancelled when the
+    # release tries to hand it the slot (InvalidStateError, and the slot stayed taken).
+    limiter = limiter_with()
+    await limiter.acquire("t")
+    task = await queued(limiter)
+    task.cancel()  # cancelled, not yet run...
+    limiter.release("t", None)  # ...when the holder's slot frees
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert (limiter.inflight, limiter.queued, limiter._by_tenant) == (0, 0, {})
+    await limiter.acquire("t")  # the route is not wedged
+    assert limiter.inflight == 1
+
+
+async def test_waiter_cancelled_after_its_expiry_does_not_release_a_slot_it_never_held():
+    # Issue 10's second race: the waiter's max_wait ran out (queue_timeout set), then it was
+    # cancelled before it resumed; it took the "slot handed over" branch and released the
+    # holder's slot, letting two calls through on a limit of 1.
+    limiter = limiter_with()
+    await limiter.acquire("t")
+    task = await queued(limiter)
+    (_, _, waiter), = limiter._heap
+    waiter.timer.cancel()
+    limiter._expire(waiter)  # its max_wait runs out: the future holds queue_timeout...
+    task.cancel()  # ...and the caller is cancelled before it resumes
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert (limiter.inflight, limiter.queued, limiter._by_tenant) == (1, 0, {"t": 1})
+    with pytest.raises(Rejected):  # the holder still has the only slot
+        await limiter.acquire("u", 1, 0.01)
+    limiter.release("t", None)
+    assert (limiter.inflight, limiter._by_tenant) == (0, {})
 
 
 async def test_per_tenant_counts_in_flight_and_queued_and_answers_at_once():
-    limiter = ConcurrencyLimiter(limit=1, queue=5, max_wait=30.0, per_tenant=2)
-    assert limiter.try_acquire("a")
-    assert not limiter.try_acquire("a")  # counted, must now wait
-    waiting = asyncio.create_task(limiter.wait("a", 1, 30.0))
-    await asyncio.sleep(0)
+    limiter = limiter_with(per_tenant=2)
+    await limiter.acquire("a")
+    waiting = await queued(limiter, "a")
     with pytest.raises(Rejected) as capped:
-        limiter.try_acquire("a")
+        await limiter.acquire("a")
     assert capped.value.reason is Reason.TENANT_CONCURRENCY
     assert capped.value.policy == ("tenant-concurrency", 2, 0)
     assert capped.value.retry_after > 0
-    assert not limiter.try_acquire("b")  # another tenant is queued, not refused
-    b_waiting = asyncio.create_task(limiter.wait("b", 1, 30.0))
-    await asyncio.sleep(0)
+    b_waiting = await queued(limiter, "b")  # another tenant is queued, not refused
     limiter.release("a", None)
     await waiting
     limiter.release("a", None)
@@ -132,19 +174,17 @@ async def test_per_tenant_counts_in_flight_and_queued_and_answers_at_once():
 
 
 async def test_queue_full_does_not_keep_the_tenants_share():
-    limiter = ConcurrencyLimiter(limit=1, queue=0, max_wait=30.0, per_tenant=1)
-    assert limiter.try_acquire("a")
-    assert not limiter.try_acquire("b")
+    limiter = limiter_with(queue=0, per_tenant=1)
+    await limiter.acquire("a")
     with pytest.raises(Rejected):
-        await limiter.wait("b", 1, 30.0)
+        await limiter.acquire("b")
     assert limiter._by_tenant == {"a": 1}
 
 
 async def test_many_departures_do_not_grow_the_queue_without_bound():
-    limiter = ConcurrencyLimiter(limit=1, queue=10_000, max_wait=30.0, per_tenant=None)
-    assert limiter.try_acquire("t")
-    assert not any(limiter.try_acquire("t") for _ in range(1000))
-    tasks = [asyncio.create_task(limiter.wait("t", 1, 30.0)) for _ in range(1000)]
+    limiter = limiter_with(queue=10_000)
+    await limiter.acquire("t")
+    tasks = [asyncio.create_task(limiter.acquire("t")) for _ in range(1000)]
     await asyncio.sleep(0)
     for task in tasks[:-1]:
         task.cancel()
@@ -158,18 +198,17 @@ async def test_many_departures_do_not_grow_the_queue_without_bound():
 
 
 async def test_the_callers_timeout_less_the_service_time_bounds_the_wait():
-    limiter = ConcurrencyLimiter(limit=1, queue=5, max_wait=30.0, per_tenant=2)
+    limiter = limiter_with(per_tenant=2)
     # Before any completion the service time is a guess: only the caller's timeout counts.
     assert limiter.wait_budget(None) == 30.0
     assert limiter.wait_budget(2.0) == 2.0
-    assert limiter.try_acquire("t")
+    await limiter.acquire("t")
     limiter.release("t", 1.5)  # observed: 1.0 + 0.1 * (1.5 - 1.0) = 1.05 s
     assert limiter.wait_budget(2.0) == pytest.approx(0.95)
     assert limiter.wait_budget(60.0) == 30.0
     # A caller whose timeout cannot cover even the call itself is told at once.
-    assert limiter.try_acquire("t")
-    assert not limiter.try_acquire("t")
+    await limiter.acquire("t")
     with pytest.raises(Rejected) as unreachable:
-        await limiter.wait("t", 1, limiter.wait_budget(1.0))
+        await limiter.acquire("t", 1, 1.0)
     assert unreachable.value.reason is Reason.DEADLINE_UNREACHABLE
     assert (limiter.queued, limiter._by_tenant) == (0, {"t": 1})

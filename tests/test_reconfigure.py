@@ -8,6 +8,7 @@ import pytest
 
 from policies.concurrency import ConcurrencyLimiter
 from policies.config import RateConfig
+from policies.pipeline import Call
 from policies.rate import RateLimiter
 from policies.reasons import Reason, Rejected
 from proxy.config import parse_config
@@ -18,15 +19,21 @@ from proxy.routes import Route, carry_over
 
 
 async def _queue(limiter: ConcurrencyLimiter, tenant: str = "t") -> asyncio.Task[None]:
-    assert not limiter.try_acquire(tenant)
-    task = asyncio.create_task(limiter.wait(tenant, 1, 30.0))
+    queued = limiter.queued
+    task = asyncio.create_task(limiter.acquire(tenant))
     await asyncio.sleep(0)
+    assert limiter.queued == queued + 1
     return task
+
+
+def _call(tenant: str) -> Call:
+    return Call(request_id="r", route="r", method="POST", path="/r/", headers={}, body=b"",
+                tenant=tenant)
 
 
 async def test_raised_limit_admits_waiters_at_once():
     limiter = ConcurrencyLimiter(limit=1, queue=10, max_wait=30.0, per_tenant=None)
-    assert limiter.try_acquire("t")
+    await limiter.acquire("t")
     waiters = [await _queue(limiter) for _ in range(3)]
     limiter.reconfigure(limit=3, queue=10, max_wait=30.0, per_tenant=None)
     await asyncio.sleep(0)
@@ -40,7 +47,7 @@ async def test_raised_limit_admits_waiters_at_once():
 async def test_lowered_limit_retires_slots_before_handing_any_over():
     limiter = ConcurrencyLimiter(limit=3, queue=10, max_wait=30.0, per_tenant=None)
     for _ in range(3):
-        assert limiter.try_acquire("t")
+        await limiter.acquire("t")
     waiter = await _queue(limiter)
     limiter.reconfigure(limit=1, queue=10, max_wait=30.0, per_tenant=None)
     limiter.release("t", None)
@@ -56,25 +63,25 @@ async def test_lowered_limit_retires_slots_before_handing_any_over():
 
 async def test_per_tenant_cap_switched_on_counts_requests_already_in_flight():
     limiter = ConcurrencyLimiter(limit=10, queue=0, max_wait=1.0, per_tenant=None)
-    assert limiter.try_acquire("a") and limiter.try_acquire("a")
+    await limiter.acquire("a")
+    await limiter.acquire("a")
     limiter.reconfigure(limit=10, queue=0, max_wait=1.0, per_tenant=2)
     with pytest.raises(Rejected) as refused:
-        limiter.try_acquire("a")
+        await limiter.acquire("a")
     assert refused.value.reason is Reason.TENANT_CONCURRENCY
-    assert limiter.try_acquire("b")
+    await limiter.acquire("b")
     limiter.release("a", None)
-    assert limiter.try_acquire("a")
+    await limiter.acquire("a")
     assert limiter.state()["tenants"] == {"a": 2, "b": 1}
 
 
 async def test_smaller_queue_refuses_newcomers_but_keeps_the_queued():
     limiter = ConcurrencyLimiter(limit=1, queue=3, max_wait=30.0, per_tenant=None)
-    assert limiter.try_acquire("t")
+    await limiter.acquire("t")
     waiters = [await _queue(limiter) for _ in range(2)]
     limiter.reconfigure(limit=1, queue=1, max_wait=30.0, per_tenant=None)
-    assert not limiter.try_acquire("t")
     with pytest.raises(Rejected) as refused:
-        await limiter.wait("t", 1, 30.0)
+        await limiter.acquire("t")
     assert refused.value.reason is Reason.QUEUE_FULL
     limiter.release("t", None)
     limiter.release("t", None)
@@ -85,11 +92,11 @@ async def test_smaller_queue_refuses_newcomers_but_keeps_the_queued():
 async def test_changed_rate_keeps_the_bucket_level():
     limiter = RateLimiter(RateConfig.model_validate({"requests": "5/min"}))
     for _ in range(5):
-        limiter.admit("t")
+        await limiter.admit(_call("t"))
     limiter.reconfigure(RateConfig.model_validate({"requests": "6/min"}))
-    limiter.admit("t")  # one more fits the bigger bucket...
+    await limiter.admit(_call("t"))  # one more fits the bigger bucket...
     with pytest.raises(Rejected):
-        limiter.admit("t")  # ...and no fresh burst was granted
+        await limiter.admit(_call("t"))  # ...and no fresh burst was granted
     same = limiter.route_bucket
     limiter.reconfigure(RateConfig.model_validate({"requests": "6/min"}))
     assert limiter.route_bucket is same
@@ -97,16 +104,16 @@ async def test_changed_rate_keeps_the_bucket_level():
 
 async def test_tenant_buckets_follow_the_new_per_tenant_rate():
     limiter = RateLimiter(RateConfig.model_validate({"per_tenant": {"requests": "1/min"}}))
-    limiter.admit("a")
+    await limiter.admit(_call("a"))
     with pytest.raises(Rejected):
-        limiter.admit("a")
+        await limiter.admit(_call("a"))
     limiter.reconfigure(RateConfig.model_validate({"per_tenant": {"requests": "2/min"}}))
-    limiter.admit("a")
+    await limiter.admit(_call("a"))
     with pytest.raises(Rejected):
-        limiter.admit("a")
+        await limiter.admit(_call("a"))
     limiter.reconfigure(RateConfig.model_validate({}))
     for _ in range(5):
-        limiter.admit("a")
+        await limiter.admit(_call("a"))
     assert limiter.state() == {
         "requests": None, "tokens": None, "per_tenant": None, "tenants_tracked": 0}
 

@@ -36,7 +36,7 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
 
 def make_breaker(**config: object) -> tuple[brk.Breaker, EventLog]:
     events = EventLog(None)
-    return brk.Breaker(CircuitBreakerConfig(**config), "r", events), events
+    return brk.Breaker(CircuitBreakerConfig(**config), "r", events.emit_system), events
 
 
 def emitted(events: EventLog) -> list[str]:
@@ -99,13 +99,13 @@ def test_classify_outcomes() -> None:
 def test_consecutive_failures_open_then_one_probe_closes(clock: Clock) -> None:
     breaker, events = make_breaker(fail_max=3, reset_timeout="10s")
     for _ in range(2):
-        breaker.record(breaker.admit(), brk.FAILURE)
-    breaker.record(breaker.admit(), brk.SUCCESS)  # a success resets the consecutive count
+        breaker.record(breaker.attempt(), brk.FAILURE)
+    breaker.record(breaker.attempt(), brk.SUCCESS)  # a success resets the consecutive count
     for _ in range(3):
-        breaker.record(breaker.admit(), brk.FAILURE)
+        breaker.record(breaker.attempt(), brk.FAILURE)
     assert breaker.current == "open" and breaker.state_value() == 2
     with pytest.raises(Rejected) as info:
-        breaker.admit()
+        breaker.attempt()
     # Retry-After: the time to half-open, plus a spread of up to one reset_timeout.
     assert info.value.reason is Reason.CIRCUIT_OPEN and 10.0 <= info.value.retry_after <= 20.0
     assert breaker.blocked_for() == 10.0
@@ -122,10 +122,10 @@ def test_consecutive_failures_open_then_one_probe_closes(clock: Clock) -> None:
 
     clock.now += 6
     breaker.check()  # due: check() passes but takes nothing
-    probe = breaker.admit()
+    probe = breaker.attempt()
     assert breaker.current == "half-open"
     with pytest.raises(Rejected) as info:
-        breaker.admit()  # exactly one probe
+        breaker.attempt()  # exactly one probe
     assert 1.0 <= info.value.retry_after / brk.PROBE_RETRY_AFTER_S <= 2.0
     breaker.record(probe, brk.SUCCESS)
     assert breaker.current == "closed" and breaker.state_value() == 0
@@ -134,37 +134,37 @@ def test_consecutive_failures_open_then_one_probe_closes(clock: Clock) -> None:
 
 def test_cancelled_probe_is_neutral_and_failed_probe_reopens(clock: Clock) -> None:
     breaker, _ = make_breaker(fail_max=1, reset_timeout="5s", success_threshold=2)
-    breaker.record(breaker.admit(), brk.FAILURE)
+    breaker.record(breaker.attempt(), brk.FAILURE)
     clock.now += 5
-    probe = breaker.admit()
+    probe = breaker.attempt()
     breaker.release(probe)  # the caller went away: no verdict, the next caller probes
     assert breaker.current == "half-open"
-    probe = breaker.admit()
+    probe = breaker.attempt()
     breaker.record(probe, brk.SUCCESS)
     assert breaker.current == "half-open"  # success_threshold 2: one more probe needed
-    breaker.record(breaker.admit(), brk.FAILURE)
+    breaker.record(breaker.attempt(), brk.FAILURE)
     assert breaker.current == "open" and breaker.blocked_for() == 5.0
 
 
 def test_stale_outcomes_are_dropped(clock: Clock) -> None:
     breaker, _ = make_breaker(fail_max=2, reset_timeout="5s")
-    early = [breaker.admit() for _ in range(4)]  # four attempts admitted while closed
+    early = [breaker.attempt() for _ in range(4)]  # four attempts admitted while closed
     breaker.record(early[0], brk.FAILURE)
     breaker.record(early[1], brk.FAILURE)
     assert breaker.current == "open"
     clock.now += 5
-    probe = breaker.admit()
+    probe = breaker.attempt()
     breaker.record(early[2], brk.FAILURE)  # lands after the state moved on: ignored
     assert breaker.current == "half-open"
     breaker.record(probe, brk.SUCCESS)
     breaker.record(early[3], brk.FAILURE)  # from an older epoch: does not count toward fail_max
-    breaker.record(breaker.admit(), brk.FAILURE)
+    breaker.record(breaker.attempt(), brk.FAILURE)
     assert breaker.current == "closed"
 
 
 def test_upstream_retry_after_extends_never_shortens(clock: Clock) -> None:
     breaker, _ = make_breaker(fail_max=1, reset_timeout="10s")
-    breaker.record(breaker.admit(), brk.FAILURE, 503, 1.0)
+    breaker.record(breaker.attempt(), brk.FAILURE, 503, 1.0)
     assert breaker.blocked_for() == 10.0  # a shorter hint does not shorten
     breaker.record(0, brk.FAILURE, 503, 45.0)
     assert breaker.blocked_for() == 45.0
@@ -176,23 +176,23 @@ def test_upstream_retry_after_extends_never_shortens(clock: Clock) -> None:
 def test_failure_rate_window(clock: Clock) -> None:
     breaker, events = make_breaker(fail_max=100, rate=0.5, window="10s", min_calls=4)
     for outcome in (brk.FAILURE, brk.FAILURE, brk.FAILURE):
-        breaker.record(breaker.admit(), outcome)
+        breaker.record(breaker.attempt(), outcome)
     assert breaker.current == "closed"  # below min_calls: never trips
     clock.now += 11  # those fall out of the window
     for outcome in (brk.SUCCESS, brk.FAILURE, brk.SUCCESS):
-        breaker.record(breaker.admit(), outcome)
+        breaker.record(breaker.attempt(), outcome)
     assert breaker.current == "closed"
-    breaker.record(breaker.admit(), brk.FAILURE)  # 2 of 4 = 50 %: trips (>=)
+    breaker.record(breaker.attempt(), brk.FAILURE)  # 2 of 4 = 50 %: trips (>=)
     assert breaker.current == "open"
     assert "failure_rate" in events._buffer[-1].decode()
 
 
 def test_neutral_outcome_does_not_reset_the_count(clock: Clock) -> None:
     breaker, _ = make_breaker(fail_max=2)
-    breaker.record(breaker.admit(), brk.FAILURE)
-    breaker.release(breaker.admit())  # a cancelled attempt
-    breaker.record(breaker.admit(), brk.NEUTRAL, 429, 3.0)  # a quota answer
-    breaker.record(breaker.admit(), brk.FAILURE)
+    breaker.record(breaker.attempt(), brk.FAILURE)
+    breaker.release(breaker.attempt())  # a cancelled attempt
+    breaker.record(breaker.attempt(), brk.NEUTRAL, 429, 3.0)  # a quota answer
+    breaker.record(breaker.attempt(), brk.FAILURE)
     assert breaker.current == "open"
 
 

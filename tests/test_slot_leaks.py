@@ -160,16 +160,16 @@ async def test_proxy_error(upstream, monkeypatch, caplog):
     )
     runtime = Runtime(config)
     await runtime.open()
-    real_forward = proxy.forward.forward
+    real_send = proxy.forward.send
     failures = []
 
-    async def broken_forward(*args, **kwargs):
+    async def broken_send(*args, **kwargs):
         if not failures:
             failures.append(1)
             raise RuntimeError("injected proxy bug")
-        return await real_forward(*args, **kwargs)
+        return await real_send(*args, **kwargs)
 
-    monkeypatch.setattr(proxy.forward, "forward", broken_forward)
+    monkeypatch.setattr(proxy.forward, "send", broken_send)
     runner = web.ServerRunner(build_proxy_server(runtime))
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)

@@ -1,0 +1,183 @@
+"""The admission pipeline: one call context, one policy interface, one place that gives back.
+
+Every policy of a route (idempotency, circuit breaker, rates, token accounting and budgets,
+concurrency and its queue, and those to come) implements :class:`Policy`: ``admit(call)``
+either refuses the call by raising :class:`~policies.reasons.Rejected`, or lets it pass and
+returns what it now *holds* for the call (a :class:`Holding`: a slot, a rate unit, a budget
+reservation, an idempotency key), or ``None`` when it holds nothing.
+
+:class:`Admission` runs a route's policies in order and keeps every holding the moment it is
+returned. Whatever ends the call (a later policy's refusal, the upstream's answer, an
+exception from anywhere, the caller's cancellation at any ``await``), the request path calls
+:meth:`Admission.release` once, in one ``finally``, with the call's :class:`Outcome`; it gives
+every holding back in reverse order, exactly once. No branch releases anything by hand
+(structured release, as ``contextlib.AsyncExitStack`` or Envoy's ``onDestroy``).
+
+The contract a policy keeps so that nothing can leak: ``admit`` takes its holding as its
+*last* step, with no ``await`` and nothing that can raise between taking it and returning it;
+if it raises (``Rejected``, ``CancelledError`` or anything else), it holds nothing. A
+holding's ``release`` never awaits and never raises for an outcome it does not expect.
+
+This module knows nothing of HTTP servers or metrics: a policy reports what the request path
+should log through :attr:`Call.notify` (e.g. ``enqueued``), and the path reads what policies
+leave on the call (the body to send, the idempotency key, the usage charged).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
+
+log = logging.getLogger("sluice")
+
+
+def _ignore(event: str, fields: dict[str, Any]) -> None:
+    return None
+
+
+class Call:
+    """Everything about one call, from the request's arrival to its outcome.
+
+    Set by the request path before admission:
+        request_id, route, method, path (path and query as received, prefix included),
+        headers (the caller's, read-only), body (bytes; a policy may replace it, e.g. the
+        accounting's rewritten body), tenant, run (``None`` without a run id), priority
+        (0 critical, 1 standard, 2 best-effort), timeout (the caller's own timeout in
+        seconds, ``None`` if it sent none), operation (the tool, endpoint or model a
+        per-operation policy keys on; ``None`` for none), received_at (monotonic seconds).
+
+    Left by policies for the request path:
+        idempotency_key: the key, for events; upstream_key: the ``Idempotency-Key`` value to
+        send upstream on every attempt; capture: fed the relayed answer for the idempotency
+        store; meter: reads the answer's usage; new_unit: a new unit of work
+        (``sluice_work_units_total``); enqueued_at: monotonic seconds when it joined a queue;
+        charged: the ``completed`` event's usage fields, set when the charge settles.
+
+    Set by the forwarder: status, the status line being relayed to the caller (0 before).
+
+    notify(event, fields): how a policy reports a step for the timeline (default: ignored).
+    """
+
+    __slots__ = ("body", "capture", "charged", "enqueued_at", "headers", "idempotency_key",
+                 "meter", "method", "new_unit", "notify", "operation", "path", "priority",
+                 "received_at", "request_id", "route", "run", "status", "tenant", "timeout",
+                 "upstream_key")
+
+    def __init__(self, *, request_id: str, route: str, method: str, path: str,
+                 headers: Mapping[str, str], body: bytes, tenant: str, run: str | None = None,
+                 priority: int = 1, timeout: float | None = None, operation: str | None = None,
+                 notify: Callable[[str, dict[str, Any]], None] = _ignore) -> None:
+        self.request_id = request_id
+        self.route = route
+        self.method = method
+        self.path = path
+        self.headers = headers
+        self.body = body
+        self.tenant = tenant
+        self.run = run
+        self.priority = priority
+        self.timeout = timeout
+        self.operation = operation
+        self.notify = notify
+        self.received_at = time.monotonic()
+        self.idempotency_key: str | None = None
+        self.upstream_key: str | None = None
+        self.capture: Any = None
+        self.meter: Any = None
+        self.new_unit = True
+        self.enqueued_at: float | None = None
+        self.charged: dict[str, object] | None = None
+        self.status = 0
+
+
+class Outcome:
+    """How a call ended, as every holding's ``release`` is told.
+
+    Attributes:
+        label: the ``sluice_requests_total`` outcome (``2xx`` ... ``5xx``, ``rejected``,
+            ``replayed``, ``upstream_error``, ``upstream_timeout``, ``client_disconnected``,
+            ``drain_cut``).
+        reached: the request may have reached the upstream (an attempt was sent, or its
+            sending could not be shown not to have left). ``False`` means the upstream never
+            saw it: whatever was taken for it is given back in full.
+        status: the status the caller was sent, 0 if none.
+        service_s: admission to completion in seconds when the upstream answered (a sample
+            for service-time estimates), else ``None``.
+    """
+
+    __slots__ = ("label", "reached", "service_s", "status")
+
+    def __init__(self, label: str, reached: bool, status: int = 0,
+                 service_s: float | None = None) -> None:
+        self.label = label
+        self.reached = reached
+        self.status = status
+        self.service_s = service_s
+
+    def __repr__(self) -> str:
+        return f"Outcome({self.label!r}, reached={self.reached}, status={self.status})"
+
+
+#: The call was refused (by a policy, before anything reached the upstream).
+REFUSED = Outcome("rejected", reached=False)
+#: The caller left, or something failed, before anything reached the upstream.
+ABANDONED = Outcome("client_disconnected", reached=False)
+
+
+class Holding(Protocol):
+    """What a policy holds for an admitted call until it ends."""
+
+    def release(self, outcome: Outcome) -> None:
+        """Give it back, once, knowing how the call ended. Never awaits."""
+        ...
+
+
+class Policy(Protocol):
+    """One admission step (see the module docstring for the contract)."""
+
+    async def admit(self, call: Call) -> Holding | None:
+        """Let ``call`` pass, returning what is now held for it, or refuse it.
+
+        Raises:
+            Rejected: the call is refused now; nothing is held.
+        """
+        ...
+
+
+class Admission:
+    """The holdings of one call: taken in policy order, given back in reverse, exactly once."""
+
+    __slots__ = ("_held",)
+
+    def __init__(self) -> None:
+        self._held: list[Holding] = []
+
+    async def admit(self, policies: Sequence[Policy], call: Call) -> None:
+        """Run ``policies`` in order on ``call``; on return every one has admitted it.
+
+        Raises:
+            Rejected: a policy refused; what earlier ones took stays held until
+                :meth:`release`, which the caller runs in its ``finally``.
+        """
+        held = self._held
+        for policy in policies:
+            holding = await policy.admit(call)
+            if holding is not None:
+                held.append(holding)
+
+    def hold(self, holding: Holding) -> None:
+        """Keep a holding taken outside :meth:`admit` (e.g. the route's in-flight count)."""
+        self._held.append(holding)
+
+    def release(self, outcome: Outcome) -> None:
+        """Give every holding back, newest first, telling each ``outcome``. Never awaits;
+        calling it again does nothing. A holding that raises is logged and the rest still
+        run: one faulty release must not keep the others held."""
+        held, self._held = self._held, []
+        for holding in reversed(held):
+            try:
+                holding.release(outcome)
+            except Exception:
+                log.exception("releasing %r failed", holding)

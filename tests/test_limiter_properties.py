@@ -1,0 +1,241 @@
+"""Property-based tests of the concurrency limiter and the budget ledger (hypothesis, stateful).
+
+The limiter runs on a real asyncio event loop whose clock is virtual, so queue expiries fire
+when the test moves time, not when the machine gets round to it. Each step of a random program
+is one of: a call arrives (tenant, priority, caller timeout), a task is cancelled, a holder
+releases its slot, time moves, the loop runs a few turns, or a reload changes the limits. Steps
+between loop turns are what make the races: a cancel and a hand-over, an expiry and a cancel,
+landing before the task they concern has run.
+
+Invariants, after every step: never more than ``limit`` in flight (a lowered limit may be
+exceeded only by calls admitted before it, and only until they finish); counts never negative;
+no task ends any other way than holding a slot, ``Rejected`` or cancelled (no
+``InvalidStateError``, no unhandled error in a callback); per-tenant caps hold. At the end,
+once every call has ended, everything is back to zero.
+
+The ledger program reserves, settles and releases random claims across shared counters; the
+invariants: a reservation is admitted only if it fits every limit, spent + held never exceeds
+a limit while every settle stays within its reservation, nothing goes negative, and every
+held amount returns to zero.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import selectors
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    consumes,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+
+from policies.budget import Claim, MemoryLedger
+from policies.concurrency import ConcurrencyLimiter
+from policies.reasons import Rejected
+
+TENANTS = ("a", "b", "c")
+EXAMPLES = settings(max_examples=100, stateful_step_count=30, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow])
+
+
+class VirtualClockLoop(asyncio.SelectorEventLoop):
+    """An event loop whose ``time()`` moves only when the test advances it."""
+
+    def __init__(self) -> None:
+        super().__init__(selectors.DefaultSelector())
+        self.now = 0.0
+
+    def time(self) -> float:
+        return self.now
+
+
+class LimiterProgram(RuleBasedStateMachine):
+    """A random program of arrivals, cancels, releases, time and reloads on one limiter."""
+
+    @initialize(limit=st.integers(1, 3), queue=st.integers(0, 4),
+                per_tenant=st.none() | st.integers(1, 3))
+    def start(self, limit: int, queue: int, per_tenant: int | None) -> None:
+        self.loop = VirtualClockLoop()
+        self.errors: list[dict] = []
+        self.loop.set_exception_handler(lambda loop, context: self.errors.append(context))
+        self.limiter = ConcurrencyLimiter(limit, queue, 1.0, per_tenant)
+        self.tasks: list[tuple[asyncio.Task[None], str]] = []
+        self.released: set[int] = set()
+        self.allowed = limit  # the most that may be in flight now (see raise_or_lower)
+
+    def teardown(self) -> None:
+        if not hasattr(self, "loop"):
+            return
+        # End every call: cancel the waiting, release the holding, then all must be zero.
+        for task, _ in self.tasks:
+            task.cancel()
+        self._turns(5)
+        for index, (_, tenant) in enumerate(self.tasks):
+            if self._holds(index):
+                self.released.add(index)
+                self.limiter.release(tenant, None)
+        self._turns(5)
+        limiter = self.limiter
+        try:
+            assert (limiter.inflight, limiter.queued, limiter._by_tenant) == (0, 0, {})
+            assert not any(entry[2].state == 0 for entry in limiter._heap)
+            assert not self.errors, self.errors
+        finally:
+            self.loop.close()
+
+    # -- steps --------------------------------------------------------------------------------
+
+    @rule(tenant=st.sampled_from(TENANTS), priority=st.integers(0, 2),
+          timeout=st.none() | st.floats(0.1, 3.0))
+    def arrive(self, tenant: str, priority: int, timeout: float | None) -> None:
+        task = self.loop.create_task(self.limiter.acquire(tenant, priority, timeout))
+        self.tasks.append((task, tenant))
+
+    @precondition(lambda self: any(not t.done() for t, _ in self.tasks))
+    @rule(data=st.data())
+    def cancel(self, data: st.DataObject) -> None:
+        pending = [t for t, _ in self.tasks if not t.done()]
+        data.draw(st.sampled_from(pending)).cancel()
+
+    @precondition(lambda self: any(self._holds(i) for i in range(len(self.tasks))))
+    @rule(data=st.data(), service_s=st.none() | st.floats(0.0, 2.0))
+    def release(self, data: st.DataObject, service_s: float | None) -> None:
+        holding = [i for i in range(len(self.tasks)) if self._holds(i)]
+        index = data.draw(st.sampled_from(holding))
+        self.released.add(index)
+        self.limiter.release(self.tasks[index][1], service_s)
+        self.allowed = max(self.limiter.limit, min(self.allowed, self.limiter.inflight))
+
+    @rule(seconds=st.floats(0.0, 1.5))
+    def advance(self, seconds: float) -> None:
+        self.loop.now += seconds
+
+    @rule(turns=st.integers(1, 3))
+    def run(self, turns: int) -> None:
+        self._turns(turns)
+
+    @rule(limit=st.integers(1, 3), queue=st.integers(0, 4),
+          per_tenant=st.none() | st.integers(1, 3))
+    def reload(self, limit: int, queue: int, per_tenant: int | None) -> None:
+        self.limiter.reconfigure(limit, queue, 1.0, per_tenant)
+        # A lowered limit drains: calls already in flight may finish above it.
+        self.allowed = max(limit, self.limiter.inflight)
+
+    # -- invariants ---------------------------------------------------------------------------
+
+    @invariant()
+    def counts_are_sane(self) -> None:
+        if not hasattr(self, "limiter"):
+            return
+        limiter = self.limiter
+        assert limiter.inflight >= 0 and limiter.queued >= 0
+        assert limiter.inflight <= self.allowed, (limiter.inflight, self.allowed)
+        assert all(count > 0 for count in limiter._by_tenant.values())
+        holding = sum(1 for i in range(len(self.tasks)) if self._holds(i))
+        assert holding <= limiter.inflight
+        assert not self.errors, self.errors
+
+    @invariant()
+    def tasks_end_only_as_documented(self) -> None:
+        for task, _ in getattr(self, "tasks", ()):
+            if task.done() and not task.cancelled():
+                error = task.exception()
+                assert error is None or isinstance(error, Rejected), repr(error)
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    def _holds(self, index: int) -> bool:
+        task = self.tasks[index][0]
+        return (index not in self.released and task.done() and not task.cancelled()
+                and task.exception() is None)
+
+    def _turns(self, n: int) -> None:
+        for _ in range(n):
+            self.loop.run_until_complete(asyncio.sleep(0))
+
+
+TestLimiterProgram = LimiterProgram.TestCase
+TestLimiterProgram.settings = EXAMPLES
+
+
+class LedgerProgram(RuleBasedStateMachine):
+    """Random reserve / settle / release programs on a ledger with shared counters."""
+
+    reservations = Bundle("reservations")
+    CAPS = {"k1": 100.0, "k2": 150.0, "k3": 60.0}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ledger = MemoryLedger()
+        self.loop = asyncio.new_event_loop()
+        self.open: list[list[Claim]] = []
+
+    def teardown(self) -> None:
+        self.loop.close()
+
+    @rule(target=reservations,
+          parts=st.lists(st.tuples(st.sampled_from(sorted(CAPS)), st.integers(1, 80)),
+                         min_size=1, max_size=3, unique_by=lambda part: part[0]))
+    def reserve(self, parts: list[tuple[str, int]]) -> list[Claim] | None:
+        claims = [Claim(key, float(amount), self.CAPS[key], 1e12) for key, amount in parts]
+        before = {key: self.ledger.level(key) for key in self.CAPS}
+        denied = self.loop.run_until_complete(self.ledger.reserve(claims, 0.0))
+        fits = [spent + held + c.amount <= c.cap for c in claims
+                for spent, held in (before[c.key],)]
+        if denied:
+            assert not all(fits) and set(denied) == {i for i, ok in enumerate(fits) if not ok}
+            assert {key: self.ledger.level(key) for key in self.CAPS} == before  # none held
+            return None
+        assert all(fits)
+        self.open.append(claims)
+        return claims
+
+    @rule(claims=consumes(reservations), share=st.floats(0.0, 1.0))
+    def settle(self, claims: list[Claim] | None, share: float) -> None:
+        if claims is not None:
+            self.open.remove(claims)
+            self.ledger.settle(claims, [c.amount * share for c in claims])
+
+    @rule(claims=consumes(reservations))
+    def release(self, claims: list[Claim] | None) -> None:
+        if claims is not None:
+            self.open.remove(claims)
+            self.ledger.settle(claims, [0.0] * len(claims))
+
+    @invariant()
+    def within_limits(self) -> None:
+        for key, cap in self.CAPS.items():
+            spent, held = self.ledger.level(key)
+            assert spent >= 0 and held >= -1e-9
+            assert spent + held <= cap + 1e-6
+
+    def check_all_settled(self) -> None:
+        for key in self.CAPS:
+            assert self.ledger.level(key)[1] < 1e-6
+
+
+TestLedgerProgram = LedgerProgram.TestCase
+TestLedgerProgram.settings = EXAMPLES
+
+
+@settings(max_examples=50, deadline=None)
+class LedgerDrains(LedgerProgram):
+    """The ledger program, ending with every open reservation released: zero held."""
+
+    def teardown(self) -> None:
+        try:
+            for claims in self.open:
+                self.ledger.settle(claims, [0.0] * len(claims))
+            self.check_all_settled()
+        finally:
+            super().teardown()
+
+
+TestLedgerDrains = LedgerDrains.TestCase
