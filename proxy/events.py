@@ -3,7 +3,8 @@
 Every line has ``ts`` (Unix seconds), ``event``, ``request_id``, ``route``, ``tenant``, ``run``
 and ``idempotency_key``, then the event's own fields. Lines are buffered in memory and written
 by a background task every ``FLUSH_INTERVAL_S`` (and at shutdown), so the request path never
-waits on a disk or a pipe.
+waits on a disk or a pipe. Emitting never raises: a value JSON cannot carry as it is is
+escaped (see :func:`_encodable`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,19 @@ from typing import IO, Any
 import orjson
 
 FLUSH_INTERVAL_S = 0.2
+
+
+def _encodable(value: Any) -> Any:
+    """``value`` as orjson can write it: a string that is not valid UTF-8 (a caller's header
+    bytes, decoded by aiohttp with surrogate escapes) keeps its bytes as escapes; anything
+    else orjson refuses becomes its ``repr``. An event must never fail a request."""
+    if isinstance(value, str):
+        return value.encode("utf-8", "backslashreplace").decode("utf-8")
+    try:
+        orjson.dumps(value)
+    except TypeError:
+        return repr(value)
+    return value
 
 
 class EventLog:
@@ -42,12 +56,19 @@ class EventLog:
         }
         if fields:
             record.update(fields)
-        self._buffer.append(orjson.dumps(record, option=orjson.OPT_APPEND_NEWLINE))
+        self._append(record)
 
     def emit_system(self, event: str, **fields: Any) -> None:
         """Queue an event that belongs to no request (e.g. ``config_reloaded``)."""
-        record = {"ts": round(time.time(), 6), "event": event, **fields}
-        self._buffer.append(orjson.dumps(record, option=orjson.OPT_APPEND_NEWLINE))
+        self._append({"ts": round(time.time(), 6), "event": event, **fields})
+
+    def _append(self, record: dict[str, Any]) -> None:
+        try:
+            line = orjson.dumps(record, option=orjson.OPT_APPEND_NEWLINE)
+        except TypeError:  # orjson.JSONEncodeError: e.g. a header decoded to lone surrogates
+            line = orjson.dumps({k: _encodable(v) for k, v in record.items()},
+                                option=orjson.OPT_APPEND_NEWLINE)
+        self._buffer.append(line)
 
     async def start(self) -> None:
         """Open the destination and start the flusher."""

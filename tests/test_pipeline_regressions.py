@@ -1,0 +1,297 @@
+"""Regressions from the review of the request path (issue 10), each through the real proxy.
+
+The proxy runs in the test's process (its low-level server on a free port) so a test can
+inject a fault where no outside caller could (the event log refusing a value) and read the
+policies' state directly; callers are real HTTP clients.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import AsyncIterator
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+import policies.deadletter
+from policies.config import DeadLetterConfig
+from policies.deadletter import Attempt, DeadLetter, DeadLetterQueue
+from proxy import forward
+from proxy.config import parse_config
+from proxy.runtime import Runtime
+from proxy.server import build_proxy_server
+from tests.fakeupstream import FakeUpstream
+
+CHAT = {"model": "gpt-4o-mini", "max_tokens": 100,
+        "messages": [{"role": "user", "content": "hi"}]}
+
+
+class InProcess:
+    """A Sluice proxy server running in this event loop."""
+
+    def __init__(self, runtime: Runtime, runner: web.ServerRunner, port: int) -> None:
+        self.runtime = runtime
+        self.runner = runner
+        self.port = port
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def route(self, name: str = "r"):  # noqa: ANN201
+        return next(route for route in self.runtime.routes if route.name == name)
+
+
+@contextlib.asynccontextmanager
+async def proxy(config_yaml: str) -> AsyncIterator[InProcess]:
+    runtime = Runtime(parse_config(config_yaml))
+    await runtime.open()
+    runner = web.ServerRunner(build_proxy_server(runtime))
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    try:
+        yield InProcess(runtime, runner, port)
+    finally:
+        await runner.cleanup()
+        await runtime.close()
+
+
+async def post(session: aiohttp.ClientSession, url: str, json: object = CHAT,
+               **headers: str) -> tuple[int, dict[str, str], bytes]:
+    async with session.post(url, json=json, headers=headers) as response:
+        return response.status, dict(response.headers), await response.read()
+
+
+def emitted(runtime: Runtime, event: str) -> list[dict]:
+    import orjson
+    return [record for line in runtime.events._buffer
+            if (record := orjson.loads(line))["event"] == event]
+
+
+async def test_an_exception_after_admission_gives_back_the_slot_the_budget_and_the_key(
+        upstream: FakeUpstream, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Seen: the event log refused a header value after the slot, the reservation and the
+    # idempotency key were taken, before the code that frees them: all held for good.
+    config = f"""
+routes:
+  - name: r
+    path_prefix: /r/
+    upstream: {upstream.url}
+    protocol: openai
+    concurrency: {{limit: 1, queue: 0}}
+    budget: {{tokens: 100000/day}}
+    idempotency: {{mode: dedup, derive_from: [X-Step]}}
+"""
+    async with proxy(config) as sluice, aiohttp.ClientSession() as session:
+        events = sluice.runtime.events
+        real_emit = events.emit
+
+        def emit(event: str, *args: object, **fields: object) -> None:
+            if event == "admitted":
+                raise ValueError("str is not valid UTF-8: surrogates not allowed")
+            real_emit(event, *args, **fields)
+
+        monkeypatch.setattr(events, "emit", emit)
+        status, headers, _ = await post(session, sluice.url("/r/v1/chat/completions"),
+                                        **{"X-Step": "1"})
+        assert status == 502 and headers["X-Sluice-Reason"] == "upstream_unreachable"
+        route = sluice.route()
+        assert (route.concurrency.inflight, route.inflight) == (0, 0)
+        assert route.accounting.budgets.reserved("tokens", "tenant", "default") == 0
+        assert route.idempotency.in_flight == 0
+        monkeypatch.setattr(events, "emit", real_emit)
+        # The same step again is not left waiting on a key nobody holds; it runs.
+        async with asyncio.timeout(5):
+            status, _, _ = await post(session, sluice.url("/r/v1/chat/completions"),
+                                      **{"X-Step": "1"})
+        assert status == 200 and len(upstream.requests) == 1
+
+
+async def test_a_breaker_that_opens_while_a_call_queues_refuses_it_without_charging(
+        upstream: FakeUpstream) -> None:
+    # Seen: the call passed the breaker check, queued, found the breaker open at its first
+    # attempt, and was charged its whole reservation (usage=reserved).
+    config = f"""
+routes:
+  - name: r
+    path_prefix: /r/
+    upstream: {upstream.url}
+    protocol: openai
+    concurrency: {{limit: 1, queue: 4, max_wait: 10s}}
+    budget: {{tokens: 100000/day}}
+    rate: {{tokens: 100000/min}}
+    circuit_breaker: {{fail_max: 1, reset_timeout: 60s}}
+"""
+    upstream.hold = asyncio.Event()
+    upstream.statuses = [500]
+    async with proxy(config) as sluice, aiohttp.ClientSession() as session:
+        route = sluice.route()
+        url = sluice.url("/r/v1/chat/completions")
+        first = asyncio.create_task(post(session, url))
+        while upstream.inflight < 1:
+            await asyncio.sleep(0.01)
+        second = asyncio.create_task(post(session, url))
+        while route.concurrency.queued < 1:
+            await asyncio.sleep(0.01)
+        upstream.hold.set()  # the first fails (500): the breaker opens, the second goes on
+        assert (await first)[0] == 500
+        status, headers, _ = await second
+        assert status == 503 and headers["X-Sluice-Reason"] == "circuit_open"
+        assert len(upstream.requests) == 1
+        budgets = route.accounting.budgets
+        [first_done] = [e for e in emitted(sluice.runtime, "completed") if e["status"] == 500]
+        # Only the first call's usage is spent; the refused one holds and spent nothing.
+        assert budgets.reserved("tokens", "tenant", "default") == 0
+        spent = 100000 - budgets.remaining("tokens", "tenant", "default")
+        assert spent == first_done["input_tokens"] + first_done["output_tokens"]
+        refused = [e for e in emitted(sluice.runtime, "completed") if e["status"] == 503]
+        assert refused and "usage" not in refused[0]
+        # Its token-rate share came back too: the bucket holds only the first call's.
+        level = route.rate.tokens._limiter._level
+        assert level < 2 * 150, level
+
+
+def _unaccepting_listener() -> list[socket.socket]:
+    """A loopback listener whose accept queue is full, so a new connection never completes
+    (Linux drops the SYN): a real connect timeout, without leaving the machine. The first
+    socket is the listener; close them all when done."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    sockets = [listener]
+    for _ in range(4):
+        filler = socket.socket()
+        filler.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            filler.connect(listener.getsockname())
+        sockets.append(filler)
+    return sockets
+
+
+@pytest.mark.parametrize("retry", ["", "retry: {attempts: 2, on: [connect_error, timeout],"
+                                       " backoff: {base: 10ms, max: 10ms}}"])
+async def test_a_connect_timeout_is_charged_nothing_with_or_without_retries(retry: str) -> None:
+    # Seen: charged in full on a plain route and not at all on a route with retries, as the
+    # rule "did the request leave?" was written twice.
+    sockets = _unaccepting_listener()
+    port = sockets[0].getsockname()[1]
+    config = f"""
+routes:
+  - name: r
+    path_prefix: /r/
+    upstream: http://127.0.0.1:{port}
+    protocol: openai
+    timeouts: {{connect: 200ms, total: 5s}}
+    budget: {{tokens: 100000/day}}
+    {retry}
+"""
+    try:
+        async with proxy(config) as sluice, aiohttp.ClientSession() as session:
+            status, _, _ = await post(session, sluice.url("/r/v1/chat/completions"))
+            assert status in (502, 504)
+            [done] = emitted(sluice.runtime, "completed")
+            assert done["usage"] == "none" and done["input_tokens"] == 0
+            budgets = sluice.route().accounting.budgets
+            assert budgets.remaining("tokens", "tenant", "default") == 100000
+    finally:
+        for each in sockets:
+            each.close()
+
+
+def test_left_is_the_one_rule_for_did_the_request_leave() -> None:
+    from aiohttp.client_reqrep import ConnectionKey
+
+    from policies.reasons import Reason, Rejected
+
+    key = ConnectionKey("h", 1, False, None, None, None, None)
+
+    def failed(cause: BaseException) -> Rejected:
+        error = Rejected(Reason.UPSTREAM_UNREACHABLE, None)
+        error.__cause__ = cause
+        return error
+
+    assert not forward.left(failed(aiohttp.ConnectionTimeoutError()))
+    assert not forward.left(failed(aiohttp.ClientConnectorError(key, OSError(111, "refused"))))
+    assert forward.left(failed(aiohttp.ServerDisconnectedError()))
+    assert forward.left(failed(aiohttp.SocketTimeoutError()))
+
+
+async def test_refused_after_the_rate_step_keeps_no_request_unit(upstream: FakeUpstream) -> None:
+    # Seen: a call refused by queue_full after the rate limiter took its unit kept it spent,
+    # so a tenant's refused calls burned its quota.
+    config = f"""
+routes:
+  - name: r
+    path_prefix: /r/
+    upstream: {upstream.url}
+    protocol: http
+    rate: {{per_tenant: {{requests: 2/min}}}}
+    concurrency: {{limit: 1, queue: 0}}
+"""
+    upstream.hold = asyncio.Event()
+    async with proxy(config) as sluice, aiohttp.ClientSession() as session:
+        url = sluice.url("/r/x")
+        first = asyncio.create_task(post(session, url, {}))
+        while upstream.inflight < 1:
+            await asyncio.sleep(0.01)
+        status, headers, _ = await post(session, url, {})
+        assert (status, headers["X-Sluice-Reason"]) == (503, "queue_full")
+        upstream.hold.set()
+        assert (await first)[0] == 200
+        assert (await post(session, url, {}))[0] == 200  # the refused call's unit came back
+        status, headers, _ = await post(session, url, {})
+        assert (status, headers["X-Sluice-Reason"]) == (429, "rate_limited")
+
+
+async def test_a_reload_that_removes_the_breaker_and_idempotency_drops_their_gauges() -> None:
+    # Seen: sluice_circuit_state stayed 2 (SluiceCircuitOpen firing forever) and the old
+    # route stayed alive, its gauges still bound to it.
+    with_blocks = """
+routes:
+  - name: r
+    path_prefix: /r/
+    upstream: http://127.0.0.1:1
+    circuit_breaker: {fail_max: 1}
+    idempotency: {mode: dedup}
+"""
+    without = """
+routes:
+  - name: r
+    path_prefix: /r/
+    upstream: http://127.0.0.1:1
+"""
+    runtime = Runtime(parse_config(with_blocks))
+    [route] = runtime.routes
+    route.breaker.record(route.breaker.attempt(), 1)  # one failure opens it
+    registry = runtime.metrics.registry
+    assert registry.get_sample_value("sluice_circuit_state", {"route": "r"}) == 2
+    runtime.configure(parse_config(without))
+    assert registry.get_sample_value("sluice_circuit_state", {"route": "r"}) is None
+    assert registry.get_sample_value("sluice_idempotency_entries", {"route": "r"}) is None
+
+
+async def test_two_first_dead_letters_open_the_store_once(tmp_path, monkeypatch) -> None:
+    opened = []
+    real = policies.deadletter.DeadLetterFile
+
+    def counting(path: str):  # noqa: ANN202
+        opened.append(path)
+        return real(path)
+
+    monkeypatch.setattr(policies.deadletter, "DeadLetterFile", counting)
+    queue = DeadLetterQueue(DeadLetterConfig(path=str(tmp_path / "dlq.sqlite")))
+
+    def letter() -> DeadLetter:
+        return DeadLetter(route="r", tenant="t", run=None, idempotency_key=None,
+                          request_id="x", method="POST", path="/", headers=[], redacted=[],
+                          body=b"{}", body_size=2, attempts=[Attempt(0.0, 502, None, 0.1)],
+                          reason="attempts_exhausted")
+
+    ids = await asyncio.gather(queue.add(letter()), queue.add(letter()))
+    assert sorted(ids) == [1, 2] and len(opened) == 1
+    assert queue.depth("r") == 2
+    await queue.close()
