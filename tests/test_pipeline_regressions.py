@@ -40,7 +40,7 @@ class InProcess:
     def url(self, path: str) -> str:
         return f"http://127.0.0.1:{self.port}{path}"
 
-    def route(self, name: str = "r"):  # noqa: ANN201
+    def route(self, name: str = "r"):
         return next(route for route in self.runtime.routes if route.name == name)
 
 
@@ -278,7 +278,7 @@ async def test_two_first_dead_letters_open_the_store_once(tmp_path, monkeypatch)
     opened = []
     real = policies.deadletter.DeadLetterFile
 
-    def counting(path: str):  # noqa: ANN202
+    def counting(path: str):
         opened.append(path)
         return real(path)
 
