@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import signal
 import socket
 import time
@@ -26,10 +27,22 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.config import StrictLoader
 from tests.fakeupstream import FakeUpstream
-from tests.sluice_child import ForkedSluice
+from tests.sluice_child import COVERAGE_ENV, ForkedSluice
 
 REPO = Path(__file__).resolve().parent.parent
 STARTUP_TIMEOUT_S = 20.0
+#: How long a server stopped at a test's end may drain before it is killed, seconds.
+STOP_GRACE_S = 3.0
+
+
+def coverage_env() -> dict[str, str]:
+    """The environment that makes a Sluice child measure itself, if this run is measured."""
+    import coverage
+
+    current = coverage.Coverage.current()
+    if current is None:
+        return {}
+    return {COVERAGE_ENV: os.path.abspath(current.config.data_file)}
 
 
 def free_port() -> int:
@@ -104,9 +117,20 @@ class SluiceProcess:
         return self.proc.returncode
 
     def kill(self) -> None:
+        """End it at once (SIGKILL): nothing it holds is given back, no data saved."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait(10)
+
+    async def stop(self, grace_s: float = STOP_GRACE_S) -> None:
+        """End it as Kubernetes would: SIGTERM (a drain, which lets a measured server save its
+        coverage), then SIGKILL if it is still running after ``grace_s``."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + grace_s
+            while self.proc.poll() is None and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+        self.kill()
 
 
 async def wait_until(predicate: Callable[[], bool], timeout: float = 10.0,
@@ -172,7 +196,8 @@ async def start_sluice(tmp_path: Path) -> AsyncIterator[Callable[..., Awaitable[
         config_path = config_path or tmp_path / f"sluice-{index}.yaml"
         config_path.write_text(yaml.safe_dump(data, sort_keys=False))
         stderr = tmp_path / f"sluice-{index}.stderr"
-        proc = ForkedSluice(str(config_path), str(stderr), str(REPO), env or {})
+        proc = ForkedSluice(str(config_path), str(stderr), str(REPO),
+                            {**coverage_env(), **(env or {})})
         sluice = SluiceProcess(proc, port, admin_port, events, stderr, config_path)
         started.append(sluice)
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
@@ -189,5 +214,4 @@ async def start_sluice(tmp_path: Path) -> AsyncIterator[Callable[..., Awaitable[
                 await asyncio.sleep(0.05)
 
     yield start
-    for sluice in started:
-        sluice.kill()
+    await asyncio.gather(*(sluice.stop() for sluice in started))

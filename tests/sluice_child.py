@@ -5,6 +5,10 @@ starts Sluice some forty times. A ``forkserver`` that has imported Sluice once f
 server in tens of milliseconds instead; the child then runs the same entry point as the
 console script (``proxy.cli.main``) with its own stdout, stderr, working directory and
 environment, so it is still a separate process that signals, exit codes and crashes reach.
+
+When the test run is measured by coverage (``pytest --cov``, the default in pyproject.toml),
+each server measures itself and saves its data when it exits; the harness stops servers with
+SIGTERM (a drain) before SIGKILL, so their data is kept.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ import signal
 import subprocess
 import sys
 
+#: Set to the test run's coverage data file when the run is measured (see ``_start_coverage``).
+COVERAGE_ENV = "COVERAGE_SLUICE_DATA"
 #: Imported once by the fork server, so each child starts warm.
 PRELOAD = ["tests.sluice_child", "proxy.cli", "proxy.server", "uvloop", "pytest"]
 
@@ -27,9 +33,33 @@ def _serve(config_path: str, stderr_path: str, cwd: str, env: dict[str, str]) ->
         opened = os.open(path, flags, 0o644)
         os.dup2(opened, fd)
         os.close(opened)
+    coverage = _start_coverage()
     from proxy.cli import main
 
-    sys.exit(main(["serve", "--config", config_path]))
+    try:
+        code = main(["serve", "--config", config_path])
+    finally:
+        if coverage is not None:  # multiprocessing ends the child with os._exit: no atexit
+            coverage.stop()
+            coverage.save()
+    sys.exit(code)
+
+
+def _start_coverage():  # type: ignore[no-untyped-def]
+    """Measure this server when the test run is measured (``COVERAGE_SLUICE_DATA`` names the
+    run's data file; this child writes a parallel file beside it, combined at the end)."""
+    data_file = os.environ.get(COVERAGE_ENV)
+    if not data_file:
+        return None
+    import coverage
+
+    inherited = coverage.Coverage.current()
+    if inherited is not None:  # the fork server's own, under ``patch = subprocess``
+        inherited.stop()
+    cov = coverage.Coverage(data_file=data_file, data_suffix=True,
+                            config_file=os.path.join(os.getcwd(), "pyproject.toml"))
+    cov.start()
+    return cov
 
 
 class ForkedSluice:
