@@ -9,7 +9,9 @@ request, keep-alive) goes to each target:
   the upstream and its concurrency and rate policies set generously, so they run on every
   request but never refuse (its idempotency, breaker and retry blocks stay as they are);
 * ``baseline``: through ``bench/passthrough.py``, a bare aiohttp + uvloop pass-through proxy
-  with no policies, so "Sluice minus baseline" is what Sluice itself adds;
+  with no policies, events or metrics, on the same low-level server and client settings as
+  Sluice and sending the same bytes upstream, so "Sluice minus baseline" is what Sluice itself
+  adds;
 * ``haproxy``: through HAProxy (``apt-get install -y haproxy``), one thread, keep-alive to
   the upstream, stripping the same path prefix: what a C proxy costs on the same machine in
   the same run. Skipped, with a note, when ``haproxy`` is not installed.
