@@ -9,7 +9,9 @@ request, keep-alive) goes to each target:
   the upstream and its concurrency and rate policies set generously, so they run on every
   request but never refuse (its idempotency, breaker and retry blocks stay as they are);
 * ``baseline``: through ``bench/passthrough.py``, a bare aiohttp + uvloop pass-through proxy
-  with no policies, so "Sluice minus baseline" is what Sluice itself adds;
+  with no policies, events or metrics, on the same low-level server and client settings as
+  Sluice and sending the same bytes upstream, so "Sluice minus baseline" is what Sluice itself
+  adds;
 * ``haproxy``: through HAProxy (``apt-get install -y haproxy``), one thread, keep-alive to
   the upstream, stripping the same path prefix: what a C proxy costs on the same machine in
   the same run. Skipped, with a note, when ``haproxy`` is not installed.
@@ -37,13 +39,16 @@ to stdout, the full record (settings, versions, load averages, every case) to
 it (with matplotlib).
 
 With ``--profile`` (needs ``pip install py-spy``), each scenario ends with one more,
-unmeasured, run of the load through Sluice while py-spy samples it; the raw stacks are saved
-beside the JSON record, and a summary (where the CPU goes, and the costliest functions, in us
-per request) is printed under the table.
+unmeasured, run of the load through Sluice while py-spy samples it (``--profile-seconds``,
+default ``--duration``); the raw stacks are saved beside the JSON record, and a summary is
+printed under the table: where the CPU goes, the costliest functions, and what the event log
+(``proxy/events.py``, orjson) and the metrics updates (``prometheus_client``,
+``proxy/metrics.py``) cost, each with its call sites, in us per request.
 
     python -m bench overhead                      # both scenarios, 10 s per case
     python -m bench overhead --duration 5 --repeat 3 --scenarios fast
     python -m bench overhead --scenarios fast --targets sluice --profile
+    python -m bench overhead --scenarios fast --profile --profile-seconds 30
 """
 
 from __future__ import annotations
@@ -317,6 +322,10 @@ def run_scenario(args: argparse.Namespace, scenario: str,
             profile = profile_sluice(args, tmp, sluice, sluice.url + UPSTREAM_PATH,
                                      connections, raw)
             profile["scenario"] = scenario
+            measured = [c.proxy_cpu_us_per_req for c in cases if c.target == "sluice"
+                        and c.proxy_cpu_us_per_req is not None]
+            if measured:
+                profile["measured_us_per_req"] = statistics.median(measured)
     return cases, profile
 
 
@@ -337,13 +346,14 @@ def profile_sluice(args: argparse.Namespace, tmp: Path, sluice: Service, url: st
     (reported beside it) is the true figure.
     """
     raw.parent.mkdir(parents=True, exist_ok=True)
+    seconds = args.profile_seconds or args.duration
     spy = subprocess.Popen(
         [args.py_spy, "record", "--pid", str(sluice.pid), "--rate", str(PYSPY_RATE_HZ),
-         "--duration", str(max(1, int(args.duration) - 1)), "--format", "raw", "--output",
+         "--duration", str(max(1, int(seconds) - 1)), "--format", "raw", "--output",
          str(raw)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
     )
     user0, sys0 = common.cpu_times(sluice.pid)
-    result = run_load(args, tmp, url, connections, args.duration)
+    result = run_load(args, tmp, url, connections, seconds)
     user1, sys1 = common.cpu_times(sluice.pid)
     cpu = (user1 - user0) + (sys1 - sys0)
     _, err = spy.communicate()
@@ -376,24 +386,49 @@ def _owner(frames: list[str]) -> str:
     return "other (stdlib, outside any of the above)"
 
 
+#: Parts of Sluice whose cost the profile reports on its own: a sample is theirs when any
+#: frame of its stack is in one of their files (the C code they call, orjson's ``dumps`` or a
+#: lock, shows as the self time of the frame that called it).
+COMPONENTS = {
+    "event log": ("(proxy/events.py",),
+    "metrics": ("(prometheus_client/", "(proxy/metrics.py"),
+}
+#: A thread-pool worker waiting for work: py-spy samples it as if it were running.
+_IDLE_LEAVES = frozenset({"_worker (concurrent/futures/thread.py)"})
+
+
 def summarise_profile(raw: Path, us_per_req: float, top: int = 15) -> dict:
-    """Shares of py-spy's collapsed stacks: by owner, and the top functions by self time."""
-    total = 0
+    """Shares of py-spy's collapsed stacks: by owner, the top functions by self time,
+    Sluice's functions inclusive, and each of :data:`COMPONENTS` with its call sites (the
+    caller of the first frame in the component's files). Idle thread-pool workers' samples
+    are left out of the total (and counted in ``idle_samples``)."""
+    total = idle = 0
     owners: Counter[str] = Counter()
     self_time: Counter[str] = Counter()
     inclusive: Counter[str] = Counter()
+    parts: Counter[str] = Counter()
+    sites: dict[str, Counter[str]] = {name: Counter() for name in COMPONENTS}
     for line in raw.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
         if not stack:
             continue
         n = int(count)
+        frames = [_LINE.sub(")", f) for f in stack.split(";")]
+        if frames[-1] in _IDLE_LEAVES:
+            idle += n
+            continue
         total += n
-        frames = stack.split(";")
         owners[_owner(frames)] += n
-        self_time[_LINE.sub(")", frames[-1])] += n
-        for name in {_LINE.sub(")", f) for f in frames}:
+        self_time[frames[-1]] += n
+        for name in set(frames):
             if "(proxy/" in name or "(policies/" in name:
                 inclusive[name] += n
+        for part, files in COMPONENTS.items():
+            first = next((i for i, f in enumerate(frames) if any(m in f for m in files)), None)
+            if first is not None:
+                parts[part] += n
+                caller = frames[first - 1] if first else "?"
+                sites[part][f"{caller} -> {frames[first]}"] += n
 
     def rows(counter: Counter[str], limit: int | None = None) -> list[dict]:
         return [{"name": k, "share": v / total, "us_per_req": v / total * us_per_req}
@@ -401,20 +436,36 @@ def summarise_profile(raw: Path, us_per_req: float, top: int = 15) -> dict:
 
     # The entry points (cli, __main__, serve) hold every sample; they say nothing.
     sluice_frames = [r for r in rows(inclusive) if r["share"] < 0.99][:top]
-    return {"samples": total, "owners": rows(owners), "self": rows(self_time, top),
-            "sluice_inclusive": sluice_frames}
+    components = [{"name": part, "share": parts[part] / total,
+                   "us_per_req": parts[part] / total * us_per_req,
+                   "samples": parts[part], "sites": rows(sites[part], 6)}
+                  for part in COMPONENTS]
+    return {"samples": total, "idle_samples": idle, "owners": rows(owners),
+            "self": rows(self_time, top), "sluice_inclusive": sluice_frames,
+            "components": components}
 
 
 def profile_report(profile: dict) -> list[str]:
     out = [f"py-spy profile of Sluice, {profile['scenario']} scenario: {profile['samples']} "
            f"samples at {PYSPY_RATE_HZ} Hz, {profile['cpu_us_per_req']:.0f} us CPU/req while "
            f"sampled ({profile['rps_while_profiled']:,.0f} req/s, slowed by the sampling), "
-           f"of which {profile['sys_us_per_req']:.0f} us in the kernel (/proc)"]
+           f"of which {profile['sys_us_per_req']:.0f} us in the kernel (/proc); "
+           f"{profile.get('idle_samples', 0)} samples of idle thread-pool workers left out"]
     for title, key in (("where the CPU goes", "owners"), ("top functions, self time", "self"),
                        ("Sluice's functions, inclusive", "sluice_inclusive")):
         out.append(f"  {title}:")
         out += [f"    {r['share']:6.1%}  {r['us_per_req']:6.1f} us/req  {r['name']}"
                 for r in profile[key]]
+    # A share of a few percent rests on a few dozen samples: say how many.
+    measured = profile.get("measured_us_per_req")
+    out.append("  components, inclusive (samples; call sites below each):")
+    for part in profile.get("components", []):
+        at_measured = (f"; {part['share'] * measured:.1f} us/req of the {measured:.0f} measured "
+                       "without sampling" if measured else "")
+        out.append(f"    {part['share']:6.1%}  {part['us_per_req']:6.1f} us/req  {part['name']} "
+                   f"({part['samples']} samples{at_measured})")
+        out += [f"      {r['share']:6.1%}  {r['us_per_req']:6.1f} us/req  {r['name']}"
+                for r in part["sites"]]
     out.append(f"  raw stacks: {profile['raw']}")
     return out
 
@@ -550,6 +601,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="also send the ~12 headers the openai SDK adds (default: 3 headers)")
     p.add_argument("--profile", action="store_true",
                    help="also sample Sluice with py-spy under each scenario's load")
+    p.add_argument("--profile-seconds", type=float,
+                   help="length of the profiled run, s (--duration); longer gives the small "
+                   "shares more samples")
     p.add_argument("--quick", action="store_true", help="3 s per case after 1 s of warm-up")
     p.add_argument("--output", type=Path, help="JSON result path (bench/results/...)")
     args = p.parse_args(argv)

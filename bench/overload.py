@@ -4,7 +4,8 @@ The upstream (``bench/upstream.py --slots 8 --delay 0.05``) serves 8 requests at
 50 ms each: a capacity of 160 requests/s. Beyond that, requests wait in its own unbounded
 FIFO queue, as in a server with 8 workers (a caller that gives up leaves the queue). The load
 is open loop (``bench/loadgen.py --rate``): requests are due at a fixed rate whatever the
-answers, each with a 2 s client timeout (``--timeout``), for ``--duration`` seconds per step.
+answers, each with a 2 s client timeout (``--timeout``), for ``--warmup`` (1 s) and then
+``--duration`` seconds per step.
 
 At each multiple of capacity, in one run, the same load goes:
 
@@ -16,11 +17,14 @@ At each multiple of capacity, in one run, the same load goes:
   within ``max_wait``, and one that finds the queue full is refused at once.
 
 Reported per step: the offered rate actually sent (and the generator's p99 lateness),
-goodput (answers 200 per second of load, and as a share of capacity), p50/p99 latency of the
-admitted requests (200s), the latency of requests refused on arrival (Sluice's
-``queue_full``: p50/p99), requests refused after queueing (``queue_timeout``), client
-timeouts, and Sluice's CPU time per request it handled. Targets (issue 7) at 10x: goodput
->= 95 % of capacity, admitted p99 <= ``max_wait`` + upstream p99, rejection p99 <= 5 ms.
+goodput (answers 200 completed inside the measured window, per second of it, and as a share
+of capacity: not the warm-up's, whose queues start empty, nor the tail's, answered after the
+load stopped), p50/p99 latency of the admitted requests (200s), the latency of requests
+refused on arrival (Sluice's ``queue_full``: p50/p99), requests refused after queueing
+(``queue_timeout``), client timeouts, and Sluice's CPU time per request it handled. The
+latencies and counts are of the requests sent inside the measured window. Targets (issue 7)
+at 10x: goodput >= 95 % of capacity, admitted p99 <= ``max_wait`` + upstream p99, rejection
+p99 <= 5 ms.
 
     python -m bench overload                         # 0.5,1,2,5,10 x, 5 s each, ~2 min
     python -m bench overload --multiples 10 --repeat 3
@@ -92,23 +96,28 @@ def measure(args: argparse.Namespace, target: str, url: str, multiple: float, re
     load = common.loadavg()
     served0 = upstream_served(upstream)
     cpu0 = common.cpu_seconds(sluice.pid) if sluice else 0.0
-    sent = common.collect_open(common.run_open(url, rate, args.duration, args.timeout))
+    end = args.warmup + args.duration
+    sent = common.collect_open(common.run_open(url, rate, end, args.timeout))
     cpu = common.cpu_seconds(sluice.pid) - cpu0 if sluice else None
-    ok = [s.latency_s * 1e3 for s in sent if s.outcome == "ok"]
-    refused = [s.latency_s * 1e3 for s in sent if s.outcome == "queue_full"]
+    # Times are seconds from the start of the load; an answer completes at due + lag + latency.
+    good = sum(1 for s in sent if s.outcome == "ok"
+               and args.warmup <= s.due_s + s.lag_s + s.latency_s < end)
+    measured = [s for s in sent if s.due_s >= args.warmup]
+    ok = [s.latency_s * 1e3 for s in measured if s.outcome == "ok"]
+    refused = [s.latency_s * 1e3 for s in measured if s.outcome == "queue_full"]
     last_due = max(s.due_s for s in sent)
     step = Step(
         target=target, multiple=multiple, repeat=repeat,
         offered_rps=len(sent) / max(last_due, 1e-9) if len(sent) > 1 else 0.0,
         lag_p99_ms=(pct([s.lag_s for s in sent], 0.99) or 0.0) * 1e3,
-        goodput_rps=len(ok) / args.duration, goodput_share=len(ok) / args.duration / capacity,
+        goodput_rps=good / args.duration, goodput_share=good / args.duration / capacity,
         ok_p50_ms=pct(ok, 0.5), ok_p99_ms=pct(ok, 0.99),
         refused_on_arrival=len(refused), refused_p50_ms=pct(refused, 0.5),
         refused_p99_ms=pct(refused, 0.99),
-        refused_after_wait=sum(1 for s in sent if s.outcome == "queue_timeout"),
-        timeouts=sum(1 for s in sent if s.outcome == "timeout"),
-        errors=sum(1 for s in sent if s.outcome not in ("ok", "queue_full", "queue_timeout",
-                                                        "timeout")),
+        refused_after_wait=sum(1 for s in measured if s.outcome == "queue_timeout"),
+        timeouts=sum(1 for s in measured if s.outcome == "timeout"),
+        errors=sum(1 for s in measured if s.outcome not in ("ok", "queue_full", "queue_timeout",
+                                                            "timeout")),
         sluice_cpu_us_per_req=cpu / len(sent) * 1e6 if cpu is not None else None,
         load_before=load, upstream_served=upstream_served(upstream) - served0,
     )
@@ -229,7 +238,10 @@ def plot(steps: list[Step], args: argparse.Namespace, path: Path) -> Path | None
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = common.parser("overload", __doc__)
     p.add_argument("--multiples", default="0.5,1,2,5,10", help="x capacity (0.5,1,2,5,10)")
-    p.add_argument("--duration", type=float, default=5.0, help="seconds per step (5)")
+    p.add_argument("--duration", type=float, default=5.0,
+                   help="measured seconds per step (5)")
+    p.add_argument("--warmup", type=float, default=1.0,
+                   help="unmeasured seconds of the same load before them (1)")
     common.add_queue_args(p)
     p.add_argument("--targets", default="direct,sluice")
     p.add_argument("--repeat", type=int, default=1, help="runs of every step, interleaved (1)")
@@ -253,8 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     header = [*common.machine_lines("Sluice overload benchmark", started, info),
               f"upstream: bench/upstream.py, {args.slots} slots x {args.delay * 1e3:g} ms = "
               f"{args.slots / args.delay:.0f} req/s capacity, unbounded FIFO queue; load: "
-              f"open loop (bench/loadgen.py), {args.duration:g} s per step, client timeout "
-              f"{args.timeout:g} s",
+              f"open loop (bench/loadgen.py), {args.duration:g} s measured per step after "
+              f"{args.warmup:g} s warm-up, client timeout {args.timeout:g} s",
               f"sluice: concurrency {{limit: {args.slots}, queue: {args.queue}, max_wait: "
               f"{args.max_wait * 1e3:g}ms}}, nothing else"]
     print("\n".join(header), file=sys.stderr, flush=True)

@@ -1,10 +1,25 @@
 """The baseline for ``bench/overhead.py``: a bare aiohttp + uvloop pass-through proxy.
 
-No policies, no metrics, no events: it strips ``--prefix`` from the path, forwards method, path,
-headers (less hop-by-hop ones, ``Host`` and ``Content-Length``) and the buffered body to
-``--upstream``, reads the answer whole and sends it back. It uses the same aiohttp settings as
-Sluice (uvloop, ``auto_decompress=False``, an unbounded connection pool, no access log, handler
-cancellation), so the gap between the two is what Sluice itself adds. By hand:
+No policies, no metrics, no events, no routing: it strips ``--prefix`` from the path and
+forwards method, path (byte for byte), headers and the buffered body to ``--upstream``, reads
+the answer whole and sends it back. The bytes on the wire match Sluice's (``proxy/forward.py``):
+hop-by-hop fields and every field named in ``Connection`` are dropped both ways, ``Host`` and
+``Content-Length`` on the request, and ``X-Forwarded-For`` gets the caller's address.
+
+It runs on exactly the stack and settings Sluice runs on, so "Sluice minus baseline" is what
+Sluice itself adds and nothing else:
+
+* server (``proxy/server.py``): aiohttp's low-level ``web.Server`` (no ``Application``, router,
+  middleware or signals) with a ``request_factory``, ``handler_cancellation=True``,
+  ``access_log=None``, ``auto_decompress=False``, under uvloop;
+* client (``proxy/client.py``, ``proxy/runtime.py``): one ``ClientSession`` with no cookie jar,
+  ``trust_env=False``, ``auto_decompress=False``, no headers of its own (the default headers
+  are turned off in the request class, not by ``skip_auto_headers``, which is slower), Sluice's
+  default route timeout (``connect`` 5 s, ``total`` 600 s), on a ``TCPConnector`` with
+  ``limit=0``, ``ttl_dns_cache=60``, ``keepalive_timeout=30``.
+
+It imports nothing from Sluice, so a change there cannot make it slower; keep the two in step
+by hand. By hand:
 
     python bench/passthrough.py --port 9002 --upstream http://127.0.0.1:9001 --prefix /openai
 """
@@ -12,56 +27,100 @@ cancellation), so the gap between the two is what Sluice itself adds. By hand:
 from __future__ import annotations
 
 import argparse
-from collections.abc import AsyncIterator
+import asyncio
+import signal
+from collections.abc import Awaitable, Callable
 
 import aiohttp
 import uvloop
 from aiohttp import web
-from multidict import CIMultiDict
+from multidict import CIMultiDict, CIMultiDictProxy
+from yarl import URL
 
-_DROP_REQUEST = frozenset(
+_HOP_BY_HOP = frozenset(
     {"connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding",
-     "upgrade", "proxy-authorization", "host", "content-length"}
+     "upgrade", "proxy-authenticate", "proxy-authorization"}
 )
-_DROP_RESPONSE = frozenset(
-    {"connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding",
-     "upgrade", "proxy-authenticate", "content-length"}
+_DROP_REQUEST = _HOP_BY_HOP | {"host", "content-length"}
+#: Sluice's defaults: ``server.max_request_bytes`` and a route's ``timeouts``.
+MAX_REQUEST_BYTES = 32 * 1024 * 1024
+TIMEOUT = aiohttp.ClientTimeout(total=600.0, connect=5.0)
+_NEVER_ADDED: CIMultiDict[None] = CIMultiDict(
+    (name, None) for name in ("Accept", "Accept-Encoding", "User-Agent", "Content-Type")
 )
-SESSION = web.AppKey("session", aiohttp.ClientSession)
 
 
-def build_app(upstream: str, prefix: str) -> web.Application:
-    """The proxy app: every path under ``prefix`` goes to ``upstream`` with the prefix removed."""
+class VerbatimRequest(aiohttp.ClientRequest):
+    """A ``ClientRequest`` that adds no header of its own (as ``proxy.client`` does)."""
+
+    DEFAULT_HEADERS: dict[str, str] = {}
+
+    def update_auto_headers(self, skip_auto_headers: object) -> None:
+        self._skip_auto_headers = _NEVER_ADDED
+
+
+def _without(headers: CIMultiDictProxy[str], drop: frozenset[str]) -> CIMultiDict[str]:
+    """A copy of ``headers`` less ``drop`` and the fields ``Connection`` names."""
+    out = headers.copy()
+    connection = headers.get("Connection")
+    if connection:
+        drop = drop | {token.strip() for token in connection.split(",")}
+    for name in drop:
+        out.popall(name, None)
+    return out
+
+
+def make_handler(session: aiohttp.ClientSession, upstream: str,
+                 prefix: str) -> Callable[[web.BaseRequest], Awaitable[web.Response]]:
+    """The one handler: every path (less ``prefix``) goes to ``upstream``."""
     cut = len(prefix)
 
-    async def proxy(request: web.Request) -> web.Response:
+    async def proxy(request: web.BaseRequest) -> web.Response:
         body = await request.read()
-        headers = CIMultiDict(
-            (k, v) for k, v in request.headers.items() if k.lower() not in _DROP_REQUEST
-        )
-        url = upstream + request.raw_path[cut:]
-        async with request.app[SESSION].request(
-            request.method, url, headers=headers, data=body or None, allow_redirects=False
-        ) as answer:
+        headers = _without(request.headers, _DROP_REQUEST)
+        peer = request.remote
+        if peer:
+            prior = headers.get("X-Forwarded-For")
+            headers["X-Forwarded-For"] = f"{prior}, {peer}" if prior else peer
+        url = URL(upstream + request.raw_path[cut:], encoded=True)
+        answer = await session.request(request.method, url, headers=headers,
+                                       data=body or None, allow_redirects=False)
+        try:
             data = await answer.read()
-            out = CIMultiDict(
-                (k, v) for k, v in answer.headers.items() if k.lower() not in _DROP_RESPONSE
-            )
-            return web.Response(status=answer.status, body=data, headers=out)
+            return web.Response(status=answer.status, reason=answer.reason, body=data,
+                                headers=_without(answer.headers, _HOP_BY_HOP))
+        finally:
+            answer.release()
 
-    async def session_ctx(app: web.Application) -> AsyncIterator[None]:
-        app[SESSION] = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0),
-            auto_decompress=False,
-            skip_auto_headers=("Accept-Encoding", "User-Agent", "Content-Type"),
-        )
-        yield
-        await app[SESSION].close()
+    return proxy
 
-    app = web.Application()
-    app.cleanup_ctx.append(session_ctx)
-    app.router.add_route("*", "/{tail:.*}", proxy)
-    return app
+
+async def serve(port: int, upstream: str, prefix: str) -> None:
+    """Serve on 127.0.0.1:``port`` until SIGTERM or SIGINT."""
+    loop = asyncio.get_running_loop()
+    connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=60, keepalive_timeout=30,
+                                     enable_cleanup_closed=True)
+    session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
+                                    trust_env=False, cookie_jar=aiohttp.DummyCookieJar(),
+                                    request_class=VerbatimRequest, timeout=TIMEOUT)
+
+    def make_request(message, payload, protocol, writer, task):  # type: ignore[no-untyped-def]
+        return web.BaseRequest(message, payload, protocol, writer, task, loop,
+                               client_max_size=MAX_REQUEST_BYTES)
+
+    server = web.Server(make_handler(session, upstream, prefix), request_factory=make_request,
+                        handler_cancellation=True, access_log=None, auto_decompress=False)
+    runner = web.ServerRunner(server, shutdown_timeout=1.0)
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port, reuse_address=True).start()
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+        await session.close()
 
 
 def main() -> None:
@@ -70,10 +129,7 @@ def main() -> None:
     parser.add_argument("--upstream", required=True, help="e.g. http://127.0.0.1:9001")
     parser.add_argument("--prefix", default="", help="path prefix to strip, e.g. /openai")
     args = parser.parse_args()
-    web.run_app(build_app(args.upstream.rstrip("/"), args.prefix), host="127.0.0.1",
-                port=args.port, access_log=None, print=None, backlog=1024,
-                handler_cancellation=True, auto_decompress=False, shutdown_timeout=1.0,
-                loop=uvloop.new_event_loop())
+    uvloop.run(serve(args.port, args.upstream.rstrip("/"), args.prefix))
 
 
 if __name__ == "__main__":

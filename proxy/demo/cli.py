@@ -73,7 +73,9 @@ def verdict(results: list[ModeResult], scenario: Scenario) -> list[str]:
     d, s = by_mode["direct"], by_mode["sluice"]
     return [
         f"Upstream attempts per unit of work: {d['amplification']:.2f} direct, "
-        f"{s['amplification']:.2f} through Sluice.",
+        f"{s['amplification']:.2f} through Sluice; per completed unit: "
+        f"{report.cell(d['attempts_per_completed'], '.2f')} direct, "
+        f"{report.cell(s['attempts_per_completed'], '.2f')} through Sluice.",
         f"Steps completed within {scenario.fleet.deadline_s:g}s: {d['completion_rate']:.0%} "
         f"direct, {s['completion_rate']:.0%} through Sluice.",
         f"Tokens wasted: {d['tokens_wasted']:,} direct, {s['tokens_wasted']:,} through Sluice; "
@@ -98,8 +100,8 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     print(f"\nResult ({time.monotonic() - started:.0f}s in all; {os.cpu_count()} cores, "
           f"load average {os.getloadavg()[0]:.2f}):\n", file=out)
     print(report.side_by_side(results, scenario), file=out)
-    print("\nBy the phase a step started in (upstream attempts per step, steps completed):\n",
-          file=out)
+    print("\nBy the phase a step started in (upstream attempts per step and per completed "
+          "step, steps completed):\n", file=out)
     print(report.phase_table(results, scenario), file=out)
     print("\nWhat the agents' requests got back:", file=out)
     for result in results:

@@ -11,7 +11,8 @@ from proxy.demo.storm import ModeResult, Scenario, per_phase, summarise, timelin
 TITLES = {"direct": "direct", "sluice": "through Sluice"}
 
 
-def _cell(value: float | int | None, spec: str) -> str:
+def cell(value: float | int | None, spec: str) -> str:
+    """``value`` formatted with ``spec``, or ``-`` when there is none."""
     return "-" if value is None else format(value, spec)
 
 
@@ -36,12 +37,13 @@ def side_by_side(results: list[ModeResult], scenario: Scenario) -> str:
     lines: list[tuple[str, ...]] = [("", *(TITLES.get(r.mode, r.mode) for r in results))]
 
     def row(label: str, key: str, spec: str) -> None:
-        lines.append((label, *(_cell(s[key], spec) for s in sums)))
+        lines.append((label, *(cell(s[key], spec) for s in sums)))
 
     row("units of work", "units", ",")
     row("requests the agents sent", "agent_requests", ",")
     row("upstream attempts", "upstream_attempts", ",")
     row("upstream attempts per unit of work", "amplification", ".2f")
+    row("upstream attempts per completed unit", "attempts_per_completed", ".2f")
     lines.append((f"completed within {deadline:g} s",
                   *(f"{s['completed']:,} ({s['completion_rate']:.0%})" for s in sums)))
     row("p50 time to complete, s", "p50_s", ".2f")
@@ -54,17 +56,21 @@ def side_by_side(results: list[ModeResult], scenario: Scenario) -> str:
 
 
 def phase_table(results: list[ModeResult], scenario: Scenario) -> str:
-    """Per phase a unit started in: units, upstream attempts per unit, completion rate."""
+    """Per phase a unit started in: units, upstream attempts per unit and per completed unit,
+    completion rate."""
     phases = [per_phase(r, scenario) for r in results]
     header = ("units started in", "units",
-              *(f"{TITLES.get(r.mode, r.mode)}: attempts/unit, completed" for r in results))
+              *(f"{TITLES.get(r.mode, r.mode)}: attempts/unit, /completed, completed"
+                for r in results))
     lines: list[tuple[str, ...]] = [header]
     for name in phases[0]:
         cells = []
         for p in phases:
             figures = p.get(name)
             cells.append("-" if figures is None else
-                         f"{figures['amplification']:.2f}, {figures['completion_rate']:.0%}")
+                         f"{figures['amplification']:.2f}, "
+                         f"{cell(figures['attempts_per_completed'], '.2f')}, "
+                         f"{figures['completion_rate']:.0%}")
         lines.append((name, str(phases[0][name]["units"]), *cells))
     return table(lines)
 
@@ -118,7 +124,8 @@ def plot(results: list[ModeResult], scenario: Scenario, path: Path,
     axes[-1].set_xlabel("seconds since the run started")
     sums = {r.mode: summarise(r, scenario) for r in results}
     facts = "\n".join(
-        f"{TITLES.get(m, m)}: {s['amplification']:.2f} attempts/unit, "
+        f"{TITLES.get(m, m)}: {s['amplification']:.2f} attempts/unit "
+        f"({cell(s['attempts_per_completed'], '.2f')} per completed), "
         f"{s['completion_rate']:.0%} done in {scenario.fleet.deadline_s:g} s, "
         f"{s['duplicate_side_effects']} dup."
         for m, s in sums.items())

@@ -8,11 +8,12 @@ schedules. Everything binds 127.0.0.1, and the working files live in a temporary
 removed on the way out.
 
 What is reported per mode (:func:`summarise`): units of work, the requests the agents sent,
-upstream attempts (counted by the provider) and their ratio to units (the amplification),
-units completed within the deadline, the p50/p99 time to complete, tokens billed and wasted
-(billed for answers that completed no unit: answers to callers that had given up, and
-duplicates), and duplicate side effects (completions beyond the first per ``Idempotency-Key``,
-counted by the provider).
+upstream attempts (counted by the provider) and their ratio to units (the amplification) and
+to completed units (what each useful result cost: a proxy that refused everything would show
+a low amplification and no completed unit), units completed within the deadline, the p50/p99
+time to complete, tokens billed and wasted (billed for answers that completed no unit: answers
+to callers that had given up, and duplicates), and duplicate side effects (completions beyond
+the first per ``Idempotency-Key``, counted by the provider).
 """
 
 from __future__ import annotations
@@ -320,6 +321,7 @@ def summarise(result: ModeResult, scenario: Scenario) -> dict[str, float | int |
         "agent_requests": sum(u.requests for u in units),
         "upstream_attempts": up["attempts"],
         "amplification": up["attempts"] / len(units) if units else None,
+        "attempts_per_completed": up["attempts"] / len(done) if done else None,
         "completed": len(done),
         "completion_rate": len(done) / len(units) if units else None,
         "p50_s": statistics.median(done) if done else None,
@@ -333,7 +335,8 @@ def summarise(result: ModeResult, scenario: Scenario) -> dict[str, float | int |
 
 
 def per_phase(result: ModeResult, scenario: Scenario) -> dict[str, dict[str, float]]:
-    """Units grouped by the phase they started in: count, amplification, completion rate."""
+    """Units grouped by the phase they started in: count, amplification, upstream attempts per
+    completed unit (``None`` when none completed), completion rate."""
     per_key = result.upstream.get("per_key", {})
     groups: dict[str, list[Unit]] = {}
     for unit in units_by_phase(result.units, scenario):
@@ -341,8 +344,10 @@ def per_phase(result: ModeResult, scenario: Scenario) -> dict[str, dict[str, flo
     out = {}
     for phase, units in groups.items():
         attempts = sum(per_key.get(u.key, [0, 0])[0] for u in units)
+        completed = sum(u.done is not None for u in units)
         out[phase] = {"units": len(units), "amplification": attempts / len(units),
-                      "completion_rate": sum(u.done is not None for u in units) / len(units)}
+                      "attempts_per_completed": attempts / completed if completed else None,
+                      "completion_rate": completed / len(units)}
     return out
 
 
