@@ -79,8 +79,12 @@ def _ambiguous(node: yaml.ScalarNode) -> str | None:
         return (f"{value!r} is a boolean to YAML 1.1 readers and a string to YAML 1.2: "
                 "write true or false, or quote the string")
     if _YAML11_OCTAL.match(value):
-        return (f"{value!r} is octal to YAML 1.1 readers ({int(value, 8)}) and decimal to "
-                "YAML 1.2: drop the leading zero, or quote the string")
+        if value.lstrip("+-").isdigit() and not set(value) & {"8", "9"}:
+            meaning = f"octal to YAML 1.1 readers ({int(value, 8)})"
+        else:  # 08, 09: no octal number, so a string to YAML 1.1 readers
+            meaning = "a string to YAML 1.1 readers"
+        return (f"{value!r} is {meaning} and decimal to YAML 1.2: drop the leading zero, or "
+                "quote the string")
     return None
 
 
