@@ -9,7 +9,9 @@ Benchmarks (``python -m bench NAME --help`` for each one's options):
 * ``storm``: a retry storm on a degrading fake LLM provider (the ``sluice demo`` scenario):
   amplification, completion within a deadline, wasted tokens, duplicate side effects;
 * ``fairness``: one noisy tenant and quiet ones, with and without ``per_tenant``;
-* ``replay``: idempotent replays against forwarded requests.
+* ``replay``: idempotent replays against forwarded requests;
+* ``soak``: Sluice's memory over a long run (30 minutes, ``--quick`` 2) in which every call
+  has a new tenant, run and idempotency key.
 
 Each prints its table (with the machine's core count and load average), and writes a JSON
 record and, with matplotlib installed (``pip install -e '.[bench]'``), a PNG plot under
@@ -21,7 +23,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-BENCHMARKS = ("overhead", "overload", "storm", "fairness", "replay")
+BENCHMARKS = ("overhead", "overload", "storm", "fairness", "replay", "soak")
 
 
 def main(argv: list[str]) -> int:

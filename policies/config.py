@@ -24,6 +24,7 @@ from pydantic import (
     ConfigDict,
     Field,
     PlainSerializer,
+    PrivateAttr,
     field_validator,
     model_validator,
 )
@@ -127,6 +128,66 @@ Listen = Annotated[str, AfterValidator(_parse_listen)]
 
 Path_ = tuple[str | int, ...]
 
+_TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
+
+
+def _header_name(value: str) -> str:
+    if not _TOKEN.match(value):
+        raise ValueError(f"{value!r} is not an HTTP header name (RFC 9110 §5.1 token)")
+    return value
+
+
+HeaderName = Annotated[str, AfterValidator(_header_name)]
+
+#: Longest identity value (tenant, run, request id, parent run) accepted, characters.
+MAX_IDENTITY_LENGTH = 128
+#: What an identity value may be: visible ASCII (``!`` to ``~``), no spaces or control
+#: characters. Such a value is safe as a JSON string, a metric label and an HTML text node
+#: once escaped, whatever the caller's client did to encode it.
+IDENTITY_VALUE = re.compile(r"[!-~]+")
+
+
+def _identity_value(value: str) -> str:
+    if len(value) > MAX_IDENTITY_LENGTH or not IDENTITY_VALUE.fullmatch(value):
+        raise ValueError(
+            f"{value[:MAX_IDENTITY_LENGTH]!r} is not an identity value: visible ASCII "
+            f"(letters, digits, punctuation), no spaces, at most {MAX_IDENTITY_LENGTH} characters"
+        )
+    return value
+
+
+IdentityValue = Annotated[str, AfterValidator(_identity_value)]
+
+_HOST_PATTERN = re.compile(
+    r"^(?:\*|(?:\*\.)?[a-z0-9_](?:[a-z0-9_-]*[a-z0-9_])?(?:\.[a-z0-9_](?:[a-z0-9_-]*[a-z0-9_])?)*\.?"
+    r"|\[[0-9a-f:.]+\])$"
+)
+_ORIGIN_PATTERN = re.compile(r"^(?:\*|https?://[^/?#\s@]+)$")
+
+
+def _host_name(value: str) -> str:
+    lowered = value.strip().lower()
+    if not _HOST_PATTERN.match(lowered):
+        raise ValueError(
+            f"{value!r} is not a host name: write a name (api.internal), *.suffix, an IPv4 "
+            "address, [IPv6] or *; no port"
+        )
+    return lowered.rstrip(".")
+
+
+def _origin(value: str) -> str:
+    lowered = value.strip().lower()
+    if not _ORIGIN_PATTERN.match(lowered):
+        raise ValueError(
+            f"{value!r} is not an origin: write scheme://host[:port], e.g. "
+            "https://app.example.com, or *"
+        )
+    return lowered
+
+
+HostName = Annotated[str, AfterValidator(_host_name)]
+Origin = Annotated[str, AfterValidator(_origin)]
+
 
 # --- the schema ------------------------------------------------------------------------------
 
@@ -136,11 +197,32 @@ class _Section(BaseModel):
 
 
 class ServerConfig(_Section):
+    """``server``: the listeners and how the proxy port treats callers (``proxy/edge.py``)."""
+
     listen: Listen = "0.0.0.0:8080"
     admin_listen: Listen = "127.0.0.1:9901"
     drain_timeout: Duration = 30.0
     #: Largest request body accepted, bytes; bigger bodies get 413.
     max_request_bytes: int = Field(default=32 * 1024 * 1024, gt=0)
+    #: Host header names served; others get 421. ``None``: the listen address's own names,
+    #: plus loopback names when it is a loopback or wildcard address (see ``proxy/edge.py``).
+    allowed_hosts: list[HostName] | None = None
+    #: Origins a browser may call ``mcp`` routes from; others get 403. Empty: only requests
+    #: without ``Origin`` or from the same host and port as the ``Host`` they call.
+    allowed_origins: list[Origin] = Field(default_factory=list)
+    #: A request's head (request line and headers) must arrive within this of its first byte
+    #: (of the connection's opening, for its first request), seconds.
+    header_timeout: PositiveDuration = 10.0
+    #: A request body may pause at most this long, seconds; see ``min_body_rate``.
+    body_timeout: PositiveDuration = 30.0
+    #: Once ``body_timeout`` has passed, a body must average at least this many bytes a second
+    #: since its headers; 0 checks pauses only.
+    min_body_rate: int = Field(default=1024, ge=0)
+    #: A keep-alive connection idle this long between requests is closed, seconds.
+    idle_timeout: PositiveDuration = 75.0
+    #: Connections open at once on the proxy port; beyond it a new one is answered 503
+    #: ``too_many_connections`` and closed.
+    max_connections: int = Field(default=1000, gt=0)
 
 
 class StateConfig(_Section):
@@ -148,10 +230,36 @@ class StateConfig(_Section):
 
 
 class IdentityConfig(_Section):
-    tenant_header: str = "X-Tenant-ID"
-    run_header: str = "X-Run-ID"
-    priority_header: str = "X-Priority"
-    default_tenant: str = Field(default="default", min_length=1)
+    """``identity``: who is calling (``proxy/identity.py``)."""
+
+    tenant_header: HeaderName = "X-Tenant-ID"
+    run_header: HeaderName = "X-Run-ID"
+    priority_header: HeaderName = "X-Priority"
+    parent_run_header: HeaderName = "X-Parent-Run-ID"
+    default_tenant: IdentityValue = "default"
+    #: Trusted identity: a file mapping SHA-256 hex digests of API keys to tenants (a path,
+    #: relative to the config file), or ``env:NAME`` for the same text in an environment
+    #: variable. With it a request's tenant comes from its credential.
+    tenants: str | None = Field(default=None, min_length=1)
+    #: With ``tenants``: the tenant of a request whose credential is not in the table (or that
+    #: sends none); ``None`` refuses such requests with 401.
+    unknown_key_tenant: IdentityValue | None = None
+    # The table ``tenants`` names, as loaded with the config (``proxy/config.py``):
+    # digest -> tenant. Never the keys themselves.
+    _keys: dict[str, str] | None = PrivateAttr(default=None)
+
+    @model_validator(mode="after")
+    def _coherent(self) -> IdentityConfig:
+        if self.unknown_key_tenant is not None and self.tenants is None:
+            raise ValueError("unknown_key_tenant has no effect without tenants")
+        return self
+
+    @property
+    def keys(self) -> dict[str, str] | None:
+        """SHA-256 hex digest of an API key -> tenant, when ``tenants`` is set."""
+        # Read from pydantic's dict directly: its private-attribute lookup goes through a
+        # Python __getattr__ (about 3 µs), and the request path reads this on every call.
+        return self.__pydantic_private__["_keys"]  # type: ignore[index]
 
 
 class EventsConfig(_Section):
@@ -180,18 +288,6 @@ class RateConfig(_Section):
     #: Tokens per period, each request weighted by its reserved worst case (policies/rate.py).
     tokens: RateSpec | None = None
     per_tenant: TenantRateConfig | None = None
-
-
-_TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
-
-
-def _header_name(value: str) -> str:
-    if not _TOKEN.match(value):
-        raise ValueError(f"{value!r} is not an HTTP header name (RFC 9110 §5.1 token)")
-    return value
-
-
-HeaderName = Annotated[str, AfterValidator(_header_name)]
 
 
 class IdempotencyConfig(_Section):

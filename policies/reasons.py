@@ -48,6 +48,30 @@ class Reason(enum.Enum):
     UNPRICED_MODEL = (
         "unpriced_model", 400, "the model has no price and this route has a usd budget"
     )
+    # The caller or its connection, refused at the door (proxy/edge.py, proxy/identity.py).
+    UNKNOWN_API_KEY = (
+        "unknown_api_key", 401, "no tenant is configured for this API key (identity.tenants)"
+    )
+    TENANT_MISMATCH = (
+        "tenant_mismatch", 403, "the tenant header names a tenant other than the API key's"
+    )
+    FORBIDDEN_ORIGIN = (
+        "forbidden_origin", 403, "this Origin may not call this route (server.allowed_origins)"
+    )
+    REQUEST_TIMEOUT = ("request_timeout", 408, "the request did not arrive in time")
+    EXPECTATION_FAILED = (
+        "expectation_failed", 417, "Sluice meets no expectation but Expect: 100-continue"
+    )
+    MISDIRECTED = (
+        "misdirected_request", 421, "Sluice does not serve this Host (server.allowed_hosts)"
+    )
+    HEADERS_TOO_LARGE = (
+        "headers_too_large", 431, "a request header line, or the number of headers, is too large"
+    )
+    TOO_MANY_CONNECTIONS = (
+        "too_many_connections", 503, "Sluice has server.max_connections connections open"
+    )
+    INTERNAL_ERROR = ("internal_error", 500, "Sluice failed to handle this request")
     # Faults of the upstream itself, written by Sluice because no upstream answer exists.
     UPSTREAM_UNREACHABLE = ("upstream_unreachable", 502, "the upstream could not be reached")
     UPSTREAM_TIMEOUT = ("upstream_timeout", 504, "the upstream did not answer in time")

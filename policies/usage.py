@@ -30,6 +30,15 @@ the stream change: that chunk is removed, so the client sees what it asked for. 
 incomplete trailing event is held back until its end arrives (it might be the usage chunk;
 an SSE client cannot act on part of an event anyway); a complete event is never held.
 Otherwise every chunk is passed on as it came, and read after.
+
+Any size of event or answer is read. An SSE event (or a chunked JSON answer) that grows past
+:data:`JSON_LIMIT_BYTES` is not held whole: it is passed on as it comes (it is not the usage
+chunk, which is a few hundred bytes), its first :data:`HEAD_BYTES` and last
+:data:`TAIL_BYTES` are kept, and at its end the usage object is read from its tail (usage comes
+last in an OpenAI or Anthropic object, e.g. a Responses ``response.completed`` event carrying
+the whole output). Reading then goes on with the next event; stripping stays on. Each event
+is read exactly once, wherever the chunks split it, and usage counts only grow (the maximum of
+what each event reported), so no usage is counted twice.
 """
 
 from __future__ import annotations
@@ -45,9 +54,13 @@ BYTES_PER_TOKEN = 3
 #: at the largest size it takes unscaled; OpenAI about 765 for a 1024x1024 high-detail image.
 ATTACHMENT_TOKENS = 1600
 #: A JSON answer sent in chunks is held (a copy; the chunks go on at once) up to this size to
-#: read its usage at the end, and an SSE event may grow to this size before Sluice stops
-#: reading the stream (its usage then counts as missing), bytes.
+#: read its usage at the end, and an SSE event is held up to this size; past it only the
+#: head and tail of either are kept (see the module docstring), bytes.
 JSON_LIMIT_BYTES = 4 * 1024 * 1024
+#: Bytes kept of the end of an event or answer past :data:`JSON_LIMIT_BYTES`, to read its usage.
+TAIL_BYTES = 64 * 1024
+#: Bytes kept of the start of such an event, to tell what kind it is.
+HEAD_BYTES = 512
 #: Content events of a stream parsed to measure their text; later ones count as their mean.
 SAMPLE_EVENTS = 16
 #: A base64 string under a ``data`` key longer than this is an attachment, bytes.
@@ -302,9 +315,14 @@ class Meter:
 
     __slots__ = (
         "_anthropic",
+        "_big",
+        "_big_head",
+        "_big_size",
+        "_big_tail",
         "_cr",
         "_json",
         "_json_bytes",
+        "_json_tail",
         "_kind",
         "_mode",
         "_pending",
@@ -328,6 +346,11 @@ class Meter:
         self._pending = b""
         self._json: list[bytes] = []
         self._json_bytes = 0
+        self._json_tail: bytes | None = None  # a JSON answer too big to hold: its last bytes
+        self._big = False  # inside an SSE event too big to hold (passed on as it comes)
+        self._big_head = b""
+        self._big_tail = b""
+        self._big_size = 0
         self._cr: bool | None = None
         self.status = 0
         self.complete = False
@@ -377,15 +400,19 @@ class Meter:
         """One streamed chunk; returns what to write now (maybe less, never later data)."""
         if self._mode != _SSE:
             if self._mode == _JSON:  # a JSON answer sent in chunks: read it whole at the end
-                if self._json_bytes + len(data) <= JSON_LIMIT_BYTES:
+                if self._json_tail is not None:
+                    self._json_tail = _tail(self._json_tail, data)
+                elif self._json_bytes + len(data) <= JSON_LIMIT_BYTES:
                     self._json.append(data)
                     self._json_bytes += len(data)
-                else:  # too big to hold: its usage goes unread (charged as missing)
-                    self._mode = _NONE
+                else:  # too big to hold: keep its end, where the usage object is
+                    self._json_tail = _tail(b"".join(self._json), data)
                     self._json = []
             return data
         if self._cr is None and b"\n" in data:  # a stream keeps its line ending: look once
-            self._cr = b"\r" in self._pending or b"\r" in data
+            self._cr = b"\r" in self._pending or self._big_tail.endswith(b"\r") or b"\r" in data
+        if self._big:
+            return self._big_chunk(data)
         if not self._pending and not self._cr and data.endswith(b"\n\n"):
             size = len(data)
             if data.find(b"\n\n") == size - 2:
@@ -400,18 +427,70 @@ class Meter:
         else:
             out, end = data, self._scan(buf)
             self._pending = buf[end:] if end < len(buf) else b""
-        if len(self._pending) > JSON_LIMIT_BYTES:  # no event is this big: stop reading
+        if len(self._pending) > JSON_LIMIT_BYTES:  # too big to hold: pass it on as it comes
+            held, self._pending = self._pending, b""
+            self._big = True
+            self._big_head = held[:HEAD_BYTES]
+            self._big_tail = held[-TAIL_BYTES:]
+            self._big_size = len(held)
             if self._strip:
-                out += self._pending
-            self._mode, self._strip, self._pending = _NONE, False, b""
+                out += held
         return out
+
+    def _big_chunk(self, data: bytes) -> bytes:
+        """A chunk inside an event too big to hold: passed on whole; the event's end, if in
+        it, is read, and what follows is read as usual."""
+        carry = self._big_tail[-2:]  # an event boundary may straddle the chunks
+        end, after = self._boundary(carry + data[:2], 0)
+        if 0 <= end < len(carry):
+            cut, after = 0, after - len(carry)
+        else:
+            cut, after = self._boundary(data, 0)
+        if cut < 0:
+            self._big_tail = _tail(self._big_tail, data)
+            self._big_size += len(data)
+            return data
+        self._big_tail = _tail(self._big_tail, data[:cut])
+        self._big_size += cut
+        self._end_big()
+        rest = data[after:]
+        return data[:after] + self.chunk(rest) if rest else data
+
+    def _end_big(self) -> None:
+        """The big event ended: count it (its usage, or its size as streamed text)."""
+        head, tail, size = self._big_head, self._big_tail, self._big_size
+        self._big, self._big_head, self._big_tail, self._big_size = False, b"", b"", 0
+        if not head.startswith(b"data:") and b"\ndata:" not in head:
+            return  # a comment, or an event without data
+        usage = _usage_in_tail(tail)
+        if usage is not None:
+            self._take(usage)
+            if self._anthropic:
+                self.final = self.final or b"message_delta" in head
+            elif self._kind is RESPONSES:
+                self.final = self.final or any(kind.encode() in head
+                                               for kind in _FINAL_RESPONSE_EVENTS)
+            else:
+                self.final = True
+        else:
+            self.streamed_tokens += max(1, size // BYTES_PER_TOKEN)
 
     def finish(self) -> bytes:
         """The stream ended cleanly; returns any bytes still held back."""
         self.complete = True
         if self._mode == _JSON:
+            if self._json_tail is not None:
+                usage = _usage_in_tail(self._json_tail)
+                if usage is not None:
+                    self._take(usage)
+                    self.final = True
+                self._json_tail = None
+                return b""
             self._read_json(b"".join(self._json))
             self._json = []
+            return b""
+        if self._big:  # the stream ended inside a big event: it was passed on already
+            self._end_big()
             return b""
         tail, self._pending = self._pending, b""
         if not tail or self._mode != _SSE:
@@ -579,3 +658,56 @@ class Meter:
         u.output_tokens = max(u.output_tokens, out)
         u.cache_read_tokens = max(u.cache_read_tokens, read)
         u.cache_write_tokens = max(u.cache_write_tokens, write)
+
+
+def _tail(kept: bytes, data: bytes) -> bytes:
+    """The last :data:`TAIL_BYTES` of ``kept + data``, copying no more than needed."""
+    if len(data) >= TAIL_BYTES:
+        return data[-TAIL_BYTES:]
+    return (kept + data)[-TAIL_BYTES:]
+
+
+def _usage_in_tail(tail: bytes) -> dict | None:
+    """The last ``"usage": {...}`` object in ``tail`` (the end of a JSON object or event),
+    parsed; ``None`` if there is none. A ``"usage"`` key can only be matched outside JSON
+    strings, where quotes are escaped."""
+    at = len(tail)
+    while (at := tail.rfind(b'"usage"', 0, at)) >= 0:
+        start = tail.find(b"{", at + 7, at + 11)
+        if start < 0 or tail[at + 7:start].strip(b" \t\r\n:") != b"":
+            continue
+        end = _object_end(tail, start)
+        if end < 0:
+            continue
+        try:
+            usage = orjson.loads(tail[start:end])
+        except orjson.JSONDecodeError:
+            continue
+        if isinstance(usage, dict):
+            return usage
+    return None
+
+
+def _object_end(buf: bytes, start: int) -> int:
+    """Where the JSON object starting at ``buf[start]`` (a ``{``) ends, or -1 if it does not
+    end within ``buf``."""
+    depth = 0
+    in_string = escaped = False
+    for i in range(start, len(buf)):
+        c = buf[i]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif c == 0x5C:  # backslash
+                escaped = True
+            elif c == 0x22:  # quote
+                in_string = False
+        elif c == 0x22:
+            in_string = True
+        elif c == 0x7B:  # {
+            depth += 1
+        elif c == 0x7D:  # }
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return -1

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 
 from proxy.config import ConfigError, load_config
@@ -23,6 +24,8 @@ DEFAULT_CONFIG = "config/sluice.yaml"
 EXIT_CONFIG_ERROR = 2
 #: ``serve`` could not start: a listener could not bind, or a file could not be opened.
 EXIT_START_FAILED = 1
+#: The reader of standard output went away (128 + SIGPIPE, as the shell reports it).
+EXIT_BROKEN_PIPE = 141
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -100,6 +103,16 @@ def _demo(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _positive(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a positive whole number")
+    return number
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="sluice", description="Backpressure sidecar for AI agents' LLM and tool calls."
@@ -124,7 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
     dlq_sub = dlq.add_subparsers(dest="dlq_command", required=True)
     config_help = f"the config naming the dead-letter file (default: {DEFAULT_CONFIG})"
     listing = dlq_sub.add_parser("list", help="summaries of the stored records")
-    listing.add_argument("--limit", type=int, default=100, help="newest N records (100)")
+    listing.add_argument("--limit", type=_positive, default=100, metavar="N",
+                         help="list the newest N records (default 100)")
     show = dlq_sub.add_parser("show", help="one record in full, as JSON")
     show.add_argument("id", type=int)
     replay = dlq_sub.add_parser(
@@ -165,7 +179,15 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO, stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    return args.func(args)
+    try:
+        status = args.func(args)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader left (``sluice dlq list | head``): stop quietly, as a command killed by
+        # SIGPIPE does, and keep the interpreter's own flush at exit from failing again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
+    return status
 
 
 if __name__ == "__main__":

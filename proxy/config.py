@@ -19,6 +19,8 @@ float seconds; rates are ``N/s``, ``N/min``, ``N/h``, ``N/day`` and become :clas
 
 from __future__ import annotations
 
+import json
+import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,7 +29,14 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from policies.config import Config, ConfigError, Path_, cross_checks
+from policies.config import (
+    IDENTITY_VALUE,
+    MAX_IDENTITY_LENGTH,
+    Config,
+    ConfigError,
+    Path_,
+    cross_checks,
+)
 
 # --- YAML with YAML 1.2 scalars, duplicate-key errors and line numbers ----------------------
 
@@ -70,8 +79,12 @@ def _ambiguous(node: yaml.ScalarNode) -> str | None:
         return (f"{value!r} is a boolean to YAML 1.1 readers and a string to YAML 1.2: "
                 "write true or false, or quote the string")
     if _YAML11_OCTAL.match(value):
-        return (f"{value!r} is octal to YAML 1.1 readers ({int(value, 8)}) and decimal to "
-                "YAML 1.2: drop the leading zero, or quote the string")
+        if value.lstrip("+-").isdigit() and not set(value) & {"8", "9"}:
+            meaning = f"octal to YAML 1.1 readers ({int(value, 8)})"
+        else:  # 08, 09: no octal number, so a string to YAML 1.1 readers
+            meaning = "a string to YAML 1.1 readers"
+        return (f"{value!r} is {meaning} and decimal to YAML 1.2: drop the leading zero, or "
+                "quote the string")
     return None
 
 
@@ -82,8 +95,11 @@ def _walk(node: yaml.Node, path: Path_, marks: dict[Path_, int],
     if isinstance(node, yaml.MappingNode):
         seen: set[Any] = set()
         for key_node, value_node in node.value:
-            key = key_node.value
             line = key_node.start_mark.line + 1
+            if not isinstance(key_node, yaml.ScalarNode):  # ``? [a, b]: x``, a complex key
+                problems.append((path, line, "a key must be a plain name, not a list or mapping"))
+                continue
+            key = key_node.value
             if key in seen:
                 problems.append(((*path, key), line, "duplicate key"))
             seen.add(key)
@@ -101,8 +117,17 @@ def _walk(node: yaml.Node, path: Path_, marks: dict[Path_, int],
 def _dotted(path: Path_) -> str:
     out = ""
     for part in path:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+        if isinstance(part, int):
+            out += f"[{part}]"
+            continue
+        name = str(part)
+        if not _PLAIN_KEY.match(name):  # empty, spaces, control characters: show it quoted
+            name = json.dumps(name[:60] + ("..." if len(name) > 60 else ""))
+        out += f".{name}" if out else name
     return out or "(top)"
+
+
+_PLAIN_KEY = re.compile(r"^[!-~]{1,60}$")
 
 
 def _nearest_line(path: Path_, marks: dict[Path_, int]) -> int:
@@ -117,8 +142,7 @@ def _problems(err: ValidationError, marks: dict[Path_, int], filename: str) -> I
         # pydantic puts the Annotated validator's name in the path for union members; drop
         # anything that is not a config key so the path reads as the user wrote it.
         loc = item["loc"]
-        path = tuple(p for p in loc if isinstance(p, int) or p in _KNOWN_KEYS)
-        path = _user_path(item["loc"], marks)
+        path = _user_path(loc, marks)
         message = item["msg"].removeprefix("Value error, ")
         if item["type"] == "extra_forbidden":
             # The unknown key is, by definition, not a known one: name it all the same.
@@ -218,7 +242,102 @@ def parse_config(text: str, filename: str = "<config>") -> Config:
     ]
     if problems:
         raise ConfigError(problems)
+    spec = config.identity.tenants
+    if spec is not None:
+        at = f"{filename}:{_nearest_line(('identity', 'tenants'), marks)}: identity.tenants"
+        config.identity._keys = load_tenants(spec, Path(filename).parent, at)
     return config
+
+
+# --- identity.tenants: API-key digests -> tenants --------------------------------------------
+
+_DIGEST = re.compile(r"^[0-9a-fA-F]{64}$")
+_NOT_A_DIGEST = (
+    "this key is not a SHA-256 hex digest (64 hex characters); store the digest of each API "
+    "key (printf %s \"$KEY\" | sha256sum), never the key itself"
+)
+
+
+def load_tenants(spec: str, base: Path, at: str) -> dict[str, str]:
+    """The ``identity.tenants`` table: SHA-256 hex digest (lower case) -> tenant.
+
+    ``spec`` is a file path (relative to ``base``, the config file's directory) or
+    ``env:NAME``, an environment variable holding the same text. The text is YAML (or JSON):
+    one mapping of digests to tenants::
+
+        # printf %s "$KEY" | sha256sum
+        9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08: team-a
+
+    ``at`` (``FILE:LINE: KEY`` of the config's ``tenants`` line) prefixes a problem with the
+    source itself (unreadable, unset). A key that is not a digest is reported by its line
+    only: it may be an API key pasted by mistake, and must not reach a log.
+
+    Raises:
+        ConfigError: ``SOURCE:LINE: identity.tenants: PROBLEM`` lines, SOURCE being the file
+            or ``env:NAME``.
+    """
+    if spec.startswith("env:"):
+        source = spec
+        text = os.environ.get(spec[4:])
+        if text is None:
+            raise ConfigError([f"{at}: environment variable {spec[4:]!r} is not set"])
+    else:
+        path = base / spec
+        source = str(path)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError, ValueError) as exc:  # ValueError: a NUL in the path
+            raise ConfigError([f"{at}: cannot read {path!r}: {exc}"]) from None
+    return parse_tenants(text, source)
+
+
+def parse_tenants(text: str, source: str) -> dict[str, str]:
+    """Parse a tenants table (see :func:`load_tenants`); ``source`` names it in messages.
+
+    Raises:
+        ConfigError: one ``SOURCE:LINE: identity.tenants: PROBLEM`` line per problem.
+    """
+    where = f"{source}:{{}}: identity.tenants"
+    try:
+        loader = StrictLoader(text)
+        try:
+            node = loader.get_single_node()
+        finally:
+            loader.dispose()
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        # exc.problem only: the YAML error's snippet would quote the line, maybe a key.
+        raise ConfigError([f"{where.format(mark.line + 1 if mark else 1)}: not valid YAML "
+                           f"({exc.problem or 'unreadable'})"]) from None
+    except yaml.YAMLError:
+        raise ConfigError([f"{where.format(1)}: not valid YAML"]) from None
+    if node is None:
+        return {}
+    if not isinstance(node, yaml.MappingNode):
+        raise ConfigError([f"{where.format(node.start_mark.line + 1)}: must be a mapping of "
+                           "API-key SHA-256 digests to tenants"])
+    table: dict[str, str] = {}
+    problems: list[str] = []
+    for key_node, value_node in node.value:
+        line = where.format(key_node.start_mark.line + 1)
+        digest = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
+        if not isinstance(digest, str) or not _DIGEST.match(digest):
+            problems.append(f"{line}: {_NOT_A_DIGEST}")
+            continue
+        digest = digest.lower()
+        tenant = value_node.value if isinstance(value_node, yaml.ScalarNode) else None
+        if not isinstance(tenant, str) or not tenant or (
+            len(tenant) > MAX_IDENTITY_LENGTH or not IDENTITY_VALUE.fullmatch(tenant)
+        ):
+            problems.append(f"{line}: the tenant must be visible ASCII (no spaces), 1 to "
+                            f"{MAX_IDENTITY_LENGTH} characters")
+        elif digest in table:
+            problems.append(f"{line}: this digest is listed twice")
+        else:
+            table[digest] = tenant
+    if problems:
+        raise ConfigError(problems)
+    return table
 
 
 def load_config(path: str | Path) -> Config:

@@ -1,7 +1,8 @@
 """``sluice dlq``: inspect and replay dead-lettered work (SPEC, "Command line").
 
-* ``list``: one line per record (newest ``--limit``, oldest first): id, time (UTC), route,
-  tenant, method and path, attempts, why retries ended, and the last replay's status.
+* ``list``: one line per record (the newest ``--limit``, 100 by default, oldest first): id,
+  time (UTC), route, tenant, method and path, attempts, why retries ended, and the last
+  replay's status; a last line says how many older records were left out.
 * ``show ID``: the whole record as JSON, with its attempts and replays.
 * ``replay ID``: send the recorded request once, straight to its route's upstream as the
   config names it now, with the recorded method, path, headers, body and idempotency key; the
@@ -73,12 +74,16 @@ def _when(ts: float) -> str:
 
 def _list(store: DeadLetterFile, limit: int) -> None:
     rows = store.list(limit)
+    total = sum(store.depth().values())
     print(f"{'ID':>6}  {'CREATED (UTC)':20}  {'ROUTE':12}  {'TENANT':12}  {'ATTEMPTS':>8}  "
           f"{'REASON':20}  {'REPLAY':8}  REQUEST")
     for r in rows:
         replay = "-" if r["last_replay"] is None else str(r["last_replay"])
         print(f"{r['id']:>6}  {_when(r['created_at']):20}  {r['route']:12}  {r['tenant']:12}  "
               f"{r['attempts']:>8}  {r['reason']:20}  {replay:8}  {r['method']} {r['path']}")
+    if total > len(rows):
+        print(f"(the newest {len(rows)} of {total} records; {total - len(rows)} older ones left "
+              f"out: --limit {total} lists them all)")
 
 
 def _replay(config: Config, store: DeadLetterFile, letter: DeadLetter,

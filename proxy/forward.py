@@ -6,10 +6,13 @@ bytes they describe. Only framing is the proxy's own (RFC 9110 §7.6.1):
 
 * hop-by-hop fields are dropped both ways: ``Connection``, ``Keep-Alive``,
   ``Proxy-Connection``, ``TE``, ``Trailer``, ``Transfer-Encoding``, ``Upgrade``,
-  ``Proxy-Authenticate``, ``Proxy-Authorization``, and every field named in ``Connection``;
-* on the request, ``Host`` (the upstream's own is set from its URL) and ``Content-Length``
-  (recomputed from the buffered body) are dropped too, since forwarding them stale desyncs or
-  misroutes the upstream connection;
+  ``Proxy-Authenticate``, ``Proxy-Authorization``, and every field named in any
+  ``Connection`` line (a field may be split over several lines, RFC 9110 §5.3);
+* on the request, ``Host`` (the upstream's own is set from its URL; the caller's was checked
+  against ``server.allowed_hosts`` at the edge), ``Content-Length`` (recomputed from the
+  buffered body) and ``Expect`` (Sluice answered ``100-continue`` itself and has the whole
+  body) are dropped too, since forwarding them stale desyncs, misroutes or stalls the
+  upstream connection;
 * ``X-Forwarded-For`` gets the caller's address appended;
 * ``Idempotency-Key`` is set when the route's idempotency policy chose the key (derived or
   fresh); a caller's own key passes as it came.
@@ -51,7 +54,7 @@ HOP_BY_HOP = frozenset(
         "proxy-authorization",
     }
 )
-_REQUEST_DROP = HOP_BY_HOP | {"host", "content-length"}
+_REQUEST_DROP = HOP_BY_HOP | {"host", "content-length", "expect"}
 #: aiohttp errors raised before the request left (see :func:`left`).
 _NOT_SENT = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
 _RESPONSE_DROP = HOP_BY_HOP
@@ -66,8 +69,7 @@ _BAD_HEADER = "a response header has control characters"
 
 
 def _copy_headers(headers: CIMultiDictProxy[str], drop: frozenset[str]) -> CIMultiDict[str]:
-    connection = headers.get("Connection")
-    if connection:
+    for connection in headers.getall("Connection", ()):
         drop = drop | {token.strip().lower() for token in connection.split(",")}
     out: CIMultiDict[str] = CIMultiDict()
     for name, value in headers.items():
@@ -156,8 +158,9 @@ async def relay(
         ``(response, outcome)`` as :func:`forward` does.
 
     Raises:
-        Rejected: ``upstream_unreachable`` when a small answer was cut before any of it was
-            sent.
+        Rejected: when a small answer was cut before any of it was sent:
+            ``upstream_timeout`` (504) if a timeout cut it (``timeouts.total`` runs to the
+            answer's last byte), else ``upstream_unreachable`` (502).
         asyncio.CancelledError: the caller disconnected.
     """
     try:
@@ -179,7 +182,12 @@ async def relay(
         if not streaming:
             try:
                 data = await upstream.read()
-            except (aiohttp.ClientError, TimeoutError):
+            except TimeoutError:  # also aiohttp's ServerTimeoutError (a ClientError too)
+                raise Rejected(
+                    Reason.UPSTREAM_TIMEOUT, None,
+                    f"its {status} answer did not finish in time; {length} bytes announced",
+                ) from None
+            except aiohttp.ClientError:
                 raise Rejected(
                     Reason.UPSTREAM_UNREACHABLE, None, "the upstream's answer was cut short"
                 ) from None

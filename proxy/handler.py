@@ -28,6 +28,7 @@ from policies.pipeline import ABANDONED, REFUSED, Admission, Call, Outcome
 from policies.reasons import Reason, Rejected
 from policies.retry import is_client_retry
 from proxy import attempts
+from proxy.identity import IdentityRejected, identify
 from proxy.rejections import jsonrpc_id, refuse, render
 from proxy.routes import Route, has_dot_segment
 from proxy.runtime import Runtime
@@ -78,9 +79,11 @@ async def handle(rt: Runtime, request: web.BaseRequest) -> web.StreamResponse:
         return render(Rejected(Reason.NO_ROUTE, None, detail[:200]), "http")
 
     headers = request.headers
-    tenant = headers.get(rt.tenant_header) or rt.default_tenant
-    run = headers.get(rt.run_header)
-    request_id = headers.get("X-Request-ID") or rt.next_request_id()
+    try:
+        who = identify(rt, request)
+    except IdentityRejected as refused:  # logged under a safe tenant, nothing the caller sent
+        return _reject(rt, route, refused, rt.next_request_id(), refused.tenant, None)
+    tenant, run, request_id = who.tenant, who.run, who.request_id
 
     if has_dot_segment(raw_path):
         return _reject(rt, route, Rejected(Reason.BAD_REQUEST, None, "dot-segments in path"),

@@ -37,11 +37,15 @@ SDK_RETRY_AFTER_CAP_S = 60.0
 _OPENAI_TYPES = {429: "rate_limit_error", 503: "server_error", 502: "server_error"}
 _ANTHROPIC_TYPES = {
     400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
     404: "not_found_error",
     409: "invalid_request_error",
     413: "request_too_large",
+    421: "invalid_request_error",
     422: "invalid_request_error",
     429: "rate_limit_error",
+    431: "request_too_large",
     503: "overloaded_error",
 }
 
@@ -66,13 +70,37 @@ def rejection_headers(rejected: Rejected) -> dict[str, str]:
     return headers
 
 
+def human_duration(seconds: float) -> str:
+    """``seconds`` as a person reads a wait: ``0.25s``, ``42s``, ``12m 5s``, ``17h 38m``,
+    ``2d 3h``; never an exponent. Waits of a minute or more are rounded up to the unit shown
+    last, so the caller is never told to come back too early."""
+    if seconds < 10:
+        return f"{math.ceil(max(seconds, 0.0) * 1000) / 1000:g}s"
+    bigger = math.inf
+    for unit, small, small_name, big_name in _DURATION_UNITS:
+        if seconds >= unit or unit == 1:
+            total = math.ceil(seconds / small)  # rounded up to the unit shown last
+            if total * small >= bigger:  # e.g. 59m 59.5s is 1h, not 60m
+                return human_duration(total * small)
+            big, rest = divmod(total, unit // small)
+            if unit == 1:
+                return f"{big}s"
+            return f"{big}{big_name} {rest}{small_name}" if rest else f"{big}{big_name}"
+        bigger = unit
+    raise AssertionError("unreachable")
+
+
+_DURATION_UNITS = ((86400, 3600, "h", "d"), (3600, 60, "m", "h"), (60, 1, "s", "m"),
+                   (1, 1, "", ""))
+
+
 def _message(rejected: Rejected) -> str:
     reason = rejected.reason
     text = f"Sluice: {reason.summary}"
     if rejected.detail:
         text += f" ({rejected.detail})"
     if rejected.retry_after is not None:
-        text += f"; retry after {rejected.retry_after:.3g}s"
+        text += f"; retry after {human_duration(rejected.retry_after)}"
     return text
 
 

@@ -12,7 +12,6 @@ SIGHUP, or a change of the config file, reloads the config in place (:mod:`proxy
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import signal
 import time
@@ -23,6 +22,7 @@ from prometheus_client.aiohttp import make_aiohttp_handler
 
 from policies.config import Config
 from proxy.admin import add_admin_routes
+from proxy.edge import EdgeServer
 from proxy.handler import handle
 from proxy.reload import RELOADER, Reloader
 from proxy.runtime import RUNTIME, Runtime
@@ -53,24 +53,18 @@ class RedactMalformedRequests(logging.Filter):
         return True
 
 
-def build_proxy_server(runtime: Runtime) -> web.Server:
-    """The low-level server on ``server.listen``: every request goes to
+def build_proxy_server(runtime: Runtime) -> EdgeServer:
+    """The low-level server on ``server.listen``: every request passes the edge's checks
+    (:mod:`proxy.edge`: connection limits and timeouts, Host, Origin, path) and goes to
     :func:`proxy.handler.handle`.
 
     aiohttp's ``Application`` would add a router, middleware and signal machinery that a proxy
     with one handler never uses (about 50 µs a request in ``bench/overhead.py``'s profile).
     Create it inside the running loop.
     """
-    loop = asyncio.get_running_loop()
-    max_size = runtime.config.server.max_request_bytes
-
-    def make_request(message, payload, protocol, writer, task):  # type: ignore[no-untyped-def]
-        return web.BaseRequest(message, payload, protocol, writer, task, loop,
-                               client_max_size=max_size)
-
-    return web.Server(
-        functools.partial(handle, runtime),
-        request_factory=make_request,
+    return EdgeServer(
+        runtime,
+        handle,
         handler_cancellation=True,  # a caller's disconnect cancels its upstream request
         access_log=None,  # per-request logging is the event log's job
         auto_decompress=False,  # bodies pass through byte for byte

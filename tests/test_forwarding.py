@@ -51,7 +51,7 @@ async def test_request_hop_by_hop_headers_dropped_end_to_end_kept(upstream, star
     sluice = await start_sluice({"routes": [route("svc", upstream.url, "http")]})
     request = (
         b"POST /svc/h HTTP/1.1\r\n"
-        b"Host: sluice.example\r\n"
+        b"Host: 127.0.0.1\r\n"
         b"Connection: close, X-Hop-Secret\r\n"
         b"X-Hop-Secret: must-not-pass\r\n"
         b"Keep-Alive: timeout=5\r\n"
@@ -93,7 +93,7 @@ async def test_sluice_adds_no_header_of_its_own_but_x_forwarded_for(upstream, st
     """aiohttp's client would add Accept, Accept-Encoding, User-Agent and a Content-Type."""
     sluice = await start_sluice({"routes": [route("up", upstream.url, "http")]})
     answer = await raw_request(sluice.port, (
-        b"POST /up/bare HTTP/1.1\r\nHost: sluice\r\nContent-Length: 5\r\n"
+        b"POST /up/bare HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 5\r\n"
         b"Connection: close\r\n\r\nhello"))
     assert answer.startswith(b"HTTP/1.1 200")
     [seen] = upstream.requests
@@ -121,7 +121,7 @@ async def test_response_hop_by_hop_headers_dropped(start_sluice):
     try:
         sluice = await start_sluice({"routes": [route("svc", raw.url, "http")]})
         answer = await raw_request(
-            sluice.port, b"GET /svc/x HTTP/1.1\r\nHost: s\r\nConnection: close\r\n\r\n"
+            sluice.port, b"GET /svc/x HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
         )
     finally:
         await raw.stop()
@@ -192,7 +192,7 @@ async def test_authorization_passes_through_and_is_never_logged(upstream, start_
                       b"GET /svc/x HTTP/1.1\r\nx-api-key: %s\rx\r\n",
                       b"GET /svc/x?key=%s\x7f HTTP/1.1\r\n"):
         answer = await raw_request(sluice.port, malformed % secret.encode()
-                                   + b"Host: s\r\nConnection: close\r\n\r\n")
+                                   + b"Host: 127.0.0.1\r\nConnection: close\r\n\r\n")
         assert answer.startswith(b"HTTP/1.0 400") or answer.startswith(b"HTTP/1.1 400")
     assert [s.headers["Authorization"] for s in upstream.requests] == [f"Bearer {secret}"] * 2
     await wait_until(lambda: sum(e["event"] == "completed" for e in sluice.events()) == 3,
@@ -221,7 +221,7 @@ async def test_absolute_uri_is_404_and_never_proxied(upstream, start_sluice):
                  b"GET http://evil.example/svc/x HTTP/1.1",
                  b"GET http://127.0.0.1:%d/svc/x HTTP/1.1" % upstream.port):
         answer = await raw_request(
-            sluice.port, line + b"\r\nHost: evil.example\r\nConnection: close\r\n\r\n"
+            sluice.port, line + b"\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
         )
         status, headers, body = _status_and_headers(answer)
         assert status == 404, line
@@ -230,7 +230,7 @@ async def test_absolute_uri_is_404_and_never_proxied(upstream, start_sluice):
     # aiohttp's router answers these itself (a plain 404) before Sluice's handler runs.
     for line in (b"CONNECT evil.example:443 HTTP/1.1", b"OPTIONS * HTTP/1.1"):
         answer = await raw_request(
-            sluice.port, line + b"\r\nHost: evil.example\r\nConnection: close\r\n\r\n"
+            sluice.port, line + b"\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
         )
         assert _status_and_headers(answer)[0] == 404, line
     assert upstream.requests == []
@@ -247,7 +247,8 @@ async def test_dot_segments_refused_dots_inside_segments_forwarded(upstream, sta
                            (b"/svc/x/..", 400),
                            (b"/other/../svc/x", 404)):
         answer = await raw_request(
-            sluice.port, b"GET " + target + b" HTTP/1.1\r\nHost: s\r\nConnection: close\r\n\r\n"
+            sluice.port,
+            b"GET " + target + b" HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n",
         )
         got, headers, _ = _status_and_headers(answer)
         assert got == status, target

@@ -152,14 +152,50 @@ def test_strip_holds_back_only_an_incomplete_event():
     assert meter.chunk(b'ices": []}\n\n') == b'data: {"id": "c", "choices": []}\n\n'
 
 
-def test_an_endless_event_stops_the_reading_not_the_stream():
-    meter = Meter(CHAT, anthropic=False, strip_usage=True)
+@pytest.mark.parametrize("crlf", [False, True])
+def test_stripping_and_reading_hold_whatever_the_event_size(crlf):
+    """An event over 4 MiB switched usage reading off for the rest of the stream, so the usage
+    chunk Sluice had asked for reached a client that had not (``choices: []``)."""
+    big = sse(chat_chunk("x" * (JSON_LIMIT_BYTES + 1)), crlf=crlf)
+    before, after = sse(chat_chunk("a"), crlf=crlf), sse(USAGE_CHUNK, "[DONE]", crlf=crlf)
+    stream = before + big + after
+    expected = before + big + sse("[DONE]", crlf=crlf)
+    end = len(before) + len(big)  # the big event's boundary: cut around and inside it
+    for cuts in ([end - 3], [end - 2], [end - 1], [end], [end + 1], [len(before) + 10, end - 1],
+                 [len(before) + 10, end + 5], [len(before) + JSON_LIMIT_BYTES + 20, end + 40],
+                 list(range(4096, len(stream), 1 << 20))):
+        meter = Meter(CHAT, anthropic=False, strip_usage=True)
+        started(meter)
+        assert feed_in_pieces(meter, stream, cuts) == expected, cuts
+        assert meter.final, cuts
+        assert (meter.usage.input_tokens, meter.usage.output_tokens) == (7, 3)
+
+
+def test_usage_is_read_from_the_end_of_an_event_too_big_to_hold():
+    """A Responses stream's ``response.completed`` event carries the whole output before its
+    usage; an Anthropic stream, and a chunked JSON answer, put usage last too."""
+    text = "y" * (JSON_LIMIT_BYTES + 100)
+    usage = {"input_tokens": 9, "output_tokens": 40000,
+             "input_tokens_details": {"cached_tokens": 3}}
+    stream = sse({"type": "response.output_text.delta", "delta": "hey"},
+                 {"type": "response.completed", "response": {
+                     "output": [{"content": [{"text": text, "note": '"usage": {"x": 1}'}]}],
+                     "usage": usage, "metadata": {}}},
+                 event_names=["response.output_text.delta", "response.completed"])
+    meter = Meter(RESPONSES, anthropic=False, strip_usage=False)
     started(meter)
-    big = b'data: {"choices": [{"delta": {"content": "' + b"x" * (JSON_LIMIT_BYTES + 1)
-    assert meter.chunk(big) == big
-    assert meter.chunk(b'"}}]}\n\n') == b'"}}]}\n\n'
-    assert meter.chunk(sse(USAGE_CHUNK)) == sse(USAGE_CHUNK)
-    assert not meter.final
+    # Cut past the hold limit while the event is still incomplete, so it is read from its tail.
+    assert feed_in_pieces(meter, stream, [100, 1 << 20, len(stream) - 100]) == stream
+    assert (meter.usage.input_tokens, meter.usage.output_tokens,
+            meter.usage.cache_read_tokens) == (9, 40000, 3)
+    assert meter.final
+
+    body = orjson.dumps({"id": "x", "content": [{"type": "text", "text": text}],
+                         "usage": {"input_tokens": 3, "output_tokens": 9}})
+    meter = Meter(MESSAGES, anthropic=True, strip_usage=False)
+    started(meter, "application/json")
+    assert feed_in_pieces(meter, body, list(range(1 << 16, len(body), 1 << 20))) == body
+    assert meter.final and meter.usage.output_tokens == 9
 
 
 def test_unchanged_chunks_are_the_same_objects():

@@ -2,7 +2,7 @@
 
 Prints what it is about to do, a progress line while each run goes, then the side-by-side
 result, the per-phase figures, what the agents' requests got back, and where the plot (only
-with matplotlib installed: ``pip install 'sluice[bench]'``) and, with ``--json``, the full
+with matplotlib installed: ``pip install '.[bench]'`` from a clone) and, with ``--json``, the full
 record were written. Exit status 0 when both runs completed, 1 if one could not be run.
 """
 
@@ -117,7 +117,9 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
         return 0
     written = report.plot(results, scenario, Path(args.plot))
     if written is None:
-        print("No plot: matplotlib is not installed (pip install 'sluice[bench]').", file=out)
+        print("No plot: matplotlib is not installed (from a clone of Sluice's repository: "
+              "pip install '.[bench]'; the package called sluice on PyPI is another project).",
+              file=out)
     else:
         print(f"Plot: {written}", file=out)
     return 0

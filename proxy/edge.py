@@ -1,0 +1,449 @@
+"""The proxy port's edge: connections and requests Sluice refuses before the request path.
+
+**Connections** (:class:`EdgeProtocol`, one per TCP connection; limits under ``server:``):
+
+* ``max_connections``: a connection beyond it is answered 503 ``too_many_connections`` once
+  its first bytes arrive (so the caller reads the answer rather than a reset), then closed;
+* ``header_timeout``: a request's head (request line and headers) must arrive within this of
+  its first byte (of the connection's opening, for the first request), else 408
+  ``request_timeout`` and close. This is what ends slowloris connections and silent ones;
+* ``body_timeout`` and ``min_body_rate``: a body may pause at most ``body_timeout``, and once
+  ``body_timeout`` has passed must average ``min_body_rate`` bytes a second since its head,
+  else 408 and close;
+* ``idle_timeout``: a keep-alive connection idle between requests is closed (aiohttp's own
+  keep-alive timer);
+* a parser-level refusal (a header line over 8190 bytes or more than 128 headers: 431
+  ``headers_too_large``; bad framing or syntax: 400 ``bad_request``) is answered in Sluice's
+  shape: JSON body, ``X-Sluice-Reason``, ``Connection: close``, and nothing of the request
+  echoed, in the answer or in the log;
+* after a request with chunked framing, or an HTTP/1.0 request with ``Transfer-Encoding``
+  (whose framing RFC 9112 §6.1 says to treat as faulty), the connection is closed once the
+  answer is sent, and nothing pipelined behind it is served. aiohttp's C parser does not
+  reset its pending header field between messages, so the last trailer field of a chunked
+  request would become a header of the next request on the connection (``X-Tenant-ID:
+  victim``); the pure-Python parser does not have that defect but costs about 6x as much CPU
+  per request head. Clients rarely send chunked requests (the LLM SDKs send
+  ``Content-Length``); those that do open a new connection for their next request.
+
+**Requests** (:meth:`EdgeServer.serve`, before :func:`proxy.handler.handle`):
+
+* ``Host`` must be one ``server.allowed_hosts`` allows, else 421 ``misdirected_request``.
+  By default: the listen address's own name; for a loopback address also ``localhost``,
+  ``127.0.0.1`` and ``[::1]``; for a wildcard address (``0.0.0.0``, ``::``) those, the
+  machine's host name and any IP address literal. DNS rebinding (a browser page whose name
+  turns into 127.0.0.1) always sends its own name, so it is refused here, whatever the
+  upstream would have done: Sluice sets ``Host`` to the upstream's own when forwarding (the
+  upstream's TLS and virtual hosting need it), so an upstream cannot check it for itself;
+* on ``mcp`` routes, a browser's ``Origin`` must be in ``server.allowed_origins`` or be the
+  same host (and port) as the ``Host`` it calls, else 403 ``forbidden_origin`` in the
+  JSON-RPC shape; requests without ``Origin`` (not from a browser) pass;
+* a path with a control character, raw or percent-encoded (``%00``-``%1F``, ``%7F``), is
+  refused with 400 ``bad_request`` (the parser refuses raw ones first);
+* ``Expect: 100-continue`` is answered by Sluice (``100 Continue`` before the body is read)
+  and never forwarded; any other expectation is refused with 417 ``expectation_failed``.
+
+Each limit is read from the config in force when a connection opens or a request arrives, so
+a reload applies them to new connections.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import re
+import socket
+from collections.abc import Awaitable, Callable
+from http import HTTPStatus
+from typing import Any
+
+from aiohttp import web
+from aiohttp.http import HttpVersion11, RawRequestMessage
+from aiohttp.http_exceptions import BadHttpMethod, HttpProcessingError, LineTooLong
+from aiohttp.streams import StreamReader
+from aiohttp.web_protocol import ERROR as PARSE_ERROR_MESSAGE
+from aiohttp.web_protocol import RequestHandler, RequestPayloadError
+
+from policies.config import Config, ServerConfig
+from policies.reasons import Reason, Rejected
+from proxy.rejections import refuse, rejection_body, rejection_headers, render
+from proxy.runtime import Runtime
+
+log = logging.getLogger("sluice")
+
+Handler = Callable[[Runtime, web.BaseRequest], Awaitable[web.StreamResponse]]
+
+#: Host names of the loopback interface, allowed when Sluice listens on it.
+LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "[::1]"})
+_WILDCARDS = frozenset({"", "0.0.0.0", "::", "*"})
+#: A percent-encoded control character (C0 or DEL).
+_ESCAPED_CONTROL = re.compile(r"%(?:[01][0-9A-Fa-f]|7[Ff])")
+#: Parser errors whose request head is too big rather than malformed.
+_TOO_MANY_HEADERS = "Too many headers"
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+#: Allowed ``Host`` values remembered per config, so most requests cost one set lookup.
+_HOSTS_REMEMBERED = 64
+
+# Phases of a connection, as its timers see it.
+_OPENED = 0  # just opened, not a byte yet: header_timeout from the opening, then closed quietly
+_HEAD = 1  # some of a request head has arrived
+_BODY = 2  # a head has arrived, its body is still coming
+_READ = 3  # a whole request has arrived (being handled, or answered and the connection idle:
+# aiohttp's keep-alive timer, idle_timeout, applies then)
+
+
+def raw_answer(rejected: Rejected) -> bytes:
+    """A whole HTTP/1.1 answer for ``rejected`` in the plain ``http`` shape, closing the
+    connection: for the edge's refusals, written straight to the transport."""
+    body = rejection_body(rejected, "http")
+    status = rejected.reason.status
+    lines = [f"HTTP/1.1 {status} {HTTPStatus(status).phrase}",
+             "Content-Type: application/json", f"Content-Length: {len(body)}",
+             "Connection: close"]
+    lines += [f"{name}: {value}" for name, value in rejection_headers(rejected).items()]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("ascii") + body
+
+
+_HEAD_TIMEOUT = raw_answer(Rejected(
+    Reason.REQUEST_TIMEOUT, None, "the request's head did not arrive within server.header_timeout"
+))
+_BODY_TIMEOUT = raw_answer(Rejected(
+    Reason.REQUEST_TIMEOUT, None,
+    "the request body paused longer than server.body_timeout, or came slower than "
+    "server.min_body_rate",
+))
+_TOO_MANY = raw_answer(Rejected(Reason.TOO_MANY_CONNECTIONS, 1.0, "try again shortly"))
+
+
+class EdgeServer(web.Server):
+    """aiohttp's low-level server with Sluice's connections (:class:`EdgeProtocol`) and
+    request checks (:meth:`serve`) in front of ``handler``.
+
+    Attributes:
+        open: connections being served now (refused ones are not counted).
+        refusing: connections over ``max_connections`` waiting for their 503.
+    """
+
+    def __init__(self, runtime: Runtime, handler: Handler, **kwargs: Any) -> None:
+        super().__init__(self.serve, request_factory=self._make_request, **kwargs)
+        self.runtime = runtime
+        self.open = 0
+        self.refusing = 0
+        self._handler = handler
+        self._door_config: Config | None = None
+        self._door: Door | None = None
+
+    def __call__(self) -> EdgeProtocol:
+        settings = self.runtime.config.server
+        return EdgeProtocol(self, settings, loop=self._loop,
+                            keepalive_timeout=settings.idle_timeout, **self._kwargs)
+
+    def _make_request(self, message: RawRequestMessage, payload: StreamReader,
+                      protocol: RequestHandler, writer: Any, task: asyncio.Task[None],
+                      ) -> web.BaseRequest:
+        if message is PARSE_ERROR_MESSAGE:
+            message = _PARSE_ERROR_MESSAGE_11  # answered as HTTP/1.1, not 1.0
+        elif message.chunked or (message.version < HttpVersion11
+                                 and "Transfer-Encoding" in message.headers):
+            # Close after the answer; see the module docstring (trailers, RFC 9112 §6.1).
+            message = message._replace(should_close=True)
+        return web.BaseRequest(message, payload, protocol, writer, task, self._loop,
+                               client_max_size=self.runtime.config.server.max_request_bytes)
+
+    def serve(self, request: web.BaseRequest) -> Awaitable[web.StreamResponse]:
+        """The request handler aiohttp calls: the edge's checks, then the request path."""
+        rt = self.runtime
+        if rt.config is not self._door_config:
+            self._door = Door(rt.config)
+            self._door_config = rt.config
+        assert self._door is not None
+        refused = self._door.check(rt, request)
+        if refused is not None:
+            return _answered(refused)
+        expect = request.headers.get("Expect")
+        if expect is not None and request.version >= HttpVersion11:
+            if expect.lower() != "100-continue":
+                return _answered(render(Rejected(Reason.EXPECTATION_FAILED, None, "", retry=False),
+                                        "http"))
+            if not request.content.is_eof() and request.transport is not None:
+                # The caller waits for this before it sends the body (RFC 9110 §10.1.1).
+                request.transport.write(_CONTINUE)
+        return self._handler(rt, request)
+
+
+async def _answered(response: web.StreamResponse) -> web.StreamResponse:
+    return response
+
+
+_PARSE_ERROR_MESSAGE_11 = PARSE_ERROR_MESSAGE._replace(version=HttpVersion11)
+
+
+class Door:
+    """The request checks of one config (see the module docstring), built once per config."""
+
+    def __init__(self, config: Config) -> None:
+        server = config.server
+        self.any_host, self.hosts, self.host_suffixes, self.ip_hosts = allowed_hosts(server)
+        self.origins = frozenset(server.allowed_origins)
+        self.any_origin = "*" in self.origins
+        self.mcp = any(route.protocol == "mcp" for route in config.routes)
+        #: ``Host`` values seen allowed, as sent: a connection sends the same one each time.
+        self._hosts_seen: set[str] = set()
+
+    def check(self, rt: Runtime, request: web.BaseRequest) -> web.StreamResponse | None:
+        """A refusal for ``request``, or ``None`` to let it through."""
+        headers = request.headers
+        host = headers.get("Host")
+        if host is not None and not self.any_host and host not in self._hosts_seen:
+            if not self.host_allowed(host):
+                return render(Rejected(Reason.MISDIRECTED, None, "list the name in "
+                                       "server.allowed_hosts to serve it", retry=False), "http")
+            if len(self._hosts_seen) < _HOSTS_REMEMBERED:
+                self._hosts_seen.add(host)
+        raw = request.raw_path
+        if "%" in raw and _ESCAPED_CONTROL.search(raw.partition("?")[0]):
+            return render(Rejected(Reason.BAD_REQUEST, None, "a control character in the path",
+                                   retry=False), "http")
+        if self.mcp and not self.any_origin:
+            origin = headers.get("Origin")
+            if origin is not None:
+                route = rt.router.match(raw)
+                if route is not None and route.protocol == "mcp" and not self.origin_allowed(
+                        origin, host):
+                    rejected = Rejected(Reason.FORBIDDEN_ORIGIN, None,
+                                        "list it in server.allowed_origins to allow it",
+                                        retry=False)
+                    route.metrics.outcomes["rejected"].inc()
+                    return refuse(rt, route, rejected, rt.next_request_id(),
+                                  rt.config.identity.default_tenant, None)
+        return None
+
+    def host_allowed(self, host: str) -> bool:
+        """Whether the ``Host`` value ``host`` names this server (its port is not compared)."""
+        name = host_name(host)
+        if name in self.hosts:
+            return True
+        if self.ip_hosts and _is_ip_literal(name):
+            return True
+        return any(name.endswith(suffix) for suffix in self.host_suffixes)
+
+    def origin_allowed(self, origin: str, host: str | None) -> bool:
+        """Whether a browser page of ``origin`` may call a request whose ``Host`` is ``host``."""
+        origin = origin.strip().lower()
+        if origin in self.origins:
+            return True
+        scheme, sep, authority = origin.partition("://")
+        if not sep or host is None:
+            return False  # "null" (a sandboxed or file page), or no Host to be the same as
+        origin_host, origin_port = _host_port(authority, 443 if scheme == "https" else 80)
+        own_host, own_port = _host_port(host.strip().lower(), None)
+        return origin_host == own_host and (own_port is None or own_port == origin_port)
+
+
+def allowed_hosts(server: ServerConfig) -> tuple[bool, frozenset[str], tuple[str, ...], bool]:
+    """``(any, names, suffixes, any IP literal)`` of ``server.allowed_hosts``, or its default
+    (see the module docstring)."""
+    if server.allowed_hosts is not None:
+        names = frozenset(h for h in server.allowed_hosts if not h.startswith("*"))
+        suffixes = tuple(h[1:] for h in server.allowed_hosts if h.startswith("*."))
+        return "*" in server.allowed_hosts, names, suffixes, False
+    host = server.listen.rpartition(":")[0].strip("[]").lower()
+    if host in _WILDCARDS:
+        return False, LOOPBACK_NAMES | {socket.gethostname().lower()}, (), True
+    literal = f"[{host}]" if ":" in host else host
+    if host == "localhost" or (_is_ip_literal(literal) and ipaddress.ip_address(host).is_loopback):
+        return False, LOOPBACK_NAMES | {literal}, (), False
+    return False, frozenset({literal}), (), False
+
+
+def host_name(host: str) -> str:
+    """The name part of a ``Host`` value, lower case, without port or trailing dot."""
+    return _host_port(host.strip().lower(), None)[0]
+
+
+def _host_port(authority: str, default: int | None) -> tuple[str, int | None]:
+    if authority.startswith("["):
+        end = authority.find("]")
+        name, rest = (authority[:end + 1], authority[end + 1:]) if end > 0 else (authority, "")
+        port = rest[1:] if rest.startswith(":") else ""
+    else:
+        name, _, port = authority.partition(":")
+    return name.rstrip("."), int(port) if port.isdigit() else default
+
+
+def _is_ip_literal(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name[1:-1] if name.startswith("[") else name)
+    except ValueError:
+        return False
+    return True
+
+
+class EdgeProtocol(RequestHandler):
+    """One connection of the proxy port: aiohttp's request handler plus Sluice's connection
+    limits and its own answer to requests the parser refuses (see the module docstring)."""
+
+    __slots__ = ("_body", "_body_bytes", "_body_start", "_deadline", "_edge", "_phase",
+                 "_refused", "_settings", "_timer")
+
+    def __init__(self, manager: EdgeServer, settings: ServerConfig, **kwargs: Any) -> None:
+        super().__init__(manager, **kwargs)
+        self._edge = manager
+        self._settings = settings
+        self._phase = _OPENED
+        self._timer: asyncio.TimerHandle | None = None
+        self._deadline = 0.0
+        self._body: StreamReader | None = None
+        self._body_start = 0.0
+        self._body_bytes = 0
+        self._refused: asyncio.Transport | None = None
+
+    # -- connection lifecycle ------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        edge = self._edge
+        if edge.open >= self._settings.max_connections:
+            self._refuse(transport)  # type: ignore[arg-type]
+            return
+        edge.open += 1
+        super().connection_made(transport)
+        self._arm(self._loop.time() + self._settings.header_timeout)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if self._refused is not None:
+            self._refused = None
+            self._edge.refusing -= 1
+            self._disarm()
+            return
+        if self._manager is not None:
+            self._edge.open -= 1
+        self._disarm()
+        super().connection_lost(exc)
+
+    def _refuse(self, transport: asyncio.Transport) -> None:
+        """Over ``max_connections``: answer 503 when the request arrives, then close."""
+        edge = self._edge
+        self._manager = None  # aiohttp's bookkeeping never sees this connection
+        if edge.refusing >= self._settings.max_connections:
+            transport.close()  # as many waiting for their 503 as served: no answer at all
+            return
+        edge.refusing += 1
+        self._refused = transport
+        self._timer = self._loop.call_later(self._settings.header_timeout, transport.close)
+
+    # -- reading -------------------------------------------------------------------------
+
+    def data_received(self, data: bytes) -> None:
+        refused = self._refused
+        if refused is not None:
+            if not refused.is_closing():
+                refused.write(_TOO_MANY)
+                refused.close()
+            return
+        count = self._request_count
+        super().data_received(data)
+        if self._force_close:
+            return
+        if self._request_count != count and self._messages:
+            # One or more request heads arrived; the last one's body may still be coming.
+            body = self._messages[-1][1]
+            if body.is_eof():
+                self._phase = _READ
+                self._disarm()
+            else:
+                now = self._loop.time()
+                self._phase = _BODY
+                self._body = body
+                self._body_start = now
+                self._body_bytes = 0
+                self._arm(now + self._settings.body_timeout)
+        elif self._phase == _BODY:
+            body = self._body
+            if body is None or body.is_eof():
+                self._phase = _READ
+                self._body = None
+                self._disarm()
+            else:
+                self._body_bytes += len(data)
+                settings = self._settings
+                now = self._loop.time()
+                deadline = now + settings.body_timeout
+                if settings.min_body_rate:
+                    deadline = min(deadline, self._body_start + settings.body_timeout
+                                   + self._body_bytes / settings.min_body_rate)
+                self._deadline = deadline  # later than before: the timer re-arms lazily
+        elif data and self._phase != _HEAD:
+            if self._phase != _OPENED:  # the first request's time counts from the opening
+                self._arm(self._loop.time() + self._settings.header_timeout)
+            self._phase = _HEAD
+
+    # -- timers --------------------------------------------------------------------------
+
+    def _arm(self, deadline: float) -> None:
+        self._deadline = deadline
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = self._loop.call_at(deadline, self._expired)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _expired(self) -> None:
+        self._timer = None
+        if self.transport is None:
+            return
+        now = self._loop.time()
+        if now < self._deadline:
+            self._timer = self._loop.call_at(self._deadline, self._expired)
+            return
+        if self._phase in (_HEAD, _OPENED):
+            if self._request_in_progress or self._messages:
+                # A pipelined head behind a request still being served: its time starts
+                # when the connection is free for it.
+                self._arm(now + self._settings.header_timeout)
+                return
+            # Silent since it opened: closed without an answer, like an idle connection.
+            answer = _HEAD_TIMEOUT if self._phase == _HEAD else None
+        elif self._phase == _BODY:
+            if self._reading_paused:  # Sluice is not reading: not the caller's fault
+                self._arm(now + self._settings.body_timeout)
+                return
+            current = self._current_request
+            answer = _BODY_TIMEOUT if current is not None and current.writer.output_size == 0 \
+                else None
+        else:
+            return
+        if answer is not None:
+            self.transport.write(answer)
+        self.force_close()
+
+    # -- errors --------------------------------------------------------------------------
+
+    def handle_error(self, request: web.BaseRequest, status: int = 500,
+                     exc: BaseException | None = None, message: str | None = None,
+                     ) -> web.StreamResponse:
+        """Sluice's answer to a request aiohttp could not parse or hand on, and to an error
+        escaping the handler: in the ``http`` shape, never quoting the request."""
+        if request.writer.output_size > 0:
+            raise ConnectionError("an answer was already being sent; the connection is cut")
+        if isinstance(exc, HttpProcessingError | RequestPayloadError):
+            if isinstance(exc, LineTooLong) or _TOO_MANY_HEADERS in str(exc):
+                rejected = Rejected(Reason.HEADERS_TOO_LARGE, None,
+                                    "at most 8190 bytes a header line and 128 headers",
+                                    retry=False)
+            else:
+                rejected = Rejected(Reason.BAD_REQUEST, None,
+                                    f"not valid HTTP/1.1 ({type(exc).__name__})", retry=False)
+            level = logging.DEBUG if (isinstance(exc, BadHttpMethod)
+                                      and self._request_count == 1) else logging.WARNING
+            self.logger.log(level, "Error handling request from %s: %s (%d), not quoted",
+                            request.remote, type(exc).__name__, rejected.reason.status)
+        else:
+            log.error("proxy error before the request path finished (peer %s)",
+                      request.remote, exc_info=exc)
+            rejected = Rejected(Reason.INTERNAL_ERROR, None, "")
+        response = render(rejected, "http")
+        response.force_close()
+        return response

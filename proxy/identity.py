@@ -1,0 +1,205 @@
+"""Who is calling: the identity headers, validated at the door, and trusted tenants.
+
+:func:`identify` is the one call the request path makes. It reads five headers (names under
+``identity:`` in the config):
+
+=====================  ===================  ==================================================
+value                  header (default)     when absent or empty
+=====================  ===================  ==================================================
+tenant                 ``X-Tenant-ID``      ``identity.default_tenant``
+run                    ``X-Run-ID``         ``None``
+request id             ``X-Request-ID``     a fresh one (``Runtime.next_request_id``)
+parent run             ``X-Parent-Run-ID``  ``None``
+priority               ``X-Priority``       ``None`` (the queue's default priority)
+=====================  ===================  ==================================================
+
+Each value must be visible ASCII (``!`` to ``~``: letters, digits, punctuation; no spaces, no
+control characters) and at most :data:`~policies.config.MAX_IDENTITY_LENGTH` characters, and
+each header may be sent once. These values become event fields, metric labels, ledger keys and
+text on the admin page, so anything else is refused with 400 ``bad_request`` naming the header
+(never echoing the value). That also covers non-ASCII bytes: aiohttp decodes header bytes as
+UTF-8 with ``surrogateescape``, so Latin-1 text (what Python's ``http.client`` sends for
+``X-Tenant-ID: équipe``) would reach Python as a string that ``orjson`` and the metrics
+exposition cannot encode.
+
+**Trusted identity.** With ``identity.tenants`` (a table of SHA-256 hex digests of API keys ->
+tenants; :func:`proxy.config.load_tenants`), the tenant comes from the caller's credential, not
+from what it declares. The credentials read are ``Authorization: Bearer <key>``, ``x-api-key``
+and ``api-key`` (Azure OpenAI); each one sent is hashed and looked up:
+
+* a key in the table gives its tenant; a key not in it (or a request with no credential) gives
+  ``identity.unknown_key_tenant``, or is refused with 401 ``unknown_api_key`` when that is
+  ``null``;
+* credentials that resolve to different tenants are refused with 403 ``tenant_mismatch``;
+* a tenant header naming another tenant than the credential's is refused with 403
+  ``tenant_mismatch`` (sending the same tenant, or none, is fine).
+
+Keys are never stored, logged or echoed: only their digests are compared.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, NamedTuple
+
+from multidict import CIMultiDictProxy
+
+from policies.config import IDENTITY_VALUE, MAX_IDENTITY_LENGTH, IdentityConfig
+from policies.reasons import Reason, Rejected
+
+if TYPE_CHECKING:
+    from aiohttp import web
+
+    from proxy.runtime import Runtime
+
+#: The header a caller may name its request with (events, timeline).
+REQUEST_ID_HEADER = "X-Request-ID"
+#: Headers carrying an API key as their whole value (Anthropic; Azure OpenAI).
+KEY_HEADERS = ("x-api-key", "api-key")
+
+
+class Identity(NamedTuple):
+    """The caller of one request, as validated at the door.
+
+    Attributes:
+        tenant: whose quota the request spends (trusted when ``identity.tenants`` is set).
+        run: the agent run, or ``None``.
+        request_id: the caller's ``X-Request-ID`` or a fresh id.
+        parent_run: the run that started ``run``, or ``None``.
+        priority: the priority header as sent (not yet matched to a known priority), or
+            ``None``.
+    """
+
+    tenant: str
+    run: str | None
+    request_id: str
+    parent_run: str | None
+    priority: str | None
+
+
+class IdentityRejected(Rejected):
+    """The request's identity headers or credential were refused.
+
+    Attributes:
+        tenant: a tenant safe to log the refusal under: the credential's, when one was
+            recognised, else ``identity.default_tenant`` (never a value the caller sent
+            unvalidated).
+    """
+
+    __slots__ = ("tenant",)
+
+    def __init__(self, reason: Reason, detail: str, tenant: str) -> None:
+        super().__init__(reason, None, detail, retry=False)
+        self.tenant = tenant
+
+
+def identify(rt: Runtime, request: web.BaseRequest) -> Identity:
+    """Validate the caller's identity headers (and credential, with trusted identity).
+
+    Raises:
+        IdentityRejected: 400 ``bad_request`` for a value that is not visible ASCII, is too
+            long or is sent twice; 401 ``unknown_api_key`` or 403 ``tenant_mismatch`` with
+            trusted identity (see the module docstring).
+    """
+    config = rt.config.identity
+    headers = request.headers
+    default = config.default_tenant
+    tenant = header_value(headers, config.tenant_header, default)
+    run = header_value(headers, config.run_header, default)
+    request_id = header_value(headers, REQUEST_ID_HEADER, default)
+    parent_run = header_value(headers, config.parent_run_header, default)
+    priority = header_value(headers, config.priority_header, default)
+    keys = config.keys
+    if keys is not None:
+        tenant = trusted_tenant(config, keys, headers, tenant)
+    return Identity(tenant or default, run, request_id or rt.next_request_id(), parent_run,
+                    priority)
+
+
+def header_value(headers: CIMultiDictProxy[str], name: str, log_as: str) -> str | None:
+    """The value of identity header ``name``, ``None`` when absent or empty.
+
+    Raises:
+        IdentityRejected: 400 ``bad_request`` (logged under tenant ``log_as``) when the value
+            is not visible ASCII, is longer than ``MAX_IDENTITY_LENGTH``, or the header is
+            sent more than once.
+    """
+    values = headers.getall(name, None)
+    if values is None:
+        return None
+    if len(values) > 1:
+        raise IdentityRejected(Reason.BAD_REQUEST, f"{name} is sent {len(values)} times; send "
+                               "it once", log_as)
+    value = values[0]
+    if not value:
+        return None
+    if len(value) > MAX_IDENTITY_LENGTH or not IDENTITY_VALUE.fullmatch(value):
+        raise IdentityRejected(
+            Reason.BAD_REQUEST,
+            f"{name} takes visible ASCII (letters, digits, punctuation; no spaces or control "
+            f"characters), at most {MAX_IDENTITY_LENGTH} characters",
+            log_as,
+        )
+    return value
+
+
+def key_digest(key: str) -> str:
+    """The SHA-256 hex digest ``identity.tenants`` stores for API key ``key``, computed on the
+    key's bytes as the caller sent them."""
+    return hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()
+
+
+def credentials(headers: CIMultiDictProxy[str]) -> Iterator[str]:
+    """Every API key the request carries: bearer tokens and the :data:`KEY_HEADERS` values."""
+    for value in headers.getall("Authorization", ()):
+        scheme, _, token = value.partition(" ")
+        token = token.strip()
+        if scheme.lower() == "bearer" and token:
+            yield token
+    for name in KEY_HEADERS:
+        for value in headers.getall(name, ()):
+            if value.strip():
+                yield value.strip()
+
+
+def trusted_tenant(config: IdentityConfig, keys: dict[str, str],
+                   headers: CIMultiDictProxy[str], claimed: str | None) -> str:
+    """The tenant the request's credentials give (see the module docstring).
+
+    Raises:
+        IdentityRejected: 401 ``unknown_api_key`` or 403 ``tenant_mismatch``.
+    """
+    found: str | None = None
+    sent = False
+    for key in credentials(headers):
+        sent = True
+        tenant = keys.get(key_digest(key), config.unknown_key_tenant)
+        if tenant is None:
+            raise IdentityRejected(Reason.UNKNOWN_API_KEY, _unknown(sent=True),
+                                   found or config.default_tenant)
+        if found is not None and tenant != found:
+            raise IdentityRejected(Reason.TENANT_MISMATCH,
+                                   "the request carries credentials of two tenants", found)
+        found = tenant
+    if not sent:
+        if config.unknown_key_tenant is None:
+            raise IdentityRejected(Reason.UNKNOWN_API_KEY, _unknown(sent=False),
+                                   config.default_tenant)
+        found = config.unknown_key_tenant
+    assert found is not None
+    if claimed is not None and claimed != found:
+        raise IdentityRejected(
+            Reason.TENANT_MISMATCH,
+            f"{config.tenant_header} names another tenant than the API key's: send the key's "
+            "tenant, or leave the header out",
+            found,
+        )
+    return found
+
+
+def _unknown(sent: bool) -> str:
+    if sent:
+        return "the API key is not in identity.tenants"
+    return ("no API key: send one as Authorization: Bearer, x-api-key or api-key "
+            "(identity.tenants is set)")

@@ -1,0 +1,70 @@
+"""What the command line and refusal messages print: no exponent in a wait, a listing that says
+what it left out, and no traceback when the reader of a pipe goes away."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import orjson
+import pytest
+import yaml
+
+from policies.deadletter import Attempt, DeadLetter, DeadLetterFile
+from policies.reasons import Reason, Rejected
+from proxy.cli import main
+from proxy.rejections import human_duration, rejection_body
+from tests.conftest import REPO, route
+
+
+@pytest.mark.parametrize("seconds, text", [
+    (0.25, "0.25s"), (1.5, "1.5s"), (42.1, "43s"), (59.5, "1m"), (725, "12m 5s"),
+    (3599.5, "1h"), (63500, "17h 39m"), (86400, "1d"), (90000, "1d 1h"), (10**9, "11574d 2h"),
+])
+def test_waits_read_as_people_write_them(seconds, text):
+    assert human_duration(seconds) == text
+
+
+def test_a_budget_refusal_says_when_without_an_exponent():
+    """It said "retry after 6.35e+04s"."""
+    rejected = Rejected(Reason.BUDGET_EXHAUSTED, 63500.0, "tokens-per-tenant-day")
+    message = orjson.loads(rejection_body(rejected, "openai"))["error"]["message"]
+    assert message.endswith("; retry after 17h 39m")
+    assert "e+" not in message
+
+
+@pytest.fixture
+def dead_letters(tmp_path):
+    path = tmp_path / "dlq.sqlite"
+    store = DeadLetterFile(str(path))
+    for n in range(3000):
+        store.add(DeadLetter(route="up", tenant="t", run=None, idempotency_key=None,
+                             request_id=f"r{n}", method="POST", path=f"/v1/x/{n}", headers=[],
+                             redacted=[], body=b"", body_size=0,
+                             attempts=[Attempt(0.0, 503, None, 0.1)], reason="attempts"))
+    store.close()
+    config = tmp_path / "sluice.yaml"
+    config.write_text(yaml.safe_dump({"dead_letter": {"path": str(path)},
+                                      "routes": [route("up", "http://127.0.0.1:1")]}))
+    return config
+
+
+def test_dlq_list_says_how_many_it_left_out(dead_letters, capsys):
+    assert main(["dlq", "list", "--config", str(dead_letters), "--limit", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 4  # the header, two records, the note
+    assert lines[1].split()[0] == "2999" and lines[2].split()[0] == "3000"
+    assert lines[3] == ("(the newest 2 of 3000 records; 2998 older ones left out: "
+                        "--limit 3000 lists them all)")
+    assert main(["dlq", "list", "--config", str(dead_letters), "--limit", "3000"]) == 0
+    assert "left out" not in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["dlq", "list", "--config", str(dead_letters), "--limit", "0"])
+
+
+def test_dlq_list_into_head_prints_no_traceback(dead_letters):
+    result = subprocess.run(
+        ["bash", "-c", f"{sys.executable} -m proxy dlq list --limit 3000 --config "
+         f"{dead_letters} | head -1"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.stdout.split()[0] == "ID"
+    assert "Traceback" not in result.stderr and "BrokenPipe" not in result.stderr, result.stderr

@@ -1,0 +1,446 @@
+"""The proxy port's edge (proxy/edge.py): what a hostile or sloppy caller can send on a raw
+socket, and slow or idle connections. Each test is an observation of issue 13."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import aiohttp
+from aiohttp import web
+
+from tests.conftest import raw_request, route, wait_until
+from tests.fakeupstream import RawUpstream
+
+LOOPBACK = b"Host: 127.0.0.1\r\n"
+
+
+def parse(raw: bytes) -> list[tuple[int, dict[str, str], bytes]]:
+    """Every answer in ``raw`` (several on a kept-alive connection): status, headers, body."""
+    answers = []
+    while raw:
+        head, sep, rest = raw.partition(b"\r\n\r\n")
+        assert sep, raw
+        lines = head.decode("latin-1").split("\r\n")
+        headers = {}
+        for line in lines[1:]:
+            name, _, value = line.partition(":")
+            headers[name.strip().lower()] = value.strip()
+        status = int(lines[0].split()[1])
+        if status == 100:
+            raw = rest
+            continue
+        length = int(headers.get("content-length", len(rest)))
+        answers.append((status, headers, rest[:length]))
+        raw = rest[length:]
+    return answers
+
+
+async def read_answer(reader: asyncio.StreamReader, timeout: float = 5.0
+                      ) -> tuple[int, dict[str, str], bytes]:
+    """One answer with a Content-Length body from a kept-alive connection."""
+    async with asyncio.timeout(timeout):
+        head = await reader.readuntil(b"\r\n\r\n")
+        [(status, headers, _)] = parse(head)
+        body = await reader.readexactly(int(headers.get("content-length", 0)))
+    return status, headers, body
+
+
+async def closed_within(reader: asyncio.StreamReader, timeout: float,
+                        received: bytearray | None = None) -> bytes:
+    """Whatever the peer sends until it closes (also into ``received`` as it comes); fails if
+    it is still open after ``timeout``. A reset ends it too (the peer closed while we wrote)."""
+    received = bytearray() if received is None else received
+    async with asyncio.timeout(timeout):
+        try:
+            while chunk := await reader.read(65536):
+                received += chunk
+        except ConnectionResetError:
+            pass
+    return bytes(received)
+
+
+# -- connection hygiene -----------------------------------------------------------------------
+
+
+async def test_a_trailer_never_becomes_a_header_of_the_next_request(upstream, start_sluice):
+    """aiohttp's C parser carried the last trailer field of a chunked request into the next
+    request on the connection: one client could pass as tenant ``victim``."""
+    sluice = await start_sluice({"routes": [route("svc", upstream.url, "http")]})
+    chunked = (b"POST /svc/first HTTP/1.1\r\n" + LOOPBACK + b"Transfer-Encoding: chunked\r\n"
+               b"\r\n3\r\nabc\r\n0\r\nX-Tenant-ID: victim\r\n\r\n")
+    second = b"GET /svc/second HTTP/1.1\r\n" + LOOPBACK + b"\r\n"
+    # Pipelined: both requests in one write.
+    answers = parse(await raw_request(sluice.port, chunked + second, timeout=5))
+    assert answers[0][0] == 200 and answers[0][1]["connection"] == "close"
+    # One after the other on the same connection.
+    reader, writer = await asyncio.open_connection("127.0.0.1", sluice.port)
+    writer.write(chunked)
+    status, headers, _ = await read_answer(reader)
+    assert status == 200 and headers["connection"] == "close"
+    assert await closed_within(reader, 5) == b""
+    writer.close()
+    seen = [(s.path_qs, s.headers.get("X-Tenant-ID")) for s in upstream.requests]
+    assert seen == [("/first", None), ("/first", None)]
+    await wait_until(lambda: len(sluice.events()) >= 4, what="the events")
+    assert {e["tenant"] for e in sluice.events()} == {"default"}
+
+
+async def test_every_connection_line_is_honoured_both_ways(upstream, start_sluice):
+    raw = await RawUpstream(
+        b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: keep-alive\r\n"
+        b"Connection: X-Hop-Resp\r\nX-Hop-Resp: must-not-pass\r\nX-Kept: yes\r\n\r\nok"
+    ).start()
+    try:
+        sluice = await start_sluice({"routes": [route("svc", upstream.url, "http"),
+                                                route("raw", raw.url, "http")]})
+        request = (b"GET /svc/x HTTP/1.1\r\n" + LOOPBACK + b"Connection: keep-alive\r\n"
+                   b"Connection: X-Hop-Secret, X-Other\r\nX-Hop-Secret: no\r\nX-Other: no\r\n"
+                   b"X-End-To-End: kept\r\nConnection: close\r\n\r\n")
+        [(status, _, _)] = parse(await raw_request(sluice.port, request))
+        assert status == 200
+        [seen] = upstream.requests
+        assert "X-Hop-Secret" not in seen.headers and "X-Other" not in seen.headers
+        assert seen.headers["X-End-To-End"] == "kept"
+        [(status, headers, body)] = parse(await raw_request(
+            sluice.port, b"GET /raw/x HTTP/1.1\r\n" + LOOPBACK + b"Connection: close\r\n\r\n"))
+        assert (status, body, headers["x-kept"]) == (200, b"ok", "yes")
+        assert "x-hop-resp" not in headers
+    finally:
+        await raw.stop()
+
+
+async def test_expect_100_continue_is_answered_by_sluice_and_never_forwarded(
+        upstream, start_sluice):
+    """Sluice forwarded ``Expect`` after reading the body (the upstream waited for a body that
+    never came) and never sent ``100 Continue`` (curl stalled a second)."""
+    sluice = await start_sluice({"routes": [route("svc", upstream.url, "http")]})
+    reader, writer = await asyncio.open_connection("127.0.0.1", sluice.port)
+    writer.write(b"POST /svc/upload HTTP/1.1\r\n" + LOOPBACK + b"Content-Length: 5\r\n"
+                 b"Expect: 100-continue\r\n\r\n")
+    async with asyncio.timeout(2):  # before the body is sent
+        assert await reader.readuntil(b"\r\n\r\n") == b"HTTP/1.1 100 Continue\r\n\r\n"
+    writer.write(b"hello")
+    status, _, body = await read_answer(reader)
+    writer.close()
+    assert status == 200 and json.loads(body)["body_len"] == 5
+    [seen] = upstream.requests
+    assert "Expect" not in seen.headers and seen.body == b"hello"
+    # Any other expectation is refused; HTTP/1.0 ignores Expect (RFC 9110 §10.1.1).
+    [(status, headers, _)] = parse(await raw_request(
+        sluice.port, b"POST /svc/x HTTP/1.1\r\n" + LOOPBACK + b"Expect: 200-ok\r\n"
+        b"Content-Length: 0\r\nConnection: close\r\n\r\n"))
+    assert (status, headers["x-sluice-reason"]) == (417, "expectation_failed")
+    [(status, _, _)] = parse(await raw_request(
+        sluice.port, b"POST /svc/x HTTP/1.0\r\n" + LOOPBACK + b"Expect: 100-continue\r\n"
+        b"Content-Length: 2\r\n\r\nhi"))
+    assert status == 200
+    assert "Expect" not in upstream.requests[-1].headers
+
+
+async def test_http_1_0_with_chunked_framing_is_closed_after_the_answer(upstream, start_sluice):
+    """RFC 9112 §6.1: HTTP/1.0 with Transfer-Encoding has faulty framing; close after it."""
+    sluice = await start_sluice({"routes": [route("svc", upstream.url, "http")]})
+    answer = await raw_request(
+        sluice.port, b"POST /svc/x HTTP/1.0\r\n" + LOOPBACK + b"Connection: keep-alive\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n", timeout=3)
+    [(status, headers, _)] = parse(answer)
+    assert status == 200 and headers.get("connection", "close").lower() != "keep-alive"
+
+
+async def test_control_characters_in_the_path_are_refused(upstream, start_sluice):
+    sluice = await start_sluice({"routes": [route("svc", upstream.url, "openai")]})
+    for target in (b"/svc/a%00b", b"/svc/%0d%0aX-Injected:%20yes", b"/svc/%7F", b"/svc/a%1Fb",
+                   b"/svc/a%00?q=1", b"/svc/a\x01b", b"/svc/a\x7fb"):
+        [(status, headers, body)] = parse(await raw_request(
+            sluice.port, b"GET " + target + b" HTTP/1.1\r\n" + LOOPBACK
+            + b"Connection: close\r\n\r\n"))
+        assert (status, headers["x-sluice-reason"]) == (400, "bad_request"), target
+        assert headers["content-type"].startswith("application/json")
+        assert json.loads(body)["error"]["reason"] == "bad_request"
+    assert upstream.requests == []
+    for target in (b"/svc/a%20b", b"/svc/x?q=%00"):  # a space; a NUL in the query is data
+        [(status, _, _)] = parse(await raw_request(
+            sluice.port, b"GET " + target + b" HTTP/1.1\r\n" + LOOPBACK
+            + b"Connection: close\r\n\r\n"))
+        assert status == 200, target
+    assert [s.raw_path for s in upstream.requests] == ["/a%20b", "/x?q=%00"]
+
+
+# -- Host and Origin --------------------------------------------------------------------------
+
+
+async def _status(port: int, host: bytes, path: bytes = b"/svc/x",
+                  extra: bytes = b"") -> tuple[int, dict[str, str], bytes]:
+    [answer] = parse(await raw_request(port, b"GET " + path + b" HTTP/1.1\r\nHost: " + host
+                                       + b"\r\n" + extra + b"Connection: close\r\n\r\n"))
+    return answer
+
+
+async def test_a_host_sluice_does_not_serve_is_421(upstream, start_sluice):
+    """Sluice rewrote Host to the upstream's, so an MCP server's DNS-rebinding protection
+    accepted ``Host: evil.example.com`` through it."""
+    sluice = await start_sluice({"routes": [route("svc", upstream.url, "http")]})
+    port = str(sluice.port).encode()
+    for host in (b"evil.example.com", b"evil.example.com:" + port, b"localhost.evil.example",
+                 b"127.0.0.1.nip.io:" + port):
+        status, headers, body = await _status(sluice.port, host)
+        assert (status, headers["x-sluice-reason"]) == (421, "misdirected_request"), host
+        assert json.loads(body)["error"]["reason"] == "misdirected_request"
+        assert b"evil" not in body
+    for host in (b"127.0.0.1:" + port, b"localhost:" + port, b"LOCALHOST", b"[::1]:" + port,
+                 b"localhost.:" + port):
+        assert (await _status(sluice.port, host))[0] == 200, host
+    assert len(upstream.requests) == 5
+    assert {s.headers["Host"] for s in upstream.requests} == {f"127.0.0.1:{upstream.port}"}
+
+    sluice = await start_sluice({"server": {"allowed_hosts": ["api.internal", "*.svc.local"]},
+                                 "routes": [route("svc", upstream.url, "http")]})
+    for host, status in ((b"api.internal:8080", 200), (b"a.b.svc.local", 200),
+                         (b"svc.local", 421), (b"localhost", 421), (b"api.internal.evil", 421)):
+        assert (await _status(sluice.port, host))[0] == status, host
+    sluice = await start_sluice({"server": {"allowed_hosts": ["*"]},
+                                 "routes": [route("svc", upstream.url, "http")]})
+    assert (await _status(sluice.port, b"evil.example.com"))[0] == 200
+
+
+async def test_mcp_routes_check_a_browsers_origin(upstream, start_sluice):
+    sluice = await start_sluice({"routes": [route("tools", upstream.url, "mcp"),
+                                            route("svc", upstream.url, "http")]})
+    own = f"127.0.0.1:{sluice.port}".encode()
+    status, headers, body = await _status(sluice.port, own, b"/tools/mcp",
+                                          b"Origin: http://evil.example\r\n")
+    assert (status, headers["x-sluice-reason"]) == (403, "forbidden_origin")
+    assert json.loads(body)["jsonrpc"] == "2.0"
+    assert json.loads(body)["error"]["data"]["reason"] == "forbidden_origin"
+    for origin in (b"null", b"http://127.0.0.1:1", b"http://localhost:" + own.split(b":")[1]):
+        assert (await _status(sluice.port, own, b"/tools/mcp",
+                              b"Origin: " + origin + b"\r\n"))[0] == 403, origin
+    for extra in (b"", b"Origin: http://" + own + b"\r\n"):  # not a browser; the same host
+        assert (await _status(sluice.port, own, b"/tools/mcp", extra))[0] == 200, extra
+    # Other protocols' routes are not browser-facing: Origin is not Sluice's to check there.
+    assert (await _status(sluice.port, own, b"/svc/x", b"Origin: http://evil.example\r\n"))[0] \
+        == 200
+    assert await sluice.metric("sluice_rejections_total", route="tools",
+                               reason="forbidden_origin") == 4
+
+    sluice = await start_sluice({
+        "server": {"allowed_origins": ["https://App.Example.com"]},
+        "routes": [route("tools", upstream.url, "mcp")]})
+    assert (await _status(sluice.port, b"127.0.0.1", b"/tools/mcp",
+                          b"Origin: https://app.example.com\r\n"))[0] == 200
+
+
+# -- parser-level refusals --------------------------------------------------------------------
+
+
+async def test_parser_refusals_are_answered_in_sluices_shape(upstream, start_sluice):
+    """aiohttp's own answers were plain-text HTTP/1.0 400s quoting the request's bytes."""
+    sluice = await start_sluice({"routes": [route("svc", upstream.url, "openai")]})
+    secret = b"sk-parser-secret-0123456789"
+    for request, status, reason in (
+        (b"GET /svc/x HTTP/1.1\r\n" + LOOPBACK + b"X-Big: " + secret + b"a" * 9000
+         + b"\r\n\r\n", 431, "headers_too_large"),
+        (b"GET /svc/x HTTP/1.1\r\n" + LOOPBACK
+         + b"".join(b"X-H%d: %s\r\n" % (i, secret) for i in range(130)) + b"\r\n",
+         431, "headers_too_large"),
+        (b"POST /svc/x HTTP/1.1\r\n" + LOOPBACK + b"Content-Length: 3\r\nContent-Length: 4\r\n"
+         b"X-Key: " + secret + b"\r\n\r\nabc", 400, "bad_request"),
+        (b"GET /svc/x?key=" + secret + b"\x7f HTTP/1.1\r\n" + LOOPBACK + b"\r\n",
+         400, "bad_request"),
+        (b"POST /svc/x HTTP/1.1\r\n" + LOOPBACK + b"Transfer-Encoding: chunked\r\n\r\n"
+         b"zz\r\n" + secret + b"\r\n", 400, "bad_request"),
+    ):
+        answer = await raw_request(sluice.port, request, timeout=5)
+        assert answer.startswith(b"HTTP/1.1 %d" % status), answer[:60]
+        [(got, headers, body)] = parse(answer)
+        assert (got, headers["x-sluice-reason"]) == (status, reason)
+        assert headers["content-type"].startswith("application/json")
+        assert headers["connection"] == "close"
+        assert json.loads(body)["error"]["reason"] == reason
+        assert secret not in answer
+    assert upstream.requests == []
+    await wait_until(lambda: sluice.stderr().count("Error handling request") >= 5,
+                     what="the refusals logged")
+    assert secret.decode() not in sluice.stderr()
+
+
+# -- slow and idle clients --------------------------------------------------------------------
+
+
+async def test_slowloris_and_silent_connections_are_closed_while_calls_are_served(
+        upstream, start_sluice):
+    """200 slowloris connections (a header byte a second) and 20 silent ones were held as long
+    as they liked: there was no header or idle read timeout."""
+    sluice = await start_sluice({"server": {"header_timeout": "1s"},
+                                 "routes": [route("svc", upstream.url, "http")]})
+    head = b"POST /svc/slow HTTP/1.1\r\n" + LOOPBACK + b"X-Drip: " + b"d" * 64
+
+    async def slowloris() -> tuple[float, bytes]:
+        reader, writer = await asyncio.open_connection("127.0.0.1", sluice.port)
+        opened = time.monotonic()
+        try:
+            for n, byte in enumerate(head):
+                writer.write(bytes([byte]))
+                try:
+                    # The second byte half a second off the timeout's beat, so that it rarely
+                    # meets the close (a byte sent after it gets a reset, not the answer).
+                    async with asyncio.timeout(1.5 if n == 0 else 1.0):
+                        got = await reader.read(-1)
+                except TimeoutError:
+                    continue
+                except ConnectionResetError:
+                    got = b"reset"
+                return time.monotonic() - opened, got
+            return float("inf"), b""
+        finally:
+            writer.close()
+
+    async def silent() -> tuple[float, bytes]:
+        reader, writer = await asyncio.open_connection("127.0.0.1", sluice.port)
+        opened = time.monotonic()
+        try:
+            got = await closed_within(reader, 10)
+            return time.monotonic() - opened, got
+        finally:
+            writer.close()
+
+    attackers = [asyncio.create_task(slowloris()) for _ in range(500)]
+    attackers += [asyncio.create_task(silent()) for _ in range(20)]
+    served = []
+    async with aiohttp.ClientSession() as session:
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline:
+            started = time.monotonic()
+            async with session.get(sluice.url + "/svc/ok") as r:
+                served.append((r.status, time.monotonic() - started))
+            await asyncio.sleep(0.05)
+    results = await asyncio.gather(*attackers)
+    assert len(served) > 20 and all(status == 200 for status, _ in served)
+    assert max(took for _, took in served) < 1.0
+    slow, quiet = results[:500], results[500:]
+    assert max(took for took, _ in slow) < 3.0  # header_timeout 1s, plus a drip and slack
+    answered = [got for _, got in slow if got != b"reset"]
+    assert len(answered) >= 475  # a few may meet the close under load
+    assert all(got.startswith(b"HTTP/1.1 408") and b'"request_timeout"' in got
+               for got in answered)
+    assert max(took for took, _ in quiet) < 3.0
+    assert all(got == b"" for _, got in quiet)  # nothing to answer
+    assert "/slow" not in {s.path_qs for s in upstream.requests}
+
+
+async def test_a_stalled_or_trickling_body_is_cut_with_408(upstream, start_sluice):
+    sluice = await start_sluice({"server": {"body_timeout": "1s", "min_body_rate": 100},
+                                 "routes": [route("svc", upstream.url, "http")]})
+    for drip, pause in ((b"abc", 5.0), (b"a", 0.2)):  # stalls; trickles at 5 B/s
+        reader, writer = await asyncio.open_connection("127.0.0.1", sluice.port)
+        writer.write(b"POST /svc/up HTTP/1.1\r\n" + LOOPBACK + b"Content-Length: 1000\r\n\r\n")
+        started = time.monotonic()
+
+        received = bytearray()
+
+        async def trickle(writer: asyncio.StreamWriter = writer, drip: bytes = drip,
+                          pause: float = pause, received: bytearray = received) -> None:
+            while not received:  # until the answer comes: a byte after the close is a reset
+                writer.write(drip)
+                await asyncio.sleep(pause)
+
+        task = asyncio.create_task(trickle())
+        got = await closed_within(reader, 5, received)
+        took = time.monotonic() - started
+        task.cancel()
+        writer.close()
+        assert got.startswith(b"HTTP/1.1 408") and b'"request_timeout"' in got, drip
+        assert 0.9 < took < 3.0, (drip, took)
+    # A body that keeps coming at a good rate is unaffected.
+    async with aiohttp.ClientSession() as session:
+        async def body():
+            for _ in range(5):
+                yield b"x" * 1000
+                await asyncio.sleep(0.25)
+
+        async with session.post(sluice.url + "/svc/up", data=body()) as r:
+            assert r.status == 200
+    assert upstream.requests[-1].body == b"x" * 5000
+
+
+async def test_an_idle_keep_alive_connection_is_closed(upstream, start_sluice):
+    sluice = await start_sluice({"server": {"idle_timeout": "1s"},
+                                 "routes": [route("svc", upstream.url, "http")]})
+    reader, writer = await asyncio.open_connection("127.0.0.1", sluice.port)
+    writer.write(b"GET /svc/x HTTP/1.1\r\n" + LOOPBACK + b"\r\n")
+    assert (await read_answer(reader))[0] == 200
+    started = time.monotonic()
+    assert await closed_within(reader, 4) == b""
+    assert 0.9 < time.monotonic() - started < 3.0
+    writer.close()
+
+
+async def test_connections_beyond_max_connections_get_503(upstream, start_sluice):
+    sluice = await start_sluice({"server": {"max_connections": 5},
+                                 "routes": [route("svc", upstream.url, "http")]})
+    held = []
+    for _ in range(5):
+        reader, writer = await asyncio.open_connection("127.0.0.1", sluice.port)
+        writer.write(b"GET /svc/x HTTP/1.1\r\n" + LOOPBACK + b"\r\n")
+        assert (await read_answer(reader))[0] == 200
+        held.append((reader, writer))
+    answer = await raw_request(sluice.port, b"GET /svc/x HTTP/1.1\r\n" + LOOPBACK + b"\r\n",
+                               timeout=5)
+    [(status, headers, body)] = parse(answer)
+    assert (status, headers["x-sluice-reason"]) == (503, "too_many_connections")
+    assert headers["retry-after"] == "1" and headers["connection"] == "close"
+    assert json.loads(body)["error"]["reason"] == "too_many_connections"
+    assert len(upstream.requests) == 5
+    held.pop()[1].close()
+
+    async def served() -> bool:
+        answer = await raw_request(
+            sluice.port, b"GET /svc/x HTTP/1.1\r\n" + LOOPBACK + b"Connection: close\r\n\r\n")
+        return parse(answer)[0][0] == 200
+
+    deadline = time.monotonic() + 5
+    while not await served():
+        assert time.monotonic() < deadline, "a freed place was not reused"
+        await asyncio.sleep(0.05)
+    for _, writer in held:
+        writer.close()
+
+
+# -- the truthful reason ----------------------------------------------------------------------
+
+
+async def test_a_body_cut_by_the_total_timeout_is_504_not_502(start_sluice):
+    """A body cut by a slow upstream's bandwidth was reported 502 "answer was cut short" when
+    the total timeout had cut it."""
+
+    async def slow(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "application/json"})
+        response.content_length = 50_000
+        await response.prepare(request)
+        for _ in range(50):
+            await response.write(b" " * 1000)
+            await asyncio.sleep(0.1)
+        return response
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", slow)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    try:
+        sluice = await start_sluice({"routes": [
+            route("svc", f"http://127.0.0.1:{port}", "http", timeouts={"total": "1s"})]})
+        async with aiohttp.ClientSession() as session, session.get(sluice.url + "/svc/x") as r:
+            assert r.status == 504
+            assert r.headers["X-Sluice-Reason"] == "upstream_timeout"
+            assert "did not finish in time" in (await r.json())["error"]["message"]
+        await wait_until(lambda: any(e["event"] == "completed" for e in sluice.events()),
+                         what="the completed event")
+        [completed] = [e for e in sluice.events() if e["event"] == "completed"]
+        assert completed["status"] == 504
+    finally:
+        await runner.cleanup()
