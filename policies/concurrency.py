@@ -53,7 +53,7 @@ import itertools
 import random
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 from policies.pipeline import Call, Outcome
 from policies.reasons import Reason, Rejected
@@ -72,16 +72,18 @@ _TENANTS_SHOWN = 20  # tenants listed by state(), the biggest holders first
 class Slot:
     """One slot held for one call (a :class:`policies.pipeline.Holding`)."""
 
-    __slots__ = ("charged", "limiter", "tenant")
+    __slots__ = ("charged", "cls", "limiter", "tenant")
 
-    def __init__(self, limiter: ConcurrencyLimiter, tenant: str, charged: float | None) -> None:
+    def __init__(self, limiter: ConcurrencyLimiter, tenant: str, charged: float | None,
+                 cls: int = DEFAULT_PRIORITY) -> None:
         self.limiter = limiter
         self.tenant = tenant
         self.charged = charged
+        self.cls = cls
 
     def release(self, outcome: Outcome) -> None:
         """Free the slot; an answer from the upstream updates the mean service time."""
-        self.limiter.release(self.tenant, outcome.service_s, self.charged)
+        self.limiter.release(self.tenant, outcome.service_s, self.charged, self.cls)
 
 
 # A waiter's life: WAITING until exactly one of a hand-over (GRANTED), its max_wait running out
@@ -108,28 +110,51 @@ class _Waiter:
 
 
 class _Class:
-    """The waiters of one priority class: by fair-queueing tag, and by arrival (for aging).
-    Entries of waiters no longer WAITING are skipped lazily."""
+    """The waiters of one priority class: by fair-queueing tag, and per tenant in arrival
+    order (the heads of those are the candidates for aging). Entries of waiters no longer
+    WAITING are skipped lazily."""
 
-    __slots__ = ("arrivals", "heap")
+    __slots__ = ("flows", "heap")
 
     def __init__(self) -> None:
         self.heap: list[tuple[float, int, _Waiter]] = []
-        self.arrivals: deque[_Waiter] = deque()
+        self.flows: dict[str, deque[_Waiter]] = {}
 
-    def heads(self) -> tuple[_Waiter | None, _Waiter | None]:
-        """The waiting waiter with the smallest tag, and the oldest one."""
-        heap, arrivals = self.heap, self.arrivals
+    def add(self, waiter: _Waiter) -> None:
+        heapq.heappush(self.heap, (waiter.tag, waiter.order, waiter))
+        flow = self.flows.get(waiter.tenant)
+        if flow is None:
+            flow = self.flows[waiter.tenant] = deque()
+        flow.append(waiter)
+
+    def heads(self, aging: bool) -> Iterator[_Waiter]:
+        """The waiting waiter with the smallest tag, then (with ``aging``) each tenant's
+        oldest: the oldest waiter that may be aged is always one of those (a tenant's calls
+        are tagged in arrival order)."""
+        heap = self.heap
         while heap and heap[0][2].state != WAITING:
             heapq.heappop(heap)
-        while arrivals and arrivals[0].state != WAITING:
-            arrivals.popleft()
-        return (heap[0][2] if heap else None), (arrivals[0] if arrivals else None)
+        if heap:
+            yield heap[0][2]
+        if not aging:
+            return
+        for tenant, flow in list(self.flows.items()):
+            while flow and flow[0].state != WAITING:
+                flow.popleft()
+            if flow:
+                yield flow[0]
+            else:
+                del self.flows[tenant]
 
     def compact(self) -> None:
         self.heap = [entry for entry in self.heap if entry[2].state == WAITING]
         heapq.heapify(self.heap)
-        self.arrivals = deque(w for w in self.arrivals if w.state == WAITING)
+        flows = {}
+        for tenant, flow in self.flows.items():
+            alive = deque(w for w in flow if w.state == WAITING)
+            if alive:
+                flows[tenant] = alive
+        self.flows = flows
 
 
 class ConcurrencyLimiter:
@@ -166,9 +191,10 @@ class ConcurrencyLimiter:
         self._classes: dict[int, _Class] = {}
         self._order = itertools.count()
         self._by_tenant: dict[str, int] = {}
-        #: Fair queueing: each tenant's virtual time, and the route's (the last served tag).
-        self._vtime: dict[str, float] = {}
-        self.vnow = 0.0
+        #: Fair queueing, per class: each tenant's virtual time in it, and the class's own
+        #: (the tag of the last call of the class served).
+        self._vtime: dict[tuple[int, str], float] = {}
+        self.vnow: dict[int, float] = {}
         #: Mean token cost of the calls that had one (``None`` before the first).
         self._mean_tokens: float | None = None
         self._tenant_service: dict[str, float] = {}
@@ -210,7 +236,7 @@ class ConcurrencyLimiter:
         if self.inflight < self.limit and not self.queued:
             self.inflight += 1
             self._by_tenant[tenant] = held + 1
-            return self._charge(tenant, cost)[1]
+            return self._charge(tenant, priority, cost)[1]
         max_wait = self.wait_budget(caller_timeout)
         expected = (self.queued + 1) * self.mean_service_s / self.limit
         if max_wait <= 0 or (caller_timeout is not None and self.observed
@@ -230,17 +256,16 @@ class ConcurrencyLimiter:
                 ("concurrency", self.limit, 0),
             )
         loop = asyncio.get_running_loop()
-        tag, charged = self._charge(tenant, cost)
+        tag, charged = self._charge(tenant, priority, cost)
         waiter = _Waiter(loop.create_future(), tenant, priority, tag, next(self._order),
                          loop.time())
-        waiter.increment = self._vtime[tenant] - tag
+        waiter.increment = self._vtime[priority, tenant] - tag
         # From here to the end, every exit runs the except below or returns holding the slot.
         self._by_tenant[tenant] = held + 1
         queue = self._classes.get(priority)
         if queue is None:
             queue = self._classes[priority] = _Class()
-        heapq.heappush(queue.heap, (tag, waiter.order, waiter))
-        queue.arrivals.append(waiter)
+        queue.add(waiter)
         self.queued += 1
         try:
             waiter.timer = loop.call_later(max_wait, self._expire, waiter)
@@ -273,7 +298,7 @@ class ConcurrencyLimiter:
                 call.notify("expired", {"waited_s": round(time.monotonic() - call.enqueued_at, 6),
                                         "deadline": rejected.detail.startswith("the caller")})
             raise
-        return Slot(self, call.tenant, charged)
+        return Slot(self, call.tenant, charged, call.priority)
 
     def wait_budget(self, caller_timeout: float | None) -> float:
         """How long a request may queue, seconds: ``max_wait``, or less when the caller's own
@@ -292,7 +317,7 @@ class ConcurrencyLimiter:
         return self.queued >= self.queue_capacity
 
     def release(self, tenant: str, service_s: float | None,
-                charged: float | None = None) -> None:
+                charged: float | None = None, cls: int = DEFAULT_PRIORITY) -> None:
         """Free the slot taken for ``tenant``; ``service_s`` updates the mean service time,
         and replaces ``charged`` (the estimate :meth:`acquire` returned) in the tenant's
         virtual time."""
@@ -301,8 +326,8 @@ class ConcurrencyLimiter:
             self.observed = True
             mean = self._tenant_service.get(tenant, service_s)
             self._tenant_service[tenant] = mean + _EWMA_WEIGHT * (service_s - mean)
-            if charged is not None and tenant in self._vtime:
-                self._vtime[tenant] += (service_s - charged) / self._weight(tenant)
+            if charged is not None and (cls, tenant) in self._vtime:
+                self._vtime[cls, tenant] += (service_s - charged) / self._weight(tenant)
         self._forget(tenant)
         # Over the limit only after a reload lowered it: then the slot is retired, not passed on.
         if self.inflight <= self.limit and self._hand_over():
@@ -364,31 +389,45 @@ class ConcurrencyLimiter:
                 self._drop(waiter, GONE)
                 continue
             self._drop(waiter, GRANTED)
-            if waiter.tag > self.vnow:
-                self.vnow = waiter.tag
+            if waiter.tag > self.vnow.get(waiter.cls, 0.0):
+                self.vnow[waiter.cls] = waiter.tag
             waiter.future.set_result(None)
             return True
 
     def _best(self) -> _Waiter | None:
         """The waiter to serve next, without removing it; ``None`` when none waits."""
         best: _Waiter | None = None
-        best_key: tuple[int, float, int] | None = None
-        now: float | None = None
+        best_key: tuple[int, int, float, int] | None = None
+        now = self._loop_time()
         for queue in self._classes.values():
-            for waiter in queue.heads():
-                if waiter is None:
-                    continue
-                cls = waiter.cls
-                if self.aging is not None and cls > 0:
-                    if now is None:
-                        now = waiter.future.get_loop().time()
-                    cls = max(0, cls - int((now - waiter.enqueued) / self.aging))
-                key = (cls, waiter.tag, waiter.order)
+            for waiter in queue.heads(self.aging is not None):
+                cls = self._class_of(waiter, now)
+                # Natives of a class by fair-queueing tag; calls aged into it after them, the
+                # oldest first (tags of different classes are on different clocks).
+                key = ((cls, 0, waiter.tag, waiter.order) if cls == waiter.cls
+                       else (cls, 1, waiter.enqueued, waiter.order))
                 if best_key is None or key < best_key:
                     best, best_key = waiter, key
         return best
 
-    def _charge(self, tenant: str, cost: float | None) -> tuple[float, float | None]:
+    def _class_of(self, waiter: _Waiter, now: float | None) -> int:
+        """The class ``waiter`` competes in now: its own, less one per ``aging`` interval
+        waited, but only while its tenant is not ahead of its fair share (its tag is not past
+        the route's virtual time). A tenant's backlog beyond its share waits because it is
+        beyond its share, not because a better class starves it; promoting it would let an
+        overloading tenant's old calls overtake everyone's fresh ones, and critical work."""
+        cls = waiter.cls
+        if self.aging is None or now is None or waiter.tag > self.vnow.get(cls, 0.0):
+            return cls
+        return max(-1, cls - int((now - waiter.enqueued) / self.aging))
+
+    def _loop_time(self) -> float | None:
+        for queue in self._classes.values():
+            for _, _, waiter in queue.heap:
+                return waiter.future.get_loop().time()
+        return None
+
+    def _charge(self, tenant: str, cls: int, cost: float | None) -> tuple[float, float | None]:
         """Advance ``tenant``'s virtual time by one call: returns the call's tag (its start)
         and the service time charged when no token cost was known (else ``None``)."""
         charged: float | None = None
@@ -399,8 +438,8 @@ class ConcurrencyLimiter:
             cost = self._mean_tokens  # an unmetered call on a metered route: a typical one
         else:
             cost = charged = self._tenant_service.get(tenant, self.mean_service_s)
-        tag = max(self._vtime.get(tenant, 0.0), self.vnow)
-        self._vtime[tenant] = tag + cost / self._weight(tenant)
+        tag = max(self._vtime.get((cls, tenant), 0.0), self.vnow.get(cls, 0.0))
+        self._vtime[cls, tenant] = tag + cost / self._weight(tenant)
         return tag, charged
 
     def _weight(self, tenant: str) -> float:
@@ -429,8 +468,9 @@ class ConcurrencyLimiter:
 
     def _abandon(self, waiter: _Waiter) -> None:
         """The waiting caller is leaving by an exception: leave nothing held for it."""
-        if waiter.tenant in self._vtime:  # never served: its cost was not incurred
-            self._vtime[waiter.tenant] -= waiter.increment
+        flow = (waiter.cls, waiter.tenant)
+        if flow in self._vtime:  # never served: its cost was not incurred
+            self._vtime[flow] -= waiter.increment
         if waiter.state == GRANTED:
             # The slot was handed over just as the caller left: pass it on.
             self.release(waiter.tenant, None)
@@ -458,9 +498,10 @@ class ConcurrencyLimiter:
             del self._by_tenant[tenant]
             # A tenant with nothing left keeps its virtual time only while it is ahead (a
             # debt to serve); otherwise it would rejoin at the route's time anyway.
-            if self._vtime.get(tenant, 0.0) <= self.vnow:
-                self._vtime.pop(tenant, None)
-                self._tenant_service.pop(tenant, None)
+            for cls, now in self.vnow.items():
+                if self._vtime.get((cls, tenant), 0.0) <= now:
+                    self._vtime.pop((cls, tenant), None)
+            self._tenant_service.pop(tenant, None)
 
     def _drain_estimate(self, ahead: int) -> float:
         """Seconds until ``ahead`` queued requests have been served (Little's law), spread at

@@ -13,7 +13,7 @@ no task ends any other way than holding a slot, ``Rejected`` or cancelled (no
 ``InvalidStateError``, no unhandled error in a callback); per-tenant caps hold; the queue is
 work-conserving (a caller still waiting means every slot is taken); the route's virtual time
 never goes back; and every hand-over serves a waiter that no other waiting waiter outranks by
-(effective class after aging, fair-queueing tag, arrival). At the end, once every call has
+(effective class after aging, fair-queueing tag or age, arrival). At the end, once every call has
 ended, everything is back to zero.
 
 The ledger program reserves, settles and releases random claims across shared counters; the
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import selectors
+from typing import Any
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -73,7 +74,7 @@ class LimiterProgram(RuleBasedStateMachine):
         self.loop.set_exception_handler(lambda loop, context: self.errors.append(context))
         self.limiter = ConcurrencyLimiter(limit, queue, 1.0, per_tenant,
                                           tenant_weights=weights, aging=aging)
-        self.vnow = 0.0
+        self.vnow: dict[int, float] = {}
         self._watch_hand_overs()
         self.tasks: list[tuple[asyncio.Task[None], str]] = []
         self.released: set[int] = set()
@@ -162,8 +163,8 @@ class LimiterProgram(RuleBasedStateMachine):
         limiter = self.limiter
         alive = [w for w in limiter.waiters() if not w.future.done()]
         assert not alive or limiter.inflight >= limiter.limit, (len(alive), limiter.inflight)
-        assert limiter.vnow >= self.vnow
-        self.vnow = limiter.vnow
+        assert all(now >= self.vnow.get(cls, 0.0) for cls, now in limiter.vnow.items())
+        self.vnow = dict(limiter.vnow)
 
     @invariant()
     def tasks_end_only_as_documented(self) -> None:
@@ -179,12 +180,17 @@ class LimiterProgram(RuleBasedStateMachine):
         limiter = self.limiter
         choose = limiter._best
 
-        def rank(waiter: object) -> tuple[int, float, int]:
-            cls = waiter.cls  # type: ignore[attr-defined]
-            if limiter.aging is not None:
-                waited = self.loop.now - waiter.enqueued  # type: ignore[attr-defined]
-                cls = max(0, cls - int(waited / limiter.aging))
-            return cls, waiter.tag, waiter.order  # type: ignore[attr-defined]
+        def rank(waiter: Any) -> tuple[int, int, float, int]:
+            # Independent of the limiter's code: aged (only while its tenant is not ahead of
+            # its share in its class) one class per interval, up to one above critical;
+            # natives by tag, aged calls after them by age.
+            cls = waiter.cls
+            if limiter.aging is not None and waiter.tag <= limiter.vnow.get(cls, 0.0):
+                waited = self.loop.now - waiter.enqueued
+                cls = max(-1, cls - int(waited / limiter.aging))
+            if cls == waiter.cls:
+                return cls, 0, waiter.tag, waiter.order
+            return cls, 1, waiter.enqueued, waiter.order
 
         def checked_best() -> object:
             chosen = choose()
