@@ -67,6 +67,8 @@ _INITIAL_SERVICE_S = 1.0  # assumed mean service time before the first completio
 #: Largest factor the Retry-After estimate is spread by (see ``_drain_estimate``).
 JITTER_MAX = 1.5
 _TENANTS_SHOWN = 20  # tenants listed by state(), the biggest holders first
+#: The ``queue_timeout`` detail when the caller's own deadline, not ``max_wait``, ended the wait.
+DEADLINE_EXPIRED = "the caller's deadline passed while it was queued"
 
 
 class Slot:
@@ -268,7 +270,8 @@ class ConcurrencyLimiter:
         queue.add(waiter)
         self.queued += 1
         try:
-            waiter.timer = loop.call_later(max_wait, self._expire, waiter)
+            waiter.timer = loop.call_later(max_wait, self._expire, waiter,
+                                           max_wait < self.max_wait)
             if on_queued is not None:
                 on_queued(self.queued)
             await waiter.future
@@ -296,7 +299,7 @@ class ConcurrencyLimiter:
         except Rejected as rejected:
             if rejected.reason is Reason.QUEUE_TIMEOUT and call.enqueued_at is not None:
                 call.notify("expired", {"waited_s": round(time.monotonic() - call.enqueued_at, 6),
-                                        "deadline": rejected.detail.startswith("the caller")})
+                                        "deadline": rejected.detail == DEADLINE_EXPIRED})
             raise
         return Slot(self, call.tenant, charged, call.priority)
 
@@ -450,7 +453,7 @@ class ConcurrencyLimiter:
         return [entry[2] for queue in self._classes.values() for entry in queue.heap
                 if entry[2].state == WAITING]
 
-    def _expire(self, waiter: _Waiter) -> None:
+    def _expire(self, waiter: _Waiter, deadline: bool = False) -> None:
         if waiter.state != WAITING:
             return
         if waiter.future.done():  # cancelled; its caller has not run yet
@@ -461,6 +464,7 @@ class ConcurrencyLimiter:
             Rejected(
                 Reason.QUEUE_TIMEOUT,
                 self._drain_estimate(self.queued + 1),
+                DEADLINE_EXPIRED if deadline else
                 f"waited the queue's max_wait of {self.max_wait:g}s",
                 ("concurrency", self.limit, 0),
             )
