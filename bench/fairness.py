@@ -20,8 +20,15 @@ and its share of what the tenant asked for, p50/p99 latency of the answered requ
 refusals by reason (on arrival: ``queue_full``, ``tenant_concurrency``; after waiting:
 ``queue_timeout``) and client timeouts.
 
+Then (issue 12) the queue's scheduler: per-tenant and per-class p50/p95/p99 waits under skewed
+load (a heavy tenant at 10x a light one), FIFO against Sluice's weighted fair queueing with
+aging, on a simulated clock (``bench/scheduler.py``); and cancel-to-quiet: the time from
+``POST /admin/runs/{run}/cancel`` to the last of a run's 8 callers (3 in flight, 5 queued)
+having its answer, against a real Sluice.
+
     python -m bench fairness                 # 8 s per target, ~40 s
     python -m bench fairness --noisy 10 --repeat 3
+    python -m bench fairness --scheduler-only
 """
 
 from __future__ import annotations
@@ -146,6 +153,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeat", type=int, default=1, help="runs of every target, interleaved")
     p.add_argument("--quick", action="store_true", help="4 s per target")
     p.add_argument("--output", type=Path, help="JSON result path (bench/results/...)")
+    p.add_argument("--scheduler-only", action="store_true",
+                   help="only the scheduler comparison and cancel-to-quiet (~10 s)")
+    p.add_argument("--sim-seconds", type=float, default=600.0, help="simulated seconds (600)")
+    p.add_argument("--sim-load", type=float, default=1.3, help="offered load, x capacity")
+    p.add_argument("--sim-ratio", type=float, default=10.0, help="heavy:light tenant ratio")
+    p.add_argument("--sim-aging", type=float, default=5.0, help="concurrency.aging, s (5)")
+    p.add_argument("--cancel-rounds", type=int, default=20, help="cancel-to-quiet runs (20)")
     args = p.parse_args(argv)
     if args.quick:
         args.duration = 4.0
@@ -168,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{args.per_tenant}"]
     print("\n".join(header), file=sys.stderr, flush=True)
     rows: list[TenantRow] = []
+    if args.scheduler_only:
+        args.targets = []
     with tempfile.TemporaryDirectory(prefix="sluice-bench-") as tmp, common.stopping() as live:
         workdir = Path(tmp)
         upstream = common.start_upstream(workdir, args.delay, args.slots)
@@ -182,17 +198,97 @@ def main(argv: list[str] | None = None) -> int:
         for repeat in range(1, args.repeat + 1):
             for target in args.targets:
                 rows += measure(args, target, urls[target], repeat)
+        sched_text, sched = scheduler_section(args)
+        quiet_text, quiet = cancel_to_quiet(workdir, args.cancel_rounds)
     load1 = common.loadavg()
     lines = [*header, f"load average {load1[0]:.2f} {load1[1]:.2f} {load1[2]:.2f} at end", "",
-             table(rows)]
+             table(rows) if rows else "(load targets skipped: --scheduler-only)", "",
+             sched_text, "", quiet_text]
     print("\n".join(lines), flush=True)
     out = common.result_path("fairness", started, output=args.output)
     common.write_record(out, {"started": started.isoformat(), "versions": info,
                               "settings": {k: v for k, v in vars(args).items() if k != "output"},
                               "load_average_end": load1, "rows": [asdict(r) for r in rows],
+                              "scheduler": sched, "cancel_to_quiet_ms": quiet,
                               "table": table(rows)})
     print(f"\nfull record: {out}", file=sys.stderr)
-    png = plot(rows, args, out.with_suffix(".png"))
+    png = plot(rows, args, out.with_suffix(".png")) if rows else None
     if png:
         print(f"plot: {png}", file=sys.stderr)
     return 0
+
+
+# --- the scheduler (issue 12): FIFO against WFQ + aging, and cancel-to-quiet -----------------
+
+
+def scheduler_section(args: argparse.Namespace) -> tuple[str, dict[str, object]]:
+    """Per-tenant and per-class p50/p95/p99 queue waits, FIFO and Sluice's scheduler on the
+    same arrivals (simulated clock, ``bench/scheduler.py``)."""
+    from bench import scheduler
+
+    results, unloaded = scheduler.compare(seconds=args.sim_seconds, limit=args.slots,
+                                          service_s=1.0, load=args.sim_load,
+                                          ratio=args.sim_ratio, aging=args.sim_aging)
+    title = (f"scheduler (simulated {args.sim_seconds:g} s, {args.slots} slots x 1 s service, "
+             f"heavy:light = {args.sim_ratio:g}:1 at {args.sim_load:g}x capacity, aging "
+             f"{args.sim_aging:g} s, max_wait 600 s)")
+    record = {f"{name} {key[0]} {key[1]}": {
+        "calls": len(values), "p50_s": scheduler.percentile(values, .5),
+        "p95_s": scheduler.percentile(values, .95), "p99_s": scheduler.percentile(values, .99)}
+        for name, waits in results.items() for key, values in waits.items()}
+    record["light_alone_p95_s"] = unloaded
+    return f"{title}\n{scheduler.table(results, unloaded)}", record
+
+
+def cancel_to_quiet(workdir: Path, rounds: int) -> tuple[str, list[float]]:
+    """A run with 3 calls in flight (at an upstream that takes 30 s) and 5 queued is cancelled
+    through the admin port; measured: from sending the cancel to the last of the 8 callers
+    having its answer, ms, one replica, ``rounds`` times."""
+    import asyncio
+
+    import aiohttp
+
+    token = "bench-admin-token"
+    (workdir / "admin-token").write_text(token)
+    with common.stopping() as live:
+        upstream = common.start_upstream(workdir, 30.0, 0, name="slow-upstream")
+        live.append(upstream)
+        sluice = common.start_sluice(workdir, {
+            "admin": {"token_file": str(workdir / "admin-token")},
+            "routes": [{"name": "openai", "path_prefix": "/openai/", "upstream": upstream.url,
+                        "protocol": "openai",
+                        "concurrency": {"limit": 3, "queue": 10, "max_wait": "60s"}}]},
+            name="sluice-cancel")
+        live.append(sluice)
+
+        async def one(session: aiohttp.ClientSession, run: str) -> float:
+            headers = {**common.REQUEST_HEADERS, "X-Run-ID": run}
+
+            async def call() -> float:
+                async with session.post(sluice.url + common.UPSTREAM_PATH,
+                                        data=common.REQUEST_BODY, headers=headers) as r:
+                    await r.read()
+                return time.monotonic()
+
+            calls = [asyncio.create_task(call()) for _ in range(8)]
+            while True:
+                async with session.get(f"{sluice.admin}/admin/runs/{run}") as r:
+                    shown = await r.json() if r.status == 200 else {}
+                if shown.get("inflight") == 3 and shown.get("queued") == 5:
+                    break
+                await asyncio.sleep(0.01)
+            sent = time.monotonic()
+            async with session.post(f"{sluice.admin}/admin/runs/{run}/cancel",
+                                    headers={"Authorization": f"Bearer {token}"}) as r:
+                assert r.status == 200
+            ends = await asyncio.gather(*calls)
+            return (max(ends) - sent) * 1e3
+
+        async def main() -> list[float]:
+            async with aiohttp.ClientSession() as session:
+                return [await one(session, f"bench-run-{i}") for i in range(rounds)]
+
+        quiet = asyncio.run(main())
+    return (f"cancel-to-quiet (3 in flight + 5 queued, one replica, {rounds} runs): "
+            f"p50 {pct(quiet, .5):.1f} ms, p95 {pct(quiet, .95):.1f} ms, max {max(quiet):.1f} ms"
+            ), quiet

@@ -101,7 +101,9 @@ class Accounting:
         charge = self.open(call.method, call.path, call.body, call.tenant, call.run)
         if charge is None:
             return None
+        charge.ancestors = call.lineage
         await self.reserve(charge)
+        call.cost = float(charge.cost.input_tokens + (charge.cost.output_cap or 0))
         call.body = charge.body
         call.meter = charge.meter
         charge.call = call
@@ -158,7 +160,7 @@ class Accounting:
             return
         try:
             charge.reservation = await budgets.reserve(
-                charge.tenant, charge.run, cost.model, cost.input_tokens, cap)
+                charge.tenant, charge.run, cost.model, cost.input_tokens, cap, charge.ancestors)
             charge.meter.headers = budgets.headers(charge.reservation)
         except BaseException:
             charge.release(None)
@@ -178,8 +180,8 @@ class Charge:
         rate_tokens: taken from the token rate, if any.
     """
 
-    __slots__ = ("_acct", "_open", "call", "cost", "meter", "rate_tokens", "reservation", "run",
-                 "tenant")
+    __slots__ = ("_acct", "_open", "ancestors", "call", "cost", "meter", "rate_tokens",
+                 "reservation", "run", "tenant")
 
     def __init__(self, acct: Accounting, cost: RequestCost, tenant: str, run: str | None):
         self._acct = acct
@@ -187,6 +189,8 @@ class Charge:
         self.cost = cost
         self.tenant = tenant
         self.run = run
+        #: The run's ancestors, charged on ``per: run`` budgets too.
+        self.ancestors: tuple[str, ...] = ()
         self.meter = Meter(cost.endpoint, acct.anthropic, cost.strip_usage)
         self.reservation: Reservation | None = None
         self.rate_tokens = 0

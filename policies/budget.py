@@ -206,8 +206,13 @@ class Budgets:
     # -- admission ----------------------------------------------------------------------------
 
     async def reserve(self, tenant: str, run: str | None, model: str | None,
-                      input_tokens: int, output_tokens: int) -> Reservation:
+                      input_tokens: int, output_tokens: int,
+                      ancestors: Sequence[str] = ()) -> Reservation:
         """Hold the worst case of one request on every limit, or refuse it.
+
+        A ``per: run`` limit is held on the run *and on each of its ``ancestors``* (its parent
+        first): every run's counter covers its whole subtree, so a parent's budget bounds what
+        its sub-agents spend, and each sub-agent still has its own.
 
         Raises:
             Rejected: ``unpriced_model`` (400) when a usd limit applies and ``model`` has no
@@ -221,6 +226,7 @@ class Budgets:
         now = self.clock()
         worst = Usage(input_tokens, output_tokens)
         claims = []
+        limits = []
         for limit in self.limits:
             amount = _amount(limit.unit, worst, price, worst_case=True)
             if amount > limit.amount:
@@ -231,12 +237,14 @@ class Budgets:
                     f"{limit.name} budget of {limit.text}; lower max_tokens",
                     retry=False,
                 )
-            claims.append(Claim(self._key(limit, tenant, run, now), amount, limit.amount,
-                                self._expiry(limit, now)))
+            for scope_run in (run, *ancestors) if limit.per == "run" else (run,):
+                claims.append(Claim(self._key(limit, tenant, scope_run, now), amount,
+                                    limit.amount, self._expiry(limit, now)))
+                limits.append(limit)
         denied = await self.ledger.reserve(claims, now)
         if denied:
-            raise self._refusal([(self.limits[i], claims[i]) for i in denied], now)
-        return Reservation(claims, self.limits, price)
+            raise self._refusal([(limits[i], claims[i]) for i in denied], now)
+        return Reservation(claims, limits, price)
 
     def settle(self, reservation: Reservation, usage: Usage | None) -> None:
         """Replace a reservation by ``usage`` (``None``: nothing was used). Never awaits."""

@@ -1,10 +1,31 @@
-"""Concurrency limit with a bounded, prioritised queue (config key ``concurrency``).
+"""Concurrency limit with a bounded, fair, deadline-aware queue (config key ``concurrency``).
 
 At most ``limit`` requests of a route are at the upstream at once. A request that finds every
-slot busy waits in a queue of at most ``queue`` entries for at most ``max_wait`` seconds, served
-by priority class first and arrival order second (HAProxy's ``(class, enqueue time)`` key). A
-freed slot is handed straight to the next waiter, so the count never dips and a newcomer cannot
-overtake the queue.
+slot busy waits in a queue of at most ``queue`` entries for at most ``max_wait`` seconds. A
+freed slot is handed straight to the best waiter, so the count never dips and a newcomer cannot
+overtake the queue. The best waiter is chosen by, in order:
+
+1. **Priority class** (``X-Priority``: critical, standard, best-effort; HAProxy's
+   ``set-priority-class``), *with aging*: a call that has waited ``aging`` seconds counts as one
+   class better, two intervals two classes, so best-effort work under a constant critical load
+   is served within ``2 x aging`` plus one service time.
+2. **Weighted fair queueing across tenants**, after Linux CFS's vruntime: each tenant has a
+   virtual time that every call it sends advances by ``cost / weight``
+   (``concurrency.tenant_weights``, default 1). The cost is the call's reserved tokens where
+   the route meters tokens (``Call.cost``), else its expected service time (the tenant's
+   observed mean, corrected to the actual duration when the call ends). A call is tagged with
+   its tenant's virtual time when it arrives, never below the route's (the tag of the last call
+   served: a tenant returning from idle gets no banked credit, as CFS places a waking task at
+   ``min_vruntime``), and the smallest tag is served first. A tenant sending ten times as much
+   therefore waits behind itself, not in front of the others: each tenant gets its weight's
+   share of the slots while it has work queued.
+3. Arrival order.
+
+Deadlines: a call whose caller sent its own timeout (``X-Request-Timeout``,
+``x-stainless-timeout``) is refused ``deadline_unreachable`` at once when the estimated wait
+plus one service time already exceeds it, and otherwise waits at most its timeout less one
+service time; one still queued when that passes is dropped (event ``expired``) and never
+reaches the upstream.
 
 ``per_tenant`` caps one tenant's requests on the route, in flight *and* queued together, so one
 tenant can never hold more than ``per_tenant`` slots; the next one is answered 429
@@ -31,7 +52,8 @@ import heapq
 import itertools
 import random
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping
 
 from policies.pipeline import Call, Outcome
 from policies.reasons import Reason, Rejected
@@ -41,24 +63,29 @@ PRIORITIES = {"critical": 0, "standard": 1, "best-effort": 2}
 DEFAULT_PRIORITY = 1
 
 _EWMA_WEIGHT = 0.1  # weight of the newest sample in the service-time average
-_INITIAL_SERVICE_S = 1.0
+_INITIAL_SERVICE_S = 1.0  # assumed mean service time before the first completion, seconds
 #: Largest factor the Retry-After estimate is spread by (see ``_drain_estimate``).
-JITTER_MAX = 1.5  # assumed mean service time before the first completion, seconds
+JITTER_MAX = 1.5
 _TENANTS_SHOWN = 20  # tenants listed by state(), the biggest holders first
+#: The ``queue_timeout`` detail when the caller's own deadline, not ``max_wait``, ended the wait.
+DEADLINE_EXPIRED = "the caller's deadline passed while it was queued"
 
 
 class Slot:
     """One slot held for one call (a :class:`policies.pipeline.Holding`)."""
 
-    __slots__ = ("limiter", "tenant")
+    __slots__ = ("charged", "cls", "limiter", "tenant")
 
-    def __init__(self, limiter: ConcurrencyLimiter, tenant: str) -> None:
+    def __init__(self, limiter: ConcurrencyLimiter, tenant: str, charged: float | None,
+                 cls: int = DEFAULT_PRIORITY) -> None:
         self.limiter = limiter
         self.tenant = tenant
+        self.charged = charged
+        self.cls = cls
 
     def release(self, outcome: Outcome) -> None:
         """Free the slot; an answer from the upstream updates the mean service time."""
-        self.limiter.release(self.tenant, outcome.service_s)
+        self.limiter.release(self.tenant, outcome.service_s, self.charged, self.cls)
 
 
 # A waiter's life: WAITING until exactly one of a hand-over (GRANTED), its max_wait running out
@@ -68,13 +95,68 @@ WAITING, GRANTED, EXPIRED, GONE = range(4)
 
 
 class _Waiter:
-    __slots__ = ("future", "state", "tenant", "timer")
+    __slots__ = ("cls", "enqueued", "future", "increment", "order", "state", "tag", "tenant",
+                 "timer")
 
-    def __init__(self, future: asyncio.Future[None], tenant: str) -> None:
+    def __init__(self, future: asyncio.Future[None], tenant: str, cls: int, tag: float,
+                 order: int, enqueued: float) -> None:
+        self.increment = 0.0
         self.future = future
         self.tenant = tenant
+        self.cls = cls
+        self.tag = tag
+        self.order = order
+        self.enqueued = enqueued
         self.state = WAITING
         self.timer: asyncio.TimerHandle | None = None
+
+
+class _Class:
+    """The waiters of one priority class: by fair-queueing tag, and per tenant in arrival
+    order (the heads of those are the candidates for aging). Entries of waiters no longer
+    WAITING are skipped lazily."""
+
+    __slots__ = ("flows", "heap")
+
+    def __init__(self) -> None:
+        self.heap: list[tuple[float, int, _Waiter]] = []
+        self.flows: dict[str, deque[_Waiter]] = {}
+
+    def add(self, waiter: _Waiter) -> None:
+        heapq.heappush(self.heap, (waiter.tag, waiter.order, waiter))
+        flow = self.flows.get(waiter.tenant)
+        if flow is None:
+            flow = self.flows[waiter.tenant] = deque()
+        flow.append(waiter)
+
+    def heads(self, aging: bool) -> Iterator[_Waiter]:
+        """The waiting waiter with the smallest tag, then (with ``aging``) each tenant's
+        oldest: the oldest waiter that may be aged is always one of those (a tenant's calls
+        are tagged in arrival order)."""
+        heap = self.heap
+        while heap and heap[0][2].state != WAITING:
+            heapq.heappop(heap)
+        if heap:
+            yield heap[0][2]
+        if not aging:
+            return
+        for tenant, flow in list(self.flows.items()):
+            while flow and flow[0].state != WAITING:
+                flow.popleft()
+            if flow:
+                yield flow[0]
+            else:
+                del self.flows[tenant]
+
+    def compact(self) -> None:
+        self.heap = [entry for entry in self.heap if entry[2].state == WAITING]
+        heapq.heapify(self.heap)
+        flows = {}
+        for tenant, flow in self.flows.items():
+            alive = deque(w for w in flow if w.state == WAITING)
+            if alive:
+                flows[tenant] = alive
+        self.flows = flows
 
 
 class ConcurrencyLimiter:
@@ -90,34 +172,53 @@ class ConcurrencyLimiter:
         queue: waiters allowed beyond ``limit``; 0 means answer at once when full.
         max_wait: longest time a waiter stays queued, seconds.
         per_tenant: a tenant's requests in flight plus queued; ``None`` for no cap.
+        tenant_weights: fair-queueing weight by tenant (others weigh 1).
+        aging: seconds of waiting that move a call up one priority class; ``None``: never.
     """
 
-    def __init__(self, limit: int, queue: int, max_wait: float, per_tenant: int | None) -> None:
+    def __init__(self, limit: int, queue: int, max_wait: float, per_tenant: int | None, *,
+                 tenant_weights: Mapping[str, float] | None = None,
+                 aging: float | None = None) -> None:
         self.limit = limit
         self.queue_capacity = queue
         self.max_wait = max_wait
         self.per_tenant = per_tenant
+        self.tenant_weights = dict(tenant_weights or {})
+        self.aging = aging
         self.inflight = 0
         self.queued = 0
         self.mean_service_s = _INITIAL_SERVICE_S
         #: True once a completion has updated ``mean_service_s`` (before, it is a guess).
         self.observed = False
-        self._heap: list[tuple[int, int, _Waiter]] = []
+        self._classes: dict[int, _Class] = {}
         self._order = itertools.count()
         self._by_tenant: dict[str, int] = {}
+        #: Fair queueing, per class: each tenant's virtual time in it, and the class's own
+        #: (the tag of the last call of the class served).
+        self._vtime: dict[tuple[int, str], float] = {}
+        self.vnow: dict[int, float] = {}
+        #: Mean token cost of the calls that had one (``None`` before the first).
+        self._mean_tokens: float | None = None
+        self._tenant_service: dict[str, float] = {}
 
     # -- admission ----------------------------------------------------------------------------
 
     async def acquire(self, tenant: str, priority: int = DEFAULT_PRIORITY,
                       caller_timeout: float | None = None,
-                      on_queued: Callable[[int], None] | None = None) -> None:
+                      on_queued: Callable[[int], None] | None = None,
+                      cost: float | None = None) -> float | None:
         """Take a slot for ``tenant``, queueing for one if none is free.
 
         Args:
             priority: the queue class, 0 first (see :data:`PRIORITIES`).
             caller_timeout: the caller's own timeout in seconds, if it sent one; it can
-                shorten the wait (:meth:`wait_budget`).
+                shorten the wait (:meth:`wait_budget`) or refuse it at once.
             on_queued: called with the queue depth once this call has joined the queue.
+            cost: the call's cost in tokens, if known (else its service time is used).
+
+        Returns:
+            the service time charged to the tenant's virtual time when the cost was not known
+            (to be corrected at :meth:`release`), else ``None``.
 
         Raises:
             Rejected: ``tenant_concurrency`` (429) when ``tenant`` is at ``per_tenant``;
@@ -137,13 +238,16 @@ class ConcurrencyLimiter:
         if self.inflight < self.limit and not self.queued:
             self.inflight += 1
             self._by_tenant[tenant] = held + 1
-            return
+            return self._charge(tenant, priority, cost)[1]
         max_wait = self.wait_budget(caller_timeout)
-        if max_wait <= 0:
+        expected = (self.queued + 1) * self.mean_service_s / self.limit
+        if max_wait <= 0 or (caller_timeout is not None and self.observed
+                             and expected > max_wait):
             raise Rejected(
                 Reason.DEADLINE_UNREACHABLE,
                 self._drain_estimate(self.queued + 1),
-                f"the caller's timeout leaves no time to queue: calls take "
+                f"the caller's timeout of {caller_timeout:.3g}s leaves no time to queue: the "
+                f"wait is estimated at {expected:.3g}s and calls take "
                 f"{self.mean_service_s:.3g}s on average",
             )
         if self.queue_full:
@@ -154,19 +258,27 @@ class ConcurrencyLimiter:
                 ("concurrency", self.limit, 0),
             )
         loop = asyncio.get_running_loop()
-        waiter = _Waiter(loop.create_future(), tenant)
+        tag, charged = self._charge(tenant, priority, cost)
+        waiter = _Waiter(loop.create_future(), tenant, priority, tag, next(self._order),
+                         loop.time())
+        waiter.increment = self._vtime[priority, tenant] - tag
         # From here to the end, every exit runs the except below or returns holding the slot.
         self._by_tenant[tenant] = held + 1
-        heapq.heappush(self._heap, (priority, next(self._order), waiter))
+        queue = self._classes.get(priority)
+        if queue is None:
+            queue = self._classes[priority] = _Class()
+        queue.add(waiter)
         self.queued += 1
         try:
-            waiter.timer = loop.call_later(max_wait, self._expire, waiter)
+            waiter.timer = loop.call_later(max_wait, self._expire, waiter,
+                                           max_wait < self.max_wait)
             if on_queued is not None:
                 on_queued(self.queued)
             await waiter.future
         except BaseException:
             self._abandon(waiter)
             raise
+        return charged
 
     async def admit(self, call: Call) -> Slot:
         """The pipeline step (:class:`policies.pipeline.Policy`): a slot for ``call``, held
@@ -178,15 +290,18 @@ class ConcurrencyLimiter:
         """
         def queued(depth: int) -> None:
             call.enqueued_at = time.monotonic()
+            call.phase = "queued"
             call.notify("enqueued", {"queue_depth": depth})
 
         try:
-            await self.acquire(call.tenant, call.priority, call.timeout, queued)
+            charged = await self.acquire(call.tenant, call.priority, call.timeout, queued,
+                                         call.cost)
         except Rejected as rejected:
             if rejected.reason is Reason.QUEUE_TIMEOUT and call.enqueued_at is not None:
-                call.notify("expired", {"waited_s": round(time.monotonic() - call.enqueued_at, 6)})
+                call.notify("expired", {"waited_s": round(time.monotonic() - call.enqueued_at, 6),
+                                        "deadline": rejected.detail == DEADLINE_EXPIRED})
             raise
-        return Slot(self, call.tenant)
+        return Slot(self, call.tenant, charged, call.priority)
 
     def wait_budget(self, caller_timeout: float | None) -> float:
         """How long a request may queue, seconds: ``max_wait``, or less when the caller's own
@@ -204,11 +319,18 @@ class ConcurrencyLimiter:
         """True when ``wait`` would answer a newcomer ``queue_full`` without queueing it."""
         return self.queued >= self.queue_capacity
 
-    def release(self, tenant: str, service_s: float | None) -> None:
-        """Free the slot taken for ``tenant``; ``service_s`` updates the mean service time."""
+    def release(self, tenant: str, service_s: float | None,
+                charged: float | None = None, cls: int = DEFAULT_PRIORITY) -> None:
+        """Free the slot taken for ``tenant``; ``service_s`` updates the mean service time,
+        and replaces ``charged`` (the estimate :meth:`acquire` returned) in the tenant's
+        virtual time."""
         if service_s is not None:
             self.mean_service_s += _EWMA_WEIGHT * (service_s - self.mean_service_s)
             self.observed = True
+            mean = self._tenant_service.get(tenant, service_s)
+            self._tenant_service[tenant] = mean + _EWMA_WEIGHT * (service_s - mean)
+            if charged is not None and (cls, tenant) in self._vtime:
+                self._vtime[cls, tenant] += (service_s - charged) / self._weight(tenant)
         self._forget(tenant)
         # Over the limit only after a reload lowered it: then the slot is retired, not passed on.
         if self.inflight <= self.limit and self._hand_over():
@@ -217,16 +339,21 @@ class ConcurrencyLimiter:
 
     # -- reload -------------------------------------------------------------------------------
 
-    def reconfigure(self, limit: int, queue: int, max_wait: float, per_tenant: int | None) -> None:
+    def reconfigure(self, limit: int, queue: int, max_wait: float, per_tenant: int | None, *,
+                    tenant_weights: Mapping[str, float] | None = None,
+                    aging: float | None = None) -> None:
         """Adopt new limits in place, keeping every request held or queued (hot reload).
 
         Args are those of the constructor. Waiters that fit under a raised ``limit`` are
-        admitted at once; a lowered one is reached as in-flight requests finish.
+        admitted at once; a lowered one is reached as in-flight requests finish. New weights
+        apply to calls queued from now on.
         """
         self.limit = limit
         self.queue_capacity = queue
         self.max_wait = max_wait
         self.per_tenant = per_tenant
+        self.tenant_weights = dict(tenant_weights or {})
+        self.aging = aging
         while self.inflight < self.limit:
             self.inflight += 1
             if not self._hand_over():
@@ -243,6 +370,8 @@ class ConcurrencyLimiter:
             "max_wait_s": self.max_wait,
             "per_tenant": self.per_tenant,
             "mean_service_s": round(self.mean_service_s, 6),
+            "aging_s": self.aging,
+            "tenant_weights": self.tenant_weights,
             "tenants": dict(
                 sorted(self._by_tenant.items(), key=lambda kv: -kv[1])[:_TENANTS_SHOWN]
             ),
@@ -251,24 +380,80 @@ class ConcurrencyLimiter:
     # -- internals ----------------------------------------------------------------------------
 
     def _hand_over(self) -> bool:
-        """Give a slot already counted in ``inflight`` to the first waiter still waiting.
-
-        Returns False when nobody waits. A waiter whose caller was cancelled but has not run
-        yet (its future is already cancelled) is skipped and dropped here.
+        """Give a slot already counted in ``inflight`` to the best waiter still waiting
+        (the module docstring's order). Returns False when nobody waits. A waiter whose caller
+        was cancelled but has not run yet (its future is already cancelled) is dropped here.
         """
-        while self._heap:  # re-read: _drop may compact the heap into a new list
-            _, _, waiter = heapq.heappop(self._heap)
-            if waiter.state != WAITING:
-                continue
+        while True:
+            waiter = self._best()
+            if waiter is None:
+                return False
             if waiter.future.done():
                 self._drop(waiter, GONE)
                 continue
             self._drop(waiter, GRANTED)
+            if waiter.tag > self.vnow.get(waiter.cls, 0.0):
+                self.vnow[waiter.cls] = waiter.tag
             waiter.future.set_result(None)
             return True
-        return False
 
-    def _expire(self, waiter: _Waiter) -> None:
+    def _best(self) -> _Waiter | None:
+        """The waiter to serve next, without removing it; ``None`` when none waits."""
+        best: _Waiter | None = None
+        best_key: tuple[int, int, float, int] | None = None
+        now = self._loop_time()
+        for queue in self._classes.values():
+            for waiter in queue.heads(self.aging is not None):
+                cls = self._class_of(waiter, now)
+                # Natives of a class by fair-queueing tag; calls aged into it after them, the
+                # oldest first (tags of different classes are on different clocks).
+                key = ((cls, 0, waiter.tag, waiter.order) if cls == waiter.cls
+                       else (cls, 1, waiter.enqueued, waiter.order))
+                if best_key is None or key < best_key:
+                    best, best_key = waiter, key
+        return best
+
+    def _class_of(self, waiter: _Waiter, now: float | None) -> int:
+        """The class ``waiter`` competes in now: its own, less one per ``aging`` interval
+        waited, but only while its tenant is not ahead of its fair share (its tag is not past
+        the route's virtual time). A tenant's backlog beyond its share waits because it is
+        beyond its share, not because a better class starves it; promoting it would let an
+        overloading tenant's old calls overtake everyone's fresh ones, and critical work."""
+        cls = waiter.cls
+        if self.aging is None or now is None or waiter.tag > self.vnow.get(cls, 0.0):
+            return cls
+        return max(-1, cls - int((now - waiter.enqueued) / self.aging))
+
+    def _loop_time(self) -> float | None:
+        for queue in self._classes.values():
+            for _, _, waiter in queue.heap:
+                return waiter.future.get_loop().time()
+        return None
+
+    def _charge(self, tenant: str, cls: int, cost: float | None) -> tuple[float, float | None]:
+        """Advance ``tenant``'s virtual time by one call: returns the call's tag (its start)
+        and the service time charged when no token cost was known (else ``None``)."""
+        charged: float | None = None
+        if cost is not None:
+            mean = self._mean_tokens
+            self._mean_tokens = cost if mean is None else mean + _EWMA_WEIGHT * (cost - mean)
+        elif self._mean_tokens is not None:
+            cost = self._mean_tokens  # an unmetered call on a metered route: a typical one
+        else:
+            cost = charged = self._tenant_service.get(tenant, self.mean_service_s)
+        tag = max(self._vtime.get((cls, tenant), 0.0), self.vnow.get(cls, 0.0))
+        self._vtime[cls, tenant] = tag + cost / self._weight(tenant)
+        return tag, charged
+
+    def _weight(self, tenant: str) -> float:
+        return self.tenant_weights.get(tenant, 1.0)
+
+    def waiters(self) -> list[_Waiter]:
+        """Every waiter still waiting (for tests and the admin view)."""
+        return [entry[2] for queue in self._classes.values() for entry in queue.heap
+                if entry[2].state == WAITING]
+
+    def _expire(self, waiter: _Waiter, deadline: bool = False) -> None:
         if waiter.state != WAITING:
             return
         if waiter.future.done():  # cancelled; its caller has not run yet
@@ -279,6 +464,7 @@ class ConcurrencyLimiter:
             Rejected(
                 Reason.QUEUE_TIMEOUT,
                 self._drain_estimate(self.queued + 1),
+                DEADLINE_EXPIRED if deadline else
                 f"waited the queue's max_wait of {self.max_wait:g}s",
                 ("concurrency", self.limit, 0),
             )
@@ -286,6 +472,9 @@ class ConcurrencyLimiter:
 
     def _abandon(self, waiter: _Waiter) -> None:
         """The waiting caller is leaving by an exception: leave nothing held for it."""
+        flow = (waiter.cls, waiter.tenant)
+        if flow in self._vtime:  # never served: its cost was not incurred
+            self._vtime[flow] -= waiter.increment
         if waiter.state == GRANTED:
             # The slot was handed over just as the caller left: pass it on.
             self.release(waiter.tenant, None)
@@ -300,9 +489,10 @@ class ConcurrencyLimiter:
         self.queued -= 1
         if waiter.timer is not None:
             waiter.timer.cancel()
-        if state != GRANTED and len(self._heap) > 2 * self.queued + 64:
-            self._heap = [entry for entry in self._heap if entry[2].state == WAITING]
-            heapq.heapify(self._heap)
+        if state != GRANTED and sum(len(q.heap) for q in self._classes.values()) > (
+                2 * self.queued + 64):
+            for queue in self._classes.values():
+                queue.compact()
 
     def _forget(self, tenant: str) -> None:
         held = self._by_tenant[tenant] - 1
@@ -310,6 +500,12 @@ class ConcurrencyLimiter:
             self._by_tenant[tenant] = held
         else:
             del self._by_tenant[tenant]
+            # A tenant with nothing left keeps its virtual time only while it is ahead (a
+            # debt to serve); otherwise it would rejoin at the route's time anyway.
+            for cls, now in self.vnow.items():
+                if self._vtime.get((cls, tenant), 0.0) <= now:
+                    self._vtime.pop((cls, tenant), None)
+            self._tenant_service.pop(tenant, None)
 
     def _drain_estimate(self, ahead: int) -> float:
         """Seconds until ``ahead`` queued requests have been served (Little's law), spread at

@@ -126,6 +126,18 @@ AllowanceSpec = Annotated[Allowance, BeforeValidator(_parse_allowance)]
 Listen = Annotated[str, AfterValidator(_parse_listen)]
 
 
+_TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
+
+
+def _header_name(value: str) -> str:
+    if not _TOKEN.match(value):
+        raise ValueError(f"{value!r} is not an HTTP header name (RFC 9110 §5.1 token)")
+    return value
+
+
+HeaderName = Annotated[str, AfterValidator(_header_name)]
+
+
 Path_ = tuple[str | int, ...]
 
 _TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
@@ -223,6 +235,9 @@ class ServerConfig(_Section):
     #: Connections open at once on the proxy port; beyond it a new one is answered 503
     #: ``too_many_connections`` and closed.
     max_connections: int = Field(default=1000, gt=0)
+    #: A call in flight with no bytes moved for longer than this counts as stalled
+    #: (``sluice_stalled_requests``).
+    stall_after: PositiveDuration = 30.0
 
 
 class StateConfig(_Section):
@@ -236,6 +251,9 @@ class IdentityConfig(_Section):
     run_header: HeaderName = "X-Run-ID"
     priority_header: HeaderName = "X-Priority"
     parent_run_header: HeaderName = "X-Parent-Run-ID"
+    #: The caller's deadline in seconds from now; the SDKs' ``x-stainless-timeout`` is read
+    #: too when this is absent.
+    timeout_header: HeaderName = "X-Request-Timeout"
     default_tenant: IdentityValue = "default"
     #: Trusted identity: a file mapping SHA-256 hex digests of API keys to tenants (a path,
     #: relative to the config file), or ``env:NAME`` for the same text in an environment
@@ -262,6 +280,14 @@ class IdentityConfig(_Section):
         return self.__pydantic_private__["_keys"]  # type: ignore[index]
 
 
+class AdminConfig(_Section):
+    """The admin port's mutating endpoints (``POST /admin/runs/{run}/cancel``)."""
+
+    #: File holding the bearer token; the ``SLUICE_ADMIN_TOKEN`` environment variable is used
+    #: when this is null. With neither, mutating endpoints answer 403.
+    token_file: str | None = None
+
+
 class EventsConfig(_Section):
     #: Where the admission timeline goes as JSON lines; ``None`` means stdout.
     path: str | None = None
@@ -270,6 +296,9 @@ class EventsConfig(_Section):
 class TimeoutsConfig(_Section):
     connect: PositiveDuration = 5.0
     total: PositiveDuration = 600.0
+    #: On ``http`` and ``mcp`` routes, the header that carries the caller's remaining deadline
+    #: (seconds) upstream; null sends none. LLM upstreams read the SDKs' own headers instead.
+    deadline_header: HeaderName | None = "X-Request-Timeout"
 
 
 class ConcurrencyConfig(_Section):
@@ -277,6 +306,42 @@ class ConcurrencyConfig(_Section):
     queue: int = Field(default=0, ge=0)
     max_wait: Duration = 5.0
     per_tenant: int | None = Field(default=None, gt=0)
+    #: Weighted fair queueing across tenants within a priority class: a tenant's share of the
+    #: slots is its weight over the waiting tenants' sum; tenants not named weigh 1.
+    tenant_weights: dict[str, Annotated[float, Field(gt=0)]] = {}
+    #: A call waiting longer than this moves up one priority class per interval (so
+    #: best-effort work cannot starve); null: no aging.
+    aging: PositiveDuration | None = 5.0
+
+
+class FanoutConfig(_Section):
+    """``fanout``: per run, calls in flight (``width``) and delegation depth (``depth``)."""
+
+    #: Calls of one run in flight at once; more wait (up to ``max_wait``) in the run's queue.
+    width: int | None = Field(default=None, gt=0)
+    #: Levels of delegation below a root run (a root is depth 0; its child 1, and so on).
+    depth: int | None = Field(default=None, ge=0)
+    #: Longest wait for a width slot, seconds.
+    max_wait: Duration = 5.0
+
+    @model_validator(mode="after")
+    def _some_limit(self) -> FanoutConfig:
+        if self.width is None and self.depth is None:
+            raise ValueError("set width, depth or both")
+        return self
+
+
+class RunConfig(_Section):
+    """``run``: limits on one run, its descendants' calls included (``policies/runs.py``)."""
+
+    #: Wall time from the run's first call after which its calls are refused.
+    max_duration: PositiveDuration | None = None
+    #: Calls the run and its descendants may make.
+    max_requests: int | None = Field(default=None, gt=0)
+    #: Fraction of a limit used from which answers carry ``X-Sluice-Run-Warning``.
+    warn_at: float = Field(default=0.8, gt=0, le=1)
+    #: How long a cancelled run's new calls are refused (``POST /admin/runs/{run}/cancel``).
+    cancel_ttl: PositiveDuration = 600.0
 
 
 class TenantRateConfig(_Section):
@@ -453,6 +518,8 @@ class RouteConfig(_Section):
     #: One budget block, or a list of them (e.g. per tenant and per run).
     budget: Annotated[list[BudgetConfig], BeforeValidator(_one_or_many)] | None = None
     usage: UsageConfig = UsageConfig()
+    fanout: FanoutConfig | None = None
+    run: RunConfig | None = None
 
     @field_validator("path_prefix")
     @classmethod
@@ -475,6 +542,10 @@ class Config(_Section):
     server: ServerConfig = ServerConfig()
     state: StateConfig = StateConfig()
     identity: IdentityConfig = IdentityConfig()
+    admin: AdminConfig = AdminConfig()
+    #: Fan-out and run limits across all routes together (a route's own blocks apply too).
+    fanout: FanoutConfig | None = None
+    run: RunConfig | None = None
     events: EventsConfig = EventsConfig()
     dead_letter: DeadLetterConfig = DeadLetterConfig()
     #: USD per million tokens, by model name as the request names it.

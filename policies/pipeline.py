@@ -44,31 +44,43 @@ class Call:
         request_id, route, method, path (path and query as received, prefix included),
         headers (the caller's, read-only), body (bytes; a policy may replace it, e.g. the
         accounting's rewritten body), tenant, run (``None`` without a run id), priority
-        (0 critical, 1 standard, 2 best-effort), timeout (the caller's own timeout in
-        seconds, ``None`` if it sent none), operation (the tool, endpoint or model a
-        per-operation policy keys on; ``None`` for none), received_at (monotonic seconds).
+        (0 critical, 1 standard, 2 best-effort), priority_given (the caller named it;
+        else a run may inherit its parent's), timeout (the caller's own timeout in
+        seconds, ``None`` if it sent none), parent_run (the parent run named by the caller,
+        ``None`` for none), operation (the tool, endpoint or model a per-operation policy
+        keys on; ``None`` for none), received_at (monotonic seconds).
 
     Left by policies for the request path:
         idempotency_key: the key, for events; upstream_key: the ``Idempotency-Key`` value to
         send upstream on every attempt; capture: fed the relayed answer for the idempotency
         store; meter: reads the answer's usage; new_unit: a new unit of work
         (``sluice_work_units_total``); enqueued_at: monotonic seconds when it joined a queue;
-        charged: the ``completed`` event's usage fields, set when the charge settles.
+        charged: the ``completed`` event's usage fields, set when the charge settles;
+        lineage: the run's ancestors, parent first (``policies/runs.py``); cost: what the
+        call is expected to cost the upstream in tokens (its reservation), when known, for
+        fair queueing; response_headers: headers a policy adds to the upstream's answer
+        (e.g. a run budget's warning); phase: ``admitting``, ``queued`` or ``forwarding``;
+        cancelled: why the call's run was cancelled, once it was (its task is then
+        cancelled); attempts: upstream attempts sent; progress_at: monotonic seconds of the
+        last byte moved for it (stall detection).
 
     Set by the forwarder: status, the status line being relayed to the caller (0 before).
 
     notify(event, fields): how a policy reports a step for the timeline (default: ignored).
     """
 
-    __slots__ = ("body", "capture", "charged", "enqueued_at", "headers", "idempotency_key",
-                 "meter", "method", "new_unit", "notify", "operation", "path", "priority",
-                 "received_at", "request_id", "route", "run", "status", "tenant", "timeout",
+    __slots__ = ("attempts", "body", "cancelled", "capture", "charged", "cost", "enqueued_at",
+                 "headers", "idempotency_key", "lineage", "meter", "method", "new_unit",
+                 "notify", "operation", "parent_run", "path", "phase", "priority",
+                 "priority_given", "progress_at", "received_at", "request_id",
+                 "response_headers", "route", "run", "status", "tenant", "timeout",
                  "upstream_key")
 
     def __init__(self, *, request_id: str, route: str, method: str, path: str,
                  headers: Mapping[str, str], body: bytes, tenant: str, run: str | None = None,
                  priority: int = 1, timeout: float | None = None, operation: str | None = None,
-                 notify: Callable[[str, dict[str, Any]], None] = _ignore) -> None:
+                 notify: Callable[[str, dict[str, Any]], None] = _ignore,
+                 parent_run: str | None = None, priority_given: bool = True) -> None:
         self.request_id = request_id
         self.route = route
         self.method = method
@@ -81,7 +93,16 @@ class Call:
         self.timeout = timeout
         self.operation = operation
         self.notify = notify
+        self.parent_run = parent_run
+        self.priority_given = priority_given
         self.received_at = time.monotonic()
+        self.lineage: tuple[str, ...] = ()
+        self.cost: float | None = None
+        self.response_headers: dict[str, str] | None = None
+        self.phase = "admitting"
+        self.cancelled: str | None = None
+        self.attempts = 0
+        self.progress_at = self.received_at
         self.idempotency_key: str | None = None
         self.upstream_key: str | None = None
         self.capture: Any = None

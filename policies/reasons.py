@@ -23,6 +23,14 @@ class Reason(enum.Enum):
     TOKEN_RATE_LIMITED = ("token_rate_limited", 429, "token rate limit reached")
     BUDGET_EXHAUSTED = ("budget_exhausted", 429, "budget spent for now")
     TENANT_CONCURRENCY = ("tenant_concurrency", 429, "too many requests of this tenant in flight")
+    FANOUT_LIMITED = (
+        "fanout_limited", 429, "the run has too many calls in flight or delegates too deep"
+    )
+    RUN_BUDGET_EXHAUSTED = (
+        "run_budget_exhausted", 429, "the run (with its descendants) used its time or calls"
+    )
+    # The caller's run was cancelled (POST /admin/runs/{run}/cancel): 409, never retried.
+    RUN_CANCELLED = ("run_cancelled", 409, "the run was cancelled")
     # The route is overloaded or unavailable: 503.
     QUEUE_FULL = ("queue_full", 503, "all slots busy and the queue is full")
     QUEUE_TIMEOUT = ("queue_timeout", 503, "no slot freed within the queue's max_wait")

@@ -5,6 +5,16 @@
   Also the file's path, when it was loaded and how the last reload attempt went.
 * ``GET /admin/routes``: each route's live state: in flight (including requests admitted before
   a reload), and each policy's ``state()`` (limits, queued, bucket levels, per-tenant holders...).
+* ``GET /admin/runs``: the runs this replica knows, most recently active first (calls, spend,
+  depth, amplification, in flight and queued; descendants' totals included);
+  ``GET /admin/runs/{run}``: one run with its children and live calls (404 if unknown).
+* ``POST /admin/runs/{run}/cancel``: cancel a run and its descendants (``policies/runs.py``):
+  their queued calls are refused ``run_cancelled`` at once, their calls in flight closed, their
+  new calls refused for ``run.cancel_ttl``. Answers once the cancelled calls have all ended
+  (at most ``CANCEL_WAIT_S``), with ``quiet_ms``, the time from the cancel to the last of
+  them ending. Needs ``Authorization: Bearer TOKEN`` (``admin.token_file``, else the
+  ``SLUICE_ADMIN_TOKEN`` environment variable; with neither, 403): read-only endpoints stay
+  open, one that stops work does not.
 * ``GET /admin/``: a status page for a person showing the same at a glance; plain HTML with no
   external assets, refreshing itself every ``PAGE_REFRESH_S`` seconds.
 
@@ -14,7 +24,10 @@ probes and Prometheus reach it, so nothing it serves may carry a secret.
 
 from __future__ import annotations
 
+import asyncio
+import hmac
 import html
+import os
 import time
 from typing import Any
 
@@ -26,6 +39,81 @@ from proxy.runtime import RUNTIME, Runtime
 
 #: Seconds between refreshes of the status page.
 PAGE_REFRESH_S = 2
+#: Longest a cancel waits for the cancelled calls to end before it answers, seconds.
+CANCEL_WAIT_S = 2.0
+#: Runs listed by ``GET /admin/runs``, the most recently active first.
+RUNS_SHOWN = 200
+#: The environment variable holding the admin token when ``admin.token_file`` is null.
+TOKEN_ENV = "SLUICE_ADMIN_TOKEN"
+
+
+def admin_token(runtime: Runtime) -> str | None:
+    """The bearer token mutating endpoints require, read now (so a rotated file applies at
+    once); ``None`` when none is configured."""
+    path = runtime.config.admin.token_file
+    if path is not None:
+        try:
+            with open(path, encoding="utf-8") as f:
+                token = f.read().strip()
+        except OSError:
+            return None
+    else:
+        token = os.environ.get(TOKEN_ENV, "").strip()
+    return token or None
+
+
+def _authorized(request: web.Request) -> web.Response | None:
+    """``None`` when the request carries the admin token, else the answer refusing it."""
+    token = admin_token(request.app[RUNTIME])
+    if token is None:
+        return web.json_response(
+            {"error": f"no admin token is configured (admin.token_file or {TOKEN_ENV}): "
+                      "mutating admin endpoints are disabled"}, status=403)
+    sent = request.headers.get("Authorization", "")
+    scheme, _, value = sent.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip().encode(),
+                                                             token.encode()):
+        return web.json_response({"error": "a valid 'Authorization: Bearer TOKEN' is required"},
+                                 status=401, headers={"WWW-Authenticate": "Bearer"})
+    return None
+
+
+async def admin_runs(request: web.Request) -> web.Response:
+    registry = request.app[RUNTIME].runs
+    runs = sorted(registry.runs.values(), key=lambda info: -info.last_seen)[:RUNS_SHOWN]
+    return web.json_response({"runs": [registry.view(info) for info in runs],
+                              "known": len(registry.runs)})
+
+
+async def admin_run(request: web.Request) -> web.Response:
+    registry = request.app[RUNTIME].runs
+    info = registry.get(request.match_info["run"])
+    if info is None:
+        return web.json_response({"error": "no such run on this replica"}, status=404)
+    return web.json_response(registry.view(info, detail=True))
+
+
+async def admin_cancel_run(request: web.Request) -> web.Response:
+    refused = _authorized(request)
+    if refused is not None:
+        return refused
+    runtime = request.app[RUNTIME]
+    run = request.match_info["run"]
+    started = time.monotonic()
+    runs, calls = runtime.runs.cancel(run, runtime.cancel_ttl)
+    tasks = {live.task for live in calls if live.task is not None}
+    pending: set[asyncio.Task[Any]] = set()
+    if tasks:
+        _, pending = await asyncio.wait(tasks, timeout=CANCEL_WAIT_S)
+    quiet_ms = (time.monotonic() - started) * 1000
+    return web.json_response({
+        "run": run,
+        "cancelled_runs": [info.id for info in runs],
+        "calls_ended": len(tasks) - len(pending),
+        "calls_still_running": len(pending),
+        "quiet_ms": round(quiet_ms, 3),
+        "refused_for_s": runtime.cancel_ttl,
+    })
 def config_view(request: web.Request) -> dict[str, Any]:
     """What ``/admin/config`` serves (see the module docstring)."""
     runtime = request.app[RUNTIME]
@@ -65,11 +153,14 @@ async def status_page(request: web.Request) -> web.Response:
 
 
 def add_admin_routes(app: web.Application) -> None:
-    """Register ``/admin/``, ``/admin/config`` and ``/admin/routes`` on the admin app."""
+    """Register the admin endpoints (see the module docstring) on the admin app."""
     app.router.add_get("/admin/", status_page)
     app.router.add_get("/admin", status_page)
     app.router.add_get("/admin/config", admin_config)
     app.router.add_get("/admin/routes", admin_routes)
+    app.router.add_get("/admin/runs", admin_runs)
+    app.router.add_get("/admin/runs/{run}", admin_run)
+    app.router.add_post("/admin/runs/{run}/cancel", admin_cancel_run)
 
 
 # --- the status page -------------------------------------------------------------------------

@@ -32,6 +32,7 @@ import asyncio
 import logging
 import sqlite3
 import time
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -116,6 +117,12 @@ async def forward(request: web.BaseRequest, rt: Runtime, route: Route,
     meter = call.meter
     if meter is not None:
         meter.request_headers(headers)
+    deadline_header = route.config.timeouts.deadline_header
+    if (call.timeout is not None and deadline_header is not None
+            and route.protocol in ("http", "mcp")):
+        # What is left of the caller's deadline, so the upstream can stop work nobody awaits.
+        left = call.timeout - (time.monotonic() - call.received_at)
+        headers[deadline_header] = f"{max(left, 0.001):.3f}"
     url = fwd.upstream_url(route.upstream_base, call.path[len(route.prefix) - 1:])
     tries = _Tries()
     try:
@@ -134,9 +141,13 @@ async def forward(request: web.BaseRequest, rt: Runtime, route: Route,
             response, tries.response = tries.response, None
             if extra is None and retry is not None and _final(response.status):
                 extra = _NO_RETRY
+            if call.response_headers:
+                extra = {**call.response_headers, **(extra or {})}
             call.status = response.status
+            call.progress_at = time.monotonic()
             try:
-                answer, outcome = await fwd.relay(request, response, extra, call.capture, meter)
+                answer, outcome = await fwd.relay(request, response, extra,
+                                                  _Progress(call, call.capture), meter)
             except Rejected as error:  # an answer that cannot be relayed: a bad status or header
                 call.status = error.reason.status
                 return (render(error, route.protocol, jsonrpc_id(route.protocol, call.body)),
@@ -151,6 +162,26 @@ async def forward(request: web.BaseRequest, rt: Runtime, route: Route,
         return answer, outcome, tries.reached
     finally:
         tries.drop_response()
+
+
+class _Progress:
+    """Stamps ``call.progress_at`` as the answer's bytes move (stall detection), passing them
+    on to the idempotency capture, if any (the relay's capture interface)."""
+
+    __slots__ = ("call", "capture")
+
+    def __init__(self, call: Call, capture: Any) -> None:
+        self.call = call
+        self.capture = capture
+
+    def begin(self, status: int, reason: str | None, headers: Any) -> None:
+        if self.capture is not None:
+            self.capture.begin(status, reason, headers)
+
+    def feed(self, chunk: bytes) -> None:
+        self.call.progress_at = time.monotonic()
+        if self.capture is not None:
+            self.capture.feed(chunk)
 
 
 async def _attempts(rt: Runtime, route: Route, call: Call, url: URL,
@@ -249,6 +280,7 @@ async def _attempt(rt: Runtime, route: Route, call: Call, url: URL,
     started = time.monotonic()
     try:
         route.metrics.upstream_attempts.inc()
+        call.attempts += 1
         async with asyncio.timeout(limit):
             response = await fwd.send(rt.session, call.method, url, headers, call.body,
                                       route.timeout)

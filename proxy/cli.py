@@ -6,6 +6,8 @@ and exits 0, or 2 after printing one ``FILE:LINE: KEY: PROBLEM`` line per proble
 (exit 1 when the log has no event of that run).
 ``sluice dlq list|show ID|replay ID|purge [--config PATH]`` inspects and replays dead-lettered
 work (see ``proxy/dlq.py``).
+``sluice runs list|show RUN|cancel RUN [--config PATH] [--admin URL]`` lists, shows and
+cancels runs through the admin port (see ``proxy/runs_cli.py``).
 ``sluice demo [--quick]`` runs a retry storm on a local fake provider, direct and through
 Sluice, and compares them (see ``proxy/demo/cli.py``).
 """
@@ -97,6 +99,17 @@ def _dlq(args: argparse.Namespace) -> int:
     return run(config, args)
 
 
+def _runs(args: argparse.Namespace) -> int:
+    from proxy.runs_cli import run
+
+    try:
+        config = load_config(args.config)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    return run(config, args)
+
+
 def _demo(args: argparse.Namespace) -> int:
     from proxy.demo.cli import run
 
@@ -158,6 +171,20 @@ def build_parser() -> argparse.ArgumentParser:
     for command in (listing, show, replay, dlq_sub.choices["purge"]):
         command.add_argument("--config", default=DEFAULT_CONFIG, help=config_help)
     dlq.set_defaults(func=_dlq)
+    runs = sub.add_parser("runs", help="list, show and cancel agent runs (admin port)")
+    runs_sub = runs.add_subparsers(dest="runs_command", required=True)
+    run_commands = [runs_sub.add_parser("list", help="runs this replica knows")]
+    for name, what in (("show", "one run: calls, spend, depth, live calls"),
+                       ("cancel", "cancel a run and its descendants (needs the admin token)")):
+        command = runs_sub.add_parser(name, help=what)
+        command.add_argument("run", metavar="RUN", help="the run's X-Run-ID value")
+        run_commands.append(command)
+    for command in run_commands:
+        command.add_argument("--config", default=DEFAULT_CONFIG,
+                             help=f"names the admin port and token (default: {DEFAULT_CONFIG})")
+        command.add_argument("--admin", metavar="URL",
+                             help="the admin port's URL instead of server.admin_listen")
+    runs.set_defaults(func=_runs)
     demo = sub.add_parser(
         "demo", help="watch Sluice contain a retry storm on a local fake provider (~1 min)"
     )

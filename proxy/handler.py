@@ -35,18 +35,15 @@ from proxy.runtime import Runtime
 
 log = logging.getLogger("sluice")
 
-#: Longest tenant or run id accepted, characters.
-MAX_ID_LENGTH = 128
-
 #: How long a draining replica suggests callers wait (another replica can take them), seconds.
 DRAINING_RETRY_AFTER_S = 1.0
 
 
-def _caller_timeout(request: web.BaseRequest) -> float | None:
-    """The caller's own timeout in seconds, from the Stainless SDKs' headers, if sent."""
-    raw = request.headers.get("x-stainless-timeout") or request.headers.get(
-        "x-stainless-read-timeout"
-    )
+def _caller_timeout(request: web.BaseRequest, header: str) -> float | None:
+    """The caller's own timeout in seconds: ``header`` (``identity.timeout_header``,
+    ``X-Request-Timeout``), else the Stainless SDKs' headers, if sent."""
+    raw = (request.headers.get(header) or request.headers.get("x-stainless-timeout")
+           or request.headers.get("x-stainless-read-timeout"))
     if raw:
         try:
             value = float(raw)
@@ -58,16 +55,20 @@ def _caller_timeout(request: web.BaseRequest) -> float | None:
 
 
 class _Inflight:
-    """The route's in-flight count as a holding, so it is given back with the rest."""
+    """The route's in-flight count (and the call among its live ones) as a holding, so it is
+    given back with the rest."""
 
-    __slots__ = ("route",)
+    __slots__ = ("call", "route")
 
-    def __init__(self, route: Route) -> None:
+    def __init__(self, route: Route, call: Call) -> None:
         self.route = route
+        self.call = call
         route.inflight += 1
+        route.live.add(call)
 
     def release(self, outcome: Outcome) -> None:
         self.route.inflight -= 1
+        self.route.live.discard(self.call)
 
 
 async def handle(rt: Runtime, request: web.BaseRequest) -> web.StreamResponse:
@@ -84,16 +85,12 @@ async def handle(rt: Runtime, request: web.BaseRequest) -> web.StreamResponse:
     except IdentityRejected as refused:  # logged under a safe tenant, nothing the caller sent
         return _reject(rt, route, refused, rt.next_request_id(), refused.tenant, None)
     tenant, run, request_id = who.tenant, who.run, who.request_id
+    parent_run = who.parent_run if run is not None else None
+    priority = PRIORITIES.get(who.priority or "")
 
     if has_dot_segment(raw_path):
         return _reject(rt, route, Rejected(Reason.BAD_REQUEST, None, "dot-segments in path"),
                        request_id, tenant, run)
-    if len(tenant) > MAX_ID_LENGTH or (run is not None and len(run) > MAX_ID_LENGTH):
-        # They become metric labels, event fields and ledger keys: keep them bounded.
-        return _reject(rt, route, Rejected(
-            Reason.BAD_REQUEST, None,
-            f"{rt.tenant_header} and {rt.run_header} take at most {MAX_ID_LENGTH} characters"),
-            request_id, tenant[:MAX_ID_LENGTH], run and run[:MAX_ID_LENGTH])
     try:
         body = await request.read()
     except web.HTTPRequestEntityTooLarge:
@@ -107,13 +104,17 @@ async def handle(rt: Runtime, request: web.BaseRequest) -> web.StreamResponse:
     events = rt.events
 
     def notify(event: str, fields: dict[str, object]) -> None:
+        if event == "expired":
+            rt.metrics.expiries.labels(
+                route.name, "deadline" if fields.pop("deadline", False) else "max_wait").inc()
         events.emit(event, request_id, route.name, tenant, run, call.idempotency_key, **fields)
 
     call = Call(
         request_id=request_id, route=route.name, method=request.method, path=raw_path,
         headers=headers, body=body, tenant=tenant, run=run,
-        priority=PRIORITIES.get(headers.get(rt.priority_header, ""), DEFAULT_PRIORITY),
-        timeout=_caller_timeout(request), notify=notify,
+        priority=DEFAULT_PRIORITY if priority is None else priority,
+        priority_given=priority is not None, parent_run=parent_run,
+        timeout=_caller_timeout(request, rt.timeout_header), notify=notify,
     )
     call.new_unit = not is_client_retry(headers)
     admission = Admission()
@@ -131,8 +132,9 @@ async def handle(rt: Runtime, request: web.BaseRequest) -> web.StreamResponse:
             return _replay(rt, route, call, replay)
 
         # Admitted: from here the outcome is the upstream's, or why there was none.
-        admission.hold(_Inflight(route))
-        admitted_at = time.monotonic()
+        admission.hold(_Inflight(route, call))
+        admitted_at = call.progress_at = time.monotonic()
+        call.phase = "forwarding"
         if call.meter is not None:  # a charged call: its tenant's budget gauges, from now
             route.budget_gauges.watch(call.tenant, route.metrics.tenant(call.tenant))
         if call.enqueued_at is not None:
@@ -149,6 +151,8 @@ async def handle(rt: Runtime, request: web.BaseRequest) -> web.StreamResponse:
                           time.monotonic() - admitted_at if answered else None)
         return response
     except (asyncio.CancelledError, ConnectionResetError):
+        if call.cancelled is not None:  # its run was cancelled (POST /admin/runs/.../cancel)
+            return _run_cancelled(rt, route, call, request, bool(admitted_at))
         if admitted_at:
             # Cancelled: by the caller leaving, or by the drain cutting what outlived it.
             label = "drain_cut" if rt.cutting else "client_disconnected"
@@ -160,6 +164,9 @@ async def handle(rt: Runtime, request: web.BaseRequest) -> web.StreamResponse:
         return render(Rejected(Reason.UPSTREAM_UNREACHABLE, None, "proxy error"),
                       route.protocol, jsonrpc_id(route.protocol, call.body))
     finally:
+        if call.cancelled is not None and outcome is ABANDONED:
+            outcome = (Outcome("run_cancelled", reached=True, status=call.status)
+                       if admitted_at else REFUSED)
         admission.release(outcome)
         if admitted_at:
             _completed(rt, route, call, outcome, admitted_at)
@@ -167,6 +174,31 @@ async def handle(rt: Runtime, request: web.BaseRequest) -> web.StreamResponse:
             route.metrics.outcomes[outcome.label].inc()
         if call.new_unit:
             route.metrics.work_units.inc()
+
+
+def _run_cancelled(rt: Runtime, route: Route, call: Call, request: web.BaseRequest,
+                   admitted: bool) -> web.StreamResponse:
+    """Answer a call whose run was cancelled while it was queued or in flight.
+
+    The cancel reached the handler as a task cancellation, which already closed the upstream
+    request; it is taken back here so that the caller gets an answer now. Before any of the
+    upstream's answer was sent, that answer is 409 ``run_cancelled``; a stream already started
+    is cut (the connection closed without its last chunk, so the cut is visible).
+    """
+    task = asyncio.current_task()
+    if task is not None:
+        task.uncancel()
+    kind = "inflight" if admitted else "queued" if call.phase == "queued" else "admitting"
+    rt.metrics.cancels.labels(route.name, kind).inc()
+    rejected = Rejected(Reason.RUN_CANCELLED, None, call.cancelled or "", retry=False)
+    if call.status and request.transport is not None:
+        request.transport.close()
+        return web.Response(status=call.status)  # never sent: the connection is closed
+    if admitted:
+        route.metrics.rejections[rejected.reason].inc()
+        return render(rejected, route.protocol, jsonrpc_id(route.protocol, call.body))
+    return refuse(rt, route, rejected, call.request_id, call.tenant, call.run,
+                  call.idempotency_key, call.body)
 
 
 def _completed(rt: Runtime, route: Route, call: Call, outcome: Outcome,

@@ -46,6 +46,7 @@ OUTCOMES = (
     "client_disconnected",  # the caller left before the answer was complete
     "drain_cut",  # still running when the drain_timeout ran out at shutdown
     "replayed",  # answered from the idempotency store (see sluice_idempotent_replays_total)
+    "run_cancelled",  # admitted, then ended by its run's cancellation (POST /admin/runs/...)
 )
 
 
@@ -217,6 +218,24 @@ class Metrics:
             ["route", "tenant", "unit"],
             registry=r,
         )
+        # Anti-metrics: the signals that stay silent elsewhere (issue 12).
+        self.cancels = Counter(
+            "sluice_cancels",
+            "Calls ended by their run's cancellation, by where they were (admitting, queued, "
+            "inflight).",
+            ["route", "where"], registry=r,
+        )
+        self.expiries = Counter(
+            "sluice_expiries",
+            "Queued calls dropped before reaching the upstream, by reason (max_wait: the "
+            "queue's bound; deadline: the caller's own deadline).",
+            ["route", "reason"], registry=r,
+        )
+        self.stalled = Gauge(
+            "sluice_stalled_requests",
+            "Requests in flight that moved no bytes for longer than server.stall_after.",
+            ["route"], registry=r,
+        )
         self._tenant_labels: set[str] = set()
 
     def tenant_label(self, tenant: str) -> str:
@@ -236,6 +255,7 @@ class Metrics:
         inflight: Callable[[], float],
         queued: Callable[[], float],
         limits: Callable[[], ConcurrencyLimiter] | None = None,
+        stalled: Callable[[], float] | None = None,
     ) -> RouteMetrics:
         """Bind every series to ``route``; the callables are read at scrape time.
 
@@ -244,6 +264,8 @@ class Metrics:
         """
         self.inflight.labels(route).set_function(inflight)
         self.queue_depth.labels(route).set_function(queued)
+        if stalled is not None:
+            self.stalled.labels(route).set_function(stalled)
         gauges = {
             self.concurrency_limit: lambda lim: lim.limit,
             self.queue_limit: lambda lim: lim.queue_capacity,

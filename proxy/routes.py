@@ -23,9 +23,10 @@ from policies.budget import Budgets, MemoryLedger
 from policies.concurrency import ConcurrencyLimiter
 from policies.config import ModelPrice, RouteConfig
 from policies.idempotency import Idempotency
-from policies.pipeline import Policy
+from policies.pipeline import Call, Policy
 from policies.rate import RateLimiter
 from policies.retry import RetryPolicy
+from policies.runs import FanoutWidth, RunLimits, RunRegistry, RunTracker
 from proxy.events import EventLog
 from proxy.metrics import BudgetGauges, Metrics, RouteMetrics
 
@@ -48,7 +49,8 @@ class Route:
 
     #: Attributes holding policy objects. A policy object may have a ``state()`` method
     #: returning a JSON-ready dict, shown by the admin API under its name.
-    POLICIES = ("idempotency", "breaker", "rate", "accounting", "concurrency", "retry")
+    POLICIES = ("idempotency", "breaker", "rate", "accounting", "fanout", "concurrency",
+                "retry")
 
     __slots__ = (
         "accounting",
@@ -56,8 +58,12 @@ class Route:
         "budget_gauges",
         "concurrency",
         "config",
+        "fanout",
+        "global_fanout",
+        "global_limits",
         "idempotency",
         "inflight",
+        "live",
         "metrics",
         "name",
         "policies",
@@ -66,13 +72,17 @@ class Route:
         "rate",
         "retired",
         "retry",
+        "run_limits",
+        "run_tracker",
         "timeout",
         "upstream_base",
     )
 
     def __init__(self, config: RouteConfig, metrics: Metrics, events: EventLog, *,
                  pricing: dict[str, ModelPrice] | None = None,
-                 clock: Callable[[], float] = time.time, run_header: str = "X-Run-ID") -> None:
+                 clock: Callable[[], float] = time.time, run_header: str = "X-Run-ID",
+                 runs: RunRegistry | None = None, global_limits: RunLimits | None = None,
+                 global_fanout: FanoutWidth | None = None, stall_after: float = 30.0) -> None:
         self.config = config
         self.name = config.name
         self.prefix = config.path_prefix
@@ -83,8 +93,20 @@ class Route:
         )
         c = config.concurrency
         self.concurrency = (
-            ConcurrencyLimiter(c.limit, c.queue, c.max_wait, c.per_tenant) if c else None
+            ConcurrencyLimiter(c.limit, c.queue, c.max_wait, c.per_tenant,
+                               tenant_weights=c.tenant_weights, aging=c.aging) if c else None
         )
+        # Runs: the tree and cancellation (shared by every route), this route's run limits
+        # and fan-out, and those of the top-level blocks (shared, from the runtime).
+        runs = runs if runs is not None else RunRegistry()
+        self.run_tracker = RunTracker(runs)
+        self.run_limits = (RunLimits(runs, self.name, config.run, config.fanout)
+                           if config.run or (config.fanout and config.fanout.depth is not None)
+                           else None)
+        f = config.fanout
+        self.fanout = FanoutWidth(f.width, f.max_wait) if f and f.width else None
+        self.global_limits = global_limits
+        self.global_fanout = global_fanout
         self.rate = RateLimiter(config.rate) if config.rate else None
         i = config.idempotency
         self.idempotency = Idempotency(i, self.name) if i and i.mode != "off" else None
@@ -92,6 +114,8 @@ class Route:
         self.breaker = Breaker(cb, self.name, events.emit_system) if cb else None
         self.retry = RetryPolicy(config.retry) if config.retry else None
         self.inflight = 0
+        #: The calls admitted through this object and not finished (stall detection).
+        self.live: set[Call] = set()
         self.retired: tuple[Route, ...] = ()
         self.accounting: Accounting | None = None
         if config.protocol in ("openai", "anthropic"):
@@ -113,6 +137,7 @@ class Route:
             inflight=lambda: self.inflight_total,
             queued=lambda: self.concurrency.queued if self.concurrency else 0,
             limits=(lambda: self.concurrency) if self.concurrency else None,
+            stalled=lambda: self.stalled(stall_after),
         )
         if self.idempotency is not None:
             metrics.bind_idempotency(
@@ -136,13 +161,25 @@ class Route:
         quota never waits in the queue, and one waiting in the queue holds its quota."""
         self.policies = tuple(
             policy for policy in (
+                self.run_tracker,  # the run tree; a cancelled run is refused before all else
                 self.idempotency,  # a replay or a wait for a twin costs no quota or slot
+                self.global_limits,  # run budgets and fan-out depth, all routes
+                self.run_limits,  # the same, this route
                 self.breaker,  # an open breaker refuses before anything is taken
                 self.rate,
                 self.accounting,  # token rate and budget reservation
+                self.global_fanout,  # the run's width, all routes, and its queue
+                self.fanout,  # the run's width on this route, and its queue
                 self.concurrency,  # the slot, and its queue
             ) if policy is not None
         )
+
+    def stalled(self, after_s: float) -> int:
+        """Calls in flight (this route's, and those admitted before a reload) that moved no
+        bytes for more than ``after_s`` seconds."""
+        since = time.monotonic() - after_s
+        return sum(1 for route in (self, *self.retired) for call in route.live
+                   if call.progress_at < since)
 
     @property
     def inflight_total(self) -> int:
@@ -157,8 +194,12 @@ class Route:
         new, prev = self.config, old.config
         self.concurrency = carry_over(
             old.concurrency, self.concurrency, prev.concurrency, new.concurrency,
-            lambda limiter, c: limiter.reconfigure(c.limit, c.queue, c.max_wait, c.per_tenant),
+            lambda limiter, c: limiter.reconfigure(c.limit, c.queue, c.max_wait, c.per_tenant,
+                                                   tenant_weights=c.tenant_weights,
+                                                   aging=c.aging),
         )
+        self.fanout = carry_over(old.fanout, self.fanout, prev.fanout, new.fanout,
+                                 lambda width, c: width.reconfigure(c))
         self.rate = carry_over(
             old.rate, self.rate, prev.rate, new.rate, lambda rate, c: rate.reconfigure(c)
         )

@@ -9,8 +9,9 @@ import aiohttp
 from aiohttp import web
 
 from policies.budget import clock_from_env
-from policies.config import Config
+from policies.config import Config, RunConfig
 from policies.deadletter import DeadLetterQueue
+from policies.runs import FanoutWidth, RunLimits, RunRegistry
 from proxy.client import upstream_session
 from proxy.events import EventLog
 from proxy.metrics import Metrics
@@ -42,6 +43,9 @@ class Runtime:
         #: Sluice, not left by their callers.
         self.cutting = False
         self.session: aiohttp.ClientSession | None = None
+        #: Run trees, counts and cancellations, shared by every route (policies/runs.py).
+        self.runs = RunRegistry()
+        self.global_fanout: FanoutWidth | None = None
         self._ids = itertools.count(1)
         self._id_prefix = f"{os.getpid():x}-{os.urandom(3).hex()}-"
         self.configure(config)
@@ -58,9 +62,20 @@ class Runtime:
             ``removed``.
         """
         old = {route.name: route for route in self.routes}
+        fanout = config.fanout
+        global_limits = (RunLimits(self.runs, "*", config.run, fanout)
+                         if config.run or (fanout and fanout.depth is not None) else None)
+        if fanout is None or fanout.width is None:
+            self.global_fanout = None
+        elif self.global_fanout is None:
+            self.global_fanout = FanoutWidth(fanout.width, fanout.max_wait)
+        else:  # a reload keeps every run's held and queued calls
+            self.global_fanout.reconfigure(fanout)
         routes = [
             Route(rc, self.metrics, self.events, pricing=config.pricing, clock=self.clock,
-                  run_header=config.identity.run_header)
+                  run_header=config.identity.run_header, runs=self.runs,
+                  global_limits=global_limits, global_fanout=self.global_fanout,
+                  stall_after=config.server.stall_after)
             for rc in config.routes
         ]
         for route in routes:
@@ -90,6 +105,11 @@ class Runtime:
         self.tenant_header = identity.tenant_header
         self.run_header = identity.run_header
         self.priority_header = identity.priority_header
+        self.parent_run_header = identity.parent_run_header
+        self.timeout_header = identity.timeout_header
+        #: How long a cancelled run's new calls are refused (``run.cancel_ttl``).
+        self.cancel_ttl = (config.run.cancel_ttl if config.run else
+                           RunConfig.model_fields["cancel_ttl"].default)
         self.default_tenant = identity.default_tenant
         return summary
 

@@ -10,8 +10,11 @@ landing before the task they concern has run.
 Invariants, after every step: never more than ``limit`` in flight (a lowered limit may be
 exceeded only by calls admitted before it, and only until they finish); counts never negative;
 no task ends any other way than holding a slot, ``Rejected`` or cancelled (no
-``InvalidStateError``, no unhandled error in a callback); per-tenant caps hold. At the end,
-once every call has ended, everything is back to zero.
+``InvalidStateError``, no unhandled error in a callback); per-tenant caps hold; the queue is
+work-conserving (a caller still waiting means every slot is taken); the route's virtual time
+never goes back; and every hand-over serves a waiter that no other waiting waiter outranks by
+(effective class after aging, fair-queueing tag or age, arrival). At the end, once every call has
+ended, everything is back to zero.
 
 The ledger program reserves, settles and releases random claims across shared counters; the
 invariants: a reservation is admitted only if it fits every limit, spent + held never exceeds
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import selectors
+from typing import Any
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -41,6 +45,8 @@ from policies.concurrency import ConcurrencyLimiter
 from policies.reasons import Rejected
 
 TENANTS = ("a", "b", "c")
+WEIGHTS = st.dictionaries(st.sampled_from(TENANTS), st.floats(0.25, 4.0), max_size=3)
+AGING = st.none() | st.floats(0.2, 2.0)
 EXAMPLES = settings(max_examples=100, stateful_step_count=30, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow])
 
@@ -60,12 +66,16 @@ class LimiterProgram(RuleBasedStateMachine):
     """A random program of arrivals, cancels, releases, time and reloads on one limiter."""
 
     @initialize(limit=st.integers(1, 3), queue=st.integers(0, 4),
-                per_tenant=st.none() | st.integers(1, 3))
-    def start(self, limit: int, queue: int, per_tenant: int | None) -> None:
+                per_tenant=st.none() | st.integers(1, 3), weights=WEIGHTS, aging=AGING)
+    def start(self, limit: int, queue: int, per_tenant: int | None,
+              weights: dict[str, float], aging: float | None) -> None:
         self.loop = VirtualClockLoop()
         self.errors: list[dict] = []
         self.loop.set_exception_handler(lambda loop, context: self.errors.append(context))
-        self.limiter = ConcurrencyLimiter(limit, queue, 1.0, per_tenant)
+        self.limiter = ConcurrencyLimiter(limit, queue, 1.0, per_tenant,
+                                          tenant_weights=weights, aging=aging)
+        self.vnow: dict[int, float] = {}
+        self._watch_hand_overs()
         self.tasks: list[tuple[asyncio.Task[None], str]] = []
         self.released: set[int] = set()
         self.allowed = limit  # the most that may be in flight now (see raise_or_lower)
@@ -85,7 +95,7 @@ class LimiterProgram(RuleBasedStateMachine):
         limiter = self.limiter
         try:
             assert (limiter.inflight, limiter.queued, limiter._by_tenant) == (0, 0, {})
-            assert not any(entry[2].state == 0 for entry in limiter._heap)
+            assert not limiter.waiters()
             assert not self.errors, self.errors
         finally:
             self.loop.close()
@@ -93,9 +103,11 @@ class LimiterProgram(RuleBasedStateMachine):
     # -- steps --------------------------------------------------------------------------------
 
     @rule(tenant=st.sampled_from(TENANTS), priority=st.integers(0, 2),
-          timeout=st.none() | st.floats(0.1, 3.0))
-    def arrive(self, tenant: str, priority: int, timeout: float | None) -> None:
-        task = self.loop.create_task(self.limiter.acquire(tenant, priority, timeout))
+          timeout=st.none() | st.floats(0.1, 3.0), cost=st.none() | st.floats(1.0, 1000.0))
+    def arrive(self, tenant: str, priority: int, timeout: float | None,
+               cost: float | None) -> None:
+        task = self.loop.create_task(self.limiter.acquire(tenant, priority, timeout, None,
+                                                          cost))
         self.tasks.append((task, tenant))
 
     @precondition(lambda self: any(not t.done() for t, _ in self.tasks))
@@ -122,9 +134,11 @@ class LimiterProgram(RuleBasedStateMachine):
         self._turns(turns)
 
     @rule(limit=st.integers(1, 3), queue=st.integers(0, 4),
-          per_tenant=st.none() | st.integers(1, 3))
-    def reload(self, limit: int, queue: int, per_tenant: int | None) -> None:
-        self.limiter.reconfigure(limit, queue, 1.0, per_tenant)
+          per_tenant=st.none() | st.integers(1, 3), weights=WEIGHTS, aging=AGING)
+    def reload(self, limit: int, queue: int, per_tenant: int | None,
+               weights: dict[str, float], aging: float | None) -> None:
+        self.limiter.reconfigure(limit, queue, 1.0, per_tenant, tenant_weights=weights,
+                                 aging=aging)
         # A lowered limit drains: calls already in flight may finish above it.
         self.allowed = max(limit, self.limiter.inflight)
 
@@ -143,6 +157,16 @@ class LimiterProgram(RuleBasedStateMachine):
         assert not self.errors, self.errors
 
     @invariant()
+    def work_conserving(self) -> None:
+        if not hasattr(self, "limiter"):
+            return
+        limiter = self.limiter
+        alive = [w for w in limiter.waiters() if not w.future.done()]
+        assert not alive or limiter.inflight >= limiter.limit, (len(alive), limiter.inflight)
+        assert all(now >= self.vnow.get(cls, 0.0) for cls, now in limiter.vnow.items())
+        self.vnow = dict(limiter.vnow)
+
+    @invariant()
     def tasks_end_only_as_documented(self) -> None:
         for task, _ in getattr(self, "tasks", ()):
             if task.done() and not task.cancelled():
@@ -150,6 +174,31 @@ class LimiterProgram(RuleBasedStateMachine):
                 assert error is None or isinstance(error, Rejected), repr(error)
 
     # -- helpers ------------------------------------------------------------------------------
+
+    def _watch_hand_overs(self) -> None:
+        """Check every choice the limiter makes against all the waiters it passed over."""
+        limiter = self.limiter
+        choose = limiter._best
+
+        def rank(waiter: Any) -> tuple[int, int, float, int]:
+            # Independent of the limiter's code: aged (only while its tenant is not ahead of
+            # its share in its class) one class per interval, up to one above critical;
+            # natives by tag, aged calls after them by age.
+            cls = waiter.cls
+            if limiter.aging is not None and waiter.tag <= limiter.vnow.get(cls, 0.0):
+                waited = self.loop.now - waiter.enqueued
+                cls = max(-1, cls - int(waited / limiter.aging))
+            if cls == waiter.cls:
+                return cls, 0, waiter.tag, waiter.order
+            return cls, 1, waiter.enqueued, waiter.order
+
+        def checked_best() -> object:
+            chosen = choose()
+            if chosen is not None:
+                assert all(rank(chosen) <= rank(w) for w in limiter.waiters())
+            return chosen
+
+        limiter._best = checked_best  # type: ignore[method-assign]
 
     def _holds(self, index: int) -> bool:
         task = self.tasks[index][0]

@@ -1,0 +1,484 @@
+"""Runs as the unit of work: run trees, fan-out limits, run budgets and cancellation.
+
+A run is named by ``identity.run_header`` (``X-Run-ID``); ``identity.parent_run_header``
+(``X-Parent-Run-ID``) links it to the run that delegated it. The links make a tree, and the
+tree is what Sluice reasons about:
+
+* **Depth** is derived from the links (a root is depth 0, its child 1, ...), never read from
+  a header, so an agent cannot claim to be shallower than it is. A run keeps the parent it was
+  first seen with; a later, different parent (or one that would close a cycle) is ignored.
+* **Inheritance**: a call that names no priority takes its run's, else the nearest
+  ancestor's; a call with no deadline of its own takes the nearest ancestor run's remaining
+  deadline (a sub-agent cannot outlive the caller waiting for it).
+* **Run budgets** (``run: {max_duration, max_requests, warn_at}``) and token/USD budgets
+  ``per: run`` count a run's calls *and its descendants'*: each call is counted on its run and
+  on every ancestor (see ``policies/budget.py``), so a parent's limit bounds its whole subtree.
+* **Fan-out** (``fanout: {width, depth}``): per run at most ``width`` calls in flight (more
+  wait up to ``max_wait`` in the run's own queue) and at most ``depth`` levels of delegation.
+* **Cancellation** (``POST /admin/runs/{run}/cancel``) marks the run and its descendants
+  cancelled for ``run.cancel_ttl``, refuses their queued calls at once and closes their
+  calls in flight (their tasks are cancelled, which closes the upstream connection; streamed
+  usage is still charged by the accounting holding). A run created later under a cancelled
+  ancestor is refused too.
+
+A ``run`` or ``fanout`` block on a route limits the run's calls on that route; the same blocks
+at the top level of the config limit them across all routes together. Both apply.
+
+State lives behind :class:`RunRegistry` (one per server), whose operations are the whole
+surface a shared (Redis) implementation must provide; the policies keep the rules.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from policies.concurrency import ConcurrencyLimiter
+from policies.config import FanoutConfig, RunConfig
+from policies.pipeline import Call, Outcome
+from policies.reasons import Reason, Rejected
+
+#: Response header on admitted calls once a run limit is ``warn_at`` used:
+#: ``"max_requests";used=0.800`` (the fuller of the two limits).
+RUN_WARNING_HEADER = "X-Sluice-Run-Warning"
+#: A run with no call for this long is forgotten (its counts and first-call time with it).
+RUN_IDLE_TTL_S = 86400.0
+#: How often forgotten runs are swept, seconds.
+SWEEP_INTERVAL_S = 60.0
+#: Longest chain of parent links followed; deeper trees are cut here (and refused by depth).
+MAX_LINEAGE = 64
+#: Queue of one run's width limiter (the route's own queue bounds the rest).
+WIDTH_QUEUE = 1024
+
+
+class RunInfo:
+    """What Sluice knows of one run on this replica.
+
+    Attributes:
+        id, tenant: the run id and the tenant of its first call.
+        parent: the parent run, or ``None`` for a root.
+        depth: delegation levels below its root.
+        started, started_wall: its first call (monotonic, Unix seconds).
+        priority, deadline: the last explicitly given priority and deadline (monotonic) of
+            its calls, inherited by descendants; ``None`` when none was given.
+        counts: calls admitted per limit scope, its descendants' included.
+        calls, attempts, tokens, usd: its own calls finished, upstream attempts, tokens and
+            USD charged (for ``sluice runs show`` and amplification).
+        cancelled_until: monotonic seconds until which its calls are refused (0: never).
+        live: its calls now being admitted, queued or forwarded.
+    """
+
+    __slots__ = ("attempts", "calls", "cancelled_until", "children", "counts", "deadline",
+                 "depth", "id", "last_seen", "live", "parent", "priority", "started",
+                 "started_wall", "tenant", "tokens", "usd")
+
+    def __init__(self, run: str, tenant: str, parent: RunInfo | None, now: float) -> None:
+        self.id = run
+        self.tenant = tenant
+        self.parent = parent
+        self.depth = 0 if parent is None else parent.depth + 1
+        self.started = now
+        self.started_wall = time.time()
+        self.last_seen = now
+        self.priority: int | None = None
+        self.deadline: float | None = None
+        self.counts: dict[str, int] = {}
+        self.calls = 0
+        self.attempts = 0
+        self.tokens = 0
+        self.usd = 0.0
+        self.cancelled_until = 0.0
+        self.children: set[str] = set()
+        self.live: set[LiveCall] = set()
+
+    def lineage(self) -> Iterator[RunInfo]:
+        """This run, then its parent, up to the root."""
+        info: RunInfo | None = self
+        for _ in range(MAX_LINEAGE):
+            if info is None:
+                return
+            yield info
+            info = info.parent
+
+
+class LiveCall:
+    """One call of a run, from admission to its end: what a cancel reaches."""
+
+    __slots__ = ("call", "task")
+
+    def __init__(self, call: Call, task: asyncio.Task[Any] | None) -> None:
+        self.call = call
+        self.task = task
+
+    def cancel(self, why: str) -> None:
+        """End the call now: its handler task is cancelled wherever it waits (a queue, the
+        upstream's answer), and the request path answers ``run_cancelled`` (or cuts a
+        stream already started)."""
+        if self.call.cancelled is None:
+            self.call.cancelled = why
+            if self.task is not None and not self.task.done():
+                self.task.cancel()
+
+
+class RunRegistry:
+    """Run trees and their counters, in this process's memory.
+
+    Every operation completes without suspending, so each is atomic on the event loop; a
+    shared implementation makes each one atomic in its store (one script per operation).
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.runs: dict[str, RunInfo] = {}
+        self._next_sweep = 0.0
+
+    # -- the tree -----------------------------------------------------------------------------
+
+    def resolve(self, run: str, parent: str | None, tenant: str) -> RunInfo:
+        """The run ``run`` (created on first sight, linked under ``parent`` if given)."""
+        now = self.clock()
+        if now >= self._next_sweep:
+            self._sweep(now)
+        info = self.runs.get(run)
+        if info is None:
+            up = None
+            if parent is not None and parent != run:
+                up = self.runs.get(parent) or self.resolve(parent, None, tenant)
+            info = RunInfo(run, tenant, up, now)
+            self.runs[run] = info
+            if up is not None:
+                up.children.add(run)
+        elif info.parent is None and parent is not None and parent != run and not info.live \
+                and not info.counts:
+            # Named as a root first only by a call that counted nothing: link it now, unless
+            # the link would make a cycle.
+            up = self.runs.get(parent) or self.resolve(parent, None, tenant)
+            if all(node is not info for node in up.lineage()):
+                info.parent = up
+                info.depth = up.depth + 1
+                up.children.add(run)
+        info.last_seen = now
+        return info
+
+    def get(self, run: str) -> RunInfo | None:
+        return self.runs.get(run)
+
+    def subtree(self, info: RunInfo) -> list[RunInfo]:
+        """``info`` and every descendant known here, parents before children."""
+        out, todo = [], [info]
+        while todo:
+            node = todo.pop()
+            out.append(node)
+            todo.extend(child for name in node.children if (child := self.runs.get(name)))
+        return out
+
+    # -- counters (run budgets) ---------------------------------------------------------------
+
+    def take_request(self, scope: str, lineage: list[RunInfo], limit: int) -> RunInfo | None:
+        """Count one call on every run of ``lineage`` for ``scope``, or none of them: returns
+        the first run already at ``limit``, else ``None`` (counted)."""
+        for info in lineage:
+            if info.counts.get(scope, 0) >= limit:
+                return info
+        for info in lineage:
+            info.counts[scope] = info.counts.get(scope, 0) + 1
+        return None
+
+    def give_back_request(self, scope: str, lineage: list[RunInfo]) -> None:
+        """Undo :meth:`take_request` for a call that never reached the upstream."""
+        for info in lineage:
+            info.counts[scope] = max(0, info.counts.get(scope, 0) - 1)
+
+    # -- cancellation -------------------------------------------------------------------------
+
+    def cancel(self, run: str, ttl_s: float, tenant: str = "") -> tuple[list[RunInfo],
+                                                                         list[LiveCall]]:
+        """Cancel ``run`` and its descendants for ``ttl_s`` seconds.
+
+        Returns:
+            ``(runs, calls)``: the runs now cancelled, and their calls that were live (each
+            already told to end: see :meth:`LiveCall.cancel`).
+        """
+        info = self.resolve(run, None, tenant)
+        until = self.clock() + ttl_s
+        runs = self.subtree(info)
+        calls: list[LiveCall] = []
+        for node in runs:
+            node.cancelled_until = max(node.cancelled_until, until)
+            calls.extend(node.live)
+        for live in calls:
+            live.cancel(f"run {run} was cancelled")
+        return runs, calls
+
+    def cancelled_by(self, info: RunInfo) -> RunInfo | None:
+        """The run of ``info``'s lineage whose cancellation refuses its calls now, if any."""
+        now = self.clock()
+        for node in info.lineage():
+            if node.cancelled_until > now:
+                return node
+        return None
+
+    # -- housekeeping -------------------------------------------------------------------------
+
+    def _sweep(self, now: float) -> None:
+        self._next_sweep = now + SWEEP_INTERVAL_S
+        idle = [name for name, info in self.runs.items()
+                if not info.live and now - info.last_seen > RUN_IDLE_TTL_S
+                and info.cancelled_until <= now]
+        for name in idle:
+            info = self.runs.pop(name)
+            if info.parent is not None:
+                info.parent.children.discard(name)
+
+    def view(self, info: RunInfo, *, detail: bool = False) -> dict[str, Any]:
+        """One run as the admin API shows it (JSON-ready), descendants' totals included."""
+        now = self.clock()
+        tree = self.subtree(info)
+        calls = sum(node.calls for node in tree)
+        attempts = sum(node.attempts for node in tree)
+        out: dict[str, Any] = {
+            "run": info.id,
+            "tenant": info.tenant,
+            "parent": info.parent.id if info.parent else None,
+            "depth": info.depth,
+            "started": round(info.started_wall, 3),
+            "age_s": round(now - info.started, 3),
+            "inflight": sum(1 for n in tree for c in n.live if c.call.phase == "forwarding"),
+            "queued": sum(1 for n in tree for c in n.live if c.call.phase == "queued"),
+            "calls": calls,
+            "attempts": attempts,
+            "amplification": round(attempts / calls, 3) if calls else None,
+            "tokens": sum(node.tokens for node in tree),
+            "usd": round(sum(node.usd for node in tree), 9),
+            "cancelled": self.cancelled_by(info) is not None,
+            "descendants": len(tree) - 1,
+        }
+        if detail:
+            out["children"] = sorted(info.children)
+            out["own"] = {"calls": info.calls, "attempts": info.attempts,
+                          "tokens": info.tokens, "usd": round(info.usd, 9)}
+            out["live_calls"] = [
+                {"request_id": c.call.request_id, "run": node.id, "route": c.call.route,
+                 "phase": c.call.phase, "age_s": round(now - c.call.received_at, 3)}
+                for node in tree for c in node.live
+            ]
+        return out
+
+
+# --- the policies ----------------------------------------------------------------------------
+
+
+class RunTracker:
+    """First step of every call that names a run: place it in its tree, inherit priority and
+    deadline, refuse it if its run (or an ancestor) is cancelled, and keep it reachable by a
+    cancel until it ends (the holding)."""
+
+    def __init__(self, registry: RunRegistry) -> None:
+        self.registry = registry
+
+    async def admit(self, call: Call) -> _Tracked | None:
+        """Raises:
+            Rejected: ``run_cancelled`` (409); ``deadline_unreachable`` when the call has no
+                deadline of its own and an ancestor's has passed.
+        """
+        if call.run is None:
+            return None
+        registry = self.registry
+        info = registry.resolve(call.run, call.parent_run, call.tenant)
+        lineage = list(info.lineage())
+        call.lineage = tuple(node.id for node in lineage[1:])
+        stopped = registry.cancelled_by(info)
+        if stopped is not None:
+            left = stopped.cancelled_until - registry.clock()
+            raise Rejected(Reason.RUN_CANCELLED, None,
+                           f"run {stopped.id} was cancelled; its calls are refused for "
+                           f"{left:.0f}s more", retry=False)
+        now = registry.clock()
+        if call.priority_given:
+            info.priority = call.priority
+        else:
+            inherited = next((n.priority for n in lineage if n.priority is not None), None)
+            if inherited is not None:
+                call.priority = inherited
+        if call.timeout is not None:
+            info.deadline = call.received_at + call.timeout
+        else:
+            deadline = next((n.deadline for n in lineage[1:] if n.deadline is not None), None)
+            if deadline is not None:
+                if deadline <= now:
+                    raise Rejected(Reason.DEADLINE_UNREACHABLE, None,
+                                   "the parent run's deadline has passed")
+                call.timeout = deadline - call.received_at
+        live = LiveCall(call, asyncio.current_task())
+        info.live.add(live)
+        return _Tracked(info, live)
+
+
+class _Tracked:
+    __slots__ = ("info", "live")
+
+    def __init__(self, info: RunInfo, live: LiveCall) -> None:
+        self.info = info
+        self.live = live
+
+    def release(self, outcome: Outcome) -> None:
+        info = self.info
+        info.live.discard(self.live)
+        call = self.live.call
+        info.attempts += call.attempts
+        if outcome.label not in ("rejected", "replayed"):
+            info.calls += 1
+        charged = call.charged
+        if charged:
+            info.tokens += int(charged.get("input_tokens") or 0) + int(
+                charged.get("output_tokens") or 0)
+            info.usd += float(charged.get("cost_usd") or 0.0)
+
+
+class RunLimits:
+    """``run`` limits and ``fanout.depth`` of one scope (a route, or ``*`` for all routes).
+
+    Holds one count of ``max_requests`` on the run and each ancestor, given back if the call
+    never reached the upstream.
+    """
+
+    def __init__(self, registry: RunRegistry, scope: str, run: RunConfig | None,
+                 fanout: FanoutConfig | None) -> None:
+        self.registry = registry
+        self.scope = scope
+        self.run = run
+        self.depth = fanout.depth if fanout is not None else None
+
+    async def admit(self, call: Call) -> _Counted | None:
+        """Raises:
+            Rejected: ``fanout_limited`` (429, naming ``depth``); ``run_budget_exhausted``
+                (429, ``x-should-retry: false``) naming the limit and the run that spent it.
+        """
+        if call.run is None:
+            return None
+        registry = self.registry
+        info = registry.get(call.run)
+        if info is None:  # admitted by no tracker (a direct test of the policy)
+            info = registry.resolve(call.run, call.parent_run, call.tenant)
+        if self.depth is not None and info.depth > self.depth:
+            raise Rejected(Reason.FANOUT_LIMITED, None,
+                           f"depth: run {info.id} is {info.depth} levels below its root; "
+                           f"fanout.depth is {self.depth}", retry=False)
+        config = self.run
+        if config is None:
+            return None
+        lineage = list(info.lineage())
+        used = 0.0
+        warn = ""
+        if config.max_duration is not None:
+            now = registry.clock()
+            for node in lineage:
+                age = now - node.started
+                if age >= config.max_duration:
+                    raise Rejected(
+                        Reason.RUN_BUDGET_EXHAUSTED, None,
+                        f"max_duration: run {node.id} started {age:.1f}s ago; the limit is "
+                        f"{config.max_duration:g}s", retry=False)
+                if age / config.max_duration > used:
+                    used, warn = age / config.max_duration, "max_duration"
+        if config.max_requests is not None:
+            full = registry.take_request(self.scope, lineage, config.max_requests)
+            if full is not None:
+                raise Rejected(
+                    Reason.RUN_BUDGET_EXHAUSTED, None,
+                    f"max_requests: run {full.id} and its descendants made "
+                    f"{config.max_requests} calls", retry=False)
+            share = max(node.counts[self.scope] for node in lineage) / config.max_requests
+            if share >= used:
+                used, warn = share, "max_requests"
+        if used >= config.warn_at:
+            headers = call.response_headers
+            if headers is None:
+                headers = call.response_headers = {}
+            headers[RUN_WARNING_HEADER] = f'"{warn}";used={min(used, 1.0):.3f}'
+        if config.max_requests is None:
+            return None
+        return _Counted(registry, self.scope, lineage)
+
+
+class _Counted:
+    __slots__ = ("lineage", "registry", "scope")
+
+    def __init__(self, registry: RunRegistry, scope: str, lineage: list[RunInfo]) -> None:
+        self.registry = registry
+        self.scope = scope
+        self.lineage = lineage
+
+    def release(self, outcome: Outcome) -> None:
+        if not outcome.reached:
+            self.registry.give_back_request(self.scope, self.lineage)
+
+
+class FanoutWidth:
+    """``fanout.width``: per run, at most ``width`` calls in flight in this scope; more wait
+    in the run's own queue (the limiter of ``policies/concurrency.py``, one per live run)."""
+
+    def __init__(self, width: int, max_wait: float) -> None:
+        self.width = width
+        self.max_wait = max_wait
+        self.runs: dict[str, ConcurrencyLimiter] = {}
+
+    def reconfigure(self, config: FanoutConfig) -> None:
+        """Adopt a new block in place (hot reload), keeping every run's held and queued calls."""
+        self.width = config.width or self.width
+        self.max_wait = config.max_wait
+        for limiter in self.runs.values():
+            limiter.reconfigure(self.width, WIDTH_QUEUE, self.max_wait, None)
+
+    async def admit(self, call: Call) -> _WidthSlot | None:
+        """Raises:
+            Rejected: ``fanout_limited`` (429, naming ``width``) when no slot of the run
+                freed within ``max_wait``; ``deadline_unreachable`` as the route's queue.
+        """
+        run = call.run
+        if run is None:
+            return None
+        limiter = self.runs.get(run)
+        if limiter is None:
+            limiter = self.runs[run] = ConcurrencyLimiter(self.width, WIDTH_QUEUE,
+                                                          self.max_wait, None)
+
+        def queued(depth: int) -> None:
+            call.phase = "queued"
+
+        try:
+            await limiter.acquire(run, call.priority, call.timeout, queued)
+        except Rejected as rejected:
+            self._forget(run, limiter)
+            if rejected.reason in (Reason.QUEUE_TIMEOUT, Reason.QUEUE_FULL):
+                raise Rejected(Reason.FANOUT_LIMITED, rejected.retry_after,
+                               f"width: run {run} has {self.width} calls in flight "
+                               f"(fanout.width) and none ended within {self.max_wait:g}s"
+                               ) from None
+            raise
+        except BaseException:
+            self._forget(run, limiter)
+            raise
+        return _WidthSlot(self, run, limiter)
+
+    def _forget(self, run: str, limiter: ConcurrencyLimiter) -> None:
+        if not limiter.inflight and not limiter.queued and self.runs.get(run) is limiter:
+            del self.runs[run]
+
+    def state(self) -> dict[str, object]:
+        return {"width": self.width, "runs": len(self.runs)}
+
+
+class _WidthSlot:
+    __slots__ = ("limiter", "owner", "run")
+
+    def __init__(self, owner: FanoutWidth, run: str, limiter: ConcurrencyLimiter) -> None:
+        self.owner = owner
+        self.run = run
+        self.limiter = limiter
+
+    def release(self, outcome: Outcome) -> None:
+        self.limiter.release(self.run, outcome.service_s)
+        self.owner._forget(self.run, self.limiter)

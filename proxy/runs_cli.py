@@ -1,0 +1,123 @@
+"""``sluice runs list|show RUN|cancel RUN``: the runs a replica knows, through its admin port.
+
+The address is the config's ``server.admin_listen`` (a wildcard host is reached on
+127.0.0.1), or ``--admin URL``. ``cancel`` sends the admin token: ``admin.token_file``, else the
+``SLUICE_ADMIN_TOKEN`` environment variable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import urllib.error
+import urllib.parse
+import urllib.request
+from typing import IO, Any
+
+from policies.config import Config
+
+#: Seconds a CLI request to the admin port may take.
+TIMEOUT_S = 10.0
+EXIT_FAILED = 1
+
+
+def admin_url(config: Config) -> str:
+    """The admin port's base URL from ``server.admin_listen``."""
+    host, _, port = config.server.admin_listen.rpartition(":")
+    host = host.strip("[]")
+    if host in ("0.0.0.0", "::", ""):
+        host = "127.0.0.1"
+    if ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{port}"
+
+
+def token(config: Config) -> str | None:
+    """The admin bearer token, as the server reads it."""
+    path = config.admin.token_file
+    if path is not None:
+        with open(path, encoding="utf-8") as f:
+            return f.read().strip() or None
+    return os.environ.get("SLUICE_ADMIN_TOKEN", "").strip() or None
+
+
+def _call(method: str, url: str, bearer: str | None = None) -> tuple[int, Any]:
+    request = urllib.request.Request(url, method=method, data=b"" if method == "POST" else None)
+    if bearer:
+        request.add_header("Authorization", f"Bearer {bearer}")
+    try:
+        with urllib.request.urlopen(request, timeout=TIMEOUT_S) as response:
+            return response.status, json.load(response)
+    except urllib.error.HTTPError as error:
+        try:
+            return error.code, json.load(error)
+        except ValueError:
+            return error.code, {"error": error.reason}
+
+
+def run(config: Config, args: argparse.Namespace, out: IO[str] = sys.stdout) -> int:
+    """Carry out ``sluice runs ...``; returns the exit status."""
+    base = args.admin or admin_url(config)
+    try:
+        if args.runs_command == "list":
+            status, body = _call("GET", f"{base}/admin/runs")
+        elif args.runs_command == "show":
+            status, body = _call("GET", f"{base}/admin/runs/{urllib.parse.quote(args.run, '')}")
+        else:
+            status, body = _call(
+                "POST", f"{base}/admin/runs/{urllib.parse.quote(args.run, '')}/cancel",
+                token(config))
+    except OSError as error:
+        print(f"sluice: cannot reach the admin port at {base}: {error}", file=sys.stderr)
+        return EXIT_FAILED
+    if status != 200:
+        print(f"sluice: {status}: {body.get('error', body)}", file=sys.stderr)
+        return EXIT_FAILED
+    if args.runs_command == "list":
+        out.write(_list(body["runs"]))
+    elif args.runs_command == "show":
+        out.write(_show(body))
+    else:
+        out.write(
+            f"cancelled {', '.join(body['cancelled_runs'])}: {body['calls_ended']} call(s) "
+            f"ended in {body['quiet_ms']:.1f} ms"
+            + (f", {body['calls_still_running']} still running" if body["calls_still_running"]
+               else "")
+            + f"; new calls refused for {body['refused_for_s']:g}s\n")
+    return 0
+
+
+_COLUMNS = ("run", "tenant", "depth", "calls", "inflight", "queued", "amplification", "tokens",
+            "usd", "cancelled")
+
+
+def _list(runs: list[dict[str, Any]]) -> str:
+    if not runs:
+        return "no runs known\n"
+    rows = [tuple(_cell(r.get(c)) for c in _COLUMNS) for r in runs]
+    widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(_COLUMNS)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(_COLUMNS, widths, strict=True))]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)) for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def _show(run: dict[str, Any]) -> str:
+    keys = ("run", "tenant", "parent", "depth", "age_s", "calls", "attempts", "amplification",
+            "tokens", "usd", "inflight", "queued", "descendants", "cancelled")
+    lines = [f"{k:>13}: {_cell(run.get(k))}" for k in keys]
+    lines.append(f"{'own':>13}: {_cell(run.get('own'))}")
+    lines.append(f"{'children':>13}: {', '.join(run.get('children') or []) or '-'}")
+    for call in run.get("live_calls") or []:
+        lines.append(f"{'live':>13}: {call['request_id']} run={call['run']} "
+                     f"route={call['route']} {call['phase']} {call['age_s']}s")
+    return "\n".join(lines) + "\n"
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, dict):
+        return ", ".join(f"{k}={_cell(v)}" for k, v in value.items())
+    return str(value)

@@ -1,0 +1,303 @@
+"""Runs end to end (issue 12): fan-out width and depth, run budgets, cancellation, deadlines,
+the admin endpoints and ``sluice runs``, through a real Sluice and the fake upstream."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aiohttp
+import openai
+
+from proxy.cli import main as cli_main
+from tests.conftest import route, wait_until
+
+TOKEN = "s3cret-admin-token"
+
+
+def run_headers(run: str, parent: str | None = None, **extra: str) -> dict[str, str]:
+    headers = {"X-Run-ID": run, **extra}
+    if parent is not None:
+        headers["X-Parent-Run-ID"] = parent
+    return headers
+
+
+async def post(session: aiohttp.ClientSession, url: str, headers: dict[str, str],
+               body: bytes = b"{}") -> tuple[int, dict[str, str], bytes]:
+    async with session.post(url, data=body, headers=headers) as r:
+        return r.status, dict(r.headers), await r.read()
+
+
+async def test_width_3_keeps_10_calls_of_one_run_to_3_at_the_upstream(upstream, start_sluice):
+    upstream.hold = asyncio.Event()
+    sluice = await start_sluice({"routes": [route("tools", upstream.url, "http",
+                                                  fanout={"width": 3, "max_wait": "10s"})]})
+    async with aiohttp.ClientSession() as s:
+        calls = [asyncio.create_task(post(s, f"{sluice.url}/tools/x", run_headers("r1")))
+                 for _ in range(10)]
+        other = asyncio.create_task(post(s, f"{sluice.url}/tools/x", run_headers("r2")))
+        await wait_until(lambda: upstream.inflight == 4, what="3 of r1 and 1 of r2 upstream")
+        async with s.get(f"{sluice.admin_url}/admin/runs/r1") as r:
+            shown = await r.json()
+        assert (shown["inflight"], shown["queued"]) == (3, 7)
+        upstream.hold.set()
+        answers = await asyncio.gather(*calls, other)
+    assert [status for status, _, _ in answers] == [200] * 11
+    assert upstream.peak_inflight == 4  # r1 never had more than 3 there; r2 was not held up
+
+
+async def test_depth_2_refuses_a_grandchilds_grandchild(upstream, start_sluice):
+    sluice = await start_sluice({"fanout": {"depth": 2},
+                                 "routes": [route("tools", upstream.url, "http")]})
+    async with aiohttp.ClientSession() as s:
+        url = f"{sluice.url}/tools/x"
+        tree = [("root", None), ("child", "root"), ("grandchild", "child"),
+                ("great", "grandchild"), ("great-great", "great")]
+        answers = [await post(s, url, run_headers(run, parent)) for run, parent in tree]
+        async with s.get(f"{sluice.admin_url}/admin/runs/great-great") as r:
+            assert (await r.json())["depth"] == 4
+    assert [status for status, _, _ in answers] == [200, 200, 200, 429, 429]
+    _, headers, body = answers[4]
+    assert headers["X-Sluice-Reason"] == "fanout_limited"
+    assert headers["x-should-retry"] == "false"
+    assert b"depth" in body
+    assert len(upstream.requests) == 3
+
+
+async def test_max_requests_5_counts_descendants_and_refuses_the_sixth(upstream, start_sluice):
+    sluice = await start_sluice({"routes": [route("tools", upstream.url, "http",
+                                                  run={"max_requests": 5})]})
+    async with aiohttp.ClientSession() as s:
+        url = f"{sluice.url}/tools/x"
+        answers = [await post(s, url, run_headers("parent")) for _ in range(3)]
+        answers += [await post(s, url, run_headers("kid", "parent")) for _ in range(2)]
+        sixth = await post(s, url, run_headers("parent"))
+        kid_sixth = await post(s, url, run_headers("kid", "parent"))
+        fresh = await post(s, url, run_headers("other"))
+    assert [a[0] for a in answers] == [200] * 5
+    assert answers[3][1]["X-Sluice-Run-Warning"] == '"max_requests";used=0.800'
+    assert "X-Sluice-Run-Warning" not in answers[0][1]
+    for status, headers, body in (sixth, kid_sixth):
+        assert status == 429
+        assert headers["X-Sluice-Reason"] == "run_budget_exhausted"
+        assert headers["x-should-retry"] == "false"
+        assert b"max_requests" in body
+    assert fresh[0] == 200
+    assert len(upstream.requests) == 6
+
+
+async def test_max_duration_refuses_the_run_after_its_time(upstream, start_sluice):
+    sluice = await start_sluice({"run": {"max_duration": "300ms"},
+                                 "routes": [route("tools", upstream.url, "http")]})
+    async with aiohttp.ClientSession() as s:
+        url = f"{sluice.url}/tools/x"
+        first = await post(s, url, run_headers("slow"))
+        await asyncio.sleep(0.35)
+        late = await post(s, url, run_headers("slow-child", "slow"))
+    assert first[0] == 200
+    assert (late[0], late[1]["X-Sluice-Reason"]) == (429, "run_budget_exhausted")
+    assert b"max_duration" in late[2]
+
+
+def _openai(sluice, run: str, parent: str | None = None) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(api_key="sk-test", base_url=f"{sluice.url}/openai/v1",
+                              default_headers=run_headers(run, parent), max_retries=2)
+
+
+async def test_cancel_answers_in_flight_and_queued_calls_at_once(upstream, start_sluice):
+    upstream.stream_hold = asyncio.Event()  # streams stop after their first event
+    sluice = await start_sluice(
+        {"routes": [route("openai", upstream.url,
+                          concurrency={"limit": 3, "queue": 10, "max_wait": "30s"})]},
+        env={"SLUICE_ADMIN_TOKEN": TOKEN})
+    client = _openai(sluice, "job")
+    first_chunk = asyncio.Event()
+    streamed = 0
+
+    async def stream() -> str:
+        nonlocal streamed
+        chunks = await client.chat.completions.create(
+            model="gpt-test", messages=[{"role": "user", "content": "hi"}], stream=True,
+            max_tokens=50)
+        try:
+            async for _ in chunks:
+                streamed += 1
+                if streamed == 3:
+                    first_chunk.set()
+        except (openai.APIError, aiohttp.ClientError) as error:
+            return f"cut:{type(error).__name__}"
+        return "completed"
+
+    async def call() -> str:
+        try:
+            await client.chat.completions.create(
+                model="gpt-test", messages=[{"role": "user", "content": "hi"}], max_tokens=50)
+        except openai.ConflictError as error:
+            assert error.response.headers["x-should-retry"] == "false"
+            return error.response.headers["X-Sluice-Reason"]
+        return "completed"
+
+    ended: list[float] = []
+
+    async def timed(coro) -> str:
+        result = await coro
+        ended.append(time.monotonic())
+        return result
+
+    streams = [asyncio.create_task(timed(stream())) for _ in range(3)]
+    await asyncio.wait_for(first_chunk.wait(), 10)
+    queued = [asyncio.create_task(timed(call())) for _ in range(5)]
+    async with aiohttp.ClientSession() as s:
+        # A child run that exists before the cancel, with a call queued too.
+        async with s.get(f"{sluice.admin_url}/admin/runs/job") as r:
+            assert (await r.json())["inflight"] == 3
+        await wait_until(lambda: len(upstream.requests) == 3, what="3 streams upstream")
+        for _ in range(50):
+            async with s.get(f"{sluice.admin_url}/admin/runs/job") as r:
+                if (await r.json())["queued"] == 5:
+                    break
+            await asyncio.sleep(0.02)
+        started = time.monotonic()
+        async with s.post(f"{sluice.admin_url}/admin/runs/job/cancel",
+                          headers={"Authorization": f"Bearer {TOKEN}"}) as r:
+            assert r.status == 200
+            report = await r.json()
+        results = await asyncio.gather(*streams, *queued)
+        quiet_s = max(ended) - started
+        child = await post(s, f"{sluice.url}/openai/v1/chat/completions",
+                           run_headers("job-child", "job"),
+                           b'{"model": "gpt-test", "messages": [], "max_tokens": 5}')
+        again = await post(s, f"{sluice.url}/openai/v1/chat/completions", run_headers("job"),
+                           b'{"model": "gpt-test", "messages": [], "max_tokens": 5}')
+    assert report["calls_ended"] == 8 and report["calls_still_running"] == 0
+    assert report["quiet_ms"] < 100, report
+    assert quiet_s < 0.1, quiet_s  # all 8 callers had their answer within 100 ms
+    assert [r.startswith("cut:") for r in results[:3]] == [True] * 3, results
+    assert results[3:] == ["run_cancelled"] * 5
+    await wait_until(lambda: upstream.cancelled == 3, what="the upstream to see 3 closes")
+    assert len(upstream.requests) == 3  # the queued calls never reached it
+    for status, headers, _ in (child, again):
+        assert (status, headers["X-Sluice-Reason"]) == (409, "run_cancelled")
+        assert headers["x-should-retry"] == "false"
+    await wait_until(lambda: sum(e["event"] == "completed" for e in sluice.events()) == 3,
+                     what="completed events")
+    charged = [e for e in sluice.events() if e["event"] == "completed"]
+    assert {e["outcome"] for e in charged} == {"run_cancelled"}
+    assert all(e["output_tokens"] >= 1 and e["usage"] == "estimated" for e in charged)
+    assert await sluice.metric("sluice_cancels_total", route="openai", where="queued") == 5
+    assert await sluice.metric("sluice_cancels_total", route="openai", where="inflight") == 3
+    upstream.stream_hold.set()
+
+
+async def test_cancel_needs_the_token_and_reads_stay_open(upstream, start_sluice, tmp_path,
+                                                          capsys):
+    token_file = tmp_path / "admin-token"
+    token_file.write_text(TOKEN + "\n")
+    sluice = await start_sluice({"admin": {"token_file": str(token_file)},
+                                 "routes": [route("tools", upstream.url, "http")]})
+    async with aiohttp.ClientSession() as s:
+        await post(s, f"{sluice.url}/tools/x", run_headers("r", None))
+        await post(s, f"{sluice.url}/tools/x", run_headers("r-kid", "r"))
+        cancel = f"{sluice.admin_url}/admin/runs/r/cancel"
+        async with s.post(cancel) as r:
+            assert r.status == 401
+        async with s.post(cancel, headers={"Authorization": "Bearer wrong"}) as r:
+            assert r.status == 401
+        async with s.get(f"{sluice.admin_url}/admin/runs") as r:
+            listed = await r.json()
+        async with s.get(f"{sluice.admin_url}/admin/runs/nope") as r:
+            assert r.status == 404
+    assert {run["run"] for run in listed["runs"]} == {"r", "r-kid"}
+    root = next(run for run in listed["runs"] if run["run"] == "r")
+    assert (root["calls"], root["descendants"], root["amplification"]) == (2, 1, 1.0)
+
+    # The CLI, against the same admin port (the config names it and the token file).
+    argv = ["--config", str(sluice.config_path)]
+    assert await asyncio.to_thread(cli_main, ["runs", "list", *argv]) == 0
+    assert await asyncio.to_thread(cli_main, ["runs", "show", "r", *argv]) == 0
+    assert await asyncio.to_thread(cli_main, ["runs", "cancel", "r", *argv]) == 0
+    out = capsys.readouterr().out
+    assert "r-kid" in out and "children: r-kid" in out
+    assert "cancelled r, r-kid: 0 call(s) ended" in out
+    assert await asyncio.to_thread(cli_main, ["runs", "show", "nope", *argv]) == 1
+    async with aiohttp.ClientSession() as s:
+        status, headers, _ = await post(s, f"{sluice.url}/tools/x", run_headers("r-kid", "r"))
+    assert (status, headers["X-Sluice-Reason"]) == (409, "run_cancelled")
+
+
+async def test_cancel_is_refused_without_a_configured_token(upstream, start_sluice):
+    sluice = await start_sluice({"routes": [route("tools", upstream.url, "http")]})
+    async with aiohttp.ClientSession() as s, s.post(
+            f"{sluice.admin_url}/admin/runs/r/cancel",
+            headers={"Authorization": f"Bearer {TOKEN}"}) as r:
+        assert r.status == 403
+
+
+async def test_deadline_expired_in_the_queue_never_reaches_the_upstream(upstream, start_sluice):
+    upstream.hold = asyncio.Event()
+    sluice = await start_sluice({"routes": [route(
+        "tools", upstream.url, "http",
+        concurrency={"limit": 1, "queue": 5, "max_wait": "10s"})]})
+    async with aiohttp.ClientSession() as s:
+        url = f"{sluice.url}/tools/x"
+        holder = asyncio.create_task(post(s, url, {}))
+        await wait_until(lambda: upstream.inflight == 1, what="the holder upstream")
+        started = time.monotonic()
+        status, _, _ = await post(s, url, {"X-Request-Timeout": "0.3"})
+        waited = time.monotonic() - started
+        upstream.hold.set()
+        assert (await holder)[0] == 200
+    assert status == 503 and 0.25 < waited < 2
+    assert len(upstream.requests) == 1
+    await wait_until(lambda: any(e["event"] == "expired" for e in sluice.events()),
+                     what="the expired event")
+    assert await sluice.metric("sluice_expiries_total", route="tools", reason="deadline") == 1
+
+
+async def test_remaining_deadline_goes_upstream_and_children_inherit_it(upstream, start_sluice):
+    sluice = await start_sluice({"routes": [route("tools", upstream.url, "http")]})
+    async with aiohttp.ClientSession() as s:
+        url = f"{sluice.url}/tools/x"
+        await post(s, url, run_headers("p", None, **{"X-Request-Timeout": "5"}))
+        await post(s, url, run_headers("c", "p"))  # no deadline of its own
+        await post(s, url, {})
+    sent = [seen.headers.get("X-Request-Timeout") for seen in upstream.requests]
+    assert 4 < float(sent[0]) <= 5
+    assert 3 < float(sent[1]) < float(sent[0])  # the parent's, less the time gone
+    assert sent[2] is None
+
+
+async def test_a_stalled_stream_is_counted(upstream, start_sluice):
+    upstream.stream_hold = asyncio.Event()
+    sluice = await start_sluice({"server": {"stall_after": "200ms"},
+                                 "routes": [route("openai", upstream.url)]})
+    async with aiohttp.ClientSession() as s:
+        body = b'{"model": "m", "messages": [], "stream": true, "max_tokens": 5}'
+        task = asyncio.create_task(post(s, f"{sluice.url}/openai/v1/chat/completions", {}, body))
+        await sluice.wait_metric("sluice_stalled_requests", 1, route="openai")
+        upstream.stream_hold.set()
+        assert (await task)[0] == 200
+        await sluice.wait_metric("sluice_stalled_requests", 0, route="openai")
+
+
+async def test_child_inherits_priority(upstream, start_sluice):
+    """A child run's call without X-Priority is queued in its parent's class."""
+    sluice = await start_sluice({"routes": [route(
+        "tools", upstream.url, "http",
+        concurrency={"limit": 1, "queue": 5, "max_wait": "10s", "aging": "60s"})]})
+    async with aiohttp.ClientSession() as s:
+        url = f"{sluice.url}/tools/x"
+        await post(s, url, run_headers("boss", None, **{"X-Priority": "critical"}))
+        upstream.hold = asyncio.Event()
+        holder = asyncio.create_task(post(s, url, {}))
+        await wait_until(lambda: upstream.inflight == 1, what="the holder")
+        low = asyncio.create_task(post(s, url, {"X-Priority": "best-effort"}))
+        await wait_until(lambda: len([e for e in sluice.events() if e["event"] == "enqueued"])
+                         == 1, what="low queued")
+        child = asyncio.create_task(post(s, url, run_headers("worker", "boss")))
+        await wait_until(lambda: len([e for e in sluice.events() if e["event"] == "enqueued"])
+                         == 2, what="child queued")
+        upstream.hold.set()
+        await asyncio.gather(holder, low, child)
+    order = [seen.headers.get("X-Run-ID") for seen in upstream.requests]
+    assert order == ["boss", None, "worker", None]  # the child (critical) before best-effort

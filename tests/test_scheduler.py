@@ -1,0 +1,212 @@
+"""The queue's scheduler (issue 12): fairness across tenants, aging, deadlines; and the run
+registry's own rules. The scheduler runs on a simulated clock (``bench/scheduler.py``), so
+minutes of load take well under a second."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from bench.scheduler import Arrival, SimLoop, compare, percentile, simulate
+from policies.budget import Budgets, MemoryLedger
+from policies.concurrency import ConcurrencyLimiter
+from policies.config import BudgetConfig, FanoutConfig, RunConfig
+from policies.pipeline import Call, Outcome
+from policies.reasons import Reason, Rejected
+from policies.runs import FanoutWidth, RunLimits, RunRegistry, RunTracker
+
+
+def test_light_tenant_waits_near_its_unloaded_value_beside_a_10x_heavy_one():
+    # Both tenants in one class; the heavy one alone overloads the route (1.3x capacity).
+    arrivals = [Arrival(a.at, a.tenant, 1) for a in _skewed()]
+    fifo = simulate(arrivals, 8, 1.0, fifo=True, max_wait=30.0)
+    fair = simulate(arrivals, 8, 1.0, fifo=False, max_wait=30.0)
+    alone = simulate([a for a in arrivals if a.tenant == "light"], 8, 1.0, fifo=False)
+    unloaded = percentile(alone[("tenant", "light")], 0.95)
+    light = percentile(fair[("tenant", "light")], 0.95)
+    assert light <= unloaded + 1.0  # at most one service time more than when alone
+    assert percentile(fifo[("tenant", "light")], 0.95) > 10 * (light + 0.1)
+    assert percentile(fair[("tenant", "heavy")], 0.95) > 10  # the heavy one waits, not both
+
+
+def _skewed() -> list[Arrival]:
+    from bench.scheduler import skewed
+    return skewed(300.0, 8, 1.0, load=1.3, ratio=10.0)
+
+
+def test_weights_give_a_tenant_its_share():
+    arrivals = [Arrival(i * 0.01, tenant, 1) for i in range(2000) for tenant in ("a", "b")]
+    waits = simulate(arrivals, 4, 1.0, fifo=False, weights={"a": 3.0}, max_wait=1e9)
+    # Both backlogged: "a" is served three times as often, so it waits far less.
+    assert percentile(waits[("tenant", "a")], 0.5) < percentile(waits[("tenant", "b")], 0.5) / 2
+
+
+def test_aging_serves_best_effort_under_a_constant_critical_load():
+    # Critical calls arrive faster than one slot serves them: without aging, best-effort
+    # would wait until they stop.
+    arrivals = [Arrival(i * 0.4, "crit", 0) for i in range(300)]
+    arrivals += [Arrival(5.0, "batch", 2)]
+    aged = simulate(sorted(arrivals, key=lambda a: a.at), 1, 0.5, fifo=False, aging=2.0,
+                    max_wait=1e9)
+    assert aged[("class", 2)][0] <= 3 * 2.0 + 0.5  # up one class per 2 s, then served
+    starved = simulate(sorted(arrivals, key=lambda a: a.at), 1, 0.5, fifo=False, aging=None,
+                       max_wait=1e9)
+    assert starved[("class", 2)][0] > 30
+
+
+def test_bench_comparison_runs():
+    results, unloaded = compare(seconds=60.0)
+    assert set(results) == {"fifo", "sluice"} and unloaded >= 0
+
+
+def _loop_run(coro):
+    loop = SimLoop()
+    try:
+        return loop.run_until_complete(coro)
+    finally:
+        loop.close()
+
+
+def test_a_deadline_shorter_than_the_estimated_wait_is_refused_at_once():
+    async def main() -> None:
+        limiter = ConcurrencyLimiter(1, 10, 30.0, None)
+        limiter.mean_service_s, limiter.observed = 2.5, True  # 5 s: wait + service
+        await limiter.acquire("t")
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(Rejected) as refused:
+            await limiter.acquire("t", caller_timeout=1.0)
+        assert refused.value.reason is Reason.DEADLINE_UNREACHABLE
+        assert asyncio.get_running_loop().time() == started  # at once
+        assert limiter.queued == 0
+        # With room for the estimated wait and the call, it queues.
+        task = asyncio.ensure_future(limiter.acquire("t", caller_timeout=6.0))
+        await asyncio.sleep(0)
+        assert limiter.queued == 1
+        limiter.release("t", 2.5)
+        await task
+        limiter.release("t", None)
+
+    _loop_run(main())
+
+
+def test_unmetered_calls_cost_their_service_time_and_are_corrected():
+    async def main() -> None:
+        limiter = ConcurrencyLimiter(1, 10, 30.0, None)
+        charged = await limiter.acquire("t")
+        assert charged == 1.0  # the assumed mean before any observation
+        limiter.release("t", 3.0, charged)
+        assert await limiter.acquire("t", cost=100.0) is None  # tokens: no correction
+        # An unmetered call on a route that meters tokens costs a typical metered one.
+        task = asyncio.ensure_future(limiter.acquire("u"))
+        await asyncio.sleep(0)
+        assert limiter.waiters()[0].increment == pytest.approx(100.0)
+        limiter.release("t", 1.0)
+        assert await task is None
+        limiter.release("u", 1.0)
+        assert limiter.state()["tenant_weights"] == {}
+
+    _loop_run(main())
+
+
+# --- the run registry and policies ------------------------------------------------------------
+
+
+def _call(run: str | None, parent: str | None = None, **kw) -> Call:
+    return Call(request_id="r", route="x", method="POST", path="/x/", headers={}, body=b"",
+                tenant="t", run=run, parent_run=parent, **kw)
+
+
+def test_links_are_fixed_at_first_sight_and_never_cycle():
+    registry = RunRegistry()
+    a = registry.resolve("a", None, "t")
+    b = registry.resolve("b", "a", "t")
+    assert (b.depth, b.parent) == (1, a)
+    assert registry.resolve("b", "zzz", "t").parent is a  # a later parent is ignored
+    registry.resolve("a", "b", "t")  # would close a cycle
+    assert a.parent is None
+    late = registry.resolve("late", None, "t")
+    registry.resolve("late", "a", "t")  # first named as a root, nothing counted: linked now
+    assert (late.parent, late.depth) == (a, 1)
+    assert registry.resolve("self", "self", "t").parent is None
+
+
+def test_idle_runs_are_swept():
+    now = [0.0]
+    registry = RunRegistry(clock=lambda: now[0])
+    registry.resolve("old", None, "t")
+    registry.resolve("kid", "old", "t")
+    now[0] = 100_000.0
+    registry.resolve("new", None, "t")
+    assert set(registry.runs) == {"new"}
+
+
+async def test_tracker_inherits_and_refuses_a_passed_parent_deadline():
+    now = [0.0]
+    registry = RunRegistry(clock=lambda: now[0])
+    tracker = RunTracker(registry)
+    assert await tracker.admit(_call(None)) is None
+    parent = _call("p", priority=0, timeout=5.0)
+    parent.received_at = 0.0
+    held = await tracker.admit(parent)
+    held.release(Outcome("2xx", True, 200, 0.1))
+    child = _call("c", "p", priority=1, priority_given=False)
+    child.received_at = 1.0
+    now[0] = 1.0
+    (await tracker.admit(child)).release(Outcome("rejected", False))
+    assert (child.priority, child.timeout, child.lineage) == (0, 4.0, ("p",))
+    now[0] = 6.0
+    late = _call("c2", "p", priority_given=False)
+    with pytest.raises(Rejected) as refused:
+        await tracker.admit(late)
+    assert refused.value.reason is Reason.DEADLINE_UNREACHABLE
+    view = registry.view(registry.runs["p"], detail=True)
+    assert (view["calls"], view["own"]["calls"], view["children"]) == (1, 1, ["c", "c2"])
+
+
+async def test_run_limits_give_back_a_count_that_never_reached_the_upstream():
+    registry = RunRegistry()
+    limits = RunLimits(registry, "x", RunConfig(max_requests=1), FanoutConfig(depth=3))
+    assert await limits.admit(_call(None)) is None
+    held = await limits.admit(_call("r"))
+    held.release(Outcome("rejected", reached=False))
+    held = await limits.admit(_call("r"))  # the first never reached: counted again
+    held.release(Outcome("2xx", reached=True))
+    with pytest.raises(Rejected):
+        await limits.admit(_call("r"))
+    depth_only = RunLimits(registry, "y", None, FanoutConfig(depth=0))
+    assert await depth_only.admit(_call("r")) is None
+
+
+async def test_width_refuses_after_max_wait_and_reconfigures_in_place():
+    width = FanoutWidth(1, 0.05)
+    assert await width.admit(_call(None)) is None
+    first = await width.admit(_call("r"))
+    with pytest.raises(Rejected) as refused:
+        await width.admit(_call("r"))
+    assert refused.value.reason is Reason.FANOUT_LIMITED and "width" in refused.value.detail
+    width.reconfigure(FanoutConfig(width=2, max_wait="1s"))
+    second = await width.admit(_call("r"))
+    assert width.state() == {"width": 2, "runs": 1}
+    first.release(Outcome("2xx", True, 200, 0.1))
+    second.release(Outcome("2xx", True, 200, 0.1))
+    assert width.runs == {}
+    holders = [await width.admit(_call("q")) for _ in range(2)]
+    waiting = asyncio.ensure_future(width.admit(_call("q")))
+    await asyncio.sleep(0)
+    waiting.cancel()  # a caller leaving the run's queue holds nothing
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    for holder in holders:
+        holder.release(Outcome("2xx", True, 200, 0.1))
+    assert width.runs == {}
+
+
+async def test_per_run_budgets_charge_every_ancestor():
+    budgets = Budgets([BudgetConfig(tokens="100/total", per="run")], {}, MemoryLedger(),
+                      lambda: 0.0)
+    held = await budgets.reserve("t", "kid", None, 30, 30, ("parent",))
+    assert len(held.claims) == 2
+    with pytest.raises(Rejected):  # the parent's 100 is shared with its other children
+        await budgets.reserve("t", "kid2", None, 30, 30, ("parent",))
+    budgets.settle(held, None)
