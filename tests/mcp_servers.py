@@ -23,6 +23,8 @@ Tools (all answer on ``/mcp``):
                                              ``"sent #N"``
     ``sends() -> int``                       how many times ``send`` has run
     ``fail(message: str = "tool failed")``   a tool failure: a result with ``isError: true``
+    ``notify() -> str``                      sends ``notifications/tools/list_changed`` on the
+                                             session's GET stream (session mode, 2025 clients)
 
 ``McpServer.sends()`` reads the count file directly, without an MCP call, so a test can count
 executions behind a proxy without going through it.
@@ -33,8 +35,6 @@ client may reconnect with ``Last-Event-ID``.
 
 Run by hand: ``python tests/mcp_servers.py --mode session --port 9000``.
 """
-
-from __future__ import annotations
 
 import argparse
 import asyncio
@@ -191,7 +191,9 @@ def mcp_server_factory(tmp_path: Path) -> Iterator[Any]:
 
 
 def _build(count_file: Path) -> Any:
-    from mcp.server.mcpserver import MCPServer
+    # This module has no ``from __future__ import annotations``: the SDK reads the tools'
+    # annotations at runtime, and ``Context`` is only imported here, in the child.
+    from mcp.server.mcpserver import Context, MCPServer
     from mcp.server.mcpserver.exceptions import ToolError
 
     server = MCPServer("sluice-test-tools")
@@ -223,6 +225,12 @@ def _build(count_file: Path) -> Any:
     async def fail(message: str = "tool failed") -> str:
         """Always fails as a tool: the result has ``isError: true``."""
         raise ToolError(message)
+
+    @server.tool()
+    async def notify(ctx: Context) -> str:
+        """Send ``notifications/tools/list_changed`` on the session's GET stream."""
+        await ctx.session.send_tool_list_changed()
+        return "notified"
 
     return server
 
