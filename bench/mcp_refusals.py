@@ -12,9 +12,10 @@ shape, what the caller of the refused call got and what became of the other call
 The proxy also records what each client sends: ``Mcp-Method`` / ``Mcp-Name`` headers, the GET
 stream and its ``Last-Event-ID`` after the proxy ends it (``getcut``, on a resumable server),
 DELETE on close. Clients whose runtime is missing are skipped with a note: the 1.x Python
-client needs ``.venv-mcp1`` (``python3 -m venv .venv-mcp1 && .venv-mcp1/bin/pip install
-'mcp>=1,<2' aiohttp``), the TypeScript ones ``.mcp-ts`` (``npm install @modelcontextprotocol/sdk
-@modelcontextprotocol/client`` there); ``MCP1_PYTHON`` and ``MCP_TS_DIR`` override the paths.
+client needs ``.venv-mcp1``, the TypeScript ones ``.mcp-ts`` (``.ci/run`` makes both:
+``python3 -m venv .venv-mcp1 && .venv-mcp1/bin/pip install 'mcp>=1.30,<2'`` and ``npm install
+--prefix .mcp-ts @modelcontextprotocol/sdk@^1.32 @modelcontextprotocol/client@^2.4``);
+``MCP1_PYTHON`` and ``MCP_TS_DIR`` override the paths.
 Everything binds 127.0.0.1.
 """
 
