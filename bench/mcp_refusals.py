@@ -468,7 +468,9 @@ def main(argv: list[str]) -> int:
               "runs": [{"client": r.client, "server": r.server, "shape": r.shape,
                         "effect": r.effect(), "one_call_failed": r.one_call_failed(),
                         "result": r.result, "refused_posts": r.refused_posts,
-                        "sends_executed": r.sends_executed} for r in runs],
+                        "sends_executed": r.sends_executed,
+                        "requests": [[s.method, s.rpc_method, s.tool, s.status] for s in r.seen]}
+                       for r in runs],
               "probes": [{"client": p.client, **observations(p),
                           "seen": [vars(s) for s in p.seen]} for p in probes]}
     path = write_record(RESULTS / f"mcp_refusals-{started:%Y%m%dT%H%M%S}.json", record)
