@@ -9,7 +9,8 @@ Benchmarks (``python -m bench NAME --help`` for each one's options):
 * ``storm``: a retry storm on a degrading fake LLM provider (the ``sluice demo`` scenario):
   amplification, completion within a deadline, wasted tokens, duplicate side effects;
 * ``fairness``: one noisy tenant and quiet ones, with and without ``per_tenant``;
-* ``replay``: idempotent replays against forwarded requests.
+* ``replay``: idempotent replays against forwarded requests;
+* ``mcp_refusals``: how the official MCP clients take a refused ``tools/call`` (docs/mcp.md).
 
 Each prints its table (with the machine's core count and load average), and writes a JSON
 record and, with matplotlib installed (``pip install -e '.[bench]'``), a PNG plot under
@@ -21,7 +22,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-BENCHMARKS = ("overhead", "overload", "storm", "fairness", "replay")
+BENCHMARKS = ("overhead", "overload", "storm", "fairness", "replay", "mcp_refusals")
 
 
 def main(argv: list[str]) -> int:
