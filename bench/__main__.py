@@ -12,6 +12,7 @@ Benchmarks (``python -m bench NAME --help`` for each one's options):
 * ``replay``: idempotent replays against forwarded requests;
 * ``soak``: Sluice's memory over a long run (30 minutes, ``--quick`` 2) in which every call
   has a new tenant, run and idempotency key.
+* ``mcp_refusals``: how the official MCP clients take a refused ``tools/call`` (docs/mcp.md).
 
 Each prints its table (with the machine's core count and load average), and writes a JSON
 record and, with matplotlib installed (``pip install -e '.[bench]'``), a PNG plot under
@@ -23,7 +24,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-BENCHMARKS = ("overhead", "overload", "storm", "fairness", "replay", "soak")
+BENCHMARKS = ("overhead", "overload", "storm", "fairness", "replay", "soak", "mcp_refusals")
 
 
 def main(argv: list[str]) -> int:

@@ -1,0 +1,634 @@
+"""MCP over streamable HTTP: what Sluice reads in a client's POST and in a server's answer.
+
+Pure functions over bytes and headers (no I/O, nothing from ``proxy``), for the ``mcp`` route
+protocol. The words "request", "notification" and "response" are JSON-RPC 2.0's.
+
+* :func:`parse_post` reads a POST body into an :class:`McpPost` (its messages: method, id,
+  tool name, arguments); :func:`traffic` sorts a request into ``control`` (never throttled or
+  queued), ``stream`` (long-lived: no slot, no total timeout) and ``call`` (policies apply).
+* :func:`check_headers`: the ``Mcp-Method`` / ``Mcp-Name`` / ``MCP-Protocol-Version`` headers
+  of protocol 2026-07-28 must agree with the body (:class:`HeaderMismatch`, a 400).
+* :func:`fingerprint`: the idempotency fingerprint of a call: method, tool, arguments, MRTR
+  continuation and chosen headers; never the JSON-RPC ``id``, which differs on every call.
+* :func:`rewrite_id`: a stored answer (JSON or SSE) given the id of the request it replays to.
+* :class:`AnswerTracker` / :func:`answer_outcome`: whether an answer, as it streams, holds the
+  response to the request yet, and whether that response is a tool failure.
+* :func:`refusal`: the JSON-RPC error body Sluice answers a refused call with (docs/mcp.md).
+
+Errors: everything raised here for bad input is a ``ValueError``: :class:`InvalidMcpRequest`
+(the POST cannot be read as MCP; answer 400) and its subclass :class:`HeaderMismatch`, and
+:class:`UnusableAnswer` (a stored answer holds no response to rewrite).
+
+Sources: the MCP specification (modelcontextprotocol/modelcontextprotocol), revisions
+2025-03-26 (JSON-RPC batches added), 2025-06-18 (batches removed; the ``MCP-Protocol-Version``
+header, and "assume 2025-03-26" when it is missing), 2025-11-25 (sessions, the GET stream,
+``Last-Event-ID``), 2026-07-28 (``basic/transports/streamable-http``: request metadata headers
+and their Base64 sentinel, server validation, no sessions or GET stream,
+``subscriptions/listen``; ``basic/index``: request ids are strings or integers, never null,
+error code ranges; ``basic/patterns/mrtr``: ``InputRequiredResult``, ``inputResponses``,
+``requestState``); JSON-RPC 2.0; the SSE parsing rules of the WHATWG HTML standard
+(server-sent events, "interpreting an event stream").
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import orjson
+
+RequestId = str | int
+"""A JSON-RPC request id as MCP allows it: a string or an integer, never null (2026-07-28
+``basic/index``; earlier revisions say the same)."""
+
+Kind = Literal["request", "notification", "response"]
+
+Traffic = Literal["control", "stream", "call"]
+"""How admission treats a request to an MCP endpoint:
+
+* ``control``: session plumbing that must never be throttled, queued or refused by a limit
+  (refusing it breaks the session for every call): ``initialize``, ``server/discover``,
+  ``ping``, notifications, responses to server requests, any ``*/list``, DELETE (session end)
+  and any method other than GET and POST;
+* ``stream``: a long-lived server-to-client stream: the 2025-era GET (the session's stream,
+  or the resumption of a cut response stream with ``Last-Event-ID``) and 2026-07-28's
+  ``subscriptions/listen``. Holds no slot, has no total timeout (an idle one only);
+* ``call``: everything else (``tools/call``, ``resources/read``, ``prompts/get``, ...).
+"""
+
+#: JSON-RPC "Invalid params": the caller's mistake, not a failing tool.
+INVALID_PARAMS = -32602
+
+#: ``_meta`` key carrying the protocol version in 2026-07-28 requests.
+META_PROTOCOL_VERSION = "io.modelcontextprotocol/protocolVersion"
+
+#: The first protocol revision whose request metadata headers servers must validate.
+MODERN_VERSION = "2026-07-28"
+
+#: Methods whose ``params.name`` (or ``params.uri``) is mirrored in ``Mcp-Name`` (2026-07-28).
+NAMED_METHODS = frozenset({"tools/call", "resources/read", "prompts/get"})
+
+#: Request methods that are control traffic whatever their name (the ``*/list`` ones are too).
+CONTROL_METHODS = frozenset({"initialize", "server/discover", "ping"})
+
+#: Request methods that open a long-lived stream.
+STREAM_METHODS = frozenset({"subscriptions/listen"})
+
+SSE = "text/event-stream"
+
+_VERSION = re.compile(r"\d{4}-\d{2}-\d{2}")
+_B64_PREFIX, _B64_SUFFIX = "=?base64?", "?="
+
+
+# -- errors -------------------------------------------------------------------------------------
+
+
+class InvalidMcpRequest(ValueError):
+    """The POST body is not an MCP JSON-RPC message Sluice can read: answer 400."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(detail)
+        self.detail = detail
+
+
+class HeaderMismatch(InvalidMcpRequest):
+    """An MCP request header disagrees with the body, or cannot be decoded: answer 400.
+
+    MCP 2026-07-28 has servers answer this with JSON-RPC error -32020 ``HeaderMismatch``;
+    an intermediary only owes an HTTP error status (a JSON-RPC body is optional for it).
+    """
+
+    def __init__(self, header: str, header_value: str, body_value: object) -> None:
+        super().__init__(f"header {header}: {header_value!r} does not match the body's "
+                         f"{body_value!r}")
+        self.header, self.header_value, self.body_value = header, header_value, body_value
+
+
+class UnusableAnswer(ValueError):
+    """A stored answer holds no JSON-RPC response to the request it was stored for."""
+
+
+# -- parsing a POST -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """One JSON-RPC message of a POST body, as sent.
+
+    ``params`` is the request's ``params`` object (``None`` when absent); for a response,
+    ``result`` or ``error`` carries the answer.
+    """
+
+    kind: Kind
+    method: str | None
+    id: RequestId | None
+    params: Mapping[str, Any] | None = None
+
+    @property
+    def tool(self) -> str | None:
+        """The tool a ``tools/call`` names (``params.name``); ``None`` for anything else."""
+        if self.method == "tools/call" and self.params is not None:
+            return self.params["name"]
+        return None
+
+    @property
+    def target(self) -> str | None:
+        """What ``Mcp-Name`` mirrors: ``params.name``, or ``params.uri`` for
+        ``resources/read``, on the methods of :data:`NAMED_METHODS`; else ``None``."""
+        if self.method not in NAMED_METHODS or self.params is None:
+            return None
+        value = self.params.get("uri" if self.method == "resources/read" else "name")
+        return value if isinstance(value, str) else None
+
+    @property
+    def arguments(self) -> Mapping[str, Any]:
+        """``params.arguments`` of a ``tools/call`` or ``prompts/get``; ``{}`` when absent."""
+        if self.params is None:
+            return {}
+        args = self.params.get("arguments")
+        return args if isinstance(args, Mapping) else {}
+
+    @property
+    def traffic(self) -> Traffic:
+        """This message's :data:`Traffic` class when POSTed."""
+        if self.kind != "request":
+            return "control"  # notifications (incl. cancellations) and responses
+        assert self.method is not None
+        if self.method in CONTROL_METHODS or self.method.endswith("/list"):
+            return "control"
+        if self.method in STREAM_METHODS:
+            return "stream"
+        return "call"
+
+
+@dataclass(frozen=True, slots=True)
+class McpPost:
+    """A parsed POST body: one message, or a batch (protocol 2025-03-26 only)."""
+
+    messages: tuple[Message, ...]
+    batch: bool = False
+
+    @property
+    def request(self) -> Message | None:
+        """The one request of a non-batch POST; ``None`` for a notification, a response or a
+        batch."""
+        if self.batch or self.messages[0].kind != "request":
+            return None
+        return self.messages[0]
+
+    @property
+    def tool(self) -> str | None:
+        """The tool of a non-batch ``tools/call``, the operation per-tool policies key on."""
+        request = self.request
+        return request.tool if request is not None else None
+
+
+def allows_batch(protocol_version: str | None) -> bool:
+    """Whether a POST may carry a JSON-RPC batch at this ``MCP-Protocol-Version``.
+
+    Batches exist in revision 2025-03-26 only (removed in 2025-06-18); a request without the
+    header is taken to be 2025-03-26, as revisions 2025-06-18 on tell servers to.
+    """
+    return protocol_version is None or protocol_version == "2025-03-26"
+
+
+def is_modern(protocol_version: str | None) -> bool:
+    """Whether this ``MCP-Protocol-Version`` requires header/body validation (2026-07-28 on)."""
+    return (protocol_version is not None and _VERSION.fullmatch(protocol_version) is not None
+            and protocol_version >= MODERN_VERSION)
+
+
+def parse_post(body: bytes, protocol_version: str | None = None) -> McpPost:
+    """Read an MCP POST body.
+
+    ``protocol_version`` is the request's ``MCP-Protocol-Version`` header (``None`` when
+    absent); it decides whether a batch (a JSON array) is allowed, see :func:`allows_batch`.
+
+    Raises :class:`InvalidMcpRequest` (a ``ValueError``), and nothing else, for anything that
+    is not UTF-8 JSON holding JSON-RPC 2.0 messages as MCP allows them: ``"jsonrpc": "2.0"``;
+    a request or notification with a string ``method`` and, if present, an object ``params``;
+    a request ``id`` that is a string or an integer; a response with exactly one of
+    ``result`` / ``error`` and such an ``id`` (``null`` allowed for an error); a ``tools/call``
+    with a string ``params.name`` and, if present, an object ``params.arguments``.
+    """
+    try:
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidMcpRequest(f"body is not JSON: {exc}") from None
+    if isinstance(doc, list):
+        if not allows_batch(protocol_version):
+            raise InvalidMcpRequest(
+                f"JSON-RPC batch at protocol {protocol_version}: only 2025-03-26 has batches")
+        if not doc:
+            raise InvalidMcpRequest("empty JSON-RPC batch")
+        return McpPost(tuple(_message(m) for m in doc), batch=True)
+    return McpPost((_message(doc),))
+
+
+def _is_id(value: object) -> bool:
+    return isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool))
+
+
+def _message(doc: object) -> Message:
+    if not isinstance(doc, dict):
+        raise InvalidMcpRequest("a JSON-RPC message must be an object")
+    if doc.get("jsonrpc") != "2.0":
+        raise InvalidMcpRequest('"jsonrpc" must be "2.0"')
+    if "method" in doc:
+        method = doc["method"]
+        if not isinstance(method, str) or not method:
+            raise InvalidMcpRequest('"method" must be a non-empty string')
+        params = doc.get("params")
+        if params is not None and not isinstance(params, dict):
+            raise InvalidMcpRequest('"params" must be an object')
+        if method == "tools/call":
+            if params is None or not isinstance(params.get("name"), str):
+                raise InvalidMcpRequest('tools/call needs a string "params.name"')
+            if params.get("arguments") is not None and not isinstance(params["arguments"], dict):
+                raise InvalidMcpRequest('tools/call "params.arguments" must be an object')
+        if "id" not in doc:
+            return Message("notification", method, None, params)
+        if not _is_id(doc["id"]):
+            raise InvalidMcpRequest('a request "id" must be a string or an integer')
+        return Message("request", method, doc["id"], params)
+    if ("result" in doc) == ("error" in doc):
+        raise InvalidMcpRequest("a message needs a method, a result or an error")
+    rpc_id = doc.get("id")
+    if not (_is_id(rpc_id) or (rpc_id is None and "error" in doc)):
+        raise InvalidMcpRequest('a response "id" must be a string or an integer')
+    return Message("response", None, rpc_id)
+
+
+def traffic(http_method: str, post: McpPost | None = None) -> Traffic:
+    """The :data:`Traffic` class of a request to the MCP endpoint.
+
+    ``http_method`` is the HTTP method; ``post`` the parsed body of a POST (required then).
+    A batch is a ``call`` when any of its messages is one, else ``control``.
+    """
+    method = http_method.upper()
+    if method == "GET":
+        return "stream"
+    if method != "POST":
+        return "control"
+    if post is None:
+        raise TypeError("traffic() of a POST needs its parsed body")
+    classes = {m.traffic for m in post.messages}
+    if "call" in classes:
+        return "call"
+    return "stream" if "stream" in classes else "control"
+
+
+# -- request metadata headers -------------------------------------------------------------------
+
+
+def decode_header_value(value: str, header: str = "Mcp-Name") -> str:
+    """A request metadata header value with its Base64 sentinel (``=?base64?...?=``) decoded.
+
+    Raises :class:`HeaderMismatch` when the sentinel holds no valid Base64 of UTF-8.
+    """
+    if not (value.startswith(_B64_PREFIX) and value.endswith(_B64_SUFFIX)
+            and len(value) >= len(_B64_PREFIX) + len(_B64_SUFFIX)):
+        return value
+    try:
+        raw = base64.b64decode(value[len(_B64_PREFIX):-len(_B64_SUFFIX)], validate=True)
+        return raw.decode("utf-8")
+    except (binascii.Error, UnicodeDecodeError):
+        raise HeaderMismatch(header, value, "(valid Base64 of UTF-8)") from None
+
+
+def _header(headers: Mapping[str, str], name: str) -> str | None:
+    values = _header_values(headers, name)
+    return ", ".join(values) if values else None
+
+
+def _header_values(headers: Mapping[str, str], name: str) -> list[str]:
+    getall = getattr(headers, "getall", None)
+    if getall is not None:  # a multidict (aiohttp's request.headers): case-insensitive already
+        return list(getall(name, []))
+    lower = name.lower()
+    return [v for k, v in headers.items() if k.lower() == lower]
+
+
+def check_headers(post: McpPost, headers: Mapping[str, str], *, require: bool = False) -> None:
+    """Check that the request metadata headers agree with the body (2026-07-28 transport).
+
+    ``Mcp-Method`` must equal the message's ``method``; ``Mcp-Name`` (Base64 sentinel decoded)
+    its ``params.name`` / ``params.uri`` (see :attr:`Message.target`), and may only appear on
+    the methods of :data:`NAMED_METHODS`; ``MCP-Protocol-Version`` must equal the body's
+    ``params._meta["io.modelcontextprotocol/protocolVersion"]`` when both are present. A
+    header that is absent is not checked unless ``require`` is true: then ``Mcp-Method`` is
+    required on a request, and ``Mcp-Name`` on the named methods (pass
+    ``require=is_modern(version)`` to hold 2026-07-28 clients to the spec). A batch may carry
+    none of them. ``Mcp-Param-*`` headers need the tool's ``inputSchema`` and are not checked.
+
+    ``headers`` is any mapping; a multidict is read with ``getall``, a plain mapping
+    case-insensitively. Raises :class:`HeaderMismatch` (a ``ValueError``; answer 400).
+    """
+    method_h = _header(headers, "Mcp-Method")
+    name_h = _header(headers, "Mcp-Name")
+    if post.batch:
+        for header, value in (("Mcp-Method", method_h), ("Mcp-Name", name_h)):
+            if value is not None:
+                raise HeaderMismatch(header, value, "(a batch)")
+        return
+    message = post.messages[0]
+    if method_h is not None and method_h != message.method:
+        raise HeaderMismatch("Mcp-Method", method_h, message.method)
+    if method_h is None and require and message.kind == "request":
+        raise HeaderMismatch("Mcp-Method", "(missing)", message.method)
+    if name_h is not None:
+        if message.method not in NAMED_METHODS:
+            raise HeaderMismatch("Mcp-Name", name_h, f"(no name on {message.method})")
+        if decode_header_value(name_h) != message.target:
+            raise HeaderMismatch("Mcp-Name", name_h, message.target)
+    elif require and message.kind == "request" and message.method in NAMED_METHODS:
+        raise HeaderMismatch("Mcp-Name", "(missing)", message.target)
+    version_h = _header(headers, "MCP-Protocol-Version")
+    meta = message.params.get("_meta") if message.params is not None else None
+    body_version = meta.get(META_PROTOCOL_VERSION) if isinstance(meta, dict) else None
+    if version_h is not None and body_version is not None and version_h != body_version:
+        raise HeaderMismatch("MCP-Protocol-Version", version_h, body_version)
+
+
+# -- idempotency fingerprint --------------------------------------------------------------------
+
+
+def fingerprint(message: Message, headers: Mapping[str, str] | None = None,
+                names: Iterable[str] = ()) -> str:
+    """The idempotency fingerprint of a request: 64 hex digits of SHA-256.
+
+    Covers the method, :attr:`Message.target` (the tool name for ``tools/call``),
+    ``params.arguments`` as canonical JSON (keys sorted at every depth, so key order does not
+    matter; ``1`` and ``1.0`` stay different), the MRTR continuation ``params.inputResponses``
+    and ``params.requestState`` (2026-07-28: the retry of a call that got an
+    ``InputRequiredResult`` has the same arguments and must not replay that result), and the
+    values of the headers ``names`` (case-insensitive; several values joined by ``", "``; an
+    absent header differs from an empty one). Never the JSON-RPC ``id`` nor ``params._meta``
+    (a progress token, client info): both change from one identical call to the next.
+    """
+    params = message.params or {}
+    chosen = sorted({n.lower() for n in names})
+    material = [
+        message.method, message.target, message.arguments,
+        params.get("inputResponses"), params.get("requestState"),
+        [[n, _header(headers, n) if headers is not None else None] for n in chosen],
+    ]
+    return hashlib.sha256(orjson.dumps(material, option=orjson.OPT_SORT_KEYS)).hexdigest()
+
+
+# -- answers: the response to a request, in JSON or SSE -----------------------------------------
+
+
+def _same_id(a: object, b: object) -> bool:
+    return type(a) is type(b) and a == b  # 1 and "1" are different ids
+
+
+def _is_response_to(doc: object, request_id: RequestId) -> bool:
+    return (isinstance(doc, dict) and "method" not in doc and ("result" in doc or "error" in doc)
+            and _same_id(doc.get("id"), request_id))
+
+
+def _is_anonymous_error(doc: object) -> bool:
+    """An error response without an id: the server could not read the request."""
+    return (isinstance(doc, dict) and "error" in doc and "method" not in doc
+            and doc.get("id") is None)
+
+
+def _is_sse(content_type: str | None) -> bool:
+    return (content_type or "").split(";", 1)[0].strip().lower() == SSE
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """The response to a request, found in an answer.
+
+    ``is_error_result``: ``result.isError`` is true (the tool ran and failed; the model sees
+    it). ``error_code``: the JSON-RPC error's code when the response is an error.
+    ``input_required``: ``result.resultType`` is ``"input_required"`` (2026-07-28 MRTR): the
+    call is not over, the client will send it again with ``inputResponses``.
+    """
+
+    is_error_result: bool = False
+    error_code: int | None = None
+    input_required: bool = False
+
+    @property
+    def tool_failure(self) -> bool:
+        """The default failure rule for a tool's breaker: an ``isError`` result, or a JSON-RPC
+        error other than -32602 invalid params (the caller's mistake)."""
+        return self.is_error_result or (self.error_code is not None
+                                        and self.error_code != INVALID_PARAMS)
+
+
+#: JSON-RPC "Internal error": stands for an error response whose code is not an integer.
+INTERNAL_ERROR = -32603
+
+
+def _outcome(doc: dict[str, Any]) -> Outcome:
+    if "error" in doc:
+        error = doc["error"]
+        code = error.get("code") if isinstance(error, dict) else None
+        if not isinstance(code, int) or isinstance(code, bool):
+            code = INTERNAL_ERROR  # still an error that ends the call
+        return Outcome(error_code=code)
+    result = doc["result"]
+    if not isinstance(result, dict):
+        return Outcome()
+    return Outcome(is_error_result=result.get("isError") is True,
+                   input_required=result.get("resultType") == "input_required")
+
+
+class AnswerTracker:
+    """Follows an answer as its bytes arrive and tells when the response to a request is in.
+
+    ``content_type`` is the answer's ``Content-Type``: ``text/event-stream`` is read event by
+    event (the response may follow progress notifications and, before 2026-07-28, server
+    requests); anything else is taken as one JSON document, complete only at :meth:`finish`.
+    A JSON-RPC batch answer (2025-03-26) counts once it holds the response to ``request_id``.
+    An error response with a ``null`` id (the server could not read the request) counts as
+    the response when the answer is JSON.
+
+    :meth:`feed` returns the :class:`Outcome` once the response has arrived (and on every
+    later call); :attr:`complete_at` is then the number of answer bytes up to the end of the
+    event carrying it, what to store. Memory grows with the answer; the caller bounds it.
+    """
+
+    def __init__(self, content_type: str | None, request_id: RequestId) -> None:
+        self.request_id = request_id
+        self.sse = _is_sse(content_type)
+        self.outcome: Outcome | None = None
+        self.complete_at: int | None = None
+        self._buf = b""      # JSON: the whole body; SSE: the unread tail
+        self._read = 0       # SSE: answer bytes before ``_buf``
+        self._data: list[bytes] = []
+
+    def feed(self, chunk: bytes) -> Outcome | None:
+        """Take the next bytes of the answer."""
+        if self.outcome is not None:
+            return self.outcome
+        self._buf += chunk
+        if self.sse:
+            self._lines(final=False)
+        return self.outcome
+
+    def finish(self) -> Outcome | None:
+        """The answer has ended: the outcome, or ``None`` if the response never came."""
+        if self.outcome is not None:
+            return self.outcome
+        if self.sse:
+            self._lines(final=True)  # a last line without its end of line still counts
+            return self.outcome      # an event not ended by a blank line is never dispatched
+        try:
+            doc = orjson.loads(self._buf)
+        except orjson.JSONDecodeError:
+            return None
+        if isinstance(doc, list):
+            found = next((d for d in doc if _is_response_to(d, self.request_id)), None)
+        elif _is_response_to(doc, self.request_id) or _is_anonymous_error(doc):
+            found = doc
+        else:
+            found = None
+        if found is not None:
+            self.outcome, self.complete_at = _outcome(found), len(self._buf)
+        return self.outcome
+
+    def _lines(self, *, final: bool) -> None:
+        buf, pos = self._buf, 0
+        while self.outcome is None:
+            cr, lf = buf.find(b"\r", pos), buf.find(b"\n", pos)
+            ends = [i for i in (cr, lf) if i >= 0]
+            if not ends:
+                if final and pos < len(buf):
+                    self._line(buf[pos:], len(buf))
+                    pos = len(buf)
+                break
+            end = min(ends)
+            if buf[end:end + 1] == b"\r" and end + 1 == len(buf) and not final:
+                break  # maybe the first half of CRLF: wait for the next byte
+            width = 2 if buf[end:end + 2] == b"\r\n" else 1
+            self._line(buf[pos:end], self._read + end + width)
+            pos = end + width
+        self._read += pos
+        self._buf = buf[pos:]
+
+    def _line(self, line: bytes, offset: int) -> None:
+        if not line:
+            if self._data:
+                self._event(b"\n".join(self._data), offset)
+                self._data = []
+            return
+        if line.startswith(b":"):
+            return  # a comment (keep-alive)
+        field, _, value = line.partition(b":")
+        if field == b"data":
+            self._data.append(value[1:] if value.startswith(b" ") else value)
+
+    def _event(self, data: bytes, offset: int) -> None:
+        doc = _loads_or_none(data)  # not JSON (a priming event's data is empty): not it
+        if _is_response_to(doc, self.request_id):
+            self.outcome, self.complete_at = _outcome(doc), offset
+
+
+def answer_outcome(answer: bytes, content_type: str | None,
+                   request_id: RequestId) -> Outcome | None:
+    """The :class:`Outcome` of a whole answer to ``request_id``; ``None`` if it holds no
+    response to it (see :class:`AnswerTracker` for what counts)."""
+    tracker = AnswerTracker(content_type, request_id)
+    tracker.feed(answer)
+    return tracker.finish()
+
+
+def rewrite_id(answer: bytes, content_type: str | None, old_id: RequestId,
+               new_id: RequestId) -> bytes:
+    """A stored answer to request ``old_id``, made the answer to request ``new_id``.
+
+    JSON: the response object (or the batch member) whose id is ``old_id`` gets ``new_id``
+    and is written back compactly. SSE (``text/event-stream``): the event whose data is that
+    response gets it, its ``data:`` lines becoming one; every other byte (notifications,
+    server requests and their ids, event ids, comments, line ends) stays as it was.
+
+    Raises :class:`UnusableAnswer` when the answer holds no response to ``old_id``: an answer
+    with another request's id makes every official client wait until its own timeout
+    (docs/mcp.md), so such an answer must not be replayed.
+    """
+    if _is_sse(content_type):
+        return _rewrite_sse(answer, old_id, new_id)
+    try:
+        doc = orjson.loads(answer)
+    except orjson.JSONDecodeError:
+        raise UnusableAnswer("the stored answer is not JSON") from None
+    docs = doc if isinstance(doc, list) else [doc]
+    for each in docs:
+        if _is_response_to(each, old_id):
+            each["id"] = new_id
+            return orjson.dumps(doc)
+    raise UnusableAnswer(f"the stored answer holds no response to id {old_id!r}")
+
+
+_LINE = re.compile(rb"[^\r\n]*(?:\r\n|\r|\n)|[^\r\n]+\Z")
+
+
+def _rewrite_sse(answer: bytes, old_id: RequestId, new_id: RequestId) -> bytes:
+    lines = [m.group() for m in _LINE.finditer(answer)]  # each with its line end, if any
+    data: list[int] = []  # the current event's ``data`` lines, by index
+    for i, line in enumerate(lines):
+        content = line.rstrip(b"\r\n")
+        if content:
+            if content.partition(b":")[0] == b"data":
+                data.append(i)
+            continue
+        # A blank line ends the event. (An event cut off before one is never dispatched.)
+        doc = _loads_or_none(b"\n".join(_data_value(lines[j]) for j in data)) if data else None
+        if _is_response_to(doc, old_id):
+            assert isinstance(doc, dict)
+            doc["id"] = new_id
+            first = lines[data[0]]
+            rewritten = b"data: " + orjson.dumps(doc) + first[len(first.rstrip(b"\r\n")):]
+            return b"".join([*lines[:data[0]], rewritten,
+                             *(lines[j] for j in range(data[0] + 1, len(lines))
+                               if j not in data)])
+        data = []
+    raise UnusableAnswer(f"the stored stream holds no response to id {old_id!r}")
+
+
+def _loads_or_none(data: bytes) -> Any:
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return None
+
+
+def _data_value(line: bytes) -> bytes:
+    value = line.rstrip(b"\r\n").partition(b":")[2]
+    return value[1:] if value.startswith(b" ") else value
+
+
+# -- refusals -----------------------------------------------------------------------------------
+
+
+def refusal(request_id: RequestId | None, code: int, message: str, *, reason: str,
+            retry_after_ms: int | None = None, **data: Any) -> bytes:
+    """The JSON-RPC error body Sluice answers a refused MCP call with.
+
+    docs/mcp.md measured the official clients: sent with HTTP 200 and ``Content-Type:
+    application/json`` it fails that one call on each of them, and the caller can read
+    ``data``; with HTTP 429 or 503, the Python ``mcp`` 1.x client tears down the whole session.
+    ``code`` should be the refusal's HTTP meaning (429 quota, 503 overload): outside the range
+    JSON-RPC and MCP reserve (-32768..-32000), as 2026-07-28 asks of application codes. ``data``
+    is ``{"reason": reason, "retryAfterMs": retry_after_ms, **data}`` (``retryAfterMs`` left
+    out when ``None``). ``request_id`` ``None`` gives ``"id": null`` (the request was
+    unreadable).
+    """
+    if -32768 <= code <= -32000:
+        raise ValueError(f"code {code} is in the range JSON-RPC and MCP reserve")
+    payload: dict[str, Any] = {"reason": reason}
+    if retry_after_ms is not None:
+        payload["retryAfterMs"] = retry_after_ms
+    payload.update(data)
+    return orjson.dumps({"jsonrpc": "2.0", "id": request_id,
+                         "error": {"code": code, "message": message, "data": payload}})

@@ -1,0 +1,304 @@
+"""A real MCP server for end-to-end tests: the official SDK's ``MCPServer`` over streamable HTTP.
+
+``run_mcp_server()`` starts it in its own process (the test venv's Python, so the ``mcp`` 2.x
+package of the ``test`` extra) on 127.0.0.1 and a port the child picks itself, waits until
+uvicorn has started, and yields an :class:`McpServer`; leaving the block stops the process.
+The pytest fixtures ``mcp_stateless`` and ``mcp_session`` wrap it; ``mcp_server_factory`` starts
+servers with other options. Startup costs about 1 s (importing the SDK).
+
+Modes:
+    ``stateless``  ``stateless_http=True``: no ``Mcp-Session-Id``, no GET stream, a fresh
+                   transport per POST (the mode most deployed tool servers use).
+    ``session``    a session per ``initialize``: ``Mcp-Session-Id`` on every request, the
+                   client's GET stream for server messages, DELETE at the end.
+Clients of protocol 2026-07-28 (the ``mcp`` 2.x client in its default ``mode="auto"``) use
+neither: they send ``server/discover`` and per-request POSTs with ``Mcp-Method`` / ``Mcp-Name``;
+the same server answers them in both modes.
+
+Tools (all answer on ``/mcp``):
+    ``add(a: int, b: int) -> int``           at once
+    ``slow(seconds: float = 2.0) -> str``    sleeps ``seconds`` (at most 30), then ``"slept"``
+    ``send(to: str, body: str = "") -> str`` the side effect: appends one line
+                                             ``{"to", "body"}`` to the count file, returns
+                                             ``"sent #N"``
+    ``sends() -> int``                       how many times ``send`` has run
+    ``fail(message: str = "tool failed")``   a tool failure: a result with ``isError: true``
+    ``notify() -> str``                      sends ``notifications/tools/list_changed`` on the
+                                             session's GET stream (session mode, 2025 clients)
+
+``McpServer.sends()`` reads the count file directly, without an MCP call, so a test can count
+executions behind a proxy without going through it.
+
+Options: ``json_response=True`` answers requests with ``application/json`` instead of SSE;
+``resumable=True`` gives the server an in-memory event store, so its SSE events carry ids and the
+client may reconnect with ``Last-Event-ID``.
+
+Run by hand: ``python tests/mcp_servers.py --mode session --port 9000``.
+"""
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import pytest
+
+Mode = Literal["stateless", "session"]
+
+#: Seconds to wait for the child to report its port.
+STARTUP_TIMEOUT_S = 20.0
+
+#: The path the server answers MCP on.
+MCP_PATH = "/mcp"
+
+
+@dataclass(frozen=True)
+class McpServer:
+    """A running MCP server process and where to reach it."""
+
+    mode: Mode
+    port: int
+    count_file: Path
+    proc: subprocess.Popen[bytes]
+
+    @property
+    def url(self) -> str:
+        """The MCP endpoint, ``http://127.0.0.1:PORT/mcp``."""
+        return f"http://127.0.0.1:{self.port}{MCP_PATH}"
+
+    @property
+    def base_url(self) -> str:
+        """``http://127.0.0.1:PORT``, to put behind a proxy route."""
+        return f"http://127.0.0.1:{self.port}"
+
+    def sends(self) -> int:
+        """How many times the ``send`` tool has executed (its side effect), read from the file."""
+        if not self.count_file.exists():
+            return 0
+        return sum(1 for line in self.count_file.read_text().splitlines() if line)
+
+    def sent(self) -> list[dict[str, Any]]:
+        """The arguments of every ``send`` execution, oldest first."""
+        if not self.count_file.exists():
+            return []
+        return [json.loads(line) for line in self.count_file.read_text().splitlines() if line]
+
+    def reset_sends(self) -> None:
+        """Forget past ``send`` executions (the tool counts on from the file)."""
+        self.count_file.write_text("")
+
+
+@contextlib.contextmanager
+def run_mcp_server(
+    mode: Mode = "stateless",
+    *,
+    count_file: Path,
+    json_response: bool = False,
+    resumable: bool = False,
+) -> Iterator[McpServer]:
+    """Start the server in a child process and stop it (SIGTERM, then SIGKILL) on exit.
+
+    Raises ``RuntimeError`` with the child's stderr if it does not report a port within
+    ``STARTUP_TIMEOUT_S``.
+    """
+    count_file.write_text("")
+    args = [sys.executable, str(Path(__file__).resolve()), "--mode", mode,
+            "--port", "0", "--count-file", str(count_file)]
+    if json_response:
+        args.append("--json-response")
+    if resumable:
+        args.append("--resumable")
+    stderr_path = count_file.with_suffix(".stderr")
+    with stderr_path.open("wb") as stderr:
+        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=stderr,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        port = _read_port(proc, stderr_path)
+        yield McpServer(mode=mode, port=port, count_file=count_file, proc=proc)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+def _read_port(proc: subprocess.Popen[bytes], stderr_path: Path) -> int:
+    assert proc.stdout is not None
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    os.set_blocking(proc.stdout.fileno(), False)
+    buf = b""
+    while time.monotonic() < deadline:
+        chunk = proc.stdout.read()
+        if chunk:
+            buf += chunk
+            if b"\n" in buf:
+                line = buf.split(b"\n", 1)[0].decode()
+                if line.startswith("PORT "):
+                    return int(line.split()[1])
+        if proc.poll() is not None:
+            break
+        time.sleep(0.02)
+    proc.kill()
+    raise RuntimeError(f"MCP server did not start: {stderr_path.read_text()[-2000:]}")
+
+
+# -- pytest fixtures (import them into a test module) ------------------------------------------
+
+
+@pytest.fixture
+def mcp_stateless(tmp_path: Path) -> Iterator[McpServer]:
+    """A ``stateless_http=True`` server for one test."""
+    with run_mcp_server("stateless", count_file=tmp_path / "sends-stateless.jsonl") as srv:
+        yield srv
+
+
+@pytest.fixture
+def mcp_session(tmp_path: Path) -> Iterator[McpServer]:
+    """A session-mode server (``Mcp-Session-Id``, GET stream, DELETE) for one test."""
+    with run_mcp_server("session", count_file=tmp_path / "sends-session.jsonl") as srv:
+        yield srv
+
+
+@pytest.fixture
+def mcp_server_factory(tmp_path: Path) -> Iterator[Any]:
+    """``start(mode, json_response=False, resumable=False) -> McpServer``; all stop at the end."""
+    with contextlib.ExitStack() as stack:
+        n = 0
+
+        def start(mode: Mode = "stateless", **options: bool) -> McpServer:
+            nonlocal n
+            n += 1
+            return stack.enter_context(run_mcp_server(
+                mode, count_file=tmp_path / f"sends-{n}.jsonl", **options))
+
+        yield start
+
+
+# -- the child process --------------------------------------------------------------------------
+
+
+def _build(count_file: Path) -> Any:
+    # This module has no ``from __future__ import annotations``: the SDK reads the tools'
+    # annotations at runtime, and ``Context`` is only imported here, in the child.
+    from mcp.server.mcpserver import Context, MCPServer
+    from mcp.server.mcpserver.exceptions import ToolError
+
+    server = MCPServer("sluice-test-tools")
+
+    @server.tool()
+    async def add(a: int, b: int) -> int:
+        """Add two integers."""
+        return a + b
+
+    @server.tool()
+    async def slow(seconds: float = 2.0) -> str:
+        """Sleep for ``seconds`` (at most 30), then answer."""
+        await asyncio.sleep(min(max(seconds, 0.0), 30.0))
+        return "slept"
+
+    @server.tool()
+    async def send(to: str, body: str = "") -> str:
+        """A side effect: record one delivery."""
+        with count_file.open("a") as f:
+            f.write(json.dumps({"to": to, "body": body}) + "\n")
+        return f"sent #{_count(count_file)}"
+
+    @server.tool()
+    async def sends() -> int:
+        """How many times ``send`` has run."""
+        return _count(count_file)
+
+    @server.tool()
+    async def fail(message: str = "tool failed") -> str:
+        """Always fails as a tool: the result has ``isError: true``."""
+        raise ToolError(message)
+
+    @server.tool()
+    async def notify(ctx: Context) -> str:
+        """Send ``notifications/tools/list_changed`` on the session's GET stream."""
+        await ctx.session.send_tool_list_changed()
+        return "notified"
+
+    return server
+
+
+def _count(count_file: Path) -> int:
+    return sum(1 for line in count_file.read_text().splitlines() if line)
+
+
+def _event_store() -> Any:
+    from mcp.server.streamable_http import EventMessage, EventStore
+
+    class MemoryEventStore(EventStore):
+        """Every event kept in order; ids are ``<stream>:<n>``."""
+
+        def __init__(self) -> None:
+            self.events: list[tuple[str, str, Any]] = []
+
+        async def store_event(self, stream_id: str, message: Any) -> str:
+            event_id = f"{stream_id}:{len(self.events)}"
+            self.events.append((event_id, stream_id, message))
+            return event_id
+
+        async def replay_events_after(self, last_event_id: str, send_callback: Any) -> str | None:
+            ids = [e[0] for e in self.events]
+            if last_event_id not in ids:
+                return None
+            stream_id = self.events[ids.index(last_event_id)][1]
+            for event_id, sid, message in self.events[ids.index(last_event_id) + 1:]:
+                if sid == stream_id and message is not None:
+                    await send_callback(EventMessage(message, event_id))
+            return stream_id
+
+    return MemoryEventStore()
+
+
+async def _serve(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    server = _build(Path(args.count_file))
+    app = server.streamable_http_app(
+        stateless_http=args.mode == "stateless",
+        json_response=args.json_response,
+        event_store=_event_store() if args.resumable else None,
+    )
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", args.port))
+    uv = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+
+    async def announce() -> None:
+        while not uv.started:
+            await asyncio.sleep(0.01)
+        print(f"PORT {sock.getsockname()[1]}", flush=True)
+
+    announcer = asyncio.ensure_future(announce())
+    await uv.serve(sockets=[sock])
+    announcer.cancel()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--mode", choices=["stateless", "session"], default="stateless")
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--count-file", default="mcp-sends.jsonl")
+    parser.add_argument("--json-response", action="store_true")
+    parser.add_argument("--resumable", action="store_true")
+    asyncio.run(_serve(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    main()
