@@ -8,6 +8,7 @@ against both, and against a Redis Cluster):
 kind                          interface                       module
 ============================  ==============================  =================================
 rate buckets (GCRA)           :class:`RateBuckets`            :mod:`policies.state.rate`
+budget ledger                 :class:`Ledger`                 :mod:`policies.state.ledger`
 ============================  ==============================  =================================
 
 The methods take plain values (strings, numbers, bytes), never config objects; a *group*
@@ -23,10 +24,12 @@ from dataclasses import dataclass
 
 from policies.state.connection import Health, RedisState, redact_url
 from policies.state.errors import StateUnavailable
+from policies.state.ledger import Ledger, MemoryLedger, RedisLedger
 from policies.state.rate import MemoryRateBuckets, RateBuckets, RedisRateBuckets
 
 __all__ = [
     "Health",
+    "Ledger",
     "RateBuckets",
     "RedisState",
     "StateBackends",
@@ -48,6 +51,7 @@ class StateBackends:
 
     health: Health
     rates: RateBuckets
+    ledger: Ledger
     redis: RedisState | None = None
 
     async def close(self) -> None:
@@ -63,6 +67,7 @@ def memory_backends() -> StateBackends:
     return StateBackends(
         health=health,
         rates=MemoryRateBuckets(),
+        ledger=MemoryLedger(),
     )
 
 
@@ -93,4 +98,5 @@ async def redis_backends(url: str, prefix: str, timeout_s: float, *,
         health=state.health,
         redis=state,
         rates=RedisRateBuckets(state),
+        ledger=RedisLedger(state),
     )
