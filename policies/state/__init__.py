@@ -9,6 +9,7 @@ kind                          interface                       module
 ============================  ==============================  =================================
 rate buckets (GCRA)           :class:`RateBuckets`            :mod:`policies.state.rate`
 budget ledger                 :class:`Ledger`                 :mod:`policies.state.ledger`
+concurrency leases            :class:`Leases`                 :mod:`policies.state.leases`
 ============================  ==============================  =================================
 
 The methods take plain values (strings, numbers, bytes), never config objects; a *group*
@@ -24,11 +25,13 @@ from dataclasses import dataclass
 
 from policies.state.connection import Health, RedisState, redact_url
 from policies.state.errors import StateUnavailable
+from policies.state.leases import Leases, MemoryLeases, RedisLeases
 from policies.state.ledger import Ledger, MemoryLedger, RedisLedger
 from policies.state.rate import MemoryRateBuckets, RateBuckets, RedisRateBuckets
 
 __all__ = [
     "Health",
+    "Leases",
     "Ledger",
     "RateBuckets",
     "RedisState",
@@ -52,6 +55,7 @@ class StateBackends:
     health: Health
     rates: RateBuckets
     ledger: Ledger
+    leases: Leases
     redis: RedisState | None = None
 
     async def close(self) -> None:
@@ -68,6 +72,7 @@ def memory_backends() -> StateBackends:
         health=health,
         rates=MemoryRateBuckets(),
         ledger=MemoryLedger(),
+        leases=MemoryLeases(),
     )
 
 
@@ -99,4 +104,5 @@ async def redis_backends(url: str, prefix: str, timeout_s: float, *,
         redis=state,
         rates=RedisRateBuckets(state),
         ledger=RedisLedger(state),
+        leases=RedisLeases(state),
     )

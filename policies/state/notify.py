@@ -122,6 +122,7 @@ class RedisNotifier:
         self._task: asyncio.Task[None] | None = None
         self._connected = asyncio.Event()
         self._home = state.prefix + ":notify"  # keeps the connection subscribed when idle
+        self._closing = False
 
     @contextlib.asynccontextmanager
     async def watch(self, channel: str) -> AsyncIterator[Signal]:
@@ -137,15 +138,25 @@ class RedisNotifier:
                 self._watchers.pop(channel, None)
 
     async def close(self) -> None:
+        self._closing = True
         task, self._task = self._task, None
-        if task is not None:
+        if task is None:
+            return
+        # A cancellation can be lost inside redis-py's pub/sub read (seen with redis 8.1 on
+        # Python 3.11: the task stays "cancelling" and reads on), so cancel until it ends;
+        # the loop also stops by itself at its next read timeout.
+        for _ in range(int(READ_TIMEOUT_S / 0.05) + 10):
             task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            done, _ = await asyncio.wait([task], timeout=0.05)
+            if done:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    task.result()
+                return
+        log.warning("the pub/sub listener did not stop")
 
     async def _subscribe(self, channel: str) -> None:
         """Subscribe ``channel`` if it is not; best effort, bounded by the state timeout."""
-        if channel in self._subscribed:
+        if channel in self._subscribed or self._closing:
             return
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._listen(), name="sluice-state-notify")
@@ -168,7 +179,7 @@ class RedisNotifier:
                 del self._confirm[channel]
 
     async def _listen(self) -> None:
-        while True:
+        while not self._closing:
             pubsub: PubSub | None = None
             client: Redis | None = None
             try:
@@ -178,7 +189,7 @@ class RedisNotifier:
                     await pubsub.subscribe(self._home, *self._watchers)
                 self._pubsub = pubsub
                 self._connected.set()
-                while True:
+                while not self._closing:
                     message = await pubsub.get_message(timeout=READ_TIMEOUT_S)
                     if message is not None:
                         await self._dispatch(pubsub, message)
