@@ -10,6 +10,7 @@ kind                          interface                       module
 rate buckets (GCRA)           :class:`RateBuckets`            :mod:`policies.state.rate`
 budget ledger                 :class:`Ledger`                 :mod:`policies.state.ledger`
 concurrency leases            :class:`Leases`                 :mod:`policies.state.leases`
+idempotency records/markers   :class:`IdempotencyRecords`     :mod:`policies.state.idempotency`
 ============================  ==============================  =================================
 
 The methods take plain values (strings, numbers, bytes), never config objects; a *group*
@@ -25,12 +26,18 @@ from dataclasses import dataclass
 
 from policies.state.connection import Health, RedisState, redact_url
 from policies.state.errors import StateUnavailable
+from policies.state.idempotency import (
+    IdempotencyRecords,
+    MemoryIdempotencyRecords,
+    RedisIdempotencyRecords,
+)
 from policies.state.leases import Leases, MemoryLeases, RedisLeases
 from policies.state.ledger import Ledger, MemoryLedger, RedisLedger
 from policies.state.rate import MemoryRateBuckets, RateBuckets, RedisRateBuckets
 
 __all__ = [
     "Health",
+    "IdempotencyRecords",
     "Leases",
     "Ledger",
     "RateBuckets",
@@ -56,6 +63,7 @@ class StateBackends:
     rates: RateBuckets
     ledger: Ledger
     leases: Leases
+    idempotency: IdempotencyRecords
     redis: RedisState | None = None
 
     async def close(self) -> None:
@@ -73,6 +81,7 @@ def memory_backends() -> StateBackends:
         rates=MemoryRateBuckets(),
         ledger=MemoryLedger(),
         leases=MemoryLeases(),
+        idempotency=MemoryIdempotencyRecords(),
     )
 
 
@@ -105,4 +114,5 @@ async def redis_backends(url: str, prefix: str, timeout_s: float, *,
         rates=RedisRateBuckets(state),
         ledger=RedisLedger(state),
         leases=RedisLeases(state),
+        idempotency=RedisIdempotencyRecords(state),
     )
