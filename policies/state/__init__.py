@@ -11,6 +11,7 @@ rate buckets (GCRA)           :class:`RateBuckets`            :mod:`policies.sta
 budget ledger                 :class:`Ledger`                 :mod:`policies.state.ledger`
 concurrency leases            :class:`Leases`                 :mod:`policies.state.leases`
 idempotency records/markers   :class:`IdempotencyRecords`     :mod:`policies.state.idempotency`
+circuit breakers              :class:`BreakerStates`          :mod:`policies.state.breaker`
 ============================  ==============================  =================================
 
 The methods take plain values (strings, numbers, bytes), never config objects; a *group*
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from policies.state.breaker import BreakerStates, MemoryBreakerStates, RedisBreakerStates
 from policies.state.connection import Health, RedisState, redact_url
 from policies.state.errors import StateUnavailable
 from policies.state.idempotency import (
@@ -36,6 +38,7 @@ from policies.state.ledger import Ledger, MemoryLedger, RedisLedger
 from policies.state.rate import MemoryRateBuckets, RateBuckets, RedisRateBuckets
 
 __all__ = [
+    "BreakerStates",
     "Health",
     "IdempotencyRecords",
     "Leases",
@@ -64,6 +67,7 @@ class StateBackends:
     ledger: Ledger
     leases: Leases
     idempotency: IdempotencyRecords
+    breakers: BreakerStates
     redis: RedisState | None = None
 
     async def close(self) -> None:
@@ -82,6 +86,7 @@ def memory_backends() -> StateBackends:
         ledger=MemoryLedger(),
         leases=MemoryLeases(),
         idempotency=MemoryIdempotencyRecords(),
+        breakers=MemoryBreakerStates(),
     )
 
 
@@ -115,4 +120,5 @@ async def redis_backends(url: str, prefix: str, timeout_s: float, *,
         ledger=RedisLedger(state),
         leases=RedisLeases(state),
         idempotency=RedisIdempotencyRecords(state),
+        breakers=RedisBreakerStates(state),
     )
