@@ -12,6 +12,7 @@ budget ledger                 :class:`Ledger`                 :mod:`policies.sta
 concurrency leases            :class:`Leases`                 :mod:`policies.state.leases`
 idempotency records/markers   :class:`IdempotencyRecords`     :mod:`policies.state.idempotency`
 circuit breakers              :class:`BreakerStates`          :mod:`policies.state.breaker`
+dead letters                  :class:`DeadLetterStore`        :mod:`policies.state.deadletters`
 ============================  ==============================  =================================
 
 The methods take plain values (strings, numbers, bytes), never config objects; a *group*
@@ -27,6 +28,11 @@ from dataclasses import dataclass
 
 from policies.state.breaker import BreakerStates, MemoryBreakerStates, RedisBreakerStates
 from policies.state.connection import Health, RedisState, redact_url
+from policies.state.deadletters import (
+    DeadLetterStore,
+    MemoryDeadLetterStore,
+    RedisDeadLetterStore,
+)
 from policies.state.errors import StateUnavailable
 from policies.state.idempotency import (
     IdempotencyRecords,
@@ -39,6 +45,7 @@ from policies.state.rate import MemoryRateBuckets, RateBuckets, RedisRateBuckets
 
 __all__ = [
     "BreakerStates",
+    "DeadLetterStore",
     "Health",
     "IdempotencyRecords",
     "Leases",
@@ -68,6 +75,7 @@ class StateBackends:
     leases: Leases
     idempotency: IdempotencyRecords
     breakers: BreakerStates
+    dead_letters: DeadLetterStore
     redis: RedisState | None = None
 
     async def close(self) -> None:
@@ -87,6 +95,7 @@ def memory_backends() -> StateBackends:
         leases=MemoryLeases(),
         idempotency=MemoryIdempotencyRecords(),
         breakers=MemoryBreakerStates(),
+        dead_letters=MemoryDeadLetterStore(),
     )
 
 
@@ -121,4 +130,5 @@ async def redis_backends(url: str, prefix: str, timeout_s: float, *,
         leases=RedisLeases(state),
         idempotency=RedisIdempotencyRecords(state),
         breakers=RedisBreakerStates(state),
+        dead_letters=RedisDeadLetterStore(state),
     )
