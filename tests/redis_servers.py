@@ -47,6 +47,8 @@ def answers(url: str) -> bool:
     try:
         with redis.Redis.from_url(url, socket_timeout=0.5, socket_connect_timeout=0.5) as r:
             return bool(r.ping())
+    except redis.AuthenticationError:
+        return True  # up, and wanting a password
     except (redis.RedisError, OSError):
         return False
 
