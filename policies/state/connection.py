@@ -43,6 +43,7 @@ from redis.backoff import NoBackoff
 from redis.commands.core import AsyncScript
 
 from policies.state.errors import StateUnavailable, is_unavailable
+from policies.state.notify import RedisNotifier
 
 log = logging.getLogger("sluice.state")
 
@@ -192,7 +193,6 @@ class RedisState:
         self._client: Redis | RedisCluster | None = None
         self._monitor: asyncio.Task[None] | None = None
         self._closed = False
-        from policies.state.notify import RedisNotifier  # the notifier needs this module
         self.notifier = RedisNotifier(self)
 
     def __repr__(self) -> str:
@@ -252,9 +252,15 @@ class RedisState:
     async def _watch(self) -> None:
         while not self._closed:
             await asyncio.sleep(self.probe_interval_s)
-            if not self.health.up:
-                with contextlib.suppress(StateUnavailable):
-                    await self.probe()
+            if self.health.up:
+                continue
+            try:
+                await self.probe()
+            except StateUnavailable:
+                pass
+            except Exception as exc:  # e.g. a cluster URL naming db 1: say so, keep probing
+                self.health.fail(describe(exc))
+                log.error("state backend probe: %s", describe(exc))
 
     async def _connect(self) -> Redis | RedisCluster:
         """A client for whatever the URL names (``INFO cluster``'s ``cluster_enabled``)."""
@@ -276,6 +282,10 @@ class RedisState:
             return single
         await single.aclose()
         await pool.disconnect()
+        db = parse_url(self.url).get("db") or 0
+        if int(db) != 0:
+            raise ValueError(f"{redact_url(self.url)} names database {db}, but a Redis Cluster "
+                             "has only database 0")
         cluster = RedisCluster.from_url(
             self.url, retry=Retry(NoBackoff(), 0), max_connections=self.max_connections,
             socket_timeout=self.timeout_s, socket_connect_timeout=self.timeout_s,
@@ -321,8 +331,8 @@ class RedisState:
         client = self._client
         monitored = self._monitor is not None and not self._monitor.done()
         if client is None or (monitored and not self.health.up):
-            raise StateUnavailable(
-                f"state backend unavailable: {self.health.last_error}", self.probe_interval_s)
+            why = self.health.last_error or "not connected yet"
+            raise StateUnavailable(f"state backend unavailable: {why}", self.probe_interval_s)
         try:
             async with asyncio.timeout(self.timeout_s):
                 result = await op(client)

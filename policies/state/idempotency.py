@@ -40,9 +40,24 @@ from policies.idempotency_store import DONE, SEEN, TOO_LARGE
 from policies.state.connection import RedisState, Script
 from policies.state.notify import MemoryNotifier, Signal
 
-__all__ = ["DONE", "SEEN", "TOO_LARGE", "Answer", "Begin"]
+__all__ = [
+    "CLAIMED",
+    "DONE",
+    "FINISHED",
+    "IN_FLIGHT",
+    "SEEN",
+    "TOO_LARGE",
+    "Answer",
+    "Begin",
+    "IdempotencyRecords",
+    "MemoryIdempotencyRecords",
+    "RedisIdempotencyRecords",
+    "new_owner",
+    "wait_for_answer",
+]
 
-#: :attr:`Begin.state` values.
+#: :attr:`Begin.state` values (the record kinds SEEN, DONE, TOO_LARGE are
+#: :mod:`policies.idempotency_store`'s, re-exported here).
 CLAIMED = "claimed"
 IN_FLIGHT = "in_flight"
 FINISHED = "done"
