@@ -112,6 +112,7 @@ class RedisServer:
         deadline = time.monotonic() + 5
         while not answers(self.url):
             if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
                 raise RuntimeError(f"redis-server on port {self.port} did not start")
             time.sleep(0.02)
         return self
