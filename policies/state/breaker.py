@@ -1,0 +1,422 @@
+"""Circuit-breaker state shared by every replica: one state machine per route, in one place.
+
+The machine of :mod:`policies.breaker` (Nygard's closed / open / half-open, with
+Resilience4j's names and pybreaker's counters), kept where every replica reads and changes it
+atomically, so that a breaker opened by one replica's failures refuses on all of them at
+their next call, and half-open lets exactly one probe through across all of them:
+
+* **closed** admits every attempt. A failure adds to the consecutive-failure count (a success
+  resets it) and opens at ``fail_max``; when ``window_s`` is set, outcomes also go into a
+  time window of one-second buckets, which opens once it holds ``min_calls`` outcomes of
+  which at least ``rate`` failed (Resilience4j's TIME_BASED window).
+* **open** refuses until ``open_until``; the first attempt after it moves to half-open.
+* **half-open** admits one probe at a time: a *probe lease* (``SET NX PX probe_s``) that the
+  probe's outcome removes, or that lapses if the probing replica dies. ``success_threshold``
+  successful probes in a row close; a failed probe opens again.
+
+Each transition bumps an *epoch*; an attempt's :class:`Ticket` carries the epoch it was
+admitted in, and an outcome from an older epoch changes nothing (a closed-state failure that
+lands after the breaker went half-open must not re-open it). Every transition is reported to
+the one caller whose call made it (:attr:`Verdict.transition`), so each is put on the
+timeline once. An upstream ``Retry-After`` seen while open can lengthen the open time
+(``hint_s``), never shorten it. Time is the server's (``TIME``, milliseconds).
+
+Redis layout: ``<prefix>:{<group>}:breaker`` a hash (state, epoch, counters, open-until,
+cause), ``...:breaker:window`` a hash of per-second counts, ``...:breaker:probe`` the probe
+lease.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Callable
+from typing import NamedTuple, Protocol
+
+from policies.state.connection import RedisState, Script
+
+#: Breaker states, numbered as the ``sluice_circuit_state`` gauge.
+CLOSED, HALF_OPEN, OPEN = 0, 1, 2
+STATE_NAMES = {CLOSED: "closed", HALF_OPEN: "half-open", OPEN: "open"}
+#: Outcomes, as :func:`policies.breaker.classify` numbers them.
+SUCCESS, FAILURE, NEUTRAL = 0, 1, 2
+#: Transitions (:attr:`Verdict.transition`).
+OPENED, HALF_OPENED, CLOSED_AGAIN = "opened", "half_open", "closed"
+
+
+class BreakerParams(NamedTuple):
+    """A route's ``circuit_breaker`` block as plain values.
+
+    Attributes:
+        fail_max: consecutive failures that open.
+        reset_s: how long it stays open, seconds.
+        success_threshold: successful probes in a row that close.
+        window_s: the failure-rate window, seconds, or ``None`` for none.
+        rate: failure fraction over the window that opens (with ``window_s``).
+        min_calls: outcomes the window needs before it can open.
+        probe_s: how long a probe may hold the half-open lease, seconds (its attempt's
+            time limit): past it, another replica may probe.
+    """
+
+    fail_max: int
+    reset_s: float
+    success_threshold: int = 1
+    window_s: float | None = None
+    rate: float = 1.0
+    min_calls: int = 1
+    probe_s: float = 30.0
+
+
+class Ticket(NamedTuple):
+    """Permission for one attempt: the epoch it was admitted in, and its probe token when it
+    is the half-open probe (``None`` otherwise)."""
+
+    epoch: int
+    probe: str | None = None
+
+
+class Admission(NamedTuple):
+    """The answer of :meth:`BreakerStates.admit`.
+
+    Attributes:
+        allowed: the attempt may go upstream.
+        ticket: pass to :meth:`BreakerStates.record` (when allowed).
+        wait_s: when refused, seconds until open ends, or until the probe's lease lapses.
+        state: CLOSED, HALF_OPEN or OPEN after this call.
+        transition: ``half_open`` when this call moved the breaker there, else ``None``.
+        cause: why it last opened (``fail_max``, ``failure_rate``, ``probe_failed``).
+    """
+
+    allowed: bool
+    ticket: Ticket
+    wait_s: float
+    state: int
+    transition: str | None
+    cause: str
+
+
+class Verdict(NamedTuple):
+    """The answer of :meth:`BreakerStates.record`: the state after it, the transition this
+    outcome caused (``opened``, ``closed``, or ``None``), why it last opened, and seconds until
+    open ends (0 unless open)."""
+
+    state: int
+    transition: str | None
+    cause: str
+    open_for_s: float
+
+
+class View(NamedTuple):
+    """The breaker as it stands (:meth:`BreakerStates.view`): state, seconds until open
+    ends, whether a probe holds the lease, why it last opened, and its epoch."""
+
+    state: int
+    open_for_s: float
+    probing: bool
+    cause: str
+    epoch: int
+
+
+class BreakerStates(Protocol):
+    """Shared breakers, one per group (route). Every method is one round trip.
+
+    Raises (every method):
+        StateUnavailable: the backend did not answer in time (Redis only).
+    """
+
+    async def admit(self, group: str, params: BreakerParams) -> Admission:
+        """Permission for one attempt (moves open to half-open once its time is up, and
+        makes this attempt the probe if the probe lease is free)."""
+        ...
+
+    async def record(self, group: str, ticket: Ticket, outcome: int, params: BreakerParams,
+                     hint_s: float | None = None) -> Verdict:
+        """Feed the outcome (SUCCESS, FAILURE or NEUTRAL) of the attempt ``ticket`` admitted;
+        it frees the probe lease if it held it. ``hint_s``: the upstream asked for this
+        long a pause (a 429/503 ``Retry-After``): an open breaker stays open at least that
+        long."""
+        ...
+
+    async def view(self, group: str) -> View:
+        """Read the breaker without changing it."""
+        ...
+
+
+def new_token() -> str:
+    """A random probe token (64 bits, hex)."""
+    return os.urandom(8).hex()
+
+
+# -- memory -----------------------------------------------------------------------------------
+
+
+class _Machine:
+    __slots__ = ("cause", "epoch", "failures", "open_until", "probe", "state", "successes",
+                 "window")
+
+    def __init__(self) -> None:
+        self.state = CLOSED
+        self.epoch = 0
+        self.failures = 0
+        self.successes = 0
+        self.open_until = 0  # ms
+        self.cause = ""
+        self.probe: tuple[str, int] | None = None  # token, lease expiry (ms)
+        self.window: dict[int, list[int]] = {}  # second -> [calls, failures]
+
+
+class MemoryBreakerStates:
+    """The breakers of one process (time from ``clock``, seconds, counted in whole
+    milliseconds as Redis does); nothing suspends."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._machines: dict[str, _Machine] = {}
+
+    def _machine(self, group: str) -> _Machine:
+        machine = self._machines.get(group)
+        if machine is None:
+            machine = self._machines[group] = _Machine()
+        return machine
+
+    async def admit(self, group: str, params: BreakerParams) -> Admission:
+        m = self._machine(group)
+        now = int(self._clock() * 1000)
+        if m.state == CLOSED:
+            return Admission(True, Ticket(m.epoch), 0.0, CLOSED, None, m.cause)
+        transition = None
+        if m.state == OPEN:
+            if now < m.open_until:
+                return Admission(False, Ticket(m.epoch), (m.open_until - now) / 1000, OPEN,
+                                 None, m.cause)
+            m.state, m.epoch, m.successes, m.probe = HALF_OPEN, m.epoch + 1, 0, None
+            transition = HALF_OPENED
+        if m.probe is not None and m.probe[1] > now:
+            return Admission(False, Ticket(m.epoch), (m.probe[1] - now) / 1000, HALF_OPEN,
+                             transition, m.cause)
+        token = new_token()
+        m.probe = (token, now + _ms(params.probe_s))
+        return Admission(True, Ticket(m.epoch, token), 0.0, HALF_OPEN, transition, m.cause)
+
+    async def record(self, group: str, ticket: Ticket, outcome: int, params: BreakerParams,
+                     hint_s: float | None = None) -> Verdict:
+        m = self._machine(group)
+        now = int(self._clock() * 1000)
+        transition = None
+        if ticket.epoch == m.epoch:
+            if ticket.probe is not None and m.probe is not None and m.probe[0] == ticket.probe:
+                m.probe = None
+            if outcome != NEUTRAL:
+                failed = outcome == FAILURE
+                if m.state == CLOSED:
+                    if failed:
+                        m.failures += 1
+                        if m.failures >= params.fail_max:
+                            transition = self._open(m, now, params, "fail_max")
+                    else:
+                        m.failures = 0
+                elif m.state == HALF_OPEN:
+                    if failed:
+                        transition = self._open(m, now, params, "probe_failed")
+                    else:
+                        m.successes += 1
+                        if m.successes >= params.success_threshold:
+                            m.state, m.epoch = CLOSED, m.epoch + 1
+                            m.failures = m.successes = 0
+                            m.cause, m.probe, m.window = "", None, {}
+                            transition = CLOSED_AGAIN
+                if (transition is None and params.window_s
+                        and _window_add(m.window, now // 1000, failed, params)
+                        and m.state == CLOSED):
+                    transition = self._open(m, now, params, "failure_rate")
+        if hint_s and m.state == OPEN:
+            m.open_until = max(m.open_until, now + _ms(hint_s))
+        return Verdict(m.state, transition, m.cause,
+                       max(m.open_until - now, 0) / 1000 if m.state == OPEN else 0.0)
+
+    async def view(self, group: str) -> View:
+        m = self._machine(group)
+        now = int(self._clock() * 1000)
+        probing = m.probe is not None and m.probe[1] > now
+        return View(m.state, max(m.open_until - now, 0) / 1000 if m.state == OPEN else 0.0,
+                    m.state == HALF_OPEN and probing, m.cause, m.epoch)
+
+    @staticmethod
+    def _open(m: _Machine, now: int, params: BreakerParams, cause: str) -> str:
+        m.state, m.epoch, m.successes, m.probe = OPEN, m.epoch + 1, 0, None
+        m.failures = 0
+        m.open_until = now + _ms(params.reset_s)
+        m.cause = cause
+        return OPENED
+
+
+def _window_add(window: dict[int, list[int]], second: int, failed: bool,
+                params: BreakerParams) -> bool:
+    """Count one outcome in ``second``; True when the window trips."""
+    size = max(1, math.ceil(params.window_s or 1))
+    for old in [s for s in window if s <= second - size]:
+        del window[old]
+    bucket = window.setdefault(second, [0, 0])
+    bucket[0] += 1
+    bucket[1] += failed
+    calls = sum(b[0] for b in window.values())
+    failures = sum(b[1] for b in window.values())
+    return calls >= params.min_calls and failures >= params.rate * calls
+
+
+# -- redis ------------------------------------------------------------------------------------
+
+_READ = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local v = redis.call('HMGET', KEYS[1], 'state', 'epoch', 'failures', 'successes', 'until',
+                     'cause')
+local state, epoch = tonumber(v[1] or '0'), tonumber(v[2] or '0')
+local failures, successes = tonumber(v[3] or '0'), tonumber(v[4] or '0')
+local open_until, cause = tonumber(v[5] or '0'), v[6] or ''
+local function save()
+  redis.call('HSET', KEYS[1], 'state', state, 'epoch', epoch, 'failures', failures,
+             'successes', successes, 'until', string.format('%.0f', open_until),
+             'cause', cause)
+end
+"""
+
+# KEYS: breaker, probe lease. ARGV: token, probe ms.
+# Returns {allowed, epoch, probe (0|1), wait ms, state, transition, cause}.
+_ADMIT = Script(_READ + """
+if state == 0 then return {1, epoch, 0, 0, 0, '', cause} end
+local transition = ''
+if state == 2 then
+  if now < open_until then return {0, epoch, 0, open_until - now, 2, '', cause} end
+  state, epoch, successes = 1, epoch + 1, 0
+  redis.call('DEL', KEYS[2])
+  save()
+  transition = 'half_open'
+end
+if redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then
+  return {1, epoch, 1, 0, 1, transition, cause}
+end
+return {0, epoch, 0, math.max(redis.call('PTTL', KEYS[2]), 0), 1, transition, cause}
+""")
+
+# KEYS: breaker, probe lease, window. ARGV: epoch, token ('' none), outcome, fail_max,
+# success_threshold, reset ms, window s (0 none), rate, min_calls, hint ms (0 none).
+# Returns {state, transition, cause, open for ms}.
+_RECORD = Script(_READ + """
+local transition = ''
+local function open(why)
+  state, epoch, successes, failures = 2, epoch + 1, 0, 0
+  open_until = now + tonumber(ARGV[6])
+  cause = why
+  redis.call('DEL', KEYS[2])
+  transition = 'opened'
+end
+if tonumber(ARGV[1]) == epoch then
+  if ARGV[2] ~= '' and redis.call('GET', KEYS[2]) == ARGV[2] then redis.call('DEL', KEYS[2]) end
+  local outcome = tonumber(ARGV[3])
+  if outcome ~= 2 then
+    local failed = outcome == 1
+    if state == 0 then
+      if failed then
+        failures = failures + 1
+        if failures >= tonumber(ARGV[4]) then open('fail_max') end
+      else
+        failures = 0
+      end
+    elseif state == 1 then
+      if failed then
+        open('probe_failed')
+      else
+        successes = successes + 1
+        if successes >= tonumber(ARGV[5]) then
+          state, epoch, failures, successes, cause = 0, epoch + 1, 0, 0, ''
+          redis.call('DEL', KEYS[2], KEYS[3])
+          transition = 'closed'
+        end
+      end
+    end
+    local size = tonumber(ARGV[7])
+    if transition == '' and size > 0 then
+      local second = math.floor(now / 1000)
+      redis.call('HINCRBY', KEYS[3], 'c' .. second, 1)
+      if failed then redis.call('HINCRBY', KEYS[3], 'f' .. second, 1) end
+      redis.call('PEXPIRE', KEYS[3], (size + 1) * 1000)
+      local calls, fails = 0, 0
+      local all = redis.call('HGETALL', KEYS[3])
+      for i = 1, #all, 2 do
+        local s = tonumber(string.sub(all[i], 2))
+        if s <= second - size then
+          redis.call('HDEL', KEYS[3], all[i])
+        elseif string.sub(all[i], 1, 1) == 'c' then
+          calls = calls + tonumber(all[i + 1])
+        else
+          fails = fails + tonumber(all[i + 1])
+        end
+      end
+      if state == 0 and calls >= tonumber(ARGV[9]) and fails >= tonumber(ARGV[8]) * calls
+      then open('failure_rate') end
+    end
+  end
+  save()
+end
+local hint = tonumber(ARGV[10])
+if hint > 0 and state == 2 and now + hint > open_until then
+  open_until = now + hint
+  save()
+end
+local left = 0
+if state == 2 then left = math.max(open_until - now, 0) end
+return {state, transition, cause, left}
+""")
+
+# KEYS: breaker, probe lease. Returns {state, open for ms, probing, cause, epoch}.
+_VIEW = Script(_READ + """
+local left = 0
+if state == 2 then left = math.max(open_until - now, 0) end
+local probing = 0
+if state == 1 and redis.call('EXISTS', KEYS[2]) == 1 then probing = 1 end
+return {state, left, probing, cause, epoch}
+""")
+
+
+class RedisBreakerStates:
+    """Breakers in Redis; one ``EVALSHA`` per call on the route's slot."""
+
+    def __init__(self, state: RedisState) -> None:
+        self._state = state
+
+    def _keys(self, group: str) -> list[str]:
+        key = self._state.key
+        return [key(group, "breaker"), key(group, "breaker", "probe"),
+                key(group, "breaker", "window")]
+
+    async def admit(self, group: str, params: BreakerParams) -> Admission:
+        token = new_token()
+        allowed, epoch, probe, wait_ms, state, transition, cause = await self._state.eval(
+            _ADMIT, self._keys(group)[:2], [token, _ms(params.probe_s)])
+        return Admission(bool(int(allowed)), Ticket(int(epoch), token if int(probe) else None),
+                         int(wait_ms) / 1000, int(state), transition.decode() or None,
+                         cause.decode())
+
+    async def record(self, group: str, ticket: Ticket, outcome: int, params: BreakerParams,
+                     hint_s: float | None = None) -> Verdict:
+        args: list[object] = [
+            ticket.epoch, ticket.probe or "", outcome, params.fail_max,
+            params.success_threshold, _ms(params.reset_s),
+            math.ceil(params.window_s) if params.window_s else 0, repr(float(params.rate)),
+            params.min_calls, _ms(hint_s) if hint_s else 0]
+        state, transition, cause, left_ms = await self._state.eval(
+            _RECORD, self._keys(group), args)
+        return Verdict(int(state), transition.decode() or None, cause.decode(),
+                       int(left_ms) / 1000)
+
+    async def view(self, group: str) -> View:
+        state, left_ms, probing, cause, epoch = await self._state.eval(
+            _VIEW, self._keys(group)[:2], [])
+        return View(int(state), int(left_ms) / 1000, bool(int(probing)), cause.decode(),
+                    int(epoch))
+
+
+def _ms(seconds: float) -> int:
+    return max(int(seconds * 1000), 1)

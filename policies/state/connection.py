@@ -1,0 +1,362 @@
+"""The Redis connection every Redis state backend shares: built from ``(url, prefix, timeout)``.
+
+:class:`RedisState` owns one client, either ``redis.asyncio.Redis`` (a single server) or
+``redis.asyncio.RedisCluster`` (the URL names any node of a Redis Cluster), chosen at
+:meth:`RedisState.start` by asking the node ``INFO cluster`` (``cluster_enabled:1``); no other
+setting says which. Whatever the client, every call made through :meth:`RedisState.run`
+
+* is bounded by ``asyncio.timeout(timeout_s)``: redis-py's own retries are off
+  (``Retry(NoBackoff(), 0)``, redis 8 otherwise retries 10 times with 5 s socket timeouts,
+  shared/notes/library-pitfalls.md §5), sockets time out after ``timeout_s`` too, and a single
+  server's connections come from a ``BlockingConnectionPool`` whose wait for a free
+  connection is also ``timeout_s`` (a cluster client has no blocking pool: its per-node
+  ``max_connections`` answers ``MaxConnectionsError`` at once, which counts as unavailable);
+* raises :class:`~policies.state.errors.StateUnavailable` when Redis is down, frozen, slow or
+  refusing (see :func:`~policies.state.errors.is_unavailable`), and records it in
+  :attr:`RedisState.health`.
+
+While the backend is marked down, calls fail at once (no request waits out a timeout on a
+frozen server) and a background probe PINGs every ``probe_interval_s``; the first answer marks
+it up again, so recovery needs no restart and no new client.
+
+Keys: ``<prefix>:{<group>}:<kind>:...``. Everything one script touches shares the ``{group}``
+hash tag (a route's name, an idempotency key's digest...), so in a cluster each script runs
+on one slot (https://redis.io/docs/latest/operate/oss_and_stack/reference/cluster-spec/
+#hash-tags).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import time
+import urllib.parse
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from redis.asyncio import BlockingConnectionPool, ConnectionPool, Redis, RedisCluster
+from redis.asyncio.connection import parse_url
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.commands.core import AsyncScript
+
+from policies.state.errors import StateUnavailable, is_unavailable
+from policies.state.notify import RedisNotifier
+
+log = logging.getLogger("sluice.state")
+
+T = TypeVar("T")
+
+REDACTED = "<redacted>"
+#: Connections a single server's pool opens at most; callers beyond wait up to the timeout.
+MAX_CONNECTIONS = 64
+#: How often a backend marked down is probed, seconds.
+PROBE_INTERVAL_S = 0.5
+#: Bound on finding out what the URL names (and, for a cluster, reading its slot map), seconds;
+#: at least this even when the per-call timeout is shorter.
+CONNECT_TIMEOUT_S = 2.0
+
+
+def redact_url(url: str) -> str:
+    """``url`` with any password (in the userinfo or a ``password=`` query field) replaced by
+    ``<redacted>``; a lone userinfo without ``:`` is taken for a token and redacted too.
+
+    >>> redact_url("redis://:s3cret@cache:6379/0")
+    'redis://:<redacted>@cache:6379/0'
+    """
+    try:
+        parts = urllib.parse.urlsplit(url)
+    except ValueError:
+        return REDACTED
+    netloc = parts.netloc
+    if "@" in netloc:
+        userinfo, _, hostport = netloc.rpartition("@")
+        user, sep, _ = userinfo.partition(":")
+        netloc = f"{user}:{REDACTED}@{hostport}" if sep else f"{REDACTED}@{hostport}"
+    query = parts.query
+    if query:
+        fields = urllib.parse.parse_qsl(query, keep_blank_values=True)
+        query = "&".join(
+            f"{name}={REDACTED if name.lower() == 'password' else value}"
+            for name, value in fields
+        )
+    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+
+
+def hash_tag(group: str) -> str:
+    """The text to put between ``{}`` for ``group``: itself when it cannot break the tag
+    (no braces, not empty), else a digest of it."""
+    if group and "{" not in group and "}" not in group:
+        return group
+    return hashlib.sha1(group.encode("utf-8", "surrogateescape")).hexdigest()[:20]
+
+
+class Health:
+    """Whether the state backend answers: what ``sluice_state_backend_up`` and ``/readyz`` show.
+
+    Attributes:
+        up: the last call (or probe) succeeded.
+        last_error: why the last failed call failed (never holds a password), or ``None``;
+            kept after recovery, as the last error seen.
+        changed_at: ``time.time()`` of the last change between up and down.
+        failures: calls that failed since the backend was last up.
+    """
+
+    def __init__(self) -> None:
+        self.up = False
+        self.last_error: str | None = None
+        self.changed_at = time.time()
+        self.failures = 0
+        self._listeners: list[Callable[[bool, str | None], None]] = []
+
+    def on_change(self, listener: Callable[[bool, str | None], None]) -> None:
+        """Call ``listener(up, last_error)`` on every change between up and down."""
+        self._listeners.append(listener)
+
+    def ok(self) -> None:
+        """Record a successful call."""
+        if not self.up:
+            self.up = True
+            self.failures = 0
+            self._changed()
+
+    def fail(self, error: str) -> None:
+        """Record a failed call and why."""
+        self.last_error = error
+        self.failures += 1
+        if self.up:
+            self.up = False
+            self._changed()
+
+    def as_dict(self) -> dict[str, object]:
+        """JSON-ready view for ``/readyz`` detail."""
+        return {"up": self.up, "last_error": self.last_error, "since": self.changed_at,
+                "failures": self.failures}
+
+    def _changed(self) -> None:
+        self.changed_at = time.time()
+        if self.up:
+            log.warning("state backend is up")
+        else:
+            log.warning("state backend is down: %s", self.last_error)
+        for listener in self._listeners:
+            listener(self.up, None if self.up else self.last_error)
+
+
+class Script:
+    """A Lua script run with EVALSHA on the current client (``register_script``, which loads
+    it again on NOSCRIPT after a restart or failover)."""
+
+    __slots__ = ("_registered", "lua")
+
+    def __init__(self, lua: str) -> None:
+        self.lua = lua
+        self._registered: tuple[Any, AsyncScript] | None = None
+
+    def bind(self, client: Redis | RedisCluster) -> AsyncScript:
+        registered = self._registered
+        if registered is None or registered[0] is not client:
+            registered = (client, client.register_script(self.lua))
+            self._registered = registered
+        return registered[1]
+
+
+class RedisState:
+    """One Redis (or Redis Cluster) connection with a key prefix, a timeout and a health.
+
+    Args:
+        url: ``redis://[user:password@]host:port[/db]`` or ``rediss://...``; a cluster node's
+            address makes this a cluster client.
+        prefix: the start of every key and channel name, e.g. ``sluice``.
+        timeout_s: bound on every call, seconds (``state.timeout``).
+        max_connections: connections opened at most (per node, for a cluster).
+        probe_interval_s: how often a backend marked down is probed, seconds.
+    """
+
+    def __init__(self, url: str, prefix: str, timeout_s: float, *,
+                 max_connections: int = MAX_CONNECTIONS,
+                 probe_interval_s: float = PROBE_INTERVAL_S) -> None:
+        if timeout_s <= 0:
+            raise ValueError("timeout_s must be positive")
+        if "{" in prefix or "}" in prefix:
+            raise ValueError("the key prefix may not contain '{' or '}' (hash tag delimiters)")
+        self.url = url
+        self.prefix = prefix
+        self.timeout_s = timeout_s
+        self.max_connections = max_connections
+        self.probe_interval_s = probe_interval_s
+        self.health = Health()
+        #: ``True`` for a Redis Cluster, ``False`` for one server, ``None`` before detection.
+        self.cluster: bool | None = None
+        self._client: Redis | RedisCluster | None = None
+        self._monitor: asyncio.Task[None] | None = None
+        self._closed = False
+        self.notifier = RedisNotifier(self)
+
+    def __repr__(self) -> str:
+        kind = {None: "undetected", True: "cluster", False: "single"}[self.cluster]
+        return f"<RedisState {redact_url(self.url)} prefix={self.prefix!r} {kind}>"
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Find out what the URL names and connect; start the recovery probe.
+
+        Never raises for an unreachable server: the backend is then marked down and the probe
+        keeps trying, so Sluice can start (``on_unavailable`` applies) before Redis does.
+        """
+        with contextlib.suppress(StateUnavailable):
+            await self.probe()
+        if self._monitor is None:
+            self._monitor = asyncio.create_task(self._watch(), name="sluice-state-probe")
+
+    async def close(self) -> None:
+        """Stop the probe and the notifier, and close every connection."""
+        self._closed = True
+        if self._monitor is not None:
+            self._monitor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._monitor
+            self._monitor = None
+        await self.notifier.close()
+        client, self._client = self._client, None
+        if client is not None:
+            await client.aclose()
+            if isinstance(client, Redis):
+                await client.connection_pool.disconnect()
+
+    async def probe(self) -> bool:
+        """PING the backend (detecting it first if that has not happened yet); record the
+        result in :attr:`health`.
+
+        Raises:
+            StateUnavailable: the backend did not answer.
+        """
+        try:
+            if self._client is None:
+                async with asyncio.timeout(max(CONNECT_TIMEOUT_S, self.timeout_s)):
+                    self._client = await self._connect()
+            async with asyncio.timeout(self.timeout_s):
+                await self._client.ping()
+        except Exception as exc:
+            if not is_unavailable(exc):
+                raise
+            self.health.fail(describe(exc))
+            raise StateUnavailable(f"state backend unavailable: {describe(exc)}",
+                                   self.probe_interval_s) from exc
+        self.health.ok()
+        return True
+
+    async def _watch(self) -> None:
+        while not self._closed:
+            await asyncio.sleep(self.probe_interval_s)
+            if self.health.up:
+                continue
+            try:
+                await self.probe()
+            except StateUnavailable:
+                pass
+            except Exception as exc:  # e.g. a cluster URL naming db 1: say so, keep probing
+                self.health.fail(describe(exc))
+                log.error("state backend probe: %s", describe(exc))
+
+    async def _connect(self) -> Redis | RedisCluster:
+        """A client for whatever the URL names (``INFO cluster``'s ``cluster_enabled``)."""
+        no_retry = Retry(NoBackoff(), 0)
+        pool = BlockingConnectionPool.from_url(
+            self.url, max_connections=self.max_connections, timeout=self.timeout_s,
+            socket_timeout=self.timeout_s, socket_connect_timeout=self.timeout_s,
+            retry=no_retry,
+        )
+        single = Redis(connection_pool=pool)
+        try:
+            info = await single.info("cluster")
+        except BaseException:
+            await single.aclose()
+            await pool.disconnect()
+            raise
+        if not info.get("cluster_enabled"):
+            self.cluster = False
+            return single
+        await single.aclose()
+        await pool.disconnect()
+        db = parse_url(self.url).get("db") or 0
+        if int(db) != 0:
+            raise ValueError(f"{redact_url(self.url)} names database {db}, but a Redis Cluster "
+                             "has only database 0")
+        cluster = RedisCluster.from_url(
+            self.url, retry=Retry(NoBackoff(), 0), max_connections=self.max_connections,
+            socket_timeout=self.timeout_s, socket_connect_timeout=self.timeout_s,
+        )
+        try:
+            await cluster.initialize()
+        except BaseException:
+            await cluster.aclose()
+            raise
+        self.cluster = True
+        return cluster
+
+    def node_pool(self) -> ConnectionPool:
+        """A new connection pool to one node, for a pub/sub connection (a cluster propagates
+        PUBLISH to every node, so any node hears every channel).
+
+        Raises:
+            StateUnavailable: the backend has not been reached yet.
+        """
+        client = self._client
+        if client is None:
+            raise StateUnavailable("state backend not connected yet")
+        options = parse_url(self.url)
+        if isinstance(client, RedisCluster):
+            node = client.get_default_node()
+            options.update(host=node.host, port=node.port, db=0)
+        options.update(retry=Retry(NoBackoff(), 0), socket_connect_timeout=self.timeout_s)
+        return ConnectionPool(**options)
+
+    # -- calls --------------------------------------------------------------------------------
+
+    def key(self, group: str, *parts: str) -> str:
+        """``<prefix>:{<group>}:<parts...>``: a key in ``group``'s hash slot."""
+        return ":".join((self.prefix, "{" + hash_tag(group) + "}", *parts))
+
+    async def run(self, op: Callable[[Redis | RedisCluster], Awaitable[T]]) -> T:
+        """``await op(client)`` bounded by the timeout, with failures mapped.
+
+        Raises:
+            StateUnavailable: Redis is down, frozen, too slow or refusing; or it was marked
+                down and its probe has not seen it back yet (raised at once).
+        """
+        client = self._client
+        monitored = self._monitor is not None and not self._monitor.done()
+        if client is None or (monitored and not self.health.up):
+            why = self.health.last_error or "not connected yet"
+            raise StateUnavailable(f"state backend unavailable: {why}", self.probe_interval_s)
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                result = await op(client)
+        except Exception as exc:
+            if not is_unavailable(exc):
+                raise
+            self.health.fail(describe(exc))
+            raise StateUnavailable(f"state backend unavailable: {describe(exc)}",
+                                   self.probe_interval_s) from exc
+        self.health.ok()
+        return result
+
+    async def eval(self, script: Script, keys: list[str], args: list[Any]) -> Any:
+        """Run ``script`` with ``keys`` and ``args`` in one round trip (see :meth:`run`)."""
+
+        def call(client: Redis | RedisCluster) -> Awaitable[Any]:
+            return script.bind(client)(keys=keys, args=args, client=client)
+
+        return await self.run(call)
+
+
+def describe(exc: BaseException) -> str:
+    """A short description of a failure: its type and message (no URL, so no password)."""
+    text = str(exc)
+    if isinstance(exc, TimeoutError) and not text:
+        return "timed out"
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

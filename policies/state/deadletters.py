@@ -1,0 +1,313 @@
+"""Dead letters in a Redis Stream, readable by ``sluice dlq`` from any replica.
+
+The records are :class:`policies.deadletter.DeadLetter` (same fields as the SQLite store's
+rows: route, tenant, run, idempotency key, request id, method, path, kept headers, the names
+of redacted ones, body and original size, attempts, reason, time), and ids are integers as
+there, so ``sluice dlq show 12`` means the same with either store. Secrets are removed before
+a letter gets here (:func:`policies.deadletter.redact`), and bodies are cut by the queue.
+
+Redis layout (one hash tag, ``{dlq}``, so every script touches one slot):
+
+* ``<prefix>:{dlq}:letters``: the stream (https://redis.io/docs/latest/develop/data-types/
+  streams/). Entry ``n`` has the stream id ``0-n``: the stream keeps its entries in id order,
+  and ``n`` comes from ``INCR`` on ``...:seq``, which a purge leaves alone so ids never repeat
+  (as SQLite's AUTOINCREMENT);
+* ``...:replays:<n>``: a list of JSON replay results of letter ``n``;
+* ``...:depth``: letters per route (for the depth gauge without scanning the stream).
+
+Nothing here is on the request path except :meth:`DeadLetterStore.add` (one script call).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Protocol
+
+import orjson
+
+from policies.deadletter import Attempt, DeadLetter
+from policies.state.connection import RedisState, Script
+
+#: Stream fields of a summary (``list``): enough for a table, never the body.
+_SUMMARY_FIELDS = ("created_at", "route", "tenant", "method", "path", "attempts", "reason")
+
+
+class DeadLetterStore(Protocol):
+    """Where dead letters are kept.
+
+    Raises (every method):
+        StateUnavailable: the backend did not answer in time (Redis only).
+    """
+
+    async def add(self, letter: DeadLetter) -> int:
+        """Store ``letter`` (as given; ``id`` and ``replays`` are ignored); returns its id."""
+        ...
+
+    async def get(self, letter_id: int) -> DeadLetter | None:
+        """The whole letter with its replays, or ``None``."""
+        ...
+
+    async def list(self, limit: int = 100) -> list[dict[str, Any]]:
+        """The newest ``limit`` letters as summaries, oldest first: ``id``, ``created_at``,
+        ``route``, ``tenant``, ``method``, ``path``, ``attempts`` (a count), ``reason``,
+        ``last_replay`` (the last replay's status, or its error, or ``None``)."""
+        ...
+
+    async def add_replay(self, letter_id: int, status: int | None, error: str | None,
+                         duration_s: float) -> bool:
+        """Record a replay of ``letter_id``; ``False`` if there is no such letter."""
+        ...
+
+    async def delete(self, letter_id: int) -> bool:
+        """Remove one letter and its replays; ``False`` if there was none."""
+        ...
+
+    async def purge(self) -> int:
+        """Remove every letter and replay; returns how many letters there were."""
+        ...
+
+    async def depth(self) -> dict[str, int]:
+        """Letters per route."""
+        ...
+
+
+def _summary(letter_id: int, fields: dict[str, Any], last: dict[str, Any] | None
+             ) -> dict[str, Any]:
+    replay = None
+    if last is not None:
+        replay = last["status"] if last["status"] is not None else last["error"]
+    return {"id": letter_id, "created_at": fields["created_at"], "route": fields["route"],
+            "tenant": fields["tenant"], "method": fields["method"], "path": fields["path"],
+            "attempts": fields["attempts"], "reason": fields["reason"], "last_replay": replay}
+
+
+def _replay(status: int | None, error: str | None, duration_s: float) -> dict[str, Any]:
+    return {"at": time.time(), "status": status, "error": error, "duration_s": duration_s}
+
+
+# -- memory -----------------------------------------------------------------------------------
+
+
+class MemoryDeadLetterStore:
+    """Letters in a dict, for tests and the memory backend's parity (the embedded default
+    store stays the SQLite file of :mod:`policies.deadletter`)."""
+
+    def __init__(self) -> None:
+        self._letters: dict[int, DeadLetter] = {}
+        self._next = 0
+
+    async def add(self, letter: DeadLetter) -> int:
+        self._next += 1
+        copy = DeadLetter(**{**_as_kwargs(letter), "id": self._next, "replays": []})
+        self._letters[self._next] = copy
+        return self._next
+
+    async def get(self, letter_id: int) -> DeadLetter | None:
+        letter = self._letters.get(letter_id)
+        if letter is None:
+            return None
+        return DeadLetter(**{**_as_kwargs(letter), "replays": list(letter.replays)})
+
+    async def list(self, limit: int = 100) -> list[dict[str, Any]]:
+        newest = sorted(self._letters)[-limit:] if limit > 0 else []
+        out = []
+        for letter_id in newest:
+            letter = self._letters[letter_id]
+            fields = {"created_at": letter.created_at, "route": letter.route,
+                      "tenant": letter.tenant, "method": letter.method, "path": letter.path,
+                      "attempts": len(letter.attempts), "reason": letter.reason}
+            out.append(_summary(letter_id, fields,
+                                letter.replays[-1] if letter.replays else None))
+        return out
+
+    async def add_replay(self, letter_id: int, status: int | None, error: str | None,
+                         duration_s: float) -> bool:
+        letter = self._letters.get(letter_id)
+        if letter is None:
+            return False
+        letter.replays.append(_replay(status, error, duration_s))
+        return True
+
+    async def delete(self, letter_id: int) -> bool:
+        return self._letters.pop(letter_id, None) is not None
+
+    async def purge(self) -> int:
+        count = len(self._letters)
+        self._letters.clear()
+        return count
+
+    async def depth(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for letter in self._letters.values():
+            counts[letter.route] = counts.get(letter.route, 0) + 1
+        return counts
+
+
+def _as_kwargs(letter: DeadLetter) -> dict[str, Any]:
+    return {
+        "route": letter.route, "tenant": letter.tenant, "run": letter.run,
+        "idempotency_key": letter.idempotency_key, "request_id": letter.request_id,
+        "method": letter.method, "path": letter.path, "headers": list(letter.headers),
+        "redacted": list(letter.redacted), "body": letter.body, "body_size": letter.body_size,
+        "attempts": list(letter.attempts), "reason": letter.reason,
+        "created_at": letter.created_at, "id": letter.id, "replays": list(letter.replays),
+    }
+
+
+# -- redis ------------------------------------------------------------------------------------
+
+# KEYS: stream, seq, depth. ARGV: route, then field, value pairs. Returns the new id.
+_ADD = Script("""
+local id = redis.call('INCR', KEYS[2])
+local args = {'XADD', KEYS[1], '0-' .. id}
+for i = 2, #ARGV do args[#args + 1] = ARGV[i] end
+redis.call(unpack(args))
+redis.call('HINCRBY', KEYS[3], ARGV[1], 1)
+return id
+""")
+
+# KEYS: stream, the letter's replays. ARGV: stream id. Returns {} or {fields, replays}.
+_GET = Script("""
+local e = redis.call('XRANGE', KEYS[1], ARGV[1], ARGV[1])
+if #e == 0 then return {} end
+return {e[1][2], redis.call('LRANGE', KEYS[2], 0, -1)}
+""")
+
+# KEYS: stream. ARGV: count, replay list key prefix, then the summary field names.
+# Returns newest first: {{stream id, {field values in ARGV order}, last replay or ''}...}.
+_LIST = Script("""
+local wanted = {}
+for i = 3, #ARGV do wanted[ARGV[i]] = i - 2 end
+local out = {}
+for _, e in ipairs(redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', ARGV[1])) do
+  local values = {}
+  for i = 3, #ARGV do values[i - 2] = '' end
+  for i = 1, #e[2], 2 do
+    local at = wanted[e[2][i]]
+    if at then values[at] = e[2][i + 1] end
+  end
+  local last = redis.call('LINDEX', ARGV[2] .. string.sub(e[1], 3), -1)
+  out[#out + 1] = {e[1], values, last or ''}
+end
+return out
+""")
+
+# KEYS: stream, the letter's replays. ARGV: stream id, replay JSON.
+_ADD_REPLAY = Script("""
+if #redis.call('XRANGE', KEYS[1], ARGV[1], ARGV[1]) == 0 then return 0 end
+redis.call('RPUSH', KEYS[2], ARGV[2])
+return 1
+""")
+
+# KEYS: stream, the letter's replays, depth. ARGV: stream id.
+_DELETE = Script("""
+local e = redis.call('XRANGE', KEYS[1], ARGV[1], ARGV[1])
+if #e == 0 then return 0 end
+local fields = e[1][2]
+for i = 1, #fields, 2 do
+  if fields[i] == 'route' then
+    if redis.call('HINCRBY', KEYS[3], fields[i + 1], -1) <= 0 then
+      redis.call('HDEL', KEYS[3], fields[i + 1])
+    end
+  end
+end
+redis.call('XDEL', KEYS[1], ARGV[1])
+redis.call('DEL', KEYS[2])
+return 1
+""")
+
+# KEYS: stream, depth. ARGV: replay list key prefix. Returns how many letters there were.
+_PURGE = Script("""
+local count = redis.call('XLEN', KEYS[1])
+for _, e in ipairs(redis.call('XRANGE', KEYS[1], '-', '+')) do
+  redis.call('DEL', ARGV[1] .. string.sub(e[1], 3))
+end
+redis.call('DEL', KEYS[1], KEYS[2])
+return count
+""")
+
+
+class RedisDeadLetterStore:
+    """Dead letters in a Redis Stream (see the module docstring)."""
+
+    def __init__(self, state: RedisState) -> None:
+        self._state = state
+        self._stream = state.key("dlq", "letters")
+        self._seq = state.key("dlq", "seq")
+        self._depth = state.key("dlq", "depth")
+        self._replays = state.key("dlq", "replays") + ":"
+
+    async def add(self, letter: DeadLetter) -> int:
+        fields: list[object] = [
+            "created_at", repr(letter.created_at), "route", letter.route,
+            "tenant", letter.tenant, "request_id", letter.request_id,
+            "method", letter.method, "path", letter.path,
+            "headers", orjson.dumps(letter.headers), "redacted", orjson.dumps(letter.redacted),
+            "body", letter.body, "body_size", letter.body_size,
+            "attempts", orjson.dumps([a.as_dict() for a in letter.attempts]),
+            "reason", letter.reason,
+        ]
+        if letter.run is not None:
+            fields += ["run", letter.run]
+        if letter.idempotency_key is not None:
+            fields += ["idempotency_key", letter.idempotency_key]
+        return int(await self._state.eval(_ADD, [self._stream, self._seq, self._depth],
+                                          [letter.route, *fields]))
+
+    async def get(self, letter_id: int) -> DeadLetter | None:
+        reply = await self._state.eval(_GET, [self._stream, self._replays + str(letter_id)],
+                                       [f"0-{letter_id}"])
+        if not reply:
+            return None
+        flat, replays = reply
+        fields = {flat[i].decode(): flat[i + 1] for i in range(0, len(flat), 2)}
+        text = {name: value.decode() for name, value in fields.items() if name != "body"}
+        return DeadLetter(
+            id=letter_id, created_at=float(text["created_at"]), route=text["route"],
+            tenant=text["tenant"], run=text.get("run"),
+            idempotency_key=text.get("idempotency_key"), request_id=text["request_id"],
+            method=text["method"], path=text["path"],
+            headers=[(n, v) for n, v in orjson.loads(text["headers"])],
+            redacted=orjson.loads(text["redacted"]), body=bytes(fields["body"]),
+            body_size=int(text["body_size"]),
+            attempts=[Attempt(**a) for a in orjson.loads(text["attempts"])],
+            reason=text["reason"], replays=[orjson.loads(r) for r in replays],
+        )
+
+    async def list(self, limit: int = 100) -> list[dict[str, Any]]:
+        if limit <= 0:
+            return []
+        rows = await self._state.eval(_LIST, [self._stream],
+                                      [limit, self._replays, *_SUMMARY_FIELDS])
+        out = []
+        for stream_id, values, last in reversed(rows):
+            fields: dict[str, Any] = {name: value.decode()
+                                      for name, value in zip(_SUMMARY_FIELDS, values,
+                                                             strict=True)}
+            fields["created_at"] = float(fields["created_at"])
+            fields["attempts"] = len(orjson.loads(fields["attempts"]))
+            letter_id = int(stream_id.decode().partition("-")[2])
+            out.append(_summary(letter_id, fields, orjson.loads(last) if last else None))
+        return out
+
+    async def add_replay(self, letter_id: int, status: int | None, error: str | None,
+                         duration_s: float) -> bool:
+        return bool(await self._state.eval(
+            _ADD_REPLAY, [self._stream, self._replays + str(letter_id)],
+            [f"0-{letter_id}", orjson.dumps(_replay(status, error, duration_s))]))
+
+    async def delete(self, letter_id: int) -> bool:
+        return bool(await self._state.eval(
+            _DELETE, [self._stream, self._replays + str(letter_id), self._depth],
+            [f"0-{letter_id}"]))
+
+    async def purge(self) -> int:
+        return int(await self._state.eval(_PURGE, [self._stream, self._depth],
+                                          [self._replays]))
+
+    async def depth(self) -> dict[str, int]:
+        async def read(client: Any) -> dict[bytes, bytes]:
+            return await client.hgetall(self._depth)
+
+        counts = await self._state.run(read)
+        return {route.decode(): int(n) for route, n in counts.items()}

@@ -1,0 +1,72 @@
+"""The one error the state layer raises for a backend that cannot answer, and how it is told.
+
+Callers on the request path catch :class:`StateUnavailable` and apply the configured
+``state.on_unavailable`` (``local``: enforce this replica's share of each limit in memory;
+``reject``: 503 ``state_unavailable``). Anything else a state call raises is a bug (a Lua
+error in one of our scripts, a wrong argument) and is left to propagate.
+"""
+
+from __future__ import annotations
+
+import redis.exceptions as rx
+
+# Replies Redis sends when it is up but will not run our script now. Redis starts every error
+# reply with its code (RESP "simple errors"); redis-py turns the codes it knows into the
+# exception classes below and leaves the others (BUSY, MISCONF...) as the reply's first word.
+# Inside a script the failed command's code is kept (Redis 7), so an OOM write is seen too.
+_UNAVAILABLE_CODES = frozenset({
+    "BUSY",        # another script runs past lua-time-limit
+    "LOADING",     # loading its dataset after a restart
+    "READONLY",    # a replica (failover in progress)
+    "OOM",         # maxmemory reached under a noeviction policy
+    "MISCONF",     # refusing writes after a failed RDB save
+    "MASTERDOWN",  # a replica that lost its master
+    "CLUSTERDOWN", "TRYAGAIN",  # cluster resharding or lacking slot coverage
+    "NOPERM", "NOAUTH", "WRONGPASS",  # ACL or password refusal
+    "NOSCRIPT",    # still missing after redis-py's one SCRIPT LOAD (scripts disabled)
+    "NOREPLICAS",
+})
+
+# Client-side failures: the server is down, frozen, unreachable, or the pool is exhausted.
+_UNAVAILABLE_TYPES: tuple[type[BaseException], ...] = (
+    rx.ConnectionError,        # refused, reset, auth, MaxConnectionsError, BusyLoadingError
+    rx.TimeoutError,           # socket timeout
+    TimeoutError,              # our asyncio.timeout() cap (asyncio.TimeoutError is this one)
+    rx.ClusterError,           # cluster-level failures (ClusterDownError, MasterDownError)
+    rx.RedisClusterException,  # no node reachable, slot not covered
+    rx.OutOfMemoryError,
+    rx.ReadOnlyError,
+    rx.NoPermissionError,
+    rx.TryAgainError,
+    rx.NoScriptError,
+    OSError,                   # a socket error redis-py did not wrap
+)
+
+
+class StateUnavailable(Exception):
+    """The shared state backend did not answer within ``state.timeout``, or refused to.
+
+    Attributes:
+        cause: a short description of the failure (the URL's password never appears in it).
+        retry_after: seconds until the backend is worth trying again, if known.
+    """
+
+    def __init__(self, cause: str, retry_after: float | None = None) -> None:
+        super().__init__(cause)
+        self.cause = cause
+        self.retry_after = retry_after
+
+
+def is_unavailable(exc: BaseException) -> bool:
+    """True when ``exc`` means the backend cannot serve now (as opposed to a bug in a call)."""
+    if isinstance(exc, _UNAVAILABLE_TYPES):
+        return True
+    if isinstance(exc, rx.ResponseError):
+        text = str(exc)
+        code = text.split(" ", 1)[0].upper()
+        if code in _UNAVAILABLE_CODES:
+            return True
+        # A server with EVALSHA renamed away (rename-command) refuses every script; redis-py
+        # strips the "ERR " code from such replies.
+        return text.lower().startswith("unknown command")
+    return False

@@ -1,0 +1,381 @@
+"""Idempotency records and in-flight markers shared by every replica.
+
+What :mod:`policies.idempotency` keeps per process, made shared: for each key (the caller
+scopes it, e.g. ``route + tenant + Idempotency-Key``)
+
+* a *record* (:class:`Answer`): ``SEEN`` (used, no outcome kept), ``DONE`` (the upstream's
+  answer: status, reason, headers, body) or ``TOO_LARGE`` (answered, body not kept); the
+  kinds are :mod:`policies.idempotency_store`'s. It expires ``ttl_s`` after it was written;
+* an *in-flight marker*: one request holds the key while it runs (``SET NX PX``, renewed with
+  :meth:`IdempotencyRecords.renew` for long calls), carrying the request's payload
+  fingerprint so that a different payload is told apart at once (422) even mid-flight. A
+  replica that dies leaves a marker that lapses after its ``flight_s``.
+
+:meth:`IdempotencyRecords.begin` is the one decision, atomic: *in flight* (someone holds the
+key), *done* (a final record to replay or refuse), or *claimed* (this request now holds the
+key; a ``SEEN`` record, if any, is returned so the caller knows it is a retry). A duplicate
+that should wait calls :func:`wait_for_answer`: it watches the key's channel (``finish``
+publishes on it) and calls ``begin`` again on every wake-up and at least every poll interval,
+until the key is done, becomes free (then it holds it: the first request left without an
+answer to keep, and this one runs its own), or the timeout passes.
+
+Redis layout, one hash slot per key (the tag is a digest of the key, as keys may hold any
+character): ``<prefix>:{<digest>}:idem`` the record (a hash), ``...:idem:flight`` the marker
+(a string ``<fingerprint hex>|<owner>``), channel ``...:idem:done``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import os
+import time
+from collections.abc import Callable
+from typing import NamedTuple, Protocol
+
+import orjson
+
+from policies.idempotency_store import DONE, SEEN, TOO_LARGE
+from policies.state.connection import RedisState, Script
+from policies.state.notify import MemoryNotifier, Signal
+
+__all__ = [
+    "CLAIMED",
+    "DONE",
+    "FINISHED",
+    "IN_FLIGHT",
+    "SEEN",
+    "TOO_LARGE",
+    "Answer",
+    "Begin",
+    "IdempotencyRecords",
+    "MemoryIdempotencyRecords",
+    "RedisIdempotencyRecords",
+    "new_owner",
+    "wait_for_answer",
+]
+
+#: :attr:`Begin.state` values (the record kinds SEEN, DONE, TOO_LARGE are
+#: :mod:`policies.idempotency_store`'s, re-exported here).
+CLAIMED = "claimed"
+IN_FLIGHT = "in_flight"
+FINISHED = "done"
+
+
+class Answer(NamedTuple):
+    """A record: ``kind`` is SEEN, DONE or TOO_LARGE; ``fingerprint`` the SHA-256 of the
+    request that made it (bytes; may be empty); ``headers`` a tuple of ``(name, value)``."""
+
+    kind: int
+    fingerprint: bytes
+    status: int = 0
+    reason: str = ""
+    headers: tuple[tuple[str, str], ...] = ()
+    body: bytes = b""
+
+
+class Begin(NamedTuple):
+    """The standing of a request with its key, from :meth:`IdempotencyRecords.begin`.
+
+    Attributes:
+        state: ``claimed`` (this request holds the key now), ``in_flight`` (another request
+            holds it) or ``done`` (a final record exists).
+        answer: the record: a ``SEEN`` one when claimed after an earlier use, the ``DONE`` or
+            ``TOO_LARGE`` one when done; ``None`` otherwise.
+        fingerprint: when in flight, the fingerprint of the request holding the key.
+        ttl_s: seconds until the record expires (done), or the marker lapses (in flight).
+    """
+
+    state: str
+    answer: Answer | None = None
+    fingerprint: bytes = b""
+    ttl_s: float = 0.0
+
+
+class IdempotencyRecords(Protocol):
+    """Shared records and markers. Every async method is one round trip.
+
+    Raises (every async method):
+        StateUnavailable: the backend did not answer in time (Redis only).
+    """
+
+    async def begin(self, key: str, owner: str, fingerprint: bytes,
+                    flight_s: float) -> Begin:
+        """Decide the request's standing, claiming the key (marker for ``flight_s``) when it
+        is neither in flight nor done. ``owner`` identifies this request (random, unique);
+        beginning again with the owner that holds the marker renews it."""
+        ...
+
+    async def renew(self, key: str, owner: str, flight_s: float) -> bool:
+        """Extend ``owner``'s marker; ``False`` if it no longer holds it."""
+        ...
+
+    async def finish(self, key: str, owner: str, answer: Answer, ttl_s: float) -> bool:
+        """Store ``answer`` for ``ttl_s`` seconds, drop ``owner``'s marker and wake waiters.
+
+        A ``SEEN`` answer never replaces a final one (another replica's request may have
+        finished meanwhile). Returns whether ``owner`` still held the marker.
+        """
+        ...
+
+    async def seen(self, key: str, ttl_s: float) -> bool:
+        """Record a ``SEEN`` use if the key has no record (mode ``forward``); ``True`` if it
+        had none (the request is new work)."""
+        ...
+
+    async def get(self, key: str) -> Answer | None:
+        """The record, or ``None``."""
+        ...
+
+    def watch(self, key: str) -> contextlib.AbstractAsyncContextManager[Signal]:
+        """A signal set when ``key``'s request finishes on any replica."""
+        ...
+
+
+def new_owner() -> str:
+    """A random owner token (128 bits, hex)."""
+    return os.urandom(16).hex()
+
+
+async def wait_for_answer(records: IdempotencyRecords, key: str, owner: str,
+                          fingerprint: bytes, flight_s: float, timeout_s: float,
+                          poll_s: float = 0.25) -> Begin:
+    """Wait until ``key`` is no longer in flight, for at most ``timeout_s`` seconds.
+
+    Returns the last :class:`Begin`: ``done`` (replay or refuse it), ``claimed`` (the key was
+    freed without an answer and this request holds it now; run it and ``finish``), or
+    ``in_flight`` when the timeout passed, or at once when the request in flight has another
+    fingerprint (the caller answers 422).
+
+    Raises:
+        StateUnavailable: the backend did not answer (Redis only).
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    async with records.watch(key) as finished:
+        while True:
+            begin = await records.begin(key, owner, fingerprint, flight_s)
+            left = deadline - loop.time()
+            if begin.state != IN_FLIGHT or begin.fingerprint != fingerprint or left <= 0:
+                return begin
+            await finished.wait(min(poll_s, left))
+
+
+# -- memory -----------------------------------------------------------------------------------
+
+
+class MemoryIdempotencyRecords:
+    """Records and markers of one process; nothing suspends.
+
+    Args:
+        clock: seconds (injectable for tests).
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._records: dict[str, tuple[Answer, float]] = {}
+        self._flights: dict[str, tuple[str, bytes, float]] = {}  # owner, fingerprint, expiry
+        self.notifier = MemoryNotifier()
+
+    def _record(self, key: str, now: float) -> tuple[Answer, float] | None:
+        entry = self._records.get(key)
+        if entry is not None and entry[1] <= now:
+            del self._records[key]
+            return None
+        return entry
+
+    def _flight(self, key: str, now: float) -> tuple[str, bytes, float] | None:
+        entry = self._flights.get(key)
+        if entry is not None and entry[2] <= now:
+            del self._flights[key]
+            return None
+        return entry
+
+    async def begin(self, key: str, owner: str, fingerprint: bytes,
+                    flight_s: float) -> Begin:
+        now = self._clock()
+        flight = self._flight(key, now)
+        if flight is not None:
+            if flight[0] == owner:
+                self._flights[key] = (owner, flight[1], now + flight_s)
+                return Begin(CLAIMED)
+            return Begin(IN_FLIGHT, None, flight[1], flight[2] - now)
+        record = self._record(key, now)
+        if record is not None and record[0].kind != SEEN:
+            return Begin(FINISHED, record[0], b"", record[1] - now)
+        self._flights[key] = (owner, fingerprint, now + flight_s)
+        return Begin(CLAIMED, None if record is None else record[0])
+
+    async def renew(self, key: str, owner: str, flight_s: float) -> bool:
+        now = self._clock()
+        flight = self._flight(key, now)
+        if flight is None or flight[0] != owner:
+            return False
+        self._flights[key] = (owner, flight[1], now + flight_s)
+        return True
+
+    async def finish(self, key: str, owner: str, answer: Answer, ttl_s: float) -> bool:
+        now = self._clock()
+        record = self._record(key, now)
+        if answer.kind != SEEN or record is None or record[0].kind == SEEN:
+            self._records[key] = (answer, now + ttl_s)
+        flight = self._flight(key, now)
+        held = flight is not None and flight[0] == owner
+        if held:
+            del self._flights[key]
+        self.notifier.publish(key)
+        return held
+
+    async def seen(self, key: str, ttl_s: float) -> bool:
+        now = self._clock()
+        if self._record(key, now) is not None:
+            return False
+        self._records[key] = (Answer(SEEN, b""), now + ttl_s)
+        return True
+
+    async def get(self, key: str) -> Answer | None:
+        record = self._record(key, self._clock())
+        return None if record is None else record[0]
+
+    def watch(self, key: str) -> contextlib.AbstractAsyncContextManager[Signal]:
+        return self.notifier.watch(key)
+
+
+# -- redis ------------------------------------------------------------------------------------
+
+_FIELDS = "'kind', 'fp', 'status', 'reason', 'headers', 'body'"
+
+# KEYS: record, marker. ARGV: owner, fingerprint hex, flight ms.
+# Returns {1 claimed, seen fields...} | {2 in flight, fingerprint hex, marker ttl ms}
+#       | {3 done, record fields..., record ttl ms}.
+_BEGIN = Script("""
+local marker = redis.call('GET', KEYS[2])
+if marker then
+  local bar = string.find(marker, '|', 1, true)
+  if string.sub(marker, bar + 1) == ARGV[1] then
+    redis.call('PEXPIRE', KEYS[2], ARGV[3])
+    return {1}
+  end
+  return {2, string.sub(marker, 1, bar - 1), redis.call('PTTL', KEYS[2])}
+end
+local rec = redis.call('HMGET', KEYS[1], """ + _FIELDS + """)
+if rec[1] and rec[1] ~= '0' then
+  local reply = {3}
+  for i = 1, 6 do reply[i + 1] = rec[i] or '' end
+  reply[8] = redis.call('PTTL', KEYS[1])
+  return reply
+end
+redis.call('SET', KEYS[2], ARGV[2] .. '|' .. ARGV[1], 'NX', 'PX', ARGV[3])
+if rec[1] then
+  local reply = {1}
+  for i = 1, 6 do reply[i + 1] = rec[i] or '' end
+  return reply
+end
+return {1}
+""")
+
+# KEYS: marker. ARGV: owner, flight ms.
+_RENEW = Script("""
+local marker = redis.call('GET', KEYS[1])
+if not marker then return 0 end
+local bar = string.find(marker, '|', 1, true)
+if string.sub(marker, bar + 1) ~= ARGV[1] then return 0 end
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return 1
+""")
+
+# KEYS: record, marker. ARGV: owner, kind, fingerprint hex, status, reason, headers JSON,
+# body, ttl ms, channel. Returns 1 if the owner held the marker.
+_FINISH = Script("""
+local kind = ARGV[2]
+local current = redis.call('HGET', KEYS[1], 'kind')
+if kind ~= '0' or not current or current == '0' then
+  redis.call('DEL', KEYS[1])
+  redis.call('HSET', KEYS[1], 'kind', kind, 'fp', ARGV[3], 'status', ARGV[4],
+             'reason', ARGV[5], 'headers', ARGV[6], 'body', ARGV[7])
+  redis.call('PEXPIRE', KEYS[1], ARGV[8])
+end
+local held = 0
+local marker = redis.call('GET', KEYS[2])
+if marker then
+  local bar = string.find(marker, '|', 1, true)
+  if string.sub(marker, bar + 1) == ARGV[1] then
+    redis.call('DEL', KEYS[2])
+    held = 1
+  end
+end
+redis.call('PUBLISH', ARGV[9], kind)
+return held
+""")
+
+# KEYS: record. ARGV: ttl ms. Returns 1 if the key had no record.
+_SEEN = Script("""
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+redis.call('HSET', KEYS[1], 'kind', '0', 'fp', '', 'status', '0', 'reason', '',
+           'headers', '[]', 'body', '')
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
+return 1
+""")
+
+_GET = Script("return redis.call('HMGET', KEYS[1], " + _FIELDS + ")")
+
+
+class RedisIdempotencyRecords:
+    """Records and markers in Redis; one ``EVALSHA`` per call on the key's slot."""
+
+    def __init__(self, state: RedisState) -> None:
+        self._state = state
+
+    def _group(self, key: str) -> str:
+        return hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()[:24]
+
+    def _keys(self, key: str) -> list[str]:
+        group = self._group(key)
+        return [self._state.key(group, "idem"), self._state.key(group, "idem", "flight")]
+
+    def channel(self, key: str) -> str:
+        """The channel :meth:`finish` publishes on for ``key``."""
+        return self._state.key(self._group(key), "idem", "done")
+
+    async def begin(self, key: str, owner: str, fingerprint: bytes,
+                    flight_s: float) -> Begin:
+        reply = await self._state.eval(_BEGIN, self._keys(key),
+                                       [owner, fingerprint.hex(), _ms(flight_s)])
+        state = int(reply[0])
+        if state == 1:
+            return Begin(CLAIMED, _answer(reply[1:7]) if len(reply) > 1 else None)
+        if state == 2:
+            return Begin(IN_FLIGHT, None, bytes.fromhex(reply[1].decode()),
+                         max(int(reply[2]), 0) / 1000)
+        return Begin(FINISHED, _answer(reply[1:7]), b"", max(int(reply[7]), 0) / 1000)
+
+    async def renew(self, key: str, owner: str, flight_s: float) -> bool:
+        return bool(await self._state.eval(_RENEW, self._keys(key)[1:],
+                                           [owner, _ms(flight_s)]))
+
+    async def finish(self, key: str, owner: str, answer: Answer, ttl_s: float) -> bool:
+        args: list[object] = [
+            owner, answer.kind, answer.fingerprint.hex(), answer.status, answer.reason,
+            orjson.dumps(answer.headers), answer.body, _ms(ttl_s), self.channel(key)]
+        return bool(await self._state.eval(_FINISH, self._keys(key), args))
+
+    async def seen(self, key: str, ttl_s: float) -> bool:
+        return bool(await self._state.eval(_SEEN, self._keys(key)[:1], [_ms(ttl_s)]))
+
+    async def get(self, key: str) -> Answer | None:
+        fields = await self._state.eval(_GET, self._keys(key)[:1], [])
+        return None if fields[0] is None else _answer(fields)
+
+    def watch(self, key: str) -> contextlib.AbstractAsyncContextManager[Signal]:
+        return self._state.notifier.watch(self.channel(key))
+
+
+def _answer(fields: list[bytes]) -> Answer:
+    kind, fp, status, reason, headers, body = fields
+    return Answer(int(kind), bytes.fromhex(fp.decode()), int(status or 0), reason.decode(),
+                  tuple((n, v) for n, v in orjson.loads(headers or b"[]")), body or b"")
+
+
+def _ms(seconds: float) -> int:
+    return max(int(seconds * 1000), 1)

@@ -1,0 +1,370 @@
+"""Concurrency slots shared by every replica: leases that expire unless renewed.
+
+A route's ``concurrency.limit`` counts calls at the upstream across all replicas. Each call
+holds a *lease*: an entry with an expiry in the route's sorted set (and in its tenant's, for
+``per_tenant``), renewed while the call runs (:class:`Lease` renews every third of the lease
+time in the background). A replica killed with SIGKILL stops renewing, so its slots free
+themselves within one lease time: every acquire first drops the entries whose expiry has
+passed. Expiries are the server's time (``TIME``), so replicas' clocks do not matter.
+
+A release publishes on the route's channel, so a waiter on any replica wakes at once
+(:meth:`Leases.watch`); leases that lapse publish nothing, which is why waiters also poll
+(:func:`wait_for_slot`). Each replica keeps its own queue and priorities; this module only
+says whether a slot is free now.
+
+Redis layout: ``<prefix>:{<group>}:conc`` (lease id -> expiry ms) and
+``<prefix>:{<group>}:conc:t:<tenant>`` (same, one tenant's), both expiring when their last
+lease would; channel ``<prefix>:{<group>}:conc:wake``. acquire, renew and release are one
+script call each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable
+from typing import NamedTuple, Protocol
+
+from policies.state.connection import RedisState, Script
+from policies.state.errors import StateUnavailable
+from policies.state.notify import MemoryNotifier, Signal
+
+log = logging.getLogger("sluice.state")
+
+#: Lease refusals (:attr:`LeaseResult.refused_by`).
+LIMIT = "limit"
+TENANT = "tenant"
+
+
+class LeaseResult(NamedTuple):
+    """The answer of :meth:`Leases.acquire`.
+
+    Attributes:
+        granted: the lease is held (until released or lapsed).
+        refused_by: ``None`` when granted; ``"tenant"`` when the tenant holds ``per_tenant``
+            leases (checked first, as :mod:`policies.concurrency` does); ``"limit"`` when the
+            route holds ``limit``.
+        inflight: leases held on the group now, this one included when granted.
+        tenant_inflight: the tenant's, likewise.
+    """
+
+    granted: bool
+    refused_by: str | None
+    inflight: int
+    tenant_inflight: int
+
+
+class Leases(Protocol):
+    """Shared slot leases. acquire, renew and release are one round trip each.
+
+    Raises (every async method):
+        StateUnavailable: the backend did not answer in time (Redis only).
+    """
+
+    async def acquire(self, group: str, tenant: str, lease_id: str, limit: int,
+                      per_tenant: int | None, lease_s: float) -> LeaseResult:
+        """Take a slot for ``lease_id`` if one is free, expiring in ``lease_s`` seconds.
+        Acquiring an id already held renews it and grants again."""
+        ...
+
+    async def renew(self, group: str, tenant: str, lease_id: str, lease_s: float) -> bool:
+        """Push the lease's expiry to ``lease_s`` from now; ``False`` if it was not held (it
+        lapsed, or was released)."""
+        ...
+
+    async def release(self, group: str, tenant: str, lease_id: str) -> bool:
+        """Give the slot back and wake waiters on every replica; ``False`` if it was not
+        held."""
+        ...
+
+    async def counts(self, group: str, tenant: str) -> tuple[int, int]:
+        """Live leases of the group and of the tenant (for the admin API and gauges)."""
+        ...
+
+    def watch(self, group: str) -> contextlib.AbstractAsyncContextManager[Signal]:
+        """A :class:`~policies.state.notify.Signal` set when a slot of ``group`` is released
+        anywhere; enter it before checking, then wait on it."""
+        ...
+
+
+def new_lease_id() -> str:
+    """A random lease id (128 bits, hex)."""
+    return os.urandom(16).hex()
+
+
+# -- memory -----------------------------------------------------------------------------------
+
+
+class MemoryLeases:
+    """The leases of one process (expiry by ``clock``); nothing suspends.
+
+    Args:
+        clock: seconds, monotonic or wall (injectable for tests).
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._groups: dict[str, dict[str, float]] = {}
+        self._tenants: dict[tuple[str, str], dict[str, float]] = {}
+        self.notifier = MemoryNotifier()
+
+    def _live(self, table: dict[str, float] | None, now: float) -> dict[str, float]:
+        if table is None:
+            return {}
+        for lease_id in [i for i, expiry in table.items() if expiry <= now]:
+            del table[lease_id]
+        return table
+
+    def _tables(self, group: str, tenant: str) -> tuple[dict[str, float], dict[str, float]]:
+        now = self._clock()
+        route = self._live(self._groups.get(group), now)
+        mine = self._live(self._tenants.get((group, tenant)), now)
+        return route, mine
+
+    def _store(self, group: str, tenant: str, route: dict[str, float],
+               mine: dict[str, float]) -> None:
+        if route:
+            self._groups[group] = route
+        else:
+            self._groups.pop(group, None)
+        if mine:
+            self._tenants[(group, tenant)] = mine
+        else:
+            self._tenants.pop((group, tenant), None)
+
+    async def acquire(self, group: str, tenant: str, lease_id: str, limit: int,
+                      per_tenant: int | None, lease_s: float) -> LeaseResult:
+        route, mine = self._tables(group, tenant)
+        expiry = self._clock() + lease_s
+        if lease_id in route:
+            route[lease_id] = mine[lease_id] = expiry
+            return LeaseResult(True, None, len(route), len(mine))
+        try:
+            if per_tenant is not None and len(mine) >= per_tenant:
+                return LeaseResult(False, TENANT, len(route), len(mine))
+            if len(route) >= limit:
+                return LeaseResult(False, LIMIT, len(route), len(mine))
+            route[lease_id] = mine[lease_id] = expiry
+            return LeaseResult(True, None, len(route), len(mine))
+        finally:
+            self._store(group, tenant, route, mine)
+
+    async def renew(self, group: str, tenant: str, lease_id: str, lease_s: float) -> bool:
+        route, mine = self._tables(group, tenant)
+        held = lease_id in route
+        if held:
+            route[lease_id] = mine[lease_id] = self._clock() + lease_s
+        self._store(group, tenant, route, mine)
+        return held
+
+    async def release(self, group: str, tenant: str, lease_id: str) -> bool:
+        route, mine = self._tables(group, tenant)
+        held = route.pop(lease_id, None) is not None
+        mine.pop(lease_id, None)
+        self._store(group, tenant, route, mine)
+        if held:
+            self.notifier.publish(group)
+        return held
+
+    async def counts(self, group: str, tenant: str) -> tuple[int, int]:
+        route, mine = self._tables(group, tenant)
+        self._store(group, tenant, route, mine)
+        return len(route), len(mine)
+
+    def watch(self, group: str) -> contextlib.AbstractAsyncContextManager[Signal]:
+        return self.notifier.watch(group)
+
+
+# -- redis ------------------------------------------------------------------------------------
+
+_NOW = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
+local function hold(id, ms)
+  redis.call('ZADD', KEYS[1], now + ms, id)
+  redis.call('ZADD', KEYS[2], now + ms, id)
+  for i = 1, 2 do
+    if redis.call('PTTL', KEYS[i]) < ms then redis.call('PEXPIRE', KEYS[i], ms) end
+  end
+end
+"""
+
+# KEYS: the group's leases, the tenant's. ARGV: id, limit, per_tenant (-1: none), lease ms.
+# Returns {granted, refused (0 none, 1 limit, 2 tenant), inflight, tenant inflight}.
+_ACQUIRE = Script(_NOW + """
+local id, ms = ARGV[1], tonumber(ARGV[4])
+local inflight, mine = redis.call('ZCARD', KEYS[1]), redis.call('ZCARD', KEYS[2])
+if redis.call('ZSCORE', KEYS[1], id) then
+  hold(id, ms)
+  return {1, 0, inflight, mine}
+end
+local per_tenant = tonumber(ARGV[3])
+if per_tenant >= 0 and mine >= per_tenant then return {0, 2, inflight, mine} end
+if inflight >= tonumber(ARGV[2]) then return {0, 1, inflight, mine} end
+hold(id, ms)
+return {1, 0, inflight + 1, mine + 1}
+""")
+
+# KEYS: as acquire. ARGV: id, lease ms. Returns 1 if renewed, 0 if not held.
+_RENEW = Script(_NOW + """
+if not redis.call('ZSCORE', KEYS[1], ARGV[1]) then return 0 end
+hold(ARGV[1], tonumber(ARGV[2]))
+return 1
+""")
+
+# KEYS: as acquire. ARGV: id, channel. Returns 1 if it was held.
+_RELEASE = Script("""
+local held = redis.call('ZREM', KEYS[1], ARGV[1])
+redis.call('ZREM', KEYS[2], ARGV[1])
+if held == 1 then redis.call('PUBLISH', ARGV[2], 'released') end
+return held
+""")
+
+_COUNTS = Script(_NOW + """
+return {redis.call('ZCARD', KEYS[1]), redis.call('ZCARD', KEYS[2])}
+""")
+
+
+class RedisLeases:
+    """Leases in Redis sorted sets; one ``EVALSHA`` per call on the group's slot."""
+
+    def __init__(self, state: RedisState) -> None:
+        self._state = state
+
+    def _keys(self, group: str, tenant: str) -> list[str]:
+        return [self._state.key(group, "conc"), self._state.key(group, "conc", "t", tenant)]
+
+    def channel(self, group: str) -> str:
+        """The pub/sub channel a release of ``group`` publishes on."""
+        return self._state.key(group, "conc", "wake")
+
+    async def acquire(self, group: str, tenant: str, lease_id: str, limit: int,
+                      per_tenant: int | None, lease_s: float) -> LeaseResult:
+        reply = await self._state.eval(
+            _ACQUIRE, self._keys(group, tenant),
+            [lease_id, limit, -1 if per_tenant is None else per_tenant, _ms(lease_s)])
+        granted, refused, inflight, mine = (int(x) for x in reply)
+        return LeaseResult(bool(granted), (None, LIMIT, TENANT)[refused], inflight, mine)
+
+    async def renew(self, group: str, tenant: str, lease_id: str, lease_s: float) -> bool:
+        return bool(await self._state.eval(_RENEW, self._keys(group, tenant),
+                                           [lease_id, _ms(lease_s)]))
+
+    async def release(self, group: str, tenant: str, lease_id: str) -> bool:
+        return bool(await self._state.eval(_RELEASE, self._keys(group, tenant),
+                                           [lease_id, self.channel(group)]))
+
+    async def counts(self, group: str, tenant: str) -> tuple[int, int]:
+        inflight, mine = await self._state.eval(_COUNTS, self._keys(group, tenant), [])
+        return int(inflight), int(mine)
+
+    def watch(self, group: str) -> contextlib.AbstractAsyncContextManager[Signal]:
+        return self._state.notifier.watch(self.channel(group))
+
+
+def _ms(seconds: float) -> int:
+    return max(int(seconds * 1000), 1)
+
+
+# -- holding a lease --------------------------------------------------------------------------
+
+
+class Lease:
+    """A granted lease kept alive in the background until :meth:`release`.
+
+    Renewal runs every ``lease_s / 3``, so two renewals in a row may fail (the backend
+    briefly unavailable) before the lease lapses. If a renewal finds the lease gone (it lapsed
+    during a longer outage), :attr:`lost` turns true and renewal stops; the call goes on, and
+    its slot is no longer counted.
+    """
+
+    def __init__(self, leases: Leases, group: str, tenant: str, lease_id: str,
+                 lease_s: float) -> None:
+        self.leases = leases
+        self.group = group
+        self.tenant = tenant
+        self.lease_id = lease_id
+        self.lease_s = lease_s
+        self.lost = False
+        self._renewal: asyncio.Task[None] | None = asyncio.create_task(
+            self._renew(), name=f"sluice-lease-{group}")
+        self._release: asyncio.Task[bool] | None = None
+
+    async def _renew(self) -> None:
+        while True:
+            await asyncio.sleep(self.lease_s / 3)
+            try:
+                held = await self.leases.renew(self.group, self.tenant, self.lease_id,
+                                               self.lease_s)
+            except StateUnavailable:
+                continue  # try again next time; the lease outlives two misses
+            if not held:
+                self.lost = True
+                log.warning("concurrency lease on %s lapsed while its call ran", self.group)
+                return
+
+    def release(self) -> asyncio.Task[bool]:
+        """Stop renewing and give the slot back; never awaits, never raises (for a
+        pipeline holding's ``release``). Returns the task doing it; calling again returns the
+        same task. If the backend is unavailable the lease lapses by itself."""
+        if self._release is None:
+            if self._renewal is not None:
+                self._renewal.cancel()
+                self._renewal = None
+            self._release = asyncio.create_task(self._give_back(),
+                                                name=f"sluice-lease-release-{self.group}")
+        return self._release
+
+    async def aclose(self) -> bool:
+        """:meth:`release` and wait for it; ``True`` if the slot was still held."""
+        return await self.release()
+
+    async def _give_back(self) -> bool:
+        try:
+            return await self.leases.release(self.group, self.tenant, self.lease_id)
+        except StateUnavailable as exc:
+            log.info("concurrency lease on %s left to lapse: %s", self.group, exc.cause)
+            return False
+
+
+async def acquire_lease(leases: Leases, group: str, tenant: str, limit: int,
+                        per_tenant: int | None, lease_s: float
+                        ) -> tuple[LeaseResult, Lease | None]:
+    """One attempt: the result, and the renewed :class:`Lease` when granted."""
+    lease_id = new_lease_id()
+    result = await leases.acquire(group, tenant, lease_id, limit, per_tenant, lease_s)
+    if not result.granted:
+        return result, None
+    return result, Lease(leases, group, tenant, lease_id, lease_s)
+
+
+async def wait_for_slot(leases: Leases, group: str, tenant: str, limit: int,
+                        per_tenant: int | None, lease_s: float, timeout_s: float,
+                        poll_s: float = 0.25) -> tuple[LeaseResult, Lease | None]:
+    """Acquire a lease, waiting up to ``timeout_s`` seconds for a slot to free anywhere.
+
+    Wakes on a release published by any replica, and re-checks at least every ``poll_s``
+    seconds (a lease that lapses publishes nothing). A tenant refusal is returned at once:
+    waiting will not make the tenant's own calls finish sooner than the route's.
+
+    Returns:
+        The last result and the held :class:`Lease`, or ``None`` when not granted in time.
+
+    Raises:
+        StateUnavailable: the backend did not answer (Redis only).
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    async with leases.watch(group) as released:
+        while True:
+            result, lease = await acquire_lease(leases, group, tenant, limit, per_tenant,
+                                                lease_s)
+            left = deadline - loop.time()
+            if lease is not None or result.refused_by == TENANT or left <= 0:
+                return result, lease
+            await released.wait(min(poll_s, left))

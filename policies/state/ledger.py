@@ -1,0 +1,394 @@
+"""The budget ledger shared by every replica: reserve all-or-none, settle exactly once.
+
+Semantics are those of :class:`policies.budget.MemoryLedger` (counters of *spent* and
+*reserved* amounts; a claim fits when ``spent + reserved + amount <= cap``; every claim of a
+call is held, or none), made safe for many replicas and for calls that die:
+
+* every reservation has an id chosen by the caller. Reserving again with an id already held
+  changes nothing and admits (a retried or cancelled-then-repeated call cannot hold twice);
+* :meth:`Ledger.settle` by id releases the holds and adds the actual spend, once: a second
+  settle of the same id finds nothing and does nothing (returns ``False``);
+* a reservation not settled within ``hold_s`` (its replica was killed, or it hung) is *reaped*
+  by the next ``reserve`` of its group: its holds are released, and it is kept as *lapsed* for
+  another ``hold_s``, so that a settle arriving late still charges the actual spend (once) but
+  releases nothing twice. Reaped capacity goes back to the budget: Sluice does not know what a
+  dead replica's call spent;
+* windows live in the counter's name (the caller's key, e.g. ``tokens-per-tenant-day:acme:
+  20321`` for UTC day 20321), and a counter expires ``hold_s`` after its window ends (or
+  after a run's total idles out), so old windows clean themselves up.
+
+Redis layout (all under the group's hash tag, e.g. the route, so one script touches one slot):
+``<prefix>:{<group>}:budget:<key>`` a hash ``{s: spent, h: held}``;
+``...:budget:~resv`` a hash of reservation id -> JSON ``{s: 'h'|'l', c: [[counter, amount]...]}``;
+``...:budget:~resv-exp`` a sorted set of reservation id by expiry (server ms). Pattern from
+shared/notes/library-pitfalls.md §5.4.
+
+Amounts are floats (tokens, or USD); they travel as ``repr()`` strings so that what a settle
+releases is exactly what the reserve held.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import NamedTuple, Protocol
+
+from policies.state.connection import RedisState, Script
+
+#: A counter whose held amount falls to this or less holds nothing (float dust from USD sums).
+DUST = 1e-9
+#: Counter levels the Redis ledger remembers from its last answers, for :meth:`Ledger.level`.
+LEVEL_CACHE_SIZE = 10_000
+
+
+class Claim(NamedTuple):
+    """One limit's part of a reservation.
+
+    Attributes:
+        key: the counter within the group, its window in its name.
+        amount: what the call may spend at most (tokens or USD).
+        cap: the limit of this counter.
+        expires_at: Unix seconds, on the caller's clock, after which the counter may be
+            forgotten (its window's end, or a run total's idle expiry).
+    """
+
+    key: str
+    amount: float
+    cap: float
+    expires_at: float
+
+
+class Ledger(Protocol):
+    """Counters of spent and reserved amounts. Every async method is one round trip.
+
+    Raises (every async method):
+        StateUnavailable: the backend did not answer in time (Redis only).
+    """
+
+    async def reserve(self, group: str, rid: str, claims: Sequence[Claim], now: float,
+                      hold_s: float) -> list[int]:
+        """Hold every claim under reservation ``rid``, or none.
+
+        Args:
+            now: Unix seconds on the caller's clock (the one its window names come from).
+            hold_s: how long the reservation may stay unsettled before it is reaped.
+
+        Returns:
+            Indexes of the claims that do not fit; empty when all are held (or ``rid`` was
+            already held).
+        """
+        ...
+
+    async def settle(self, group: str, rid: str, actual: Sequence[float]) -> bool:
+        """Release reservation ``rid``'s holds and add ``actual`` (one amount per claim, in
+        order) to the counters' spend. ``False`` when there was nothing to settle (already
+        settled, never reserved, or reaped long ago); a lapsed reservation is charged but
+        releases nothing (its holds were released when it was reaped)."""
+        ...
+
+    async def charge(self, group: str, claims: Sequence[Claim], now: float) -> None:
+        """Add each claim's ``amount`` to its counter's spend, without a reservation or a
+        cap check: spend made elsewhere (while the backend was unavailable) being
+        reconciled. ``cap`` is ignored."""
+        ...
+
+    async def levels(self, group: str, keys: Sequence[str]) -> list[tuple[float, float]]:
+        """``(spent, reserved)`` of each counter, read now."""
+        ...
+
+    def level(self, group: str, key: str) -> tuple[float, float]:
+        """``(spent, reserved)`` of a counter without a round trip: the memory ledger's live
+        values; the Redis ledger's as of its last answer about that counter (``(0, 0)`` if
+        none), for headers and gauges."""
+        ...
+
+
+# -- memory -----------------------------------------------------------------------------------
+
+
+class _Reservation:
+    """Held claims as (counter key, amount, when the counter's window is gone on the ledger's
+    clock)."""
+
+    __slots__ = ("claims", "expires_at", "lapsed")
+
+    def __init__(self, claims: list[tuple[str, float, float]], expires_at: float) -> None:
+        self.claims = claims
+        self.expires_at = expires_at
+        self.lapsed = False
+
+
+class MemoryLedger:
+    """The ledger of one process; nothing suspends, so every call is atomic on the loop.
+
+    Args:
+        clock: Unix seconds, for reservation expiry (the caller's ``now`` names windows).
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        self._clock = clock
+        self._spent: dict[tuple[str, str], float] = {}
+        self._held: dict[tuple[str, str], float] = {}
+        self._expiry: dict[tuple[str, str], float] = {}
+        self._reservations: dict[tuple[str, str], _Reservation] = {}
+        self._due: list[tuple[float, str, str]] = []  # (expiry, group, rid), a heap
+        self._next_sweep = 0.0
+
+    async def reserve(self, group: str, rid: str, claims: Sequence[Claim], now: float,
+                      hold_s: float) -> list[int]:
+        clock = self._clock()
+        self._reap(clock, hold_s)
+        if now >= self._next_sweep:
+            self._sweep(now)
+        if (group, rid) in self._reservations:
+            return []
+        spent, held = self._spent, self._held
+        denied = [
+            i for i, claim in enumerate(claims)
+            if spent.get((group, claim.key), 0.0) + held.get((group, claim.key), 0.0)
+            + claim.amount > claim.cap
+        ]
+        if denied:
+            return denied
+        for claim in claims:
+            counter = (group, claim.key)
+            held[counter] = held.get(counter, 0.0) + claim.amount
+            self._expiry[counter] = max(self._expiry.get(counter, 0.0),
+                                        claim.expires_at + hold_s)
+        self._reservations[(group, rid)] = _Reservation(
+            [(claim.key, claim.amount, clock + max(claim.expires_at - now, 0.0) + hold_s)
+             for claim in claims],
+            clock + hold_s)
+        heapq.heappush(self._due, (clock + hold_s, group, rid))
+        return []
+
+    async def settle(self, group: str, rid: str, actual: Sequence[float]) -> bool:
+        reservation = self._reservations.pop((group, rid), None)
+        if reservation is None:
+            return False
+        clock = self._clock()
+        for (key, amount, gone_at), used in zip(reservation.claims, actual, strict=True):
+            counter = (group, key)
+            if used and gone_at > clock:  # spend in a window long over is dropped
+                self._spent[counter] = self._spent.get(counter, 0.0) + used
+            if not reservation.lapsed:
+                self._unhold(counter, amount)
+        return True
+
+    async def charge(self, group: str, claims: Sequence[Claim], now: float) -> None:
+        for claim in claims:
+            counter = (group, claim.key)
+            self._spent[counter] = self._spent.get(counter, 0.0) + claim.amount
+            self._expiry[counter] = max(self._expiry.get(counter, 0.0), claim.expires_at)
+
+    async def levels(self, group: str, keys: Sequence[str]) -> list[tuple[float, float]]:
+        return [self.level(group, key) for key in keys]
+
+    def level(self, group: str, key: str) -> tuple[float, float]:
+        counter = (group, key)
+        return self._spent.get(counter, 0.0), self._held.get(counter, 0.0)
+
+    def _unhold(self, counter: tuple[str, str], amount: float) -> None:
+        left = self._held.get(counter, 0.0) - amount
+        if left > DUST:
+            self._held[counter] = left
+        else:
+            self._held.pop(counter, None)
+
+    def _reap(self, clock: float, grace_s: float) -> None:
+        due = self._due
+        while due and due[0][0] <= clock:
+            _, group, rid = heapq.heappop(due)
+            reservation = self._reservations.get((group, rid))
+            if reservation is None:
+                continue
+            if reservation.lapsed:
+                del self._reservations[(group, rid)]
+                continue
+            for key, amount, _ in reservation.claims:
+                self._unhold((group, key), amount)
+            reservation.lapsed = True
+            heapq.heappush(due, (clock + grace_s, group, rid))
+
+    def _sweep(self, now: float) -> None:
+        self._next_sweep = now + 60.0
+        for counter in [c for c, t in self._expiry.items() if t <= now and c not in self._held]:
+            del self._expiry[counter]
+            self._spent.pop(counter, None)
+
+
+# -- redis ------------------------------------------------------------------------------------
+
+# Shared Lua: server time in ms, releasing a hold, extending a counter's TTL, reaping.
+_LIB = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local function unhold(key, amount)
+  if redis.call('EXISTS', key) == 1 then
+    local left = tonumber(redis.call('HINCRBYFLOAT', key, 'h', '-' .. amount))
+    if left <= 1e-9 then redis.call('HDEL', key, 'h') end
+  end
+end
+local function extend(key, ttl)
+  local current = redis.call('PTTL', key)
+  if current >= 0 and current < ttl or current == -1 then redis.call('PEXPIRE', key, ttl) end
+end
+local function reap(resv, exp, grace)
+  for _, id in ipairs(redis.call('ZRANGEBYSCORE', exp, '-inf', now, 'LIMIT', 0, 64)) do
+    local raw = redis.call('HGET', resv, id)
+    local rec = raw and cjson.decode(raw)
+    if rec and rec.s == 'h' then
+      for _, c in ipairs(rec.c) do unhold(c[1], c[2]) end
+      rec.s = 'l'
+      redis.call('HSET', resv, id, cjson.encode(rec))
+      redis.call('ZADD', exp, now + grace, id)
+    else
+      redis.call('HDEL', resv, id)
+      redis.call('ZREM', exp, id)
+    end
+  end
+end
+local function levels(first)
+  local out = {}
+  for i = first, #KEYS do
+    local v = redis.call('HMGET', KEYS[i], 's', 'h')
+    out[#out + 1] = v[1] or '0'
+    out[#out + 1] = v[2] or '0'
+  end
+  return out
+end
+"""
+
+# KEYS: reservations, their expiries, then one counter per claim. ARGV: rid, hold ms, then
+# per claim: amount, cap, counter TTL ms. Returns {denied (0-based), levels after}.
+_RESERVE = Script(_LIB + """
+local rid, hold = ARGV[1], tonumber(ARGV[2])
+reap(KEYS[1], KEYS[2], hold)
+if redis.call('HEXISTS', KEYS[1], rid) == 1 then return {{}, levels(3)} end
+local denied = {}
+for i = 3, #KEYS do
+  local j = 3 * (i - 2)
+  local v = redis.call('HMGET', KEYS[i], 's', 'h')
+  if tonumber(v[1] or '0') + tonumber(v[2] or '0') + tonumber(ARGV[j]) > tonumber(ARGV[j + 1])
+  then denied[#denied + 1] = i - 3 end
+end
+if #denied == 0 then
+  local claims = {}
+  for i = 3, #KEYS do
+    local j = 3 * (i - 2)
+    redis.call('HINCRBYFLOAT', KEYS[i], 'h', ARGV[j])
+    extend(KEYS[i], tonumber(ARGV[j + 2]))
+    claims[#claims + 1] = {KEYS[i], ARGV[j], now + tonumber(ARGV[j + 2])}
+  end
+  redis.call('HSET', KEYS[1], rid, cjson.encode({s = 'h', c = claims}))
+  redis.call('ZADD', KEYS[2], now + hold, rid)
+end
+return {denied, levels(3)}
+""")
+
+# KEYS: reservations, their expiries. ARGV: rid, then the actual spend per claim.
+# Returns 0 (nothing to settle) or 1. The counters are named in the reservation (same slot).
+# A counter the spend lands on keeps (or regains) the expiry it had when reserved: it may
+# have been emptied and deleted meanwhile if the reservation was reaped.
+_SETTLE = Script(_LIB + """
+local raw = redis.call('HGET', KEYS[1], ARGV[1])
+if not raw then return 0 end
+local rec = cjson.decode(raw)
+for i, c in ipairs(rec.c) do
+  local key, used = c[1], ARGV[i + 1]
+  if used and tonumber(used) ~= 0 and c[3] > now then
+    redis.call('HINCRBYFLOAT', key, 's', used)
+    if redis.call('PTTL', key) == -1 then redis.call('PEXPIREAT', key, c[3]) end
+  end
+  if rec.s == 'h' then unhold(key, c[2]) end
+end
+redis.call('HDEL', KEYS[1], ARGV[1])
+redis.call('ZREM', KEYS[2], ARGV[1])
+return 1
+""")
+
+# KEYS: counters. ARGV: per counter, amount and TTL ms.
+_CHARGE = Script(_LIB + """
+for i = 1, #KEYS do
+  redis.call('HINCRBYFLOAT', KEYS[i], 's', ARGV[2 * i - 1])
+  extend(KEYS[i], tonumber(ARGV[2 * i]))
+end
+return levels(1)
+""")
+
+_LEVELS = Script("""
+local out = {}
+for i = 1, #KEYS do
+  local v = redis.call('HMGET', KEYS[i], 's', 'h')
+  out[#out + 1] = v[1] or '0'
+  out[#out + 1] = v[2] or '0'
+end
+return out
+""")
+
+
+class RedisLedger:
+    """The ledger in Redis: each call one ``EVALSHA`` on the group's slot."""
+
+    def __init__(self, state: RedisState) -> None:
+        self._state = state
+        self._seen: OrderedDict[tuple[str, str], tuple[float, float]] = OrderedDict()
+
+    def _keys(self, group: str) -> list[str]:
+        return [self._state.key(group, "budget", "~resv"),
+                self._state.key(group, "budget", "~resv-exp")]
+
+    def _counter(self, group: str, key: str) -> str:
+        return self._state.key(group, "budget", key)
+
+    async def reserve(self, group: str, rid: str, claims: Sequence[Claim], now: float,
+                      hold_s: float) -> list[int]:
+        hold_ms = max(int(hold_s * 1000), 1)
+        keys = self._keys(group) + [self._counter(group, c.key) for c in claims]
+        args: list[object] = [rid, hold_ms]
+        for claim in claims:
+            ttl_ms = max(int((claim.expires_at - now) * 1000), 0) + hold_ms
+            args += [repr(float(claim.amount)), repr(float(claim.cap)), ttl_ms]
+        denied, flat = await self._state.eval(_RESERVE, keys, args)
+        self._remember(group, [c.key for c in claims], flat)
+        return [int(i) for i in denied]
+
+    async def settle(self, group: str, rid: str, actual: Sequence[float]) -> bool:
+        settled = await self._state.eval(_SETTLE, self._keys(group),
+                                         [rid, *(repr(float(a)) for a in actual)])
+        return bool(settled)
+
+    async def charge(self, group: str, claims: Sequence[Claim], now: float) -> None:
+        if not claims:
+            return
+        keys = [self._counter(group, c.key) for c in claims]
+        args: list[object] = []
+        for claim in claims:
+            args += [repr(float(claim.amount)),
+                     max(int((claim.expires_at - now) * 1000), 1)]
+        flat = await self._state.eval(_CHARGE, keys, args)
+        self._remember(group, [c.key for c in claims], flat)
+
+    async def levels(self, group: str, keys: Sequence[str]) -> list[tuple[float, float]]:
+        if not keys:
+            return []
+        flat = await self._state.eval(_LEVELS, [self._counter(group, k) for k in keys], [])
+        return self._remember(group, keys, flat)
+
+    def level(self, group: str, key: str) -> tuple[float, float]:
+        return self._seen.get((group, key), (0.0, 0.0))
+
+    def _remember(self, group: str, keys: Sequence[str], flat: Sequence[bytes]
+                  ) -> list[tuple[float, float]]:
+        seen = self._seen
+        out = []
+        for i, key in enumerate(keys):
+            value = (float(flat[2 * i]), float(flat[2 * i + 1]))
+            seen[(group, key)] = value
+            seen.move_to_end((group, key))
+            out.append(value)
+        while len(seen) > LEVEL_CACHE_SIZE:
+            seen.popitem(last=False)
+        return out

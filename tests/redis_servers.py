@@ -1,0 +1,242 @@
+"""Redis for the state tests: the shared server, servers of their own, a 3-master cluster.
+
+* ``REDIS_URL`` (default ``redis://127.0.0.1:6379/0``) is the server most tests use, each
+  under a random key prefix that it deletes afterwards. If it does not answer the tests
+  are skipped with the reason, unless ``CI=true``, where that is a failure.
+* :class:`RedisServer` runs a ``redis-server`` of a test's own on a free loopback port
+  (no persistence), for tests that stop, freeze (SIGSTOP) or reconfigure it.
+* ``redis_cluster`` (session scope, started once, only if a test asks) is three
+  ``redis-server --cluster-enabled yes`` joined by ``redis-cli --cluster create``.
+* ``backends`` runs a test against the memory implementations, the shared server and the
+  cluster in turn, each a fresh :class:`policies.state.StateBackends`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from policies.state import StateBackends, memory_backends, redis_backends
+
+REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
+#: The per-call bound the tests give the backends: generous, as 2 busy cores can stall a call.
+TEST_TIMEOUT_S = 0.5
+#: How often a backend marked down is probed in the tests, seconds.
+TEST_PROBE_S = 0.1
+
+
+def unavailable(reason: str) -> None:
+    """Skip the test for lack of Redis, or fail it when CI promised Redis."""
+    if os.environ.get("CI", "").lower() == "true":
+        pytest.fail(f"CI=true but {reason}")
+    pytest.skip(reason)
+
+
+def answers(url: str) -> bool:
+    try:
+        with redis.Redis.from_url(url, socket_timeout=0.5, socket_connect_timeout=0.5) as r:
+            return bool(r.ping())
+    except redis.AuthenticationError:
+        return True  # up, and wanting a password
+    except (redis.RedisError, OSError):
+        return False
+
+
+def require_redis(url: str = REDIS_URL) -> str:
+    if not answers(url):
+        unavailable(f"no Redis answers at {url} (set REDIS_URL)")
+    return url
+
+
+def free_port() -> int:
+    """A free loopback port whose cluster bus port (+10000) is free too."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port > 55000:
+            continue
+        with socket.socket() as bus:
+            try:
+                bus.bind(("127.0.0.1", port + 10000))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free port pair")
+
+
+def delete_prefix(url: str, prefix: str) -> None:
+    """Delete every key under ``prefix:`` on the server ``url`` names."""
+    with redis.Redis.from_url(url, socket_timeout=2) as r:
+        keys = list(r.scan_iter(match=f"{prefix}:*", count=1000))
+        if keys:
+            for key in keys:  # one by one: a cluster node refuses multi-slot DEL
+                r.delete(key)
+
+
+class RedisServer:
+    """A ``redis-server`` of one test's own on 127.0.0.1 (no RDB, no AOF)."""
+
+    def __init__(self, directory: Path, port: int | None = None,
+                 extra: tuple[str, ...] = ()) -> None:
+        if shutil.which("redis-server") is None:
+            unavailable("redis-server is not installed")
+        self.directory = directory
+        self.port = port or free_port()
+        self.extra = extra
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> RedisServer:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
+             "--save", "", "--appendonly", "no", "--dir", str(self.directory),
+             "--protected-mode", "no", *self.extra],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 5
+        while not answers(self.url):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"redis-server on port {self.port} did not start")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)  # a frozen server cannot exit
+            self.proc.terminate()
+            self.proc.wait(5)
+        self.proc = None
+
+    def freeze(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGCONT)
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(port=self.port, socket_timeout=5)
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A fresh ``redis-server`` for this test alone."""
+    server = RedisServer(tmp_path / "redis").start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+class RedisCluster:
+    """Three masters, no replicas, on free loopback ports."""
+
+    def __init__(self, directory: Path) -> None:
+        self.servers = [
+            RedisServer(directory / f"node{i}", extra=(
+                "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                "--cluster-node-timeout", "2000"))
+            for i in range(3)
+        ]
+
+    @property
+    def url(self) -> str:
+        return self.servers[0].url
+
+    def start(self) -> RedisCluster:
+        for server in self.servers:
+            server.start()
+        if shutil.which("redis-cli") is None:
+            unavailable("redis-cli is not installed")
+        subprocess.run(
+            ["redis-cli", "--cluster", "create",
+             *(f"127.0.0.1:{s.port}" for s in self.servers),
+             "--cluster-replicas", "0", "--cluster-yes"],
+            check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=30,
+        )
+        deadline = time.monotonic() + 15
+        for server in self.servers:
+            with server.client() as r:
+                while r.execute_command("CLUSTER INFO").get("cluster_state") != "ok":
+                    if time.monotonic() > deadline:
+                        raise RuntimeError("the test cluster did not become ready")
+                    time.sleep(0.05)
+        return self
+
+    def stop(self) -> None:
+        for server in self.servers:
+            server.stop()
+
+    def delete_prefix(self, prefix: str) -> None:
+        for server in self.servers:
+            delete_prefix(server.url, prefix)
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisCluster]:
+    """A 3-master Redis Cluster, started once per test session."""
+    cluster = RedisCluster(tmp_path_factory.mktemp("redis-cluster")).start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def new_prefix() -> str:
+    return f"sluice-test-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture(params=["memory", "redis", "cluster"])
+async def backends(request: pytest.FixtureRequest) -> AsyncIterator[StateBackends]:
+    """The same test against memory, one Redis server, and a Redis Cluster."""
+    if request.param == "memory":
+        yield memory_backends()
+        return
+    prefix = new_prefix()
+    if request.param == "redis":
+        url = require_redis()
+        cleanup = lambda: delete_prefix(url, prefix)  # noqa: E731
+    else:
+        cluster: RedisCluster = request.getfixturevalue("redis_cluster")
+        url = cluster.url
+        cleanup = lambda: cluster.delete_prefix(prefix)  # noqa: E731
+    state = await redis_backends(url, prefix, TEST_TIMEOUT_S, probe_interval_s=TEST_PROBE_S)
+    try:
+        assert state.health.up, state.health.last_error
+        yield state
+    finally:
+        await state.close()
+        cleanup()
+
+
+@contextlib.asynccontextmanager
+async def replica(like: StateBackends) -> AsyncIterator[StateBackends]:
+    """Another replica's view of the same state: a second client on the same Redis (and
+    prefix), or the very same memory backends (one process has one memory)."""
+    if like.redis is None:
+        yield like
+        return
+    other = await redis_backends(like.redis.url, like.redis.prefix, TEST_TIMEOUT_S,
+                                 probe_interval_s=TEST_PROBE_S)
+    try:
+        yield other
+    finally:
+        await other.close()

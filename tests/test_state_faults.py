@@ -1,0 +1,224 @@
+"""Redis faults, injected for real on a redis-server of the test's own: frozen (SIGSTOP),
+stopped and restarted, absent at start, refusing (BUSY, READONLY, OOM, a wrong password).
+Every call answers StateUnavailable within the timeout plus 100 ms, and the same client
+recovers by itself once Redis answers again. Also: what the URL names (server or cluster),
+and that passwords never show."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from policies.deadletter import DeadLetter
+from policies.state import StateBackends, StateUnavailable, redact_url, redis_backends
+from policies.state.breaker import BreakerParams, Ticket
+from policies.state.connection import RedisState
+from policies.state.idempotency import SEEN, Answer
+from policies.state.ledger import Claim
+from policies.state.rate import Take
+from tests.redis_servers import RedisCluster, RedisServer, free_port, new_prefix, require_redis
+
+TIMEOUT_S = 0.2
+MARGIN_S = 0.1
+PROBE_S = 0.05
+
+
+def every_call(b: StateBackends) -> dict[str, Callable[[], Awaitable[Any]]]:
+    """One request-path call of each kind of state."""
+    now = time.time()
+    letter = DeadLetter("r", "t", None, None, "req", "POST", "/", [], [], b"", 0, [], "x")
+    return {
+        "rate.admit": lambda: b.rates.admit("r", [Take("requests", 10, 60.0)]),
+        "rate.refund": lambda: b.rates.refund("r", [Take("requests", 10, 60.0)]),
+        "ledger.reserve": lambda: b.ledger.reserve(
+            "r", "id", [Claim("day", 1, 10, now + 60)], now, 60),
+        "ledger.settle": lambda: b.ledger.settle("r", "id", [1]),
+        "leases.acquire": lambda: b.leases.acquire("r", "t", "l", 4, None, 5),
+        "leases.release": lambda: b.leases.release("r", "t", "l"),
+        "idempotency.begin": lambda: b.idempotency.begin("k", "o", b"", 5),
+        "idempotency.finish": lambda: b.idempotency.finish("k", "o", Answer(SEEN, b""), 5),
+        "breaker.admit": lambda: b.breakers.admit("r", BreakerParams(5, 1.0)),
+        "breaker.record": lambda: b.breakers.record("r", Ticket(0), 0, BreakerParams(5, 1.0)),
+        "dead_letters.add": lambda: b.dead_letters.add(letter),
+    }
+
+
+async def each_is_unavailable_in_time(b: StateBackends) -> None:
+    for name, call in every_call(b).items():
+        started = time.monotonic()
+        with pytest.raises(StateUnavailable):
+            await call()
+        took = time.monotonic() - started
+        assert took <= TIMEOUT_S + MARGIN_S, f"{name} took {took:.3f}s"
+
+
+async def each_answers(b: StateBackends) -> None:
+    for call in every_call(b).values():
+        await call()
+
+
+async def recovered(b: StateBackends, within_s: float = 3.0) -> None:
+    deadline = time.monotonic() + within_s
+    while not b.health.up:
+        assert time.monotonic() < deadline, f"not back up: {b.health.last_error}"
+        await asyncio.sleep(0.02)
+
+
+@pytest.fixture
+async def own(redis_server: RedisServer) -> Any:
+    backends = await redis_backends(redis_server.url, new_prefix(), TIMEOUT_S,
+                                    probe_interval_s=PROBE_S)
+    try:
+        assert backends.health.up
+        await each_answers(backends)  # scripts loaded, connections open
+        yield backends
+    finally:
+        await backends.close()
+
+
+async def test_a_frozen_redis_answers_unavailable_in_time_and_recovers(
+        own: StateBackends, redis_server: RedisServer):
+    redis_server.freeze()
+    try:
+        # Every kind of call at once, as a busy proxy would make them: all are on the wire
+        # before anyone notices, so each is bounded by its own timeout.
+        started = time.monotonic()
+        results = await asyncio.gather(*(call() for call in every_call(own).values()),
+                                       return_exceptions=True)
+        took = time.monotonic() - started
+        assert all(isinstance(r, StateUnavailable) for r in results), results
+        assert took <= TIMEOUT_S + MARGIN_S, f"{took:.3f}s"
+        assert not own.health.up and own.health.last_error
+        await each_is_unavailable_in_time(own)
+        await asyncio.sleep(3 * PROBE_S)  # the probes meet the frozen server too
+        await each_is_unavailable_in_time(own)
+    finally:
+        redis_server.thaw()
+    await recovered(own)
+    await each_answers(own)
+
+
+async def test_a_stopped_redis_answers_unavailable_and_a_restarted_one_serves_again(
+        own: StateBackends, redis_server: RedisServer):
+    redis_server.stop()
+    await each_is_unavailable_in_time(own)
+    redis_server.start()  # empty, with no scripts loaded: NOSCRIPT is handled
+    await recovered(own)
+    await each_answers(own)
+    assert (await own.rates.admit("r", [Take("fresh", 1, 60.0)])).admitted
+
+
+async def test_a_redis_absent_at_start_is_found_when_it_comes(tmp_path: Path):
+    require_redis()  # only to skip or fail as the rest do when Redis is not installed
+    server = RedisServer(tmp_path / "late", port=free_port())
+    backends = await redis_backends(server.url, new_prefix(), TIMEOUT_S,
+                                    probe_interval_s=PROBE_S)
+    try:
+        assert not backends.health.up and backends.redis is not None
+        assert backends.redis.cluster is None
+        await each_is_unavailable_in_time(backends)
+        server.start()
+        await recovered(backends)
+        assert backends.redis.cluster is False
+        await each_answers(backends)
+    finally:
+        await backends.close()
+        server.stop()
+
+
+async def refused_then_recovered(own: StateBackends, admin: redis.Redis,
+                                 refuse: Callable[[], Any], allow: Callable[[], Any],
+                                 code: str) -> None:
+    refuse()
+    with pytest.raises(StateUnavailable, match=code):
+        await own.ledger.reserve("r", "x", [Claim("day", 1, 10, time.time() + 60)],
+                                 time.time(), 60)
+    assert not own.health.up
+    allow()
+    await recovered(own)
+    await each_answers(own)
+
+
+async def test_oom_readonly_and_busy_count_as_unavailable(
+        own: StateBackends, redis_server: RedisServer):
+    admin = redis_server.client()
+    await refused_then_recovered(
+        own, admin, lambda: admin.config_set("maxmemory", "1"),
+        lambda: admin.config_set("maxmemory", "0"), "OutOfMemory")
+    await refused_then_recovered(
+        own, admin, lambda: admin.replicaof("127.0.0.1", str(free_port())),
+        lambda: admin.replicaof("NO", "ONE"), "ReadOnly")
+
+    admin.config_set("busy-reply-threshold", "50")
+
+    def loop_forever() -> None:
+        with redis_server.client() as blocked:
+            try:
+                blocked.eval("while true do end", 0)
+            except redis.ResponseError:
+                pass  # killed
+
+    looping = threading.Thread(target=loop_forever)
+    looping.start()
+    try:
+        await asyncio.sleep(0.1)
+        await refused_then_recovered(own, admin, lambda: None,
+                                     lambda: admin.script_kill(), "BUSY")
+    finally:
+        looping.join(5)
+        admin.close()
+
+
+async def test_a_wrong_password_is_unavailable_and_never_shown(tmp_path: Path):
+    require_redis()
+    server = RedisServer(tmp_path / "auth", extra=("--requirepass", "right")).start()
+    url = f"redis://:s3cret-pw@127.0.0.1:{server.port}/0"
+    try:
+        backends = await redis_backends(url, new_prefix(), TIMEOUT_S, probe_interval_s=PROBE_S)
+        try:
+            with pytest.raises(StateUnavailable) as refused:
+                await backends.rates.admit("r", [Take("requests", 1, 1.0)])
+            for shown in (str(refused.value), str(backends.health.last_error),
+                          repr(backends.redis)):
+                assert "s3cret-pw" not in shown
+        finally:
+            await backends.close()
+    finally:
+        server.stop()
+
+
+def test_redact_url_hides_passwords_and_tokens():
+    assert redact_url("redis://:pw@h:6379/0") == "redis://:<redacted>@h:6379/0"
+    assert redact_url("rediss://user:pw@h/0") == "rediss://user:<redacted>@h/0"
+    assert redact_url("redis://token@h") == "redis://<redacted>@h"
+    assert redact_url("redis://h:1/0?password=pw&db=2") == (
+        "redis://h:1/0?password=<redacted>&db=2")
+    assert redact_url("redis://h:6379/0") == "redis://h:6379/0"
+
+
+def test_keys_share_the_group_hash_tag():
+    state = RedisState("redis://h", "sluice", 0.05)
+    assert state.key("openai", "rate", "tokens") == "sluice:{openai}:rate:tokens"
+    weird = state.key("a}b", "x")
+    assert weird.startswith("sluice:{") and "a}b" not in weird.split("}")[0]
+    with pytest.raises(ValueError):
+        RedisState("redis://h", "sl{uice", 0.05)
+
+
+async def test_the_url_says_server_or_cluster(redis_cluster: RedisCluster):
+    single = RedisState(require_redis(), new_prefix(), TIMEOUT_S)
+    cluster = RedisState(redis_cluster.servers[1].url, new_prefix(), TIMEOUT_S)
+    try:
+        await single.start()
+        await cluster.start()
+        assert (single.cluster, cluster.cluster) == (False, True)
+    finally:
+        await single.close()
+        await cluster.close()

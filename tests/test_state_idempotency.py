@@ -1,0 +1,122 @@
+"""Shared idempotency records and in-flight markers (policies.state.idempotency): memory, one
+Redis, a Redis Cluster."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+
+from policies.state import StateBackends
+from policies.state.idempotency import (
+    CLAIMED,
+    DONE,
+    FINISHED,
+    IN_FLIGHT,
+    SEEN,
+    TOO_LARGE,
+    Answer,
+    wait_for_answer,
+)
+from tests.redis_servers import replica
+
+FP = hashlib.sha256(b"POST /v1/chat {}").digest()
+OTHER_FP = hashlib.sha256(b"POST /v1/chat {\"other\": 1}").digest()
+KEY = "openai\0acme\0key-{1}|weird"  # keys may hold any character
+ANSWER = Answer(DONE, FP, 200, "OK", (("content-type", "application/json"), ("x-ü", "é")),
+                b'{"id": 1}\x00\xff')
+
+
+async def test_the_first_request_claims_the_key_and_a_twin_sees_it_in_flight(
+        backends: StateBackends):
+    records = backends.idempotency
+    assert await records.begin(KEY, "a", FP, 60) == (CLAIMED, None, b"", 0.0)
+    twin = await records.begin(KEY, "b", FP, 60)
+    assert (twin.state, twin.answer, twin.fingerprint) == (IN_FLIGHT, None, FP)
+    assert 59 < twin.ttl_s <= 60
+    # The holder beginning again (a retry inside the same request) keeps the key.
+    assert (await records.begin(KEY, "a", FP, 60)).state == CLAIMED
+    assert await records.renew(KEY, "a", 60) is True
+    assert await records.renew(KEY, "b", 60) is False
+
+
+async def test_a_stored_answer_is_returned_whole(backends: StateBackends):
+    records = backends.idempotency
+    await records.begin(KEY, "a", FP, 60)
+    assert await records.finish(KEY, "a", ANSWER, 3600) is True
+    done = await records.begin(KEY, "b", FP, 60)
+    assert (done.state, done.answer) == (FINISHED, ANSWER)
+    assert 3599 < done.ttl_s <= 3600
+    assert await records.get(KEY) == ANSWER
+    too_large = Answer(TOO_LARGE, FP, 200)
+    await records.finish("other", "a", too_large, 60)
+    assert (await records.begin("other", "b", FP, 60)).answer == too_large
+
+
+async def test_a_key_freed_without_an_answer_is_claimed_again_as_a_retry(
+        backends: StateBackends):
+    records = backends.idempotency
+    await records.begin(KEY, "a", FP, 60)
+    assert await records.finish(KEY, "a", Answer(SEEN, FP), 3600) is True
+    retry = await records.begin(KEY, "b", FP, 60)
+    assert (retry.state, retry.answer) == (CLAIMED, Answer(SEEN, FP))
+
+
+async def test_a_late_finish_without_an_answer_never_replaces_an_answer(
+        backends: StateBackends):
+    records = backends.idempotency
+    await records.begin(KEY, "a", FP, 0.2)
+    await asyncio.sleep(0.25)  # a's marker lapsed (its replica stalled): b takes over
+    assert (await records.begin(KEY, "b", FP, 60)).state == CLAIMED
+    assert await records.finish(KEY, "b", ANSWER, 3600) is True
+    assert await records.finish(KEY, "a", Answer(SEEN, FP), 3600) is False
+    assert await records.get(KEY) == ANSWER
+
+
+async def test_forward_mode_marks_a_key_seen_once(backends: StateBackends):
+    records = backends.idempotency
+    assert await records.seen(KEY, 60) is True
+    assert await records.seen(KEY, 60) is False
+    assert await records.get(KEY) == Answer(SEEN, b"")
+    assert await records.get("never") is None
+
+
+async def test_a_duplicate_on_another_replica_waits_for_the_answer(backends: StateBackends):
+    async with replica(backends) as other:
+        assert (await backends.idempotency.begin(KEY, "a", FP, 60)).state == CLAIMED
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        # Polling every 5 s: only the finish's message can wake it sooner.
+        waiter = asyncio.create_task(
+            wait_for_answer(other.idempotency, KEY, "b", FP, 60, timeout_s=5, poll_s=5))
+        await asyncio.sleep(0.1)
+        assert not waiter.done()
+        await backends.idempotency.finish(KEY, "a", ANSWER, 3600)
+        done = await asyncio.wait_for(waiter, 2)
+        assert (done.state, done.answer) == (FINISHED, ANSWER)
+        assert loop.time() - started < 1.0
+
+
+async def test_a_waiter_takes_over_a_key_left_without_an_answer(backends: StateBackends):
+    records = backends.idempotency
+    await records.begin(KEY, "a", FP, 60)
+    waiter = asyncio.create_task(
+        wait_for_answer(records, KEY, "b", FP, 60, timeout_s=5, poll_s=5))
+    await asyncio.sleep(0.05)
+    await records.finish(KEY, "a", Answer(SEEN, FP), 3600)
+    handed = await asyncio.wait_for(waiter, 2)
+    assert (handed.state, handed.answer) == (CLAIMED, Answer(SEEN, FP))
+    assert (await records.begin(KEY, "c", FP, 60)).state == IN_FLIGHT  # b holds it now
+
+
+async def test_waiting_ends_at_once_for_another_payload_and_at_the_timeout(
+        backends: StateBackends):
+    records = backends.idempotency
+    await records.begin(KEY, "a", FP, 60)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    mismatch = await wait_for_answer(records, KEY, "b", OTHER_FP, 60, timeout_s=5)
+    assert (mismatch.state, mismatch.fingerprint) == (IN_FLIGHT, FP)
+    assert loop.time() - started < 0.2
+    late = await wait_for_answer(records, KEY, "b", FP, 60, timeout_s=0.3, poll_s=0.1)
+    assert late.state == IN_FLIGHT
+    assert 0.3 <= loop.time() - started < 0.7

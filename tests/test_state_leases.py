@@ -1,0 +1,139 @@
+"""Shared concurrency leases (policies.state.leases): memory, one Redis, a Redis Cluster; and
+a replica killed with SIGKILL (a real process) whose slots free within one lease time."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from policies.state import StateBackends
+from policies.state.leases import LIMIT, TENANT, acquire_lease, wait_for_slot
+from tests.redis_servers import replica
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+async def test_slots_up_to_the_limit_and_the_tenant_cap_first(backends: StateBackends):
+    leases = backends.leases
+    assert (await leases.acquire("r", "a", "1", 3, 2, 60)).granted
+    assert (await leases.acquire("r", "a", "2", 3, 2, 60)) == (True, None, 2, 2)
+    assert await leases.acquire("r", "a", "3", 3, 2, 60) == (False, TENANT, 2, 2)
+    assert await leases.acquire("r", "b", "4", 3, 2, 60) == (True, None, 3, 1)
+    assert await leases.acquire("r", "c", "5", 3, None, 60) == (False, LIMIT, 3, 0)
+    # Acquiring an id already held grants again without taking a second slot.
+    assert await leases.acquire("r", "b", "4", 3, 2, 60) == (True, None, 3, 1)
+    assert await leases.counts("r", "a") == (3, 2)
+    assert await leases.release("r", "a", "1") is True
+    assert await leases.release("r", "a", "1") is False
+    assert await leases.counts("r", "a") == (2, 1)
+    assert await leases.renew("r", "a", "1", 60) is False
+
+
+async def test_a_lapsed_lease_frees_its_slot(backends: StateBackends):
+    leases = backends.leases
+    assert (await leases.acquire("r", "a", "dead", 1, None, 0.3)).granted
+    assert not (await leases.acquire("r", "a", "next", 1, None, 0.3)).granted
+    await asyncio.sleep(0.35)
+    assert (await leases.acquire("r", "a", "next", 1, None, 60)).granted
+    assert await leases.counts("r", "a") == (1, 1)
+
+
+async def test_a_held_lease_is_renewed_until_released(backends: StateBackends):
+    result, lease = await acquire_lease(backends.leases, "r", "a", 1, None, 0.2)
+    assert result.granted and lease is not None
+    await asyncio.sleep(0.3)  # longer than the lease: renewal keeps it
+    assert await backends.leases.counts("r", "a") == (1, 1)
+    assert not lease.lost
+    assert await lease.aclose() is True
+    assert lease.release() is lease.release()  # releasing again is the same, finished task
+    assert await backends.leases.counts("r", "a") == (0, 0)
+
+
+async def test_a_lease_taken_away_is_reported_lost(backends: StateBackends):
+    _, lease = await acquire_lease(backends.leases, "r", "a", 1, None, 0.3)
+    assert lease is not None
+    await backends.leases.release("r", "a", lease.lease_id)  # as if it had lapsed
+    await asyncio.sleep(0.25)
+    assert lease.lost
+    assert await lease.aclose() is False
+
+
+async def test_a_release_wakes_a_waiter_on_another_replica(backends: StateBackends):
+    async with replica(backends) as other:
+        _, held = await acquire_lease(backends.leases, "r", "a", 1, None, 60)
+        assert held is not None
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        # Polling every 5 s: only the release's message can wake it sooner.
+        waiter = asyncio.create_task(
+            wait_for_slot(other.leases, "r", "b", 1, None, 60, timeout_s=5, poll_s=5))
+        await asyncio.sleep(0.1)
+        assert not waiter.done()
+        await held.aclose()
+        result, lease = await asyncio.wait_for(waiter, 2)
+        assert result.granted and lease is not None
+        assert loop.time() - started < 1.0
+        await lease.aclose()
+
+
+async def test_waiting_ends_at_the_timeout_or_at_once_for_the_tenant(backends: StateBackends):
+    _, held = await acquire_lease(backends.leases, "r", "a", 1, 1, 60)
+    assert held is not None
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    result, lease = await wait_for_slot(backends.leases, "r", "b", 1, 1, 60, timeout_s=0.3,
+                                        poll_s=0.1)
+    assert (result.refused_by, lease) == (LIMIT, None)
+    assert 0.3 <= loop.time() - started < 0.6
+    result, lease = await wait_for_slot(backends.leases, "r", "a", 2, 1, 60, timeout_s=5)
+    assert (result.refused_by, lease) == (TENANT, None)
+    await held.aclose()
+
+
+@pytest.mark.parametrize("backends", ["redis"], indirect=True)
+async def test_a_replica_killed_with_sigkill_frees_its_slots_within_the_lease_time(
+        backends: StateBackends):
+    state = backends.redis
+    assert state is not None
+    lease_s = 0.3
+    child = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, state.url, state.prefix, str(lease_s)],
+        cwd=REPO, stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        assert child.stdout is not None
+        line = await asyncio.to_thread(child.stdout.readline)
+        assert line.strip() == b"held", line
+        await asyncio.sleep(lease_s * 1.5)  # the child's renewals keep both slots
+        assert await backends.leases.counts("r", "t") == (2, 2)
+        child.send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        while (await backends.leases.counts("r", "t"))[0]:
+            assert time.monotonic() - killed < lease_s + 0.15
+            await asyncio.sleep(0.02)
+    finally:
+        child.kill()
+        child.wait()
+
+
+_HOLDER = """
+import asyncio, sys
+from policies.state import redis_backends
+from policies.state.leases import acquire_lease
+
+async def main(url, prefix, lease_s):
+    backends = await redis_backends(url, prefix, 0.5)
+    for _ in range(2):
+        result, lease = await acquire_lease(backends.leases, "r", "t", 4, None, lease_s)
+        assert lease is not None, result
+    print("held", flush=True)
+    await asyncio.sleep(3600)
+
+asyncio.run(main(sys.argv[1], sys.argv[2], float(sys.argv[3])))
+"""

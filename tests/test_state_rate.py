@@ -1,0 +1,126 @@
+"""Shared GCRA buckets (policies.state.rate): memory, one Redis, a Redis Cluster."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+
+from policies.state import StateBackends
+from policies.state.rate import Take
+from tests.redis_servers import replica
+
+# Long periods keep the buckets from draining noticeably while a test runs.
+TENANT = Take("tenant:a", 2, 60.0)  # one unit drains in 30 s
+ROUTE = Take("requests", 3, 60.0)   # one unit drains in 20 s
+
+
+async def test_a_burst_of_limit_passes_then_the_wait_is_exact(backends: StateBackends):
+    rates = backends.rates
+    bucket = Take("requests", 10, 60.0)
+    for left in range(9, -1, -1):
+        result = await rates.admit("r", [bucket])
+        assert result.admitted and result.remaining == (left,)
+    refused = await rates.admit("r", [bucket])
+    assert not refused.admitted and refused.denied == 0
+    # The 11th fits once one unit has drained: 60 s / 10, less the time the test took.
+    assert 5.5 < refused.retry_after_s <= 6.0
+
+
+async def test_admission_is_all_or_nothing_across_buckets(backends: StateBackends):
+    rates = backends.rates
+    tenant_b = TENANT._replace(name="tenant:b")
+    tenant_c = TENANT._replace(name="tenant:c")
+    for _ in range(2):
+        assert (await rates.admit("r", [TENANT, ROUTE])).admitted
+    refused = await rates.admit("r", [TENANT, ROUTE])
+    assert (refused.admitted, refused.denied) == (False, 0)
+    assert 29.0 < refused.retry_after_s <= 30.0
+    # The route's bucket did not pay for the call its tenant refused.
+    assert await rates.available("r", [ROUTE]) == (1,)
+    assert (await rates.admit("r", [tenant_b, ROUTE])).admitted
+    refused = await rates.admit("r", [tenant_c, ROUTE])
+    assert (refused.admitted, refused.denied) == (False, 1)
+    assert 19.0 < refused.retry_after_s <= 20.0
+    # ...and tenant c's bucket did not pay for the call the route refused.
+    assert await rates.available("r", [tenant_c]) == (2,)
+
+
+async def test_the_wait_is_the_longest_of_the_refusing_buckets(backends: StateBackends):
+    rates = backends.rates
+    fast = Take("tenant:a", 2, 10.0)  # 5 s a unit
+    slow = Take("requests", 2, 60.0)  # 30 s a unit
+    assert (await rates.admit("r", [fast, slow])).admitted
+    assert (await rates.admit("r", [fast, slow])).admitted
+    refused = await rates.admit("r", [fast, slow])
+    # Both refuse; after 5 s the tenant would fit but the route would not: 30 s is the truth.
+    assert refused.denied == 1
+    assert 29.0 < refused.retry_after_s <= 30.0
+
+
+async def test_token_amounts_and_an_amount_larger_than_the_bucket(backends: StateBackends):
+    rates = backends.rates
+    tokens = Take("tokens", 100, 60.0)  # 0.6 s a token
+    assert (await rates.admit("r", [tokens._replace(amount=70)])).remaining == (30,)
+    refused = await rates.admit("r", [tokens._replace(amount=40)])
+    assert not refused.admitted
+    assert 5.5 < refused.retry_after_s <= 6.0  # 10 tokens over
+    never = await rates.admit("r", [tokens._replace(amount=101)])
+    assert (never.admitted, never.retry_after_s) == (False, math.inf)
+
+
+async def test_refund_gives_back_what_was_taken_and_never_below_empty(
+        backends: StateBackends):
+    rates = backends.rates
+    assert (await rates.admit("r", [TENANT, ROUTE])).admitted
+    await rates.refund("r", [TENANT, ROUTE])
+    assert await rates.available("r", [TENANT, ROUTE]) == (2, 3)
+    await rates.refund("r", [TENANT])
+    assert (await rates.admit("r", [TENANT])).remaining == (1,)
+
+
+async def test_buckets_drain_at_their_rate(backends: StateBackends):
+    rates = backends.rates
+    quick = Take("requests", 5, 0.5)  # a unit every 100 ms
+    for _ in range(5):
+        assert (await rates.admit("r", [quick])).admitted
+    refused = await rates.admit("r", [quick])
+    assert not refused.admitted
+    await asyncio.sleep(refused.retry_after_s + 0.01)
+    assert (await rates.admit("r", [quick])).admitted
+
+
+async def test_a_new_rate_keeps_the_level(backends: StateBackends):
+    rates = backends.rates
+    for _ in range(4):
+        assert (await rates.admit("r", [Take("requests", 4, 60.0)])).admitted
+    # A reload doubling the limit grants the difference, not a fresh burst.
+    assert await rates.available("r", [Take("requests", 8, 60.0)]) == (4,)
+
+
+async def test_groups_are_separate(backends: StateBackends):
+    rates = backends.rates
+    for _ in range(2):
+        assert (await rates.admit("route-1", [TENANT])).admitted
+    assert not (await rates.admit("route-1", [TENANT])).admitted
+    assert (await rates.admit("route-2", [TENANT])).admitted
+
+
+async def test_three_replicas_admit_exactly_the_limit(backends: StateBackends):
+    bucket = Take("tenant:t", 10, 60.0)
+    async with replica(backends) as second, replica(backends) as third:
+        replicas = [backends, second, third]
+        results = await asyncio.gather(*(
+            replicas[i % 3].rates.admit("r", [bucket]) for i in range(30)))
+    assert sum(r.admitted for r in results) == 10
+
+
+@pytest.mark.parametrize("backends", ["redis", "cluster"], indirect=True)
+async def test_a_bucket_key_expires_once_drained(backends: StateBackends):
+    state = backends.redis
+    assert state is not None
+    await backends.rates.admit("r", [Take("requests", 10, 60.0, 3)])
+    key = state.key("r", "rate", "requests")
+    ttl_ms = await state.run(lambda client: client.pttl(key))
+    assert 17_000 < ttl_ms <= 18_001  # 3 units at 6 s each
