@@ -140,17 +140,6 @@ HeaderName = Annotated[str, AfterValidator(_header_name)]
 
 Path_ = tuple[str | int, ...]
 
-_TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
-
-
-def _header_name(value: str) -> str:
-    if not _TOKEN.match(value):
-        raise ValueError(f"{value!r} is not an HTTP header name (RFC 9110 §5.1 token)")
-    return value
-
-
-HeaderName = Annotated[str, AfterValidator(_header_name)]
-
 #: Longest identity value (tenant, run, request id, parent run) accepted, characters.
 MAX_IDENTITY_LENGTH = 128
 #: What an identity value may be: visible ASCII (``!`` to ``~``), no spaces or control
