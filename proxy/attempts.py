@@ -148,10 +148,13 @@ async def forward(request: web.BaseRequest, rt: Runtime, route: Route,
             try:
                 answer, outcome = await fwd.relay(request, response, extra,
                                                   _Progress(call, call.capture), meter)
-            except Rejected as error:  # an answer that cannot be relayed: a bad status or header
+            except Rejected as error:  # not relayable (a bad status or header) or cut in time
                 call.status = error.reason.status
-                return (render(error, route.protocol, jsonrpc_id(route.protocol, call.body)),
-                        "upstream_error", True)
+                failed = render(error, route.protocol, jsonrpc_id(route.protocol, call.body))
+                if retry is not None:  # a final failure on a route that owns retries
+                    failed.headers.update(_NO_RETRY)
+                timed_out = error.reason is Reason.UPSTREAM_TIMEOUT
+                return failed, "upstream_timeout" if timed_out else "upstream_error", True
             return answer, outcome, True
         error = tries.error
         assert error is not None

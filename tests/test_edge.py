@@ -441,6 +441,6 @@ async def test_a_body_cut_by_the_total_timeout_is_504_not_502(start_sluice):
         await wait_until(lambda: any(e["event"] == "completed" for e in sluice.events()),
                          what="the completed event")
         [completed] = [e for e in sluice.events() if e["event"] == "completed"]
-        assert completed["status"] == 504
+        assert completed["status"] == 504 and completed["outcome"] == "upstream_timeout"
     finally:
         await runner.cleanup()
