@@ -19,7 +19,9 @@ import asyncio
 import logging
 import os
 import sys
+from collections.abc import Callable
 
+from policies.config import Config
 from proxy.config import ConfigError, load_config
 
 DEFAULT_CONFIG = "config/sluice.yaml"
@@ -88,26 +90,27 @@ def _timeline(args: argparse.Namespace) -> int:
         return EXIT_CONFIG_ERROR
 
 
-def _dlq(args: argparse.Namespace) -> int:
-    from proxy.dlq import run
-
+def _with_config(args: argparse.Namespace, run: Callable[[Config, argparse.Namespace], int]
+                 ) -> int:
+    """Load ``--config`` and hand it to a subcommand; a bad config is its problems, exit 2."""
     try:
         config = load_config(args.config)
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return EXIT_CONFIG_ERROR
     return run(config, args)
+
+
+def _dlq(args: argparse.Namespace) -> int:
+    from proxy.dlq import run
+
+    return _with_config(args, run)
 
 
 def _runs(args: argparse.Namespace) -> int:
     from proxy.runs_cli import run
 
-    try:
-        config = load_config(args.config)
-    except ConfigError as exc:
-        print(exc, file=sys.stderr)
-        return EXIT_CONFIG_ERROR
-    return run(config, args)
+    return _with_config(args, run)
 
 
 def _demo(args: argparse.Namespace) -> int:

@@ -241,13 +241,18 @@ class RedisState:
             async with asyncio.timeout(self.timeout_s):
                 await self._client.ping()
         except Exception as exc:
-            if not is_unavailable(exc):
-                raise
-            self.health.fail(describe(exc))
-            raise StateUnavailable(f"state backend unavailable: {describe(exc)}",
-                                   self.probe_interval_s) from exc
+            raise self._unavailable(exc) from exc
         self.health.ok()
         return True
+
+    def _unavailable(self, exc: Exception) -> StateUnavailable:
+        """Mark the backend down for ``exc`` and return the error to raise; an error that
+        says nothing about availability (a bug, a bad script) is re-raised as it is."""
+        if not is_unavailable(exc):
+            raise exc
+        self.health.fail(describe(exc))
+        return StateUnavailable(f"state backend unavailable: {describe(exc)}",
+                                self.probe_interval_s)
 
     async def _watch(self) -> None:
         while not self._closed:
@@ -337,11 +342,7 @@ class RedisState:
             async with asyncio.timeout(self.timeout_s):
                 result = await op(client)
         except Exception as exc:
-            if not is_unavailable(exc):
-                raise
-            self.health.fail(describe(exc))
-            raise StateUnavailable(f"state backend unavailable: {describe(exc)}",
-                                   self.probe_interval_s) from exc
+            raise self._unavailable(exc) from exc
         self.health.ok()
         return result
 
