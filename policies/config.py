@@ -12,8 +12,9 @@ The models are strict, so a boolean or a number where a string belongs is an err
 
 from __future__ import annotations
 
+import os
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -229,8 +230,72 @@ class ServerConfig(_Section):
     stall_after: PositiveDuration = 30.0
 
 
+def _redis_url(value: str) -> str:
+    """A ``redis://``, ``rediss://`` or ``unix://`` URL, or ``env:NAME`` naming an environment
+    variable that holds one (a Kubernetes Secret); never echoes a password in an error."""
+    if value.startswith("env:"):
+        if not value[4:]:
+            raise ValueError("env: needs a variable name")
+        return value
+    scheme = value.partition("://")[0].lower()
+    if scheme not in ("redis", "rediss", "unix") or "://" not in value:
+        raise ValueError("must start with redis://, rediss:// or unix:// (or be env:NAME)")
+    return value
+
+
+RedisUrl = Annotated[str, AfterValidator(_redis_url)]
+
+
 class StateConfig(_Section):
-    backend: Literal["memory"] = "memory"
+    """``state``: where limits, budgets, breakers and keys live (``policies/state/``).
+
+    Restart-only: a reload keeps the running block and says so.
+    """
+
+    #: ``memory`` (one process, the default) or ``redis`` (shared by every replica).
+    backend: Literal["memory", "redis"] = "memory"
+    #: The Redis server, or any node of a Redis Cluster (detected at start); may carry a
+    #: password, redacted wherever the config is shown or logged. ``env:NAME`` reads it from
+    #: the environment variable ``NAME`` at start.
+    redis_url: RedisUrl | None = Field(default=None, repr=False)
+    #: The start of every key and channel; replicas sharing state must use the same prefix.
+    key_prefix: str = Field(default="sluice", min_length=1, max_length=64,
+                            pattern=r"^[A-Za-z0-9_.:-]+$")
+    #: Bound on every Redis interaction on the request path, seconds.
+    timeout: PositiveDuration = 0.05
+    #: With Redis unreachable: ``local`` enforces ``limit / replicas`` of every limit in each
+    #: replica (and reconciles budget spend when Redis is back); ``reject`` answers 503
+    #: ``state_unavailable``.
+    on_unavailable: Literal["local", "reject"] = "local"
+    #: How many replicas share the limits: each enforces its share of every limit while Redis
+    #: is unreachable (``on_unavailable: local``). Accepted with either backend.
+    replicas: int = Field(default=1, ge=1, le=10_000)
+
+    @model_validator(mode="after")
+    def _coherent(self) -> StateConfig:
+        if self.backend == "redis" and self.redis_url is None:
+            raise ValueError("backend redis needs redis_url")
+        return self
+
+    def resolved_url(self, environ: Mapping[str, str] | None = None) -> str:
+        """``redis_url`` with ``env:NAME`` replaced by that variable's value.
+
+        Raises:
+            ValueError: no ``redis_url``, or the variable is unset or not a Redis URL.
+        """
+        url = self.redis_url
+        if url is None:
+            raise ValueError("state.redis_url is not set")
+        if url.startswith("env:"):
+            name = url[4:]
+            value = (os.environ if environ is None else environ).get(name)
+            if not value:
+                raise ValueError(f"state.redis_url: environment variable {name} is not set")
+            try:
+                return _redis_url(value)
+            except ValueError as exc:
+                raise ValueError(f"state.redis_url: ${name} {exc}") from None
+        return url
 
 
 class IdentityConfig(_Section):

@@ -186,6 +186,13 @@ class Metrics:
             registry=r,
         )
 
+        # Shared state (policies/state/).
+        self.state_backend_up = Gauge(
+            "sluice_state_backend_up",
+            "1 while the state backend answers; 0 while Redis is unreachable and "
+            "state.on_unavailable applies.", ["backend"], registry=r,
+        )
+
         # Token accounting (policies/accounting.py).
         self.tokens = Counter(
             "sluice_tokens",

@@ -27,6 +27,7 @@ from policies.pipeline import Call, Policy
 from policies.rate import RateLimiter
 from policies.retry import RetryPolicy
 from policies.runs import FanoutWidth, RunLimits, RunRegistry, RunTracker
+from policies.state import StateBackends, memory_backends
 from proxy.events import EventLog
 from proxy.metrics import BudgetGauges, Metrics, RouteMetrics
 
@@ -45,6 +46,8 @@ class Route:
             requests in flight then; their counts join ``inflight_total``.
         policies: the admission steps, in order (:meth:`_admission_order`).
         accounting: token accounting, on ``openai`` and ``anthropic`` routes only.
+        backends: the state its policies keep their counters in
+            (:class:`policies.state.StateBackends`).
     """
 
     #: Attributes holding policy objects. A policy object may have a ``state()`` method
@@ -54,6 +57,7 @@ class Route:
 
     __slots__ = (
         "accounting",
+        "backends",
         "breaker",
         "budget_gauges",
         "concurrency",
@@ -82,8 +86,12 @@ class Route:
                  pricing: dict[str, ModelPrice] | None = None,
                  clock: Callable[[], float] = time.time, run_header: str = "X-Run-ID",
                  runs: RunRegistry | None = None, global_limits: RunLimits | None = None,
-                 global_fanout: FanoutWidth | None = None, stall_after: float = 30.0) -> None:
+                 global_fanout: FanoutWidth | None = None, stall_after: float = 30.0,
+                 state: StateBackends | None = None) -> None:
         self.config = config
+        #: Where the policies keep their counters: this process's memory, or Redis shared by
+        #: every replica (the runtime's, from the ``state`` block).
+        self.backends = state if state is not None else memory_backends()
         self.name = config.name
         self.prefix = config.path_prefix
         self.protocol = config.protocol

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 
 import aiohttp
@@ -12,10 +13,13 @@ from policies.budget import clock_from_env
 from policies.config import Config, RunConfig
 from policies.deadletter import DeadLetterQueue
 from policies.runs import FanoutWidth, RunLimits, RunRegistry
+from policies.state import StateBackends, backends_for
 from proxy.client import upstream_session
 from proxy.events import EventLog
 from proxy.metrics import Metrics
 from proxy.routes import Route, Router
+
+log = logging.getLogger("sluice")
 
 
 class Runtime:
@@ -25,10 +29,20 @@ class Runtime:
         draining: set on SIGTERM; new requests are then answered 503 ``draining``.
         session: the one upstream ``ClientSession``, opened in the proxy app's startup.
         dead_letters: the dead-letter store (its file is opened once a route retries).
+        state: the shared state every policy keeps its counters in (``state`` block,
+            restart-only), connected in :meth:`open`.
+
+    Raises:
+        ValueError: ``state.redis_url`` names an unset environment variable.
     """
 
     def __init__(self, config: Config) -> None:
         self.metrics = Metrics()
+        self.state: StateBackends = backends_for(config.state)
+        health = self.state.health
+        self.metrics.state_backend_up.labels(self.state.kind).set_function(
+            lambda: 1.0 if health.up else 0.0)
+        health.on_change(self._state_changed)
         self.routes: list[Route] = []
         #: Routes a reload deleted that still had requests in flight (counted by the drain).
         self.removed: list[Route] = []
@@ -75,7 +89,7 @@ class Runtime:
             Route(rc, self.metrics, self.events, pricing=config.pricing, clock=self.clock,
                   run_header=config.identity.run_header, runs=self.runs,
                   global_limits=global_limits, global_fanout=self.global_fanout,
-                  stall_after=config.server.stall_after)
+                  stall_after=config.server.stall_after, state=self.state)
             for rc in config.routes
         ]
         for route in routes:
@@ -113,6 +127,18 @@ class Runtime:
         self.default_tenant = identity.default_tenant
         return summary
 
+    def _state_changed(self, up: bool, error: str | None) -> None:
+        """Say in the log what the policies do now that the state backend changed."""
+        if up:
+            log.warning("state backend answers again: limits are shared across replicas")
+        elif self.state.fallback.mode == "reject":
+            log.warning("state backend unavailable (%s): calls refused 503 state_unavailable "
+                        "until it answers (state.on_unavailable: reject)", error)
+        else:
+            log.warning("state backend unavailable (%s): this replica enforces 1/%d of every "
+                        "limit from its own memory until it answers (state.on_unavailable: "
+                        "local)", error, self.state.fallback.replicas)
+
     def next_request_id(self) -> str:
         """A request id unique to this process (cheaper than a UUID on the hot path)."""
         return f"{self._id_prefix}{next(self._ids)}"
@@ -135,6 +161,7 @@ class Runtime:
             enable_cleanup_closed=True,  # closes leaked TLS transports on Python 3.11
         )
         self.session = upstream_session(connector)
+        await self.state.start()
         await self.events.start()
         if any(route.retry is not None for route in self.routes):
             await self.dead_letters.open()
@@ -144,6 +171,7 @@ class Runtime:
         if self.session is not None:
             await self.session.close()
         await self.dead_letters.close()
+        await self.state.close()
         await self.events.close()
 
 

@@ -90,9 +90,14 @@ async def _healthz(request: web.Request) -> web.Response:
 
 async def _readyz(request: web.Request) -> web.Response:
     runtime = request.app[RUNTIME]
+    state = {"backend": runtime.state.kind, **runtime.state.health.as_dict()}
     if runtime.draining:
-        return web.json_response({"status": "draining"}, status=503)
-    return web.json_response({"status": "ready"})
+        return web.json_response({"status": "draining", "state": state}, status=503)
+    if not runtime.state.health.up:
+        # Still ready: state.on_unavailable says how calls are served meanwhile, and taking
+        # every replica out of its Service for a Redis outage would refuse them all.
+        state["on_unavailable"] = runtime.state.fallback.mode
+    return web.json_response({"status": "ready", "state": state})
 
 
 def _split(listen: str) -> tuple[str, int]:

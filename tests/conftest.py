@@ -27,7 +27,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.config import StrictLoader
 from tests.fakeupstream import FakeUpstream
-from tests.redis_servers import backends, redis_cluster, redis_server  # noqa: F401  (fixtures)
+from tests.redis_servers import (  # noqa: F401  (fixtures)
+    backends,
+    redis_cluster,
+    redis_server,
+    shared_state,
+)
 from tests.sluice_child import COVERAGE_ENV, ForkedSluice
 
 REPO = Path(__file__).resolve().parent.parent

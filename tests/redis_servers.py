@@ -240,3 +240,23 @@ async def replica(like: StateBackends) -> AsyncIterator[StateBackends]:
         yield other
     finally:
         await other.close()
+
+
+@pytest.fixture(params=["redis", "cluster"])
+def shared_state(request: pytest.FixtureRequest) -> Iterator[dict[str, object]]:
+    """A ``state`` config block for Sluice processes sharing one Redis (then a Redis Cluster)
+    under a key prefix of their own, deleted afterwards. Pass it to several ``start_sluice``
+    calls to get replicas of one deployment."""
+    prefix = new_prefix()
+    if request.param == "redis":
+        url = require_redis()
+        cleanup = lambda: delete_prefix(url, prefix)  # noqa: E731
+    else:
+        cluster: RedisCluster = request.getfixturevalue("redis_cluster")
+        url = cluster.url
+        cleanup = lambda: cluster.delete_prefix(prefix)  # noqa: E731
+    try:
+        yield {"backend": "redis", "redis_url": url, "key_prefix": prefix,
+               "timeout": f"{int(TEST_TIMEOUT_S * 1000)}ms", "replicas": 3}
+    finally:
+        cleanup()

@@ -24,8 +24,10 @@ script on one slot. Every Redis call on the request path is one round trip and r
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Literal
 
+from policies.config import StateConfig
 from policies.state.breaker import BreakerStates, MemoryBreakerStates, RedisBreakerStates
 from policies.state.connection import Health, RedisState, redact_url
 from policies.state.deadletters import (
@@ -46,6 +48,7 @@ from policies.state.rate import MemoryRateBuckets, RateBuckets, RedisRateBuckets
 __all__ = [
     "BreakerStates",
     "DeadLetterStore",
+    "Fallback",
     "Health",
     "IdempotencyRecords",
     "Leases",
@@ -54,6 +57,7 @@ __all__ = [
     "RedisState",
     "StateBackends",
     "StateUnavailable",
+    "backends_for",
     "memory_backends",
     "redact_url",
     "redis_backends",
@@ -77,11 +81,56 @@ class StateBackends:
     breakers: BreakerStates
     dead_letters: DeadLetterStore
     redis: RedisState | None = None
+    #: What policies do while this set is unavailable (never, for memory).
+    fallback: Fallback = field(default_factory=lambda: Fallback("local", 1))
+
+    @property
+    def kind(self) -> str:
+        """``memory`` or ``redis``."""
+        return "memory" if self.redis is None else "redis"
+
+    async def start(self) -> None:
+        """Connect (Redis only; never raises for an unreachable server: see
+        :func:`redis_backends`)."""
+        if self.redis is not None:
+            await self.redis.start()
 
     async def close(self) -> None:
         """Close the Redis connection (nothing to do for memory)."""
         if self.redis is not None:
             await self.redis.close()
+
+
+@dataclass(slots=True)
+class Fallback:
+    """What a policy does when the shared state does not answer (``state.on_unavailable``).
+
+    Attributes:
+        mode: ``local``: decide from this replica's own memory state with ``share()`` of each
+            limit; ``reject``: refuse the call 503 ``state_unavailable``.
+        replicas: how many replicas share each limit (``state.replicas``).
+        local: the memory state used in ``local`` mode (built lazily, kept across outages so
+            a second outage continues where the first left off).
+    """
+
+    mode: Literal["local", "reject"]
+    replicas: int
+    local: StateBackends | None = None
+
+    def share(self, limit: float) -> float:
+        """This replica's share of ``limit`` while degraded: ``limit / replicas``."""
+        return limit / self.replicas
+
+    def whole_share(self, limit: int) -> int:
+        """This replica's share of an integer limit (slots, requests), at least 1: a share
+        of 0 would refuse everything, which ``reject`` mode is for."""
+        return max(1, limit // self.replicas)
+
+    def memory(self) -> StateBackends:
+        """The memory state of ``local`` mode."""
+        if self.local is None:
+            self.local = memory_backends()
+        return self.local
 
 
 def memory_backends() -> StateBackends:
@@ -96,6 +145,35 @@ def memory_backends() -> StateBackends:
         idempotency=MemoryIdempotencyRecords(),
         breakers=MemoryBreakerStates(),
         dead_letters=MemoryDeadLetterStore(),
+    )
+
+
+def backends_for(config: StateConfig) -> StateBackends:
+    """The state ``config`` (the ``state`` block) asks for, not yet connected: call
+    :meth:`StateBackends.start` inside the running loop.
+
+    Raises:
+        ValueError: ``redis_url`` is ``env:NAME`` and that variable is unset or not a URL.
+    """
+    if config.backend == "memory":
+        backends = memory_backends()
+    else:
+        backends = _redis_set(RedisState(config.resolved_url(), config.key_prefix,
+                                         config.timeout))
+    backends.fallback = Fallback(config.on_unavailable, config.replicas)
+    return backends
+
+
+def _redis_set(state: RedisState) -> StateBackends:
+    return StateBackends(
+        health=state.health,
+        redis=state,
+        rates=RedisRateBuckets(state),
+        ledger=RedisLedger(state),
+        leases=RedisLeases(state),
+        idempotency=RedisIdempotencyRecords(state),
+        breakers=RedisBreakerStates(state),
+        dead_letters=RedisDeadLetterStore(state),
     )
 
 
@@ -122,13 +200,4 @@ async def redis_backends(url: str, prefix: str, timeout_s: float, *,
         options["max_connections"] = max_connections
     state = RedisState(url, prefix, timeout_s, **options)  # type: ignore[arg-type]
     await state.start()
-    return StateBackends(
-        health=state.health,
-        redis=state,
-        rates=RedisRateBuckets(state),
-        ledger=RedisLedger(state),
-        leases=RedisLeases(state),
-        idempotency=RedisIdempotencyRecords(state),
-        breakers=RedisBreakerStates(state),
-        dead_letters=RedisDeadLetterStore(state),
-    )
+    return _redis_set(state)

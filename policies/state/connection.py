@@ -54,6 +54,8 @@ REDACTED = "<redacted>"
 MAX_CONNECTIONS = 64
 #: How often a backend marked down is probed, seconds.
 PROBE_INTERVAL_S = 0.5
+#: An idle backend that is up is PINGed when nothing answered for this long, seconds.
+HEARTBEAT_S = 1.0
 #: Bound on finding out what the URL names (and, for a cluster, reading its slot map), seconds;
 #: at least this even when the per-call timeout is shorter.
 CONNECT_TIMEOUT_S = 2.0
@@ -193,6 +195,7 @@ class RedisState:
         self._client: Redis | RedisCluster | None = None
         self._monitor: asyncio.Task[None] | None = None
         self._closed = False
+        self._answered_at = 0.0
         self.notifier = RedisNotifier(self)
 
     def __repr__(self) -> str:
@@ -242,6 +245,7 @@ class RedisState:
                 await self._client.ping()
         except Exception as exc:
             raise self._unavailable(exc) from exc
+        self._answered_at = time.monotonic()
         self.health.ok()
         return True
 
@@ -257,7 +261,9 @@ class RedisState:
     async def _watch(self) -> None:
         while not self._closed:
             await asyncio.sleep(self.probe_interval_s)
-            if self.health.up:
+            # While up, PING only when no call has succeeded lately: an idle replica still
+            # notices an outage (its gauge and /readyz say so) before a request finds it.
+            if self.health.up and time.monotonic() - self._answered_at < HEARTBEAT_S:
                 continue
             try:
                 await self.probe()
@@ -343,6 +349,7 @@ class RedisState:
                 result = await op(client)
         except Exception as exc:
             raise self._unavailable(exc) from exc
+        self._answered_at = time.monotonic()
         self.health.ok()
         return result
 
