@@ -33,7 +33,7 @@ async def test_sigterm_drains_in_flight_work_and_refuses_new(upstream, start_slu
 
         async def not_ready() -> bool:
             async with session.get(sluice.admin_url + "/readyz") as r:
-                return r.status == 503 and (await r.json()) == {"status": "draining"}
+                return r.status == 503 and (await r.json())["status"] == "draining"
 
         while not await not_ready():
             await asyncio.sleep(0.02)
