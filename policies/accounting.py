@@ -4,9 +4,11 @@ It is one step of the admission pipeline (:mod:`policies.pipeline`):
 
 1. :meth:`Accounting.admit` reads the call's body once (model, output cap, stream) if it is a
    metered call (:func:`policies.usage.endpoint_for`), maybe rewrites it (default cap, usage
-   option), then takes its worst case from the token rate (``rate.tokens``) and reserves it on
-   the budgets (``budget``), or raises :class:`~policies.reasons.Rejected`. It leaves the
-   :class:`Charge` held, its meter on ``call.meter``.
+   option), then takes its worst case from the token rate (``rate.tokens``, in the same
+   atomic call as the request units of ``rate.requests`` and ``rate.per_tenant``: one round
+   trip) and reserves it on the budgets (``budget``, one more), or raises
+   :class:`~policies.reasons.Rejected`. It leaves the :class:`Charge` held, its meter on
+   ``call.meter``.
 2. While forwarding, the meter reads the answer's usage as it passes.
 3. When the call ends, whatever ended it, :meth:`Charge.release` is told the outcome. A call
    that never reached the upstream (refused by a later step, caller gone, no connection) gets
@@ -35,7 +37,7 @@ from __future__ import annotations
 from policies.budget import Budgets, Reservation, price_usd
 from policies.config import ModelPrice, RouteConfig
 from policies.pipeline import Call, Outcome
-from policies.rate import TokenBucket
+from policies.rate import RateLimiter, Units
 from policies.reasons import Reason, Rejected
 from policies.usage import Meter, RequestCost, Usage, endpoint_for, read_request
 
@@ -49,13 +51,14 @@ class Accounting:
     Args:
         config: the route's config (protocol, ``usage``).
         pricing: the top-level ``pricing`` table.
-        token_bucket: the route's ``rate.tokens`` bucket, if any.
+        rate: the route's rate limits, if any; with ``rate.tokens`` set, this step takes a
+            metered call's request units and tokens together (:meth:`RateLimiter.take`).
         budgets: the route's budgets, if any.
         run_header: the header naming a run, for the message when it is missing.
     """
 
     def __init__(self, config: RouteConfig, pricing: dict[str, ModelPrice],
-                 token_bucket: TokenBucket | None, budgets: Budgets | None,
+                 rate: RateLimiter | None, budgets: Budgets | None,
                  run_header: str) -> None:
         self.protocol = config.protocol
         self.anthropic = config.protocol == "anthropic"
@@ -64,9 +67,8 @@ class Accounting:
         self.write_cap = usage.write_max_tokens
         self.stream_usage = usage.stream_usage
         self.pricing = pricing
-        self.token_bucket = token_bucket
+        self.rate = rate
         self.budgets = budgets
-        self.enforcing = token_bucket is not None or budgets is not None
         self.run_header = run_header
         #: Tenants seen on this route (the first ``MAX_TENANTS_SHOWN``), for the admin API.
         self.tenants: dict[str, None] = {}
@@ -109,6 +111,13 @@ class Accounting:
         charge.call = call
         return charge
 
+    @property
+    def enforcing(self) -> bool:
+        """The route limits tokens (a token rate or a budget), so every metered call must be
+        readable and name an output cap."""
+        return (self.rate is not None and self.rate.tokens is not None) or (
+            self.budgets is not None)
+
     def open(self, method: str, raw_path: str, body: bytes, tenant: str,
              run: str | None) -> Charge | None:
         """Read a request; ``None`` if it is not a metered call (it then passes unmetered).
@@ -142,19 +151,20 @@ class Accounting:
         return Charge(self, cost, tenant, run)
 
     async def reserve(self, charge: Charge) -> None:
-        """Take the request's worst case from the token rate and the budgets.
+        """Take the request's units and worst-case tokens from the rates, then reserve the
+        worst case on the budgets.
 
         Raises:
-            Rejected: from :meth:`TokenBucket.take` or :meth:`Budgets.reserve`; nothing is
+            Rejected: from :meth:`RateLimiter.take` or :meth:`Budgets.reserve`; nothing is
                 left held.
         """
         cost = charge.cost
         cap = cost.output_cap or 0
-        bucket = self.token_bucket
-        if bucket is not None:
-            worst = cost.input_tokens + cap
-            bucket.take(worst)
-            charge.rate_tokens = worst
+        rate = self.rate
+        if rate is not None and rate.tokens is not None:
+            takes = rate.request_takes(charge.tenant)
+            takes.append(rate.token_take(cost.input_tokens + cap))
+            charge.units = await rate.take(takes)
         budgets = self.budgets
         if budgets is None:
             return
@@ -177,11 +187,11 @@ class Charge:
         cost: what was read from the request.
         meter: reads the answer; handed to :func:`proxy.forward.forward`.
         reservation: held on the budgets, if any.
-        rate_tokens: taken from the token rate, if any.
+        units: taken from the rates (request units and tokens), if any.
     """
 
-    __slots__ = ("_acct", "_open", "ancestors", "call", "cost", "meter", "rate_tokens",
-                 "reservation", "run", "tenant")
+    __slots__ = ("_acct", "_open", "ancestors", "call", "cost", "meter", "reservation", "run",
+                 "tenant", "units")
 
     def __init__(self, acct: Accounting, cost: RequestCost, tenant: str, run: str | None):
         self._acct = acct
@@ -193,7 +203,7 @@ class Charge:
         self.ancestors: tuple[str, ...] = ()
         self.meter = Meter(cost.endpoint, acct.anthropic, cost.strip_usage)
         self.reservation: Reservation | None = None
-        self.rate_tokens = 0
+        self.units: Units | None = None
         self.call: Call | None = None
 
     @property
@@ -213,9 +223,9 @@ class Charge:
             return
         self._open = False
         acct = self._acct
+        if self.units is not None:
+            self.units.release(outcome)
         if outcome is None or not outcome.reached:
-            if self.rate_tokens and acct.token_bucket is not None:
-                acct.token_bucket.refund(self.rate_tokens)
             usage, source = Usage(), "none"
         else:
             usage, source = self._used(outcome.label)

@@ -21,29 +21,47 @@ those settle to actual usage, usually less. A spent ``N/total`` budget never fre
 ``x-should-retry: false`` with no wait. A request whose own worst case exceeds a whole limit is
 refused at once with 400 ``exceeds_limit``.
 
-The ledger holding the counters is behind :class:`Ledger`, so a shared (Redis) one can replace
-the in-memory one; :class:`Budgets` keeps the rules.
+The counters live in the route's state backend (``backends.ledger``,
+:mod:`policies.state.ledger`): this process's memory, or Redis shared by every replica, so the
+zero overshoot holds across replicas. A reservation has an id; its settle applies once; one
+whose replica died is reaped after :data:`HOLD_S`. :class:`Budgets` keeps the rules. When the
+shared ledger does not answer, ``state.on_unavailable`` decides: ``local`` holds on this
+replica's memory ledger with ``state.replicas``' share of each limit, and the spend made there
+is charged to the shared ledger, once, when it answers again (:class:`Reconciler`); ``reject``
+refuses 503 ``state_unavailable``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import os
 import time
-from collections.abc import Callable, Hashable, Sequence
+import uuid
+from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
 
 from policies.config import BudgetConfig, ModelPrice
+from policies.rate import Background, finish_now, unavailable
 from policies.reasons import Reason, Rejected
+from policies.state import StateBackends, StateUnavailable
+from policies.state.ledger import Claim
 from policies.usage import Usage, cost_usd
+
+log = logging.getLogger("sluice")
 
 #: Suggested wait when only reservations of requests in flight deny, seconds: they settle
 #: within a request's duration, usually to less than they hold.
 SETTLE_WAIT_S = 1.0
-#: How often the in-memory ledger forgets counters of ended windows and idle runs, seconds.
-SWEEP_INTERVAL_S = 60.0
+#: How long a reservation may stay unsettled before the ledger reaps it, seconds: longer
+#: than any call is let run (``timeouts.total`` defaults to 600 s).
+HOLD_S = 900.0
+#: Reconcile entries kept while the shared ledger is unavailable (see :class:`Reconciler`).
+MAX_PENDING = 100_000
+#: The cap of a reconciling charge: spend already made is added whatever the limit.
+UNCAPPED = 1e300
 #: Response headers on admitted requests of a budgeted route (see :meth:`Budgets.headers`).
 REMAINING_HEADER = "X-Sluice-Budget-Remaining"
 POLICY_HEADER = "X-Sluice-Budget-Policy"
@@ -87,105 +105,39 @@ class Limit:
         return f'"{self.name}";q={quota};w={self.period_s}'
 
 
-class Claim(NamedTuple):
-    """One limit's part of a reservation: ``amount`` held on counter ``key`` whose limit is
-    ``cap``; the counter may be forgotten after ``expires_at`` (Unix seconds) once idle."""
-
-    key: Hashable
-    amount: float
-    cap: float
-    expires_at: float
-
-
-class Ledger(Protocol):
-    """Counters of spent and reserved amounts. Implementations: :class:`MemoryLedger`."""
-
-    async def reserve(self, claims: Sequence[Claim], now: float) -> list[int]:
-        """Hold every claim, or none: returns the indexes of the claims that do not fit
-        (``spent + reserved + amount > cap``), empty when all were held."""
-        ...
-
-    def settle(self, claims: Sequence[Claim], actual: Sequence[float]) -> None:
-        """Release each claim's hold and add ``actual`` to its spend. Never blocks (a remote
-        ledger queues it), so it may run in a ``finally`` that must not await."""
-        ...
-
-    def level(self, key: Hashable) -> tuple[float, float]:
-        """``(spent, reserved)`` of a counter, for headers and gauges (a remote ledger may
-        answer from the values its last ``reserve`` saw)."""
-        ...
-
-
-class MemoryLedger:
-    """The ledger of one process. ``reserve`` never suspends, so it is atomic on the loop."""
-
-    def __init__(self) -> None:
-        self._spent: dict[Hashable, float] = {}
-        self._held: dict[Hashable, float] = {}
-        self._expiry: dict[Hashable, float] = {}
-        self._next_sweep = 0.0
-
-    async def reserve(self, claims: Sequence[Claim], now: float) -> list[int]:
-        if now >= self._next_sweep:
-            self._sweep(now)
-        spent, held = self._spent, self._held
-        denied = [
-            i for i, (key, amount, cap, _) in enumerate(claims)
-            if spent.get(key, 0.0) + held.get(key, 0.0) + amount > cap
-        ]
-        if denied:
-            return denied
-        expiry = self._expiry
-        for key, amount, _, expires_at in claims:
-            held[key] = held.get(key, 0.0) + amount
-            if expires_at > expiry.get(key, 0.0):
-                expiry[key] = expires_at
-        return denied
-
-    def settle(self, claims: Sequence[Claim], actual: Sequence[float]) -> None:
-        spent, held = self._spent, self._held
-        for (key, amount, _, _), used in zip(claims, actual, strict=True):
-            left = held.get(key, 0.0) - amount
-            if left > 1e-9:
-                held[key] = left
-            else:  # float dust from USD sums must not read as a live reservation
-                held.pop(key, None)
-            if used:
-                spent[key] = spent.get(key, 0.0) + used
-
-    def level(self, key: Hashable) -> tuple[float, float]:
-        return self._spent.get(key, 0.0), self._held.get(key, 0.0)
-
-    def _sweep(self, now: float) -> None:
-        self._next_sweep = now + SWEEP_INTERVAL_S
-        for key in [k for k, t in self._expiry.items() if t <= now and k not in self._held]:
-            del self._expiry[key]
-            self._spent.pop(key, None)
-
-
 class Reservation:
-    """What one request holds: its claims, and the limits they belong to."""
+    """What one request holds: its claims under reservation id ``rid``, the limits they
+    belong to, and the state they are held in (``source``: the route's shared state, or
+    the local fallback's while the shared one was unavailable)."""
 
-    __slots__ = ("claims", "limits", "price")
+    __slots__ = ("claims", "limits", "price", "rid", "source")
 
-    def __init__(self, claims: list[Claim], limits: list[Limit], price: ModelPrice | None):
+    def __init__(self, rid: str, claims: list[Claim], limits: list[Limit],
+                 price: ModelPrice | None, source: StateBackends) -> None:
+        self.rid = rid
         self.claims = claims
         self.limits = limits
         self.price = price
+        self.source = source
 
 
 class Budgets:
-    """The budget blocks of one route over a ledger.
+    """The budget blocks of one route, their counters in the route's state backend.
 
     Args:
         blocks: the route's ``budget`` blocks.
         pricing: the top-level ``pricing`` table (USD per million tokens, by model).
-        ledger: where the counters live.
-        clock: Unix seconds now (injectable for tests).
+        backends: where the counters live (``backends.ledger``: memory, or Redis shared by
+            every replica) and what to do when it does not answer (``backends.fallback``).
+        clock: Unix seconds now (injectable for tests); it names the UTC windows.
+        group: the route's name: every counter of the route is in this group (one Redis slot).
+        hold_s: how long a reservation may stay unsettled before the ledger reaps it (its
+            replica died, or its settle was lost), seconds.
     """
 
     def __init__(self, blocks: Sequence[BudgetConfig], pricing: dict[str, ModelPrice],
-                 ledger: Ledger, clock: Callable[[], float]) -> None:
+                 backends: StateBackends, clock: Callable[[], float], group: str = "",
+                 hold_s: float = HOLD_S) -> None:
         self.limits: list[Limit] = []
         for block in blocks:
             for unit, allowance in block.limits():
@@ -200,24 +152,42 @@ class Budgets:
         self.needs_run = any(limit.per == "run" for limit in self.limits)
         self.needs_price = any(limit.unit == "usd" for limit in self.limits)
         self.pricing = pricing
-        self.ledger = ledger
+        self.backends = backends
         self.clock = clock
+        self.group = group
+        self.hold_s = hold_s
+        self.background = Background()
+        self.reconciler = Reconciler(self)
+        if backends.redis is not None:
+            backends.health.on_change(self.reconciler.on_health)
+
+    def take_over(self, old: Budgets) -> None:
+        """Continue ``old``'s work after a reload: its state (the memory ledger of a route
+        built without a shared one) and its spend still to reconcile."""
+        if self.backends is not old.backends:
+            self.backends = old.backends
+        self.reconciler.adopt(old.reconciler)
 
     # -- admission ----------------------------------------------------------------------------
 
     async def reserve(self, tenant: str, run: str | None, model: str | None,
                       input_tokens: int, output_tokens: int,
                       ancestors: Sequence[str] = ()) -> Reservation:
-        """Hold the worst case of one request on every limit, or refuse it.
+        """Hold the worst case of one request on every limit, or refuse it: one call to the
+        ledger (one Redis round trip).
 
         A ``per: run`` limit is held on the run *and on each of its ``ancestors``* (its parent
         first): every run's counter covers its whole subtree, so a parent's budget bounds what
         its sub-agents spend, and each sub-agent still has its own.
 
+        With the shared ledger unavailable, ``on_unavailable: local`` holds on this replica's
+        memory ledger with each limit's share (``state.replicas``); ``reject`` refuses.
+
         Raises:
             Rejected: ``unpriced_model`` (400) when a usd limit applies and ``model`` has no
                 price; ``exceeds_limit`` (400) when the worst case exceeds a whole limit;
-                ``budget_exhausted`` (429) when it does not fit now.
+                ``budget_exhausted`` (429) when it does not fit now; ``state_unavailable``
+                (503, ``on_unavailable: reject``).
         """
         price = self.pricing.get(model) if model is not None else None
         if price is None and self.needs_price:
@@ -241,19 +211,50 @@ class Budgets:
                 claims.append(Claim(self._key(limit, tenant, scope_run, now), amount,
                                     limit.amount, self._expiry(limit, now)))
                 limits.append(limit)
-        denied = await self.ledger.reserve(claims, now)
+        rid = uuid.uuid4().hex
+        backends = self.backends
+        source = backends
+        try:
+            denied = await backends.ledger.reserve(self.group, rid, claims, now, self.hold_s)
+        except StateUnavailable as exc:
+            fallback = backends.fallback
+            if fallback.mode == "reject":
+                raise unavailable(exc) from None
+            source = fallback.memory()
+            claims = [claim._replace(cap=fallback.share(claim.cap)) for claim in claims]
+            denied = await source.ledger.reserve(self.group, rid, claims, now, self.hold_s)
+        except asyncio.CancelledError:
+            # The script may have run in Redis: settling the id releases it if so, and
+            # finds nothing (changes nothing) if not.
+            if backends.redis is not None:
+                self.background.start(
+                    backends.ledger.settle(self.group, rid, [0.0] * len(claims)),
+                    f"budget release on {self.group}")
+            raise
+        if source is backends and backends.redis is not None:
+            self.reconciler.kick()  # it answered: spend recorded while it did not can go in
         if denied:
-            raise self._refusal([(limits[i], claims[i]) for i in denied], now)
-        return Reservation(claims, limits, price)
+            raise self._refusal([(limits[i], claims[i]) for i in denied], now, source)
+        return Reservation(rid, claims, limits, price, source)
 
     def settle(self, reservation: Reservation, usage: Usage | None) -> None:
-        """Replace a reservation by ``usage`` (``None``: nothing was used). Never awaits."""
+        """Replace a reservation by ``usage`` (``None``: nothing was used), exactly once (by
+        reservation id). Never awaits: a Redis settle runs as a task, and one Redis cannot
+        take now is retried when it answers again. Spend held on the local fallback is also
+        queued to be charged to the shared ledger once it answers."""
         if usage is None:
             actual = [0.0] * len(reservation.claims)
         else:
             actual = [_amount(limit.unit, usage, reservation.price)
                       for limit in reservation.limits]
-        self.ledger.settle(reservation.claims, actual)
+        source = reservation.source
+        if source.redis is not None:
+            self.background.start(self.reconciler.settle(reservation.rid, actual),
+                                  f"budget settle on {self.group}")
+            return
+        finish_now(source.ledger.settle(self.group, reservation.rid, actual))
+        if source is not self.backends:  # held locally while the shared ledger was down
+            self.reconciler.charge(reservation.claims, actual)
 
     # -- reporting ----------------------------------------------------------------------------
 
@@ -266,15 +267,17 @@ class Budgets:
         ``X-Sluice-Budget-Policy`` names it in the IETF ``RateLimit-Policy`` syntax
         (``"name";q=LIMIT;w=WINDOW_S``); ``X-Sluice-Budget-Reset`` gives the seconds until its
         window ends (absent for a total); ``X-Sluice-Budget-Warning``
-        (``"name";used=FRACTION``) appears once the block's ``warn_at`` is reached.
+        (``"name";used=FRACTION``) appears once the block's ``warn_at`` is reached. Levels are
+        those the reservation's ledger answered with (no further round trip).
         """
         binding: tuple[float, Limit, float] | None = None
         warning: tuple[float, Limit] | None = None
+        ledger = reservation.source.ledger
         for limit, claim in zip(reservation.limits, reservation.claims, strict=True):
-            spent, held = self.ledger.level(claim.key)
-            used = (spent + held) / limit.amount
+            spent, held = ledger.level(self.group, claim.key)
+            used = (spent + held) / claim.cap
             if binding is None or used > binding[0]:
-                binding = (used, limit, limit.amount - spent - held)
+                binding = (used, limit, claim.cap - spent - held)
             if limit.warn_at is not None and used >= limit.warn_at and (
                     warning is None or used > warning[0]):
                 warning = (used, limit)
@@ -291,35 +294,40 @@ class Budgets:
         return headers
 
     def remaining(self, unit: str, per: str, tenant: str) -> float:
-        """Least left now of this unit's limits for a scope (``per`` tenant or route)."""
+        """Least left now of this unit's limits for a scope (``per`` tenant or route); with
+        a Redis ledger, as of its last answer about each counter."""
         now = self.clock()
         left = math.inf
+        ledger = self.backends.ledger
         for limit in self.limits:
             if limit.unit == unit and limit.per == per:
-                spent, held = self.ledger.level(self._key(limit, tenant, None, now))
+                spent, held = ledger.level(self.group, self._key(limit, tenant, None, now))
                 left = min(left, limit.amount - spent - held)
         return max(left, 0.0)
 
     def reserved(self, unit: str, per: str, tenant: str) -> float:
         """Held now by requests in flight on this unit's limits for a scope."""
         now = self.clock()
+        ledger = self.backends.ledger
         return sum(
-            self.ledger.level(self._key(limit, tenant, None, now))[1]
+            ledger.level(self.group, self._key(limit, tenant, None, now))[1]
             for limit in self.limits if limit.unit == unit and limit.per == per
         )
 
     # -- internals ----------------------------------------------------------------------------
 
     @staticmethod
-    def _key(limit: Limit, tenant: str, run: str | None, now: float) -> Hashable:
+    def _key(limit: Limit, tenant: str, run: str | None, now: float) -> str:
+        """The counter's name: limit, scope and window (UTC period number, or 0 for a
+        total). The tenant's length prefixes it, so no tenant and run pair reads as another."""
         if limit.per == "tenant":
-            scope: Hashable = tenant
+            scope = tenant
         elif limit.per == "run":
-            scope = (tenant, run)
+            scope = f"{len(tenant)}:{tenant}:{run}"
         else:
             scope = ""
         window = 0 if limit.period_s is None else int(now // limit.period_s)
-        return (limit.name, scope, window)
+        return f"{limit.name}:{scope}:{window}"
 
     @staticmethod
     def _expiry(limit: Limit, now: float) -> float:
@@ -327,20 +335,24 @@ class Budgets:
             return now + limit.ttl_s
         return _window_end(limit.period_s, now)
 
-    def _refusal(self, denials: list[tuple[Limit, Claim]], now: float) -> Rejected:
+    def _refusal(self, denials: list[tuple[Limit, Claim]], now: float,
+                 source: StateBackends) -> Rejected:
         """``budget_exhausted`` with the wait of the slowest denying limit."""
         waits: list[float | None] = []
         details = []
+        ledger = source.ledger
+        share = "" if source is self.backends else (
+            " (this replica's share while the shared state is unavailable)")
         for limit, claim in denials:
-            spent, held = self.ledger.level(claim.key)
-            if spent + claim.amount <= limit.amount:
+            spent, held = ledger.level(self.group, claim.key)
+            if spent + claim.amount <= claim.cap:
                 waits.append(SETTLE_WAIT_S)  # only requests in flight are in the way
             elif limit.period_s is None:
                 waits.append(None)  # a run's total never frees
             else:
                 waits.append(_window_end(limit.period_s, now) - now)
             details.append(
-                f"{limit.name} {limit.text}: {_fmt(limit.unit, spent)} spent, "
+                f"{limit.name} {limit.text}{share}: {_fmt(limit.unit, spent)} spent, "
                 f"{_fmt(limit.unit, held)} reserved by requests in flight, this request "
                 f"needs up to {_fmt(limit.unit, claim.amount)}"
             )
@@ -352,6 +364,109 @@ class Budgets:
             policy = (limit.name, int(limit.amount), limit.period_s)
         return Rejected(Reason.BUDGET_EXHAUSTED, wait, "; ".join(details), policy,
                         retry=False if never else None)
+
+
+class Reconciler:
+    """Spend the shared ledger has not been told yet, told once it answers again.
+
+    Two kinds of entries, applied in order, each exactly once:
+
+    * a settle of a shared reservation that Redis could not take: settled again by its id
+      (a settle that did land and lost its answer finds nothing the second time);
+    * spend held on the local fallback while Redis was unavailable: charged under an id of
+      its own as a reservation without a cap, then settled, so a charge whose answer was lost
+      is not added twice (the reservation's id is held once; its settle lands once).
+
+    Entries are kept up to :data:`MAX_PENDING`; beyond that the oldest are dropped (logged),
+    so an outage with heavy traffic cannot grow memory without bound.
+    """
+
+    __slots__ = ("_budgets", "_pending", "_task")
+
+    def __init__(self, budgets: Budgets) -> None:
+        self._budgets = budgets
+        self._pending: deque[_Pending] = deque()
+        self._task: asyncio.Task[None] | None = None
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def adopt(self, old: Reconciler) -> None:
+        """Take ``old``'s entries (a reload replaced its route)."""
+        self._pending.extend(old._pending)
+        old._pending.clear()
+        self.kick()
+
+    async def settle(self, rid: str, actual: list[float]) -> None:
+        """Settle a shared reservation now; if Redis does not answer, keep it for later."""
+        budgets = self._budgets
+        try:
+            await budgets.backends.ledger.settle(budgets.group, rid, actual)
+        except StateUnavailable:
+            self._add(_Pending(rid, None, actual))
+            raise
+
+    def charge(self, claims: list[Claim], actual: list[float]) -> None:
+        """Keep spend made on the local fallback, to charge the shared ledger later."""
+        spent = [(claim, used) for claim, used in zip(claims, actual, strict=True) if used]
+        if spent:
+            self._add(_Pending(uuid.uuid4().hex, [claim._replace(amount=used, cap=UNCAPPED)
+                                                  for claim, used in spent], None))
+
+    def on_health(self, up: bool, error: str | None) -> None:
+        """``Health`` listener: reconcile as soon as the backend is seen up again."""
+        if up:
+            self.kick()
+
+    def kick(self) -> None:
+        """Start reconciling, unless nothing is pending or it already runs."""
+        if self._pending and (self._task is None or self._task.done()):
+            self._task = self._budgets.background.start(
+                self._run(), f"budget reconcile on {self._budgets.group}")
+
+    def _add(self, entry: _Pending) -> None:
+        pending = self._pending
+        if len(pending) >= MAX_PENDING:
+            lost = pending.popleft()
+            log.warning("budget spend to reconcile on %s dropped (over %d kept): %s",
+                        self._budgets.group, MAX_PENDING, lost)
+        pending.append(entry)
+
+    async def _run(self) -> None:
+        budgets = self._budgets
+        ledger, group = budgets.backends.ledger, budgets.group
+        pending = self._pending
+        applied = 0
+        while pending:
+            entry = pending[0]
+            if entry.claims is not None:
+                if entry.actual is None:
+                    await ledger.reserve(group, entry.rid, entry.claims, budgets.clock(),
+                                         budgets.hold_s)
+                    entry.actual = [claim.amount for claim in entry.claims]
+                await ledger.settle(group, entry.rid, entry.actual)
+            else:
+                await ledger.settle(group, entry.rid, entry.actual)
+            pending.popleft()
+            applied += 1
+        log.warning("budget spend of %d calls reconciled into the shared ledger on %s",
+                    applied, group)
+
+
+class _Pending:
+    """One reconcile entry: a shared reservation to settle (``claims`` ``None``), or local
+    spend to charge (``claims``: amounts spent, ``actual`` set once the charge is held)."""
+
+    __slots__ = ("actual", "claims", "rid")
+
+    def __init__(self, rid: str, claims: list[Claim] | None, actual: list[float] | None
+                 ) -> None:
+        self.rid = rid
+        self.claims = claims
+        self.actual = actual
+
+    def __repr__(self) -> str:
+        return f"_Pending({self.rid!r}, {self.claims!r}, {self.actual!r})"
 
 
 def _amount(unit: str, usage: Usage, price: ModelPrice | None, worst_case: bool = False

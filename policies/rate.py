@@ -1,237 +1,283 @@
-"""Request rate limits per route and per tenant (config key ``rate``).
+"""Request and token rate limits per route and per tenant (config key ``rate``).
 
-A rate ``N/period`` is an aiolimiter leaky bucket of size ``N`` draining at ``N/period`` per
-second: a burst of up to ``N`` passes, then requests pass at the steady rate. A request that
-finds no capacity is answered 429 ``rate_limited`` at once; it never waits in the bucket, so a
-caller is never left hanging by a rate limit.
+A rate ``N/period`` is a bucket of ``N`` units draining at ``N/period`` per second (GCRA in its
+continuous-state leaky bucket form, :mod:`policies.state.rate`): a burst of up to ``N`` passes,
+then requests pass at the steady rate. A request that finds no capacity is answered 429
+``rate_limited`` at once; it never waits in the bucket, so a caller is never left hanging by a
+rate limit.
 
-``Retry-After`` is the time until the bucket has drained enough for one more request:
-``(level + 1 - N) / (N / period)`` seconds (the RFC 6585 meaning of 429's Retry-After).
-aiolimiter exposes no public reading of its level, so this reads ``_level`` right after the
-public ``has_capacity()`` has brought it up to date; the version is pinned for that reason.
+The buckets live in the route's state backend (``route.backends.rates``): this process's memory,
+or Redis shared by every replica, so a tenant's ``10/min`` is 10 per minute across all of them.
+Every bucket that applies to a call (the route's, the tenant's, and the route's token bucket for
+a metered call) is taken in **one** atomic call, all or none: one Redis round trip per
+admission. ``Retry-After`` is the time until every bucket would fit the call,
+``(level + amount - N) / (N / period)`` seconds for the slowest (the RFC 6585 meaning of 429's
+Retry-After).
 
-On a config reload (:meth:`RateLimiter.reconfigure`) a bucket whose rate is unchanged is kept as
-it is; one whose rate changed is replaced by a bucket of the new size that starts at the old
-one's level, so a reload neither forgets recent traffic nor grants a fresh burst.
+``tokens: N/period`` counts tokens: a metered call takes its *reserved* worst case (estimated
+input + output cap) at admission, as OpenAI counts ``max_tokens`` against its own
+tokens-per-minute limit when a request arrives, so Sluice refuses what the upstream would.
+Since only :mod:`policies.accounting` reads the body, on a route with a token rate it takes the
+metered call's request units and tokens together (:meth:`RateLimiter.take`); this step then
+holds nothing for that call. Nothing is given back after the answer (the upstream does not
+refund either); only a call that never reached the upstream gets its units back. A request
+reserving more than ``N`` tokens could never pass: 400 ``exceeds_limit`` at once.
 
-``tokens: N/period`` is the same bucket counting tokens: each request takes its *reserved*
-worst case (estimated input + output cap) at admission, as OpenAI counts ``max_tokens`` against
-its own tokens-per-minute limit when a request arrives, so Sluice refuses what the upstream
-would. Nothing is given back after the answer (aiolimiter has no refund, and the upstream does
-not refund either); only a request refused later in admission, which never reached the
-upstream, gets its tokens back. A request reserving more than ``N`` could never pass (and
-``acquire(n > N)`` raises in aiolimiter): it is refused at once with 400 ``exceeds_limit``.
+When the shared state does not answer (:class:`~policies.state.StateUnavailable`),
+``state.on_unavailable`` decides: ``local`` takes from this replica's own memory buckets with
+``state.replicas``' share of each limit (and keeps counting there across outages); ``reject``
+refuses 503 ``state_unavailable``.
+
+A reload keeps every level: buckets are named by route and role (``requests``,
+``tenant:<name>``, ``tokens``), not by rate, and a bucket's level form lets it drain at a new
+rate from where it stood (:meth:`RateLimiter.reconfigure`).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
-from aiolimiter import AsyncLimiter
+import asyncio
+import logging
+import math
+from collections.abc import Coroutine, Sequence
+from typing import Any
 
 from policies.config import Rate, RateConfig
 from policies.pipeline import Call, Outcome
 from policies.reasons import Reason, Rejected
+from policies.state import StateBackends, StateUnavailable
+from policies.state.rate import RateResult, Take
+from policies.usage import endpoint_for
 
-#: Tenants whose buckets are kept; beyond it the least recently seen *idle* ones are dropped.
-MAX_TENANT_BUCKETS = 10_000
+log = logging.getLogger("sluice")
+
+#: Bucket names within a route's group.
+REQUESTS = "requests"
+TOKENS = "tokens"
+TENANT_PREFIX = "tenant:"
 
 
-class Bucket:
-    """One ``N/period`` limit. ``take()`` admits one request or raises ``Rejected``."""
+def unavailable(exc: StateUnavailable) -> Rejected:
+    """The 503 ``state_unavailable`` of ``state.on_unavailable: reject``, with the wait until
+    the backend is probed again as ``Retry-After``."""
+    wait = exc.retry_after if exc.retry_after is not None else 1.0
+    return Rejected(Reason.STATE_UNAVAILABLE, wait, exc.cause)
 
-    __slots__ = ("_limiter", "policy", "rate")
-    #: Why a request this bucket cannot hold is refused.
-    reason = Reason.RATE_LIMITED
 
-    def __init__(self, rate: Rate, policy_name: str) -> None:
-        self.rate = rate
-        self._limiter = AsyncLimiter(rate.count, rate.period_s)
-        self.policy = (policy_name, rate.count, rate.period_s)
+def finish_now(coro: Coroutine[Any, Any, Any]) -> None:
+    """Run a memory state call to its end right here.
 
-    def successor(self, rate: Rate | None) -> Bucket | None:
-        """The bucket to use after a reload sets this limit to ``rate`` (``None``: no limit).
+    A holding's ``release`` may not await (pipeline contract), and the memory implementations
+    never suspend, so their coroutine completes on its first step; giving it to the loop as a
+    task instead would let the next admission run before the refund lands.
 
-        Same rate: this very bucket. Another rate: a new bucket carrying this one's level (what
-        it counts as recent), which then drains at the new rate.
-        """
-        if rate is None or rate == self.rate:
-            return None if rate is None else self
-        new = type(self)(rate, self.policy[0])
-        old = self._limiter
-        old.has_capacity()  # brings _level and _last_check up to now
-        new._limiter._level = old._level
-        new._limiter._last_check = old._last_check
-        return new
+    Raises:
+        RuntimeError: the coroutine suspended (it was not a memory implementation's).
+    """
+    try:
+        coro.send(None)
+    except StopIteration:
+        return
+    coro.close()
+    raise RuntimeError("a memory state call suspended")
 
-    def take(self, amount: int = 1) -> None:
-        """Consume ``amount`` (requests, or tokens for ``rate.tokens``); never suspends.
 
-        Raises:
-            Rejected: ``self.reason`` with the seconds until ``amount`` fits.
-        """
-        limiter = self._limiter
-        if limiter.has_capacity(amount):
-            limiter._level += amount  # what acquire(amount) does when it does not wait
+class Background:
+    """State calls a ``release`` starts and cannot await (refunds, settles on Redis): each
+    runs as a task kept referenced here until it ends, so none is garbage-collected midway,
+    and its failure is logged rather than lost."""
+
+    __slots__ = ("_tasks",)
+
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    def start(self, coro: Coroutine[Any, Any, Any], what: str) -> asyncio.Task[Any]:
+        """Run ``coro`` as a task; an exception it ends with is logged with ``what``."""
+        task = asyncio.get_running_loop().create_task(coro, name=f"sluice-{what}")
+        self._tasks.add(task)
+        task.add_done_callback(lambda t: self._done(t, what))
+        return task
+
+    def _done(self, task: asyncio.Task[Any], what: str) -> None:
+        self._tasks.discard(task)
+        if task.cancelled():
             return
-        deficit = limiter._level + amount - limiter.max_rate
-        raise Rejected(
-            self.reason,
-            deficit * limiter.time_period / limiter.max_rate,
-            self._detail(amount),
-            self.policy,
-        )
+        exc = task.exception()
+        if isinstance(exc, StateUnavailable):
+            log.warning("%s not applied: %s", what, exc.cause)
+        elif exc is not None:
+            log.error("%s failed", what, exc_info=exc)
 
-    def _detail(self, amount: int) -> str:
-        return f"limit {self.rate}"
-
-    def refund(self, amount: int = 1) -> None:
-        """Give back what a request took when another limit then refused it, or it never
-        reached the upstream."""
-        limiter = self._limiter
-        limiter.has_capacity(0)  # drains the bucket up to now
-        limiter._level = max(limiter._level - amount, 0.0)
-
-    def state(self) -> dict[str, object]:
-        """The rate as written and the requests it can admit right now."""
-        limiter = self._limiter
-        limiter.has_capacity()  # brings _level up to now
-        available = int(max(0.0, limiter.max_rate - limiter._level))
-        return {"rate": str(self.rate), "available": available}
-
-    @property
-    def idle(self) -> bool:
-        """True when the bucket has drained empty, so dropping it forgets nothing."""
-        return self._limiter.has_capacity(self.rate.count)
-
-
-class TokenBucket(Bucket):
-    """``rate.tokens``: ``take(n)`` admits a request reserving ``n`` tokens or raises."""
-
-    __slots__ = ()
-    reason = Reason.TOKEN_RATE_LIMITED
-
-    def __init__(self, rate: Rate, policy_name: str = "tokens") -> None:
-        super().__init__(rate, policy_name)
-
-    def take(self, amount: int = 1) -> None:
-        """Consume ``amount`` tokens; never suspends.
-
-        Raises:
-            Rejected: ``exceeds_limit`` if ``amount`` exceeds the whole bucket (it could never
-                pass, and aiolimiter's ``acquire`` would raise); ``token_rate_limited`` with
-                the seconds until it fits.
-        """
-        if amount > self._limiter.max_rate:
-            raise Rejected(
-                Reason.EXCEEDS_LIMIT, None,
-                f"this request reserves {amount} tokens, more than the whole token rate "
-                f"limit of {self.rate}; lower max_tokens", retry=False,
-            )
-        super().take(amount)
-
-    def _detail(self, amount: int) -> str:
-        return f"limit {self.rate} tokens; this request reserves {amount}"
+    async def wait(self) -> None:
+        """Until every task started so far has ended (for shutdown and tests)."""
+        while self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
 class Units:
-    """The request units one call took (a :class:`policies.pipeline.Holding`): kept when the
-    request reached the upstream (it was served), given back when it never did (refused by a
-    later step, or its caller left first), so refused calls do not burn a tenant's quota."""
+    """What one call took from the rate buckets (a :class:`policies.pipeline.Holding`): kept
+    when the request reached the upstream (it was served), given back when it never did
+    (refused by a later step, or its caller left first), so refused calls do not burn a
+    tenant's quota.
 
-    __slots__ = ("route", "tenant")
+    Attributes:
+        source: the state the units were taken from (the shared one, or the local fallback's).
+        takes: the buckets and amounts taken (limits as enforced there).
+    """
 
-    def __init__(self, tenant: Bucket | None, route: Bucket | None) -> None:
-        self.tenant = tenant
-        self.route = route
+    __slots__ = ("_limiter", "_open", "source", "takes")
 
-    def release(self, outcome: Outcome) -> None:
-        if outcome.reached:
+    def __init__(self, limiter: RateLimiter, source: StateBackends, takes: Sequence[Take]
+                 ) -> None:
+        self._limiter = limiter
+        self._open = True
+        self.source = source
+        self.takes = takes
+
+    def release(self, outcome: Outcome | None) -> None:
+        """Give the units back unless the call reached the upstream (``outcome`` ``None``:
+        it never did). Once; never awaits (a Redis refund runs as a task)."""
+        if not self._open:
             return
-        if self.tenant is not None:
-            self.tenant.refund()
-        if self.route is not None:
-            self.route.refund()
+        self._open = False
+        if outcome is not None and outcome.reached:
+            return
+        limiter = self._limiter
+        refund = self.source.rates.refund(limiter.group, self.takes)
+        if self.source.redis is None:
+            finish_now(refund)
+        else:
+            limiter.background.start(refund, f"rate refund on {limiter.group}")
 
 
 class RateLimiter:
-    """The ``rate`` block of one route: a route-wide bucket and one bucket per tenant, and the
-    route's token bucket (used by :mod:`policies.accounting`)."""
+    """The ``rate`` block of one route: a route-wide bucket, one bucket per tenant and the
+    route's token bucket, kept in ``backends.rates`` under the route's name.
 
-    def __init__(self, config: RateConfig) -> None:
-        self.tokens = TokenBucket(config.tokens) if config.tokens else None
-        self.route_bucket = Bucket(config.requests, "requests") if config.requests else None
-        per_tenant = config.per_tenant
-        self.tenant_rate = per_tenant.requests if per_tenant else None
-        self._tenants: OrderedDict[str, Bucket] = OrderedDict()
+    Args:
+        config: the route's ``rate`` block.
+        backends: where the buckets live (memory or Redis) and what to do when it is down.
+        group: the route's name; every bucket of the route is in this group (one Redis slot).
+        protocol: the route's protocol; on ``openai``/``anthropic`` routes with a token rate,
+            metered calls leave their request units to :mod:`policies.accounting`, which
+            takes them with the tokens in one call.
+    """
+
+    def __init__(self, config: RateConfig, backends: StateBackends, group: str,
+                 protocol: str | None = None) -> None:
+        self.backends = backends
+        self.group = group
+        self.protocol = protocol
+        self.background = Background()
+        self.reconfigure(config)
 
     def reconfigure(self, config: RateConfig) -> None:
-        """Adopt a changed ``rate`` block in place, keeping each request bucket's level (hot
-        reload), the token bucket's too."""
-        if self.tokens is not None:
-            self.tokens = self.tokens.successor(config.tokens)
-        elif config.tokens is not None:
-            self.tokens = TokenBucket(config.tokens)
-        if self.route_bucket is not None:
-            self.route_bucket = self.route_bucket.successor(config.requests)
-        elif config.requests is not None:
-            self.route_bucket = Bucket(config.requests, "requests")
+        """Adopt a changed ``rate`` block in place (hot reload). Levels are kept: they live in
+        the state backend under names a rate change does not touch, and drain at the new rate
+        from where they stood."""
+        self.requests: Rate | None = config.requests
+        self.tokens: Rate | None = config.tokens
         per_tenant = config.per_tenant
-        self.tenant_rate = per_tenant.requests if per_tenant else None
-        if self.tenant_rate is None:
-            self._tenants.clear()
-        else:
-            for name, bucket in self._tenants.items():
-                self._tenants[name] = bucket.successor(self.tenant_rate)
+        self.tenant_rate: Rate | None = per_tenant.requests if per_tenant else None
 
     def state(self) -> dict[str, object]:
-        """Limits and fill levels for the admin API (JSON-ready)."""
+        """Limits for the admin API (JSON-ready)."""
         return {
-            "requests": None if self.route_bucket is None else self.route_bucket.state(),
-            "tokens": None if self.tokens is None else str(self.tokens.rate),
+            "requests": None if self.requests is None else str(self.requests),
+            "tokens": None if self.tokens is None else str(self.tokens),
             "per_tenant": None if self.tenant_rate is None else str(self.tenant_rate),
-            "tenants_tracked": len(self._tenants),
+            "backend": self.backends.kind,
         }
 
     async def admit(self, call: Call) -> Units | None:
         """The pipeline step (:class:`policies.pipeline.Policy`): one request unit from the
-        tenant's bucket, then the route's, held as :class:`Units`. Never suspends.
-
-        The tenant is checked first so one tenant's burst is refused before it drains the
-        route-wide bucket that every tenant shares; a request the route then refuses gets the
-        tenant's unit back, since it was never served.
+        tenant's bucket and the route's, in one atomic call, held as :class:`Units`.
 
         Raises:
-            Rejected: ``rate_limited`` from whichever bucket is empty; nothing is held.
+            Rejected: ``rate_limited`` from the bucket with the longest wait (nothing is held),
+                or ``state_unavailable`` (``on_unavailable: reject``).
         """
-        route_bucket = self.route_bucket
-        if self.tenant_rate is None:
-            if route_bucket is None:
-                return None
-            route_bucket.take()
-            return Units(None, route_bucket)
-        bucket = self._tenant_bucket(call.tenant)
-        bucket.take()
-        if route_bucket is not None:
-            try:
-                route_bucket.take()
-            except Rejected:
-                bucket.refund()
-                raise
-        return Units(bucket, route_bucket)
+        if self.tokens is not None and self.protocol is not None and endpoint_for(
+                self.protocol, call.method, call.path) is not None:
+            return None  # the accounting step takes the units with the tokens
+        takes = self.request_takes(call.tenant)
+        if not takes:
+            return None
+        return await self.take(takes)
 
-    def _tenant_bucket(self, tenant: str) -> Bucket:
-        bucket = self._tenants.get(tenant)
-        if bucket is None:
-            if len(self._tenants) >= MAX_TENANT_BUCKETS:
-                self._evict_idle()
-            bucket = self._tenants[tenant] = Bucket(self.tenant_rate, "requests-per-tenant")
-        else:
-            self._tenants.move_to_end(tenant)
-        return bucket
+    def request_takes(self, tenant: str) -> list[Take]:
+        """One request unit from the tenant's bucket and the route's (those configured)."""
+        takes = []
+        if self.tenant_rate is not None:
+            rate = self.tenant_rate
+            takes.append(Take(TENANT_PREFIX + tenant, rate.count, float(rate.period_s)))
+        if self.requests is not None:
+            rate = self.requests
+            takes.append(Take(REQUESTS, rate.count, float(rate.period_s)))
+        return takes
 
-    def _evict_idle(self) -> None:
-        for name in [name for name, bucket in self._tenants.items() if bucket.idle]:
-            del self._tenants[name]
-        while len(self._tenants) >= MAX_TENANT_BUCKETS:
-            self._tenants.popitem(last=False)
+    def token_take(self, amount: int) -> Take:
+        """``amount`` tokens from the route's token bucket (``rate.tokens`` must be set).
+
+        Raises:
+            Rejected: ``exceeds_limit`` (400) when ``amount`` exceeds the whole bucket: it
+                could never pass.
+        """
+        rate = self.tokens
+        assert rate is not None
+        if amount > rate.count:
+            raise Rejected(
+                Reason.EXCEEDS_LIMIT, None,
+                f"this request reserves {amount} tokens, more than the whole token rate "
+                f"limit of {rate}; lower max_tokens", retry=False,
+            )
+        return Take(TOKENS, rate.count, float(rate.period_s), amount)
+
+    async def take(self, takes: Sequence[Take]) -> Units:
+        """Take every bucket's amount in one call, all or none.
+
+        With the shared state unavailable, ``on_unavailable: local`` takes from this
+        replica's memory with each limit's share (``state.replicas``); ``reject`` refuses.
+
+        Raises:
+            Rejected: ``rate_limited`` / ``token_rate_limited`` with the wait of the slowest
+                bucket; ``state_unavailable``. Nothing is held.
+        """
+        backends = self.backends
+        # A cancellation while Redis runs the script may leave the units taken there without
+        # a holding: they drain within one period, so the error is a refusal, never excess.
+        try:
+            result = await backends.rates.admit(self.group, takes)
+            source = backends
+        except StateUnavailable as exc:
+            fallback = backends.fallback
+            if fallback.mode == "reject":
+                raise unavailable(exc) from None
+            source = fallback.memory()
+            takes = [take._replace(limit=fallback.whole_share(take.limit)) for take in takes]
+            result = await source.rates.admit(self.group, takes)
+        if not result.admitted:
+            raise self._refusal(takes, result, source is not backends)
+        return Units(self, source, takes)
+
+    def _refusal(self, takes: Sequence[Take], result: RateResult, local: bool) -> Rejected:
+        assert result.denied is not None
+        take = takes[result.denied]
+        rate = self.tokens if take.name == TOKENS else (
+            self.requests if take.name == REQUESTS else self.tenant_rate)
+        share = (f" (this replica's share, {take.limit}, while the shared state is "
+                 "unavailable)" if local else "")
+        if take.name == TOKENS:
+            if math.isinf(result.retry_after_s):  # only a local share can be this small
+                return Rejected(Reason.EXCEEDS_LIMIT, None,
+                                f"this request reserves {int(take.amount)} tokens, more than "
+                                f"the token rate limit of {rate}{share}", retry=False)
+            return Rejected(Reason.TOKEN_RATE_LIMITED, result.retry_after_s,
+                            f"limit {rate} tokens{share}; this request reserves "
+                            f"{int(take.amount)}", (TOKENS, take.limit, int(take.period_s)))
+        name = REQUESTS if take.name == REQUESTS else "requests-per-tenant"
+        return Rejected(Reason.RATE_LIMITED, result.retry_after_s, f"limit {rate}{share}",
+                        (name, take.limit, int(take.period_s)))

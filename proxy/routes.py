@@ -19,7 +19,7 @@ import aiohttp
 
 from policies.accounting import Accounting
 from policies.breaker import Breaker
-from policies.budget import Budgets, MemoryLedger
+from policies.budget import Budgets
 from policies.concurrency import ConcurrencyLimiter
 from policies.config import ModelPrice, RouteConfig
 from policies.idempotency import Idempotency
@@ -115,7 +115,8 @@ class Route:
         self.fanout = FanoutWidth(f.width, f.max_wait) if f and f.width else None
         self.global_limits = global_limits
         self.global_fanout = global_fanout
-        self.rate = RateLimiter(config.rate) if config.rate else None
+        self.rate = (RateLimiter(config.rate, self.backends, self.name, config.protocol)
+                     if config.rate else None)
         i = config.idempotency
         self.idempotency = Idempotency(i, self.name) if i and i.mode != "off" else None
         cb = config.circuit_breaker
@@ -129,12 +130,9 @@ class Route:
         if config.protocol in ("openai", "anthropic"):
             budgets = None
             if config.budget:
-                # One ledger per route: its counters are keyed by limit names unique per route.
-                budgets = Budgets(config.budget, pricing or {}, MemoryLedger(), clock)
-            self.accounting = Accounting(
-                config, pricing or {}, self.rate.tokens if self.rate else None, budgets,
-                run_header,
-            )
+                # The route's counters are the group of its name in the shared ledger.
+                budgets = Budgets(config.budget, pricing or {}, self.backends, clock, self.name)
+            self.accounting = Accounting(config, pricing or {}, self.rate, budgets, run_header)
         self.policies: tuple[Policy, ...] = ()
         self._admission_order()
         # Gauges read this route's policies at scrape time (take_over() may swap them); a
@@ -221,11 +219,11 @@ class Route:
                                   new.circuit_breaker)
         self.retry = carry_over(old.retry, self.retry, prev.retry, new.retry)
         # Accounting is rebuilt from the new blocks, but spend carries over: the budget ledger
-        # (keyed by unit, scope and window, not by amount) and the route's token bucket.
+        # (keyed by unit, scope and window, not by amount) and the route's rates.
         if self.accounting is not None and old.accounting is not None:
             if self.accounting.budgets is not None and old.accounting.budgets is not None:
-                self.accounting.budgets.ledger = old.accounting.budgets.ledger
-            self.accounting.token_bucket = self.rate.tokens if self.rate else None
+                self.accounting.budgets.take_over(old.accounting.budgets)
+            self.accounting.rate = self.rate
         self.retired = tuple(route for route in (old, *old.retired) if route.inflight)
         self._admission_order()
 

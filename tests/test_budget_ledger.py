@@ -12,14 +12,13 @@ from policies.budget import (
     REMAINING_HEADER,
     RESET_HEADER,
     SETTLE_WAIT_S,
-    SWEEP_INTERVAL_S,
     WARNING_HEADER,
     Budgets,
-    MemoryLedger,
     clock_from_env,
 )
 from policies.config import BudgetConfig, ModelPrice
 from policies.reasons import Reason, Rejected
+from policies.state import memory_backends
 from policies.usage import Usage
 from proxy.rejections import rejection_headers
 
@@ -41,7 +40,7 @@ def at(text: str) -> float:
 def budgets(clock: Clock, *blocks: dict, pricing: dict | None = None) -> Budgets:
     return Budgets([BudgetConfig.model_validate(b) for b in blocks],
                    {k: ModelPrice.model_validate(v) for k, v in (pricing or {}).items()},
-                   MemoryLedger(), clock)
+                   memory_backends(), clock)
 
 
 async def test_daily_budget_frees_at_the_next_utc_day_and_retry_after_says_so():
@@ -77,7 +76,7 @@ async def test_only_in_flight_reservations_in_the_way_suggest_a_short_wait():
     assert "900 tokens reserved" in denied.value.detail
     b.settle(held, Usage(100, 50))  # it used far less than it held
     r = await b.reserve("b", None, "m", 100, 100)
-    assert b.ledger.level(r.claims[0].key) == (150, 200)
+    assert b.backends.ledger.level("", r.claims[0].key) == (150, 200)
 
 
 async def test_run_total_never_frees_and_says_do_not_retry():
@@ -121,7 +120,7 @@ async def test_usd_budget_prices_worst_case_and_refuses_unpriced_models():
     # worst case: input at the dearest input rate (cache writes), output at the output rate
     assert r.claims[0].amount == pytest.approx(0.125 + 0.4)
     b.settle(r, Usage(100_000, 100_000, cache_read_tokens=0))
-    assert b.ledger.level(r.claims[0].key) == (pytest.approx(0.3), 0.0)
+    assert b.backends.ledger.level("", r.claims[0].key) == (pytest.approx(0.3), 0.0)
     with pytest.raises(Rejected) as denied:
         await b.reserve("t", None, "mystery-model", 1, 1)
     assert denied.value.reason is Reason.UNPRICED_MODEL
@@ -148,9 +147,9 @@ async def test_ended_windows_and_idle_runs_are_forgotten():
                 {"tokens": "1000/total", "per": "run", "ttl": "1h"})
     for tenant in ("a", "b", "c"):
         b.settle(await b.reserve(tenant, "r", "m", 1, 1), Usage(1, 1))
-    ledger = b.ledger
+    ledger = b.backends.ledger
     assert len(ledger._spent) == 6
-    clock.now += 2 * 3600 + SWEEP_INTERVAL_S
+    clock.now += 2 * 3600 + 60  # past the run's TTL and the reap grace, a sweep due
     b.settle(await b.reserve("d", "r", "m", 1, 1), None)
     assert len(ledger._spent) == 0
 

@@ -40,9 +40,9 @@ from hypothesis.stateful import (
     rule,
 )
 
-from policies.budget import Claim, MemoryLedger
 from policies.concurrency import ConcurrencyLimiter
 from policies.reasons import Rejected
+from policies.state.ledger import Claim, MemoryLedger
 
 TENANTS = ("a", "b", "c")
 WEIGHTS = st.dictionaries(st.sampled_from(TENANTS), st.floats(0.25, 4.0), max_size=3)
@@ -224,7 +224,14 @@ class LedgerProgram(RuleBasedStateMachine):
         super().__init__()
         self.ledger = MemoryLedger()
         self.loop = asyncio.new_event_loop()
-        self.open: list[list[Claim]] = []
+        self.open: list[tuple[str, list[Claim]]] = []
+        self.ids = 0
+
+    def level(self, key: str) -> tuple[float, float]:
+        return self.ledger.level("g", key)
+
+    def finish(self, rid: str, actual: list[float]) -> None:
+        assert self.loop.run_until_complete(self.ledger.settle("g", rid, actual))
 
     def teardown(self) -> None:
         self.loop.close()
@@ -232,42 +239,44 @@ class LedgerProgram(RuleBasedStateMachine):
     @rule(target=reservations,
           parts=st.lists(st.tuples(st.sampled_from(sorted(CAPS)), st.integers(1, 80)),
                          min_size=1, max_size=3, unique_by=lambda part: part[0]))
-    def reserve(self, parts: list[tuple[str, int]]) -> list[Claim] | None:
+    def reserve(self, parts: list[tuple[str, int]]) -> tuple[str, list[Claim]] | None:
         claims = [Claim(key, float(amount), self.CAPS[key], 1e12) for key, amount in parts]
-        before = {key: self.ledger.level(key) for key in self.CAPS}
-        denied = self.loop.run_until_complete(self.ledger.reserve(claims, 0.0))
+        before = {key: self.level(key) for key in self.CAPS}
+        self.ids += 1
+        rid = str(self.ids)
+        denied = self.loop.run_until_complete(self.ledger.reserve("g", rid, claims, 0.0, 1e9))
         fits = [spent + held + c.amount <= c.cap for c in claims
                 for spent, held in (before[c.key],)]
         if denied:
             assert not all(fits) and set(denied) == {i for i, ok in enumerate(fits) if not ok}
-            assert {key: self.ledger.level(key) for key in self.CAPS} == before  # none held
+            assert {key: self.level(key) for key in self.CAPS} == before  # none held
             return None
         assert all(fits)
-        self.open.append(claims)
-        return claims
+        self.open.append((rid, claims))
+        return rid, claims
 
-    @rule(claims=consumes(reservations), share=st.floats(0.0, 1.0))
-    def settle(self, claims: list[Claim] | None, share: float) -> None:
-        if claims is not None:
-            self.open.remove(claims)
-            self.ledger.settle(claims, [c.amount * share for c in claims])
+    @rule(held=consumes(reservations), share=st.floats(0.0, 1.0))
+    def settle(self, held: tuple[str, list[Claim]] | None, share: float) -> None:
+        if held is not None:
+            self.open.remove(held)
+            self.finish(held[0], [c.amount * share for c in held[1]])
 
-    @rule(claims=consumes(reservations))
-    def release(self, claims: list[Claim] | None) -> None:
-        if claims is not None:
-            self.open.remove(claims)
-            self.ledger.settle(claims, [0.0] * len(claims))
+    @rule(held=consumes(reservations))
+    def release(self, held: tuple[str, list[Claim]] | None) -> None:
+        if held is not None:
+            self.open.remove(held)
+            self.finish(held[0], [0.0] * len(held[1]))
 
     @invariant()
     def within_limits(self) -> None:
         for key, cap in self.CAPS.items():
-            spent, held = self.ledger.level(key)
+            spent, held = self.level(key)
             assert spent >= 0 and held >= -1e-9
             assert spent + held <= cap + 1e-6
 
     def check_all_settled(self) -> None:
         for key in self.CAPS:
-            assert self.ledger.level(key)[1] < 1e-6
+            assert self.level(key)[1] < 1e-6
 
 
 TestLedgerProgram = LedgerProgram.TestCase
@@ -280,8 +289,8 @@ class LedgerDrains(LedgerProgram):
 
     def teardown(self) -> None:
         try:
-            for claims in self.open:
-                self.ledger.settle(claims, [0.0] * len(claims))
+            for rid, claims in self.open:
+                self.finish(rid, [0.0] * len(claims))
             self.check_all_settled()
         finally:
             super().teardown()

@@ -1,4 +1,4 @@
-"""Unit tests of ``policies.rate``, in-process."""
+"""Unit tests of ``policies.rate`` on the memory state (one process)."""
 
 from __future__ import annotations
 
@@ -6,25 +6,25 @@ import asyncio
 
 import pytest
 
-import policies.rate
-from policies.config import Rate, RateConfig
+from policies.config import RateConfig
 from policies.pipeline import REFUSED, Call, Outcome
-from policies.rate import Bucket, RateLimiter
+from policies.rate import RateLimiter
 from policies.reasons import Reason, Rejected
+from policies.state import memory_backends
+from policies.state.rate import MemoryRateBuckets
 
 
-def rate(count: int, period_s: int) -> Rate:
-    return Rate(count, period_s, f"{count}/{period_s}s")
-
-
-def limiter(route: str | None = None, tenant: str | None = None) -> RateLimiter:
+def limiter(route: str | None = None, tenant: str | None = None,
+            tokens: str | None = None) -> RateLimiter:
     """A RateLimiter from config text, e.g. ``limiter("2/min", tenant="1/h")``."""
     config: dict = {}
     if route:
         config["requests"] = route
     if tenant:
         config["per_tenant"] = {"requests": tenant}
-    return RateLimiter(RateConfig.model_validate(config))
+    if tokens:
+        config["tokens"] = tokens
+    return RateLimiter(RateConfig.model_validate(config), memory_backends(), "r")
 
 
 def call(tenant: str) -> Call:
@@ -33,27 +33,27 @@ def call(tenant: str) -> Call:
 
 
 async def test_burst_of_n_then_429_with_the_time_to_the_next_slot():
-    bucket = Bucket(rate(3, 60), "requests")
+    limits = limiter("3/min")
     for _ in range(3):
-        bucket.take()
+        await limits.admit(call("t"))
     with pytest.raises(Rejected) as limited:
-        bucket.take()
+        await limits.admit(call("t"))
     assert limited.value.reason is Reason.RATE_LIMITED
     assert 19.9 < limited.value.retry_after <= 20.0  # one request per 60/3 s
     assert limited.value.policy == ("requests", 3, 60)
     with pytest.raises(Rejected) as again:  # a refused request is not charged
-        bucket.take()
+        await limits.admit(call("t"))
     assert 19.9 < again.value.retry_after <= 20.0
 
 
 async def test_waiting_retry_after_is_enough():
-    bucket = Bucket(rate(4, 1), "requests")
+    limits = limiter("4/s")
     for _ in range(4):
-        bucket.take()
+        await limits.admit(call("t"))
     with pytest.raises(Rejected) as limited:
-        bucket.take()
+        await limits.admit(call("t"))
     await asyncio.sleep(limited.value.retry_after)
-    bucket.take()
+    await limits.admit(call("t"))
 
 
 async def test_tenants_have_their_own_buckets():
@@ -84,21 +84,8 @@ async def test_a_request_refused_by_the_route_does_not_spend_the_tenants_quota()
     with pytest.raises(Rejected) as limited:
         await limits.admit(call("b"))
     assert limited.value.policy == ("requests", 1, 60)  # refused by the route...
-    limits.route_bucket = None  # ...so once the route has room, b's own quota is intact
+    limits.requests = None  # ...so once the route has room, b's own quota is intact
     await limits.admit(call("b"))
-
-
-async def test_idle_tenant_buckets_are_dropped_first_when_full(monkeypatch):
-    monkeypatch.setattr(policies.rate, "MAX_TENANT_BUCKETS", 3)
-    limits = limiter(tenant="1/h")
-    await limits.admit(call("a"))
-    limits._tenant_bucket("idle")  # seen, never charged: nothing to forget
-    await limits.admit(call("c"))
-    await limits.admit(call("d"))  # full: the idle bucket goes, a's spent quota is remembered
-    assert "idle" not in limits._tenants
-    with pytest.raises(Rejected):
-        await limits.admit(call("a"))
-    assert len(limits._tenants) == 3
 
 
 async def test_units_of_a_call_refused_later_are_given_back_and_kept_once_served():
@@ -111,3 +98,34 @@ async def test_units_of_a_call_refused_later_are_given_back_and_kept_once_served
         await limits.admit(call("a"))  # served: the unit stays spent
     assert limited.value.policy == ("requests-per-tenant", 1, 60)
     await limits.admit(call("b"))  # the route had its refused unit back too
+
+
+async def test_token_take_bigger_than_the_bucket_is_exceeds_limit_and_takes_nothing():
+    limits = limiter("5/min", tokens="100/min")
+    with pytest.raises(Rejected) as refused:
+        limits.token_take(101)
+    assert refused.value.reason is Reason.EXCEEDS_LIMIT and refused.value.retry is False
+    units = await limits.take([*limits.request_takes("t"), limits.token_take(100)])
+    with pytest.raises(Rejected) as limited:
+        await limits.take([*limits.request_takes("t"), limits.token_take(1)])
+    assert limited.value.reason is Reason.TOKEN_RATE_LIMITED
+    assert 0.5 < limited.value.retry_after <= 0.6  # one token per 0.6 s
+    units.release(REFUSED)  # units and tokens back together
+    await limits.take([*limits.request_takes("t"), limits.token_take(100)])
+
+
+async def test_tenant_state_is_forgotten_once_drained():
+    """Issue 13: distinct tenants must not grow memory without bound. A tenant's bucket is
+    gone once it has drained (the memory twin's sweep), whatever the number of tenants."""
+    now = [1_000_000_000_000_000]
+    backends = memory_backends()
+    backends.rates = MemoryRateBuckets(lambda: now[0])
+    limits = RateLimiter(RateConfig.model_validate({"per_tenant": {"requests": "5/s"}}),
+                         backends, "r")
+    for i in range(20_000):
+        units = await limits.admit(call(f"tenant-{i}"))
+        units.release(Outcome("2xx", reached=True, status=200))
+    assert len(backends.rates) == 20_000
+    now[0] += 61_000_000  # drained long ago, and a sweep is due
+    await limits.admit(call("late"))
+    assert len(backends.rates) == 1

@@ -9,12 +9,13 @@ import asyncio
 import pytest
 
 from bench.scheduler import Arrival, SimLoop, compare, percentile, simulate
-from policies.budget import Budgets, MemoryLedger
+from policies.budget import Budgets
 from policies.concurrency import ConcurrencyLimiter
 from policies.config import BudgetConfig, FanoutConfig, RunConfig
 from policies.pipeline import Call, Outcome
 from policies.reasons import Reason, Rejected
 from policies.runs import FanoutWidth, RunLimits, RunRegistry, RunTracker
+from policies.state import memory_backends
 
 
 def test_light_tenant_waits_near_its_unloaded_value_beside_a_10x_heavy_one():
@@ -203,7 +204,7 @@ async def test_width_refuses_after_max_wait_and_reconfigures_in_place():
 
 
 async def test_per_run_budgets_charge_every_ancestor():
-    budgets = Budgets([BudgetConfig(tokens="100/total", per="run")], {}, MemoryLedger(),
+    budgets = Budgets([BudgetConfig(tokens="100/total", per="run")], {}, memory_backends(),
                       lambda: 0.0)
     held = await budgets.reserve("t", "kid", None, 30, 30, ("parent",))
     assert len(held.claims) == 2
