@@ -39,7 +39,7 @@ import asyncio
 import logging
 import math
 from collections.abc import Coroutine, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from policies.config import Rate, RateConfig
 from policies.pipeline import Call, Outcome
@@ -49,6 +49,8 @@ from policies.state.rate import RateResult, Take
 from policies.usage import endpoint_for
 
 log = logging.getLogger("sluice")
+
+T = TypeVar("T")
 
 #: Bucket names within a route's group.
 REQUESTS = "requests"
@@ -63,8 +65,8 @@ def unavailable(exc: StateUnavailable) -> Rejected:
     return Rejected(Reason.STATE_UNAVAILABLE, wait, exc.cause)
 
 
-def finish_now(coro: Coroutine[Any, Any, Any]) -> None:
-    """Run a memory state call to its end right here.
+def finish_now(coro: Coroutine[Any, Any, T]) -> T:
+    """Run a memory state call to its end right here and return its result.
 
     A holding's ``release`` may not await (pipeline contract), and the memory implementations
     never suspend, so their coroutine completes on its first step; giving it to the loop as a
@@ -75,8 +77,8 @@ def finish_now(coro: Coroutine[Any, Any, Any]) -> None:
     """
     try:
         coro.send(None)
-    except StopIteration:
-        return
+    except StopIteration as done:
+        return done.value  # type: ignore[no-any-return]
     coro.close()
     raise RuntimeError("a memory state call suspended")
 
@@ -172,6 +174,9 @@ class RateLimiter:
         self.group = group
         self.protocol = protocol
         self.background = Background()
+        #: The route bucket's whole units left as the shared state last answered (Redis),
+        #: for the admin API; ``None`` before any answer.
+        self.available: int | None = None
         self.reconfigure(config)
 
     def reconfigure(self, config: RateConfig) -> None:
@@ -184,9 +189,20 @@ class RateLimiter:
         self.tenant_rate: Rate | None = per_tenant.requests if per_tenant else None
 
     def state(self) -> dict[str, object]:
-        """Limits for the admin API (JSON-ready)."""
+        """Limits for the admin API (JSON-ready), with the requests the route bucket can
+        admit now (as of the last answer, for a Redis bucket: reading it would be a round
+        trip)."""
+        requests = None
+        if self.requests is not None:
+            rate = self.requests
+            take = Take(REQUESTS, rate.count, float(rate.period_s))
+            if self.backends.redis is None:
+                available = finish_now(self.backends.rates.available(self.group, [take]))[0]
+            else:
+                available = rate.count if self.available is None else self.available
+            requests = {"rate": str(rate), "available": available}
         return {
-            "requests": None if self.requests is None else str(self.requests),
+            "requests": requests,
             "tokens": None if self.tokens is None else str(self.tokens),
             "per_tenant": None if self.tenant_rate is None else str(self.tenant_rate),
             "backend": self.backends.kind,
@@ -259,6 +275,10 @@ class RateLimiter:
             source = fallback.memory()
             takes = [take._replace(limit=fallback.whole_share(take.limit)) for take in takes]
             result = await source.rates.admit(self.group, takes)
+        if source is backends and self.requests is not None:
+            for take, left in zip(takes, result.remaining, strict=True):
+                if take.name == REQUESTS:
+                    self.available = left
         if not result.admitted:
             raise self._refusal(takes, result, source is not backends)
         return Units(self, source, takes)

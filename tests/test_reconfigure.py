@@ -95,6 +95,7 @@ async def test_changed_rate_keeps_the_bucket_level():
                           "r")
     for _ in range(5):
         await limiter.admit(_call("t"))
+    assert limiter.state()["requests"] == {"rate": "5/min", "available": 0}
     limiter.reconfigure(RateConfig.model_validate({"requests": "6/min"}))
     await limiter.admit(_call("t"))  # one more fits the bigger bucket...
     with pytest.raises(Rejected):

@@ -1,0 +1,277 @@
+"""Rate limits and budgets shared by several Sluice replicas through Redis (issue 14).
+
+Real Sluice processes (tests/sluice_child.py) on one Redis, then on a 3-master Redis Cluster
+(the ``shared_state`` fixture), real clients (aiohttp, the official OpenAI SDK) and the fake
+upstream counting what reaches it. The fault tests stop and freeze a redis-server of their
+own; the round-trip count reads that server's ``INFO commandstats``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import aiohttp
+import openai
+import redis
+from redis.cluster import RedisCluster
+
+from tests.conftest import route
+from tests.redis_servers import RedisServer, new_prefix
+
+CHAT = "/openai/v1/chat/completions"
+MSG = [{"role": "user", "content": "count for me"}]
+#: The fake upstream's usage of a plain call: 11 prompt tokens, 5 completion tokens.
+PLAIN_SPEND = 16
+
+
+def body(max_tokens: int = 10) -> dict:
+    return {"model": "gpt-test", "messages": MSG, "max_tokens": max_tokens}
+
+
+async def post(session: aiohttp.ClientSession, url: str, payload: dict | None = None,
+               **headers: str) -> tuple[int, dict[str, str], float]:
+    """Status, headers and seconds taken of one chat completion."""
+    started = time.monotonic()
+    async with session.post(url + CHAT, json=payload or body(), headers=headers) as r:
+        await r.read()
+        return r.status, dict(r.headers), time.monotonic() - started
+
+
+async def wait_for(condition, timeout: float = 15.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.02)
+
+
+async def replicas(start_sluice, n: int, state: dict, *routes: dict) -> list:
+    """``n`` Sluice processes of one deployment: the same routes, the same ``state``."""
+    return [await start_sluice({"state": state, "routes": list(routes)}) for _ in range(n)]
+
+
+def redis_client(url: str) -> redis.Redis | RedisCluster:
+    """A plain client on what ``url`` names (a cluster client for a cluster node)."""
+    with redis.Redis.from_url(url, socket_timeout=2) as probe:
+        clustered = probe.info("cluster").get("cluster_enabled")
+    if clustered:
+        return RedisCluster.from_url(url, socket_timeout=2)
+    return redis.Redis.from_url(url, socket_timeout=2)
+
+
+def budget_levels(url: str, prefix: str, counter: str) -> tuple[float, float]:
+    """``(spent, held)`` summed over the counters of the budget ``counter`` (its name up to
+    the window, e.g. ``tokens-per-tenant-day:acme``), read from Redis itself."""
+    client = redis_client(url)
+    try:
+        spent = held = 0.0
+        for key in client.scan_iter(match=f"{prefix}:*:budget:{counter}:*"):
+            s, h = client.hmget(key, "s", "h")
+            spent += float(s or 0)
+            held += float(h or 0)
+        return spent, held
+    finally:
+        client.close()
+
+
+async def settled(url: str, prefix: str, counter: str, spent: float) -> None:
+    """Wait until the counter has ``spent`` and holds nothing (settles run in the
+    background after the answer)."""
+    await wait_for(lambda: budget_levels(url, prefix, counter) == (spent, 0.0),
+                   what=f"{counter} to settle at {spent} spent "
+                        f"(is {budget_levels(url, prefix, counter)})")
+
+
+# -- shared limits ------------------------------------------------------------------------------
+
+
+async def test_tenant_rate_ten_a_minute_serves_exactly_ten_of_thirty_over_three_replicas(
+        upstream, start_sluice, shared_state):
+    reps = await replicas(start_sluice, 3, shared_state, route(
+        "openai", upstream.url, rate={"per_tenant": {"requests": "10/min"}}))
+    async with aiohttp.ClientSession() as session:
+        results = await asyncio.gather(*(
+            post(session, reps[i % 3].url, **{"X-Tenant-ID": "acme"}) for i in range(30)))
+        other = await post(session, reps[2].url, **{"X-Tenant-ID": "globex"})
+    statuses = [status for status, _, _ in results]
+    assert statuses.count(200) == 10 and statuses.count(429) == 20
+    assert len(upstream.requests) == 11  # acme's ten and globex's one
+    assert other[0] == 200  # another tenant has a bucket of its own
+    for status, headers, _ in results:
+        if status == 429:
+            assert headers["X-Sluice-Reason"] == "rate_limited"
+            # The next unit drains in 6 s (10/min): the wait is truthful, never the minute.
+            assert 1 <= int(headers["Retry-After"]) <= 6
+            assert headers["RateLimit-Policy"] == '"requests-per-tenant";q=10;w=60'
+
+
+async def test_budget_of_1000_tokens_admits_at_most_ten_of_twenty_over_three_replicas(
+        upstream, start_sluice, shared_state):
+    tenant = f"t-{uuid.uuid4().hex[:8]}"
+    reps = await replicas(start_sluice, 3, shared_state, route(
+        "openai", upstream.url, budget={"tokens": "1000/day", "per": "tenant"},
+        rate={"tokens": "100000/min"}))
+    clients = [openai.AsyncOpenAI(base_url=rep.url + "/openai/v1", api_key="sk-test",
+                                  max_retries=0, default_headers={"X-Tenant-ID": tenant})
+               for rep in reps]
+    upstream.hold = asyncio.Event()  # the admitted stay in flight, holding their reservation
+
+    async def call(i: int):
+        try:
+            return await clients[i % 3].chat.completions.create(
+                model="gpt-test", messages=MSG, max_tokens=100,
+                extra_headers={"x-fake-tokens": "100"})
+        except openai.RateLimitError as exc:
+            return exc
+
+    tasks = [asyncio.create_task(call(i)) for i in range(20)]
+    await wait_for(lambda: upstream.inflight + sum(t.done() for t in tasks) == 20,
+                   what="every call admitted or refused")
+    admitted = upstream.inflight
+    refused = [t.result() for t in tasks if t.done()]
+    url, prefix = shared_state["redis_url"], shared_state["key_prefix"]
+    counter = f"tokens-per-tenant-day:{tenant}"
+    spent, held = budget_levels(url, prefix, counter)
+    worst = held / admitted  # each holds its estimated input + 100
+    assert spent == 0 and 100 < worst < 200
+    assert admitted <= 10 and admitted == int(1000 // worst)  # no replica over-admitted
+    assert {r.code for r in refused} == {"budget_exhausted"}
+    # Only reservations of calls in flight are in the way: they settle, so retry soon.
+    assert {r.response.headers["Retry-After"] for r in refused} == {"1"}
+    upstream.hold.set()
+    answers = [r for r in await asyncio.gather(*tasks) if not isinstance(r, Exception)]
+    assert len(answers) == admitted
+    await settled(url, prefix, counter, admitted * (11 + 100))  # the reported usage
+    assert budget_levels(url, prefix, counter)[0] <= 1000
+
+
+# -- Redis unavailable --------------------------------------------------------------------------
+
+
+def own_state(server: RedisServer, mode: str) -> dict:
+    return {"backend": "redis", "redis_url": server.url, "key_prefix": new_prefix(),
+            "timeout": "200ms", "on_unavailable": mode, "replicas": 3}
+
+
+async def test_local_mode_enforces_each_replicas_share_and_reconciles_spend(
+        upstream, start_sluice, redis_server):
+    """Redis frozen mid-run: no call waits past the timeout + 100 ms, each replica serves its
+    third of the route's 30/min from memory, and the budget spend made meanwhile reaches
+    Redis once it answers again (exactly once), with no restart."""
+    state = own_state(redis_server, "local")
+    a, b = await replicas(start_sluice, 2, state, route(
+        "openai", upstream.url, rate={"requests": "30/min"},
+        budget={"tokens": "3000/day", "per": "tenant"}))
+    counter = "tokens-per-tenant-day:acme"
+    async with aiohttp.ClientSession() as session:
+        for rep in (a, b):
+            status, _, _ = await post(session, rep.url, **{"X-Tenant-ID": "acme"})
+            assert status == 200
+        await settled(redis_server.url, state["key_prefix"], counter, 2 * PLAIN_SPEND)
+
+        redis_server.freeze()
+        served = {}
+        for rep in (a, b):
+            results = [await post(session, rep.url, **{"X-Tenant-ID": "acme"})
+                       for _ in range(13)]
+            slowest = max(took for _, _, took in results)
+            assert slowest <= 0.2 + 0.1, f"a call waited {slowest:.3f}s on frozen Redis"
+            statuses = [status for status, _, _ in results]
+            served[rep] = statuses.count(200)
+            assert statuses.count(200) == 10 and statuses.count(429) == 3  # 30 / 3 replicas
+            refusal = next(h for s, h, _ in results if s == 429)
+            assert refusal["X-Sluice-Reason"] == "rate_limited"
+            await rep.wait_metric("sluice_state_backend_up", 0, backend="redis")
+            async with session.get(rep.admin_url + "/readyz") as r:
+                assert r.status == 200  # degraded, still serving
+        assert "enforces 1/3 of every limit" in a.stderr()
+
+        redis_server.thaw()
+        for rep in (a, b):
+            await rep.wait_metric("sluice_state_backend_up", 1, backend="redis")
+        total = (2 + served[a] + served[b]) * PLAIN_SPEND
+        await settled(redis_server.url, state["key_prefix"], counter, total)
+        await asyncio.sleep(1.0)  # a second reconcile would show by now
+        assert budget_levels(redis_server.url, state["key_prefix"], counter) == (total, 0.0)
+        status, _, _ = await post(session, a.url, **{"X-Tenant-ID": "acme"})
+        assert status == 200
+        await settled(redis_server.url, state["key_prefix"], counter, total + PLAIN_SPEND)
+
+
+async def test_reject_mode_refuses_503_state_unavailable_and_recovers_without_restart(
+        upstream, start_sluice, redis_server):
+    state = own_state(redis_server, "reject")
+    (sluice,) = await replicas(start_sluice, 1, state, route(
+        "openai", upstream.url, rate={"per_tenant": {"requests": "100/min"}},
+        budget={"tokens": "3000/day", "per": "tenant"}))
+    async with aiohttp.ClientSession() as session:
+        assert (await post(session, sluice.url, **{"X-Tenant-ID": "acme"}))[0] == 200
+        port = redis_server.port
+        redis_server.stop()
+        results = [await post(session, sluice.url, **{"X-Tenant-ID": "acme"})
+                   for _ in range(5)]
+        for status, headers, took in results:
+            assert status == 503 and headers["X-Sluice-Reason"] == "state_unavailable"
+            assert int(headers["Retry-After"]) >= 1
+            assert took <= 0.2 + 0.1
+        assert len(upstream.requests) == 1  # nothing was forwarded unmetered
+
+        restarted = RedisServer(redis_server.directory, port=port).start()
+        try:
+            await sluice.wait_metric("sluice_state_backend_up", 1, backend="redis")
+            status, _, _ = await post(session, sluice.url, **{"X-Tenant-ID": "acme"})
+            assert status == 200
+            # The restarted server is empty: this call's spend is all it holds.
+            await settled(restarted.url, state["key_prefix"], "tokens-per-tenant-day:acme",
+                          PLAIN_SPEND)
+        finally:
+            restarted.stop()
+
+
+# -- round trips --------------------------------------------------------------------------------
+
+
+def round_trips(server: RedisServer) -> int:
+    """Scripts run since the stats were reset. Every state call Sluice makes on the request
+    path is one script (``EVALSHA``, or ``EVAL`` when the script is not loaded), sent alone:
+    each is one round trip. (``total_commands_processed`` would also count the commands a
+    script runs inside Redis, and this test's own reads.)"""
+    with server.client() as r:
+        stats = r.info("commandstats")
+    return sum(int(v["calls"]) for k, v in stats.items()
+               if k in ("cmdstat_evalsha", "cmdstat_eval", "cmdstat_fcall"))
+
+
+async def test_round_trips_per_admitted_call(upstream, start_sluice, redis_server, capsys):
+    """Every bucket of a metered call (tenant, route, tokens) is one script; the budget
+    reserve one more; the settle one: 3 per admitted metered call, 1 per unmetered call."""
+    state = own_state(redis_server, "local")
+    (sluice,) = await replicas(start_sluice, 1, state, route(
+        "openai", upstream.url,
+        rate={"requests": "1000/min", "per_tenant": {"requests": "1000/min"},
+              "tokens": "1000000/min"},
+        budget={"tokens": "1000000/day", "per": "tenant"}))
+    counter = "tokens-per-tenant-day:acme"
+    n = 20
+    async with aiohttp.ClientSession() as session:
+        assert (await post(session, sluice.url, **{"X-Tenant-ID": "acme"}))[0] == 200
+        await settled(redis_server.url, state["key_prefix"], counter, PLAIN_SPEND)
+        with redis_server.client() as r:
+            r.config_resetstat()
+        for _ in range(n):
+            assert (await post(session, sluice.url, **{"X-Tenant-ID": "acme"}))[0] == 200
+        await settled(redis_server.url, state["key_prefix"], counter, (n + 1) * PLAIN_SPEND)
+        metered = round_trips(redis_server)
+        with redis_server.client() as r:
+            r.config_resetstat()
+        for _ in range(n):
+            async with session.get(sluice.url + "/openai/v1/models",
+                                   headers={"X-Tenant-ID": "acme"}) as resp:
+                assert resp.status == 200
+        unmetered = round_trips(redis_server)
+    with capsys.disabled():
+        print(f"\nRedis round trips per admitted call: metered (rate+tokens, budget, settle) "
+              f"{metered / n:.2f}, unmetered (rate) {unmetered / n:.2f}")
+    assert metered == 3 * n
+    assert unmetered == n
