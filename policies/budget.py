@@ -39,6 +39,7 @@ import math
 import os
 import time
 import uuid
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -159,7 +160,15 @@ class Budgets:
         self.background = Background()
         self.reconciler = Reconciler(self)
         if backends.redis is not None:
-            backends.health.on_change(self.reconciler.on_health)
+            # Weakly: a reload replaces this object, and the health outlives it.
+            reconciler = weakref.ref(self.reconciler)
+
+            def reconcile_when_up(up: bool, _error: str | None) -> None:
+                live = reconciler()
+                if up and live is not None:
+                    live.kick()
+
+            backends.health.on_change(reconcile_when_up)
 
     def take_over(self, old: Budgets) -> None:
         """Continue ``old``'s work after a reload: its state (the memory ledger of a route
@@ -225,11 +234,10 @@ class Budgets:
             denied = await source.ledger.reserve(self.group, rid, claims, now, self.hold_s)
         except asyncio.CancelledError:
             # The script may have run in Redis: settling the id releases it if so, and
-            # finds nothing (changes nothing) if not.
+            # finds nothing (changes nothing) if not; kept for later if Redis is down.
             if backends.redis is not None:
-                self.background.start(
-                    backends.ledger.settle(self.group, rid, [0.0] * len(claims)),
-                    f"budget release on {self.group}")
+                self.background.start(self.reconciler.settle(rid, [0.0] * len(claims)),
+                                      f"budget release on {self.group}")
             raise
         if source is backends and backends.redis is not None:
             self.reconciler.kick()  # it answered: spend recorded while it did not can go in
@@ -381,7 +389,7 @@ class Reconciler:
     so an outage with heavy traffic cannot grow memory without bound.
     """
 
-    __slots__ = ("_budgets", "_pending", "_task")
+    __slots__ = ("__weakref__", "_budgets", "_pending", "_task")
 
     def __init__(self, budgets: Budgets) -> None:
         self._budgets = budgets
@@ -412,11 +420,6 @@ class Reconciler:
         if spent:
             self._add(_Pending(uuid.uuid4().hex, [claim._replace(amount=used, cap=UNCAPPED)
                                                   for claim, used in spent], None))
-
-    def on_health(self, up: bool, error: str | None) -> None:
-        """``Health`` listener: reconcile as soon as the backend is seen up again."""
-        if up:
-            self.kick()
 
     def kick(self) -> None:
         """Start reconciling, unless nothing is pending or it already runs."""

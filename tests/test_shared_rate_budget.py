@@ -14,11 +14,20 @@ import uuid
 
 import aiohttp
 import openai
+import pytest
 import redis
 from redis.cluster import RedisCluster
 
+from policies.budget import Budgets
+from policies.config import BudgetConfig, RateConfig
+from policies.pipeline import REFUSED, Call
+from policies.rate import RateLimiter
+from policies.reasons import Reason, Rejected
+from policies.state import Fallback, StateBackends, memory_backends, redis_backends
+from policies.state.ledger import MemoryLedger
+from policies.usage import Usage
 from tests.conftest import route
-from tests.redis_servers import RedisServer, new_prefix
+from tests.redis_servers import RedisServer, new_prefix, replica
 
 CHAT = "/openai/v1/chat/completions"
 MSG = [{"role": "user", "content": "count for me"}]
@@ -81,6 +90,128 @@ async def settled(url: str, prefix: str, counter: str, spent: float) -> None:
     await wait_for(lambda: budget_levels(url, prefix, counter) == (spent, 0.0),
                    what=f"{counter} to settle at {spent} spent "
                         f"(is {budget_levels(url, prefix, counter)})")
+
+
+# -- the policies on two replicas' state (memory, one Redis, a cluster) ----------------------
+
+
+def call(tenant: str) -> Call:
+    return Call(request_id="r", route="r", method="POST", path="/r/", headers={}, body=b"",
+                tenant=tenant)
+
+
+async def test_two_replicas_share_a_tenant_bucket_and_its_refunds(backends):
+    config = RateConfig.model_validate({"per_tenant": {"requests": "3/min"}})
+    async with replica(backends) as other:
+        a, b = RateLimiter(config, backends, "r"), RateLimiter(config, other, "r")
+        first = await a.admit(call("acme"))
+        await b.admit(call("acme"))
+        await a.admit(call("acme"))
+        with pytest.raises(Rejected) as limited:
+            await b.admit(call("acme"))
+        assert limited.value.reason is Reason.RATE_LIMITED
+        assert 19.0 < limited.value.retry_after <= 20.0  # one unit per 20 s
+        first.release(REFUSED)  # refused later on replica a: its unit goes back...
+        await a.background.wait()
+        await b.admit(call("acme"))  # ...and replica b can use it
+
+
+async def test_a_reservation_on_one_replica_bounds_the_other_and_settles_once(backends):
+    blocks = [BudgetConfig.model_validate({"tokens": "100/day", "per": "tenant"})]
+    async with replica(backends) as other:
+        a = Budgets(blocks, {}, backends, time.time, "r")
+        b = Budgets(blocks, {}, other, time.time, "r")
+        held = await a.reserve("acme", None, "m", 10, 50)
+        with pytest.raises(Rejected) as denied:
+            await b.reserve("acme", None, "m", 10, 40)  # 60 held + 50 > 100
+        assert denied.value.reason is Reason.BUDGET_EXHAUSTED
+        assert denied.value.retry_after == 1.0  # only a reservation in flight is in the way
+        a.settle(held, Usage(10, 20))
+        a.settle(held, Usage(10, 20))  # a second settle of the same id changes nothing
+        await a.background.wait()
+        second = await b.reserve("acme", None, "m", 10, 40)
+        key = second.claims[0].key
+        assert await other.ledger.levels("r", [key]) == [(30.0, 50.0)]
+        b.settle(second, None)
+        await b.background.wait()
+        assert await backends.ledger.levels("r", [key]) == [(30.0, 0.0)]
+
+
+async def own_backends(server: RedisServer) -> StateBackends:
+    backends = await redis_backends(server.url, new_prefix(), 0.2, probe_interval_s=0.05)
+    backends.fallback = Fallback("local", 2)
+    assert backends.health.up
+    return backends
+
+
+async def test_spend_redis_could_not_take_is_charged_once_when_it_answers(redis_server):
+    """A settle sent to a frozen Redis, and spend held locally meanwhile, both reach Redis
+    once it answers: the frozen settle itself lands on thaw, and settling its id again finds
+    nothing, so nothing is charged twice."""
+    backends = await own_backends(redis_server)
+    try:
+        budgets = Budgets([BudgetConfig.model_validate({"tokens": "1000/day", "per": "tenant"})],
+                          {}, backends, time.time, "r")
+        shared = await budgets.reserve("acme", None, "m", 10, 90)
+        key = shared.claims[0].key
+        redis_server.freeze()
+        budgets.settle(shared, Usage(10, 30))
+        await budgets.background.wait()
+        assert len(budgets.reconciler) == 1 and not backends.health.up
+        local = await budgets.reserve("acme", None, "m", 10, 490)  # 1000 / 2 replicas
+        assert local.source is backends.fallback.local
+        with pytest.raises(Rejected) as denied:
+            await budgets.reserve("acme", None, "m", 10, 10)
+        assert "this replica's share" in denied.value.detail
+        budgets.settle(local, Usage(10, 50))
+        assert len(budgets.reconciler) == 2
+        redis_server.thaw()
+        await wait_for(lambda: backends.health.up and not budgets.reconciler, what="reconcile")
+        await budgets.background.wait()
+        assert await backends.ledger.levels("r", [key]) == [(40.0 + 60.0, 0.0)]
+        budgets.reconciler.kick()  # nothing left to apply twice
+        await budgets.background.wait()
+        assert await backends.ledger.levels("r", [key]) == [(100.0, 0.0)]
+    finally:
+        await backends.close()
+
+
+async def test_a_reserve_cancelled_in_flight_holds_nothing_once_redis_answers(redis_server):
+    backends = await own_backends(redis_server)
+    try:
+        budgets = Budgets([BudgetConfig.model_validate({"tokens": "1000/day", "per": "tenant"})],
+                          {}, backends, time.time, "r")
+        key = (await budgets.reserve("acme", None, "m", 0, 1)).claims[0].key
+        redis_server.freeze()
+        task = asyncio.create_task(budgets.reserve("acme", None, "m", 10, 90))
+        await asyncio.sleep(0.05)  # the script is sent; Redis will run it when thawed
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await budgets.background.wait()
+        redis_server.thaw()
+        await wait_for(lambda: backends.health.up and not budgets.reconciler, what="reconcile")
+        await budgets.background.wait()
+        _, held = (await backends.ledger.levels("r", [key]))[0]
+        assert held == 1.0  # only the first, never settled; the cancelled one released
+    finally:
+        await backends.close()
+
+
+async def test_budget_counters_of_many_tenants_are_forgotten_after_their_window():
+    """Issue 13: per-tenant budget state must not grow with distinct tenants for ever."""
+    now = [86400.0 * 20000 + 3600]
+    backends = memory_backends()
+    ledger = backends.ledger
+    assert isinstance(ledger, MemoryLedger)
+    budgets = Budgets([BudgetConfig.model_validate({"tokens": "1000/h", "per": "tenant"})],
+                      {}, backends, lambda: now[0], "r", hold_s=60)
+    for i in range(5000):
+        budgets.settle(await budgets.reserve(f"tenant-{i}", None, "m", 1, 1), Usage(1, 1))
+    assert len(ledger._spent) == 5000 and not ledger._held
+    now[0] += 3600 + 60 + 60  # the hour is over, its grace too, and a sweep is due
+    budgets.settle(await budgets.reserve("late", None, "m", 1, 1), None)
+    assert len(ledger._spent) == 0 and len(ledger._expiry) == 1
 
 
 # -- shared limits ------------------------------------------------------------------------------
