@@ -6,7 +6,7 @@ I.371 defines as equivalent to the virtual-scheduling (theoretical-arrival-time)
 of ``limit`` units drains at ``limit / period_s`` units per second and holds its ``level`` as
 of a time ``t``. An admission taking ``amount`` units fits when ``level + amount <= limit``, so
 a burst of ``limit`` passes and then the steady rate. This is exactly the semantics of
-:mod:`policies.rate` (an aiolimiter bucket), including its ``Retry-After``: the time until the
+:mod:`policies.rate` had with aiolimiter (it now uses these buckets), including its ``Retry-After``: the time until the
 bucket has drained enough, ``(level + amount - limit) * period_s / limit`` seconds (RFC 9110
 §10.2.3; the IETF RateLimit fields draft calls the same quantity the reset of the quota).
 
