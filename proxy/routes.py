@@ -119,7 +119,7 @@ class Route:
         i = config.idempotency
         self.idempotency = Idempotency(i, self.name) if i and i.mode != "off" else None
         cb = config.circuit_breaker
-        self.breaker = Breaker(cb, self.name, events.emit_system) if cb else None
+        self.breaker = Breaker(cb, self.name, events.emit_system, self.backends) if cb else None
         self.retry = RetryPolicy(config.retry) if config.retry else None
         self.inflight = 0
         #: The calls admitted through this object and not finished (stall detection).
