@@ -117,7 +117,8 @@ class Route:
         self.global_fanout = global_fanout
         self.rate = RateLimiter(config.rate) if config.rate else None
         i = config.idempotency
-        self.idempotency = Idempotency(i, self.name) if i and i.mode != "off" else None
+        self.idempotency = (Idempotency(i, self.name, backends=self.backends)
+                            if i and i.mode != "off" else None)
         cb = config.circuit_breaker
         self.breaker = Breaker(cb, self.name, events.emit_system, self.backends) if cb else None
         self.retry = RetryPolicy(config.retry) if config.retry else None
