@@ -50,6 +50,7 @@ from policies.retry import (
     retry_is_safe,
     upstream_retry_after,
 )
+from policies.state import StateUnavailable
 from proxy import forward as fwd
 from proxy.rejections import jsonrpc_id, render
 from proxy.routes import Route
@@ -366,7 +367,7 @@ async def _dead_letter(rt: Runtime, route: Route, call: Call, headers: CIMultiDi
     )
     try:
         letter_id = await store.add(letter)
-    except sqlite3.Error:
+    except (sqlite3.Error, StateUnavailable):
         log.exception("dead-letter write failed on route %s (request %s)", route.name,
                       call.request_id)
         return None
