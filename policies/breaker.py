@@ -221,10 +221,11 @@ class Breaker:
 
     def blocked_for(self) -> float:
         """Seconds until an attempt could be admitted as far as this replica knows; 0 when
-        one would be now (or when its view is too old to tell)."""
+        one would be now, or when only the shared state can tell (a probe in flight on
+        another replica may have closed it since: :meth:`attempt` asks)."""
         if self._state == OPEN:
             return max(0.0, self._open_until - time.monotonic())
-        if self._state == HALF_OPEN and self._probing and self._fresh():
+        if self._state == HALF_OPEN and self._probing and not self._shared:
             return PROBE_RETRY_AFTER_S
         return 0.0
 
