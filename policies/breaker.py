@@ -1,13 +1,13 @@
-"""One circuit breaker per route upstream, shared by every caller (config key ``circuit_breaker``).
+"""One circuit breaker per route upstream, shared by every replica (config key ``circuit_breaker``).
 
 States (Nygard, "Release It!"; Resilience4j's names): **closed** lets attempts through and
 counts their outcomes; **open** answers 503 ``circuit_open`` at once, with ``Retry-After`` =
 the time left until half-open plus a random share of up to one ``reset_timeout`` (so refused
 callers do not all return at the same instant, see :meth:`Breaker._rejection`), and calls
-nothing upstream; **half-open** lets exactly one probe
-through at a time, and ``success_threshold`` successful probes in a row close it again while a
-failed probe opens it for another ``reset_timeout``. Like Resilience4j's default, the move from
-open to half-open happens on the first attempt after the wait, not on a timer.
+nothing upstream; **half-open** lets exactly one probe through at a time, across every
+replica, and ``success_threshold`` successful probes in a row close it again while a failed
+probe opens it for another ``reset_timeout``. Like Resilience4j's default, the move from open
+to half-open happens on the first attempt after the wait, not on a timer.
 
 What the breaker hears about an attempt (:func:`classify`):
 
@@ -21,52 +21,84 @@ What the breaker hears about an attempt (:func:`classify`):
   headers (a quota, which says nothing about health), and every answer Sluice writes itself
   (those never reach an attempt).
 
-Trips: ``fail_max`` consecutive failures (pybreaker's counter), or, when ``rate`` is set, a
-failure rate ``>= rate`` over the last ``window`` seconds once ``min_calls`` outcomes are in it
-(Resilience4j's TIME_BASED sliding window and ``minimumNumberOfCalls``, see
-``shared/notes/infra-semantics.md`` §3.2). An upstream ``Retry-After`` on a 429 or 503 that
-arrives while the breaker is open extends the open time to at least that long (capped at
-``MAX_OPEN_HINT_S``), and never shortens it.
+Trips: ``fail_max`` consecutive failures, or, when ``rate`` is set, a failure rate ``>= rate``
+over the last ``window`` seconds once ``min_calls`` outcomes are in it (Resilience4j's
+TIME_BASED sliding window and ``minimumNumberOfCalls``, see ``shared/notes/infra-semantics.md``
+§3.2). An upstream ``Retry-After`` on a 429 or 503 that arrives while the breaker is open
+extends the open time to at least that long (capped at ``MAX_OPEN_HINT_S``), and never
+shortens it. Outcomes of attempts admitted before the last state change are dropped (a stale
+closed-state failure would otherwise re-open a half-open breaker).
 
-How pybreaker is used (``shared/notes/library-pitfalls.md`` §1): it keeps the state machine,
-the consecutive-failure and success-threshold counters and the transition listeners. It has no
-asyncio support, admits every caller in half-open, turns excluded exceptions into successes and
-lands late outcomes on whatever state is current. So instead of holding ``calling()`` open
-across the ``await`` (where a caller's cancellation could only count as a success, and a
-cancelled probe would close the breaker), this module
+**Where the state lives**: the machine is :mod:`policies.state.breaker`'s, in the route's
+state backend (``route.backends.breakers``): this process's memory, or Redis shared by every
+replica, so a breaker opened through one replica refuses on the others, and the half-open
+probe is one lease for all of them. Per attempt, on Redis:
 
-* admits attempts itself (:meth:`Breaker.attempt`): open-until on the monotonic clock, one probe
-  in half-open;
-* feeds pybreaker each outcome synchronously, once the attempt's response headers (or error)
-  are in, through ``calling()`` around a block that raises for a failure;
-* drops outcomes that are neutral, and outcomes of attempts admitted before the last state
-  change (a stale closed-state failure would otherwise re-open a half-open breaker).
+* :meth:`Breaker.attempt` is answered from this replica's cached view while that view says
+  *closed* and is younger than ``VIEW_FRESH_S`` (no round trip); otherwise it asks Redis (one
+  script call), which is also how an open breaker's end and the probe are decided. Every
+  reply refreshes the view, so a breaker opened anywhere refuses here within
+  ``VIEW_FRESH_S`` plus one call;
+* :meth:`Breaker.record` is one script call (a neutral outcome of a non-probe attempt, the
+  common cancellation, costs none).
+
+``sluice_circuit_state`` and the admin page read the cached view (never an await at scrape; a
+view older than ``VIEW_FRESH_S`` is refreshed in the background for the next scrape).
+
+When the backend does not answer (:class:`~policies.state.StateUnavailable`):
+``state.on_unavailable: local`` decides from this replica's own memory breaker until Redis
+answers again (its outcomes are not merged back: a breaker's history is short-lived), and
+``reject`` refuses the attempt 503 ``state_unavailable``. An outcome that cannot be written is
+dropped (logged): the upstream's answer still reaches its caller.
 """
 
 from __future__ import annotations
 
-import math
+import asyncio
+import logging
 import random
 import time
-from collections.abc import Callable, Mapping
-
-import pybreaker
+from collections.abc import Awaitable, Callable, Mapping
+from typing import NamedTuple, TypeVar
 
 from policies.config import CircuitBreakerConfig
 from policies.pipeline import Call
 from policies.reasons import Reason, Rejected
+from policies.state import BreakerStates, StateBackends, StateUnavailable, memory_backends
+from policies.state.breaker import (
+    CLOSED,
+    CLOSED_AGAIN,
+    FAILURE,
+    HALF_OPEN,
+    HALF_OPENED,
+    NEUTRAL,
+    OPEN,
+    OPENED,
+    STATE_NAMES,
+    SUCCESS,
+    BreakerParams,
+    Ticket,
+)
 
-#: ``sluice_circuit_state`` values.
-STATE_VALUES = {pybreaker.STATE_CLOSED: 0, pybreaker.STATE_HALF_OPEN: 1, pybreaker.STATE_OPEN: 2}
+__all__ = ["FAILURE", "MAX_OPEN_HINT_S", "NEUTRAL", "PROBE_RETRY_AFTER_S", "SUCCESS",
+           "Breaker", "Pass", "classify"]
+
+log = logging.getLogger("sluice")
+
+T = TypeVar("T")
+
 #: Wait while a half-open probe is in flight (its answer is typically a second or so away),
 #: before the spread :meth:`Breaker._rejection` adds.
 PROBE_RETRY_AFTER_S = 1.0
 #: Longest open time an upstream Retry-After can ask for, seconds (Envoy's 300 s caps on
 #: rate-limited back-off and on outlier ejection time).
 MAX_OPEN_HINT_S = 300.0
-
-#: Outcomes of one attempt as the breaker sees them (see the module docstring).
-SUCCESS, FAILURE, NEUTRAL = 0, 1, 2
+#: How long a replica trusts its cached view of a shared breaker, seconds: a breaker opened
+#: through another replica refuses here at most this long (plus one call) later.
+VIEW_FRESH_S = 0.5
+#: How long a half-open probe holds its lease, seconds: if the probing replica dies, another
+#: may probe after this (an attempt's wait for response headers rarely comes near it).
+PROBE_LEASE_S = 30.0
 
 #: Fields that tell a 429 is a quota answer rather than a fault.
 _RATE_LIMIT_HEADERS = (
@@ -91,118 +123,114 @@ def classify(status: int, headers: Mapping[str, str]) -> int:
     return FAILURE if status >= 500 else SUCCESS
 
 
-class _UpstreamFailure(Exception):
-    """Raised inside ``calling()`` so that pybreaker counts the attempt as failed."""
+class Pass(NamedTuple):
+    """Permission for one attempt (from :meth:`Breaker.attempt`): the breaker state it was
+    admitted from (shared, or this replica's during an outage) and its ticket there."""
+
+    states: BreakerStates
+    ticket: Ticket
 
 
-class FailureRateWindow:
-    """Outcomes of the last ``window_s`` seconds in one-second buckets (Resilience4j TIME_BASED).
-
-    ``add`` is O(1) amortised: buckets are cleared as the clock moves past them.
-    """
-
-    __slots__ = ("_calls", "_failures", "_last", "_size", "_total", "_total_failed",
-                 "min_calls", "threshold")
-
-    def __init__(self, window_s: float, threshold: float, min_calls: int) -> None:
-        self._size = max(1, math.ceil(window_s))
-        self.threshold = threshold
-        self.min_calls = min_calls
-        self._calls = [0] * self._size
-        self._failures = [0] * self._size
-        self._last = int(time.monotonic())
-        self._total = 0
-        self._total_failed = 0
-
-    def add(self, failed: bool, now: float) -> bool:
-        """Record one outcome at monotonic time ``now``; True when the window trips."""
-        second = int(now)
-        if second != self._last:
-            for step in range(1, min(second - self._last, self._size) + 1):
-                i = (self._last + step) % self._size
-                self._total -= self._calls[i]
-                self._total_failed -= self._failures[i]
-                self._calls[i] = self._failures[i] = 0
-            self._last = second
-        i = second % self._size
-        self._calls[i] += 1
-        self._total += 1
-        if failed:
-            self._failures[i] += 1
-            self._total_failed += 1
-        return self._total >= self.min_calls and self._total_failed >= self.threshold * self._total
-
-    def reset(self) -> None:
-        """Forget every outcome (on closing, as Resilience4j resets its metrics)."""
-        self._calls = [0] * self._size
-        self._failures = [0] * self._size
-        self._total = self._total_failed = 0
-
-
-class Breaker(pybreaker.CircuitBreakerListener):
+class Breaker:
     """The breaker of one route.
 
-    Per attempt: ``ticket = attempt()`` (raises ``Rejected``), then exactly one of
-    ``record(ticket, outcome, status, retry_after)`` or ``release(ticket)`` (neutral outcome,
-    e.g. the caller went away). ``check()`` is the same test as ``attempt()`` without taking
-    anything, for refusing a call before it queues (the pipeline step :meth:`admit`).
+    Per attempt: ``ticket = await attempt()`` (raises ``Rejected``), then exactly one of
+    ``await record(ticket, outcome, status, retry_after)`` or ``release(ticket)`` (neutral
+    outcome, e.g. the caller went away; never awaits). ``check()`` is the same test as
+    ``attempt()`` from the cached view, taking nothing, for refusing a call before it queues
+    (the pipeline step :meth:`admit`).
 
     Args:
         config: the route's ``circuit_breaker`` block.
-        route: the route's name, for events and messages.
-        on_event: called as ``on_event(event, **fields)`` on every transition
-            (``circuit_opened``, ``circuit_half_open``, ``circuit_closed``).
+        route: the route's name, for events and messages, and the breaker's name in the state
+            backend (replicas share a route's breaker by its name).
+        on_event: called as ``on_event(event, **fields)`` on every transition this replica's
+            call caused (``circuit_opened``, ``circuit_half_open``, ``circuit_closed``).
+        backends: the route's state (default: this process's memory).
     """
 
     def __init__(self, config: CircuitBreakerConfig, route: str,
-                 on_event: Callable[..., None]) -> None:
+                 on_event: Callable[..., None], backends: StateBackends | None = None) -> None:
         self.route = route
         self.reset_timeout = config.reset_timeout
         self._on_event = on_event
-        self._window = (
-            FailureRateWindow(config.window, config.rate, config.min_calls)
-            if config.rate is not None else None
-        )
-        self._epoch = 0  # bumped on every state change; a ticket is the epoch it was issued in
-        self._open_until = 0.0  # monotonic seconds
-        self._probing = False
-        self._trip_cause = "fail_max"
-        self._cause = ""  # why it last opened, for the rejection's message
-        self._breaker = pybreaker.CircuitBreaker(
-            fail_max=config.fail_max,
-            reset_timeout=config.reset_timeout,
+        self._params = BreakerParams(
+            fail_max=config.fail_max, reset_s=config.reset_timeout,
             success_threshold=config.success_threshold,
-            listeners=[self],
-            name=route,
-            throw_new_error_on_trip=False,
-        )
+            window_s=config.window if config.rate is not None else None,
+            rate=config.rate if config.rate is not None else 1.0,
+            min_calls=config.min_calls, probe_s=PROBE_LEASE_S)
+        self._backends = backends if backends is not None else memory_backends()
+        self._shared = self._backends.redis is not None
+        # The cached view (monotonic seconds): what check(), the gauge and the admin read.
+        self._state = CLOSED
+        self._epoch = 0
+        self._open_until = 0.0
+        self._probing = False
+        self._cause = ""
+        self._seen_at = -VIEW_FRESH_S  # stale until the first answer
+        self._refreshing = False
+        self._tasks: set[asyncio.Task[object]] = set()
 
-    # -- admission ----------------------------------------------------------------------------
+    # -- the cached view ----------------------------------------------------------------------
 
     @property
     def current(self) -> str:
-        """``closed``, ``open`` or ``half-open``."""
-        return self._breaker.current_state
+        """``closed``, ``open`` or ``half-open`` (as last seen)."""
+        return STATE_NAMES[self._state]
 
     def state(self) -> dict[str, object]:
         """The breaker for the admin API (JSON-ready)."""
         return {"state": self.current, "blocked_for_s": round(self.blocked_for(), 3)}
 
     def state_value(self) -> int:
-        """The state as ``sluice_circuit_state`` reports it: 0 closed, 1 half-open, 2 open."""
-        return STATE_VALUES[self._breaker.current_state]
+        """The state as ``sluice_circuit_state`` reports it: 0 closed, 1 half-open, 2 open.
+
+        Never awaits; a stale view of a shared breaker is refreshed in the background.
+        """
+        if self._shared and not self._fresh() and not self._refreshing:
+            try:
+                self._spawn(self._refresh())
+                self._refreshing = True
+            except RuntimeError:  # no running loop (a scrape outside the server)
+                pass
+        return self._state
+
+    def _fresh(self) -> bool:
+        return time.monotonic() - self._seen_at < VIEW_FRESH_S
+
+    async def _refresh(self) -> None:
+        try:
+            view = await self._backends.breakers.view(self.route)
+        except StateUnavailable:
+            return
+        finally:
+            self._refreshing = False
+        self._see(view.state, view.epoch, view.open_for_s, view.probing, view.cause)
+
+    def _see(self, state: int, epoch: int | None, open_for_s: float, probing: bool,
+             cause: str) -> None:
+        """Update the cached view; ``epoch`` ``None`` when the answer did not tell it (the
+        view's state is then taken, but it is not fresh enough for admitting from it)."""
+        now = time.monotonic()
+        self._state, self._probing, self._cause = state, probing, cause
+        self._open_until = now + open_for_s if state == OPEN else 0.0
+        if epoch is not None:
+            self._epoch = epoch
+            self._seen_at = now
 
     def blocked_for(self) -> float:
-        """Seconds until an attempt could be admitted; 0 when one would be now."""
-        state = self._breaker.current_state
-        if state == pybreaker.STATE_CLOSED:
-            return 0.0
-        if state == pybreaker.STATE_OPEN:
+        """Seconds until an attempt could be admitted as far as this replica knows; 0 when
+        one would be now, or when only the shared state can tell (a probe in flight on
+        another replica may have closed it since: :meth:`attempt` asks)."""
+        if self._state == OPEN:
             return max(0.0, self._open_until - time.monotonic())
-        return PROBE_RETRY_AFTER_S if self._probing else 0.0
+        if self._state == HALF_OPEN and self._probing and not self._shared:
+            return PROBE_RETRY_AFTER_S
+        return 0.0
 
     def check(self) -> None:
-        """Refuse now if an attempt would be refused; takes nothing.
+        """Refuse now if an attempt would be refused; takes nothing, never awaits.
 
         Raises:
             Rejected: ``circuit_open`` with the seconds until half-open (or until the probe
@@ -218,29 +246,52 @@ class Breaker(pybreaker.CircuitBreakerListener):
         Holds nothing: each attempt is admitted on its own (:meth:`attempt`)."""
         self.check()
 
-    def attempt(self) -> int:
-        """Permission for one upstream attempt; the ticket goes to ``record`` or ``release``.
+    # -- attempts -----------------------------------------------------------------------------
+
+    async def attempt(self) -> Pass:
+        """Permission for one upstream attempt; the pass goes to ``record`` or ``release``.
 
         Moves an open breaker whose wait is over to half-open, and makes this attempt its
-        probe.
+        probe (on Redis: the one probe of every replica).
 
         Raises:
-            Rejected: ``circuit_open`` while open, or while another probe is in flight.
+            Rejected: ``circuit_open`` while open, or while another probe is in flight;
+                ``state_unavailable`` when the shared state does not answer and
+                ``state.on_unavailable`` is ``reject``.
+            asyncio.CancelledError: the caller left; a probe lease it got is given back.
         """
-        state = self._breaker.current_state
-        if state == pybreaker.STATE_CLOSED:
-            return self._epoch
-        if state == pybreaker.STATE_OPEN:
-            wait = self._open_until - time.monotonic()
-            if wait > 0:
-                raise self._rejection(wait)
-            self._breaker.half_open()
-        if self._probing:
-            raise self._rejection(PROBE_RETRY_AFTER_S)
-        self._probing = True
-        return self._epoch
+        if self._state == CLOSED and self._fresh():
+            return Pass(self._backends.breakers, Ticket(self._epoch))
+        states = self._backends.breakers
+        try:
+            admission = await self._shielded(states.admit(self.route, self._params),
+                                             lambda a: self._give_back(states, a.ticket)
+                                             if a.allowed else None)
+        except StateUnavailable as exc:
+            states = self._fallback(exc)
+            admission = await states.admit(self.route, self._params)
+        if states is self._backends.breakers:
+            self._see(admission.state, admission.ticket.epoch, admission.wait_s
+                      if admission.state == OPEN else 0.0,
+                      admission.state == HALF_OPEN, admission.cause)
+        if admission.transition == HALF_OPENED:
+            self._on_event("circuit_half_open", route=self.route)
+        if not admission.allowed:
+            if admission.state == HALF_OPEN:
+                raise self._rejection(PROBE_RETRY_AFTER_S, probing=True)
+            raise self._rejection(admission.wait_s, cause=admission.cause)
+        return Pass(states, admission.ticket)
 
-    def _rejection(self, wait: float) -> Rejected:
+    def _fallback(self, exc: StateUnavailable) -> BreakerStates:
+        """This replica's own breaker state while the shared one is unavailable."""
+        fallback = self._backends.fallback
+        if fallback.mode == "reject":
+            raise Rejected(Reason.STATE_UNAVAILABLE, exc.retry_after or PROBE_RETRY_AFTER_S,
+                           f"route {self.route}: the circuit breaker's state is unavailable")
+        return fallback.memory().breakers
+
+    def _rejection(self, wait: float, *, probing: bool | None = None,
+                   cause: str | None = None) -> Rejected:
         """503 ``circuit_open`` telling the caller to come back after ``wait`` seconds, spread.
 
         Every caller refused while open would otherwise be told the same instant (the SDKs
@@ -252,19 +303,21 @@ class Breaker(pybreaker.CircuitBreakerListener):
         (one ``PROBE_RETRY_AFTER_S`` while a probe is in flight): the refused callers come
         back spread over about as long as they arrived in.
         """
-        if self._probing:
+        if probing if probing is not None else (self._state == HALF_OPEN and self._probing):
             detail = "a probe is in flight"
             wait += random.uniform(0, PROBE_RETRY_AFTER_S)
         else:
-            detail = f"opened by {self._cause}"
+            detail = f"opened by {cause if cause is not None else self._cause}"
             wait += random.uniform(0, self.reset_timeout)
         return Rejected(Reason.CIRCUIT_OPEN, wait, f"route {self.route}: {detail}")
 
     # -- outcomes -----------------------------------------------------------------------------
 
-    def record(self, ticket: int, outcome: int, status: int | None = None,
-               retry_after: float | None = None) -> None:
-        """Feed the outcome of an attempt admitted with ``ticket``.
+    async def record(self, ticket: Pass, outcome: int, status: int | None = None,
+                     retry_after: float | None = None) -> None:
+        """Feed the outcome of an attempt admitted with ``ticket``; never raises for an
+        unavailable state backend (the outcome is then dropped). It completes even if the
+        caller is cancelled meanwhile.
 
         Args:
             outcome: SUCCESS, FAILURE or NEUTRAL (see :func:`classify`).
@@ -272,57 +325,68 @@ class Breaker(pybreaker.CircuitBreakerListener):
             retry_after: the upstream's Retry-After in seconds, if it sent one; on a 429 or
                 503 it may extend an open breaker's wait.
         """
-        if ticket == self._epoch:
-            self._probing = False
-            if outcome != NEUTRAL:
-                failed = outcome == FAILURE
-                # The common case, a success while closed with no failure counted, would only
-                # make pybreaker reset a counter that is already 0: skipping its ~5 us of
-                # generator plumbing keeps the hot path cheap.
-                if (failed or self._breaker.fail_counter
-                        or self._breaker.current_state != pybreaker.STATE_CLOSED):
-                    try:
-                        with self._breaker.calling():
-                            if failed:
-                                raise _UpstreamFailure
-                    except _UpstreamFailure:
-                        pass
-                window = self._window
-                if (window is not None and ticket == self._epoch
-                        and window.add(failed, time.monotonic())
-                        and self._breaker.current_state == pybreaker.STATE_CLOSED):
-                    self._trip_cause = "failure_rate"
-                    self._breaker.open()
-        if (retry_after is not None and status in (429, 503)
-                and self._breaker.current_state == pybreaker.STATE_OPEN):
-            until = time.monotonic() + min(retry_after, MAX_OPEN_HINT_S)
-            self._open_until = max(self._open_until, until)
-
-    def release(self, ticket: int) -> None:
-        """End an attempt whose outcome says nothing about the upstream (neutral)."""
-        if ticket == self._epoch:
-            self._probing = False
-
-    # -- pybreaker listener -------------------------------------------------------------------
-
-    def state_change(self, cb: pybreaker.CircuitBreaker,
-                     old_state: pybreaker.CircuitBreakerState | None,
-                     new_state: pybreaker.CircuitBreakerState) -> None:
-        """Bump the epoch, time the open state, and put the transition on the timeline."""
-        self._epoch += 1
-        self._probing = False
-        name = new_state.name
-        old = old_state.name if old_state is not None else None
-        if name == pybreaker.STATE_OPEN:
-            self._open_until = time.monotonic() + self.reset_timeout
-            cause = "probe_failed" if old == pybreaker.STATE_HALF_OPEN else self._trip_cause
-            self._cause = cause
-            self._on_event("circuit_opened", route=self.route, cause=cause,
-                                     open_for_s=self.reset_timeout)
-        elif name == pybreaker.STATE_HALF_OPEN:
-            self._on_event("circuit_half_open", route=self.route)
-        else:
-            self._trip_cause = "fail_max"
-            if self._window is not None:
-                self._window.reset()
+        hint = (min(retry_after, MAX_OPEN_HINT_S)
+                if retry_after is not None and status in (429, 503) else None)
+        if outcome == NEUTRAL and ticket.ticket.probe is None and not hint:
+            return  # nothing to count, no lease to free: no round trip
+        states = ticket.states
+        try:
+            verdict = await self._shielded(
+                states.record(self.route, ticket.ticket, outcome, self._params, hint))
+        except StateUnavailable as exc:
+            log.warning("route %s: a circuit-breaker outcome was dropped: %s", self.route,
+                        exc.cause)
+            return
+        if states is self._backends.breakers:
+            # A transition happened in the ticket's epoch, so the new one is known; otherwise
+            # the ticket may be stale, and the epoch is left to the next admit to learn.
+            epoch = ticket.ticket.epoch + 1 if verdict.transition is not None else None
+            self._see(verdict.state, epoch, verdict.open_for_s, False, verdict.cause)
+        if verdict.transition == OPENED:
+            self._on_event("circuit_opened", route=self.route, cause=verdict.cause,
+                           open_for_s=round(verdict.open_for_s, 3))
+        elif verdict.transition == CLOSED_AGAIN:
             self._on_event("circuit_closed", route=self.route)
+
+    def release(self, ticket: Pass) -> None:
+        """End an attempt whose outcome says nothing about the upstream (neutral). Never
+        awaits: a probe's lease is given back in the background, so another caller (on any
+        replica) may probe."""
+        self._give_back(ticket.states, ticket.ticket)
+
+    def _give_back(self, states: BreakerStates, ticket: Ticket) -> None:
+        if ticket.probe is not None:
+            self._spawn(self._quietly(
+                states.record(self.route, ticket, NEUTRAL, self._params)))
+
+    # -- tasks --------------------------------------------------------------------------------
+
+    async def _shielded(self, call: Awaitable[T],
+                        on_cancel: Callable[[T], None] | None = None) -> T:
+        """Await ``call`` so that the caller's cancellation does not cut it off: on Redis the
+        script may run whatever happens to the caller, and its effect (a probe lease taken, a
+        failure counted) must be known; ``on_cancel`` then gets its result."""
+        if not self._shared:
+            return await call  # memory never suspends: nothing can cut it
+        task = self._spawn(call)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if on_cancel is not None:
+                task.add_done_callback(
+                    lambda t: on_cancel(t.result())
+                    if not t.cancelled() and t.exception() is None else None)
+            raise
+
+    def _spawn(self, call: Awaitable[T]) -> asyncio.Task[T]:
+        task = asyncio.ensure_future(call)
+        self._tasks.add(task)  # type: ignore[arg-type]
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _quietly(self, call: Awaitable[object]) -> None:
+        try:
+            await call
+        except StateUnavailable as exc:
+            log.warning("route %s: a probe lease was not given back (it lapses in %.0fs): %s",
+                        self.route, PROBE_LEASE_S, exc.cause)

@@ -12,10 +12,16 @@ Secrets are never written: headers whose name says they carry credentials (``Aut
 ``password``) are removed and only their names kept, so ``sluice dlq replay`` must be given them
 again. Bodies are kept up to ``max_body_bytes``; a cut body is marked and cannot be replayed.
 
-Storage is one SQLite file (WAL mode, so ``sluice dlq`` can read while the server writes).
-The server does all SQLite work on one dedicated thread, so the event loop never waits on the
-disk; a request that is dead-lettered waits for its own record to be written (the
-``X-Sluice-Dead-Letter`` id needs it), nothing else does.
+Storage follows the ``state`` block. With the memory backend: one SQLite file per replica
+(``dead_letter.path``; WAL mode, so ``sluice dlq`` can read while the server writes); the
+server does all SQLite work on one dedicated thread, so the event loop never waits on the
+disk. With the Redis backend: one Redis Stream shared by every replica
+(:class:`policies.state.deadletters.RedisDeadLetterStore`), so ``sluice dlq`` pointed at the
+same config reads and replays what any replica wrote; a write Redis does not answer is not
+kept (the caller still gets its answer; the failure is logged and counted as a failed write,
+whatever ``state.on_unavailable`` says: a letter kept in one replica's memory would be read
+by nobody). Either way, a request that is dead-lettered waits for its own record to be
+written (the ``X-Sluice-Dead-Letter`` id needs it), nothing else does.
 """
 
 from __future__ import annotations
@@ -27,11 +33,14 @@ import sqlite3
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from policies.config import DeadLetterConfig
+
+if TYPE_CHECKING:  # policies.state.deadletters imports this module's records
+    from policies.state import StateBackends
 
 #: Header-name fragments that mark a credential (matched on the lower-cased name).
 SECRET_HEADER_PARTS = ("auth", "cookie", "api-key", "api_key", "apikey", "token", "secret",
@@ -251,20 +260,29 @@ class DeadLetterFile:
 
 
 class DeadLetterQueue:
-    """The server's side: writes happen on one thread of their own, off the event loop."""
+    """The server's side: the SQLite file, written on one thread of its own off the event
+    loop, or the Redis Stream of a Redis state backend.
 
-    def __init__(self, config: DeadLetterConfig) -> None:
+    Args:
+        config: the ``dead_letter`` block.
+        state: the server's state; with Redis, letters go to its stream and the file is unused.
+    """
+
+    def __init__(self, config: DeadLetterConfig, state: StateBackends | None = None) -> None:
         self.path = config.path
         self.max_body_bytes = config.max_body_bytes
         self._depth: dict[str, int] = {}
+        self._shared = state.dead_letters if state is not None and state.redis else None
         self._file: DeadLetterFile | None = None
+        self._writes: set[asyncio.Future[int]] = set()
         self._opening: asyncio.Future[None] | None = None
         self._thread = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="sluice-dlq"
         )
 
     def depth(self, route: str) -> int:
-        """Records of ``route`` in the store (for the depth gauge)."""
+        """Records of ``route`` in the store (for the depth gauge): in the shared stream, as
+        read at start plus this replica's writes since."""
         return self._depth.get(route, 0)
 
     async def open(self) -> None:
@@ -272,13 +290,23 @@ class DeadLetterQueue:
         share one opening, and a failed one is tried again by the next caller.
 
         Raises:
-            sqlite3.Error: the file cannot be opened or created.
+            sqlite3.Error: the file cannot be opened or created (the shared stream never
+                raises here: an unavailable Redis leaves the depth at 0 until it answers).
         """
         if self._opening is None or (self._opening.done() and self._file is None):
             self._opening = asyncio.ensure_future(self._open())
         await asyncio.shield(self._opening)
 
     async def _open(self) -> None:
+        if self._shared is not None:
+            # Imported here: the state package imports this module's records.
+            from policies.state import StateUnavailable
+
+            try:
+                self._depth = await self._shared.depth()
+            except StateUnavailable:
+                self._depth = {}
+            return
         file = await self._run(DeadLetterFile, self.path)
         self._depth = await self._run(file.depth)
         self._file = file
@@ -287,13 +315,23 @@ class DeadLetterQueue:
         """Write ``letter`` (its body cut to ``max_body_bytes`` here) and return its id.
 
         The write completes even if the awaiting request is cancelled meanwhile.
+
+        Raises:
+            sqlite3.Error: the file could not be written.
+            StateUnavailable: the shared stream did not answer (Redis).
         """
-        if self._file is None:  # a reload gave a route its first retry block
-            await self.open()
         letter.body_size = len(letter.body)
         letter.body = letter.body[: self.max_body_bytes]
-        assert self._file is not None
-        write = self._run(self._file.add, letter)
+        write: asyncio.Future[int]
+        if self._shared is not None:
+            write = asyncio.ensure_future(self._shared.add(letter))
+            self._writes.add(write)  # the loop keeps only a weak reference to a task
+            write.add_done_callback(self._writes.discard)
+        else:
+            if self._file is None:  # a reload gave a route its first retry block
+                await self.open()
+            assert self._file is not None
+            write = self._run(self._file.add, letter)
         route = letter.route
 
         def count(done: asyncio.Future[int]) -> None:
@@ -304,7 +342,8 @@ class DeadLetterQueue:
         return await asyncio.shield(write)
 
     async def close(self) -> None:
-        """Finish pending writes and close the file."""
+        """Finish pending writes and close the file (the shared stream's connection is the
+        state backend's, closed with it)."""
         if self._file is not None:
             await self._run(self._file.close)
             self._file = None

@@ -42,7 +42,9 @@ tenant and route: two tenants never share a stored result, whatever keys they se
 * duplicate while the first is in flight: with ``on_in_flight: wait`` (default) it waits,
   holding no concurrency slot, and gets the first one's answer as a replay; with ``reject``
   it gets 409 ``idempotency_conflict`` with ``Retry-After: 1`` (the draft's answer; the
-  official SDKs retry a 409).
+  official SDKs retry a 409). The wait is bounded by ``max_wait`` and by the caller's own
+  timeout (``X-Sluice-Timeout``), whichever ends first; past it the duplicate gets the same
+  409 (the first request still holds the key), so nobody waits on a stuck twin for ever.
 * what is stored: the upstream's answer when it is a final one: every status below 500 except
   401, 403, 407 (the caller may fix its credentials and retry the same payload), 408, 409, 425
   and 429 (the upstream says "try again"). Never stored, so the key is free again for a
@@ -57,6 +59,22 @@ tenant and route: two tenants never share a stored result, whatever keys they se
   ``Retry-After`` equal to the time left until the key expires (it must not execute again,
   and there is nothing to replay).
 
+**Where the records live**: with the memory state backend, in this process
+(:class:`~policies.idempotency_store.MemoryStore`, bounded by ``max_entries`` and
+``max_bytes``, and per-process in-flight keys whose waiters are woken directly). With the Redis
+backend, in Redis (:mod:`policies.state.idempotency`), so every replica sees every key: a
+request holds its key with an in-flight marker (``SET NX`` with an expiry of
+``FLIGHT_LEASE_S``, renewed while it runs, so a replica killed mid-call frees it within that
+time) carrying its payload fingerprint; a duplicate on any replica sees the marker (422 at once
+for another payload), and waits for the first one's answer, woken by the ``finish`` that
+stores it (pub/sub, with polling as a floor). The answer is written once the call ends, in the
+background (a holding's release never awaits); until it is, the marker keeps duplicates
+waiting. Records expire ``ttl`` after they were written (Redis evicts by its own policy).
+When Redis does not answer at the request's first look-up, ``state.on_unavailable: local``
+uses this process's memory store instead (keys are then deduplicated per replica), and
+``reject`` answers 503 ``state_unavailable``; a write that fails later leaves the marker to
+lapse, so the key is free again within ``FLIGHT_LEASE_S``.
+
 **Amplification** (SPEC metrics): ``sluice_upstream_attempts_total`` counts every request sent
 upstream; ``sluice_work_units_total`` counts distinct logical calls: a request is a new unit
 unless its key was seen before on the route (a replay, a wait on an in-flight twin, or a retry
@@ -69,11 +87,15 @@ SDK's retries deduplicated sets one per call (``extra_headers``) or configures
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
+import logging
 import os
 import re
+import time
 from collections import deque
-from collections.abc import Hashable
+from collections.abc import Awaitable, Callable, Hashable
+from typing import TypeVar
 
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
@@ -83,6 +105,20 @@ from policies.idempotency_store import DONE, SEEN, TOO_LARGE, MemoryStore, Recor
 from policies.pipeline import Call, Outcome
 from policies.reasons import Reason, Rejected
 from policies.retry import is_client_retry
+from policies.state import IdempotencyRecords, StateBackends, StateUnavailable
+from policies.state.idempotency import (
+    CLAIMED,
+    FINISHED,
+    IN_FLIGHT,
+    Answer,
+    Begin,
+    new_owner,
+    wait_for_answer,
+)
+
+log = logging.getLogger("sluice")
+
+T = TypeVar("T")
 
 #: Methods that are idempotent by definition and never get a key (RFC 9110 §9.2.1).
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
@@ -92,6 +128,9 @@ REPLAYED_HEADER = "Idempotent-Replayed"
 MAX_KEY_LENGTH = 255
 #: What a duplicate refused while its twin is in flight is told to wait, seconds.
 IN_FLIGHT_RETRY_AFTER_S = 1.0
+#: How long a request's in-flight marker in Redis lives unless renewed, seconds: a replica
+#: killed mid-call frees its keys within this time. Renewed every third of it while it runs.
+FLIGHT_LEASE_S = 30.0
 
 #: Upstream statuses that are not an outcome (see the module docstring).
 _NOT_STORED = frozenset({401, 403, 407, 408, 409, 425, 429})
@@ -108,6 +147,8 @@ _ESCAPE = re.compile(r'\\(["\\])')
 
 #: A waiter's future resolves to this when the key is handed to it: it runs its own request.
 _HANDOVER = object()
+#: A waiter's wait returns this when its bound passed first.
+_TIMED_OUT = object()
 
 
 def parse_key(raw: str) -> str:
@@ -212,6 +253,19 @@ class _Flight:
         self.waiters: deque[asyncio.Future[object]] = deque()
 
 
+class _Lease:
+    """A key this request holds in the shared records: its marker's owner token, and the task
+    that renews the marker while the request runs."""
+
+    __slots__ = ("key", "owner", "records", "renewer")
+
+    def __init__(self, records: IdempotencyRecords, key: str, owner: str) -> None:
+        self.records = records
+        self.key = key
+        self.owner = owner
+        self.renewer: asyncio.Task[None] | None = None
+
+
 class Claim:
     """One request's standing with its idempotency key, from :meth:`Idempotency.claim`.
 
@@ -227,8 +281,8 @@ class Claim:
         waited_s: how long it waited for an in-flight twin, seconds.
     """
 
-    __slots__ = ("_flight", "_policy", "_store_key", "capture", "fingerprint", "header", "key",
-                 "new_unit", "rejected", "replay", "waited_s")
+    __slots__ = ("_flight", "_lease", "_policy", "_store_key", "capture", "fingerprint",
+                 "header", "key", "new_unit", "rejected", "replay", "waited_s")
 
     def __init__(self, key: str | None) -> None:
         self.key = key
@@ -242,6 +296,12 @@ class Claim:
         self._policy: Idempotency | None = None
         self._store_key: Hashable = None
         self._flight: _Flight | None = None
+        self._lease: _Lease | None = None
+
+    @property
+    def holds(self) -> bool:
+        """The request holds its key until :meth:`finish`."""
+        return self._flight is not None or self._lease is not None
 
     def release(self, outcome: Outcome) -> None:
         """The pipeline's end of the claim (a :class:`policies.pipeline.Holding`)."""
@@ -254,11 +314,15 @@ class Claim:
         ``rejected``, ``upstream_error``, ``upstream_timeout``, ``client_disconnected``).
         Calling it again, or on a claim that holds no key, does nothing.
         """
-        flight = self._flight
-        if flight is None or self._policy is None:
+        policy = self._policy
+        if policy is None:
             return
-        self._flight = None
-        self._policy._finish(self, flight, outcome)
+        flight, lease = self._flight, self._lease
+        self._flight = self._lease = None
+        if flight is not None:
+            policy._finish(self, flight, outcome)
+        elif lease is not None:
+            policy._finish_shared(self, lease, outcome)
 
 
 class Idempotency:
@@ -266,12 +330,18 @@ class Idempotency:
 
     Args:
         config: the route's ``idempotency`` block (mode is not ``off``).
-        route: the route's name; part of every derived key.
-        store: where records live (default: a :class:`MemoryStore` sized by ``config``).
+        route: the route's name; part of every derived key, and of every shared record's
+            key (replicas share a route's records by its name).
+        store: where this process's records live (default: a :class:`MemoryStore` sized by
+            ``config``): every record with the memory backend, and the ``local`` fallback's
+            with Redis.
+        backends: the route's state; with Redis, records and in-flight markers are shared
+            there (default: this process only).
     """
 
     def __init__(self, config: IdempotencyConfig, route: str,
-                 store: ResultStore | None = None) -> None:
+                 store: ResultStore | None = None,
+                 backends: StateBackends | None = None) -> None:
         self.mode = config.mode
         self.dedup = config.mode == "dedup"
         self.wait_in_flight = config.on_in_flight == "wait"
@@ -279,9 +349,13 @@ class Idempotency:
         self.max_replay_bytes = config.max_replay_bytes
         self.store: ResultStore = store or MemoryStore(config.max_entries, config.max_bytes,
                                                        config.ttl)
+        self.max_wait = config.max_wait
+        self.ttl = config.ttl
         self.waiting = 0
         self._route = route.encode()
         self._flights: dict[Hashable, _Flight] = {}
+        self._backends = backends if backends is not None and backends.redis is not None else None
+        self._tasks: set[asyncio.Task[object]] = set()
 
     async def admit(self, call: Call) -> Claim | None:
         """The pipeline step (:class:`policies.pipeline.Policy`): resolve the call's key
@@ -297,7 +371,11 @@ class Idempotency:
         """
         if call.method in SAFE_METHODS:
             return None
-        claim = await self.claim(call.method, call.path, call.headers, call.tenant, call.body)
+        wait_s = self.max_wait
+        if call.timeout is not None:
+            wait_s = min(wait_s, call.timeout - (time.monotonic() - call.received_at))
+        claim = await self.claim(call.method, call.path, call.headers, call.tenant, call.body,
+                                 wait_s=wait_s)
         call.new_unit = claim.new_unit
         call.idempotency_key = claim.key
         if claim.rejected is not None:
@@ -306,7 +384,7 @@ class Idempotency:
             raise Replay(claim.replay, claim.waited_s)
         call.upstream_key = claim.header
         call.capture = claim.capture
-        return claim if claim._flight is not None else None
+        return claim if claim.holds else None
 
     @property
     def in_flight(self) -> int:
@@ -314,11 +392,13 @@ class Idempotency:
         return len(self._flights)
 
     async def claim(self, method: str, path: str, headers: CIMultiDictProxy[str], tenant: str,
-                    body: bytes) -> Claim:
+                    body: bytes, *, wait_s: float | None = None) -> Claim:
         """Resolve the request's key and its standing; may wait for an in-flight twin.
 
-        ``path`` is the path and query as received. Never raises for the request's own
-        faults: they come back as :attr:`Claim.rejected` (400, 409 or 422).
+        ``path`` is the path and query as received; ``wait_s`` bounds the wait for a twin,
+        seconds (default ``max_wait``). Never raises for the request's own faults: they come
+        back as :attr:`Claim.rejected` (400, 409 or 422; 503 ``state_unavailable`` when the
+        shared records do not answer and ``state.on_unavailable`` is ``reject``).
 
         Raises:
             asyncio.CancelledError: the caller left while waiting; nothing is left held.
@@ -344,6 +424,19 @@ class Idempotency:
                 return claim
             claim = Claim(key)
             claim.header = f'"{key}"'
+
+        bound = self.max_wait if wait_s is None else max(wait_s, 0.0)
+        if self._backends is not None:
+            try:
+                return await self._claim_shared(claim, key, method, path, headers, tenant, body,
+                                                bound)
+            except StateUnavailable as exc:
+                if self._backends.fallback.mode == "reject":
+                    claim.rejected = Rejected(
+                        Reason.STATE_UNAVAILABLE, exc.retry_after or IN_FLIGHT_RETRY_AFTER_S,
+                        "the idempotency records are unavailable")
+                    return claim
+                # local: this process's own store decides, as with the memory backend.
 
         store_key = (tenant, key)
         flight = self._flights.get(store_key)
@@ -371,8 +464,11 @@ class Idempotency:
                 return claim
             loop = asyncio.get_running_loop()
             started = loop.time()
-            outcome = await self._wait(store_key, flight)
+            outcome = await self._wait(store_key, flight, bound)
             claim.waited_s = loop.time() - started
+            if outcome is _TIMED_OUT:
+                claim.rejected = _still_in_flight(claim.waited_s)
+                return claim
             if outcome is _HANDOVER:
                 claim._flight = flight
                 self._arm(claim)
@@ -411,25 +507,162 @@ class Idempotency:
             digest.update(b"\0" + value.encode("utf-8", "surrogateescape"))
         return f"sluice-d-{digest.hexdigest()[:32]}"
 
-    async def _wait(self, store_key: Hashable, flight: _Flight) -> object:
-        """Wait for ``flight`` to settle: a :class:`Record` to replay, or ``_HANDOVER``."""
+    async def _wait(self, store_key: Hashable, flight: _Flight, bound_s: float) -> object:
+        """Wait at most ``bound_s`` seconds for ``flight`` to settle: a :class:`Record` to
+        replay, ``_HANDOVER``, or ``_TIMED_OUT``."""
         future: asyncio.Future[object] = asyncio.get_running_loop().create_future()
         flight.waiters.append(future)
         self.waiting += 1
         try:
-            return await future
-        except asyncio.CancelledError:
-            if future.done() and not future.cancelled() and future.result() is _HANDOVER:
-                # The key was handed over just as this caller left: pass it on.
-                self._pass_on(store_key, flight)
-            else:
+            async with asyncio.timeout(bound_s):
                 try:
-                    flight.waiters.remove(future)
-                except ValueError:
-                    pass
+                    return await future
+                except asyncio.CancelledError:
+                    if (future.done() and not future.cancelled()
+                            and future.result() is _HANDOVER):
+                        # The key was handed over just as this caller left: pass it on.
+                        self._pass_on(store_key, flight)
+                    else:
+                        with contextlib.suppress(ValueError):
+                            flight.waiters.remove(future)
+                    raise
+        except TimeoutError:
+            if future.done() and not future.cancelled() and future.result() is not _HANDOVER:
+                return future.result()  # the answer came as the bound passed
+            return _TIMED_OUT
+        finally:
+            self.waiting -= 1
+
+    # -- shared records (Redis) ----------------------------------------------------------------
+
+    async def _claim_shared(self, claim: Claim, key: str, method: str, path: str,
+                            headers: CIMultiDictProxy[str], tenant: str, body: bytes,
+                            bound_s: float) -> Claim:
+        """:meth:`claim` against the shared records (one round trip, plus the wait for an
+        in-flight twin).
+
+        Raises:
+            StateUnavailable: the first look-up got no answer (nothing is held).
+        """
+        assert self._backends is not None
+        records = self._backends.idempotency
+        shared_key = "\0".join((self._route.decode(), tenant, key))
+        if self.mode == "forward":
+            claim.new_unit = await records.seen(shared_key, self.ttl) and not is_client_retry(
+                headers)
+            return claim
+        fingerprint = _fingerprint(method, path, body) if self.dedup else b""
+        claim.fingerprint = fingerprint
+        claim._policy = self
+        owner = new_owner()
+        begin = await self._shielded(
+            records.begin(shared_key, owner, fingerprint, FLIGHT_LEASE_S),
+            lambda b: self._drop(records, shared_key, owner, fingerprint)
+            if b.state == CLAIMED else None)
+        if begin.state == CLAIMED:
+            claim.new_unit = begin.answer is None and not is_client_retry(headers)
+        elif begin.state == IN_FLIGHT:
+            if self.dedup and begin.fingerprint != fingerprint:
+                claim.rejected = _mismatch()
+                return claim
+            if not self.wait_in_flight:
+                claim.rejected = Rejected(
+                    Reason.IDEMPOTENCY_CONFLICT, IN_FLIGHT_RETRY_AFTER_S,
+                    "a request with this Idempotency-Key is in flight")
+                return claim
+            begin = await self._wait_shared(claim, records, shared_key, owner, fingerprint,
+                                            bound_s)
+            if begin.state == IN_FLIGHT:
+                claim.rejected = (_mismatch() if begin.fingerprint != fingerprint
+                                  else _still_in_flight(claim.waited_s))
+                return claim
+        if begin.state == FINISHED:
+            answer = begin.answer
+            assert answer is not None
+            if answer.fingerprint != fingerprint:
+                claim.rejected = _mismatch()
+            elif answer.kind == DONE:
+                claim.replay = Record(DONE, answer.fingerprint, answer.status, answer.reason,
+                                      answer.headers, answer.body)
+            else:
+                claim.rejected = Rejected(
+                    Reason.IDEMPOTENCY_CONFLICT, begin.ttl_s,
+                    f"the first request with this key completed, but its answer exceeded "
+                    f"max_replay_bytes ({self.max_replay_bytes}) and was not kept")
+            return claim
+        # Claimed: nothing awaits from here to the return, so the lease cannot leak.
+        lease = _Lease(records, shared_key, owner)
+        lease.renewer = self._spawn(_renew(records, shared_key, owner))
+        claim._lease = lease
+        self._arm(claim)
+        return claim
+
+    async def _wait_shared(self, claim: Claim, records: IdempotencyRecords, key: str,
+                           owner: str, fingerprint: bytes, bound_s: float) -> Begin:
+        """Wait (bounded) for the key's twin on any replica to finish; a key freed without an
+        answer is claimed by this request."""
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        self.waiting += 1
+        try:
+            return await wait_for_answer(records, key, owner, fingerprint, FLIGHT_LEASE_S,
+                                         bound_s)
+        except asyncio.CancelledError:
+            # Its last look-up may have claimed the key just as the caller left.
+            self._drop(records, key, owner, fingerprint)
             raise
         finally:
             self.waiting -= 1
+            claim.waited_s = loop.time() - started
+
+    def _finish_shared(self, claim: Claim, lease: _Lease, outcome: str) -> None:
+        """Store the answer (or a ``SEEN`` use) and free the key, in the background."""
+        if lease.renewer is not None:
+            lease.renewer.cancel()
+        capture = claim.capture
+        if capture is not None and capture.storable and outcome in _ANSWERED:
+            record = capture.record(claim.fingerprint)
+            answer = Answer(record.kind, record.fingerprint, record.status, record.reason,
+                            record.headers, record.body)
+        else:
+            answer = Answer(SEEN, claim.fingerprint)
+        self._spawn(self._quietly(lease.records.finish(lease.key, lease.owner, answer,
+                                                       self.ttl)))
+
+    def _drop(self, records: IdempotencyRecords, key: str, owner: str,
+              fingerprint: bytes) -> None:
+        """Free a key this request may hold although its caller left (background)."""
+        self._spawn(self._quietly(records.finish(key, owner, Answer(SEEN, fingerprint),
+                                                 self.ttl)))
+
+    async def _shielded(self, call: Awaitable[Begin],
+                        on_cancel: Callable[[Begin], None]) -> Begin:
+        """Await ``call`` so that the caller's cancellation does not hide what it did: the
+        script runs whatever happens to the caller; ``on_cancel`` gets its result then."""
+        task = self._spawn(call)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            task.add_done_callback(
+                lambda t: on_cancel(t.result())
+                if not t.cancelled() and t.exception() is None else None)
+            raise
+
+    def _spawn(self, call: Awaitable[T]) -> asyncio.Task[T]:
+        task = asyncio.ensure_future(call)
+        self._tasks.add(task)  # type: ignore[arg-type]
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    @staticmethod
+    async def _quietly(call: Awaitable[object]) -> None:
+        try:
+            await call
+        except StateUnavailable as exc:
+            log.warning("an idempotency record was not written (its key is free again "
+                        "within %.0fs): %s", FLIGHT_LEASE_S, exc.cause)
+
+    # -- this process's records ---------------------------------------------------------------
 
     def _finish(self, claim: Claim, flight: _Flight, outcome: str) -> None:
         store_key = claim._store_key
@@ -463,6 +696,23 @@ def _fingerprint(method: str, path: str, body: bytes) -> bytes:
     digest.update(b"\0" + path.encode("utf-8", "surrogateescape") + b"\0")
     digest.update(body)
     return digest.digest()
+
+
+async def _renew(records: IdempotencyRecords, key: str, owner: str) -> None:
+    """Keep ``owner``'s in-flight marker alive while its request runs (until cancelled)."""
+    while True:
+        await asyncio.sleep(FLIGHT_LEASE_S / 3)
+        try:
+            if not await records.renew(key, owner, FLIGHT_LEASE_S):
+                return  # lapsed (Redis lost it): a twin may run now, nothing to keep
+        except StateUnavailable:
+            continue  # the marker lives on for its expiry; try again next time
+
+
+def _still_in_flight(waited_s: float) -> Rejected:
+    return Rejected(Reason.IDEMPOTENCY_CONFLICT, IN_FLIGHT_RETRY_AFTER_S,
+                    f"a request with this Idempotency-Key is still in flight after "
+                    f"{waited_s:.3g}s of waiting (max_wait, or the caller's timeout)")
 
 
 def _mismatch() -> Rejected:

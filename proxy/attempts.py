@@ -50,6 +50,7 @@ from policies.retry import (
     retry_is_safe,
     upstream_retry_after,
 )
+from policies.state import StateUnavailable
 from proxy import forward as fwd
 from proxy.rejections import jsonrpc_id, render
 from proxy.routes import Route
@@ -278,7 +279,7 @@ async def _attempt(rt: Runtime, route: Route, call: Call, url: URL,
         asyncio.CancelledError: the caller left; the breaker hears nothing.
     """
     breaker = route.breaker
-    ticket = breaker.attempt() if breaker is not None else 0
+    ticket = await breaker.attempt() if breaker is not None else None
     started_at = time.time() if route.retry is not None else 0.0
     started = time.monotonic()
     try:
@@ -300,25 +301,25 @@ async def _attempt(rt: Runtime, route: Route, call: Call, url: URL,
         # Cut short by the caller's own deadline: not the upstream's fault.
         neutral = callers_limit
     except BaseException:
-        if breaker is not None:
+        if ticket is not None:
             breaker.release(ticket)
         raise
     else:
         status = response.status
         hint = upstream_retry_after(response.headers) if status >= 400 else None
-        if breaker is not None:
-            breaker.record(ticket, brk.classify(status, response.headers), status, hint)
         if route.retry is not None:
             tries.log.append(Attempt(started_at, status, None, time.monotonic() - started))
-        tries.answered(response)
+        tries.answered(response)  # first: whatever happens next, the response gets closed
+        if ticket is not None:
+            await breaker.record(ticket, brk.classify(status, response.headers), status, hint)
         return status, hint, True
     tries.reached = tries.reached or sent
     tries.drop_response()
-    if breaker is not None:
+    if ticket is not None:
         if neutral:
             breaker.release(ticket)
         else:
-            breaker.record(ticket, brk.FAILURE)
+            await breaker.record(ticket, brk.FAILURE)
     if route.retry is not None:
         tries.log.append(Attempt(started_at, None, tries.kind, time.monotonic() - started))
     return None, None, sent
@@ -366,7 +367,7 @@ async def _dead_letter(rt: Runtime, route: Route, call: Call, headers: CIMultiDi
     )
     try:
         letter_id = await store.add(letter)
-    except sqlite3.Error:
+    except (sqlite3.Error, StateUnavailable):
         log.exception("dead-letter write failed on route %s (request %s)", route.name,
                       call.request_id)
         return None

@@ -12,8 +12,11 @@
   answer. Exit status 0 when the upstream answered below 400, 1 otherwise.
 * ``purge``: delete every record.
 
-Each reads the dead-letter file that ``dead_letter.path`` in ``--config`` names; the server
-may be running meanwhile (the file is in WAL mode).
+Each reads where the servers of ``--config`` write: with ``state.backend: redis``, the Redis
+Stream every replica shares (``state.redis_url`` and ``state.key_prefix``; so any replica's
+letters are listed and replayed from any machine with that config); with ``memory``, the
+dead-letter file that ``dead_letter.path`` names (the server may be running meanwhile: the
+file is in WAL mode). Exit status 1 when Redis does not answer.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import sys
 import time
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import orjson
@@ -32,14 +36,20 @@ from multidict import CIMultiDict
 
 from policies.config import Config, RouteConfig
 from policies.deadletter import DeadLetter, DeadLetterFile
+from policies.state import DeadLetterStore, StateUnavailable, redact_url, redis_backends
 from proxy.client import upstream_session
 from proxy.forward import upstream_url
 
 EXIT_FAILED = 1
+#: Bound on each Redis call of the command, seconds: at least this, whatever
+#: ``state.timeout`` (tuned for the request path) says, as a listing reads many entries.
+CLI_TIMEOUT_S = 5.0
 
 
 def run(config: Config, args: argparse.Namespace) -> int:
     """Run ``sluice dlq <command>``; returns the exit status."""
+    if config.state.backend == "redis":
+        return asyncio.run(_shared(config, args))
     path = config.dead_letter.path
     if not Path(path).exists() and args.dlq_command != "purge":
         if args.dlq_command == "list":
@@ -47,34 +57,83 @@ def run(config: Config, args: argparse.Namespace) -> int:
             return 0
         print(f"no dead letter {args.id} ({path} does not exist)", file=sys.stderr)
         return EXIT_FAILED
-    store = DeadLetterFile(path)
+    file = DeadLetterFile(path)
     try:
-        if args.dlq_command == "list":
-            _list(store, args.limit)
-            return 0
-        if args.dlq_command == "purge":
-            print(f"purged {store.purge()} record(s) from {path}")
-            return 0
-        letter = store.get(args.id)
-        if letter is None:
-            print(f"no dead letter {args.id} in {path}", file=sys.stderr)
-            return EXIT_FAILED
-        if args.dlq_command == "show":
-            sys.stdout.buffer.write(orjson.dumps(letter.as_dict(), option=orjson.OPT_INDENT_2))
-            sys.stdout.write("\n")
-            return 0
-        return _replay(config, store, letter, args)
+        return asyncio.run(_command(config, _FileStore(file), path, args))
     finally:
-        store.close()
+        file.close()
+
+
+async def _shared(config: Config, args: argparse.Namespace) -> int:
+    """The command on the Redis Stream every replica writes."""
+    try:
+        url = config.state.resolved_url()
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
+        return EXIT_FAILED
+    where = f"{redact_url(url)} (prefix {config.state.key_prefix})"
+    state = await redis_backends(url, config.state.key_prefix,
+                                 max(config.state.timeout, CLI_TIMEOUT_S))
+    try:
+        return await _command(config, state.dead_letters, where, args)
+    except StateUnavailable as exc:
+        print(f"the dead letters in {where} are unavailable: {exc.cause}", file=sys.stderr)
+        return EXIT_FAILED
+    finally:
+        await state.close()
+
+
+class _FileStore:
+    """The SQLite file behind the store interface the commands use (it never suspends: the
+    command does nothing else meanwhile)."""
+
+    def __init__(self, file: DeadLetterFile) -> None:
+        self._file = file
+
+    async def get(self, letter_id: int) -> DeadLetter | None:
+        return self._file.get(letter_id)
+
+    async def list(self, limit: int = 100) -> list[dict[str, Any]]:
+        return self._file.list(limit)
+
+    async def add_replay(self, letter_id: int, status: int | None, error: str | None,
+                         duration_s: float) -> bool:
+        self._file.add_replay(letter_id, status, error, duration_s)
+        return True
+
+    async def purge(self) -> int:
+        return self._file.purge()
+
+    async def depth(self) -> dict[str, int]:
+        return self._file.depth()
+
+
+async def _command(config: Config, store: DeadLetterStore | _FileStore, where: str,
+                   args: argparse.Namespace) -> int:
+    if args.dlq_command == "list":
+        await _list(store, args.limit)
+        return 0
+    if args.dlq_command == "purge":
+        print(f"purged {await store.purge()} record(s) from {where}")
+        return 0
+    letter = await store.get(args.id)
+    if letter is None:
+        print(f"no dead letter {args.id} in {where}", file=sys.stderr)
+        return EXIT_FAILED
+    if args.dlq_command == "show":
+        sys.stdout.buffer.write(orjson.dumps(letter.as_dict(), option=orjson.OPT_INDENT_2))
+        sys.stdout.write("\n")
+        return 0
+    return await _replay(config, store, letter, args)
 
 
 def _when(ts: float) -> str:
     return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def _list(store: DeadLetterFile, limit: int) -> None:
-    rows = store.list(limit)
-    total = sum(store.depth().values())
+async def _list(store: DeadLetterStore | _FileStore, limit: int) -> None:
+    rows = await store.list(limit)
+    total = sum((await store.depth()).values())
     print(f"{'ID':>6}  {'CREATED (UTC)':20}  {'ROUTE':12}  {'TENANT':12}  {'ATTEMPTS':>8}  "
           f"{'REASON':20}  {'REPLAY':8}  REQUEST")
     for r in rows:
@@ -86,8 +145,8 @@ def _list(store: DeadLetterFile, limit: int) -> None:
               f"out: --limit {total} lists them all)")
 
 
-def _replay(config: Config, store: DeadLetterFile, letter: DeadLetter,
-            args: argparse.Namespace) -> int:
+async def _replay(config: Config, store: DeadLetterStore | _FileStore, letter: DeadLetter,
+                  args: argparse.Namespace) -> int:
     route = next((r for r in config.routes if r.name == letter.route), None)
     if route is None:
         print(f"dead letter {letter.id}: route {letter.route!r} is not in the config",
@@ -114,11 +173,11 @@ def _replay(config: Config, store: DeadLetterFile, letter: DeadLetter,
         print(exc, file=sys.stderr)
         return EXIT_FAILED
     started = time.monotonic()
-    status, error, answer = asyncio.run(_send(route, letter, headers))
+    status, error, answer = await _send(route, letter, headers)
     duration = time.monotonic() - started
-    store.add_replay(letter.id or 0, status, error, duration)
+    await store.add_replay(letter.id or 0, status, error, duration)
     if args.output and status is not None:
-        Path(args.output).write_bytes(answer)
+        await asyncio.to_thread(Path(args.output).write_bytes, answer)
     result = f"HTTP {status}, {len(answer)} bytes" if status is not None else f"failed: {error}"
     print(f"replayed dead letter {letter.id} to {route.upstream}{letter.path}: {result} "
           f"in {duration:.3f}s")

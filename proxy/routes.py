@@ -118,9 +118,10 @@ class Route:
         self.rate = (RateLimiter(config.rate, self.backends, self.name, config.protocol)
                      if config.rate else None)
         i = config.idempotency
-        self.idempotency = Idempotency(i, self.name) if i and i.mode != "off" else None
+        self.idempotency = (Idempotency(i, self.name, backends=self.backends)
+                            if i and i.mode != "off" else None)
         cb = config.circuit_breaker
-        self.breaker = Breaker(cb, self.name, events.emit_system) if cb else None
+        self.breaker = Breaker(cb, self.name, events.emit_system, self.backends) if cb else None
         self.retry = RetryPolicy(config.retry) if config.retry else None
         self.inflight = 0
         #: The calls admitted through this object and not finished (stall detection).

@@ -51,7 +51,7 @@ class Runtime:
         self.events = EventLog(config.events.path)
         # Created at startup from the restart-only dead_letter block; its file is opened only
         # when some route retries (see open() and DeadLetterQueue.add).
-        self.dead_letters = DeadLetterQueue(config.dead_letter)
+        self.dead_letters = DeadLetterQueue(config.dead_letter, self.state)
         self.draining = False
         #: Set when the drain timeout ran out: requests cancelled from then on were cut by
         #: Sluice, not left by their callers.

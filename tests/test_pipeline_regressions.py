@@ -268,7 +268,7 @@ routes:
 """
     runtime = Runtime(parse_config(with_blocks))
     [route] = runtime.routes
-    route.breaker.record(route.breaker.attempt(), 1)  # one failure opens it
+    await route.breaker.record(await route.breaker.attempt(), 1)  # one failure opens it
     registry = runtime.metrics.registry
     assert registry.get_sample_value("sluice_circuit_state", {"route": "r"}) == 2
     runtime.configure(parse_config(without))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from datetime import UTC, datetime, timedelta
 from email.utils import format_datetime
@@ -14,6 +15,8 @@ from policies.config import CircuitBreakerConfig, RetryConfig
 from policies.deadletter import Attempt, DeadLetter, DeadLetterFile, redact, redact_path
 from policies.reasons import Reason, Rejected
 from policies.retry import RetryBudget, RetryPolicy, retry_is_safe, upstream_retry_after
+from policies.state import memory_backends
+from policies.state.breaker import MemoryBreakerStates
 from proxy.events import EventLog
 
 
@@ -34,9 +37,19 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
     return c
 
 
-def make_breaker(**config: object) -> tuple[brk.Breaker, EventLog]:
+def make_breaker(clock: Clock, **config: object) -> tuple[brk.Breaker, EventLog]:
+    """A breaker on this process's memory state, whose time is ``clock``."""
     events = EventLog(None)
-    return brk.Breaker(CircuitBreakerConfig(**config), "r", events.emit_system), events
+    backends = memory_backends()
+    backends.breakers = MemoryBreakerStates(clock)
+    return brk.Breaker(CircuitBreakerConfig(**config), "r", events.emit_system,
+                       backends), events
+
+
+async def fail(breaker: brk.Breaker, outcome: int = brk.FAILURE, status: int | None = None,
+               hint: float | None = None) -> None:
+    """One attempt with ``outcome``."""
+    await breaker.record(await breaker.attempt(), outcome, status, hint)
 
 
 def emitted(events: EventLog) -> list[str]:
@@ -96,16 +109,16 @@ def test_classify_outcomes() -> None:
         assert brk.classify(status, {}) == brk.FAILURE
 
 
-def test_consecutive_failures_open_then_one_probe_closes(clock: Clock) -> None:
-    breaker, events = make_breaker(fail_max=3, reset_timeout="10s")
+async def test_consecutive_failures_open_then_one_probe_closes(clock: Clock) -> None:
+    breaker, events = make_breaker(clock, fail_max=3, reset_timeout="10s")
     for _ in range(2):
-        breaker.record(breaker.attempt(), brk.FAILURE)
-    breaker.record(breaker.attempt(), brk.SUCCESS)  # a success resets the consecutive count
+        await fail(breaker)
+    await fail(breaker, brk.SUCCESS)  # a success resets the consecutive count
     for _ in range(3):
-        breaker.record(breaker.attempt(), brk.FAILURE)
+        await fail(breaker)
     assert breaker.current == "open" and breaker.state_value() == 2
     with pytest.raises(Rejected) as info:
-        breaker.attempt()
+        await breaker.attempt()
     # Retry-After: the time to half-open, plus a spread of up to one reset_timeout.
     assert info.value.reason is Reason.CIRCUIT_OPEN and 10.0 <= info.value.retry_after <= 20.0
     assert breaker.blocked_for() == 10.0
@@ -122,77 +135,80 @@ def test_consecutive_failures_open_then_one_probe_closes(clock: Clock) -> None:
 
     clock.now += 6
     breaker.check()  # due: check() passes but takes nothing
-    probe = breaker.attempt()
+    probe = await breaker.attempt()
     assert breaker.current == "half-open"
     with pytest.raises(Rejected) as info:
-        breaker.attempt()  # exactly one probe
+        await breaker.attempt()  # exactly one probe
     assert 1.0 <= info.value.retry_after / brk.PROBE_RETRY_AFTER_S <= 2.0
-    breaker.record(probe, brk.SUCCESS)
+    await breaker.record(probe, brk.SUCCESS)
     assert breaker.current == "closed" and breaker.state_value() == 0
     assert emitted(events) == ["circuit_opened", "circuit_half_open", "circuit_closed"]
 
 
-def test_cancelled_probe_is_neutral_and_failed_probe_reopens(clock: Clock) -> None:
-    breaker, _ = make_breaker(fail_max=1, reset_timeout="5s", success_threshold=2)
-    breaker.record(breaker.attempt(), brk.FAILURE)
+async def test_cancelled_probe_is_neutral_and_failed_probe_reopens(clock: Clock) -> None:
+    breaker, _ = make_breaker(clock, fail_max=1, reset_timeout="5s", success_threshold=2)
+    await fail(breaker)
     clock.now += 5
-    probe = breaker.attempt()
+    probe = await breaker.attempt()
     breaker.release(probe)  # the caller went away: no verdict, the next caller probes
+    await asyncio.sleep(0)  # the lease is given back in the background
     assert breaker.current == "half-open"
-    probe = breaker.attempt()
-    breaker.record(probe, brk.SUCCESS)
+    probe = await breaker.attempt()
+    await breaker.record(probe, brk.SUCCESS)
     assert breaker.current == "half-open"  # success_threshold 2: one more probe needed
-    breaker.record(breaker.attempt(), brk.FAILURE)
+    await fail(breaker)
     assert breaker.current == "open" and breaker.blocked_for() == 5.0
 
 
-def test_stale_outcomes_are_dropped(clock: Clock) -> None:
-    breaker, _ = make_breaker(fail_max=2, reset_timeout="5s")
-    early = [breaker.attempt() for _ in range(4)]  # four attempts admitted while closed
-    breaker.record(early[0], brk.FAILURE)
-    breaker.record(early[1], brk.FAILURE)
+async def test_stale_outcomes_are_dropped(clock: Clock) -> None:
+    breaker, _ = make_breaker(clock, fail_max=2, reset_timeout="5s")
+    early = [await breaker.attempt() for _ in range(4)]  # four attempts admitted while closed
+    await breaker.record(early[0], brk.FAILURE)
+    await breaker.record(early[1], brk.FAILURE)
     assert breaker.current == "open"
     clock.now += 5
-    probe = breaker.attempt()
-    breaker.record(early[2], brk.FAILURE)  # lands after the state moved on: ignored
+    probe = await breaker.attempt()
+    await breaker.record(early[2], brk.FAILURE)  # lands after the state moved on: ignored
     assert breaker.current == "half-open"
-    breaker.record(probe, brk.SUCCESS)
-    breaker.record(early[3], brk.FAILURE)  # from an older epoch: does not count toward fail_max
-    breaker.record(breaker.attempt(), brk.FAILURE)
+    await breaker.record(probe, brk.SUCCESS)
+    # From an older epoch: does not count toward fail_max.
+    await breaker.record(early[3], brk.FAILURE)
+    await fail(breaker)
     assert breaker.current == "closed"
 
 
-def test_upstream_retry_after_extends_never_shortens(clock: Clock) -> None:
-    breaker, _ = make_breaker(fail_max=1, reset_timeout="10s")
-    breaker.record(breaker.attempt(), brk.FAILURE, 503, 1.0)
+async def test_upstream_retry_after_extends_never_shortens(clock: Clock) -> None:
+    breaker, _ = make_breaker(clock, fail_max=1, reset_timeout="10s")
+    first = await breaker.attempt()
+    await breaker.record(first, brk.FAILURE, 503, 1.0)
     assert breaker.blocked_for() == 10.0  # a shorter hint does not shorten
-    breaker.record(0, brk.FAILURE, 503, 45.0)
+    await breaker.record(first, brk.FAILURE, 503, 45.0)  # a late answer's hint still counts
     assert breaker.blocked_for() == 45.0
-    breaker.record(0, brk.FAILURE, 500, 90.0)  # only 429 and 503 carry the hint
-    breaker.record(0, brk.FAILURE, 429, 10_000.0)
+    await breaker.record(first, brk.FAILURE, 500, 90.0)  # only 429 and 503 carry the hint
+    await breaker.record(first, brk.FAILURE, 429, 10_000.0)
     assert breaker.blocked_for() == brk.MAX_OPEN_HINT_S
 
 
-def test_failure_rate_window(clock: Clock) -> None:
-    breaker, events = make_breaker(fail_max=100, rate=0.5, window="10s", min_calls=4)
+async def test_failure_rate_window(clock: Clock) -> None:
+    breaker, events = make_breaker(clock, fail_max=100, rate=0.5, window="10s", min_calls=4)
     for outcome in (brk.FAILURE, brk.FAILURE, brk.FAILURE):
-        breaker.record(breaker.attempt(), outcome)
+        await fail(breaker, outcome)
     assert breaker.current == "closed"  # below min_calls: never trips
     clock.now += 11  # those fall out of the window
     for outcome in (brk.SUCCESS, brk.FAILURE, brk.SUCCESS):
-        breaker.record(breaker.attempt(), outcome)
+        await fail(breaker, outcome)
     assert breaker.current == "closed"
-    breaker.record(breaker.attempt(), brk.FAILURE)  # 2 of 4 = 50 %: trips (>=)
+    await fail(breaker)  # 2 of 4 = 50 %: trips (>=)
     assert breaker.current == "open"
     assert "failure_rate" in events._buffer[-1].decode()
 
 
-def test_neutral_outcome_does_not_reset_the_count(clock: Clock) -> None:
-    breaker, _ = make_breaker(fail_max=2)
-    breaker.record(breaker.attempt(), brk.FAILURE)
-    breaker.release(breaker.attempt())  # a cancelled attempt
-    breaker.record(breaker.attempt(), brk.NEUTRAL, 429, 3.0)  # a quota answer
-    breaker.record(breaker.attempt(), brk.FAILURE)
+async def test_neutral_outcome_does_not_reset_the_count(clock: Clock) -> None:
+    breaker, _ = make_breaker(clock, fail_max=2)
+    await fail(breaker)
+    breaker.release(await breaker.attempt())  # a cancelled attempt
+    await fail(breaker, brk.NEUTRAL, 429, 3.0)  # a quota answer
+    await fail(breaker)
     assert breaker.current == "open"
 
 

@@ -1,0 +1,393 @@
+"""Idempotency keys, circuit breakers and dead letters shared by several Sluice replicas.
+
+Real Sluice processes (tests/sluice_child.py) on one Redis, then on a 3-master Redis Cluster
+(the ``shared_state`` fixture), real clients (aiohttp, the official OpenAI SDK), the fake
+upstream counting what reaches it; the fault tests stop and freeze a redis-server of their own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+
+import aiohttp
+import openai
+import pytest
+
+from tests.conftest import REPO, route
+from tests.redis_servers import RedisServer, new_prefix
+
+CHAT = "/v1/chat/completions"
+BODY = {"model": "gpt-test", "messages": [{"role": "user", "content": "hi"}]}
+
+
+async def post(session: aiohttp.ClientSession, url: str, payload: dict | None = None,
+               **headers: str) -> tuple[int, dict[str, str], bytes]:
+    async with session.post(url, json=payload or BODY, headers=headers) as r:
+        return r.status, dict(r.headers), await r.read()
+
+
+async def wait_for(condition, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.02)
+
+
+async def replicas(start_sluice, n: int, state: dict, *routes: dict, **extra: object) -> list:
+    """``n`` Sluice processes of one deployment: the same routes, the same ``state``."""
+    return [await start_sluice({"state": state, "routes": list(routes), **extra})
+            for _ in range(n)]
+
+
+async def sluice_cli(*args: str) -> tuple[int, str, str]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "proxy", *args, cwd=REPO,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await proc.communicate()
+    return proc.returncode, out.decode(), err.decode()
+
+
+# -- idempotency --------------------------------------------------------------------------------
+
+
+async def test_one_key_sent_to_two_replicas_at_once_runs_once(upstream, start_sluice,
+                                                             shared_state):
+    a, b = await replicas(start_sluice, 2, shared_state,
+                          route("openai", upstream.url, idempotency={"mode": "dedup"}))
+    upstream.hold = asyncio.Event()
+    clients = [openai.AsyncOpenAI(base_url=s.url + "/openai/v1", api_key="sk-test",
+                                  max_retries=0) for s in (a, b)]
+    key = {"Idempotency-Key": "order-1234", "X-Tenant-ID": "acme"}
+
+    def create(client: openai.AsyncOpenAI, model: str = "gpt-test", **headers: str):
+        return client.chat.completions.with_raw_response.create(
+            model=model, messages=[{"role": "user", "content": "hi"}],
+            extra_headers={**key, **headers})
+
+    try:
+        calls = [asyncio.create_task(create(client)) for client in clients]
+        await wait_for(lambda: len(upstream.requests) == 1)
+        # The second is parked on the other replica, waiting for the first one's answer.
+        deadline = time.monotonic() + 5
+        while True:
+            waiting = [await s.metric("sluice_idempotency_waiting", route="openai")
+                       for s in (a, b)]
+            if sum(waiting) == 1:
+                break
+            assert time.monotonic() < deadline, waiting
+            await asyncio.sleep(0.05)
+        upstream.hold.set()
+        raw = await asyncio.gather(*calls)
+        completions = [r.parse() for r in raw]
+        assert upstream.executed == 1 and len(upstream.requests) == 1
+        assert completions[0].id == completions[1].id
+        assert completions[0].choices[0].message == completions[1].choices[0].message
+        assert sorted(r.headers.get("idempotent-replayed", "-") for r in raw) == ["-", "true"]
+        assert raw[0].http_response.content == raw[1].http_response.content
+
+        # Later, from either replica: replayed byte for byte, headers included.
+        for client in clients:
+            again = await create(client)
+            assert again.headers["idempotent-replayed"] == "true"
+            assert again.http_response.content == raw[0].http_response.content
+            assert again.headers["content-type"] == raw[0].headers["content-type"]
+        # Another payload under the key is refused, on either replica.
+        with pytest.raises(openai.UnprocessableEntityError) as info:
+            await create(clients[1], model="gpt-other")
+        assert info.value.response.headers["x-sluice-reason"] == "idempotency_mismatch"
+        # Tenants never share a record.
+        other = await create(clients[1], **{"X-Tenant-ID": "globex"})
+        assert "idempotent-replayed" not in other.headers
+    finally:
+        for client in clients:
+            await client.close()
+    assert upstream.executed == 2
+
+
+async def test_an_answer_over_max_replay_bytes_is_not_stored_across_replicas(
+        upstream, start_sluice, shared_state):
+    a, b = await replicas(start_sluice, 2, shared_state, route(
+        "tools", upstream.url, "http",
+        idempotency={"mode": "dedup", "max_replay_bytes": 64}))
+    payload = {"blob": "x" * 200}  # the echo upstream answers with more than 64 bytes
+    async with aiohttp.ClientSession() as s:
+        status, _, body = await post(s, a.url + "/tools/v1/echo", payload,
+                                     **{"Idempotency-Key": "big-1"})
+        assert status == 200 and len(body) > 64
+        status, headers, _ = await post(s, b.url + "/tools/v1/echo", payload,
+                                        **{"Idempotency-Key": "big-1"})
+    assert (status, headers["X-Sluice-Reason"]) == (409, "idempotency_conflict")
+    assert headers["x-should-retry"] == "false"
+    assert 86000 < int(headers["Retry-After"]) <= 86400  # until the key's record expires
+    assert len(upstream.requests) == 1
+
+
+@pytest.mark.parametrize("backend", ["memory", "redis"])
+async def test_a_duplicates_wait_is_bounded(upstream, start_sluice, backend, shared_state):
+    # Issue 13: a duplicate of a stuck request waited more than 200 s.
+    state = shared_state if backend == "redis" else {"backend": "memory"}
+    [sluice] = await replicas(start_sluice, 1, state, route(
+        "tools", upstream.url, "http", idempotency={"mode": "dedup", "max_wait": "1s"}))
+    upstream.hold = asyncio.Event()
+    url = sluice.url + "/tools/v1/jobs"
+    key = {"Idempotency-Key": "job-9"}
+    async with aiohttp.ClientSession() as s:
+        first = asyncio.create_task(post(s, url, **key))
+        await wait_for(lambda: len(upstream.requests) == 1)
+        started = time.monotonic()
+        status, headers, _ = await post(s, url, **key)  # max_wait binds
+        waited = time.monotonic() - started
+        assert (status, headers["X-Sluice-Reason"]) == (409, "idempotency_conflict")
+        assert 0.9 < waited < 1.6
+        started = time.monotonic()
+        status, headers, _ = await post(s, url, **key, **{"x-stainless-timeout": "0.3"})
+        waited = time.monotonic() - started
+        assert (status, headers["X-Sluice-Reason"]) == (409, "idempotency_conflict")
+        assert 0.2 < waited < 0.8  # the caller's own timeout binds first
+        assert headers["Retry-After"] == "1"
+        upstream.hold.set()
+        assert (await first)[0] == 200
+        status, headers, _ = await post(s, url, **key)
+        assert (status, headers["Idempotent-Replayed"]) == (200, "true")
+    assert upstream.executed == 1
+    assert await sluice.metric("sluice_idempotency_waiting", route="tools") == 0
+
+
+async def test_a_key_held_by_a_killed_replica_is_freed(upstream, start_sluice, shared_state,
+                                                       monkeypatch):
+    a, b = await replicas(start_sluice, 2, shared_state, route(
+        "tools", upstream.url, "http", idempotency={"mode": "dedup", "max_wait": "1s"}))
+    upstream.hold = asyncio.Event()
+    key = {"Idempotency-Key": "orphan-1"}
+    async with aiohttp.ClientSession() as s:
+        stuck = asyncio.create_task(post(s, a.url + "/tools/v1/jobs", **key))
+        await wait_for(lambda: len(upstream.requests) == 1)
+        a.kill()  # the marker's owner dies without a word
+        with pytest.raises(aiohttp.ClientError):
+            await stuck
+        status, headers, _ = await post(s, b.url + "/tools/v1/jobs", **key)
+        assert (status, headers["X-Sluice-Reason"]) == (409, "idempotency_conflict")
+        upstream.hold.set()
+        # The marker lapses (30 s) and the key is free again: B runs it itself.
+        deadline = time.monotonic() + 40
+        while True:
+            status, headers, _ = await post(s, b.url + "/tools/v1/jobs", **key)
+            if status == 200:
+                break
+            assert status == 409 and time.monotonic() < deadline
+            await asyncio.sleep(0.5)
+    assert "Idempotent-Replayed" not in headers
+    assert len(upstream.requests) == 2
+
+
+# -- circuit breaker ----------------------------------------------------------------------------
+
+
+async def test_a_breaker_opened_through_one_replica_refuses_on_the_others(
+        upstream, start_sluice, shared_state):
+    a, b, c = await replicas(start_sluice, 3, shared_state, route(
+        "openai", upstream.url, circuit_breaker={"fail_max": 2, "reset_timeout": "2s"}))
+    url = "/openai" + CHAT
+    async with aiohttp.ClientSession() as s:
+        # B and C have served calls: their views say closed.
+        for sluice in (b, c):
+            assert (await post(s, sluice.url + url))[0] == 200
+        upstream.status = 503
+        for _ in range(2):
+            assert (await post(s, a.url + url))[0] == 503
+        opened_at = time.monotonic()
+        seen = len(upstream.requests)
+        # B and C refuse within 1 s of A opening it: each lets at most one more call
+        # through, on a view of its own younger than 0.5 s (whose failure it then sees).
+        for sluice in (b, c):
+            while True:
+                status, headers, _ = await post(s, sluice.url + url)
+                if status == 503 and headers.get("X-Sluice-Reason") == "circuit_open":
+                    break
+                assert time.monotonic() - opened_at < 1.0
+            assert time.monotonic() - opened_at < 1.0
+            assert 0 < int(headers["retry-after-ms"]) <= 4000
+        assert len(upstream.requests) <= seen + 2
+        await b.wait_metric("sluice_circuit_state", 2, route="openai")
+
+        # After reset_timeout: exactly one probe across the three replicas.
+        await asyncio.sleep(max(0.0, opened_at + 2.1 - time.monotonic()))
+        upstream.status = None
+        upstream.hold = asyncio.Event()
+        before = len(upstream.requests)
+        calls = [asyncio.create_task(post(s, sluice.url + url))
+                 for _ in range(4) for sluice in (a, b, c)]
+        await wait_for(lambda: sum(call.done() for call in calls) == 11)
+        assert len(upstream.requests) == before + 1 and upstream.inflight == 1
+        refused = [call.result() for call in calls if call.done()]
+        assert {(st, h["X-Sluice-Reason"]) for st, h, _ in refused} == {(503, "circuit_open")}
+        upstream.hold.set()
+        results = [await call for call in calls]
+        assert sorted(st for st, _, _ in results) == [200] + [503] * 11
+        # The probe closed it for everyone.
+        for sluice in (a, b, c):
+            assert (await post(s, sluice.url + url))[0] == 200
+        for sluice in (a, b, c):
+            await sluice.wait_metric("sluice_circuit_state", 0, route="openai")
+    await asyncio.sleep(0.3)  # the event log is flushed every 0.2 s
+    transitions = [e["event"] for sluice in (a, b, c) for e in sluice.events()
+                   if e["event"].startswith("circuit_")]
+    assert sorted(transitions) == ["circuit_closed", "circuit_half_open", "circuit_opened"]
+
+
+# -- dead letters -------------------------------------------------------------------------------
+
+
+async def test_dead_letters_of_every_replica_are_listed_and_replayed_from_the_cli(
+        upstream, start_sluice, shared_state, tmp_path):
+    a, b = await replicas(
+        start_sluice, 2, shared_state,
+        route("openai", upstream.url, retry={"attempts": 2,
+                                             "backoff": {"base": "10ms", "max": "20ms"}}),
+        dead_letter={"path": str(tmp_path / "unused.sqlite")})
+    upstream.status = 503
+    ids = []
+    async with aiohttp.ClientSession() as s:
+        for sluice, tenant in ((a, "acme"), (b, "globex")):
+            status, headers, _ = await post(
+                s, sluice.url + "/openai" + CHAT,
+                **{"X-Tenant-ID": tenant, "Authorization": "Bearer sk-secret",
+                   "Idempotency-Key": f"dl-{tenant}"})
+            assert status == 503 and headers["x-should-retry"] == "false"
+            ids.append(headers["X-Sluice-Dead-Letter"])
+    assert len(set(ids)) == 2
+    assert not (tmp_path / "unused.sqlite").exists()  # the stream, not a file per replica
+    assert await a.metric("sluice_dead_letter_depth", route="openai") == 1
+
+    config = str(a.config_path)  # any replica's config names the same Redis
+    code, out, err = await sluice_cli("dlq", "list", "--config", config)
+    assert code == 0, err
+    rows = out.splitlines()[1:]
+    assert [row.split()[0] for row in rows] == ids
+    assert "acme" in rows[0] and "globex" in rows[1] and "attempts_exhausted" in rows[0]
+
+    code, out, err = await sluice_cli("dlq", "show", ids[1], "--config", str(b.config_path))
+    assert code == 0, err
+    record = json.loads(out)
+    assert (record["tenant"], record["idempotency_key"], record["reason"]) == (
+        "globex", "dl-globex", "attempts_exhausted")
+    assert [at["status"] for at in record["attempts"]] == [503, 503]
+    assert "Authorization" in record["redacted_headers"] and "sk-secret" not in out
+
+    upstream.status = None
+    code, out, err = await sluice_cli("dlq", "replay", ids[1], "--config", config,
+                                      "-H", "Authorization: Bearer sk-secret")
+    assert code == 0, err
+    assert "HTTP 200" in out
+    assert upstream.requests[-1].headers["Idempotency-Key"] == "dl-globex"
+    assert upstream.requests[-1].headers["Authorization"] == "Bearer sk-secret"
+    code, out, _ = await sluice_cli("dlq", "show", ids[1], "--config", config)
+    assert [r["status"] for r in json.loads(out)["replays"]] == [200]
+    code, out, _ = await sluice_cli("dlq", "list", "--config", config)
+    assert out.splitlines()[2].split()[6] == "200"  # the last replay's status
+    code, out, _ = await sluice_cli("dlq", "purge", "--config", config)
+    assert (code, out.split()[1]) == (0, "2")
+    code, out, _ = await sluice_cli("dlq", "list", "--config", config)
+    assert out.splitlines()[1:] == []
+
+
+async def test_the_cli_says_when_redis_does_not_answer(tmp_path):
+    config = tmp_path / "sluice.yaml"
+    config.write_text(json.dumps({
+        "state": {"backend": "redis", "redis_url": "redis://:hunter2@127.0.0.1:1/0"},
+        "routes": [route("openai", "http://127.0.0.1:1")]}))
+    code, _, err = await sluice_cli("dlq", "list", "--config", str(config))
+    assert code == 1
+    assert "unavailable" in err and "hunter2" not in err
+
+
+# -- Redis down ---------------------------------------------------------------------------------
+
+
+def fault_state(server: RedisServer, mode: str) -> dict:
+    return {"backend": "redis", "redis_url": server.url, "key_prefix": new_prefix(),
+            "timeout": "200ms", "on_unavailable": mode, "replicas": 2}
+
+
+async def timed_post(s: aiohttp.ClientSession, url: str, **headers: str
+                     ) -> tuple[int, dict[str, str], float]:
+    started = time.monotonic()
+    status, out, _ = await post(s, url, **headers)
+    return status, out, time.monotonic() - started
+
+
+async def test_redis_down_reject_refuses_then_recovers(upstream, start_sluice, tmp_path):
+    server = RedisServer(tmp_path / "redis").start()
+    try:
+        a, b = await replicas(start_sluice, 2, fault_state(server, "reject"),
+                              route("openai", upstream.url, idempotency={"mode": "dedup"},
+                                    circuit_breaker={"fail_max": 3}))
+        url = "/openai" + CHAT
+        async with aiohttp.ClientSession() as s:
+            assert (await post(s, a.url + url, **{"Idempotency-Key": "k0"}))[0] == 200
+            for fault in ("stop", "freeze"):
+                server.stop() if fault == "stop" else server.freeze()
+                # A breaker admits from a closed view for up to 0.5 s without asking Redis.
+                await asyncio.sleep(0.6)
+                for sluice in (a, b):
+                    for key in ("k1", None):  # with a key, and a plain call (the breaker)
+                        headers = {"Idempotency-Key": key} if key else {}
+                        status, out, took = await timed_post(s, sluice.url + url, **headers)
+                        assert (status, out["X-Sluice-Reason"]) == (503, "state_unavailable")
+                        assert "Retry-After" in out
+                        assert took < 0.2 + 0.1 + 0.2  # timeout + margin + a local hop
+                server.start() if fault == "stop" else server.thaw()
+                # Back without a restart: shared again (a key from A replays on B).
+                deadline = time.monotonic() + 10
+                while (await post(s, b.url + url))[0] != 200:
+                    assert time.monotonic() < deadline
+                    await asyncio.sleep(0.1)
+                key = {"Idempotency-Key": f"after-{fault}"}
+                assert (await post(s, a.url + url, **key))[0] == 200
+                status, out, _ = await post(s, b.url + url, **key)
+                assert (status, out["Idempotent-Replayed"]) == (200, "true")
+    finally:
+        server.stop()
+
+
+async def test_redis_down_local_serves_from_each_replicas_memory(upstream, start_sluice,
+                                                                 tmp_path):
+    server = RedisServer(tmp_path / "redis").start()
+    try:
+        a, b = await replicas(start_sluice, 2, fault_state(server, "local"),
+                              route("openai", upstream.url, idempotency={"mode": "dedup"},
+                                    circuit_breaker={"fail_max": 2, "reset_timeout": "30s"}))
+        url = "/openai" + CHAT
+        async with aiohttp.ClientSession() as s:
+            server.freeze()
+            key = {"Idempotency-Key": "local-1"}
+            status, _, took = await timed_post(s, a.url + url, **key)
+            assert status == 200 and took < 0.2 + 0.1 + 0.2
+            # Deduplicated by this replica's own memory...
+            status, out, _ = await post(s, a.url + url, **key)
+            assert (status, out["Idempotent-Replayed"]) == (200, "true")
+            # ... and only there: B has its own.
+            status, out, _ = await post(s, b.url + url, **key)
+            assert status == 200 and "Idempotent-Replayed" not in out
+            # The breaker still works, per replica.
+            upstream.status = 503
+            for _ in range(2):
+                assert (await post(s, a.url + url))[0] == 503
+            status, out, _ = await post(s, a.url + url)
+            assert (status, out["X-Sluice-Reason"]) == (503, "circuit_open")
+            assert (await post(s, b.url + url))[0] == 503  # B's own breaker: still closed
+            assert await a.metric("sluice_state_backend_up", backend="redis") == 0
+            upstream.status = None
+            server.thaw()
+            await a.wait_metric("sluice_state_backend_up", 1, backend="redis")
+            await b.wait_metric("sluice_state_backend_up", 1, backend="redis")
+            key = {"Idempotency-Key": "shared-again"}
+            assert (await post(s, b.url + url, **key))[0] == 200
+            status, out, _ = await post(s, a.url + url, **key)
+            assert (status, out["Idempotent-Replayed"]) == (200, "true")
+        assert "state backend unavailable" in a.stderr()
+    finally:
+        server.stop()
