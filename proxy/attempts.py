@@ -200,7 +200,11 @@ async def _attempts(rt: Runtime, route: Route, call: Call, url: URL,
     now = time.monotonic()
     deadline = now + retry.deadline if retry is not None and retry.deadline else None
     caller_deadline = now + call.timeout if call.timeout else None
-    has_key = IDEMPOTENCY_HEADER in headers
+    # A key the idempotency block invented makes a retry safe only if the upstream honours
+    # keys; the caller's own key says the caller relies on it.
+    callers_key = IDEMPOTENCY_HEADER in call.headers
+    upstream_dedups = (retry is not None and retry.honours_idempotency_key
+                       and IDEMPOTENCY_HEADER in headers)
     holding = False  # a retry-budget slot is held for the attempt in flight
     if client_retry:
         retry.budget.hold()
@@ -236,7 +240,9 @@ async def _attempts(rt: Runtime, route: Route, call: Call, url: URL,
             wait = 0.0
             if number >= allowed:
                 tries.stop = "attempts_exhausted"
-            elif not retry_is_safe(call.method, has_key, sent):
+            elif not retry_is_safe(call.method, sent, callers_key=callers_key,
+                                   upstream_dedups=upstream_dedups,
+                                   declared_idempotent=route.config.idempotent):
                 tries.stop = "unsafe_to_retry"
             else:
                 wait = retry.wait(number - 1, hint)
