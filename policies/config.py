@@ -350,6 +350,10 @@ class EventsConfig(_Section):
 class TimeoutsConfig(_Section):
     connect: PositiveDuration = 5.0
     total: PositiveDuration = 600.0
+    #: On ``mcp`` routes, the GET stream (and ``subscriptions/listen``) has no total timeout:
+    #: it is cut only after this long without a byte from the upstream (clients reconnect
+    #: with ``Last-Event-ID``), seconds.
+    idle: PositiveDuration = 600.0
     #: On ``http`` and ``mcp`` routes, the header that carries the caller's remaining deadline
     #: (seconds) upstream; null sends none. LLM upstreams read the SDKs' own headers instead.
     deadline_header: HeaderName | None = "X-Request-Timeout"
