@@ -13,17 +13,19 @@ dedup lost when the client closes right after the result, a refusal ending a 1.x
 from __future__ import annotations
 
 import asyncio
-import json
-import os
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 from mcp import Client, MCPError
 
+from tests import mcp_servers
 from tests.conftest import REPO, wait_until
-from tests.mcp_servers import McpServer, mcp_server_factory, mcp_session, mcp_stateless  # noqa: F401
+from tests.mcp_servers import McpServer
+
+# The server fixtures, for this module's tests.
+mcp_session = mcp_servers.mcp_session
+mcp_stateless = mcp_servers.mcp_stateless
+mcp_server_factory = mcp_servers.mcp_server_factory
 
 MCP1_PYTHON = REPO / ".venv-mcp1" / "bin" / "python"
 
