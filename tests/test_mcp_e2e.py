@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import aiohttp
 import pytest
 from mcp import Client, MCPError
 
@@ -91,3 +92,46 @@ async def test_get_stream_holds_no_slot_and_delete_ends_the_session(mcp_session,
 
 def _stream_open(sluice: Any) -> bool:
     return any(e["event"] == "admitted" for e in sluice.events())
+
+
+def _is_list_changed(message: Any) -> bool:
+    root = getattr(message, "root", message)
+    return getattr(root, "method", None) == "notifications/tools/list_changed"
+
+
+async def test_get_stream_outlives_the_total_timeout_and_delivers(mcp_session, start_sluice):
+    """Before: the GET stream was cut at ``timeouts.total``; the SDK gave up reconnecting and
+    the server's notifications were lost."""
+    sluice = await start_sluice({"routes": [mcp_route(mcp_session, timeouts={"total": "1s"})]})
+    seen: list[Any] = []
+
+    async def on_message(message: Any) -> None:
+        seen.append(message)
+
+    async with Client(endpoint(sluice), mode="legacy", message_handler=on_message) as client:
+        await wait_until(lambda: _stream_open(sluice), what="the GET stream is open")
+        await asyncio.sleep(3.0)  # three times timeouts.total
+        assert text(await client.call_tool("notify", {})) == "notified"
+        await wait_until(lambda: any(map(_is_list_changed, seen)),
+                         what="the notification on the GET stream")
+    await asyncio.sleep(0.3)
+    outcomes = [e["outcome"] for e in sluice.events() if e["event"] == "completed"]
+    assert "upstream_timeout" not in outcomes
+
+
+async def test_get_stream_has_an_idle_timeout_and_passes_last_event_id(upstream, start_sluice):
+    sluice = await start_sluice({"routes": [{
+        "name": "tools", "path_prefix": "/tools/", "upstream": upstream.url, "protocol": "mcp",
+        "timeouts": {"total": "300ms", "idle": "1s"}, "concurrency": {"limit": 1}}]})
+    upstream.hold = asyncio.Event()  # the upstream sends nothing
+    loop = asyncio.get_running_loop()
+    async with aiohttp.ClientSession() as http:
+        started = loop.time()
+        async with http.get(endpoint(sluice), headers={
+                "Accept": "text/event-stream", "Last-Event-ID": "stream-1_17"}) as r:
+            status, reason = r.status, r.headers["X-Sluice-Reason"]
+        waited = loop.time() - started
+    assert (status, reason) == (504, "upstream_timeout")
+    assert 1.0 <= waited < 3.0  # cut after timeouts.idle of silence, not timeouts.total
+    assert upstream.requests[0].method == "GET"
+    assert upstream.requests[0].headers["Last-Event-ID"] == "stream-1_17"
