@@ -350,6 +350,10 @@ class EventsConfig(_Section):
 class TimeoutsConfig(_Section):
     connect: PositiveDuration = 5.0
     total: PositiveDuration = 600.0
+    #: On ``mcp`` routes, the GET stream (and ``subscriptions/listen``) has no total timeout:
+    #: it is cut only after this long without a byte from the upstream (clients reconnect
+    #: with ``Last-Event-ID``), seconds.
+    idle: PositiveDuration = 600.0
     #: On ``http`` and ``mcp`` routes, the header that carries the caller's remaining deadline
     #: (seconds) upstream; null sends none. LLM upstreams read the SDKs' own headers instead.
     deadline_header: HeaderName | None = "X-Request-Timeout"
@@ -494,6 +498,10 @@ class RetryConfig(_Section):
     #: Longest upstream ``Retry-After`` Sluice waits for; a longer one ends the retries.
     max_retry_after: PositiveDuration = 60.0
     budget: RetryBudgetConfig = RetryBudgetConfig()
+    #: The upstream deduplicates on ``Idempotency-Key``, so a POST carrying one (the caller's
+    #: or one the ``idempotency`` block chose) is safe to retry. Off: only a key the caller
+    #: sent itself makes a POST retryable (an MCP server, for one, ignores the header).
+    honours_idempotency_key: bool = False
 
 
 class DeadLetterConfig(_Section):
@@ -577,6 +585,9 @@ class RouteConfig(_Section):
     usage: UsageConfig = UsageConfig()
     fanout: FanoutConfig | None = None
     run: RunConfig | None = None
+    #: Every call on this route may be repeated safely (e.g. a read-only tool server):
+    #: ``retry`` repeats POSTs as it repeats GETs.
+    idempotent: bool = False
 
     @field_validator("path_prefix")
     @classmethod

@@ -5,7 +5,10 @@ only). An attempt that fails with a status or error kind listed in ``on`` is ret
 of these hold:
 
 * attempts remain (``attempts`` counts the first one);
-* it is safe (:func:`retry_is_safe`, RFC 9110 §9.2.2);
+* it is safe (:func:`retry_is_safe`, RFC 9110 §9.2.2): an idempotent method, a request that
+  never left, or a POST the upstream is known to deduplicate (the caller sent its own
+  ``Idempotency-Key``, or ``honours_idempotency_key: true``) or that is declared
+  ``idempotent: true``; a key Sluice invented is not enough by itself;
 * the wait fits: the upstream's ``retry-after-ms``/``Retry-After`` if it sent one (a longer one
   than ``max_retry_after`` ends the retries: the upstream will not be back in time), otherwise
   exponential back-off with full jitter, ``U[0, min(backoff.max, backoff.base * 2^n))`` for
@@ -48,16 +51,27 @@ CLIENT_RETRY_HEADER = "x-stainless-retry-count"
 HINT_JITTER = 0.25
 
 
-def retry_is_safe(method: str, has_idempotency_key: bool, sent: bool) -> bool:
+def retry_is_safe(method: str, sent: bool, *, callers_key: bool = False,
+                  upstream_dedups: bool = False, declared_idempotent: bool = False) -> bool:
     """True when repeating the request cannot apply it twice (RFC 9110 §9.2.2).
+
+    A key alone proves nothing: an upstream that ignores ``Idempotency-Key`` (every MCP
+    server, most tool APIs) executes each copy. So a non-idempotent request is repeated only
+    on evidence that the upstream deduplicates, or that repeating is harmless.
 
     Args:
         method: the HTTP method, upper case.
-        has_idempotency_key: the request carries an idempotency key the upstream dedups on.
         sent: the request may have reached the upstream (False only when the connection
             was never made).
+        callers_key: the caller sent its own ``Idempotency-Key``: it chose to rely on the
+            upstream honouring it.
+        upstream_dedups: the request carries a key (the caller's or one Sluice chose) and
+            the route says the upstream honours it (``retry.honours_idempotency_key``).
+        declared_idempotent: the route or the call's operation is declared idempotent
+            (``idempotent: true``).
     """
-    return not sent or has_idempotency_key or method in IDEMPOTENT_METHODS
+    return (not sent or method in IDEMPOTENT_METHODS or callers_key or upstream_dedups
+            or declared_idempotent)
 
 
 def is_client_retry(headers: Mapping[str, str]) -> bool:
@@ -132,8 +146,8 @@ class RetryPolicy:
     """The ``retry`` block of one route, resolved once at load."""
 
     __slots__ = ("attempts", "backoff_base", "backoff_max", "budget", "deadline",
-                 "max_retry_after", "on_connect_error", "on_statuses", "on_timeout",
-                 "per_try_timeout")
+                 "honours_idempotency_key", "max_retry_after", "on_connect_error",
+                 "on_statuses", "on_timeout", "per_try_timeout")
 
     def __init__(self, config: RetryConfig) -> None:
         self.attempts = config.attempts
@@ -145,6 +159,7 @@ class RetryPolicy:
         self.on_connect_error = "connect_error" in config.on
         self.on_timeout = "timeout" in config.on
         self.max_retry_after = config.max_retry_after
+        self.honours_idempotency_key = config.honours_idempotency_key
         self.budget = RetryBudget(config.budget.ratio, config.budget.min_concurrency)
 
     def retries_error(self, kind: str) -> bool:

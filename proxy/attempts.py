@@ -41,6 +41,7 @@ from yarl import URL
 
 from policies import breaker as brk
 from policies.deadletter import Attempt, DeadLetter, redact, redact_path
+from policies.mcp import Traffic
 from policies.pipeline import Call
 from policies.reasons import Reason, Rejected
 from policies.retry import (
@@ -99,9 +100,15 @@ class _Tries:
             self.response = None
 
 
-async def forward(request: web.BaseRequest, rt: Runtime, route: Route,
-                  call: Call) -> tuple[web.StreamResponse, str, bool]:
+async def forward(request: web.BaseRequest, rt: Runtime, route: Route, call: Call,
+                  traffic: Traffic = "call") -> tuple[web.StreamResponse, str, bool]:
     """Forward an admitted call; see the module docstring.
+
+    ``traffic`` is the MCP traffic class (:data:`policies.mcp.Traffic`; ``call`` on every
+    other protocol). MCP ``control`` and ``stream`` requests make one attempt, with no
+    breaker and no retries: they are session plumbing, not work, and refusing or repeating
+    one breaks the session. A ``stream`` (the GET stream) has no total timeout, only
+    ``timeouts.idle`` between bytes.
 
     Returns:
         ``(response, outcome, reached)``: ``outcome`` is a ``sluice_requests_total`` label,
@@ -126,9 +133,16 @@ async def forward(request: web.BaseRequest, rt: Runtime, route: Route,
         headers[deadline_header] = f"{max(left, 0.001):.3f}"
     url = fwd.upstream_url(route.upstream_base, call.path[len(route.prefix) - 1:])
     tries = _Tries()
+    guarded = traffic == "call"
+    retry = route.retry if guarded else None
+    breaker = route.breaker if guarded else None
+    timeout = route.timeout
+    if traffic == "stream":
+        timeouts = route.config.timeouts
+        timeout = aiohttp.ClientTimeout(total=None, connect=timeouts.connect,
+                                        sock_read=timeouts.idle)
     try:
-        await _attempts(rt, route, call, url, headers, tries)
-        retry = route.retry
+        await _attempts(rt, route, call, url, headers, tries, retry, breaker, timeout)
         extra: dict[str, str] | None = None
         if tries.stop:
             extra = dict(_NO_RETRY)
@@ -189,19 +203,26 @@ class _Progress:
 
 
 async def _attempts(rt: Runtime, route: Route, call: Call, url: URL,
-                    headers: CIMultiDict[str], tries: _Tries) -> None:
+                    headers: CIMultiDict[str], tries: _Tries, retry: RetryPolicy | None,
+                    breaker: brk.Breaker | None, timeout: aiohttp.ClientTimeout) -> None:
     """The retry loop: attempts until one is final, or retrying ends (``tries.stop``).
+
+    ``retry`` and ``breaker`` are the route's, or ``None`` where they do not apply;
+    ``timeout`` bounds each attempt.
 
     Raises:
         Rejected: the breaker refused the first attempt.
     """
-    retry = route.retry
     client_retry = retry is not None and is_client_retry(call.headers)
     allowed = retry.attempts if retry is not None and not client_retry else 1
     now = time.monotonic()
     deadline = now + retry.deadline if retry is not None and retry.deadline else None
     caller_deadline = now + call.timeout if call.timeout else None
-    has_key = IDEMPOTENCY_HEADER in headers
+    # A key the idempotency block invented makes a retry safe only if the upstream honours
+    # keys; the caller's own key says the caller relies on it.
+    callers_key = IDEMPOTENCY_HEADER in call.headers
+    upstream_dedups = (retry is not None and retry.honours_idempotency_key
+                       and IDEMPOTENCY_HEADER in headers)
     holding = False  # a retry-budget slot is held for the attempt in flight
     if client_retry:
         retry.budget.hold()
@@ -216,7 +237,8 @@ async def _attempts(rt: Runtime, route: Route, call: Call, url: URL,
                 return
             try:
                 status, hint, sent = await _attempt(rt, route, call, url, headers, tries,
-                                                    limit, callers_limit)
+                                                    limit, callers_limit, retry is not None,
+                                                    breaker, timeout)
             except Rejected as rejected:  # the breaker's refusal
                 if number == 1:
                     raise
@@ -237,11 +259,12 @@ async def _attempts(rt: Runtime, route: Route, call: Call, url: URL,
             wait = 0.0
             if number >= allowed:
                 tries.stop = "attempts_exhausted"
-            elif not retry_is_safe(call.method, has_key, sent):
+            elif not retry_is_safe(call.method, sent, callers_key=callers_key,
+                                   upstream_dedups=upstream_dedups,
+                                   declared_idempotent=route.config.idempotent):
                 tries.stop = "unsafe_to_retry"
             else:
                 wait = retry.wait(number - 1, hint)
-                breaker = route.breaker
                 if wait is None:
                     tries.stop = "retry_after_too_long"
                 elif _too_late(time.monotonic() + wait, deadline, caller_deadline):
@@ -267,8 +290,10 @@ async def _attempts(rt: Runtime, route: Route, call: Call, url: URL,
 
 async def _attempt(rt: Runtime, route: Route, call: Call, url: URL,
                    headers: CIMultiDict[str], tries: _Tries, limit: float | None,
-                   callers_limit: bool) -> tuple[int | None, float | None, bool]:
-    """The breaker step: one attempt, admitted by the route's breaker and reported to it.
+                   callers_limit: bool, logged: bool, breaker: brk.Breaker | None,
+                   timeout: aiohttp.ClientTimeout) -> tuple[int | None, float | None, bool]:
+    """The breaker step: one attempt, admitted by ``breaker`` (if any) and reported to it;
+    ``logged``: the attempt goes in ``tries.log`` (for a dead letter).
 
     Returns:
         ``(status, retry_after, sent)``: the upstream's status (``None`` when it did not
@@ -278,16 +303,15 @@ async def _attempt(rt: Runtime, route: Route, call: Call, url: URL,
         Rejected: ``circuit_open`` from the breaker; nothing was sent.
         asyncio.CancelledError: the caller left; the breaker hears nothing.
     """
-    breaker = route.breaker
     ticket = await breaker.attempt() if breaker is not None else None
-    started_at = time.time() if route.retry is not None else 0.0
+    started_at = time.time() if logged else 0.0
     started = time.monotonic()
     try:
         route.metrics.upstream_attempts.inc()
         call.attempts += 1
         async with asyncio.timeout(limit):
             response = await fwd.send(rt.session, call.method, url, headers, call.body,
-                                      route.timeout)
+                                      timeout)
     except Rejected as exc:
         tries.error = exc
         tries.kind = "timeout" if exc.reason is Reason.UPSTREAM_TIMEOUT else "connect_error"
@@ -307,7 +331,7 @@ async def _attempt(rt: Runtime, route: Route, call: Call, url: URL,
     else:
         status = response.status
         hint = upstream_retry_after(response.headers) if status >= 400 else None
-        if route.retry is not None:
+        if logged:
             tries.log.append(Attempt(started_at, status, None, time.monotonic() - started))
         tries.answered(response)  # first: whatever happens next, the response gets closed
         if ticket is not None:
@@ -320,7 +344,7 @@ async def _attempt(rt: Runtime, route: Route, call: Call, url: URL,
             breaker.release(ticket)
         else:
             await breaker.record(ticket, brk.FAILURE)
-    if route.retry is not None:
+    if logged:
         tries.log.append(Attempt(started_at, None, tries.kind, time.monotonic() - started))
     return None, None, sent
 

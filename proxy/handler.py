@@ -6,6 +6,13 @@ quota and no slot; circuit breaker; rate; token accounting: token rate and budge
 the concurrency slot and its queue) -> forward (attempts with the breaker and retries,
 metering usage: ``proxy.attempts``) -> release and record.
 
+On ``mcp`` routes the POST body is read as MCP first (an unreadable one, or request headers
+that disagree with it, get 400 ``bad_request``), and only ``call`` traffic (``tools/call`` and
+the like) goes through the policies; ``control`` traffic (initialize, notifications, ping,
+responses, ``*/list``, DELETE) and the ``stream`` (the session's GET stream) take nothing: no
+slot, rate unit, queue or budget, because refusing or queueing them breaks the session for
+every call (issue 11). They are still identified, forwarded and logged.
+
 Everything the policies take for a call is held by one :class:`policies.pipeline.Admission`
 and given back in one ``finally``, whatever ends the call: a later policy's refusal, the
 upstream's answer, an upstream error or timeout, the caller's disconnect (the handler is
@@ -22,6 +29,7 @@ import time
 
 from aiohttp import web
 
+from policies import mcp
 from policies.concurrency import DEFAULT_PRIORITY, PRIORITIES
 from policies.idempotency import Replay, replay_response
 from policies.pipeline import ABANDONED, REFUSED, Admission, Call, Outcome
@@ -54,17 +62,35 @@ def _caller_timeout(request: web.BaseRequest, header: str) -> float | None:
     return None
 
 
+def _mcp_traffic(request: web.BaseRequest, body: bytes) -> tuple[mcp.Traffic, str | None]:
+    """The traffic class of a request on an ``mcp`` route, and its operation (the tool of a
+    ``tools/call``, else ``None``).
+
+    Raises:
+        mcp.InvalidMcpRequest: a POST body that is not MCP, or an ``Mcp-Method`` /
+            ``Mcp-Name`` / ``MCP-Protocol-Version`` header that disagrees with it (400).
+    """
+    if request.method != "POST":
+        return mcp.traffic(request.method), None
+    version = request.headers.get("MCP-Protocol-Version")
+    post = mcp.parse_post(body, version)
+    mcp.check_headers(post, request.headers, require=mcp.is_modern(version))
+    return mcp.traffic("POST", post), post.tool
+
+
 class _Inflight:
     """The route's in-flight count (and the call among its live ones) as a holding, so it is
-    given back with the rest."""
+    given back with the rest. A stream is not among the live calls: silence is its normal
+    state, not a stall."""
 
     __slots__ = ("call", "route")
 
-    def __init__(self, route: Route, call: Call) -> None:
+    def __init__(self, route: Route, call: Call, stream: bool) -> None:
         self.route = route
         self.call = call
         route.inflight += 1
-        route.live.add(call)
+        if not stream:
+            route.live.add(call)
 
     def release(self, outcome: Outcome) -> None:
         self.route.inflight -= 1
@@ -100,6 +126,14 @@ async def handle(rt: Runtime, request: web.BaseRequest) -> web.StreamResponse:
     if rt.draining:  # after the read, so an MCP caller's error carries its request id
         return _reject(rt, route, Rejected(Reason.DRAINING, DRAINING_RETRY_AFTER_S), request_id,
                        tenant, run, body)
+    traffic: mcp.Traffic = "call"
+    operation = None
+    if route.protocol == "mcp":
+        try:
+            traffic, operation = _mcp_traffic(request, body)
+        except mcp.InvalidMcpRequest as bad:
+            return _reject(rt, route, Rejected(Reason.BAD_REQUEST, None, bad.detail[:200]),
+                           request_id, tenant, run, body)
 
     events = rt.events
 
@@ -114,7 +148,8 @@ async def handle(rt: Runtime, request: web.BaseRequest) -> web.StreamResponse:
         headers=headers, body=body, tenant=tenant, run=run,
         priority=DEFAULT_PRIORITY if priority is None else priority,
         priority_given=priority is not None, parent_run=parent_run,
-        timeout=_caller_timeout(request, rt.timeout_header), notify=notify,
+        timeout=_caller_timeout(request, rt.timeout_header), operation=operation,
+        notify=notify,
     )
     call.new_unit = not is_client_retry(headers)
     admission = Admission()
@@ -122,7 +157,8 @@ async def handle(rt: Runtime, request: web.BaseRequest) -> web.StreamResponse:
     admitted_at = 0.0
     try:
         try:
-            await admission.admit(route.policies, call)
+            if traffic == "call":  # MCP control and stream traffic take nothing
+                await admission.admit(route.policies, call)
         except Rejected as rejected:
             outcome = REFUSED
             return refuse(rt, route, rejected, request_id, tenant, run, call.idempotency_key,
@@ -132,7 +168,7 @@ async def handle(rt: Runtime, request: web.BaseRequest) -> web.StreamResponse:
             return _replay(rt, route, call, replay)
 
         # Admitted: from here the outcome is the upstream's, or why there was none.
-        admission.hold(_Inflight(route, call))
+        admission.hold(_Inflight(route, call, traffic == "stream"))
         admitted_at = call.progress_at = time.monotonic()
         call.phase = "forwarding"
         if call.meter is not None:  # a charged call: its tenant's budget gauges, from now
@@ -141,7 +177,8 @@ async def handle(rt: Runtime, request: web.BaseRequest) -> web.StreamResponse:
             route.metrics.queue_wait.observe(admitted_at - call.enqueued_at)
         events.emit("admitted", request_id, route.name, tenant, run, call.idempotency_key)
         try:
-            response, label, reached = await attempts.forward(request, rt, route, call)
+            response, label, reached = await attempts.forward(request, rt, route, call,
+                                                              traffic)
         except Rejected as rejected:  # the breaker refused the first attempt
             outcome = Outcome("rejected", reached=False, status=rejected.reason.status)
             return refuse(rt, route, rejected, request_id, tenant, run, call.idempotency_key,
@@ -169,7 +206,7 @@ async def handle(rt: Runtime, request: web.BaseRequest) -> web.StreamResponse:
                        if admitted_at else REFUSED)
         admission.release(outcome)
         if admitted_at:
-            _completed(rt, route, call, outcome, admitted_at)
+            _completed(rt, route, call, outcome, admitted_at, traffic != "stream")
         elif outcome.label != "replayed":
             route.metrics.outcomes[outcome.label].inc()
         if call.new_unit:
@@ -202,11 +239,13 @@ def _run_cancelled(rt: Runtime, route: Route, call: Call, request: web.BaseReque
 
 
 def _completed(rt: Runtime, route: Route, call: Call, outcome: Outcome,
-               admitted_at: float) -> None:
-    """Count and log an admitted call once its holdings are given back."""
+               admitted_at: float, timed: bool) -> None:
+    """Count and log an admitted call once its holdings are given back; ``timed``: its
+    duration is a sample of the upstream's (an MCP stream's is the session's length)."""
     elapsed = time.monotonic() - admitted_at
     metrics = route.metrics
-    metrics.upstream_duration.observe(elapsed)
+    if timed:
+        metrics.upstream_duration.observe(elapsed)
     metrics.outcomes[outcome.label].inc()
     charged = call.charged
     if charged is not None:

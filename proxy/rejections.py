@@ -15,6 +15,12 @@ Headers on every answer Sluice writes itself:
   ``RateLimit-Policy: "name";q=N;w=S`` and ``RateLimit: "name";r=0;t=S``.
 
 The body uses the route protocol's own error shape so each SDK raises its usual error type.
+On ``mcp`` routes a refused call (one with a JSON-RPC id) is answered with HTTP **200** and a
+JSON-RPC error echoing its id, code = the reason's status (429, 503, 409, 422), ``data``
+``{reason, retryAfterMs}``: the one shape that fails only that call on every official MCP
+client (``docs/mcp.md``; a 429 or 503 status ends the whole session of the Python 1.x
+client). Sluice's other errors there (400 unreadable request, 404, 413, 502, 504) keep their
+statuses: they are not backpressure.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from typing import TYPE_CHECKING
 import orjson
 from aiohttp import web
 
+from policies import mcp
 from policies.reasons import Reason, Rejected
 
 if TYPE_CHECKING:
@@ -119,16 +126,12 @@ def rejection_body(rejected: Rejected, protocol: str, jsonrpc_id: object = None)
         kind = _ANTHROPIC_TYPES.get(reason.status, "api_error")
         body = {"type": "error", "error": {"type": kind, "message": message}}
     elif protocol == "mcp":
-        data: dict = {"reason": reason.code}
-        if rejected.retry_after is not None:
-            data["retryAfterMs"] = math.ceil(rejected.retry_after * 1000)
-        # JSON-RPC code = the HTTP status: outside -32768..-32000, which JSON-RPC and MCP
+        # The JSON-RPC code is the HTTP status: outside -32768..-32000, which JSON-RPC and MCP
         # reserve (MCP 2026-07-28 basic/index), and what ToolHive uses for rate limits.
-        body = {
-            "jsonrpc": "2.0",
-            "id": jsonrpc_id,
-            "error": {"code": reason.status, "message": message, "data": data},
-        }
+        retry_ms = (None if rejected.retry_after is None
+                    else math.ceil(rejected.retry_after * 1000))
+        return mcp.refusal(jsonrpc_id, reason.status, message, reason=reason.code,
+                           retry_after_ms=retry_ms)
     else:
         retry_s = None if rejected.retry_after is None else round(rejected.retry_after, 3)
         body = {"error": {"reason": reason.code, "message": message, "retry_after_s": retry_s}}
@@ -146,10 +149,18 @@ def jsonrpc_id(protocol: str, body: bytes) -> object:
     return message.get("id") if isinstance(message, dict) else None
 
 
+#: Refusals of one MCP call that go out as HTTP 200 + JSON-RPC error (see the module docstring).
+_MCP_CALL_REFUSALS = frozenset({409, 422, 429, 503})
+
+
 def render(rejected: Rejected, protocol: str, jsonrpc_id: object = None) -> web.Response:
-    """The whole response for ``rejected`` on a route of ``protocol``."""
+    """The whole response for ``rejected`` on a route of ``protocol``; ``jsonrpc_id`` is the
+    refused MCP request's id (``None``: not an MCP request, or a notification)."""
+    status = rejected.reason.status
+    if protocol == "mcp" and jsonrpc_id is not None and status in _MCP_CALL_REFUSALS:
+        status = 200
     return web.Response(
-        status=rejected.reason.status,
+        status=status,
         body=rejection_body(rejected, protocol, jsonrpc_id),
         content_type="application/json",
         headers=rejection_headers(rejected),

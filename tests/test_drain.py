@@ -49,7 +49,8 @@ async def test_sigterm_drains_in_flight_work_and_refuses_new(upstream, start_slu
         # An MCP caller gets a JSON-RPC error for its own request id.
         async with session.post(sluice.url + "/mcp/mcp", json={
                 "jsonrpc": "2.0", "id": 41, "method": "tools/list"}) as r:
-            assert r.status == 503
+            assert r.status == 200  # an HTTP error would end a 1.x client's session (mcp.md)
+            assert r.headers["X-Sluice-Reason"] == "draining"
             body = await r.json()
         assert body["id"] == 41 and body["error"]["data"]["reason"] == "draining"
         assert len(upstream.requests) == 1  # the refused requests never reached the upstream

@@ -58,11 +58,13 @@ def emitted(events: EventLog) -> list[str]:
 
 def test_retry_is_safe_follows_rfc9110() -> None:
     for method in ("GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"):
-        assert retry_is_safe(method, has_idempotency_key=False, sent=True)
+        assert retry_is_safe(method, sent=True)
     for method in ("POST", "PATCH"):
-        assert not retry_is_safe(method, has_idempotency_key=False, sent=True)
-        assert retry_is_safe(method, has_idempotency_key=True, sent=True)
-        assert retry_is_safe(method, has_idempotency_key=False, sent=False)
+        assert not retry_is_safe(method, sent=True)
+        assert retry_is_safe(method, sent=False)  # never left: nothing to apply twice
+        assert retry_is_safe(method, sent=True, callers_key=True)
+        assert retry_is_safe(method, sent=True, upstream_dedups=True)
+        assert retry_is_safe(method, sent=True, declared_idempotent=True)
 
 
 def test_upstream_retry_after_forms() -> None:

@@ -1,0 +1,137 @@
+"""MCP traffic through Sluice, end to end: the official ``mcp`` SDK on both sides (issue 11).
+
+A real server (``tests/mcp_servers.py``: the SDK's ``MCPServer`` over streamable HTTP, in its
+own process, stateless or session mode) sits behind a real Sluice process (``start_sluice``);
+the clients are the SDK's 2.x ``Client`` in this process (``mode="legacy"``: the 2025-11-25
+handshake, the GET stream and DELETE of session mode) and, where ``.venv-mcp1`` exists, the
+1.x client in a child process. Every test is one observation of the issue's "Why" that failed
+before: control traffic throttled, the GET stream holding a slot and cut at ``timeouts.total``,
+a side-effecting tool executed once per retry, ``derive_from`` keys refused on every call,
+dedup lost when the client closes right after the result, a refusal ending a 1.x session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+import pytest
+from mcp import Client, MCPError
+
+from tests import mcp_servers
+from tests.conftest import REPO, wait_until
+from tests.mcp_servers import McpServer
+
+# The server fixtures, for this module's tests.
+mcp_session = mcp_servers.mcp_session
+mcp_stateless = mcp_servers.mcp_stateless
+mcp_server_factory = mcp_servers.mcp_server_factory
+
+MCP1_PYTHON = REPO / ".venv-mcp1" / "bin" / "python"
+
+
+def mcp_route(server: McpServer, **policies: Any) -> dict:
+    """A ``protocol: mcp`` route ``/tools/`` in front of ``server``."""
+    return {"name": "tools", "path_prefix": "/tools/", "upstream": server.base_url,
+            "protocol": "mcp", **policies}
+
+
+def endpoint(sluice: Any) -> str:
+    return sluice.url + "/tools/mcp"
+
+
+def text(result: Any) -> str:
+    return result.content[0].text
+
+
+# -- control traffic is never throttled ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["stateless", "session"])
+async def test_tools_list_after_a_call_is_not_rate_limited(mcp_server_factory, start_sluice,
+                                                           mode):
+    """Before: the SDK's own tools/list after the first result took the route's last rate unit,
+    and the call that had already run raised 429."""
+    server = mcp_server_factory(mode)
+    sluice = await start_sluice({"routes": [mcp_route(server, rate={"requests": "1/min"})]})
+    async with Client(endpoint(sluice), mode="legacy") as client:
+        result = await client.call_tool("add", {"a": 2, "b": 3})
+        assert text(result) == "5" and not result.is_error
+        with pytest.raises(MCPError) as refused:  # the second call is over the rate: that one
+            await client.call_tool("add", {"a": 1, "b": 1})
+        assert refused.value.error.code == 429
+        assert refused.value.error.data["reason"] == "rate_limited"
+        assert refused.value.error.data["retryAfterMs"] > 0
+        tools = await client.list_tools()  # control traffic still flows; the session lives
+        assert {"add", "slow", "send"} <= {t.name for t in tools.tools}
+    assert await sluice.metric("sluice_rejections_total", route="tools",
+                               reason="rate_limited") == 1
+
+
+async def test_get_stream_holds_no_slot_and_delete_ends_the_session(mcp_session, start_sluice):
+    """Before: at ``limit: 1`` the session's GET stream held the slot for the whole session, so
+    every call and the closing DELETE got 503 and the server's session was never ended."""
+    sluice = await start_sluice({"routes": [mcp_route(
+        mcp_session, concurrency={"limit": 1, "queue": 0})]})
+    async with Client(endpoint(sluice), mode="legacy") as client:
+        await wait_until(lambda: _stream_open(sluice), what="the GET stream is open")
+        assert text(await client.call_tool("add", {"a": 20, "b": 22})) == "42"
+        assert text(await client.call_tool("slow", {"seconds": 0.2})) == "slept"
+    # The DELETE reached the server, which ended the session.
+    server_log = mcp_session.count_file.with_suffix(".stderr")
+    await wait_until(lambda: "Terminating session" in server_log.read_text(),
+                     what="the server ended the session")
+    assert await sluice.metric("sluice_rejections_total", route="tools",
+                               reason="queue_full") == 0
+    await asyncio.sleep(0.3)  # the event log is flushed every 0.2 s
+    completed = [e for e in sluice.events() if e["event"] == "completed"]
+    # initialize, initialized, the GET stream, 2 calls, tools/list, DELETE: all answered 2xx.
+    assert all(200 <= e["status"] < 300 for e in completed), completed
+
+
+def _stream_open(sluice: Any) -> bool:
+    return any(e["event"] == "admitted" for e in sluice.events())
+
+
+def _is_list_changed(message: Any) -> bool:
+    root = getattr(message, "root", message)
+    return getattr(root, "method", None) == "notifications/tools/list_changed"
+
+
+async def test_get_stream_outlives_the_total_timeout_and_delivers(mcp_session, start_sluice):
+    """Before: the GET stream was cut at ``timeouts.total``; the SDK gave up reconnecting and
+    the server's notifications were lost."""
+    sluice = await start_sluice({"routes": [mcp_route(mcp_session, timeouts={"total": "1s"})]})
+    seen: list[Any] = []
+
+    async def on_message(message: Any) -> None:
+        seen.append(message)
+
+    async with Client(endpoint(sluice), mode="legacy", message_handler=on_message) as client:
+        await wait_until(lambda: _stream_open(sluice), what="the GET stream is open")
+        await asyncio.sleep(3.0)  # three times timeouts.total
+        assert text(await client.call_tool("notify", {})) == "notified"
+        await wait_until(lambda: any(map(_is_list_changed, seen)),
+                         what="the notification on the GET stream")
+    await asyncio.sleep(0.3)
+    outcomes = [e["outcome"] for e in sluice.events() if e["event"] == "completed"]
+    assert "upstream_timeout" not in outcomes
+
+
+async def test_get_stream_has_an_idle_timeout_and_passes_last_event_id(upstream, start_sluice):
+    sluice = await start_sluice({"routes": [{
+        "name": "tools", "path_prefix": "/tools/", "upstream": upstream.url, "protocol": "mcp",
+        "timeouts": {"total": "300ms", "idle": "1s"}, "concurrency": {"limit": 1}}]})
+    upstream.hold = asyncio.Event()  # the upstream sends nothing
+    loop = asyncio.get_running_loop()
+    async with aiohttp.ClientSession() as http:
+        started = loop.time()
+        async with http.get(endpoint(sluice), headers={
+                "Accept": "text/event-stream", "Last-Event-ID": "stream-1_17"}) as r:
+            status, reason = r.status, r.headers["X-Sluice-Reason"]
+        waited = loop.time() - started
+    assert (status, reason) == (504, "upstream_timeout")
+    assert 1.0 <= waited < 3.0  # cut after timeouts.idle of silence, not timeouts.total
+    assert upstream.requests[0].method == "GET"
+    assert upstream.requests[0].headers["Last-Event-ID"] == "stream-1_17"
