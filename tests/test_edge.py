@@ -12,6 +12,7 @@ from aiohttp import web
 
 from tests.conftest import raw_request, route, wait_until
 from tests.fakeupstream import RawUpstream
+from tests.mcp_servers import mcp_stateless  # noqa: F401  (a fixture)
 
 LOOPBACK = b"Host: 127.0.0.1\r\n"
 
@@ -444,3 +445,46 @@ async def test_a_body_cut_by_the_total_timeout_is_504_not_502(start_sluice):
         assert completed["status"] == 504 and completed["outcome"] == "upstream_timeout"
     finally:
         await runner.cleanup()
+
+
+async def test_a_real_mcp_servers_dns_rebinding_refusals_hold_behind_sluice(
+        mcp_stateless, start_sluice):  # noqa: F811
+    """The official SDK's server refuses a foreign ``Host`` (421) and ``Origin`` (403) on its
+    own; behind Sluice (which sets ``Host`` to the upstream's) it accepted them. Each request
+    is sent to the server directly and through Sluice: what the server refuses directly,
+    Sluice refuses with the same status, and the tool never runs."""
+    sluice = await start_sluice({"routes": [route("tools", mcp_stateless.base_url, "mcp")]})
+    cases = [  # (Host, Origin) with {port} the port called; statuses direct and via Sluice
+        ("127.0.0.1:{port}", None, 200),
+        ("localhost:{port}", None, 200),
+        ("127.0.0.1:{port}", "http://127.0.0.1:{port}", 200),
+        ("evil.example.com", None, 421),
+        ("evil.example.com:{port}", None, 421),
+        ("localhost.evil.example.com:{port}", "http://localhost.evil.example.com:{port}", 421),
+        ("127.0.0.1:{port}", "http://evil.example", 403),
+        ("127.0.0.1:{port}", "null", 403),
+    ]
+
+    async def send(port: int, path: bytes, n: int, host: str, origin: str | None) -> int:
+        body = json.dumps({"jsonrpc": "2.0", "id": n, "method": "tools/call",
+                           "params": {"name": "send", "arguments": {"to": f"case{n}"}}}).encode()
+        lines = [f"POST {path.decode()} HTTP/1.1", f"Host: {host.format(port=port)}",
+                 "Content-Type: application/json", "Accept: application/json, text/event-stream",
+                 "MCP-Protocol-Version: 2025-11-25", f"Content-Length: {len(body)}",
+                 "Connection: close"]
+        if origin is not None:
+            lines.append(f"Origin: {origin.format(port=port)}")
+        answer = await raw_request(port, ("\r\n".join(lines) + "\r\n\r\n").encode() + body)
+        status = int(answer.split(b" ", 2)[1])
+        if status != 200:
+            assert b"evil" not in answer.partition(b"\r\n\r\n")[2]
+        return status
+
+    for n, (host, origin, expected) in enumerate(cases):
+        direct = await send(mcp_stateless.port, b"/mcp", n, host, origin)
+        via = await send(sluice.port, b"/tools/mcp", n, host, origin)
+        assert (direct, via) == (expected, expected), (host, origin)
+    allowed = [f"case{n}" for n, case in enumerate(cases) if case[2] == 200]
+    assert sorted(d["to"] for d in mcp_stateless.sent()) == sorted(allowed * 2)
+    assert await sluice.metric("sluice_rejections_total", route="tools",
+                               reason="forbidden_origin") == 2
