@@ -8,8 +8,10 @@ import json
 import time
 
 import aiohttp
+import openai
 from aiohttp import web
 
+from policies.usage import JSON_LIMIT_BYTES
 from tests.conftest import raw_request, route, wait_until
 from tests.fakeupstream import RawUpstream
 from tests.mcp_servers import mcp_stateless  # noqa: F401  (a fixture)
@@ -407,6 +409,64 @@ async def test_connections_beyond_max_connections_get_503(upstream, start_sluice
         await asyncio.sleep(0.05)
     for _, writer in held:
         writer.close()
+
+
+# -- usage reading and stripping --------------------------------------------------------------
+
+
+async def test_an_sse_event_over_4_mib_keeps_usage_read_and_stripped(start_sluice):
+    """An event over 4 MiB switched usage reading off for the rest of the stream: the usage
+    chunk Sluice had asked for reached an openai SDK caller that had not (``choices: []``), and
+    ``chunk.choices[0]`` raised IndexError; the tokens went uncharged."""
+    big = "x" * (2 * JSON_LIMIT_BYTES)  # held past the limit before its end arrives
+    asked = []
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        payload = await request.json()
+        asked.append(payload.get("stream_options"))
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for text in (big, "after the big one"):
+            chunk = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m",
+                     "choices": [{"index": 0, "delta": {"content": text},
+                                  "finish_reason": None}]}
+            await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        if (payload.get("stream_options") or {}).get("include_usage"):
+            usage = {"prompt_tokens": 11, "completion_tokens": 1_300_000,
+                     "total_tokens": 1_300_011}
+            await response.write(("data: " + json.dumps({
+                "id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m",
+                "choices": [], "usage": usage}) + "\n\n").encode())
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    app = web.Application(client_max_size=1 << 20)
+    app.router.add_post("/v1/chat/completions", chat)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    try:
+        sluice = await start_sluice({"routes": [route(
+            "openai", f"http://127.0.0.1:{port}", "openai",
+            budget={"tokens": "100000000/day", "per": "tenant"})]})
+        client = openai.AsyncOpenAI(base_url=sluice.url + "/openai/v1", api_key="sk-test",
+                                    max_retries=0)
+        stream = await client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}], stream=True,
+            max_tokens=2_000_000,
+            extra_headers={"X-Tenant-ID": "acme"})
+        texts = [chunk.choices[0].delta.content async for chunk in stream]
+        await client.close()
+        assert texts == [big, "after the big one"]  # no usage chunk: the caller did not ask
+        assert asked == [{"include_usage": True}]  # Sluice asked, to charge the tokens
+        for direction, tokens in (("input", 11), ("output", 1_300_000)):
+            assert await sluice.metric("sluice_tokens_total", route="openai", tenant="acme",
+                                       direction=direction) == tokens
+    finally:
+        await runner.cleanup()
 
 
 # -- the truthful reason ----------------------------------------------------------------------
