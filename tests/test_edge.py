@@ -206,6 +206,15 @@ async def test_a_host_sluice_does_not_serve_is_421(upstream, start_sluice):
     sluice = await start_sluice({"server": {"allowed_hosts": ["*"]},
                                  "routes": [route("svc", upstream.url, "http")]})
     assert (await _status(sluice.port, b"evil.example.com"))[0] == 200
+    # HTTP/1.1 must send Host (RFC 9112 §3.2: aiohttp's parser refuses it); HTTP/1.0 may not.
+    before = len(upstream.requests)
+    [(status, headers, body)] = parse(await raw_request(
+        sluice.port, b"GET /svc/x HTTP/1.1\r\nConnection: close\r\n\r\n"))
+    assert (status, headers["x-sluice-reason"]) == (400, "bad_request")
+    assert json.loads(body)["error"]["reason"] == "bad_request"
+    [(status, _, _)] = parse(await raw_request(sluice.port, b"GET /svc/x HTTP/1.0\r\n\r\n"))
+    assert status == 200
+    assert [s.path_qs for s in upstream.requests[before:]] == ["/x"]
 
 
 async def test_mcp_routes_check_a_browsers_origin(upstream, start_sluice):
@@ -523,15 +532,18 @@ async def test_a_real_mcp_servers_dns_rebinding_refusals_hold_behind_sluice(
         ("localhost.evil.example.com:{port}", "http://localhost.evil.example.com:{port}", 421),
         ("127.0.0.1:{port}", "http://evil.example", 403),
         ("127.0.0.1:{port}", "null", 403),
+        (None, None, 400),  # no Host: HTTP/1.1 requires one
     ]
 
     async def send(port: int, path: bytes, n: int, host: str, origin: str | None) -> int:
         body = json.dumps({"jsonrpc": "2.0", "id": n, "method": "tools/call",
                            "params": {"name": "send", "arguments": {"to": f"case{n}"}}}).encode()
-        lines = [f"POST {path.decode()} HTTP/1.1", f"Host: {host.format(port=port)}",
+        lines = [f"POST {path.decode()} HTTP/1.1",
                  "Content-Type: application/json", "Accept: application/json, text/event-stream",
                  "MCP-Protocol-Version: 2025-11-25", f"Content-Length: {len(body)}",
                  "Connection: close"]
+        if host is not None:
+            lines.append(f"Host: {host.format(port=port)}")
         if origin is not None:
             lines.append(f"Origin: {origin.format(port=port)}")
         answer = await raw_request(port, ("\r\n".join(lines) + "\r\n\r\n").encode() + body)
