@@ -20,6 +20,7 @@ RSS over time beside it (with matplotlib). Needs wrk.
     python -m bench soak                # 30 minutes
     python -m bench soak --quick        # 2 minutes
     python -m bench soak --duration 600 --connections 64
+    python -m bench soak --quick --leave-out budget   # the route without its budget blocks
 """
 
 from __future__ import annotations
@@ -60,9 +61,14 @@ end
 """
 
 
-def config(upstream_url: str, tmp: Path) -> dict:
-    """One route with every per-tenant, per-run and per-key policy, none of them binding."""
-    return {
+#: The route's policy blocks ``--leave-out`` can drop, to tell one's growth from another's.
+POLICIES = ("concurrency", "rate", "budget", "idempotency")
+
+
+def config(upstream_url: str, tmp: Path, leave_out: tuple[str, ...] = ()) -> dict:
+    """One route with every per-tenant, per-run and per-key policy, none of them binding,
+    less the blocks named in ``leave_out``."""
+    config = {
         "events": {"path": os.devnull},
         "dead_letter": {"path": str(tmp / "soak-dlq.sqlite")},
         "routes": [{
@@ -75,6 +81,9 @@ def config(upstream_url: str, tmp: Path) -> dict:
             "idempotency": {"mode": "dedup"},
         }],
     }
+    for block in leave_out:
+        del config["routes"][0][block]
+    return config
 
 
 def rss_mb(pid: int) -> float:
@@ -101,8 +110,12 @@ def main(argv: list[str]) -> int:
     p.add_argument("--sample", type=float, help="seconds between samples (10; --quick 2)")
     p.add_argument("--connections", type=int, default=32, help="wrk connections (32)")
     p.add_argument("--threads", type=int, default=2, help="wrk threads (2)")
+    p.add_argument("--leave-out", action="append", choices=POLICIES, default=[],
+                   metavar="POLICY", help=f"drop this policy block from the route (one of "
+                   f"{', '.join(POLICIES)}; repeatable)")
     p.add_argument("--output", type=Path, help="record path (default bench/results/...)")
     args = p.parse_args(argv)
+    leave_out = tuple(args.leave_out)
     duration = args.duration or (120.0 if args.quick else 1800.0)
     warmup = args.warmup if args.warmup is not None else duration / 5
     every = args.sample or (2.0 if args.quick else 10.0)
@@ -112,15 +125,17 @@ def main(argv: list[str]) -> int:
         return 2
     started = common.utcnow()
     info = common.versions()
-    for line in common.machine_lines(f"soak: {duration:g}s of distinct tenants, runs and keys",
-                                     started, info):
+    title = f"soak: {duration:g}s of distinct tenants, runs and keys"
+    if leave_out:
+        title += f" (without {', '.join(leave_out)})"
+    for line in common.machine_lines(title, started, info):
         print(line)
     samples: list[dict[str, float]] = []
     with tempfile.TemporaryDirectory() as tmp_name, common.stopping() as live:
         tmp = Path(tmp_name)
         upstream = common.start_upstream(tmp)
         live.append(upstream)
-        sluice = common.start_sluice(tmp, config(upstream.url, tmp))
+        sluice = common.start_sluice(tmp, config(upstream.url, tmp, leave_out))
         live.append(sluice)
         script = tmp / "soak.lua"
         script.write_text(WRK_SCRIPT % {"body": REQUEST_BODY, "nonce": os.urandom(4).hex()}
@@ -162,7 +177,8 @@ def main(argv: list[str]) -> int:
           f"peak {max(s['rss_mb'] for s in samples):.1f} MiB: growth after warm-up "
           f"{growth:+.1f}%")
     record = {"benchmark": "soak", "started": started.isoformat(), "versions": info,
-              "duration_s": duration, "warmup_s": warmup, "connections": args.connections,
+              "duration_s": duration, "warmup_s": warmup, "left_out": leave_out,
+              "connections": args.connections,
               "samples": samples, "baseline": base, "final": final, "growth_pct": growth,
               "outcomes": outcomes, "wrk": summary}
     path = common.write_record(common.result_path("soak", started, output=args.output), record)

@@ -31,6 +31,7 @@ surface a shared (Redis) implementation must provide; the policies keep the rule
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -45,6 +46,12 @@ from policies.reasons import Reason, Rejected
 RUN_WARNING_HEADER = "X-Sluice-Run-Warning"
 #: A run with no call for this long is forgotten (its counts and first-call time with it).
 RUN_IDLE_TTL_S = 86400.0
+#: Runs remembered at most (about 0.9 KiB each). Past it, the least recently seen runs that
+#: hold nothing a limit needs are forgotten first: see :meth:`RunRegistry.resolve`.
+MAX_RUNS = 10_000
+#: Runs looked at per eviction, so that one new run costs a bounded time even when the
+#: oldest ones must all be kept.
+EVICT_SCAN = 8
 #: How often forgotten runs are swept, seconds.
 SWEEP_INTERVAL_S = 60.0
 #: Longest chain of parent links followed; deeper trees are cut here (and refused by depth).
@@ -137,28 +144,42 @@ class RunRegistry:
     # -- the tree -----------------------------------------------------------------------------
 
     def resolve(self, run: str, parent: str | None, tenant: str) -> RunInfo:
-        """The run ``run`` (created on first sight, linked under ``parent`` if given)."""
+        """The run ``run`` (created on first sight, linked under ``parent`` if given).
+
+        Memory stays bounded whatever run ids callers send: past :data:`MAX_RUNS` runs, the
+        least recently seen ones are forgotten if they hold nothing a limit needs (no call
+        live, no ``max_requests`` count, no cancellation in force, no child run remembered).
+        A forgotten run loses only its statistics (``sluice runs show``) and the priority and
+        deadline its descendants would inherit; if it calls again it starts as a new run.
+        Runs that do hold something are kept until :data:`RUN_IDLE_TTL_S` after their last
+        call, so that no spend of a run budget is lost.
+        """
         now = self.clock()
         if now >= self._next_sweep:
             self._sweep(now)
-        info = self.runs.get(run)
+        runs = self.runs
+        info = runs.pop(run, None)
         if info is None:
             up = None
             if parent is not None and parent != run:
                 up = self.runs.get(parent) or self.resolve(parent, None, tenant)
             info = RunInfo(run, tenant, up, now)
-            self.runs[run] = info
+            runs[run] = info
             if up is not None:
                 up.children.add(run)
-        elif info.parent is None and parent is not None and parent != run and not info.live \
-                and not info.counts:
-            # Named as a root first only by a call that counted nothing: link it now, unless
-            # the link would make a cycle.
-            up = self.runs.get(parent) or self.resolve(parent, None, tenant)
-            if all(node is not info for node in up.lineage()):
-                info.parent = up
-                info.depth = up.depth + 1
-                up.children.add(run)
+            if len(runs) > MAX_RUNS:
+                self._evict(now)
+        else:
+            runs[run] = info  # last in the dict: the most recently seen
+            if info.parent is None and parent is not None and parent != run \
+                    and not info.live and not info.counts:
+                # Named as a root first only by a call that counted nothing: link it now,
+                # unless the link would make a cycle.
+                up = self.runs.get(parent) or self.resolve(parent, None, tenant)
+                if all(node is not info for node in up.lineage()):
+                    info.parent = up
+                    info.depth = up.depth + 1
+                    up.children.add(run)
         info.last_seen = now
         return info
 
@@ -229,6 +250,22 @@ class RunRegistry:
                 and info.cancelled_until <= now]
         for name in idle:
             info = self.runs.pop(name)
+            if info.parent is not None:
+                info.parent.children.discard(name)
+
+    def _evict(self, now: float) -> None:
+        """Forget least recently seen runs that hold nothing (see :meth:`resolve`) until at
+        most :data:`MAX_RUNS` remain, looking at :data:`EVICT_SCAN` runs at most (never at the
+        newest, the run being created)."""
+        runs = self.runs
+        for name in list(itertools.islice(runs, min(EVICT_SCAN, len(runs) - 1))):
+            if len(runs) <= MAX_RUNS:
+                return
+            info = runs.pop(name)
+            if info.live or info.children or info.cancelled_until > now or any(
+                    info.counts.values()):
+                runs[name] = info  # kept: to the end, so the next scan looks further
+                continue
             if info.parent is not None:
                 info.parent.children.discard(name)
 

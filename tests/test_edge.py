@@ -8,10 +8,13 @@ import json
 import time
 
 import aiohttp
+import openai
 from aiohttp import web
 
+from policies.usage import JSON_LIMIT_BYTES
 from tests.conftest import raw_request, route, wait_until
 from tests.fakeupstream import RawUpstream
+from tests.mcp_servers import mcp_stateless  # noqa: F401  (a fixture)
 
 LOOPBACK = b"Host: 127.0.0.1\r\n"
 
@@ -203,6 +206,15 @@ async def test_a_host_sluice_does_not_serve_is_421(upstream, start_sluice):
     sluice = await start_sluice({"server": {"allowed_hosts": ["*"]},
                                  "routes": [route("svc", upstream.url, "http")]})
     assert (await _status(sluice.port, b"evil.example.com"))[0] == 200
+    # HTTP/1.1 must send Host (RFC 9112 §3.2: aiohttp's parser refuses it); HTTP/1.0 may not.
+    before = len(upstream.requests)
+    [(status, headers, body)] = parse(await raw_request(
+        sluice.port, b"GET /svc/x HTTP/1.1\r\nConnection: close\r\n\r\n"))
+    assert (status, headers["x-sluice-reason"]) == (400, "bad_request")
+    assert json.loads(body)["error"]["reason"] == "bad_request"
+    [(status, _, _)] = parse(await raw_request(sluice.port, b"GET /svc/x HTTP/1.0\r\n\r\n"))
+    assert status == 200
+    assert [s.path_qs for s in upstream.requests[before:]] == ["/x"]
 
 
 async def test_mcp_routes_check_a_browsers_origin(upstream, start_sluice):
@@ -408,6 +420,64 @@ async def test_connections_beyond_max_connections_get_503(upstream, start_sluice
         writer.close()
 
 
+# -- usage reading and stripping --------------------------------------------------------------
+
+
+async def test_an_sse_event_over_4_mib_keeps_usage_read_and_stripped(start_sluice):
+    """An event over 4 MiB switched usage reading off for the rest of the stream: the usage
+    chunk Sluice had asked for reached an openai SDK caller that had not (``choices: []``), and
+    ``chunk.choices[0]`` raised IndexError; the tokens went uncharged."""
+    big = "x" * (2 * JSON_LIMIT_BYTES)  # held past the limit before its end arrives
+    asked = []
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        payload = await request.json()
+        asked.append(payload.get("stream_options"))
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for text in (big, "after the big one"):
+            chunk = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m",
+                     "choices": [{"index": 0, "delta": {"content": text},
+                                  "finish_reason": None}]}
+            await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        if (payload.get("stream_options") or {}).get("include_usage"):
+            usage = {"prompt_tokens": 11, "completion_tokens": 1_300_000,
+                     "total_tokens": 1_300_011}
+            await response.write(("data: " + json.dumps({
+                "id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m",
+                "choices": [], "usage": usage}) + "\n\n").encode())
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    app = web.Application(client_max_size=1 << 20)
+    app.router.add_post("/v1/chat/completions", chat)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    try:
+        sluice = await start_sluice({"routes": [route(
+            "openai", f"http://127.0.0.1:{port}", "openai",
+            budget={"tokens": "100000000/day", "per": "tenant"})]})
+        client = openai.AsyncOpenAI(base_url=sluice.url + "/openai/v1", api_key="sk-test",
+                                    max_retries=0)
+        stream = await client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}], stream=True,
+            max_tokens=2_000_000,
+            extra_headers={"X-Tenant-ID": "acme"})
+        texts = [chunk.choices[0].delta.content async for chunk in stream]
+        await client.close()
+        assert texts == [big, "after the big one"]  # no usage chunk: the caller did not ask
+        assert asked == [{"include_usage": True}]  # Sluice asked, to charge the tokens
+        for direction, tokens in (("input", 11), ("output", 1_300_000)):
+            assert await sluice.metric("sluice_tokens_total", route="openai", tenant="acme",
+                                       direction=direction) == tokens
+    finally:
+        await runner.cleanup()
+
+
 # -- the truthful reason ----------------------------------------------------------------------
 
 
@@ -444,3 +514,49 @@ async def test_a_body_cut_by_the_total_timeout_is_504_not_502(start_sluice):
         assert completed["status"] == 504 and completed["outcome"] == "upstream_timeout"
     finally:
         await runner.cleanup()
+
+
+async def test_a_real_mcp_servers_dns_rebinding_refusals_hold_behind_sluice(
+        mcp_stateless, start_sluice):  # noqa: F811
+    """The official SDK's server refuses a foreign ``Host`` (421) and ``Origin`` (403) on its
+    own; behind Sluice (which sets ``Host`` to the upstream's) it accepted them. Each request
+    is sent to the server directly and through Sluice: what the server refuses directly,
+    Sluice refuses with the same status, and the tool never runs."""
+    sluice = await start_sluice({"routes": [route("tools", mcp_stateless.base_url, "mcp")]})
+    cases = [  # (Host, Origin) with {port} the port called; statuses direct and via Sluice
+        ("127.0.0.1:{port}", None, 200),
+        ("localhost:{port}", None, 200),
+        ("127.0.0.1:{port}", "http://127.0.0.1:{port}", 200),
+        ("evil.example.com", None, 421),
+        ("evil.example.com:{port}", None, 421),
+        ("localhost.evil.example.com:{port}", "http://localhost.evil.example.com:{port}", 421),
+        ("127.0.0.1:{port}", "http://evil.example", 403),
+        ("127.0.0.1:{port}", "null", 403),
+        (None, None, 400),  # no Host: HTTP/1.1 requires one
+    ]
+
+    async def send(port: int, path: bytes, n: int, host: str, origin: str | None) -> int:
+        body = json.dumps({"jsonrpc": "2.0", "id": n, "method": "tools/call",
+                           "params": {"name": "send", "arguments": {"to": f"case{n}"}}}).encode()
+        lines = [f"POST {path.decode()} HTTP/1.1",
+                 "Content-Type: application/json", "Accept: application/json, text/event-stream",
+                 "MCP-Protocol-Version: 2025-11-25", f"Content-Length: {len(body)}",
+                 "Connection: close"]
+        if host is not None:
+            lines.append(f"Host: {host.format(port=port)}")
+        if origin is not None:
+            lines.append(f"Origin: {origin.format(port=port)}")
+        answer = await raw_request(port, ("\r\n".join(lines) + "\r\n\r\n").encode() + body)
+        status = int(answer.split(b" ", 2)[1])
+        if status != 200:
+            assert b"evil" not in answer.partition(b"\r\n\r\n")[2]
+        return status
+
+    for n, (host, origin, expected) in enumerate(cases):
+        direct = await send(mcp_stateless.port, b"/mcp", n, host, origin)
+        via = await send(sluice.port, b"/tools/mcp", n, host, origin)
+        assert (direct, via) == (expected, expected), (host, origin)
+    allowed = [f"case{n}" for n, case in enumerate(cases) if case[2] == 200]
+    assert sorted(d["to"] for d in mcp_stateless.sent()) == sorted(allowed * 2)
+    assert await sluice.metric("sluice_rejections_total", route="tools",
+                               reason="forbidden_origin") == 2
