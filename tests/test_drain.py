@@ -31,12 +31,20 @@ async def test_sigterm_drains_in_flight_work_and_refuses_new(upstream, start_slu
         sluice.signal(signal.SIGTERM)
         signalled = time.monotonic()
 
-        async def not_ready() -> bool:
+        # Bounded well inside drain_timeout: a /readyz that never says "draining" fails here,
+        # naming its answer, rather than polling until the drain ends and the process exits
+        # (the CI failure: a stale body compare, then "connect refused" 20 s later).
+        answer: tuple[int, dict] = (0, {})
+        deadline = signalled + 5
+        while time.monotonic() < deadline:
             async with session.get(sluice.admin_url + "/readyz") as r:
-                return r.status == 503 and (await r.json())["status"] == "draining"
-
-        while not await not_ready():
+                answer = (r.status, await r.json())
+            if answer[0] == 503 and answer[1]["status"] == "draining":
+                break
             await asyncio.sleep(0.02)
+        else:
+            raise AssertionError(f"/readyz did not report draining within 5 s: {answer}")
+        assert answer[1]["state"]["backend"] == "memory"
         async with session.get(sluice.admin_url + "/healthz") as r:
             assert r.status == 200  # alive, only not ready
 
