@@ -187,8 +187,8 @@ async def test_sighup_reloads_and_listeners_stay_put(upstream, start_sluice):
             view = await r.json()
     assert view["last_reload"]["held"] == ["server.listen"]
     assert view["config"]["server"]["listen"] == f"127.0.0.1:{sluice.port}"
-    assert view["config"]["routes"][0]["timeouts"] == {"connect": 2.0, "total": 60.0,
-                                                       "deadline_header": "X-Request-Timeout"}
+    assert view["config"]["routes"][0]["timeouts"] == {
+        "connect": 2.0, "total": 60.0, "idle": 600.0, "deadline_header": "X-Request-Timeout"}
     assert "server.listen changed but cannot change while running" in sluice.stderr()
 
 

@@ -5,9 +5,9 @@ Cells, and GCRA" explains it for HTTP APIs) in its *continuous-state leaky bucke
 I.371 defines as equivalent to the virtual-scheduling (theoretical-arrival-time) form: a bucket
 of ``limit`` units drains at ``limit / period_s`` units per second and holds its ``level`` as
 of a time ``t``. An admission taking ``amount`` units fits when ``level + amount <= limit``, so
-a burst of ``limit`` passes and then the steady rate. This is exactly the semantics of
-:mod:`policies.rate` had with aiolimiter (it now uses these buckets), including its ``Retry-After``: the time until the
-bucket has drained enough, ``(level + amount - limit) * period_s / limit`` seconds (RFC 9110
+a burst of ``limit`` passes and then the steady rate. This is exactly the semantics
+:mod:`policies.rate` had with aiolimiter (it now uses these buckets), including its
+``Retry-After``: the time until the bucket has drained enough, ``(level + amount - limit) * period_s / limit`` seconds (RFC 9110
 §10.2.3; the IETF RateLimit fields draft calls the same quantity the reset of the quota).
 
 The level form (rather than storing the theoretical arrival time) keeps the numbers small, so
