@@ -7,8 +7,9 @@ of ``limit`` units drains at ``limit / period_s`` units per second and holds its
 of a time ``t``. An admission taking ``amount`` units fits when ``level + amount <= limit``, so
 a burst of ``limit`` passes and then the steady rate. This is exactly the semantics
 :mod:`policies.rate` had with aiolimiter (it now uses these buckets), including its
-``Retry-After``: the time until the bucket has drained enough, ``(level + amount - limit) * period_s / limit`` seconds (RFC 9110
-§10.2.3; the IETF RateLimit fields draft calls the same quantity the reset of the quota).
+``Retry-After``: the time until the bucket has drained enough,
+``(level + amount - limit) * period_s / limit`` seconds (RFC 9110 §10.2.3; the IETF RateLimit
+fields draft calls the same quantity the reset of the quota).
 
 The level form (rather than storing the theoretical arrival time) keeps the numbers small, so
 float rounding never decides an admission, and lets a bucket keep its level when a reload
