@@ -55,11 +55,13 @@ class Accounting:
             metered call's request units and tokens together (:meth:`RateLimiter.take`).
         budgets: the route's budgets, if any.
         run_header: the header naming a run, for the message when it is missing.
+        enforce: some other step limits tokens (a model's ``rate.tokens``,
+            :mod:`policies.operations`), so every metered call must name its output cap.
     """
 
     def __init__(self, config: RouteConfig, pricing: dict[str, ModelPrice],
                  rate: RateLimiter | None, budgets: Budgets | None,
-                 run_header: str) -> None:
+                 run_header: str, enforce: bool = False) -> None:
         self.protocol = config.protocol
         self.anthropic = config.protocol == "anthropic"
         usage = config.usage
@@ -70,6 +72,7 @@ class Accounting:
         self.rate = rate
         self.budgets = budgets
         self.run_header = run_header
+        self.enforce = enforce
         #: Tenants seen on this route (the first ``MAX_TENANTS_SHOWN``), for the admin API.
         self.tenants: dict[str, None] = {}
         self.tenant_units: list[str] = []
@@ -115,7 +118,7 @@ class Accounting:
     def enforcing(self) -> bool:
         """The route limits tokens (a token rate or a budget), so every metered call must be
         readable and name an output cap."""
-        return (self.rate is not None and self.rate.tokens is not None) or (
+        return self.enforce or (self.rate is not None and self.rate.tokens is not None) or (
             self.budgets is not None)
 
     def open(self, method: str, raw_path: str, body: bytes, tenant: str,
