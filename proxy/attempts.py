@@ -81,12 +81,14 @@ class _Tries:
         log: every attempt, for the dead letter (routes with ``retry`` only).
     """
 
-    __slots__ = ("error", "kind", "log", "pending", "reached", "response", "stop")
+    __slots__ = ("error", "kind", "log", "pending", "reached", "response", "stop", "tracker")
 
     def __init__(self) -> None:
         #: An operation's breaker and its ticket for an MCP answer whose verdict (a tool
         #: failure or not) is known only once the answer has been read.
         self.pending: tuple[brk.Breaker, brk.Pass] | None = None
+        #: Reads the relayed answer for ``pending``'s verdict.
+        self.tracker: AnswerTracker | None = None
         self.response: aiohttp.ClientResponse | None = None
         self.error: Rejected | None = None
         self.kind = ""
@@ -175,13 +177,12 @@ async def forward(request: web.BaseRequest, rt: Runtime, route: Route, call: Cal
                 extra = {**call.response_headers, **(extra or {})}
             call.status = response.status
             call.progress_at = time.monotonic()
-            tracker = None
             if tries.pending is not None:
-                tracker = AnswerTracker(response.headers.get("Content-Type"),
-                                        jsonrpc_id(route.protocol, call.body) or 0)
+                tries.tracker = AnswerTracker(response.headers.get("Content-Type"),
+                                              jsonrpc_id(route.protocol, call.body) or 0)
             try:
                 answer, outcome = await fwd.relay(request, response, extra,
-                                                  _Progress(call, call.capture, tracker),
+                                                  _Progress(call, call.capture, tries.tracker),
                                                   meter)
             except Rejected as error:  # not relayable (a bad status or header) or cut in time
                 await _verdict(tries, None)
@@ -191,7 +192,7 @@ async def forward(request: web.BaseRequest, rt: Runtime, route: Route, call: Cal
                     failed.headers.update(_NO_RETRY)
                 timed_out = error.reason is Reason.UPSTREAM_TIMEOUT
                 return failed, "upstream_timeout" if timed_out else "upstream_error", True
-            await _verdict(tries, tracker)
+            await _verdict(tries, tries.tracker)
             return answer, outcome, True
         error = tries.error
         assert error is not None
@@ -202,10 +203,14 @@ async def forward(request: web.BaseRequest, rt: Runtime, route: Route, call: Cal
         return answer, outcome, tries.reached
     finally:
         tries.drop_response()
-        if tries.pending is not None:  # the caller left mid-answer: no verdict
+        if tries.pending is not None:  # the caller left during the answer
             breaker, ticket = tries.pending
             tries.pending = None
-            breaker.release(ticket)
+            found = tries.tracker.outcome if tries.tracker is not None else None
+            if found is None:  # before the response: the answer says nothing
+                breaker.release(ticket)
+            else:  # after it, as the MCP SDKs do: its verdict stands
+                breaker.record_soon(ticket, brk.FAILURE if found.tool_failure else brk.SUCCESS)
 
 
 async def _verdict(tries: _Tries, tracker: AnswerTracker | None) -> None:
