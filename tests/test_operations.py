@@ -403,3 +403,26 @@ async def test_mcp_name_header_that_disagrees_with_the_body_is_400(mcp_stateless
         assert r.headers["X-Sluice-Reason"] == "bad_request"
         assert (await r.json())["id"] == 7
     assert mcp_stateless.sends() == 0
+
+
+# -- shared state: an operation's counters are shared by replicas, and its own -------------------
+
+
+@pytest.mark.parametrize("shared_state", ["redis"], indirect=True)
+async def test_operation_rates_are_shared_by_replicas_and_kept_apart(upstream, start_sluice,
+                                                                      shared_state):
+    route = {"name": "api", "path_prefix": "/api/", "upstream": upstream.url,
+             "endpoints": {"POST /v1/send": {"rate": {"requests": "2/min"}},
+                           "POST /v1/other": {"rate": {"requests": "2/min"}}}}
+    a = await start_sluice({"state": shared_state, "routes": [route]})
+    b = await start_sluice({"state": shared_state, "routes": [route]})
+    async with aiohttp.ClientSession() as http:
+        statuses = []
+        for sluice in (a, b, a):
+            async with http.post(sluice.url + "/api/v1/send", data=b"{}") as r:
+                statuses.append((r.status, r.headers.get("X-Sluice-Reason")))
+        assert statuses == [(200, None), (200, None), (429, "rate_limited")]
+        for sluice in (b, a):  # another endpoint's bucket is its own
+            async with http.post(sluice.url + "/api/v1/other", data=b"{}") as r:
+                assert r.status == 200
+    assert [s.path_qs for s in upstream.requests] == ["/v1/send"] * 2 + ["/v1/other"] * 2
