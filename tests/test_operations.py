@@ -426,3 +426,19 @@ async def test_operation_rates_are_shared_by_replicas_and_kept_apart(upstream, s
             async with http.post(sluice.url + "/api/v1/other", data=b"{}") as r:
                 assert r.status == 200
     assert [s.path_qs for s in upstream.requests] == ["/v1/send"] * 2 + ["/v1/other"] * 2
+
+
+def test_operation_label_values_are_capped() -> None:
+    """Tool and model names come from requests: past 100 per route they share ``other``."""
+    from proxy.metrics import MAX_OPERATION_LABELS, Metrics
+
+    metrics = Metrics()
+    series = metrics.for_route("tools", inflight=lambda: 0, queued=lambda: 0)
+    for n in range(MAX_OPERATION_LABELS + 50):
+        series.operation(f"tool-{n}").outcome("2xx")
+    series.operation("tool-0").outcome("2xx")  # one seen before the cap keeps its name
+    values = {s.labels["operation"]: s.value for m in metrics.registry.collect()
+              if m.name == "sluice_operation_requests" for s in m.samples}
+    assert len(values) == MAX_OPERATION_LABELS + 1
+    assert values["other"] == 50 and values["tool-0"] == 2
+    assert metrics.operation_label("llm", "gpt-4o") == "gpt-4o"  # each route its own cap
