@@ -145,10 +145,10 @@ class Route:
                         if config.budget else None)
         _, blocks = config.operations()
         if config.protocol in ("openai", "anthropic"):
-            model_tokens = any(op.rate is not None and op.rate.tokens is not None
-                               for op in blocks.values())
+            token_models = frozenset(name for name, op in blocks.items()
+                                     if op.rate is not None and op.rate.tokens is not None)
             self.accounting = Accounting(config, pricing or {}, self.rate, self.budgets,
-                                         run_header, enforce=model_tokens)
+                                         run_header, token_models)
         self.operations = (Operations(config, self.backends, events.emit_system, self.budgets,
                                       run_header) if blocks else None)
         self._plans: dict[str, Plan] = {}

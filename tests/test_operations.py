@@ -292,12 +292,14 @@ async def test_per_model_token_rate_on_an_openai_route(upstream, start_sluice):
         for _ in range(3):
             await client.chat.completions.create(model="gpt-4o-mini", messages=messages,
                                                  max_tokens=600)
-        # A call without max_tokens cannot be weighed against the model's token rate.
+        # A call without max_tokens cannot be weighed against the model's token rate; a model
+        # without one needs none.
         with pytest.raises(openai.BadRequestError):
             await client.chat.completions.create(model="gpt-4o", messages=messages)
+        await client.chat.completions.create(model="gpt-4o-mini", messages=messages)
     finally:
         await client.close()
-    assert len(upstream.requests) == 4
+    assert len(upstream.requests) == 5
     assert await sluice.metric("sluice_operation_rejections_total", route="llm",
                                operation="gpt-4o", reason="token_rate_limited") == 1
 
