@@ -251,6 +251,11 @@ class Metrics:
             "USD charged for operations' cost_per_call and cost_per_second.",
             ["route", "operation"], registry=r,
         )
+        self.operation_circuit_state = Gauge(
+            "sluice_operation_circuit_state",
+            "An operation's circuit breaker state: 0 closed, 1 half-open, 2 open.",
+            ["route", "operation"], registry=r,
+        )
         self._operation_labels: dict[str, set[str]] = {}
         # Anti-metrics: the signals that stay silent elsewhere (issue 12).
         self.cancels = Counter(
@@ -354,6 +359,15 @@ class Metrics:
     def unbind_circuit_state(self, route: str) -> None:
         """Drop a route's breaker gauge (a reload removed its block)."""
         self.circuit_state.remove_by_labels({"route": route})
+
+    def bind_operation_breakers(self, route: str,
+                                states: dict[str, Callable[[], float]]) -> None:
+        """Read the breaker state of each of ``route``'s operations that has one, by
+        operation name (from the config, so bounded), at scrape time; operations no longer
+        listed lose their series."""
+        self.operation_circuit_state.remove_by_labels({"route": route})
+        for operation, state in states.items():
+            self.operation_circuit_state.labels(route, operation).set_function(state)
 
     def bind_dead_letter_depth(self, route: str, depth: Callable[[], float]) -> None:
         """Read ``route``'s dead-letter count at scrape time."""

@@ -178,6 +178,10 @@ class Route:
         else:
             metrics.unbind_circuit_state(self.name)
         self.budget_gauges = BudgetGauges(metrics, self.name, self.accounting)
+        # Read through the operation object: a reload may swap its breaker (take_over).
+        metrics.bind_operation_breakers(self.name, {
+            op.name: lambda op=op: op.breaker.state_value() if op.breaker else 0
+            for op in self.operations or () if op.breaker is not None})
 
     def _admission_order(self) -> None:
         """The plans of the route's calls (:class:`policies.operations.Plan`): its policies

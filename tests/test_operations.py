@@ -156,6 +156,10 @@ async def test_failing_tool_opens_its_own_breaker_only(mcp_session, start_sluice
     assert await sluice.metric("sluice_operation_rejections_total", route="tools",
                                operation="fail", reason="circuit_open") == 1
     assert await sluice.metric("sluice_circuit_state", route="tools") == 0
+    assert await sluice.metric("sluice_operation_circuit_state", route="tools",
+                               operation="fail") == 2
+    assert await sluice.metric("sluice_operation_circuit_state", route="tools",
+                               operation="add") == 0
     events = await flushed(sluice)
     opened = [e for e in events if e["event"] == "circuit_opened"]
     assert [(e["route"], e["operation"]) for e in opened] == [("tools", "fail")]
