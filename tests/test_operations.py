@@ -165,6 +165,51 @@ async def test_failing_tool_opens_its_own_breaker_only(mcp_session, start_sluice
     assert [(e["route"], e["operation"]) for e in opened] == [("tools", "fail")]
 
 
+MCP1_SEQUENCE = """
+import asyncio, json, sys
+from mcp import ClientSession
+from mcp.client.streamable_http import streamablehttp_client
+
+async def main(url, calls):
+    out = []
+    async with streamablehttp_client(url) as (read, write, _):
+        async with ClientSession(read, write) as session:
+            await session.initialize()
+            for name, args in calls:
+                try:
+                    r = await asyncio.wait_for(session.call_tool(name, args), 10)
+                    out.append({"ok": r.content[0].text, "is_error": r.isError})
+                except Exception as exc:
+                    error = getattr(exc, "error", None)
+                    out.append({"raised": type(exc).__name__,
+                                "code": getattr(error, "code", None),
+                                "data": getattr(error, "data", None)})
+    print(json.dumps(out))
+
+asyncio.run(main(sys.argv[1], json.loads(sys.argv[2])))
+"""
+
+
+@pytest.mark.skipif(not MCP1_PYTHON.exists(), reason="no .venv-mcp1 (the mcp 1.x client)")
+async def test_mcp1_client_tool_breaker_fails_only_that_tool(mcp_session, start_sluice,
+                                                              tmp_path):
+    sluice = await start_sluice({"routes": [mcp_route(
+        mcp_session.base_url, tools={"fail": {"circuit_breaker": {"fail_max": 2,
+                                                                   "reset_timeout": "60s"}}})]})
+    script = tmp_path / "mcp1_sequence.py"
+    script.write_text(MCP1_SEQUENCE)
+    calls = [["fail", {}], ["fail", {}], ["fail", {}], ["add", {"a": 1, "b": 2}]]
+    proc = await asyncio.create_subprocess_exec(
+        str(MCP1_PYTHON), str(script), endpoint(sluice), json.dumps(calls),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 0, err.decode()[-2000:]
+    results = json.loads(out)
+    assert [r.get("is_error") for r in results[:2]] == [True, True]
+    assert results[2]["code"] == 503 and results[2]["data"]["reason"] == "circuit_open"
+    assert results[3] == {"ok": "3", "is_error": False}  # the session lives on
+
+
 # -- retry safety per operation ------------------------------------------------------------------
 
 
