@@ -155,7 +155,8 @@ class Operation:
         self.rate = (OperationRate(RateLimiter(config.rate, backends, self.group))
                      if config.rate else None)
         i = config.idempotency
-        self.idempotency = (Idempotency(i, self.group, backends=backends)
+        self.idempotency = (Idempotency(i, self.group, backends=backends,
+                                        mcp_calls=route.protocol == "mcp")
                             if i and i.mode != "off" else None)
         cb = config.circuit_breaker
 

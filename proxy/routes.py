@@ -130,7 +130,8 @@ class Route:
         self.rate = (RateLimiter(config.rate, self.backends, self.name, config.protocol)
                      if config.rate else None)
         i = config.idempotency
-        self.idempotency = (Idempotency(i, self.name, backends=self.backends)
+        self.idempotency = (Idempotency(i, self.name, backends=self.backends,
+                                        mcp_calls=config.protocol == "mcp")
                             if i and i.mode != "off" else None)
         cb = config.circuit_breaker
         self.breaker = Breaker(cb, self.name, events.emit_system, self.backends) if cb else None

@@ -286,6 +286,46 @@ async def test_retried_side_effecting_call_executes_once(mcp_stateless, start_sl
         await gateway.stop()
 
 
+@pytest.mark.parametrize("mode", ["stateless", "session"])
+async def test_repeated_side_effecting_call_with_the_same_arguments_runs_once(
+        mcp_server_factory, start_sluice, mode):
+    """``send`` deduplicates (its block's ``idempotency``): the same arguments again replay the
+    first answer, under the new request's JSON-RPC id, although the SDK closed the connection
+    right after the first result; other arguments run."""
+    server = mcp_server_factory(mode)
+    sluice = await start_sluice({"routes": [mcp_route(
+        server.base_url, tools={"send": {"idempotency": {"mode": "dedup"}}})]})
+    async with Client(endpoint(sluice), mode="legacy") as client:
+        first = await client.call_tool("send", {"to": "ops@example.com", "body": "hi"})
+        again = await client.call_tool("send", {"body": "hi", "to": "ops@example.com"})
+        other = await client.call_tool("send", {"to": "dev@example.com", "body": "hi"})
+        assert [text(first), text(again), text(other)] == ["sent #1", "sent #1", "sent #2"]
+        # Tools without the block run every time.
+        assert text(await client.call_tool("add", {"a": 1, "b": 1})) == "2"
+        assert text(await client.call_tool("add", {"a": 1, "b": 1})) == "2"
+    assert server.sends() == 2
+    events = await flushed(sluice)
+    replayed = [e for e in events if e["event"] == "replayed"]
+    assert [e["operation"] for e in replayed] == ["send"]
+
+
+mcp_server_factory = mcp_servers.mcp_server_factory
+
+
+@pytest.mark.parametrize("shared_state", ["redis"], indirect=True)
+async def test_same_tool_call_through_two_replicas_runs_once(mcp_session, start_sluice,
+                                                             shared_state):
+    route = mcp_route(mcp_session.base_url, tools={"send": {"idempotency": {"mode": "dedup"}}})
+    replicas = [await start_sluice({"state": shared_state, "routes": [route]})
+                for _ in range(2)]
+    answers = []
+    for sluice in replicas:
+        async with Client(endpoint(sluice), mode="legacy") as client:
+            answers.append(text(await client.call_tool("send", {"to": "ops", "body": "x"})))
+    assert answers == ["sent #1", "sent #1"]
+    assert mcp_session.sends() == 1
+
+
 # -- per-endpoint limit on an http route ---------------------------------------------------------
 
 
