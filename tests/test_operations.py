@@ -312,6 +312,26 @@ async def test_repeated_side_effecting_call_with_the_same_arguments_runs_once(
 mcp_server_factory = mcp_servers.mcp_server_factory
 
 
+async def test_derive_from_keys_ignore_the_json_rpc_id(mcp_stateless, start_sluice):
+    """Before: ``derive_from`` keys on MCP gave 422 on every repeat (the JSON-RPC id was part
+    of the fingerprint). Now the repeat under a new id replays, with that id."""
+    sluice = await start_sluice({"routes": [mcp_route(mcp_stateless.base_url, tools={
+        "send": {"idempotency": {"mode": "dedup", "derive_from": ["X-Step-ID"]}}})]})
+    headers = {"Accept": "application/json, text/event-stream", "X-Step-ID": "step-1",
+               "MCP-Protocol-Version": "2025-06-18"}
+    answers = []
+    async with aiohttp.ClientSession() as http:
+        for rid in (1, "retry-1"):
+            call = {"jsonrpc": "2.0", "id": rid, "method": "tools/call",
+                    "params": {"name": "send", "arguments": {"to": "x"}}}
+            async with http.post(endpoint(sluice), json=call, headers=headers) as r:
+                assert r.status == 200
+                answers.append((r.headers.get("Idempotent-Replayed"), await r.text()))
+    assert answers[0][0] is None and answers[1][0] == "true"
+    assert '"id":"retry-1"' in answers[1][1] and "sent #1" in answers[1][1]
+    assert mcp_stateless.sends() == 1
+
+
 @pytest.mark.parametrize("shared_state", ["redis"], indirect=True)
 async def test_same_tool_call_through_two_replicas_runs_once(mcp_session, start_sluice,
                                                              shared_state):
