@@ -459,6 +459,10 @@ class CircuitBreakerConfig(_Section):
     reset_timeout: PositiveDuration = 30.0
     #: Successful probes in a row that close the breaker again.
     success_threshold: int = Field(default=1, gt=0)
+    #: On a tool's block of an ``mcp`` route: a tool failure (an ``isError`` result, a
+    #: JSON-RPC error other than invalid params) counts as a failure. A route's breaker
+    #: counts only transport failures (5xx, no answer), so one tool cannot open it.
+    tool_errors: bool = True
 
 
 class BackoffConfig(_Section):

@@ -217,7 +217,9 @@ class Route:
                 self.concurrency,  # the slot, and its queue
             ),
             (self.breaker, op and op.breaker),
-            op.breaker if op is not None and self.protocol == "mcp" else None,
+            op.breaker if op is not None and self.protocol == "mcp"
+            and op.config.circuit_breaker is not None and op.config.circuit_breaker.tool_errors
+            else None,
             op.retry if op is not None and op.retry else self.retry,
             op.config.timeouts if op is not None and op.config.timeouts else config.timeouts,
             config.idempotent or bool(op is not None and op.config.idempotent),

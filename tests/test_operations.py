@@ -165,6 +165,16 @@ async def test_failing_tool_opens_its_own_breaker_only(mcp_session, start_sluice
     assert [(e["route"], e["operation"]) for e in opened] == [("tools", "fail")]
 
 
+async def test_tool_errors_off_counts_transport_failures_only(mcp_stateless, start_sluice):
+    sluice = await start_sluice({"routes": [mcp_route(mcp_stateless.base_url, tools={
+        "fail": {"circuit_breaker": {"fail_max": 1, "tool_errors": False}}})]})
+    async with Client(endpoint(sluice), mode="legacy") as client:
+        for _ in range(3):  # isError results, each forwarded: the breaker stays closed
+            assert (await client.call_tool("fail", {})).is_error
+    assert await sluice.metric("sluice_operation_circuit_state", route="tools",
+                               operation="fail") == 0
+
+
 MCP1_SEQUENCE = """
 import asyncio, json, sys
 from mcp import ClientSession
