@@ -16,6 +16,7 @@ import aiohttp
 
 from tests.conftest import route, wait_until
 from tests.redis_servers import RedisServer, new_prefix
+from tests.test_shared_rate_budget import round_trips
 
 TOKEN = "s3cret-admin-token"
 CHAT = "/openai/v1/chat/completions"
@@ -211,3 +212,27 @@ async def test_redis_stopped_each_replica_keeps_its_own_runs(upstream, start_slu
     assert "applies to this replica only" in a.stderr()
     assert (refused[0], refused[1]["X-Sluice-Reason"]) == (409, "run_cancelled")
     assert [status for status, _, _ in other] == [200, 200, 429]
+
+
+async def test_round_trips_per_call_of_a_run(upstream, start_sluice, redis_server: RedisServer):
+    """A call of a run costs one script (lineage and cancellation), plus one for the route's
+    ``max_requests``; a call naming no run costs none."""
+    state = {"backend": "redis", "redis_url": redis_server.url, "key_prefix": new_prefix()}
+    (sluice,) = await replicas(start_sluice, 1, {"state": state, "routes": [
+        route("openai", upstream.url), route("limited", upstream.url, run={"max_requests": 99})]})
+    n = 10
+    counts = {}
+    async with aiohttp.ClientSession() as s:
+        for name, path, headers in (("no run", "/openai", {}),
+                                    ("run", "/openai", run_headers("job")),
+                                    ("run with max_requests", "/limited", run_headers("job"))):
+            for i in range(n + 1):
+                if i == 1:  # after a first call has loaded the scripts
+                    with redis_server.client() as r:
+                        r.config_resetstat()
+                async with s.post(sluice.url + path + "/v1/chat/completions", json=chat(),
+                                  headers=headers) as resp:
+                    assert resp.status == 200
+            counts[name] = round_trips(redis_server) / n
+    print(f"\nRedis round trips per call: {counts}")
+    assert counts == {"no run": 0, "run": 1, "run with max_requests": 2}
