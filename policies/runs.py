@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import logging
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -51,8 +50,6 @@ from policies.rate import Background, unavailable
 from policies.reasons import Reason, Rejected
 from policies.state import Fallback, StateUnavailable
 from policies.state.runs import Lineage, RedisRuns
-
-log = logging.getLogger("sluice")
 
 #: Response header on admitted calls once a run limit is ``warn_at`` used:
 #: ``"max_requests";used=0.800`` (the fuller of the two limits).
