@@ -236,3 +236,47 @@ async def test_round_trips_per_call_of_a_run(upstream, start_sluice, redis_serve
             counts[name] = round_trips(redis_server) / n
     print(f"\nRedis round trips per call: {counts}")
     assert counts == {"no run": 0, "run": 1, "run with max_requests": 2}
+
+
+async def test_calls_racing_a_cancel_all_end(upstream, start_sluice, shared_state):
+    """Calls of a run tree keep arriving on 3 replicas while its root is cancelled on one:
+    whatever the interleaving (a call whose shared check ran just before the cancel was
+    recorded, a cancel heard while a call's check is on its way), no call of the tree stays
+    at the upstream: each is answered 409 within 1 s of the cancel or of its own start,
+    whichever is later, and the upstream (which holds every call) answers none of them."""
+    config = {"state": shared_state, "routes": [route("tools", upstream.url, "http")]}
+    reps = await replicas(start_sluice, 3, config)
+    ends: list[tuple[float, int, float]] = []  # (start, status, end) of each call
+
+    async def one(s: aiohttp.ClientSession, rep, run: str, parent: str) -> int:
+        began = time.monotonic()
+        async with s.post(rep.url + "/tools/x", data=b"{}",
+                          headers=run_headers(run, parent)) as r:
+            await r.read()
+            ends.append((began, r.status, time.monotonic()))
+            return r.status
+
+    async with aiohttp.ClientSession() as s:
+        # The tree: 6 children of the root, each linked on some replica.
+        kids = [f"storm-kid-{k}" for k in range(6)]
+        assert [await one(s, reps[k % 3], kid, "storm") for k, kid in enumerate(kids)] == [
+            200] * 6
+        ends.clear()
+        upstream.hold = asyncio.Event()
+        tasks = []
+        for i in range(60):  # children and grandchildren, spread over the replicas
+            kid = kids[i % 6]
+            run, parent = (kid, "storm") if i % 3 == 0 else (f"{kid}-gk-{i % 4}", kid)
+            tasks.append(asyncio.create_task(one(s, reps[(i + i // 3) % 3], run, parent)))
+            if i == 30:
+                cancelled_at = time.monotonic()
+                tasks.append(asyncio.create_task(cancel(s, reps[1], "storm")))
+            await asyncio.sleep(0.005)
+        async with asyncio.timeout(10):
+            await asyncio.gather(*tasks)
+    slow = [(round(end - max(began, cancelled_at), 3), status)
+            for began, status, end in ends
+            if end - max(began, cancelled_at) >= QUIET_ACROSS_S or status != 409]
+    assert not slow, slow
+    assert len(ends) == 60
+    assert upstream.executed == 6 and upstream.inflight == 0
