@@ -280,3 +280,24 @@ async def test_calls_racing_a_cancel_all_end(upstream, start_sluice, shared_stat
     assert not slow, slow
     assert len(ends) == 60
     assert upstream.executed == 6 and upstream.inflight == 0
+
+
+async def test_redis_stopped_with_reject_refuses_run_calls(upstream, start_sluice,
+                                                           redis_server: RedisServer):
+    """``state.on_unavailable: reject``: a call of a run is refused 503 ``state_unavailable``
+    at once (its run's cancellation cannot be checked); a call naming no run is served."""
+    state = {"backend": "redis", "redis_url": redis_server.url, "key_prefix": new_prefix(),
+             "timeout": "200ms", "on_unavailable": "reject"}
+    (sluice,) = await replicas(start_sluice, 1, {"state": state,
+                                                 "routes": [route("openai", upstream.url)]})
+    async with aiohttp.ClientSession() as s:
+        assert (await call(s, sluice, "job"))[0] == 200
+        redis_server.stop()
+        await sluice.wait_metric("sluice_state_backend_up", 0, backend="redis")
+        async with asyncio.timeout(5):
+            refused = await call(s, sluice, "job")
+            async with s.post(sluice.url + CHAT, json=chat()) as r:
+                plain = r.status
+    assert (refused[0], refused[1]["X-Sluice-Reason"]) == (503, "state_unavailable")
+    assert "Retry-After" in refused[1]
+    assert plain == 200
