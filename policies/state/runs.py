@@ -318,6 +318,16 @@ class CancelFeed:
         if self._on_cancel is not None and left_s > 0:
             self._on_cancel(run, left_s)
 
+    def _heard(self, data: str) -> None:
+        """One message: ``<ms left> <run>`` (see ``_CANCEL``)."""
+        left_ms, _, run = data.partition(" ")
+        try:
+            left_s = float(left_ms) / 1000
+        except ValueError:
+            log.warning("ignored a malformed run cancellation message: %.80r", data)
+            return
+        self._deliver(run, left_s)
+
     async def _listen(self) -> None:
         runs = self._runs
         state = runs.state
@@ -338,8 +348,7 @@ class CancelFeed:
                 while not self._closing:
                     message = await pubsub.get_message(timeout=READ_TIMEOUT_S)
                     if message is not None and message["type"] == "message":
-                        left_ms, _, run = _text(message["data"]).partition(" ")
-                        self._deliver(run, int(left_ms) / 1000)
+                        self._heard(_text(message["data"]))
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # StateUnavailable before the first connection, too
