@@ -27,8 +27,8 @@ at the top level of the config limit them across all routes together. Both apply
 State lives behind :class:`RunRegistry` (one per server): this replica's runs, their live
 calls and statistics. With the Redis backend it also asks the shared run state
 (:mod:`policies.state.runs`) for what every replica must agree on: each call reads its run's
-lineage, first-call times and cancellation from Redis (one round trip), ``max_requests`` is
-counted there, and a cancel made on any replica is recorded there and reaches every
+lineage, first-call times and cancellation from Redis and counts it for ``max_requests``
+there (one round trip), and a cancel made on any replica is recorded there and reaches every
 replica's queued and in-flight calls through pub/sub. Fan-out width, inherited priorities and
 deadlines, and the statistics ``sluice runs`` shows stay per replica. While Redis does not
 answer, ``state.on_unavailable`` applies: ``local`` decides from this replica's own view (a
@@ -40,7 +40,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from policies.concurrency import ConcurrencyLimiter
@@ -49,7 +49,7 @@ from policies.pipeline import Call, Outcome
 from policies.rate import Background, unavailable
 from policies.reasons import Reason, Rejected
 from policies.state import Fallback, StateUnavailable
-from policies.state.runs import Lineage, RedisRuns
+from policies.state.runs import Count, Lineage, RedisRuns
 
 #: Response header on admitted calls once a run limit is ``warn_at`` used:
 #: ``"max_requests";used=0.800`` (the fuller of the two limits).
@@ -161,6 +161,8 @@ class RunRegistry:
         self.fallback = fallback if fallback is not None else Fallback("local", 1)
         #: Give-backs of shared counts, which a holding's release cannot await.
         self.background = Background()
+        #: What the run tracker's round trip counted, per call, until the call ends.
+        self.counted: dict[Call, SharedCount] = {}
 
     # -- the tree -----------------------------------------------------------------------------
 
@@ -260,6 +262,18 @@ class RunRegistry:
         """Undo :meth:`take_request` for a call that never reached the upstream."""
         for info in lineage:
             info.counts[scope] = max(0, info.counts.get(scope, 0) - 1)
+
+    def settle_count(self, call: Call) -> None:
+        """The call ended: give back the shared counts it took at admission that no run
+        limit claimed (it was refused, replayed or cancelled before that step)."""
+        part = self.counted.pop(call, None)
+        if part is None or not part.lineage.counted or self.shared is None:
+            return
+        for count in part.counts:
+            if count.scope not in part.claimed:
+                self.background.start(
+                    self.shared.give_back_request(count.scope, part.lineage.ids),
+                    "run request give-back")
 
     # -- cancellation -------------------------------------------------------------------------
 
@@ -365,17 +379,40 @@ class RunRegistry:
 # --- the policies ----------------------------------------------------------------------------
 
 
+class SharedCount:
+    """The ``max_requests`` counts the run tracker's round trip took for one call (all its
+    scopes at once), until each scope's :class:`RunLimits` claims its part; parts never
+    claimed are given back when the call ends (:meth:`RunRegistry.settle_count`)."""
+
+    __slots__ = ("claimed", "counts", "lineage")
+
+    def __init__(self, counts: list[Count], lineage: Lineage) -> None:
+        self.counts = counts
+        self.lineage = lineage
+        self.claimed: set[str] = set()
+
+    def index(self, scope: str) -> int | None:
+        return next((i for i, count in enumerate(self.counts) if count.scope == scope), None)
+
+
 class RunTracker:
     """First step of every call that names a run: place it in its tree, inherit priority and
     deadline, refuse it if its run (or an ancestor) is cancelled, and keep it reachable by a
-    cancel until it ends (the holding)."""
+    cancel until it ends (the holding).
 
-    def __init__(self, registry: RunRegistry) -> None:
+    With shared run state the same round trip also counts the call for the ``max_requests``
+    of ``limits`` (the run limits of the call's route and of the top level), so a call of a
+    run costs one round trip; each :class:`RunLimits` then only claims its count.
+    """
+
+    def __init__(self, registry: RunRegistry, limits: Sequence[RunLimits] = ()) -> None:
         self.registry = registry
+        self.limits = limits
 
     async def admit(self, call: Call) -> _Tracked | None:
         """With shared run state, one round trip reads the run's lineage and cancellation
-        from Redis (see :meth:`RunRegistry.adopt`).
+        from Redis (see :meth:`RunRegistry.adopt`) and counts the call (see
+        :class:`SharedCount`).
 
         Raises:
             Rejected: ``run_cancelled`` (409); ``deadline_unreachable`` when the call has no
@@ -399,8 +436,9 @@ class RunTracker:
             self._inherit(info, call)
         except BaseException:
             info.live.discard(live)
+            registry.settle_count(call)
             raise
-        return _Tracked(info, live)
+        return _Tracked(registry, info, live)
 
     def _refuse_if_cancelled(self, info: RunInfo) -> None:
         registry = self.registry
@@ -415,12 +453,15 @@ class RunTracker:
         """Place the call's run in the shared tree and refuse it if the shared state says
         its run or an ancestor is cancelled."""
         registry = self.registry
+        counts = [count for limits in self.limits if (count := limits.shared_count())]
         try:
-            lineage = await shared.admit(info.id, call.parent_run)
+            lineage = await shared.admit(info.id, call.parent_run, counts)
         except StateUnavailable as exc:
             if registry.fallback.mode == "reject":
                 raise unavailable(exc) from None
             return  # this replica's own tree decides (state.on_unavailable: local)
+        if counts:
+            registry.counted[call] = SharedCount(counts, lineage)
         registry.adopt(info, lineage)
         call.lineage = lineage.ids[1:]
         if lineage.cancelled is not None:
@@ -455,9 +496,10 @@ class RunTracker:
 
 
 class _Tracked:
-    __slots__ = ("info", "live")
+    __slots__ = ("info", "live", "registry")
 
-    def __init__(self, info: RunInfo, live: LiveCall) -> None:
+    def __init__(self, registry: RunRegistry, info: RunInfo, live: LiveCall) -> None:
+        self.registry = registry
         self.info = info
         self.live = live
 
@@ -465,6 +507,7 @@ class _Tracked:
         info = self.info
         info.live.discard(self.live)
         call = self.live.call
+        self.registry.settle_count(call)
         info.attempts += call.attempts
         if outcome.label not in ("rejected", "replayed"):
             info.calls += 1
@@ -479,9 +522,10 @@ class RunLimits:
     """``run`` limits and ``fanout.depth`` of one scope (a route, or ``*`` for all routes).
 
     Holds one count of ``max_requests`` on the run and each ancestor, given back if the call
-    never reached the upstream. With shared run state the count is taken in Redis (one round
-    trip), so every replica's calls spend one ``max_requests``; the depth and the run's age
-    are the shared tree's (see :meth:`RunRegistry.adopt`).
+    never reached the upstream. With shared run state the count is taken in Redis, by the run
+    tracker's round trip (claimed here) or else by one of its own, so every replica's calls
+    spend one ``max_requests``; the depth and the run's age are the shared tree's (see
+    :meth:`RunRegistry.adopt`).
     """
 
     def __init__(self, registry: RunRegistry, scope: str, run: RunConfig | None,
@@ -490,6 +534,13 @@ class RunLimits:
         self.scope = scope
         self.run = run
         self.depth = fanout.depth if fanout is not None else None
+
+    def shared_count(self) -> Count | None:
+        """What the run tracker counts for this scope in its round trip, if anything."""
+        run = self.run
+        if run is None or run.max_requests is None:
+            return None
+        return Count(self.scope, run.max_requests, self.depth, run.max_duration)
 
     async def admit(self, call: Call) -> _Counted | None:
         """Raises:
@@ -527,7 +578,9 @@ class RunLimits:
                     used, warn = age / config.max_duration, "max_duration"
         shared: RedisRuns | None = None
         if config.max_requests is not None:
-            shared, full, share = await self._take(lineage, config.max_requests)
+            claimed = self._claim(call, config.max_requests)
+            shared, full, share = (claimed if claimed is not None else
+                                   await self._take(lineage, config.max_requests))
             if full is not None:
                 raise Rejected(
                     Reason.RUN_BUDGET_EXHAUSTED, None,
@@ -543,6 +596,24 @@ class RunLimits:
         if config.max_requests is None:
             return None
         return _Counted(registry, self.scope, lineage, shared)
+
+    def _claim(self, call: Call, limit: int) -> tuple[RedisRuns | None, str | None,
+                                                      float] | None:
+        """What the run tracker's round trip decided for this scope (as :meth:`_take`
+        returns it), or ``None`` when it did not count the call here (no shared state, Redis
+        not answering then, or a limit of another scope refusing it): count it now."""
+        registry = self.registry
+        part = registry.counted.get(call)
+        index = part.index(self.scope) if part is not None else None
+        if part is None or index is None:
+            return None
+        lineage = part.lineage
+        if lineage.full and lineage.full[index] is not None:
+            return None, lineage.full[index], 1.0
+        if not lineage.counted:
+            return None
+        part.claimed.add(self.scope)
+        return registry.shared, None, lineage.highs[index] / limit
 
     async def _take(self, lineage: list[RunInfo], limit: int
                     ) -> tuple[RedisRuns | None, str | None, float]:

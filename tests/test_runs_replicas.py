@@ -215,8 +215,8 @@ async def test_redis_stopped_each_replica_keeps_its_own_runs(upstream, start_slu
 
 
 async def test_round_trips_per_call_of_a_run(upstream, start_sluice, redis_server: RedisServer):
-    """A call of a run costs one script (lineage and cancellation), plus one for the route's
-    ``max_requests``; a call naming no run costs none."""
+    """A call of a run costs one script: its lineage, its cancellation and its count for the
+    route's ``max_requests`` together; a call naming no run costs none."""
     state = {"backend": "redis", "redis_url": redis_server.url, "key_prefix": new_prefix()}
     (sluice,) = await replicas(start_sluice, 1, {"state": state, "routes": [
         route("openai", upstream.url), route("limited", upstream.url, run={"max_requests": 99})]})
@@ -235,7 +235,7 @@ async def test_round_trips_per_call_of_a_run(upstream, start_sluice, redis_serve
                     assert resp.status == 200
             counts[name] = round_trips(redis_server) / n
     print(f"\nRedis round trips per call: {counts}")
-    assert counts == {"no run": 0, "run": 1, "run with max_requests": 2}
+    assert counts == {"no run": 0, "run": 1, "run with max_requests": 1}
 
 
 async def test_calls_racing_a_cancel_all_end(upstream, start_sluice, shared_state):
@@ -301,3 +301,34 @@ async def test_redis_stopped_with_reject_refuses_run_calls(upstream, start_sluic
     assert (refused[0], refused[1]["X-Sluice-Reason"]) == (503, "state_unavailable")
     assert "Retry-After" in refused[1]
     assert plain == 200
+
+
+async def test_a_count_taken_before_an_earlier_refusal_is_given_back(
+        upstream, start_sluice, shared_state):
+    """The run's count is taken with its lineage, before idempotency: a duplicate refused
+    there (its twin in flight) gives the count back, so ``max_requests: 2`` still serves
+    two distinct calls, and refuses the third."""
+    upstream.hold = asyncio.Event()
+    (sluice,) = await replicas(start_sluice, 1, {"state": shared_state, "routes": [route(
+        "openai", upstream.url, run={"max_requests": 2},
+        idempotency={"on_in_flight": "reject"})]})
+    async with aiohttp.ClientSession() as s:
+        url = sluice.url + CHAT
+
+        async def keyed(key: str) -> tuple[int, dict[str, str]]:
+            async with s.post(url, json=chat(), headers={**run_headers("job"),
+                                                         "Idempotency-Key": key}) as r:
+                await r.read()
+                return r.status, dict(r.headers)
+
+        first = asyncio.create_task(keyed("k1"))
+        await wait_until(lambda: upstream.inflight == 1, what="the first call upstream")
+        duplicates = [await keyed("k1") for _ in range(3)]
+        await asyncio.sleep(0.3)  # give-backs run in the background, after the answer
+        upstream.hold.set()
+        assert (await first)[0] == 200
+        second, third = await keyed("k2"), await keyed("k3")
+    assert [status for status, _ in duplicates] == [409] * 3
+    assert second[0] == 200
+    assert (third[0], third[1]["X-Sluice-Reason"]) == (429, "run_budget_exhausted")
+    assert len(upstream.requests) == 2

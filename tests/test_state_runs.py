@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from policies.state import redis_backends
-from policies.state.runs import RedisRuns
+from policies.state.runs import Count, RedisRuns
 from tests.redis_servers import (
     TEST_PROBE_S,
     TEST_TIMEOUT_S,
@@ -80,6 +80,28 @@ async def test_counts_are_all_or_none_and_given_back(where):
         assert await runs.take_request("s", ("kid", "root"), 2) == (None, 2)
         assert await runs.take_request("s", ("kid",), 2) == ("kid", 0)
         assert await runs.take_request("other-scope", ("kid", "root"), 2) == (None, 1)
+
+
+async def test_admit_counts_every_scope_or_none(where):
+    async with shared_runs(*where) as runs:
+        both = [Count("*", 3, None, None), Count("route", 2, None, None)]
+        assert (await runs.admit("kid", "root", both)).counted
+        lineage = await runs.admit("kid", "root", both)
+        assert (lineage.counted, lineage.full, lineage.highs) == (True, (None, None), (2, 2))
+        # The route's scope is full on kid: nothing counted in either scope.
+        lineage = await runs.admit("kid", "root", both)
+        assert (lineage.counted, lineage.full) == (False, (None, "kid"))
+        assert await runs.take_request("*", ("root",), 3) == (None, 3)
+        # Too deep, or too old, for a scope: counted nowhere, and the counts not read.
+        deep = await runs.admit("grandkid", "kid", [Count("route", 9, 1, None)])
+        assert (deep.counted, deep.full) == (False, ())
+        await asyncio.sleep(0.05)
+        old = await runs.admit("grandkid", "kid", [Count("route", 9, None, 0.04)])
+        assert (old.counted, old.full) == (False, ())
+        await runs.cancel("root", 60)
+        cancelled = await runs.admit("grandkid", "kid", [Count("route", 9, None, None)])
+        assert (cancelled.cancelled, cancelled.counted) == ("root", False)
+        assert await runs.take_request("route", ("grandkid",), 1) == (None, 1)
 
 
 async def test_a_cancel_reaches_the_lineage_and_every_feed(where):

@@ -20,7 +20,10 @@ be the same on every replica:
 Every key lives in the ``{runs}`` hash slot, so each script runs on one slot of a Redis
 Cluster; the scripts walk parent links, so they build ancestors' keys themselves (all in that
 slot). Each request-path operation is one script, one round trip, bounded by ``state.timeout``
-and raising :class:`~policies.state.errors.StateUnavailable` when Redis does not answer.
+and raising :class:`~policies.state.errors.StateUnavailable` when Redis does not answer; a
+call of a run makes one (:meth:`RedisRuns.admit` places it, checks its cancellation and counts
+it for ``max_requests``), a call that never reached the upstream one more to give its count
+back.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -56,12 +59,17 @@ SUBSCRIBE_TIMEOUT_S = 2.0
 #: How long the feed blocks reading before it looks at its state again, seconds.
 READ_TIMEOUT_S = 1.0
 
-# Place a call's run in the shared tree and read its lineage.
+# Place a call's run in the shared tree, read its lineage, and count the call.
 # KEYS: cancelled zset, the run's hash, the parent's hash (or the run's again).
-# ARGV: run, parent ('' for none), key prefix of run hashes, idle ttl s, max lineage.
+# ARGV: run, parent ('' for none), key prefix of run hashes, idle ttl s, max lineage, then per
+# max_requests scope: field, limit, depth limit (-1: none), max duration ms (-1: none).
 # A new run is linked under its parent unless that would close a cycle; a run first seen as a
 # root is linked later only while it has counted nothing (as the memory registry does).
-# Returns {ids, first-call ms, cancelled index (0: none), ms its refusal has left, now ms}.
+# The call is counted in every scope on every run of the lineage, or nowhere: not when the
+# lineage is cancelled, deeper or older than a scope allows, or a run is at a scope's limit.
+# Returns {ids, first-call ms, cancelled index (0: none), ms its refusal has left, now ms,
+# counted (0/1), per scope the index of the first run at its limit (0: none), per scope the
+# highest count after counting}.
 _ADMIT = Script("""
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -103,7 +111,41 @@ for i = 1, max do
   node = redis.call('HGET', k, 'parent')
   if not node then break end
 end
-return {ids, firsts, hit, left, now}
+local counted, full, highs = 0, {}, {}
+if hit == 0 and #ARGV > 5 then
+  local fits = true
+  for g = 6, #ARGV, 4 do
+    local depth_limit, duration = tonumber(ARGV[g + 2]), tonumber(ARGV[g + 3])
+    if depth_limit >= 0 and #ids - 1 > depth_limit then fits = false end
+    if duration >= 0 then
+      for i = 1, #ids do
+        if now - tonumber(firsts[i]) >= duration then fits = false end
+      end
+    end
+  end
+  if fits then
+    local room = true
+    for g = 6, #ARGV, 4 do
+      local field, limit = ARGV[g], tonumber(ARGV[g + 1])
+      local at, high = 0, 0
+      for i = 1, #ids do
+        local n = tonumber(redis.call('HGET', pre .. ids[i], field) or '0')
+        if n >= limit then at = i break end
+        if n + 1 > high then high = n + 1 end
+      end
+      full[#full + 1] = at
+      highs[#highs + 1] = high
+      if at > 0 then room = false end
+    end
+    if room then
+      counted = 1
+      for g = 6, #ARGV, 4 do
+        for i = 1, #ids do redis.call('HINCRBY', pre .. ids[i], ARGV[g], 1) end
+      end
+    end
+  end
+end
+return {ids, firsts, hit, left, now, counted, full, highs}
 """)
 
 # Count one call on every run of a lineage for a scope, or on none.
@@ -173,12 +215,37 @@ class Lineage:
         ages: seconds since each of their first calls, in the same order.
         cancelled: the run of ``ids`` whose cancellation refuses the call, or ``None``.
         cancelled_left: seconds that refusal has left (0 when ``cancelled`` is ``None``).
+        counted: the call was counted in every scope asked (see :meth:`RedisRuns.admit`).
+        full: per scope asked, the first run of ``ids`` at that scope's limit, or ``None``
+            (empty when the counts were not looked at: cancelled, too deep or too old).
+        highs: per scope asked, the highest count on the lineage after counting.
     """
 
     ids: tuple[str, ...]
     ages: tuple[float, ...]
     cancelled: str | None
     cancelled_left: float
+    counted: bool = False
+    full: tuple[str | None, ...] = ()
+    highs: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Count:
+    """One ``run.max_requests`` scope a call is counted in, with the limits that must hold
+    for it to be counted at all.
+
+    Attributes:
+        scope: the route's name, or ``*`` for the top-level ``run`` block.
+        limit: ``max_requests``.
+        depth: ``fanout.depth`` of the same scope, or ``None``.
+        max_duration: ``run.max_duration`` of the same scope, seconds, or ``None``.
+    """
+
+    scope: str
+    limit: int
+    depth: int | None
+    max_duration: float | None
 
 
 def _text(value: Any) -> str:
@@ -203,17 +270,25 @@ class RedisRuns:
     def _key(self, run: str) -> str:
         return self._runs + run
 
-    async def admit(self, run: str, parent: str | None) -> Lineage:
+    async def admit(self, run: str, parent: str | None,
+                    counts: Sequence[Count] = ()) -> Lineage:
         """Place ``run`` under ``parent`` (on first sight) and read its lineage and whether a
-        cancellation refuses it; refreshes the expiry of the run and its ancestors.
+        cancellation refuses it; refreshes the expiry of the run and its ancestors. With
+        ``counts``, also count the call in each of those scopes on every run of the lineage,
+        all or none (as :meth:`take_request` does for one scope), unless the lineage is
+        cancelled, deeper than a scope's ``depth`` or older than its ``max_duration``.
 
         Raises:
             StateUnavailable: Redis did not answer within ``state.timeout``.
         """
         parent_key = self._key(parent) if parent else self._key(run)
-        ids, firsts, hit, left, now = await self.state.eval(
-            _ADMIT, [self._cancelled, self._key(run), parent_key],
-            [run, parent or "", self._runs, RUN_IDLE_TTL_S, MAX_LINEAGE])
+        args: list[Any] = [run, parent or "", self._runs, RUN_IDLE_TTL_S, MAX_LINEAGE]
+        for count in counts:
+            args += [f"n:{count.scope}", count.limit,
+                     -1 if count.depth is None else count.depth,
+                     -1 if count.max_duration is None else round(count.max_duration * 1000)]
+        ids, firsts, hit, left, now, counted, full, highs = await self.state.eval(
+            _ADMIT, [self._cancelled, self._key(run), parent_key], args)
         names = tuple(_text(name) for name in ids)
         now = int(now)
         return Lineage(
@@ -221,6 +296,9 @@ class RedisRuns:
             ages=tuple(max(0, now - int(first)) / 1000 for first in firsts),
             cancelled=names[int(hit) - 1] if int(hit) else None,
             cancelled_left=int(left) / 1000,
+            counted=bool(int(counted)),
+            full=tuple(names[int(at) - 1] if int(at) else None for at in full),
+            highs=tuple(int(high) for high in highs),
         )
 
     async def take_request(self, scope: str, ids: tuple[str, ...],
