@@ -139,9 +139,9 @@ forests = st.lists(st.integers(0, 7), min_size=1, max_size=6).map(
                                        min_size=1, max_size=30),
        limit=st.integers(1, 4))
 def test_interleaved_replicas_never_overspend_a_run(where, parents, calls, limit):
-    """Three replicas count calls of one run tree at once: each run's count is exactly the
-    calls granted on its subtree and never above the limit, and each refused call's lineage
-    holds a run at the limit."""
+    """Three replicas count calls of one run tree at once (at admission and on their own):
+    each run's count is exactly the calls granted on its subtree and never above the limit,
+    and each refused call's lineage holds a run at the limit."""
     url, base = where
     prefix = f"{base}:{new_prefix()[-12:]}"  # under the fixture's prefix: deleted with it
 
@@ -156,9 +156,19 @@ def test_interleaved_replicas_never_overspend_a_run(where, parents, calls, limit
                                               names[parent])
                 lineages.append(lineage.ids)
             asked = [lineages[run % len(lineages)] for run, _ in calls]
+
+            async def count(index: int, ids: tuple[str, ...], rep: int) -> tuple[str | None,
+                                                                                  int]:
+                # Both ways a call is counted: in the tracker's admission, or on its own.
+                if index % 2:
+                    return await reps[rep].take_request("s", ids, limit)
+                lineage = await reps[rep].admit(ids[0], None, [Count("s", limit, None, None)])
+                assert lineage.ids == ids
+                return lineage.full[0], lineage.highs[0]
+
             results = await asyncio.gather(*(
-                reps[rep].take_request("s", ids, limit)
-                for ids, (_, rep) in zip(asked, calls, strict=True)))
+                count(index, ids, rep)
+                for index, (ids, (_, rep)) in enumerate(zip(asked, calls, strict=True))))
             counts = {}
             for name in names:
                 counts[name] = sum(1 for ids, (full, _) in zip(asked, results, strict=True)
