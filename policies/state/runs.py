@@ -19,10 +19,11 @@ be the same on every replica:
 
 Every key lives in the ``{runs}`` hash slot, so each script runs on one slot of a Redis
 Cluster; the scripts walk parent links, so they build ancestors' keys themselves (all in that
-slot). Each request-path operation is one script, one round trip, bounded by ``state.timeout``
-and raising :class:`~policies.state.errors.StateUnavailable` when Redis does not answer; a
-call of a run makes one (:meth:`RedisRuns.admit` places it, checks its cancellation and counts
-it for ``max_requests``), a call that never reached the upstream one more to give its count
+slot). The price: one node of a cluster carries all run state and its load. Each
+request-path operation is one script, one round trip, bounded by ``state.timeout`` and
+raising :class:`~policies.state.errors.StateUnavailable` when Redis does not answer; a call
+of a run makes one (:meth:`RedisRuns.admit` places it, checks its cancellation and counts it
+for ``max_requests``), a call that never reached the upstream one more to give its count
 back.
 """
 
