@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 import orjson
@@ -42,6 +42,7 @@ from policies.budget import Budgets, Reservation
 from policies.concurrency import ConcurrencyLimiter
 from policies.config import (
     DEFAULT_OPERATION,
+    ConcurrencyConfig,
     OperationConfig,
     RouteConfig,
     TimeoutsConfig,
@@ -80,13 +81,13 @@ def carry_over(old: P | None, new: P | None, old_config: C | None, new_config: C
     return old
 
 
-def reconfigure_limiter(limiter: ConcurrencyLimiter, c: Any) -> None:
+def reconfigure_limiter(limiter: ConcurrencyLimiter, c: ConcurrencyConfig) -> None:
     """Adopt a changed ``concurrency`` block in place (slots held and waiters kept)."""
     limiter.reconfigure(c.limit, c.queue, c.max_wait, c.per_tenant,
                         tenant_weights=c.tenant_weights, aging=c.aging)
 
 
-def new_limiter(c: Any) -> ConcurrencyLimiter | None:
+def new_limiter(c: ConcurrencyConfig | None) -> ConcurrencyLimiter | None:
     """The limiter of a ``concurrency`` block, or ``None`` without one."""
     if c is None:
         return None
@@ -222,7 +223,8 @@ class Operations:
                     method, pattern = endpoint_pattern(name)
                     self.endpoints.append((method, pattern, op))
 
-    def __iter__(self) -> Any:
+    def __iter__(self) -> Iterator[Operation]:
+        """The operation blocks, in file order."""
         return iter(self.by_name.values())
 
     def resolve(self, call: Call) -> tuple[str | None, Operation | None]:
