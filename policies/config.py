@@ -593,8 +593,9 @@ class OperationConfig(_Section):
     #: its answer) to the route's ``usd`` budgets, settled when the call ends.
     cost_per_second: float | None = Field(default=None, ge=0)
     #: The operation's calls may be repeated safely (a read-only tool, a GET-like endpoint):
-    #: ``retry`` repeats them as it repeats GETs. Unset: the route's ``idempotent``.
-    idempotent: bool | None = None
+    #: ``retry`` repeats them as it repeats GETs. A route's ``idempotent: true`` already
+    #: declares every operation so.
+    idempotent: bool = False
 
 
 #: The key naming the policy of every operation of a route that no other key names.

@@ -223,7 +223,7 @@ class Route:
             else None,
             op.retry if op is not None and op.retry else self.retry,
             op.config.timeouts if op is not None and op.config.timeouts else config.timeouts,
-            config.idempotent or bool(op is not None and op.config.idempotent),
+            config.idempotent or (op is not None and op.config.idempotent),
         )
 
     def plan(self, call: Call) -> Plan:
