@@ -15,6 +15,7 @@ import asyncio
 import logging
 import signal
 import time
+from typing import Any
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
@@ -22,7 +23,7 @@ from prometheus_client.aiohttp import make_aiohttp_handler
 
 from policies.config import Config
 from proxy.admin import add_admin_routes
-from proxy.edge import EdgeServer
+from proxy.edge import AdminServer, EdgeServer
 from proxy.handler import handle
 from proxy.reload import RELOADER, Reloader
 from proxy.runtime import RUNTIME, Runtime
@@ -84,6 +85,23 @@ def build_admin_app(runtime: Runtime, reloader: Reloader | None = None) -> web.A
     return app
 
 
+class AdminRunner(web.AppRunner):
+    """An ``AppRunner`` whose server is an :class:`~proxy.edge.AdminServer`, so the admin
+    port's connections get header, body and idle timeouts and a connection cap."""
+
+    def __init__(self, runtime: Runtime, app: web.Application, **kwargs: Any) -> None:
+        super().__init__(app, **kwargs)
+        self._runtime = runtime
+
+    async def _make_server(self) -> web.Server:
+        # aiohttp's own server (after the app's startup) supplies the app's handler and
+        # request factory; only the connection class changes.
+        plain = await super()._make_server()
+        return AdminServer(self._runtime, plain.request_handler,
+                           request_factory=plain.request_factory, loop=plain._loop,
+                           **plain._kwargs)
+
+
 async def _healthz(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
@@ -119,8 +137,9 @@ async def serve(config: Config, config_path: str | None = None) -> None:
     await runtime.open()
     proxy_runner = web.ServerRunner(build_proxy_server(runtime),
                                     shutdown_timeout=SHUTDOWN_GRACE_S)
-    admin_runner = web.AppRunner(
-        build_admin_app(runtime, reloader), access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S
+    admin_runner = AdminRunner(
+        runtime, build_admin_app(runtime, reloader), access_log=None,
+        shutdown_timeout=SHUTDOWN_GRACE_S,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
