@@ -382,6 +382,7 @@ class Breaker:
         task = asyncio.ensure_future(call)
         self._tasks.add(task)  # type: ignore[arg-type]
         task.add_done_callback(self._tasks.discard)
+        self._backends.keep(task)  # shutdown waits for it (StateBackends.close)
         return task
 
     async def _quietly(self, call: Awaitable[object]) -> None:

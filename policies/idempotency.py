@@ -670,6 +670,8 @@ class Idempotency:
         task = asyncio.ensure_future(call)
         self._tasks.add(task)  # type: ignore[arg-type]
         task.add_done_callback(self._tasks.discard)
+        if self._backends is not None:
+            self._backends.keep(task)  # shutdown waits for it (StateBackends.close)
         return task
 
     @staticmethod

@@ -358,8 +358,10 @@ class RedisState:
                 try:
                     result = await op(client)
                 except RedisConnectionError as exc:
-                    if type(exc) is not RedisConnectionError:
-                        raise  # refused by a live server (auth, loading): a retry says the same
+                    if type(exc) is not RedisConnectionError or self._closed:
+                        # Refused by a live server (auth, loading): a retry says the same.
+                        # Closed: the pool must not open connections again.
+                        raise
                     await _drop_idle(client)
                     result = await op(client)
         except Exception as exc:
