@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import time
 from typing import Any
@@ -102,20 +103,25 @@ class AdminRunner(web.AppRunner):
                            **plain._kwargs)
 
 
+# Both probes name the process that answers (``pid``), so a supervisor or a test can tell its
+# own Sluice from another process that holds the port (tests/conftest.py's start_sluice).
+
+
 async def _healthz(request: web.Request) -> web.Response:
-    return web.json_response({"status": "ok"})
+    return web.json_response({"status": "ok", "pid": os.getpid()})
 
 
 async def _readyz(request: web.Request) -> web.Response:
     runtime = request.app[RUNTIME]
     state = {"backend": runtime.state.kind, **runtime.state.health.as_dict()}
     if runtime.draining:
-        return web.json_response({"status": "draining", "state": state}, status=503)
+        return web.json_response({"status": "draining", "pid": os.getpid(), "state": state},
+                                 status=503)
     if not runtime.state.health.up:
         # Still ready: state.on_unavailable says how calls are served meanwhile, and taking
         # every replica out of its Service for a Redis outage would refuse them all.
         state["on_unavailable"] = runtime.state.fallback.mode
-    return web.json_response({"status": "ready", "state": state})
+    return web.json_response({"status": "ready", "pid": os.getpid(), "state": state})
 
 
 def _split(listen: str) -> tuple[str, int]:
