@@ -227,33 +227,37 @@ async def test_the_url_says_server_or_cluster(redis_cluster: RedisCluster):
 
 
 async def test_connections_from_before_a_restart_cost_no_refusal_once_it_is_back(
-        own: StateBackends, redis_server: RedisServer):
+        redis_server: RedisServer):
     """After a restart each pooled connection failed once ("Connection closed by server") and
     marked the backend down again, so calls were refused (503 in reject mode) although Redis
     was answering."""
-    async def burst() -> None:
-        await asyncio.gather(*(own.rates.admit("r", [Take("requests", 10_000, 60.0)])
-                               for _ in range(32)))
+    # A timeout generous for a loaded machine: what is checked is that no call fails on a
+    # connection from before the restart, not how fast a fresh one is opened.
+    own = await redis_backends(redis_server.url, new_prefix(), 2.0, probe_interval_s=PROBE_S)
+    try:
+        async def burst() -> None:
+            await asyncio.gather(*(own.rates.admit("r", [Take("requests", 10_000, 60.0)])
+                                   for _ in range(32)))
 
-    await burst()  # several pooled connections, all to the server about to go
-    redis_server.stop()
-    redis_server.start()
-    if own.health.up:  # no call or probe noticed the restart: the pool is all stale
-        pass
-    await recovered(own)
-    changes: list[bool] = []
-    own.health.on_change(lambda up, _: changes.append(up))
-    for _ in range(5):
-        await burst()
-        await each_answers(own)
-    assert changes == [] and own.health.up
+        await burst()  # several pooled connections, all to the server about to go
+        redis_server.stop()
+        redis_server.start()
+        await recovered(own)
+        changes: list[bool] = []
+        own.health.on_change(lambda up, _: changes.append(up))
+        for _ in range(5):
+            await burst()
+            await each_answers(own)
+        assert changes == [] and own.health.up
+    finally:
+        await own.close()
 
 
 async def test_no_503_in_reject_mode_once_a_restarted_redis_is_back(
         redis_server: RedisServer, upstream, start_sluice):
     sluice = await start_sluice({
         "state": {"backend": "redis", "redis_url": redis_server.url, "key_prefix": new_prefix(),
-                  "timeout": "500ms", "on_unavailable": "reject"},
+                  "timeout": "2s", "on_unavailable": "reject"},
         "routes": [route("svc", upstream.url, "http", rate={"requests": "100000/min"})]})
 
     async def burst(session: aiohttp.ClientSession) -> list[int]:
