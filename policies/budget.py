@@ -157,7 +157,7 @@ class Budgets:
         self.clock = clock
         self.group = group
         self.hold_s = hold_s
-        self.background = Background()
+        self.background = Background(backends)
         self.reconciler = Reconciler(self)
         if backends.redis is not None:
             # Weakly: a reload replaces this object, and the health outlives it.
