@@ -34,11 +34,17 @@ is never counted as zero.
 
 from __future__ import annotations
 
+import asyncio
+import math
+
 from policies.budget import Budgets, Reservation, price_usd
 from policies.config import ModelPrice, RouteConfig
 from policies.pipeline import Call, Outcome
-from policies.rate import RateLimiter, Units
+from policies.rate import RateLimiter, Units, fallback_for
 from policies.reasons import Reason, Rejected
+from policies.state import StateBackends, StateUnavailable
+from policies.state.admission import AdmissionResult
+from policies.state.rate import Take
 from policies.usage import Meter, RequestCost, Usage, endpoint_for, read_request
 
 #: Tenants whose remaining budget the admin API lists (the first seen).
@@ -67,8 +73,9 @@ class Accounting:
         self.write_cap = usage.write_max_tokens
         self.stream_usage = usage.stream_usage
         self.pricing = pricing
-        self.rate = rate
         self.budgets = budgets
+        self.rate: RateLimiter | None = None
+        self.use_rate(rate)
         self.run_header = run_header
         #: Tenants seen on this route (the first ``MAX_TENANTS_SHOWN``), for the admin API.
         self.tenants: dict[str, None] = {}
@@ -111,6 +118,14 @@ class Accounting:
         charge.call = call
         return charge
 
+    def use_rate(self, rate: RateLimiter | None) -> None:
+        """Account with ``rate`` (the route's, kept across a reload). On a route that limits
+        tokens, this step takes a metered call's request units too, with its tokens and
+        budget holds in one round trip, so ``rate``'s own step leaves metered calls alone."""
+        self.rate = rate
+        if rate is not None:
+            rate.metered_elsewhere = self.enforcing
+
     @property
     def enforcing(self) -> bool:
         """The route limits tokens (a token rate or a budget), so every metered call must be
@@ -151,33 +166,91 @@ class Accounting:
         return Charge(self, cost, tenant, run)
 
     async def reserve(self, charge: Charge) -> None:
-        """Take the request's units and worst-case tokens from the rates, then reserve the
-        worst case on the budgets.
+        """Take the request's units and worst-case tokens from the rates, and hold its worst
+        case on the budgets, all or nothing in one call to the route's state
+        (:meth:`policies.state.admission.Admissions.admit`, one Redis round trip). The rules
+        stay in their modules: :class:`~policies.rate.RateLimiter` names the buckets and its
+        refusal, :class:`~policies.budget.Budgets` the claims and its own.
+
+        A refusal names the limit with the longest wait (a rate's, or a budget's: one that
+        never frees is the longest), so a retry after it fits every limit.
 
         Raises:
-            Rejected: from :meth:`RateLimiter.take` or :meth:`Budgets.reserve`; nothing is
-                left held.
+            Rejected: ``exceeds_limit``, ``unpriced_model``, ``rate_limited``,
+                ``token_rate_limited``, ``budget_exhausted``, ``state_unavailable``; nothing
+                is left held.
         """
+        if not self.enforcing:
+            return  # the rate step took the call's request units, if any
         cost = charge.cost
         cap = cost.output_cap or 0
-        rate = self.rate
-        if rate is not None and rate.tokens is not None:
+        rate, budgets = self.rate, self.budgets
+        takes: list[Take] = []
+        if rate is not None:
             takes = rate.request_takes(charge.tenant)
-            takes.append(rate.token_take(cost.input_tokens + cap))
-            charge.units = await rate.take(takes)
-        budgets = self.budgets
-        if budgets is None:
+            if rate.tokens is not None:
+                takes.append(rate.token_take(cost.input_tokens + cap))
+        reservation = None
+        if budgets is not None:
+            reservation = budgets.prepare(charge.tenant, charge.run, cost.model,
+                                          cost.input_tokens, cap, charge.ancestors)
+        owner = budgets if budgets is not None else rate
+        if owner is None or (not takes and reservation is None):
             return
+        backends = owner.backends
+        source = backends
+        rid, claims, now = "", [], 0.0
+        if reservation is not None:
+            rid, claims, now = reservation.rid, reservation.claims, reservation.now
+        hold_s = budgets.hold_s if budgets is not None else 0.0
         try:
-            charge.reservation = await budgets.reserve(
-                charge.tenant, charge.run, cost.model, cost.input_tokens, cap, charge.ancestors)
-            charge.meter.headers = budgets.headers(charge.reservation)
+            result = await backends.admissions.admit(owner.group, takes, rid, claims, now,
+                                                     hold_s)
+        except StateUnavailable as exc:
+            source = fallback_for(backends, exc)
+            if rate is not None:
+                takes = rate.local_takes(takes)
+            if budgets is not None and reservation is not None:
+                budgets.localize(reservation, source)
+                claims = reservation.claims
+            result = await source.admissions.admit(owner.group, takes, rid, claims, now,
+                                                   hold_s)
+        except asyncio.CancelledError:
+            # Rate units taken by a script that ran drain within a period (a refusal, never
+            # excess); a reservation it held is released by id.
+            if budgets is not None and reservation is not None:
+                budgets.abandon(reservation)
+            raise
+        if rate is not None:
+            rate.note(source, takes, result.rates)
+        if budgets is not None and reservation is not None:
+            budgets.answered(reservation)
+        if not result.admitted:
+            raise self._refusal(takes, reservation, result, source)
+        if rate is not None and takes:
+            charge.units = Units(rate, source, takes)
+        if budgets is None or reservation is None:
+            return
+        charge.reservation = reservation
+        try:
+            charge.meter.headers = budgets.headers(reservation)
         except BaseException:
             charge.release(None)
             raise
         if (self.tenant_units and charge.tenant not in self.tenants
                 and len(self.tenants) < MAX_TENANTS_SHOWN):
             self.tenants[charge.tenant] = None
+
+    def _refusal(self, takes: list[Take], reservation: Reservation | None,
+                 result: AdmissionResult, source: StateBackends) -> Rejected:
+        """The refusal of the limit with the longest wait among those that denied."""
+        refusals = []
+        if result.rates.denied is not None and self.rate is not None:
+            refusals.append(self.rate.refusal(takes, result.rates, source))
+        if result.denied and self.budgets is not None and reservation is not None:
+            refusals.append(self.budgets.refusal(reservation, result.denied))
+        return max(refusals, key=lambda r: math.inf if r.retry_after is None
+                   else r.retry_after)
 
 
 class Charge:

@@ -45,7 +45,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from policies.config import BudgetConfig, ModelPrice
-from policies.rate import Background, finish_now, unavailable
+from policies.rate import Background, fallback_for, finish_now
 from policies.reasons import Reason, Rejected
 from policies.state import StateBackends, StateUnavailable
 from policies.state.ledger import Claim
@@ -109,17 +109,19 @@ class Limit:
 class Reservation:
     """What one request holds: its claims under reservation id ``rid``, the limits they
     belong to, and the state they are held in (``source``: the route's shared state, or
-    the local fallback's while the shared one was unavailable)."""
+    the local fallback's while the shared one was unavailable). ``now``: the Unix seconds
+    its windows were chosen at."""
 
-    __slots__ = ("claims", "limits", "price", "rid", "source")
+    __slots__ = ("claims", "limits", "now", "price", "rid", "source")
 
     def __init__(self, rid: str, claims: list[Claim], limits: list[Limit],
-                 price: ModelPrice | None, source: StateBackends) -> None:
+                 price: ModelPrice | None, source: StateBackends, now: float) -> None:
         self.rid = rid
         self.claims = claims
         self.limits = limits
         self.price = price
         self.source = source
+        self.now = now
 
 
 class Budgets:
@@ -183,7 +185,9 @@ class Budgets:
                       input_tokens: int, output_tokens: int,
                       ancestors: Sequence[str] = ()) -> Reservation:
         """Hold the worst case of one request on every limit, or refuse it: one call to the
-        ledger (one Redis round trip).
+        ledger (one Redis round trip). (A metered call's step, :mod:`policies.accounting`,
+        holds it with the call's rate units in one call instead: :meth:`prepare`,
+        :meth:`refusal`.)
 
         A ``per: run`` limit is held on the run *and on each of its ``ancestors``* (its parent
         first): every run's counter covers its whole subtree, so a parent's budget bounds what
@@ -197,6 +201,32 @@ class Budgets:
                 price; ``exceeds_limit`` (400) when the worst case exceeds a whole limit;
                 ``budget_exhausted`` (429) when it does not fit now; ``state_unavailable``
                 (503, ``on_unavailable: reject``).
+        """
+        reservation = self.prepare(tenant, run, model, input_tokens, output_tokens, ancestors)
+        backends = self.backends
+        try:
+            denied = await backends.ledger.reserve(self.group, reservation.rid,
+                                                   reservation.claims, reservation.now,
+                                                   self.hold_s)
+        except StateUnavailable as exc:
+            self.localize(reservation, fallback_for(backends, exc))
+            denied = await reservation.source.ledger.reserve(
+                self.group, reservation.rid, reservation.claims, reservation.now, self.hold_s)
+        except asyncio.CancelledError:
+            self.abandon(reservation)
+            raise
+        self.answered(reservation)
+        if denied:
+            raise self.refusal(reservation, denied)
+        return reservation
+
+    def prepare(self, tenant: str, run: str | None, model: str | None, input_tokens: int,
+                output_tokens: int, ancestors: Sequence[str] = ()) -> Reservation:
+        """The reservation of one request's worst case on every limit (see :meth:`reserve`),
+        not yet held: its id, claims and the limits they belong to.
+
+        Raises:
+            Rejected: ``unpriced_model`` or ``exceeds_limit`` (400), as :meth:`reserve`.
         """
         price = self.pricing.get(model) if model is not None else None
         if price is None and self.needs_price:
@@ -220,30 +250,35 @@ class Budgets:
                 claims.append(Claim(self._key(limit, tenant, scope_run, now), amount,
                                     limit.amount, self._expiry(limit, now)))
                 limits.append(limit)
-        rid = uuid.uuid4().hex
-        backends = self.backends
-        source = backends
-        try:
-            denied = await backends.ledger.reserve(self.group, rid, claims, now, self.hold_s)
-        except StateUnavailable as exc:
-            fallback = backends.fallback
-            if fallback.mode == "reject":
-                raise unavailable(exc) from None
-            source = fallback.memory()
-            claims = [claim._replace(cap=fallback.share(claim.cap)) for claim in claims]
-            denied = await source.ledger.reserve(self.group, rid, claims, now, self.hold_s)
-        except asyncio.CancelledError:
-            # The script may have run in Redis: settling the id releases it if so, and
-            # finds nothing (changes nothing) if not; kept for later if Redis is down.
-            if backends.redis is not None:
-                self.background.start(self.reconciler.settle(rid, [0.0] * len(claims)),
-                                      f"budget release on {self.group}")
-            raise
-        if source is backends and backends.redis is not None:
-            self.reconciler.kick()  # it answered: spend recorded while it did not can go in
-        if denied:
-            raise self._refusal([(limits[i], claims[i]) for i in denied], now, source)
-        return Reservation(rid, claims, limits, price, source)
+        return Reservation(uuid.uuid4().hex, claims, limits, price, self.backends, now)
+
+    def localize(self, reservation: Reservation, local: StateBackends) -> None:
+        """Move a reservation not yet held to the local fallback's ``local`` state, with
+        this replica's share of each limit (``state.replicas``)."""
+        fallback = self.backends.fallback
+        reservation.claims = [claim._replace(cap=fallback.share(claim.cap))
+                              for claim in reservation.claims]
+        reservation.source = local
+
+    def abandon(self, reservation: Reservation) -> None:
+        """The call holding it was cancelled while its reserve was in flight: the script may
+        have run in Redis, so release it by id (which finds nothing, and changes nothing, if
+        not); kept for later if Redis is down."""
+        if reservation.source.redis is not None:
+            self.background.start(
+                self.reconciler.settle(reservation.rid, [0.0] * len(reservation.claims)),
+                f"budget release on {self.group}")
+
+    def answered(self, reservation: Reservation) -> None:
+        """The ledger answered about ``reservation``: if that was the shared one, the spend
+        recorded while it did not answer can go in now."""
+        if reservation.source is self.backends and self.backends.redis is not None:
+            self.reconciler.kick()
+
+    def refusal(self, reservation: Reservation, denied: Sequence[int]) -> Rejected:
+        """``budget_exhausted`` for the claims the ledger ``denied`` (indexes)."""
+        return self._refusal([(reservation.limits[i], reservation.claims[i]) for i in denied],
+                             reservation.now, reservation.source)
 
     def settle(self, reservation: Reservation, usage: Usage | None) -> None:
         """Replace a reservation by ``usage`` (``None``: nothing was used), exactly once (by

@@ -65,6 +65,19 @@ def unavailable(exc: StateUnavailable) -> Rejected:
     return Rejected(Reason.STATE_UNAVAILABLE, wait, exc.cause)
 
 
+def fallback_for(backends: StateBackends, exc: StateUnavailable) -> StateBackends:
+    """Where to decide while ``backends`` is unavailable (``state.on_unavailable``): the
+    local memory state of ``local`` mode, whose limits are this replica's share.
+
+    Raises:
+        Rejected: ``state_unavailable`` (``reject`` mode).
+    """
+    fallback = backends.fallback
+    if fallback.mode == "reject":
+        raise unavailable(exc) from None
+    return fallback.memory()
+
+
 def finish_now(coro: Coroutine[Any, Any, T]) -> T:
     """Run a memory state call to its end right here and return its result.
 
@@ -174,6 +187,9 @@ class RateLimiter:
         self.group = group
         self.protocol = protocol
         self.background = Background()
+        #: Metered calls' request units are taken by the accounting step, with their tokens
+        #: and budget holds in the same round trip (:mod:`policies.accounting` sets it).
+        self.metered_elsewhere = False
         #: The route bucket's whole units left as the shared state last answered (Redis),
         #: for the admin API; ``None`` before any answer.
         self.available: int | None = None
@@ -216,9 +232,9 @@ class RateLimiter:
             Rejected: ``rate_limited`` from the bucket with the longest wait (nothing is held),
                 or ``state_unavailable`` (``on_unavailable: reject``).
         """
-        if self.tokens is not None and self.protocol is not None and endpoint_for(
+        if self.metered_elsewhere and self.protocol is not None and endpoint_for(
                 self.protocol, call.method, call.path) is not None:
-            return None  # the accounting step takes the units with the tokens
+            return None  # the accounting step takes the units with the tokens and budget
         takes = self.request_takes(call.tenant)
         if not takes:
             return None
@@ -269,19 +285,31 @@ class RateLimiter:
             result = await backends.rates.admit(self.group, takes)
             source = backends
         except StateUnavailable as exc:
-            fallback = backends.fallback
-            if fallback.mode == "reject":
-                raise unavailable(exc) from None
-            source = fallback.memory()
-            takes = [take._replace(limit=fallback.whole_share(take.limit)) for take in takes]
+            source = fallback_for(backends, exc)
+            takes = self.local_takes(takes)
             result = await source.rates.admit(self.group, takes)
-        if source is backends and self.requests is not None:
+        self.note(source, takes, result)
+        if not result.admitted:
+            raise self.refusal(takes, result, source)
+        return Units(self, source, takes)
+
+    def local_takes(self, takes: Sequence[Take]) -> list[Take]:
+        """``takes`` with this replica's share of each limit (``state.replicas``), for the
+        local fallback."""
+        fallback = self.backends.fallback
+        return [take._replace(limit=fallback.whole_share(take.limit)) for take in takes]
+
+    def note(self, source: StateBackends, takes: Sequence[Take], result: RateResult) -> None:
+        """Keep what the shared buckets answered about the route bucket (admin API)."""
+        if source is self.backends and self.requests is not None:
             for take, left in zip(takes, result.remaining, strict=True):
                 if take.name == REQUESTS:
                     self.available = left
-        if not result.admitted:
-            raise self._refusal(takes, result, source is not backends)
-        return Units(self, source, takes)
+
+    def refusal(self, takes: Sequence[Take], result: RateResult, source: StateBackends
+                ) -> Rejected:
+        """The refusal for the bucket ``result`` names (``result.denied`` is set)."""
+        return self._refusal(takes, result, source is not self.backends)
 
     def _refusal(self, takes: Sequence[Take], result: RateResult, local: bool) -> Rejected:
         assert result.denied is not None

@@ -221,10 +221,15 @@ class Route:
         self.retry = carry_over(old.retry, self.retry, prev.retry, new.retry)
         # Accounting is rebuilt from the new blocks, but spend carries over: the budget ledger
         # (keyed by unit, scope and window, not by amount) and the route's rates.
-        if self.accounting is not None and old.accounting is not None:
-            if self.accounting.budgets is not None and old.accounting.budgets is not None:
+        # The accounting takes metered calls' request units or leaves them to the rate step,
+        # as the new blocks say.
+        if self.accounting is not None:
+            if (old.accounting is not None and self.accounting.budgets is not None
+                    and old.accounting.budgets is not None):
                 self.accounting.budgets.take_over(old.accounting.budgets)
-            self.accounting.rate = self.rate
+            self.accounting.use_rate(self.rate)
+        elif self.rate is not None:
+            self.rate.metered_elsewhere = False
         self.retired = tuple(route for route in (old, *old.retired) if route.inflight)
         self._admission_order()
 
