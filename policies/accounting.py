@@ -207,6 +207,8 @@ class Accounting:
             result = await backends.admissions.admit(owner.group, takes, rid, claims, now,
                                                      hold_s)
         except StateUnavailable as exc:
+            if budgets is not None and reservation is not None:
+                budgets.unanswered(reservation, exc)
             source = fallback_for(backends, exc)
             if rate is not None:
                 takes = rate.local_takes(takes)

@@ -209,6 +209,7 @@ class Budgets:
                                                    reservation.claims, reservation.now,
                                                    self.hold_s)
         except StateUnavailable as exc:
+            self.unanswered(reservation, exc)
             self.localize(reservation, fallback_for(backends, exc))
             denied = await reservation.source.ledger.reserve(
                 self.group, reservation.rid, reservation.claims, reservation.now, self.hold_s)
@@ -259,6 +260,13 @@ class Budgets:
         reservation.claims = [claim._replace(cap=fallback.share(claim.cap))
                               for claim in reservation.claims]
         reservation.source = local
+
+    def unanswered(self, reservation: Reservation, exc: StateUnavailable) -> None:
+        """The shared ledger did not answer the reserve of ``reservation``: if it was sent,
+        a frozen or slow Redis may still run it and hold it there while this call goes on
+        without it, so it is released by id (once Redis answers, if not now)."""
+        if exc.maybe_applied:
+            self.abandon(reservation)
 
     def abandon(self, reservation: Reservation) -> None:
         """The call holding it was cancelled while its reserve was in flight: the script may

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections.abc import Iterator
 
 import aiohttp
 import openai
@@ -363,21 +364,48 @@ async def test_reject_mode_refuses_503_state_unavailable_and_recovers_without_re
 # -- round trips --------------------------------------------------------------------------------
 
 
-def round_trips(server: RedisServer) -> int:
-    """Scripts run since the stats were reset. Every state call Sluice makes on the request
-    path is one script (``EVALSHA``, or ``EVAL`` when the script is not loaded), sent alone:
-    each is one round trip. (``total_commands_processed`` would also count the commands a
-    script runs inside Redis, and this test's own reads.)"""
-    with server.client() as r:
-        stats = r.info("commandstats")
-    return sum(int(v["calls"]) for k, v in stats.items()
-               if k in ("cmdstat_evalsha", "cmdstat_eval", "cmdstat_fcall"))
+def round_trips(servers: list[RedisServer]) -> int:
+    """Scripts run on ``servers`` since their stats were reset. Every state call Sluice makes
+    on the request path is one script (``EVALSHA``, or ``EVAL`` when the script is not
+    loaded), sent alone: each is one round trip. (``total_commands_processed`` would also
+    count the commands a script runs inside Redis, and this test's own reads.)"""
+    calls = 0
+    for server in servers:
+        with server.client() as r:
+            stats = r.info("commandstats")
+        calls += sum(int(v["calls"]) for k, v in stats.items()
+                     if k in ("cmdstat_evalsha", "cmdstat_eval", "cmdstat_fcall"))
+    return calls
 
 
-async def test_round_trips_per_admitted_call(upstream, start_sluice, redis_server, capsys):
-    """Every bucket of a metered call (tenant, route, tokens) is one script; the budget
-    reserve one more; the settle one: 3 per admitted metered call, 1 per unmetered call."""
-    state = own_state(redis_server, "local")
+def reset_stats(servers: list[RedisServer]) -> None:
+    for server in servers:
+        with server.client() as r:
+            r.config_resetstat()
+
+
+@pytest.fixture(params=["redis", "cluster"])
+def counted(request: pytest.FixtureRequest, tmp_path) -> Iterator[tuple[str, list[RedisServer]]]:
+    """A Redis of this test's own (then the session's 3-master cluster): its URL and the
+    servers whose stats count the round trips."""
+    if request.param == "redis":
+        server = RedisServer(tmp_path / "redis").start()
+        try:
+            yield server.url, [server]
+        finally:
+            server.stop()
+        return
+    cluster = request.getfixturevalue("redis_cluster")
+    yield cluster.url, cluster.servers
+
+
+async def test_round_trips_per_admitted_call(upstream, start_sluice, counted, capsys):
+    """A metered call's request, tenant and token buckets and its budget reservation are one
+    script, its settle one more: 2 round trips per admitted metered call; an unmetered call
+    on the same route 1 (its buckets). On one Redis and on a 3-master cluster."""
+    url, servers = counted
+    state = {"backend": "redis", "redis_url": url, "key_prefix": new_prefix(),
+             "timeout": "200ms", "on_unavailable": "local", "replicas": 3}
     (sluice,) = await replicas(start_sluice, 1, state, route(
         "openai", upstream.url,
         rate={"requests": "1000/min", "per_tenant": {"requests": "1000/min"},
@@ -386,23 +414,26 @@ async def test_round_trips_per_admitted_call(upstream, start_sluice, redis_serve
     counter = "tokens-per-tenant-day:acme"
     n = 20
     async with aiohttp.ClientSession() as session:
+        # One call of each kind first: a script's first run also loads it (NOSCRIPT, then
+        # SCRIPT LOAD), once per server and process, not per call.
         assert (await post(session, sluice.url, **{"X-Tenant-ID": "acme"}))[0] == 200
-        await settled(redis_server.url, state["key_prefix"], counter, PLAIN_SPEND)
-        with redis_server.client() as r:
-            r.config_resetstat()
+        async with session.get(sluice.url + "/openai/v1/models",
+                               headers={"X-Tenant-ID": "acme"}) as resp:
+            assert resp.status == 200
+        await settled(url, state["key_prefix"], counter, PLAIN_SPEND)
+        reset_stats(servers)
         for _ in range(n):
             assert (await post(session, sluice.url, **{"X-Tenant-ID": "acme"}))[0] == 200
-        await settled(redis_server.url, state["key_prefix"], counter, (n + 1) * PLAIN_SPEND)
-        metered = round_trips(redis_server)
-        with redis_server.client() as r:
-            r.config_resetstat()
+        await settled(url, state["key_prefix"], counter, (n + 1) * PLAIN_SPEND)
+        metered = round_trips(servers)
+        reset_stats(servers)
         for _ in range(n):
             async with session.get(sluice.url + "/openai/v1/models",
                                    headers={"X-Tenant-ID": "acme"}) as resp:
                 assert resp.status == 200
-        unmetered = round_trips(redis_server)
+        unmetered = round_trips(servers)
     with capsys.disabled():
-        print(f"\nRedis round trips per admitted call: metered (rate+tokens, budget, settle) "
-              f"{metered / n:.2f}, unmetered (rate) {unmetered / n:.2f}")
-    assert metered == 3 * n
+        print(f"\nRedis round trips per admitted call ({len(servers)} server(s)): metered "
+              f"(admit, settle) {metered / n:.2f}, unmetered (rate) {unmetered / n:.2f}")
+    assert metered == 2 * n
     assert unmetered == n

@@ -343,7 +343,8 @@ class RedisState:
         monitored = self._monitor is not None and not self._monitor.done()
         if client is None or (monitored and not self.health.up):
             why = self.health.last_error or "not connected yet"
-            raise StateUnavailable(f"state backend unavailable: {why}", self.probe_interval_s)
+            raise StateUnavailable(f"state backend unavailable: {why}", self.probe_interval_s,
+                                   maybe_applied=False)
         try:
             async with asyncio.timeout(self.timeout_s):
                 result = await op(client)
