@@ -278,6 +278,39 @@ async def test_budget_of_1000_tokens_admits_at_most_ten_of_twenty_over_three_rep
     assert budget_levels(url, prefix, counter)[0] <= 1000
 
 
+async def test_a_refusal_names_the_limit_with_the_longest_wait(
+        upstream, start_sluice, shared_state):
+    """Rate and budget are decided in one step, so when both deny, the refusal names the one
+    whose wait is longest: a day's spent budget, not the minute's request rate (a retry after
+    the rate's 60 s would be refused again)."""
+    await longest_wait_named(upstream, start_sluice, shared_state)
+
+
+async def test_a_refusal_names_the_limit_with_the_longest_wait_in_memory(
+        upstream, start_sluice):
+    await longest_wait_named(upstream, start_sluice, {"backend": "memory"})
+
+
+async def longest_wait_named(upstream, start_sluice, state: dict) -> None:
+    (sluice,) = await replicas(start_sluice, 1, state, route(
+        "openai", upstream.url, rate={"per_tenant": {"requests": "1/min"}},
+        budget={"tokens": "200/day", "per": "tenant"}))
+    tenant = f"t-{uuid.uuid4().hex[:8]}"
+    headers = {"X-Tenant-ID": tenant, "x-fake-tokens": "100"}
+    async with aiohttp.ClientSession() as session:
+        first = await post(session, sluice.url, body(100), **headers)
+        assert first[0] == 200, first
+        # Its settle: 111 spent, so the next one's 100 output tokens and more cannot fit today.
+        await asyncio.sleep(0.3)
+        status, headers, _ = await post(session, sluice.url, body(100), **headers)
+    to_midnight = 86400 - time.time() % 86400
+    assert status == 429
+    if to_midnight > 120:
+        assert headers["X-Sluice-Reason"] == "budget_exhausted"
+        assert int(headers["Retry-After"]) > 60
+    assert len(upstream.requests) == 1
+
+
 # -- Redis unavailable --------------------------------------------------------------------------
 
 
