@@ -4,11 +4,12 @@ It is one step of the admission pipeline (:mod:`policies.pipeline`):
 
 1. :meth:`Accounting.admit` reads the call's body once (model, output cap, stream) if it is a
    metered call (:func:`policies.usage.endpoint_for`), maybe rewrites it (default cap, usage
-   option), then takes its worst case from the token rate (``rate.tokens``, in the same
-   atomic call as the request units of ``rate.requests`` and ``rate.per_tenant``: one round
-   trip) and reserves it on the budgets (``budget``, one more), or raises
-   :class:`~policies.reasons.Rejected`. It leaves the :class:`Charge` held, its meter on
-   ``call.meter``.
+   option), then, in one atomic call to the route's state (one Redis round trip,
+   :mod:`policies.state.admission`), takes the request units of ``rate.requests`` and
+   ``rate.per_tenant`` and its worst case from the token rate (``rate.tokens``), and
+   reserves that worst case on the budgets (``budget``); or raises
+   :class:`~policies.reasons.Rejected`, naming the limit with the longest wait. It leaves the
+   :class:`Charge` held, its meter on ``call.meter``.
 2. While forwarding, the meter reads the answer's usage as it passes.
 3. When the call ends, whatever ended it, :meth:`Charge.release` is told the outcome. A call
    that never reached the upstream (refused by a later step, caller gone, no connection) gets

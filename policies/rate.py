@@ -17,11 +17,13 @@ Retry-After).
 ``tokens: N/period`` counts tokens: a metered call takes its *reserved* worst case (estimated
 input + output cap) at admission, as OpenAI counts ``max_tokens`` against its own
 tokens-per-minute limit when a request arrives, so Sluice refuses what the upstream would.
-Since only :mod:`policies.accounting` reads the body, on a route with a token rate it takes the
-metered call's request units and tokens together (:meth:`RateLimiter.take`); this step then
-holds nothing for that call. Nothing is given back after the answer (the upstream does not
-refund either); only a call that never reached the upstream gets its units back. A request
-reserving more than ``N`` tokens could never pass: 400 ``exceeds_limit`` at once.
+Since only :mod:`policies.accounting` reads the body, on a route that limits tokens (a token
+rate or a budget) it takes the metered call's request units, its tokens and its budget holds
+together (:attr:`RateLimiter.metered_elsewhere`; one round trip,
+:mod:`policies.state.admission`); this step then holds nothing for that call. Nothing is given
+back after the answer (the upstream does not refund either); only a call that never reached
+the upstream gets its units back. A request reserving more than ``N`` tokens could never pass:
+400 ``exceeds_limit`` at once.
 
 When the shared state does not answer (:class:`~policies.state.StateUnavailable`),
 ``state.on_unavailable`` decides: ``local`` takes from this replica's own memory buckets with
