@@ -108,6 +108,8 @@ TARGETS = ("direct", "sluice", "baseline", "haproxy", "sluice-redis")
 REDIS_TARGETS = ("direct", "sluice", "sluice-redis")
 #: Calls of the unmeasured pass that names the scripts (under MONITOR).
 MONITORED_CALLS = 200
+#: What Sluice logs when a Redis call fails and it marks the backend down.
+DOWN_LINE = "state backend is down"
 
 #: What the official openai SDK (v2, async client) sends besides, for ``--sdk-headers``.
 SDK_HEADERS = {
@@ -347,6 +349,8 @@ class Case:
     sluice_counts: dict[str, float] = field(default_factory=dict)
     redis_round_trips_per_req: float | None = None  # scripts Redis ran per request served
     redis_cpu_us_per_req: float | None = None
+    #: Times the Redis backend was marked down during the case (Sluice's log lines).
+    redis_marked_down: int | None = None
 
 
 def run_load(args: argparse.Namespace, tmp: Path, url: str, connections: int,
@@ -443,9 +447,12 @@ def run_scenario(args: argparse.Namespace, scenario: str, root: Path,
                 is_sluice = target.startswith("sluice")
                 counts0 = common.sluice_counters(proxy.admin) if is_sluice else {}
                 url = (upstream.url if target == "direct" else proxy.url) + UPSTREAM_PATH
+                downs0 = proxy.log.read_text().count(DOWN_LINE) if is_sluice else 0
                 case = measure(args, tmp, scenario, target, repeat, url, connections,
                                None if target == "direct" else proxy,
                                found.get("redis") if target == "sluice-redis" else None)
+                if target == "sluice-redis":
+                    case.redis_marked_down = proxy.log.read_text().count(DOWN_LINE) - downs0
                 if is_sluice:
                     case.sluice_counts = common.counter_delta(
                         counts0, common.sluice_counters(proxy.admin))
@@ -666,7 +673,8 @@ def summary(cases: list[Case]) -> list[str]:
             trips = med(target, "redis_round_trips_per_req")
             redis_part = "" if trips is None else (
                 f", {trips:.2f} Redis round trips per call (Redis CPU "
-                f"{common.fmt(med(target, 'redis_cpu_us_per_req'), '.0f')} us/req)")
+                f"{common.fmt(med(target, 'redis_cpu_us_per_req'), '.0f')} us/req; backend "
+                f"marked down {med(target, 'redis_marked_down'):.0f} times)")
             out.append(
                 f"{scenario}: {target} serves {common.fmt(med(target, 'vs_direct'), '.1%')} of "
                 f"direct's req/s, adds {common.fmt(med(target, 'added_p50_ms'), '+.2f')} ms at "
