@@ -242,22 +242,23 @@ async def test_a_busy_sluice_does_not_mark_a_healthy_redis_down(redis_server):
     time: the reply is taken when the loop comes back, not thrown away with Redis marked
     down (asyncio.timeout alone lost most of them: the deadline and the reply come due in
     the same loop turn, and the cancellation wins)."""
-    state = RedisState(redis_server.url, new_prefix(), 0.05, probe_interval_s=PROBE_S)
+    state = RedisState(redis_server.url, new_prefix(), TIMEOUT_S, probe_interval_s=PROBE_S)
     await state.start()
     try:
         loop = asyncio.get_running_loop()
         busy = [state.key("g", "busy")]
         await state.eval(_TWENTY_MS, busy, [])  # loaded, and a connection open: one send each
-        for _ in range(10):
-            # 5 ms after the script is sent, the loop stalls for 150 ms; Redis answers at 20.
-            loop.call_later(0.005, time.sleep, 0.15)
+        for _ in range(8):
+            # 5 ms after the script is sent, the loop stalls past the deadline; Redis answers
+            # at 20 ms.
+            loop.call_later(0.005, time.sleep, TIMEOUT_S + 0.1)
             assert await state.eval(_TWENTY_MS, busy, []) == 1
         assert state.health.up and state.health.failures == 0
         redis_server.freeze()
         started = time.monotonic()
         with pytest.raises(StateUnavailable):  # a Redis that does not answer still times out
             await state.eval(_TWENTY_MS, busy, [])
-        assert time.monotonic() - started <= 0.05 + MARGIN_S
+        assert time.monotonic() - started <= TIMEOUT_S + MARGIN_S
     finally:
         redis_server.thaw()
         await state.close()
