@@ -397,7 +397,7 @@ async def test_reject_mode_refuses_503_state_unavailable_and_recovers_without_re
 # -- round trips --------------------------------------------------------------------------------
 
 
-def round_trips(servers: list[RedisServer]) -> int:
+def round_trips(*servers: RedisServer) -> int:
     """Scripts run on ``servers`` since their stats were reset. Every state call Sluice makes
     on the request path is one script (``EVALSHA``, or ``EVAL`` when the script is not
     loaded), sent alone: each is one round trip. (``total_commands_processed`` would also
@@ -411,7 +411,7 @@ def round_trips(servers: list[RedisServer]) -> int:
     return calls
 
 
-def reset_stats(servers: list[RedisServer]) -> None:
+def reset_stats(*servers: RedisServer) -> None:
     for server in servers:
         with server.client() as r:
             r.config_resetstat()
@@ -454,17 +454,17 @@ async def test_round_trips_per_admitted_call(upstream, start_sluice, counted, ca
                                headers={"X-Tenant-ID": "acme"}) as resp:
             assert resp.status == 200
         await settled(url, state["key_prefix"], counter, PLAIN_SPEND)
-        reset_stats(servers)
+        reset_stats(*servers)
         for _ in range(n):
             assert (await post(session, sluice.url, **{"X-Tenant-ID": "acme"}))[0] == 200
         await settled(url, state["key_prefix"], counter, (n + 1) * PLAIN_SPEND)
-        metered = round_trips(servers)
-        reset_stats(servers)
+        metered = round_trips(*servers)
+        reset_stats(*servers)
         for _ in range(n):
             async with session.get(sluice.url + "/openai/v1/models",
                                    headers={"X-Tenant-ID": "acme"}) as resp:
                 assert resp.status == 200
-        unmetered = round_trips(servers)
+        unmetered = round_trips(*servers)
     with capsys.disabled():
         print(f"\nRedis round trips per admitted call ({len(servers)} server(s)): metered "
               f"(admit, settle) {metered / n:.2f}, unmetered (rate) {unmetered / n:.2f}")
