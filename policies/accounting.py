@@ -13,9 +13,10 @@ It is one step of the admission pipeline (:mod:`policies.pipeline`):
 2. While forwarding, the meter reads the answer's usage as it passes.
 3. When the call ends, whatever ended it, :meth:`Charge.release` is told the outcome. A call
    that never reached the upstream (refused by a later step, caller gone, no connection) gets
-   everything back: its tokens and its reservation. Otherwise the reservation is replaced by
-   what was used, and ``call.charged`` gets the ``completed`` event's fields (tokens, cost,
-   how usage was known), which the request path also counts in its metrics. Never awaits.
+   everything back: its tokens and its reservation (on Redis, in one round trip). Otherwise
+   the reservation is replaced by what was used, and ``call.charged`` gets the ``completed``
+   event's fields (tokens, cost, how usage was known), which the request path also counts in
+   its metrics. Never awaits.
 
 What is charged (``usage`` in the event):
 
@@ -299,14 +300,22 @@ class Charge:
             return
         self._open = False
         acct = self._acct
-        if self.units is not None:
-            self.units.release(outcome)
+        units, reservation, budgets = self.units, self.reservation, acct.budgets
         if outcome is None or not outcome.reached:
             usage, source = Usage(), "none"
+            if (units is not None and reservation is not None and budgets is not None
+                    and units.source is reservation.source
+                    and reservation.source.redis is not None):
+                # Taken in one round trip, given back in one.
+                units.handed_over()
+                budgets.give_back(reservation, units.takes)
+                reservation = None
         else:
             usage, source = self._used(outcome.label)
-        if self.reservation is not None and acct.budgets is not None:
-            acct.budgets.settle(self.reservation, usage)
+        if units is not None:
+            units.release(outcome)
+        if reservation is not None and budgets is not None:
+            budgets.settle(reservation, usage)
         if self.call is None or outcome is None or outcome.label == "rejected":
             return
         model = self.cost.model

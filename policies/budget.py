@@ -49,6 +49,7 @@ from policies.rate import Background, fallback_for, finish_now
 from policies.reasons import Reason, Rejected
 from policies.state import StateBackends, StateUnavailable
 from policies.state.ledger import Claim
+from policies.state.rate import Take
 from policies.usage import Usage, cost_usd
 
 log = logging.getLogger("sluice")
@@ -307,6 +308,14 @@ class Budgets:
         if source is not self.backends:  # held locally while the shared ledger was down
             self.reconciler.charge(reservation.claims, actual)
 
+    def give_back(self, reservation: Reservation, takes: Sequence[Take]) -> None:
+        """Release a reservation whose call never reached the upstream, and refund the rate
+        units ``takes`` the same admission took, in one round trip (both are in the same
+        shared state: :meth:`policies.state.admission.Admissions.release`). Never awaits; a
+        release Redis cannot take now is kept for when it answers (the units drain)."""
+        self.background.start(self.reconciler.give_back(reservation, takes),
+                              f"budget release on {self.group}")
+
     # -- reporting ----------------------------------------------------------------------------
 
     def headers(self, reservation: Reservation) -> dict[str, str]:
@@ -455,6 +464,17 @@ class Reconciler:
             await budgets.backends.ledger.settle(budgets.group, rid, actual)
         except StateUnavailable:
             self._add(_Pending(rid, None, actual))
+            raise
+
+    async def give_back(self, reservation: Reservation, takes: Sequence[Take]) -> None:
+        """Release a shared reservation with nothing spent and refund ``takes`` in one call;
+        if Redis does not answer, keep the release for later (the refund is dropped: the
+        units drain within their period)."""
+        budgets = self._budgets
+        try:
+            await reservation.source.admissions.release(budgets.group, takes, reservation.rid)
+        except StateUnavailable:
+            self._add(_Pending(reservation.rid, None, [0.0] * len(reservation.claims)))
             raise
 
     def charge(self, claims: list[Claim], actual: list[float]) -> None:

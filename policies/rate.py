@@ -154,6 +154,11 @@ class Units:
         self.source = source
         self.takes = takes
 
+    def handed_over(self) -> None:
+        """Another holding gives the units back with its own release, in the same round
+        trip (:meth:`policies.budget.Budgets.give_back`): this one does nothing more."""
+        self._open = False
+
     def release(self, outcome: Outcome | None) -> None:
         """Give the units back unless the call reached the upstream (``outcome`` ``None``:
         it never did). Once; never awaits (a Redis refund runs as a task)."""

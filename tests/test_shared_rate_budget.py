@@ -470,3 +470,38 @@ async def test_round_trips_per_admitted_call(upstream, start_sluice, counted, ca
               f"(admit, settle) {metered / n:.2f}, unmetered (rate) {unmetered / n:.2f}")
     assert metered == 2 * n
     assert unmetered == n
+
+
+async def test_a_call_refused_after_its_admission_gives_back_in_one_round_trip(
+        upstream, start_sluice, counted):
+    """A metered call admitted by its rates and budget, then refused by the route's
+    concurrency (full, no queue): its units and reservation go back in one script, so it
+    costs 2 round trips (admission, release), and nothing stays held."""
+    url, servers = counted
+    state = {"backend": "redis", "redis_url": url, "key_prefix": new_prefix(),
+             "timeout": "200ms"}
+    (sluice,) = await replicas(start_sluice, 1, state, route(
+        "openai", upstream.url, rate={"per_tenant": {"requests": "1000/min"},
+                                      "tokens": "1000000/min"},
+        budget={"tokens": "1000000/day", "per": "tenant"},
+        concurrency={"limit": 1, "queue": 0}))
+    counter = "tokens-per-tenant-day:acme"
+    headers = {"X-Tenant-ID": "acme"}
+    async with aiohttp.ClientSession() as session:
+        upstream.hold = asyncio.Event()
+        held = asyncio.create_task(post(session, sluice.url, **headers))
+        await wait_for(lambda: upstream.inflight == 1, what="the first call at the upstream")
+        assert (await post(session, sluice.url, **headers))[0] == 503  # the scripts are loaded
+        await wait_for(lambda: budget_levels(url, state["key_prefix"], counter)[1] < 200,
+                       what="the refused call's reservation released")
+        reset_stats(*servers)
+        status, refused, _ = await post(session, sluice.url, **headers)
+        assert (status, refused["X-Sluice-Reason"]) == (503, "queue_full")
+        await wait_for(lambda: round_trips(*servers) >= 2, what="the release")
+        await asyncio.sleep(0.3)  # nothing else follows
+        assert round_trips(*servers) == 2
+        _, held_now = budget_levels(url, state["key_prefix"], counter)
+        upstream.hold.set()
+        assert (await held)[0] == 200
+    assert 0 < held_now < 200  # only the call at the upstream holds its reservation
+    await settled(url, state["key_prefix"], counter, PLAIN_SPEND)

@@ -154,3 +154,14 @@ def test_memory_and_redis_answer_the_same_sequence_alike(steps):
             delete_prefix(url, prefix)
 
     asyncio.run(run())
+
+
+async def test_a_release_refunds_and_releases_once(backends):
+    reservation = rid()
+    assert (await admit(backends, [REQUESTS], [claim(60)], reservation)).admitted
+    assert await backends.admissions.release("r", [REQUESTS], reservation)
+    assert await backends.rates.available("r", [REQUESTS]) == (3,)
+    assert await backends.ledger.levels("r", ["tokens:acme:1"]) == [(0.0, 0.0)]
+    assert not await backends.ledger.settle("r", reservation, [60.0])  # nothing left to settle
+    assert not await backends.admissions.release("r", [], reservation)
+    assert await backends.ledger.levels("r", ["tokens:acme:1"]) == [(0.0, 0.0)]

@@ -17,7 +17,8 @@ Redis: one ``EVALSHA`` whose keys (the buckets, the group's reservation hash and
 the budget counters) all carry the group's hash tag, so in a Redis Cluster it runs on one
 slot. Memory: the memory buckets and ledger are checked, then taken, with no ``await`` in
 between, so the step is atomic on the event loop. Settling stays the ledger's
-(:meth:`~policies.state.ledger.Ledger.settle`, one round trip, exactly once by id).
+(:meth:`~policies.state.ledger.Ledger.settle`, one round trip, exactly once by id); a call
+that never reached the upstream gives both back in one step too (:meth:`Admissions.release`).
 """
 
 from __future__ import annotations
@@ -84,6 +85,13 @@ class Admissions(Protocol):
         """
         ...
 
+    async def release(self, group: str, takes: Sequence[Take], rid: str) -> bool:
+        """Give back what :meth:`admit` took for a call that never reached the upstream:
+        refund each bucket's amount and release reservation ``rid`` with nothing spent, in
+        one step. The release is once by id (``False``: nothing was held under ``rid``); the
+        refund is not, so it is the caller's to ask once per admission."""
+        ...
+
 
 class MemoryAdmissions:
     """Over one process's buckets and ledger; nothing suspends, so each call is atomic."""
@@ -107,6 +115,10 @@ class MemoryAdmissions:
         if claims:
             ledger.hold(group, rid, claims, now, hold_s)
         return AdmissionResult(True, result, [])
+
+    async def release(self, group: str, takes: Sequence[Take], rid: str) -> bool:
+        await self._rates.refund(group, takes)
+        return self._ledger.release(group, rid)
 
 
 # KEYS: the reservations hash and its expiry set, then the buckets, then the counters.
@@ -137,6 +149,14 @@ return {admitted, refused, wait, remaining(b), denied, levels(3 + n)}
 """)
 
 
+# KEYS: the reservations hash and its expiry set, then the buckets. ARGV: rid, then (limit,
+# period us, amount) per bucket. Returns 1 when the reservation was released, 0 if not held.
+_RELEASE = Script(GCRA_LUA + LEDGER_LUA + """
+refund(buckets(2, 1, #KEYS - 2))
+return settle(KEYS[1], KEYS[2], ARGV[1], nil)
+""")
+
+
 class RedisAdmissions:
     """In Redis: each call one ``EVALSHA`` on the group's slot. The counters' levels it
     answers with are kept by ``ledger`` (for budget headers, as its own reserve does)."""
@@ -161,3 +181,8 @@ class RedisAdmissions:
             ledger.remember(group, [claim.key for claim in claims], flat)
         rates = rate_result(bool(admitted), int(refused), wait, remaining)
         return AdmissionResult(bool(admitted), rates, [int(i) for i in denied])
+
+    async def release(self, group: str, takes: Sequence[Take], rid: str) -> bool:
+        keys = self._ledger.reservation_keys(group) + self._rates.keys(group, takes)
+        released = await self._state.eval(_RELEASE, keys, [rid, *bucket_args(takes)])
+        return bool(released)

@@ -160,6 +160,13 @@ class MemoryLedger:
             + claim.amount > claim.cap
         ]
 
+    def release(self, group: str, rid: str) -> bool:
+        """Settle reservation ``rid`` to nothing spent (see :meth:`settle`)."""
+        reservation = self._reservations.get((group, rid))
+        if reservation is None:
+            return False
+        return self._settle(group, rid, [0.0] * len(reservation.claims))
+
     def holds(self, group: str, rid: str) -> bool:
         """Reservation ``rid`` is held (or lapsed and not yet forgotten)."""
         return (group, rid) in self._reservations
@@ -184,6 +191,9 @@ class MemoryLedger:
         heapq.heappush(self._due, (clock + hold_s, group, rid))
 
     async def settle(self, group: str, rid: str, actual: Sequence[float]) -> bool:
+        return self._settle(group, rid, actual)
+
+    def _settle(self, group: str, rid: str, actual: Sequence[float]) -> bool:
         reservation = self._reservations.pop((group, rid), None)
         if reservation is None:
             return False
@@ -243,7 +253,11 @@ class MemoryLedger:
 # Shared Lua (also the admission's, :mod:`policies.state.admission`): server time in ms,
 # releasing a hold, extending a counter's TTL, reaping, reading levels; ``denied_claims(k, a,
 # n)`` and ``hold_claims(...)`` check and hold the ``n`` claims on counters ``KEYS[k + 1 ..
-# k + n]``, each with (amount, cap, counter TTL ms) from ``ARGV[a + 1 ..]``.
+# k + n]``, each with (amount, cap, counter TTL ms) from ``ARGV[a + 1 ..]``; ``settle(resv,
+# exp, rid, a)`` settles reservation ``rid`` with the spend per claim from ``ARGV[a + 1 ..]``
+# (``a`` nil: nothing spent), once: 0 when there was nothing to settle. A counter the spend
+# lands on keeps (or regains) the expiry it had when reserved: it may have been emptied and
+# deleted meanwhile if the reservation was reaped.
 LEDGER_LUA = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -291,6 +305,22 @@ local function denied_claims(k, a, n)
   end
   return denied
 end
+local function settle(resv, exp, rid, a)
+  local raw = redis.call('HGET', resv, rid)
+  if not raw then return 0 end
+  local rec = cjson.decode(raw)
+  for i, c in ipairs(rec.c) do
+    local key, used = c[1], a and ARGV[a + i]
+    if used and tonumber(used) ~= 0 and c[3] > now then
+      redis.call('HINCRBYFLOAT', key, 's', used)
+      if redis.call('PTTL', key) == -1 then redis.call('PEXPIREAT', key, c[3]) end
+    end
+    if rec.s == 'h' then unhold(key, c[2]) end
+  end
+  redis.call('HDEL', resv, rid)
+  redis.call('ZREM', exp, rid)
+  return 1
+end
 local function hold_claims(resv, exp, rid, hold, k, a, n)
   local claims = {}
   for i = 1, n do
@@ -318,23 +348,8 @@ return {denied, levels(3)}
 
 # KEYS: reservations, their expiries. ARGV: rid, then the actual spend per claim.
 # Returns 0 (nothing to settle) or 1. The counters are named in the reservation (same slot).
-# A counter the spend lands on keeps (or regains) the expiry it had when reserved: it may
-# have been emptied and deleted meanwhile if the reservation was reaped.
 _SETTLE = Script(LEDGER_LUA + """
-local raw = redis.call('HGET', KEYS[1], ARGV[1])
-if not raw then return 0 end
-local rec = cjson.decode(raw)
-for i, c in ipairs(rec.c) do
-  local key, used = c[1], ARGV[i + 1]
-  if used and tonumber(used) ~= 0 and c[3] > now then
-    redis.call('HINCRBYFLOAT', key, 's', used)
-    if redis.call('PTTL', key) == -1 then redis.call('PEXPIREAT', key, c[3]) end
-  end
-  if rec.s == 'h' then unhold(key, c[2]) end
-end
-redis.call('HDEL', KEYS[1], ARGV[1])
-redis.call('ZREM', KEYS[2], ARGV[1])
-return 1
+return settle(KEYS[1], KEYS[2], ARGV[1], 1)
 """)
 
 # KEYS: counters. ARGV: per counter, amount and TTL ms.
