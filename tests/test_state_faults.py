@@ -42,6 +42,8 @@ def every_call(b: StateBackends) -> dict[str, Callable[[], Awaitable[Any]]]:
         "ledger.settle": lambda: b.ledger.settle("r", "id", [1]),
         "admissions.admit": lambda: b.admissions.admit(
             "r", [Take("requests", 10, 60.0)], "id2", [Claim("day", 1, 10, now + 60)], now, 60),
+        "admissions.release": lambda: b.admissions.release(
+            "r", [Take("requests", 10, 60.0)], "id2"),
         "leases.acquire": lambda: b.leases.acquire("r", "t", "l", 4, None, 5),
         "leases.release": lambda: b.leases.release("r", "t", "l"),
         "idempotency.begin": lambda: b.idempotency.begin("k", "o", b"", 5),
