@@ -348,6 +348,11 @@ class Breaker:
         elif verdict.transition == CLOSED_AGAIN:
             self._on_event("circuit_closed", route=self.route)
 
+    def record_soon(self, ticket: Pass, outcome: int) -> None:
+        """:meth:`record` from code that may not await (the cleanup of a call whose caller
+        left after its answer was known): it runs as a task this breaker keeps."""
+        self._spawn(self.record(ticket, outcome))
+
     def release(self, ticket: Pass) -> None:
         """End an attempt whose outcome says nothing about the upstream (neutral). Never
         awaits: a probe's lease is given back in the background, so another caller (on any

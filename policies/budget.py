@@ -203,24 +203,8 @@ class Budgets:
                 ``budget_exhausted`` (429) when it does not fit now; ``state_unavailable``
                 (503, ``on_unavailable: reject``).
         """
-        reservation = self.prepare(tenant, run, model, input_tokens, output_tokens, ancestors)
-        backends = self.backends
-        try:
-            denied = await backends.ledger.reserve(self.group, reservation.rid,
-                                                   reservation.claims, reservation.now,
-                                                   self.hold_s)
-        except StateUnavailable as exc:
-            self.unanswered(reservation, exc)
-            self.localize(reservation, fallback_for(backends, exc))
-            denied = await reservation.source.ledger.reserve(
-                self.group, reservation.rid, reservation.claims, reservation.now, self.hold_s)
-        except asyncio.CancelledError:
-            self.abandon(reservation)
-            raise
-        self.answered(reservation)
-        if denied:
-            raise self.refusal(reservation, denied)
-        return reservation
+        return await self._hold(
+            self.prepare(tenant, run, model, input_tokens, output_tokens, ancestors))
 
     def prepare(self, tenant: str, run: str | None, model: str | None, input_tokens: int,
                 output_tokens: int, ancestors: Sequence[str] = ()) -> Reservation:
@@ -253,6 +237,60 @@ class Budgets:
                                     limit.amount, self._expiry(limit, now)))
                 limits.append(limit)
         return Reservation(uuid.uuid4().hex, claims, limits, price, self.backends, now)
+
+    async def reserve_usd(self, tenant: str, run: str | None, amount: float,
+                          ancestors: Sequence[str] = ()) -> Reservation:
+        """Hold ``amount`` USD (an operation's cost, :mod:`policies.operations`) on every
+        ``usd`` limit, as :meth:`reserve` holds a request's worst case; no pricing table is
+        read. Settled with :meth:`settle_usd`.
+
+        Raises:
+            Rejected: ``exceeds_limit`` (400) when ``amount`` exceeds a whole limit;
+                ``budget_exhausted`` (429) when it does not fit now; ``state_unavailable``
+                (503, ``on_unavailable: reject``).
+        """
+        now = self.clock()
+        claims = []
+        limits = []
+        for limit in self.limits:
+            if limit.unit != "usd":
+                continue
+            if amount > limit.amount:
+                raise Rejected(Reason.EXCEEDS_LIMIT, None,
+                               f"this call costs {_fmt('usd', amount)}, more than the whole "
+                               f"{limit.name} budget of {limit.text}", retry=False)
+            for scope_run in (run, *ancestors) if limit.per == "run" else (run,):
+                claims.append(Claim(self._key(limit, tenant, scope_run, now), amount,
+                                    limit.amount, self._expiry(limit, now)))
+                limits.append(limit)
+        return await self._hold(
+            Reservation(uuid.uuid4().hex, claims, limits, None, self.backends, now))
+
+    def settle_usd(self, reservation: Reservation, usd: float) -> None:
+        """Replace a :meth:`reserve_usd` reservation by the ``usd`` actually spent (may exceed
+        what was held: time-priced costs are known only at the end). Never awaits."""
+        self._settle(reservation, [usd] * len(reservation.claims))
+
+    async def _hold(self, reservation: Reservation) -> Reservation:
+        """Hold a prepared reservation all or none (one ledger call), or refuse; see
+        :meth:`reserve`."""
+        backends = self.backends
+        try:
+            denied = await backends.ledger.reserve(self.group, reservation.rid,
+                                                   reservation.claims, reservation.now,
+                                                   self.hold_s)
+        except StateUnavailable as exc:
+            self.unanswered(reservation, exc)
+            self.localize(reservation, fallback_for(backends, exc))
+            denied = await reservation.source.ledger.reserve(
+                self.group, reservation.rid, reservation.claims, reservation.now, self.hold_s)
+        except asyncio.CancelledError:
+            self.abandon(reservation)
+            raise
+        self.answered(reservation)
+        if denied:
+            raise self.refusal(reservation, denied)
+        return reservation
 
     def localize(self, reservation: Reservation, local: StateBackends) -> None:
         """Move a reservation not yet held to the local fallback's ``local`` state, with
@@ -299,6 +337,9 @@ class Budgets:
         else:
             actual = [_amount(limit.unit, usage, reservation.price)
                       for limit in reservation.limits]
+        self._settle(reservation, actual)
+
+    def _settle(self, reservation: Reservation, actual: list[float]) -> None:
         source = reservation.source
         if source.redis is not None:
             self.background.start(self.reconciler.settle(reservation.rid, actual),
