@@ -40,8 +40,9 @@ Outcomes from different replicas are unordered already (concurrent scripts). Rec
 one, only the success that brings the window to ``min_calls`` can trip the rate (every later
 one lowers it): the script checks the window as it stood at that success, so a batch opens
 exactly where single records would have, up to the bucket placement. Successes counted under
-an older epoch are dropped, as a stale ticket's outcome is; so are those pending when Redis
-does not answer (they could only have lowered a failure rate).
+an older epoch are dropped, as a stale ticket's outcome is; so are those whose script Redis
+does not answer (they could only have lowered a failure rate; never sent twice, though a
+script sent to a frozen server may still run when it wakes).
 Memory records every outcome at once (it costs no round trip).
 
 Redis layout: ``<prefix>:{<group>}:breaker`` a hash (state, epoch, counters, open-until,
