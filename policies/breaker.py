@@ -36,7 +36,8 @@ probe is one lease for all of them. Per attempt, on Redis:
 
 * :meth:`Breaker.attempt` is answered from this replica's cached view while that view says
   *closed* and is younger than ``VIEW_FRESH_S`` (no round trip); otherwise it asks Redis (one
-  script call), which is also how an open breaker's end and the probe are decided. Every
+  script call), which is also how an open breaker's end and the probe are decided (while
+  one attempt asks about a closed view, the others keep to it until the answer). Every
   reply refreshes the view, so a breaker opened anywhere refuses here within
   ``VIEW_FRESH_S`` plus one call;
 * :meth:`Breaker.record` is one script call for a failure, a probe's outcome, or a neutral
@@ -174,6 +175,7 @@ class Breaker:
         self._cause = ""
         self._seen_at = -VIEW_FRESH_S  # stale until the first answer
         self._refreshing = False
+        self._asking = False  # an attempt is asking the shared state about a closed view
         self._tasks: set[asyncio.Task[object]] = set()
         self._flushing = False  # a flush of deferred successes is scheduled
 
@@ -279,9 +281,14 @@ class Breaker:
                 ``state.on_unavailable`` is ``reject``.
             asyncio.CancelledError: the caller left; a probe lease it got is given back.
         """
-        if self._state == CLOSED and self._fresh():
+        if self._state == CLOSED and (self._fresh() or self._asking):
+            # While one attempt asks about a closed view gone stale, the others keep to it
+            # until the answer (at most state.timeout): a busy replica would otherwise send
+            # every attempt of that round trip to ask the same thing (measured: 11 at a time
+            # under 16 connections, 0.03 round trips per call).
             return Pass(self._backends.breakers, Ticket(self._epoch))
         states = self._backends.breakers
+        self._asking = self._state == CLOSED
         try:
             admission = await self._shielded(states.admit(self.route, self._params),
                                              lambda a: self._give_back(states, a.ticket)
@@ -289,6 +296,8 @@ class Breaker:
         except StateUnavailable as exc:
             states = self._fallback(exc)
             admission = await states.admit(self.route, self._params)
+        finally:
+            self._asking = False
         if states is self._backends.breakers:
             self._see(admission.state, admission.ticket.epoch, admission.wait_s
                       if admission.state == OPEN else 0.0,

@@ -35,11 +35,13 @@ from policies.state.breaker import (
 from tests.redis_servers import (
     REDIS_URL,
     TEST_TIMEOUT_S,
+    RedisServer,
     delete_prefix,
     new_prefix,
     replica,
     require_redis,
 )
+from tests.test_shared_rate_budget import reset_stats, round_trips
 
 PARAMS = BreakerParams(fail_max=3, reset_s=0.15, success_threshold=2, probe_s=5)
 
@@ -269,6 +271,28 @@ async def test_successes_reach_the_other_replicas_within_the_flush_time(
         await b.record(await b.attempt(), FAILURE, 500)
         await b.record(await b.attempt(), FAILURE, 500)
         assert b_events == ["circuit_opened"]
+
+
+async def test_attempts_on_a_stale_closed_view_ask_redis_once(tmp_path):
+    """20 attempts at once on a view older than 0.5 s: one asks Redis, the rest keep to the
+    closed view until its answer (not one script each); a closed breaker's successes then
+    cost one flush."""
+    server = RedisServer(tmp_path / "redis").start()
+    backends = await redis_backends(server.url, new_prefix(), TEST_TIMEOUT_S)
+    try:
+        b = breaker(backends, [])
+        await b.record(await b.attempt(), FAILURE, 500)  # both scripts loaded
+        await asyncio.sleep(0.5 + 0.1)  # the view is stale
+        reset_stats(server)
+        passes = await asyncio.gather(*(b.attempt() for _ in range(20)))
+        assert round_trips(server) == 1
+        for ticket in passes:
+            await b.record(ticket, SUCCESS, 200)
+        await asyncio.sleep(0.25 + 0.25)
+        assert round_trips(server) == 2
+    finally:
+        await backends.close()
+        server.stop()
 
 
 # A replica's sequence: each step an attempt with its outcome, or a flush.
