@@ -246,6 +246,11 @@ def _redis_url(value: str) -> str:
 RedisUrl = Annotated[str, AfterValidator(_redis_url)]
 
 
+#: ``state.lease`` is at least this many ``state.timeout``: renewals every ``lease / 3``, each
+#: bounded by ``timeout``, so one that times out still leaves the next one time to land.
+LEASE_PER_TIMEOUT = 4
+
+
 class StateConfig(_Section):
     """``state``: where limits, budgets, breakers and keys live (``policies/state/``).
 
@@ -263,6 +268,10 @@ class StateConfig(_Section):
                             pattern=r"^[A-Za-z0-9_.:-]+$")
     #: Bound on every Redis interaction on the request path, seconds.
     timeout: PositiveDuration = 0.05
+    #: How long a concurrency slot outlives a replica that stopped renewing it (killed, cut
+    #: off), seconds. A call's lease is renewed every third of it, each renewal bounded by
+    #: ``timeout``, so it must be at least :data:`LEASE_PER_TIMEOUT` times ``timeout``.
+    lease: PositiveDuration = 5.0
     #: With Redis unreachable: ``local`` enforces ``limit / replicas`` of every limit in each
     #: replica (and reconciles budget spend when Redis is back); ``reject`` answers 503
     #: ``state_unavailable``.
@@ -275,6 +284,11 @@ class StateConfig(_Section):
     def _coherent(self) -> StateConfig:
         if self.backend == "redis" and self.redis_url is None:
             raise ValueError("backend redis needs redis_url")
+        if self.lease < LEASE_PER_TIMEOUT * self.timeout:
+            raise ValueError(
+                f"lease ({self.lease:g}s) must be at least {LEASE_PER_TIMEOUT} x timeout "
+                f"({self.timeout:g}s): a lease renewed every third of its time survives a "
+                "renewal that times out only with that much room")
         return self
 
     def resolved_url(self, environ: Mapping[str, str] | None = None) -> str:

@@ -27,6 +27,7 @@ from policies.pipeline import Call, Policy
 from policies.rate import RateLimiter
 from policies.retry import RetryPolicy
 from policies.runs import FanoutWidth, RunLimits, RunRegistry, RunTracker
+from policies.shared_concurrency import SharedConcurrencyLimiter
 from policies.state import StateBackends, memory_backends
 from proxy.events import EventLog
 from proxy.metrics import BudgetGauges, Metrics, RouteMetrics
@@ -100,10 +101,16 @@ class Route:
             total=config.timeouts.total, connect=config.timeouts.connect
         )
         c = config.concurrency
-        self.concurrency = (
-            ConcurrencyLimiter(c.limit, c.queue, c.max_wait, c.per_tenant,
-                               tenant_weights=c.tenant_weights, aging=c.aging) if c else None
-        )
+        self.concurrency: ConcurrencyLimiter | None = None
+        if c is not None and self.backends.redis is not None:
+            # Leases in Redis: the limit holds across replicas; the queue stays local.
+            self.concurrency = SharedConcurrencyLimiter(
+                c.limit, c.queue, c.max_wait, c.per_tenant, backends=self.backends,
+                group=self.name, tenant_weights=c.tenant_weights, aging=c.aging)
+        elif c is not None:
+            self.concurrency = ConcurrencyLimiter(c.limit, c.queue, c.max_wait, c.per_tenant,
+                                                  tenant_weights=c.tenant_weights,
+                                                  aging=c.aging)
         # Runs: the tree and cancellation (shared by every route), this route's run limits
         # and fan-out, and those of the top-level blocks (shared, from the runtime).
         runs = runs if runs is not None else RunRegistry()

@@ -83,6 +83,9 @@ class StateBackends:
     redis: RedisState | None = None
     #: What policies do while this set is unavailable (never, for memory).
     fallback: Fallback = field(default_factory=lambda: Fallback("local", 1))
+    #: Seconds a concurrency lease outlives a replica that stopped renewing it
+    #: (``state.lease``).
+    lease_s: float = 5.0
 
     @property
     def kind(self) -> str:
@@ -161,6 +164,7 @@ def backends_for(config: StateConfig) -> StateBackends:
         backends = _redis_set(RedisState(config.resolved_url(), config.key_prefix,
                                          config.timeout))
     backends.fallback = Fallback(config.on_unavailable, config.replicas)
+    backends.lease_s = config.lease
     return backends
 
 
