@@ -209,16 +209,26 @@ class SharedConcurrencyLimiter(ConcurrencyLimiter):
 
     def _forget_lease(self, lease_id: str, tenant: str) -> None:
         """Release ``lease_id`` in Redis, which may hold it though its acquire's answer was
-        lost; releasing one that is not held changes nothing, and one Redis cannot release
-        now lapses within the lease time."""
+        lost; releasing one that is not held changes nothing."""
         self.background.start(self._release_lost(lease_id, tenant),
                               f"lease release on {self.group}")
 
     async def _release_lost(self, lease_id: str, tenant: str) -> None:
-        try:
-            await self.backends.leases.release(self.group, tenant, lease_id)
-        except StateUnavailable:
-            log.debug("lease %s on %s left to lapse", lease_id, self.group)
+        """Retried while Redis does not answer, until the lease would have lapsed anyway: a
+        frozen Redis runs the acquire when it thaws, and the slot should not stay taken for
+        the rest of a lease time after it is back."""
+        loop = asyncio.get_running_loop()
+        until = loop.time() + self.backends.lease_s
+        while True:
+            try:
+                await self.backends.leases.release(self.group, tenant, lease_id)
+                return
+            except StateUnavailable as exc:
+                wait = exc.retry_after or POLL_S
+                if loop.time() + wait >= until:
+                    log.debug("lease %s on %s left to lapse", lease_id, self.group)
+                    return
+                await asyncio.sleep(wait)
 
     def _degrade(self, exc: StateUnavailable, share: int) -> None:
         if not self.degraded:

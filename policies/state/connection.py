@@ -241,6 +241,8 @@ class RedisState:
             if self._client is None:
                 async with asyncio.timeout(max(CONNECT_TIMEOUT_S, self.timeout_s)):
                     self._client = await self._connect()
+            elif not self.health.up:
+                await self._drop_idle(self._client)
             async with asyncio.timeout(self.timeout_s):
                 await self._client.ping()
         except Exception as exc:
@@ -248,6 +250,17 @@ class RedisState:
         self._answered_at = time.monotonic()
         self.health.ok()
         return True
+
+    @staticmethod
+    async def _drop_idle(client: Redis | RedisCluster) -> None:
+        """Close the pooled connections nobody uses: after an outage they may point at a
+        server that has since restarted, and with retries off each would fail the one call
+        that picked it ("Connection closed by server") and mark the backend down again."""
+        if isinstance(client, RedisCluster):
+            for node in client.get_nodes():
+                await node.disconnect_free_connections()
+        else:
+            await client.connection_pool.disconnect(inuse_connections=False)
 
     def _unavailable(self, exc: Exception) -> StateUnavailable:
         """Mark the backend down for ``exc`` and return the error to raise; an error that
