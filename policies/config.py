@@ -26,6 +26,7 @@ from pydantic import (
     Field,
     PlainSerializer,
     PrivateAttr,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -251,6 +252,12 @@ RedisUrl = Annotated[str, AfterValidator(_redis_url)]
 LEASE_PER_TIMEOUT = 4
 
 
+def _short_lease(lease: float, timeout: float, default: str = "") -> str:
+    return (f"{default}lease of {lease:g}s is shorter than {LEASE_PER_TIMEOUT} x the timeout "
+            f"of {timeout:g}s: a lease is renewed every third of it, each renewal taking up "
+            "to the timeout, so a shorter one can lapse while its call runs; raise lease")
+
+
 class StateConfig(_Section):
     """``state``: where limits, budgets, breakers and keys live (``policies/state/``).
 
@@ -284,12 +291,17 @@ class StateConfig(_Section):
     def _coherent(self) -> StateConfig:
         if self.backend == "redis" and self.redis_url is None:
             raise ValueError("backend redis needs redis_url")
-        if self.lease < LEASE_PER_TIMEOUT * self.timeout:
-            raise ValueError(
-                f"lease ({self.lease:g}s) must be at least {LEASE_PER_TIMEOUT} x timeout "
-                f"({self.timeout:g}s): a lease renewed every third of its time survives a "
-                "renewal that times out only with that much room")
+        if "lease" not in self.model_fields_set and self.lease < LEASE_PER_TIMEOUT * self.timeout:
+            raise ValueError(_short_lease(self.lease, self.timeout, "the default "))
         return self
+
+    @field_validator("lease")
+    @classmethod
+    def _long_enough(cls, lease: float, info: ValidationInfo) -> float:
+        timeout = info.data.get("timeout")
+        if timeout is not None and lease < LEASE_PER_TIMEOUT * timeout:
+            raise ValueError(_short_lease(lease, timeout))
+        return lease
 
     def resolved_url(self, environ: Mapping[str, str] | None = None) -> str:
         """``redis_url`` with ``env:NAME`` replaced by that variable's value.

@@ -300,15 +300,14 @@ async def test_three_replicas_never_put_more_than_the_limit_at_the_upstream(
 
 
 async def test_a_replica_killed_holding_two_slots_frees_them_within_the_lease_time(
-        upstream, start_sluice, redis_server):
+        upstream, start_sluice, shared_state):
     """Replica C holds both slots of ``limit: 2`` when it is killed (SIGKILL: no release).
     The upstream sees C's connections drop at once, but the slots stay taken in Redis until
     C's leases lapse: A's queued calls reach the upstream after most of one lease time
     (``state.lease: 2s``; renewed every third, so at least 2/3 of it), and no later than the
     lease time plus a poll and a margin."""
-    lease_s = 2.0
-    state = {"backend": "redis", "redis_url": redis_server.url, "key_prefix": new_prefix(),
-             "timeout": "200ms", "lease": f"{lease_s:g}s", "replicas": 3}
+    lease_s = 2.0  # 4 x the fixture's 500 ms timeout
+    state = {**shared_state, "lease": f"{lease_s:g}s"}
     a, c = await deployment(start_sluice, 2, state, upstream.url, limit=2)
     async with aiohttp.ClientSession() as session:
         held = [asyncio.create_task(post(session, c.url, delay=60)) for _ in range(2)]
