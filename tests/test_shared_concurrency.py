@@ -26,6 +26,7 @@ from policies.state import Fallback, StateBackends, redis_backends
 from tests.conftest import route
 from tests.redis_servers import REDIS_URL, RedisServer, delete_prefix, new_prefix, replica
 from tests.redis_servers import require_redis as redis_url
+from tests.test_reload import rewrite, set_limit
 from tests.test_shared_rate_budget import round_trips
 
 CHAT = "/openai/v1/chat/completions"
@@ -327,6 +328,47 @@ async def test_a_replica_killed_holding_two_slots_frees_them_within_the_lease_ti
         assert min(arrivals) >= lease_s * 2 / 3 - 0.1, arrivals  # held while C's leases lived
         assert max(arrivals) <= lease_s + 0.25 + 1.0, arrivals
         await asyncio.gather(*held, return_exceptions=True)
+
+
+@pytest.mark.parametrize("shared_state", ["redis"], indirect=True)
+async def test_a_reload_on_every_replica_moves_the_shared_limit_without_failing_a_call(
+        upstream, start_sluice, shared_state):
+    """Agents on two replicas under ``limit: 2``; both reloaded to 4, then to 1: the
+    upstream's peak follows the limit across the replicas, and every call succeeds."""
+    replicas = await deployment(start_sluice, 2, shared_state, upstream.url, limit=2)
+    statuses: list[int] = []
+    stop = asyncio.Event()
+
+    async def agent(session: aiohttp.ClientSession, url: str) -> None:
+        while not stop.is_set():
+            statuses.append((await post(session, url, delay=0.15))[0])
+
+    async def reload_all(limit: int) -> None:
+        for rep in replicas:
+            rewrite(rep.config_path, set_limit(limit))
+        for rep in replicas:
+            await rep.wait_metric("sluice_concurrency_limit", limit, route="openai")
+
+    async def traffic(calls: int, what: str) -> None:
+        done = len(statuses)
+        await eventually(lambda: _value(len(statuses) >= done + calls), True, 30.0, what)
+
+    async with aiohttp.ClientSession() as session:
+        agents = [asyncio.create_task(agent(session, replicas[i % 2].url)) for i in range(8)]
+        await traffic(6, "traffic under limit 2")
+        assert upstream.peak_inflight == 2
+        await reload_all(4)
+        upstream.peak_inflight = upstream.inflight
+        await traffic(12, "traffic under limit 4")
+        assert upstream.peak_inflight == 4
+        await reload_all(1)
+        await eventually(lambda: _value(upstream.inflight <= 1), True, 20.0, "drained to 1")
+        upstream.peak_inflight = upstream.inflight
+        await traffic(6, "traffic under limit 1")
+        assert upstream.peak_inflight == 1
+        stop.set()
+        await asyncio.gather(*agents)
+    assert set(statuses) == {200}, sorted(set(statuses))
 
 
 def own_state(server: RedisServer, mode: str) -> dict:
