@@ -23,8 +23,10 @@ every replica, when a lease is asked for (the same 429, also for a waiter whose 
 slots on other replicas while it waited).
 
 When Redis does not answer (``StateUnavailable``), ``state.on_unavailable`` applies, as for
-rates (:mod:`policies.rate`): ``local`` takes the lease from this replica's memory with its
-share of each limit (:meth:`~policies.state.Fallback.whole_share`), with a log line;
+rates (:mod:`policies.rate`): ``local`` admits while this replica's calls in flight (those
+admitted on Redis leases before the outage included) are under its share of the limit
+(:meth:`~policies.state.Fallback.whole_share`), taking a lease from its memory for the share
+of ``per_tenant``, and logs it once per outage;
 ``reject`` refuses 503 ``state_unavailable`` (every waiter too). Every attempt asks Redis
 first, so the shared limit is back as soon as it answers; calls admitted on the local share
 finish there. A lease whose acquire Redis may have run without the answer arriving (a timeout,
@@ -57,7 +59,7 @@ from policies.pipeline import Call, Outcome
 from policies.rate import Background, unavailable
 from policies.reasons import Rejected
 from policies.state import StateBackends, StateUnavailable
-from policies.state.leases import TENANT, Lease, LeaseResult, Leases, new_lease_id
+from policies.state.leases import LIMIT, TENANT, Lease, LeaseResult, Leases, new_lease_id
 from policies.state.notify import Signal
 
 log = logging.getLogger("sluice")
@@ -186,13 +188,18 @@ class SharedConcurrencyLimiter(ConcurrencyLimiter):
             fallback = backends.fallback
             if fallback.mode == "reject":
                 raise
-            self._degrade(exc, fallback.whole_share(self.limit))
+            share = fallback.whole_share(self.limit)
+            self._degrade(exc, share)
+            if self.inflight >= share:
+                # The share counts every call in flight here, those admitted on Redis leases
+                # before the outage too (the memory leases know only the ones after).
+                return None, LeaseResult(False, LIMIT, self.inflight, 0)
             leases = fallback.memory().leases
             per_tenant = (None if self.per_tenant is None
                           else fallback.whole_share(self.per_tenant))
-            # Memory leases never suspend: no cancellation can land between this and return.
-            result = await leases.acquire(self.group, tenant, lease_id,
-                                          fallback.whole_share(self.limit), per_tenant,
+            # Memory leases never suspend: no cancellation can land between this and return,
+            # nor between the count above and the caller's taking the slot.
+            result = await leases.acquire(self.group, tenant, lease_id, share, per_tenant,
                                           backends.lease_s)
         except asyncio.CancelledError:
             self._forget_lease(lease_id, tenant)

@@ -379,13 +379,20 @@ def own_state(server: RedisServer, mode: str) -> dict:
 async def test_local_mode_admits_each_replicas_share_while_redis_is_frozen(
         upstream, start_sluice, redis_server):
     """Redis frozen mid-run: no admission waits on it longer than the timeout + margin, each
-    replica admits its share (4 / 2 replicas = 2) from memory and says so, and the limit is
-    shared again (4 on one replica) once Redis answers, with no restart."""
+    replica admits its share (4 / 2 replicas = 2; calls admitted before the freeze count in
+    it) from memory and says so, and the limit is shared again (4 on one replica) once Redis
+    answers, with no restart."""
     state = own_state(redis_server, "local")
     a, b = await deployment(start_sluice, 2, state, upstream.url, queue=0)
     async with aiohttp.ClientSession() as session:
         assert (await post(session, a.url))[0] == 200
+        before = [asyncio.create_task(post(session, a.url, delay=1.0)) for _ in range(2)]
+        await eventually(lambda: _value(upstream.inflight), 2, 10.0, "A's calls upstream")
         redis_server.freeze()
+        status, headers, took = await post(session, a.url)
+        assert (status, headers["X-Sluice-Reason"]) == (503, "queue_full")  # 2 of 2 held
+        assert took <= 0.2 + 0.3, f"a call waited {took:.3f}s on frozen Redis"
+        assert [status for status, _, _ in await asyncio.gather(*before)] == [200, 200]
         for rep in (a, b):
             for _ in range(3):
                 status, _, took = await post(session, rep.url)
