@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterator
 
 import aiohttp
 import pytest
@@ -24,10 +25,17 @@ from policies.reasons import Reason, Rejected
 from policies.shared_concurrency import SharedConcurrencyLimiter
 from policies.state import Fallback, StateBackends, redis_backends
 from tests.conftest import route
-from tests.redis_servers import REDIS_URL, RedisServer, delete_prefix, new_prefix, replica
+from tests.redis_servers import (
+    REDIS_URL,
+    RedisCluster,
+    RedisServer,
+    delete_prefix,
+    new_prefix,
+    replica,
+)
 from tests.redis_servers import require_redis as redis_url
 from tests.test_reload import rewrite, set_limit
-from tests.test_shared_rate_budget import round_trips
+from tests.test_shared_rate_budget import redis_client, round_trips
 
 CHAT = "/openai/v1/chat/completions"
 BODY = {"model": "gpt-test", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
@@ -371,24 +379,77 @@ async def test_a_reload_on_every_replica_moves_the_shared_limit_without_failing_
     assert set(statuses) == {200}, sorted(set(statuses))
 
 
-def own_state(server: RedisServer, mode: str) -> dict:
+class OwnRedis:
+    """A Redis of the test's own, one server or a 3-master cluster, frozen as a whole."""
+
+    def __init__(self, servers: list[RedisServer], url: str) -> None:
+        self.servers = servers
+        self.url = url
+
+    def freeze(self) -> None:
+        for server in self.servers:
+            server.freeze()
+
+    def thaw(self) -> None:
+        for server in self.servers:
+            server.thaw()
+
+    def stop(self) -> None:
+        for server in self.servers:
+            server.stop()
+
+    def restart(self) -> None:
+        """Start every server again on its port and directory (a cluster node rejoins with
+        the slots its nodes.conf lists; the data is gone)."""
+        for server in self.servers:
+            server.start()
+        if len(self.servers) > 1:
+            deadline = time.monotonic() + 15
+            for server in self.servers:
+                with server.client() as r:
+                    while r.execute_command("CLUSTER INFO").get("cluster_state") != "ok":
+                        assert time.monotonic() < deadline, "the cluster did not reform"
+                        time.sleep(0.05)
+
+    def leases(self, prefix: str) -> int:
+        """Concurrency leases held under ``prefix``, read from Redis itself."""
+        client = redis_client(self.url)
+        try:
+            return sum(client.zcard(key) for key in client.scan_iter(f"{prefix}:*:conc"))
+        finally:
+            client.close()
+
+
+@pytest.fixture(params=["server", "cluster"])
+def own_redis(request: pytest.FixtureRequest, tmp_path) -> Iterator[OwnRedis]:
+    if request.param == "server":
+        server = RedisServer(tmp_path / "redis").start()
+        yield OwnRedis([server], server.url)
+        server.stop()
+    else:
+        cluster = RedisCluster(tmp_path / "cluster").start()
+        yield OwnRedis(cluster.servers, cluster.url)
+        cluster.stop()
+
+
+def own_state(server: RedisServer | OwnRedis, mode: str) -> dict:
     return {"backend": "redis", "redis_url": server.url, "key_prefix": new_prefix(),
             "timeout": "200ms", "on_unavailable": mode, "replicas": 2, "lease": "1s"}
 
 
 async def test_local_mode_admits_each_replicas_share_while_redis_is_frozen(
-        upstream, start_sluice, redis_server):
+        upstream, start_sluice, own_redis):
     """Redis frozen mid-run: no admission waits on it longer than the timeout + margin, each
     replica admits its share (4 / 2 replicas = 2; calls admitted before the freeze count in
     it) from memory and says so, and the limit is shared again (4 on one replica) once Redis
     answers, with no restart."""
-    state = own_state(redis_server, "local")
+    state = own_state(own_redis, "local")
     a, b = await deployment(start_sluice, 2, state, upstream.url, queue=0)
     async with aiohttp.ClientSession() as session:
         assert (await post(session, a.url))[0] == 200
         before = [asyncio.create_task(post(session, a.url, delay=1.0)) for _ in range(2)]
         await eventually(lambda: _value(upstream.inflight), 2, 10.0, "A's calls upstream")
-        redis_server.freeze()
+        own_redis.freeze()
         status, headers, took = await post(session, a.url)
         assert (status, headers["X-Sluice-Reason"]) == (503, "queue_full")  # 2 of 2 held
         assert took <= 0.2 + 0.3, f"a call waited {took:.3f}s on frozen Redis"
@@ -408,14 +469,13 @@ async def test_local_mode_admits_each_replicas_share_while_redis_is_frozen(
         await a.wait_metric("sluice_state_backend_up", 0, backend="redis")
         assert "admits at most 2 of the 4 slots" in a.stderr()
 
-        redis_server.thaw()
+        own_redis.thaw()
         for rep in (a, b):
             await rep.wait_metric("sluice_state_backend_up", 1, backend="redis")
         # The acquire that timed out when Redis froze ran when it thawed: its lease is
         # released in the background (or lapses), within the lease time.
-        with redis_server.client() as r:
-            await eventually(lambda: _value(sum(r.zcard(k) for k in r.scan_iter(
-                f"{state['key_prefix']}:*:conc"))), 0, 1.0 + 1.0, "leases of lost answers")
+        await eventually(lambda: _value(own_redis.leases(state["key_prefix"])), 0, 1.0 + 1.0,
+                         "leases of lost answers")
         upstream.peak_inflight = 0
         results = await asyncio.gather(*(post(session, a.url, delay=0.5) for _ in range(4)))
         assert [status for status, _, _ in results] == [200] * 4
@@ -424,19 +484,18 @@ async def test_local_mode_admits_each_replicas_share_while_redis_is_frozen(
 
 
 async def test_reject_mode_refuses_503_and_recovers_without_restart(
-        upstream, start_sluice, redis_server):
+        upstream, start_sluice, own_redis):
     """Redis stopped mid-run with calls queued: the queued ones and newcomers get 503
     ``state_unavailable`` with Retry-After within the timeout + margin (not at max_wait);
     a restarted Redis serves again with no restart of Sluice."""
-    state = own_state(redis_server, "reject")
+    state = own_state(own_redis, "reject")
     a, b = await deployment(start_sluice, 2, state, upstream.url, limit=1)
     async with aiohttp.ClientSession() as session:
         holder = asyncio.create_task(post(session, a.url, delay=1.5))
         await eventually(lambda: _value(upstream.inflight), 1, 10.0, "A's call upstream")
         waiters = [asyncio.create_task(post(session, b.url)) for _ in range(2)]
         await b.wait_metric("sluice_queue_depth", 2, route="openai")
-        port = redis_server.port
-        redis_server.stop()
+        own_redis.stop()
         stopped = time.monotonic()
         for status, headers, _ in await asyncio.gather(*waiters):
             assert status == 503 and headers["X-Sluice-Reason"] == "state_unavailable"
@@ -449,17 +508,14 @@ async def test_reject_mode_refuses_503_and_recovers_without_restart(
         assert (await holder)[0] == 200  # admitted before: runs to its end
         assert len(upstream.requests) == 1
 
-        restarted = RedisServer(redis_server.directory, port=port).start()
-        try:
-            for rep in (a, b):
-                await rep.wait_metric("sluice_state_backend_up", 1, backend="redis")
-            results = await asyncio.gather(*(post(session, rep.url, delay=0.2)
-                                             for rep in (a, b, a, b)))
-            assert [status for status, _, _ in results] == [200] * 4, [
-                h.get("X-Sluice-Reason") for _, h, _ in results]
-            assert upstream.peak_inflight == 1
-        finally:
-            restarted.stop()
+        await asyncio.to_thread(own_redis.restart)
+        for rep in (a, b):
+            await rep.wait_metric("sluice_state_backend_up", 1, backend="redis")
+        results = await asyncio.gather(*(post(session, rep.url, delay=0.2)
+                                         for rep in (a, b, a, b)))
+        assert [status for status, _, _ in results] == [200] * 4, [
+            h.get("X-Sluice-Reason") for _, h, _ in results]
+        assert upstream.peak_inflight == 1
 
 
 # -- cost -----------------------------------------------------------------------------------------
