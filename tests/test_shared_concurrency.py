@@ -4,8 +4,10 @@ First the policy itself (:class:`policies.shared_concurrency.SharedConcurrencyLi
 replicas' state, one Redis and then a 3-master Redis Cluster, and a randomized program of
 cancellations at every await (hypothesis) that must leave no lease and no local slot behind.
 Then real Sluice processes (tests/sluice_child.py) with the fake upstream counting what reaches
-it at once: three replicas under one limit, a replica killed with SIGKILL, Redis frozen and
-stopped under a redis-server of the test's own, and the cost (round trips, admit latency).
+it at once: three replicas under one limit, a replica killed with SIGKILL, reloads, Redis (a
+server or a 3-master cluster of the test's own) frozen and stopped, and the cost (round trips,
+admit latency). Every multi-replica test runs on one Redis and on a cluster unless it says
+otherwise.
 """
 
 from __future__ import annotations
