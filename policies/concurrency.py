@@ -43,6 +43,10 @@ Rejections carry an honest ``retry_after`` estimated with Little's law: a queue 
 drains in about ``n * S / limit`` seconds (spread up to +50% at random, so callers refused
 together do not retry together), where ``S`` is the route's mean service time (an
 exponentially weighted average of observed upstream durations).
+
+This limiter counts one process's calls (``state.backend: memory``). With ``state.backend:
+redis`` a route uses :class:`policies.shared_concurrency.SharedConcurrencyLimiter`, which keeps
+this queue and counts ``limit`` and ``per_tenant`` across replicas with Redis leases.
 """
 
 from __future__ import annotations
