@@ -251,8 +251,8 @@ class SharedConcurrencyLimiter(ConcurrencyLimiter):
             self._dispatcher = asyncio.get_running_loop().create_task(
                 self._dispatch(), name=f"sluice-concurrency-{self.group}")
             self._dispatcher.add_done_callback(self._dispatch_ended)
-        else:
-            self._wake()
+        elif self._woken is not None:  # else it is subscribing, and asks once it has
+            self._woken.set()
 
     def _dispatch_ended(self, task: asyncio.Task[None]) -> None:
         if not task.cancelled() and task.exception() is not None:
@@ -261,8 +261,8 @@ class SharedConcurrencyLimiter(ConcurrencyLimiter):
 
     def _wake(self, _: object = None) -> None:
         """Make the dispatcher ask again now (a slot was freed here, or limits changed)."""
-        if self._woken is not None:
-            self._woken.set()
+        if self.queued:
+            self._dispatch_soon()
 
     async def _dispatch(self) -> None:
         """Ask for leases for the best local waiter until nobody waits."""
