@@ -24,8 +24,15 @@ tree is what Sluice reasons about:
 A ``run`` or ``fanout`` block on a route limits the run's calls on that route; the same blocks
 at the top level of the config limit them across all routes together. Both apply.
 
-State lives behind :class:`RunRegistry` (one per server), whose operations are the whole
-surface a shared (Redis) implementation must provide; the policies keep the rules.
+State lives behind :class:`RunRegistry` (one per server): this replica's runs, their live
+calls and statistics. With the Redis backend it also asks the shared run state
+(:mod:`policies.state.runs`) for what every replica must agree on: each call reads its run's
+lineage, first-call times and cancellation from Redis and counts it for ``max_requests``
+there (one round trip), and a cancel made on any replica is recorded there and reaches every
+replica's queued and in-flight calls through pub/sub. Fan-out width, inherited priorities and
+deadlines, and the statistics ``sluice runs`` shows stay per replica. While Redis does not
+answer, ``state.on_unavailable`` applies: ``local`` decides from this replica's own view (a
+``1/state.replicas`` share of ``max_requests``), ``reject`` refuses 503 ``state_unavailable``.
 """
 
 from __future__ import annotations
@@ -33,13 +40,16 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from policies.concurrency import ConcurrencyLimiter
 from policies.config import FanoutConfig, RunConfig
 from policies.pipeline import Call, Outcome
+from policies.rate import Background, unavailable
 from policies.reasons import Reason, Rejected
+from policies.state import Fallback, StateUnavailable
+from policies.state.runs import Count, Lineage, RedisRuns
 
 #: Response header on admitted calls once a run limit is ``warn_at`` used:
 #: ``"max_requests";used=0.800`` (the fuller of the two limits).
@@ -130,16 +140,29 @@ class LiveCall:
 
 
 class RunRegistry:
-    """Run trees and their counters, in this process's memory.
+    """Run trees and their counters, in this process's memory, with the shared run state
+    beside them when there is one.
 
-    Every operation completes without suspending, so each is atomic on the event loop; a
-    shared implementation makes each one atomic in its store (one script per operation).
+    Every operation on memory completes without suspending, so each is atomic on the event
+    loop; the shared ones are each one script in Redis.
+
+    Args:
+        clock: monotonic seconds.
+        shared: the runs state every replica shares (Redis backend), or ``None``.
+        fallback: what to do while ``shared`` does not answer (``state.on_unavailable``).
     """
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic, *,
+                 shared: RedisRuns | None = None, fallback: Fallback | None = None) -> None:
         self.clock = clock
         self.runs: dict[str, RunInfo] = {}
         self._next_sweep = 0.0
+        self.shared = shared
+        self.fallback = fallback if fallback is not None else Fallback("local", 1)
+        #: Give-backs of shared counts, which a holding's release cannot await.
+        self.background = Background()
+        #: What the run tracker's round trip counted, per call, until the call ends.
+        self.counted: dict[Call, SharedCount] = {}
 
     # -- the tree -----------------------------------------------------------------------------
 
@@ -186,6 +209,34 @@ class RunRegistry:
     def get(self, run: str) -> RunInfo | None:
         return self.runs.get(run)
 
+    def adopt(self, info: RunInfo, lineage: Lineage) -> None:
+        """Make this replica's tree agree with the shared one along ``info``'s lineage (its
+        links, depths and first-call times), so that its limits, its cancels and the views
+        see the tree every replica sees. Ancestors unknown here are created."""
+        now = self.clock()
+        wall = time.time()
+        up: RunInfo | None = None
+        for index in range(len(lineage.ids) - 1, -1, -1):
+            name = lineage.ids[index]
+            node = info if index == 0 else self.runs.get(name)
+            if node is None:
+                node = self.runs[name] = RunInfo(name, info.tenant, up, now)
+                if len(self.runs) > MAX_RUNS:
+                    self._evict(now)
+            if node.parent is not up:
+                # The shared links are acyclic and set here from the root down, so this
+                # cannot make a cycle: ``up``'s own lineage is the rest of ``lineage``.
+                if node.parent is not None:
+                    node.parent.children.discard(name)
+                node.parent = up
+            if up is not None:
+                up.children.add(name)
+            node.depth = 0 if up is None else up.depth + 1
+            age = lineage.ages[index]
+            node.started = now - age
+            node.started_wall = wall - age
+            up = node
+
     def subtree(self, info: RunInfo) -> list[RunInfo]:
         """``info`` and every descendant known here, parents before children."""
         out, todo = [], [info]
@@ -212,11 +263,27 @@ class RunRegistry:
         for info in lineage:
             info.counts[scope] = max(0, info.counts.get(scope, 0) - 1)
 
+    def settle_count(self, call: Call) -> None:
+        """The call ended: give back the shared counts it took at admission that no run
+        limit claimed (it was refused, replayed or cancelled before that step)."""
+        part = self.counted.pop(call, None)
+        if part is None or not part.lineage.counted or self.shared is None:
+            return
+        for count in part.counts:
+            if count.scope not in part.claimed:
+                self.background.start(
+                    self.shared.give_back_request(count.scope, part.lineage.ids),
+                    "run request give-back")
+
     # -- cancellation -------------------------------------------------------------------------
 
     def cancel(self, run: str, ttl_s: float, tenant: str = "") -> tuple[list[RunInfo],
                                                                          list[LiveCall]]:
-        """Cancel ``run`` and its descendants for ``ttl_s`` seconds.
+        """Cancel ``run`` and its descendants on this replica for ``ttl_s`` seconds (what a
+        cancel made here, or heard from another replica, does here).
+
+        The descendants are the runs below ``run`` in this replica's tree, and the runs of
+        live calls whose lineage, as the shared state gave it, includes ``run``.
 
         Returns:
             ``(runs, calls)``: the runs now cancelled, and their calls that were live (each
@@ -225,6 +292,11 @@ class RunRegistry:
         info = self.resolve(run, None, tenant)
         until = self.clock() + ttl_s
         runs = self.subtree(info)
+        seen = {node.id for node in runs}
+        for node in self.runs.values():
+            if node.id not in seen and any(run in live.call.lineage for live in node.live):
+                runs.append(node)
+                seen.add(node.id)
         calls: list[LiveCall] = []
         for node in runs:
             node.cancelled_until = max(node.cancelled_until, until)
@@ -307,32 +379,105 @@ class RunRegistry:
 # --- the policies ----------------------------------------------------------------------------
 
 
+class SharedCount:
+    """The ``max_requests`` counts the run tracker's round trip took for one call (all its
+    scopes at once), until each scope's :class:`RunLimits` claims its part; parts never
+    claimed are given back when the call ends (:meth:`RunRegistry.settle_count`)."""
+
+    __slots__ = ("claimed", "counts", "lineage")
+
+    def __init__(self, counts: list[Count], lineage: Lineage) -> None:
+        self.counts = counts
+        self.lineage = lineage
+        self.claimed: set[str] = set()
+
+    def index(self, scope: str) -> int | None:
+        return next((i for i, count in enumerate(self.counts) if count.scope == scope), None)
+
+
 class RunTracker:
     """First step of every call that names a run: place it in its tree, inherit priority and
     deadline, refuse it if its run (or an ancestor) is cancelled, and keep it reachable by a
-    cancel until it ends (the holding)."""
+    cancel until it ends (the holding).
 
-    def __init__(self, registry: RunRegistry) -> None:
+    With shared run state the same round trip also counts the call for the ``max_requests``
+    of ``limits`` (the run limits of the call's route and of the top level), so a call of a
+    run costs one round trip; each :class:`RunLimits` then only claims its count.
+    """
+
+    def __init__(self, registry: RunRegistry, limits: Sequence[RunLimits] = ()) -> None:
         self.registry = registry
+        self.limits = limits
 
     async def admit(self, call: Call) -> _Tracked | None:
-        """Raises:
+        """With shared run state, one round trip reads the run's lineage and cancellation
+        from Redis (see :meth:`RunRegistry.adopt`) and counts the call (see
+        :class:`SharedCount`).
+
+        Raises:
             Rejected: ``run_cancelled`` (409); ``deadline_unreachable`` when the call has no
-                deadline of its own and an ancestor's has passed.
+                deadline of its own and an ancestor's has passed; ``state_unavailable`` (503)
+                when the shared state does not answer and ``state.on_unavailable`` is
+                ``reject``.
         """
         if call.run is None:
             return None
         registry = self.registry
         info = registry.resolve(call.run, call.parent_run, call.tenant)
-        lineage = list(info.lineage())
-        call.lineage = tuple(node.id for node in lineage[1:])
+        call.lineage = tuple(node.id for node in itertools.islice(info.lineage(), 1, None))
+        self._refuse_if_cancelled(info)
+        # Reachable by a cancel from here on, the shared round trip included: a cancel heard
+        # meanwhile ends this call at its await (or is caught by the check after it).
+        live = LiveCall(call, asyncio.current_task())
+        info.live.add(live)
+        try:
+            if registry.shared is not None:
+                await self._share(registry.shared, info, call)
+            self._inherit(info, call)
+        except BaseException:
+            info.live.discard(live)
+            registry.settle_count(call)
+            raise
+        return _Tracked(registry, info, live)
+
+    def _refuse_if_cancelled(self, info: RunInfo) -> None:
+        registry = self.registry
         stopped = registry.cancelled_by(info)
         if stopped is not None:
             left = stopped.cancelled_until - registry.clock()
             raise Rejected(Reason.RUN_CANCELLED, None,
                            f"run {stopped.id} was cancelled; its calls are refused for "
                            f"{left:.0f}s more", retry=False)
-        now = registry.clock()
+
+    async def _share(self, shared: RedisRuns, info: RunInfo, call: Call) -> None:
+        """Place the call's run in the shared tree and refuse it if the shared state says
+        its run or an ancestor is cancelled."""
+        registry = self.registry
+        counts = [count for limits in self.limits if (count := limits.shared_count())]
+        try:
+            lineage = await shared.admit(info.id, call.parent_run, counts)
+        except StateUnavailable as exc:
+            if registry.fallback.mode == "reject":
+                raise unavailable(exc) from None
+            return  # this replica's own tree decides (state.on_unavailable: local)
+        if counts:
+            registry.counted[call] = SharedCount(counts, lineage)
+        registry.adopt(info, lineage)
+        call.lineage = lineage.ids[1:]
+        if lineage.cancelled is not None:
+            stopped = registry.get(lineage.cancelled)
+            if stopped is not None:  # remembered here too, should Redis stop answering
+                stopped.cancelled_until = max(stopped.cancelled_until,
+                                              registry.clock() + lineage.cancelled_left)
+            raise Rejected(Reason.RUN_CANCELLED, None,
+                           f"run {lineage.cancelled} was cancelled; its calls are refused for "
+                           f"{lineage.cancelled_left:.0f}s more", retry=False)
+        self._refuse_if_cancelled(info)
+
+    def _inherit(self, info: RunInfo, call: Call) -> None:
+        """Priority and deadline from the run's lineage (this replica's view of it)."""
+        lineage = list(info.lineage())
+        now = self.registry.clock()
         if call.priority_given:
             info.priority = call.priority
         else:
@@ -348,15 +493,13 @@ class RunTracker:
                     raise Rejected(Reason.DEADLINE_UNREACHABLE, None,
                                    "the parent run's deadline has passed")
                 call.timeout = deadline - call.received_at
-        live = LiveCall(call, asyncio.current_task())
-        info.live.add(live)
-        return _Tracked(info, live)
 
 
 class _Tracked:
-    __slots__ = ("info", "live")
+    __slots__ = ("info", "live", "registry")
 
-    def __init__(self, info: RunInfo, live: LiveCall) -> None:
+    def __init__(self, registry: RunRegistry, info: RunInfo, live: LiveCall) -> None:
+        self.registry = registry
         self.info = info
         self.live = live
 
@@ -364,6 +507,7 @@ class _Tracked:
         info = self.info
         info.live.discard(self.live)
         call = self.live.call
+        self.registry.settle_count(call)
         info.attempts += call.attempts
         if outcome.label not in ("rejected", "replayed"):
             info.calls += 1
@@ -378,7 +522,10 @@ class RunLimits:
     """``run`` limits and ``fanout.depth`` of one scope (a route, or ``*`` for all routes).
 
     Holds one count of ``max_requests`` on the run and each ancestor, given back if the call
-    never reached the upstream.
+    never reached the upstream. With shared run state the count is taken in Redis, by the run
+    tracker's round trip (claimed here) or else by one of its own, so every replica's calls
+    spend one ``max_requests``; the depth and the run's age are the shared tree's (see
+    :meth:`RunRegistry.adopt`).
     """
 
     def __init__(self, registry: RunRegistry, scope: str, run: RunConfig | None,
@@ -388,10 +535,19 @@ class RunLimits:
         self.run = run
         self.depth = fanout.depth if fanout is not None else None
 
+    def shared_count(self) -> Count | None:
+        """What the run tracker counts for this scope in its round trip, if anything."""
+        run = self.run
+        if run is None or run.max_requests is None:
+            return None
+        return Count(self.scope, run.max_requests, self.depth, run.max_duration)
+
     async def admit(self, call: Call) -> _Counted | None:
         """Raises:
             Rejected: ``fanout_limited`` (429, naming ``depth``); ``run_budget_exhausted``
-                (429, ``x-should-retry: false``) naming the limit and the run that spent it.
+                (429, ``x-should-retry: false``) naming the limit and the run that spent it;
+                ``state_unavailable`` (503) when the shared state does not answer and
+                ``state.on_unavailable`` is ``reject``.
         """
         if call.run is None:
             return None
@@ -420,14 +576,16 @@ class RunLimits:
                         f"{config.max_duration:g}s", retry=False)
                 if age / config.max_duration > used:
                     used, warn = age / config.max_duration, "max_duration"
+        shared: RedisRuns | None = None
         if config.max_requests is not None:
-            full = registry.take_request(self.scope, lineage, config.max_requests)
+            claimed = self._claim(call, config.max_requests)
+            shared, full, share = (claimed if claimed is not None else
+                                   await self._take(lineage, config.max_requests))
             if full is not None:
                 raise Rejected(
                     Reason.RUN_BUDGET_EXHAUSTED, None,
-                    f"max_requests: run {full.id} and its descendants made "
+                    f"max_requests: run {full} and its descendants made "
                     f"{config.max_requests} calls", retry=False)
-            share = max(node.counts[self.scope] for node in lineage) / config.max_requests
             if share >= used:
                 used, warn = share, "max_requests"
         if used >= config.warn_at:
@@ -437,20 +595,73 @@ class RunLimits:
             headers[RUN_WARNING_HEADER] = f'"{warn}";used={min(used, 1.0):.3f}'
         if config.max_requests is None:
             return None
-        return _Counted(registry, self.scope, lineage)
+        return _Counted(registry, self.scope, lineage, shared)
+
+    def _claim(self, call: Call, limit: int) -> tuple[RedisRuns | None, str | None,
+                                                      float] | None:
+        """What the run tracker's round trip decided for this scope (as :meth:`_take`
+        returns it), or ``None`` when it did not count the call here (no shared state, Redis
+        not answering then, or a limit of another scope refusing it): count it now."""
+        registry = self.registry
+        part = registry.counted.get(call)
+        index = part.index(self.scope) if part is not None else None
+        if part is None or index is None:
+            return None
+        lineage = part.lineage
+        if lineage.full and lineage.full[index] is not None:
+            return None, lineage.full[index], 1.0
+        if not lineage.counted:
+            return None
+        part.claimed.add(self.scope)
+        return registry.shared, None, lineage.highs[index] / limit
+
+    async def _take(self, lineage: list[RunInfo], limit: int
+                    ) -> tuple[RedisRuns | None, str | None, float]:
+        """Count the call on ``lineage`` in the shared state, else in this replica's.
+
+        Returns:
+            ``(shared, full, share)``: the shared state that counted it (``None``: counted
+            here), the run already at the limit (nothing counted), and the fullest run's
+            share of the limit after counting.
+        """
+        registry = self.registry
+        shared = registry.shared
+        if shared is not None:
+            try:
+                full, high = await shared.take_request(
+                    self.scope, tuple(node.id for node in lineage), limit)
+            except StateUnavailable as exc:
+                if registry.fallback.mode == "reject":
+                    raise unavailable(exc) from None
+                limit = registry.fallback.whole_share(limit)
+            else:
+                return shared, full, high / limit
+        node = registry.take_request(self.scope, lineage, limit)
+        if node is not None:
+            return None, node.id, 1.0
+        return None, None, max(n.counts[self.scope] for n in lineage) / limit
 
 
 class _Counted:
-    __slots__ = ("lineage", "registry", "scope")
+    __slots__ = ("lineage", "registry", "scope", "shared")
 
-    def __init__(self, registry: RunRegistry, scope: str, lineage: list[RunInfo]) -> None:
+    def __init__(self, registry: RunRegistry, scope: str, lineage: list[RunInfo],
+                 shared: RedisRuns | None) -> None:
         self.registry = registry
         self.scope = scope
         self.lineage = lineage
+        self.shared = shared
 
     def release(self, outcome: Outcome) -> None:
-        if not outcome.reached:
+        if outcome.reached:
+            return
+        if self.shared is None:
             self.registry.give_back_request(self.scope, self.lineage)
+        else:
+            self.registry.background.start(
+                self.shared.give_back_request(self.scope,
+                                              tuple(node.id for node in self.lineage)),
+                "run request give-back")
 
 
 class FanoutWidth:

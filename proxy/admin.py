@@ -12,7 +12,10 @@
   their queued calls are refused ``run_cancelled`` at once, their calls in flight closed, their
   new calls refused for ``run.cancel_ttl``. Answers once the cancelled calls have all ended
   (at most ``CANCEL_WAIT_S``), with ``quiet_ms``, the time from the cancel to the last of
-  them ending. Needs ``Authorization: Bearer TOKEN`` (``admin.token_file``, else the
+  them ending here. With the Redis backend the cancel is also recorded in Redis and published,
+  so every replica ends the run's calls and refuses its new ones (``"shared": true``); while
+  Redis does not answer it applies to this replica only (``"shared": false``, logged).
+  Needs ``Authorization: Bearer TOKEN`` (``admin.token_file``, else the
   ``SLUICE_ADMIN_TOKEN`` environment variable; with neither, 403): read-only endpoints stay
   open, one that stops work does not.
 * ``GET /admin/``: a status page for a person showing the same at a glance; plain HTML with no
@@ -27,15 +30,19 @@ from __future__ import annotations
 import asyncio
 import hmac
 import html
+import logging
 import os
 import time
 from typing import Any
 
 from aiohttp import web
 
+from policies.state import StateUnavailable
 from proxy.redact import redact
 from proxy.reload import RELOADER
 from proxy.runtime import RUNTIME, Runtime
+
+log = logging.getLogger("sluice")
 
 #: Seconds between refreshes of the status page.
 PAGE_REFRESH_S = 2
@@ -100,8 +107,16 @@ async def admin_cancel_run(request: web.Request) -> web.Response:
     runtime = request.app[RUNTIME]
     run = request.match_info["run"]
     started = time.monotonic()
+    # Here first, so this replica's calls end without waiting for Redis.
     runs, calls = runtime.runs.cancel(run, runtime.cancel_ttl)
     tasks = {live.task for live in calls if live.task is not None}
+    shared = False
+    if runtime.runs.shared is not None:
+        try:
+            await runtime.runs.shared.cancel(run, runtime.cancel_ttl)
+            shared = True
+        except StateUnavailable as exc:
+            log.warning("cancel of run %s applies to this replica only: %s", run, exc.cause)
     pending: set[asyncio.Task[Any]] = set()
     if tasks:
         _, pending = await asyncio.wait(tasks, timeout=CANCEL_WAIT_S)
@@ -113,6 +128,7 @@ async def admin_cancel_run(request: web.Request) -> web.Response:
         "calls_still_running": len(pending),
         "quiet_ms": round(quiet_ms, 3),
         "refused_for_s": runtime.cancel_ttl,
+        "shared": shared,
     })
 def config_view(request: web.Request) -> dict[str, Any]:
     """What ``/admin/config`` serves (see the module docstring)."""

@@ -114,10 +114,11 @@ class Route:
         # Runs: the tree and cancellation (shared by every route), this route's run limits
         # and fan-out, and those of the top-level blocks (shared, from the runtime).
         runs = runs if runs is not None else RunRegistry()
-        self.run_tracker = RunTracker(runs)
         self.run_limits = (RunLimits(runs, self.name, config.run, config.fanout)
                            if config.run or (config.fanout and config.fanout.depth is not None)
                            else None)
+        self.run_tracker = RunTracker(
+            runs, [limits for limits in (global_limits, self.run_limits) if limits is not None])
         f = config.fanout
         self.fanout = FanoutWidth(f.width, f.max_wait) if f and f.width else None
         self.global_limits = global_limits

@@ -85,7 +85,8 @@ def run(config: Config, args: argparse.Namespace, out: IO[str] = sys.stdout) -> 
             f"ended in {body['quiet_ms']:.1f} ms"
             + (f", {body['calls_still_running']} still running" if body["calls_still_running"]
                else "")
-            + f"; new calls refused for {body['refused_for_s']:g}s\n")
+            + f"; new calls refused for {body['refused_for_s']:g}s"
+            + (" on every replica\n" if body.get("shared") else "\n"))
     return 0
 
 

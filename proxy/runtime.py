@@ -14,6 +14,7 @@ from policies.config import Config, RunConfig
 from policies.deadletter import DeadLetterQueue
 from policies.runs import FanoutWidth, RunLimits, RunRegistry
 from policies.state import StateBackends, backends_for
+from policies.state.runs import RedisRuns
 from proxy.client import upstream_session
 from proxy.events import EventLog
 from proxy.metrics import Metrics
@@ -57,8 +58,11 @@ class Runtime:
         #: Sluice, not left by their callers.
         self.cutting = False
         self.session: aiohttp.ClientSession | None = None
-        #: Run trees, counts and cancellations, shared by every route (policies/runs.py).
-        self.runs = RunRegistry()
+        #: Run trees, counts and cancellations, shared by every route (policies/runs.py),
+        #: and with the Redis backend by every replica.
+        self.runs = RunRegistry(
+            shared=RedisRuns(self.state.redis) if self.state.redis is not None else None,
+            fallback=self.state.fallback)
         self.global_fanout: FanoutWidth | None = None
         self._ids = itertools.count(1)
         self._id_prefix = f"{os.getpid():x}-{os.urandom(3).hex()}-"
@@ -139,6 +143,17 @@ class Runtime:
                         "limit from its own memory until it answers (state.on_unavailable: "
                         "local)", error, self.state.fallback.replicas)
 
+    def _cancel_heard(self, run: str, left_s: float) -> None:
+        """A cancel made on some replica (this one's too: then it finds nothing left to do)
+        reached this one: end the run's calls here, its descendants' included, and refuse
+        its new calls for ``left_s``."""
+        ending = sum(1 for info in self.runs.subtree(self.runs.resolve(run, None, ""))
+                     for live in info.live if live.call.cancelled is None)
+        self.runs.cancel(run, left_s)
+        if ending:
+            log.info("cancel of run %s heard from the shared state: %d call(s) here told to "
+                     "end", run, ending)
+
     def next_request_id(self) -> str:
         """A request id unique to this process (cheaper than a UUID on the hot path)."""
         return f"{self._id_prefix}{next(self._ids)}"
@@ -162,6 +177,8 @@ class Runtime:
         )
         self.session = upstream_session(connector)
         await self.state.start()
+        if self.runs.shared is not None:
+            self.runs.shared.feed.start(self._cancel_heard)
         await self.events.start()
         if any(route.retry is not None for route in self.routes):
             await self.dead_letters.open()
@@ -171,6 +188,9 @@ class Runtime:
         if self.session is not None:
             await self.session.close()
         await self.dead_letters.close()
+        if self.runs.shared is not None:
+            await self.runs.shared.feed.close()
+        await self.runs.background.wait()
         await self.state.close()
         await self.events.close()
 

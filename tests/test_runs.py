@@ -170,8 +170,11 @@ async def test_cancel_answers_in_flight_and_queued_calls_at_once(upstream, start
         again = await post(s, f"{sluice.url}/openai/v1/chat/completions", run_headers("job"),
                            b'{"model": "gpt-test", "messages": [], "max_tokens": 5}')
     assert report["calls_ended"] == 8 and report["calls_still_running"] == 0
-    assert report["quiet_ms"] < 100, report
-    assert quiet_s < 0.1, quiet_s  # all 8 callers had their answer within 100 ms
+    # Measured 2-11 ms here (docs/benchmarks.md); the bound only tells "ended by the cancel"
+    # from "ended by the upstream" on a loaded machine, as tests never assert speed.
+    print(f"cancel-to-quiet: Sluice's {report['quiet_ms']} ms, callers' {quiet_s * 1000:.1f} ms")
+    assert report["quiet_ms"] < 1000, report
+    assert quiet_s < 1.0, quiet_s
     assert [r.startswith("cut:") for r in results[:3]] == [True] * 3, results
     assert results[3:] == ["run_cancelled"] * 5
     await wait_until(lambda: upstream.cancelled == 3, what="the upstream to see 3 closes")

@@ -1,0 +1,444 @@
+"""Run trees, run counters and cancellations shared by every replica (Redis backend).
+
+:class:`policies.runs.RunRegistry` keeps each replica's own view of its runs (live calls,
+statistics, fan-out width); with the Redis backend it asks a :class:`RedisRuns` for what must
+be the same on every replica:
+
+* **Links and first-call times.** Each run has a hash ``<prefix>:{runs}:run:<id>`` with
+  ``first`` (its first call, Redis ``TIME`` in ms), ``parent`` (the run it was first seen
+  under) and ``n:<scope>`` (calls counted for ``run.max_requests`` in that scope, its
+  descendants' included). Every call of a run refreshes the expiry of its run and of each
+  ancestor to :data:`RUN_IDLE_TTL_S`, so a tree lives as long as any of it calls.
+* **Cancellations.** A sorted set ``<prefix>:{runs}:cancelled`` of run ids scored by the
+  Redis time (ms) until which their calls are refused (``run.cancel_ttl`` of the replica that
+  cancelled). A cancel also publishes ``<ttl_ms> <run>`` on ``<prefix>:runs:cancel``; each
+  replica's :class:`CancelFeed` hears it and ends that run's calls, its descendants' included,
+  at once. Pub/sub is at-most-once, so the set stays the truth: every call checks its whole
+  lineage against it (a replica that missed the message, or started after it, still refuses),
+  and the feed re-reads the set each time it (re)subscribes.
+
+Every key lives in the ``{runs}`` hash slot, so each script runs on one slot of a Redis
+Cluster; the scripts walk parent links, so they build ancestors' keys themselves (all in that
+slot). The price: one node of a cluster carries all run state and its load. Each
+request-path operation is one script, one round trip, bounded by ``state.timeout`` and
+raising :class:`~policies.state.errors.StateUnavailable` when Redis does not answer; a call
+of a run makes one (:meth:`RedisRuns.admit` places it, checks its cancellation and counts it
+for ``max_requests``), a call that never reached the upstream one more to give its count
+back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from redis.asyncio import Redis
+
+from policies.state.connection import Script
+
+if TYPE_CHECKING:
+    from redis.asyncio.client import PubSub
+
+    from policies.state.connection import RedisState
+
+log = logging.getLogger("sluice.state")
+
+#: The hash slot group of every run key.
+GROUP = "runs"
+#: A run (and its counts) with no call in its tree for this long is forgotten, seconds.
+RUN_IDLE_TTL_S = 86400
+#: Longest chain of parent links a script follows (as ``policies.runs.MAX_LINEAGE``).
+MAX_LINEAGE = 64
+#: Cancellations read back at most when the feed (re)subscribes.
+RESYNC_LIMIT = 10_000
+#: Longest the feed waits to connect and subscribe, seconds.
+SUBSCRIBE_TIMEOUT_S = 2.0
+#: How long the feed blocks reading before it looks at its state again, seconds.
+READ_TIMEOUT_S = 1.0
+
+# Place a call's run in the shared tree, read its lineage, and count the call.
+# KEYS: cancelled zset, the run's hash, the parent's hash (or the run's again).
+# ARGV: run, parent ('' for none), key prefix of run hashes, idle ttl s, max lineage, then per
+# max_requests scope: field, limit, depth limit (-1: none), max duration ms (-1: none).
+# A new run is linked under its parent unless that would close a cycle; a run first seen as a
+# root is linked later only while it has counted nothing (as the memory registry does).
+# The call is counted in every scope on every run of the lineage, or nowhere: not when the
+# lineage is cancelled, deeper or older than a scope allows, or a run is at a scope's limit.
+# Returns {ids, first-call ms, cancelled index (0: none), ms its refusal has left, now ms,
+# counted (0/1), per scope the index of the first run at its limit (0: none), per scope the
+# highest count after counting}.
+_ADMIT = Script("""
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local run, parent, pre = ARGV[1], ARGV[2], ARGV[3]
+local ttl, max = tonumber(ARGV[4]), tonumber(ARGV[5])
+local key = KEYS[2]
+redis.call('HSETNX', key, 'first', now)
+if parent ~= '' and parent ~= run and redis.call('HLEN', key) == 1 then
+  local node, cycle = parent, false
+  for _ = 1, max do
+    if node == run then cycle = true break end
+    node = redis.call('HGET', pre .. node, 'parent')
+    if not node then break end
+  end
+  if not cycle then
+    redis.call('HSETNX', KEYS[3], 'first', now)
+    redis.call('HSET', key, 'parent', parent)
+  end
+end
+local ids, firsts = {}, {}
+local hit, left = 0, 0
+local node = run
+for i = 1, max do
+  local k = pre .. node
+  local first = redis.call('HGET', k, 'first')
+  if not first then
+    first = now
+    redis.call('HSET', k, 'first', now)
+  end
+  redis.call('EXPIRE', k, ttl)
+  ids[i] = node
+  firsts[i] = first
+  if hit == 0 then
+    local until_ms = redis.call('ZSCORE', KEYS[1], node)
+    if until_ms and tonumber(until_ms) > now then
+      hit, left = i, tonumber(until_ms) - now
+    end
+  end
+  node = redis.call('HGET', k, 'parent')
+  if not node then break end
+end
+local counted, full, highs = 0, {}, {}
+if hit == 0 and #ARGV > 5 then
+  local fits = true
+  for g = 6, #ARGV, 4 do
+    local depth_limit, duration = tonumber(ARGV[g + 2]), tonumber(ARGV[g + 3])
+    if depth_limit >= 0 and #ids - 1 > depth_limit then fits = false end
+    if duration >= 0 then
+      for i = 1, #ids do
+        if now - tonumber(firsts[i]) >= duration then fits = false end
+      end
+    end
+  end
+  if fits then
+    local room = true
+    for g = 6, #ARGV, 4 do
+      local field, limit = ARGV[g], tonumber(ARGV[g + 1])
+      local at, high = 0, 0
+      for i = 1, #ids do
+        local n = tonumber(redis.call('HGET', pre .. ids[i], field) or '0')
+        if n >= limit then at = i break end
+        if n + 1 > high then high = n + 1 end
+      end
+      full[#full + 1] = at
+      highs[#highs + 1] = high
+      if at > 0 then room = false end
+    end
+    if room then
+      counted = 1
+      for g = 6, #ARGV, 4 do
+        for i = 1, #ids do redis.call('HINCRBY', pre .. ids[i], ARGV[g], 1) end
+      end
+    end
+  end
+end
+return {ids, firsts, hit, left, now, counted, full, highs}
+""")
+
+# Count one call on every run of a lineage for a scope, or on none.
+# KEYS: the run's hash (the rest are built from ARGV[1]). ARGV: prefix, field, limit, ids...
+# Returns {0, highest count after} when counted, or {index of the first run at the limit, 0}.
+_TAKE = Script("""
+local pre, field, limit = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local high = 0
+for i = 4, #ARGV do
+  local n = tonumber(redis.call('HGET', pre .. ARGV[i], field) or '0')
+  if n >= limit then return {i - 3, 0} end
+  if n + 1 > high then high = n + 1 end
+end
+for i = 4, #ARGV do redis.call('HINCRBY', pre .. ARGV[i], field, 1) end
+return {0, high}
+""")
+
+# Give back what _TAKE counted (never below 0; a forgotten run is not re-created).
+# KEYS: the run's hash. ARGV: prefix, field, ids...
+_GIVE_BACK = Script("""
+local pre, field = ARGV[1], ARGV[2]
+for i = 3, #ARGV do
+  local k = pre .. ARGV[i]
+  local n = tonumber(redis.call('HGET', k, field) or '0')
+  if n > 0 then redis.call('HINCRBY', k, field, -1) end
+end
+return 0
+""")
+
+# Record a cancellation and tell every replica. KEYS: cancelled zset.
+# ARGV: run, refusal ms, channel. A longer refusal already recorded is kept. Entries whose
+# refusal ended are dropped here, so the set holds only cancellations in force.
+_CANCEL = Script("""
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local until_ms = now + tonumber(ARGV[2])
+local old = redis.call('ZSCORE', KEYS[1], ARGV[1])
+if old and tonumber(old) > until_ms then until_ms = tonumber(old) end
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+redis.call('ZADD', KEYS[1], until_ms, ARGV[1])
+redis.call('PEXPIREAT', KEYS[1], math.max(until_ms, redis.call('PTTL', KEYS[1]) + now))
+redis.call('PUBLISH', ARGV[3], (until_ms - now) .. ' ' .. ARGV[1])
+return until_ms - now
+""")
+
+# The cancellations in force, with the ms each has left. KEYS: cancelled zset. ARGV: limit.
+_IN_FORCE = Script("""
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local rows = redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. now, '+inf', 'WITHSCORES', 'LIMIT', 0,
+                        tonumber(ARGV[1]))
+local out = {}
+for i = 1, #rows, 2 do
+  out[#out + 1] = rows[i]
+  out[#out + 1] = tostring(tonumber(rows[i + 1]) - now)
+end
+return out
+""")
+
+
+@dataclass(frozen=True, slots=True)
+class Lineage:
+    """A run's place in the shared tree, as one call found it.
+
+    Attributes:
+        ids: the run, then its parent, up to the root (at most :data:`MAX_LINEAGE`).
+        ages: seconds since each of their first calls, in the same order.
+        cancelled: the run of ``ids`` whose cancellation refuses the call, or ``None``.
+        cancelled_left: seconds that refusal has left (0 when ``cancelled`` is ``None``).
+        counted: the call was counted in every scope asked (see :meth:`RedisRuns.admit`).
+        full: per scope asked, the first run of ``ids`` at that scope's limit, or ``None``
+            (empty when the counts were not looked at: cancelled, too deep or too old).
+        highs: per scope asked, the highest count on the lineage after counting.
+    """
+
+    ids: tuple[str, ...]
+    ages: tuple[float, ...]
+    cancelled: str | None
+    cancelled_left: float
+    counted: bool = False
+    full: tuple[str | None, ...] = ()
+    highs: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Count:
+    """One ``run.max_requests`` scope a call is counted in, with the limits that must hold
+    for it to be counted at all.
+
+    Attributes:
+        scope: the route's name, or ``*`` for the top-level ``run`` block.
+        limit: ``max_requests``.
+        depth: ``fanout.depth`` of the same scope, or ``None``.
+        max_duration: ``run.max_duration`` of the same scope, seconds, or ``None``.
+    """
+
+    scope: str
+    limit: int
+    depth: int | None
+    max_duration: float | None
+
+
+def _text(value: Any) -> str:
+    return value.decode("utf-8", "surrogateescape") if isinstance(value, bytes) else str(value)
+
+
+class RedisRuns:
+    """The shared part of run state in Redis (see the module docstring).
+
+    Args:
+        state: the Redis connection of the ``state`` block (its prefix and timeout apply).
+    """
+
+    def __init__(self, state: RedisState) -> None:
+        self.state = state
+        self._cancelled = state.key(GROUP, "cancelled")
+        self._runs = state.key(GROUP, "run") + ":"
+        #: The channel cancellations are published on (classic pub/sub: no slot).
+        self.channel = f"{state.prefix}:runs:cancel"
+        self.feed = CancelFeed(self)
+
+    def _key(self, run: str) -> str:
+        return self._runs + run
+
+    async def admit(self, run: str, parent: str | None,
+                    counts: Sequence[Count] = ()) -> Lineage:
+        """Place ``run`` under ``parent`` (on first sight) and read its lineage and whether a
+        cancellation refuses it; refreshes the expiry of the run and its ancestors. With
+        ``counts``, also count the call in each of those scopes on every run of the lineage,
+        all or none (as :meth:`take_request` does for one scope), unless the lineage is
+        cancelled, deeper than a scope's ``depth`` or older than its ``max_duration``.
+
+        Raises:
+            StateUnavailable: Redis did not answer within ``state.timeout``.
+        """
+        parent_key = self._key(parent) if parent else self._key(run)
+        args: list[Any] = [run, parent or "", self._runs, RUN_IDLE_TTL_S, MAX_LINEAGE]
+        for count in counts:
+            args += [f"n:{count.scope}", count.limit,
+                     -1 if count.depth is None else count.depth,
+                     -1 if count.max_duration is None else round(count.max_duration * 1000)]
+        ids, firsts, hit, left, now, counted, full, highs = await self.state.eval(
+            _ADMIT, [self._cancelled, self._key(run), parent_key], args)
+        names = tuple(_text(name) for name in ids)
+        now = int(now)
+        return Lineage(
+            ids=names,
+            ages=tuple(max(0, now - int(first)) / 1000 for first in firsts),
+            cancelled=names[int(hit) - 1] if int(hit) else None,
+            cancelled_left=int(left) / 1000,
+            counted=bool(int(counted)),
+            full=tuple(names[int(at) - 1] if int(at) else None for at in full),
+            highs=tuple(int(high) for high in highs),
+        )
+
+    async def take_request(self, scope: str, ids: tuple[str, ...],
+                           limit: int) -> tuple[str | None, int]:
+        """Count one call in ``scope`` on every run of ``ids`` (a lineage, the run first), or
+        on none of them.
+
+        Returns:
+            ``(full, highest)``: the first run already at ``limit`` (nothing counted), else
+            ``None`` and the highest count on the lineage after counting.
+
+        Raises:
+            StateUnavailable: Redis did not answer (nothing was counted, as far as is known).
+        """
+        full, high = await self.state.eval(_TAKE, [self._key(ids[0])],
+                                           [self._runs, f"n:{scope}", limit, *ids])
+        return (ids[int(full) - 1] if int(full) else None), int(high)
+
+    async def give_back_request(self, scope: str, ids: tuple[str, ...]) -> None:
+        """Undo :meth:`take_request` for a call that never reached the upstream.
+
+        Raises:
+            StateUnavailable: Redis did not answer (the count stays taken until it expires).
+        """
+        await self.state.eval(_GIVE_BACK, [self._key(ids[0])],
+                              [self._runs, f"n:{scope}", *ids])
+
+    async def cancel(self, run: str, ttl_s: float) -> float:
+        """Record that ``run`` (and so its descendants) is refused for ``ttl_s`` seconds and
+        publish it to every replica's :class:`CancelFeed`.
+
+        Returns:
+            seconds the refusal lasts (more than ``ttl_s`` if a longer one was in force).
+
+        Raises:
+            StateUnavailable: Redis did not answer; the cancellation is not shared.
+        """
+        left = await self.state.eval(_CANCEL, [self._cancelled],
+                                     [run, max(1, round(ttl_s * 1000)), self.channel])
+        return int(left) / 1000
+
+    async def in_force(self) -> list[tuple[str, float]]:
+        """Every cancellation in force: ``(run, seconds left)``, at most :data:`RESYNC_LIMIT`.
+
+        Raises:
+            StateUnavailable: Redis did not answer.
+        """
+        rows = await self.state.eval(_IN_FORCE, [self._cancelled], [RESYNC_LIMIT])
+        return [(_text(rows[i]), int(_text(rows[i + 1])) / 1000)
+                for i in range(0, len(rows), 2)]
+
+
+class CancelFeed:
+    """Each replica's subscription to the cancellations of every replica.
+
+    :meth:`start` runs a listener on a pub/sub connection of its own; each cancellation heard
+    is handed to ``on_cancel(run, seconds_left)``, which must not block. Each time the listener
+    (re)subscribes it first hands over every cancellation in force (:meth:`RedisRuns.in_force`),
+    so one missed while disconnected, or made before this replica started, still applies to
+    calls already queued or in flight here.
+    """
+
+    def __init__(self, runs: RedisRuns) -> None:
+        self._runs = runs
+        self._task: asyncio.Task[None] | None = None
+        self._closing = False
+        self._on_cancel: Callable[[str, float], None] | None = None
+        #: Set while subscribed (tests and readiness wait on it).
+        self.subscribed = asyncio.Event()
+
+    def start(self, on_cancel: Callable[[str, float], None]) -> None:
+        """Start listening (inside the running loop); never raises for Redis being down."""
+        self._on_cancel = on_cancel
+        if self._task is None:
+            self._task = asyncio.create_task(self._listen(), name="sluice-runs-cancel-feed")
+
+    async def close(self) -> None:
+        """Stop listening and close the connection."""
+        self._closing = True
+        task, self._task = self._task, None
+        if task is None:
+            return
+        # As RedisNotifier.close: a cancellation can be lost inside redis-py's pub/sub read,
+        # so cancel until the task ends (it also stops at its next read timeout).
+        for _ in range(int(READ_TIMEOUT_S / 0.05) + 10):
+            task.cancel()
+            done, _ = await asyncio.wait([task], timeout=0.05)
+            if done:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    task.result()
+                return
+        log.warning("the run cancellation listener did not stop")
+
+    def _deliver(self, run: str, left_s: float) -> None:
+        if self._on_cancel is not None and left_s > 0:
+            self._on_cancel(run, left_s)
+
+    def _heard(self, data: str) -> None:
+        """One message: ``<ms left> <run>`` (see ``_CANCEL``)."""
+        left_ms, _, run = data.partition(" ")
+        try:
+            left_s = float(left_ms) / 1000
+        except ValueError:
+            log.warning("ignored a malformed run cancellation message: %.80r", data)
+            return
+        self._deliver(run, left_s)
+
+    async def _listen(self) -> None:
+        runs = self._runs
+        state = runs.state
+        while not self._closing:
+            pubsub: PubSub | None = None
+            client: Redis | None = None
+            try:
+                async with asyncio.timeout(max(SUBSCRIBE_TIMEOUT_S, state.timeout_s)):
+                    client = Redis(connection_pool=state.node_pool())
+                    pubsub = client.pubsub()
+                    await pubsub.subscribe(runs.channel)
+                    while (await pubsub.get_message(timeout=READ_TIMEOUT_S)) is None:
+                        pass  # the subscribe confirmation: messages from now on reach us
+                # Subscribed first, then read the set: nothing falls between the two.
+                for run, left_s in await runs.in_force():
+                    self._deliver(run, left_s)
+                self.subscribed.set()
+                while not self._closing:
+                    message = await pubsub.get_message(timeout=READ_TIMEOUT_S)
+                    if message is not None and message["type"] == "message":
+                        self._heard(_text(message["data"]))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # StateUnavailable before the first connection, too
+                log.debug("run cancellation listener: %r; reconnecting", exc)
+            finally:
+                self.subscribed.clear()
+                if pubsub is not None:
+                    with contextlib.suppress(Exception):
+                        await pubsub.aclose()
+                if client is not None:
+                    with contextlib.suppress(Exception):
+                        await client.aclose()
+                        await client.connection_pool.disconnect()
+            await asyncio.sleep(state.probe_interval_s)

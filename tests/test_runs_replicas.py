@@ -1,0 +1,334 @@
+"""Runs across replicas (issue 12, Redis backend): a cancel made on one replica ends the run's
+queued and in-flight calls on every replica, descendants included, and refuses its new calls
+there (and on a replica started later); ``max_requests``, ``max_duration`` and depth count the
+run's calls on every replica; with Redis stopped each replica keeps its own runs.
+
+Three real Sluice processes share one Redis (then a Redis Cluster: the ``shared_state``
+fixture) and one fake upstream, which counts what reaches it and the connections closed on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aiohttp
+
+from tests.conftest import route, wait_until
+from tests.redis_servers import RedisServer, new_prefix
+from tests.test_shared_rate_budget import round_trips
+
+TOKEN = "s3cret-admin-token"
+CHAT = "/openai/v1/chat/completions"
+ADMIN = {"Authorization": f"Bearer {TOKEN}"}
+#: The spec's bound on cancel-to-quiet across replicas, seconds.
+QUIET_ACROSS_S = 1.0
+
+
+def run_headers(run: str, parent: str | None = None) -> dict[str, str]:
+    headers = {"X-Run-ID": run}
+    if parent is not None:
+        headers["X-Parent-Run-ID"] = parent
+    return headers
+
+
+def chat(stream: bool = False) -> dict:
+    return {"model": "gpt-test", "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 50, "stream": stream}
+
+
+async def call(session: aiohttp.ClientSession, sluice, run: str,
+               parent: str | None = None) -> tuple[int, dict[str, str], float]:
+    """Status, headers and the monotonic time the caller had its answer."""
+    async with session.post(sluice.url + CHAT, json=chat(),
+                            headers=run_headers(run, parent)) as r:
+        await r.read()
+        return r.status, dict(r.headers), time.monotonic()
+
+
+async def stream(session: aiohttp.ClientSession, sluice, run: str, parent: str | None,
+                 started: asyncio.Event) -> tuple[str, float]:
+    """Stream a chat completion; ``started`` is set at its first bytes. Returns how it ended
+    (``completed``, or ``cut`` when Sluice closed it) and when."""
+    async with session.post(sluice.url + CHAT, json=chat(stream=True),
+                            headers=run_headers(run, parent)) as r:
+        assert r.status == 200
+        try:
+            async for _ in r.content.iter_any():
+                started.set()
+            outcome = "completed"
+        except aiohttp.ClientError:
+            outcome = "cut"
+    return outcome, time.monotonic()
+
+
+async def run_view(session: aiohttp.ClientSession, sluice, run: str) -> dict:
+    async with session.get(f"{sluice.admin_url}/admin/runs/{run}") as r:
+        return await r.json() if r.status == 200 else {}
+
+
+async def cancel(session: aiohttp.ClientSession, sluice, run: str) -> dict:
+    async with session.post(f"{sluice.admin_url}/admin/runs/{run}/cancel", headers=ADMIN) as r:
+        assert r.status == 200, await r.text()
+        return await r.json()
+
+
+async def replicas(start_sluice, n: int, config: dict) -> list:
+    return [await start_sluice(config, env={"SLUICE_ADMIN_TOKEN": TOKEN}) for _ in range(n)]
+
+
+async def test_a_cancel_on_one_replica_quiets_the_run_on_every_replica(
+        upstream, start_sluice, shared_state):
+    """On each of 3 replicas one call of the run tree streams and two wait in the queue:
+    the root run on A, its child on B, its grandchild on C (C never sees the root named:
+    only the shared links say the grandchild is below it). Cancelling the root through B's
+    admin port answers all 9 callers within 1 s, closes the 3 upstream connections, and
+    refuses the tree's new calls everywhere, on a replica started after the cancel too."""
+    upstream.stream_hold = asyncio.Event()  # streams stop after their first event
+    config = {"state": shared_state, "routes": [route(
+        "openai", upstream.url, concurrency={"limit": 1, "queue": 10, "max_wait": "30s"})]}
+    a, b, c = await replicas(start_sluice, 3, config)
+    tree = [(a, "job", None), (b, "job-kid", "job"), (c, "job-kid-kid", "job-kid")]
+    async with aiohttp.ClientSession() as s:
+        streams, queued = [], []
+        for rep, run, parent in tree:  # in order: each run's parent is linked first
+            first = asyncio.Event()
+            streams.append(asyncio.create_task(stream(s, rep, run, parent, first)))
+            await asyncio.wait_for(first.wait(), 10)
+        for rep, run, parent in tree:
+            queued += [asyncio.create_task(call(s, rep, run, parent)) for _ in range(2)]
+        for rep, run, _ in tree:
+            for _ in range(200):
+                if (await run_view(s, rep, run)).get("queued") == 2:
+                    break
+                await asyncio.sleep(0.02)
+            else:
+                raise AssertionError(f"2 calls of {run} not queued")
+        assert (upstream.inflight, len(upstream.requests)) == (3, 3)
+
+        started = time.monotonic()
+        report = await cancel(s, b, "job")
+        streamed = await asyncio.gather(*streams)
+        answered = await asyncio.gather(*queued)
+
+        quiet = {f"{run} streaming on {name}": round(ended - started, 3)
+                 for (_, run, _), (_, ended), name in zip(tree, streamed, "ABC", strict=True)}
+        for index, (_, _, ended) in enumerate(answered):
+            _, run, _ = tree[index // 2]
+            quiet[f"{run} queued on {'ABC'[index // 2]} #{index % 2}"] = round(
+                ended - started, 3)
+        print(f"\ncancel-to-answer per caller, seconds: {quiet}")
+        print(f"B's admin answer: {report}")
+        assert max(quiet.values()) < QUIET_ACROSS_S, quiet
+        assert report["shared"] is True
+        assert [outcome for outcome, _ in streamed] == ["cut"] * 3
+        assert [(status, headers["X-Sluice-Reason"], headers["x-should-retry"])
+                for status, headers, _ in answered] == [(409, "run_cancelled", "false")] * 6
+        await wait_until(lambda: upstream.cancelled == 3, what="the upstream to see 3 closes")
+        assert len(upstream.requests) == 3  # no queued call reached it
+
+        # New calls of the tree, on replicas that never saw those runs, are refused.
+        late = [await call(s, c, "job-kid-2", "job"),   # a new child of the root
+                await call(s, a, "job-kid-kid"),         # a grandchild A never saw
+                await call(s, b, "job")]
+        d = await start_sluice(config)                   # started after the cancel
+        late += [await call(s, d, "job-kid-kid"), await call(s, d, "job-great", "job-kid-kid")]
+        assert [(status, headers.get("X-Sluice-Reason")) for status, headers, _ in late] == [
+            (409, "run_cancelled")] * 5
+        assert (await call(s, d, "other-run"))[0] == 200
+    assert len(upstream.requests) == 4
+    upstream.stream_hold.set()
+
+
+async def test_max_requests_5_across_3_replicas_serves_exactly_5(
+        upstream, start_sluice, shared_state):
+    """One run (and a child of it) calling all 3 replicas spends one max_requests: the
+    sixth call is refused ``run_budget_exhausted`` with ``x-should-retry: false``, whichever
+    replica it reaches; concurrent calls of another run through all 3 get exactly 5 served."""
+    config = {"state": shared_state,
+              "routes": [route("openai", upstream.url, run={"max_requests": 5})]}
+    reps = await replicas(start_sluice, 3, config)
+    async with aiohttp.ClientSession() as s:
+        answers = [await call(s, reps[i % 3], "job") for i in range(3)]
+        answers += [await call(s, reps[i % 3], "job-kid", "job") for i in range(2)]
+        sixth = [await call(s, rep, "job") for rep in reps]
+        kid_sixth = await call(s, reps[2], "job-kid", "job")
+        assert [status for status, _, _ in answers] == [200] * 5
+        assert answers[3][1]["X-Sluice-Run-Warning"] == '"max_requests";used=0.800'
+        for status, headers, _ in (*sixth, kid_sixth):
+            assert (status, headers["X-Sluice-Reason"], headers["x-should-retry"]) == (
+                429, "run_budget_exhausted", "false")
+        assert len(upstream.requests) == 5
+
+        burst = await asyncio.gather(*(call(s, reps[i % 3], "burst") for i in range(15)))
+    assert sorted(status for status, _, _ in burst) == [200] * 5 + [429] * 10
+    assert len(upstream.requests) == 10
+
+
+async def test_depth_and_max_duration_come_from_the_shared_tree(
+        upstream, start_sluice, shared_state):
+    """C sees only ``kid -> grandkid``, yet refuses the grandkid for ``fanout.depth: 1``
+    (its depth is 2 in the shared tree); B refuses a run A started more than
+    ``max_duration`` ago, though B sees its first call only now."""
+    config = {"state": shared_state, "fanout": {"depth": 1},
+              "run": {"max_duration": "1s"}, "routes": [route("openai", upstream.url)]}
+    a, b, c = await replicas(start_sluice, 3, config)
+    async with aiohttp.ClientSession() as s:
+        root = await call(s, a, "root")
+        kid = await call(s, b, "kid", "root")
+        grandkid = await call(s, c, "grandkid", "kid")
+        assert (root[0], kid[0]) == (200, 200)
+        assert (grandkid[0], grandkid[1]["X-Sluice-Reason"]) == (429, "fanout_limited")
+        assert (await run_view(s, c, "grandkid"))["depth"] == 2
+        await asyncio.sleep(1.1)
+        late = await call(s, b, "root")
+    assert (late[0], late[1]["X-Sluice-Reason"]) == (429, "run_budget_exhausted")
+    assert len(upstream.requests) == 2
+
+
+async def test_redis_stopped_each_replica_keeps_its_own_runs(upstream, start_sluice,
+                                                            redis_server: RedisServer):
+    """With Redis stopped, calls of a run are served without waiting on it, a cancel still
+    ends and refuses the run on the replica it was made on (answering ``shared: false``,
+    logged), and the other replica, which cannot hear of it, keeps serving the run; the
+    run's ``max_requests`` is each replica's share (``state.replicas``)."""
+    state = {"backend": "redis", "redis_url": redis_server.url, "key_prefix": new_prefix(),
+             "timeout": "200ms", "on_unavailable": "local", "replicas": 2}
+    config = {"state": state,
+              "routes": [route("openai", upstream.url, run={"max_requests": 4})]}
+    a, b = await replicas(start_sluice, 2, config)
+    async with aiohttp.ClientSession() as s:
+        assert (await call(s, a, "job"))[0] == 200
+        redis_server.stop()
+        await a.wait_metric("sluice_state_backend_up", 0, backend="redis")
+        async with asyncio.timeout(5):  # no hang: each call is bounded by state.timeout
+            served = [await call(s, a, "job"), await call(s, a, "job"),
+                      await call(s, a, "job")]
+            report = await cancel(s, a, "job")
+            refused = await call(s, a, "job-kid", "job")
+            other = [await call(s, b, "job"), await call(s, b, "job"), await call(s, b, "job")]
+    assert [status for status, _, _ in served] == [200, 200, 429]  # 1 shared + 4/2 local
+    assert report["shared"] is False
+    assert "applies to this replica only" in a.stderr()
+    assert (refused[0], refused[1]["X-Sluice-Reason"]) == (409, "run_cancelled")
+    assert [status for status, _, _ in other] == [200, 200, 429]
+
+
+async def test_round_trips_per_call_of_a_run(upstream, start_sluice, redis_server: RedisServer):
+    """A call of a run costs one script: its lineage, its cancellation and its count for the
+    route's ``max_requests`` together; a call naming no run costs none."""
+    state = {"backend": "redis", "redis_url": redis_server.url, "key_prefix": new_prefix()}
+    (sluice,) = await replicas(start_sluice, 1, {"state": state, "routes": [
+        route("openai", upstream.url), route("limited", upstream.url, run={"max_requests": 99})]})
+    n = 10
+    counts = {}
+    async with aiohttp.ClientSession() as s:
+        for name, path, headers in (("no run", "/openai", {}),
+                                    ("run", "/openai", run_headers("job")),
+                                    ("run with max_requests", "/limited", run_headers("job"))):
+            for i in range(n + 1):
+                if i == 1:  # after a first call has loaded the scripts
+                    with redis_server.client() as r:
+                        r.config_resetstat()
+                async with s.post(sluice.url + path + "/v1/chat/completions", json=chat(),
+                                  headers=headers) as resp:
+                    assert resp.status == 200
+            counts[name] = round_trips(redis_server) / n
+    print(f"\nRedis round trips per call: {counts}")
+    assert counts == {"no run": 0, "run": 1, "run with max_requests": 1}
+
+
+async def test_calls_racing_a_cancel_all_end(upstream, start_sluice, shared_state):
+    """Calls of a run tree keep arriving on 3 replicas while its root is cancelled on one:
+    whatever the interleaving (a call whose shared check ran just before the cancel was
+    recorded, a cancel heard while a call's check is on its way), no call of the tree stays
+    at the upstream: each is answered 409 within 1 s of the cancel or of its own start,
+    whichever is later, and the upstream (which holds every call) answers none of them."""
+    config = {"state": shared_state, "routes": [route("tools", upstream.url, "http")]}
+    reps = await replicas(start_sluice, 3, config)
+    ends: list[tuple[float, int, float]] = []  # (start, status, end) of each call
+
+    async def one(s: aiohttp.ClientSession, rep, run: str, parent: str) -> int:
+        began = time.monotonic()
+        async with s.post(rep.url + "/tools/x", data=b"{}",
+                          headers=run_headers(run, parent)) as r:
+            await r.read()
+            ends.append((began, r.status, time.monotonic()))
+            return r.status
+
+    async with aiohttp.ClientSession() as s:
+        # The tree: 6 children of the root, each linked on some replica.
+        kids = [f"storm-kid-{k}" for k in range(6)]
+        assert [await one(s, reps[k % 3], kid, "storm") for k, kid in enumerate(kids)] == [
+            200] * 6
+        ends.clear()
+        upstream.hold = asyncio.Event()
+        tasks = []
+        for i in range(60):  # children and grandchildren, spread over the replicas
+            kid = kids[i % 6]
+            run, parent = (kid, "storm") if i % 3 == 0 else (f"{kid}-gk-{i % 4}", kid)
+            tasks.append(asyncio.create_task(one(s, reps[(i + i // 3) % 3], run, parent)))
+            if i == 30:
+                cancelled_at = time.monotonic()
+                tasks.append(asyncio.create_task(cancel(s, reps[1], "storm")))
+            await asyncio.sleep(0.005)
+        async with asyncio.timeout(10):
+            await asyncio.gather(*tasks)
+    slow = [(round(end - max(began, cancelled_at), 3), status)
+            for began, status, end in ends
+            if end - max(began, cancelled_at) >= QUIET_ACROSS_S or status != 409]
+    assert not slow, slow
+    assert len(ends) == 60
+    assert upstream.executed == 6 and upstream.inflight == 0
+
+
+async def test_redis_stopped_with_reject_refuses_run_calls(upstream, start_sluice,
+                                                           redis_server: RedisServer):
+    """``state.on_unavailable: reject``: a call of a run is refused 503 ``state_unavailable``
+    at once (its run's cancellation cannot be checked); a call naming no run is served."""
+    state = {"backend": "redis", "redis_url": redis_server.url, "key_prefix": new_prefix(),
+             "timeout": "200ms", "on_unavailable": "reject"}
+    (sluice,) = await replicas(start_sluice, 1, {"state": state,
+                                                 "routes": [route("openai", upstream.url)]})
+    async with aiohttp.ClientSession() as s:
+        assert (await call(s, sluice, "job"))[0] == 200
+        redis_server.stop()
+        await sluice.wait_metric("sluice_state_backend_up", 0, backend="redis")
+        async with asyncio.timeout(5):
+            refused = await call(s, sluice, "job")
+            async with s.post(sluice.url + CHAT, json=chat()) as r:
+                plain = r.status
+    assert (refused[0], refused[1]["X-Sluice-Reason"]) == (503, "state_unavailable")
+    assert "Retry-After" in refused[1]
+    assert plain == 200
+
+
+async def test_a_count_taken_before_an_earlier_refusal_is_given_back(
+        upstream, start_sluice, shared_state):
+    """The run's count is taken with its lineage, before idempotency: a duplicate refused
+    there (its twin in flight) gives the count back, so ``max_requests: 2`` still serves
+    two distinct calls, and refuses the third."""
+    upstream.hold = asyncio.Event()
+    (sluice,) = await replicas(start_sluice, 1, {"state": shared_state, "routes": [route(
+        "openai", upstream.url, run={"max_requests": 2},
+        idempotency={"on_in_flight": "reject"})]})
+    async with aiohttp.ClientSession() as s:
+        url = sluice.url + CHAT
+
+        async def keyed(key: str) -> tuple[int, dict[str, str]]:
+            async with s.post(url, json=chat(), headers={**run_headers("job"),
+                                                         "Idempotency-Key": key}) as r:
+                await r.read()
+                return r.status, dict(r.headers)
+
+        first = asyncio.create_task(keyed("k1"))
+        await wait_until(lambda: upstream.inflight == 1, what="the first call upstream")
+        duplicates = [await keyed("k1") for _ in range(3)]
+        await asyncio.sleep(0.3)  # give-backs run in the background, after the answer
+        upstream.hold.set()
+        assert (await first)[0] == 200
+        second, third = await keyed("k2"), await keyed("k3")
+    assert [status for status, _ in duplicates] == [409] * 3
+    assert second[0] == 200
+    assert (third[0], third[1]["X-Sluice-Reason"]) == (429, "run_budget_exhausted")
+    assert len(upstream.requests) == 2

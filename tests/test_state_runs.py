@@ -1,0 +1,188 @@
+"""The shared run state (``policies/state/runs.py``) on one Redis and on a Redis Cluster: links
+and lineages, all-or-none counting under interleaved replicas (a property test), and the
+cancellation feed, including a cancel made before a replica subscribed."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from policies.state import redis_backends
+from policies.state.runs import Count, RedisRuns
+from tests.redis_servers import (
+    TEST_PROBE_S,
+    TEST_TIMEOUT_S,
+    RedisCluster,
+    delete_prefix,
+    new_prefix,
+    require_redis,
+)
+
+
+@pytest.fixture(params=["redis", "cluster"])
+def where(request: pytest.FixtureRequest) -> Iterator[tuple[str, str]]:
+    """``(url, prefix)`` of a fresh key prefix on one Redis, then on a cluster."""
+    prefix = new_prefix()
+    if request.param == "redis":
+        url = require_redis()
+        yield url, prefix
+        delete_prefix(url, prefix)
+    else:
+        cluster: RedisCluster = request.getfixturevalue("redis_cluster")
+        yield cluster.url, prefix
+        cluster.delete_prefix(prefix)
+
+
+@contextlib.asynccontextmanager
+async def shared_runs(url: str, prefix: str) -> AsyncIterator[RedisRuns]:
+    """One replica's view of the shared run state."""
+    backends = await redis_backends(url, prefix, TEST_TIMEOUT_S, probe_interval_s=TEST_PROBE_S)
+    assert backends.redis is not None and backends.health.up, backends.health.last_error
+    runs = RedisRuns(backends.redis)
+    try:
+        yield runs
+    finally:
+        await runs.feed.close()
+        await backends.close()
+
+
+async def test_links_make_a_lineage_without_cycles(where):
+    async with shared_runs(*where) as runs:
+        assert (await runs.admit("c", "b")).ids == ("c", "b")
+        # b was first seen as c's parent, counting nothing: a later parent links it.
+        assert (await runs.admit("b", "a")).ids == ("b", "a")
+        lineage = await runs.admit("c", None)
+        assert lineage.ids == ("c", "b", "a")
+        assert lineage.cancelled is None and all(age >= 0 for age in lineage.ages)
+        # a under c would close a cycle: ignored, a stays a root.
+        assert (await runs.admit("a", "c")).ids == ("a",)
+        # c keeps the parent it was first seen with.
+        assert (await runs.admit("c", "x")).ids == ("c", "b", "a")
+        # A root that counted calls is not moved under a parent afterwards.
+        await runs.admit("solo", None)
+        assert (await runs.take_request("s", ("solo",), 5)) == (None, 1)
+        assert (await runs.admit("solo", "a")).ids == ("solo",)
+
+
+async def test_counts_are_all_or_none_and_given_back(where):
+    async with shared_runs(*where) as runs:
+        await runs.admit("kid", "root")
+        assert await runs.take_request("s", ("kid", "root"), 2) == (None, 1)
+        assert await runs.take_request("s", ("root",), 2) == (None, 2)
+        # root is full: the kid's call counts nowhere, not even on the kid.
+        assert await runs.take_request("s", ("kid", "root"), 2) == ("root", 0)
+        await runs.give_back_request("s", ("root",))
+        assert await runs.take_request("s", ("kid", "root"), 2) == (None, 2)
+        assert await runs.take_request("s", ("kid",), 2) == ("kid", 0)
+        assert await runs.take_request("other-scope", ("kid", "root"), 2) == (None, 1)
+
+
+async def test_admit_counts_every_scope_or_none(where):
+    async with shared_runs(*where) as runs:
+        both = [Count("*", 3, None, None), Count("route", 2, None, None)]
+        assert (await runs.admit("kid", "root", both)).counted
+        lineage = await runs.admit("kid", "root", both)
+        assert (lineage.counted, lineage.full, lineage.highs) == (True, (None, None), (2, 2))
+        # The route's scope is full on kid: nothing counted in either scope.
+        lineage = await runs.admit("kid", "root", both)
+        assert (lineage.counted, lineage.full) == (False, (None, "kid"))
+        assert await runs.take_request("*", ("root",), 3) == (None, 3)
+        # Too deep, or too old, for a scope: counted nowhere, and the counts not read.
+        deep = await runs.admit("grandkid", "kid", [Count("route", 9, 1, None)])
+        assert (deep.counted, deep.full) == (False, ())
+        await asyncio.sleep(0.05)
+        old = await runs.admit("grandkid", "kid", [Count("route", 9, None, 0.04)])
+        assert (old.counted, old.full) == (False, ())
+        await runs.cancel("root", 60)
+        cancelled = await runs.admit("grandkid", "kid", [Count("route", 9, None, None)])
+        assert (cancelled.cancelled, cancelled.counted) == ("root", False)
+        assert await runs.take_request("route", ("grandkid",), 1) == (None, 1)
+
+
+async def test_a_cancel_reaches_the_lineage_and_every_feed(where):
+    async with shared_runs(*where) as first, shared_runs(*where) as later:
+        await first.admit("kid", "root")
+        assert await first.cancel("root", 60) == pytest.approx(60, abs=0.01)
+        lineage = await first.admit("grandkid", "kid")
+        assert (lineage.cancelled, round(lineage.cancelled_left)) == ("root", 60)
+        # A shorter cancel does not shorten the refusal in force.
+        assert await first.cancel("root", 5) == pytest.approx(60, abs=0.5)
+
+        heard: list[tuple[str, float]] = []
+        later.feed.start(lambda run, left: heard.append((run, left)))
+        await asyncio.wait_for(later.feed.subscribed.wait(), 5)
+        # Made before this replica subscribed: read back from the set on subscribing.
+        assert [(run, round(left)) for run, left in heard] == [("root", 60)]
+        await first.cancel("another", 30)
+        for _ in range(250):
+            if any(run == "another" for run, _ in heard):
+                break
+            await asyncio.sleep(0.02)
+        # A cluster may deliver the earlier cancels' messages late (after the read-back):
+        # a cancel heard twice is applied twice, which changes nothing.
+        assert {(run, round(left)) for run, left in heard} == {("root", 60), ("another", 30)}
+        assert sorted(run for run, _ in await first.in_force()) == ["another", "root"]
+
+
+forests = st.lists(st.integers(0, 7), min_size=1, max_size=6).map(
+    lambda ups: [None, *[min(up, i) for i, up in enumerate(ups)]])  # run i+1's parent <= i
+
+
+@settings(max_examples=25, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(parents=forests, calls=st.lists(st.tuples(st.integers(0, 6), st.integers(0, 2)),
+                                       min_size=1, max_size=30),
+       limit=st.integers(1, 4))
+def test_interleaved_replicas_never_overspend_a_run(where, parents, calls, limit):
+    """Three replicas count calls of one run tree at once (at admission and on their own):
+    each run's count is exactly the calls granted on its subtree and never above the limit,
+    and each refused call's lineage holds a run at the limit."""
+    url, base = where
+    prefix = f"{base}:{new_prefix()[-12:]}"  # under the fixture's prefix: deleted with it
+
+    async def scenario() -> None:
+        async with contextlib.AsyncExitStack() as stack:
+            reps = [await stack.enter_async_context(shared_runs(url, prefix))
+                    for _ in range(3)]
+            names = [f"r{i}" for i in range(len(parents))]
+            lineages = []
+            for i, parent in enumerate(parents):
+                lineage = await reps[0].admit(names[i], None if parent is None else
+                                              names[parent])
+                lineages.append(lineage.ids)
+            asked = [lineages[run % len(lineages)] for run, _ in calls]
+
+            async def count(index: int, ids: tuple[str, ...], rep: int) -> tuple[str | None,
+                                                                                  int]:
+                # Both ways a call is counted: in the tracker's admission, or on its own.
+                if index % 2:
+                    return await reps[rep].take_request("s", ids, limit)
+                lineage = await reps[rep].admit(ids[0], None, [Count("s", limit, None, None)])
+                assert lineage.ids == ids
+                return lineage.full[0], lineage.highs[0]
+
+            results = await asyncio.gather(*(
+                count(index, ids, rep)
+                for index, (ids, (_, rep)) in enumerate(zip(asked, calls, strict=True))))
+            counts = {}
+            for name in names:
+                counts[name] = sum(1 for ids, (full, _) in zip(asked, results, strict=True)
+                                   if full is None and name in ids)
+                assert counts[name] <= limit
+            for ids, (full, _) in zip(asked, results, strict=True):
+                if full is not None:
+                    assert counts[full] == limit and full in ids
+            # What Redis holds is what the model says was granted.
+            for name in names:
+                full, _ = await reps[0].take_request("s", (name,), counts[name] + 1)
+                assert full is None
+                await reps[0].give_back_request("s", (name,))
+                if counts[name]:
+                    assert await reps[0].take_request("s", (name,), counts[name]) == (name, 0)
+
+    asyncio.run(scenario())
