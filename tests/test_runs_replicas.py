@@ -85,8 +85,9 @@ async def test_a_cancel_on_one_replica_quiets_the_run_on_every_replica(
     admin port answers all 9 callers within 1 s, closes the 3 upstream connections, and
     refuses the tree's new calls everywhere, on a replica started after the cancel too."""
     upstream.stream_hold = asyncio.Event()  # streams stop after their first event
+    # The limit counts every replica's calls (Redis leases): the 3 streams fill it.
     config = {"state": shared_state, "routes": [route(
-        "openai", upstream.url, concurrency={"limit": 1, "queue": 10, "max_wait": "30s"})]}
+        "openai", upstream.url, concurrency={"limit": 3, "queue": 10, "max_wait": "30s"})]}
     a, b, c = await replicas(start_sluice, 3, config)
     tree = [(a, "job", None), (b, "job-kid", "job"), (c, "job-kid-kid", "job-kid")]
     async with aiohttp.ClientSession() as s:
