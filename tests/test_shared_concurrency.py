@@ -97,6 +97,7 @@ async def _value(x):
     return x
 
 
+
 @ON_REDIS
 async def test_per_tenant_counts_the_tenants_leases_on_every_replica(backends: StateBackends):
     async with replica(backends) as other:
@@ -513,10 +514,16 @@ async def test_reject_mode_refuses_503_and_recovers_without_restart(
         await asyncio.to_thread(own_redis.restart)
         for rep in (a, b):
             await rep.wait_metric("sluice_state_backend_up", 1, backend="redis")
-        results = await asyncio.gather(*(post(session, rep.url, delay=0.2)
-                                         for rep in (a, b, a, b)))
-        assert [status for status, _, _ in results] == [200] * 4, [
-            h.get("X-Sluice-Reason") for _, h, _ in results]
+
+        async def served() -> list[int]:
+            results = await asyncio.gather(*(post(session, rep.url, delay=0.2)
+                                             for rep in (a, b, a, b)))
+            return [status for status, _, _ in results]
+
+        # A cluster that has just formed again may still time out a call or two for a moment
+        # (redis-py retries CLUSTERDOWN with sleeps): every call served again, without a
+        # restart of Sluice, and never two at once, is the point.
+        await eventually(served, [200] * 4, 15.0, "4 calls served after the restart")
         assert upstream.peak_inflight == 1
 
 

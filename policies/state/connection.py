@@ -36,6 +36,7 @@ import urllib.parse
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
+import redis.exceptions as rx
 from redis.asyncio import BlockingConnectionPool, ConnectionPool, Redis, RedisCluster
 from redis.asyncio.connection import parse_url
 from redis.asyncio.retry import Retry
@@ -196,6 +197,8 @@ class RedisState:
         self._monitor: asyncio.Task[None] | None = None
         self._closed = False
         self._answered_at = 0.0
+        #: A call found the server gone (not merely slow): pooled connections may be dead.
+        self._stale = False
         self.notifier = RedisNotifier(self)
 
     def __repr__(self) -> str:
@@ -241,7 +244,8 @@ class RedisState:
             if self._client is None:
                 async with asyncio.timeout(max(CONNECT_TIMEOUT_S, self.timeout_s)):
                     self._client = await self._connect()
-            elif not self.health.up:
+            elif self._stale:
+                self._stale = False
                 await self._drop_idle(self._client)
             async with asyncio.timeout(self.timeout_s):
                 await self._client.ping()
@@ -253,9 +257,11 @@ class RedisState:
 
     @staticmethod
     async def _drop_idle(client: Redis | RedisCluster) -> None:
-        """Close the pooled connections nobody uses: after an outage they may point at a
-        server that has since restarted, and with retries off each would fail the one call
-        that picked it ("Connection closed by server") and mark the backend down again."""
+        """Close the pooled connections nobody uses: once the server was found gone they may
+        point at a process that has since restarted, and with retries off each would fail the
+        one call that picked it ("Connection closed by server") and mark the backend down
+        again. Not after a mere timeout: reconnecting every node is what a loaded machine
+        then cannot do within the timeout."""
         if isinstance(client, RedisCluster):
             for node in client.get_nodes():
                 await node.disconnect_free_connections()
@@ -267,6 +273,8 @@ class RedisState:
         says nothing about availability (a bug, a bad script) is re-raised as it is."""
         if not is_unavailable(exc):
             raise exc
+        if isinstance(exc, (rx.ConnectionError, ConnectionError)):
+            self._stale = True
         self.health.fail(describe(exc))
         return StateUnavailable(f"state backend unavailable: {describe(exc)}",
                                 self.probe_interval_s)
