@@ -113,7 +113,7 @@ class SharedConcurrencyLimiter(ConcurrencyLimiter):
         #: Admitting from this replica's share while Redis does not answer.
         self.degraded = False
         #: Lease releases whose acquire's answer was lost; their failures are logged.
-        self.background = Background()
+        self.background = Background(backends)
         self._dispatcher: asyncio.Task[None] | None = None
         self._woken: Signal | None = None
 
@@ -286,7 +286,7 @@ class SharedConcurrencyLimiter(ConcurrencyLimiter):
                             self.inflight += 1
                             self._grant(waiter, lease)
                         else:  # it left while Redis answered: free the slot for others
-                            lease.release()
+                            self.backends.keep(lease.release())
                         continue
                     if result.refused_by == TENANT:
                         if waiter.state == WAITING and not waiter.future.done():
@@ -316,7 +316,9 @@ class SharedConcurrencyLimiter(ConcurrencyLimiter):
         self._forget(tenant)
         self.inflight -= 1
         if lease is not None:
-            lease.release().add_done_callback(self._wake)
+            task = lease.release()
+            self.backends.keep(task)  # shutdown waits for it (StateBackends.close)
+            task.add_done_callback(self._wake)
 
     def _abandon(self, waiter: _Waiter) -> None:
         if waiter.state != GRANTED:
