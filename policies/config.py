@@ -252,8 +252,8 @@ RedisUrl = Annotated[str, AfterValidator(_redis_url)]
 LEASE_PER_TIMEOUT = 4
 
 
-def _short_lease(lease: float, timeout: float, default: str = "") -> str:
-    return (f"{default}lease of {lease:g}s is shorter than {LEASE_PER_TIMEOUT} x the timeout "
+def _short_lease(lease: float, timeout: float) -> str:
+    return (f"lease of {lease:g}s is shorter than {LEASE_PER_TIMEOUT} x the timeout "
             f"of {timeout:g}s: a lease is renewed every third of it, each renewal taking up "
             "to the timeout, so a shorter one can lapse while its call runs; raise lease")
 
@@ -277,7 +277,8 @@ class StateConfig(_Section):
     timeout: PositiveDuration = 0.05
     #: How long a concurrency slot outlives a replica that stopped renewing it (killed, cut
     #: off), seconds. A call's lease is renewed every third of it, each renewal bounded by
-    #: ``timeout``, so it must be at least :data:`LEASE_PER_TIMEOUT` times ``timeout``.
+    #: ``timeout``, so it must be at least :data:`LEASE_PER_TIMEOUT` times ``timeout``; when
+    #: not set, that is the default if it is longer than 5 s.
     lease: PositiveDuration = 5.0
     #: With Redis unreachable: ``local`` enforces ``limit / replicas`` of every limit in each
     #: replica (and reconciles budget spend when Redis is back); ``reject`` answers 503
@@ -292,7 +293,8 @@ class StateConfig(_Section):
         if self.backend == "redis" and self.redis_url is None:
             raise ValueError("backend redis needs redis_url")
         if "lease" not in self.model_fields_set and self.lease < LEASE_PER_TIMEOUT * self.timeout:
-            raise ValueError(_short_lease(self.lease, self.timeout, "the default "))
+            # The default follows a long timeout (frozen model: set once, while validating).
+            object.__setattr__(self, "lease", LEASE_PER_TIMEOUT * self.timeout)
         return self
 
     @field_validator("lease")

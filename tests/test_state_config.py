@@ -32,7 +32,6 @@ ROUTE = """routes:
     ("  key_prefix: 'a{b}'\n", "state.key_prefix:"),
     ("  timeout: 2s\n  lease: 5s\n", "bad.yaml:3: state.lease: lease of 5s is shorter than 4 x "
                                      "the timeout of 2s"),
-    ("  timeout: 2s\n", "bad.yaml:1: state: the default lease of 5s is shorter than 4 x"),
 ])
 def test_bad_state_block_names_the_key_and_never_the_password(tmp_path: Path, capsys,
                                                              state: str, problem: str) -> None:
