@@ -22,10 +22,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from policies.concurrency import ConcurrencyLimiter
+from policies.config import ConcurrencyConfig
+from policies.operations import new_limiter
 from policies.pipeline import Outcome
 from policies.reasons import Reason, Rejected
 from policies.shared_concurrency import SharedConcurrencyLimiter
-from policies.state import Fallback, StateBackends, redis_backends
+from policies.state import Fallback, StateBackends, memory_backends, redis_backends
 from tests.conftest import route
 from tests.redis_servers import (
     REDIS_URL,
@@ -151,6 +153,30 @@ async def test_a_reload_raising_the_limit_admits_waiters_without_a_release(
     second.release(DONE)
     (await asyncio.wait_for(third, 5.0)).release(DONE)
     await eventually(lambda: leases_held(backends), 0, 5.0, "leases given back")
+
+
+@ON_REDIS
+async def test_route_and_operation_limiters_share_with_redis_and_stay_local_in_memory(
+        backends: StateBackends):
+    """What a config's ``concurrency`` block becomes (routes and per-operation blocks alike):
+    with Redis a limiter whose limit two replicas share, in the group it is given (an
+    operation's apart from its route's); in memory the per-process limiter, unchanged."""
+    block = ConcurrencyConfig.model_validate({"limit": 1, "queue": 0})
+    local = new_limiter(block, memory_backends(), "r")
+    assert type(local) is ConcurrencyLimiter
+    async with replica(backends) as other:
+        a = new_limiter(block, backends, "r/search")
+        b = new_limiter(block, other, "r/search")
+        route_limiter = new_limiter(block, other, "r")
+        assert isinstance(a, SharedConcurrencyLimiter) and isinstance(b, SharedConcurrencyLimiter)
+        slot = await a.acquire("t")
+        with pytest.raises(Rejected) as full:
+            await b.acquire("t")
+        assert full.value.reason is Reason.QUEUE_FULL
+        other_group = await route_limiter.acquire("t")  # the route's slots are its own
+        for held in (slot, other_group):
+            held.release(DONE)
+            await held.lease.release()
 
 
 # -- cancellations at every await (hypothesis, real Redis) ---------------------------------------
