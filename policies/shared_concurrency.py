@@ -178,12 +178,11 @@ class SharedConcurrencyLimiter(ConcurrencyLimiter):
         backends = self.backends
         leases: Leases = backends.leases
         lease_id = new_lease_id()
-        sent = backends.health.up  # else the call fails at once, never reaching Redis
         try:
             result = await leases.acquire(self.group, tenant, lease_id, self.limit,
                                           self.per_tenant, backends.lease_s)
         except StateUnavailable as exc:
-            if sent:  # Redis may have run it before the answer timed out
+            if exc.maybe_applied:  # Redis may have run it before the answer timed out
                 self._forget_lease(lease_id, tenant)
             fallback = backends.fallback
             if fallback.mode == "reject":
