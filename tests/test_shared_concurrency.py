@@ -39,7 +39,7 @@ from tests.redis_servers import (
 )
 from tests.redis_servers import require_redis as redis_url
 from tests.test_reload import rewrite, set_limit
-from tests.test_shared_rate_budget import redis_client, round_trips
+from tests.test_shared_rate_budget import PLAIN_SPEND, redis_client, round_trips, settled
 
 CHAT = "/openai/v1/chat/completions"
 BODY = {"model": "gpt-test", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
@@ -554,6 +554,37 @@ async def test_reject_mode_refuses_503_and_recovers_without_restart(
 
 
 # -- cost -----------------------------------------------------------------------------------------
+
+
+async def test_a_metered_call_with_a_concurrency_limit_costs_four_round_trips(
+        upstream, start_sluice, redis_server, capsys):
+    """Rates and budget admitted in one script, the lease taken and given back, the budget
+    settled: 4 round trips per call (a call shorter than a third of the lease)."""
+    state = {**own_state(redis_server, "local"), "replicas": 1}
+    config = {"state": state, "routes": [route(
+        "openai", upstream.url, rate={"per_tenant": {"requests": "1000/min"}},
+        budget={"tokens": "1000000/day", "per": "tenant"}, concurrency={"limit": 4})]}
+    sluice = await start_sluice(config)
+    counter = "tokens-per-tenant-day:acme"
+    n = 10
+    async with aiohttp.ClientSession() as session:
+        assert (await post(session, sluice.url, **{"X-Tenant-ID": "acme"}))[0] == 200
+        await settled(redis_server.url, state["key_prefix"], counter, PLAIN_SPEND)
+        with redis_server.client() as r:
+            r.config_resetstat()
+        for _ in range(n):
+            assert (await post(session, sluice.url, **{"X-Tenant-ID": "acme"}))[0] == 200
+        await settled(redis_server.url, state["key_prefix"], counter, (n + 1) * PLAIN_SPEND)
+        await eventually(lambda: _value(own_leases(redis_server, state["key_prefix"])), 0, 5.0,
+                         "leases given back")
+        trips = round_trips(redis_server)
+    with capsys.disabled():
+        print(f"\nRedis round trips per metered call with a concurrency limit: {trips / n:.2f}")
+    assert trips == 4 * n
+
+
+def own_leases(server: RedisServer, prefix: str) -> int:
+    return OwnRedis([server], server.url).leases(prefix)
 
 
 async def test_round_trips_and_admit_latency_memory_vs_redis(redis_server, capsys):
