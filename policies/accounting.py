@@ -35,7 +35,7 @@ is never counted as zero.
 from __future__ import annotations
 
 from policies.budget import Budgets, Reservation, price_usd
-from policies.config import ModelPrice, RouteConfig
+from policies.config import DEFAULT_OPERATION, ModelPrice, RouteConfig
 from policies.pipeline import Call, Outcome
 from policies.rate import RateLimiter, Units
 from policies.reasons import Reason, Rejected
@@ -55,11 +55,14 @@ class Accounting:
             metered call's request units and tokens together (:meth:`RateLimiter.take`).
         budgets: the route's budgets, if any.
         run_header: the header naming a run, for the message when it is missing.
+        token_models: models whose own ``rate.tokens`` (:mod:`policies.operations`) weighs
+            their calls, so those must name an output cap too; ``default`` in it stands for
+            every model.
     """
 
     def __init__(self, config: RouteConfig, pricing: dict[str, ModelPrice],
                  rate: RateLimiter | None, budgets: Budgets | None,
-                 run_header: str) -> None:
+                 run_header: str, token_models: frozenset[str] = frozenset()) -> None:
         self.protocol = config.protocol
         self.anthropic = config.protocol == "anthropic"
         usage = config.usage
@@ -70,6 +73,7 @@ class Accounting:
         self.rate = rate
         self.budgets = budgets
         self.run_header = run_header
+        self.token_models = token_models
         #: Tenants seen on this route (the first ``MAX_TENANTS_SHOWN``), for the admin API.
         self.tenants: dict[str, None] = {}
         self.tenant_units: list[str] = []
@@ -138,7 +142,8 @@ class Accounting:
                 return None
             raise Rejected(Reason.BAD_REQUEST, None,
                            f"{exc}; this route limits tokens, so Sluice must read it") from None
-        if self.enforcing:
+        models = self.token_models
+        if self.enforcing or (models and (cost.model in models or DEFAULT_OPERATION in models)):
             if cost.output_cap is None:
                 raise Rejected(
                     Reason.BAD_REQUEST, None,

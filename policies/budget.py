@@ -157,7 +157,7 @@ class Budgets:
         self.clock = clock
         self.group = group
         self.hold_s = hold_s
-        self.background = Background()
+        self.background = Background(backends)
         self.reconciler = Reconciler(self)
         if backends.redis is not None:
             # Weakly: a reload replaces this object, and the health outlives it.
@@ -220,6 +220,43 @@ class Budgets:
                 claims.append(Claim(self._key(limit, tenant, scope_run, now), amount,
                                     limit.amount, self._expiry(limit, now)))
                 limits.append(limit)
+        return await self._hold(claims, limits, price, now)
+
+    async def reserve_usd(self, tenant: str, run: str | None, amount: float,
+                          ancestors: Sequence[str] = ()) -> Reservation:
+        """Hold ``amount`` USD (an operation's cost, :mod:`policies.operations`) on every
+        ``usd`` limit, as :meth:`reserve` holds a request's worst case; no pricing table is
+        read. Settled with :meth:`settle_usd`.
+
+        Raises:
+            Rejected: ``exceeds_limit`` (400) when ``amount`` exceeds a whole limit;
+                ``budget_exhausted`` (429) when it does not fit now; ``state_unavailable``
+                (503, ``on_unavailable: reject``).
+        """
+        now = self.clock()
+        claims = []
+        limits = []
+        for limit in self.limits:
+            if limit.unit != "usd":
+                continue
+            if amount > limit.amount:
+                raise Rejected(Reason.EXCEEDS_LIMIT, None,
+                               f"this call costs {_fmt('usd', amount)}, more than the whole "
+                               f"{limit.name} budget of {limit.text}", retry=False)
+            for scope_run in (run, *ancestors) if limit.per == "run" else (run,):
+                claims.append(Claim(self._key(limit, tenant, scope_run, now), amount,
+                                    limit.amount, self._expiry(limit, now)))
+                limits.append(limit)
+        return await self._hold(claims, limits, None, now)
+
+    def settle_usd(self, reservation: Reservation, usd: float) -> None:
+        """Replace a :meth:`reserve_usd` reservation by the ``usd`` actually spent (may exceed
+        what was held: time-priced costs are known only at the end). Never awaits."""
+        self._settle(reservation, [usd] * len(reservation.claims))
+
+    async def _hold(self, claims: list[Claim], limits: list[Limit], price: ModelPrice | None,
+                    now: float) -> Reservation:
+        """Reserve ``claims`` all or none (one ledger call), or refuse; see :meth:`reserve`."""
         rid = uuid.uuid4().hex
         backends = self.backends
         source = backends
@@ -255,6 +292,9 @@ class Budgets:
         else:
             actual = [_amount(limit.unit, usage, reservation.price)
                       for limit in reservation.limits]
+        self._settle(reservation, actual)
+
+    def _settle(self, reservation: Reservation, actual: list[float]) -> None:
         source = reservation.source
         if source.redis is not None:
             self.background.start(self.reconciler.settle(reservation.rid, actual),

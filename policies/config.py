@@ -424,6 +424,9 @@ class IdempotencyConfig(_Section):
     #: Longest a duplicate waits for its in-flight twin (or a serialized request for its
     #: turn), seconds; the caller's own timeout binds first. Past it: 409.
     max_wait: PositiveDuration = 60.0
+    #: Duplicates that may wait at once for one in-flight key, in this process; one more gets
+    #: 409 ``idempotency_conflict`` at once.
+    max_waiters: int = Field(default=100, gt=0)
     max_entries: int = Field(default=10_000, gt=0)
     max_bytes: int = Field(default=64 * 1024 * 1024, gt=0)
     max_replay_bytes: int = Field(default=1024 * 1024, gt=0)
@@ -431,7 +434,7 @@ class IdempotencyConfig(_Section):
     @model_validator(mode="after")
     def _coherent(self) -> IdempotencyConfig:
         # A key the mode never reads would be a silent no-op: refuse it ("off" may keep any).
-        unused = {"forward": ("on_in_flight", "max_replay_bytes", "max_wait"),
+        unused = {"forward": ("on_in_flight", "max_replay_bytes", "max_wait", "max_waiters"),
                   "serialize": ("max_replay_bytes",)}
         for key in unused.get(self.mode, ()):
             if key in self.model_fields_set:
@@ -459,6 +462,10 @@ class CircuitBreakerConfig(_Section):
     reset_timeout: PositiveDuration = 30.0
     #: Successful probes in a row that close the breaker again.
     success_threshold: int = Field(default=1, gt=0)
+    #: On a tool's block of an ``mcp`` route: a tool failure (an ``isError`` result, a
+    #: JSON-RPC error other than invalid params) counts as a failure. A route's breaker
+    #: counts only transport failures (5xx, no answer), so one tool cannot open it.
+    tool_errors: bool = True
 
 
 class BackoffConfig(_Section):
@@ -569,6 +576,67 @@ class ModelPrice(_Section):
     cache_write: float | None = Field(default=None, ge=0)
 
 
+class OperationConfig(_Section):
+    """One operation's policy blocks (``tools:``, ``endpoints:`` or ``models:`` of a route;
+    ``policies/operations.py``). They apply to that operation's calls *in addition to* the
+    route's blocks: both the route's and the operation's ``concurrency``, ``rate`` and
+    ``circuit_breaker`` must admit a call. ``idempotency``, ``retry`` and ``timeouts`` replace
+    the route's for the operation's calls (one key, one retry loop, one client timeout)."""
+
+    concurrency: ConcurrencyConfig | None = None
+    rate: RateConfig | None = None
+    circuit_breaker: CircuitBreakerConfig | None = None
+    retry: RetryConfig | None = None
+    idempotency: IdempotencyConfig | None = None
+    timeouts: TimeoutsConfig | None = None
+    #: USD charged per upstream attempt (every attempt, retries included) to the route's
+    #: ``usd`` budgets; reserved before the call is forwarded.
+    cost_per_call: float | None = Field(default=None, ge=0)
+    #: USD charged per second of upstream time (each attempt from its sending to the end of
+    #: its answer) to the route's ``usd`` budgets, settled when the call ends.
+    cost_per_second: float | None = Field(default=None, ge=0)
+    #: The operation's calls may be repeated safely (a read-only tool, a GET-like endpoint):
+    #: ``retry`` repeats them as it repeats GETs. A route's ``idempotent: true`` already
+    #: declares every operation so.
+    idempotent: bool = False
+
+
+#: The key naming the policy of every operation of a route that no other key names.
+DEFAULT_OPERATION = "default"
+
+_ENDPOINT = re.compile(r"^([A-Z]+|\*) (/\S*)$")
+
+
+def endpoint_pattern(key: str) -> tuple[str, re.Pattern[str]]:
+    """``(method, path regex)`` of an ``endpoints:`` key ``"METHOD /path"``: ``METHOD`` an
+    upper-case HTTP method or ``*`` (any); in the path (the upstream's, after the route's
+    prefix, without the query) ``*`` matches within one segment and ``**`` across segments.
+
+    Raises:
+        ValueError: the key is not of that shape.
+    """
+    m = _ENDPOINT.match(key)
+    if m is None:
+        raise ValueError(
+            f"{key!r} is not an endpoint: write METHOD /path, e.g. \"POST /v1/jobs/*\" "
+            f"(* within a segment, ** across segments; * for any method)"
+        )
+    method, path = m.groups()
+    parts = re.split(r"(\*\*|\*)", path)
+    body = "".join(".*" if p == "**" else "[^/]*" if p == "*" else re.escape(p) for p in parts)
+    return method, re.compile(body)
+
+
+def _endpoint_keys(value: dict[str, OperationConfig]) -> dict[str, OperationConfig]:
+    for key in value:
+        if key != DEFAULT_OPERATION:
+            endpoint_pattern(key)
+    return value
+
+
+Operations = dict[Annotated[str, Field(min_length=1, max_length=200)], OperationConfig]
+
+
 class RouteConfig(_Section):
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
     path_prefix: str
@@ -588,6 +656,13 @@ class RouteConfig(_Section):
     #: Every call on this route may be repeated safely (e.g. a read-only tool server):
     #: ``retry`` repeats POSTs as it repeats GETs.
     idempotent: bool = False
+    #: Per-operation policy blocks (``policies/operations.py``), with ``default`` for the
+    #: operations not named: by tool name on ``mcp`` routes, by ``"METHOD /path"`` pattern on
+    #: ``http`` routes (the first in file order that matches), by model on ``openai`` and
+    #: ``anthropic`` routes.
+    tools: Operations | None = None
+    endpoints: Annotated[Operations, AfterValidator(_endpoint_keys)] | None = None
+    models: Operations | None = None
 
     @field_validator("path_prefix")
     @classmethod
@@ -604,6 +679,21 @@ class RouteConfig(_Section):
                 f"{value!r} must be an http:// or https:// base URL with no query or fragment"
             )
         return value.rstrip("/")
+
+    def operations(self) -> tuple[str, dict[str, OperationConfig]]:
+        """``(key, blocks)``: the key naming this route's operations (``tools``,
+        ``endpoints`` or ``models``, by protocol) and the blocks under it (empty if none)."""
+        key = OPERATION_KEYS[self.protocol]
+        return key, getattr(self, key) or {}
+
+    def costs_usd(self) -> bool:
+        """Some operation of this route has a cost (``cost_per_call``, ``cost_per_second``)."""
+        return any(op.cost_per_call or op.cost_per_second
+                   for op in self.operations()[1].values())
+
+
+#: The key naming operations on each protocol's routes.
+OPERATION_KEYS = {"mcp": "tools", "http": "endpoints", "openai": "models", "anthropic": "models"}
 
 
 class Config(_Section):
@@ -648,6 +738,32 @@ def cross_checks(config: Config) -> Iterator[tuple[Path_, str]]:
             if retry.per_try_timeout and retry.deadline and retry.per_try_timeout > retry.deadline:
                 yield ("routes", index, "retry", "per_try_timeout"), "must not exceed deadline"
         yield from budget_checks(config, index, route)
+        yield from operation_checks(index, route)
+
+
+def operation_checks(index: int, route: RouteConfig) -> Iterator[tuple[Path_, str]]:
+    """Operation blocks under the key of the route's protocol only; token rates on models
+    only; the same retry coherence as a route's."""
+    own = OPERATION_KEYS[route.protocol]
+    for key in ("tools", "endpoints", "models"):
+        if key != own and getattr(route, key) is not None:
+            yield ("routes", index, key), (
+                f"{route.protocol} routes name their operations under {own}, not {key} "
+                f"(tools: mcp; endpoints: http; models: openai, anthropic)"
+            )
+    for name, op in (getattr(route, own) or {}).items():
+        at: Path_ = ("routes", index, own, name)
+        if op.rate is not None and op.rate.tokens is not None and own != "models":
+            yield (*at, "rate", "tokens"), (
+                "token rates apply to models on openai or anthropic routes (Sluice reads "
+                "usage from those only)"
+            )
+        retry = op.retry
+        if retry is not None:
+            if retry.backoff.base > retry.backoff.max:
+                yield (*at, "retry", "backoff", "base"), "must not exceed backoff.max"
+            if retry.per_try_timeout and retry.deadline and retry.per_try_timeout > retry.deadline:
+                yield (*at, "retry", "per_try_timeout"), "must not exceed deadline"
 
 
 def budget_checks(config: Config, index: int, route: RouteConfig) -> Iterator[tuple[Path_, str]]:
@@ -677,10 +793,16 @@ def budget_checks(config: Config, index: int, route: RouteConfig) -> Iterator[tu
                     f"window; keep the smaller one"
                 )
             seen.setdefault(same, b)
-        if not llm:
+        if not llm and (block.usd is None or not route.costs_usd()):
             yield where, (
                 f"budgets need protocol openai or anthropic (Sluice reads usage from those "
-                f"only), not {route.protocol}"
+                f"only), or a usd limit and operations with cost_per_call or cost_per_second, "
+                f"not {route.protocol}"
+            )
+        elif not llm and len(block.limits()) > 1:
+            yield where, (
+                f"only usd can be budgeted on a {route.protocol} route (its costs are the "
+                f"operations' cost_per_call and cost_per_second; Sluice reads no tokens there)"
             )
         for unit, allowance in block.limits():
             if allowance.period_s is None and block.per != "run":
@@ -688,7 +810,7 @@ def budget_checks(config: Config, index: int, route: RouteConfig) -> Iterator[tu
                     f"{allowance} needs per: run (a tenant's or route's all-time spend is not "
                     f"kept across restarts; use a window such as N/day)"
                 )
-            if unit == "usd" and not config.pricing:
+            if unit == "usd" and llm and not config.pricing:
                 yield (*where, unit), "a usd budget needs the top-level pricing table"
             if (
                 default_cap is not None

@@ -44,7 +44,10 @@ tenant and route: two tenants never share a stored result, whatever keys they se
   it gets 409 ``idempotency_conflict`` with ``Retry-After: 1`` (the draft's answer; the
   official SDKs retry a 409). The wait is bounded by ``max_wait`` and by the caller's own
   timeout (``X-Sluice-Timeout``), whichever ends first; past it the duplicate gets the same
-  409 (the first request still holds the key), so nobody waits on a stuck twin for ever.
+  409 (the first request still holds the key), so nobody waits on a stuck twin for ever. It
+  is bounded in number too: at most ``max_waiters`` duplicates of one key wait at once in a
+  process (each holds its caller's connection meanwhile); one more gets the same 409 at once,
+  saying so. A retry storm on one key then costs one waiter list, not one per retry.
 * what is stored: the upstream's answer when it is a final one: every status below 500 except
   401, 403, 407 (the caller may fix its credentials and retry the same payload), 408, 409, 425
   and 429 (the upstream says "try again"). Never stored, so the key is free again for a
@@ -75,6 +78,17 @@ uses this process's memory store instead (keys are then deduplicated per replica
 ``reject`` answers 503 ``state_unavailable``; a write that fails later leaves the marker to
 lapse, so the key is free again within ``FLIGHT_LEASE_S``.
 
+**MCP tool calls** (``mcp`` routes; issue 11): the payload fingerprint of a call is
+:func:`policies.mcp.fingerprint` (method, tool, arguments and the ``derive_from`` headers;
+never the JSON-RPC ``id``, which differs on every call, so ``derive_from`` keys no longer get
+422), and a call that names no key and no ``derive_from`` headers gets one derived from that
+fingerprint (``"sluice-t-<32 hex>"``, with the tenant and route): the same tool with the same
+arguments is one call, so a client's retry replays the first answer instead of running the
+tool again. An answer is stored once it holds the response to the call, whatever happened
+after (the MCP SDKs close the connection right after the result event), with the response's
+id replaced by a placeholder; a replay gets the id of the request it answers
+(:func:`policies.mcp.rewrite_id`). An answer without the response is not stored.
+
 **Amplification** (SPEC metrics): ``sluice_upstream_attempts_total`` counts every request sent
 upstream; ``sluice_work_units_total`` counts distinct logical calls: a request is a new unit
 unless its key was seen before on the route (a replay, a wait on an in-flight twin, or a retry
@@ -100,6 +114,7 @@ from typing import TypeVar
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from policies import mcp
 from policies.config import IdempotencyConfig
 from policies.idempotency_store import DONE, SEEN, TOO_LARGE, MemoryStore, Record, ResultStore
 from policies.pipeline import Call, Outcome
@@ -144,6 +159,10 @@ _NOT_REPLAYED = frozenset({"content-length", "set-cookie", "idempotent-replayed"
 _QUOTED = re.compile(r'"((?:[\x20\x21\x23-\x5b\x5d-\x7e]|\\["\\])*)"[ \t]*')
 _BARE = re.compile(r"[\x21\x23-\x2b\x2d-\x7e]+")
 _ESCAPE = re.compile(r'\\(["\\])')
+
+#: The id a stored MCP answer's response carries until a replay gives it the replaying
+#: request's own (never sent to anyone as it is).
+STORED_ID = "sluice-stored-response"
 
 #: A waiter's future resolves to this when the key is handed to it: it runs its own request.
 _HANDOVER = object()
@@ -214,10 +233,14 @@ class Capture:
     chunks are dropped and only the size is kept, so a long stream costs no memory here.
     """
 
-    __slots__ = ("chunks", "headers", "limit", "reason", "size", "status", "storable")
+    __slots__ = ("chunks", "headers", "limit", "mcp_id", "reason", "size", "status", "storable",
+                 "tracker")
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, mcp_id: mcp.RequestId | None = None) -> None:
         self.limit = limit
+        #: The JSON-RPC id of an MCP call, whose answer is followed by :attr:`tracker`.
+        self.mcp_id = mcp_id
+        self.tracker: mcp.AnswerTracker | None = None
         self.status = 0
         self.reason = ""
         self.headers: tuple[tuple[str, str], ...] = ()
@@ -230,6 +253,8 @@ class Capture:
         self.status = status
         self.reason = reason or ""
         self.storable = status < 500 and status not in _NOT_STORED
+        if self.storable and self.mcp_id is not None:
+            self.tracker = mcp.AnswerTracker(headers.get("Content-Type"), self.mcp_id)
         if self.storable:
             self.headers = tuple(
                 (name, value) for name, value in headers.items()
@@ -245,6 +270,8 @@ class Capture:
             self.chunks.append(chunk)
         elif self.chunks:
             self.chunks = []
+        if self.tracker is not None:
+            self.tracker.feed(chunk)
 
     def record(self, fingerprint: bytes) -> Record:
         """The record to store once the whole answer was relayed."""
@@ -252,6 +279,28 @@ class Capture:
             return Record(TOO_LARGE, fingerprint, self.status)
         return Record(DONE, fingerprint, self.status, self.reason, self.headers,
                       b"".join(self.chunks))
+
+    def answer(self, fingerprint: bytes, outcome: str) -> Record | None:
+        """The record to store for a call that ended with ``outcome``, or ``None`` to store
+        nothing (the key is then free for a retry): the whole answer, relayed in full; for an
+        MCP call, the answer up to the end of its response, whether or not the rest came,
+        its response id replaced by :data:`STORED_ID`."""
+        if not self.storable:
+            return None
+        if self.mcp_id is None:
+            return self.record(fingerprint) if outcome in _ANSWERED else None
+        tracker = self.tracker
+        if tracker is None or tracker.complete_at is None:
+            return None  # the response never came: the call may not have run to its end
+        record = self.record(fingerprint)
+        if record.kind != DONE:
+            return record
+        try:
+            body = mcp.rewrite_id(record.body[:tracker.complete_at], _content_type(record),
+                                  self.mcp_id, STORED_ID)
+        except mcp.UnusableAnswer:
+            return None
+        return Record(DONE, fingerprint, record.status, record.reason, record.headers, body)
 
 
 class Replay(Exception):
@@ -307,10 +356,12 @@ class Claim:
     """
 
     __slots__ = ("_flight", "_lease", "_policy", "_store_key", "capture", "fingerprint",
-                 "header", "key", "new_unit", "rejected", "replay", "waited_s")
+                 "header", "key", "mcp_id", "new_unit", "rejected", "replay", "waited_s")
 
-    def __init__(self, key: str | None) -> None:
+    def __init__(self, key: str | None, mcp_id: mcp.RequestId | None = None) -> None:
         self.key = key
+        #: The JSON-RPC id of an MCP call (its answer is stored and replayed by response).
+        self.mcp_id = mcp_id
         self.header: str | None = None
         self.capture: Capture | None = None
         self.fingerprint = b""
@@ -362,11 +413,14 @@ class Idempotency:
             with Redis.
         backends: the route's state; with Redis, records and in-flight markers are shared
             there (default: this process only).
+        mcp_calls: the route is an ``mcp`` route: calls are keyed and stored as MCP calls
+            (the module docstring).
     """
 
     def __init__(self, config: IdempotencyConfig, route: str,
                  store: ResultStore | None = None,
-                 backends: StateBackends | None = None) -> None:
+                 backends: StateBackends | None = None, mcp_calls: bool = False) -> None:
+        self.mcp = mcp_calls
         self.mode = config.mode
         self.dedup = config.mode == "dedup"
         self.wait_in_flight = config.on_in_flight == "wait"
@@ -375,8 +429,12 @@ class Idempotency:
         self.store: ResultStore = store or MemoryStore(config.max_entries, config.max_bytes,
                                                        config.ttl)
         self.max_wait = config.max_wait
+        self.max_waiters = config.max_waiters
         self.ttl = config.ttl
         self.waiting = 0
+        #: Duplicates waiting here per shared key (the Redis records); the memory records
+        #: count theirs in their flight's waiter list.
+        self._shared_waiting: dict[str, int] = {}
         self._route = route.encode()
         self._flights: dict[Hashable, _Flight] = {}
         self._backends = backends if backends is not None and backends.redis is not None else None
@@ -399,17 +457,54 @@ class Idempotency:
         wait_s = self.max_wait
         if call.timeout is not None:
             wait_s = min(wait_s, call.timeout - (time.monotonic() - call.received_at))
+        message = self._mcp_call(call.body)
+        fingerprint = None
+        if message is not None:
+            fingerprint = bytes.fromhex(mcp.fingerprint(message, call.headers,
+                                                        self.derive_from))
         claim = await self.claim(call.method, call.path, call.headers, call.tenant, call.body,
-                                 wait_s=wait_s)
+                                 wait_s=wait_s, fingerprint=fingerprint,
+                                 mcp_id=message.id if message is not None else None)
         call.new_unit = claim.new_unit
         call.idempotency_key = claim.key
         if claim.rejected is not None:
             raise claim.rejected
         if claim.replay is not None:
-            raise Replay(claim.replay, claim.waited_s)
+            raise Replay(self._for_request(claim), claim.waited_s)
         call.upstream_key = claim.header
         call.capture = claim.capture
         return claim if claim.holds else None
+
+    def _mcp_call(self, body: bytes) -> mcp.Message | None:
+        """The request of an MCP POST holding one request (``mcp`` routes), else ``None``."""
+        if not self.mcp:
+            return None
+        try:
+            request = mcp.parse_post(body).request
+        except mcp.InvalidMcpRequest:
+            return None
+        return request if request is not None and request.id is not None else None
+
+    def _for_request(self, claim: Claim) -> Record:
+        """The stored answer to replay to ``claim``'s request: an MCP answer's response gets
+        the request's own id.
+
+        Raises:
+            Rejected: ``idempotency_conflict`` when the stored answer holds no response to
+                give it (nothing to replay; the key stays taken until it expires).
+        """
+        record = claim.replay
+        assert record is not None
+        if claim.mcp_id is None:
+            return record
+        try:
+            body = mcp.rewrite_id(record.body, _content_type(record), STORED_ID, claim.mcp_id)
+        except mcp.UnusableAnswer:
+            raise Rejected(Reason.IDEMPOTENCY_CONFLICT, None,
+                           "the stored answer for this call holds no response", retry=False
+                           ) from None
+        return Record(DONE, record.fingerprint, record.status, record.reason, record.headers,
+                      body)
 
     @property
     def in_flight(self) -> int:
@@ -417,13 +512,18 @@ class Idempotency:
         return len(self._flights)
 
     async def claim(self, method: str, path: str, headers: CIMultiDictProxy[str], tenant: str,
-                    body: bytes, *, wait_s: float | None = None) -> Claim:
+                    body: bytes, *, wait_s: float | None = None,
+                    fingerprint: bytes | None = None,
+                    mcp_id: mcp.RequestId | None = None) -> Claim:
         """Resolve the request's key and its standing; may wait for an in-flight twin.
 
         ``path`` is the path and query as received; ``wait_s`` bounds the wait for a twin,
-        seconds (default ``max_wait``). Never raises for the request's own faults: they come
-        back as :attr:`Claim.rejected` (400, 409 or 422; 503 ``state_unavailable`` when the
-        shared records do not answer and ``state.on_unavailable`` is ``reject``).
+        seconds (default ``max_wait``). An MCP call passes its ``fingerprint`` (32 bytes,
+        :func:`policies.mcp.fingerprint`) and JSON-RPC id ``mcp_id``: the fingerprint then
+        stands for the payload and, without a caller's or derived key, makes the key.
+        Never raises for the request's own faults: they come back as :attr:`Claim.rejected`
+        (400, 409 or 422; 503 ``state_unavailable`` when the shared records do not answer and
+        ``state.on_unavailable`` is ``reject``).
 
         Raises:
             asyncio.CancelledError: the caller left while waiting; nothing is left held.
@@ -438,23 +538,25 @@ class Idempotency:
                 claim = Claim(None)
                 claim.rejected = Rejected(Reason.BAD_REQUEST, None, str(exc))
                 return claim
-            claim = Claim(key)
+            claim = Claim(key, mcp_id)
         else:
             key = self._derive(headers, tenant)
+            if key is None and fingerprint is not None:
+                key = self._call_key(tenant, fingerprint)
             if key is None:
                 # A fresh key: unknown to anyone else, so there is nothing to look up.
                 claim = Claim(fresh_key())
                 claim.header = f'"{claim.key}"'
                 claim.new_unit = not is_client_retry(headers)
                 return claim
-            claim = Claim(key)
+            claim = Claim(key, mcp_id)
             claim.header = f'"{key}"'
 
         bound = self.max_wait if wait_s is None else max(wait_s, 0.0)
         if self._backends is not None:
             try:
                 return await self._claim_shared(claim, key, method, path, headers, tenant, body,
-                                                bound)
+                                                bound, fingerprint)
             except StateUnavailable as exc:
                 if self._backends.fallback.mode == "reject":
                     claim.rejected = Rejected(
@@ -472,7 +574,10 @@ class Idempotency:
             claim.new_unit = record is None and not is_client_retry(headers)
             return claim
 
-        fingerprint = _fingerprint(method, path, body) if self.dedup else b""
+        if not self.dedup:
+            fingerprint = b""
+        elif fingerprint is None:
+            fingerprint = _fingerprint(method, path, body)
         claim.fingerprint = fingerprint
         claim._policy = self
         claim._store_key = store_key
@@ -486,6 +591,9 @@ class Idempotency:
                 claim.rejected = Rejected(
                     Reason.IDEMPOTENCY_CONFLICT, IN_FLIGHT_RETRY_AFTER_S,
                     "a request with this Idempotency-Key is in flight")
+                return claim
+            if len(flight.waiters) >= self.max_waiters:
+                claim.rejected = _too_many_waiting(len(flight.waiters))
                 return claim
             loop = asyncio.get_running_loop()
             started = loop.time()
@@ -518,7 +626,14 @@ class Idempotency:
 
     def _arm(self, claim: Claim) -> None:
         if self.dedup:
-            claim.capture = Capture(self.max_replay_bytes)
+            claim.capture = Capture(self.max_replay_bytes, claim.mcp_id)
+
+    def _call_key(self, tenant: str, fingerprint: bytes) -> str:
+        """The key of an MCP call that names none: its tool and arguments (the
+        fingerprint), with the tenant and the route."""
+        digest = hashlib.sha256(self._route)
+        digest.update(b"\0" + tenant.encode("utf-8", "surrogateescape") + b"\0" + fingerprint)
+        return f"sluice-t-{digest.hexdigest()[:32]}"
 
     def _derive(self, headers: CIMultiDictProxy[str], tenant: str) -> str | None:
         if not self.derive_from:
@@ -562,7 +677,7 @@ class Idempotency:
 
     async def _claim_shared(self, claim: Claim, key: str, method: str, path: str,
                             headers: CIMultiDictProxy[str], tenant: str, body: bytes,
-                            bound_s: float) -> Claim:
+                            bound_s: float, call_fingerprint: bytes | None = None) -> Claim:
         """:meth:`claim` against the shared records (one round trip, plus the wait for an
         in-flight twin).
 
@@ -576,7 +691,12 @@ class Idempotency:
             claim.new_unit = await records.seen(shared_key, self.ttl) and not is_client_retry(
                 headers)
             return claim
-        fingerprint = _fingerprint(method, path, body) if self.dedup else b""
+        if not self.dedup:
+            fingerprint = b""
+        elif call_fingerprint is not None:
+            fingerprint = call_fingerprint
+        else:
+            fingerprint = _fingerprint(method, path, body)
         claim.fingerprint = fingerprint
         claim._policy = self
         owner = new_owner()
@@ -594,6 +714,10 @@ class Idempotency:
                 claim.rejected = Rejected(
                     Reason.IDEMPOTENCY_CONFLICT, IN_FLIGHT_RETRY_AFTER_S,
                     "a request with this Idempotency-Key is in flight")
+                return claim
+            waiting = self._shared_waiting.get(shared_key, 0)
+            if waiting >= self.max_waiters:
+                claim.rejected = _too_many_waiting(waiting)
                 return claim
             begin = await self._wait_shared(claim, records, shared_key, owner, fingerprint,
                                             bound_s)
@@ -629,6 +753,7 @@ class Idempotency:
         loop = asyncio.get_running_loop()
         started = loop.time()
         self.waiting += 1
+        self._shared_waiting[key] = self._shared_waiting.get(key, 0) + 1
         try:
             return await wait_for_answer(records, key, owner, fingerprint, FLIGHT_LEASE_S,
                                          bound_s)
@@ -638,6 +763,9 @@ class Idempotency:
             raise
         finally:
             self.waiting -= 1
+            left = self._shared_waiting.pop(key) - 1
+            if left:
+                self._shared_waiting[key] = left
             claim.waited_s = loop.time() - started
 
     def _finish_shared(self, claim: Claim, lease: _Lease, outcome: str) -> None:
@@ -645,8 +773,8 @@ class Idempotency:
         if lease.renewer is not None:
             lease.renewer.cancel()
         capture = claim.capture
-        if capture is not None and capture.storable and outcome in _ANSWERED:
-            record = capture.record(claim.fingerprint)
+        record = capture.answer(claim.fingerprint, outcome) if capture is not None else None
+        if record is not None:
             answer = Answer(record.kind, record.fingerprint, record.status, record.reason,
                             record.headers, record.body)
         else:
@@ -677,6 +805,8 @@ class Idempotency:
         task = asyncio.ensure_future(call)
         self._tasks.add(task)  # type: ignore[arg-type]
         task.add_done_callback(self._tasks.discard)
+        if self._backends is not None:
+            self._backends.keep(task)  # shutdown waits for it (StateBackends.close)
         return task
 
     @staticmethod
@@ -692,8 +822,8 @@ class Idempotency:
     def _finish(self, claim: Claim, flight: _Flight, outcome: str) -> None:
         store_key = claim._store_key
         capture = claim.capture
-        if capture is not None and capture.storable and outcome in _ANSWERED:
-            record = capture.record(claim.fingerprint)
+        record = capture.answer(claim.fingerprint, outcome) if capture is not None else None
+        if record is not None:
             self.store.put(store_key, record)
             del self._flights[store_key]
             for future in flight.waiters:
@@ -713,6 +843,11 @@ class Idempotency:
                 future.set_result(_HANDOVER)
                 return
         del self._flights[store_key]
+
+
+def _content_type(record: Record) -> str | None:
+    return next((value for name, value in record.headers if name.lower() == "content-type"),
+                None)
 
 
 def _fingerprint(method: str, path: str, body: bytes) -> bytes:
@@ -738,6 +873,12 @@ def _still_in_flight(waited_s: float) -> Rejected:
     return Rejected(Reason.IDEMPOTENCY_CONFLICT, IN_FLIGHT_RETRY_AFTER_S,
                     f"a request with this Idempotency-Key is still in flight after "
                     f"{waited_s:.3g}s of waiting (max_wait, or the caller's timeout)")
+
+
+def _too_many_waiting(waiting: int) -> Rejected:
+    return Rejected(Reason.IDEMPOTENCY_CONFLICT, IN_FLIGHT_RETRY_AFTER_S,
+                    f"a request with this Idempotency-Key is in flight and {waiting} "
+                    f"duplicates already wait for it (idempotency.max_waiters)")
 
 
 def _mismatch() -> Rejected:

@@ -62,19 +62,22 @@ class Call:
         (e.g. a run budget's warning); phase: ``admitting``, ``queued`` or ``forwarding``;
         cancelled: why the call's run was cancelled, once it was (its task is then
         cancelled); attempts: upstream attempts sent; progress_at: monotonic seconds of the
-        last byte moved for it (stall detection).
+        last byte moved for it (stall detection); operation_cost: USD an operation's
+        ``cost_per_call`` / ``cost_per_second`` charged for it, set when its cost settles.
 
-    Set by the forwarder: status, the status line being relayed to the caller (0 before).
+    Set by the forwarder: status, the status line being relayed to the caller (0 before);
+    the upstream time of its attempts (:meth:`attempt_sent`, :meth:`attempt_over`,
+    :meth:`upstream_seconds`).
 
     notify(event, fields): how a policy reports a step for the timeline (default: ignored).
     """
 
-    __slots__ = ("attempts", "body", "cancelled", "capture", "charged", "cost", "enqueued_at",
-                 "headers", "idempotency_key", "lineage", "meter", "method", "new_unit",
-                 "notify", "operation", "parent_run", "path", "phase", "priority",
-                 "priority_given", "progress_at", "received_at", "request_id",
-                 "response_headers", "route", "run", "status", "tenant", "timeout",
-                 "upstream_key")
+    __slots__ = ("_sent_at", "_upstream_s", "attempts", "body", "cancelled", "capture",
+                 "charged", "cost", "enqueued_at", "headers", "idempotency_key", "lineage",
+                 "meter", "method", "new_unit", "notify", "operation", "operation_cost",
+                 "parent_run", "path", "phase", "priority", "priority_given", "progress_at",
+                 "received_at", "request_id", "response_headers", "route", "run", "status",
+                 "tenant", "timeout", "upstream_key")
 
     def __init__(self, *, request_id: str, route: str, method: str, path: str,
                  headers: Mapping[str, str], body: bytes, tenant: str, run: str | None = None,
@@ -110,7 +113,28 @@ class Call:
         self.new_unit = True
         self.enqueued_at: float | None = None
         self.charged: dict[str, object] | None = None
+        self.operation_cost: float | None = None
         self.status = 0
+        self._upstream_s = 0.0
+        self._sent_at: float | None = None
+
+    def attempt_sent(self, at: float) -> None:
+        """An upstream attempt is being sent at ``at`` (monotonic seconds); an earlier one
+        still open ends there."""
+        self.attempt_over(at)
+        self._sent_at = at
+
+    def attempt_over(self, at: float) -> None:
+        """The open attempt, if any, ended at ``at``: failed, or its answer let go."""
+        if self._sent_at is not None:
+            self._upstream_s += max(at - self._sent_at, 0.0)
+            self._sent_at = None
+
+    def upstream_seconds(self, now: float) -> float:
+        """Seconds the upstream spent on this call: each attempt from its sending to its end,
+        the one still open (the answer being relayed) up to ``now``."""
+        open_s = now - self._sent_at if self._sent_at is not None else 0.0
+        return self._upstream_s + max(open_s, 0.0)
 
 
 class Outcome:

@@ -88,10 +88,11 @@ class Background:
     runs as a task kept referenced here until it ends, so none is garbage-collected midway,
     and its failure is logged rather than lost."""
 
-    __slots__ = ("_tasks",)
+    __slots__ = ("_backends", "_tasks")
 
-    def __init__(self) -> None:
+    def __init__(self, backends: StateBackends | None = None) -> None:
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._backends = backends
 
     def __len__(self) -> int:
         return len(self._tasks)
@@ -100,6 +101,8 @@ class Background:
         """Run ``coro`` as a task; an exception it ends with is logged with ``what``."""
         task = asyncio.get_running_loop().create_task(coro, name=f"sluice-{what}")
         self._tasks.add(task)
+        if self._backends is not None:
+            self._backends.keep(task)  # shutdown waits for it (StateBackends.close)
         task.add_done_callback(lambda t: self._done(t, what))
         return task
 
@@ -173,7 +176,7 @@ class RateLimiter:
         self.backends = backends
         self.group = group
         self.protocol = protocol
-        self.background = Background()
+        self.background = Background(backends)
         #: The route bucket's whole units left as the shared state last answered (Redis),
         #: for the admin API; ``None`` before any answer.
         self.available: int | None = None

@@ -41,7 +41,8 @@ from yarl import URL
 
 from policies import breaker as brk
 from policies.deadletter import Attempt, DeadLetter, redact, redact_path
-from policies.mcp import Traffic
+from policies.mcp import AnswerTracker, Traffic
+from policies.operations import Plan
 from policies.pipeline import Call
 from policies.reasons import Reason, Rejected
 from policies.retry import (
@@ -80,9 +81,14 @@ class _Tries:
         log: every attempt, for the dead letter (routes with ``retry`` only).
     """
 
-    __slots__ = ("error", "kind", "log", "reached", "response", "stop")
+    __slots__ = ("error", "kind", "log", "pending", "reached", "response", "stop", "tracker")
 
     def __init__(self) -> None:
+        #: An operation's breaker and its ticket for an MCP answer whose verdict (a tool
+        #: failure or not) is known only once the answer has been read.
+        self.pending: tuple[brk.Breaker, brk.Pass] | None = None
+        #: Reads the relayed answer for ``pending``'s verdict.
+        self.tracker: AnswerTracker | None = None
         self.response: aiohttp.ClientResponse | None = None
         self.error: Rejected | None = None
         self.kind = ""
@@ -101,7 +107,8 @@ class _Tries:
 
 
 async def forward(request: web.BaseRequest, rt: Runtime, route: Route, call: Call,
-                  traffic: Traffic = "call") -> tuple[web.StreamResponse, str, bool]:
+                  traffic: Traffic = "call", plan: Plan | None = None,
+                  ) -> tuple[web.StreamResponse, str, bool]:
     """Forward an admitted call; see the module docstring.
 
     ``traffic`` is the MCP traffic class (:data:`policies.mcp.Traffic`; ``call`` on every
@@ -109,6 +116,11 @@ async def forward(request: web.BaseRequest, rt: Runtime, route: Route, call: Cal
     breaker and no retries: they are session plumbing, not work, and refusing or repeating
     one breaks the session. A ``stream`` (the GET stream) has no total timeout, only
     ``timeouts.idle`` between bytes.
+
+    ``plan`` is the call's (:meth:`proxy.routes.Route.plan`; default: the route's own): its
+    breakers admit each attempt, its retry policy and timeouts apply. An MCP tool's breaker
+    (``plan.tool_breaker``) hears a 2xx answer's verdict only once the answer is read: an
+    ``isError`` result or a JSON-RPC error other than invalid params is that tool's failure.
 
     Returns:
         ``(response, outcome, reached)``: ``outcome`` is a ``sluice_requests_total`` label,
@@ -134,15 +146,20 @@ async def forward(request: web.BaseRequest, rt: Runtime, route: Route, call: Cal
     url = fwd.upstream_url(route.upstream_base, call.path[len(route.prefix) - 1:])
     tries = _Tries()
     guarded = traffic == "call"
-    retry = route.retry if guarded else None
-    breaker = route.breaker if guarded else None
+    if plan is None:
+        plan = route.base_plan
+    retry = plan.retry if guarded else None
+    breakers = plan.breakers if guarded else ()
     timeout = route.timeout
+    if plan.timeouts is not route.config.timeouts:
+        timeout = aiohttp.ClientTimeout(total=plan.timeouts.total, connect=plan.timeouts.connect)
     if traffic == "stream":
         timeouts = route.config.timeouts
         timeout = aiohttp.ClientTimeout(total=None, connect=timeouts.connect,
                                         sock_read=timeouts.idle)
     try:
-        await _attempts(rt, route, call, url, headers, tries, retry, breaker, timeout)
+        await _attempts(rt, route, call, url, headers, tries, retry, breakers,
+                        plan.tool_breaker if guarded else None, plan.idempotent, timeout)
         extra: dict[str, str] | None = None
         if tries.stop:
             extra = dict(_NO_RETRY)
@@ -160,16 +177,22 @@ async def forward(request: web.BaseRequest, rt: Runtime, route: Route, call: Cal
                 extra = {**call.response_headers, **(extra or {})}
             call.status = response.status
             call.progress_at = time.monotonic()
+            if tries.pending is not None:
+                tries.tracker = AnswerTracker(response.headers.get("Content-Type"),
+                                              jsonrpc_id(route.protocol, call.body) or 0)
             try:
                 answer, outcome = await fwd.relay(request, response, extra,
-                                                  _Progress(call, call.capture), meter)
+                                                  _Progress(call, call.capture, tries.tracker),
+                                                  meter)
             except Rejected as error:  # not relayable (a bad status or header) or cut in time
+                await _verdict(tries, None)
                 call.status = error.reason.status
                 failed = render(error, route.protocol, jsonrpc_id(route.protocol, call.body))
                 if retry is not None:  # a final failure on a route that owns retries
                     failed.headers.update(_NO_RETRY)
                 timed_out = error.reason is Reason.UPSTREAM_TIMEOUT
                 return failed, "upstream_timeout" if timed_out else "upstream_error", True
+            await _verdict(tries, tries.tracker)
             return answer, outcome, True
         error = tries.error
         assert error is not None
@@ -180,17 +203,40 @@ async def forward(request: web.BaseRequest, rt: Runtime, route: Route, call: Cal
         return answer, outcome, tries.reached
     finally:
         tries.drop_response()
+        if tries.pending is not None:  # the caller left during the answer
+            breaker, ticket = tries.pending
+            tries.pending = None
+            found = tries.tracker.outcome if tries.tracker is not None else None
+            if found is None:  # before the response: the answer says nothing
+                breaker.release(ticket)
+            else:  # after it, as the MCP SDKs do: its verdict stands
+                breaker.record_soon(ticket, brk.FAILURE if found.tool_failure else brk.SUCCESS)
+
+
+async def _verdict(tries: _Tries, tracker: AnswerTracker | None) -> None:
+    """Tell a tool's breaker what its answer came to: a failure when the answer held no
+    response (``tracker`` ``None``: it was cut) or a tool failure
+    (:attr:`policies.mcp.Outcome.tool_failure`), else a success."""
+    if tries.pending is None:
+        return
+    breaker, ticket = tries.pending
+    tries.pending = None
+    found = tracker.finish() if tracker is not None else None
+    failed = found is None or found.tool_failure
+    await breaker.record(ticket, brk.FAILURE if failed else brk.SUCCESS)
 
 
 class _Progress:
     """Stamps ``call.progress_at`` as the answer's bytes move (stall detection), passing them
-    on to the idempotency capture, if any (the relay's capture interface)."""
+    on to the idempotency capture and the MCP answer's tracker, if any (the relay's capture
+    interface)."""
 
-    __slots__ = ("call", "capture")
+    __slots__ = ("call", "capture", "tracker")
 
-    def __init__(self, call: Call, capture: Any) -> None:
+    def __init__(self, call: Call, capture: Any, tracker: AnswerTracker | None = None) -> None:
         self.call = call
         self.capture = capture
+        self.tracker = tracker
 
     def begin(self, status: int, reason: str | None, headers: Any) -> None:
         if self.capture is not None:
@@ -200,15 +246,19 @@ class _Progress:
         self.call.progress_at = time.monotonic()
         if self.capture is not None:
             self.capture.feed(chunk)
+        if self.tracker is not None:
+            self.tracker.feed(chunk)
 
 
 async def _attempts(rt: Runtime, route: Route, call: Call, url: URL,
                     headers: CIMultiDict[str], tries: _Tries, retry: RetryPolicy | None,
-                    breaker: brk.Breaker | None, timeout: aiohttp.ClientTimeout) -> None:
+                    breakers: tuple[brk.Breaker, ...], tool_breaker: brk.Breaker | None,
+                    declared_idempotent: bool, timeout: aiohttp.ClientTimeout) -> None:
     """The retry loop: attempts until one is final, or retrying ends (``tries.stop``).
 
-    ``retry`` and ``breaker`` are the route's, or ``None`` where they do not apply;
-    ``timeout`` bounds each attempt.
+    ``retry`` and ``breakers`` are the call's plan's (none where they do not apply);
+    ``tool_breaker`` is the one of them that hears MCP tool failures; ``declared_idempotent``:
+    the route or the operation says its calls may be repeated; ``timeout`` bounds each attempt.
 
     Raises:
         Rejected: the breaker refused the first attempt.
@@ -238,7 +288,7 @@ async def _attempts(rt: Runtime, route: Route, call: Call, url: URL,
             try:
                 status, hint, sent = await _attempt(rt, route, call, url, headers, tries,
                                                     limit, callers_limit, retry is not None,
-                                                    breaker, timeout)
+                                                    breakers, tool_breaker, timeout)
             except Rejected as rejected:  # the breaker's refusal
                 if number == 1:
                     raise
@@ -261,7 +311,7 @@ async def _attempts(rt: Runtime, route: Route, call: Call, url: URL,
                 tries.stop = "attempts_exhausted"
             elif not retry_is_safe(call.method, sent, callers_key=callers_key,
                                    upstream_dedups=upstream_dedups,
-                                   declared_idempotent=route.config.idempotent):
+                                   declared_idempotent=declared_idempotent):
                 tries.stop = "unsafe_to_retry"
             else:
                 wait = retry.wait(number - 1, hint)
@@ -269,7 +319,7 @@ async def _attempts(rt: Runtime, route: Route, call: Call, url: URL,
                     tries.stop = "retry_after_too_long"
                 elif _too_late(time.monotonic() + wait, deadline, caller_deadline):
                     tries.stop = "deadline"
-                elif breaker is not None and breaker.blocked_for() > wait:
+                elif any(breaker.blocked_for() > wait for breaker in breakers):
                     tries.stop = "circuit_open"
                 elif not retry.budget.try_acquire(route.inflight + _queued(route)):
                     tries.stop = "retry_budget"
@@ -280,8 +330,10 @@ async def _attempts(rt: Runtime, route: Route, call: Call, url: URL,
             route.metrics.retries.inc()
             rt.events.emit("retried", call.request_id, route.name, call.tenant, call.run,
                            call.idempotency_key, attempt=number + 1,
-                           after=status or tries.kind, wait_s=round(wait, 3))
+                           after=status or tries.kind, wait_s=round(wait, 3),
+                           **_operation(call))
             tries.drop_response()
+            call.attempt_over(time.monotonic())
             await asyncio.sleep(wait)
     finally:
         if holding:
@@ -290,10 +342,13 @@ async def _attempts(rt: Runtime, route: Route, call: Call, url: URL,
 
 async def _attempt(rt: Runtime, route: Route, call: Call, url: URL,
                    headers: CIMultiDict[str], tries: _Tries, limit: float | None,
-                   callers_limit: bool, logged: bool, breaker: brk.Breaker | None,
-                   timeout: aiohttp.ClientTimeout) -> tuple[int | None, float | None, bool]:
-    """The breaker step: one attempt, admitted by ``breaker`` (if any) and reported to it;
-    ``logged``: the attempt goes in ``tries.log`` (for a dead letter).
+                   callers_limit: bool, logged: bool, breakers: tuple[brk.Breaker, ...],
+                   tool_breaker: brk.Breaker | None, timeout: aiohttp.ClientTimeout,
+                   ) -> tuple[int | None, float | None, bool]:
+    """The breaker step: one attempt, admitted by every one of ``breakers`` (the route's,
+    the operation's) and reported to each; ``logged``: the attempt goes in ``tries.log`` (for
+    a dead letter). A 2xx answer's verdict for ``tool_breaker`` waits for the answer to be
+    read (``tries.pending``, :func:`_verdict`).
 
     Returns:
         ``(status, retry_after, sent)``: the upstream's status (``None`` when it did not
@@ -303,12 +358,20 @@ async def _attempt(rt: Runtime, route: Route, call: Call, url: URL,
         Rejected: ``circuit_open`` from the breaker; nothing was sent.
         asyncio.CancelledError: the caller left; the breaker hears nothing.
     """
-    ticket = await breaker.attempt() if breaker is not None else None
+    tickets: list[tuple[brk.Breaker, brk.Pass]] = []
+    try:
+        for breaker in breakers:
+            tickets.append((breaker, await breaker.attempt()))
+    except BaseException:  # one refused (or the caller left): the others' tickets go back
+        for breaker, ticket in tickets:
+            breaker.release(ticket)
+        raise
     started_at = time.time() if logged else 0.0
     started = time.monotonic()
     try:
         route.metrics.upstream_attempts.inc()
         call.attempts += 1
+        call.attempt_sent(started)
         if limit is None:
             # Most routes set no per-try bound or deadline: a timeout scope would cost a
             # timer handle, two lookups of the running loop and two getpid syscalls
@@ -332,7 +395,7 @@ async def _attempt(rt: Runtime, route: Route, call: Call, url: URL,
         # Cut short by the caller's own deadline: not the upstream's fault.
         neutral = callers_limit
     except BaseException:
-        if ticket is not None:
+        for breaker, ticket in tickets:
             breaker.release(ticket)
         raise
     else:
@@ -341,12 +404,17 @@ async def _attempt(rt: Runtime, route: Route, call: Call, url: URL,
         if logged:
             tries.log.append(Attempt(started_at, status, None, time.monotonic() - started))
         tries.answered(response)  # first: whatever happens next, the response gets closed
-        if ticket is not None:
-            await breaker.record(ticket, brk.classify(status, response.headers), status, hint)
+        verdict = brk.classify(status, response.headers)
+        for breaker, ticket in tickets:
+            if breaker is tool_breaker and verdict == brk.SUCCESS and status < 300:
+                tries.pending = (breaker, ticket)  # a tool failure shows in the answer only
+            else:
+                await breaker.record(ticket, verdict, status, hint)
         return status, hint, True
+    call.attempt_over(time.monotonic())
     tries.reached = tries.reached or sent
     tries.drop_response()
-    if ticket is not None:
+    for breaker, ticket in tickets:
         if neutral:
             breaker.release(ticket)
         else:
@@ -373,6 +441,10 @@ def _too_late(at: float, deadline: float | None, caller_deadline: float | None) 
     return (deadline is not None and at >= deadline) or (
         caller_deadline is not None and at >= caller_deadline
     )
+
+
+def _operation(call: Call) -> dict[str, str]:
+    return {} if call.operation is None else {"operation": call.operation}
 
 
 def _queued(route: Route) -> int:
@@ -405,5 +477,5 @@ async def _dead_letter(rt: Runtime, route: Route, call: Call, headers: CIMultiDi
     route.metrics.dead_letters.inc()
     rt.events.emit("dead_lettered", call.request_id, route.name, call.tenant, call.run,
                    call.idempotency_key, dead_letter_id=letter_id, reason=tries.stop,
-                   attempts=len(tries.log))
+                   attempts=len(tries.log), **_operation(call))
     return letter_id

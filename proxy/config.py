@@ -146,7 +146,7 @@ def _problems(err: ValidationError, marks: dict[Path_, int], filename: str) -> I
         message = item["msg"].removeprefix("Value error, ")
         if item["type"] == "extra_forbidden":
             # The unknown key is, by definition, not a known one: name it all the same.
-            path = (*(p for p in loc[:-1] if isinstance(p, int) or p in _KNOWN_KEYS), loc[-1])
+            path = (*_user_path(loc[:-1], marks), loc[-1])
             message = "unknown key (a typo here would silently disable a limit)"
         elif item["type"] == "missing":
             message = "required key is missing"

@@ -141,7 +141,8 @@ async def handle(rt: Runtime, request: web.BaseRequest) -> web.StreamResponse:
         if event == "expired":
             rt.metrics.expiries.labels(
                 route.name, "deadline" if fields.pop("deadline", False) else "max_wait").inc()
-        events.emit(event, request_id, route.name, tenant, run, call.idempotency_key, **fields)
+        events.emit(event, request_id, route.name, tenant, run, call.idempotency_key,
+                    **fields, **_operation(call))
 
     call = Call(
         request_id=request_id, route=route.name, method=request.method, path=raw_path,
@@ -152,17 +153,19 @@ async def handle(rt: Runtime, request: web.BaseRequest) -> web.StreamResponse:
         notify=notify,
     )
     call.new_unit = not is_client_retry(headers)
+    # MCP control and stream traffic take nothing, an operation's steps included.
+    plan = route.plan(call) if traffic == "call" else route.base_plan
     admission = Admission()
     outcome = ABANDONED
     admitted_at = 0.0
     try:
         try:
             if traffic == "call":  # MCP control and stream traffic take nothing
-                await admission.admit(route.policies, call)
+                await admission.admit(plan.policies, call)
         except Rejected as rejected:
             outcome = REFUSED
             return refuse(rt, route, rejected, request_id, tenant, run, call.idempotency_key,
-                          call.body)
+                          call.body, call.operation)
         except Replay as replay:
             outcome = Outcome("replayed", reached=False, status=replay.record.status)
             return _replay(rt, route, call, replay)
@@ -175,14 +178,15 @@ async def handle(rt: Runtime, request: web.BaseRequest) -> web.StreamResponse:
             route.budget_gauges.watch(call.tenant, route.metrics.tenant(call.tenant))
         if call.enqueued_at is not None:
             route.metrics.queue_wait.observe(admitted_at - call.enqueued_at)
-        events.emit("admitted", request_id, route.name, tenant, run, call.idempotency_key)
+        events.emit("admitted", request_id, route.name, tenant, run, call.idempotency_key,
+                    **_operation(call))
         try:
             response, label, reached = await attempts.forward(request, rt, route, call,
-                                                              traffic)
+                                                              traffic, plan)
         except Rejected as rejected:  # the breaker refused the first attempt
             outcome = Outcome("rejected", reached=False, status=rejected.reason.status)
             return refuse(rt, route, rejected, request_id, tenant, run, call.idempotency_key,
-                          call.body)
+                          call.body, call.operation)
         answered = label[0].isdigit()
         outcome = Outcome(label, reached, response.status,
                           time.monotonic() - admitted_at if answered else None)
@@ -209,6 +213,8 @@ async def handle(rt: Runtime, request: web.BaseRequest) -> web.StreamResponse:
             _completed(rt, route, call, outcome, admitted_at, traffic != "stream")
         elif outcome.label != "replayed":
             route.metrics.outcomes[outcome.label].inc()
+            if call.operation is not None:
+                route.metrics.operation(call.operation).outcome(outcome.label)
         if call.new_unit:
             route.metrics.work_units.inc()
 
@@ -235,7 +241,12 @@ def _run_cancelled(rt: Runtime, route: Route, call: Call, request: web.BaseReque
         route.metrics.rejections[rejected.reason].inc()
         return render(rejected, route.protocol, jsonrpc_id(route.protocol, call.body))
     return refuse(rt, route, rejected, call.request_id, call.tenant, call.run,
-                  call.idempotency_key, call.body)
+                  call.idempotency_key, call.body, call.operation)
+
+
+def _operation(call: Call) -> dict[str, object]:
+    """An event's ``operation`` field: the call's tool, endpoint or model, when it has one."""
+    return {} if call.operation is None else {"operation": call.operation}
 
 
 def _completed(rt: Runtime, route: Route, call: Call, outcome: Outcome,
@@ -247,6 +258,17 @@ def _completed(rt: Runtime, route: Route, call: Call, outcome: Outcome,
     if timed:
         metrics.upstream_duration.observe(elapsed)
     metrics.outcomes[outcome.label].inc()
+    fields: dict[str, object] = dict(call.charged or {})
+    if call.operation is not None:
+        fields["operation"] = call.operation
+        series = metrics.operation(call.operation)
+        series.outcome(outcome.label)
+        if timed:
+            series.duration.observe(elapsed)
+        if call.operation_cost is not None:
+            series.cost.inc(call.operation_cost)
+            metrics.tenant(call.tenant).cost.inc(call.operation_cost)
+            fields["operation_cost_usd"] = call.operation_cost
     charged = call.charged
     if charged is not None:
         series = metrics.tenant(call.tenant)
@@ -260,7 +282,7 @@ def _completed(rt: Runtime, route: Route, call: Call, outcome: Outcome,
             metrics.usage_missing.inc()
     rt.events.emit("completed", call.request_id, route.name, call.tenant, call.run,
                    call.idempotency_key, status=outcome.status, outcome=outcome.label,
-                   duration_s=round(elapsed, 6), **(charged or {}))
+                   duration_s=round(elapsed, 6), **fields)
 
 
 def _reject(rt: Runtime, route: Route, rejected: Rejected, request_id: str, tenant: str,
@@ -277,5 +299,5 @@ def _replay(rt: Runtime, route: Route, call: Call, replay: Replay) -> web.Respon
     route.metrics.outcomes["replayed"].inc()
     rt.events.emit("replayed", call.request_id, route.name, call.tenant, call.run,
                    call.idempotency_key, status=record.status, bytes=len(record.body),
-                   waited_s=round(replay.waited_s, 6))
+                   waited_s=round(replay.waited_s, 6), **_operation(call))
     return replay_response(record)

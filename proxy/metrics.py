@@ -53,6 +53,10 @@ OUTCOMES = (
 #: Distinct tenant label values; tenants seen after these share the label ``other``.
 MAX_TENANT_LABELS = 100
 OTHER_TENANT = "other"
+#: Distinct operation label values per route (tool and model names come from requests);
+#: operations seen after these share the label ``other``.
+MAX_OPERATION_LABELS = 100
+OTHER_OPERATION = "other"
 
 # The ``*_created`` series double every counter and histogram and nothing here reads them.
 disable_created_metrics()
@@ -225,6 +229,34 @@ class Metrics:
             ["route", "tenant", "unit"],
             registry=r,
         )
+        # Per operation (policies/operations.py): the tool, endpoint pattern or model.
+        self.operation_requests = Counter(
+            "sluice_operation_requests",
+            "Requests finished, by operation and outcome (the outcomes of "
+            "sluice_requests_total).",
+            ["route", "operation", "outcome"], registry=r,
+        )
+        self.operation_rejections = Counter(
+            "sluice_operation_rejections",
+            "Requests Sluice refused, by operation and reason.",
+            ["route", "operation", "reason"], registry=r,
+        )
+        self.operation_duration = Histogram(
+            "sluice_operation_upstream_duration_seconds",
+            "Admission to completion of requests, by operation.",
+            ["route", "operation"], buckets=DURATION_BUCKETS_S, registry=r,
+        )
+        self.operation_cost = Counter(
+            "sluice_operation_cost_usd",
+            "USD charged for operations' cost_per_call and cost_per_second.",
+            ["route", "operation"], registry=r,
+        )
+        self.operation_circuit_state = Gauge(
+            "sluice_operation_circuit_state",
+            "An operation's circuit breaker state: 0 closed, 1 half-open, 2 open.",
+            ["route", "operation"], registry=r,
+        )
+        self._operation_labels: dict[str, set[str]] = {}
         # Anti-metrics: the signals that stay silent elsewhere (issue 12).
         self.cancels = Counter(
             "sluice_cancels",
@@ -255,6 +287,18 @@ class Metrics:
             labels.add(tenant)
             return tenant
         return OTHER_TENANT
+
+    def operation_label(self, route: str, operation: str) -> str:
+        """``operation`` as a label value on ``route``: the first ``MAX_OPERATION_LABELS``
+        seen keep their name, later ones share ``other`` (tool and model names come from
+        requests, so their number must stay bounded)."""
+        labels = self._operation_labels.setdefault(route, set())
+        if operation in labels:
+            return operation
+        if len(labels) < MAX_OPERATION_LABELS:
+            labels.add(operation)
+            return operation
+        return OTHER_OPERATION
 
     def for_route(
         self,
@@ -287,6 +331,7 @@ class Metrics:
 
     def forget_route(self, route: str) -> None:
         """Drop every series of a route removed from the config (its values would go stale)."""
+        self._operation_labels.pop(route, None)
         for metric in vars(self).values():
             if isinstance(metric, MetricWrapperBase):
                 try:
@@ -315,6 +360,15 @@ class Metrics:
         """Drop a route's breaker gauge (a reload removed its block)."""
         self.circuit_state.remove_by_labels({"route": route})
 
+    def bind_operation_breakers(self, route: str,
+                                states: dict[str, Callable[[], float]]) -> None:
+        """Read the breaker state of each of ``route``'s operations that has one, by
+        operation name (from the config, so bounded), at scrape time; operations no longer
+        listed lose their series."""
+        self.operation_circuit_state.remove_by_labels({"route": route})
+        for operation, state in states.items():
+            self.operation_circuit_state.labels(route, operation).set_function(state)
+
     def bind_dead_letter_depth(self, route: str, depth: Callable[[], float]) -> None:
         """Read ``route``'s dead-letter count at scrape time."""
         self.dead_letter_depth.labels(route).set_function(depth)
@@ -324,6 +378,7 @@ class RouteMetrics:
     """One route's series, bound to their labels once (per tenant: at first sight)."""
 
     __slots__ = (
+        "_by_operation",
         "_by_tenant",
         "_metrics",
         "dead_letters",
@@ -355,6 +410,20 @@ class RouteMetrics:
         self.dead_letters = metrics.dead_letters.labels(route)
         self.usage_missing = metrics.usage_missing.labels(route)
         self._by_tenant: dict[str, TenantSeries] = {}
+        self._by_operation: dict[str, OperationSeries] = {}
+
+    def operation(self, operation: str) -> OperationSeries:
+        """The per-operation series of this route (``other`` beyond the label cap)."""
+        series = self._by_operation.get(operation)
+        if series is None:
+            label = self._metrics.operation_label(self.name, operation)
+            series = self._by_operation.get(label)
+            if series is None:
+                series = OperationSeries(self._metrics, self.name, label)
+                self._by_operation[label] = series
+            if label == operation:
+                self._by_operation[operation] = series
+        return series
 
     def tenant(self, tenant: str) -> TenantSeries:
         """The per-tenant series of this route (``other`` beyond the label cap)."""
@@ -368,6 +437,27 @@ class RouteMetrics:
             if label == tenant or len(self._by_tenant) < 4 * MAX_TENANT_LABELS:
                 self._by_tenant[tenant] = series
         return series
+
+
+class OperationSeries:
+    """One operation's series on one route."""
+
+    __slots__ = ("_metrics", "cost", "duration", "label", "route")
+
+    def __init__(self, metrics: Metrics, route: str, label: str) -> None:
+        self._metrics = metrics
+        self.route = route
+        self.label = label
+        self.duration = metrics.operation_duration.labels(route, label)
+        self.cost = metrics.operation_cost.labels(route, label)
+
+    def outcome(self, outcome: str) -> None:
+        """Count one finished request with ``outcome``."""
+        self._metrics.operation_requests.labels(self.route, self.label, outcome).inc()
+
+    def rejected(self, reason: str) -> None:
+        """Count one refusal for ``reason`` (a reason code)."""
+        self._metrics.operation_rejections.labels(self.route, self.label, reason).inc()
 
 
 class TenantSeries:

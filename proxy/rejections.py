@@ -169,15 +169,20 @@ def render(rejected: Rejected, protocol: str, jsonrpc_id: object = None) -> web.
 
 def refuse(rt: Runtime, route: Route, rejected: Rejected, request_id: str, tenant: str,
            run: str | None, idempotency_key: str | None = None, body: bytes = b"",
-           ) -> web.Response:
+           operation: str | None = None) -> web.Response:
     """Count ``rejected`` by reason, log its ``rejected`` event, and render it for ``route``.
 
     The one way Sluice refuses a request on a route, whether before admission (the handler)
-    or at the breaker after it (``proxy.attempts``); ``body`` supplies an MCP request's id.
+    or at the breaker after it (``proxy.attempts``); ``body`` supplies an MCP request's id;
+    ``operation`` is the call's (``policies/operations.py``), counted and logged with it.
     """
     route.metrics.rejections[rejected.reason].inc()
+    extra: dict[str, str] = {}
+    if operation is not None:
+        route.metrics.operation(operation).rejected(rejected.reason.code)
+        extra["operation"] = operation
     rt.events.emit("rejected", request_id, route.name, tenant, run, idempotency_key,
                    reason=rejected.reason.code,
                    retry_after_s=None if rejected.retry_after is None
-                   else round(rejected.retry_after, 3))
+                   else round(rejected.retry_after, 3), **extra)
     return render(rejected, route.protocol, jsonrpc_id(route.protocol, body))

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 from urllib.parse import unquote
 
 import aiohttp
@@ -23,7 +23,15 @@ from policies.budget import Budgets
 from policies.concurrency import ConcurrencyLimiter
 from policies.config import ModelPrice, RouteConfig
 from policies.idempotency import Idempotency
-from policies.pipeline import Call, Policy
+from policies.operations import (
+    Operation,
+    Operations,
+    Plan,
+    carry_over,
+    new_limiter,
+    reconfigure_limiter,
+)
+from policies.pipeline import Call
 from policies.rate import RateLimiter
 from policies.retry import RetryPolicy
 from policies.runs import FanoutWidth, RunLimits, RunRegistry, RunTracker
@@ -48,6 +56,11 @@ class Route:
         accounting: token accounting, on ``openai`` and ``anthropic`` routes only.
         backends: the state its policies keep their counters in
             (:class:`policies.state.StateBackends`).
+        budgets: the route's budgets (the accounting's on LLM routes; on ``mcp`` and
+            ``http`` routes, the ``usd`` budgets operations' costs are charged to), or None.
+        operations: the route's per-operation blocks (:mod:`policies.operations`), or None.
+        base_plan: how a call no operation block applies to is admitted and forwarded;
+            :meth:`plan` finds a call's plan.
     """
 
     #: Attributes holding policy objects. A policy object may have a ``state()`` method
@@ -56,10 +69,13 @@ class Route:
                 "retry")
 
     __slots__ = (
+        "_plans",
         "accounting",
         "backends",
+        "base_plan",
         "breaker",
         "budget_gauges",
+        "budgets",
         "concurrency",
         "config",
         "fanout",
@@ -70,7 +86,7 @@ class Route:
         "live",
         "metrics",
         "name",
-        "policies",
+        "operations",
         "prefix",
         "protocol",
         "rate",
@@ -99,11 +115,7 @@ class Route:
         self.timeout = aiohttp.ClientTimeout(
             total=config.timeouts.total, connect=config.timeouts.connect
         )
-        c = config.concurrency
-        self.concurrency = (
-            ConcurrencyLimiter(c.limit, c.queue, c.max_wait, c.per_tenant,
-                               tenant_weights=c.tenant_weights, aging=c.aging) if c else None
-        )
+        self.concurrency: ConcurrencyLimiter | None = new_limiter(config.concurrency)
         # Runs: the tree and cancellation (shared by every route), this route's run limits
         # and fan-out, and those of the top-level blocks (shared, from the runtime).
         runs = runs if runs is not None else RunRegistry()
@@ -119,7 +131,8 @@ class Route:
         self.rate = (RateLimiter(config.rate, self.backends, self.name, config.protocol)
                      if config.rate else None)
         i = config.idempotency
-        self.idempotency = (Idempotency(i, self.name, backends=self.backends)
+        self.idempotency = (Idempotency(i, self.name, backends=self.backends,
+                                        mcp_calls=config.protocol == "mcp")
                             if i and i.mode != "off" else None)
         cb = config.circuit_breaker
         self.breaker = Breaker(cb, self.name, events.emit_system, self.backends) if cb else None
@@ -129,13 +142,18 @@ class Route:
         self.live: set[Call] = set()
         self.retired: tuple[Route, ...] = ()
         self.accounting: Accounting | None = None
+        # The route's counters are the group of its name in the shared ledger.
+        self.budgets = (Budgets(config.budget, pricing or {}, self.backends, clock, self.name)
+                        if config.budget else None)
+        _, blocks = config.operations()
         if config.protocol in ("openai", "anthropic"):
-            budgets = None
-            if config.budget:
-                # The route's counters are the group of its name in the shared ledger.
-                budgets = Budgets(config.budget, pricing or {}, self.backends, clock, self.name)
-            self.accounting = Accounting(config, pricing or {}, self.rate, budgets, run_header)
-        self.policies: tuple[Policy, ...] = ()
+            token_models = frozenset(name for name, op in blocks.items()
+                                     if op.rate is not None and op.rate.tokens is not None)
+            self.accounting = Accounting(config, pricing or {}, self.rate, self.budgets,
+                                         run_header, token_models)
+        self.operations = (Operations(config, self.backends, events.emit_system, self.budgets,
+                                      run_header) if blocks else None)
+        self._plans: dict[str, Plan] = {}
         self._admission_order()
         # Gauges read this route's policies at scrape time (take_over() may swap them); a
         # gauge of a block this route lacks is removed, so it cannot keep reading the
@@ -162,25 +180,72 @@ class Route:
         else:
             metrics.unbind_circuit_state(self.name)
         self.budget_gauges = BudgetGauges(metrics, self.name, self.accounting)
+        # Read through the operation object: a reload may swap its breaker (take_over).
+        metrics.bind_operation_breakers(self.name, {
+            op.name: lambda op=op: op.breaker.state_value() if op.breaker else 0
+            for op in self.operations or () if op.breaker is not None})
 
     def _admission_order(self) -> None:
-        """The route's policies in the order they admit a call (docs/design.md): the ones
-        that cost nothing and hold nothing first, the queue last, so a call refused by a
-        quota never waits in the queue, and one waiting in the queue holds its quota."""
-        self.policies = tuple(
-            policy for policy in (
+        """The plans of the route's calls (:class:`policies.operations.Plan`): its policies
+        in the order they admit a call (docs/design.md), the ones that cost nothing and hold
+        nothing first, the queues last, so a call refused by a quota never waits in a queue,
+        and one waiting in a queue holds its quota. An operation's steps come right after
+        the route's of the same kind; its slot before the route's, so a call queued for a
+        busy operation holds no route slot that the route's other operations could use."""
+        self.base_plan = self._plan(None)
+        self._plans = ({op.name: self._plan(op) for op in self.operations}
+                       if self.operations is not None else {})
+
+    def _plan(self, op: Operation | None) -> Plan:
+        config = self.config
+        return Plan(
+            op,
+            (
                 self.run_tracker,  # the run tree; a cancelled run is refused before all else
-                self.idempotency,  # a replay or a wait for a twin costs no quota or slot
+                # A replay or a wait for a twin costs no quota or slot.
+                op.idempotency if op is not None and op.idempotency else self.idempotency,
                 self.global_limits,  # run budgets and fan-out depth, all routes
                 self.run_limits,  # the same, this route
                 self.breaker,  # an open breaker refuses before anything is taken
+                op and op.breaker,
                 self.rate,
                 self.accounting,  # token rate and budget reservation
+                op and op.rate,  # the operation's units (a model's tokens: after accounting)
+                op and op.costs,  # the operation's cost, held on the usd budgets
                 self.global_fanout,  # the run's width, all routes, and its queue
                 self.fanout,  # the run's width on this route, and its queue
+                op and op.concurrency,  # the operation's slot, and its queue
                 self.concurrency,  # the slot, and its queue
-            ) if policy is not None
+            ),
+            (self.breaker, op and op.breaker),
+            op.breaker if op is not None and self.protocol == "mcp"
+            and op.config.circuit_breaker is not None and op.config.circuit_breaker.tool_errors
+            else None,
+            op.retry if op is not None and op.retry else self.retry,
+            op.config.timeouts if op is not None and op.config.timeouts else config.timeouts,
+            config.idempotent or (op is not None and op.config.idempotent),
         )
+
+    def plan(self, call: Call) -> Plan:
+        """The plan ``call`` is admitted and forwarded with; sets ``call.operation`` to its
+        operation's name (``None`` for none) for metrics and events."""
+        operations = self.operations
+        if operations is None:
+            return self.base_plan
+        name, op = operations.resolve(call)
+        call.operation = name
+        return self._plans[op.name] if op is not None else self.base_plan
+
+    @property
+    def retries(self) -> bool:
+        """Some call of this route may be retried (the route's or an operation's ``retry``)."""
+        return self.retry is not None or any(
+            op.retry is not None for op in self.operations or ())
+
+    @property
+    def policies(self) -> tuple[Any, ...]:
+        """The admission steps of a call no operation block applies to."""
+        return self.base_plan.policies
 
     def stalled(self, after_s: float) -> int:
         """Calls in flight (this route's, and those admitted before a reload) that moved no
@@ -202,9 +267,7 @@ class Route:
         new, prev = self.config, old.config
         self.concurrency = carry_over(
             old.concurrency, self.concurrency, prev.concurrency, new.concurrency,
-            lambda limiter, c: limiter.reconfigure(c.limit, c.queue, c.max_wait, c.per_tenant,
-                                                   tenant_weights=c.tenant_weights,
-                                                   aging=c.aging),
+            reconfigure_limiter,
         )
         self.fanout = carry_over(old.fanout, self.fanout, prev.fanout, new.fanout,
                                  lambda width, c: width.reconfigure(c))
@@ -216,16 +279,21 @@ class Route:
         self.idempotency = carry_over(
             old.idempotency, self.idempotency, prev.idempotency, new.idempotency
         )
-        # An unchanged breaker keeps its state (open stays open); a changed one starts closed.
+        # The breaker keeps its state whatever changed in its block (open stays open; the new
+        # thresholds apply from the next outcome): it lives in the state backend under the
+        # route's name, shared with every replica, so only the object's view could be reset.
         self.breaker = carry_over(old.breaker, self.breaker, prev.circuit_breaker,
-                                  new.circuit_breaker)
+                                  new.circuit_breaker, lambda breaker, c: breaker.reconfigure(c))
         self.retry = carry_over(old.retry, self.retry, prev.retry, new.retry)
         # Accounting is rebuilt from the new blocks, but spend carries over: the budget ledger
         # (keyed by unit, scope and window, not by amount) and the route's rates.
-        if self.accounting is not None and old.accounting is not None:
-            if self.accounting.budgets is not None and old.accounting.budgets is not None:
-                self.accounting.budgets.take_over(old.accounting.budgets)
+        if self.budgets is not None and old.budgets is not None:
+            self.budgets.take_over(old.budgets)
+        if self.accounting is not None:
             self.accounting.rate = self.rate
+        # Operations named before and after keep their state (slots, levels, breakers).
+        if self.operations is not None and old.operations is not None:
+            self.operations.take_over(old.operations)
         self.retired = tuple(route for route in (old, *old.retired) if route.inflight)
         self._admission_order()
 
@@ -242,28 +310,12 @@ class Route:
             policy = getattr(self, name)
             state = getattr(policy, "state", None)
             out[name] = None if policy is None else (state() if state else {})
+        if self.operations is not None:
+            out[self.operations.key] = self.operations.state()
         return out
 
 
-P = TypeVar("P")
-C = TypeVar("C")
-
-
-def carry_over(old: P | None, new: P | None, old_config: C | None, new_config: C | None,
-               reconfigure: Callable[[P, C], None] | None = None) -> P | None:
-    """The policy object a reloaded route keeps: ``old`` where it can, else ``new``.
-
-    ``old`` is kept as it is when its config block is unchanged, and reconfigured in place with
-    ``reconfigure(old, new_config)`` when the block changed; without a ``reconfigure`` a changed
-    block gets the ``new`` object (fresh state). A block added or removed gives ``new``.
-    """
-    if old is None or new is None:
-        return new
-    if old_config != new_config:
-        if reconfigure is None:
-            return new
-        reconfigure(old, new_config)  # type: ignore[arg-type]
-    return old
+__all__ = ["Route", "Router", "carry_over", "has_dot_segment"]
 
 
 class Router:

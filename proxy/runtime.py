@@ -97,7 +97,7 @@ class Runtime:
             for rc in config.routes
         ]
         for route in routes:
-            if route.retry is not None:
+            if route.retries:
                 self.metrics.bind_dead_letter_depth(
                     route.name, lambda name=route.name: self.dead_letters.depth(name)
                 )
@@ -180,7 +180,7 @@ class Runtime:
         if self.runs.shared is not None:
             self.runs.shared.feed.start(self._cancel_heard)
         await self.events.start()
-        if any(route.retry is not None for route in self.routes):
+        if any(route.retries for route in self.routes):
             await self.dead_letters.open()
 
     async def close(self) -> None:

@@ -131,14 +131,15 @@ def describe(event: dict[str, Any]) -> str:
 
 def summary(events: list[dict[str, Any]], requests: list[RequestStory]) -> str:
     """Amplification and spend: upstream attempts per request (the first attempt of each
-    admitted request plus every retry) and the tokens and USD charged."""
+    admitted request plus every retry) and the tokens and USD charged (tools' costs
+    included)."""
     admitted = sum(1 for ev in events if ev["event"] == "admitted")
     attempts = admitted + sum(story.retries for story in requests)
     tokens = usd = 0.0
     for ev in events:
         if ev["event"] == "completed":
             tokens += (ev.get("input_tokens") or 0) + (ev.get("output_tokens") or 0)
-            usd += ev.get("cost_usd") or 0.0
+            usd += (ev.get("cost_usd") or 0.0) + (ev.get("operation_cost_usd") or 0.0)
     ratio = f"{attempts / len(requests):.2f}" if requests else "-"
     return (f"amplification {ratio} ({attempts} upstream attempt(s) for {len(requests)} "
             f"request(s)); spend {int(tokens)} tokens, ${usd:.6f}")

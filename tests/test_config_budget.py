@@ -82,7 +82,8 @@ routes:
         "f.yaml:6: routes[0].rate.tokens: token limits need protocol openai or anthropic "
         "(Sluice reads usage from those only), not http",
         "f.yaml:7: routes[0].budget: budgets need protocol openai or anthropic (Sluice reads "
-        "usage from those only), not http",
+        "usage from those only), or a usd limit and operations with cost_per_call or "
+        "cost_per_second, not http",
         "f.yaml:12: routes[1].usage.default_max_tokens: 5000 exceeds the output_tokens "
         "budget 10/day: every request without max_tokens would be refused",
         "f.yaml:13: routes[1].budget.usd: 5/total needs per: run (a tenant's or route's "

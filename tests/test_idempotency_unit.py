@@ -243,6 +243,48 @@ def test_off_accepts_any_keys_and_defaults_are_documented_values():
         "dedup", 86400.0, "wait", MiB)
 
 
+async def test_mcp_call_key_fingerprint_and_replay_under_the_new_id() -> None:
+    """MCP calls (issue 11): the key and fingerprint come from tool + arguments, never the
+    JSON-RPC id; the answer is stored once its response is in, even if the client left
+    before the rest; a replay carries the new request's id."""
+    import orjson
+    from multidict import CIMultiDict, CIMultiDictProxy
+
+    from policies.config import IdempotencyConfig
+    from policies.idempotency import Idempotency, Replay
+    from policies.pipeline import Call, Outcome
+
+    policy = Idempotency(IdempotencyConfig(), "tools", mcp_calls=True)
+
+    def call(rid: object, to: str) -> Call:
+        body = orjson.dumps({"jsonrpc": "2.0", "id": rid, "method": "tools/call",
+                             "params": {"name": "send", "arguments": {"to": to}}})
+        return Call(request_id="r", route="tools", method="POST", path="/tools/mcp",
+                    headers=CIMultiDictProxy(CIMultiDict()), body=body, tenant="t")
+
+    first = call(1, "a")
+    claim = await policy.admit(first)
+    assert claim is not None and first.idempotency_key.startswith("sluice-t-")
+    first.capture.begin(200, "OK", CIMultiDict({"Content-Type": "text/event-stream"}))
+    first.capture.feed(b'event: message\ndata: {"jsonrpc":"2.0","method":"notifications/'
+                       b'progress","params":{"progress":1}}\n\n')
+    first.capture.feed(b'event: message\ndata: {"jsonrpc":"2.0","id":1,"result":{"content":'
+                       b'[{"type":"text","text":"sent #1"}]}}\n\nevent: message\ndata: {"jso')
+    claim.release(Outcome("client_disconnected", reached=True, status=200))
+
+    again = call("second", "a")
+    with pytest.raises(Replay) as replay:
+        await policy.admit(again)
+    body = replay.value.record.body
+    assert b'"id":"second"' in body and b'"id":1' not in body
+    assert body.endswith(b'"sent #1"}]}}\n\n')  # cut after the response's event
+    assert b"notifications/progress" in body  # what came before the response stays
+    assert again.idempotency_key == first.idempotency_key
+    other = call(3, "b")  # other arguments: another call
+    assert await policy.admit(other) is not None
+    assert other.idempotency_key != first.idempotency_key
+
+
 def test_fresh_keys_are_distinct_and_well_formed_across_refills():
     keys = [fresh_key() for _ in range(3 * FRESH_KEYS_PER_READ + 5)]
     assert len(set(keys)) == len(keys)

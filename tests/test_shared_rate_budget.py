@@ -9,6 +9,7 @@ own; the round-trip count reads that server's ``INFO commandstats``.
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 import uuid
 
@@ -406,3 +407,31 @@ async def test_round_trips_per_admitted_call(upstream, start_sluice, redis_serve
               f"{metered / n:.2f}, unmetered (rate) {unmetered / n:.2f}")
     assert metered == 3 * n
     assert unmetered == n
+
+
+async def test_a_settle_in_flight_at_sigterm_lands_before_sluice_exits(
+        upstream, start_sluice, redis_server):
+    """Shutdown closed the Redis connection under the settles still running in the background:
+    a call answered just before SIGTERM kept its worst case held (until reaped, 15 min) and its
+    spend was never charged."""
+    prefix = new_prefix()
+    sluice = await start_sluice({
+        "state": {"backend": "redis", "redis_url": redis_server.url, "key_prefix": prefix,
+                  "timeout": "1s"},
+        "routes": [route("openai", upstream.url,
+                         budget={"tokens": "100000/day", "per": "tenant"})]})
+    counter = "tokens-per-tenant-day:acme"
+    async with aiohttp.ClientSession() as session:
+        assert (await post(session, sluice.url, **{"X-Tenant-ID": "acme"}))[0] == 200
+        await settled(redis_server.url, prefix, counter, PLAIN_SPEND)
+        upstream.hold = asyncio.Event()
+        call = asyncio.create_task(post(session, sluice.url, **{"X-Tenant-ID": "acme"}))
+        await wait_for(lambda: upstream.inflight == 1, what="the call at the upstream")
+        with redis_server.client() as admin:
+            # Scripts that write wait 0.7 s from now; everything else is answered.
+            admin.execute_command("CLIENT", "PAUSE", "700", "WRITE")
+        upstream.hold.set()
+        assert (await call)[0] == 200  # its settle now waits on Redis
+        sluice.signal(signal.SIGTERM)
+        assert await sluice.wait_exit(15) == 0
+    assert budget_levels(redis_server.url, prefix, counter) == (2 * PLAIN_SPEND, 0.0)

@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 import redis
 
@@ -23,6 +24,7 @@ from policies.state.connection import RedisState
 from policies.state.idempotency import SEEN, Answer
 from policies.state.ledger import Claim
 from policies.state.rate import Take
+from tests.conftest import route
 from tests.redis_servers import RedisCluster, RedisServer, free_port, new_prefix, require_redis
 
 TIMEOUT_S = 0.2
@@ -222,3 +224,59 @@ async def test_the_url_says_server_or_cluster(redis_cluster: RedisCluster):
     finally:
         await single.close()
         await cluster.close()
+
+
+async def test_connections_from_before_a_restart_cost_no_refusal_once_it_is_back(
+        redis_server: RedisServer):
+    """After a restart each pooled connection failed once ("Connection closed by server") and
+    marked the backend down again, so calls were refused (503 in reject mode) although Redis
+    was answering."""
+    # A timeout generous for a loaded machine: what is checked is that no call fails on a
+    # connection from before the restart, not how fast a fresh one is opened.
+    own = await redis_backends(redis_server.url, new_prefix(), 2.0, probe_interval_s=PROBE_S)
+    try:
+        async def burst() -> None:
+            await asyncio.gather(*(own.rates.admit("r", [Take("requests", 10_000, 60.0)])
+                                   for _ in range(32)))
+
+        await burst()  # several pooled connections, all to the server about to go
+        redis_server.stop()
+        redis_server.start()
+        await recovered(own)
+        changes: list[bool] = []
+        own.health.on_change(lambda up, _: changes.append(up))
+        for _ in range(5):
+            await burst()
+            await each_answers(own)
+        assert changes == [] and own.health.up
+    finally:
+        await own.close()
+
+
+async def test_no_503_in_reject_mode_once_a_restarted_redis_is_back(
+        redis_server: RedisServer, upstream, start_sluice):
+    sluice = await start_sluice({
+        "state": {"backend": "redis", "redis_url": redis_server.url, "key_prefix": new_prefix(),
+                  "timeout": "2s", "on_unavailable": "reject"},
+        "routes": [route("svc", upstream.url, "http", rate={"requests": "100000/min"})]})
+
+    async def burst(session: aiohttp.ClientSession) -> list[int]:
+        async def one() -> int:
+            async with session.get(sluice.url + "/svc/x") as r:
+                return r.status
+        return await asyncio.gather(*(one() for _ in range(32)))
+
+    async def backend_up(session: aiohttp.ClientSession) -> bool:
+        async with session.get(sluice.admin_url + "/readyz") as r:
+            return (await r.json())["state"]["up"]
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        assert set(await burst(session)) == {200}  # opens several pooled Redis connections
+        redis_server.stop()
+        redis_server.start()
+        deadline = time.monotonic() + 10
+        while not await backend_up(session):
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+        statuses = [status for _ in range(5) for status in await burst(session)]
+    assert statuses == [200] * len(statuses)

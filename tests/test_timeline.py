@@ -93,3 +93,16 @@ def test_unknown_run_and_stdout_events(tmp_path):
                       "upstream: 'http://127.0.0.1:1'}\n")
     stdout_events = timeline("a", "--config", str(config))
     assert stdout_events.returncode == 2 and "--events -" in stdout_events.stderr
+
+
+def test_tool_costs_count_in_the_runs_spend_and_events_name_the_operation() -> None:
+    from proxy.timeline import render
+
+    base = {"request_id": "r1", "route": "tools", "tenant": "t", "run": "run-1",
+            "idempotency_key": None, "operation": "send"}
+    events = [{**base, "ts": 10.0, "event": "admitted"},
+              {**base, "ts": 10.5, "event": "completed", "status": 200, "outcome": "2xx",
+               "duration_s": 0.5, "operation_cost_usd": 0.02}]
+    text = render("run-1", events)
+    assert "spend 0 tokens, $0.020000" in text
+    assert "operation=send" in text

@@ -24,8 +24,10 @@ script on one slot. Every Redis call on the request path is one round trip and r
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from policies.config import StateConfig
 from policies.state.breaker import BreakerStates, MemoryBreakerStates, RedisBreakerStates
@@ -63,6 +65,11 @@ __all__ = [
     "redis_backends",
 ]
 
+log = logging.getLogger("sluice.state")
+
+#: Longest shutdown waits for writes policies started in the background, seconds.
+CLOSE_GRACE_S = 2.0
+
 
 @dataclass(slots=True)
 class StateBackends:
@@ -83,6 +90,9 @@ class StateBackends:
     redis: RedisState | None = None
     #: What policies do while this set is unavailable (never, for memory).
     fallback: Fallback = field(default_factory=lambda: Fallback("local", 1))
+    #: Writes policies started and nothing awaits (settles, refunds, reconciliation, keys
+    #: and leases given back, dead letters): :meth:`close` lets them end first.
+    background: set[asyncio.Future[Any]] = field(default_factory=set)
 
     @property
     def kind(self) -> str:
@@ -95,8 +105,29 @@ class StateBackends:
         if self.redis is not None:
             await self.redis.start()
 
-    async def close(self) -> None:
-        """Close the Redis connection (nothing to do for memory)."""
+    def keep(self, task: asyncio.Future[Any]) -> None:
+        """Let :meth:`close` wait for ``task``, a write started in the background."""
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+
+    async def close(self, grace_s: float = CLOSE_GRACE_S) -> None:
+        """Let the background writes end, then close the Redis connection (nothing to do for
+        memory).
+
+        A settle started by a call answered just before shutdown would otherwise be cut with
+        the connection, leaving the call's worst case held until the ledger reaps it and its
+        spend uncharged. The wait is bounded by ``grace_s`` seconds (each write is bounded by
+        ``state.timeout``), and skipped while the backend is down: its writes then fail at once.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
+        while self.health.up and (pending := [t for t in self.background if not t.done()]):
+            left = deadline - loop.time()
+            if left <= 0:
+                log.warning("%d state write(s) still running after %gs at shutdown: cut",
+                            len(pending), grace_s)
+                break
+            await asyncio.wait(pending, timeout=left)
         if self.redis is not None:
             await self.redis.close()
 

@@ -11,6 +11,14 @@ setting says which. Whatever the client, every call made through :meth:`RedisSta
   server's connections come from a ``BlockingConnectionPool`` whose wait for a free
   connection is also ``timeout_s`` (a cluster client has no blocking pool: its per-node
   ``max_connections`` answers ``MaxConnectionsError`` at once, which counts as unavailable);
+* is tried once more, within the same timeout, when its connection turns out broken
+  (``ConnectionError``, e.g. "Connection closed by server"): a pooled connection opened before
+  a Redis restart fails on its first use (redis-py's check before handing it out does not see
+  a closed socket), and so would each of its idle siblings, marking the backend down again
+  although Redis answers. The idle ones are dropped first, so the second try opens a fresh
+  connection. A script whose connection broke after Redis ran it runs twice: budget
+  reservations, settles and leases are keyed by their id, so that is a no-op for them; rate
+  buckets and breaker windows count that call twice;
 * raises :class:`~policies.state.errors.StateUnavailable` when Redis is down, frozen, slow or
   refusing (see :func:`~policies.state.errors.is_unavailable`), and records it in
   :attr:`RedisState.health`.
@@ -41,6 +49,7 @@ from redis.asyncio.connection import parse_url
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.commands.core import AsyncScript
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from policies.state.errors import StateUnavailable, is_unavailable
 from policies.state.notify import RedisNotifier
@@ -346,7 +355,15 @@ class RedisState:
             raise StateUnavailable(f"state backend unavailable: {why}", self.probe_interval_s)
         try:
             async with asyncio.timeout(self.timeout_s):
-                result = await op(client)
+                try:
+                    result = await op(client)
+                except RedisConnectionError as exc:
+                    if type(exc) is not RedisConnectionError or self._closed:
+                        # Refused by a live server (auth, loading): a retry says the same.
+                        # Closed: the pool must not open connections again.
+                        raise
+                    await _drop_idle(client)
+                    result = await op(client)
         except Exception as exc:
             raise self._unavailable(exc) from exc
         self._answered_at = time.monotonic()
@@ -360,6 +377,14 @@ class RedisState:
             return script.bind(client)(keys=keys, args=args, client=client)
 
         return await self.run(call)
+
+
+async def _drop_idle(client: Redis | RedisCluster) -> None:
+    """Close a single server's idle pooled connections, which a restart has broken if it broke
+    the one that just failed (a cluster client replaces a failed node's connections itself)."""
+    if isinstance(client, Redis):
+        with contextlib.suppress(Exception):  # closing a dead socket may complain; it is closed
+            await client.connection_pool.disconnect(inuse_connections=False)
 
 
 def describe(exc: BaseException) -> str:

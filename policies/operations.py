@@ -1,0 +1,373 @@
+"""Per-operation policies: a route's ``tools:``, ``endpoints:`` or ``models:`` blocks.
+
+An *operation* is what a call asks the upstream to do, as far as a limit cares: on ``mcp``
+routes the tool of a ``tools/call`` (the handler reads it from the body, and checks the
+``Mcp-Name`` header of newer protocol versions against it); on ``http`` routes the first
+``"METHOD /path"`` pattern of ``endpoints:`` that matches (file order); on ``openai`` and
+``anthropic`` routes the request's ``model``, to mirror providers' per-model limits. A block
+named ``default`` applies to the operations no other key names.
+
+:meth:`Operations.resolve` finds a call's operation once, at the start of its admission, and
+the route then admits it with that operation's :class:`Plan`: the route's steps with the
+operation's own in between (``proxy/routes.py``). The operation's ``concurrency``, ``rate``
+and ``circuit_breaker`` apply *in addition to* the route's (both must admit); its
+``idempotency``, ``retry`` and ``timeouts`` replace the route's for its calls. Its slot is
+taken before the route's, so a call waiting for a busy tool holds none of the route's slots
+and the route's other tools go on being served. On ``mcp`` routes an operation's breaker also
+counts tool failures (an ``isError`` result, or a JSON-RPC error other than invalid params:
+:attr:`policies.mcp.Outcome.tool_failure`), so one failing tool opens its own breaker only.
+
+Every object keeps its state in the route's state backends (memory, or Redis shared by
+replicas) under the group ``ROUTE/OPERATION``, so two operations never share a counter, and a
+reload keeps an operation's objects as the route keeps its own (:meth:`Operations.take_over`).
+
+Costs (``cost_per_call``, ``cost_per_second``, USD): :class:`Costs` charges them to the
+route's ``usd`` budgets, the ones tokens are charged to: ``cost_per_call`` per upstream
+attempt, ``cost_per_second`` per second of upstream time (each attempt from its sending to
+the end of its answer). ``cost_per_call`` is reserved before the call is forwarded, so an
+exhausted budget refuses the call (429 ``budget_exhausted``); the rest settles at the end.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, TypeVar
+
+import orjson
+
+from policies.breaker import Breaker
+from policies.budget import Budgets, Reservation
+from policies.concurrency import ConcurrencyLimiter
+from policies.config import (
+    DEFAULT_OPERATION,
+    ConcurrencyConfig,
+    OperationConfig,
+    RouteConfig,
+    TimeoutsConfig,
+    endpoint_pattern,
+)
+from policies.idempotency import Idempotency
+from policies.pipeline import Call, Outcome, Policy
+from policies.rate import RateLimiter, Units
+from policies.reasons import Reason, Rejected
+from policies.retry import RetryPolicy
+from policies.state import StateBackends
+
+P = TypeVar("P")
+C = TypeVar("C")
+
+#: The least USD held for a call of an operation with a cost: an operation priced by time
+#: only (``cost_per_second``) still holds this much, so a spent budget refuses it.
+MIN_HOLD_USD = 1e-6
+
+
+def carry_over(old: P | None, new: P | None, old_config: C | None, new_config: C | None,
+               reconfigure: Callable[[P, C], None] | None = None) -> P | None:
+    """The policy object a reloaded route or operation keeps: ``old`` where it can, else
+    ``new``.
+
+    ``old`` is kept as it is when its config block is unchanged, and reconfigured in place with
+    ``reconfigure(old, new_config)`` when the block changed; without a ``reconfigure`` a changed
+    block gets the ``new`` object (fresh state). A block added or removed gives ``new``.
+    """
+    if old is None or new is None:
+        return new
+    if old_config != new_config:
+        if reconfigure is None:
+            return new
+        reconfigure(old, new_config)  # type: ignore[arg-type]
+    return old
+
+
+def reconfigure_limiter(limiter: ConcurrencyLimiter, c: ConcurrencyConfig) -> None:
+    """Adopt a changed ``concurrency`` block in place (slots held and waiters kept)."""
+    limiter.reconfigure(c.limit, c.queue, c.max_wait, c.per_tenant,
+                        tenant_weights=c.tenant_weights, aging=c.aging)
+
+
+def new_limiter(c: ConcurrencyConfig | None) -> ConcurrencyLimiter | None:
+    """The limiter of a ``concurrency`` block, or ``None`` without one."""
+    if c is None:
+        return None
+    return ConcurrencyLimiter(c.limit, c.queue, c.max_wait, c.per_tenant,
+                              tenant_weights=c.tenant_weights, aging=c.aging)
+
+
+class Plan:
+    """How one call is admitted and forwarded: its route's steps and its operation's.
+
+    Attributes:
+        operation: the operation's object, ``None`` for a call no block applies to.
+        policies: the admission steps, in order (:class:`policies.pipeline.Policy`).
+        breakers: admit and hear every upstream attempt (the route's, then the operation's).
+        tool_breaker: the one of ``breakers`` that also counts MCP tool failures, or ``None``.
+        retry: the retry policy, or ``None`` (the operation's replaces the route's).
+        timeouts: the upstream timeouts (the operation's replace the route's).
+        idempotent: retries may repeat the call whatever its method (``idempotent`` of the
+            route or of the operation).
+    """
+
+    __slots__ = ("breakers", "idempotent", "operation", "policies", "retry", "timeouts",
+                 "tool_breaker")
+
+    def __init__(self, operation: Operation | None, policies: Iterable[Policy | None],
+                 breakers: Iterable[Breaker | None], tool_breaker: Breaker | None,
+                 retry: RetryPolicy | None, timeouts: TimeoutsConfig, idempotent: bool) -> None:
+        self.operation = operation
+        self.policies: tuple[Policy, ...] = tuple(p for p in policies if p is not None)
+        self.breakers: tuple[Breaker, ...] = tuple(b for b in breakers if b is not None)
+        self.tool_breaker = tool_breaker
+        self.retry = retry
+        self.timeouts = timeouts
+        self.idempotent = idempotent
+
+
+class Operation:
+    """One operation block's live policy objects.
+
+    Args:
+        name: the block's key (a tool, an endpoint pattern, a model, or ``default``).
+        config: the block.
+        route: the route's config (name, protocol, ``idempotent``).
+        backends: the route's state backends.
+        on_event: the breaker's transition events (``on_event(event, **fields)``); they carry
+            the route and the operation.
+        budgets: the route's budgets, charged with the operation's costs.
+        run_header: the header naming a run, for the message when a per-run budget needs it.
+    """
+
+    #: Attributes holding policy objects (shown by the admin API under their name).
+    POLICIES = ("idempotency", "breaker", "rate", "costs", "concurrency", "retry")
+
+    __slots__ = ("breaker", "concurrency", "config", "costs", "group", "idempotency", "name",
+                 "rate", "retry")
+
+    def __init__(self, name: str, config: OperationConfig, route: RouteConfig,
+                 backends: StateBackends, on_event: Callable[..., None],
+                 budgets: Budgets | None, run_header: str) -> None:
+        self.name = name
+        self.config = config
+        #: The operation's counters in the state backends: distinct from the route's and
+        #: from every other operation's.
+        self.group = f"{route.name}/{name}"
+        self.concurrency = new_limiter(config.concurrency)
+        self.rate = (OperationRate(RateLimiter(config.rate, backends, self.group))
+                     if config.rate else None)
+        i = config.idempotency
+        self.idempotency = (Idempotency(i, self.group, backends=backends,
+                                        mcp_calls=route.protocol == "mcp")
+                            if i and i.mode != "off" else None)
+        cb = config.circuit_breaker
+
+        def emit(event: str, **fields: Any) -> None:
+            on_event(event, **{**fields, "route": route.name, "operation": name})
+
+        self.breaker = Breaker(cb, self.group, emit, backends) if cb else None
+        self.retry = RetryPolicy(config.retry) if config.retry else None
+        self.costs = (Costs(config.cost_per_call or 0.0, config.cost_per_second or 0.0,
+                            budgets, run_header)
+                      if config.cost_per_call or config.cost_per_second else None)
+
+    def take_over(self, old: Operation) -> None:
+        """Carry the live state of ``old``, the operation of the same name this one replaces
+        on a reload (as :meth:`proxy.routes.Route.take_over` does for the route's)."""
+        new, prev = self.config, old.config
+        self.concurrency = carry_over(old.concurrency, self.concurrency, prev.concurrency,
+                                      new.concurrency, reconfigure_limiter)
+        self.rate = carry_over(old.rate, self.rate, prev.rate, new.rate,
+                               lambda rate, c: rate.limiter.reconfigure(c))
+        self.idempotency = carry_over(old.idempotency, self.idempotency, prev.idempotency,
+                                      new.idempotency)
+        self.breaker = carry_over(old.breaker, self.breaker, prev.circuit_breaker,
+                                  new.circuit_breaker)
+        self.retry = carry_over(old.retry, self.retry, prev.retry, new.retry)
+
+    def state(self) -> dict[str, Any]:
+        """The operation's live state for the admin API (JSON-ready)."""
+        out: dict[str, Any] = {}
+        for name in self.POLICIES:
+            policy = getattr(self, name)
+            state = getattr(policy, "state", None)
+            out[name] = None if policy is None else (state() if state else {})
+        return out
+
+
+class Operations:
+    """A route's operation blocks and how a call finds its own.
+
+    Args:
+        route: the route's config; its blocks are those under
+            :meth:`~policies.config.RouteConfig.operations`.
+        backends, on_event, budgets, run_header: as :class:`Operation` takes them.
+    """
+
+    __slots__ = ("by_name", "default", "endpoints", "key", "prefix_len", "protocol")
+
+    def __init__(self, route: RouteConfig, backends: StateBackends,
+                 on_event: Callable[..., None], budgets: Budgets | None,
+                 run_header: str) -> None:
+        self.key, blocks = route.operations()
+        self.protocol = route.protocol
+        self.prefix_len = len(route.path_prefix) - 1
+        self.by_name = {name: Operation(name, block, route, backends, on_event, budgets,
+                                        run_header)
+                        for name, block in blocks.items()}
+        self.default = self.by_name.get(DEFAULT_OPERATION)
+        #: ``endpoints:`` as ``(method, path regex, operation)``, in file order.
+        self.endpoints: list[tuple[str, re.Pattern[str], Operation]] = []
+        if self.key == "endpoints":
+            for name, op in self.by_name.items():
+                if name != DEFAULT_OPERATION:
+                    method, pattern = endpoint_pattern(name)
+                    self.endpoints.append((method, pattern, op))
+
+    def __iter__(self) -> Iterator[Operation]:
+        """The operation blocks, in file order."""
+        return iter(self.by_name.values())
+
+    def resolve(self, call: Call) -> tuple[str | None, Operation | None]:
+        """``(name, operation)`` of ``call``: its name for metrics and events (the tool, the
+        matching endpoint pattern or ``default``, the model; ``None`` when it has none), and
+        the block that applies (``None`` for none).
+
+        On ``mcp`` routes the name is ``call.operation`` as the handler set it (the tool of a
+        ``tools/call``); other MCP calls (``resources/read``, ...) have no operation.
+        """
+        if self.key == "endpoints":
+            path = call.path[self.prefix_len:].partition("?")[0]
+            for method, pattern, op in self.endpoints:
+                if (method == "*" or method == call.method) and pattern.fullmatch(path):
+                    return op.name, op
+            default = self.default
+            return (DEFAULT_OPERATION, default) if default is not None else (None, None)
+        name = call.operation if self.key == "tools" else _model(call.body)
+        if name is None:
+            return None, None
+        op = self.by_name.get(name)
+        if op is None or name == DEFAULT_OPERATION:
+            op = self.default
+        return name, op
+
+    def take_over(self, old: Operations) -> None:
+        """Keep the live state of the operations ``old`` had under the same names."""
+        for name, op in self.by_name.items():
+            previous = old.by_name.get(name)
+            if previous is not None:
+                op.take_over(previous)
+
+    def state(self) -> dict[str, Any]:
+        """Every operation block's live state, by name (JSON-ready)."""
+        return {name: op.state() for name, op in self.by_name.items()}
+
+
+def _model(body: bytes) -> str | None:
+    """The ``model`` an LLM request names, or ``None`` (not JSON, no model). The accounting
+    step reads the body again; a second parse is paid on routes with ``models:`` only."""
+    if not body:
+        return None
+    try:
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    model = doc.get("model") if isinstance(doc, dict) else None
+    return model if isinstance(model, str) and model else None
+
+
+class OperationRate:
+    """An operation's ``rate``: one request unit from its buckets and, on a model with
+    ``rate.tokens``, the call's reserved tokens (``call.cost``, set by the route's token
+    accounting: estimated input + output cap), all in one atomic take."""
+
+    __slots__ = ("limiter",)
+
+    def __init__(self, limiter: RateLimiter) -> None:
+        self.limiter = limiter
+
+    def state(self) -> dict[str, object]:
+        return self.limiter.state()
+
+    async def admit(self, call: Call) -> Units | None:
+        """The pipeline step; see the class docstring.
+
+        Raises:
+            Rejected: ``rate_limited`` or ``token_rate_limited`` (429), ``exceeds_limit``
+                (400, more tokens than the whole bucket), ``state_unavailable`` (503).
+        """
+        limiter = self.limiter
+        takes = limiter.request_takes(call.tenant)
+        if limiter.tokens is not None and call.cost is not None:
+            takes.append(limiter.token_take(int(call.cost)))
+        if not takes:
+            return None
+        return await limiter.take(takes)
+
+
+class Costs:
+    """An operation's costs charged to the route's ``usd`` budgets (the module docstring).
+
+    Args:
+        per_call: USD per upstream attempt.
+        per_second: USD per second of upstream time.
+        budgets: the route's budgets; without ``usd`` limits the cost is only reported.
+        run_header: the header naming a run, for the message when a per-run budget needs it.
+    """
+
+    __slots__ = ("budgets", "per_call", "per_second", "run_header")
+
+    def __init__(self, per_call: float, per_second: float, budgets: Budgets | None,
+                 run_header: str) -> None:
+        self.per_call = per_call
+        self.per_second = per_second
+        self.budgets = (budgets if budgets is not None
+                        and any(limit.unit == "usd" for limit in budgets.limits) else None)
+        self.run_header = run_header
+
+    def state(self) -> dict[str, object]:
+        return {"cost_per_call": self.per_call, "cost_per_second": self.per_second}
+
+    async def admit(self, call: Call) -> CostCharge:
+        """The pipeline step: hold ``cost_per_call`` (at least :data:`MIN_HOLD_USD`) on the
+        ``usd`` budgets, if any.
+
+        Raises:
+            Rejected: ``bad_request`` (400) when a per-run budget applies and the call names
+                no run; ``budget_exhausted`` (429), ``exceeds_limit`` (400) or
+                ``state_unavailable`` (503) from :meth:`Budgets.reserve_usd`.
+        """
+        budgets = self.budgets
+        reservation = None
+        if budgets is not None:
+            usd_per_run = any(limit.unit == "usd" and limit.per == "run"
+                              for limit in budgets.limits)
+            if call.run is None and usd_per_run:
+                raise Rejected(Reason.BAD_REQUEST, None,
+                               f"send the {self.run_header} header: this route budgets per run")
+            reservation = await budgets.reserve_usd(call.tenant, call.run,
+                                                    max(self.per_call, MIN_HOLD_USD),
+                                                    call.lineage)
+        return CostCharge(self, call, reservation)
+
+
+class CostCharge:
+    """A call's cost, held until it ends: settled to ``attempts x cost_per_call + upstream
+    seconds x cost_per_second`` (nothing when no attempt may have reached the upstream)."""
+
+    __slots__ = ("call", "costs", "reservation")
+
+    def __init__(self, costs: Costs, call: Call, reservation: Reservation | None) -> None:
+        self.costs = costs
+        self.call = call
+        self.reservation = reservation
+
+    def release(self, outcome: Outcome) -> None:
+        costs, call = self.costs, self.call
+        usd = 0.0
+        if outcome.reached:
+            usd = (call.attempts * costs.per_call
+                   + call.upstream_seconds(time.monotonic()) * costs.per_second)
+            call.operation_cost = round(usd, 9)
+        if self.reservation is not None and costs.budgets is not None:
+            costs.budgets.settle_usd(self.reservation, usd)
+            self.reservation = None

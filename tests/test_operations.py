@@ -1,0 +1,571 @@
+"""Per-operation policies end to end (issue 11): ``tools:`` on mcp routes, ``endpoints:`` on
+http routes, ``models:`` on openai routes, tool costs in budgets, reloads.
+
+MCP tests use the official ``mcp`` SDK on both sides: the server of ``tests/mcp_servers.py``
+in its own process behind a real Sluice process, the 2.x ``Client`` in this process (both its
+handshake era ``mode="legacy"`` and its default, which sends ``Mcp-Method`` / ``Mcp-Name``),
+and the 1.x client in a child process where ``.venv-mcp1`` exists.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+import yaml
+from aiohttp import web
+from mcp import Client, MCPError
+
+from proxy.config import StrictLoader
+from tests import mcp_servers
+from tests.conftest import REPO, wait_until
+
+mcp_stateless = mcp_servers.mcp_stateless
+mcp_session = mcp_servers.mcp_session
+
+MCP1_PYTHON = REPO / ".venv-mcp1" / "bin" / "python"
+
+
+def mcp_route(upstream: str, **policies: Any) -> dict:
+    return {"name": "tools", "path_prefix": "/tools/", "upstream": upstream,
+            "protocol": "mcp", **policies}
+
+
+def endpoint(sluice: Any) -> str:
+    return sluice.url + "/tools/mcp"
+
+
+def text(result: Any) -> str:
+    return result.content[0].text
+
+
+async def flushed(sluice: Any) -> list[dict]:
+    await asyncio.sleep(0.3)  # the event log is flushed every 0.2 s
+    return sluice.events()
+
+
+async def finished(sluice: Any, operation: str, route: str = "tools") -> float:
+    """``sluice_operation_requests_total`` of ``operation``, every outcome: an answered call
+    whose client closed the connection right after the result (the MCP SDKs may) counts as
+    ``client_disconnected``, not ``2xx``."""
+    return sum(value for (name, labels), value in (await sluice.metrics()).items()
+               if name == "sluice_operation_requests_total"
+               and ("operation", operation) in labels and ("route", route) in labels)
+
+
+def rewrite(path: Path, mutate: Any) -> None:
+    """Change the YAML config at ``path`` as an editor does: write aside, rename over."""
+    data = yaml.load(path.read_text(), Loader=StrictLoader)
+    mutate(data)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(yaml.safe_dump(data, sort_keys=False))
+    os.replace(tmp, path)
+
+
+# -- a slow tool at its limit, the fast one served at once ---------------------------------------
+
+SLOW_LIMITED = {"concurrency": {"limit": 8, "queue": 8, "max_wait": "20s"},
+                "tools": {"slow": {"concurrency": {"limit": 1, "queue": 4, "max_wait": "20s"}}}}
+
+
+@pytest.mark.parametrize("mode", ["legacy", "auto"])
+async def test_slow_tool_at_its_limit_while_the_fast_tool_is_served(mcp_stateless, start_sluice,
+                                                                    mode):
+    """Before: at a route ``limit: 1`` a fast ``add`` waited behind every slow call. Now
+    ``slow`` has its own limit of 1 and queues behind itself only."""
+    sluice = await start_sluice({"routes": [mcp_route(mcp_stateless.base_url, **SLOW_LIMITED)]})
+    async with Client(endpoint(sluice), mode=mode) as client:
+        slows = [asyncio.create_task(client.call_tool("slow", {"seconds": 2.0}))
+                 for _ in range(3)]
+        # Two of the three wait in the slow tool's queue.
+        await wait_until(lambda: sum(e["event"] == "enqueued" for e in sluice.events()) == 2,
+                         what="two slow calls queued")
+        result = await client.call_tool("add", {"a": 2, "b": 3})
+        assert text(result) == "5"
+        assert sum(task.done() for task in slows) < 3  # served while slow calls were waiting
+        assert [text(r) for r in await asyncio.gather(*slows)] == ["slept"] * 3
+    events = await flushed(sluice)
+    queued = [e for e in events if e["event"] == "enqueued"]
+    assert [e["operation"] for e in queued] == ["slow", "slow"]
+    completed = {e["operation"] for e in events if e["event"] == "completed"
+                 and "operation" in e}
+    assert completed == {"slow", "add"}
+    assert await finished(sluice, "slow") == 3
+    assert await finished(sluice, "add") == 1
+
+
+MCP1_SLOW_AND_ADD = """
+import asyncio, json, sys, time
+from mcp import ClientSession
+from mcp.client.streamable_http import streamablehttp_client
+
+async def main(url):
+    async with streamablehttp_client(url) as (read, write, _):
+        async with ClientSession(read, write) as session:
+            await session.initialize()
+            slows = [asyncio.create_task(session.call_tool("slow", {"seconds": 2.0}))
+                     for _ in range(3)]
+            await asyncio.sleep(0.5)
+            added = await session.call_tool("add", {"a": 2, "b": 3})
+            pending = sum(not t.done() for t in slows)
+            done = await asyncio.gather(*slows)
+            print(json.dumps({"add": added.content[0].text, "pending_at_add": pending,
+                              "slow": [r.content[0].text for r in done]}))
+
+asyncio.run(main(sys.argv[1]))
+"""
+
+
+@pytest.mark.skipif(not MCP1_PYTHON.exists(), reason="no .venv-mcp1 (the mcp 1.x client)")
+async def test_mcp1_client_fast_tool_not_behind_the_slow_one(mcp_session, start_sluice,
+                                                             tmp_path):
+    sluice = await start_sluice({"routes": [mcp_route(mcp_session.base_url, **SLOW_LIMITED)]})
+    script = tmp_path / "mcp1_client.py"
+    script.write_text(MCP1_SLOW_AND_ADD)
+    proc = await asyncio.create_subprocess_exec(
+        str(MCP1_PYTHON), str(script), endpoint(sluice), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 0, err.decode()[-2000:]
+    result = json.loads(out)
+    assert result["add"] == "5" and result["slow"] == ["slept"] * 3
+    assert result["pending_at_add"] >= 1  # add came back while slow calls still waited
+    assert await finished(sluice, "slow") == 3
+
+
+# -- one tool's failures open its breaker only ---------------------------------------------------
+
+
+async def test_failing_tool_opens_its_own_breaker_only(mcp_session, start_sluice):
+    breaker = {"fail_max": 2, "reset_timeout": "60s"}
+    sluice = await start_sluice({"routes": [mcp_route(
+        mcp_session.base_url, circuit_breaker={"fail_max": 2, "reset_timeout": "60s"},
+        tools={"fail": {"circuit_breaker": breaker}, "add": {"circuit_breaker": breaker}})]})
+    async with Client(endpoint(sluice), mode="legacy") as client:
+        for _ in range(2):  # isError results: the tool ran and failed
+            failed = await client.call_tool("fail", {"message": "boom"})
+            assert failed.is_error and "boom" in text(failed)
+        with pytest.raises(MCPError) as refused:
+            await client.call_tool("fail", {})
+        assert refused.value.error.code == 503
+        assert refused.value.error.data["reason"] == "circuit_open"
+        for n in range(4):  # the other tool, and the route, stay available
+            assert text(await client.call_tool("add", {"a": n, "b": 1})) == str(n + 1)
+    assert await sluice.metric("sluice_operation_rejections_total", route="tools",
+                               operation="fail", reason="circuit_open") == 1
+    assert await sluice.metric("sluice_circuit_state", route="tools") == 0
+    assert await sluice.metric("sluice_operation_circuit_state", route="tools",
+                               operation="fail") == 2
+    assert await sluice.metric("sluice_operation_circuit_state", route="tools",
+                               operation="add") == 0
+    events = await flushed(sluice)
+    opened = [e for e in events if e["event"] == "circuit_opened"]
+    assert [(e["route"], e["operation"]) for e in opened] == [("tools", "fail")]
+
+
+async def test_tool_errors_off_counts_transport_failures_only(mcp_stateless, start_sluice):
+    sluice = await start_sluice({"routes": [mcp_route(mcp_stateless.base_url, tools={
+        "fail": {"circuit_breaker": {"fail_max": 1, "tool_errors": False}}})]})
+    async with Client(endpoint(sluice), mode="legacy") as client:
+        for _ in range(3):  # isError results, each forwarded: the breaker stays closed
+            assert (await client.call_tool("fail", {})).is_error
+    assert await sluice.metric("sluice_operation_circuit_state", route="tools",
+                               operation="fail") == 0
+
+
+MCP1_SEQUENCE = """
+import asyncio, json, sys
+from mcp import ClientSession
+from mcp.client.streamable_http import streamablehttp_client
+
+async def main(url, calls):
+    out = []
+    async with streamablehttp_client(url) as (read, write, _):
+        async with ClientSession(read, write) as session:
+            await session.initialize()
+            for name, args in calls:
+                try:
+                    r = await asyncio.wait_for(session.call_tool(name, args), 10)
+                    out.append({"ok": r.content[0].text, "is_error": r.isError})
+                except Exception as exc:
+                    error = getattr(exc, "error", None)
+                    out.append({"raised": type(exc).__name__,
+                                "code": getattr(error, "code", None),
+                                "data": getattr(error, "data", None)})
+    print(json.dumps(out))
+
+asyncio.run(main(sys.argv[1], json.loads(sys.argv[2])))
+"""
+
+
+@pytest.mark.skipif(not MCP1_PYTHON.exists(), reason="no .venv-mcp1 (the mcp 1.x client)")
+async def test_mcp1_client_tool_breaker_fails_only_that_tool(mcp_session, start_sluice,
+                                                              tmp_path):
+    sluice = await start_sluice({"routes": [mcp_route(
+        mcp_session.base_url, tools={"fail": {"circuit_breaker": {"fail_max": 2,
+                                                                   "reset_timeout": "60s"}}})]})
+    script = tmp_path / "mcp1_sequence.py"
+    script.write_text(MCP1_SEQUENCE)
+    calls = [["fail", {}], ["fail", {}], ["fail", {}], ["add", {"a": 1, "b": 2}]]
+    proc = await asyncio.create_subprocess_exec(
+        str(MCP1_PYTHON), str(script), endpoint(sluice), json.dumps(calls),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 0, err.decode()[-2000:]
+    results = json.loads(out)
+    assert [r.get("is_error") for r in results[:2]] == [True, True]
+    assert results[2]["code"] == 503 and results[2]["data"]["reason"] == "circuit_open"
+    assert results[3] == {"ok": "3", "is_error": False}  # the session lives on
+
+
+# -- retry safety per operation ------------------------------------------------------------------
+
+
+class FailingGateway:
+    """A gateway in front of the MCP server that forwards each POST and, for the first
+    ``fail`` POSTs of a ``tools/call``, answers 502 after the server has run it: the fault that
+    makes a retry execute a side effect twice."""
+
+    def __init__(self, target: str, fail: int) -> None:
+        self.target = target
+        self.fail = fail
+        self.calls: list[str] = []
+        self.runner: web.AppRunner | None = None
+        self.url = ""
+
+    async def start(self) -> FailingGateway:
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", self.handle)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.url = f"http://127.0.0.1:{port}"
+        return self
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        headers = {k: v for k, v in request.headers.items()
+                   if k.lower() not in ("host", "content-length", "transfer-encoding")}
+        async with aiohttp.ClientSession() as http, http.request(
+                request.method, self.target + request.path_qs, headers=headers,
+                data=body) as r:
+            answer = await r.read()
+            status, content_type = r.status, r.headers.get("Content-Type")
+        doc = json.loads(body) if body else {}
+        if isinstance(doc, dict) and doc.get("method") == "tools/call":
+            self.calls.append(doc["params"]["name"])
+            if self.fail > 0:
+                self.fail -= 1
+                return web.Response(status=502, text="bad gateway")
+        return web.Response(status=status, body=answer, content_type=None,
+                            headers={"Content-Type": content_type or "application/json"})
+
+
+async def test_retried_side_effecting_call_executes_once(mcp_stateless, start_sluice):
+    """The route retries 502s. ``send`` is not declared idempotent: its failed attempt is not
+    repeated, so it runs once. ``add`` is (``idempotent: true`` in its block): it is retried
+    and answers."""
+    gateway = await FailingGateway(mcp_stateless.base_url, fail=1).start()
+    try:
+        sluice = await start_sluice({"routes": [mcp_route(
+            gateway.url, retry={"attempts": 3, "backoff": {"base": "50ms", "max": "100ms"},
+                                "on": [502]},
+            tools={"add": {"idempotent": True}})]})
+        async with Client(endpoint(sluice), mode="legacy") as client:
+            with pytest.raises(MCPError):
+                await client.call_tool("send", {"to": "ops@example.com", "body": "once"})
+            assert mcp_stateless.sends() == 1
+            gateway.fail = 1
+            assert text(await client.call_tool("add", {"a": 1, "b": 2})) == "3"
+        assert gateway.calls == ["send", "add", "add"]
+        assert mcp_stateless.sends() == 1
+        events = await flushed(sluice)
+        retried = [e for e in events if e["event"] == "retried"]
+        assert [e["operation"] for e in retried] == ["add"]
+        letters = [e for e in events if e["event"] == "dead_lettered"]
+        assert [(e["operation"], e["reason"]) for e in letters] == [("send", "unsafe_to_retry")]
+    finally:
+        await gateway.stop()
+
+
+@pytest.mark.parametrize("mode", ["stateless", "session"])
+async def test_repeated_side_effecting_call_with_the_same_arguments_runs_once(
+        mcp_server_factory, start_sluice, mode):
+    """``send`` deduplicates (its block's ``idempotency``): the same arguments again replay the
+    first answer, under the new request's JSON-RPC id, although the SDK closed the connection
+    right after the first result; other arguments run."""
+    server = mcp_server_factory(mode)
+    sluice = await start_sluice({"routes": [mcp_route(
+        server.base_url, tools={"send": {"idempotency": {"mode": "dedup"}}})]})
+    async with Client(endpoint(sluice), mode="legacy") as client:
+        first = await client.call_tool("send", {"to": "ops@example.com", "body": "hi"})
+        again = await client.call_tool("send", {"body": "hi", "to": "ops@example.com"})
+        other = await client.call_tool("send", {"to": "dev@example.com", "body": "hi"})
+        assert [text(first), text(again), text(other)] == ["sent #1", "sent #1", "sent #2"]
+        # Tools without the block run every time.
+        assert text(await client.call_tool("add", {"a": 1, "b": 1})) == "2"
+        assert text(await client.call_tool("add", {"a": 1, "b": 1})) == "2"
+    assert server.sends() == 2
+    events = await flushed(sluice)
+    replayed = [e for e in events if e["event"] == "replayed"]
+    assert [e["operation"] for e in replayed] == ["send"]
+
+
+mcp_server_factory = mcp_servers.mcp_server_factory
+
+
+async def test_derive_from_keys_ignore_the_json_rpc_id(mcp_stateless, start_sluice):
+    """Before: ``derive_from`` keys on MCP gave 422 on every repeat (the JSON-RPC id was part
+    of the fingerprint). Now the repeat under a new id replays, with that id."""
+    sluice = await start_sluice({"routes": [mcp_route(mcp_stateless.base_url, tools={
+        "send": {"idempotency": {"mode": "dedup", "derive_from": ["X-Step-ID"]}}})]})
+    headers = {"Accept": "application/json, text/event-stream", "X-Step-ID": "step-1",
+               "MCP-Protocol-Version": "2025-06-18"}
+    answers = []
+    async with aiohttp.ClientSession() as http:
+        for rid in (1, "retry-1"):
+            call = {"jsonrpc": "2.0", "id": rid, "method": "tools/call",
+                    "params": {"name": "send", "arguments": {"to": "x"}}}
+            async with http.post(endpoint(sluice), json=call, headers=headers) as r:
+                assert r.status == 200
+                answers.append((r.headers.get("Idempotent-Replayed"), await r.text()))
+    assert answers[0][0] is None and answers[1][0] == "true"
+    assert '"id":"retry-1"' in answers[1][1] and "sent #1" in answers[1][1]
+    assert mcp_stateless.sends() == 1
+
+
+@pytest.mark.parametrize("shared_state", ["redis"], indirect=True)
+async def test_same_tool_call_through_two_replicas_runs_once(mcp_session, start_sluice,
+                                                             shared_state):
+    route = mcp_route(mcp_session.base_url, tools={"send": {"idempotency": {"mode": "dedup"}}})
+    replicas = [await start_sluice({"state": shared_state, "routes": [route]})
+                for _ in range(2)]
+    answers = []
+    for sluice in replicas:
+        async with Client(endpoint(sluice), mode="legacy") as client:
+            answers.append(text(await client.call_tool("send", {"to": "ops", "body": "x"})))
+    assert answers == ["sent #1", "sent #1"]
+    assert mcp_session.sends() == 1
+
+
+# -- per-endpoint limit on an http route ---------------------------------------------------------
+
+
+async def test_per_endpoint_limit_on_an_http_route(upstream, start_sluice):
+    sluice = await start_sluice({"routes": [{
+        "name": "api", "path_prefix": "/api/", "upstream": upstream.url,
+        "endpoints": {"POST /v1/jobs/*": {"concurrency": {"limit": 1, "queue": 0}}}}]})
+    upstream.hold = asyncio.Event()
+    async with aiohttp.ClientSession() as http:
+        first = asyncio.create_task(http.post(sluice.url + "/api/v1/jobs/1", data=b"{}"))
+        await wait_until(lambda: len(upstream.requests) == 1, what="the first job upstream")
+        async with http.post(sluice.url + "/api/v1/jobs/2", data=b"{}") as r:
+            assert r.status == 503
+            assert r.headers["X-Sluice-Reason"] == "queue_full"
+        upstream.hold.set()
+        async with await first as r:
+            assert r.status == 200
+        upstream.hold = asyncio.Event()
+        held = asyncio.create_task(http.post(sluice.url + "/api/v1/jobs/3", data=b"{}"))
+        await wait_until(lambda: len(upstream.requests) == 2, what="the third job upstream")
+        # Other endpoints are not limited by the job endpoint's slot.
+        others = [http.get(sluice.url + "/api/v1/jobs/3"),
+                  http.post(sluice.url + "/api/v1/search", data=b"{}")]
+        waiting = [asyncio.create_task(o) for o in others]
+        await wait_until(lambda: len(upstream.requests) == 4, what="both others upstream")
+        upstream.hold.set()
+        for task in (held, *waiting):
+            async with await task as r:
+                assert r.status == 200
+    assert await sluice.metric("sluice_operation_rejections_total", route="api",
+                               operation="POST /v1/jobs/*", reason="queue_full") == 1
+    assert await sluice.metric("sluice_operation_requests_total", route="api",
+                               operation="POST /v1/jobs/*", outcome="2xx") == 2
+
+
+# -- per-model token rate on an openai route -----------------------------------------------------
+
+
+async def test_per_model_token_rate_on_an_openai_route(upstream, start_sluice):
+    sluice = await start_sluice({"routes": [{
+        "name": "llm", "path_prefix": "/llm/", "upstream": upstream.url, "protocol": "openai",
+        "models": {"gpt-4o": {"rate": {"tokens": "1000/min"}}}}]})
+    client = openai.AsyncOpenAI(base_url=sluice.url + "/llm/v1", api_key="sk-test",
+                                max_retries=0)
+    messages = [{"role": "user", "content": "hi"}]
+    try:
+        await client.chat.completions.create(model="gpt-4o", messages=messages, max_tokens=600)
+        with pytest.raises(openai.RateLimitError) as limited:
+            await client.chat.completions.create(model="gpt-4o", messages=messages,
+                                                 max_tokens=600)
+        assert limited.value.response.headers["X-Sluice-Reason"] == "token_rate_limited"
+        # Another model has its own limit (none here): served at once, several times.
+        for _ in range(3):
+            await client.chat.completions.create(model="gpt-4o-mini", messages=messages,
+                                                 max_tokens=600)
+        # A call without max_tokens cannot be weighed against the model's token rate; a model
+        # without one needs none.
+        with pytest.raises(openai.BadRequestError):
+            await client.chat.completions.create(model="gpt-4o", messages=messages)
+        await client.chat.completions.create(model="gpt-4o-mini", messages=messages)
+    finally:
+        await client.close()
+    assert len(upstream.requests) == 5
+    assert await sluice.metric("sluice_operation_rejections_total", route="llm",
+                               operation="gpt-4o", reason="token_rate_limited") == 1
+
+
+# -- tool costs charged to a usd budget ----------------------------------------------------------
+
+
+async def test_tool_costs_are_charged_to_the_usd_budget(mcp_stateless, start_sluice):
+    sluice = await start_sluice({"routes": [mcp_route(
+        mcp_stateless.base_url, budget={"usd": "0.05/day", "per": "tenant"},
+        tools={"send": {"cost_per_call": 0.02}, "slow": {"cost_per_second": 0.04}})]})
+    async with Client(endpoint(sluice), mode="legacy") as client:
+        assert text(await client.call_tool("send", {"to": "a"})) == "sent #1"
+        assert text(await client.call_tool("send", {"to": "b"})) == "sent #2"
+        with pytest.raises(MCPError) as refused:  # 0.04 spent: 0.02 more does not fit
+            await client.call_tool("send", {"to": "c"})
+        assert refused.value.error.code == 429
+        assert refused.value.error.data["reason"] == "budget_exhausted"
+        assert mcp_stateless.sends() == 2
+        # Time-priced: 0.25 s or more of upstream time at $0.04/s is at least $0.01.
+        assert text(await client.call_tool("slow", {"seconds": 0.25})) == "slept"
+        with pytest.raises(MCPError) as spent:  # now over the budget: even a slow call waits
+            await client.call_tool("slow", {"seconds": 0.1})
+        assert spent.value.error.data["reason"] == "budget_exhausted"
+        assert text(await client.call_tool("add", {"a": 1, "b": 1})) == "2"  # costs nothing
+    events = await flushed(sluice)
+    costs = {e["operation"]: e["operation_cost_usd"] for e in events
+             if e["event"] == "completed" and "operation_cost_usd" in e}
+    sends = [e["operation_cost_usd"] for e in events if e["event"] == "completed"
+             and e.get("operation") == "send"]
+    assert sends == [0.02, 0.02]
+    assert costs["slow"] >= 0.01
+    total = await sluice.metric("sluice_cost_usd_total", route="tools", tenant="default")
+    assert total == pytest.approx(0.04 + costs["slow"])
+    assert await sluice.metric("sluice_operation_cost_usd_total", route="tools",
+                               operation="slow") == pytest.approx(costs["slow"])
+
+
+# -- reloads keep or change an operation's state -------------------------------------------------
+
+
+async def test_reload_keeps_and_changes_operation_state(mcp_stateless, start_sluice):
+    route = mcp_route(mcp_stateless.base_url, tools={
+        "slow": {"concurrency": {"limit": 1, "queue": 0}},
+        "fail": {"circuit_breaker": {"fail_max": 1, "reset_timeout": "60s"}}})
+    sluice = await start_sluice({"routes": [route]})
+    async with Client(endpoint(sluice), mode="legacy") as client:
+        assert (await client.call_tool("fail", {})).is_error  # opens fail's breaker
+        holder = asyncio.create_task(client.call_tool("slow", {"seconds": 3.0}))
+        await wait_until(lambda: any(e["event"] == "admitted" and e.get("operation") == "slow"
+                                     for e in sluice.events()), what="slow admitted")
+
+        def touch_add(data: dict) -> None:  # an unrelated change: both blocks unchanged
+            data["routes"][0]["tools"]["add"] = {"rate": {"requests": "100/s"}}
+
+        rewrite(sluice.config_path, touch_add)
+        await sluice.wait_metric("sluice_config_reloads_total", 1)
+        with pytest.raises(MCPError) as busy:  # the slot held before the reload still counts
+            await client.call_tool("slow", {"seconds": 0.1})
+        assert busy.value.error.data["reason"] == "queue_full"
+        with pytest.raises(MCPError) as still_open:  # the open breaker stays open
+            await client.call_tool("fail", {})
+        assert still_open.value.error.data["reason"] == "circuit_open"
+
+        def raise_limit(data: dict) -> None:
+            data["routes"][0]["tools"]["slow"]["concurrency"]["limit"] = 2
+
+        rewrite(sluice.config_path, raise_limit)
+        await sluice.wait_metric("sluice_config_reloads_total", 2)
+        # The held slot counts against the new limit of 2: one more fits, not two.
+        second = asyncio.create_task(client.call_tool("slow", {"seconds": 1.0}))
+        await wait_until(lambda: sum(e["event"] == "admitted" and e.get("operation") == "slow"
+                                     for e in sluice.events()) == 2, what="second slow admitted")
+        with pytest.raises(MCPError) as full:
+            await client.call_tool("slow", {"seconds": 0.1})
+        assert full.value.error.data["reason"] == "queue_full"
+        assert text(await second) == "slept" and text(await holder) == "slept"
+
+
+def test_docs_example_config_loads(tmp_path: Path) -> None:
+    """The per-operation example of docs/operations.md loads as written."""
+    from proxy.config import load_config
+
+    doc = (REPO / "docs" / "operations.md").read_text()
+    block = doc.split("```yaml\n", 1)[1].split("```", 1)[0]
+    path = tmp_path / "sluice.yaml"
+    path.write_text(textwrap.dedent(block))
+    config = load_config(path)
+    assert config.routes[0].tools is not None
+
+
+async def test_mcp_name_header_that_disagrees_with_the_body_is_400(mcp_stateless, start_sluice):
+    """An operation's policy keys on the tool in the body; a ``Mcp-Name`` header naming
+    another tool (protocol 2026-07-28) is refused before any policy or the server sees it."""
+    sluice = await start_sluice({"routes": [mcp_route(
+        mcp_stateless.base_url, tools={"send": {"rate": {"requests": "1/min"}}})]})
+    call = {"jsonrpc": "2.0", "id": 7, "method": "tools/call",
+            "params": {"name": "send", "arguments": {"to": "x"}}}
+    async with aiohttp.ClientSession() as http, http.post(endpoint(sluice), json=call, headers={
+            "Accept": "application/json, text/event-stream", "MCP-Protocol-Version": "2026-07-28",
+            "Mcp-Method": "tools/call", "Mcp-Name": "add"}) as r:
+        assert r.status == 400
+        assert r.headers["X-Sluice-Reason"] == "bad_request"
+        assert (await r.json())["id"] == 7
+    assert mcp_stateless.sends() == 0
+
+
+# -- shared state: an operation's counters are shared by replicas, and its own -------------------
+
+
+@pytest.mark.parametrize("shared_state", ["redis"], indirect=True)
+async def test_operation_rates_are_shared_by_replicas_and_kept_apart(upstream, start_sluice,
+                                                                      shared_state):
+    route = {"name": "api", "path_prefix": "/api/", "upstream": upstream.url,
+             "endpoints": {"POST /v1/send": {"rate": {"requests": "2/min"}},
+                           "POST /v1/other": {"rate": {"requests": "2/min"}}}}
+    a = await start_sluice({"state": shared_state, "routes": [route]})
+    b = await start_sluice({"state": shared_state, "routes": [route]})
+    async with aiohttp.ClientSession() as http:
+        statuses = []
+        for sluice in (a, b, a):
+            async with http.post(sluice.url + "/api/v1/send", data=b"{}") as r:
+                statuses.append((r.status, r.headers.get("X-Sluice-Reason")))
+        assert statuses == [(200, None), (200, None), (429, "rate_limited")]
+        for sluice in (b, a):  # another endpoint's bucket is its own
+            async with http.post(sluice.url + "/api/v1/other", data=b"{}") as r:
+                assert r.status == 200
+    assert [s.path_qs for s in upstream.requests] == ["/v1/send"] * 2 + ["/v1/other"] * 2
+
+
+def test_operation_label_values_are_capped() -> None:
+    """Tool and model names come from requests: past 100 per route they share ``other``."""
+    from proxy.metrics import MAX_OPERATION_LABELS, Metrics
+
+    metrics = Metrics()
+    series = metrics.for_route("tools", inflight=lambda: 0, queued=lambda: 0)
+    for n in range(MAX_OPERATION_LABELS + 50):
+        series.operation(f"tool-{n}").outcome("2xx")
+    series.operation("tool-0").outcome("2xx")  # one seen before the cap keeps its name
+    values = {s.labels["operation"]: s.value for m in metrics.registry.collect()
+              if m.name == "sluice_operation_requests" for s in m.samples}
+    assert len(values) == MAX_OPERATION_LABELS + 1
+    assert values["other"] == 50 and values["tool-0"] == 2
+    assert metrics.operation_label("llm", "gpt-4o") == "gpt-4o"  # each route its own cap
