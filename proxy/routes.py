@@ -289,8 +289,12 @@ class Route:
         # (keyed by unit, scope and window, not by amount) and the route's rates.
         if self.budgets is not None and old.budgets is not None:
             self.budgets.take_over(old.budgets)
+        # The accounting takes metered calls' request units or leaves them to the rate step,
+        # as the new blocks say.
         if self.accounting is not None:
-            self.accounting.rate = self.rate
+            self.accounting.use_rate(self.rate)
+        elif self.rate is not None:
+            self.rate.metered_elsewhere = False
         # Operations named before and after keep their state (slots, levels, breakers).
         if self.operations is not None and old.operations is not None:
             self.operations.take_over(old.operations)

@@ -20,7 +20,7 @@ import redis
 from policies.deadletter import DeadLetter
 from policies.state import StateBackends, StateUnavailable, redact_url, redis_backends
 from policies.state.breaker import BreakerParams, Ticket
-from policies.state.connection import RedisState
+from policies.state.connection import RedisState, Script
 from policies.state.idempotency import SEEN, Answer
 from policies.state.ledger import Claim
 from policies.state.rate import Take
@@ -42,6 +42,10 @@ def every_call(b: StateBackends) -> dict[str, Callable[[], Awaitable[Any]]]:
         "ledger.reserve": lambda: b.ledger.reserve(
             "r", "id", [Claim("day", 1, 10, now + 60)], now, 60),
         "ledger.settle": lambda: b.ledger.settle("r", "id", [1]),
+        "admissions.admit": lambda: b.admissions.admit(
+            "r", [Take("requests", 10, 60.0)], "id2", [Claim("day", 1, 10, now + 60)], now, 60),
+        "admissions.release": lambda: b.admissions.release(
+            "r", [Take("requests", 10, 60.0)], "id2"),
         "leases.acquire": lambda: b.leases.acquire("r", "t", "l", 4, None, 5),
         "leases.release": lambda: b.leases.release("r", "t", "l"),
         "idempotency.begin": lambda: b.idempotency.begin("k", "o", b"", 5),
@@ -280,3 +284,41 @@ async def test_no_503_in_reject_mode_once_a_restarted_redis_is_back(
             await asyncio.sleep(0.05)
         statuses = [status for _ in range(5) for status in await burst(session)]
     assert statuses == [200] * len(statuses)
+
+
+# A script that keeps Redis busy for 20 ms before it answers (TIME in a loop).
+_TWENTY_MS = Script("""
+local t = redis.call('TIME')
+local start = t[1] * 1000000 + t[2]
+while true do
+  local u = redis.call('TIME')
+  if u[1] * 1000000 + u[2] - start > 20000 then return 1 end
+end
+""")
+
+
+async def test_a_busy_sluice_does_not_mark_a_healthy_redis_down(redis_server):
+    """Sluice's own loop blocked past a call's deadline (a busy CPU) while Redis answered in
+    time: the reply is taken when the loop comes back, not thrown away with Redis marked
+    down (asyncio.timeout alone lost most of them: the deadline and the reply come due in
+    the same loop turn, and the cancellation wins)."""
+    state = RedisState(redis_server.url, new_prefix(), TIMEOUT_S, probe_interval_s=PROBE_S)
+    await state.start()
+    try:
+        loop = asyncio.get_running_loop()
+        busy = [state.key("g", "busy")]
+        await state.eval(_TWENTY_MS, busy, [])  # loaded, and a connection open: one send each
+        for _ in range(8):
+            # 5 ms after the script is sent, the loop stalls past the deadline; Redis answers
+            # at 20 ms.
+            loop.call_later(0.005, time.sleep, TIMEOUT_S + 0.1)
+            assert await state.eval(_TWENTY_MS, busy, []) == 1
+        assert state.health.up and state.health.failures == 0
+        redis_server.freeze()
+        started = time.monotonic()
+        with pytest.raises(StateUnavailable):  # a Redis that does not answer still times out
+            await state.eval(_TWENTY_MS, busy, [])
+        assert time.monotonic() - started <= TIMEOUT_S + MARGIN_S
+    finally:
+        redis_server.thaw()
+        await state.close()

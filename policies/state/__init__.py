@@ -9,6 +9,7 @@ kind                          interface                       module
 ============================  ==============================  =================================
 rate buckets (GCRA)           :class:`RateBuckets`            :mod:`policies.state.rate`
 budget ledger                 :class:`Ledger`                 :mod:`policies.state.ledger`
+rates and budget together     :class:`Admissions`             :mod:`policies.state.admission`
 concurrency leases            :class:`Leases`                 :mod:`policies.state.leases`
 idempotency records/markers   :class:`IdempotencyRecords`     :mod:`policies.state.idempotency`
 circuit breakers              :class:`BreakerStates`          :mod:`policies.state.breaker`
@@ -30,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from policies.config import StateConfig
+from policies.state.admission import Admissions, MemoryAdmissions, RedisAdmissions
 from policies.state.breaker import BreakerStates, MemoryBreakerStates, RedisBreakerStates
 from policies.state.connection import Health, RedisState, redact_url
 from policies.state.deadletters import (
@@ -48,6 +50,7 @@ from policies.state.ledger import Ledger, MemoryLedger, RedisLedger
 from policies.state.rate import MemoryRateBuckets, RateBuckets, RedisRateBuckets
 
 __all__ = [
+    "Admissions",
     "BreakerStates",
     "DeadLetterStore",
     "Fallback",
@@ -87,6 +90,8 @@ class StateBackends:
     idempotency: IdempotencyRecords
     breakers: BreakerStates
     dead_letters: DeadLetterStore
+    #: ``rates`` and ``ledger`` taken together in one call (one round trip).
+    admissions: Admissions
     redis: RedisState | None = None
     #: What policies do while this set is unavailable (never, for memory).
     fallback: Fallback = field(default_factory=lambda: Fallback("local", 1))
@@ -168,14 +173,16 @@ def memory_backends() -> StateBackends:
     """The state of one process (the embedded default)."""
     health = Health()
     health.up = True  # memory cannot be unavailable
+    rates, ledger = MemoryRateBuckets(), MemoryLedger()
     return StateBackends(
         health=health,
-        rates=MemoryRateBuckets(),
-        ledger=MemoryLedger(),
+        rates=rates,
+        ledger=ledger,
         leases=MemoryLeases(),
         idempotency=MemoryIdempotencyRecords(),
         breakers=MemoryBreakerStates(),
         dead_letters=MemoryDeadLetterStore(),
+        admissions=MemoryAdmissions(rates, ledger),
     )
 
 
@@ -196,15 +203,17 @@ def backends_for(config: StateConfig) -> StateBackends:
 
 
 def _redis_set(state: RedisState) -> StateBackends:
+    rates, ledger = RedisRateBuckets(state), RedisLedger(state)
     return StateBackends(
         health=state.health,
         redis=state,
-        rates=RedisRateBuckets(state),
-        ledger=RedisLedger(state),
+        rates=rates,
+        ledger=ledger,
         leases=RedisLeases(state),
         idempotency=RedisIdempotencyRecords(state),
         breakers=RedisBreakerStates(state),
         dead_letters=RedisDeadLetterStore(state),
+        admissions=RedisAdmissions(state, rates, ledger),
     )
 
 
