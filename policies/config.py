@@ -26,6 +26,7 @@ from pydantic import (
     Field,
     PlainSerializer,
     PrivateAttr,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -246,6 +247,17 @@ def _redis_url(value: str) -> str:
 RedisUrl = Annotated[str, AfterValidator(_redis_url)]
 
 
+#: ``state.lease`` is at least this many ``state.timeout``: renewals every ``lease / 3``, each
+#: bounded by ``timeout``, so one that times out still leaves the next one time to land.
+LEASE_PER_TIMEOUT = 4
+
+
+def _short_lease(lease: float, timeout: float) -> str:
+    return (f"lease of {lease:g}s is shorter than {LEASE_PER_TIMEOUT} x the timeout "
+            f"of {timeout:g}s: a lease is renewed every third of it, each renewal taking up "
+            "to the timeout, so a shorter one can lapse while its call runs; raise lease")
+
+
 class StateConfig(_Section):
     """``state``: where limits, budgets, breakers and keys live (``policies/state/``).
 
@@ -263,6 +275,11 @@ class StateConfig(_Section):
                             pattern=r"^[A-Za-z0-9_.:-]+$")
     #: Bound on every Redis interaction on the request path, seconds.
     timeout: PositiveDuration = 0.05
+    #: How long a concurrency slot outlives a replica that stopped renewing it (killed, cut
+    #: off), seconds. A call's lease is renewed every third of it, each renewal bounded by
+    #: ``timeout``, so it must be at least :data:`LEASE_PER_TIMEOUT` times ``timeout``; when
+    #: not set, that is the default if it is longer than 5 s.
+    lease: PositiveDuration = 5.0
     #: With Redis unreachable: ``local`` enforces ``limit / replicas`` of every limit in each
     #: replica (and reconciles budget spend when Redis is back); ``reject`` answers 503
     #: ``state_unavailable``.
@@ -275,7 +292,18 @@ class StateConfig(_Section):
     def _coherent(self) -> StateConfig:
         if self.backend == "redis" and self.redis_url is None:
             raise ValueError("backend redis needs redis_url")
+        if "lease" not in self.model_fields_set and self.lease < LEASE_PER_TIMEOUT * self.timeout:
+            # The default follows a long timeout (frozen model: set once, while validating).
+            object.__setattr__(self, "lease", LEASE_PER_TIMEOUT * self.timeout)
         return self
+
+    @field_validator("lease")
+    @classmethod
+    def _long_enough(cls, lease: float, info: ValidationInfo) -> float:
+        timeout = info.data.get("timeout")
+        if timeout is not None and lease < LEASE_PER_TIMEOUT * timeout:
+            raise ValueError(_short_lease(lease, timeout))
+        return lease
 
     def resolved_url(self, environ: Mapping[str, str] | None = None) -> str:
         """``redis_url`` with ``env:NAME`` replaced by that variable's value.

@@ -53,6 +53,7 @@ from policies.pipeline import Call, Outcome, Policy
 from policies.rate import RateLimiter, Units
 from policies.reasons import Reason, Rejected
 from policies.retry import RetryPolicy
+from policies.shared_concurrency import SharedConcurrencyLimiter
 from policies.state import StateBackends
 
 P = TypeVar("P")
@@ -87,10 +88,17 @@ def reconfigure_limiter(limiter: ConcurrencyLimiter, c: ConcurrencyConfig) -> No
                         tenant_weights=c.tenant_weights, aging=c.aging)
 
 
-def new_limiter(c: ConcurrencyConfig | None) -> ConcurrencyLimiter | None:
-    """The limiter of a ``concurrency`` block, or ``None`` without one."""
+def new_limiter(c: ConcurrencyConfig | None, backends: StateBackends,
+                group: str) -> ConcurrencyLimiter | None:
+    """The limiter of a ``concurrency`` block, or ``None`` without one: this process's, or
+    with the Redis backend one whose limits hold across replicas (leases in ``group``; the
+    queue stays local, :mod:`policies.shared_concurrency`)."""
     if c is None:
         return None
+    if backends.redis is not None:
+        return SharedConcurrencyLimiter(c.limit, c.queue, c.max_wait, c.per_tenant,
+                                        backends=backends, group=group,
+                                        tenant_weights=c.tenant_weights, aging=c.aging)
     return ConcurrencyLimiter(c.limit, c.queue, c.max_wait, c.per_tenant,
                               tenant_weights=c.tenant_weights, aging=c.aging)
 
@@ -152,7 +160,7 @@ class Operation:
         #: The operation's counters in the state backends: distinct from the route's and
         #: from every other operation's.
         self.group = f"{route.name}/{name}"
-        self.concurrency = new_limiter(config.concurrency)
+        self.concurrency = new_limiter(config.concurrency, backends, self.group)
         self.rate = (OperationRate(RateLimiter(config.rate, backends, self.group))
                      if config.rate else None)
         i = config.idempotency

@@ -115,7 +115,8 @@ class Route:
         self.timeout = aiohttp.ClientTimeout(
             total=config.timeouts.total, connect=config.timeouts.connect
         )
-        self.concurrency: ConcurrencyLimiter | None = new_limiter(config.concurrency)
+        self.concurrency: ConcurrencyLimiter | None = new_limiter(config.concurrency,
+                                                                  self.backends, self.name)
         # Runs: the tree and cancellation (shared by every route), this route's run limits
         # and fan-out, and those of the top-level blocks (shared, from the runtime).
         runs = runs if runs is not None else RunRegistry()
