@@ -62,19 +62,28 @@ def _caller_timeout(request: web.BaseRequest, header: str) -> float | None:
     return None
 
 
-def _mcp_traffic(request: web.BaseRequest, body: bytes) -> tuple[mcp.Traffic, str | None]:
+def _mcp_traffic(request: web.BaseRequest, body: bytes,
+                 per_tool: bool) -> tuple[mcp.Traffic, str | None]:
     """The traffic class of a request on an ``mcp`` route, and its operation (the tool of a
-    ``tools/call``, else ``None``).
+    ``tools/call``, else ``None``). ``per_tool``: the route has ``tools:`` blocks.
 
     Raises:
         mcp.InvalidMcpRequest: a POST body that is not MCP, or an ``Mcp-Method`` /
-            ``Mcp-Name`` / ``MCP-Protocol-Version`` header that disagrees with it (400).
+            ``Mcp-Name`` / ``MCP-Protocol-Version`` header that disagrees with it, or, on a
+            route with ``tools:``, a batch holding a ``tools/call`` (400).
     """
     if request.method != "POST":
         return mcp.traffic(request.method), None
     version = request.headers.get("MCP-Protocol-Version")
     post = mcp.parse_post(body, version)
     mcp.check_headers(post, request.headers, require=mcp.is_modern(version))
+    # A batch has no one operation: its tools/calls would run under none of their tools'
+    # limits, breakers or costs (the 2025-03-26 servers, e.g. the TypeScript SDK 1.x, run
+    # every member), so on a route that names tools each call must come in its own POST.
+    if per_tool and post.batch and any(m.tool is not None for m in post.messages):
+        raise mcp.InvalidMcpRequest(
+            "a JSON-RPC batch holding tools/call on a route with per-tool policies: "
+            "send each tools/call in its own POST")
     return mcp.traffic("POST", post), post.tool
 
 
@@ -130,7 +139,8 @@ async def handle(rt: Runtime, request: web.BaseRequest) -> web.StreamResponse:
     operation = None
     if route.protocol == "mcp":
         try:
-            traffic, operation = _mcp_traffic(request, body)
+            per_tool = route.operations is not None and route.operations.key == "tools"
+            traffic, operation = _mcp_traffic(request, body, per_tool)
         except mcp.InvalidMcpRequest as bad:
             return _reject(rt, route, Rejected(Reason.BAD_REQUEST, None, bad.detail[:200]),
                            request_id, tenant, run, body)

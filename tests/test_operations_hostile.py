@@ -1,0 +1,120 @@
+"""Per-operation policies under hostile input: a call must not dodge its operation's policy
+by how it is spelled (issue 11).
+
+* An endpoint path with percent-encoded unreserved characters (``/v1/job%73/1``) is the same
+  resource as the plain one (RFC 3986 §6.2.2.2) and upstreams decode it before routing, so it
+  must match the same ``endpoints:`` pattern.
+* A JSON-RPC batch (protocol 2025-03-26, still served by the TypeScript SDK 1.x server) has no
+  one tool: on a route with ``tools:`` a batch holding a ``tools/call`` is refused 400, so its
+  calls cannot run outside their tools' limits and costs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from tests.conftest import REPO
+
+MCP_TS = REPO / ".mcp-ts"
+TS_SERVER = REPO / "tests" / "mcp_ts" / "batch_server.mjs"
+HEADERS = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
+
+
+async def raw_post(port: int, target: str, body: bytes = b"{}") -> tuple[int, dict[str, str]]:
+    """POST ``target`` byte for byte (an HTTP client library may normalise it); the answer's
+    status and headers."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(f"POST {target} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
+    await writer.drain()
+    head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
+    await reader.read()
+    writer.close()
+    headers = dict(line.split(": ", 1) for line in head[1:] if ": " in line)
+    return int(head[0].split()[1]), headers
+
+
+async def test_percent_encoded_path_matches_its_endpoint_pattern(upstream, start_sluice):
+    sluice = await start_sluice({"routes": [{
+        "name": "api", "path_prefix": "/api/", "upstream": upstream.url,
+        "endpoints": {"POST /v1/jobs/*": {"rate": {"requests": "1/min"}}}}]})
+    assert (await raw_post(sluice.port, "/api/v1/jobs/1"))[0] == 200
+    for disguised in ("/api/v1/job%73/2", "/api/v1/%6Aobs/3", "/api/%76%31/jobs/4"):
+        status, headers = await raw_post(sluice.port, disguised)
+        assert (status, headers.get("X-Sluice-Reason")) == (429, "rate_limited"), disguised
+    # Encoded reserved characters are another path: %2F is not a segment separator.
+    assert (await raw_post(sluice.port, "/api/v1/jobs/5%2Fx"))[0] == 429
+    assert (await raw_post(sluice.port, "/api/v1/search"))[0] == 200
+    assert [seen.method for seen in upstream.requests] == ["POST", "POST"]
+    assert await sluice.metric("sluice_operation_rejections_total", route="api",
+                               operation="POST /v1/jobs/*", reason="rate_limited") == 4
+
+
+@pytest.fixture
+def ts_batch_server(tmp_path: Path) -> Iterator[tuple[str, Path]]:
+    """The TypeScript SDK 1.x server (stateless, JSON answers; it accepts batches): its base
+    URL and the file its ``send`` tool appends a line to."""
+    if shutil.which("node") is None or not (MCP_TS / "node_modules").is_dir():
+        pytest.skip("needs node and .mcp-ts (.ci/run installs them)")
+    port_file, count_file = tmp_path / "ts-port", tmp_path / "ts-sends"
+    proc = subprocess.Popen(["node", str(TS_SERVER), str(port_file), str(count_file)],
+                            env={**os.environ, "MCP_TS_DIR": str(MCP_TS)})
+    try:
+        deadline = time.monotonic() + 20
+        while not port_file.exists() or not port_file.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, "TS server did not start"
+            time.sleep(0.05)
+        yield f"http://127.0.0.1:{port_file.read_text()}", count_file
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def sends(count_file: Path) -> int:
+    return len(count_file.read_text().splitlines()) if count_file.exists() else 0
+
+
+def call(rpc_id: int, tool: str, **arguments: object) -> dict:
+    return {"jsonrpc": "2.0", "id": rpc_id, "method": "tools/call",
+            "params": {"name": tool, "arguments": arguments}}
+
+
+async def test_batch_of_tool_calls_cannot_dodge_the_tools_rate(ts_batch_server, start_sluice):
+    base, count_file = ts_batch_server
+    route = {"name": "tools", "path_prefix": "/tools/", "upstream": base, "protocol": "mcp",
+             "tools": {"send": {"rate": {"requests": "1/min"}}}}
+    plain = {**route, "name": "plain", "path_prefix": "/plain/"}
+    plain.pop("tools")
+    sluice = await start_sluice({"routes": [route, plain]})
+    batch = [call(1, "send", to="a"), call(2, "send", to="b"), call(3, "send", to="c")]
+    async with aiohttp.ClientSession() as http:
+        async with http.post(sluice.url + "/tools/mcp", json=batch, headers=HEADERS) as r:
+            assert r.status == 400
+            assert r.headers["X-Sluice-Reason"] == "bad_request"
+            assert "own POST" in (await r.json())["error"]["message"]
+        # A batch without tools/call is not refused; single calls meet the tool's rate.
+        control = [{"jsonrpc": "2.0", "id": 1, "method": "ping"},
+                   {"jsonrpc": "2.0", "id": 2, "method": "tools/list"}]
+        async with http.post(sluice.url + "/tools/mcp", json=control, headers=HEADERS) as r:
+            assert r.status == 200 and len(await r.json()) == 2
+        answers = []
+        for rpc_id in (4, 5):
+            async with http.post(sluice.url + "/tools/mcp", json=call(rpc_id, "send", to="d"),
+                                 headers=HEADERS) as r:
+                answers.append((await r.json()).get("error", {}).get("code"))
+        assert answers == [None, 429]
+        assert sends(count_file) == 1
+        # A route naming no tools forwards batches as before (the route's limits count it once).
+        async with http.post(sluice.url + "/plain/mcp", json=batch, headers=HEADERS) as r:
+            assert r.status == 200
+            assert [m["id"] for m in await r.json()] == [1, 2, 3]
+    assert sends(count_file) == 4
