@@ -184,7 +184,7 @@ async def handle(rt: Runtime, request: web.BaseRequest) -> web.StreamResponse:
         admission.hold(_Inflight(route, call, traffic == "stream"))
         admitted_at = call.progress_at = time.monotonic()
         call.phase = "forwarding"
-        if call.meter is not None:  # a charged call: its tenant's budget gauges, from now
+        if route.budgets is not None:  # its tenant's budget gauges, from now (tokens or costs)
             route.budget_gauges.watch(call.tenant, route.metrics.tenant(call.tenant))
         if call.enqueued_at is not None:
             route.metrics.queue_wait.observe(admitted_at - call.enqueued_at)

@@ -179,7 +179,7 @@ class Route:
                 self.name, lambda: self.breaker.state_value() if self.breaker else 0)
         else:
             metrics.unbind_circuit_state(self.name)
-        self.budget_gauges = BudgetGauges(metrics, self.name, self.accounting)
+        self.budget_gauges = BudgetGauges(metrics, self.name, self.budgets)
         # Read through the operation object: a reload may swap its breaker (take_over).
         metrics.bind_operation_breakers(self.name, {
             op.name: lambda op=op: op.breaker.state_value() if op.breaker else 0

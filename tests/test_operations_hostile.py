@@ -22,7 +22,10 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from tests import mcp_servers
 from tests.conftest import REPO
+
+mcp_stateless = mcp_servers.mcp_stateless
 
 MCP_TS = REPO / ".mcp-ts"
 TS_SERVER = REPO / "tests" / "mcp_ts" / "batch_server.mjs"
@@ -118,3 +121,25 @@ async def test_batch_of_tool_calls_cannot_dodge_the_tools_rate(ts_batch_server, 
             assert r.status == 200
             assert [m["id"] for m in await r.json()] == [1, 2, 3]
     assert sends(count_file) == 4
+
+
+async def test_tool_costs_show_in_the_tenants_budget_gauges(mcp_stateless, start_sluice):
+    """A usd budget charged with tool costs is watched like a token budget: its tenant's
+    ``sluice_budget_remaining`` / ``sluice_budget_reserved`` exist (before: none on mcp routes,
+    so the budget alerts could never fire) and nothing stays reserved once calls end."""
+    sluice = await start_sluice({"routes": [{
+        "name": "tools", "path_prefix": "/tools/", "upstream": mcp_stateless.base_url,
+        "protocol": "mcp", "budget": {"usd": "0.05/day", "per": "tenant"},
+        "tools": {"send": {"cost_per_call": 0.01}}}]})
+    headers = {**HEADERS, "X-Tenant-ID": "acme"}
+    async with aiohttp.ClientSession() as http:
+        for rpc_id in (1, 2):
+            async with http.post(sluice.url + "/tools/mcp", headers=headers,
+                                 json=call(rpc_id, "send", to="ops")) as r:
+                assert r.status == 200 and "sent #" in await r.text()
+    assert mcp_stateless.sends() == 2
+    remaining = await sluice.metric("sluice_budget_remaining", route="tools", tenant="acme",
+                                    unit="usd")
+    assert remaining == pytest.approx(0.03)
+    assert await sluice.metric("sluice_budget_reserved", route="tools", tenant="acme",
+                               unit="usd") == 0
