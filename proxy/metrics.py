@@ -11,7 +11,7 @@ to their labels once per route (``RouteMetrics``) so a request does no label loo
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from prometheus_client import (
@@ -57,6 +57,10 @@ OTHER_TENANT = "other"
 #: operations seen after these share the label ``other``.
 MAX_OPERATION_LABELS = 100
 OTHER_OPERATION = "other"
+#: Longest operation name a label value may be: MCP asks tool names to be 1 to 128
+#: characters (spec 2025-06-18, "Tool names"); a longer name from a request shares ``other``,
+#: or a few calls with huge names would make every scrape carry megabytes.
+MAX_OPERATION_LABEL_CHARS = 128
 
 # The ``*_created`` series double every counter and histogram and nothing here reads them.
 disable_created_metrics()
@@ -289,16 +293,22 @@ class Metrics:
         return OTHER_TENANT
 
     def operation_label(self, route: str, operation: str) -> str:
-        """``operation`` as a label value on ``route``: the first ``MAX_OPERATION_LABELS``
-        seen keep their name, later ones share ``other`` (tool and model names come from
-        requests, so their number must stay bounded)."""
+        """``operation`` as a label value on ``route``: the operations its config names
+        (:meth:`name_operations`) and the first ``MAX_OPERATION_LABELS`` seen of at most
+        ``MAX_OPERATION_LABEL_CHARS`` characters keep their name, others share ``other`` (tool
+        and model names come from requests, so their number and size must stay bounded)."""
         labels = self._operation_labels.setdefault(route, set())
         if operation in labels:
             return operation
-        if len(labels) < MAX_OPERATION_LABELS:
+        if len(labels) < MAX_OPERATION_LABELS and len(operation) <= MAX_OPERATION_LABEL_CHARS:
             labels.add(operation)
             return operation
         return OTHER_OPERATION
+
+    def name_operations(self, route: str, names: Iterable[str]) -> None:
+        """Give the operations ``route``'s config names a label of their own whatever callers
+        sent before: names from requests cannot push a configured tool into ``other``."""
+        self._operation_labels.setdefault(route, set()).update(names)
 
     def for_route(
         self,

@@ -165,6 +165,7 @@ class Route:
             limits=(lambda: self.concurrency) if self.concurrency else None,
             stalled=lambda: self.stalled(stall_after),
         )
+        metrics.name_operations(self.name, blocks)
         if self.idempotency is not None:
             metrics.bind_idempotency(
                 self.name,

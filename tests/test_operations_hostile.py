@@ -12,6 +12,7 @@ by how it is spelled (issue 11).
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import subprocess
@@ -86,6 +87,13 @@ def sends(count_file: Path) -> int:
     return len(count_file.read_text().splitlines()) if count_file.exists() else 0
 
 
+def answer(text: str) -> dict:
+    """The JSON-RPC message of an answer, JSON or one SSE event."""
+    if text.startswith("{"):
+        return json.loads(text)
+    return json.loads(next(line[5:] for line in text.splitlines() if line.startswith("data:")))
+
+
 def call(rpc_id: int, tool: str, **arguments: object) -> dict:
     return {"jsonrpc": "2.0", "id": rpc_id, "method": "tools/call",
             "params": {"name": tool, "arguments": arguments}}
@@ -143,3 +151,35 @@ async def test_tool_costs_show_in_the_tenants_budget_gauges(mcp_stateless, start
     assert remaining == pytest.approx(0.03)
     assert await sluice.metric("sluice_budget_reserved", route="tools", tenant="acme",
                                unit="usd") == 0
+
+
+async def test_tool_names_from_requests_cannot_crowd_out_or_bloat_the_metrics(mcp_stateless,
+                                                                              start_sluice):
+    """Before: 101 calls naming 200 KB tools made /metrics 372 MB (12 s a scrape), and the first
+    100 names a caller made up took every label, so a configured tool called later was
+    counted under ``other``."""
+    from proxy.metrics import MAX_OPERATION_LABELS
+
+    sluice = await start_sluice({"routes": [{
+        "name": "tools", "path_prefix": "/tools/", "upstream": mcp_stateless.base_url,
+        "protocol": "mcp", "tools": {"add": {"concurrency": {"limit": 4}}}}]})
+    huge = "h" * 100_000
+    async with aiohttp.ClientSession() as http:
+        async def send(rpc_id: int, tool: str, **arguments: object) -> dict:
+            async with http.post(sluice.url + "/tools/mcp", headers=HEADERS,
+                                 json=call(rpc_id, tool, **arguments)) as r:
+                assert r.status == 200
+                return answer(await r.text())
+
+        for n in range(MAX_OPERATION_LABELS):
+            await send(n, f"made-up-{n}")
+        await send(1000, huge)
+        assert (await send(1001, "add", a=1, b=2))["result"]["content"][0]["text"] == "3"
+        async with http.get(sluice.admin_url + "/metrics") as r:
+            exposition = await r.text()
+    assert huge[:129] not in exposition  # MCP: tool names of 1 to 128 characters
+    assert len(exposition) < 2_000_000
+    assert await sluice.metric("sluice_operation_requests_total", route="tools",
+                               operation="add", outcome="2xx") == 1
+    assert await sluice.metric("sluice_operation_requests_total", route="tools",
+                               operation="other", outcome="2xx") == 2  # made-up-99, huge
