@@ -49,6 +49,7 @@ from policies.config import (
     endpoint_pattern,
 )
 from policies.idempotency import Idempotency
+from policies.paths import decode_unreserved
 from policies.pipeline import Call, Outcome, Policy
 from policies.rate import RateLimiter, Units
 from policies.reasons import Reason, Rejected
@@ -236,7 +237,7 @@ class Operations:
         ``tools/call``); other MCP calls (``resources/read``, ...) have no operation.
         """
         if self.key == "endpoints":
-            path = _normalized(call.path[self.prefix_len:].partition("?")[0])
+            path = decode_unreserved(call.path[self.prefix_len:].partition("?")[0])
             for method, pattern, op in self.endpoints:
                 if (method == "*" or method == call.method) and pattern.fullmatch(path):
                     return op.name, op
@@ -260,20 +261,6 @@ class Operations:
     def state(self) -> dict[str, Any]:
         """Every operation block's live state, by name (JSON-ready)."""
         return {name: op.state() for name, op in self.by_name.items()}
-
-
-#: A percent-encoded unreserved character (RFC 3986 §2.3: ALPHA, DIGIT, ``-._~``).
-_ENCODED_UNRESERVED = re.compile(
-    r"%(4[1-9A-Fa-f]|5[0-9Aa]|6[1-9A-Fa-f]|7[0-9Aa]|3[0-9]|2[DEde]|5[Ff]|7[Ee])")
-
-
-def _normalized(path: str) -> str:
-    """``path`` with its percent-encoded unreserved characters decoded. RFC 3986 §6.2.2.2 makes
-    ``/v1/job%73`` and ``/v1/jobs`` the same resource, and upstreams decode before routing:
-    an endpoint pattern must match both, or the encoded form would dodge its limits."""
-    if "%" not in path:
-        return path
-    return _ENCODED_UNRESERVED.sub(lambda m: chr(int(m.group(1), 16)), path)
 
 
 def _model(body: bytes) -> str | None:

@@ -63,6 +63,27 @@ async def test_percent_encoded_path_matches_its_endpoint_pattern(upstream, start
                                operation="POST /v1/jobs/*", reason="rate_limited") == 4
 
 
+async def test_percent_encoded_llm_path_is_still_metered(upstream, start_sluice):
+    """``/v1/chat/completion%73`` is the chat endpoint to the provider: it must meet the token
+    budget (before: it passed unmetered, past a spent budget)."""
+    sluice = await start_sluice({"routes": [{
+        "name": "llm", "path_prefix": "/llm/", "upstream": upstream.url, "protocol": "openai",
+        "budget": {"tokens": "10000/day", "per": "route"}}]})
+    chat = json.dumps({"model": "gpt-4o-mini", "max_tokens": 50,
+                       "messages": [{"role": "user", "content": "hi"}]}).encode()
+    uncapped = json.dumps({"model": "gpt-4o-mini",
+                           "messages": [{"role": "user", "content": "hi"}]}).encode()
+    for target in ("/llm/v1/chat/completions", "/llm/v1/chat/completion%73",
+                   "/llm/v1/%63hat/completions"):
+        status, headers = await raw_post(sluice.port, target, chat)
+        assert status == 200 and "X-Sluice-Budget-Remaining" in headers, target
+        status, headers = await raw_post(sluice.port, target, uncapped)
+        assert (status, headers.get("X-Sluice-Reason")) == (400, "bad_request"), target
+    assert len(upstream.requests) == 3
+    assert await sluice.metric("sluice_tokens_total", route="llm", tenant="default",
+                               direction="input") == 3 * upstream.prompt_tokens
+
+
 @pytest.fixture
 def ts_batch_server(tmp_path: Path) -> Iterator[tuple[str, Path]]:
     """The TypeScript SDK 1.x server (stateless, JSON answers; it accepts batches): its base
