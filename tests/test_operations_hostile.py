@@ -25,8 +25,10 @@ import pytest
 
 from tests import mcp_servers
 from tests.conftest import REPO
+from tests.test_operations import MCP1_PYTHON, MCP1_SEQUENCE
 
 mcp_stateless = mcp_servers.mcp_stateless
+mcp_session = mcp_servers.mcp_session
 
 MCP_TS = REPO / ".mcp-ts"
 TS_SERVER = REPO / "tests" / "mcp_ts" / "batch_server.mjs"
@@ -204,3 +206,27 @@ async def test_tool_names_from_requests_cannot_crowd_out_or_bloat_the_metrics(mc
                                operation="add", outcome="2xx") == 1
     assert await sluice.metric("sluice_operation_requests_total", route="tools",
                                operation="other", outcome="2xx") == 2  # made-up-99, huge
+
+
+@pytest.mark.skipif(not MCP1_PYTHON.exists(), reason="no .venv-mcp1 (the mcp 1.x client)")
+async def test_mcp1_session_survives_a_tool_cost_over_the_whole_budget(mcp_session, start_sluice,
+                                                                       tmp_path):
+    """A tool whose ``cost_per_call`` exceeds the whole ``usd`` budget is refused
+    ``exceeds_limit``: that refusal fails the one call (HTTP 200 + JSON-RPC error), where an
+    HTTP 400 ended the 1.x client's whole session, its other calls included."""
+    sluice = await start_sluice({"routes": [{
+        "name": "tools", "path_prefix": "/tools/", "upstream": mcp_session.base_url,
+        "protocol": "mcp", "budget": {"usd": "0.005/day", "per": "tenant"},
+        "tools": {"send": {"cost_per_call": 0.01}}}]})
+    script = tmp_path / "mcp1_sequence.py"
+    script.write_text(MCP1_SEQUENCE)
+    calls = [["send", {"to": "ops"}], ["add", {"a": 1, "b": 2}]]
+    proc = await asyncio.create_subprocess_exec(
+        str(MCP1_PYTHON), str(script), sluice.url + "/tools/mcp", json.dumps(calls),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 0, err.decode()[-2000:]
+    results = json.loads(out)
+    assert results[0]["code"] == 400 and results[0]["data"]["reason"] == "exceeds_limit"
+    assert results[1] == {"ok": "3", "is_error": False}  # the session lives on
+    assert mcp_session.sends() == 0
