@@ -30,7 +30,6 @@ exhausted budget refuses the call (429 ``budget_exhausted``); the rest settles a
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
@@ -44,6 +43,7 @@ from policies.config import (
     DEFAULT_OPERATION,
     ConcurrencyConfig,
     OperationConfig,
+    PathGlob,
     RouteConfig,
     TimeoutsConfig,
     endpoint_pattern,
@@ -217,7 +217,7 @@ class Operations:
                         for name, block in blocks.items()}
         self.default = self.by_name.get(DEFAULT_OPERATION)
         #: ``endpoints:`` as ``(method, path regex, operation)``, in file order.
-        self.endpoints: list[tuple[str, re.Pattern[str], Operation]] = []
+        self.endpoints: list[tuple[str, PathGlob, Operation]] = []
         if self.key == "endpoints":
             for name, op in self.by_name.items():
                 if name != DEFAULT_OPERATION:

@@ -65,6 +65,25 @@ async def test_percent_encoded_path_matches_its_endpoint_pattern(upstream, start
                                operation="POST /v1/jobs/*", reason="rate_limited") == 4
 
 
+async def test_a_long_path_against_a_many_wildcard_pattern_stalls_nothing(upstream,
+                                                                           start_sluice):
+    """Endpoint patterns were backtracking regexes: ``/**/items/**/history/**/notes/**/x``
+    against a 7 KB path of ``items/history/`` took hours (quartic), and the event loop with it:
+    every other call of the process waited. Both calls must be answered (a generous bound:
+    the fix makes this milliseconds)."""
+    sluice = await start_sluice({"routes": [{
+        "name": "api", "path_prefix": "/api/", "upstream": upstream.url,
+        "endpoints": {"GET /**/items/**/history/**/notes/**/x": {"rate": {"requests": "5/min"}},
+                      "GET /v1/**": {"rate": {"requests": "5/min"}}}}]})
+    hostile = "/api/" + "items/history/notes/" * 350
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
+        answers = await asyncio.gather(http.get(sluice.url + hostile),
+                                       http.get(sluice.url + "/api/v1/ok"))
+        assert [r.status for r in answers] == [200, 200]
+    assert await sluice.metric("sluice_operation_requests_total", route="api",
+                               operation="GET /v1/**", outcome="2xx") == 1
+
+
 async def test_percent_encoded_llm_path_is_still_metered(upstream, start_sluice):
     """``/v1/chat/completion%73`` is the chat endpoint to the provider: it must meet the token
     budget (before: it passed unmetered, past a spent budget)."""
