@@ -16,6 +16,15 @@ request, keep-alive) goes to each target:
   the upstream, stripping the same path prefix: what a C proxy costs on the same machine in
   the same run. Skipped, with a note, when ``haproxy`` is not installed.
 
+With ``--state redis`` the targets are ``direct``, ``sluice`` (the memory backend) and
+``sluice-redis``: the same Sluice on the Redis state backend, on a ``redis-server`` the script
+starts on a free loopback port (no persistence). In that mode both Sluice targets also get a
+token rate and a tenant budget (limits no run reaches), so every call is metered: its request,
+tenant and token buckets and its budget reservation are one admission, its settle another.
+The table adds ``Redis RT/req``: scripts Redis ran during the measured run (``INFO
+commandstats``: ``EVALSHA``/``EVAL``) per request served, and Redis's own CPU per request; an
+unmeasured pass of 200 sequential calls under ``MONITOR`` then names each script (by SHA1).
+
 Scenarios:
 
 * ``fast``: an upstream that answers at once, 16 connections (``--connections``). The fast
@@ -49,12 +58,16 @@ printed under the table: where the CPU goes, the costliest functions, and what t
     python -m bench overhead --duration 5 --repeat 3 --scenarios fast
     python -m bench overhead --scenarios fast --targets sluice --profile
     python -m bench overhead --scenarios fast --profile --profile-seconds 30
+    python -m bench overhead --state redis        # memory vs Redis backend, round trips
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
+import importlib
+import pkgutil
 import re
 import shutil
 import signal
@@ -62,13 +75,18 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
+import time
+import urllib.request
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import redis
 import yaml
 
+import policies.state
 from bench import common
 from bench.common import (
     PROXY_PREFIX,
@@ -80,11 +98,18 @@ from bench.common import (
     Service,
 )
 from bench.upstream import COMPLETION  # nginx answers the same body
+from policies.state.connection import Script
 from proxy.config import StrictLoader
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_CONFIG = REPO / "config" / "sluice.yaml"
-TARGETS = ("direct", "sluice", "baseline", "haproxy")
+TARGETS = ("direct", "sluice", "baseline", "haproxy", "sluice-redis")
+#: The targets of ``--state redis`` (unless ``--targets`` names others).
+REDIS_TARGETS = ("direct", "sluice", "sluice-redis")
+#: Calls of the unmeasured pass that names the scripts (under MONITOR).
+MONITORED_CALLS = 200
+#: What Sluice logs when a Redis call fails and it marks the backend down.
+DOWN_LINE = "state backend is down"
 
 #: What the official openai SDK (v2, async client) sends besides, for ``--sdk-headers``.
 SDK_HEADERS = {
@@ -183,11 +208,14 @@ def start_haproxy(haproxy: str, tmp: Path, upstream: Service) -> Service:
     return service
 
 
-def sluice_config(upstream: Service) -> dict:
+def sluice_config(upstream: Service, metered: bool = False, state: dict | None = None
+                  ) -> dict:
     """``config/sluice.yaml`` with the ``openai`` route sent upstream (ports: bench.common).
 
     The openai route keeps every policy but with limits no benchmark reaches: 1024 slots and
-    queue places, ~100,000 requests/s per route and per tenant.
+    queue places, ~100,000 requests/s per route and per tenant; ``metered`` adds a token rate
+    and a tenant budget as large, so each call is also reserved and settled. ``state``: the
+    ``state`` block (default: memory).
     """
     # Sluice's own YAML 1.2 loader: PyYAML's safe_load would read the retry block's "on" key
     # as the boolean true.
@@ -199,7 +227,95 @@ def sluice_config(upstream: Service) -> dict:
     route["upstream"] = upstream.url
     route["concurrency"] = {"limit": 1024, "queue": 1024, "max_wait": "5s", "per_tenant": 1024}
     route["rate"] = {"requests": "6000000/min", "per_tenant": {"requests": "6000000/min"}}
+    if metered:
+        route["rate"]["tokens"] = "600000000000/min"
+        route["budget"] = {"tokens": "1000000000000000/day", "per": "tenant"}
+    if state is not None:
+        config["state"] = state
     return config
+
+
+def start_redis(tmp: Path) -> Service:
+    """A ``redis-server`` of the benchmark's own on a free loopback port, no persistence."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise SystemExit("--state redis needs redis-server: apt-get install -y redis-server")
+    port = common.free_port()
+    service = common.spawn("redis", [binary, "--port", str(port), "--bind", "127.0.0.1",
+                                     "--save", "", "--appendonly", "no", "--dir", str(tmp),
+                                     "--protected-mode", "no"], tmp,
+                           f"redis://127.0.0.1:{port}/0")
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            with redis.Redis.from_url(service.url, socket_timeout=1) as r:
+                r.ping()
+            return service
+        except redis.RedisError:
+            if service.proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"redis-server did not start:\n{service.log.read_text()}"
+                                 ) from None
+            time.sleep(0.05)
+
+
+def scripts_run(url: str) -> int:
+    """Scripts Redis has run (``EVALSHA``, ``EVAL``, ``FCALL`` calls): one per round trip, as
+    Sluice sends every state call on the request path as one script."""
+    with redis.Redis.from_url(url, socket_timeout=5) as r:
+        stats = r.info("commandstats")
+    return sum(int(v["calls"]) for k, v in stats.items()
+               if k in ("cmdstat_evalsha", "cmdstat_eval", "cmdstat_fcall"))
+
+
+def script_names() -> dict[str, str]:
+    """SHA1 -> ``module.NAME`` of every Lua script the state backends send."""
+    names = {}
+    for info in pkgutil.iter_modules(policies.state.__path__):
+        module = importlib.import_module(f"policies.state.{info.name}")
+        for attr, value in vars(module).items():
+            if isinstance(value, Script):
+                sha = hashlib.sha1(value.lua.encode()).hexdigest()
+                names[sha] = f"{info.name}.{attr.lstrip('_')}"
+    return names
+
+
+def monitored_scripts(url: str, sluice: Service, calls: int) -> dict[str, float]:
+    """Send ``calls`` sequential requests through ``sluice`` while ``MONITOR`` records what
+    Redis runs; scripts per request by name (unmeasured: MONITOR slows Redis)."""
+    names = script_names()
+    seen: Counter[str] = Counter()
+    client = redis.Redis.from_url(url, socket_timeout=None)
+    ready = threading.Event()
+    stop = threading.Event()
+
+    def watch() -> None:
+        with client.monitor() as m:
+            ready.set()
+            for event in m.listen():
+                words = event["command"].split()
+                if words and words[0].upper() in ("EVALSHA", "EVAL"):
+                    sha = words[1] if words[0].upper() == "EVALSHA" else hashlib.sha1(
+                        words[1].encode()).hexdigest()
+                    seen[names.get(sha, sha[:12])] += 1
+                if stop.is_set() and words[:1] == ["PING"]:
+                    return
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    ready.wait(5)
+    time.sleep(0.2)
+    for _ in range(calls):
+        req = urllib.request.Request(sluice.url + UPSTREAM_PATH, data=REQUEST_BODY.encode(),
+                                     method="POST", headers=REQUEST_HEADERS)
+        with urllib.request.urlopen(req, timeout=10) as r:
+            r.read()
+    time.sleep(1.0)  # the last settles run in the background after the answers
+    stop.set()
+    with redis.Redis.from_url(url, socket_timeout=5) as r:
+        r.ping()  # wakes the watcher up
+    thread.join(5)
+    client.close()
+    return {name: count / calls for name, count in seen.most_common()}
 
 
 # -- cases -------------------------------------------------------------------------------------
@@ -229,7 +345,12 @@ class Case:
     load_after: tuple[float, float, float]
     vs_direct: float | None = None
     added_p50_ms: float | None = None
+    added_p99_ms: float | None = None
     sluice_counts: dict[str, float] = field(default_factory=dict)
+    redis_round_trips_per_req: float | None = None  # scripts Redis ran per request served
+    redis_cpu_us_per_req: float | None = None
+    #: Times the Redis backend was marked down during the case (Sluice's log lines).
+    redis_marked_down: int | None = None
 
 
 def run_load(args: argparse.Namespace, tmp: Path, url: str, connections: int,
@@ -239,15 +360,27 @@ def run_load(args: argparse.Namespace, tmp: Path, url: str, connections: int,
 
 
 def measure(args: argparse.Namespace, tmp: Path, scenario: str, target: str, repeat: int,
-            url: str, connections: int, proxy: Service | None) -> Case:
-    """Warm up, then run the load once with the proxy's CPU time read around it."""
+            url: str, connections: int, proxy: Service | None,
+            store: Service | None = None) -> Case:
+    """Warm up, then run the load once with the proxy's CPU time read around it (and, with
+    ``store``, the Redis it uses: its scripts run and its CPU time)."""
     if args.warmup > 0:
         run_load(args, tmp, url, connections, args.warmup)
     before = common.loadavg()
+    if store is not None:
+        time.sleep(0.5)  # the warm-up's last settles
+        scripts0, store_cpu0 = scripts_run(store.url), common.cpu_seconds(store.pid)
     user0, sys0 = common.cpu_times(proxy.pid) if proxy else (0.0, 0.0)
     result = run_load(args, tmp, url, connections, args.duration)
     user1, sys1 = common.cpu_times(proxy.pid) if proxy else (0.0, 0.0)
     cpu = (user1 - user0) + (sys1 - sys0) if proxy else None
+    round_trips = store_cpu = None
+    if store is not None:
+        store_cpu = common.cpu_seconds(store.pid) - store_cpu0
+        time.sleep(0.5)  # settles of the last answers run after them
+        served = max(result.requests - result.errors, 1)
+        round_trips = (scripts_run(store.url) - scripts0) / served
+        store_cpu = store_cpu / served * 1e6
     after = common.loadavg()
     return Case(
         scenario=scenario, target=target, repeat=repeat, connections=connections,
@@ -258,6 +391,7 @@ def measure(args: argparse.Namespace, tmp: Path, scenario: str, target: str, rep
         proxy_cpu_percent=cpu / result.duration_s * 100 if cpu is not None else None,
         proxy_sys_us_per_req=(sys1 - sys0) / result.requests * 1e6 if proxy else None,
         load_before=before, load_after=after,
+        redis_round_trips_per_req=round_trips, redis_cpu_us_per_req=store_cpu,
     )
 
 
@@ -272,9 +406,17 @@ def services(args: argparse.Namespace, tmp: Path, nginx: bool,
             upstream = common.start_upstream(tmp, delay_s, name=f"upstream-{delay_s:g}s")
         live.append(upstream)
         found = {"upstream": upstream}
+        metered = args.state == "redis"
         if "sluice" in args.targets:
-            found["sluice"] = common.start_sluice(tmp, sluice_config(upstream))
+            found["sluice"] = common.start_sluice(tmp, sluice_config(upstream, metered))
             live.append(found["sluice"])
+        if "sluice-redis" in args.targets:
+            store = found["redis"] = start_redis(tmp)
+            live.append(store)
+            state = {"backend": "redis", "redis_url": store.url, "key_prefix": "bench"}
+            found["sluice-redis"] = common.start_sluice(
+                tmp, sluice_config(upstream, metered, state), name="sluice-redis")
+            live.append(found["sluice-redis"])
         if "baseline" in args.targets:
             found["baseline"] = start_baseline(tmp, upstream)
             live.append(found["baseline"])
@@ -284,9 +426,10 @@ def services(args: argparse.Namespace, tmp: Path, nginx: bool,
         yield found
 
 
-def run_scenario(args: argparse.Namespace, scenario: str,
-                 root: Path) -> tuple[list[Case], dict | None]:
-    """Every repeat of every target, then the profile run if asked; returns both."""
+def run_scenario(args: argparse.Namespace, scenario: str, root: Path,
+                 scripts: dict[str, dict[str, float]]) -> tuple[list[Case], dict | None]:
+    """Every repeat of every target, then the profile run if asked; returns both. With a
+    ``sluice-redis`` target, ``scripts[scenario]`` gets the scripts per call by name."""
     if scenario == "fast":
         nginx, delay_s, connections = args.upstream == "nginx", 0.0, args.connections
     else:
@@ -301,21 +444,30 @@ def run_scenario(args: argparse.Namespace, scenario: str,
             direct: Case | None = None
             for target in args.targets:
                 proxy = found.get(target)
-                counts0 = common.sluice_counters(sluice.admin) if target == "sluice" else {}
+                is_sluice = target.startswith("sluice")
+                counts0 = common.sluice_counters(proxy.admin) if is_sluice else {}
                 url = (upstream.url if target == "direct" else proxy.url) + UPSTREAM_PATH
+                downs0 = proxy.log.read_text().count(DOWN_LINE) if is_sluice else 0
                 case = measure(args, tmp, scenario, target, repeat, url, connections,
-                               None if target == "direct" else proxy)
-                if target == "sluice":
+                               None if target == "direct" else proxy,
+                               found.get("redis") if target == "sluice-redis" else None)
+                if target == "sluice-redis":
+                    case.redis_marked_down = proxy.log.read_text().count(DOWN_LINE) - downs0
+                if is_sluice:
                     case.sluice_counts = common.counter_delta(
-                        counts0, common.sluice_counters(sluice.admin))
+                        counts0, common.sluice_counters(proxy.admin))
                 if target == "direct":
                     direct = case
                 elif direct is not None:
                     case.vs_direct = case.rps / direct.rps
                     case.added_p50_ms = case.p50_ms - direct.p50_ms
+                    case.added_p99_ms = case.p99_ms - direct.p99_ms
                 cases.append(case)
                 print(f"  {scenario:<5} {target:<8} #{repeat}: {case.rps:,.0f} req/s, "
                       f"p50 {case.p50_ms:.2f} ms", file=sys.stderr, flush=True)
+        if "sluice-redis" in found:
+            scripts[scenario] = monitored_scripts(found["redis"].url, found["sluice-redis"],
+                                                  MONITORED_CALLS)
         profile = None
         if args.profile and sluice is not None:
             raw = args.output.with_name(f"{args.output.stem}-{scenario}-sluice-pyspy.txt")
@@ -475,16 +627,18 @@ def profile_report(profile: dict) -> list[str]:
 
 def table(cases: list[Case]) -> str:
     head = ("scenario", "path", "conns", "req/s", "vs direct", "p50 ms", "+p50 ms", "p99 ms",
-            "proxy CPU us/req", "of which kernel", "proxy CPU %", "errors",
-            "load1 before→after")
+            "+p99 ms", "proxy CPU us/req", "of which kernel", "proxy CPU %", "Redis RT/req",
+            "Redis CPU us/req", "errors", "load1 before→after")
     rows = [head]
     for c in cases:
         label = c.target if c.repeat == 1 and not _repeated(cases) else f"{c.target} #{c.repeat}"
         rows.append((
             c.scenario, label, str(c.connections), f"{c.rps:,.0f}", common.fmt(c.vs_direct, ".1%"),
             f"{c.p50_ms:.2f}", common.fmt(c.added_p50_ms, "+.2f"), f"{c.p99_ms:.2f}",
+            common.fmt(c.added_p99_ms, "+.2f"),
             common.fmt(c.proxy_cpu_us_per_req, ".0f"), common.fmt(c.proxy_sys_us_per_req, ".0f"),
-            common.fmt(c.proxy_cpu_percent, ".0f"),
+            common.fmt(c.proxy_cpu_percent, ".0f"), common.fmt(c.redis_round_trips_per_req, ".2f"),
+            common.fmt(c.redis_cpu_us_per_req, ".0f"),
             str(c.errors), f"{c.load_before[0]:.2f}→{c.load_after[0]:.2f}",
         ))
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
@@ -512,14 +666,20 @@ def summary(cases: list[Case]) -> list[str]:
                       and getattr(c, attr) is not None]
             return statistics.median(values) if values else None
 
-        for target in ("sluice", "baseline", "haproxy"):
+        for target in ("sluice", "sluice-redis", "baseline", "haproxy"):
             cpu = med(target, "proxy_cpu_us_per_req")
             if cpu is None:
                 continue
+            trips = med(target, "redis_round_trips_per_req")
+            redis_part = "" if trips is None else (
+                f", {trips:.2f} Redis round trips per call (Redis CPU "
+                f"{common.fmt(med(target, 'redis_cpu_us_per_req'), '.0f')} us/req; backend "
+                f"marked down {med(target, 'redis_marked_down'):.0f} times)")
             out.append(
                 f"{scenario}: {target} serves {common.fmt(med(target, 'vs_direct'), '.1%')} of "
                 f"direct's req/s, adds {common.fmt(med(target, 'added_p50_ms'), '+.2f')} ms at "
-                f"p50, costs {cpu:.0f} us of proxy CPU per request"
+                f"p50 and {common.fmt(med(target, 'added_p99_ms'), '+.2f')} ms at p99, costs "
+                f"{cpu:.0f} us of proxy CPU per request{redis_part}"
             )
         s, b = med("sluice", "proxy_cpu_us_per_req"), med("baseline", "proxy_cpu_us_per_req")
         if s is not None and b is not None:
@@ -537,7 +697,8 @@ def plot(cases: list[Case], path: Path) -> Path | None:
         return None
     scenarios = list(dict.fromkeys(c.scenario for c in cases))
     targets = [t for t in TARGETS[1:] if any(c.target == t for c in cases)]
-    colours = {"sluice": "#1f77b4", "baseline": "#7f7f7f", "haproxy": "#2ca02c"}
+    colours = {"sluice": "#1f77b4", "baseline": "#7f7f7f", "haproxy": "#2ca02c",
+               "sluice-redis": "#d62728"}
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.4))
     width = 0.8 / max(len(targets), 1)
     for n, target in enumerate(targets):
@@ -589,9 +750,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--slow-connections", type=int, default=64, help="slow scenario (64)")
     p.add_argument("--slow-delay", type=float, default=0.05, help="slow upstream, s (0.05)")
     p.add_argument("--scenarios", default="fast,slow", help="fast,slow")
-    p.add_argument("--targets", default=",".join(TARGETS),
-                   help="direct,sluice,baseline,haproxy (direct first, for the 'vs direct' "
-                   "columns; haproxy only when installed)")
+    p.add_argument("--targets",
+                   help="direct,sluice,baseline,haproxy (the default; direct first, for the "
+                   "'vs direct' columns; haproxy only when installed); with --state redis "
+                   "direct,sluice,sluice-redis")
+    p.add_argument("--state", choices=("memory", "redis"), default="memory",
+                   help="redis: also run Sluice on the Redis backend (its own redis-server), "
+                   "every call metered; report Redis round trips per call")
     p.add_argument("--repeat", type=int, default=1, help="runs of every case, interleaved (1)")
     p.add_argument("--upstream", choices=("auto", "nginx", "aiohttp"), default="auto",
                    help="fast upstream: nginx if installed (auto), or bench/upstream.py")
@@ -610,6 +775,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.quick:
         args.duration, args.warmup = 3.0, 1.0
     args.scenarios = common.comma_list(p, args.scenarios, ("fast", "slow"), "scenario")
+    if args.targets is None:
+        args.targets = ",".join(REDIS_TARGETS if args.state == "redis" else TARGETS[:4])
     args.targets = common.comma_list(p, args.targets, TARGETS, "target")
     args.headers = REQUEST_HEADERS | (SDK_HEADERS if args.sdk_headers else {})
     return args
@@ -666,9 +833,10 @@ def main(argv: list[str] | None = None) -> int:
 
     cases: list[Case] = []
     profiles: list[dict] = []
+    scripts: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory(prefix="sluice-bench-") as root:
         for scenario in args.scenarios:
-            scenario_cases, profile = run_scenario(args, scenario, Path(root))
+            scenario_cases, profile = run_scenario(args, scenario, Path(root), scripts)
             cases += scenario_cases
             if profile:
                 profiles.append(profile)
@@ -681,6 +849,11 @@ def main(argv: list[str] | None = None) -> int:
         if rejected or c.errors:
             lines.append(f"WARNING: {c.scenario} {c.target} #{c.repeat}: {c.errors} errors, "
                          f"Sluice rejections {rejected or 0}")
+    for scenario, per_call in scripts.items():
+        lines += ["", f"{scenario}: Redis scripts per call, by name ({MONITORED_CALLS} "
+                      "sequential calls under MONITOR, unmeasured):"]
+        lines += [f"  {count:5.2f}  {name}" for name, count in per_call.items()]
+        lines.append(f"  {sum(per_call.values()):5.2f}  in all")
     for profile in profiles:
         lines += ["", *profile_report(profile)]
     print("\n".join(lines), flush=True)
@@ -691,6 +864,7 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "request_body_bytes": len(REQUEST_BODY), "cases": [asdict(c) for c in cases],
         "table": table(cases), "summary": summary(cases), "profiles": profiles,
+        "redis_scripts_per_call": scripts,
     }
     common.write_record(args.output, record)
     print(f"\nfull record: {args.output}", file=sys.stderr)

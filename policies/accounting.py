@@ -4,17 +4,19 @@ It is one step of the admission pipeline (:mod:`policies.pipeline`):
 
 1. :meth:`Accounting.admit` reads the call's body once (model, output cap, stream) if it is a
    metered call (:func:`policies.usage.endpoint_for`), maybe rewrites it (default cap, usage
-   option), then takes its worst case from the token rate (``rate.tokens``, in the same
-   atomic call as the request units of ``rate.requests`` and ``rate.per_tenant``: one round
-   trip) and reserves it on the budgets (``budget``, one more), or raises
-   :class:`~policies.reasons.Rejected`. It leaves the :class:`Charge` held, its meter on
-   ``call.meter``.
+   option), then, in one atomic call to the route's state (one Redis round trip,
+   :mod:`policies.state.admission`), takes the request units of ``rate.requests`` and
+   ``rate.per_tenant`` and its worst case from the token rate (``rate.tokens``), and
+   reserves that worst case on the budgets (``budget``); or raises
+   :class:`~policies.reasons.Rejected`, naming the limit with the longest wait. It leaves the
+   :class:`Charge` held, its meter on ``call.meter``.
 2. While forwarding, the meter reads the answer's usage as it passes.
 3. When the call ends, whatever ended it, :meth:`Charge.release` is told the outcome. A call
    that never reached the upstream (refused by a later step, caller gone, no connection) gets
-   everything back: its tokens and its reservation. Otherwise the reservation is replaced by
-   what was used, and ``call.charged`` gets the ``completed`` event's fields (tokens, cost,
-   how usage was known), which the request path also counts in its metrics. Never awaits.
+   everything back: its tokens and its reservation (on Redis, in one round trip). Otherwise
+   the reservation is replaced by what was used, and ``call.charged`` gets the ``completed``
+   event's fields (tokens, cost, how usage was known), which the request path also counts in
+   its metrics. Never awaits.
 
 What is charged (``usage`` in the event):
 
@@ -34,11 +36,17 @@ is never counted as zero.
 
 from __future__ import annotations
 
+import asyncio
+import math
+
 from policies.budget import Budgets, Reservation, price_usd
 from policies.config import DEFAULT_OPERATION, ModelPrice, RouteConfig
 from policies.pipeline import Call, Outcome
-from policies.rate import RateLimiter, Units
+from policies.rate import RateLimiter, Units, fallback_for
 from policies.reasons import Reason, Rejected
+from policies.state import StateBackends, StateUnavailable
+from policies.state.admission import AdmissionResult
+from policies.state.rate import Take
 from policies.usage import Meter, RequestCost, Usage, endpoint_for, read_request
 
 #: Tenants whose remaining budget the admin API lists (the first seen).
@@ -70,8 +78,9 @@ class Accounting:
         self.write_cap = usage.write_max_tokens
         self.stream_usage = usage.stream_usage
         self.pricing = pricing
-        self.rate = rate
         self.budgets = budgets
+        self.rate: RateLimiter | None = None
+        self.use_rate(rate)
         self.run_header = run_header
         self.token_models = token_models
         #: Tenants seen on this route (the first ``MAX_TENANTS_SHOWN``), for the admin API.
@@ -115,6 +124,14 @@ class Accounting:
         charge.call = call
         return charge
 
+    def use_rate(self, rate: RateLimiter | None) -> None:
+        """Account with ``rate`` (the route's, kept across a reload). On a route that limits
+        tokens, this step takes a metered call's request units too, with its tokens and
+        budget holds in one round trip, so ``rate``'s own step leaves metered calls alone."""
+        self.rate = rate
+        if rate is not None:
+            rate.metered_elsewhere = self.enforcing
+
     @property
     def enforcing(self) -> bool:
         """The route limits tokens (a token rate or a budget), so every metered call must be
@@ -156,33 +173,93 @@ class Accounting:
         return Charge(self, cost, tenant, run)
 
     async def reserve(self, charge: Charge) -> None:
-        """Take the request's units and worst-case tokens from the rates, then reserve the
-        worst case on the budgets.
+        """Take the request's units and worst-case tokens from the rates, and hold its worst
+        case on the budgets, all or nothing in one call to the route's state
+        (:meth:`policies.state.admission.Admissions.admit`, one Redis round trip). The rules
+        stay in their modules: :class:`~policies.rate.RateLimiter` names the buckets and its
+        refusal, :class:`~policies.budget.Budgets` the claims and its own.
+
+        A refusal names the limit with the longest wait (a rate's, or a budget's: one that
+        never frees is the longest), so a retry after it fits every limit.
 
         Raises:
-            Rejected: from :meth:`RateLimiter.take` or :meth:`Budgets.reserve`; nothing is
-                left held.
+            Rejected: ``exceeds_limit``, ``unpriced_model``, ``rate_limited``,
+                ``token_rate_limited``, ``budget_exhausted``, ``state_unavailable``; nothing
+                is left held.
         """
+        if not self.enforcing:
+            return  # the rate step took the call's request units, if any
         cost = charge.cost
         cap = cost.output_cap or 0
-        rate = self.rate
-        if rate is not None and rate.tokens is not None:
+        rate, budgets = self.rate, self.budgets
+        takes: list[Take] = []
+        if rate is not None:
             takes = rate.request_takes(charge.tenant)
-            takes.append(rate.token_take(cost.input_tokens + cap))
-            charge.units = await rate.take(takes)
-        budgets = self.budgets
-        if budgets is None:
+            if rate.tokens is not None:
+                takes.append(rate.token_take(cost.input_tokens + cap))
+        reservation = None
+        if budgets is not None:
+            reservation = budgets.prepare(charge.tenant, charge.run, cost.model,
+                                          cost.input_tokens, cap, charge.ancestors)
+        owner = budgets if budgets is not None else rate
+        if owner is None or (not takes and reservation is None):
             return
+        backends = owner.backends
+        source = backends
+        rid, claims, now = "", [], 0.0
+        if reservation is not None:
+            rid, claims, now = reservation.rid, reservation.claims, reservation.now
+        hold_s = budgets.hold_s if budgets is not None else 0.0
         try:
-            charge.reservation = await budgets.reserve(
-                charge.tenant, charge.run, cost.model, cost.input_tokens, cap, charge.ancestors)
-            charge.meter.headers = budgets.headers(charge.reservation)
+            result = await backends.admissions.admit(owner.group, takes, rid, claims, now,
+                                                     hold_s)
+        except StateUnavailable as exc:
+            if budgets is not None and reservation is not None:
+                budgets.unanswered(reservation, exc)
+            source = fallback_for(backends, exc)
+            if rate is not None:
+                takes = rate.local_takes(takes)
+            if budgets is not None and reservation is not None:
+                budgets.localize(reservation, source)
+                claims = reservation.claims
+            result = await source.admissions.admit(owner.group, takes, rid, claims, now,
+                                                   hold_s)
+        except asyncio.CancelledError:
+            # Rate units taken by a script that ran drain within a period (a refusal, never
+            # excess); a reservation it held is released by id.
+            if budgets is not None and reservation is not None:
+                budgets.abandon(reservation)
+            raise
+        if rate is not None:
+            rate.note(source, takes, result.rates)
+        if budgets is not None and reservation is not None:
+            budgets.answered(reservation)
+        if not result.admitted:
+            raise self._refusal(takes, reservation, result, source)
+        if rate is not None and takes:
+            charge.units = Units(rate, source, takes)
+        if budgets is None or reservation is None:
+            return
+        charge.reservation = reservation
+        try:
+            charge.meter.headers = budgets.headers(reservation)
         except BaseException:
             charge.release(None)
             raise
         if (self.tenant_units and charge.tenant not in self.tenants
                 and len(self.tenants) < MAX_TENANTS_SHOWN):
             self.tenants[charge.tenant] = None
+
+    def _refusal(self, takes: list[Take], reservation: Reservation | None,
+                 result: AdmissionResult, source: StateBackends) -> Rejected:
+        """The refusal of the limit with the longest wait among those that denied."""
+        refusals = []
+        if result.rates.denied is not None and self.rate is not None:
+            refusals.append(self.rate.refusal(takes, result.rates, source))
+        if result.denied and self.budgets is not None and reservation is not None:
+            refusals.append(self.budgets.refusal(reservation, result.denied))
+        return max(refusals, key=lambda r: math.inf if r.retry_after is None
+                   else r.retry_after)
 
 
 class Charge:
@@ -228,14 +305,22 @@ class Charge:
             return
         self._open = False
         acct = self._acct
-        if self.units is not None:
-            self.units.release(outcome)
+        units, reservation, budgets = self.units, self.reservation, acct.budgets
         if outcome is None or not outcome.reached:
             usage, source = Usage(), "none"
+            if (units is not None and reservation is not None and budgets is not None
+                    and units.source is reservation.source
+                    and reservation.source.redis is not None):
+                # Taken in one round trip, given back in one.
+                units.handed_over()
+                budgets.give_back(reservation, units.takes)
+                reservation = None
         else:
             usage, source = self._used(outcome.label)
-        if self.reservation is not None and acct.budgets is not None:
-            acct.budgets.settle(self.reservation, usage)
+        if units is not None:
+            units.release(outcome)
+        if reservation is not None and budgets is not None:
+            budgets.settle(reservation, usage)
         if self.call is None or outcome is None or outcome.label == "rejected":
             return
         model = self.cost.model

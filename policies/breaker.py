@@ -152,14 +152,8 @@ class Breaker:
     def __init__(self, config: CircuitBreakerConfig, route: str,
                  on_event: Callable[..., None], backends: StateBackends | None = None) -> None:
         self.route = route
-        self.reset_timeout = config.reset_timeout
         self._on_event = on_event
-        self._params = BreakerParams(
-            fail_max=config.fail_max, reset_s=config.reset_timeout,
-            success_threshold=config.success_threshold,
-            window_s=config.window if config.rate is not None else None,
-            rate=config.rate if config.rate is not None else 1.0,
-            min_calls=config.min_calls, probe_s=PROBE_LEASE_S)
+        self.reconfigure(config)
         self._backends = backends if backends is not None else memory_backends()
         self._shared = self._backends.redis is not None
         # The cached view (monotonic seconds): what check(), the gauge and the admin read.
@@ -171,6 +165,20 @@ class Breaker:
         self._seen_at = -VIEW_FRESH_S  # stale until the first answer
         self._refreshing = False
         self._tasks: set[asyncio.Task[object]] = set()
+
+    def reconfigure(self, config: CircuitBreakerConfig) -> None:
+        """Adopt a reloaded ``circuit_breaker`` block, keeping the breaker's state: an open
+        breaker stays open (the upstream is no healthier for an edit of the thresholds), and
+        the new thresholds and timeouts apply from the next outcome and the next opening. The
+        state is in the backend under the route's name in any case, so this object and every
+        replica keep seeing it."""
+        self.reset_timeout = config.reset_timeout
+        self._params = BreakerParams(
+            fail_max=config.fail_max, reset_s=config.reset_timeout,
+            success_threshold=config.success_threshold,
+            window_s=config.window if config.rate is not None else None,
+            rate=config.rate if config.rate is not None else 1.0,
+            min_calls=config.min_calls, probe_s=PROBE_LEASE_S)
 
     # -- the cached view ----------------------------------------------------------------------
 
@@ -387,6 +395,7 @@ class Breaker:
         task = asyncio.ensure_future(call)
         self._tasks.add(task)  # type: ignore[arg-type]
         task.add_done_callback(self._tasks.discard)
+        self._backends.keep(task)  # shutdown waits for it (StateBackends.close)
         return task
 
     async def _quietly(self, call: Awaitable[object]) -> None:

@@ -45,10 +45,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from policies.config import BudgetConfig, ModelPrice
-from policies.rate import Background, finish_now, unavailable
+from policies.rate import Background, fallback_for, finish_now
 from policies.reasons import Reason, Rejected
 from policies.state import StateBackends, StateUnavailable
 from policies.state.ledger import Claim
+from policies.state.rate import Take
 from policies.usage import Usage, cost_usd
 
 log = logging.getLogger("sluice")
@@ -109,17 +110,19 @@ class Limit:
 class Reservation:
     """What one request holds: its claims under reservation id ``rid``, the limits they
     belong to, and the state they are held in (``source``: the route's shared state, or
-    the local fallback's while the shared one was unavailable)."""
+    the local fallback's while the shared one was unavailable). ``now``: the Unix seconds
+    its windows were chosen at."""
 
-    __slots__ = ("claims", "limits", "price", "rid", "source")
+    __slots__ = ("claims", "limits", "now", "price", "rid", "source")
 
     def __init__(self, rid: str, claims: list[Claim], limits: list[Limit],
-                 price: ModelPrice | None, source: StateBackends) -> None:
+                 price: ModelPrice | None, source: StateBackends, now: float) -> None:
         self.rid = rid
         self.claims = claims
         self.limits = limits
         self.price = price
         self.source = source
+        self.now = now
 
 
 class Budgets:
@@ -157,7 +160,7 @@ class Budgets:
         self.clock = clock
         self.group = group
         self.hold_s = hold_s
-        self.background = Background()
+        self.background = Background(backends)
         self.reconciler = Reconciler(self)
         if backends.redis is not None:
             # Weakly: a reload replaces this object, and the health outlives it.
@@ -183,7 +186,9 @@ class Budgets:
                       input_tokens: int, output_tokens: int,
                       ancestors: Sequence[str] = ()) -> Reservation:
         """Hold the worst case of one request on every limit, or refuse it: one call to the
-        ledger (one Redis round trip).
+        ledger (one Redis round trip). (A metered call's step, :mod:`policies.accounting`,
+        holds it with the call's rate units in one call instead: :meth:`prepare`,
+        :meth:`refusal`.)
 
         A ``per: run`` limit is held on the run *and on each of its ``ancestors``* (its parent
         first): every run's counter covers its whole subtree, so a parent's budget bounds what
@@ -197,6 +202,17 @@ class Budgets:
                 price; ``exceeds_limit`` (400) when the worst case exceeds a whole limit;
                 ``budget_exhausted`` (429) when it does not fit now; ``state_unavailable``
                 (503, ``on_unavailable: reject``).
+        """
+        return await self._hold(
+            self.prepare(tenant, run, model, input_tokens, output_tokens, ancestors))
+
+    def prepare(self, tenant: str, run: str | None, model: str | None, input_tokens: int,
+                output_tokens: int, ancestors: Sequence[str] = ()) -> Reservation:
+        """The reservation of one request's worst case on every limit (see :meth:`reserve`),
+        not yet held: its id, claims and the limits they belong to.
+
+        Raises:
+            Rejected: ``unpriced_model`` or ``exceeds_limit`` (400), as :meth:`reserve`.
         """
         price = self.pricing.get(model) if model is not None else None
         if price is None and self.needs_price:
@@ -220,7 +236,7 @@ class Budgets:
                 claims.append(Claim(self._key(limit, tenant, scope_run, now), amount,
                                     limit.amount, self._expiry(limit, now)))
                 limits.append(limit)
-        return await self._hold(claims, limits, price, now)
+        return Reservation(uuid.uuid4().hex, claims, limits, price, self.backends, now)
 
     async def reserve_usd(self, tenant: str, run: str | None, amount: float,
                           ancestors: Sequence[str] = ()) -> Reservation:
@@ -247,40 +263,69 @@ class Budgets:
                 claims.append(Claim(self._key(limit, tenant, scope_run, now), amount,
                                     limit.amount, self._expiry(limit, now)))
                 limits.append(limit)
-        return await self._hold(claims, limits, None, now)
+        return await self._hold(
+            Reservation(uuid.uuid4().hex, claims, limits, None, self.backends, now))
 
     def settle_usd(self, reservation: Reservation, usd: float) -> None:
         """Replace a :meth:`reserve_usd` reservation by the ``usd`` actually spent (may exceed
         what was held: time-priced costs are known only at the end). Never awaits."""
         self._settle(reservation, [usd] * len(reservation.claims))
 
-    async def _hold(self, claims: list[Claim], limits: list[Limit], price: ModelPrice | None,
-                    now: float) -> Reservation:
-        """Reserve ``claims`` all or none (one ledger call), or refuse; see :meth:`reserve`."""
-        rid = uuid.uuid4().hex
+    async def _hold(self, reservation: Reservation) -> Reservation:
+        """Hold a prepared reservation all or none (one ledger call), or refuse; see
+        :meth:`reserve`."""
         backends = self.backends
-        source = backends
         try:
-            denied = await backends.ledger.reserve(self.group, rid, claims, now, self.hold_s)
+            denied = await backends.ledger.reserve(self.group, reservation.rid,
+                                                   reservation.claims, reservation.now,
+                                                   self.hold_s)
         except StateUnavailable as exc:
-            fallback = backends.fallback
-            if fallback.mode == "reject":
-                raise unavailable(exc) from None
-            source = fallback.memory()
-            claims = [claim._replace(cap=fallback.share(claim.cap)) for claim in claims]
-            denied = await source.ledger.reserve(self.group, rid, claims, now, self.hold_s)
+            self.unanswered(reservation, exc)
+            self.localize(reservation, fallback_for(backends, exc))
+            denied = await reservation.source.ledger.reserve(
+                self.group, reservation.rid, reservation.claims, reservation.now, self.hold_s)
         except asyncio.CancelledError:
-            # The script may have run in Redis: settling the id releases it if so, and
-            # finds nothing (changes nothing) if not; kept for later if Redis is down.
-            if backends.redis is not None:
-                self.background.start(self.reconciler.settle(rid, [0.0] * len(claims)),
-                                      f"budget release on {self.group}")
+            self.abandon(reservation)
             raise
-        if source is backends and backends.redis is not None:
-            self.reconciler.kick()  # it answered: spend recorded while it did not can go in
+        self.answered(reservation)
         if denied:
-            raise self._refusal([(limits[i], claims[i]) for i in denied], now, source)
-        return Reservation(rid, claims, limits, price, source)
+            raise self.refusal(reservation, denied)
+        return reservation
+
+    def localize(self, reservation: Reservation, local: StateBackends) -> None:
+        """Move a reservation not yet held to the local fallback's ``local`` state, with
+        this replica's share of each limit (``state.replicas``)."""
+        fallback = self.backends.fallback
+        reservation.claims = [claim._replace(cap=fallback.share(claim.cap))
+                              for claim in reservation.claims]
+        reservation.source = local
+
+    def unanswered(self, reservation: Reservation, exc: StateUnavailable) -> None:
+        """The shared ledger did not answer the reserve of ``reservation``: if it was sent,
+        a frozen or slow Redis may still run it and hold it there while this call goes on
+        without it, so it is released by id (once Redis answers, if not now)."""
+        if exc.maybe_applied:
+            self.abandon(reservation)
+
+    def abandon(self, reservation: Reservation) -> None:
+        """The call holding it was cancelled while its reserve was in flight: the script may
+        have run in Redis, so release it by id (which finds nothing, and changes nothing, if
+        not); kept for later if Redis is down."""
+        if reservation.source.redis is not None:
+            self.background.start(
+                self.reconciler.settle(reservation.rid, [0.0] * len(reservation.claims)),
+                f"budget release on {self.group}")
+
+    def answered(self, reservation: Reservation) -> None:
+        """The ledger answered about ``reservation``: if that was the shared one, the spend
+        recorded while it did not answer can go in now."""
+        if reservation.source is self.backends and self.backends.redis is not None:
+            self.reconciler.kick()
+
+    def refusal(self, reservation: Reservation, denied: Sequence[int]) -> Rejected:
+        """``budget_exhausted`` for the claims the ledger ``denied`` (indexes)."""
+        return self._refusal([(reservation.limits[i], reservation.claims[i]) for i in denied],
+                             reservation.now, reservation.source)
 
     def settle(self, reservation: Reservation, usage: Usage | None) -> None:
         """Replace a reservation by ``usage`` (``None``: nothing was used), exactly once (by
@@ -303,6 +348,14 @@ class Budgets:
         finish_now(source.ledger.settle(self.group, reservation.rid, actual))
         if source is not self.backends:  # held locally while the shared ledger was down
             self.reconciler.charge(reservation.claims, actual)
+
+    def give_back(self, reservation: Reservation, takes: Sequence[Take]) -> None:
+        """Release a reservation whose call never reached the upstream, and refund the rate
+        units ``takes`` the same admission took, in one round trip (both are in the same
+        shared state: :meth:`policies.state.admission.Admissions.release`). Never awaits; a
+        release Redis cannot take now is kept for when it answers (the units drain)."""
+        self.background.start(self.reconciler.give_back(reservation, takes),
+                              f"budget release on {self.group}")
 
     # -- reporting ----------------------------------------------------------------------------
 
@@ -452,6 +505,17 @@ class Reconciler:
             await budgets.backends.ledger.settle(budgets.group, rid, actual)
         except StateUnavailable:
             self._add(_Pending(rid, None, actual))
+            raise
+
+    async def give_back(self, reservation: Reservation, takes: Sequence[Take]) -> None:
+        """Release a shared reservation with nothing spent and refund ``takes`` in one call;
+        if Redis does not answer, keep the release for later (the refund is dropped: the
+        units drain within their period)."""
+        budgets = self._budgets
+        try:
+            await reservation.source.admissions.release(budgets.group, takes, reservation.rid)
+        except StateUnavailable:
+            self._add(_Pending(reservation.rid, None, [0.0] * len(reservation.claims)))
             raise
 
     def charge(self, claims: list[Claim], actual: list[float]) -> None:

@@ -18,7 +18,11 @@ overtake the queue. The best waiter is chosen by, in order:
    served: a tenant returning from idle gets no banked credit, as CFS places a waking task at
    ``min_vruntime``), and the smallest tag is served first. A tenant sending ten times as much
    therefore waits behind itself, not in front of the others: each tenant gets its weight's
-   share of the slots while it has work queued.
+   share of the slots while it has work queued. A tenant's virtual time is kept only while it
+   has calls in flight or queued; once it has none it is forgotten and starts again at the
+   route's time, as CFS places a new task at ``min_vruntime``. Fairness is among tenants with
+   work waiting, and those keep theirs, so the limiter's memory is bounded by the calls it
+   holds, however many distinct tenants pass through.
 3. Arrival order.
 
 Deadlines: a call whose caller sent its own timeout (``X-Request-Timeout``,
@@ -193,10 +197,12 @@ class ConcurrencyLimiter:
         self._classes: dict[int, _Class] = {}
         self._order = itertools.count()
         self._by_tenant: dict[str, int] = {}
-        #: Fair queueing, per class: each tenant's virtual time in it, and the class's own
-        #: (the tag of the last call of the class served).
+        #: Fair queueing, per class: each tenant's virtual time in it (tenants with calls in
+        #: flight or queued only), and the class's own (the tag of the last call served).
         self._vtime: dict[tuple[int, str], float] = {}
         self.vnow: dict[int, float] = {}
+        #: The classes ``_vtime`` may have entries in (a few priorities).
+        self._vclasses: set[int] = set()
         #: Mean token cost of the calls that had one (``None`` before the first).
         self._mean_tokens: float | None = None
         self._tenant_service: dict[str, float] = {}
@@ -443,6 +449,7 @@ class ConcurrencyLimiter:
             cost = charged = self._tenant_service.get(tenant, self.mean_service_s)
         tag = max(self._vtime.get((cls, tenant), 0.0), self.vnow.get(cls, 0.0))
         self._vtime[cls, tenant] = tag + cost / self._weight(tenant)
+        self._vclasses.add(cls)
         return tag, charged
 
     def _weight(self, tenant: str) -> float:
@@ -500,11 +507,10 @@ class ConcurrencyLimiter:
             self._by_tenant[tenant] = held
         else:
             del self._by_tenant[tenant]
-            # A tenant with nothing left keeps its virtual time only while it is ahead (a
-            # debt to serve); otherwise it would rejoin at the route's time anyway.
-            for cls, now in self.vnow.items():
-                if self._vtime.get((cls, tenant), 0.0) <= now:
-                    self._vtime.pop((cls, tenant), None)
+            # Nothing in flight or queued: the tenant competes with no one now, and returns
+            # at the route's time (module docstring), so nothing of it need be kept.
+            for cls in self._vclasses:
+                self._vtime.pop((cls, tenant), None)
             self._tenant_service.pop(tenant, None)
 
     def _drain_estimate(self, ahead: int) -> float:

@@ -424,6 +424,9 @@ class IdempotencyConfig(_Section):
     #: Longest a duplicate waits for its in-flight twin (or a serialized request for its
     #: turn), seconds; the caller's own timeout binds first. Past it: 409.
     max_wait: PositiveDuration = 60.0
+    #: Duplicates that may wait at once for one in-flight key, in this process; one more gets
+    #: 409 ``idempotency_conflict`` at once.
+    max_waiters: int = Field(default=100, gt=0)
     max_entries: int = Field(default=10_000, gt=0)
     max_bytes: int = Field(default=64 * 1024 * 1024, gt=0)
     max_replay_bytes: int = Field(default=1024 * 1024, gt=0)
@@ -431,7 +434,7 @@ class IdempotencyConfig(_Section):
     @model_validator(mode="after")
     def _coherent(self) -> IdempotencyConfig:
         # A key the mode never reads would be a silent no-op: refuse it ("off" may keep any).
-        unused = {"forward": ("on_in_flight", "max_replay_bytes", "max_wait"),
+        unused = {"forward": ("on_in_flight", "max_replay_bytes", "max_wait", "max_waiters"),
                   "serialize": ("max_replay_bytes",)}
         for key in unused.get(self.mode, ()):
             if key in self.model_fields_set:

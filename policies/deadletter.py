@@ -272,6 +272,7 @@ class DeadLetterQueue:
         self.path = config.path
         self.max_body_bytes = config.max_body_bytes
         self._depth: dict[str, int] = {}
+        self._state = state
         self._shared = state.dead_letters if state is not None and state.redis else None
         self._file: DeadLetterFile | None = None
         self._writes: set[asyncio.Future[int]] = set()
@@ -327,6 +328,8 @@ class DeadLetterQueue:
             write = asyncio.ensure_future(self._shared.add(letter))
             self._writes.add(write)  # the loop keeps only a weak reference to a task
             write.add_done_callback(self._writes.discard)
+            assert self._state is not None
+            self._state.keep(write)  # shutdown waits for it (StateBackends.close)
         else:
             if self._file is None:  # a reload gave a route its first retry block
                 await self.open()

@@ -44,7 +44,10 @@ tenant and route: two tenants never share a stored result, whatever keys they se
   it gets 409 ``idempotency_conflict`` with ``Retry-After: 1`` (the draft's answer; the
   official SDKs retry a 409). The wait is bounded by ``max_wait`` and by the caller's own
   timeout (``X-Sluice-Timeout``), whichever ends first; past it the duplicate gets the same
-  409 (the first request still holds the key), so nobody waits on a stuck twin for ever.
+  409 (the first request still holds the key), so nobody waits on a stuck twin for ever. It
+  is bounded in number too: at most ``max_waiters`` duplicates of one key wait at once in a
+  process (each holds its caller's connection meanwhile); one more gets the same 409 at once,
+  saying so. A retry storm on one key then costs one waiter list, not one per retry.
 * what is stored: the upstream's answer when it is a final one: every status below 500 except
   401, 403, 407 (the caller may fix its credentials and retry the same payload), 408, 409, 425
   and 429 (the upstream says "try again"). Never stored, so the key is free again for a
@@ -401,8 +404,12 @@ class Idempotency:
         self.store: ResultStore = store or MemoryStore(config.max_entries, config.max_bytes,
                                                        config.ttl)
         self.max_wait = config.max_wait
+        self.max_waiters = config.max_waiters
         self.ttl = config.ttl
         self.waiting = 0
+        #: Duplicates waiting here per shared key (the Redis records); the memory records
+        #: count theirs in their flight's waiter list.
+        self._shared_waiting: dict[str, int] = {}
         self._route = route.encode()
         self._flights: dict[Hashable, _Flight] = {}
         self._backends = backends if backends is not None and backends.redis is not None else None
@@ -560,6 +567,9 @@ class Idempotency:
                     Reason.IDEMPOTENCY_CONFLICT, IN_FLIGHT_RETRY_AFTER_S,
                     "a request with this Idempotency-Key is in flight")
                 return claim
+            if len(flight.waiters) >= self.max_waiters:
+                claim.rejected = _too_many_waiting(len(flight.waiters))
+                return claim
             loop = asyncio.get_running_loop()
             started = loop.time()
             outcome = await self._wait(store_key, flight, bound)
@@ -680,6 +690,10 @@ class Idempotency:
                     Reason.IDEMPOTENCY_CONFLICT, IN_FLIGHT_RETRY_AFTER_S,
                     "a request with this Idempotency-Key is in flight")
                 return claim
+            waiting = self._shared_waiting.get(shared_key, 0)
+            if waiting >= self.max_waiters:
+                claim.rejected = _too_many_waiting(waiting)
+                return claim
             begin = await self._wait_shared(claim, records, shared_key, owner, fingerprint,
                                             bound_s)
             if begin.state == IN_FLIGHT:
@@ -714,6 +728,7 @@ class Idempotency:
         loop = asyncio.get_running_loop()
         started = loop.time()
         self.waiting += 1
+        self._shared_waiting[key] = self._shared_waiting.get(key, 0) + 1
         try:
             return await wait_for_answer(records, key, owner, fingerprint, FLIGHT_LEASE_S,
                                          bound_s)
@@ -723,6 +738,9 @@ class Idempotency:
             raise
         finally:
             self.waiting -= 1
+            left = self._shared_waiting.pop(key) - 1
+            if left:
+                self._shared_waiting[key] = left
             claim.waited_s = loop.time() - started
 
     def _finish_shared(self, claim: Claim, lease: _Lease, outcome: str) -> None:
@@ -762,6 +780,8 @@ class Idempotency:
         task = asyncio.ensure_future(call)
         self._tasks.add(task)  # type: ignore[arg-type]
         task.add_done_callback(self._tasks.discard)
+        if self._backends is not None:
+            self._backends.keep(task)  # shutdown waits for it (StateBackends.close)
         return task
 
     @staticmethod
@@ -828,6 +848,12 @@ def _still_in_flight(waited_s: float) -> Rejected:
     return Rejected(Reason.IDEMPOTENCY_CONFLICT, IN_FLIGHT_RETRY_AFTER_S,
                     f"a request with this Idempotency-Key is still in flight after "
                     f"{waited_s:.3g}s of waiting (max_wait, or the caller's timeout)")
+
+
+def _too_many_waiting(waiting: int) -> Rejected:
+    return Rejected(Reason.IDEMPOTENCY_CONFLICT, IN_FLIGHT_RETRY_AFTER_S,
+                    f"a request with this Idempotency-Key is in flight and {waiting} "
+                    f"duplicates already wait for it (idempotency.max_waiters)")
 
 
 def _mismatch() -> Rejected:

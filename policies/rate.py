@@ -17,11 +17,13 @@ Retry-After).
 ``tokens: N/period`` counts tokens: a metered call takes its *reserved* worst case (estimated
 input + output cap) at admission, as OpenAI counts ``max_tokens`` against its own
 tokens-per-minute limit when a request arrives, so Sluice refuses what the upstream would.
-Since only :mod:`policies.accounting` reads the body, on a route with a token rate it takes the
-metered call's request units and tokens together (:meth:`RateLimiter.take`); this step then
-holds nothing for that call. Nothing is given back after the answer (the upstream does not
-refund either); only a call that never reached the upstream gets its units back. A request
-reserving more than ``N`` tokens could never pass: 400 ``exceeds_limit`` at once.
+Since only :mod:`policies.accounting` reads the body, on a route that limits tokens (a token
+rate or a budget) it takes the metered call's request units, its tokens and its budget holds
+together (:attr:`RateLimiter.metered_elsewhere`; one round trip,
+:mod:`policies.state.admission`); this step then holds nothing for that call. Nothing is given
+back after the answer (the upstream does not refund either); only a call that never reached
+the upstream gets its units back. A request reserving more than ``N`` tokens could never pass:
+400 ``exceeds_limit`` at once.
 
 When the shared state does not answer (:class:`~policies.state.StateUnavailable`),
 ``state.on_unavailable`` decides: ``local`` takes from this replica's own memory buckets with
@@ -65,6 +67,19 @@ def unavailable(exc: StateUnavailable) -> Rejected:
     return Rejected(Reason.STATE_UNAVAILABLE, wait, exc.cause)
 
 
+def fallback_for(backends: StateBackends, exc: StateUnavailable) -> StateBackends:
+    """Where to decide while ``backends`` is unavailable (``state.on_unavailable``): the
+    local memory state of ``local`` mode, whose limits are this replica's share.
+
+    Raises:
+        Rejected: ``state_unavailable`` (``reject`` mode).
+    """
+    fallback = backends.fallback
+    if fallback.mode == "reject":
+        raise unavailable(exc) from None
+    return fallback.memory()
+
+
 def finish_now(coro: Coroutine[Any, Any, T]) -> T:
     """Run a memory state call to its end right here and return its result.
 
@@ -88,10 +103,11 @@ class Background:
     runs as a task kept referenced here until it ends, so none is garbage-collected midway,
     and its failure is logged rather than lost."""
 
-    __slots__ = ("_tasks",)
+    __slots__ = ("_backends", "_tasks")
 
-    def __init__(self) -> None:
+    def __init__(self, backends: StateBackends | None = None) -> None:
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._backends = backends
 
     def __len__(self) -> int:
         return len(self._tasks)
@@ -100,6 +116,8 @@ class Background:
         """Run ``coro`` as a task; an exception it ends with is logged with ``what``."""
         task = asyncio.get_running_loop().create_task(coro, name=f"sluice-{what}")
         self._tasks.add(task)
+        if self._backends is not None:
+            self._backends.keep(task)  # shutdown waits for it (StateBackends.close)
         task.add_done_callback(lambda t: self._done(t, what))
         return task
 
@@ -139,6 +157,11 @@ class Units:
         self.source = source
         self.takes = takes
 
+    def handed_over(self) -> None:
+        """Another holding gives the units back with its own release, in the same round
+        trip (:meth:`policies.budget.Budgets.give_back`): this one does nothing more."""
+        self._open = False
+
     def release(self, outcome: Outcome | None) -> None:
         """Give the units back unless the call reached the upstream (``outcome`` ``None``:
         it never did). Once; never awaits (a Redis refund runs as a task)."""
@@ -173,7 +196,10 @@ class RateLimiter:
         self.backends = backends
         self.group = group
         self.protocol = protocol
-        self.background = Background()
+        self.background = Background(backends)
+        #: Metered calls' request units are taken by the accounting step, with their tokens
+        #: and budget holds in the same round trip (:mod:`policies.accounting` sets it).
+        self.metered_elsewhere = False
         #: The route bucket's whole units left as the shared state last answered (Redis),
         #: for the admin API; ``None`` before any answer.
         self.available: int | None = None
@@ -216,9 +242,9 @@ class RateLimiter:
             Rejected: ``rate_limited`` from the bucket with the longest wait (nothing is held),
                 or ``state_unavailable`` (``on_unavailable: reject``).
         """
-        if self.tokens is not None and self.protocol is not None and endpoint_for(
+        if self.metered_elsewhere and self.protocol is not None and endpoint_for(
                 self.protocol, call.method, call.path) is not None:
-            return None  # the accounting step takes the units with the tokens
+            return None  # the accounting step takes the units with the tokens and budget
         takes = self.request_takes(call.tenant)
         if not takes:
             return None
@@ -269,19 +295,31 @@ class RateLimiter:
             result = await backends.rates.admit(self.group, takes)
             source = backends
         except StateUnavailable as exc:
-            fallback = backends.fallback
-            if fallback.mode == "reject":
-                raise unavailable(exc) from None
-            source = fallback.memory()
-            takes = [take._replace(limit=fallback.whole_share(take.limit)) for take in takes]
+            source = fallback_for(backends, exc)
+            takes = self.local_takes(takes)
             result = await source.rates.admit(self.group, takes)
-        if source is backends and self.requests is not None:
+        self.note(source, takes, result)
+        if not result.admitted:
+            raise self.refusal(takes, result, source)
+        return Units(self, source, takes)
+
+    def local_takes(self, takes: Sequence[Take]) -> list[Take]:
+        """``takes`` with this replica's share of each limit (``state.replicas``), for the
+        local fallback."""
+        fallback = self.backends.fallback
+        return [take._replace(limit=fallback.whole_share(take.limit)) for take in takes]
+
+    def note(self, source: StateBackends, takes: Sequence[Take], result: RateResult) -> None:
+        """Keep what the shared buckets answered about the route bucket (admin API)."""
+        if source is self.backends and self.requests is not None:
             for take, left in zip(takes, result.remaining, strict=True):
                 if take.name == REQUESTS:
                     self.available = left
-        if not result.admitted:
-            raise self._refusal(takes, result, source is not backends)
-        return Units(self, source, takes)
+
+    def refusal(self, takes: Sequence[Take], result: RateResult, source: StateBackends
+                ) -> Rejected:
+        """The refusal for the bucket ``result`` names (``result.denied`` is set)."""
+        return self._refusal(takes, result, source is not self.backends)
 
     def _refusal(self, takes: Sequence[Take], result: RateResult, local: bool) -> Rejected:
         assert result.denied is not None

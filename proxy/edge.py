@@ -43,7 +43,8 @@
   and never forwarded; any other expectation is refused with 417 ``expectation_failed``.
 
 Each limit is read from the config in force when a connection opens or a request arrives, so
-a reload applies them to new connections.
+a reload applies them to new connections. The admin port's connections get the same timeouts
+and a small connection cap (:class:`AdminServer`); the request checks are the proxy port's.
 """
 
 from __future__ import annotations
@@ -83,6 +84,9 @@ _TOO_MANY_HEADERS = "Too many headers"
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 #: Allowed ``Host`` values remembered per config, so most requests cost one set lookup.
 _HOSTS_REMEMBERED = 64
+#: Connections the admin port serves at once (probes, Prometheus, operators): beyond it, 503
+#: ``too_many_connections`` and close, as ``server.max_connections`` on the proxy port.
+ADMIN_MAX_CONNECTIONS = 64
 
 # Phases of a connection, as its timers see it.
 _OPENED = 0  # just opened, not a byte yet: header_timeout from the opening, then closed quietly
@@ -115,28 +119,45 @@ _BODY_TIMEOUT = raw_answer(Rejected(
 _TOO_MANY = raw_answer(Rejected(Reason.TOO_MANY_CONNECTIONS, 1.0, "try again shortly"))
 
 
-class EdgeServer(web.Server):
-    """aiohttp's low-level server with Sluice's connections (:class:`EdgeProtocol`) and
-    request checks (:meth:`serve`) in front of ``handler``.
+class GuardedServer(web.Server):
+    """aiohttp's low-level server whose connections are each an :class:`EdgeProtocol`, so they
+    get the connection limits of the module docstring from :meth:`connection_settings`.
 
     Attributes:
         open: connections being served now (refused ones are not counted).
         refusing: connections over ``max_connections`` waiting for their 503.
     """
 
+    def __init__(self, handler: Callable[..., Awaitable[web.StreamResponse]],
+                 **kwargs: Any) -> None:
+        super().__init__(handler, **kwargs)
+        self.open = 0
+        self.refusing = 0
+
+    def connection_settings(self) -> ServerConfig:
+        """The limits a connection opening now gets."""
+        raise NotImplementedError
+
+    def __call__(self) -> EdgeProtocol:
+        settings = self.connection_settings()
+        return EdgeProtocol(self, settings, loop=self._loop,
+                            keepalive_timeout=settings.idle_timeout, **self._kwargs)
+
+
+class EdgeServer(GuardedServer):
+    """The proxy port: :class:`GuardedServer` with the request checks of :meth:`serve` in
+    front of ``handler``, under ``server:``'s limits."""
+
     def __init__(self, runtime: Runtime, handler: Handler, **kwargs: Any) -> None:
         super().__init__(self.serve, request_factory=self._make_request, **kwargs)
         self.runtime = runtime
-        self.open = 0
-        self.refusing = 0
         self._handler = handler
         self._door_config: Config | None = None
         self._door: Door | None = None
 
-    def __call__(self) -> EdgeProtocol:
-        settings = self.runtime.config.server
-        return EdgeProtocol(self, settings, loop=self._loop,
-                            keepalive_timeout=settings.idle_timeout, **self._kwargs)
+    def connection_settings(self) -> ServerConfig:
+        return self.runtime.config.server
+
 
     def _make_request(self, message: RawRequestMessage, payload: StreamReader,
                       protocol: RequestHandler, writer: Any, task: asyncio.Task[None],
@@ -169,6 +190,28 @@ class EdgeServer(web.Server):
                 # The caller waits for this before it sends the body (RFC 9110 §10.1.1).
                 request.transport.write(_CONTINUE)
         return self._handler(rt, request)
+
+
+class AdminServer(GuardedServer):
+    """The admin port (``server.admin_listen``): the proxy port's header, body and idle
+    timeouts, but at most :data:`ADMIN_MAX_CONNECTIONS` connections, since only probes,
+    Prometheus and operators call it. Without them a few hundred slow or silent connections
+    would hold it as long as they liked, and the kubelet's probes with it."""
+
+    def __init__(self, runtime: Runtime, handler: Callable[..., Awaitable[web.StreamResponse]],
+                 **kwargs: Any) -> None:
+        super().__init__(handler, **kwargs)
+        self.runtime = runtime
+        self._for: ServerConfig | None = None
+        self._settings: ServerConfig | None = None
+
+    def connection_settings(self) -> ServerConfig:
+        server = self.runtime.config.server
+        if server is not self._for:
+            self._for = server
+            self._settings = server.model_copy(update={"max_connections": ADMIN_MAX_CONNECTIONS})
+        assert self._settings is not None
+        return self._settings
 
 
 async def _answered(response: web.StreamResponse) -> web.StreamResponse:
@@ -280,13 +323,13 @@ def _is_ip_literal(name: str) -> bool:
 
 
 class EdgeProtocol(RequestHandler):
-    """One connection of the proxy port: aiohttp's request handler plus Sluice's connection
-    limits and its own answer to requests the parser refuses (see the module docstring)."""
+    """One connection of a :class:`GuardedServer`: aiohttp's request handler plus Sluice's
+    connection limits and its own answer to requests the parser refuses (module docstring)."""
 
     __slots__ = ("_body", "_body_bytes", "_body_start", "_deadline", "_edge", "_phase",
                  "_refused", "_settings", "_timer")
 
-    def __init__(self, manager: EdgeServer, settings: ServerConfig, **kwargs: Any) -> None:
+    def __init__(self, manager: GuardedServer, settings: ServerConfig, **kwargs: Any) -> None:
         super().__init__(manager, **kwargs)
         self._edge = manager
         self._settings = settings
@@ -441,7 +484,7 @@ class EdgeProtocol(RequestHandler):
             self.logger.log(level, "Error handling request from %s: %s (%d), not quoted",
                             request.remote, type(exc).__name__, rejected.reason.status)
         else:
-            log.error("proxy error before the request path finished (peer %s)",
+            log.error("error before an answer was written (peer %s)",
                       request.remote, exc_info=exc)
             rejected = Rejected(Reason.INTERNAL_ERROR, None, "")
         response = render(rejected, "http")

@@ -280,16 +280,22 @@ class Route:
         self.idempotency = carry_over(
             old.idempotency, self.idempotency, prev.idempotency, new.idempotency
         )
-        # An unchanged breaker keeps its state (open stays open); a changed one starts closed.
+        # The breaker keeps its state whatever changed in its block (open stays open; the new
+        # thresholds apply from the next outcome): it lives in the state backend under the
+        # route's name, shared with every replica, so only the object's view could be reset.
         self.breaker = carry_over(old.breaker, self.breaker, prev.circuit_breaker,
-                                  new.circuit_breaker)
+                                  new.circuit_breaker, lambda breaker, c: breaker.reconfigure(c))
         self.retry = carry_over(old.retry, self.retry, prev.retry, new.retry)
         # Accounting is rebuilt from the new blocks, but spend carries over: the budget ledger
         # (keyed by unit, scope and window, not by amount) and the route's rates.
         if self.budgets is not None and old.budgets is not None:
             self.budgets.take_over(old.budgets)
+        # The accounting takes metered calls' request units or leaves them to the rate step,
+        # as the new blocks say.
         if self.accounting is not None:
-            self.accounting.rate = self.rate
+            self.accounting.use_rate(self.rate)
+        elif self.rate is not None:
+            self.rate.metered_elsewhere = False
         # Operations named before and after keep their state (slots, levels, breakers).
         if self.operations is not None and old.operations is not None:
             self.operations.take_over(old.operations)

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import time
+from typing import Any
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
@@ -22,7 +24,7 @@ from prometheus_client.aiohttp import make_aiohttp_handler
 
 from policies.config import Config
 from proxy.admin import add_admin_routes
-from proxy.edge import EdgeServer
+from proxy.edge import AdminServer, EdgeServer
 from proxy.handler import handle
 from proxy.reload import RELOADER, Reloader
 from proxy.runtime import RUNTIME, Runtime
@@ -84,20 +86,42 @@ def build_admin_app(runtime: Runtime, reloader: Reloader | None = None) -> web.A
     return app
 
 
+class AdminRunner(web.AppRunner):
+    """An ``AppRunner`` whose server is an :class:`~proxy.edge.AdminServer`, so the admin
+    port's connections get header, body and idle timeouts and a connection cap."""
+
+    def __init__(self, runtime: Runtime, app: web.Application, **kwargs: Any) -> None:
+        super().__init__(app, **kwargs)
+        self._runtime = runtime
+
+    async def _make_server(self) -> web.Server:
+        # aiohttp's own server (after the app's startup) supplies the app's handler and
+        # request factory; only the connection class changes.
+        plain = await super()._make_server()
+        return AdminServer(self._runtime, plain.request_handler,
+                           request_factory=plain.request_factory, loop=plain._loop,
+                           **plain._kwargs)
+
+
+# Both probes name the process that answers (``pid``), so a supervisor or a test can tell its
+# own Sluice from another process that holds the port (tests/conftest.py's start_sluice).
+
+
 async def _healthz(request: web.Request) -> web.Response:
-    return web.json_response({"status": "ok"})
+    return web.json_response({"status": "ok", "pid": os.getpid()})
 
 
 async def _readyz(request: web.Request) -> web.Response:
     runtime = request.app[RUNTIME]
     state = {"backend": runtime.state.kind, **runtime.state.health.as_dict()}
     if runtime.draining:
-        return web.json_response({"status": "draining", "state": state}, status=503)
+        return web.json_response({"status": "draining", "pid": os.getpid(), "state": state},
+                                 status=503)
     if not runtime.state.health.up:
         # Still ready: state.on_unavailable says how calls are served meanwhile, and taking
         # every replica out of its Service for a Redis outage would refuse them all.
         state["on_unavailable"] = runtime.state.fallback.mode
-    return web.json_response({"status": "ready", "state": state})
+    return web.json_response({"status": "ready", "pid": os.getpid(), "state": state})
 
 
 def _split(listen: str) -> tuple[str, int]:
@@ -119,8 +143,9 @@ async def serve(config: Config, config_path: str | None = None) -> None:
     await runtime.open()
     proxy_runner = web.ServerRunner(build_proxy_server(runtime),
                                     shutdown_timeout=SHUTDOWN_GRACE_S)
-    admin_runner = web.AppRunner(
-        build_admin_app(runtime, reloader), access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S
+    admin_runner = AdminRunner(
+        runtime, build_admin_app(runtime, reloader), access_log=None,
+        shutdown_timeout=SHUTDOWN_GRACE_S,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -211,9 +211,10 @@ async def start_sluice(tmp_path: Path) -> AsyncIterator[Callable[..., Awaitable[
             while True:
                 if proc.poll() is not None:
                     raise AssertionError(f"sluice exited at startup:\n{sluice.stderr()}")
-                with contextlib.suppress(aiohttp.ClientError):
+                with contextlib.suppress(aiohttp.ClientError, ValueError):
                     async with session.get(sluice.admin_url + "/readyz") as r:
-                        if r.status == 200:
+                        # Ours, not another process on a reused port.
+                        if r.status == 200 and (await r.json()).get("pid") == proc.pid:
                             return sluice
                 if time.monotonic() > deadline:
                     raise AssertionError(f"sluice not ready in time:\n{sluice.stderr()}")

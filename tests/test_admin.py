@@ -6,9 +6,10 @@ import asyncio
 
 import aiohttp
 import pytest
+from aiohttp import web
 
 from proxy.redact import REDACTED, redact
-from tests.conftest import route
+from tests.conftest import free_port, route
 from tests.test_reload import CHAT, until
 
 
@@ -105,3 +106,28 @@ async def test_every_policy_shows_its_state(upstream, start_sluice):
     assert llm["breaker"] == {"state": "closed", "blocked_for_s": 0.0}
     spent = upstream.prompt_tokens + upstream.completion_tokens
     assert llm["accounting"]["budget_remaining"]["tenants"] == {"acme": {"tokens": 10000 - spent}}
+
+
+async def test_readiness_is_read_from_our_own_process(upstream, start_sluice):
+    """The tests' readiness check took a 200 from whatever held the admin port: another
+    process on a reused port made a Sluice that never started look ready."""
+    async def ready(_: web.Request) -> web.Response:
+        return web.json_response({"status": "ready"})
+
+    impostor = web.Application()
+    impostor.router.add_get("/readyz", ready)
+    runner = web.AppRunner(impostor)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        with pytest.raises(AssertionError, match="exited at startup"):
+            await start_sluice({"server": {"admin_listen": f"127.0.0.1:{port}"},
+                                "routes": [route("svc", upstream.url, "http")]})
+    finally:
+        await runner.cleanup()
+    sluice = await start_sluice({"routes": [route("svc", upstream.url, "http")]})
+    async with aiohttp.ClientSession() as session:
+        for path in ("/healthz", "/readyz"):
+            async with session.get(sluice.admin_url + path) as r:
+                assert (await r.json())["pid"] == sluice.proc.pid

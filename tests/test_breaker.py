@@ -8,6 +8,7 @@ import time
 import aiohttp
 
 from tests.conftest import route
+from tests.test_reload import rewrite
 
 CHAT = "/openai/v1/chat/completions"
 BODY = {"model": "gpt-test", "messages": [{"role": "user", "content": "hi"}]}
@@ -122,4 +123,27 @@ async def test_upstream_retry_after_extends_the_open_time(upstream, start_sluice
             async with s.post(f"{sluice.url}/{name}/v1/chat/completions", json=BODY) as r:
                 assert r.headers["X-Sluice-Reason"] == "circuit_open"
                 assert low <= int(r.headers["Retry-After"]) <= high
+    assert len(upstream.requests) == 2
+
+
+async def test_a_reload_changing_the_breaker_block_keeps_an_open_breaker_open(
+        upstream, start_sluice):
+    """The breaker's state lives in the state backend under the route's name, so a reload
+    that changed the block kept it; but the route got a fresh breaker object whose view said
+    closed, so the gauge and the admin page showed a closed breaker that was refusing calls."""
+    sluice = await start_sluice({"routes": [route(
+        "openai", upstream.url, circuit_breaker={"fail_max": 2, "reset_timeout": "60s"})]})
+    async with aiohttp.ClientSession() as s:
+        for _ in range(2):
+            assert (await post(s, sluice.url, **{"x-fake-status": "500"}))[0] == 500
+        await sluice.wait_metric("sluice_circuit_state", 2, route="openai")
+        rewrite(sluice.config_path,
+                lambda data: data["routes"][0]["circuit_breaker"].update(fail_max=5))
+        await sluice.wait_metric("sluice_config_reloads_total", 1)
+        assert await sluice.metric("sluice_circuit_state", route="openai") == 2
+        async with s.get(sluice.admin_url + "/admin/routes") as r:
+            (view,) = (await r.json())["routes"]
+        assert view["breaker"]["state"] == "open"
+        status, headers = await post(s, sluice.url)
+        assert (status, headers["X-Sluice-Reason"]) == (503, "circuit_open")
     assert len(upstream.requests) == 2

@@ -206,3 +206,43 @@ def test_sidecar_manifest_fits_sluice_config():
     assert env["ANTHROPIC_BASE_URL"] == f"http://{listen}{prefixes['anthropic']}".rstrip("/")
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert sidecar["securityContext"]["readOnlyRootFilesystem"] is True
+
+
+# --- Kubernetes, shared state on Redis --------------------------------------------------------
+
+REDIS_K8S = K8S / "redis"
+
+
+def _carried_config(path: Path) -> str:
+    return yaml.safe_load(path.read_text())["data"]["sluice.yaml"]
+
+
+def test_redis_manifests_validate_offline(tmp_path):
+    result = run(tool("kubernetes-validate"), "--strict", "-k", K8S_VERSION,
+                 *sorted(str(p) for p in REDIS_K8S.glob("*.yaml")))
+    assert result.stdout.count("passed") == 2
+    config = tmp_path / "sluice.yaml"
+    config.write_text(_carried_config(REDIS_K8S / "configmap.yaml"))
+    out = run(tool("sluice"), "check-config", str(config)).stdout
+    assert out == f"{config}: ok (2 route(s))\n"
+
+
+def test_redis_variant_differs_from_the_sidecar_only_in_shared_state():
+    base = parse_config(_carried_config(K8S / "configmap.yaml"), "configmap.yaml")
+    shared = parse_config(_carried_config(REDIS_K8S / "configmap.yaml"), "redis/configmap.yaml")
+    assert shared.state.backend == "redis"
+    assert shared.state.redis_url == "env:SLUICE_REDIS_URL"
+    assert shared.state.on_unavailable in ("local", "reject")
+    assert shared.model_copy(update={"state": base.state}) == base
+
+    deployment = yaml.safe_load((REDIS_K8S / "deployment.yaml").read_text())
+    sidecar = deployment["spec"]["template"]["spec"]["initContainers"][0]
+    (env,) = sidecar.pop("env")
+    assert env == {"name": "SLUICE_REDIS_URL",
+                   "valueFrom": {"secretKeyRef": {"name": "sluice-redis", "key": "url"}}}
+    # Each replica enforces its share of every limit while Redis is away: the share must be
+    # of the replicas that really run.
+    assert deployment["spec"].pop("replicas") == shared.state.replicas > 1
+    base_deployment = yaml.safe_load((K8S / "deployment.yaml").read_text())
+    base_deployment["spec"].pop("replicas")
+    assert deployment == base_deployment

@@ -12,6 +12,7 @@ import openai
 from aiohttp import web
 
 from policies.usage import JSON_LIMIT_BYTES
+from proxy.edge import ADMIN_MAX_CONNECTIONS
 from tests.conftest import raw_request, route, wait_until
 from tests.fakeupstream import RawUpstream
 from tests.mcp_servers import mcp_stateless  # noqa: F401  (a fixture)
@@ -341,6 +342,75 @@ async def test_slowloris_and_silent_connections_are_closed_while_calls_are_serve
     assert all(got == b"" for _, got in quiet)  # nothing to answer
     assert "/slow" not in {s.path_qs for s in upstream.requests}
 
+
+
+async def test_the_admin_port_closes_slow_and_idle_clients_and_keeps_probes_answered(
+        upstream, start_sluice):
+    """The admin port was a plain aiohttp app: slowloris and silent connections were held as
+    long as they liked, with no cap on their number, while the kubelet probes it."""
+    sluice = await start_sluice({"server": {"header_timeout": "1s", "idle_timeout": "2s"},
+                                 "routes": [route("svc", upstream.url, "http")]})
+    head = b"GET /healthz HTTP/1.1\r\n" + LOOPBACK + b"X-Drip: " + b"d" * 64
+
+    async def slowloris() -> tuple[float, bytes]:
+        reader, writer = await asyncio.open_connection("127.0.0.1", sluice.admin_port)
+        opened = time.monotonic()
+        received = bytearray()
+
+        async def drip() -> None:
+            for byte in head:
+                writer.write(bytes([byte]))
+                await asyncio.sleep(0.3)
+
+        task = asyncio.create_task(drip())
+        try:
+            got = await closed_within(reader, 10, received)
+        except TimeoutError:
+            got = bytes(received)
+        finally:
+            task.cancel()
+            writer.close()
+        return time.monotonic() - opened, got
+
+    attackers = [asyncio.create_task(slowloris()) for _ in range(ADMIN_MAX_CONNECTIONS // 2)]
+    silent = []
+    for _ in range(5):
+        silent.append(await asyncio.open_connection("127.0.0.1", sluice.admin_port))
+    probes = []
+    async with aiohttp.ClientSession() as session:
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline:
+            async with session.get(sluice.admin_url + "/healthz") as r:
+                probes.append(r.status)
+            await asyncio.sleep(0.1)
+    results = await asyncio.gather(*attackers)
+    assert len(probes) > 10 and set(probes) == {200}
+    assert max(took for took, _ in results) < 3.0  # header_timeout 1s, plus slack
+    assert all(got.startswith(b"HTTP/1.1 408") or got == b"" for _, got in results)
+    assert sum(got.startswith(b"HTTP/1.1 408") for _, got in results) >= len(results) - 2
+    for reader, writer in silent:
+        assert await closed_within(reader, 3) == b""
+        writer.close()
+
+    # A kept-alive connection idle past idle_timeout is closed.
+    reader, writer = await asyncio.open_connection("127.0.0.1", sluice.admin_port)
+    writer.write(b"GET /healthz HTTP/1.1\r\n" + LOOPBACK + b"\r\n")
+    assert (await read_answer(reader))[0] == 200
+    started = time.monotonic()
+    assert await closed_within(reader, 5) == b""
+    assert 1.9 < time.monotonic() - started < 4.0
+    writer.close()
+
+    # Connections are capped: one over the cap is answered 503 and closed.
+    held = []
+    for _ in range(ADMIN_MAX_CONNECTIONS):
+        held.append(await asyncio.open_connection("127.0.0.1", sluice.admin_port))
+    answer = await raw_request(sluice.admin_port,
+                               b"GET /healthz HTTP/1.1\r\n" + LOOPBACK + b"\r\n", timeout=5)
+    [(status, headers, _)] = parse(answer)
+    assert (status, headers["x-sluice-reason"]) == (503, "too_many_connections")
+    for _, writer in held:
+        writer.close()
 
 async def test_a_stalled_or_trickling_body_is_cut_with_408(upstream, start_sluice):
     sluice = await start_sluice({"server": {"body_timeout": "1s", "min_body_rate": 100},

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
+from collections.abc import Iterator
 
 import aiohttp
 import openai
+import pytest
 
 from tests.conftest import route
+from tests.redis_servers import TEST_TIMEOUT_S, delete_prefix, new_prefix, require_redis
 
 CHAT = {"model": "gpt-test", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -316,3 +320,55 @@ async def test_forward_mode_injects_keys_and_leaves_dedup_upstream(upstream, sta
     # Four logical calls: caller-key, the derived key of each tenant, and the keyless one.
     assert await sluice.metric("sluice_work_units_total", route="pay") == 4
     assert await sluice.metric("sluice_upstream_attempts_total", route="pay") == 6
+
+
+@pytest.fixture(params=["memory", "redis"])
+def state_block(request: pytest.FixtureRequest) -> Iterator[dict[str, object]]:
+    """The memory backend, or one Redis under a key prefix of the test's own."""
+    if request.param == "memory":
+        yield {"backend": "memory"}
+        return
+    url, prefix = require_redis(), new_prefix()
+    try:
+        yield {"backend": "redis", "redis_url": url, "key_prefix": prefix,
+               "timeout": f"{int(TEST_TIMEOUT_S * 1000)}ms"}
+    finally:
+        delete_prefix(url, prefix)
+
+
+async def test_waiting_duplicates_of_one_key_are_bounded_in_number(upstream, start_sluice,
+                                                                   state_block):
+    """Duplicates of an in-flight key were bounded in time (max_wait) but not in number: each
+    held a connection and a waiter for as long as the first request ran."""
+    upstream.hold = asyncio.Event()
+    sluice = await start_sluice({"state": state_block, "routes": [route(
+        "tools", upstream.url, "http", idempotency={"mode": "dedup", "max_waiters": 3})]})
+    url = sluice.url + "/tools/v1/artifacts"
+    payload = {"name": "report.pdf"}
+    headers = {"Idempotency-Key": "artifact-7", "X-Tenant-ID": "acme"}
+    async with aiohttp.ClientSession() as s:
+        first = asyncio.create_task(post(s, url, payload, headers))
+        await wait_for(lambda: len(upstream.requests) == 1)
+        waiting = [asyncio.create_task(post(s, url, payload, headers)) for _ in range(3)]
+        await sluice.wait_metric("sluice_idempotency_waiting", 3, route="tools")
+        started = time.monotonic()
+        status, h, body = await post(s, url, payload, headers)
+        assert time.monotonic() - started < 5  # at once, not after max_wait (60 s)
+        assert (status, h["X-Sluice-Reason"], h["Retry-After"]) == (
+            409, "idempotency_conflict", "1")
+        assert h["x-should-retry"] == "true"  # the first may be done by then
+        error = json.loads(body)["error"]
+        assert error["reason"] == "idempotency_conflict"
+        assert "3 duplicates already wait" in error["message"]
+        assert "idempotency.max_waiters" in error["message"]
+        # Another key is not affected by this one's waiters.
+        other = asyncio.create_task(post(s, url, payload, {**headers,
+                                                           "Idempotency-Key": "artifact-8"}))
+        await wait_for(lambda: len(upstream.requests) == 2)
+        upstream.hold.set()
+        results = await asyncio.gather(first, *waiting, other)
+    assert [status for status, _, _ in results] == [200] * 5
+    assert [h.get("Idempotent-Replayed") for _, h, _ in results[1:4]] == ["true"] * 3
+    assert upstream.executed == 2
+    assert await sluice.metric("sluice_rejections_total", route="tools",
+                               reason="idempotency_conflict") == 1

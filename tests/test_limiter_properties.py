@@ -95,6 +95,7 @@ class LimiterProgram(RuleBasedStateMachine):
         limiter = self.limiter
         try:
             assert (limiter.inflight, limiter.queued, limiter._by_tenant) == (0, 0, {})
+            assert limiter._vtime == {}  # nothing kept of tenants with nothing live
             assert not limiter.waiters()
             assert not self.errors, self.errors
         finally:

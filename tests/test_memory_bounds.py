@@ -1,15 +1,19 @@
-"""Per-run state stays bounded whatever run ids callers send (issue 13, memory): the run
-registry forgets the least recently seen runs that hold nothing, and keeps every run whose
-state a limit needs (a call live, a ``max_requests`` count, a cancellation, a child)."""
+"""Per-run and per-tenant state stays bounded whatever ids callers send (issue 13, memory):
+the run registry forgets the least recently seen runs that hold nothing, and keeps every run
+whose state a limit needs (a call live, a ``max_requests`` count, a cancellation, a child); the
+concurrency limiter keeps fair-queueing state only for tenants with calls live."""
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import tracemalloc
 
 import pytest
 
+from bench.scheduler import SimLoop
 from policies import runs as runs_module
+from policies.concurrency import ConcurrencyLimiter
 from policies.config import RunConfig
 from policies.pipeline import Call, Outcome
 from policies.reasons import Reason, Rejected
@@ -114,3 +118,64 @@ def test_the_depth_of_a_remembered_tree_is_kept(monkeypatch):
         registry.resolve("leaf", "mid", "t")
     assert registry.resolve("leaf", "mid", "t").depth == 2
     assert {"root", "mid", "leaf"} <= set(registry.runs)
+
+
+# --- the concurrency limiter's fair-queueing state -------------------------------------------
+
+
+def _on_sim_loop(coro):
+    loop = SimLoop()
+    try:
+        return loop.run_until_complete(coro)
+    finally:
+        loop.close()
+
+
+def test_a_hundred_thousand_distinct_tenants_leave_the_limiter_empty():
+    """Each tenant's virtual time was kept for ever once it had been served without queueing
+    (the route's time never passed it): one entry per tenant ever seen."""
+    async def main() -> int:
+        limiter = ConcurrencyLimiter(4, 8, 30.0, None)
+        largest = 0
+        for batch in range(100_000 // 8):
+            tenants = [f"t{batch}-{i}" for i in range(8)]  # 4 served at once, 4 queued
+            tasks = [asyncio.ensure_future(limiter.acquire(t)) for t in tenants]
+            await asyncio.sleep(0)
+            assert limiter.queued == 4
+            largest = max(largest, len(limiter._vtime))
+            for tenant, task in zip(tenants, tasks, strict=True):
+                charged = await task
+                limiter.release(tenant, 0.01, charged)
+        assert (limiter.inflight, limiter.queued) == (0, 0)
+        assert limiter._vtime == {} and limiter._by_tenant == {}
+        assert limiter._tenant_service == {}
+        return largest
+
+    assert _on_sim_loop(main()) <= 8  # only the tenants with a call live
+
+
+def test_a_tenant_returning_from_idle_starts_at_the_routes_virtual_time():
+    """A tenant that used the route alone earlier is neither credited nor charged for it:
+    with the others queued, its new call is tagged at the route's time, as a new tenant's."""
+    async def main() -> None:
+        limiter = ConcurrencyLimiter(1, 10, 30.0, None)
+        for _ in range(5):  # alone on the route: served at once, five calls' worth
+            limiter.release("early", 1.0, await limiter.acquire("early"))
+        await limiter.acquire("holder")
+        order: list[str] = []
+        for name in ("busy-1", "busy-2", "busy-3", "early"):
+            task = asyncio.ensure_future(limiter.acquire(name.partition("-")[0]))
+            task.add_done_callback(lambda _, name=name: order.append(name))
+            await asyncio.sleep(0)
+        tags = {w.tenant: w.tag for w in limiter.waiters() if w.order == min(
+            v.order for v in limiter.waiters() if v.tenant == w.tenant)}
+        assert tags == {"busy": 0.0, "early": 0.0}  # the route's time: nothing served yet
+        limiter.release("holder", 1.0)
+        for served in range(4):
+            while len(order) == served:
+                await asyncio.sleep(0)
+            limiter.release(order[-1].partition("-")[0], 1.0)
+        assert order == ["busy-1", "early", "busy-2", "busy-3"]  # its fair turn: second
+        assert limiter._vtime == {}
+
+    _on_sim_loop(main())

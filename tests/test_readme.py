@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from proxy.config import StrictLoader
+from proxy.config import StrictLoader, parse_config
 from tests.conftest import REPO, SluiceProcess, route
 from tests.test_deploy import tool
 
@@ -96,7 +96,7 @@ def test_deploy_as_a_sidecar_checks():
     tool("kubernetes-validate")
     (code,) = blocks("Deploy as a Kubernetes sidecar")
     out = run_block(code)
-    assert out.count("passed for resource") == 2
+    assert out.count("passed for resource") == 4
 
 
 async def test_read_the_dashboard_and_alerts(upstream, start_sluice):
@@ -111,4 +111,18 @@ async def test_read_the_dashboard_and_alerts(upstream, start_sluice):
 def test_sections_name_real_files(section):
     body = README.split(f"\n## {section}\n", 1)[1].split("\n## ", 1)[0]
     for path in re.findall(r"`((?:deploy|config)/[\w./-]+|Dockerfile)`", body):
+        assert (REPO / path).exists(), path
+
+
+def test_shared_state_section():
+    """Its config block is a valid ``state`` block; the files it names exist."""
+    body = README.split("\n## Shared state (Redis)\n", 1)[1].split("\n## ", 1)[0]
+    (block,) = re.findall(r"```yaml\n(.*?)```", body, re.S)
+    routes = yaml.safe_dump({"routes": [route("openai", "https://api.openai.com")]})
+    config = parse_config(block + routes, "README.md")
+    assert config.state.backend == "redis" and config.state.redis_url == "env:SLUICE_REDIS_URL"
+    assert config.state.on_unavailable == "local" and config.state.replicas == 3
+    for mode in ("`local`", "`reject`", "`state_unavailable`", "`sluice-redis`"):
+        assert mode in body
+    for path in re.findall(r"`(deploy/[\w./-]+)`", body):
         assert (REPO / path).exists(), path

@@ -9,8 +9,10 @@ own; the round-trip count reads that server's ``INFO commandstats``.
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 import uuid
+from collections.abc import Iterator
 
 import aiohttp
 import openai
@@ -277,6 +279,39 @@ async def test_budget_of_1000_tokens_admits_at_most_ten_of_twenty_over_three_rep
     assert budget_levels(url, prefix, counter)[0] <= 1000
 
 
+async def test_a_refusal_names_the_limit_with_the_longest_wait(
+        upstream, start_sluice, shared_state):
+    """Rate and budget are decided in one step, so when both deny, the refusal names the one
+    whose wait is longest: a day's spent budget, not the minute's request rate (a retry after
+    the rate's 60 s would be refused again)."""
+    await longest_wait_named(upstream, start_sluice, shared_state)
+
+
+async def test_a_refusal_names_the_limit_with_the_longest_wait_in_memory(
+        upstream, start_sluice):
+    await longest_wait_named(upstream, start_sluice, {"backend": "memory"})
+
+
+async def longest_wait_named(upstream, start_sluice, state: dict) -> None:
+    (sluice,) = await replicas(start_sluice, 1, state, route(
+        "openai", upstream.url, rate={"per_tenant": {"requests": "1/min"}},
+        budget={"tokens": "200/day", "per": "tenant"}))
+    tenant = f"t-{uuid.uuid4().hex[:8]}"
+    headers = {"X-Tenant-ID": tenant, "x-fake-tokens": "100"}
+    async with aiohttp.ClientSession() as session:
+        first = await post(session, sluice.url, body(100), **headers)
+        assert first[0] == 200, first
+        # Its settle: 111 spent, so the next one's 100 output tokens and more cannot fit today.
+        await asyncio.sleep(0.3)
+        status, headers, _ = await post(session, sluice.url, body(100), **headers)
+    to_midnight = 86400 - time.time() % 86400
+    assert status == 429
+    if to_midnight > 120:
+        assert headers["X-Sluice-Reason"] == "budget_exhausted"
+        assert int(headers["Retry-After"]) > 60
+    assert len(upstream.requests) == 1
+
+
 # -- Redis unavailable --------------------------------------------------------------------------
 
 
@@ -363,21 +398,48 @@ async def test_reject_mode_refuses_503_state_unavailable_and_recovers_without_re
 # -- round trips --------------------------------------------------------------------------------
 
 
-def round_trips(server: RedisServer) -> int:
-    """Scripts run since the stats were reset. Every state call Sluice makes on the request
-    path is one script (``EVALSHA``, or ``EVAL`` when the script is not loaded), sent alone:
-    each is one round trip. (``total_commands_processed`` would also count the commands a
-    script runs inside Redis, and this test's own reads.)"""
-    with server.client() as r:
-        stats = r.info("commandstats")
-    return sum(int(v["calls"]) for k, v in stats.items()
-               if k in ("cmdstat_evalsha", "cmdstat_eval", "cmdstat_fcall"))
+def round_trips(*servers: RedisServer) -> int:
+    """Scripts run on ``servers`` since their stats were reset. Every state call Sluice makes
+    on the request path is one script (``EVALSHA``, or ``EVAL`` when the script is not
+    loaded), sent alone: each is one round trip. (``total_commands_processed`` would also
+    count the commands a script runs inside Redis, and this test's own reads.)"""
+    calls = 0
+    for server in servers:
+        with server.client() as r:
+            stats = r.info("commandstats")
+        calls += sum(int(v["calls"]) for k, v in stats.items()
+                     if k in ("cmdstat_evalsha", "cmdstat_eval", "cmdstat_fcall"))
+    return calls
 
 
-async def test_round_trips_per_admitted_call(upstream, start_sluice, redis_server, capsys):
-    """Every bucket of a metered call (tenant, route, tokens) is one script; the budget
-    reserve one more; the settle one: 3 per admitted metered call, 1 per unmetered call."""
-    state = own_state(redis_server, "local")
+def reset_stats(*servers: RedisServer) -> None:
+    for server in servers:
+        with server.client() as r:
+            r.config_resetstat()
+
+
+@pytest.fixture(params=["redis", "cluster"])
+def counted(request: pytest.FixtureRequest, tmp_path) -> Iterator[tuple[str, list[RedisServer]]]:
+    """A Redis of this test's own (then the session's 3-master cluster): its URL and the
+    servers whose stats count the round trips."""
+    if request.param == "redis":
+        server = RedisServer(tmp_path / "redis").start()
+        try:
+            yield server.url, [server]
+        finally:
+            server.stop()
+        return
+    cluster = request.getfixturevalue("redis_cluster")
+    yield cluster.url, cluster.servers
+
+
+async def test_round_trips_per_admitted_call(upstream, start_sluice, counted, capsys):
+    """A metered call's request, tenant and token buckets and its budget reservation are one
+    script, its settle one more: 2 round trips per admitted metered call; an unmetered call
+    on the same route 1 (its buckets). On one Redis and on a 3-master cluster."""
+    url, servers = counted
+    state = {"backend": "redis", "redis_url": url, "key_prefix": new_prefix(),
+             "timeout": "200ms", "on_unavailable": "local", "replicas": 3}
     (sluice,) = await replicas(start_sluice, 1, state, route(
         "openai", upstream.url,
         rate={"requests": "1000/min", "per_tenant": {"requests": "1000/min"},
@@ -386,23 +448,89 @@ async def test_round_trips_per_admitted_call(upstream, start_sluice, redis_serve
     counter = "tokens-per-tenant-day:acme"
     n = 20
     async with aiohttp.ClientSession() as session:
+        # One call of each kind first: a script's first run also loads it (NOSCRIPT, then
+        # SCRIPT LOAD), once per server and process, not per call.
         assert (await post(session, sluice.url, **{"X-Tenant-ID": "acme"}))[0] == 200
-        await settled(redis_server.url, state["key_prefix"], counter, PLAIN_SPEND)
-        with redis_server.client() as r:
-            r.config_resetstat()
+        async with session.get(sluice.url + "/openai/v1/models",
+                               headers={"X-Tenant-ID": "acme"}) as resp:
+            assert resp.status == 200
+        await settled(url, state["key_prefix"], counter, PLAIN_SPEND)
+        reset_stats(*servers)
         for _ in range(n):
             assert (await post(session, sluice.url, **{"X-Tenant-ID": "acme"}))[0] == 200
-        await settled(redis_server.url, state["key_prefix"], counter, (n + 1) * PLAIN_SPEND)
-        metered = round_trips(redis_server)
-        with redis_server.client() as r:
-            r.config_resetstat()
+        await settled(url, state["key_prefix"], counter, (n + 1) * PLAIN_SPEND)
+        metered = round_trips(*servers)
+        reset_stats(*servers)
         for _ in range(n):
             async with session.get(sluice.url + "/openai/v1/models",
                                    headers={"X-Tenant-ID": "acme"}) as resp:
                 assert resp.status == 200
-        unmetered = round_trips(redis_server)
+        unmetered = round_trips(*servers)
     with capsys.disabled():
-        print(f"\nRedis round trips per admitted call: metered (rate+tokens, budget, settle) "
-              f"{metered / n:.2f}, unmetered (rate) {unmetered / n:.2f}")
-    assert metered == 3 * n
+        print(f"\nRedis round trips per admitted call ({len(servers)} server(s)): metered "
+              f"(admit, settle) {metered / n:.2f}, unmetered (rate) {unmetered / n:.2f}")
+    assert metered == 2 * n
     assert unmetered == n
+
+
+async def test_a_settle_in_flight_at_sigterm_lands_before_sluice_exits(
+        upstream, start_sluice, redis_server):
+    """Shutdown closed the Redis connection under the settles still running in the background:
+    a call answered just before SIGTERM kept its worst case held (until reaped, 15 min) and its
+    spend was never charged."""
+    prefix = new_prefix()
+    sluice = await start_sluice({
+        "state": {"backend": "redis", "redis_url": redis_server.url, "key_prefix": prefix,
+                  "timeout": "1s"},
+        "routes": [route("openai", upstream.url,
+                         budget={"tokens": "100000/day", "per": "tenant"})]})
+    counter = "tokens-per-tenant-day:acme"
+    async with aiohttp.ClientSession() as session:
+        assert (await post(session, sluice.url, **{"X-Tenant-ID": "acme"}))[0] == 200
+        await settled(redis_server.url, prefix, counter, PLAIN_SPEND)
+        upstream.hold = asyncio.Event()
+        call = asyncio.create_task(post(session, sluice.url, **{"X-Tenant-ID": "acme"}))
+        await wait_for(lambda: upstream.inflight == 1, what="the call at the upstream")
+        with redis_server.client() as admin:
+            # Scripts that write wait 0.7 s from now; everything else is answered.
+            admin.execute_command("CLIENT", "PAUSE", "700", "WRITE")
+        upstream.hold.set()
+        assert (await call)[0] == 200  # its settle now waits on Redis
+        sluice.signal(signal.SIGTERM)
+        assert await sluice.wait_exit(15) == 0
+    assert budget_levels(redis_server.url, prefix, counter) == (2 * PLAIN_SPEND, 0.0)
+
+
+async def test_a_call_refused_after_its_admission_gives_back_in_one_round_trip(
+        upstream, start_sluice, counted):
+    """A metered call admitted by its rates and budget, then refused by the route's
+    concurrency (full, no queue): its units and reservation go back in one script, so it
+    costs 2 round trips (admission, release), and nothing stays held."""
+    url, servers = counted
+    state = {"backend": "redis", "redis_url": url, "key_prefix": new_prefix(),
+             "timeout": "200ms"}
+    (sluice,) = await replicas(start_sluice, 1, state, route(
+        "openai", upstream.url, rate={"per_tenant": {"requests": "1000/min"},
+                                      "tokens": "1000000/min"},
+        budget={"tokens": "1000000/day", "per": "tenant"},
+        concurrency={"limit": 1, "queue": 0}))
+    counter = "tokens-per-tenant-day:acme"
+    headers = {"X-Tenant-ID": "acme"}
+    async with aiohttp.ClientSession() as session:
+        upstream.hold = asyncio.Event()
+        held = asyncio.create_task(post(session, sluice.url, **headers))
+        await wait_for(lambda: upstream.inflight == 1, what="the first call at the upstream")
+        assert (await post(session, sluice.url, **headers))[0] == 503  # the scripts are loaded
+        await wait_for(lambda: budget_levels(url, state["key_prefix"], counter)[1] < 200,
+                       what="the refused call's reservation released")
+        reset_stats(*servers)
+        status, refused, _ = await post(session, sluice.url, **headers)
+        assert (status, refused["X-Sluice-Reason"]) == (503, "queue_full")
+        await wait_for(lambda: round_trips(*servers) >= 2, what="the release")
+        await asyncio.sleep(0.3)  # nothing else follows
+        assert round_trips(*servers) == 2
+        _, held_now = budget_levels(url, state["key_prefix"], counter)
+        upstream.hold.set()
+        assert (await held)[0] == 200
+    assert 0 < held_now < 200  # only the call at the upstream holds its reservation
+    await settled(url, state["key_prefix"], counter, PLAIN_SPEND)

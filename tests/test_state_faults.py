@@ -13,16 +13,18 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 import redis
 
 from policies.deadletter import DeadLetter
 from policies.state import StateBackends, StateUnavailable, redact_url, redis_backends
 from policies.state.breaker import BreakerParams, Ticket
-from policies.state.connection import RedisState
+from policies.state.connection import RedisState, Script
 from policies.state.idempotency import SEEN, Answer
 from policies.state.ledger import Claim
 from policies.state.rate import Take
+from tests.conftest import route
 from tests.redis_servers import RedisCluster, RedisServer, free_port, new_prefix, require_redis
 
 TIMEOUT_S = 0.2
@@ -40,6 +42,10 @@ def every_call(b: StateBackends) -> dict[str, Callable[[], Awaitable[Any]]]:
         "ledger.reserve": lambda: b.ledger.reserve(
             "r", "id", [Claim("day", 1, 10, now + 60)], now, 60),
         "ledger.settle": lambda: b.ledger.settle("r", "id", [1]),
+        "admissions.admit": lambda: b.admissions.admit(
+            "r", [Take("requests", 10, 60.0)], "id2", [Claim("day", 1, 10, now + 60)], now, 60),
+        "admissions.release": lambda: b.admissions.release(
+            "r", [Take("requests", 10, 60.0)], "id2"),
         "leases.acquire": lambda: b.leases.acquire("r", "t", "l", 4, None, 5),
         "leases.release": lambda: b.leases.release("r", "t", "l"),
         "idempotency.begin": lambda: b.idempotency.begin("k", "o", b"", 5),
@@ -222,3 +228,97 @@ async def test_the_url_says_server_or_cluster(redis_cluster: RedisCluster):
     finally:
         await single.close()
         await cluster.close()
+
+
+async def test_connections_from_before_a_restart_cost_no_refusal_once_it_is_back(
+        redis_server: RedisServer):
+    """After a restart each pooled connection failed once ("Connection closed by server") and
+    marked the backend down again, so calls were refused (503 in reject mode) although Redis
+    was answering."""
+    # A timeout generous for a loaded machine: what is checked is that no call fails on a
+    # connection from before the restart, not how fast a fresh one is opened.
+    own = await redis_backends(redis_server.url, new_prefix(), 2.0, probe_interval_s=PROBE_S)
+    try:
+        async def burst() -> None:
+            await asyncio.gather(*(own.rates.admit("r", [Take("requests", 10_000, 60.0)])
+                                   for _ in range(32)))
+
+        await burst()  # several pooled connections, all to the server about to go
+        redis_server.stop()
+        redis_server.start()
+        await recovered(own)
+        changes: list[bool] = []
+        own.health.on_change(lambda up, _: changes.append(up))
+        for _ in range(5):
+            await burst()
+            await each_answers(own)
+        assert changes == [] and own.health.up
+    finally:
+        await own.close()
+
+
+async def test_no_503_in_reject_mode_once_a_restarted_redis_is_back(
+        redis_server: RedisServer, upstream, start_sluice):
+    sluice = await start_sluice({
+        "state": {"backend": "redis", "redis_url": redis_server.url, "key_prefix": new_prefix(),
+                  "timeout": "2s", "on_unavailable": "reject"},
+        "routes": [route("svc", upstream.url, "http", rate={"requests": "100000/min"})]})
+
+    async def burst(session: aiohttp.ClientSession) -> list[int]:
+        async def one() -> int:
+            async with session.get(sluice.url + "/svc/x") as r:
+                return r.status
+        return await asyncio.gather(*(one() for _ in range(32)))
+
+    async def backend_up(session: aiohttp.ClientSession) -> bool:
+        async with session.get(sluice.admin_url + "/readyz") as r:
+            return (await r.json())["state"]["up"]
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        assert set(await burst(session)) == {200}  # opens several pooled Redis connections
+        redis_server.stop()
+        redis_server.start()
+        deadline = time.monotonic() + 10
+        while not await backend_up(session):
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+        statuses = [status for _ in range(5) for status in await burst(session)]
+    assert statuses == [200] * len(statuses)
+
+
+# A script that keeps Redis busy for 20 ms before it answers (TIME in a loop).
+_TWENTY_MS = Script("""
+local t = redis.call('TIME')
+local start = t[1] * 1000000 + t[2]
+while true do
+  local u = redis.call('TIME')
+  if u[1] * 1000000 + u[2] - start > 20000 then return 1 end
+end
+""")
+
+
+async def test_a_busy_sluice_does_not_mark_a_healthy_redis_down(redis_server):
+    """Sluice's own loop blocked past a call's deadline (a busy CPU) while Redis answered in
+    time: the reply is taken when the loop comes back, not thrown away with Redis marked
+    down (asyncio.timeout alone lost most of them: the deadline and the reply come due in
+    the same loop turn, and the cancellation wins)."""
+    state = RedisState(redis_server.url, new_prefix(), TIMEOUT_S, probe_interval_s=PROBE_S)
+    await state.start()
+    try:
+        loop = asyncio.get_running_loop()
+        busy = [state.key("g", "busy")]
+        await state.eval(_TWENTY_MS, busy, [])  # loaded, and a connection open: one send each
+        for _ in range(8):
+            # 5 ms after the script is sent, the loop stalls past the deadline; Redis answers
+            # at 20 ms.
+            loop.call_later(0.005, time.sleep, TIMEOUT_S + 0.1)
+            assert await state.eval(_TWENTY_MS, busy, []) == 1
+        assert state.health.up and state.health.failures == 0
+        redis_server.freeze()
+        started = time.monotonic()
+        with pytest.raises(StateUnavailable):  # a Redis that does not answer still times out
+            await state.eval(_TWENTY_MS, busy, [])
+        assert time.monotonic() - started <= TIMEOUT_S + MARGIN_S
+    finally:
+        redis_server.thaw()
+        await state.close()

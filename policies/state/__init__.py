@@ -9,6 +9,7 @@ kind                          interface                       module
 ============================  ==============================  =================================
 rate buckets (GCRA)           :class:`RateBuckets`            :mod:`policies.state.rate`
 budget ledger                 :class:`Ledger`                 :mod:`policies.state.ledger`
+rates and budget together     :class:`Admissions`             :mod:`policies.state.admission`
 concurrency leases            :class:`Leases`                 :mod:`policies.state.leases`
 idempotency records/markers   :class:`IdempotencyRecords`     :mod:`policies.state.idempotency`
 circuit breakers              :class:`BreakerStates`          :mod:`policies.state.breaker`
@@ -24,10 +25,13 @@ script on one slot. Every Redis call on the request path is one round trip and r
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from policies.config import StateConfig
+from policies.state.admission import Admissions, MemoryAdmissions, RedisAdmissions
 from policies.state.breaker import BreakerStates, MemoryBreakerStates, RedisBreakerStates
 from policies.state.connection import Health, RedisState, redact_url
 from policies.state.deadletters import (
@@ -46,6 +50,7 @@ from policies.state.ledger import Ledger, MemoryLedger, RedisLedger
 from policies.state.rate import MemoryRateBuckets, RateBuckets, RedisRateBuckets
 
 __all__ = [
+    "Admissions",
     "BreakerStates",
     "DeadLetterStore",
     "Fallback",
@@ -62,6 +67,11 @@ __all__ = [
     "redact_url",
     "redis_backends",
 ]
+
+log = logging.getLogger("sluice.state")
+
+#: Longest shutdown waits for writes policies started in the background, seconds.
+CLOSE_GRACE_S = 2.0
 
 
 @dataclass(slots=True)
@@ -80,9 +90,14 @@ class StateBackends:
     idempotency: IdempotencyRecords
     breakers: BreakerStates
     dead_letters: DeadLetterStore
+    #: ``rates`` and ``ledger`` taken together in one call (one round trip).
+    admissions: Admissions
     redis: RedisState | None = None
     #: What policies do while this set is unavailable (never, for memory).
     fallback: Fallback = field(default_factory=lambda: Fallback("local", 1))
+    #: Writes policies started and nothing awaits (settles, refunds, reconciliation, keys
+    #: and leases given back, dead letters): :meth:`close` lets them end first.
+    background: set[asyncio.Future[Any]] = field(default_factory=set)
 
     @property
     def kind(self) -> str:
@@ -95,8 +110,29 @@ class StateBackends:
         if self.redis is not None:
             await self.redis.start()
 
-    async def close(self) -> None:
-        """Close the Redis connection (nothing to do for memory)."""
+    def keep(self, task: asyncio.Future[Any]) -> None:
+        """Let :meth:`close` wait for ``task``, a write started in the background."""
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+
+    async def close(self, grace_s: float = CLOSE_GRACE_S) -> None:
+        """Let the background writes end, then close the Redis connection (nothing to do for
+        memory).
+
+        A settle started by a call answered just before shutdown would otherwise be cut with
+        the connection, leaving the call's worst case held until the ledger reaps it and its
+        spend uncharged. The wait is bounded by ``grace_s`` seconds (each write is bounded by
+        ``state.timeout``), and skipped while the backend is down: its writes then fail at once.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
+        while self.health.up and (pending := [t for t in self.background if not t.done()]):
+            left = deadline - loop.time()
+            if left <= 0:
+                log.warning("%d state write(s) still running after %gs at shutdown: cut",
+                            len(pending), grace_s)
+                break
+            await asyncio.wait(pending, timeout=left)
         if self.redis is not None:
             await self.redis.close()
 
@@ -137,14 +173,16 @@ def memory_backends() -> StateBackends:
     """The state of one process (the embedded default)."""
     health = Health()
     health.up = True  # memory cannot be unavailable
+    rates, ledger = MemoryRateBuckets(), MemoryLedger()
     return StateBackends(
         health=health,
-        rates=MemoryRateBuckets(),
-        ledger=MemoryLedger(),
+        rates=rates,
+        ledger=ledger,
         leases=MemoryLeases(),
         idempotency=MemoryIdempotencyRecords(),
         breakers=MemoryBreakerStates(),
         dead_letters=MemoryDeadLetterStore(),
+        admissions=MemoryAdmissions(rates, ledger),
     )
 
 
@@ -165,15 +203,17 @@ def backends_for(config: StateConfig) -> StateBackends:
 
 
 def _redis_set(state: RedisState) -> StateBackends:
+    rates, ledger = RedisRateBuckets(state), RedisLedger(state)
     return StateBackends(
         health=state.health,
         redis=state,
-        rates=RedisRateBuckets(state),
-        ledger=RedisLedger(state),
+        rates=rates,
+        ledger=ledger,
         leases=RedisLeases(state),
         idempotency=RedisIdempotencyRecords(state),
         breakers=RedisBreakerStates(state),
         dead_letters=RedisDeadLetterStore(state),
+        admissions=RedisAdmissions(state, rates, ledger),
     )
 
 

@@ -5,12 +5,23 @@
 :meth:`RedisState.start` by asking the node ``INFO cluster`` (``cluster_enabled:1``); no other
 setting says which. Whatever the client, every call made through :meth:`RedisState.run`
 
-* is bounded by ``asyncio.timeout(timeout_s)``: redis-py's own retries are off
+* is bounded by ``asyncio.timeout(timeout_s)`` (:class:`Deadline`: plus a few milliseconds
+  for a reply that arrived while the loop was busy): redis-py's own retries are off
   (``Retry(NoBackoff(), 0)``, redis 8 otherwise retries 10 times with 5 s socket timeouts,
-  shared/notes/library-pitfalls.md §5), sockets time out after ``timeout_s`` too, and a single
-  server's connections come from a ``BlockingConnectionPool`` whose wait for a free
-  connection is also ``timeout_s`` (a cluster client has no blocking pool: its per-node
-  ``max_connections`` answers ``MaxConnectionsError`` at once, which counts as unavailable);
+  shared/notes/library-pitfalls.md §5), and a single server's connections come from a
+  ``BlockingConnectionPool`` whose wait for a free connection falls within that bound (a
+  cluster client has no blocking pool: its per-node ``max_connections`` answers
+  ``MaxConnectionsError`` at once, which counts as unavailable). redis-py's own socket and
+  pool timeouts are only a backstop (:attr:`RedisState.backstop_s`): they are plain asyncio
+  timeouts, which a busy loop turns into false outages;
+* is tried once more, within the same bound, when its connection turns out broken
+  (``ConnectionError``, e.g. "Connection closed by server"): a pooled connection opened before
+  a Redis restart fails on its first use (redis-py's check before handing it out does not see
+  a closed socket), and so would each of its idle siblings, marking the backend down again
+  although Redis answers. The idle ones are dropped first, so the second try opens a fresh
+  connection. A script whose connection broke after Redis ran it runs twice: budget
+  reservations, settles and leases are keyed by their id, so that is a no-op for them; rate
+  buckets and breaker windows count that call twice;
 * raises :class:`~policies.state.errors.StateUnavailable` when Redis is down, frozen, slow or
   refusing (see :func:`~policies.state.errors.is_unavailable`), and records it in
   :attr:`RedisState.health`.
@@ -41,6 +52,7 @@ from redis.asyncio.connection import parse_url
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.commands.core import AsyncScript
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from policies.state.errors import StateUnavailable, is_unavailable
 from policies.state.notify import RedisNotifier
@@ -56,6 +68,13 @@ MAX_CONNECTIONS = 64
 PROBE_INTERVAL_S = 0.5
 #: An idle backend that is up is PINGed when nothing answered for this long, seconds.
 HEARTBEAT_S = 1.0
+#: How long a call past its deadline may still take its reply, seconds. When Sluice's own
+#: loop runs late (a busy CPU, not a slow Redis), the deadline and the reply Redis sent in
+#: time come due in the same loop turn; cancelling then throws the answer away, disconnects
+#: (redis-py closes a connection cancelled mid-command), and marks a healthy Redis down.
+LATE_GRACE_S = 0.005
+#: The least of redis-py's own timeouts (:attr:`RedisState.backstop_s`), seconds.
+BACKSTOP_S = 1.0
 #: Bound on finding out what the URL names (and, for a cluster, reading its slot map), seconds;
 #: at least this even when the per-call timeout is shorter.
 CONNECT_TIMEOUT_S = 2.0
@@ -145,6 +164,37 @@ class Health:
             log.warning("state backend is down: %s", self.last_error)
         for listener in self._listeners:
             listener(self.up, None if self.up else self.last_error)
+
+
+class Deadline:
+    """``asyncio.timeout(timeout_s)`` whose expiry waits :data:`LATE_GRACE_S` more, once, so
+    that a reply read in the turn the deadline passed in is taken rather than cancelled.
+
+    Raises (on exit): TimeoutError, when the body ran past ``timeout_s`` plus the grace.
+    """
+
+    __slots__ = ("_handle", "_timeout", "_timeout_s")
+
+    def __init__(self, timeout_s: float) -> None:
+        self._timeout_s = timeout_s
+        self._timeout = asyncio.timeout(None)
+        self._handle: asyncio.TimerHandle | None = None
+
+    async def __aenter__(self) -> Deadline:
+        await self._timeout.__aenter__()
+        loop = asyncio.get_running_loop()
+        self._handle = loop.call_at(loop.time() + self._timeout_s, self._expire, loop)
+        return self
+
+    def _expire(self, loop: asyncio.AbstractEventLoop) -> None:
+        # A timer, not call_soon: on asyncio's loop and on uvloop alike, the wake-up of a
+        # task whose reply was read in this turn runs before the next turn's timers.
+        self._timeout.reschedule(loop.time() + LATE_GRACE_S)
+
+    async def __aexit__(self, *exc: Any) -> bool | None:
+        if self._handle is not None:
+            self._handle.cancel()
+        return await self._timeout.__aexit__(*exc)
 
 
 class Script:
@@ -241,7 +291,7 @@ class RedisState:
             if self._client is None:
                 async with asyncio.timeout(max(CONNECT_TIMEOUT_S, self.timeout_s)):
                     self._client = await self._connect()
-            async with asyncio.timeout(self.timeout_s):
+            async with Deadline(self.timeout_s):
                 await self._client.ping()
         except Exception as exc:
             raise self._unavailable(exc) from exc
@@ -273,13 +323,21 @@ class RedisState:
                 self.health.fail(describe(exc))
                 log.error("state backend probe: %s", describe(exc))
 
+    @property
+    def backstop_s(self) -> float:
+        """redis-py's own socket and pool-wait timeouts, seconds: a backstop only. Every call
+        is bounded by :class:`Deadline`; redis-py's timeouts are plain asyncio timeouts, which
+        would throw away a reply that arrived while the loop was busy (see
+        :data:`LATE_GRACE_S`), so they must not fire first."""
+        return max(BACKSTOP_S, 2 * self.timeout_s)
+
     async def _connect(self) -> Redis | RedisCluster:
         """A client for whatever the URL names (``INFO cluster``'s ``cluster_enabled``)."""
         no_retry = Retry(NoBackoff(), 0)
+        backstop = self.backstop_s
         pool = BlockingConnectionPool.from_url(
-            self.url, max_connections=self.max_connections, timeout=self.timeout_s,
-            socket_timeout=self.timeout_s, socket_connect_timeout=self.timeout_s,
-            retry=no_retry,
+            self.url, max_connections=self.max_connections, timeout=backstop,
+            socket_timeout=backstop, socket_connect_timeout=backstop, retry=no_retry,
         )
         single = Redis(connection_pool=pool)
         try:
@@ -299,7 +357,7 @@ class RedisState:
                              "has only database 0")
         cluster = RedisCluster.from_url(
             self.url, retry=Retry(NoBackoff(), 0), max_connections=self.max_connections,
-            socket_timeout=self.timeout_s, socket_connect_timeout=self.timeout_s,
+            socket_timeout=backstop, socket_connect_timeout=backstop,
         )
         try:
             await cluster.initialize()
@@ -343,10 +401,19 @@ class RedisState:
         monitored = self._monitor is not None and not self._monitor.done()
         if client is None or (monitored and not self.health.up):
             why = self.health.last_error or "not connected yet"
-            raise StateUnavailable(f"state backend unavailable: {why}", self.probe_interval_s)
+            raise StateUnavailable(f"state backend unavailable: {why}", self.probe_interval_s,
+                                   maybe_applied=False)
         try:
-            async with asyncio.timeout(self.timeout_s):
-                result = await op(client)
+            async with Deadline(self.timeout_s):
+                try:
+                    result = await op(client)
+                except RedisConnectionError as exc:
+                    if type(exc) is not RedisConnectionError or self._closed:
+                        # Refused by a live server (auth, loading): a retry says the same.
+                        # Closed: the pool must not open connections again.
+                        raise
+                    await _drop_idle(client)
+                    result = await op(client)
         except Exception as exc:
             raise self._unavailable(exc) from exc
         self._answered_at = time.monotonic()
@@ -360,6 +427,14 @@ class RedisState:
             return script.bind(client)(keys=keys, args=args, client=client)
 
         return await self.run(call)
+
+
+async def _drop_idle(client: Redis | RedisCluster) -> None:
+    """Close a single server's idle pooled connections, which a restart has broken if it broke
+    the one that just failed (a cluster client replaces a failed node's connections itself)."""
+    if isinstance(client, Redis):
+        with contextlib.suppress(Exception):  # closing a dead socket may complain; it is closed
+            await client.connection_pool.disconnect(inuse_connections=False)
 
 
 def describe(exc: BaseException) -> str:

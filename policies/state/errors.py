@@ -49,12 +49,17 @@ class StateUnavailable(Exception):
     Attributes:
         cause: a short description of the failure (the URL's password never appears in it).
         retry_after: seconds until the backend is worth trying again, if known.
+        maybe_applied: the call was sent, so a frozen or slow server may still run it later
+            (its outcome is unknown); ``False`` when it was refused before anything was sent
+            (the backend was already marked down).
     """
 
-    def __init__(self, cause: str, retry_after: float | None = None) -> None:
+    def __init__(self, cause: str, retry_after: float | None = None,
+                 maybe_applied: bool = True) -> None:
         super().__init__(cause)
         self.cause = cause
         self.retry_after = retry_after
+        self.maybe_applied = maybe_applied
 
 
 def is_unavailable(exc: BaseException) -> bool:

@@ -138,20 +138,47 @@ class MemoryLedger:
 
     async def reserve(self, group: str, rid: str, claims: Sequence[Claim], now: float,
                       hold_s: float) -> list[int]:
-        clock = self._clock()
-        self._reap(clock, hold_s)
+        denied = self.check(group, rid, claims, now, hold_s)
+        if not denied:
+            self.hold(group, rid, claims, now, hold_s)
+        return denied
+
+    def check(self, group: str, rid: str, claims: Sequence[Claim], now: float,
+              hold_s: float) -> list[int]:
+        """Indexes of the claims that do not fit now (none when ``rid`` is already held),
+        after reaping what is due; holds nothing. With :meth:`hold`, one atomic step with
+        other memory state (:mod:`policies.state.admission`)."""
+        self._reap(self._clock(), hold_s)
         if now >= self._next_sweep:
             self._sweep(now)
         if (group, rid) in self._reservations:
             return []
         spent, held = self._spent, self._held
-        denied = [
+        return [
             i for i, claim in enumerate(claims)
             if spent.get((group, claim.key), 0.0) + held.get((group, claim.key), 0.0)
             + claim.amount > claim.cap
         ]
-        if denied:
-            return denied
+
+    def release(self, group: str, rid: str) -> bool:
+        """Settle reservation ``rid`` to nothing spent (see :meth:`settle`)."""
+        reservation = self._reservations.get((group, rid))
+        if reservation is None:
+            return False
+        return self._settle(group, rid, [0.0] * len(reservation.claims))
+
+    def holds(self, group: str, rid: str) -> bool:
+        """Reservation ``rid`` is held (or lapsed and not yet forgotten)."""
+        return (group, rid) in self._reservations
+
+    def hold(self, group: str, rid: str, claims: Sequence[Claim], now: float,
+             hold_s: float) -> None:
+        """Hold every claim under ``rid`` without checking caps (:meth:`check` did); nothing
+        when ``rid`` is already held."""
+        if (group, rid) in self._reservations:
+            return
+        clock = self._clock()
+        held = self._held
         for claim in claims:
             counter = (group, claim.key)
             held[counter] = held.get(counter, 0.0) + claim.amount
@@ -162,9 +189,11 @@ class MemoryLedger:
              for claim in claims],
             clock + hold_s)
         heapq.heappush(self._due, (clock + hold_s, group, rid))
-        return []
 
     async def settle(self, group: str, rid: str, actual: Sequence[float]) -> bool:
+        return self._settle(group, rid, actual)
+
+    def _settle(self, group: str, rid: str, actual: Sequence[float]) -> bool:
         reservation = self._reservations.pop((group, rid), None)
         if reservation is None:
             return False
@@ -221,8 +250,15 @@ class MemoryLedger:
 
 # -- redis ------------------------------------------------------------------------------------
 
-# Shared Lua: server time in ms, releasing a hold, extending a counter's TTL, reaping.
-_LIB = """
+# Shared Lua (also the admission's, :mod:`policies.state.admission`): server time in ms,
+# releasing a hold, extending a counter's TTL, reaping, reading levels; ``denied_claims(k, a,
+# n)`` and ``hold_claims(...)`` check and hold the ``n`` claims on counters ``KEYS[k + 1 ..
+# k + n]``, each with (amount, cap, counter TTL ms) from ``ARGV[a + 1 ..]``; ``settle(resv,
+# exp, rid, a)`` settles reservation ``rid`` with the spend per claim from ``ARGV[a + 1 ..]``
+# (``a`` nil: nothing spent), once: 0 when there was nothing to settle. A counter the spend
+# lands on keeps (or regains) the expiry it had when reserved: it may have been emptied and
+# deleted meanwhile if the reservation was reaped.
+LEDGER_LUA = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local function unhold(key, amount)
@@ -259,58 +295,65 @@ local function levels(first)
   end
   return out
 end
+local function denied_claims(k, a, n)
+  local denied = {}
+  for i = 1, n do
+    local j = a + 3 * i - 2
+    local v = redis.call('HMGET', KEYS[k + i], 's', 'h')
+    if tonumber(v[1] or '0') + tonumber(v[2] or '0') + tonumber(ARGV[j]) > tonumber(ARGV[j + 1])
+    then denied[#denied + 1] = i - 1 end
+  end
+  return denied
+end
+local function settle(resv, exp, rid, a)
+  local raw = redis.call('HGET', resv, rid)
+  if not raw then return 0 end
+  local rec = cjson.decode(raw)
+  for i, c in ipairs(rec.c) do
+    local key, used = c[1], a and ARGV[a + i]
+    if used and tonumber(used) ~= 0 and c[3] > now then
+      redis.call('HINCRBYFLOAT', key, 's', used)
+      if redis.call('PTTL', key) == -1 then redis.call('PEXPIREAT', key, c[3]) end
+    end
+    if rec.s == 'h' then unhold(key, c[2]) end
+  end
+  redis.call('HDEL', resv, rid)
+  redis.call('ZREM', exp, rid)
+  return 1
+end
+local function hold_claims(resv, exp, rid, hold, k, a, n)
+  local claims = {}
+  for i = 1, n do
+    local j = a + 3 * i - 2
+    local key = KEYS[k + i]
+    redis.call('HINCRBYFLOAT', key, 'h', ARGV[j])
+    extend(key, tonumber(ARGV[j + 2]))
+    claims[#claims + 1] = {key, ARGV[j], now + tonumber(ARGV[j + 2])}
+  end
+  redis.call('HSET', resv, rid, cjson.encode({s = 'h', c = claims}))
+  redis.call('ZADD', exp, now + hold, rid)
+end
 """
 
 # KEYS: reservations, their expiries, then one counter per claim. ARGV: rid, hold ms, then
 # per claim: amount, cap, counter TTL ms. Returns {denied (0-based), levels after}.
-_RESERVE = Script(_LIB + """
+_RESERVE = Script(LEDGER_LUA + """
 local rid, hold = ARGV[1], tonumber(ARGV[2])
 reap(KEYS[1], KEYS[2], hold)
 if redis.call('HEXISTS', KEYS[1], rid) == 1 then return {{}, levels(3)} end
-local denied = {}
-for i = 3, #KEYS do
-  local j = 3 * (i - 2)
-  local v = redis.call('HMGET', KEYS[i], 's', 'h')
-  if tonumber(v[1] or '0') + tonumber(v[2] or '0') + tonumber(ARGV[j]) > tonumber(ARGV[j + 1])
-  then denied[#denied + 1] = i - 3 end
-end
-if #denied == 0 then
-  local claims = {}
-  for i = 3, #KEYS do
-    local j = 3 * (i - 2)
-    redis.call('HINCRBYFLOAT', KEYS[i], 'h', ARGV[j])
-    extend(KEYS[i], tonumber(ARGV[j + 2]))
-    claims[#claims + 1] = {KEYS[i], ARGV[j], now + tonumber(ARGV[j + 2])}
-  end
-  redis.call('HSET', KEYS[1], rid, cjson.encode({s = 'h', c = claims}))
-  redis.call('ZADD', KEYS[2], now + hold, rid)
-end
+local denied = denied_claims(2, 2, #KEYS - 2)
+if #denied == 0 then hold_claims(KEYS[1], KEYS[2], rid, hold, 2, 2, #KEYS - 2) end
 return {denied, levels(3)}
 """)
 
 # KEYS: reservations, their expiries. ARGV: rid, then the actual spend per claim.
 # Returns 0 (nothing to settle) or 1. The counters are named in the reservation (same slot).
-# A counter the spend lands on keeps (or regains) the expiry it had when reserved: it may
-# have been emptied and deleted meanwhile if the reservation was reaped.
-_SETTLE = Script(_LIB + """
-local raw = redis.call('HGET', KEYS[1], ARGV[1])
-if not raw then return 0 end
-local rec = cjson.decode(raw)
-for i, c in ipairs(rec.c) do
-  local key, used = c[1], ARGV[i + 1]
-  if used and tonumber(used) ~= 0 and c[3] > now then
-    redis.call('HINCRBYFLOAT', key, 's', used)
-    if redis.call('PTTL', key) == -1 then redis.call('PEXPIREAT', key, c[3]) end
-  end
-  if rec.s == 'h' then unhold(key, c[2]) end
-end
-redis.call('HDEL', KEYS[1], ARGV[1])
-redis.call('ZREM', KEYS[2], ARGV[1])
-return 1
+_SETTLE = Script(LEDGER_LUA + """
+return settle(KEYS[1], KEYS[2], ARGV[1], 1)
 """)
 
 # KEYS: counters. ARGV: per counter, amount and TTL ms.
-_CHARGE = Script(_LIB + """
+_CHARGE = Script(LEDGER_LUA + """
 for i = 1, #KEYS do
   redis.call('HINCRBYFLOAT', KEYS[i], 's', ARGV[2 * i - 1])
   extend(KEYS[i], tonumber(ARGV[2 * i]))
@@ -329,6 +372,11 @@ return out
 """)
 
 
+def hold_ms_of(hold_s: float) -> int:
+    """A reservation's hold in whole milliseconds (at least 1), as the scripts take it."""
+    return max(int(hold_s * 1000), 1)
+
+
 class RedisLedger:
     """The ledger in Redis: each call one ``EVALSHA`` on the group's slot."""
 
@@ -336,52 +384,63 @@ class RedisLedger:
         self._state = state
         self._seen: OrderedDict[tuple[str, str], tuple[float, float]] = OrderedDict()
 
-    def _keys(self, group: str) -> list[str]:
+    def reservation_keys(self, group: str) -> list[str]:
+        """The group's reservations hash and their expiry set (``KEYS[1]``, ``KEYS[2]``)."""
         return [self._state.key(group, "budget", "~resv"),
                 self._state.key(group, "budget", "~resv-exp")]
 
-    def _counter(self, group: str, key: str) -> str:
+    def counter(self, group: str, key: str) -> str:
+        """The Redis key of counter ``key`` in ``group``."""
         return self._state.key(group, "budget", key)
 
-    async def reserve(self, group: str, rid: str, claims: Sequence[Claim], now: float,
-                      hold_s: float) -> list[int]:
-        hold_ms = max(int(hold_s * 1000), 1)
-        keys = self._keys(group) + [self._counter(group, c.key) for c in claims]
-        args: list[object] = [rid, hold_ms]
+    @staticmethod
+    def claim_args(claims: Sequence[Claim], now: float, hold_ms: int) -> list[object]:
+        """The ARGV of ``claims`` for :data:`LEDGER_LUA`'s ``denied_claims``/``hold_claims``:
+        (amount, cap, counter TTL ms) each; the TTL runs to the window's end plus the hold."""
+        args: list[object] = []
         for claim in claims:
             ttl_ms = max(int((claim.expires_at - now) * 1000), 0) + hold_ms
             args += [repr(float(claim.amount)), repr(float(claim.cap)), ttl_ms]
-        denied, flat = await self._state.eval(_RESERVE, keys, args)
-        self._remember(group, [c.key for c in claims], flat)
+        return args
+
+    async def reserve(self, group: str, rid: str, claims: Sequence[Claim], now: float,
+                      hold_s: float) -> list[int]:
+        hold_ms = hold_ms_of(hold_s)
+        keys = self.reservation_keys(group) + [self.counter(group, c.key) for c in claims]
+        denied, flat = await self._state.eval(
+            _RESERVE, keys, [rid, hold_ms, *self.claim_args(claims, now, hold_ms)])
+        self.remember(group, [c.key for c in claims], flat)
         return [int(i) for i in denied]
 
     async def settle(self, group: str, rid: str, actual: Sequence[float]) -> bool:
-        settled = await self._state.eval(_SETTLE, self._keys(group),
+        settled = await self._state.eval(_SETTLE, self.reservation_keys(group),
                                          [rid, *(repr(float(a)) for a in actual)])
         return bool(settled)
 
     async def charge(self, group: str, claims: Sequence[Claim], now: float) -> None:
         if not claims:
             return
-        keys = [self._counter(group, c.key) for c in claims]
+        keys = [self.counter(group, c.key) for c in claims]
         args: list[object] = []
         for claim in claims:
             args += [repr(float(claim.amount)),
                      max(int((claim.expires_at - now) * 1000), 1)]
         flat = await self._state.eval(_CHARGE, keys, args)
-        self._remember(group, [c.key for c in claims], flat)
+        self.remember(group, [c.key for c in claims], flat)
 
     async def levels(self, group: str, keys: Sequence[str]) -> list[tuple[float, float]]:
         if not keys:
             return []
-        flat = await self._state.eval(_LEVELS, [self._counter(group, k) for k in keys], [])
-        return self._remember(group, keys, flat)
+        flat = await self._state.eval(_LEVELS, [self.counter(group, k) for k in keys], [])
+        return self.remember(group, keys, flat)
 
     def level(self, group: str, key: str) -> tuple[float, float]:
         return self._seen.get((group, key), (0.0, 0.0))
 
-    def _remember(self, group: str, keys: Sequence[str], flat: Sequence[bytes]
-                  ) -> list[tuple[float, float]]:
+    def remember(self, group: str, keys: Sequence[str], flat: Sequence[bytes]
+                 ) -> list[tuple[float, float]]:
+        """Keep the levels a script answered (``spent, held`` flat, per key) for
+        :meth:`level`; returns them as pairs."""
         seen = self._seen
         out = []
         for i, key in enumerate(keys):

@@ -124,17 +124,36 @@ class MemoryRateBuckets:
         return levels
 
     async def admit(self, group: str, takes: Sequence[Take]) -> RateResult:
+        now = self.now_us()
+        levels, verdict = self.check(group, takes, now)
+        return verdict if not verdict.admitted else self.commit(group, takes, levels, now)
+
+    def now_us(self) -> int:
+        """The clock in microseconds (forgetting drained buckets when a sweep is due)."""
         now = self._clock_us()
         if now >= self._next_sweep:
             self._sweep(now)
+        return now
+
+    def check(self, group: str, takes: Sequence[Take], now: int
+              ) -> tuple[list[float], RateResult]:
+        """The buckets' levels at ``now`` and the verdict, taking nothing: ``admitted``
+        means every bucket *would* take its amount (``remaining`` is then before the take).
+        With :meth:`commit`, one atomic step with other memory state
+        (:mod:`policies.state.admission`)."""
         levels = self._levels(group, takes, now)
         worst, worst_i = -1.0, None
         for i, (take, level) in enumerate(zip(takes, levels, strict=True)):
             wait = _wait(take, level)
             if wait is not None and wait > worst:
                 worst, worst_i = wait, i
-        if worst_i is not None:
-            return RateResult(False, worst_i, _seconds(worst), _remaining(takes, levels))
+        if worst_i is None:
+            return levels, RateResult(True, None, 0.0, _remaining(takes, levels))
+        return levels, RateResult(False, worst_i, _seconds(worst), _remaining(takes, levels))
+
+    def commit(self, group: str, takes: Sequence[Take], levels: list[float], now: int
+               ) -> RateResult:
+        """Take every amount, from the ``levels`` :meth:`check` found at ``now``."""
         for i, take in enumerate(takes):
             levels[i] += take.amount
             self._store(group, take, levels[i], now)
@@ -189,85 +208,119 @@ def _remaining(takes: Sequence[Take], levels: Sequence[float]) -> tuple[int, ...
 
 # -- redis ------------------------------------------------------------------------------------
 
-# KEYS: one hash per bucket. ARGV[1]: 'take' | 'refund' | 'peek'; then per bucket: limit,
-# period in microseconds, amount. Returns {admitted 0|1, denied index (1-based, 0 none),
-# wait in microseconds as a string ('-1': never), remaining per bucket...}.
-_GCRA = Script("""
-local now_t = redis.call('TIME')
-local now = tonumber(now_t[1]) * 1000000 + tonumber(now_t[2])
-local mode = ARGV[1]
-local n = #KEYS
-local limits, intervals, amounts, levels = {}, {}, {}, {}
-for i = 1, n do
-  local limit = tonumber(ARGV[3 * i - 1])
-  limits[i] = limit
-  intervals[i] = tonumber(ARGV[3 * i]) / limit
-  amounts[i] = tonumber(ARGV[3 * i + 1])
-  local level = 0
-  local stored = redis.call('HMGET', KEYS[i], 'l', 't')
-  if stored[1] then
-    local elapsed = now - tonumber(stored[2])
-    if elapsed < 0 then elapsed = 0 end
-    level = tonumber(stored[1]) - elapsed / intervals[i]
-    if level < 0 then level = 0 end
-  end
-  levels[i] = level
-end
-local function remaining()
-  local out = {}
+#: Lua functions over GCRA buckets, for this module's script and the admission's
+#: (:mod:`policies.state.admission`). ``buckets(k, a, n)`` reads the ``n`` buckets
+#: ``KEYS[k + 1 .. k + n]``, each with (limit, period in microseconds, amount) from
+#: ``ARGV[a + 1 ..]``; ``refusing(b)`` names the one with the longest wait (1-based; 0: every
+#: one fits) and that wait in microseconds as text (``'-1'``: never); ``take``/``refund``
+#: move every level and store it; ``remaining(b)`` lists whole units left per bucket.
+GCRA_LUA = """
+local now_us_t = redis.call('TIME')
+local now_us = tonumber(now_us_t[1]) * 1000000 + tonumber(now_us_t[2])
+local function buckets(k, a, n)
+  local b = {keys = {}, limits = {}, intervals = {}, amounts = {}, levels = {}, n = n}
   for i = 1, n do
-    local r = math.floor(limits[i] - levels[i] + limits[i] * 1e-9)
+    local limit = tonumber(ARGV[a + 3 * i - 2])
+    b.keys[i] = KEYS[k + i]
+    b.limits[i] = limit
+    b.intervals[i] = tonumber(ARGV[a + 3 * i - 1]) / limit
+    b.amounts[i] = tonumber(ARGV[a + 3 * i])
+    local level = 0
+    local stored = redis.call('HMGET', b.keys[i], 'l', 't')
+    if stored[1] then
+      local elapsed = now_us - tonumber(stored[2])
+      if elapsed < 0 then elapsed = 0 end
+      level = tonumber(stored[1]) - elapsed / b.intervals[i]
+      if level < 0 then level = 0 end
+    end
+    b.levels[i] = level
+  end
+  return b
+end
+local function remaining(b)
+  local out = {}
+  for i = 1, b.n do
+    local r = math.floor(b.limits[i] - b.levels[i] + b.limits[i] * 1e-9)
     if r < 0 then r = 0 end
     out[i] = r
   end
   return out
 end
-local function store(i)
-  if levels[i] <= 0 then
-    redis.call('DEL', KEYS[i])
+local function store(b, i)
+  if b.levels[i] <= 0 then
+    redis.call('DEL', b.keys[i])
   else
-    redis.call('HSET', KEYS[i], 'l', string.format('%.17g', levels[i]), 't',
-               string.format('%.0f', now))
-    redis.call('PEXPIRE', KEYS[i], math.ceil(levels[i] * intervals[i] / 1000) + 1)
+    redis.call('HSET', b.keys[i], 'l', string.format('%.17g', b.levels[i]), 't',
+               string.format('%.0f', now_us))
+    redis.call('PEXPIRE', b.keys[i], math.ceil(b.levels[i] * b.intervals[i] / 1000) + 1)
   end
 end
-local reply
-if mode == 'take' then
+local function refusing(b)
   local worst, worst_i = -1, 0
-  for i = 1, n do
+  for i = 1, b.n do
     local wait = nil
-    if amounts[i] > limits[i] then
+    if b.amounts[i] > b.limits[i] then
       wait = math.huge
     else
-      local over = levels[i] + amounts[i] - limits[i]
-      if over > limits[i] * 1e-9 then wait = over * intervals[i] end
+      local over = b.levels[i] + b.amounts[i] - b.limits[i]
+      if over > b.limits[i] * 1e-9 then wait = over * b.intervals[i] end
     end
     if wait and wait > worst then worst, worst_i = wait, i end
   end
-  if worst_i > 0 then
-    local text = '-1'
-    if worst ~= math.huge then text = string.format('%.3f', worst) end
-    reply = {0, worst_i, text}
-  else
-    for i = 1, n do
-      levels[i] = levels[i] + amounts[i]
-      store(i)
-    end
-    reply = {1, 0, '0'}
-  end
-elseif mode == 'refund' then
-  for i = 1, n do
-    levels[i] = levels[i] - amounts[i]
-    if levels[i] < 0 then levels[i] = 0 end
-    store(i)
-  end
-  reply = {1, 0, '0'}
-else
-  reply = {1, 0, '0'}
+  if worst_i == 0 then return 0, '0' end
+  if worst == math.huge then return worst_i, '-1' end
+  return worst_i, string.format('%.3f', worst)
 end
-for _, r in ipairs(remaining()) do reply[#reply + 1] = r end
+local function take(b)
+  for i = 1, b.n do
+    b.levels[i] = b.levels[i] + b.amounts[i]
+    store(b, i)
+  end
+end
+local function refund(b)
+  for i = 1, b.n do
+    b.levels[i] = b.levels[i] - b.amounts[i]
+    if b.levels[i] < 0 then b.levels[i] = 0 end
+    store(b, i)
+  end
+end
+"""
+
+# KEYS: one hash per bucket. ARGV[1]: 'take' | 'refund' | 'peek'; then per bucket: limit,
+# period in microseconds, amount. Returns {admitted 0|1, denied index (1-based, 0 none),
+# wait in microseconds as a string ('-1': never), remaining per bucket...}.
+_GCRA = Script(GCRA_LUA + """
+local b = buckets(0, 1, #KEYS)
+local reply = {1, 0, '0'}
+if ARGV[1] == 'take' then
+  local denied, wait = refusing(b)
+  if denied > 0 then reply = {0, denied, wait} else take(b) end
+elseif ARGV[1] == 'refund' then
+  refund(b)
+end
+for _, r in ipairs(remaining(b)) do reply[#reply + 1] = r end
 return reply
 """)
+
+
+def bucket_args(takes: Sequence[Take]) -> list[object]:
+    """The ARGV of ``takes`` for :data:`GCRA_LUA`'s ``buckets``: (limit, period us, amount)
+    each; floats as ``repr`` so Lua reads exactly what Python meant."""
+    args: list[object] = []
+    for take in takes:
+        args += [take.limit, repr(take.period_s * 1e6), repr(float(take.amount))]
+    return args
+
+
+def rate_result(admitted: bool, denied: int, wait: bytes | str, remaining: Sequence[object]
+                ) -> RateResult:
+    """A :class:`RateResult` from a script's answer (``denied`` 1-based, 0 none; ``wait``
+    microseconds as text, ``-1`` never)."""
+    left = tuple(int(r) for r in remaining)  # type: ignore[call-overload]
+    if denied == 0:
+        return RateResult(admitted, None, 0.0, left)
+    us = float(wait)
+    return RateResult(False, denied - 1, math.inf if us < 0 else us / 1e6, left)
 
 
 class RedisRateBuckets:
@@ -276,23 +329,20 @@ class RedisRateBuckets:
     def __init__(self, state: RedisState) -> None:
         self._state = state
 
+    def keys(self, group: str, takes: Sequence[Take]) -> list[str]:
+        """The buckets' keys, in ``group``'s hash slot."""
+        return [self._state.key(group, "rate", take.name) for take in takes]
+
     async def _run(self, mode: str, group: str, takes: Sequence[Take]) -> list[object]:
-        keys = [self._state.key(group, "rate", take.name) for take in takes]
-        args: list[object] = [mode]
-        for take in takes:
-            args += [take.limit, repr(take.period_s * 1e6), repr(float(take.amount))]
-        return await self._state.eval(_GCRA, keys, args)
+        return await self._state.eval(_GCRA, self.keys(group, takes),
+                                      [mode, *bucket_args(takes)])
 
     async def admit(self, group: str, takes: Sequence[Take]) -> RateResult:
         if not takes:
             return RateResult(True, None, 0.0, ())
         reply = await self._run("take", group, takes)
-        remaining = tuple(int(r) for r in reply[3:])  # type: ignore[call-overload]
-        if int(reply[0]):  # type: ignore[call-overload]
-            return RateResult(True, None, 0.0, remaining)
-        wait = float(reply[2])  # type: ignore[arg-type]
-        return RateResult(False, int(reply[1]) - 1,  # type: ignore[call-overload]
-                          math.inf if wait < 0 else wait / 1e6, remaining)
+        return rate_result(bool(int(reply[0])), int(reply[1]),  # type: ignore[call-overload]
+                           reply[2], reply[3:])  # type: ignore[arg-type]
 
     async def refund(self, group: str, takes: Sequence[Take]) -> None:
         if takes:
