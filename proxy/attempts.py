@@ -63,6 +63,9 @@ log = logging.getLogger("sluice")
 #: Answers the SDKs would retry themselves (408, 429, >= 500).
 _SDK_RETRIED = frozenset({408, 429})
 _NO_RETRY = {"x-should-retry": "false"}
+#: The tracker of an MCP call's answer as it is relayed (set on the request, so a call ended
+#: mid-answer can tell whether its response was sent: ``proxy.handler``).
+MCP_ANSWER = web.RequestKey("sluice_mcp_answer", AnswerTracker)
 
 
 def _final(status: int) -> bool:
@@ -177,9 +180,10 @@ async def forward(request: web.BaseRequest, rt: Runtime, route: Route, call: Cal
                 extra = {**call.response_headers, **(extra or {})}
             call.status = response.status
             call.progress_at = time.monotonic()
-            if tries.pending is not None:
+            if tries.pending is not None or (route.protocol == "mcp" and traffic == "call"):
                 tries.tracker = AnswerTracker(response.headers.get("Content-Type"),
                                               jsonrpc_id(route.protocol, call.body) or 0)
+                request[MCP_ANSWER] = tries.tracker
             try:
                 answer, outcome = await fwd.relay(request, response, extra,
                                                   _Progress(call, call.capture, tries.tracker),

@@ -66,6 +66,9 @@ BUFFER_LIMIT_BYTES = 256 * 1024
 #: as its own writer's check), though its client accepts them from an upstream.
 _FORBIDDEN_IN_HEADERS = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 _BAD_HEADER = "a response header has control characters"
+#: The streamed answer being relayed to the caller, once its status line is out (set on the
+#: request, so a call ended mid-answer can still finish it: ``proxy.handler``).
+RELAYED_STREAM = web.RequestKey("sluice_relayed_stream", web.StreamResponse)
 
 
 def _copy_headers(headers: CIMultiDictProxy[str], drop: frozenset[str]) -> CIMultiDict[str]:
@@ -211,6 +214,7 @@ async def relay(
             raise Rejected(Reason.UPSTREAM_UNREACHABLE, None, _BAD_HEADER)
         out = web.StreamResponse(status=status, reason=upstream.reason, headers=headers)
         await out.prepare(request)
+        request[RELAYED_STREAM] = out
         content = upstream.content
         while True:
             try:

@@ -36,8 +36,9 @@ from policies.pipeline import ABANDONED, REFUSED, Admission, Call, Outcome
 from policies.reasons import Reason, Rejected
 from policies.retry import is_client_retry
 from proxy import attempts
+from proxy.forward import RELAYED_STREAM
 from proxy.identity import IdentityRejected, identify
-from proxy.rejections import jsonrpc_id, refuse, render
+from proxy.rejections import jsonrpc_id, refuse, rejection_body, render
 from proxy.routes import Route, has_dot_segment
 from proxy.runtime import Runtime
 
@@ -203,7 +204,7 @@ async def handle(rt: Runtime, request: web.BaseRequest) -> web.StreamResponse:
         return response
     except (asyncio.CancelledError, ConnectionResetError):
         if call.cancelled is not None:  # its run was cancelled (POST /admin/runs/.../cancel)
-            return _run_cancelled(rt, route, call, request, bool(admitted_at))
+            return await _run_cancelled(rt, route, call, request, bool(admitted_at))
         if admitted_at:
             # Cancelled: by the caller leaving, or by the drain cutting what outlived it.
             label = "drain_cut" if rt.cutting else "client_disconnected"
@@ -229,14 +230,17 @@ async def handle(rt: Runtime, request: web.BaseRequest) -> web.StreamResponse:
             route.metrics.work_units.inc()
 
 
-def _run_cancelled(rt: Runtime, route: Route, call: Call, request: web.BaseRequest,
-                   admitted: bool) -> web.StreamResponse:
+async def _run_cancelled(rt: Runtime, route: Route, call: Call, request: web.BaseRequest,
+                         admitted: bool) -> web.StreamResponse:
     """Answer a call whose run was cancelled while it was queued or in flight.
 
     The cancel reached the handler as a task cancellation, which already closed the upstream
     request; it is taken back here so that the caller gets an answer now. Before any of the
     upstream's answer was sent, that answer is 409 ``run_cancelled``; a stream already started
-    is cut (the connection closed without its last chunk, so the cut is visible).
+    is cut (the connection closed without its last chunk, so the cut is visible). An MCP
+    call's SSE answer that has not carried its response yet ends instead with an event
+    holding the ``run_cancelled`` JSON-RPC error: a cut stream fails nothing on the Python
+    ``mcp`` 1.x client, whose call then waits for its own timeout (none by default).
     """
     task = asyncio.current_task()
     if task is not None:
@@ -245,6 +249,18 @@ def _run_cancelled(rt: Runtime, route: Route, call: Call, request: web.BaseReque
     rt.metrics.cancels.labels(route.name, kind).inc()
     rejected = Rejected(Reason.RUN_CANCELLED, None, call.cancelled or "", retry=False)
     if call.status and request.transport is not None:
+        stream, answer = request.get(RELAYED_STREAM), request.get(attempts.MCP_ANSWER)
+        rpc_id = jsonrpc_id(route.protocol, call.body)
+        if (stream is not None and answer is not None and rpc_id is not None
+                and answer.outcome is None and answer.between_events):
+            event = b"event: message\ndata: " + rejection_body(rejected, "mcp", rpc_id) + b"\n\n"
+            try:
+                await stream.write(event)
+                await stream.write_eof()
+                route.metrics.rejections[rejected.reason].inc()
+                return stream
+            except ConnectionResetError:  # the caller left meanwhile: nothing to tell
+                pass
         request.transport.close()
         return web.Response(status=call.status)  # never sent: the connection is closed
     if admitted:

@@ -249,3 +249,61 @@ async def test_mcp1_session_survives_a_tool_cost_over_the_whole_budget(mcp_sessi
     assert results[0]["code"] == 400 and results[0]["data"]["reason"] == "exceeds_limit"
     assert results[1] == {"ok": "3", "is_error": False}  # the session lives on
     assert mcp_session.sends() == 0
+
+
+MCP1_CANCELLED_IN_FLIGHT = """
+import asyncio, json, sys, time, urllib.request
+from mcp import ClientSession
+from mcp.client.streamable_http import streamablehttp_client
+
+async def main(url, admin, token):
+    async def cancel():
+        await asyncio.sleep(1.5)  # the call is in flight, its SSE answer started
+        req = urllib.request.Request(admin + "/admin/runs/run-1/cancel", method="POST",
+                                     headers={"Authorization": "Bearer " + token})
+        await asyncio.to_thread(urllib.request.urlopen, req)
+    out = {}
+    async with streamablehttp_client(url, headers={"X-Run-ID": "run-1"}) as (read, write, _):
+        async with ClientSession(read, write) as session:
+            await session.initialize()
+            canceller = asyncio.create_task(cancel())
+            started = time.monotonic()
+            try:
+                await asyncio.wait_for(session.call_tool("slow", {"seconds": 20}), 15)
+                out["slow"] = "answered"
+            except Exception as exc:
+                error = getattr(exc, "error", None)
+                out["slow"] = {"raised": type(exc).__name__, "code": getattr(error, "code", None),
+                               "data": getattr(error, "data", None)}
+            out["slow_s"] = time.monotonic() - started
+            await canceller
+    print(json.dumps(out))
+
+asyncio.run(main(*sys.argv[1:]))
+"""
+
+
+@pytest.mark.skipif(not MCP1_PYTHON.exists(), reason="no .venv-mcp1 (the mcp 1.x client)")
+async def test_mcp1_call_in_flight_of_a_cancelled_run_fails_at_once(mcp_stateless, start_sluice,
+                                                                     tmp_path):
+    """Cancelling a run cut its MCP call's SSE answer; the 1.x client does not fail a call on a
+    cut stream, so the call waited for its own timeout (15 s here; none by default). The
+    stream now ends with the ``run_cancelled`` JSON-RPC error event."""
+    token = "t0ken-for-cancel"
+    sluice = await start_sluice({"routes": [{
+        "name": "tools", "path_prefix": "/tools/", "upstream": mcp_stateless.base_url,
+        "protocol": "mcp", "tools": {"slow": {"concurrency": {"limit": 2}}}}]},
+        env={"SLUICE_ADMIN_TOKEN": token})
+    script = tmp_path / "mcp1_cancelled.py"
+    script.write_text(MCP1_CANCELLED_IN_FLIGHT)
+    proc = await asyncio.create_subprocess_exec(
+        str(MCP1_PYTHON), str(script), sluice.url + "/tools/mcp", sluice.admin_url, token,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 0, err.decode()[-2000:]
+    result = json.loads(out)
+    assert result["slow"]["code"] == 409, result
+    assert result["slow"]["data"]["reason"] == "run_cancelled"
+    assert result["slow_s"] < 14  # not the caller's own timeout (15 s): generous
+    assert await sluice.metric("sluice_inflight_requests", route="tools") == 0
+    assert token not in sluice.stderr()
