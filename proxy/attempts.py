@@ -63,9 +63,6 @@ log = logging.getLogger("sluice")
 #: Answers the SDKs would retry themselves (408, 429, >= 500).
 _SDK_RETRIED = frozenset({408, 429})
 _NO_RETRY = {"x-should-retry": "false"}
-#: The tracker of an MCP call's answer as it is relayed (set on the request, so a call ended
-#: mid-answer can tell whether its response was sent: ``proxy.handler``).
-MCP_ANSWER = web.RequestKey("sluice_mcp_answer", AnswerTracker)
 
 
 def _final(status: int) -> bool:
@@ -183,7 +180,7 @@ async def forward(request: web.BaseRequest, rt: Runtime, route: Route, call: Cal
             if tries.pending is not None or (route.protocol == "mcp" and traffic == "call"):
                 tries.tracker = AnswerTracker(response.headers.get("Content-Type"),
                                               jsonrpc_id(route.protocol, call.body) or 0)
-                request[MCP_ANSWER] = tries.tracker
+                request[fwd.MCP_ANSWER] = tries.tracker
             try:
                 answer, outcome = await fwd.relay(request, response, extra,
                                                   _Progress(call, call.capture, tries.tracker),

@@ -36,9 +36,9 @@ from policies.pipeline import ABANDONED, REFUSED, Admission, Call, Outcome
 from policies.reasons import Reason, Rejected
 from policies.retry import is_client_retry
 from proxy import attempts
-from proxy.forward import RELAYED_STREAM
+from proxy.forward import RELAYED_STREAM, end_mcp_answer
 from proxy.identity import IdentityRejected, identify
-from proxy.rejections import jsonrpc_id, refuse, rejection_body, render
+from proxy.rejections import jsonrpc_id, refuse, render
 from proxy.routes import Route, has_dot_segment
 from proxy.runtime import Runtime
 
@@ -249,18 +249,9 @@ async def _run_cancelled(rt: Runtime, route: Route, call: Call, request: web.Bas
     rt.metrics.cancels.labels(route.name, kind).inc()
     rejected = Rejected(Reason.RUN_CANCELLED, None, call.cancelled or "", retry=False)
     if call.status and request.transport is not None:
-        stream, answer = request.get(RELAYED_STREAM), request.get(attempts.MCP_ANSWER)
-        rpc_id = jsonrpc_id(route.protocol, call.body)
-        if (stream is not None and answer is not None and rpc_id is not None
-                and answer.outcome is None and answer.between_events):
-            event = b"event: message\ndata: " + rejection_body(rejected, "mcp", rpc_id) + b"\n\n"
-            try:
-                await stream.write(event)
-                await stream.write_eof()
-                route.metrics.rejections[rejected.reason].inc()
-                return stream
-            except ConnectionResetError:  # the caller left meanwhile: nothing to tell
-                pass
+        if await end_mcp_answer(request, rejected):
+            route.metrics.rejections[rejected.reason].inc()
+            return request[RELAYED_STREAM]
         request.transport.close()
         return web.Response(status=call.status)  # never sent: the connection is closed
     if admitted:

@@ -307,3 +307,27 @@ async def test_mcp1_call_in_flight_of_a_cancelled_run_fails_at_once(mcp_stateles
     assert result["slow_s"] < 14  # not the caller's own timeout (15 s): generous
     assert await sluice.metric("sluice_inflight_requests", route="tools") == 0
     assert token not in sluice.stderr()
+
+
+@pytest.mark.skipif(not MCP1_PYTHON.exists(), reason="no .venv-mcp1 (the mcp 1.x client)")
+async def test_mcp1_call_over_its_tools_total_timeout_fails_with_504(mcp_session, start_sluice,
+                                                                      tmp_path):
+    """A tool's ``timeouts.total`` cut its SSE answer, and the 1.x client waited for its own
+    timeout (10 s here; none by default). The answer now ends with the ``upstream_timeout``
+    JSON-RPC error event, and the session goes on."""
+    sluice = await start_sluice({"routes": [{
+        "name": "tools", "path_prefix": "/tools/", "upstream": mcp_session.base_url,
+        "protocol": "mcp", "tools": {"slow": {"timeouts": {"total": "1s"}}}}]})
+    script = tmp_path / "mcp1_sequence.py"
+    script.write_text(MCP1_SEQUENCE)
+    calls = [["slow", {"seconds": 8}], ["add", {"a": 1, "b": 2}]]
+    proc = await asyncio.create_subprocess_exec(
+        str(MCP1_PYTHON), str(script), sluice.url + "/tools/mcp", json.dumps(calls),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 0, err.decode()[-2000:]
+    results = json.loads(out)
+    assert results[0]["code"] == 504 and results[0]["data"]["reason"] == "upstream_timeout"
+    assert results[1] == {"ok": "3", "is_error": False}
+    assert await sluice.metric("sluice_operation_requests_total", route="tools",
+                               operation="slow", outcome="upstream_timeout") == 1
