@@ -331,3 +331,21 @@ async def test_mcp1_call_over_its_tools_total_timeout_fails_with_504(mcp_session
     assert results[1] == {"ok": "3", "is_error": False}
     assert await sluice.metric("sluice_operation_requests_total", route="tools",
                                operation="slow", outcome="upstream_timeout") == 1
+
+
+@pytest.mark.xfail(strict=True, reason="open: a caller's mistakes (unknown tool, invalid "
+                   "arguments: isError results from the official Python server) count as tool "
+                   "failures, so one caller opens a breaker shared by every caller")
+async def test_calls_to_unknown_tools_do_not_open_the_shared_default_breaker(mcp_stateless,
+                                                                             start_sluice):
+    from mcp import Client
+
+    sluice = await start_sluice({"routes": [{
+        "name": "tools", "path_prefix": "/tools/", "upstream": mcp_stateless.base_url,
+        "protocol": "mcp",
+        "tools": {"default": {"circuit_breaker": {"fail_max": 3, "reset_timeout": "60s"}}}}]})
+    async with Client(sluice.url + "/tools/mcp") as client:
+        for name in ("nope-1", "nope-2", "nope-3"):  # a model's made-up tool names
+            assert (await client.call_tool(name, {})).is_error
+        result = await client.call_tool("add", {"a": 1, "b": 2})  # raised: circuit_open
+        assert result.content[0].text == "3"
