@@ -349,3 +349,26 @@ async def test_calls_to_unknown_tools_do_not_open_the_shared_default_breaker(mcp
             assert (await client.call_tool(name, {})).is_error
         result = await client.call_tool("add", {"a": 1, "b": 2})  # raised: circuit_open
         assert result.content[0].text == "3"
+
+
+mcp_server_factory = mcp_servers.mcp_server_factory
+
+
+@pytest.mark.parametrize("mode", ["stateless", "session"])
+async def test_tool_call_dedup_holds_for_a_server_answering_json(mcp_server_factory,
+                                                                 start_sluice, mode):
+    """A server answering ``application/json`` (``json_response=True``; the TypeScript SDK's
+    ``enableJsonResponse``) gave answers the idempotency store never kept: the tracker of a
+    JSON answer completes only when told the body has ended, and nothing told it, so the same
+    ``send`` ran twice."""
+    from mcp import Client
+
+    server = mcp_server_factory(mode, json_response=True)
+    sluice = await start_sluice({"routes": [{
+        "name": "tools", "path_prefix": "/tools/", "upstream": server.base_url,
+        "protocol": "mcp", "tools": {"send": {"idempotency": {"mode": "dedup"}}}}]})
+    async with Client(sluice.url + "/tools/mcp", mode="legacy") as client:
+        first = await client.call_tool("send", {"to": "ops@example.com", "body": "hi"})
+        again = await client.call_tool("send", {"body": "hi", "to": "ops@example.com"})
+        assert [first.content[0].text, again.content[0].text] == ["sent #1", "sent #1"]
+    assert server.sends() == 1
