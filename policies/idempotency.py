@@ -290,6 +290,9 @@ class Capture:
         if self.mcp_id is None:
             return self.record(fingerprint) if outcome in _ANSWERED else None
         tracker = self.tracker
+        if (tracker is not None and not tracker.sse and tracker.complete_at is None
+                and outcome in _ANSWERED):
+            tracker.finish()  # a JSON answer holds its response only once it has all come
         if tracker is None or tracker.complete_at is None:
             return None  # the response never came: the call may not have run to its end
         record = self.record(fingerprint)

@@ -30,7 +30,6 @@ exhausted budget refuses the call (429 ``budget_exhausted``); the rest settles a
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
@@ -44,11 +43,13 @@ from policies.config import (
     DEFAULT_OPERATION,
     ConcurrencyConfig,
     OperationConfig,
+    PathGlob,
     RouteConfig,
     TimeoutsConfig,
     endpoint_pattern,
 )
 from policies.idempotency import Idempotency
+from policies.paths import decode_unreserved
 from policies.pipeline import Call, Outcome, Policy
 from policies.rate import RateLimiter, Units
 from policies.reasons import Reason, Rejected
@@ -224,7 +225,7 @@ class Operations:
                         for name, block in blocks.items()}
         self.default = self.by_name.get(DEFAULT_OPERATION)
         #: ``endpoints:`` as ``(method, path regex, operation)``, in file order.
-        self.endpoints: list[tuple[str, re.Pattern[str], Operation]] = []
+        self.endpoints: list[tuple[str, PathGlob, Operation]] = []
         if self.key == "endpoints":
             for name, op in self.by_name.items():
                 if name != DEFAULT_OPERATION:
@@ -244,7 +245,7 @@ class Operations:
         ``tools/call``); other MCP calls (``resources/read``, ...) have no operation.
         """
         if self.key == "endpoints":
-            path = call.path[self.prefix_len:].partition("?")[0]
+            path = decode_unreserved(call.path[self.prefix_len:].partition("?")[0])
             for method, pattern, op in self.endpoints:
                 if (method == "*" or method == call.method) and pattern.fullmatch(path):
                     return op.name, op

@@ -177,9 +177,10 @@ async def forward(request: web.BaseRequest, rt: Runtime, route: Route, call: Cal
                 extra = {**call.response_headers, **(extra or {})}
             call.status = response.status
             call.progress_at = time.monotonic()
-            if tries.pending is not None:
+            if tries.pending is not None or (route.protocol == "mcp" and traffic == "call"):
                 tries.tracker = AnswerTracker(response.headers.get("Content-Type"),
                                               jsonrpc_id(route.protocol, call.body) or 0)
+                request[fwd.MCP_ANSWER] = tries.tracker
             try:
                 answer, outcome = await fwd.relay(request, response, extra,
                                                   _Progress(call, call.capture, tries.tracker),

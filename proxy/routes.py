@@ -166,6 +166,7 @@ class Route:
             limits=(lambda: self.concurrency) if self.concurrency else None,
             stalled=lambda: self.stalled(stall_after),
         )
+        metrics.name_operations(self.name, blocks)
         if self.idempotency is not None:
             metrics.bind_idempotency(
                 self.name,
@@ -180,7 +181,7 @@ class Route:
                 self.name, lambda: self.breaker.state_value() if self.breaker else 0)
         else:
             metrics.unbind_circuit_state(self.name)
-        self.budget_gauges = BudgetGauges(metrics, self.name, self.accounting)
+        self.budget_gauges = BudgetGauges(metrics, self.name, self.budgets)
         # Read through the operation object: a reload may swap its breaker (take_over).
         metrics.bind_operation_breakers(self.name, {
             op.name: lambda op=op: op.breaker.state_value() if op.breaker else 0
