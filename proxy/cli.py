@@ -189,7 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
                              help="the admin port's URL instead of server.admin_listen")
     runs.set_defaults(func=_runs)
     demo = sub.add_parser(
-        "demo", help="watch Sluice contain a retry storm on a local fake provider (~1 min)"
+        "demo", help="watch Sluice contain a retry storm on a local fake provider (~40 s)"
     )
     demo.add_argument("--quick", action="store_true",
                       help="a shorter schedule (~10 s per run instead of ~20 s)")
