@@ -170,6 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="add a header whose value is read from an environment variable",
     )
     replay.add_argument("--output", metavar="FILE", help="write the upstream's answer here")
+    replay.add_argument("--again", action="store_true",
+                        help="send it even though an earlier replay was answered (below 400)")
     dlq_sub.add_parser("purge", help="delete every record")
     for command in (listing, show, replay, dlq_sub.choices["purge"]):
         command.add_argument("--config", default=DEFAULT_CONFIG, help=config_help)
