@@ -47,6 +47,10 @@ Rejections carry an honest ``retry_after`` estimated with Little's law: a queue 
 drains in about ``n * S / limit`` seconds (spread up to +50% at random, so callers refused
 together do not retry together), where ``S`` is the route's mean service time (an
 exponentially weighted average of observed upstream durations).
+
+This limiter counts one process's calls (``state.backend: memory``). With ``state.backend:
+redis`` a route uses :class:`policies.shared_concurrency.SharedConcurrencyLimiter`, which keeps
+this queue and counts ``limit`` and ``per_tenant`` across replicas with Redis leases.
 """
 
 from __future__ import annotations
@@ -102,7 +106,7 @@ class _Waiter:
     __slots__ = ("cls", "enqueued", "future", "increment", "order", "state", "tag", "tenant",
                  "timer")
 
-    def __init__(self, future: asyncio.Future[None], tenant: str, cls: int, tag: float,
+    def __init__(self, future: asyncio.Future[object], tenant: str, cls: int, tag: float,
                  order: int, enqueued: float) -> None:
         self.increment = 0.0
         self.future = future
@@ -161,6 +165,23 @@ class _Class:
             if alive:
                 flows[tenant] = alive
         self.flows = flows
+
+
+def queued_hook(call: Call) -> Callable[[int], None]:
+    """The ``on_queued`` of :meth:`ConcurrencyLimiter.acquire` for ``call``: marks it queued
+    and reports ``enqueued`` with the queue depth."""
+    def queued(depth: int) -> None:
+        call.enqueued_at = time.monotonic()
+        call.phase = "queued"
+        call.notify("enqueued", {"queue_depth": depth})
+    return queued
+
+
+def report_expiry(call: Call, rejected: Rejected) -> None:
+    """Report ``expired`` for a queued ``call`` refused ``queue_timeout``."""
+    if rejected.reason is Reason.QUEUE_TIMEOUT and call.enqueued_at is not None:
+        call.notify("expired", {"waited_s": round(time.monotonic() - call.enqueued_at, 6),
+                                "deadline": rejected.detail == DEADLINE_EXPIRED})
 
 
 class ConcurrencyLimiter:
@@ -235,16 +256,29 @@ class ConcurrencyLimiter:
         """
         held = self._by_tenant.get(tenant, 0)
         if self.per_tenant is not None and held >= self.per_tenant:
-            raise Rejected(
-                Reason.TENANT_CONCURRENCY,
-                self.mean_service_s / max(held, 1),
-                f"limit {self.per_tenant} in flight or queued per tenant",
-                ("tenant-concurrency", self.per_tenant, 0),
-            )
+            raise self._tenant_refusal(held)
         if self.inflight < self.limit and not self.queued:
             self.inflight += 1
             self._by_tenant[tenant] = held + 1
             return self._charge(tenant, priority, cost)[1]
+        charged, _ = await self._wait(tenant, priority, caller_timeout, on_queued, cost)
+        return charged
+
+    def _tenant_refusal(self, held: int) -> Rejected:
+        return Rejected(
+            Reason.TENANT_CONCURRENCY,
+            self.mean_service_s / max(held, 1),
+            f"limit {self.per_tenant} in flight or queued per tenant",
+            ("tenant-concurrency", self.per_tenant, 0),
+        )
+
+    async def _wait(self, tenant: str, priority: int, caller_timeout: float | None,
+                    on_queued: Callable[[int], None] | None,
+                    cost: float | None) -> tuple[float | None, object]:
+        """Queue ``tenant``'s call until a hand-over grants it a slot (:meth:`acquire`'s
+        refusals and cancellation apply). Returns what :meth:`acquire` returns, and the value
+        the hand-over passed (see :meth:`_grant`)."""
+        held = self._by_tenant.get(tenant, 0)
         max_wait = self.wait_budget(caller_timeout)
         expected = (self.queued + 1) * self.mean_service_s / self.limit
         if max_wait <= 0 or (caller_timeout is not None and self.observed
@@ -280,11 +314,11 @@ class ConcurrencyLimiter:
                                            max_wait < self.max_wait)
             if on_queued is not None:
                 on_queued(self.queued)
-            await waiter.future
+            granted = await waiter.future
         except BaseException:
             self._abandon(waiter)
             raise
-        return charged
+        return charged, granted
 
     async def admit(self, call: Call) -> Slot:
         """The pipeline step (:class:`policies.pipeline.Policy`): a slot for ``call``, held
@@ -294,18 +328,11 @@ class ConcurrencyLimiter:
         Raises:
             Rejected: as :meth:`acquire` does.
         """
-        def queued(depth: int) -> None:
-            call.enqueued_at = time.monotonic()
-            call.phase = "queued"
-            call.notify("enqueued", {"queue_depth": depth})
-
         try:
-            charged = await self.acquire(call.tenant, call.priority, call.timeout, queued,
-                                         call.cost)
+            charged = await self.acquire(call.tenant, call.priority, call.timeout,
+                                         queued_hook(call), call.cost)
         except Rejected as rejected:
-            if rejected.reason is Reason.QUEUE_TIMEOUT and call.enqueued_at is not None:
-                call.notify("expired", {"waited_s": round(time.monotonic() - call.enqueued_at, 6),
-                                        "deadline": rejected.detail == DEADLINE_EXPIRED})
+            report_expiry(call, rejected)
             raise
         return Slot(self, call.tenant, charged, call.priority)
 
@@ -330,18 +357,25 @@ class ConcurrencyLimiter:
         """Free the slot taken for ``tenant``; ``service_s`` updates the mean service time,
         and replaces ``charged`` (the estimate :meth:`acquire` returned) in the tenant's
         virtual time."""
-        if service_s is not None:
-            self.mean_service_s += _EWMA_WEIGHT * (service_s - self.mean_service_s)
-            self.observed = True
-            mean = self._tenant_service.get(tenant, service_s)
-            self._tenant_service[tenant] = mean + _EWMA_WEIGHT * (service_s - mean)
-            if charged is not None and (cls, tenant) in self._vtime:
-                self._vtime[cls, tenant] += (service_s - charged) / self._weight(tenant)
+        self._observe(tenant, service_s, charged, cls)
         self._forget(tenant)
         # Over the limit only after a reload lowered it: then the slot is retired, not passed on.
         if self.inflight <= self.limit and self._hand_over():
             return  # the slot passed on; inflight is unchanged
         self.inflight -= 1
+
+    def _observe(self, tenant: str, service_s: float | None, charged: float | None,
+                 cls: int) -> None:
+        """Fold a finished call's service time (``None``: the upstream did not answer) into
+        the means, and into the tenant's virtual time in place of ``charged``."""
+        if service_s is None:
+            return
+        self.mean_service_s += _EWMA_WEIGHT * (service_s - self.mean_service_s)
+        self.observed = True
+        mean = self._tenant_service.get(tenant, service_s)
+        self._tenant_service[tenant] = mean + _EWMA_WEIGHT * (service_s - mean)
+        if charged is not None and (cls, tenant) in self._vtime:
+            self._vtime[cls, tenant] += (service_s - charged) / self._weight(tenant)
 
     # -- reload -------------------------------------------------------------------------------
 
@@ -354,17 +388,21 @@ class ConcurrencyLimiter:
         admitted at once; a lowered one is reached as in-flight requests finish. New weights
         apply to calls queued from now on.
         """
+        self._adopt(limit, queue, max_wait, per_tenant, tenant_weights, aging)
+        while self.inflight < self.limit:
+            self.inflight += 1
+            if not self._hand_over():
+                self.inflight -= 1
+                break
+
+    def _adopt(self, limit: int, queue: int, max_wait: float, per_tenant: int | None,
+               tenant_weights: Mapping[str, float] | None, aging: float | None) -> None:
         self.limit = limit
         self.queue_capacity = queue
         self.max_wait = max_wait
         self.per_tenant = per_tenant
         self.tenant_weights = dict(tenant_weights or {})
         self.aging = aging
-        while self.inflight < self.limit:
-            self.inflight += 1
-            if not self._hand_over():
-                self.inflight -= 1
-                break
 
     def state(self) -> dict[str, object]:
         """Limits and live counts for the admin API (JSON-ready; seconds for durations)."""
@@ -397,11 +435,16 @@ class ConcurrencyLimiter:
             if waiter.future.done():
                 self._drop(waiter, GONE)
                 continue
-            self._drop(waiter, GRANTED)
-            if waiter.tag > self.vnow.get(waiter.cls, 0.0):
-                self.vnow[waiter.cls] = waiter.tag
-            waiter.future.set_result(None)
+            self._grant(waiter, None)
             return True
+
+    def _grant(self, waiter: _Waiter, value: object) -> None:
+        """End ``waiter`` (WAITING, its future not done) holding a slot; its :meth:`_wait`
+        returns ``value``."""
+        self._drop(waiter, GRANTED)
+        if waiter.tag > self.vnow.get(waiter.cls, 0.0):
+            self.vnow[waiter.cls] = waiter.tag
+        waiter.future.set_result(value)
 
     def _best(self) -> _Waiter | None:
         """The waiter to serve next, without removing it; ``None`` when none waits."""

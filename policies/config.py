@@ -26,6 +26,7 @@ from pydantic import (
     Field,
     PlainSerializer,
     PrivateAttr,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -246,6 +247,17 @@ def _redis_url(value: str) -> str:
 RedisUrl = Annotated[str, AfterValidator(_redis_url)]
 
 
+#: ``state.lease`` is at least this many ``state.timeout``: renewals every ``lease / 3``, each
+#: bounded by ``timeout``, so one that times out still leaves the next one time to land.
+LEASE_PER_TIMEOUT = 4
+
+
+def _short_lease(lease: float, timeout: float) -> str:
+    return (f"lease of {lease:g}s is shorter than {LEASE_PER_TIMEOUT} x the timeout "
+            f"of {timeout:g}s: a lease is renewed every third of it, each renewal taking up "
+            "to the timeout, so a shorter one can lapse while its call runs; raise lease")
+
+
 class StateConfig(_Section):
     """``state``: where limits, budgets, breakers and keys live (``policies/state/``).
 
@@ -263,6 +275,11 @@ class StateConfig(_Section):
                             pattern=r"^[A-Za-z0-9_.:-]+$")
     #: Bound on every Redis interaction on the request path, seconds.
     timeout: PositiveDuration = 0.05
+    #: How long a concurrency slot outlives a replica that stopped renewing it (killed, cut
+    #: off), seconds. A call's lease is renewed every third of it, each renewal bounded by
+    #: ``timeout``, so it must be at least :data:`LEASE_PER_TIMEOUT` times ``timeout``; when
+    #: not set, that is the default if it is longer than 5 s.
+    lease: PositiveDuration = 5.0
     #: With Redis unreachable: ``local`` enforces ``limit / replicas`` of every limit in each
     #: replica (and reconciles budget spend when Redis is back); ``reject`` answers 503
     #: ``state_unavailable``.
@@ -275,7 +292,18 @@ class StateConfig(_Section):
     def _coherent(self) -> StateConfig:
         if self.backend == "redis" and self.redis_url is None:
             raise ValueError("backend redis needs redis_url")
+        if "lease" not in self.model_fields_set and self.lease < LEASE_PER_TIMEOUT * self.timeout:
+            # The default follows a long timeout (frozen model: set once, while validating).
+            object.__setattr__(self, "lease", LEASE_PER_TIMEOUT * self.timeout)
         return self
+
+    @field_validator("lease")
+    @classmethod
+    def _long_enough(cls, lease: float, info: ValidationInfo) -> float:
+        timeout = info.data.get("timeout")
+        if timeout is not None and lease < LEASE_PER_TIMEOUT * timeout:
+            raise ValueError(_short_lease(lease, timeout))
+        return lease
 
     def resolved_url(self, environ: Mapping[str, str] | None = None) -> str:
         """``redis_url`` with ``env:NAME`` replaced by that variable's value.
@@ -464,8 +492,11 @@ class CircuitBreakerConfig(_Section):
     success_threshold: int = Field(default=1, gt=0)
     #: On a tool's block of an ``mcp`` route: a tool failure (an ``isError`` result, a
     #: JSON-RPC error other than invalid params) counts as a failure. A route's breaker
-    #: counts only transport failures (5xx, no answer), so one tool cannot open it.
-    tool_errors: bool = True
+    #: counts only transport failures (5xx, no answer), so one tool cannot open it. Unset:
+    #: true on a named tool, false on ``default``, whose one breaker every unnamed tool
+    #: shares: a caller's made-up tool names (``isError`` "Unknown tool" from the official
+    #: Python server) would open it for every caller and every unnamed tool.
+    tool_errors: bool | None = None
 
 
 class BackoffConfig(_Section):
@@ -607,8 +638,72 @@ DEFAULT_OPERATION = "default"
 _ENDPOINT = re.compile(r"^([A-Z]+|\*) (/\S*)$")
 
 
-def endpoint_pattern(key: str) -> tuple[str, re.Pattern[str]]:
-    """``(method, path regex)`` of an ``endpoints:`` key ``"METHOD /path"``: ``METHOD`` an
+class PathGlob:
+    """A path pattern of ``endpoints:``: ``*`` matches within one segment, ``**`` across
+    segments, anything else itself.
+
+    :meth:`fullmatch` takes time linear in the path's length whatever the pattern. A
+    backtracking regex does so with one wildcard only: with three ``**`` it took 1.3 s on an
+    8 KB path (cubic), so one request could stall every call of the process. A pattern with
+    one wildcard or none is therefore a regex (0.5 µs a typical match), any other runs as a
+    bit-parallel NFA (shift-and; about 1 µs a character).
+    """
+
+    __slots__ = ("_accept", "_any", "_chars", "_closure_steps", "_regex", "_segment",
+                 "pattern")
+
+    def __init__(self, pattern: str) -> None:
+        self.pattern = pattern
+        tokens = [t for t in re.split(r"(\*\*|\*)", pattern) if t]
+        wildcards = sum(t in ("*", "**") for t in tokens)
+        self._regex = (re.compile("".join(
+            ".*" if t == "**" else "[^/]*" if t == "*" else re.escape(t) for t in tokens))
+            if wildcards <= 1 else None)
+        # State i: the first i items matched. A literal item advances on its character; a
+        # wildcard item stays on any character (``*``: but ``/``) and may be skipped (empty).
+        items: list[str] = []
+        for token in tokens:
+            items.extend([token] if token in ("*", "**") else list(token))
+        self._chars: dict[str, int] = {}
+        self._segment = self._any = 0
+        run = longest = 0
+        for i, item in enumerate(items):
+            bit = 1 << i
+            if item == "**":
+                self._any |= bit
+            elif item == "*":
+                self._segment |= bit
+            else:
+                self._chars[item] = self._chars.get(item, 0) | bit
+            run = run + 1 if item in ("*", "**") else 0
+            longest = max(longest, run)
+        self._closure_steps = longest
+        self._accept = 1 << len(items)
+
+    def _closure(self, states: int) -> int:
+        """``states`` plus those reached by skipping wildcards (an empty match)."""
+        wild = self._segment | self._any
+        for _ in range(self._closure_steps):
+            states |= (states & wild) << 1
+        return states
+
+    def fullmatch(self, path: str) -> bool:
+        """Whether the whole of ``path`` matches the pattern."""
+        if self._regex is not None:
+            return self._regex.fullmatch(path) is not None
+        chars, segment, any_ = self._chars, self._segment, self._any
+        states = self._closure(1)
+        for c in path:
+            states = (((states & chars.get(c, 0)) << 1) | (states & any_)
+                      | (states & segment if c != "/" else 0))
+            if not states:
+                return False
+            states = self._closure(states)
+        return bool(states & self._accept)
+
+
+def endpoint_pattern(key: str) -> tuple[str, PathGlob]:
+    """``(method, path pattern)`` of an ``endpoints:`` key ``"METHOD /path"``: ``METHOD`` an
     upper-case HTTP method or ``*`` (any); in the path (the upstream's, after the route's
     prefix, without the query) ``*`` matches within one segment and ``**`` across segments.
 
@@ -622,9 +717,7 @@ def endpoint_pattern(key: str) -> tuple[str, re.Pattern[str]]:
             f"(* within a segment, ** across segments; * for any method)"
         )
     method, path = m.groups()
-    parts = re.split(r"(\*\*|\*)", path)
-    body = "".join(".*" if p == "**" else "[^/]*" if p == "*" else re.escape(p) for p in parts)
-    return method, re.compile(body)
+    return method, PathGlob(path)
 
 
 def _endpoint_keys(value: dict[str, OperationConfig]) -> dict[str, OperationConfig]:

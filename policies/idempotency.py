@@ -170,6 +170,31 @@ _HANDOVER = object()
 _TIMED_OUT = object()
 
 
+#: Fresh keys drawn from one ``os.urandom`` read: one ``getrandom`` syscall per this many
+#: requests instead of one each; every key is still 128 bits from the OS's CSPRNG.
+FRESH_KEYS_PER_READ = 256
+_fresh_pool = ""  # hex of one read's random bytes, 32 digits a key
+_fresh_at = 0  # where the next unused key starts in it
+
+
+def _forget_fresh_pool() -> None:
+    global _fresh_pool
+    _fresh_pool = ""  # a forked child must not hand out its parent's keys
+
+
+os.register_at_fork(after_in_child=_forget_fresh_pool)
+
+
+def fresh_key() -> str:
+    """A new random key, ``"sluice-<32 hex>"`` (128 bits, never handed out twice)."""
+    global _fresh_pool, _fresh_at
+    at = _fresh_at
+    if at >= len(_fresh_pool):
+        _fresh_pool, at = os.urandom(16 * FRESH_KEYS_PER_READ).hex(), 0
+    _fresh_at = at + 32
+    return "sluice-" + _fresh_pool[at:at + 32]
+
+
 def parse_key(raw: str) -> str:
     """The key named by an ``Idempotency-Key`` field value, quoted or bare.
 
@@ -265,6 +290,9 @@ class Capture:
         if self.mcp_id is None:
             return self.record(fingerprint) if outcome in _ANSWERED else None
         tracker = self.tracker
+        if (tracker is not None and not tracker.sse and tracker.complete_at is None
+                and outcome in _ANSWERED):
+            tracker.finish()  # a JSON answer holds its response only once it has all come
         if tracker is None or tracker.complete_at is None:
             return None  # the response never came: the call may not have run to its end
         record = self.record(fingerprint)
@@ -520,7 +548,7 @@ class Idempotency:
                 key = self._call_key(tenant, fingerprint)
             if key is None:
                 # A fresh key: unknown to anyone else, so there is nothing to look up.
-                claim = Claim(f"sluice-{os.urandom(16).hex()}")
+                claim = Claim(fresh_key())
                 claim.header = f'"{claim.key}"'
                 claim.new_unit = not is_client_retry(headers)
                 return claim

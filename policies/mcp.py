@@ -467,6 +467,12 @@ class AnswerTracker:
         self._read = 0       # SSE: answer bytes before ``_buf``
         self._data: list[bytes] = []
 
+    @property
+    def between_events(self) -> bool:
+        """An SSE answer whose bytes so far end where a new event may begin (no part of a
+        line or of an event's data pending): an event written now would arrive whole."""
+        return self.sse and not self._buf and not self._data
+
     def feed(self, chunk: bytes) -> Outcome | None:
         """Take the next bytes of the answer."""
         if self.outcome is not None:

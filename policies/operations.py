@@ -30,7 +30,6 @@ exhausted budget refuses the call (429 ``budget_exhausted``); the rest settles a
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
@@ -44,15 +43,18 @@ from policies.config import (
     DEFAULT_OPERATION,
     ConcurrencyConfig,
     OperationConfig,
+    PathGlob,
     RouteConfig,
     TimeoutsConfig,
     endpoint_pattern,
 )
 from policies.idempotency import Idempotency
+from policies.paths import decode_unreserved
 from policies.pipeline import Call, Outcome, Policy
 from policies.rate import RateLimiter, Units
 from policies.reasons import Reason, Rejected
 from policies.retry import RetryPolicy
+from policies.shared_concurrency import SharedConcurrencyLimiter
 from policies.state import StateBackends
 
 P = TypeVar("P")
@@ -87,10 +89,17 @@ def reconfigure_limiter(limiter: ConcurrencyLimiter, c: ConcurrencyConfig) -> No
                         tenant_weights=c.tenant_weights, aging=c.aging)
 
 
-def new_limiter(c: ConcurrencyConfig | None) -> ConcurrencyLimiter | None:
-    """The limiter of a ``concurrency`` block, or ``None`` without one."""
+def new_limiter(c: ConcurrencyConfig | None, backends: StateBackends,
+                group: str) -> ConcurrencyLimiter | None:
+    """The limiter of a ``concurrency`` block, or ``None`` without one: this process's, or
+    with the Redis backend one whose limits hold across replicas (leases in ``group``; the
+    queue stays local, :mod:`policies.shared_concurrency`)."""
     if c is None:
         return None
+    if backends.redis is not None:
+        return SharedConcurrencyLimiter(c.limit, c.queue, c.max_wait, c.per_tenant,
+                                        backends=backends, group=group,
+                                        tenant_weights=c.tenant_weights, aging=c.aging)
     return ConcurrencyLimiter(c.limit, c.queue, c.max_wait, c.per_tenant,
                               tenant_weights=c.tenant_weights, aging=c.aging)
 
@@ -152,7 +161,7 @@ class Operation:
         #: The operation's counters in the state backends: distinct from the route's and
         #: from every other operation's.
         self.group = f"{route.name}/{name}"
-        self.concurrency = new_limiter(config.concurrency)
+        self.concurrency = new_limiter(config.concurrency, backends, self.group)
         self.rate = (OperationRate(RateLimiter(config.rate, backends, self.group))
                      if config.rate else None)
         i = config.idempotency
@@ -216,7 +225,7 @@ class Operations:
                         for name, block in blocks.items()}
         self.default = self.by_name.get(DEFAULT_OPERATION)
         #: ``endpoints:`` as ``(method, path regex, operation)``, in file order.
-        self.endpoints: list[tuple[str, re.Pattern[str], Operation]] = []
+        self.endpoints: list[tuple[str, PathGlob, Operation]] = []
         if self.key == "endpoints":
             for name, op in self.by_name.items():
                 if name != DEFAULT_OPERATION:
@@ -236,7 +245,7 @@ class Operations:
         ``tools/call``); other MCP calls (``resources/read``, ...) have no operation.
         """
         if self.key == "endpoints":
-            path = call.path[self.prefix_len:].partition("?")[0]
+            path = decode_unreserved(call.path[self.prefix_len:].partition("?")[0])
             for method, pattern, op in self.endpoints:
                 if (method == "*" or method == call.method) and pattern.fullmatch(path):
                     return op.name, op

@@ -48,6 +48,8 @@ from dataclasses import dataclass
 import orjson
 from multidict import CIMultiDict
 
+from policies.paths import decode_unreserved
+
 #: Bytes of request or streamed text counted as one token by the estimates.
 BYTES_PER_TOKEN = 3
 #: Tokens assumed per base64 attachment: Anthropic bills about w*h/750 per image, about 1,600
@@ -101,7 +103,7 @@ def endpoint_for(protocol: str, method: str, raw_path: str) -> Endpoint | None:
     """The metered endpoint a request calls, or ``None`` if it is not metered."""
     if method != "POST":
         return None
-    path = raw_path.partition("?")[0].rstrip("/")
+    path = decode_unreserved(raw_path.partition("?")[0]).rstrip("/")
     if protocol == "anthropic":
         return MESSAGES if path.endswith("/messages") else None
     if path.endswith("/chat/completions"):

@@ -177,9 +177,10 @@ async def forward(request: web.BaseRequest, rt: Runtime, route: Route, call: Cal
                 extra = {**call.response_headers, **(extra or {})}
             call.status = response.status
             call.progress_at = time.monotonic()
-            if tries.pending is not None:
+            if tries.pending is not None or (route.protocol == "mcp" and traffic == "call"):
                 tries.tracker = AnswerTracker(response.headers.get("Content-Type"),
                                               jsonrpc_id(route.protocol, call.body) or 0)
+                request[fwd.MCP_ANSWER] = tries.tracker
             try:
                 answer, outcome = await fwd.relay(request, response, extra,
                                                   _Progress(call, call.capture, tries.tracker),
@@ -372,9 +373,16 @@ async def _attempt(rt: Runtime, route: Route, call: Call, url: URL,
         route.metrics.upstream_attempts.inc()
         call.attempts += 1
         call.attempt_sent(started)
-        async with asyncio.timeout(limit):
+        if limit is None:
+            # Most routes set no per-try bound or deadline: a timeout scope would cost a
+            # timer handle, two lookups of the running loop and two getpid syscalls
+            # (Python 3.11's C get_running_loop checks the pid) per attempt, for nothing.
             response = await fwd.send(rt.session, call.method, url, headers, call.body,
                                       timeout)
+        else:
+            async with asyncio.timeout(limit):
+                response = await fwd.send(rt.session, call.method, url, headers, call.body,
+                                          timeout)
     except Rejected as exc:
         tries.error = exc
         tries.kind = "timeout" if exc.reason is Reason.UPSTREAM_TIMEOUT else "connect_error"

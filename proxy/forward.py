@@ -30,6 +30,7 @@ caller received, without a second forwarding path.
 
 from __future__ import annotations
 
+import functools
 import re
 
 import aiohttp
@@ -38,8 +39,10 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
 from policies.idempotency import Capture
+from policies.mcp import AnswerTracker
 from policies.reasons import Reason, Rejected
 from policies.usage import Meter
+from proxy.rejections import rejection_body
 
 HOP_BY_HOP = frozenset(
     {
@@ -66,15 +69,54 @@ BUFFER_LIMIT_BYTES = 256 * 1024
 #: as its own writer's check), though its client accepts them from an upstream.
 _FORBIDDEN_IN_HEADERS = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 _BAD_HEADER = "a response header has control characters"
+#: The streamed answer being relayed to the caller, once its status line is out (set on the
+#: request, so a call ended mid-answer can still finish it: ``proxy.handler``).
+RELAYED_STREAM = web.RequestKey("sluice_relayed_stream", web.StreamResponse)
+#: The tracker of an MCP call's answer as it is relayed (set on the request by
+#: ``proxy.attempts``), which tells whether its response has been sent.
+MCP_ANSWER = web.RequestKey("sluice_mcp_answer", AnswerTracker)
+
+
+async def end_mcp_answer(request: web.BaseRequest, rejected: Rejected) -> bool:
+    """End an MCP call's SSE answer, already started, with ``rejected`` as its last event
+    (the JSON-RPC error for the call's id, the SSE refusal shape of docs/mcp.md) instead of
+    cutting it: the Python ``mcp`` 1.x client fails no call on a cut POST stream, so the call
+    would wait for its caller's own timeout (none by default).
+
+    Returns whether it did: not when the answer is no MCP call's SSE stream, has carried its
+    response already, stops inside an event (what follows would not arrive whole), or the
+    caller has gone.
+    """
+    out, answer = request.get(RELAYED_STREAM), request.get(MCP_ANSWER)
+    if (out is None or answer is None or answer.outcome is not None
+            or not answer.between_events):
+        return False
+    body = rejection_body(rejected, "mcp", answer.request_id)
+    try:
+        await out.write(b"event: message\ndata: " + body + b"\n\n")
+        await out.write_eof()
+    except ConnectionResetError:
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=256)
+def _dropped(drop: frozenset[str], connection: tuple[str, ...]) -> frozenset[str]:
+    """``drop`` and every field the ``Connection`` lines name (lower case). Cached: nearly
+    every message says ``keep-alive`` or ``close``, and the set is built once, not per
+    message."""
+    return drop | {token.strip().lower() for line in connection for token in line.split(",")}
 
 
 def _copy_headers(headers: CIMultiDictProxy[str], drop: frozenset[str]) -> CIMultiDict[str]:
-    for connection in headers.getall("Connection", ()):
-        drop = drop | {token.strip().lower() for token in connection.split(",")}
-    out: CIMultiDict[str] = CIMultiDict()
-    for name, value in headers.items():
-        if name.lower() not in drop:
-            out.add(name, value)
+    connection = headers.getall("Connection", None)
+    if connection is not None:
+        drop = _dropped(drop, tuple(connection))
+    # A copy (in C) less the few fields present that go, rather than one add per field kept.
+    out = headers.copy()
+    for name in headers.keys():
+        if name.lower() in drop:
+            out.popall(name, None)
     return out
 
 
@@ -211,15 +253,24 @@ async def relay(
             raise Rejected(Reason.UPSTREAM_UNREACHABLE, None, _BAD_HEADER)
         out = web.StreamResponse(status=status, reason=upstream.reason, headers=headers)
         await out.prepare(request)
+        request[RELAYED_STREAM] = out
         content = upstream.content
         while True:
             try:
                 chunk = await content.readany()
             except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as e:
+                timed_out = isinstance(e, TimeoutError)
+                label = "upstream_timeout" if timed_out else "upstream_error"
+                cut = Rejected(Reason.UPSTREAM_TIMEOUT if timed_out
+                               else Reason.UPSTREAM_UNREACHABLE, None,
+                               "the upstream's answer did not finish in time" if timed_out
+                               else "the upstream's answer was cut short")
+                if await end_mcp_answer(request, cut):
+                    return out, label
                 # The status line is out: close without the last chunk so the cut is visible.
                 if request.transport is not None:
                     request.transport.close()
-                return out, "upstream_timeout" if isinstance(e, TimeoutError) else "upstream_error"
+                return out, label
             if not chunk:
                 break
             if meter is not None:

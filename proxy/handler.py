@@ -36,6 +36,7 @@ from policies.pipeline import ABANDONED, REFUSED, Admission, Call, Outcome
 from policies.reasons import Reason, Rejected
 from policies.retry import is_client_retry
 from proxy import attempts
+from proxy.forward import RELAYED_STREAM, end_mcp_answer
 from proxy.identity import IdentityRejected, identify
 from proxy.rejections import jsonrpc_id, refuse, render
 from proxy.routes import Route, has_dot_segment
@@ -62,19 +63,28 @@ def _caller_timeout(request: web.BaseRequest, header: str) -> float | None:
     return None
 
 
-def _mcp_traffic(request: web.BaseRequest, body: bytes) -> tuple[mcp.Traffic, str | None]:
+def _mcp_traffic(request: web.BaseRequest, body: bytes,
+                 per_tool: bool) -> tuple[mcp.Traffic, str | None]:
     """The traffic class of a request on an ``mcp`` route, and its operation (the tool of a
-    ``tools/call``, else ``None``).
+    ``tools/call``, else ``None``). ``per_tool``: the route has ``tools:`` blocks.
 
     Raises:
         mcp.InvalidMcpRequest: a POST body that is not MCP, or an ``Mcp-Method`` /
-            ``Mcp-Name`` / ``MCP-Protocol-Version`` header that disagrees with it (400).
+            ``Mcp-Name`` / ``MCP-Protocol-Version`` header that disagrees with it, or, on a
+            route with ``tools:``, a batch holding a ``tools/call`` (400).
     """
     if request.method != "POST":
         return mcp.traffic(request.method), None
     version = request.headers.get("MCP-Protocol-Version")
     post = mcp.parse_post(body, version)
     mcp.check_headers(post, request.headers, require=mcp.is_modern(version))
+    # A batch has no one operation: its tools/calls would run under none of their tools'
+    # limits, breakers or costs (the 2025-03-26 servers, e.g. the TypeScript SDK 1.x, run
+    # every member), so on a route that names tools each call must come in its own POST.
+    if per_tool and post.batch and any(m.tool is not None for m in post.messages):
+        raise mcp.InvalidMcpRequest(
+            "a JSON-RPC batch holding tools/call on a route with per-tool policies: "
+            "send each tools/call in its own POST")
     return mcp.traffic("POST", post), post.tool
 
 
@@ -130,7 +140,8 @@ async def handle(rt: Runtime, request: web.BaseRequest) -> web.StreamResponse:
     operation = None
     if route.protocol == "mcp":
         try:
-            traffic, operation = _mcp_traffic(request, body)
+            per_tool = route.operations is not None and route.operations.key == "tools"
+            traffic, operation = _mcp_traffic(request, body, per_tool)
         except mcp.InvalidMcpRequest as bad:
             return _reject(rt, route, Rejected(Reason.BAD_REQUEST, None, bad.detail[:200]),
                            request_id, tenant, run, body)
@@ -174,7 +185,7 @@ async def handle(rt: Runtime, request: web.BaseRequest) -> web.StreamResponse:
         admission.hold(_Inflight(route, call, traffic == "stream"))
         admitted_at = call.progress_at = time.monotonic()
         call.phase = "forwarding"
-        if call.meter is not None:  # a charged call: its tenant's budget gauges, from now
+        if route.budgets is not None:  # its tenant's budget gauges, from now (tokens or costs)
             route.budget_gauges.watch(call.tenant, route.metrics.tenant(call.tenant))
         if call.enqueued_at is not None:
             route.metrics.queue_wait.observe(admitted_at - call.enqueued_at)
@@ -193,7 +204,7 @@ async def handle(rt: Runtime, request: web.BaseRequest) -> web.StreamResponse:
         return response
     except (asyncio.CancelledError, ConnectionResetError):
         if call.cancelled is not None:  # its run was cancelled (POST /admin/runs/.../cancel)
-            return _run_cancelled(rt, route, call, request, bool(admitted_at))
+            return await _run_cancelled(rt, route, call, request, bool(admitted_at))
         if admitted_at:
             # Cancelled: by the caller leaving, or by the drain cutting what outlived it.
             label = "drain_cut" if rt.cutting else "client_disconnected"
@@ -219,14 +230,17 @@ async def handle(rt: Runtime, request: web.BaseRequest) -> web.StreamResponse:
             route.metrics.work_units.inc()
 
 
-def _run_cancelled(rt: Runtime, route: Route, call: Call, request: web.BaseRequest,
-                   admitted: bool) -> web.StreamResponse:
+async def _run_cancelled(rt: Runtime, route: Route, call: Call, request: web.BaseRequest,
+                         admitted: bool) -> web.StreamResponse:
     """Answer a call whose run was cancelled while it was queued or in flight.
 
     The cancel reached the handler as a task cancellation, which already closed the upstream
     request; it is taken back here so that the caller gets an answer now. Before any of the
     upstream's answer was sent, that answer is 409 ``run_cancelled``; a stream already started
-    is cut (the connection closed without its last chunk, so the cut is visible).
+    is cut (the connection closed without its last chunk, so the cut is visible). An MCP
+    call's SSE answer that has not carried its response yet ends instead with an event
+    holding the ``run_cancelled`` JSON-RPC error: a cut stream fails nothing on the Python
+    ``mcp`` 1.x client, whose call then waits for its own timeout (none by default).
     """
     task = asyncio.current_task()
     if task is not None:
@@ -235,6 +249,9 @@ def _run_cancelled(rt: Runtime, route: Route, call: Call, request: web.BaseReque
     rt.metrics.cancels.labels(route.name, kind).inc()
     rejected = Rejected(Reason.RUN_CANCELLED, None, call.cancelled or "", retry=False)
     if call.status and request.transport is not None:
+        if await end_mcp_answer(request, rejected):
+            route.metrics.rejections[rejected.reason].inc()
+            return request[RELAYED_STREAM]
         request.transport.close()
         return web.Response(status=call.status)  # never sent: the connection is closed
     if admitted:

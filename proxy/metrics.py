@@ -11,7 +11,7 @@ to their labels once per route (``RouteMetrics``) so a request does no label loo
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from prometheus_client import (
@@ -26,7 +26,7 @@ from prometheus_client.metrics import MetricWrapperBase
 from policies.reasons import Reason
 
 if TYPE_CHECKING:
-    from policies.accounting import Accounting
+    from policies.budget import Budgets
     from policies.concurrency import ConcurrencyLimiter
 
 #: LLM calls run from under a second to many minutes; the default buckets stop at 10 s.
@@ -57,6 +57,10 @@ OTHER_TENANT = "other"
 #: operations seen after these share the label ``other``.
 MAX_OPERATION_LABELS = 100
 OTHER_OPERATION = "other"
+#: Longest operation name a label value may be: MCP asks tool names to be 1 to 128
+#: characters (spec 2025-06-18, "Tool names"); a longer name from a request shares ``other``,
+#: or a few calls with huge names would make every scrape carry megabytes.
+MAX_OPERATION_LABEL_CHARS = 128
 
 # The ``*_created`` series double every counter and histogram and nothing here reads them.
 disable_created_metrics()
@@ -289,16 +293,22 @@ class Metrics:
         return OTHER_TENANT
 
     def operation_label(self, route: str, operation: str) -> str:
-        """``operation`` as a label value on ``route``: the first ``MAX_OPERATION_LABELS``
-        seen keep their name, later ones share ``other`` (tool and model names come from
-        requests, so their number must stay bounded)."""
+        """``operation`` as a label value on ``route``: the operations its config names
+        (:meth:`name_operations`) and the first ``MAX_OPERATION_LABELS`` seen of at most
+        ``MAX_OPERATION_LABEL_CHARS`` characters keep their name, others share ``other`` (tool
+        and model names come from requests, so their number and size must stay bounded)."""
         labels = self._operation_labels.setdefault(route, set())
         if operation in labels:
             return operation
-        if len(labels) < MAX_OPERATION_LABELS:
+        if len(labels) < MAX_OPERATION_LABELS and len(operation) <= MAX_OPERATION_LABEL_CHARS:
             labels.add(operation)
             return operation
         return OTHER_OPERATION
+
+    def name_operations(self, route: str, names: Iterable[str]) -> None:
+        """Give the operations ``route``'s config names a label of their own whatever callers
+        sent before: names from requests cannot push a configured tool into ``other``."""
+        self._operation_labels.setdefault(route, set()).update(names)
 
     def for_route(
         self,
@@ -478,35 +488,35 @@ ROUTE_SCOPE_LABEL = "*"
 
 
 class BudgetGauges:
-    """``sluice_budget_remaining`` and ``sluice_budget_reserved`` of one route's budgets, read
-    at scrape time: the route-wide ones at once, a tenant's once it is first charged (unless
-    it is beyond the tenant label cap: one ``other`` series could not say whose budget it is).
+    """``sluice_budget_remaining`` and ``sluice_budget_reserved`` of one route's budgets (its
+    tokens' on LLM routes, its tools' or endpoints' costs' on others), read at scrape time:
+    the route-wide ones at once, a tenant's once it is first admitted (unless it is beyond the
+    tenant label cap: one ``other`` series could not say whose budget it is).
     """
 
-    __slots__ = ("_accounting", "_gauged", "_metrics", "_route")
+    __slots__ = ("_budgets", "_gauged", "_metrics", "_route", "_tenant_units")
 
-    def __init__(self, metrics: Metrics, route: str, accounting: Accounting | None) -> None:
+    def __init__(self, metrics: Metrics, route: str, budgets: Budgets | None) -> None:
         self._metrics = metrics
         self._route = route
-        self._accounting = accounting
+        self._budgets = budgets
         self._gauged: set[str] = set()
-        budgets = accounting.budgets if accounting is not None else None
-        if budgets is not None:
-            for unit in dict.fromkeys(lim.unit for lim in budgets.limits if lim.per == "route"):
-                self._bind(ROUTE_SCOPE_LABEL, "route", "", unit)
+        limits = budgets.limits if budgets is not None else ()
+        self._tenant_units = list(dict.fromkeys(lim.unit for lim in limits if lim.per == "tenant"))
+        for unit in dict.fromkeys(lim.unit for lim in limits if lim.per == "route"):
+            self._bind(ROUTE_SCOPE_LABEL, "route", "", unit)
 
     def watch(self, tenant: str, series: TenantSeries) -> None:
         """Export ``tenant``'s remaining budget, if it has one and a label of its own."""
-        accounting = self._accounting
-        if (accounting is None or not accounting.tenant_units or tenant in self._gauged
-                or series.label == OTHER_TENANT):
+        if not self._tenant_units or tenant in self._gauged or series.label == OTHER_TENANT:
             return
         self._gauged.add(tenant)
-        for unit in accounting.tenant_units:
+        for unit in self._tenant_units:
             self._bind(tenant, "tenant", tenant, unit)
 
     def _bind(self, label: str, per: str, tenant: str, unit: str) -> None:
-        budgets = self._accounting.budgets  # type: ignore[union-attr]
+        budgets = self._budgets
+        assert budgets is not None
         metrics, route = self._metrics, self._route
         metrics.budget_remaining.labels(route, label, unit).set_function(
             lambda: budgets.remaining(unit, per, tenant))

@@ -19,8 +19,9 @@ On ``mcp`` routes a refused call (one with a JSON-RPC id) is answered with HTTP 
 JSON-RPC error echoing its id, code = the reason's status (429, 503, 409, 422), ``data``
 ``{reason, retryAfterMs}``: the one shape that fails only that call on every official MCP
 client (``docs/mcp.md``; a 429 or 503 status ends the whole session of the Python 1.x
-client). Sluice's other errors there (400 unreadable request, 404, 413, 502, 504) keep their
-statuses: they are not backpressure.
+client), and so is a 400 ``exceeds_limit`` (a tool's cost over a whole budget). Sluice's other
+errors there (400 unreadable request, 404, 413, 502, 504) keep their statuses: they are not
+backpressure.
 """
 
 from __future__ import annotations
@@ -151,13 +152,17 @@ def jsonrpc_id(protocol: str, body: bytes) -> object:
 
 #: Refusals of one MCP call that go out as HTTP 200 + JSON-RPC error (see the module docstring).
 _MCP_CALL_REFUSALS = frozenset({409, 422, 429, 503})
+#: 400s that are a policy's verdict on one call, not an unreadable request: a tool whose cost
+#: exceeds a whole budget must fail that call only, as a spent budget's 429 does.
+_MCP_CALL_REFUSAL_REASONS = frozenset({Reason.EXCEEDS_LIMIT})
 
 
 def render(rejected: Rejected, protocol: str, jsonrpc_id: object = None) -> web.Response:
     """The whole response for ``rejected`` on a route of ``protocol``; ``jsonrpc_id`` is the
     refused MCP request's id (``None``: not an MCP request, or a notification)."""
     status = rejected.reason.status
-    if protocol == "mcp" and jsonrpc_id is not None and status in _MCP_CALL_REFUSALS:
+    if protocol == "mcp" and jsonrpc_id is not None and (
+            status in _MCP_CALL_REFUSALS or rejected.reason in _MCP_CALL_REFUSAL_REASONS):
         status = 200
     return web.Response(
         status=status,

@@ -21,7 +21,7 @@ from policies.accounting import Accounting
 from policies.breaker import Breaker
 from policies.budget import Budgets
 from policies.concurrency import ConcurrencyLimiter
-from policies.config import ModelPrice, RouteConfig
+from policies.config import DEFAULT_OPERATION, ModelPrice, RouteConfig
 from policies.idempotency import Idempotency
 from policies.operations import (
     Operation,
@@ -115,7 +115,8 @@ class Route:
         self.timeout = aiohttp.ClientTimeout(
             total=config.timeouts.total, connect=config.timeouts.connect
         )
-        self.concurrency: ConcurrencyLimiter | None = new_limiter(config.concurrency)
+        self.concurrency: ConcurrencyLimiter | None = new_limiter(config.concurrency,
+                                                                  self.backends, self.name)
         # Runs: the tree and cancellation (shared by every route), this route's run limits
         # and fan-out, and those of the top-level blocks (shared, from the runtime).
         runs = runs if runs is not None else RunRegistry()
@@ -165,6 +166,7 @@ class Route:
             limits=(lambda: self.concurrency) if self.concurrency else None,
             stalled=lambda: self.stalled(stall_after),
         )
+        metrics.name_operations(self.name, blocks)
         if self.idempotency is not None:
             metrics.bind_idempotency(
                 self.name,
@@ -179,7 +181,7 @@ class Route:
                 self.name, lambda: self.breaker.state_value() if self.breaker else 0)
         else:
             metrics.unbind_circuit_state(self.name)
-        self.budget_gauges = BudgetGauges(metrics, self.name, self.accounting)
+        self.budget_gauges = BudgetGauges(metrics, self.name, self.budgets)
         # Read through the operation object: a reload may swap its breaker (take_over).
         metrics.bind_operation_breakers(self.name, {
             op.name: lambda op=op: op.breaker.state_value() if op.breaker else 0
@@ -219,8 +221,7 @@ class Route:
             ),
             (self.breaker, op and op.breaker),
             op.breaker if op is not None and self.protocol == "mcp"
-            and op.config.circuit_breaker is not None and op.config.circuit_breaker.tool_errors
-            else None,
+            and op.config.circuit_breaker is not None and _counts_tool_errors(op) else None,
             op.retry if op is not None and op.retry else self.retry,
             op.config.timeouts if op is not None and op.config.timeouts else config.timeouts,
             config.idempotent or (op is not None and op.config.idempotent),
@@ -346,3 +347,10 @@ def has_dot_segment(raw_path: str) -> bool:
     if "." not in path and "%" not in path:
         return False
     return any(segment in (".", "..") for segment in unquote(path).split("/"))
+
+
+def _counts_tool_errors(op: Operation) -> bool:
+    """Whether ``op``'s breaker counts tool failures (``circuit_breaker.tool_errors``; unset:
+    a named tool's does, ``default``'s does not)."""
+    configured = op.config.circuit_breaker.tool_errors if op.config.circuit_breaker else None
+    return op.name != DEFAULT_OPERATION if configured is None else configured

@@ -12,6 +12,7 @@ SIGHUP, or a change of the config file, reloads the config in place (:mod:`proxy
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -129,6 +130,30 @@ def _split(listen: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+#: The cyclic collector's youngest-generation threshold while serving (CPython's default: 700
+#: allocations). A proxied request allocates a few hundred container objects, nearly all freed
+#: by reference counting; at 700 a collection ran every few requests and traversed the ones in
+#: flight.
+GC_YOUNG_THRESHOLD = 10_000
+
+
+def tune_gc() -> None:
+    """Make the cyclic garbage collector cheap for the request path, once started.
+
+    Everything alive at startup (modules, config, routes: ~70,000 objects) is moved out of the
+    collector's sight (``gc.freeze``): a full collection, which requests in flight trigger every
+    few seconds under load, traversed all of it. Under ``bench overhead``'s fast load
+    (2026-12-02, ``gc.callbacks`` timing, loaded machine) the collector took 67-107 us of wall
+    time per request before, 22-23 with the freeze alone, 8-9 with the threshold too. Frozen
+    objects are still freed by reference counting; only a reference cycle among them (e.g. a
+    config replaced by a reload) is never collected, a few KiB per reload.
+    """
+    gc.collect()
+    gc.freeze()
+    _, middle, oldest = gc.get_threshold()
+    gc.set_threshold(GC_YOUNG_THRESHOLD, middle, oldest)
+
+
 async def serve(config: Config, config_path: str | None = None) -> None:
     """Run Sluice until SIGTERM/SIGINT, then drain and return.
 
@@ -166,6 +191,7 @@ async def serve(config: Config, config_path: str | None = None) -> None:
         )
         if reloader is not None:
             reloader.start()
+        tune_gc()
         await stop.wait()
         if reloader is not None:
             await reloader.stop()

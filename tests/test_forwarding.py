@@ -82,6 +82,21 @@ async def test_request_hop_by_hop_headers_dropped_end_to_end_kept(upstream, star
     assert got["content-length"] == "11"
 
 
+async def test_fields_named_in_connection_are_each_requests_own(upstream, start_sluice):
+    """What one request's Connection lines name is dropped from that request only (the named
+    set is cached by value), and a name on a second Connection line counts too."""
+    sluice = await start_sluice({"routes": [route("svc", upstream.url, "http")]})
+    for connection in (b"Connection: close, X-A\r\n", b"Connection: close\r\nConnection: X-B\r\n"):
+        answer = await raw_request(sluice.port, b"GET /svc/c HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                                   + connection + b"X-A: a\r\nX-B: b\r\n\r\n")
+        assert answer.startswith(b"HTTP/1.1 200")
+    first, second = upstream.requests
+    assert "X-A" not in first.headers
+    assert first.headers["X-B"] == "b"
+    assert second.headers["X-A"] == "a"
+    assert "X-B" not in second.headers
+
+
 async def test_x_forwarded_for_set_when_absent(upstream, start_sluice):
     sluice = await start_sluice({"routes": [route("svc", upstream.url, "http")]})
     async with aiohttp.ClientSession() as session, session.get(sluice.url + "/svc/x") as r:

@@ -6,13 +6,14 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
+import re
 import tracemalloc
 
 import pytest
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from policies.config import IdempotencyConfig
-from policies.idempotency import Capture, Idempotency, parse_key
+from policies.idempotency import FRESH_KEYS_PER_READ, Capture, Idempotency, fresh_key, parse_key
 from policies.idempotency_store import DONE, SEEN, TOO_LARGE, MemoryStore, Record
 from proxy.config import ConfigError, parse_config
 
@@ -282,3 +283,25 @@ async def test_mcp_call_key_fingerprint_and_replay_under_the_new_id() -> None:
     other = call(3, "b")  # other arguments: another call
     assert await policy.admit(other) is not None
     assert other.idempotency_key != first.idempotency_key
+
+
+def test_fresh_keys_are_distinct_and_well_formed_across_refills():
+    keys = [fresh_key() for _ in range(3 * FRESH_KEYS_PER_READ + 5)]
+    assert len(set(keys)) == len(keys)
+    assert all(re.fullmatch(r"sluice-[0-9a-f]{32}", key) for key in keys)
+
+
+def test_a_forked_child_does_not_repeat_its_parents_fresh_keys():
+    fresh_key()  # the pool is filled: the parent has keys ready to hand out
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its next key, to the parent
+        os.close(read)
+        os.write(write, fresh_key().encode())
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        child_key = pipe.read().decode()
+    os.waitpid(pid, 0)
+    assert re.fullmatch(r"sluice-[0-9a-f]{32}", child_key)
+    assert child_key not in {fresh_key() for _ in range(FRESH_KEYS_PER_READ)}

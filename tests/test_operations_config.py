@@ -3,10 +3,13 @@ what loads, and the ``FILE:LINE: KEY: PROBLEM`` line each mistake gets."""
 
 from __future__ import annotations
 
+import re
 import textwrap
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from policies.config import ConfigError, endpoint_pattern
 from proxy.config import load_config
@@ -55,11 +58,26 @@ def test_operation_blocks_load(tmp_path: Path) -> None:
     ("POST /v1/jobs/*", ["/v1/jobs/1", "/v1/jobs/"], ["/v1/jobs/1/cancel", "/v1/jobs"]),
     ("* /v1/**", ["/v1/a/b/c"], ["/v2/a"]),
     ("GET /v1/a.b", ["/v1/a.b"], ["/v1/aXb"]),  # a dot is a dot, not a regex wildcard
+    ("GET /**/a*b/**", ["/x/ab/", "/a/azb/y", "//ab/"], ["/ab/", "/x/a/b/"]),
+    ("GET /v1/*/*-*", ["/v1/m/a-b", "/v1//-"], ["/v1/m/ab", "/v1/m/n/a-b"]),
 ])
 def test_endpoint_patterns(key: str, matches: list[str], misses: list[str]) -> None:
     _, pattern = endpoint_pattern(key)
     assert all(pattern.fullmatch(p) for p in matches)
     assert not any(pattern.fullmatch(p) for p in misses)
+
+
+@given(st.lists(st.sampled_from(["a", "b", "/", "*", "**"]), max_size=7),
+       st.text(alphabet="ab/", max_size=10))
+def test_endpoint_pattern_means_what_its_regex_means(items: list[str], tail: str) -> None:
+    """Patterns of several wildcards run as an NFA (linear time); they must agree with the
+    plain regex reading (``*``: ``[^/]*``, ``**``: ``.*``) on every path."""
+    key = "/" + "".join(items)
+    regex = re.compile("".join(".*" if p == "**" else "[^/]*" if p == "*" else re.escape(p)
+                               for p in re.split(r"(\*\*|\*)", key)))
+    _, pattern = endpoint_pattern("GET " + key)
+    path = "/" + tail
+    assert pattern.fullmatch(path) == (regex.fullmatch(path) is not None)
 
 
 @pytest.mark.parametrize(("tail", "expected"), [

@@ -85,9 +85,18 @@ async def test_a_cancel_on_one_replica_quiets_the_run_on_every_replica(
     admin port answers all 9 callers within 1 s, closes the 3 upstream connections, and
     refuses the tree's new calls everywhere, on a replica started after the cancel too."""
     upstream.stream_hold = asyncio.Event()  # streams stop after their first event
-    config = {"state": shared_state, "routes": [route(
-        "openai", upstream.url, concurrency={"limit": 1, "queue": 10, "max_wait": "30s"})]}
-    a, b, c = await replicas(start_sluice, 3, config)
+
+    def config(replica: str) -> dict:
+        # A route's concurrency limit is shared by every replica's route of that name (Redis
+        # leases); here each replica's route has a name, so a slot, of its own. With one
+        # shared slot pool, a slot freed by a call cut on B could admit A's queued call of
+        # the cancelled run in the moment before A hears the cancel.
+        return {"state": shared_state, "routes": [{**route(
+            "openai", upstream.url, concurrency={"limit": 1, "queue": 10, "max_wait": "30s"}),
+            "name": f"openai-{replica}"}]}
+
+    a, b, c = [await start_sluice(config(name), env={"SLUICE_ADMIN_TOKEN": TOKEN})
+               for name in "abc"]
     tree = [(a, "job", None), (b, "job-kid", "job"), (c, "job-kid-kid", "job-kid")]
     async with aiohttp.ClientSession() as s:
         streams, queued = [], []
@@ -131,7 +140,7 @@ async def test_a_cancel_on_one_replica_quiets_the_run_on_every_replica(
         late = [await call(s, c, "job-kid-2", "job"),   # a new child of the root
                 await call(s, a, "job-kid-kid"),         # a grandchild A never saw
                 await call(s, b, "job")]
-        d = await start_sluice(config)                   # started after the cancel
+        d = await start_sluice(config("d"))              # started after the cancel
         late += [await call(s, d, "job-kid-kid"), await call(s, d, "job-great", "job-kid-kid")]
         assert [(status, headers.get("X-Sluice-Reason")) for status, headers, _ in late] == [
             (409, "run_cancelled")] * 5

@@ -560,8 +560,9 @@ async def test_a_call_refused_after_its_admission_gives_back_in_one_round_trip(
     concurrency (full, no queue): its units and reservation go back in one script, so it
     costs 2 round trips (admission, release), and nothing stays held."""
     url, servers = counted
+    # A lease long enough that the held call's renewals (every third of it) are not counted.
     state = {"backend": "redis", "redis_url": url, "key_prefix": new_prefix(),
-             "timeout": "200ms"}
+             "timeout": "200ms", "lease": "60s"}
     (sluice,) = await replicas(start_sluice, 1, state, route(
         "openai", upstream.url, rate={"per_tenant": {"requests": "1000/min"},
                                       "tokens": "1000000/min"},

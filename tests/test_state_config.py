@@ -30,6 +30,8 @@ ROUTE = """routes:
     ("  backend: sqlite\n", "state.backend:"),
     ("  replicas: 0\n", "state.replicas:"),
     ("  key_prefix: 'a{b}'\n", "state.key_prefix:"),
+    ("  timeout: 2s\n  lease: 5s\n", "bad.yaml:3: state.lease: lease of 5s is shorter than 4 x "
+                                     "the timeout of 2s"),
 ])
 def test_bad_state_block_names_the_key_and_never_the_password(tmp_path: Path, capsys,
                                                              state: str, problem: str) -> None:

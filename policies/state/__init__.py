@@ -95,6 +95,9 @@ class StateBackends:
     redis: RedisState | None = None
     #: What policies do while this set is unavailable (never, for memory).
     fallback: Fallback = field(default_factory=lambda: Fallback("local", 1))
+    #: Seconds a concurrency lease outlives a replica that stopped renewing it
+    #: (``state.lease``).
+    lease_s: float = 5.0
     #: Writes policies started and nothing awaits (settles, refunds, reconciliation, keys
     #: and leases given back, dead letters): :meth:`close` lets them end first.
     background: set[asyncio.Future[Any]] = field(default_factory=set)
@@ -199,6 +202,7 @@ def backends_for(config: StateConfig) -> StateBackends:
         backends = _redis_set(RedisState(config.resolved_url(), config.key_prefix,
                                          config.timeout))
     backends.fallback = Fallback(config.on_unavailable, config.replicas)
+    backends.lease_s = config.lease
     return backends
 
 

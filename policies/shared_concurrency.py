@@ -1,0 +1,348 @@
+"""Concurrency limit shared by every replica (config key ``concurrency`` with the Redis backend).
+
+With ``state.backend: redis`` a route's ``concurrency.limit`` (and ``per_tenant``) counts calls
+at the upstream across all replicas: every admitted call holds a *lease* in Redis
+(:mod:`policies.state.leases`), renewed every third of ``state.lease`` while it runs and given
+back through the call's holding when it ends. A replica that dies (SIGKILL, lost network)
+stops renewing, so its slots free themselves within one lease time.
+
+Each replica keeps the queue of :class:`~policies.concurrency.ConcurrencyLimiter` (priority
+classes with aging, weighted fair queueing across tenants, ``queue``, ``max_wait``, the caller's
+deadline, the same refusals and ``Retry-After``) for its own callers; a call finding no lease
+free waits in it. While anyone waits, one task per route and replica (the *dispatcher*) asks
+Redis for a lease on behalf of the best local waiter and hands it over. It tries again when a
+slot is released on any replica (the release publishes on the route's channel,
+:meth:`~policies.state.leases.Leases.watch`), when one is released here, and at least every
+:data:`POLL_S` seconds, since a lease that lapses publishes nothing. A newcomer goes straight
+to Redis only while nobody waits here, so it cannot overtake this replica's queue; across
+replicas, the first to ask after a release gets the slot (there is no global queue).
+
+``per_tenant`` is checked twice: locally, in flight and queued on this replica, as the memory
+limiter does (429 ``tenant_concurrency`` at once); and in Redis, leases held by the tenant on
+every replica, when a lease is asked for (the same 429, also for a waiter whose tenant took its
+slots on other replicas while it waited).
+
+When Redis does not answer (``StateUnavailable``), ``state.on_unavailable`` applies, as for
+rates (:mod:`policies.rate`): ``local`` admits while this replica's calls in flight (those
+admitted on Redis leases before the outage included) are under its share of the limit
+(:meth:`~policies.state.Fallback.whole_share`), taking a lease from its memory for the share
+of ``per_tenant``, and logs it once per outage;
+``reject`` refuses 503 ``state_unavailable`` (every waiter too). Every attempt asks Redis
+first, so the shared limit is back as soon as it answers; calls admitted on the local share
+finish there. A lease whose acquire Redis may have run without the answer arriving (a timeout,
+the caller's cancellation) is released in the background, or lapses within the lease time if
+Redis cannot take that either. Cost: one round trip to take a lease, one to give it back, one
+per third of ``state.lease`` for a call running longer.
+
+``inflight`` and ``queued`` (and so ``sluice_inflight_requests``) stay this replica's;
+:meth:`SharedConcurrencyLimiter.state` adds the route's count across replicas as last seen.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Mapping
+
+from policies.concurrency import (
+    DEFAULT_PRIORITY,
+    EXPIRED,
+    GONE,
+    GRANTED,
+    WAITING,
+    ConcurrencyLimiter,
+    _Waiter,
+    queued_hook,
+    report_expiry,
+)
+from policies.pipeline import Call, Outcome
+from policies.rate import Background, unavailable
+from policies.reasons import Rejected
+from policies.state import StateBackends, StateUnavailable
+from policies.state.leases import LIMIT, TENANT, Lease, LeaseResult, Leases, new_lease_id
+from policies.state.notify import Signal
+
+log = logging.getLogger("sluice")
+
+#: Longest a waiter goes without its dispatcher asking Redis again, seconds: how late a slot
+#: freed by a lapsed lease (which publishes nothing) or a lost wake-up is noticed.
+POLL_S = 0.25
+
+
+class SharedSlot:
+    """One call's lease, and its place in the local counts (a pipeline holding)."""
+
+    __slots__ = ("charged", "cls", "lease", "limiter", "tenant")
+
+    def __init__(self, limiter: SharedConcurrencyLimiter, tenant: str, charged: float | None,
+                 cls: int, lease: Lease) -> None:
+        self.limiter = limiter
+        self.tenant = tenant
+        self.charged = charged
+        self.cls = cls
+        self.lease = lease
+
+    def release(self, outcome: Outcome) -> None:
+        """Give the lease back (in the background) and free the local count."""
+        self.limiter.release(self.tenant, outcome.service_s, self.charged, self.cls, self.lease)
+
+
+class SharedConcurrencyLimiter(ConcurrencyLimiter):
+    """The limit of one route across replicas; the queue of this replica.
+
+    Args:
+        limit, queue, max_wait, per_tenant, tenant_weights, aging: as
+            :class:`~policies.concurrency.ConcurrencyLimiter` (``limit`` and ``per_tenant``
+            count every replica's calls).
+        backends: the Redis state set (its ``leases``, ``lease_s`` and ``fallback``).
+        group: the leases' group, the route's name (one hash slot).
+        poll_s: see :data:`POLL_S`.
+    """
+
+    def __init__(self, limit: int, queue: int, max_wait: float, per_tenant: int | None, *,
+                 backends: StateBackends, group: str,
+                 tenant_weights: Mapping[str, float] | None = None,
+                 aging: float | None = None, poll_s: float = POLL_S) -> None:
+        super().__init__(limit, queue, max_wait, per_tenant, tenant_weights=tenant_weights,
+                         aging=aging)
+        self.backends = backends
+        self.group = group
+        self.poll_s = poll_s
+        #: The route's leases on every replica, as the last answer from Redis said.
+        self.shared_inflight: int | None = None
+        #: Admitting from this replica's share while Redis does not answer.
+        self.degraded = False
+        #: Lease releases whose acquire's answer was lost; their failures are logged.
+        self.background = Background(backends)
+        self._dispatcher: asyncio.Task[None] | None = None
+        self._woken: Signal | None = None
+
+    # -- admission ----------------------------------------------------------------------------
+
+    async def acquire(self, tenant: str, priority: int = DEFAULT_PRIORITY,  # type: ignore[override]
+                      caller_timeout: float | None = None,
+                      on_queued: Callable[[int], None] | None = None,
+                      cost: float | None = None) -> SharedSlot:
+        """Take a lease for ``tenant``, queueing here for one if none is free anywhere.
+
+        Args: as :meth:`ConcurrencyLimiter.acquire`.
+
+        Returns:
+            the holding: the lease (renewed until released) and the local counts.
+
+        Raises:
+            Rejected: as :meth:`ConcurrencyLimiter.acquire` (``tenant_concurrency`` also when
+                the tenant holds ``per_tenant`` leases across replicas); ``state_unavailable``
+                (503) with ``on_unavailable: reject`` when Redis does not answer. Nothing is
+                held.
+            asyncio.CancelledError: the caller went away; nothing is held.
+        """
+        held = self._by_tenant.get(tenant, 0)
+        if self.per_tenant is not None and held >= self.per_tenant:
+            raise self._tenant_refusal(held)
+        # This replica alone filling the limit means no lease is free: skip the round trip.
+        if not self.queued and self.inflight < self.limit:
+            try:
+                lease, result = await self._try(tenant)
+            except StateUnavailable as exc:
+                raise unavailable(exc) from None
+            if lease is not None:
+                # Nothing awaits or raises from here to the return: the slot is the caller's.
+                self.inflight += 1
+                self._by_tenant[tenant] = self._by_tenant.get(tenant, 0) + 1
+                return SharedSlot(self, tenant, self._charge(tenant, priority, cost)[1],
+                                  priority, lease)
+            if result.refused_by == TENANT:
+                raise self._tenant_refusal(result.tenant_inflight)
+        self._dispatch_soon()
+        charged, lease = await self._wait(tenant, priority, caller_timeout, on_queued, cost)
+        assert isinstance(lease, Lease)
+        return SharedSlot(self, tenant, charged, priority, lease)
+
+    async def admit(self, call: Call) -> SharedSlot:  # type: ignore[override]
+        """The pipeline step: as :meth:`ConcurrencyLimiter.admit`, holding a lease."""
+        try:
+            return await self.acquire(call.tenant, call.priority, call.timeout,
+                                      queued_hook(call), call.cost)
+        except Rejected as rejected:
+            report_expiry(call, rejected)
+            raise
+
+    async def _try(self, tenant: str) -> tuple[Lease | None, LeaseResult]:
+        """One attempt at a lease for ``tenant``: from Redis, or with ``on_unavailable:
+        local`` from this replica's memory with its share of the limits.
+
+        Raises:
+            StateUnavailable: Redis did not answer and ``on_unavailable`` is ``reject``.
+        """
+        backends = self.backends
+        leases: Leases = backends.leases
+        lease_id = new_lease_id()
+        try:
+            result = await leases.acquire(self.group, tenant, lease_id, self.limit,
+                                          self.per_tenant, backends.lease_s)
+        except StateUnavailable as exc:
+            if exc.maybe_applied:  # Redis may have run it before the answer timed out
+                self._forget_lease(lease_id, tenant)
+            fallback = backends.fallback
+            if fallback.mode == "reject":
+                raise
+            share = fallback.whole_share(self.limit)
+            self._degrade(exc, share)
+            if self.inflight >= share:
+                # The share counts every call in flight here, those admitted on Redis leases
+                # before the outage too (the memory leases know only the ones after).
+                return None, LeaseResult(False, LIMIT, self.inflight, 0)
+            leases = fallback.memory().leases
+            per_tenant = (None if self.per_tenant is None
+                          else fallback.whole_share(self.per_tenant))
+            # Memory leases never suspend: no cancellation can land between this and return,
+            # nor between the count above and the caller's taking the slot.
+            result = await leases.acquire(self.group, tenant, lease_id, share, per_tenant,
+                                          backends.lease_s)
+        except asyncio.CancelledError:
+            self._forget_lease(lease_id, tenant)
+            raise
+        else:
+            self.shared_inflight = result.inflight
+            if self.degraded:
+                self.degraded = False
+                log.warning("concurrency of route %s: shared across replicas again",
+                            self.group)
+        if not result.granted:
+            return None, result
+        return Lease(leases, self.group, tenant, lease_id, backends.lease_s), result
+
+    def _forget_lease(self, lease_id: str, tenant: str) -> None:
+        """Release ``lease_id`` in Redis, which may hold it though its acquire's answer was
+        lost; releasing one that is not held changes nothing."""
+        self.background.start(self._release_lost(lease_id, tenant),
+                              f"lease release on {self.group}")
+
+    async def _release_lost(self, lease_id: str, tenant: str) -> None:
+        """Retried while Redis does not answer, until the lease would have lapsed anyway: a
+        frozen Redis runs the acquire when it thaws, and the slot should not stay taken for
+        the rest of a lease time after it is back."""
+        loop = asyncio.get_running_loop()
+        until = loop.time() + self.backends.lease_s
+        while True:
+            try:
+                await self.backends.leases.release(self.group, tenant, lease_id)
+                return
+            except StateUnavailable as exc:
+                wait = exc.retry_after or POLL_S
+                if loop.time() + wait >= until:
+                    log.debug("lease %s on %s left to lapse", lease_id, self.group)
+                    return
+                await asyncio.sleep(wait)
+
+    def _degrade(self, exc: StateUnavailable, share: int) -> None:
+        if not self.degraded:
+            self.degraded = True
+            log.warning("concurrency of route %s: %s; this replica admits at most %d of the "
+                        "%d slots from its own memory until it answers (state.on_unavailable: "
+                        "local)", self.group, exc.cause, share, self.limit)
+
+    # -- the dispatcher -----------------------------------------------------------------------
+
+    def _dispatch_soon(self) -> None:
+        if self._dispatcher is None or self._dispatcher.done():
+            self._dispatcher = asyncio.get_running_loop().create_task(
+                self._dispatch(), name=f"sluice-concurrency-{self.group}")
+            self._dispatcher.add_done_callback(self._dispatch_ended)
+        elif self._woken is not None:  # else it is subscribing, and asks once it has
+            self._woken.set()
+
+    def _dispatch_ended(self, task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            log.error("the concurrency dispatcher of route %s failed", self.group,
+                      exc_info=task.exception())
+
+    def _wake(self, _: object = None) -> None:
+        """Make the dispatcher ask again now (a slot was freed here, or limits changed)."""
+        if self.queued:
+            self._dispatch_soon()
+
+    async def _dispatch(self) -> None:
+        """Ask for leases for the best local waiter until nobody waits."""
+        async with self.backends.leases.watch(self.group) as woken:
+            self._woken = woken
+            try:
+                while True:
+                    waiter = self._best()
+                    if waiter is None:
+                        return
+                    if waiter.future.done():  # cancelled; its caller has not run yet
+                        self._drop(waiter, GONE)
+                        continue
+                    try:
+                        lease, result = await self._try(waiter.tenant)
+                    except StateUnavailable as exc:
+                        self._refuse_all(exc)
+                        continue
+                    if lease is not None:
+                        if waiter.state == WAITING and not waiter.future.done():
+                            self.inflight += 1
+                            self._grant(waiter, lease)
+                        else:  # it left while Redis answered: free the slot for others
+                            self.backends.keep(lease.release())
+                        continue
+                    if result.refused_by == TENANT:
+                        if waiter.state == WAITING and not waiter.future.done():
+                            self._drop(waiter, EXPIRED)
+                            waiter.future.set_exception(
+                                self._tenant_refusal(result.tenant_inflight))
+                        continue
+                    await woken.wait(self.poll_s)
+            finally:
+                self._woken = None
+
+    def _refuse_all(self, exc: StateUnavailable) -> None:
+        """``on_unavailable: reject``: every waiter gets 503 now rather than at its
+        ``max_wait``."""
+        for waiter in self.waiters():
+            if not waiter.future.done():
+                self._drop(waiter, EXPIRED)
+                waiter.future.set_exception(unavailable(exc))
+
+    # -- release ------------------------------------------------------------------------------
+
+    def release(self, tenant: str, service_s: float | None, charged: float | None = None,
+                cls: int = DEFAULT_PRIORITY, lease: Lease | None = None) -> None:
+        """Free the local count of ``tenant``'s call and give its ``lease`` back (a task);
+        the dispatcher asks again once the release has landed."""
+        self._observe(tenant, service_s, charged, cls)
+        self._forget(tenant)
+        self.inflight -= 1
+        if lease is not None:
+            task = lease.release()
+            self.backends.keep(task)  # shutdown waits for it (StateBackends.close)
+            task.add_done_callback(self._wake)
+
+    def _abandon(self, waiter: _Waiter) -> None:
+        if waiter.state != GRANTED:
+            super()._abandon(waiter)
+            return
+        # Granted just as its caller left: the lease the dispatcher took goes back.
+        flow = (waiter.cls, waiter.tenant)
+        if flow in self._vtime:
+            self._vtime[flow] -= waiter.increment
+        self.release(waiter.tenant, None, lease=waiter.future.result())
+
+    # -- reload and views ---------------------------------------------------------------------
+
+    def reconfigure(self, limit: int, queue: int, max_wait: float, per_tenant: int | None, *,
+                    tenant_weights: Mapping[str, float] | None = None,
+                    aging: float | None = None) -> None:
+        """Adopt new limits in place (hot reload); waiters are offered a raised limit at
+        once. Leases already held stay held: a lowered limit is reached as calls finish."""
+        self._adopt(limit, queue, max_wait, per_tenant, tenant_weights, aging)
+        self._wake()
+
+    def state(self) -> dict[str, object]:
+        """:meth:`ConcurrencyLimiter.state` (this replica's counts), plus ``shared_inflight``
+        (the route's leases on every replica, as last seen), ``lease_s`` and ``degraded``."""
+        out = super().state()
+        out.update(shared=True, shared_inflight=self.shared_inflight,
+                   lease_s=self.backends.lease_s, degraded=self.degraded)
+        return out
