@@ -13,10 +13,12 @@ import asyncio
 import time
 
 import aiohttp
+import pytest
 
 from tests.conftest import route, wait_until
+from tests.fakeupstream import FakeUpstream
 from tests.redis_servers import RedisServer, new_prefix
-from tests.test_shared_rate_budget import round_trips
+from tests.test_shared_rate_budget import redis_client, round_trips
 
 TOKEN = "s3cret-admin-token"
 CHAT = "/openai/v1/chat/completions"
@@ -341,3 +343,83 @@ async def test_a_count_taken_before_an_earlier_refusal_is_given_back(
     assert second[0] == 200
     assert (third[0], third[1]["X-Sluice-Reason"]) == (429, "run_budget_exhausted")
     assert len(upstream.requests) == 2
+
+
+class RunCountingUpstream(FakeUpstream):
+    """The fake upstream, also counting each run's calls in flight (by ``X-Run-ID``, which
+    Sluice forwards) and the most it saw of each at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.by_run: dict[str, int] = {}
+        self.peak_by_run: dict[str, int] = {}
+
+    async def _guard(self, request, answer):
+        run = request.headers.get("X-Run-ID", "")
+        self.by_run[run] = self.by_run.get(run, 0) + 1
+        self.peak_by_run[run] = max(self.peak_by_run.get(run, 0), self.by_run[run])
+        try:
+            return await super()._guard(request, answer)
+        finally:
+            self.by_run[run] -= 1
+
+
+def width_leases(state: dict, run: str) -> int:
+    """Leases of ``run``'s width held in Redis, whatever the scope, read from Redis itself."""
+    client = redis_client(str(state["redis_url"]))
+    try:
+        return sum(client.zcard(key) for key in
+                   client.scan_iter(f"{state['key_prefix']}:*run:{run}" + "}:conc"))
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("scope", ["route", "top level"])
+async def test_width_3_holds_for_a_run_spread_over_3_replicas(start_sluice, shared_state, scope):
+    """``fanout: {width: 3}`` (on the route, then at the top level) with 12 concurrent calls
+    of one run spread over 3 replicas: the upstream never has more than 3 of them at once and
+    does have 3; each call is served 200 or refused 429 ``fanout_limited`` naming the width;
+    another run's calls meanwhile reach the upstream at once; once all have ended, no lease
+    of the run is left in Redis."""
+    upstream = await RunCountingUpstream().start()
+    try:
+        upstream.hold = asyncio.Event()
+        fanout = {"width": 3, "max_wait": "30s"}
+        rc = route("tools", upstream.url, "http", **({"fanout": fanout}
+                                                     if scope == "route" else {}))
+        config = {"state": shared_state, "routes": [rc],
+                  **({"fanout": fanout} if scope == "top level" else {})}
+        reps = await replicas(start_sluice, 3, config)
+        async with aiohttp.ClientSession() as s:
+
+            async def one(rep, run: str) -> tuple[int, str, bytes]:
+                # Slow calls: each stays 0.2 s at the upstream once the hold is lifted.
+                async with s.post(rep.url + "/tools/x", data=b"{}",
+                                  headers={**run_headers(run), "x-fake-delay": "0.2"}) as r:
+                    return r.status, r.headers.get("X-Sluice-Reason", ""), await r.read()
+
+            wide = [asyncio.create_task(one(reps[i % 3], "wide")) for i in range(12)]
+            await wait_until(lambda: upstream.by_run.get("wide", 0) >= 3,
+                             what="3 calls of the run at the upstream")
+            other = [asyncio.create_task(one(reps[i], "other")) for i in range(3)]
+            await wait_until(lambda: upstream.by_run.get("other") == 3,
+                             what="the other run's 3 calls at the upstream")
+            await asyncio.sleep(0.5)  # room for a fourth call of the run to slip through
+            assert upstream.by_run["wide"] == 3
+            assert width_leases(shared_state, "wide") == 3
+            upstream.hold.set()
+            answers = await asyncio.gather(*wide)
+            assert [status for status, _, _ in await asyncio.gather(*other)] == [200] * 3
+        for status, reason, body in answers:
+            assert status == 200 or (status, reason) == (429, "fanout_limited"), status
+            if status == 429:
+                assert b"width" in body
+        print(f"\nrun answers: {sorted(status for status, _, _ in answers)}; "
+              f"upstream peak of the run: {upstream.peak_by_run['wide']}")
+        assert upstream.peak_by_run["wide"] == 3
+        assert upstream.by_run["wide"] == 0
+        await wait_until(lambda: width_leases(shared_state, "wide") == 0,
+                         what="the run's leases given back")
+    finally:
+        upstream.hold.set()
+        await upstream.stop()
