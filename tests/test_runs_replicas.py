@@ -423,3 +423,54 @@ async def test_width_3_holds_for_a_run_spread_over_3_replicas(start_sluice, shar
     finally:
         upstream.hold.set()
         await upstream.stop()
+
+
+async def test_round_trips_per_call_of_a_run_with_a_width(upstream, start_sluice,
+                                                          redis_server: RedisServer):
+    """A call of a run on a route with ``fanout.width`` costs the run tracker's script plus
+    its width lease: one script to take it and one to give it back (a call shorter than a
+    third of ``state.lease`` renews nothing)."""
+    state = {"backend": "redis", "redis_url": redis_server.url, "key_prefix": new_prefix()}
+    (sluice,) = await replicas(start_sluice, 1, {"state": state, "routes": [
+        route("openai", upstream.url, fanout={"width": 3})]})
+    n = 10
+    async with aiohttp.ClientSession() as s:
+        assert (await call(s, sluice, "job"))[0] == 200  # loads the scripts
+        await asyncio.sleep(0.2)  # its lease's give-back runs after the answer
+        with redis_server.client() as r:
+            r.config_resetstat()
+        for _ in range(n):
+            assert (await call(s, sluice, "job"))[0] == 200
+        await asyncio.sleep(0.2)
+    per_call = round_trips(redis_server) / n
+    print(f"\nRedis round trips per call of a run with fanout.width: {per_call}")
+    assert per_call == 3
+
+
+async def test_redis_stopped_a_runs_width_is_each_replicas_share(upstream, start_sluice,
+                                                                  redis_server: RedisServer):
+    """With Redis stopped and ``on_unavailable: local``, a replica lets at most its share of
+    the width (3 over ``replicas: 3``: 1) of a run's calls reach the upstream; the rest wait
+    in the run's queue and are served as it frees."""
+    state = {"backend": "redis", "redis_url": redis_server.url, "key_prefix": new_prefix(),
+             "timeout": "200ms", "on_unavailable": "local", "replicas": 3}
+    (sluice,) = await replicas(start_sluice, 1, {"state": state, "routes": [
+        route("openai", upstream.url, fanout={"width": 3, "max_wait": "30s"})]})
+    async with aiohttp.ClientSession() as s:
+        assert (await call(s, sluice, "job"))[0] == 200
+        redis_server.stop()
+        await sluice.wait_metric("sluice_state_backend_up", 0, backend="redis")
+        upstream.hold = asyncio.Event()
+        calls = [asyncio.create_task(call(s, sluice, "job")) for _ in range(3)]
+        await wait_until(lambda: upstream.inflight >= 1, what="a call at the upstream")
+        for _ in range(200):
+            if (await run_view(s, sluice, "job")).get("queued") == 2:
+                break
+            await asyncio.sleep(0.02)
+        else:
+            raise AssertionError("2 calls of the run not queued")
+        assert upstream.inflight == 1
+        upstream.hold.set()
+        answers = await asyncio.gather(*calls)
+    assert [status for status, _, _ in answers] == [200] * 3
+    assert upstream.peak_inflight == 1
