@@ -29,10 +29,12 @@ calls and statistics. With the Redis backend it also asks the shared run state
 (:mod:`policies.state.runs`) for what every replica must agree on: each call reads its run's
 lineage, first-call times and cancellation from Redis and counts it for ``max_requests``
 there (one round trip), and a cancel made on any replica is recorded there and reaches every
-replica's queued and in-flight calls through pub/sub. Fan-out width, inherited priorities and
-deadlines, and the statistics ``sluice runs`` shows stay per replica. While Redis does not
-answer, ``state.on_unavailable`` applies: ``local`` decides from this replica's own view (a
-``1/state.replicas`` share of ``max_requests``), ``reject`` refuses 503 ``state_unavailable``.
+replica's queued and in-flight calls through pub/sub. Fan-out width is shared through the
+limiters the server gives :class:`FanoutWidth` (leases in Redis, two round trips a call).
+Inherited priorities and deadlines, and the statistics ``sluice runs`` shows stay per
+replica. While Redis does not answer, ``state.on_unavailable`` applies: ``local`` decides
+from this replica's own view (a ``1/state.replicas`` share of ``max_requests`` and of
+``width``), ``reject`` refuses 503 ``state_unavailable``.
 """
 
 from __future__ import annotations
