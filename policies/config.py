@@ -268,7 +268,8 @@ class StateConfig(_Section):
     backend: Literal["memory", "redis"] = "memory"
     #: The Redis server, or any node of a Redis Cluster (detected at start); may carry a
     #: password, redacted wherever the config is shown or logged. ``env:NAME`` reads it from
-    #: the environment variable ``NAME`` at start.
+    #: the environment variable ``NAME``, checked whenever the file is loaded (``check-config``,
+    #: start, reload): unset, it is a config error.
     redis_url: RedisUrl | None = Field(default=None, repr=False)
     #: The start of every key and channel; replicas sharing state must use the same prefix.
     key_prefix: str = Field(default="sluice", min_length=1, max_length=64,

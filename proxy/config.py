@@ -246,7 +246,31 @@ def parse_config(text: str, filename: str = "<config>") -> Config:
     if spec is not None:
         at = f"{filename}:{_nearest_line(('identity', 'tenants'), marks)}: identity.tenants"
         config.identity._keys = load_tenants(spec, Path(filename).parent, at)
+    _check_sources(config, filename, marks)
     return config
+
+
+def _check_sources(config: Config, filename: str, marks: dict[Path_, int]) -> None:
+    """Read what the config names outside itself now, so a missing one is a config error
+    (``check-config``, a refused reload) rather than a crash at start.
+
+    * ``state.redis_url: env:NAME``: the variable must be set and hold a Redis URL (only
+      checked with ``backend: redis``, the one that reads it). The message never shows the
+      value, which may carry a password.
+
+    Raises:
+        ConfigError: ``FILE:LINE: KEY: PROBLEM`` per source that cannot be read.
+    """
+    problems: list[str] = []
+    state = config.state
+    if state.backend == "redis" and (state.redis_url or "").startswith("env:"):
+        try:
+            state.resolved_url()
+        except ValueError as exc:
+            line = _nearest_line(("state", "redis_url"), marks)
+            problems.append(f"{filename}:{line}: {exc}")
+    if problems:
+        raise ConfigError(problems)
 
 
 # --- identity.tenants: API-key digests -> tenants --------------------------------------------

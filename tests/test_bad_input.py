@@ -1,0 +1,95 @@
+"""A new user's mistakes, each met as the brief says: a bad config names file, line and key
+(``check-config`` and ``serve`` alike, exit 2) and a reload refuses it while the old config
+keeps serving; a Redis fault at start never takes the proxy down; no secret reaches a caller or
+the log. Every check runs the real ``sluice`` command (``check-config`` and ``serve`` as
+subprocesses) or a served Sluice (``start_sluice``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import aiohttp
+import pytest
+import yaml
+
+from tests.conftest import REPO, route, wait_until
+
+#: Bound on a ``sluice`` command that must end by itself, seconds (generous: a loaded machine).
+COMMAND_TIMEOUT_S = 60.0
+
+
+def sluice(*args: str, env: dict[str, str | None] | None = None
+           ) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m proxy ARGS`` (the console script's entry point) to its end, with
+    ``env`` added to this environment (a ``None`` value unsets that variable)."""
+    environ = {**os.environ, **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "proxy", *args], cwd=REPO, capture_output=True, text=True,
+        timeout=COMMAND_TIMEOUT_S, env={k: v for k, v in environ.items() if v is not None},
+    )
+
+
+def write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def assert_config_error(path: Path, problem: str, *, forbidden: str = "",
+                        env: dict[str, str | None] | None = None) -> None:
+    """``check-config`` and ``serve`` both refuse ``path`` with exit 2 and ``problem`` (a
+    ``FILE:LINE: KEY: ...`` start), no traceback, and never ``forbidden``."""
+    for args in (("check-config", str(path)), ("serve", "--config", str(path))):
+        done = sluice(*args, env=env)
+        assert done.returncode == 2, (args, done.returncode, done.stderr)
+        assert problem in done.stderr, (args, done.stderr)
+        assert "Traceback" not in done.stderr, done.stderr
+        if forbidden:
+            assert forbidden not in done.stderr + done.stdout
+
+
+ROUTE = """routes:
+  - name: r
+    path_prefix: /r/
+    upstream: http://127.0.0.1:9
+"""
+
+
+# --- 1. state.redis_url: env:NAME with the variable unset -----------------------------------
+
+@pytest.mark.parametrize("name", ["SLUICE_NO_SUCH_VAR", "my-url"])
+def test_unset_redis_url_variable_is_a_config_error(tmp_path: Path, name: str) -> None:
+    path = write(tmp_path / "sluice.yaml",
+                 f"state:\n  backend: redis\n  redis_url: env:{name}\n" + ROUTE)
+    assert_config_error(
+        path, f"{path}:3: state.redis_url: environment variable {name} is not set",
+        env={name: None})
+
+
+def test_redis_url_variable_holding_no_url_never_shows_it(tmp_path: Path) -> None:
+    path = write(tmp_path / "sluice.yaml",
+                 "state:\n  backend: redis\n  redis_url: env:SLUICE_TEST_BAD_URL\n" + ROUTE)
+    assert_config_error(path, f"{path}:3: state.redis_url: $SLUICE_TEST_BAD_URL must start",
+                        forbidden="hunter2",
+                        env={"SLUICE_TEST_BAD_URL": "http://:hunter2@cache:6379"})
+
+
+async def test_reload_to_an_unset_redis_url_variable_is_refused(start_sluice, upstream) -> None:
+    sluice_ = await start_sluice({"routes": [route("r", upstream.url, protocol="http")]})
+    data = yaml.safe_load(sluice_.config_path.read_text())
+    data["state"] = {"backend": "redis", "redis_url": "env:SLUICE_NO_SUCH_VAR"}
+    sluice_.config_path.write_text(yaml.safe_dump(data, sort_keys=False))
+    sluice_.signal(signal.SIGHUP)
+    await sluice_.wait_metric("sluice_config_reload_failures_total", 1, timeout=20)
+    await wait_until(lambda: "environment variable SLUICE_NO_SUCH_VAR is not set"
+                     in sluice_.stderr(), what="the refusal in the log")
+    async with aiohttp.ClientSession() as session:
+        async with session.get(sluice_.url + "/r/ping") as r:
+            assert r.status == 200  # the old config keeps serving
+        async with session.get(sluice_.admin_url + "/readyz") as r:
+            assert (await r.json())["state"]["backend"] == "memory"
+    assert "Traceback" not in sluice_.stderr()
