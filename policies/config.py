@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import re
+import urllib.parse
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
@@ -765,10 +766,23 @@ class RouteConfig(_Section):
     @field_validator("upstream")
     @classmethod
     def _upstream(cls, value: str) -> str:
+        # Checked here, not at the first request: aiohttp refuses a bad port or host only
+        # when it connects, and every call would then fail 502.
         if not re.match(r"^https?://[^/?#\s]+(/[^?#\s]*)?$", value):
             raise ValueError(
                 f"{value!r} must be an http:// or https:// base URL with no query or fragment"
             )
+        try:
+            parts = urllib.parse.urlsplit(value)
+            port = parts.port  # ValueError: not a number, or outside 0-65535
+        except ValueError:
+            port = 0
+        # The messages do not quote the URL: its userinfo may hold a password.
+        if port == 0:
+            raise ValueError("the port after the host must be a number from 1 to 65535 (or "
+                             "left out: 80 for http, 443 for https)")
+        if not parts.hostname:
+            raise ValueError("the URL has no host")
         return value.rstrip("/")
 
     def operations(self) -> tuple[str, dict[str, OperationConfig]]:

@@ -93,3 +93,29 @@ async def test_reload_to_an_unset_redis_url_variable_is_refused(start_sluice, up
         async with session.get(sluice_.admin_url + "/readyz") as r:
             assert (await r.json())["state"]["backend"] == "memory"
     assert "Traceback" not in sluice_.stderr()
+
+
+# --- 3. an upstream URL no request could ever reach ------------------------------------------
+
+@pytest.mark.parametrize("upstream,problem", [
+    ("http://127.0.0.1:19001:99", "the port after the host must be a number from 1 to 65535"),
+    ("http://127.0.0.1:70000", "the port after the host must be a number from 1 to 65535"),
+    ("http://127.0.0.1:0", "the port after the host must be a number from 1 to 65535"),
+    ("http://user:hunter2@:8080", "the URL has no host"),
+])
+def test_unreachable_upstream_url_is_a_config_error(tmp_path: Path, upstream: str,
+                                                    problem: str) -> None:
+    path = write(tmp_path / "sluice.yaml", ROUTE.replace("http://127.0.0.1:9", upstream))
+    assert_config_error(path, f"{path}:4: routes[0].upstream: {problem}", forbidden="hunter2")
+
+
+async def test_reload_to_an_unreachable_upstream_is_refused(start_sluice, upstream) -> None:
+    sluice_ = await start_sluice({"routes": [route("r", upstream.url, protocol="http")]})
+    data = yaml.safe_load(sluice_.config_path.read_text())
+    data["routes"][0]["upstream"] = "http://127.0.0.1:70000"
+    sluice_.config_path.write_text(yaml.safe_dump(data, sort_keys=False))
+    sluice_.signal(signal.SIGHUP)
+    await sluice_.wait_metric("sluice_config_reload_failures_total", 1, timeout=20)
+    async with aiohttp.ClientSession() as session, session.get(sluice_.url + "/r/ping") as r:
+        assert r.status == 200  # still the old upstream
+    assert len(upstream.requests) == 1
