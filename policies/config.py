@@ -367,9 +367,20 @@ class IdentityConfig(_Section):
 class AdminConfig(_Section):
     """The admin port's mutating endpoints (``POST /admin/runs/{run}/cancel``)."""
 
-    #: File holding the bearer token; the ``SLUICE_ADMIN_TOKEN`` environment variable is used
-    #: when this is null. With neither, mutating endpoints answer 403.
-    token_file: str | None = None
+    #: File holding the bearer token (a relative path is taken from the config file's
+    #: directory; read on every mutating call, so a rotated file applies at once). It must
+    #: exist and hold a token whenever the config is loaded. The ``SLUICE_ADMIN_TOKEN``
+    #: environment variable is used when this is null; with neither, mutating endpoints
+    #: answer 403.
+    token_file: str | None = Field(default=None, min_length=1)
+    # ``token_file`` resolved against the config file's directory, set when the file is loaded
+    # (``proxy/config.py``).
+    _path: str | None = PrivateAttr(default=None)
+
+    @property
+    def token_path(self) -> str | None:
+        """The token file to read: ``token_file`` as resolved at load, or as written."""
+        return self._path or self.token_file
 
 
 class EventsConfig(_Section):

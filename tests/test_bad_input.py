@@ -119,3 +119,42 @@ async def test_reload_to_an_unreachable_upstream_is_refused(start_sluice, upstre
     async with aiohttp.ClientSession() as session, session.get(sluice_.url + "/r/ping") as r:
         assert r.status == 200  # still the old upstream
     assert len(upstream.requests) == 1
+
+
+# --- 4. admin.token_file naming no usable file -----------------------------------------------
+
+@pytest.mark.parametrize("content,problem", [
+    (None, "cannot read"),
+    ("  \n", "is empty: it must hold the admin bearer token"),
+])
+def test_missing_or_empty_token_file_is_a_config_error(tmp_path: Path, content: str | None,
+                                                       problem: str) -> None:
+    if content is not None:
+        write(tmp_path / "nosuch-token.txt", content)
+    path = write(tmp_path / "sluice.yaml", "admin:\n  token_file: nosuch-token.txt\n" + ROUTE)
+    assert_config_error(path, f"{path}:2: admin.token_file: ", env={"SLUICE_ADMIN_TOKEN": None})
+    assert problem in sluice("check-config", str(path)).stderr
+
+
+async def test_token_file_is_read_beside_the_config_and_a_reload_losing_it_is_refused(
+        start_sluice, upstream, tmp_path: Path) -> None:
+    """A relative ``token_file`` is found next to the config (wherever Sluice was started
+    from); a reload naming a missing one is refused and the old token keeps working."""
+    write(tmp_path / "admin-token", "s3cret-admin\n")
+    sluice_ = await start_sluice({"admin": {"token_file": "admin-token"},
+                                  "routes": [route("r", upstream.url, protocol="http")]},
+                                 env={"SLUICE_ADMIN_TOKEN": ""})
+    cancel = sluice_.admin_url + "/admin/runs/run-1/cancel"
+    bearer = {"Authorization": "Bearer s3cret-admin"}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(cancel, headers=bearer) as r:
+            assert r.status == 200, await r.text()
+        data = yaml.safe_load(sluice_.config_path.read_text())
+        data["admin"]["token_file"] = "nosuch-token.txt"
+        sluice_.config_path.write_text(yaml.safe_dump(data, sort_keys=False))
+        sluice_.signal(signal.SIGHUP)
+        await sluice_.wait_metric("sluice_config_reload_failures_total", 1, timeout=20)
+        await wait_until(lambda: "admin.token_file: cannot read" in sluice_.stderr(),
+                         what="the refusal in the log")
+        async with session.post(cancel, headers=bearer) as r:
+            assert r.status == 200, await r.text()
