@@ -7,6 +7,7 @@ subprocesses) or a served Sluice (``start_sluice``).
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -17,7 +18,8 @@ import aiohttp
 import pytest
 import yaml
 
-from tests.conftest import REPO, route, wait_until
+from tests.conftest import REPO, free_port, route, wait_until
+from tests.redis_servers import require_redis
 
 #: Bound on a ``sluice`` command that must end by itself, seconds (generous: a loaded machine).
 COMMAND_TIMEOUT_S = 60.0
@@ -158,3 +160,50 @@ async def test_token_file_is_read_beside_the_config_and_a_reload_losing_it_is_re
                          what="the refusal in the log")
         async with session.post(cancel, headers=bearer) as r:
             assert r.status == 200, await r.text()
+
+
+# --- 6. what the log says about Redis at start ----------------------------------------------
+
+def with_password(url: str, db: int | None = None) -> str:
+    """``url`` carrying the password ``hunter2`` (the test Redis's default user has none, so
+    it accepts any), with database ``db`` if given."""
+    url = url.replace("redis://", "redis://default:hunter2@", 1)
+    return url if db is None else f"{url.rsplit('/', 1)[0]}/{db}"
+
+
+async def readyz(sluice_) -> dict:
+    async with aiohttp.ClientSession() as session:
+        async with session.get(sluice_.admin_url + "/readyz") as r:
+            assert r.status == 200  # still ready: on_unavailable says how calls are served
+            return await r.json()
+
+
+async def test_redis_absent_at_start_is_logged_once(start_sluice, upstream) -> None:
+    sluice_ = await start_sluice({
+        "state": {"backend": "redis", "timeout": "200ms",
+                  "redis_url": f"redis://:hunter2@127.0.0.1:{free_port()}/0"},
+        "routes": [route("r", upstream.url, protocol="http")],
+    })
+    await wait_until(lambda: "state backend unavailable" in sluice_.stderr(),
+                     what="the outage in the log")
+    # Several probes fail after the first; none of them is a new outage.
+    await sluice_.wait_metric("sluice_state_backend_up", 0, backend="redis")
+    async with asyncio.timeout(30):
+        while (await readyz(sluice_))["state"]["failures"] < 4:  # a probe every 0.5 s
+            await asyncio.sleep(0.05)
+    log = sluice_.stderr()
+    assert log.count("state backend unavailable") == 1, log
+    assert "redis://:<redacted>@127.0.0.1" in log and "Connection refused" in log
+    assert "hunter2" not in log and "answers again" not in log
+
+
+async def test_healthy_redis_at_start_is_no_recovery(start_sluice, upstream) -> None:
+    sluice_ = await start_sluice({
+        "state": {"backend": "redis", "redis_url": with_password(require_redis()),
+                  "timeout": "500ms"},
+        "routes": [route("r", upstream.url, protocol="http")],
+    })
+    await wait_until(lambda: "serving on" in sluice_.stderr(), what="the start in the log")
+    log = sluice_.stderr()
+    assert "state backend answers (state.redis_url redis://default:<redacted>@" in log, log
+    assert "again" not in log and "unavailable" not in log and "hunter2" not in log, log

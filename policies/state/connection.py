@@ -119,6 +119,7 @@ class Health:
 
     Attributes:
         up: the last call (or probe) succeeded.
+        known: some call or probe has had a result (``up`` is ``False`` before, unknown).
         last_error: why the last failed call failed (never holds a password), or ``None``;
             kept after recovery, as the last error seen.
         changed_at: ``time.time()`` of the last change between up and down.
@@ -127,13 +128,16 @@ class Health:
 
     def __init__(self) -> None:
         self.up = False
+        self.known = False
         self.last_error: str | None = None
         self.changed_at = time.time()
         self.failures = 0
         self._listeners: list[Callable[[bool, str | None], None]] = []
 
     def on_change(self, listener: Callable[[bool, str | None], None]) -> None:
-        """Call ``listener(up, last_error)`` on every change between up and down."""
+        """Call ``listener(up, last_error)`` on every change between up and down, and on the
+        first result (so an outage from the start is told too; read :attr:`known` before
+        the call to tell a first answer from a recovery)."""
         self._listeners.append(listener)
 
     def ok(self) -> None:
@@ -147,7 +151,7 @@ class Health:
         """Record a failed call and why."""
         self.last_error = error
         self.failures += 1
-        if self.up:
+        if self.up or not self.known:
             self.up = False
             self._changed()
 
@@ -157,13 +161,11 @@ class Health:
                 "failures": self.failures}
 
     def _changed(self) -> None:
+        # No log line of its own: the listeners say what the change means (proxy/runtime.py).
         self.changed_at = time.time()
-        if self.up:
-            log.warning("state backend is up")
-        else:
-            log.warning("state backend is down: %s", self.last_error)
         for listener in self._listeners:
             listener(self.up, None if self.up else self.last_error)
+        self.known = True
 
 
 class Deadline:
