@@ -162,7 +162,7 @@ async def test_token_file_is_read_beside_the_config_and_a_reload_losing_it_is_re
             assert r.status == 200, await r.text()
 
 
-# --- 6. what the log says about Redis at start ----------------------------------------------
+# --- 2 and 6. a Redis that refuses or is absent at start; what the log says about it --------
 
 def with_password(url: str, db: int | None = None) -> str:
     """``url`` carrying the password ``hunter2`` (the test Redis's default user has none, so
@@ -176,6 +176,32 @@ async def readyz(sluice_) -> dict:
         async with session.get(sluice_.admin_url + "/readyz") as r:
             assert r.status == 200  # still ready: on_unavailable says how calls are served
             return await r.json()
+
+
+@pytest.mark.parametrize("mode,status", [("local", 200), ("reject", 503)])
+async def test_redis_refusing_at_start_is_an_outage_not_a_crash(start_sluice, upstream,
+                                                                mode: str, status: int) -> None:
+    """``SLUICE_REDIS_URL`` naming database 99 (out of range): Sluice starts and serves as
+    ``on_unavailable`` says, shows the backend down with the reason, and logs it once with
+    the password redacted."""
+    url = with_password(require_redis(), db=99)
+    sluice_ = await start_sluice({
+        "state": {"backend": "redis", "redis_url": "env:SLUICE_REDIS_URL",
+                  "on_unavailable": mode, "timeout": "500ms"},
+        "routes": [route("r", upstream.url, protocol="http", rate={"requests": "1000/min"})],
+    }, env={"SLUICE_REDIS_URL": url})
+    state = (await readyz(sluice_))["state"]
+    assert state["up"] is False and "DB index is out of range" in state["last_error"]
+    assert await sluice_.metric("sluice_state_backend_up", backend="redis") == 0
+    async with aiohttp.ClientSession() as session, session.get(sluice_.url + "/r/x") as r:
+        assert r.status == status
+    await wait_until(lambda: "state backend unavailable" in sluice_.stderr(),
+                     what="the outage in the log")
+    log = sluice_.stderr()
+    assert "state.redis_url redis://default:<redacted>@" in log
+    assert "DB index is out of range" in log
+    for never in ("Traceback", "Unclosed", "hunter2"):
+        assert never not in log, log
 
 
 async def test_redis_absent_at_start_is_logged_once(start_sluice, upstream) -> None:

@@ -53,6 +53,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.commands.core import AsyncScript
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
 
 from policies.state.errors import StateUnavailable, is_unavailable
 from policies.state.notify import RedisNotifier
@@ -291,8 +292,15 @@ class RedisState:
         """
         try:
             if self._client is None:
-                async with asyncio.timeout(max(CONNECT_TIMEOUT_S, self.timeout_s)):
-                    self._client = await self._connect()
+                try:
+                    async with asyncio.timeout(max(CONNECT_TIMEOUT_S, self.timeout_s)):
+                        self._client = await self._connect()
+                except (RedisError, ValueError) as exc:
+                    # Refused while connecting: a database index out of range, a bad password,
+                    # a cluster URL naming a database. Sluice serves on (state.on_unavailable)
+                    # and keeps probing, so fixing Redis or its ACL needs no restart; a bad
+                    # URL shows in the log and /readyz until it is corrected.
+                    raise StateUnavailable(describe(exc)) from exc
             async with Deadline(self.timeout_s):
                 await self._client.ping()
         except Exception as exc:
@@ -304,6 +312,10 @@ class RedisState:
     def _unavailable(self, exc: Exception) -> StateUnavailable:
         """Mark the backend down for ``exc`` and return the error to raise; an error that
         says nothing about availability (a bug, a bad script) is re-raised as it is."""
+        if isinstance(exc, StateUnavailable):  # refused while connecting (see probe)
+            self.health.fail(exc.cause)
+            return StateUnavailable(f"state backend unavailable: {exc.cause}",
+                                    self.probe_interval_s)
         if not is_unavailable(exc):
             raise exc
         self.health.fail(describe(exc))
@@ -321,7 +333,7 @@ class RedisState:
                 await self.probe()
             except StateUnavailable:
                 pass
-            except Exception as exc:  # e.g. a cluster URL naming db 1: say so, keep probing
+            except Exception as exc:  # a bug, not Redis: say so, keep probing
                 self.health.fail(describe(exc))
                 log.error("state backend probe: %s", describe(exc))
 
