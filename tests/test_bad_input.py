@@ -233,3 +233,27 @@ async def test_healthy_redis_at_start_is_no_recovery(start_sluice, upstream) -> 
     log = sluice_.stderr()
     assert "state backend answers (state.redis_url redis://default:<redacted>@" in log, log
     assert "again" not in log and "unavailable" not in log and "hunter2" not in log, log
+
+
+# --- 5. what a caller refused for an unavailable Redis is told --------------------------------
+
+@pytest.mark.parametrize("protocol,path", [("http", "/r/x"), ("openai", "/r/v1/chat/completions")])
+async def test_state_unavailable_tells_callers_no_internal_address(start_sluice, upstream,
+                                                                   protocol: str,
+                                                                   path: str) -> None:
+    port = free_port()
+    sluice_ = await start_sluice({
+        "state": {"backend": "redis", "timeout": "200ms", "on_unavailable": "reject",
+                  "redis_url": f"redis://127.0.0.1:{port}/0"},
+        "routes": [route("r", upstream.url, protocol=protocol, rate={"requests": "1000/min"})],
+    })
+    async with aiohttp.ClientSession() as session:
+        async with session.post(sluice_.url + path, json={"model": "m", "messages": []}) as r:
+            assert r.status == 503
+            body = await r.text()
+    assert "state_unavailable" in body
+    for internal in (str(port), "127.0.0.1", "Error 111", "ConnectionError", "redis://"):
+        assert internal not in body, body
+    # The operator still sees the cause: on the admin port, and in the log.
+    assert f"127.0.0.1:{port}" in (await readyz(sluice_))["state"]["last_error"]
+    assert f"127.0.0.1:{port}" in sluice_.stderr()
