@@ -257,3 +257,19 @@ async def test_state_unavailable_tells_callers_no_internal_address(start_sluice,
     # The operator still sees the cause: on the admin port, and in the log.
     assert f"127.0.0.1:{port}" in (await readyz(sluice_))["state"]["last_error"]
     assert f"127.0.0.1:{port}" in sluice_.stderr()
+
+
+# --- 7. small things: the log and the 421 message ---------------------------------------------
+
+async def test_refused_reload_logs_its_problem_once(start_sluice, upstream) -> None:
+    """An edit the watcher refuses, then the SIGHUP the operator sends after it: the problem
+    line is logged once, the second refusal says the file is unchanged."""
+    sluice_ = await start_sluice({"routes": [route("r", upstream.url, protocol="http")]})
+    text = sluice_.config_path.read_text()
+    sluice_.config_path.write_text(text + "routes: []\n")
+    await sluice_.wait_metric("sluice_config_reload_failures_total", 1, timeout=20)
+    sluice_.signal(signal.SIGHUP)
+    await sluice_.wait_metric("sluice_config_reload_failures_total", 2, timeout=20)
+    await wait_until(lambda: "unchanged since the last refusal" in sluice_.stderr(),
+                     what="the second refusal in the log")
+    assert sluice_.stderr().count("routes: duplicate key") == 1, sluice_.stderr()
