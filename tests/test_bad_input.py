@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -273,3 +274,17 @@ async def test_refused_reload_logs_its_problem_once(start_sluice, upstream) -> N
     await wait_until(lambda: "unchanged since the last refusal" in sluice_.stderr(),
                      what="the second refusal in the log")
     assert sluice_.stderr().count("routes: duplicate key") == 1, sluice_.stderr()
+
+
+async def test_listen_on_port_0_logs_the_port_bound(start_sluice, upstream) -> None:
+    sluice_ = await start_sluice({"server": {"listen": "127.0.0.1:0"},
+                                  "routes": [route("r", upstream.url, protocol="http")]})
+    await wait_until(lambda: "serving on" in sluice_.stderr(), what="the start in the log")
+    match = re.search(r"serving on 127\.0\.0\.1:(\d+) \(admin 127\.0\.0\.1:(\d+)\)",
+                      sluice_.stderr())
+    assert match is not None, sluice_.stderr()
+    port, admin_port = int(match[1]), int(match[2])
+    assert port != 0 and admin_port == sluice_.admin_port
+    async with aiohttp.ClientSession() as session:
+        async with session.get(f"http://127.0.0.1:{port}/r/x") as r:
+            assert r.status == 200  # the port logged is the one serving
