@@ -288,3 +288,13 @@ async def test_listen_on_port_0_logs_the_port_bound(start_sluice, upstream) -> N
     async with aiohttp.ClientSession() as session:
         async with session.get(f"http://127.0.0.1:{port}/r/x") as r:
             assert r.status == 200  # the port logged is the one serving
+
+
+async def test_421_names_sluice_once(start_sluice, upstream) -> None:
+    sluice_ = await start_sluice({"routes": [route("r", upstream.url, protocol="http")]})
+    async with aiohttp.ClientSession() as session:
+        async with session.get(sluice_.url + "/r/x", headers={"Host": "elsewhere.example"}) as r:
+            assert r.status == 421
+            message = (await r.json())["error"]["message"]
+    assert message.startswith("Sluice does not serve this Host"), message
+    assert "Sluice: Sluice" not in message
