@@ -505,8 +505,11 @@ class CircuitBreakerConfig(_Section):
     success_threshold: int = Field(default=1, gt=0)
     #: On a tool's block of an ``mcp`` route: a tool failure (an ``isError`` result, a
     #: JSON-RPC error other than invalid params) counts as a failure. A route's breaker
-    #: counts only transport failures (5xx, no answer), so one tool cannot open it.
-    tool_errors: bool = True
+    #: counts only transport failures (5xx, no answer), so one tool cannot open it. Unset:
+    #: true on a named tool, false on ``default``, whose one breaker every unnamed tool
+    #: shares: a caller's made-up tool names (``isError`` "Unknown tool" from the official
+    #: Python server) would open it for every caller and every unnamed tool.
+    tool_errors: bool | None = None
 
 
 class BackoffConfig(_Section):

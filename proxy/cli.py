@@ -170,6 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="add a header whose value is read from an environment variable",
     )
     replay.add_argument("--output", metavar="FILE", help="write the upstream's answer here")
+    replay.add_argument("--again", action="store_true",
+                        help="send it even though an earlier replay was answered (below 400)")
     dlq_sub.add_parser("purge", help="delete every record")
     for command in (listing, show, replay, dlq_sub.choices["purge"]):
         command.add_argument("--config", default=DEFAULT_CONFIG, help=config_help)
@@ -189,7 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
                              help="the admin port's URL instead of server.admin_listen")
     runs.set_defaults(func=_runs)
     demo = sub.add_parser(
-        "demo", help="watch Sluice contain a retry storm on a local fake provider (~1 min)"
+        "demo", help="watch Sluice contain a retry storm on a local fake provider (~40 s)"
     )
     demo.add_argument("--quick", action="store_true",
                       help="a shorter schedule (~10 s per run instead of ~20 s)")

@@ -6,7 +6,8 @@
 * ``show ID``: the whole record as JSON, with its attempts and replays.
 * ``replay ID``: send the recorded request once, straight to its route's upstream as the
   config names it now, with the recorded method, path, headers, body and idempotency key; the
-  result is stored with the record. Credentials were removed when recording, so give them
+  result is stored with the record. A record an earlier replay got an answer below 400 for
+  is sent again only with ``--again``. Credentials were removed when recording, so give them
   again with ``-H 'Authorization: Bearer ...'`` or ``--header-from-env NAME=ENVVAR`` (the
   latter keeps the secret out of the process list); ``--output FILE`` keeps the upstream's
   answer. Exit status 0 when the upstream answered below 400, 1 otherwise.
@@ -156,6 +157,14 @@ async def _replay(config: Config, store: DeadLetterStore | _FileStore, letter: D
         print(f"dead letter {letter.id}: its body was cut at {len(letter.body)} of "
               f"{letter.body_size} bytes (dead_letter.max_body_bytes), so it cannot be replayed",
               file=sys.stderr)
+        return EXIT_FAILED
+    done = next((r for r in reversed(letter.replays)
+                 if r["status"] is not None and r["status"] < 400), None)
+    if done is not None and not args.again:
+        # Work is dead-lettered because it may not have happened; once a replay was answered,
+        # sending it again may do it twice (with no Idempotency-Key nothing dedups it).
+        print(f"dead letter {letter.id} was already replayed ({_when(done['at'])}, HTTP "
+              f"{done['status']}); pass --again to send it once more", file=sys.stderr)
         return EXIT_FAILED
     headers: CIMultiDict[str] = CIMultiDict(letter.headers)
     try:

@@ -21,7 +21,7 @@ from policies.accounting import Accounting
 from policies.breaker import Breaker
 from policies.budget import Budgets
 from policies.concurrency import ConcurrencyLimiter
-from policies.config import ModelPrice, RouteConfig
+from policies.config import DEFAULT_OPERATION, ModelPrice, RouteConfig
 from policies.idempotency import Idempotency
 from policies.operations import (
     Operation,
@@ -221,8 +221,7 @@ class Route:
             ),
             (self.breaker, op and op.breaker),
             op.breaker if op is not None and self.protocol == "mcp"
-            and op.config.circuit_breaker is not None and op.config.circuit_breaker.tool_errors
-            else None,
+            and op.config.circuit_breaker is not None and _counts_tool_errors(op) else None,
             op.retry if op is not None and op.retry else self.retry,
             op.config.timeouts if op is not None and op.config.timeouts else config.timeouts,
             config.idempotent or (op is not None and op.config.idempotent),
@@ -348,3 +347,10 @@ def has_dot_segment(raw_path: str) -> bool:
     if "." not in path and "%" not in path:
         return False
     return any(segment in (".", "..") for segment in unquote(path).split("/"))
+
+
+def _counts_tool_errors(op: Operation) -> bool:
+    """Whether ``op``'s breaker counts tool failures (``circuit_breaker.tool_errors``; unset:
+    a named tool's does, ``default``'s does not)."""
+    configured = op.config.circuit_breaker.tool_errors if op.config.circuit_breaker else None
+    return op.name != DEFAULT_OPERATION if configured is None else configured

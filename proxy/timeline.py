@@ -136,13 +136,20 @@ def summary(events: list[dict[str, Any]], requests: list[RequestStory]) -> str:
     admitted = sum(1 for ev in events if ev["event"] == "admitted")
     attempts = admitted + sum(story.retries for story in requests)
     tokens = usd = 0.0
+    unpriced = 0  # calls that used tokens of a model `pricing` does not name: cost unknown
     for ev in events:
         if ev["event"] == "completed":
-            tokens += (ev.get("input_tokens") or 0) + (ev.get("output_tokens") or 0)
+            used = (ev.get("input_tokens") or 0) + (ev.get("output_tokens") or 0)
+            tokens += used
             usd += (ev.get("cost_usd") or 0.0) + (ev.get("operation_cost_usd") or 0.0)
+            unpriced += used > 0 and ev.get("cost_usd") is None
     ratio = f"{attempts / len(requests):.2f}" if requests else "-"
+    cost = f"${usd:.6f}"
+    if unpriced:
+        cost = (f"{cost} + unknown ({unpriced} call(s) of models without pricing)" if usd
+                else f"cost unknown ({unpriced} call(s) of models without pricing)")
     return (f"amplification {ratio} ({attempts} upstream attempt(s) for {len(requests)} "
-            f"request(s)); spend {int(tokens)} tokens, ${usd:.6f}")
+            f"request(s)); spend {int(tokens)} tokens, {cost}")
 
 
 def render(run_id: str, events: list[dict[str, Any]]) -> str:

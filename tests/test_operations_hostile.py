@@ -333,22 +333,31 @@ async def test_mcp1_call_over_its_tools_total_timeout_fails_with_504(mcp_session
                                operation="slow", outcome="upstream_timeout") == 1
 
 
-@pytest.mark.xfail(strict=True, reason="open: a caller's mistakes (unknown tool, invalid "
-                   "arguments: isError results from the official Python server) count as tool "
-                   "failures, so one caller opens a breaker shared by every caller")
 async def test_calls_to_unknown_tools_do_not_open_the_shared_default_breaker(mcp_stateless,
                                                                              start_sluice):
-    from mcp import Client
+    """The official Python server answers an unknown tool with an ``isError`` result: counted
+    as tool failures on ``default``'s breaker (shared by every unnamed tool), one caller's
+    made-up tool names opened it for every caller. Unless ``tool_errors: true`` says so."""
+    from mcp import Client, MCPError
 
-    sluice = await start_sluice({"routes": [{
-        "name": "tools", "path_prefix": "/tools/", "upstream": mcp_stateless.base_url,
-        "protocol": "mcp",
-        "tools": {"default": {"circuit_breaker": {"fail_max": 3, "reset_timeout": "60s"}}}}]})
+    def tools_route(name: str, breaker: dict) -> dict:
+        return {"name": name, "path_prefix": f"/{name}/", "upstream": mcp_stateless.base_url,
+                "protocol": "mcp", "tools": {"default": {"circuit_breaker": {
+                    "fail_max": 3, "reset_timeout": "60s", **breaker}}}}
+
+    sluice = await start_sluice({"routes": [tools_route("tools", {}),
+                                            tools_route("strict", {"tool_errors": True})]})
     async with Client(sluice.url + "/tools/mcp") as client:
         for name in ("nope-1", "nope-2", "nope-3"):  # a model's made-up tool names
             assert (await client.call_tool(name, {})).is_error
-        result = await client.call_tool("add", {"a": 1, "b": 2})  # raised: circuit_open
+        result = await client.call_tool("add", {"a": 1, "b": 2})  # was: circuit_open
         assert result.content[0].text == "3"
+    async with Client(sluice.url + "/strict/mcp") as client:
+        for name in ("nope-1", "nope-2", "nope-3"):
+            assert (await client.call_tool(name, {})).is_error
+        with pytest.raises(MCPError) as refused:
+            await client.call_tool("add", {"a": 1, "b": 2})
+        assert refused.value.error.data["reason"] == "circuit_open"
 
 
 mcp_server_factory = mcp_servers.mcp_server_factory

@@ -107,6 +107,13 @@ async def test_retry_storm_is_one_layer_and_dead_letter_replays(upstream, start_
     assert replayed.body == upstream.requests[0].body and replayed.path_qs == CHAT
     code, out, _ = await sluice_cli("dlq", "show", letter_id, "--config", config)
     assert [r["status"] for r in json.loads(out)["replays"]] == [200]
+    # Done once: a second replay could do the work twice, so it needs --again.
+    code, _, err = await sluice_cli("dlq", "replay", letter_id, "--config", config)
+    assert code == 1 and "already replayed" in err and "--again" in err
+    assert len(upstream.requests) == 4
+    code, out, _ = await sluice_cli("dlq", "replay", letter_id, "--config", config, "--again",
+                                    "-H", "Authorization: Bearer sk-test-secret")
+    assert code == 0 and len(upstream.requests) == 5
     code, out, _ = await sluice_cli("dlq", "purge", "--config", config)
     assert (code, out.split()[1]) == (0, "1")
 

@@ -473,6 +473,59 @@ async def test_round_trips_per_admitted_call(upstream, start_sluice, counted, ca
     assert unmetered == n
 
 
+#: The route's ``circuit_breaker`` block of config/sluice.yaml (a window of 30 s, so every
+#: success is counted in Redis too).
+DEFAULT_BREAKER = {"fail_max": 5, "rate": 0.5, "window": "30s", "min_calls": 20,
+                   "reset_timeout": "30s"}
+
+
+async def test_round_trips_per_admitted_call_with_the_default_circuit_breaker(
+        upstream, start_sluice, counted, capsys):
+    """A route with the default circuit breaker, rates and a budget: the breaker's successes
+    are batched (counted on the replica, one flush at most every 0.25 s for all of them) and
+    its view of a closed breaker is trusted for 0.5 s, so a metered call still costs 2 round
+    trips (admit, settle) plus a share of those. The calls come 10 at a time, so many share
+    each flush; the bound on the extra scripts is also derived from the time the calls took
+    (one flush per 0.25 s and one view per 0.5 s, each plus one), which holds on any
+    machine."""
+    url, servers = counted
+    state = {"backend": "redis", "redis_url": url, "key_prefix": new_prefix(),
+             "timeout": "200ms", "on_unavailable": "local", "replicas": 3}
+    (sluice,) = await replicas(start_sluice, 1, state, route(
+        "openai", upstream.url,
+        rate={"requests": "100000/min", "per_tenant": {"requests": "100000/min"},
+              "tokens": "10000000/min"},
+        budget={"tokens": "10000000/day", "per": "tenant"},
+        circuit_breaker=DEFAULT_BREAKER))
+    counter = "tokens-per-tenant-day:acme"
+    headers = {"X-Tenant-ID": "acme"}
+    n, wave = 100, 10
+    async with aiohttp.ClientSession() as session:
+        for _ in range(3):  # loads every script (NOSCRIPT, SCRIPT LOAD) once
+            assert (await post(session, sluice.url, **headers))[0] == 200
+        await settled(url, state["key_prefix"], counter, 3 * PLAIN_SPEND)
+        await asyncio.sleep(0.25 + 0.25)  # the warm-up's successes are flushed
+        reset_stats(*servers)
+        started = time.monotonic()
+        for _ in range(n // wave):
+            results = await asyncio.gather(*(post(session, sluice.url, **headers)
+                                             for _ in range(wave)))
+            assert [status for status, _, _ in results] == [200] * wave
+        took = time.monotonic() - started
+        await settled(url, state["key_prefix"], counter, (n + 3) * PLAIN_SPEND)
+        await asyncio.sleep(0.25 + 0.25)  # the last successes are flushed
+        took_all = time.monotonic() - started
+        scripts = round_trips(*servers)
+    extra = scripts - 2 * n
+    with capsys.disabled():
+        print(f"\nRedis round trips per admitted call with the default breaker "
+              f"({len(servers)} server(s)): {scripts / n:.2f} ({extra} beyond admit and "
+              f"settle over {took:.2f} s of calls)")
+    assert extra >= 1  # the successes did reach Redis
+    assert extra <= (took_all / 0.25 + 1) + (took / 0.5 + 1)
+    assert scripts / n <= 2.1
+
+
 async def test_a_settle_in_flight_at_sigterm_lands_before_sluice_exits(
         upstream, start_sluice, redis_server):
     """Shutdown closed the Redis connection under the settles still running in the background:

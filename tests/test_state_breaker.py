@@ -1,10 +1,22 @@
-"""Shared circuit-breaker state (policies.state.breaker): memory, one Redis, a Redis Cluster."""
+"""Shared circuit-breaker state (policies.state.breaker): memory, one Redis, a Redis Cluster.
+
+The tests of deferred successes feed each outcome as the breaker policy does (``defer``, else
+``record``), so the same body checks that memory (records at once) and Redis (batches) end up
+alike; a property test then checks that batching on Redis gives the consecutive-failure count
+and the openings that recording each outcome at once gives, for any sequence of one replica's
+outcomes and flushes.
+"""
 
 from __future__ import annotations
 
 import asyncio
 
-from policies.state import StateBackends
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from policies.breaker import Breaker
+from policies.config import CircuitBreakerConfig
+from policies.state import StateBackends, memory_backends, redis_backends
 from policies.state.breaker import (
     CLOSED,
     CLOSED_AGAIN,
@@ -16,8 +28,20 @@ from policies.state.breaker import (
     OPENED,
     SUCCESS,
     BreakerParams,
+    BreakerStates,
+    Ticket,
+    Verdict,
 )
-from tests.redis_servers import replica
+from tests.redis_servers import (
+    REDIS_URL,
+    TEST_TIMEOUT_S,
+    RedisServer,
+    delete_prefix,
+    new_prefix,
+    replica,
+    require_redis,
+)
+from tests.test_shared_rate_budget import reset_stats, round_trips
 
 PARAMS = BreakerParams(fail_max=3, reset_s=0.15, success_threshold=2, probe_s=5)
 
@@ -141,3 +165,204 @@ async def test_one_probe_across_replicas_and_open_everywhere_at_once(backends: S
             replicas[i % 3].breakers.admit("r", PARAMS) for i in range(30)))
     assert sum(a.allowed for a in admissions) == 1
     assert sum(a.transition == HALF_OPENED for a in admissions) == 1
+
+
+# -- successes deferred (batched on Redis) ----------------------------------------------------
+
+
+async def feed(breakers: BreakerStates, ticket: Ticket, outcome: int,
+               params: BreakerParams = PARAMS) -> Verdict | None:
+    """One outcome, as :meth:`policies.breaker.Breaker.record` feeds it: deferred when the
+    backend takes it (then ``None``), recorded otherwise."""
+    if breakers.defer("r", ticket, outcome):
+        return None
+    return await breakers.record("r", ticket, outcome, params)
+
+
+async def test_a_deferred_success_resets_the_failure_count_before_the_next_failure(
+        backends: StateBackends):
+    breakers = backends.breakers
+    transitions = []
+    for outcome in (FAILURE, FAILURE, SUCCESS, SUCCESS, FAILURE, FAILURE):
+        admission = await breakers.admit("r", PARAMS)
+        verdict = await feed(breakers, admission.ticket, outcome)
+        transitions.append(verdict and verdict.transition)
+    assert transitions[-2:] == [None, None]  # two in a row since the successes: still closed
+    assert (await breakers.view("r")).state == CLOSED
+    admission = await breakers.admit("r", PARAMS)
+    verdict = await feed(breakers, admission.ticket, FAILURE)
+    assert verdict is not None and (verdict.transition, verdict.cause) == (OPENED, "fail_max")
+
+
+async def test_a_flush_delivers_the_deferred_successes_once(backends: StateBackends):
+    breakers = backends.breakers
+    assert await breakers.flush("r", PARAMS) is None  # nothing pending: no round trip
+    for outcome in (FAILURE, FAILURE, SUCCESS):
+        await feed(breakers, (await breakers.admit("r", PARAMS)).ticket, outcome)
+    flushed = await breakers.flush("r", PARAMS)
+    assert flushed is None or (flushed.state, flushed.transition) == (CLOSED, None)
+    assert await breakers.flush("r", PARAMS) is None
+    async with replica(backends) as other:
+        # Another replica's failures count from the flushed success: 3 to open.
+        for expected in (None, None, OPENED):
+            admission = await other.breakers.admit("r", PARAMS)
+            verdict = await other.breakers.record("r", admission.ticket, FAILURE, PARAMS)
+            assert verdict.transition == expected
+
+
+async def test_deferred_successes_of_an_older_epoch_are_dropped(backends: StateBackends):
+    breakers = backends.breakers
+    early = await breakers.admit("r", PARAMS)  # admitted while closed
+    await trip(backends)
+    await feed(breakers, early.ticket, SUCCESS)  # stale: dropped (at once, or when flushed)
+    await asyncio.sleep(0.16)
+    probe = await breakers.admit("r", PARAMS)
+    assert probe.transition == HALF_OPENED
+    flushed = await breakers.flush("r", PARAMS)
+    assert flushed is None or (flushed.state, flushed.transition) == (HALF_OPEN, None)
+    view = await breakers.view("r")
+    assert (view.state, view.probing) == (HALF_OPEN, True)
+
+
+async def test_a_batch_opens_on_the_rate_where_its_first_success_would_have(
+        backends: StateBackends):
+    """Recorded one by one, the success that makes min_calls (2 failures in 4) trips the
+    rate; batched, the flush opens it, and the later successes of the batch are dropped."""
+    params = BreakerParams(fail_max=100, reset_s=30, window_s=10, rate=0.5, min_calls=4)
+    breakers = backends.breakers
+    verdicts = []
+    for outcome in (FAILURE, SUCCESS, FAILURE, SUCCESS, SUCCESS, SUCCESS):
+        admission = await breakers.admit("r", params)
+        if admission.allowed:
+            verdicts.append(await feed(breakers, admission.ticket, outcome, params))
+    verdicts.append(await breakers.flush("r", params))
+    opened = [v for v in verdicts if v is not None and v.transition is not None]
+    assert [(v.transition, v.cause) for v in opened] == [(OPENED, "failure_rate")]
+    assert (await breakers.view("r")).state == OPEN
+
+
+def breaker(backends: StateBackends, events: list[str]) -> Breaker:
+    config = CircuitBreakerConfig(fail_max=3, reset_timeout="30s")
+    return Breaker(config, "r", lambda event, **_: events.append(event), backends)
+
+
+async def test_successes_reach_the_other_replicas_within_the_flush_time(
+        backends: StateBackends):
+    """Replica B's failures, then replica A's successes, then B's failures: A's successes
+    reset B's run once flushed (at most 0.25 s later, or at once on memory), and shutdown
+    lets a flush still pending land before the connection closes."""
+    async with replica(backends) as other:
+        b_events: list[str] = []
+        b = breaker(other, b_events)
+        for _ in range(2):
+            await b.record(await b.attempt(), FAILURE, 500)
+        a = breaker(backends, [])
+        for _ in range(5):
+            await a.record(await a.attempt(), SUCCESS, 200)
+        await asyncio.sleep(0.25 + 0.3)  # the flush, with a margin for a loaded machine
+        for _ in range(2):
+            await b.record(await b.attempt(), FAILURE, 500)
+        assert b_events == []  # the run restarted at A's successes: 2 of 3
+        await a.record(await a.attempt(), SUCCESS, 200)
+        if backends.redis is not None:
+            await backends.close()  # A shuts down: it waits for the pending flush
+        await b.record(await b.attempt(), FAILURE, 500)
+        assert b_events == []  # A's last success reset the run too
+        await b.record(await b.attempt(), FAILURE, 500)
+        await b.record(await b.attempt(), FAILURE, 500)
+        assert b_events == ["circuit_opened"]
+
+
+async def test_attempts_on_a_stale_closed_view_ask_redis_once(tmp_path):
+    """20 attempts at once on a view older than 0.5 s: one asks Redis, the rest keep to the
+    closed view until its answer (not one script each); a closed breaker's successes then
+    cost one flush."""
+    server = RedisServer(tmp_path / "redis").start()
+    backends = await redis_backends(server.url, new_prefix(), TEST_TIMEOUT_S)
+    try:
+        b = breaker(backends, [])
+        await b.record(await b.attempt(), FAILURE, 500)  # both scripts loaded
+        await asyncio.sleep(0.5 + 0.1)  # the view is stale
+        reset_stats(server)
+        passes = await asyncio.gather(*(b.attempt() for _ in range(20)))
+        assert round_trips(server) == 1
+        for ticket in passes:
+            await b.record(ticket, SUCCESS, 200)
+        await asyncio.sleep(0.25 + 0.25)
+        assert round_trips(server) == 2
+    finally:
+        await backends.close()
+        server.stop()
+
+
+# A replica's sequence: each step an attempt with its outcome, or a flush.
+STEP = st.sampled_from([SUCCESS, SUCCESS, SUCCESS, FAILURE, FAILURE, NEUTRAL, "flush"])
+
+
+async def failures(backends: StateBackends, group: str) -> int:
+    """The breaker's consecutive-failure count, read from where it is kept."""
+    if backends.redis is None:
+        return backends.breakers._machine(group).failures  # type: ignore[attr-defined]
+    key = backends.redis.key(group, "breaker")
+    return int(await backends.redis.run(lambda client: client.hget(key, "failures")) or 0)
+
+
+@settings(max_examples=40, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(steps=st.lists(STEP, min_size=1, max_size=40),
+       fail_max=st.integers(2, 6), min_calls=st.integers(2, 10),
+       rate=st.sampled_from([None, 0.3, 0.5, 0.8]))
+def test_batching_opens_where_recording_each_outcome_at_once_does(steps, fail_max, min_calls,
+                                                                   rate):
+    """Redis, with successes deferred and flushed where the sequence says, against memory
+    recording each outcome at once (the reference): wherever Redis heard from this replica
+    (a record or a flush), both have the same state, consecutive-failure count and
+    openings. A 30 s window and open time: nothing expires within an example."""
+    url = require_redis(REDIS_URL)
+    params = BreakerParams(fail_max=fail_max, reset_s=30, window_s=30 if rate else None,
+                           rate=rate or 1.0, min_calls=min_calls)
+
+    async def run() -> None:
+        prefix = new_prefix()
+        reference = memory_backends()
+        batched = await redis_backends(url, prefix, TEST_TIMEOUT_S)
+        opened: dict[str, list[str]] = {"reference": [], "batched": []}
+
+        def heard(side: str, verdict: Verdict | None) -> None:
+            if verdict is not None and verdict.transition == OPENED:
+                opened[side].append(verdict.cause)
+
+        async def attempt(backends: StateBackends) -> Ticket | None:
+            admission = await backends.breakers.admit("r", params)
+            return admission.ticket if admission.allowed else None
+
+        try:
+            for step in steps:
+                if step == "flush":
+                    verdict = await batched.breakers.flush("r", params)
+                    heard("batched", verdict)
+                    sent = verdict is not None
+                else:
+                    ticket = await attempt(reference)
+                    if ticket is not None:
+                        heard("reference", await reference.breakers.record(
+                            "r", ticket, step, params))
+                    ticket = await attempt(batched)
+                    sent = False
+                    if ticket is not None and not batched.breakers.defer("r", ticket, step):
+                        heard("batched", await batched.breakers.record(
+                            "r", ticket, step, params))
+                        sent = True
+                if sent:
+                    assert ((await reference.breakers.view("r")).state,
+                            await failures(reference, "r"), opened["reference"]) == (
+                        (await batched.breakers.view("r")).state,
+                        await failures(batched, "r"), opened["batched"])
+            heard("batched", await batched.breakers.flush("r", params))
+            assert ((await reference.breakers.view("r")).state, opened["reference"]) == (
+                (await batched.breakers.view("r")).state, opened["batched"])
+        finally:
+            await batched.close()
+            delete_prefix(url, prefix)
+
+    asyncio.run(run())

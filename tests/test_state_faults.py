@@ -7,6 +7,7 @@ and that passwords never show."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -17,9 +18,11 @@ import aiohttp
 import pytest
 import redis
 
+from policies.breaker import Breaker
+from policies.config import CircuitBreakerConfig
 from policies.deadletter import DeadLetter
 from policies.state import StateBackends, StateUnavailable, redact_url, redis_backends
-from policies.state.breaker import BreakerParams, Ticket
+from policies.state.breaker import FAILURE, SUCCESS, BreakerParams, Ticket
 from policies.state.connection import RedisState, Script
 from policies.state.idempotency import SEEN, Answer
 from policies.state.ledger import Claim
@@ -52,8 +55,15 @@ def every_call(b: StateBackends) -> dict[str, Callable[[], Awaitable[Any]]]:
         "idempotency.finish": lambda: b.idempotency.finish("k", "o", Answer(SEEN, b""), 5),
         "breaker.admit": lambda: b.breakers.admit("r", BreakerParams(5, 1.0)),
         "breaker.record": lambda: b.breakers.record("r", Ticket(0), 0, BreakerParams(5, 1.0)),
+        "breaker.flush": lambda: flush_a_success(b),
         "dead_letters.add": lambda: b.dead_letters.add(letter),
     }
+
+
+async def flush_a_success(b: StateBackends) -> object:
+    """A success deferred, then flushed (the flush of nothing pending asks nothing)."""
+    assert b.breakers.defer("r", Ticket(0), SUCCESS)
+    return await b.breakers.flush("r", BreakerParams(5, 1.0))
 
 
 async def each_is_unavailable_in_time(b: StateBackends) -> None:
@@ -322,3 +332,27 @@ async def test_a_busy_sluice_does_not_mark_a_healthy_redis_down(redis_server):
     finally:
         redis_server.thaw()
         await state.close()
+
+
+async def test_breaker_successes_pending_while_redis_refuses_are_dropped(
+        own: StateBackends, redis_server: RedisServer, caplog):
+    """Their flush meets a Redis that refuses writes (out of memory): they are dropped (a
+    debug line), not sent again later, and nothing is raised to anyone; the breaker works on
+    once Redis answers."""
+    events: list[str] = []
+    breaker = Breaker(CircuitBreakerConfig(fail_max=2, reset_timeout="30s"), "r",
+                      lambda event, **_: events.append(event), own)
+    await breaker.record(await breaker.attempt(), FAILURE, 500)  # 1 of 2
+    await breaker.record(await breaker.attempt(), SUCCESS, 200)  # deferred
+    with redis_server.client() as admin:
+        admin.config_set("maxmemory", "1")
+        try:
+            with caplog.at_level(logging.DEBUG, logger="sluice"):
+                await asyncio.sleep(0.25 + TIMEOUT_S + MARGIN_S)  # the flush is refused
+            assert "circuit-breaker successes were dropped" in caplog.text
+        finally:
+            admin.config_set("maxmemory", "0")
+    await recovered(own)
+    await asyncio.sleep(0.5)  # the breaker's cached view has aged: it asks Redis again
+    await breaker.record(await breaker.attempt(), FAILURE, 500)
+    assert events == ["circuit_opened"]  # the dropped success did not reset the run

@@ -106,3 +106,20 @@ def test_tool_costs_count_in_the_runs_spend_and_events_name_the_operation() -> N
     text = render("run-1", events)
     assert "spend 0 tokens, $0.020000" in text
     assert "operation=send" in text
+
+
+def test_tokens_of_a_model_without_pricing_are_not_shown_as_free() -> None:
+    """With the default config's empty `pricing`, a run's calls have `cost_usd: null`: the
+    summary said `$0.000000`, as if they had cost nothing."""
+    from proxy.timeline import summary
+
+    base = {"request_id": "r1", "route": "openai", "tenant": "t", "run": "run-1",
+            "idempotency_key": None, "event": "completed", "input_tokens": 12,
+            "output_tokens": 8}
+    unpriced = [{**base, "cost_usd": None}]
+    assert summary(unpriced, []).endswith(
+        "spend 20 tokens, cost unknown (1 call(s) of models without pricing)")
+    mixed = [*unpriced, {**base, "request_id": "r2", "cost_usd": 0.000008}]
+    assert summary(mixed, []).endswith(
+        "spend 40 tokens, $0.000008 + unknown (1 call(s) of models without pricing)")
+    assert summary([{**base, "cost_usd": 0.000008}], []).endswith("$0.000008")

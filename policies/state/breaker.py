@@ -21,6 +21,30 @@ the one caller whose call made it (:attr:`Verdict.transition`), so each is put o
 timeline once. An upstream ``Retry-After`` seen while open can lengthen the open time
 (``hint_s``), never shorten it. Time is the server's (``TIME``, milliseconds).
 
+**Successes in closed state are batched on Redis** (:meth:`BreakerStates.defer`): a closed
+breaker's successes are by far its most common outcome, and each would otherwise be a round
+trip of its own, a third beside a metered call's admission and settle. A replica counts them
+per breaker and epoch and delivers the count inside the next script it sends for that breaker
+(a failure, a neutral outcome with a hint or a probe, a probe's outcome: the successes are
+applied first, then the outcome, so the consecutive-failure count is reset in the order the
+outcomes were sent), or in a flush at most ``FLUSH_S`` later. What that changes: a batched
+success lands in the window bucket of the second it is delivered in, at most ``FLUSH_S`` late,
+and for that long the shared counts lack this replica's latest successes. Why it is safe: no
+success is lost (but see below) and no failure or probe outcome waits, so a breaker opens no
+later than before (save where a success is itself what trips the rate, below: that opening
+waits for the flush); the error can only lean towards opening, and only by
+``FLUSH_S`` worth of successes: another replica's failure may meanwhile see a failure rate
+higher by the share of the window's last ``FLUSH_S`` (under 1 % of the default 30 s window at
+a steady pace), or a consecutive-failure run that one of these successes would have reset.
+Outcomes from different replicas are unordered already (concurrent scripts). Recorded one by
+one, only the success that brings the window to ``min_calls`` can trip the rate (every later
+one lowers it): the script checks the window as it stood at that success, so a batch opens
+exactly where single records would have, up to the bucket placement. Successes counted under
+an older epoch are dropped, as a stale ticket's outcome is; so are those whose script Redis
+does not answer (they could only have lowered a failure rate; never sent twice, though a
+script sent to a frozen server may still run when it wakes).
+Memory records every outcome at once (it costs no round trip).
+
 Redis layout: ``<prefix>:{<group>}:breaker`` a hash (state, epoch, counters, open-until,
 cause), ``...:breaker:window`` a hash of per-second counts, ``...:breaker:probe`` the probe
 lease.
@@ -43,6 +67,8 @@ STATE_NAMES = {CLOSED: "closed", HALF_OPEN: "half-open", OPEN: "open"}
 SUCCESS, FAILURE, NEUTRAL = 0, 1, 2
 #: Transitions (:attr:`Verdict.transition`).
 OPENED, HALF_OPENED, CLOSED_AGAIN = "opened", "half_open", "closed"
+#: Longest a success :meth:`BreakerStates.defer` took waits for its flush, seconds.
+FLUSH_S = 0.25
 
 
 class BreakerParams(NamedTuple):
@@ -119,9 +145,10 @@ class View(NamedTuple):
 
 
 class BreakerStates(Protocol):
-    """Shared breakers, one per group (route). Every method is one round trip.
+    """Shared breakers, one per group (route). Every async method is at most one round trip;
+    :meth:`defer` is none.
 
-    Raises (every method):
+    Raises (every async method):
         StateUnavailable: the backend did not answer in time (Redis only).
     """
 
@@ -135,7 +162,28 @@ class BreakerStates(Protocol):
         """Feed the outcome (SUCCESS, FAILURE or NEUTRAL) of the attempt ``ticket`` admitted;
         it frees the probe lease if it held it. ``hint_s``: the upstream asked for this
         long a pause (a 429/503 ``Retry-After``): an open breaker stays open at least that
-        long."""
+        long. Successes :meth:`defer` counted for ``group`` are applied first, in the same
+        call."""
+        ...
+
+    def defer(self, group: str, ticket: Ticket, outcome: int) -> bool:
+        """Count ``outcome`` here, without a round trip, when it is a success of an attempt
+        admitted while closed (``ticket`` without a probe: such a success cannot change the
+        state except through the window, see the module doc), to be applied with ``group``'s
+        next :meth:`record` or :meth:`flush`. Never suspends, never raises.
+
+        Returns:
+            True when taken: the caller makes sure :meth:`flush` runs within ``FLUSH_S``
+            seconds. False when the outcome must go through :meth:`record` (any other
+            outcome; every outcome on memory, where recording costs no round trip).
+        """
+        ...
+
+    async def flush(self, group: str, params: BreakerParams) -> Verdict | None:
+        """Apply the successes :meth:`defer` counted for ``group`` (one round trip); ``None``
+        when none are pending (no round trip). The verdict's transition can only be
+        ``opened`` (by the window, see the module doc). Pending successes are gone once this
+        is called, applied or not (the backend did not answer: they are dropped)."""
         ...
 
     async def view(self, group: str) -> View:
@@ -235,6 +283,12 @@ class MemoryBreakerStates:
         return Verdict(m.state, transition, m.cause,
                        max(m.open_until - now, 0) / 1000 if m.state == OPEN else 0.0)
 
+    def defer(self, group: str, ticket: Ticket, outcome: int) -> bool:
+        return False  # recorded at once: it costs no round trip here
+
+    async def flush(self, group: str, params: BreakerParams) -> Verdict | None:
+        return None
+
     async def view(self, group: str) -> View:
         m = self._machine(group)
         now = int(self._clock() * 1000)
@@ -301,7 +355,8 @@ return {0, epoch, 0, math.max(redis.call('PTTL', KEYS[2]), 0), 1, transition, ca
 """)
 
 # KEYS: breaker, probe lease, window. ARGV: epoch, token ('' none), outcome, fail_max,
-# success_threshold, reset ms, window s (0 none), rate, min_calls, hint ms (0 none).
+# success_threshold, reset ms, window s (0 none), rate, min_calls, hint ms (0 none), epoch of
+# the deferred successes, how many (0 none).
 # Returns {state, transition, cause, open for ms}.
 _RECORD = Script(_READ + """
 local transition = ''
@@ -311,6 +366,39 @@ local function open(why)
   cause = why
   redis.call('DEL', KEYS[2])
   transition = 'opened'
+end
+local size, min_calls, rate = tonumber(ARGV[7]), tonumber(ARGV[9]), tonumber(ARGV[8])
+local second = math.floor(now / 1000)
+-- Count n outcomes, f of them failed, in this second's bucket; the window's calls and failures.
+local function count(n, f)
+  redis.call('HINCRBY', KEYS[3], 'c' .. second, n)
+  if f > 0 then redis.call('HINCRBY', KEYS[3], 'f' .. second, f) end
+  redis.call('PEXPIRE', KEYS[3], (size + 1) * 1000)
+  local calls, fails = 0, 0
+  local all = redis.call('HGETALL', KEYS[3])
+  for i = 1, #all, 2 do
+    local s = tonumber(string.sub(all[i], 2))
+    if s <= second - size then
+      redis.call('HDEL', KEYS[3], all[i])
+    elseif string.sub(all[i], 1, 1) == 'c' then
+      calls = calls + tonumber(all[i + 1])
+    else
+      fails = fails + tonumber(all[i + 1])
+    end
+  end
+  return calls, fails
+end
+local batch = tonumber(ARGV[12])
+if batch > 0 and tonumber(ARGV[11]) == epoch and state == 0 then
+  failures = 0
+  if size > 0 then
+    local calls, fails = count(batch, 0)
+    -- One by one, only the success that first made calls >= min_calls could have tripped
+    -- the rate (each later one lowers it): test the window as it stood at that one.
+    local at = math.max(calls - batch + 1, min_calls)
+    if at <= calls and fails >= rate * at then open('failure_rate') end
+  end
+  save()
 end
 if tonumber(ARGV[1]) == epoch then
   if ARGV[2] ~= '' and redis.call('GET', KEYS[2]) == ARGV[2] then redis.call('DEL', KEYS[2]) end
@@ -336,26 +424,13 @@ if tonumber(ARGV[1]) == epoch then
         end
       end
     end
-    local size = tonumber(ARGV[7])
     if transition == '' and size > 0 then
-      local second = math.floor(now / 1000)
-      redis.call('HINCRBY', KEYS[3], 'c' .. second, 1)
-      if failed then redis.call('HINCRBY', KEYS[3], 'f' .. second, 1) end
-      redis.call('PEXPIRE', KEYS[3], (size + 1) * 1000)
-      local calls, fails = 0, 0
-      local all = redis.call('HGETALL', KEYS[3])
-      for i = 1, #all, 2 do
-        local s = tonumber(string.sub(all[i], 2))
-        if s <= second - size then
-          redis.call('HDEL', KEYS[3], all[i])
-        elseif string.sub(all[i], 1, 1) == 'c' then
-          calls = calls + tonumber(all[i + 1])
-        else
-          fails = fails + tonumber(all[i + 1])
-        end
+      local f = 0
+      if failed then f = 1 end
+      local calls, fails = count(1, f)
+      if state == 0 and calls >= min_calls and fails >= rate * calls then
+        open('failure_rate')
       end
-      if state == 0 and calls >= tonumber(ARGV[9]) and fails >= tonumber(ARGV[8]) * calls
-      then open('failure_rate') end
     end
   end
   save()
@@ -381,10 +456,13 @@ return {state, left, probing, cause, epoch}
 
 
 class RedisBreakerStates:
-    """Breakers in Redis; one ``EVALSHA`` per call on the route's slot."""
+    """Breakers in Redis; one ``EVALSHA`` per call on the route's slot (none for a deferred
+    success)."""
 
     def __init__(self, state: RedisState) -> None:
         self._state = state
+        #: group -> (epoch, successes counted by :meth:`defer` and not yet sent).
+        self._pending: dict[str, tuple[int, int]] = {}
 
     def _keys(self, group: str) -> list[str]:
         key = self._state.key
@@ -401,11 +479,31 @@ class RedisBreakerStates:
 
     async def record(self, group: str, ticket: Ticket, outcome: int, params: BreakerParams,
                      hint_s: float | None = None) -> Verdict:
+        return await self._send(group, ticket, outcome, params, hint_s,
+                                self._pending.pop(group, (0, 0)))
+
+    def defer(self, group: str, ticket: Ticket, outcome: int) -> bool:
+        if outcome != SUCCESS or ticket.probe is not None:
+            return False
+        epoch, successes = self._pending.get(group, (ticket.epoch, 0))
+        if ticket.epoch >= epoch:  # a newer epoch's make the older ones stale: drop them
+            self._pending[group] = (ticket.epoch,
+                                    successes + 1 if ticket.epoch == epoch else 1)
+        return True  # an older epoch's success is stale: dropped, as record would
+
+    async def flush(self, group: str, params: BreakerParams) -> Verdict | None:
+        batch = self._pending.pop(group, None)
+        if batch is None:
+            return None
+        return await self._send(group, Ticket(batch[0]), NEUTRAL, params, None, batch)
+
+    async def _send(self, group: str, ticket: Ticket, outcome: int, params: BreakerParams,
+                    hint_s: float | None, batch: tuple[int, int]) -> Verdict:
         args: list[object] = [
             ticket.epoch, ticket.probe or "", outcome, params.fail_max,
             params.success_threshold, _ms(params.reset_s),
             math.ceil(params.window_s) if params.window_s else 0, repr(float(params.rate)),
-            params.min_calls, _ms(hint_s) if hint_s else 0]
+            params.min_calls, _ms(hint_s) if hint_s else 0, *batch]
         state, transition, cause, left_ms = await self._state.eval(
             _RECORD, self._keys(group), args)
         return Verdict(int(state), transition.decode() or None, cause.decode(),

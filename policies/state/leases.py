@@ -71,8 +71,8 @@ class Leases(Protocol):
         ...
 
     async def renew(self, group: str, tenant: str, lease_id: str, lease_s: float) -> bool:
-        """Push the lease's expiry to ``lease_s`` from now; ``False`` if it was not held (it
-        lapsed, or was released)."""
+        """Push the lease's expiry to ``lease_s`` from now, taking it again, whatever the
+        limit, if it was not held (it lapsed, or Redis lost it): ``False`` then."""
         ...
 
     async def release(self, group: str, tenant: str, lease_id: str) -> bool:
@@ -155,8 +155,7 @@ class MemoryLeases:
     async def renew(self, group: str, tenant: str, lease_id: str, lease_s: float) -> bool:
         route, mine = self._tables(group, tenant)
         held = lease_id in route
-        if held:
-            route[lease_id] = mine[lease_id] = self._clock() + lease_s
+        route[lease_id] = mine[lease_id] = self._clock() + lease_s
         self._store(group, tenant, route, mine)
         return held
 
@@ -210,11 +209,11 @@ hold(id, ms)
 return {1, 0, inflight + 1, mine + 1}
 """)
 
-# KEYS: as acquire. ARGV: id, lease ms. Returns 1 if renewed, 0 if not held.
+# KEYS: as acquire. ARGV: id, lease ms. Returns 1 if it was held, 0 if it was taken again.
 _RENEW = Script(_NOW + """
-if not redis.call('ZSCORE', KEYS[1], ARGV[1]) then return 0 end
+local held = redis.call('ZSCORE', KEYS[1], ARGV[1]) and 1 or 0
 hold(ARGV[1], tonumber(ARGV[2]))
-return 1
+return held
 """)
 
 # KEYS: as acquire. ARGV: id, channel. Returns 1 if it was held.
@@ -279,8 +278,10 @@ class Lease:
 
     Renewal runs every ``lease_s / 3``, so two renewals in a row may fail (the backend
     briefly unavailable) before the lease lapses. If a renewal finds the lease gone (it lapsed
-    during a longer outage), :attr:`lost` turns true and renewal stops; the call goes on, and
-    its slot is no longer counted.
+    during a longer outage, or Redis restarted without its data), it takes it again, even
+    past the limit: the call is still at the upstream, so it must count, and new calls wait
+    until the count is under the limit again (as after a lowered limit). :attr:`retaken`
+    counts those times.
     """
 
     def __init__(self, leases: Leases, group: str, tenant: str, lease_id: str,
@@ -290,7 +291,8 @@ class Lease:
         self.tenant = tenant
         self.lease_id = lease_id
         self.lease_s = lease_s
-        self.lost = False
+        #: Times the lease was found gone and taken again while its call ran.
+        self.retaken = 0
         self._renewal: asyncio.Task[None] | None = asyncio.create_task(
             self._renew(), name=f"sluice-lease-{group}")
         self._release: asyncio.Task[bool] | None = None
@@ -304,9 +306,12 @@ class Lease:
             except StateUnavailable:
                 continue  # try again next time; the lease outlives two misses
             if not held:
-                self.lost = True
-                log.warning("concurrency lease on %s lapsed while its call ran", self.group)
-                return
+                # Gone while the call runs (Redis restarted empty, or an outage outlasted
+                # the lease): the call still occupies the upstream, so it counts again;
+                # others wait until the count is back under the limit.
+                self.retaken += 1
+                log.warning("concurrency lease on %s lapsed while its call ran; taken again",
+                            self.group)
 
     def release(self) -> asyncio.Task[bool]:
         """Stop renewing and give the slot back; never awaits, never raises (for a
