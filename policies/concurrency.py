@@ -320,6 +320,18 @@ class ConcurrencyLimiter:
             raise
         return charged, granted
 
+    async def take(self, tenant: str, priority: int = DEFAULT_PRIORITY,
+                   caller_timeout: float | None = None,
+                   on_queued: Callable[[int], None] | None = None) -> Slot:
+        """:meth:`acquire`, as the holding that gives the slot back (for a policy that
+        keeps one limiter per key, such as ``fanout.width``'s per run).
+
+        Raises:
+            Rejected: as :meth:`acquire` does.
+        """
+        charged = await self.acquire(tenant, priority, caller_timeout, on_queued)
+        return Slot(self, tenant, charged, priority)
+
     async def admit(self, call: Call) -> Slot:
         """The pipeline step (:class:`policies.pipeline.Policy`): a slot for ``call``, held
         until the call ends; ``enqueued`` and ``expired`` are reported through

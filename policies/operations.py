@@ -54,6 +54,7 @@ from policies.pipeline import Call, Outcome, Policy
 from policies.rate import RateLimiter, Units
 from policies.reasons import Reason, Rejected
 from policies.retry import RetryPolicy
+from policies.runs import WIDTH_QUEUE, WidthLimiters, local_width
 from policies.shared_concurrency import SharedConcurrencyLimiter
 from policies.state import StateBackends
 
@@ -102,6 +103,21 @@ def new_limiter(c: ConcurrencyConfig | None, backends: StateBackends,
                                         tenant_weights=c.tenant_weights, aging=c.aging)
     return ConcurrencyLimiter(c.limit, c.queue, c.max_wait, c.per_tenant,
                               tenant_weights=c.tenant_weights, aging=c.aging)
+
+
+def width_limiters(backends: StateBackends, scope: str) -> WidthLimiters:
+    """How a ``fanout.width`` of ``scope`` (a route's name, or ``*`` for the top-level block)
+    builds each live run's limiter: in this process's memory, or with the Redis backend one
+    whose ``width`` holds across replicas (leases in the group ``<scope>/run:<run>``, one
+    hash slot per run; the run's queue stays local, :mod:`policies.shared_concurrency`).
+    ``*`` is no route name, so the top level's leases never mix with a route's."""
+    if backends.redis is None:
+        return local_width
+
+    def shared(run: str, width: int, max_wait: float) -> ConcurrencyLimiter:
+        return SharedConcurrencyLimiter(width, WIDTH_QUEUE, max_wait, None, backends=backends,
+                                        group=f"{scope}/run:{run}")
+    return shared
 
 
 class Plan:

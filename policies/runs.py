@@ -29,10 +29,12 @@ calls and statistics. With the Redis backend it also asks the shared run state
 (:mod:`policies.state.runs`) for what every replica must agree on: each call reads its run's
 lineage, first-call times and cancellation from Redis and counts it for ``max_requests``
 there (one round trip), and a cancel made on any replica is recorded there and reaches every
-replica's queued and in-flight calls through pub/sub. Fan-out width, inherited priorities and
-deadlines, and the statistics ``sluice runs`` shows stay per replica. While Redis does not
-answer, ``state.on_unavailable`` applies: ``local`` decides from this replica's own view (a
-``1/state.replicas`` share of ``max_requests``), ``reject`` refuses 503 ``state_unavailable``.
+replica's queued and in-flight calls through pub/sub. Fan-out width is shared through the
+limiters the server gives :class:`FanoutWidth` (leases in Redis, two round trips a call).
+Inherited priorities and deadlines, and the statistics ``sluice runs`` shows stay per
+replica. While Redis does not answer, ``state.on_unavailable`` applies: ``local`` decides
+from this replica's own view (a ``1/state.replicas`` share of ``max_requests`` and of
+``width``), ``reject`` refuses 503 ``state_unavailable``.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from typing import Any
 
 from policies.concurrency import ConcurrencyLimiter
 from policies.config import FanoutConfig, RunConfig
-from policies.pipeline import Call, Outcome
+from policies.pipeline import Call, Holding, Outcome
 from policies.rate import Background, unavailable
 from policies.reasons import Reason, Rejected
 from policies.state import Fallback, StateUnavailable
@@ -664,42 +666,69 @@ class _Counted:
                 "run request give-back")
 
 
+#: Builds the limiter of one live run for a :class:`FanoutWidth`: ``(run, width, max_wait)``
+#: -> a limiter of ``width`` slots whose queue (:data:`WIDTH_QUEUE` places) waits up to
+#: ``max_wait`` seconds. The memory one is :func:`local_width`; with the Redis backend the
+#: server passes one whose slots are leases every replica shares.
+WidthLimiters = Callable[[str, int, float], ConcurrencyLimiter]
+
+
+def local_width(run: str, width: int, max_wait: float) -> ConcurrencyLimiter:
+    """The limiter of one run's width in this process's memory."""
+    return ConcurrencyLimiter(width, WIDTH_QUEUE, max_wait, None)
+
+
 class FanoutWidth:
     """``fanout.width``: per run, at most ``width`` calls in flight in this scope; more wait
-    in the run's own queue (the limiter of ``policies/concurrency.py``, one per live run)."""
+    in the run's own queue (a limiter of ``policies/concurrency.py``, one per live run).
 
-    def __init__(self, width: int, max_wait: float) -> None:
+    Args:
+        width, max_wait: the block's ``width`` and ``max_wait`` (seconds).
+        limiters: builds a run's limiter when a call of it arrives and none is live
+            (:data:`WidthLimiters`); the limiter is forgotten once the run has no call
+            admitted, queued or being admitted here, so memory does not grow with the number
+            of runs seen.
+    """
+
+    def __init__(self, width: int, max_wait: float,
+                 limiters: WidthLimiters = local_width) -> None:
         self.width = width
         self.max_wait = max_wait
-        self.runs: dict[str, ConcurrencyLimiter] = {}
+        self.limiters = limiters
+        self.runs: dict[str, _RunWidth] = {}
 
     def reconfigure(self, config: FanoutConfig) -> None:
         """Adopt a new block in place (hot reload), keeping every run's held and queued calls."""
         self.width = config.width or self.width
         self.max_wait = config.max_wait
-        for limiter in self.runs.values():
-            limiter.reconfigure(self.width, WIDTH_QUEUE, self.max_wait, None)
+        for entry in self.runs.values():
+            entry.limiter.reconfigure(self.width, WIDTH_QUEUE, self.max_wait, None)
 
     async def admit(self, call: Call) -> _WidthSlot | None:
         """Raises:
             Rejected: ``fanout_limited`` (429, naming ``width``) when no slot of the run
-                freed within ``max_wait``; ``deadline_unreachable`` as the route's queue.
+                freed within ``max_wait``; ``deadline_unreachable`` as the route's queue;
+                ``state_unavailable`` (503) when the run's slots are shared, Redis does not
+                answer and ``state.on_unavailable`` is ``reject``.
         """
         run = call.run
         if run is None:
             return None
-        limiter = self.runs.get(run)
-        if limiter is None:
-            limiter = self.runs[run] = ConcurrencyLimiter(self.width, WIDTH_QUEUE,
-                                                          self.max_wait, None)
+        entry = self.runs.get(run)
+        if entry is None:
+            entry = self.runs[run] = _RunWidth(self.limiters(run, self.width, self.max_wait))
+        # Counted from here, not from the limiter's own counts: a shared limiter counts a
+        # call only once Redis has answered, and the run's limiter must not be forgotten
+        # (and a second one made) while a call of it waits for that answer.
+        entry.users += 1
 
         def queued(depth: int) -> None:
             call.phase = "queued"
 
         try:
-            await limiter.acquire(run, call.priority, call.timeout, queued)
+            slot = await entry.limiter.take(run, call.priority, call.timeout, queued)
         except Rejected as rejected:
-            self._forget(run, limiter)
+            self._leave(run, entry)
             if rejected.reason in (Reason.QUEUE_TIMEOUT, Reason.QUEUE_FULL):
                 raise Rejected(Reason.FANOUT_LIMITED, rejected.retry_after,
                                f"width: run {run} has {self.width} calls in flight "
@@ -707,26 +736,38 @@ class FanoutWidth:
                                ) from None
             raise
         except BaseException:
-            self._forget(run, limiter)
+            self._leave(run, entry)
             raise
-        return _WidthSlot(self, run, limiter)
+        return _WidthSlot(self, run, entry, slot)
 
-    def _forget(self, run: str, limiter: ConcurrencyLimiter) -> None:
-        if not limiter.inflight and not limiter.queued and self.runs.get(run) is limiter:
+    def _leave(self, run: str, entry: _RunWidth) -> None:
+        entry.users -= 1
+        if not entry.users and self.runs.get(run) is entry:
             del self.runs[run]
 
     def state(self) -> dict[str, object]:
         return {"width": self.width, "runs": len(self.runs)}
 
 
-class _WidthSlot:
-    __slots__ = ("limiter", "owner", "run")
+class _RunWidth:
+    """One live run's limiter, and its calls being admitted, queued or in flight."""
 
-    def __init__(self, owner: FanoutWidth, run: str, limiter: ConcurrencyLimiter) -> None:
+    __slots__ = ("limiter", "users")
+
+    def __init__(self, limiter: ConcurrencyLimiter) -> None:
+        self.limiter = limiter
+        self.users = 0
+
+
+class _WidthSlot:
+    __slots__ = ("entry", "owner", "run", "slot")
+
+    def __init__(self, owner: FanoutWidth, run: str, entry: _RunWidth, slot: Holding) -> None:
         self.owner = owner
         self.run = run
-        self.limiter = limiter
+        self.entry = entry
+        self.slot = slot
 
     def release(self, outcome: Outcome) -> None:
-        self.limiter.release(self.run, outcome.service_s)
-        self.owner._forget(self.run, self.limiter)
+        self.slot.release(outcome)
+        self.owner._leave(self.run, self.entry)

@@ -159,6 +159,12 @@ class SharedConcurrencyLimiter(ConcurrencyLimiter):
         assert isinstance(lease, Lease)
         return SharedSlot(self, tenant, charged, priority, lease)
 
+    async def take(self, tenant: str, priority: int = DEFAULT_PRIORITY,  # type: ignore[override]
+                   caller_timeout: float | None = None,
+                   on_queued: Callable[[int], None] | None = None) -> SharedSlot:
+        """:meth:`acquire` (its answer is already the holding)."""
+        return await self.acquire(tenant, priority, caller_timeout, on_queued)
+
     async def admit(self, call: Call) -> SharedSlot:  # type: ignore[override]
         """The pipeline step: as :meth:`ConcurrencyLimiter.admit`, holding a lease."""
         try:

@@ -30,6 +30,7 @@ from policies.operations import (
     carry_over,
     new_limiter,
     reconfigure_limiter,
+    width_limiters,
 )
 from policies.pipeline import Call
 from policies.rate import RateLimiter
@@ -126,7 +127,8 @@ class Route:
         self.run_tracker = RunTracker(
             runs, [limits for limits in (global_limits, self.run_limits) if limits is not None])
         f = config.fanout
-        self.fanout = FanoutWidth(f.width, f.max_wait) if f and f.width else None
+        self.fanout = (FanoutWidth(f.width, f.max_wait, width_limiters(self.backends, self.name))
+                       if f and f.width else None)
         self.global_limits = global_limits
         self.global_fanout = global_fanout
         self.rate = (RateLimiter(config.rate, self.backends, self.name, config.protocol)

@@ -12,6 +12,7 @@ from aiohttp import web
 from policies.budget import clock_from_env
 from policies.config import Config, RunConfig
 from policies.deadletter import DeadLetterQueue
+from policies.operations import width_limiters
 from policies.runs import FanoutWidth, RunLimits, RunRegistry
 from policies.state import StateBackends, backends_for
 from policies.state.connection import redact_url
@@ -87,7 +88,8 @@ class Runtime:
         if fanout is None or fanout.width is None:
             self.global_fanout = None
         elif self.global_fanout is None:
-            self.global_fanout = FanoutWidth(fanout.width, fanout.max_wait)
+            self.global_fanout = FanoutWidth(fanout.width, fanout.max_wait,
+                                             width_limiters(self.state, "*"))
         else:  # a reload keeps every run's held and queued calls
             self.global_fanout.reconfigure(fanout)
         routes = [

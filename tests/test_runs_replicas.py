@@ -13,10 +13,12 @@ import asyncio
 import time
 
 import aiohttp
+import pytest
 
 from tests.conftest import route, wait_until
+from tests.fakeupstream import FakeUpstream
 from tests.redis_servers import RedisServer, new_prefix
-from tests.test_shared_rate_budget import round_trips
+from tests.test_shared_rate_budget import redis_client, round_trips
 
 TOKEN = "s3cret-admin-token"
 CHAT = "/openai/v1/chat/completions"
@@ -341,3 +343,134 @@ async def test_a_count_taken_before_an_earlier_refusal_is_given_back(
     assert second[0] == 200
     assert (third[0], third[1]["X-Sluice-Reason"]) == (429, "run_budget_exhausted")
     assert len(upstream.requests) == 2
+
+
+class RunCountingUpstream(FakeUpstream):
+    """The fake upstream, also counting each run's calls in flight (by ``X-Run-ID``, which
+    Sluice forwards) and the most it saw of each at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.by_run: dict[str, int] = {}
+        self.peak_by_run: dict[str, int] = {}
+
+    async def _guard(self, request, answer):
+        run = request.headers.get("X-Run-ID", "")
+        self.by_run[run] = self.by_run.get(run, 0) + 1
+        self.peak_by_run[run] = max(self.peak_by_run.get(run, 0), self.by_run[run])
+        try:
+            return await super()._guard(request, answer)
+        finally:
+            self.by_run[run] -= 1
+
+
+def width_leases(state: dict, run: str) -> int:
+    """Leases of ``run``'s width held in Redis, whatever the scope, read from Redis itself."""
+    client = redis_client(str(state["redis_url"]))
+    try:
+        return sum(client.zcard(key) for key in
+                   client.scan_iter(f"{state['key_prefix']}:*run:{run}" + "}:conc"))
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("scope", ["route", "top level"])
+async def test_width_3_holds_for_a_run_spread_over_3_replicas(start_sluice, shared_state, scope):
+    """``fanout: {width: 3}`` (on the route, then at the top level) with 12 concurrent calls
+    of one run spread over 3 replicas: the upstream never has more than 3 of them at once and
+    does have 3; each call is served 200 or refused 429 ``fanout_limited`` naming the width;
+    another run's calls meanwhile reach the upstream at once; once all have ended, no lease
+    of the run is left in Redis."""
+    upstream = await RunCountingUpstream().start()
+    try:
+        upstream.hold = asyncio.Event()
+        fanout = {"width": 3, "max_wait": "30s"}
+        rc = route("tools", upstream.url, "http", **({"fanout": fanout}
+                                                     if scope == "route" else {}))
+        config = {"state": shared_state, "routes": [rc],
+                  **({"fanout": fanout} if scope == "top level" else {})}
+        reps = await replicas(start_sluice, 3, config)
+        async with aiohttp.ClientSession() as s:
+
+            async def one(rep, run: str) -> tuple[int, str, bytes]:
+                # Slow calls: each stays 0.2 s at the upstream once the hold is lifted.
+                async with s.post(rep.url + "/tools/x", data=b"{}",
+                                  headers={**run_headers(run), "x-fake-delay": "0.2"}) as r:
+                    return r.status, r.headers.get("X-Sluice-Reason", ""), await r.read()
+
+            wide = [asyncio.create_task(one(reps[i % 3], "wide")) for i in range(12)]
+            await wait_until(lambda: upstream.by_run.get("wide", 0) >= 3,
+                             what="3 calls of the run at the upstream")
+            other = [asyncio.create_task(one(reps[i], "other")) for i in range(3)]
+            await wait_until(lambda: upstream.by_run.get("other") == 3,
+                             what="the other run's 3 calls at the upstream")
+            await asyncio.sleep(0.5)  # room for a fourth call of the run to slip through
+            assert upstream.by_run["wide"] == 3
+            assert width_leases(shared_state, "wide") == 3
+            upstream.hold.set()
+            answers = await asyncio.gather(*wide)
+            assert [status for status, _, _ in await asyncio.gather(*other)] == [200] * 3
+        for status, reason, body in answers:
+            assert status == 200 or (status, reason) == (429, "fanout_limited"), status
+            if status == 429:
+                assert b"width" in body
+        print(f"\nrun answers: {sorted(status for status, _, _ in answers)}; "
+              f"upstream peak of the run: {upstream.peak_by_run['wide']}")
+        assert upstream.peak_by_run["wide"] == 3
+        assert upstream.by_run["wide"] == 0
+        await wait_until(lambda: width_leases(shared_state, "wide") == 0,
+                         what="the run's leases given back")
+    finally:
+        upstream.hold.set()
+        await upstream.stop()
+
+
+async def test_round_trips_per_call_of_a_run_with_a_width(upstream, start_sluice,
+                                                          redis_server: RedisServer):
+    """A call of a run on a route with ``fanout.width`` costs the run tracker's script plus
+    its width lease: one script to take it and one to give it back (a call shorter than a
+    third of ``state.lease`` renews nothing)."""
+    state = {"backend": "redis", "redis_url": redis_server.url, "key_prefix": new_prefix()}
+    (sluice,) = await replicas(start_sluice, 1, {"state": state, "routes": [
+        route("openai", upstream.url, fanout={"width": 3})]})
+    n = 10
+    async with aiohttp.ClientSession() as s:
+        assert (await call(s, sluice, "job"))[0] == 200  # loads the scripts
+        await asyncio.sleep(0.2)  # its lease's give-back runs after the answer
+        with redis_server.client() as r:
+            r.config_resetstat()
+        for _ in range(n):
+            assert (await call(s, sluice, "job"))[0] == 200
+        await asyncio.sleep(0.2)
+    per_call = round_trips(redis_server) / n
+    print(f"\nRedis round trips per call of a run with fanout.width: {per_call}")
+    assert per_call == 3
+
+
+async def test_redis_stopped_a_runs_width_is_each_replicas_share(upstream, start_sluice,
+                                                                  redis_server: RedisServer):
+    """With Redis stopped and ``on_unavailable: local``, a replica lets at most its share of
+    the width (3 over ``replicas: 3``: 1) of a run's calls reach the upstream; the rest wait
+    in the run's queue and are served as it frees."""
+    state = {"backend": "redis", "redis_url": redis_server.url, "key_prefix": new_prefix(),
+             "timeout": "200ms", "on_unavailable": "local", "replicas": 3}
+    (sluice,) = await replicas(start_sluice, 1, {"state": state, "routes": [
+        route("openai", upstream.url, fanout={"width": 3, "max_wait": "30s"})]})
+    async with aiohttp.ClientSession() as s:
+        assert (await call(s, sluice, "job"))[0] == 200
+        redis_server.stop()
+        await sluice.wait_metric("sluice_state_backend_up", 0, backend="redis")
+        upstream.hold = asyncio.Event()
+        calls = [asyncio.create_task(call(s, sluice, "job")) for _ in range(3)]
+        await wait_until(lambda: upstream.inflight >= 1, what="a call at the upstream")
+        for _ in range(200):
+            if (await run_view(s, sluice, "job")).get("queued") == 2:
+                break
+            await asyncio.sleep(0.02)
+        else:
+            raise AssertionError("2 calls of the run not queued")
+        assert upstream.inflight == 1
+        upstream.hold.set()
+        answers = await asyncio.gather(*calls)
+    assert [status for status, _, _ in answers] == [200] * 3
+    assert upstream.peak_inflight == 1

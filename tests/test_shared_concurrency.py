@@ -22,10 +22,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from policies.concurrency import ConcurrencyLimiter
-from policies.config import ConcurrencyConfig
-from policies.operations import new_limiter
-from policies.pipeline import Outcome
+from policies.config import ConcurrencyConfig, FanoutConfig
+from policies.operations import new_limiter, width_limiters
+from policies.pipeline import Call, Outcome
 from policies.reasons import Reason, Rejected
+from policies.runs import FanoutWidth
 from policies.shared_concurrency import SharedConcurrencyLimiter
 from policies.state import Fallback, StateBackends, memory_backends, redis_backends
 from tests.conftest import route
@@ -153,6 +154,40 @@ async def test_a_reload_raising_the_limit_admits_waiters_without_a_release(
     second.release(DONE)
     (await asyncio.wait_for(third, 5.0)).release(DONE)
     await eventually(lambda: leases_held(backends), 0, 5.0, "leases given back")
+
+
+@ON_REDIS
+async def test_a_runs_width_is_shared_by_two_replicas_and_a_reload_widens_it_in_place(
+        backends: StateBackends):
+    """``fanout.width`` with the Redis backend: two replicas' :class:`FanoutWidth` share one
+    run's width (another run has its own); a reload raising it admits the waiter without a
+    release; once the calls end neither replica keeps a limiter for the run, nor Redis a
+    lease."""
+    async with replica(backends) as other:
+        here = FanoutWidth(1, 5.0, width_limiters(backends, "r"))
+        there = FanoutWidth(1, 5.0, width_limiters(other, "r"))
+        first = await here.admit(_run_call("job"))
+        waiting = asyncio.create_task(there.admit(_run_call("job")))
+        elsewhere = await asyncio.wait_for(there.admit(_run_call("other")), 2.0)
+        await asyncio.sleep(0.3)
+        assert not waiting.done()  # the run's one slot is held on the other replica
+        assert await _width_leases(backends, "job") == 1
+        there.reconfigure(FanoutConfig(width=2, max_wait="5s"))
+        second = await asyncio.wait_for(waiting, 2.0)
+        assert await _width_leases(backends, "job") == 2
+        for held in (first, second, elsewhere):
+            held.release(DONE)
+        assert (here.runs, there.runs) == ({}, {})
+        await eventually(lambda: _width_leases(backends, "job"), 0, 5.0, "leases given back")
+
+
+def _run_call(run: str) -> Call:
+    return Call(request_id="r", route="r", method="POST", path="/r/", headers={}, body=b"",
+                tenant="t", run=run)
+
+
+async def _width_leases(backends: StateBackends, run: str) -> int:
+    return (await backends.leases.counts(f"r/run:{run}", run))[0]
 
 
 @ON_REDIS
