@@ -44,7 +44,7 @@ from policies.config import DEFAULT_OPERATION, ModelPrice, RouteConfig
 from policies.pipeline import Call, Outcome
 from policies.rate import RateLimiter, Units, fallback_for
 from policies.reasons import Reason, Rejected
-from policies.state import StateBackends, StateUnavailable
+from policies.state import LedgerFull, StateBackends, StateUnavailable
 from policies.state.admission import AdmissionResult
 from policies.state.rate import Take
 from policies.usage import Meter, RequestCost, Usage, endpoint_for, read_request
@@ -230,6 +230,8 @@ class Accounting:
             if budgets is not None and reservation is not None:
                 budgets.abandon(reservation)
             raise
+        except LedgerFull as exc:  # raised before anything was taken
+            raise Budgets.full(exc) from None
         if rate is not None:
             rate.note(source, takes, result.rates)
         if budgets is not None and reservation is not None:

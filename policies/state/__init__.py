@@ -46,7 +46,7 @@ from policies.state.idempotency import (
     RedisIdempotencyRecords,
 )
 from policies.state.leases import Leases, MemoryLeases, RedisLeases
-from policies.state.ledger import Ledger, MemoryLedger, RedisLedger
+from policies.state.ledger import MAX_COUNTERS, Ledger, LedgerFull, MemoryLedger, RedisLedger
 from policies.state.rate import MemoryRateBuckets, RateBuckets, RedisRateBuckets
 
 __all__ = [
@@ -58,6 +58,7 @@ __all__ = [
     "IdempotencyRecords",
     "Leases",
     "Ledger",
+    "LedgerFull",
     "RateBuckets",
     "RedisState",
     "StateBackends",
@@ -172,11 +173,12 @@ class Fallback:
         return self.local
 
 
-def memory_backends() -> StateBackends:
-    """The state of one process (the embedded default)."""
+def memory_backends(max_budget_counters: int = MAX_COUNTERS) -> StateBackends:
+    """The state of one process (the embedded default), with at most
+    ``max_budget_counters`` budget counters (:class:`~policies.state.ledger.MemoryLedger`)."""
     health = Health()
     health.up = True  # memory cannot be unavailable
-    rates, ledger = MemoryRateBuckets(), MemoryLedger()
+    rates, ledger = MemoryRateBuckets(), MemoryLedger(max_counters=max_budget_counters)
     return StateBackends(
         health=health,
         rates=rates,
@@ -197,7 +199,7 @@ def backends_for(config: StateConfig) -> StateBackends:
         ValueError: ``redis_url`` is ``env:NAME`` and that variable is unset or not a URL.
     """
     if config.backend == "memory":
-        backends = memory_backends()
+        backends = memory_backends(config.max_budget_counters)
     else:
         backends = _redis_set(RedisState(config.resolved_url(), config.key_prefix,
                                          config.timeout))
