@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import re
+import urllib.parse
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
@@ -268,7 +269,8 @@ class StateConfig(_Section):
     backend: Literal["memory", "redis"] = "memory"
     #: The Redis server, or any node of a Redis Cluster (detected at start); may carry a
     #: password, redacted wherever the config is shown or logged. ``env:NAME`` reads it from
-    #: the environment variable ``NAME`` at start.
+    #: the environment variable ``NAME``, checked whenever the file is loaded (``check-config``,
+    #: start, reload): unset, it is a config error.
     redis_url: RedisUrl | None = Field(default=None, repr=False)
     #: The start of every key and channel; replicas sharing state must use the same prefix.
     key_prefix: str = Field(default="sluice", min_length=1, max_length=64,
@@ -371,9 +373,20 @@ class IdentityConfig(_Section):
 class AdminConfig(_Section):
     """The admin port's mutating endpoints (``POST /admin/runs/{run}/cancel``)."""
 
-    #: File holding the bearer token; the ``SLUICE_ADMIN_TOKEN`` environment variable is used
-    #: when this is null. With neither, mutating endpoints answer 403.
-    token_file: str | None = None
+    #: File holding the bearer token (a relative path is taken from the config file's
+    #: directory; read on every mutating call, so a rotated file applies at once). It must
+    #: exist and hold a token whenever the config is loaded. The ``SLUICE_ADMIN_TOKEN``
+    #: environment variable is used when this is null; with neither, mutating endpoints
+    #: answer 403.
+    token_file: str | None = Field(default=None, min_length=1)
+    # ``token_file`` resolved against the config file's directory, set when the file is loaded
+    # (``proxy/config.py``).
+    _path: str | None = PrivateAttr(default=None)
+
+    @property
+    def token_path(self) -> str | None:
+        """The token file to read: ``token_file`` as resolved at load, or as written."""
+        return self._path or self.token_file
 
 
 class EventsConfig(_Section):
@@ -773,10 +786,23 @@ class RouteConfig(_Section):
     @field_validator("upstream")
     @classmethod
     def _upstream(cls, value: str) -> str:
+        # Checked here, not at the first request: aiohttp refuses a bad port or host only
+        # when it connects, and every call would then fail 502.
         if not re.match(r"^https?://[^/?#\s]+(/[^?#\s]*)?$", value):
             raise ValueError(
                 f"{value!r} must be an http:// or https:// base URL with no query or fragment"
             )
+        try:
+            parts = urllib.parse.urlsplit(value)
+            port = parts.port  # ValueError: not a number, or outside 0-65535
+        except ValueError:
+            port = 0
+        # The messages do not quote the URL: its userinfo may hold a password.
+        if port == 0:
+            raise ValueError("the port after the host must be a number from 1 to 65535 (or "
+                             "left out: 80 for http, 443 for https)")
+        if not parts.hostname:
+            raise ValueError("the URL has no host")
         return value.rstrip("/")
 
     def operations(self) -> tuple[str, dict[str, OperationConfig]]:

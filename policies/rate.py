@@ -62,9 +62,13 @@ TENANT_PREFIX = "tenant:"
 
 def unavailable(exc: StateUnavailable) -> Rejected:
     """The 503 ``state_unavailable`` of ``state.on_unavailable: reject``, with the wait until
-    the backend is probed again as ``Retry-After``."""
+    the backend is probed again as ``Retry-After``.
+
+    The caller is told no more than the reason: ``exc.cause`` names Redis's address and the
+    error, which are the operator's (the log, ``/readyz`` on the admin port), not a caller's.
+    """
     wait = exc.retry_after if exc.retry_after is not None else 1.0
-    return Rejected(Reason.STATE_UNAVAILABLE, wait, exc.cause)
+    return Rejected(Reason.STATE_UNAVAILABLE, wait)
 
 
 def fallback_for(backends: StateBackends, exc: StateUnavailable) -> StateBackends:

@@ -57,7 +57,7 @@ TOKEN_ENV = "SLUICE_ADMIN_TOKEN"
 def admin_token(runtime: Runtime) -> str | None:
     """The bearer token mutating endpoints require, read now (so a rotated file applies at
     once); ``None`` when none is configured."""
-    path = runtime.config.admin.token_file
+    path = runtime.config.admin.token_path
     if path is not None:
         try:
             with open(path, encoding="utf-8") as f:

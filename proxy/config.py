@@ -246,7 +246,60 @@ def parse_config(text: str, filename: str = "<config>") -> Config:
     if spec is not None:
         at = f"{filename}:{_nearest_line(('identity', 'tenants'), marks)}: identity.tenants"
         config.identity._keys = load_tenants(spec, Path(filename).parent, at)
+    _check_sources(config, filename, marks)
     return config
+
+
+def _check_sources(config: Config, filename: str, marks: dict[Path_, int]) -> None:
+    """Read what the config names outside itself now, so a missing one is a config error
+    (``check-config``, a refused reload) rather than a crash at start or a 403 later.
+
+    * ``state.redis_url: env:NAME``: the variable must be set and hold a Redis URL (only
+      checked with ``backend: redis``, the one that reads it). The message never shows the
+      value, which may carry a password.
+    * ``admin.token_file``: the file must be readable and hold a token (a missing one would
+      leave the admin endpoints answering 403 "no admin token is configured"); a relative
+      path is taken from the config file's directory (see :func:`load_token`).
+
+    Raises:
+        ConfigError: ``FILE:LINE: KEY: PROBLEM`` per source that cannot be read.
+    """
+    problems: list[str] = []
+    state = config.state
+    if state.backend == "redis" and (state.redis_url or "").startswith("env:"):
+        try:
+            state.resolved_url()
+        except ValueError as exc:
+            line = _nearest_line(("state", "redis_url"), marks)
+            problems.append(f"{filename}:{line}: {exc}")
+    token_file = config.admin.token_file
+    if token_file is not None:
+        path = Path(filename).parent / token_file
+        try:
+            load_token(path)
+        except ValueError as exc:
+            line = _nearest_line(("admin", "token_file"), marks)
+            problems.append(f"{filename}:{line}: admin.token_file: {exc}")
+        config.admin._path = str(path)
+    if problems:
+        raise ConfigError(problems)
+
+
+def load_token(path: Path) -> str:
+    """The admin bearer token in the file ``path`` (surrounding whitespace stripped).
+
+    Raises:
+        ValueError: the file cannot be read, or holds only whitespace (the message never
+            quotes the file's content).
+    """
+    try:
+        token = path.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError, ValueError) as exc:  # ValueError: a NUL in the path
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else type(exc).__name__
+        raise ValueError(f"cannot read {str(path)!r}: {why}") from None
+    if not token:
+        raise ValueError(f"{str(path)!r} is empty: it must hold the admin bearer token")
+    return token
 
 
 # --- identity.tenants: API-key digests -> tenants --------------------------------------------

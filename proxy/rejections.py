@@ -104,7 +104,10 @@ _DURATION_UNITS = ((86400, 3600, "h", "d"), (3600, 60, "m", "h"), (60, 1, "s", "
 
 def _message(rejected: Rejected) -> str:
     reason = rejected.reason
-    text = f"Sluice: {reason.summary}"
+    # The caller must see that Sluice answered, not the upstream; a summary that says so
+    # itself ("Sluice is shutting down...") is not prefixed again.
+    summary = reason.summary
+    text = summary if summary.startswith("Sluice ") else f"Sluice: {summary}"
     if rejected.detail:
         text += f" ({rejected.detail})"
     if rejected.retry_after is not None:

@@ -136,6 +136,9 @@ class Reloader:
         self.loaded_at = time.time()
         self.last_attempt: dict[str, Any] | None = None
         self._applied = fingerprint(self.path)
+        #: The file and problems of the last refused attempt: a SIGHUP sent after an edit the
+        #: watcher already refused finds the same ones, logged once.
+        self._refused: tuple[Fingerprint, list[str]] | None = None
         self._signalled = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -180,6 +183,7 @@ class Reloader:
         logged, counted and kept in ``last_attempt``.
         """
         metrics = self.runtime.metrics
+        seen = fingerprint(self.path)
         try:
             config = await asyncio.to_thread(load_config, self.path)
         except ConfigError as exc:
@@ -188,10 +192,17 @@ class Reloader:
             metrics.config_last_reload_successful.set(0)
             self.last_attempt = {"at": time.time(), "trigger": trigger, "ok": False,
                                  "problems": problems}
+            if self._refused == (seen, problems):
+                log.error("config reload (%s) refused: the file is unchanged since the last "
+                          "refusal (its problems are above); the running config stays in force",
+                          trigger)
+                return False
+            self._refused = (seen, problems)
             log.error("config reload (%s) refused, the running config stays in force:", trigger)
             for problem in problems:
                 log.error("%s", problem)
             return False
+        self._refused = None
         running = self.runtime.config
         config, held = keep_restart_only(running, config)
         for key in held:

@@ -36,7 +36,7 @@ def admin_url(config: Config) -> str:
 
 def token(config: Config) -> str | None:
     """The admin bearer token, as the server reads it."""
-    path = config.admin.token_file
+    path = config.admin.token_path
     if path is not None:
         with open(path, encoding="utf-8") as f:
             return f.read().strip() or None

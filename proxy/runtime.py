@@ -14,6 +14,7 @@ from policies.config import Config, RunConfig
 from policies.deadletter import DeadLetterQueue
 from policies.runs import FanoutWidth, RunLimits, RunRegistry
 from policies.state import StateBackends, backends_for
+from policies.state.connection import redact_url
 from policies.state.runs import RedisRuns
 from proxy.client import upstream_session
 from proxy.events import EventLog
@@ -132,16 +133,24 @@ class Runtime:
         return summary
 
     def _state_changed(self, up: bool, error: str | None) -> None:
-        """Say in the log what the policies do now that the state backend changed."""
+        """Say in the log what the policies do now that the state backend changed: once at
+        start (answering or not), then at each change; "again" only after an outage."""
+        redis = self.state.redis
+        where = f"state.redis_url {redact_url(redis.url)}" if redis is not None else "state"
         if up:
-            log.warning("state backend answers again: limits are shared across replicas")
+            if self.state.health.known:
+                log.warning("state backend answers again: limits are shared across replicas")
+            else:
+                log.info("state backend answers (%s)", where)
         elif self.state.fallback.mode == "reject":
-            log.warning("state backend unavailable (%s): calls refused 503 state_unavailable "
-                        "until it answers (state.on_unavailable: reject)", error)
+            log.warning("state backend unavailable (%s: %s): calls refused 503 "
+                        "state_unavailable until it answers (state.on_unavailable: reject)",
+                        where, error)
         else:
-            log.warning("state backend unavailable (%s): this replica enforces 1/%d of every "
-                        "limit from its own memory until it answers (state.on_unavailable: "
-                        "local)", error, self.state.fallback.replicas)
+            log.warning("state backend unavailable (%s: %s): this replica enforces 1/%d of "
+                        "every limit from its own memory until it answers "
+                        "(state.on_unavailable: local)", where, error,
+                        self.state.fallback.replicas)
 
     def _cancel_heard(self, run: str, left_s: float) -> None:
         """A cancel made on some replica (this one's too: then it finds nothing left to do)

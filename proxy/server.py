@@ -125,6 +125,13 @@ async def _readyz(request: web.Request) -> web.Response:
     return web.json_response({"status": "ready", "pid": os.getpid(), "state": state})
 
 
+def _bound(runner: web.BaseRunner) -> str:
+    """The addresses ``runner`` listens on, as ``HOST:PORT`` (the port the system chose for a
+    ``:0`` listener, which the config cannot tell)."""
+    return ", ".join(f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+                     for host, port, *_ in runner.addresses)
+
+
 def _split(listen: str) -> tuple[str, int]:
     host, _, port = listen.rpartition(":")
     return host.strip("[]"), int(port)
@@ -187,7 +194,7 @@ async def serve(config: Config, config_path: str | None = None) -> None:
         await web.TCPSite(admin_runner, admin_host, admin_port, reuse_address=True).start()
         log.info(
             "sluice serving on %s (admin %s), %d route(s)",
-            config.server.listen, config.server.admin_listen, len(runtime.routes),
+            _bound(proxy_runner), _bound(admin_runner), len(runtime.routes),
         )
         if reloader is not None:
             reloader.start()

@@ -217,7 +217,9 @@ def _carried_config(path: Path) -> str:
     return yaml.safe_load(path.read_text())["data"]["sluice.yaml"]
 
 
-def test_redis_manifests_validate_offline(tmp_path):
+def test_redis_manifests_validate_offline(tmp_path, monkeypatch):
+    # As the pod has it (deployment.yaml, from the Secret): check-config reads env:NAME.
+    monkeypatch.setenv("SLUICE_REDIS_URL", "redis://sluice-redis:6379/0")
     result = run(tool("kubernetes-validate"), "--strict", "-k", K8S_VERSION,
                  *sorted(str(p) for p in REDIS_K8S.glob("*.yaml")))
     assert result.stdout.count("passed") == 2
@@ -227,7 +229,8 @@ def test_redis_manifests_validate_offline(tmp_path):
     assert out == f"{config}: ok (2 route(s))\n"
 
 
-def test_redis_variant_differs_from_the_sidecar_only_in_shared_state():
+def test_redis_variant_differs_from_the_sidecar_only_in_shared_state(monkeypatch):
+    monkeypatch.setenv("SLUICE_REDIS_URL", "redis://sluice-redis:6379/0")
     base = parse_config(_carried_config(K8S / "configmap.yaml"), "configmap.yaml")
     shared = parse_config(_carried_config(REDIS_K8S / "configmap.yaml"), "redis/configmap.yaml")
     assert shared.state.backend == "redis"

@@ -114,8 +114,9 @@ def test_sections_name_real_files(section):
         assert (REPO / path).exists(), path
 
 
-def test_shared_state_section():
+def test_shared_state_section(monkeypatch):
     """Its config block is a valid ``state`` block; the files it names exist."""
+    monkeypatch.setenv("SLUICE_REDIS_URL", "redis://sluice-redis:6379/0")  # read at load
     body = README.split("\n## Shared state (Redis)\n", 1)[1].split("\n## ", 1)[0]
     (block,) = re.findall(r"```yaml\n(.*?)```", body, re.S)
     routes = yaml.safe_dump({"routes": [route("openai", "https://api.openai.com")]})

@@ -53,6 +53,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.commands.core import AsyncScript
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
 
 from policies.state.errors import StateUnavailable, is_unavailable
 from policies.state.notify import RedisNotifier
@@ -119,6 +120,7 @@ class Health:
 
     Attributes:
         up: the last call (or probe) succeeded.
+        known: some call or probe has had a result (``up`` is ``False`` before, unknown).
         last_error: why the last failed call failed (never holds a password), or ``None``;
             kept after recovery, as the last error seen.
         changed_at: ``time.time()`` of the last change between up and down.
@@ -127,13 +129,16 @@ class Health:
 
     def __init__(self) -> None:
         self.up = False
+        self.known = False
         self.last_error: str | None = None
         self.changed_at = time.time()
         self.failures = 0
         self._listeners: list[Callable[[bool, str | None], None]] = []
 
     def on_change(self, listener: Callable[[bool, str | None], None]) -> None:
-        """Call ``listener(up, last_error)`` on every change between up and down."""
+        """Call ``listener(up, last_error)`` on every change between up and down, and on the
+        first result (so an outage from the start is told too; read :attr:`known` before
+        the call to tell a first answer from a recovery)."""
         self._listeners.append(listener)
 
     def ok(self) -> None:
@@ -147,7 +152,7 @@ class Health:
         """Record a failed call and why."""
         self.last_error = error
         self.failures += 1
-        if self.up:
+        if self.up or not self.known:
             self.up = False
             self._changed()
 
@@ -157,13 +162,11 @@ class Health:
                 "failures": self.failures}
 
     def _changed(self) -> None:
+        # No log line of its own: the listeners say what the change means (proxy/runtime.py).
         self.changed_at = time.time()
-        if self.up:
-            log.warning("state backend is up")
-        else:
-            log.warning("state backend is down: %s", self.last_error)
         for listener in self._listeners:
             listener(self.up, None if self.up else self.last_error)
+        self.known = True
 
 
 class Deadline:
@@ -289,8 +292,15 @@ class RedisState:
         """
         try:
             if self._client is None:
-                async with asyncio.timeout(max(CONNECT_TIMEOUT_S, self.timeout_s)):
-                    self._client = await self._connect()
+                try:
+                    async with asyncio.timeout(max(CONNECT_TIMEOUT_S, self.timeout_s)):
+                        self._client = await self._connect()
+                except (RedisError, ValueError) as exc:
+                    # Refused while connecting: a database index out of range, a bad password,
+                    # a cluster URL naming a database. Sluice serves on (state.on_unavailable)
+                    # and keeps probing, so fixing Redis or its ACL needs no restart; a bad
+                    # URL shows in the log and /readyz until it is corrected.
+                    raise StateUnavailable(describe(exc)) from exc
             async with Deadline(self.timeout_s):
                 await self._client.ping()
         except Exception as exc:
@@ -302,6 +312,10 @@ class RedisState:
     def _unavailable(self, exc: Exception) -> StateUnavailable:
         """Mark the backend down for ``exc`` and return the error to raise; an error that
         says nothing about availability (a bug, a bad script) is re-raised as it is."""
+        if isinstance(exc, StateUnavailable):  # refused while connecting (see probe)
+            self.health.fail(exc.cause)
+            return StateUnavailable(f"state backend unavailable: {exc.cause}",
+                                    self.probe_interval_s)
         if not is_unavailable(exc):
             raise exc
         self.health.fail(describe(exc))
@@ -319,7 +333,7 @@ class RedisState:
                 await self.probe()
             except StateUnavailable:
                 pass
-            except Exception as exc:  # e.g. a cluster URL naming db 1: say so, keep probing
+            except Exception as exc:  # a bug, not Redis: say so, keep probing
                 self.health.fail(describe(exc))
                 log.error("state backend probe: %s", describe(exc))
 
