@@ -222,8 +222,11 @@ class Accounting:
             if budgets is not None and reservation is not None:
                 budgets.localize(reservation, source)
                 claims = reservation.claims
-            result = await source.admissions.admit(owner.group, takes, rid, claims, now,
-                                                   hold_s)
+            try:  # the local fallback is a memory ledger, with its own cap
+                result = await source.admissions.admit(owner.group, takes, rid, claims, now,
+                                                       hold_s)
+            except LedgerFull as full:
+                raise Budgets.full(full) from None
         except asyncio.CancelledError:
             # Rate units taken by a script that ran drain within a period (a refusal, never
             # excess); a reservation it held is released by id.

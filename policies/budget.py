@@ -282,8 +282,12 @@ class Budgets:
         except StateUnavailable as exc:
             self.unanswered(reservation, exc)
             self.localize(reservation, fallback_for(backends, exc))
-            denied = await reservation.source.ledger.reserve(
-                self.group, reservation.rid, reservation.claims, reservation.now, self.hold_s)
+            try:  # the local fallback is a memory ledger, with its own cap
+                denied = await reservation.source.ledger.reserve(
+                    self.group, reservation.rid, reservation.claims, reservation.now,
+                    self.hold_s)
+            except LedgerFull as full:
+                raise self.full(full) from None
         except asyncio.CancelledError:
             self.abandon(reservation)
             raise
