@@ -151,11 +151,14 @@ class Fallback:
         replicas: how many replicas share each limit (``state.replicas``).
         local: the memory state used in ``local`` mode (built lazily, kept across outages so
             a second outage continues where the first left off).
+        max_budget_counters: the cap of ``local``'s budget ledger
+            (``state.max_budget_counters``).
     """
 
     mode: Literal["local", "reject"]
     replicas: int
     local: StateBackends | None = None
+    max_budget_counters: int = MAX_COUNTERS
 
     def share(self, limit: float) -> float:
         """This replica's share of ``limit`` while degraded: ``limit / replicas``."""
@@ -169,7 +172,7 @@ class Fallback:
     def memory(self) -> StateBackends:
         """The memory state of ``local`` mode."""
         if self.local is None:
-            self.local = memory_backends()
+            self.local = memory_backends(self.max_budget_counters)
         return self.local
 
 
@@ -203,7 +206,8 @@ def backends_for(config: StateConfig) -> StateBackends:
     else:
         backends = _redis_set(RedisState(config.resolved_url(), config.key_prefix,
                                          config.timeout))
-    backends.fallback = Fallback(config.on_unavailable, config.replicas)
+    backends.fallback = Fallback(config.on_unavailable, config.replicas,
+                                 max_budget_counters=config.max_budget_counters)
     backends.lease_s = config.lease
     return backends
 
