@@ -21,6 +21,7 @@ RSS over time beside it (with matplotlib). Needs wrk.
     python -m bench soak --quick        # 2 minutes
     python -m bench soak --duration 600 --connections 64
     python -m bench soak --quick --leave-out budget   # the route without its budget blocks
+    python -m bench soak --quick --max-budget-counters 100000   # the cap reached in the run
 """
 
 from __future__ import annotations
@@ -65,10 +66,12 @@ end
 POLICIES = ("concurrency", "rate", "budget", "idempotency")
 
 
-def config(upstream_url: str, tmp: Path, leave_out: tuple[str, ...] = ()) -> dict:
+def config(upstream_url: str, tmp: Path, leave_out: tuple[str, ...] = (),
+           max_budget_counters: int | None = None) -> dict:
     """One route with every per-tenant, per-run and per-key policy, none of them binding,
-    less the blocks named in ``leave_out``."""
-    config = {
+    less the blocks named in ``leave_out``; ``max_budget_counters`` sets
+    ``state.max_budget_counters`` (else its default)."""
+    config: dict = {
         "events": {"path": os.devnull},
         "dead_letter": {"path": str(tmp / "soak-dlq.sqlite")},
         "routes": [{
@@ -83,6 +86,8 @@ def config(upstream_url: str, tmp: Path, leave_out: tuple[str, ...] = ()) -> dic
     }
     for block in leave_out:
         del config["routes"][0][block]
+    if max_budget_counters is not None:
+        config["state"] = {"max_budget_counters": max_budget_counters}
     return config
 
 
@@ -113,6 +118,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--leave-out", action="append", choices=POLICIES, default=[],
                    metavar="POLICY", help=f"drop this policy block from the route (one of "
                    f"{', '.join(POLICIES)}; repeatable)")
+    p.add_argument("--max-budget-counters", type=int, metavar="N",
+                   help="state.max_budget_counters (default 1,000,000): a small one shows the "
+                   "cap holding memory within a short run (new tenants then get 503)")
     p.add_argument("--output", type=Path, help="record path (default bench/results/...)")
     args = p.parse_args(argv)
     leave_out = tuple(args.leave_out)
@@ -135,7 +143,8 @@ def main(argv: list[str]) -> int:
         tmp = Path(tmp_name)
         upstream = common.start_upstream(tmp)
         live.append(upstream)
-        sluice = common.start_sluice(tmp, config(upstream.url, tmp, leave_out))
+        sluice = common.start_sluice(tmp, config(upstream.url, tmp, leave_out,
+                                                args.max_budget_counters))
         live.append(sluice)
         script = tmp / "soak.lua"
         script.write_text(WRK_SCRIPT % {"body": REQUEST_BODY, "nonce": os.urandom(4).hex()}
@@ -178,6 +187,7 @@ def main(argv: list[str]) -> int:
           f"{growth:+.1f}%")
     record = {"benchmark": "soak", "started": started.isoformat(), "versions": info,
               "duration_s": duration, "warmup_s": warmup, "left_out": leave_out,
+              "max_budget_counters": args.max_budget_counters,
               "connections": args.connections,
               "samples": samples, "baseline": base, "final": final, "growth_pct": growth,
               "outcomes": outcomes, "wrk": summary}

@@ -44,7 +44,7 @@ from policies.config import DEFAULT_OPERATION, ModelPrice, RouteConfig
 from policies.pipeline import Call, Outcome
 from policies.rate import RateLimiter, Units, fallback_for
 from policies.reasons import Reason, Rejected
-from policies.state import StateBackends, StateUnavailable
+from policies.state import LedgerFull, StateBackends, StateUnavailable
 from policies.state.admission import AdmissionResult
 from policies.state.rate import Take
 from policies.usage import Meter, RequestCost, Usage, endpoint_for, read_request
@@ -222,14 +222,19 @@ class Accounting:
             if budgets is not None and reservation is not None:
                 budgets.localize(reservation, source)
                 claims = reservation.claims
-            result = await source.admissions.admit(owner.group, takes, rid, claims, now,
-                                                   hold_s)
+            try:  # the local fallback is a memory ledger, with its own cap
+                result = await source.admissions.admit(owner.group, takes, rid, claims, now,
+                                                       hold_s)
+            except LedgerFull as full:
+                raise Budgets.full(full) from None
         except asyncio.CancelledError:
             # Rate units taken by a script that ran drain within a period (a refusal, never
             # excess); a reservation it held is released by id.
             if budgets is not None and reservation is not None:
                 budgets.abandon(reservation)
             raise
+        except LedgerFull as exc:  # raised before anything was taken
+            raise Budgets.full(exc) from None
         if rate is not None:
             rate.note(source, takes, result.rates)
         if budgets is not None and reservation is not None:

@@ -48,7 +48,7 @@ from policies.config import BudgetConfig, ModelPrice
 from policies.rate import Background, fallback_for, finish_now
 from policies.reasons import Reason, Rejected
 from policies.state import StateBackends, StateUnavailable
-from policies.state.ledger import Claim
+from policies.state.ledger import Claim, LedgerFull
 from policies.state.rate import Take
 from policies.usage import Usage, cost_usd
 
@@ -282,11 +282,17 @@ class Budgets:
         except StateUnavailable as exc:
             self.unanswered(reservation, exc)
             self.localize(reservation, fallback_for(backends, exc))
-            denied = await reservation.source.ledger.reserve(
-                self.group, reservation.rid, reservation.claims, reservation.now, self.hold_s)
+            try:  # the local fallback is a memory ledger, with its own cap
+                denied = await reservation.source.ledger.reserve(
+                    self.group, reservation.rid, reservation.claims, reservation.now,
+                    self.hold_s)
+            except LedgerFull as full:
+                raise self.full(full) from None
         except asyncio.CancelledError:
             self.abandon(reservation)
             raise
+        except LedgerFull as exc:
+            raise self.full(exc) from None
         self.answered(reservation)
         if denied:
             raise self.refusal(reservation, denied)
@@ -321,6 +327,16 @@ class Budgets:
         recorded while it did not answer can go in now."""
         if reservation.source is self.backends and self.backends.redis is not None:
             self.reconciler.kick()
+
+    @staticmethod
+    def full(exc: LedgerFull) -> Rejected:
+        """``budget_counters_full`` (503, never retried as sent) for a call whose new tenant
+        or run would need a counter beyond the memory ledger's cap."""
+        return Rejected(
+            Reason.BUDGET_COUNTERS_FULL, None,
+            f"Sluice keeps at most {exc.cap} budget counters (state.max_budget_counters), "
+            "each until its window ends, and this call's tenant or run would need a new one; "
+            "tenants and runs already counted are served", retry=False)
 
     def refusal(self, reservation: Reservation, denied: Sequence[int]) -> Rejected:
         """``budget_exhausted`` for the claims the ledger ``denied`` (indexes)."""

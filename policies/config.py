@@ -289,6 +289,12 @@ class StateConfig(_Section):
     #: How many replicas share the limits: each enforces its share of every limit while Redis
     #: is unreachable (``on_unavailable: local``). Accepted with either backend.
     replicas: int = Field(default=1, ge=1, le=10_000)
+    #: Budget counters (one per tenant and window, per run total) the memory ledger keeps at
+    #: most, ~150 bytes each. A counter is kept until its window ends, so its spend is never
+    #: forgotten; a call needing a new one beyond the cap (a new tenant or run) is refused 503
+    #: ``budget_counters_full`` while known tenants and runs keep working. Redis expires its
+    #: counters itself: this bounds the memory backend and ``local`` fallback only.
+    max_budget_counters: int = Field(default=1_000_000, ge=1)
 
     @model_validator(mode="after")
     def _coherent(self) -> StateConfig:

@@ -36,6 +36,10 @@ class Reason(enum.Enum):
     QUEUE_TIMEOUT = ("queue_timeout", 503, "no slot freed within the queue's max_wait")
     DRAINING = ("draining", 503, "Sluice is shutting down and accepts no new requests")
     CIRCUIT_OPEN = ("circuit_open", 503, "the upstream is failing and its circuit breaker is open")
+    BUDGET_COUNTERS_FULL = (
+        "budget_counters_full", 503,
+        "Sluice keeps state.max_budget_counters budget counters and a new tenant or run needs one",
+    )
     STATE_UNAVAILABLE = (
         "state_unavailable", 503,
         "the shared state (Redis) does not answer and state.on_unavailable is reject",

@@ -415,3 +415,29 @@ async def test_responses_api_and_chunked_answers_are_metered(upstream, start_slu
     assert [(e["input_tokens"], e["output_tokens"], e["usage"]) for e in events] == [
         (11, 7, "reported"), (11, 8, "reported"), (11, 9, "reported")]
     await client.close()
+
+
+async def test_budget_counters_cap_refuses_new_tenants_and_serves_known_ones(
+        upstream, start_sluice):
+    """``state.max_budget_counters``: beyond it a new tenant is refused 503
+    ``budget_counters_full`` (never retried by the SDK) and counted; tenants already counted
+    are served up to their own budgets; nothing reaches the upstream for the refused."""
+    sluice = await start_sluice({"state": {"max_budget_counters": 3}, "routes": [route(
+        "openai", upstream.url, budget={"tokens": "1000/day", "per": "tenant"})]}, env=NOON)
+    for tenant in ("a", "b", "c"):
+        await oai(sluice, tenant).chat.completions.create(model="gpt-4o-mini", messages=MSG,
+                                                          max_tokens=10)
+    seen = len(upstream.requests)
+    with pytest.raises(openai.APIStatusError) as refused:
+        await oai(sluice, "d", retries=2).chat.completions.create(
+            model="gpt-4o-mini", messages=MSG, max_tokens=10)
+    assert refused.value.status_code == 503
+    assert refused.value.response.headers["X-Sluice-Reason"] == "budget_counters_full"
+    assert refused.value.response.headers["x-should-retry"] == "false"
+    assert "state.max_budget_counters" in refused.value.response.text
+    assert len(upstream.requests) == seen  # and the SDK did not retry it
+    await oai(sluice, "b").chat.completions.create(model="gpt-4o-mini", messages=MSG,
+                                                   max_tokens=10)
+    assert len(upstream.requests) == seen + 1
+    assert await sluice.metric("sluice_rejections_total", route="openai",
+                               reason="budget_counters_full") == 1

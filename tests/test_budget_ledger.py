@@ -148,10 +148,10 @@ async def test_ended_windows_and_idle_runs_are_forgotten():
     for tenant in ("a", "b", "c"):
         b.settle(await b.reserve(tenant, "r", "m", 1, 1), Usage(1, 1))
     ledger = b.backends.ledger
-    assert len(ledger._spent) == 6
+    assert len(ledger) == 6
     clock.now += 2 * 3600 + 60  # past the run's TTL and the reap grace, a sweep due
     b.settle(await b.reserve("d", "r", "m", 1, 1), None)
-    assert len(ledger._spent) == 0
+    assert len(ledger) == 0
 
 
 def test_test_clock_starts_at_its_first_reading():

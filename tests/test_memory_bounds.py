@@ -179,3 +179,108 @@ def test_a_tenant_returning_from_idle_starts_at_the_routes_virtual_time():
         assert limiter._vtime == {}
 
     _on_sim_loop(main())
+
+
+# --- the budget ledger's counters ---------------------------------------------------------
+
+
+def _ledger_budgets(cap: int, clock: list[float]):
+    from policies.budget import Budgets
+    from policies.config import BudgetConfig
+    from policies.state import memory_backends
+
+    backends = memory_backends(max_budget_counters=cap)
+    limits = [BudgetConfig.model_validate({"tokens": "100/day", "per": "tenant"})]
+    return backends.ledger, Budgets(limits, {}, backends, lambda: clock[0], "r", hold_s=60)
+
+
+async def test_distinct_tenants_keep_at_most_the_cap_and_new_ones_are_refused_cleanly():
+    """A day budget per tenant kept a counter per tenant ever seen that day (~600 bytes
+    each, three dicts keyed by (group, key) tuples): a million tenants, ~0.6 GB."""
+    from policies.usage import Usage
+
+    clock = [86400.0 * 20000 + 3600]
+    ledger, budgets = _ledger_budgets(50, clock)
+    for n in range(50):
+        budgets.settle(await budgets.reserve(f"t{n}", None, "m", 1, 1), Usage(1, 1))
+    assert len(ledger) == 50
+    refused = 0
+    for n in range(50, 500):
+        with pytest.raises(Rejected) as exc:
+            await budgets.reserve(f"t{n}", None, "m", 1, 1)
+        refused += 1
+        assert exc.value.reason is Reason.BUDGET_COUNTERS_FULL
+        assert exc.value.retry is False and exc.value.retry_after is None
+        assert "state.max_budget_counters" in exc.value.detail and "50" in exc.value.detail
+    assert refused == 450 and len(ledger) == 50 and not ledger._held
+    # Tenants already counted keep working, up to their own budgets.
+    for n in range(50):
+        budgets.settle(await budgets.reserve(f"t{n}", None, "m", 1, 1), Usage(1, 1))
+    assert [ledger.level("r", budgets._key(budgets.limits[0], "t7", None, clock[0]))[0]] == [4.0]
+    # The day is over (plus the hold): its counters go and new tenants are served again.
+    clock[0] += 86400
+    budgets.settle(await budgets.reserve("new", None, "m", 1, 1), Usage(1, 1))
+    assert len(ledger) == 1
+
+
+async def test_no_eviction_gives_a_tenant_its_spend_back():
+    """A tenant that spent its day budget stays refused however many tenants come after:
+    counters leave at their window's end, never to make room."""
+    from policies.usage import Usage
+
+    clock = [86400.0 * 20000 + 3600]
+    ledger, budgets = _ledger_budgets(20, clock)
+    budgets.settle(await budgets.reserve("spender", None, "m", 50, 50), Usage(50, 50))
+    for n in range(1000):
+        try:
+            budgets.settle(await budgets.reserve(f"flood-{n}", None, "m", 1, 1), Usage(1, 1))
+        except Rejected as exc:
+            assert exc.reason is Reason.BUDGET_COUNTERS_FULL
+        clock[0] += 30  # across sweeps, within the day
+    with pytest.raises(Rejected) as exc:
+        await budgets.reserve("spender", None, "m", 1, 1)
+    assert exc.value.reason is Reason.BUDGET_EXHAUSTED
+    assert len(ledger) == 20
+
+
+async def test_a_call_that_spends_nothing_leaves_no_counter():
+    clock = [86400.0 * 20000 + 3600]
+    ledger, budgets = _ledger_budgets(10, clock)
+    for n in range(100):
+        budgets.settle(await budgets.reserve(f"t{n}", None, "m", 1, 1), None)
+    assert len(ledger) == 0 and not ledger._held and len(ledger._due) <= 1024 + 1
+
+
+def test_the_ledgers_memory_per_tenant_is_compact_and_settled_calls_leave_nothing_else():
+    """Per counter kept: a digest and packed floats, well under the ~600 bytes it was."""
+    from policies.state.ledger import Claim, MemoryLedger
+
+    async def fill(ledger: MemoryLedger, first: int, count: int) -> None:
+        for n in range(first, first + count):
+            rid = f"rid-{n}"
+            claims = [Claim(f"tokens-per-tenant-day:tenant-{n}:20321", 10.0, 1e6, 2e9),
+                      Claim(f"tokens-per-run-total:run-{n}", 10.0, 1e6, 2e9)]
+            assert await ledger.reserve("route", rid, claims, 1.7e9, 900.0) == []
+            assert await ledger.settle("route", rid, [5.0, 5.0])
+
+    ledger = MemoryLedger()
+    asyncio.run(fill(ledger, 0, 1000))
+    tracemalloc.start()
+    try:
+        gc.collect()
+        before = tracemalloc.get_traced_memory()[0]
+        asyncio.run(fill(ledger, 1000, 20_000))
+        gc.collect()
+        after = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert len(ledger) == 42_000 and not ledger._reservations and len(ledger._due) < 3000
+    per_counter = (after - before) / 40_000
+    assert per_counter < 250, per_counter
+
+
+def test_the_config_default_is_the_ledgers():
+    from policies.config import StateConfig
+    from policies.state.ledger import MAX_COUNTERS
+
+    assert StateConfig().max_budget_counters == MAX_COUNTERS

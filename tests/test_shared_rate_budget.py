@@ -210,10 +210,10 @@ async def test_budget_counters_of_many_tenants_are_forgotten_after_their_window(
                       {}, backends, lambda: now[0], "r", hold_s=60)
     for i in range(5000):
         budgets.settle(await budgets.reserve(f"tenant-{i}", None, "m", 1, 1), Usage(1, 1))
-    assert len(ledger._spent) == 5000 and not ledger._held
+    assert len(ledger) == 5000 and not ledger._held
     now[0] += 3600 + 60 + 60  # the hour is over, its grace too, and a sweep is due
     budgets.settle(await budgets.reserve("late", None, "m", 1, 1), None)
-    assert len(ledger._spent) == 0 and len(ledger._expiry) == 1
+    assert len(ledger) == 0  # "late" spent nothing: not kept either
 
 
 # -- shared limits ------------------------------------------------------------------------------
@@ -588,3 +588,26 @@ async def test_a_call_refused_after_its_admission_gives_back_in_one_round_trip(
         assert (await held)[0] == 200
     assert 0 < held_now < 200  # only the call at the upstream holds its reservation
     await settled(url, state["key_prefix"], counter, PLAIN_SPEND)
+
+
+async def test_the_local_fallback_keeps_its_budget_counters_within_the_cap(redis_server):
+    """With Redis frozen, budgets are held on this replica's memory ledger: it is capped by
+    ``state.max_budget_counters`` too, and a new tenant beyond it is refused cleanly."""
+    backends = await own_backends(redis_server)
+    backends.fallback.max_budget_counters = 1
+    try:
+        budgets = Budgets([BudgetConfig.model_validate({"tokens": "1000/day", "per": "tenant"})],
+                          {}, backends, time.time, "r")
+        redis_server.freeze()
+        local = await budgets.reserve("acme", None, "m", 10, 90)
+        assert local.source is backends.fallback.local
+        budgets.settle(local, Usage(10, 30))
+        with pytest.raises(Rejected) as full:
+            await budgets.reserve("beta", None, "m", 10, 90)
+        assert full.value.reason is Reason.BUDGET_COUNTERS_FULL
+        assert full.value.retry is False
+        assert len(backends.fallback.local.ledger) == 1
+        budgets.settle(await budgets.reserve("acme", None, "m", 10, 90), None)  # known: served
+    finally:
+        redis_server.thaw()
+        await backends.close()

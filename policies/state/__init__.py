@@ -46,7 +46,7 @@ from policies.state.idempotency import (
     RedisIdempotencyRecords,
 )
 from policies.state.leases import Leases, MemoryLeases, RedisLeases
-from policies.state.ledger import Ledger, MemoryLedger, RedisLedger
+from policies.state.ledger import MAX_COUNTERS, Ledger, LedgerFull, MemoryLedger, RedisLedger
 from policies.state.rate import MemoryRateBuckets, RateBuckets, RedisRateBuckets
 
 __all__ = [
@@ -58,6 +58,7 @@ __all__ = [
     "IdempotencyRecords",
     "Leases",
     "Ledger",
+    "LedgerFull",
     "RateBuckets",
     "RedisState",
     "StateBackends",
@@ -150,11 +151,14 @@ class Fallback:
         replicas: how many replicas share each limit (``state.replicas``).
         local: the memory state used in ``local`` mode (built lazily, kept across outages so
             a second outage continues where the first left off).
+        max_budget_counters: the cap of ``local``'s budget ledger
+            (``state.max_budget_counters``).
     """
 
     mode: Literal["local", "reject"]
     replicas: int
     local: StateBackends | None = None
+    max_budget_counters: int = MAX_COUNTERS
 
     def share(self, limit: float) -> float:
         """This replica's share of ``limit`` while degraded: ``limit / replicas``."""
@@ -168,15 +172,16 @@ class Fallback:
     def memory(self) -> StateBackends:
         """The memory state of ``local`` mode."""
         if self.local is None:
-            self.local = memory_backends()
+            self.local = memory_backends(self.max_budget_counters)
         return self.local
 
 
-def memory_backends() -> StateBackends:
-    """The state of one process (the embedded default)."""
+def memory_backends(max_budget_counters: int = MAX_COUNTERS) -> StateBackends:
+    """The state of one process (the embedded default), with at most
+    ``max_budget_counters`` budget counters (:class:`~policies.state.ledger.MemoryLedger`)."""
     health = Health()
     health.up = True  # memory cannot be unavailable
-    rates, ledger = MemoryRateBuckets(), MemoryLedger()
+    rates, ledger = MemoryRateBuckets(), MemoryLedger(max_counters=max_budget_counters)
     return StateBackends(
         health=health,
         rates=rates,
@@ -197,11 +202,12 @@ def backends_for(config: StateConfig) -> StateBackends:
         ValueError: ``redis_url`` is ``env:NAME`` and that variable is unset or not a URL.
     """
     if config.backend == "memory":
-        backends = memory_backends()
+        backends = memory_backends(config.max_budget_counters)
     else:
         backends = _redis_set(RedisState(config.resolved_url(), config.key_prefix,
                                          config.timeout))
-    backends.fallback = Fallback(config.on_unavailable, config.replicas)
+    backends.fallback = Fallback(config.on_unavailable, config.replicas,
+                                 max_budget_counters=config.max_budget_counters)
     backends.lease_s = config.lease
     return backends
 

@@ -29,7 +29,9 @@ releases is exactly what the reserve held.
 
 from __future__ import annotations
 
+import hashlib
 import heapq
+import struct
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -109,32 +111,73 @@ class Ledger(Protocol):
 
 
 class _Reservation:
-    """Held claims as (counter key, amount, when the counter's window is gone on the ledger's
-    clock)."""
+    """Held claims as (counter digest, amount, when the counter's window is gone on the
+    ledger's clock), and when the reservation is next due for reaping (ledger's clock)."""
 
     __slots__ = ("claims", "expires_at", "lapsed")
 
-    def __init__(self, claims: list[tuple[str, float, float]], expires_at: float) -> None:
+    def __init__(self, claims: list[tuple[bytes, float, float]], expires_at: float) -> None:
         self.claims = claims
         self.expires_at = expires_at
         self.lapsed = False
 
 
+class LedgerFull(Exception):
+    """The memory ledger keeps ``cap`` counters with spend inside their windows and a new
+    counter (a new tenant's day, a new run's total) would need one more.
+
+    Nothing was held. Counters already kept go on working; a counter is freed when its window
+    ends (plus the hold), never earlier, so no spend inside a window is ever forgotten.
+    """
+
+    def __init__(self, cap: int) -> None:
+        super().__init__(f"the memory ledger keeps {cap} budget counters")
+        self.cap = cap
+
+
+#: Counters the memory ledger keeps at most (``state.max_budget_counters``'s default): each
+#: takes ~150 bytes (a 16-byte digest and a packed ``(spent, expiry)``), so ~150 MB at most.
+MAX_COUNTERS = 1_000_000
+#: A counter's value: spent, then the Unix second after which it may be forgotten.
+_COUNTER = struct.Struct("dd")
+_EMPTY = _COUNTER.pack(0.0, 0.0)
+
+
+def counter_digest(group: str, key: str) -> bytes:
+    """The memory ledger's name for counter ``key`` of ``group``: 16 bytes of BLAKE2b
+    (distinct counters collide with probability ~n^2 / 2^129, nil for any n kept)."""
+    return hashlib.blake2b(f"{group}\x00{key}".encode("utf-8", "surrogatepass"),
+                           digest_size=16).digest()
+
+
 class MemoryLedger:
     """The ledger of one process; nothing suspends, so every call is atomic on the loop.
 
+    Counters are kept compact: one dict from a digest of (group, key) to packed ``(spent,
+    expiry)`` bytes, held amounts in a second dict only while held. A counter that has spent
+    nothing and holds nothing is dropped (an absent counter reads 0). At most ``max_counters``
+    are kept: a reservation that needs a new one beyond it raises :class:`LedgerFull` (and
+    holds nothing), while counters already kept keep working; counters leave only once their
+    window is over, so the cap never gives spend back.
+
     Args:
         clock: Unix seconds, for reservation expiry (the caller's ``now`` names windows).
+        max_counters: the cap on counters kept (``state.max_budget_counters``).
     """
 
-    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, clock: Callable[[], float] = time.time,
+                 max_counters: int = MAX_COUNTERS) -> None:
         self._clock = clock
-        self._spent: dict[tuple[str, str], float] = {}
-        self._held: dict[tuple[str, str], float] = {}
-        self._expiry: dict[tuple[str, str], float] = {}
+        self.max_counters = max_counters
+        self._counters: dict[bytes, bytes] = {}
+        self._held: dict[bytes, float] = {}
         self._reservations: dict[tuple[str, str], _Reservation] = {}
         self._due: list[tuple[float, str, str]] = []  # (expiry, group, rid), a heap
         self._next_sweep = 0.0
+
+    def __len__(self) -> int:
+        """Counters kept."""
+        return len(self._counters)
 
     async def reserve(self, group: str, rid: str, claims: Sequence[Claim], now: float,
                       hold_s: float) -> list[int]:
@@ -147,18 +190,33 @@ class MemoryLedger:
               hold_s: float) -> list[int]:
         """Indexes of the claims that do not fit now (none when ``rid`` is already held),
         after reaping what is due; holds nothing. With :meth:`hold`, one atomic step with
-        other memory state (:mod:`policies.state.admission`)."""
+        other memory state (:mod:`policies.state.admission`).
+
+        Raises:
+            LedgerFull: every claim fits but holding them needs counters beyond
+                ``max_counters``.
+        """
         self._reap(self._clock(), hold_s)
         if now >= self._next_sweep:
             self._sweep(now)
         if (group, rid) in self._reservations:
             return []
-        spent, held = self._spent, self._held
-        return [
-            i for i, claim in enumerate(claims)
-            if spent.get((group, claim.key), 0.0) + held.get((group, claim.key), 0.0)
-            + claim.amount > claim.cap
-        ]
+        counters, held = self._counters, self._held
+        denied = []
+        new: set[bytes] = set()
+        for i, claim in enumerate(claims):
+            digest = counter_digest(group, claim.key)
+            packed = counters.get(digest)
+            if packed is None:
+                new.add(digest)
+                spent = 0.0
+            else:
+                spent = _COUNTER.unpack(packed)[0]
+            if spent + held.get(digest, 0.0) + claim.amount > claim.cap:
+                denied.append(i)
+        if not denied and new and len(counters) + len(new) > self.max_counters:
+            raise LedgerFull(self.max_counters)
+        return denied
 
     def release(self, group: str, rid: str) -> bool:
         """Settle reservation ``rid`` to nothing spent (see :meth:`settle`)."""
@@ -178,16 +236,16 @@ class MemoryLedger:
         if (group, rid) in self._reservations:
             return
         clock = self._clock()
-        held = self._held
+        counters, held = self._counters, self._held
+        kept = []
         for claim in claims:
-            counter = (group, claim.key)
-            held[counter] = held.get(counter, 0.0) + claim.amount
-            self._expiry[counter] = max(self._expiry.get(counter, 0.0),
-                                        claim.expires_at + hold_s)
-        self._reservations[(group, rid)] = _Reservation(
-            [(claim.key, claim.amount, clock + max(claim.expires_at - now, 0.0) + hold_s)
-             for claim in claims],
-            clock + hold_s)
+            digest = counter_digest(group, claim.key)
+            held[digest] = held.get(digest, 0.0) + claim.amount
+            spent, expiry = _COUNTER.unpack(counters.get(digest, _EMPTY))
+            counters[digest] = _COUNTER.pack(spent, max(expiry, claim.expires_at + hold_s))
+            kept.append((digest, claim.amount,
+                         clock + max(claim.expires_at - now, 0.0) + hold_s))
+        self._reservations[(group, rid)] = _Reservation(kept, clock + hold_s)
         heapq.heappush(self._due, (clock + hold_s, group, rid))
 
     async def settle(self, group: str, rid: str, actual: Sequence[float]) -> bool:
@@ -198,33 +256,48 @@ class MemoryLedger:
         if reservation is None:
             return False
         clock = self._clock()
-        for (key, amount, gone_at), used in zip(reservation.claims, actual, strict=True):
-            counter = (group, key)
+        for (digest, amount, gone_at), used in zip(reservation.claims, actual, strict=True):
             if used and gone_at > clock:  # spend in a window long over is dropped
-                self._spent[counter] = self._spent.get(counter, 0.0) + used
+                # The counter keeps the expiry its hold gave it; reaped and swept meanwhile,
+                # it comes back until the window's end (on this ledger's clock).
+                packed = self._counters.get(digest)
+                self._add(digest, used, 0.0 if packed is not None else gone_at)
             if not reservation.lapsed:
-                self._unhold(counter, amount)
+                self._unhold(digest, amount)
+        # Settled reservations leave their heap entries behind (reaped lazily when due, a
+        # hold later): rebuild the heap once they outnumber the live ones, so calls settled
+        # within the last hold do not pile up.
+        if len(self._due) > 2 * len(self._reservations) + 1024:
+            self._due = [(r.expires_at, g, i) for (g, i), r in self._reservations.items()]
+            heapq.heapify(self._due)
         return True
 
     async def charge(self, group: str, claims: Sequence[Claim], now: float) -> None:
+        """Spend made elsewhere is recorded whatever ``max_counters`` says: it was spent."""
         for claim in claims:
-            counter = (group, claim.key)
-            self._spent[counter] = self._spent.get(counter, 0.0) + claim.amount
-            self._expiry[counter] = max(self._expiry.get(counter, 0.0), claim.expires_at)
+            self._add(counter_digest(group, claim.key), claim.amount, claim.expires_at)
 
     async def levels(self, group: str, keys: Sequence[str]) -> list[tuple[float, float]]:
         return [self.level(group, key) for key in keys]
 
     def level(self, group: str, key: str) -> tuple[float, float]:
-        counter = (group, key)
-        return self._spent.get(counter, 0.0), self._held.get(counter, 0.0)
+        digest = counter_digest(group, key)
+        return (_COUNTER.unpack(self._counters.get(digest, _EMPTY))[0],
+                self._held.get(digest, 0.0))
 
-    def _unhold(self, counter: tuple[str, str], amount: float) -> None:
-        left = self._held.get(counter, 0.0) - amount
+    def _add(self, digest: bytes, amount: float, expires_at: float) -> None:
+        spent, expiry = _COUNTER.unpack(self._counters.get(digest, _EMPTY))
+        self._counters[digest] = _COUNTER.pack(spent + amount, max(expiry, expires_at))
+
+    def _unhold(self, digest: bytes, amount: float) -> None:
+        left = self._held.get(digest, 0.0) - amount
         if left > DUST:
-            self._held[counter] = left
-        else:
-            self._held.pop(counter, None)
+            self._held[digest] = left
+            return
+        self._held.pop(digest, None)
+        packed = self._counters.get(digest)
+        if packed is not None and _COUNTER.unpack(packed)[0] == 0.0:
+            del self._counters[digest]  # nothing spent, nothing held: same as absent
 
     def _reap(self, clock: float, grace_s: float) -> None:
         due = self._due
@@ -236,16 +309,19 @@ class MemoryLedger:
             if reservation.lapsed:
                 del self._reservations[(group, rid)]
                 continue
-            for key, amount, _ in reservation.claims:
-                self._unhold((group, key), amount)
+            for digest, amount, _ in reservation.claims:
+                self._unhold(digest, amount)
             reservation.lapsed = True
-            heapq.heappush(due, (clock + grace_s, group, rid))
+            reservation.expires_at = clock + grace_s
+            heapq.heappush(due, (reservation.expires_at, group, rid))
 
     def _sweep(self, now: float) -> None:
         self._next_sweep = now + 60.0
-        for counter in [c for c, t in self._expiry.items() if t <= now and c not in self._held]:
-            del self._expiry[counter]
-            self._spent.pop(counter, None)
+        unpack, held = _COUNTER.unpack, self._held
+        gone = [d for d, packed in self._counters.items()
+                if unpack(packed)[1] <= now and d not in held]
+        for digest in gone:
+            del self._counters[digest]
 
 
 # -- redis ------------------------------------------------------------------------------------

@@ -36,6 +36,8 @@ from policies.state.connection import RedisState, Script
 _DUST = 1e-9
 #: How often the memory buckets forget drained buckets, seconds.
 _SWEEP_INTERVAL_S = 60.0
+#: Buckets kept before a sweep is due whatever the interval (at least; see ``_sweep``).
+_SWEEP_AT_SIZE = 4096
 
 
 class Take(NamedTuple):
@@ -109,6 +111,7 @@ class MemoryRateBuckets:
         # (group, name) -> [level, t_us, us per unit]
         self._buckets: dict[tuple[str, str], list[float]] = {}
         self._next_sweep = 0
+        self._sweep_at_size = _SWEEP_AT_SIZE
 
     def __len__(self) -> int:
         return len(self._buckets)
@@ -131,7 +134,7 @@ class MemoryRateBuckets:
     def now_us(self) -> int:
         """The clock in microseconds (forgetting drained buckets when a sweep is due)."""
         now = self._clock_us()
-        if now >= self._next_sweep:
+        if now >= self._next_sweep or len(self._buckets) >= self._sweep_at_size:
             self._sweep(now)
         return now
 
@@ -180,6 +183,9 @@ class MemoryRateBuckets:
                    if level - (now - t) / interval <= 0]
         for key in drained:
             del self._buckets[key]
+        # Many short-lived buckets (a tenant per call) are dropped once they double what the
+        # last sweep left, not only each minute: a drained bucket is an absent one.
+        self._sweep_at_size = max(2 * len(self._buckets), _SWEEP_AT_SIZE)
 
 
 def _interval(take: Take) -> float:
