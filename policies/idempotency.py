@@ -63,20 +63,20 @@ tenant and route: two tenants never share a stored result, whatever keys they se
   and there is nothing to replay).
 
 **Where the records live**: with the memory state backend, in this process
-(:class:`~policies.idempotency_store.MemoryStore`, bounded by ``max_entries`` and
-``max_bytes``, and per-process in-flight keys whose waiters are woken directly). With the Redis
-backend, in Redis (:mod:`policies.state.idempotency`), so every replica sees every key: a
-request holds its key with an in-flight marker (``SET NX`` with an expiry of
-``FLIGHT_LEASE_S``, renewed while it runs, so a replica killed mid-call frees it within that
-time) carrying its payload fingerprint; a duplicate on any replica sees the marker (422 at once
-for another payload), and waits for the first one's answer, woken by the ``finish`` that
-stores it (pub/sub, with polling as a floor). The answer is written once the call ends, in the
-background (a holding's release never awaits); until it is, the marker keeps duplicates
-waiting. Records expire ``ttl`` after they were written (Redis evicts by its own policy).
-When Redis does not answer at the request's first look-up, ``state.on_unavailable: local``
-uses this process's memory store instead (keys are then deduplicated per replica), and
-``reject`` answers 503 ``state_unavailable``; a write that fails later leaves the marker to
-lapse, so the key is free again within ``FLIGHT_LEASE_S``.
+(:class:`~policies.idempotency_store.MemoryStore`, bounded by ``max_entries`` and ``max_bytes``,
+and per-process in-flight keys whose waiters are woken directly). With the Redis backend, in
+Redis (:mod:`policies.state.idempotency`), so every replica sees every key: a request holds its
+key with an in-flight marker (``SET NX`` with an expiry of ``state.lease``, 5 s by default,
+renewed every third of it while it runs, so a replica killed mid-call frees it within that time)
+carrying its payload fingerprint; a duplicate on any replica sees the marker (422 at once for
+another payload), and waits for the first one's answer, woken by the ``finish`` that stores it
+(pub/sub, with polling as a floor). The answer is written once the call ends, in the background
+(a holding's release never awaits); until it is, the marker keeps duplicates waiting. Records
+expire ``ttl`` after they were written (Redis evicts by its own policy). When Redis does not
+answer at the request's first look-up, ``state.on_unavailable: local`` uses this process's
+memory store instead (keys are then deduplicated per replica), and ``reject`` answers 503
+``state_unavailable``; a write that fails later leaves the marker to lapse, so the key is free
+again within ``state.lease``.
 
 **MCP tool calls** (``mcp`` routes; issue 11): the payload fingerprint of a call is
 :func:`policies.mcp.fingerprint` (method, tool, arguments and the ``derive_from`` headers;
@@ -143,9 +143,6 @@ REPLAYED_HEADER = "Idempotent-Replayed"
 MAX_KEY_LENGTH = 255
 #: What a duplicate refused while its twin is in flight is told to wait, seconds.
 IN_FLIGHT_RETRY_AFTER_S = 1.0
-#: How long a request's in-flight marker in Redis lives unless renewed, seconds: a replica
-#: killed mid-call frees its keys within this time. Renewed every third of it while it runs.
-FLIGHT_LEASE_S = 30.0
 
 #: Upstream statuses that are not an outcome (see the module docstring).
 _NOT_STORED = frozenset({401, 403, 407, 408, 409, 425, 429})
@@ -441,6 +438,9 @@ class Idempotency:
         self._route = route.encode()
         self._flights: dict[Hashable, _Flight] = {}
         self._backends = backends if backends is not None and backends.redis is not None else None
+        #: How long an in-flight marker in Redis lives unless renewed (``state.lease``,
+        #: seconds): a replica killed mid-call frees its keys within this time.
+        self._lease_s = backends.lease_s if backends is not None else StateBackends.lease_s
         self._tasks: set[asyncio.Task[object]] = set()
 
     async def admit(self, call: Call) -> Claim | None:
@@ -704,7 +704,7 @@ class Idempotency:
         claim._policy = self
         owner = new_owner()
         begin = await self._shielded(
-            records.begin(shared_key, owner, fingerprint, FLIGHT_LEASE_S),
+            records.begin(shared_key, owner, fingerprint, self._lease_s),
             lambda b: self._drop(records, shared_key, owner, fingerprint)
             if b.state == CLAIMED else None)
         if begin.state == CLAIMED:
@@ -744,7 +744,7 @@ class Idempotency:
             return claim
         # Claimed: nothing awaits from here to the return, so the lease cannot leak.
         lease = _Lease(records, shared_key, owner)
-        lease.renewer = self._spawn(_renew(records, shared_key, owner))
+        lease.renewer = self._spawn(_renew(records, shared_key, owner, self._lease_s))
         claim._lease = lease
         self._arm(claim)
         return claim
@@ -758,7 +758,7 @@ class Idempotency:
         self.waiting += 1
         self._shared_waiting[key] = self._shared_waiting.get(key, 0) + 1
         try:
-            return await wait_for_answer(records, key, owner, fingerprint, FLIGHT_LEASE_S,
+            return await wait_for_answer(records, key, owner, fingerprint, self._lease_s,
                                          bound_s)
         except asyncio.CancelledError:
             # Its last look-up may have claimed the key just as the caller left.
@@ -812,13 +812,12 @@ class Idempotency:
             self._backends.keep(task)  # shutdown waits for it (StateBackends.close)
         return task
 
-    @staticmethod
-    async def _quietly(call: Awaitable[object]) -> None:
+    async def _quietly(self, call: Awaitable[object]) -> None:
         try:
             await call
         except StateUnavailable as exc:
             log.warning("an idempotency record was not written (its key is free again "
-                        "within %.0fs): %s", FLIGHT_LEASE_S, exc.cause)
+                        "within %.0fs): %s", self._lease_s, exc.cause)
 
     # -- this process's records ---------------------------------------------------------------
 
@@ -861,12 +860,13 @@ def _fingerprint(method: str, path: str, body: bytes) -> bytes:
     return digest.digest()
 
 
-async def _renew(records: IdempotencyRecords, key: str, owner: str) -> None:
-    """Keep ``owner``'s in-flight marker alive while its request runs (until cancelled)."""
+async def _renew(records: IdempotencyRecords, key: str, owner: str, lease_s: float) -> None:
+    """Keep ``owner``'s in-flight marker alive while its request runs (until cancelled),
+    renewing it every third of ``lease_s``."""
     while True:
-        await asyncio.sleep(FLIGHT_LEASE_S / 3)
+        await asyncio.sleep(lease_s / 3)
         try:
-            if not await records.renew(key, owner, FLIGHT_LEASE_S):
+            if not await records.renew(key, owner, lease_s):
                 return  # lapsed (Redis lost it): a twin may run now, nothing to keep
         except StateUnavailable:
             continue  # the marker lives on for its expiry; try again next time

@@ -140,19 +140,8 @@ class RedisNotifier:
     async def close(self) -> None:
         self._closing = True
         task, self._task = self._task, None
-        if task is None:
-            return
-        # A cancellation can be lost inside redis-py's pub/sub read (seen with redis 8.1 on
-        # Python 3.11: the task stays "cancelling" and reads on), so cancel until it ends;
-        # the loop also stops by itself at its next read timeout.
-        for _ in range(int(READ_TIMEOUT_S / 0.05) + 10):
-            task.cancel()
-            done, _ = await asyncio.wait([task], timeout=0.05)
-            if done:
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    task.result()
-                return
-        log.warning("the pub/sub listener did not stop")
+        if task is not None:
+            await stop_listener(task, "the pub/sub listener")
 
     async def _subscribe(self, channel: str) -> None:
         """Subscribe ``channel`` if it is not; best effort, bounded by the state timeout."""
@@ -231,3 +220,22 @@ class RedisNotifier:
                 self._subscribed.discard(channel)
                 async with self._send:
                     await pubsub.unsubscribe(channel)
+
+
+
+async def stop_listener(task: asyncio.Task[None], what: str) -> None:
+    """Cancel a task reading a Redis pub/sub connection until it has ended.
+
+    A cancellation can be lost inside redis-py's pub/sub read (seen with redis 8.1 on Python
+    3.11: the task stays "cancelling" and reads on), so cancel again every 50 ms; such a loop
+    also stops by itself at its next read timeout (``READ_TIMEOUT_S``). ``what`` names the
+    task in the warning logged if it has not stopped by then.
+    """
+    for _ in range(int(READ_TIMEOUT_S / 0.05) + 10):
+        task.cancel()
+        done, _ = await asyncio.wait([task], timeout=0.05)
+        if done:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                task.result()
+            return
+    log.warning("%s did not stop", what)

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 from redis.asyncio import Redis
 
 from policies.state.connection import Script
+from policies.state.notify import stop_listener
 
 if TYPE_CHECKING:
     from redis.asyncio.client import PubSub
@@ -380,18 +381,8 @@ class CancelFeed:
         """Stop listening and close the connection."""
         self._closing = True
         task, self._task = self._task, None
-        if task is None:
-            return
-        # As RedisNotifier.close: a cancellation can be lost inside redis-py's pub/sub read,
-        # so cancel until the task ends (it also stops at its next read timeout).
-        for _ in range(int(READ_TIMEOUT_S / 0.05) + 10):
-            task.cancel()
-            done, _ = await asyncio.wait([task], timeout=0.05)
-            if done:
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    task.result()
-                return
-        log.warning("the run cancellation listener did not stop")
+        if task is not None:
+            await stop_listener(task, "the run cancellation listener")
 
     def _deliver(self, run: str, left_s: float) -> None:
         if self._on_cancel is not None and left_s > 0:
