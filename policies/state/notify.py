@@ -169,19 +169,14 @@ class RedisNotifier:
 
     async def _listen(self) -> None:
         while not self._closing:
-            pubsub: PubSub | None = None
-            client: Redis | None = None
             try:
-                async with asyncio.timeout(max(SUBSCRIBE_TIMEOUT_S, self._state.timeout_s)):
-                    client = Redis(connection_pool=self._state.node_pool())
-                    pubsub = client.pubsub()
-                    await pubsub.subscribe(self._home, *self._watchers)
-                self._pubsub = pubsub
-                self._connected.set()
-                while not self._closing:
-                    message = await pubsub.get_message(timeout=READ_TIMEOUT_S)
-                    if message is not None:
-                        await self._dispatch(pubsub, message)
+                async with subscription(self._state, self._home, *self._watchers) as pubsub:
+                    self._pubsub = pubsub
+                    self._connected.set()
+                    while not self._closing:
+                        message = await pubsub.get_message(timeout=READ_TIMEOUT_S)
+                        if message is not None:
+                            await self._dispatch(pubsub, message)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # StateUnavailable before the first connection, too
@@ -190,13 +185,6 @@ class RedisNotifier:
                 self._connected.clear()
                 self._pubsub = None
                 self._subscribed.clear()
-                if pubsub is not None:
-                    with contextlib.suppress(Exception):
-                        await pubsub.aclose()
-                if client is not None:
-                    with contextlib.suppress(Exception):
-                        await client.aclose()
-                        await client.connection_pool.disconnect()
             await asyncio.sleep(self._state.probe_interval_s)
 
     async def _dispatch(self, pubsub: PubSub, message: dict[str, Any]) -> None:
@@ -239,3 +227,34 @@ async def stop_listener(task: asyncio.Task[None], what: str) -> None:
                 task.result()
             return
     log.warning("%s did not stop", what)
+
+
+@contextlib.asynccontextmanager
+async def subscription(state: RedisState, *channels: str,
+                       confirmed: bool = False) -> AsyncIterator[PubSub]:
+    """A pub/sub connection of its own (a cluster's: on the node of ``state``'s URL),
+    subscribed to ``channels`` within ``max(SUBSCRIBE_TIMEOUT_S, state.timeout_s)``, closed
+    quietly on exit. ``confirmed``: also read the subscribe confirmation within that bound, so
+    every message published from then on reaches the caller.
+
+    Raises:
+        TimeoutError, redis.RedisError, StateUnavailable: it could not connect or subscribe.
+    """
+    client: Redis | None = None
+    pubsub: PubSub | None = None
+    try:
+        async with asyncio.timeout(max(SUBSCRIBE_TIMEOUT_S, state.timeout_s)):
+            client = Redis(connection_pool=state.node_pool())
+            pubsub = client.pubsub()
+            await pubsub.subscribe(*channels)
+            while confirmed and (await pubsub.get_message(timeout=READ_TIMEOUT_S)) is None:
+                pass
+        yield pubsub
+    finally:
+        if pubsub is not None:
+            with contextlib.suppress(Exception):
+                await pubsub.aclose()
+        if client is not None:
+            with contextlib.suppress(Exception):
+                await client.aclose()
+                await client.connection_pool.disconnect()

@@ -30,19 +30,15 @@ back.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from redis.asyncio import Redis
-
 from policies.state.connection import Script
-from policies.state.notify import stop_listener
+from policies.state.notify import READ_TIMEOUT_S, stop_listener, subscription
 
 if TYPE_CHECKING:
-    from redis.asyncio.client import PubSub
 
     from policies.state.connection import RedisState
 
@@ -56,10 +52,6 @@ RUN_IDLE_TTL_S = 86400
 MAX_LINEAGE = 64
 #: Cancellations read back at most when the feed (re)subscribes.
 RESYNC_LIMIT = 10_000
-#: Longest the feed waits to connect and subscribe, seconds.
-SUBSCRIBE_TIMEOUT_S = 2.0
-#: How long the feed blocks reading before it looks at its state again, seconds.
-READ_TIMEOUT_S = 1.0
 
 # Place a call's run in the shared tree, read its lineage, and count the call.
 # KEYS: cancelled zset, the run's hash, the parent's hash (or the run's again).
@@ -402,34 +394,20 @@ class CancelFeed:
         runs = self._runs
         state = runs.state
         while not self._closing:
-            pubsub: PubSub | None = None
-            client: Redis | None = None
             try:
-                async with asyncio.timeout(max(SUBSCRIBE_TIMEOUT_S, state.timeout_s)):
-                    client = Redis(connection_pool=state.node_pool())
-                    pubsub = client.pubsub()
-                    await pubsub.subscribe(runs.channel)
-                    while (await pubsub.get_message(timeout=READ_TIMEOUT_S)) is None:
-                        pass  # the subscribe confirmation: messages from now on reach us
-                # Subscribed first, then read the set: nothing falls between the two.
-                for run, left_s in await runs.in_force():
-                    self._deliver(run, left_s)
-                self.subscribed.set()
-                while not self._closing:
-                    message = await pubsub.get_message(timeout=READ_TIMEOUT_S)
-                    if message is not None and message["type"] == "message":
-                        self._heard(_text(message["data"]))
+                async with subscription(state, runs.channel, confirmed=True) as pubsub:
+                    # Subscribed first, then read the set: nothing falls between the two.
+                    for run, left_s in await runs.in_force():
+                        self._deliver(run, left_s)
+                    self.subscribed.set()
+                    while not self._closing:
+                        message = await pubsub.get_message(timeout=READ_TIMEOUT_S)
+                        if message is not None and message["type"] == "message":
+                            self._heard(_text(message["data"]))
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # StateUnavailable before the first connection, too
                 log.debug("run cancellation listener: %r; reconnecting", exc)
             finally:
                 self.subscribed.clear()
-                if pubsub is not None:
-                    with contextlib.suppress(Exception):
-                        await pubsub.aclose()
-                if client is not None:
-                    with contextlib.suppress(Exception):
-                        await client.aclose()
-                        await client.connection_pool.disconnect()
             await asyncio.sleep(state.probe_interval_s)
