@@ -34,6 +34,17 @@ mcp_session = mcp_servers.mcp_session
 MCP1_PYTHON = REPO / ".venv-mcp1" / "bin" / "python"
 
 
+async def run_mcp1(path: Path, source: str, *args: str) -> Any:
+    """Run ``source`` (a script using the mcp 1.x client) with ``.venv-mcp1``'s Python and
+    ``args``; its JSON output. Fails the test if it exits non-zero or takes over 60 s."""
+    path.write_text(source)
+    proc = await asyncio.create_subprocess_exec(
+        str(MCP1_PYTHON), str(path), *args, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 0, err.decode()[-2000:]
+    return json.loads(out)
+
+
 def mcp_route(upstream: str, **policies: Any) -> dict:
     return {"name": "tools", "path_prefix": "/tools/", "upstream": upstream,
             "protocol": "mcp", **policies}
@@ -128,14 +139,7 @@ asyncio.run(main(sys.argv[1]))
 async def test_mcp1_client_fast_tool_not_behind_the_slow_one(mcp_session, start_sluice,
                                                              tmp_path):
     sluice = await start_sluice({"routes": [mcp_route(mcp_session.base_url, **SLOW_LIMITED)]})
-    script = tmp_path / "mcp1_client.py"
-    script.write_text(MCP1_SLOW_AND_ADD)
-    proc = await asyncio.create_subprocess_exec(
-        str(MCP1_PYTHON), str(script), endpoint(sluice), stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE)
-    out, err = await asyncio.wait_for(proc.communicate(), 60)
-    assert proc.returncode == 0, err.decode()[-2000:]
-    result = json.loads(out)
+    result = await run_mcp1(tmp_path / "mcp1_client.py", MCP1_SLOW_AND_ADD, endpoint(sluice))
     assert result["add"] == "5" and result["slow"] == ["slept"] * 3
     assert result["pending_at_add"] >= 1  # add came back while slow calls still waited
     assert await finished(sluice, "slow") == 3
@@ -212,15 +216,9 @@ async def test_mcp1_client_tool_breaker_fails_only_that_tool(mcp_session, start_
     sluice = await start_sluice({"routes": [mcp_route(
         mcp_session.base_url, tools={"fail": {"circuit_breaker": {"fail_max": 2,
                                                                    "reset_timeout": "60s"}}})]})
-    script = tmp_path / "mcp1_sequence.py"
-    script.write_text(MCP1_SEQUENCE)
     calls = [["fail", {}], ["fail", {}], ["fail", {}], ["add", {"a": 1, "b": 2}]]
-    proc = await asyncio.create_subprocess_exec(
-        str(MCP1_PYTHON), str(script), endpoint(sluice), json.dumps(calls),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    out, err = await asyncio.wait_for(proc.communicate(), 60)
-    assert proc.returncode == 0, err.decode()[-2000:]
-    results = json.loads(out)
+    results = await run_mcp1(tmp_path / "mcp1_sequence.py", MCP1_SEQUENCE, endpoint(sluice),
+                             json.dumps(calls))
     assert [r.get("is_error") for r in results[:2]] == [True, True]
     assert results[2]["code"] == 503 and results[2]["data"]["reason"] == "circuit_open"
     assert results[3] == {"ok": "3", "is_error": False}  # the session lives on

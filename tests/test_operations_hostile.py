@@ -25,7 +25,7 @@ import pytest
 
 from tests import mcp_servers
 from tests.conftest import REPO
-from tests.test_operations import MCP1_PYTHON, MCP1_SEQUENCE
+from tests.test_operations import MCP1_PYTHON, MCP1_SEQUENCE, run_mcp1
 
 mcp_stateless = mcp_servers.mcp_stateless
 mcp_session = mcp_servers.mcp_session
@@ -237,18 +237,13 @@ async def test_mcp1_session_survives_a_tool_cost_over_the_whole_budget(mcp_sessi
         "name": "tools", "path_prefix": "/tools/", "upstream": mcp_session.base_url,
         "protocol": "mcp", "budget": {"usd": "0.005/day", "per": "tenant"},
         "tools": {"send": {"cost_per_call": 0.01}}}]})
-    script = tmp_path / "mcp1_sequence.py"
-    script.write_text(MCP1_SEQUENCE)
     calls = [["send", {"to": "ops"}], ["add", {"a": 1, "b": 2}]]
-    proc = await asyncio.create_subprocess_exec(
-        str(MCP1_PYTHON), str(script), sluice.url + "/tools/mcp", json.dumps(calls),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    out, err = await asyncio.wait_for(proc.communicate(), 60)
-    assert proc.returncode == 0, err.decode()[-2000:]
-    results = json.loads(out)
+    results = await run_mcp1(tmp_path / "mcp1_sequence.py", MCP1_SEQUENCE,
+                             sluice.url + "/tools/mcp", json.dumps(calls))
     assert results[0]["code"] == 400 and results[0]["data"]["reason"] == "exceeds_limit"
     assert results[1] == {"ok": "3", "is_error": False}  # the session lives on
     assert mcp_session.sends() == 0
+
 
 
 MCP1_CANCELLED_IN_FLIGHT = """
@@ -294,14 +289,8 @@ async def test_mcp1_call_in_flight_of_a_cancelled_run_fails_at_once(mcp_stateles
         "name": "tools", "path_prefix": "/tools/", "upstream": mcp_stateless.base_url,
         "protocol": "mcp", "tools": {"slow": {"concurrency": {"limit": 2}}}}]},
         env={"SLUICE_ADMIN_TOKEN": token})
-    script = tmp_path / "mcp1_cancelled.py"
-    script.write_text(MCP1_CANCELLED_IN_FLIGHT)
-    proc = await asyncio.create_subprocess_exec(
-        str(MCP1_PYTHON), str(script), sluice.url + "/tools/mcp", sluice.admin_url, token,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    out, err = await asyncio.wait_for(proc.communicate(), 60)
-    assert proc.returncode == 0, err.decode()[-2000:]
-    result = json.loads(out)
+    result = await run_mcp1(tmp_path / "mcp1_cancelled.py", MCP1_CANCELLED_IN_FLIGHT,
+                            sluice.url + "/tools/mcp", sluice.admin_url, token)
     assert result["slow"]["code"] == 409, result
     assert result["slow"]["data"]["reason"] == "run_cancelled"
     assert result["slow_s"] < 14  # not the caller's own timeout (15 s): generous
@@ -318,15 +307,9 @@ async def test_mcp1_call_over_its_tools_total_timeout_fails_with_504(mcp_session
     sluice = await start_sluice({"routes": [{
         "name": "tools", "path_prefix": "/tools/", "upstream": mcp_session.base_url,
         "protocol": "mcp", "tools": {"slow": {"timeouts": {"total": "1s"}}}}]})
-    script = tmp_path / "mcp1_sequence.py"
-    script.write_text(MCP1_SEQUENCE)
     calls = [["slow", {"seconds": 8}], ["add", {"a": 1, "b": 2}]]
-    proc = await asyncio.create_subprocess_exec(
-        str(MCP1_PYTHON), str(script), sluice.url + "/tools/mcp", json.dumps(calls),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    out, err = await asyncio.wait_for(proc.communicate(), 60)
-    assert proc.returncode == 0, err.decode()[-2000:]
-    results = json.loads(out)
+    results = await run_mcp1(tmp_path / "mcp1_sequence.py", MCP1_SEQUENCE,
+                             sluice.url + "/tools/mcp", json.dumps(calls))
     assert results[0]["code"] == 504 and results[0]["data"]["reason"] == "upstream_timeout"
     assert results[1] == {"ok": "3", "is_error": False}
     assert await sluice.metric("sluice_operation_requests_total", route="tools",
