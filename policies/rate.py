@@ -58,6 +58,8 @@ T = TypeVar("T")
 REQUESTS = "requests"
 TOKENS = "tokens"
 TENANT_PREFIX = "tenant:"
+#: Tenants whose request takes a limiter keeps built (``request_takes``).
+TAKES_KEPT = 1024
 
 
 def unavailable(exc: StateUnavailable) -> Rejected:
@@ -217,6 +219,9 @@ class RateLimiter:
         self.tokens: Rate | None = config.tokens
         per_tenant = config.per_tenant
         self.tenant_rate: Rate | None = per_tenant.requests if per_tenant else None
+        #: Each tenant's request takes, built once (a call names the same buckets each time).
+        #: Kept with the rates they were built from: a change of either rebuilds them.
+        self._request_takes: dict[str, tuple[Rate | None, Rate | None, tuple[Take, ...]]] = {}
 
     def state(self) -> dict[str, object]:
         """Limits for the admin API (JSON-ready), with the requests the route bucket can
@@ -256,14 +261,20 @@ class RateLimiter:
 
     def request_takes(self, tenant: str) -> list[Take]:
         """One request unit from the tenant's bucket and the route's (those configured)."""
-        takes = []
-        if self.tenant_rate is not None:
-            rate = self.tenant_rate
-            takes.append(Take(TENANT_PREFIX + tenant, rate.count, float(rate.period_s)))
-        if self.requests is not None:
-            rate = self.requests
-            takes.append(Take(REQUESTS, rate.count, float(rate.period_s)))
-        return takes
+        kept = self._request_takes.get(tenant)
+        requests, tenant_rate = self.requests, self.tenant_rate
+        if kept is not None and kept[0] is requests and kept[1] is tenant_rate:
+            return list(kept[2])
+        built = []
+        if tenant_rate is not None:
+            built.append(Take(TENANT_PREFIX + tenant, tenant_rate.count,
+                              float(tenant_rate.period_s)))
+        if requests is not None:
+            built.append(Take(REQUESTS, requests.count, float(requests.period_s)))
+        if len(self._request_takes) >= TAKES_KEPT:  # many tenants: start over
+            self._request_takes.clear()
+        self._request_takes[tenant] = (requests, tenant_rate, tuple(built))
+        return built
 
     def token_take(self, amount: int) -> Take:
         """``amount`` tokens from the route's token bucket (``rate.tokens`` must be set).
@@ -314,8 +325,10 @@ class RateLimiter:
         return [take._replace(limit=fallback.whole_share(take.limit)) for take in takes]
 
     def note(self, source: StateBackends, takes: Sequence[Take], result: RateResult) -> None:
-        """Keep what the shared buckets answered about the route bucket (admin API)."""
-        if source is self.backends and self.requests is not None:
+        """Keep what the shared buckets answered about the route bucket (admin API; memory
+        buckets are read there instead)."""
+        if (source is self.backends and self.requests is not None
+                and source.redis is not None):
             for take, left in zip(takes, result.remaining, strict=True):
                 if take.name == REQUESTS:
                     self.available = left

@@ -99,6 +99,11 @@ class RateBuckets(Protocol):
 # -- memory -----------------------------------------------------------------------------------
 
 
+#: What :meth:`MemoryRateBuckets.check` found of each bucket, for ``commit``: its stored
+#: ``[level, t_us, us per unit]`` (``None`` if absent), its level then, its us per unit.
+_Scan = list[tuple[list[float] | None, float, float]]
+
+
 class MemoryRateBuckets:
     """The buckets of one process. Nothing suspends, so each call is atomic on the loop.
 
@@ -116,20 +121,45 @@ class MemoryRateBuckets:
     def __len__(self) -> int:
         return len(self._buckets)
 
-    def _levels(self, group: str, takes: Sequence[Take], now: int) -> list[float]:
+    def _scan(self, group: str, takes: Sequence[Take], now: int, admitting: bool = False
+              ) -> tuple[_Scan, RateResult | None]:
+        """Each bucket as found at ``now``, and the verdict of taking ``takes`` (nothing is
+        taken; ``remaining`` is before the take); ``admitting``: a verdict that admits is
+        ``None`` (:meth:`commit` follows and says what remains)."""
+        buckets = self._buckets
+        found: _Scan = []
         levels = []
-        for take in takes:
-            state = self._buckets.get((group, take.name))
+        worst, worst_i = -1.0, None
+        for i, take in enumerate(takes):
+            limit, amount = take.limit, take.amount
+            interval = take.period_s * 1e6 / limit  # us per unit: GCRA's emission interval
+            state = buckets.get((group, take.name))
             level = 0.0
             if state is not None:
-                level = max(state[0] - max(now - state[1], 0) / _interval(take), 0.0)
+                elapsed = now - state[1]
+                level = state[0] - (elapsed if elapsed > 0 else 0) / interval
+                if level < 0.0:
+                    level = 0.0
+            found.append((state, level, interval))
             levels.append(level)
-        return levels
+            if amount > limit:
+                wait = math.inf
+            else:
+                over = level + amount - limit
+                if over <= limit * _DUST:
+                    continue
+                wait = over * interval
+            if wait > worst:
+                worst, worst_i = wait, i
+        if worst_i is None:
+            return found, None if admitting else RateResult(True, None, 0.0,
+                                                            _remaining(takes, levels))
+        return found, RateResult(False, worst_i, _seconds(worst), _remaining(takes, levels))
 
     async def admit(self, group: str, takes: Sequence[Take]) -> RateResult:
         now = self.now_us()
-        levels, verdict = self.check(group, takes, now)
-        return verdict if not verdict.admitted else self.commit(group, takes, levels, now)
+        found, refused = self._scan(group, takes, now, admitting=True)
+        return refused if refused is not None else self.commit(group, takes, found, now)
 
     def now_us(self) -> int:
         """The clock in microseconds (forgetting drained buckets when a sweep is due)."""
@@ -138,44 +168,40 @@ class MemoryRateBuckets:
             self._sweep(now)
         return now
 
-    def check(self, group: str, takes: Sequence[Take], now: int
-              ) -> tuple[list[float], RateResult]:
-        """The buckets' levels at ``now`` and the verdict, taking nothing: ``admitted``
+    def check(self, group: str, takes: Sequence[Take], now: int) -> tuple[_Scan, RateResult]:
+        """The buckets as found at ``now`` and the verdict, taking nothing: ``admitted``
         means every bucket *would* take its amount (``remaining`` is then before the take).
         With :meth:`commit`, one atomic step with other memory state
         (:mod:`policies.state.admission`)."""
-        levels = self._levels(group, takes, now)
-        worst, worst_i = -1.0, None
-        for i, (take, level) in enumerate(zip(takes, levels, strict=True)):
-            wait = _wait(take, level)
-            if wait is not None and wait > worst:
-                worst, worst_i = wait, i
-        if worst_i is None:
-            return levels, RateResult(True, None, 0.0, _remaining(takes, levels))
-        return levels, RateResult(False, worst_i, _seconds(worst), _remaining(takes, levels))
+        found, verdict = self._scan(group, takes, now)
+        assert verdict is not None
+        return found, verdict
 
-    def commit(self, group: str, takes: Sequence[Take], levels: list[float], now: int
-               ) -> RateResult:
-        """Take every amount, from the ``levels`` :meth:`check` found at ``now``."""
-        for i, take in enumerate(takes):
-            levels[i] += take.amount
-            self._store(group, take, levels[i], now)
-        return RateResult(True, None, 0.0, _remaining(takes, levels))
+    def commit(self, group: str, takes: Sequence[Take], found: _Scan, now: int) -> RateResult:
+        """Take every amount from the buckets as :meth:`check` ``found`` them at ``now``
+        (nothing may run between the two)."""
+        buckets = self._buckets
+        left = []
+        for take, (state, level, interval) in zip(takes, found, strict=True):
+            level += take.amount
+            if level <= 0:  # an empty bucket and an absent one are the same, as in Redis
+                buckets.pop((group, take.name), None)
+            elif state is None:
+                buckets[(group, take.name)] = [level, now, interval]
+            else:  # in place: most calls find their bucket
+                state[0], state[1], state[2] = level, now, interval
+            units = math.floor(take.limit - level + take.limit * _DUST)
+            left.append(units if units > 0 else 0)
+        return RateResult(True, None, 0.0, tuple(left))
 
     async def refund(self, group: str, takes: Sequence[Take]) -> None:
         now = self._clock_us()
-        levels = self._levels(group, takes, now)
-        for take, level in zip(takes, levels, strict=True):
-            self._store(group, take, level - take.amount, now)
+        refunds = [take._replace(amount=-take.amount) for take in takes]
+        found, _ = self._scan(group, refunds, now, admitting=True)
+        self.commit(group, refunds, found, now)
 
     async def available(self, group: str, takes: Sequence[Take]) -> tuple[int, ...]:
-        return _remaining(takes, self._levels(group, takes, self._clock_us()))
-
-    def _store(self, group: str, take: Take, level: float, now: int) -> None:
-        if level > 0:
-            self._buckets[(group, take.name)] = [level, now, _interval(take)]
-        else:  # an empty bucket and an absent one are the same, as in Redis
-            self._buckets.pop((group, take.name), None)
+        return self.check(group, takes, self._clock_us())[1].remaining
 
     def _sweep(self, now: int) -> None:
         self._next_sweep = now + int(_SWEEP_INTERVAL_S * 1e6)
@@ -188,28 +214,17 @@ class MemoryRateBuckets:
         self._sweep_at_size = max(2 * len(self._buckets), _SWEEP_AT_SIZE)
 
 
-def _interval(take: Take) -> float:
-    """Microseconds for one unit to drain (GCRA's emission interval)."""
-    return take.period_s * 1e6 / take.limit
-
-
-def _wait(take: Take, level: float) -> float | None:
-    """Microseconds until ``take`` fits at ``level``; ``None`` if it fits now, inf if never."""
-    if take.amount > take.limit:
-        return math.inf
-    over = level + take.amount - take.limit
-    if over > take.limit * _DUST:
-        return over * _interval(take)
-    return None
-
-
 def _seconds(wait_us: float) -> float:
     return math.inf if wait_us == math.inf else wait_us / 1e6
 
 
 def _remaining(takes: Sequence[Take], levels: Sequence[float]) -> tuple[int, ...]:
-    return tuple(max(math.floor(t.limit - lv + t.limit * _DUST), 0)
-                 for t, lv in zip(takes, levels, strict=True))
+    """Whole units each bucket could still admit at ``levels``."""
+    left = []
+    for take, level in zip(takes, levels, strict=True):
+        units = math.floor(take.limit - level + take.limit * _DUST)
+        left.append(units if units > 0 else 0)
+    return tuple(left)
 
 
 # -- redis ------------------------------------------------------------------------------------
