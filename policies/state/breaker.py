@@ -211,7 +211,7 @@ class _Machine:
         self.open_until = 0  # ms
         self.cause = ""
         self.probe: tuple[str, int] | None = None  # token, lease expiry (ms)
-        self.window: dict[int, list[int]] = {}  # second -> [calls, failures]
+        self.window = _Window()
 
 
 class MemoryBreakerStates:
@@ -272,7 +272,7 @@ class MemoryBreakerStates:
                         if m.successes >= params.success_threshold:
                             m.state, m.epoch = CLOSED, m.epoch + 1
                             m.failures = m.successes = 0
-                            m.cause, m.probe, m.window = "", None, {}
+                            m.cause, m.probe, m.window = "", None, _Window()
                             transition = CLOSED_AGAIN
                 if (transition is None and params.window_s
                         and _window_add(m.window, now // 1000, failed, params)
@@ -305,18 +305,38 @@ class MemoryBreakerStates:
         return OPENED
 
 
-def _window_add(window: dict[int, list[int]], second: int, failed: bool,
-                params: BreakerParams) -> bool:
+class _Window:
+    """The failure-rate window of one breaker: outcomes per second, and their totals kept as
+    seconds come and go (so counting one is O(1), not a sum over the window)."""
+
+    __slots__ = ("calls", "failures", "seconds")
+
+    def __init__(self) -> None:
+        self.seconds: dict[int, list[int]] = {}  # second -> [calls, failures], oldest first
+        self.calls = 0
+        self.failures = 0
+
+
+def _window_add(window: _Window, second: int, failed: bool, params: BreakerParams) -> bool:
     """Count one outcome in ``second``; True when the window trips."""
-    size = max(1, math.ceil(params.window_s or 1))
-    for old in [s for s in window if s <= second - size]:
-        del window[old]
-    bucket = window.setdefault(second, [0, 0])
+    seconds = window.seconds
+    oldest = second - max(1, math.ceil(params.window_s or 1))
+    # Seconds are added in clock order (monotonic), so the first one is the oldest.
+    if seconds and next(iter(seconds)) <= oldest:
+        for old in [s for s in seconds if s <= oldest]:
+            calls, failures = seconds.pop(old)
+            window.calls -= calls
+            window.failures -= failures
+    bucket = seconds.get(second)
+    if bucket is None:
+        bucket = seconds[second] = [0, 0]
     bucket[0] += 1
-    bucket[1] += failed
-    calls = sum(b[0] for b in window.values())
-    failures = sum(b[1] for b in window.values())
-    return calls >= params.min_calls and failures >= params.rate * calls
+    window.calls += 1
+    if failed:
+        bucket[1] += 1
+        window.failures += 1
+    calls = window.calls
+    return calls >= params.min_calls and window.failures >= params.rate * calls
 
 
 # -- redis ------------------------------------------------------------------------------------
