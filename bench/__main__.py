@@ -4,6 +4,8 @@ Benchmarks (``python -m bench NAME --help`` for each one's options):
 
 * ``overhead``: CPU per request and added latency: direct vs Sluice vs a bare aiohttp proxy
   (and HAProxy when installed), on a fast and on a 50 ms upstream;
+* ``instructions``: user-space instructions per request (callgrind) of Sluice and the bare
+  proxy: the overhead figure the machine's load does not move;
 * ``overload``: offered load 0.5x to 10x an upstream's capacity: goodput, latency of admitted
   requests, latency of refusals;
 * ``storm``: a retry storm on a degrading fake LLM provider (the ``sluice demo`` scenario):
@@ -24,7 +26,8 @@ from __future__ import annotations
 import importlib
 import sys
 
-BENCHMARKS = ("overhead", "overload", "storm", "fairness", "replay", "soak", "mcp_refusals")
+BENCHMARKS = ("overhead", "instructions", "overload", "storm", "fairness", "replay", "soak",
+              "mcp_refusals")
 
 
 def main(argv: list[str]) -> int:

@@ -120,9 +120,11 @@ def spawn(name: str, argv: list[str], tmp: Path, url: str) -> Service:
     return Service(name, proc, url, log)
 
 
-def wait_ready(service: Service, probe_url: str, method: str = "GET") -> None:
-    """Poll ``probe_url`` until it answers (any HTTP status) or the process dies."""
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+def wait_ready(service: Service, probe_url: str, method: str = "GET",
+               timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+    """Poll ``probe_url`` until it answers (any HTTP status) or the process dies; at most
+    ``timeout_s`` seconds."""
+    deadline = time.monotonic() + timeout_s
     while True:
         if service.proc.poll() is not None:
             raise SystemExit(f"{service.name} exited at startup:\n{service.log.read_text()}")
@@ -137,7 +139,7 @@ def wait_ready(service: Service, probe_url: str, method: str = "GET") -> None:
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             pass
         if time.monotonic() > deadline:
-            raise SystemExit(f"{service.name} not ready after {STARTUP_TIMEOUT_S}s")
+            raise SystemExit(f"{service.name} not ready after {timeout_s:g}s")
         time.sleep(0.05)
 
 

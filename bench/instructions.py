@@ -1,0 +1,181 @@
+"""What Sluice costs per request, in instructions: a figure the machine's load does not move.
+
+``overhead`` measures CPU time per request, which on a shared 2-core VM moves by +-30% between
+runs (other work, steal, cache and frequency effects, how many requests share each loop turn),
+so a change worth 5% cannot be seen in it. This benchmark counts the user-space instructions
+each proxy executes per request instead: it runs the proxy under valgrind's callgrind
+(``apt-get install -y valgrind``), with counting switched on (``callgrind_control -i on``)
+only for the measured run, and divides the instructions counted by the requests wrk
+completed. The count repeats to within ~1% for the same code and settings whatever else the
+machine does; it leaves out the kernel (the socket calls, the same for every target: 2
+``read`` and 2 ``write`` per request) and says nothing of cache misses, so it ranks code
+paths, not wall time. Under callgrind a proxy runs ~50x slower, so each run is a few hundred
+to a few thousand requests.
+
+Targets (one nginx upstream, as ``overhead``'s fast scenario; wrk 1 thread):
+
+* ``baseline``: ``bench/passthrough.py``, the bare aiohttp + uvloop pass-through proxy;
+* ``sluice``: Sluice on ``overhead``'s config (``config/sluice.yaml``, every policy of the
+  ``openai`` route on, with limits no run reaches);
+* ``sluice-plain``: the same route with no policy blocks and ``protocol: http`` (no usage
+  accounting): what the request path costs without its policies;
+* ``sluice-no-BLOCK``: the ``sluice`` config without one block of the route (``concurrency``,
+  ``rate``, ``idempotency``, ``circuit_breaker``, ``retry``), or ``sluice-no-usage`` with
+  ``protocol: http`` instead of ``openai``: what that one policy costs.
+
+The table gives instructions per request (thousands) and the ratio to the baseline of the
+same run; the record goes to ``bench/results/instructions-<UTC time>.json``.
+
+    python -m bench instructions                  # baseline, sluice, sluice-plain
+    python -m bench instructions --targets baseline,sluice,sluice-no-rate,sluice-no-usage
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+from bench import common, overhead
+from bench.common import PROXY_PREFIX, UPSTREAM_PATH, Service
+
+#: Route blocks a ``sluice-no-BLOCK`` target drops (``usage``: the protocol's accounting).
+BLOCKS = ("concurrency", "rate", "idempotency", "circuit_breaker", "retry", "usage")
+TARGETS = ("baseline", "sluice", "sluice-plain", *(f"sluice-no-{b}" for b in BLOCKS))
+#: Seconds a proxy may take to start under valgrind.
+STARTUP_TIMEOUT_S = 300.0
+
+
+def target_config(upstream: Service, target: str) -> dict:
+    """``overhead``'s Sluice config, with the route's blocks the target drops dropped."""
+    config = copy.deepcopy(overhead.sluice_config(upstream))
+    (route,) = (r for r in config["routes"] if r["name"] == "openai")
+    if target == "sluice-plain":
+        for block in BLOCKS:
+            route.pop(block, None)
+        route["protocol"] = "http"
+    elif target == "sluice-no-usage":
+        route.pop("usage", None)
+        route["protocol"] = "http"
+    elif target.startswith("sluice-no-"):
+        route.pop(target.removeprefix("sluice-no-"))
+    return config
+
+
+def _argv(target: str, tmp: Path, upstream: Service, port: int) -> list[str]:
+    if target == "baseline":
+        return [sys.executable, str(common.HERE / "passthrough.py"), "--port", str(port),
+                "--upstream", upstream.url, "--prefix", PROXY_PREFIX]
+    config = target_config(upstream, target)
+    config["server"]["listen"] = f"127.0.0.1:{port}"
+    config["server"]["admin_listen"] = f"127.0.0.1:{common.free_port()}"
+    config["events"] = {"path": str(tmp / f"{target}-events.jsonl")}
+    config["dead_letter"] = {"path": str(tmp / f"{target}-dlq.sqlite")}
+    path = tmp / f"{target}.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return [sys.executable, "-m", "proxy", "serve", "--config", str(path)]
+
+
+def _counted(out: Path) -> int:
+    """Instructions in callgrind's dumps named ``out*`` (counting was on only while
+    measured, so the largest total is the measured run's)."""
+    total = 0
+    for dump in out.parent.glob(out.name + "*"):
+        for line in dump.read_text(errors="replace").splitlines():
+            if line.startswith(("summary:", "totals:")):
+                total = max(total, int(line.split()[1]))
+    return total
+
+
+def measure(args: argparse.Namespace, tmp: Path, upstream: Service, target: str) -> dict:
+    """Start ``target`` under callgrind, warm it up, count one measured run."""
+    port = common.free_port()
+    out = tmp / f"{target}.callgrind"
+    argv = ["valgrind", "--tool=callgrind", "--instr-atstart=no",
+            f"--callgrind-out-file={out}", *_argv(target, tmp, upstream, port)]
+    url = f"http://127.0.0.1:{port}{PROXY_PREFIX}"
+    service = common.spawn(target, argv, tmp, url)
+    try:
+        common.wait_ready(service, url + UPSTREAM_PATH, "POST", timeout_s=STARTUP_TIMEOUT_S)
+        target_url = url + UPSTREAM_PATH
+        common.run_closed(args.wrk, target_url, 1, args.connections, args.warmup, tmp)
+        control = ["callgrind_control", str(service.pid)]
+        subprocess.run([*control[:1], "-i", "on", *control[1:]], check=True,
+                       capture_output=True)
+        load = common.run_closed(args.wrk, target_url, 1, args.connections, args.duration,
+                                 tmp)
+        subprocess.run([*control[:1], "-i", "off", *control[1:]], check=True,
+                       capture_output=True)
+        subprocess.run([*control[:1], "-d", *control[1:]], check=True, capture_output=True)
+    finally:
+        service.stop()
+    instructions = _counted(out)
+    served = load.requests - load.errors
+    if served <= 0 or instructions == 0:
+        raise SystemExit(f"{target}: nothing measured ({load.requests} requests, "
+                         f"{load.errors} errors, {instructions} instructions)")
+    return {"target": target, "requests": load.requests, "errors": load.errors,
+            "instructions": instructions, "per_request": instructions / load.requests}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = common.parser("instructions", __doc__)
+    p.add_argument("--targets", default="baseline,sluice,sluice-plain",
+                   help=f"comma list of {', '.join(TARGETS)} (baseline,sluice,sluice-plain)")
+    p.add_argument("--duration", type=float, default=15.0,
+                   help="seconds of the measured run (15; ~1,000-2,500 requests)")
+    p.add_argument("--warmup", type=float, default=5.0, help="unmeasured seconds first (5)")
+    p.add_argument("--connections", type=int, default=4, help="wrk connections (4)")
+    p.add_argument("--output", type=Path, help="JSON result path (bench/results/...)")
+    args = p.parse_args(argv)
+    args.targets = common.comma_list(p, args.targets, TARGETS, "target")
+    if "baseline" not in args.targets:
+        args.targets.insert(0, "baseline")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    for tool in ("valgrind", "callgrind_control", "nginx"):
+        if shutil.which(tool) is None and shutil.which(tool, path="/usr/sbin") is None:
+            raise SystemExit(f"{tool} is not installed: apt-get install -y valgrind "
+                             "nginx-light")
+    args.wrk = common.find_wrk()
+    if args.wrk is None:
+        raise SystemExit("wrk is not installed: apt-get install -y wrk")
+    started = common.utcnow()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="sluice-bench-") as name, \
+            common.stopping() as services:
+        tmp = Path(name)
+        nginx = shutil.which("nginx") or shutil.which("nginx", path="/usr/sbin")
+        upstream = overhead.start_nginx(nginx, tmp)
+        services.append(upstream)
+        for target in args.targets:
+            t0 = time.monotonic()
+            rows.append(measure(args, tmp, upstream, target))
+            print(f"{target}: {rows[-1]['per_request'] / 1e3:,.1f}k instructions/request "
+                  f"({rows[-1]['requests']} requests, {time.monotonic() - t0:.0f} s)",
+                  file=sys.stderr, flush=True)
+    base = next(r["per_request"] for r in rows if r["target"] == "baseline")
+    table = common.table(
+        [("target", "requests", "k instr/req", "vs baseline", "+k instr/req")]
+        + [(r["target"], f"{r['requests']:,}", f"{r['per_request'] / 1e3:,.1f}",
+            f"{r['per_request'] / base:.2f}x", f"{(r['per_request'] - base) / 1e3:+,.1f}")
+           for r in rows])
+    print("\n".join(common.machine_lines("instructions", started, common.versions())))
+    print(table)
+    path = common.write_record(common.result_path("instructions", started, output=args.output),
+                               {"started": started.isoformat(), "settings": vars(args) | {
+                                   "output": None}, "cases": rows})
+    print(f"\nfull record: {path}")
+    return 0
