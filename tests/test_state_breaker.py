@@ -10,6 +10,7 @@ outcomes and flushes.
 from __future__ import annotations
 
 import asyncio
+import math
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -31,6 +32,8 @@ from policies.state.breaker import (
     BreakerStates,
     Ticket,
     Verdict,
+    _Window,
+    _window_add,
 )
 from tests.redis_servers import (
     REDIS_URL,
@@ -366,3 +369,27 @@ def test_batching_opens_where_recording_each_outcome_at_once_does(steps, fail_ma
             delete_prefix(url, prefix)
 
     asyncio.run(run())
+
+
+@settings(max_examples=200, deadline=None)
+@given(outcomes=st.lists(st.tuples(st.sampled_from([0, 0, 0, 1, 2, 7, 40]), st.booleans()),
+                         max_size=120),
+       window_s=st.sampled_from([1, 2.5, 5, 30]), min_calls=st.integers(1, 10),
+       rate=st.sampled_from([0.2, 0.5, 1.0]))
+def test_the_memory_window_keeps_the_totals_a_plain_sum_would_give(outcomes, window_s,
+                                                                    min_calls, rate):
+    """The memory window's running totals, as seconds come and go, against summing every
+    outcome of the last ``ceil(window_s)`` seconds afresh: the same trip decision each time."""
+    params = BreakerParams(fail_max=5, reset_s=30, window_s=window_s, rate=rate,
+                           min_calls=min_calls)
+    window = _Window()
+    seen: list[tuple[int, bool]] = []
+    second = 1_000
+    for step, failed in outcomes:
+        second += step
+        seen.append((second, failed))
+        live = [f for s, f in seen if s > second - math.ceil(window_s)]
+        calls, failures = len(live), sum(live)
+        tripped = _window_add(window, second, failed, params)
+        assert (window.calls, window.failures) == (calls, failures)
+        assert tripped == (calls >= min_calls and failures >= rate * calls)
