@@ -372,24 +372,26 @@ def test_batching_opens_where_recording_each_outcome_at_once_does(steps, fail_ma
 
 
 @settings(max_examples=200, deadline=None)
-@given(outcomes=st.lists(st.tuples(st.sampled_from([0, 0, 0, 1, 2, 7, 40]), st.booleans()),
+@given(outcomes=st.lists(st.tuples(st.sampled_from([0, 0, 0, 1, 2, 7, 40, -1, -5]),
+                                   st.booleans()),
                          max_size=120),
        window_s=st.sampled_from([1, 2.5, 5, 30]), min_calls=st.integers(1, 10),
        rate=st.sampled_from([0.2, 0.5, 1.0]))
 def test_the_memory_window_keeps_the_totals_a_plain_sum_would_give(outcomes, window_s,
                                                                     min_calls, rate):
     """The memory window's running totals, as seconds come and go, against summing every
-    outcome of the last ``ceil(window_s)`` seconds afresh: the same trip decision each time."""
+    outcome of the last ``ceil(window_s)`` seconds afresh: the same trip decision each time,
+    also when an injected clock steps back."""
     params = BreakerParams(fail_max=5, reset_s=30, window_s=window_s, rate=rate,
                            min_calls=min_calls)
     window = _Window()
-    seen: list[tuple[int, bool]] = []
+    live: list[tuple[int, bool]] = []  # outcomes not yet expired; once expired, gone
     second = 1_000
     for step, failed in outcomes:
         second += step
-        seen.append((second, failed))
-        live = [f for s, f in seen if s > second - math.ceil(window_s)]
-        calls, failures = len(live), sum(live)
+        live = [(s, f) for s, f in live if s > second - math.ceil(window_s)]
+        live.append((second, failed))
+        calls, failures = len(live), sum(f for _, f in live)
         tripped = _window_add(window, second, failed, params)
         assert (window.calls, window.failures) == (calls, failures)
         assert tripped == (calls >= min_calls and failures >= rate * calls)

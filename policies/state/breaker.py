@@ -309,27 +309,29 @@ class _Window:
     """The failure-rate window of one breaker: outcomes per second, and their totals kept as
     seconds come and go (so counting one is O(1), not a sum over the window)."""
 
-    __slots__ = ("calls", "failures", "seconds")
+    __slots__ = ("calls", "failures", "oldest", "seconds")
 
     def __init__(self) -> None:
-        self.seconds: dict[int, list[int]] = {}  # second -> [calls, failures], oldest first
+        self.seconds: dict[int, list[int]] = {}  # second -> [calls, failures]
         self.calls = 0
         self.failures = 0
+        self.oldest = math.inf  # the earliest second held (a clock may step back)
 
 
 def _window_add(window: _Window, second: int, failed: bool, params: BreakerParams) -> bool:
     """Count one outcome in ``second``; True when the window trips."""
     seconds = window.seconds
-    oldest = second - max(1, math.ceil(params.window_s or 1))
-    # Seconds are added in clock order (monotonic), so the first one is the oldest.
-    if seconds and next(iter(seconds)) <= oldest:
-        for old in [s for s in seconds if s <= oldest]:
+    horizon = second - max(1, math.ceil(params.window_s or 1))
+    if window.oldest <= horizon:  # some second has left the window
+        for old in [s for s in seconds if s <= horizon]:
             calls, failures = seconds.pop(old)
             window.calls -= calls
             window.failures -= failures
+        window.oldest = min(seconds, default=math.inf)
     bucket = seconds.get(second)
     if bucket is None:
         bucket = seconds[second] = [0, 0]
+        window.oldest = min(window.oldest, second)
     bucket[0] += 1
     window.calls += 1
     if failed:

@@ -188,8 +188,10 @@ class MemoryRateBuckets:
                 buckets.pop((group, take.name), None)
             elif state is None:
                 buckets[(group, take.name)] = [level, now, interval]
-            else:  # in place: most calls find their bucket
+            else:  # in place: most calls find their bucket (stored again: a take earlier
+                # in the same call may have emptied and dropped it)
                 state[0], state[1], state[2] = level, now, interval
+                buckets[(group, take.name)] = state
             units = math.floor(take.limit - level + take.limit * _DUST)
             left.append(units if units > 0 else 0)
         return RateResult(True, None, 0.0, tuple(left))
