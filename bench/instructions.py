@@ -23,8 +23,10 @@ Targets (one nginx upstream, as ``overhead``'s fast scenario; wrk 1 thread):
   ``rate``, ``idempotency``, ``circuit_breaker``, ``retry``), or ``sluice-no-usage`` with
   ``protocol: http`` instead of ``openai``: what that one policy costs.
 
-The table gives instructions per request (thousands) and the ratio to the baseline of the
-same run; the record goes to ``bench/results/instructions-<UTC time>.json``.
+The table gives instructions per request (thousands; all requests wrk completed, failed ones
+included: the errors column should read 0) and the ratio to the baseline, which every run
+measures; the record (settings, versions, Sluice's commit, load averages, every case) goes to
+``bench/results/instructions-<UTC time>.json`` and, with matplotlib, a bar chart beside it.
 
     python -m bench instructions                  # baseline, sluice, sluice-plain (~2 min)
     python -m bench instructions --targets baseline,sluice,sluice-no-rate,sluice-no-usage
@@ -118,20 +120,37 @@ def measure(args: argparse.Namespace, tmp: Path, upstream: Service, target: str)
     finally:
         service.stop()
     instructions = _counted(out)
-    served = load.requests - load.errors
-    if served <= 0 or instructions == 0:
+    if load.requests <= load.errors or instructions == 0:
         raise SystemExit(f"{target}: nothing measured ({load.requests} requests, "
                          f"{load.errors} errors, {instructions} instructions)")
     return {"target": target, "requests": load.requests, "errors": load.errors,
             "instructions": instructions, "per_request": instructions / load.requests}
 
 
+def plot(rows: list[dict], path: Path) -> Path | None:
+    """A bar per target: thousands of instructions per request (``None`` without matplotlib)."""
+    plt = common.pyplot()
+    if plt is None:
+        return None
+    fig, ax = plt.subplots(figsize=(8, 0.5 * len(rows) + 1.5))
+    names = [r["target"] for r in rows][::-1]
+    values = [r["per_request"] / 1e3 for r in rows][::-1]
+    ax.barh(names, values, color=["#999999" if n == "baseline" else "#3a7ebf" for n in names])
+    for y, value in enumerate(values):
+        ax.text(value, y, f" {value:,.0f}k", va="center")
+    ax.set_xlabel("thousand instructions per request (callgrind, user space)")
+    ax.set_title("What each proxy runs per request")
+    fig.tight_layout()
+    return common.save_plot(plt, fig, path)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = common.parser("instructions", __doc__)
     p.add_argument("--targets", default="baseline,sluice,sluice-plain",
-                   help=f"comma list of {', '.join(TARGETS)} (baseline,sluice,sluice-plain)")
+                   help=f"comma list of {', '.join(TARGETS)} (baseline,sluice,sluice-plain); "
+                   "the baseline is always measured")
     p.add_argument("--duration", type=float, default=15.0,
-                   help="seconds of the measured run (15; ~1,000-2,500 requests)")
+                   help="seconds of the measured run (15; ~1,000-3,000 requests)")
     p.add_argument("--warmup", type=float, default=5.0, help="unmeasured seconds first (5)")
     p.add_argument("--connections", type=int, default=4, help="wrk connections (4)")
     p.add_argument("--quick", action="store_true", help="6 s counted after 2 s of warm-up")
@@ -170,14 +189,21 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr, flush=True)
     base = next(r["per_request"] for r in rows if r["target"] == "baseline")
     table = common.table(
-        [("target", "requests", "k instr/req", "vs baseline", "+k instr/req")]
-        + [(r["target"], f"{r['requests']:,}", f"{r['per_request'] / 1e3:,.1f}",
-            f"{r['per_request'] / base:.2f}x", f"{(r['per_request'] - base) / 1e3:+,.1f}")
-           for r in rows])
-    print("\n".join(common.machine_lines("instructions", started, common.versions())))
+        [("target", "requests", "errors", "k instr/req", "vs baseline", "+k instr/req")]
+        + [(r["target"], f"{r['requests']:,}", f"{r['errors']:,}",
+            f"{r['per_request'] / 1e3:,.1f}", f"{r['per_request'] / base:.2f}x",
+            f"{(r['per_request'] - base) / 1e3:+,.1f}") for r in rows])
+    info = common.versions()
+    print("\n".join(common.machine_lines("instructions", started, info)))
     print(table)
-    path = common.write_record(common.result_path("instructions", started, output=args.output),
-                               {"started": started.isoformat(), "settings": vars(args) | {
-                                   "output": None}, "cases": rows})
+    path = common.result_path("instructions", started, output=args.output)
+    common.write_record(path, {
+        "started": started.isoformat(), "versions": info,
+        "load_average_end": common.loadavg(),
+        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "cases": rows})
     print(f"\nfull record: {path}")
+    chart = plot(rows, path.with_suffix(".png"))
+    if chart is not None:
+        print(f"plot: {chart}")
     return 0
