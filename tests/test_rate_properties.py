@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from policies.rate import finish_now
@@ -107,6 +107,11 @@ ops_st = st.lists(st.one_of(
 
 @settings(max_examples=500, deadline=None)
 @given(ops_st)
+# A bucket taken from again after a drain must be stored with the new time (a one-pass take
+# that updates it in place can miss that; random programs find it only some of the time).
+@example([("admit", "route-1", [_take("tenant:a", 1.0)]), ("clock", 1_000_000),
+          ("admit", "route-1", [_take("tenant:a", 1.0)]),
+          ("admit", "route-1", [_take("tenant:a", 1.0)])])
 def test_memory_buckets_answer_as_the_plain_gcra_model(ops: list[tuple]) -> None:
     now = [1_000_000_000]
     buckets = MemoryRateBuckets(lambda: now[0])

@@ -121,14 +121,13 @@ class MemoryRateBuckets:
     def __len__(self) -> int:
         return len(self._buckets)
 
-    def _scan(self, group: str, takes: Sequence[Take], now: int, admitting: bool = False
-              ) -> tuple[_Scan, RateResult | None]:
-        """Each bucket as found at ``now``, and the verdict of taking ``takes`` (nothing is
-        taken; ``remaining`` is before the take); ``admitting``: a verdict that admits is
-        ``None`` (:meth:`commit` follows and says what remains)."""
+    def _scan(self, group: str, takes: Sequence[Take], now: int
+              ) -> tuple[_Scan, int | None, float]:
+        """Each bucket as found at ``now``, and the bucket with the longest wait if taking
+        ``takes`` would be refused (its index, and the wait in microseconds), else ``None``.
+        Takes nothing."""
         buckets = self._buckets
         found: _Scan = []
-        levels = []
         worst, worst_i = -1.0, None
         for i, take in enumerate(takes):
             limit, amount = take.limit, take.amount
@@ -141,7 +140,6 @@ class MemoryRateBuckets:
                 if level < 0.0:
                     level = 0.0
             found.append((state, level, interval))
-            levels.append(level)
             if amount > limit:
                 wait = math.inf
             else:
@@ -151,15 +149,14 @@ class MemoryRateBuckets:
                 wait = over * interval
             if wait > worst:
                 worst, worst_i = wait, i
-        if worst_i is None:
-            return found, None if admitting else RateResult(True, None, 0.0,
-                                                            _remaining(takes, levels))
-        return found, RateResult(False, worst_i, _seconds(worst), _remaining(takes, levels))
+        return found, worst_i, worst
 
     async def admit(self, group: str, takes: Sequence[Take]) -> RateResult:
         now = self.now_us()
-        found, refused = self._scan(group, takes, now, admitting=True)
-        return refused if refused is not None else self.commit(group, takes, found, now)
+        found, worst_i, worst = self._scan(group, takes, now)
+        if worst_i is None:
+            return self.commit(group, takes, found, now)
+        return RateResult(False, worst_i, _seconds(worst), _remaining(takes, _levels(found)))
 
     def now_us(self) -> int:
         """The clock in microseconds (forgetting drained buckets when a sweep is due)."""
@@ -173,17 +170,20 @@ class MemoryRateBuckets:
         means every bucket *would* take its amount (``remaining`` is then before the take).
         With :meth:`commit`, one atomic step with other memory state
         (:mod:`policies.state.admission`)."""
-        found, verdict = self._scan(group, takes, now)
-        assert verdict is not None
-        return found, verdict
+        found, worst_i, worst = self._scan(group, takes, now)
+        left = _remaining(takes, _levels(found))
+        if worst_i is None:
+            return found, RateResult(True, None, 0.0, left)
+        return found, RateResult(False, worst_i, _seconds(worst), left)
 
     def commit(self, group: str, takes: Sequence[Take], found: _Scan, now: int) -> RateResult:
         """Take every amount from the buckets as :meth:`check` ``found`` them at ``now``
         (nothing may run between the two)."""
         buckets = self._buckets
-        left = []
+        levels = []
         for take, (state, level, interval) in zip(takes, found, strict=True):
             level += take.amount
+            levels.append(level)
             if level <= 0:  # an empty bucket and an absent one are the same, as in Redis
                 buckets.pop((group, take.name), None)
             elif state is None:
@@ -192,15 +192,12 @@ class MemoryRateBuckets:
                 # in the same call may have emptied and dropped it)
                 state[0], state[1], state[2] = level, now, interval
                 buckets[(group, take.name)] = state
-            units = math.floor(take.limit - level + take.limit * _DUST)
-            left.append(units if units > 0 else 0)
-        return RateResult(True, None, 0.0, tuple(left))
+        return RateResult(True, None, 0.0, _remaining(takes, levels))
 
     async def refund(self, group: str, takes: Sequence[Take]) -> None:
         now = self._clock_us()
         refunds = [take._replace(amount=-take.amount) for take in takes]
-        found, _ = self._scan(group, refunds, now, admitting=True)
-        self.commit(group, refunds, found, now)
+        self.commit(group, refunds, self._scan(group, refunds, now)[0], now)
 
     async def available(self, group: str, takes: Sequence[Take]) -> tuple[int, ...]:
         return self.check(group, takes, self._clock_us())[1].remaining
@@ -214,6 +211,10 @@ class MemoryRateBuckets:
         # Many short-lived buckets (a tenant per call) are dropped once they double what the
         # last sweep left, not only each minute: a drained bucket is an absent one.
         self._sweep_at_size = max(2 * len(self._buckets), _SWEEP_AT_SIZE)
+
+
+def _levels(found: _Scan) -> list[float]:
+    return [level for _, level, _ in found]
 
 
 def _seconds(wait_us: float) -> float:
