@@ -166,12 +166,14 @@ def start_upstream(tmp: Path, delay_s: float = 0.0, slots: int = 0,
 
 
 def start_sluice(tmp: Path, config: dict, name: str = "sluice",
-                 prefix: str = PROXY_PREFIX) -> Service:
+                 prefix: str = PROXY_PREFIX, wrapper: Sequence[str] = (),
+                 timeout_s: float = STARTUP_TIMEOUT_S) -> Service:
     """``python -m proxy serve`` (the ``sluice`` CLI) from this checkout on ``config``.
 
     ``server.listen``/``admin_listen`` and ``events.path`` are filled in (free loopback
     ports, a file in ``tmp``) unless given. Run from the repository so it measures the code
-    beside this script even when an installed ``sluice`` points elsewhere.
+    beside this script even when an installed ``sluice`` points elsewhere. ``wrapper``: a
+    command it runs under (e.g. valgrind); ``timeout_s``: how long it may take to be ready.
     """
     config = json.loads(json.dumps(config))
     server = config.setdefault("server", {})
@@ -182,10 +184,10 @@ def start_sluice(tmp: Path, config: dict, name: str = "sluice",
     config.setdefault("dead_letter", {"path": str(tmp / f"{name}-dlq.sqlite")})
     path = tmp / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
-    service = spawn(name, [sys.executable, "-m", "proxy", "serve", "--config", str(path)], tmp,
-                    f"http://{server['listen']}{prefix}")
+    service = spawn(name, [*wrapper, sys.executable, "-m", "proxy", "serve", "--config",
+                           str(path)], tmp, f"http://{server['listen']}{prefix}")
     service.admin = f"http://{server['admin_listen']}"
-    wait_ready(service, service.admin + "/readyz")
+    wait_ready(service, service.admin + "/readyz", timeout_s=timeout_s)
     return service
 
 

@@ -44,10 +44,8 @@ import tempfile
 import time
 from pathlib import Path
 
-import yaml
-
 from bench import common, overhead
-from bench.common import PROXY_PREFIX, UPSTREAM_PATH, Service
+from bench.common import UPSTREAM_PATH, Service
 
 #: Route blocks a ``sluice-no-BLOCK`` target drops (``usage``: the protocol's accounting).
 BLOCKS = ("concurrency", "rate", "idempotency", "circuit_breaker", "retry", "usage")
@@ -72,20 +70,6 @@ def target_config(upstream: Service, target: str) -> dict:
     return config
 
 
-def _argv(target: str, tmp: Path, upstream: Service, port: int) -> list[str]:
-    if target == "baseline":
-        return [sys.executable, str(common.HERE / "passthrough.py"), "--port", str(port),
-                "--upstream", upstream.url, "--prefix", PROXY_PREFIX]
-    config = target_config(upstream, target)
-    config["server"]["listen"] = f"127.0.0.1:{port}"
-    config["server"]["admin_listen"] = f"127.0.0.1:{common.free_port()}"
-    config["events"] = {"path": str(tmp / f"{target}-events.jsonl")}
-    config["dead_letter"] = {"path": str(tmp / f"{target}-dlq.sqlite")}
-    path = tmp / f"{target}.yaml"
-    path.write_text(yaml.safe_dump(config, sort_keys=False))
-    return [sys.executable, "-m", "proxy", "serve", "--config", str(path)]
-
-
 def _counted(out: Path) -> int:
     """Instructions in callgrind's dumps named ``out*`` (counting was on only while
     measured, so the largest total is the measured run's)."""
@@ -97,26 +81,28 @@ def _counted(out: Path) -> int:
     return total
 
 
+def _control(service: Service, *flags: str) -> None:
+    subprocess.run(["callgrind_control", *flags, str(service.pid)], check=True,
+                   capture_output=True)
+
+
 def measure(args: argparse.Namespace, tmp: Path, upstream: Service, target: str) -> dict:
     """Start ``target`` under callgrind, warm it up, count one measured run."""
-    port = common.free_port()
     out = tmp / f"{target}.callgrind"
-    argv = ["valgrind", "--tool=callgrind", "--instr-atstart=no",
-            f"--callgrind-out-file={out}", *_argv(target, tmp, upstream, port)]
-    url = f"http://127.0.0.1:{port}{PROXY_PREFIX}"
-    service = common.spawn(target, argv, tmp, url)
+    wrapper = ["valgrind", "--tool=callgrind", "--instr-atstart=no",
+               f"--callgrind-out-file={out}"]
+    if target == "baseline":
+        service = overhead.start_baseline(tmp, upstream, wrapper, STARTUP_TIMEOUT_S)
+    else:
+        service = common.start_sluice(tmp, target_config(upstream, target), target,
+                                      wrapper=wrapper, timeout_s=STARTUP_TIMEOUT_S)
     try:
-        common.wait_ready(service, url + UPSTREAM_PATH, "POST", timeout_s=STARTUP_TIMEOUT_S)
-        target_url = url + UPSTREAM_PATH
-        common.run_closed(args.wrk, target_url, 1, args.connections, args.warmup, tmp)
-        control = ["callgrind_control", str(service.pid)]
-        subprocess.run([*control[:1], "-i", "on", *control[1:]], check=True,
-                       capture_output=True)
-        load = common.run_closed(args.wrk, target_url, 1, args.connections, args.duration,
-                                 tmp)
-        subprocess.run([*control[:1], "-i", "off", *control[1:]], check=True,
-                       capture_output=True)
-        subprocess.run([*control[:1], "-d", *control[1:]], check=True, capture_output=True)
+        url = service.url + UPSTREAM_PATH
+        common.run_closed(args.wrk, url, 1, args.connections, args.warmup, tmp)
+        _control(service, "-i", "on")
+        load = common.run_closed(args.wrk, url, 1, args.connections, args.duration, tmp)
+        _control(service, "-i", "off")
+        _control(service, "-d")
     finally:
         service.stop()
     instructions = _counted(out)

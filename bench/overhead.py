@@ -79,7 +79,7 @@ import threading
 import time
 import urllib.request
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -187,13 +187,15 @@ def start_nginx(nginx: str, tmp: Path) -> Service:
     return service
 
 
-def start_baseline(tmp: Path, upstream: Service) -> Service:
+def start_baseline(tmp: Path, upstream: Service, wrapper: Sequence[str] = (),
+                   timeout_s: float = common.STARTUP_TIMEOUT_S) -> Service:
+    """``bench/passthrough.py`` in front of ``upstream`` (under ``wrapper``, if given)."""
     port = common.free_port()
-    service = common.spawn("baseline", [sys.executable, str(HERE / "passthrough.py"), "--port",
-                                        str(port), "--upstream", upstream.url, "--prefix",
-                                        PROXY_PREFIX], tmp,
+    service = common.spawn("baseline", [*wrapper, sys.executable, str(HERE / "passthrough.py"),
+                                        "--port", str(port), "--upstream", upstream.url,
+                                        "--prefix", PROXY_PREFIX], tmp,
                            f"http://127.0.0.1:{port}{PROXY_PREFIX}")
-    common.wait_ready(service, service.url + UPSTREAM_PATH, "POST")
+    common.wait_ready(service, service.url + UPSTREAM_PATH, "POST", timeout_s=timeout_s)
     return service
 
 
