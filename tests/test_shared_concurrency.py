@@ -361,8 +361,17 @@ async def test_three_replicas_never_put_more_than_the_limit_at_the_upstream(
         calls = asyncio.gather(*(
             post(session, replicas[i % 3].url, delay=0.25) for i in range(40)))
         await eventually(lambda: _value(upstream.inflight), 4, 20.0, "4 calls upstream")
-        async with session.get(replicas[0].admin_url + "/admin/routes") as r:
-            (openai,) = (await r.json())["routes"]
+
+        async def seen_redis() -> bool:
+            # shared_inflight is "as Redis last said": None until this replica's first
+            # answer, which can come after the other two have filled the limit.
+            nonlocal openai
+            async with session.get(replicas[0].admin_url + "/admin/routes") as r:
+                (openai,) = (await r.json())["routes"]
+            return openai["concurrency"]["shared_inflight"] is not None
+
+        openai: dict = {}
+        await eventually(seen_redis, True, 20.0, "replica 0's first answer from Redis")
         results = await calls
     assert [status for status, _, _ in results] == [200] * 40
     assert upstream.peak_inflight == 4, upstream.peak_inflight
