@@ -184,7 +184,7 @@ class EdgeServer(GuardedServer):
         expect = request.headers.get("Expect")
         if expect is not None and request.version >= HttpVersion11:
             if expect.lower() != "100-continue":
-                return _answered(render(Rejected(Reason.EXPECTATION_FAILED, None, "", retry=False),
+                return _answered(render(Rejected(Reason.EXPECTATION_FAILED, None, ""),
                                         "http"))
             if not request.content.is_eof() and request.transport is not None:
                 # The caller waits for this before it sends the body (RFC 9110 §10.1.1).
@@ -240,13 +240,13 @@ class Door:
         if host is not None and not self.any_host and host not in self._hosts_seen:
             if not self.host_allowed(host):
                 return render(Rejected(Reason.MISDIRECTED, None, "list the name in "
-                                       "server.allowed_hosts to serve it", retry=False), "http")
+                                       "server.allowed_hosts to serve it"), "http")
             if len(self._hosts_seen) < _HOSTS_REMEMBERED:
                 self._hosts_seen.add(host)
         raw = request.raw_path
         if "%" in raw and _ESCAPED_CONTROL.search(raw.partition("?")[0]):
-            return render(Rejected(Reason.BAD_REQUEST, None, "a control character in the path",
-                                   retry=False), "http")
+            return render(Rejected(Reason.BAD_REQUEST, None, "a control character in the path"),
+                          "http")
         if self.mcp and not self.any_origin:
             origin = headers.get("Origin")
             if origin is not None:
@@ -254,8 +254,7 @@ class Door:
                 if route is not None and route.protocol == "mcp" and not self.origin_allowed(
                         origin, host):
                     rejected = Rejected(Reason.FORBIDDEN_ORIGIN, None,
-                                        "list it in server.allowed_origins to allow it",
-                                        retry=False)
+                                        "list it in server.allowed_origins to allow it")
                     route.metrics.outcomes["rejected"].inc()
                     return refuse(rt, route, rejected, rt.next_request_id(),
                                   rt.config.identity.default_tenant, None)
@@ -474,11 +473,10 @@ class EdgeProtocol(RequestHandler):
         if isinstance(exc, HttpProcessingError | RequestPayloadError):
             if isinstance(exc, LineTooLong) or _TOO_MANY_HEADERS in str(exc):
                 rejected = Rejected(Reason.HEADERS_TOO_LARGE, None,
-                                    "at most 8190 bytes a header line and 128 headers",
-                                    retry=False)
+                                    "at most 8190 bytes a header line and 128 headers")
             else:
                 rejected = Rejected(Reason.BAD_REQUEST, None,
-                                    f"not valid HTTP/1.1 ({type(exc).__name__})", retry=False)
+                                    f"not valid HTTP/1.1 ({type(exc).__name__})")
             level = logging.DEBUG if (isinstance(exc, BadHttpMethod)
                                       and self._request_count == 1) else logging.WARNING
             self.logger.log(level, "Error handling request from %s: %s (%d), not quoted",

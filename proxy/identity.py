@@ -90,7 +90,7 @@ class IdentityRejected(Rejected):
     __slots__ = ("tenant",)
 
     def __init__(self, reason: Reason, detail: str, tenant: str) -> None:
-        super().__init__(reason, None, detail, retry=False)
+        super().__init__(reason, None, detail)
         self.tenant = tenant
 
 

@@ -268,6 +268,7 @@ async def test_dot_segments_refused_dots_inside_segments_forwarded(upstream, sta
         got, headers, _ = _status_and_headers(answer)
         assert got == status, target
         assert headers["x-sluice-reason"] == ("bad_request" if status == 400 else "no_route")
+        assert headers["x-should-retry"] == "false", target  # as sent, it never succeeds
     assert upstream.requests == []
     async with aiohttp.ClientSession() as session, session.get(
         URL(sluice.url + "/svc/v1/file.v2..json?q=../x", encoded=True)

@@ -33,5 +33,6 @@ async def test_token_rate_weighs_reserved_tokens(upstream, start_sluice):
     with pytest.raises(openai.BadRequestError) as never:
         await client.chat.completions.create(model="gpt-test", messages=MSG, max_tokens=5000)
     assert never.value.code == "exceeds_limit"
+    assert never.value.response.headers["x-should-retry"] == "false"
     assert len(upstream.requests) == 3
     await client.close()
