@@ -228,13 +228,15 @@ async def backends(request: pytest.FixtureRequest) -> AsyncIterator[StateBackend
 
 
 @contextlib.asynccontextmanager
-async def replica(like: StateBackends) -> AsyncIterator[StateBackends]:
+async def replica(like: StateBackends,
+                  timeout_s: float = TEST_TIMEOUT_S) -> AsyncIterator[StateBackends]:
     """Another replica's view of the same state: a second client on the same Redis (and
-    prefix), or the very same memory backends (one process has one memory)."""
+    prefix), or the very same memory backends (one process has one memory). ``timeout_s``:
+    its per-call bound."""
     if like.redis is None:
         yield like
         return
-    other = await redis_backends(like.redis.url, like.redis.prefix, TEST_TIMEOUT_S,
+    other = await redis_backends(like.redis.url, like.redis.prefix, timeout_s,
                                  probe_interval_s=TEST_PROBE_S)
     try:
         yield other
