@@ -71,6 +71,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import NamedTuple, TypeVar
 
 from policies.config import CircuitBreakerConfig
+from policies.logs import PER_CALL
 from policies.pipeline import Call
 from policies.reasons import Reason, Rejected
 from policies.state import BreakerStates, StateBackends, StateUnavailable, memory_backends
@@ -366,7 +367,7 @@ class Breaker:
                 states.record(self.route, ticket.ticket, outcome, self._params, hint))
         except StateUnavailable as exc:
             log.warning("route %s: a circuit-breaker outcome was dropped: %s", self.route,
-                        exc.cause)
+                        exc.cause, extra=PER_CALL)
             return
         # A transition happened in the ticket's epoch, so the new one is known; otherwise the
         # ticket may be stale, and the epoch is left to the next admit to learn.
@@ -453,4 +454,4 @@ class Breaker:
             await call
         except StateUnavailable as exc:
             log.warning("route %s: a probe lease was not given back (it lapses in %.0fs): %s",
-                        self.route, PROBE_LEASE_S, exc.cause)
+                        self.route, PROBE_LEASE_S, exc.cause, extra=PER_CALL)

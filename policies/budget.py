@@ -45,6 +45,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from policies.config import BudgetConfig, ModelPrice
+from policies.logs import PER_CALL
 from policies.rate import Background, fallback_for, finish_now
 from policies.reasons import Reason, Rejected
 from policies.state import StateBackends, StateUnavailable
@@ -552,7 +553,7 @@ class Reconciler:
         if len(pending) >= MAX_PENDING:
             lost = pending.popleft()
             log.warning("budget spend to reconcile on %s dropped (over %d kept): %s",
-                        self._budgets.group, MAX_PENDING, lost)
+                        self._budgets.group, MAX_PENDING, lost, extra=PER_CALL)
         pending.append(entry)
 
     async def _run(self) -> None:

@@ -117,6 +117,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from policies import mcp
 from policies.config import IdempotencyConfig
 from policies.idempotency_store import DONE, SEEN, TOO_LARGE, MemoryStore, Record, ResultStore
+from policies.logs import PER_CALL
 from policies.pipeline import Call, Outcome
 from policies.reasons import Reason, Rejected
 from policies.retry import is_client_retry
@@ -817,7 +818,7 @@ class Idempotency:
             await call
         except StateUnavailable as exc:
             log.warning("an idempotency record was not written (its key is free again "
-                        "within %.0fs): %s", self._lease_s, exc.cause)
+                        "within %.0fs): %s", self._lease_s, exc.cause, extra=PER_CALL)
 
     # -- this process's records ---------------------------------------------------------------
 

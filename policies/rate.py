@@ -44,6 +44,7 @@ from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
 from policies.config import Rate, RateConfig
+from policies.logs import PER_CALL
 from policies.pipeline import Call, Outcome
 from policies.reasons import Reason, Rejected
 from policies.state import StateBackends, StateUnavailable
@@ -133,7 +134,7 @@ class Background:
             return
         exc = task.exception()
         if isinstance(exc, StateUnavailable):
-            log.warning("%s not applied: %s", what, exc.cause)
+            log.warning("%s not applied: %s", what, exc.cause, extra=PER_CALL)
         elif exc is not None:
             log.error("%s failed", what, exc_info=exc)
 

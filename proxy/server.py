@@ -24,6 +24,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client.aiohttp import make_aiohttp_handler
 
 from policies.config import Config
+from policies.logs import RepeatFilter
 from proxy.admin import add_admin_routes
 from proxy.edge import AdminServer, EdgeServer
 from proxy.handler import handle
@@ -170,6 +171,9 @@ async def serve(config: Config, config_path: str | None = None) -> None:
     server_log = logging.getLogger("aiohttp.server")
     if not any(isinstance(f, RedactMalformedRequests) for f in server_log.filters):
         server_log.addFilter(RedactMalformedRequests())
+    for handler in logging.getLogger().handlers:  # a warning per call, at most one per 10 s
+        if not any(isinstance(f, RepeatFilter) for f in handler.filters):
+            handler.addFilter(RepeatFilter())
     runtime = Runtime(config)
     reloader = Reloader(runtime, config_path) if config_path else None
     await runtime.open()

@@ -356,3 +356,35 @@ async def test_breaker_successes_pending_while_redis_refuses_are_dropped(
     await asyncio.sleep(0.5)  # the breaker's cached view has aged: it asks Redis again
     await breaker.record(await breaker.attempt(), FAILURE, 500)
     assert events == ["circuit_opened"]  # the dropped success did not reset the run
+
+
+async def test_writes_lost_in_an_outage_are_logged_once_per_kind_not_once_per_call(
+        redis_server: RedisServer, upstream, start_sluice):
+    """30 calls admitted on Redis finish after it stopped: each one's background write
+    (settling its budget, giving back its lease) fails. The log says so once per kind of
+    write, not 30 times (a busy proxy would write a line per request for the whole outage),
+    and every call is still answered."""
+    sluice = await start_sluice({
+        "state": {"backend": "redis", "redis_url": redis_server.url, "key_prefix": new_prefix(),
+                  "timeout": "200ms"},
+        "routes": [route("openai", upstream.url, concurrency={"limit": 64, "queue": 0},
+                         budget=[{"tokens": "1000000/day", "per": "tenant"}])]})
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10}
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        async def one() -> int:
+            async with session.post(sluice.url + "/openai/v1/chat/completions", json=body,
+                                    headers={"x-fake-delay": "1.0"}) as r:
+                await r.read()
+                return r.status
+        calls = asyncio.gather(*(one() for _ in range(30)))
+        deadline = time.monotonic() + 20
+        while upstream.inflight < 30:
+            assert time.monotonic() < deadline, upstream.inflight
+            await asyncio.sleep(0.02)
+        redis_server.stop()
+        assert await calls == [200] * 30
+    await asyncio.sleep(1.0)  # the background writes fail within their timeout
+    lost = [line for line in sluice.stderr().splitlines() if "not applied" in line]
+    texts = {line.split(" WARNING ", 1)[1] for line in lost}
+    assert lost, "the outage's lost writes are not logged at all"
+    assert len(lost) == len(texts), "\n".join(lost)  # each text once (its cause may vary)

@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable
 from typing import NamedTuple, Protocol
 
+from policies.logs import PER_CALL
 from policies.state.connection import RedisState, Script
 from policies.state.errors import StateUnavailable
 from policies.state.notify import MemoryNotifier, Signal
@@ -311,7 +312,7 @@ class Lease:
                 # others wait until the count is back under the limit.
                 self.retaken += 1
                 log.warning("concurrency lease on %s lapsed while its call ran; taken again",
-                            self.group)
+                            self.group, extra=PER_CALL)
 
     def release(self) -> asyncio.Task[bool]:
         """Stop renewing and give the slot back; never awaits, never raises (for a

@@ -1,0 +1,67 @@
+"""Warnings that recur once per call, held to one line per text every few seconds.
+
+While Redis is down or refusing, every call can lose a write it made in the background (a
+refund, a settle, a breaker outcome, an idempotency record): one warning each would be one log
+line per request for the length of the outage. A site that logs such a warning marks it with
+``extra=PER_CALL``; :class:`RepeatFilter`, installed on the log handlers by the proxy, lets the
+first line of each text through, then at most one every ``every_s`` seconds, which says how
+many it held back. Unmarked records pass untouched, so a state change (Redis marked down, up
+again) is logged every time it happens.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+#: ``extra=`` for a warning that can recur once per call.
+PER_CALL = {"sluice_per_call": True}
+#: Seconds between two lines of the same text.
+EVERY_S = 10.0
+#: Texts remembered at most; the least recently seen is forgotten first (and let through
+#: when it comes again).
+MAX_TEXTS = 256
+
+
+class RepeatFilter(logging.Filter):
+    """A handler filter: a ``PER_CALL`` record whose text was let through less than
+    ``every_s`` seconds ago is dropped and counted; the next one let through ends with
+    ``(N more like it held back over Xs)``.
+
+    Args:
+        every_s: seconds between two lines of the same text.
+        clock: monotonic seconds (a test's clock).
+    """
+
+    def __init__(self, every_s: float = EVERY_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__()
+        self.every_s = every_s
+        self.clock = clock
+        #: text -> [when it was last let through, records held back since]
+        self._texts: dict[str, list[float]] = {}
+        self._lock = threading.Lock()  # handlers run on whichever thread logs
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not getattr(record, "sluice_per_call", False):
+            return True
+        text = record.getMessage()
+        now = self.clock()
+        with self._lock:
+            seen = self._texts.pop(text, None)  # re-inserted: least recently seen first
+            if seen is not None and now - seen[0] < self.every_s:
+                seen[1] += 1
+                self._texts[text] = seen
+                return False
+            if len(self._texts) >= MAX_TEXTS:
+                del self._texts[next(iter(self._texts))]
+            self._texts[text] = [now, 0]
+        if seen is not None and seen[1]:
+            record.msg = f"{text} ({seen[1]:.0f} more like it held back over {now - seen[0]:.0f}s)"
+            record.args = None
+        return True
+
+
+__all__ = ["EVERY_S", "PER_CALL", "RepeatFilter"]
