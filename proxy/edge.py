@@ -27,6 +27,9 @@
 
 **Requests** (:meth:`EdgeServer.serve`, before :func:`proxy.handler.handle`):
 
+* only HTTP/1.1 and HTTP/1.0 are served: another version on the request line (``HTTP/2.0``,
+  or none: HTTP/0.9) is refused with 400 ``bad_request`` in an HTTP/1.1 answer, and the
+  connection closed; an HTTP/1.1 request without ``Host`` gets 400 (RFC 9112 §3.2);
 * ``Host`` must be one ``server.allowed_hosts`` allows, else 421 ``misdirected_request``.
   By default: the listen address's own name; for a loopback address also ``localhost``,
   ``127.0.0.1`` and ``[::1]``; for a wildcard address (``0.0.0.0``, ``::``) those, the
@@ -39,6 +42,8 @@
   JSON-RPC shape; requests without ``Origin`` (not from a browser) pass;
 * a path with a control character, raw or percent-encoded (``%00``-``%1F``, ``%7F``), is
   refused with 400 ``bad_request`` (the parser refuses raw ones first);
+* a ``Content-Length`` over ``server.max_request_bytes`` is refused with 413
+  ``request_too_large`` before the body is read (and before any ``100 Continue``);
 * ``Expect: 100-continue`` is answered by Sluice (``100 Continue`` before the body is read)
   and never forwarded; any other expectation is refused with 417 ``expectation_failed``.
 
@@ -59,7 +64,7 @@ from http import HTTPStatus
 from typing import Any
 
 from aiohttp import web
-from aiohttp.http import HttpVersion11, RawRequestMessage
+from aiohttp.http import HttpVersion10, HttpVersion11, RawRequestMessage
 from aiohttp.http_exceptions import BadHttpMethod, HttpProcessingError, LineTooLong
 from aiohttp.streams import StreamReader
 from aiohttp.web_protocol import ERROR as PARSE_ERROR_MESSAGE
@@ -162,14 +167,23 @@ class EdgeServer(GuardedServer):
     def _make_request(self, message: RawRequestMessage, payload: StreamReader,
                       protocol: RequestHandler, writer: Any, task: asyncio.Task[None],
                       ) -> web.BaseRequest:
+        unsupported = None
         if message is PARSE_ERROR_MESSAGE:
             message = _PARSE_ERROR_MESSAGE_11  # answered as HTTP/1.1, not 1.0
+        elif message.version not in _SERVED_VERSIONS:
+            # Refused at the door, in an HTTP/1.1 status line (aiohttp would echo the
+            # request's version: "HTTP/2.0 400"), and the connection closed.
+            unsupported = message.version
+            message = message._replace(version=HttpVersion11, should_close=True)
         elif message.chunked or (message.version < HttpVersion11
                                  and "Transfer-Encoding" in message.headers):
             # Close after the answer; see the module docstring (trailers, RFC 9112 §6.1).
             message = message._replace(should_close=True)
-        return web.BaseRequest(message, payload, protocol, writer, task, self._loop,
-                               client_max_size=self.runtime.config.server.max_request_bytes)
+        request = web.BaseRequest(message, payload, protocol, writer, task, self._loop,
+                                  client_max_size=self.runtime.config.server.max_request_bytes)
+        if unsupported is not None:
+            request[UNSUPPORTED_VERSION] = unsupported
+        return request
 
     def serve(self, request: web.BaseRequest) -> Awaitable[web.StreamResponse]:
         """The request handler aiohttp calls: the edge's checks, then the request path."""
@@ -181,6 +195,9 @@ class EdgeServer(GuardedServer):
         refused = self._door.check(rt, request)
         if refused is not None:
             return _answered(refused)
+        length = request.content_length
+        if length is not None and length > rt.config.server.max_request_bytes:
+            return _too_large(rt, request, length)
         expect = request.headers.get("Expect")
         if expect is not None and request.version >= HttpVersion11:
             if expect.lower() != "100-continue":
@@ -219,6 +236,35 @@ async def _answered(response: web.StreamResponse) -> web.StreamResponse:
 
 
 _PARSE_ERROR_MESSAGE_11 = PARSE_ERROR_MESSAGE._replace(version=HttpVersion11)
+#: The HTTP versions Sluice serves; llhttp also parses ``HTTP/2.0`` and ``HTTP/0.9`` lines.
+_SERVED_VERSIONS = frozenset({HttpVersion10, HttpVersion11})
+#: Request key: the version of a request line Sluice does not serve (see ``_make_request``).
+UNSUPPORTED_VERSION = "sluice_unsupported_version"
+
+
+async def _too_large(rt: Runtime, request: web.BaseRequest, length: int
+                     ) -> web.StreamResponse:
+    """413 for a body whose declared ``Content-Length`` is over ``server.max_request_bytes``,
+    before any of it is read or invited (no ``100 Continue``); in the route's shape and
+    counted on it, as when a body turns out too long while read. The connection is closed:
+    the body was not read."""
+    limit = rt.config.server.max_request_bytes
+    rejected = Rejected(Reason.BODY_TOO_LARGE, None,
+                        f"limit {limit} bytes; Content-Length says {length}")
+    route = rt.router.match(request.raw_path)
+    if route is None:
+        response = render(rejected, "http")
+    else:
+        route.metrics.outcomes["rejected"].inc()
+        response = refuse(rt, route, rejected, rt.next_request_id(),
+                          rt.config.identity.default_tenant, None)
+    response.force_close()
+    # Sent and the connection closed here: left to aiohttp, the unread body would be read
+    # and dropped for up to 10 s (its lingering close) before the connection closes.
+    await response.prepare(request)
+    await response.write_eof()
+    request.protocol.force_close()
+    return response
 
 
 class Door:
@@ -236,7 +282,15 @@ class Door:
     def check(self, rt: Runtime, request: web.BaseRequest) -> web.StreamResponse | None:
         """A refusal for ``request``, or ``None`` to let it through."""
         headers = request.headers
+        version = request.get(UNSUPPORTED_VERSION)
+        if version is not None:
+            return render(Rejected(Reason.BAD_REQUEST, None, f"HTTP/{version.major}."
+                                   f"{version.minor} is not served: send HTTP/1.1"), "http")
         host = headers.get("Host")
+        if host is None and request.version == HttpVersion11:
+            return render(Rejected(Reason.BAD_REQUEST, None,
+                                   "an HTTP/1.1 request must carry Host (RFC 9112 §3.2)"),
+                          "http")
         if host is not None and not self.any_host and host not in self._hosts_seen:
             if not self.host_allowed(host):
                 return render(Rejected(Reason.MISDIRECTED, None, "list the name in "

@@ -143,6 +143,48 @@ async def test_expect_100_continue_is_answered_by_sluice_and_never_forwarded(
     assert "Expect" not in upstream.requests[-1].headers
 
 
+async def test_a_declared_length_over_the_limit_is_413_at_once_without_100_continue(
+        upstream, start_sluice):
+    """A ``Content-Length`` over ``max_request_bytes`` waited for the body (408 after
+    ``body_timeout``), and with ``Expect: 100-continue`` invited the upload it would refuse.
+    Now: 413 in the route's shape before any of it is read, counted on the route, the
+    connection closed; the upstream sees nothing."""
+    sluice = await start_sluice({"server": {"max_request_bytes": 1000, "body_timeout": "30s"},
+                                 "routes": [route("svc", upstream.url, "openai")]})
+    for expect in (b"", b"Expect: 100-continue\r\n"):
+        reader, writer = await asyncio.open_connection("127.0.0.1", sluice.port)
+        writer.write(b"POST /svc/v1/chat/completions HTTP/1.1\r\n" + LOOPBACK
+                     + b"Content-Length: 40000000\r\n" + expect + b"\r\n")
+        answer = await closed_within(reader, 5.0)  # at once, not after body_timeout
+        writer.close()
+        [(status, headers, body)] = parse(answer)
+        assert (status, headers["x-sluice-reason"]) == (413, "request_too_large"), answer
+        assert headers["connection"].lower() == "close"
+        assert json.loads(body)["error"]["code"] == "request_too_large"  # OpenAI's shape
+        assert b"100 Continue" not in answer
+    assert await sluice.metric("sluice_rejections_total", route="svc",
+                               reason="request_too_large") == 2
+    assert upstream.requests == []
+
+
+async def test_only_http_1_x_is_served_and_1_1_must_carry_host(upstream, start_sluice):
+    """llhttp parses ``HTTP/2.0`` and HTTP/0.9 (no version) request lines: they were
+    forwarded and answered ``HTTP/2.0 200 OK``, the 0.9 one past the Host check. Now 400 in
+    an HTTP/1.1 answer; so is HTTP/1.1 without ``Host`` (RFC 9112 §3.2). HTTP/1.0 without
+    ``Host`` is still served (it predates the header)."""
+    sluice = await start_sluice({"routes": [route("svc", upstream.url, "http")]})
+    for request in (b"GET /svc/x HTTP/2.0\r\n" + LOOPBACK + b"\r\n",
+                    b"GET /svc/x\r\n\r\n",
+                    b"GET /svc/x HTTP/1.1\r\n\r\n"):
+        answer = await raw_request(sluice.port, request)
+        assert answer.startswith(b"HTTP/1.1 400 "), answer
+        [(_, headers, _)] = parse(answer)
+        assert headers["x-sluice-reason"] == "bad_request"
+    assert upstream.requests == []
+    [(status, _, _)] = parse(await raw_request(sluice.port, b"GET /svc/x HTTP/1.0\r\n\r\n"))
+    assert status == 200
+
+
 async def test_http_1_0_with_chunked_framing_is_closed_after_the_answer(upstream, start_sluice):
     """RFC 9112 §6.1: HTTP/1.0 with Transfer-Encoding has faulty framing; close after it."""
     sluice = await start_sluice({"routes": [route("svc", upstream.url, "http")]})
