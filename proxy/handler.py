@@ -46,11 +46,14 @@ log = logging.getLogger("sluice")
 
 #: How long a draining replica suggests callers wait (another replica can take them), seconds.
 DRAINING_RETRY_AFTER_S = 1.0
+#: A caller's timeout of this many seconds (~31 years) or more is taken for none.
+MAX_CALLER_TIMEOUT_S = 1e9
 
 
 def _caller_timeout(request: web.BaseRequest, header: str) -> float | None:
     """The caller's own timeout in seconds: ``header`` (``identity.timeout_header``,
-    ``X-Request-Timeout``), else the Stainless SDKs' headers, if sent."""
+    ``X-Request-Timeout``), else the Stainless SDKs' headers, if sent; ``None`` for a value
+    that is not a positive number below :data:`MAX_CALLER_TIMEOUT_S`."""
     raw = (request.headers.get(header) or request.headers.get("x-stainless-timeout")
            or request.headers.get("x-stainless-read-timeout"))
     if raw:
@@ -58,7 +61,7 @@ def _caller_timeout(request: web.BaseRequest, header: str) -> float | None:
             value = float(raw)
         except ValueError:
             return None
-        if value > 0:
+        if 0 < value < MAX_CALLER_TIMEOUT_S:  # nan, inf and 1e300 are no deadline
             return value
     return None
 

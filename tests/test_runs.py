@@ -264,10 +264,14 @@ async def test_remaining_deadline_goes_upstream_and_children_inherit_it(upstream
         await post(s, url, run_headers("p", None, **{"X-Request-Timeout": "5"}))
         await post(s, url, run_headers("c", "p"))  # no deadline of its own
         await post(s, url, {})
+        nonsense = ["inf", "1e400", "1e300", "nan", "-5", "abc"]
+        for value in nonsense:  # no deadline: the caller's header passes as it came
+            await post(s, url, {"X-Request-Timeout": value})
     sent = [seen.headers.get("X-Request-Timeout") for seen in upstream.requests]
     assert 4 < float(sent[0]) <= 5
     assert 3 < float(sent[1]) < float(sent[0])  # the parent's, less the time gone
     assert sent[2] is None
+    assert sent[3:] == nonsense  # "inf" was a deadline, and 1e300 went up in 300 digits
 
 
 async def test_a_stalled_stream_is_counted(upstream, start_sluice):
