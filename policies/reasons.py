@@ -79,7 +79,7 @@ class Reason(enum.Enum):
         "expectation_failed", 417, "Sluice meets no expectation but Expect: 100-continue"
     )
     MISDIRECTED = (
-        "misdirected_request", 421, "Sluice does not serve this Host (server.allowed_hosts)"
+        "misdirected_request", 421, "Sluice does not serve this Host"
     )
     HEADERS_TOO_LARGE = (
         "headers_too_large", 431, "a request header line, or the number of headers, is too large"

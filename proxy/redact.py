@@ -17,6 +17,9 @@ _SECRET_WORDS = frozenset(
     {"secret", "password", "passwd", "token", "key", "apikey", "credential", "credentials",
      "authorization", "auth", "cookie"}
 )
+# A key ending in one of these names something about a secret, not the secret itself:
+# ``state.key_prefix``, ``identity.unknown_key_tenant``, a ``token_file`` path.
+_DESCRIBES_ONLY = frozenset({"prefix", "tenant", "header", "file", "path", "name", "id"})
 _WORD_SPLIT = re.compile(r"[_\-.\s]+|(?<=[a-z])(?=[A-Z])")
 # scheme://user:password@host or scheme://token@host, anywhere in a string (error messages
 # quote the values they reject): the userinfo before '@'.
@@ -52,4 +55,7 @@ def _redact_userinfo(match: re.Match[str]) -> str:
 
 
 def _secret_key(key: str) -> bool:
-    return any(word.lower() in _SECRET_WORDS for word in _WORD_SPLIT.split(key) if word)
+    words = [word.lower() for word in _WORD_SPLIT.split(key) if word]
+    if words and words[-1] in _DESCRIBES_ONLY:
+        return False
+    return any(word in _SECRET_WORDS for word in words)

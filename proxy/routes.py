@@ -340,15 +340,18 @@ class Router:
 
 
 def has_dot_segment(raw_path: str) -> bool:
-    """True if the path part has a ``.`` or ``..`` segment, plain or percent-encoded.
+    """True if the path part has a ``.`` or ``..`` segment, plain or percent-encoded, with
+    ``\\`` taken for a ``/`` too.
 
     Such paths are refused rather than forwarded: an upstream that resolves them would serve a
-    path other than the one Sluice routed on (RFC 3986 §5.2.4).
+    path other than the one Sluice routed on (RFC 3986 §5.2.4); some servers (IIS, and
+    frameworks on Windows) also split segments at a backslash.
     """
     path = raw_path.partition("?")[0]
     if "." not in path and "%" not in path:
         return False
-    return any(segment in (".", "..") for segment in unquote(path).split("/"))
+    return any(segment in (".", "..")
+               for segment in unquote(path).replace("\\", "/").split("/"))
 
 
 def _counts_tool_errors(op: Operation) -> bool:

@@ -26,6 +26,10 @@ from tests.test_reload import CHAT, until
     ({"headers": {"X-Extra": "Bearer sk-123"}}, {"headers": {"X-Extra": REDACTED}}),
     ({"problems": ["f:3: state.redis_url: 'redis://u:pw@h:1/x' is not valid"]},
      {"problems": [f"f:3: state.redis_url: 'redis://u:{REDACTED}@h:1/x' is not valid"]}),
+    ({"key_prefix": "sluice", "unknown_key_tenant": "guests", "auth_header": "x-api-key",
+      "api_key": "k", "token_file": "/run/secrets/t", "secret_token": "t"},
+     {"key_prefix": "sluice", "unknown_key_tenant": "guests", "auth_header": "x-api-key",
+      "api_key": REDACTED, "token_file": "/run/secrets/t", "secret_token": REDACTED}),
     ({"list": ["sk-abc", "plain"], "limit": 5, "secret": None},
      {"list": [REDACTED, "plain"], "limit": 5, "secret": None}),
 ])

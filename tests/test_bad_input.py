@@ -298,3 +298,4 @@ async def test_421_names_sluice_once(start_sluice, upstream) -> None:
             message = (await r.json())["error"]["message"]
     assert message.startswith("Sluice does not serve this Host"), message
     assert "Sluice: Sluice" not in message
+    assert message.count("server.allowed_hosts") == 1, message

@@ -260,6 +260,8 @@ async def test_dot_segments_refused_dots_inside_segments_forwarded(upstream, sta
                            (b"/svc/%2E%2e/admin", 400),
                            (b"/svc/.%2e/admin?x=1", 400),
                            (b"/svc/x/..", 400),
+                           (b"/svc/..\\admin", 400),  # a backslash splits segments on IIS
+                           (b"/svc/a%5c..%5cadmin", 400),
                            (b"/other/../svc/x", 404)):
         answer = await raw_request(
             sluice.port,
