@@ -45,7 +45,6 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from multidict import CIMultiDictProxy
 
-from policies.concurrency import PRIORITIES
 from policies.config import IDENTITY_VALUE, MAX_IDENTITY_LENGTH, IdentityConfig
 from policies.reasons import Reason, Rejected
 
@@ -100,9 +99,8 @@ def identify(rt: Runtime, request: web.BaseRequest) -> Identity:
 
     Raises:
         IdentityRejected: 400 ``bad_request`` for a value that is not visible ASCII, is too
-            long or is sent twice, or a priority that is not one of
-            :data:`~policies.concurrency.PRIORITIES` (any case); 401 ``unknown_api_key`` or
-            403 ``tenant_mismatch`` with trusted identity (see the module docstring).
+            long or is sent twice; 401 ``unknown_api_key`` or 403 ``tenant_mismatch`` with
+            trusted identity (see the module docstring).
     """
     config = rt.config.identity
     headers = request.headers
@@ -112,11 +110,6 @@ def identify(rt: Runtime, request: web.BaseRequest) -> Identity:
     request_id = header_value(headers, REQUEST_ID_HEADER, default)
     parent_run = header_value(headers, config.parent_run_header, default)
     priority = header_value(headers, config.priority_header, default)
-    if priority is not None:
-        priority = priority.lower()
-        if priority not in PRIORITIES:  # silently served as standard, it would mislead
-            raise IdentityRejected(Reason.BAD_REQUEST, f"{config.priority_header} takes "
-                                   f"{', '.join(PRIORITIES)}", default)
     keys = config.keys
     if keys is not None:
         tenant = trusted_tenant(config, keys, headers, tenant)
