@@ -64,7 +64,7 @@ from http import HTTPStatus
 from typing import Any
 
 from aiohttp import web
-from aiohttp.http import HttpVersion10, HttpVersion11, RawRequestMessage
+from aiohttp.http import HttpVersion, HttpVersion10, HttpVersion11, RawRequestMessage
 from aiohttp.http_exceptions import BadHttpMethod, HttpProcessingError, LineTooLong
 from aiohttp.streams import StreamReader
 from aiohttp.web_protocol import ERROR as PARSE_ERROR_MESSAGE
@@ -167,23 +167,19 @@ class EdgeServer(GuardedServer):
     def _make_request(self, message: RawRequestMessage, payload: StreamReader,
                       protocol: RequestHandler, writer: Any, task: asyncio.Task[None],
                       ) -> web.BaseRequest:
-        unsupported = None
+        version = message.version
         if message is PARSE_ERROR_MESSAGE:
             message = _PARSE_ERROR_MESSAGE_11  # answered as HTTP/1.1, not 1.0
-        elif message.version not in _SERVED_VERSIONS:
+        elif version != HttpVersion11 and version != HttpVersion10:
             # Refused at the door, in an HTTP/1.1 status line (aiohttp would echo the
             # request's version: "HTTP/2.0 400"), and the connection closed.
-            unsupported = message.version
-            message = message._replace(version=HttpVersion11, should_close=True)
+            message = message._replace(version=_REFUSED_VERSION, should_close=True)
         elif message.chunked or (message.version < HttpVersion11
                                  and "Transfer-Encoding" in message.headers):
             # Close after the answer; see the module docstring (trailers, RFC 9112 §6.1).
             message = message._replace(should_close=True)
-        request = web.BaseRequest(message, payload, protocol, writer, task, self._loop,
-                                  client_max_size=self.runtime.config.server.max_request_bytes)
-        if unsupported is not None:
-            request[UNSUPPORTED_VERSION] = unsupported
-        return request
+        return web.BaseRequest(message, payload, protocol, writer, task, self._loop,
+                               client_max_size=self.runtime.config.server.max_request_bytes)
 
     def serve(self, request: web.BaseRequest) -> Awaitable[web.StreamResponse]:
         """The request handler aiohttp calls: the edge's checks, then the request path."""
@@ -236,10 +232,10 @@ async def _answered(response: web.StreamResponse) -> web.StreamResponse:
 
 
 _PARSE_ERROR_MESSAGE_11 = PARSE_ERROR_MESSAGE._replace(version=HttpVersion11)
-#: The HTTP versions Sluice serves; llhttp also parses ``HTTP/2.0`` and ``HTTP/0.9`` lines.
-_SERVED_VERSIONS = frozenset({HttpVersion10, HttpVersion11})
-#: Request key: the version of a request line Sluice does not serve (see ``_make_request``).
-UNSUPPORTED_VERSION = "sluice_unsupported_version"
+#: The version given a request whose own Sluice does not serve (llhttp parses ``HTTP/2.0``
+#: and HTTP/0.9 lines): 1.1 for the answer's status line, a distinct object for the door to
+#: know it by (``is``: nothing to look up on every other request).
+_REFUSED_VERSION = HttpVersion(1, 1)
 
 
 async def _too_large(rt: Runtime, request: web.BaseRequest, length: int
@@ -282,10 +278,9 @@ class Door:
     def check(self, rt: Runtime, request: web.BaseRequest) -> web.StreamResponse | None:
         """A refusal for ``request``, or ``None`` to let it through."""
         headers = request.headers
-        version = request.get(UNSUPPORTED_VERSION)
-        if version is not None:
-            return render(Rejected(Reason.BAD_REQUEST, None, f"HTTP/{version.major}."
-                                   f"{version.minor} is not served: send HTTP/1.1"), "http")
+        if request.version is _REFUSED_VERSION:
+            return render(Rejected(Reason.BAD_REQUEST, None,
+                                   "only HTTP/1.1 and HTTP/1.0 are served"), "http")
         host = headers.get("Host")
         if host is None and request.version == HttpVersion11:
             return render(Rejected(Reason.BAD_REQUEST, None,
