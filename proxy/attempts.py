@@ -138,11 +138,14 @@ async def forward(request: web.BaseRequest, rt: Runtime, route: Route, call: Cal
     if meter is not None:
         meter.request_headers(headers)
     deadline_header = route.config.timeouts.deadline_header
-    if (call.timeout is not None and deadline_header is not None
-            and route.protocol in ("http", "mcp")):
-        # What is left of the caller's deadline, so the upstream can stop work nobody awaits.
-        left = call.timeout - (time.monotonic() - call.received_at)
-        headers[deadline_header] = f"{max(left, 0.001):.3f}"
+    if deadline_header is not None and route.protocol in ("http", "mcp"):
+        if call.timeout is not None:
+            # What is left of the caller's deadline, so the upstream can stop work nobody
+            # awaits.
+            left = call.timeout - (time.monotonic() - call.received_at)
+            headers[deadline_header] = f"{max(left, 0.001):.3f}"
+        else:  # a value Sluice took for no deadline ("0", "inf") must not reach it as one
+            headers.popall(deadline_header, None)
     url = fwd.upstream_url(route.upstream_base, call.path[len(route.prefix) - 1:])
     tries = _Tries()
     guarded = traffic == "call"
