@@ -9,6 +9,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from policies.state import redact_url
+
 REDACTED = "<redacted>"
 
 # Key names that hold secrets, matched on whole words of the key (``api_key``,
@@ -22,8 +24,11 @@ _SECRET_WORDS = frozenset(
 _DESCRIBES_ONLY = frozenset({"prefix", "tenant", "header", "file", "path", "name", "id"})
 _WORD_SPLIT = re.compile(r"[_\-.\s]+|(?<=[a-z])(?=[A-Z])")
 # scheme://user:password@host or scheme://token@host, anywhere in a string (error messages
-# quote the values they reject): the userinfo before '@'.
-_URL_USERINFO = re.compile(r"\b([a-zA-Z][a-zA-Z0-9+.-]*://)([^/@?#\s'\"]*)@")
+# quote the values they reject): the userinfo, up to the last '@' before the path (a
+# password may hold '@' or quotes unescaped; redis-py accepts them).
+_URL_USERINFO = re.compile(r"\b([a-zA-Z][a-zA-Z0-9+.-]*://)([^/?#\s]*)@")
+# A value that is a URL as a whole: redacted by parsing it (see redact_url).
+_WHOLE_URL = re.compile(r"[a-zA-Z][a-zA-Z0-9+.-]*://")
 # Values that are credentials whatever their key is called.
 _SECRET_VALUE = re.compile(r"^(?:sk-|sk_|rk_|xox[abp]-|gh[pousr]_|AKIA|Bearer\s|Basic\s)")
 
@@ -46,6 +51,8 @@ def redact(value: Any, key: str = "") -> Any:
         return value
     if _secret_key(key) or _SECRET_VALUE.match(value):
         return REDACTED if value else value
+    if _WHOLE_URL.match(value) and "@" in value:
+        return redact_url(value)  # the whole authority: a password with spaces included
     return _URL_USERINFO.sub(_redact_userinfo, value)
 
 

@@ -30,6 +30,13 @@ from tests.test_reload import CHAT, until
       "api_key": "k", "token_file": "/run/secrets/t", "secret_token": "t"},
      {"key_prefix": "sluice", "unknown_key_tenant": "guests", "auth_header": "x-api-key",
       "api_key": REDACTED, "token_file": "/run/secrets/t", "secret_token": REDACTED}),
+    # A password with a raw '@', a quote or a space (redis-py accepts them) hides whole.
+    ({"redis_url": "redis://:p@ss-word@127.0.0.1:6379/0",
+      "a": "redis://:ab'cd@h:1/0", "b": "redis://user:pa ss@h:1/0",
+      "problems": ["f:3: state.redis_url: 'redis://:p@ss'w@h:1/x' is not valid"]},
+     {"redis_url": f"redis://:{REDACTED}@127.0.0.1:6379/0",
+      "a": f"redis://:{REDACTED}@h:1/0", "b": f"redis://user:{REDACTED}@h:1/0",
+      "problems": [f"f:3: state.redis_url: 'redis://:{REDACTED}@h:1/x' is not valid"]}),
     ({"list": ["sk-abc", "plain"], "limit": 5, "secret": None},
      {"list": [REDACTED, "plain"], "limit": 5, "secret": None}),
 ])
