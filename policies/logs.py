@@ -5,8 +5,9 @@ refund, a settle, a breaker outcome, an idempotency record): one warning each wo
 line per request for the length of the outage. A site that logs such a warning marks it with
 ``extra=PER_CALL``; :class:`RepeatFilter`, installed on the log handlers by the proxy, lets the
 first line of each text through, then at most one every ``every_s`` seconds, which says how
-many it held back. Unmarked records pass untouched, so a state change (Redis marked down, up
-again) is logged every time it happens.
+many it held back; the proxy also logs what is still held every ``every_s`` and at shutdown
+(:meth:`RepeatFilter.held`), so no count waits for the next outage. Unmarked records pass
+untouched, so a state change (Redis marked down, up again) is logged every time it happens.
 """
 
 from __future__ import annotations
@@ -59,9 +60,26 @@ class RepeatFilter(logging.Filter):
                 del self._texts[next(iter(self._texts))]
             self._texts[text] = [now, 0]
         if seen is not None and seen[1]:
-            record.msg = f"{text} ({seen[1]:.0f} more like it held back over {now - seen[0]:.0f}s)"
+            record.msg = _held_line(text, seen[1], now - seen[0])
             record.args = None
         return True
+
+    def held(self, final: bool = False) -> list[str]:
+        """A line for each text with records held back and no line for ``every_s`` seconds
+        (for each text with any, when ``final``: at shutdown), so a count is reported when
+        its burst ends rather than with the next one; those counts start again."""
+        now = self.clock()
+        lines = []
+        with self._lock:
+            for text, seen in self._texts.items():
+                if seen[1] and (final or now - seen[0] >= self.every_s):
+                    lines.append(_held_line(text, seen[1], now - seen[0]))
+                    seen[0], seen[1] = now, 0
+        return lines
+
+
+def _held_line(text: str, held: float, over_s: float) -> str:
+    return f"{text} ({held:.0f} more like it held back over {over_s:.0f}s)"
 
 
 __all__ = ["EVERY_S", "PER_CALL", "RepeatFilter"]

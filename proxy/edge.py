@@ -71,6 +71,7 @@ from aiohttp.web_protocol import ERROR as PARSE_ERROR_MESSAGE
 from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 
 from policies.config import Config, ServerConfig
+from policies.logs import PER_CALL
 from policies.reasons import Reason, Rejected
 from proxy.rejections import refuse, rejection_body, rejection_headers, render
 from proxy.runtime import Runtime
@@ -528,8 +529,10 @@ class EdgeProtocol(RequestHandler):
                                     f"not valid HTTP/1.1 ({type(exc).__name__})")
             level = logging.DEBUG if (isinstance(exc, BadHttpMethod)
                                       and self._request_count == 1) else logging.WARNING
+            # PER_CALL: a client sending nothing else gets a line every 10 s, not one each.
             self.logger.log(level, "Error handling request from %s: %s (%d), not quoted",
-                            request.remote, type(exc).__name__, rejected.reason.status)
+                            request.remote, type(exc).__name__, rejected.reason.status,
+                            extra=PER_CALL)
         else:
             log.error("error before an answer was written (peer %s)",
                       request.remote, exc_info=exc)

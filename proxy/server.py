@@ -24,6 +24,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client.aiohttp import make_aiohttp_handler
 
 from policies.config import Config
+from policies.logs import EVERY_S as LOG_REPEATS_EVERY_S
 from policies.logs import RepeatFilter
 from proxy.admin import add_admin_routes
 from proxy.edge import AdminServer, EdgeServer
@@ -171,9 +172,8 @@ async def serve(config: Config, config_path: str | None = None) -> None:
     server_log = logging.getLogger("aiohttp.server")
     if not any(isinstance(f, RedactMalformedRequests) for f in server_log.filters):
         server_log.addFilter(RedactMalformedRequests())
-    for handler in logging.getLogger().handlers:  # a warning per call, at most one per 10 s
-        if not any(isinstance(f, RepeatFilter) for f in handler.filters):
-            handler.addFilter(RepeatFilter())
+    repeats = _repeat_filters()
+    reporter = asyncio.create_task(_report_held(repeats), name="sluice-log-repeats")
     runtime = Runtime(config)
     reloader = Reloader(runtime, config_path) if config_path else None
     await runtime.open()
@@ -211,6 +211,33 @@ async def serve(config: Config, config_path: str | None = None) -> None:
         await proxy_runner.cleanup()
         await admin_runner.cleanup()
         await runtime.close()
+        reporter.cancel()
+        _log_held(repeats, final=True)
+
+
+def _repeat_filters() -> list[RepeatFilter]:
+    """A :class:`~policies.logs.RepeatFilter` on each handler of the root logger (one each: a
+    shared one would drop a record on the second handler as a repeat of the first's)."""
+    filters = []
+    for handler in logging.getLogger().handlers:
+        found = next((f for f in handler.filters if isinstance(f, RepeatFilter)), None)
+        if found is None:
+            found = RepeatFilter()
+            handler.addFilter(found)
+        filters.append(found)
+    return filters
+
+
+async def _report_held(filters: list[RepeatFilter]) -> None:
+    while True:
+        await asyncio.sleep(LOG_REPEATS_EVERY_S)
+        _log_held(filters)
+
+
+def _log_held(filters: list[RepeatFilter], final: bool = False) -> None:
+    for repeats in filters:
+        for line in repeats.held(final):
+            log.warning("%s", line)
 
 
 async def _drain(runtime: Runtime, timeout_s: float) -> None:

@@ -63,3 +63,21 @@ def test_texts_remembered_are_bounded_and_the_least_recently_seen_goes_first():
     assert len(quiet._texts) == MAX_TEXTS
     assert quiet.filter(record("lost write 1"))  # forgotten, so let through
     assert not quiet.filter(record("lost write 0"))
+
+
+def test_held_counts_are_reported_when_their_burst_ends_and_at_shutdown():
+    clock = Clock()
+    quiet = RepeatFilter(every_s=10.0, clock=clock)
+    for _ in range(50):
+        quiet.filter(record("budget settle on %s not applied", "a"))
+    for _ in range(3):
+        quiet.filter(record("rate refund on %s not applied", "a"))
+    assert quiet.held() == []  # within the window: the next line may still carry it
+    clock.now += 10.0
+    assert quiet.held() == ["budget settle on a not applied (49 more like it held back over 10s)",
+                            "rate refund on a not applied (2 more like it held back over 10s)"]
+    assert quiet.held(final=True) == []  # reported once
+    quiet.filter(record("rate refund on %s not applied", "a"))
+    clock.now += 1.0
+    assert quiet.held(final=True) == [
+        "rate refund on a not applied (1 more like it held back over 1s)"]

@@ -334,7 +334,8 @@ class Lease:
         try:
             return await self.leases.release(self.group, self.tenant, self.lease_id)
         except StateUnavailable as exc:
-            log.info("concurrency lease on %s left to lapse: %s", self.group, exc.cause)
+            log.info("concurrency lease on %s left to lapse: %s", self.group, exc.cause,
+                     extra=PER_CALL)
             return False
 
 
