@@ -24,8 +24,6 @@ from policies.state.ledger import Claim, MemoryLedger
 from tests.redis_servers import delete_prefix, new_prefix, replica, require_redis
 
 HOUR = 3600.0
-#: Per-call bound of the clients of the burst test, seconds.
-BURST_TIMEOUT_S = 5.0
 
 
 def claims(now: float, **amounts_and_caps: tuple[float, float]) -> list[Claim]:
@@ -72,12 +70,8 @@ async def test_settle_applies_once(backends: StateBackends):
 
 async def test_many_concurrent_reservations_never_overshoot(backends: StateBackends):
     now = time.time()
-    # 60 calls at once open ~20 connections per client: on 2 busy cores that can outlast
-    # the fixtures' 0.5 s bound (seen once), and this test is about the counts, not speed.
-    async with replica(backends, BURST_TIMEOUT_S) as first, \
-            replica(backends, BURST_TIMEOUT_S) as second, \
-            replica(backends, BURST_TIMEOUT_S) as third:
-        ledgers = [first.ledger, second.ledger, third.ledger]
+    async with replica(backends) as second, replica(backends) as third:
+        ledgers = [backends.ledger, second.ledger, third.ledger]
         ids = [rid() for _ in range(60)]
         denied = await asyncio.gather(*(
             ledgers[i % 3].reserve("r", ids[i], claims(now, day=(100, 1000), run=(100, 2000)),
