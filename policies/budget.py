@@ -218,7 +218,7 @@ class Budgets:
         price = self.pricing.get(model) if model is not None else None
         if price is None and self.needs_price:
             raise Rejected(Reason.UNPRICED_MODEL, None,
-                           f"model {model!r} is not in the pricing table", retry=False)
+                           f"model {model!r} is not in the pricing table")
         now = self.clock()
         worst = Usage(input_tokens, output_tokens)
         claims = []
@@ -231,7 +231,6 @@ class Budgets:
                     f"this request may cost {_fmt(limit.unit, amount)} ({input_tokens} input "
                     f"tokens estimated + {output_tokens} max output), more than the whole "
                     f"{limit.name} budget of {limit.text}; lower max_tokens",
-                    retry=False,
                 )
             for scope_run in (run, *ancestors) if limit.per == "run" else (run,):
                 claims.append(Claim(self._key(limit, tenant, scope_run, now), amount,
@@ -259,7 +258,7 @@ class Budgets:
             if amount > limit.amount:
                 raise Rejected(Reason.EXCEEDS_LIMIT, None,
                                f"this call costs {_fmt('usd', amount)}, more than the whole "
-                               f"{limit.name} budget of {limit.text}", retry=False)
+                               f"{limit.name} budget of {limit.text}")
             for scope_run in (run, *ancestors) if limit.per == "run" else (run,):
                 claims.append(Claim(self._key(limit, tenant, scope_run, now), amount,
                                     limit.amount, self._expiry(limit, now)))

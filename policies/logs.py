@@ -41,8 +41,8 @@ class RepeatFilter(logging.Filter):
         super().__init__()
         self.every_s = every_s
         self.clock = clock
-        #: text -> [when it was last let through, records held back since]
-        self._texts: dict[str, list[float]] = {}
+        #: text -> when it was last let through, and the records held back since
+        self._texts: dict[str, _Seen] = {}
         self._lock = threading.Lock()  # handlers run on whichever thread logs
 
     def filter(self, record: logging.LogRecord) -> bool:
@@ -52,15 +52,15 @@ class RepeatFilter(logging.Filter):
         now = self.clock()
         with self._lock:
             seen = self._texts.pop(text, None)  # re-inserted: least recently seen first
-            if seen is not None and now - seen[0] < self.every_s:
-                seen[1] += 1
+            if seen is not None and now - seen.at < self.every_s:
+                seen.held += 1
                 self._texts[text] = seen
                 return False
             if len(self._texts) >= MAX_TEXTS:
                 del self._texts[next(iter(self._texts))]
-            self._texts[text] = [now, 0]
-        if seen is not None and seen[1]:
-            record.msg = _held_line(text, seen[1], now - seen[0])
+            self._texts[text] = _Seen(now)
+        if seen is not None and seen.held:
+            record.msg = _held_line(text, seen.held, now - seen.at)
             record.args = None
         return True
 
@@ -72,14 +72,24 @@ class RepeatFilter(logging.Filter):
         lines = []
         with self._lock:
             for text, seen in self._texts.items():
-                if seen[1] and (final or now - seen[0] >= self.every_s):
-                    lines.append(_held_line(text, seen[1], now - seen[0]))
-                    seen[0], seen[1] = now, 0
+                if seen.held and (final or now - seen.at >= self.every_s):
+                    lines.append(_held_line(text, seen.held, now - seen.at))
+                    seen.at, seen.held = now, 0
         return lines
 
 
-def _held_line(text: str, held: float, over_s: float) -> str:
-    return f"{text} ({held:.0f} more like it held back over {over_s:.0f}s)"
+class _Seen:
+    """One text's last line (monotonic seconds) and the records held back since."""
+
+    __slots__ = ("at", "held")
+
+    def __init__(self, at: float) -> None:
+        self.at = at
+        self.held = 0
+
+
+def _held_line(text: str, held: int, over_s: float) -> str:
+    return f"{text} ({held} more like it held back over {over_s:.0f}s)"
 
 
 __all__ = ["EVERY_S", "PER_CALL", "RepeatFilter"]

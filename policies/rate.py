@@ -290,7 +290,7 @@ class RateLimiter:
             raise Rejected(
                 Reason.EXCEEDS_LIMIT, None,
                 f"this request reserves {amount} tokens, more than the whole token rate "
-                f"limit of {rate}; lower max_tokens", retry=False,
+                f"limit of {rate}; lower max_tokens",
             )
         return Take(TOKENS, rate.count, float(rate.period_s), amount)
 
@@ -350,7 +350,7 @@ class RateLimiter:
             if math.isinf(result.retry_after_s):  # only a local share can be this small
                 return Rejected(Reason.EXCEEDS_LIMIT, None,
                                 f"this request reserves {int(take.amount)} tokens, more than "
-                                f"the token rate limit of {rate}{share}", retry=False)
+                                f"the token rate limit of {rate}{share}")
             return Rejected(Reason.TOKEN_RATE_LIMITED, result.retry_after_s,
                             f"limit {rate} tokens{share}; this request reserves "
                             f"{int(take.amount)}", (TOKENS, take.limit, int(take.period_s)))

@@ -98,6 +98,11 @@ class Reason(enum.Enum):
         self.summary = summary
 
 
+#: Statuses of refusals that no retry of the same request can turn into a success: what the
+#: request says (its path, host, headers, size, key or model) is what is refused.
+AS_SENT_NEVER = frozenset({400, 401, 403, 404, 413, 417, 421, 422, 431})
+
+
 class Rejected(Exception):
     """A policy refused the request now.
 
@@ -110,8 +115,9 @@ class Rejected(Exception):
         policy: ``(name, quota, window_s)`` of the limit that denied, for the IETF
             ``RateLimit-Policy``/``RateLimit`` fields; ``None`` when no such quota applies.
         retry: ``False`` when retrying this request as sent cannot succeed soon (a spent
-            total budget, a request bigger than a limit), so ``x-should-retry: false`` is sent
-            whatever ``retry_after`` says; ``None`` leaves it to ``retry_after``.
+            total budget), so ``x-should-retry: false`` is sent whatever ``retry_after``
+            says; ``None`` leaves it to ``retry_after``. Always ``False`` for a reason whose
+            status is in :data:`AS_SENT_NEVER` (a request bigger than a limit, a bad path).
     """
 
     __slots__ = ("detail", "policy", "reason", "retry", "retry_after")
@@ -129,4 +135,4 @@ class Rejected(Exception):
         self.retry_after = retry_after
         self.detail = detail
         self.policy = policy
-        self.retry = retry
+        self.retry = False if reason.status in AS_SENT_NEVER else retry

@@ -74,6 +74,7 @@ from policies.config import Config, ServerConfig
 from policies.logs import PER_CALL
 from policies.reasons import Reason, Rejected
 from proxy.rejections import refuse, rejection_body, rejection_headers, render
+from proxy.routes import Route
 from proxy.runtime import Runtime
 
 log = logging.getLogger("sluice")
@@ -175,7 +176,7 @@ class EdgeServer(GuardedServer):
             # Refused at the door, in an HTTP/1.1 status line (aiohttp would echo the
             # request's version: "HTTP/2.0 400"), and the connection closed.
             message = message._replace(version=_REFUSED_VERSION, should_close=True)
-        elif message.chunked or (message.version < HttpVersion11
+        elif message.chunked or (version < HttpVersion11
                                  and "Transfer-Encoding" in message.headers):
             # Close after the answer; see the module docstring (trailers, RFC 9112 §6.1).
             message = message._replace(should_close=True)
@@ -239,6 +240,14 @@ _PARSE_ERROR_MESSAGE_11 = PARSE_ERROR_MESSAGE._replace(version=HttpVersion11)
 _REFUSED_VERSION = HttpVersion(1, 1)
 
 
+def _refused_on(rt: Runtime, route: Route, rejected: Rejected) -> web.Response:
+    """A refusal at the door of a request on ``route``: in its shape, counted and logged on
+    it under the default tenant (the caller's identity headers are not read yet)."""
+    route.metrics.outcomes["rejected"].inc()
+    return refuse(rt, route, rejected, rt.next_request_id(),
+                  rt.config.identity.default_tenant, None)
+
+
 async def _too_large(rt: Runtime, request: web.BaseRequest, length: int
                      ) -> web.StreamResponse:
     """413 for a body whose declared ``Content-Length`` is over ``server.max_request_bytes``,
@@ -249,12 +258,7 @@ async def _too_large(rt: Runtime, request: web.BaseRequest, length: int
     rejected = Rejected(Reason.BODY_TOO_LARGE, None,
                         f"limit {limit} bytes; Content-Length says {length}")
     route = rt.router.match(request.raw_path)
-    if route is None:
-        response = render(rejected, "http")
-    else:
-        route.metrics.outcomes["rejected"].inc()
-        response = refuse(rt, route, rejected, rt.next_request_id(),
-                          rt.config.identity.default_tenant, None)
+    response = render(rejected, "http") if route is None else _refused_on(rt, route, rejected)
     response.force_close()
     # Sent and the connection closed here: left to aiohttp, the unread body would be read
     # and dropped for up to 10 s (its lingering close) before the connection closes.
@@ -303,11 +307,9 @@ class Door:
                 route = rt.router.match(raw)
                 if route is not None and route.protocol == "mcp" and not self.origin_allowed(
                         origin, host):
-                    rejected = Rejected(Reason.FORBIDDEN_ORIGIN, None,
-                                        "list it in server.allowed_origins to allow it")
-                    route.metrics.outcomes["rejected"].inc()
-                    return refuse(rt, route, rejected, rt.next_request_id(),
-                                  rt.config.identity.default_tenant, None)
+                    return _refused_on(rt, route, Rejected(
+                        Reason.FORBIDDEN_ORIGIN, None,
+                        "list it in server.allowed_origins to allow it"))
         return None
 
     def host_allowed(self, host: str) -> bool:

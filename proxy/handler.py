@@ -47,22 +47,20 @@ log = logging.getLogger("sluice")
 
 #: How long a draining replica suggests callers wait (another replica can take them), seconds.
 DRAINING_RETRY_AFTER_S = 1.0
-#: A caller's timeout of this many seconds (~31 years) or more is taken for none.
-MAX_CALLER_TIMEOUT_S = 1e9
-#: A caller's timeout as Sluice reads it: seconds in plain decimals (the SDKs send "600" or
-#: "600.0"); anything else is no deadline, as is 0.
-_SECONDS = re.compile(r"[0-9]{1,10}(?:\.[0-9]{1,9})?")
+#: A caller's timeout as Sluice reads it: seconds in plain decimals below 1e9 (~31 years;
+#: the SDKs send "600" or "600.0"); anything else is no deadline, as is 0.
+_SECONDS = re.compile(r"[0-9]{1,9}(?:\.[0-9]{1,9})?")
 
 
 def _caller_timeout(request: web.BaseRequest, header: str) -> float | None:
     """The caller's own timeout in seconds: ``header`` (``identity.timeout_header``,
     ``X-Request-Timeout``), else the Stainless SDKs' headers, if sent; ``None`` for a value
-    that is not a plain decimal above 0 and below :data:`MAX_CALLER_TIMEOUT_S`."""
+    that is not a plain decimal above 0 (see :data:`_SECONDS`)."""
     raw = (request.headers.get(header) or request.headers.get("x-stainless-timeout")
            or request.headers.get("x-stainless-read-timeout"))
     if raw and _SECONDS.fullmatch(raw):  # not "inf", "nan", "1e-300", "-1", "1_000"
         value = float(raw)
-        if 0 < value < MAX_CALLER_TIMEOUT_S:
+        if value > 0:
             return value
     return None
 

@@ -26,9 +26,10 @@ _WORD_SPLIT = re.compile(r"[_\-.\s]+|(?<=[a-z])(?=[A-Z])")
 # scheme://user:password@host or scheme://token@host, anywhere in a string (error messages
 # quote the values they reject): the userinfo, up to the last '@' before the path (a
 # password may hold '@' or quotes unescaped; redis-py accepts them).
-_URL_USERINFO = re.compile(r"\b([a-zA-Z][a-zA-Z0-9+.-]*://)([^/?#\s]*)@")
+_SCHEME = r"[a-zA-Z][a-zA-Z0-9+.-]*://"
+_URL_USERINFO = re.compile(rf"\b({_SCHEME})([^/?#\s]*)@")
 # A value that is a URL as a whole: redacted by parsing it (see redact_url).
-_WHOLE_URL = re.compile(r"[a-zA-Z][a-zA-Z0-9+.-]*://")
+_WHOLE_URL = re.compile(_SCHEME)
 # Values that are credentials whatever their key is called.
 _SECRET_VALUE = re.compile(r"^(?:sk-|sk_|rk_|xox[abp]-|gh[pousr]_|AKIA|Bearer\s|Basic\s)")
 

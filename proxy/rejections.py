@@ -9,9 +9,10 @@ Headers on every answer Sluice writes itself:
   before their status rules; the OpenAI SDK gives up on waits over 120 s and the Anthropic SDK
   ignores waits over 60 s, so a longer wait must say "do not retry" outright. It is also
   ``false``, with or without a wait, when the policy says retrying cannot help
-  (``Rejected.retry``), e.g. a spent ``N/total`` budget, and on every refusal of the request
-  as sent (:data:`AS_SENT_NEVER`: 400, 401, 403, 404, 413, 417, 421, 422, 431). The SDKs do
-  not retry those statuses anyway; the header says so to any other client too.
+  (``Rejected.retry``), e.g. a spent ``N/total`` budget, which it always is for a refusal
+  of the request as sent (:data:`policies.reasons.AS_SENT_NEVER`: 400, 401, 403, 404, 413,
+  417, 421, 422, 431). The SDKs do not retry those statuses anyway; the header says so to
+  any other client too.
 * ``X-Sluice-Reason``: the reason code.
 * For quota rejections, the IETF RateLimit fields (draft-ietf-httpapi-ratelimit-headers):
   ``RateLimit-Policy: "name";q=N;w=S`` and ``RateLimit: "name";r=0;t=S``.
@@ -60,11 +61,6 @@ _ANTHROPIC_TYPES = {
 }
 
 
-#: Statuses of refusals that no retry of the same request can turn into a success: what the
-#: request says (its path, host, headers, size, key or model) is what is refused.
-AS_SENT_NEVER = frozenset({400, 401, 403, 404, 413, 417, 421, 422, 431})
-
-
 def rejection_headers(rejected: Rejected) -> dict[str, str]:
     """The SPEC's "not now" headers for ``rejected`` (see the module docstring)."""
     headers = {"X-Sluice-Reason": rejected.reason.code, "Cache-Control": "no-store"}
@@ -80,7 +76,7 @@ def rejection_headers(rejected: Rejected) -> dict[str, str]:
             unit = ';qu="concurrent-requests"' if window == 0 else f";w={window}"
             headers["RateLimit-Policy"] = f'"{name}";q={quota}{unit}'
             headers["RateLimit"] = f'"{name}";r=0;t={seconds}'
-    if rejected.retry is False or rejected.reason.status in AS_SENT_NEVER:
+    if rejected.retry is False:
         headers["x-should-retry"] = "false"
     return headers
 

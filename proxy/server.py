@@ -173,7 +173,6 @@ async def serve(config: Config, config_path: str | None = None) -> None:
     if not any(isinstance(f, RedactMalformedRequests) for f in server_log.filters):
         server_log.addFilter(RedactMalformedRequests())
     repeats = _repeat_filters()
-    reporter = asyncio.create_task(_report_held(repeats), name="sluice-log-repeats")
     runtime = Runtime(config)
     reloader = Reloader(runtime, config_path) if config_path else None
     await runtime.open()
@@ -189,6 +188,7 @@ async def serve(config: Config, config_path: str | None = None) -> None:
         loop.add_signal_handler(sig, stop.set)
     # Until the reloader takes it over, a SIGHUP must not kill the process (its default).
     loop.add_signal_handler(signal.SIGHUP, lambda: None)
+    reporter = asyncio.create_task(_report_held(repeats), name="sluice-log-repeats")
     try:
         await proxy_runner.setup()
         await admin_runner.setup()
@@ -215,7 +215,7 @@ async def serve(config: Config, config_path: str | None = None) -> None:
         _log_held(repeats, final=True)
 
 
-def _repeat_filters() -> list[RepeatFilter]:
+def _repeat_filters() -> list[tuple[logging.Handler, RepeatFilter]]:
     """A :class:`~policies.logs.RepeatFilter` on each handler of the root logger (one each: a
     shared one would drop a record on the second handler as a repeat of the first's)."""
     filters = []
@@ -224,20 +224,23 @@ def _repeat_filters() -> list[RepeatFilter]:
         if found is None:
             found = RepeatFilter()
             handler.addFilter(found)
-        filters.append(found)
+        filters.append((handler, found))
     return filters
 
 
-async def _report_held(filters: list[RepeatFilter]) -> None:
+async def _report_held(filters: list[tuple[logging.Handler, RepeatFilter]]) -> None:
     while True:
         await asyncio.sleep(LOG_REPEATS_EVERY_S)
         _log_held(filters)
 
 
-def _log_held(filters: list[RepeatFilter], final: bool = False) -> None:
-    for repeats in filters:
+def _log_held(filters: list[tuple[logging.Handler, RepeatFilter]], final: bool = False) -> None:
+    """Each handler's held-back counts, to that handler alone (through the logger, every
+    handler would print every handler's counts)."""
+    for handler, repeats in filters:
         for line in repeats.held(final):
-            log.warning("%s", line)
+            handler.handle(log.makeRecord(log.name, logging.WARNING, __file__, 0, line, None,
+                                          None))
 
 
 async def _drain(runtime: Runtime, timeout_s: float) -> None:
