@@ -6,6 +6,7 @@ Benchmarks (``python -m bench NAME --help`` for each one's options):
   (and HAProxy when installed), on a fast and on a 50 ms upstream;
 * ``instructions``: user-space instructions per request (callgrind) of Sluice and the bare
   proxy: the overhead figure the machine's load does not move;
+* ``opcodes``: Python bytecodes per request, by function: where that figure goes;
 * ``overload``: offered load 0.5x to 10x an upstream's capacity: goodput, latency of admitted
   requests, latency of refusals;
 * ``storm``: a retry storm on a degrading fake LLM provider (the ``sluice demo`` scenario):
@@ -26,7 +27,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-BENCHMARKS = ("overhead", "instructions", "overload", "storm", "fairness", "replay", "soak",
+BENCHMARKS = ("overhead", "instructions", "opcodes", "overload", "storm", "fairness", "replay", "soak",
               "mcp_refusals")
 
 
