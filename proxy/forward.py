@@ -112,11 +112,11 @@ def _copy_headers(headers: CIMultiDictProxy[str], drop: frozenset[str]) -> CIMul
     connection = headers.getall("Connection", None)
     if connection is not None:
         drop = _dropped(drop, tuple(connection))
-    # A copy (in C) less the few fields present that go, rather than one add per field kept.
+    # A copy (in C) less the few fields present that go, found by a case-insensitive set
+    # intersection (in C) rather than a test per field.
     out = headers.copy()
-    for name in headers.keys():
-        if name.lower() in drop:
-            out.popall(name, None)
+    for name in headers.keys() & drop:
+        out.popall(name, None)
     return out
 
 

@@ -69,7 +69,7 @@ async def post(session: aiohttp.ClientSession, url: str, json: object = CHAT,
 
 def emitted(runtime: Runtime, event: str) -> list[dict]:
     import orjson
-    return [record for line in runtime.events._buffer
+    return [record for line in runtime.events.lines().splitlines()
             if (record := orjson.loads(line))["event"] == event]
 
 
