@@ -473,6 +473,10 @@ class AnswerTracker:
         line or of an event's data pending): an event written now would arrive whole."""
         return self.sse and not self._buf and not self._data
 
+    def begin(self, status: int, reason: str | None, headers: object) -> None:
+        """The answer's status line and headers (the relay's capture interface): the
+        tracker reads the body only."""
+
     def feed(self, chunk: bytes) -> Outcome | None:
         """Take the next bytes of the answer."""
         if self.outcome is not None:

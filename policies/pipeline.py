@@ -33,7 +33,7 @@ from typing import Any, Protocol
 log = logging.getLogger("sluice")
 
 
-def _ignore(event: str, fields: dict[str, Any]) -> None:
+def _ignore(call: Call, event: str, fields: dict[str, Any]) -> None:
     return None
 
 
@@ -48,7 +48,8 @@ class Call:
         else a run may inherit its parent's), timeout (the caller's own timeout in
         seconds, ``None`` if it sent none), parent_run (the parent run named by the caller,
         ``None`` for none), operation (the tool, endpoint or model a per-operation policy
-        keys on; ``None`` for none), received_at (monotonic seconds).
+        keys on; ``None`` for none), client_retry (the caller's SDK says this request is its
+        own retry: ``x-stainless-retry-count`` > 0), received_at (monotonic seconds).
 
     Left by policies for the request path:
         idempotency_key: the key, for events; upstream_key: the ``Idempotency-Key`` value to
@@ -69,21 +70,24 @@ class Call:
     the upstream time of its attempts (:meth:`attempt_sent`, :meth:`attempt_over`,
     :meth:`upstream_seconds`).
 
-    notify(event, fields): how a policy reports a step for the timeline (default: ignored).
+    A policy reports a step for the timeline (e.g. ``enqueued``) with
+    :meth:`notify`, which hands it to ``reporter(call, event, fields)`` (default: ignored);
+    the request path passes one reporter per route, so no call builds a closure.
     """
 
     __slots__ = ("_sent_at", "_upstream_s", "attempts", "body", "cancelled", "capture",
-                 "charged", "cost", "enqueued_at", "headers", "idempotency_key", "lineage",
-                 "meter", "method", "new_unit", "notify", "operation", "operation_cost",
+                 "charged", "client_retry", "cost", "enqueued_at", "headers", "idempotency_key",
+                 "lineage", "meter", "method", "new_unit", "operation", "operation_cost",
                  "parent_run", "path", "phase", "priority", "priority_given", "progress_at",
-                 "received_at", "request_id", "response_headers", "route", "run", "status",
-                 "tenant", "timeout", "upstream_key")
+                 "received_at", "reporter", "request_id", "response_headers", "route", "run",
+                 "status", "tenant", "timeout", "upstream_key")
 
     def __init__(self, *, request_id: str, route: str, method: str, path: str,
                  headers: Mapping[str, str], body: bytes, tenant: str, run: str | None = None,
                  priority: int = 1, timeout: float | None = None, operation: str | None = None,
-                 notify: Callable[[str, dict[str, Any]], None] = _ignore,
-                 parent_run: str | None = None, priority_given: bool = True) -> None:
+                 reporter: Callable[[Call, str, dict[str, Any]], None] = _ignore,
+                 parent_run: str | None = None, priority_given: bool = True,
+                 client_retry: bool = False) -> None:
         self.request_id = request_id
         self.route = route
         self.method = method
@@ -95,9 +99,10 @@ class Call:
         self.priority = priority
         self.timeout = timeout
         self.operation = operation
-        self.notify = notify
+        self.reporter = reporter
         self.parent_run = parent_run
         self.priority_given = priority_given
+        self.client_retry = client_retry
         self.received_at = time.monotonic()
         self.lineage: tuple[str, ...] = ()
         self.cost: float | None = None
@@ -117,6 +122,10 @@ class Call:
         self.status = 0
         self._upstream_s = 0.0
         self._sent_at: float | None = None
+
+    def notify(self, event: str, fields: dict[str, Any]) -> None:
+        """Report a step of this call for the timeline: ``event`` with ``fields``."""
+        self.reporter(self, event, fields)
 
     def attempt_sent(self, at: float) -> None:
         """An upstream attempt is being sent at ``at`` (monotonic seconds); an earlier one

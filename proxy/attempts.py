@@ -48,7 +48,6 @@ from policies.reasons import Reason, Rejected
 from policies.retry import (
     IDEMPOTENCY_HEADER,
     RetryPolicy,
-    is_client_retry,
     retry_is_safe,
     upstream_retry_after,
 )
@@ -78,7 +77,8 @@ class _Tries:
         kind: ``connect_error`` or ``timeout`` for ``error``.
         reached: some attempt may have reached the upstream.
         stop: why retrying ended on a failure the route retries on; set means dead-lettered.
-        log: every attempt, for the dead letter (routes with ``retry`` only).
+        log: every attempt, for the dead letter (routes with ``retry`` only), as the fields
+            of :class:`policies.deadletter.Attempt` (built only for a dead letter).
     """
 
     __slots__ = ("error", "kind", "log", "pending", "reached", "response", "stop", "tracker")
@@ -94,7 +94,7 @@ class _Tries:
         self.kind = ""
         self.reached = False
         self.stop = ""
-        self.log: list[Attempt] = []
+        self.log: list[tuple[float, int | None, str | None, float]] = []
 
     def answered(self, response: aiohttp.ClientResponse) -> None:
         self.drop_response()
@@ -137,8 +137,8 @@ async def forward(request: web.BaseRequest, rt: Runtime, route: Route, call: Cal
     meter = call.meter
     if meter is not None:
         meter.request_headers(headers)
-    deadline_header = route.config.timeouts.deadline_header
-    if deadline_header is not None and route.protocol in ("http", "mcp"):
+    deadline_header = route.deadline_header
+    if deadline_header is not None:
         if call.timeout is not None:
             # What is left of the caller's deadline, so the upstream can stop work nobody
             # awaits.
@@ -146,23 +146,27 @@ async def forward(request: web.BaseRequest, rt: Runtime, route: Route, call: Cal
             headers[deadline_header] = f"{max(left, 0.001):.3f}"
         else:  # a value Sluice took for no deadline ("0", "inf") must not reach it as one
             headers.popall(deadline_header, None)
-    url = fwd.upstream_url(route.upstream_base, call.path[len(route.prefix) - 1:])
+    url = URL(route.upstream_base + call.path[route.cut:], encoded=True)
     tries = _Tries()
-    guarded = traffic == "call"
     if plan is None:
         plan = route.base_plan
-    retry = plan.retry if guarded else None
-    breakers = plan.breakers if guarded else ()
     timeout = route.timeout
-    if plan.timeouts is not route.config.timeouts:
-        timeout = aiohttp.ClientTimeout(total=plan.timeouts.total, connect=plan.timeouts.connect)
-    if traffic == "stream":
-        timeouts = route.config.timeouts
-        timeout = aiohttp.ClientTimeout(total=None, connect=timeouts.connect,
-                                        sock_read=timeouts.idle)
+    if traffic == "call":
+        retry = plan.retry
+        breakers = plan.breakers
+        tool_breaker = plan.tool_breaker
+        if plan.timeouts is not route.config.timeouts:
+            timeout = aiohttp.ClientTimeout(total=plan.timeouts.total,
+                                            connect=plan.timeouts.connect)
+    else:
+        retry, breakers, tool_breaker = None, (), None
+        if traffic == "stream":
+            timeouts = route.config.timeouts
+            timeout = aiohttp.ClientTimeout(total=None, connect=timeouts.connect,
+                                            sock_read=timeouts.idle)
     try:
-        await _attempts(rt, route, call, url, headers, tries, retry, breakers,
-                        plan.tool_breaker if guarded else None, plan.idempotent, timeout)
+        await _attempts(rt, route, call, url, headers, tries, retry, breakers, tool_breaker,
+                        plan.idempotent, timeout)
         extra: dict[str, str] | None = None
         if tries.stop:
             extra = dict(_NO_RETRY)
@@ -180,14 +184,16 @@ async def forward(request: web.BaseRequest, rt: Runtime, route: Route, call: Cal
                 extra = {**call.response_headers, **(extra or {})}
             call.status = response.status
             call.progress_at = time.monotonic()
+            capture = call.capture
             if tries.pending is not None or (route.protocol == "mcp" and traffic == "call"):
                 tries.tracker = AnswerTracker(response.headers.get("Content-Type"),
                                               jsonrpc_id(route.protocol, call.body) or 0)
                 request[fwd.MCP_ANSWER] = tries.tracker
+                capture = _Both(capture, tries.tracker) if capture is not None \
+                    else tries.tracker
             try:
-                answer, outcome = await fwd.relay(request, response, extra,
-                                                  _Progress(call, call.capture, tries.tracker),
-                                                  meter)
+                answer, outcome = await fwd.relay(request, response, extra, capture, meter,
+                                                  call)
             except Rejected as error:  # not relayable (a bad status or header) or cut in time
                 await _verdict(tries, None)
                 call.status = error.reason.status
@@ -196,7 +202,8 @@ async def forward(request: web.BaseRequest, rt: Runtime, route: Route, call: Cal
                     failed.headers.update(_NO_RETRY)
                 timed_out = error.reason is Reason.UPSTREAM_TIMEOUT
                 return failed, "upstream_timeout" if timed_out else "upstream_error", True
-            await _verdict(tries, tries.tracker)
+            if tries.pending is not None:
+                await _verdict(tries, tries.tracker)
             return answer, outcome, True
         error = tries.error
         assert error is not None
@@ -230,28 +237,22 @@ async def _verdict(tries: _Tries, tracker: AnswerTracker | None) -> None:
     await breaker.record(ticket, brk.FAILURE if failed else brk.SUCCESS)
 
 
-class _Progress:
-    """Stamps ``call.progress_at`` as the answer's bytes move (stall detection), passing them
-    on to the idempotency capture and the MCP answer's tracker, if any (the relay's capture
-    interface)."""
+class _Both:
+    """Feeds a relayed answer to the idempotency capture and to the MCP answer's tracker
+    (the relay takes one capture)."""
 
-    __slots__ = ("call", "capture", "tracker")
+    __slots__ = ("capture", "tracker")
 
-    def __init__(self, call: Call, capture: Any, tracker: AnswerTracker | None = None) -> None:
-        self.call = call
+    def __init__(self, capture: Any, tracker: AnswerTracker) -> None:
         self.capture = capture
         self.tracker = tracker
 
     def begin(self, status: int, reason: str | None, headers: Any) -> None:
-        if self.capture is not None:
-            self.capture.begin(status, reason, headers)
+        self.capture.begin(status, reason, headers)
 
     def feed(self, chunk: bytes) -> None:
-        self.call.progress_at = time.monotonic()
-        if self.capture is not None:
-            self.capture.feed(chunk)
-        if self.tracker is not None:
-            self.tracker.feed(chunk)
+        self.capture.feed(chunk)
+        self.tracker.feed(chunk)
 
 
 async def _attempts(rt: Runtime, route: Route, call: Call, url: URL,
@@ -267,16 +268,17 @@ async def _attempts(rt: Runtime, route: Route, call: Call, url: URL,
     Raises:
         Rejected: the breaker refused the first attempt.
     """
-    client_retry = retry is not None and is_client_retry(call.headers)
-    allowed = retry.attempts if retry is not None and not client_retry else 1
-    now = time.monotonic()
-    deadline = now + retry.deadline if retry is not None and retry.deadline else None
-    caller_deadline = now + call.timeout if call.timeout else None
-    # A key the idempotency block invented makes a retry safe only if the upstream honours
-    # keys; the caller's own key says the caller relies on it.
-    callers_key = IDEMPOTENCY_HEADER in call.headers
-    upstream_dedups = (retry is not None and retry.honours_idempotency_key
-                       and IDEMPOTENCY_HEADER in headers)
+    client_retry = retry is not None and call.client_retry
+    deadline = caller_deadline = None
+    if call.timeout or (retry is not None and retry.deadline):
+        now = time.monotonic()
+        if retry is not None and retry.deadline:
+            deadline = now + retry.deadline
+        if call.timeout:
+            caller_deadline = now + call.timeout
+    # Most routes bound no attempt (no per_try_timeout, no deadline, no caller timeout).
+    bounded = (caller_deadline is not None or deadline is not None
+               or (retry is not None and retry.per_try_timeout is not None))
     holding = False  # a retry-budget slot is held for the attempt in flight
     if client_retry:
         retry.budget.hold()
@@ -285,7 +287,8 @@ async def _attempts(rt: Runtime, route: Route, call: Call, url: URL,
         number = 0
         while True:
             number += 1
-            limit, callers_limit = _attempt_limit(retry, deadline, caller_deadline)
+            limit, callers_limit = (_attempt_limit(retry, deadline, caller_deadline)
+                                    if bounded else (None, False))
             if number > 1 and limit is not None and limit <= 0:
                 tries.stop = "deadline"
                 return
@@ -309,9 +312,13 @@ async def _attempts(rt: Runtime, route: Route, call: Call, url: URL,
             if retry is None or not (status in retry.on_statuses if status is not None
                                      else retry.retries_error(tries.kind)):
                 return
-            # A failure this route retries on: retry it, or say why not.
+            # A failure this route retries on: retry it, or say why not. A key the
+            # idempotency block invented makes a retry safe only if the upstream honours
+            # keys; the caller's own key says the caller relies on it.
             wait = 0.0
-            if number >= allowed:
+            callers_key = IDEMPOTENCY_HEADER in call.headers
+            upstream_dedups = retry.honours_idempotency_key and IDEMPOTENCY_HEADER in headers
+            if number >= (1 if client_retry else retry.attempts):
                 tries.stop = "attempts_exhausted"
             elif not retry_is_safe(call.method, sent, callers_key=callers_key,
                                    upstream_dedups=upstream_dedups,
@@ -370,7 +377,6 @@ async def _attempt(rt: Runtime, route: Route, call: Call, url: URL,
         for breaker, ticket in tickets:
             breaker.release(ticket)
         raise
-    started_at = time.time() if logged else 0.0
     started = time.monotonic()
     try:
         route.metrics.upstream_attempts.inc()
@@ -406,7 +412,7 @@ async def _attempt(rt: Runtime, route: Route, call: Call, url: URL,
         status = response.status
         hint = upstream_retry_after(response.headers) if status >= 400 else None
         if logged:
-            tries.log.append(Attempt(started_at, status, None, time.monotonic() - started))
+            tries.log.append((started, status, None, time.monotonic() - started))
         tries.answered(response)  # first: whatever happens next, the response gets closed
         verdict = brk.classify(status, response.headers)
         for breaker, ticket in tickets:
@@ -424,8 +430,16 @@ async def _attempt(rt: Runtime, route: Route, call: Call, url: URL,
         else:
             await breaker.record(ticket, brk.FAILURE)
     if logged:
-        tries.log.append(Attempt(started_at, None, tries.kind, time.monotonic() - started))
+        tries.log.append((started, None, tries.kind, time.monotonic() - started))
     return None, None, sent
+
+
+def _attempt_records(log: list[tuple[float, int | None, str | None, float]]) -> list[Attempt]:
+    """The attempts of ``log`` for a dead letter, each started at a Unix time (the log
+    keeps the monotonic clock's, read once per attempt)."""
+    offset = time.time() - time.monotonic()
+    return [Attempt(started + offset, status, error, duration)
+            for started, status, error, duration in log]
 
 
 def _attempt_limit(retry: RetryPolicy | None, deadline: float | None,
@@ -470,7 +484,7 @@ async def _dead_letter(rt: Runtime, route: Route, call: Call, headers: CIMultiDi
         route=route.name, tenant=call.tenant, run=call.run, idempotency_key=key,
         request_id=call.request_id, method=call.method, path=path, headers=kept,
         redacted=removed + removed_query, body=call.body, body_size=len(call.body),
-        attempts=tries.log, reason=tries.stop,
+        attempts=_attempt_records(tries.log), reason=tries.stop,
     )
     try:
         letter_id = await store.add(letter)

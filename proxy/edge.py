@@ -159,7 +159,6 @@ class EdgeServer(GuardedServer):
         super().__init__(self.serve, request_factory=self._make_request, **kwargs)
         self.runtime = runtime
         self._handler = handler
-        self._door_config: Config | None = None
         self._door: Door | None = None
 
     def connection_settings(self) -> ServerConfig:
@@ -170,7 +169,9 @@ class EdgeServer(GuardedServer):
                       protocol: RequestHandler, writer: Any, task: asyncio.Task[None],
                       ) -> web.BaseRequest:
         version = message.version
-        if message is PARSE_ERROR_MESSAGE:
+        if version is HttpVersion11 and not message.chunked:  # nearly every request
+            pass
+        elif message is PARSE_ERROR_MESSAGE:
             message = _PARSE_ERROR_MESSAGE_11  # answered as HTTP/1.1, not 1.0
         elif version != HttpVersion11 and version != HttpVersion10:
             # Refused at the door, in an HTTP/1.1 status line (aiohttp would echo the
@@ -186,17 +187,17 @@ class EdgeServer(GuardedServer):
     def serve(self, request: web.BaseRequest) -> Awaitable[web.StreamResponse]:
         """The request handler aiohttp calls: the edge's checks, then the request path."""
         rt = self.runtime
-        if rt.config is not self._door_config:
-            self._door = Door(rt.config)
-            self._door_config = rt.config
-        assert self._door is not None
-        refused = self._door.check(rt, request)
+        door = self._door
+        if door is None or door.config is not rt.config:
+            door = self._door = Door(rt.config)
+        refused = door.check(rt, request)
         if refused is not None:
             return _answered(refused)
-        length = request.content_length
-        if length is not None and length > rt.config.server.max_request_bytes:
-            return _too_large(rt, request, length)
-        expect = request.headers.get("Expect")
+        headers = request.headers
+        length = headers.get("Content-Length")  # digits only: the parser refused the rest
+        if length is not None and int(length) > door.max_request_bytes:
+            return _too_large(rt, request, int(length))
+        expect = headers.get("Expect")
         if expect is not None and request.version >= HttpVersion11:
             if expect.lower() != "100-continue":
                 return _answered(render(Rejected(Reason.EXPECTATION_FAILED, None, ""),
@@ -272,7 +273,9 @@ class Door:
     """The request checks of one config (see the module docstring), built once per config."""
 
     def __init__(self, config: Config) -> None:
+        self.config = config
         server = config.server
+        self.max_request_bytes = server.max_request_bytes
         self.any_host, self.hosts, self.host_suffixes, self.ip_hosts = allowed_hosts(server)
         self.origins = frozenset(server.allowed_origins)
         self.any_origin = "*" in self.origins

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import re
+import time
 
 import aiohttp
 from aiohttp import web
@@ -40,6 +41,7 @@ from yarl import URL
 
 from policies.idempotency import Capture
 from policies.mcp import AnswerTracker
+from policies.pipeline import Call
 from policies.reasons import Reason, Rejected
 from policies.usage import Meter
 from proxy.rejections import rejection_body
@@ -189,12 +191,15 @@ async def relay(
     extra_headers: dict[str, str] | None = None,
     capture: Capture | None = None,
     meter: Meter | None = None,
+    call: Call | None = None,
 ) -> tuple[web.StreamResponse, str]:
     """Relay an upstream answer to the caller, then release it; never retried.
 
     ``extra_headers`` are set on the answer, replacing upstream fields of the same name;
     ``capture``, when given, is fed the answer as it is relayed; ``meter`` reads its usage
-    (and may drop the usage chunk Sluice itself asked for) before either sees it.
+    (and may drop the usage chunk Sluice itself asked for) before either sees it; ``call``,
+    when given, has its ``progress_at`` stamped as a streamed answer's chunks arrive (stall
+    detection).
 
     Returns:
         ``(response, outcome)`` as :func:`forward` does.
@@ -273,6 +278,8 @@ async def relay(
                 return out, label
             if not chunk:
                 break
+            if call is not None:
+                call.progress_at = time.monotonic()
             if meter is not None:
                 chunk = meter.chunk(chunk)
                 if not chunk:

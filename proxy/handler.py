@@ -90,25 +90,6 @@ def _mcp_traffic(request: web.BaseRequest, body: bytes,
     return mcp.traffic("POST", post), post.tool
 
 
-class _Inflight:
-    """The route's in-flight count (and the call among its live ones) as a holding, so it is
-    given back with the rest. A stream is not among the live calls: silence is its normal
-    state, not a stall."""
-
-    __slots__ = ("call", "route")
-
-    def __init__(self, route: Route, call: Call, stream: bool) -> None:
-        self.route = route
-        self.call = call
-        route.inflight += 1
-        if not stream:
-            route.live.add(call)
-
-    def release(self, outcome: Outcome) -> None:
-        self.route.inflight -= 1
-        self.route.live.discard(self.call)
-
-
 async def handle(rt: Runtime, request: web.BaseRequest) -> web.StreamResponse:
     """Serve one agent request (the only handler of the proxy port, bound to its runtime)."""
     raw_path = request.raw_path
@@ -123,8 +104,7 @@ async def handle(rt: Runtime, request: web.BaseRequest) -> web.StreamResponse:
     except IdentityRejected as refused:  # logged under a safe tenant, nothing the caller sent
         return _reject(rt, route, refused, rt.next_request_id(), refused.tenant, None)
     tenant, run, request_id = who.tenant, who.run, who.request_id
-    parent_run = who.parent_run if run is not None else None
-    priority = PRIORITIES.get(who.priority or "")
+    priority = None if who.priority is None else PRIORITIES.get(who.priority)
 
     if has_dot_segment(raw_path):
         return _reject(rt, route, Rejected(Reason.BAD_REQUEST, None, "dot-segments in path"),
@@ -148,24 +128,17 @@ async def handle(rt: Runtime, request: web.BaseRequest) -> web.StreamResponse:
             return _reject(rt, route, Rejected(Reason.BAD_REQUEST, None, bad.detail[:200]),
                            request_id, tenant, run, body)
 
-    events = rt.events
-
-    def notify(event: str, fields: dict[str, object]) -> None:
-        if event == "expired":
-            rt.metrics.expiries.labels(
-                route.name, "deadline" if fields.pop("deadline", False) else "max_wait").inc()
-        events.emit(event, request_id, route.name, tenant, run, call.idempotency_key,
-                    **fields, **_operation(call))
-
+    client_retry = is_client_retry(headers)
     call = Call(
         request_id=request_id, route=route.name, method=request.method, path=raw_path,
         headers=headers, body=body, tenant=tenant, run=run,
         priority=DEFAULT_PRIORITY if priority is None else priority,
-        priority_given=priority is not None, parent_run=parent_run,
+        priority_given=priority is not None,
+        parent_run=who.parent_run if run is not None else None,
         timeout=_caller_timeout(request, rt.timeout_header), operation=operation,
-        notify=notify,
+        reporter=route.report, client_retry=client_retry,
     )
-    call.new_unit = not is_client_retry(headers)
+    call.new_unit = not client_retry
     # MCP control and stream traffic take nothing, an operation's steps included.
     plan = route.plan(call) if traffic == "call" else route.base_plan
     admission = Admission()
@@ -183,16 +156,24 @@ async def handle(rt: Runtime, request: web.BaseRequest) -> web.StreamResponse:
             outcome = Outcome("replayed", reached=False, status=replay.record.status)
             return _replay(rt, route, call, replay)
 
-        # Admitted: from here the outcome is the upstream's, or why there was none.
-        admission.hold(_Inflight(route, call, traffic == "stream"))
+        # Admitted: from here the outcome is the upstream's, or why there was none. The
+        # route's in-flight count is the handler's own: taken here, after admitted_at is set,
+        # with nothing that can raise between them, and given back in the finally below.
         admitted_at = call.progress_at = time.monotonic()
+        route.inflight += 1
+        if traffic != "stream":  # a stream's silence is its normal state, not a stall
+            route.live.add(call)
         call.phase = "forwarding"
         if route.budgets is not None:  # its tenant's budget gauges, from now (tokens or costs)
             route.budget_gauges.watch(call.tenant, route.metrics.tenant(call.tenant))
         if call.enqueued_at is not None:
             route.metrics.queue_wait.observe(admitted_at - call.enqueued_at)
-        events.emit("admitted", request_id, route.name, tenant, run, call.idempotency_key,
-                    **_operation(call))
+        if call.operation is None:
+            rt.events.emit("admitted", request_id, route.name, tenant, run,
+                           call.idempotency_key)
+        else:
+            rt.events.emit("admitted", request_id, route.name, tenant, run,
+                           call.idempotency_key, operation=call.operation)
         try:
             response, label, reached = await attempts.forward(request, rt, route, call,
                                                               traffic, plan)
@@ -200,9 +181,10 @@ async def handle(rt: Runtime, request: web.BaseRequest) -> web.StreamResponse:
             outcome = Outcome("rejected", reached=False, status=rejected.reason.status)
             return refuse(rt, route, rejected, request_id, tenant, run, call.idempotency_key,
                           call.body, call.operation)
-        answered = label[0].isdigit()
-        outcome = Outcome(label, reached, response.status,
-                          time.monotonic() - admitted_at if answered else None)
+        if label[0].isdigit():  # answered: a sample of the service time
+            outcome = Outcome(label, reached, response.status, time.monotonic() - admitted_at)
+        else:
+            outcome = Outcome(label, reached, response.status)
         return response
     except (asyncio.CancelledError, ConnectionResetError):
         if call.cancelled is not None:  # its run was cancelled (POST /admin/runs/.../cancel)
@@ -221,6 +203,9 @@ async def handle(rt: Runtime, request: web.BaseRequest) -> web.StreamResponse:
         if call.cancelled is not None and outcome is ABANDONED:
             outcome = (Outcome("run_cancelled", reached=True, status=call.status)
                        if admitted_at else REFUSED)
+        if admitted_at:
+            route.inflight -= 1
+            route.live.discard(call)
         admission.release(outcome)
         if admitted_at:
             _completed(rt, route, call, outcome, admitted_at, traffic != "stream")
@@ -268,6 +253,9 @@ def _operation(call: Call) -> dict[str, object]:
     return {} if call.operation is None else {"operation": call.operation}
 
 
+_NO_FIELDS: dict[str, object] = {}
+
+
 def _completed(rt: Runtime, route: Route, call: Call, outcome: Outcome,
                admitted_at: float, timed: bool) -> None:
     """Count and log an admitted call once its holdings are given back; ``timed``: its
@@ -277,9 +265,10 @@ def _completed(rt: Runtime, route: Route, call: Call, outcome: Outcome,
     if timed:
         metrics.upstream_duration.observe(elapsed)
     metrics.outcomes[outcome.label].inc()
-    fields: dict[str, object] = dict(call.charged or {})
+    charged = call.charged
+    fields = _NO_FIELDS if charged is None else charged
     if call.operation is not None:
-        fields["operation"] = call.operation
+        fields = {**fields, "operation": call.operation}
         series = metrics.operation(call.operation)
         series.outcome(outcome.label)
         if timed:
@@ -288,15 +277,14 @@ def _completed(rt: Runtime, route: Route, call: Call, outcome: Outcome,
             series.cost.inc(call.operation_cost)
             metrics.tenant(call.tenant).cost.inc(call.operation_cost)
             fields["operation_cost_usd"] = call.operation_cost
-    charged = call.charged
     if charged is not None:
-        series = metrics.tenant(call.tenant)
+        tenant = metrics.tenant(call.tenant)
         if charged["input_tokens"]:
-            series.input_tokens.inc(charged["input_tokens"])
+            tenant.input_tokens.inc(charged["input_tokens"])  # type: ignore[arg-type]
         if charged["output_tokens"]:
-            series.output_tokens.inc(charged["output_tokens"])
+            tenant.output_tokens.inc(charged["output_tokens"])  # type: ignore[arg-type]
         if charged["cost_usd"]:
-            series.cost.inc(charged["cost_usd"])
+            tenant.cost.inc(charged["cost_usd"])  # type: ignore[arg-type]
         if charged["usage"] in ("estimated", "reserved"):
             metrics.usage_missing.inc()
     rt.events.emit("completed", call.request_id, route.name, call.tenant, call.run,

@@ -104,12 +104,25 @@ def identify(rt: Runtime, request: web.BaseRequest) -> Identity:
     """
     config = rt.config.identity
     headers = request.headers
+    getall = headers.getall
     default = config.default_tenant
-    tenant = header_value(headers, config.tenant_header, default)
-    run = header_value(headers, config.run_header, default)
-    request_id = header_value(headers, REQUEST_ID_HEADER, default)
-    parent_run = header_value(headers, config.parent_run_header, default)
-    priority = header_value(headers, config.priority_header, default)
+    # One look-up per header, and the checks only for the values sent: most requests send a
+    # tenant at most.
+    tenant = getall(config.tenant_header, None)
+    if tenant is not None:
+        tenant = checked(tenant, config.tenant_header, default)
+    run = getall(config.run_header, None)
+    if run is not None:
+        run = checked(run, config.run_header, default)
+    request_id = getall(REQUEST_ID_HEADER, None)
+    if request_id is not None:
+        request_id = checked(request_id, REQUEST_ID_HEADER, default)
+    parent_run = getall(config.parent_run_header, None)
+    if parent_run is not None:
+        parent_run = checked(parent_run, config.parent_run_header, default)
+    priority = getall(config.priority_header, None)
+    if priority is not None:
+        priority = checked(priority, config.priority_header, default)
     keys = config.keys
     if keys is not None:
         tenant = trusted_tenant(config, keys, headers, tenant)
@@ -117,17 +130,15 @@ def identify(rt: Runtime, request: web.BaseRequest) -> Identity:
                     priority)
 
 
-def header_value(headers: CIMultiDictProxy[str], name: str, log_as: str) -> str | None:
-    """The value of identity header ``name``, ``None`` when absent or empty.
+def checked(values: list[str], name: str, log_as: str) -> str | None:
+    """The one value of identity header ``name`` sent as ``values`` (every line of it),
+    ``None`` when empty.
 
     Raises:
         IdentityRejected: 400 ``bad_request`` (logged under tenant ``log_as``) when the value
             is not visible ASCII, is longer than ``MAX_IDENTITY_LENGTH``, or the header is
             sent more than once.
     """
-    values = headers.getall(name, None)
-    if values is None:
-        return None
     if len(values) > 1:
         raise IdentityRejected(Reason.BAD_REQUEST, f"{name} is sent {len(values)} times; send "
                                "it once", log_as)

@@ -532,6 +532,7 @@ class RouteMetrics:
         "_by_tenant",
         "_metrics",
         "dead_letters",
+        "expiries",
         "name",
         "outcomes",
         "queue_wait",
@@ -559,6 +560,7 @@ class RouteMetrics:
         self.retry_overflow = metrics.retry_overflow.labels(route)
         self.dead_letters = metrics.dead_letters.labels(route)
         self.usage_missing = metrics.usage_missing.labels(route)
+        self.expiries = {r: metrics.expiries.labels(route, r) for r in ("max_wait", "deadline")}
         self._by_tenant: dict[str, TenantSeries] = {}
         self._by_operation: dict[str, OperationSeries] = {}
 

@@ -79,6 +79,9 @@ class Route:
         "budgets",
         "concurrency",
         "config",
+        "cut",
+        "deadline_header",
+        "events",
         "fanout",
         "global_fanout",
         "global_limits",
@@ -113,6 +116,14 @@ class Route:
         self.prefix = config.path_prefix
         self.protocol = config.protocol
         self.upstream_base = config.upstream
+        #: The request path from this index on is what goes upstream (the prefix less its
+        #: last slash).
+        self.cut = len(self.prefix) - 1
+        #: The header carrying what is left of a caller's deadline to the upstream
+        #: (``timeouts.deadline_header``; ``http`` and ``mcp`` routes only), or ``None``.
+        self.deadline_header = (config.timeouts.deadline_header
+                                if config.protocol in ("http", "mcp") else None)
+        self.events = events
         self.timeout = aiohttp.ClientTimeout(
             total=config.timeouts.total, connect=config.timeouts.connect
         )
@@ -228,6 +239,18 @@ class Route:
             op.config.timeouts if op is not None and op.config.timeouts else config.timeouts,
             config.idempotent or (op is not None and op.config.idempotent),
         )
+
+    def report(self, call: Call, event: str, fields: dict[str, Any]) -> None:
+        """A policy's step for one of this route's calls (``Call.notify``): its timeline
+        event, with the call's operation, and an expiry's count in ``sluice_expiries_total``
+        (``fields["deadline"]``, taken out: the caller's own deadline, else ``max_wait``)."""
+        if event == "expired":
+            self.metrics.expiries["deadline" if fields.pop("deadline", False)
+                                  else "max_wait"].inc()
+        if call.operation is not None:
+            fields["operation"] = call.operation
+        self.events.emit(event, call.request_id, self.name, call.tenant, call.run,
+                         call.idempotency_key, **fields)
 
     def plan(self, call: Call) -> Plan:
         """The plan ``call`` is admitted and forwarded with; sets ``call.operation`` to its
