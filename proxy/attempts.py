@@ -178,7 +178,8 @@ async def forward(request: web.BaseRequest, rt: Runtime, route: Route, call: Cal
                                        f"{len(tries.log)} attempt(s); the last: {tries.kind}")
         if tries.response is not None:
             response, tries.response = tries.response, None
-            if extra is None and retry is not None and _final(response.status):
+            if extra is None and retry is not None and response.status >= 408 \
+                    and _final(response.status):
                 extra = _NO_RETRY
             if call.response_headers:
                 extra = {**call.response_headers, **(extra or {})}
@@ -411,7 +412,7 @@ async def _attempt(rt: Runtime, route: Route, call: Call, url: URL,
     else:
         status = response.status
         hint = upstream_retry_after(response.headers) if status >= 400 else None
-        if logged:
+        if logged and status >= 400:  # an answer below 400 is never retried nor dead-lettered
             tries.log.append((started, status, None, time.monotonic() - started))
         tries.answered(response)  # first: whatever happens next, the response gets closed
         verdict = brk.classify(status, response.headers)

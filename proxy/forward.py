@@ -66,6 +66,8 @@ _RESPONSE_DROP = HOP_BY_HOP
 
 #: Complete answers up to this size are read whole and sent in one write.
 BUFFER_LIMIT_BYTES = 256 * 1024
+#: ``sluice_requests_total``'s outcome for a relayed status, by its class (status // 100).
+_OUTCOMES = ("0xx", "1xx", "2xx", "3xx", "4xx", "5xx")
 
 #: Characters aiohttp refuses to write in a header (control characters but tab; the same set
 #: as its own writer's check), though its client accepts them from an upstream.
@@ -216,17 +218,18 @@ async def relay(
             # 600-999 are invalid (RFC 9110 §15: treat as 5xx); the only final 1xx aiohttp
             # returns is 101, an upgrade Sluice never asks for (Upgrade is hop-by-hop).
             raise Rejected(Reason.UPSTREAM_UNREACHABLE, None, f"invalid status {status}")
-        outcome = f"{status // 100}xx"
-        headers = _copy_headers(upstream.headers, _RESPONSE_DROP)
+        outcome = _OUTCOMES[status // 100]
+        upstream_headers = upstream.headers
+        headers = _copy_headers(upstream_headers, _RESPONSE_DROP)
         if extra_headers:
             headers.update(extra_headers)
         if meter is not None:
             meter.start(status, headers)
         if capture is not None:
             capture.begin(status, upstream.reason, headers)
-        length = upstream.content_length
-        streaming = length is None or length > BUFFER_LIMIT_BYTES
-        if not streaming:
+        # Digits only (the parser refused the rest); none for a chunked or close-ended answer.
+        length = upstream_headers.get("Content-Length")
+        if length is not None and int(length) <= BUFFER_LIMIT_BYTES:
             try:
                 data = await upstream.read()
             except TimeoutError:  # also aiohttp's ServerTimeoutError (a ClientError too)
