@@ -78,6 +78,9 @@ class Identity(NamedTuple):
     priority: str | None
 
 
+_make_identity = tuple.__new__
+
+
 class IdentityRejected(Rejected):
     """The request's identity headers or credential were refused.
 
@@ -126,8 +129,10 @@ def identify(rt: Runtime, request: web.BaseRequest) -> Identity:
     keys = config.keys
     if keys is not None:
         tenant = trusted_tenant(config, keys, headers, tenant)
-    return Identity(tenant or default, run, request_id or rt.next_request_id(), parent_run,
-                    priority)
+    # tuple.__new__ builds the same Identity in C; a NamedTuple's own __new__ is a Python
+    # function (as its _make says).
+    return _make_identity(Identity, (tenant or default, run,
+                                     request_id or rt.next_request_id(), parent_run, priority))
 
 
 def checked(values: list[str], name: str, log_as: str) -> str | None:

@@ -353,9 +353,21 @@ class Router:
 
     def __init__(self, routes: list[Route]) -> None:
         self.routes = sorted(routes, key=lambda r: len(r.prefix), reverse=True)
+        # Where no prefix is longer than one segment ("/openai/"), a path's first segment
+        # names its route: one slice and one look-up, however many routes.
+        self._by_segment: dict[str, Route] | None = None
+        if all(route.prefix.count("/") <= 2 for route in routes):
+            self._by_segment = {r.prefix: r for r in routes if r.prefix.count("/") == 2}
 
     def match(self, raw_path: str) -> Route | None:
         """The route for ``raw_path`` (path and query as received), or ``None``."""
+        by_segment = self._by_segment
+        if by_segment is not None:
+            end = raw_path.find("/", 1)
+            if end > 0:
+                route = by_segment.get(raw_path[:end + 1])
+                if route is not None:
+                    return route
         for route in self.routes:
             if raw_path.startswith(route.prefix):
                 return route
@@ -370,9 +382,9 @@ def has_dot_segment(raw_path: str) -> bool:
     path other than the one Sluice routed on (RFC 3986 §5.2.4); some servers (IIS, and
     frameworks on Windows) also split segments at a backslash.
     """
-    path = raw_path.partition("?")[0]
-    if "." not in path and "%" not in path:
+    if "." not in raw_path and "%" not in raw_path:
         return False
+    path = raw_path.partition("?")[0]
     return any(segment in (".", "..")
                for segment in unquote(path).replace("\\", "/").split("/"))
 
