@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import json
+import os
 import runpy
 import signal
 import sys
@@ -66,6 +67,7 @@ def main(argv: list[str]) -> None:
     signal.signal(signal.SIGUSR2, lambda *_: counter.stop_and_write(out))
     args = program[1:]  # the interpreter named first is this one
     if args[0] == "-m":
+        sys.path.insert(0, os.getcwd())  # as ``python -m`` does: the checkout run from wins
         sys.argv = args[1:]
         runpy.run_module(args[1], run_name="__main__", alter_sys=True)
     else:
