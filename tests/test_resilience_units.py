@@ -14,7 +14,13 @@ from policies import breaker as brk
 from policies.config import CircuitBreakerConfig, RetryConfig
 from policies.deadletter import Attempt, DeadLetter, DeadLetterFile, redact, redact_path
 from policies.reasons import Reason, Rejected
-from policies.retry import RetryBudget, RetryPolicy, retry_is_safe, upstream_retry_after
+from policies.retry import (
+    RetryBudget,
+    RetryPolicy,
+    is_client_retry,
+    retry_is_safe,
+    upstream_retry_after,
+)
 from policies.state import memory_backends
 from policies.state.breaker import MemoryBreakerStates
 from proxy.events import EventLog
@@ -65,6 +71,20 @@ def test_retry_is_safe_follows_rfc9110() -> None:
         assert retry_is_safe(method, sent=True, callers_key=True)
         assert retry_is_safe(method, sent=True, upstream_dedups=True)
         assert retry_is_safe(method, sent=True, declared_idempotent=True)
+
+
+def test_client_retry_counts() -> None:
+    """x-stainless-retry-count > 0 is an SDK's own retry; anything but decimal digits is none,
+    and no value raises (int() refuses "²", which isdigit() takes, and over 4300 digits)."""
+    def retry(count: str) -> bool:
+        return is_client_retry({"x-stainless-retry-count": count})
+
+    assert not is_client_retry({})
+    assert [retry(c) for c in ("0", "00", "1", "01", "12", "\u0663")] == [
+        False, False, True, True, True, True]  # U+0663: the Arabic-Indic digit three
+    for junk in ("", "-1", "+1", " 1", "1.0", "one", "\u00b2", "\u0660"):  # ², Arabic zero
+        assert not retry(junk)
+    assert retry("1" * 5000) and not retry("0" * 5000)
 
 
 def test_upstream_retry_after_forms() -> None:
