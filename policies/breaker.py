@@ -420,8 +420,18 @@ class Breaker:
 
     def _give_back(self, states: BreakerStates, ticket: Ticket) -> None:
         if ticket.probe is not None:
-            self._spawn(self._quietly(
-                states.record(self.route, ticket, NEUTRAL, self._params)))
+            self._spawn(self._return_lease(states, ticket))
+
+    async def _return_lease(self, states: BreakerStates, ticket: Ticket) -> None:
+        try:
+            verdict = await states.record(self.route, ticket, NEUTRAL, self._params)
+        except StateUnavailable as exc:
+            log.warning("route %s: a probe lease was not given back (it lapses in %.0fs): %s",
+                        self.route, PROBE_LEASE_S, exc.cause, extra=PER_CALL)
+            return
+        # The view loses its probe in flight: else check() (on memory) would go on refusing
+        # every call with "a probe is in flight", and none would ever probe again.
+        self._heard(states, verdict, None)
 
     # -- tasks --------------------------------------------------------------------------------
 
@@ -448,10 +458,3 @@ class Breaker:
         task.add_done_callback(self._tasks.discard)
         self._backends.keep(task)  # shutdown waits for it (StateBackends.close)
         return task
-
-    async def _quietly(self, call: Awaitable[object]) -> None:
-        try:
-            await call
-        except StateUnavailable as exc:
-            log.warning("route %s: a probe lease was not given back (it lapses in %.0fs): %s",
-                        self.route, PROBE_LEASE_S, exc.cause, extra=PER_CALL)

@@ -182,6 +182,22 @@ async def test_cancelled_probe_is_neutral_and_failed_probe_reopens(clock: Clock)
     assert breaker.current == "open" and breaker.blocked_for() == 5.0
 
 
+async def test_a_released_probe_lets_the_next_call_through_the_check(clock: Clock) -> None:
+    """Seen: on memory, a probe whose caller left kept the view half-open with a probe in
+    flight, so the pipeline's check() refused every later call: the breaker never probed
+    again and refused 503 for good."""
+    breaker, events = make_breaker(clock, fail_max=1, reset_timeout="5s")
+    await fail(breaker)
+    clock.now += 5
+    breaker.release(await breaker.attempt())  # the probe's caller went away
+    await asyncio.sleep(0)  # the lease is given back in the background
+    clock.now += 60
+    breaker.check()  # not refused: the next caller may probe
+    await breaker.record(await breaker.attempt(), brk.SUCCESS)
+    assert breaker.current == "closed"
+    assert emitted(events) == ["circuit_opened", "circuit_half_open", "circuit_closed"]
+
+
 async def test_stale_outcomes_are_dropped(clock: Clock) -> None:
     breaker, _ = make_breaker(clock, fail_max=2, reset_timeout="5s")
     early = [await breaker.attempt() for _ in range(4)]  # four attempts admitted while closed
