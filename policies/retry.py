@@ -37,6 +37,7 @@ import random
 import time
 from collections.abc import Mapping
 from email.utils import parsedate_to_datetime
+from unicodedata import decimal
 
 from policies.config import RetryConfig
 
@@ -75,9 +76,18 @@ def retry_is_safe(method: str, sent: bool, *, callers_key: bool = False,
 
 
 def is_client_retry(headers: Mapping[str, str]) -> bool:
-    """True when an SDK says this request is its own retry (``x-stainless-retry-count`` > 0)."""
-    count = headers.get(CLIENT_RETRY_HEADER)
-    return count is not None and count.isdigit() and int(count) > 0
+    """True when an SDK says this request is its own retry (``x-stainless-retry-count`` > 0).
+
+    A count is decimal digits (of any script, as ``int()`` reads them), not all zeros; anything
+    else is no retry. The answer is the request's: where several steps of one call need it,
+    compute it once per call.
+    """
+    if CLIENT_RETRY_HEADER not in headers:
+        return False  # not a Stainless SDK (they send 0 on a first attempt)
+    count = headers[CLIENT_RETRY_HEADER]
+    # Not int(count) > 0: int() refuses "²", which isdigit() takes, and counts of more than
+    # sys.int_max_str_digits (4300) digits, and a request must not fail on either.
+    return count != "0" and count.isdecimal() and any(map(decimal, count))
 
 
 def upstream_retry_after(headers: Mapping[str, str]) -> float | None:

@@ -14,7 +14,13 @@ from policies import breaker as brk
 from policies.config import CircuitBreakerConfig, RetryConfig
 from policies.deadletter import Attempt, DeadLetter, DeadLetterFile, redact, redact_path
 from policies.reasons import Reason, Rejected
-from policies.retry import RetryBudget, RetryPolicy, retry_is_safe, upstream_retry_after
+from policies.retry import (
+    RetryBudget,
+    RetryPolicy,
+    is_client_retry,
+    retry_is_safe,
+    upstream_retry_after,
+)
 from policies.state import memory_backends
 from policies.state.breaker import MemoryBreakerStates
 from proxy.events import EventLog
@@ -65,6 +71,20 @@ def test_retry_is_safe_follows_rfc9110() -> None:
         assert retry_is_safe(method, sent=True, callers_key=True)
         assert retry_is_safe(method, sent=True, upstream_dedups=True)
         assert retry_is_safe(method, sent=True, declared_idempotent=True)
+
+
+def test_client_retry_counts() -> None:
+    """x-stainless-retry-count > 0 is an SDK's own retry; anything but decimal digits is none,
+    and no value raises (int() refuses "²", which isdigit() takes, and over 4300 digits)."""
+    def retry(count: str) -> bool:
+        return is_client_retry({"x-stainless-retry-count": count})
+
+    assert not is_client_retry({})
+    assert [retry(c) for c in ("0", "00", "1", "01", "12", "\u0663")] == [
+        False, False, True, True, True, True]  # U+0663: the Arabic-Indic digit three
+    for junk in ("", "-1", "+1", " 1", "1.0", "one", "\u00b2", "\u0660"):  # ², Arabic zero
+        assert not retry(junk)
+    assert retry("1" * 5000) and not retry("0" * 5000)
 
 
 def test_upstream_retry_after_forms() -> None:
@@ -160,6 +180,22 @@ async def test_cancelled_probe_is_neutral_and_failed_probe_reopens(clock: Clock)
     assert breaker.current == "half-open"  # success_threshold 2: one more probe needed
     await fail(breaker)
     assert breaker.current == "open" and breaker.blocked_for() == 5.0
+
+
+async def test_a_released_probe_lets_the_next_call_through_the_check(clock: Clock) -> None:
+    """Seen: on memory, a probe whose caller left kept the view half-open with a probe in
+    flight, so the pipeline's check() refused every later call: the breaker never probed
+    again and refused 503 for good."""
+    breaker, events = make_breaker(clock, fail_max=1, reset_timeout="5s")
+    await fail(breaker)
+    clock.now += 5
+    breaker.release(await breaker.attempt())  # the probe's caller went away
+    await asyncio.sleep(0)  # the lease is given back in the background
+    clock.now += 60
+    breaker.check()  # not refused: the next caller may probe
+    await breaker.record(await breaker.attempt(), brk.SUCCESS)
+    assert breaker.current == "closed"
+    assert emitted(events) == ["circuit_opened", "circuit_half_open", "circuit_closed"]
 
 
 async def test_stale_outcomes_are_dropped(clock: Clock) -> None:

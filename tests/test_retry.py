@@ -209,6 +209,20 @@ async def test_only_safe_requests_are_retried(upstream, start_sluice, tmp_path):
                        ("openai", "attempts_exhausted")]
 
 
+async def test_a_retry_count_that_is_no_number_is_no_retry(upstream, start_sluice, tmp_path):
+    """Seen: x-stainless-retry-count "\u00b2" (a digit to str.isdigit(), not to int()) raised
+    in the handler, a 500; it is no count, so not an SDK's retry: Sluice retries the call."""
+    sluice = await retry_sluice(start_sluice, tmp_path, route(
+        "openai", upstream.url, retry={"attempts": 2, "backoff": FAST_BACKOFF}))
+    upstream.statuses = [503]
+    async with aiohttp.ClientSession() as s:
+        async with s.get(sluice.url + "/openai/v1/models",
+                         headers={"x-stainless-retry-count": "\u00b2"}) as r:
+            assert r.status == 200
+    assert [header(seen, "x-stainless-retry-count") for seen in upstream.requests] == [
+        "\u00b2", "\u00b2"]
+
+
 async def test_retry_after_and_deadline(upstream, start_sluice, tmp_path):
     sluice = await retry_sluice(
         start_sluice, tmp_path,

@@ -4,7 +4,8 @@ The tests of deferred successes feed each outcome as the breaker policy does (``
 ``record``), so the same body checks that memory (records at once) and Redis (batches) end up
 alike; a property test then checks that batching on Redis gives the consecutive-failure count
 and the openings that recording each outcome at once gives, for any sequence of one replica's
-outcomes and flushes.
+outcomes and flushes, and another that memory's ``defer`` (a closed-state success counted in
+a few steps) leaves every count and decision where ``record`` leaves them.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import math
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from policies.breaker import Breaker
@@ -30,6 +31,7 @@ from policies.state.breaker import (
     SUCCESS,
     BreakerParams,
     BreakerStates,
+    MemoryBreakerStates,
     Ticket,
     Verdict,
     _Window,
@@ -177,7 +179,7 @@ async def feed(breakers: BreakerStates, ticket: Ticket, outcome: int,
                params: BreakerParams = PARAMS) -> Verdict | None:
     """One outcome, as :meth:`policies.breaker.Breaker.record` feeds it: deferred when the
     backend takes it (then ``None``), recorded otherwise."""
-    if breakers.defer("r", ticket, outcome):
+    if breakers.defer("r", ticket, outcome, params):
         return None
     return await breakers.record("r", ticket, outcome, params)
 
@@ -305,7 +307,7 @@ STEP = st.sampled_from([SUCCESS, SUCCESS, SUCCESS, FAILURE, FAILURE, NEUTRAL, "f
 async def failures(backends: StateBackends, group: str) -> int:
     """The breaker's consecutive-failure count, read from where it is kept."""
     if backends.redis is None:
-        return backends.breakers._machine(group).failures  # type: ignore[attr-defined]
+        return backends.breakers._machines[group].failures  # type: ignore[attr-defined]
     key = backends.redis.key(group, "breaker")
     return int(await backends.redis.run(lambda client: client.hget(key, "failures")) or 0)
 
@@ -352,7 +354,7 @@ def test_batching_opens_where_recording_each_outcome_at_once_does(steps, fail_ma
                             "r", ticket, step, params))
                     ticket = await attempt(batched)
                     sent = False
-                    if ticket is not None and not batched.breakers.defer("r", ticket, step):
+                    if ticket is not None and not batched.breakers.defer("r", ticket, step, params):
                         heard("batched", await batched.breakers.record(
                             "r", ticket, step, params))
                         sent = True
@@ -395,3 +397,58 @@ def test_the_memory_window_keeps_the_totals_a_plain_sum_would_give(outcomes, win
         tripped = _window_add(window, second, failed, params)
         assert (window.calls, window.failures) == (calls, failures)
         assert tripped == (calls >= min_calls and failures >= rate * calls)
+
+
+@settings(max_examples=300, deadline=None)
+@given(steps=st.lists(st.tuples(st.sampled_from([SUCCESS, SUCCESS, SUCCESS, SUCCESS, FAILURE,
+                                                 NEUTRAL]),
+                                st.sampled_from([0, 0, 0.0004, 0.25, 0.9996, 1, 2.5, 6, 40]),
+                                st.integers(0, 8)),
+                      max_size=150),
+       fail_max=st.integers(2, 8), min_calls=st.integers(1, 12),
+       rate=st.sampled_from([None, 0.2, 0.5, 1.0]), window_s=st.sampled_from([1, 2.5, 10]))
+# In one second: the success that brings the window to min_calls trips it (2 failures in 4).
+@example(steps=[(FAILURE, 0, 8), (FAILURE, 0, 8), (SUCCESS, 0, 8), (SUCCESS, 0, 8)],
+         fail_max=8, min_calls=4, rate=0.5, window_s=10)
+# A reload within a quiet second: under the new rate (0.5) the next success trips it.
+@example(steps=[(FAILURE, 0, 8), (SUCCESS, 0, 1)], fail_max=5, min_calls=2, rate=1.0,
+         window_s=10)
+def test_memory_defer_counts_a_success_as_record_does(steps, fail_max, min_calls, rate,
+                                                      window_s):
+    """Memory fed as the breaker policy feeds it (``defer``, else ``record``) against memory
+    recording every outcome: after each step the same state, epoch, consecutive-failure
+    count, window totals and openings, across quiet seconds, seconds that expire outcomes,
+    open and half-open, and reloads (a new params object, now and then other values)."""
+    now = [1000.0]
+    reference, subject = MemoryBreakerStates(lambda: now[0]), MemoryBreakerStates(lambda: now[0])
+
+    def variant(other: int) -> BreakerParams:  # 0: as given; 1, 2: quicker to trip
+        return BreakerParams(fail_max=fail_max, reset_s=5,
+                             window_s=(window_s * (2 if other == 2 else 1)) if rate else None,
+                             rate=(rate or 1.0) / (2 if other == 1 else 1),
+                             min_calls=min_calls // 2 + 1 if other == 2 else min_calls)
+
+    params = variant(0)
+
+    def summary(states: MemoryBreakerStates) -> tuple[object, ...]:
+        m = states._machines["r"]
+        return m.state, m.epoch, m.failures, m.window.calls, m.window.failures
+
+    async def run() -> None:
+        nonlocal params
+        for outcome, step, reload in steps:
+            now[0] += step
+            if reload < 3:  # a reload: new params, whether or not their values changed
+                params = variant(reload)
+            admissions = [await states.admit("r", params) for states in (reference, subject)]
+            assert admissions[0] == admissions[1]._replace(ticket=admissions[0].ticket)
+            if not admissions[0].allowed:
+                continue
+            expected = await reference.record("r", admissions[0].ticket, outcome, params)
+            got = None
+            if not subject.defer("r", admissions[1].ticket, outcome, params):
+                got = await subject.record("r", admissions[1].ticket, outcome, params)
+            assert (got.transition if got else None) == expected.transition
+            assert summary(subject) == summary(reference)
+
+    asyncio.run(run())

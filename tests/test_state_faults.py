@@ -63,7 +63,7 @@ def every_call(b: StateBackends) -> dict[str, Callable[[], Awaitable[Any]]]:
 
 async def flush_a_success(b: StateBackends) -> object:
     """A success deferred, then flushed (the flush of nothing pending asks nothing)."""
-    assert b.breakers.defer("r", Ticket(0), SUCCESS)
+    assert b.breakers.defer("r", Ticket(0), SUCCESS, BreakerParams(5, 1.0))
     return await b.breakers.flush("r", BreakerParams(5, 1.0))
 
 

@@ -43,7 +43,9 @@ exactly where single records would have, up to the bucket placement. Successes c
 an older epoch are dropped, as a stale ticket's outcome is; so are those whose script Redis
 does not answer (they could only have lowered a failure rate; never sent twice, though a
 script sent to a frozen server may still run when it wakes).
-Memory records every outcome at once (it costs no round trip).
+Memory records every outcome at once (it costs no round trip); its :meth:`~BreakerStates.defer`
+counts a closed-state success there and then, in a few steps, whenever that success can
+change nothing but the counts (see :class:`_Window`), and leaves the rest to ``record``.
 
 Redis layout: ``<prefix>:{<group>}:breaker`` a hash (state, epoch, counters, open-until,
 cause), ``...:breaker:window`` a hash of per-second counts, ``...:breaker:probe`` the probe
@@ -55,6 +57,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections import defaultdict
 from collections.abc import Callable
 from typing import NamedTuple, Protocol
 
@@ -152,6 +155,10 @@ class BreakerStates(Protocol):
         StateUnavailable: the backend did not answer in time (Redis only).
     """
 
+    #: True when :meth:`defer` keeps successes for a later :meth:`flush` (Redis); False when
+    #: it applies them at once (memory).
+    batched: bool
+
     async def admit(self, group: str, params: BreakerParams) -> Admission:
         """Permission for one attempt (moves open to half-open once its time is up, and
         makes this attempt the probe if the probe lease is free)."""
@@ -166,16 +173,20 @@ class BreakerStates(Protocol):
         call."""
         ...
 
-    def defer(self, group: str, ticket: Ticket, outcome: int) -> bool:
+    def defer(self, group: str, ticket: Ticket, outcome: int, params: BreakerParams) -> bool:
         """Count ``outcome`` here, without a round trip, when it is a success of an attempt
         admitted while closed (``ticket`` without a probe: such a success cannot change the
-        state except through the window, see the module doc), to be applied with ``group``'s
-        next :meth:`record` or :meth:`flush`. Never suspends, never raises.
+        state except through the window, see the module doc). Never suspends, never raises.
 
         Returns:
-            True when taken: the caller makes sure :meth:`flush` runs within ``FLUSH_S``
-            seconds. False when the outcome must go through :meth:`record` (any other
-            outcome; every outcome on memory, where recording costs no round trip).
+            True when taken. With :attr:`batched` (Redis) it is applied with ``group``'s next
+            :meth:`record` or :meth:`flush`, and the caller makes sure :meth:`flush` runs
+            within ``FLUSH_S`` seconds; without (memory) it is applied already, as
+            :meth:`record` would have, which happens only where it changes nothing but the
+            counts. False when the outcome must go through :meth:`record` (any other
+            outcome; on memory also a success the window cannot take in those few steps:
+            the first of a second or under new params, or one that might trip it, see
+            :class:`_Window`).
         """
         ...
 
@@ -200,12 +211,16 @@ def new_token() -> str:
 
 
 class _Machine:
-    __slots__ = ("cause", "epoch", "failures", "open_until", "probe", "state", "successes",
-                 "window")
+    __slots__ = ("cause", "closed", "epoch", "failures", "open_until", "probe", "state",
+                 "successes", "window")
 
     def __init__(self) -> None:
         self.state = CLOSED
         self.epoch = 0
+        #: The ticket of an attempt admitted in this epoch while closed; ``None`` while not
+        #: closed. One comparison with it tells a current closed-state ticket (the same
+        #: epoch, closed, no probe) from any other.
+        self.closed: Ticket | None = Ticket(0)
         self.failures = 0
         self.successes = 0
         self.open_until = 0  # ms
@@ -215,30 +230,27 @@ class _Machine:
 
 
 class MemoryBreakerStates:
-    """The breakers of one process (time from ``clock``, seconds, counted in whole
+    """The breakers of one process (time from ``clock``, monotonic seconds, counted in whole
     milliseconds as Redis does); nothing suspends."""
+
+    batched = False
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
-        self._machines: dict[str, _Machine] = {}
-
-    def _machine(self, group: str) -> _Machine:
-        machine = self._machines.get(group)
-        if machine is None:
-            machine = self._machines[group] = _Machine()
-        return machine
+        self._machines: defaultdict[str, _Machine] = defaultdict(_Machine)
 
     async def admit(self, group: str, params: BreakerParams) -> Admission:
-        m = self._machine(group)
+        m = self._machines[group]
+        if m.closed is not None:  # closed
+            return Admission(True, m.closed, 0.0, CLOSED, None, m.cause)
         now = int(self._clock() * 1000)
-        if m.state == CLOSED:
-            return Admission(True, Ticket(m.epoch), 0.0, CLOSED, None, m.cause)
         transition = None
         if m.state == OPEN:
             if now < m.open_until:
                 return Admission(False, Ticket(m.epoch), (m.open_until - now) / 1000, OPEN,
                                  None, m.cause)
             m.state, m.epoch, m.successes, m.probe = HALF_OPEN, m.epoch + 1, 0, None
+            m.closed = None
             transition = HALF_OPENED
         if m.probe is not None and m.probe[1] > now:
             return Admission(False, Ticket(m.epoch), (m.probe[1] - now) / 1000, HALF_OPEN,
@@ -249,7 +261,7 @@ class MemoryBreakerStates:
 
     async def record(self, group: str, ticket: Ticket, outcome: int, params: BreakerParams,
                      hint_s: float | None = None) -> Verdict:
-        m = self._machine(group)
+        m = self._machines[group]
         now = int(self._clock() * 1000)
         transition = None
         if ticket.epoch == m.epoch:
@@ -271,6 +283,7 @@ class MemoryBreakerStates:
                         m.successes += 1
                         if m.successes >= params.success_threshold:
                             m.state, m.epoch = CLOSED, m.epoch + 1
+                            m.closed = Ticket(m.epoch)
                             m.failures = m.successes = 0
                             m.cause, m.probe, m.window = "", None, _Window()
                             transition = CLOSED_AGAIN
@@ -283,14 +296,31 @@ class MemoryBreakerStates:
         return Verdict(m.state, transition, m.cause,
                        max(m.open_until - now, 0) / 1000 if m.state == OPEN else 0.0)
 
-    def defer(self, group: str, ticket: Ticket, outcome: int) -> bool:
-        return False  # recorded at once: it costs no round trip here
+    def defer(self, group: str, ticket: Ticket, outcome: int, params: BreakerParams) -> bool:
+        # The request path's common case, a success admitted while closed, in the fewest
+        # steps: what record() would do with it when it can only reset the failure count and
+        # count in the window; the rest goes through record().
+        m = self._machines[group]
+        if outcome != SUCCESS or ticket != m.closed:
+            return False
+        window = m.window
+        if params is window.params:
+            # Still within the quiet second (it cannot be before it: the clock is monotonic).
+            # In whole ms as record() counts them, without int(): for t >= 0, int(t) < q
+            # exactly when t < q.
+            if self._clock() * 1000 >= window.quiet_until:
+                return False
+            window.calls += 1  # into the quiet second's bucket at the next _window_add
+        elif params.window_s:
+            return False  # the first outcome these params count in the window
+        m.failures = 0
+        return True
 
     async def flush(self, group: str, params: BreakerParams) -> Verdict | None:
         return None
 
     async def view(self, group: str) -> View:
-        m = self._machine(group)
+        m = self._machines[group]
         now = int(self._clock() * 1000)
         probing = m.probe is not None and m.probe[1] > now
         return View(m.state, max(m.open_until - now, 0) / 1000 if m.state == OPEN else 0.0,
@@ -299,6 +329,7 @@ class MemoryBreakerStates:
     @staticmethod
     def _open(m: _Machine, now: int, params: BreakerParams, cause: str) -> str:
         m.state, m.epoch, m.successes, m.probe = OPEN, m.epoch + 1, 0, None
+        m.closed = None
         m.failures = 0
         m.open_until = now + _ms(params.reset_s)
         m.cause = cause
@@ -307,20 +338,37 @@ class MemoryBreakerStates:
 
 class _Window:
     """The failure-rate window of one breaker: outcomes per second, and their totals kept as
-    seconds come and go (so counting one is O(1), not a sum over the window)."""
+    seconds come and go (so counting one is O(1), not a sum over the window).
 
-    __slots__ = ("calls", "failures", "oldest", "seconds")
+    **Quiet seconds.** After counting an outcome in a second, :func:`_window_add` says whether
+    a success later in that same second, under the same ``params``, can trip the window: it
+    cannot while ``failures < rate * max(calls + 1, min_calls)`` (each further success only
+    lowers the failure rate, and none is due to expire before the next second). Then
+    ``quiet_until`` is the end of that second in milliseconds (else 0), and
+    :meth:`MemoryBreakerStates.defer` counts such a success in ``calls`` alone; the next
+    :func:`_window_add` moves what ``calls`` gained since it last ran (``calls - bucketed``)
+    into that second's bucket before anything else.
+    """
+
+    __slots__ = ("bucketed", "calls", "current", "failures", "oldest", "params", "quiet_until",
+                 "seconds")
 
     def __init__(self) -> None:
         self.seconds: dict[int, list[int]] = {}  # second -> [calls, failures]
         self.calls = 0
         self.failures = 0
         self.oldest = math.inf  # the earliest second held (a clock may step back)
+        self.current = 0  # the second last counted in
+        self.bucketed = 0  # ``calls`` when the last count ended: the rest is ``current``'s
+        self.params: BreakerParams | None = None  # those of the last count
+        self.quiet_until = 0  # ms: none yet
 
 
 def _window_add(window: _Window, second: int, failed: bool, params: BreakerParams) -> bool:
     """Count one outcome in ``second``; True when the window trips."""
     seconds = window.seconds
+    if window.calls != window.bucketed:  # successes counted while the second was quiet
+        seconds[window.current][0] += window.calls - window.bucketed
     horizon = second - max(1, math.ceil(params.window_s or 1))
     if window.oldest <= horizon:  # some second has left the window
         for old in [s for s in seconds if s <= horizon]:
@@ -333,12 +381,17 @@ def _window_add(window: _Window, second: int, failed: bool, params: BreakerParam
         bucket = seconds[second] = [0, 0]
         window.oldest = min(window.oldest, second)
     bucket[0] += 1
-    window.calls += 1
+    calls = window.calls = window.calls + 1
     if failed:
         bucket[1] += 1
         window.failures += 1
-    calls = window.calls
-    return calls >= params.min_calls and window.failures >= params.rate * calls
+    tripped = calls >= params.min_calls and window.failures >= params.rate * calls
+    window.current, window.bucketed, window.params = second, calls, params
+    if tripped or window.failures >= params.rate * max(calls + 1, params.min_calls):
+        window.quiet_until = 0
+    else:  # a success in the rest of this second cannot trip it
+        window.quiet_until = (second + 1) * 1000
+    return tripped
 
 
 # -- redis ------------------------------------------------------------------------------------
@@ -481,6 +534,8 @@ class RedisBreakerStates:
     """Breakers in Redis; one ``EVALSHA`` per call on the route's slot (none for a deferred
     success)."""
 
+    batched = True
+
     def __init__(self, state: RedisState) -> None:
         self._state = state
         #: group -> (epoch, successes counted by :meth:`defer` and not yet sent).
@@ -504,7 +559,7 @@ class RedisBreakerStates:
         return await self._send(group, ticket, outcome, params, hint_s,
                                 self._pending.pop(group, (0, 0)))
 
-    def defer(self, group: str, ticket: Ticket, outcome: int) -> bool:
+    def defer(self, group: str, ticket: Ticket, outcome: int, params: BreakerParams) -> bool:
         if outcome != SUCCESS or ticket.probe is not None:
             return False
         epoch, successes = self._pending.get(group, (ticket.epoch, 0))
