@@ -218,6 +218,8 @@ class ConcurrencyLimiter:
         #: flight or queued only), and the class's own (the tag of the last call served).
         self._vtime: dict[tuple[int, str], float] = {}
         self.vnow: dict[int, float] = {}
+        #: The largest of those (0 before any): a tenant's time at or above it is past them all.
+        self._vtop = 0.0
         #: The classes ``_vtime`` may have entries in (a few priorities).
         self._vclasses: set[int] = set()
         #: Mean token cost of the calls that had one (``None`` before the first).
@@ -387,7 +389,10 @@ class ConcurrencyLimiter:
                 mean = self._tenant_service.get(tenant, service_s)
                 self._tenant_service[tenant] = mean + _EWMA_WEIGHT * (service_s - mean)
             if charged is not None and (cls, tenant) in self._vtime:
-                self._vtime[cls, tenant] += (service_s - charged) / self._weight(tenant)
+                weights = self.tenant_weights
+                error = service_s - charged
+                self._vtime[cls, tenant] += (error / weights.get(tenant, 1.0) if weights
+                                             else error)
         held = self._by_tenant[tenant] - 1
         if held:
             self._by_tenant[tenant] = held
@@ -468,6 +473,7 @@ class ConcurrencyLimiter:
         self._drop(waiter, GRANTED)
         if waiter.tag > self.vnow.get(waiter.cls, 0.0):
             self.vnow[waiter.cls] = waiter.tag
+            self._vtop = max(self._vtop, waiter.tag)
         waiter.future.set_result(value)
 
     def _best(self) -> _Waiter | None:
@@ -507,30 +513,26 @@ class ConcurrencyLimiter:
         """Advance ``tenant``'s virtual time in ``cls`` by one call, from its tag (the
         tenant's time, never below the class's): returns the service time charged when no
         token cost was known (to be corrected at :meth:`release`), else ``None``."""
-        charged: float | None = None
         if cost is not None:
             mean = self._mean_tokens
             self._mean_tokens = cost if mean is None else mean + _EWMA_WEIGHT * (cost - mean)
+            charged = None
         elif self._mean_tokens is not None:
             cost = self._mean_tokens  # an unmetered call on a metered route: a typical one
+            charged = None
         else:
             cost = charged = self._tenant_service.get(tenant, self.mean_service_s)
-        vtime = self._vtime
         flow = cls, tenant
-        tag = vtime.get(flow)
-        now = self.vnow.get(cls, 0.0)
+        tag = self._vtime.get(flow)
         if tag is None:  # the tenant's first call in flight or queued: it starts at the class's
             self._vclasses.add(cls)
-            tag = now
-        elif now > tag:
-            tag = now
+            tag = self.vnow.get(cls, 0.0)
+        elif tag < self._vtop:  # else no class's time is past it: no need to look
+            tag = max(tag, self.vnow.get(cls, 0.0))
         # Weights divide only when set: a cost divided by 1.0 is the cost itself.
         weights = self.tenant_weights
-        vtime[flow] = tag + cost / weights.get(tenant, 1.0) if weights else tag + cost
+        self._vtime[flow] = tag + cost / weights.get(tenant, 1.0) if weights else tag + cost
         return charged
-
-    def _weight(self, tenant: str) -> float:
-        return self.tenant_weights.get(tenant, 1.0)
 
     def waiters(self) -> list[_Waiter]:
         """Every waiter still waiting (for tests and the admin view)."""
