@@ -595,7 +595,7 @@ class ConcurrencyLimiter:
         vtime = self._vtime
         for cls in self._vclasses:
             vtime.pop((cls, tenant), None)
-        if self._tenant_service:  # else a metered route's: its tenants' means are not kept
+        if self._tenant_service:  # a metered route's empties: its tenants' means are not kept
             self._tenant_service.pop(tenant, None)
 
     def _drain_estimate(self, ahead: int) -> float:
