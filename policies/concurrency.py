@@ -58,6 +58,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+import math
 import random
 import time
 from collections import deque
@@ -204,12 +205,7 @@ class ConcurrencyLimiter:
     def __init__(self, limit: int, queue: int, max_wait: float, per_tenant: int | None, *,
                  tenant_weights: Mapping[str, float] | None = None,
                  aging: float | None = None) -> None:
-        self.limit = limit
-        self.queue_capacity = queue
-        self.max_wait = max_wait
-        self.per_tenant = per_tenant
-        self.tenant_weights = dict(tenant_weights or {})
-        self.aging = aging
+        self._adopt(limit, queue, max_wait, per_tenant, tenant_weights, aging)
         self.inflight = 0
         self.queued = 0
         self.mean_service_s = _INITIAL_SERVICE_S
@@ -222,6 +218,8 @@ class ConcurrencyLimiter:
         #: flight or queued only), and the class's own (the tag of the last call served).
         self._vtime: dict[tuple[int, str], float] = {}
         self.vnow: dict[int, float] = {}
+        #: The largest of those (0 before any): a tenant's time at or above it is past them all.
+        self._vtop = 0.0
         #: The classes ``_vtime`` may have entries in (a few priorities).
         self._vclasses: set[int] = set()
         #: Mean token cost of the calls that had one (``None`` before the first).
@@ -255,12 +253,13 @@ class ConcurrencyLimiter:
             asyncio.CancelledError: the caller went away; nothing is held.
         """
         held = self._by_tenant.get(tenant, 0)
-        if self.per_tenant is not None and held >= self.per_tenant:
+        if held >= self._tenant_cap:
             raise self._tenant_refusal(held)
         if self.inflight < self.limit and not self.queued:
+            charged = self._charge(tenant, priority, cost)
             self.inflight += 1
             self._by_tenant[tenant] = held + 1
-            return self._charge(tenant, priority, cost)[1]
+            return charged
         charged, _ = await self._wait(tenant, priority, caller_timeout, on_queued, cost)
         return charged
 
@@ -298,7 +297,9 @@ class ConcurrencyLimiter:
                 ("concurrency", self.limit, 0),
             )
         loop = asyncio.get_running_loop()
-        tag, charged = self._charge(tenant, priority, cost)
+        # The call's tag: where ``_charge`` starts it, its tenant's time, never the class's past.
+        tag = max(self._vtime.get((priority, tenant), 0.0), self.vnow.get(priority, 0.0))
+        charged = self._charge(tenant, priority, cost)
         waiter = _Waiter(loop.create_future(), tenant, priority, tag, next(self._order),
                          loop.time())
         waiter.increment = self._vtime[priority, tenant] - tag
@@ -340,13 +341,23 @@ class ConcurrencyLimiter:
         Raises:
             Rejected: as :meth:`acquire` does.
         """
+        tenant = call.tenant
+        held = self._by_tenant.get(tenant, 0)
+        if held < self._tenant_cap and self.inflight < self.limit and not self.queued:
+            # A free slot and nobody waiting (the usual case): :meth:`acquire`'s first branch,
+            # without a coroutine, a hook and a second look-up.
+            cls = call.priority
+            charged = self._charge(tenant, cls, call.cost)
+            self.inflight += 1
+            self._by_tenant[tenant] = held + 1
+            return Slot(self, tenant, charged, cls)
         try:
-            charged = await self.acquire(call.tenant, call.priority, call.timeout,
+            charged = await self.acquire(tenant, call.priority, call.timeout,
                                          queued_hook(call), call.cost)
         except Rejected as rejected:
             report_expiry(call, rejected)
             raise
-        return Slot(self, call.tenant, charged, call.priority)
+        return Slot(self, tenant, charged, call.priority)
 
     def wait_budget(self, caller_timeout: float | None) -> float:
         """How long a request may queue, seconds: ``max_wait``, or less when the caller's own
@@ -366,28 +377,32 @@ class ConcurrencyLimiter:
 
     def release(self, tenant: str, service_s: float | None,
                 charged: float | None = None, cls: int = DEFAULT_PRIORITY) -> None:
-        """Free the slot taken for ``tenant``; ``service_s`` updates the mean service time,
-        and replaces ``charged`` (the estimate :meth:`acquire` returned) in the tenant's
-        virtual time."""
-        self._observe(tenant, service_s, charged, cls)
-        self._forget(tenant)
-        # Over the limit only after a reload lowered it: then the slot is retired, not passed on.
-        if self.inflight <= self.limit and self._hand_over():
+        """Free the slot taken for ``tenant``; ``service_s`` (``None``: the upstream did not
+        answer) updates the mean service time, and replaces ``charged`` (the estimate
+        :meth:`acquire` returned) in the tenant's virtual time."""
+        if service_s is not None:
+            self.mean_service_s += _EWMA_WEIGHT * (service_s - self.mean_service_s)
+            self.observed = True
+            if self._mean_tokens is None:
+                # A tenant's mean prices only calls with no token cost on a route that has
+                # seen none (``_charge``); once one has had a cost it is never read again.
+                mean = self._tenant_service.get(tenant, service_s)
+                self._tenant_service[tenant] = mean + _EWMA_WEIGHT * (service_s - mean)
+            if charged is not None and (cls, tenant) in self._vtime:
+                weights = self.tenant_weights
+                error = service_s - charged
+                self._vtime[cls, tenant] += (error / weights.get(tenant, 1.0) if weights
+                                             else error)
+        held = self._by_tenant[tenant] - 1
+        if held:
+            self._by_tenant[tenant] = held
+        else:
+            self._forget(tenant)
+        # Nobody to hand the slot to (the usual case), or over the limit after a reload lowered
+        # it (the slot is then retired, not passed on): it is freed.
+        if self.queued and self.inflight <= self.limit and self._hand_over():
             return  # the slot passed on; inflight is unchanged
         self.inflight -= 1
-
-    def _observe(self, tenant: str, service_s: float | None, charged: float | None,
-                 cls: int) -> None:
-        """Fold a finished call's service time (``None``: the upstream did not answer) into
-        the means, and into the tenant's virtual time in place of ``charged``."""
-        if service_s is None:
-            return
-        self.mean_service_s += _EWMA_WEIGHT * (service_s - self.mean_service_s)
-        self.observed = True
-        mean = self._tenant_service.get(tenant, service_s)
-        self._tenant_service[tenant] = mean + _EWMA_WEIGHT * (service_s - mean)
-        if charged is not None and (cls, tenant) in self._vtime:
-            self._vtime[cls, tenant] += (service_s - charged) / self._weight(tenant)
 
     # -- reload -------------------------------------------------------------------------------
 
@@ -413,6 +428,8 @@ class ConcurrencyLimiter:
         self.queue_capacity = queue
         self.max_wait = max_wait
         self.per_tenant = per_tenant
+        #: ``per_tenant`` as a bound every count is under when there is no cap.
+        self._tenant_cap = math.inf if per_tenant is None else per_tenant
         self.tenant_weights = dict(tenant_weights or {})
         self.aging = aging
 
@@ -456,6 +473,7 @@ class ConcurrencyLimiter:
         self._drop(waiter, GRANTED)
         if waiter.tag > self.vnow.get(waiter.cls, 0.0):
             self.vnow[waiter.cls] = waiter.tag
+            self._vtop = max(self._vtop, waiter.tag)
         waiter.future.set_result(value)
 
     def _best(self) -> _Waiter | None:
@@ -491,24 +509,30 @@ class ConcurrencyLimiter:
                 return waiter.future.get_loop().time()
         return None
 
-    def _charge(self, tenant: str, cls: int, cost: float | None) -> tuple[float, float | None]:
-        """Advance ``tenant``'s virtual time by one call: returns the call's tag (its start)
-        and the service time charged when no token cost was known (else ``None``)."""
-        charged: float | None = None
+    def _charge(self, tenant: str, cls: int, cost: float | None) -> float | None:
+        """Advance ``tenant``'s virtual time in ``cls`` by one call, from its tag (the
+        tenant's time, never below the class's): returns the service time charged when no
+        token cost was known (to be corrected at :meth:`release`), else ``None``."""
         if cost is not None:
             mean = self._mean_tokens
             self._mean_tokens = cost if mean is None else mean + _EWMA_WEIGHT * (cost - mean)
+            charged = None
         elif self._mean_tokens is not None:
             cost = self._mean_tokens  # an unmetered call on a metered route: a typical one
+            charged = None
         else:
             cost = charged = self._tenant_service.get(tenant, self.mean_service_s)
-        tag = max(self._vtime.get((cls, tenant), 0.0), self.vnow.get(cls, 0.0))
-        self._vtime[cls, tenant] = tag + cost / self._weight(tenant)
-        self._vclasses.add(cls)
-        return tag, charged
-
-    def _weight(self, tenant: str) -> float:
-        return self.tenant_weights.get(tenant, 1.0)
+        flow = cls, tenant
+        tag = self._vtime.get(flow)
+        if tag is None:  # the tenant's first call in flight or queued: it starts at the class's
+            self._vclasses.add(cls)
+            tag = self.vnow.get(cls, 0.0)
+        elif tag < self._vtop:  # else no class's time is past it: no need to look
+            tag = max(tag, self.vnow.get(cls, 0.0))
+        # Weights divide only when set: a cost divided by 1.0 is the cost itself.
+        weights = self.tenant_weights
+        self._vtime[flow] = tag + cost / weights.get(tenant, 1.0) if weights else tag + cost
+        return charged
 
     def waiters(self) -> list[_Waiter]:
         """Every waiter still waiting (for tests and the admin view)."""
@@ -543,7 +567,7 @@ class ConcurrencyLimiter:
             return
         if waiter.state == WAITING:
             self._drop(waiter, GONE)
-        self._forget(waiter.tenant)
+        self._leave(waiter.tenant)
 
     def _drop(self, waiter: _Waiter, state: int) -> None:
         """End a waiting waiter in ``state``; its heap entry, if still there, is skipped."""
@@ -556,16 +580,22 @@ class ConcurrencyLimiter:
             for queue in self._classes.values():
                 queue.compact()
 
-    def _forget(self, tenant: str) -> None:
+    def _leave(self, tenant: str) -> None:
+        """One of ``tenant``'s calls ends (:meth:`release` does this itself, inline)."""
         held = self._by_tenant[tenant] - 1
         if held:
             self._by_tenant[tenant] = held
         else:
-            del self._by_tenant[tenant]
-            # Nothing in flight or queued: the tenant competes with no one now, and returns
-            # at the route's time (module docstring), so nothing of it need be kept.
-            for cls in self._vclasses:
-                self._vtime.pop((cls, tenant), None)
+            self._forget(tenant)
+
+    def _forget(self, tenant: str) -> None:
+        """``tenant`` has nothing in flight or queued now: it competes with no one, and
+        returns at the route's time (module docstring), so nothing of it need be kept."""
+        del self._by_tenant[tenant]
+        vtime = self._vtime
+        for cls in self._vclasses:
+            vtime.pop((cls, tenant), None)
+        if self._tenant_service:  # a metered route's empties: its tenants' means are not kept
             self._tenant_service.pop(tenant, None)
 
     def _drain_estimate(self, ahead: int) -> float:

@@ -171,13 +171,13 @@ _TIMED_OUT = object()
 #: Fresh keys drawn from one ``os.urandom`` read: one ``getrandom`` syscall per this many
 #: requests instead of one each; every key is still 128 bits from the OS's CSPRNG.
 FRESH_KEYS_PER_READ = 256
-_fresh_pool = ""  # hex of one read's random bytes, 32 digits a key
-_fresh_at = 0  # where the next unused key starts in it
+#: Keys of one read not handed out yet, each ``"sluice-<32 hex>"``.
+_fresh_pool: list[str] = []
+_HEX_KEY = re.compile("[0-9a-f]{32}")
 
 
 def _forget_fresh_pool() -> None:
-    global _fresh_pool
-    _fresh_pool = ""  # a forked child must not hand out its parent's keys
+    _fresh_pool.clear()  # a forked child must not hand out its parent's keys
 
 
 os.register_at_fork(after_in_child=_forget_fresh_pool)
@@ -185,12 +185,11 @@ os.register_at_fork(after_in_child=_forget_fresh_pool)
 
 def fresh_key() -> str:
     """A new random key, ``"sluice-<32 hex>"`` (128 bits, never handed out twice)."""
-    global _fresh_pool, _fresh_at
-    at = _fresh_at
-    if at >= len(_fresh_pool):
-        _fresh_pool, at = os.urandom(16 * FRESH_KEYS_PER_READ).hex(), 0
-    _fresh_at = at + 32
-    return "sluice-" + _fresh_pool[at:at + 32]
+    if not _fresh_pool:
+        # One read cut into keys by C code (findall, map): no Python step per key.
+        hexed = os.urandom(16 * FRESH_KEYS_PER_READ).hex()
+        _fresh_pool.extend(map("sluice-".__add__, _HEX_KEY.findall(hexed)))
+    return _fresh_pool.pop()
 
 
 def parse_key(raw: str) -> str:
@@ -457,6 +456,17 @@ class Idempotency:
             asyncio.CancelledError: the caller left while waiting for a twin.
         """
         if call.method in SAFE_METHODS:
+            return None
+        headers = call.headers
+        derive_from = self.derive_from
+        if not (self.mcp or KEY_HEADER in headers
+                or (derive_from and all(map(headers.__contains__, derive_from)))):
+            # A fresh key (most calls: no key sent, no derive_from header set complete; see
+            # :meth:`claim`): nobody else can know it, so nothing is looked up or held.
+            key = fresh_key()
+            call.idempotency_key = key
+            call.upstream_key = f'"{key}"'
+            call.new_unit = not is_client_retry(headers)
             return None
         wait_s = self.max_wait
         if call.timeout is not None:

@@ -138,7 +138,7 @@ class SharedConcurrencyLimiter(ConcurrencyLimiter):
             asyncio.CancelledError: the caller went away; nothing is held.
         """
         held = self._by_tenant.get(tenant, 0)
-        if self.per_tenant is not None and held >= self.per_tenant:
+        if held >= self._tenant_cap:
             raise self._tenant_refusal(held)
         # This replica alone filling the limit means no lease is free: skip the round trip.
         if not self.queued and self.inflight < self.limit:
@@ -150,8 +150,8 @@ class SharedConcurrencyLimiter(ConcurrencyLimiter):
                 # Nothing awaits or raises from here to the return: the slot is the caller's.
                 self.inflight += 1
                 self._by_tenant[tenant] = self._by_tenant.get(tenant, 0) + 1
-                return SharedSlot(self, tenant, self._charge(tenant, priority, cost)[1],
-                                  priority, lease)
+                return SharedSlot(self, tenant, self._charge(tenant, priority, cost), priority,
+                                  lease)
             if result.refused_by == TENANT:
                 raise self._tenant_refusal(result.tenant_inflight)
         self._dispatch_soon()
@@ -315,15 +315,19 @@ class SharedConcurrencyLimiter(ConcurrencyLimiter):
 
     def release(self, tenant: str, service_s: float | None, charged: float | None = None,
                 cls: int = DEFAULT_PRIORITY, lease: Lease | None = None) -> None:
-        """Free the local count of ``tenant``'s call and give its ``lease`` back (a task);
-        the dispatcher asks again once the release has landed."""
-        self._observe(tenant, service_s, charged, cls)
-        self._forget(tenant)
-        self.inflight -= 1
+        """Free the local count of ``tenant``'s call (:meth:`ConcurrencyLimiter.release`,
+        which hands nothing over here) and give its ``lease`` back (a task); the dispatcher
+        asks again once the release has landed."""
+        super().release(tenant, service_s, charged, cls)
         if lease is not None:
             task = lease.release()
             self.backends.keep(task)  # shutdown waits for it (StateBackends.close)
             task.add_done_callback(self._wake)
+
+    def _hand_over(self) -> bool:
+        """A slot freed here is not passed to a waiter here: its lease goes back to Redis,
+        and the dispatcher takes one for the best waiter (its release wakes it)."""
+        return False
 
     def _abandon(self, waiter: _Waiter) -> None:
         if waiter.state != GRANTED:

@@ -285,6 +285,35 @@ async def test_mcp_call_key_fingerprint_and_replay_under_the_new_id() -> None:
     assert other.idempotency_key != first.idempotency_key
 
 
+async def test_admit_picks_the_key_by_the_headers_sent() -> None:
+    """The caller's key (any case of the name), a derived one only with every derive_from
+    header, else a fresh one that nothing holds; an SDK's retry is no new unit either way."""
+    from policies.pipeline import Call
+
+    policy = Idempotency(IdempotencyConfig(derive_from=["X-Run-ID", "X-Step-ID"]), "r")
+
+    async def admit(headers: dict[str, str], method: str = "POST") -> tuple[Call, object]:
+        call = Call(request_id="q", route="r", method=method, path="/v1/x",
+                    headers=CIMultiDictProxy(CIMultiDict(headers)), body=b"{}", tenant="t")
+        return call, await policy.admit(call)
+
+    caller, held = await admit({"idempotency-key": "mine"})
+    assert (caller.idempotency_key, caller.upstream_key) == ("mine", None) and held
+    derived, held = await admit({"X-Run-ID": "run", "x-step-id": "1"})
+    assert re.fullmatch(r"sluice-d-[0-9a-f]{32}", derived.idempotency_key) and held
+    assert derived.upstream_key == f'"{derived.idempotency_key}"' and derived.new_unit
+    for partial in ({}, {"X-Run-ID": "run"}, {"X-Step-ID": "1"}):
+        fresh, held = await admit(partial)
+        assert re.fullmatch(r"sluice-[0-9a-f]{32}", fresh.idempotency_key)
+        assert fresh.upstream_key == f'"{fresh.idempotency_key}"' and fresh.new_unit
+        assert held is None and fresh.capture is None
+    retried, held = await admit({"x-stainless-retry-count": "1"})
+    assert retried.idempotency_key.startswith("sluice-") and not retried.new_unit
+    safe, held = await admit({}, method="GET")
+    assert (safe.idempotency_key, safe.upstream_key, held) == (None, None, None)
+    assert policy.in_flight == 2 and len(policy.store) == 0  # the caller's and the derived
+
+
 def test_fresh_keys_are_distinct_and_well_formed_across_refills():
     keys = [fresh_key() for _ in range(3 * FRESH_KEYS_PER_READ + 5)]
     assert len(set(keys)) == len(keys)

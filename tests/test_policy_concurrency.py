@@ -20,10 +20,11 @@ def limiter_with(limit: int = 1, queue: int = 5, max_wait: float = 30.0,
 
 
 async def queued(limiter: ConcurrencyLimiter, tenant: str = "t", priority: int = 1,
-                 timeout: float | None = None) -> asyncio.Task[None]:
+                 timeout: float | None = None, cost: float | None = None
+                 ) -> asyncio.Task[float | None]:
     """A task queueing on ``limiter``, once it is in the queue."""
     before = limiter.queued
-    task = asyncio.create_task(limiter.acquire(tenant, priority, timeout))
+    task = asyncio.create_task(limiter.acquire(tenant, priority, timeout, cost=cost))
     await asyncio.sleep(0)
     assert limiter.queued == before + 1
     return task
@@ -212,3 +213,36 @@ async def test_the_callers_timeout_less_the_service_time_bounds_the_wait():
         await limiter.acquire("t", 1, 1.0)
     assert unreachable.value.reason is Reason.DEADLINE_UNREACHABLE
     assert (limiter.queued, limiter._by_tenant) == (0, {"t": 1})
+
+
+async def test_calls_taken_without_queueing_count_against_their_tenant_once_a_queue_forms():
+    """The fast path charges too: a tenant holding slots taken while nobody waited is behind
+    one holding none, whoever queued first."""
+    limiter = ConcurrencyLimiter(3, 10, 30.0, None)
+    for _ in range(2):
+        await limiter.acquire("heavy", cost=100.0)
+    await limiter.acquire("other", cost=100.0)
+    heavy = await queued(limiter, "heavy", cost=100.0)  # first in the queue, served second
+    light = await queued(limiter, "light", cost=100.0)
+    assert {w.tenant: w.tag for w in limiter.waiters()} == {"heavy": 200.0, "light": 0.0}
+    limiter.release("other", 1.0)
+    await light
+    assert [w.tenant for w in limiter.waiters()] == ["heavy"] and not heavy.done()
+
+
+async def test_a_tenant_left_behind_by_the_class_time_starts_its_next_calls_there():
+    """A tenant whose virtual time fell behind the route's while it held a slot is charged
+    from the route's time (CFS's min_vruntime), on a queued call as on one taken at once."""
+    limiter = ConcurrencyLimiter(2, 10, 30.0, None)
+    await limiter.acquire("slow", cost=1.0)  # its time: 1
+    await limiter.acquire("holder", cost=1.0)
+    tasks = [await queued(limiter, "busy", cost=1.0) for _ in range(3)]  # tags 0, 1, 2
+    limiter.release("holder", 1.0)
+    for task in tasks:
+        await task
+        limiter.release("busy", 1.0)
+    assert limiter.vnow == {1: 2.0} and (limiter.inflight, limiter.queued) == (1, 0)
+    await limiter.acquire("slow", cost=1.0)  # at once, from the route's time: 2 + 1; full
+    await queued(limiter, "slow", cost=1.0)
+    await queued(limiter, "slow", cost=1.0)
+    assert [w.tag for w in limiter.waiters()] == [3.0, 4.0]
