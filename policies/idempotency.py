@@ -466,7 +466,7 @@ class Idempotency:
             key = fresh_key()
             call.idempotency_key = key
             call.upstream_key = f'"{key}"'
-            call.new_unit = not is_client_retry(headers)
+            call.new_unit = not call.client_retry
             return None
         wait_s = self.max_wait
         if call.timeout is not None:

@@ -289,12 +289,14 @@ async def test_admit_picks_the_key_by_the_headers_sent() -> None:
     """The caller's key (any case of the name), a derived one only with every derive_from
     header, else a fresh one that nothing holds; an SDK's retry is no new unit either way."""
     from policies.pipeline import Call
+    from policies.retry import is_client_retry
 
     policy = Idempotency(IdempotencyConfig(derive_from=["X-Run-ID", "X-Step-ID"]), "r")
 
     async def admit(headers: dict[str, str], method: str = "POST") -> tuple[Call, object]:
-        call = Call(request_id="q", route="r", method=method, path="/v1/x",
-                    headers=CIMultiDictProxy(CIMultiDict(headers)), body=b"{}", tenant="t")
+        sent = CIMultiDictProxy(CIMultiDict(headers))
+        call = Call(request_id="q", route="r", method=method, path="/v1/x", headers=sent,
+                    body=b"{}", tenant="t", client_retry=is_client_retry(sent))
         return call, await policy.admit(call)
 
     caller, held = await admit({"idempotency-key": "mine"})
