@@ -126,6 +126,8 @@ class Plan:
     Attributes:
         operation: the operation's object, ``None`` for a call no block applies to.
         policies: the admission steps, in order (:class:`policies.pipeline.Policy`).
+        runless: ``policies`` less ``run_steps``, the steps that act only on a call of a run
+            (run tree, run limits, fan-out): the steps of a call that names no run.
         breakers: admit and hear every upstream attempt (the route's, then the operation's).
         tool_breaker: the one of ``breakers`` that also counts MCP tool failures, or ``None``.
         retry: the retry policy, or ``None`` (the operation's replaces the route's).
@@ -134,14 +136,18 @@ class Plan:
             route or of the operation).
     """
 
-    __slots__ = ("breakers", "idempotent", "operation", "policies", "retry", "timeouts",
-                 "tool_breaker")
+    __slots__ = ("breakers", "idempotent", "operation", "policies", "retry", "runless",
+                 "timeouts", "tool_breaker")
 
     def __init__(self, operation: Operation | None, policies: Iterable[Policy | None],
                  breakers: Iterable[Breaker | None], tool_breaker: Breaker | None,
-                 retry: RetryPolicy | None, timeouts: TimeoutsConfig, idempotent: bool) -> None:
+                 retry: RetryPolicy | None, timeouts: TimeoutsConfig, idempotent: bool,
+                 run_steps: Iterable[Policy | None] = ()) -> None:
         self.operation = operation
         self.policies: tuple[Policy, ...] = tuple(p for p in policies if p is not None)
+        by_run = {id(p) for p in run_steps if p is not None}
+        self.runless: tuple[Policy, ...] = tuple(p for p in self.policies
+                                                 if id(p) not in by_run)
         self.breakers: tuple[Breaker, ...] = tuple(b for b in breakers if b is not None)
         self.tool_breaker = tool_breaker
         self.retry = retry

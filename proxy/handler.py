@@ -147,7 +147,8 @@ async def handle(rt: Runtime, request: web.BaseRequest) -> web.StreamResponse:
     try:
         try:
             if traffic == "call":  # MCP control and stream traffic take nothing
-                await admission.admit(plan.policies, call)
+                await admission.admit(plan.policies if run is not None else plan.runless,
+                                      call)
         except Rejected as rejected:
             outcome = REFUSED
             return refuse(rt, route, rejected, request_id, tenant, run, call.idempotency_key,

@@ -238,6 +238,9 @@ class Route:
             op.retry if op is not None and op.retry else self.retry,
             op.config.timeouts if op is not None and op.config.timeouts else config.timeouts,
             config.idempotent or (op is not None and op.config.idempotent),
+            # Each returns at once for a call that names no run: such a call skips them.
+            (self.run_tracker, self.global_limits, self.run_limits, self.global_fanout,
+             self.fanout),
         )
 
     def report(self, call: Call, event: str, fields: dict[str, Any]) -> None:
