@@ -120,7 +120,7 @@ async def test_tenant_state_is_forgotten_once_drained():
     gone once it has drained (the memory twin's sweep), whatever the number of tenants."""
     now = [1_000_000_000_000_000]
     backends = memory_backends()
-    backends.rates = MemoryRateBuckets(lambda: now[0])
+    backends.rates = MemoryRateBuckets(lambda: now[0] * 1000)
     limits = RateLimiter(RateConfig.model_validate({"per_tenant": {"requests": "5/s"}}),
                          backends, "r")
     for i in range(20_000):
@@ -158,7 +158,7 @@ async def test_a_sweep_due_by_size_midway_through_a_take_keeps_what_it_took():
     can be midway through an admission: a bucket it already read may be dropped as drained,
     and must still be stored with this take."""
     now = [1_000_000_000_000_000]
-    buckets = MemoryRateBuckets(lambda: now[0])
+    buckets = MemoryRateBuckets(lambda: now[0] * 1000)
     route = Take("requests", 10_000, 1.0)
     for i in range(4095):  # 4,096 buckets with the route's
         finish_now(buckets.admit("r", [Take(f"tenant:{i}", 5, 1.0), route]))

@@ -125,11 +125,11 @@ class MemoryRateBuckets:
     :class:`RateBuckets` methods prepare theirs on each call.
 
     Args:
-        clock_us: wall time in microseconds (injectable for tests; ``None``: the system's).
+        clock_ns: wall time in nanoseconds (injectable for tests); buckets keep microseconds.
     """
 
-    def __init__(self, clock_us: Callable[[], int] | None = None) -> None:
-        self._clock_us = clock_us
+    def __init__(self, clock_ns: Callable[[], int] = time.time_ns) -> None:
+        self._clock_ns = clock_ns
         # (group, name) -> [level, t_us, us per unit]
         self._buckets: dict[tuple[str, str], list[float]] = {}
         self._next_sweep = 0
@@ -140,8 +140,7 @@ class MemoryRateBuckets:
 
     def now_us(self) -> int:
         """The clock in microseconds."""
-        clock = self._clock_us
-        return time.time_ns() // 1000 if clock is None else clock()
+        return self._clock_ns() // 1000
 
     def take(self, plan: Plan) -> RateResult | None:
         """Take every bucket's amount now, all or none: ``None`` once taken, else the refusal
@@ -151,8 +150,7 @@ class MemoryRateBuckets:
         states are stored in one ``update`` after every bucket fits, and an admission builds
         no answer (its ``remaining`` is for Redis's headers; :meth:`taken` reads it).
         """
-        clock = self._clock_us  # now_us(), inline: this runs once per request
-        now = time.time_ns() // 1000 if clock is None else clock()
+        now = self._clock_ns() // 1000  # now_us(), inline: this runs once per request
         if now >= self._next_sweep:
             self._sweep(now)
         buckets = self._buckets
