@@ -130,8 +130,8 @@ class MemoryRateBuckets:
 
     def __init__(self, clock_ns: Callable[[], int] = time.time_ns) -> None:
         self._clock_ns = clock_ns
-        # (group, name) -> [level, t_us, us per unit]
-        self._buckets: dict[tuple[str, str], list[float]] = {}
+        # (group, name) -> (level, t_us, us per unit); replaced, never changed in place
+        self._buckets: dict[tuple[str, str], tuple[float, int, float]] = {}
         self._next_sweep = 0
         self._sweep_at_size = _SWEEP_AT_SIZE
 
@@ -165,13 +165,14 @@ class MemoryRateBuckets:
             else:  # drained since (a clock that stepped back drains nothing), then taken;
                 # compares, not max(): CPython 3.11 parses a builtin max()'s arguments on
                 # every call, ~250 instructions against a handful for a compare
-                level, elapsed = state[0], now - state[1]
+                level, t, _ = state
+                elapsed = now - t
                 if elapsed > 0:
                     level -= elapsed / interval
                 level = (level if level > 0.0 else 0.0) + amount
             if level - limit > dust:
                 return self.check(plan, now)
-            updated[key] = [level, now, interval]
+            updated[key] = (level, now, interval)
         buckets.update(updated)
         return None
 
@@ -214,7 +215,7 @@ class MemoryRateBuckets:
             if level <= 0:
                 buckets.pop(key, None)
             else:
-                buckets[key] = [level, now, interval]
+                buckets[key] = (level, now, interval)
 
     def _levels(self, plan: Plan, now: int) -> list[float]:
         """Each bucket's level at ``now`` (an absent one is empty)."""
