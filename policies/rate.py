@@ -48,7 +48,7 @@ from policies.logs import PER_CALL
 from policies.pipeline import Call, Outcome
 from policies.reasons import Reason, Rejected
 from policies.state import StateBackends, StateUnavailable
-from policies.state.rate import RateResult, Take
+from policies.state.rate import MemoryRateBuckets, Plan, RateResult, Take, memory_plan
 from policies.usage import endpoint_for
 
 log = logging.getLogger("sluice")
@@ -59,7 +59,7 @@ T = TypeVar("T")
 REQUESTS = "requests"
 TOKENS = "tokens"
 TENANT_PREFIX = "tenant:"
-#: Tenants whose request takes a limiter keeps built (``request_takes``).
+#: Tenants whose request units a limiter keeps built (``request_units``).
 TAKES_KEPT = 1024
 
 
@@ -185,6 +185,38 @@ class Units:
             limiter.background.start(refund, f"rate refund on {limiter.group}")
 
 
+class RequestUnits:
+    """A tenant's request units on a route: the buckets one of its requests takes (its own,
+    the route's: those configured) as :class:`~policies.state.rate.Take` values and as their
+    memory :data:`~policies.state.rate.Plan`, built once per tenant (a call names the same
+    buckets each time).
+
+    On a route whose state is memory it is also the :class:`policies.pipeline.Holding` of
+    every call that took them, the same object each time: it keeps nothing per call, so none
+    is built per request, and the pipeline releases each admission's holding once.
+
+    Attributes:
+        takes: the buckets, the tenant's first.
+        plan: the same for the memory buckets.
+    """
+
+    __slots__ = ("_memory", "plan", "takes")
+
+    def __init__(self, takes: tuple[Take, ...], plan: Plan,
+                 memory: MemoryRateBuckets | None) -> None:
+        self.takes = takes
+        self.plan = plan
+        self._memory = memory
+
+    def release(self, outcome: Outcome | None) -> None:
+        """Give the units back unless the call reached the upstream (``outcome`` ``None``:
+        it never did). Never awaits."""
+        if outcome is not None and outcome.reached:
+            return
+        assert self._memory is not None  # a holding only on a memory route
+        self._memory.give_back(self.plan)
+
+
 class RateLimiter:
     """The ``rate`` block of one route: a route-wide bucket, one bucket per tenant and the
     route's token bucket, kept in ``backends.rates`` under the route's name.
@@ -204,6 +236,9 @@ class RateLimiter:
         self.group = group
         self.protocol = protocol
         self.background = Background(backends)
+        #: The route's buckets when its state is this process's memory: the request path
+        #: takes from them directly (:meth:`MemoryRateBuckets.take`, nothing to await).
+        self.memory = backends.rates if isinstance(backends.rates, MemoryRateBuckets) else None
         #: Metered calls' request units are taken by the accounting step, with their tokens
         #: and budget holds in the same round trip (:mod:`policies.accounting` sets it).
         self.metered_elsewhere = False
@@ -220,9 +255,9 @@ class RateLimiter:
         self.tokens: Rate | None = config.tokens
         per_tenant = config.per_tenant
         self.tenant_rate: Rate | None = per_tenant.requests if per_tenant else None
-        #: Each tenant's request takes, built once (a call names the same buckets each time).
-        #: Kept with the rates they were built from: a change of either rebuilds them.
-        self._request_takes: dict[str, tuple[Rate | None, Rate | None, tuple[Take, ...]]] = {}
+        #: Each tenant's request units, built once (:meth:`request_units`); a reload
+        #: rebuilds them from the new rates.
+        self._tenants: dict[str, RequestUnits] = {}
 
     def state(self) -> dict[str, object]:
         """Limits for the admin API (JSON-ready), with the requests the route bucket can
@@ -244,9 +279,10 @@ class RateLimiter:
             "backend": self.backends.kind,
         }
 
-    async def admit(self, call: Call) -> Units | None:
+    async def admit(self, call: Call) -> RequestUnits | Units | None:
         """The pipeline step (:class:`policies.pipeline.Policy`): one request unit from the
-        tenant's bucket and the route's, in one atomic call, held as :class:`Units`.
+        tenant's bucket and the route's, in one atomic call. Held as the tenant's
+        :class:`RequestUnits` on a memory route, else as :class:`Units`.
 
         Raises:
             Rejected: ``rate_limited`` from the bucket with the longest wait (nothing is held),
@@ -255,27 +291,42 @@ class RateLimiter:
         if self.metered_elsewhere and self.protocol is not None and endpoint_for(
                 self.protocol, call.method, call.path) is not None:
             return None  # the accounting step takes the units with the tokens and budget
-        takes = self.request_takes(call.tenant)
+        units = self._tenants.get(call.tenant)
+        if units is None:
+            units = self.request_units(call.tenant)
+            if units is None:
+                return None
+        memory = self.memory
+        if memory is None:
+            return await self.take(units.takes)
+        refused = memory.take(units.plan)
+        if refused is not None:
+            raise self._refusal(units.takes, refused, False)
+        return units
+
+    def request_units(self, tenant: str) -> RequestUnits | None:
+        """The tenant's :class:`RequestUnits`, built and kept (``None``: no request rate)."""
+        units = self._tenants.get(tenant)
+        if units is not None:
+            return units
+        takes: list[Take] = []
+        if self.tenant_rate is not None:
+            takes.append(Take(TENANT_PREFIX + tenant, self.tenant_rate.count,
+                              float(self.tenant_rate.period_s)))
+        if self.requests is not None:
+            takes.append(Take(REQUESTS, self.requests.count, float(self.requests.period_s)))
         if not takes:
             return None
-        return await self.take(takes)
+        if len(self._tenants) >= TAKES_KEPT:  # many tenants: start over
+            self._tenants.clear()
+        units = self._tenants[tenant] = RequestUnits(
+            tuple(takes), memory_plan(self.group, takes), self.memory)
+        return units
 
     def request_takes(self, tenant: str) -> list[Take]:
         """One request unit from the tenant's bucket and the route's (those configured)."""
-        kept = self._request_takes.get(tenant)
-        requests, tenant_rate = self.requests, self.tenant_rate
-        if kept is not None and kept[0] is requests and kept[1] is tenant_rate:
-            return list(kept[2])
-        built = []
-        if tenant_rate is not None:
-            built.append(Take(TENANT_PREFIX + tenant, tenant_rate.count,
-                              float(tenant_rate.period_s)))
-        if requests is not None:
-            built.append(Take(REQUESTS, requests.count, float(requests.period_s)))
-        if len(self._request_takes) >= TAKES_KEPT:  # many tenants: start over
-            self._request_takes.clear()
-        self._request_takes[tenant] = (requests, tenant_rate, tuple(built))
-        return built
+        units = self.request_units(tenant)
+        return [] if units is None else list(units.takes)
 
     def token_take(self, amount: int) -> Take:
         """``amount`` tokens from the route's token bucket (``rate.tokens`` must be set).

@@ -8,10 +8,10 @@ import pytest
 
 from policies.config import RateConfig
 from policies.pipeline import REFUSED, Call, Outcome
-from policies.rate import RateLimiter
+from policies.rate import RateLimiter, finish_now
 from policies.reasons import Reason, Rejected
 from policies.state import memory_backends
-from policies.state.rate import MemoryRateBuckets
+from policies.state.rate import MemoryRateBuckets, Take
 
 
 def limiter(route: str | None = None, tenant: str | None = None,
@@ -84,7 +84,8 @@ async def test_a_request_refused_by_the_route_does_not_spend_the_tenants_quota()
     with pytest.raises(Rejected) as limited:
         await limits.admit(call("b"))
     assert limited.value.policy == ("requests", 1, 60)  # refused by the route...
-    limits.requests = None  # ...so once the route has room, b's own quota is intact
+    # ...so once the route has room (a reload drops its rate), b's own quota is intact
+    limits.reconfigure(RateConfig.model_validate({"per_tenant": {"requests": "1/h"}}))
     await limits.admit(call("b"))
 
 
@@ -119,7 +120,7 @@ async def test_tenant_state_is_forgotten_once_drained():
     gone once it has drained (the memory twin's sweep), whatever the number of tenants."""
     now = [1_000_000_000_000_000]
     backends = memory_backends()
-    backends.rates = MemoryRateBuckets(lambda: now[0])
+    backends.rates = MemoryRateBuckets(lambda: now[0] * 1000)
     limits = RateLimiter(RateConfig.model_validate({"per_tenant": {"requests": "5/s"}}),
                          backends, "r")
     for i in range(20_000):
@@ -129,3 +130,40 @@ async def test_tenant_state_is_forgotten_once_drained():
     now[0] += 61_000_000  # drained long ago, and a sweep is due
     await limits.admit(call("late"))
     assert len(backends.rates) == 1
+
+
+async def test_calls_of_one_tenant_in_flight_together_each_give_their_unit_back():
+    """On a memory route every call of a tenant holds the same units object; each release
+    still gives back (or keeps) its own call's unit."""
+    limits = limiter("3/min", tenant="2/min")
+    first, second = await limits.admit(call("a")), await limits.admit(call("a"))
+    with pytest.raises(Rejected):
+        await limits.admit(call("a"))
+    first.release(REFUSED)
+    second.release(Outcome("2xx", reached=True, status=200))
+    await limits.admit(call("a"))  # the refused call's unit is back, the served one's is not
+    with pytest.raises(Rejected) as limited:
+        await limits.admit(call("a"))
+    assert limited.value.policy == ("requests-per-tenant", 2, 60)
+    second.release(None)  # a call that never reached the upstream: its unit comes back
+    await limits.admit(call("b"))  # the route's third unit...
+    await limits.admit(call("a"))  # ...and tenant a's second are free again
+    with pytest.raises(Rejected) as limited:
+        await limits.admit(call("c"))
+    assert limited.value.policy == ("requests", 3, 60)
+
+
+async def test_a_sweep_due_by_size_midway_through_a_take_keeps_what_it_took():
+    """The memory buckets sweep when a new bucket finds them at their size threshold, which
+    can be midway through an admission: a bucket it already read may be dropped as drained,
+    and must still be stored with this take."""
+    now = [1_000_000_000_000_000]
+    buckets = MemoryRateBuckets(lambda: now[0] * 1000)
+    route = Take("requests", 10_000, 1.0)
+    for i in range(4095):  # 4,096 buckets with the route's
+        finish_now(buckets.admit("r", [Take(f"tenant:{i}", 5, 1.0), route]))
+    now[0] += 1_000_000  # every bucket has drained; the minute's sweep is not due yet
+    taken = finish_now(buckets.admit("r", [route, Take("tenant:late", 5, 1.0)]))
+    assert taken.admitted and taken.remaining == (9_999, 4)
+    assert len(buckets) == 2
+    assert finish_now(buckets.available("r", [route])) == (9_999,)

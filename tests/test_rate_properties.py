@@ -114,7 +114,7 @@ ops_st = st.lists(st.one_of(
           ("admit", "route-1", [_take("tenant:a", 1.0)])])
 def test_memory_buckets_answer_as_the_plain_gcra_model(ops: list[tuple]) -> None:
     now = [1_000_000_000]
-    buckets = MemoryRateBuckets(lambda: now[0])
+    buckets = MemoryRateBuckets(lambda: now[0] * 1000)
     model = Model()
     admitted: list[tuple[str, list[Take]]] = []
     for op in ops:

@@ -41,6 +41,7 @@ from policies.state.rate import (
     RedisRateBuckets,
     Take,
     bucket_args,
+    memory_plan,
     rate_result,
 )
 
@@ -103,18 +104,21 @@ class MemoryAdmissions:
     async def admit(self, group: str, takes: Sequence[Take], rid: str,
                     claims: Sequence[Claim], now: float, hold_s: float) -> AdmissionResult:
         rates, ledger = self._rates, self._ledger
-        at = rates.now_us()
-        levels, verdict = rates.check(group, takes, at)
+        plan = memory_plan(group, takes)
         denied = ledger.check(group, rid, claims, now, hold_s) if claims else []
         if claims and ledger.holds(group, rid):  # admitted before: take nothing again
+            verdict = rates.check(plan, rates.now_us())
             return AdmissionResult(True, verdict._replace(admitted=True, denied=None,
                                                           retry_after_s=0.0), [])
-        if not verdict.admitted or denied:
+        if denied:  # the rates' verdict too, taking nothing: the caller names the longest wait
+            verdict = rates.check(plan, rates.now_us())
             return AdmissionResult(False, verdict._replace(admitted=False), denied)
-        result = rates.commit(group, takes, levels, at)
+        refused = rates.take(plan)
+        if refused is not None:
+            return AdmissionResult(False, refused, [])
         if claims:
             ledger.hold(group, rid, claims, now, hold_s)
-        return AdmissionResult(True, result, [])
+        return AdmissionResult(True, rates.taken(plan), [])
 
     async def release(self, group: str, takes: Sequence[Take], rid: str) -> bool:
         await self._rates.refund(group, takes)

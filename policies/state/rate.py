@@ -99,108 +99,144 @@ class RateBuckets(Protocol):
 # -- memory -----------------------------------------------------------------------------------
 
 
-#: What :meth:`MemoryRateBuckets.check` found of each bucket, for ``commit``: its stored
-#: ``[level, t_us, us per unit]`` (``None`` if absent), its level then, its us per unit.
-_Scan = list[tuple[list[float] | None, float, float]]
+#: One bucket of a memory admission, prepared from its :class:`Take` by :func:`memory_plan`:
+#: its key ``(group, name)``, limit, amount (a float), microseconds per unit (GCRA's emission
+#: interval) and the overshoot its check forgives as float rounding (``limit * 1e-9``; ``-inf``
+#: when the amount exceeds the whole bucket, so that it never fits).
+PlannedBucket = tuple[tuple[str, str], int, float, float, float]
+#: The buckets of one memory admission, in the order of its takes.
+Plan = tuple[PlannedBucket, ...]
+
+
+def memory_plan(group: str, takes: Sequence[Take]) -> Plan:
+    """``takes`` in ``group`` as :class:`MemoryRateBuckets` reads them: everything an
+    admission derives from its takes, computed once (a caller that names the same buckets on
+    every call, as :class:`policies.rate.RateLimiter` does per tenant, keeps it)."""
+    return tuple(((group, take.name), take.limit, float(take.amount),
+                  take.period_s * 1e6 / take.limit,
+                  take.limit * _DUST if take.amount <= take.limit else -math.inf)
+                 for take in takes)
 
 
 class MemoryRateBuckets:
     """The buckets of one process. Nothing suspends, so each call is atomic on the loop.
 
+    The request path calls :meth:`take` with a :data:`Plan` it keeps; the
+    :class:`RateBuckets` methods prepare theirs on each call.
+
     Args:
-        clock_us: wall time in microseconds (injectable for tests).
+        clock_ns: wall time in nanoseconds (injectable for tests); buckets keep microseconds.
     """
 
-    def __init__(self, clock_us: Callable[[], int] = lambda: time.time_ns() // 1000) -> None:
-        self._clock_us = clock_us
-        # (group, name) -> [level, t_us, us per unit]
-        self._buckets: dict[tuple[str, str], list[float]] = {}
+    def __init__(self, clock_ns: Callable[[], int] = time.time_ns) -> None:
+        self._clock_ns = clock_ns
+        # (group, name) -> (level, t_us, us per unit); replaced, never changed in place
+        self._buckets: dict[tuple[str, str], tuple[float, int, float]] = {}
         self._next_sweep = 0
         self._sweep_at_size = _SWEEP_AT_SIZE
 
     def __len__(self) -> int:
         return len(self._buckets)
 
-    def _scan(self, group: str, takes: Sequence[Take], now: int
-              ) -> tuple[_Scan, int | None, float]:
-        """Each bucket as found at ``now``, and the bucket with the longest wait if taking
-        ``takes`` would be refused (its index, and the wait in microseconds), else ``None``.
-        Takes nothing."""
+    def now_us(self) -> int:
+        """The clock in microseconds."""
+        return self._clock_ns() // 1000
+
+    def take(self, plan: Plan) -> RateResult | None:
+        """Take every bucket's amount now, all or none: ``None`` once taken, else the refusal
+        (as :meth:`admit` answers it; nothing is taken).
+
+        The request path's step, so it does the least: each level is computed once, the new
+        states are stored in one ``update`` after every bucket fits, and an admission builds
+        no answer (its ``remaining`` is for Redis's headers; :meth:`taken` reads it).
+        """
+        now = self._clock_ns() // 1000  # now_us(), inline: this runs once per request
+        if now >= self._next_sweep:
+            self._sweep(now)
         buckets = self._buckets
-        found: _Scan = []
+        updated = {}
+        for key, limit, amount, interval, dust in plan:
+            state = buckets.get(key)
+            if state is None:  # absent: empty
+                level = amount
+                # Many new buckets: see _sweep (safe mid-loop: ``updated`` is stored after).
+                if len(buckets) >= self._sweep_at_size:
+                    self._sweep(now)
+            else:  # drained since (a clock that stepped back drains nothing), then taken;
+                # compares, not max(): CPython 3.11 parses a builtin max()'s arguments on
+                # every call, ~250 instructions against a handful for a compare
+                level, t, _ = state
+                elapsed = now - t
+                if elapsed > 0:
+                    level -= elapsed / interval
+                level = (level if level > 0.0 else 0.0) + amount
+            if level - limit > dust:
+                return self.check(plan, now)
+            updated[key] = (level, now, interval)
+        buckets.update(updated)
+        return None
+
+    def taken(self, plan: Plan) -> RateResult:
+        """The answer of the admission :meth:`take` just made of ``plan`` (nothing may run
+        between the two): whole units left per bucket after it."""
+        buckets = self._buckets
+        return RateResult(True, None, 0.0, _remaining(plan, [buckets[key][0]
+                                                            for key, *_ in plan]))
+
+    def check(self, plan: Plan, now: int) -> RateResult:
+        """What taking ``plan`` at ``now`` would answer, taking nothing: ``admitted`` means
+        every bucket *would* take its amount (``remaining`` is then before the take)."""
+        levels = self._levels(plan, now)
         worst, worst_i = -1.0, None
-        for i, take in enumerate(takes):
-            limit, amount = take.limit, take.amount
-            interval = take.period_s * 1e6 / limit  # us per unit: GCRA's emission interval
-            state = buckets.get((group, take.name))
-            level = 0.0
-            if state is not None:
-                elapsed = now - state[1]
-                level = state[0] - (elapsed if elapsed > 0 else 0) / interval
-                if level < 0.0:
-                    level = 0.0
-            found.append((state, level, interval))
+        for i, ((_, limit, amount, interval, dust), level) in enumerate(
+                zip(plan, levels, strict=True)):
             if amount > limit:
                 wait = math.inf
             else:
                 over = level + amount - limit
-                if over <= limit * _DUST:
+                if over <= dust:
                     continue
                 wait = over * interval
             if wait > worst:
                 worst, worst_i = wait, i
-        return found, worst_i, worst
+        left = _remaining(plan, levels)
+        if worst_i is None:
+            return RateResult(True, None, 0.0, left)
+        return RateResult(False, worst_i, math.inf if worst == math.inf else worst / 1e6, left)
 
-    async def admit(self, group: str, takes: Sequence[Take]) -> RateResult:
+    def give_back(self, plan: Plan) -> None:
+        """Return every bucket's amount now (a refund); a bucket never drops below empty, and
+        an empty bucket is dropped (an absent one is the same, as in Redis)."""
         now = self.now_us()
-        found, worst_i, worst = self._scan(group, takes, now)
-        if worst_i is None:
-            return self.commit(group, takes, found, now)
-        return RateResult(False, worst_i, _seconds(worst), _remaining(takes, _levels(found)))
+        buckets = self._buckets
+        for (key, _, amount, interval, _), level in zip(plan, self._levels(plan, now),
+                                                       strict=True):
+            level -= amount
+            if level <= 0:
+                buckets.pop(key, None)
+            else:
+                buckets[key] = (level, now, interval)
 
-    def now_us(self) -> int:
-        """The clock in microseconds (forgetting drained buckets when a sweep is due)."""
-        now = self._clock_us()
-        if now >= self._next_sweep or len(self._buckets) >= self._sweep_at_size:
-            self._sweep(now)
-        return now
-
-    def check(self, group: str, takes: Sequence[Take], now: int) -> tuple[_Scan, RateResult]:
-        """The buckets as found at ``now`` and the verdict, taking nothing: ``admitted``
-        means every bucket *would* take its amount (``remaining`` is then before the take).
-        With :meth:`commit`, one atomic step with other memory state
-        (:mod:`policies.state.admission`)."""
-        found, worst_i, worst = self._scan(group, takes, now)
-        left = _remaining(takes, _levels(found))
-        if worst_i is None:
-            return found, RateResult(True, None, 0.0, left)
-        return found, RateResult(False, worst_i, _seconds(worst), left)
-
-    def commit(self, group: str, takes: Sequence[Take], found: _Scan, now: int) -> RateResult:
-        """Take every amount from the buckets as :meth:`check` ``found`` them at ``now``
-        (nothing may run between the two)."""
+    def _levels(self, plan: Plan, now: int) -> list[float]:
+        """Each bucket's level at ``now`` (an absent one is empty)."""
         buckets = self._buckets
         levels = []
-        for take, (state, level, interval) in zip(takes, found, strict=True):
-            level += take.amount
-            levels.append(level)
-            if level <= 0:  # an empty bucket and an absent one are the same, as in Redis
-                buckets.pop((group, take.name), None)
-            elif state is None:
-                buckets[(group, take.name)] = [level, now, interval]
-            else:  # in place: most calls find their bucket (stored again: a take earlier
-                # in the same call may have emptied and dropped it)
-                state[0], state[1], state[2] = level, now, interval
-                buckets[(group, take.name)] = state
-        return RateResult(True, None, 0.0, _remaining(takes, levels))
+        for key, _, _, interval, _ in plan:
+            state = buckets.get(key)
+            levels.append(0.0 if state is None else
+                          max(state[0] - max(now - state[1], 0) / interval, 0.0))
+        return levels
+
+    async def admit(self, group: str, takes: Sequence[Take]) -> RateResult:
+        plan = memory_plan(group, takes)
+        refused = self.take(plan)
+        return self.taken(plan) if refused is None else refused
 
     async def refund(self, group: str, takes: Sequence[Take]) -> None:
-        now = self._clock_us()
-        refunds = [take._replace(amount=-take.amount) for take in takes]
-        self.commit(group, refunds, self._scan(group, refunds, now)[0], now)
+        self.give_back(memory_plan(group, takes))
 
     async def available(self, group: str, takes: Sequence[Take]) -> tuple[int, ...]:
-        return self.check(group, takes, self._clock_us())[1].remaining
+        return self.check(memory_plan(group, takes), self.now_us()).remaining
 
     def _sweep(self, now: int) -> None:
         self._next_sweep = now + int(_SWEEP_INTERVAL_S * 1e6)
@@ -213,19 +249,11 @@ class MemoryRateBuckets:
         self._sweep_at_size = max(2 * len(self._buckets), _SWEEP_AT_SIZE)
 
 
-def _levels(found: _Scan) -> list[float]:
-    return [level for _, level, _ in found]
-
-
-def _seconds(wait_us: float) -> float:
-    return math.inf if wait_us == math.inf else wait_us / 1e6
-
-
-def _remaining(takes: Sequence[Take], levels: Sequence[float]) -> tuple[int, ...]:
+def _remaining(plan: Plan, levels: Sequence[float]) -> tuple[int, ...]:
     """Whole units each bucket could still admit at ``levels``."""
     left = []
-    for take, level in zip(takes, levels, strict=True):
-        units = math.floor(take.limit - level + take.limit * _DUST)
+    for (_, limit, _, _, _), level in zip(plan, levels, strict=True):
+        units = math.floor(limit - level + limit * _DUST)
         left.append(units if units > 0 else 0)
     return tuple(left)
 
