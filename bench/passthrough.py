@@ -16,7 +16,11 @@ Sluice itself adds and nothing else:
   ``trust_env=False``, ``auto_decompress=False``, no headers of its own (the default headers
   are turned off in the request class, not by ``skip_auto_headers``, which is slower), Sluice's
   default route timeout (``connect`` 5 s, ``total`` 600 s), on a ``TCPConnector`` with
-  ``limit=0``, ``ttl_dns_cache=60``, ``keepalive_timeout=30``.
+  ``limit=0``, ``ttl_dns_cache=60``, ``keepalive_timeout=30``;
+* forwarding (``proxy/forward.py``): header copies less the dropped fields, found by a
+  case-insensitive key-view intersection, the ``Connection``-named set cached by value;
+* process (``proxy/server.py`` ``tune_gc``): startup's objects frozen out of the cyclic
+  collector's sight, young collections every 10,000 allocations.
 
 It imports nothing from Sluice, so a change there cannot make it slower; keep the two in step
 by hand. By hand:
@@ -28,6 +32,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
+import gc
 import signal
 from collections.abc import Awaitable, Callable
 
@@ -60,14 +66,21 @@ class VerbatimRequest(aiohttp.ClientRequest):
 
 
 def _without(headers: CIMultiDictProxy[str], drop: frozenset[str]) -> CIMultiDict[str]:
-    """A copy of ``headers`` less ``drop`` and the fields ``Connection`` names."""
+    """A copy of ``headers`` less ``drop`` and the fields ``Connection`` names, found as
+    ``proxy/forward.py`` finds them: the named set cached by value, a case-insensitive
+    key-view intersection (in C)."""
     out = headers.copy()
     connection = headers.get("Connection")
     if connection:
-        drop = drop | {token.strip() for token in connection.split(",")}
-    for name in drop:
+        drop = _dropped(drop, connection)
+    for name in headers.keys() & drop:
         out.popall(name, None)
     return out
+
+
+@functools.lru_cache(maxsize=256)
+def _dropped(drop: frozenset[str], connection: str) -> frozenset[str]:
+    return drop | {token.strip().lower() for token in connection.split(",")}
 
 
 def make_handler(session: aiohttp.ClientSession, upstream: str,
@@ -117,6 +130,11 @@ async def serve(port: int, upstream: str, prefix: str) -> None:
     try:
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", port, reuse_address=True).start()
+        # Sluice's collector settings (proxy/server.py tune_gc): startup's objects out of the
+        # collector's sight, young collections every 10,000 allocations.
+        gc.collect()
+        gc.freeze()
+        gc.set_threshold(10_000, *gc.get_threshold()[1:])
         await stop.wait()
     finally:
         await runner.cleanup()
