@@ -65,6 +65,15 @@ class EventLog:
             record.update(fields)
         self._buffer.append(record)
 
+    def emit_record(self, event: str, request_id: str, route: str, tenant: str,
+                    run: str | None, idempotency_key: str | None,
+                    fields: dict[str, Any]) -> None:
+        """:meth:`emit` with the event's own fields in a dict (copied, not kept): for a
+        caller that has them in one already, so none is built for keywords."""
+        self._buffer.append({"ts": time.time(), "event": event, "request_id": request_id,
+                             "route": route, "tenant": tenant, "run": run,
+                             "idempotency_key": idempotency_key, **fields})
+
     def emit_system(self, event: str, **fields: Any) -> None:
         """Queue an event that belongs to no request (e.g. ``config_reloaded``)."""
         self._buffer.append({"ts": round(time.time(), 6), "event": event, **fields})

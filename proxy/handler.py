@@ -254,9 +254,6 @@ def _operation(call: Call) -> dict[str, object]:
     return {} if call.operation is None else {"operation": call.operation}
 
 
-_NO_FIELDS: dict[str, object] = {}
-
-
 def _completed(rt: Runtime, route: Route, call: Call, outcome: Outcome,
                admitted_at: float, timed: bool) -> None:
     """Count and log an admitted call once its holdings are given back; ``timed``: its
@@ -267,9 +264,12 @@ def _completed(rt: Runtime, route: Route, call: Call, outcome: Outcome,
         metrics.upstream_duration.observe(elapsed)
     metrics.outcomes[outcome.label].inc()
     charged = call.charged
-    fields = _NO_FIELDS if charged is None else charged
+    fields: dict[str, object] = {"status": outcome.status, "outcome": outcome.label,
+                                 "duration_s": round(elapsed, 6)}
+    if charged is not None:
+        fields.update(charged)
     if call.operation is not None:
-        fields = {**fields, "operation": call.operation}
+        fields["operation"] = call.operation
         series = metrics.operation(call.operation)
         series.outcome(outcome.label)
         if timed:
@@ -288,9 +288,8 @@ def _completed(rt: Runtime, route: Route, call: Call, outcome: Outcome,
             tenant.cost.inc(charged["cost_usd"])  # type: ignore[arg-type]
         if charged["usage"] in ("estimated", "reserved"):
             metrics.usage_missing.inc()
-    rt.events.emit("completed", call.request_id, route.name, call.tenant, call.run,
-                   call.idempotency_key, status=outcome.status, outcome=outcome.label,
-                   duration_s=round(elapsed, 6), **fields)
+    rt.events.emit_record("completed", call.request_id, route.name, call.tenant, call.run,
+                          call.idempotency_key, fields)
 
 
 def _reject(rt: Runtime, route: Route, rejected: Rejected, request_id: str, tenant: str,
