@@ -172,43 +172,43 @@ def read_request(endpoint: Endpoint, body: bytes, default_cap: int | None, write
         raise ValueError(f"the body is not JSON ({exc})") from None
     if not isinstance(obj, dict):
         raise ValueError("the body is not a JSON object")
-    model = obj.get("model")
-    stream = obj.get("stream") is True
-    added: dict[str, object] = {}
-    cap: int | None = 0 if endpoint.write_field is None else None
-    for field in endpoint.cap_fields:
-        value = obj.get(field)
-        if value is None:
-            continue
-        if type(value) is not int or value < 0:
-            raise ValueError(f"{field} must be a non-negative integer, not {value!r:.40}")
-        cap = value
-        break
-    if cap is None and default_cap is not None:
-        cap = default_cap
-        if write_cap and endpoint.write_field is not None:
-            added[endpoint.write_field] = default_cap
-    choices = obj.get("n")
-    if choices is not None and (type(choices) is not int or choices < 1):
-        raise ValueError(f"n must be a positive integer, not {choices!r:.40}")
-    if cap and endpoint.choices and choices is not None and choices > 1:
-        cap *= choices  # the cap applies to each of the n choices
+    get = obj.get
+    model = get("model")
+    if type(model) is not str:
+        model = None
+    cap = None
+    for field in endpoint.cap_fields:  # the first present one wins
+        cap = get(field)
+        if cap is not None:
+            if type(cap) is not int or cap < 0:
+                raise ValueError(f"{field} must be a non-negative integer, not {cap!r:.40}")
+            break
+    added: dict[str, object] | None = None  # fields to add to the body, if any
+    if cap is None:
+        if endpoint.write_field is None:
+            cap = 0  # no output: embeddings
+        elif default_cap is not None:
+            cap = default_cap
+            if write_cap:
+                added = {endpoint.write_field: default_cap}
+    choices = get("n")
+    if choices is not None:
+        if type(choices) is not int or choices < 1:
+            raise ValueError(f"n must be a positive integer, not {choices!r:.40}")
+        if cap and endpoint.choices:
+            cap *= choices  # the cap applies to each of the n choices
+    stream = get("stream") is True
     strip = False
     if stream and endpoint.usage_option and stream_usage:
-        options = obj.get("stream_options")
+        options = get("stream_options")
         if not (isinstance(options, dict) and options.get("include_usage") is True):
+            if added is None:
+                added = {}
             added["stream_options"] = {**(options if isinstance(options, dict) else {}),
                                        "include_usage": True}
             strip = True
-    return RequestCost(
-        endpoint=endpoint,
-        model=model if isinstance(model, str) else None,
-        stream=stream,
-        input_tokens=estimate_input_tokens(body, obj),
-        output_cap=cap,
-        strip_usage=strip,
-        body=_with_fields(body, obj, added) if added else body,
-    )
+    return RequestCost(endpoint, model, stream, estimate_input_tokens(body, obj), cap, strip,
+                       body if added is None else _with_fields(body, obj, added))
 
 
 def _with_fields(body: bytes, obj: dict, added: dict[str, object]) -> bytes:
@@ -315,54 +315,37 @@ class Meter:
         headers: added to the answer's headers (the budget's, set at admission).
     """
 
-    __slots__ = (
-        "_anthropic",
-        "_big",
-        "_big_head",
-        "_big_size",
-        "_big_tail",
-        "_cr",
-        "_json",
-        "_json_bytes",
-        "_json_tail",
-        "_kind",
-        "_mode",
-        "_pending",
-        "_per_event",
-        "_sample_tokens",
-        "_sampled",
-        "_strip",
-        "complete",
-        "final",
-        "headers",
-        "status",
-        "streamed_tokens",
-        "usage",
-    )
+    # Every field starts at its class-level default; a new meter sets only what its call
+    # decides (a meter is made per metered request: this spares a score of stores each).
+    _mode = _NONE
+    #: An SSE event not complete yet.
+    _pending = b""
+    #: A JSON answer sent in chunks, held to be read at its end (the list is made by start).
+    _json: list[bytes]
+    _json_bytes = 0
+    #: A JSON answer too big to hold: its last bytes.
+    _json_tail: bytes | None = None
+    #: Inside an SSE event too big to hold (passed on as it comes): its head, tail and size.
+    _big = False
+    _big_head = b""
+    _big_tail = b""
+    _big_size = 0
+    #: The stream's lines end in CRLF (``None`` until its first line ending).
+    _cr: bool | None = None
+    _sampled = 0
+    _sample_tokens = 0
+    _per_event = 1
+    status = 0
+    complete = False
+    final = False
+    streamed_tokens = 0
+    headers: dict[str, str] | None = None
 
     def __init__(self, endpoint: Endpoint, anthropic: bool, strip_usage: bool) -> None:
         self._kind = endpoint
         self._anthropic = anthropic
         self._strip = strip_usage
-        self._mode = _NONE
-        self._pending = b""
-        self._json: list[bytes] = []
-        self._json_bytes = 0
-        self._json_tail: bytes | None = None  # a JSON answer too big to hold: its last bytes
-        self._big = False  # inside an SSE event too big to hold (passed on as it comes)
-        self._big_head = b""
-        self._big_tail = b""
-        self._big_size = 0
-        self._cr: bool | None = None
-        self.status = 0
-        self.complete = False
         self.usage = Usage()
-        self.final = False
-        self.streamed_tokens = 0
-        self._sampled = 0
-        self._sample_tokens = 0
-        self._per_event = 1
-        self.headers: dict[str, str] | None = None
 
     # -- the forwarder's calls ----------------------------------------------------------------
 
@@ -385,16 +368,18 @@ class Meter:
                 headers.popall("Content-Length", None)  # the body may get shorter
         elif "json" in content_type:
             self._mode = _JSON
+            self._json = []
             self._strip = False
         else:
             self._strip = False
 
     def body(self, data: bytes) -> bytes:
         """A whole buffered answer; returns it (without the usage chunk, if stripping)."""
-        if self._mode == _SSE:
-            return self.chunk(data) + self.finish()
-        if self._mode == _JSON:
+        mode = self._mode
+        if mode == _JSON:
             self._read_json(data)
+        elif mode == _SSE:
+            return self.chunk(data) + self.finish()
         self.complete = True
         return data
 
@@ -637,29 +622,35 @@ class Meter:
         return strip
 
     def _take(self, raw: dict) -> None:
-        """Merge one usage object (counts only grow: Anthropic's are cumulative)."""
+        """Merge one usage object: each count becomes the largest reported so far (counts
+        only grow: Anthropic's are cumulative); one that is not a non-negative integer is
+        read as 0."""
+        u = self.usage
         if self._anthropic:
             read = _count(raw.get("cache_read_input_tokens"))
             write = _count(raw.get("cache_creation_input_tokens"))
             total_in = _count(raw.get("input_tokens")) + read + write
-            out = _count(raw.get("output_tokens"))
-        elif "prompt_tokens" in raw:
-            total_in = _count(raw.get("prompt_tokens"))
-            out = _count(raw.get("completion_tokens"))
-            details = raw.get("prompt_tokens_details")
-            read = _count(details.get("cached_tokens")) if isinstance(details, dict) else 0
-            write = 0
+            out = raw.get("output_tokens")
+            if write > u.cache_write_tokens:
+                u.cache_write_tokens = write
         else:
-            total_in = _count(raw.get("input_tokens"))
-            out = _count(raw.get("output_tokens"))
-            details = raw.get("input_tokens_details")
-            read = _count(details.get("cached_tokens")) if isinstance(details, dict) else 0
-            write = 0
-        u = self.usage
-        u.input_tokens = max(u.input_tokens, total_in)
-        u.output_tokens = max(u.output_tokens, out)
-        u.cache_read_tokens = max(u.cache_read_tokens, read)
-        u.cache_write_tokens = max(u.cache_write_tokens, write)
+            if "prompt_tokens" in raw:  # Chat Completions, Completions, Embeddings
+                total_in = raw.get("prompt_tokens")
+                out = raw.get("completion_tokens")
+                details = raw.get("prompt_tokens_details")
+            else:  # Responses
+                total_in = raw.get("input_tokens")
+                out = raw.get("output_tokens")
+                details = raw.get("input_tokens_details")
+            read = details.get("cached_tokens") if isinstance(details, dict) else 0
+        # The counts start at 0, so "larger than the count so far" also drops a negative one
+        # (``type() is int`` drops a float, a string, null and a bool).
+        if type(total_in) is int and total_in > u.input_tokens:
+            u.input_tokens = total_in
+        if type(out) is int and out > u.output_tokens:
+            u.output_tokens = out
+        if type(read) is int and read > u.cache_read_tokens:
+            u.cache_read_tokens = read
 
 
 def _tail(kept: bytes, data: bytes) -> bytes:
