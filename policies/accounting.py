@@ -336,7 +336,7 @@ class Charge(Meter):
         if outcome is None or outcome.label == "rejected":
             return
         model = self.cost.model
-        price = self._acct.pricing.get(model) if model is not None else None
+        price = self._acct.pricing.get(model)  # None for no model too
         self.call.charged = {
             "model": model,
             "input_tokens": usage.input_tokens,

@@ -359,19 +359,17 @@ class Meter:
         if self.headers:
             headers.update(self.headers)
         encoding = headers.get("Content-Encoding")
-        content_type = headers.get("Content-Type", "")
         if encoding and encoding.lower() != "identity":
-            self._strip = False  # compressed anyway: unreadable, so passed on untouched
-        elif content_type.startswith("text/event-stream"):
+            return  # compressed anyway: unreadable, so passed on untouched
+        # Only a stream is read event by event, so only a stream can be stripped.
+        content_type = headers.get("Content-Type", "")
+        if content_type.startswith("text/event-stream"):
             self._mode = _SSE
             if self._strip:
                 headers.popall("Content-Length", None)  # the body may get shorter
         elif "json" in content_type:
             self._mode = _JSON
             self._json = []
-            self._strip = False
-        else:
-            self._strip = False
 
     def body(self, data: bytes) -> bytes:
         """A whole buffered answer; returns it (without the usage chunk, if stripping)."""
