@@ -23,7 +23,8 @@ audio, file) counted as :data:`ATTACHMENT_TOKENS` instead of its size. It is an 
 text, PDFs and long audio can cost more than it says, and the settle uses the upstream's count.
 
 Response side (:class:`Meter`): the answer passes through byte for byte while usage is read
-from it: a JSON body once complete (a chunked one is copied aside as it passes, up to
+from it: a JSON body once complete, its top-level ``usage`` member (parsed from that member
+on, see :meth:`Meter._read_json`; a chunked body is copied aside as it passes, up to
 :data:`JSON_LIMIT_BYTES`), an SSE stream event by event as chunks arrive (events may split
 across chunks). Only when Sluice itself asked an OpenAI stream for its usage chunk does
 the stream change: that chunk is removed, so the client sees what it asked for. Then an
@@ -484,10 +485,30 @@ class Meter:
         return tail if self._strip and not dropped else b""
 
     def _read_json(self, data: bytes) -> None:
-        try:
-            obj = orjson.loads(data)
-        except orjson.JSONDecodeError:
-            return
+        """Take the usage of a whole JSON answer: its top-level ``usage`` object, if any.
+
+        Only the answer's members from its last ``"usage":{`` key on are parsed, as one
+        object, when they make one, which spares building its content (most of its bytes).
+        They do exactly when that key is a member of the top-level object: under one nested
+        deeper, closing brackets are left over. So on a valid answer this reads what parsing
+        all of it would (the last ``usage`` member wins, as in a parse of all of it);
+        otherwise all of it is parsed. Only an answer that is not valid JSON before that
+        key, which parsing all of it would refuse, reads differently: its usage is taken.
+        """
+        at = data.rfind(b'"usage":{')
+        obj = None
+        # In valid JSON a quote after a brace, a comma or a space opens a key (one after a
+        # backslash is an escaped quote inside a string).
+        if at > 0 and data[at - 1:at] in b"{, \t\r\n":
+            try:
+                obj = orjson.loads(b"{" + data[at:])
+            except orjson.JSONDecodeError:
+                pass  # a key nested deeper: parse it all
+        if obj is None:
+            try:
+                obj = orjson.loads(data)
+            except orjson.JSONDecodeError:
+                return
         if isinstance(obj, dict) and isinstance(usage := obj.get("usage"), dict):
             self._take(usage)
             self.final = True
