@@ -228,27 +228,28 @@ def estimate_input_tokens(body: bytes, obj: object) -> int:
     A body without base64 payloads costs O(1); one with them is walked once to set them apart.
     """
     size = len(body)
+    if b"base64" not in body and b'"input_audio"' not in body:
+        return max(1, -(-size // BYTES_PER_TOKEN))  # no attachment
     attachments = 0
-    if b"base64" in body or b'"input_audio"' in body:
-        stack = [obj]
-        while stack:
-            node = stack.pop()
-            if isinstance(node, dict):
-                for key, value in node.items():
-                    if isinstance(value, str):
-                        if _is_attachment(key, value):
-                            attachments += 1
-                            size -= len(value)
-                    elif isinstance(value, dict | list):
-                        stack.append(value)
-            elif isinstance(node, list):
-                for value in node:
-                    if isinstance(value, str):
-                        if _is_attachment("", value):
-                            attachments += 1
-                            size -= len(value)
-                    elif isinstance(value, dict | list):
-                        stack.append(value)
+    stack = [obj]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if isinstance(value, str):
+                    if _is_attachment(key, value):
+                        attachments += 1
+                        size -= len(value)
+                elif isinstance(value, dict | list):
+                    stack.append(value)
+        elif isinstance(node, list):
+            for value in node:
+                if isinstance(value, str):
+                    if _is_attachment("", value):
+                        attachments += 1
+                        size -= len(value)
+                elif isinstance(value, dict | list):
+                    stack.append(value)
     return max(1, -(-size // BYTES_PER_TOKEN)) + attachments * ATTACHMENT_TOKENS
 
 
