@@ -294,15 +294,14 @@ class Charge(Meter):
         units: taken from the rates (request units and tokens), if any.
     """
 
-    reservation: Reservation | None = None
-    units: Units | None = None
-    _released = False
-
     def __init__(self, acct: Accounting, cost: RequestCost, call: Call) -> None:
         super().__init__(cost.endpoint, acct.anthropic, cost.strip_usage)
         self._acct = acct
         self.cost = cost
         self.call = call
+        self.reservation: Reservation | None = None
+        self.units: Units | None = None
+        self._released = False
 
     def release(self, outcome: Outcome | None) -> None:
         """End the charge, once (a :class:`policies.pipeline.Holding`). Never awaits.

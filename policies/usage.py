@@ -317,8 +317,10 @@ class Meter:
         headers: added to the answer's headers (the budget's, set at admission).
     """
 
-    # Every field starts at its class-level default; a new meter sets only what its call
-    # decides (a meter is made per metered request: this spares a score of stores each).
+    # A meter is made per metered request, and most of its fields are used only by some
+    # answers (a stream, a big one), so they start at class-level defaults instead of a
+    # score of stores per meter. The few every call reads before writing are set by
+    # __init__: reading a class-level default through an instance is the slower lookup.
     _mode = _NONE
     #: An SSE event not complete yet.
     _pending = b""
@@ -341,13 +343,13 @@ class Meter:
     complete = False
     final = False
     streamed_tokens = 0
-    headers: dict[str, str] | None = None
 
     def __init__(self, endpoint: Endpoint, anthropic: bool, strip_usage: bool) -> None:
         self._kind = endpoint
         self._anthropic = anthropic
         self._strip = strip_usage
         self.usage = Usage()
+        self.headers: dict[str, str] | None = None
 
     # -- the forwarder's calls ----------------------------------------------------------------
 
