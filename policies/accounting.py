@@ -4,12 +4,14 @@ It is one step of the admission pipeline (:mod:`policies.pipeline`):
 
 1. :meth:`Accounting.admit` reads the call's body once (model, output cap, stream) if it is a
    metered call (:func:`policies.usage.endpoint_for`), maybe rewrites it (default cap, usage
-   option), then, in one atomic call to the route's state (one Redis round trip,
-   :mod:`policies.state.admission`), takes the request units of ``rate.requests`` and
-   ``rate.per_tenant`` and its worst case from the token rate (``rate.tokens``), and
-   reserves that worst case on the budgets (``budget``); or raises
-   :class:`~policies.reasons.Rejected`, naming the limit with the longest wait. It leaves the
-   :class:`Charge` held, its meter on ``call.meter``.
+   option), then, on a route that limits tokens (a token rate or a budget), in one atomic
+   call to the route's state (one Redis round trip, :mod:`policies.state.admission`), takes
+   the request units of ``rate.requests`` and ``rate.per_tenant`` and its worst case from
+   the token rate (``rate.tokens``), and reserves that worst case on the budgets
+   (``budget``); or raises :class:`~policies.reasons.Rejected`, naming the limit with the
+   longest wait. On a route without token limits nothing is taken here (the rate step took
+   the request units). It leaves the :class:`Charge` held, and on ``call.meter``: the
+   charge is also the meter of the answer.
 2. While forwarding, the meter reads the answer's usage as it passes.
 3. When the call ends, whatever ended it, :meth:`Charge.release` is told the outcome. A call
    that never reached the upstream (refused by a later step, caller gone, no connection) gets
@@ -47,10 +49,12 @@ from policies.reasons import Reason, Rejected
 from policies.state import LedgerFull, StateBackends, StateUnavailable
 from policies.state.admission import AdmissionResult
 from policies.state.rate import Take
-from policies.usage import Meter, RequestCost, Usage, endpoint_for, read_request
+from policies.usage import Endpoint, Meter, RequestCost, Usage, endpoint_for, read_request
 
 #: Tenants whose remaining budget the admin API lists (the first seen).
 MAX_TENANTS_SHOWN = 100
+#: Raw paths whose endpoint an :class:`Accounting` keeps (a route sees a handful).
+ENDPOINTS_KEPT = 256
 
 
 class Accounting:
@@ -81,6 +85,8 @@ class Accounting:
         self.budgets = budgets
         self.rate: RateLimiter | None = None
         self.use_rate(rate)
+        #: Each raw path's metered endpoint (``None``: not metered), as :meth:`_endpoint` found.
+        self._endpoints: dict[str, Endpoint | None] = {}
         self.run_header = run_header
         self.token_models = token_models
         #: Tenants seen on this route (the first ``MAX_TENANTS_SHOWN``), for the admin API.
@@ -108,21 +114,72 @@ class Accounting:
 
     async def admit(self, call: Call) -> Charge | None:
         """The pipeline step (:class:`policies.pipeline.Policy`): read and reserve a metered
-        call (see the module docstring); ``None`` for a call that is not metered.
+        call (see the module docstring); ``None`` for a call that is not metered (it then
+        passes unmetered).
 
         Raises:
-            Rejected: from :meth:`open` or :meth:`reserve`; nothing is held.
+            Rejected: ``bad_request`` on a route with token limits, when the body is not JSON,
+                names no output cap (and no default is configured), or a per-run budget
+                applies and no run id was sent; or from :meth:`reserve`. Nothing is held.
         """
-        charge = self.open(call.method, call.path, call.body, call.tenant, call.run)
-        if charge is None:
+        if call.method != "POST":
+            return None  # only POSTs are metered
+        try:
+            endpoint = self._endpoints[call.path]
+        except KeyError:
+            endpoint = self._endpoint(call.path)
+        if endpoint is None:
             return None
-        charge.ancestors = call.lineage
-        await self.reserve(charge)
-        call.cost = float(charge.cost.input_tokens + (charge.cost.output_cap or 0))
-        call.body = charge.body
-        call.meter = charge.meter
-        charge.call = call
+        # The route limits tokens (a token rate or a budget), so every metered call must be
+        # readable and name an output cap. Read per call, not kept: a reload reconfigures
+        # the route's rate in place.
+        rate = self.rate
+        enforcing = self.budgets is not None or (rate is not None and rate.tokens is not None)
+        try:
+            cost = read_request(endpoint, call.body, self.default_cap, self.write_cap,
+                                self.stream_usage)
+        except ValueError as exc:
+            if not enforcing:
+                return None
+            raise Rejected(Reason.BAD_REQUEST, None,
+                           f"{exc}; this route limits tokens, so Sluice must read it") from None
+        models = self.token_models
+        if enforcing or (models and (cost.model in models or DEFAULT_OPERATION in models)):
+            self._check(cost, call.run)
+        charge = Charge(self, cost, call)
+        if enforcing:
+            await self.reserve(charge)
+        call.cost = float(cost.input_tokens + (cost.output_cap or 0))
+        call.body = cost.body
+        call.meter = charge
         return charge
+
+    def _endpoint(self, raw_path: str) -> Endpoint | None:
+        """The metered endpoint a POST to ``raw_path`` calls (:func:`endpoint_for`), kept for
+        the next call to the same path (a route sees a handful; at most
+        :data:`ENDPOINTS_KEPT`, then it starts over)."""
+        endpoint = endpoint_for(self.protocol, "POST", raw_path)
+        if len(self._endpoints) >= ENDPOINTS_KEPT:
+            self._endpoints.clear()
+        self._endpoints[raw_path] = endpoint
+        return endpoint
+
+    def _check(self, cost: RequestCost, run: str | None) -> None:
+        """Refuse a call that token limits apply to if it names no output cap, or if a
+        per-run budget applies and it names no run.
+
+        Raises:
+            Rejected: ``bad_request``.
+        """
+        if cost.output_cap is None:
+            raise Rejected(
+                Reason.BAD_REQUEST, None,
+                f"set {cost.endpoint.cap_fields[0]}: this route limits tokens and configures "
+                f"no usage.default_max_tokens",
+            )
+        if run is None and self.budgets is not None and self.budgets.needs_run:
+            raise Rejected(Reason.BAD_REQUEST, None,
+                           f"send the {self.run_header} header: this route budgets per run")
 
     def use_rate(self, rate: RateLimiter | None) -> None:
         """Account with ``rate`` (the route's, kept across a reload). On a route that limits
@@ -130,47 +187,7 @@ class Accounting:
         budget holds in one round trip, so ``rate``'s own step leaves metered calls alone."""
         self.rate = rate
         if rate is not None:
-            rate.metered_elsewhere = self.enforcing
-
-    @property
-    def enforcing(self) -> bool:
-        """The route limits tokens (a token rate or a budget), so every metered call must be
-        readable and name an output cap."""
-        return (self.rate is not None and self.rate.tokens is not None) or (
-            self.budgets is not None)
-
-    def open(self, method: str, raw_path: str, body: bytes, tenant: str,
-             run: str | None) -> Charge | None:
-        """Read a request; ``None`` if it is not a metered call (it then passes unmetered).
-
-        Raises:
-            Rejected: ``bad_request`` on a route with token limits, when the body is not JSON,
-                names no output cap (and no default is configured), or a per-run budget
-                applies and no run id was sent.
-        """
-        endpoint = endpoint_for(self.protocol, method, raw_path)
-        if endpoint is None:
-            return None
-        try:
-            cost = read_request(endpoint, body, self.default_cap, self.write_cap,
-                                self.stream_usage)
-        except ValueError as exc:
-            if not self.enforcing:
-                return None
-            raise Rejected(Reason.BAD_REQUEST, None,
-                           f"{exc}; this route limits tokens, so Sluice must read it") from None
-        models = self.token_models
-        if self.enforcing or (models and (cost.model in models or DEFAULT_OPERATION in models)):
-            if cost.output_cap is None:
-                raise Rejected(
-                    Reason.BAD_REQUEST, None,
-                    f"set {endpoint.cap_fields[0]}: this route limits tokens and configures "
-                    f"no usage.default_max_tokens",
-                )
-            if run is None and self.budgets is not None and self.budgets.needs_run:
-                raise Rejected(Reason.BAD_REQUEST, None,
-                               f"send the {self.run_header} header: this route budgets per run")
-        return Charge(self, cost, tenant, run)
+            rate.metered_elsewhere = rate.tokens is not None or self.budgets is not None
 
     async def reserve(self, charge: Charge) -> None:
         """Take the request's units and worst-case tokens from the rates, and hold its worst
@@ -187,20 +204,18 @@ class Accounting:
                 ``token_rate_limited``, ``budget_exhausted``, ``state_unavailable``; nothing
                 is left held.
         """
-        if not self.enforcing:
-            return  # the rate step took the call's request units, if any
-        cost = charge.cost
+        cost, call = charge.cost, charge.call
         cap = cost.output_cap or 0
         rate, budgets = self.rate, self.budgets
         takes: list[Take] = []
         if rate is not None:
-            takes = rate.request_takes(charge.tenant)
+            takes = rate.request_takes(call.tenant)
             if rate.tokens is not None:
                 takes.append(rate.token_take(cost.input_tokens + cap))
         reservation = None
         if budgets is not None:
-            reservation = budgets.prepare(charge.tenant, charge.run, cost.model,
-                                          cost.input_tokens, cap, charge.ancestors)
+            reservation = budgets.prepare(call.tenant, call.run, cost.model,
+                                          cost.input_tokens, cap, call.lineage)
         owner = budgets if budgets is not None else rate
         if owner is None or (not takes and reservation is None):
             return
@@ -247,13 +262,13 @@ class Accounting:
             return
         charge.reservation = reservation
         try:
-            charge.meter.headers = budgets.headers(reservation)
+            charge.headers = budgets.headers(reservation)
         except BaseException:
             charge.release(None)
             raise
-        if (self.tenant_units and charge.tenant not in self.tenants
+        if (self.tenant_units and call.tenant not in self.tenants
                 and len(self.tenants) < MAX_TENANTS_SHOWN):
-            self.tenants[charge.tenant] = None
+            self.tenants[call.tenant] = None
 
     def _refusal(self, takes: list[Take], reservation: Reservation | None,
                  result: AdmissionResult, source: StateBackends) -> Rejected:
@@ -267,36 +282,26 @@ class Accounting:
                    else r.retry_after)
 
 
-class Charge:
-    """One metered request, from reading to settling (see the module docstring).
+class Charge(Meter):
+    """One metered request, from reading to settling (see the module docstring). It is also
+    the meter that reads its answer (:class:`policies.usage.Meter`, handed to
+    :func:`proxy.forward.forward` as ``call.meter``): one object per metered call.
 
     Attributes:
         cost: what was read from the request.
-        meter: reads the answer; handed to :func:`proxy.forward.forward`.
+        call: the call it charges; ``call.charged`` gets the ``completed`` event's fields.
         reservation: held on the budgets, if any.
         units: taken from the rates (request units and tokens), if any.
     """
 
-    __slots__ = ("_acct", "_open", "ancestors", "call", "cost", "meter", "reservation", "run",
-                 "tenant", "units")
-
-    def __init__(self, acct: Accounting, cost: RequestCost, tenant: str, run: str | None):
+    def __init__(self, acct: Accounting, cost: RequestCost, call: Call) -> None:
+        super().__init__(cost.endpoint, acct.anthropic, cost.strip_usage)
         self._acct = acct
-        self._open = True
         self.cost = cost
-        self.tenant = tenant
-        self.run = run
-        #: The run's ancestors, charged on ``per: run`` budgets too.
-        self.ancestors: tuple[str, ...] = ()
-        self.meter = Meter(cost.endpoint, acct.anthropic, cost.strip_usage)
+        self.call = call
         self.reservation: Reservation | None = None
         self.units: Units | None = None
-        self.call: Call | None = None
-
-    @property
-    def body(self) -> bytes:
-        """The body to forward."""
-        return self.cost.body
+        self._released = False
 
     def release(self, outcome: Outcome | None) -> None:
         """End the charge, once (a :class:`policies.pipeline.Holding`). Never awaits.
@@ -306,52 +311,50 @@ class Charge:
         to what was used (see the module docstring), and the ``completed`` event's fields go
         to ``call.charged``.
         """
-        if not self._open:
+        if self._released:
             return
-        self._open = False
-        acct = self._acct
-        units, reservation, budgets = self.units, self.reservation, acct.budgets
+        self._released = True
+        units, reservation = self.units, self.reservation
         if outcome is None or not outcome.reached:
             usage, source = Usage(), "none"
-            if (units is not None and reservation is not None and budgets is not None
+            if (units is not None and reservation is not None
                     and units.source is reservation.source
                     and reservation.source.redis is not None):
                 # Taken in one round trip, given back in one.
                 units.handed_over()
-                budgets.give_back(reservation, units.takes)
+                self._acct.budgets.give_back(reservation, units.takes)
                 reservation = None
+        elif self.final:
+            usage, source = self.usage, "reported"
         else:
-            usage, source = self._used(outcome.label)
+            usage, source = self._unreported(outcome.label)
         if units is not None:
             units.release(outcome)
-        if reservation is not None and budgets is not None:
-            budgets.settle(reservation, usage)
-        if self.call is None or outcome is None or outcome.label == "rejected":
+        if reservation is not None:
+            self._acct.budgets.settle(reservation, usage)
+        if outcome is None or outcome.label == "rejected":
             return
         model = self.cost.model
-        price = acct.pricing.get(model) if model is not None else None
-        usd = price_usd(price, usage) if price is not None else None
+        price = self._acct.pricing.get(model)  # None for no model too
         self.call.charged = {
             "model": model,
             "input_tokens": usage.input_tokens,
             "output_tokens": usage.output_tokens,
-            "cost_usd": None if usd is None else round(usd, 9),
+            "cost_usd": None if price is None else round(price_usd(price, usage), 9),
             "usage": source,
         }
 
-    def _used(self, outcome: str) -> tuple[Usage, str]:
-        meter = self.meter
+    def _unreported(self, outcome: str) -> tuple[Usage, str]:
+        """What a call that reached the upstream used when its answer gave no final count."""
         cost = self.cost
-        if meter.final:
-            return meter.usage, "reported"
-        status = meter.status
-        if status >= 400 and meter.complete:
+        status = self.status
+        if status >= 400 and self.complete:
             return Usage(), "none"
         cap = cost.output_cap
-        if (cost.stream and not meter.complete and status < 400
+        if (cost.stream and not self.complete and status < 400
                 and (status or outcome == "client_disconnected")):
-            seen = meter.usage
-            output = max(seen.output_tokens, meter.streamed_tokens, 1)
+            seen = self.usage
+            output = max(seen.output_tokens, self.streamed_tokens, 1)
             if cap is not None:
                 output = min(output, cap)
             return Usage(seen.input_tokens or cost.input_tokens, output,

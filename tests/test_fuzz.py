@@ -169,6 +169,35 @@ def test_usage_reader_never_crashes_on_any_bytes(stream, data, kind, strip, cont
     assert min(u.input_tokens, u.output_tokens, u.cache_read_tokens) >= 0
 
 
+json_keys = st.sampled_from(["usage", "prompt_tokens", "completion_tokens", "choices",
+                              'x"usage', "usage\\", ""])
+json_texts = st.one_of(st.text(max_size=12), st.sampled_from(
+    ['"usage":{', '\\"usage\\":{', '{"usage":{"prompt_tokens":9}}', "}]", "{[", "\\"]))
+json_values = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(-5, 50), json_texts),
+    lambda inner: st.one_of(st.lists(inner, max_size=4),
+                            st.dictionaries(json_keys, inner, max_size=5)),
+    max_leaves=25)
+
+
+@FAST
+@given(st.dictionaries(json_keys, json_values, max_size=6), st.sampled_from([
+    orjson.dumps, lambda o: json.dumps(o).encode(),
+    lambda o: json.dumps(o, separators=(",", ":"), indent=1).encode()]))
+def test_json_answer_reads_what_parsing_all_of_it_does(answer, dumps):
+    """The usage of a valid JSON answer, however its members nest and are spaced, is the one
+    a parse of the whole answer finds (the meter parses only its end when it can)."""
+    body = dumps(answer)
+    meter = Meter(CHAT, anthropic=False, strip_usage=False)
+    meter.start(200, CIMultiDict({"Content-Type": "application/json"}))
+    assert meter.body(body) == body
+    whole = Meter(CHAT, anthropic=False, strip_usage=False)
+    if isinstance(found := orjson.loads(body).get("usage"), dict):
+        whole._take(found)
+        whole.final = True
+    assert (meter.usage, meter.final) == (whole.usage, whole.final)
+
+
 # -- identity validation ----------------------------------------------------------------------
 
 CONFIG = parse_config(yaml.safe_dump({"routes": [

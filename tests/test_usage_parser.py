@@ -286,6 +286,40 @@ def test_plain_json_body_and_error_body():
     assert meter.complete and not meter.final
 
 
+def json_usage(body: bytes) -> tuple[tuple[int, int], bool]:
+    meter = Meter(CHAT, anthropic=False, strip_usage=False)
+    started(meter, "application/json")
+    assert meter.body(body) == body
+    return (meter.usage.input_tokens, meter.usage.output_tokens), meter.final
+
+
+@pytest.mark.parametrize(("body", "read"), [
+    # The top-level member, whatever follows it, and only it.
+    (b'{"choices":[],"usage":{"prompt_tokens":1,"completion_tokens":2},"x":{"y":[1]}}',
+     ((1, 2), True)),
+    (b'{"usage":{"prompt_tokens":1},"tools":[{"parameters":{"usage":{"prompt_tokens":8}}}]}',
+     ((1, 0), True)),
+    (b'{"output":[{"usage":{"prompt_tokens":5}}],"usage":null}', ((0, 0), False)),
+    (b'{"output":{"usage":{"prompt_tokens":5}}}', ((0, 0), False)),
+    # The last of duplicate members, as a parse of the whole answer takes.
+    (b'{"usage":{"prompt_tokens":1},"x":1,"usage":{"prompt_tokens":2}}', ((2, 0), True)),
+    (b'{"usage":{"prompt_tokens":1},"usage":null}', ((0, 0), False)),
+    # Keys and text that only look like the member.
+    (b'{"usage":{"prompt_tokens":3},"x\\"usage":{"prompt_tokens":9}}', ((3, 0), True)),
+    (b'{"usage":{"prompt_tokens":3},"text":"\\"usage\\":{\\"prompt_tokens\\":7}}"}',
+     ((3, 0), True)),
+    (b'{"a": 1, "usage": {"prompt_tokens": 4}}\n', ((4, 0), True)),
+    (b'{\n  "usage":{"prompt_tokens":6}\n}', ((6, 0), True)),
+    (b'["usage",{"usage":{"prompt_tokens":5}}]', ((0, 0), False)),
+    # Not JSON: cut, read as nothing; not JSON before the member only, read all the same
+    # (only the members from the last "usage" key on are parsed).
+    (b'{"usage":{"prompt_tokens":5}', ((0, 0), False)),
+    (b'{"id":"x",,"usage":{"prompt_tokens":5}}', ((5, 0), True)),
+])
+def test_json_answer_usage_is_its_top_level_member(body, read):
+    assert json_usage(body) == read
+
+
 def test_chunked_json_body_is_read_at_the_end():
     body = orjson.dumps({"id": "x", "usage": {"input_tokens": 3, "output_tokens": 9}})
     meter = Meter(MESSAGES, anthropic=True, strip_usage=False)

@@ -1,0 +1,128 @@
+"""The accounting step in process (policies/accounting.py): which calls it meters, what it
+leaves on the call, and the ``completed`` event's fields its release writes."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+import yaml
+from multidict import CIMultiDict
+
+from policies import accounting
+from policies.accounting import Accounting, Charge
+from policies.pipeline import Call, Outcome
+from policies.rate import RateLimiter
+from policies.reasons import Rejected
+from policies.state import memory_backends
+from proxy.config import parse_config
+
+BODY = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                     "max_tokens": 16})
+ANSWER = orjson.dumps({"id": "c", "choices": [],
+                       "usage": {"prompt_tokens": 7, "completion_tokens": 3}})
+
+
+def make_accounting(**policies: object) -> Accounting:
+    config = parse_config(yaml.safe_dump({"routes": [{
+        "name": "openai", "path_prefix": "/openai/", "upstream": "http://127.0.0.1:1",
+        "protocol": "openai", **policies}]}), "<test>")
+    (route,) = config.routes
+    rate = (RateLimiter(route.rate, memory_backends(), "openai", route.protocol)
+            if route.rate else None)
+    return Accounting(route, {}, rate, None, "X-Run-ID")
+
+
+def make_call(path: str = "/openai/v1/chat/completions", body: bytes = BODY,
+              method: str = "POST") -> Call:
+    return Call(request_id="r", route="openai", method=method, path=path, headers={},
+                body=body, tenant="t")
+
+
+def answer(charge: Charge, body: bytes = ANSWER, status: int = 200) -> None:
+    charge.start(status, CIMultiDict({"Content-Type": "application/json"}))
+    assert charge.body(body) == body
+
+
+async def test_metered_calls_are_posts_to_the_protocols_endpoints_whatever_the_query():
+    acct = make_accounting(rate={"requests": "600/min"})
+    for path in ("/openai/v1/chat/completions", "/openai/v1/chat/completions?x=1",
+                 "/openai/v1/chat/completions/"):
+        call = make_call(path)
+        charge = await acct.admit(call)
+        assert charge is not None and call.meter is charge  # the charge is the meter
+        assert call.cost == float(charge.cost.input_tokens + 16)
+        assert charge.units is None and charge.reservation is None  # no token limits
+    for method, path in (("GET", "/openai/v1/chat/completions"),
+                         ("POST", "/openai/v1/files")):
+        call = make_call(path, method=method)
+        assert await acct.admit(call) is None
+        assert call.meter is None and call.cost is None
+
+
+async def test_endpoints_kept_per_path_stay_right_past_the_bound(monkeypatch):
+    monkeypatch.setattr(accounting, "ENDPOINTS_KEPT", 4)
+    acct = make_accounting()
+    for i in range(10):
+        metered = await acct.admit(make_call(f"/openai/v1/chat/completions?i={i}"))
+        assert metered is not None
+        assert await acct.admit(make_call(f"/openai/v1/files?i={i}")) is None
+        assert len(acct._endpoints) <= 4
+    assert await acct.admit(make_call("/openai/v1/files?i=9", method="GET")) is None
+
+
+@pytest.mark.parametrize("body", [b"not json", b"[1]", b'{"max_tokens": "16"}',
+                                  b'{"n": 0, "max_tokens": 1}'])
+async def test_unreadable_calls_pass_unmetered_without_token_limits(body):
+    call = make_call(body=body)
+    assert await make_accounting().admit(call) is None
+    assert call.meter is None and call.body == body and call.cost is None
+
+
+async def test_unreadable_calls_are_refused_with_token_limits():
+    acct = make_accounting(rate={"tokens": "100000/min"},
+                           usage={"default_max_tokens": 100})
+    with pytest.raises(Rejected) as refused:
+        await acct.admit(make_call(body=b"not json"))
+    assert refused.value.reason.status == 400
+    charge = await acct.admit(make_call())
+    assert charge is not None and charge.units is not None  # its tokens were taken
+    charge.release(Outcome("2xx", True, 200))
+
+
+async def test_release_writes_the_completed_fields_once():
+    acct = make_accounting()
+    call = make_call()
+    charge = await acct.admit(call)
+    answer(charge)
+    charge.release(Outcome("2xx", True, 200))
+    assert call.charged == {"model": "m", "input_tokens": 7, "output_tokens": 3,
+                            "cost_usd": None, "usage": "reported"}
+    charge.release(Outcome("5xx", True, 500))  # a second release does nothing
+    assert call.charged["usage"] == "reported"
+
+
+async def test_release_without_a_count():
+    acct = make_accounting()
+    call = make_call()
+    charge = await acct.admit(call)
+    answer(charge, b'{"id": "c"}')  # complete, no usage: the whole reservation
+    charge.release(Outcome("2xx", True, 200))
+    assert call.charged is not None
+    assert (call.charged["input_tokens"], call.charged["output_tokens"],
+            call.charged["usage"]) == (charge.cost.input_tokens, 16, "reserved")
+
+    call = make_call()
+    charge = await acct.admit(call)
+    answer(charge, b'{"error": {}}', status=400)  # an error answered in full: not billed
+    charge.release(Outcome("4xx", True, 400))
+    assert (call.charged["input_tokens"], call.charged["usage"]) == (0, "none")
+
+    call = make_call()
+    charge = await acct.admit(call)
+    charge.release(Outcome("upstream_error", False))  # never reached the upstream
+    assert (call.charged["output_tokens"], call.charged["usage"]) == (0, "none")
+
+    call = make_call()
+    charge = await acct.admit(call)
+    charge.release(Outcome("rejected", False, 429))  # refused by a later step: no fields
+    assert call.charged is None
