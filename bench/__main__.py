@@ -27,8 +27,8 @@ from __future__ import annotations
 import importlib
 import sys
 
-BENCHMARKS = ("overhead", "instructions", "opcodes", "overload", "storm", "fairness", "replay", "soak",
-              "mcp_refusals")
+BENCHMARKS = ("overhead", "instructions", "opcodes", "overload", "storm", "fairness", "replay",
+              "soak", "mcp_refusals")
 
 
 def main(argv: list[str]) -> int:
