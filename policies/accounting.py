@@ -298,7 +298,7 @@ class Charge(Meter):
         super().__init__(cost.endpoint, acct.anthropic, cost.strip_usage)
         self._acct = acct
         self.cost = cost
-        self.call = call
+        self.call: Call | None = call
         self.reservation: Reservation | None = None
         self.units: Units | None = None
         self._released = False
@@ -314,6 +314,10 @@ class Charge(Meter):
         if self._released:
             return
         self._released = True
+        # The call holds this charge as its meter: letting go of the call here breaks that
+        # cycle, so both are freed when the request ends (by reference counting, not by the
+        # cyclic collector's next pass).
+        call, self.call = self.call, None
         units, reservation = self.units, self.reservation
         if outcome is None or not outcome.reached:
             usage, source = Usage(), "none"
@@ -336,7 +340,7 @@ class Charge(Meter):
             return
         model = self.cost.model
         price = self._acct.pricing.get(model)  # None for no model too
-        self.call.charged = {
+        call.charged = {
             "model": model,
             "input_tokens": usage.input_tokens,
             "output_tokens": usage.output_tokens,

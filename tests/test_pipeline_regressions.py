@@ -297,3 +297,42 @@ async def test_two_first_dead_letters_open_the_store_once(tmp_path, monkeypatch)
     assert sorted(ids) == [1, 2] and len(opened) == 1
     assert queue.depth("r") == 2
     await queue.close()
+
+
+async def test_a_proxied_call_leaves_no_reference_cycle_of_sluices_objects(
+        upstream: FakeUpstream) -> None:
+    # Seen: the accounting's charge and its call held each other, so every metered call left
+    # a cycle for the collector (7 objects a call; a 9 ms collection every ~1,400 calls under
+    # load). Nothing of Sluice's may outlive its call but by reference counting.
+    import gc
+
+    config = f"""
+routes:
+  - name: r
+    path_prefix: /r/
+    upstream: {upstream.url}
+    protocol: openai
+    concurrency: {{limit: 8, queue: 8, max_wait: 5s, per_tenant: 8}}
+    rate: {{requests: 600/min, per_tenant: {{requests: 300/min}}}}
+    idempotency: {{mode: dedup, derive_from: [X-Run-ID, X-Step-ID]}}
+    circuit_breaker: {{fail_max: 5}}
+    retry: {{attempts: 3, on: [502, 503]}}
+"""
+    async with proxy(config) as sluice, aiohttp.ClientSession() as session:
+        url = sluice.url("/r/v1/chat/completions")
+        await post(session, url)  # warm: first-use caches
+        gc.collect()
+        gc.disable()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        try:
+            for n in range(20):
+                status, _, _ = await post(session, url, **({"X-Tenant-ID": f"t{n % 3}"}))
+                assert status == 200
+            gc.collect()
+            ours = [type(o).__qualname__ for o in gc.garbage
+                    if type(o).__module__.startswith(("policies", "proxy"))]
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+            gc.enable()
+    assert ours == []
