@@ -19,6 +19,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
+from multidict import istr
 from pydantic import (
     AfterValidator,
     BaseModel,
@@ -135,7 +136,9 @@ _TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
 def _header_name(value: str) -> str:
     if not _TOKEN.match(value):
         raise ValueError(f"{value!r} is not an HTTP header name (RFC 9110 §5.1 token)")
-    return value
+    # An istr (a str) is looked up in a request's headers without being lower-cased again
+    # on every look-up.
+    return istr(value)
 
 
 HeaderName = Annotated[str, AfterValidator(_header_name)]

@@ -112,7 +112,7 @@ from collections.abc import Awaitable, Callable, Hashable
 from typing import TypeVar
 
 from aiohttp import web
-from multidict import CIMultiDict, CIMultiDictProxy
+from multidict import CIMultiDict, CIMultiDictProxy, istr
 
 from policies import mcp
 from policies.config import IdempotencyConfig
@@ -138,7 +138,7 @@ T = TypeVar("T")
 
 #: Methods that are idempotent by definition and never get a key (RFC 9110 §9.2.1).
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
-KEY_HEADER = "Idempotency-Key"
+KEY_HEADER = istr("Idempotency-Key")
 REPLAYED_HEADER = "Idempotent-Replayed"
 #: Longest key accepted, characters (Stripe's limit; the draft leaves it to the resource).
 MAX_KEY_LENGTH = 255

@@ -39,15 +39,17 @@ from collections.abc import Mapping
 from email.utils import parsedate_to_datetime
 from unicodedata import decimal
 
+from multidict import istr
+
 from policies.config import RetryConfig
 
 #: Methods RFC 9110 §9.2.2 defines as idempotent.
 IDEMPOTENT_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"})
 #: The request header that makes a non-idempotent request safe to repeat (IETF
 #: draft-ietf-httpapi-idempotency-key-header).
-IDEMPOTENCY_HEADER = "Idempotency-Key"
+IDEMPOTENCY_HEADER = istr("Idempotency-Key")
 #: Sent by the Stainless-generated SDKs (openai, anthropic): 0 on a first attempt.
-CLIENT_RETRY_HEADER = "x-stainless-retry-count"
+CLIENT_RETRY_HEADER = istr("x-stainless-retry-count")
 #: Jitter on an upstream-requested wait: ``U[d, 1.25 d]``, never earlier than asked.
 HINT_JITTER = 0.25
 

@@ -63,7 +63,7 @@ from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 from typing import Any
 
-from aiohttp import web
+from aiohttp import hdrs, web
 from aiohttp.http import HttpVersion, HttpVersion10, HttpVersion11, RawRequestMessage
 from aiohttp.http_exceptions import BadHttpMethod, HttpProcessingError, LineTooLong
 from aiohttp.streams import StreamReader
@@ -194,10 +194,10 @@ class EdgeServer(GuardedServer):
         if refused is not None:
             return _answered(refused)
         headers = request.headers
-        length = headers.get("Content-Length")  # digits only: the parser refused the rest
+        length = headers.get(hdrs.CONTENT_LENGTH)  # digits only: the parser refused the rest
         if length is not None and int(length) > door.max_request_bytes:
             return _too_large(rt, request, int(length))
-        expect = headers.get("Expect")
+        expect = headers.get(hdrs.EXPECT)
         if expect is not None and request.version >= HttpVersion11:
             if expect.lower() != "100-continue":
                 return _answered(render(Rejected(Reason.EXPECTATION_FAILED, None, ""),
@@ -289,7 +289,7 @@ class Door:
         if request.version is _REFUSED_VERSION:
             return render(Rejected(Reason.BAD_REQUEST, None,
                                    "only HTTP/1.1 and HTTP/1.0 are served"), "http")
-        host = headers.get("Host")
+        host = headers.get(hdrs.HOST)
         if host is None and request.version == HttpVersion11:
             return render(Rejected(Reason.BAD_REQUEST, None,
                                    "an HTTP/1.1 request must carry Host (RFC 9112 §3.2)"),
@@ -305,7 +305,7 @@ class Door:
             return render(Rejected(Reason.BAD_REQUEST, None, "a control character in the path"),
                           "http")
         if self.mcp and not self.any_origin:
-            origin = headers.get("Origin")
+            origin = headers.get(hdrs.ORIGIN)
             if origin is not None:
                 route = rt.router.match(raw)
                 if route is not None and route.protocol == "mcp" and not self.origin_allowed(

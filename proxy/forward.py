@@ -35,7 +35,7 @@ import re
 import time
 
 import aiohttp
-from aiohttp import web
+from aiohttp import hdrs, web
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
@@ -113,7 +113,7 @@ def _dropped(drop: frozenset[str], connection: tuple[str, ...]) -> frozenset[str
 
 
 def _copy_headers(headers: CIMultiDictProxy[str], drop: frozenset[str]) -> CIMultiDict[str]:
-    connection = headers.getall("Connection", None)
+    connection = headers.getall(hdrs.CONNECTION, None)
     if connection is not None:
         drop = _dropped(drop, tuple(connection))
     # A copy (in C) less the few fields present that go, found by a case-insensitive set
@@ -129,8 +129,8 @@ def upstream_headers(request: web.BaseRequest) -> CIMultiDict[str]:
     headers = _copy_headers(request.headers, _REQUEST_DROP)
     peer = request.remote
     if peer:
-        prior = headers.get("X-Forwarded-For")
-        headers["X-Forwarded-For"] = f"{prior}, {peer}" if prior else peer
+        prior = headers.get(hdrs.X_FORWARDED_FOR)
+        headers[hdrs.X_FORWARDED_FOR] = f"{prior}, {peer}" if prior else peer
     return headers
 
 
@@ -228,7 +228,7 @@ async def relay(
         if capture is not None:
             capture.begin(status, upstream.reason, headers)
         # Digits only (the parser refused the rest); none for a chunked or close-ended answer.
-        length = upstream_headers.get("Content-Length")
+        length = upstream_headers.get(hdrs.CONTENT_LENGTH)
         if length is not None and int(length) <= BUFFER_LIMIT_BYTES:
             try:
                 data = await upstream.read()

@@ -29,6 +29,7 @@ import re
 import time
 
 from aiohttp import web
+from multidict import istr
 
 from policies import mcp
 from policies.concurrency import DEFAULT_PRIORITY, PRIORITIES
@@ -50,14 +51,17 @@ DRAINING_RETRY_AFTER_S = 1.0
 #: A caller's timeout as Sluice reads it: seconds in plain decimals below 1e9 (~31 years;
 #: the SDKs send "600" or "600.0"); anything else is no deadline, as is 0.
 _SECONDS = re.compile(r"[0-9]{1,9}(?:\.[0-9]{1,9})?")
+#: The Stainless SDKs' own timeout headers (istr: looked up without lower-casing each time).
+_STAINLESS_TIMEOUT = istr("x-stainless-timeout")
+_STAINLESS_READ_TIMEOUT = istr("x-stainless-read-timeout")
 
 
 def _caller_timeout(request: web.BaseRequest, header: str) -> float | None:
     """The caller's own timeout in seconds: ``header`` (``identity.timeout_header``,
     ``X-Request-Timeout``), else the Stainless SDKs' headers, if sent; ``None`` for a value
     that is not a plain decimal above 0 (see :data:`_SECONDS`)."""
-    raw = (request.headers.get(header) or request.headers.get("x-stainless-timeout")
-           or request.headers.get("x-stainless-read-timeout"))
+    get = request.headers.get
+    raw = get(header) or get(_STAINLESS_TIMEOUT) or get(_STAINLESS_READ_TIMEOUT)
     if raw and _SECONDS.fullmatch(raw):  # not "inf", "nan", "1e-300", "-1", "1_000"
         value = float(raw)
         if value > 0:

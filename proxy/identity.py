@@ -43,7 +43,7 @@ import hashlib
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, NamedTuple
 
-from multidict import CIMultiDictProxy
+from multidict import CIMultiDictProxy, istr
 
 from policies.config import IDENTITY_VALUE, MAX_IDENTITY_LENGTH, IdentityConfig
 from policies.reasons import Reason, Rejected
@@ -54,7 +54,7 @@ if TYPE_CHECKING:
     from proxy.runtime import Runtime
 
 #: The header a caller may name its request with (events, timeline).
-REQUEST_ID_HEADER = "X-Request-ID"
+REQUEST_ID_HEADER = istr("X-Request-ID")
 #: Headers carrying an API key as their whole value (Anthropic; Azure OpenAI).
 KEY_HEADERS = ("x-api-key", "api-key")
 
