@@ -685,9 +685,23 @@ def summary(cases: list[Case]) -> list[str]:
             )
         s, b = med("sluice", "proxy_cpu_us_per_req"), med("baseline", "proxy_cpu_us_per_req")
         if s is not None and b is not None:
+            # Each repeat's Sluice against the baseline measured right after it: the
+            # machine's speed drifts between repeats far more than within one.
+            paired = _paired_ratios(cases, scenario)
+            per_repeat = (f"; per repeat {', '.join(f'{r:.2f}' for r in paired)}, median "
+                          f"{statistics.median(paired):.2f}x" if len(paired) > 1 else "")
             out.append(f"{scenario}: Sluice's own share over the bare aiohttp proxy: "
-                       f"{s - b:+.0f} us/req ({s / b:.2f}x)")
+                       f"{s - b:+.0f} us/req ({s / b:.2f}x{per_repeat})")
     return out
+
+
+def _paired_ratios(cases: list[Case], scenario: str) -> list[float]:
+    """Sluice's CPU per request over the baseline's, repeat by repeat."""
+    cpu = {(c.target, c.repeat): c.proxy_cpu_us_per_req for c in cases
+           if c.scenario == scenario and c.proxy_cpu_us_per_req}
+    return [cpu[("sluice", r)] / cpu[("baseline", r)]
+            for r in sorted({r for _, r in cpu})
+            if ("sluice", r) in cpu and ("baseline", r) in cpu]
 
 
 
