@@ -459,7 +459,8 @@ class Meter:
             return  # a comment, or an event without data
         usage = _usage_in_tail(tail)
         if usage is not None:
-            self._take(usage)
+            if not self._take(usage):
+                return
             if self._anthropic:
                 self.final = self.final or head.find(b"message_delta") >= 0
             elif self._kind is RESPONSES:
@@ -476,8 +477,7 @@ class Meter:
         if self._mode == _JSON:
             if self._json_tail is not None:
                 usage = _usage_in_tail(self._json_tail)
-                if usage is not None:
-                    self._take(usage)
+                if usage is not None and self._take(usage):
                     self.final = True
                 self._json_tail = None
                 return b""
@@ -518,8 +518,8 @@ class Meter:
                 obj = orjson.loads(data)
             except orjson.JSONDecodeError:
                 return
-        if isinstance(obj, dict) and isinstance(usage := obj.get("usage"), dict):
-            self._take(usage)
+        if isinstance(obj, dict) and isinstance(usage := obj.get("usage"), dict) \
+                and self._take(usage):
             self.final = True
 
     # -- SSE ----------------------------------------------------------------------------------
@@ -615,8 +615,7 @@ class Meter:
                 if isinstance(message, dict) and isinstance(u := message.get("usage"), dict):
                     self._take(u)
             elif kind == "message_delta" and isinstance(u := obj.get("usage"), dict):
-                self._take(u)
-                self.final = True
+                self.final = self._take(u) or self.final
         elif self._kind is RESPONSES:
             kind = obj.get("type")
             if isinstance(kind, str):
@@ -626,14 +625,12 @@ class Meter:
                     response = obj.get("response")
                     if isinstance(response, dict) and isinstance(
                         u := response.get("usage"), dict
-                    ):
-                        self._take(u)
+                    ) and self._take(u):
                         self.final = True
         else:
             choices = obj.get("choices")
             if has_usage and isinstance(u := obj.get("usage"), dict):
-                self._take(u)
-                self.final = True
+                self.final = self._take(u) or self.final
                 strip = self._strip and choices == []
             if choices:
                 field = "delta" if self._kind is CHAT else "text"
@@ -649,15 +646,18 @@ class Meter:
                 self._per_event = max(1, -(-self._sample_tokens // self._sampled))
         return strip
 
-    def _take(self, raw: dict) -> None:
+    def _take(self, raw: dict) -> bool:
         """Merge one usage object: each count becomes the largest reported so far (counts
         only grow: Anthropic's are cumulative); one that is not a non-negative integer is
-        read as 0."""
+        read as 0. Returns whether it reported an input or output count (an integer) under
+        the protocol's names: one that does not (``{}``, another protocol's names) is no
+        report, so the call is charged as one without usage, not as one that used nothing."""
         u = self.usage
         if self._anthropic:
             read = _count(raw.get("cache_read_input_tokens"))
             write = _count(raw.get("cache_creation_input_tokens"))
-            total_in = _count(raw.get("input_tokens")) + read + write
+            sent_in = raw.get("input_tokens")
+            total_in = _count(sent_in) + read + write
             out = raw.get("output_tokens")
             if write > u.cache_write_tokens:
                 u.cache_write_tokens = write
@@ -671,6 +671,7 @@ class Meter:
                 out = raw.get("output_tokens")
                 details = raw.get("input_tokens_details")
             read = details.get("cached_tokens") if isinstance(details, dict) else 0
+            sent_in = total_in
         # The counts start at 0, so "larger than the count so far" also drops a negative one
         # (``type() is int`` drops a float, a string, null and a bool).
         if type(total_in) is int and total_in > u.input_tokens:
@@ -679,6 +680,7 @@ class Meter:
             u.output_tokens = out
         if type(read) is int and read > u.cache_read_tokens:
             u.cache_read_tokens = read
+        return type(sent_in) is int or type(out) is int
 
 
 def _tail(kept: bytes, data: bytes) -> bytes:

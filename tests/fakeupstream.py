@@ -4,7 +4,7 @@ It runs in the test's own event loop on 127.0.0.1 and a free port. Behaviour is 
 object (``delay``, ``chunk_delay``, ``statuses``, ``status``, ``fail_first``,
 ``error_headers``, ``hold``, ``stream_usage``) or per request with headers (``x-fake-delay``,
 ``x-fake-status``, ``x-fake-tokens``, ``x-fake-chunk-delay``, ``x-fake-usage``,
-``x-fake-cut-after``: drop the connection after N events of a stream, ``x-fake-chunked: 1``:
+``x-fake-usage: empty`` (a JSON answer's usage is ``{}``), ``x-fake-cut-after``: drop the connection after N events of a stream, ``x-fake-chunked: 1``:
 send a JSON answer chunked, without Content-Length); what arrived is kept in ``requests`` and
 the live and peak concurrency in ``inflight`` / ``peak_inflight``; ``executed`` counts the
 requests it answered with success, i.e. the side effects a tool would have performed.
@@ -214,7 +214,7 @@ class FakeUpstream:
         events = int(tokens) if tokens else self.chunks
         output = int(tokens) if tokens else self.completion_tokens
         gap = float(request.headers.get("x-fake-chunk-delay", self.chunk_delay))
-        return events, output, gap, request.headers.get("x-fake-usage") != "0"
+        return events, output, gap, request.headers.get("x-fake-usage") not in ("0", "empty")
 
     async def _openai_answer(self, request: web.Request, body: bytes) -> web.StreamResponse:
         payload = json.loads(body or b"{}")
@@ -233,6 +233,8 @@ class FakeUpstream:
             }
             if report:
                 answer["usage"] = usage
+            elif request.headers.get("x-fake-usage") == "empty":
+                answer["usage"] = {}
             return await self._json(request, answer)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)

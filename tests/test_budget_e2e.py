@@ -441,3 +441,21 @@ async def test_budget_counters_cap_refuses_new_tenants_and_serves_known_ones(
     assert len(upstream.requests) == seen + 1
     assert await sluice.metric("sluice_rejections_total", route="openai",
                                reason="budget_counters_full") == 1
+
+
+async def test_an_answer_whose_usage_object_is_empty_is_charged_its_reservation(
+        upstream, start_sluice):
+    # Seen by a new user: "usage": {} was read as a report of 0 tokens, so such answers
+    # spent no budget at all and were not counted as missing usage.
+    sluice = await start_sluice({"routes": [route(
+        "openai", upstream.url, "openai", budget={"tokens": "1000/day", "per": "tenant"})]},
+        env=NOON)
+    client = oai(sluice)
+    for _ in range(2):
+        await client.chat.completions.create(model="gpt-test", messages=MSG, max_tokens=40,
+                                             extra_headers={"x-fake-usage": "empty"})
+    await client.close()
+    events = await completed_events(sluice, 2)
+    assert [e["usage"] for e in events] == ["reserved", "reserved"]
+    assert all(e["output_tokens"] == 40 and e["input_tokens"] > 0 for e in events)
+    assert await sluice.metric("sluice_usage_missing_total", route="openai") == 2

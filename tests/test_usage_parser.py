@@ -315,6 +315,13 @@ def json_usage(body: bytes) -> tuple[tuple[int, int], bool]:
     # (only the members from the last "usage" key on are parsed).
     (b'{"usage":{"prompt_tokens":5}', ((0, 0), False)),
     (b'{"id":"x",,"usage":{"prompt_tokens":5}}', ((5, 0), True)),
+    # A usage object with no count under the protocol's names is no report (charged as an
+    # answer without usage, not as one that used nothing).
+    (b'{"choices":[],"usage":{}}', ((0, 0), False)),
+    (b'{"choices":[],"usage":{"total_tokens":7}}', ((0, 0), False)),
+    (b'{"choices":[],"usage":{"prompt_tokens":"3","completion_tokens":null}}',
+     ((0, 0), False)),
+    (b'{"choices":[],"usage":{"prompt_tokens":0,"completion_tokens":0}}', ((0, 0), True)),
 ])
 def test_json_answer_usage_is_its_top_level_member(body, read):
     assert json_usage(body) == read
@@ -347,3 +354,26 @@ def test_a_cap_or_n_that_is_not_an_integer_is_refused_not_ignored(body):
     # client's own value: the budget could be overshot.
     with pytest.raises(ValueError, match="must be a"):
         read_request(CHAT, body, default_cap=50, write_cap=True, stream_usage=True)
+
+
+@pytest.mark.parametrize("usage", [{}, {"prompt_tokens": 3, "completion_tokens": 4}])
+def test_an_anthropic_answer_without_its_own_counts_is_no_report(usage):
+    for body in (orjson.dumps({"type": "message", "usage": usage}),):
+        meter = Meter(MESSAGES, anthropic=True, strip_usage=False)
+        started(meter, "application/json")
+        meter.body(body)
+        assert not meter.final
+    meter = Meter(MESSAGES, anthropic=True, strip_usage=False)
+    started(meter, "text/event-stream")
+    meter.chunk(b"event: message_delta\ndata: " + orjson.dumps(
+        {"type": "message_delta", "usage": usage}) + b"\n\n")
+    meter.finish()
+    assert not meter.final
+
+
+def test_a_stream_whose_usage_chunk_is_empty_is_no_report():
+    meter = Meter(CHAT, anthropic=False, strip_usage=False)
+    started(meter, "text/event-stream")
+    meter.chunk(b'data: {"choices":[],"usage":{}}\n\ndata: [DONE]\n\n')
+    meter.finish()
+    assert not meter.final
