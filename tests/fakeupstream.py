@@ -3,11 +3,12 @@
 It runs in the test's own event loop on 127.0.0.1 and a free port. Behaviour is set on the
 object (``delay``, ``chunk_delay``, ``statuses``, ``status``, ``fail_first``,
 ``error_headers``, ``hold``, ``stream_usage``) or per request with headers (``x-fake-delay``,
-``x-fake-status``, ``x-fake-tokens``, ``x-fake-chunk-delay``, ``x-fake-usage``,
-``x-fake-usage: empty`` (a JSON answer's usage is ``{}``), ``x-fake-cut-after``: drop the connection after N events of a stream, ``x-fake-chunked: 1``:
-send a JSON answer chunked, without Content-Length); what arrived is kept in ``requests`` and
-the live and peak concurrency in ``inflight`` / ``peak_inflight``; ``executed`` counts the
-requests it answered with success, i.e. the side effects a tool would have performed.
+``x-fake-status``, ``x-fake-tokens``, ``x-fake-chunk-delay``, ``x-fake-usage`` (``empty``:
+a JSON answer's usage is ``{}``), ``x-fake-cut-after``: drop the connection after N events of
+a stream, ``x-fake-chunked: 1``: send a JSON answer chunked, without Content-Length); what
+arrived is kept in ``requests`` and the live and peak concurrency in ``inflight`` /
+``peak_inflight``; ``executed`` counts the requests it answered with success, i.e. the side
+effects a tool would have performed.
 
 Usage it reports: ``prompt_tokens`` input tokens and ``completion_tokens`` output tokens, or
 with ``x-fake-tokens: N``, N output tokens; a stream then has N content events of one token
