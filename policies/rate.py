@@ -31,8 +31,9 @@ When the shared state does not answer (:class:`~policies.state.StateUnavailable`
 refuses 503 ``state_unavailable``.
 
 A reload keeps every level: buckets are named by route and role (``requests``,
-``tenant:<name>``, ``tokens``), not by rate, and a bucket's level form lets it drain at a new
-rate from where it stood (:meth:`RateLimiter.reconfigure`).
+``tenant:<name>``, ``tokens``), not by rate. What a bucket held at the reload drains at the old
+rate until the bucket's next take, and at the new rate from there
+(:meth:`RateLimiter.reconfigure`, :mod:`policies.state.rate`).
 """
 
 from __future__ import annotations

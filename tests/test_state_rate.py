@@ -99,6 +99,23 @@ async def test_a_new_rate_keeps_the_level(backends: StateBackends):
     assert await rates.available("r", [Take("requests", 8, 60.0)]) == (4,)
 
 
+async def test_what_was_taken_before_a_rate_change_drains_at_the_old_rate(
+        backends: StateBackends):
+    # Seen by a new user: lowering 600/min to 20/min by a reload, ten idle seconds after a
+    # burst, left the bucket mostly full: the idle time before the reload was drained at the
+    # new, slower rate.
+    rates = backends.rates
+    for _ in range(20):
+        assert (await rates.admit("r", [Take("requests", 20, 1.0)])).admitted  # 50 ms a unit
+    await asyncio.sleep(0.6)  # 12 of the 20 drained at that rate (the key lives 1 s)
+    slower = Take("requests", 10, 1.0)  # 100 ms a unit: 0.6 s of it would drain only 6
+    (left,) = await rates.available("r", [slower])
+    assert 2 <= left <= 4, left  # 8 (or a little less, as the test runs) still held, not 14
+    for _ in range(left):
+        assert (await rates.admit("r", [slower])).admitted
+    assert not (await rates.admit("r", [slower])).admitted
+
+
 async def test_groups_are_separate(backends: StateBackends):
     rates = backends.rates
     for _ in range(2):

@@ -13,14 +13,18 @@ fields draft calls the same quantity the reset of the quota).
 
 The level form (rather than storing the theoretical arrival time) keeps the numbers small, so
 float rounding never decides an admission, and lets a bucket keep its level when a reload
-changes its rate, as :meth:`policies.rate.Bucket.successor` does.
+changes its rate. A bucket stores the rate it was last taken at with its level and drains at
+that rate until its next take, which stores the new one: what was taken before a reload drains
+at the old rate (to the next take after the reload), not at the new one.
 
 One :meth:`RateBuckets.admit` covers every bucket that applies to a call (route requests,
 tenant requests, tokens): all of them take their amount, or none does, and a refusal names the
 bucket with the longest wait, so a retry after ``retry_after_s`` fits every bucket (if no other
 traffic came meanwhile). In Redis it is one Lua script; time is the server's (``TIME``), so
-replicas' clocks do not matter. Keys: ``<prefix>:{<group>}:rate:<name>``, a hash ``{l, t}`` that
-expires once the bucket has drained (an absent bucket is an empty one).
+replicas' clocks do not matter. Keys: ``<prefix>:{<group>}:rate:<name>``, a hash ``{l, t, i}``
+(level, time in microseconds, microseconds per unit) that expires once the bucket has drained
+(an absent bucket is an empty one; a hash without ``i``, written before it was kept, drains at
+the rate of the call reading it).
 """
 
 from __future__ import annotations
@@ -165,10 +169,10 @@ class MemoryRateBuckets:
             else:  # drained since (a clock that stepped back drains nothing), then taken;
                 # compares, not max(): CPython 3.11 parses a builtin max()'s arguments on
                 # every call, ~250 instructions against a handful for a compare
-                level, t, _ = state
+                level, t, drain = state  # at the rate it was stored with (a reload)
                 elapsed = now - t
                 if elapsed > 0:
-                    level -= elapsed / interval
+                    level -= elapsed / drain
                 level = (level if level > 0.0 else 0.0) + amount
             if level - limit > dust:
                 return self.check(plan, now)
@@ -221,10 +225,10 @@ class MemoryRateBuckets:
         """Each bucket's level at ``now`` (an absent one is empty)."""
         buckets = self._buckets
         levels = []
-        for key, _, _, interval, _ in plan:
+        for key, *_ in plan:
             state = buckets.get(key)
             levels.append(0.0 if state is None else
-                          max(state[0] - max(now - state[1], 0) / interval, 0.0))
+                          max(state[0] - max(now - state[1], 0) / state[2], 0.0))
         return levels
 
     async def admit(self, group: str, takes: Sequence[Take]) -> RateResult:
@@ -278,11 +282,12 @@ local function buckets(k, a, n)
     b.intervals[i] = tonumber(ARGV[a + 3 * i - 1]) / limit
     b.amounts[i] = tonumber(ARGV[a + 3 * i])
     local level = 0
-    local stored = redis.call('HMGET', b.keys[i], 'l', 't')
+    local stored = redis.call('HMGET', b.keys[i], 'l', 't', 'i')
     if stored[1] then
       local elapsed = now_us - tonumber(stored[2])
       if elapsed < 0 then elapsed = 0 end
-      level = tonumber(stored[1]) - elapsed / b.intervals[i]
+      -- drained at the rate it was stored with (a reload may have changed the rate since)
+      level = tonumber(stored[1]) - elapsed / (tonumber(stored[3]) or b.intervals[i])
       if level < 0 then level = 0 end
     end
     b.levels[i] = level
@@ -303,7 +308,7 @@ local function store(b, i)
     redis.call('DEL', b.keys[i])
   else
     redis.call('HSET', b.keys[i], 'l', string.format('%.17g', b.levels[i]), 't',
-               string.format('%.0f', now_us))
+               string.format('%.0f', now_us), 'i', string.format('%.17g', b.intervals[i]))
     redis.call('PEXPIRE', b.keys[i], math.ceil(b.levels[i] * b.intervals[i] / 1000) + 1)
   end
 end
