@@ -1,0 +1,61 @@
+"""Regressions found by the adversarial review of the CPU-optimised request path
+(57359db..80d76e3), each through the real proxy in this process (as
+``tests/test_pipeline_regressions.py`` does) or on the policy objects themselves."""
+
+from __future__ import annotations
+
+import aiohttp
+
+from tests.conftest import raw_request
+from tests.fakeupstream import FakeUpstream, RawUpstream
+from tests.test_pipeline_regressions import proxy
+
+# -- Content-Length with more digits than int() reads -------------------------------------------
+
+#: A Content-Length of 1 written with 5,000 leading zeros: RFC 9110 §8.6 allows any number of
+#: digits, llhttp reads it as 1, but Python's int() refuses a string of more than 4,300 digits
+#: (``sys.int_max_str_digits``).
+ZERO_PADDED_ONE = "0" * 5000 + "1"
+
+
+async def test_a_zero_padded_content_length_is_read_not_a_500(upstream: FakeUpstream) -> None:
+    # Seen: the edge read Content-Length with int() on the header's text (the request's
+    # content_length property before, the header itself since the edge reads it) and a
+    # 5,001-digit value raised ValueError outside the handler: 500 internal_error, and a
+    # traceback logged for each such request.
+    config = f"""
+routes:
+  - name: r
+    path_prefix: /r/
+    upstream: {upstream.url}
+    protocol: http
+"""
+    async with proxy(config) as sluice:
+        answer = await raw_request(
+            sluice.port,
+            (f"POST /r/echo HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {ZERO_PADDED_ONE}"
+             "\r\nConnection: close\r\n\r\nx").encode())
+        assert answer.startswith(b"HTTP/1.1 200 "), answer[:200]
+        assert len(upstream.requests) == 1 and upstream.requests[0].body == b"x"
+
+
+async def test_an_upstreams_zero_padded_content_length_is_relayed() -> None:
+    # The relay read the upstream's Content-Length the same way: a 5,001-digit one raised
+    # ValueError in the relay, logged as a "proxy error" with its traceback, and the caller
+    # got 502 for a well-formed 2-byte answer.
+    raw = RawUpstream(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: "
+                      + ZERO_PADDED_ONE.encode()[:-1] + b"2\r\nConnection: close\r\n\r\nok")
+    await raw.start()
+    config = f"""
+routes:
+  - name: r
+    path_prefix: /r/
+    upstream: {raw.url}
+    protocol: http
+"""
+    try:
+        async with proxy(config) as sluice, aiohttp.ClientSession() as session:
+            async with session.get(sluice.url("/r/x")) as response:
+                assert (response.status, await response.read()) == (200, b"ok")
+    finally:
+        await raw.stop()
