@@ -233,15 +233,15 @@ async def relay(
         headers = _copy_headers(upstream_headers, _RESPONSE_DROP)
         if extra_headers:
             headers.update(extra_headers)
-        if meter is not None:
-            meter.start(status, headers)
-        if capture is not None:
-            capture.begin(status, upstream.reason, headers)
         # Digits only (the parser refused the rest); none for a chunked or close-ended answer.
         length = upstream_headers.get(hdrs.CONTENT_LENGTH)
         declared = None if length is None else digits_value(length)
         if declared is not None and length != str(declared) and hdrs.CONTENT_LENGTH in headers:
             headers[hdrs.CONTENT_LENGTH] = str(declared)  # aiohttp reads it with int() too
+        if meter is not None:
+            meter.start(status, headers)
+        if capture is not None:
+            capture.begin(status, upstream.reason, headers)
         if declared is not None and declared <= BUFFER_LIMIT_BYTES:
             try:
                 data = await upstream.read()
