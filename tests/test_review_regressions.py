@@ -5,10 +5,17 @@
 from __future__ import annotations
 
 import aiohttp
+import pytest
 
+from policies import breaker as brk
+from policies.config import CircuitBreakerConfig
+from policies.reasons import Rejected
+from policies.state import memory_backends
+from policies.state.breaker import MemoryBreakerStates
 from tests.conftest import raw_request
 from tests.fakeupstream import FakeUpstream, RawUpstream
 from tests.test_pipeline_regressions import proxy
+from tests.test_resilience_units import Clock
 
 # -- Content-Length with more digits than int() reads -------------------------------------------
 
@@ -59,3 +66,33 @@ routes:
                 assert (response.status, await response.read()) == (200, b"ok")
     finally:
         await raw.stop()
+
+
+# -- a half-open probe that outlives its lease ------------------------------------------------
+
+
+async def test_a_probe_past_its_lease_no_longer_refuses_every_call(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Seen: on a memory route a probe whose upstream is slow to answer (timeouts.total is 600 s
+    # by default) keeps the view "half-open, a probe in flight" until it ends, so the
+    # pipeline's check() refuses every call 503 circuit_open for that long. The state itself
+    # lets another call probe once the probe's lease (PROBE_LEASE_S) has lapsed, as a probing
+    # replica that died would (the sibling of ef19128, a probe whose caller left).
+    clock = Clock()
+    monkeypatch.setattr(brk.time, "monotonic", clock)
+    backends = memory_backends()
+    backends.breakers = MemoryBreakerStates(clock)
+    breaker = brk.Breaker(CircuitBreakerConfig(fail_max=1, reset_timeout="5s"), "r",
+                          lambda *a, **k: None, backends)
+    await breaker.record(await breaker.attempt(), brk.FAILURE)
+    clock.now += 5
+    breaker.check()
+    await breaker.attempt()  # the probe: its upstream does not answer
+    with pytest.raises(Rejected):
+        breaker.check()  # while its lease holds, the others wait for its verdict
+    clock.now += brk.PROBE_LEASE_S + 1
+    breaker.check()  # the lease lapsed: the next caller may probe
+    second = await breaker.attempt()
+    assert second.ticket.probe is not None
+    await breaker.record(second, brk.SUCCESS)
+    assert breaker.current == "closed"
