@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import aiohttp
 import pytest
 
@@ -12,9 +14,11 @@ from policies.config import CircuitBreakerConfig
 from policies.reasons import Rejected
 from policies.state import memory_backends
 from policies.state.breaker import MemoryBreakerStates
+from policies.state.rate import Take
+from proxy.config import parse_config
 from tests.conftest import raw_request
 from tests.fakeupstream import FakeUpstream, RawUpstream
-from tests.test_pipeline_regressions import proxy
+from tests.test_pipeline_regressions import post, proxy
 from tests.test_resilience_units import Clock
 
 # -- Content-Length with more digits than int() reads -------------------------------------------
@@ -96,3 +100,54 @@ async def test_a_probe_past_its_lease_no_longer_refuses_every_call(
     assert second.ticket.probe is not None
     await breaker.record(second, brk.SUCCESS)
     assert breaker.current == "closed"
+
+
+# -- a reload between a call's rate step and its accounting step --------------------------------
+
+
+def _twin_route(upstream_url: str, budget: bool) -> str:
+    return f"""
+routes:
+  - name: r
+    path_prefix: /r/
+    upstream: {upstream_url}
+    protocol: openai
+    rate: {{per_tenant: {{requests: 2/min}}}}
+    idempotency: {{mode: dedup, derive_from: [X-Step]}}
+""" + ("    budget: {tokens: 100000/day}\n" if budget else "")
+
+
+@pytest.mark.parametrize("budget_before", [False, True])
+async def test_a_reload_while_a_call_waits_for_its_twin_keeps_its_rate_limit(
+        upstream: FakeUpstream, budget_before: bool) -> None:
+    # Seen: which step takes a metered call's request units (the rate step, or the
+    # accounting step with its tokens and budget holds) is a flag on the route's rate limiter,
+    # which a reload keeps and sets from the *new* blocks, while a call already past the
+    # reload's swap runs the *old* plan's accounting step. A call that waited for its twin
+    # across a reload adding a budget skipped the rate step (the flag said "the accounting
+    # takes them") and the old accounting step took nothing (no budget in its blocks): it
+    # reached the upstream without spending its unit of the tenant's 2/min. A reload removing
+    # the budget made the call pay its unit twice: refused 429 with one unit still free.
+    upstream.hold = asyncio.Event()
+    upstream.statuses = [500]  # the first call fails: its key goes to the waiting twin
+    async with proxy(_twin_route(upstream.url, budget_before)) as sluice, \
+            aiohttp.ClientSession() as session:
+        url = sluice.url("/r/v1/chat/completions")
+        first = asyncio.create_task(post(session, url, **{"X-Step": "1"}))
+        while upstream.inflight < 1:
+            await asyncio.sleep(0.01)
+        twin = asyncio.create_task(post(session, url, **{"X-Step": "1"}))
+        while sluice.route().idempotency.waiting < 1:
+            await asyncio.sleep(0.01)
+        sluice.runtime.configure(parse_config(_twin_route(upstream.url, not budget_before)))
+        upstream.hold.set()
+        assert (await first)[0] == 500  # it reached the upstream: its unit is spent
+        status, headers, _ = await twin
+        assert (status, headers.get("X-Sluice-Reason")) == (200, None)
+        assert len(upstream.requests) == 2
+        # Each call spent one unit of the tenant's two, no more, no less.
+        buckets = sluice.runtime.state.rates
+        (left,) = await buckets.available("r", [Take("tenant:default", 2, 60.0)])
+        assert left == 0
+        with_key = await post(session, url)
+        assert (with_key[0], with_key[1].get("X-Sluice-Reason")) == (429, "rate_limited")
