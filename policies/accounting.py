@@ -140,14 +140,17 @@ class Accounting:
                                 self.stream_usage)
         except ValueError as exc:
             if not enforcing:
-                return None
+                # Unmetered; its request units are this step's if the rate step left them
+                # (a reload changed the route's blocks between the two steps).
+                return (await rate.take(rate.request_takes(call.tenant))
+                        if call.units_deferred and rate is not None else None)
             raise Rejected(Reason.BAD_REQUEST, None,
                            f"{exc}; this route limits tokens, so Sluice must read it") from None
         models = self.token_models
         if enforcing or (models and (cost.model in models or DEFAULT_OPERATION in models)):
             self._check(cost, call.run)
         charge = Charge(self, cost, call)
-        if enforcing:
+        if enforcing or call.units_deferred:
             await self.reserve(charge)
         call.cost = float(cost.input_tokens + (cost.output_cap or 0))
         call.body = cost.body
@@ -209,7 +212,10 @@ class Accounting:
         rate, budgets = self.rate, self.budgets
         takes: list[Take] = []
         if rate is not None:
-            takes = rate.request_takes(call.tenant)
+            # The request units only if the rate step left them to this step (the flag it
+            # read then, not the one a reload may have set since).
+            if call.units_deferred:
+                takes = rate.request_takes(call.tenant)
             if rate.tokens is not None:
                 takes.append(rate.token_take(cost.input_tokens + cap))
         reservation = None

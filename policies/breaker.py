@@ -174,6 +174,9 @@ class Breaker:
         self._epoch = 0
         self._open_until = 0.0
         self._probing = False
+        #: Until when (monotonic seconds) the probe the view saw may hold its lease: past it,
+        #: the state lets another call probe, so the view no longer refuses for it.
+        self._probe_until = 0.0
         self._cause = ""
         self._seen_at = -VIEW_FRESH_S  # stale until the first answer
         self._refreshing = False
@@ -241,6 +244,8 @@ class Breaker:
         """Update the cached view; ``epoch`` ``None`` when the answer did not tell it (the
         view's state is then taken, but it is not fresh enough for admitting from it)."""
         now = time.monotonic()
+        if probing and (not self._probing or now >= self._probe_until):
+            self._probe_until = now + PROBE_LEASE_S  # a probe seen anew: its lease is at most
         self._state, self._probing, self._cause = state, probing, cause
         self._open_until = now + open_for_s if state == OPEN else 0.0
         if epoch is not None:
@@ -267,7 +272,8 @@ class Breaker:
         another replica may have closed it since: :meth:`attempt` asks)."""
         if self._state == OPEN:
             return max(0.0, self._open_until - time.monotonic())
-        if self._state == HALF_OPEN and self._probing and not self._shared:
+        if (self._state == HALF_OPEN and self._probing and not self._shared
+                and time.monotonic() < self._probe_until):
             return PROBE_RETRY_AFTER_S
         return 0.0
 

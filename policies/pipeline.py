@@ -64,7 +64,10 @@ class Call:
         cancelled: why the call's run was cancelled, once it was (its task is then
         cancelled); attempts: upstream attempts sent; progress_at: monotonic seconds of the
         last byte moved for it (stall detection); operation_cost: USD an operation's
-        ``cost_per_call`` / ``cost_per_second`` charged for it, set when its cost settles.
+        ``cost_per_call`` / ``cost_per_second`` charged for it, set when its cost settles;
+        units_deferred: the rate step left the call's request units to the accounting step
+        (:attr:`policies.rate.RateLimiter.metered_elsewhere`), which takes them: decided once
+        per call, as a reload may change the flag between the two steps.
 
     Set by the forwarder: status, the status line being relayed to the caller (0 before);
     the upstream time of its attempts (:meth:`attempt_sent`, :meth:`attempt_over`,
@@ -80,7 +83,7 @@ class Call:
                  "lineage", "meter", "method", "new_unit", "operation", "operation_cost",
                  "parent_run", "path", "phase", "priority", "priority_given", "progress_at",
                  "received_at", "reporter", "request_id", "response_headers", "route", "run",
-                 "status", "tenant", "timeout", "upstream_key")
+                 "status", "tenant", "timeout", "units_deferred", "upstream_key")
 
     def __init__(self, *, request_id: str, route: str, method: str, path: str,
                  headers: Mapping[str, str], body: bytes, tenant: str, run: str | None = None,
@@ -116,6 +119,7 @@ class Call:
         self.capture: Any = None
         self.meter: Any = None
         self.new_unit = True
+        self.units_deferred = False
         self.enqueued_at: float | None = None
         self.charged: dict[str, object] | None = None
         self.operation_cost: float | None = None

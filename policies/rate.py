@@ -291,7 +291,10 @@ class RateLimiter:
         """
         if self.metered_elsewhere and self.protocol is not None and endpoint_for(
                 self.protocol, call.method, call.path) is not None:
-            return None  # the accounting step takes the units with the tokens and budget
+            # The accounting step takes the units with the tokens and budget: told per call,
+            # as a reload may change the flag before that step runs (Call.units_deferred).
+            call.units_deferred = True
+            return None
         units = self._tenants.get(call.tenant)
         if units is None:
             units = self.request_units(call.tenant)

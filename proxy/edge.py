@@ -73,6 +73,7 @@ from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 from policies.config import Config, ServerConfig
 from policies.logs import PER_CALL
 from policies.reasons import Reason, Rejected
+from proxy.forward import digits_value
 from proxy.rejections import refuse, rejection_body, rejection_headers, render
 from proxy.routes import Route
 from proxy.runtime import Runtime
@@ -195,8 +196,8 @@ class EdgeServer(GuardedServer):
             return _answered(refused)
         headers = request.headers
         length = headers.get(hdrs.CONTENT_LENGTH)  # digits only: the parser refused the rest
-        if length is not None and int(length) > door.max_request_bytes:
-            return _too_large(rt, request, int(length))
+        if length is not None and (declared := digits_value(length)) > door.max_request_bytes:
+            return _too_large(rt, request, declared)
         expect = headers.get(hdrs.EXPECT)
         if expect is not None and request.version >= HttpVersion11:
             if expect.lower() != "100-continue":

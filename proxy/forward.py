@@ -112,6 +112,16 @@ def _dropped(drop: frozenset[str], connection: tuple[str, ...]) -> frozenset[str
     return drop | {token.strip().lower() for line in connection for token in line.split(",")}
 
 
+def digits_value(digits: str) -> int:
+    """The number a Content-Length the HTTP parser accepted (ASCII digits, below 2**64) writes.
+
+    Not ``int(digits)`` alone: RFC 9110 allows any number of leading zeros, which the parser
+    reads, but ``int()`` refuses a string of more than ``sys.int_max_str_digits`` (4,300)
+    digits, and a request must not fail on that.
+    """
+    return int(digits.lstrip("0") or "0")
+
+
 def _copy_headers(headers: CIMultiDictProxy[str], drop: frozenset[str]) -> CIMultiDict[str]:
     connection = headers.getall(hdrs.CONNECTION, None)
     if connection is not None:
@@ -223,13 +233,16 @@ async def relay(
         headers = _copy_headers(upstream_headers, _RESPONSE_DROP)
         if extra_headers:
             headers.update(extra_headers)
+        # Digits only (the parser refused the rest); none for a chunked or close-ended answer.
+        length = upstream_headers.get(hdrs.CONTENT_LENGTH)
+        declared = None if length is None else digits_value(length)
+        if declared is not None and length != str(declared) and hdrs.CONTENT_LENGTH in headers:
+            headers[hdrs.CONTENT_LENGTH] = str(declared)  # aiohttp reads it with int() too
         if meter is not None:
             meter.start(status, headers)
         if capture is not None:
             capture.begin(status, upstream.reason, headers)
-        # Digits only (the parser refused the rest); none for a chunked or close-ended answer.
-        length = upstream_headers.get(hdrs.CONTENT_LENGTH)
-        if length is not None and int(length) <= BUFFER_LIMIT_BYTES:
+        if declared is not None and declared <= BUFFER_LIMIT_BYTES:
             try:
                 data = await upstream.read()
             except TimeoutError:  # also aiohttp's ServerTimeoutError (a ClientError too)
