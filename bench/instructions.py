@@ -36,12 +36,14 @@ from __future__ import annotations
 
 import argparse
 import copy
+import datetime
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from bench import common, overhead
@@ -144,10 +146,48 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.quick:
         args.duration, args.warmup = 6.0, 2.0
-    args.targets = common.comma_list(p, args.targets, TARGETS, "target")
-    if "baseline" not in args.targets:
-        args.targets.insert(0, "baseline")
+    args.targets = parse_targets(p, args.targets)
     return args
+
+
+def parse_targets(p: argparse.ArgumentParser, value: str) -> list[str]:
+    """``--targets``: names of :data:`TARGETS`, the baseline first whether named or not."""
+    targets = common.comma_list(p, value, TARGETS, "target")
+    if "baseline" not in targets:
+        targets.insert(0, "baseline")
+    return targets
+
+
+def each_target(args: argparse.Namespace,
+                measure: Callable[[argparse.Namespace, Path, Service, str], dict],
+                describe: Callable[[dict], str]) -> list[dict]:
+    """``measure(args, tmp, upstream, target)`` of every target in turn, one nginx upstream
+    for them all; ``describe(row)`` is the progress line printed after each."""
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="sluice-bench-") as name, \
+            common.stopping() as services:
+        tmp = Path(name)
+        nginx = shutil.which("nginx") or shutil.which("nginx", path="/usr/sbin")
+        upstream = overhead.start_nginx(nginx, tmp)
+        services.append(upstream)
+        for target in args.targets:
+            t0 = time.monotonic()
+            rows.append(measure(args, tmp, upstream, target))
+            print(f"{target}: {describe(rows[-1])} ({rows[-1]['requests']} requests, "
+                  f"{time.monotonic() - t0:.0f} s)", file=sys.stderr, flush=True)
+    return rows
+
+
+def save(name: str, started: datetime.datetime, info: dict[str, str],
+         args: argparse.Namespace, cases: list[dict]) -> Path:
+    """Write a benchmark's JSON record (settings, versions, load, every case); its path."""
+    path = common.result_path(name, started, output=args.output)
+    common.write_record(path, {
+        "started": started.isoformat(), "versions": info,
+        "load_average_end": common.loadavg(),
+        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "cases": cases})
+    return path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -160,19 +200,8 @@ def main(argv: list[str] | None = None) -> int:
                   "wrk): instructions skipped.", file=sys.stderr)
             return 0
     started = common.utcnow()
-    rows = []
-    with tempfile.TemporaryDirectory(prefix="sluice-bench-") as name, \
-            common.stopping() as services:
-        tmp = Path(name)
-        nginx = shutil.which("nginx") or shutil.which("nginx", path="/usr/sbin")
-        upstream = overhead.start_nginx(nginx, tmp)
-        services.append(upstream)
-        for target in args.targets:
-            t0 = time.monotonic()
-            rows.append(measure(args, tmp, upstream, target))
-            print(f"{target}: {rows[-1]['per_request'] / 1e3:,.1f}k instructions/request "
-                  f"({rows[-1]['requests']} requests, {time.monotonic() - t0:.0f} s)",
-                  file=sys.stderr, flush=True)
+    rows = each_target(args, measure,
+                       lambda r: f"{r['per_request'] / 1e3:,.1f}k instructions/request")
     base = next(r["per_request"] for r in rows if r["target"] == "baseline")
     table = common.table(
         [("target", "requests", "errors", "k instr/req", "vs baseline", "+k instr/req")]
@@ -182,12 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     info = common.versions()
     print("\n".join(common.machine_lines("instructions", started, info)))
     print(table)
-    path = common.result_path("instructions", started, output=args.output)
-    common.write_record(path, {
-        "started": started.isoformat(), "versions": info,
-        "load_average_end": common.loadavg(),
-        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "cases": rows})
+    path = save("instructions", started, info, args, rows)
     print(f"\nfull record: {path}")
     chart = plot(rows, path.with_suffix(".png"))
     if chart is not None:

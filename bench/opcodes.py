@@ -28,13 +28,12 @@ import os
 import shutil
 import signal
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from bench import common, overhead
 from bench.common import HERE, UPSTREAM_PATH, Service
-from bench.instructions import TARGETS, target_config
+from bench.instructions import TARGETS, each_target, parse_targets, save, target_config
 
 #: Seconds a target has to write its counts after SIGUSR2.
 WRITE_TIMEOUT_S = 30.0
@@ -116,9 +115,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.quick:
         args.duration, args.warmup = 2.0, 1.0
-    args.targets = common.comma_list(p, args.targets, TARGETS, "target")
-    if "baseline" not in args.targets:
-        args.targets.insert(0, "baseline")
+    args.targets = parse_targets(p, args.targets)
     return args
 
 
@@ -132,16 +129,7 @@ def main(argv: list[str] | None = None) -> int:
               "opcodes skipped.", file=sys.stderr)
         return 0
     started = common.utcnow()
-    cases = []
-    with tempfile.TemporaryDirectory(prefix="sluice-bench-") as name, \
-            common.stopping() as services:
-        tmp = Path(name)
-        upstream = overhead.start_nginx(nginx, tmp)
-        services.append(upstream)
-        for target in args.targets:
-            cases.append(measure(args, tmp, upstream, target))
-            print(f"{target}: {cases[-1]['opcodes']:,.0f} opcodes/request "
-                  f"({cases[-1]['requests']} requests)", file=sys.stderr, flush=True)
+    cases = each_target(args, measure, lambda c: f"{c['opcodes']:,.0f} opcodes/request")
     base = next(c["opcodes"] for c in cases if c["target"] == "baseline")
     info = common.versions()
     lines = common.machine_lines("opcodes", started, info)
@@ -155,11 +143,6 @@ def main(argv: list[str] | None = None) -> int:
         if case["target"] != "baseline":
             lines += breakdown(case, args.top, args.group)
     print("\n".join(lines))
-    path = common.result_path("opcodes", started, output=args.output)
-    common.write_record(path, {
-        "started": started.isoformat(), "versions": info,
-        "load_average_end": common.loadavg(),
-        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "cases": cases})
+    path = save("opcodes", started, info, args, cases)
     print(f"\nfull record: {path}")
     return 0
