@@ -416,23 +416,40 @@ async def _attempt(rt: Runtime, route: Route, call: Call, url: URL,
             tries.log.append((started, status, None, time.monotonic() - started))
         tries.answered(response)  # first: whatever happens next, the response gets closed
         verdict = brk.classify(status, response.headers)
-        for breaker, ticket in tickets:
-            if breaker is tool_breaker and verdict == brk.SUCCESS and status < 300:
-                tries.pending = (breaker, ticket)  # a tool failure shows in the answer only
-            else:
-                await breaker.record(ticket, verdict, status, hint)
+        if tool_breaker is not None and verdict == brk.SUCCESS and status < 300:
+            # A tool failure shows in the answer only: its breaker hears once it is read.
+            for pair in tickets:
+                if pair[0] is tool_breaker:
+                    tries.pending = pair
+            tickets = [pair for pair in tickets if pair[0] is not tool_breaker]
+        await _record_each(tickets, verdict, status, hint)
         return status, hint, True
     call.attempt_over(time.monotonic())
     tries.reached = tries.reached or sent
     tries.drop_response()
-    for breaker, ticket in tickets:
-        if neutral:
+    if neutral:
+        for breaker, ticket in tickets:
             breaker.release(ticket)
-        else:
-            await breaker.record(ticket, brk.FAILURE)
+    else:
+        await _record_each(tickets, brk.FAILURE)
     if logged:
         tries.log.append((started, None, tries.kind, time.monotonic() - started))
     return None, None, sent
+
+
+async def _record_each(tickets: list[tuple[brk.Breaker, brk.Pass]], outcome: int,
+                       status: int | None = None, hint: float | None = None) -> None:
+    """Report ``outcome`` to the breaker of each ticket. A record runs to its end even when
+    the caller leaves during it (``Breaker.record``), but the cancellation then surfaces at
+    its ``await``: the tickets after it are handed to ``record_soon`` so that none is left
+    unreported (a probe's lease held until ``PROBE_LEASE_S``)."""
+    for at, (breaker, ticket) in enumerate(tickets):
+        try:
+            await breaker.record(ticket, outcome, status, hint)
+        except BaseException:
+            for later, left in tickets[at + 1:]:
+                later.record_soon(left, outcome)
+            raise
 
 
 def _attempt_records(log: list[tuple[float, int | None, str | None, float]]) -> list[Attempt]:
