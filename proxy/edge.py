@@ -42,6 +42,9 @@
   JSON-RPC shape; requests without ``Origin`` (not from a browser) pass;
 * a path with a control character, raw or percent-encoded (``%00``-``%1F``, ``%7F``), is
   refused with 400 ``bad_request`` (the parser refuses raw ones first);
+* a header value that is not UTF-8 (Latin-1 text, stray bytes) is refused with 400
+  ``bad_request`` naming the field: aiohttp reads such bytes as surrogate escapes and its
+  writer drops them, so the upstream would get the value silently changed;
 * a ``Content-Length`` over ``server.max_request_bytes`` is refused with 413
   ``request_too_large`` before the body is read (and before any ``100 Continue``);
 * ``Expect: 100-continue`` is answered by Sluice (``100 Continue`` before the body is read)
@@ -301,6 +304,12 @@ class Door:
                                        "server.allowed_hosts to serve it"), "http")
             if len(self._hosts_seen) < _HOSTS_REMEMBERED:
                 self._hosts_seen.add(host)
+        if not "".join(headers.values()).isascii():  # in C: one pass over every value
+            refusal = _undecodable_header(headers)
+            if refusal is not None:
+                route = rt.router.match(request.raw_path)
+                return render(refusal, "http") if route is None else _refused_on(
+                    rt, route, refusal)
         raw = request.raw_path
         if "%" in raw and _ESCAPED_CONTROL.search(raw.partition("?")[0]):
             return render(Rejected(Reason.BAD_REQUEST, None, "a control character in the path"),
@@ -367,6 +376,20 @@ def _host_port(authority: str, default: int | None) -> tuple[str, int | None]:
     else:
         name, _, port = authority.partition(":")
     return name.rstrip("."), int(port) if port.isdigit() else default
+
+
+def _undecodable_header(headers: Any) -> Rejected | None:
+    """A 400 for the first header whose value is not UTF-8 (the parser's surrogate escapes
+    of its bytes do not encode), or ``None``: non-ASCII UTF-8 text passes."""
+    for name, value in headers.items():
+        if not value.isascii():
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return Rejected(Reason.BAD_REQUEST, None, (
+                    f"the value of {name[:64]!r} is not UTF-8 and cannot be forwarded "
+                    "unchanged"))
+    return None
 
 
 def _is_ip_literal(name: str) -> bool:

@@ -116,6 +116,24 @@ async def test_every_connection_line_is_honoured_both_ways(upstream, start_sluic
         await raw.stop()
 
 
+async def test_a_header_value_that_is_not_utf8_is_refused_not_forwarded_changed(
+        upstream, start_sluice):
+    """aiohttp reads a header's non-UTF-8 bytes as surrogate escapes and its writer drops
+    them: ``X-Foo: \\xff\\xfe\\xc3(`` reached the upstream as ``X-Foo: (``, unannounced."""
+    sluice = await start_sluice({"routes": [route("svc", upstream.url, "http")]})
+    for value in (b"\xff\xfe\xc3(", b"caf\xe9"):  # stray bytes; Latin-1 text
+        [(status, headers, body)] = parse(await raw_request(
+            sluice.port, b"GET /svc/x HTTP/1.1\r\n" + LOOPBACK + b"X-Foo: " + value +
+            b"\r\nConnection: close\r\n\r\n"))
+        assert (status, headers["x-sluice-reason"]) == (400, "bad_request")
+        assert "'X-Foo' is not UTF-8" in body.decode()
+    assert upstream.requests == []
+    [(status, _, _)] = parse(await raw_request(  # UTF-8 text passes as it is
+        sluice.port, b"GET /svc/x HTTP/1.1\r\n" + LOOPBACK + "X-Foo: café ✓\r\n".encode() +
+        b"Connection: close\r\n\r\n"))
+    assert status == 200 and upstream.requests[0].headers["X-Foo"] == "café ✓"
+
+
 async def test_expect_100_continue_is_answered_by_sluice_and_never_forwarded(
         upstream, start_sluice):
     """Sluice forwarded ``Expect`` after reading the body (the upstream waited for a body that
