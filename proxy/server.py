@@ -36,8 +36,14 @@ log = logging.getLogger("sluice")
 
 #: How often the drain checks whether in-flight work has finished, seconds.
 DRAIN_POLL_S = 0.05
-#: After the drain, how long aiohttp waits for handlers before cancelling them, seconds.
+#: After the drain, how long aiohttp waits for the admin port's handlers before cancelling
+#: them, seconds.
 SHUTDOWN_GRACE_S = 1.0
+#: The same for the proxy port, whose handlers the drain has already waited for: what is still
+#: in flight is cut at once. aiohttp waits this long twice (for the handler, then for it to
+#: end once its request is cancelled, which does not reach a handler awaiting its upstream),
+#: so a grace of 1 s cut calls 2 s after drain_timeout. Not 0: aiohttp reads 0 as no limit.
+PROXY_SHUTDOWN_GRACE_S = 0.05
 
 
 class RedactMalformedRequests(logging.Filter):
@@ -177,7 +183,7 @@ async def serve(config: Config, config_path: str | None = None) -> None:
     reloader = Reloader(runtime, config_path) if config_path else None
     await runtime.open()
     proxy_runner = web.ServerRunner(build_proxy_server(runtime),
-                                    shutdown_timeout=SHUTDOWN_GRACE_S)
+                                    shutdown_timeout=PROXY_SHUTDOWN_GRACE_S)
     admin_runner = AdminRunner(
         runtime, build_admin_app(runtime, reloader), access_log=None,
         shutdown_timeout=SHUTDOWN_GRACE_S,

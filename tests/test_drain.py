@@ -91,10 +91,13 @@ async def test_work_past_drain_timeout_is_cut_and_the_process_exits(upstream, st
         await wait_until(lambda: upstream.inflight == 1, what="the request at the upstream")
         sluice.signal(signal.SIGTERM)
         signalled = time.monotonic()
-        assert await sluice.wait_exit(timeout=30) == 0
-        assert time.monotonic() - signalled >= 0.5
         with pytest.raises(aiohttp.ClientError):  # cut: no answer, not a made-up one
             await call
+        cut_after = time.monotonic() - signalled
+        assert await sluice.wait_exit(timeout=30) == 0
+        # Cut when the drain ends, not ~2 s later (aiohttp's shutdown grace waited twice);
+        # the bound leaves a loaded machine 1.5 s.
+        assert 0.5 <= cut_after < 2.0
     # The cut reached the upstream too: its request was cancelled, not left running.
     await wait_until(lambda: upstream.cancelled == 1, what="the upstream request cancelled")
     assert "drain timeout: cutting 1 request(s) still in flight" in sluice.stderr()
