@@ -135,12 +135,18 @@ def _when(ts: float) -> str:
 async def _list(store: DeadLetterStore | _FileStore, limit: int) -> None:
     rows = await store.list(limit)
     total = sum((await store.depth()).values())
-    print(f"{'ID':>6}  {'CREATED (UTC)':20}  {'ROUTE':12}  {'TENANT':12}  {'ATTEMPTS':>8}  "
-          f"{'REASON':20}  {'REPLAY':8}  REQUEST")
-    for r in rows:
-        replay = "-" if r["last_replay"] is None else str(r["last_replay"])
-        print(f"{r['id']:>6}  {_when(r['created_at']):20}  {r['route']:12}  {r['tenant']:12}  "
-              f"{r['attempts']:>8}  {r['reason']:20}  {replay:8}  {r['method']} {r['path']}")
+    table = [("ID", "CREATED (UTC)", "ROUTE", "TENANT", "ATTEMPTS", "REASON", "REPLAY",
+              "REQUEST")]
+    table += [(str(r["id"]), _when(r["created_at"]), r["route"], r["tenant"], str(r["attempts"]),
+               r["reason"], "-" if r["last_replay"] is None else str(r["last_replay"]),
+               f"{r['method']} {r['path']}") for r in rows]
+    # Each column as wide as its longest cell (a replay's outcome can be an exception's name);
+    # the numbers right-aligned, the last column left ragged.
+    widths = [max(len(row[at]) for row in table) for at in range(len(table[0]) - 1)]
+    for row in table:
+        cells = [row[at].rjust(width) if at in (0, 4) else row[at].ljust(width)
+                 for at, width in enumerate(widths)]
+        print("  ".join([*cells, row[-1]]))
     if total > len(rows):
         print(f"(the newest {len(rows)} of {total} records; {total - len(rows)} older ones left "
               f"out: --limit {total} lists them all)")

@@ -68,3 +68,26 @@ def test_dlq_list_into_head_prints_no_traceback(dead_letters):
          f"{dead_letters} | head -1"], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert result.stdout.split()[0] == "ID"
     assert "Traceback" not in result.stderr and "BrokenPipe" not in result.stderr, result.stderr
+
+
+def test_dlq_list_columns_line_up_whatever_a_cell_holds(tmp_path, capsys):
+    # Seen: fixed widths, so a replay that failed with ClientConnectorError (20 characters in
+    # an 8-wide column) pushed that row's REQUEST out of line.
+    path = tmp_path / "dlq.sqlite"
+    store = DeadLetterFile(str(path))
+    for n, tenant in enumerate(["t", "a-tenant-with-a-long-name"]):
+        store.add(DeadLetter(route="up", tenant=tenant, run=None, idempotency_key=None,
+                             request_id=f"r{n}", method="POST", path=f"/v1/x/{n}", headers=[],
+                             redacted=[], body=b"", body_size=0,
+                             attempts=[Attempt(0.0, 503, None, 0.1)], reason="attempts"))
+    store.add_replay(1, None, "ClientConnectorError", 0.01)
+    store.close()
+    config = tmp_path / "sluice.yaml"
+    config.write_text(yaml.safe_dump({"dead_letter": {"path": str(path)},
+                                      "routes": [route("up", "http://127.0.0.1:1")]}))
+    assert main(["dlq", "list", "--config", str(config)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 3 and "ClientConnectorError" in "".join(lines)
+    for column in ("TENANT", "REPLAY", "REQUEST"):  # every row's cell starts under its title
+        at = lines[0].index(column)
+        assert all(line[at - 2:at] == "  " and line[at] != " " for line in lines[1:]), column
