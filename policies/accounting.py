@@ -57,6 +57,12 @@ MAX_TENANTS_SHOWN = 100
 ENDPOINTS_KEPT = 256
 
 
+def _limits_tokens(rate: RateLimiter | None, budgets: Budgets | None) -> bool:
+    """Whether a route with this rate limiter and these budgets limits tokens (a token rate
+    or a budget): its metered calls are then reserved and settled by this step."""
+    return budgets is not None or (rate is not None and rate.tokens is not None)
+
+
 class Accounting:
     """The token accounting of one route.
 
@@ -130,11 +136,10 @@ class Accounting:
             endpoint = self._endpoint(call.path)
         if endpoint is None:
             return None
-        # The route limits tokens (a token rate or a budget), so every metered call must be
-        # readable and name an output cap. Read per call, not kept: a reload reconfigures
-        # the route's rate in place.
+        # Every metered call on a route that limits tokens must be readable and name an
+        # output cap. Read per call, not kept: a reload reconfigures the route's rate in place.
         rate = self.rate
-        enforcing = self.budgets is not None or (rate is not None and rate.tokens is not None)
+        enforcing = _limits_tokens(rate, self.budgets)
         try:
             cost = read_request(endpoint, call.body, self.default_cap, self.write_cap,
                                 self.stream_usage)
@@ -190,7 +195,7 @@ class Accounting:
         budget holds in one round trip, so ``rate``'s own step leaves metered calls alone."""
         self.rate = rate
         if rate is not None:
-            rate.metered_elsewhere = rate.tokens is not None or self.budgets is not None
+            rate.metered_elsewhere = _limits_tokens(rate, self.budgets)
 
     async def reserve(self, charge: Charge) -> None:
         """Take the request's units and worst-case tokens from the rates, and hold its worst

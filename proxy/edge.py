@@ -253,6 +253,13 @@ def _refused_on(rt: Runtime, route: Route, rejected: Rejected) -> web.Response:
                   rt.config.identity.default_tenant, None)
 
 
+def _refused_at(rt: Runtime, raw_path: str, rejected: Rejected) -> web.Response:
+    """:func:`_refused_on` the route ``raw_path`` goes to; in the plain ``http`` shape, and
+    counted nowhere, when it goes to none."""
+    route = rt.router.match(raw_path)
+    return render(rejected, "http") if route is None else _refused_on(rt, route, rejected)
+
+
 async def _too_large(rt: Runtime, request: web.BaseRequest, length: int
                      ) -> web.StreamResponse:
     """413 for a body whose declared ``Content-Length`` is over ``server.max_request_bytes``,
@@ -262,8 +269,7 @@ async def _too_large(rt: Runtime, request: web.BaseRequest, length: int
     limit = rt.config.server.max_request_bytes
     rejected = Rejected(Reason.BODY_TOO_LARGE, None,
                         f"limit {limit} bytes; Content-Length says {length}")
-    route = rt.router.match(request.raw_path)
-    response = render(rejected, "http") if route is None else _refused_on(rt, route, rejected)
+    response = _refused_at(rt, request.raw_path, rejected)
     response.force_close()
     # Sent and the connection closed here: left to aiohttp, the unread body would be read
     # and dropped for up to 10 s (its lingering close) before the connection closes.
@@ -307,9 +313,7 @@ class Door:
         if not "".join(headers.values()).isascii():  # in C: one pass over every value
             refusal = _undecodable_header(headers)
             if refusal is not None:
-                route = rt.router.match(request.raw_path)
-                return render(refusal, "http") if route is None else _refused_on(
-                    rt, route, refusal)
+                return _refused_at(rt, request.raw_path, refusal)
         raw = request.raw_path
         if "%" in raw and _ESCAPED_CONTROL.search(raw.partition("?")[0]):
             return render(Rejected(Reason.BAD_REQUEST, None, "a control character in the path"),

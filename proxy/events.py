@@ -65,13 +65,7 @@ class EventLog:
     def emit(self, event: str, request_id: str, route: str, tenant: str, run: str | None,
              idempotency_key: str | None = None, **fields: Any) -> None:
         """Queue one event; never blocks, never raises."""
-        record = {"ts": time.time(), "event": event, "request_id": request_id, "route": route,
-                  "tenant": tenant, "run": run, "idempotency_key": idempotency_key}
-        if fields:
-            record.update(fields)
-        self._buffer.append(record)
-        if len(self._buffer) == FLUSH_BATCH and self._loop is not None:
-            self._loop.call_soon(self.flush)
+        self.emit_record(event, request_id, route, tenant, run, idempotency_key, fields)
 
     def emit_record(self, event: str, request_id: str, route: str, tenant: str,
                     run: str | None, idempotency_key: str | None,

@@ -236,7 +236,8 @@ async def relay(
         # Digits only (the parser refused the rest); none for a chunked or close-ended answer.
         length = upstream_headers.get(hdrs.CONTENT_LENGTH)
         declared = None if length is None else digits_value(length)
-        if declared is not None and length != str(declared) and hdrs.CONTENT_LENGTH in headers:
+        if (length is not None and len(length) > 1 and length[0] == "0"  # zero-padded
+                and hdrs.CONTENT_LENGTH in headers):
             headers[hdrs.CONTENT_LENGTH] = str(declared)  # aiohttp reads it with int() too
         if meter is not None:
             meter.start(status, headers)

@@ -29,7 +29,7 @@ async def test_a_full_batch_is_written_on_the_next_loop_turn_not_at_the_timer(tm
         await log.close()
 
 
-async def test_what_is_left_is_written_at_close_and_nothing_after(tmp_path):
+async def test_what_is_left_is_written_at_close_and_a_full_batch_after_it_raises_nothing(tmp_path):
     log = EventLog(str(tmp_path / "events.jsonl"))
     await log.start()
     log.emit("admitted", "r1", "up", "t", None, priority=1)

@@ -225,7 +225,7 @@ class MemoryRateBuckets:
         """Each bucket's level at ``now`` (an absent one is empty)."""
         buckets = self._buckets
         levels = []
-        for key, *_ in plan:
+        for key, _, _, _, _ in plan:
             state = buckets.get(key)
             levels.append(0.0 if state is None else
                           max(state[0] - max(now - state[1], 0) / state[2], 0.0))
