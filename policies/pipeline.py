@@ -70,7 +70,10 @@ class Call:
         per call, as a reload may change the flag between the two steps.
 
     Set by the forwarder: status, the status line being relayed to the caller (0 before);
-    the upstream time of its attempts (:meth:`attempt_sent`, :meth:`attempt_over`,
+    reached, whether an attempt may have reached the upstream (from the moment one is sent;
+    false again only if :func:`proxy.forward.left` shows it never left, and no earlier one
+    may have), which decides what a call that ends without an answer is charged; the
+    upstream time of its attempts (:meth:`attempt_sent`, :meth:`attempt_over`,
     :meth:`upstream_seconds`).
 
     A policy reports a step for the timeline (e.g. ``enqueued``) with
@@ -82,8 +85,9 @@ class Call:
                  "charged", "client_retry", "cost", "enqueued_at", "headers", "idempotency_key",
                  "lineage", "meter", "method", "new_unit", "operation", "operation_cost",
                  "parent_run", "path", "phase", "priority", "priority_given", "progress_at",
-                 "received_at", "reporter", "request_id", "response_headers", "route", "run",
-                 "status", "tenant", "timeout", "units_deferred", "upstream_key")
+                 "reached", "received_at", "reporter", "request_id", "response_headers",
+                 "route", "run", "status", "tenant", "timeout", "units_deferred",
+                 "upstream_key")
 
     def __init__(self, *, request_id: str, route: str, method: str, path: str,
                  headers: Mapping[str, str], body: bytes, tenant: str, run: str | None = None,
@@ -124,6 +128,7 @@ class Call:
         self.charged: dict[str, object] | None = None
         self.operation_cost: float | None = None
         self.status = 0
+        self.reached = False
         self._upstream_s = 0.0
         self._sent_at: float | None = None
 

@@ -75,13 +75,12 @@ class _Tries:
         response: the latest failed answer still open (relayed if it is the last word).
         error: or the latest failure that had no answer.
         kind: ``connect_error`` or ``timeout`` for ``error``.
-        reached: some attempt may have reached the upstream.
         stop: why retrying ended on a failure the route retries on; set means dead-lettered.
         log: every attempt, for the dead letter (routes with ``retry`` only), as the fields
             of :class:`policies.deadletter.Attempt` (built only for a dead letter).
     """
 
-    __slots__ = ("error", "kind", "log", "pending", "reached", "response", "stop", "tracker")
+    __slots__ = ("error", "kind", "log", "pending", "response", "stop", "tracker")
 
     def __init__(self) -> None:
         #: An operation's breaker and its ticket for an MCP answer whose verdict (a tool
@@ -92,13 +91,12 @@ class _Tries:
         self.response: aiohttp.ClientResponse | None = None
         self.error: Rejected | None = None
         self.kind = ""
-        self.reached = False
         self.stop = ""
         self.log: list[tuple[float, int | None, str | None, float]] = []
 
     def answered(self, response: aiohttp.ClientResponse) -> None:
         self.drop_response()
-        self.response, self.error, self.reached = response, None, True
+        self.response, self.error = response, None
 
     def drop_response(self) -> None:
         if self.response is not None:
@@ -108,7 +106,7 @@ class _Tries:
 
 async def forward(request: web.BaseRequest, rt: Runtime, route: Route, call: Call,
                   traffic: Traffic = "call", plan: Plan | None = None,
-                  ) -> tuple[web.StreamResponse, str, bool]:
+                  ) -> tuple[web.StreamResponse, str]:
     """Forward an admitted call; see the module docstring.
 
     ``traffic`` is the MCP traffic class (:data:`policies.mcp.Traffic`; ``call`` on every
@@ -123,8 +121,8 @@ async def forward(request: web.BaseRequest, rt: Runtime, route: Route, call: Cal
     ``isError`` result or a JSON-RPC error other than invalid params is that tool's failure.
 
     Returns:
-        ``(response, outcome, reached)``: ``outcome`` is a ``sluice_requests_total`` label,
-        ``reached`` whether the request may have reached the upstream.
+        ``(response, outcome)``: ``outcome`` is a ``sluice_requests_total`` label; whether
+        the request may have reached the upstream is left in ``call.reached``.
 
     Raises:
         Rejected: the breaker refused the first attempt (nothing was sent).
@@ -202,17 +200,17 @@ async def forward(request: web.BaseRequest, rt: Runtime, route: Route, call: Cal
                 if retry is not None:  # a final failure on a route that owns retries
                     failed.headers.update(_NO_RETRY)
                 timed_out = error.reason is Reason.UPSTREAM_TIMEOUT
-                return failed, "upstream_timeout" if timed_out else "upstream_error", True
+                return failed, "upstream_timeout" if timed_out else "upstream_error"
             if tries.pending is not None:
                 await _verdict(tries, tries.tracker)
-            return answer, outcome, True
+            return answer, outcome
         error = tries.error
         assert error is not None
         answer = render(error, route.protocol, jsonrpc_id(route.protocol, call.body))
         if retry is not None:
             answer.headers.update(extra or _NO_RETRY)
         outcome = "upstream_timeout" if tries.kind == "timeout" else "upstream_error"
-        return answer, outcome, tries.reached
+        return answer, outcome
     finally:
         tries.drop_response()
         if tries.pending is not None:  # the caller left during the answer
@@ -379,7 +377,9 @@ async def _attempt(rt: Runtime, route: Route, call: Call, url: URL,
             breaker.release(ticket)
         raise
     started = time.monotonic()
+    reached_before = call.reached
     try:
+        call.reached = True  # from here it may leave, whatever ends the attempt
         route.metrics.upstream_attempts.inc()
         call.attempts += 1
         call.attempt_sent(started)
@@ -425,7 +425,7 @@ async def _attempt(rt: Runtime, route: Route, call: Call, url: URL,
         await _record_each(tickets, verdict, status, hint)
         return status, hint, True
     call.attempt_over(time.monotonic())
-    tries.reached = tries.reached or sent
+    call.reached = reached_before or sent
     tries.drop_response()
     if neutral:
         for breaker, ticket in tickets:

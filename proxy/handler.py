@@ -180,16 +180,16 @@ async def handle(rt: Runtime, request: web.BaseRequest) -> web.StreamResponse:
             rt.events.emit("admitted", request_id, route.name, tenant, run,
                            call.idempotency_key, operation=call.operation)
         try:
-            response, label, reached = await attempts.forward(request, rt, route, call,
-                                                              traffic, plan)
+            response, label = await attempts.forward(request, rt, route, call, traffic, plan)
         except Rejected as rejected:  # the breaker refused the first attempt
             outcome = Outcome("rejected", reached=False, status=rejected.reason.status)
             return refuse(rt, route, rejected, request_id, tenant, run, call.idempotency_key,
                           call.body, call.operation)
         if label[0].isdigit():  # answered: a sample of the service time
-            outcome = Outcome(label, reached, response.status, time.monotonic() - admitted_at)
+            outcome = Outcome(label, call.reached, response.status,
+                              time.monotonic() - admitted_at)
         else:
-            outcome = Outcome(label, reached, response.status)
+            outcome = Outcome(label, call.reached, response.status)
         return response
     except (asyncio.CancelledError, ConnectionResetError):
         if call.cancelled is not None:  # its run was cancelled (POST /admin/runs/.../cancel)
@@ -197,16 +197,16 @@ async def handle(rt: Runtime, request: web.BaseRequest) -> web.StreamResponse:
         if admitted_at:
             # Cancelled: by the caller leaving, or by the drain cutting what outlived it.
             label = "drain_cut" if rt.cutting else "client_disconnected"
-            outcome = Outcome(label, reached=True, status=call.status)
+            outcome = Outcome(label, call.reached, call.status)
         raise
     except Exception:
         log.exception("proxy error on route %s (request %s)", route.name, request_id)
-        outcome = Outcome("upstream_error", reached=bool(admitted_at), status=502)
+        outcome = Outcome("upstream_error", call.reached, 502)
         return render(Rejected(Reason.UPSTREAM_UNREACHABLE, None, "proxy error"),
                       route.protocol, jsonrpc_id(route.protocol, call.body))
     finally:
         if call.cancelled is not None and outcome is ABANDONED:
-            outcome = (Outcome("run_cancelled", reached=True, status=call.status)
+            outcome = (Outcome("run_cancelled", call.reached, call.status)
                        if admitted_at else REFUSED)
         if admitted_at:
             route.inflight -= 1

@@ -336,3 +336,43 @@ routes:
             gc.garbage.clear()
             gc.enable()
     assert ours == []
+
+
+async def test_a_caller_leaving_before_anything_reached_the_upstream_is_charged_nothing() -> None:
+    # Seen: a caller that left during the back-off after a refused connection was charged
+    # its whole reservation (usage=reserved) and kept its request unit: the handler took
+    # every cancellation after admission for a call that reached the upstream.
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()  # nothing listens: each attempt's connection is refused
+    config = f"""
+routes:
+  - name: r
+    path_prefix: /r/
+    upstream: http://127.0.0.1:{port}
+    protocol: openai
+    budget: {{tokens: 100000/day}}
+    rate: {{per_tenant: {{requests: 1/min}}}}
+    retry: {{attempts: 3, on: [connect_error], backoff: {{base: 30s, max: 30s}}}}
+"""
+    async with proxy(config) as sluice, aiohttp.ClientSession() as session:
+        route = sluice.route()
+        url = sluice.url("/r/v1/chat/completions")
+        caller = asyncio.create_task(post(session, url))
+        while not emitted(sluice.runtime, "retried"):  # the first attempt was refused
+            await asyncio.sleep(0.01)
+        caller.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await caller
+        while not emitted(sluice.runtime, "completed"):
+            await asyncio.sleep(0.01)
+        [done] = emitted(sluice.runtime, "completed")
+        assert done["outcome"] == "client_disconnected"
+        assert done["usage"] == "none" and done["input_tokens"] == 0
+        budgets = route.accounting.budgets
+        assert budgets.reserved("tokens", "tenant", "default") == 0
+        assert budgets.remaining("tokens", "tenant", "default") == 100000
+        # Its request unit came back: the tenant's one call a minute is still there.
+        status, headers, _ = await post(session, url)
+        assert headers.get("X-Sluice-Reason") != "rate_limited", (status, headers)
