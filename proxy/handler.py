@@ -238,7 +238,7 @@ async def _run_cancelled(rt: Runtime, route: Route, call: Call, request: web.Bas
     if task is not None:
         task.uncancel()
     kind = "inflight" if admitted else "queued" if call.phase == "queued" else "admitting"
-    rt.metrics.cancels.labels(route.name, kind).inc()
+    route.metrics.cancelled(kind)
     rejected = Rejected(Reason.RUN_CANCELLED, None, call.cancelled or "", retry=False)
     if call.status and request.transport is not None:
         if await end_mcp_answer(request, rejected):

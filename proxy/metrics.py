@@ -564,6 +564,21 @@ class RouteMetrics:
         self._by_tenant: dict[str, TenantSeries] = {}
         self._by_operation: dict[str, OperationSeries] = {}
 
+    def detach(self) -> Metrics:
+        """Stop exporting this route's series: it was removed from the config
+        (:meth:`Metrics.forget_route`), and a call still in flight on it must not bring a
+        series back (a first-seen tenant's or operation's). From now on they are counted in a
+        private registry, returned, that nobody scrapes."""
+        self._metrics = Metrics()
+        self._by_tenant = {}
+        self._by_operation = {}
+        return self._metrics
+
+    def cancelled(self, kind: str) -> None:
+        """Count a call ended by its run's cancellation, by where it was then (``inflight``,
+        ``queued`` or ``admitting``)."""
+        self._metrics.cancels.labels(self.name, kind).inc()
+
     def operation(self, operation: str) -> OperationSeries:
         """The per-operation series of this route (``other`` beyond the label cap)."""
         series = self._by_operation.get(operation)

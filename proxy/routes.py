@@ -200,6 +200,13 @@ class Route:
             op.name: lambda op=op: op.breaker.state_value() if op.breaker else 0
             for op in self.operations or () if op.breaker is not None})
 
+    def detach_metrics(self) -> None:
+        """Export nothing more of this route: a reload removed it and dropped its series, and
+        the calls still in flight on it count where nobody scrapes
+        (:meth:`proxy.metrics.RouteMetrics.detach`)."""
+        detached = self.metrics.detach()
+        self.budget_gauges = BudgetGauges(detached, self.name, self.budgets)
+
     def _admission_order(self) -> None:
         """The plans of the route's calls (:class:`policies.operations.Plan`): its policies
         in the order they admit a call (docs/design.md), the ones that cost nothing and hold

@@ -117,6 +117,7 @@ class Runtime:
         for name, gone in old.items():
             summary["removed"].append(name)
             self.metrics.forget_route(name)
+            gone.detach_metrics()
             self.removed.append(gone)
         self.removed = [route for route in self.removed if route.inflight_total]
         self.config = config

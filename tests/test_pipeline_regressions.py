@@ -376,3 +376,48 @@ routes:
         # Its request unit came back: the tenant's one call a minute is still there.
         status, headers, _ = await post(session, url)
         assert headers.get("X-Sluice-Reason") != "rate_limited", (status, headers)
+
+
+@pytest.mark.parametrize("budget", ["", "budget: {tokens: 100000/day}"])
+async def test_calls_still_in_flight_on_a_removed_route_leave_no_series_behind(
+        upstream: FakeUpstream, budget: str) -> None:
+    # Seen: a reload dropped a removed route's series, and the calls still on it then
+    # recreated their tenant's token counters (when first counted at the end) and budget
+    # gauges (when admitted from its queue after the reload, the gauges keeping the old
+    # route's budgets alive), exported for the life of the process.
+    with_route = f"""
+routes:
+  - name: keep
+    path_prefix: /keep/
+    upstream: {upstream.url}
+  - name: gone
+    path_prefix: /gone/
+    upstream: {upstream.url}
+    protocol: openai
+    concurrency: {{limit: 1, queue: 2, max_wait: 10s}}
+    {budget}
+"""
+    without = f"""
+routes:
+  - name: keep
+    path_prefix: /keep/
+    upstream: {upstream.url}
+"""
+    upstream.hold = asyncio.Event()
+    async with proxy(with_route) as sluice, aiohttp.ClientSession() as session:
+        registry = sluice.runtime.metrics.registry
+        url = sluice.url("/gone/v1/chat/completions")
+        first = asyncio.create_task(post(session, url, **{"X-Tenant-ID": "acme"}))
+        while upstream.inflight < 1:
+            await asyncio.sleep(0.01)
+        queued = asyncio.create_task(post(session, url, **{"X-Tenant-ID": "beta"}))
+        while sluice.route("gone").concurrency.queued < 1:
+            await asyncio.sleep(0.01)
+        sluice.runtime.configure(parse_config(without))
+        upstream.hold.set()
+        assert [(await first)[0], (await queued)[0]] == [200, 200]
+        done = emitted(sluice.runtime, "completed")
+        assert len(done) == 2 and all(each["input_tokens"] > 0 for each in done)  # counted
+        gone = [(metric.name, sample.labels) for metric in registry.collect()
+                for sample in metric.samples if sample.labels.get("route") == "gone"]
+        assert gone == []
