@@ -78,8 +78,10 @@ def _authorized(request: web.Request) -> web.Response | None:
                       "mutating admin endpoints are disabled"}, status=403)
     sent = request.headers.get("Authorization", "")
     scheme, _, value = sent.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip().encode(),
-                                                             token.encode()):
+    # surrogateescape: a value that is not UTF-8 (aiohttp keeps its bytes as escapes) is
+    # compared as the bytes sent, and refused, rather than failing the encode with a 500.
+    if scheme.lower() != "bearer" or not hmac.compare_digest(
+            value.strip().encode("utf-8", "surrogateescape"), token.encode()):
         return web.json_response({"error": "a valid 'Authorization: Bearer TOKEN' is required"},
                                  status=401, headers={"WWW-Authenticate": "Bearer"})
     return None
