@@ -12,10 +12,10 @@
   else 408 and close;
 * ``idle_timeout``: a keep-alive connection idle between requests is closed (aiohttp's own
   keep-alive timer);
-* a parser-level refusal (a header line over 8190 bytes or more than 128 headers: 431
-  ``headers_too_large``; bad framing or syntax: 400 ``bad_request``) is answered in Sluice's
-  shape: JSON body, ``X-Sluice-Reason``, ``Connection: close``, and nothing of the request
-  echoed, in the answer or in the log;
+* a parser-level refusal (a request target or header value over 8190 bytes, or more than 128
+  headers: 431 ``headers_too_large``; bad framing or syntax: 400 ``bad_request``) is answered
+  in Sluice's shape: JSON body, ``X-Sluice-Reason``, ``Connection: close``, and nothing of
+  the request echoed, in the answer or in the log;
 * after a request with chunked framing, or an HTTP/1.0 request with ``Transfer-Encoding``
   (whose framing RFC 9112 §6.1 says to treat as faulty), the connection is closed once the
   answer is sent, and nothing pipelined behind it is served. aiohttp's C parser does not
@@ -556,7 +556,8 @@ class EdgeProtocol(RequestHandler):
         if isinstance(exc, HttpProcessingError | RequestPayloadError):
             if isinstance(exc, LineTooLong) or _TOO_MANY_HEADERS in str(exc):
                 rejected = Rejected(Reason.HEADERS_TOO_LARGE, None,
-                                    "at most 8190 bytes a header line and 128 headers")
+                                    "at most 8190 bytes a request target or header value, "
+                                    "and 128 headers")
             else:
                 rejected = Rejected(Reason.BAD_REQUEST, None,
                                     f"not valid HTTP/1.1 ({type(exc).__name__})")
