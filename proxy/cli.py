@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import logging
 import os
+import signal
 import sys
 from collections.abc import Callable
 
@@ -33,6 +34,10 @@ EXIT_BROKEN_PIPE = 141
 
 
 def _serve(args: argparse.Namespace) -> int:
+    # A SIGHUP while starting must not end the process (its default action): serve() takes
+    # the signal over (a reload) once it runs; until then it is ignored.
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    from proxy.output import logging_in_background
     from proxy.server import serve
 
     try:
@@ -46,11 +51,14 @@ def _serve(args: argparse.Namespace) -> int:
         run = asyncio.run
     else:
         run = uvloop.run
-    try:
-        run(serve(config, args.config))
-    except OSError as exc:  # a port already taken, or a file that cannot be opened
-        print(f"sluice: cannot start: {exc}", file=sys.stderr)
-        return EXIT_START_FAILED
+    # Log lines are written by a thread of their own: a stderr nobody reads must not stop
+    # the event loop (proxy/output.py); the event log's writer is the runtime's.
+    with logging_in_background(sys.stderr):
+        try:
+            run(serve(config, args.config))
+        except OSError as exc:  # a port already taken, or a file that cannot be opened
+            print(f"sluice: cannot start: {exc}", file=sys.stderr)
+            return EXIT_START_FAILED
     return 0
 
 

@@ -3,11 +3,15 @@
 Every line has ``ts`` (Unix seconds), ``event``, ``request_id``, ``route``, ``tenant``, ``run``
 and ``idempotency_key``, then the event's own fields. Events are buffered in memory as dicts
 and written, as JSON lines, every ``FLUSH_INTERVAL_S`` by a background task, as soon as
-``FLUSH_BATCH`` are waiting (by a callback on the loop) and at shutdown, so the request path
-never waits on a disk or a pipe and pays for no encoding call of its own: one flush encodes
-every buffered event in C (``map`` over ``orjson.dumps``). Emitting never raises, and neither
-does writing: a value JSON cannot carry as it is is escaped (see :func:`_encodable`). An
-event's dict must not change once emitted (every caller builds a new one).
+``FLUSH_BATCH`` are waiting (by a callback on the loop) and at shutdown; the request path pays
+for no encoding call of its own: one flush encodes every buffered event in C (``map`` over
+``orjson.dumps``). A flush hands the lines to a :class:`~proxy.output.BackgroundWriter`, so
+nothing on the loop waits on a disk or a pipe: while the destination is stuck (a reader that
+stopped reading stdout), lines beyond its bound are dropped and counted
+(``sluice_output_dropped_total{output="events"}``), and an ``events_dropped`` line with their
+number comes first once it moves again. Emitting never raises, and neither does writing: a
+value JSON cannot carry as it is is escaped (see :func:`_encodable`). An event's dict must not
+change once emitted (every caller builds a new one).
 """
 
 from __future__ import annotations
@@ -15,11 +19,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import os
 import sys
 import time
-from typing import IO, Any
+from typing import Any
 
 import orjson
+
+from proxy.output import CLOSE_TIMEOUT_S, BackgroundWriter, fd_sink, stream_sink
 
 FLUSH_INTERVAL_S = 0.2
 #: Events that make a flush due before its time. Small batches keep what a flush frees below
@@ -52,13 +59,18 @@ def _encode(records: list[dict[str, Any]]) -> bytes:
                         for record in records)
 
 
+def _dropped_line(count: int) -> bytes:
+    return _line({"ts": round(time.time(), 6), "event": "events_dropped", "events": count})
+
+
 class EventLog:
     """Buffered JSON-lines writer to a file path, or to stdout when ``path`` is ``None``."""
 
     def __init__(self, path: str | None) -> None:
         self.path = path
         self._buffer: list[dict[str, Any]] = []
-        self._stream: IO[bytes] | None = None
+        self._writer: BackgroundWriter | None = None
+        self._fd: int | None = None  # the file destination's, closed in close()
         self._task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # set while started
 
@@ -83,42 +95,54 @@ class EventLog:
         self._buffer.append({"ts": round(time.time(), 6), "event": event, **fields})
 
     def lines(self) -> bytes:
-        """The events buffered and not yet written, as JSON lines."""
+        """The events buffered and not yet handed to the writer, as JSON lines."""
         return _encode(self._buffer)
 
+    @property
+    def dropped(self) -> int:
+        """Events dropped so far because the destination was stuck."""
+        return self._writer.dropped if self._writer is not None else 0
+
     async def start(self) -> None:
-        """Open the destination and start the flusher."""
+        """Open the destination and start the flusher.
+
+        Raises:
+            OSError: the file ``path`` cannot be opened for appending.
+        """
         if self.path is None:
-            self._stream = sys.stdout.buffer
+            sink = stream_sink(getattr(sys.stdout, "buffer", sys.stdout))
         else:
             # Opened once at startup, before any traffic; closed in close().
-            self._stream = open(self.path, "ab")  # noqa: ASYNC230
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+            sink = fd_sink(self._fd)
+        self._writer = BackgroundWriter(sink, "sluice-events-writer", lost=_dropped_line)
         self._loop = asyncio.get_running_loop()
         self._task = asyncio.create_task(self._flush_forever(), name="sluice-events")
 
     def flush(self) -> None:
-        """Write out what is buffered (a few KiB; cheap enough to run on the loop)."""
-        if not self._buffer or self._stream is None:
+        """Hand what is buffered to the writer (encoding a few KiB: cheap on the loop)."""
+        if not self._buffer or self._writer is None:
             return
-        lines = _encode(self._buffer)
+        records = self._buffer
         self._buffer = []
-        try:
-            self._stream.write(lines)
-            self._stream.flush()
-        except (OSError, ValueError):
-            pass  # a closed or full destination must not take the proxy down
+        self._writer.write(_encode(records), len(records))
 
     async def close(self) -> None:
-        """Stop the flusher, write what is left, and close a file destination."""
+        """Stop the flusher, write what is left (waiting at most ``CLOSE_TIMEOUT_S`` for a
+        stuck destination), and close a file destination."""
         self._loop = None
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         self.flush()
-        if self._stream is not None and self.path is not None:
-            self._stream.close()
-        self._stream = None
+        writer, self._writer = self._writer, None
+        if writer is None:
+            return
+        written = await asyncio.to_thread(writer.close, CLOSE_TIMEOUT_S)
+        if self._fd is not None and written:  # else the stuck thread still writes to it
+            os.close(self._fd)
+        self._fd = None
 
     async def _flush_forever(self) -> None:
         while True:

@@ -523,6 +523,28 @@ class Metrics:
         """Read ``route``'s dead-letter count at scrape time."""
         self.dead_letter_depth.labels(route).set_function(depth)
 
+    def bind_output_dropped(self, read: Callable[[], dict[str, float]]) -> None:
+        """Export ``sluice_output_dropped_total{output}``: lines of output (``events``,
+        ``log``) dropped because their destination took nothing (proxy/output.py), read at
+        scrape time from ``read()``, by output."""
+        self.registry.register(_OutputDropped(read))
+
+
+class _OutputDropped:
+    """The collector of :meth:`Metrics.bind_output_dropped`."""
+
+    def __init__(self, read: Callable[[], dict[str, float]]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(
+            "sluice_output_dropped",
+            "Lines of output (events, log) dropped because their destination (a pipe, a "
+            "terminal, a file) was not taking them.", labels=["output"])
+        for output, count in self._read().items():
+            family.add_metric([output], count)
+        yield family
+
 
 class RouteMetrics:
     """One route's series, bound to their labels once (per tenant: at first sight)."""

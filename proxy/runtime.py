@@ -17,6 +17,7 @@ from policies.runs import FanoutWidth, RunLimits, RunRegistry
 from policies.state import StateBackends, backends_for
 from policies.state.connection import redact_url
 from policies.state.runs import RedisRuns
+from proxy import output
 from proxy.client import upstream_session
 from proxy.events import EventLog
 from proxy.metrics import Metrics
@@ -52,6 +53,8 @@ class Runtime:
         #: Unix seconds now, as budgets' windows read it (``SLUICE_TEST_NOW`` moves it, for tests).
         self.clock = clock_from_env()
         self.events = EventLog(config.events.path)
+        self.metrics.bind_output_dropped(
+            lambda: {"events": self.events.dropped, "log": output.log_dropped()})
         # Created at startup from the restart-only dead_letter block; its file is opened only
         # when some route retries (see open() and DeadLetterQueue.add).
         self.dead_letters = DeadLetterQueue(config.dead_letter, self.state)

@@ -11,6 +11,14 @@ from proxy import events
 from proxy.events import EventLog
 
 
+async def written(path, count: int) -> list[bytes]:
+    """The file's lines once it has ``count`` of them (the writer's thread writes them)."""
+    async with asyncio.timeout(10):
+        while len(lines := path.read_bytes().splitlines()) < count:
+            await asyncio.sleep(0.01)
+    return lines
+
+
 async def test_a_full_batch_is_written_on_the_next_loop_turn_not_at_the_timer(tmp_path):
     log = EventLog(str(tmp_path / "events.jsonl"))
     await log.start()
@@ -21,8 +29,8 @@ async def test_a_full_batch_is_written_on_the_next_loop_turn_not_at_the_timer(tm
         assert (tmp_path / "events.jsonl").read_bytes() == b""  # the timer's 200 ms not up
         log.emit_record("completed", "last", "up", "t", "run-1", None, {"status": 200})
         await asyncio.sleep(0)
-        lines = (tmp_path / "events.jsonl").read_bytes().splitlines()
-        assert len(lines) == events.FLUSH_BATCH
+        assert log.lines() == b""  # handed to the writer on this turn, not at the timer
+        lines = await written(tmp_path / "events.jsonl", events.FLUSH_BATCH)
         assert orjson.loads(lines[-1])["request_id"] == "last"
         assert orjson.loads(lines[-1])["status"] == 200
     finally:

@@ -1,0 +1,197 @@
+"""Writes to stdout, stderr or a file that never hold up the event loop.
+
+A reader that stops reading (``sluice serve | less`` left paused, a terminal stopped with
+Ctrl-S, a container log driver that blocks) fills the pipe, and a plain ``write`` then blocks
+the thread that makes it. Made on the event loop, that stopped every request, the probes and
+the drain with it (seen: ~64 KiB of events in, request 199 and ``/healthz`` hung, and SIGTERM
+left the process stuck in the write).
+
+A :class:`BackgroundWriter` owns one file descriptor and writes to it from a thread of its
+own; the loop only hands it bytes. While the destination is stuck, what waits is bounded
+(``max_pending_bytes``): what does not fit is dropped and counted, since a lost log or event
+line costs less than a stopped proxy, and the first write that fits again is preceded by a
+line saying how many were lost. Writes go to the descriptor with ``os.write``, not through a
+buffered file object, so a thread stuck in one holds no lock that the interpreter's own
+flush at exit would wait on.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import io
+import logging
+import os
+import select
+import threading
+from collections.abc import Callable, Iterator
+from typing import IO
+
+#: Bytes waiting for a stuck destination before new writes are dropped (~8,000 events).
+MAX_PENDING_BYTES = 4 * 1024 * 1024
+#: Seconds a shutdown waits for the last lines to reach a destination that is stuck.
+CLOSE_TIMEOUT_S = 1.0
+
+
+class BackgroundWriter:
+    """Writes byte strings to ``sink`` in order, from a daemon thread.
+
+    Args:
+        sink: writes all of one byte string, blocking as long as it must (:func:`fd_sink`).
+        name: the thread's name.
+        lost: builds the line written before the next accepted write after some were
+            dropped, from how many items were dropped (``None``: no such line).
+        max_pending_bytes: bytes accepted and not yet written beyond which a write is
+            dropped.
+    """
+
+    def __init__(self, sink: Callable[[bytes], object], name: str,
+                 lost: Callable[[int], bytes] | None = None,
+                 max_pending_bytes: int = MAX_PENDING_BYTES) -> None:
+        self._sink = sink
+        #: Items (events, log records) dropped so far because the destination was stuck.
+        self.dropped = 0
+        self._lost = lost
+        self._max = max_pending_bytes
+        self._unreported = 0
+        self._pending: collections.deque[bytes] = collections.deque()
+        self._pending_bytes = 0  # queued, or taken by the thread and not yet written
+        self._closing = False
+        self._done = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def write(self, data: bytes, items: int = 1) -> bool:
+        """Queue ``data`` (``items`` lines of it) to be written; never blocks on the
+        destination. Returns ``False`` when it was dropped: the destination is too far
+        behind, or the writer is closed."""
+        with self._done:
+            if self._closing or self._pending_bytes + len(data) > self._max:
+                self.dropped += items
+                self._unreported += items
+                return False
+            if self._unreported and self._lost is not None:
+                note = self._lost(self._unreported)
+                self._pending.append(note)
+                self._pending_bytes += len(note)
+            self._unreported = 0
+            self._pending.append(data)
+            self._pending_bytes += len(data)
+            self._done.notify_all()
+        return True
+
+    def close(self, timeout_s: float) -> bool:
+        """Accept no more writes, and wait up to ``timeout_s`` seconds for what is queued to
+        be written. Returns whether all of it was (if not, the thread is left to finish, or
+        to stay stuck, on its own: it is a daemon and holds no lock the exit waits on)."""
+        with self._done:
+            self._closing = True
+            self._done.notify_all()
+            self._done.wait_for(lambda: not self._pending_bytes, timeout_s)
+            return not self._pending_bytes
+
+    def _run(self) -> None:
+        while True:
+            with self._done:
+                self._done.wait_for(lambda: self._pending or self._closing)
+                if not self._pending:
+                    return  # closing, and everything was written
+                data = b"".join(self._pending)
+                self._pending.clear()
+            try:
+                self._sink(data)
+            except (OSError, ValueError):
+                pass  # a closed or broken destination must not take the proxy down
+            with self._done:
+                self._pending_bytes -= len(data)
+                self._done.notify_all()
+
+
+def fd_sink(fd: int) -> Callable[[bytes], None]:
+    """A sink writing to the file descriptor ``fd`` (not closed here) with ``os.write``,
+    waiting for room if it was left non-blocking (e.g. by another process on the pipe)."""
+
+    def write_all(data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            try:
+                view = view[os.write(fd, view):]
+            except BlockingIOError:
+                select.select([], [fd], [])
+
+    return write_all
+
+
+def stream_sink(stream: IO[bytes] | IO[str]) -> Callable[[bytes], None]:
+    """A sink for ``stream``: its file descriptor's (:func:`fd_sink`) when it has one, else
+    its own ``write`` (e.g. a test's captured stdout), decoding for a text stream."""
+    try:
+        return fd_sink(stream.fileno())
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is both
+        pass
+
+    def write(data: bytes) -> None:
+        if isinstance(stream, io.TextIOBase):
+            stream.write(data.decode("utf-8", "replace"))
+        else:
+            stream.write(data)  # type: ignore[arg-type]
+        stream.flush()
+
+    return write
+
+
+class WriterHandler(logging.Handler):
+    """A logging handler that formats on the logging thread and writes through a
+    :class:`BackgroundWriter`, so a stuck stderr blocks no one."""
+
+    def __init__(self, writer: BackgroundWriter) -> None:
+        super().__init__()
+        self.writer = writer
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            line = self.format(record) + "\n"
+        except Exception:  # as logging.StreamHandler does
+            self.handleError(record)
+            return
+        self.writer.write(line.encode("utf-8", "backslashreplace"))
+
+
+def _lost_log_lines(count: int) -> bytes:
+    return (f"sluice: {count} log line(s) dropped: the log's reader fell behind "
+            f"(sluice_output_dropped_total)\n").encode()
+
+
+@contextlib.contextmanager
+def logging_in_background(stream: IO[str]) -> Iterator[BackgroundWriter]:
+    """Within the block, the root logger's handlers that write to ``stream`` (the one
+    ``logging.basicConfig`` added) write through one :class:`BackgroundWriter` instead, with
+    the same formatter, level and filters; on the way out the writer gets
+    ``CLOSE_TIMEOUT_S`` to finish, and the handlers are put back."""
+    root = logging.getLogger()
+    writer = BackgroundWriter(stream_sink(stream), "sluice-log-writer", lost=_lost_log_lines)
+    swapped: list[tuple[logging.Handler, logging.Handler]] = []
+    for handler in list(root.handlers):
+        if isinstance(handler, logging.StreamHandler) and handler.stream is stream:
+            instead = WriterHandler(writer)
+            instead.setFormatter(handler.formatter)
+            instead.setLevel(handler.level)
+            for each in handler.filters:
+                instead.addFilter(each)
+            root.removeHandler(handler)
+            root.addHandler(instead)
+            swapped.append((handler, instead))
+    try:
+        yield writer
+    finally:
+        writer.close(CLOSE_TIMEOUT_S)
+        for handler, instead in swapped:
+            root.removeHandler(instead)
+            root.addHandler(handler)
+
+
+def log_dropped() -> int:
+    """Log lines dropped so far by the root logger's :class:`WriterHandler` s."""
+    writers = {id(h.writer): h.writer for h in logging.getLogger().handlers
+               if isinstance(h, WriterHandler)}
+    return sum(writer.dropped for writer in writers.values())
