@@ -53,6 +53,7 @@ from policies.retry import (
 )
 from policies.state import StateUnavailable
 from proxy import forward as fwd
+from proxy.client import client_timeout
 from proxy.rejections import jsonrpc_id, render
 from proxy.routes import Route
 from proxy.runtime import Runtime
@@ -154,14 +155,12 @@ async def forward(request: web.BaseRequest, rt: Runtime, route: Route, call: Cal
         breakers = plan.breakers
         tool_breaker = plan.tool_breaker
         if plan.timeouts is not route.config.timeouts:
-            timeout = aiohttp.ClientTimeout(total=plan.timeouts.total,
-                                            connect=plan.timeouts.connect)
+            timeout = client_timeout(plan.timeouts.total, plan.timeouts.connect)
     else:
         retry, breakers, tool_breaker = None, (), None
         if traffic == "stream":
             timeouts = route.config.timeouts
-            timeout = aiohttp.ClientTimeout(total=None, connect=timeouts.connect,
-                                            sock_read=timeouts.idle)
+            timeout = client_timeout(None, timeouts.connect, sock_read=timeouts.idle)
     try:
         await _attempts(rt, route, call, url, headers, tries, retry, breakers, tool_breaker,
                         plan.idempotent, timeout)

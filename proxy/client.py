@@ -10,8 +10,15 @@ profile); :class:`VerbatimRequest` instead turns the defaults off once, in the c
 
 from __future__ import annotations
 
+import math
+
 import aiohttp
 from multidict import CIMultiDict
+
+#: aiohttp rounds a timeout above this many seconds (5 by default) up to the next whole
+#: second of the loop's clock, to batch timer wake-ups: a ``total: 6s`` fired at 6.0-7.0 s,
+#: and every retry's attempt as late. A proxy's timeouts are its users' deadlines: never.
+EXACT_TIMEOUTS = math.inf
 
 #: Headers aiohttp would otherwise add on its own (see the module docstring).
 _NEVER_ADDED: CIMultiDict[None] = CIMultiDict(
@@ -30,11 +37,19 @@ class VerbatimRequest(aiohttp.ClientRequest):
         self._skip_auto_headers = _NEVER_ADDED
 
 
+def client_timeout(total: float | None, connect: float | None,
+                   sock_read: float | None = None) -> aiohttp.ClientTimeout:
+    """An upstream timeout, in seconds (``None``: none), kept to the millisecond rather than
+    rounded up (:data:`EXACT_TIMEOUTS`)."""
+    return aiohttp.ClientTimeout(total=total, connect=connect, sock_read=sock_read,
+                                 ceil_threshold=EXACT_TIMEOUTS)
+
+
 def upstream_session(connector: aiohttp.BaseConnector | None = None) -> aiohttp.ClientSession:
     """A session for forwarding: bytes untouched (no decompression), no cookies, no proxy
     settings from the environment, no headers of its own. Create it inside the running loop."""
     return aiohttp.ClientSession(
-        connector=connector,
+        connector=connector or aiohttp.TCPConnector(timeout_ceil_threshold=EXACT_TIMEOUTS),
         auto_decompress=False,
         trust_env=False,
         cookie_jar=aiohttp.DummyCookieJar(),

@@ -38,7 +38,7 @@ from multidict import CIMultiDict
 from policies.config import Config, RouteConfig
 from policies.deadletter import DeadLetter, DeadLetterFile
 from policies.state import DeadLetterStore, StateUnavailable, redact_url, redis_backends
-from proxy.client import upstream_session
+from proxy.client import client_timeout, upstream_session
 from proxy.forward import upstream_url
 
 EXIT_FAILED = 1
@@ -202,7 +202,7 @@ async def _replay(config: Config, store: DeadLetterStore | _FileStore, letter: D
 async def _send(route: RouteConfig, letter: DeadLetter,
                 headers: CIMultiDict[str]) -> tuple[int | None, str | None, bytes]:
     """One attempt: ``(status, None, answer body)`` or ``(None, error kind, b"")``."""
-    timeout = aiohttp.ClientTimeout(total=route.timeouts.total, connect=route.timeouts.connect)
+    timeout = client_timeout(route.timeouts.total, route.timeouts.connect)
     async with upstream_session() as session:
         try:
             async with session.request(

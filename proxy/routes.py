@@ -15,8 +15,6 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import unquote
 
-import aiohttp
-
 from policies.accounting import Accounting
 from policies.breaker import Breaker
 from policies.budget import Budgets
@@ -37,6 +35,7 @@ from policies.rate import RateLimiter
 from policies.retry import RetryPolicy
 from policies.runs import FanoutWidth, RunLimits, RunRegistry, RunTracker
 from policies.state import StateBackends, memory_backends
+from proxy.client import client_timeout
 from proxy.events import EventLog
 from proxy.metrics import BudgetGauges, Metrics, RouteMetrics
 
@@ -124,9 +123,7 @@ class Route:
         self.deadline_header = (config.timeouts.deadline_header
                                 if config.protocol in ("http", "mcp") else None)
         self.events = events
-        self.timeout = aiohttp.ClientTimeout(
-            total=config.timeouts.total, connect=config.timeouts.connect
-        )
+        self.timeout = client_timeout(config.timeouts.total, config.timeouts.connect)
         self.concurrency: ConcurrencyLimiter | None = new_limiter(config.concurrency,
                                                                   self.backends, self.name)
         # Runs: the tree and cancellation (shared by every route), this route's run limits

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import socket
 from collections.abc import AsyncIterator
 
@@ -421,3 +422,29 @@ routes:
         gone = [(metric.name, sample.labels) for metric in registry.collect()
                 for sample in metric.samples if sample.labels.get("route") == "gone"]
         assert gone == []
+
+
+async def test_an_upstream_timeout_above_5s_fires_on_time_not_at_the_next_whole_second(
+        upstream: FakeUpstream) -> None:
+    # Seen: total: 6s answered 504 at 6.87-6.99 s, and three attempts took 20.9 s for ~18.3:
+    # aiohttp rounds a timeout above 5 s up to the next whole second of the loop's clock.
+    config = f"""
+routes:
+  - name: r
+    path_prefix: /r/
+    upstream: {upstream.url}
+    timeouts: {{connect: 1s, total: 5.3s}}
+"""
+    upstream.hold = asyncio.Event()  # never set: the upstream does not answer
+    async with proxy(config) as sluice, aiohttp.ClientSession() as session:
+        loop = asyncio.get_running_loop()
+        # Start just past a whole second: rounded up, the timeout would fire ~5.9 s later.
+        while not 0.05 <= loop.time() % 1 <= 0.15:
+            await asyncio.sleep(0.01)
+        started = loop.time()
+        status, headers, _ = await post(session, sluice.url("/r/x"), {})
+        elapsed = loop.time() - started
+        assert (status, headers["X-Sluice-Reason"]) == (504, "upstream_timeout")
+        assert 5.3 <= elapsed < 5.7, elapsed
+        # The read timeouts of streams (timeouts.idle) are the connector's: kept exact too.
+        assert sluice.runtime.session.connector._timeout_ceil_threshold == math.inf
