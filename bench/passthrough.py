@@ -34,6 +34,7 @@ import argparse
 import asyncio
 import functools
 import gc
+import math
 import signal
 from collections.abc import Awaitable, Callable
 
@@ -50,7 +51,8 @@ _HOP_BY_HOP = frozenset(
 _DROP_REQUEST = _HOP_BY_HOP | {"host", "content-length"}
 #: Sluice's defaults: ``server.max_request_bytes`` and a route's ``timeouts``.
 MAX_REQUEST_BYTES = 32 * 1024 * 1024
-TIMEOUT = aiohttp.ClientTimeout(total=600.0, connect=5.0)
+#: Kept exact, not rounded up to a whole second, as Sluice keeps them (proxy/client.py).
+TIMEOUT = aiohttp.ClientTimeout(total=600.0, connect=5.0, ceil_threshold=math.inf)
 _NEVER_ADDED: CIMultiDict[None] = CIMultiDict(
     (name, None) for name in ("Accept", "Accept-Encoding", "User-Agent", "Content-Type")
 )
@@ -112,6 +114,7 @@ async def serve(port: int, upstream: str, prefix: str) -> None:
     """Serve on 127.0.0.1:``port`` until SIGTERM or SIGINT."""
     loop = asyncio.get_running_loop()
     connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=60, keepalive_timeout=30,
+                                     timeout_ceil_threshold=math.inf,
                                      enable_cleanup_closed=True)
     session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
                                     trust_env=False, cookie_jar=aiohttp.DummyCookieJar(),

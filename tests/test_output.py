@@ -81,7 +81,7 @@ def test_a_sink_that_fails_loses_its_lines_and_nothing_else() -> None:
 
 def test_log_lines_to_a_stderr_nobody_reads_never_block_the_logger() -> None:
     read_end, write_end = os.pipe()
-    stream = open(write_end, "w", closefd=True)  # noqa: SIM115  (closed below)
+    stream = open(write_end, "w", closefd=True)  # closed below
     root = logging.getLogger()
     plain = logging.StreamHandler(stream)
     plain.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
