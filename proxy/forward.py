@@ -31,6 +31,7 @@ caller received, without a second forwarding path.
 from __future__ import annotations
 
 import functools
+import logging
 import re
 import time
 
@@ -40,6 +41,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
 from policies.idempotency import Capture
+from policies.logs import PER_CALL
 from policies.mcp import AnswerTracker
 from policies.pipeline import Call
 from policies.reasons import Reason, Rejected
@@ -71,6 +73,8 @@ _OUTCOMES = ("0xx", "1xx", "2xx", "3xx", "4xx", "5xx")
 
 #: Characters aiohttp refuses to write in a header (control characters but tab; the same set
 #: as its own writer's check), though its client accepts them from an upstream.
+log = logging.getLogger("sluice")
+
 _FORBIDDEN_IN_HEADERS = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 _BAD_HEADER = "a response header has control characters"
 #: The streamed answer being relayed to the caller, once its status line is out (set on the
@@ -110,6 +114,22 @@ def _dropped(drop: frozenset[str], connection: tuple[str, ...]) -> frozenset[str
     every message says ``keep-alive`` or ``close``, and the set is built once, not per
     message."""
     return drop | {token.strip().lower() for line in connection for token in line.split(",")}
+
+
+def _warn_undecodable(headers: CIMultiDict[str], call: Call | None) -> None:
+    """Log each of an answer's header fields whose value is not UTF-8 (bytes such as
+    Latin-1's, kept by the parser as surrogate escapes). aiohttp's writer cannot send them as
+    received and drops those bytes; refusing an answer the upstream has done the work for
+    over one field would cost the caller more, so it is relayed, and this says so."""
+    for name, value in headers.items():
+        if not value.isascii():
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                log.warning("route %s: the upstream's answer has a %r header that is not "
+                            "UTF-8; its undecodable bytes do not reach the caller",
+                            call.route if call is not None else "?", name[:64],
+                            extra=PER_CALL)
 
 
 def digits_value(digits: str) -> int:
@@ -231,6 +251,8 @@ async def relay(
         outcome = _OUTCOMES[status // 100]
         upstream_headers = upstream.headers
         headers = _copy_headers(upstream_headers, _RESPONSE_DROP)
+        if not "".join(headers.values()).isascii():  # in C: one pass over every value
+            _warn_undecodable(headers, call)
         if extra_headers:
             headers.update(extra_headers)
         # Digits only (the parser refused the rest); none for a chunked or close-ended answer.

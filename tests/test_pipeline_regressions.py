@@ -448,3 +448,35 @@ routes:
         assert 5.3 <= elapsed < 5.7, elapsed
         # The read timeouts of streams (timeouts.idle) are the connector's: kept exact too.
         assert sluice.runtime.session.connector._timeout_ceil_threshold == math.inf
+
+
+async def test_an_answer_header_that_is_not_utf8_is_relayed_and_said_in_the_log(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # Seen: an upstream's "X-Name: caf\xe9 au lait" reached the caller as "caf au lait",
+    # silently: aiohttp's writer drops bytes it cannot write as received.
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nX-Name: caf\xe9 au lait\r\n"
+                     b"X-Plain: ok\r\n\r\nhi")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    config = f"""
+routes:
+  - name: r
+    path_prefix: /r/
+    upstream: http://127.0.0.1:{port}
+"""
+    try:
+        async with proxy(config) as sluice, aiohttp.ClientSession() as session:
+            with caplog.at_level("WARNING", logger="sluice"):
+                status, headers, body = await post(session, sluice.url("/r/x"), {})
+            assert (status, body, headers["X-Plain"]) == (200, b"hi", "ok")
+            warned = [r.getMessage() for r in caplog.records if "not UTF-8" in r.getMessage()]
+            assert warned == ["route r: the upstream's answer has a 'X-Name' header that is "
+                              "not UTF-8; its undecodable bytes do not reach the caller"]
+    finally:
+        server.close()
+        await server.wait_closed()
