@@ -33,10 +33,23 @@ EXIT_START_FAILED = 1
 EXIT_BROKEN_PIPE = 141
 
 
+def _hold_standard_descriptors() -> None:
+    """Put ``/dev/null`` on a standard descriptor (0-2) the process was started without
+    (``sluice serve >&-``): else the next file opened takes its number, and libuv aborts
+    when it closes what it takes for its own (``uv__close: Assertion 'fd > STDERR_FILENO'``).
+    Output to it is then counted as dropped (``sys.stdout`` stays ``None``)."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            os.open(os.devnull, os.O_RDWR)  # the lowest free number: this one
+
+
 def _serve(args: argparse.Namespace) -> int:
     # A SIGHUP while starting must not end the process (its default action): serve() takes
     # the signal over (a reload) once it runs; until then it is ignored.
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    _hold_standard_descriptors()
     from proxy.output import logging_in_background
     from proxy.server import serve
 
@@ -221,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         status = args.func(args)
-        sys.stdout.flush()
+        if sys.stdout is not None:  # None: started without one (">&-")
+            sys.stdout.flush()
     except BrokenPipeError:
         # The reader left (``sluice dlq list | head``): stop quietly, as a command killed by
         # SIGPIPE does, and keep the interpreter's own flush at exit from failing again.

@@ -6,23 +6,31 @@ the thread that makes it. Made on the event loop, that stopped every request, th
 the drain with it (seen: ~64 KiB of events in, request 199 and ``/healthz`` hung, and SIGTERM
 left the process stuck in the write).
 
-A :class:`BackgroundWriter` owns one file descriptor and writes to it from a thread of its
-own; the loop only hands it bytes. While the destination is stuck, what waits is bounded
+A :class:`BackgroundWriter` owns one destination and writes to it from a thread of its own;
+the loop only hands it bytes. While the destination is stuck, what waits is bounded
 (``max_pending_bytes``): what does not fit is dropped and counted, since a lost log or event
-line costs less than a stopped proxy, and the first write that fits again is preceded by a
-line saying how many were lost. Writes go to the descriptor with ``os.write``, not through a
-buffered file object, so a thread stuck in one holds no lock that the interpreter's own
-flush at exit would wait on.
+line costs less than a stopped proxy, and so are lines a write error loses (a full disk, a
+reader gone); the first write that fits again is preceded by a line saying how many were
+lost. Writes go to the descriptor with ``os.write`` (:class:`FdSink`), not through a buffered
+file object, so a thread stuck in one holds no lock that the interpreter's own flush at exit
+would wait on.
+
+Events (stdout) and log lines (stderr) have a writer each, and both may end in one pipe
+(``2>&1 |``, a container runtime's log pipe). A write to a pipe is atomic only up to
+``PIPE_BUF`` bytes (POSIX), so to anything but a regular file :class:`FdSink` writes whole
+lines in pieces of at most that: two writers' lines then never splice into one another.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import errno
 import io
 import logging
 import os
 import select
+import stat
 import threading
 from collections.abc import Callable, Iterator
 from typing import IO
@@ -54,7 +62,8 @@ class BackgroundWriter:
         self._lost = lost
         self._max = max_pending_bytes
         self._unreported = 0
-        self._pending: collections.deque[bytes] = collections.deque()
+        #: byte strings waiting, each with the number of items (lines) it holds
+        self._pending: collections.deque[tuple[bytes, int]] = collections.deque()
         self._pending_bytes = 0  # queued, or taken by the thread and not yet written
         self._closing = False
         self._done = threading.Condition()
@@ -62,9 +71,9 @@ class BackgroundWriter:
         self._thread.start()
 
     def write(self, data: bytes, items: int = 1) -> bool:
-        """Queue ``data`` (``items`` lines of it) to be written; never blocks on the
-        destination. Returns ``False`` when it was dropped: the destination is too far
-        behind, or the writer is closed."""
+        """Queue ``data`` (``items`` lines of it, each ending in a newline) to be written;
+        never blocks on the destination. Returns ``False`` when it was dropped: the
+        destination is too far behind, or the writer is closed."""
         with self._done:
             if self._closing or self._pending_bytes + len(data) > self._max:
                 self.dropped += items
@@ -72,10 +81,10 @@ class BackgroundWriter:
                 return False
             if self._unreported and self._lost is not None:
                 note = self._lost(self._unreported)
-                self._pending.append(note)
+                self._pending.append((note, 0))
                 self._pending_bytes += len(note)
             self._unreported = 0
-            self._pending.append(data)
+            self._pending.append((data, items))
             self._pending_bytes += len(data)
             self._done.notify_all()
         return True
@@ -96,35 +105,95 @@ class BackgroundWriter:
                 self._done.wait_for(lambda: self._pending or self._closing)
                 if not self._pending:
                     return  # closing, and everything was written
-                data = b"".join(self._pending)
+                data = b"".join([chunk for chunk, _ in self._pending])
+                items = sum([count for _, count in self._pending])
                 self._pending.clear()
             try:
                 self._sink(data)
-            except (OSError, ValueError):
-                pass  # a closed or broken destination must not take the proxy down
+                lost = 0
+            except Exception:  # a broken destination must not stop the writer
+                lost = items  # some may be out: counted as lost all the same
             with self._done:
                 self._pending_bytes -= len(data)
+                self.dropped += lost
+                self._unreported += lost
                 self._done.notify_all()
 
 
-def fd_sink(fd: int) -> Callable[[bytes], None]:
+class FdSink:
     """A sink writing to the file descriptor ``fd`` (not closed here) with ``os.write``,
-    waiting for room if it was left non-blocking (e.g. by another process on the pipe)."""
+    waiting for room if it was left non-blocking (e.g. by another process on the pipe).
 
-    def write_all(data: bytes) -> None:
+    To anything but a regular file it writes whole lines in pieces of at most ``PIPE_BUF``
+    bytes (a longer line goes alone), each atomic on a pipe (see the module docstring). A
+    write that failed mid-line (a full disk) leaves the destination's last line cut: the
+    next write then starts on a new line, not onto that half.
+
+    Raises:
+        OSError: the write failed (the caller drops the lines).
+    """
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self._piece = None if stat.S_ISREG(os.fstat(fd).st_mode) else select.PIPE_BUF
+        self._cut = False  # the last write failed mid-line
+
+    def __call__(self, data: bytes) -> None:
+        if self._cut:
+            self._write(memoryview(b"\n"))
+            self._cut = False
         view = memoryview(data)
-        while view:
-            try:
-                view = view[os.write(fd, view):]
-            except BlockingIOError:
-                select.select([], [fd], [])
+        size = self._piece
+        start, end = 0, len(data)
+        try:
+            while start < end:
+                stop = end
+                if size is not None and end - start > size:
+                    newline = data.rfind(b"\n", start, start + size)
+                    if newline < start:  # one line longer than a piece: it goes alone
+                        newline = data.find(b"\n", start + size)
+                    stop = end if newline < 0 else newline + 1
+                self._write(view[start:stop])
+                start = stop
+        except OSError:
+            self._cut = self._cut or (start > 0 and data[start - 1:start] != b"\n")
+            raise
 
-    return write_all
+    def _write(self, view: memoryview) -> None:
+        written = 0
+        try:
+            while written < len(view):
+                try:
+                    written += os.write(self.fd, view[written:])
+                except BlockingIOError:
+                    select.select([], [self.fd], [])
+        except OSError:
+            self._cut = self._cut or (0 < written < len(view)
+                                      and view[written - 1:written] != b"\n")
+            raise
 
 
-def stream_sink(stream: IO[bytes] | IO[str]) -> Callable[[bytes], None]:
+def fd_sink(fd: int) -> Callable[[bytes], None]:
+    """:class:`FdSink` for ``fd``; when ``fd`` is not open, a sink whose every write fails
+    (its lines dropped and counted) rather than an error at startup."""
+    try:
+        return FdSink(fd)
+    except OSError as closed:
+        return _failing(closed)
+
+
+def _failing(error: OSError) -> Callable[[bytes], None]:
+    def fail(data: bytes) -> None:
+        raise error
+
+    return fail
+
+
+def stream_sink(stream: IO[bytes] | IO[str] | None) -> Callable[[bytes], None]:
     """A sink for ``stream``: its file descriptor's (:func:`fd_sink`) when it has one, else
     its own ``write`` (e.g. a test's captured stdout), decoding for a text stream."""
+    if stream is None:  # the process started with that descriptor closed (">&-")
+        return _failing(OSError(errno.EBADF, "no such output: it was closed at startup"))
     try:
         return fd_sink(stream.fileno())
     except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is both
@@ -157,9 +226,17 @@ class WriterHandler(logging.Handler):
         self.writer.write(line.encode("utf-8", "backslashreplace"))
 
 
-def _lost_log_lines(count: int) -> bytes:
-    return (f"sluice: {count} log line(s) dropped: the log's reader fell behind "
-            f"(sluice_output_dropped_total)\n").encode()
+def _lost_log_lines(formatter: logging.Formatter) -> Callable[[int], bytes]:
+    """The warning, formatted as the log's other lines, that ``count`` of them were lost."""
+
+    def line(count: int) -> bytes:
+        record = logging.makeLogRecord({
+            "name": "sluice", "levelno": logging.WARNING, "levelname": "WARNING",
+            "msg": "%d log line(s) dropped: the log's destination was not taking them "
+                   "(sluice_output_dropped_total)", "args": (count,)})
+        return (formatter.format(record) + "\n").encode("utf-8", "backslashreplace")
+
+    return line
 
 
 @contextlib.contextmanager
@@ -169,18 +246,21 @@ def logging_in_background(stream: IO[str]) -> Iterator[BackgroundWriter]:
     the same formatter, level and filters; on the way out the writer gets
     ``CLOSE_TIMEOUT_S`` to finish, and the handlers are put back."""
     root = logging.getLogger()
-    writer = BackgroundWriter(stream_sink(stream), "sluice-log-writer", lost=_lost_log_lines)
+    found = [handler for handler in root.handlers
+             if isinstance(handler, logging.StreamHandler) and handler.stream is stream]
+    formatter = (found[0].formatter if found else None) or logging.Formatter()
+    writer = BackgroundWriter(stream_sink(stream), "sluice-log-writer",
+                              lost=_lost_log_lines(formatter))
     swapped: list[tuple[logging.Handler, logging.Handler]] = []
-    for handler in list(root.handlers):
-        if isinstance(handler, logging.StreamHandler) and handler.stream is stream:
-            instead = WriterHandler(writer)
-            instead.setFormatter(handler.formatter)
-            instead.setLevel(handler.level)
-            for each in handler.filters:
-                instead.addFilter(each)
-            root.removeHandler(handler)
-            root.addHandler(instead)
-            swapped.append((handler, instead))
+    for handler in found:
+        instead = WriterHandler(writer)
+        instead.setFormatter(handler.formatter)
+        instead.setLevel(handler.level)
+        for each in handler.filters:
+            instead.addFilter(each)
+        root.removeHandler(handler)
+        root.addHandler(instead)
+        swapped.append((handler, instead))
     try:
         yield writer
     finally:
