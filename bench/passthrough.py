@@ -114,7 +114,6 @@ async def serve(port: int, upstream: str, prefix: str) -> None:
     """Serve on 127.0.0.1:``port`` until SIGTERM or SIGINT."""
     loop = asyncio.get_running_loop()
     connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=60, keepalive_timeout=30,
-                                     timeout_ceil_threshold=math.inf,
                                      enable_cleanup_closed=True)
     session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
                                     trust_env=False, cookie_jar=aiohttp.DummyCookieJar(),

@@ -49,7 +49,7 @@ def upstream_session(connector: aiohttp.BaseConnector | None = None) -> aiohttp.
     """A session for forwarding: bytes untouched (no decompression), no cookies, no proxy
     settings from the environment, no headers of its own. Create it inside the running loop."""
     return aiohttp.ClientSession(
-        connector=connector or aiohttp.TCPConnector(timeout_ceil_threshold=EXACT_TIMEOUTS),
+        connector=connector,
         auto_decompress=False,
         trust_env=False,
         cookie_jar=aiohttp.DummyCookieJar(),

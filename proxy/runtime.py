@@ -18,7 +18,7 @@ from policies.state import StateBackends, backends_for
 from policies.state.connection import redact_url
 from policies.state.runs import RedisRuns
 from proxy import output
-from proxy.client import EXACT_TIMEOUTS, upstream_session
+from proxy.client import upstream_session
 from proxy.events import EventLog
 from proxy.metrics import Metrics
 from proxy.routes import Route, Router
@@ -120,7 +120,8 @@ class Runtime:
         for name, gone in old.items():
             summary["removed"].append(name)
             self.metrics.forget_route(name)
-            gone.detach_metrics()
+            for each in (gone, *gone.retired):  # the older objects' calls too
+                each.detach_metrics()
             self.removed.append(gone)
         self.removed = [route for route in self.removed if route.inflight_total]
         self.config = config
@@ -189,7 +190,6 @@ class Runtime:
             ttl_dns_cache=60,
             keepalive_timeout=30,
             enable_cleanup_closed=True,  # closes leaked TLS transports on Python 3.11
-            timeout_ceil_threshold=EXACT_TIMEOUTS,  # read timeouts to the ms (proxy/client.py)
         )
         self.session = upstream_session(connector)
         await self.state.start()
