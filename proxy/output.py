@@ -17,8 +17,9 @@ would wait on.
 
 Events (stdout) and log lines (stderr) have a writer each, and both may end in one pipe
 (``2>&1 |``, a container runtime's log pipe). A write to a pipe is atomic only up to
-``PIPE_BUF`` bytes (POSIX), so to anything but a regular file :class:`FdSink` writes whole
-lines in pieces of at most that: two writers' lines then never splice into one another.
+``PIPE_BUF`` bytes (POSIX): one waiting for room lets another in mid-way, and a log line was
+seen spliced into an event's JSON. So the :class:`FdSink` s of one destination (the same
+device and inode) share a lock, held for a whole batch: their lines never interleave.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ import io
 import logging
 import os
 import select
-import stat
 import threading
 from collections.abc import Callable, Iterator
 from typing import IO
@@ -62,8 +62,9 @@ class BackgroundWriter:
         self._lost = lost
         self._max = max_pending_bytes
         self._unreported = 0
-        #: byte strings waiting, each with the number of items (lines) it holds
-        self._pending: collections.deque[tuple[bytes, int]] = collections.deque()
+        #: byte strings waiting, each with the number of items (lines) it holds and, for a
+        #: ``lost`` line, the number of dropped items it announces
+        self._pending: collections.deque[tuple[bytes, int, int]] = collections.deque()
         self._pending_bytes = 0  # queued, or taken by the thread and not yet written
         self._closing = False
         self._done = threading.Condition()
@@ -81,10 +82,10 @@ class BackgroundWriter:
                 return False
             if self._unreported and self._lost is not None:
                 note = self._lost(self._unreported)
-                self._pending.append((note, 0))
+                self._pending.append((note, 0, self._unreported))
                 self._pending_bytes += len(note)
-            self._unreported = 0
-            self._pending.append((data, items))
+                self._unreported = 0
+            self._pending.append((data, items, 0))
             self._pending_bytes += len(data)
             self._done.notify_all()
         return True
@@ -105,18 +106,20 @@ class BackgroundWriter:
                 self._done.wait_for(lambda: self._pending or self._closing)
                 if not self._pending:
                     return  # closing, and everything was written
-                data = b"".join([chunk for chunk, _ in self._pending])
-                items = sum([count for _, count in self._pending])
+                data = b"".join([chunk for chunk, _, _ in self._pending])
+                items = sum([count for _, count, _ in self._pending])
+                announced = sum([count for _, _, count in self._pending])
                 self._pending.clear()
             try:
                 self._sink(data)
-                lost = 0
+                lost = unsaid = 0
             except Exception:  # a broken destination must not stop the writer
                 lost = items  # some may be out: counted as lost all the same
+                unsaid = announced  # the announcement of earlier drops was lost with them
             with self._done:
                 self._pending_bytes -= len(data)
                 self.dropped += lost
-                self._unreported += lost
+                self._unreported += lost + unsaid
                 self._done.notify_all()
 
 
@@ -124,10 +127,10 @@ class FdSink:
     """A sink writing to the file descriptor ``fd`` (not closed here) with ``os.write``,
     waiting for room if it was left non-blocking (e.g. by another process on the pipe).
 
-    To anything but a regular file it writes whole lines in pieces of at most ``PIPE_BUF``
-    bytes (a longer line goes alone), each atomic on a pipe (see the module docstring). A
-    write that failed mid-line (a full disk) leaves the destination's last line cut: the
-    next write then starts on a new line, not onto that half.
+    A batch is written whole under the lock of its destination, shared by every sink on the
+    same file (see the module docstring). A write that failed mid-line (a full disk) leaves
+    the destination's last line cut: the next write then starts on a new line, not onto that
+    half.
 
     Raises:
         OSError: the write failed (the caller drops the lines).
@@ -135,29 +138,16 @@ class FdSink:
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
-        self._piece = None if stat.S_ISREG(os.fstat(fd).st_mode) else select.PIPE_BUF
-        self._cut = False  # the last write failed mid-line
+        status = os.fstat(fd)
+        with _DESTINATIONS_GUARD:
+            self._to = _DESTINATIONS.setdefault((status.st_dev, status.st_ino), _Destination())
 
     def __call__(self, data: bytes) -> None:
-        if self._cut:
-            self._write(memoryview(b"\n"))
-            self._cut = False
-        view = memoryview(data)
-        size = self._piece
-        start, end = 0, len(data)
-        try:
-            while start < end:
-                stop = end
-                if size is not None and end - start > size:
-                    newline = data.rfind(b"\n", start, start + size)
-                    if newline < start:  # one line longer than a piece: it goes alone
-                        newline = data.find(b"\n", start + size)
-                    stop = end if newline < 0 else newline + 1
-                self._write(view[start:stop])
-                start = stop
-        except OSError:
-            self._cut = self._cut or (start > 0 and data[start - 1:start] != b"\n")
-            raise
+        with self._to.lock:
+            if self._to.cut:
+                self._write(memoryview(b"\n"))
+                self._to.cut = False
+            self._write(memoryview(data))
 
     def _write(self, view: memoryview) -> None:
         written = 0
@@ -168,9 +158,25 @@ class FdSink:
                 except BlockingIOError:
                     select.select([], [self.fd], [])
         except OSError:
-            self._cut = self._cut or (0 < written < len(view)
-                                      and view[written - 1:written] != b"\n")
+            self._to.cut = self._to.cut or (0 < written < len(view)
+                                            and view[written - 1:written] != b"\n")
             raise
+
+
+class _Destination:
+    """What the sinks writing to one file share: the lock a batch is written under, and
+    whether its last line was cut by a failed write."""
+
+    __slots__ = ("cut", "lock")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.cut = False
+
+
+#: The destinations written to, by (device, inode).
+_DESTINATIONS: dict[tuple[int, int], _Destination] = {}
+_DESTINATIONS_GUARD = threading.Lock()
 
 
 def fd_sink(fd: int) -> Callable[[bytes], None]:
@@ -220,10 +226,9 @@ class WriterHandler(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         try:
             line = self.format(record) + "\n"
+            self.writer.write(line.encode("utf-8", "backslashreplace"))
         except Exception:  # as logging.StreamHandler does
             self.handleError(record)
-            return
-        self.writer.write(line.encode("utf-8", "backslashreplace"))
 
 
 def _lost_log_lines(formatter: logging.Formatter) -> Callable[[int], bytes]:
@@ -243,8 +248,10 @@ def _lost_log_lines(formatter: logging.Formatter) -> Callable[[int], bytes]:
 def logging_in_background(stream: IO[str]) -> Iterator[BackgroundWriter]:
     """Within the block, the root logger's handlers that write to ``stream`` (the one
     ``logging.basicConfig`` added) write through one :class:`BackgroundWriter` instead, with
-    the same formatter, level and filters; on the way out the writer gets
-    ``CLOSE_TIMEOUT_S`` to finish, and the handlers are put back."""
+    the same formatter, level and filters, and Python's warnings go to the log too
+    (``logging.captureWarnings``) rather than to ``stream`` directly. On the way out the
+    writer gets ``CLOSE_TIMEOUT_S`` to finish; the handlers are put back if it did (if not,
+    ``stream`` is stuck, and later lines are dropped rather than block the exit)."""
     root = logging.getLogger()
     found = [handler for handler in root.handlers
              if isinstance(handler, logging.StreamHandler) and handler.stream is stream]
@@ -261,13 +268,15 @@ def logging_in_background(stream: IO[str]) -> Iterator[BackgroundWriter]:
         root.removeHandler(handler)
         root.addHandler(instead)
         swapped.append((handler, instead))
+    logging.captureWarnings(True)
     try:
         yield writer
     finally:
-        writer.close(CLOSE_TIMEOUT_S)
-        for handler, instead in swapped:
-            root.removeHandler(instead)
-            root.addHandler(handler)
+        if writer.close(CLOSE_TIMEOUT_S):
+            logging.captureWarnings(False)
+            for handler, instead in swapped:
+                root.removeHandler(instead)
+                root.addHandler(handler)
 
 
 def log_dropped() -> int:

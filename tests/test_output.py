@@ -99,8 +99,8 @@ def test_two_writers_on_one_pipe_never_splice_their_lines() -> None:
     for _ in range(200):  # ~1.2 MiB: the events' writer is stuck in its writes a while
         events.write(b"".join(b'{"event":"%d","x":"%s"}\n' % (i, b"e" * 90)
                               for i in range(50)), 50)
-    for n in range(200):  # meanwhile, log lines come one by one
-        logs.write(b"WARNING %d %s\n" % (n, b"l" * 300))
+    for n in range(200):  # meanwhile, log lines come one by one, some longer than PIPE_BUF
+        logs.write(b"WARNING %d %s\n" % (n, b"l" * (9000 if n % 10 == 0 else 300)))
         time.sleep(0.001)
     assert events.close(60) and logs.close(60)
     os.close(write_end)
@@ -146,6 +146,28 @@ def test_lines_a_write_error_loses_are_counted_and_a_cut_line_is_ended(
     assert writer.close(10)
     os.close(fd)
     assert path.read_bytes() == b"first line\nsecond\nlost 2\nthird line\n"
+
+
+def test_drops_whose_announcement_was_lost_too_are_announced_again() -> None:
+    # Seen in review: each failed batch dropped the count its "lost" line carried, so after
+    # ten failed batches of 3 lines the announcement said 3, not 30.
+    failures = [10]
+    taken: list[bytes] = []
+
+    def disk(data: bytes) -> None:
+        if failures[0]:
+            failures[0] -= 1
+            raise OSError(28, "No space left on device")
+        taken.append(data)
+
+    writer = BackgroundWriter(disk, "test-writer", lost=lambda n: b"lost %d\n" % n)
+    for batch in range(1, 11):
+        writer.write(b"a\nb\nc\n", items=3)
+        while writer.dropped < 3 * batch:  # one batch at a time
+            time.sleep(0.001)
+    writer.write(b"ok\n")
+    assert writer.close(10)
+    assert b"".join(taken) == b"lost 30\nok\n" and writer.dropped == 30
 
 
 def test_log_lines_to_a_stderr_nobody_reads_never_block_the_logger() -> None:
