@@ -77,7 +77,8 @@ _INITIAL_SERVICE_S = 1.0  # assumed mean service time before the first completio
 JITTER_MAX = 1.5
 _TENANTS_SHOWN = 20  # tenants listed by state(), the biggest holders first
 #: The ``queue_timeout`` detail when the caller's own deadline, not ``max_wait``, ended the wait.
-DEADLINE_EXPIRED = "the caller's deadline passed while it was queued"
+DEADLINE_EXPIRED = ("the caller's timeout, less the time a call takes, ran out while it was "
+                    "queued")
 
 
 class Slot:
@@ -280,8 +281,11 @@ class ConcurrencyLimiter:
         held = self._by_tenant.get(tenant, 0)
         max_wait = self.wait_budget(caller_timeout)
         expected = (self.queued + 1) * self.mean_service_s / self.limit
+        # Refused at once only when the caller's own timeout cannot cover the estimate: a wait
+        # longer than ``max_wait`` alone is the queue's matter (``queue_timeout`` once it
+        # passes), as for a caller that sent no timeout.
         if max_wait <= 0 or (caller_timeout is not None and self.observed
-                             and expected > max_wait):
+                             and expected > caller_timeout - self.mean_service_s):
             raise Rejected(
                 Reason.DEADLINE_UNREACHABLE,
                 self._drain_estimate(self.queued + 1),

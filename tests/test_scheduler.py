@@ -211,3 +211,31 @@ async def test_per_run_budgets_charge_every_ancestor():
     with pytest.raises(Rejected):  # the parent's 100 is shared with its other children
         await budgets.reserve("t", "kid2", None, 30, 30, ("parent",))
     budgets.settle(held, None)
+
+
+def test_a_generous_deadline_queues_even_when_the_estimate_passes_max_wait():
+    """A caller whose timeout covers the estimated wait and the call is queued, though the
+    estimate exceeds ``max_wait`` (the openai SDK sends ``x-stainless-timeout: 600``): if no
+    slot frees within ``max_wait`` it is refused ``queue_timeout``, naming ``max_wait``, not
+    ``deadline_unreachable``, which would blame the caller's timeout."""
+    async def main() -> None:
+        limiter = ConcurrencyLimiter(1, 10, 5.0, None)
+        limiter.mean_service_s, limiter.observed = 10.0, True  # estimated wait 10 s > 5 s
+        await limiter.acquire("t")
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        with pytest.raises(Rejected) as refused:
+            await limiter.acquire("t", caller_timeout=600.0)
+        assert refused.value.reason is Reason.QUEUE_TIMEOUT
+        assert "max_wait of 5s" in refused.value.detail
+        assert loop.time() - started == pytest.approx(5.0)
+        # Served when a slot frees within max_wait.
+        task = asyncio.ensure_future(limiter.acquire("t", caller_timeout=600.0))
+        await asyncio.sleep(1.0)
+        assert limiter.queued == 1
+        limiter.release("t", 10.0)
+        await task
+        limiter.release("t", None)
+        assert (limiter.inflight, limiter.queued) == (0, 0)
+
+    _loop_run(main())
