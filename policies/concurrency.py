@@ -46,7 +46,7 @@ fall below it; a new ``max_wait`` applies to requests queued after the reload.
 Rejections carry an honest ``retry_after`` estimated with Little's law: a queue of ``n`` ahead
 drains in about ``n * S / limit`` seconds (spread up to +50% at random, so callers refused
 together do not retry together), where ``S`` is the route's mean service time (an
-exponentially weighted average of observed upstream durations).
+exponentially weighted average of observed upstream durations, seeded by the first one).
 
 This limiter counts one process's calls (``state.backend: memory``). With ``state.backend:
 redis`` a route uses :class:`policies.shared_concurrency.SharedConcurrencyLimiter`, which keeps
@@ -76,9 +76,11 @@ _INITIAL_SERVICE_S = 1.0  # assumed mean service time before the first completio
 #: Largest factor the Retry-After estimate is spread by (see ``_drain_estimate``).
 JITTER_MAX = 1.5
 _TENANTS_SHOWN = 20  # tenants listed by state(), the biggest holders first
-#: The ``queue_timeout`` detail when the caller's own deadline, not ``max_wait``, ended the wait.
+#: The ``queue_timeout`` details when the caller's own deadline, not ``max_wait``, ended the
+#: wait: once a call's time is known it is set aside from the deadline, before then it is not.
 DEADLINE_EXPIRED = ("the caller's timeout, less the time a call takes, ran out while it was "
                     "queued")
+DEADLINE_PASSED = "the caller's timeout ran out while it was queued"
 
 
 class Slot:
@@ -183,7 +185,8 @@ def report_expiry(call: Call, rejected: Rejected) -> None:
     """Report ``expired`` for a queued ``call`` refused ``queue_timeout``."""
     if rejected.reason is Reason.QUEUE_TIMEOUT and call.enqueued_at is not None:
         call.notify("expired", {"waited_s": round(time.monotonic() - call.enqueued_at, 6),
-                                "deadline": rejected.detail == DEADLINE_EXPIRED})
+                                "deadline": rejected.detail in (DEADLINE_EXPIRED,
+                                                                DEADLINE_PASSED)})
 
 
 class ConcurrencyLimiter:
@@ -315,8 +318,10 @@ class ConcurrencyLimiter:
         queue.add(waiter)
         self.queued += 1
         try:
-            waiter.timer = loop.call_later(max_wait, self._expire, waiter,
-                                           max_wait < self.max_wait)
+            waiter.timer = loop.call_later(
+                max_wait, self._expire, waiter,
+                None if max_wait >= self.max_wait else
+                DEADLINE_EXPIRED if self.observed else DEADLINE_PASSED)
             if on_queued is not None:
                 on_queued(self.queued)
             granted = await waiter.future
@@ -385,8 +390,11 @@ class ConcurrencyLimiter:
         answer) updates the mean service time, and replaces ``charged`` (the estimate
         :meth:`acquire` returned) in the tenant's virtual time."""
         if service_s is not None:
-            self.mean_service_s += _EWMA_WEIGHT * (service_s - self.mean_service_s)
-            self.observed = True
+            if self.observed:
+                self.mean_service_s += _EWMA_WEIGHT * (service_s - self.mean_service_s)
+            else:  # the first sample replaces the guess (averaging it in would take ~20 calls)
+                self.mean_service_s = service_s
+                self.observed = True
             if self._mean_tokens is None:
                 # A tenant's mean prices only calls with no token cost on a route that has
                 # seen none (``_charge``); once one has had a cost it is never read again.
@@ -543,7 +551,9 @@ class ConcurrencyLimiter:
         return [entry[2] for queue in self._classes.values() for entry in queue.heap
                 if entry[2].state == WAITING]
 
-    def _expire(self, waiter: _Waiter, deadline: bool = False) -> None:
+    def _expire(self, waiter: _Waiter, deadline: str | None = None) -> None:
+        """``waiter``'s wait is over: refuse it ``queue_timeout``, with ``deadline`` (the
+        detail naming the caller's timeout) when that, not ``max_wait``, ended it."""
         if waiter.state != WAITING:
             return
         if waiter.future.done():  # cancelled; its caller has not run yet
@@ -554,8 +564,7 @@ class ConcurrencyLimiter:
             Rejected(
                 Reason.QUEUE_TIMEOUT,
                 self._drain_estimate(self.queued + 1),
-                DEADLINE_EXPIRED if deadline else
-                f"waited the queue's max_wait of {self.max_wait:g}s",
+                deadline or f"waited the queue's max_wait of {self.max_wait:g}s",
                 ("concurrency", self.limit, 0),
             )
         )

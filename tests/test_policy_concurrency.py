@@ -46,12 +46,14 @@ async def test_slots_then_queue_full_with_a_drain_estimate():
 async def test_service_time_average_drives_retry_after():
     limiter = limiter_with(queue=0, max_wait=5.0)
     await limiter.acquire("t")
-    limiter.release("t", 3.0)  # EWMA: 1.0 + 0.1 * (3.0 - 1.0)
-    assert limiter.mean_service_s == pytest.approx(1.2)
+    limiter.release("t", 3.0)  # the first sample replaces the 1 s guess
+    await limiter.acquire("t")
+    limiter.release("t", 1.0)  # EWMA: 3.0 + 0.1 * (1.0 - 3.0)
+    assert limiter.mean_service_s == pytest.approx(2.8)
     await limiter.acquire("t")
     with pytest.raises(Rejected) as full:
         await limiter.acquire("t")
-    assert 1.2 <= full.value.retry_after <= 1.2 * JITTER_MAX
+    assert 2.8 <= full.value.retry_after <= 2.8 * JITTER_MAX
 
 
 async def test_freed_slot_goes_to_the_best_waiter_without_dipping():
@@ -204,8 +206,8 @@ async def test_the_callers_timeout_less_the_service_time_bounds_the_wait():
     assert limiter.wait_budget(None) == 30.0
     assert limiter.wait_budget(2.0) == 2.0
     await limiter.acquire("t")
-    limiter.release("t", 1.5)  # observed: 1.0 + 0.1 * (1.5 - 1.0) = 1.05 s
-    assert limiter.wait_budget(2.0) == pytest.approx(0.95)
+    limiter.release("t", 1.5)  # observed: the first sample replaces the 1 s guess
+    assert limiter.wait_budget(2.0) == pytest.approx(0.5)
     assert limiter.wait_budget(60.0) == 30.0
     # A caller whose timeout cannot cover even the call itself is told at once.
     await limiter.acquire("t")

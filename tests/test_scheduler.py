@@ -239,3 +239,44 @@ def test_a_generous_deadline_queues_even_when_the_estimate_passes_max_wait():
         assert (limiter.inflight, limiter.queued) == (0, 0)
 
     _loop_run(main())
+
+
+def test_the_first_observed_call_time_replaces_the_guess():
+    """One finished 3 s call makes the mean 3 s, not 1.2 s (the 1 s guess averaged in): a
+    caller with 4.5 s left behind a 3 s call in flight cannot be served in time and is told
+    at once, instead of being queued, sent at 3 s and answered after its deadline."""
+    async def main() -> None:
+        limiter = ConcurrencyLimiter(1, 4, 10.0, None)
+        await limiter.acquire("t")
+        limiter.release("t", 3.0)
+        assert limiter.mean_service_s == 3.0
+        await limiter.acquire("t")
+        with pytest.raises(Rejected) as refused:
+            await limiter.acquire("t", caller_timeout=4.5)
+        assert refused.value.reason is Reason.DEADLINE_UNREACHABLE
+        limiter.release("t", 4.0)  # later samples are averaged in
+        assert limiter.mean_service_s == pytest.approx(3.1)
+        assert (limiter.inflight, limiter.queued) == (0, 0)
+
+    _loop_run(main())
+
+
+def test_before_any_call_time_is_known_the_deadline_detail_subtracts_nothing():
+    async def main() -> None:
+        limiter = ConcurrencyLimiter(1, 4, 10.0, None)
+        await limiter.acquire("t")
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        with pytest.raises(Rejected) as refused:
+            await limiter.acquire("t", caller_timeout=0.5)
+        assert loop.time() - started == pytest.approx(0.5)  # the whole timeout, nothing set aside
+        assert refused.value.detail == "the caller's timeout ran out while it was queued"
+        limiter.release("t", 2.0)
+        await limiter.acquire("t")
+        with pytest.raises(Rejected) as refused:
+            await limiter.acquire("t", caller_timeout=4.5)  # estimate 2 s + 2 s fits: queued
+        assert loop.time() - started == pytest.approx(0.5 + 2.5)
+        assert refused.value.detail.startswith("the caller's timeout, less the time a call takes")
+        limiter.release("t", None)
+
+    _loop_run(main())
