@@ -124,7 +124,8 @@ class Accounting:
         passes unmetered).
 
         Raises:
-            Rejected: ``bad_request`` on a route with token limits, when the body is not JSON,
+            Rejected: ``bad_request`` on a route with token limits, when the body is
+                compressed (``Content-Encoding`` other than ``identity``) or not JSON,
                 names no output cap (and no default is configured), or a per-run budget
                 applies and no run id was sent; or from :meth:`reserve`. Nothing is held.
         """
@@ -141,6 +142,11 @@ class Accounting:
         rate = self.rate
         enforcing = _limits_tokens(rate, self.budgets)
         try:
+            encoding = call.headers.get("Content-Encoding")
+            if encoding and encoding.lower() != "identity":
+                # Its bytes are not the JSON they encode (nor may Sluice rewrite them).
+                raise ValueError(f"the body is compressed (Content-Encoding: {encoding:.40}); "
+                                 f"send it uncompressed")
             cost = read_request(endpoint, call.body, self.default_cap, self.write_cap,
                                 self.stream_usage)
         except ValueError as exc:

@@ -89,6 +89,30 @@ async def test_unreadable_calls_are_refused_with_token_limits():
     charge.release(Outcome("2xx", True, 200))
 
 
+async def test_a_compressed_body_is_unreadable_whatever_it_holds():
+    """A body sent with ``Content-Encoding: gzip`` (or ``br``, even over plain JSON bytes)
+    is not read as JSON: it passes unmetered and untouched where no token limit applies, and
+    is refused, naming the coding, where one does."""
+    import gzip
+
+    for coding, body in (("gzip", gzip.compress(BODY)), ("BR", BODY)):
+        call = Call(request_id="r", route="openai", method="POST",
+                    path="/openai/v1/chat/completions",
+                    headers=CIMultiDict({"content-encoding": coding}), body=body, tenant="t")
+        assert await make_accounting(usage={"default_max_tokens": 100}).admit(call) is None
+        assert call.meter is None and call.body == body
+        limited = make_accounting(rate={"tokens": "100000/min"})
+        with pytest.raises(Rejected) as refused:
+            await limited.admit(call)
+        assert refused.value.reason.status == 400
+        assert f"compressed (Content-Encoding: {coding})" in refused.value.detail
+    identity = make_call()
+    identity.headers = CIMultiDict({"Content-Encoding": "identity"})
+    charge = await make_accounting(rate={"tokens": "100000/min"}).admit(identity)
+    assert charge is not None and charge.units is not None
+    charge.release(Outcome("2xx", True, 200))
+
+
 async def test_release_writes_the_completed_fields_once():
     acct = make_accounting()
     call = make_call()

@@ -36,3 +36,25 @@ async def test_token_rate_weighs_reserved_tokens(upstream, start_sluice):
     assert never.value.response.headers["x-should-retry"] == "false"
     assert len(upstream.requests) == 3
     await client.close()
+
+
+async def test_a_compressed_request_body_is_refused_with_a_reason_where_tokens_are_limited(
+        upstream, start_sluice):
+    """A gzip body on a token-limited route is a 400 naming the coding (it cannot be read to
+    reserve its tokens), not "the body is not JSON"; it never reaches the upstream."""
+    import gzip
+    import json
+
+    import aiohttp
+
+    sluice = await start_sluice({"routes": [route(
+        "openai", upstream.url, rate={"tokens": "100000/h"})]})
+    body = gzip.compress(json.dumps({"model": "m", "messages": MSG, "max_tokens": 5}).encode())
+    async with aiohttp.ClientSession() as session, session.post(
+            sluice.url + "/openai/v1/chat/completions", data=body,
+            headers={"Content-Type": "application/json", "Content-Encoding": "gzip"}) as r:
+        answer = await r.json()
+        assert (r.status, r.headers["X-Sluice-Reason"]) == (400, "bad_request")
+    assert "compressed (Content-Encoding: gzip); send it uncompressed" in (
+        answer["error"]["message"])
+    assert upstream.requests == []
