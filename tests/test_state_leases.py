@@ -146,3 +146,56 @@ async def main(url, prefix, lease_s):
 
 asyncio.run(main(sys.argv[1], sys.argv[2], float(sys.argv[3])))
 """
+
+
+async def test_a_cancel_during_a_redis_call_is_never_lost(backends: StateBackends):
+    """A call cancelled in its first loop turns is cancelled. redis-py wrote commands under
+    ``asyncio.wait_for`` when given a socket timeout, and on Python 3.11 that swallowed a
+    cancel landing as the write completed (CPython gh-86296): every cancel in turns 1-3 was
+    lost, and a released lease's renewal went on taking it back for good."""
+    leases = backends.leases
+    lost = []
+    for turns in range(8):
+        for _ in range(5):
+            task = asyncio.create_task(leases.renew("r", "a", "x", 60))
+            for _ in range(turns):
+                await asyncio.sleep(0)
+            if task.done():
+                continue
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                continue
+            lost.append(turns)
+    assert lost == []
+    await leases.release("r", "a", "x")
+
+
+async def test_a_released_lease_stops_renewing_even_if_its_cancel_is_lost(
+        backends: StateBackends, monkeypatch):
+    """The renewal also ends on its own once the lease is released; if the renewal in flight
+    took the lease back after the release removed it, it gives it back again."""
+    _, lease = await acquire_lease(backends.leases, "r", "a", 1, None, 0.15)
+    assert lease is not None
+    renewal = lease._renewal
+    assert renewal is not None
+    monkeypatch.setattr(renewal, "cancel", lambda *args: False)  # as if the cancel were lost
+    renew = backends.leases.renew
+    entered = asyncio.Event()
+
+    async def slow_renew(*args):
+        entered.set()
+        await asyncio.sleep(0.05)  # the release runs meanwhile
+        return await renew(*args)
+
+    monkeypatch.setattr(backends.leases, "renew", slow_renew)
+    await entered.wait()
+    assert await lease.aclose() is True
+    done, _ = await asyncio.wait({renewal}, timeout=1.0)
+    monkeypatch.undo()
+    if not done:
+        renewal.cancel()
+    assert done  # it ended by itself
+    assert lease.retaken == 0
+    assert await backends.leases.counts("r", "a") == (0, 0)  # taken back, then given back

@@ -11,9 +11,10 @@ setting says which. Whatever the client, every call made through :meth:`RedisSta
   shared/notes/library-pitfalls.md §5), and a single server's connections come from a
   ``BlockingConnectionPool`` whose wait for a free connection falls within that bound (a
   cluster client has no blocking pool: its per-node ``max_connections`` answers
-  ``MaxConnectionsError`` at once, which counts as unavailable). redis-py's own socket and
+  ``MaxConnectionsError`` at once, which counts as unavailable). redis-py's own connect and
   pool timeouts are only a backstop (:attr:`RedisState.backstop_s`): they are plain asyncio
-  timeouts, which a busy loop turns into false outages;
+  timeouts, which a busy loop turns into false outages; it has no read or write timeout (its
+  write timeout loses cancellations on Python 3.11, see ``_connect``);
 * is tried once more, within the same bound, when its connection turns out broken
   (``ConnectionError``, e.g. "Connection closed by server"): a pooled connection opened before
   a Redis restart fails on its first use (redis-py's check before handing it out does not see
@@ -339,7 +340,7 @@ class RedisState:
 
     @property
     def backstop_s(self) -> float:
-        """redis-py's own socket and pool-wait timeouts, seconds: a backstop only. Every call
+        """redis-py's own connect and pool-wait timeouts, seconds: a backstop only. Every call
         is bounded by :class:`Deadline`; redis-py's timeouts are plain asyncio timeouts, which
         would throw away a reply that arrived while the loop was busy (see
         :data:`LATE_GRACE_S`), so they must not fire first."""
@@ -349,9 +350,14 @@ class RedisState:
         """A client for whatever the URL names (``INFO cluster``'s ``cluster_enabled``)."""
         no_retry = Retry(NoBackoff(), 0)
         backstop = self.backstop_s
+        # socket_timeout=None (redis 8's default is 5 s): with one, redis-py writes each
+        # command under asyncio.wait_for, which on Python 3.11 swallows a cancellation that
+        # lands as the write completes (CPython gh-86296, fixed in 3.12): measured, every
+        # cancel of a call in its first loop turns was lost, and a lease's renewal outlived
+        # its release. Deadline bounds every call instead.
         pool = BlockingConnectionPool.from_url(
             self.url, max_connections=self.max_connections, timeout=backstop,
-            socket_timeout=backstop, socket_connect_timeout=backstop, retry=no_retry,
+            socket_timeout=None, socket_connect_timeout=backstop, retry=no_retry,
         )
         single = Redis(connection_pool=pool)
         try:
@@ -371,7 +377,7 @@ class RedisState:
                              "has only database 0")
         cluster = RedisCluster.from_url(
             self.url, retry=Retry(NoBackoff(), 0), max_connections=self.max_connections,
-            socket_timeout=backstop, socket_connect_timeout=backstop,
+            socket_timeout=None, socket_connect_timeout=backstop,  # see the single server's
         )
         try:
             await cluster.initialize()
@@ -395,7 +401,8 @@ class RedisState:
         if isinstance(client, RedisCluster):
             node = client.get_default_node()
             options.update(host=node.host, port=node.port, db=0)
-        options.update(retry=Retry(NoBackoff(), 0), socket_connect_timeout=self.timeout_s)
+        options.update(retry=Retry(NoBackoff(), 0), socket_connect_timeout=self.timeout_s,
+                       socket_timeout=None)  # as in _connect: a write's timeout loses cancels
         return ConnectionPool(**options)
 
     # -- calls --------------------------------------------------------------------------------

@@ -299,13 +299,23 @@ class Lease:
         self._release: asyncio.Task[bool] | None = None
 
     async def _renew(self) -> None:
-        while True:
+        # Ends by cancellation, and also once released: a cancel lost in a library (see
+        # connection.RedisState._connect) must not keep a released lease alive for good.
+        while self._release is None:
             await asyncio.sleep(self.lease_s / 3)
+            if self._release is not None:
+                return
             try:
                 held = await self.leases.renew(self.group, self.tenant, self.lease_id,
                                                self.lease_s)
             except StateUnavailable:
                 continue  # try again next time; the lease outlives two misses
+            if self._release is not None:
+                # Released while this renewal ran. Not held: it found the lease gone, so the
+                # release had removed it, and took it back; give it back again.
+                if not held:
+                    await self._give_back()
+                return
             if not held:
                 # Gone while the call runs (Redis restarted empty, or an outage outlasted
                 # the lease): the call still occupies the upstream, so it counts again;
