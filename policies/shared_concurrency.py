@@ -28,8 +28,11 @@ admitted on Redis leases before the outage included) are under its share of the 
 (:meth:`~policies.state.Fallback.whole_share`), taking a lease from its memory for the share
 of ``per_tenant``, and logs it once per outage;
 ``reject`` refuses 503 ``state_unavailable`` (every waiter too). Every attempt asks Redis
-first, so the shared limit is back as soon as it answers; calls admitted on the local share
-finish there. A lease whose acquire Redis may have run without the answer arriving (a timeout,
+first, so the shared limit is back as soon as it answers; a call admitted on the local share
+and still running then is counted in Redis at its lease's next renewal (within a third of
+``state.lease``), past the limit if need be, so new calls wait until the route is back under
+it (before, such calls went uncounted and the route ran up to twice its limit until they
+ended). A lease whose acquire Redis may have run without the answer arriving (a timeout,
 the caller's cancellation) is released in the background, or lapses within the lease time if
 Redis cannot take that either. Cost: one round trip to take a lease, one to give it back, one
 per third of ``state.lease`` for a call running longer.
@@ -217,7 +220,9 @@ class SharedConcurrencyLimiter(ConcurrencyLimiter):
                             self.group)
         if not result.granted:
             return None, result
-        return Lease(leases, self.group, tenant, lease_id, backends.lease_s), result
+        shared = None if leases is backends.leases else backends.leases
+        return Lease(leases, self.group, tenant, lease_id, backends.lease_s,
+                     shared=shared), result
 
     def _forget_lease(self, lease_id: str, tenant: str) -> None:
         """Release ``lease_id`` in Redis, which may hold it though its acquire's answer was

@@ -199,3 +199,43 @@ async def test_a_released_lease_stops_renewing_even_if_its_cancel_is_lost(
     assert done  # it ended by itself
     assert lease.retaken == 0
     assert await backends.leases.counts("r", "a") == (0, 0)  # taken back, then given back
+
+
+async def test_a_lease_taken_from_memory_is_counted_in_redis_once_it_answers(
+        backends: StateBackends):
+    """A call admitted on a replica's local share while Redis did not answer counts in Redis
+    from its lease's next renewal once Redis is back, past the limit if need be; before, it
+    went uncounted and the route ran up to twice its limit until such calls ended."""
+    from policies.state import memory_backends
+    from policies.state.leases import Lease
+
+    local = memory_backends().leases
+    assert (await local.acquire("r", "a", "m1", 1, None, 0.3)).granted
+    lease = Lease(local, "r", "a", "m1", 0.3, shared=backends.leases)
+    # Meanwhile another replica took the route's one slot in Redis.
+    assert (await backends.leases.acquire("r", "b", "other", 1, None, 60)).granted
+    await asyncio.sleep(0.15)  # one renewal (every 0.1 s)
+    assert await backends.leases.counts("r", "a") == (2, 1)  # over the limit of 1: draining
+    assert await local.counts("r", "a") == (0, 0)
+    assert not (await backends.leases.acquire("r", "c", "third", 1, None, 60)).granted
+    assert lease.retaken == 0  # moved on purpose, not lapsed
+    assert await lease.aclose() is True
+    assert await backends.leases.counts("r", "a") == (1, 0)
+
+
+async def test_a_lease_taken_from_memory_stays_there_while_redis_is_away():
+    from policies.state import memory_backends
+    from policies.state.errors import StateUnavailable
+    from policies.state.leases import Lease
+
+    class Away:
+        async def renew(self, *args: object) -> bool:
+            raise StateUnavailable("frozen")
+
+    local = memory_backends().leases
+    assert (await local.acquire("r", "a", "m1", 1, None, 0.15)).granted
+    lease = Lease(local, "r", "a", "m1", 0.15, shared=Away())  # type: ignore[arg-type]
+    await asyncio.sleep(0.4)  # past the lease time: the memory lease was renewed
+    assert await local.counts("r", "a") == (1, 1)
+    assert await lease.aclose() is True
+    assert await local.counts("r", "a") == (0, 0)

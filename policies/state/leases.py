@@ -286,8 +286,12 @@ class Lease:
     """
 
     def __init__(self, leases: Leases, group: str, tenant: str, lease_id: str,
-                 lease_s: float) -> None:
+                 lease_s: float, *, shared: Leases | None = None) -> None:
         self.leases = leases
+        #: For a lease taken from memory while Redis did not answer: Redis's leases, which
+        #: each renewal tries first; once Redis answers the call counts there (taken past the
+        #: limit if need be, as a lapsed lease is) and the memory lease is given back.
+        self._shared = shared
         self.group = group
         self.tenant = tenant
         self.lease_id = lease_id
@@ -305,11 +309,23 @@ class Lease:
             await asyncio.sleep(self.lease_s / 3)
             if self._release is not None:
                 return
+            shared = self._shared
             try:
-                held = await self.leases.renew(self.group, self.tenant, self.lease_id,
-                                               self.lease_s)
+                held = await (shared or self.leases).renew(self.group, self.tenant,
+                                                           self.lease_id, self.lease_s)
             except StateUnavailable:
+                if shared is not None:  # Redis still away: keep the memory lease
+                    await self.leases.renew(self.group, self.tenant, self.lease_id,
+                                            self.lease_s)
                 continue  # try again next time; the lease outlives two misses
+            if shared is not None:
+                # Counted in Redis from now on; the memory lease (which never suspends) goes.
+                local, self.leases, self._shared = self.leases, shared, None
+                await local.release(self.group, self.tenant, self.lease_id)
+                if self._release is not None:  # released meanwhile, from memory only
+                    await self._give_back()
+                    return
+                continue
             if self._release is not None:
                 # Released while this renewal ran. Not held: it found the lease gone, so the
                 # release had removed it, and took it back; give it back again.
