@@ -49,7 +49,15 @@ from policies.reasons import Reason, Rejected
 from policies.state import LedgerFull, StateBackends, StateUnavailable
 from policies.state.admission import AdmissionResult
 from policies.state.rate import Take
-from policies.usage import Endpoint, Meter, RequestCost, Usage, endpoint_for, read_request
+from policies.usage import (
+    Endpoint,
+    Meter,
+    RequestCost,
+    Usage,
+    content_coding,
+    endpoint_for,
+    read_request,
+)
 
 #: Tenants whose remaining budget the admin API lists (the first seen).
 MAX_TENANTS_SHOWN = 100
@@ -142,8 +150,8 @@ class Accounting:
         rate = self.rate
         enforcing = _limits_tokens(rate, self.budgets)
         try:
-            encoding = call.headers.get("Content-Encoding")
-            if encoding and encoding.lower() != "identity":
+            encoding = content_coding(call.headers)
+            if encoding:
                 # Its bytes are not the JSON they encode (nor may Sluice rewrite them).
                 raise ValueError(f"the body is compressed (Content-Encoding: {encoding:.40}); "
                                  f"send it uncompressed")

@@ -81,6 +81,7 @@ _TENANTS_SHOWN = 20  # tenants listed by state(), the biggest holders first
 DEADLINE_EXPIRED = ("the caller's timeout, less the time a call takes, ran out while it was "
                     "queued")
 DEADLINE_PASSED = "the caller's timeout ran out while it was queued"
+_DEADLINE_DETAILS = frozenset({DEADLINE_EXPIRED, DEADLINE_PASSED})
 
 
 class Slot:
@@ -185,8 +186,7 @@ def report_expiry(call: Call, rejected: Rejected) -> None:
     """Report ``expired`` for a queued ``call`` refused ``queue_timeout``."""
     if rejected.reason is Reason.QUEUE_TIMEOUT and call.enqueued_at is not None:
         call.notify("expired", {"waited_s": round(time.monotonic() - call.enqueued_at, 6),
-                                "deadline": rejected.detail in (DEADLINE_EXPIRED,
-                                                                DEADLINE_PASSED)})
+                                "deadline": rejected.detail in _DEADLINE_DETAILS})
 
 
 class ConcurrencyLimiter:

@@ -44,6 +44,7 @@ what each event reported), so no usage is counted twice.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import orjson
@@ -102,6 +103,14 @@ RESPONSES = Endpoint("responses", ("max_output_tokens",), "max_output_tokens",
 EMBEDDINGS = Endpoint("embeddings", (), None, usage_option=False, choices=False)
 MESSAGES = Endpoint("messages", ("max_tokens",), "max_tokens", usage_option=False,
                     choices=False)
+
+
+def content_coding(headers: Mapping[str, str]) -> str | None:
+    """The ``Content-Encoding`` of a message whose body is coded (gzip, br...), or ``None``
+    when it is plain (absent, or ``identity``, RFC 9110 §8.4.1): a coded body cannot be read
+    as JSON or SSE as it passes."""
+    coding = headers.get("Content-Encoding")
+    return coding if coding and coding.lower() != "identity" else None
 
 
 def endpoint_for(protocol: str, method: str, raw_path: str) -> Endpoint | None:
@@ -366,8 +375,7 @@ class Meter:
         self.status = status
         if self.headers:
             headers.update(self.headers)
-        encoding = headers.get("Content-Encoding")
-        if encoding and encoding.lower() != "identity":
+        if content_coding(headers):
             return  # compressed anyway: unreadable, so passed on untouched
         # Only a stream is read event by event, so only a stream can be stripped.
         content_type = headers.get("Content-Type", "")

@@ -3,6 +3,8 @@ leaves on the call, and the ``completed`` event's fields its release writes."""
 
 from __future__ import annotations
 
+import gzip
+
 import orjson
 import pytest
 import yaml
@@ -93,8 +95,6 @@ async def test_a_compressed_body_is_unreadable_whatever_it_holds():
     """A body sent with ``Content-Encoding: gzip`` (or ``br``, even over plain JSON bytes)
     is not read as JSON: it passes unmetered and untouched where no token limit applies, and
     is refused, naming the coding, where one does."""
-    import gzip
-
     for coding, body in (("gzip", gzip.compress(BODY)), ("BR", BODY)):
         call = Call(request_id="r", route="openai", method="POST",
                     path="/openai/v1/chat/completions",

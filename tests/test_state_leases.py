@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from policies.state import StateBackends
-from policies.state.leases import LIMIT, TENANT, acquire_lease, wait_for_slot
+from policies.state import StateBackends, memory_backends
+from policies.state.errors import StateUnavailable
+from policies.state.leases import LIMIT, TENANT, Lease, acquire_lease, wait_for_slot
 from tests.redis_servers import replica
 
 REPO = Path(__file__).resolve().parent.parent
@@ -206,9 +207,6 @@ async def test_a_lease_taken_from_memory_is_counted_in_redis_once_it_answers(
     """A call admitted on a replica's local share while Redis did not answer counts in Redis
     from its lease's next renewal once Redis is back, past the limit if need be; before, it
     went uncounted and the route ran up to twice its limit until such calls ended."""
-    from policies.state import memory_backends
-    from policies.state.leases import Lease
-
     local = memory_backends().leases
     assert (await local.acquire("r", "a", "m1", 1, None, 0.3)).granted
     lease = Lease(local, "r", "a", "m1", 0.3, shared=backends.leases)
@@ -224,10 +222,6 @@ async def test_a_lease_taken_from_memory_is_counted_in_redis_once_it_answers(
 
 
 async def test_a_lease_taken_from_memory_stays_there_while_redis_is_away():
-    from policies.state import memory_backends
-    from policies.state.errors import StateUnavailable
-    from policies.state.leases import Lease
-
     class Away:
         async def renew(self, *args: object) -> bool:
             raise StateUnavailable("frozen")

@@ -3,6 +3,10 @@
 
 from __future__ import annotations
 
+import gzip
+import json
+
+import aiohttp
 import openai
 import pytest
 
@@ -42,11 +46,6 @@ async def test_a_compressed_request_body_is_refused_with_a_reason_where_tokens_a
         upstream, start_sluice):
     """A gzip body on a token-limited route is a 400 naming the coding (it cannot be read to
     reserve its tokens), not "the body is not JSON"; it never reaches the upstream."""
-    import gzip
-    import json
-
-    import aiohttp
-
     sluice = await start_sluice({"routes": [route(
         "openai", upstream.url, rate={"tokens": "100000/h"})]})
     body = gzip.compress(json.dumps({"model": "m", "messages": MSG, "max_tokens": 5}).encode())

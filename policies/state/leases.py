@@ -318,21 +318,19 @@ class Lease:
                     await self.leases.renew(self.group, self.tenant, self.lease_id,
                                             self.lease_s)
                 continue  # try again next time; the lease outlives two misses
-            if shared is not None:
+            moved = shared is not None
+            if moved:
                 # Counted in Redis from now on; the memory lease (which never suspends) goes.
                 local, self.leases, self._shared = self.leases, shared, None
                 await local.release(self.group, self.tenant, self.lease_id)
-                if self._release is not None:  # released meanwhile, from memory only
-                    await self._give_back()
-                    return
-                continue
             if self._release is not None:
-                # Released while this renewal ran. Not held: it found the lease gone, so the
-                # release had removed it, and took it back; give it back again.
-                if not held:
+                # Released while this renewal ran, which took the lease (back) after the
+                # release gave it up, or moved it after the release freed only the memory
+                # one: give it back again.
+                if moved or not held:
                     await self._give_back()
                 return
-            if not held:
+            if not held and not moved:
                 # Gone while the call runs (Redis restarted empty, or an outage outlasted
                 # the lease): the call still occupies the upstream, so it counts again;
                 # others wait until the count is back under the limit.
