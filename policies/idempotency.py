@@ -474,8 +474,11 @@ class Idempotency:
         message = self._mcp_call(call.body)
         fingerprint = None
         if message is not None:
-            fingerprint = bytes.fromhex(mcp.fingerprint(message, call.headers,
-                                                        self.derive_from))
+            try:
+                fingerprint = bytes.fromhex(mcp.fingerprint(message, call.headers,
+                                                            self.derive_from))
+            except mcp.InvalidMcpRequest as bad:
+                raise Rejected(Reason.BAD_REQUEST, None, bad.detail) from None
         claim = await self.claim(call.method, call.path, call.headers, call.tenant, call.body,
                                  wait_s=wait_s, fingerprint=fingerprint,
                                  mcp_id=message.id if message is not None else None)
@@ -786,8 +789,7 @@ class Idempotency:
         """Store the answer (or a ``SEEN`` use) and free the key, in the background."""
         if lease.renewer is not None:
             lease.renewer.cancel()
-        capture = claim.capture
-        record = capture.answer(claim.fingerprint, outcome) if capture is not None else None
+        record = _answer_to_keep(claim, outcome)
         if record is not None:
             answer = Answer(record.kind, record.fingerprint, record.status, record.reason,
                             record.headers, record.body)
@@ -834,18 +836,17 @@ class Idempotency:
 
     def _finish(self, claim: Claim, flight: _Flight, outcome: str) -> None:
         store_key = claim._store_key
-        capture = claim.capture
-        record = capture.answer(claim.fingerprint, outcome) if capture is not None else None
+        record = _answer_to_keep(claim, outcome)
         if record is not None:
-            self.store.put(store_key, record)
             del self._flights[store_key]
+            self.store.put(store_key, record)
             for future in flight.waiters:
                 if not future.done():
                     future.set_result(record)
             return
         # No outcome to keep: the key is free for a retry, which is recognised as one.
-        self.store.put(store_key, Record(SEEN, claim.fingerprint))
         self._pass_on(store_key, flight)
+        self.store.put(store_key, Record(SEEN, claim.fingerprint))
 
     def _pass_on(self, store_key: Hashable, flight: _Flight) -> None:
         """Hand the key to the longest waiter still there, or forget the flight."""
@@ -856,6 +857,22 @@ class Idempotency:
                 future.set_result(_HANDOVER)
                 return
         del self._flights[store_key]
+
+
+def _answer_to_keep(claim: Claim, outcome: str) -> Record | None:
+    """The record ``claim``'s call leaves for its key, or ``None`` (the key is free for a
+    retry). Never raises: an answer that cannot be read is not kept (and logged), so that
+    ending a call always frees its key (an MCP answer nested deeper than ``orjson`` writes
+    once held a key for the life of the process)."""
+    capture = claim.capture
+    if capture is None:
+        return None
+    try:
+        return capture.answer(claim.fingerprint, outcome)
+    except Exception:
+        log.exception("the answer to idempotency key %r is not kept (the key is free for a "
+                      "retry)", claim.key)
+        return None
 
 
 def _content_type(record: Record) -> str | None:

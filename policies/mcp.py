@@ -370,6 +370,10 @@ def fingerprint(message: Message, headers: Mapping[str, str] | None = None,
     values of the headers ``names`` (case-insensitive; several values joined by ``", "``; an
     absent header differs from an empty one). Never the JSON-RPC ``id`` nor ``params._meta``
     (a progress token, client info): both change from one identical call to the next.
+
+    Raises:
+        InvalidMcpRequest: the material is nested deeper than ``orjson`` writes (254 levels;
+            it reads 1,024).
     """
     params = message.params or {}
     chosen = sorted({n.lower() for n in names})
@@ -378,7 +382,12 @@ def fingerprint(message: Message, headers: Mapping[str, str] | None = None,
         params.get("inputResponses"), params.get("requestState"),
         [[n, _header(headers, n) if headers is not None else None] for n in chosen],
     ]
-    return hashlib.sha256(orjson.dumps(material, option=orjson.OPT_SORT_KEYS)).hexdigest()
+    try:
+        canonical = orjson.dumps(material, option=orjson.OPT_SORT_KEYS)
+    except orjson.JSONEncodeError:  # it reads 1,024 levels of nesting but writes 254
+        raise InvalidMcpRequest("the call's arguments are nested too deeply for Sluice to "
+                                "fingerprint (about 250 levels at most)") from None
+    return hashlib.sha256(canonical).hexdigest()
 
 
 # -- answers: the response to a request, in JSON or SSE -----------------------------------------
@@ -576,7 +585,7 @@ def rewrite_id(answer: bytes, content_type: str | None, old_id: RequestId,
     for each in docs:
         if _is_response_to(each, old_id):
             each["id"] = new_id
-            return orjson.dumps(doc)
+            return _dumps_answer(doc)
     raise UnusableAnswer(f"the stored answer holds no response to id {old_id!r}")
 
 
@@ -598,12 +607,19 @@ def _rewrite_sse(answer: bytes, old_id: RequestId, new_id: RequestId) -> bytes:
             assert isinstance(doc, dict)
             doc["id"] = new_id
             first = lines[data[0]]
-            rewritten = b"data: " + orjson.dumps(doc) + first[len(first.rstrip(b"\r\n")):]
+            rewritten = b"data: " + _dumps_answer(doc) + first[len(first.rstrip(b"\r\n")):]
             return b"".join([*lines[:data[0]], rewritten,
                              *(lines[j] for j in range(data[0] + 1, len(lines))
                                if j not in data)])
         data = []
     raise UnusableAnswer(f"the stored stream holds no response to id {old_id!r}")
+
+
+def _dumps_answer(doc: object) -> bytes:
+    try:
+        return orjson.dumps(doc)
+    except orjson.JSONEncodeError:  # it reads 1,024 levels of nesting but writes 254
+        raise UnusableAnswer("the stored answer is nested too deeply to rewrite") from None
 
 
 def _loads_or_none(data: bytes) -> Any:

@@ -230,7 +230,11 @@ def _with_fields(body: bytes, obj: dict, added: dict[str, object]) -> bytes:
     keeping the client's bytes (and sparing a re-serialisation of a long prompt); the body is
     rewritten whole only when one of them is already there (a duplicate key is ambiguous)."""
     if not obj or any(key in obj for key in added):
-        return orjson.dumps({**obj, **added})
+        try:
+            return orjson.dumps({**obj, **added})
+        except orjson.JSONEncodeError:  # it reads 1,024 levels of nesting but writes 254
+            raise ValueError("the body is nested too deeply for Sluice to rewrite "
+                             "(254 levels at most)") from None
     end = body.rstrip().rfind(b"}")
     return body[:end] + b"," + orjson.dumps(added)[1:-1] + body[end:]
 

@@ -7,11 +7,15 @@ from __future__ import annotations
 import asyncio
 
 import aiohttp
+import orjson
 import pytest
 
 from policies import breaker as brk
+from policies import mcp
+from policies.concurrency import ConcurrencyLimiter
 from policies.config import CircuitBreakerConfig
-from policies.reasons import Rejected
+from policies.reasons import Reason, Rejected
+from policies.retry import upstream_retry_after
 from policies.state import memory_backends
 from policies.state.breaker import OPEN, MemoryBreakerStates
 from policies.state.rate import Take
@@ -189,3 +193,179 @@ async def test_a_caller_leaving_during_the_first_breakers_record_still_reports_t
     # stand-in is not, so what it counted is not asserted.)
     assert (await states[1].view("r")).state == OPEN
 
+
+
+# -- JSON nested deeper than orjson writes (it reads 1,024 levels, writes 254) -----------------
+
+
+def _nested(depth: int) -> object:
+    node: object = "x"
+    for _ in range(depth):
+        node = {"a": node}
+    return node
+
+
+MCP_HEADERS = {"Content-Type": "application/json",
+               "Accept": "application/json, text/event-stream", "Idempotency-Key": "k1"}
+MCP_CALL = {"jsonrpc": "2.0", "id": 1, "method": "tools/call",
+            "params": {"name": "t", "arguments": {"x": 1}}}
+
+
+@pytest.mark.parametrize("fault", ["too deep", "any exception"])
+async def test_an_mcp_answer_too_deep_to_rewrite_frees_its_idempotency_key(
+        fault: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Seen (review): storing the answer rewrites its JSON-RPC id, orjson refused to write it
+    # back (TypeError), and the key's release died half way: the key stayed "in flight" for
+    # the life of the process, every later use waiting max_wait for a 409. Now an answer
+    # that cannot be kept for any reason leaves the key free.
+    if fault == "any exception":
+        def broken(*args: object) -> bytes:
+            raise RuntimeError("a fault while keeping the answer")
+
+        monkeypatch.setattr(mcp, "rewrite_id", broken)
+    answer = (b'{"jsonrpc":"2.0","id":1,"result":{"content":[],"structuredContent":'
+              + b'{"a":' * 300 + b'"x"' + b"}" * 300 + b"}}")
+    raw = RawUpstream(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
+                      + str(len(answer)).encode() + b"\r\nConnection: close\r\n\r\n" + answer)
+    await raw.start()
+    config = f"""
+routes:
+  - name: tools
+    path_prefix: /tools/
+    upstream: {raw.url}
+    protocol: mcp
+    idempotency: {{mode: dedup, max_wait: 2s}}
+"""
+    try:
+        async with proxy(config) as sluice, aiohttp.ClientSession() as session:
+            url = f"http://127.0.0.1:{sluice.port}/tools/mcp"
+            for attempt in range(1, 3):
+                status, headers, body = await post(session, url, MCP_CALL, **MCP_HEADERS)
+                assert status == 200, (attempt, headers.get("X-Sluice-Reason"), body[:200])
+                assert body == answer
+            # Not kept (it cannot be replayed), so the retry ran again, after the key was
+            # given back rather than left in flight.
+            assert len(raw.requests) == 2
+            assert sluice.route("tools").idempotency.in_flight == 0
+    finally:
+        await raw.stop()
+
+
+async def test_a_request_too_deep_to_rewrite_or_fingerprint_is_refused_400(
+        upstream: FakeUpstream) -> None:
+    # Seen (review): a stream request with its own stream_options (rewritten whole to add
+    # include_usage) or an MCP call's arguments (fingerprinted as canonical JSON) nested
+    # past 254 levels got 502 "proxy error" and a traceback instead of a 4xx.
+    config = f"""
+routes:
+  - name: llm
+    path_prefix: /llm/
+    upstream: {upstream.url}
+    protocol: openai
+    rate: {{tokens: 1000000/min}}
+  - name: plain
+    path_prefix: /plain/
+    upstream: {upstream.url}
+    protocol: openai
+  - name: tools
+    path_prefix: /tools/
+    upstream: {upstream.url}
+    protocol: mcp
+    idempotency: {{mode: dedup}}
+"""
+    deep_chat = {"model": "m", "stream": True, "stream_options": {},
+                 "messages": [{"role": "user", "content": "hi", "extra": _nested(300)}]}
+    deep_call = {**MCP_CALL, "params": {"name": "t", "arguments": _nested(300)}}
+    async with proxy(config) as sluice, aiohttp.ClientSession() as session:
+        base = f"http://127.0.0.1:{sluice.port}"
+        status, headers, body = await post(session, base + "/llm/v1/chat/completions",
+                                           deep_chat)
+        assert (status, headers.get("X-Sluice-Reason")) == (400, "bad_request"), body[:300]
+        assert b"nested too deeply" in body
+        status, headers, body = await post(session, base + "/tools/mcp", deep_call,
+                                           **MCP_HEADERS)
+        assert (status, headers.get("X-Sluice-Reason")) == (400, "bad_request"), body[:300]
+        assert orjson.loads(body)["id"] == 1 and b"nested too deeply" in body
+        assert upstream.requests == []
+        # Where tokens are not limited the body is not Sluice's to read: passed untouched.
+        status, _, _ = await post(session, base + "/plain/v1/chat/completions", deep_chat)
+        assert status == 200
+        assert orjson.loads(upstream.requests[0].body) == deep_chat
+
+
+# -- an upstream Retry-After that overflows a date ----------------------------------------------
+
+
+async def test_an_overflowing_retry_after_date_is_ignored_and_the_breaker_hears_the_failure(
+        upstream: FakeUpstream) -> None:
+    # Seen (review): parsedate_to_datetime raised OverflowError on a zone of +999...9, inside
+    # the attempt before its breaker tickets were recorded: every caller got 502 and the
+    # breaker never opened on an upstream answering 503 to everything.
+    bad = "Mon, 01 Jan 2020 00:00:00 +99999999999999999999"
+    assert upstream_retry_after({"Retry-After": bad}) is None
+    upstream.status = 503
+    upstream.error_headers = {"Retry-After": bad}
+    config = f"""
+routes:
+  - name: r
+    path_prefix: /r/
+    upstream: {upstream.url}
+    protocol: openai
+    circuit_breaker: {{fail_max: 2, reset_timeout: 60s}}
+"""
+    async with proxy(config) as sluice, aiohttp.ClientSession() as session:
+        url = f"http://127.0.0.1:{sluice.port}/r/v1/chat/completions"
+        answers = [await post(session, url) for _ in range(4)]
+    assert [status for status, _, _ in answers] == [503, 503, 503, 503]
+    assert [headers.get("X-Sluice-Reason") for _, headers, _ in answers[2:]] == \
+        ["circuit_open", "circuit_open"]
+    assert len(upstream.requests) == 2
+
+
+# -- max_wait: 0s --------------------------------------------------------------------------------
+
+
+async def test_a_zero_max_wait_refuses_a_call_that_would_queue() -> None:
+    # Seen (review): with max_wait 0 (a fanout's may be) a call without a timeout that found
+    # every slot busy raised TypeError formatting its missing timeout: 502 "proxy error".
+    limiter = ConcurrencyLimiter(1, 5, 0.0, None)
+    await limiter.acquire("t")
+    with pytest.raises(Rejected) as refused:
+        await limiter.acquire("t")
+    assert refused.value.reason is Reason.QUEUE_TIMEOUT
+    assert "max_wait is 0s" in refused.value.detail
+    assert (limiter.inflight, limiter.queued) == (1, 0)
+    limiter.release("t", None)
+    assert limiter.inflight == 0
+
+
+async def test_an_answer_that_cannot_be_read_still_gives_the_breakers_ticket_back(
+        upstream: FakeUpstream, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The attempt reads its answer's status and hints under the same guard as the send, so
+    # an exception there (an overflowing Retry-After date was one) gives a half-open probe's
+    # ticket back: before, the probe's lease stayed held and the route refused every call
+    # circuit_open for PROBE_LEASE_S (30 s).
+    config = f"""
+routes:
+  - name: r
+    path_prefix: /r/
+    upstream: {upstream.url}
+    protocol: openai
+    circuit_breaker: {{fail_max: 1, reset_timeout: 200ms}}
+"""
+    async with proxy(config) as sluice, aiohttp.ClientSession() as session:
+        url = f"http://127.0.0.1:{sluice.port}/r/v1/chat/completions"
+        upstream.statuses = [503, 503]
+        assert (await post(session, url))[0] == 503  # opens
+        await asyncio.sleep(0.25)  # half-open: the next call is the probe
+
+        def unreadable(headers: object) -> float:
+            raise RuntimeError("an answer Sluice cannot read")
+
+        monkeypatch.setattr(attempts, "upstream_retry_after", unreadable)
+        status, headers, _ = await post(session, url)
+        assert (status, headers.get("X-Sluice-Reason")) == (502, "upstream_unreachable")
+        monkeypatch.undo()
+        status, headers, _ = await post(session, url)  # a new probe, not circuit_open
+        assert status == 200, headers.get("X-Sluice-Reason")
+        assert len(upstream.requests) == 3
