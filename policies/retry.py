@@ -115,7 +115,7 @@ def upstream_retry_after(headers: Mapping[str, str]) -> float | None:
     except ValueError:
         try:
             value = parsedate_to_datetime(raw).timestamp() - time.time()
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):  # a zone of +99999999999999999999
             return None
     if math.isnan(value):
         return None

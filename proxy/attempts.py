@@ -392,6 +392,11 @@ async def _attempt(rt: Runtime, route: Route, call: Call, url: URL,
             async with asyncio.timeout(limit):
                 response = await fwd.send(rt.session, call.method, url, headers, call.body,
                                           timeout)
+        tries.answered(response)  # first: whatever happens next, the response gets closed
+        status = response.status
+        # Read here, under the except below that gives the tickets back if reading fails.
+        hint = upstream_retry_after(response.headers) if status >= 400 else None
+        verdict = brk.classify(status, response.headers)
     except Rejected as exc:
         tries.error = exc
         tries.kind = "timeout" if exc.reason is Reason.UPSTREAM_TIMEOUT else "connect_error"
@@ -409,12 +414,8 @@ async def _attempt(rt: Runtime, route: Route, call: Call, url: URL,
             breaker.release(ticket)
         raise
     else:
-        status = response.status
-        hint = upstream_retry_after(response.headers) if status >= 400 else None
         if logged and status >= 400:  # an answer below 400 is never retried nor dead-lettered
             tries.log.append((started, status, None, time.monotonic() - started))
-        tries.answered(response)  # first: whatever happens next, the response gets closed
-        verdict = brk.classify(status, response.headers)
         if tool_breaker is not None and verdict == brk.SUCCESS and status < 300:
             # A tool failure shows in the answer only: its breaker hears once it is read.
             for pair in tickets:
