@@ -287,6 +287,13 @@ class ConcurrencyLimiter:
         # Refused at once only when the caller's own timeout cannot cover the estimate: a wait
         # longer than ``max_wait`` alone is the queue's matter (``queue_timeout`` once it
         # passes), as for a caller that sent no timeout.
+        if caller_timeout is None and max_wait <= 0:  # ``max_wait: 0s``: nobody waits
+            raise Rejected(
+                Reason.QUEUE_TIMEOUT,
+                self._drain_estimate(self.queued + 1),
+                f"{self.limit} slots busy and max_wait is 0s: no call waits for a slot",
+                ("concurrency", self.limit, 0),
+            )
         if max_wait <= 0 or (caller_timeout is not None and self.observed
                              and expected > caller_timeout - self.mean_service_s):
             raise Rejected(

@@ -421,6 +421,13 @@ class ConcurrencyConfig(_Section):
     #: best-effort work cannot starve); null: no aging.
     aging: PositiveDuration | None = 5.0
 
+    @model_validator(mode="after")
+    def _queue_can_wait(self) -> ConcurrencyConfig:
+        if self.queue and not self.max_wait:
+            raise ValueError(f"max_wait: 0s leaves the queue of {self.queue} unused: set "
+                             "max_wait above 0, or queue: 0 to refuse at once")
+        return self
+
 
 class FanoutConfig(_Section):
     """``fanout``: per run, calls in flight (``width``) and delegation depth (``depth``)."""

@@ -51,6 +51,9 @@ BAD_FILES = [
      [f"{{f}}:2: server.drain_timeout: '1:30' {NOT_A_DURATION}"]),
     ("duration without a unit", ROUTE + "    concurrency: {limit: 2, max_wait: 30}\n",
      [f"{{f}}:5: routes[0].concurrency.max_wait: 30 {NOT_A_DURATION}"]),
+    ("a queue nobody may wait in", ROUTE + "    concurrency: {limit: 2, queue: 4, max_wait: 0s}\n",
+     ["{f}:5: routes[0].concurrency: max_wait: 0s leaves the queue of 4 unused: set max_wait "
+      "above 0, or queue: 0 to refuse at once"]),
     ("rate with a long unit", ROUTE + "    rate: {requests: 600/minute}\n",
      [f"{{f}}:5: routes[0].rate.requests: '600/minute' {NOT_A_RATE}"]),
     ("rate without a period", ROUTE + "    rate: {per_tenant: {requests: 600}}\n",
