@@ -173,10 +173,11 @@ async def test_a_cancel_during_a_redis_call_is_never_lost(backends: StateBackend
     await leases.release("r", "a", "x")
 
 
-async def test_a_released_lease_stops_renewing_even_if_its_cancel_is_lost(
+async def test_a_release_during_a_renewal_waits_for_it_then_gives_the_lease_back(
         backends: StateBackends, monkeypatch):
-    """The renewal also ends on its own once the lease is released; if the renewal in flight
-    took the lease back after the release removed it, it gives it back again."""
+    """A renewal in a backend call is not cancelled (it could not tell whether its call took
+    effect): the release waits for it, then gives the lease back once, and the renewal ends
+    by itself. Its cancel is made a no-op to show that nothing relies on it."""
     _, lease = await acquire_lease(backends.leases, "r", "a", 1, None, 0.15)
     assert lease is not None
     renewal = lease._renewal
@@ -219,6 +220,50 @@ async def test_a_lease_taken_from_memory_is_counted_in_redis_once_it_answers(
     assert lease.retaken == 0  # moved on purpose, not lapsed
     assert await lease.aclose() is True
     assert await backends.leases.counts("r", "a") == (1, 0)
+
+
+async def test_a_released_lease_stops_renewing_even_if_its_cancel_is_lost(
+        backends: StateBackends, monkeypatch):
+    """Released between renewals with the cancel lost (as in a library that swallows one):
+    the renewal ends at its next turn without renewing, and the lease is given back."""
+    _, lease = await acquire_lease(backends.leases, "r", "a", 1, None, 0.15)
+    assert lease is not None
+    renewal = lease._renewal
+    assert renewal is not None
+    await asyncio.sleep(0)  # the renewal is asleep until its first turn
+    monkeypatch.setattr(renewal, "cancel", lambda *args: False)
+    assert await lease.aclose() is True
+    assert renewal.done()
+    assert await backends.leases.counts("r", "a") == (0, 0)
+
+
+async def test_a_lease_moved_to_redis_is_given_back_there_when_released_mid_move(
+        backends: StateBackends):
+    """Released while the renewal that moves a memory lease into the shared backend waits
+    for the reply (the script has run: the lease counts there now). Before, the release
+    cancelled that renewal and gave back only the memory lease, so the shared one stayed
+    counted until it lapsed (found by a review: (1, 1) after the release)."""
+    shared = backends.leases
+    applied = asyncio.Event()
+
+    class SlowReply:
+        async def renew(self, *args: object) -> bool:
+            held = await shared.renew(*args)  # type: ignore[arg-type]
+            applied.set()
+            await asyncio.sleep(0.2)  # the reply is on its way
+            return held
+
+        async def release(self, *args: object) -> bool:
+            return await shared.release(*args)  # type: ignore[arg-type]
+
+    local = memory_backends().leases
+    assert (await local.acquire("r", "a", "m1", 1, None, 3.0)).granted
+    lease = Lease(local, "r", "a", "m1", 0.3, shared=SlowReply())  # type: ignore[arg-type]
+    await asyncio.wait_for(applied.wait(), 5)
+    assert await shared.counts("r", "a") == (1, 1)  # counted there already
+    assert await lease.aclose() is True
+    assert await shared.counts("r", "a") == (0, 0)
+    assert await local.counts("r", "a") == (0, 0)
 
 
 async def test_a_lease_taken_from_memory_stays_there_while_redis_is_away():

@@ -298,15 +298,22 @@ class Lease:
         self.lease_s = lease_s
         #: Times the lease was found gone and taken again while its call ran.
         self.retaken = 0
+        #: True while the renewal task waits for its next turn (and only then may
+        #: :meth:`release` cancel it: cancelled during a backend call, it could not know
+        #: whether the call took effect, e.g. a lease moved into Redis whose reply is lost).
+        self._sleeping = False
         self._renewal: asyncio.Task[None] | None = asyncio.create_task(
             self._renew(), name=f"sluice-lease-{group}")
         self._release: asyncio.Task[bool] | None = None
 
     async def _renew(self) -> None:
-        # Ends by cancellation, and also once released: a cancel lost in a library (see
-        # connection.RedisState._connect) must not keep a released lease alive for good.
+        # Ends by cancellation while sleeping, or after its call once released.
         while self._release is None:
-            await asyncio.sleep(self.lease_s / 3)
+            self._sleeping = True
+            try:
+                await asyncio.sleep(self.lease_s / 3)
+            finally:
+                self._sleeping = False
             if self._release is not None:
                 return
             shared = self._shared
@@ -318,19 +325,11 @@ class Lease:
                     await self.leases.renew(self.group, self.tenant, self.lease_id,
                                             self.lease_s)
                 continue  # try again next time; the lease outlives two misses
-            moved = shared is not None
-            if moved:
+            if shared is not None:
                 # Counted in Redis from now on; the memory lease (which never suspends) goes.
                 local, self.leases, self._shared = self.leases, shared, None
                 await local.release(self.group, self.tenant, self.lease_id)
-            if self._release is not None:
-                # Released while this renewal ran, which took the lease (back) after the
-                # release gave it up, or moved it after the release freed only the memory
-                # one: give it back again.
-                if moved or not held:
-                    await self._give_back()
-                return
-            if not held and not moved:
+            elif not held and self._release is None:
                 # Gone while the call runs (Redis restarted empty, or an outage outlasted
                 # the lease): the call still occupies the upstream, so it counts again;
                 # others wait until the count is back under the limit.
@@ -343,12 +342,19 @@ class Lease:
         pipeline holding's ``release``). Returns the task doing it; calling again returns the
         same task. If the backend is unavailable the lease lapses by itself."""
         if self._release is None:
-            if self._renewal is not None:
-                self._renewal.cancel()
-                self._renewal = None
-            self._release = asyncio.create_task(self._give_back(),
+            self._release = asyncio.create_task(self._end(),
                                                 name=f"sluice-lease-release-{self.group}")
         return self._release
+
+    async def _end(self) -> bool:
+        # One give-back, once no renewal can take the lease again or move it: a renewal
+        # between turns is cancelled, one in a backend call is let finish (it ends then).
+        renewal, self._renewal = self._renewal, None
+        if renewal is not None and not renewal.done():
+            if self._sleeping:
+                renewal.cancel()
+            await asyncio.wait([renewal])
+        return await self._give_back()
 
     async def aclose(self) -> bool:
         """:meth:`release` and wait for it; ``True`` if the slot was still held."""
