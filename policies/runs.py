@@ -629,9 +629,15 @@ class RunLimits:
         registry = self.registry
         shared = registry.shared
         if shared is not None:
+            ids = tuple(node.id for node in lineage)
+            task = asyncio.ensure_future(shared.take_request(self.scope, ids, limit))
             try:
-                full, high = await shared.take_request(
-                    self.scope, tuple(node.id for node in lineage), limit)
+                full, high = await asyncio.shield(task)
+            except asyncio.CancelledError:
+                # The caller left while Redis ran the script: a count it made is given back
+                # once it is known, or it would stay spent for the run's life.
+                task.add_done_callback(lambda done: self._give_back_if_counted(done, ids))
+                raise
             except StateUnavailable as exc:
                 if registry.fallback.mode == "reject":
                     raise unavailable(exc) from None
@@ -642,6 +648,14 @@ class RunLimits:
         if node is not None:
             return None, node.id, 1.0
         return None, None, max(n.counts[self.scope] for n in lineage) / limit
+
+    def _give_back_if_counted(self, task: asyncio.Task[tuple[str | None, int]],
+                              ids: tuple[str, ...]) -> None:
+        shared = self.registry.shared
+        if (shared is not None and not task.cancelled() and task.exception() is None
+                and task.result()[0] is None):
+            self.registry.background.start(shared.give_back_request(self.scope, ids),
+                                           "run request give-back")
 
 
 class _Counted:

@@ -12,6 +12,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from policies.config import RunConfig
+from policies.pipeline import Call
+from policies.runs import RunLimits, RunRegistry
 from policies.state import redis_backends
 from policies.state.runs import Count, RedisRuns
 from tests.redis_servers import (
@@ -186,3 +189,31 @@ def test_interleaved_replicas_never_overspend_a_run(where, parents, calls, limit
                     assert await reps[0].take_request("s", (name,), counts[name]) == (name, 0)
 
     asyncio.run(scenario())
+
+
+async def test_a_count_made_as_the_caller_leaves_is_given_back(where):
+    """The caller leaves while Redis counts its call for ``max_requests``: the count, once
+    its reply is known, is given back. Before, it stayed spent for the run's life."""
+    async with shared_runs(*where) as runs:
+        counted = asyncio.Event()
+        real = runs.take_request
+
+        async def slow_reply(*args):
+            result = await real(*args)
+            counted.set()
+            await asyncio.sleep(0.1)  # the reply is on its way
+            return result
+
+        runs.take_request = slow_reply  # type: ignore[method-assign]
+        registry = RunRegistry(shared=runs)
+        limits = RunLimits(registry, "s", RunConfig(max_requests=1), None)
+        call = Call(request_id="q", route="x", method="POST", path="/x/", headers={},
+                    body=b"", tenant="t", run="r1", parent_run=None)
+        task = asyncio.create_task(limits.admit(call))
+        await asyncio.wait_for(counted.wait(), 5)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0.15)  # the reply lands; its give-back starts
+        await registry.background.wait()
+        assert await real("s", ("r1",), 1) == (None, 1)  # the one allowed call is free
