@@ -373,9 +373,11 @@ routes:
         budgets = route.accounting.budgets
         assert budgets.reserved("tokens", "tenant", "default") == 0
         assert budgets.remaining("tokens", "tenant", "default") == 100000
-        # Its request unit came back: the tenant's one call a minute is still there.
-        status, headers, _ = await post(session, url)
+        # Its request unit came back: the tenant's one call a minute is still there. (A 1 s
+        # deadline ends this call's retries early instead of after up to 60 s of back-off.)
+        status, headers, _ = await post(session, url, **{"X-Request-Timeout": "1"})
         assert headers.get("X-Sluice-Reason") != "rate_limited", (status, headers)
+        assert len(emitted(sluice.runtime, "admitted")) == 2, (status, headers)
 
 
 @pytest.mark.parametrize("changed_first", [False, True])
