@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
@@ -88,9 +89,27 @@ def _ambiguous(node: yaml.ScalarNode) -> str | None:
     return None
 
 
+#: Values a config may hold once its YAML aliases are expanded: far beyond a real one (a
+#: tenant weight each for 100k tenants), and a bound on an alias bomb (``&a [*b, *b, ...]``
+#: nine levels deep is 10^9 values, which validating would take gigabytes to build).
+MAX_CONFIG_VALUES = 1_000_000
+
+
+class _TooManyValues(Exception):
+    pass
+
+
 def _walk(node: yaml.Node, path: Path_, marks: dict[Path_, int],
-          problems: list[tuple[Path_, int, str]]) -> None:
-    """Index the 1-based line of every key path; collect duplicate keys and YAML 1.1 traps."""
+          problems: list[tuple[Path_, int, str]], budget: list[int]) -> None:
+    """Index the 1-based line of every key path; collect duplicate keys and YAML 1.1 traps.
+    ``budget``: ``[values left]``, taken one per node visited (aliases expanded).
+
+    Raises:
+        _TooManyValues: more than the budget's values.
+    """
+    budget[0] -= 1
+    if budget[0] < 0:
+        raise _TooManyValues
     marks[path] = node.start_mark.line + 1
     if isinstance(node, yaml.MappingNode):
         seen: set[Any] = set()
@@ -104,11 +123,11 @@ def _walk(node: yaml.Node, path: Path_, marks: dict[Path_, int],
                 problems.append(((*path, key), line, "duplicate key"))
             seen.add(key)
             marks[(*path, key)] = line
-            _walk(value_node, (*path, key), marks, problems)
+            _walk(value_node, (*path, key), marks, problems, budget)
             marks[(*path, key)] = line  # the key's own line, not its value's
     elif isinstance(node, yaml.SequenceNode):
         for index, item in enumerate(node.value):
-            _walk(item, (*path, index), marks, problems)
+            _walk(item, (*path, index), marks, problems, budget)
     elif (isinstance(node, yaml.ScalarNode) and (why := _ambiguous(node))
           and (path[-1:], node.value) not in _ENUM_WORDS):
         problems.append((path, node.start_mark.line + 1, why))
@@ -209,6 +228,16 @@ def parse_config(text: str, filename: str = "<config>") -> Config:
         ConfigError: with every problem found, each as ``FILE:LINE: KEY: PROBLEM``.
     """
     try:
+        return _parse_config(text, filename)
+    except RecursionError:  # the composer and the models recurse once per level
+        raise ConfigError([f"{filename}:1: (yaml): nested too deeply"]) from None
+    except _TooManyValues:
+        raise ConfigError([f"{filename}:1: (yaml): more than {MAX_CONFIG_VALUES:,} values once "
+                           "its aliases are expanded"]) from None
+
+
+def _parse_config(text: str, filename: str) -> Config:
+    try:
         loader = StrictLoader(text)
         try:
             node = loader.get_single_node()
@@ -216,7 +245,7 @@ def parse_config(text: str, filename: str = "<config>") -> Config:
                 raise ConfigError([f"{filename}:1: (top): the file is empty"])
             marks: dict[Path_, int] = {}
             found: list[tuple[Path_, int, str]] = []
-            _walk(node, (), marks, found)
+            _walk(node, (), marks, found, [MAX_CONFIG_VALUES])
             if found:
                 raise ConfigError(
                     [f"{filename}:{line}: {_dotted(p)}: {problem}" for p, line, problem in found]
@@ -293,10 +322,9 @@ def load_token(path: Path) -> str:
             quotes the file's content).
     """
     try:
-        token = path.read_text(encoding="utf-8").strip()
-    except (OSError, UnicodeDecodeError, ValueError) as exc:  # ValueError: a NUL in the path
-        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else type(exc).__name__
-        raise ValueError(f"cannot read {str(path)!r}: {why}") from None
+        token = read_text_file(path, MAX_TOKEN_BYTES).strip()
+    except (OSError, ValueError) as exc:  # ValueError also for a NUL in the path
+        raise ValueError(f"cannot read {str(path)!r}: {_why(exc)}") from None
     if not token:
         raise ValueError(f"{str(path)!r} is empty: it must hold the admin bearer token")
     return token
@@ -338,9 +366,9 @@ def load_tenants(spec: str, base: Path, at: str) -> dict[str, str]:
         path = base / spec
         source = str(path)
         try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError, ValueError) as exc:  # ValueError: a NUL in the path
-            raise ConfigError([f"{at}: cannot read {path!r}: {exc}"]) from None
+            text = read_text_file(path, MAX_TENANTS_BYTES)
+        except (OSError, ValueError) as exc:  # ValueError also for a NUL in the path
+            raise ConfigError([f"{at}: cannot read {path!r}: {_why(exc)}"]) from None
     return parse_tenants(text, source)
 
 
@@ -364,6 +392,8 @@ def parse_tenants(text: str, source: str) -> dict[str, str]:
                            f"({exc.problem or 'unreadable'})"]) from None
     except yaml.YAMLError:
         raise ConfigError([f"{where.format(1)}: not valid YAML"]) from None
+    except RecursionError:
+        raise ConfigError([f"{where.format(1)}: nested too deeply"]) from None
     if node is None:
         return {}
     if not isinstance(node, yaml.MappingNode):
@@ -393,15 +423,51 @@ def parse_tenants(text: str, source: str) -> dict[str, str]:
     return table
 
 
+#: Largest config file read, bytes: far beyond a real one, and a bound on what a path
+#: swapped for ``/dev/zero`` or a runaway generator can make a reload hold in memory.
+MAX_CONFIG_BYTES = 4 * 1024 * 1024
+#: Largest ``identity.tenants`` file or admin token file read, bytes.
+MAX_TENANTS_BYTES = 64 * 1024 * 1024
+MAX_TOKEN_BYTES = 64 * 1024
+
+
+def read_text_file(path: Path, limit: int) -> str:
+    """The UTF-8 text of the regular file at ``path``, of at most ``limit`` bytes.
+
+    Raises:
+        OSError: it cannot be opened or read.
+        ValueError: it is not a regular file (a FIFO, which is opened without waiting for a
+            writer, a device such as ``/dev/zero``, a directory), it is longer than ``limit``
+            bytes, or it is not UTF-8 (:class:`UnicodeDecodeError`).
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as file:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError("not a regular file")
+        data = file.read(limit + 1)
+    if len(data) > limit:
+        raise ValueError(f"longer than {limit} bytes")
+    return data.decode("utf-8")
+
+
+def _why(exc: Exception) -> str:
+    """A reading error in words that never quote the file's content."""
+    if isinstance(exc, OSError):
+        return exc.strerror or type(exc).__name__
+    if isinstance(exc, UnicodeDecodeError):
+        return "not UTF-8"
+    return str(exc)
+
+
 def load_config(path: str | Path) -> Config:
     """Read and validate the config file at ``path``.
 
     Raises:
-        ConfigError: the file is missing, unreadable or invalid.
+        ConfigError: the file is missing, unreadable (see :func:`read_text_file`) or invalid.
     """
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError([f"{path}:1: (file): cannot read: {exc}"]) from None
+        text = read_text_file(path, MAX_CONFIG_BYTES)
+    except (OSError, ValueError) as exc:
+        raise ConfigError([f"{path}:1: (file): cannot read: {_why(exc)}"]) from None
     return parse_config(text, str(path))

@@ -159,22 +159,31 @@ class Reloader:
 
     async def _watch(self) -> None:
         while True:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self.poll_interval_s):
-                    await self._signalled.wait()
-            if self._signalled.is_set():
-                self._signalled.clear()
-                self._applied = fingerprint(self.path)
-                await self.reload("sighup")
-                continue
-            seen = fingerprint(self.path)
-            if seen is None or seen == self._applied:
-                continue  # unchanged, or briefly absent while being replaced
-            await asyncio.sleep(SETTLE_S)
-            if fingerprint(self.path) != seen:
-                continue  # still being written: look again at the next poll
-            self._applied = seen
-            await self.reload("file")
+            try:
+                await self._next()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # never the end of reloading: the next change is tried again
+                log.exception("config reload failed; the watch goes on")
+
+    async def _next(self) -> None:
+        """Wait for a SIGHUP or the next poll, and reload if signalled or the file changed."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.poll_interval_s):
+                await self._signalled.wait()
+        if self._signalled.is_set():
+            self._signalled.clear()
+            self._applied = fingerprint(self.path)
+            await self.reload("sighup")
+            return
+        seen = fingerprint(self.path)
+        if seen is None or seen == self._applied:
+            return  # unchanged, or briefly absent while being replaced
+        await asyncio.sleep(SETTLE_S)
+        if fingerprint(self.path) != seen:
+            return  # still being written: look again at the next poll
+        self._applied = seen
+        await self.reload("file")
 
     async def reload(self, trigger: str) -> bool:
         """Read, validate and apply the config file; True if it was applied.
@@ -186,7 +195,13 @@ class Reloader:
         seen = fingerprint(self.path)
         try:
             config = await asyncio.to_thread(load_config, self.path)
-        except ConfigError as exc:
+        except Exception as exc:
+            if not isinstance(exc, ConfigError):
+                # A fault of ours, not the file's: logged with its traceback, and it must not
+                # end the watch (later reloads) nor leave the old config half replaced.
+                log.exception("config reload (%s): reading %s failed", trigger, self.path)
+                exc = ConfigError([f"{self.path}:1: (file): could not be read "
+                                   f"({type(exc).__name__}; see the log)"])
             problems = redact(exc.problems)  # a rejected value may be a URL with a password
             metrics.config_reload_failures.inc()
             metrics.config_last_reload_successful.set(0)

@@ -299,3 +299,61 @@ async def test_421_names_sluice_once(start_sluice, upstream) -> None:
     assert message.startswith("Sluice does not serve this Host"), message
     assert "Sluice: Sluice" not in message
     assert message.count("server.allowed_hosts") == 1, message
+
+
+# --- 8. files built to hurt the loader (a hostile trial) ----------------------------------------
+
+#: Nine levels of ten aliases each: 10^9 values once expanded, from a file of ~600 bytes.
+ALIAS_BOMB = "a0: &a0 [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]\n" for i in range(1, 10))
+
+
+@pytest.mark.parametrize("case,problem", [
+    ("deep", ":1: (yaml): nested too deeply"),
+    ("aliases", ":1: (yaml): more than 1,000,000 values once its aliases are expanded"),
+    ("device", ":1: (file): cannot read: not a regular file"),
+    ("fifo", ":1: (file): cannot read: not a regular file"),
+    ("huge", ":1: (file): cannot read: longer than 4194304 bytes"),
+])
+def test_a_hostile_file_is_a_config_error_not_a_crash_or_a_hang(tmp_path: Path, case: str,
+                                                               problem: str) -> None:
+    # Seen: a deeply nested file crashed check-config with a RecursionError traceback; an
+    # alias bomb ran until killed; a config path pointing at /dev/zero read without end.
+    path = tmp_path / "sluice.yaml"
+    if case == "deep":
+        write(path, ROUTE + "x: " + "[" * 50_000 + "]" * 50_000 + "\n")
+    elif case == "aliases":
+        write(path, ROUTE + ALIAS_BOMB)
+    elif case == "device":
+        path.symlink_to("/dev/zero")
+    elif case == "fifo":
+        os.mkfifo(path)  # opening it for reading would wait for a writer
+    else:
+        write(path, ROUTE + "# " + "x" * (4 * 1024 * 1024) + "\n")
+    assert_config_error(path, f"{path}{problem}")
+
+
+async def test_reloads_go_on_after_hostile_files_and_stop_exits_0(start_sluice, upstream,
+                                                                  tmp_path: Path) -> None:
+    # Seen: after a deeply nested file, reloading stopped for good (the watch task died, no
+    # failure counted), and SIGTERM then exited 1 with the RecursionError.
+    sluice_ = await start_sluice({"routes": [route("r", upstream.url, protocol="http",
+                                                   concurrency={"limit": 2})]})
+    good = sluice_.config_path.read_text()
+    hostile = [good + "x: " + "[" * 50_000 + "]" * 50_000 + "\n", good + ALIAS_BOMB]
+    for failures, text in enumerate(hostile, start=1):
+        sluice_.config_path.write_text(text)
+        sluice_.signal(signal.SIGHUP)
+        await sluice_.wait_metric("sluice_config_reload_failures_total", failures, timeout=30)
+    link = tmp_path / "zero.yaml"
+    link.symlink_to("/dev/zero")
+    os.replace(link, sluice_.config_path)
+    sluice_.signal(signal.SIGHUP)
+    await sluice_.wait_metric("sluice_config_reload_failures_total", 3, timeout=30)
+    sluice_.config_path.unlink()
+    sluice_.config_path.write_text(good.replace("limit: 2", "limit: 3"))
+    sluice_.signal(signal.SIGHUP)
+    await sluice_.wait_metric("sluice_concurrency_limit", 3, route="r", timeout=30)
+    sluice_.signal(signal.SIGTERM)
+    assert await sluice_.wait_exit() == 0
+    assert "Traceback" not in sluice_.stderr()
