@@ -272,8 +272,8 @@ async def _attempts(rt: Runtime, route: Route, call: Call, url: URL,
         now = time.monotonic()
         if retry is not None and retry.deadline:
             deadline = now + retry.deadline
-        if call.timeout:
-            caller_deadline = now + call.timeout
+        if call.timeout:  # the caller's clock started when it sent the call, queue included
+            caller_deadline = call.received_at + call.timeout
     # Most routes bound no attempt (no per_try_timeout, no deadline, no caller timeout).
     bounded = (caller_deadline is not None or deadline is not None
                or (retry is not None and retry.per_try_timeout is not None))

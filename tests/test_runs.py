@@ -264,6 +264,28 @@ async def test_deadline_expired_in_the_queue_never_reaches_the_upstream(upstream
     assert await sluice.metric("sluice_expiries_total", route="tools", reason="deadline") == 1
 
 
+async def test_a_queued_calls_deadline_counts_from_its_arrival(upstream, start_sluice):
+    # Seen (new-user trial): the attempt was bounded by the caller's whole timeout from its
+    # admission, so a call that queued 1.4 s of a 2 s timeout was answered 200 at 2.9 s,
+    # its slot and the upstream's work held after the caller had given up.
+    sluice = await start_sluice({"routes": [route(
+        "tools", upstream.url, "http", concurrency={"limit": 1, "queue": 5, "max_wait": "10s"})]})
+    async with aiohttp.ClientSession() as s:
+        url = f"{sluice.url}/tools/x"
+        holder = asyncio.create_task(post(s, url, {"x-fake-delay": "2"}))
+        await wait_until(lambda: upstream.inflight == 1, what="the holder upstream")
+        started = time.monotonic()
+        status, headers, _ = await post(s, url, {"X-Request-Timeout": "3",
+                                                 "x-fake-delay": "10"})
+        took = time.monotonic() - started
+        assert (await holder)[0] == 200
+    # Admitted after ~2 s in the queue, cut at its deadline ~1 s later (before: at ~5 s).
+    assert (status, headers.get("X-Sluice-Reason")) == (504, "upstream_timeout")
+    assert took < 4.5, took
+    assert len(upstream.requests) == 2
+    assert 0 < float(upstream.requests[1].headers["X-Request-Timeout"]) < 1.5
+
+
 async def test_remaining_deadline_goes_upstream_and_children_inherit_it(upstream, start_sluice):
     sluice = await start_sluice({"routes": [route("tools", upstream.url, "http")]})
     async with aiohttp.ClientSession() as s:
