@@ -42,6 +42,9 @@
   JSON-RPC shape; requests without ``Origin`` (not from a browser) pass;
 * a path with a control character, raw or percent-encoded (``%00``-``%1F``, ``%7F``), is
   refused with 400 ``bad_request`` (the parser refuses raw ones first);
+* a ``Transfer-Encoding`` other than ``chunked`` alone (``gzip, chunked``) is refused with
+  400 ``bad_request``: Sluice does not decode such codings, and would forward the still-coded
+  bytes as the body;
 * a header value that is not UTF-8 (Latin-1 text, stray bytes) is refused with 400
   ``bad_request`` naming the field: aiohttp reads such bytes as surrogate escapes and its
   writer drops them, so the upstream would get the value silently changed;
@@ -72,6 +75,7 @@ from aiohttp.http_exceptions import BadHttpMethod, HttpProcessingError, LineTooL
 from aiohttp.streams import StreamReader
 from aiohttp.web_protocol import ERROR as PARSE_ERROR_MESSAGE
 from aiohttp.web_protocol import RequestHandler, RequestPayloadError
+from multidict import CIMultiDictProxy
 
 from policies.config import Config, ServerConfig
 from policies.logs import PER_CALL
@@ -212,6 +216,21 @@ class EdgeServer(GuardedServer):
         return self._handler(rt, request)
 
 
+#: Why a request with a transfer coding besides ``chunked`` is refused (its value is not
+#: echoed: see the module docstring).
+_TRANSFER_CODING = ("a transfer coding other than chunked (Transfer-Encoding) is not accepted: "
+                    "Sluice would pass its bytes on undecoded; send the body as it is")
+
+
+def _only_chunked(headers: CIMultiDictProxy[str]) -> bool:
+    """``Transfer-Encoding`` (every field of it) is ``chunked`` alone. The parser refuses a
+    list not ending in ``chunked``; ``gzip, chunked`` it frames by the chunks, and the body
+    it hands over is still gzip, which forwarding with ``Content-Length`` would pass on as
+    if it were the body itself (RFC 9112 §6.1: a coding not understood is not served)."""
+    codings = ",".join(headers.getall(hdrs.TRANSFER_ENCODING)).split(",")
+    return [c.strip().lower() for c in codings if c.strip()] == ["chunked"]
+
+
 class AdminServer(GuardedServer):
     """The admin port (``server.admin_listen``): the proxy port's header, body and idle
     timeouts, but at most :data:`ADMIN_MAX_CONNECTIONS` connections, since only probes,
@@ -310,6 +329,8 @@ class Door:
                                        "server.allowed_hosts to serve it"), "http")
             if len(self._hosts_seen) < _HOSTS_REMEMBERED:
                 self._hosts_seen.add(host)
+        if hdrs.TRANSFER_ENCODING in headers and not _only_chunked(headers):
+            return render(Rejected(Reason.BAD_REQUEST, None, _TRANSFER_CODING), "http")
         if not "".join(headers.values()).isascii():  # in C: one pass over every value
             refusal = _undecodable_header(headers)
             if refusal is not None:

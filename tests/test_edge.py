@@ -4,6 +4,7 @@ socket, and slow or idle connections. Each test is an observation of issue 13.""
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import re
 import time
@@ -212,6 +213,29 @@ async def test_http_1_0_with_chunked_framing_is_closed_after_the_answer(upstream
         b"Transfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n", timeout=3)
     [(status, headers, _)] = parse(answer)
     assert status == 200 and headers.get("connection", "close").lower() != "keep-alive"
+
+
+async def test_a_transfer_coding_besides_chunked_is_refused_not_passed_on(upstream,
+                                                                         start_sluice):
+    # Seen (new-user trial): "gzip, chunked" was framed by its chunks and the still-gzipped
+    # bytes reached the upstream with a Content-Length and no coding named at all.
+    sluice = await start_sluice({"routes": [route("svc", upstream.url, "http")]})
+    gzipped = gzip.compress(b"hello world")
+    chunked = b"%x\r\n" % len(gzipped) + gzipped + b"\r\n0\r\n\r\n"
+    for coding in (b"Transfer-Encoding: gzip, chunked\r\n",
+                   b"Transfer-Encoding: gzip\r\nTransfer-Encoding: chunked\r\n"):
+        [(status, headers, body)] = parse(await raw_request(
+            sluice.port, b"POST /svc/x HTTP/1.1\r\n" + LOOPBACK + coding + b"\r\n" + chunked,
+            timeout=3))
+        assert (status, headers["x-sluice-reason"]) == (400, "bad_request"), coding
+        # (The parser itself refuses the coding split over two fields.)
+        assert b"transfer coding other than chunked" in body or b"not valid HTTP" in body
+    for coding in (b"chunked", b"Chunked", b" chunked "):
+        [(status, _, _)] = parse(await raw_request(
+            sluice.port, b"POST /svc/x HTTP/1.1\r\n" + LOOPBACK + b"Transfer-Encoding:"
+            + coding + b"\r\n\r\n3\r\nabc\r\n0\r\n\r\n", timeout=3))
+        assert status == 200, coding
+    assert [seen.body for seen in upstream.requests] == [b"abc"] * 3
 
 
 async def test_control_characters_in_the_path_are_refused(upstream, start_sluice):
