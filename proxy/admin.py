@@ -37,6 +37,7 @@ from typing import Any
 
 from aiohttp import web
 
+from policies.config import IDENTITY_VALUE, MAX_IDENTITY_LENGTH
 from policies.state import StateUnavailable
 from proxy.redact import redact
 from proxy.reload import RELOADER
@@ -108,6 +109,11 @@ async def admin_cancel_run(request: web.Request) -> web.Response:
         return refused
     runtime = request.app[RUNTIME]
     run = request.match_info["run"]
+    if len(run) > MAX_IDENTITY_LENGTH or not IDENTITY_VALUE.fullmatch(run):
+        # No caller could send it as X-Run-ID: cancelling it would only leave a phantom run.
+        return web.json_response(
+            {"error": f"not a run id: visible ASCII (no spaces or control characters), at most "
+                      f"{MAX_IDENTITY_LENGTH} characters, as X-Run-ID takes"}, status=400)
     started = time.monotonic()
     # Here first, so this replica's calls end without waiting for Redis.
     runs, calls = runtime.runs.cancel(run, runtime.cancel_ttl)

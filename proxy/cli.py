@@ -131,6 +131,10 @@ def _dlq(args: argparse.Namespace) -> int:
 def _runs(args: argparse.Namespace) -> int:
     from proxy.runs_cli import run
 
+    if args.config is None:
+        if args.admin:  # the address is given: no config is needed (the token from the env)
+            return run(None, args)
+        args.config = DEFAULT_CONFIG
     return _with_config(args, run)
 
 
@@ -206,8 +210,9 @@ def build_parser() -> argparse.ArgumentParser:
         command.add_argument("run", metavar="RUN", help="the run's X-Run-ID value")
         run_commands.append(command)
     for command in run_commands:
-        command.add_argument("--config", default=DEFAULT_CONFIG,
-                             help=f"names the admin port and token (default: {DEFAULT_CONFIG})")
+        command.add_argument("--config",
+                             help=f"names the admin port and token (default: {DEFAULT_CONFIG}, "
+                                  "unless --admin is given)")
         command.add_argument("--admin", metavar="URL",
                              help="the admin port's URL instead of server.admin_listen")
     runs.set_defaults(func=_runs)

@@ -1,8 +1,9 @@
 """``sluice runs list|show RUN|cancel RUN``: the runs a replica knows, through its admin port.
 
 The address is the config's ``server.admin_listen`` (a wildcard host is reached on
-127.0.0.1), or ``--admin URL``. ``cancel`` sends the admin token: ``admin.token_file``, else the
-``SLUICE_ADMIN_TOKEN`` environment variable.
+127.0.0.1), or ``--admin URL`` (then no config is read unless ``--config`` is given).
+``cancel`` sends the admin token: ``admin.token_file``, else the ``SLUICE_ADMIN_TOKEN``
+environment variable.
 """
 
 from __future__ import annotations
@@ -34,9 +35,10 @@ def admin_url(config: Config) -> str:
     return f"http://{host}:{port}"
 
 
-def token(config: Config) -> str | None:
-    """The admin bearer token, as the server reads it."""
-    path = config.admin.token_path
+def token(config: Config | None) -> str | None:
+    """The admin bearer token, as the server reads it (``None``: no config, the environment's
+    alone)."""
+    path = config.admin.token_path if config is not None else None
     if path is not None:
         with open(path, encoding="utf-8") as f:
             return f.read().strip() or None
@@ -57,9 +59,10 @@ def _call(method: str, url: str, bearer: str | None = None) -> tuple[int, Any]:
             return error.code, {"error": error.reason}
 
 
-def run(config: Config, args: argparse.Namespace, out: IO[str] = sys.stdout) -> int:
-    """Carry out ``sluice runs ...``; returns the exit status."""
-    base = args.admin or admin_url(config)
+def run(config: Config | None, args: argparse.Namespace, out: IO[str] = sys.stdout) -> int:
+    """Carry out ``sluice runs ...``; returns the exit status. ``config`` is ``None`` when
+    ``--admin`` names the address and no ``--config`` was given."""
+    base = args.admin or admin_url(config)  # type: ignore[arg-type]  (None only with --admin)
     try:
         if args.runs_command == "list":
             status, body = _call("GET", f"{base}/admin/runs")

@@ -4,6 +4,8 @@ the admin endpoints and ``sluice runs``, through a real Sluice and the fake upst
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import time
 
 import aiohttp
@@ -230,6 +232,20 @@ async def test_cancel_needs_the_token_and_reads_stay_open(upstream, start_sluice
     assert "r-kid" in out and "children: r-kid" in out
     assert "cancelled r, r-kid: 0 call(s) ended" in out
     assert await asyncio.to_thread(cli_main, ["runs", "show", "nope", *argv]) == 1
+    # --admin alone needs no config file: run where none is at the default path.
+    listed_cli = await asyncio.to_thread(
+        subprocess.run, [sys.executable, "-m", "proxy", "runs", "list", "--admin",
+                         sluice.admin_url], cwd=tmp_path, capture_output=True, text=True,
+        timeout=60)
+    assert listed_cli.returncode == 0 and "r-kid" in listed_cli.stdout, listed_cli.stderr
+    # A name no caller could send as X-Run-ID is refused, not made a phantom run.
+    async with aiohttp.ClientSession() as s:
+        for bad in ("%C3%A9quipe%20x", "r" * 200):
+            async with s.post(f"{sluice.admin_url}/admin/runs/{bad}/cancel",
+                              headers={"Authorization": f"Bearer {TOKEN}"}) as r:
+                assert r.status == 400 and "not a run id" in (await r.json())["error"]
+        async with s.get(f"{sluice.admin_url}/admin/runs") as r:
+            assert {run["run"] for run in (await r.json())["runs"]} == {"r", "r-kid"}
     async with aiohttp.ClientSession() as s:
         status, headers, _ = await post(s, f"{sluice.url}/tools/x", run_headers("r-kid", "r"))
     assert (status, headers["X-Sluice-Reason"]) == (409, "run_cancelled")
