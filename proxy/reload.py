@@ -225,6 +225,8 @@ class Reloader:
                 "config reload: %s changed but cannot change while running; still %r until "
                 "a restart", key, _get(running, tuple(key.split("."))),
             )
+        sections = [name for name in type(config).model_fields
+                    if name != "routes" and getattr(config, name) != getattr(running, name)]
         summary = self.runtime.configure(config)
         self.loaded_at = time.time()
         metrics.config_reloads.inc()
@@ -234,12 +236,15 @@ class Reloader:
         self.runtime.events.emit_system(
             "config_reloaded", path=str(self.path), trigger=trigger,
             routes_added=summary["added"], routes_changed=summary["changed"],
-            routes_removed=summary["removed"], held_until_restart=held,
+            routes_removed=summary["removed"], sections_changed=sections,
+            held_until_restart=held,
         )
         log.info(
-            "config reloaded from %s (%s): %d route(s); changed %s, added %s, removed %s",
+            "config reloaded from %s (%s): %d route(s); changed %s, added %s, removed %s; "
+            "other sections changed: %s",
             self.path, trigger, len(self.runtime.routes), summary["changed"] or "none",
             summary["added"] or "none", summary["removed"] or "none",
+            ", ".join(sections) or "none",
         )
         return True
 

@@ -191,6 +191,15 @@ async def test_sighup_reloads_and_listeners_stay_put(upstream, start_sluice):
         "connect": 2.0, "total": 60.0, "idle": 600.0, "deadline_header": "X-Request-Timeout"}
     assert "server.listen changed but cannot change while running" in sluice.stderr()
 
+    # A change outside the routes is named too (it read "changed none" for a new price).
+    rewrite(sluice.config_path,
+            lambda data: data.update(pricing={"gpt-x": {"input": 1.0, "output": 2.0}}))
+    await sluice.wait_metric("sluice_config_reloads_total", 3)
+    await until(lambda: len([e for e in sluice.events() if e["event"] == "config_reloaded"]) == 3)
+    last = [e for e in sluice.events() if e["event"] == "config_reloaded"][-1]
+    assert (last["sections_changed"], last["routes_changed"]) == (["pricing"], [])
+    assert "other sections changed: pricing" in sluice.stderr()
+
 
 async def test_routes_added_and_removed(upstream, start_sluice):
     sluice = await start_sluice({"routes": [
