@@ -230,7 +230,8 @@ def parse_post(body: bytes, protocol_version: str | None = None) -> McpPost:
     return McpPost((_message(doc),))
 
 
-def _is_id(value: object) -> bool:
+def is_id(value: object) -> bool:
+    """``value`` can be a JSON-RPC request id as MCP has them: a string or an integer."""
     return isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool))
 
 
@@ -253,13 +254,13 @@ def _message(doc: object) -> Message:
                 raise InvalidMcpRequest('tools/call "params.arguments" must be an object')
         if "id" not in doc:
             return Message("notification", method, None, params)
-        if not _is_id(doc["id"]):
+        if not is_id(doc["id"]):
             raise InvalidMcpRequest('a request "id" must be a string or an integer')
         return Message("request", method, doc["id"], params)
     if ("result" in doc) == ("error" in doc):
         raise InvalidMcpRequest("a message needs a method, a result or an error")
     rpc_id = doc.get("id")
-    if not (_is_id(rpc_id) or (rpc_id is None and "error" in doc)):
+    if not (is_id(rpc_id) or (rpc_id is None and "error" in doc)):
         raise InvalidMcpRequest('a response "id" must be a string or an integer')
     return Message("response", None, rpc_id)
 

@@ -145,15 +145,18 @@ def rejection_body(rejected: Rejected, protocol: str, jsonrpc_id: object = None)
     return orjson.dumps(body)
 
 
-def jsonrpc_id(protocol: str, body: bytes) -> object:
-    """The JSON-RPC ``id`` of an MCP request, echoed in its error (``None`` if unknown)."""
+def jsonrpc_id(protocol: str, body: bytes) -> mcp.RequestId | None:
+    """The JSON-RPC ``id`` of an MCP request, echoed in its error: a string or an integer
+    (MCP's ids), else ``None`` (unknown, or not an id an answer could carry: a list nested
+    300 deep once made the refusal itself fail, 500)."""
     if protocol != "mcp" or not body:
         return None
     try:
         message = orjson.loads(body)
     except orjson.JSONDecodeError:
         return None
-    return message.get("id") if isinstance(message, dict) else None
+    found = message.get("id") if isinstance(message, dict) else None
+    return found if mcp.is_id(found) else None
 
 
 #: Refusals of one MCP call that go out as HTTP 200 + JSON-RPC error (see the module docstring).

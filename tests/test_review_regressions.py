@@ -286,6 +286,12 @@ routes:
                                            **MCP_HEADERS)
         assert (status, headers.get("X-Sluice-Reason")) == (400, "bad_request"), body[:300]
         assert orjson.loads(body)["id"] == 1 and b"nested too deeply" in body
+        # An id that is no id (a list 300 deep) made the refusal itself fail: 500.
+        deep_id = (b'{"jsonrpc":"2.0","id":' + b"[" * 300 + b"]" * 300
+                   + b',"method":"tools/call","params":{"name":"t","arguments":{}}}')
+        async with session.post(base + "/tools/mcp", data=deep_id, headers=MCP_HEADERS) as r:
+            assert (r.status, r.headers.get("X-Sluice-Reason")) == (400, "bad_request")
+            assert (await r.json())["id"] is None
         assert upstream.requests == []
         # Where tokens are not limited the body is not Sluice's to read: passed untouched.
         status, _, _ = await post(session, base + "/plain/v1/chat/completions", deep_chat)
