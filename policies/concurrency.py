@@ -240,8 +240,9 @@ class ConcurrencyLimiter:
 
         Args:
             priority: the queue class, 0 first (see :data:`PRIORITIES`).
-            caller_timeout: the caller's own timeout in seconds, if it sent one; it can
-                shorten the wait (:meth:`wait_budget`) or refuse it at once.
+            caller_timeout: what is left of the caller's own timeout in seconds
+                (:meth:`Call.time_left`), if it sent one; it can shorten the wait
+                (:meth:`wait_budget`) or refuse it at once.
             on_queued: called with the queue depth once this call has joined the queue.
             cost: the call's cost in tokens, if known (else its service time is used).
 
@@ -284,31 +285,30 @@ class ConcurrencyLimiter:
         held = self._by_tenant.get(tenant, 0)
         max_wait = self.wait_budget(caller_timeout)
         expected = (self.queued + 1) * self.mean_service_s / self.limit
-        # Refused at once only when the caller's own timeout cannot cover the estimate: a wait
-        # longer than ``max_wait`` alone is the queue's matter (``queue_timeout`` once it
-        # passes), as for a caller that sent no timeout.
-        if caller_timeout is None and max_wait <= 0:  # ``max_wait: 0s``: nobody waits
-            raise Rejected(
-                Reason.QUEUE_TIMEOUT,
-                self._drain_estimate(self.queued + 1),
-                f"{self.limit} slots busy and max_wait is 0s: no call waits for a slot",
-                ("concurrency", self.limit, 0),
-            )
-        if max_wait <= 0 or (caller_timeout is not None and self.observed
-                             and expected > caller_timeout - self.mean_service_s):
-            raise Rejected(
-                Reason.DEADLINE_UNREACHABLE,
-                self._drain_estimate(self.queued + 1),
-                f"the caller's timeout of {caller_timeout:.3g}s leaves no time to queue: the "
-                f"wait is estimated at {expected:.3g}s and calls take "
-                f"{self.mean_service_s:.3g}s on average",
-            )
-        if self.queue_full:
+        # Nobody may wait (no queue left, or ``max_wait: 0s``): the queue's refusal, whatever
+        # the caller's timeout, which is not what stands in its way.
+        if self.queue_full or self.max_wait <= 0:
             raise Rejected(
                 Reason.QUEUE_FULL,
                 self._drain_estimate(self.queued + 1),
-                f"{self.limit} slots busy and {self.queue_capacity} queued",
+                f"{self.limit} slots busy and {self.queue_capacity} queued"
+                if self.max_wait > 0 else
+                f"{self.limit} slots busy and max_wait is 0s: no call waits for a slot",
                 ("concurrency", self.limit, 0),
+            )
+        # Refused at once only when the caller's own timeout cannot cover the estimate: a wait
+        # longer than ``max_wait`` alone is the queue's matter (``queue_timeout`` once it
+        # passes), as for a caller that sent no timeout.
+        if max_wait <= 0 or (caller_timeout is not None and self.observed
+                             and expected > caller_timeout - self.mean_service_s):
+            left = (f"ends in {caller_timeout:.3g}s" if caller_timeout > 0  # type: ignore[operator]
+                    else "has passed")
+            raise Rejected(
+                Reason.DEADLINE_UNREACHABLE,
+                self._drain_estimate(self.queued + 1),
+                f"the caller's timeout {left}, which leaves no time to queue: the wait is "
+                f"estimated at {expected:.3g}s and calls take {self.mean_service_s:.3g}s on "
+                f"average",
             )
         loop = asyncio.get_running_loop()
         # The call's tag: where ``_charge`` starts it, its tenant's time, never the class's past.
@@ -368,7 +368,7 @@ class ConcurrencyLimiter:
             self._by_tenant[tenant] = held + 1
             return Slot(self, tenant, charged, cls)
         try:
-            charged = await self.acquire(tenant, call.priority, call.timeout,
+            charged = await self.acquire(tenant, call.priority, call.time_left(),
                                          queued_hook(call), call.cost)
         except Rejected as rejected:
             report_expiry(call, rejected)

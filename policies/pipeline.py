@@ -132,6 +132,13 @@ class Call:
         self._upstream_s = 0.0
         self._sent_at: float | None = None
 
+    def time_left(self) -> float | None:
+        """Seconds left of the caller's own timeout (counted from the call's arrival: its
+        queueing spends them), or ``None`` when it sent none; may be 0 or less."""
+        if self.timeout is None:
+            return None
+        return self.timeout - (time.monotonic() - self.received_at)
+
     def notify(self, event: str, fields: dict[str, Any]) -> None:
         """Report a step of this call for the timeline: ``event`` with ``fields``."""
         self.reporter(self, event, fields)

@@ -740,7 +740,7 @@ class FanoutWidth:
             call.phase = "queued"
 
         try:
-            slot = await entry.limiter.take(run, call.priority, call.timeout, queued)
+            slot = await entry.limiter.take(run, call.priority, call.time_left(), queued)
         except Rejected as rejected:
             self._leave(run, entry)
             if rejected.reason in (Reason.QUEUE_TIMEOUT, Reason.QUEUE_FULL):

@@ -171,7 +171,7 @@ class SharedConcurrencyLimiter(ConcurrencyLimiter):
     async def admit(self, call: Call) -> SharedSlot:  # type: ignore[override]
         """The pipeline step: as :meth:`ConcurrencyLimiter.admit`, holding a lease."""
         try:
-            return await self.acquire(call.tenant, call.priority, call.timeout,
+            return await self.acquire(call.tenant, call.priority, call.time_left(),
                                       queued_hook(call), call.cost)
         except Rejected as rejected:
             report_expiry(call, rejected)

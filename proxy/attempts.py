@@ -126,7 +126,8 @@ async def forward(request: web.BaseRequest, rt: Runtime, route: Route, call: Cal
         the request may have reached the upstream is left in ``call.reached``.
 
     Raises:
-        Rejected: the breaker refused the first attempt (nothing was sent).
+        Rejected: the breaker refused the first attempt, or the caller's timeout passed
+            before it (nothing was sent).
         asyncio.CancelledError: the caller disconnected; the attempt in flight is closed and
             the breaker hears nothing of it.
     """
@@ -264,7 +265,8 @@ async def _attempts(rt: Runtime, route: Route, call: Call, url: URL,
     the route or the operation says its calls may be repeated; ``timeout`` bounds each attempt.
 
     Raises:
-        Rejected: the breaker refused the first attempt.
+        Rejected: the breaker refused the first attempt, or the caller's timeout passed
+            before it.
     """
     client_retry = retry is not None and call.client_retry
     deadline = caller_deadline = None
@@ -287,7 +289,10 @@ async def _attempts(rt: Runtime, route: Route, call: Call, url: URL,
             number += 1
             limit, callers_limit = (_attempt_limit(retry, deadline, caller_deadline)
                                     if bounded else (None, False))
-            if number > 1 and limit is not None and limit <= 0:
+            if limit is not None and limit <= 0:
+                if number == 1:  # spent queueing: sending now would only waste the upstream
+                    raise Rejected(Reason.DEADLINE_UNREACHABLE, None,
+                                   "the caller's timeout passed before the call could be sent")
                 tries.stop = "deadline"
                 return
             try:

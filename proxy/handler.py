@@ -181,7 +181,7 @@ async def handle(rt: Runtime, request: web.BaseRequest) -> web.StreamResponse:
                            call.idempotency_key, operation=call.operation)
         try:
             response, label = await attempts.forward(request, rt, route, call, traffic, plan)
-        except Rejected as rejected:  # the breaker refused the first attempt
+        except Rejected as rejected:  # the first attempt refused (breaker, deadline)
             outcome = Outcome("rejected", reached=False, status=rejected.reason.status)
             return refuse(rt, route, rejected, request_id, tenant, run, call.idempotency_key,
                           call.body, call.operation)

@@ -14,12 +14,13 @@ from policies import breaker as brk
 from policies import mcp
 from policies.concurrency import ConcurrencyLimiter
 from policies.config import CircuitBreakerConfig
+from policies.pipeline import Call
 from policies.reasons import Reason, Rejected
 from policies.retry import upstream_retry_after
 from policies.state import memory_backends
 from policies.state.breaker import OPEN, MemoryBreakerStates
 from policies.state.rate import Take
-from proxy import attempts
+from proxy import attempts, handler
 from proxy.config import parse_config
 from tests.conftest import raw_request
 from tests.fakeupstream import FakeUpstream, RawUpstream
@@ -334,12 +335,15 @@ routes:
 async def test_a_zero_max_wait_refuses_a_call_that_would_queue() -> None:
     # Seen (review): with max_wait 0 (a fanout's may be) a call without a timeout that found
     # every slot busy raised TypeError formatting its missing timeout: 502 "proxy error".
+    # With a timeout (the openai SDK always sends one) it was refused deadline_unreachable,
+    # blaming the caller's timeout for a queue nobody may wait in.
     limiter = ConcurrencyLimiter(1, 5, 0.0, None)
     await limiter.acquire("t")
-    with pytest.raises(Rejected) as refused:
-        await limiter.acquire("t")
-    assert refused.value.reason is Reason.QUEUE_TIMEOUT
-    assert "max_wait is 0s" in refused.value.detail
+    for timeout in (None, 30.0):
+        with pytest.raises(Rejected) as refused:
+            await limiter.acquire("t", caller_timeout=timeout)
+        assert refused.value.reason is Reason.QUEUE_FULL
+        assert "max_wait is 0s" in refused.value.detail
     assert (limiter.inflight, limiter.queued) == (1, 0)
     limiter.release("t", None)
     assert limiter.inflight == 0
@@ -375,3 +379,54 @@ routes:
         status, headers, _ = await post(session, url)  # a new probe, not circuit_open
         assert status == 200, headers.get("X-Sluice-Reason")
         assert len(upstream.requests) == 3
+
+
+# -- a caller's timeout counted from its arrival, in every queue and at the first attempt -----
+
+
+async def test_a_queues_wait_for_a_caller_is_what_is_left_of_its_timeout() -> None:
+    # Seen (review): each queue gave a call its caller's whole timeout from the moment it
+    # joined, so time spent earlier (waiting for an idempotent twin, a run's fanout queue)
+    # was counted twice and the call could be admitted after its caller had given up.
+    limiter = ConcurrencyLimiter(1, 5, 30.0, None)
+    await limiter.acquire("t")
+    call = Call(request_id="q", route="r", method="POST", path="/r/", headers={}, body=b"",
+                tenant="t", run=None, timeout=10.0)
+    call.received_at -= 9.8  # 9.8 s of its 10 s already spent elsewhere
+    started = asyncio.get_running_loop().time()
+    with pytest.raises(Rejected) as refused:
+        await limiter.admit(call)
+    waited = asyncio.get_running_loop().time() - started
+    assert refused.value.reason is Reason.QUEUE_TIMEOUT
+    assert waited < 5, waited  # ~0.2 s, not the 10 s of its whole timeout
+    call.received_at -= 1.0  # past its timeout: refused at once, the queue blaming no one
+    with pytest.raises(Rejected) as refused:
+        await limiter.admit(call)
+    assert refused.value.reason is Reason.DEADLINE_UNREACHABLE
+    assert "the caller's timeout has passed" in refused.value.detail
+    assert (limiter.inflight, limiter.queued) == (1, 0)
+
+
+async def test_a_call_whose_timeout_passed_before_its_first_attempt_is_not_sent(
+        upstream: FakeUpstream, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Seen (review): the first attempt was sent under asyncio.timeout(0) and could still
+    # reach the upstream on a pooled connection; the caller got 504 "within 0s".
+    config = f"""
+routes:
+  - name: r
+    path_prefix: /r/
+    upstream: {upstream.url}
+    protocol: openai
+"""
+    class LateCall(Call):  # its 30 s were spent before admission (in queues, say)
+        def __init__(self, **kwargs: object) -> None:
+            super().__init__(**kwargs)  # type: ignore[arg-type]
+            self.received_at -= 30.5
+
+    async with proxy(config) as sluice, aiohttp.ClientSession() as session:
+        url = f"http://127.0.0.1:{sluice.port}/r/v1/chat/completions"
+        assert (await post(session, url, **{"X-Request-Timeout": "30"}))[0] == 200
+        monkeypatch.setattr(handler, "Call", LateCall)
+        status, headers, _ = await post(session, url, **{"X-Request-Timeout": "30"})
+    assert (status, headers.get("X-Sluice-Reason")) == (503, "deadline_unreachable")
+    assert len(upstream.requests) == 1
