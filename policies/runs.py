@@ -42,8 +42,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from typing import Any, TypeVar
 
 from policies.concurrency import ConcurrencyLimiter
 from policies.config import FanoutConfig, RunConfig
@@ -52,6 +52,8 @@ from policies.rate import Background, unavailable
 from policies.reasons import Reason, Rejected
 from policies.state import Fallback, StateUnavailable
 from policies.state.runs import Count, Lineage, RedisRuns
+
+T = TypeVar("T")
 
 #: Response header on admitted calls once a run limit is ``warn_at`` used:
 #: ``"max_requests";used=0.800`` (the fuller of the two limits).
@@ -457,7 +459,8 @@ class RunTracker:
         registry = self.registry
         counts = [count for limits in self.limits if (count := limits.shared_count())]
         try:
-            lineage = await shared.admit(info.id, call.parent_run, counts)
+            lineage = await _survive_leaving(shared.admit(info.id, call.parent_run, counts),
+                                             lambda late: self._give_back(call, counts, late))
         except StateUnavailable as exc:
             if registry.fallback.mode == "reject":
                 raise unavailable(exc) from None
@@ -475,6 +478,12 @@ class RunTracker:
                            f"run {lineage.cancelled} was cancelled; its calls are refused for "
                            f"{lineage.cancelled_left:.0f}s more", retry=False)
         self._refuse_if_cancelled(info)
+
+    def _give_back(self, call: Call, counts: list[Count], lineage: Lineage) -> None:
+        """Give back what the round trip of a call whose caller left during it counted."""
+        if counts:
+            self.registry.counted[call] = SharedCount(counts, lineage)
+            self.registry.settle_count(call)
 
     def _inherit(self, info: RunInfo, call: Call) -> None:
         """Priority and deadline from the run's lineage (this replica's view of it)."""
@@ -630,14 +639,10 @@ class RunLimits:
         shared = registry.shared
         if shared is not None:
             ids = tuple(node.id for node in lineage)
-            task = asyncio.ensure_future(shared.take_request(self.scope, ids, limit))
             try:
-                full, high = await asyncio.shield(task)
-            except asyncio.CancelledError:
-                # The caller left while Redis ran the script: a count it made is given back
-                # once it is known, or it would stay spent for the run's life.
-                task.add_done_callback(lambda done: self._give_back_if_counted(done, ids))
-                raise
+                full, high = await _survive_leaving(
+                    shared.take_request(self.scope, ids, limit),
+                    lambda late: self._give_back(shared, ids, late[0]))
             except StateUnavailable as exc:
                 if registry.fallback.mode == "reject":
                     raise unavailable(exc) from None
@@ -649,13 +654,25 @@ class RunLimits:
             return None, node.id, 1.0
         return None, None, max(n.counts[self.scope] for n in lineage) / limit
 
-    def _give_back_if_counted(self, task: asyncio.Task[tuple[str | None, int]],
-                              ids: tuple[str, ...]) -> None:
-        shared = self.registry.shared
-        if (shared is not None and not task.cancelled() and task.exception() is None
-                and task.result()[0] is None):
+    def _give_back(self, shared: RedisRuns, ids: tuple[str, ...], full: str | None) -> None:
+        """Give back the count a call whose caller left during :meth:`_take` made."""
+        if full is None:  # counted
             self.registry.background.start(shared.give_back_request(self.scope, ids),
                                            "run request give-back")
+
+
+async def _survive_leaving(count: Awaitable[T], late: Callable[[T], None]) -> T:
+    """Await a shared count so that the caller leaving does not lose it: the script runs to
+    its end whatever happens to the caller, and ``late`` gets its result then (to give back
+    what it counted, which would otherwise stay spent for the run's life)."""
+    task = asyncio.ensure_future(count)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        task.add_done_callback(
+            lambda done: late(done.result())
+            if not done.cancelled() and done.exception() is None else None)
+        raise
 
 
 class _Counted:

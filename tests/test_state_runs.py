@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from policies.config import RunConfig
 from policies.pipeline import Call
-from policies.runs import RunLimits, RunRegistry
+from policies.runs import RunLimits, RunRegistry, RunTracker
 from policies.state import redis_backends
 from policies.state.runs import Count, RedisRuns
 from tests.redis_servers import (
@@ -191,25 +191,31 @@ def test_interleaved_replicas_never_overspend_a_run(where, parents, calls, limit
     asyncio.run(scenario())
 
 
-async def test_a_count_made_as_the_caller_leaves_is_given_back(where):
-    """The caller leaves while Redis counts its call for ``max_requests``: the count, once
-    its reply is known, is given back. Before, it stayed spent for the run's life."""
+@pytest.mark.parametrize("step", ["tracker", "limits"])
+async def test_a_count_made_as_the_caller_leaves_is_given_back(where, step):
+    """The caller leaves while Redis counts its call for ``max_requests``, in the run
+    tracker's round trip (the usual path) or the run limits' own (when the tracker's did not
+    count): the count, once its reply is known, is given back. Before, it stayed spent for
+    the run's life."""
     async with shared_runs(*where) as runs:
         counted = asyncio.Event()
         real = runs.take_request
+        name = "admit" if step == "tracker" else "take_request"
+        counting = getattr(runs, name)
 
         async def slow_reply(*args):
-            result = await real(*args)
+            result = await counting(*args)
             counted.set()
             await asyncio.sleep(0.1)  # the reply is on its way
             return result
 
-        runs.take_request = slow_reply  # type: ignore[method-assign]
+        setattr(runs, name, slow_reply)
         registry = RunRegistry(shared=runs)
         limits = RunLimits(registry, "s", RunConfig(max_requests=1), None)
         call = Call(request_id="q", route="x", method="POST", path="/x/", headers={},
                     body=b"", tenant="t", run="r1", parent_run=None)
-        task = asyncio.create_task(limits.admit(call))
+        admit = RunTracker(registry, [limits]).admit if step == "tracker" else limits.admit
+        task = asyncio.create_task(admit(call))
         await asyncio.wait_for(counted.wait(), 5)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
