@@ -33,12 +33,14 @@ import html
 import logging
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
 from policies.config import IDENTITY_VALUE, MAX_IDENTITY_LENGTH
 from policies.state import StateUnavailable
+from proxy.config import load_token
 from proxy.redact import redact
 from proxy.reload import RELOADER
 from proxy.runtime import RUNTIME, Runtime
@@ -60,10 +62,10 @@ def admin_token(runtime: Runtime) -> str | None:
     once); ``None`` when none is configured."""
     path = runtime.config.admin.token_path
     if path is not None:
-        try:
-            with open(path, encoding="utf-8") as f:
-                token = f.read().strip()
-        except OSError:
+        try:  # bounded, and never waiting on a FIFO: this runs on the event loop
+            token = load_token(Path(path))
+        except ValueError as exc:
+            log.warning("admin token file: %s", exc)
             return None
     else:
         token = os.environ.get(TOKEN_ENV, "").strip()

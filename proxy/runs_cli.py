@@ -15,9 +15,11 @@ import sys
 import urllib.error
 import urllib.parse
 import urllib.request
+from pathlib import Path
 from typing import IO, Any
 
 from policies.config import Config
+from proxy.config import load_token
 
 #: Seconds a CLI request to the admin port may take.
 TIMEOUT_S = 10.0
@@ -40,8 +42,11 @@ def token(config: Config | None) -> str | None:
     alone)."""
     path = config.admin.token_path if config is not None else None
     if path is not None:
-        with open(path, encoding="utf-8") as f:
-            return f.read().strip() or None
+        try:
+            return load_token(Path(path))
+        except ValueError as exc:
+            print(f"sluice: admin.token_file: {exc}", file=sys.stderr)
+            return None
     return os.environ.get("SLUICE_ADMIN_TOKEN", "").strip() or None
 
 

@@ -161,6 +161,16 @@ async def test_token_file_is_read_beside_the_config_and_a_reload_losing_it_is_re
                          what="the refusal in the log")
         async with session.post(cancel, headers=bearer) as r:
             assert r.status == 200, await r.text()
+        # The file is read at each mutating request, on the event loop: a FIFO put in its
+        # place blocked the whole proxy (found by review); now it reads as no token (403).
+        fifo = tmp_path / "fifo"
+        os.mkfifo(fifo)
+        os.replace(fifo, tmp_path / "admin-token")
+        async with session.post(cancel, headers=bearer, timeout=aiohttp.ClientTimeout(10)) as r:
+            assert r.status == 403, await r.text()
+        async with session.get(sluice_.url + "/r/ping", timeout=aiohttp.ClientTimeout(10)) as r:
+            assert r.status == 200
+    assert "admin token file: cannot read" in sluice_.stderr()
 
 
 # --- 2 and 6. a Redis that refuses or is absent at start; what the log says about it --------
