@@ -662,8 +662,9 @@ class Meter:
         """Merge one usage object: each count becomes the largest reported so far (counts
         only grow: Anthropic's are cumulative); one that is not a non-negative integer is
         read as 0. Returns whether it reported an input or output count (an integer) under
-        the protocol's names: one that does not (``{}``, another protocol's names) is no
-        report, so the call is charged as one without usage, not as one that used nothing."""
+        the protocol's names: one that does not (``{}``, another protocol's names), or
+        reports a negative one, is no report, so the call is charged as one without usage,
+        not as one that used nothing (a negative count once made a call free)."""
         u = self.usage
         if self._anthropic:
             read = _count(raw.get("cache_read_input_tokens"))
@@ -692,6 +693,8 @@ class Meter:
             u.output_tokens = out
         if type(read) is int and read > u.cache_read_tokens:
             u.cache_read_tokens = read
+        if (type(sent_in) is int and sent_in < 0) or (type(out) is int and out < 0):
+            return False  # a negative count is no report: charged as a call without usage
         return type(sent_in) is int or type(out) is int
 
 

@@ -322,6 +322,11 @@ def json_usage(body: bytes) -> tuple[tuple[int, int], bool]:
     (b'{"choices":[],"usage":{"prompt_tokens":"3","completion_tokens":null}}',
      ((0, 0), False)),
     (b'{"choices":[],"usage":{"prompt_tokens":0,"completion_tokens":0}}', ((0, 0), True)),
+    # A negative count is no report either: read as 0 and "reported", it made a call free
+    # (found by a hostile trial).
+    (b'{"choices":[],"usage":{"prompt_tokens":-1000000,"completion_tokens":-5}}',
+     ((0, 0), False)),
+    (b'{"choices":[],"usage":{"prompt_tokens":7,"completion_tokens":-5}}', ((7, 0), False)),
 ])
 def test_json_answer_usage_is_its_top_level_member(body, read):
     assert json_usage(body) == read
