@@ -476,7 +476,7 @@ class Idempotency:
         if message is not None:
             try:
                 fingerprint = bytes.fromhex(mcp.fingerprint(message, call.headers,
-                                                            self.derive_from))
+                                                            self.derive_from, call.body))
             except mcp.InvalidMcpRequest as bad:
                 raise Rejected(Reason.BAD_REQUEST, None, bad.detail) from None
         claim = await self.claim(call.method, call.path, call.headers, call.tenant, call.body,

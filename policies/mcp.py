@@ -35,6 +35,7 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
+import json
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -360,7 +361,7 @@ def check_headers(post: McpPost, headers: Mapping[str, str], *, require: bool = 
 
 
 def fingerprint(message: Message, headers: Mapping[str, str] | None = None,
-                names: Iterable[str] = ()) -> str:
+                names: Iterable[str] = (), body: bytes | None = None) -> str:
     """The idempotency fingerprint of a request: 64 hex digits of SHA-256.
 
     Covers the method, :attr:`Message.target` (the tool name for ``tools/call``),
@@ -372,23 +373,41 @@ def fingerprint(message: Message, headers: Mapping[str, str] | None = None,
     absent header differs from an empty one). Never the JSON-RPC ``id`` nor ``params._meta``
     (a progress token, client info): both change from one identical call to the next.
 
+    ``body``, the POST holding ``message`` alone, is read again for its ``params`` with the
+    standard library, which keeps an integer of any size exact: ``orjson`` (which read
+    ``message``) makes one beyond 64 bits a float, so ``123...890`` and ``123...891`` would
+    share a fingerprint and the second call get the first one's answer.
+
     Raises:
-        InvalidMcpRequest: the material is nested deeper than ``orjson`` writes (254 levels;
-            it reads 1,024).
+        InvalidMcpRequest: the material is nested too deeply to write (``orjson`` writes
+            254 levels; the standard library's limit is Python's recursion limit).
     """
-    params = message.params or {}
+    params: Mapping[str, Any] = message.params or {}
+    if body is not None:
+        try:
+            doc = json.loads(body)
+        except RecursionError:
+            raise InvalidMcpRequest(_TOO_DEEP) from None
+        exact = doc.get("params") if isinstance(doc, dict) else None
+        params = exact if isinstance(exact, dict) else {}
+    arguments = params.get("arguments")
     chosen = sorted({n.lower() for n in names})
     material = [
-        message.method, message.target, message.arguments,
+        message.method, message.target, arguments if isinstance(arguments, Mapping) else {},
         params.get("inputResponses"), params.get("requestState"),
         [[n, _header(headers, n) if headers is not None else None] for n in chosen],
     ]
     try:
-        canonical = orjson.dumps(material, option=orjson.OPT_SORT_KEYS)
-    except orjson.JSONEncodeError:  # it reads 1,024 levels of nesting but writes 254
-        raise InvalidMcpRequest("the call's arguments are nested too deeply for Sluice to "
-                                "fingerprint (about 250 levels at most)") from None
+        if body is not None:
+            canonical = json.dumps(material, sort_keys=True, separators=(",", ":")).encode()
+        else:
+            canonical = orjson.dumps(material, option=orjson.OPT_SORT_KEYS)
+    except (orjson.JSONEncodeError, RecursionError):
+        raise InvalidMcpRequest(_TOO_DEEP) from None
     return hashlib.sha256(canonical).hexdigest()
+
+
+_TOO_DEEP = "the call's params are nested too deeply for Sluice to fingerprint"
 
 
 # -- answers: the response to a request, in JSON or SSE -----------------------------------------

@@ -276,16 +276,18 @@ routes:
 """
     deep_chat = {"model": "m", "stream": True, "stream_options": {},
                  "messages": [{"role": "user", "content": "hi", "extra": _nested(300)}]}
-    deep_call = {**MCP_CALL, "params": {"name": "t", "arguments": _nested(300)}}
+    # Past Python's recursion limit (orjson reads up to 1,024 levels).
+    deep_call = (b'{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"t",'
+                 b'"arguments":' + b'{"a":' * 1010 + b"1" + b"}" * 1010 + b"}}")
     async with proxy(config) as sluice, aiohttp.ClientSession() as session:
         base = f"http://127.0.0.1:{sluice.port}"
         status, headers, body = await post(session, base + "/llm/v1/chat/completions",
                                            deep_chat)
         assert (status, headers.get("X-Sluice-Reason")) == (400, "bad_request"), body[:300]
         assert b"nested too deeply" in body
-        status, headers, body = await post(session, base + "/tools/mcp", deep_call,
-                                           **MCP_HEADERS)
-        assert (status, headers.get("X-Sluice-Reason")) == (400, "bad_request"), body[:300]
+        async with session.post(base + "/tools/mcp", data=deep_call, headers=MCP_HEADERS) as r:
+            assert (r.status, r.headers.get("X-Sluice-Reason")) == (400, "bad_request")
+            body = await r.read()
         assert orjson.loads(body)["id"] == 1 and b"nested too deeply" in body
         # An id that is no id (a list 300 deep) made the refusal itself fail: 500.
         deep_id = (b'{"jsonrpc":"2.0","id":' + b"[" * 300 + b"]" * 300
@@ -298,6 +300,10 @@ routes:
         status, _, _ = await post(session, base + "/plain/v1/chat/completions", deep_chat)
         assert status == 200
         assert orjson.loads(upstream.requests[0].body) == deep_chat
+        # 300 levels of arguments are fingerprinted (the standard library writes them).
+        deep_args = {**MCP_CALL, "params": {"name": "t", "arguments": _nested(300)}}
+        status, _, _ = await post(session, base + "/tools/mcp", deep_args, **MCP_HEADERS)
+        assert status == 200 and len(upstream.requests) == 2
 
 
 # -- an upstream Retry-After that overflows a date ----------------------------------------------
@@ -430,3 +436,35 @@ routes:
         status, headers, _ = await post(session, url, **{"X-Request-Timeout": "30"})
     assert (status, headers.get("X-Sluice-Reason")) == (503, "deadline_unreachable")
     assert len(upstream.requests) == 1
+
+
+async def test_mcp_arguments_differing_past_64_bits_are_different_calls() -> None:
+    # Seen (review): orjson reads an integer beyond 64 bits as a float, so two calls whose
+    # amounts differed in the last digit had one fingerprint: the second got the first's
+    # answer, never reaching the tool.
+    answer = b'{"jsonrpc":"2.0","id":1,"result":{"content":[]}}'
+    raw = RawUpstream(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
+                      + str(len(answer)).encode() + b"\r\nConnection: close\r\n\r\n" + answer)
+    await raw.start()
+    config = f"""
+routes:
+  - name: tools
+    path_prefix: /tools/
+    upstream: {raw.url}
+    protocol: mcp
+    idempotency: {{mode: dedup}}
+"""
+    headers = {key: value for key, value in MCP_HEADERS.items() if key != "Idempotency-Key"}
+    try:
+        async with proxy(config) as sluice, aiohttp.ClientSession() as session:
+            url = f"http://127.0.0.1:{sluice.port}/tools/mcp"
+            for amount in (b"123456789012345678901234567890", b"123456789012345678901234567891",
+                           b"123456789012345678901234567891"):
+                body = (b'{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":'
+                        b'"pay","arguments":{"amount":' + amount + b"}}}")
+                async with session.post(url, data=body, headers=headers) as r:
+                    assert r.status == 200
+        # Two amounts, two calls; the same amount again is replayed.
+        assert len(raw.requests) == 2
+    finally:
+        await raw.stop()
