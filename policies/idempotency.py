@@ -472,15 +472,16 @@ class Idempotency:
         if call.timeout is not None:
             wait_s = min(wait_s, call.timeout - (time.monotonic() - call.received_at))
         message = self._mcp_call(call.body)
-        fingerprint = None
+        fingerprint = call_key = None
         if message is not None:
             try:
-                fingerprint = bytes.fromhex(mcp.fingerprint(message, call.headers,
-                                                            self.derive_from, call.body))
+                call_key = bytes.fromhex(mcp.fingerprint(message, call.headers,
+                                                         self.derive_from, call.body))
             except mcp.InvalidMcpRequest as bad:
                 raise Rejected(Reason.BAD_REQUEST, None, bad.detail) from None
+            fingerprint = _of_generation(call_key, call.headers.get(mcp.VERSION_HEADER))
         claim = await self.claim(call.method, call.path, call.headers, call.tenant, call.body,
-                                 wait_s=wait_s, fingerprint=fingerprint,
+                                 wait_s=wait_s, fingerprint=fingerprint, call_key=call_key,
                                  mcp_id=message.id if message is not None else None)
         call.new_unit = claim.new_unit
         call.idempotency_key = claim.key
@@ -530,14 +531,16 @@ class Idempotency:
 
     async def claim(self, method: str, path: str, headers: CIMultiDictProxy[str], tenant: str,
                     body: bytes, *, wait_s: float | None = None,
-                    fingerprint: bytes | None = None,
+                    fingerprint: bytes | None = None, call_key: bytes | None = None,
                     mcp_id: mcp.RequestId | None = None) -> Claim:
         """Resolve the request's key and its standing; may wait for an in-flight twin.
 
         ``path`` is the path and query as received; ``wait_s`` bounds the wait for a twin,
         seconds (default ``max_wait``). An MCP call passes its ``fingerprint`` (32 bytes,
-        :func:`policies.mcp.fingerprint`) and JSON-RPC id ``mcp_id``: the fingerprint then
-        stands for the payload and, without a caller's or derived key, makes the key.
+        :func:`policies.mcp.fingerprint`, with the client's protocol generation) and
+        JSON-RPC id ``mcp_id``: the fingerprint then stands for the payload and, without a
+        caller's or derived key, ``call_key`` (the fingerprint without the generation) makes
+        the key.
         Never raises for the request's own faults: they come back as :attr:`Claim.rejected`
         (400, 409 or 422; 503 ``state_unavailable`` when the shared records do not answer and
         ``state.on_unavailable`` is ``reject``).
@@ -559,7 +562,7 @@ class Idempotency:
         else:
             key = self._derive(headers, tenant)
             if key is None and fingerprint is not None:
-                key = self._call_key(tenant, fingerprint)
+                key = self._call_key(tenant, call_key or fingerprint)
             if key is None:
                 # A fresh key: unknown to anyone else, so there is nothing to look up.
                 claim = Claim(fresh_key())
@@ -602,7 +605,7 @@ class Idempotency:
             claim.new_unit = not is_client_retry(headers)
         if flight is not None:
             if self.dedup and flight.fingerprint != fingerprint:
-                claim.rejected = _mismatch()
+                claim.rejected = _mismatch(claim.mcp_id is not None)
                 return claim
             if not self.wait_in_flight:
                 claim.rejected = Rejected(
@@ -627,7 +630,7 @@ class Idempotency:
             record = outcome
         if record is not None and record.kind != SEEN:
             if record.fingerprint != fingerprint:
-                claim.rejected = _mismatch()
+                claim.rejected = _mismatch(claim.mcp_id is not None)
             elif record.kind == DONE:
                 claim.replay = record
             else:
@@ -725,7 +728,7 @@ class Idempotency:
             claim.new_unit = begin.answer is None and not is_client_retry(headers)
         elif begin.state == IN_FLIGHT:
             if self.dedup and begin.fingerprint != fingerprint:
-                claim.rejected = _mismatch()
+                claim.rejected = _mismatch(claim.mcp_id is not None)
                 return claim
             if not self.wait_in_flight:
                 claim.rejected = Rejected(
@@ -739,14 +742,15 @@ class Idempotency:
             begin = await self._wait_shared(claim, records, shared_key, owner, fingerprint,
                                             bound_s)
             if begin.state == IN_FLIGHT:
-                claim.rejected = (_mismatch() if begin.fingerprint != fingerprint
+                claim.rejected = (_mismatch(claim.mcp_id is not None)
+                                  if begin.fingerprint != fingerprint
                                   else _still_in_flight(claim.waited_s))
                 return claim
         if begin.state == FINISHED:
             answer = begin.answer
             assert answer is not None
             if answer.fingerprint != fingerprint:
-                claim.rejected = _mismatch()
+                claim.rejected = _mismatch(claim.mcp_id is not None)
             elif answer.kind == DONE:
                 claim.replay = Record(DONE, answer.fingerprint, answer.status, answer.reason,
                                       answer.headers, answer.body)
@@ -912,7 +916,23 @@ def _too_many_waiting(waiting: int) -> Rejected:
                     f"duplicates already wait for it (idempotency.max_waiters)")
 
 
-def _mismatch() -> Rejected:
+def _of_generation(fingerprint: bytes, version: str | None) -> bytes:
+    """An MCP call's fingerprint for comparing stored answers: the 2026-07-28 generation's
+    results carry ``resultType`` and the earlier ones' do not, and a 2026-07-28 client (the
+    Python SDK 2.x) fails its whole session on an earlier one's answer. So a call from one
+    generation never replays the other's answer: same key, other fingerprint, 422 for that
+    call alone. (Earlier clients read later answers; the earlier fingerprint is unchanged.)"""
+    if not mcp.is_modern(version):
+        return fingerprint
+    return hashlib.sha256(fingerprint + b"\0" + mcp.MODERN_VERSION.encode()).digest()
+
+
+def _mismatch(mcp_call: bool) -> Rejected:
+    if mcp_call:
+        return Rejected(Reason.IDEMPOTENCY_MISMATCH, None,
+                        "this call's key was used for another call: other params, or the same "
+                        "call from an MCP client of another protocol generation, whose stored "
+                        "answer this client could not read")
     return Rejected(Reason.IDEMPOTENCY_MISMATCH, None,
                     "this Idempotency-Key was used with a different method, path or body")
 

@@ -71,6 +71,9 @@ META_PROTOCOL_VERSION = "io.modelcontextprotocol/protocolVersion"
 #: The first protocol revision whose request metadata headers servers must validate.
 MODERN_VERSION = "2026-07-28"
 
+#: The header naming a request's protocol revision (sent after ``initialize``).
+VERSION_HEADER = "MCP-Protocol-Version"
+
 #: Methods whose ``params.name`` (or ``params.uri``) is mirrored in ``Mcp-Name`` (2026-07-28).
 NAMED_METHODS = frozenset({"tools/call", "resources/read", "prompts/get"})
 
@@ -350,11 +353,11 @@ def check_headers(post: McpPost, headers: Mapping[str, str], *, require: bool = 
             raise HeaderMismatch("Mcp-Name", name_h, message.target)
     elif require and message.kind == "request" and message.method in NAMED_METHODS:
         raise HeaderMismatch("Mcp-Name", "(missing)", message.target)
-    version_h = _header(headers, "MCP-Protocol-Version")
+    version_h = _header(headers, VERSION_HEADER)
     meta = message.params.get("_meta") if message.params is not None else None
     body_version = meta.get(META_PROTOCOL_VERSION) if isinstance(meta, dict) else None
     if version_h is not None and body_version is not None and version_h != body_version:
-        raise HeaderMismatch("MCP-Protocol-Version", version_h, body_version)
+        raise HeaderMismatch(VERSION_HEADER, version_h, body_version)
 
 
 # -- idempotency fingerprint --------------------------------------------------------------------

@@ -81,7 +81,7 @@ def _mcp_traffic(request: web.BaseRequest, body: bytes,
     """
     if request.method != "POST":
         return mcp.traffic(request.method), None
-    version = request.headers.get("MCP-Protocol-Version")
+    version = request.headers.get(mcp.VERSION_HEADER)
     post = mcp.parse_post(body, version)
     mcp.check_headers(post, request.headers, require=mcp.is_modern(version))
     # A batch has no one operation: its tools/calls would run under none of their tools'

@@ -323,6 +323,28 @@ async def test_repeated_side_effecting_call_with_the_same_arguments_runs_once(
     assert [e["operation"] for e in replayed] == ["send"]
 
 
+async def test_a_stored_answer_is_not_replayed_to_a_client_of_another_generation(
+        mcp_server_factory, start_sluice):
+    """Found by a hostile trial: an answer stored from a 2025-11-25 client (no
+    ``resultType``) replayed to a 2026-07-28 client (``mode="auto"``) failed its validation,
+    which ended that client's whole session. Now that call alone fails (422 as a JSON-RPC
+    error): the session goes on, the tool does not run again, and a client of the first
+    generation still gets the replay."""
+    server = mcp_server_factory("session")
+    sluice = await start_sluice({"routes": [mcp_route(
+        server.base_url, tools={"send": {"idempotency": {"mode": "dedup"}}})]})
+    args = {"to": "ops@example.com", "body": "hi"}
+    async with Client(endpoint(sluice), mode="legacy") as client:
+        assert text(await client.call_tool("send", args)) == "sent #1"
+    async with Client(endpoint(sluice)) as modern:
+        with pytest.raises(MCPError, match="another protocol generation"):
+            await modern.call_tool("send", args)
+        assert text(await modern.call_tool("add", {"a": 1, "b": 2})) == "3"  # still alive
+    async with Client(endpoint(sluice), mode="legacy") as client:
+        assert text(await client.call_tool("send", args)) == "sent #1"  # replayed
+    assert server.sends() == 1
+
+
 mcp_server_factory = mcp_servers.mcp_server_factory
 
 
