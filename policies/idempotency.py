@@ -921,7 +921,7 @@ def _of_generation(fingerprint: bytes, version: str | None) -> bytes:
     results carry ``resultType`` and the earlier ones' do not, and a 2026-07-28 client (the
     Python SDK 2.x) fails its whole session on an earlier one's answer. So a call from one
     generation never replays the other's answer: same key, other fingerprint, 422 for that
-    call alone. (Earlier clients read later answers; the earlier fingerprint is unchanged.)"""
+    call alone. (The earlier generation's fingerprint is the plain one, as it always was.)"""
     if not mcp.is_modern(version):
         return fingerprint
     return hashlib.sha256(fingerprint + b"\0" + mcp.MODERN_VERSION.encode()).digest()
