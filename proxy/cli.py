@@ -78,7 +78,7 @@ def _serve(args: argparse.Namespace) -> int:
 def _check_config(args: argparse.Namespace) -> int:
     try:
         path = args.path or args.config_option or DEFAULT_CONFIG
-        config = load_config(path)
+        config = load_config(path, stream=True)  # /dev/stdin and <(...) are read too
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return EXIT_CONFIG_ERROR

@@ -431,19 +431,27 @@ MAX_TENANTS_BYTES = 64 * 1024 * 1024
 MAX_TOKEN_BYTES = 64 * 1024
 
 
-def read_text_file(path: Path, limit: int) -> str:
+def read_text_file(path: Path, limit: int, *, stream: bool = False) -> str:
     """The UTF-8 text of the regular file at ``path``, of at most ``limit`` bytes.
+
+    ``stream``: a pipe or character device is read too, to its end or ``limit`` (for
+    ``check-config /dev/stdin`` or ``<(envsubst < tpl.yaml)``, where waiting is expected);
+    never for what a server reads while it serves.
 
     Raises:
         OSError: it cannot be opened or read.
         ValueError: it is not a regular file (a FIFO, which is opened without waiting for a
-            writer, a device such as ``/dev/zero``, a directory), it is longer than ``limit``
-            bytes, or it is not UTF-8 (:class:`UnicodeDecodeError`).
+            writer, a device such as ``/dev/zero``, a directory) and ``stream`` is false or
+            it is a directory, it is longer than ``limit`` bytes, or it is not UTF-8
+            (:class:`UnicodeDecodeError`).
     """
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     with os.fdopen(fd, "rb") as file:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ValueError("not a regular file")
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            if not stream or not (stat.S_ISFIFO(mode) or stat.S_ISCHR(mode)):
+                raise ValueError("not a regular file")
+            os.set_blocking(fd, True)  # wait for the writer, as a shell reader would
         data = file.read(limit + 1)
     if len(data) > limit:
         raise ValueError(f"longer than {limit} bytes")
@@ -459,15 +467,16 @@ def _why(exc: Exception) -> str:
     return str(exc)
 
 
-def load_config(path: str | Path) -> Config:
-    """Read and validate the config file at ``path``.
+def load_config(path: str | Path, *, stream: bool = False) -> Config:
+    """Read and validate the config file at ``path`` (``stream``: see
+    :func:`read_text_file`).
 
     Raises:
         ConfigError: the file is missing, unreadable (see :func:`read_text_file`) or invalid.
     """
     path = Path(path)
     try:
-        text = read_text_file(path, MAX_CONFIG_BYTES)
+        text = read_text_file(path, MAX_CONFIG_BYTES, stream=stream)
     except (OSError, ValueError) as exc:
         raise ConfigError([f"{path}:1: (file): cannot read: {_why(exc)}"]) from None
     return parse_config(text, str(path))

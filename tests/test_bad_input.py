@@ -334,13 +334,30 @@ def test_a_hostile_file_is_a_config_error_not_a_crash_or_a_hang(tmp_path: Path, 
         write(path, ROUTE + "x: " + "[" * 50_000 + "]" * 50_000 + "\n")
     elif case == "aliases":
         write(path, ROUTE + ALIAS_BOMB)
-    elif case == "device":
-        path.symlink_to("/dev/zero")
-    elif case == "fifo":
-        os.mkfifo(path)  # opening it for reading would wait for a writer
+    elif case in ("device", "fifo"):
+        # serve reads its file again at each reload: only a regular file will do. (check-config
+        # reads a pipe or device to its end, for /dev/stdin and <(...); see the next test.)
+        if case == "device":
+            path.symlink_to("/dev/zero")
+        else:
+            os.mkfifo(path)  # opening it for reading would wait for a writer
+        done = sluice("serve", "--config", str(path))
+        assert done.returncode == 2 and f"{path}{problem}" in done.stderr, done.stderr
+        return
     else:
         write(path, ROUTE + "# " + "x" * (4 * 1024 * 1024) + "\n")
     assert_config_error(path, f"{path}{problem}")
+
+
+def test_check_config_reads_stdin_and_stops_at_the_size_bound(tmp_path: Path) -> None:
+    config = (REPO / "config" / "sluice.yaml").read_text()
+    done = subprocess.run([sys.executable, "-m", "proxy", "check-config", "/dev/stdin"],
+                          cwd=REPO, input=config, capture_output=True, text=True,
+                          timeout=COMMAND_TIMEOUT_S)
+    assert (done.returncode, done.stdout) == (0, "/dev/stdin: ok (2 route(s))\n"), done.stderr
+    done = sluice("check-config", "/dev/zero")
+    assert done.returncode == 2
+    assert "/dev/zero:1: (file): cannot read: longer than 4194304 bytes" in done.stderr
 
 
 async def test_reloads_go_on_after_hostile_files_and_stop_exits_0(start_sluice, upstream,
