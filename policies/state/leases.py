@@ -354,6 +354,9 @@ class Lease:
             if self._sleeping:
                 renewal.cancel()
             await asyncio.wait([renewal])
+            if not renewal.cancelled() and renewal.exception() is not None:
+                log.error("concurrency lease on %s: its renewal failed", self.group,
+                          exc_info=renewal.exception())
         return await self._give_back()
 
     async def aclose(self) -> bool:
