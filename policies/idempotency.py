@@ -108,7 +108,7 @@ import os
 import re
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Hashable
+from collections.abc import Awaitable, Hashable
 from typing import TypeVar
 
 from aiohttp import web
@@ -118,7 +118,7 @@ from policies import mcp
 from policies.config import IdempotencyConfig
 from policies.idempotency_store import DONE, SEEN, TOO_LARGE, MemoryStore, Record, ResultStore
 from policies.logs import PER_CALL
-from policies.pipeline import Call, Outcome
+from policies.pipeline import Call, Outcome, survive_leaving
 from policies.reasons import Reason, Rejected
 from policies.retry import is_client_retry
 from policies.state import IdempotencyRecords, StateBackends, StateUnavailable
@@ -720,10 +720,10 @@ class Idempotency:
         claim.fingerprint = fingerprint
         claim._policy = self
         owner = new_owner()
-        begin = await self._shielded(
+        begin = await survive_leaving(
             records.begin(shared_key, owner, fingerprint, self._lease_s),
             lambda b: self._drop(records, shared_key, owner, fingerprint)
-            if b.state == CLAIMED else None)
+            if b.state == CLAIMED else None, self._spawn)
         if begin.state == CLAIMED:
             claim.new_unit = begin.answer is None and not is_client_retry(headers)
         elif begin.state == IN_FLIGHT:
@@ -807,19 +807,6 @@ class Idempotency:
         """Free a key this request may hold although its caller left (background)."""
         self._spawn(self._quietly(records.finish(key, owner, Answer(SEEN, fingerprint),
                                                  self.ttl)))
-
-    async def _shielded(self, call: Awaitable[Begin],
-                        on_cancel: Callable[[Begin], None]) -> Begin:
-        """Await ``call`` so that the caller's cancellation does not hide what it did: the
-        script runs whatever happens to the caller; ``on_cancel`` gets its result then."""
-        task = self._spawn(call)
-        try:
-            return await asyncio.shield(task)
-        except asyncio.CancelledError:
-            task.add_done_callback(
-                lambda t: on_cancel(t.result())
-                if not t.cancelled() and t.exception() is None else None)
-            raise
 
     def _spawn(self, call: Awaitable[T]) -> asyncio.Task[T]:
         task = asyncio.ensure_future(call)

@@ -25,10 +25,11 @@ leave on the call (the body to send, the idempotency key, the usage charged).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, Protocol, TypeVar
 
 log = logging.getLogger("sluice")
 
@@ -214,6 +215,31 @@ class Policy(Protocol):
             Rejected: the call is refused now; nothing is held.
         """
         ...
+
+
+T = TypeVar("T")
+
+
+async def survive_leaving(
+        step: Awaitable[T], late: Callable[[T], None],
+        spawn: Callable[[Awaitable[T]], asyncio.Future[T]] = asyncio.ensure_future) -> T:
+    """Await a shared-state ``step`` (a Redis script that takes something) so that the caller
+    leaving does not lose what it took: the step runs to its end whatever happens to the
+    caller, and ``late`` gets its result then, to give back what it took. ``spawn`` runs the
+    step (e.g. a policy's own, so that shutdown waits for it).
+
+    Raises:
+        asyncio.CancelledError: the caller left; ``late`` is called once the step ends (not
+            if it failed).
+    """
+    task = spawn(step)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        task.add_done_callback(
+            lambda done: late(done.result())
+            if not done.cancelled() and done.exception() is None else None)
+        raise
 
 
 class Admission:

@@ -42,18 +42,16 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
-from typing import Any, TypeVar
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 from policies.concurrency import ConcurrencyLimiter
 from policies.config import FanoutConfig, RunConfig
-from policies.pipeline import Call, Holding, Outcome
+from policies.pipeline import Call, Holding, Outcome, survive_leaving
 from policies.rate import Background, unavailable
 from policies.reasons import Reason, Rejected
 from policies.state import Fallback, StateUnavailable
 from policies.state.runs import Count, Lineage, RedisRuns
-
-T = TypeVar("T")
 
 #: Response header on admitted calls once a run limit is ``warn_at`` used:
 #: ``"max_requests";used=0.800`` (the fuller of the two limits).
@@ -459,7 +457,7 @@ class RunTracker:
         registry = self.registry
         counts = [count for limits in self.limits if (count := limits.shared_count())]
         try:
-            lineage = await _survive_leaving(shared.admit(info.id, call.parent_run, counts),
+            lineage = await survive_leaving(shared.admit(info.id, call.parent_run, counts),
                                              lambda late: self._give_back(call, counts, late))
         except StateUnavailable as exc:
             if registry.fallback.mode == "reject":
@@ -640,7 +638,7 @@ class RunLimits:
         if shared is not None:
             ids = tuple(node.id for node in lineage)
             try:
-                full, high = await _survive_leaving(
+                full, high = await survive_leaving(
                     shared.take_request(self.scope, ids, limit),
                     lambda late: self._give_back(shared, ids, late[0]))
             except StateUnavailable as exc:
@@ -659,20 +657,6 @@ class RunLimits:
         if full is None:  # counted
             self.registry.background.start(shared.give_back_request(self.scope, ids),
                                            "run request give-back")
-
-
-async def _survive_leaving(count: Awaitable[T], late: Callable[[T], None]) -> T:
-    """Await a shared count so that the caller leaving does not lose it: the script runs to
-    its end whatever happens to the caller, and ``late`` gets its result then (to give back
-    what it counted, which would otherwise stay spent for the run's life)."""
-    task = asyncio.ensure_future(count)
-    try:
-        return await asyncio.shield(task)
-    except asyncio.CancelledError:
-        task.add_done_callback(
-            lambda done: late(done.result())
-            if not done.cancelled() and done.exception() is None else None)
-        raise
 
 
 class _Counted:
