@@ -358,8 +358,18 @@ class Meter:
     _per_event = 1
     status = 0
     complete = False
-    final = False
+    _final = False
+    #: The upstream reported a negative count: none of this answer's counts is final.
+    _negative = False
     streamed_tokens = 0
+
+    @property
+    def final(self) -> bool:
+        return self._final
+
+    @final.setter
+    def final(self, value: bool) -> None:
+        self._final = value and not self._negative
 
     def __init__(self, endpoint: Endpoint, anthropic: bool, strip_usage: bool) -> None:
         self._kind = endpoint
@@ -694,7 +704,11 @@ class Meter:
         if type(read) is int and read > u.cache_read_tokens:
             u.cache_read_tokens = read
         if (type(sent_in) is int and sent_in < 0) or (type(out) is int and out < 0):
-            return False  # a negative count is no report: charged as a call without usage
+            # No report, now or later in the stream (an Anthropic message_start's input
+            # count is not merged again): charged as a call without usage.
+            self._negative = True
+            self._final = False
+            return False
         return type(sent_in) is int or type(out) is int
 
 

@@ -376,6 +376,19 @@ def test_an_anthropic_answer_without_its_own_counts_is_no_report(usage):
     assert not meter.final
 
 
+def test_a_negative_count_anywhere_in_a_stream_is_no_report():
+    # Found by review: the negative message_start input count was dropped, and the later
+    # message_delta's valid output count made the answer "reported": its input went free.
+    meter = Meter(MESSAGES, anthropic=True, strip_usage=False)
+    started(meter, "text/event-stream")
+    meter.chunk(b"event: message_start\ndata: " + orjson.dumps(
+        {"type": "message_start", "message": {"usage": {"input_tokens": -1000000}}}) + b"\n\n")
+    meter.chunk(b"event: message_delta\ndata: " + orjson.dumps(
+        {"type": "message_delta", "usage": {"output_tokens": 5}}) + b"\n\n")
+    meter.finish()
+    assert not meter.final
+
+
 def test_a_stream_whose_usage_chunk_is_empty_is_no_report():
     meter = Meter(CHAT, anthropic=False, strip_usage=False)
     started(meter, "text/event-stream")
