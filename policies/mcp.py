@@ -376,19 +376,21 @@ def fingerprint(message: Message, headers: Mapping[str, str] | None = None,
     absent header differs from an empty one). Never the JSON-RPC ``id`` nor ``params._meta``
     (a progress token, client info): both change from one identical call to the next.
 
-    ``body``, the POST holding ``message`` alone, is read again for its ``params`` with the
-    standard library, which keeps an integer of any size exact: ``orjson`` (which read
-    ``message``) makes one beyond 64 bits a float, so ``123...890`` and ``123...891`` would
-    share a fingerprint and the second call get the first one's answer.
+    ``body``, the POST holding ``message`` alone: where it has a run of 19 digits, its
+    ``params`` are read again with the standard library, keeping exact the integers
+    ``orjson`` (which read ``message``) makes floats, those outside 64 bits: else
+    ``123...890`` and ``123...891`` would share a fingerprint, and the second call get the
+    first one's answer. Every other value reads as ``orjson`` reads it, so the fingerprint is
+    the same either way for a body without such an integer.
 
     Raises:
-        InvalidMcpRequest: the material is nested too deeply to write (``orjson`` writes
-            254 levels; the standard library's limit is Python's recursion limit).
+        InvalidMcpRequest: the material is nested deeper than ``orjson`` writes (254 levels;
+            it reads 1,024).
     """
     params: Mapping[str, Any] = message.params or {}
-    if body is not None:
+    if body is not None and _LONG_NUMBER.search(body):
         try:
-            doc = json.loads(body)
+            doc = json.loads(body, parse_int=_exact_int)
         except RecursionError:
             raise InvalidMcpRequest(_TOO_DEEP) from None
         exact = doc.get("params") if isinstance(doc, dict) else None
@@ -401,16 +403,23 @@ def fingerprint(message: Message, headers: Mapping[str, str] | None = None,
         [[n, _header(headers, n) if headers is not None else None] for n in chosen],
     ]
     try:
-        if body is not None:
-            canonical = json.dumps(material, sort_keys=True, separators=(",", ":")).encode()
-        else:
-            canonical = orjson.dumps(material, option=orjson.OPT_SORT_KEYS)
-    except (orjson.JSONEncodeError, RecursionError):
+        canonical = orjson.dumps(material, option=orjson.OPT_SORT_KEYS)
+    except orjson.JSONEncodeError:  # it reads 1,024 levels of nesting but writes 254
         raise InvalidMcpRequest(_TOO_DEEP) from None
     return hashlib.sha256(canonical).hexdigest()
 
 
-_TOO_DEEP = "the call's params are nested too deeply for Sluice to fingerprint"
+_TOO_DEEP = ("the call's params are nested too deeply for Sluice to fingerprint "
+             "(254 levels at most)")
+#: 19 digits: the shortest integer outside [-2**63, 2**64) (-9223372036854775809).
+_LONG_NUMBER = re.compile(rb"[0-9]{19}")
+
+
+def _exact_int(text: str) -> int | str:
+    """An integer as ``orjson`` reads it where it can (int64 and uint64 values), else one
+    standing for its exact value (``orjson`` would read a float)."""
+    value = int(text)
+    return value if -2**63 <= value < 2**64 else f"\u0000int:{value}"
 
 
 # -- answers: the response to a request, in JSON or SSE -----------------------------------------
