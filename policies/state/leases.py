@@ -304,7 +304,14 @@ class Lease:
         self._sleeping = False
         self._renewal: asyncio.Task[None] | None = asyncio.create_task(
             self._renew(), name=f"sluice-lease-{group}")
+        self._renewal.add_done_callback(self._renewal_ended)
         self._release: asyncio.Task[bool] | None = None
+
+    def _renewal_ended(self, renewal: asyncio.Task[None]) -> None:
+        # Said when it happens: the lease lapses from here on, with its call still running.
+        if not renewal.cancelled() and renewal.exception() is not None:
+            log.error("concurrency lease on %s: its renewal failed; the lease lapses",
+                      self.group, exc_info=renewal.exception())
 
     async def _renew(self) -> None:
         # Ends by cancellation while sleeping, or after its call once released.
@@ -354,9 +361,6 @@ class Lease:
             if self._sleeping:
                 renewal.cancel()
             await asyncio.wait([renewal])
-            if not renewal.cancelled() and renewal.exception() is not None:
-                log.error("concurrency lease on %s: its renewal failed", self.group,
-                          exc_info=renewal.exception())
         return await self._give_back()
 
     async def aclose(self) -> bool:
