@@ -221,14 +221,15 @@ def _enum_words(model: type[BaseModel]) -> set[tuple[tuple[str], str]]:
 _ENUM_WORDS = _enum_words(Config)
 
 
-def parse_config(text: str, filename: str = "<config>") -> Config:
-    """Parse and validate config ``text``; ``filename`` is used in messages.
+def parse_config(text: str, filename: str = "<config>", base: Path | None = None) -> Config:
+    """Parse and validate config ``text``; ``filename`` is used in messages, and the files
+    it names are found relative to ``base`` (default: ``filename``'s directory).
 
     Raises:
         ConfigError: with every problem found, each as ``FILE:LINE: KEY: PROBLEM``.
     """
     try:
-        return _parse_config(text, filename)
+        return _parse_config(text, filename, Path(filename).parent if base is None else base)
     except RecursionError:  # the composer and the models recurse once per level
         raise ConfigError([f"{filename}:1: (yaml): nested too deeply"]) from None
     except _TooManyValues:
@@ -236,7 +237,7 @@ def parse_config(text: str, filename: str = "<config>") -> Config:
                            "its aliases are expanded"]) from None
 
 
-def _parse_config(text: str, filename: str) -> Config:
+def _parse_config(text: str, filename: str, base: Path) -> Config:
     try:
         loader = StrictLoader(text)
         try:
@@ -274,12 +275,12 @@ def _parse_config(text: str, filename: str) -> Config:
     spec = config.identity.tenants
     if spec is not None:
         at = f"{filename}:{_nearest_line(('identity', 'tenants'), marks)}: identity.tenants"
-        config.identity._keys = load_tenants(spec, Path(filename).parent, at)
-    _check_sources(config, filename, marks)
+        config.identity._keys = load_tenants(spec, base, at)
+    _check_sources(config, filename, marks, base)
     return config
 
 
-def _check_sources(config: Config, filename: str, marks: dict[Path_, int]) -> None:
+def _check_sources(config: Config, filename: str, marks: dict[Path_, int], base: Path) -> None:
     """Read what the config names outside itself now, so a missing one is a config error
     (``check-config``, a refused reload) rather than a crash at start or a 403 later.
 
@@ -303,7 +304,7 @@ def _check_sources(config: Config, filename: str, marks: dict[Path_, int]) -> No
             problems.append(f"{filename}:{line}: {exc}")
     token_file = config.admin.token_file
     if token_file is not None:
-        path = Path(filename).parent / token_file
+        path = base / token_file
         try:
             load_token(path)
         except ValueError as exc:
@@ -445,13 +446,19 @@ def read_text_file(path: Path, limit: int, *, stream: bool = False) -> str:
             it is a directory, it is longer than ``limit`` bytes, or it is not UTF-8
             (:class:`UnicodeDecodeError`).
     """
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    flags = os.O_RDONLY | os.O_CLOEXEC
+    if not (stream and stat.S_ISFIFO(os.stat(path).st_mode)):
+        # Opened without waiting for a writer (a FIFO in a server's path must not hold it);
+        # a FIFO to stream is opened waiting, as a shell reader would: opened without
+        # waiting, one whose writer has not come yet reads as empty.
+        flags |= os.O_NONBLOCK
+    fd = os.open(path, flags)
+    mode = os.fstat(fd).st_mode
     with os.fdopen(fd, "rb") as file:
-        mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
             if not stream or not (stat.S_ISFIFO(mode) or stat.S_ISCHR(mode)):
                 raise ValueError("not a regular file")
-            os.set_blocking(fd, True)  # wait for the writer, as a shell reader would
+            os.set_blocking(fd, True)
         data = file.read(limit + 1)
     if len(data) > limit:
         raise ValueError(f"longer than {limit} bytes")
@@ -479,4 +486,7 @@ def load_config(path: str | Path, *, stream: bool = False) -> Config:
         text = read_text_file(path, MAX_CONFIG_BYTES, stream=stream)
     except (OSError, ValueError) as exc:
         raise ConfigError([f"{path}:1: (file): cannot read: {_why(exc)}"]) from None
-    return parse_config(text, str(path))
+    # A pipe's directory (/dev, /dev/fd) is no place for the files a config names: those
+    # are then found from the working directory, as the shell that made the pipe would.
+    base = path.parent if not stream or path.is_file() else Path.cwd()
+    return parse_config(text, str(path), base)

@@ -358,6 +358,22 @@ def test_check_config_reads_stdin_and_stops_at_the_size_bound(tmp_path: Path) ->
     done = sluice("check-config", "/dev/zero")
     assert done.returncode == 2
     assert "/dev/zero:1: (file): cannot read: longer than 4194304 bytes" in done.stderr
+    # A file the piped config names is found from the working directory, not /dev (review).
+    write(tmp_path / "admin-token", "s3cret\n")
+    piped = config.replace("token_file: null", "token_file: admin-token")
+    done = subprocess.run([sys.executable, "-m", "proxy", "check-config", "/dev/stdin"],
+                          cwd=tmp_path, input=piped, capture_output=True, text=True,
+                          timeout=COMMAND_TIMEOUT_S)
+    assert done.returncode == 0, done.stderr
+    # A named FIFO is read once a writer comes (opened without waiting, it read as empty).
+    fifo = tmp_path / "fifo.yaml"
+    os.mkfifo(fifo)
+    checking = subprocess.Popen([sys.executable, "-m", "proxy", "check-config", str(fifo)],
+                                cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
+    fifo.write_text(config)  # blocks until check-config opens it for reading
+    out, err = checking.communicate(timeout=COMMAND_TIMEOUT_S)
+    assert (checking.returncode, out) == (0, f"{fifo}: ok (2 route(s))\n"), err
 
 
 async def test_reloads_go_on_after_hostile_files_and_stop_exits_0(start_sluice, upstream,
