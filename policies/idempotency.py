@@ -918,8 +918,8 @@ def _mismatch(mcp_call: bool) -> Rejected:
     if mcp_call:
         return Rejected(Reason.IDEMPOTENCY_MISMATCH, None,
                         "this call's key was used for another call: other params, or the same "
-                        "call from an MCP client of another protocol generation, whose stored "
-                        "answer this client could not read")
+                        "call from an MCP client of another protocol generation (a stored "
+                        "answer is replayed only within its generation)")
     return Rejected(Reason.IDEMPOTENCY_MISMATCH, None,
                     "this Idempotency-Key was used with a different method, path or body")
 

@@ -292,7 +292,7 @@ async def _attempts(rt: Runtime, route: Route, call: Call, url: URL,
             if limit is not None and limit <= 0:
                 if number == 1:  # spent queueing: sending now would only waste the upstream
                     raise Rejected(Reason.DEADLINE_UNREACHABLE, None,
-                                   "the caller's timeout passed before the call could be sent")
+                                   "the call's deadline passed before it could be sent")
                 tries.stop = "deadline"
                 return
             try:
