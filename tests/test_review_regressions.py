@@ -196,6 +196,25 @@ async def test_a_caller_leaving_during_the_first_breakers_record_still_reports_t
 
 
 
+def route_entry(upstream: str, protocol: str, blocks: str = "", name: str = "r") -> str:
+    """A ``routes:`` item: route ``name`` at ``/name/`` in front of ``upstream``; ``blocks``:
+    its policy blocks as YAML flow lines (``"circuit_breaker: {fail_max: 1}"``)."""
+    lines = "".join(f"\n    {line}" for line in blocks.splitlines() if line)
+    return (f"  - name: {name}\n    path_prefix: /{name}/\n    upstream: {upstream}"
+            f"\n    protocol: {protocol}{lines}\n")
+
+
+def one_route(upstream: str, protocol: str, blocks: str = "", name: str = "r") -> str:
+    """A config of that one route (see :func:`route_entry`)."""
+    return "routes:\n" + route_entry(upstream, protocol, blocks, name)
+
+
+def json_upstream(answer: bytes) -> RawUpstream:
+    """An upstream answering every request 200 with the JSON ``answer``."""
+    return RawUpstream(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
+                       + str(len(answer)).encode() + b"\r\nConnection: close\r\n\r\n" + answer)
+
+
 # -- JSON nested deeper than orjson writes (it reads 1,024 levels, writes 254) -----------------
 
 
@@ -226,17 +245,8 @@ async def test_an_mcp_answer_too_deep_to_rewrite_frees_its_idempotency_key(
         monkeypatch.setattr(mcp, "rewrite_id", broken)
     answer = (b'{"jsonrpc":"2.0","id":1,"result":{"content":[],"structuredContent":'
               + b'{"a":' * 300 + b'"x"' + b"}" * 300 + b"}}")
-    raw = RawUpstream(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
-                      + str(len(answer)).encode() + b"\r\nConnection: close\r\n\r\n" + answer)
-    await raw.start()
-    config = f"""
-routes:
-  - name: tools
-    path_prefix: /tools/
-    upstream: {raw.url}
-    protocol: mcp
-    idempotency: {{mode: dedup, max_wait: 2s}}
-"""
+    raw = await json_upstream(answer).start()
+    config = one_route(raw.url, "mcp", "idempotency: {mode: dedup, max_wait: 2s}", "tools")
     try:
         async with proxy(config) as sluice, aiohttp.ClientSession() as session:
             url = f"http://127.0.0.1:{sluice.port}/tools/mcp"
@@ -257,23 +267,10 @@ async def test_a_request_too_deep_to_rewrite_or_fingerprint_is_refused_400(
     # Seen (review): a stream request with its own stream_options (rewritten whole to add
     # include_usage) or an MCP call's arguments (fingerprinted as canonical JSON) nested
     # past 254 levels got 502 "proxy error" and a traceback instead of a 4xx.
-    config = f"""
-routes:
-  - name: llm
-    path_prefix: /llm/
-    upstream: {upstream.url}
-    protocol: openai
-    rate: {{tokens: 1000000/min}}
-  - name: plain
-    path_prefix: /plain/
-    upstream: {upstream.url}
-    protocol: openai
-  - name: tools
-    path_prefix: /tools/
-    upstream: {upstream.url}
-    protocol: mcp
-    idempotency: {{mode: dedup}}
-"""
+    config = ("routes:\n"
+              + route_entry(upstream.url, "openai", "rate: {tokens: 1000000/min}", "llm")
+              + route_entry(upstream.url, "openai", name="plain")
+              + route_entry(upstream.url, "mcp", "idempotency: {mode: dedup}", "tools"))
     deep_chat = {"model": "m", "stream": True, "stream_options": {},
                  "messages": [{"role": "user", "content": "hi", "extra": _nested(300)}]}
     deep_call = (b'{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"t",'
@@ -313,14 +310,7 @@ async def test_an_overflowing_retry_after_date_is_ignored_and_the_breaker_hears_
     assert upstream_retry_after({"Retry-After": bad}) is None
     upstream.status = 503
     upstream.error_headers = {"Retry-After": bad}
-    config = f"""
-routes:
-  - name: r
-    path_prefix: /r/
-    upstream: {upstream.url}
-    protocol: openai
-    circuit_breaker: {{fail_max: 2, reset_timeout: 60s}}
-"""
+    config = one_route(upstream.url, "openai", "circuit_breaker: {fail_max: 2, reset_timeout: 60s}")
     async with proxy(config) as sluice, aiohttp.ClientSession() as session:
         url = f"http://127.0.0.1:{sluice.port}/r/v1/chat/completions"
         answers = [await post(session, url) for _ in range(4)]
@@ -356,14 +346,8 @@ async def test_an_answer_that_cannot_be_read_still_gives_the_breakers_ticket_bac
     # an exception there (an overflowing Retry-After date was one) gives a half-open probe's
     # ticket back: before, the probe's lease stayed held and the route refused every call
     # circuit_open for PROBE_LEASE_S (30 s).
-    config = f"""
-routes:
-  - name: r
-    path_prefix: /r/
-    upstream: {upstream.url}
-    protocol: openai
-    circuit_breaker: {{fail_max: 1, reset_timeout: 200ms}}
-"""
+    config = one_route(upstream.url, "openai",
+                       "circuit_breaker: {fail_max: 1, reset_timeout: 200ms}")
     async with proxy(config) as sluice, aiohttp.ClientSession() as session:
         url = f"http://127.0.0.1:{sluice.port}/r/v1/chat/completions"
         upstream.statuses = [503, 503]
@@ -412,13 +396,8 @@ async def test_a_call_whose_timeout_passed_before_its_first_attempt_is_not_sent(
         upstream: FakeUpstream, monkeypatch: pytest.MonkeyPatch) -> None:
     # Seen (review): the first attempt was sent under asyncio.timeout(0) and could still
     # reach the upstream on a pooled connection; the caller got 504 "within 0s".
-    config = f"""
-routes:
-  - name: r
-    path_prefix: /r/
-    upstream: {upstream.url}
-    protocol: openai
-"""
+    config = one_route(upstream.url, "openai")
+
     class LateCall(Call):  # its 30 s were spent before admission (in queues, say)
         def __init__(self, **kwargs: object) -> None:
             super().__init__(**kwargs)  # type: ignore[arg-type]
@@ -438,17 +417,8 @@ async def test_mcp_arguments_differing_past_64_bits_are_different_calls() -> Non
     # amounts differed in the last digit had one fingerprint: the second got the first's
     # answer, never reaching the tool.
     answer = b'{"jsonrpc":"2.0","id":1,"result":{"content":[]}}'
-    raw = RawUpstream(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
-                      + str(len(answer)).encode() + b"\r\nConnection: close\r\n\r\n" + answer)
-    await raw.start()
-    config = f"""
-routes:
-  - name: tools
-    path_prefix: /tools/
-    upstream: {raw.url}
-    protocol: mcp
-    idempotency: {{mode: dedup}}
-"""
+    raw = await json_upstream(answer).start()
+    config = one_route(raw.url, "mcp", "idempotency: {mode: dedup}", "tools")
     headers = {key: value for key, value in MCP_HEADERS.items() if key != "Idempotency-Key"}
     try:
         async with proxy(config) as sluice, aiohttp.ClientSession() as session:
