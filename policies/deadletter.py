@@ -7,10 +7,12 @@ written here with its route, tenant, run, idempotency key, method, path, headers
 every attempt (time, status or error, duration), and the reason retries ended. The answer to
 the caller names the record in ``X-Sluice-Dead-Letter``.
 
-Secrets are never written: headers whose name says they carry credentials (``Authorization``,
-``Cookie``, ``X-Api-Key``, anything with ``auth``, ``api-key``, ``token``, ``secret``,
-``password``) are removed and only their names kept, so ``sluice dlq replay`` must be given them
-again. Bodies are kept up to ``max_body_bytes``; a cut body is marked and cannot be replayed.
+Secrets are never written: headers whose name or value says they carry credentials
+(:func:`policies.secrets.secret_header`: ``Authorization``, ``Cookie``, anything with ``auth``,
+``key``, ``token``, ``secret``, ``password``, ``credential``, ``session``...; a value such as
+``Bearer ...`` or ``sk-...``, whatever its name) are removed and only their names kept, so
+``sluice dlq replay`` must be given them again. Bodies are kept up to ``max_body_bytes``; a
+cut body is marked and cannot be replayed.
 
 Storage follows the ``state`` block. With the memory backend: one SQLite file per replica
 (``dead_letter.path``; WAL mode, so ``sluice dlq`` can read while the server writes); the
@@ -38,15 +40,13 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from policies.config import DeadLetterConfig
+from policies.secrets import SECRET_HEADER_PARTS, secret_header
 
 if TYPE_CHECKING:  # policies.state.deadletters imports this module's records
     from policies.state import StateBackends
 
-#: Header-name fragments that mark a credential (matched on the lower-cased name).
-SECRET_HEADER_PARTS = ("auth", "cookie", "api-key", "api_key", "apikey", "token", "secret",
-                       "password")
-#: Query parameters dropped for the same reason (``?key=`` is how some APIs authenticate).
-SECRET_QUERY_PARTS = (*SECRET_HEADER_PARTS, "key", "sig", "signature")
+#: Query parameters dropped as credentials (``?key=`` is how some APIs authenticate).
+SECRET_QUERY_PARTS = (*SECRET_HEADER_PARTS, "sig")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS dead_letters (
@@ -84,8 +84,7 @@ def redact(headers: Iterable[tuple[str, str]]) -> tuple[list[tuple[str, str]], l
     kept: list[tuple[str, str]] = []
     removed: list[str] = []
     for name, value in headers:
-        lower = name.lower()
-        if any(part in lower for part in SECRET_HEADER_PARTS):
+        if secret_header(name, value):
             removed.append(name)
         else:
             kept.append((name, value))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from policies.secrets import SECRET_VALUE
 from policies.state import redact_url
 
 REDACTED = "<redacted>"
@@ -30,8 +31,6 @@ _SCHEME = r"[a-zA-Z][a-zA-Z0-9+.-]*://"
 _URL_USERINFO = re.compile(rf"\b({_SCHEME})([^/?#\s]*)@")
 # A value that is a URL as a whole: redacted by parsing it (see redact_url).
 _WHOLE_URL = re.compile(_SCHEME)
-# Values that are credentials whatever their key is called.
-_SECRET_VALUE = re.compile(r"^(?:sk-|sk_|rk_|xox[abp]-|gh[pousr]_|AKIA|Bearer\s|Basic\s)")
 
 
 def redact(value: Any, key: str = "") -> Any:
@@ -50,7 +49,7 @@ def redact(value: Any, key: str = "") -> Any:
         if value is not None and _secret_key(key) and not isinstance(value, bool):
             return REDACTED
         return value
-    if _secret_key(key) or _SECRET_VALUE.match(value):
+    if _secret_key(key) or SECRET_VALUE.match(value):
         return REDACTED if value else value
     if _WHOLE_URL.match(value) and "@" in value:
         return redact_url(value)  # the whole authority: a password with spaces included

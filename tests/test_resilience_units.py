@@ -258,6 +258,20 @@ def test_credential_query_parameters_are_not_stored() -> None:
     assert redact_path("/v1/x") == ("/v1/x", [])
 
 
+def test_credentials_by_any_header_name_or_by_their_value_are_not_stored() -> None:
+    # Found by a hostile trial: Azure's Ocp-Apim-Subscription-Key and other vendors' key
+    # headers, and a Bearer value under a name of no note, were stored in clear.
+    headers = [("Ocp-Apim-Subscription-Key", "azure-key"), ("X-Credential", "c"),
+               ("X-Access-Key", "a"), ("X-Private-Key", "p"), ("Mcp-Session-Id", "s"),
+               ("X-Upstream-Creds", "Bearer sk-HSECRET"), ("X-Note", "sk-live-123"),
+               ("Idempotency-Key", "key-1"), ("X-Trace", "keep me"),
+               ("Keep-Alive", "timeout=5")]
+    kept, removed = redact(headers)
+    assert kept == [("Idempotency-Key", "key-1"), ("X-Trace", "keep me"),
+                    ("Keep-Alive", "timeout=5")]
+    assert len(removed) == 7
+
+
 def test_redact_and_store_roundtrip(tmp_path) -> None:
     kept, removed = redact([
         ("Authorization", "Bearer sk-secret"), ("x-api-key", "k"), ("Cookie", "a=b"),

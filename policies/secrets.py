@@ -1,0 +1,27 @@
+"""What marks a credential, by name or by value: one rule for every place Sluice stores or
+shows what callers sent (dead letters, ``policies.deadletter``; the admin views and reload
+errors, ``proxy.redact``)."""
+
+from __future__ import annotations
+
+import re
+
+#: Values that are credentials whatever their name: API keys by their vendors' prefixes
+#: (OpenAI ``sk-``, Stripe ``sk_``/``rk_``, Slack ``xox?-``, GitHub ``gh?_``, AWS ``AKIA``)
+#: and ``Authorization`` schemes.
+SECRET_VALUE = re.compile(r"^(?:sk-|sk_|rk_|xox[abp]-|gh[pousr]_|AKIA|Bearer\s|Basic\s)")
+
+#: Header-name fragments that mark a credential (matched on the lower-cased name): the usual
+#: ones, and ``key`` for vendor headers such as Azure's ``Ocp-Apim-Subscription-Key``.
+SECRET_HEADER_PARTS = ("auth", "cookie", "key", "token", "secret", "password", "credential",
+                       "creds", "session", "signature", "private")
+#: Headers whose name has such a fragment but that carry no credential.
+NOT_SECRET_HEADERS = frozenset({"idempotency-key"})
+
+
+def secret_header(name: str, value: str) -> bool:
+    """Whether a header carries a credential, by its name or its value."""
+    lower = name.lower()
+    if lower in NOT_SECRET_HEADERS:
+        return False
+    return any(part in lower for part in SECRET_HEADER_PARTS) or bool(SECRET_VALUE.match(value))
