@@ -18,9 +18,10 @@ Anthropic ``/messages``      ``max_tokens``      ``usage``; streams: ``message_s
 Request side (:func:`read_request`): the body is parsed once for the model, the output cap,
 ``stream`` and ``stream_options``. Input tokens are *estimated* at one token per
 :data:`BYTES_PER_TOKEN` bytes of the JSON body, a little more than English prose (about 4 bytes
-a token, OpenAI's rule of thumb) or code (about 3.5) use, with each base64 attachment (image,
-audio, file) counted as :data:`ATTACHMENT_TOKENS` instead of its size. It is an estimate: CJK
-text, PDFs and long audio can cost more than it says, and the settle uses the upstream's count.
+a token, OpenAI's rule of thumb) or code (about 3.5) use, with each base64 image or audio
+attachment counted as :data:`ATTACHMENT_TOKENS` instead of its size, and any other (a text
+file, a PDF) at its decoded size. It is an estimate: CJK text and long audio can cost more
+than it says, a PDF less, and the settle uses the upstream's count.
 
 Response side (:class:`Meter`): the answer passes through byte for byte while usage is read
 from it: a JSON body once complete, its top-level ``usage`` member (parsed from that member
@@ -247,33 +248,53 @@ def estimate_input_tokens(body: bytes, obj: object) -> int:
     size = len(body)
     if body.find(b"base64") < 0 and body.find(b'"input_audio"') < 0:
         return max(1, -(-size // BYTES_PER_TOKEN))  # no attachment
-    attachments = 0
+    flat = 0  # tokens of the attachments counted flat
     stack = [obj]
     while stack:
         node = stack.pop()
         if isinstance(node, dict):
             for key, value in node.items():
                 if isinstance(value, str):
-                    if _is_attachment(key, value):
-                        attachments += 1
+                    counted = _attachment(key, value, node)
+                    if counted is not None:
+                        flat += counted
                         size -= len(value)
                 elif isinstance(value, dict | list):
                     stack.append(value)
         elif isinstance(node, list):
             for value in node:
                 if isinstance(value, str):
-                    if _is_attachment("", value):
-                        attachments += 1
+                    counted = _attachment("", value, None)
+                    if counted is not None:
+                        flat += counted
                         size -= len(value)
                 elif isinstance(value, dict | list):
                     stack.append(value)
-    return max(1, -(-size // BYTES_PER_TOKEN)) + attachments * ATTACHMENT_TOKENS
+    return max(1, -(-size // BYTES_PER_TOKEN)) + flat
 
 
-def _is_attachment(key: str, value: str) -> bool:
+def _attachment(key: str, value: str, parent: dict | None) -> int | None:
+    """The tokens a base64 attachment counts for, or ``None`` if ``value`` is not one.
+
+    An image or audio (``data:image/...``, ``data:audio/...``; a ``data`` member beside an
+    ``image/*`` ``media_type`` or an audio ``format``) is billed by its size in pixels or
+    seconds, not bytes: :data:`ATTACHMENT_TOKENS`. Anything else base64 (``text/plain``, a
+    PDF) is read by the model as its content: its decoded bytes count as text, so a prompt
+    wrapped as ``data:text/plain;base64,`` is not counted flat (a hostile trial's: 1 MB of
+    text reserved as 1,600 tokens, 12.5x a tenant's daily budget in one call).
+    """
     if value.startswith("data:") and ";base64," in value[:128]:
-        return True
-    return key in ("data", "file_data") and len(value) > _ATTACHMENT_MIN_BYTES
+        media = value[5:value.find(";")]
+    elif key in ("data", "file_data") and len(value) > _ATTACHMENT_MIN_BYTES:
+        media = ""
+        if parent is not None:
+            given = parent.get("media_type")
+            media = given if isinstance(given, str) else "audio/" if "format" in parent else ""
+    else:
+        return None
+    if media.startswith(("image/", "audio/")):
+        return ATTACHMENT_TOKENS
+    return -(-(len(value) * 3 // 4) // BYTES_PER_TOKEN)
 
 
 def _text_bytes(node: object) -> int:

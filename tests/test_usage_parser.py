@@ -11,6 +11,7 @@ from multidict import CIMultiDict
 
 from policies.usage import (
     ATTACHMENT_TOKENS,
+    BYTES_PER_TOKEN,
     CHAT,
     JSON_LIMIT_BYTES,
     MESSAGES,
@@ -118,6 +119,25 @@ def test_attachments_count_flat_not_by_size():
         {"type": "image_url", "image_url": {"url": image}}]}]})
     cost = read_request(CHAT, body, 100, False, True)
     assert ATTACHMENT_TOKENS < cost.input_tokens < ATTACHMENT_TOKENS + 100
+
+
+@pytest.mark.parametrize("part", [
+    {"type": "image_url", "image_url": {"url": "data:text/plain;base64,{}"}},
+    {"type": "file", "file": {"file_data": "data:application/pdf;base64,{}"}},
+    {"type": "document", "source": {"type": "base64", "media_type": "text/plain",
+                                    "data": "{}"}},
+])
+def test_an_attachment_read_as_text_counts_its_size_not_flat(part):
+    # Found by a hostile trial: 1 MB of prompt sent as data:text/plain;base64 was reserved as
+    # one flat attachment (1,600 tokens) and ran past a tenant's daily budget 12.5 times.
+    payload = "QUJD" * 100_000  # 400,000 base64 characters: 300,000 bytes
+    text = orjson.dumps(part).decode().replace("{}", payload)
+    body = b'{"model":"m","messages":[{"role":"user","content":[' + text.encode() + b"]}]}"
+    cost = read_request(CHAT, body, 100, False, True)
+    assert cost.input_tokens >= 300_000 // BYTES_PER_TOKEN
+    image = text.replace("text/plain", "image/png").replace("application/pdf", "image/png")
+    body = b'{"model":"m","messages":[{"role":"user","content":[' + image.encode() + b"]}]}"
+    assert read_request(CHAT, body, 100, False, True).input_tokens < ATTACHMENT_TOKENS + 100
 
 
 @pytest.mark.parametrize("crlf", [False, True])
