@@ -19,6 +19,7 @@ every update and every scrape runs on the one event loop.
 
 from __future__ import annotations
 
+import contextlib
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
@@ -673,13 +674,15 @@ class BudgetGauges:
     tenant label cap: one ``other`` series could not say whose budget it is).
     """
 
-    __slots__ = ("_budgets", "_gauged", "_metrics", "_route", "_tenant_units")
+    __slots__ = ("_bound", "_budgets", "_gauged", "_metrics", "_route", "_tenant_units")
 
     def __init__(self, metrics: Metrics, route: str, budgets: Budgets | None) -> None:
         self._metrics = metrics
         self._route = route
         self._budgets = budgets
         self._gauged: set[str] = set()
+        #: ``(label, unit)`` of each series bound to ``budgets``.
+        self._bound: set[tuple[str, str]] = set()
         limits = budgets.limits if budgets is not None else ()
         self._tenant_units = list(dict.fromkeys(lim.unit for lim in limits if lim.per == "tenant"))
         for unit in dict.fromkeys(lim.unit for lim in limits if lim.per == "route"):
@@ -693,9 +696,24 @@ class BudgetGauges:
         for unit in self._tenant_units:
             self._bind(tenant, "tenant", tenant, unit)
 
+    def take_over(self, old: BudgetGauges) -> None:
+        """After a reload: the tenants ``old`` exported read the new budgets now (a tenant's
+        series read the replaced limits until its next admission, 982 left of a 1,000 limit
+        raised to 100,000); series of units the route no longer budgets are removed."""
+        for tenant in old._gauged:
+            if self._tenant_units and tenant not in self._gauged:
+                self._gauged.add(tenant)
+                for unit in self._tenant_units:
+                    self._bind(tenant, "tenant", tenant, unit)
+        for label, unit in old._bound - self._bound:
+            for gauge in (self._metrics.budget_remaining, self._metrics.budget_reserved):
+                with contextlib.suppress(KeyError):
+                    gauge.remove(self._route, label, unit)
+
     def _bind(self, label: str, per: str, tenant: str, unit: str) -> None:
         budgets = self._budgets
         assert budgets is not None
+        self._bound.add((label, unit))
         metrics, route = self._metrics, self._route
         metrics.budget_remaining.labels(route, label, unit).set_function(
             lambda: budgets.remaining(unit, per, tenant))

@@ -322,6 +322,9 @@ class Route:
         # (keyed by unit, scope and window, not by amount) and the route's rates.
         if self.budgets is not None and old.budgets is not None:
             self.budgets.take_over(old.budgets)
+        self.budget_gauges.take_over(old.budget_gauges)
+        if self.accounting is not None and old.accounting is not None:
+            self.accounting.tenants.update(old.accounting.tenants)  # the admin view's
         # The accounting takes metered calls' request units or leaves them to the rate step,
         # as the new blocks say.
         if self.accounting is not None:

@@ -433,3 +433,33 @@ async def test_mcp_arguments_differing_past_64_bits_are_different_calls() -> Non
         assert len(raw.requests) == 2
     finally:
         await raw.stop()
+
+
+# -- a reload changing a budget: the tenants' gauges and the admin view ------------------------
+
+
+async def test_a_reloaded_budget_is_what_the_tenants_gauges_and_the_admin_view_read(
+        upstream: FakeUpstream) -> None:
+    # Found by a hostile trial: after a reload raising a tenant budget from 1,000 to 100,000,
+    # sluice_budget_remaining{tenant="acme"} still read 982 (the old limit) until acme was
+    # admitted again, and /admin/routes showed no tenants at all.
+    def config(limit: int, budget: bool = True) -> str:
+        blocks = f"budget: {{tokens: {limit}/day}}" if budget else ""
+        return one_route(upstream.url, "openai", blocks)
+
+    def remaining(registry) -> dict[str, float]:  # type: ignore[no-untyped-def]
+        return {sample.labels["tenant"]: sample.value for metric in registry.collect()
+                for sample in metric.samples if sample.name == "sluice_budget_remaining"}
+
+    async with proxy(config(1000)) as sluice, aiohttp.ClientSession() as session:
+        url = f"http://127.0.0.1:{sluice.port}/r/v1/chat/completions"
+        assert (await post(session, url, **{"X-Tenant-ID": "acme"}))[0] == 200
+        registry = sluice.runtime.metrics.registry
+        spent = 1000 - remaining(registry)["acme"]
+        assert 0 < spent < 1000
+        sluice.runtime.configure(parse_config(config(100_000)))
+        assert remaining(registry)["acme"] == 100_000 - spent
+        assert sluice.route().accounting.state()["budget_remaining"]["tenants"] == {
+            "acme": {"tokens": 100_000 - spent}}
+        sluice.runtime.configure(parse_config(config(0, budget=False)))
+        assert "acme" not in remaining(registry)  # no budget, no series reading the old one
