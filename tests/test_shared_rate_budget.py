@@ -365,6 +365,34 @@ async def test_local_mode_enforces_each_replicas_share_and_reconciles_spend(
         await settled(redis_server.url, state["key_prefix"], counter, total + PLAIN_SPEND)
 
 
+async def test_local_mode_shares_what_a_budget_had_left_not_the_whole_budget(
+        upstream, start_sluice, redis_server):
+    """Found by a hostile trial: during an outage each replica's local ledger started from
+    nothing, so a budget already spent in Redis was spent once more (21,139 tokens on a
+    12,000 budget after a 1 s freeze). A replica's share is now of what the budget had left
+    when Redis last answered about it."""
+    state = own_state(redis_server, "local")
+    a, b = await replicas(start_sluice, 2, state, route(
+        "openai", upstream.url, budget={"tokens": "300/day", "per": "tenant"}))
+    acme = {"X-Tenant-ID": "acme"}
+    async with aiohttp.ClientSession() as session:
+        for _ in range(40):  # spend it: ~40 tokens held a call, 16 spent
+            status, headers, _ = await post(session, a.url, **acme)
+            if status != 200:
+                break
+        assert (status, headers["X-Sluice-Reason"]) == (429, "budget_exhausted")
+        status, _, _ = await post(session, b.url, **acme)  # b hears of it too
+        assert status == 429
+        redis_server.freeze()
+        for rep in (a, b):
+            status, headers, took = await post(session, rep.url, **acme)
+            assert (status, headers["X-Sluice-Reason"]) == (429, "budget_exhausted")
+            assert took <= 0.2 + 0.1
+        await a.wait_metric("sluice_state_backend_up", 0, backend="redis")
+        redis_server.thaw()
+    assert upstream.requests and len(upstream.requests) < 40
+
+
 async def test_reject_mode_refuses_503_state_unavailable_and_recovers_without_restart(
         upstream, start_sluice, redis_server):
     state = own_state(redis_server, "reject")
