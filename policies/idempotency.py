@@ -106,7 +106,6 @@ import hashlib
 import logging
 import os
 import re
-import time
 from collections import deque
 from collections.abc import Awaitable, Hashable
 from typing import TypeVar
@@ -469,8 +468,9 @@ class Idempotency:
             call.new_unit = not call.client_retry
             return None
         wait_s = self.max_wait
-        if call.timeout is not None:
-            wait_s = min(wait_s, call.timeout - (time.monotonic() - call.received_at))
+        left = call.time_left()
+        if left is not None:
+            wait_s = min(wait_s, left)
         message = self._mcp_call(call.body)
         fingerprint = call_key = None
         if message is not None:
@@ -605,7 +605,7 @@ class Idempotency:
             claim.new_unit = not is_client_retry(headers)
         if flight is not None:
             if self.dedup and flight.fingerprint != fingerprint:
-                claim.rejected = _mismatch(claim.mcp_id is not None)
+                claim.rejected = _mismatch(claim)
                 return claim
             if not self.wait_in_flight:
                 claim.rejected = Rejected(
@@ -630,7 +630,7 @@ class Idempotency:
             record = outcome
         if record is not None and record.kind != SEEN:
             if record.fingerprint != fingerprint:
-                claim.rejected = _mismatch(claim.mcp_id is not None)
+                claim.rejected = _mismatch(claim)
             elif record.kind == DONE:
                 claim.replay = record
             else:
@@ -728,7 +728,7 @@ class Idempotency:
             claim.new_unit = begin.answer is None and not is_client_retry(headers)
         elif begin.state == IN_FLIGHT:
             if self.dedup and begin.fingerprint != fingerprint:
-                claim.rejected = _mismatch(claim.mcp_id is not None)
+                claim.rejected = _mismatch(claim)
                 return claim
             if not self.wait_in_flight:
                 claim.rejected = Rejected(
@@ -742,7 +742,7 @@ class Idempotency:
             begin = await self._wait_shared(claim, records, shared_key, owner, fingerprint,
                                             bound_s)
             if begin.state == IN_FLIGHT:
-                claim.rejected = (_mismatch(claim.mcp_id is not None)
+                claim.rejected = (_mismatch(claim)
                                   if begin.fingerprint != fingerprint
                                   else _still_in_flight(claim.waited_s))
                 return claim
@@ -750,7 +750,7 @@ class Idempotency:
             answer = begin.answer
             assert answer is not None
             if answer.fingerprint != fingerprint:
-                claim.rejected = _mismatch(claim.mcp_id is not None)
+                claim.rejected = _mismatch(claim)
             elif answer.kind == DONE:
                 claim.replay = Record(DONE, answer.fingerprint, answer.status, answer.reason,
                                       answer.headers, answer.body)
@@ -914,8 +914,8 @@ def _of_generation(fingerprint: bytes, version: str | None) -> bytes:
     return hashlib.sha256(fingerprint + b"\0" + mcp.MODERN_VERSION.encode()).digest()
 
 
-def _mismatch(mcp_call: bool) -> Rejected:
-    if mcp_call:
+def _mismatch(claim: Claim) -> Rejected:
+    if claim.mcp_id is not None:  # an MCP call
         return Rejected(Reason.IDEMPOTENCY_MISMATCH, None,
                         "this call's key was used for another call: other params, or the same "
                         "call from an MCP client of another protocol generation (a stored "

@@ -49,7 +49,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import orjson
-from multidict import CIMultiDict
+from multidict import CIMultiDict, istr
 
 from policies.paths import decode_unreserved
 
@@ -106,11 +106,15 @@ MESSAGES = Endpoint("messages", ("max_tokens",), "max_tokens", usage_option=Fals
                     choices=False)
 
 
+#: Looked up as ``istr``: a ``str`` name is lower-cased on every look-up in a CIMultiDict.
+_CONTENT_ENCODING = istr("Content-Encoding")
+
+
 def content_coding(headers: Mapping[str, str]) -> str | None:
     """The ``Content-Encoding`` of a message whose body is coded (gzip, br...), or ``None``
     when it is plain (absent, or ``identity``, RFC 9110 §8.4.1): a coded body cannot be read
     as JSON or SSE as it passes."""
-    coding = headers.get("Content-Encoding")
+    coding = headers.get(_CONTENT_ENCODING)
     return coding if coding and coding.lower() != "identity" else None
 
 

@@ -139,10 +139,10 @@ async def forward(request: web.BaseRequest, rt: Runtime, route: Route, call: Cal
         meter.request_headers(headers)
     deadline_header = route.deadline_header
     if deadline_header is not None:
-        if call.timeout is not None:
+        left = call.time_left()
+        if left is not None:
             # What is left of the caller's deadline, so the upstream can stop work nobody
             # awaits.
-            left = call.timeout - (time.monotonic() - call.received_at)
             headers[deadline_header] = f"{max(left, 0.001):.3f}"
         else:  # a value Sluice took for no deadline ("0", "inf") must not reach it as one
             headers.popall(deadline_header, None)
