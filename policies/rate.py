@@ -41,7 +41,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import Coroutine, Sequence
+from collections.abc import Awaitable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 from policies.config import Rate, RateConfig
@@ -127,6 +127,17 @@ class Background:
         if self._backends is not None:
             self._backends.keep(task)  # shutdown waits for it (StateBackends.close)
         task.add_done_callback(lambda t: self._done(t, what))
+        return task
+
+    def spawn(self, step: Awaitable[T]) -> asyncio.Future[T]:
+        """Run ``step`` as a task its caller awaits (see
+        :func:`policies.pipeline.survive_leaving`): kept here, so that shutdown waits for it
+        once the caller left, but its failure is the caller's to handle, not logged."""
+        task = asyncio.ensure_future(step)
+        self._tasks.add(task)  # type: ignore[arg-type]
+        if self._backends is not None:
+            self._backends.keep(task)
+        task.add_done_callback(self._tasks.discard)  # type: ignore[arg-type]
         return task
 
     def _done(self, task: asyncio.Task[Any], what: str) -> None:

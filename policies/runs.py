@@ -458,7 +458,8 @@ class RunTracker:
         counts = [count for limits in self.limits if (count := limits.shared_count())]
         try:
             lineage = await survive_leaving(shared.admit(info.id, call.parent_run, counts),
-                                             lambda late: self._give_back(call, counts, late))
+                                             lambda late: self._give_back(call, counts, late),
+                                             registry.background.spawn)
         except StateUnavailable as exc:
             if registry.fallback.mode == "reject":
                 raise unavailable(exc) from None
@@ -640,7 +641,8 @@ class RunLimits:
             try:
                 full, high = await survive_leaving(
                     shared.take_request(self.scope, ids, limit),
-                    lambda late: self._give_back(shared, ids, late[0]))
+                    lambda late: self._give_back(shared, ids, late[0]),
+                    registry.background.spawn)
             except StateUnavailable as exc:
                 if registry.fallback.mode == "reject":
                     raise unavailable(exc) from None
