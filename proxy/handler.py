@@ -101,7 +101,18 @@ async def handle(rt: Runtime, request: web.BaseRequest) -> web.StreamResponse:
     if route is None:
         detail = "absolute-form request targets are refused" if raw_path[:1] != "/" else raw_path
         return render(Rejected(Reason.NO_ROUTE, None, detail[:200]), "http")
+    # Counted on the route object it matched from here to the end, queued or admitted: a
+    # reload keeps that object (and its later admissions) counted, and the drain waits for it.
+    route.present += 1
+    try:
+        return await _serve(rt, route, request, raw_path)
+    finally:
+        route.present -= 1
 
+
+async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
+                 raw_path: str) -> web.StreamResponse:
+    """Everything :func:`handle` does once the request has a route."""
     headers = request.headers
     try:
         who = identify(rt, request)

@@ -50,8 +50,11 @@ class Route:
         timeout: the aiohttp client timeout: ``connect`` to get a connection, ``total`` for the
             whole exchange including a streamed body (seconds).
         inflight: requests admitted through this object and not finished.
+        present: requests matched to this object and not finished: the admitted ones and
+            those still being read, admitted or queued.
         retired: the routes of the same name this one replaced on reloads that still had
-            requests in flight then; their counts join ``inflight_total``.
+            requests present then; their counts join ``inflight_total`` and
+            ``present_total`` (a call queued on one is admitted there, reloads later).
         policies: the admission steps, in order (:meth:`_admission_order`).
         accounting: token accounting, on ``openai`` and ``anthropic`` routes only.
         backends: the state its policies keep their counters in
@@ -91,6 +94,7 @@ class Route:
         "name",
         "operations",
         "prefix",
+        "present",
         "protocol",
         "rate",
         "retired",
@@ -149,6 +153,7 @@ class Route:
         self.breaker = Breaker(cb, self.name, events.emit_system, self.backends) if cb else None
         self.retry = RetryPolicy(config.retry) if config.retry else None
         self.inflight = 0
+        self.present = 0
         #: The calls admitted through this object and not finished (stall detection).
         self.live: set[Call] = set()
         self.retired: tuple[Route, ...] = ()
@@ -292,6 +297,12 @@ class Route:
         """Requests in flight on this route, including those admitted before a reload."""
         return self.inflight + sum(route.inflight for route in self.retired)
 
+    @property
+    def present_total(self) -> int:
+        """Requests on this route from match to answer, queued ones and those on the objects
+        reloads replaced included."""
+        return self.present + sum(route.present for route in self.retired)
+
     def take_over(self, old: Route) -> None:
         """Carry the live state of ``old``, the route of the same name this one replaces.
 
@@ -334,7 +345,7 @@ class Route:
         # Operations named before and after keep their state (slots, levels, breakers).
         if self.operations is not None and old.operations is not None:
             self.operations.take_over(old.operations)
-        self.retired = tuple(route for route in (old, *old.retired) if route.inflight)
+        self.retired = tuple(route for route in (old, *old.retired) if route.present)
         self._admission_order()
 
     def state(self) -> dict[str, Any]:

@@ -123,7 +123,7 @@ class Runtime:
             for each in (gone, *gone.retired):  # the older objects' calls too
                 each.detach_metrics()
             self.removed.append(gone)
-        self.removed = [route for route in self.removed if route.inflight_total]
+        self.removed = [route for route in self.removed if route.present_total]
         self.config = config
         self.routes = routes
         self.router = Router(routes)
@@ -178,6 +178,12 @@ class Runtime:
     def inflight(self) -> int:
         """Requests admitted on any route and not yet finished, including before a reload."""
         return sum(route.inflight_total for route in (*self.routes, *self.removed))
+
+    @property
+    def present(self) -> int:
+        """Requests on any route from match to answer: admitted, queued, or still being read
+        or admitted (what a drain waits for)."""
+        return sum(route.present_total for route in (*self.routes, *self.removed))
 
     async def open(self) -> None:
         """Open the upstream session, the event log and the dead-letter store.

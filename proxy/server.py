@@ -251,13 +251,18 @@ def _log_held(filters: list[tuple[logging.Handler, RepeatFilter]], final: bool =
 
 async def _drain(runtime: Runtime, timeout_s: float) -> None:
     runtime.draining = True
-    log.info("draining: %d request(s) in flight, waiting up to %gs", runtime.inflight, timeout_s)
+    # Queued calls are waited for too, as Envoy and HAProxy do: each is admitted as a slot
+    # frees, or refused when its max_wait ends; only what outlives the timeout is cut.
+    inflight = runtime.inflight
+    log.info("draining: %d request(s) in flight, %d more waiting or being read, waiting up "
+             "to %gs", inflight, runtime.present - inflight, timeout_s)
     deadline = time.monotonic() + timeout_s
     # Polling keeps the request path free of drain bookkeeping; it runs only at shutdown.
-    while runtime.inflight and time.monotonic() < deadline:  # noqa: ASYNC110
+    while runtime.present and time.monotonic() < deadline:  # noqa: ASYNC110
         await asyncio.sleep(DRAIN_POLL_S)
-    if runtime.inflight:
+    if runtime.present:
         runtime.cutting = True
-        log.warning("drain timeout: cutting %d request(s) still in flight", runtime.inflight)
+        log.warning("drain timeout: cutting %d request(s) still in flight and %d waiting",
+                    runtime.inflight, runtime.present - runtime.inflight)
     else:
         log.info("drained")

@@ -10,6 +10,7 @@ import aiohttp
 import pytest
 
 from tests.conftest import route, wait_until
+from tests.redis_servers import delete_prefix, new_prefix, require_redis
 
 CHAT = {"model": "gpt-test", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -104,3 +105,67 @@ async def test_work_past_drain_timeout_is_cut_and_the_process_exits(upstream, st
     # Logged as Sluice's cut, not blamed on the caller.
     [completed] = [e for e in sluice.events() if e["event"] == "completed"]
     assert completed["outcome"] == "drain_cut"
+
+
+async def test_calls_queued_at_sigterm_are_served_not_cut(upstream, start_sluice):
+    # Seen in a hostile trial: the drain waited only for admitted calls, so those still queued
+    # were cut whenever the drain looked while none was admitted (inside a slot's hand-over).
+    sluice = await start_sluice({
+        "server": {"drain_timeout": "20s"},
+        "routes": [route("openai", upstream.url, "openai",
+                         concurrency={"limit": 1, "queue": 4, "max_wait": "20s"})],
+    })
+    url = sluice.url + "/openai/v1/chat/completions"
+    upstream.hold = asyncio.Event()
+    async with aiohttp.ClientSession() as session:
+        async def call() -> int:
+            async with session.post(url, json=CHAT) as r:
+                await r.read()
+                return r.status
+
+        calls = [asyncio.create_task(call()) for _ in range(3)]
+        await wait_until(lambda: upstream.inflight == 1, what="one call at the upstream")
+        await sluice.wait_metric("sluice_queue_depth", 2, route="openai")
+        sluice.signal(signal.SIGTERM)
+        await wait_until(lambda: "draining:" in sluice.stderr(), what="the drain's start")
+        assert "1 request(s) in flight, 2 more waiting" in sluice.stderr()
+        upstream.hold.set()
+        assert await asyncio.gather(*calls) == [200, 200, 200]
+    assert await sluice.wait_exit() == 0
+    assert "drained" in sluice.stderr()
+    assert len(upstream.requests) == 3
+
+
+async def test_a_replica_drains_calls_queued_on_a_slot_another_holds(upstream, start_sluice):
+    # Seen in a hostile trial: with the route's one slot held on the other replica, SIGTERM
+    # ended this one at once (nothing admitted here) and cut its queued callers. They wait
+    # for the slot now, as long as the drain allows.
+    prefix = new_prefix()
+    state = {"backend": "redis", "redis_url": require_redis(), "key_prefix": prefix}
+    config = {"server": {"drain_timeout": "20s"}, "state": state,
+              "routes": [route("openai", upstream.url, "openai",
+                               concurrency={"limit": 1, "queue": 4, "max_wait": "20s"})]}
+    try:
+        holder, draining = await start_sluice(config), await start_sluice(config)
+        upstream.hold = asyncio.Event()
+        async with aiohttp.ClientSession() as session:
+            async def call(sluice) -> int:
+                async with session.post(sluice.url + "/openai/v1/chat/completions",
+                                        json=CHAT) as r:
+                    await r.read()
+                    return r.status
+
+            first = asyncio.create_task(call(holder))
+            await wait_until(lambda: upstream.inflight == 1, what="the holder's call")
+            queued = asyncio.create_task(call(draining))
+            await draining.wait_metric("sluice_queue_depth", 1, route="openai")
+            draining.signal(signal.SIGTERM)
+            await wait_until(lambda: "draining:" in draining.stderr(), what="the drain")
+            await asyncio.sleep(0.3)  # before, the process had exited by now
+            assert draining.proc.poll() is None and not queued.done()
+            upstream.hold.set()
+            assert (await first, await queued) == (200, 200)
+        assert await draining.wait_exit() == 0
+        await holder.stop()
+    finally:
+        delete_prefix(str(state["redis_url"]), prefix)

@@ -223,3 +223,36 @@ async def test_routes_added_and_removed(upstream, start_sluice):
     await until(lambda: any(e["event"] == "config_reloaded" for e in sluice.events()))
     event = [e for e in sluice.events() if e["event"] == "config_reloaded"][-1]
     assert (event["routes_added"], event["routes_removed"]) == (["new"], ["old"])
+
+
+async def test_a_call_queued_across_two_reloads_is_counted_and_drained(upstream, start_sluice):
+    # Seen in a hostile trial: a call queued behind a reload's old route object was admitted
+    # there after a second reload had dropped that object (it had nothing *admitted* then),
+    # so nothing counted it: the in-flight gauge read 0 while it ran, and SIGTERM exited at
+    # once and cut it.
+    sluice = await start_sluice({"server": {"drain_timeout": "20s"}, "routes": [
+        route("llm", upstream.url, concurrency={"limit": 1, "queue": 4, "max_wait": "20s"})]})
+    url = sluice.url + "/llm/v1/chat/completions"
+    upstream.hold = asyncio.Event()
+    async with aiohttp.ClientSession() as session:
+        async def call(delay: str) -> int:
+            async with session.post(url, json=CHAT, headers={"x-fake-delay": delay}) as r:
+                await r.read()
+                return r.status
+
+        first = asyncio.create_task(call("0"))
+        await until(lambda: upstream.inflight == 1, what="the first call at the upstream")
+        sluice.signal(signal.SIGHUP)
+        await sluice.wait_metric("sluice_config_reloads_total", 1)
+        second = asyncio.create_task(call("1.5"))  # queued on the first reload's object
+        await sluice.wait_metric("sluice_queue_depth", 1, route="llm")
+        sluice.signal(signal.SIGHUP)
+        await sluice.wait_metric("sluice_config_reloads_total", 2)
+        upstream.hold.set()
+        assert await first == 200
+        await until(lambda: upstream.inflight == 1, what="the queued call at the upstream")
+        assert await sluice.metric("sluice_inflight_requests", route="llm") == 1
+        sluice.signal(signal.SIGTERM)
+        assert await second == 200  # drained, not cut
+    assert await sluice.wait_exit() == 0
+    assert "drained" in sluice.stderr()
