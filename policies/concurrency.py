@@ -7,8 +7,9 @@ overtake the queue. The best waiter is chosen by, in order:
 
 1. **Priority class** (``X-Priority``: critical, standard, best-effort; HAProxy's
    ``set-priority-class``), *with aging*: a call that has waited ``aging`` seconds counts as one
-   class better, two intervals two classes, so best-effort work under a constant critical load
-   is served within ``2 x aging`` plus one service time.
+   class better, two intervals two classes, three one above critical, so a best-effort call
+   under a constant critical load is served within ``3 x aging``, plus an interval for each
+   call of its class ahead of it (see :meth:`ConcurrencyLimiter._class_of`).
 2. **Weighted fair queueing across tenants**, after Linux CFS's vruntime: each tenant has a
    virtual time that every call it sends advances by ``cost / weight``
    (``concurrency.tenant_weights``, default 1). The cost is the call's reserved tokens where
@@ -229,6 +230,10 @@ class ConcurrencyLimiter:
         #: Mean token cost of the calls that had one (``None`` before the first).
         self._mean_tokens: float | None = None
         self._tenant_service: dict[str, float] = {}
+        #: Per class, the loop time a call of it was last served aged beyond its tenant's
+        #: share (:meth:`_class_of`), and the class the last :meth:`_best` chose in.
+        self.aged_at: dict[int, float] = {}
+        self._chosen_class = 0
 
     # -- admission ----------------------------------------------------------------------------
 
@@ -483,6 +488,8 @@ class ConcurrencyLimiter:
             if waiter.future.done():
                 self._drop(waiter, GONE)
                 continue
+            if self._chosen_class < waiter.cls:
+                self.aged_at[waiter.cls] = waiter.future.get_loop().time()
             self._grant(waiter, None)
             return True
 
@@ -501,26 +508,40 @@ class ConcurrencyLimiter:
         best_key: tuple[int, int, float, int] | None = None
         now = self._loop_time()
         for queue in self._classes.values():
+            first = None  # the class's smallest tag: heads() yields its waiter first
             for waiter in queue.heads(self.aging is not None):
-                cls = self._class_of(waiter, now)
+                if first is None:
+                    first = waiter.tag
+                cls = self._class_of(waiter, now, first)
                 # Natives of a class by fair-queueing tag; calls aged into it after them, the
                 # oldest first (tags of different classes are on different clocks).
                 key = ((cls, 0, waiter.tag, waiter.order) if cls == waiter.cls
                        else (cls, 1, waiter.enqueued, waiter.order))
                 if best_key is None or key < best_key:
                     best, best_key = waiter, key
+        if best_key is not None:
+            self._chosen_class = best_key[0]
         return best
 
-    def _class_of(self, waiter: _Waiter, now: float | None) -> int:
+    def _class_of(self, waiter: _Waiter, now: float | None, first: float) -> int:
         """The class ``waiter`` competes in now: its own, less one per ``aging`` interval
         waited, but only while its tenant is not ahead of its fair share (its tag is not past
-        the route's virtual time). A tenant's backlog beyond its share waits because it is
+        the class's virtual time). A tenant's backlog beyond its share waits because it is
         beyond its share, not because a better class starves it; promoting it would let an
-        overloading tenant's old calls overtake everyone's fresh ones, and critical work."""
+        overloading tenant's old calls overtake everyone's fresh ones, and critical work.
+
+        A class that better ones keep from every slot never moves its own clock, though, so
+        past its first call each tenant's backlog would wait for good. So the class's next
+        call by fairness (the smallest tag, ``first``) ages as well, once per ``aging``
+        interval of the class: such a class gets a slot per interval, at most, and no more."""
         cls = waiter.cls
-        if self.aging is None or now is None or waiter.tag > self.vnow.get(cls, 0.0):
+        aging = self.aging
+        if aging is None or now is None:
             return cls
-        return max(-1, cls - int((now - waiter.enqueued) / self.aging))
+        if waiter.tag > self.vnow.get(cls, 0.0) and (
+                waiter.tag > first or now - self.aged_at.get(cls, -math.inf) < aging):
+            return cls
+        return max(-1, cls - int((now - waiter.enqueued) / aging))
 
     def _loop_time(self) -> float | None:
         for queue in self._classes.values():

@@ -185,9 +185,16 @@ class LimiterProgram(RuleBasedStateMachine):
             # Independent of the limiter's code: aged (only while its tenant is not ahead of
             # its share in its class) one class per interval, up to one above critical;
             # natives by tag, aged calls after them by age.
+            # Beyond its share, the class's smallest tag still ages once an interval of its
+            # class has passed since it last served a call so.
             cls = waiter.cls
-            if limiter.aging is not None and waiter.tag <= limiter.vnow.get(cls, 0.0):
-                waited = self.loop.now - waiter.enqueued
+            now = self.loop.now
+            first = min(w.tag for w in limiter.waiters() if w.cls == cls)
+            if limiter.aging is not None and (
+                    waiter.tag <= limiter.vnow.get(cls, 0.0)
+                    or (waiter.tag <= first
+                        and now - limiter.aged_at.get(cls, -1e18) >= limiter.aging)):
+                waited = now - waiter.enqueued
                 cls = max(-1, cls - int(waited / limiter.aging))
             if cls == waiter.cls:
                 return cls, 0, waiter.tag, waiter.order
