@@ -5,6 +5,7 @@ minutes of load take well under a second."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 import pytest
 
@@ -68,7 +69,7 @@ def test_aging_serves_a_best_effort_backlog_one_call_per_interval():
     assert len(waits) == 3
     # The first up three classes in 3 x 2 s; each next one an interval later, no sooner.
     assert waits[0] <= 3 * 2.0 + 0.5
-    assert [round(b - a) for a, b in zip(waits, waits[1:])] == [2, 2]
+    assert [round(b - a) for a, b in itertools.pairwise(waits)] == [2, 2]
     # Critical work (overloaded on its own) lost those three slots and nothing more.
     crit = [a for a in arrivals if a.tenant == "crit"]
     alone = simulate(crit, 1, 0.5, fifo=False, aging=2.0, max_wait=1e9)
