@@ -70,6 +70,9 @@ SWEEP_INTERVAL_S = 60.0
 MAX_LINEAGE = 64
 #: Queue of one run's width limiter (the route's own queue bounds the rest).
 WIDTH_QUEUE = 1024
+#: Suggested wait when a run's ``max_requests`` is held by calls not yet sent upstream,
+#: seconds: they either reach it or give their count back within a queue wait or two.
+PENDING_WAIT_S = 1.0
 
 
 class RunInfo:
@@ -592,10 +595,7 @@ class RunLimits:
             shared, full, share = (claimed if claimed is not None else
                                    await self._take(lineage, config.max_requests))
             if full is not None:
-                raise Rejected(
-                    Reason.RUN_BUDGET_EXHAUSTED, None,
-                    f"max_requests: run {full} and its descendants made "
-                    f"{config.max_requests} calls", retry=False)
+                raise self._spent(full, call, config.max_requests)
             if share >= used:
                 used, warn = share, "max_requests"
         if used >= config.warn_at:
@@ -606,6 +606,25 @@ class RunLimits:
         if config.max_requests is None:
             return None
         return _Counted(registry, self.scope, lineage, shared)
+
+    def _spent(self, full: str, call: Call, limit: int) -> Rejected:
+        """``run_budget_exhausted`` for run ``full`` at ``limit`` calls: final, unless calls
+        of its subtree known here still hold counts they give back if they never reach the
+        upstream (queued or being admitted): then retryable in :data:`PENDING_WAIT_S`, as a
+        budget is while only reservations in flight deny it. Calls on other replicas are not
+        known here: a refusal they would have made retryable is final."""
+        node = self.registry.get(full)
+        pending = 0 if node is None else sum(
+            1 for run in self.registry.subtree(node) for live in run.live
+            if live.call is not call and not live.call.reached)
+        if pending:
+            return Rejected(
+                Reason.RUN_BUDGET_EXHAUSTED, PENDING_WAIT_S,
+                f"max_requests: run {full} and its descendants have {limit} calls counted, "
+                f"{pending} of them not yet sent upstream (given back if they never are)")
+        return Rejected(Reason.RUN_BUDGET_EXHAUSTED, None,
+                        f"max_requests: run {full} and its descendants made {limit} calls",
+                        retry=False)
 
     def _claim(self, call: Call, limit: int) -> tuple[RedisRuns | None, str | None,
                                                       float] | None:

@@ -88,6 +88,46 @@ async def test_max_requests_5_counts_descendants_and_refuses_the_sixth(upstream,
     assert len(upstream.requests) == 6
 
 
+async def test_max_requests_held_by_queued_calls_is_retryable_not_final(upstream, start_sluice):
+    # Seen in a hostile trial: with a run's count held by a call still queued, the next call
+    # was refused for good (x-should-retry: false), and the SDKs gave up; the queued call then
+    # left, gave its count back, and the same call passed.
+    upstream.hold = asyncio.Event()
+    sluice = await start_sluice({"routes": [route("tools", upstream.url, "http",
+                                                  run={"max_requests": 2},
+                                                  fanout={"width": 1, "max_wait": "10s"})]})
+    async with aiohttp.ClientSession() as s:
+        url = f"{sluice.url}/tools/x"
+        first = asyncio.create_task(post(s, url, run_headers("r")))
+        await wait_until(lambda: upstream.inflight == 1, what="the first call upstream")
+        queued = asyncio.create_task(post(s, url, run_headers("r")))
+        await _until_queued(s, sluice, "r", 1)
+        status, headers, body = await post(s, url, run_headers("r"))
+        assert (status, headers["X-Sluice-Reason"]) == (429, "run_budget_exhausted")
+        assert (headers["x-should-retry"], headers["Retry-After"]) == ("true", "1")
+        assert b"not yet sent upstream" in body
+        queued.cancel()  # its caller leaves: the count comes back
+        await _until_queued(s, sluice, "r", 0)
+        upstream.hold.set()
+        assert (await first)[0] == 200
+        assert (await post(s, url, run_headers("r")))[0] == 200
+        # Both counts now belong to calls that reached the upstream: that is final.
+        status, headers, _ = await post(s, url, run_headers("r"))
+        assert (status, headers["x-should-retry"]) == (429, "false")
+        assert "Retry-After" not in headers
+
+
+async def _until_queued(s: aiohttp.ClientSession, sluice, run: str, queued: int) -> None:
+    """Poll the admin view of ``run`` until it shows ``queued`` calls queued."""
+    deadline = time.monotonic() + 10
+    while True:
+        async with s.get(f"{sluice.admin_url}/admin/runs/{run}") as r:
+            if (await r.json())["queued"] == queued:
+                return
+        assert time.monotonic() < deadline, f"run {run} never had {queued} queued"
+        await asyncio.sleep(0.02)
+
+
 async def test_max_duration_refuses_the_run_after_its_time(upstream, start_sluice):
     sluice = await start_sluice({"run": {"max_duration": "300ms"},
                                  "routes": [route("tools", upstream.url, "http")]})
