@@ -188,6 +188,13 @@ class Breaker:
         self._tasks: set[asyncio.Task[object]] = set()
         self._flushing = False  # a flush of deferred successes is scheduled
         self._trust()
+        # The state may be open already (a reload re-adding the block, another replica): the
+        # gauge and the admin page read the view, so it is asked for at once.
+        try:
+            self._spawn(self._refresh())
+            self._refreshing = True
+        except RuntimeError:  # no running loop (built outside the server): the next scrape asks
+            pass
 
     def reconfigure(self, config: CircuitBreakerConfig) -> None:
         """Adopt a reloaded ``circuit_breaker`` block, keeping the breaker's state: an open
@@ -219,7 +226,7 @@ class Breaker:
 
         Never awaits; a stale view of a shared breaker is refreshed in the background.
         """
-        if self._shared and not self._fresh() and not self._refreshing:
+        if (self._shared or self._seen_at < 0) and not self._fresh() and not self._refreshing:
             try:
                 self._spawn(self._refresh())
                 self._refreshing = True

@@ -147,3 +147,28 @@ async def test_a_reload_changing_the_breaker_block_keeps_an_open_breaker_open(
         status, headers = await post(s, sluice.url)
         assert (status, headers["X-Sluice-Reason"]) == (503, "circuit_open")
     assert len(upstream.requests) == 2
+
+
+async def test_a_breaker_block_removed_and_added_back_shows_the_open_state(
+        upstream, start_sluice):
+    # Seen in a hostile trial: the state outlived the block in the backend, so calls were
+    # refused circuit_open, but the re-added breaker's view said closed until a call asked:
+    # sluice_circuit_state read 0 and SluiceCircuitOpen could miss a quiet outage.
+    sluice = await start_sluice({"routes": [route(
+        "openai", upstream.url, circuit_breaker={"fail_max": 2, "reset_timeout": "60s"})]})
+    block = {}
+    async with aiohttp.ClientSession() as s:
+        for _ in range(2):
+            assert (await post(s, sluice.url, **{"x-fake-status": "500"}))[0] == 500
+        await sluice.wait_metric("sluice_circuit_state", 2, route="openai")
+        rewrite(sluice.config_path,
+                lambda data: block.update(data["routes"][0].pop("circuit_breaker")))
+        await sluice.wait_metric("sluice_config_reloads_total", 1)
+        rewrite(sluice.config_path,
+                lambda data: data["routes"][0].update(circuit_breaker=block))
+        await sluice.wait_metric("sluice_config_reloads_total", 2)
+        await sluice.wait_metric("sluice_circuit_state", 2, timeout=5, route="openai")
+        async with s.get(sluice.admin_url + "/admin/routes") as r:
+            (view,) = (await r.json())["routes"]
+        assert view["breaker"]["state"] == "open"
+    assert len(upstream.requests) == 2
