@@ -41,17 +41,21 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from policies.concurrency import ConcurrencyLimiter
 from policies.config import FanoutConfig, RunConfig
+from policies.logs import PER_CALL
 from policies.pipeline import Call, Holding, Outcome, survive_leaving
 from policies.rate import Background, unavailable
 from policies.reasons import Reason, Rejected
 from policies.state import Fallback, StateUnavailable
 from policies.state.runs import Count, Lineage, RedisRuns
+
+log = logging.getLogger("sluice")
 
 #: Response header on admitted calls once a run limit is ``warn_at`` used:
 #: ``"max_requests";used=0.800`` (the fuller of the two limits).
@@ -61,6 +65,10 @@ RUN_IDLE_TTL_S = 86400.0
 #: Runs remembered at most (about 0.9 KiB each). Past it, the least recently seen runs that
 #: hold nothing a limit needs are forgotten first: see :meth:`RunRegistry.resolve`.
 MAX_RUNS = 10_000
+#: Runs remembered at most even when they hold ``max_requests`` counts (~90 MiB): past it, runs
+#: that hold only counts (no call live, no cancellation in force, no child remembered) are
+#: forgotten as the eviction's scan finds them, with their own counts (ancestors keep theirs).
+MAX_COUNTED_RUNS = 100_000
 #: Runs looked at per eviction, so that one new run costs a bounded time even when the
 #: oldest ones must all be kept.
 EVICT_SCAN = 8
@@ -180,7 +188,9 @@ class RunRegistry:
         A forgotten run loses only its statistics (``sluice runs show``) and the priority and
         deadline its descendants would inherit; if it calls again it starts as a new run.
         Runs that do hold something are kept until :data:`RUN_IDLE_TTL_S` after their last
-        call, so that no spend of a run budget is lost.
+        call, so that no spend of a run budget is lost; but past :data:`MAX_COUNTED_RUNS` runs
+        (a caller sending a new run id per call), those holding only ``max_requests`` counts
+        are forgotten too, with a warning.
         """
         now = self.clock()
         if now >= self._next_sweep:
@@ -339,10 +349,14 @@ class RunRegistry:
             if len(runs) <= MAX_RUNS:
                 return
             info = runs.pop(name)
-            if info.live or info.children or info.cancelled_until > now or any(
-                    info.counts.values()):
+            if info.live or info.children or info.cancelled_until > now or (
+                    any(info.counts.values()) and len(runs) < MAX_COUNTED_RUNS):
                 runs[name] = info  # kept: to the end, so the next scan looks further
                 continue
+            if any(info.counts.values()):
+                log.warning("more than %d runs remembered: run %s, last seen %.0fs ago, is "
+                            "forgotten with its max_requests count", MAX_COUNTED_RUNS, name,
+                            now - info.last_seen, extra=PER_CALL)
             if info.parent is not None:
                 info.parent.children.discard(name)
 

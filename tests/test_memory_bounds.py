@@ -104,6 +104,23 @@ async def test_a_run_budgets_spend_survives_a_flood_of_new_runs(monkeypatch):
     assert "spender" in refused.value.detail
 
 
+def test_runs_holding_only_counts_are_bounded_too(monkeypatch, caplog):
+    """Seen in a hostile trial: with ``run.max_requests`` set every run holds a count, so
+    none was ever forgotten: 40,000 run ids kept 24,500 runs (past ``MAX_RUNS``) for a day."""
+    monkeypatch.setattr(runs_module, "MAX_RUNS", 10)
+    monkeypatch.setattr(runs_module, "MAX_COUNTED_RUNS", 20)
+    registry = RunRegistry()
+    live = registry.resolve("live", None, "t")
+    live.live.add(runs_module.LiveCall(_call("live"), None))
+    assert registry.take_request("x", [live], 5) is None
+    for n in range(200):
+        info = registry.resolve(f"run-{n}", None, "t")
+        assert registry.take_request("x", [info], 5) is None
+    assert len(registry.runs) <= 20
+    assert {"live", "run-199"} <= set(registry.runs)  # the live one, and the newest
+    assert "more than 20 runs remembered: run run-" in caplog.text
+
+
 def test_the_depth_of_a_remembered_tree_is_kept(monkeypatch):
     """A run's ancestors are not forgotten while it is remembered (a parent with a child
     stays), so its depth, which ``fanout.depth`` limits, is not reset by a flood of runs."""
