@@ -14,7 +14,8 @@
   (at most ``CANCEL_WAIT_S``), with ``quiet_ms``, the time from the cancel to the last of
   them ending here. With the Redis backend the cancel is also recorded in Redis and published,
   so every replica ends the run's calls and refuses its new ones (``"shared": true``); while
-  Redis does not answer it applies to this replica only (``"shared": false``, logged).
+  Redis does not answer it is sure to apply to this replica only (``"shared": false``, logged;
+  a Redis that was only slow may still run it and tell the others).
   Needs ``Authorization: Bearer TOKEN`` (``admin.token_file``, else the
   ``SLUICE_ADMIN_TOKEN`` environment variable; with neither, 403): read-only endpoints stay
   open, one that stops work does not.
@@ -126,7 +127,8 @@ async def admin_cancel_run(request: web.Request) -> web.Response:
             await runtime.runs.shared.cancel(run, runtime.cancel_ttl)
             shared = True
         except StateUnavailable as exc:
-            log.warning("cancel of run %s applies to this replica only: %s", run, exc.cause)
+            log.warning("cancel of run %s is not confirmed beyond this replica (Redis may still "
+                        "apply it when it answers): %s", run, exc.cause)
     pending: set[asyncio.Task[Any]] = set()
     if tasks:
         _, pending = await asyncio.wait(tasks, timeout=CANCEL_WAIT_S)
