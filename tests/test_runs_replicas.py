@@ -220,7 +220,7 @@ async def test_redis_stopped_each_replica_keeps_its_own_runs(upstream, start_slu
             other = [await call(s, b, "job"), await call(s, b, "job"), await call(s, b, "job")]
     assert [status for status, _, _ in served] == [200, 200, 429]  # 1 shared + 4/2 local
     assert report["shared"] is False
-    assert "applies to this replica only" in a.stderr()
+    assert "is not confirmed beyond this replica" in a.stderr()
     assert (refused[0], refused[1]["X-Sluice-Reason"]) == (409, "run_cancelled")
     assert [status for status, _, _ in other] == [200, 200, 429]
 
