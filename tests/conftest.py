@@ -149,6 +149,14 @@ async def wait_until(predicate: Callable[[], bool], timeout: float = 10.0,
         await asyncio.sleep(0.01)
 
 
+async def status_of(session: aiohttp.ClientSession, url: str, body: object,
+                    headers: dict[str, str] | None = None) -> int:
+    """POST ``body`` as JSON and read the whole answer; its status."""
+    async with session.post(url, json=body, headers=headers) as r:
+        await r.read()
+        return r.status
+
+
 async def raw_request(port: int, data: bytes, timeout: float = 10.0) -> bytes:
     """Send ``data`` over a fresh TCP connection and return every byte until the peer closes.
 

@@ -9,7 +9,7 @@ import time
 import aiohttp
 import pytest
 
-from tests.conftest import route, wait_until
+from tests.conftest import route, status_of, wait_until
 from tests.redis_servers import delete_prefix, new_prefix, require_redis
 
 CHAT = {"model": "gpt-test", "messages": [{"role": "user", "content": "hi"}]}
@@ -118,12 +118,7 @@ async def test_calls_queued_at_sigterm_are_served_not_cut(upstream, start_sluice
     url = sluice.url + "/openai/v1/chat/completions"
     upstream.hold = asyncio.Event()
     async with aiohttp.ClientSession() as session:
-        async def call() -> int:
-            async with session.post(url, json=CHAT) as r:
-                await r.read()
-                return r.status
-
-        calls = [asyncio.create_task(call()) for _ in range(3)]
+        calls = [asyncio.create_task(status_of(session, url, CHAT)) for _ in range(3)]
         await wait_until(lambda: upstream.inflight == 1, what="one call at the upstream")
         await sluice.wait_metric("sluice_queue_depth", 2, route="openai")
         sluice.signal(signal.SIGTERM)
@@ -148,16 +143,11 @@ async def test_a_replica_drains_calls_queued_on_a_slot_another_holds(upstream, s
     try:
         holder, draining = await start_sluice(config), await start_sluice(config)
         upstream.hold = asyncio.Event()
+        path = "/openai/v1/chat/completions"
         async with aiohttp.ClientSession() as session:
-            async def call(sluice) -> int:
-                async with session.post(sluice.url + "/openai/v1/chat/completions",
-                                        json=CHAT) as r:
-                    await r.read()
-                    return r.status
-
-            first = asyncio.create_task(call(holder))
+            first = asyncio.create_task(status_of(session, holder.url + path, CHAT))
             await wait_until(lambda: upstream.inflight == 1, what="the holder's call")
-            queued = asyncio.create_task(call(draining))
+            queued = asyncio.create_task(status_of(session, draining.url + path, CHAT))
             await draining.wait_metric("sluice_queue_depth", 1, route="openai")
             draining.signal(signal.SIGTERM)
             await wait_until(lambda: "draining:" in draining.stderr(), what="the drain")

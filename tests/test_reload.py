@@ -6,14 +6,15 @@ import asyncio
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import yaml
 
 from proxy.config import StrictLoader
-from tests.conftest import route
+from tests.conftest import route, status_of
 
 CHAT = {"model": "gpt-test", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -235,10 +236,8 @@ async def test_a_call_queued_across_two_reloads_is_counted_and_drained(upstream,
     url = sluice.url + "/llm/v1/chat/completions"
     upstream.hold = asyncio.Event()
     async with aiohttp.ClientSession() as session:
-        async def call(delay: str) -> int:
-            async with session.post(url, json=CHAT, headers={"x-fake-delay": delay}) as r:
-                await r.read()
-                return r.status
+        def call(delay: str) -> Coroutine[Any, Any, int]:
+            return status_of(session, url, CHAT, {"x-fake-delay": delay})
 
         first = asyncio.create_task(call("0"))
         await until(lambda: upstream.inflight == 1, what="the first call at the upstream")
