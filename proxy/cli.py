@@ -21,9 +21,10 @@ import os
 import signal
 import sys
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from policies.config import Config
-from proxy.config import ConfigError, load_config
+if TYPE_CHECKING:  # the config's modules take ~0.4 s to import: each command imports its own
+    from policies.config import Config
 
 DEFAULT_CONFIG = "config/sluice.yaml"
 EXIT_CONFIG_ERROR = 2
@@ -45,18 +46,38 @@ def _hold_standard_descriptors() -> None:
             os.open(os.devnull, os.O_RDWR)  # the lowest free number: this one
 
 
-def _serve(args: argparse.Namespace) -> int:
-    # A SIGHUP while starting must not end the process (its default action): serve() takes
-    # the signal over (a reload) once it runs; until then it is ignored.
+def _load(path: str, *, stream: bool = False) -> Config | None:
+    """The config at ``path``, or ``None`` once its problems are printed to stderr."""
+    from proxy.config import ConfigError, load_config
+
+    try:
+        return load_config(path, stream=stream)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return None
+
+
+def _hold_signals() -> Callable[[], bool]:
+    """Take the signals over while ``serve`` starts (imports, config, connections: about a
+    second), until its event loop takes them: SIGHUP is ignored (its default action would
+    end the process; the config is read after anyway), SIGTERM and SIGINT are remembered and
+    stop the server as soon as it runs, with nothing to drain (exit 0). Returns whether one
+    came."""
+    came: list[int] = []
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, _frame: came.append(signum))
+    return lambda: bool(came)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    stop_requested = _hold_signals()
     _hold_standard_descriptors()
     from proxy.output import logging_in_background
     from proxy.server import serve
 
-    try:
-        config = load_config(args.config)
-    except ConfigError as exc:
-        print(exc, file=sys.stderr)
+    config = _load(args.config)
+    if config is None:
         return EXIT_CONFIG_ERROR
     try:
         import uvloop
@@ -68,7 +89,7 @@ def _serve(args: argparse.Namespace) -> int:
     # the event loop (proxy/output.py); the event log's writer is the runtime's.
     with logging_in_background(sys.stderr):
         try:
-            run(serve(config, args.config))
+            run(serve(config, args.config, stop_requested))
         except OSError as exc:  # a port already taken, or a file that cannot be opened
             print(f"sluice: cannot start: {exc}", file=sys.stderr)
             return EXIT_START_FAILED
@@ -76,11 +97,9 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _check_config(args: argparse.Namespace) -> int:
-    try:
-        path = args.path or args.config_option or DEFAULT_CONFIG
-        config = load_config(path, stream=True)  # /dev/stdin and <(...) are read too
-    except ConfigError as exc:
-        print(exc, file=sys.stderr)
+    path = args.path or args.config_option or DEFAULT_CONFIG
+    config = _load(path, stream=True)  # /dev/stdin and <(...) are read too
+    if config is None:
         return EXIT_CONFIG_ERROR
     print(f"{path}: ok ({len(config.routes)} route(s))")
     return 0
@@ -91,11 +110,10 @@ def _timeline(args: argparse.Namespace) -> int:
 
     path = args.events
     if path is None:
-        try:
-            path = load_config(args.config).events.path
-        except ConfigError as exc:
-            print(exc, file=sys.stderr)
+        config = _load(args.config)
+        if config is None:
             return EXIT_CONFIG_ERROR
+        path = config.events.path
         if path is None:
             print(
                 f"{args.config}: events.path is null, so events go to Sluice's stdout; pass the "
@@ -114,10 +132,8 @@ def _timeline(args: argparse.Namespace) -> int:
 def _with_config(args: argparse.Namespace, run: Callable[[Config, argparse.Namespace], int]
                  ) -> int:
     """Load ``--config`` and hand it to a subcommand; a bad config is its problems, exit 2."""
-    try:
-        config = load_config(args.config)
-    except ConfigError as exc:
-        print(exc, file=sys.stderr)
+    config = _load(args.config)
+    if config is None:
         return EXIT_CONFIG_ERROR
     return run(config, args)
 

@@ -17,6 +17,7 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
@@ -169,11 +170,13 @@ def tune_gc() -> None:
     gc.set_threshold(GC_YOUNG_THRESHOLD, middle, oldest)
 
 
-async def serve(config: Config, config_path: str | None = None) -> None:
+async def serve(config: Config, config_path: str | None = None,
+                stop_requested: Callable[[], bool] = lambda: False) -> None:
     """Run Sluice until SIGTERM/SIGINT, then drain and return.
 
     With ``config_path`` (the file ``config`` was loaded from), SIGHUP and changes to that file
-    reload the config; without it, SIGHUP is ignored.
+    reload the config; without it, SIGHUP is ignored. ``stop_requested`` says whether a
+    SIGTERM or SIGINT came before the loop took the signals over (it then stops at once).
     """
     server_log = logging.getLogger("aiohttp.server")
     if not any(isinstance(f, RedactMalformedRequests) for f in server_log.filters):
@@ -192,6 +195,8 @@ async def serve(config: Config, config_path: str | None = None) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if stop_requested():
+        stop.set()
     # Until the reloader takes it over, a SIGHUP must not kill the process (its default).
     loop.add_signal_handler(signal.SIGHUP, lambda: None)
     reporter = asyncio.create_task(_report_held(repeats), name="sluice-log-repeats")

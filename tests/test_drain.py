@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import subprocess
+import sys
 import time
 
 import aiohttp
 import pytest
 
-from tests.conftest import route, status_of, wait_until
+from tests.conftest import free_port, route, status_of, wait_until
 from tests.redis_servers import delete_prefix, new_prefix, require_redis
 
 CHAT = {"model": "gpt-test", "messages": [{"role": "user", "content": "hi"}]}
@@ -159,3 +161,38 @@ async def test_a_replica_drains_calls_queued_on_a_slot_another_holds(upstream, s
         await holder.stop()
     finally:
         delete_prefix(str(state["redis_url"]), prefix)
+
+
+def _signal_mask(pid: int, field: str) -> int:
+    """``SigIgn`` or ``SigCgt`` of ``pid`` (``/proc/PID/status``): bit N-1 is signal N."""
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1], 16)
+    return 0
+
+
+async def test_sigterm_while_starting_exits_0_after_starting(tmp_path):
+    # Seen by a new user: SIGTERM in serve's first second (imports, config, connections),
+    # before the event loop took the signals, ended the process by the default action
+    # (exit 143, no drain); the README says SIGTERM exits 0.
+    config = tmp_path / "sluice.yaml"
+    config.write_text(f"""
+server: {{listen: "127.0.0.1:{free_port()}", admin_listen: "127.0.0.1:{free_port()}"}}
+events: {{path: {tmp_path / "events.jsonl"}}}
+routes:
+  - {{name: r, path_prefix: /r/, upstream: "http://127.0.0.1:9"}}
+""")
+    proc = subprocess.Popen([sys.executable, "-m", "proxy.cli", "serve", "--config", str(config)],
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        # Sent as soon as serve has taken SIGHUP over (its first step), long before its loop
+        # takes SIGTERM (after ~0.5 s of imports).
+        await wait_until(lambda: _signal_mask(proc.pid, "SigIgn") & (1 << (signal.SIGHUP - 1)),
+                         what="serve starting")
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = await asyncio.to_thread(proc.communicate, timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stderr
+    assert "Traceback" not in stderr and "drained" in stderr
