@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import sqlite3
 
 import aiohttp
 from aiohttp import web
@@ -189,7 +190,8 @@ class Runtime:
         """Open the upstream session, the event log and the dead-letter store.
 
         Raises:
-            sqlite3.Error: the dead-letter file cannot be opened or created.
+            OSError: the event log or the dead-letter file cannot be opened or created
+                (naming ``events.path`` or ``dead_letter.path``).
         """
         connector = aiohttp.TCPConnector(
             limit=0,  # concurrency is bounded by the routes' own limits, not by the pool
@@ -201,9 +203,16 @@ class Runtime:
         await self.state.start()
         if self.runs.shared is not None:
             self.runs.shared.feed.start(self._cancel_heard)
-        await self.events.start()
+        try:
+            await self.events.start()
+        except OSError as exc:
+            raise OSError(f"events.path {self.config.events.path}: {exc.strerror or exc}"
+                          ) from exc
         if any(route.retries for route in self.routes):
-            await self.dead_letters.open()
+            try:
+                await self.dead_letters.open()
+            except sqlite3.Error as exc:
+                raise OSError(f"dead_letter.path {self.config.dead_letter.path}: {exc}") from exc
 
     async def close(self) -> None:
         """Close the upstream session, the dead-letter store, and flush the event log."""

@@ -184,7 +184,11 @@ async def serve(config: Config, config_path: str | None = None,
     repeats = _repeat_filters()
     runtime = Runtime(config)
     reloader = Reloader(runtime, config_path) if config_path else None
-    await runtime.open()
+    try:
+        await runtime.open()
+    except BaseException:
+        await runtime.close()  # what opened before the failure (the upstream session)
+        raise
     proxy_runner = web.ServerRunner(build_proxy_server(runtime),
                                     shutdown_timeout=PROXY_SHUTDOWN_GRACE_S)
     admin_runner = AdminRunner(

@@ -187,3 +187,24 @@ def test_a_port_already_taken_is_one_clear_line_not_a_traceback(tmp_path: Path) 
     assert f"sluice: cannot start: [Errno 98] error while attempting to bind on address " \
            f"('127.0.0.1', {port}): address already in use" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize(("section", "key", "said"), [
+    ("events", "events.path", "No such file or directory"),
+    ("dead_letter", "dead_letter.path", "unable to open database file"),
+])
+def test_a_file_that_cannot_be_opened_is_one_clear_line_naming_its_key(
+        tmp_path: Path, section: str, key: str, said: str) -> None:
+    # Seen by a new user: an unwritable dead_letter.path ended serve with a sqlite3
+    # traceback, and a bad events.path left an "Unclosed client session" error behind.
+    config = tmp_path / "sluice.yaml"
+    config.write_text(
+        "server: {listen: '127.0.0.1:0', admin_listen: '127.0.0.1:0'}\n"
+        f"{section}: {{path: {tmp_path / 'missing' / 'file'}}}\n"
+        "routes:\n  - {name: r, path_prefix: /r/, upstream: 'http://127.0.0.1:9', "
+        "retry: {attempts: 2}}\n")
+    done = subprocess.run([sys.executable, "-m", "proxy", "serve", "--config", str(config)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1
+    assert f"sluice: cannot start: {key} {tmp_path / 'missing' / 'file'}: {said}" in done.stderr
+    assert "Traceback" not in done.stderr and "Unclosed" not in done.stderr
