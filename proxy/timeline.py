@@ -3,7 +3,9 @@
 Reads the JSON-lines event log (SPEC, "Events") that the config's ``events.path`` names, or the
 file given with ``--events`` (``-`` for standard input, e.g. ``kubectl logs POD -c sluice |
 sluice timeline RUN --events -`` when events go to stdout). Lines that are not JSON events, such
-as log lines interleaved with them, are skipped.
+as log lines interleaved with them, are skipped, as are objects without an ``event`` name and
+a ``ts`` (Unix seconds, 1970 to 9999) or with a ``request_id`` that is not a string; counts
+and durations that are not numbers count as none.
 
 It prints two tables:
 
@@ -18,6 +20,7 @@ later appear without a change here.
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from collections.abc import Iterable, Iterator
@@ -28,6 +31,8 @@ import orjson
 
 #: Fields every request event has; the rest are the event's own.
 COMMON_FIELDS = ("ts", "event", "request_id", "route", "tenant", "run", "idempotency_key")
+#: The last second of year 9999, the latest ``ts`` a timeline can print.
+LAST_TS = 253_402_300_799
 
 
 def read_run(lines: Iterable[bytes | str], run_id: str) -> list[dict[str, Any]]:
@@ -44,10 +49,24 @@ def read_run(lines: Iterable[bytes | str], run_id: str) -> list[dict[str, Any]]:
             event = orjson.loads(raw)
         except orjson.JSONDecodeError:
             continue
-        if isinstance(event, dict) and event.get("run") == run_id and "event" in event:
+        if isinstance(event, dict) and event.get("run") == run_id and _is_event(event):
             events.append(event)
-    events.sort(key=lambda e: e.get("ts", 0.0))
+    events.sort(key=lambda e: e["ts"])
     return events
+
+
+def _is_event(event: dict[str, Any]) -> bool:
+    """``event`` has what the tables rely on (lines of other programs may be JSON too)."""
+    ts = event.get("ts")
+    return (isinstance(event.get("event"), str) and _number(ts) is not None
+            and 0 <= ts <= LAST_TS and isinstance(event.get("request_id"), str | None))
+
+
+def _number(value: Any) -> float | None:
+    """``value`` if it is a finite number (not a bool), else ``None``."""
+    if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+        return value
+    return None
 
 
 @dataclass
@@ -84,11 +103,13 @@ def stories(events: list[dict[str, Any]]) -> list[RequestStory]:
         elif kind == "admitted" and rid in enqueued:
             story.queued_s = ev["ts"] - enqueued[rid]
         elif kind == "expired":
-            story.queued_s = ev.get("waited_s", ev["ts"] - enqueued.get(rid, ev["ts"]))
+            waited = _number(ev.get("waited_s"))
+            story.queued_s = waited if waited is not None else ev["ts"] - enqueued.get(
+                rid, ev["ts"])
         elif kind == "retried":
             story.retries += 1
         elif kind == "completed":
-            story.upstream_s = ev.get("duration_s")
+            story.upstream_s = _number(ev.get("duration_s"))
             status = ev.get("status")
             story.result = f"{status} {ev.get('outcome', '')}".strip() if status else str(
                 ev.get("outcome", "completed"))
@@ -139,10 +160,12 @@ def summary(events: list[dict[str, Any]], requests: list[RequestStory]) -> str:
     unpriced = 0  # calls that used tokens of a model `pricing` does not name: cost unknown
     for ev in events:
         if ev["event"] == "completed":
-            used = (ev.get("input_tokens") or 0) + (ev.get("output_tokens") or 0)
+            used = (_number(ev.get("input_tokens")) or 0) + (
+                _number(ev.get("output_tokens")) or 0)
             tokens += used
-            usd += (ev.get("cost_usd") or 0.0) + (ev.get("operation_cost_usd") or 0.0)
-            unpriced += used > 0 and ev.get("cost_usd") is None
+            usd += (_number(ev.get("cost_usd")) or 0.0) + (
+                _number(ev.get("operation_cost_usd")) or 0.0)
+            unpriced += used > 0 and _number(ev.get("cost_usd")) is None
     ratio = f"{attempts / len(requests):.2f}" if requests else "-"
     cost = f"${usd:.6f}"
     if unpriced:

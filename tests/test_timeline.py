@@ -123,3 +123,25 @@ def test_tokens_of_a_model_without_pricing_are_not_shown_as_free() -> None:
     assert summary(mixed, []).endswith(
         "spend 40 tokens, $0.000008 + unknown (1 call(s) of models without pricing)")
     assert summary([{**base, "cost_usd": 0.000008}], []).endswith("$0.000008")
+
+
+def test_json_lines_that_are_not_our_events_are_skipped_not_fatal(tmp_path):
+    # Seen by a new user: `kubectl logs ... | sluice timeline RUN --events -` may carry other
+    # programs' JSON; a string `ts`, no `ts`, a numeric request id or a string token count
+    # each ended the command with a traceback.
+    log = tmp_path / "events.jsonl"
+    log.write_text("\n".join([
+        '{"event": "admitted", "run": "a", "ts": "n"}',
+        '{"event": "admitted", "run": "a"}',
+        '{"event": "completed", "run": "a", "ts": 1, "request_id": 5}',
+        '{"event": "completed", "run": "a", "ts": 1e300, "request_id": "y"}',
+        '{"event": 7, "run": "a", "ts": 1, "request_id": "y"}',
+        '{"ts": 10, "event": "admitted", "run": "a", "request_id": "x"}',
+        '{"ts": 11, "event": "completed", "run": "a", "request_id": "x", "status": 200,'
+        ' "input_tokens": "9", "output_tokens": 4, "duration_s": "slow", "cost_usd": true}',
+    ]) + "\n")
+    shown = timeline("a", "--events", str(log))
+    assert shown.returncode == 0, shown.stderr
+    assert "Traceback" not in shown.stderr
+    assert "1 request(s), 2 event(s)" in shown.stdout
+    assert "spend 4 tokens, cost unknown" in shown.stdout
