@@ -369,7 +369,7 @@ def load_tenants(spec: str, base: Path, at: str) -> dict[str, str]:
         try:
             text = read_text_file(path, MAX_TENANTS_BYTES)
         except (OSError, ValueError) as exc:  # ValueError also for a NUL in the path
-            raise ConfigError([f"{at}: cannot read {path!r}: {_why(exc)}"]) from None
+            raise ConfigError([f"{at}: cannot read {str(path)!r}: {_why(exc)}"]) from None
     return parse_tenants(text, source)
 
 

@@ -178,7 +178,9 @@ def test_check_config_names_a_missing_tenants_source(tmp_path, capsys):
     config.write_text("identity:\n  tenants: nowhere.yaml\nroutes:\n"
                       "  - {name: up, path_prefix: /up/, upstream: 'http://127.0.0.1:1'}\n")
     assert main(["check-config", str(config)]) == 2
-    assert f"{config}:2: identity.tenants: cannot read" in capsys.readouterr().err
+    # The path as written, not a Python object (it said "cannot read PosixPath(...)").
+    assert (f"{config}:2: identity.tenants: cannot read '{tmp_path / 'nowhere.yaml'}'"
+            in capsys.readouterr().err)
     config.write_text("identity:\n  unknown_key_tenant: guests\nroutes:\n"
                       "  - {name: up, path_prefix: /up/, upstream: 'http://127.0.0.1:1'}\n")
     assert main(["check-config", str(config)]) == 2
