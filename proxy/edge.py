@@ -81,7 +81,7 @@ from policies.config import Config, ServerConfig
 from policies.logs import PER_CALL
 from policies.reasons import Reason, Rejected
 from proxy.forward import digits_value
-from proxy.rejections import refuse, rejection_body, rejection_headers, render
+from proxy.rejections import refuse, refuse_at_edge, rejection_body, rejection_headers, render
 from proxy.routes import Route
 from proxy.runtime import Runtime
 
@@ -153,6 +153,9 @@ class GuardedServer(web.Server):
         """The limits a connection opening now gets."""
         raise NotImplementedError
 
+    def refused(self, reason: Reason) -> None:
+        """Count a connection or request its connection refused (nothing by default)."""
+
     def __call__(self) -> EdgeProtocol:
         settings = self.connection_settings()
         return EdgeProtocol(self, settings, loop=self._loop,
@@ -171,6 +174,9 @@ class EdgeServer(GuardedServer):
 
     def connection_settings(self) -> ServerConfig:
         return self.runtime.config.server
+
+    def refused(self, reason: Reason) -> None:
+        self.runtime.metrics.edge_rejections.labels(reason.code).inc()
 
 
     def _make_request(self, message: RawRequestMessage, payload: StreamReader,
@@ -208,8 +214,8 @@ class EdgeServer(GuardedServer):
         expect = headers.get(hdrs.EXPECT)
         if expect is not None and request.version >= HttpVersion11:
             if expect.lower() != "100-continue":
-                return _answered(render(Rejected(Reason.EXPECTATION_FAILED, None, ""),
-                                        "http"))
+                return _answered(refuse_at_edge(
+                    rt, Rejected(Reason.EXPECTATION_FAILED, None, "")))
             if not request.content.is_eof() and request.transport is not None:
                 # The caller waits for this before it sends the body (RFC 9110 §10.1.1).
                 request.transport.write(_CONTINUE)
@@ -273,10 +279,10 @@ def _refused_on(rt: Runtime, route: Route, rejected: Rejected) -> web.Response:
 
 
 def _refused_at(rt: Runtime, raw_path: str, rejected: Rejected) -> web.Response:
-    """:func:`_refused_on` the route ``raw_path`` goes to; in the plain ``http`` shape, and
-    counted nowhere, when it goes to none."""
+    """:func:`_refused_on` the route ``raw_path`` goes to; at the edge (plain ``http`` shape,
+    ``sluice_edge_rejections_total``) when it goes to none."""
     route = rt.router.match(raw_path)
-    return render(rejected, "http") if route is None else _refused_on(rt, route, rejected)
+    return refuse_at_edge(rt, rejected) if route is None else _refused_on(rt, route, rejected)
 
 
 async def _too_large(rt: Runtime, request: web.BaseRequest, length: int
@@ -316,29 +322,28 @@ class Door:
         """A refusal for ``request``, or ``None`` to let it through."""
         headers = request.headers
         if request.version is _REFUSED_VERSION:
-            return render(Rejected(Reason.BAD_REQUEST, None,
-                                   "only HTTP/1.1 and HTTP/1.0 are served"), "http")
+            return refuse_at_edge(rt, Rejected(Reason.BAD_REQUEST, None,
+                                               "only HTTP/1.1 and HTTP/1.0 are served"))
         host = headers.get(hdrs.HOST)
         if host is None and request.version == HttpVersion11:
-            return render(Rejected(Reason.BAD_REQUEST, None,
-                                   "an HTTP/1.1 request must carry Host (RFC 9112 §3.2)"),
-                          "http")
+            return refuse_at_edge(rt, Rejected(
+                Reason.BAD_REQUEST, None, "an HTTP/1.1 request must carry Host (RFC 9112 §3.2)"))
         if host is not None and not self.any_host and host not in self._hosts_seen:
             if not self.host_allowed(host):
-                return render(Rejected(Reason.MISDIRECTED, None, "list the name in "
-                                       "server.allowed_hosts to serve it"), "http")
+                return refuse_at_edge(rt, Rejected(Reason.MISDIRECTED, None, "list the name in "
+                                                   "server.allowed_hosts to serve it"))
             if len(self._hosts_seen) < _HOSTS_REMEMBERED:
                 self._hosts_seen.add(host)
         if hdrs.TRANSFER_ENCODING in headers and not _only_chunked(headers):
-            return render(Rejected(Reason.BAD_REQUEST, None, _TRANSFER_CODING), "http")
+            return refuse_at_edge(rt, Rejected(Reason.BAD_REQUEST, None, _TRANSFER_CODING))
         if not "".join(headers.values()).isascii():  # in C: one pass over every value
             refusal = _undecodable_header(headers)
             if refusal is not None:
                 return _refused_at(rt, request.raw_path, refusal)
         raw = request.raw_path
         if "%" in raw and _ESCAPED_CONTROL.search(raw.partition("?")[0]):
-            return render(Rejected(Reason.BAD_REQUEST, None, "a control character in the path"),
-                          "http")
+            return refuse_at_edge(rt, Rejected(Reason.BAD_REQUEST, None,
+                                               "a control character in the path"))
         if self.mcp and not self.any_origin:
             origin = headers.get(hdrs.ORIGIN)
             if origin is not None:
@@ -470,6 +475,7 @@ class EdgeProtocol(RequestHandler):
         """Over ``max_connections``: answer 503 when the request arrives, then close."""
         edge = self._edge
         self._manager = None  # aiohttp's bookkeeping never sees this connection
+        edge.refused(Reason.TOO_MANY_CONNECTIONS)
         if edge.refusing >= self._settings.max_connections:
             transport.close()  # as many waiting for their 503 as served: no answer at all
             return
@@ -563,6 +569,7 @@ class EdgeProtocol(RequestHandler):
             return
         if answer is not None:
             self.transport.write(answer)
+            self._edge.refused(Reason.REQUEST_TIMEOUT)
         self.force_close()
 
     # -- errors --------------------------------------------------------------------------
@@ -592,6 +599,7 @@ class EdgeProtocol(RequestHandler):
             log.error("error before an answer was written (peer %s)",
                       request.remote, exc_info=exc)
             rejected = Rejected(Reason.INTERNAL_ERROR, None, "")
+        self._edge.refused(rejected.reason)
         response = render(rejected, "http")
         response.force_close()
         return response

@@ -40,7 +40,7 @@ from policies.retry import is_client_retry
 from proxy import attempts
 from proxy.forward import RELAYED_STREAM, end_mcp_answer
 from proxy.identity import IdentityRejected, identify
-from proxy.rejections import jsonrpc_id, refuse, render
+from proxy.rejections import jsonrpc_id, refuse, refuse_at_edge, render
 from proxy.routes import Route, has_dot_segment
 from proxy.runtime import Runtime
 
@@ -100,7 +100,7 @@ async def handle(rt: Runtime, request: web.BaseRequest) -> web.StreamResponse:
     route = rt.router.match(raw_path)
     if route is None:
         detail = "absolute-form request targets are refused" if raw_path[:1] != "/" else raw_path
-        return render(Rejected(Reason.NO_ROUTE, None, detail[:200]), "http")
+        return refuse_at_edge(rt, Rejected(Reason.NO_ROUTE, None, detail[:200]))
     # Counted on the route object it matched from here to the end, queued or admitted: a
     # reload keeps that object (and its later admissions) counted, and the drain waits for it.
     route.present += 1

@@ -45,6 +45,16 @@ DURATION_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 6
 #: Queue waits are bounded by max_wait, typically well under a minute.
 QUEUE_WAIT_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
+#: Refusals made before a request has a route: counted in ``sluice_edge_rejections_total``,
+#: never in a route's ``sluice_rejections_total``.
+EDGE_ONLY = frozenset({Reason.TOO_MANY_CONNECTIONS, Reason.REQUEST_TIMEOUT,
+                       Reason.HEADERS_TOO_LARGE, Reason.EXPECTATION_FAILED, Reason.NO_ROUTE,
+                       Reason.MISDIRECTED})
+#: The reasons ``sluice_edge_rejections_total`` has: those, a request that is not valid
+#: HTTP/1.1 (or has a header no route could read), and an error before any answer.
+EDGE_REASONS = (*sorted(EDGE_ONLY, key=lambda r: r.code), Reason.BAD_REQUEST,
+                Reason.INTERNAL_ERROR)
+
 #: Values of ``sluice_requests_total{outcome}``.
 OUTCOMES = (
     "2xx",  # the upstream answered; by status class
@@ -222,6 +232,16 @@ class Metrics:
             ["route", "reason"],
             registry=r,
         )
+        self.edge_rejections = LoopCounter(
+            "sluice_edge_rejections",
+            "Connections and requests refused before any route's checks (over "
+            "server.max_connections, header or body timeouts, requests that are not valid "
+            "HTTP/1.1, name no route or another host), by reason.",
+            ["reason"],
+            registry=r,
+        )
+        for reason in EDGE_REASONS:  # at 0 from the start, so that rate() sees the first
+            self.edge_rejections.labels(reason.code)
         self.inflight = Gauge(
             "sluice_inflight_requests", "Requests admitted and not yet finished.", ["route"],
             registry=r,
@@ -573,7 +593,8 @@ class RouteMetrics:
         self._metrics = metrics
         self.name = route
         self.outcomes = {o: metrics.requests.labels(route, o) for o in OUTCOMES}
-        self.rejections = {r: metrics.rejections.labels(route, r.code) for r in Reason}
+        self.rejections = {r: metrics.rejections.labels(route, r.code) for r in Reason
+                           if r not in EDGE_ONLY}
         self.queue_wait = metrics.queue_wait.labels(route)
         self.upstream_duration = metrics.upstream_duration.labels(route)
         self.upstream_attempts = metrics.upstream_attempts.labels(route)

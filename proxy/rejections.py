@@ -181,6 +181,14 @@ def render(rejected: Rejected, protocol: str, jsonrpc_id: object = None) -> web.
     )
 
 
+def refuse_at_edge(rt: Runtime, rejected: Rejected) -> web.Response:
+    """Count ``rejected`` in ``sluice_edge_rejections_total`` and render it in the plain
+    ``http`` shape: a refusal made before the request has a route (no events: those are
+    per request on a route)."""
+    rt.metrics.edge_rejections.labels(rejected.reason.code).inc()
+    return render(rejected, "http")
+
+
 def refuse(rt: Runtime, route: Route, rejected: Rejected, request_id: str, tenant: str,
            run: str | None, idempotency_key: str | None = None, body: bytes = b"",
            operation: str | None = None) -> web.Response:

@@ -579,6 +579,11 @@ async def test_connections_beyond_max_connections_get_503(upstream, start_sluice
     assert headers["retry-after"] == "1" and headers["connection"] == "close"
     assert json.loads(body)["error"]["reason"] == "too_many_connections"
     assert len(upstream.requests) == 5
+    # Counted before any route (a new user found the route's series always 0): at the edge.
+    assert await sluice.metric("sluice_edge_rejections_total",
+                               reason="too_many_connections") == 1
+    assert ("sluice_rejections_total", (("reason", "too_many_connections"), ("route", "svc"))
+            ) not in await sluice.metrics()
     held.pop()[1].close()
 
     async def served() -> bool:

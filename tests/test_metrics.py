@@ -9,7 +9,8 @@ import aiohttp
 from yarl import URL
 
 from policies.reasons import Reason
-from tests.conftest import route, wait_until
+from proxy.metrics import EDGE_ONLY
+from tests.conftest import raw_request, route, wait_until
 
 CHAT = {"model": "gpt-test", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -80,8 +81,11 @@ async def test_scenario_leaves_the_right_values(upstream, start_sluice):
     assert value("sluice_requests_total", route="openai", outcome="rejected") == 1
     assert value("sluice_requests_total", route="limited", outcome="rejected") == 1
     rejections = {reason.code: value("sluice_rejections_total", route="openai",
-                                     reason=reason.code) for reason in Reason}
+                                     reason=reason.code)
+                  for reason in Reason if reason not in EDGE_ONLY}
     assert rejections == {code: (1 if code == "queue_full" else 0) for code in rejections}
+    assert not any(name == "sluice_rejections_total" and dict(labels)["reason"] in
+                   {r.code for r in EDGE_ONLY} for name, labels in m)
     assert value("sluice_rejections_total", route="limited", reason="rate_limited") == 1
 
 
@@ -101,3 +105,28 @@ async def test_request_faults_are_counted_by_reason_on_their_route(upstream, sta
     await wait_until(lambda: len(sluice.events()) == 2, what="two rejected events")
     assert sorted(e["reason"] for e in sluice.events()) == ["bad_request", "request_too_large"]
     assert upstream.requests == []
+
+
+async def test_refusals_before_a_route_are_counted_at_the_edge(upstream, start_sluice):
+    # Seen by a new user: a request naming no route or another host, a head that is not
+    # HTTP/1.1, a refused Expect were answered but counted in no metric.
+    sluice = await start_sluice({"routes": [route("svc", upstream.url, "http")]})
+    async with aiohttp.ClientSession() as session:
+        async with session.get(sluice.url + "/nowhere") as r:
+            assert r.status == 404
+        async with session.get(sluice.url + "/svc/x", headers={"Host": "elsewhere.example"}
+                               ) as r:
+            assert r.status == 421
+        async with session.post(sluice.url + "/svc/x", data=b"{}",
+                                headers={"Expect": "teapot"}) as r:
+            assert r.status == 417
+    answer = await raw_request(sluice.port, b"GET /svc/x HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                               b"Content-Length: x\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 400")
+    edge = {reason: await sluice.metric("sluice_edge_rejections_total", reason=reason)
+            for reason in ("no_route", "misdirected_request", "expectation_failed", "bad_request",
+                           "too_many_connections", "request_timeout")}
+    assert edge == {"no_route": 1, "misdirected_request": 1, "expectation_failed": 1,
+                    "bad_request": 1, "too_many_connections": 0, "request_timeout": 0}
+    assert await sluice.metric("sluice_rejections_total", route="svc",
+                               reason="bad_request") == 0
