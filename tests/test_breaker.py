@@ -65,7 +65,9 @@ async def test_upstream_down_opens_fails_fast_then_one_probe_closes(upstream, st
         assert sorted(st for st, _ in await asyncio.gather(*calls)) == [200] + [503] * 9
         await sluice.wait_metric("sluice_circuit_state", 0, route="openai")
         assert (await post(s, sluice.url))[0] == 200
-    await asyncio.sleep(0.3)  # the event log is flushed every 0.2 s
+    # The event log is flushed every 0.2 s, in order: wait for the last transition, not for a
+    # fixed time (a busy machine's Sluice may flush later than 0.3 s).
+    await wait_for(lambda: any(e["event"] == "circuit_closed" for e in sluice.events()))
     transitions = [e for e in sluice.events() if e["event"].startswith("circuit_")]
     assert [e["event"] for e in transitions] == [
         "circuit_opened", "circuit_half_open", "circuit_closed"]

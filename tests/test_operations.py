@@ -58,8 +58,15 @@ def text(result: Any) -> str:
     return result.content[0].text
 
 
-async def flushed(sluice: Any) -> list[dict]:
-    await asyncio.sleep(0.3)  # the event log is flushed every 0.2 s
+async def flushed(sluice: Any, operation: str, count: int = 1) -> list[dict]:
+    """The event log once it holds ``count`` ``completed`` events of ``operation``, the test's
+    last calls: it is flushed every 0.2 s, in order, so what came before them is there too (a
+    fixed 0.3 s sleep assumed a busy machine's Sluice flushed on time)."""
+    def written() -> bool:
+        return sum(e["event"] == "completed" and e.get("operation") == operation
+                   for e in sluice.events()) >= count
+
+    await wait_until(written, what=f"{count} completed {operation} event(s) in the log")
     return sluice.events()
 
 
@@ -103,7 +110,7 @@ async def test_slow_tool_at_its_limit_while_the_fast_tool_is_served(mcp_stateles
         assert text(result) == "5"
         assert sum(task.done() for task in slows) < 3  # served while slow calls were waiting
         assert [text(r) for r in await asyncio.gather(*slows)] == ["slept"] * 3
-    events = await flushed(sluice)
+    events = await flushed(sluice, "slow", 3)
     queued = [e for e in events if e["event"] == "enqueued"]
     assert [e["operation"] for e in queued] == ["slow", "slow"]
     completed = {e["operation"] for e in events if e["event"] == "completed"
@@ -170,7 +177,7 @@ async def test_failing_tool_opens_its_own_breaker_only(mcp_session, start_sluice
                                operation="fail") == 2
     assert await sluice.metric("sluice_operation_circuit_state", route="tools",
                                operation="add") == 0
-    events = await flushed(sluice)
+    events = await flushed(sluice, "add", 4)
     opened = [e for e in events if e["event"] == "circuit_opened"]
     assert [(e["route"], e["operation"]) for e in opened] == [("tools", "fail")]
 
@@ -291,7 +298,7 @@ async def test_retried_side_effecting_call_executes_once(mcp_stateless, start_sl
             assert text(await client.call_tool("add", {"a": 1, "b": 2})) == "3"
         assert gateway.calls == ["send", "add", "add"]
         assert mcp_stateless.sends() == 1
-        events = await flushed(sluice)
+        events = await flushed(sluice, "add")
         retried = [e for e in events if e["event"] == "retried"]
         assert [e["operation"] for e in retried] == ["add"]
         letters = [e for e in events if e["event"] == "dead_lettered"]
@@ -318,7 +325,7 @@ async def test_repeated_side_effecting_call_with_the_same_arguments_runs_once(
         assert text(await client.call_tool("add", {"a": 1, "b": 1})) == "2"
         assert text(await client.call_tool("add", {"a": 1, "b": 1})) == "2"
     assert server.sends() == 2
-    events = await flushed(sluice)
+    events = await flushed(sluice, "add", 2)
     replayed = [e for e in events if e["event"] == "replayed"]
     assert [e["operation"] for e in replayed] == ["send"]
 
@@ -470,7 +477,7 @@ async def test_tool_costs_are_charged_to_the_usd_budget(mcp_stateless, start_slu
             await client.call_tool("slow", {"seconds": 0.1})
         assert spent.value.error.data["reason"] == "budget_exhausted"
         assert text(await client.call_tool("add", {"a": 1, "b": 1})) == "2"  # costs nothing
-    events = await flushed(sluice)
+    events = await flushed(sluice, "add")
     costs = {e["operation"]: e["operation_cost_usd"] for e in events
              if e["event"] == "completed" and "operation_cost_usd" in e}
     sends = [e["operation_cost_usd"] for e in events if e["event"] == "completed"

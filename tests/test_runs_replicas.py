@@ -228,7 +228,10 @@ async def test_redis_stopped_each_replica_keeps_its_own_runs(upstream, start_slu
 async def test_round_trips_per_call_of_a_run(upstream, start_sluice, redis_server: RedisServer):
     """A call of a run costs one script: its lineage, its cancellation and its count for the
     route's ``max_requests`` together; a call naming no run costs none."""
-    state = {"backend": "redis", "redis_url": redis_server.url, "key_prefix": new_prefix()}
+    # A timeout no busy machine reaches: with the default 50 ms, Redis was marked down once
+    # on a loaded machine and every run was tracked in memory (0 round trips counted).
+    state = {"backend": "redis", "redis_url": redis_server.url, "key_prefix": new_prefix(),
+             "timeout": "2s", "lease": "60s"}
     (sluice,) = await replicas(start_sluice, 1, {"state": state, "routes": [
         route("openai", upstream.url), route("limited", upstream.url, run={"max_requests": 99})]})
     n = 10
@@ -335,7 +338,10 @@ async def test_a_count_taken_before_an_earlier_refusal_is_given_back(
         first = asyncio.create_task(keyed("k1"))
         await wait_until(lambda: upstream.inflight == 1, what="the first call upstream")
         duplicates = [await keyed("k1") for _ in range(3)]
-        await asyncio.sleep(0.3)  # give-backs run in the background, after the answer
+        # Give-backs run in the background, after the answer: wait until the run counts only
+        # the first call again (a fixed 0.3 s assumed a busy machine's Sluice ran them by then).
+        await wait_until(lambda: run_counts(shared_state, "job") == [1],
+                         what="the duplicates' counts given back")
         upstream.hold.set()
         assert (await first)[0] == 200
         second, third = await keyed("k2"), await keyed("k3")
@@ -362,6 +368,16 @@ class RunCountingUpstream(FakeUpstream):
             return await super()._guard(request, answer)
         finally:
             self.by_run[run] -= 1
+
+
+def run_counts(state: dict, run: str) -> list[int]:
+    """The counts of ``run``'s calls held in Redis, one per scope, read from Redis itself."""
+    client = redis_client(str(state["redis_url"]))
+    try:
+        return [int(n) for key in client.scan_iter(f"{state['key_prefix']}:*:run:{run}")
+                for field, n in client.hgetall(key).items() if field.startswith(b"n:")]
+    finally:
+        client.close()
 
 
 def width_leases(state: dict, run: str) -> int:
@@ -430,18 +446,23 @@ async def test_round_trips_per_call_of_a_run_with_a_width(upstream, start_sluice
     """A call of a run on a route with ``fanout.width`` costs the run tracker's script plus
     its width lease: one script to take it and one to give it back (a call shorter than a
     third of ``state.lease`` renews nothing)."""
-    state = {"backend": "redis", "redis_url": redis_server.url, "key_prefix": new_prefix()}
+    # A timeout no busy machine reaches (the default 50 ms can mark Redis down under load,
+    # and a timed-out script may still run), and a lease no call lasts a third of.
+    state = {"backend": "redis", "redis_url": redis_server.url, "key_prefix": new_prefix(),
+             "timeout": "2s", "lease": "60s"}
     (sluice,) = await replicas(start_sluice, 1, {"state": state, "routes": [
         route("openai", upstream.url, fanout={"width": 3})]})
     n = 10
     async with aiohttp.ClientSession() as s:
         assert (await call(s, sluice, "job"))[0] == 200  # loads the scripts
-        await asyncio.sleep(0.2)  # its lease's give-back runs after the answer
+        # Its lease's give-back runs after the answer: wait for it, not for a fixed time.
+        await wait_until(lambda: width_leases(state, "job") == 0, what="the lease given back")
         with redis_server.client() as r:
             r.config_resetstat()
         for _ in range(n):
             assert (await call(s, sluice, "job"))[0] == 200
-        await asyncio.sleep(0.2)
+        await wait_until(lambda: width_leases(state, "job") == 0, what="the leases given back")
+        await asyncio.sleep(0.2)  # nothing else follows
     per_call = round_trips(redis_server) / n
     print(f"\nRedis round trips per call of a run with fanout.width: {per_call}")
     assert per_call == 3

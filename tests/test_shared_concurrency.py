@@ -564,7 +564,11 @@ async def test_reject_mode_refuses_503_and_recovers_without_restart(
     state = own_state(own_redis, "reject")
     a, b = await deployment(start_sluice, 2, state, upstream.url, limit=1)
     async with aiohttp.ClientSession() as session:
-        holder = asyncio.create_task(post(session, a.url, delay=1.5))
+        # A's call stays at the upstream until the refusals are in: a fixed 1.5 s can end on
+        # a busy machine before B's two calls are seen queued behind it (B's queue was seen
+        # empty for 10 s once, under load).
+        upstream.hold = asyncio.Event()
+        holder = asyncio.create_task(post(session, a.url))
         await eventually(lambda: _value(upstream.inflight), 1, 10.0, "A's call upstream")
         waiters = [asyncio.create_task(post(session, b.url)) for _ in range(2)]
         await b.wait_metric("sluice_queue_depth", 2, route="openai")
@@ -578,6 +582,7 @@ async def test_reject_mode_refuses_503_and_recovers_without_restart(
         status, headers, took = await post(session, b.url)
         assert status == 503 and headers["X-Sluice-Reason"] == "state_unavailable"
         assert took <= 0.2 + 0.3
+        upstream.hold.set()
         assert (await holder)[0] == 200  # admitted before: runs to its end
         assert len(upstream.requests) == 1
 
@@ -604,7 +609,9 @@ async def test_a_metered_call_with_a_concurrency_limit_costs_four_round_trips(
         upstream, start_sluice, redis_server, capsys):
     """Rates and budget admitted in one script, the lease taken and given back, the budget
     settled: 4 round trips per call (a call shorter than a third of the lease)."""
-    state = {**own_state(redis_server, "local"), "replicas": 1}
+    # A timeout no busy machine reaches and a lease no call lasts a third of (with 200 ms and
+    # 1 s, a stalled call could time out a script or renew its lease: an extra round trip).
+    state = {**own_state(redis_server, "local"), "replicas": 1, "timeout": "2s", "lease": "60s"}
     config = {"state": state, "routes": [route(
         "openai", upstream.url, rate={"per_tenant": {"requests": "1000/min"}},
         budget={"tokens": "1000000/day", "per": "tenant"}, concurrency={"limit": 4})]}

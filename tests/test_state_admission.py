@@ -18,7 +18,13 @@ from hypothesis import strategies as st
 from policies.state import StateBackends, memory_backends, redis_backends
 from policies.state.ledger import Claim
 from policies.state.rate import Take
-from tests.redis_servers import REDIS_URL, TEST_TIMEOUT_S, delete_prefix, new_prefix, require_redis
+from tests.redis_servers import (
+    CLIENT_TIMEOUT_S,
+    REDIS_URL,
+    delete_prefix,
+    new_prefix,
+    require_redis,
+)
 
 DAY = 86400.0
 REQUESTS = Take("requests", 3, 60.0)
@@ -136,7 +142,7 @@ def test_memory_and_redis_answer_the_same_sequence_alike(steps):
     async def run() -> None:
         prefix = new_prefix()
         memory = memory_backends()
-        shared = await redis_backends(url, prefix, TEST_TIMEOUT_S)
+        shared = await redis_backends(url, prefix, CLIENT_TIMEOUT_S)  # counts, not time
         try:
             now = time.time()
             for names, tokens, budgets in steps:

@@ -38,6 +38,7 @@ from policies.state.breaker import (
     _window_add,
 )
 from tests.redis_servers import (
+    CLIENT_TIMEOUT_S,
     REDIS_URL,
     TEST_TIMEOUT_S,
     RedisServer,
@@ -330,7 +331,7 @@ def test_batching_opens_where_recording_each_outcome_at_once_does(steps, fail_ma
     async def run() -> None:
         prefix = new_prefix()
         reference = memory_backends()
-        batched = await redis_backends(url, prefix, TEST_TIMEOUT_S)
+        batched = await redis_backends(url, prefix, CLIENT_TIMEOUT_S)  # counts, not time
         opened: dict[str, list[str]] = {"reference": [], "batched": []}
 
         def heard(side: str, verdict: Verdict | None) -> None:

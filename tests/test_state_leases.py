@@ -50,9 +50,11 @@ async def test_a_lapsed_lease_frees_its_slot(backends: StateBackends):
 
 
 async def test_a_held_lease_is_renewed_until_released(backends: StateBackends):
-    result, lease = await acquire_lease(backends.leases, "r", "a", 1, None, 0.2)
+    # A 0.6 s lease (renewed every 0.2 s), not 0.2 s: a busy machine stalled this process
+    # past a 0.2 s lease's renewal once, and it lapsed (retaken == 1).
+    result, lease = await acquire_lease(backends.leases, "r", "a", 1, None, 0.6)
     assert result.granted and lease is not None
-    await asyncio.sleep(0.3)  # longer than the lease: renewal keeps it
+    await asyncio.sleep(0.9)  # longer than the lease: renewal keeps it
     assert await backends.leases.counts("r", "a") == (1, 1)
     assert lease.retaken == 0
     assert await lease.aclose() is True
@@ -68,7 +70,12 @@ async def test_a_lease_lost_while_its_call_runs_is_taken_again(backends: StateBa
     assert lease is not None
     await backends.leases.release("r", "a", lease.lease_id)  # as if Redis had lost it
     assert (await backends.leases.acquire("r", "b", "other", 1, None, 60)).granted
-    await asyncio.sleep(0.25)  # a renewal (every lease / 3) takes it back
+    # A renewal (every lease / 3) takes it back: waited for, as a busy machine may run the
+    # first one later than a fixed 0.25 s (before the fix it never came).
+    deadline = time.monotonic() + 5
+    while lease.retaken == 0:
+        assert time.monotonic() < deadline, "the lease was not taken again"
+        await asyncio.sleep(0.02)
     assert lease.retaken == 1
     assert await backends.leases.counts("r", "a") == (2, 1)  # over the limit of 1: draining
     assert not (await backends.leases.acquire("r", "c", "third", 1, None, 60)).granted
@@ -124,8 +131,13 @@ async def test_a_replica_killed_with_sigkill_frees_its_slots_within_the_lease_ti
         assert await backends.leases.counts("r", "t") == (2, 2)
         child.send_signal(signal.SIGKILL)
         killed = time.monotonic()
-        while (await backends.leases.counts("r", "t"))[0]:
-            assert time.monotonic() - killed < lease_s + 0.15
+        while True:
+            # Timed from when each count is asked, not answered: a busy machine's slow reply
+            # is not the slots outliving the lease.
+            asked = time.monotonic()
+            if not (await backends.leases.counts("r", "t"))[0]:
+                break
+            assert asked - killed < lease_s + 0.15
             await asyncio.sleep(0.02)
     finally:
         child.kill()
@@ -213,8 +225,12 @@ async def test_a_lease_taken_from_memory_is_counted_in_redis_once_it_answers(
     lease = Lease(local, "r", "a", "m1", 0.3, shared=backends.leases)
     # Meanwhile another replica took the route's one slot in Redis.
     assert (await backends.leases.acquire("r", "b", "other", 1, None, 60)).granted
-    await asyncio.sleep(0.15)  # one renewal (every 0.1 s)
-    assert await backends.leases.counts("r", "a") == (2, 1)  # over the limit of 1: draining
+    # One renewal (every 0.1 s) moves it there, over the limit of 1 (draining): waited for,
+    # not a fixed 0.15 s, which left a busy machine 50 ms (before the fix: (1, 0) for good).
+    deadline = time.monotonic() + 5
+    while (counted := await backends.leases.counts("r", "a")) != (2, 1):
+        assert time.monotonic() < deadline, counted
+        await asyncio.sleep(0.02)
     assert await local.counts("r", "a") == (0, 0)
     assert not (await backends.leases.acquire("r", "c", "third", 1, None, 60)).granted
     assert lease.retaken == 0  # moved on purpose, not lapsed
