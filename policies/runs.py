@@ -354,9 +354,10 @@ class RunRegistry:
                 runs[name] = info  # kept: to the end, so the next scan looks further
                 continue
             if any(info.counts.values()):
-                log.warning("more than %d runs remembered: run %s, last seen %.0fs ago, is "
-                            "forgotten with its max_requests count", MAX_COUNTED_RUNS, name,
-                            now - info.last_seen, extra=PER_CALL)
+                # One text whatever the run, so that the log's repeat filter folds a flood.
+                log.warning("more than %d runs remembered: runs holding only max_requests "
+                            "counts are forgotten, their counts with them", MAX_COUNTED_RUNS,
+                            extra=PER_CALL)
             if info.parent is not None:
                 info.parent.children.discard(name)
 
