@@ -191,10 +191,12 @@ class Breaker:
         # The state may be open already (a reload re-adding the block, another replica): the
         # gauge and the admin page read the view, so it is asked for at once.
         try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # built outside the server: the first scrape in it asks
+            pass
+        else:
             self._spawn(self._refresh())
             self._refreshing = True
-        except RuntimeError:  # no running loop (built outside the server): the next scrape asks
-            pass
 
     def reconfigure(self, config: CircuitBreakerConfig) -> None:
         """Adopt a reloaded ``circuit_breaker`` block, keeping the breaker's state: an open
