@@ -101,6 +101,8 @@ async def handle(rt: Runtime, request: web.BaseRequest) -> web.StreamResponse:
     if route is None:
         detail = "absolute-form request targets are refused" if raw_path[:1] != "/" else raw_path
         return refuse_at_edge(rt, Rejected(Reason.NO_ROUTE, None, detail[:200]))
+    if rt.draining:  # refused once read: nothing a drain should wait for under new traffic
+        return await _serve(rt, route, request, raw_path)
     # Counted on the route object it matched from here to the end, queued or admitted: a
     # reload keeps that object (and its later admissions) counted, and the drain waits for it.
     route.present += 1

@@ -133,6 +133,51 @@ async def test_calls_queued_at_sigterm_are_served_not_cut(upstream, start_sluice
     assert len(upstream.requests) == 3
 
 
+async def test_new_requests_during_the_drain_do_not_hold_it(upstream, start_sluice):
+    # From a review: the drain waits for every request present, and requests arriving while
+    # it runs (each refused 503 draining once read) could keep that from ever reaching 0:
+    # here, slow uploads overlapping one another.
+    sluice = await start_sluice({"server": {"drain_timeout": "20s"},
+                                 "routes": [route("openai", upstream.url, "openai")]})
+    url = sluice.url + "/openai/v1/chat/completions"
+    upstream.hold = asyncio.Event()
+
+    async def slow_upload() -> bytes:
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", sluice.port)
+        except OSError:
+            return b""  # the listener closed: the drain ended
+        try:
+            writer.write(b"POST /openai/v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                         b"Content-Length: 60\r\nConnection: close\r\n\r\n")
+            for _ in range(60):  # 6 s each
+                writer.write(b" ")
+                await writer.drain()
+                await asyncio.sleep(0.1)
+            return await reader.read()
+        except OSError:
+            return b""
+        finally:
+            writer.close()
+
+    async with aiohttp.ClientSession() as session:
+        held = asyncio.create_task(status_of(session, url, CHAT))
+        await wait_until(lambda: upstream.inflight == 1, what="the call at the upstream")
+        sluice.signal(signal.SIGTERM)
+        await wait_until(lambda: "draining:" in sluice.stderr(), what="the drain's start")
+        uploads = []
+        for _ in range(5):  # always one or more under way, from here until well past the hold
+            uploads.append(asyncio.create_task(slow_upload()))
+            await asyncio.sleep(0.5)
+        upstream.hold.set()
+        released = time.monotonic()
+        assert await held == 200
+        assert await sluice.wait_exit(timeout=30) == 0
+        assert time.monotonic() - released < 3.0  # not as the uploads end (5.5 s on), or at 20 s
+        # Cut by the exit, unanswered: each would have been refused 503 draining once read.
+        await asyncio.gather(*uploads)
+
+
 async def test_a_replica_drains_calls_queued_on_a_slot_another_holds(upstream, start_sluice):
     # Seen in a hostile trial: with the route's one slot held on the other replica, SIGTERM
     # ended this one at once (nothing admitted here) and cut its queued callers. They wait
