@@ -109,8 +109,8 @@ WAITING, GRANTED, EXPIRED, GONE = range(4)
 
 
 class _Waiter:
-    __slots__ = ("cls", "enqueued", "future", "increment", "order", "state", "tag", "tenant",
-                 "timer")
+    __slots__ = ("aged", "cls", "enqueued", "future", "increment", "order", "state", "tag",
+                 "tenant", "timer")
 
     def __init__(self, future: asyncio.Future[object], tenant: str, cls: int, tag: float,
                  order: int, enqueued: float) -> None:
@@ -123,6 +123,8 @@ class _Waiter:
         self.enqueued = enqueued
         self.state = WAITING
         self.timer: asyncio.TimerHandle | None = None
+        #: Chosen by the last :meth:`ConcurrencyLimiter._best` in a better class than its own.
+        self.aged = False
 
 
 class _Class:
@@ -230,10 +232,8 @@ class ConcurrencyLimiter:
         #: Mean token cost of the calls that had one (``None`` before the first).
         self._mean_tokens: float | None = None
         self._tenant_service: dict[str, float] = {}
-        #: Per class, the loop time a call of it was last served aged beyond its tenant's
-        #: share (:meth:`_class_of`), and the class the last :meth:`_best` chose in.
+        #: Per class, the loop time a call of it was last served aged (:meth:`_class_of`).
         self.aged_at: dict[int, float] = {}
-        self._chosen_class = 0
 
     # -- admission ----------------------------------------------------------------------------
 
@@ -488,8 +488,6 @@ class ConcurrencyLimiter:
             if waiter.future.done():
                 self._drop(waiter, GONE)
                 continue
-            if self._chosen_class < waiter.cls:
-                self.aged_at[waiter.cls] = waiter.future.get_loop().time()
             self._grant(waiter, None)
             return True
 
@@ -497,6 +495,8 @@ class ConcurrencyLimiter:
         """End ``waiter`` (WAITING, its future not done) holding a slot; its :meth:`_wait`
         returns ``value``."""
         self._drop(waiter, GRANTED)
+        if waiter.aged:  # every grant comes here, the Redis dispatcher's too
+            self.aged_at[waiter.cls] = waiter.future.get_loop().time()
         if waiter.tag > self.vnow.get(waiter.cls, 0.0):
             self.vnow[waiter.cls] = waiter.tag
             self._vtop = max(self._vtop, waiter.tag)
@@ -519,8 +519,8 @@ class ConcurrencyLimiter:
                        else (cls, 1, waiter.enqueued, waiter.order))
                 if best_key is None or key < best_key:
                     best, best_key = waiter, key
-        if best_key is not None:
-            self._chosen_class = best_key[0]
+        if best is not None:
+            best.aged = best_key[0] < best.cls  # type: ignore[index]
         return best
 
     def _class_of(self, waiter: _Waiter, now: float | None, first: float) -> int:

@@ -179,7 +179,11 @@ class LimiterProgram(RuleBasedStateMachine):
     def _watch_hand_overs(self) -> None:
         """Check every choice the limiter makes against all the waiters it passed over."""
         limiter = self.limiter
-        choose = limiter._best
+        choose, grant = limiter._best, limiter._grant
+        # When a call of each class was last served aged, as this model sees it: the limiter's
+        # own record is not read, so that a grant it forgets to record is caught.
+        aged_at: dict[int, float] = {}
+        chosen: list[tuple[Any, bool]] = []
 
         def rank(waiter: Any) -> tuple[int, int, float, int]:
             # Independent of the limiter's code: aged (only while its tenant is not ahead of
@@ -193,7 +197,7 @@ class LimiterProgram(RuleBasedStateMachine):
             if limiter.aging is not None and (
                     waiter.tag <= limiter.vnow.get(cls, 0.0)
                     or (waiter.tag <= first
-                        and now - limiter.aged_at.get(cls, -1e18) >= limiter.aging)):
+                        and now - aged_at.get(cls, -1e18) >= limiter.aging)):
                 waited = now - waiter.enqueued
                 cls = max(-1, cls - int(waited / limiter.aging))
             if cls == waiter.cls:
@@ -201,12 +205,19 @@ class LimiterProgram(RuleBasedStateMachine):
             return cls, 1, waiter.enqueued, waiter.order
 
         def checked_best() -> object:
-            chosen = choose()
-            if chosen is not None:
-                assert all(rank(chosen) <= rank(w) for w in limiter.waiters())
-            return chosen
+            best = choose()
+            if best is not None:
+                assert all(rank(best) <= rank(w) for w in limiter.waiters())
+                chosen[:] = [(best, rank(best)[0] < best.cls)]
+            return best
+
+        def recorded_grant(waiter: Any, value: object) -> None:
+            if chosen and chosen[0][0] is waiter and chosen[0][1]:
+                aged_at[waiter.cls] = self.loop.now
+            grant(waiter, value)
 
         limiter._best = checked_best  # type: ignore[method-assign]
+        limiter._grant = recorded_grant  # type: ignore[method-assign]
 
     def _holds(self, index: int) -> bool:
         task = self.tasks[index][0]

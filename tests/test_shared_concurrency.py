@@ -13,6 +13,7 @@ otherwise.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import Iterator
 
@@ -134,6 +135,38 @@ async def test_queue_full_and_queue_timeout_refuse_as_the_memory_limiter_does(
         assert 0.3 <= time.monotonic() - started < 3.0
         assert (b.inflight, b.queued) == (0, 0)
         slot.release(DONE)
+
+
+@pytest.mark.parametrize("backends", ["redis"], indirect=True)
+async def test_a_starved_class_ages_one_call_per_interval_on_redis_too(backends: StateBackends):
+    # From a review: the Redis dispatcher granted without recording the aged grant, so a
+    # best-effort backlog overtook a constant critical load one call per hand-over instead
+    # of one per aging interval.
+    shared = SharedConcurrencyLimiter(1, 100, 60.0, None, backends=backends, group="r",
+                                      aging=0.3)
+    loop = asyncio.get_running_loop()
+    served: list[float] = []
+
+    async def call(tenant: str, priority: int) -> None:
+        slot = await shared.acquire(tenant, priority)
+        if tenant == "batch":
+            served.append(loop.time())
+        await asyncio.sleep(0.05)
+        slot.release(DONE)
+
+    tasks = [asyncio.create_task(call("crit", 0))]
+    await eventually(lambda: _value(shared.inflight), 1, 5.0, "the slot taken")
+    tasks += [asyncio.create_task(call("batch", 2)) for _ in range(4)]
+    until = loop.time() + 3.0
+    while loop.time() < until and len(served) < 4:  # critical work always waiting
+        if sum(w.cls == 0 for w in shared.waiters()) < 3:
+            tasks.append(asyncio.create_task(call("crit", 0)))
+        await asyncio.sleep(0.02)
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    assert len(served) >= 3, served
+    assert min(b - a for a, b in itertools.pairwise(served)) >= 0.2, served
 
 
 @ON_REDIS
