@@ -98,11 +98,13 @@ class RunInfo:
             USD charged (for ``sluice runs show`` and amplification).
         cancelled_until: monotonic seconds until which its calls are refused (0: never).
         live: its calls now being admitted, queued or forwarded.
+        holders: per limit scope, the calls live here that hold a ``max_requests`` count of
+            it (its descendants' included); ``None`` until the first.
     """
 
     __slots__ = ("attempts", "calls", "cancelled_until", "children", "counts", "deadline",
-                 "depth", "id", "last_seen", "live", "parent", "priority", "started",
-                 "started_wall", "tenant", "tokens", "usd")
+                 "depth", "holders", "id", "last_seen", "live", "parent", "priority",
+                 "started", "started_wall", "tenant", "tokens", "usd")
 
     def __init__(self, run: str, tenant: str, parent: RunInfo | None, now: float) -> None:
         self.id = run
@@ -122,6 +124,7 @@ class RunInfo:
         self.cancelled_until = 0.0
         self.children: set[str] = set()
         self.live: set[LiveCall] = set()
+        self.holders: dict[str, set[Call]] | None = None
 
     def lineage(self) -> Iterator[RunInfo]:
         """This run, then its parent, up to the root."""
@@ -620,18 +623,18 @@ class RunLimits:
             headers[RUN_WARNING_HEADER] = f'"{warn}";used={min(used, 1.0):.3f}'
         if config.max_requests is None:
             return None
-        return _Counted(registry, self.scope, lineage, shared)
+        return _Counted(registry, self.scope, lineage, shared, call)
 
     def _spent(self, full: str, call: Call, limit: int) -> Rejected:
         """``run_budget_exhausted`` for run ``full`` at ``limit`` calls: final, unless calls
-        of its subtree known here still hold counts they give back if they never reach the
-        upstream (queued or being admitted): then retryable in :data:`PENDING_WAIT_S`, as a
-        budget is while only reservations in flight deny it. Calls on other replicas are not
-        known here: a refusal they would have made retryable is final."""
+        live here still hold counts of it that they give back if they never reach the
+        upstream (queued, or being admitted): then retryable in :data:`PENDING_WAIT_S`, as a
+        budget is while only reservations in flight deny it. Costs one look at each holder.
+        Calls on other replicas are not known here: a refusal they would have made retryable
+        is final."""
         node = self.registry.get(full)
-        pending = 0 if node is None else sum(
-            1 for run in self.registry.subtree(node) for live in run.live
-            if live.call is not call and not live.call.reached)
+        holders = node.holders.get(self.scope, ()) if node is not None and node.holders else ()
+        pending = sum(1 for held in holders if held is not call and not held.reached)
         if pending:
             return Rejected(
                 Reason.RUN_BUDGET_EXHAUSTED, PENDING_WAIT_S,
@@ -696,16 +699,34 @@ class RunLimits:
 
 
 class _Counted:
-    __slots__ = ("lineage", "registry", "scope", "shared")
+    """A call's ``max_requests`` count on each run of its lineage (a holding): listed in each
+    run's ``holders`` until the call ends, given back then if it never reached the upstream."""
+
+    __slots__ = ("call", "lineage", "registry", "scope", "shared")
 
     def __init__(self, registry: RunRegistry, scope: str, lineage: list[RunInfo],
-                 shared: RedisRuns | None) -> None:
+                 shared: RedisRuns | None, call: Call) -> None:
         self.registry = registry
         self.scope = scope
         self.lineage = lineage
         self.shared = shared
+        self.call = call
+        for node in lineage:
+            holders = node.holders
+            if holders is None:
+                holders = node.holders = {}
+            held = holders.get(scope)
+            if held is None:
+                held = holders[scope] = set()
+            held.add(call)
 
     def release(self, outcome: Outcome) -> None:
+        scope = self.scope
+        for node in self.lineage:
+            held = node.holders[scope]  # type: ignore[index]
+            held.discard(self.call)
+            if not held:
+                del node.holders[scope]  # type: ignore[union-attr]
         if outcome.reached:
             return
         if self.shared is None:

@@ -117,6 +117,31 @@ async def test_max_requests_held_by_queued_calls_is_retryable_not_final(upstream
         assert "Retry-After" not in headers
 
 
+async def test_a_spent_max_requests_is_final_when_no_queued_call_holds_its_count(
+        upstream, start_sluice):
+    # From a review: any call of the run not yet sent made the refusal retryable, though only
+    # a call holding a count of that limit can give one back: here the run's one queued call
+    # is on a route without the limit.
+    upstream.hold = asyncio.Event()
+    sluice = await start_sluice({"routes": [
+        route("tools", upstream.url, "http", run={"max_requests": 1}),
+        route("other", upstream.url, "http",
+              concurrency={"limit": 1, "queue": 10, "max_wait": "30s"})]})
+    async with aiohttp.ClientSession() as s:
+        upstream.hold.set()
+        assert (await post(s, f"{sluice.url}/tools/x", run_headers("r")))[0] == 200
+        upstream.hold.clear()
+        blocker = asyncio.create_task(post(s, f"{sluice.url}/other/x", run_headers("x")))
+        await wait_until(lambda: upstream.inflight == 1, what="the blocker upstream")
+        queued = asyncio.create_task(post(s, f"{sluice.url}/other/x", run_headers("r")))
+        await _until_queued(s, sluice, "r", 1)
+        status, headers, _ = await post(s, f"{sluice.url}/tools/x", run_headers("r"))
+        upstream.hold.set()
+        await asyncio.gather(blocker, queued)
+    assert (status, headers["X-Sluice-Reason"]) == (429, "run_budget_exhausted")
+    assert headers["x-should-retry"] == "false"
+
+
 async def _until_queued(s: aiohttp.ClientSession, sluice, run: str, queued: int) -> None:
     """Poll the admin view of ``run`` until it shows ``queued`` calls queued."""
     deadline = time.monotonic() + 10

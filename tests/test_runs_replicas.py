@@ -495,3 +495,26 @@ async def test_redis_stopped_a_runs_width_is_each_replicas_share(upstream, start
         answers = await asyncio.gather(*calls)
     assert [status for status, _, _ in answers] == [200] * 3
     assert upstream.peak_inflight == 1
+
+
+async def test_a_burst_on_a_spent_max_requests_is_refused_for_good(
+        upstream, start_sluice, redis_server: RedisServer):
+    # From a review: on Redis, a burst of calls of a spent run each saw the others (still in
+    # the tracker's round trip, holding nothing) as pending, and 7 of 8 were told to retry,
+    # round after round.
+    state = {"backend": "redis", "redis_url": redis_server.url, "key_prefix": new_prefix(),
+             "timeout": "2s"}
+    (sluice,) = await replicas(start_sluice, 1, {"state": state, "routes": [
+        route("tools", upstream.url, "http", run={"max_requests": 1})]})
+    url = f"{sluice.url}/tools/x"
+    async with aiohttp.ClientSession() as s:
+        async with s.post(url, headers={"X-Run-ID": "r"}) as r:
+            assert r.status == 200
+
+        async def again() -> str:
+            async with s.post(url, headers={"X-Run-ID": "r"}) as r:
+                assert r.status == 429
+                return r.headers["x-should-retry"]
+
+        for _ in range(3):  # the SDKs' retries, together
+            assert await asyncio.gather(*(again() for _ in range(8))) == ["false"] * 8
