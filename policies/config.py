@@ -50,6 +50,8 @@ class ConfigError(Exception):
 
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h|d)$")
 _DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+#: The longest duration a config may give, seconds (365 days).
+MAX_DURATION_S = 365 * 86400.0
 _RATE = re.compile(r"^(\d+)/(s|min|h|day)$")
 _RATE_PERIODS = {"s": 1, "min": 60, "h": 3600, "day": 86400}
 _ALLOWANCE = re.compile(r"^(\d+(?:\.\d+)?)/(s|min|h|day|total)$")
@@ -98,7 +100,12 @@ def _parse_duration(value: Any) -> float:
         raise ValueError(
             f"{value!r} is not a duration: write a number and a unit, e.g. 250ms, 5s, 10m, 24h"
         )
-    return float(m.group(1)) * _DURATION_UNITS[m.group(2)]
+    seconds = float(m.group(1)) * _DURATION_UNITS[m.group(2)]
+    if seconds > MAX_DURATION_S:
+        # Past this, a timer or a Retry-After makes no sense (and the event loop's timers
+        # overflow): a typo such as an extra zero, not a wish.
+        raise ValueError(f"{value!r} is longer than 365d, the longest duration Sluice takes")
+    return seconds
 
 
 def _parse_rate(value: Any) -> Rate:

@@ -49,6 +49,11 @@ BAD_FILES = [
      [f"{{f}}:2: server.drain_timeout: '5 sec' {NOT_A_DURATION}"]),
     ("sexagesimal duration", "server:\n  drain_timeout: 1:30\n" + ROUTE,
      [f"{{f}}:2: server.drain_timeout: '1:30' {NOT_A_DURATION}"]),
+    # A new user's 99999999999999999999h became a 24-digit Retry-After; 400 digits, infinity.
+    ("duration beyond a year",
+     ROUTE + "    circuit_breaker: {reset_timeout: 99999999999999999999h}\n",
+     ["{f}:5: routes[0].circuit_breaker.reset_timeout: '99999999999999999999h' is longer "
+      "than 365d, the longest duration Sluice takes"]),
     ("duration without a unit", ROUTE + "    concurrency: {limit: 2, max_wait: 30}\n",
      [f"{{f}}:5: routes[0].concurrency.max_wait: 30 {NOT_A_DURATION}"]),
     ("a queue nobody may wait in", ROUTE + "    concurrency: {limit: 2, queue: 4, max_wait: 0s}\n",
