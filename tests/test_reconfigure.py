@@ -137,16 +137,20 @@ routes:
 
 def test_take_over_keeps_unchanged_policies_and_reconfigures_changed_ones():
     (old,) = _routes(ROUTE.format(limit=2, rate="10/s"))
-    old.inflight = 1
+    old.present = old.inflight = 1  # an admitted call, present on its route object
     (new,) = _routes(ROUTE.format(limit=5, rate="10/s"))
     new.take_over(old)
     assert new.concurrency is old.concurrency and new.concurrency.limit == 5
     assert new.rate is old.rate
     assert new.inflight_total == 1 and new.retired == (old,)
     (newer,) = _routes(ROUTE.format(limit=5, rate="10/s"))
-    old.inflight = 0
+    old.inflight = 0  # admitted no more, but still present (answering): kept
     newer.take_over(new)
-    assert newer.retired == () and newer.concurrency is old.concurrency
+    assert newer.retired == (old,)
+    (newest,) = _routes(ROUTE.format(limit=5, rate="10/s"))
+    old.present = 0
+    newest.take_over(newer)
+    assert newest.retired == () and newest.concurrency is old.concurrency
 
 
 def test_carry_over_without_reconfigure_takes_the_fresh_object():
