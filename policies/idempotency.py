@@ -420,16 +420,9 @@ class Idempotency:
                  store: ResultStore | None = None,
                  backends: StateBackends | None = None, mcp_calls: bool = False) -> None:
         self.mcp = mcp_calls
-        self.mode = config.mode
-        self.dedup = config.mode == "dedup"
-        self.wait_in_flight = config.on_in_flight == "wait"
-        self.derive_from = tuple(config.derive_from)
-        self.max_replay_bytes = config.max_replay_bytes
         self.store: ResultStore = store or MemoryStore(config.max_entries, config.max_bytes,
                                                        config.ttl)
-        self.max_wait = config.max_wait
-        self.max_waiters = config.max_waiters
-        self.ttl = config.ttl
+        self._adopt(config)
         self.waiting = 0
         #: Duplicates waiting here per shared key (the Redis records); the memory records
         #: count theirs in their flight's waiter list.
@@ -441,6 +434,24 @@ class Idempotency:
         #: seconds): a replica killed mid-call frees its keys within this time.
         self._lease_s = backends.lease_s if backends is not None else StateBackends.lease_s
         self._tasks: set[asyncio.Task[object]] = set()
+
+    def _adopt(self, config: IdempotencyConfig) -> None:
+        self.mode = config.mode
+        self.dedup = config.mode == "dedup"
+        self.wait_in_flight = config.on_in_flight == "wait"
+        self.derive_from = tuple(config.derive_from)
+        self.max_replay_bytes = config.max_replay_bytes
+        self.max_wait = config.max_wait
+        self.max_waiters = config.max_waiters
+        self.ttl = config.ttl
+
+    def reconfigure(self, config: IdempotencyConfig) -> None:
+        """Adopt a changed block in place (a reload): the keys in flight and the stored answers
+        are kept, since forgetting either would let a side effect run again. The store keeps
+        what fits its new bounds; the new ``ttl`` applies to answers stored from now."""
+        self._adopt(config)
+        if isinstance(self.store, MemoryStore):
+            self.store.resize(config.max_entries, config.max_bytes, config.ttl)
 
     async def admit(self, call: Call) -> Claim | None:
         """The pipeline step (:class:`policies.pipeline.Policy`): resolve the call's key

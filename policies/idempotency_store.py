@@ -109,6 +109,12 @@ class MemoryStore:
     def __len__(self) -> int:
         return len(self._records)
 
+    def resize(self, max_entries: int, max_bytes: int, ttl_s: float) -> None:
+        """Adopt new bounds (a reload): the oldest records go until both hold; the records
+        kept keep their expiry, and ``ttl_s`` applies to the records written from now."""
+        self.max_entries, self.max_bytes, self.ttl_s = max_entries, max_bytes, ttl_s
+        self._evict()
+
     def get(self, key: Hashable) -> Record | None:
         record = self._records.get(key)
         if record is None:
@@ -133,6 +139,10 @@ class MemoryStore:
         record.expires_at = self._clock() + self.ttl_s
         records[key] = record
         self.bytes += record.size
+        self._evict()
+
+    def _evict(self) -> None:
+        records = self._records
         while len(records) > self.max_entries or self.bytes > self.max_bytes:
             _, evicted = records.popitem(last=False)
             self.bytes -= evicted.size

@@ -210,7 +210,7 @@ class Operation:
         self.rate = carry_over(old.rate, self.rate, prev.rate, new.rate,
                                lambda rate, c: rate.limiter.reconfigure(c))
         self.idempotency = carry_over(old.idempotency, self.idempotency, prev.idempotency,
-                                      new.idempotency)
+                                      new.idempotency, lambda keys, c: keys.reconfigure(c))
         self.breaker = carry_over(old.breaker, self.breaker, prev.circuit_breaker,
                                   new.circuit_breaker)
         self.retry = carry_over(old.retry, self.retry, prev.retry, new.retry)

@@ -318,10 +318,12 @@ class Route:
         self.rate = carry_over(
             old.rate, self.rate, prev.rate, new.rate, lambda rate, c: rate.reconfigure(c)
         )
-        # Stored results and keys in flight survive a reload that leaves the block unchanged;
-        # a changed block starts a fresh store (its bounds and TTL may no longer hold).
+        # Stored answers and keys in flight survive any reload that keeps the block: a
+        # changed one is adopted in place, since forgetting either lets a side effect run
+        # twice (its store shrinks to new bounds; a new TTL applies to new answers).
         self.idempotency = carry_over(
-            old.idempotency, self.idempotency, prev.idempotency, new.idempotency
+            old.idempotency, self.idempotency, prev.idempotency, new.idempotency,
+            lambda keys, c: keys.reconfigure(c),
         )
         # The breaker keeps its state whatever changed in its block (open stays open; the new
         # thresholds apply from the next outcome): it lives in the state backend under the

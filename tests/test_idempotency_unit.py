@@ -94,6 +94,18 @@ def test_records_expire_after_ttl_and_lru_order_is_by_use():
     assert len(store) == 0 and store.bytes == 0
 
 
+def test_a_resized_store_keeps_what_fits_and_each_records_expiry():
+    now = [0.0]
+    store = MemoryStore(max_entries=3, max_bytes=MiB, ttl_s=60, clock=lambda: now[0])
+    for key in "abc":
+        store.put(key, answer(10))
+    store.resize(max_entries=2, max_bytes=MiB, ttl_s=120)  # a reload
+    assert store.get("a") is None and len(store) == 2  # the oldest went
+    store.put("d", answer(10))  # under the new ttl
+    now[0] = 60.0
+    assert store.get("c") is None and store.get("d") is not None
+
+
 def test_a_record_larger_than_the_store_is_not_kept():
     store = MemoryStore(max_entries=10, max_bytes=2000, ttl_s=60)
     store.put("small", answer(10))

@@ -255,3 +255,33 @@ async def test_a_call_queued_across_two_reloads_is_counted_and_drained(upstream,
         assert await second == 200  # drained, not cut
     assert await sluice.wait_exit() == 0
     assert "drained" in sluice.stderr()
+
+
+async def test_a_changed_idempotency_block_keeps_stored_answers_and_keys_in_flight(
+        upstream, start_sluice):
+    # Seen in a hostile trial (memory backend): a reload changing only the block's ttl gave
+    # the route a fresh store, so a stored answer's duplicate ran at the upstream again, and
+    # a duplicate of a call still running ran beside it.
+    sluice = await start_sluice({"routes": [
+        route("llm", upstream.url, idempotency={"mode": "dedup", "ttl": "1h"})]})
+    url = sluice.url + "/llm/v1/chat/completions"
+    async with aiohttp.ClientSession() as session:
+        async def call(key: str) -> tuple[int, str]:
+            async with session.post(url, json=CHAT, headers={"Idempotency-Key": key}) as r:
+                await r.read()
+                return r.status, r.headers.get("Idempotent-Replayed", "")
+
+        assert await call("stored") == (200, "")
+        upstream.hold = asyncio.Event()
+        running = asyncio.create_task(call("running"))
+        await until(lambda: upstream.inflight == 1, what="the keyed call at the upstream")
+        rewrite(sluice.config_path,
+                lambda data: data["routes"][0]["idempotency"].update(ttl="2h", max_wait="30s"))
+        await sluice.wait_metric("sluice_config_reloads_total", 1)
+        assert await call("stored") == (200, "true")
+        duplicate = asyncio.create_task(call("running"))
+        await asyncio.sleep(0.2)  # the duplicate waits for its twin; it must not go upstream
+        assert upstream.inflight == 1
+        upstream.hold.set()
+        assert (await running, await duplicate) == ((200, ""), (200, "true"))
+    assert len(upstream.requests) == 2
