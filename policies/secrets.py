@@ -7,14 +7,19 @@ from __future__ import annotations
 import re
 
 #: Values that are credentials whatever their name: API keys by their vendors' prefixes
-#: (OpenAI ``sk-``, Stripe ``sk_``/``rk_``, Slack ``xox?-``, GitHub ``gh?_``, AWS ``AKIA``)
-#: and ``Authorization`` schemes.
-SECRET_VALUE = re.compile(r"^(?:sk-|sk_|rk_|xox[abp]-|gh[pousr]_|AKIA|Bearer\s|Basic\s)")
+#: (OpenAI ``sk-``, Stripe ``sk_``/``rk_``, Slack ``xox?-``, GitHub ``gh?_``, AWS ``AKIA``,
+#: Google ``AIza``), JSON Web Tokens (``eyJ``: a base64url JSON header, then a dot) and
+#: ``Authorization`` schemes, whose names are case-insensitive (RFC 9110 §11.1).
+SECRET_VALUE = re.compile(r"^(?:sk-|sk_|rk_|xox[abp]-|gh[pousr]_|AKIA|AIza|eyJ[\w-]*\."
+                          r"|(?i:bearer|basic|digest|token)\s)")
 
 #: Header-name fragments that mark a credential (matched on the lower-cased name): the usual
 #: ones, and ``key`` for vendor headers such as Azure's ``Ocp-Apim-Subscription-Key``.
-SECRET_HEADER_PARTS = ("auth", "cookie", "key", "token", "secret", "password", "credential",
-                       "creds", "session", "signature", "private")
+SECRET_HEADER_PARTS = ("auth", "cookie", "key", "token", "secret", "password", "passwd",
+                       "passphrase", "credential", "creds", "session", "signature", "private")
+#: Whole words of a header name (between ``-`` and ``_``) that mark one: too short to be
+#: looked for inside other words (``X-Pass``, but not ``X-Passenger-Count``).
+SECRET_HEADER_WORDS = frozenset({"pass", "pwd", "pin"})
 #: Headers whose name has such a fragment but that carry no credential.
 NOT_SECRET_HEADERS = frozenset({"idempotency-key"})
 
@@ -24,4 +29,6 @@ def secret_header(name: str, value: str) -> bool:
     lower = name.lower()
     if lower in NOT_SECRET_HEADERS:
         return False
-    return any(part in lower for part in SECRET_HEADER_PARTS) or bool(SECRET_VALUE.match(value))
+    return (any(part in lower for part in SECRET_HEADER_PARTS)
+            or not SECRET_HEADER_WORDS.isdisjoint(re.split(r"[-_]", lower))
+            or bool(SECRET_VALUE.match(value)))

@@ -272,6 +272,17 @@ def test_credentials_by_any_header_name_or_by_their_value_are_not_stored() -> No
     assert len(removed) == 7
 
 
+def test_credentials_in_lower_case_schemes_short_names_and_tokens_are_not_stored() -> None:
+    # Found by a second hostile trial: a scheme in lower case (RFC 9110: case-insensitive),
+    # a header named X-Pass, a Google API key and a bare JWT were stored in clear.
+    headers = [("X-Upstream", "bearer abc"), ("X-Pass", "hunter2"), ("X-Db-Pwd", "pw"),
+               ("X-Google", "AIzaSyA-0123456789"), ("X-Id", "eyJhbGciOiJIUzI1NiJ9.eyJ9.sig"),
+               ("X-Passenger-Count", "3"), ("X-Trace", "eyJ not a token")]
+    kept, removed = redact(headers)
+    assert kept == [("X-Passenger-Count", "3"), ("X-Trace", "eyJ not a token")]
+    assert len(removed) == 5
+
+
 def test_redact_and_store_roundtrip(tmp_path) -> None:
     kept, removed = redact([
         ("Authorization", "Bearer sk-secret"), ("x-api-key", "k"), ("Cookie", "a=b"),
