@@ -73,7 +73,8 @@ from typing import NamedTuple, TypeVar
 
 from policies.config import CircuitBreakerConfig
 from policies.logs import PER_CALL
-from policies.pipeline import Call
+from policies.pipeline import Call, survive_leaving
+from policies.rate import Background
 from policies.reasons import Reason, Rejected
 from policies.state import BreakerStates, StateBackends, StateUnavailable, memory_backends
 from policies.state.breaker import (
@@ -185,7 +186,8 @@ class Breaker:
         # an attempt gets the closed view's pass, one object per epoch, without asking.
         self._trusted_until = -math.inf
         self._pass = Pass(self._backends.breakers, Ticket(self._epoch))
-        self._tasks: set[asyncio.Task[object]] = set()
+        #: Its own Redis calls that nobody awaits: shutdown waits for them.
+        self._background = Background(self._backends)
         self._flushing = False  # a flush of deferred successes is scheduled
         self._trust()
         # The state may be open already (a reload re-adding the block, another replica): the
@@ -195,7 +197,7 @@ class Breaker:
         except RuntimeError:  # built outside the server: the first scrape in it asks
             pass
         else:
-            self._spawn(self._refresh())
+            self._background.spawn(self._refresh())
             self._refreshing = True
 
     def reconfigure(self, config: CircuitBreakerConfig) -> None:
@@ -230,7 +232,7 @@ class Breaker:
         """
         if (self._shared or self._seen_at < 0) and not self._fresh() and not self._refreshing:
             try:
-                self._spawn(self._refresh())
+                self._background.spawn(self._refresh())
                 self._refreshing = True
             except RuntimeError:  # no running loop (a scrape outside the server)
                 pass
@@ -434,7 +436,7 @@ class Breaker:
         waits for, like every background write)."""
         if not self._flushing:
             self._flushing = True
-            self._spawn(self._flush_later(states))
+            self._background.spawn(self._flush_later(states))
 
     async def _flush_later(self, states: BreakerStates) -> None:
         try:
@@ -454,7 +456,7 @@ class Breaker:
     def record_soon(self, ticket: Pass, outcome: int) -> None:
         """:meth:`record` from code that may not await (the cleanup of a call whose caller
         left after its answer was known): it runs as a task this breaker keeps."""
-        self._spawn(self.record(ticket, outcome))
+        self._background.spawn(self.record(ticket, outcome))
 
     def release(self, ticket: Pass) -> None:
         """End an attempt whose outcome says nothing about the upstream (neutral). Never
@@ -464,7 +466,7 @@ class Breaker:
 
     def _give_back(self, states: BreakerStates, ticket: Ticket) -> None:
         if ticket.probe is not None:
-            self._spawn(self._return_lease(states, ticket))
+            self._background.spawn(self._return_lease(states, ticket))
 
     async def _return_lease(self, states: BreakerStates, ticket: Ticket) -> None:
         try:
@@ -486,19 +488,8 @@ class Breaker:
         failure counted) must be known; ``on_cancel`` then gets its result."""
         if not self._shared:
             return await call  # memory never suspends: nothing can cut it
-        task = self._spawn(call)
-        try:
-            return await asyncio.shield(task)
-        except asyncio.CancelledError:
-            if on_cancel is not None:
-                task.add_done_callback(
-                    lambda t: on_cancel(t.result())
-                    if not t.cancelled() and t.exception() is None else None)
-            raise
+        return await survive_leaving(call, on_cancel or _ignore, self._background.spawn)
 
-    def _spawn(self, call: Awaitable[T]) -> asyncio.Task[T]:
-        task = asyncio.ensure_future(call)
-        self._tasks.add(task)  # type: ignore[arg-type]
-        task.add_done_callback(self._tasks.discard)
-        self._backends.keep(task)  # shutdown waits for it (StateBackends.close)
-        return task
+
+def _ignore(_: object) -> None:
+    """A late result nothing needs to give back."""

@@ -118,6 +118,7 @@ from policies.config import IdempotencyConfig
 from policies.idempotency_store import DONE, SEEN, TOO_LARGE, MemoryStore, Record, ResultStore
 from policies.logs import PER_CALL
 from policies.pipeline import Call, Outcome, survive_leaving
+from policies.rate import Background
 from policies.reasons import Reason, Rejected
 from policies.retry import is_client_retry
 from policies.state import IdempotencyRecords, StateBackends, StateUnavailable
@@ -433,7 +434,8 @@ class Idempotency:
         #: How long an in-flight marker in Redis lives unless renewed (``state.lease``,
         #: seconds): a replica killed mid-call frees its keys within this time.
         self._lease_s = backends.lease_s if backends is not None else StateBackends.lease_s
-        self._tasks: set[asyncio.Task[object]] = set()
+        #: Its own Redis calls that nobody awaits: shutdown waits for them.
+        self._background = Background(self._backends)
 
     def _adopt(self, config: IdempotencyConfig) -> None:
         self.mode = config.mode
@@ -734,7 +736,7 @@ class Idempotency:
         begin = await survive_leaving(
             records.begin(shared_key, owner, fingerprint, self._lease_s),
             lambda b: self._drop(records, shared_key, owner, fingerprint)
-            if b.state == CLAIMED else None, self._spawn)
+            if b.state == CLAIMED else None, self._background.spawn)
         if begin.state == CLAIMED:
             claim.new_unit = begin.answer is None and not is_client_retry(headers)
         elif begin.state == IN_FLIGHT:
@@ -773,7 +775,7 @@ class Idempotency:
             return claim
         # Claimed: nothing awaits from here to the return, so the lease cannot leak.
         lease = _Lease(records, shared_key, owner)
-        lease.renewer = self._spawn(_renew(records, shared_key, owner, self._lease_s))
+        lease.renewer = self._background.spawn(_renew(records, shared_key, owner, self._lease_s))
         claim._lease = lease
         self._arm(claim)
         return claim
@@ -810,22 +812,14 @@ class Idempotency:
                             record.headers, record.body)
         else:
             answer = Answer(SEEN, claim.fingerprint)
-        self._spawn(self._quietly(lease.records.finish(lease.key, lease.owner, answer,
-                                                       self.ttl)))
+        self._background.spawn(self._quietly(
+            lease.records.finish(lease.key, lease.owner, answer, self.ttl)))
 
     def _drop(self, records: IdempotencyRecords, key: str, owner: str,
               fingerprint: bytes) -> None:
         """Free a key this request may hold although its caller left (background)."""
-        self._spawn(self._quietly(records.finish(key, owner, Answer(SEEN, fingerprint),
-                                                 self.ttl)))
-
-    def _spawn(self, call: Awaitable[T]) -> asyncio.Task[T]:
-        task = asyncio.ensure_future(call)
-        self._tasks.add(task)  # type: ignore[arg-type]
-        task.add_done_callback(self._tasks.discard)
-        if self._backends is not None:
-            self._backends.keep(task)  # shutdown waits for it (StateBackends.close)
-        return task
+        self._background.spawn(self._quietly(
+            records.finish(key, owner, Answer(SEEN, fingerprint), self.ttl)))
 
     async def _quietly(self, call: Awaitable[object]) -> None:
         try:

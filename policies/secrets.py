@@ -1,6 +1,7 @@
-"""What marks a credential, by name or by value: one rule for every place Sluice stores or
-shows what callers sent (dead letters, ``policies.deadletter``; the admin views and reload
-errors, ``proxy.redact``)."""
+"""What marks a credential: by its value, in every place Sluice stores or shows what callers
+sent (dead letters, ``policies.deadletter``; the admin views and reload errors,
+``proxy.redact``), and by a header's name, in dead letters (``proxy.redact`` reads config keys
+by words of its own: ``key_prefix`` is no key)."""
 
 from __future__ import annotations
 
