@@ -35,7 +35,7 @@ import sqlite3
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import orjson
 
@@ -76,6 +76,11 @@ CREATE TABLE IF NOT EXISTS replays (
     duration_s REAL NOT NULL
 );
 CREATE INDEX IF NOT EXISTS replays_dead_letter ON replays (dead_letter_id);
+CREATE TABLE IF NOT EXISTS replay_claims (
+    dead_letter_id INTEGER PRIMARY KEY,
+    token TEXT NOT NULL,
+    until REAL NOT NULL
+);
 """
 
 
@@ -109,6 +114,37 @@ def redact_path(path: str) -> tuple[str, list[str]]:
         else:
             kept.append(pair)
     return (f"{target}?{'&'.join(kept)}" if kept else target), removed
+
+
+#: :attr:`ReplayClaim.state` values.
+CLAIMED = "claimed"
+ANSWERED = "answered"
+BUSY = "busy"
+MISSING = "missing"
+
+
+class ReplayClaim(NamedTuple):
+    """Whether a replay of a letter may be sent now (``claim_replay`` of a store).
+
+    Attributes:
+        state: ``claimed`` (this replay holds the letter until it records its result),
+            ``answered`` (an earlier replay was answered below 400 and ``again`` was not
+            given), ``busy`` (another replay holds the letter) or ``missing`` (no letter).
+        replay: when answered, that earlier replay (``at``, ``status``, ``error``,
+            ``duration_s``).
+        left_s: when busy, seconds until the other replay's hold lapses if it never records
+            a result (its command was killed).
+    """
+
+    state: str
+    replay: dict[str, Any] | None = None
+    left_s: float = 0.0
+
+
+def answered(replays: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
+    """The last replay the upstream answered below 400, or ``None``."""
+    return next((r for r in reversed(list(replays))
+                 if r["status"] is not None and r["status"] < 400), None)
 
 
 @dataclass(slots=True)
@@ -226,12 +262,7 @@ class DeadLetterFile:
         ).fetchone()
         if row is None:
             return None
-        replays = [
-            {"at": at, "status": status, "error": error, "duration_s": duration}
-            for at, status, error, duration in self._db.execute(
-                "SELECT at, status, error, duration_s FROM replays WHERE dead_letter_id = ?"
-                " ORDER BY id", (letter_id,))
-        ]
+        replays = self._replays(letter_id)
         return DeadLetter(
             id=row[0], created_at=row[1], route=row[2], tenant=row[3], run=row[4],
             idempotency_key=row[5], request_id=row[6], method=row[7], path=row[8],
@@ -241,13 +272,49 @@ class DeadLetterFile:
             replays=replays,
         )
 
+    def claim_replay(self, letter_id: int, token: str, hold_s: float,
+                     again: bool = False) -> ReplayClaim:
+        """Hold ``letter_id`` for one replay (``token``: the replay's own, random) for at most
+        ``hold_s`` seconds, in one transaction, unless another replay holds it or, without
+        ``again``, an earlier one was answered below 400. Two commands replaying one letter
+        at once would both send it: only one gets ``claimed``."""
+        with self._db:
+            self._db.execute("BEGIN IMMEDIATE")
+            if self._db.execute("SELECT 1 FROM dead_letters WHERE id = ?",
+                                (letter_id,)).fetchone() is None:
+                return ReplayClaim(MISSING)
+            now = time.time()
+            held = self._db.execute("SELECT until FROM replay_claims WHERE dead_letter_id = ?",
+                                    (letter_id,)).fetchone()
+            if held is not None and held[0] > now:
+                return ReplayClaim(BUSY, left_s=held[0] - now)
+            if not again:
+                done = answered(self._replays(letter_id))
+                if done is not None:
+                    return ReplayClaim(ANSWERED, done)
+            self._db.execute("INSERT OR REPLACE INTO replay_claims VALUES (?, ?, ?)",
+                             (letter_id, token, now + hold_s))
+        return ReplayClaim(CLAIMED)
+
     def add_replay(self, letter_id: int, status: int | None, error: str | None,
-                   duration_s: float) -> None:
-        """Record the result of replaying ``letter_id``."""
-        self._db.execute(
-            "INSERT INTO replays (dead_letter_id, at, status, error, duration_s)"
-            " VALUES (?, ?, ?, ?, ?)", (letter_id, time.time(), status, error, duration_s),
-        )
+                   duration_s: float, token: str | None = None) -> None:
+        """Record the result of replaying ``letter_id``, and end the hold of ``token``."""
+        with self._db:
+            self._db.execute("BEGIN IMMEDIATE")
+            self._db.execute(
+                "INSERT INTO replays (dead_letter_id, at, status, error, duration_s)"
+                " VALUES (?, ?, ?, ?, ?)", (letter_id, time.time(), status, error, duration_s),
+            )
+            self._db.execute("DELETE FROM replay_claims WHERE dead_letter_id = ? AND token = ?",
+                             (letter_id, token))
+
+    def _replays(self, letter_id: int) -> list[dict[str, Any]]:
+        return [
+            {"at": at, "status": status, "error": error, "duration_s": duration}
+            for at, status, error, duration in self._db.execute(
+                "SELECT at, status, error, duration_s FROM replays WHERE dead_letter_id = ?"
+                " ORDER BY id", (letter_id,))
+        ]
 
     def purge(self) -> int:
         """Delete every record and replay; returns how many records there were."""
@@ -255,6 +322,7 @@ class DeadLetterFile:
             self._db.execute("BEGIN IMMEDIATE")
             count = self._db.execute("DELETE FROM dead_letters").rowcount
             self._db.execute("DELETE FROM replays")
+            self._db.execute("DELETE FROM replay_claims")
         return count
 
 

@@ -719,7 +719,7 @@ class Idempotency:
         """
         assert self._backends is not None
         records = self._backends.idempotency
-        shared_key = "\0".join((self._route.decode(), tenant, key))
+        shared_key = shared_record_key(self._route.decode(), tenant, key)
         if self.mode == "forward":
             claim.new_unit = await records.seen(shared_key, self.ttl) and not is_client_retry(
                 headers)
@@ -853,6 +853,12 @@ class Idempotency:
                 future.set_result(_HANDOVER)
                 return
         del self._flights[store_key]
+
+
+def shared_record_key(route: str, tenant: str, key: str) -> str:
+    """The name of a key's record in the shared records: route, tenant and the key (as the
+    caller sent it, or derived), since a record is scoped by tenant and route."""
+    return "\0".join((route, tenant, key))
 
 
 def _answer_to_keep(claim: Claim, outcome: str) -> Record | None:

@@ -7,10 +7,15 @@
 * ``replay ID``: send the recorded request once, straight to its route's upstream as the
   config names it now, with the recorded method, path, headers, body and idempotency key; the
   result is stored with the record. A record an earlier replay got an answer below 400 for
-  is sent again only with ``--again``. Credentials were removed when recording, so give them
-  again with ``-H 'Authorization: Bearer ...'`` or ``--header-from-env NAME=ENVVAR`` (the
-  latter keeps the secret out of the process list); ``--output FILE`` keeps the upstream's
-  answer. Exit status 0 when the upstream answered below 400, 1 otherwise.
+  is sent again only with ``--again``; with the Redis backend, so is one whose
+  ``Idempotency-Key`` got an answer below 400 since (the caller's own retry), as the route's
+  shared idempotency records tell (the memory backend's are in the server's memory, out of
+  the command's reach). A record another replay is sending now is not sent at all: each
+  replay holds its record until its result is stored, so two commands started at once never
+  both send it. Credentials were removed when recording, so give them again with
+  ``-H 'Authorization: Bearer ...'`` or ``--header-from-env NAME=ENVVAR`` (the latter keeps
+  the secret out of the process list); ``--output FILE`` keeps the upstream's answer. Exit
+  status 0 when the upstream answered below 400, 1 otherwise.
 * ``purge``: delete every record.
 
 Each reads where the servers of ``--config`` write: with ``state.backend: redis``, the Redis
@@ -36,8 +41,11 @@ import orjson
 from multidict import CIMultiDict
 
 from policies.config import Config, RouteConfig
-from policies.deadletter import DeadLetter, DeadLetterFile
+from policies.deadletter import ANSWERED, BUSY, CLAIMED, DeadLetter, DeadLetterFile, ReplayClaim
+from policies.idempotency import shared_record_key
+from policies.idempotency_store import DONE, TOO_LARGE
 from policies.state import DeadLetterStore, StateUnavailable, redact_url, redis_backends
+from policies.state.idempotency import IdempotencyRecords
 from proxy.client import client_timeout, upstream_session
 from proxy.forward import upstream_url
 
@@ -45,6 +53,8 @@ EXIT_FAILED = 1
 #: Bound on each Redis call of the command, seconds: at least this, whatever
 #: ``state.timeout`` (tuned for the request path) says, as a listing reads many entries.
 CLI_TIMEOUT_S = 5.0
+#: How much longer than its route's timeouts a replay holds its letter, seconds.
+REPLAY_HOLD_MARGIN_S = 10.0
 
 
 def run(config: Config, args: argparse.Namespace) -> int:
@@ -76,7 +86,7 @@ async def _shared(config: Config, args: argparse.Namespace) -> int:
     state = await redis_backends(url, config.state.key_prefix,
                                  max(config.state.timeout, CLI_TIMEOUT_S))
     try:
-        return await _command(config, state.dead_letters, where, args)
+        return await _command(config, state.dead_letters, where, args, state.idempotency)
     except StateUnavailable as exc:
         print(f"the dead letters in {where} are unavailable: {exc.cause}", file=sys.stderr)
         return EXIT_FAILED
@@ -97,9 +107,13 @@ class _FileStore:
     async def list(self, limit: int = 100) -> list[dict[str, Any]]:
         return self._file.list(limit)
 
+    async def claim_replay(self, letter_id: int, token: str, hold_s: float,
+                           again: bool = False) -> ReplayClaim:
+        return self._file.claim_replay(letter_id, token, hold_s, again)
+
     async def add_replay(self, letter_id: int, status: int | None, error: str | None,
-                         duration_s: float) -> bool:
-        self._file.add_replay(letter_id, status, error, duration_s)
+                         duration_s: float, token: str | None = None) -> bool:
+        self._file.add_replay(letter_id, status, error, duration_s, token)
         return True
 
     async def purge(self) -> int:
@@ -110,7 +124,7 @@ class _FileStore:
 
 
 async def _command(config: Config, store: DeadLetterStore | _FileStore, where: str,
-                   args: argparse.Namespace) -> int:
+                   args: argparse.Namespace, records: IdempotencyRecords | None = None) -> int:
     if args.dlq_command == "list":
         await _list(store, args.limit)
         return 0
@@ -125,7 +139,7 @@ async def _command(config: Config, store: DeadLetterStore | _FileStore, where: s
         sys.stdout.buffer.write(orjson.dumps(letter.as_dict(), option=orjson.OPT_INDENT_2))
         sys.stdout.write("\n")
         return 0
-    return await _replay(config, store, letter, args)
+    return await _replay(config, store, letter, args, records)
 
 
 def _when(ts: float) -> str:
@@ -153,7 +167,7 @@ async def _list(store: DeadLetterStore | _FileStore, limit: int) -> None:
 
 
 async def _replay(config: Config, store: DeadLetterStore | _FileStore, letter: DeadLetter,
-                  args: argparse.Namespace) -> int:
+                  args: argparse.Namespace, records: IdempotencyRecords | None = None) -> int:
     route = next((r for r in config.routes if r.name == letter.route), None)
     if route is None:
         print(f"dead letter {letter.id}: route {letter.route!r} is not in the config",
@@ -163,14 +177,6 @@ async def _replay(config: Config, store: DeadLetterStore | _FileStore, letter: D
         print(f"dead letter {letter.id}: its body was cut at {len(letter.body)} of "
               f"{letter.body_size} bytes (dead_letter.max_body_bytes), so it cannot be replayed",
               file=sys.stderr)
-        return EXIT_FAILED
-    done = next((r for r in reversed(letter.replays)
-                 if r["status"] is not None and r["status"] < 400), None)
-    if done is not None and not args.again:
-        # Work is dead-lettered because it may not have happened; once a replay was answered,
-        # sending it again may do it twice (with no Idempotency-Key nothing dedups it).
-        print(f"dead letter {letter.id} was already replayed ({_when(done['at'])}, HTTP "
-              f"{done['status']}); pass --again to send it once more", file=sys.stderr)
         return EXIT_FAILED
     headers: CIMultiDict[str] = CIMultiDict(letter.headers)
     try:
@@ -187,16 +193,62 @@ async def _replay(config: Config, store: DeadLetterStore | _FileStore, letter: D
     except ValueError as exc:
         print(exc, file=sys.stderr)
         return EXIT_FAILED
+    if records is not None and not args.again:
+        since = await _answered_since(records, route, letter)
+        if since is not None:
+            print(f"dead letter {letter.id}: its Idempotency-Key {letter.idempotency_key!r} was "
+                  f"answered HTTP {since} since it was written (the caller's own retry, most "
+                  f"likely), so sending it again may do the work twice; pass --again to send "
+                  f"it anyway", file=sys.stderr)
+            return EXIT_FAILED
+    # Held until the result is stored (or, if this command is killed, for as long as the send
+    # may take): the check for an earlier answer and the hold are one step in the store.
+    token = os.urandom(16).hex()
+    hold_s = route.timeouts.total + route.timeouts.connect + REPLAY_HOLD_MARGIN_S
+    claim = await store.claim_replay(letter.id or 0, token, hold_s, args.again)
+    if claim.state == ANSWERED:
+        # Work is dead-lettered because it may not have happened; once a replay was answered,
+        # sending it again may do it twice (with no Idempotency-Key nothing dedups it).
+        done = claim.replay or {}
+        print(f"dead letter {letter.id} was already replayed ({_when(done['at'])}, HTTP "
+              f"{done['status']}); pass --again to send it once more", file=sys.stderr)
+        return EXIT_FAILED
+    if claim.state == BUSY:
+        print(f"dead letter {letter.id} is being replayed by another command now (its hold "
+              f"lapses in {claim.left_s:.0f}s if it never finishes); see `sluice dlq show "
+              f"{letter.id}` for its result", file=sys.stderr)
+        return EXIT_FAILED
+    if claim.state != CLAIMED:
+        print(f"no dead letter {letter.id} (it was purged meanwhile)", file=sys.stderr)
+        return EXIT_FAILED
     started = time.monotonic()
-    status, error, answer = await _send(route, letter, headers)
-    duration = time.monotonic() - started
-    await store.add_replay(letter.id or 0, status, error, duration)
+    status: int | None = None
+    error: str | None = "interrupted"  # what is stored if the send never returns
+    answer = b""
+    try:
+        status, error, answer = await _send(route, letter, headers)
+    finally:
+        duration = time.monotonic() - started
+        await store.add_replay(letter.id or 0, status, error, duration, token)
     if args.output and status is not None:
         await asyncio.to_thread(Path(args.output).write_bytes, answer)
     result = f"HTTP {status}, {len(answer)} bytes" if status is not None else f"failed: {error}"
     print(f"replayed dead letter {letter.id} to {route.upstream}{letter.path}: {result} "
           f"in {duration:.3f}s")
     return 0 if status is not None and status < 400 else EXIT_FAILED
+
+
+async def _answered_since(records: IdempotencyRecords, route: RouteConfig,
+                          letter: DeadLetter) -> int | None:
+    """The status below 400 the route's shared idempotency records hold for the letter's key
+    (a later request with that key was answered), or ``None``."""
+    if letter.idempotency_key is None or route.idempotency is None:
+        return None
+    answer = await records.get(shared_record_key(route.name, letter.tenant,
+                                                 letter.idempotency_key))
+    if answer is None or answer.kind not in (DONE, TOO_LARGE) or answer.status >= 400:
+        return None
+    return answer.status
 
 
 async def _send(route: RouteConfig, letter: DeadLetter,

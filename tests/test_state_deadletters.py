@@ -1,11 +1,23 @@
 """Dead letters in a Redis Stream (policies.state.deadletters): memory, one Redis, a Redis
-Cluster; the records are policies.deadletter.DeadLetter, as in the SQLite store."""
+Cluster; the records are policies.deadletter.DeadLetter, as in the SQLite store (whose replay
+hold is checked here too)."""
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import pytest
 
-from policies.deadletter import Attempt, DeadLetter
+from policies.deadletter import (
+    ANSWERED,
+    BUSY,
+    CLAIMED,
+    MISSING,
+    Attempt,
+    DeadLetter,
+    DeadLetterFile,
+)
 from policies.state import StateBackends
 from tests.redis_servers import replica
 
@@ -76,3 +88,54 @@ async def test_any_replica_reads_what_another_wrote(backends: StateBackends):
         got = await other.dead_letters.get(letter_id)
         assert got is not None and got.request_id == "req-1"
         assert [s["id"] for s in await other.dead_letters.list()] == [letter_id]
+
+
+async def test_a_replay_holds_its_letter_until_its_result_is_stored(backends: StateBackends):
+    store = backends.dead_letters
+    first = await store.add(letter())
+    assert (await store.claim_replay(first + 1, "t0", 5.0)).state == MISSING
+    assert (await store.claim_replay(first, "t1", 5.0)).state == CLAIMED
+    async with replica(backends) as other:  # another operator's command, anywhere
+        busy = await other.dead_letters.claim_replay(first, "t2", 5.0, again=True)
+        assert busy.state == BUSY and 0 < busy.left_s <= 5.0
+    # A failed send frees the letter for the next replay; an answered one needs `again`.
+    assert await store.add_replay(first, None, "connect_error", 0.1, "t1") is True
+    assert (await store.claim_replay(first, "t3", 5.0)).state == CLAIMED
+    await store.add_replay(first, 201, None, 0.2, "t3")
+    done = await store.claim_replay(first, "t4", 5.0)
+    assert done.state == ANSWERED and done.replay is not None and done.replay["status"] == 201
+    assert (await store.claim_replay(first, "t5", 5.0, again=True)).state == CLAIMED
+    # Only the holder's result ends the hold.
+    await store.add_replay(first, 500, None, 0.1, "someone-else")
+    assert (await store.claim_replay(first, "t6", 5.0, again=True)).state == BUSY
+
+
+async def test_the_hold_of_a_replay_that_never_finished_lapses(backends: StateBackends):
+    store = backends.dead_letters
+    letter_id = await store.add(letter())
+    assert (await store.claim_replay(letter_id, "killed", 0.05)).state == CLAIMED
+    await asyncio.sleep(0.1)
+    assert (await store.claim_replay(letter_id, "next", 5.0)).state == CLAIMED
+    assert await store.purge() == 1  # the hold goes with its letter
+    assert (await store.claim_replay(letter_id, "x", 5.0)).state == MISSING
+
+
+def test_the_sqlite_file_holds_a_letter_for_one_replay_across_connections(tmp_path):
+    """Two ``sluice dlq`` processes on one file: each has its own connection."""
+    path = str(tmp_path / "dlq.sqlite")
+    one, two = DeadLetterFile(path), DeadLetterFile(path)
+    try:
+        letter_id = one.add(letter())
+        assert one.claim_replay(letter_id, "a", 5.0).state == CLAIMED
+        assert two.claim_replay(letter_id, "b", 5.0, again=True).state == BUSY
+        one.add_replay(letter_id, 200, None, 0.1, "a")
+        answered = two.claim_replay(letter_id, "b", 5.0)
+        assert answered.state == ANSWERED and answered.replay is not None
+        assert answered.replay["status"] == 200
+        assert two.claim_replay(letter_id, "b", 0.01, again=True).state == CLAIMED
+        time.sleep(0.02)
+        assert one.claim_replay(letter_id, "c", 5.0, again=True).state == CLAIMED
+        assert one.claim_replay(letter_id + 1, "d", 5.0).state == MISSING
+    finally:
+        one.close()
+        two.close()

@@ -13,6 +13,8 @@ Redis layout (one hash tag, ``{dlq}``, so every script touches one slot):
   and ``n`` comes from ``INCR`` on ``...:seq``, which a purge leaves alone so ids never repeat
   (as SQLite's AUTOINCREMENT);
 * ``...:replays:<n>``: a list of JSON replay results of letter ``n``;
+* ``...:claim:<n>``: the token of the replay of letter ``n`` being sent now (``SET PX``, so
+  the hold of a command killed mid-replay lapses);
 * ``...:depth``: letters per route (for the depth gauge without scanning the stream).
 
 Nothing here is on the request path except :meth:`DeadLetterStore.add` (one script call).
@@ -25,7 +27,16 @@ from typing import Any, Protocol
 
 import orjson
 
-from policies.deadletter import Attempt, DeadLetter
+from policies.deadletter import (
+    ANSWERED,
+    BUSY,
+    CLAIMED,
+    MISSING,
+    Attempt,
+    DeadLetter,
+    ReplayClaim,
+    answered,
+)
 from policies.state.connection import RedisState, Script
 
 #: Stream fields of a summary (``list``): enough for a table, never the body.
@@ -53,9 +64,18 @@ class DeadLetterStore(Protocol):
         ``last_replay`` (the last replay's status, or its error, or ``None``)."""
         ...
 
+    async def claim_replay(self, letter_id: int, token: str, hold_s: float,
+                           again: bool = False) -> ReplayClaim:
+        """Hold ``letter_id`` for one replay (``token``: the replay's own, random) for at
+        most ``hold_s`` seconds, atomically, unless another replay holds it or, without
+        ``again``, an earlier replay was answered below 400 (so two commands replaying one
+        letter at once never both send it)."""
+        ...
+
     async def add_replay(self, letter_id: int, status: int | None, error: str | None,
-                         duration_s: float) -> bool:
-        """Record a replay of ``letter_id``; ``False`` if there is no such letter."""
+                         duration_s: float, token: str | None = None) -> bool:
+        """Record a replay of ``letter_id`` and end the hold of ``token``; ``False`` if there
+        is no such letter."""
         ...
 
     async def delete(self, letter_id: int) -> bool:
@@ -94,6 +114,7 @@ class MemoryDeadLetterStore:
 
     def __init__(self) -> None:
         self._letters: dict[int, DeadLetter] = {}
+        self._claims: dict[int, tuple[str, float]] = {}  # token, until (monotonic)
         self._next = 0
 
     async def add(self, letter: DeadLetter) -> int:
@@ -120,20 +141,39 @@ class MemoryDeadLetterStore:
                                 letter.replays[-1] if letter.replays else None))
         return out
 
+    async def claim_replay(self, letter_id: int, token: str, hold_s: float,
+                           again: bool = False) -> ReplayClaim:
+        letter = self._letters.get(letter_id)
+        if letter is None:
+            return ReplayClaim(MISSING)
+        now = time.monotonic()
+        held = self._claims.get(letter_id)
+        if held is not None and held[1] > now:
+            return ReplayClaim(BUSY, left_s=held[1] - now)
+        done = None if again else answered(letter.replays)
+        if done is not None:
+            return ReplayClaim(ANSWERED, dict(done))
+        self._claims[letter_id] = (token, now + hold_s)
+        return ReplayClaim(CLAIMED)
+
     async def add_replay(self, letter_id: int, status: int | None, error: str | None,
-                         duration_s: float) -> bool:
+                         duration_s: float, token: str | None = None) -> bool:
         letter = self._letters.get(letter_id)
         if letter is None:
             return False
         letter.replays.append(_replay(status, error, duration_s))
+        if token is not None and self._claims.get(letter_id, ("",))[0] == token:
+            del self._claims[letter_id]
         return True
 
     async def delete(self, letter_id: int) -> bool:
+        self._claims.pop(letter_id, None)
         return self._letters.pop(letter_id, None) is not None
 
     async def purge(self) -> int:
         count = len(self._letters)
         self._letters.clear()
+        self._claims.clear()
         return count
 
     async def depth(self) -> dict[str, int]:
@@ -192,14 +232,33 @@ end
 return out
 """)
 
-# KEYS: stream, the letter's replays. ARGV: stream id, replay JSON.
+# KEYS: stream, the letter's replays, its claim. ARGV: stream id, token, hold (ms), again
+# ('1' or '0'). Returns {'missing'}, {'busy', ms left}, {'answered', replay JSON} or
+# {'claimed'}.
+_CLAIM_REPLAY = Script("""
+if #redis.call('XRANGE', KEYS[1], ARGV[1], ARGV[1]) == 0 then return {'missing'} end
+local left = redis.call('PTTL', KEYS[3])
+if left > 0 then return {'busy', left} end
+if ARGV[4] ~= '1' then
+  local replays = redis.call('LRANGE', KEYS[2], 0, -1)
+  for i = #replays, 1, -1 do
+    local status = cjson.decode(replays[i])['status']
+    if type(status) == 'number' and status < 400 then return {'answered', replays[i]} end
+  end
+end
+redis.call('SET', KEYS[3], ARGV[2], 'PX', ARGV[3])
+return {'claimed'}
+""")
+
+# KEYS: stream, the letter's replays, its claim. ARGV: stream id, replay JSON, token or ''.
 _ADD_REPLAY = Script("""
 if #redis.call('XRANGE', KEYS[1], ARGV[1], ARGV[1]) == 0 then return 0 end
 redis.call('RPUSH', KEYS[2], ARGV[2])
+if ARGV[3] ~= '' and redis.call('GET', KEYS[3]) == ARGV[3] then redis.call('DEL', KEYS[3]) end
 return 1
 """)
 
-# KEYS: stream, the letter's replays, depth. ARGV: stream id.
+# KEYS: stream, the letter's replays, depth, its claim. ARGV: stream id.
 _DELETE = Script("""
 local e = redis.call('XRANGE', KEYS[1], ARGV[1], ARGV[1])
 if #e == 0 then return 0 end
@@ -212,15 +271,17 @@ for i = 1, #fields, 2 do
   end
 end
 redis.call('XDEL', KEYS[1], ARGV[1])
-redis.call('DEL', KEYS[2])
+redis.call('DEL', KEYS[2], KEYS[4])
 return 1
 """)
 
-# KEYS: stream, depth. ARGV: replay list key prefix. Returns how many letters there were.
+# KEYS: stream, depth. ARGV: replay list key prefix, claim key prefix. Returns how many
+# letters there were.
 _PURGE = Script("""
 local count = redis.call('XLEN', KEYS[1])
 for _, e in ipairs(redis.call('XRANGE', KEYS[1], '-', '+')) do
-  redis.call('DEL', ARGV[1] .. string.sub(e[1], 3))
+  local n = string.sub(e[1], 3)
+  redis.call('DEL', ARGV[1] .. n, ARGV[2] .. n)
 end
 redis.call('DEL', KEYS[1], KEYS[2])
 return count
@@ -236,6 +297,7 @@ class RedisDeadLetterStore:
         self._seq = state.key("dlq", "seq")
         self._depth = state.key("dlq", "depth")
         self._replays = state.key("dlq", "replays") + ":"
+        self._claims = state.key("dlq", "claim") + ":"
 
     async def add(self, letter: DeadLetter) -> int:
         fields: list[object] = [
@@ -290,20 +352,35 @@ class RedisDeadLetterStore:
             out.append(_summary(letter_id, fields, orjson.loads(last) if last else None))
         return out
 
+    async def claim_replay(self, letter_id: int, token: str, hold_s: float,
+                           again: bool = False) -> ReplayClaim:
+        reply = await self._state.eval(
+            _CLAIM_REPLAY,
+            [self._stream, self._replays + str(letter_id), self._claims + str(letter_id)],
+            [f"0-{letter_id}", token, max(1, round(hold_s * 1000)), "1" if again else "0"])
+        state = reply[0].decode()
+        if state == BUSY:
+            return ReplayClaim(BUSY, left_s=int(reply[1]) / 1000)
+        if state == ANSWERED:
+            return ReplayClaim(ANSWERED, orjson.loads(reply[1]))
+        return ReplayClaim(CLAIMED if state == CLAIMED else MISSING)
+
     async def add_replay(self, letter_id: int, status: int | None, error: str | None,
-                         duration_s: float) -> bool:
+                         duration_s: float, token: str | None = None) -> bool:
         return bool(await self._state.eval(
-            _ADD_REPLAY, [self._stream, self._replays + str(letter_id)],
-            [f"0-{letter_id}", orjson.dumps(_replay(status, error, duration_s))]))
+            _ADD_REPLAY,
+            [self._stream, self._replays + str(letter_id), self._claims + str(letter_id)],
+            [f"0-{letter_id}", orjson.dumps(_replay(status, error, duration_s)), token or ""]))
 
     async def delete(self, letter_id: int) -> bool:
         return bool(await self._state.eval(
-            _DELETE, [self._stream, self._replays + str(letter_id), self._depth],
+            _DELETE, [self._stream, self._replays + str(letter_id), self._depth,
+                      self._claims + str(letter_id)],
             [f"0-{letter_id}"]))
 
     async def purge(self) -> int:
         return int(await self._state.eval(_PURGE, [self._stream, self._depth],
-                                          [self._replays]))
+                                          [self._replays, self._claims]))
 
     async def depth(self) -> dict[str, int]:
         async def read(client: Any) -> dict[bytes, bytes]:

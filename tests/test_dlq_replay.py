@@ -1,0 +1,148 @@
+"""``sluice dlq replay`` sends a dead letter at most once unless told otherwise: two commands
+started at once, a replay already answered, and (Redis) a key the caller's own retry got an
+answer for since. Real Sluice processes, the real CLI in subprocesses, the fake upstream."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+
+import aiohttp
+import pytest
+
+from tests.conftest import REPO, route, wait_until
+from tests.redis_servers import delete_prefix, new_prefix, require_redis
+
+CHAT = "/v1/chat/completions"
+BODY = {"model": "gpt-test", "messages": [{"role": "user", "content": "hi"}]}
+FAST_BACKOFF = {"base": "10ms", "max": "20ms"}
+
+
+async def cli(*args: str) -> asyncio.subprocess.Process:
+    return await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "proxy", *args, cwd=REPO,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+
+
+async def outcome(proc: asyncio.subprocess.Process) -> tuple[int, str, str]:
+    out, err = await proc.communicate()
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
+async def dead_letter(sluice, upstream, key: str) -> str:
+    """One call that fails every attempt, so it is dead-lettered; returns the letter's id."""
+    upstream.status = 503
+    async with aiohttp.ClientSession() as s, s.post(
+            sluice.url + "/openai" + CHAT, json=BODY,
+            headers={"X-Tenant-ID": "acme", "Idempotency-Key": key}) as r:
+        await r.read()
+        assert r.status == 503
+        letter = r.headers["X-Sluice-Dead-Letter"]
+    upstream.status = None
+    return letter
+
+
+@pytest.fixture(params=["memory", "redis"])
+def state(request: pytest.FixtureRequest, tmp_path):
+    if request.param == "memory":
+        yield {"dead_letter": {"path": str(tmp_path / "dlq.sqlite")}}
+        return
+    url = require_redis()
+    prefix = new_prefix()
+    try:
+        yield {"state": {"backend": "redis", "redis_url": url, "key_prefix": prefix,
+                         "timeout": "2s"}}
+    finally:
+        delete_prefix(url, prefix)
+
+
+async def test_two_replays_started_at_once_send_the_letter_once(upstream, start_sluice, state):
+    """The check "was it replayed already?" and the send were two steps: two operators (or a
+    retried cron job) replaying one letter at once both passed the check and both sent it.
+    Now each replay holds its letter until its result is stored; the other is refused."""
+    sluice = await start_sluice({**state, "routes": [route(
+        "openai", upstream.url, retry={"attempts": 2, "backoff": FAST_BACKOFF})]})
+    letter = await dead_letter(sluice, upstream, "pay-42")
+    sent_before = len(upstream.requests)
+    config = str(sluice.config_path)
+    upstream.hold = asyncio.Event()  # the replay that is sent waits here
+    replays = [asyncio.ensure_future(outcome(await cli("dlq", "replay", letter, "--config",
+                                                       config))) for _ in range(2)]
+    # One of them finds the letter held and ends at once, while the other's send is held.
+    done, pending = await asyncio.wait(replays, return_when=asyncio.FIRST_COMPLETED,
+                                       timeout=60)
+    refused = done.pop().result()
+    assert refused[0] == 1 and "is being replayed by another command" in refused[2], refused
+    await wait_until(lambda: len(upstream.requests) == sent_before + 1)
+    upstream.hold.set()
+    code, out, err = await pending.pop()
+    assert code == 0 and "HTTP 200" in out, err
+    assert len(upstream.requests) == sent_before + 1
+    assert upstream.requests[-1].headers["Idempotency-Key"] == "pay-42"
+
+    # Its result is stored and the hold ended: a third replay is told it was answered, and
+    # --again sends it (holding it as well).
+    code, _, err = await outcome(await cli("dlq", "replay", letter, "--config", config))
+    assert code == 1 and "already replayed" in err and "--again" in err
+    code, out, err = await outcome(await cli("dlq", "replay", letter, "--config", config,
+                                             "--again"))
+    assert code == 0, err
+    assert len(upstream.requests) == sent_before + 2
+    code, out, _ = await outcome(await cli("dlq", "show", letter, "--config", config))
+    assert [r["status"] for r in json.loads(out)["replays"]] == [200, 200]
+
+
+async def test_a_replay_killed_mid_send_leaves_its_result_and_frees_the_letter(
+        upstream, start_sluice, state):
+    """Ctrl-C during the send: the replay is recorded as interrupted (it may have reached
+    the upstream) and the letter is free for the next replay at once."""
+    sluice = await start_sluice({**state, "routes": [route(
+        "openai", upstream.url, retry={"attempts": 2, "backoff": FAST_BACKOFF})]})
+    letter = await dead_letter(sluice, upstream, "pay-43")
+    config = str(sluice.config_path)
+    upstream.hold = asyncio.Event()
+    sent_before = len(upstream.requests)
+    proc = await cli("dlq", "replay", letter, "--config", config)
+    await wait_until(lambda: len(upstream.requests) == sent_before + 1, timeout=30)
+    proc.send_signal(2)  # SIGINT, as Ctrl-C
+    code, _, err = await outcome(proc)
+    assert code != 0
+    upstream.hold.set()
+    code, out, _ = await outcome(await cli("dlq", "show", letter, "--config", config))
+    assert [(r["status"], r["error"]) for r in json.loads(out)["replays"]] == [
+        (None, "interrupted")]
+    code, out, err = await outcome(await cli("dlq", "replay", letter, "--config", config))
+    assert code == 0 and "HTTP 200" in out, err
+
+
+async def test_a_key_the_callers_retry_got_an_answer_for_is_not_replayed_without_again(
+        upstream, start_sluice):
+    """With Redis, the CLI reads the route's shared idempotency records: the letter's key was
+    answered since (the caller retried with it once the upstream was back), so a replay
+    would do the work a second time; it needs --again."""
+    url = require_redis()
+    prefix = new_prefix()
+    try:
+        sluice = await start_sluice({
+            "state": {"backend": "redis", "redis_url": url, "key_prefix": prefix,
+                      "timeout": "2s"},
+            "routes": [route("openai", upstream.url, idempotency={"mode": "dedup"},
+                             retry={"attempts": 2, "backoff": FAST_BACKOFF})]})
+        letter = await dead_letter(sluice, upstream, "pay-44")
+        async with aiohttp.ClientSession() as s, s.post(
+                sluice.url + "/openai" + CHAT, json=BODY,
+                headers={"X-Tenant-ID": "acme", "Idempotency-Key": "pay-44"}) as r:
+            assert r.status == 200  # the caller's retry: the work is done
+            await r.read()
+        sent = len(upstream.requests)
+        config = str(sluice.config_path)
+        code, _, err = await outcome(await cli("dlq", "replay", letter, "--config", config))
+        assert code == 1 and "'pay-44' was answered HTTP 200 since" in err and "--again" in err
+        assert len(upstream.requests) == sent
+        code, _, err = await outcome(await cli("dlq", "replay", letter, "--config", config,
+                                               "--again"))
+        assert code == 0 and len(upstream.requests) == sent + 1, err
+    finally:
+        delete_prefix(url, prefix)
