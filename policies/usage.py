@@ -386,6 +386,8 @@ class Meter:
     _final = False
     #: The upstream reported a negative count: none of this answer's counts is final.
     _negative = False
+    #: An input count was reported (a later event may bring only the output count).
+    _input_seen = False
     streamed_tokens = 0
 
     @property
@@ -449,10 +451,11 @@ class Meter:
                     self._json_tail = _tail(b"".join(self._json), data)
                     self._json = []
             return data
-        if self._cr is None and data.find(b"\n") >= 0:
-            # A stream keeps its line ending: look once.
-            self._cr = (self._pending.find(b"\r") >= 0 or self._big_tail.endswith(b"\r")
-                        or data.find(b"\r") >= 0)
+        if self._cr is None:
+            self._cr = self._line_ending(data)
+            if self._mode != _SSE:  # bare CR line endings: passed on unread from here
+                held, self._pending = self._pending, b""
+                return held + data if self._strip else data
         if self._big:
             return self._big_chunk(data)
         if not self._pending and not self._cr and data.endswith(b"\n\n"):
@@ -570,6 +573,21 @@ class Meter:
             self.final = True
 
     # -- SSE ----------------------------------------------------------------------------------
+
+    def _line_ending(self, data: bytes) -> bool | None:
+        """Whether the stream's lines end in CRLF (a stream keeps its line ending, so this is
+        decided once), ``None`` while no line has ended. Lines ending in a bare CR (valid
+        SSE, sent by no LLM API we know) are not read: the stream is passed on as it comes
+        (it was held whole, waiting for an LF), and charged as one without usage."""
+        seen = self._pending + data if self._pending else data
+        lf = seen.find(b"\n")
+        cr = seen.find(b"\r", 0, lf if lf >= 0 else len(seen))
+        if cr >= 0 and cr + 1 < len(seen) and seen[cr + 1] != 0x0A:
+            self._mode = _NONE
+            return None
+        if lf < 0:
+            return None
+        return cr >= 0 or seen.find(b"\r", lf) >= 0 or self._big_tail.endswith(b"\r")
 
     def _boundary(self, buf: bytes, pos: int) -> tuple[int, int]:
         """``(end of event, start of the next)`` after ``pos``; ``(-1, -1)`` if incomplete."""
@@ -696,10 +714,12 @@ class Meter:
     def _take(self, raw: dict) -> bool:
         """Merge one usage object: each count becomes the largest reported so far (counts
         only grow: Anthropic's are cumulative); one that is not a non-negative integer is
-        read as 0. Returns whether it reported an input or output count (an integer) under
-        the protocol's names: one that does not (``{}``, another protocol's names), or
-        reports a negative one, is no report, so the call is charged as one without usage,
-        not as one that used nothing (a negative count once made a call free)."""
+        read as 0. Returns whether the usage so far is a report: an input count (in this
+        object or an earlier one of the stream) and an output count (but for embeddings),
+        integers under the protocol's names. One that is not (``{}``, another protocol's
+        names, ``completion_tokens: null``), or that reports a negative count, is no report,
+        so the call is charged as one without usage, not as one that used nothing (a negative
+        count once made a call free; a null output count made its output free)."""
         u = self.usage
         if self._anthropic:
             read = _count(raw.get("cache_read_input_tokens"))
@@ -734,7 +754,12 @@ class Meter:
             self._negative = True
             self._final = False
             return False
-        return type(sent_in) is int or type(out) is int
+        if type(sent_in) is int:
+            self._input_seen = True
+        # Both counts make a report: one without its output count (null, missing) would
+        # charge the output as 0. The input may have come earlier in the stream (Anthropic's
+        # message_start); embeddings have no output.
+        return self._input_seen and (type(out) is int or self._kind is EMBEDDINGS)
 
 
 def _tail(kept: bytes, data: bytes) -> bytes:
