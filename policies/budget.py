@@ -24,7 +24,8 @@ refused at once with 400 ``exceeds_limit``.
 The counters live in the route's state backend (``backends.ledger``,
 :mod:`policies.state.ledger`): this process's memory, or Redis shared by every replica, so the
 zero overshoot holds across replicas. A reservation has an id; its settle applies once; one
-whose replica died is reaped after :data:`HOLD_S`. :class:`Budgets` keeps the rules. When the
+whose replica died is reaped after its hold (``hold_s``: :data:`HOLD_S`, or longer on a route
+whose calls may run longer). :class:`Budgets` keeps the rules. When the
 shared ledger does not answer, ``state.on_unavailable`` decides: ``local`` holds on this
 replica's memory ledger with ``state.replicas``' share of each limit, and the spend made there
 is charged to the shared ledger, once, when it answers again (:class:`Reconciler`); ``reject``
@@ -58,9 +59,11 @@ log = logging.getLogger("sluice")
 #: Suggested wait when only reservations of requests in flight deny, seconds: they settle
 #: within a request's duration, usually to less than they hold.
 SETTLE_WAIT_S = 1.0
-#: How long a reservation may stay unsettled before the ledger reaps it, seconds: longer
-#: than any call is let run (``timeouts.total`` defaults to 600 s).
+#: How long a reservation may stay unsettled before the ledger reaps it, seconds, at least:
+#: a route's calls may run longer (:meth:`policies.config.RouteConfig.longest_call_s`), and
+#: its hold is then that plus :data:`HOLD_MARGIN_S`.
 HOLD_S = 900.0
+HOLD_MARGIN_S = 60.0
 #: Reconcile entries kept while the shared ledger is unavailable (see :class:`Reconciler`).
 MAX_PENDING = 100_000
 #: The cap of a reconciling charge: spend already made is added whatever the limit.
@@ -137,7 +140,9 @@ class Budgets:
         clock: Unix seconds now (injectable for tests); it names the UTC windows.
         group: the route's name: every counter of the route is in this group (one Redis slot).
         hold_s: how long a reservation may stay unsettled before the ledger reaps it (its
-            replica died, or its settle was lost), seconds.
+            replica died, or its settle was lost), seconds: longer than any call of the
+            route may run, or a call still running loses its reservation and the budget can
+            be overspent.
     """
 
     def __init__(self, blocks: Sequence[BudgetConfig], pricing: dict[str, ModelPrice],

@@ -16,11 +16,16 @@ from policies.budget import (
     Budgets,
     clock_from_env,
 )
-from policies.config import BudgetConfig, ModelPrice
+from policies.config import BudgetConfig, ModelPrice, RouteConfig
 from policies.reasons import Reason, Rejected
 from policies.state import memory_backends
+from policies.state.admission import MemoryAdmissions
+from policies.state.ledger import MemoryLedger
 from policies.usage import Usage
+from proxy.events import EventLog
+from proxy.metrics import Metrics
 from proxy.rejections import rejection_headers
+from proxy.routes import Route
 
 
 class Clock:
@@ -157,3 +162,41 @@ async def test_ended_windows_and_idle_runs_are_forgotten():
 def test_test_clock_starts_at_its_first_reading():
     clock = clock_from_env({"SLUICE_TEST_NOW": "1000"})
     assert 1000 <= clock() < 1001
+
+
+def test_a_routes_longest_call_counts_its_queue_attempts_waits_and_operations():
+    def longest(**blocks: object) -> float:
+        return RouteConfig.model_validate(
+            {"name": "r", "path_prefix": "/r/", "upstream": "http://127.0.0.1:1",
+             "protocol": "openai", **blocks}).longest_call_s()
+
+    assert longest() == 600  # timeouts.total
+    assert longest(timeouts={"total": "1h"}) == 3600
+    # 5 s in the queue, 3 attempts of 600 s and 2 waits of up to 60 s (max_retry_after).
+    assert longest(concurrency={"limit": 1, "queue": 1}, retry={"attempts": 3}) == 1925
+    assert longest(retry={"attempts": 3, "deadline": "30s"}) == 30
+    # A model's own timeouts replace the route's for its calls.
+    assert longest(models={"slow": {"timeouts": {"total": "2h"}}}) == 7200
+
+
+async def test_a_call_running_longer_than_15_minutes_keeps_its_reservation():
+    """The hold was a fixed 15 min whatever ``timeouts.total`` said: a call streaming for
+    an hour lost its reservation at 15 min, the next call was admitted beside it, and a
+    1000-token budget ended 1840 spent (found by a hostile trial)."""
+    config = RouteConfig.model_validate({
+        "name": "r", "path_prefix": "/r/", "upstream": "http://127.0.0.1:1", "protocol": "openai",
+        "timeouts": {"total": "1h"}, "budget": {"tokens": "1000/day", "per": "tenant"}})
+    clock = Clock(at("2026-03-01 00:00:00"))
+    state = memory_backends()
+    state.ledger = MemoryLedger(clock=clock)
+    state.admissions = MemoryAdmissions(state.rates, state.ledger)
+    route = Route(config, Metrics(), EventLog(None), clock=clock, state=state)
+    budgets = route.budgets
+    assert budgets is not None and budgets.hold_s == 3600 + 60
+    first = await budgets.reserve("acme", None, "m", 10, 990)
+    clock.now += 50 * 60  # 50 minutes into the call
+    with pytest.raises(Rejected) as denied:
+        await budgets.reserve("acme", None, "m", 10, 990)
+    assert denied.value.reason is Reason.BUDGET_EXHAUSTED
+    budgets.settle(first, Usage(10, 900))
+    assert budgets.remaining("tokens", "tenant", "acme") == 90
