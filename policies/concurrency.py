@@ -99,7 +99,8 @@ class Slot:
 
     def release(self, outcome: Outcome) -> None:
         """Free the slot; an answer from the upstream updates the mean service time."""
-        self.limiter.release(self.tenant, outcome.service_s, self.charged, self.cls)
+        self.limiter.release(self.tenant, outcome.service_s, self.charged, self.cls,
+                             outcome.first_byte_s)
 
 
 # A waiter's life: WAITING until exactly one of a hand-over (GRANTED), its max_wait running out
@@ -216,7 +217,12 @@ class ConcurrencyLimiter:
         self.inflight = 0
         self.queued = 0
         self.mean_service_s = _INITIAL_SERVICE_S
-        #: True once a completion has updated ``mean_service_s`` (before, it is a guess).
+        #: Mean time from admission to the upstream's response headers, seconds: what a
+        #: caller's timeout must cover besides its wait. The SDKs' timeout is a read timeout
+        #: (httpx's), so a stream that starts answering in time is in time, however long it
+        #: then runs; and Sluice's own bound from a caller's deadline ends at the headers.
+        self.mean_first_byte_s = _INITIAL_SERVICE_S
+        #: True once a completion has updated the means (before, they are a guess).
         self.observed = False
         self._classes: dict[int, _Class] = {}
         self._order = itertools.count()
@@ -305,15 +311,15 @@ class ConcurrencyLimiter:
         # longer than ``max_wait`` alone is the queue's matter (``queue_timeout`` once it
         # passes), as for a caller that sent no timeout.
         if max_wait <= 0 or (caller_timeout is not None and self.observed
-                             and expected > caller_timeout - self.mean_service_s):
+                             and expected > caller_timeout - self.mean_first_byte_s):
             left = (f"ends in {caller_timeout:.3g}s" if caller_timeout > 0  # type: ignore[operator]
                     else "has passed")
             raise Rejected(
                 Reason.DEADLINE_UNREACHABLE,
                 self._drain_estimate(self.queued + 1),
                 f"the caller's timeout {left}, which leaves no time to queue: the wait is "
-                f"estimated at {expected:.3g}s and calls take {self.mean_service_s:.3g}s on "
-                f"average",
+                f"estimated at {expected:.3g}s and the upstream takes "
+                f"{self.mean_first_byte_s:.3g}s on average to start answering",
             )
         loop = asyncio.get_running_loop()
         # The call's tag: where ``_charge`` starts it, its tenant's time, never the class's past.
@@ -382,13 +388,14 @@ class ConcurrencyLimiter:
 
     def wait_budget(self, caller_timeout: float | None) -> float:
         """How long a request may queue, seconds: ``max_wait``, or less when the caller's own
-        timeout leaves less room once the mean service time is set aside for the call itself
-        (HAProxy's ``timeout queue`` bounded by the caller's deadline; waiting longer only
-        admits work the caller will have abandoned). The service time is set aside only once
-        it has been observed; ``acquire`` refuses a budget of 0 or less at once."""
+        timeout leaves less room once the mean time to the upstream's first byte
+        (``mean_first_byte_s``) is set aside for the call itself (HAProxy's ``timeout queue``
+        bounded by the caller's deadline; waiting longer only admits work the caller will
+        have abandoned). That time is set aside only once it has been observed; ``acquire``
+        refuses a budget of 0 or less at once."""
         if caller_timeout is None:
             return self.max_wait
-        room = caller_timeout - self.mean_service_s if self.observed else caller_timeout
+        room = caller_timeout - self.mean_first_byte_s if self.observed else caller_timeout
         return min(self.max_wait, room)
 
     @property
@@ -397,15 +404,20 @@ class ConcurrencyLimiter:
         return self.queued >= self.queue_capacity
 
     def release(self, tenant: str, service_s: float | None,
-                charged: float | None = None, cls: int = DEFAULT_PRIORITY) -> None:
+                charged: float | None = None, cls: int = DEFAULT_PRIORITY,
+                first_byte_s: float | None = None) -> None:
         """Free the slot taken for ``tenant``; ``service_s`` (``None``: the upstream did not
         answer) updates the mean service time, and replaces ``charged`` (the estimate
-        :meth:`acquire` returned) in the tenant's virtual time."""
+        :meth:`acquire` returned) in the tenant's virtual time; ``first_byte_s`` (admission
+        to the response headers; default ``service_s``) updates ``mean_first_byte_s``."""
         if service_s is not None:
+            first = service_s if first_byte_s is None else first_byte_s
             if self.observed:
                 self.mean_service_s += _EWMA_WEIGHT * (service_s - self.mean_service_s)
+                self.mean_first_byte_s += _EWMA_WEIGHT * (first - self.mean_first_byte_s)
             else:  # the first sample replaces the guess (averaging it in would take ~20 calls)
                 self.mean_service_s = service_s
+                self.mean_first_byte_s = first
                 self.observed = True
             if self._mean_tokens is None:
                 # A tenant's mean prices only calls with no token cost on a route that has
@@ -467,6 +479,7 @@ class ConcurrencyLimiter:
             "max_wait_s": self.max_wait,
             "per_tenant": self.per_tenant,
             "mean_service_s": round(self.mean_service_s, 6),
+            "mean_first_byte_s": round(self.mean_first_byte_s, 6),
             "aging_s": self.aging,
             "tenant_weights": self.tenant_weights,
             "tenants": dict(

@@ -73,8 +73,9 @@ class Call:
     Set by the forwarder: status, the status line being relayed to the caller (0 before);
     reached, whether an attempt may have reached the upstream (from the moment one is sent;
     false again only if :func:`proxy.forward.left` shows it never left, and no earlier one
-    may have), which decides what a call that ends without an answer is charged; the
-    upstream time of its attempts (:meth:`attempt_sent`, :meth:`attempt_over`,
+    may have), which decides what a call that ends without an answer is charged;
+    answered_at, when the last attempt's response headers arrived (monotonic seconds, 0.0
+    before); the upstream time of its attempts (:meth:`attempt_sent`, :meth:`attempt_over`,
     :meth:`upstream_seconds`).
 
     A policy reports a step for the timeline (e.g. ``enqueued``) with
@@ -82,13 +83,13 @@ class Call:
     the request path passes one reporter per route, so no call builds a closure.
     """
 
-    __slots__ = ("_sent_at", "_upstream_s", "attempts", "body", "cancelled", "capture",
-                 "charged", "client_retry", "cost", "enqueued_at", "headers", "idempotency_key",
-                 "lineage", "meter", "method", "new_unit", "operation", "operation_cost",
-                 "parent_run", "path", "phase", "priority", "priority_given", "progress_at",
-                 "reached", "received_at", "reporter", "request_id", "response_headers",
-                 "route", "run", "status", "tenant", "timeout", "units_deferred",
-                 "upstream_key")
+    __slots__ = ("_sent_at", "_upstream_s", "answered_at", "attempts", "body", "cancelled",
+                 "capture", "charged", "client_retry", "cost", "enqueued_at", "headers",
+                 "idempotency_key", "lineage", "meter", "method", "new_unit", "operation",
+                 "operation_cost", "parent_run", "path", "phase", "priority", "priority_given",
+                 "progress_at", "reached", "received_at", "reporter", "request_id",
+                 "response_headers", "route", "run", "status", "tenant", "timeout",
+                 "units_deferred", "upstream_key")
 
     def __init__(self, *, request_id: str, route: str, method: str, path: str,
                  headers: Mapping[str, str], body: bytes, tenant: str, run: str | None = None,
@@ -130,6 +131,7 @@ class Call:
         self.operation_cost: float | None = None
         self.status = 0
         self.reached = False
+        self.answered_at = 0.0
         self._upstream_s = 0.0
         self._sent_at: float | None = None
 
@@ -176,16 +178,20 @@ class Outcome:
         status: the status the caller was sent, 0 if none.
         service_s: admission to completion in seconds when the upstream answered (a sample
             for service-time estimates), else ``None``.
+        first_byte_s: admission to the upstream's response headers in seconds when it
+            answered (what a caller's read timeout must cover besides the queue), else
+            ``None``.
     """
 
-    __slots__ = ("label", "reached", "service_s", "status")
+    __slots__ = ("first_byte_s", "label", "reached", "service_s", "status")
 
     def __init__(self, label: str, reached: bool, status: int = 0,
-                 service_s: float | None = None) -> None:
+                 service_s: float | None = None, first_byte_s: float | None = None) -> None:
         self.label = label
         self.reached = reached
         self.status = status
         self.service_s = service_s
+        self.first_byte_s = first_byte_s
 
     def __repr__(self) -> str:
         return f"Outcome({self.label!r}, reached={self.reached}, status={self.status})"

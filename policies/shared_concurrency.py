@@ -87,7 +87,8 @@ class SharedSlot:
 
     def release(self, outcome: Outcome) -> None:
         """Give the lease back (in the background) and free the local count."""
-        self.limiter.release(self.tenant, outcome.service_s, self.charged, self.cls, self.lease)
+        self.limiter.release(self.tenant, outcome.service_s, self.charged, self.cls,
+                             outcome.first_byte_s, self.lease)
 
 
 class SharedConcurrencyLimiter(ConcurrencyLimiter):
@@ -319,11 +320,12 @@ class SharedConcurrencyLimiter(ConcurrencyLimiter):
     # -- release ------------------------------------------------------------------------------
 
     def release(self, tenant: str, service_s: float | None, charged: float | None = None,
-                cls: int = DEFAULT_PRIORITY, lease: Lease | None = None) -> None:
+                cls: int = DEFAULT_PRIORITY, first_byte_s: float | None = None,
+                lease: Lease | None = None) -> None:
         """Free the local count of ``tenant``'s call (:meth:`ConcurrencyLimiter.release`,
         which hands nothing over here) and give its ``lease`` back (a task); the dispatcher
         asks again once the release has landed."""
-        super().release(tenant, service_s, charged, cls)
+        super().release(tenant, service_s, charged, cls, first_byte_s)
         if lease is not None:
             task = lease.release()
             self.backends.keep(task)  # shutdown waits for it (StateBackends.close)

@@ -398,6 +398,7 @@ async def _attempt(rt: Runtime, route: Route, call: Call, url: URL,
                 response = await fwd.send(rt.session, call.method, url, headers, call.body,
                                           timeout)
         tries.answered(response)  # first: whatever happens next, the response gets closed
+        call.answered_at = time.monotonic()
         status = response.status
         # Read here, under the except below that gives the tickets back if reading fails.
         hint = upstream_retry_after(response.headers) if status >= 400 else None

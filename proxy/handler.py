@@ -200,7 +200,8 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
                           call.body, call.operation)
         if label[0].isdigit():  # answered: a sample of the service time
             outcome = Outcome(label, call.reached, response.status,
-                              time.monotonic() - admitted_at)
+                              time.monotonic() - admitted_at,
+                              call.answered_at - admitted_at if call.answered_at else None)
         else:
             outcome = Outcome(label, call.reached, response.status)
         return response

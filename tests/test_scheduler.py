@@ -300,3 +300,33 @@ def test_before_any_call_time_is_known_the_deadline_detail_subtracts_nothing():
         limiter.release("t", None)
 
     _loop_run(main())
+
+
+def test_a_streams_length_is_not_held_against_a_callers_read_timeout():
+    """The SDKs' timeout (``x-stainless-timeout``) is httpx's read timeout: a stream whose
+    first byte comes in time is in time, however long it then runs. Measured against the
+    whole stream's length, a caller with a 3 s timeout was refused ``deadline_unreachable``
+    behind 2 s streams, though its wait (~2 s) and the next first byte fit (a hostile
+    trial). The check now sets aside the mean time to the first byte."""
+    async def main() -> None:
+        limiter = ConcurrencyLimiter(1, 10, 30.0, None)
+        await limiter.acquire("t")
+        limiter.release("t", 2.0, first_byte_s=0.1)  # a 2 s stream that started at 0.1 s
+        assert (limiter.mean_service_s, limiter.mean_first_byte_s) == (2.0, 0.1)
+        await limiter.acquire("t")
+        loop = asyncio.get_running_loop()
+        task = asyncio.ensure_future(limiter.acquire("t", caller_timeout=3.0))
+        await asyncio.sleep(0)
+        assert limiter.queued == 1  # waits: estimated 2 s, plus 0.1 s to its first byte
+        limiter.release("t", 2.0, first_byte_s=0.1)
+        await task
+        # A timeout that cannot cover the wait and the first byte is still refused.
+        started = loop.time()
+        with pytest.raises(Rejected) as refused:
+            await limiter.acquire("t", caller_timeout=1.5)
+        assert refused.value.reason is Reason.DEADLINE_UNREACHABLE
+        assert "0.1s on average to start answering" in refused.value.detail
+        assert loop.time() == started
+        limiter.release("t", None)
+
+    _loop_run(main())
