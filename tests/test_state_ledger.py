@@ -190,3 +190,23 @@ LedgerAgainstMemory.TestCase.settings = settings(
     max_examples=50, stateful_step_count=15, deadline=None,
     suppress_health_check=[HealthCheck.too_slow])
 test_redis_ledger_matches_memory = LedgerAgainstMemory.TestCase
+
+
+async def test_the_levels_kept_for_gauges_follow_the_settle_not_only_the_reserve(
+        backends: StateBackends):
+    """``level`` is what the budget gauges, ``/admin/routes`` and the budget headers read
+    without a round trip. On Redis it kept the levels of the last reserve: after one call
+    settled 18 of its 128 reserved tokens, the gauges said 128 reserved and 2872 remaining
+    of 3000 (a hostile trial), until that counter's next reserve."""
+    ledger, now = backends.ledger, time.time()
+    first, second = rid(), rid()
+    assert await ledger.reserve("g", first, claims(now, day=(128, 3000)), now, 60) == []
+    assert await ledger.reserve("g", second, claims(now, day=(100, 3000)), now, 60) == []
+    assert ledger.level("g", "day") == (0, 228)
+    assert await ledger.settle("g", first, [18]) is True
+    assert ledger.level("g", "day") == (18, 100)
+    # Given back unspent through the admission step's release (a refusal after admission).
+    assert await backends.admissions.release("g", [], second) is True
+    assert ledger.level("g", "day") == (18, 0)
+    assert await ledger.settle("g", first, [18]) is False  # once
+    assert ledger.level("g", "day") == (18, 0)

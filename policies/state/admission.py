@@ -154,10 +154,11 @@ return {admitted, refused, wait, remaining(b), denied, levels(3 + n)}
 
 
 # KEYS: the reservations hash and its expiry set, then the buckets. ARGV: rid, then (limit,
-# period us, amount) per bucket. Returns 1 when the reservation was released, 0 if not held.
+# period us, amount) per bucket. Returns {1 when the reservation was released, 0 if not held,
+# the levels of its counters after (as the ledger's settle)}.
 _RELEASE = Script(GCRA_LUA + LEDGER_LUA + """
 refund(buckets(2, 1, #KEYS - 2))
-return settle(KEYS[1], KEYS[2], ARGV[1], nil)
+return settle_levels(KEYS[1], KEYS[2], ARGV[1], nil)
 """)
 
 
@@ -188,5 +189,5 @@ class RedisAdmissions:
 
     async def release(self, group: str, takes: Sequence[Take], rid: str) -> bool:
         keys = self._ledger.reservation_keys(group) + self._rates.keys(group, takes)
-        released = await self._state.eval(_RELEASE, keys, [rid, *bucket_args(takes)])
-        return bool(released)
+        reply = await self._state.eval(_RELEASE, keys, [rid, *bucket_args(takes)])
+        return self._ledger.remember_settled(group, reply)

@@ -35,7 +35,7 @@ import struct
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from policies.state.connection import RedisState, Script
 
@@ -397,6 +397,19 @@ local function settle(resv, exp, rid, a)
   redis.call('ZREM', exp, rid)
   return 1
 end
+local function settle_levels(resv, exp, rid, a)
+  local raw = redis.call('HGET', resv, rid)
+  if not raw then return {0, {}} end
+  settle(resv, exp, rid, a)
+  local out = {}
+  for _, c in ipairs(cjson.decode(raw).c) do
+    local v = redis.call('HMGET', c[1], 's', 'h')
+    out[#out + 1] = c[1]
+    out[#out + 1] = v[1] or '0'
+    out[#out + 1] = v[2] or '0'
+  end
+  return {1, out}
+end
 local function hold_claims(resv, exp, rid, hold, k, a, n)
   local claims = {}
   for i = 1, n do
@@ -423,9 +436,10 @@ return {denied, levels(3)}
 """)
 
 # KEYS: reservations, their expiries. ARGV: rid, then the actual spend per claim.
-# Returns 0 (nothing to settle) or 1. The counters are named in the reservation (same slot).
+# Returns {0 (nothing to settle) or 1, {counter key, spent, held, ...} after}. The counters
+# are named in the reservation (same slot).
 _SETTLE = Script(LEDGER_LUA + """
-return settle(KEYS[1], KEYS[2], ARGV[1], 1)
+return settle_levels(KEYS[1], KEYS[2], ARGV[1], 1)
 """)
 
 # KEYS: counters. ARGV: per counter, amount and TTL ms.
@@ -489,8 +503,19 @@ class RedisLedger:
         return [int(i) for i in denied]
 
     async def settle(self, group: str, rid: str, actual: Sequence[float]) -> bool:
-        settled = await self._state.eval(_SETTLE, self.reservation_keys(group),
-                                         [rid, *(repr(float(a)) for a in actual)])
+        reply = await self._state.eval(_SETTLE, self.reservation_keys(group),
+                                       [rid, *(repr(float(a)) for a in actual)])
+        return self.remember_settled(group, reply)
+
+    def remember_settled(self, group: str, reply: Sequence[Any]) -> bool:
+        """Keep the levels a settling script answered (``settle_levels``: ``{settled,
+        {counter key, spent, held, ...}}``), so the gauges and headers show the settle, not
+        the reserve before it; returns whether the reservation was settled."""
+        settled, flat = reply
+        prefix = self.counter(group, "")
+        keys = [raw.decode().removeprefix(prefix) for raw in flat[0::3]]
+        values = [v for i, v in enumerate(flat) if i % 3]
+        self.remember(group, keys, values)
         return bool(settled)
 
     async def charge(self, group: str, claims: Sequence[Claim], now: float) -> None:
