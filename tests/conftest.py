@@ -17,7 +17,7 @@ import os
 import signal
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 
 import aiohttp
@@ -189,6 +189,18 @@ async def upstream() -> AsyncIterator[FakeUpstream]:
     await fake.stop()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _nothing_written_beside_the_readme() -> Iterator[None]:
+    """The suite keeps its files in temporary directories: a dead-letter file left in the
+    checkout (the default config's ``sluice-dlq.sqlite``) is the user's own, and tests once
+    wrote their letters into it."""
+    path = REPO / "sluice-dlq.sqlite"
+    existed = path.exists()
+    yield
+    if not existed and path.exists():
+        pytest.fail(f"a test wrote {path}: give its Sluice a dead_letter.path in tmp_path")
+
+
 @pytest.fixture
 async def start_sluice(tmp_path: Path) -> AsyncIterator[Callable[..., Awaitable[SluiceProcess]]]:
     started: list[SluiceProcess] = []
@@ -205,6 +217,11 @@ async def start_sluice(tmp_path: Path) -> AsyncIterator[Callable[..., Awaitable[
         server.setdefault("admin_listen", f"127.0.0.1:{admin_port}")
         server.setdefault("drain_timeout", "5s")
         data.setdefault("events", {"path": str(events)})
+        # Never the default ./sluice-dlq.sqlite: the suite wrote its letters into the
+        # user's own file beside the README (a new user's trial).
+        letters = data.setdefault("dead_letter", {})
+        if isinstance(letters, dict):
+            letters.setdefault("path", str(tmp_path / f"dlq-{index}.sqlite"))
         port = int(server["listen"].rpartition(":")[2])
         admin_port = int(server["admin_listen"].rpartition(":")[2])
         config_path = config_path or tmp_path / f"sluice-{index}.yaml"

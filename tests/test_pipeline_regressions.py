@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import tempfile
 import weakref
 from collections.abc import AsyncIterator
 
@@ -67,6 +68,9 @@ def _keep_flushed(runtime: Runtime) -> None:
 
 @contextlib.asynccontextmanager
 async def proxy(config_yaml: str) -> AsyncIterator[InProcess]:
+    letters = tempfile.TemporaryDirectory()  # never the default ./sluice-dlq.sqlite
+    if "dead_letter:" not in config_yaml:
+        config_yaml += f"\ndead_letter: {{path: '{letters.name}/dlq.sqlite'}}\n"
     runtime = Runtime(parse_config(config_yaml))
     await runtime.open()
     _keep_flushed(runtime)
@@ -80,6 +84,7 @@ async def proxy(config_yaml: str) -> AsyncIterator[InProcess]:
     finally:
         await runner.cleanup()
         await runtime.close()
+        letters.cleanup()
 
 
 async def post(session: aiohttp.ClientSession, url: str, json: object = CHAT,
