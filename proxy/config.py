@@ -100,9 +100,12 @@ class _TooManyValues(Exception):
 
 
 def _walk(node: yaml.Node, path: Path_, marks: dict[Path_, int],
-          problems: list[tuple[Path_, int, str]], budget: list[int]) -> None:
-    """Index the 1-based line of every key path; collect duplicate keys and YAML 1.1 traps.
-    ``budget``: ``[values left]``, taken one per node visited (aliases expanded).
+          problems: list[tuple[Path_, int, str]], budget: list[int],
+          inside: frozenset[int] = frozenset()) -> None:
+    """Index the 1-based line of every key path; collect duplicate keys, YAML 1.1 traps and
+    aliases to a node they are inside (``x: &a [*a]``, which nothing could read).
+    ``budget``: ``[values left]``, taken one per node visited (aliases expanded);
+    ``inside``: the ids of the collections ``node`` is in.
 
     Raises:
         _TooManyValues: more than the budget's values.
@@ -110,7 +113,13 @@ def _walk(node: yaml.Node, path: Path_, marks: dict[Path_, int],
     budget[0] -= 1
     if budget[0] < 0:
         raise _TooManyValues
+    if id(node) in inside:  # the alias's key's line, where there is one, not the anchor's
+        problems.append((path, marks.get(path, node.start_mark.line + 1),
+                         "an alias to a list or mapping it is inside (a loop)"))
+        return
     marks[path] = node.start_mark.line + 1
+    if isinstance(node, (yaml.MappingNode, yaml.SequenceNode)):
+        inside |= {id(node)}
     if isinstance(node, yaml.MappingNode):
         seen: set[Any] = set()
         for key_node, value_node in node.value:
@@ -123,11 +132,11 @@ def _walk(node: yaml.Node, path: Path_, marks: dict[Path_, int],
                 problems.append(((*path, key), line, "duplicate key"))
             seen.add(key)
             marks[(*path, key)] = line
-            _walk(value_node, (*path, key), marks, problems, budget)
+            _walk(value_node, (*path, key), marks, problems, budget, inside)
             marks[(*path, key)] = line  # the key's own line, not its value's
     elif isinstance(node, yaml.SequenceNode):
         for index, item in enumerate(node.value):
-            _walk(item, (*path, index), marks, problems, budget)
+            _walk(item, (*path, index), marks, problems, budget, inside)
     elif (isinstance(node, yaml.ScalarNode) and (why := _ambiguous(node))
           and (path[-1:], node.value) not in _ENUM_WORDS):
         problems.append((path, node.start_mark.line + 1, why))

@@ -349,6 +349,21 @@ def test_a_hostile_file_is_a_config_error_not_a_crash_or_a_hang(tmp_path: Path, 
     assert_config_error(path, f"{path}{problem}")
 
 
+@pytest.mark.parametrize("tail,where", [
+    ("x: &a [*a]\n", ":{n}: x[0]"),
+    ("y: &b {z: *b}\n", ":{n}: y.z"),
+])
+def test_an_alias_to_a_node_it_is_inside_is_named_at_its_line(tmp_path: Path, tail: str,
+                                                              where: str) -> None:
+    """Nothing could read such a loop: it was reported as ``:1: (yaml): nested too deeply``,
+    naming neither its line nor its key (a new user's trial)."""
+    path = tmp_path / "sluice.yaml"
+    write(path, ROUTE + tail)
+    line = (ROUTE + tail).count("\n")
+    assert_config_error(path, f"{path}{where.format(n=line)}: an alias to a list or mapping "
+                              "it is inside (a loop)")
+
+
 def test_check_config_reads_stdin_and_stops_at_the_size_bound(tmp_path: Path) -> None:
     config = (REPO / "config" / "sluice.yaml").read_text()
     done = subprocess.run([sys.executable, "-m", "proxy", "check-config", "/dev/stdin"],
