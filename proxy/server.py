@@ -4,7 +4,8 @@ SIGTERM (or SIGINT) starts a drain, as Kubernetes expects of a pod being stopped
 turns 503 at once so the endpoint is taken out of rotation, new requests on the proxy port get
 503 ``draining`` (the listener stays open, so a caller gets an answer rather than a refused
 connection), and in-flight requests get up to ``server.drain_timeout`` seconds to finish before
-the remaining ones are cut and the process exits.
+the remaining ones are cut and the process exits. A second SIGTERM or SIGINT (Ctrl-C again)
+cuts them at once.
 
 SIGHUP, or a change of the config file, reloads the config in place (:mod:`proxy.reload`).
 """
@@ -195,10 +196,14 @@ async def serve(config: Config, config_path: str | None = None,
         runtime, build_admin_app(runtime, reloader), access_log=None,
         shutdown_timeout=SHUTDOWN_GRACE_S,
     )
-    stop = asyncio.Event()
+    stop, hurry = asyncio.Event(), asyncio.Event()
+
+    def on_stop_signal() -> None:
+        (hurry if stop.is_set() else stop).set()  # a second one: no more waiting
+
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_stop_signal)
     if stop_requested():
         stop.set()
     # Until the reloader takes it over, a SIGHUP must not kill the process (its default).
@@ -221,7 +226,7 @@ async def serve(config: Config, config_path: str | None = None,
         await stop.wait()
         if reloader is not None:
             await reloader.stop()
-        await _drain(runtime, runtime.config.server.drain_timeout)
+        await _drain(runtime, runtime.config.server.drain_timeout, hurry)
     finally:
         await proxy_runner.cleanup()
         await admin_runner.cleanup()
@@ -258,20 +263,24 @@ def _log_held(filters: list[tuple[logging.Handler, RepeatFilter]], final: bool =
                                           None))
 
 
-async def _drain(runtime: Runtime, timeout_s: float) -> None:
+async def _drain(runtime: Runtime, timeout_s: float, hurry: asyncio.Event) -> None:
+    """Wait up to ``timeout_s`` for every call present to end, or until ``hurry`` is set (a
+    second SIGTERM or Ctrl-C), then cut what is left."""
     runtime.draining = True
     # Queued calls are waited for too, as Envoy and HAProxy do: each is admitted as a slot
     # frees, or refused when its max_wait ends; only what outlives the timeout is cut.
     inflight = runtime.inflight
     log.info("draining: %d request(s) in flight, %d more waiting or being read, waiting up "
-             "to %gs", inflight, runtime.present - inflight, timeout_s)
+             "to %gs (a second SIGTERM or Ctrl-C cuts them now)", inflight,
+             runtime.present - inflight, timeout_s)
     deadline = time.monotonic() + timeout_s
     # Polling keeps the request path free of drain bookkeeping; it runs only at shutdown.
-    while runtime.present and time.monotonic() < deadline:  # noqa: ASYNC110
+    while runtime.present and time.monotonic() < deadline and not hurry.is_set():  # noqa: ASYNC110
         await asyncio.sleep(DRAIN_POLL_S)
     if runtime.present:
         runtime.cutting = True
-        log.warning("drain timeout: cutting %d request(s) still in flight and %d waiting",
+        log.warning("%s: cutting %d request(s) still in flight and %d waiting",
+                    "second stop signal" if hurry.is_set() else "drain timeout",
                     runtime.inflight, runtime.present - runtime.inflight)
     else:
         log.info("drained")

@@ -109,6 +109,33 @@ async def test_work_past_drain_timeout_is_cut_and_the_process_exits(upstream, st
     assert completed["outcome"] == "drain_cut"
 
 
+async def test_a_second_sigterm_cuts_the_drain_short(upstream, start_sluice):
+    """An operator's second Ctrl-C (or a second SIGTERM) does not wait out a long
+    ``drain_timeout``: what is left is cut at once (a new user's trial waited 30 s)."""
+    sluice = await start_sluice({
+        "server": {"drain_timeout": "120s"},
+        "routes": [route("openai", upstream.url, "openai")],
+    })
+    upstream.hold = asyncio.Event()  # never set: only a cut ends this request
+    async with aiohttp.ClientSession() as session:
+        async def stuck() -> int:
+            async with session.post(sluice.url + "/openai/v1/chat/completions",
+                                    json=CHAT) as r:
+                return r.status
+
+        call = asyncio.create_task(stuck())
+        await wait_until(lambda: upstream.inflight == 1, what="the request at the upstream")
+        sluice.signal(signal.SIGTERM)
+        await wait_until(lambda: "draining: 1 request(s) in flight" in sluice.stderr(),
+                         what="the drain started")
+        assert not call.done()  # the first signal waits for it
+        sluice.signal(signal.SIGTERM)
+        with pytest.raises(aiohttp.ClientError):
+            await call
+        assert await sluice.wait_exit(timeout=60) == 0  # long before the 120 s drain_timeout
+    assert "second stop signal: cutting 1 request(s) still in flight" in sluice.stderr()
+
+
 async def test_calls_queued_at_sigterm_are_served_not_cut(upstream, start_sluice):
     # Seen in a hostile trial: the drain waited only for admitted calls, so those still queued
     # were cut whenever the drain looked while none was admitted (inside a slot's hand-over).
