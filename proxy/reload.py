@@ -7,7 +7,10 @@ in-place write, and a Kubernetes ConfigMap update, where the kubelet writes a ne
 directory and swaps the ``..data`` symlink to it (the mounted ``sluice.yaml ->
 ..data/sluice.yaml`` then resolves to a new inode). An inotify watch on the file would miss
 that swap; one stat a second costs nothing and needs no dependency. A change is applied once
-the file has stayed the same for ``SETTLE_S``, so a half-written file is not read.
+the file has stayed the same for ``SETTLE_S``, so a half-written file is not read. The files
+the config names and reads at load (the ``identity.tenants`` table, ``admin.token_file``)
+are watched the same way: a rotated key table or token applies without a SIGHUP. A config
+file that disappears is logged once; the running config stays in force.
 
 **A reload** (:meth:`Reloader.reload`):
 
@@ -135,7 +138,9 @@ class Reloader:
         self.poll_interval_s = poll_interval_s
         self.loaded_at = time.time()
         self.last_attempt: dict[str, Any] | None = None
-        self._applied = fingerprint(self.path)
+        self._applied = self._fingerprints()
+        #: Polls in a row that found no config file.
+        self._absent = 0
         #: The file and problems of the last refused attempt: a SIGHUP sent after an edit the
         #: watcher already refused finds the same ones, logged once.
         self._refused: tuple[Fingerprint, list[str]] | None = None
@@ -173,17 +178,33 @@ class Reloader:
                 await self._signalled.wait()
         if self._signalled.is_set():
             self._signalled.clear()
-            self._applied = fingerprint(self.path)
+            self._applied = self._fingerprints()
             await self.reload("sighup")
             return
-        seen = fingerprint(self.path)
-        if seen is None or seen == self._applied:
-            return  # unchanged, or briefly absent while being replaced
+        seen = self._fingerprints()
+        if seen[0] is None:  # briefly absent while being replaced, or deleted
+            self._absent += 1
+            if self._absent == 2:  # gone for a whole poll: not a replacement
+                log.warning("config file %s is gone; the running config stays in force until "
+                            "it is back (or a SIGHUP)", self.path)
+            return
+        self._absent = 0
+        if seen == self._applied:
+            return
         await asyncio.sleep(SETTLE_S)
-        if fingerprint(self.path) != seen:
+        if self._fingerprints() != seen:
             return  # still being written: look again at the next poll
         self._applied = seen
         await self.reload("file")
+
+    def _fingerprints(self) -> tuple[Fingerprint, ...]:
+        """The config file's fingerprint, then those of the files the running config reads at
+        load (a path, not ``env:NAME``), relative to the config file's directory."""
+        config = self.runtime.config
+        named = [config.identity.tenants, config.admin.token_file]
+        return (fingerprint(self.path), *(
+            fingerprint(self.path.parent / name) for name in named
+            if name is not None and not name.startswith("env:")))
 
     async def reload(self, trigger: str) -> bool:
         """Read, validate and apply the config file; True if it was applied.

@@ -7,6 +7,7 @@ import asyncio
 import hashlib
 import http.client
 import json
+import os
 
 import aiohttp
 import pytest
@@ -135,6 +136,28 @@ async def test_trusted_identity_takes_the_tenant_from_the_api_key(upstream, star
         "team-a", "team-b", "team-a"]
     for text in (sluice.events_path.read_text(), sluice.stderr()):
         assert "sk-team" not in text and "sk-stolen" not in text
+
+
+async def test_a_changed_tenants_file_applies_without_a_sighup(upstream, start_sluice,
+                                                               tmp_path):
+    """The watcher polled only the config file: a key added to the tenants table (a
+    rotated Secret) stayed 401 until a SIGHUP (a new user's trial)."""
+    table = tmp_path / "tenants.yaml"
+    table.write_text(yaml.safe_dump(TENANTS))
+    sluice = await start_sluice({"identity": {"tenants": "tenants.yaml"},
+                                 "routes": [route("up", upstream.url, "openai")]})
+    new_key = {"Authorization": "Bearer sk-team-c"}
+    async with aiohttp.ClientSession() as session:
+        assert await _call(session, sluice.url, new_key) == (401, "unknown_api_key")
+        aside = tmp_path / "tenants.yaml.new"  # as an editor or the kubelet replaces it
+        aside.write_text(yaml.safe_dump(
+            {**TENANTS, digest("sk-team-c"): "team-c"}))
+        os.replace(aside, table)
+        await wait_until(lambda: any(e["event"] == "config_reloaded"
+                                     for e in sluice.events()), what="the reload")
+        assert await _call(session, sluice.url, new_key) == (200, "")
+    [reloaded] = [e for e in sluice.events() if e["event"] == "config_reloaded"]
+    assert reloaded["trigger"] == "file"
 
 
 async def test_unknown_keys_can_go_to_a_configured_tenant(upstream, start_sluice):

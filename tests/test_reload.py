@@ -285,3 +285,27 @@ async def test_a_changed_idempotency_block_keeps_stored_answers_and_keys_in_flig
         upstream.hold.set()
         assert (await running, await duplicate) == ((200, ""), (200, "true"))
     assert len(upstream.requests) == 2
+
+
+async def test_a_deleted_config_file_is_logged_and_the_running_config_serves(upstream,
+                                                                            start_sluice):
+    """Deleting the file logged nothing (a new user's trial): now one warning, and the
+    running config goes on serving; the file's return is applied."""
+    sluice = await start_sluice({"routes": [route(
+        "llm", upstream.url, concurrency={"limit": 2, "queue": 4})]})
+    text = sluice.config_path.read_text()
+    sluice.config_path.unlink()
+    await until(lambda: "is gone; the running config stays in force" in sluice.stderr(),
+                what="the warning")
+    assert await status_of_chat(sluice) == 200
+    data = yaml.load(text, Loader=StrictLoader)
+    data["routes"][0]["concurrency"]["limit"] = 3
+    sluice.config_path.write_text(yaml.safe_dump(data, sort_keys=False))
+    await sluice.wait_metric("sluice_concurrency_limit", 3, route="llm")
+    assert sluice.stderr().count("is gone") == 1
+
+
+async def status_of_chat(sluice) -> int:
+    async with aiohttp.ClientSession() as session, session.post(
+            sluice.url + "/llm/v1/chat/completions", json=CHAT) as r:
+        return r.status
