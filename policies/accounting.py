@@ -372,6 +372,14 @@ class Charge(Meter):
             "cost_usd": None if price is None else round(price_usd(price, usage), 9),
             "usage": source,
         }
+        cap = self.cost.output_cap
+        if source == "reported" and cap is not None:
+            # Charged as reported, the upstream's count being the bill: more than the
+            # reservation (an input the estimate undercounted, an upstream past max_tokens)
+            # can pass a budget by the difference, so it is said.
+            over = (usage.input_tokens + usage.output_tokens) - (self.cost.input_tokens + cap)
+            if over > 0:
+                call.charged["over_reservation_tokens"] = over
 
     def _unreported(self, outcome: str) -> tuple[Usage, str]:
         """What a call that reached the upstream used when its answer gave no final count."""

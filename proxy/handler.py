@@ -306,6 +306,8 @@ def _completed(rt: Runtime, route: Route, call: Call, outcome: Outcome,
             tenant.cost.inc(charged["cost_usd"])  # type: ignore[arg-type]
         if charged["usage"] in ("estimated", "reserved"):
             metrics.usage_missing.inc()
+        elif "over_reservation_tokens" in charged:
+            metrics.usage_over_reservation.inc()
     rt.events.emit_record("completed", call.request_id, route.name, call.tenant, call.run,
                           call.idempotency_key, fields)
 

@@ -381,6 +381,14 @@ class Metrics:
             ["route"],
             registry=r,
         )
+        self.usage_over_reservation = LoopCounter(
+            "sluice_usage_over_reservation",
+            "Answers whose reported usage exceeded the tokens reserved for them (their input "
+            "estimate plus output cap): charged as reported, they can pass a budget by the "
+            "difference (the completed event's over_reservation_tokens).",
+            ["route"],
+            registry=r,
+        )
         self.budget_remaining = Gauge(
             "sluice_budget_remaining",
             "Budget left in the current window (tokens or USD), per tenant (tenant=\"*\" for a "
@@ -586,6 +594,7 @@ class RouteMetrics:
         "upstream_attempts",
         "upstream_duration",
         "usage_missing",
+        "usage_over_reservation",
         "work_units",
     )
 
@@ -604,6 +613,7 @@ class RouteMetrics:
         self.retry_overflow = metrics.retry_overflow.labels(route)
         self.dead_letters = metrics.dead_letters.labels(route)
         self.usage_missing = metrics.usage_missing.labels(route)
+        self.usage_over_reservation = metrics.usage_over_reservation.labels(route)
         self.expiries = {r: metrics.expiries.labels(route, r) for r in ("max_wait", "deadline")}
         self._by_tenant: dict[str, TenantSeries] = {}
         self._by_operation: dict[str, OperationSeries] = {}

@@ -459,3 +459,24 @@ async def test_an_answer_whose_usage_object_is_empty_is_charged_its_reservation(
     assert [e["usage"] for e in events] == ["reserved", "reserved"]
     assert all(e["output_tokens"] == 40 and e["input_tokens"] > 0 for e in events)
     assert await sluice.metric("sluice_usage_missing_total", route="openai") == 2
+
+
+async def test_usage_above_the_reservation_is_charged_and_said(upstream, start_sluice):
+    """An upstream that reports more than the call's worst case (past its max_tokens here;
+    an input the estimate undercounts does the same) is charged what it reports, the count
+    being the bill, and a budget can then pass its limit by the difference: that was said
+    nowhere (a hostile trial). The completed event says by how much, and it is counted."""
+    sluice = await start_sluice({"routes": [route(
+        "openai", upstream.url, "openai", budget={"tokens": "100000/day", "per": "tenant"})]},
+        env=NOON)
+    client = oai(sluice)
+    await client.chat.completions.create(model="gpt-test", messages=MSG, max_tokens=100)
+    await client.chat.completions.create(model="gpt-test", messages=MSG, max_tokens=10,
+                                         extra_headers={"x-fake-tokens": "500"})
+    await client.close()
+    within, over = await completed_events(sluice, 2)
+    assert "over_reservation_tokens" not in within
+    assert over["usage"] == "reported" and over["output_tokens"] == 500
+    reserved = over["output_tokens"] + over["input_tokens"] - over["over_reservation_tokens"]
+    assert 10 < reserved < 500  # the input estimate plus the cap of 10
+    assert await sluice.metric("sluice_usage_over_reservation_total", route="openai") == 1
