@@ -45,10 +45,17 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from policies.config import BudgetConfig, ModelPrice
+from policies.config import (
+    BudgetConfig,
+    ConcurrencyConfig,
+    FanoutConfig,
+    ModelPrice,
+    RouteConfig,
+)
 from policies.logs import PER_CALL
 from policies.rate import Background, fallback_for, finish_now
 from policies.reasons import Reason, Rejected
+from policies.retry import HINT_JITTER
 from policies.state import StateBackends, StateUnavailable
 from policies.state.ledger import Claim, LedgerFull
 from policies.state.rate import Take
@@ -60,8 +67,8 @@ log = logging.getLogger("sluice")
 #: within a request's duration, usually to less than they hold.
 SETTLE_WAIT_S = 1.0
 #: How long a reservation may stay unsettled before the ledger reaps it, seconds, at least:
-#: a route's calls may run longer (:meth:`policies.config.RouteConfig.longest_call_s`), and
-#: its hold is then that plus :data:`HOLD_MARGIN_S`.
+#: a route's calls may run longer (:func:`longest_call_s`), and its hold is then that plus
+#: :data:`HOLD_MARGIN_S` (:func:`hold_for`).
 HOLD_S = 900.0
 HOLD_MARGIN_S = 60.0
 #: Reconcile entries kept while the shared ledger is unavailable (see :class:`Reconciler`).
@@ -602,6 +609,46 @@ class _Pending:
 
     def __repr__(self) -> str:
         return f"_Pending({self.rid!r}, {self.claims!r}, {self.actual!r})"
+
+
+def longest_call_s(route: RouteConfig, fanout_wait_s: float = 0.0) -> float:
+    """The longest a call of ``route`` may hold its reservation, seconds: from its admission
+    by the budget to its answer's end, over the route's plan and each operation's.
+
+    A plan's queue waits add up, since a call may wait out each in turn: ``fanout_wait_s``
+    (the top-level ``fanout``'s ``max_wait``, when it has a ``width``), the route's
+    ``fanout``, its ``concurrency`` and the operation's. Then its attempts: without
+    ``retry``, one of up to ``timeouts.total``; with it, ``attempts`` of them and a wait
+    between each two of up to the longer of ``backoff.max`` and ``max_retry_after``
+    stretched by :data:`policies.retry.HINT_JITTER`, or, when shorter, ``retry.deadline``
+    (which bounds the waits for answers) plus one ``timeouts.total`` (the last answer's
+    body, which only that bounds).
+    """
+    def waits(*blocks: ConcurrencyConfig | FanoutConfig | None) -> float:
+        return sum(block.max_wait for block in blocks if block is not None)
+
+    fanout = route.fanout if route.fanout is not None and route.fanout.width else None
+    base = fanout_wait_s + waits(fanout, route.concurrency)
+    plans = [(base, route.retry, route.timeouts)] + [
+        (base + waits(op.concurrency), op.retry or route.retry, op.timeouts or route.timeouts)
+        for op in route.operations()[1].values()]
+    longest = 0.0
+    for queue, retry, timeouts in plans:
+        run = timeouts.total
+        if retry is not None:
+            between = max(retry.backoff.max, retry.max_retry_after * (1 + HINT_JITTER))
+            run = retry.attempts * timeouts.total + (retry.attempts - 1) * between
+            if retry.deadline is not None:
+                run = min(run, retry.deadline + timeouts.total)
+        longest = max(longest, queue + run)
+    return longest
+
+
+def hold_for(route: RouteConfig, fanout_wait_s: float = 0.0) -> float:
+    """How long ``route``'s reservations are held before the ledger may reap them, seconds:
+    :data:`HOLD_S`, or its longest call plus :data:`HOLD_MARGIN_S` when that is longer (a
+    call still running must never lose its reservation: a budget would be overspent)."""
+    return max(HOLD_S, longest_call_s(route, fanout_wait_s) + HOLD_MARGIN_S)
 
 
 def _amount(unit: str, usage: Usage, price: ModelPrice | None, worst_case: bool = False

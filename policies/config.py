@@ -828,31 +828,6 @@ class RouteConfig(_Section):
         key = OPERATION_KEYS[self.protocol]
         return key, getattr(self, key) or {}
 
-    def longest_call_s(self) -> float:
-        """The longest one call of this route may run from its admission to its answer,
-        seconds: its queue wait, then, for the route and for each operation with its own
-        ``retry`` or ``timeouts``, every attempt to its ``timeouts.total`` and every wait
-        between them (the longer of ``backoff.max`` and ``max_retry_after``), or
-        ``retry.deadline`` when that is shorter. (A budget's reservation must outlive it:
-        :class:`policies.budget.Budgets`.)"""
-        queue = max((c.max_wait for c in (self.concurrency, *(
-            op.concurrency for op in self.operations()[1].values())) if c is not None),
-            default=0.0)
-        plans = [(self.retry, self.timeouts)] + [
-            (op.retry or self.retry, op.timeouts or self.timeouts)
-            for op in self.operations()[1].values()]
-        longest = 0.0
-        for retry, timeouts in plans:
-            if retry is None:
-                longest = max(longest, timeouts.total)
-                continue
-            waits = (retry.attempts - 1) * max(retry.backoff.max, retry.max_retry_after)
-            run = retry.attempts * timeouts.total + waits
-            if retry.deadline is not None:
-                run = min(run, retry.deadline)
-            longest = max(longest, run)
-        return queue + longest
-
     def costs_usd(self) -> bool:
         """Some operation of this route has a cost (``cost_per_call``, ``cost_per_second``)."""
         return any(op.cost_per_call or op.cost_per_second

@@ -17,7 +17,7 @@ from urllib.parse import unquote
 
 from policies.accounting import Accounting
 from policies.breaker import Breaker
-from policies.budget import HOLD_MARGIN_S, HOLD_S, Budgets
+from policies.budget import Budgets, hold_for
 from policies.concurrency import ConcurrencyLimiter
 from policies.config import DEFAULT_OPERATION, ModelPrice, RouteConfig
 from policies.idempotency import Idempotency
@@ -162,7 +162,8 @@ class Route:
         # A reservation is held for at least as long as a call may run (a 1 h total timeout
         # once lost its reservation at 15 min, mid-stream, and the budget was overspent).
         self.budgets = (Budgets(config.budget, pricing or {}, self.backends, clock, self.name,
-                                max(HOLD_S, config.longest_call_s() + HOLD_MARGIN_S))
+                                hold_for(config, global_fanout.max_wait if global_fanout
+                                         else 0.0))
                         if config.budget else None)
         _, blocks = config.operations()
         if config.protocol in ("openai", "anthropic"):

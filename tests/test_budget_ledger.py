@@ -15,6 +15,8 @@ from policies.budget import (
     WARNING_HEADER,
     Budgets,
     clock_from_env,
+    hold_for,
+    longest_call_s,
 )
 from policies.config import BudgetConfig, ModelPrice, RouteConfig
 from policies.reasons import Reason, Rejected
@@ -164,17 +166,26 @@ def test_test_clock_starts_at_its_first_reading():
     assert 1000 <= clock() < 1001
 
 
-def test_a_routes_longest_call_counts_its_queue_attempts_waits_and_operations():
-    def longest(**blocks: object) -> float:
-        return RouteConfig.model_validate(
+def test_a_routes_longest_call_counts_its_queues_attempts_waits_and_operations():
+    def longest(fanout_wait_s: float = 0.0, **blocks: object) -> float:
+        return longest_call_s(RouteConfig.model_validate(
             {"name": "r", "path_prefix": "/r/", "upstream": "http://127.0.0.1:1",
-             "protocol": "openai", **blocks}).longest_call_s()
+             "protocol": "openai", **blocks}), fanout_wait_s)
 
     assert longest() == 600  # timeouts.total
     assert longest(timeouts={"total": "1h"}) == 3600
-    # 5 s in the queue, 3 attempts of 600 s and 2 waits of up to 60 s (max_retry_after).
-    assert longest(concurrency={"limit": 1, "queue": 1}, retry={"attempts": 3}) == 1925
-    assert longest(retry={"attempts": 3, "deadline": "30s"}) == 30
+    # 5 s in the queue, 3 attempts of 600 s and 2 waits of up to 60 s (max_retry_after)
+    # stretched by a quarter (a Retry-After's jitter).
+    assert longest(concurrency={"limit": 1, "queue": 1}, retry={"attempts": 3}) == 1955
+    # The deadline bounds the waits for answers, not the last answer's body (the route's
+    # total does): a review found a 1 h stream held for 15 min under a 30 s deadline.
+    assert longest(retry={"attempts": 3, "deadline": "30s"}, timeouts={"total": "1h"}) == 3630
+    # Queues in turn add up: the top-level fanout's, the route's fanout and concurrency,
+    # the model's concurrency.
+    assert longest(7.0, fanout={"width": 2, "max_wait": "20s"},
+                   concurrency={"limit": 1, "queue": 1, "max_wait": "30s"},
+                   models={"m": {"concurrency": {"limit": 1, "queue": 1,
+                                                 "max_wait": "40s"}}}) == 7 + 20 + 30 + 40 + 600
     # A model's own timeouts replace the route's for its calls.
     assert longest(models={"slow": {"timeouts": {"total": "2h"}}}) == 7200
 
@@ -192,7 +203,7 @@ async def test_a_call_running_longer_than_15_minutes_keeps_its_reservation():
     state.admissions = MemoryAdmissions(state.rates, state.ledger)
     route = Route(config, Metrics(), EventLog(None), clock=clock, state=state)
     budgets = route.budgets
-    assert budgets is not None and budgets.hold_s == 3600 + 60
+    assert budgets is not None and budgets.hold_s == hold_for(config) == 3600 + 60
     first = await budgets.reserve("acme", None, "m", 10, 990)
     clock.now += 50 * 60  # 50 minutes into the call
     with pytest.raises(Rejected) as denied:
