@@ -9,13 +9,14 @@
   result is stored with the record. A record an earlier replay got an answer below 400 for
   is sent again only with ``--again``; with the Redis backend, so is one whose
   ``Idempotency-Key`` got an answer below 400 since (the caller's own retry), as the route's
-  shared idempotency records tell (the memory backend's are in the server's memory, out of
-  the command's reach). A record another replay is sending now is not sent at all: each
-  replay holds its record until its result is stored, so two commands started at once never
-  both send it. Credentials were removed when recording, so give them again with
-  ``-H 'Authorization: Bearer ...'`` or ``--header-from-env NAME=ENVVAR`` (the latter keeps
-  the secret out of the process list); ``--output FILE`` keeps the upstream's answer. Exit
-  status 0 when the upstream answered below 400, 1 otherwise.
+  shared idempotency records tell when its ``idempotency`` block stores answers (``mode:
+  dedup``; the memory backend's are in the server's memory, out of the command's reach). A
+  record another replay is sending now is not sent at all: each replay holds its record until
+  its result is stored, so two commands started at once never both send it. Credentials were
+  removed when recording, so give them again with ``-H 'Authorization: Bearer ...'`` or
+  ``--header-from-env NAME=ENVVAR`` (the latter keeps the secret out of the process list);
+  ``--output FILE`` keeps the upstream's answer. Exit status 0 when the upstream answered
+  below 400, 1 otherwise.
 * ``purge``: delete every record.
 
 Each reads where the servers of ``--config`` write: with ``state.backend: redis``, the Redis
@@ -30,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import sqlite3
 import sys
 import time
 from datetime import UTC, datetime
@@ -42,7 +44,7 @@ from multidict import CIMultiDict
 
 from policies.config import Config, RouteConfig
 from policies.deadletter import ANSWERED, BUSY, CLAIMED, DeadLetter, DeadLetterFile, ReplayClaim
-from policies.idempotency import shared_record_key
+from policies.idempotency import parse_key, shared_record_key
 from policies.idempotency_store import DONE, TOO_LARGE
 from policies.state import DeadLetterStore, StateUnavailable, redact_url, redis_backends
 from policies.state.idempotency import IdempotencyRecords
@@ -229,7 +231,7 @@ async def _replay(config: Config, store: DeadLetterStore | _FileStore, letter: D
         status, error, answer = await _send(route, letter, headers)
     finally:
         duration = time.monotonic() - started
-        await store.add_replay(letter.id or 0, status, error, duration, token)
+        await _record(store, letter, status, error, duration, token, hold_s)
     if args.output and status is not None:
         await asyncio.to_thread(Path(args.output).write_bytes, answer)
     result = f"HTTP {status}, {len(answer)} bytes" if status is not None else f"failed: {error}"
@@ -238,14 +240,31 @@ async def _replay(config: Config, store: DeadLetterStore | _FileStore, letter: D
     return 0 if status is not None and status < 400 else EXIT_FAILED
 
 
+async def _record(store: DeadLetterStore | _FileStore, letter: DeadLetter,
+                  status: int | None, error: str | None, duration_s: float, token: str,
+                  hold_s: float) -> None:
+    """Store a replay's result, ending its hold; a store that fails then is said (the result
+    is still printed: the send happened), never raised over the upstream's answer."""
+    try:
+        await store.add_replay(letter.id or 0, status, error, duration_s, token)
+    except (StateUnavailable, sqlite3.Error) as exc:
+        cause = exc.cause if isinstance(exc, StateUnavailable) else exc
+        print(f"WARNING: the result of this replay of dead letter {letter.id} was not stored "
+              f"({cause}); another replay without --again is refused for up to "
+              f"{hold_s:.0f}s, then would send it again", file=sys.stderr)
+
+
 async def _answered_since(records: IdempotencyRecords, route: RouteConfig,
                           letter: DeadLetter) -> int | None:
     """The status below 400 the route's shared idempotency records hold for the letter's key
     (a later request with that key was answered), or ``None``."""
     if letter.idempotency_key is None or route.idempotency is None:
         return None
-    answer = await records.get(shared_record_key(route.name, letter.tenant,
-                                                 letter.idempotency_key))
+    try:  # kept as sent (quoted, the draft's form, or bare); records are named by the key
+        key = parse_key(letter.idempotency_key)
+    except ValueError:
+        return None
+    answer = await records.get(shared_record_key(route.name, letter.tenant, key))
     if answer is None or answer.kind not in (DONE, TOO_LARGE) or answer.status >= 400:
         return None
     return answer.status

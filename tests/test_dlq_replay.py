@@ -4,6 +4,7 @@ answer for since. Real Sluice processes, the real CLI in subprocesses, the fake 
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import sys
@@ -11,6 +12,10 @@ import sys
 import aiohttp
 import pytest
 
+from policies.deadletter import CLAIMED, DeadLetter, ReplayClaim
+from policies.state import StateUnavailable
+from proxy import dlq
+from proxy.config import parse_config
 from tests.conftest import REPO, route, wait_until
 from tests.redis_servers import delete_prefix, new_prefix, require_redis
 
@@ -117,8 +122,9 @@ async def test_a_replay_killed_mid_send_leaves_its_result_and_frees_the_letter(
     assert code == 0 and "HTTP 200" in out, err
 
 
+@pytest.mark.parametrize("sent", ["pay-44", '"pay-44"'], ids=["bare", "quoted"])
 async def test_a_key_the_callers_retry_got_an_answer_for_is_not_replayed_without_again(
-        upstream, start_sluice):
+        upstream, start_sluice, sent):
     """With Redis, the CLI reads the route's shared idempotency records: the letter's key was
     answered since (the caller retried with it once the upstream was back), so a replay
     would do the work a second time; it needs --again."""
@@ -130,7 +136,9 @@ async def test_a_key_the_callers_retry_got_an_answer_for_is_not_replayed_without
                       "timeout": "2s"},
             "routes": [route("openai", upstream.url, idempotency={"mode": "dedup"},
                              retry={"attempts": 2, "backoff": FAST_BACKOFF})]})
-        letter = await dead_letter(sluice, upstream, "pay-44")
+        # The letter keeps the header as sent; a quoted key (RFC 8941, the draft's form) was
+        # looked up quoted and never found (a review).
+        letter = await dead_letter(sluice, upstream, sent)
         async with aiohttp.ClientSession() as s, s.post(
                 sluice.url + "/openai" + CHAT, json=BODY,
                 headers={"X-Tenant-ID": "acme", "Idempotency-Key": "pay-44"}) as r:
@@ -139,10 +147,37 @@ async def test_a_key_the_callers_retry_got_an_answer_for_is_not_replayed_without
         sent = len(upstream.requests)
         config = str(sluice.config_path)
         code, _, err = await outcome(await cli("dlq", "replay", letter, "--config", config))
-        assert code == 1 and "'pay-44' was answered HTTP 200 since" in err and "--again" in err
+        assert code == 1 and "was answered HTTP 200 since" in err and "--again" in err
         assert len(upstream.requests) == sent
         code, _, err = await outcome(await cli("dlq", "replay", letter, "--config", config,
                                                "--again"))
         assert code == 0 and len(upstream.requests) == sent + 1, err
     finally:
         delete_prefix(url, prefix)
+
+
+async def test_a_result_the_store_cannot_take_is_said_and_the_answer_still_kept(
+        upstream, tmp_path, capsys):
+    """Redis failing as the result is stored replaced the upstream's 200 by "the dead
+    letters are unavailable" (exit 1, no --output) though the letter had been sent (a
+    review): the answer is kept and printed, with a warning that nothing was recorded."""
+    class FailingStore:
+        async def claim_replay(self, letter_id, token, hold_s, again=False):
+            return ReplayClaim(CLAIMED)
+
+        async def add_replay(self, letter_id, status, error, duration_s, token=None):
+            raise StateUnavailable("connection refused")
+
+    config = parse_config(f"routes:\n  - {{name: openai, path_prefix: /openai/, "
+                          f"upstream: '{upstream.url}', protocol: openai}}\n")
+    letter = DeadLetter(route="openai", tenant="acme", run=None, idempotency_key=None,
+                        request_id="q", method="POST", path=CHAT, headers=[], redacted=[],
+                        body=b"{}", body_size=2, attempts=[], reason="attempts_exhausted",
+                        id=7)
+    out = tmp_path / "answer.json"
+    args = argparse.Namespace(again=False, header=[], header_from_env=[], output=str(out))
+    assert await dlq._replay(config, FailingStore(), letter, args) == 0
+    printed = capsys.readouterr()
+    assert "HTTP 200" in printed.out
+    assert "was not stored (connection refused)" in printed.err
+    assert out.read_bytes() and len(upstream.requests) == 1
