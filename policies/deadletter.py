@@ -40,13 +40,11 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import orjson
 
 from policies.config import DeadLetterConfig
-from policies.secrets import SECRET_HEADER_PARTS, secret_header
+from policies.secrets import secret_header, secret_query_field
 
 if TYPE_CHECKING:  # policies.state.deadletters imports this module's records
     from policies.state import StateBackends
 
-#: Query parameters dropped as credentials (``?key=`` is how some APIs authenticate).
-SECRET_QUERY_PARTS = (*SECRET_HEADER_PARTS, "sig")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS dead_letters (
@@ -109,7 +107,7 @@ def redact_path(path: str) -> tuple[str, list[str]]:
     removed: list[str] = []
     for pair in query.split("&"):
         name = pair.partition("=")[0].lower()
-        if any(part in name for part in SECRET_QUERY_PARTS):
+        if secret_query_field(name):
             removed.append("?" + pair.partition("=")[0])
         else:
             kept.append(pair)

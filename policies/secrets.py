@@ -23,6 +23,16 @@ SECRET_HEADER_PARTS = ("auth", "cookie", "key", "token", "secret", "password", "
 SECRET_HEADER_WORDS = frozenset({"pass", "pwd", "pin"})
 #: Headers whose name has such a fragment but that carry no credential.
 NOT_SECRET_HEADERS = frozenset({"idempotency-key"})
+#: Query parameter name fragments that mark a credential (``?key=``, ``?api_key=``, a
+#: signed URL's ``?sig=``): some APIs authenticate in the query.
+SECRET_QUERY_PARTS = (*SECRET_HEADER_PARTS, "sig")
+
+
+def secret_query_field(name: str) -> bool:
+    """Whether a query parameter carries a credential, by its name."""
+    lower = name.lower()
+    return (any(part in lower for part in SECRET_QUERY_PARTS)
+            or not SECRET_HEADER_WORDS.isdisjoint(re.split(r"[-_]", lower)))
 
 
 def secret_header(name: str, value: str) -> bool:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from policies.secrets import SECRET_VALUE
+from policies.secrets import SECRET_VALUE, secret_query_field
 from policies.state import redact_url
 
 REDACTED = "<redacted>"
@@ -31,15 +31,18 @@ _SCHEME = r"[a-zA-Z][a-zA-Z0-9+.-]*://"
 _URL_USERINFO = re.compile(rf"\b({_SCHEME})([^/?#\s]*)@")
 # A value that is a URL as a whole: redacted by parsing it (see redact_url).
 _WHOLE_URL = re.compile(_SCHEME)
+# A query field of a URL quoted inside a longer string (``...?api_key=abc&x=1'``).
+_QUERY_FIELD = re.compile(r"([?&])([^=&\s'\"#?]+)=([^&\s'\"#]*)")
 
 
 def redact(value: Any, key: str = "") -> Any:
     """A copy of a JSON-ready ``value`` with anything that looks like a secret replaced.
 
     Redacted: the value of a key with a secret-sounding word (``password``, ``token``,
-    ``api_key``, ``auth``...); the password, or a lone token, in a URL's userinfo, also inside
-    a longer string (``redis://:pw@host`` -> ``redis://:<redacted>@host``); strings shaped
-    like API keys or ``Authorization`` values (``sk-...``, ``Bearer ...``).
+    ``api_key``, ``auth``...); the password, or a lone token, in a URL's userinfo, and query
+    fields named as credentials (``?password=``, ``?api_key=``), also inside a longer string
+    (``redis://:pw@host`` -> ``redis://:<redacted>@host``); strings shaped like API keys or
+    ``Authorization`` values (``sk-...``, ``Bearer ...``).
     """
     if isinstance(value, dict):
         return {k: redact(v, str(k)) for k, v in value.items()}
@@ -51,9 +54,18 @@ def redact(value: Any, key: str = "") -> Any:
         return value
     if _secret_key(key) or SECRET_VALUE.match(value):
         return REDACTED if value else value
-    if _WHOLE_URL.match(value) and "@" in value:
-        return redact_url(value)  # the whole authority: a password with spaces included
-    return _URL_USERINFO.sub(_redact_userinfo, value)
+    if _WHOLE_URL.match(value) and ("@" in value or "?" in value):
+        # The whole authority (a password with spaces included), and credentials in the
+        # query (redis-py reads ?password=; some APIs take ?api_key=).
+        return redact_url(value)
+    value = _URL_USERINFO.sub(_redact_userinfo, value)
+    return _QUERY_FIELD.sub(_redact_query_field, value) if "=" in value else value
+
+
+def _redact_query_field(match: re.Match[str]) -> str:
+    if not secret_query_field(match.group(2)):
+        return match.group(0)
+    return f"{match.group(1)}{match.group(2)}={REDACTED}"
 
 
 def _redact_userinfo(match: re.Match[str]) -> str:

@@ -39,6 +39,18 @@ from tests.test_reload import CHAT, until
       "problems": [f"f:3: state.redis_url: 'redis://:{REDACTED}@h:1/x' is not valid"]}),
     ({"list": ["sk-abc", "plain"], "limit": 5, "secret": None},
      {"list": [REDACTED, "plain"], "limit": 5, "secret": None}),
+    # Credentials in a query (a hostile trial saw both in /admin/config in clear): redis-py
+    # reads ?password=; some APIs take ?api_key=, also quoted by a refused reload's problem.
+    ({"redis_url": "redis://127.0.0.1:6379/0?password=RQ&db=1",
+      "upstream": "https://api.example.com/v1?api_key=K1&region=eu",
+      "problems": ["f:9: routes[0].upstream: 'http://127.0.0.1:9/?api_key=Q2' must be an "
+                   "http:// or https:// base URL with no query or fragment"],
+      "note": "a budget of tokens=5 is no query"},
+     {"redis_url": f"redis://127.0.0.1:6379/0?password={REDACTED}&db=1",
+      "upstream": f"https://api.example.com/v1?api_key={REDACTED}&region=eu",
+      "problems": [f"f:9: routes[0].upstream: 'http://127.0.0.1:9/?api_key={REDACTED}' must "
+                   "be an http:// or https:// base URL with no query or fragment"],
+      "note": "a budget of tokens=5 is no query"}),
 ])
 def test_redact(value, expected):
     assert redact(value) == expected

@@ -56,6 +56,7 @@ from redis.commands.core import AsyncScript
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
+from policies.secrets import secret_query_field
 from policies.state.errors import StateUnavailable, is_unavailable
 from policies.state.notify import RedisNotifier
 
@@ -83,8 +84,9 @@ CONNECT_TIMEOUT_S = 2.0
 
 
 def redact_url(url: str) -> str:
-    """``url`` with any password (in the userinfo or a ``password=`` query field) replaced by
-    ``<redacted>``; a lone userinfo without ``:`` is taken for a token and redacted too.
+    """``url`` with any password (in the userinfo, or a query field named as a credential:
+    ``password=``, ``api_key=``, ``token=``...) replaced by ``<redacted>``; a lone userinfo
+    without ``:`` is taken for a token and redacted too.
 
     >>> redact_url("redis://:s3cret@cache:6379/0")
     'redis://:<redacted>@cache:6379/0'
@@ -102,7 +104,7 @@ def redact_url(url: str) -> str:
     if query:
         fields = urllib.parse.parse_qsl(query, keep_blank_values=True)
         query = "&".join(
-            f"{name}={REDACTED if name.lower() == 'password' else value}"
+            f"{name}={REDACTED if secret_query_field(name) else value}"
             for name, value in fields
         )
     return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
