@@ -35,7 +35,7 @@ import time
 from typing import Any
 
 import aiohttp
-from aiohttp import web
+from aiohttp import hdrs, web
 from multidict import CIMultiDict
 from yarl import URL
 
@@ -132,6 +132,10 @@ async def forward(request: web.BaseRequest, rt: Runtime, route: Route, call: Cal
             the breaker hears nothing of it.
     """
     headers = fwd.upstream_headers(request)
+    if route.own_credentials:
+        # The route's credentials are the upstream's: a caller's own Authorization (the
+        # SDKs always send one) made aiohttp refuse every call, counted as an attempt.
+        headers.popall(hdrs.AUTHORIZATION, None)
     if call.upstream_key is not None:
         headers[IDEMPOTENCY_HEADER] = call.upstream_key
     meter = call.meter

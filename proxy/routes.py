@@ -11,6 +11,7 @@ carries over; see :mod:`proxy.reload` for the pattern a policy follows.
 from __future__ import annotations
 
 import time
+import urllib.parse
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import unquote
@@ -93,6 +94,7 @@ class Route:
         "metrics",
         "name",
         "operations",
+        "own_credentials",
         "prefix",
         "present",
         "protocol",
@@ -119,6 +121,9 @@ class Route:
         self.prefix = config.path_prefix
         self.protocol = config.protocol
         self.upstream_base = config.upstream
+        #: The upstream URL carries user info: aiohttp sends it as HTTP Basic credentials,
+        #: and refuses a request that also has an Authorization header.
+        self.own_credentials = "@" in urllib.parse.urlsplit(config.upstream).netloc
         #: The request path from this index on is what goes upstream (the prefix less its
         #: last slash).
         self.cut = len(self.prefix) - 1

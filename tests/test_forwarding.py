@@ -7,6 +7,7 @@ sloppy caller could send.
 
 from __future__ import annotations
 
+import base64
 import re
 
 import aiohttp
@@ -350,3 +351,18 @@ async def test_an_overlong_tenant_or_run_id_is_a_clear_400(upstream, start_sluic
                                 headers={"X-Tenant-ID": "t" * 128}) as r:
             assert r.status == 200
     assert len(upstream.requests) == 1
+
+
+async def test_a_route_with_credentials_in_its_upstream_url_sends_them_not_the_callers(
+        upstream, start_sluice):
+    """An upstream URL with user info is sent as HTTP Basic credentials; with a caller's
+    own Authorization too (the SDKs always send one), aiohttp refused every call: 502, an
+    attempt counted and the budget charged, though nothing was sent (a hostile trial)."""
+    sluice = await start_sluice({"routes": [route(
+        "svc", f"http://svc:hunter2@127.0.0.1:{upstream.port}", "http")]})
+    async with aiohttp.ClientSession() as session:
+        for headers in ({"Authorization": "Bearer sk-caller"}, {}):
+            async with session.get(sluice.url + "/svc/x", headers=headers) as r:
+                assert r.status == 200
+    basic = "Basic " + base64.b64encode(b"svc:hunter2").decode()
+    assert [seen.headers["Authorization"] for seen in upstream.requests] == [basic, basic]
