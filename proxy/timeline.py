@@ -5,7 +5,8 @@ file given with ``--events`` (``-`` for standard input, e.g. ``kubectl logs POD 
 sluice timeline RUN --events -`` when events go to stdout). Lines that are not JSON events, such
 as log lines interleaved with them, are skipped, as are objects without an ``event`` name and
 a ``ts`` (Unix seconds, 1970 to 9999) or with a ``request_id`` that is not a string; counts
-and durations that are not numbers count as none.
+and durations that are not numbers count as none. Control characters in the events' text
+(which callers choose: models, tenants, paths) are printed as escapes, ``\x1b``.
 
 It prints two tables:
 
@@ -21,6 +22,7 @@ later appear without a change here.
 from __future__ import annotations
 
 import math
+import re
 import sys
 import time
 from collections.abc import Iterable, Iterator
@@ -33,6 +35,8 @@ import orjson
 COMMON_FIELDS = ("ts", "event", "request_id", "route", "tenant", "run", "idempotency_key")
 #: The last second of year 9999, the latest ``ts`` a timeline can print.
 LAST_TS = 253_402_300_799
+#: C0 and C1 controls, DEL, and the Unicode line and paragraph separators.
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 
 
 def read_run(lines: Iterable[bytes | str], run_id: str) -> list[dict[str, Any]]:
@@ -50,9 +54,27 @@ def read_run(lines: Iterable[bytes | str], run_id: str) -> list[dict[str, Any]]:
         except orjson.JSONDecodeError:
             continue
         if isinstance(event, dict) and event.get("run") == run_id and _is_event(event):
-            events.append(event)
+            events.append(_printable(event))
     events.sort(key=lambda e: e["ts"])
     return events
+
+
+def _printable(value: Any) -> Any:
+    """``value`` with every control character of its strings (line breaks, ESC...) written as
+    an escape: callers choose models, tenants and paths, and a raw ESC or CR in them would
+    drive the operator's terminal (clear it, retitle it, fake a line)."""
+    if isinstance(value, str):
+        return _CONTROL.sub(_escape, value) if _CONTROL.search(value) else value
+    if isinstance(value, dict):
+        return {_printable(k): _printable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_printable(v) for v in value]
+    return value
+
+
+def _escape(match: re.Match[str]) -> str:
+    code = ord(match.group())
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
 
 
 def _is_event(event: dict[str, Any]) -> bool:

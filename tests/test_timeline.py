@@ -145,3 +145,20 @@ def test_json_lines_that_are_not_our_events_are_skipped_not_fatal(tmp_path):
     assert "Traceback" not in shown.stderr
     assert "1 request(s), 2 event(s)" in shown.stdout
     assert "spend 4 tokens, cost unknown" in shown.stdout
+
+
+def test_control_characters_callers_chose_are_printed_as_escapes(tmp_path):
+    """A model, tenant or path a caller chose reached the operator's terminal raw: ESC and
+    OSC sequences could clear it or retitle it, and a CR LF fake a line (a hostile trial)."""
+    log = tmp_path / "events.jsonl"
+    log.write_text("\n".join([
+        '{"ts": 10, "event": "admitted", "run": "a", "request_id": "x",'
+        ' "tenant": "t\\u001b[2J"}',
+        '{"ts": 11, "event": "completed", "run": "a", "request_id": "x", "status": 200,'
+        ' "model": "m\\u001b]0;owned\\u0007\\r\\nfake line", "tenant": "t\\u009b"}',
+    ]) + "\n")
+    shown = timeline("a", "--events", str(log))
+    assert shown.returncode == 0, shown.stderr
+    assert not any(ch in shown.stdout for ch in "\x1b\x07\r\x9b")
+    assert "\\x1b[2J" in shown.stdout
+    assert "fake line" not in shown.stdout.splitlines()[-1]
