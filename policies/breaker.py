@@ -227,6 +227,9 @@ class Breaker:
 
     def state_value(self) -> int:
         """The state as ``sluice_circuit_state`` reports it: 0 closed, 1 half-open, 2 open.
+        An open breaker whose open time has passed reads 1: its next attempt is let through
+        as the probe (the state itself moves then, as no call may come for hours, and an
+        alert on "open" would fire all that while).
 
         Never awaits; a stale view of a shared breaker is refreshed in the background.
         """
@@ -236,6 +239,8 @@ class Breaker:
                 self._refreshing = True
             except RuntimeError:  # no running loop (a scrape outside the server)
                 pass
+        if self._state == OPEN and time.monotonic() >= self._open_until:
+            return HALF_OPEN
         return self._state
 
     def _fresh(self) -> bool:

@@ -180,3 +180,18 @@ async def test_a_breaker_block_removed_and_added_back_shows_the_open_state(
             await asyncio.sleep(0.05)
         assert await sluice.metric("sluice_circuit_state", route="openai") == 2
     assert len(upstream.requests) == 2
+
+
+async def test_an_open_breaker_idle_past_its_open_time_reads_half_open(upstream, start_sluice):
+    """sluice_circuit_state stayed 2 until the next call after reset_timeout, so with no
+    traffic SluiceCircuitOpen fired all night though the next call would be let through as
+    the probe (a hostile trial). It reads 1 then; the probe still decides."""
+    sluice = await start_sluice({"routes": [route(
+        "openai", upstream.url, circuit_breaker={"fail_max": 1, "reset_timeout": "1s"})]})
+    async with aiohttp.ClientSession() as s:
+        assert (await post(s, sluice.url, **{"x-fake-status": "500"}))[0] == 500
+        await sluice.wait_metric("sluice_circuit_state", 1, route="openai")  # no call since
+        assert len(upstream.requests) == 1
+        assert (await post(s, sluice.url))[0] == 200  # the probe
+        await sluice.wait_metric("sluice_circuit_state", 0, route="openai")
+    assert len(upstream.requests) == 2
