@@ -26,11 +26,13 @@ overtake the queue. The best waiter is chosen by, in order:
    holds, however many distinct tenants pass through.
 3. Arrival order.
 
-Deadlines: a call whose caller sent its own timeout (``X-Request-Timeout``,
-``x-stainless-timeout``) is refused ``deadline_unreachable`` at once when the estimated wait
-plus one service time already exceeds it, and otherwise waits at most its timeout less one
-service time; one still queued when that passes is dropped (event ``expired``) and never
-reaches the upstream.
+Deadlines: a call whose caller sent its own timeout is refused ``deadline_unreachable`` at once
+when the estimated wait plus the call's own time already exceeds it, and otherwise waits at
+most its timeout less that time; one still queued when that passes is dropped (event
+``expired``) and never reaches the upstream. The call's own time is the mean service time for
+a deadline (``X-Request-Timeout``), and the mean time to the upstream's first byte for the
+Stainless SDKs' ``x-stainless-timeout``, httpx's read timeout: a stream that starts answering
+in time is in time, however long it runs.
 
 ``per_tenant`` caps one tenant's requests on the route, in flight *and* queued together, so one
 tenant can never hold more than ``per_tenant`` slots; the next one is answered 429
@@ -246,7 +248,7 @@ class ConcurrencyLimiter:
     async def acquire(self, tenant: str, priority: int = DEFAULT_PRIORITY,
                       caller_timeout: float | None = None,
                       on_queued: Callable[[int], None] | None = None,
-                      cost: float | None = None) -> float | None:
+                      cost: float | None = None, *, reads: bool = False) -> float | None:
         """Take a slot for ``tenant``, queueing for one if none is free.
 
         Args:
@@ -254,6 +256,8 @@ class ConcurrencyLimiter:
             caller_timeout: what is left of the caller's own timeout in seconds
                 (:meth:`Call.time_left`), if it sent one; it can shorten the wait
                 (:meth:`wait_budget`) or refuse it at once.
+            reads: that timeout is a read timeout (:attr:`Call.timeout_reads`): it must
+                cover the wait and the upstream's first byte, not the whole call.
             on_queued: called with the queue depth once this call has joined the queue.
             cost: the call's cost in tokens, if known (else its service time is used).
 
@@ -276,7 +280,7 @@ class ConcurrencyLimiter:
             self.inflight += 1
             self._by_tenant[tenant] = held + 1
             return charged
-        charged, _ = await self._wait(tenant, priority, caller_timeout, on_queued, cost)
+        charged, _ = await self._wait(tenant, priority, caller_timeout, on_queued, cost, reads)
         return charged
 
     def _tenant_refusal(self, held: int) -> Rejected:
@@ -289,13 +293,14 @@ class ConcurrencyLimiter:
 
     async def _wait(self, tenant: str, priority: int, caller_timeout: float | None,
                     on_queued: Callable[[int], None] | None,
-                    cost: float | None) -> tuple[float | None, object]:
+                    cost: float | None, reads: bool = False) -> tuple[float | None, object]:
         """Queue ``tenant``'s call until a hand-over grants it a slot (:meth:`acquire`'s
         refusals and cancellation apply). Returns what :meth:`acquire` returns, and the value
         the hand-over passed (see :meth:`_grant`)."""
         held = self._by_tenant.get(tenant, 0)
-        max_wait = self.wait_budget(caller_timeout)
+        max_wait = self.wait_budget(caller_timeout, reads)
         expected = (self.queued + 1) * self.mean_service_s / self.limit
+        call_s = self.mean_first_byte_s if reads else self.mean_service_s
         # Nobody may wait (no queue left, or ``max_wait: 0s``): the queue's refusal, whatever
         # the caller's timeout, which is not what stands in its way.
         if self.queue_full or self.max_wait <= 0:
@@ -311,15 +316,16 @@ class ConcurrencyLimiter:
         # longer than ``max_wait`` alone is the queue's matter (``queue_timeout`` once it
         # passes), as for a caller that sent no timeout.
         if max_wait <= 0 or (caller_timeout is not None and self.observed
-                             and expected > caller_timeout - self.mean_first_byte_s):
+                             and expected > caller_timeout - call_s):
             left = (f"ends in {caller_timeout:.3g}s" if caller_timeout > 0  # type: ignore[operator]
                     else "has passed")
             raise Rejected(
                 Reason.DEADLINE_UNREACHABLE,
                 self._drain_estimate(self.queued + 1),
                 f"the caller's timeout {left}, which leaves no time to queue: the wait is "
-                f"estimated at {expected:.3g}s and the upstream takes "
-                f"{self.mean_first_byte_s:.3g}s on average to start answering",
+                f"estimated at {expected:.3g}s and "
+                + (f"the upstream takes {call_s:.3g}s on average to start answering" if reads
+                   else f"calls take {call_s:.3g}s on average"),
             )
         loop = asyncio.get_running_loop()
         # The call's tag: where ``_charge`` starts it, its tenant's time, never the class's past.
@@ -350,14 +356,15 @@ class ConcurrencyLimiter:
 
     async def take(self, tenant: str, priority: int = DEFAULT_PRIORITY,
                    caller_timeout: float | None = None,
-                   on_queued: Callable[[int], None] | None = None) -> Slot:
+                   on_queued: Callable[[int], None] | None = None, *,
+                   reads: bool = False) -> Slot:
         """:meth:`acquire`, as the holding that gives the slot back (for a policy that
         keeps one limiter per key, such as ``fanout.width``'s per run).
 
         Raises:
             Rejected: as :meth:`acquire` does.
         """
-        charged = await self.acquire(tenant, priority, caller_timeout, on_queued)
+        charged = await self.acquire(tenant, priority, caller_timeout, on_queued, reads=reads)
         return Slot(self, tenant, charged, priority)
 
     async def admit(self, call: Call) -> Slot:
@@ -380,22 +387,25 @@ class ConcurrencyLimiter:
             return Slot(self, tenant, charged, cls)
         try:
             charged = await self.acquire(tenant, call.priority, call.time_left(),
-                                         queued_hook(call), call.cost)
+                                         queued_hook(call), call.cost,
+                                         reads=call.timeout_reads)
         except Rejected as rejected:
             report_expiry(call, rejected)
             raise
         return Slot(self, tenant, charged, call.priority)
 
-    def wait_budget(self, caller_timeout: float | None) -> float:
+    def wait_budget(self, caller_timeout: float | None, reads: bool = False) -> float:
         """How long a request may queue, seconds: ``max_wait``, or less when the caller's own
-        timeout leaves less room once the mean time to the upstream's first byte
-        (``mean_first_byte_s``) is set aside for the call itself (HAProxy's ``timeout queue``
-        bounded by the caller's deadline; waiting longer only admits work the caller will
-        have abandoned). That time is set aside only once it has been observed; ``acquire``
-        refuses a budget of 0 or less at once."""
+        timeout leaves less room once the call itself is set aside: the mean service time
+        for a deadline, the mean time to the upstream's first byte (``mean_first_byte_s``)
+        for a read timeout (``reads``) (HAProxy's ``timeout queue`` bounded by the caller's
+        deadline; waiting longer only admits work the caller will have abandoned). That time
+        is set aside only once it has been observed; ``acquire`` refuses a budget of 0 or
+        less at once."""
         if caller_timeout is None:
             return self.max_wait
-        room = caller_timeout - self.mean_first_byte_s if self.observed else caller_timeout
+        call_s = self.mean_first_byte_s if reads else self.mean_service_s
+        room = caller_timeout - call_s if self.observed else caller_timeout
         return min(self.max_wait, room)
 
     @property

@@ -47,7 +47,9 @@ class Call:
         accounting's rewritten body), tenant, run (``None`` without a run id), priority
         (0 critical, 1 standard, 2 best-effort), priority_given (the caller named it;
         else a run may inherit its parent's), timeout (the caller's own timeout in
-        seconds, ``None`` if it sent none), parent_run (the parent run named by the caller,
+        seconds, ``None`` if it sent none), timeout_reads (that timeout is a read timeout,
+        the Stainless SDKs': it bounds the wait for the answer's first byte, not the whole
+        call as a deadline does), parent_run (the parent run named by the caller,
         ``None`` for none), operation (the tool, endpoint or model a per-operation policy
         keys on; ``None`` for none), client_retry (the caller's SDK says this request is its
         own retry: ``x-stainless-retry-count`` > 0), received_at (monotonic seconds).
@@ -89,14 +91,14 @@ class Call:
                  "operation_cost", "parent_run", "path", "phase", "priority", "priority_given",
                  "progress_at", "reached", "received_at", "reporter", "request_id",
                  "response_headers", "route", "run", "status", "tenant", "timeout",
-                 "units_deferred", "upstream_key")
+                 "timeout_reads", "units_deferred", "upstream_key")
 
     def __init__(self, *, request_id: str, route: str, method: str, path: str,
                  headers: Mapping[str, str], body: bytes, tenant: str, run: str | None = None,
                  priority: int = 1, timeout: float | None = None, operation: str | None = None,
                  reporter: Callable[[Call, str, dict[str, Any]], None] = _ignore,
                  parent_run: str | None = None, priority_given: bool = True,
-                 client_retry: bool = False) -> None:
+                 client_retry: bool = False, timeout_reads: bool = False) -> None:
         self.request_id = request_id
         self.route = route
         self.method = method
@@ -107,6 +109,7 @@ class Call:
         self.run = run
         self.priority = priority
         self.timeout = timeout
+        self.timeout_reads = timeout_reads
         self.operation = operation
         self.reporter = reporter
         self.parent_run = parent_run

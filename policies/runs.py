@@ -524,6 +524,7 @@ class RunTracker:
                     raise Rejected(Reason.DEADLINE_UNREACHABLE, None,
                                    "the parent run's deadline has passed")
                 call.timeout = deadline - call.received_at
+                call.timeout_reads = False  # a deadline for the whole call
 
 
 class _Tracked:
@@ -798,7 +799,8 @@ class FanoutWidth:
             call.phase = "queued"
 
         try:
-            slot = await entry.limiter.take(run, call.priority, call.time_left(), queued)
+            slot = await entry.limiter.take(run, call.priority, call.time_left(), queued,
+                                            reads=call.timeout_reads)
         except Rejected as rejected:
             self._leave(run, entry)
             if rejected.reason in (Reason.QUEUE_TIMEOUT, Reason.QUEUE_FULL):

@@ -126,7 +126,7 @@ class SharedConcurrencyLimiter(ConcurrencyLimiter):
     async def acquire(self, tenant: str, priority: int = DEFAULT_PRIORITY,  # type: ignore[override]
                       caller_timeout: float | None = None,
                       on_queued: Callable[[int], None] | None = None,
-                      cost: float | None = None) -> SharedSlot:
+                      cost: float | None = None, *, reads: bool = False) -> SharedSlot:
         """Take a lease for ``tenant``, queueing here for one if none is free anywhere.
 
         Args: as :meth:`ConcurrencyLimiter.acquire`.
@@ -159,21 +159,23 @@ class SharedConcurrencyLimiter(ConcurrencyLimiter):
             if result.refused_by == TENANT:
                 raise self._tenant_refusal(result.tenant_inflight)
         self._dispatch_soon()
-        charged, lease = await self._wait(tenant, priority, caller_timeout, on_queued, cost)
+        charged, lease = await self._wait(tenant, priority, caller_timeout, on_queued, cost,
+                                          reads)
         assert isinstance(lease, Lease)
         return SharedSlot(self, tenant, charged, priority, lease)
 
     async def take(self, tenant: str, priority: int = DEFAULT_PRIORITY,  # type: ignore[override]
                    caller_timeout: float | None = None,
-                   on_queued: Callable[[int], None] | None = None) -> SharedSlot:
+                   on_queued: Callable[[int], None] | None = None, *,
+                   reads: bool = False) -> SharedSlot:
         """:meth:`acquire` (its answer is already the holding)."""
-        return await self.acquire(tenant, priority, caller_timeout, on_queued)
+        return await self.acquire(tenant, priority, caller_timeout, on_queued, reads=reads)
 
     async def admit(self, call: Call) -> SharedSlot:  # type: ignore[override]
         """The pipeline step: as :meth:`ConcurrencyLimiter.admit`, holding a lease."""
         try:
             return await self.acquire(call.tenant, call.priority, call.time_left(),
-                                      queued_hook(call), call.cost)
+                                      queued_hook(call), call.cost, reads=call.timeout_reads)
         except Rejected as rejected:
             report_expiry(call, rejected)
             raise

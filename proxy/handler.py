@@ -56,17 +56,20 @@ _STAINLESS_TIMEOUT = istr("x-stainless-timeout")
 _STAINLESS_READ_TIMEOUT = istr("x-stainless-read-timeout")
 
 
-def _caller_timeout(request: web.BaseRequest, header: str) -> float | None:
-    """The caller's own timeout in seconds: ``header`` (``identity.timeout_header``,
-    ``X-Request-Timeout``), else the Stainless SDKs' headers, if sent; ``None`` for a value
-    that is not a plain decimal above 0 (see :data:`_SECONDS`)."""
+def _caller_timeout(request: web.BaseRequest, header: str) -> tuple[float | None, bool]:
+    """The caller's own timeout in seconds, and whether it is a read timeout: ``header``
+    (``identity.timeout_header``, ``X-Request-Timeout``), a deadline for the whole call, else
+    the Stainless SDKs' headers, httpx's read timeout, if sent; ``None`` for a value that is
+    not a plain decimal above 0 (see :data:`_SECONDS`)."""
     get = request.headers.get
-    raw = get(header) or get(_STAINLESS_TIMEOUT) or get(_STAINLESS_READ_TIMEOUT)
+    raw, reads = get(header), False
+    if raw is None:
+        raw, reads = get(_STAINLESS_TIMEOUT) or get(_STAINLESS_READ_TIMEOUT), True
     if raw and _SECONDS.fullmatch(raw):  # not "inf", "nan", "1e-300", "-1", "1_000"
         value = float(raw)
         if value > 0:
-            return value
-    return None
+            return value, reads
+    return None, False
 
 
 def _mcp_traffic(request: web.BaseRequest, body: bytes,
@@ -146,13 +149,14 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
                            request_id, tenant, run, body)
 
     client_retry = is_client_retry(headers)
+    timeout, timeout_reads = _caller_timeout(request, rt.timeout_header)
     call = Call(
         request_id=request_id, route=route.name, method=request.method, path=raw_path,
         headers=headers, body=body, tenant=tenant, run=run,
         priority=DEFAULT_PRIORITY if priority is None else priority,
         priority_given=priority is not None,
         parent_run=who.parent_run if run is not None else None,
-        timeout=_caller_timeout(request, rt.timeout_header), operation=operation,
+        timeout=timeout, timeout_reads=timeout_reads, operation=operation,
         reporter=route.report, client_retry=client_retry,
     )
     call.new_unit = not client_retry

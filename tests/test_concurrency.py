@@ -188,14 +188,14 @@ async def test_callers_own_timeout_shortens_the_queue_wait(upstream, start_sluic
 async def test_an_sdk_stream_queues_behind_streams_longer_than_its_timeout(upstream,
                                                                             start_sluice):
     """The openai SDK's timeout is a read timeout (it sends it as ``x-stainless-timeout``):
-    behind 2.5 s streams on one slot, a stream with a 4 s timeout waits ~2.5 s for its
-    first byte and is served; it was refused ``deadline_unreachable`` at once, as if it had
-    to finish within 4 s (the estimated wait plus a whole stream; a hostile trial)."""
+    behind 4 s streams on one slot, a stream with a 7 s timeout waits ~4 s for its first
+    byte and is served; it was refused ``deadline_unreachable`` at once, as if it had to
+    finish within 7 s (the estimated wait plus a whole stream; a hostile trial)."""
     sluice = await start_sluice({"routes": [
         openai_route(upstream, limit=1, queue=2, max_wait="30s")]})
-    upstream.chunk_delay = 0.5  # 5 content events: a 2.5 s stream that starts at once
+    upstream.chunk_delay = 0.8  # 5 content events: a 4 s stream that starts at once
     client = openai.AsyncOpenAI(base_url=sluice.url + "/openai/v1", api_key="sk-test",
-                                timeout=4.0, max_retries=0)
+                                timeout=7.0, max_retries=0)
 
     async def stream() -> str:
         chunks = await client.chat.completions.create(
@@ -203,7 +203,7 @@ async def test_an_sdk_stream_queues_behind_streams_longer_than_its_timeout(upstr
         return "".join([c.choices[0].delta.content or "" async for c in chunks if c.choices])
 
     try:
-        assert await stream()  # the route has seen one: streams start at once, last 2.5 s
+        assert await stream()  # the route has seen one: streams start at once, last 4 s
         first = asyncio.create_task(stream())
         await wait_until(lambda: upstream.inflight == 1, what="the first stream upstream")
         assert await stream()  # queued behind it, then served

@@ -315,17 +315,24 @@ def test_a_streams_length_is_not_held_against_a_callers_read_timeout():
         assert (limiter.mean_service_s, limiter.mean_first_byte_s) == (2.0, 0.1)
         await limiter.acquire("t")
         loop = asyncio.get_running_loop()
-        task = asyncio.ensure_future(limiter.acquire("t", caller_timeout=3.0))
+        task = asyncio.ensure_future(limiter.acquire("t", caller_timeout=3.0, reads=True))
         await asyncio.sleep(0)
         assert limiter.queued == 1  # waits: estimated 2 s, plus 0.1 s to its first byte
         limiter.release("t", 2.0, first_byte_s=0.1)
         await task
-        # A timeout that cannot cover the wait and the first byte is still refused.
+        # A read timeout that cannot cover the wait and the first byte is still refused.
         started = loop.time()
         with pytest.raises(Rejected) as refused:
-            await limiter.acquire("t", caller_timeout=1.5)
+            await limiter.acquire("t", caller_timeout=1.5, reads=True)
         assert refused.value.reason is Reason.DEADLINE_UNREACHABLE
         assert "0.1s on average to start answering" in refused.value.detail
+        # A deadline (X-Request-Timeout) covers the whole call: 2 s of wait and a 2 s call
+        # do not fit in 3 s (a review: an SSE tool answering its headers at once would
+        # otherwise run past the caller's deadline).
+        with pytest.raises(Rejected) as refused:
+            await limiter.acquire("t", caller_timeout=3.0)
+        assert refused.value.reason is Reason.DEADLINE_UNREACHABLE
+        assert "calls take 2s on average" in refused.value.detail
         assert loop.time() == started
         limiter.release("t", None)
 
