@@ -36,6 +36,10 @@ from proxy.runtime import RUNTIME, Runtime
 
 log = logging.getLogger("sluice")
 
+#: A second SIGTERM or SIGINT cuts the drain short only this long after the first, seconds:
+#: one Ctrl-C can arrive twice (the terminal signals the process group, and a wrapper such as
+#: a shell script or ``make`` forwards it too).
+SECOND_SIGNAL_AFTER_S = 1.0
 #: How often the drain checks whether in-flight work has finished, seconds.
 DRAIN_POLL_S = 0.05
 #: After the drain, how long aiohttp waits for the admin port's handlers before cancelling
@@ -197,9 +201,15 @@ async def serve(config: Config, config_path: str | None = None,
         shutdown_timeout=SHUTDOWN_GRACE_S,
     )
     stop, hurry = asyncio.Event(), asyncio.Event()
+    first_signal_at = 0.0
 
     def on_stop_signal() -> None:
-        (hurry if stop.is_set() else stop).set()  # a second one: no more waiting
+        nonlocal first_signal_at
+        if not stop.is_set():
+            first_signal_at = time.monotonic()
+            stop.set()
+        elif time.monotonic() - first_signal_at >= SECOND_SIGNAL_AFTER_S:
+            hurry.set()  # a second one: no more waiting
 
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

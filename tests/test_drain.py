@@ -129,6 +129,10 @@ async def test_a_second_sigterm_cuts_the_drain_short(upstream, start_sluice):
         await wait_until(lambda: "draining: 1 request(s) in flight" in sluice.stderr(),
                          what="the drain started")
         assert not call.done()  # the first signal waits for it
+        sluice.signal(signal.SIGTERM)  # within 1 s of the first: the same Ctrl-C, twice
+        await asyncio.sleep(0.3)
+        assert not call.done()
+        await asyncio.sleep(1.0)  # later: an operator's second one
         sluice.signal(signal.SIGTERM)
         with pytest.raises(aiohttp.ClientError):
             await call
