@@ -113,7 +113,9 @@ def _walk(node: yaml.Node, path: Path_, marks: dict[Path_, int],
     budget[0] -= 1
     if budget[0] < 0:
         raise _TooManyValues
-    if id(node) in inside:  # the alias's key's line, where there is one, not the anchor's
+    # The line of the key holding the alias (the composer keeps no mark of an alias itself:
+    # in a list, the anchor's line is the one known).
+    if id(node) in inside:
         problems.append((path, marks.get(path, node.start_mark.line + 1),
                          "an alias to a list or mapping it is inside (a loop)"))
         return

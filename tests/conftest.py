@@ -195,9 +195,16 @@ def _nothing_written_beside_the_readme() -> Iterator[None]:
     checkout (the default config's ``sluice-dlq.sqlite``) is the user's own, and tests once
     wrote their letters into it."""
     path = REPO / "sluice-dlq.sqlite"
-    existed = path.exists()
+
+    def seen() -> tuple[int, int] | None:
+        with contextlib.suppress(OSError):
+            st = path.stat()
+            return st.st_size, st.st_mtime_ns
+        return None
+
+    before = seen()
     yield
-    if not existed and path.exists():
+    if seen() != before:
         pytest.fail(f"a test wrote {path}: give its Sluice a dead_letter.path in tmp_path")
 
 
