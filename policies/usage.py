@@ -378,6 +378,8 @@ class Meter:
     _big_size = 0
     #: The stream's lines end in CRLF (``None`` until its first line ending).
     _cr: bool | None = None
+    #: They end in a bare CR: each is passed on as an LF (see ``_line_ending``).
+    _bare_cr = False
     _sampled = 0
     _sample_tokens = 0
     _per_event = 1
@@ -453,9 +455,8 @@ class Meter:
             return data
         if self._cr is None:
             self._cr = self._line_ending(data)
-            if self._mode != _SSE:  # bare CR line endings: passed on unread from here
-                held, self._pending = self._pending, b""
-                return held + data if self._strip else data
+        if self._bare_cr:
+            data = data.replace(b"\r", b"\n")
         if self._big:
             return self._big_chunk(data)
         if not self._pending and not self._cr and data.endswith(b"\n\n"):
@@ -577,14 +578,17 @@ class Meter:
     def _line_ending(self, data: bytes) -> bool | None:
         """Whether the stream's lines end in CRLF (a stream keeps its line ending, so this is
         decided once), ``None`` while no line has ended. Lines ending in a bare CR (valid
-        SSE, sent by no LLM API we know) are not read: the stream is passed on as it comes
-        (it was held whole, waiting for an LF), and charged as one without usage."""
+        SSE, sent by no LLM API we know; the meter waited for an LF and held such a stream
+        whole) set ``_bare_cr``: from then on each CR is passed on, and read, as an LF, the
+        same line ending to an SSE reader (a raw CR can stand nowhere else in SSE: JSON text
+        escapes it)."""
         seen = self._pending + data if self._pending else data
         lf = seen.find(b"\n")
         cr = seen.find(b"\r", 0, lf if lf >= 0 else len(seen))
         if cr >= 0 and cr + 1 < len(seen) and seen[cr + 1] != 0x0A:
-            self._mode = _NONE
-            return None
+            self._bare_cr = True
+            self._pending = self._pending.replace(b"\r", b"\n")
+            return False
         if lf < 0:
             return None
         return cr >= 0 or seen.find(b"\r", lf) >= 0 or self._big_tail.endswith(b"\r")

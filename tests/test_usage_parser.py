@@ -398,19 +398,22 @@ def test_an_anthropic_stream_whose_output_count_is_null_is_no_report():
     assert meter.final and (meter.usage.input_tokens, meter.usage.output_tokens) == (9, 12)
 
 
-def test_a_stream_with_bare_cr_line_endings_is_passed_on_as_it_comes():
+def test_a_stream_with_bare_cr_line_endings_is_read_with_lf_endings():
     """Valid SSE, though no LLM API sends it: the meter waited for an LF that never came, so
-    a stream whose usage chunk Sluice asked for was held whole until its end (found by a
-    hostile trial). It is now passed on unread and charged as one without usage."""
+    a stream whose usage chunk Sluice asked for was held whole until its end (a hostile
+    trial). Its CRs are now passed on, and read, as LFs: the same line endings to an SSE
+    reader, and the usage chunk the caller did not ask for is taken out as usual."""
     meter = Meter(CHAT, anthropic=False, strip_usage=True)
     started(meter, "text/event-stream")
     first = b'data: {"choices":[{"delta":{"content":"hi"}}]}\r\r'
     assert meter.chunk(first[:10]) == b""  # no line ended yet: held, as any partial line
-    assert meter.chunk(first[10:]) == first
+    assert meter.chunk(first[10:]) == first.replace(b"\r", b"\n")
     usage = b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":1}}\r\r'
-    assert meter.chunk(usage) == usage
+    assert meter.chunk(usage + b"data: [DONE]\r\r") == b"data: [DONE]\n\n"
     assert meter.finish() == b""
-    assert meter.complete and not meter.final
+    assert meter.complete and meter.final
+    assert (meter.usage.input_tokens, meter.usage.output_tokens) == (3, 1)
+
 
 
 def test_chunked_json_body_is_read_at_the_end():
