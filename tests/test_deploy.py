@@ -86,7 +86,7 @@ def rule_exprs() -> list[str]:
 
 def test_alert_rules_check_and_unit_tests():
     promtool = tool("promtool")
-    assert "SUCCESS: 12 rules found" in run(promtool, "check", "rules", str(RULES)).stdout
+    assert "SUCCESS: 13 rules found" in run(promtool, "check", "rules", str(RULES)).stdout
     run(promtool, "test", "rules", "sluice-rules.test.yaml", cwd=RULES.parent)
 
 
@@ -94,7 +94,8 @@ def test_rules_cover_the_issues_alerts():
     alerts = {rule.get("alert") for g in yaml.safe_load(RULES.read_text())["groups"]
               for rule in g["rules"]}
     assert {"SluiceAmplificationRising", "SluiceDeadLettersGrowing", "SluiceCircuitOpen",
-            "SluiceQueueWaitNearMaxWait", "SluiceBudgetNearExhaustion"} <= alerts
+            "SluiceQueueWaitNearMaxWait", "SluiceBudgetNearExhaustion",
+            "SluiceStateBackendDown"} <= alerts
 
 
 def test_dashboard_queries_parse_and_cover_the_spec(tmp_path):
