@@ -43,7 +43,7 @@ SPEC_METRICS = {
 FROM_OTHER_ISSUES = {
     "sluice_upstream_attempts_total", "sluice_work_units_total", "sluice_retries_total",
     "sluice_circuit_state", "sluice_dead_letters_total",  # issue 5
-    "sluice_tokens_total", "sluice_cost_usd_total", "sluice_budget_remaining",  # issue 3
+    "sluice_tokens_total", "sluice_cost_usd_total",  # issue 3
     "sluice_idempotent_replays_total",  # issue 4
 }
 _METRIC = re.compile(r"(?<![\w:])sluice_[a-z_]+(?![\w:])")
@@ -86,7 +86,7 @@ def rule_exprs() -> list[str]:
 
 def test_alert_rules_check_and_unit_tests():
     promtool = tool("promtool")
-    assert "SUCCESS: 12 rules found" in run(promtool, "check", "rules", str(RULES)).stdout
+    assert "SUCCESS: 14 rules found" in run(promtool, "check", "rules", str(RULES)).stdout
     run(promtool, "test", "rules", "sluice-rules.test.yaml", cwd=RULES.parent)
 
 
@@ -94,7 +94,8 @@ def test_rules_cover_the_issues_alerts():
     alerts = {rule.get("alert") for g in yaml.safe_load(RULES.read_text())["groups"]
               for rule in g["rules"]}
     assert {"SluiceAmplificationRising", "SluiceDeadLettersGrowing", "SluiceCircuitOpen",
-            "SluiceQueueWaitNearMaxWait", "SluiceBudgetNearExhaustion"} <= alerts
+            "SluiceQueueWaitNearMaxWait", "SluiceBudgetNearExhaustion",
+            "SluiceStateBackendDown", "SluiceOutputDropped"} <= alerts
 
 
 def test_dashboard_queries_parse_and_cover_the_spec(tmp_path):
@@ -114,13 +115,61 @@ def test_dashboard_queries_parse_and_cover_the_spec(tmp_path):
     assert [v["name"] for v in dashboard["templating"]["list"]] == ["datasource", "route"]
 
 
+def _panel_targets(title: str) -> dict[str, str]:
+    (panel,) = (p for p in json.loads(DASHBOARD.read_text())["panels"]
+                if p["title"].startswith(title))
+    return {t["refId"]: t["expr"].replace('=~"$route"', '=~".*"') for t in panel["targets"]}
+
+
+def test_saturation_panels_are_true_for_replicas_on_either_backend(tmp_path):
+    """Two replicas of a route with concurrency.limit 4 (or 8 with Redis) and a queue of 5 each.
+    With the memory backend each replica has its own limit, so together they have 8 slots;
+    with Redis they share the 8. Queues are each replica's own on either backend, so the panel
+    compares the fullest one (full: pod-b refuses queue_full) with the capacity of one."""
+    promtool = tool("promtool")
+    inflight, queue = _panel_targets("In flight vs"), _panel_targets("Queue depth vs")
+    rules = {"groups": [{"name": "panels", "rules": [
+        {"record": "panel:inflight", "expr": inflight["A"]},
+        {"record": "panel:limit", "expr": inflight["B"]},
+        {"record": "panel:queued", "expr": queue["A"]},
+        {"record": "panel:capacity", "expr": queue["B"]}]}]}
+    (tmp_path / "panels.yaml").write_text(yaml.safe_dump(rules))
+
+    def replicas(backend: str, limit: int) -> dict:
+        series = []
+        for pod, inflight_now, queued in (("pod-a", 3, 2), ("pod-b", 4, 5)):
+            labels = f'instance="{pod}:9901",job="sluice"'
+            series += [
+                {"series": f'sluice_state_backend_up{{{labels},backend="{backend}"}}',
+                 "values": "1x5"},
+                {"series": f'sluice_inflight_requests{{{labels},route="openai"}}',
+                 "values": f"{inflight_now}x5"},
+                {"series": f'sluice_concurrency_limit{{{labels},route="openai"}}',
+                 "values": f"{limit}x5"},
+                {"series": f'sluice_queue_depth{{{labels},route="openai"}}',
+                 "values": f"{queued}x5"},
+                {"series": f'sluice_queue_limit{{{labels},route="openai"}}', "values": "5x5"},
+            ]
+        expected = {"inflight": 7, "limit": 8, "queued": 5, "capacity": 5}
+        return {"interval": "1m", "input_series": series, "promql_expr_test": [
+            {"expr": f"panel:{name}", "eval_time": "2m",
+             "exp_samples": [{"labels": f'panel:{name}{{route="openai"}}', "value": value}]}
+            for name, value in expected.items()]}
+
+    tests = {"rule_files": ["panels.yaml"], "evaluation_interval": "1m",
+             "tests": [replicas("memory", 4), replicas("redis", 8)]}
+    (tmp_path / "panels.test.yaml").write_text(yaml.safe_dump(tests))
+    run(promtool, "test", "rules", "panels.test.yaml", cwd=tmp_path)
+
+
 async def test_metrics_endpoint_passes_promtool_and_names_are_real(upstream, start_sluice):
     promtool = tool("promtool")
     upstream.hold = asyncio.Event()
     sluice = await start_sluice({"routes": [
         route("llm", upstream.url, concurrency={"limit": 1, "queue": 1, "max_wait": "30s"},
               rate={"requests": "100/min"}),
-        route("plain", upstream.url)]})
+        # A route-wide budget exports its gauges at once, read by SluiceBudgetNearExhaustion.
+        route("plain", upstream.url, budget={"tokens": "1000000/h", "per": "route"})]})
     async with aiohttp.ClientSession() as session:
         url = sluice.url + "/llm/v1/chat/completions"
         first = asyncio.create_task(session.post(url, json=CHAT))
