@@ -250,6 +250,9 @@ class AdminServer(GuardedServer):
         self._for: ServerConfig | None = None
         self._settings: ServerConfig | None = None
 
+    def refused(self, reason: Reason) -> None:
+        self.runtime.metrics.admin_rejections.labels(reason.code).inc()
+
     def connection_settings(self) -> ServerConfig:
         server = self.runtime.config.server
         if server is not self._for:

@@ -25,6 +25,9 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from prometheus_client import (
+    GC_COLLECTOR,
+    PLATFORM_COLLECTOR,
+    PROCESS_COLLECTOR,
     CollectorRegistry,
     Counter,
     Gauge,
@@ -223,6 +226,9 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        # The standard process_* (memory, CPU, open files), python_gc_* and python_info.
+        for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
+            r.register(collector)
         self.requests = LoopCounter(
             "sluice_requests", "Requests finished, by outcome.", ["route", "outcome"], registry=r
         )
@@ -237,6 +243,14 @@ class Metrics:
             "Connections and requests refused before any route's checks (over "
             "server.max_connections, header or body timeouts, requests that are not valid "
             "HTTP/1.1, name no route or another host), by reason.",
+            ["reason"],
+            registry=r,
+        )
+        self.admin_rejections = LoopCounter(
+            "sluice_admin_rejections",
+            "Connections and requests the admin port refused at its door (over its 64 "
+            "connections, header timeouts, requests that are not valid HTTP/1.1), by reason: "
+            "probes and scrapes crowded out.",
             ["reason"],
             registry=r,
         )

@@ -519,6 +519,18 @@ async def test_the_admin_port_closes_slow_and_idle_clients_and_keeps_probes_answ
     assert (status, headers["x-sluice-reason"]) == (503, "too_many_connections")
     for _, writer in held:
         writer.close()
+    # Counted (a hostile trial crowded probes out and no metric said so), once they can be
+    # scraped again: once the admin port has seen the held connections close.
+    async with aiohttp.ClientSession() as session:
+        for _ in range(200):
+            async with session.get(sluice.admin_url + "/healthz") as r:
+                if r.status == 200:
+                    break
+            await asyncio.sleep(0.05)
+    assert await sluice.metric("sluice_admin_rejections_total",
+                               reason="too_many_connections") >= 1
+    assert await sluice.metric("sluice_admin_rejections_total", reason="request_timeout") > 0
+    assert await sluice.metric("process_resident_memory_bytes") > 0  # and the process's own
 
 async def test_a_stalled_or_trickling_body_is_cut_with_408(upstream, start_sluice):
     sluice = await start_sluice({"server": {"body_timeout": "1s", "min_body_rate": 100},
