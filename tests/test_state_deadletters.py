@@ -5,10 +5,13 @@ hold is checked here too)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 import pytest
 
+import policies.state.deadletters
+from policies.config import DeadLetterConfig
 from policies.deadletter import (
     ANSWERED,
     BUSY,
@@ -17,6 +20,7 @@ from policies.deadletter import (
     Attempt,
     DeadLetter,
     DeadLetterFile,
+    DeadLetterQueue,
 )
 from policies.state import StateBackends
 from tests.redis_servers import replica
@@ -39,8 +43,8 @@ def letter(route: str = "openai", **changes: object) -> DeadLetter:
 async def test_a_letter_comes_back_whole(backends: StateBackends):
     store = backends.dead_letters
     original = letter()
-    first = await store.add(original)
-    second = await store.add(letter(run=None, idempotency_key=None))
+    first = (await store.add(original)).id
+    second = (await store.add(letter(run=None, idempotency_key=None))).id
     assert second == first + 1
     got = await store.get(first)
     assert got is not None
@@ -52,7 +56,7 @@ async def test_a_letter_comes_back_whole(backends: StateBackends):
 
 async def test_list_replays_delete_and_depth(backends: StateBackends):
     store = backends.dead_letters
-    ids = [await store.add(letter(route)) for route in ("openai", "tools", "openai")]
+    ids = [(await store.add(letter(route))).id for route in ("openai", "tools", "openai")]
     assert await store.add_replay(ids[0], 200, None, 0.5) is True
     assert await store.add_replay(ids[1], None, "connect_error", 0.1) is True
     assert await store.add_replay(ids[2] + 10, 200, None, 0.1) is False
@@ -75,15 +79,15 @@ async def test_purge_empties_and_ids_never_repeat(backends: StateBackends):
     store = backends.dead_letters
     last = 0
     for _ in range(3):
-        last = await store.add(letter())
+        last = (await store.add(letter())).id
     assert await store.purge() == 3
     assert await store.list() == [] and await store.depth() == {}
-    assert await store.add(letter()) == last + 1
+    assert (await store.add(letter())).id == last + 1
 
 
 @pytest.mark.parametrize("backends", ["redis", "cluster"], indirect=True)
 async def test_any_replica_reads_what_another_wrote(backends: StateBackends):
-    letter_id = await backends.dead_letters.add(letter())
+    letter_id = (await backends.dead_letters.add(letter())).id
     async with replica(backends) as other:
         got = await other.dead_letters.get(letter_id)
         assert got is not None and got.request_id == "req-1"
@@ -92,7 +96,7 @@ async def test_any_replica_reads_what_another_wrote(backends: StateBackends):
 
 async def test_a_replay_holds_its_letter_until_its_result_is_stored(backends: StateBackends):
     store = backends.dead_letters
-    first = await store.add(letter())
+    first = (await store.add(letter())).id
     assert (await store.claim_replay(first + 1, "t0", 5.0)).state == MISSING
     assert (await store.claim_replay(first, "t1", 5.0)).state == CLAIMED
     async with replica(backends) as other:  # another operator's command, anywhere
@@ -112,7 +116,7 @@ async def test_a_replay_holds_its_letter_until_its_result_is_stored(backends: St
 
 async def test_the_hold_of_a_replay_that_never_finished_lapses(backends: StateBackends):
     store = backends.dead_letters
-    letter_id = await store.add(letter())
+    letter_id = (await store.add(letter())).id
     assert (await store.claim_replay(letter_id, "killed", 0.05)).state == CLAIMED
     await asyncio.sleep(0.1)
     assert (await store.claim_replay(letter_id, "next", 5.0)).state == CLAIMED
@@ -125,7 +129,7 @@ def test_the_sqlite_file_holds_a_letter_for_one_replay_across_connections(tmp_pa
     path = str(tmp_path / "dlq.sqlite")
     one, two = DeadLetterFile(path), DeadLetterFile(path)
     try:
-        letter_id = one.add(letter())
+        letter_id = one.add(letter()).id
         assert one.claim_replay(letter_id, "a", 5.0).state == CLAIMED
         assert two.claim_replay(letter_id, "b", 5.0, again=True).state == BUSY
         one.add_replay(letter_id, 200, None, 0.1, "a")
@@ -139,3 +143,101 @@ def test_the_sqlite_file_holds_a_letter_for_one_replay_across_connections(tmp_pa
     finally:
         one.close()
         two.close()
+
+
+# -- the bound: dead_letter.max_records --------------------------------------------------------
+
+
+async def leftover_keys(backends: StateBackends, letter_ids: list[int]) -> list[str]:
+    """The replay lists and replay holds of ``letter_ids`` still in Redis (none in memory)."""
+    redis = backends.redis
+    if redis is None:
+        return []
+    names = [f"{redis.key('dlq', kind)}:{n}" for n in letter_ids for kind in ("replays", "claim")]
+
+    async def present(client: object) -> list[str]:
+        return [name for name in names if await client.exists(name)]  # type: ignore[attr-defined]
+
+    return await redis.run(present)
+
+
+async def test_a_full_store_drops_its_oldest_letters_with_their_replays(
+        backends: StateBackends):
+    store = backends.dead_letters
+    ids = [(await store.add(letter(route), max_records=3)).id
+           for route in ("tools", "openai", "openai")]
+    await store.add_replay(ids[0], 503, None, 0.1)
+    assert (await store.claim_replay(ids[1], "held", 60.0)).state == CLAIMED
+    added = await store.add(letter("tools"), max_records=3)
+    assert added.dropped == {"tools": 1}
+    assert [s["id"] for s in await store.list()] == [*ids[1:], added.id]
+    assert await store.get(ids[0]) is None
+    assert await store.depth() == {"openai": 2, "tools": 1}
+    # A bound lowered (at a restart) drops what is over it with the next letter.
+    added = await store.add(letter("tools"), max_records=2)
+    assert added.dropped == {"openai": 2}
+    assert [s["id"] for s in await store.list()] == [ids[2] + 1, added.id]
+    assert await store.depth() == {"tools": 2}
+    assert (await store.claim_replay(ids[1], "next", 5.0)).state == MISSING
+    assert await leftover_keys(backends, ids) == []
+    # Without a bound nothing is dropped.
+    assert (await store.add(letter())).dropped == {}
+    assert await store.depth() == {"tools": 2, "openai": 1}
+
+
+@pytest.mark.parametrize("backends", ["redis", "cluster"], indirect=True)
+async def test_one_redis_write_drops_a_bounded_number_of_letters(
+        backends: StateBackends, monkeypatch: pytest.MonkeyPatch):
+    """A script blocks every client of Redis: a bound lowered far is reached over writes."""
+    monkeypatch.setattr(policies.state.deadletters, "MAX_DROPS_PER_ADD", 2)
+    store = backends.dead_letters
+    for _ in range(5):
+        await store.add(letter())
+    assert (await store.add(letter(), max_records=1)).dropped == {"openai": 2}
+    assert (await store.add(letter(), max_records=1)).dropped == {"openai": 2}
+    assert (await store.add(letter(), max_records=1)).dropped == {"openai": 2}
+    assert len(await store.list()) == 2 and await store.depth() == {"openai": 2}
+    assert (await store.add(letter(), max_records=1)).dropped == {"openai": 2}
+    assert await store.depth() == {"openai": 1}
+
+
+def test_a_full_sqlite_file_drops_its_oldest_letters_with_their_replays(tmp_path):
+    path = str(tmp_path / "dlq.sqlite")
+    file, other = DeadLetterFile(path), DeadLetterFile(path)
+    try:
+        ids = [file.add(letter(route), max_records=3).id
+               for route in ("tools", "openai", "openai")]
+        file.add_replay(ids[0], 503, None, 0.1)
+        assert file.claim_replay(ids[0], "held", 60.0, again=True).state == CLAIMED
+        added = file.add(letter("tools"), max_records=3)
+        assert added.dropped == {"tools": 1}
+        assert [s["id"] for s in other.list()] == [*ids[1:], added.id]
+        assert other.get(ids[0]) is None and other.depth() == {"openai": 2, "tools": 1}
+        assert file.add(letter("tools"), max_records=1).dropped == {"openai": 2, "tools": 1}
+        assert other.depth() == {"tools": 1}
+        leftovers = [file._db.execute(f"SELECT COUNT(*) FROM {table}").fetchone()[0]
+                     for table in ("replays", "replay_claims")]
+        assert leftovers == [0, 0]
+    finally:
+        file.close()
+        other.close()
+
+
+@pytest.mark.parametrize("backends", ["memory", "redis"], indirect=True)
+async def test_the_queue_counts_and_logs_what_the_bound_dropped(
+        backends: StateBackends, tmp_path, caplog: pytest.LogCaptureFixture):
+    """The server's side: the SQLite file with the memory backend, the stream with Redis."""
+    queue = DeadLetterQueue(DeadLetterConfig(path=str(tmp_path / "dlq.sqlite"), max_records=2),
+                            backends)
+    await queue.open()
+    try:
+        with caplog.at_level(logging.WARNING, logger="sluice"):
+            ids = [await queue.add(letter(route)) for route in ("tools", "openai", "openai")]
+        assert ids == [ids[0], ids[0] + 1, ids[0] + 2]
+        assert queue.dropped == {"tools": 1}
+        assert (queue.depth("openai"), queue.depth("tools")) == (2, 0)
+        warned = [r for r in caplog.records if "dead_letter.max_records" in r.getMessage()]
+        assert len(warned) == 1 and "route tools" in warned[0].getMessage()
+        assert all(getattr(r, "sluice_per_call", False) for r in warned)  # folded by repeats
+    finally:
+        await queue.close()
