@@ -30,6 +30,12 @@ oldest (with their replays and replay holds) in the same transaction or script, 
 outage cannot fill the disk or the Redis every replica shares; each drop is logged (once
 per route every few seconds, :data:`policies.logs.PER_CALL`) and counted in
 :attr:`DeadLetterQueue.dropped`.
+
+The depth the server reports (:meth:`DeadLetterQueue.depth`) is read from the store every
+``DEPTH_REFRESH_S`` and after a write that dropped letters, off the request path (on the
+SQLite thread; one ``HGETALL`` with Redis), and follows this replica's writes in between: so
+it falls after ``sluice dlq purge`` from another process, and every replica of a shared
+stream reports the same count.
 """
 
 from __future__ import annotations
@@ -54,6 +60,10 @@ if TYPE_CHECKING:  # policies.state.deadletters imports this module's records
     from policies.state import StateBackends
 
 log = logging.getLogger("sluice")
+
+#: How often the depth is read again from the store, seconds: other processes change it
+#: (``sluice dlq purge``, the other replicas writing to a shared stream).
+DEPTH_REFRESH_S = 15.0
 
 #: Query parameters dropped as credentials (``?key=`` is how some APIs authenticate).
 SECRET_QUERY_PARTS = (*SECRET_HEADER_PARTS, "sig")
@@ -376,9 +386,11 @@ class DeadLetterQueue:
     Args:
         config: the ``dead_letter`` block.
         state: the server's state; with Redis, letters go to its stream and the file is unused.
+        refresh_s: seconds between two reads of the depth from the store.
     """
 
-    def __init__(self, config: DeadLetterConfig, state: StateBackends | None = None) -> None:
+    def __init__(self, config: DeadLetterConfig, state: StateBackends | None = None,
+                 refresh_s: float = DEPTH_REFRESH_S) -> None:
         self.path = config.path
         self.max_body_bytes = config.max_body_bytes
         self.max_records = config.max_records
@@ -389,15 +401,38 @@ class DeadLetterQueue:
         self._shared = state.dead_letters if state is not None and state.redis else None
         self._file: DeadLetterFile | None = None
         self._writes: set[asyncio.Future[Added]] = set()
+        self.refresh_s = refresh_s
+        self._refreshing: asyncio.Task[None] | None = None  # every refresh_s, once open
+        self._reading: asyncio.Future[None] | None = None  # one read after drops at a time
         self._opening: asyncio.Future[None] | None = None
         self._thread = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="sluice-dlq"
         )
 
     def depth(self, route: str) -> int:
-        """Records of ``route`` in the store (for the depth gauge): in the shared stream, as
-        read at start plus this replica's writes since."""
+        """Records of ``route`` in the store (for the depth gauge), as last read from it (at
+        start, every ``refresh_s`` and after drops) plus this replica's writes since."""
         return self._depth.get(route, 0)
+
+    async def refresh(self) -> None:
+        """Read the depth of every route from the store again; an unavailable store leaves
+        the last count in place until the next read."""
+        # Imported here: the state package imports this module's records.
+        from policies.state import StateUnavailable
+
+        try:
+            if self._shared is not None:
+                depth = await self._shared.depth()
+            elif self._file is not None:
+                depth = await self._run(self._file.depth)
+            else:
+                return
+        except StateUnavailable:
+            return  # the state backend logs its own outage
+        except sqlite3.Error as exc:
+            log.warning("dead-letter depth not read from %s: %s", self.path, exc)
+            return
+        self._depth = depth
 
     async def open(self) -> None:
         """Open (or create) the file and read the current depth, once: concurrent callers
@@ -412,18 +447,27 @@ class DeadLetterQueue:
         await asyncio.shield(self._opening)
 
     async def _open(self) -> None:
-        if self._shared is not None:
-            # Imported here: the state package imports this module's records.
-            from policies.state import StateUnavailable
+        if self._shared is None:
+            file = await self._run(DeadLetterFile, self.path)
+            self._depth = await self._run(file.depth)
+            self._file = file
+        else:
+            await self.refresh()
+        if self._refreshing is None:
+            self._refreshing = asyncio.create_task(self._refresh_every(),
+                                                   name="sluice-dlq-depth")
 
-            try:
-                self._depth = await self._shared.depth()
-            except StateUnavailable:
-                self._depth = {}
-            return
-        file = await self._run(DeadLetterFile, self.path)
-        self._depth = await self._run(file.depth)
-        self._file = file
+    async def _refresh_every(self) -> None:
+        while True:
+            await asyncio.sleep(self.refresh_s)
+            await self.refresh()
+
+    def _refresh_soon(self) -> None:
+        """Read the depth after a write that dropped letters: with a shared stream, what
+        this replica counted is not what the stream holds. One read at a time: writes
+        dropping letters while one is under way are counted by arithmetic meanwhile."""
+        if self._reading is None or self._reading.done():
+            self._reading = asyncio.ensure_future(self.refresh())
 
     async def add(self, letter: DeadLetter) -> int:
         """Write ``letter`` (its body cut to ``max_body_bytes`` here, the oldest letters
@@ -462,13 +506,19 @@ class DeadLetterQueue:
                 log.warning("dead-letter store full (dead_letter.max_records: %d): the "
                             "oldest letters of route %s are dropped to keep the newest",
                             self.max_records, name, extra=PER_CALL)
+            if done.result().dropped:
+                self._refresh_soon()
 
         write.add_done_callback(count)
         return (await asyncio.shield(write)).id
 
     async def close(self) -> None:
-        """Finish pending writes and close the file (the shared stream's connection is the
-        state backend's, closed with it)."""
+        """Stop reading the depth, finish pending writes and close the file (the shared
+        stream's connection is the state backend's, closed with it)."""
+        for task in (self._refreshing, self._reading):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         if self._file is not None:
             await self._run(self._file.close)
             self._file = None

@@ -5,8 +5,10 @@ hold is checked here too)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -17,12 +19,14 @@ from policies.deadletter import (
     BUSY,
     CLAIMED,
     MISSING,
+    Added,
     Attempt,
     DeadLetter,
     DeadLetterFile,
     DeadLetterQueue,
 )
-from policies.state import StateBackends
+from policies.state import DeadLetterStore, StateBackends
+from tests.conftest import wait_until
 from tests.redis_servers import replica
 
 
@@ -239,5 +243,81 @@ async def test_the_queue_counts_and_logs_what_the_bound_dropped(
         warned = [r for r in caplog.records if "dead_letter.max_records" in r.getMessage()]
         assert len(warned) == 1 and "route tools" in warned[0].getMessage()
         assert all(getattr(r, "sluice_per_call", False) for r in warned)  # folded by repeats
+    finally:
+        await queue.close()
+
+
+# -- the depth the server reports ---------------------------------------------------------------
+
+
+def queue_of(backends: StateBackends, tmp_path, refresh_s: float,
+             max_records: int = 1000) -> DeadLetterQueue:
+    """The server's queue: on the SQLite file with the memory backend, else the stream."""
+    config = DeadLetterConfig(path=str(tmp_path / "dlq.sqlite"), max_records=max_records)
+    return DeadLetterQueue(config, backends, refresh_s=refresh_s)
+
+
+class OtherFile:
+    """Another process's connection to the SQLite file, as a store."""
+
+    def __init__(self, file: DeadLetterFile) -> None:
+        self.file = file
+
+    async def add(self, letter: DeadLetter) -> Added:
+        return self.file.add(letter)
+
+    async def purge(self) -> int:
+        return self.file.purge()
+
+
+@contextlib.asynccontextmanager
+async def another_process(backends: StateBackends,
+                          tmp_path) -> AsyncIterator[DeadLetterStore | OtherFile]:
+    """``sluice dlq`` or another replica: its own connection to the same file or stream."""
+    if backends.redis is not None:
+        async with replica(backends) as other:
+            yield other.dead_letters
+        return
+    file = DeadLetterFile(str(tmp_path / "dlq.sqlite"))
+    try:
+        yield OtherFile(file)
+    finally:
+        file.close()
+
+
+async def test_the_depth_follows_a_purge_and_the_writes_of_other_processes(
+        backends: StateBackends, tmp_path):
+    """It was the count read at start plus this replica's writes: a purge never lowered it,
+    and each replica of a shared stream reported its own count."""
+    queue = queue_of(backends, tmp_path, refresh_s=0.05)
+    await queue.open()
+    try:
+        for _ in range(3):
+            await queue.add(letter())
+        assert queue.depth("openai") == 3
+        async with another_process(backends, tmp_path) as other:
+            assert await other.purge() == 3
+            await wait_until(lambda: queue.depth("openai") == 0, what="the purge seen")
+            await other.add(letter("tools"))
+            await other.add(letter("tools"))
+            await wait_until(lambda: queue.depth("tools") == 2, what="the writes seen")
+    finally:
+        await queue.close()
+
+
+async def test_the_depth_is_read_again_after_a_write_drops_letters(backends: StateBackends,
+                                                                   tmp_path):
+    queue = queue_of(backends, tmp_path, refresh_s=3600.0, max_records=4)  # no periodic read
+    await queue.open()
+    try:
+        await queue.add(letter("tools"))
+        async with another_process(backends, tmp_path) as other:
+            for _ in range(3):
+                await other.add(letter())
+        assert (queue.depth("openai"), queue.depth("tools")) == (0, 1)  # not read yet
+        await queue.add(letter())  # 5 letters: the oldest ("tools") dropped
+        assert queue.dropped == {"tools": 1}
+        await wait_until(lambda: (queue.depth("openai"), queue.depth("tools")) == (4, 0),
+                         what="the depth read after the drop")
     finally:
         await queue.close()
