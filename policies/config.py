@@ -578,11 +578,19 @@ class RetryConfig(_Section):
     honours_idempotency_key: bool = False
 
 
+#: The most ``dead_letter.max_records`` may be (and so the most ``sluice dlq list`` can show).
+MAX_DEAD_LETTERS = 10_000_000
+
+
 class DeadLetterConfig(_Section):
     #: SQLite file for dead-lettered work (created on first use).
     path: str = Field(default="sluice-dlq.sqlite", min_length=1)
     #: Request bodies are kept up to this size, bytes; longer ones are cut and not replayable.
     max_body_bytes: int = Field(default=1024 * 1024, ge=0)
+    #: Letters kept at most; the one written past it drops the oldest (with their replays).
+    #: The store then holds up to ``max_records * (max_body_bytes + ~2 KiB)`` bytes: 10 GiB
+    #: at the defaults if every body is 1 MiB, ~100 MiB for 8 KiB chat requests.
+    max_records: int = Field(default=10_000, ge=1, le=MAX_DEAD_LETTERS)
 
 
 class BudgetConfig(_Section):

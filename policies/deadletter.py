@@ -24,6 +24,18 @@ kept (the caller still gets its answer; the failure is logged and counted as a f
 whatever ``state.on_unavailable`` says: a letter kept in one replica's memory would be read
 by nobody). Either way, a request that is dead-lettered waits for its own record to be
 written (the ``X-Sluice-Dead-Letter`` id needs it), nothing else does.
+
+The store is bounded: the write that would keep more than ``max_records`` letters drops the
+oldest (with their replays and replay holds) in the same transaction or script, so a long
+outage cannot fill the disk or the Redis every replica shares; each drop is logged (once
+per route every few seconds, :data:`policies.logs.PER_CALL`) and counted in
+:attr:`DeadLetterQueue.dropped`.
+
+The depth the server reports (:meth:`DeadLetterQueue.depth`) is read from the store every
+``DEPTH_REFRESH_S`` and after a write that dropped letters, off the request path (on the
+SQLite thread; one ``HGETALL`` with Redis), and follows this replica's writes in between: so
+it falls after ``sluice dlq purge`` from another process, and every replica of a shared
+stream reports the same count.
 """
 
 from __future__ import annotations
@@ -31,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import concurrent.futures
+import logging
 import sqlite3
 import time
 from collections.abc import Iterable
@@ -40,11 +53,17 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import orjson
 
 from policies.config import DeadLetterConfig
+from policies.logs import PER_CALL
 from policies.secrets import secret_header, secret_query_field
 
 if TYPE_CHECKING:  # policies.state.deadletters imports this module's records
     from policies.state import StateBackends
 
+log = logging.getLogger("sluice")
+
+#: How often the depth is read again from the store, seconds: other processes change it
+#: (``sluice dlq purge``, the other replicas writing to a shared stream).
+DEPTH_REFRESH_S = 15.0
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS dead_letters (
@@ -139,6 +158,19 @@ class ReplayClaim(NamedTuple):
     left_s: float = 0.0
 
 
+class Added(NamedTuple):
+    """What writing a letter did (``add`` of a store).
+
+    Attributes:
+        id: the new letter's id.
+        dropped: how many of the oldest letters were dropped to stay within ``max_records``
+            (with their replays and replay holds), by route; empty when none were.
+    """
+
+    id: int
+    dropped: dict[str, int]
+
+
 def answered(replays: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
     """The last replay the upstream answered below 400, or ``None``."""
     return next((r for r in reversed(list(replays))
@@ -216,18 +248,38 @@ class DeadLetterFile:
     def close(self) -> None:
         self._db.close()
 
-    def add(self, letter: DeadLetter) -> int:
-        """Store ``letter``; returns its id."""
-        cursor = self._db.execute(
-            "INSERT INTO dead_letters (created_at, route, tenant, run, idempotency_key,"
-            " request_id, method, path, headers, redacted, body, body_size, attempts, reason)"
-            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            (letter.created_at, letter.route, letter.tenant, letter.run, letter.idempotency_key,
-             letter.request_id, letter.method, letter.path, orjson.dumps(letter.headers),
-             orjson.dumps(letter.redacted), letter.body, letter.body_size,
-             orjson.dumps([a.as_dict() for a in letter.attempts]), letter.reason),
-        )
-        return int(cursor.lastrowid or 0)
+    def add(self, letter: DeadLetter, max_records: int | None = None) -> Added:
+        """Store ``letter``; with ``max_records``, drop the oldest letters beyond it (their
+        replays and replay holds too) in the same transaction."""
+        with self._db:
+            self._db.execute("BEGIN IMMEDIATE")
+            cursor = self._db.execute(
+                "INSERT INTO dead_letters (created_at, route, tenant, run, idempotency_key,"
+                " request_id, method, path, headers, redacted, body, body_size, attempts,"
+                " reason) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (letter.created_at, letter.route, letter.tenant, letter.run,
+                 letter.idempotency_key, letter.request_id, letter.method, letter.path,
+                 orjson.dumps(letter.headers), orjson.dumps(letter.redacted), letter.body,
+                 letter.body_size, orjson.dumps([a.as_dict() for a in letter.attempts]),
+                 letter.reason),
+            )
+            dropped = self._drop_oldest(max_records) if max_records is not None else {}
+        return Added(int(cursor.lastrowid or 0), dropped)
+
+    def _drop_oldest(self, keep: int) -> dict[str, int]:
+        """Delete all but the newest ``keep`` letters; returns how many went, by route."""
+        over = self._db.execute("SELECT COUNT(*) FROM dead_letters").fetchone()[0] - keep
+        if over <= 0:
+            return {}
+        # Ids only grow, so the oldest letters are those up to the over-th smallest id.
+        (last,) = self._db.execute("SELECT id FROM dead_letters ORDER BY id LIMIT 1 OFFSET ?",
+                                   (over - 1,)).fetchone()
+        dropped = dict(self._db.execute(
+            "SELECT route, COUNT(*) FROM dead_letters WHERE id <= ? GROUP BY route", (last,)))
+        self._db.execute("DELETE FROM dead_letters WHERE id <= ?", (last,))
+        self._db.execute("DELETE FROM replays WHERE dead_letter_id <= ?", (last,))
+        self._db.execute("DELETE FROM replay_claims WHERE dead_letter_id <= ?", (last,))
+        return dropped
 
     def depth(self) -> dict[str, int]:
         """Records per route."""
@@ -331,25 +383,53 @@ class DeadLetterQueue:
     Args:
         config: the ``dead_letter`` block.
         state: the server's state; with Redis, letters go to its stream and the file is unused.
+        refresh_s: seconds between two reads of the depth from the store.
     """
 
-    def __init__(self, config: DeadLetterConfig, state: StateBackends | None = None) -> None:
+    def __init__(self, config: DeadLetterConfig, state: StateBackends | None = None,
+                 refresh_s: float = DEPTH_REFRESH_S) -> None:
         self.path = config.path
         self.max_body_bytes = config.max_body_bytes
+        self.max_records = config.max_records
+        #: Letters dropped to stay within ``max_records`` since start, by route (a counter).
+        self.dropped: dict[str, int] = {}
         self._depth: dict[str, int] = {}
         self._state = state
         self._shared = state.dead_letters if state is not None and state.redis else None
         self._file: DeadLetterFile | None = None
-        self._writes: set[asyncio.Future[int]] = set()
+        self._writes: set[asyncio.Future[Added]] = set()
+        self.refresh_s = refresh_s
+        self._refreshing: asyncio.Task[None] | None = None  # every refresh_s, once open
+        self._reading: asyncio.Future[None] | None = None  # one read after drops at a time
         self._opening: asyncio.Future[None] | None = None
         self._thread = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="sluice-dlq"
         )
 
     def depth(self, route: str) -> int:
-        """Records of ``route`` in the store (for the depth gauge): in the shared stream, as
-        read at start plus this replica's writes since."""
+        """Records of ``route`` in the store (for the depth gauge), as last read from it (at
+        start, every ``refresh_s`` and after drops) plus this replica's writes since."""
         return self._depth.get(route, 0)
+
+    async def refresh(self) -> None:
+        """Read the depth of every route from the store again; an unavailable store leaves
+        the last count in place until the next read."""
+        # Imported here: the state package imports this module's records.
+        from policies.state import StateUnavailable
+
+        try:
+            if self._shared is not None:
+                depth = await self._shared.depth()
+            elif self._file is not None:
+                depth = await self._run(self._file.depth)
+            else:
+                return
+        except StateUnavailable:
+            return  # the state backend logs its own outage
+        except sqlite3.Error as exc:
+            log.warning("dead-letter depth not read from %s: %s", self.path, exc)
+            return
+        self._depth = depth
 
     async def open(self) -> None:
         """Open (or create) the file and read the current depth, once: concurrent callers
@@ -364,21 +444,31 @@ class DeadLetterQueue:
         await asyncio.shield(self._opening)
 
     async def _open(self) -> None:
-        if self._shared is not None:
-            # Imported here: the state package imports this module's records.
-            from policies.state import StateUnavailable
+        if self._shared is None:
+            file = await self._run(DeadLetterFile, self.path)
+            self._depth = await self._run(file.depth)
+            self._file = file
+        else:
+            await self.refresh()
+        if self._refreshing is None:
+            self._refreshing = asyncio.create_task(self._refresh_every(),
+                                                   name="sluice-dlq-depth")
 
-            try:
-                self._depth = await self._shared.depth()
-            except StateUnavailable:
-                self._depth = {}
-            return
-        file = await self._run(DeadLetterFile, self.path)
-        self._depth = await self._run(file.depth)
-        self._file = file
+    async def _refresh_every(self) -> None:
+        while True:
+            await asyncio.sleep(self.refresh_s)
+            await self.refresh()
+
+    def _refresh_soon(self) -> None:
+        """Read the depth after a write that dropped letters: with a shared stream, what
+        this replica counted is not what the stream holds. One read at a time: writes
+        dropping letters while one is under way are counted by arithmetic meanwhile."""
+        if self._reading is None or self._reading.done():
+            self._reading = asyncio.ensure_future(self.refresh())
 
     async def add(self, letter: DeadLetter) -> int:
-        """Write ``letter`` (its body cut to ``max_body_bytes`` here) and return its id.
+        """Write ``letter`` (its body cut to ``max_body_bytes`` here, the oldest letters
+        beyond ``max_records`` dropped with it) and return its id.
 
         The write completes even if the awaiting request is cancelled meanwhile.
 
@@ -388,9 +478,9 @@ class DeadLetterQueue:
         """
         letter.body_size = len(letter.body)
         letter.body = letter.body[: self.max_body_bytes]
-        write: asyncio.Future[int]
+        write: asyncio.Future[Added]
         if self._shared is not None:
-            write = asyncio.ensure_future(self._shared.add(letter))
+            write = asyncio.ensure_future(self._shared.add(letter, self.max_records))
             self._writes.add(write)  # the loop keeps only a weak reference to a task
             write.add_done_callback(self._writes.discard)
             assert self._state is not None
@@ -399,19 +489,33 @@ class DeadLetterQueue:
             if self._file is None:  # a reload gave a route its first retry block
                 await self.open()
             assert self._file is not None
-            write = self._run(self._file.add, letter)
+            write = self._run(self._file.add, letter, self.max_records)
         route = letter.route
 
-        def count(done: asyncio.Future[int]) -> None:
-            if not done.cancelled() and done.exception() is None:
-                self._depth[route] = self._depth.get(route, 0) + 1
+        def count(done: asyncio.Future[Added]) -> None:
+            if done.cancelled() or done.exception() is not None:
+                return
+            self._depth[route] = self._depth.get(route, 0) + 1
+            for name, n in done.result().dropped.items():
+                self._depth[name] = max(0, self._depth.get(name, 0) - n)
+                self.dropped[name] = self.dropped.get(name, 0) + n
+                # PER_CALL: once the store is full, every new letter drops one.
+                log.warning("dead-letter store full (dead_letter.max_records: %d): the "
+                            "oldest letters of route %s are dropped to keep the newest",
+                            self.max_records, name, extra=PER_CALL)
+            if done.result().dropped:
+                self._refresh_soon()
 
         write.add_done_callback(count)
-        return await asyncio.shield(write)
+        return (await asyncio.shield(write)).id
 
     async def close(self) -> None:
-        """Finish pending writes and close the file (the shared stream's connection is the
-        state backend's, closed with it)."""
+        """Stop reading the depth, finish pending writes and close the file (the shared
+        stream's connection is the state backend's, closed with it)."""
+        for task in (self._refreshing, self._reading):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         if self._file is not None:
             await self._run(self._file.close)
             self._file = None

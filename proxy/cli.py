@@ -32,6 +32,13 @@ EXIT_CONFIG_ERROR = 2
 EXIT_START_FAILED = 1
 #: The reader of standard output went away (128 + SIGPIPE, as the shell reports it).
 EXIT_BROKEN_PIPE = 141
+#: Most records ``sluice dlq list --limit`` asks for: no store keeps more (the bound of
+#: ``dead_letter.max_records``, ``policies.config.MAX_DEAD_LETTERS``, repeated here as the
+#: config's modules are imported by each command only).
+MAX_LIST_LIMIT = 10_000_000
+#: Largest dead-letter id: SQLite's INTEGER is 64-bit signed (a larger number made the
+#: commands raise OverflowError, and Redis refuse the stream id).
+MAX_LETTER_ID = 2**63 - 1
 
 
 def _hold_standard_descriptors() -> None:
@@ -160,14 +167,20 @@ def _demo(args: argparse.Namespace) -> int:
     return run(args)
 
 
-def _positive(value: str) -> int:
-    try:
-        number = int(value)
-    except ValueError:
-        number = 0
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a positive whole number")
-    return number
+def _whole(most: int) -> Callable[[str], int]:
+    """An argument type: a whole number from 1 to ``most``, else argparse's usage error."""
+
+    def parse(value: str) -> int:
+        try:
+            number = int(value)
+        except ValueError:
+            number = 0
+        if not 1 <= number <= most:
+            raise argparse.ArgumentTypeError(
+                f"{value!r} is not a whole number from 1 to {most}")
+        return number
+
+    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -194,14 +207,14 @@ def build_parser() -> argparse.ArgumentParser:
     dlq_sub = dlq.add_subparsers(dest="dlq_command", required=True)
     config_help = f"the config naming the dead-letter file (default: {DEFAULT_CONFIG})"
     listing = dlq_sub.add_parser("list", help="summaries of the stored records")
-    listing.add_argument("--limit", type=_positive, default=100, metavar="N",
+    listing.add_argument("--limit", type=_whole(MAX_LIST_LIMIT), default=100, metavar="N",
                          help="list the newest N records (default 100)")
     show = dlq_sub.add_parser("show", help="one record in full, as JSON")
-    show.add_argument("id", type=int)
+    show.add_argument("id", type=_whole(MAX_LETTER_ID))
     replay = dlq_sub.add_parser(
         "replay", help="re-send a record to its route's upstream and record the result"
     )
-    replay.add_argument("id", type=int)
+    replay.add_argument("id", type=_whole(MAX_LETTER_ID))
     replay.add_argument(
         "-H", "--header", action="append", default=[], metavar="'NAME: VALUE'",
         help="add or replace a header, e.g. the credentials removed when recording",

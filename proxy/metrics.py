@@ -570,22 +570,34 @@ class Metrics:
         """Export ``sluice_output_dropped_total{output}``: lines of output (``events``,
         ``log``) dropped because their destination took nothing (proxy/output.py), read at
         scrape time from ``read()``, by output."""
-        self.registry.register(_OutputDropped(read))
+        self.registry.register(_ReadCounter(
+            "sluice_output_dropped",
+            "Lines of output (events, log) dropped because their destination (a pipe, a "
+            "terminal, a file) was not taking them.", "output", read))
+
+    def bind_dead_letters_dropped(self, read: Callable[[], dict[str, float]]) -> None:
+        """Export ``sluice_dead_letters_dropped_total{route}``: the oldest dead letters this
+        replica's writes dropped to stay within ``dead_letter.max_records``
+        (policies/deadletter.py), read at scrape time from ``read()``, by route."""
+        self.registry.register(_ReadCounter(
+            "sluice_dead_letters_dropped",
+            "Oldest dead letters dropped to keep the store within dead_letter.max_records.",
+            "route", read))
 
 
-class _OutputDropped:
-    """The collector of :meth:`Metrics.bind_output_dropped`."""
+class _ReadCounter:
+    """A counter with one label whose values are read at scrape time, as ``{label value:
+    count}`` (kept by whatever counts them: the output writers, the dead-letter queue)."""
 
-    def __init__(self, read: Callable[[], dict[str, float]]) -> None:
+    def __init__(self, name: str, documentation: str, label: str,
+                 read: Callable[[], dict[str, float]]) -> None:
+        self._name, self._documentation, self._label = name, documentation, label
         self._read = read
 
     def collect(self) -> Iterator[Metric]:
-        family = CounterMetricFamily(
-            "sluice_output_dropped",
-            "Lines of output (events, log) dropped because their destination (a pipe, a "
-            "terminal, a file) was not taking them.", labels=["output"])
-        for output, count in self._read().items():
-            family.add_metric([output], count)
+        family = CounterMetricFamily(self._name, self._documentation, labels=[self._label])
+        for value, count in self._read().items():
+            family.add_metric([value], count)
         yield family
 
 

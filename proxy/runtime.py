@@ -59,6 +59,7 @@ class Runtime:
         # Created at startup from the restart-only dead_letter block; its file is opened only
         # when some route retries (see open() and DeadLetterQueue.add).
         self.dead_letters = DeadLetterQueue(config.dead_letter, self.state)
+        self.metrics.bind_dead_letters_dropped(lambda: self.dead_letters.dropped)
         self.draining = False
         #: Set when the drain timeout ran out: requests cancelled from then on were cut by
         #: Sluice, not left by their callers.

@@ -10,11 +10,13 @@ import orjson
 import pytest
 import yaml
 
+from policies.config import MAX_DEAD_LETTERS
 from policies.deadletter import Attempt, DeadLetter, DeadLetterFile
 from policies.reasons import Reason, Rejected
-from proxy.cli import main
+from proxy.cli import MAX_LETTER_ID, MAX_LIST_LIMIT, main
 from proxy.rejections import human_duration, rejection_body
 from tests.conftest import REPO, route
+from tests.redis_servers import delete_prefix, new_prefix, require_redis
 
 
 @pytest.mark.parametrize("seconds, text", [
@@ -91,3 +93,46 @@ def test_dlq_list_columns_line_up_whatever_a_cell_holds(tmp_path, capsys):
     for column in ("TENANT", "REPLAY", "REQUEST"):  # every row's cell starts under its title
         at = lines[0].index(column)
         assert all(line[at - 2:at] == "  " and line[at] != " " for line in lines[1:]), column
+
+
+@pytest.fixture(params=["memory", "redis"])
+def either_store(request: pytest.FixtureRequest, tmp_path):
+    """A config whose dead letters are in a SQLite file (memory backend) or a Redis Stream."""
+    path = tmp_path / "dlq.sqlite"
+    DeadLetterFile(str(path)).close()
+    block: dict[str, object] = {"dead_letter": {"path": str(path)}}
+    url, prefix = None, new_prefix()
+    if request.param == "redis":
+        url = require_redis()
+        block = {"state": {"backend": "redis", "redis_url": url, "key_prefix": prefix,
+                           "timeout": "2s"}}
+    config = tmp_path / "sluice.yaml"
+    config.write_text(yaml.safe_dump({**block, "routes": [route("up", "http://127.0.0.1:1")]}))
+    try:
+        yield str(config)
+    finally:
+        if url is not None:
+            delete_prefix(url, prefix)
+
+
+@pytest.mark.parametrize("command", [
+    ["list", "--limit", "999999999999999999999"], ["list", "--limit", str(MAX_LIST_LIMIT + 1)],
+    ["list", "--limit", "0"], ["show", "999999999999999999999"], ["show", "0"],
+    ["replay", str(MAX_LETTER_ID + 1)],
+])
+def test_dlq_numbers_out_of_range_are_usage_errors_not_tracebacks(either_store, command,
+                                                                  capsys):
+    """``--limit 999999999999999999999`` raised OverflowError (SQLite) or a Redis error."""
+    with pytest.raises(SystemExit) as exited:
+        main(["dlq", *command, "--config", either_store])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "is not a whole number from 1 to" in err and "Traceback" not in err
+
+
+def test_dlq_numbers_at_their_bounds_are_answered(either_store, capsys):
+    assert MAX_LIST_LIMIT == MAX_DEAD_LETTERS  # no store keeps more than --limit can list
+    assert main(["dlq", "list", "--limit", str(MAX_LIST_LIMIT), "--config", either_store]) == 0
+    assert capsys.readouterr().out.split()[0] == "ID"
+    assert main(["dlq", "show", str(MAX_LETTER_ID), "--config", either_store]) == 1
+    assert f"no dead letter {MAX_LETTER_ID} in" in capsys.readouterr().err

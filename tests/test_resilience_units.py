@@ -299,7 +299,7 @@ def test_redact_and_store_roundtrip(tmp_path) -> None:
         body_size=2, attempts=[Attempt(time.time(), 503, None, 0.01),
                                Attempt(time.time(), None, "timeout", 1.0)],
         reason="attempts_exhausted",
-    ))
+    )).id
     back = store.get(letter_id)
     assert back is not None and back.body == b"\xff\x00" and back.headers == kept
     assert back.as_dict()["body"] == {"base64": "/wA="}

@@ -125,6 +125,27 @@ async def test_retry_storm_is_one_layer_and_dead_letter_replays(upstream, start_
     assert events[3]["dead_letter_id"] == int(letter_id) and events[4]["status"] == 503
 
 
+async def test_a_full_dead_letter_store_keeps_the_newest_letters(upstream, start_sluice,
+                                                                   tmp_path):
+    """dead_letter.max_records: an outage cannot fill the disk; the drops are counted."""
+    sluice = await start_sluice({
+        "dead_letter": {"path": str(tmp_path / "dlq.sqlite"), "max_records": 2},
+        "routes": [route("openai", upstream.url,
+                         retry={"attempts": 2, "backoff": FAST_BACKOFF})]})
+    upstream.status = 503
+    ids = []
+    async with aiohttp.ClientSession() as s:
+        for n in range(3):
+            status, headers = await post(s, sluice.url + "/openai" + CHAT,
+                                         **{"Idempotency-Key": f"full-{n}"})
+            assert status == 503
+            ids.append(headers["X-Sluice-Dead-Letter"])
+    assert await sluice.metric("sluice_dead_letters_total", route="openai") == 3
+    assert await sluice.metric("sluice_dead_letters_dropped_total", route="openai") == 1
+    assert await sluice.metric("sluice_dead_letter_depth", route="openai") == 2
+    assert [line.split()[0] for line in (await dlq_list(sluice)).splitlines()[1:]] == ids[1:]
+
+
 async def test_first_attempt_fails_every_caller_gets_200_amplification_2(upstream, start_sluice,
                                                                          tmp_path):
     # ratio 1.0: this test is about amplification, not about the budget (tested below).

@@ -5,20 +5,28 @@ hold is checked here too)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import time
+from collections.abc import AsyncIterator
 
 import pytest
 
+import policies.state.deadletters
+from policies.config import DeadLetterConfig
 from policies.deadletter import (
     ANSWERED,
     BUSY,
     CLAIMED,
     MISSING,
+    Added,
     Attempt,
     DeadLetter,
     DeadLetterFile,
+    DeadLetterQueue,
 )
-from policies.state import StateBackends
+from policies.state import DeadLetterStore, StateBackends
+from tests.conftest import wait_until
 from tests.redis_servers import replica
 
 
@@ -39,8 +47,8 @@ def letter(route: str = "openai", **changes: object) -> DeadLetter:
 async def test_a_letter_comes_back_whole(backends: StateBackends):
     store = backends.dead_letters
     original = letter()
-    first = await store.add(original)
-    second = await store.add(letter(run=None, idempotency_key=None))
+    first = (await store.add(original)).id
+    second = (await store.add(letter(run=None, idempotency_key=None))).id
     assert second == first + 1
     got = await store.get(first)
     assert got is not None
@@ -52,7 +60,7 @@ async def test_a_letter_comes_back_whole(backends: StateBackends):
 
 async def test_list_replays_delete_and_depth(backends: StateBackends):
     store = backends.dead_letters
-    ids = [await store.add(letter(route)) for route in ("openai", "tools", "openai")]
+    ids = [(await store.add(letter(route))).id for route in ("openai", "tools", "openai")]
     assert await store.add_replay(ids[0], 200, None, 0.5) is True
     assert await store.add_replay(ids[1], None, "connect_error", 0.1) is True
     assert await store.add_replay(ids[2] + 10, 200, None, 0.1) is False
@@ -75,15 +83,15 @@ async def test_purge_empties_and_ids_never_repeat(backends: StateBackends):
     store = backends.dead_letters
     last = 0
     for _ in range(3):
-        last = await store.add(letter())
+        last = (await store.add(letter())).id
     assert await store.purge() == 3
     assert await store.list() == [] and await store.depth() == {}
-    assert await store.add(letter()) == last + 1
+    assert (await store.add(letter())).id == last + 1
 
 
 @pytest.mark.parametrize("backends", ["redis", "cluster"], indirect=True)
 async def test_any_replica_reads_what_another_wrote(backends: StateBackends):
-    letter_id = await backends.dead_letters.add(letter())
+    letter_id = (await backends.dead_letters.add(letter())).id
     async with replica(backends) as other:
         got = await other.dead_letters.get(letter_id)
         assert got is not None and got.request_id == "req-1"
@@ -92,7 +100,7 @@ async def test_any_replica_reads_what_another_wrote(backends: StateBackends):
 
 async def test_a_replay_holds_its_letter_until_its_result_is_stored(backends: StateBackends):
     store = backends.dead_letters
-    first = await store.add(letter())
+    first = (await store.add(letter())).id
     assert (await store.claim_replay(first + 1, "t0", 5.0)).state == MISSING
     assert (await store.claim_replay(first, "t1", 5.0)).state == CLAIMED
     async with replica(backends) as other:  # another operator's command, anywhere
@@ -112,7 +120,7 @@ async def test_a_replay_holds_its_letter_until_its_result_is_stored(backends: St
 
 async def test_the_hold_of_a_replay_that_never_finished_lapses(backends: StateBackends):
     store = backends.dead_letters
-    letter_id = await store.add(letter())
+    letter_id = (await store.add(letter())).id
     assert (await store.claim_replay(letter_id, "killed", 0.05)).state == CLAIMED
     await asyncio.sleep(0.1)
     assert (await store.claim_replay(letter_id, "next", 5.0)).state == CLAIMED
@@ -125,7 +133,7 @@ def test_the_sqlite_file_holds_a_letter_for_one_replay_across_connections(tmp_pa
     path = str(tmp_path / "dlq.sqlite")
     one, two = DeadLetterFile(path), DeadLetterFile(path)
     try:
-        letter_id = one.add(letter())
+        letter_id = one.add(letter()).id
         assert one.claim_replay(letter_id, "a", 5.0).state == CLAIMED
         assert two.claim_replay(letter_id, "b", 5.0, again=True).state == BUSY
         one.add_replay(letter_id, 200, None, 0.1, "a")
@@ -139,3 +147,177 @@ def test_the_sqlite_file_holds_a_letter_for_one_replay_across_connections(tmp_pa
     finally:
         one.close()
         two.close()
+
+
+# -- the bound: dead_letter.max_records --------------------------------------------------------
+
+
+async def leftover_keys(backends: StateBackends, letter_ids: list[int]) -> list[str]:
+    """The replay lists and replay holds of ``letter_ids`` still in Redis (none in memory)."""
+    redis = backends.redis
+    if redis is None:
+        return []
+    names = [f"{redis.key('dlq', kind)}:{n}" for n in letter_ids for kind in ("replays", "claim")]
+
+    async def present(client: object) -> list[str]:
+        return [name for name in names if await client.exists(name)]  # type: ignore[attr-defined]
+
+    return await redis.run(present)
+
+
+async def test_a_full_store_drops_its_oldest_letters_with_their_replays(
+        backends: StateBackends):
+    store = backends.dead_letters
+    ids = [(await store.add(letter(route), max_records=3)).id
+           for route in ("tools", "openai", "openai")]
+    await store.add_replay(ids[0], 503, None, 0.1)
+    assert (await store.claim_replay(ids[1], "held", 60.0)).state == CLAIMED
+    added = await store.add(letter("tools"), max_records=3)
+    assert added.dropped == {"tools": 1}
+    assert [s["id"] for s in await store.list()] == [*ids[1:], added.id]
+    assert await store.get(ids[0]) is None
+    assert await store.depth() == {"openai": 2, "tools": 1}
+    # A bound lowered (at a restart) drops what is over it with the next letter.
+    added = await store.add(letter("tools"), max_records=2)
+    assert added.dropped == {"openai": 2}
+    assert [s["id"] for s in await store.list()] == [ids[2] + 1, added.id]
+    assert await store.depth() == {"tools": 2}
+    assert (await store.claim_replay(ids[1], "next", 5.0)).state == MISSING
+    assert await leftover_keys(backends, ids) == []
+    # Without a bound nothing is dropped.
+    assert (await store.add(letter())).dropped == {}
+    assert await store.depth() == {"tools": 2, "openai": 1}
+
+
+@pytest.mark.parametrize("backends", ["redis", "cluster"], indirect=True)
+async def test_one_redis_write_drops_a_bounded_number_of_letters(
+        backends: StateBackends, monkeypatch: pytest.MonkeyPatch):
+    """A script blocks every client of Redis: a bound lowered far is reached over writes."""
+    monkeypatch.setattr(policies.state.deadletters, "MAX_DROPS_PER_ADD", 2)
+    store = backends.dead_letters
+    for _ in range(5):
+        await store.add(letter())
+    assert (await store.add(letter(), max_records=1)).dropped == {"openai": 2}
+    assert (await store.add(letter(), max_records=1)).dropped == {"openai": 2}
+    assert (await store.add(letter(), max_records=1)).dropped == {"openai": 2}
+    assert len(await store.list()) == 2 and await store.depth() == {"openai": 2}
+    assert (await store.add(letter(), max_records=1)).dropped == {"openai": 2}
+    assert await store.depth() == {"openai": 1}
+
+
+def test_a_full_sqlite_file_drops_its_oldest_letters_with_their_replays(tmp_path):
+    path = str(tmp_path / "dlq.sqlite")
+    file, other = DeadLetterFile(path), DeadLetterFile(path)
+    try:
+        ids = [file.add(letter(route), max_records=3).id
+               for route in ("tools", "openai", "openai")]
+        file.add_replay(ids[0], 503, None, 0.1)
+        assert file.claim_replay(ids[0], "held", 60.0, again=True).state == CLAIMED
+        added = file.add(letter("tools"), max_records=3)
+        assert added.dropped == {"tools": 1}
+        assert [s["id"] for s in other.list()] == [*ids[1:], added.id]
+        assert other.get(ids[0]) is None and other.depth() == {"openai": 2, "tools": 1}
+        assert file.add(letter("tools"), max_records=1).dropped == {"openai": 2, "tools": 1}
+        assert other.depth() == {"tools": 1}
+        leftovers = [file._db.execute(f"SELECT COUNT(*) FROM {table}").fetchone()[0]
+                     for table in ("replays", "replay_claims")]
+        assert leftovers == [0, 0]
+    finally:
+        file.close()
+        other.close()
+
+
+@pytest.mark.parametrize("backends", ["memory", "redis"], indirect=True)
+async def test_the_queue_counts_and_logs_what_the_bound_dropped(
+        backends: StateBackends, tmp_path, caplog: pytest.LogCaptureFixture):
+    """The server's side: the SQLite file with the memory backend, the stream with Redis."""
+    queue = DeadLetterQueue(DeadLetterConfig(path=str(tmp_path / "dlq.sqlite"), max_records=2),
+                            backends)
+    await queue.open()
+    try:
+        with caplog.at_level(logging.WARNING, logger="sluice"):
+            ids = [await queue.add(letter(route)) for route in ("tools", "openai", "openai")]
+        assert ids == [ids[0], ids[0] + 1, ids[0] + 2]
+        assert queue.dropped == {"tools": 1}
+        assert (queue.depth("openai"), queue.depth("tools")) == (2, 0)
+        warned = [r for r in caplog.records if "dead_letter.max_records" in r.getMessage()]
+        assert len(warned) == 1 and "route tools" in warned[0].getMessage()
+        assert all(getattr(r, "sluice_per_call", False) for r in warned)  # folded by repeats
+    finally:
+        await queue.close()
+
+
+# -- the depth the server reports ---------------------------------------------------------------
+
+
+def queue_of(backends: StateBackends, tmp_path, refresh_s: float,
+             max_records: int = 1000) -> DeadLetterQueue:
+    """The server's queue: on the SQLite file with the memory backend, else the stream."""
+    config = DeadLetterConfig(path=str(tmp_path / "dlq.sqlite"), max_records=max_records)
+    return DeadLetterQueue(config, backends, refresh_s=refresh_s)
+
+
+class OtherFile:
+    """Another process's connection to the SQLite file, as a store."""
+
+    def __init__(self, file: DeadLetterFile) -> None:
+        self.file = file
+
+    async def add(self, letter: DeadLetter) -> Added:
+        return self.file.add(letter)
+
+    async def purge(self) -> int:
+        return self.file.purge()
+
+
+@contextlib.asynccontextmanager
+async def another_process(backends: StateBackends,
+                          tmp_path) -> AsyncIterator[DeadLetterStore | OtherFile]:
+    """``sluice dlq`` or another replica: its own connection to the same file or stream."""
+    if backends.redis is not None:
+        async with replica(backends) as other:
+            yield other.dead_letters
+        return
+    file = DeadLetterFile(str(tmp_path / "dlq.sqlite"))
+    try:
+        yield OtherFile(file)
+    finally:
+        file.close()
+
+
+async def test_the_depth_follows_a_purge_and_the_writes_of_other_processes(
+        backends: StateBackends, tmp_path):
+    """It was the count read at start plus this replica's writes: a purge never lowered it,
+    and each replica of a shared stream reported its own count."""
+    queue = queue_of(backends, tmp_path, refresh_s=0.05)
+    await queue.open()
+    try:
+        for _ in range(3):
+            await queue.add(letter())
+        assert queue.depth("openai") == 3
+        async with another_process(backends, tmp_path) as other:
+            assert await other.purge() == 3
+            await wait_until(lambda: queue.depth("openai") == 0, what="the purge seen")
+            await other.add(letter("tools"))
+            await other.add(letter("tools"))
+            await wait_until(lambda: queue.depth("tools") == 2, what="the writes seen")
+    finally:
+        await queue.close()
+
+
+async def test_the_depth_is_read_again_after_a_write_drops_letters(backends: StateBackends,
+                                                                   tmp_path):
+    queue = queue_of(backends, tmp_path, refresh_s=3600.0, max_records=4)  # no periodic read
+    await queue.open()
+    try:
+        await queue.add(letter("tools"))
+        async with another_process(backends, tmp_path) as other:
+            for _ in range(3):
+                await other.add(letter())
+        assert (queue.depth("openai"), queue.depth("tools")) == (0, 1)  # not read yet
+        await queue.add(letter())  # 5 letters: the oldest ("tools") dropped
+        assert queue.dropped == {"tools": 1}
+        await wait_until(lambda: (queue.depth("openai"), queue.depth("tools")) == (4, 0),
+                         what="the depth read after the drop")
+    finally:
+        await queue.close()

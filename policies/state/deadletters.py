@@ -17,7 +17,8 @@ Redis layout (one hash tag, ``{dlq}``, so every script touches one slot):
   the hold of a command killed mid-replay lapses);
 * ``...:depth``: letters per route (for the depth gauge without scanning the stream).
 
-Nothing here is on the request path except :meth:`DeadLetterStore.add` (one script call).
+Nothing here is on the request path except :meth:`DeadLetterStore.add` (one script call, which
+also drops the oldest letters beyond ``dead_letter.max_records``, their replays and holds too).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from policies.deadletter import (
     BUSY,
     CLAIMED,
     MISSING,
+    Added,
     Attempt,
     DeadLetter,
     ReplayClaim,
@@ -41,6 +43,10 @@ from policies.state.connection import RedisState, Script
 
 #: Stream fields of a summary (``list``): enough for a table, never the body.
 _SUMMARY_FIELDS = ("created_at", "route", "tenant", "method", "path", "attempts", "reason")
+#: Most letters one ``add`` drops from the stream: a script blocks every client of Redis
+#: while it runs, so a ``max_records`` lowered far below the letters kept (at a restart) is
+#: reached over the next writes, this many more each, rather than in one long script.
+MAX_DROPS_PER_ADD = 100
 
 
 class DeadLetterStore(Protocol):
@@ -50,8 +56,10 @@ class DeadLetterStore(Protocol):
         StateUnavailable: the backend did not answer in time (Redis only).
     """
 
-    async def add(self, letter: DeadLetter) -> int:
-        """Store ``letter`` (as given; ``id`` and ``replays`` are ignored); returns its id."""
+    async def add(self, letter: DeadLetter, max_records: int | None = None) -> Added:
+        """Store ``letter`` (as given; ``id`` and ``replays`` are ignored) and, with
+        ``max_records``, drop the oldest letters beyond it (their replays and replay holds
+        too), in one step; returns the new id and what was dropped."""
         ...
 
     async def get(self, letter_id: int) -> DeadLetter | None:
@@ -117,11 +125,17 @@ class MemoryDeadLetterStore:
         self._claims: dict[int, tuple[str, float]] = {}  # token, until (monotonic)
         self._next = 0
 
-    async def add(self, letter: DeadLetter) -> int:
+    async def add(self, letter: DeadLetter, max_records: int | None = None) -> Added:
         self._next += 1
         copy = DeadLetter(**{**_as_kwargs(letter), "id": self._next, "replays": []})
         self._letters[self._next] = copy
-        return self._next
+        dropped: dict[str, int] = {}
+        while max_records is not None and len(self._letters) > max_records:
+            oldest = next(iter(self._letters))  # ids only grow: insertion order is age
+            gone = self._letters.pop(oldest)
+            self._claims.pop(oldest, None)
+            dropped[gone.route] = dropped.get(gone.route, 0) + 1
+        return Added(self._next, dropped)
 
     async def get(self, letter_id: int) -> DeadLetter | None:
         letter = self._letters.get(letter_id)
@@ -196,14 +210,39 @@ def _as_kwargs(letter: DeadLetter) -> dict[str, Any]:
 
 # -- redis ------------------------------------------------------------------------------------
 
-# KEYS: stream, seq, depth. ARGV: route, then field, value pairs. Returns the new id.
+# KEYS: stream, seq, depth. ARGV: route, most letters kept (0: no bound), most letters
+# dropped, replay list key prefix, claim key prefix, then field, value pairs. Returns {the
+# new id, {the route of each letter dropped}}. The replay and claim keys of a dropped letter
+# are named here, not in KEYS (as in _PURGE): they share the {dlq} slot of the stream.
 _ADD = Script("""
 local id = redis.call('INCR', KEYS[2])
 local args = {'XADD', KEYS[1], '0-' .. id}
-for i = 2, #ARGV do args[#args + 1] = ARGV[i] end
+for i = 6, #ARGV do args[#args + 1] = ARGV[i] end
 redis.call(unpack(args))
 redis.call('HINCRBY', KEYS[3], ARGV[1], 1)
-return id
+local dropped = {}
+local keep = tonumber(ARGV[2])
+local over = redis.call('XLEN', KEYS[1]) - keep
+if keep > 0 and over > 0 then
+  local oldest = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT',
+                            math.min(over, tonumber(ARGV[3])))
+  for _, e in ipairs(oldest) do
+    local fields = e[2]
+    for i = 1, #fields, 2 do
+      if fields[i] == 'route' then
+        if redis.call('HINCRBY', KEYS[3], fields[i + 1], -1) <= 0 then
+          redis.call('HDEL', KEYS[3], fields[i + 1])
+        end
+        dropped[#dropped + 1] = fields[i + 1]
+        break
+      end
+    end
+    local n = string.sub(e[1], 3)
+    redis.call('XDEL', KEYS[1], e[1])
+    redis.call('DEL', ARGV[4] .. n, ARGV[5] .. n)
+  end
+end
+return {id, dropped}
 """)
 
 # KEYS: stream, the letter's replays. ARGV: stream id. Returns {} or {fields, replays}.
@@ -299,7 +338,7 @@ class RedisDeadLetterStore:
         self._replays = state.key("dlq", "replays") + ":"
         self._claims = state.key("dlq", "claim") + ":"
 
-    async def add(self, letter: DeadLetter) -> int:
+    async def add(self, letter: DeadLetter, max_records: int | None = None) -> Added:
         fields: list[object] = [
             "created_at", repr(letter.created_at), "route", letter.route,
             "tenant", letter.tenant, "request_id", letter.request_id,
@@ -313,8 +352,14 @@ class RedisDeadLetterStore:
             fields += ["run", letter.run]
         if letter.idempotency_key is not None:
             fields += ["idempotency_key", letter.idempotency_key]
-        return int(await self._state.eval(_ADD, [self._stream, self._seq, self._depth],
-                                          [letter.route, *fields]))
+        new_id, routes = await self._state.eval(
+            _ADD, [self._stream, self._seq, self._depth],
+            [letter.route, max_records or 0, MAX_DROPS_PER_ADD, self._replays, self._claims,
+             *fields])
+        dropped: dict[str, int] = {}
+        for route in routes:
+            dropped[route.decode()] = dropped.get(route.decode(), 0) + 1
+        return Added(int(new_id), dropped)
 
     async def get(self, letter_id: int) -> DeadLetter | None:
         reply = await self._state.eval(_GET, [self._stream, self._replays + str(letter_id)],
