@@ -19,14 +19,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import os
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import orjson
 
-from proxy.output import CLOSE_TIMEOUT_S, BackgroundWriter, fd_sink, stream_sink
+from proxy.output import CLOSE_TIMEOUT_S, BackgroundWriter, FileSink, stream_sink
 
 FLUSH_INTERVAL_S = 0.2
 #: Events that make a flush due before its time. Small batches keep what a flush frees below
@@ -70,7 +70,7 @@ class EventLog:
         self.path = path
         self._buffer: list[dict[str, Any]] = []
         self._writer: BackgroundWriter | None = None
-        self._fd: int | None = None  # the file destination's, closed in close()
+        self._file: FileSink | None = None  # a file destination, closed in close()
         self._task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # set while started
 
@@ -104,17 +104,18 @@ class EventLog:
         return self._writer.dropped if self._writer is not None else 0
 
     async def start(self) -> None:
-        """Open the destination and start the flusher.
+        """Open the destination and start the flusher. A file is reopened when log rotation
+        moves or deletes it (:class:`~proxy.output.FileSink`).
 
         Raises:
             OSError: the file ``path`` cannot be opened for appending.
         """
+        sink: Callable[[bytes], object]
         if self.path is None:
             sink = stream_sink(getattr(sys.stdout, "buffer", sys.stdout))
         else:
-            # Opened once at startup, before any traffic; closed in close().
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
-            sink = fd_sink(self._fd)
+            # Opened at startup, before any traffic; closed in close().
+            sink = self._file = FileSink(self.path)
         self._writer = BackgroundWriter(sink, "sluice-events-writer", lost=_dropped_line)
         self._loop = asyncio.get_running_loop()
         self._task = asyncio.create_task(self._flush_forever(), name="sluice-events")
@@ -140,9 +141,9 @@ class EventLog:
         if writer is None:
             return
         written = await asyncio.to_thread(writer.close, CLOSE_TIMEOUT_S)
-        if self._fd is not None and written:  # else the stuck thread still writes to it
-            os.close(self._fd)
-        self._fd = None
+        if self._file is not None and written:  # else the stuck thread still writes to it
+            self._file.close()
+        self._file = None
 
     async def _flush_forever(self) -> None:
         while True:

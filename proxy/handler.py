@@ -34,7 +34,7 @@ from multidict import istr
 from policies import mcp
 from policies.concurrency import DEFAULT_PRIORITY, PRIORITIES
 from policies.idempotency import Replay, replay_response
-from policies.pipeline import ABANDONED, REFUSED, Admission, Call, Outcome
+from policies.pipeline import ABANDONED, DRAIN_CUT, REFUSED, Admission, Call, Outcome
 from policies.reasons import Reason, Rejected
 from policies.retry import is_client_retry
 from proxy import attempts
@@ -177,6 +177,13 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
         except Replay as replay:
             outcome = Outcome("replayed", reached=False, status=replay.record.status)
             return _replay(rt, route, call, replay)
+        if rt.cutting:
+            # Handed a slot that the drain's cut freed: cut too, rather than sent upstream as
+            # the process stops (whichever of the two the shutdown cancelled first decided).
+            outcome = DRAIN_CUT
+            if request.transport is not None:
+                request.transport.close()
+            return web.Response(status=503)  # never sent: the connection is closed
 
         # Admitted: from here the outcome is the upstream's, or why there was none. The
         # route's in-flight count is the handler's own: taken here, after admitted_at is set,
@@ -212,10 +219,12 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
     except (asyncio.CancelledError, ConnectionResetError):
         if call.cancelled is not None:  # its run was cancelled (POST /admin/runs/.../cancel)
             return await _run_cancelled(rt, route, call, request, bool(admitted_at))
+        # Cancelled: by the caller leaving, or by the drain cutting what outlived it.
         if admitted_at:
-            # Cancelled: by the caller leaving, or by the drain cutting what outlived it.
             label = "drain_cut" if rt.cutting else "client_disconnected"
             outcome = Outcome(label, call.reached, call.status)
+        elif rt.cutting:
+            outcome = DRAIN_CUT
         raise
     except Exception:
         log.exception("proxy error on route %s (request %s)", route.name, request_id)
@@ -232,10 +241,14 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
         admission.release(outcome)
         if admitted_at:
             _completed(rt, route, call, outcome, admitted_at, traffic != "stream")
-        elif outcome.label != "replayed":
+        elif outcome.label == "rejected":  # its `rejected` event went out with the refusal
             route.metrics.outcomes[outcome.label].inc()
             if call.operation is not None:
                 route.metrics.operation(call.operation).outcome(outcome.label)
+        elif outcome.label != "replayed":
+            # Left, cut by the drain or failed before admission (queued, say): without an
+            # event of its own, the timeline showed it in flight forever.
+            _completed(rt, route, call, outcome, None, False)
         if call.new_unit:
             route.metrics.work_units.inc()
 
@@ -277,17 +290,31 @@ def _operation(call: Call) -> dict[str, object]:
 
 
 def _completed(rt: Runtime, route: Route, call: Call, outcome: Outcome,
-               admitted_at: float, timed: bool) -> None:
-    """Count and log an admitted call once its holdings are given back; ``timed``: its
-    duration is a sample of the upstream's (an MCP stream's is the session's length)."""
-    elapsed = time.monotonic() - admitted_at
+               admitted_at: float | None, timed: bool) -> None:
+    """Count and log a call that was not refused or replayed, once its holdings are given
+    back: its ``completed`` event.
+
+    ``admitted_at``: monotonic seconds at its admission, the start of the event's
+    ``duration_s``; ``None`` for a call that ended before it (the caller left, the drain cut
+    it), whose event has no ``duration_s`` but, if it queued, ``waited_s`` (seconds queued).
+    ``timed``: its duration is a sample of the upstream's (an MCP stream's is the session's
+    length).
+    """
+    fields: dict[str, object]
+    if admitted_at is not None:
+        elapsed = time.monotonic() - admitted_at
+        fields = {"status": outcome.status, "outcome": outcome.label,
+                  "duration_s": round(elapsed, 6)}
+    else:
+        elapsed = 0.0
+        fields = {"status": outcome.status, "outcome": outcome.label}
+        if call.enqueued_at is not None:
+            fields["waited_s"] = round(time.monotonic() - call.enqueued_at, 6)
     metrics = route.metrics
     if timed:
         metrics.upstream_duration.observe(elapsed)
     metrics.outcomes[outcome.label].inc()
     charged = call.charged
-    fields: dict[str, object] = {"status": outcome.status, "outcome": outcome.label,
-                                 "duration_s": round(elapsed, 6)}
     if charged is not None:
         fields.update(charged)
     if call.operation is not None:

@@ -31,9 +31,12 @@ import io
 import logging
 import os
 import select
+import stat
 import threading
 from collections.abc import Callable, Iterator
 from typing import IO
+
+log = logging.getLogger("sluice")
 
 #: Bytes waiting for a stuck destination before new writes are dropped (~8,000 events).
 MAX_PENDING_BYTES = 4 * 1024 * 1024
@@ -177,6 +180,71 @@ class _Destination:
 #: The destinations written to, by (device, inode).
 _DESTINATIONS: dict[tuple[int, int], _Destination] = {}
 _DESTINATIONS_GUARD = threading.Lock()
+
+
+class FileSink:
+    """A sink appending to the file at ``path``, reopened (created if need be) before a write
+    when the file there is no longer the one open: moved away or deleted by log rotation
+    (logrotate's ``create``), as ``logging.handlers.WatchedFileHandler`` and nginx do. Without
+    it, lines went on into the renamed file, or into a deleted one that kept its disk space.
+
+    The check is one ``os.stat`` a batch, on the writer's thread. A path that is not a regular
+    file (a FIFO, ``/dev/stdout``) is never reopened. Opened for appending (``O_APPEND``), so
+    after a ``copytruncate`` the next line lands at the new end of the file, not past a hole.
+    A failed reopen keeps the open file and is logged once until one succeeds.
+
+    Raises:
+        OSError: ``path`` cannot be opened for appending (at construction only).
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._fd = -1  # none open yet
+        self._reopen_failed = False
+        self._open()
+
+    def __call__(self, data: bytes) -> None:
+        if self._regular and self._replaced():
+            self._reopen()
+        self._sink(data)
+
+    def close(self) -> None:
+        """Close the file; not to be called while a write may still come."""
+        os.close(self._fd)
+
+    def _open(self) -> None:
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+        try:
+            status = os.fstat(fd)
+            self._sink = FdSink(fd)
+        except OSError:
+            os.close(fd)
+            raise
+        old, self._fd = self._fd, fd
+        self._inode = (status.st_dev, status.st_ino)
+        self._regular = stat.S_ISREG(status.st_mode)
+        if old >= 0:
+            os.close(old)
+
+    def _replaced(self) -> bool:
+        try:
+            there = os.stat(self.path)
+        except FileNotFoundError:
+            return True
+        except OSError:  # cannot tell (a directory made unreadable): write where we are
+            return False
+        return (there.st_dev, there.st_ino) != self._inode
+
+    def _reopen(self) -> None:
+        try:
+            self._open()
+        except OSError as exc:
+            if not self._reopen_failed:
+                log.warning("%s was moved or deleted and cannot be reopened (%s): writing "
+                            "on to the file that was there", self.path, exc.strerror or exc)
+            self._reopen_failed = True
+            return
+        self._reopen_failed = False
 
 
 def fd_sink(fd: int) -> Callable[[bytes], None]:

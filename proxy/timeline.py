@@ -132,6 +132,9 @@ def stories(events: list[dict[str, Any]]) -> list[RequestStory]:
             story.retries += 1
         elif kind == "completed":
             story.upstream_s = _number(ev.get("duration_s"))
+            waited = _number(ev.get("waited_s"))  # ended in the queue: left, or cut
+            if waited is not None:
+                story.queued_s = waited
             status = ev.get("status")
             story.result = f"{status} {ev.get('outcome', '')}".strip() if status else str(
                 ev.get("outcome", "completed"))
@@ -160,6 +163,8 @@ def describe(event: dict[str, Any]) -> str:
             words.append(str(own.pop("outcome")))
         if "duration_s" in own:
             words.append(f"upstream {_s(own.pop('duration_s'))}")
+        if "waited_s" in own:
+            words.append(f"after {_s(own.pop('waited_s'))} in the queue")
     elif kind == "rejected":
         if "reason" in own:
             words.append(str(own.pop("reason")))

@@ -109,6 +109,38 @@ async def test_work_past_drain_timeout_is_cut_and_the_process_exits(upstream, st
     assert completed["outcome"] == "drain_cut"
 
 
+async def test_a_call_still_queued_at_the_drain_timeout_is_logged_as_cut(upstream, start_sluice):
+    # Seen in a hostile trial: a queued call cut by the drain logged only `enqueued` (in flight
+    # forever on the timeline) and was counted client_disconnected, blaming its caller.
+    sluice = await start_sluice({
+        "server": {"drain_timeout": "500ms"},
+        "routes": [route("openai", upstream.url, "openai",
+                         concurrency={"limit": 1, "queue": 1, "max_wait": "60s"})],
+    })
+    url = sluice.url + "/openai/v1/chat/completions"
+    upstream.hold = asyncio.Event()  # never set: neither call ends before the cut
+    async with aiohttp.ClientSession() as session:
+        calls = [asyncio.create_task(status_of(session, url, CHAT, {"X-Request-ID": name}))
+                 for name in ("held", "queued")]
+        await wait_until(lambda: upstream.inflight == 1, what="one call at the upstream")
+        await sluice.wait_metric("sluice_queue_depth", 1, route="openai")
+        sluice.signal(signal.SIGTERM)
+        for outcome in await asyncio.gather(*calls, return_exceptions=True):
+            assert isinstance(outcome, aiohttp.ClientError)  # cut: no answer
+        assert await sluice.wait_exit(timeout=30) == 0
+    assert "drain timeout: cutting 1 request(s) still in flight and 1 waiting" in sluice.stderr()
+    by_request: dict[str, list[dict]] = {}
+    for event in sluice.events():
+        by_request.setdefault(event.get("request_id"), []).append(event)
+    assert [e["event"] for e in by_request["queued"]] == ["enqueued", "completed"]
+    cut = by_request["queued"][-1]
+    assert (cut["status"], cut["outcome"]) == (0, "drain_cut")
+    assert cut["waited_s"] > 0
+    assert [e["event"] for e in by_request["held"]] == ["admitted", "completed"]
+    assert by_request["held"][-1]["outcome"] == "drain_cut"
+    assert len(upstream.requests) == 1  # the held call's slot, freed by the cut, went to none
+
+
 async def test_a_second_sigterm_cuts_the_drain_short(upstream, start_sluice):
     """An operator's second Ctrl-C (or a second SIGTERM) does not wait out a long
     ``drain_timeout``: what is left is cut at once (a new user's trial waited 30 s)."""

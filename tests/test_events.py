@@ -1,14 +1,20 @@
-"""The event log's buffering (proxy/events.py): when lines are written, and that emitting
-never fails a request whatever the values."""
+"""The event log's buffering (proxy/events.py): when lines are written, that emitting
+never fails a request whatever the values, and that log rotation is followed."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import threading
 
+import aiohttp
 import orjson
 
 from proxy import events
 from proxy.events import EventLog
+from tests.conftest import route, status_of, wait_until
+
+CHAT = {"model": "gpt-test", "messages": [{"role": "user", "content": "hi"}]}
 
 
 async def written(path, count: int) -> list[bytes]:
@@ -57,3 +63,86 @@ def test_emitting_outside_a_loop_and_unencodable_values_never_raise():
     first = orjson.loads(lines[0])
     assert first["header"] == "caf\\udce9"  # the caller's byte 0xe9, kept as an escape
     assert first["obj"].startswith("<object object")
+
+
+def request_ids(path) -> list[str]:
+    """The request ids of the events in the file at ``path`` (none if there is no file)."""
+    try:
+        text = path.read_bytes()
+    except FileNotFoundError:
+        return []
+    return [orjson.loads(line).get("request_id") for line in text.splitlines()]
+
+
+async def test_a_rotated_event_log_is_reopened_at_its_path(upstream, start_sluice):
+    # Seen in a hostile trial: after logrotate's move the events went on into the moved
+    # file, and once that was deleted, into a deleted file that nobody could read.
+    sluice = await start_sluice({"routes": [route("openai", upstream.url, "openai")]})
+    url = sluice.url + "/openai/v1/chat/completions"
+    path = sluice.events_path
+    moved = path.with_name(path.name + ".1")
+    async with aiohttp.ClientSession() as session:
+        async def call(request_id: str) -> None:
+            assert await status_of(session, url, CHAT, {"X-Request-ID": request_id}) == 200
+
+        await call("before")
+        await wait_until(lambda: "before" in request_ids(path), what="the first events")
+        path.rename(moved)  # logrotate's move; the new file is Sluice's to create
+        await call("after-move")
+        await wait_until(lambda: request_ids(path).count("after-move") == 2,
+                         what="the events after the move in a new file at the path")
+        assert "after-move" not in request_ids(moved)
+        assert request_ids(moved).count("before") == 2
+
+        path.unlink()
+        await call("after-delete")
+        await wait_until(lambda: request_ids(path).count("after-delete") == 2,
+                         what="the events after the delete in a file created again")
+    assert "after-delete" not in request_ids(moved)
+
+
+async def test_a_truncated_event_log_is_written_from_its_new_end(tmp_path):
+    # logrotate's copytruncate: the file is cut to 0 under the open descriptor. Appending
+    # writes at the new end; a plain write would go on at the old offset past a hole of NULs.
+    path = tmp_path / "events.jsonl"
+    log = EventLog(str(path))
+    await log.start()
+    try:
+        log.emit("admitted", "r1", "up", "t", None, pad="x" * 1000)
+        log.flush()
+        await written(path, 1)
+        os.truncate(path, 0)
+        log.emit("admitted", "r2", "up", "t", None)
+        log.flush()
+        [line] = await written(path, 1)
+    finally:
+        await log.close()
+    assert orjson.loads(line)["request_id"] == "r2"
+    assert b"\0" not in path.read_bytes()
+
+
+async def test_an_event_log_that_is_not_a_regular_file_is_not_reopened(tmp_path):
+    # A FIFO (or /dev/stdout) at the path: removing it must not make a regular file appear.
+    path = tmp_path / "events.fifo"
+    os.mkfifo(path)
+    read: list[bytes] = []
+
+    def reader() -> None:
+        with open(path, "rb") as fifo:
+            read.extend(fifo.read().splitlines())
+
+    thread = threading.Thread(target=reader, daemon=True)
+    thread.start()
+    log = EventLog(str(path))
+    await log.start()
+    try:
+        log.emit("admitted", "r1", "up", "t", None)
+        log.flush()
+        path.unlink()
+        log.emit("admitted", "r2", "up", "t", None)
+        log.flush()
+    finally:
+        await log.close()
+    await asyncio.to_thread(thread.join, 10)
+    assert [orjson.loads(line)["request_id"] for line in read] == ["r1", "r2"]
+    assert not path.exists()

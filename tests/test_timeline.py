@@ -162,3 +162,45 @@ def test_control_characters_callers_chose_are_printed_as_escapes(tmp_path):
     assert not any(ch in shown.stdout for ch in "\x1b\x07\r\x9b")
     assert "\\x1b[2J" in shown.stdout
     assert "fake line" not in shown.stdout.splitlines()[-1]
+
+
+async def test_a_caller_that_leaves_while_queued_ends_its_story(upstream, start_sluice):
+    # Seen in a hostile trial: such a call logged only `enqueued` (while the metrics counted
+    # it client_disconnected), so the timeline showed it in flight forever.
+    upstream.hold = asyncio.Event()
+    sluice = await start_sluice({"routes": [
+        route("llm", upstream.url, concurrency={"limit": 1, "queue": 1, "max_wait": "60s"})]})
+    url = sluice.url + "/llm/v1/chat/completions"
+    run = {"X-Run-ID": "run-left", "X-Tenant-ID": "acme"}
+    async with aiohttp.ClientSession() as session:
+        first = asyncio.create_task(session.post(url, json=CHAT, headers={
+            **run, "X-Request-ID": "req-held"}))
+        await until(lambda: upstream.inflight == 1, what="the first call at the upstream")
+        # A caller that gives up while it waits in the queue (its own timeout, say: the
+        # client closes the connection). Cancelled once queued, not on a timer that a loaded
+        # machine could let run out before the call got there.
+        leaving = asyncio.create_task(session.post(url, json=CHAT, headers={
+            **run, "X-Request-ID": "req-left"}))
+        await sluice.wait_metric("sluice_queue_depth", 1, route="llm")
+        leaving.cancel()
+        await sluice.wait_metric("sluice_requests_total", 1, route="llm",
+                                 outcome="client_disconnected")
+        await until(lambda: any(e["event"] == "completed" and e["request_id"] == "req-left"
+                                for e in sluice.events()), what="the left call's event")
+        upstream.hold.set()
+        (await first).release()
+    await until(lambda: sum(e["event"] == "completed" for e in sluice.events()) == 2)
+
+    left = [e for e in sluice.events() if e.get("request_id") == "req-left"]
+    assert [e["event"] for e in left] == ["enqueued", "completed"]
+    assert left[1]["status"] == 0 and left[1]["outcome"] == "client_disconnected"
+    assert left[1]["waited_s"] > 0 and "duration_s" not in left[1]  # never at the upstream
+    assert len(upstream.requests) == 1
+
+    result = timeline("run-left", "--config", str(sluice.config_path))
+    assert result.returncode == 0, result.stderr
+    story = rows(result.stdout, "request")
+    assert story["req-left"][-1] == "client_disconnected"
+    assert story["req-left"][4] != "-" and story["req-left"][5] == "-"  # queued, no upstream
+    assert "in flight" not in result.stdout
+    assert "client_disconnected, after " in result.stdout
