@@ -466,10 +466,14 @@ class Metrics:
 
     def tenant_label(self, tenant: str) -> str:
         """``tenant`` as a label value: the first ``MAX_TENANT_LABELS`` tenants seen keep their
-        name, later ones share ``other`` (label values from a header must stay bounded)."""
+        name, later ones share ``other`` (label values from a header must stay bounded), as
+        do tenants named as a label with another meaning (``*``, ``other``)."""
         labels = self._tenant_labels
         if tenant in labels:
             return tenant
+        if tenant in _NOT_TENANT_LABELS:
+            # A caller sending X-Tenant-ID: * overwrote the per-route budget's gauges.
+            return OTHER_TENANT
         if len(labels) < MAX_TENANT_LABELS:
             labels.add(tenant)
             return tenant
@@ -722,6 +726,8 @@ class TenantSeries:
 
 #: Label of the per-route budget's gauges, which belong to no tenant.
 ROUTE_SCOPE_LABEL = "*"
+#: Tenant label values that mean something else: no tenant's own series may carry them.
+_NOT_TENANT_LABELS = frozenset({ROUTE_SCOPE_LABEL, OTHER_TENANT})
 
 
 class BudgetGauges:

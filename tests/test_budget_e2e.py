@@ -480,3 +480,21 @@ async def test_usage_above_the_reservation_is_charged_and_said(upstream, start_s
     reserved = over["output_tokens"] + over["input_tokens"] - over["over_reservation_tokens"]
     assert 10 < reserved < 500  # the input estimate plus the cap of 10
     assert await sluice.metric("sluice_usage_over_reservation_total", route="openai") == 1
+
+
+async def test_a_tenant_named_star_does_not_take_the_route_budgets_gauges(upstream,
+                                                                          start_sluice):
+    """``*`` labels the per-route budget's gauges: a caller sending ``X-Tenant-ID: *`` had
+    its own budget written over them (955 shown for a route with 99,955 left; a hostile
+    trial). Such a tenant's series go under ``other``."""
+    sluice = await start_sluice({"routes": [route(
+        "openai", upstream.url, "openai", budget=[{"tokens": "100000/day", "per": "route"},
+                                                   {"tokens": "1000/day", "per": "tenant"}])]},
+        env=NOON)
+    client = oai(sluice, tenant="*")
+    await client.chat.completions.create(model="gpt-test", messages=MSG, max_tokens=20)
+    await client.close()
+    [event] = await completed_events(sluice, 1)
+    spent = event["input_tokens"] + event["output_tokens"]
+    assert await sluice.metric("sluice_budget_remaining", route="openai", tenant="*",
+                               unit="tokens") == 100000 - spent
