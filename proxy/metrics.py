@@ -332,12 +332,16 @@ class Metrics:
             ["route"], registry=r,
         )
         self.idempotency_entries = Gauge(
-            "sluice_idempotency_store_entries", "Records in the route's idempotency store.",
+            "sluice_idempotency_store_entries",
+            "Records in this replica's idempotency store for the route: all of them with the "
+            "memory backend; with Redis, only those of the local fallback (the shared records "
+            "are counted in Redis, not here).",
             ["route"], registry=r,
         )
         self.idempotency_bytes = Gauge(
             "sluice_idempotency_store_bytes",
-            "Bytes charged to the route's idempotency store (bounded by max_bytes).",
+            "Bytes charged to this replica's idempotency store for the route (bounded by "
+            "max_bytes; with Redis, the local fallback's only).",
             ["route"], registry=r,
         )
         self.idempotency_waiting = Gauge(
