@@ -279,6 +279,7 @@ async def _run_cancelled(rt: Runtime, route: Route, call: Call, request: web.Bas
         return web.Response(status=call.status)  # never sent: the connection is closed
     if admitted:
         route.metrics.rejections[rejected.reason].inc()
+        call.status = rejected.reason.status  # what its `completed` event says it was sent
         return render(rejected, route.protocol, jsonrpc_id(route.protocol, call.body))
     return refuse(rt, route, rejected, call.request_id, call.tenant, call.run,
                   call.idempotency_key, call.body, call.operation)

@@ -421,3 +421,23 @@ async def test_child_inherits_priority(upstream, start_sluice):
         await asyncio.gather(holder, low, child)
     order = [seen.headers.get("X-Run-ID") for seen in upstream.requests]
     assert order == ["boss", None, "worker", None]  # the child (critical) before best-effort
+
+
+async def test_an_in_flight_call_answered_409_by_a_cancel_says_so_in_its_event(
+        upstream, start_sluice):
+    """Its `completed` event said status 0 though the caller got 409 (a hostile trial)."""
+    sluice = await start_sluice({"routes": [route("tools", upstream.url, "http")]},
+                                env={"SLUICE_ADMIN_TOKEN": TOKEN})
+    upstream.hold = asyncio.Event()  # never set: the call is at the upstream, unanswered
+    async with aiohttp.ClientSession() as s:
+        call = asyncio.create_task(post(s, f"{sluice.url}/tools/x", run_headers("r")))
+        await wait_until(lambda: upstream.inflight == 1, what="the call at the upstream")
+        async with s.post(f"{sluice.admin_url}/admin/runs/r/cancel",
+                          headers={"Authorization": f"Bearer {TOKEN}"}) as r:
+            assert r.status == 200
+        status, headers, _ = await call
+    assert (status, headers["X-Sluice-Reason"]) == (409, "run_cancelled")
+    await wait_until(lambda: any(e["event"] == "completed" for e in sluice.events()),
+                     what="the completed event")
+    [done] = [e for e in sluice.events() if e["event"] == "completed"]
+    assert (done["status"], done["outcome"]) == (409, "run_cancelled")
