@@ -171,10 +171,9 @@ def _whole(most: int) -> Callable[[str], int]:
     """An argument type: a whole number from 1 to ``most``, else argparse's usage error."""
 
     def parse(value: str) -> int:
-        try:
-            number = int(value)
-        except ValueError:
-            number = 0
+        # ASCII digits only: int() also reads "1_2" as 12 and Arabic-Indic digits, so a typo
+        # could name another letter.
+        number = int(value) if value.isascii() and value.isdigit() else 0
         if not 1 <= number <= most:
             raise argparse.ArgumentTypeError(
                 f"{value!r} is not a whole number from 1 to {most}")

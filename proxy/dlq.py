@@ -15,8 +15,10 @@
   its result is stored, so two commands started at once never both send it. Credentials were
   removed when recording, so give them again with ``-H 'Authorization: Bearer ...'`` or
   ``--header-from-env NAME=ENVVAR`` (the latter keeps the secret out of the process list);
-  ``--output FILE`` keeps the upstream's answer. Exit status 0 when the upstream answered
-  below 400, 1 otherwise.
+  ``--output FILE`` keeps the upstream's answer (a path it could not be written to is refused
+  before anything is sent). Exit status 0 when the upstream answered below 400, 1 otherwise;
+  130 after Ctrl-C and 143 after SIGTERM, the replay then recorded as interrupted and its
+  letter free at once for the next.
 * ``purge``: delete every record.
 
 Each reads where the servers of ``--config`` write: with ``state.backend: redis``, the Redis
@@ -31,9 +33,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import re
+import signal
 import sqlite3
 import sys
 import time
+from collections.abc import Coroutine
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -52,6 +57,9 @@ from proxy.client import client_timeout, upstream_session
 from proxy.forward import upstream_url
 
 EXIT_FAILED = 1
+#: Exit statuses after Ctrl-C and SIGTERM, as a shell reports a process those signals ended.
+EXIT_INTERRUPTED = 128 + signal.SIGINT
+EXIT_TERMINATED = 128 + signal.SIGTERM
 #: Bound on each Redis call of the command, seconds: at least this, whatever
 #: ``state.timeout`` (tuned for the request path) says, as a listing reads many entries.
 CLI_TIMEOUT_S = 5.0
@@ -60,9 +68,25 @@ REPLAY_HOLD_MARGIN_S = 10.0
 
 
 def run(config: Config, args: argparse.Namespace) -> int:
-    """Run ``sluice dlq <command>``; returns the exit status."""
+    """Run ``sluice dlq <command>``; returns the exit status (130 after Ctrl-C, 143 after
+    SIGTERM: a replay under way is then recorded as interrupted and its letter freed)."""
+    try:
+        return _run(config, args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except _Terminated:
+        print("terminated", file=sys.stderr)
+        return EXIT_TERMINATED
+
+
+class _Terminated(Exception):
+    """SIGTERM arrived (a supervisor, ``timeout``): the command was cancelled, cleanly."""
+
+
+def _run(config: Config, args: argparse.Namespace) -> int:
     if config.state.backend == "redis":
-        return asyncio.run(_shared(config, args))
+        return asyncio.run(_terminable(_shared(config, args)))
     path = config.dead_letter.path
     if not Path(path).exists() and args.dlq_command != "purge":
         if args.dlq_command == "list":
@@ -72,9 +96,38 @@ def run(config: Config, args: argparse.Namespace) -> int:
         return EXIT_FAILED
     file = DeadLetterFile(path)
     try:
-        return asyncio.run(_command(config, _FileStore(file), path, args))
+        return asyncio.run(_terminable(_command(config, _FileStore(file), path, args)))
     finally:
         file.close()
+
+
+async def _terminable(command: Coroutine[Any, Any, int]) -> int:
+    """Run ``command`` so that SIGTERM cancels it as Ctrl-C does (its ``finally`` blocks run:
+    a replay's result is stored and its letter freed) rather than ending the process where
+    it stands, which left a letter held for the route's whole timeout.
+
+    Raises:
+        _Terminated: SIGTERM cancelled it.
+    """
+    task = asyncio.current_task()
+    assert task is not None
+    terminated = False
+
+    def on_term() -> None:
+        nonlocal terminated
+        terminated = True
+        task.cancel()
+
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, on_term)
+    try:
+        return await command
+    except asyncio.CancelledError:
+        if terminated:
+            raise _Terminated from None
+        raise
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
 
 
 async def _shared(config: Config, args: argparse.Namespace) -> int:
@@ -184,14 +237,19 @@ async def _replay(config: Config, store: DeadLetterStore | _FileStore, letter: D
     try:
         for item in args.header:
             name, sep, value = item.partition(":")
-            if not sep or not name.strip():
-                raise ValueError(f"--header {item!r} is not 'NAME: VALUE'")
-            headers[name.strip()] = value.strip()
+            if not sep or not _TOKEN.fullmatch(name.strip()):
+                raise ValueError(f"--header {item!r} is not 'NAME: VALUE' (a name of letters, "
+                                 f"digits and !#$%&'*+-.^_`|~)")
+            headers[name.strip()] = _field_value(value.strip(), "--header")
         for item in args.header_from_env:
             name, sep, var = item.partition("=")
-            if not sep or var not in os.environ:
+            if not sep or not _TOKEN.fullmatch(name.strip()):
+                raise ValueError(f"--header-from-env {item!r} is not NAME=ENVVAR")
+            if var not in os.environ:
                 raise ValueError(f"--header-from-env {item!r}: no environment variable {var!r}")
-            headers[name.strip()] = os.environ[var]
+            headers[name.strip()] = _field_value(os.environ[var], f"the variable {var}")
+        if args.output:
+            _check_writable(Path(args.output))
     except ValueError as exc:
         print(exc, file=sys.stderr)
         return EXIT_FAILED
@@ -233,11 +291,48 @@ async def _replay(config: Config, store: DeadLetterStore | _FileStore, letter: D
         duration = time.monotonic() - started
         await _record(store, letter, status, error, duration, token, hold_s)
     if args.output and status is not None:
-        await asyncio.to_thread(Path(args.output).write_bytes, answer)
+        try:
+            await asyncio.to_thread(Path(args.output).write_bytes, answer)
+        except OSError as exc:  # checked before sending; the path changed meanwhile
+            print(f"the answer could not be written to {args.output}: {exc.strerror or exc}",
+                  file=sys.stderr)
     result = f"HTTP {status}, {len(answer)} bytes" if status is not None else f"failed: {error}"
     print(f"replayed dead letter {letter.id} to {route.upstream}{letter.path}: {result} "
           f"in {duration:.3f}s")
     return 0 if status is not None and status < 400 else EXIT_FAILED
+
+
+#: A header name (RFC 9110 §5.6.2 token).
+_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+
+
+def _field_value(value: str, what: str) -> str:
+    """``value`` if it may be sent as a header's value (no CR, LF or NUL, which would let it
+    write headers of its own: aiohttp refuses it at send time, after the letter was held).
+
+    Raises:
+        ValueError: it may not (the message never quotes it: it may be a secret).
+    """
+    if any(ch in value for ch in "\r\n\0"):
+        raise ValueError(f"{what}: a header value may not hold CR, LF or NUL")
+    return value
+
+
+def _check_writable(path: Path) -> None:
+    """Refuse an ``--output`` path the answer could not be written to, before anything is
+    sent (the work would be done and its answer lost).
+
+    Raises:
+        ValueError: its directory is missing or not writable, or it is a directory or a file
+            that cannot be written.
+    """
+    folder = path.parent
+    if path.is_dir():
+        raise ValueError(f"--output {str(path)!r} is a directory")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise ValueError(f"--output {str(path)!r} cannot be written")
+    if not path.exists() and not (folder.is_dir() and os.access(folder, os.W_OK | os.X_OK)):
+        raise ValueError(f"--output {str(path)!r}: its directory is missing or not writable")
 
 
 async def _record(store: DeadLetterStore | _FileStore, letter: DeadLetter,
@@ -281,5 +376,6 @@ async def _send(route: RouteConfig, letter: DeadLetter,
                 data=letter.body or None, allow_redirects=False, timeout=timeout,
             ) as response:
                 return response.status, None, await response.read()
-        except (aiohttp.ClientError, TimeoutError) as exc:
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            # ValueError: aiohttp refused what it was given, before sending it.
             return None, type(exc).__name__, b""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import signal
 import sys
 
 import aiohttp
@@ -99,10 +100,14 @@ async def test_two_replays_started_at_once_send_the_letter_once(upstream, start_
     assert [r["status"] for r in json.loads(out)["replays"]] == [200, 200]
 
 
-async def test_a_replay_killed_mid_send_leaves_its_result_and_frees_the_letter(
-        upstream, start_sluice, state):
-    """Ctrl-C during the send: the replay is recorded as interrupted (it may have reached
-    the upstream) and the letter is free for the next replay at once."""
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)],
+                         ids=["ctrl-c", "sigterm"])
+async def test_a_replay_stopped_mid_send_leaves_its_result_and_frees_the_letter(
+        upstream, start_sluice, state, sig, code):
+    """Ctrl-C, or SIGTERM from a supervisor or `timeout`, during the send: the replay is
+    recorded as interrupted (it may have reached the upstream) and the letter is free for
+    the next replay at once, with one line said, not a traceback. SIGTERM ended the process
+    where it stood and held the letter for the route's whole timeout (a new user's trial)."""
     sluice = await start_sluice({**state, "routes": [route(
         "openai", upstream.url, retry={"attempts": 2, "backoff": FAST_BACKOFF})]})
     letter = await dead_letter(sluice, upstream, "pay-43")
@@ -111,15 +116,43 @@ async def test_a_replay_killed_mid_send_leaves_its_result_and_frees_the_letter(
     sent_before = len(upstream.requests)
     proc = await cli("dlq", "replay", letter, "--config", config)
     await wait_until(lambda: len(upstream.requests) == sent_before + 1, timeout=30)
-    proc.send_signal(2)  # SIGINT, as Ctrl-C
-    code, _, err = await outcome(proc)
-    assert code != 0
+    proc.send_signal(sig)
+    got, _, err = await outcome(proc)
+    assert got == code and "Traceback" not in err, err
     upstream.hold.set()
-    code, out, _ = await outcome(await cli("dlq", "show", letter, "--config", config))
+    _, out, _ = await outcome(await cli("dlq", "show", letter, "--config", config))
     assert [(r["status"], r["error"]) for r in json.loads(out)["replays"]] == [
         (None, "interrupted")]
-    code, out, err = await outcome(await cli("dlq", "replay", letter, "--config", config))
-    assert code == 0 and "HTTP 200" in out, err
+    got, out, err = await outcome(await cli("dlq", "replay", letter, "--config", config))
+    assert got == 0 and "HTTP 200" in out, err
+
+
+@pytest.mark.parametrize("args,said", [
+    (["-H", "X-Note: a\r\nInjected: 1"], "may not hold CR, LF or NUL"),
+    (["-H", "Bad Name: v"], "is not 'NAME: VALUE'"),
+    (["--header-from-env", "Authorization"], "is not NAME=ENVVAR"),
+    (["--output", "/nonexistent-dir/answer.json"], "directory is missing or not writable"),
+])
+async def test_replay_arguments_that_cannot_work_are_refused_before_sending(
+        upstream, start_sluice, tmp_path, args, said):
+    """Each was found by a new user's trial to send the letter (or hold it) and then fail:
+    a header aiohttp refuses at send time, a header name with a space sent as is, an
+    --output path the answer was lost to after the work was done."""
+    sluice = await start_sluice({"dead_letter": {"path": str(tmp_path / "dlq.sqlite")},
+                                 "routes": [route("openai", upstream.url, retry={
+                                     "attempts": 2, "backoff": FAST_BACKOFF})]})
+    letter = await dead_letter(sluice, upstream, "pay-46")
+    sent = len(upstream.requests)
+    config = str(sluice.config_path)
+    got, _, err = await outcome(await cli("dlq", "replay", letter, "--config", config, *args))
+    assert got == 1 and said in err and "Traceback" not in err, err
+    assert len(upstream.requests) == sent
+    _, out, _ = await outcome(await cli("dlq", "show", letter, "--config", config))
+    assert json.loads(out)["replays"] == []
+    # A letter id only in ASCII digits: int() read "0_1" as 1 and Arabic-Indic digits too.
+    for typo in ("0_1", "\u0661"):
+        got, _, err = await outcome(await cli("dlq", "show", typo, "--config", config))
+        assert got == 2 and "is not a whole number" in err
 
 
 @pytest.mark.parametrize("sent", ["pay-44", '"pay-44"'], ids=["bare", "quoted"])
