@@ -85,7 +85,7 @@ class Reason(enum.Enum):
         "headers_too_large", 431, "a request header line, or the number of headers, is too large"
     )
     TOO_MANY_CONNECTIONS = (
-        "too_many_connections", 503, "Sluice has server.max_connections connections open"
+        "too_many_connections", 503, "Sluice has as many connections open as it serves at once"
     )
     INTERNAL_ERROR = ("internal_error", 500, "Sluice failed to handle this request")
     # Faults of the upstream itself, written by Sluice because no upstream answer exists.

@@ -131,7 +131,11 @@ _BODY_TIMEOUT = raw_answer(Rejected(
     "the request body paused longer than server.body_timeout, or came slower than "
     "server.min_body_rate",
 ))
-_TOO_MANY = raw_answer(Rejected(Reason.TOO_MANY_CONNECTIONS, 1.0, "try again shortly"))
+_TOO_MANY = raw_answer(Rejected(Reason.TOO_MANY_CONNECTIONS, 1.0,
+                                 "server.max_connections; try again shortly"))
+_ADMIN_TOO_MANY = raw_answer(Rejected(
+    Reason.TOO_MANY_CONNECTIONS, 1.0,
+    f"the admin port serves {ADMIN_MAX_CONNECTIONS} at once; try again shortly"))
 
 
 class GuardedServer(web.Server):
@@ -141,7 +145,10 @@ class GuardedServer(web.Server):
     Attributes:
         open: connections being served now (refused ones are not counted).
         refusing: connections over ``max_connections`` waiting for their 503.
+        too_many: that 503, whole, naming the bound.
     """
+
+    too_many = _TOO_MANY
 
     def __init__(self, handler: Callable[..., Awaitable[web.StreamResponse]],
                  **kwargs: Any) -> None:
@@ -242,6 +249,8 @@ class AdminServer(GuardedServer):
     timeouts, but at most :data:`ADMIN_MAX_CONNECTIONS` connections, since only probes,
     Prometheus and operators call it. Without them a few hundred slow or silent connections
     would hold it as long as they liked, and the kubelet's probes with it."""
+
+    too_many = _ADMIN_TOO_MANY
 
     def __init__(self, runtime: Runtime, handler: Callable[..., Awaitable[web.StreamResponse]],
                  **kwargs: Any) -> None:
@@ -492,7 +501,7 @@ class EdgeProtocol(RequestHandler):
         refused = self._refused
         if refused is not None:
             if not refused.is_closing():
-                refused.write(_TOO_MANY)
+                refused.write(self._edge.too_many)
                 refused.close()
             return
         count = self._request_count

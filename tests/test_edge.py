@@ -515,8 +515,10 @@ async def test_the_admin_port_closes_slow_and_idle_clients_and_keeps_probes_answ
         held.append(await asyncio.open_connection("127.0.0.1", sluice.admin_port))
     answer = await raw_request(sluice.admin_port,
                                b"GET /healthz HTTP/1.1\r\n" + LOOPBACK + b"\r\n", timeout=5)
-    [(status, headers, _)] = parse(answer)
+    [(status, headers, body)] = parse(answer)
     assert (status, headers["x-sluice-reason"]) == (503, "too_many_connections")
+    # Its own bound, not the proxy port's server.max_connections (a new user's trial).
+    assert b"the admin port serves 64 at once" in body and b"server.max" not in body
     for _, writer in held:
         writer.close()
     # Counted (a hostile trial crowded probes out and no metric said so), once they can be
