@@ -32,6 +32,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from redis.asyncio.connection import ConnectionPool
 
 
 class ConfigError(Exception):
@@ -252,6 +253,16 @@ def _redis_url(value: str) -> str:
     scheme = value.partition("://")[0].lower()
     if scheme not in ("redis", "rediss", "unix") or "://" not in value:
         raise ValueError("must start with redis://, rediss:// or unix:// (or be env:NAME)")
+    # Read as the client will: a query field redis-py does not take (?PASSWORD=, a typo)
+    # passed here and ended `sluice serve` with a TypeError at start (a new user's trial).
+    try:
+        ConnectionPool.from_url(value).make_connection()
+    except TypeError as exc:
+        field = re.search(r"argument '([^']*)'", str(exc))
+        raise ValueError(f"has a query field redis-py does not take"
+                         f"{f' ({field.group(1)!r})' if field else ''}") from None
+    except ValueError as exc:  # its own message names the field, never the value
+        raise ValueError(f"is not a Redis URL redis-py can read: {exc}") from None
     return value
 
 

@@ -27,6 +27,13 @@ ROUTE = """routes:
     ("  backend: redis\n", "state: backend redis needs redis_url"),
     ("  backend: redis\n  redis_url: http://:hunter2@cache:6379\n",
      "state.redis_url: must start with redis://, rediss:// or unix:// (or be env:NAME)"),
+    # A query field redis-py does not take passed here and ended `sluice serve` with a
+    # TypeError at start (a new user's trial); the field's name is said, never its value.
+    ("  backend: redis\n  redis_url: 'redis://cache:6379/0?PASSWORD=hunter2'\n",
+     "bad.yaml:3: state.redis_url: has a query field redis-py does not take ('PASSWORD')"),
+    ("  backend: redis\n  redis_url: 'redis://:hunter2@cache:6379/0?socket_timeout=soon'\n",
+     "state.redis_url: is not a Redis URL redis-py can read: Invalid value for "
+     "'socket_timeout'"),
     ("  backend: sqlite\n", "state.backend:"),
     ("  replicas: 0\n", "state.replicas:"),
     ("  key_prefix: 'a{b}'\n", "state.key_prefix:"),
