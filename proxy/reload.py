@@ -249,6 +249,9 @@ class Reloader:
         sections = [name for name in type(config).model_fields
                     if name != "routes" and getattr(config, name) != getattr(running, name)]
         summary = self.runtime.configure(config)
+        # The files this config names are watched from now: a newly named tenants table
+        # would otherwise read as changed at the next poll and reload it all once more.
+        self._applied = (self._applied[0], *self._fingerprints()[1:])
         self.loaded_at = time.time()
         metrics.config_reloads.inc()
         metrics.config_last_reload_successful.set(1)

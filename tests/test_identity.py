@@ -208,3 +208,25 @@ def test_check_config_names_a_missing_tenants_source(tmp_path, capsys):
                       "  - {name: up, path_prefix: /up/, upstream: 'http://127.0.0.1:1'}\n")
     assert main(["check-config", str(config)]) == 2
     assert "unknown_key_tenant has no effect without tenants" in capsys.readouterr().err
+
+
+async def test_naming_a_tenants_file_in_a_running_config_reloads_once(upstream, start_sluice,
+                                                                      tmp_path):
+    """The watcher compared the files the old config named: a table named by the edit read
+    as changed at the next poll, and the config was reloaded a second time (a new user's
+    trial and a review)."""
+    (tmp_path / "tenants.yaml").write_text(yaml.safe_dump(TENANTS))
+    sluice = await start_sluice({"routes": [route("up", upstream.url, "openai")]})
+    data = yaml.safe_load(sluice.config_path.read_text())
+    data["identity"] = {"tenants": "tenants.yaml"}
+    aside = sluice.config_path.with_suffix(".new")
+    aside.write_text(yaml.safe_dump(data, sort_keys=False))
+    os.replace(aside, sluice.config_path)
+    await wait_until(lambda: any(e["event"] == "config_reloaded" for e in sluice.events()),
+                     what="the reload")
+    await asyncio.sleep(3.0)  # three more polls of the files: nothing else follows
+    assert sum(e["event"] == "config_reloaded" for e in sluice.events()) == 1
+    async with aiohttp.ClientSession() as session:
+        assert await _call(session, sluice.url, {"Authorization": "Bearer sk-team-a"}) == (
+            200, "")
+    assert await sluice.metric("sluice_config_reloads_total") == 1
