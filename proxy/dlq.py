@@ -341,7 +341,9 @@ async def _record(store: DeadLetterStore | _FileStore, letter: DeadLetter,
     """Store a replay's result, ending its hold; a store that fails then is said (the result
     is still printed: the send happened), never raised over the upstream's answer."""
     try:
-        await store.add_replay(letter.id or 0, status, error, duration_s, token)
+        if not await store.add_replay(letter.id or 0, status, error, duration_s, token):
+            print(f"WARNING: dead letter {letter.id} was dropped or purged during this "
+                  f"replay, so its result is not stored", file=sys.stderr)
     except (StateUnavailable, sqlite3.Error) as exc:
         cause = exc.cause if isinstance(exc, StateUnavailable) else exc
         print(f"WARNING: the result of this replay of dead letter {letter.id} was not stored "

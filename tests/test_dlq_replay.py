@@ -25,14 +25,26 @@ BODY = {"model": "gpt-test", "messages": [{"role": "user", "content": "hi"}]}
 FAST_BACKOFF = {"base": "10ms", "max": "20ms"}
 
 
+def _default_signals() -> None:
+    # A suite started with SIGINT ignored (from a script with `&`, nohup, some CI runners)
+    # passes that on to its children: the Ctrl-C test's signal then did nothing, and the
+    # test waited for a command that never ended (a new user's trial).
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 async def cli(*args: str) -> asyncio.subprocess.Process:
     return await asyncio.create_subprocess_exec(
         sys.executable, "-m", "proxy", *args, cwd=REPO,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        preexec_fn=_default_signals)
 
 
 async def outcome(proc: asyncio.subprocess.Process) -> tuple[int, str, str]:
-    out, err = await proc.communicate()
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), 60)
+    except TimeoutError:
+        proc.kill()
+        raise
     assert proc.returncode is not None
     return proc.returncode, out.decode(), err.decode()
 
