@@ -34,6 +34,7 @@ import argparse
 import asyncio
 import os
 import re
+import shlex
 import signal
 import sqlite3
 import sys
@@ -274,9 +275,10 @@ async def _replay(config: Config, store: DeadLetterStore | _FileStore, letter: D
               f"{done['status']}); pass --again to send it once more", file=sys.stderr)
         return EXIT_FAILED
     if claim.state == BUSY:
+        show = f"sluice dlq show {letter.id} --config {shlex.quote(str(args.config))}"
         print(f"dead letter {letter.id} is being replayed by another command now (its hold "
-              f"lapses in {claim.left_s:.0f}s if it never finishes); see `sluice dlq show "
-              f"{letter.id}` for its result", file=sys.stderr)
+              f"lapses in {claim.left_s:.0f}s if it never finishes); see `{show}` for its "
+              "result", file=sys.stderr)
         return EXIT_FAILED
     if claim.state != CLAIMED:
         print(f"no dead letter {letter.id} (it was purged meanwhile)", file=sys.stderr)

@@ -116,8 +116,9 @@ def stories(events: list[dict[str, Any]]) -> list[RequestStory]:
             continue
         story = out.get(rid)
         if story is None:
-            story = out[rid] = RequestStory(rid, str(ev.get("route")), str(ev.get("tenant")),
-                                            ev["ts"])
+            # "-" for a field an event lacks, as in the table of events (not "None").
+            story = out[rid] = RequestStory(rid, str(ev.get("route") or "-"),
+                                            str(ev.get("tenant") or "-"), ev["ts"])
         kind = ev["event"]
         story.events.append(kind)
         if kind == "enqueued":

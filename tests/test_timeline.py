@@ -145,6 +145,7 @@ def test_json_lines_that_are_not_our_events_are_skipped_not_fatal(tmp_path):
     assert "Traceback" not in shown.stderr
     assert "1 request(s), 2 event(s)" in shown.stdout
     assert "spend 4 tokens, cost unknown" in shown.stdout
+    assert "None" not in shown.stdout  # no route or tenant in these events: "-" (a trial)
 
 
 def test_control_characters_callers_chose_are_printed_as_escapes(tmp_path):
