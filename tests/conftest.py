@@ -57,6 +57,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct free ports: each socket is held until all are picked (two calls of
+    :func:`free_port` once got the same port back, and Sluice refused its listen and admin
+    ports as one)."""
+    with contextlib.ExitStack() as held:
+        sockets = [held.enter_context(socket.socket()) for _ in range(count)]
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+
+
 class SluiceProcess:
     """A running ``sluice serve`` and the addresses it listens on."""
 
@@ -216,7 +227,7 @@ async def start_sluice(tmp_path: Path) -> AsyncIterator[Callable[..., Awaitable[
                     config_path: Path | None = None) -> SluiceProcess:
         data = yaml.load(config, Loader=StrictLoader) if isinstance(config, str) else json.loads(
             json.dumps(config))
-        port, admin_port = free_port(), free_port()
+        port, admin_port = free_ports(2)
         index = len(started)
         events = tmp_path / f"events-{index}.jsonl"
         server = data.setdefault("server", {})

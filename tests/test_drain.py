@@ -11,7 +11,7 @@ import time
 import aiohttp
 import pytest
 
-from tests.conftest import free_port, route, status_of, wait_until
+from tests.conftest import free_ports, route, status_of, wait_until
 from tests.redis_servers import delete_prefix, new_prefix, require_redis
 
 CHAT = {"model": "gpt-test", "messages": [{"role": "user", "content": "hi"}]}
@@ -285,8 +285,9 @@ async def test_sigterm_while_starting_exits_0_after_starting(tmp_path):
     # before the event loop took the signals, ended the process by the default action
     # (exit 143, no drain); the README says SIGTERM exits 0.
     config = tmp_path / "sluice.yaml"
+    port, admin_port = free_ports(2)
     config.write_text(f"""
-server: {{listen: "127.0.0.1:{free_port()}", admin_listen: "127.0.0.1:{free_port()}"}}
+server: {{listen: "127.0.0.1:{port}", admin_listen: "127.0.0.1:{admin_port}"}}
 events: {{path: {tmp_path / "events.jsonl"}}}
 routes:
   - {{name: r, path_prefix: /r/, upstream: "http://127.0.0.1:9"}}

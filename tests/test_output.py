@@ -24,7 +24,7 @@ import yaml
 
 from proxy import output
 from proxy.output import BackgroundWriter
-from tests.conftest import REPO, coverage_env, free_port
+from tests.conftest import REPO, coverage_env, free_ports
 from tests.fakeupstream import FakeUpstream
 
 
@@ -218,7 +218,7 @@ def _read_all(fd: int, into: list[bytes]) -> None:
 
 @pytest.fixture
 def serve_config(tmp_path: Path, upstream: FakeUpstream) -> tuple[Path, int, int]:
-    port, admin_port = free_port(), free_port()
+    port, admin_port = free_ports(2)
     config = {
         "server": {"listen": f"127.0.0.1:{port}", "admin_listen": f"127.0.0.1:{admin_port}",
                    "drain_timeout": "2s"},
