@@ -300,7 +300,7 @@ class ConcurrencyLimiter:
         held = self._by_tenant.get(tenant, 0)
         max_wait = self.wait_budget(caller_timeout, reads)
         expected = (self.queued + 1) * self.mean_service_s / self.limit
-        call_s = self.mean_first_byte_s if reads else self.mean_service_s
+        call_s = self.own_time(reads)
         # Nobody may wait (no queue left, or ``max_wait: 0s``): the queue's refusal, whatever
         # the caller's timeout, which is not what stands in its way.
         if self.queue_full or self.max_wait <= 0:
@@ -404,9 +404,13 @@ class ConcurrencyLimiter:
         less at once."""
         if caller_timeout is None:
             return self.max_wait
-        call_s = self.mean_first_byte_s if reads else self.mean_service_s
-        room = caller_timeout - call_s if self.observed else caller_timeout
+        room = caller_timeout - self.own_time(reads) if self.observed else caller_timeout
         return min(self.max_wait, room)
+
+    def own_time(self, reads: bool) -> float:
+        """What a caller's timeout must cover besides the queue, seconds: the mean service
+        time for a deadline, the mean time to the upstream's first byte for a read timeout."""
+        return self.mean_first_byte_s if reads else self.mean_service_s
 
     @property
     def queue_full(self) -> bool:

@@ -138,11 +138,12 @@ AllowanceSpec = Annotated[Allowance, BeforeValidator(_parse_allowance)]
 Listen = Annotated[str, AfterValidator(_parse_listen)]
 
 
-_TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
+#: An HTTP header name (RFC 9110 §5.6.2 token), as a whole string.
+HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 
 
 def _header_name(value: str) -> str:
-    if not _TOKEN.match(value):
+    if not HEADER_NAME.fullmatch(value):
         raise ValueError(f"{value!r} is not an HTTP header name (RFC 9110 §5.1 token)")
     # An istr (a str) is looked up in a request's headers without being lower-cased again
     # on every look-up.

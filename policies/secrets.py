@@ -30,9 +30,7 @@ SECRET_QUERY_PARTS = (*SECRET_HEADER_PARTS, "sig")
 
 def secret_query_field(name: str) -> bool:
     """Whether a query parameter carries a credential, by its name."""
-    lower = name.lower()
-    return (any(part in lower for part in SECRET_QUERY_PARTS)
-            or not SECRET_HEADER_WORDS.isdisjoint(re.split(r"[-_]", lower)))
+    return _named_secret(name.lower(), SECRET_QUERY_PARTS)
 
 
 def secret_header(name: str, value: str) -> bool:
@@ -40,6 +38,11 @@ def secret_header(name: str, value: str) -> bool:
     lower = name.lower()
     if lower in NOT_SECRET_HEADERS:
         return False
-    return (any(part in lower for part in SECRET_HEADER_PARTS)
-            or not SECRET_HEADER_WORDS.isdisjoint(re.split(r"[-_]", lower))
-            or bool(SECRET_VALUE.match(value)))
+    return _named_secret(lower, SECRET_HEADER_PARTS) or bool(SECRET_VALUE.match(value))
+
+
+def _named_secret(lower: str, parts: tuple[str, ...]) -> bool:
+    """A lower-cased name holds one of ``parts``, or one of :data:`SECRET_HEADER_WORDS` as a
+    whole word (between ``-`` and ``_``)."""
+    return (any(part in lower for part in parts)
+            or not SECRET_HEADER_WORDS.isdisjoint(re.split(r"[-_]", lower)))

@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import re
 import shlex
 import signal
 import sqlite3
@@ -48,14 +47,14 @@ import aiohttp
 import orjson
 from multidict import CIMultiDict
 
-from policies.config import Config, RouteConfig
+from policies.config import HEADER_NAME, Config, RouteConfig
 from policies.deadletter import ANSWERED, BUSY, CLAIMED, DeadLetter, DeadLetterFile, ReplayClaim
 from policies.idempotency import parse_key, shared_record_key
 from policies.idempotency_store import DONE, TOO_LARGE
 from policies.state import DeadLetterStore, StateUnavailable, redact_url, redis_backends
 from policies.state.idempotency import IdempotencyRecords
 from proxy.client import client_timeout, upstream_session
-from proxy.forward import upstream_url
+from proxy.forward import FORBIDDEN_IN_HEADERS, upstream_url
 
 EXIT_FAILED = 1
 #: Exit statuses after Ctrl-C and SIGTERM, as a shell reports a process those signals ended.
@@ -238,13 +237,13 @@ async def _replay(config: Config, store: DeadLetterStore | _FileStore, letter: D
     try:
         for item in args.header:
             name, sep, value = item.partition(":")
-            if not sep or not _TOKEN.fullmatch(name.strip()):
+            if not sep or not HEADER_NAME.fullmatch(name.strip()):
                 raise ValueError(f"--header {item!r} is not 'NAME: VALUE' (a name of letters, "
                                  f"digits and !#$%&'*+-.^_`|~)")
             headers[name.strip()] = _field_value(value.strip(), "--header")
         for item in args.header_from_env:
             name, sep, var = item.partition("=")
-            if not sep or not _TOKEN.fullmatch(name.strip()):
+            if not sep or not HEADER_NAME.fullmatch(name.strip()):
                 raise ValueError(f"--header-from-env {item!r} is not NAME=ENVVAR")
             if var not in os.environ:
                 raise ValueError(f"--header-from-env {item!r}: no environment variable {var!r}")
@@ -304,19 +303,17 @@ async def _replay(config: Config, store: DeadLetterStore | _FileStore, letter: D
     return 0 if status is not None and status < 400 else EXIT_FAILED
 
 
-#: A header name (RFC 9110 §5.6.2 token).
-_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
-
-
 def _field_value(value: str, what: str) -> str:
-    """``value`` if it may be sent as a header's value (no CR, LF or NUL, which would let it
-    write headers of its own: aiohttp refuses it at send time, after the letter was held).
+    """``value`` if it may be sent as a header's value: aiohttp refuses control characters
+    but tab (:data:`proxy.forward.FORBIDDEN_IN_HEADERS`; CR and LF would write headers of
+    their own) only at send time, after the letter was held.
 
     Raises:
         ValueError: it may not (the message never quotes it: it may be a secret).
     """
-    if any(ch in value for ch in "\r\n\0"):
-        raise ValueError(f"{what}: a header value may not hold CR, LF or NUL")
+    if FORBIDDEN_IN_HEADERS.search(value):
+        raise ValueError(f"{what}: a header value may not hold CR, LF or NUL (nor any other "
+                         "control character but tab)")
     return value
 
 

@@ -75,7 +75,7 @@ _OUTCOMES = ("0xx", "1xx", "2xx", "3xx", "4xx", "5xx")
 #: as its own writer's check), though its client accepts them from an upstream.
 log = logging.getLogger("sluice")
 
-_FORBIDDEN_IN_HEADERS = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
+FORBIDDEN_IN_HEADERS = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 _BAD_HEADER = "a response header has control characters"
 #: The streamed answer being relayed to the caller, once its status line is out (set on the
 #: request, so a call ended mid-answer can still finish it: ``proxy.handler``).
@@ -291,7 +291,7 @@ async def relay(
             except ValueError:
                 raise Rejected(Reason.UPSTREAM_UNREACHABLE, None, _BAD_HEADER) from None
             return response, outcome
-        if _FORBIDDEN_IN_HEADERS.search("".join((upstream.reason or "", *headers.values()))):
+        if FORBIDDEN_IN_HEADERS.search("".join((upstream.reason or "", *headers.values()))):
             # Checked before prepare(): a failed prepare has already switched the caller's
             # connection to chunked framing, so not even an error answer could follow.
             raise Rejected(Reason.UPSTREAM_UNREACHABLE, None, _BAD_HEADER)
