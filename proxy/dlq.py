@@ -10,7 +10,10 @@
   is sent again only with ``--again``; with the Redis backend, so is one whose
   ``Idempotency-Key`` got an answer below 400 since (the caller's own retry), as the route's
   shared idempotency records tell when its ``idempotency`` block stores answers (``mode:
-  dedup``; the memory backend's are in the server's memory, out of the command's reach). A
+  dedup``; the memory backend's are in the server's memory, out of the command's reach).
+  There it also holds the key as the route's requests do while it sends (refused, nothing
+  sent, while a request with the key is in flight) and stores its answer for the key, so
+  the caller's later retry gets it replayed rather than doing the work again. A
   record another replay is sending now is not sent at all: each replay holds its record until
   its result is stored, so two commands started at once never both send it. Credentials were
   removed when recording, so give them again with ``-H 'Authorization: Bearer ...'`` or
