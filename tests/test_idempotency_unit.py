@@ -15,6 +15,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from policies.config import IdempotencyConfig
 from policies.idempotency import FRESH_KEYS_PER_READ, Capture, Idempotency, fresh_key, parse_key
 from policies.idempotency_store import DONE, SEEN, TOO_LARGE, MemoryStore, Record
+from policies.reasons import Reason
 from proxy.config import ConfigError, parse_config
 
 MiB = 1024 * 1024
@@ -181,6 +182,24 @@ async def test_waiters_get_the_stored_answer():
         assert claim.replay.status == 201 and claim.replay.body == b'{"id":1}'
         assert not claim.new_unit
     assert policy.in_flight == 0 and policy.waiting == 0
+
+
+async def test_an_answer_within_max_replay_bytes_the_store_cannot_hold_still_ends_the_key():
+    # max_replay_bytes may equal max_bytes, but a record is charged its body plus its headers
+    # and overhead: an answer just under max_replay_bytes was then not stored at all, and the
+    # next duplicate ran the work again (a hostile trial). Its waiters get it, later
+    # duplicates are refused as for an answer over max_replay_bytes.
+    policy = Idempotency(IdempotencyConfig(max_bytes=4096, max_replay_bytes=4096), "r")
+    owner = await policy.claim("POST", "/p", _headers("k"), "t", b"1")
+    waiter = asyncio.create_task(policy.claim("POST", "/p", _headers("k"), "t", b"1"))
+    await _waiting(policy, 1)
+    owner.capture.begin(200, "OK", CIMultiDict({"Content-Type": "application/json"}))
+    owner.capture.feed(b"x" * 4000)
+    owner.finish("2xx")
+    assert (await waiter).replay.body == b"x" * 4000
+    later = await policy.claim("POST", "/p", _headers("k"), "t", b"1")
+    assert later.rejected is not None and not later.holds
+    assert later.rejected.reason is Reason.IDEMPOTENCY_CONFLICT
 
 
 async def test_a_key_handed_to_a_leaving_waiter_passes_to_the_next():
