@@ -650,7 +650,8 @@ class Idempotency:
                 claim.rejected = Rejected(
                     Reason.IDEMPOTENCY_CONFLICT, self.store.ttl_left(record),
                     f"the first request with this key completed, but its answer exceeded "
-                    f"max_replay_bytes ({self.max_replay_bytes}) and was not kept")
+                    f"max_replay_bytes ({self.max_replay_bytes}) or what the store holds "
+                    f"(max_bytes) and was not kept")
             return claim
         claim._flight = _Flight(fingerprint)
         self._flights[store_key] = claim._flight
@@ -835,7 +836,14 @@ class Idempotency:
         record = _answer_to_keep(claim, outcome)
         if record is not None:
             del self._flights[store_key]
-            self.store.put(store_key, record)
+            kept = record
+            if (record.kind == DONE and isinstance(self.store, MemoryStore)
+                    and record.size > self.store.max_bytes):
+                # Within max_replay_bytes, but with its headers and overhead more than the
+                # store holds at all: the fact is kept, as for an answer over the limit, so
+                # that the key never runs again (its waiters still get the answer itself).
+                kept = Record(TOO_LARGE, record.fingerprint, record.status)
+            self.store.put(store_key, kept)
             for future in flight.waiters:
                 if not future.done():
                     future.set_result(record)
