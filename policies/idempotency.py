@@ -331,13 +331,18 @@ class _Lease:
     """A key this request holds in the shared records: its marker's owner token, and the task
     that renews the marker while the request runs."""
 
-    __slots__ = ("key", "owner", "records", "renewer")
+    __slots__ = ("key", "local", "owner", "records", "renewer", "store_key")
 
     def __init__(self, records: IdempotencyRecords, key: str, owner: str) -> None:
         self.records = records
         self.key = key
         self.owner = owner
         self.renewer: asyncio.Task[None] | None = None
+        #: The key in this process's in-flight keys too (under ``store_key``), so that a
+        #: duplicate that finds Redis unavailable (``on_unavailable: local``) still waits for
+        #: its twin here; ``None`` when the local records had the key in flight already.
+        self.local: _Flight | None = None
+        self.store_key: Hashable = None
 
 
 class Claim:
@@ -776,6 +781,10 @@ class Idempotency:
             return claim
         # Claimed: nothing awaits from here to the return, so the lease cannot leak.
         lease = _Lease(records, shared_key, owner)
+        store_key = (tenant, key)
+        if store_key not in self._flights:
+            lease.local = self._flights[store_key] = _Flight(fingerprint)
+            lease.store_key = store_key
         lease.renewer = self._background.spawn(_renew(records, shared_key, owner, self._lease_s))
         claim._lease = lease
         self._arm(claim)
@@ -813,6 +822,16 @@ class Idempotency:
                             record.headers, record.body)
         else:
             answer = Answer(SEEN, claim.fingerprint)
+        local = lease.local
+        if local is not None and self._flights.get(lease.store_key) is local:
+            # Duplicates that found Redis unavailable wait here: the answer, or the key.
+            if record is not None:
+                del self._flights[lease.store_key]
+                for future in local.waiters:
+                    if not future.done():
+                        future.set_result(record)
+            else:
+                self._pass_on(lease.store_key, local)
         self._background.spawn(self._quietly(
             lease.records.finish(lease.key, lease.owner, answer, self.ttl)))
 
