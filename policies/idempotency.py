@@ -292,6 +292,10 @@ class Capture:
             tracker.finish()  # a JSON answer holds its response only once it has all come
         if tracker is None or tracker.complete_at is None:
             return None  # the response never came: the call may not have run to its end
+        if tracker.outcome is not None and tracker.outcome.cancelled:
+            # Its client cancelled it: no outcome (as when a caller leaves), and never the
+            # answer to give the key's next caller, who cancelled nothing.
+            return None
         record = self.record(fingerprint)
         if record.kind != DONE:
             return record
