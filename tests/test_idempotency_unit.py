@@ -367,3 +367,39 @@ def test_a_forked_child_does_not_repeat_its_parents_fresh_keys():
     os.waitpid(pid, 0)
     assert re.fullmatch(r"sluice-[0-9a-f]{32}", child_key)
     assert child_key not in {fresh_key() for _ in range(FRESH_KEYS_PER_READ)}
+
+
+async def test_an_input_required_answer_is_not_kept_so_the_continuation_runs() -> None:
+    """MRTR (2026-07-28): a call answered ``input_required`` is not over; its client sends it
+    again with ``inputResponses``. Under the call's own key (``derive_from``, as the docs
+    advise for naming one call, or an ``Idempotency-Key``) the stored ``input_required``
+    answer made that continuation a different payload under a used key: 422, and the call
+    could never complete (a hostile trial). docs/mcp.md says it is not stored."""
+    import orjson
+
+    from policies.pipeline import Call
+
+    policy = Idempotency(IdempotencyConfig(derive_from=["X-Run-ID", "X-Step-ID"]), "tools",
+                         mcp_calls=True)
+    headers = CIMultiDictProxy(CIMultiDict({"X-Run-ID": "r1", "X-Step-ID": "s1",
+                                            "MCP-Protocol-Version": "2026-07-28",
+                                            "Mcp-Method": "tools/call", "Mcp-Name": "book"}))
+
+    def call(rid: int, **more: object) -> Call:
+        body = orjson.dumps({"jsonrpc": "2.0", "id": rid, "method": "tools/call",
+                             "params": {"name": "book", "arguments": {"seat": "1A"}, **more}})
+        return Call(request_id="r", route="tools", method="POST", path="/tools/mcp",
+                    headers=headers, body=body, tenant="t")
+
+    first = call(1)
+    claim = await policy.admit(first)
+    assert claim is not None
+    first.capture.begin(200, "OK", CIMultiDict({"Content-Type": "application/json"}))
+    first.capture.feed(orjson.dumps({"jsonrpc": "2.0", "id": 1, "result": {
+        "resultType": "input_required", "requestState": "abc",
+        "inputRequests": {"ok": {"method": "elicitation/create", "params": {}}}}}))
+    claim.finish("2xx")
+    continuation = call(2, inputResponses={"ok": {"action": "accept"}}, requestState="abc")
+    held = await policy.admit(continuation)  # 422 idempotency_mismatch before
+    assert held is not None and continuation.idempotency_key == first.idempotency_key
+    held.finish("2xx")
