@@ -292,9 +292,11 @@ class Capture:
             tracker.finish()  # a JSON answer holds its response only once it has all come
         if tracker is None or tracker.complete_at is None:
             return None  # the response never came: the call may not have run to its end
-        if tracker.outcome is not None and tracker.outcome.cancelled:
+        found = tracker.outcome
+        if found is not None and (found.cancelled or found.input_required):
             # Its client cancelled it: no outcome (as when a caller leaves), and never the
-            # answer to give the key's next caller, who cancelled nothing.
+            # answer to give the key's next caller, who cancelled nothing. Or the call is not
+            # over (MRTR): its continuation, with inputResponses, comes under the same key.
             return None
         record = self.record(fingerprint)
         if record.kind != DONE:
