@@ -292,6 +292,12 @@ class Capture:
             tracker.finish()  # a JSON answer holds its response only once it has all come
         if tracker is None or tracker.complete_at is None:
             return None  # the response never came: the call may not have run to its end
+        found = tracker.outcome
+        if found is not None and (found.cancelled or found.input_required):
+            # Its client cancelled it: no outcome (as when a caller leaves), and never the
+            # answer to give the key's next caller, who cancelled nothing. Or the call is not
+            # over (MRTR): its continuation, with inputResponses, comes under the same key.
+            return None
         record = self.record(fingerprint)
         if record.kind != DONE:
             return record
@@ -331,13 +337,18 @@ class _Lease:
     """A key this request holds in the shared records: its marker's owner token, and the task
     that renews the marker while the request runs."""
 
-    __slots__ = ("key", "owner", "records", "renewer")
+    __slots__ = ("key", "local", "owner", "records", "renewer", "store_key")
 
     def __init__(self, records: IdempotencyRecords, key: str, owner: str) -> None:
         self.records = records
         self.key = key
         self.owner = owner
         self.renewer: asyncio.Task[None] | None = None
+        #: The key in this process's in-flight keys too (under ``store_key``), so that a
+        #: duplicate that finds Redis unavailable (``on_unavailable: local``) still waits for
+        #: its twin here; ``None`` when the local records had the key in flight already.
+        self.local: _Flight | None = None
+        self.store_key: Hashable = None
 
 
 class Claim:
@@ -650,7 +661,8 @@ class Idempotency:
                 claim.rejected = Rejected(
                     Reason.IDEMPOTENCY_CONFLICT, self.store.ttl_left(record),
                     f"the first request with this key completed, but its answer exceeded "
-                    f"max_replay_bytes ({self.max_replay_bytes}) and was not kept")
+                    f"max_replay_bytes ({self.max_replay_bytes}) or what the store holds "
+                    f"(max_bytes) and was not kept")
             return claim
         claim._flight = _Flight(fingerprint)
         self._flights[store_key] = claim._flight
@@ -775,6 +787,10 @@ class Idempotency:
             return claim
         # Claimed: nothing awaits from here to the return, so the lease cannot leak.
         lease = _Lease(records, shared_key, owner)
+        store_key = (tenant, key)
+        if store_key not in self._flights:
+            lease.local = self._flights[store_key] = _Flight(fingerprint)
+            lease.store_key = store_key
         lease.renewer = self._background.spawn(_renew(records, shared_key, owner, self._lease_s))
         claim._lease = lease
         self._arm(claim)
@@ -812,6 +828,16 @@ class Idempotency:
                             record.headers, record.body)
         else:
             answer = Answer(SEEN, claim.fingerprint)
+        local = lease.local
+        if local is not None and self._flights.get(lease.store_key) is local:
+            # Duplicates that found Redis unavailable wait here: the answer, or the key.
+            if record is not None:
+                del self._flights[lease.store_key]
+                for future in local.waiters:
+                    if not future.done():
+                        future.set_result(record)
+            else:
+                self._pass_on(lease.store_key, local)
         self._background.spawn(self._quietly(
             lease.records.finish(lease.key, lease.owner, answer, self.ttl)))
 
@@ -835,7 +861,14 @@ class Idempotency:
         record = _answer_to_keep(claim, outcome)
         if record is not None:
             del self._flights[store_key]
-            self.store.put(store_key, record)
+            kept = record
+            if (record.kind == DONE and isinstance(self.store, MemoryStore)
+                    and record.size > self.store.max_bytes):
+                # Within max_replay_bytes, but with its headers and overhead more than the
+                # store holds at all: the fact is kept, as for an answer over the limit, so
+                # that the key never runs again (its waiters still get the answer itself).
+                kept = Record(TOO_LARGE, record.fingerprint, record.status)
+            self.store.put(store_key, kept)
             for future in flight.waiters:
                 if not future.done():
                     future.set_result(record)

@@ -457,17 +457,24 @@ class Outcome:
     is_error_result: bool = False
     error_code: int | None = None
     input_required: bool = False
+    #: The error says the request was cancelled (its client sent ``notifications/cancelled``):
+    #: -32800, or code 0 "Request cancelled" (the Python SDK 1.x server). No outcome of the
+    #: call: not an answer to keep for its key, nor the tool's failure.
+    cancelled: bool = False
 
     @property
     def tool_failure(self) -> bool:
         """The default failure rule for a tool's breaker: an ``isError`` result, or a JSON-RPC
-        error other than -32602 invalid params (the caller's mistake)."""
-        return self.is_error_result or (self.error_code is not None
+        error other than -32602 invalid params (the caller's mistake) and a cancellation."""
+        return self.is_error_result or (self.error_code is not None and not self.cancelled
                                         and self.error_code != INVALID_PARAMS)
 
 
 #: JSON-RPC "Internal error": stands for an error response whose code is not an integer.
 INTERNAL_ERROR = -32603
+#: "Request cancelled" (LSP's RequestCancelled; the Python SDK 2.x server answers a request
+#: its client cancelled with it).
+REQUEST_CANCELLED = -32800
 
 
 def _outcome(doc: dict[str, Any]) -> Outcome:
@@ -476,7 +483,9 @@ def _outcome(doc: dict[str, Any]) -> Outcome:
         code = error.get("code") if isinstance(error, dict) else None
         if not isinstance(code, int) or isinstance(code, bool):
             code = INTERNAL_ERROR  # still an error that ends the call
-        return Outcome(error_code=code)
+        cancelled = code == REQUEST_CANCELLED or (
+            code == 0 and isinstance(error, dict) and error.get("message") == "Request cancelled")
+        return Outcome(error_code=code, cancelled=cancelled)
     result = doc["result"]
     if not isinstance(result, dict):
         return Outcome()

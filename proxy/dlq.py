@@ -10,7 +10,10 @@
   is sent again only with ``--again``; with the Redis backend, so is one whose
   ``Idempotency-Key`` got an answer below 400 since (the caller's own retry), as the route's
   shared idempotency records tell when its ``idempotency`` block stores answers (``mode:
-  dedup``; the memory backend's are in the server's memory, out of the command's reach). A
+  dedup``; the memory backend's are in the server's memory, out of the command's reach).
+  There it also holds the key as the route's requests do while it sends (refused, nothing
+  sent, while a request with the key is in flight) and stores its answer for the key, so
+  the caller's later retry gets it replayed rather than doing the work again. A
   record another replay is sending now is not sent at all: each replay holds its record until
   its result is stored, so two commands started at once never both send it. Credentials were
   removed when recording, so give them again with ``-H 'Authorization: Bearer ...'`` or
@@ -49,12 +52,14 @@ from multidict import CIMultiDict
 
 from policies.config import HEADER_NAME, Config, RouteConfig
 from policies.deadletter import ANSWERED, BUSY, CLAIMED, DeadLetter, DeadLetterFile, ReplayClaim
-from policies.idempotency import parse_key, shared_record_key
-from policies.idempotency_store import DONE, TOO_LARGE
+from policies.idempotency import Capture, parse_key, shared_record_key
+from policies.idempotency_store import DONE, SEEN, TOO_LARGE
 from policies.state import DeadLetterStore, StateUnavailable, redact_url, redis_backends
-from policies.state.idempotency import IdempotencyRecords
+from policies.state.idempotency import CLAIMED as KEY_CLAIMED
+from policies.state.idempotency import IN_FLIGHT, Answer, IdempotencyRecords, new_owner
 from proxy.client import client_timeout, upstream_session
-from proxy.forward import FORBIDDEN_IN_HEADERS, upstream_url
+from proxy.forward import FORBIDDEN_IN_HEADERS, HOP_BY_HOP, upstream_url
+from proxy.rejections import jsonrpc_id
 
 EXIT_FAILED = 1
 #: Exit statuses after Ctrl-C and SIGTERM, as a shell reports a process those signals ended.
@@ -282,15 +287,36 @@ async def _replay(config: Config, store: DeadLetterStore | _FileStore, letter: D
     if claim.state != CLAIMED:
         print(f"no dead letter {letter.id} (it was purged meanwhile)", file=sys.stderr)
         return EXIT_FAILED
+    # The letter's key too, as a request of the route holds it: a caller's retry with it
+    # waits for this replay's answer, and this replay does not run beside one in flight.
+    key = None
+    if records is not None:
+        try:
+            key = await _hold_key(records, route, letter, hold_s)
+        except BaseException as exc:  # nothing was sent: the letter is free at once
+            failed = "interrupted" if isinstance(exc, asyncio.CancelledError) else \
+                type(exc).__name__
+            await _record(store, letter, None, failed, 0.0, token, hold_s)
+            raise
+    if key is not None and key.busy:
+        await _record(store, letter, None, "key_in_flight", 0.0, token, hold_s)
+        print(f"dead letter {letter.id}: a request with its Idempotency-Key "
+              f"{letter.idempotency_key!r} is in flight now (the caller's own retry, most "
+              f"likely), so sending it too may do the work twice; it was not sent: see that "
+              f"request's answer, or replay once it is over", file=sys.stderr)
+        return EXIT_FAILED
     started = time.monotonic()
     status: int | None = None
     error: str | None = "interrupted"  # what is stored if the send never returns
     answer = b""
+    reason, answer_headers = "", CIMultiDict[str]()
     try:
-        status, error, answer = await _send(route, letter, headers)
+        status, error, answer, reason, answer_headers = await _send(route, letter, headers)
     finally:
         duration = time.monotonic() - started
         await _record(store, letter, status, error, duration, token, hold_s)
+        await _free_key(key, route, status, reason, answer_headers, answer,
+                        letter.body)
     if args.output and status is not None:
         try:
             await asyncio.to_thread(Path(args.output).write_bytes, answer)
@@ -366,9 +392,10 @@ async def _answered_since(records: IdempotencyRecords, route: RouteConfig,
     return answer.status
 
 
-async def _send(route: RouteConfig, letter: DeadLetter,
-                headers: CIMultiDict[str]) -> tuple[int | None, str | None, bytes]:
-    """One attempt: ``(status, None, answer body)`` or ``(None, error kind, b"")``."""
+async def _send(route: RouteConfig, letter: DeadLetter, headers: CIMultiDict[str],
+                ) -> tuple[int | None, str | None, bytes, str, CIMultiDict[str]]:
+    """One attempt: ``(status, None, answer body, reason, answer headers)`` or
+    ``(None, error kind, b"", "", {})``."""
     timeout = client_timeout(route.timeouts.total, route.timeouts.connect)
     async with upstream_session() as session:
         try:
@@ -376,7 +403,78 @@ async def _send(route: RouteConfig, letter: DeadLetter,
                 letter.method, upstream_url(route.upstream, letter.path), headers=headers,
                 data=letter.body or None, allow_redirects=False, timeout=timeout,
             ) as response:
-                return response.status, None, await response.read()
+                body = await response.read()
+                kept = CIMultiDict((name, value) for name, value in response.headers.items()
+                                   if name.lower() not in HOP_BY_HOP)
+                return response.status, None, body, response.reason or "", kept
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             # ValueError: aiohttp refused what it was given, before sending it.
-            return None, type(exc).__name__, b""
+            return None, type(exc).__name__, b"", "", CIMultiDict()
+
+
+class _KeyHold:
+    """The letter's key in the route's shared idempotency records, as a replay holds it: the
+    in-flight marker (``owner``), or ``busy`` when a request with the key holds it now."""
+
+    __slots__ = ("busy", "fingerprint", "name", "owner", "records")
+
+    def __init__(self, records: IdempotencyRecords, name: str, owner: str,
+                 fingerprint: bytes, busy: bool) -> None:
+        self.records, self.name, self.owner = records, name, owner
+        self.fingerprint, self.busy = fingerprint, busy
+
+
+async def _hold_key(records: IdempotencyRecords, route: RouteConfig, letter: DeadLetter,
+                    hold_s: float) -> _KeyHold | None:
+    """Hold the letter's key while it is replayed, as a request of the route would: a caller's
+    retry with the key then waits for the replay's answer and gets it replayed, rather than
+    running the work beside it or after it. ``None`` when there is nothing to hold: the route
+    stores no answers, the letter has no key, or its key has no record (expired) or a final
+    one (the replay goes on as before: ``--again``, or an answer of 400 or more)."""
+    if (letter.idempotency_key is None or route.idempotency is None
+            or route.idempotency.mode != "dedup"):
+        return None
+    try:
+        key = parse_key(letter.idempotency_key)
+    except ValueError:
+        return None
+    name = shared_record_key(route.name, letter.tenant, key)
+    record = await records.get(name)
+    if record is None or record.kind != SEEN:
+        return None
+    # The fingerprint of the request that left the record: the letter's own request, which
+    # the caller's retry sends again.
+    owner = new_owner()
+    begin = await records.begin(name, owner, record.fingerprint, hold_s)
+    if begin.state == IN_FLIGHT:
+        return _KeyHold(records, name, owner, record.fingerprint, busy=True)
+    if begin.state != KEY_CLAIMED:
+        return None
+    return _KeyHold(records, name, owner, record.fingerprint, busy=False)
+
+
+async def _free_key(key: _KeyHold | None, route: RouteConfig, status: int | None = None,
+                    reason: str = "", headers: CIMultiDict[str] | None = None,
+                    body: bytes = b"", request_body: bytes = b"") -> None:
+    """End the replay's hold of its key: store the answer as a request of the route would
+    have stored it (a final one is replayed to the key's later requests; an MCP call's by its
+    response, ``request_body`` being the call), or only a use of the key."""
+    if key is None or key.busy:
+        return
+    assert route.idempotency is not None
+    answer = Answer(SEEN, key.fingerprint)
+    mcp_id = jsonrpc_id(route.protocol, request_body)
+    if status is not None and (route.protocol != "mcp" or mcp_id is not None):
+        capture = Capture(route.idempotency.max_replay_bytes, mcp_id)
+        capture.begin(status, reason, headers if headers is not None else CIMultiDict())
+        capture.feed(body)
+        record = capture.answer(key.fingerprint, f"{status // 100}xx")
+        if record is not None:
+            answer = Answer(record.kind, record.fingerprint, record.status, record.reason,
+                            record.headers, record.body)
+    try:
+        await key.records.finish(key.name, key.owner, answer, route.idempotency.ttl)
+    except StateUnavailable as exc:
+        print(f"WARNING: the replay's answer was not stored for its Idempotency-Key "
+              f"({exc.cause}): a request with the key waits until its hold lapses, then "
+              f"runs it again", file=sys.stderr)

@@ -72,15 +72,17 @@ def _caller_timeout(request: web.BaseRequest, header: str) -> tuple[float | None
     return None, False
 
 
-def _mcp_traffic(request: web.BaseRequest, body: bytes,
-                 per_tool: bool) -> tuple[mcp.Traffic, str | None]:
+def _mcp_traffic(request: web.BaseRequest, body: bytes, per_tool: bool,
+                 keyed: bool = False) -> tuple[mcp.Traffic, str | None]:
     """The traffic class of a request on an ``mcp`` route, and its operation (the tool of a
-    ``tools/call``, else ``None``). ``per_tool``: the route has ``tools:`` blocks.
+    ``tools/call``, else ``None``). ``per_tool``: the route has ``tools:`` blocks; ``keyed``:
+    the route has an ``idempotency`` block (not ``off``).
 
     Raises:
         mcp.InvalidMcpRequest: a POST body that is not MCP, or an ``Mcp-Method`` /
             ``Mcp-Name`` / ``MCP-Protocol-Version`` header that disagrees with it, or, on a
-            route with ``tools:``, a batch holding a ``tools/call`` (400).
+            route with ``tools:``, a batch holding a ``tools/call``, or, on a route with
+            ``idempotency``, a batch holding a call (400).
     """
     if request.method != "POST":
         return mcp.traffic(request.method), None
@@ -94,6 +96,13 @@ def _mcp_traffic(request: web.BaseRequest, body: bytes,
         raise mcp.InvalidMcpRequest(
             "a JSON-RPC batch holding tools/call on a route with per-tool policies: "
             "send each tools/call in its own POST")
+    # Nor has it one idempotency key: a call alone gets one from its tool and arguments (or
+    # the caller's), so that a retry replays its answer; in a batch it would get none, and the
+    # batch's retry, or the same call sent alone and then in a batch, would run it again.
+    if keyed and post.batch and any(m.traffic == "call" for m in post.messages):
+        raise mcp.InvalidMcpRequest(
+            "a JSON-RPC batch holding a call on a route with idempotency: send each call in "
+            "its own POST, so that a retry of it is recognised")
     return mcp.traffic("POST", post), post.tool
 
 
@@ -143,7 +152,8 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
     if route.protocol == "mcp":
         try:
             per_tool = route.operations is not None and route.operations.key == "tools"
-            traffic, operation = _mcp_traffic(request, body, per_tool)
+            traffic, operation = _mcp_traffic(request, body, per_tool,
+                                              route.idempotency is not None)
         except mcp.InvalidMcpRequest as bad:
             return _reject(rt, route, Rejected(Reason.BAD_REQUEST, None, bad.detail[:200]),
                            request_id, tenant, run, body)

@@ -201,6 +201,49 @@ async def test_a_key_the_callers_retry_got_an_answer_for_is_not_replayed_without
         delete_prefix(url, prefix)
 
 
+async def test_a_replayed_letter_is_the_answer_to_its_keys_later_retry(upstream, start_sluice):
+    """With Redis, a replay is a use of the letter's key like any other: a caller's retry
+    with that key after a replay that was answered gets that answer replayed, and a replay
+    while a request with the key is in flight is refused. Both ran the work a second time
+    (a hostile trial): the replay neither held the key nor stored its answer."""
+    url = require_redis()
+    prefix = new_prefix()
+    try:
+        sluice = await start_sluice({
+            "state": {"backend": "redis", "redis_url": url, "key_prefix": prefix,
+                      "timeout": "2s"},
+            "routes": [route("openai", upstream.url, idempotency={"mode": "dedup"},
+                             retry={"attempts": 2, "backoff": FAST_BACKOFF})]})
+        config = str(sluice.config_path)
+        headers = {"X-Tenant-ID": "acme", "Idempotency-Key": "pay-45"}
+        letter = await dead_letter(sluice, upstream, "pay-45")
+        code, out, err = await outcome(await cli("dlq", "replay", letter, "--config", config))
+        assert code == 0 and "HTTP 200" in out, err
+        sent = len(upstream.requests)
+        async with aiohttp.ClientSession() as s, s.post(
+                sluice.url + "/openai" + CHAT, json=BODY, headers=headers) as r:
+            assert r.status == 200
+            assert r.headers.get("Idempotent-Replayed") == "true"
+            await r.read()
+        assert len(upstream.requests) == sent
+
+        letter = await dead_letter(sluice, upstream, "pay-46")
+        sent = len(upstream.requests)
+        async with aiohttp.ClientSession() as s:
+            retry = asyncio.create_task(s.post(
+                sluice.url + "/openai" + CHAT, json=BODY,
+                headers={**headers, "Idempotency-Key": "pay-46", "x-fake-delay": "2"}))
+            await wait_until(lambda: len(upstream.requests) == sent + 1)
+            code, _, err = await outcome(await cli("dlq", "replay", letter, "--config", config))
+            async with await retry as r:
+                assert r.status == 200
+                await r.read()
+        assert code == 1 and "in flight" in err, err
+        assert len(upstream.requests) == sent + 1
+    finally:
+        delete_prefix(url, prefix)
+
+
 async def test_a_result_the_store_cannot_take_is_said_and_the_answer_still_kept(
         upstream, tmp_path, capsys):
     """Redis failing as the result is stored replaced the upstream's 200 by "the dead

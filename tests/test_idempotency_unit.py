@@ -15,6 +15,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from policies.config import IdempotencyConfig
 from policies.idempotency import FRESH_KEYS_PER_READ, Capture, Idempotency, fresh_key, parse_key
 from policies.idempotency_store import DONE, SEEN, TOO_LARGE, MemoryStore, Record
+from policies.reasons import Reason
 from proxy.config import ConfigError, parse_config
 
 MiB = 1024 * 1024
@@ -183,6 +184,24 @@ async def test_waiters_get_the_stored_answer():
     assert policy.in_flight == 0 and policy.waiting == 0
 
 
+async def test_an_answer_within_max_replay_bytes_the_store_cannot_hold_still_ends_the_key():
+    # max_replay_bytes may equal max_bytes, but a record is charged its body plus its headers
+    # and overhead: an answer just under max_replay_bytes was then not stored at all, and the
+    # next duplicate ran the work again (a hostile trial). Its waiters get it, later
+    # duplicates are refused as for an answer over max_replay_bytes.
+    policy = Idempotency(IdempotencyConfig(max_bytes=4096, max_replay_bytes=4096), "r")
+    owner = await policy.claim("POST", "/p", _headers("k"), "t", b"1")
+    waiter = asyncio.create_task(policy.claim("POST", "/p", _headers("k"), "t", b"1"))
+    await _waiting(policy, 1)
+    owner.capture.begin(200, "OK", CIMultiDict({"Content-Type": "application/json"}))
+    owner.capture.feed(b"x" * 4000)
+    owner.finish("2xx")
+    assert (await waiter).replay.body == b"x" * 4000
+    later = await policy.claim("POST", "/p", _headers("k"), "t", b"1")
+    assert later.rejected is not None and not later.holds
+    assert later.rejected.reason is Reason.IDEMPOTENCY_CONFLICT
+
+
 async def test_a_key_handed_to_a_leaving_waiter_passes_to_the_next():
     policy = Idempotency(IdempotencyConfig(), "r")
     owner = await policy.claim("POST", "/p", _headers("k"), "t", b"1")
@@ -348,3 +367,39 @@ def test_a_forked_child_does_not_repeat_its_parents_fresh_keys():
     os.waitpid(pid, 0)
     assert re.fullmatch(r"sluice-[0-9a-f]{32}", child_key)
     assert child_key not in {fresh_key() for _ in range(FRESH_KEYS_PER_READ)}
+
+
+async def test_an_input_required_answer_is_not_kept_so_the_continuation_runs() -> None:
+    """MRTR (2026-07-28): a call answered ``input_required`` is not over; its client sends it
+    again with ``inputResponses``. Under the call's own key (``derive_from``, as the docs
+    advise for naming one call, or an ``Idempotency-Key``) the stored ``input_required``
+    answer made that continuation a different payload under a used key: 422, and the call
+    could never complete (a hostile trial). docs/mcp.md says it is not stored."""
+    import orjson
+
+    from policies.pipeline import Call
+
+    policy = Idempotency(IdempotencyConfig(derive_from=["X-Run-ID", "X-Step-ID"]), "tools",
+                         mcp_calls=True)
+    headers = CIMultiDictProxy(CIMultiDict({"X-Run-ID": "r1", "X-Step-ID": "s1",
+                                            "MCP-Protocol-Version": "2026-07-28",
+                                            "Mcp-Method": "tools/call", "Mcp-Name": "book"}))
+
+    def call(rid: int, **more: object) -> Call:
+        body = orjson.dumps({"jsonrpc": "2.0", "id": rid, "method": "tools/call",
+                             "params": {"name": "book", "arguments": {"seat": "1A"}, **more}})
+        return Call(request_id="r", route="tools", method="POST", path="/tools/mcp",
+                    headers=headers, body=body, tenant="t")
+
+    first = call(1)
+    claim = await policy.admit(first)
+    assert claim is not None
+    first.capture.begin(200, "OK", CIMultiDict({"Content-Type": "application/json"}))
+    first.capture.feed(orjson.dumps({"jsonrpc": "2.0", "id": 1, "result": {
+        "resultType": "input_required", "requestState": "abc",
+        "inputRequests": {"ok": {"method": "elicitation/create", "params": {}}}}}))
+    claim.finish("2xx")
+    continuation = call(2, inputResponses={"ok": {"action": "accept"}}, requestState="abc")
+    held = await policy.admit(continuation)  # 422 idempotency_mismatch before
+    assert held is not None and continuation.idempotency_key == first.idempotency_key
+    held.finish("2xx")

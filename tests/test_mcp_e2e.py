@@ -135,3 +135,57 @@ async def test_get_stream_has_an_idle_timeout_and_passes_last_event_id(upstream,
     assert 1.0 <= waited < 3.0  # cut after timeouts.idle of silence, not timeouts.total
     assert upstream.requests[0].method == "GET"
     assert upstream.requests[0].headers["Last-Event-ID"] == "stream-1_17"
+
+
+# -- a cancelled call leaves no answer for its key ------------------------------------------------
+
+
+HTTP_HEADERS = {"Content-Type": "application/json",
+                "Accept": "application/json, text/event-stream"}
+
+
+async def _raw_session(http: aiohttp.ClientSession, url: str) -> dict[str, str]:
+    """A 2025-11-25 session opened by hand; the headers its requests carry."""
+    init = {"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
+        "protocolVersion": "2025-11-25", "capabilities": {},
+        "clientInfo": {"name": "raw", "version": "1"}}}
+    async with http.post(url, json=init, headers=HTTP_HEADERS) as r:
+        await r.read()
+        headers = {**HTTP_HEADERS, "Mcp-Session-Id": r.headers["Mcp-Session-Id"],
+                   "MCP-Protocol-Version": "2025-11-25"}
+    async with http.post(url, json={"jsonrpc": "2.0", "method": "notifications/initialized"},
+                         headers=headers) as r:
+        await r.read()
+    return headers
+
+
+async def test_a_cancelled_calls_answer_is_not_replayed_to_the_next_caller(mcp_session,
+                                                                          start_sluice):
+    """A client that cancels its call (``notifications/cancelled``: the TypeScript SDK's
+    ``timeout`` does, and keeps reading the POST stream) gets the server's "Request
+    cancelled" error (-32800 from the 2.x server, code 0 from the 1.x one) as the call's
+    response. Sluice stored it as the call's answer: every later identical call of the
+    tenant, from any client, was told "Request cancelled" for the key's whole ttl, and the
+    tool never ran for it (a hostile trial). A cancelled call, like a caller that left, leaves
+    no answer: the next caller's call runs."""
+    sluice = await start_sluice({"routes": [mcp_route(mcp_session,
+                                                      idempotency={"mode": "dedup"})]})
+    url = endpoint(sluice)
+    call = {"jsonrpc": "2.0", "id": 7, "method": "tools/call",
+            "params": {"name": "slow", "arguments": {"seconds": 1.5}}}
+    async with aiohttp.ClientSession() as http:
+        first = await _raw_session(http, url)
+
+        async def cancelled() -> str:
+            async with http.post(url, json=call, headers=first) as r:
+                return await r.text()
+
+        answer = asyncio.create_task(cancelled())
+        await asyncio.sleep(0.3)
+        cancel = {"jsonrpc": "2.0", "method": "notifications/cancelled",
+                  "params": {"requestId": 7, "reason": "the user pressed stop"}}
+        async with http.post(url, json=cancel, headers=first) as r:
+            assert r.status == 202
+        assert "Request cancelled" in await answer
+    async with Client(endpoint(sluice), mode="legacy") as client:
+        assert text(await client.call_tool("slow", {"seconds": 1.5})) == "slept"

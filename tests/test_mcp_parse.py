@@ -394,6 +394,11 @@ def test_a_json_answer_is_complete_at_its_end() -> None:
     ({"error": {"code": "x", "message": "odd"}}, Outcome(error_code=-32603), True),
     ({"result": {"resultType": "input_required", "requestState": "s"}},
      Outcome(input_required=True), False),
+    ({"error": {"code": -32800, "message": "Request cancelled"}},
+     Outcome(error_code=-32800, cancelled=True), False),
+    ({"error": {"code": 0, "message": "Request cancelled"}},
+     Outcome(error_code=0, cancelled=True), False),
+    ({"error": {"code": 0, "message": "other"}}, Outcome(error_code=0), True),
 ])
 def test_outcomes_and_tool_failures(response: dict, outcome: Outcome, failure: bool) -> None:
     doc = orjson.dumps({"jsonrpc": "2.0", "id": 4, **response})

@@ -364,3 +364,30 @@ async def test_tool_call_dedup_holds_for_a_server_answering_json(mcp_server_fact
         again = await client.call_tool("send", {"body": "hi", "to": "ops@example.com"})
         assert [first.content[0].text, again.content[0].text] == ["sent #1", "sent #1"]
     assert server.sends() == 1
+
+
+async def test_batch_of_tool_calls_cannot_dodge_the_idempotency_key(ts_batch_server,
+                                                                    start_sluice):
+    # A tools/call alone gets a key from its tool and arguments on an mcp route with
+    # `idempotency`, so a client's retry replays the first answer. In a batch it got none:
+    # the batch's retry, or the same call sent alone and then in a batch, ran the tool again
+    # (a hostile trial). Such a batch is refused, as on a route with `tools:`.
+    base, count_file = ts_batch_server
+    route = {"name": "tools", "path_prefix": "/tools/", "upstream": base, "protocol": "mcp",
+             "idempotency": {"mode": "dedup"}}
+    sluice = await start_sluice({"routes": [route]})
+    async with aiohttp.ClientSession() as http:
+        for body in (call(1, "send", to="a"), [call(2, "send", to="a")],
+                     [call(3, "send", to="a")]):
+            async with http.post(sluice.url + "/tools/mcp", json=body, headers=HEADERS) as r:
+                await r.read()
+                if isinstance(body, list):
+                    assert (r.status, r.headers.get("X-Sluice-Reason")) == (400, "bad_request")
+                else:
+                    assert r.status == 200
+        # A batch without a call still passes.
+        control = [{"jsonrpc": "2.0", "id": 4, "method": "ping"},
+                   {"jsonrpc": "2.0", "id": 5, "method": "tools/list"}]
+        async with http.post(sluice.url + "/tools/mcp", json=control, headers=HEADERS) as r:
+            assert r.status == 200 and len(await r.json()) == 2
+    assert sends(count_file) == 1

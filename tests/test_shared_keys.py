@@ -409,3 +409,32 @@ async def test_redis_down_local_serves_from_each_replicas_memory(upstream, start
         assert "state backend unavailable" in a.stderr()
     finally:
         server.stop()
+
+
+async def test_redis_down_local_a_twin_on_the_same_replica_is_still_a_duplicate(
+        upstream, start_sluice, tmp_path):
+    """`on_unavailable: local` falls back to the replica's own memory, which held nothing of
+    the keys this replica itself held in Redis: a duplicate of a call in flight here, sent as
+    Redis stopped answering (a pause longer than `state.timeout`, 50 ms by default), ran the
+    work a second time beside its twin (a hostile trial). The replica knows its own twin:
+    the duplicate waits for it and gets its answer."""
+    server = RedisServer(tmp_path / "redis").start()
+    try:
+        (a,) = await replicas(start_sluice, 1, fault_state(server, "local"),
+                              route("openai", upstream.url, idempotency={"mode": "dedup"}))
+        url = a.url + "/openai" + CHAT
+        key = {"Idempotency-Key": "twin-1", "x-fake-delay": "1.5"}
+        async with aiohttp.ClientSession() as s:
+            first = asyncio.create_task(post(s, url, **key))
+            await wait_for(lambda: len(upstream.requests) == 1)
+            server.freeze()
+            try:
+                status, out, body = await post(s, url, **key)
+                assert (await first)[0] == 200
+            finally:
+                server.thaw()
+            assert (status, out.get("Idempotent-Replayed")) == (200, "true")
+            assert body == (await first)[2]
+        assert len(upstream.requests) == 1
+    finally:
+        server.stop()
