@@ -2,7 +2,7 @@
 
 ``sluice serve [--config PATH]`` runs the proxy; ``sluice check-config PATH`` validates a file
 and exits 0, or 2 after printing one ``FILE:LINE: KEY: PROBLEM`` line per problem;
-``sluice timeline RUN_ID [--config PATH] [--events FILE]`` prints a run's admission timeline
+``sluice timeline RUN_ID [--config PATH] [--events FILE ...]`` prints a run's admission timeline
 (exit 1 when the log has no event of that run).
 ``sluice dlq list|show ID|replay ID|purge [--config PATH]`` inspects and replays dead-lettered
 work (see ``proxy/dlq.py``).
@@ -115,13 +115,12 @@ def _check_config(args: argparse.Namespace) -> int:
 def _timeline(args: argparse.Namespace) -> int:
     from proxy.timeline import print_timeline
 
-    path = args.events
-    if path is None:
+    paths = args.events
+    if not paths:
         config = _load(args.config)
         if config is None:
             return EXIT_CONFIG_ERROR
-        path = config.events.path
-        if path is None:
+        if config.events.path is None:
             print(
                 f"{args.config}: events.path is null, so events go to Sluice's stdout; pass the "
                 "captured output with --events FILE, or --events - to read standard input "
@@ -129,10 +128,11 @@ def _timeline(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return EXIT_CONFIG_ERROR
+        paths = [config.events.path]
     try:
-        return print_timeline(args.run_id, path, sys.stdout)
+        return print_timeline(args.run_id, paths, sys.stdout)
     except OSError as exc:
-        print(f"{path}: cannot read the event log: {exc}", file=sys.stderr)
+        print(f"cannot read the event log {exc}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
 
 
@@ -199,8 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
     timeline.add_argument("run_id", metavar="RUN_ID", help="the run's X-Run-ID value")
     timeline.add_argument("--config", default=DEFAULT_CONFIG,
                           help=f"names the event log (events.path); default: {DEFAULT_CONFIG}")
-    timeline.add_argument("--events", metavar="FILE",
-                          help="read this event log instead ('-' for standard input)")
+    timeline.add_argument("--events", metavar="FILE", action="append",
+                          help="read this event log instead ('-' for standard input); again "
+                               "for each file a rotated log was split into (*.gz read as gzip)")
     timeline.set_defaults(func=_timeline)
     dlq = sub.add_parser("dlq", help="inspect and replay dead-lettered work")
     dlq_sub = dlq.add_subparsers(dest="dlq_command", required=True)

@@ -57,6 +57,10 @@ EDGE_ONLY = frozenset({Reason.TOO_MANY_CONNECTIONS, Reason.REQUEST_TIMEOUT,
 #: HTTP/1.1 (or has a header no route could read), and an error before any answer.
 EDGE_REASONS = (*sorted(EDGE_ONLY, key=lambda r: r.code), Reason.BAD_REQUEST,
                 Reason.INTERNAL_ERROR)
+#: The reasons ``sluice_admin_rejections_total`` has: the admin port's door
+#: (``proxy.edge.GuardedServer``) refuses only for these.
+ADMIN_REASONS = (Reason.BAD_REQUEST, Reason.HEADERS_TOO_LARGE, Reason.INTERNAL_ERROR,
+                 Reason.REQUEST_TIMEOUT, Reason.TOO_MANY_CONNECTIONS)
 
 #: Values of ``sluice_requests_total{outcome}``.
 OUTCOMES = (
@@ -256,6 +260,8 @@ class Metrics:
         )
         for reason in EDGE_REASONS:  # at 0 from the start, so that rate() sees the first
             self.edge_rejections.labels(reason.code)
+        for reason in ADMIN_REASONS:
+            self.admin_rejections.labels(reason.code)
         self.inflight = Gauge(
             "sluice_inflight_requests", "Requests admitted and not yet finished.", ["route"],
             registry=r,

@@ -1,8 +1,9 @@
 """``sluice timeline RUN_ID``: one agent run's admission story, rebuilt from the event log.
 
 Reads the JSON-lines event log (SPEC, "Events") that the config's ``events.path`` names, or the
-file given with ``--events`` (``-`` for standard input, e.g. ``kubectl logs POD -c sluice |
-sluice timeline RUN --events -`` when events go to stdout). Lines that are not JSON events, such
+files given with ``--events`` (``-`` for standard input, e.g. ``kubectl logs POD -c sluice |
+sluice timeline RUN --events -`` when events go to stdout; more than one for a log rotated
+away, in any order, gzipped ones read as such when their name ends in ``.gz``). Lines that are not JSON events, such
 as log lines interleaved with them, are skipped, as are objects without an ``event`` name and
 a ``ts`` (Unix seconds, 1970 to 9999) or with a ``request_id`` that is not a string; counts
 and durations that are not numbers count as none. Control characters in the events' text
@@ -21,11 +22,12 @@ later appear without a change here.
 
 from __future__ import annotations
 
+import gzip
 import math
 import re
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any
 
@@ -233,24 +235,34 @@ def render(run_id: str, events: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def open_events(path: str) -> Iterator[bytes]:
-    """Lines of the event log at ``path``; ``-`` reads standard input."""
-    if path == "-":
-        yield from sys.stdin.buffer
-        return
-    with open(path, "rb") as stream:
-        yield from stream
-
-
-def print_timeline(run_id: str, path: str, out: IO[str]) -> int:
-    """Print run ``run_id``'s timeline from the log at ``path``; the exit status.
+def open_events(paths: Sequence[str]) -> Iterator[bytes]:
+    """Lines of the event logs at ``paths``, one file after another: ``-`` reads standard
+    input, a name ending in ``.gz`` is read through gzip (logrotate's ``compress``).
 
     Raises:
-        OSError: the log cannot be read.
+        OSError: a file cannot be read or is not valid gzip; its message names the file.
     """
-    events = read_run(open_events(path), run_id)
+    for path in paths:
+        if path == "-":
+            yield from sys.stdin.buffer
+            continue
+        try:
+            with (gzip.open if path.endswith(".gz") else open)(path, "rb") as stream:
+                yield from stream
+        except OSError as exc:  # named here: gzip's errors do not name the file
+            raise OSError(f"{path}: {exc.strerror or exc}") from exc
+
+
+def print_timeline(run_id: str, paths: Sequence[str], out: IO[str]) -> int:
+    """Print run ``run_id``'s timeline from the logs at ``paths`` (events ordered by ``ts``
+    whatever the files' order); the exit status.
+
+    Raises:
+        OSError: a log cannot be read.
+    """
+    events = read_run(open_events(paths), run_id)
     if not events:
-        print(f"no events for run {run_id!r} in {path}", file=sys.stderr)
+        print(f"no events for run {run_id!r} in {', '.join(paths)}", file=sys.stderr)
         return 1
     out.write(render(run_id, events))
     return 0

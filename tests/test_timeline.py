@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 
@@ -93,6 +94,33 @@ def test_unknown_run_and_stdout_events(tmp_path):
                       "upstream: 'http://127.0.0.1:1'}\n")
     stdout_events = timeline("a", "--config", str(config))
     assert stdout_events.returncode == 2 and "--events -" in stdout_events.stderr
+
+
+def test_a_rotated_log_is_read_across_its_files_plain_and_gzipped(tmp_path):
+    # logrotate leaves a run's events in events.jsonl.2.gz, events.jsonl.1 and events.jsonl:
+    # the tool read one file, so a run spanning a rotation lost its start.
+    import gzip
+
+    def event(ts: int, name: str, **more: object) -> str:
+        return json.dumps({"ts": ts, "event": name, "run": "a", "request_id": f"r{ts}",
+                           **more}) + "\n"
+
+    with gzip.open(tmp_path / "events.jsonl.2.gz", "wt") as old:
+        old.write(event(10, "admitted"))
+    (tmp_path / "events.jsonl.1").write_text(event(11, "completed", status=200))
+    (tmp_path / "events.jsonl").write_text(event(12, "rejected", reason="queue_full"))
+    files = [str(tmp_path / name) for name in
+             ("events.jsonl", "events.jsonl.2.gz", "events.jsonl.1")]  # any order
+    shown = timeline("a", *[arg for f in files for arg in ("--events", f)])
+    assert shown.returncode == 0, shown.stderr
+    assert "3 event(s)" in shown.stdout
+    lines = [line.split()[0] for line in shown.stdout.splitlines() if line.startswith("+")]
+    assert lines == ["+0.000s", "+1.000s", "+2.000s"]  # ordered by ts, not by file
+    (tmp_path / "bad.gz").write_bytes(b"not gzip\n")
+    for bad in ("bad.gz", "missing.jsonl"):
+        refused = timeline("a", "--events", files[0], "--events", str(tmp_path / bad))
+        assert refused.returncode == 2 and "Traceback" not in refused.stderr
+        assert f"cannot read the event log {tmp_path / bad}: " in refused.stderr
 
 
 def test_tool_costs_count_in_the_runs_spend_and_events_name_the_operation() -> None:
