@@ -335,13 +335,23 @@ class RunRegistry:
 
     def _sweep(self, now: float) -> None:
         self._next_sweep = now + SWEEP_INTERVAL_S
-        idle = [name for name, info in self.runs.items()
-                if not info.live and now - info.last_seen > RUN_IDLE_TTL_S
-                and info.cancelled_until <= now]
-        for name in idle:
-            info = self.runs.pop(name)
-            if info.parent is not None:
-                info.parent.children.discard(name)
+
+        def idle(info: RunInfo) -> bool:
+            return (not info.live and not info.children and info.cancelled_until <= now
+                    and now - info.last_seen > RUN_IDLE_TTL_S)
+
+        # A run with a child remembered is kept (as eviction keeps it): the child links to
+        # this object, so forgetting it would leave the child under a run that no cancel,
+        # count or view of that name reaches. An idle child goes first, then its parent if
+        # that leaves it idle and childless, up the tree.
+        for name in [name for name, info in self.runs.items() if idle(info)]:
+            info = self.runs.get(name)
+            while info is not None and idle(info) and self.runs.get(info.id) is info:
+                del self.runs[info.id]
+                parent = info.parent
+                if parent is not None:
+                    parent.children.discard(info.id)
+                info = parent
 
     def _evict(self, now: float) -> None:
         """Forget least recently seen runs that hold nothing (see :meth:`resolve`) until at
