@@ -387,6 +387,32 @@ async def test_remaining_deadline_goes_upstream_and_children_inherit_it(upstream
     assert 6.5 < float(sent[-1]) <= 7.5
 
 
+async def test_a_parents_read_timeout_is_no_deadline_for_its_children(upstream, start_sluice):
+    """Hostile trial: the SDKs' x-stainless-timeout (httpx's read timeout of one call, 600 s
+    from the openai SDK on every call) was inherited as a hard deadline: once a parent's last
+    call was that old, every call of its sub-agents without a timeout of its own got 503
+    deadline_unreachable, which the SDKs retry."""
+    sluice = await start_sluice({"routes": [route("tools", upstream.url, "http")]})
+    async with aiohttp.ClientSession() as s:
+        url = f"{sluice.url}/tools/x"
+        assert (await post(s, url, run_headers("p", None, **{"x-stainless-timeout": "1"})))[0] == 200
+        await asyncio.sleep(1.3)
+        status, _, _ = await post(s, url, run_headers("c", "p"))
+    assert status == 200
+    assert "X-Request-Timeout" not in upstream.requests[1].headers
+
+
+async def test_a_passed_parent_deadline_is_refused_as_final(upstream, start_sluice):
+    sluice = await start_sluice({"routes": [route("tools", upstream.url, "http")]})
+    async with aiohttp.ClientSession() as s:
+        url = f"{sluice.url}/tools/x"
+        await post(s, url, run_headers("p", None, **{"X-Request-Timeout": "1"}))
+        await asyncio.sleep(1.3)
+        status, headers, _ = await post(s, url, run_headers("c", "p"))
+    assert (status, headers["X-Sluice-Reason"]) == (503, "deadline_unreachable")
+    assert headers["x-should-retry"] == "false"  # no retry of it can meet a passed deadline
+
+
 async def test_a_stalled_stream_is_counted(upstream, start_sluice):
     upstream.stream_hold = asyncio.Event()
     sluice = await start_sluice({"server": {"stall_after": "200ms"},
