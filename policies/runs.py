@@ -526,13 +526,18 @@ class RunTracker:
             if inherited is not None:
                 call.priority = inherited
         if call.timeout is not None:
-            info.deadline = call.received_at + call.timeout
+            # A read timeout (the SDKs' x-stainless-timeout) bounds this call's wait for its
+            # first byte, not the run: the openai SDK sends 600 on every call, so taking it
+            # for a deadline refused every call of a sub-agent once its parent's last call
+            # was ten minutes old.
+            if not call.timeout_reads:
+                info.deadline = call.received_at + call.timeout
         else:
             deadline = next((n.deadline for n in lineage[1:] if n.deadline is not None), None)
             if deadline is not None:
                 if deadline <= now:
                     raise Rejected(Reason.DEADLINE_UNREACHABLE, None,
-                                   "the parent run's deadline has passed")
+                                   "the parent run's deadline has passed", retry=False)
                 call.timeout = deadline - call.received_at
                 call.timeout_reads = False  # a deadline for the whole call
 
