@@ -48,6 +48,27 @@ async def test_width_3_keeps_10_calls_of_one_run_to_3_at_the_upstream(upstream, 
     assert upstream.peak_inflight == 4  # r1 never had more than 3 there; r2 was not held up
 
 
+async def test_a_wait_in_the_runs_width_queue_is_seen_in_events_and_queue_wait(upstream,
+                                                                             start_sluice):
+    """Hostile trial: a call that waited 1 s for a width slot of its run had no `enqueued`
+    event and no sample in sluice_queue_wait_seconds: the timeline showed it never queued."""
+    upstream.delay = 1.0
+    sluice = await start_sluice({"routes": [route("tools", upstream.url, "http",
+                                                  fanout={"width": 1, "max_wait": "5s"})]})
+    async with aiohttp.ClientSession() as s:
+        url = f"{sluice.url}/tools/x"
+        first = asyncio.create_task(post(s, url, run_headers("r", **{"X-Request-ID": "a"})))
+        await wait_until(lambda: upstream.inflight == 1, what="the first call upstream")
+        second = await post(s, url, run_headers("r", **{"X-Request-ID": "b"}))
+        assert (await first)[0] == second[0] == 200
+    assert await sluice.metric("sluice_queue_wait_seconds_count", route="tools") == 1
+    assert await sluice.metric("sluice_queue_wait_seconds_sum", route="tools") > 0.5
+    await wait_until(lambda: any(e["event"] == "completed" and e["request_id"] == "b"
+                                 for e in sluice.events()), what="b's completed event")
+    assert [e["event"] for e in sluice.events() if e["request_id"] == "b"] == [
+        "enqueued", "admitted", "completed"]
+
+
 async def test_depth_2_refuses_a_grandchilds_grandchild(upstream, start_sluice):
     sluice = await start_sluice({"fanout": {"depth": 2},
                                  "routes": [route("tools", upstream.url, "http")]})
