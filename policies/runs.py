@@ -46,7 +46,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from policies.concurrency import ConcurrencyLimiter
+from policies.concurrency import ConcurrencyLimiter, queued_hook
 from policies.config import FanoutConfig, RunConfig
 from policies.logs import PER_CALL
 from policies.pipeline import Call, Holding, Outcome, survive_leaving
@@ -809,13 +809,10 @@ class FanoutWidth:
         # call only once Redis has answered, and the run's limiter must not be forgotten
         # (and a second one made) while a call of it waits for that answer.
         entry.users += 1
-
-        def queued(depth: int) -> None:
-            call.phase = "queued"
-
         try:
-            slot = await entry.limiter.take(run, call.priority, call.time_left(), queued,
-                                            reads=call.timeout_reads)
+            # Queued like any other wait: ``enqueued`` and the queue wait see it.
+            slot = await entry.limiter.take(run, call.priority, call.time_left(),
+                                            queued_hook(call), reads=call.timeout_reads)
         except Rejected as rejected:
             self._leave(run, entry)
             if rejected.reason in (Reason.QUEUE_TIMEOUT, Reason.QUEUE_FULL):
