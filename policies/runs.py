@@ -94,6 +94,8 @@ class RunInfo:
         priority, deadline: the last explicitly given priority and deadline (monotonic) of
             its calls, inherited by descendants; ``None`` when none was given.
         counts: calls admitted per limit scope, its descendants' included.
+        timed: a ``max_duration`` limit has measured its age (its ``started`` is then kept
+            as its counts are: forgetting it would start the run's time over).
         calls, attempts, tokens, usd: its own calls finished, upstream attempts, tokens and
             USD charged (for ``sluice runs show`` and amplification).
         cancelled_until: monotonic seconds until which its calls are refused (0: never).
@@ -104,7 +106,7 @@ class RunInfo:
 
     __slots__ = ("attempts", "calls", "cancelled_until", "children", "counts", "deadline",
                  "depth", "holders", "id", "last_seen", "live", "parent", "priority",
-                 "started", "started_wall", "tenant", "tokens", "usd")
+                 "started", "started_wall", "tenant", "timed", "tokens", "usd")
 
     def __init__(self, run: str, tenant: str, parent: RunInfo | None, now: float) -> None:
         self.id = run
@@ -117,6 +119,8 @@ class RunInfo:
         self.priority: int | None = None
         self.deadline: float | None = None
         self.counts: dict[str, int] = {}
+        #: A ``max_duration`` limit measured its age: its first-call time is held as counts are.
+        self.timed = False
         self.calls = 0
         self.attempts = 0
         self.tokens = 0
@@ -187,7 +191,8 @@ class RunRegistry:
 
         Memory stays bounded whatever run ids callers send: past :data:`MAX_RUNS` runs, the
         least recently seen ones are forgotten if they hold nothing a limit needs (no call
-        live, no ``max_requests`` count, no cancellation in force, no child run remembered).
+        live, no ``max_requests`` count, no first-call time a ``max_duration`` measured, no
+        cancellation in force, no child run remembered).
         A forgotten run loses only its statistics (``sluice runs show``) and the priority and
         deadline its descendants would inherit; if it calls again it starts as a new run.
         Runs that do hold something are kept until :data:`RUN_IDLE_TTL_S` after their last
@@ -362,11 +367,12 @@ class RunRegistry:
             if len(runs) <= MAX_RUNS:
                 return
             info = runs.pop(name)
+            holds = info.timed or any(info.counts.values())
             if info.live or info.children or info.cancelled_until > now or (
-                    any(info.counts.values()) and len(runs) < MAX_COUNTED_RUNS):
+                    holds and len(runs) < MAX_COUNTED_RUNS):
                 runs[name] = info  # kept: to the end, so the next scan looks further
                 continue
-            if any(info.counts.values()):
+            if holds:
                 # One text whatever the run, so that the log's repeat filter folds a flood.
                 log.warning("more than %d runs remembered: runs holding only max_requests "
                             "counts are forgotten, their counts with them", MAX_COUNTED_RUNS,
@@ -623,6 +629,8 @@ class RunLimits:
                         f"{config.max_duration:g}s", retry=False)
                 if age / config.max_duration > used:
                     used, warn = age / config.max_duration, "max_duration"
+            for node in lineage:  # their first calls' times now limit them: keep them
+                node.timed = True
         shared: RedisRuns | None = None
         if config.max_requests is not None:
             claimed = self._claim(call, config.max_requests)
