@@ -4,6 +4,7 @@ the admin endpoints and ``sluice runs``, through a real Sluice and the fake upst
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import subprocess
 import sys
 import time
@@ -432,6 +433,46 @@ async def test_a_passed_parent_deadline_is_refused_as_final(upstream, start_slui
         status, headers, _ = await post(s, url, run_headers("c", "p"))
     assert (status, headers["X-Sluice-Reason"]) == (503, "deadline_unreachable")
     assert headers["x-should-retry"] == "false"  # no retry of it can meet a passed deadline
+
+
+async def test_a_cancel_while_a_small_answer_is_read_is_answered_409(start_sluice):
+    """Hostile trial: an upstream that sent its status line at once and its (small, declared)
+    body later was being read whole, nothing of it sent on yet, when its run was cancelled:
+    the caller's connection was closed without an answer (the handler took the status it had
+    received for one already relayed), and the `completed` event said 200."""
+    seen = asyncio.Event()
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 11\r\n\r\n")
+        await writer.drain()
+        seen.set()
+        with contextlib.suppress(OSError):
+            await asyncio.sleep(10)
+            writer.write(b'{"ok": true}')
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        sluice = await start_sluice(
+            {"routes": [route("tools", f"http://127.0.0.1:{port}", "http")]},
+            env={"SLUICE_ADMIN_TOKEN": TOKEN})
+        async with aiohttp.ClientSession() as s:
+            call = asyncio.create_task(post(s, f"{sluice.url}/tools/x", run_headers("r")))
+            await asyncio.wait_for(seen.wait(), 10)
+            await asyncio.sleep(0.2)  # its headers are in Sluice, the body awaited
+            async with s.post(f"{sluice.admin_url}/admin/runs/r/cancel",
+                              headers={"Authorization": f"Bearer {TOKEN}"}) as r:
+                assert r.status == 200
+            status, headers, _ = await call
+        assert (status, headers["X-Sluice-Reason"]) == (409, "run_cancelled")
+        await wait_until(lambda: any(e["event"] == "completed" for e in sluice.events()))
+        done = next(e for e in sluice.events() if e["event"] == "completed")
+        assert (done["status"], done["outcome"]) == (409, "run_cancelled")
+    finally:
+        server.close()
 
 
 async def test_a_stalled_stream_is_counted(upstream, start_sluice):
