@@ -38,7 +38,7 @@ from policies.pipeline import ABANDONED, DRAIN_CUT, REFUSED, Admission, Call, Ou
 from policies.reasons import Reason, Rejected
 from policies.retry import is_client_retry
 from proxy import attempts
-from proxy.forward import RELAYED_STREAM, end_mcp_answer
+from proxy.forward import ANSWER_STARTED, RELAYED_STREAM, end_mcp_answer
 from proxy.identity import IdentityRejected, identify
 from proxy.rejections import jsonrpc_id, refuse, refuse_at_edge, render
 from proxy.routes import Route, has_dot_segment
@@ -271,7 +271,9 @@ async def _run_cancelled(rt: Runtime, route: Route, call: Call, request: web.Bas
     kind = "inflight" if admitted else "queued" if call.phase == "queued" else "admitting"
     route.metrics.cancelled(kind)
     rejected = Rejected(Reason.RUN_CANCELLED, None, call.cancelled or "", retry=False)
-    if call.status and request.transport is not None:
+    # Started means sent: a status received from the upstream whose answer is still being
+    # read (a small one is read whole first) has not reached the caller, which gets the 409.
+    if request.get(ANSWER_STARTED) and request.transport is not None:
         if await end_mcp_answer(request, rejected):
             route.metrics.rejections[rejected.reason].inc()
             return request[RELAYED_STREAM]
