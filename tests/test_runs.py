@@ -475,6 +475,28 @@ async def test_a_cancel_while_a_small_answer_is_read_is_answered_409(start_sluic
         server.close()
 
 
+async def test_a_replay_carries_no_stale_budget_or_run_headers(upstream, start_sluice):
+    """Hostile trial: a replay repeated the budget and run headers Sluice had added to the
+    first answer (`X-Sluice-Budget-Remaining: 883`, `"max_requests";used=0.250`) after the
+    run had spent more: a caller pacing itself on them read a state long gone. Replayed
+    headers are the upstream's (docs/idempotency.md)."""
+    sluice = await start_sluice({"routes": [route(
+        "openai", upstream.url, budget={"tokens": "1000/total", "per": "run", "warn_at": 0.1},
+        run={"max_requests": 4, "warn_at": 0.2},
+        idempotency={"mode": "dedup", "derive_from": ["X-Run-ID", "X-Step-ID"]})]})
+    body = b'{"model": "m", "messages": [], "max_tokens": 100}'
+    url = f"{sluice.url}/openai/v1/chat/completions"
+    async with aiohttp.ClientSession() as s:
+        answers = [await post(s, url, run_headers("r", **{"X-Step-ID": step}), body)
+                   for step in ("s1", "s2", "s1")]
+    first, _, replay = (headers for _, headers, _ in answers)
+    assert "X-Sluice-Budget-Remaining" in first and "X-Sluice-Run-Warning" in first
+    assert replay["Idempotent-Replayed"] == "true"
+    for name in ("X-Sluice-Budget-Remaining", "X-Sluice-Budget-Policy",
+                 "X-Sluice-Budget-Warning", "X-Sluice-Run-Warning"):
+        assert name not in replay, name
+
+
 async def test_a_stalled_stream_is_counted(upstream, start_sluice):
     upstream.stream_hold = asyncio.Event()
     sluice = await start_sluice({"server": {"stall_after": "200ms"},
