@@ -257,6 +257,10 @@ async def relay(
         headers = _copy_headers(upstream_headers, _RESPONSE_DROP)
         if not "".join(headers.values()).isascii():  # in C: one pass over every value
             _warn_undecodable(headers, call)
+        if capture is not None:
+            # The upstream's headers only: those Sluice adds below (budget and run warnings,
+            # x-should-retry) describe this call's moment, and a replay must not repeat them.
+            capture.begin(status, upstream.reason, headers)
         if extra_headers:
             headers.update(extra_headers)
         # Digits only (the parser refused the rest); none for a chunked or close-ended answer.
@@ -267,8 +271,6 @@ async def relay(
             headers[hdrs.CONTENT_LENGTH] = str(declared)  # aiohttp reads it with int() too
         if meter is not None:
             meter.start(status, headers)
-        if capture is not None:
-            capture.begin(status, upstream.reason, headers)
         if declared is not None and declared <= BUFFER_LIMIT_BYTES:
             try:
                 data = await upstream.read()
