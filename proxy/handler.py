@@ -40,6 +40,7 @@ from policies.retry import is_client_retry
 from proxy import attempts
 from proxy.forward import ANSWER_STARTED, RELAYED_STREAM, end_mcp_answer
 from proxy.identity import IdentityRejected, identify
+from proxy.metrics import MAX_OPERATION_LABEL_CHARS
 from proxy.rejections import jsonrpc_id, refuse, refuse_at_edge, render
 from proxy.routes import Route, has_dot_segment
 from proxy.runtime import Runtime
@@ -162,6 +163,12 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
     call.new_unit = not client_retry
     # MCP control and stream traffic take nothing, an operation's steps included.
     plan = route.plan(call) if traffic == "call" else route.base_plan
+    operation = call.operation
+    if operation is not None and len(operation) > MAX_OPERATION_LABEL_CHARS:
+        # Looked up whole; events and metrics keep what an MCP tool name may be (1 to 128
+        # characters), not megabytes of a made-up one on every event line of the call.
+        call.operation = (f"{operation[:MAX_OPERATION_LABEL_CHARS]}..."
+                          f"(+{len(operation) - MAX_OPERATION_LABEL_CHARS} characters)")
     admission = Admission()
     outcome = ABANDONED
     admitted_at = 0.0
