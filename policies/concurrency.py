@@ -180,9 +180,12 @@ class _Class:
 
 def queued_hook(call: Call) -> Callable[[int], None]:
     """The ``on_queued`` of :meth:`ConcurrencyLimiter.acquire` for ``call``: marks it queued
-    and reports ``enqueued`` with the queue depth."""
+    and reports ``enqueued`` with the queue depth. A call may queue more than once (its run's
+    width, its operation's slot, the route's): ``enqueued_at`` is the first, so its queue wait
+    is all of them."""
     def queued(depth: int) -> None:
-        call.enqueued_at = time.monotonic()
+        if call.enqueued_at is None:
+            call.enqueued_at = time.monotonic()
         call.phase = "queued"
         call.notify("enqueued", {"queue_depth": depth})
     return queued

@@ -46,7 +46,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from policies.concurrency import ConcurrencyLimiter
+from policies.concurrency import ConcurrencyLimiter, queued_hook
 from policies.config import FanoutConfig, RunConfig
 from policies.logs import PER_CALL
 from policies.pipeline import Call, Holding, Outcome, survive_leaving
@@ -94,6 +94,8 @@ class RunInfo:
         priority, deadline: the last explicitly given priority and deadline (monotonic) of
             its calls, inherited by descendants; ``None`` when none was given.
         counts: calls admitted per limit scope, its descendants' included.
+        timed: a ``max_duration`` limit has measured its age (its ``started`` is then kept
+            as its counts are: forgetting it would start the run's time over).
         calls, attempts, tokens, usd: its own calls finished, upstream attempts, tokens and
             USD charged (for ``sluice runs show`` and amplification).
         cancelled_until: monotonic seconds until which its calls are refused (0: never).
@@ -104,7 +106,7 @@ class RunInfo:
 
     __slots__ = ("attempts", "calls", "cancelled_until", "children", "counts", "deadline",
                  "depth", "holders", "id", "last_seen", "live", "parent", "priority",
-                 "started", "started_wall", "tenant", "tokens", "usd")
+                 "started", "started_wall", "tenant", "timed", "tokens", "usd")
 
     def __init__(self, run: str, tenant: str, parent: RunInfo | None, now: float) -> None:
         self.id = run
@@ -117,6 +119,8 @@ class RunInfo:
         self.priority: int | None = None
         self.deadline: float | None = None
         self.counts: dict[str, int] = {}
+        #: A ``max_duration`` limit measured its age: its first-call time is held as counts are.
+        self.timed = False
         self.calls = 0
         self.attempts = 0
         self.tokens = 0
@@ -187,7 +191,8 @@ class RunRegistry:
 
         Memory stays bounded whatever run ids callers send: past :data:`MAX_RUNS` runs, the
         least recently seen ones are forgotten if they hold nothing a limit needs (no call
-        live, no ``max_requests`` count, no cancellation in force, no child run remembered).
+        live, no ``max_requests`` count, no first-call time a ``max_duration`` measured, no
+        cancellation in force, no child run remembered).
         A forgotten run loses only its statistics (``sluice runs show``) and the priority and
         deadline its descendants would inherit; if it calls again it starts as a new run.
         Runs that do hold something are kept until :data:`RUN_IDLE_TTL_S` after their last
@@ -335,13 +340,23 @@ class RunRegistry:
 
     def _sweep(self, now: float) -> None:
         self._next_sweep = now + SWEEP_INTERVAL_S
-        idle = [name for name, info in self.runs.items()
-                if not info.live and now - info.last_seen > RUN_IDLE_TTL_S
-                and info.cancelled_until <= now]
-        for name in idle:
-            info = self.runs.pop(name)
-            if info.parent is not None:
-                info.parent.children.discard(name)
+
+        def idle(info: RunInfo) -> bool:
+            return (not info.live and not info.children and info.cancelled_until <= now
+                    and now - info.last_seen > RUN_IDLE_TTL_S)
+
+        # A run with a child remembered is kept (as eviction keeps it): the child links to
+        # this object, so forgetting it would leave the child under a run that no cancel,
+        # count or view of that name reaches. An idle child goes first, then its parent if
+        # that leaves it idle and childless, up the tree.
+        for name in [name for name, info in self.runs.items() if idle(info)]:
+            info = self.runs.get(name)
+            while info is not None and idle(info) and self.runs.get(info.id) is info:
+                del self.runs[info.id]
+                parent = info.parent
+                if parent is not None:
+                    parent.children.discard(info.id)
+                info = parent
 
     def _evict(self, now: float) -> None:
         """Forget least recently seen runs that hold nothing (see :meth:`resolve`) until at
@@ -352,11 +367,12 @@ class RunRegistry:
             if len(runs) <= MAX_RUNS:
                 return
             info = runs.pop(name)
+            holds = info.timed or any(info.counts.values())
             if info.live or info.children or info.cancelled_until > now or (
-                    any(info.counts.values()) and len(runs) < MAX_COUNTED_RUNS):
+                    holds and len(runs) < MAX_COUNTED_RUNS):
                 runs[name] = info  # kept: to the end, so the next scan looks further
                 continue
-            if any(info.counts.values()):
+            if holds:
                 # One text whatever the run, so that the log's repeat filter folds a flood.
                 log.warning("more than %d runs remembered: runs holding only max_requests "
                             "counts are forgotten, their counts with them", MAX_COUNTED_RUNS,
@@ -516,13 +532,18 @@ class RunTracker:
             if inherited is not None:
                 call.priority = inherited
         if call.timeout is not None:
-            info.deadline = call.received_at + call.timeout
+            # A read timeout (the SDKs' x-stainless-timeout) bounds this call's wait for its
+            # first byte, not the run: the openai SDK sends 600 on every call, so taking it
+            # for a deadline refused every call of a sub-agent once its parent's last call
+            # was ten minutes old.
+            if not call.timeout_reads:
+                info.deadline = call.received_at + call.timeout
         else:
             deadline = next((n.deadline for n in lineage[1:] if n.deadline is not None), None)
             if deadline is not None:
                 if deadline <= now:
                     raise Rejected(Reason.DEADLINE_UNREACHABLE, None,
-                                   "the parent run's deadline has passed")
+                                   "the parent run's deadline has passed", retry=False)
                 call.timeout = deadline - call.received_at
                 call.timeout_reads = False  # a deadline for the whole call
 
@@ -608,6 +629,8 @@ class RunLimits:
                         f"{config.max_duration:g}s", retry=False)
                 if age / config.max_duration > used:
                     used, warn = age / config.max_duration, "max_duration"
+            for node in lineage:  # their first calls' times now limit them: keep them
+                node.timed = True
         shared: RedisRuns | None = None
         if config.max_requests is not None:
             claimed = self._claim(call, config.max_requests)
@@ -794,13 +817,10 @@ class FanoutWidth:
         # call only once Redis has answered, and the run's limiter must not be forgotten
         # (and a second one made) while a call of it waits for that answer.
         entry.users += 1
-
-        def queued(depth: int) -> None:
-            call.phase = "queued"
-
         try:
-            slot = await entry.limiter.take(run, call.priority, call.time_left(), queued,
-                                            reads=call.timeout_reads)
+            # Queued like any other wait: ``enqueued`` and the queue wait see it.
+            slot = await entry.limiter.take(run, call.priority, call.time_left(),
+                                            queued_hook(call), reads=call.timeout_reads)
         except Rejected as rejected:
             self._leave(run, entry)
             if rejected.reason in (Reason.QUEUE_TIMEOUT, Reason.QUEUE_FULL):

@@ -80,6 +80,10 @@ _BAD_HEADER = "a response header has control characters"
 #: The streamed answer being relayed to the caller, once its status line is out (set on the
 #: request, so a call ended mid-answer can still finish it: ``proxy.handler``).
 RELAYED_STREAM = web.RequestKey("sluice_relayed_stream", web.StreamResponse)
+#: Set on the request once the answer's status line is being sent to the caller (both the
+#: whole small answer and a stream): from then on a call ended early can only be cut, not
+#: answered otherwise (``proxy.handler``). A status received but not yet sent is not this.
+ANSWER_STARTED = web.RequestKey("sluice_answer_started", bool)
 #: The tracker of an MCP call's answer as it is relayed (set on the request by
 #: ``proxy.attempts``), which tells whether its response has been sent.
 MCP_ANSWER = web.RequestKey("sluice_mcp_answer", AnswerTracker)
@@ -253,6 +257,10 @@ async def relay(
         headers = _copy_headers(upstream_headers, _RESPONSE_DROP)
         if not "".join(headers.values()).isascii():  # in C: one pass over every value
             _warn_undecodable(headers, call)
+        if capture is not None:
+            # The upstream's headers only: those Sluice adds below (budget and run warnings,
+            # x-should-retry) describe this call's moment, and a replay must not repeat them.
+            capture.begin(status, upstream.reason, headers)
         if extra_headers:
             headers.update(extra_headers)
         # Digits only (the parser refused the rest); none for a chunked or close-ended answer.
@@ -263,8 +271,6 @@ async def relay(
             headers[hdrs.CONTENT_LENGTH] = str(declared)  # aiohttp reads it with int() too
         if meter is not None:
             meter.start(status, headers)
-        if capture is not None:
-            capture.begin(status, upstream.reason, headers)
         if declared is not None and declared <= BUFFER_LIMIT_BYTES:
             try:
                 data = await upstream.read()
@@ -287,6 +293,7 @@ async def relay(
             try:
                 # Prepared here rather than by aiohttp after the handler returns, so that a
                 # header aiohttp refuses to write becomes a 502 instead of a dropped connection.
+                request[ANSWER_STARTED] = True
                 await response.prepare(request)
             except ValueError:
                 raise Rejected(Reason.UPSTREAM_UNREACHABLE, None, _BAD_HEADER) from None
@@ -296,6 +303,7 @@ async def relay(
             # connection to chunked framing, so not even an error answer could follow.
             raise Rejected(Reason.UPSTREAM_UNREACHABLE, None, _BAD_HEADER)
         out = web.StreamResponse(status=status, reason=upstream.reason, headers=headers)
+        request[ANSWER_STARTED] = True
         await out.prepare(request)
         request[RELAYED_STREAM] = out
         content = upstream.content

@@ -38,8 +38,9 @@ from policies.pipeline import ABANDONED, DRAIN_CUT, REFUSED, Admission, Call, Ou
 from policies.reasons import Reason, Rejected
 from policies.retry import is_client_retry
 from proxy import attempts
-from proxy.forward import RELAYED_STREAM, end_mcp_answer
+from proxy.forward import ANSWER_STARTED, RELAYED_STREAM, end_mcp_answer
 from proxy.identity import IdentityRejected, identify
+from proxy.metrics import MAX_OPERATION_LABEL_CHARS
 from proxy.rejections import jsonrpc_id, refuse, refuse_at_edge, render
 from proxy.routes import Route, has_dot_segment
 from proxy.runtime import Runtime
@@ -172,6 +173,12 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
     call.new_unit = not client_retry
     # MCP control and stream traffic take nothing, an operation's steps included.
     plan = route.plan(call) if traffic == "call" else route.base_plan
+    operation = call.operation
+    if operation is not None and len(operation) > MAX_OPERATION_LABEL_CHARS:
+        # Looked up whole; events and metrics keep what an MCP tool name may be (1 to 128
+        # characters), not megabytes of a made-up one on every event line of the call.
+        call.operation = (f"{operation[:MAX_OPERATION_LABEL_CHARS]}..."
+                          f"(+{len(operation) - MAX_OPERATION_LABEL_CHARS} characters)")
     admission = Admission()
     outcome = ABANDONED
     admitted_at = 0.0
@@ -281,7 +288,9 @@ async def _run_cancelled(rt: Runtime, route: Route, call: Call, request: web.Bas
     kind = "inflight" if admitted else "queued" if call.phase == "queued" else "admitting"
     route.metrics.cancelled(kind)
     rejected = Rejected(Reason.RUN_CANCELLED, None, call.cancelled or "", retry=False)
-    if call.status and request.transport is not None:
+    # Started means sent: a status received from the upstream whose answer is still being
+    # read (a small one is read whole first) has not reached the caller, which gets the 409.
+    if request.get(ANSWER_STARTED) and request.transport is not None:
         if await end_mcp_answer(request, rejected):
             route.metrics.rejections[rejected.reason].inc()
             return request[RELAYED_STREAM]

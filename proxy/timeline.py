@@ -123,8 +123,8 @@ def stories(events: list[dict[str, Any]]) -> list[RequestStory]:
                                             str(ev.get("tenant") or "-"), ev["ts"])
         kind = ev["event"]
         story.events.append(kind)
-        if kind == "enqueued":
-            enqueued[rid] = ev["ts"]
+        if kind == "enqueued":  # the first of its queues (run width, operation, route)
+            enqueued.setdefault(rid, ev["ts"])
         elif kind == "admitted" and rid in enqueued:
             story.queued_s = ev["ts"] - enqueued[rid]
         elif kind == "expired":

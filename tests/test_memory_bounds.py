@@ -104,6 +104,31 @@ async def test_a_run_budgets_spend_survives_a_flood_of_new_runs(monkeypatch):
     assert "spender" in refused.value.detail
 
 
+async def test_a_run_past_its_max_duration_survives_a_flood_of_new_runs(monkeypatch):
+    """Hostile trial: forgetting a run limited only by ``max_duration`` forgot its first
+    call's time, so once 10,000 other runs had been seen it started over, its time reset."""
+    monkeypatch.setattr(runs_module, "MAX_RUNS", 10)
+    now = [0.0]
+    registry = RunRegistry(clock=lambda: now[0])
+    tracker = RunTracker(registry)
+    limits = RunLimits(registry, "x", RunConfig(max_duration="60s"), None)
+
+    async def call(run: str) -> None:
+        tracked = await tracker.admit(_call(run))
+        try:
+            await limits.admit(_call(run))
+        finally:
+            tracked.release(Outcome("2xx", True, 200, 0.01))
+
+    await call("long")
+    now[0] = 61.0
+    for n in range(100):
+        await call(f"flood-{n}")
+    with pytest.raises(Rejected) as refused:
+        await call("long")
+    assert refused.value.reason is Reason.RUN_BUDGET_EXHAUSTED
+
+
 def test_runs_holding_only_counts_are_bounded_too(monkeypatch, caplog):
     """Seen in a hostile trial: with ``run.max_requests`` set every run holds a count, so
     none was ever forgotten: 40,000 run ids kept 24,500 runs (past ``MAX_RUNS``) for a day."""

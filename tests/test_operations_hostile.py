@@ -24,7 +24,7 @@ import aiohttp
 import pytest
 
 from tests import mcp_servers
-from tests.conftest import REPO
+from tests.conftest import REPO, wait_until
 from tests.test_operations import MCP1_PYTHON, MCP1_SEQUENCE, run_mcp1
 
 mcp_stateless = mcp_servers.mcp_stateless
@@ -225,6 +225,26 @@ async def test_tool_names_from_requests_cannot_crowd_out_or_bloat_the_metrics(mc
                                operation="add", outcome="2xx") == 1
     assert await sluice.metric("sluice_operation_requests_total", route="tools",
                                operation="other", outcome="2xx") == 2  # made-up-99, huge
+
+
+async def test_a_huge_tool_name_does_not_bloat_the_event_log(mcp_stateless, start_sluice):
+    """Hostile trial: a tools/call naming a 2 MB tool wrote the name whole into its
+    `admitted` and `completed` events (4 MB of log for one request, 64 MB for a body at
+    `max_request_bytes`), though metrics had long capped such names. MCP tool names are 1 to
+    128 characters; events keep that much and say how long the rest was."""
+    sluice = await start_sluice({"routes": [{
+        "name": "tools", "path_prefix": "/tools/", "upstream": mcp_stateless.base_url,
+        "protocol": "mcp"}]})
+    huge = "h" * 2_000_000
+    async with aiohttp.ClientSession() as http:
+        async with http.post(sluice.url + "/tools/mcp", headers=HEADERS,
+                             json=call(1, huge)) as r:
+            assert r.status == 200
+            await r.read()
+    await wait_until(lambda: any(e["event"] == "completed" for e in sluice.events()))
+    events = [e for e in sluice.events() if e.get("operation")]
+    assert events and all(len(e["operation"]) < 200 for e in events)
+    assert sluice.events_path.stat().st_size < 20_000
 
 
 @pytest.mark.skipif(not MCP1_PYTHON.exists(), reason="no .venv-mcp1 (the mcp 1.x client)")

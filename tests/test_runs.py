@@ -4,6 +4,7 @@ the admin endpoints and ``sluice runs``, through a real Sluice and the fake upst
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import subprocess
 import sys
 import time
@@ -46,6 +47,27 @@ async def test_width_3_keeps_10_calls_of_one_run_to_3_at_the_upstream(upstream, 
         answers = await asyncio.gather(*calls, other)
     assert [status for status, _, _ in answers] == [200] * 11
     assert upstream.peak_inflight == 4  # r1 never had more than 3 there; r2 was not held up
+
+
+async def test_a_wait_in_the_runs_width_queue_is_seen_in_events_and_queue_wait(upstream,
+                                                                             start_sluice):
+    """Hostile trial: a call that waited 1 s for a width slot of its run had no `enqueued`
+    event and no sample in sluice_queue_wait_seconds: the timeline showed it never queued."""
+    upstream.delay = 1.0
+    sluice = await start_sluice({"routes": [route("tools", upstream.url, "http",
+                                                  fanout={"width": 1, "max_wait": "5s"})]})
+    async with aiohttp.ClientSession() as s:
+        url = f"{sluice.url}/tools/x"
+        first = asyncio.create_task(post(s, url, run_headers("r", **{"X-Request-ID": "a"})))
+        await wait_until(lambda: upstream.inflight == 1, what="the first call upstream")
+        second = await post(s, url, run_headers("r", **{"X-Request-ID": "b"}))
+        assert (await first)[0] == second[0] == 200
+    assert await sluice.metric("sluice_queue_wait_seconds_count", route="tools") == 1
+    assert await sluice.metric("sluice_queue_wait_seconds_sum", route="tools") > 0.5
+    await wait_until(lambda: any(e["event"] == "completed" and e["request_id"] == "b"
+                                 for e in sluice.events()), what="b's completed event")
+    assert [e["event"] for e in sluice.events() if e["request_id"] == "b"] == [
+        "enqueued", "admitted", "completed"]
 
 
 async def test_depth_2_refuses_a_grandchilds_grandchild(upstream, start_sluice):
@@ -385,6 +407,94 @@ async def test_remaining_deadline_goes_upstream_and_children_inherit_it(upstream
     assert 3 < float(sent[1]) < float(sent[0])  # the parent's, less the time gone
     assert sent[2:-1] == [None] * 10
     assert 6.5 < float(sent[-1]) <= 7.5
+
+
+async def test_a_parents_read_timeout_is_no_deadline_for_its_children(upstream, start_sluice):
+    """Hostile trial: the SDKs' x-stainless-timeout (httpx's read timeout of one call, 600 s
+    from the openai SDK on every call) was inherited as a hard deadline: once a parent's last
+    call was that old, every call of its sub-agents without a timeout of its own got 503
+    deadline_unreachable, which the SDKs retry."""
+    sluice = await start_sluice({"routes": [route("tools", upstream.url, "http")]})
+    async with aiohttp.ClientSession() as s:
+        url = f"{sluice.url}/tools/x"
+        assert (await post(s, url, run_headers("p", None, **{"x-stainless-timeout": "1"})))[0] == 200
+        await asyncio.sleep(1.3)
+        status, _, _ = await post(s, url, run_headers("c", "p"))
+    assert status == 200
+    assert "X-Request-Timeout" not in upstream.requests[1].headers
+
+
+async def test_a_passed_parent_deadline_is_refused_as_final(upstream, start_sluice):
+    sluice = await start_sluice({"routes": [route("tools", upstream.url, "http")]})
+    async with aiohttp.ClientSession() as s:
+        url = f"{sluice.url}/tools/x"
+        await post(s, url, run_headers("p", None, **{"X-Request-Timeout": "1"}))
+        await asyncio.sleep(1.3)
+        status, headers, _ = await post(s, url, run_headers("c", "p"))
+    assert (status, headers["X-Sluice-Reason"]) == (503, "deadline_unreachable")
+    assert headers["x-should-retry"] == "false"  # no retry of it can meet a passed deadline
+
+
+async def test_a_cancel_while_a_small_answer_is_read_is_answered_409(start_sluice):
+    """Hostile trial: an upstream that sent its status line at once and its (small, declared)
+    body later was being read whole, nothing of it sent on yet, when its run was cancelled:
+    the caller's connection was closed without an answer (the handler took the status it had
+    received for one already relayed), and the `completed` event said 200."""
+    seen = asyncio.Event()
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 11\r\n\r\n")
+        await writer.drain()
+        seen.set()
+        with contextlib.suppress(OSError):
+            await asyncio.sleep(10)
+            writer.write(b'{"ok": true}')
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        sluice = await start_sluice(
+            {"routes": [route("tools", f"http://127.0.0.1:{port}", "http")]},
+            env={"SLUICE_ADMIN_TOKEN": TOKEN})
+        async with aiohttp.ClientSession() as s:
+            call = asyncio.create_task(post(s, f"{sluice.url}/tools/x", run_headers("r")))
+            await asyncio.wait_for(seen.wait(), 10)
+            await asyncio.sleep(0.2)  # its headers are in Sluice, the body awaited
+            async with s.post(f"{sluice.admin_url}/admin/runs/r/cancel",
+                              headers={"Authorization": f"Bearer {TOKEN}"}) as r:
+                assert r.status == 200
+            status, headers, _ = await call
+        assert (status, headers["X-Sluice-Reason"]) == (409, "run_cancelled")
+        await wait_until(lambda: any(e["event"] == "completed" for e in sluice.events()))
+        done = next(e for e in sluice.events() if e["event"] == "completed")
+        assert (done["status"], done["outcome"]) == (409, "run_cancelled")
+    finally:
+        server.close()
+
+
+async def test_a_replay_carries_no_stale_budget_or_run_headers(upstream, start_sluice):
+    """Hostile trial: a replay repeated the budget and run headers Sluice had added to the
+    first answer (`X-Sluice-Budget-Remaining: 883`, `"max_requests";used=0.250`) after the
+    run had spent more: a caller pacing itself on them read a state long gone. Replayed
+    headers are the upstream's (docs/idempotency.md)."""
+    sluice = await start_sluice({"routes": [route(
+        "openai", upstream.url, budget={"tokens": "1000/total", "per": "run", "warn_at": 0.1},
+        run={"max_requests": 4, "warn_at": 0.2},
+        idempotency={"mode": "dedup", "derive_from": ["X-Run-ID", "X-Step-ID"]})]})
+    body = b'{"model": "m", "messages": [], "max_tokens": 100}'
+    url = f"{sluice.url}/openai/v1/chat/completions"
+    async with aiohttp.ClientSession() as s:
+        answers = [await post(s, url, run_headers("r", **{"X-Step-ID": step}), body)
+                   for step in ("s1", "s2", "s1")]
+    first, _, replay = (headers for _, headers, _ in answers)
+    assert "X-Sluice-Budget-Remaining" in first and "X-Sluice-Run-Warning" in first
+    assert replay["Idempotent-Replayed"] == "true"
+    for name in ("X-Sluice-Budget-Remaining", "X-Sluice-Budget-Policy",
+                 "X-Sluice-Budget-Warning", "X-Sluice-Run-Warning"):
+        assert name not in replay, name
 
 
 async def test_a_stalled_stream_is_counted(upstream, start_sluice):

@@ -162,6 +162,24 @@ def test_idle_runs_are_swept():
     assert set(registry.runs) == {"new"}
 
 
+async def test_an_idle_parent_is_kept_while_its_child_calls_so_its_cancel_reaches_it():
+    """Hostile trial: a root run idle for a day while its sub-agent kept calling was swept;
+    the child kept a link to the forgotten object, so a cancel of the root (made a new run)
+    refused none of the child's new calls, and the root's max_requests counts were lost."""
+    now = [0.0]
+    registry = RunRegistry(clock=lambda: now[0])
+    tracker = RunTracker(registry)
+    (await tracker.admit(_call("root"))).release(Outcome("2xx", True))
+    for _ in range(30):  # the sub-agent works on, hourly, for 30 h
+        now[0] += 3600.0
+        (await tracker.admit(_call("kid", "root"))).release(Outcome("2xx", True))
+    assert registry.runs["kid"].parent is registry.runs.get("root")
+    registry.cancel("root", 600.0)
+    with pytest.raises(Rejected) as refused:
+        await tracker.admit(_call("kid", "root"))
+    assert refused.value.reason is Reason.RUN_CANCELLED
+
+
 async def test_tracker_inherits_and_refuses_a_passed_parent_deadline():
     now = [0.0]
     registry = RunRegistry(clock=lambda: now[0])
