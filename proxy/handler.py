@@ -73,37 +73,28 @@ def _caller_timeout(request: web.BaseRequest, header: str) -> tuple[float | None
     return None, False
 
 
-def _mcp_traffic(request: web.BaseRequest, body: bytes, per_tool: bool,
-                 keyed: bool = False) -> tuple[mcp.Traffic, str | None]:
+def _mcp_traffic(request: web.BaseRequest, body: bytes) -> tuple[mcp.Traffic, str | None]:
     """The traffic class of a request on an ``mcp`` route, and its operation (the tool of a
-    ``tools/call``, else ``None``). ``per_tool``: the route has ``tools:`` blocks; ``keyed``:
-    the route has an ``idempotency`` block (not ``off``).
+    ``tools/call``, else ``None``).
 
     Raises:
         mcp.InvalidMcpRequest: a POST body that is not MCP, or an ``Mcp-Method`` /
-            ``Mcp-Name`` / ``MCP-Protocol-Version`` header that disagrees with it, or, on a
-            route with ``tools:``, a batch holding a ``tools/call``, or, on a route with
-            ``idempotency``, a batch holding a call (400).
+            ``Mcp-Name`` / ``MCP-Protocol-Version`` header that disagrees with it, or a
+            JSON-RPC batch holding a call (400).
     """
     if request.method != "POST":
         return mcp.traffic(request.method), None
     version = request.headers.get(mcp.VERSION_HEADER)
     post = mcp.parse_post(body, version)
     mcp.check_headers(post, request.headers, require=mcp.is_modern(version))
-    # A batch has no one operation: its tools/calls would run under none of their tools'
-    # limits, breakers or costs (the 2025-03-26 servers, e.g. the TypeScript SDK 1.x, run
-    # every member), so on a route that names tools each call must come in its own POST.
-    if per_tool and post.batch and any(m.tool is not None for m in post.messages):
+    # A batch (protocol 2025-03-26; the TypeScript SDK 1.x server still runs every member) is
+    # no one call: it would pass a route's rate, a run's max_requests and a slot once for any
+    # number of tools/calls, under none of their tools' blocks, and with no idempotency key,
+    # so its retry would run them all again. No official client sends one.
+    if post.batch and any(m.traffic == "call" for m in post.messages):
         raise mcp.InvalidMcpRequest(
-            "a JSON-RPC batch holding tools/call on a route with per-tool policies: "
-            "send each tools/call in its own POST")
-    # Nor has it one idempotency key: a call alone gets one from its tool and arguments (or
-    # the caller's), so that a retry replays its answer; in a batch it would get none, and the
-    # batch's retry, or the same call sent alone and then in a batch, would run it again.
-    if keyed and post.batch and any(m.traffic == "call" for m in post.messages):
-        raise mcp.InvalidMcpRequest(
-            "a JSON-RPC batch holding a call on a route with idempotency: send each call in "
-            "its own POST, so that a retry of it is recognised")
+            "a JSON-RPC batch holding a call (e.g. tools/call): send each call in its own "
+            "POST, so that it is limited, keyed and retried as one call")
     return mcp.traffic("POST", post), post.tool
 
 
@@ -152,9 +143,7 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
     operation = None
     if route.protocol == "mcp":
         try:
-            per_tool = route.operations is not None and route.operations.key == "tools"
-            traffic, operation = _mcp_traffic(request, body, per_tool,
-                                              route.idempotency is not None)
+            traffic, operation = _mcp_traffic(request, body)
         except mcp.InvalidMcpRequest as bad:
             return _reject(rt, route, Rejected(Reason.BAD_REQUEST, None, bad.detail[:200]),
                            request_id, tenant, run, body)

@@ -4,9 +4,9 @@ by how it is spelled (issue 11).
 * An endpoint path with percent-encoded unreserved characters (``/v1/job%73/1``) is the same
   resource as the plain one (RFC 3986 §6.2.2.2) and upstreams decode it before routing, so it
   must match the same ``endpoints:`` pattern.
-* A JSON-RPC batch (protocol 2025-03-26, still served by the TypeScript SDK 1.x server) has no
-  one tool: on a route with ``tools:`` a batch holding a ``tools/call`` is refused 400, so its
-  calls cannot run outside their tools' limits and costs.
+* A JSON-RPC batch (protocol 2025-03-26, still served by the TypeScript SDK 1.x server) is no
+  one call: a batch holding a ``tools/call`` is refused 400, so its calls cannot run outside
+  their tools' limits and costs, or pass a route's limits once for many.
 """
 
 from __future__ import annotations
@@ -166,11 +166,12 @@ async def test_batch_of_tool_calls_cannot_dodge_the_tools_rate(ts_batch_server, 
                 answers.append((await r.json()).get("error", {}).get("code"))
         assert answers == [None, 429]
         assert sends(count_file) == 1
-        # A route naming no tools forwards batches as before (the route's limits count it once).
+        # Nor on a route naming no tools: its rate, a run's max_requests and its slot would
+        # count a batch of any number of calls once (a hostile trial sent 100 in two).
         async with http.post(sluice.url + "/plain/mcp", json=batch, headers=HEADERS) as r:
-            assert r.status == 200
-            assert [m["id"] for m in await r.json()] == [1, 2, 3]
-    assert sends(count_file) == 4
+            assert (r.status, r.headers["X-Sluice-Reason"]) == (400, "bad_request")
+            assert "own POST" in (await r.json())["error"]["message"]
+    assert sends(count_file) == 1
 
 
 async def test_tool_costs_show_in_the_tenants_budget_gauges(mcp_stateless, start_sluice):
