@@ -25,7 +25,9 @@ Costs (``cost_per_call``, ``cost_per_second``, USD): :class:`Costs` charges them
 route's ``usd`` budgets, the ones tokens are charged to: ``cost_per_call`` per upstream
 attempt, ``cost_per_second`` per second of upstream time (each attempt from its sending to
 the end of its answer). ``cost_per_call`` is reserved before the call is forwarded, so an
-exhausted budget refuses the call (429 ``budget_exhausted``); the rest settles at the end.
+exhausted budget refuses the call (429 ``budget_exhausted``); the rest (retries, upstream
+time) settles at the end, and may pass the budget: it is reported as
+:attr:`policies.pipeline.Call.operation_overrun`.
 """
 
 from __future__ import annotations
@@ -375,10 +377,15 @@ class Costs:
             if call.run is None and usd_per_run:
                 raise Rejected(Reason.BAD_REQUEST, None,
                                f"send the {self.run_header} header: this route budgets per run")
-            reservation = await budgets.reserve_usd(call.tenant, call.run,
-                                                    max(self.per_call, MIN_HOLD_USD),
+            reservation = await budgets.reserve_usd(call.tenant, call.run, self.held_usd,
                                                     call.lineage)
         return CostCharge(self, call, reservation)
+
+    @property
+    def held_usd(self) -> float:
+        """USD held on the budgets for a call before it is forwarded: one ``cost_per_call``,
+        at least :data:`MIN_HOLD_USD`."""
+        return max(self.per_call, MIN_HOLD_USD)
 
 
 class CostCharge:
@@ -399,6 +406,10 @@ class CostCharge:
             usd = (call.attempts * costs.per_call
                    + call.upstream_seconds(time.monotonic()) * costs.per_second)
             call.operation_cost = round(usd, 9)
+            if self.reservation is not None:
+                # Charged as spent, past the hold by retries and upstream time: a budget can
+                # be passed by this much (concurrent calls each by their own), so it is said.
+                call.operation_overrun = max(round(usd - costs.held_usd, 9), 0.0)
         if self.reservation is not None and costs.budgets is not None:
             costs.budgets.settle_usd(self.reservation, usd)
             self.reservation = None

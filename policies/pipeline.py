@@ -68,6 +68,8 @@ class Call:
         cancelled); attempts: upstream attempts sent; progress_at: monotonic seconds of the
         last byte moved for it (stall detection); operation_cost: USD an operation's
         ``cost_per_call`` / ``cost_per_second`` charged for it, set when its cost settles;
+        operation_overrun: USD of that cost past what was held for it before forwarding
+        (retries' ``cost_per_call``, ``cost_per_second``), 0.0 for none;
         units_deferred: the rate step left the call's request units to the accounting step
         (:attr:`policies.rate.RateLimiter.metered_elsewhere`), which takes them: decided once
         per call, as a reload may change the flag between the two steps.
@@ -88,7 +90,7 @@ class Call:
     __slots__ = ("_sent_at", "_upstream_s", "answered_at", "attempts", "body", "cancelled",
                  "capture", "charged", "client_retry", "cost", "enqueued_at", "headers",
                  "idempotency_key", "lineage", "meter", "method", "new_unit", "operation",
-                 "operation_cost", "parent_run", "path", "phase", "priority", "priority_given",
+                 "operation_cost", "operation_overrun", "parent_run", "path", "phase", "priority", "priority_given",
                  "progress_at", "reached", "received_at", "reporter", "request_id",
                  "response_headers", "route", "run", "status", "tenant", "timeout",
                  "timeout_reads", "units_deferred", "upstream_key")
@@ -132,6 +134,7 @@ class Call:
         self.enqueued_at: float | None = None
         self.charged: dict[str, object] | None = None
         self.operation_cost: float | None = None
+        self.operation_overrun = 0.0
         self.status = 0
         self.reached = False
         self.answered_at = 0.0

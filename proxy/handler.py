@@ -336,6 +336,9 @@ def _completed(rt: Runtime, route: Route, call: Call, outcome: Outcome,
             series.cost.inc(call.operation_cost)
             metrics.tenant(call.tenant).cost.inc(call.operation_cost)
             fields["operation_cost_usd"] = call.operation_cost
+            if call.operation_overrun:
+                fields["over_reservation_usd"] = call.operation_overrun
+                metrics.usage_over_reservation.inc()
     if charged is not None:
         tenant = metrics.tenant(call.tenant)
         if charged["input_tokens"]:

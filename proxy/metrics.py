@@ -407,9 +407,11 @@ class Metrics:
         )
         self.usage_over_reservation = LoopCounter(
             "sluice_usage_over_reservation",
-            "Answers whose reported usage exceeded the tokens reserved for them (their input "
-            "estimate plus output cap): charged as reported, they can pass a budget by the "
-            "difference (the completed event's over_reservation_tokens).",
+            "Calls charged more than was reserved for them: reported usage past the tokens "
+            "reserved (input estimate plus output cap), or an operation's cost past its "
+            "cost_per_call hold (retries, cost_per_second). Charged as spent, they can pass "
+            "a budget by the difference (the completed event's over_reservation_tokens or "
+            "over_reservation_usd).",
             ["route"],
             registry=r,
         )

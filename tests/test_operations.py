@@ -484,6 +484,12 @@ async def test_tool_costs_are_charged_to_the_usd_budget(mcp_stateless, start_slu
              and e.get("operation") == "send"]
     assert sends == [0.02, 0.02]
     assert costs["slow"] >= 0.01
+    # The slow call held a micro-dollar and was charged its time: past its hold, which can
+    # pass the budget, so it is said (a hostile trial charged $0.10 on a $0.01 budget, unsaid).
+    overrun = {e["operation"]: e.get("over_reservation_usd") for e in events
+               if e["event"] == "completed" and "operation_cost_usd" in e}
+    assert overrun == {"send": None, "slow": pytest.approx(costs["slow"] - 1e-6)}
+    assert await sluice.metric("sluice_usage_over_reservation_total", route="tools") == 1
     total = await sluice.metric("sluice_cost_usd_total", route="tools", tenant="default")
     assert total == pytest.approx(0.04 + costs["slow"])
     assert await sluice.metric("sluice_operation_cost_usd_total", route="tools",
