@@ -113,6 +113,9 @@ VIEW_FRESH_S = 0.5
 #: How long a half-open probe holds its lease, seconds: if the probing replica dies, another
 #: may probe after this (an attempt's wait for response headers rarely comes near it).
 PROBE_LEASE_S = 30.0
+#: How often a probe's outcome (or its lease's give-back) that Redis could not take is sent
+#: again, seconds: until it lands, the probe's lease keeps every replica refusing.
+PROBE_RESEND_S = 0.25
 
 #: Fields that tell a 429 is a quota answer rather than a fault.
 _RATE_LIMIT_HEADERS = (
@@ -417,6 +420,14 @@ class Breaker:
             verdict = await self._shielded(
                 states.record(self.route, ticket.ticket, outcome, self._params, hint))
         except StateUnavailable as exc:
+            if ticket.ticket.probe is not None and self._may_resend(exc, outcome):
+                # Dropped, the probe's lease would stay held: every replica would refuse
+                # (half-open, a probe in flight) until it lapsed, PROBE_LEASE_S later (a
+                # hostile trial: 28 s after a 2 s freeze, with reset_timeout 2s).
+                log.warning("route %s: a probe's outcome waits for the state backend: %s",
+                            self.route, exc.cause, extra=PER_CALL)
+                self._background.spawn(self._resend(states, ticket.ticket, outcome, hint))
+                return
             log.warning("route %s: a circuit-breaker outcome was dropped: %s", self.route,
                         exc.cause, extra=PER_CALL)
             return
@@ -477,12 +488,43 @@ class Breaker:
         try:
             verdict = await states.record(self.route, ticket, NEUTRAL, self._params)
         except StateUnavailable as exc:
-            log.warning("route %s: a probe lease was not given back (it lapses in %.0fs): %s",
-                        self.route, PROBE_LEASE_S, exc.cause, extra=PER_CALL)
+            log.warning("route %s: a probe lease waits for the state backend to be given "
+                        "back: %s", self.route, exc.cause, extra=PER_CALL)
+            await self._resend(states, ticket, NEUTRAL, None)
             return
         # The view loses its probe in flight: else check() (on memory) would go on refusing
         # every call with "a probe is in flight", and none would ever probe again.
         self._heard(states, verdict, None)
+
+    def _may_resend(self, exc: StateUnavailable, outcome: int) -> bool:
+        """Whether a probe outcome whose script raised ``exc`` may be sent again: see
+        :meth:`_resend`."""
+        return (not exc.maybe_applied or outcome != SUCCESS
+                or self._params.success_threshold <= 1)
+
+    async def _resend(self, states: BreakerStates, ticket: Ticket, outcome: int,
+                      hint: float | None) -> None:
+        """Send a probe's outcome that Redis did not take until it does, or until the
+        probe's lease has lapsed anyway. A script that timed out may still have run (or run
+        later, on a frozen server), so it may land twice: the second changes nothing (a
+        failure re-opened and a success closed the breaker, moving its epoch on, so the
+        second is stale; a neutral one only frees the lease), except a success under a
+        ``success_threshold`` above 1, which is not sent again once it may have landed."""
+        loop = asyncio.get_running_loop()
+        until = loop.time() + PROBE_LEASE_S
+        while loop.time() < until:
+            await asyncio.sleep(PROBE_RESEND_S)
+            try:
+                verdict = await states.record(self.route, ticket, outcome, self._params, hint)
+            except StateUnavailable as exc:
+                if not self._may_resend(exc, outcome):
+                    return  # it may have landed
+                continue
+            self._heard(states, verdict,
+                        ticket.epoch + 1 if verdict.transition is not None else None)
+            return
+        log.warning("route %s: a probe's outcome was dropped; its lease has lapsed",
+                    self.route)
 
     # -- tasks --------------------------------------------------------------------------------
 

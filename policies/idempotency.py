@@ -764,8 +764,21 @@ class Idempotency:
             if waiting >= self.max_waiters:
                 claim.rejected = _too_many_waiting(waiting)
                 return claim
-            begin = await self._wait_shared(claim, records, shared_key, owner, fingerprint,
-                                            bound_s)
+            try:
+                begin = await self._wait_shared(claim, records, shared_key, owner,
+                                                fingerprint, bound_s)
+            except StateUnavailable as exc:
+                if self._backends is not None and self._backends.fallback.mode == "reject":
+                    raise
+                # Its twin is known to be in flight: the local fallback, which knows no
+                # flight, would run it again (a hostile trial: the work ran twice after a
+                # 1 s freeze). A look-up that may have claimed the key frees it.
+                self._drop(records, shared_key, owner, fingerprint)
+                claim.rejected = Rejected(
+                    Reason.IDEMPOTENCY_CONFLICT, exc.retry_after or IN_FLIGHT_RETRY_AFTER_S,
+                    "a request with this Idempotency-Key is in flight, and the shared "
+                    "idempotency records stopped answering while this one waited for it")
+                return claim
             if begin.state == IN_FLIGHT:
                 claim.rejected = (_mismatch(claim)
                                   if begin.fingerprint != fingerprint

@@ -160,7 +160,9 @@ async def test_spend_redis_could_not_take_is_charged_once_when_it_answers(redis_
         budgets.settle(shared, Usage(10, 30))
         await budgets.background.wait()
         assert len(budgets.reconciler) == 1 and not backends.health.up
-        local = await budgets.reserve("acme", None, "m", 10, 490)  # 1000 / 2 replicas
+        # The share is of what was neither spent nor held when Redis last answered: the
+        # reserve above held 100, so (1000 - 100) / 2 replicas.
+        local = await budgets.reserve("acme", None, "m", 10, 440)
         assert local.source is backends.fallback.local
         with pytest.raises(Rejected) as denied:
             await budgets.reserve("acme", None, "m", 10, 10)
