@@ -193,6 +193,24 @@ async def test_oom_readonly_and_busy_count_as_unavailable(
         admin.close()
 
 
+async def test_a_key_of_another_type_under_the_prefix_counts_as_unavailable(
+        own: StateBackends, redis_server: RedisServer):
+    # Another program writing under Sluice's prefix turned every call into a 502
+    # "upstream_unreachable" with a traceback, the upstream never asked (a hostile trial):
+    # it is the backend that cannot serve, so state.on_unavailable applies.
+    admin = redis_server.client()
+    try:
+        def clobber() -> None:
+            for key in admin.scan_iter("*"):  # this server is the test's own
+                if admin.type(key) != b"string":
+                    admin.delete(key)
+                    admin.set(key, "x")
+
+        await refused_then_recovered(own, admin, clobber, admin.flushall, "WRONGTYPE")
+    finally:
+        admin.close()
+
+
 async def test_a_wrong_password_is_unavailable_and_never_shown(tmp_path: Path):
     require_redis()
     server = RedisServer(tmp_path / "auth", extra=("--requirepass", "right")).start()

@@ -25,6 +25,9 @@ _UNAVAILABLE_CODES = frozenset({
     "NOPERM", "NOAUTH", "WRONGPASS",  # ACL or password refusal
     "NOSCRIPT",    # still missing after redis-py's one SCRIPT LOAD (scripts disabled)
     "NOREPLICAS",
+    # A key under state.key_prefix holds another type: another program writes there (or a
+    # prefix is shared). Not our bug to crash on: the backend cannot serve these keys.
+    "WRONGTYPE",
 })
 
 # Client-side failures: the server is down, frozen, unreachable, or the pool is exhausted.
