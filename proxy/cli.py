@@ -56,11 +56,13 @@ def _hold_standard_descriptors() -> None:
 def _load(path: str, *, stream: bool = False) -> Config | None:
     """The config at ``path``, or ``None`` once its problems are printed to stderr."""
     from proxy.config import ConfigError, load_config
+    from proxy.redact import redact
 
     try:
         return load_config(path, stream=stream)
     except ConfigError as exc:
-        print(exc, file=sys.stderr)
+        # A rejected value may be a URL with a password or an ?api_key= (CI logs keep this).
+        print("\n".join(redact(exc.problems)), file=sys.stderr)
         return None
 
 

@@ -213,3 +213,15 @@ def test_a_file_that_cannot_be_opened_is_one_clear_line_naming_its_key(
     assert done.returncode == 1
     assert f"sluice: cannot start: {key} {tmp_path / 'missing' / 'file'}: {said}" in done.stderr
     assert "Traceback" not in done.stderr and "Unclosed" not in done.stderr
+
+
+def test_a_rejected_upstream_url_is_shown_without_its_credentials(tmp_path: Path, capsys) -> None:
+    # check-config quoted the URL it refused whole, user info and ?api_key= included (a new
+    # user's trial); its output lands in CI logs. The server's reload log redacted them.
+    path = tmp_path / "bad.yaml"
+    path.write_text("routes:\n  - name: r\n    path_prefix: /r/\n"
+                    "    upstream: 'http://alice:s3cretpw@127.0.0.1:9/base?api_key=SECRETQ'\n")
+    assert main(["check-config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}:4: routes[0].upstream: " in err
+    assert "s3cretpw" not in err and "SECRETQ" not in err
