@@ -264,7 +264,15 @@ def _redis_url(value: str) -> str:
                          f"{f' ({field.group(1)!r})' if field else ''}") from None
     except ValueError as exc:  # its own message names the field, never the value
         raise ValueError(f"is not a Redis URL redis-py can read: {exc}") from None
+    # redis-py reads the path as the database number and ignores one that is not a number:
+    # a typo (/99x, /O) would silently use database 0, perhaps another deployment's.
+    if scheme != "unix" and not _REDIS_DB.fullmatch(urllib.parse.urlsplit(value).path):
+        raise ValueError("has a path that is no database number (redis://host:6379/0)")
     return value
+
+
+#: The path of a ``redis://`` URL: none, or ``/`` and a database number.
+_REDIS_DB = re.compile(r"(?:/[0-9]{0,5})?")
 
 
 RedisUrl = Annotated[str, AfterValidator(_redis_url)]

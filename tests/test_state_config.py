@@ -34,6 +34,9 @@ ROUTE = """routes:
     ("  backend: redis\n  redis_url: 'redis://:hunter2@cache:6379/0?socket_timeout=soon'\n",
      "state.redis_url: is not a Redis URL redis-py can read: Invalid value for "
      "'socket_timeout'"),
+    # redis-py ignores a database that is not a number: the typo served database 0.
+    ("  backend: redis\n  redis_url: 'redis://:hunter2@cache:6379/99x'\n",
+     "bad.yaml:3: state.redis_url: has a path that is no database number"),
     ("  backend: sqlite\n", "state.backend:"),
     ("  replicas: 0\n", "state.replicas:"),
     ("  key_prefix: 'a{b}'\n", "state.key_prefix:"),
