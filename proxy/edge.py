@@ -2,8 +2,13 @@
 
 **Connections** (:class:`EdgeProtocol`, one per TCP connection; limits under ``server:``):
 
-* ``max_connections``: a connection beyond it is answered 503 ``too_many_connections`` once
-  its first bytes arrive (so the caller reads the answer rather than a reset), then closed;
+* ``max_connections``: a connection beyond it first takes the place of the oldest one that is
+  between requests (opened and silent, part of a head in, or kept alive idle: nginx likewise
+  frees idle keep-alive connections when it runs out), which is closed; if every connection
+  has a request in progress, it is answered 503 ``too_many_connections`` once its first bytes
+  arrive (so the caller reads the answer rather than a reset), then closed. Both count in
+  ``too_many_connections``. So idle or silent sockets, however many, never keep a probe or a
+  caller out;
 * ``header_timeout``: a request's head (request line and headers) must arrive within this of
   its first byte (of the connection's opening, for the first request), else 408
   ``request_timeout`` and close. This is what ends slowloris connections and silent ones;
@@ -99,8 +104,9 @@ _TOO_MANY_HEADERS = "Too many headers"
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 #: Allowed ``Host`` values remembered per config, so most requests cost one set lookup.
 _HOSTS_REMEMBERED = 64
-#: Connections the admin port serves at once (probes, Prometheus, operators): beyond it, 503
-#: ``too_many_connections`` and close, as ``server.max_connections`` on the proxy port.
+#: Connections the admin port serves at once (probes, Prometheus, operators): beyond it, the
+#: oldest idle one is closed, or 503 ``too_many_connections``, as ``server.max_connections``
+#: on the proxy port.
 ADMIN_MAX_CONNECTIONS = 64
 
 # Phases of a connection, as its timers see it.
@@ -162,6 +168,19 @@ class GuardedServer(web.Server):
 
     def refused(self, reason: Reason) -> None:
         """Count a connection or request its connection refused (nothing by default)."""
+
+    def evict_one(self) -> bool:
+        """Close the oldest connection between requests (:attr:`EdgeProtocol.between_requests`)
+        to make room for a new one; whether there was one. It counts as open until its
+        ``connection_lost`` (the next loop turn), so the count may pass the bound by the
+        connections evicted in one turn, each of them closing."""
+        for protocol, transport in self._connections.items():  # oldest first
+            if (isinstance(protocol, EdgeProtocol) and not transport.is_closing()
+                    and protocol.between_requests):
+                transport.close()
+                self.refused(Reason.TOO_MANY_CONNECTIONS)
+                return True
+        return False
 
     def __call__(self) -> EdgeProtocol:
         settings = self.connection_settings()
@@ -465,7 +484,7 @@ class EdgeProtocol(RequestHandler):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         edge = self._edge
-        if edge.open >= self._settings.max_connections:
+        if edge.open >= self._settings.max_connections and not edge.evict_one():
             self._refuse(transport)  # type: ignore[arg-type]
             return
         edge.open += 1
@@ -482,6 +501,14 @@ class EdgeProtocol(RequestHandler):
             self._edge.open -= 1
         self._disarm()
         super().connection_lost(exc)
+
+    @property
+    def between_requests(self) -> bool:
+        """Nothing of a request is being handled or awaited from the caller: opened and
+        silent, part of a head in, or answered and kept alive idle."""
+        phase = self._phase
+        return phase != _BODY and not (phase == _READ and (self._request_in_progress
+                                                           or self._messages))
 
     def _refuse(self, transport: asyncio.Transport) -> None:
         """Over ``max_connections``: answer 503 when the request arrives, then close."""

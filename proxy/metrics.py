@@ -245,16 +245,17 @@ class Metrics:
         self.edge_rejections = LoopCounter(
             "sluice_edge_rejections",
             "Connections and requests refused before any route's checks (over "
-            "server.max_connections, header or body timeouts, requests that are not valid "
-            "HTTP/1.1, name no route or another host), by reason.",
+            "server.max_connections, or an idle one closed to make room; header or body "
+            "timeouts; requests that are not valid HTTP/1.1, name no route or another "
+            "host), by reason.",
             ["reason"],
             registry=r,
         )
         self.admin_rejections = LoopCounter(
             "sluice_admin_rejections",
             "Connections and requests the admin port refused at its door (over its 64 "
-            "connections, header timeouts, requests that are not valid HTTP/1.1), by reason: "
-            "probes and scrapes crowded out.",
+            "connections, or an idle one closed to make room; header timeouts; requests "
+            "that are not valid HTTP/1.1), by reason: probes and scrapes crowded out.",
             ["reason"],
             registry=r,
         )

@@ -509,10 +509,26 @@ async def test_the_admin_port_closes_slow_and_idle_clients_and_keeps_probes_answ
     assert 1.9 < time.monotonic() - started < 4.0
     writer.close()
 
-    # Connections are capped: one over the cap is answered 503 and closed.
+    # Connections are capped, but silent ones cannot crowd a probe out: 64 sockets that send
+    # nothing, reopened as they close, got /healthz 503 for as long as they liked, and the
+    # kubelet restarts a pod whose liveness probe fails (a new user's trial). A probe over
+    # the cap takes the oldest silent one's place.
+    silent = [await asyncio.open_connection("127.0.0.1", sluice.admin_port)
+              for _ in range(ADMIN_MAX_CONNECTIONS)]
+    probe = await raw_request(sluice.admin_port, b"GET /healthz HTTP/1.1\r\n" + LOOPBACK
+                              + b"Connection: close\r\n\r\n", timeout=5)
+    assert parse(probe)[0][0] == 200
+    assert await closed_within(silent[0][0], 3) == b""  # the oldest made room
+    for _, writer in silent:
+        writer.close()
+    # Only connections each with a request in progress (a body still to come) fill it: one
+    # over the cap is answered 503 and closed.
     held = []
     for _ in range(ADMIN_MAX_CONNECTIONS):
-        held.append(await asyncio.open_connection("127.0.0.1", sluice.admin_port))
+        reader, writer = await asyncio.open_connection("127.0.0.1", sluice.admin_port)
+        writer.write(b"POST /healthz HTTP/1.1\r\n" + LOOPBACK + b"Content-Length: 9\r\n\r\n")
+        held.append((reader, writer))
+    await asyncio.sleep(0.2)  # let the server read every head (no condition to wait on)
     answer = await raw_request(sluice.admin_port,
                                b"GET /healthz HTTP/1.1\r\n" + LOOPBACK + b"\r\n", timeout=5)
     [(status, headers, body)] = parse(answer)
@@ -584,24 +600,45 @@ async def test_an_idle_keep_alive_connection_is_closed(upstream, start_sluice):
 async def test_connections_beyond_max_connections_get_503(upstream, start_sluice):
     sluice = await start_sluice({"server": {"max_connections": 5},
                                  "routes": [route("svc", upstream.url, "http")]})
-    held = []
+    # Kept-alive connections idle between requests make room for a new one, oldest first (as
+    # nginx frees idle keep-alive connections when it runs out).
+    idle = []
     for _ in range(5):
         reader, writer = await asyncio.open_connection("127.0.0.1", sluice.port)
         writer.write(b"GET /svc/x HTTP/1.1\r\n" + LOOPBACK + b"\r\n")
         assert (await read_answer(reader))[0] == 200
+        idle.append((reader, writer))
+    answer = await raw_request(sluice.port, b"GET /svc/x HTTP/1.1\r\n" + LOOPBACK
+                               + b"Connection: close\r\n\r\n", timeout=5)
+    assert parse(answer)[0][0] == 200
+    assert await closed_within(idle[0][0], 3) == b""
+    for _, writer in idle:
+        writer.close()
+    await sluice.wait_metric("sluice_edge_rejections_total", 1, reason="too_many_connections")
+    # Connections each with a call in flight are not touched: one more is answered 503.
+    upstream.hold = asyncio.Event()
+    held = []
+    for _ in range(5):
+        reader, writer = await asyncio.open_connection("127.0.0.1", sluice.port)
+        writer.write(b"GET /svc/x HTTP/1.1\r\n" + LOOPBACK + b"\r\n")
         held.append((reader, writer))
+    await wait_until(lambda: len(upstream.requests) == 11, what="five calls in flight")
+    before = await sluice.metric("sluice_edge_rejections_total", reason="too_many_connections")
     answer = await raw_request(sluice.port, b"GET /svc/x HTTP/1.1\r\n" + LOOPBACK + b"\r\n",
                                timeout=5)
     [(status, headers, body)] = parse(answer)
     assert (status, headers["x-sluice-reason"]) == (503, "too_many_connections")
     assert headers["retry-after"] == "1" and headers["connection"] == "close"
     assert json.loads(body)["error"]["reason"] == "too_many_connections"
-    assert len(upstream.requests) == 5
+    assert len(upstream.requests) == 11
     # Counted before any route (a new user found the route's series always 0): at the edge.
     assert await sluice.metric("sluice_edge_rejections_total",
-                               reason="too_many_connections") == 1
+                               reason="too_many_connections") == before + 1
     assert ("sluice_rejections_total", (("reason", "too_many_connections"), ("route", "svc"))
             ) not in await sluice.metrics()
+    upstream.hold.set()
+    for reader, _ in held:
+        assert (await read_answer(reader))[0] == 200
     held.pop()[1].close()
 
     async def served() -> bool:
