@@ -175,7 +175,9 @@ class RetryPolicy:
         self.budget = RetryBudget(config.budget.ratio, config.budget.min_concurrency)
 
     def retries_error(self, kind: str) -> bool:
-        """True when a failure with no answer (``connect_error`` or ``timeout``) is in ``on``."""
+        """True when a failure with no answer is in ``on``: ``timeout``, or ``connect_error``,
+        which covers ``connection_lost`` too (a reset after the request left; whether such a
+        request may be repeated is :func:`retry_is_safe`'s to say)."""
         return self.on_timeout if kind == "timeout" else self.on_connect_error
 
     def wait(self, retry_index: int, retry_after: float | None) -> float | None:

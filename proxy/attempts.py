@@ -75,7 +75,8 @@ class _Tries:
     Attributes:
         response: the latest failed answer still open (relayed if it is the last word).
         error: or the latest failure that had no answer.
-        kind: ``connect_error`` or ``timeout`` for ``error``.
+        kind: ``connect_error`` (the request never left), ``connection_lost`` (it may have
+            reached the upstream) or ``timeout`` for ``error``.
         stop: why retrying ended on a failure the route retries on; set means dead-lettered.
         log: every attempt, for the dead letter (routes with ``retry`` only), as the fields
             of :class:`policies.deadletter.Attempt` (built only for a dead letter).
@@ -409,8 +410,12 @@ async def _attempt(rt: Runtime, route: Route, call: Call, url: URL,
         verdict = brk.classify(status, response.headers)
     except Rejected as exc:
         tries.error = exc
-        tries.kind = "timeout" if exc.reason is Reason.UPSTREAM_TIMEOUT else "connect_error"
         sent = fwd.left(exc)
+        # connection_lost: the request may have reached the upstream (a reset or close after
+        # it was written), which an operator deciding on a replay must not read as "never
+        # left"; `retry.on: [connect_error]` covers both, as before.
+        tries.kind = ("timeout" if exc.reason is Reason.UPSTREAM_TIMEOUT
+                      else "connection_lost" if sent else "connect_error")
         neutral = False
     except TimeoutError:
         tries.error = Rejected(Reason.UPSTREAM_TIMEOUT, None,

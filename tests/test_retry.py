@@ -230,6 +230,48 @@ async def test_only_safe_requests_are_retried(upstream, start_sluice, tmp_path):
                        ("openai", "attempts_exhausted")]
 
 
+async def test_an_attempt_that_may_have_reached_the_upstream_is_not_logged_as_a_connect_error(
+        start_sluice, tmp_path):
+    """An upstream that read the whole POST, then closed without answering: the dead letter
+    said the attempt failed with ``connect_error``, which an operator deciding on a replay
+    reads as "never left" (a new user's trial). It is ``connection_lost``; a refused
+    connection stays ``connect_error``; ``retry.on: [connect_error]`` covers both."""
+    received = []
+
+    async def read_then_close(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"content-length:")))
+        received.append(await reader.readexactly(length))
+        writer.close()
+
+    server = await asyncio.start_server(read_then_close, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    retry = {"attempts": 3, "backoff": FAST_BACKOFF}
+    try:
+        sluice = await retry_sluice(
+            start_sluice, tmp_path, route("closes", f"http://127.0.0.1:{port}", retry=retry),
+            route("down", f"http://127.0.0.1:{free_port()}", retry=retry))
+        async with aiohttp.ClientSession() as s:
+            for name in ("closes", "down"):
+                status, headers = await post(s, sluice.url + f"/{name}" + CHAT)
+                assert status == 502 and "X-Sluice-Dead-Letter" in headers
+        assert len(received) == 1  # reached the upstream: not repeated (no key)
+        errors = {}
+        for line in (await dlq_list(sluice)).splitlines()[1:]:
+            letter = line.split()[0]
+            code, out, err = await sluice_cli("dlq", "show", letter, "--config",
+                                              str(sluice.config_path))
+            assert code == 0, err
+            shown = json.loads(out)
+            errors[shown["route"]] = (shown["reason"], [a["error"] for a in shown["attempts"]])
+        assert errors == {"closes": ("unsafe_to_retry", ["connection_lost"]),
+                          "down": ("attempts_exhausted", ["connect_error"] * 3)}
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
 async def test_a_retry_count_that_is_no_number_is_no_retry(upstream, start_sluice, tmp_path):
     """Seen: x-stainless-retry-count "\u00b2" (a digit to str.isdigit(), not to int()) raised
     in the handler, a 500; it is no count, so not an SDK's retry: Sluice retries the call."""
