@@ -236,12 +236,25 @@ class ServerConfig(_Section):
     min_body_rate: int = Field(default=1024, ge=0)
     #: A keep-alive connection idle this long between requests is closed, seconds.
     idle_timeout: PositiveDuration = 75.0
-    #: Connections open at once on the proxy port; beyond it a new one is answered 503
-    #: ``too_many_connections`` and closed.
+    #: Connections open at once on the proxy port; beyond it a new one takes the place of the
+    #: oldest idle one, or is answered 503 ``too_many_connections`` and closed.
     max_connections: int = Field(default=1000, gt=0)
+    #: Request body bytes held at once (declared by ``Content-Length``, from the request's
+    #: arrival to the end of its call, queued calls included); a request whose body would
+    #: pass it is refused 503 ``buffers_full`` before its body is read, so a burst of large
+    #: bodies is turned away rather than the process killed for memory.
+    max_buffered_bytes: int = Field(default=256 * 1024 * 1024, gt=0)
     #: A call in flight with no bytes moved for longer than this counts as stalled
     #: (``sluice_stalled_requests``).
     stall_after: PositiveDuration = 30.0
+
+    @model_validator(mode="after")
+    def _bodies_fit(self) -> ServerConfig:
+        if self.max_buffered_bytes < self.max_request_bytes:
+            raise ValueError(f"max_buffered_bytes ({self.max_buffered_bytes}) is less than "
+                             f"max_request_bytes ({self.max_request_bytes}): the largest "
+                             f"body allowed could never be held")
+        return self
 
 
 def _redis_url(value: str) -> str:

@@ -84,6 +84,10 @@ class Reason(enum.Enum):
     HEADERS_TOO_LARGE = (
         "headers_too_large", 431, "a request header line, or the number of headers, is too large"
     )
+    BUFFERS_FULL = (
+        "buffers_full", 503,
+        "the request bodies Sluice holds at once would pass server.max_buffered_bytes",
+    )
     TOO_MANY_CONNECTIONS = (
         "too_many_connections", 503, "Sluice has as many connections open as it serves at once"
     )

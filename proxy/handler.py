@@ -28,7 +28,7 @@ import logging
 import re
 import time
 
-from aiohttp import web
+from aiohttp import hdrs, web
 from multidict import istr
 
 from policies import mcp
@@ -38,7 +38,7 @@ from policies.pipeline import ABANDONED, DRAIN_CUT, REFUSED, Admission, Call, Ou
 from policies.reasons import Reason, Rejected
 from policies.retry import is_client_retry
 from proxy import attempts
-from proxy.forward import ANSWER_STARTED, RELAYED_STREAM, end_mcp_answer
+from proxy.forward import ANSWER_STARTED, RELAYED_STREAM, digits_value, end_mcp_answer
 from proxy.identity import IdentityRejected, identify
 from proxy.metrics import MAX_OPERATION_LABEL_CHARS
 from proxy.rejections import jsonrpc_id, refuse, refuse_at_edge, render
@@ -49,6 +49,9 @@ log = logging.getLogger("sluice")
 
 #: How long a draining replica suggests callers wait (another replica can take them), seconds.
 DRAINING_RETRY_AFTER_S = 1.0
+#: How long a caller refused for held bodies is told to wait, seconds: bodies are given back
+#: as calls end, which is not predictable from here.
+BUFFERS_FULL_RETRY_AFTER_S = 1.0
 #: A caller's timeout as Sluice reads it: seconds in plain decimals below 1e9 (~31 years;
 #: the SDKs send "600" or "600.0"); anything else is no deadline, as is 0.
 _SECONDS = re.compile(r"[0-9]{1,9}(?:\.[0-9]{1,9})?")
@@ -105,15 +108,33 @@ async def handle(rt: Runtime, request: web.BaseRequest) -> web.StreamResponse:
     if route is None:
         detail = "absolute-form request targets are refused" if raw_path[:1] != "/" else raw_path
         return refuse_at_edge(rt, Rejected(Reason.NO_ROUTE, None, detail[:200]))
-    if rt.draining:  # refused once read: nothing a drain should wait for under new traffic
-        return await _serve(rt, route, request, raw_path)
-    # Counted on the route object it matched from here to the end, queued or admitted: a
-    # reload keeps that object (and its later admissions) counted, and the drain waits for it.
-    route.present += 1
+    # Its body is counted from here to the end (read, queued, forwarded): taken and given
+    # back in this one frame, with no await in between the check and the try.
+    length = request.headers.get(hdrs.CONTENT_LENGTH)
+    held = 0 if length is None else digits_value(length)  # the edge refused any over the max
+    if held:
+        if rt.buffered_bytes + held > rt.config.server.max_buffered_bytes:
+            refused = _reject(rt, route, Rejected(
+                Reason.BUFFERS_FULL, BUFFERS_FULL_RETRY_AFTER_S,
+                f"{rt.buffered_bytes} bytes of bodies held, limit "
+                f"{rt.config.server.max_buffered_bytes}"),
+                rt.next_request_id(), rt.config.identity.default_tenant, None)
+            refused.force_close()  # its body is not read: the connection cannot go on
+            return refused
+        rt.buffered_bytes += held
     try:
-        return await _serve(rt, route, request, raw_path)
+        if rt.draining:  # refused once read: nothing a drain should wait for under new traffic
+            return await _serve(rt, route, request, raw_path)
+        # Counted on the route object it matched from here to the end, queued or admitted: a
+        # reload keeps that object (and its later admissions) counted, and the drain waits
+        # for it.
+        route.present += 1
+        try:
+            return await _serve(rt, route, request, raw_path)
+        finally:
+            route.present -= 1
     finally:
-        route.present -= 1
+        rt.buffered_bytes -= held
 
 
 async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,

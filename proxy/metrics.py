@@ -267,6 +267,12 @@ class Metrics:
             "sluice_inflight_requests", "Requests admitted and not yet finished.", ["route"],
             registry=r,
         )
+        self.buffered_bytes = Gauge(
+            "sluice_buffered_request_bytes",
+            "Request body bytes held now, all routes (declared by Content-Length, from a "
+            "request's arrival to the end of its call); server.max_buffered_bytes bounds it.",
+            registry=r,
+        )
         self.queue_depth = Gauge(
             "sluice_queue_depth", "Requests waiting for a concurrency slot.", ["route"],
             registry=r,

@@ -60,6 +60,9 @@ class Runtime:
         # when some route retries (see open() and DeadLetterQueue.add).
         self.dead_letters = DeadLetterQueue(config.dead_letter, self.state)
         self.metrics.bind_dead_letters_dropped(lambda: self.dead_letters.dropped)
+        #: Request body bytes held now (``server.max_buffered_bytes``; ``proxy.handler``).
+        self.buffered_bytes = 0
+        self.metrics.buffered_bytes.set_function(lambda: self.buffered_bytes)
         self.draining = False
         #: Set when the drain timeout ran out: requests cancelled from then on were cut by
         #: Sluice, not left by their callers.

@@ -225,3 +225,12 @@ def test_a_rejected_upstream_url_is_shown_without_its_credentials(tmp_path: Path
     err = capsys.readouterr().err
     assert f"{path}:4: routes[0].upstream: " in err
     assert "s3cretpw" not in err and "SECRETQ" not in err
+
+
+def test_max_buffered_bytes_must_hold_the_largest_body(tmp_path: Path, capsys) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text("server: {max_request_bytes: 2000, max_buffered_bytes: 1000}\n"
+                    "routes:\n  - {name: r, path_prefix: /r/, upstream: 'http://127.0.0.1:9'}\n")
+    assert main(["check-config", str(path)]) == 2
+    assert "max_buffered_bytes (1000) is less than max_request_bytes (2000)" in \
+        capsys.readouterr().err

@@ -597,6 +597,37 @@ async def test_an_idle_keep_alive_connection_is_closed(upstream, start_sluice):
     writer.close()
 
 
+async def test_bodies_past_max_buffered_bytes_are_refused_before_they_are_read(upstream,
+                                                                               start_sluice):
+    """Bodies are held from arrival to the end of their calls, queued ones too: a burst of
+    large ones took a trial's Sluice past its container's memory limit (a kill cuts every
+    call). Past ``max_buffered_bytes`` a request is refused 503 at once, unread."""
+    sluice = await start_sluice({"server": {"max_request_bytes": 1000,
+                                            "max_buffered_bytes": 2000},
+                                 "routes": [route("svc", upstream.url, "http")]})
+    upstream.hold = asyncio.Event()
+    body = b"x" * 900
+    async with aiohttp.ClientSession() as s:
+        held = [asyncio.create_task(s.post(sluice.url + "/svc/x", data=body)) for _ in range(2)]
+        await wait_until(lambda: len(upstream.requests) == 2, what="two bodies held")
+        await sluice.wait_metric("sluice_buffered_request_bytes", 1800)
+        async with s.post(sluice.url + "/svc/x", data=body) as r:
+            assert (r.status, r.headers["X-Sluice-Reason"]) == (503, "buffers_full")
+            assert r.headers["Retry-After"] == "1" and r.headers["x-should-retry"] == "true"
+        assert len(upstream.requests) == 2
+        held[0].cancel()  # a caller that leaves gives its body's bytes back
+        await sluice.wait_metric("sluice_buffered_request_bytes", 900)
+        upstream.hold.set()
+        answer = await held[1]
+        assert answer.status == 200
+        answer.release()
+        await sluice.wait_metric("sluice_buffered_request_bytes", 0)
+        async with s.post(sluice.url + "/svc/x", data=body) as r:
+            assert r.status == 200
+    assert await sluice.metric("sluice_rejections_total", route="svc",
+                               reason="buffers_full") == 1
+
+
 async def test_connections_beyond_max_connections_get_503(upstream, start_sluice):
     sluice = await start_sluice({"server": {"max_connections": 5},
                                  "routes": [route("svc", upstream.url, "http")]})
