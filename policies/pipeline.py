@@ -90,10 +90,10 @@ class Call:
     __slots__ = ("_sent_at", "_upstream_s", "answered_at", "attempts", "body", "cancelled",
                  "capture", "charged", "client_retry", "cost", "enqueued_at", "headers",
                  "idempotency_key", "lineage", "meter", "method", "new_unit", "operation",
-                 "operation_cost", "operation_overrun", "parent_run", "path", "phase", "priority", "priority_given",
-                 "progress_at", "reached", "received_at", "reporter", "request_id",
-                 "response_headers", "route", "run", "status", "tenant", "timeout",
-                 "timeout_reads", "units_deferred", "upstream_key")
+                 "operation_cost", "operation_overrun", "parent_run", "path", "phase",
+                 "priority", "priority_given", "progress_at", "reached", "received_at",
+                 "reporter", "request_id", "response_headers", "route", "run", "status",
+                 "tenant", "timeout", "timeout_reads", "units_deferred", "upstream_key")
 
     def __init__(self, *, request_id: str, route: str, method: str, path: str,
                  headers: Mapping[str, str], body: bytes, tenant: str, run: str | None = None,

@@ -3,11 +3,12 @@
 Reads the JSON-lines event log (SPEC, "Events") that the config's ``events.path`` names, or the
 files given with ``--events`` (``-`` for standard input, e.g. ``kubectl logs POD -c sluice |
 sluice timeline RUN --events -`` when events go to stdout; more than one for a log rotated
-away, in any order, gzipped ones read as such when their name ends in ``.gz``). Lines that are not JSON events, such
-as log lines interleaved with them, are skipped, as are objects without an ``event`` name and
-a ``ts`` (Unix seconds, 1970 to 9999) or with a ``request_id`` that is not a string; counts
-and durations that are not numbers count as none. Control characters in the events' text
-(which callers choose: models, tenants, paths) are printed as escapes, ``\x1b``.
+away, in any order, gzipped ones read as such when their name ends in ``.gz``). Lines that
+are not JSON events, such as log lines interleaved with them, are skipped, as are objects
+without an ``event`` name and a ``ts`` (Unix seconds, 1970 to 9999) or with a ``request_id``
+that is not a string; counts and durations that are not numbers count as none. Control
+characters in the events' text (which callers choose: models, tenants, paths) are printed as
+escapes, ``\x1b``.
 
 It prints two tables:
 
