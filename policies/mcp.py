@@ -43,6 +43,8 @@ from typing import Any, Literal
 
 import orjson
 
+from policies import bodies
+
 RequestId = str | int
 """A JSON-RPC request id as MCP allows it: a string or an integer, never null (2026-07-28
 ``basic/index``; earlier revisions say the same)."""
@@ -221,7 +223,7 @@ def parse_post(body: bytes, protocol_version: str | None = None) -> McpPost:
     with a string ``params.name`` and, if present, an object ``params.arguments``.
     """
     try:
-        doc = orjson.loads(body)
+        doc = bodies.loads(body)
     except orjson.JSONDecodeError as exc:
         raise InvalidMcpRequest(f"body is not JSON: {exc}") from None
     if isinstance(doc, list):
@@ -390,7 +392,7 @@ def fingerprint(message: Message, headers: Mapping[str, str] | None = None,
     params: Mapping[str, Any] = message.params or {}
     if body is not None and _LONG_NUMBER.search(body):
         try:
-            doc = json.loads(body, parse_int=_exact_int)
+            doc = bodies.loads(body, _exact_loads)
         except RecursionError:
             raise InvalidMcpRequest(_TOO_DEEP) from None
         exact = doc.get("params") if isinstance(doc, dict) else None
@@ -420,6 +422,11 @@ def _exact_int(text: str) -> int | str:
     standing for its exact value (``orjson`` would read a float)."""
     value = int(text)
     return value if -2**63 <= value < 2**64 else f"\u0000int:{value}"
+
+
+def _exact_loads(body: bytes) -> Any:
+    """``body`` parsed with every integer exact (:func:`_exact_int`)."""
+    return json.loads(body, parse_int=_exact_int)
 
 
 # -- answers: the response to a request, in JSON or SSE -----------------------------------------

@@ -38,6 +38,7 @@ from typing import Any, TypeVar
 
 import orjson
 
+from policies import bodies
 from policies.breaker import Breaker
 from policies.budget import Budgets, Reservation
 from policies.concurrency import ConcurrencyLimiter
@@ -301,7 +302,7 @@ def _model(body: bytes) -> str | None:
     if not body:
         return None
     try:
-        doc = orjson.loads(body)
+        doc = bodies.loads(body)
     except orjson.JSONDecodeError:
         return None
     model = doc.get("model") if isinstance(doc, dict) else None

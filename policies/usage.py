@@ -51,6 +51,7 @@ from dataclasses import dataclass
 import orjson
 from multidict import CIMultiDict, istr
 
+from policies import bodies
 from policies.paths import decode_unreserved
 
 # Bytes are searched with ``find``, never ``sub in data``: CPython 3.11's ``in`` on bytes first
@@ -186,7 +187,7 @@ def read_request(endpoint: Endpoint, body: bytes, default_cap: int | None, write
             non-negative integer (reading it as "no cap" would reserve too little).
     """
     try:
-        obj = orjson.loads(body)
+        obj = bodies.loads(body)
     except orjson.JSONDecodeError as exc:
         raise ValueError(f"the body is not JSON ({exc})") from None
     if not isinstance(obj, dict):

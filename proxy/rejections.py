@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 import orjson
 from aiohttp import web
 
-from policies import mcp
+from policies import bodies, mcp
 from policies.reasons import Reason, Rejected
 
 if TYPE_CHECKING:
@@ -152,7 +152,7 @@ def jsonrpc_id(protocol: str, body: bytes) -> mcp.RequestId | None:
     if protocol != "mcp" or not body:
         return None
     try:
-        message = orjson.loads(body)
+        message = bodies.loads(body)
     except orjson.JSONDecodeError:
         return None
     found = message.get("id") if isinstance(message, dict) else None
