@@ -167,6 +167,14 @@ async def test_replay_arguments_that_cannot_work_are_refused_before_sending(
         assert got == 2 and "is not a whole number" in err
 
 
+def redis_dedup_config(url: str, prefix: str, upstream_url: str) -> dict:
+    """A Sluice on Redis whose route stores answers for keys and retries (dead-letters)."""
+    return {"state": {"backend": "redis", "redis_url": url, "key_prefix": prefix,
+                      "timeout": "2s"},
+            "routes": [route("openai", upstream_url, idempotency={"mode": "dedup"},
+                             retry={"attempts": 2, "backoff": FAST_BACKOFF})]}
+
+
 @pytest.mark.parametrize("sent", ["pay-44", '"pay-44"'], ids=["bare", "quoted"])
 async def test_a_key_the_callers_retry_got_an_answer_for_is_not_replayed_without_again(
         upstream, start_sluice, sent):
@@ -176,11 +184,7 @@ async def test_a_key_the_callers_retry_got_an_answer_for_is_not_replayed_without
     url = require_redis()
     prefix = new_prefix()
     try:
-        sluice = await start_sluice({
-            "state": {"backend": "redis", "redis_url": url, "key_prefix": prefix,
-                      "timeout": "2s"},
-            "routes": [route("openai", upstream.url, idempotency={"mode": "dedup"},
-                             retry={"attempts": 2, "backoff": FAST_BACKOFF})]})
+        sluice = await start_sluice(redis_dedup_config(url, prefix, upstream.url))
         # The letter keeps the header as sent; a quoted key (RFC 8941, the draft's form) was
         # looked up quoted and never found (a review).
         letter = await dead_letter(sluice, upstream, sent)
@@ -209,11 +213,7 @@ async def test_a_replayed_letter_is_the_answer_to_its_keys_later_retry(upstream,
     url = require_redis()
     prefix = new_prefix()
     try:
-        sluice = await start_sluice({
-            "state": {"backend": "redis", "redis_url": url, "key_prefix": prefix,
-                      "timeout": "2s"},
-            "routes": [route("openai", upstream.url, idempotency={"mode": "dedup"},
-                             retry={"attempts": 2, "backoff": FAST_BACKOFF})]})
+        sluice = await start_sluice(redis_dedup_config(url, prefix, upstream.url))
         config = str(sluice.config_path)
         headers = {"X-Tenant-ID": "acme", "Idempotency-Key": "pay-45"}
         letter = await dead_letter(sluice, upstream, "pay-45")
