@@ -505,10 +505,13 @@ class EdgeProtocol(RequestHandler):
     @property
     def between_requests(self) -> bool:
         """Nothing of a request is being handled or awaited from the caller: opened and
-        silent, part of a head in, or answered and kept alive idle."""
+        silent, part of a head in, or answered and kept alive idle. Idle means aiohttp's
+        loop waits for the next request (``_waiter``): a request it has taken off the queue
+        but not yet started (Python 3.11 starts its task a loop turn later) is not idle."""
         phase = self._phase
-        return phase != _BODY and not (phase == _READ and (self._request_in_progress
-                                                           or self._messages))
+        if phase == _BODY or self._messages or self._request_in_progress:
+            return False
+        return phase != _READ or self._waiter is not None
 
     def _refuse(self, transport: asyncio.Transport) -> None:
         """Over ``max_connections``: answer 503 when the request arrives, then close."""
