@@ -224,7 +224,7 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
             rt.events.emit("admitted", request_id, route.name, tenant, run,
                            call.idempotency_key, operation=call.operation)
         try:
-            if traffic == "call" and call.capture is not None and route.protocol == "mcp":
+            if route.protocol == "mcp" and traffic == "call" and call.capture is not None:
                 # An MCP call whose answer is kept for its key: forwarded in a task of its
                 # own, which may outlive this handler (see _leave).
                 finish = Finish()
