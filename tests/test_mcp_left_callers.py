@@ -30,11 +30,14 @@ from aiohttp import web
 from mcp import Client, MCPError
 
 import proxy.forward
+from policies.mcp import AnswerTracker
 from proxy.config import parse_config
+from proxy.forward import MCP_ANSWER, Finish, _relay_chunk
 from proxy.runtime import Runtime
 from proxy.server import build_proxy_server
 from tests import mcp_servers
 from tests.conftest import wait_until
+from tests.test_reload import rewrite, set_limit
 
 mcp_stateless = mcp_servers.mcp_stateless
 
@@ -541,3 +544,95 @@ async def test_a_proxy_error_while_finishing_without_the_caller_gives_everything
     finally:
         await runner.cleanup()
         await runtime.close()
+
+
+async def test_a_reload_while_a_call_finishes_without_its_caller(scripted, start_sluice):
+    """The config is reloaded (the route's limit raised) while the call finishes: its key and
+    its count stay with it, and all is given back when it ends."""
+    scripted.mode = "sse"
+    sluice = await start_sluice({"routes": [mcp_route(scripted.url,
+                                                      concurrency={"limit": 1, "queue": 0})]})
+    url = sluice.url + "/tools/mcp"
+    async with aiohttp.ClientSession() as http:
+        await leave_a_call(http, url, scripted, after_first_event=True)
+        await noticed_leaving(sluice, scripted)
+        rewrite(sluice.config_path, set_limit(2))
+        await sluice.wait_metric("sluice_config_reloads_total", 1)
+        await sluice.wait_metric("sluice_concurrency_limit", 2, route="tools")
+        assert await admin_inflight(sluice) == 1
+        waiting = asyncio.create_task(retry(http, url))
+        await sluice.wait_metric("sluice_idempotency_waiting", 1, route="tools")
+        scripted.release.set()
+        status, replayed, body = await waiting
+    assert (status, replayed) == (200, "true") and "done #1" in body
+    assert scripted.calls == 1
+    await assert_all_given_back(sluice)
+
+
+async def test_a_run_cancel_and_the_caller_leaving_at_once_leave_nothing_held(
+        scripted, monkeypatch):
+    """Two cancellations of one call at once (its run's cancel and its caller leaving, in the
+    same loop turn, in-process): whichever wins, everything is given back, once."""
+    config = parse_config(
+        "routes:\n"
+        f"  - {{name: tools, path_prefix: /tools/, upstream: '{scripted.url}', protocol: mcp,\n"
+        "      idempotency: {mode: dedup}, concurrency: {limit: 1, queue: 0}}\n")
+    runtime = Runtime(config)
+    await runtime.open()
+    runner = web.ServerRunner(build_proxy_server(runtime))
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    url = f"http://127.0.0.1:{port}/tools/mcp"
+    [tools] = runtime.routes
+    scripted.mode = "sse"
+    try:
+        async with aiohttp.ClientSession() as http:
+            for run in ("job-1", "job-2", "job-3"):
+                reading = asyncio.Event()
+
+                async def call(run: str = run, reading: asyncio.Event = reading) -> None:
+                    async with http.post(url, json=CALL,
+                                         headers={**HEADERS, "X-Run-ID": run}) as r:
+                        await r.content.readuntil(b"\n\n")
+                        reading.set()
+                        await r.read()
+
+                task = asyncio.create_task(call())
+                await asyncio.wait_for(reading.wait(), 10)
+                runtime.runs.cancel(run, 60)
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, aiohttp.ClientError):
+                    await task
+                await wait_until(lambda: tools.present == 0 and not runtime.finishing,
+                                 what="the call to end")
+                assert (tools.inflight, tools.concurrency.inflight) == (0, 0)
+                assert not tools.idempotency._flights
+    finally:
+        await runner.cleanup()
+        await runtime.close()
+
+
+async def test_a_write_failing_before_the_response_reads_on_and_after_it_cuts() -> None:
+    """The relay may learn that the caller has gone from a failed write before the handler
+    is told: before the response it reads on without writing, up to the response; after
+    the response, the failed write cuts the answer as before."""
+
+    class Gone:
+        async def write(self, chunk: bytes) -> None:
+            raise ConnectionResetError("the caller has gone")
+
+    tracker = AnswerTracker("text/event-stream", 1)
+    request: Any = {MCP_ANSWER: tracker}
+    finish = Finish()
+    progress = _event({"jsonrpc": "2.0", "method": "notifications/progress",
+                       "params": {"progressToken": 1, "progress": 0.5}})
+    tracker.feed(progress)
+    assert await _relay_chunk(request, Gone(), progress, finish) is True  # read on
+    assert finish.left
+    response = _event({"jsonrpc": "2.0", "id": 1, "result": {"content": []}})
+    tracker.feed(response)
+    assert await _relay_chunk(request, Gone(), response, finish) is False  # the response is in
+    with pytest.raises(ConnectionResetError):
+        await _relay_chunk(request, Gone(), b": after\n\n", Finish())
