@@ -37,6 +37,7 @@ from proxy.runtime import Runtime
 from proxy.server import build_proxy_server
 from tests import mcp_servers
 from tests.conftest import wait_until
+from tests.redis_servers import TEST_TIMEOUT_S, delete_prefix, new_prefix, require_redis
 from tests.test_reload import rewrite, set_limit
 
 mcp_stateless = mcp_servers.mcp_stateless
@@ -636,3 +637,31 @@ async def test_a_write_failing_before_the_response_reads_on_and_after_it_cuts() 
     assert await _relay_chunk(request, Gone(), response, finish) is False  # the response is in
     with pytest.raises(ConnectionResetError):
         await _relay_chunk(request, Gone(), b": after\n\n", Finish())
+
+
+async def test_with_shared_state_the_retry_on_another_replica_gets_the_finished_answer(
+        scripted, start_sluice):
+    """With Redis, the key's marker and the slot's lease are held while the call finishes
+    without its caller, and the retry sent to another replica waits for the answer and gets
+    it."""
+    url, prefix = require_redis(), new_prefix()
+    state = {"backend": "redis", "redis_url": url, "key_prefix": prefix,
+             "timeout": f"{int(TEST_TIMEOUT_S * 1000)}ms"}
+    config = {"state": state, "routes": [mcp_route(
+        scripted.url, concurrency={"limit": 1, "queue": 0})]}
+    try:
+        first, second = await start_sluice(config), await start_sluice(config)
+        scripted.mode = "sse"
+        async with aiohttp.ClientSession() as http:
+            await leave_a_call(http, first.url + "/tools/mcp", scripted, after_first_event=True)
+            await noticed_leaving(first, scripted)
+            waiting = asyncio.create_task(retry(http, second.url + "/tools/mcp"))
+            await second.wait_metric("sluice_idempotency_waiting", 1, route="tools")
+            scripted.release.set()
+            status, replayed, body = await waiting
+        assert (status, replayed) == (200, "true") and "done #1" in body
+        assert scripted.calls == 1
+        await assert_all_given_back(first)
+        await assert_all_given_back(second)
+    finally:
+        delete_prefix(url, prefix)
