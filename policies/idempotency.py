@@ -53,10 +53,11 @@ tenant and route: two tenants never share a stored result, whatever keys they se
   and 429 (the upstream says "try again"). Never stored, so the key is free again for a
   retry: Sluice's own refusals (429/503 before the upstream), connect errors, timeouts, 5xx,
   a stream cut short, and a caller that disconnected (its upstream request is cancelled, and
-  the next waiter, if any, runs its own identical request). This follows Stripe's rule that a
-  result is saved only once the endpoint executed, made stricter for 5xx: those are mostly
-  transient here (overload, a bad deploy), and storing one would fail that key for ``ttl``
-  although a retry would succeed. The draft would replay errors too.
+  the next waiter, if any, runs its own identical request; an MCP call, whose server runs the
+  tool anyway, is instead finished without its caller and its answer kept: ``proxy.handler``).
+  This follows Stripe's rule that a result is saved only once the endpoint executed, made
+  stricter for 5xx: those are mostly transient here (overload, a bad deploy), and storing one
+  would fail that key for ``ttl`` although a retry would succeed. The draft would replay errors too.
 * an answer larger than ``max_replay_bytes`` is passed through to its caller but not stored:
   a duplicate gets 409 ``idempotency_conflict`` with ``x-should-retry: false`` and a
   ``Retry-After`` equal to the time left until the key expires (it must not execute again,

@@ -65,11 +65,12 @@ class Call:
         fair queueing; response_headers: headers a policy adds to the upstream's answer
         (e.g. a run budget's warning); phase: ``admitting``, ``queued`` or ``forwarding``;
         cancelled: why the call's run was cancelled, once it was (its task is then
-        cancelled); attempts: upstream attempts sent; progress_at: monotonic seconds of the
-        last byte moved for it (stall detection); operation_cost: USD an operation's
-        ``cost_per_call`` / ``cost_per_second`` charged for it, set when its cost settles;
-        operation_overrun: USD of that cost past what was held for it before forwarding
-        (retries' ``cost_per_call``, ``cost_per_second``), 0.0 for none;
+        cancelled, or its ``background`` task if it has one); attempts: upstream attempts
+        sent; progress_at: monotonic seconds of the last byte moved for it (stall
+        detection); operation_cost: USD an operation's ``cost_per_call`` /
+        ``cost_per_second`` charged for it, set when its cost settles; operation_overrun:
+        USD of that cost past what was held for it before forwarding (retries'
+        ``cost_per_call``, ``cost_per_second``), 0.0 for none;
         units_deferred: the rate step left the call's request units to the accounting step
         (:attr:`policies.rate.RateLimiter.metered_elsewhere`), which takes them: decided once
         per call, as a reload may change the flag between the two steps.
@@ -79,17 +80,19 @@ class Call:
     false again only if :func:`proxy.forward.left` shows it never left, and no earlier one
     may have), which decides what a call that ends without an answer is charged;
     answered_at, when the last attempt's response headers arrived (monotonic seconds, 0.0
-    before); the upstream time of its attempts (:meth:`attempt_sent`, :meth:`attempt_over`,
-    :meth:`upstream_seconds`).
+    before); background, the task that finishes the call's upstream exchange after its
+    caller left (``proxy.handler``; ``None`` while the caller is there); the upstream time
+    of its attempts (:meth:`attempt_sent`, :meth:`attempt_over`, :meth:`upstream_seconds`).
 
     A policy reports a step for the timeline (e.g. ``enqueued``) with
     :meth:`notify`, which hands it to ``reporter(call, event, fields)`` (default: ignored);
     the request path passes one reporter per route, so no call builds a closure.
     """
 
-    __slots__ = ("_sent_at", "_upstream_s", "answered_at", "attempts", "body", "cancelled",
-                 "capture", "charged", "client_retry", "cost", "enqueued_at", "headers",
-                 "idempotency_key", "lineage", "meter", "method", "new_unit", "operation",
+    __slots__ = ("_sent_at", "_upstream_s", "answered_at", "attempts", "background", "body",
+                 "cancelled", "capture", "charged", "client_retry", "cost", "enqueued_at",
+                 "headers", "idempotency_key", "lineage", "meter", "method", "new_unit",
+                 "operation",
                  "operation_cost", "operation_overrun", "parent_run", "path", "phase",
                  "priority", "priority_given", "progress_at", "reached", "received_at",
                  "reporter", "request_id", "response_headers", "route", "run", "status",
@@ -138,6 +141,7 @@ class Call:
         self.status = 0
         self.reached = False
         self.answered_at = 0.0
+        self.background: asyncio.Task[Any] | None = None
         self._upstream_s = 0.0
         self._sent_at: float | None = None
 

@@ -152,11 +152,19 @@ class LiveCall:
     def cancel(self, why: str) -> None:
         """End the call now: its handler task is cancelled wherever it waits (a queue, the
         upstream's answer), and the request path answers ``run_cancelled`` (or cuts a
-        stream already started)."""
+        stream already started); a call finishing after its caller left
+        (:attr:`Call.background`) has that task cancelled instead."""
         if self.call.cancelled is None:
             self.call.cancelled = why
-            if self.task is not None and not self.task.done():
-                self.task.cancel()
+            task = self.running
+            if task is not None and not task.done():
+                task.cancel()
+
+    @property
+    def running(self) -> asyncio.Task[Any] | None:
+        """The task whose end is the call's: its handler's, or the one finishing its upstream
+        exchange after its caller left (:attr:`Call.background`)."""
+        return self.call.background or self.task
 
 
 class RunRegistry:

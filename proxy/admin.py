@@ -120,7 +120,7 @@ async def admin_cancel_run(request: web.Request) -> web.Response:
     started = time.monotonic()
     # Here first, so this replica's calls end without waiting for Redis.
     runs, calls = runtime.runs.cancel(run, runtime.cancel_ttl)
-    tasks = {live.task for live in calls if live.task is not None}
+    tasks = {task for task in (live.running for live in calls) if task is not None}
     shared = False
     if runtime.runs.shared is not None:
         try:

@@ -108,7 +108,7 @@ class _Tries:
 
 async def forward(request: web.BaseRequest, rt: Runtime, route: Route, call: Call,
                   traffic: Traffic = "call", plan: Plan | None = None,
-                  ) -> tuple[web.StreamResponse, str]:
+                  finish: fwd.Finish | None = None) -> tuple[web.StreamResponse, str]:
     """Forward an admitted call; see the module docstring.
 
     ``traffic`` is the MCP traffic class (:data:`policies.mcp.Traffic`; ``call`` on every
@@ -121,6 +121,9 @@ async def forward(request: web.BaseRequest, rt: Runtime, route: Route, call: Cal
     breakers admit each attempt, its retry policy and timeouts apply. An MCP tool's breaker
     (``plan.tool_breaker``) hears a 2xx answer's verdict only once the answer is read: an
     ``isError`` result or a JSON-RPC error other than invalid params is that tool's failure.
+
+    ``finish``: the call's exchange may outlive its caller (:class:`proxy.forward.Finish`,
+    an MCP call whose answer is kept for its key); the relay is told.
 
     Returns:
         ``(response, outcome)``: ``outcome`` is a ``sluice_requests_total`` label; whether
@@ -197,7 +200,7 @@ async def forward(request: web.BaseRequest, rt: Runtime, route: Route, call: Cal
                     else tries.tracker
             try:
                 answer, outcome = await fwd.relay(request, response, extra, capture, meter,
-                                                  call)
+                                                  call, finish)
             except Rejected as error:  # not relayable (a bad status or header) or cut in time
                 await _verdict(tries, None)
                 call.status = error.reason.status

@@ -30,6 +30,7 @@ caller received, without a second forwarding path.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import re
@@ -89,6 +90,35 @@ ANSWER_STARTED = web.RequestKey("sluice_answer_started", bool)
 MCP_ANSWER = web.RequestKey("sluice_mcp_answer", AnswerTracker)
 
 
+class Finish:
+    """An MCP call's upstream exchange, run in a task of its own (``proxy.handler``) so that
+    it can outlive its caller: an MCP server runs a tool to its end whether or not the POST
+    that asked for it is still open, so cutting the exchange when the caller leaves would
+    free the call's key (its retry would run the tool again) and its slot (the upstream would
+    run more calls than the limit) while the tool still runs.
+
+    Once :attr:`left` is set (the caller has gone), :func:`relay` sends the caller nothing
+    more and reads the upstream's answer up to the call's response (the end of the answer,
+    for a JSON one), under the route's timeouts as before, so that the call ends with the
+    upstream's real outcome.
+    """
+
+    __slots__ = ("left", "task")
+
+    def __init__(self) -> None:
+        #: The caller has gone; the answer is read without being relayed.
+        self.left = False
+        #: The task forwarding the call (set by the handler that starts it).
+        self.task: asyncio.Task[tuple[web.StreamResponse, str]] | None = None
+
+
+def answered(request: web.BaseRequest) -> bool:
+    """Whether the MCP call's answer being relayed for ``request`` has carried its response
+    (then nothing of the call is left to finish)."""
+    tracker = request.get(MCP_ANSWER)
+    return tracker is not None and tracker.outcome is not None
+
+
 async def end_mcp_answer(request: web.BaseRequest, rejected: Rejected) -> bool:
     """End an MCP call's SSE answer, already started, with ``rejected`` as its last event
     (the JSON-RPC error for the call's id, the SSE refusal shape of docs/mcp.md) instead of
@@ -110,6 +140,26 @@ async def end_mcp_answer(request: web.BaseRequest, rejected: Rejected) -> bool:
     except ConnectionResetError:
         return False
     return True
+
+
+async def _relay_chunk(request: web.BaseRequest, out: web.StreamResponse, chunk: bytes,
+                       finish: Finish) -> bool:
+    """Send ``chunk`` of an answer that may outlive its caller, unless the caller has gone;
+    whether to read on (not once the caller has gone and the call's response is in).
+
+    Raises:
+        ConnectionResetError: the caller has gone after the response passed: the answer is
+            cut as any other.
+    """
+    if not finish.left:
+        try:
+            await out.write(chunk)
+            return True
+        except ConnectionResetError:
+            if answered(request):
+                raise
+            finish.left = True
+    return not answered(request)
 
 
 @functools.lru_cache(maxsize=256)
@@ -228,6 +278,7 @@ async def relay(
     capture: Capture | None = None,
     meter: Meter | None = None,
     call: Call | None = None,
+    finish: Finish | None = None,
 ) -> tuple[web.StreamResponse, str]:
     """Relay an upstream answer to the caller, then release it; never retried.
 
@@ -235,7 +286,10 @@ async def relay(
     ``capture``, when given, is fed the answer as it is relayed; ``meter`` reads its usage
     (and may drop the usage chunk Sluice itself asked for) before either sees it; ``call``,
     when given, has its ``progress_at`` stamped as a streamed answer's chunks arrive (stall
-    detection).
+    detection). ``finish``, for an MCP call that may outlive its caller (:class:`Finish`):
+    once the caller has gone (it is told so, or a write to the caller fails before the
+    call's response has passed), the answer is read on without being sent, up to the
+    response.
 
     Returns:
         ``(response, outcome)`` as :func:`forward` does.
@@ -245,6 +299,8 @@ async def relay(
             ``upstream_timeout`` (504) if a timeout cut it (``timeouts.total`` runs to the
             answer's last byte), else ``upstream_unreachable`` (502).
         asyncio.CancelledError: the caller disconnected.
+        ConnectionResetError: a write to the caller failed (it has gone), unless ``finish``
+            lets the answer be read on.
     """
     try:
         status = upstream.status
@@ -290,6 +346,8 @@ async def relay(
             response = web.Response(
                 status=status, reason=upstream.reason, body=data, headers=headers
             )
+            if finish is not None and finish.left:
+                return response, outcome  # all read, and nobody to send it to
             try:
                 # Prepared here rather than by aiohttp after the handler returns, so that a
                 # header aiohttp refuses to write becomes a 502 instead of a dropped connection.
@@ -297,6 +355,10 @@ async def relay(
                 await response.prepare(request)
             except ValueError:
                 raise Rejected(Reason.UPSTREAM_UNREACHABLE, None, _BAD_HEADER) from None
+            except ConnectionResetError:
+                if finish is None:
+                    raise
+                finish.left = True
             return response, outcome
         if FORBIDDEN_IN_HEADERS.search("".join((upstream.reason or "", *headers.values()))):
             # Checked before prepare(): a failed prepare has already switched the caller's
@@ -304,8 +366,15 @@ async def relay(
             raise Rejected(Reason.UPSTREAM_UNREACHABLE, None, _BAD_HEADER)
         out = web.StreamResponse(status=status, reason=upstream.reason, headers=headers)
         request[ANSWER_STARTED] = True
-        await out.prepare(request)
-        request[RELAYED_STREAM] = out
+        if finish is None:
+            await out.prepare(request)
+            request[RELAYED_STREAM] = out
+        elif not finish.left:
+            try:
+                await out.prepare(request)
+                request[RELAYED_STREAM] = out
+            except ConnectionResetError:
+                finish.left = True
         content = upstream.content
         while True:
             try:
@@ -317,6 +386,8 @@ async def relay(
                                else Reason.UPSTREAM_UNREACHABLE, None,
                                "the upstream's answer did not finish in time" if timed_out
                                else "the upstream's answer was cut short")
+                if finish is not None and finish.left:
+                    return out, label  # nobody to tell
                 if await end_mcp_answer(request, cut):
                     return out, label
                 # The status line is out: close without the last chunk so the cut is visible.
@@ -333,12 +404,17 @@ async def relay(
                     continue
             if capture is not None:
                 capture.feed(chunk)
-            await out.write(chunk)  # raises ConnectionResetError if the caller has gone
+            if finish is None:
+                await out.write(chunk)  # raises ConnectionResetError if the caller has gone
+            elif not await _relay_chunk(request, out, chunk, finish):
+                return out, outcome  # the caller has gone and the response is in
         if meter is not None and (tail := meter.finish()):
             if capture is not None:
                 capture.feed(tail)
-            await out.write(tail)
-        await out.write_eof()
+            if finish is None or not finish.left:
+                await out.write(tail)
+        if finish is None or not finish.left:
+            await out.write_eof()
         return out, outcome
     finally:
         upstream.release()

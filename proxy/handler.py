@@ -14,16 +14,25 @@ slot, rate unit, queue or budget, because refusing or queueing them breaks the s
 every call (issue 11). They are still identified, forwarded and logged.
 
 Everything the policies take for a call is held by one :class:`policies.pipeline.Admission`
-and given back in one ``finally``, whatever ends the call: a later policy's refusal, the
-upstream's answer, an upstream error or timeout, the caller's disconnect (the handler is
-cancelled at whatever ``await`` it was on, which also closes the upstream request) or an
-exception from anywhere. That ``finally`` never awaits, so a cancellation cannot interrupt it,
-and no branch releases anything by hand.
+and given back in one place (:func:`_settle`, from the handler's ``finally``), whatever ends
+the call: a later policy's refusal, the upstream's answer, an upstream error or timeout, the
+caller's disconnect (the handler is cancelled at whatever ``await`` it was on, which also
+closes the upstream request) or an exception from anywhere. It never awaits, so a
+cancellation cannot interrupt it, and no branch releases anything by hand.
+
+One exception to "the caller's disconnect closes the upstream request": an MCP call whose
+idempotency keeps answers (``dedup``) is forwarded in a task of its own, and when its caller
+leaves after the call may have reached the upstream and before its response came, that task
+finishes the exchange without the caller (an MCP server runs the tool to its end anyway), so
+that its answer is kept for its key and its retry does not run the tool again. The call then
+holds everything until that task ends, and the task's end, not the handler, settles it
+(:func:`_leave`, :func:`_hand_over`): exactly one of the two does, once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import re
 import time
@@ -38,7 +47,14 @@ from policies.pipeline import ABANDONED, DRAIN_CUT, REFUSED, Admission, Call, Ou
 from policies.reasons import Reason, Rejected
 from policies.retry import is_client_retry
 from proxy import attempts
-from proxy.forward import ANSWER_STARTED, RELAYED_STREAM, digits_value, end_mcp_answer
+from proxy.forward import (
+    ANSWER_STARTED,
+    RELAYED_STREAM,
+    Finish,
+    answered,
+    digits_value,
+    end_mcp_answer,
+)
 from proxy.identity import IdentityRejected, identify
 from proxy.metrics import MAX_OPERATION_LABEL_CHARS
 from proxy.rejections import jsonrpc_id, refuse, refuse_at_edge, render
@@ -192,6 +208,7 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
     admission = Admission()
     outcome = ABANDONED
     admitted_at = 0.0
+    finish: Finish | None = None
     try:
         try:
             if traffic == "call":  # MCP control and stream traffic take nothing
@@ -231,7 +248,16 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
             rt.events.emit("admitted", request_id, route.name, tenant, run,
                            call.idempotency_key, operation=call.operation)
         try:
-            response, label = await attempts.forward(request, rt, route, call, traffic, plan)
+            if route.protocol == "mcp" and traffic == "call" and call.capture is not None:
+                # An MCP call whose answer is kept for its key: forwarded in a task of its
+                # own, which may outlive this handler (see _leave).
+                finish = Finish()
+                finish.task = asyncio.create_task(
+                    attempts.forward(request, rt, route, call, traffic, plan, finish))
+                response, label = await asyncio.shield(finish.task)
+            else:
+                response, label = await attempts.forward(request, rt, route, call, traffic,
+                                                         plan)
         except Rejected as rejected:  # the first attempt refused (breaker, deadline)
             outcome = Outcome("rejected", reached=False, status=rejected.reason.status)
             return refuse(rt, route, rejected, request_id, tenant, run, call.idempotency_key,
@@ -244,8 +270,17 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
             outcome = Outcome(label, call.reached, response.status)
         return response
     except (asyncio.CancelledError, ConnectionResetError):
+        if finish is not None:
+            task = finish.task
+            if (task is not None and task.done() and not task.cancelled()
+                    and task.exception() is None):
+                # Its answer was all relayed, and the caller left before this handler took
+                # it back (a loop turn): the call ended with that answer.
+                outcome = _finish_outcome(rt, route, call, task, admitted_at)
+                raise
+            _leave(rt, call, request, finish)
         if call.cancelled is not None:  # its run was cancelled (POST /admin/runs/.../cancel)
-            return await _run_cancelled(rt, route, call, request, bool(admitted_at))
+            return await _run_cancelled(rt, route, call, request, bool(admitted_at), finish)
         # Cancelled: by the caller leaving, or by the drain cutting what outlived it.
         if admitted_at:
             label = "drain_cut" if rt.cutting else "client_disconnected"
@@ -259,29 +294,146 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
         return render(Rejected(Reason.UPSTREAM_UNREACHABLE, None, "proxy error"),
                       route.protocol, jsonrpc_id(route.protocol, call.body))
     finally:
-        if call.cancelled is not None and outcome is ABANDONED:
-            outcome = (Outcome("run_cancelled", call.reached, call.status)
-                       if admitted_at else REFUSED)
-        if admitted_at:
-            route.inflight -= 1
-            route.live.discard(call)
-        admission.release(outcome)
-        if admitted_at:
+        if finish is None:
+            _settle(rt, route, call, admission, outcome, admitted_at, traffic)
+        elif finish.task is not None and not finish.task.done():
+            _hand_over(rt, route, call, admission, outcome, admitted_at, finish)
+        elif finish.left:  # it finished without its caller, who had gone as it ended
+            _settle(rt, route, call, admission, outcome, admitted_at, traffic,
+                    Outcome("client_disconnected", call.reached, call.status))
+        else:
+            _settle(rt, route, call, admission, outcome, admitted_at, traffic)
+
+
+def _settle(rt: Runtime, route: Route, call: Call, admission: Admission, outcome: Outcome,
+            admitted_at: float, traffic: mcp.Traffic, left: Outcome | None = None) -> None:
+    """The end of every call, run exactly once and never awaiting: give back everything it
+    held, telling each holding ``outcome``, and count and log how it ended. Run by the
+    handler's ``finally``, or, for a call whose forward task outlives its handler, by that
+    task's end (:func:`_hand_over`).
+
+    ``left``: the caller's own outcome (it left) when the call's exchange was finished
+    without it; ``outcome`` is then what the upstream's answer came to.
+    """
+    if call.cancelled is not None and outcome is ABANDONED:
+        outcome = (Outcome("run_cancelled", call.reached, call.status)
+                   if admitted_at else REFUSED)
+    if admitted_at:
+        route.inflight -= 1
+        route.live.discard(call)
+    admission.release(outcome)
+    if admitted_at:
+        if left is None:
             _completed(rt, route, call, outcome, admitted_at, traffic != "stream")
-        elif outcome.label == "rejected":  # its `rejected` event went out with the refusal
-            route.metrics.outcomes[outcome.label].inc()
-            if call.operation is not None:
-                route.metrics.operation(call.operation).outcome(outcome.label)
-        elif outcome.label != "replayed":
-            # Left, cut by the drain or failed before admission (queued, say): without an
-            # event of its own, the timeline showed it in flight forever.
-            _completed(rt, route, call, outcome, None, False)
-        if call.new_unit:
-            route.metrics.work_units.inc()
+        else:
+            _completed(rt, route, call, left, admitted_at, True, finished=outcome)
+    elif outcome.label == "rejected":  # its `rejected` event went out with the refusal
+        route.metrics.outcomes[outcome.label].inc()
+        if call.operation is not None:
+            route.metrics.operation(call.operation).outcome(outcome.label)
+    elif outcome.label != "replayed":
+        # Left, cut by the drain or failed before admission (queued, say): without an
+        # event of its own, the timeline showed it in flight forever.
+        _completed(rt, route, call, outcome, None, False)
+    if call.new_unit:
+        route.metrics.work_units.inc()
+
+
+def _leave(rt: Runtime, call: Call, request: web.BaseRequest, finish: Finish) -> None:
+    """The handler of a call forwarded in a task of its own ends without its answer (the
+    caller left, the drain cut it, its run was cancelled): decide what becomes of that task.
+
+    An MCP server runs a tool to its end whether or not the POST that asked for it is still
+    open. So when the call may have reached the upstream and its response has not come yet,
+    and only its caller left, the exchange is finished without the caller
+    (:class:`proxy.forward.Finish`): the call keeps its slot, key and every other holding
+    until the upstream's answer ends, and its answer is then kept for its key, so that the
+    caller's retry gets it instead of running the tool again. Otherwise the task is
+    cancelled, which closes the upstream request, as on every other route.
+    """
+    task = finish.task
+    if task is None or task.done():
+        return
+    if call.reached and call.cancelled is None and not rt.cutting and not answered(request):
+        finish.left = True
+    else:
+        task.cancel()
+
+
+def _hand_over(rt: Runtime, route: Route, call: Call, admission: Admission, outcome: Outcome,
+               admitted_at: float, finish: Finish) -> None:
+    """The handler ends before its call's forward task: that task's end settles the call
+    (:func:`_settle`) instead, so that exactly one party gives its holdings back, once,
+    whichever ends first. ``outcome`` is the handler's (how the caller's request ended).
+
+    Until then the task keeps the call present on its route (the drain waits for it) and, if
+    it finishes without the caller, is reachable by a run's cancel (:attr:`Call.background`)
+    and by the drain's cut (:attr:`Runtime.finishing`)."""
+    task = finish.task
+    assert task is not None
+    route.present += 1  # the handler's own count is given back by handle()
+    if finish.left:
+        call.background = task
+        rt.finishing.add(task)
+    else:
+        task.cancel()  # nobody awaits its answer (_leave has cancelled it already, mostly)
+    task.add_done_callback(functools.partial(_finished, rt, route, call, admission, outcome,
+                                             admitted_at, finish))
+
+
+def _finished(rt: Runtime, route: Route, call: Call, admission: Admission, caller: Outcome,
+              admitted_at: float, finish: Finish, task: asyncio.Task[object]) -> None:
+    """The end of a call's forward task that outlived its handler (:func:`_hand_over`)."""
+    try:
+        if finish.left:
+            if task.cancelled() and call.cancelled is not None:
+                route.metrics.cancelled("inflight")
+            _settle(rt, route, call, admission, _finish_outcome(rt, route, call, task,
+                                                                 admitted_at),
+                    admitted_at, "call", caller)
+        else:  # cut by the handler: the handler's outcome stands
+            if not task.cancelled() and task.exception() is not None:
+                _log_failure(route, call, task.exception())
+            _settle(rt, route, call, admission, caller, admitted_at, "call")
+    finally:
+        route.present -= 1
+        rt.finishing.discard(task)
+        call.background = None
+
+
+def _finish_outcome(rt: Runtime, route: Route, call: Call, task: asyncio.Task[object],
+                    admitted_at: float) -> Outcome:
+    """What the exchange of a call finished without its caller came to, as the request path
+    would have said it with the caller there."""
+    if task.cancelled():  # the drain's cut, or its run's cancel
+        if call.cancelled is not None:
+            return Outcome("run_cancelled", call.reached, call.status)
+        return Outcome("drain_cut" if rt.cutting else "client_disconnected", call.reached,
+                       call.status)
+    error = task.exception()
+    if error is None:
+        response, label = task.result()  # type: ignore[misc]
+        if label[0].isdigit():
+            return Outcome(label, call.reached, response.status,
+                           time.monotonic() - admitted_at,
+                           call.answered_at - admitted_at if call.answered_at else None)
+        return Outcome(label, call.reached, response.status)
+    if isinstance(error, Rejected):  # the first attempt refused (breaker, deadline)
+        return Outcome("rejected", reached=False, status=error.reason.status)
+    if isinstance(error, ConnectionResetError):
+        return Outcome("client_disconnected", call.reached, call.status)
+    _log_failure(route, call, error)
+    return Outcome("upstream_error", call.reached, 502)
+
+
+def _log_failure(route: Route, call: Call, error: BaseException) -> None:
+    if not isinstance(error, (Rejected, ConnectionResetError)):
+        log.error("proxy error on route %s (request %s)", route.name, call.request_id,
+                  exc_info=error)
 
 
 async def _run_cancelled(rt: Runtime, route: Route, call: Call, request: web.BaseRequest,
-                         admitted: bool) -> web.StreamResponse:
+                         admitted: bool, finish: Finish | None = None) -> web.StreamResponse:
     """Answer a call whose run was cancelled while it was queued or in flight.
 
     The cancel reached the handler as a task cancellation, which already closed the upstream
@@ -297,6 +449,10 @@ async def _run_cancelled(rt: Runtime, route: Route, call: Call, request: web.Bas
         task.uncancel()
     kind = "inflight" if admitted else "queued" if call.phase == "queued" else "admitting"
     route.metrics.cancelled(kind)
+    if finish is not None and finish.task is not None and not finish.task.done():
+        # Cancelled by _leave: once it has unwound, its upstream request is closed and
+        # nothing else writes to the caller.
+        await asyncio.wait((finish.task,))
     rejected = Rejected(Reason.RUN_CANCELLED, None, call.cancelled or "", retry=False)
     # Started means sent: a status received from the upstream whose answer is still being
     # read (a small one is read whole first) has not reached the caller, which gets the 409.
@@ -320,7 +476,7 @@ def _operation(call: Call) -> dict[str, object]:
 
 
 def _completed(rt: Runtime, route: Route, call: Call, outcome: Outcome,
-               admitted_at: float | None, timed: bool) -> None:
+               admitted_at: float | None, timed: bool, finished: Outcome | None = None) -> None:
     """Count and log a call that was not refused or replayed, once its holdings are given
     back: its ``completed`` event.
 
@@ -328,7 +484,10 @@ def _completed(rt: Runtime, route: Route, call: Call, outcome: Outcome,
     ``duration_s``; ``None`` for a call that ended before it (the caller left, the drain cut
     it), whose event has no ``duration_s`` but, if it queued, ``waited_s`` (seconds queued).
     ``timed``: its duration is a sample of the upstream's (an MCP stream's is the session's
-    length).
+    length). ``finished``: what the call's exchange came to when it was finished after its
+    caller left (``outcome`` is then the caller's, ``client_disconnected``): the event says
+    so in ``finished_after_leaving`` (that outcome) and ``finished_status`` (the upstream's
+    status, 0 if none), and ``sluice_finished_after_leaving_total`` counts it.
     """
     fields: dict[str, object]
     if admitted_at is not None:
@@ -344,6 +503,10 @@ def _completed(rt: Runtime, route: Route, call: Call, outcome: Outcome,
     if timed:
         metrics.upstream_duration.observe(elapsed)
     metrics.outcomes[outcome.label].inc()
+    if finished is not None:
+        fields["finished_after_leaving"] = finished.label
+        fields["finished_status"] = finished.status
+        metrics.finished_after_leaving(finished.label)
     charged = call.charged
     if charged is not None:
         fields.update(charged)

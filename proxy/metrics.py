@@ -470,6 +470,19 @@ class Metrics:
             "inflight).",
             ["route", "where"], registry=r,
         )
+        self.finished_after_leaving = LoopCounter(
+            "sluice_finished_after_leaving",
+            "MCP calls whose upstream exchange Sluice finished after their caller left (kept "
+            "for their idempotency key; counted client_disconnected in sluice_requests_total), "
+            "by what it came to (2xx ... 5xx, upstream_timeout, upstream_error, drain_cut, "
+            "run_cancelled).",
+            ["route", "outcome"], registry=r,
+        )
+        self.finishing = Gauge(
+            "sluice_finishing_after_leaving",
+            "MCP calls whose upstream exchange Sluice is finishing after their caller left "
+            "(counted in sluice_inflight_requests too).", registry=r,
+        )
         self.expiries = LoopCounter(
             "sluice_expiries",
             "Queued calls dropped before reaching the upstream, by reason (max_wait: the "
@@ -681,6 +694,10 @@ class RouteMetrics:
         """Count a call ended by its run's cancellation, by where it was then (``inflight``,
         ``queued`` or ``admitting``)."""
         self._metrics.cancels.labels(self.name, kind).inc()
+
+    def finished_after_leaving(self, outcome: str) -> None:
+        """Count a call whose exchange was finished after its caller left, by ``outcome``."""
+        self._metrics.finished_after_leaving.labels(self.name, outcome).inc()
 
     def operation(self, operation: str) -> OperationSeries:
         """The per-operation series of this route (``other`` beyond the label cap)."""

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import os
 import sqlite3
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -67,6 +69,11 @@ class Runtime:
         #: Set when the drain timeout ran out: requests cancelled from then on were cut by
         #: Sluice, not left by their callers.
         self.cutting = False
+        #: MCP calls being finished after their callers left (``proxy.handler``), each counted
+        #: in flight and present on its route until it ends: the drain waits for them, and
+        #: cancels those left when it cuts.
+        self.finishing: set[asyncio.Task[Any]] = set()
+        self.metrics.finishing.set_function(lambda: len(self.finishing))
         self.session: aiohttp.ClientSession | None = None
         #: Run trees, counts and cancellations, shared by every route (policies/runs.py),
         #: and with the Redis backend by every replica.

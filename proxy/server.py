@@ -292,5 +292,13 @@ async def _drain(runtime: Runtime, timeout_s: float, hurry: asyncio.Event) -> No
         log.warning("%s: cutting %d request(s) still in flight and %d waiting",
                     "second stop signal" if hurry.is_set() else "drain timeout",
                     runtime.inflight, runtime.present - runtime.inflight)
+        # MCP calls being finished after their callers left are no handler's: aiohttp's
+        # shutdown does not cut them, so the drain does (each gives its holdings back as it
+        # ends), and waits for them to have ended.
+        finishing = list(runtime.finishing)
+        for task in finishing:
+            task.cancel()
+        if finishing:
+            await asyncio.wait(finishing, timeout=SHUTDOWN_GRACE_S)
     else:
         log.info("drained")

@@ -21,6 +21,10 @@ Tools (all answer on ``/mcp``):
     ``send(to: str, body: str = "") -> str`` the side effect: appends one line
                                              ``{"to", "body"}`` to the count file, returns
                                              ``"sent #N"``
+    ``send_slowly(to: str, seconds: float = 2.0) -> str``
+                                             ``send``'s side effect first, then a sleep of
+                                             ``seconds`` (at most 30), then ``"sent #N"``: a
+                                             slow tool that outlasts a caller's timeout
     ``sends() -> int``                       how many times ``send`` has run
     ``fail(message: str = "tool failed")``   a tool failure: a result with ``isError: true``
     ``notify() -> str``                      sends ``notifications/tools/list_changed`` on the
@@ -215,6 +219,15 @@ def _build(count_file: Path) -> Any:
         with count_file.open("a") as f:
             f.write(json.dumps({"to": to, "body": body}) + "\n")
         return f"sent #{_count(count_file)}"
+
+    @server.tool()
+    async def send_slowly(to: str, seconds: float = 2.0) -> str:
+        """A slow side effect: record one delivery, then take ``seconds`` to answer."""
+        with count_file.open("a") as f:
+            f.write(json.dumps({"to": to, "body": ""}) + "\n")
+        sent = _count(count_file)
+        await asyncio.sleep(min(max(seconds, 0.0), 30.0))
+        return f"sent #{sent}"
 
     @server.tool()
     async def sends() -> int:
