@@ -63,7 +63,9 @@ class Call:
         lineage: the run's ancestors, parent first (``policies/runs.py``); cost: what the
         call is expected to cost the upstream in tokens (its reservation), when known, for
         fair queueing; response_headers: headers a policy adds to the upstream's answer
-        (e.g. a run budget's warning); phase: ``admitting``, ``queued`` or ``forwarding``;
+        (e.g. a run budget's warning); phase: ``admitting``, ``queued``, ``forwarding``, or
+        ``answering`` once the answer's status line is being sent to the caller (a call ended
+        after that can only be cut);
         cancelled: why the call's run was cancelled, once it was (its task is then
         cancelled, or its ``background`` task if it has one); attempts: upstream attempts
         sent; progress_at: monotonic seconds of the last byte moved for it (stall

@@ -401,7 +401,8 @@ class RunRegistry:
             "depth": info.depth,
             "started": round(info.started_wall, 3),
             "age_s": round(now - info.started, 3),
-            "inflight": sum(1 for n in tree for c in n.live if c.call.phase == "forwarding"),
+            "inflight": sum(1 for n in tree for c in n.live
+                            if c.call.phase in ("forwarding", "answering")),
             "queued": sum(1 for n in tree for c in n.live if c.call.phase == "queued"),
             "calls": calls,
             "attempts": attempts,

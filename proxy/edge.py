@@ -54,7 +54,9 @@
   ``bad_request`` naming the field: aiohttp reads such bytes as surrogate escapes and its
   writer drops them, so the upstream would get the value silently changed;
 * a ``Content-Length`` over ``server.max_request_bytes`` is refused with 413
-  ``request_too_large`` before the body is read (and before any ``100 Continue``);
+  ``request_too_large`` before the body is read (and before any ``100 Continue``), and one
+  that would take the bodies held at once past ``server.max_buffered_bytes`` with 503
+  ``buffers_full`` likewise (the handler holds the declared bytes until the call ends);
 * ``Expect: 100-continue`` is answered by Sluice (``100 Continue`` before the body is read)
   and never forwarded; any other expectation is refused with 417 ``expectation_failed``.
 
@@ -92,7 +94,7 @@ from proxy.runtime import Runtime
 
 log = logging.getLogger("sluice")
 
-Handler = Callable[[Runtime, web.BaseRequest], Awaitable[web.StreamResponse]]
+Handler = Callable[[Runtime, web.BaseRequest, int], Awaitable[web.StreamResponse]]
 
 #: Host names of the loopback interface, allowed when Sluice listens on it.
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "[::1]"})
@@ -104,6 +106,9 @@ _TOO_MANY_HEADERS = "Too many headers"
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 #: Allowed ``Host`` values remembered per config, so most requests cost one set lookup.
 _HOSTS_REMEMBERED = 64
+#: How long a caller refused for held bodies (``buffers_full``) is told to wait, seconds:
+#: bodies are given back as calls end, which is not predictable here.
+BUFFERS_FULL_RETRY_AFTER_S = 1.0
 #: Connections the admin port serves at once (probes, Prometheus, operators): beyond it, the
 #: oldest idle one is closed, or 503 ``too_many_connections``, as ``server.max_connections``
 #: on the proxy port.
@@ -235,8 +240,17 @@ class EdgeServer(GuardedServer):
             return _answered(refused)
         headers = request.headers
         length = headers.get(hdrs.CONTENT_LENGTH)  # digits only: the parser refused the rest
-        if length is not None and (declared := digits_value(length)) > door.max_request_bytes:
-            return _too_large(rt, request, declared)
+        declared = 0 if length is None else digits_value(length)
+        if declared:
+            if declared > door.max_request_bytes:
+                return _unread(rt, request, Rejected(
+                    Reason.BODY_TOO_LARGE, None,
+                    f"limit {door.max_request_bytes} bytes; Content-Length says {declared}"))
+            if rt.buffered_bytes + declared > door.max_buffered_bytes:
+                return _unread(rt, request, Rejected(
+                    Reason.BUFFERS_FULL, BUFFERS_FULL_RETRY_AFTER_S,
+                    f"{rt.buffered_bytes} bytes of bodies held, limit "
+                    f"{door.max_buffered_bytes}"))
         expect = headers.get(hdrs.EXPECT)
         if expect is not None and request.version >= HttpVersion11:
             if expect.lower() != "100-continue":
@@ -245,7 +259,9 @@ class EdgeServer(GuardedServer):
             if not request.content.is_eof() and request.transport is not None:
                 # The caller waits for this before it sends the body (RFC 9110 §10.1.1).
                 request.transport.write(_CONTINUE)
-        return self._handler(rt, request)
+        # Held from here (the handler takes the body's bytes in its first step, with no
+        # await since this check) to the end of its call.
+        return self._handler(rt, request, declared)
 
 
 #: Why a request with a transfer coding besides ``chunked`` is refused (its value is not
@@ -316,15 +332,12 @@ def _refused_at(rt: Runtime, raw_path: str, rejected: Rejected) -> web.Response:
     return refuse_at_edge(rt, rejected) if route is None else _refused_on(rt, route, rejected)
 
 
-async def _too_large(rt: Runtime, request: web.BaseRequest, length: int
-                     ) -> web.StreamResponse:
-    """413 for a body whose declared ``Content-Length`` is over ``server.max_request_bytes``,
-    before any of it is read or invited (no ``100 Continue``); in the route's shape and
-    counted on it, as when a body turns out too long while read. The connection is closed:
-    the body was not read."""
-    limit = rt.config.server.max_request_bytes
-    rejected = Rejected(Reason.BODY_TOO_LARGE, None,
-                        f"limit {limit} bytes; Content-Length says {length}")
+async def _unread(rt: Runtime, request: web.BaseRequest, rejected: Rejected
+                  ) -> web.StreamResponse:
+    """Refuse a request by its declared ``Content-Length`` before any of its body is read or
+    invited (no ``100 Continue``): 413 over ``server.max_request_bytes``, 503 ``buffers_full``
+    over ``server.max_buffered_bytes``; in the route's shape and counted on it, as when a body
+    turns out too long while read. The connection is closed: the body was not read."""
     response = _refused_at(rt, request.raw_path, rejected)
     response.force_close()
     # Sent and the connection closed here: left to aiohttp, the unread body would be read
@@ -342,6 +355,7 @@ class Door:
         self.config = config
         server = config.server
         self.max_request_bytes = server.max_request_bytes
+        self.max_buffered_bytes = server.max_buffered_bytes
         self.any_host, self.hosts, self.host_suffixes, self.ip_hosts = allowed_hosts(server)
         self.origins = frozenset(server.allowed_origins)
         self.any_origin = "*" in self.origins

@@ -81,10 +81,6 @@ _BAD_HEADER = "a response header has control characters"
 #: The streamed answer being relayed to the caller, once its status line is out (set on the
 #: request, so a call ended mid-answer can still finish it: ``proxy.handler``).
 RELAYED_STREAM = web.RequestKey("sluice_relayed_stream", web.StreamResponse)
-#: Set on the request once the answer's status line is being sent to the caller (both the
-#: whole small answer and a stream): from then on a call ended early can only be cut, not
-#: answered otherwise (``proxy.handler``). A status received but not yet sent is not this.
-ANSWER_STARTED = web.RequestKey("sluice_answer_started", bool)
 #: The tracker of an MCP call's answer as it is relayed (set on the request by
 #: ``proxy.attempts``), which tells whether its response has been sent.
 MCP_ANSWER = web.RequestKey("sluice_mcp_answer", AnswerTracker)
@@ -351,7 +347,8 @@ async def relay(
             try:
                 # Prepared here rather than by aiohttp after the handler returns, so that a
                 # header aiohttp refuses to write becomes a 502 instead of a dropped connection.
-                request[ANSWER_STARTED] = True
+                if call is not None:  # from now on a call ended early can only be cut
+                    call.phase = "answering"
                 await response.prepare(request)
             except ValueError:
                 raise Rejected(Reason.UPSTREAM_UNREACHABLE, None, _BAD_HEADER) from None
@@ -365,7 +362,8 @@ async def relay(
             # connection to chunked framing, so not even an error answer could follow.
             raise Rejected(Reason.UPSTREAM_UNREACHABLE, None, _BAD_HEADER)
         out = web.StreamResponse(status=status, reason=upstream.reason, headers=headers)
-        request[ANSWER_STARTED] = True
+        if call is not None:
+            call.phase = "answering"
         if finish is None:
             await out.prepare(request)
             request[RELAYED_STREAM] = out

@@ -37,7 +37,7 @@ import logging
 import re
 import time
 
-from aiohttp import hdrs, web
+from aiohttp import web
 from multidict import istr
 
 from policies import mcp
@@ -48,11 +48,9 @@ from policies.reasons import Reason, Rejected
 from policies.retry import is_client_retry
 from proxy import attempts
 from proxy.forward import (
-    ANSWER_STARTED,
     RELAYED_STREAM,
     Finish,
     answered,
-    digits_value,
     end_mcp_answer,
 )
 from proxy.identity import IdentityRejected, identify
@@ -65,9 +63,6 @@ log = logging.getLogger("sluice")
 
 #: How long a draining replica suggests callers wait (another replica can take them), seconds.
 DRAINING_RETRY_AFTER_S = 1.0
-#: How long a caller refused for held bodies is told to wait, seconds: bodies are given back
-#: as calls end, which is not predictable from here.
-BUFFERS_FULL_RETRY_AFTER_S = 1.0
 #: A caller's timeout as Sluice reads it: seconds in plain decimals below 1e9 (~31 years;
 #: the SDKs send "600" or "600.0"); anything else is no deadline, as is 0.
 _SECONDS = re.compile(r"[0-9]{1,9}(?:\.[0-9]{1,9})?")
@@ -117,39 +112,32 @@ def _mcp_traffic(request: web.BaseRequest, body: bytes) -> tuple[mcp.Traffic, st
     return mcp.traffic("POST", post), post.tool
 
 
-async def handle(rt: Runtime, request: web.BaseRequest) -> web.StreamResponse:
-    """Serve one agent request (the only handler of the proxy port, bound to its runtime)."""
+async def handle(rt: Runtime, request: web.BaseRequest, held: int = 0
+                 ) -> web.StreamResponse:
+    """Serve one agent request (the only handler of the proxy port, bound to its runtime).
+
+    ``held``: its body's declared length, bytes, which the edge found room for under
+    ``server.max_buffered_bytes``: counted held from this first step, with no await since that
+    check, to the end of the call (queued, forwarded), in this one frame.
+    """
     raw_path = request.raw_path
     route = rt.router.match(raw_path)
     if route is None:
         detail = "absolute-form request targets are refused" if raw_path[:1] != "/" else raw_path
         return refuse_at_edge(rt, Rejected(Reason.NO_ROUTE, None, detail[:200]))
-    # Its body is counted from here to the end (read, queued, forwarded): taken and given
-    # back in this one frame, with no await in between the check and the try.
-    length = request.headers.get(hdrs.CONTENT_LENGTH)
-    held = 0 if length is None else digits_value(length)  # the edge refused any over the max
-    if held:
-        if rt.buffered_bytes + held > rt.config.server.max_buffered_bytes:
-            refused = _reject(rt, route, Rejected(
-                Reason.BUFFERS_FULL, BUFFERS_FULL_RETRY_AFTER_S,
-                f"{rt.buffered_bytes} bytes of bodies held, limit "
-                f"{rt.config.server.max_buffered_bytes}"),
-                rt.next_request_id(), rt.config.identity.default_tenant, None)
-            refused.force_close()  # its body is not read: the connection cannot go on
-            return refused
-        rt.buffered_bytes += held
-    try:
-        if rt.draining:  # refused once read: nothing a drain should wait for under new traffic
-            return await _serve(rt, route, request, raw_path)
-        # Counted on the route object it matched from here to the end, queued or admitted: a
-        # reload keeps that object (and its later admissions) counted, and the drain waits
-        # for it.
-        route.present += 1
+    rt.buffered_bytes += held
+    if rt.draining:  # refused once read: nothing a drain should wait for under new traffic
         try:
             return await _serve(rt, route, request, raw_path)
         finally:
-            route.present -= 1
+            rt.buffered_bytes -= held
+    # Counted on the route object it matched from here to the end, queued or admitted: a
+    # reload keeps that object (and its later admissions) counted, and the drain waits for it.
+    route.present += 1
+    try:
+        return await _serve(rt, route, request, raw_path)
     finally:
+        route.present -= 1
         rt.buffered_bytes -= held
 
 
@@ -454,9 +442,9 @@ async def _run_cancelled(rt: Runtime, route: Route, call: Call, request: web.Bas
         # nothing else writes to the caller.
         await asyncio.wait((finish.task,))
     rejected = Rejected(Reason.RUN_CANCELLED, None, call.cancelled or "", retry=False)
-    # Started means sent: a status received from the upstream whose answer is still being
+    # Answering means sent: a status received from the upstream whose answer is still being
     # read (a small one is read whole first) has not reached the caller, which gets the 409.
-    if request.get(ANSWER_STARTED) and request.transport is not None:
+    if call.phase == "answering" and request.transport is not None:
         if await end_mcp_answer(request, rejected):
             route.metrics.rejections[rejected.reason].inc()
             return request[RELAYED_STREAM]

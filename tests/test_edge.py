@@ -614,6 +614,11 @@ async def test_bodies_past_max_buffered_bytes_are_refused_before_they_are_read(u
         async with s.post(sluice.url + "/svc/x", data=body) as r:
             assert (r.status, r.headers["X-Sluice-Reason"]) == (503, "buffers_full")
             assert r.headers["Retry-After"] == "1" and r.headers["x-should-retry"] == "true"
+        # A caller that waits for 100 Continue is not invited to send its body.
+        answer = await raw_request(sluice.port, b"POST /svc/x HTTP/1.1\r\n" + LOOPBACK
+                                   + b"Content-Length: 900\r\nExpect: 100-continue\r\n\r\n",
+                                   timeout=5)
+        assert answer.startswith(b"HTTP/1.1 503 ") and b"buffers_full" in answer
         assert len(upstream.requests) == 2
         held[0].cancel()  # a caller that leaves gives its body's bytes back
         await sluice.wait_metric("sluice_buffered_request_bytes", 900)
@@ -625,7 +630,7 @@ async def test_bodies_past_max_buffered_bytes_are_refused_before_they_are_read(u
         async with s.post(sluice.url + "/svc/x", data=body) as r:
             assert r.status == 200
     assert await sluice.metric("sluice_rejections_total", route="svc",
-                               reason="buffers_full") == 1
+                               reason="buffers_full") == 2
 
 
 async def test_connections_beyond_max_connections_get_503(upstream, start_sluice):
