@@ -50,6 +50,17 @@ probe is one lease for all of them. Per attempt, on Redis:
   while closed and answered well costs the breaker no round trip, save a view refresh every
   ``VIEW_FRESH_S`` and a flush every ``FLUSH_S`` shared by every call meanwhile.
 
+**The probe's lease** lasts ``state.lease`` (``StateBackends.lease_s``), and the replica
+whose attempt is the probe renews it every third of that while the attempt runs
+(:class:`_Renewal`, started in :meth:`Breaker.attempt` and stopped by :meth:`Breaker.record`,
+:meth:`Breaker.release` or :meth:`Breaker.record_soon`, whichever ends the probe). So a probe
+longer than a lease (an LLM call with no response headers yet) keeps it and no second probe
+passes, while a replica killed mid-probe stops renewing and another may probe at most one
+lease later, whatever ``reset_timeout`` is (a fixed 30 s lease refused every replica for
+30 s, and let a second probe through after 30 s). A probe whose task ends without an outcome
+(nothing left to record it) is no longer renewed either, on memory as on Redis. Renewals are
+one script each, only while half-open; a closed breaker starts none.
+
 ``sluice_circuit_state`` and the admin page read the cached view (never an await at scrape; a
 view older than ``VIEW_FRESH_S`` is refreshed in the background for the next scrape).
 
@@ -68,8 +79,8 @@ import logging
 import math
 import random
 import time
-from collections.abc import Awaitable, Callable, Mapping
-from typing import NamedTuple, TypeVar
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from typing import Any, NamedTuple, TypeVar
 
 from policies.config import CircuitBreakerConfig
 from policies.logs import PER_CALL
@@ -110,11 +121,9 @@ MAX_OPEN_HINT_S = 300.0
 #: How long a replica trusts its cached view of a shared breaker, seconds: a breaker opened
 #: through another replica refuses here at most this long (plus one call) later.
 VIEW_FRESH_S = 0.5
-#: How long a half-open probe holds its lease, seconds: if the probing replica dies, another
-#: may probe after this (an attempt's wait for response headers rarely comes near it).
-PROBE_LEASE_S = 30.0
 #: How often a probe's outcome (or its lease's give-back) that Redis could not take is sent
-#: again, seconds: until it lands, the probe's lease keeps every replica refusing.
+#: again, seconds: until it lands (or the lease, no longer renewed, lapses), the probe's lease
+#: keeps every replica refusing.
 PROBE_RESEND_S = 0.25
 
 #: Fields that tell a 429 is a quota answer rather than a fault.
@@ -170,8 +179,8 @@ class Breaker:
                  on_event: Callable[..., None], backends: StateBackends | None = None) -> None:
         self.route = route
         self._on_event = on_event
-        self.reconfigure(config)
         self._backends = backends if backends is not None else memory_backends()
+        self.reconfigure(config)
         self._shared = self._backends.redis is not None
         # The cached view (monotonic seconds): what check(), the gauge and the admin read.
         self._state = CLOSED
@@ -192,6 +201,9 @@ class Breaker:
         #: Its own Redis calls that nobody awaits: shutdown waits for them.
         self._background = Background(self._backends)
         self._flushing = False  # a flush of deferred successes is scheduled
+        #: The renewals of this breaker's probes in flight, by probe token (one, but for a
+        #: probe taken from the local fallback during an outage beside a shared one).
+        self._renewals: dict[str, _Renewal] = {}
         self._trust()
         # The state may be open already (a reload re-adding the block, another replica): the
         # gauge and the admin page read the view, so it is asked for at once.
@@ -215,7 +227,7 @@ class Breaker:
             success_threshold=config.success_threshold,
             window_s=config.window if config.rate is not None else None,
             rate=config.rate if config.rate is not None else 1.0,
-            min_calls=config.min_calls, probe_s=PROBE_LEASE_S)
+            min_calls=config.min_calls, probe_s=self._backends.lease_s)
 
     # -- the cached view ----------------------------------------------------------------------
 
@@ -264,7 +276,8 @@ class Breaker:
         view's state is then taken, but it is not fresh enough for admitting from it)."""
         now = time.monotonic()
         if probing and (not self._probing or now >= self._probe_until):
-            self._probe_until = now + PROBE_LEASE_S  # a probe seen anew: its lease is at most
+            # A probe seen anew: its lease is at most this long (its holder renews it).
+            self._probe_until = now + self._params.probe_s
         self._state, self._probing, self._cause = state, probing, cause
         self._open_until = now + open_for_s if state == OPEN else 0.0
         if epoch is not None:
@@ -358,6 +371,8 @@ class Breaker:
             if admission.state == HALF_OPEN:
                 raise self._rejection(PROBE_RETRY_AFTER_S, probing=True)
             raise self._rejection(admission.wait_s, cause=admission.cause)
+        if admission.ticket.probe is not None:
+            self._hold(states, admission.ticket)
         return Pass(states, admission.ticket)
 
     def _fallback(self, exc: StateUnavailable) -> BreakerStates:
@@ -414,6 +429,8 @@ class Breaker:
             hint = None
         else:
             hint = min(retry_after, MAX_OPEN_HINT_S)
+        if ticket.ticket.probe is not None:
+            self._let_go(ticket.ticket)  # the probe is over: its outcome frees the lease
         if outcome == NEUTRAL and ticket.ticket.probe is None and not hint:
             return  # nothing to count, no lease to free: no round trip
         try:
@@ -422,8 +439,9 @@ class Breaker:
         except StateUnavailable as exc:
             if ticket.ticket.probe is not None and self._may_resend(exc, outcome):
                 # Dropped, the probe's lease would stay held: every replica would refuse
-                # (half-open, a probe in flight) until it lapsed, PROBE_LEASE_S later (a
-                # hostile trial: 28 s after a 2 s freeze, with reset_timeout 2s).
+                # (half-open, a probe in flight) until it lapsed, up to a lease later (a
+                # hostile trial, with a fixed 30 s lease then: 28 s after a 2 s freeze, with
+                # reset_timeout 2s).
                 log.warning("route %s: a probe's outcome waits for the state backend: %s",
                             self.route, exc.cause, extra=PER_CALL)
                 self._background.spawn(self._resend(states, ticket.ticket, outcome, hint))
@@ -472,6 +490,7 @@ class Breaker:
     def record_soon(self, ticket: Pass, outcome: int) -> None:
         """:meth:`record` from code that may not await (the cleanup of a call whose caller
         left after its answer was known): it runs as a task this breaker keeps."""
+        self._let_go(ticket.ticket)  # the caller's task ends before the record runs
         self._background.spawn(self.record(ticket, outcome))
 
     def release(self, ticket: Pass) -> None:
@@ -482,6 +501,7 @@ class Breaker:
 
     def _give_back(self, states: BreakerStates, ticket: Ticket) -> None:
         if ticket.probe is not None:
+            self._let_go(ticket)
             self._background.spawn(self._return_lease(states, ticket))
 
     async def _return_lease(self, states: BreakerStates, ticket: Ticket) -> None:
@@ -511,7 +531,7 @@ class Breaker:
         second is stale; a neutral one only frees the lease), except a success under a
         ``success_threshold`` above 1, which is not sent again once it may have landed."""
         loop = asyncio.get_running_loop()
-        until = loop.time() + PROBE_LEASE_S
+        until = loop.time() + self._params.probe_s  # no longer renewed: it lapses by then
         while loop.time() < until:
             await asyncio.sleep(PROBE_RESEND_S)
             try:
@@ -525,6 +545,40 @@ class Breaker:
             return
         log.warning("route %s: a probe's outcome was dropped; its lease has lapsed",
                     self.route)
+
+    # -- the probe's lease ----------------------------------------------------------------------
+
+    def _hold(self, states: BreakerStates, ticket: Ticket) -> None:
+        """Renew the probe lease ``ticket`` holds in ``states`` until :meth:`_let_go` (the one
+        place a renewal starts; :meth:`_let_go` is the one place it stops)."""
+        assert ticket.probe is not None
+        self._renewals[ticket.probe] = _Renewal(
+            lambda: self._renew(states, ticket), self._params.probe_s / 3,
+            f"sluice-probe-lease-{self.route}", lambda: self._orphaned(ticket))
+
+    def _let_go(self, ticket: Ticket) -> None:
+        """Stop renewing ``ticket``'s probe lease, if it holds one (idempotent): its outcome,
+        or its give-back, is on its way, and frees the lease; failing that, it lapses."""
+        if ticket.probe is not None:
+            renewal = self._renewals.pop(ticket.probe, None)
+            if renewal is not None:
+                renewal.stop()
+
+    async def _renew(self, states: BreakerStates, ticket: Ticket) -> bool:
+        """One renewal of ``ticket``'s probe lease; False when it no longer holds it."""
+        lease_s = self._params.probe_s
+        held = await states.renew(self.route, ticket, lease_s)
+        if held and states is self._backends.breakers and self._probing:
+            self._probe_until = time.monotonic() + lease_s  # check() keeps refusing for it
+        return held
+
+    def _orphaned(self, ticket: Ticket) -> None:
+        """The task that took ``ticket``'s probe ended without recording it or giving it
+        back: nothing will, so the lease is left to lapse rather than renewed for good."""
+        log.warning("route %s: a half-open probe's attempt ended without an outcome; its "
+                    "lease lapses within %gs", self.route, self._params.probe_s,
+                    extra=PER_CALL)
+        self._let_go(ticket)
 
     # -- tasks --------------------------------------------------------------------------------
 
@@ -540,3 +594,71 @@ class Breaker:
 
 def _ignore(_: object) -> None:
     """A late result nothing needs to give back."""
+
+
+class _Renewal:
+    """Keeps a half-open probe's lease alive while its attempt runs (see
+    :meth:`Breaker._hold`): ``renew()`` every ``period_s`` (a third of the lease, so two
+    renewals in a row may miss, the backend briefly unavailable, before it lapses).
+
+    It ends when :meth:`stop` is called, when a renewal finds the lease no longer the
+    probe's (given back, lapsed, or the breaker moved on: nothing to keep, and it is not
+    taken again), or when the task that took the probe ends first: ``orphaned()`` is then
+    called, and is expected to stop it. A renewal already sent when :meth:`stop` is called
+    is let finish (cancelled, it would leave its connection in doubt); it changes nothing
+    once the outcome has freed the lease, as the lease is renewed only for its own token.
+    """
+
+    __slots__ = ("_orphaned", "_owner", "_sleeping", "_stopped", "_task")
+
+    def __init__(self, renew: Callable[[], Coroutine[Any, Any, bool]], period_s: float,
+                 name: str, orphaned: Callable[[], None]) -> None:
+        self._stopped = False
+        self._sleeping = False
+        self._orphaned = orphaned
+        self._task = asyncio.get_running_loop().create_task(self._run(renew, period_s),
+                                                            name=name)
+        self._task.add_done_callback(_renewal_ended)
+        self._owner = asyncio.current_task()
+        if self._owner is not None:
+            self._owner.add_done_callback(self._owner_ended)
+
+    def stop(self) -> None:
+        """Renew no more; never awaits (idempotent)."""
+        if self._stopped:
+            return
+        self._stopped = True
+        if self._owner is not None:
+            self._owner.remove_done_callback(self._owner_ended)
+            self._owner = None
+        if self._sleeping:
+            self._task.cancel()
+
+    def _owner_ended(self, _: object) -> None:
+        self._owner = None
+        if not self._stopped:
+            self._orphaned()
+            self.stop()
+
+    async def _run(self, renew: Callable[[], Coroutine[Any, Any, bool]],
+                   period_s: float) -> None:
+        while not self._stopped:
+            self._sleeping = True
+            try:
+                await asyncio.sleep(period_s)
+            finally:
+                self._sleeping = False
+            if self._stopped:
+                return
+            try:
+                if not await renew():
+                    return  # not the probe's lease any more: nothing to keep
+            except StateUnavailable:
+                continue  # the next one may land before the lease lapses
+
+
+def _renewal_ended(renewal: asyncio.Task[None]) -> None:
+    # Said when it happens: the lease lapses from here on, with its probe still running.
+    if not renewal.cancelled() and renewal.exception() is not None:
+        log.error("a half-open probe's lease renewal failed; the lease lapses",
+                  exc_info=renewal.exception())

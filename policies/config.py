@@ -320,8 +320,9 @@ class StateConfig(_Section):
                             pattern=r"^[A-Za-z0-9_.:-]+$")
     #: Bound on every Redis interaction on the request path, seconds.
     timeout: PositiveDuration = 0.05
-    #: How long a concurrency slot outlives a replica that stopped renewing it (killed, cut
-    #: off), seconds. A call's lease is renewed every third of it, each renewal bounded by
+    #: How long a concurrency slot, an idempotency key's in-flight marker or a half-open
+    #: breaker's probe outlives a replica that stopped renewing it (killed, cut off),
+    #: seconds. A call's lease is renewed every third of it, each renewal bounded by
     #: ``timeout``, so it must be at least :data:`LEASE_PER_TIMEOUT` times ``timeout``; when
     #: not set, that is the default if it is longer than 5 s.
     lease: PositiveDuration = 5.0

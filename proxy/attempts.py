@@ -460,7 +460,7 @@ async def _record_each(tickets: list[tuple[brk.Breaker, brk.Pass]], outcome: int
     """Report ``outcome`` to the breaker of each ticket. A record runs to its end even when
     the caller leaves during it (``Breaker.record``), but the cancellation then surfaces at
     its ``await``: the tickets after it are handed to ``record_soon`` so that none is left
-    unreported (a probe's lease held until ``PROBE_LEASE_S``)."""
+    unreported (a probe's lease held until it lapses)."""
     for at, (breaker, ticket) in enumerate(tickets):
         try:
             await breaker.record(ticket, outcome, status, hint)

@@ -1,7 +1,7 @@
 """A hostile trial of Sluice's Redis faults (trial/redis): a half-open probe whose outcome
 Redis could not take (frozen for 2 s while the probe ran) left the shared breaker half-open
 with the probe's lease held, so every replica refused a healthy upstream 503
-``circuit_open`` for the rest of the lease (``PROBE_LEASE_S``, 30 s: 28 s after Redis was
+``circuit_open`` for the rest of the lease (a fixed 30 s then: 28 s after Redis was
 back, with ``reset_timeout: 2s``). The outcome is now delivered once Redis answers."""
 
 from __future__ import annotations

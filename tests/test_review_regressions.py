@@ -86,8 +86,9 @@ async def test_a_probe_past_its_lease_no_longer_refuses_every_call(
     # Seen: on a memory route a probe whose upstream is slow to answer (timeouts.total is 600 s
     # by default) keeps the view "half-open, a probe in flight" until it ends, so the
     # pipeline's check() refuses every call 503 circuit_open for that long. The state itself
-    # lets another call probe once the probe's lease (PROBE_LEASE_S) has lapsed, as a probing
-    # replica that died would (the sibling of ef19128, a probe whose caller left).
+    # lets another call probe once the probe's lease (state.lease) has lapsed, as it does when
+    # its renewal stops (the probing replica died; here no loop time passes for it to run),
+    # the sibling of ef19128, a probe whose caller left.
     clock = Clock()
     monkeypatch.setattr(brk.time, "monotonic", clock)
     backends = memory_backends()
@@ -100,7 +101,7 @@ async def test_a_probe_past_its_lease_no_longer_refuses_every_call(
     await breaker.attempt()  # the probe: its upstream does not answer
     with pytest.raises(Rejected):
         breaker.check()  # while its lease holds, the others wait for its verdict
-    clock.now += brk.PROBE_LEASE_S + 1
+    clock.now += backends.lease_s + 1
     breaker.check()  # the lease lapsed: the next caller may probe
     second = await breaker.attempt()
     assert second.ticket.probe is not None

@@ -138,6 +138,32 @@ async def test_a_probe_lease_lapses_when_its_replica_dies(backends: StateBackend
     assert (await backends.breakers.admit("r", params)).ticket.probe is not None
 
 
+async def test_only_its_holder_renews_a_probe_lease_and_only_while_it_holds_it(
+        backends: StateBackends):
+    """Renewed, a lease outlives its lease time; a renewal never takes back a lease given
+    back, lapsed or taken by another probe since."""
+    breakers = backends.breakers
+    params = PARAMS._replace(probe_s=1.0)
+    await trip(backends, params)
+    await asyncio.sleep(0.16)
+    probe = await breakers.admit("r", params)
+    for _ in range(4):  # 1.2 s in all, past its 1 s
+        await asyncio.sleep(0.3)
+        assert await breakers.renew("r", probe.ticket, params.probe_s)
+    assert not (await breakers.admit("r", params)).allowed
+    assert not await breakers.renew("r", Ticket(probe.ticket.epoch, "another"), 1.0)
+    await breakers.record("r", probe.ticket, NEUTRAL, params)  # given back
+    assert not await breakers.renew("r", probe.ticket, params.probe_s)
+    second = await breakers.admit("r", params)
+    assert second.ticket.probe is not None  # the renewal took nothing back
+    await asyncio.sleep(params.probe_s + 0.1)  # not renewed: it lapses
+    third = await breakers.admit("r", params)
+    assert third.ticket.probe is not None
+    assert not await breakers.renew("r", second.ticket, params.probe_s)  # another's now
+    assert not (await breakers.admit("r", params)).allowed
+    assert not await breakers.renew("other", third.ticket, params.probe_s)
+
+
 async def test_a_failure_rate_over_the_window_opens(backends: StateBackends):
     params = BreakerParams(fail_max=100, reset_s=30, window_s=10, rate=0.5, min_calls=4)
     breakers = backends.breakers

@@ -11,7 +11,9 @@ their next call, and half-open lets exactly one probe through across all of them
   which at least ``rate`` failed (Resilience4j's TIME_BASED window).
 * **open** refuses until ``open_until``; the first attempt after it moves to half-open.
 * **half-open** admits one probe at a time: a *probe lease* (``SET NX PX probe_s``) that the
-  probe's outcome removes, or that lapses if the probing replica dies. ``success_threshold``
+  probe's outcome removes. Its holder renews it while the probe runs (:meth:`~BreakerStates.
+  renew`), so a probe longer than ``probe_s`` keeps it, and a probing replica that dies (or
+  stops renewing) loses it ``probe_s`` after its last renewal at most. ``success_threshold``
   successful probes in a row close; a failed probe opens again.
 
 Each transition bumps an *epoch*; an attempt's :class:`Ticket` carries the epoch it was
@@ -84,8 +86,8 @@ class BreakerParams(NamedTuple):
         window_s: the failure-rate window, seconds, or ``None`` for none.
         rate: failure fraction over the window that opens (with ``window_s``).
         min_calls: outcomes the window needs before it can open.
-        probe_s: how long a probe may hold the half-open lease, seconds (its attempt's
-            time limit): past it, another replica may probe.
+        probe_s: how long the half-open probe's lease lasts unless its holder renews it,
+            seconds (``state.lease``): past it, another replica may probe.
     """
 
     fail_max: int
@@ -94,7 +96,7 @@ class BreakerParams(NamedTuple):
     window_s: float | None = None
     rate: float = 1.0
     min_calls: int = 1
-    probe_s: float = 30.0
+    probe_s: float = 5.0
 
 
 class Ticket(NamedTuple):
@@ -199,6 +201,16 @@ class BreakerStates(Protocol):
 
     async def view(self, group: str) -> View:
         """Read the breaker without changing it."""
+        ...
+
+    async def renew(self, group: str, ticket: Ticket, lease_s: float) -> bool:
+        """Make the probe lease ``ticket`` holds last ``lease_s`` seconds from now.
+
+        Returns:
+            False when ``ticket`` does not hold it (any more): its outcome freed it, it
+            lapsed, another probe took it since, or the breaker moved on. It is not taken
+            again: the breaker's state may have changed meanwhile.
+        """
         ...
 
 
@@ -318,6 +330,14 @@ class MemoryBreakerStates:
 
     async def flush(self, group: str, params: BreakerParams) -> Verdict | None:
         return None
+
+    async def renew(self, group: str, ticket: Ticket, lease_s: float) -> bool:
+        m = self._machines.get(group)
+        now = int(self._clock() * 1000)
+        if m is None or m.probe is None or m.probe[0] != ticket.probe or m.probe[1] <= now:
+            return False
+        m.probe = (m.probe[0], now + _ms(lease_s))
+        return True
 
     async def view(self, group: str) -> View:
         m = self._machines[group]
@@ -530,6 +550,16 @@ return {state, left, probing, cause, epoch}
 """)
 
 
+# KEYS: probe lease. ARGV: token, lease ms. Returns 1 if renewed, 0 if not the token's.
+_RENEW = Script("""
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return 1
+end
+return 0
+""")
+
+
 class RedisBreakerStates:
     """Breakers in Redis; one ``EVALSHA`` per call on the route's slot (none for a deferred
     success)."""
@@ -585,6 +615,10 @@ class RedisBreakerStates:
             _RECORD, self._keys(group), args)
         return Verdict(int(state), transition.decode() or None, cause.decode(),
                        int(left_ms) / 1000)
+
+    async def renew(self, group: str, ticket: Ticket, lease_s: float) -> bool:
+        return bool(await self._state.eval(_RENEW, [self._state.key(group, "breaker", "probe")],
+                                           [ticket.probe or "", _ms(lease_s)]))
 
     async def view(self, group: str) -> View:
         state, left_ms, probing, cause, epoch = await self._state.eval(
