@@ -241,6 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
         command.add_argument("run", metavar="RUN", help="the run's X-Run-ID value")
         run_commands.append(command)
     for command in run_commands:
+        command.add_argument("--tenant", metavar="NAME",
+                             help="one tenant's runs only (default: every tenant's)")
         command.add_argument("--config",
                              help=f"names the admin port and token (default: {DEFAULT_CONFIG}, "
                                   "unless --admin is given)")

@@ -41,7 +41,7 @@ async def test_width_3_keeps_10_calls_of_one_run_to_3_at_the_upstream(upstream, 
         other = asyncio.create_task(post(s, f"{sluice.url}/tools/x", run_headers("r2")))
         await wait_until(lambda: upstream.inflight == 4, what="3 of r1 and 1 of r2 upstream")
         async with s.get(f"{sluice.admin_url}/admin/runs/r1") as r:
-            shown = await r.json()
+            (shown,) = (await r.json())["runs"]
         assert (shown["inflight"], shown["queued"]) == (3, 7)
         upstream.hold.set()
         answers = await asyncio.gather(*calls, other)
@@ -79,7 +79,7 @@ async def test_depth_2_refuses_a_grandchilds_grandchild(upstream, start_sluice):
                 ("great", "grandchild"), ("great-great", "great")]
         answers = [await post(s, url, run_headers(run, parent)) for run, parent in tree]
         async with s.get(f"{sluice.admin_url}/admin/runs/great-great") as r:
-            assert (await r.json())["depth"] == 4
+            assert (await r.json())["runs"][0]["depth"] == 4
     assert [status for status, _, _ in answers] == [200, 200, 200, 429, 429]
     _, headers, body = answers[4]
     assert headers["X-Sluice-Reason"] == "fanout_limited"
@@ -169,7 +169,7 @@ async def _until_queued(s: aiohttp.ClientSession, sluice, run: str, queued: int)
     deadline = time.monotonic() + 10
     while True:
         async with s.get(f"{sluice.admin_url}/admin/runs/{run}") as r:
-            if (await r.json())["queued"] == queued:
+            if (await r.json())["runs"][0]["queued"] == queued:
                 return
         assert time.monotonic() < deadline, f"run {run} never had {queued} queued"
         await asyncio.sleep(0.02)
@@ -239,11 +239,11 @@ async def test_cancel_answers_in_flight_and_queued_calls_at_once(upstream, start
     async with aiohttp.ClientSession() as s:
         # A child run that exists before the cancel, with a call queued too.
         async with s.get(f"{sluice.admin_url}/admin/runs/job") as r:
-            assert (await r.json())["inflight"] == 3
+            assert (await r.json())["runs"][0]["inflight"] == 3
         await wait_until(lambda: len(upstream.requests) == 3, what="3 streams upstream")
         for _ in range(50):
             async with s.get(f"{sluice.admin_url}/admin/runs/job") as r:
-                if (await r.json())["queued"] == 5:
+                if (await r.json())["runs"][0]["queued"] == 5:
                     break
             await asyncio.sleep(0.02)
         started = time.monotonic()
@@ -317,7 +317,7 @@ async def test_cancel_needs_the_token_and_reads_stay_open(upstream, start_sluice
     assert await asyncio.to_thread(cli_main, ["runs", "cancel", "r", *argv]) == 0
     out = capsys.readouterr().out
     assert "r-kid" in out and "children: r-kid" in out
-    assert "cancelled r, r-kid: 0 call(s) ended" in out
+    assert "cancelled r, r-kid of default: 0 call(s) ended" in out
     assert await asyncio.to_thread(cli_main, ["runs", "show", "nope", *argv]) == 1
     # --admin alone needs no config file: run where none is at the default path.
     listed_cli = await asyncio.to_thread(

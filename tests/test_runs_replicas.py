@@ -65,8 +65,9 @@ async def stream(session: aiohttp.ClientSession, sluice, run: str, parent: str |
 
 
 async def run_view(session: aiohttp.ClientSession, sluice, run: str) -> dict:
+    """The admin view of ``run`` of the one tenant these tests' calls are of."""
     async with session.get(f"{sluice.admin_url}/admin/runs/{run}") as r:
-        return await r.json() if r.status == 200 else {}
+        return (await r.json())["runs"][0] if r.status == 200 else {}
 
 
 async def cancel(session: aiohttp.ClientSession, sluice, run: str) -> dict:
@@ -374,7 +375,8 @@ def run_counts(state: dict, run: str) -> list[int]:
     """The counts of ``run``'s calls held in Redis, one per scope, read from Redis itself."""
     client = redis_client(str(state["redis_url"]))
     try:
-        return [int(n) for key in client.scan_iter(f"{state['key_prefix']}:*:run:{run}")
+        # The key names the run's tenant before its id (policies/state/runs.py).
+        return [int(n) for key in client.scan_iter(f"{state['key_prefix']}:*:run:*:{run}")
                 for field, n in client.hgetall(key).items() if field.startswith(b"n:")]
     finally:
         client.close()
@@ -384,8 +386,9 @@ def width_leases(state: dict, run: str) -> int:
     """Leases of ``run``'s width held in Redis, whatever the scope, read from Redis itself."""
     client = redis_client(str(state["redis_url"]))
     try:
+        # The group names the run's tenant before its id (policies.operations.width_limiters).
         return sum(client.zcard(key) for key in
-                   client.scan_iter(f"{state['key_prefix']}:*run:{run}" + "}:conc"))
+                   client.scan_iter(f"{state['key_prefix']}:*run:*:{run}" + "}:conc"))
     finally:
         client.close()
 

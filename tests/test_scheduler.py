@@ -159,7 +159,7 @@ def test_idle_runs_are_swept():
     registry.resolve("kid", "old", "t")
     now[0] = 100_000.0
     registry.resolve("new", None, "t")
-    assert set(registry.runs) == {"new"}
+    assert set(registry.runs) == {("t", "new")}
 
 
 async def test_an_idle_parent_is_kept_while_its_child_calls_so_its_cancel_reaches_it():
@@ -173,8 +173,8 @@ async def test_an_idle_parent_is_kept_while_its_child_calls_so_its_cancel_reache
     for _ in range(30):  # the sub-agent works on, hourly, for 30 h
         now[0] += 3600.0
         (await tracker.admit(_call("kid", "root"))).release(Outcome("2xx", True))
-    assert registry.runs["kid"].parent is registry.runs.get("root")
-    registry.cancel("root", 600.0)
+    assert registry.runs[("t", "kid")].parent is registry.runs.get(("t", "root"))
+    registry.cancel("root", 600.0, "t")
     with pytest.raises(Rejected) as refused:
         await tracker.admit(_call("kid", "root"))
     assert refused.value.reason is Reason.RUN_CANCELLED
@@ -199,7 +199,7 @@ async def test_tracker_inherits_and_refuses_a_passed_parent_deadline():
     with pytest.raises(Rejected) as refused:
         await tracker.admit(late)
     assert refused.value.reason is Reason.DEADLINE_UNREACHABLE
-    view = registry.view(registry.runs["p"], detail=True)
+    view = registry.view(registry.runs[("t", "p")], detail=True)
     assert (view["calls"], view["own"]["calls"], view["children"]) == (1, 1, ["c", "c2"])
 
 
