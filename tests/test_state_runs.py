@@ -230,3 +230,37 @@ async def test_a_count_made_as_the_caller_leaves_is_given_back(where, step):
         # Shutdown's wait (Runtime.close) covers the step still on its way and its give-back.
         await registry.background.wait()
         assert await real("s", "t", ("r1",), 1) == (None, 1)  # the one allowed call is free
+
+
+async def test_two_tenants_runs_of_one_id_are_apart(where):
+    """A run is a tenant's run id: two tenants' ``b`` link, count and are cancelled apart;
+    a cancel naming no tenant hits every tenant that has the id (and says which), none
+    that does not; every feed hears each tenant's cancel with its tenant."""
+    async with shared_runs(*where) as runs, shared_runs(*where) as other:
+        assert (await runs.admit("team-a", "b", "a")).ids == ("b", "a")
+        assert (await runs.admit("team-b", "b", None)).ids == ("b",)
+        # team-b's a is new, so it links under team-b's b (no cycle: team-a's b is not it).
+        assert (await runs.admit("team-b", "a", "b")).ids == ("a", "b")
+        assert (await runs.admit("team-a", "b", None)).ids == ("b", "a")
+        assert await runs.take_request("s", "team-a", ("b", "a"), 1) == (None, 1)
+        assert await runs.take_request("s", "team-a", ("b", "a"), 1) == ("b", 0)
+        counted = await runs.admit("team-b", "b", None, [Count("s", 1, None, None)])
+        assert (counted.tenant, counted.counted, counted.full) == ("team-b", True, (None,))
+
+        heard: list[tuple[str, str]] = []
+        other.feed.start(lambda tenant, run, left: heard.append((tenant, run)))
+        await asyncio.wait_for(other.feed.subscribed.wait(), 5)
+        assert await runs.cancel("b", 60, ["team-a"]) == {"team-a": pytest.approx(60, abs=1)}
+        assert (await runs.admit("team-a", "b", None)).cancelled == "b"
+        assert (await runs.admit("team-b", "b", None)).cancelled is None
+        assert set(await runs.cancel("a", 30, every=True)) == {"team-a", "team-b"}
+        assert (await runs.admit("team-b", "a", None)).cancelled == "a"
+        assert (await runs.admit("team-c", "a", None)).cancelled is None  # new after it
+        assert await runs.cancel("nobody-s", 30, every=True) == {}
+        for _ in range(250):
+            if len(heard) >= 3:
+                break
+            await asyncio.sleep(0.02)
+        assert set(heard) == {("team-a", "b"), ("team-a", "a"), ("team-b", "a")}
+        assert sorted((tenant, run) for tenant, run, _ in await runs.in_force()) == [
+            ("team-a", "a"), ("team-a", "b"), ("team-b", "a")]
