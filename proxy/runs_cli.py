@@ -68,9 +68,12 @@ def _call(method: str, url: str, bearer: str | None = None) -> tuple[int, Any]:
             return error.code, {"error": error.reason}
 
 
-def run(config: Config | None, args: argparse.Namespace, out: IO[str] = sys.stdout) -> int:
-    """Carry out ``sluice runs ...``; returns the exit status. ``config`` is ``None`` when
-    ``--admin`` names the address and no ``--config`` was given."""
+def run(config: Config | None, args: argparse.Namespace, out: IO[str] | None = None) -> int:
+    """Carry out ``sluice runs ...``, writing to ``out`` (``sys.stdout`` as it is when
+    called); returns the exit status. ``config`` is ``None`` when ``--admin`` names the
+    address and no ``--config`` was given."""
+    if out is None:
+        out = sys.stdout
     base = args.admin or admin_url(config)  # type: ignore[arg-type]  (None only with --admin)
     query = f"?{urllib.parse.urlencode({'tenant': args.tenant})}" if args.tenant else ""
     try:
