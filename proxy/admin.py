@@ -60,6 +60,7 @@ from typing import Any
 from aiohttp import web
 
 from policies.config import IDENTITY_VALUE, MAX_IDENTITY_LENGTH
+from policies.runs import LiveCall, RunInfo
 from policies.state import StateUnavailable
 from proxy.config import load_token
 from proxy.redact import redact
@@ -170,7 +171,8 @@ async def admin_cancel_run(request: web.Request) -> web.Response:
                       f"{MAX_IDENTITY_LENGTH} characters, as X-Run-ID takes"}, status=400)
     started = time.monotonic()
     tenants = [tenant] if tenant is not None else registry.tenants_of(run)
-    runs, calls = [], []
+    runs: list[RunInfo] = []
+    calls: list[LiveCall] = []
     # Here first, so this replica's calls end without waiting for Redis.
     for name in tenants:
         cancelled, ended = registry.cancel(run, runtime.cancel_ttl, name)
