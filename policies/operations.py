@@ -111,15 +111,17 @@ def new_limiter(c: ConcurrencyConfig | None, backends: StateBackends,
 def width_limiters(backends: StateBackends, scope: str) -> WidthLimiters:
     """How a ``fanout.width`` of ``scope`` (a route's name, or ``*`` for the top-level block)
     builds each live run's limiter: in this process's memory, or with the Redis backend one
-    whose ``width`` holds across replicas (leases in the group ``<scope>/run:<run>``, one
-    hash slot per run; the run's queue stays local, :mod:`policies.shared_concurrency`).
-    ``*`` is no route name, so the top level's leases never mix with a route's."""
+    whose ``width`` holds across replicas (leases in the group
+    ``<scope>/run:<len(tenant)>:<tenant>:<run>``, one hash slot per tenant's run, the length
+    keeping any tenant and run pair from reading as another; the run's queue stays local,
+    :mod:`policies.shared_concurrency`). ``*`` is no route name, so the top level's leases
+    never mix with a route's."""
     if backends.redis is None:
         return local_width
 
-    def shared(run: str, width: int, max_wait: float) -> ConcurrencyLimiter:
+    def shared(tenant: str, run: str, width: int, max_wait: float) -> ConcurrencyLimiter:
         return SharedConcurrencyLimiter(width, WIDTH_QUEUE, max_wait, None, backends=backends,
-                                        group=f"{scope}/run:{run}")
+                                        group=f"{scope}/run:{len(tenant)}:{tenant}:{run}")
     return shared
 
 

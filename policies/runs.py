@@ -1,8 +1,11 @@
 """Runs as the unit of work: run trees, fan-out limits, run budgets and cancellation.
 
-A run is named by ``identity.run_header`` (``X-Run-ID``); ``identity.parent_run_header``
-(``X-Parent-Run-ID``) links it to the run that delegated it. The links make a tree, and the
-tree is what Sluice reasons about:
+A run is named by ``identity.run_header`` (``X-Run-ID``) *within its caller's tenant*: a run
+is the pair (tenant, run id), so two tenants naming ``run-1`` have two runs, with their own
+counts, links, fan-out and cancellation (as their token and USD budgets are their own,
+``policies/budget.py``). ``identity.parent_run_header`` (``X-Parent-Run-ID``) links it to the
+run that delegated it, looked up in the same tenant. The links make a tree, and the tree is
+what Sluice reasons about:
 
 * **Depth** is derived from the links (a root is depth 0, its child 1, ...), never read from
   a header, so an agent cannot claim to be shallower than it is. A run keeps the parent it was
@@ -15,11 +18,11 @@ tree is what Sluice reasons about:
   on every ancestor (see ``policies/budget.py``), so a parent's limit bounds its whole subtree.
 * **Fan-out** (``fanout: {width, depth}``): per run at most ``width`` calls in flight (more
   wait up to ``max_wait`` in the run's own queue) and at most ``depth`` levels of delegation.
-* **Cancellation** (``POST /admin/runs/{run}/cancel``) marks the run and its descendants
-  cancelled for ``run.cancel_ttl``, refuses their queued calls at once and closes their
-  calls in flight (their tasks are cancelled, which closes the upstream connection; streamed
-  usage is still charged by the accounting holding). A run created later under a cancelled
-  ancestor is refused too.
+* **Cancellation** (``POST /admin/runs/{run}/cancel``, in every tenant that has the run, or
+  in one) marks the run and its descendants cancelled for ``run.cancel_ttl``, refuses their
+  queued calls at once and closes their calls in flight (their tasks are cancelled, which
+  closes the upstream connection; streamed usage is still charged by the accounting
+  holding). A run created later under a cancelled ancestor is refused too.
 
 A ``run`` or ``fanout`` block on a route limits the run's calls on that route; the same blocks
 at the top level of the config limit them across all routes together. Both apply.
@@ -87,7 +90,8 @@ class RunInfo:
     """What Sluice knows of one run on this replica.
 
     Attributes:
-        id, tenant: the run id and the tenant of its first call.
+        id, tenant: the run id and its tenant (every call of the run is the tenant's).
+        key: ``(tenant, id)``, its key in :attr:`RunRegistry.runs`.
         parent: the parent run, or ``None`` for a root.
         depth: delegation levels below its root.
         started, started_wall: its first call (monotonic, Unix seconds).
@@ -105,12 +109,13 @@ class RunInfo:
     """
 
     __slots__ = ("attempts", "calls", "cancelled_until", "children", "counts", "deadline",
-                 "depth", "holders", "id", "last_seen", "live", "parent", "priority",
+                 "depth", "holders", "id", "key", "last_seen", "live", "parent", "priority",
                  "started", "started_wall", "tenant", "timed", "tokens", "usd")
 
     def __init__(self, run: str, tenant: str, parent: RunInfo | None, now: float) -> None:
         self.id = run
         self.tenant = tenant
+        self.key = (tenant, run)
         self.parent = parent
         self.depth = 0 if parent is None else parent.depth + 1
         self.started = now
@@ -126,6 +131,7 @@ class RunInfo:
         self.tokens = 0
         self.usd = 0.0
         self.cancelled_until = 0.0
+        #: Its child runs' ids (all of its tenant).
         self.children: set[str] = set()
         self.live: set[LiveCall] = set()
         self.holders: dict[str, set[Call]] | None = None
@@ -172,7 +178,7 @@ class RunRegistry:
     beside them when there is one.
 
     Every operation on memory completes without suspending, so each is atomic on the event
-    loop; the shared ones are each one script in Redis.
+    loop; the shared ones are each one script in Redis. Runs are keyed ``(tenant, run id)``.
 
     Args:
         clock: monotonic seconds.
@@ -183,7 +189,7 @@ class RunRegistry:
     def __init__(self, clock: Callable[[], float] = time.monotonic, *,
                  shared: RedisRuns | None = None, fallback: Fallback | None = None) -> None:
         self.clock = clock
-        self.runs: dict[str, RunInfo] = {}
+        self.runs: dict[tuple[str, str], RunInfo] = {}
         self._next_sweep = 0.0
         self.shared = shared
         self.fallback = fallback if fallback is not None else Fallback("local", 1)
@@ -195,7 +201,8 @@ class RunRegistry:
     # -- the tree -----------------------------------------------------------------------------
 
     def resolve(self, run: str, parent: str | None, tenant: str) -> RunInfo:
-        """The run ``run`` (created on first sight, linked under ``parent`` if given).
+        """The run ``run`` of ``tenant`` (created on first sight, linked under the tenant's
+        run ``parent`` if given).
 
         Memory stays bounded whatever run ids callers send: past :data:`MAX_RUNS` runs, the
         least recently seen ones are forgotten if they hold nothing a limit needs (no call
@@ -212,24 +219,25 @@ class RunRegistry:
         if now >= self._next_sweep:
             self._sweep(now)
         runs = self.runs
-        info = runs.pop(run, None)
+        key = (tenant, run)
+        info = runs.pop(key, None)
         if info is None:
             up = None
             if parent is not None and parent != run:
-                up = self.runs.get(parent) or self.resolve(parent, None, tenant)
+                up = runs.get((tenant, parent)) or self.resolve(parent, None, tenant)
             info = RunInfo(run, tenant, up, now)
-            runs[run] = info
+            runs[key] = info
             if up is not None:
                 up.children.add(run)
             if len(runs) > MAX_RUNS:
                 self._evict(now)
         else:
-            runs[run] = info  # last in the dict: the most recently seen
+            runs[key] = info  # last in the dict: the most recently seen
             if info.parent is None and parent is not None and parent != run \
                     and not info.live and not info.counts:
                 # Named as a root first only by a call that counted nothing: link it now,
                 # unless the link would make a cycle.
-                up = self.runs.get(parent) or self.resolve(parent, None, tenant)
+                up = runs.get((tenant, parent)) or self.resolve(parent, None, tenant)
                 if all(node is not info for node in up.lineage()):
                     info.parent = up
                     info.depth = up.depth + 1
@@ -237,8 +245,14 @@ class RunRegistry:
         info.last_seen = now
         return info
 
-    def get(self, run: str) -> RunInfo | None:
-        return self.runs.get(run)
+    def get(self, run: str, tenant: str) -> RunInfo | None:
+        """The run ``run`` of ``tenant``, if known here."""
+        return self.runs.get((tenant, run))
+
+    def tenants_of(self, run: str) -> list[str]:
+        """The tenants that have a run named ``run`` here, sorted (a scan of every run known:
+        for the admin API, never the request path)."""
+        return sorted(tenant for tenant, name in self.runs if name == run)
 
     def adopt(self, info: RunInfo, lineage: Lineage) -> None:
         """Make this replica's tree agree with the shared one along ``info``'s lineage (its
@@ -246,12 +260,13 @@ class RunRegistry:
         see the tree every replica sees. Ancestors unknown here are created."""
         now = self.clock()
         wall = time.time()
+        tenant = info.tenant
         up: RunInfo | None = None
         for index in range(len(lineage.ids) - 1, -1, -1):
             name = lineage.ids[index]
-            node = info if index == 0 else self.runs.get(name)
+            node = info if index == 0 else self.runs.get((tenant, name))
             if node is None:
-                node = self.runs[name] = RunInfo(name, info.tenant, up, now)
+                node = self.runs[(tenant, name)] = RunInfo(name, tenant, up, now)
                 if len(self.runs) > MAX_RUNS:
                     self._evict(now)
             if node.parent is not up:
@@ -271,10 +286,12 @@ class RunRegistry:
     def subtree(self, info: RunInfo) -> list[RunInfo]:
         """``info`` and every descendant known here, parents before children."""
         out, todo = [], [info]
+        tenant = info.tenant
         while todo:
             node = todo.pop()
             out.append(node)
-            todo.extend(child for name in node.children if (child := self.runs.get(name)))
+            todo.extend(child for name in node.children
+                        if (child := self.runs.get((tenant, name))))
         return out
 
     # -- counters (run budgets) ---------------------------------------------------------------
@@ -303,18 +320,21 @@ class RunRegistry:
         for count in part.counts:
             if count.scope not in part.claimed:
                 self.background.start(
-                    self.shared.give_back_request(count.scope, part.lineage.ids),
+                    self.shared.give_back_request(count.scope, part.lineage.tenant,
+                                                  part.lineage.ids),
                     "run request give-back")
 
     # -- cancellation -------------------------------------------------------------------------
 
-    def cancel(self, run: str, ttl_s: float, tenant: str = "") -> tuple[list[RunInfo],
-                                                                         list[LiveCall]]:
-        """Cancel ``run`` and its descendants on this replica for ``ttl_s`` seconds (what a
-        cancel made here, or heard from another replica, does here).
+    def cancel(self, run: str, ttl_s: float, tenant: str) -> tuple[list[RunInfo],
+                                                                   list[LiveCall]]:
+        """Cancel ``tenant``'s run ``run`` and its descendants on this replica for ``ttl_s``
+        seconds (what a cancel made here, or heard from another replica, does here); the
+        run is created if unknown, so that its first calls are refused too. Other tenants'
+        runs of that name are not touched.
 
-        The descendants are the runs below ``run`` in this replica's tree, and the runs of
-        live calls whose lineage, as the shared state gave it, includes ``run``.
+        The descendants are the runs below ``run`` in this replica's tree, and the tenant's
+        runs of live calls whose lineage, as the shared state gave it, includes ``run``.
 
         Returns:
             ``(runs, calls)``: the runs now cancelled, and their calls that were live (each
@@ -325,7 +345,8 @@ class RunRegistry:
         runs = self.subtree(info)
         seen = {node.id for node in runs}
         for node in self.runs.values():
-            if node.id not in seen and any(run in live.call.lineage for live in node.live):
+            if node.tenant == tenant and node.id not in seen and any(
+                    run in live.call.lineage for live in node.live):
                 runs.append(node)
                 seen.add(node.id)
         calls: list[LiveCall] = []
@@ -357,10 +378,10 @@ class RunRegistry:
         # this object, so forgetting it would leave the child under a run that no cancel,
         # count or view of that name reaches. An idle child goes first, then its parent if
         # that leaves it idle and childless, up the tree.
-        for name in [name for name, info in self.runs.items() if idle(info)]:
-            info = self.runs.get(name)
-            while info is not None and idle(info) and self.runs.get(info.id) is info:
-                del self.runs[info.id]
+        for key in [key for key, info in self.runs.items() if idle(info)]:
+            info = self.runs.get(key)
+            while info is not None and idle(info) and self.runs.get(info.key) is info:
+                del self.runs[info.key]
                 parent = info.parent
                 if parent is not None:
                     parent.children.discard(info.id)
@@ -371,14 +392,14 @@ class RunRegistry:
         most :data:`MAX_RUNS` remain, looking at :data:`EVICT_SCAN` runs at most (never at the
         newest, the run being created)."""
         runs = self.runs
-        for name in list(itertools.islice(runs, min(EVICT_SCAN, len(runs) - 1))):
+        for key in list(itertools.islice(runs, min(EVICT_SCAN, len(runs) - 1))):
             if len(runs) <= MAX_RUNS:
                 return
-            info = runs.pop(name)
+            info = runs.pop(key)
             holds = info.timed or any(info.counts.values())
             if info.live or info.children or info.cancelled_until > now or (
                     holds and len(runs) < MAX_COUNTED_RUNS):
-                runs[name] = info  # kept: to the end, so the next scan looks further
+                runs[key] = info  # kept: to the end, so the next scan looks further
                 continue
             if holds:
                 # One text whatever the run, so that the log's repeat filter folds a flood.
@@ -386,7 +407,7 @@ class RunRegistry:
                             "counts are forgotten, their counts with them", MAX_COUNTED_RUNS,
                             extra=PER_CALL)
             if info.parent is not None:
-                info.parent.children.discard(name)
+                info.parent.children.discard(info.id)
 
     def view(self, info: RunInfo, *, detail: bool = False) -> dict[str, Any]:
         """One run as the admin API shows it (JSON-ready), descendants' totals included."""
@@ -503,7 +524,8 @@ class RunTracker:
         registry = self.registry
         counts = [count for limits in self.limits if (count := limits.shared_count())]
         try:
-            lineage = await survive_leaving(shared.admit(info.id, call.parent_run, counts),
+            lineage = await survive_leaving(shared.admit(info.tenant, info.id, call.parent_run,
+                                                         counts),
                                              lambda late: self._give_back(call, counts, late),
                                              registry.background.spawn)
         except StateUnavailable as exc:
@@ -515,7 +537,7 @@ class RunTracker:
         registry.adopt(info, lineage)
         call.lineage = lineage.ids[1:]
         if lineage.cancelled is not None:
-            stopped = registry.get(lineage.cancelled)
+            stopped = registry.get(lineage.cancelled, info.tenant)
             if stopped is not None:  # remembered here too, should Redis stop answering
                 stopped.cancelled_until = max(stopped.cancelled_until,
                                               registry.clock() + lineage.cancelled_left)
@@ -614,7 +636,7 @@ class RunLimits:
         if call.run is None:
             return None
         registry = self.registry
-        info = registry.get(call.run)
+        info = registry.get(call.run, call.tenant)
         if info is None:  # admitted by no tracker (a direct test of the policy)
             info = registry.resolve(call.run, call.parent_run, call.tenant)
         if self.depth is not None and info.depth > self.depth:
@@ -665,7 +687,7 @@ class RunLimits:
         budget is while only reservations in flight deny it. Costs one look at each holder.
         Calls on other replicas are not known here: a refusal they would have made retryable
         is final."""
-        node = self.registry.get(full)
+        node = self.registry.get(full, call.tenant)
         holders = node.holders.get(self.scope, ()) if node is not None and node.holders else ()
         pending = sum(1 for held in holders if held is not call and not held.reached)
         if pending:
@@ -708,10 +730,11 @@ class RunLimits:
         shared = registry.shared
         if shared is not None:
             ids = tuple(node.id for node in lineage)
+            tenant = lineage[0].tenant
             try:
                 full, high = await survive_leaving(
-                    shared.take_request(self.scope, ids, limit),
-                    lambda late: self._give_back(shared, ids, late[0]),
+                    shared.take_request(self.scope, tenant, ids, limit),
+                    lambda late: self._give_back(shared, tenant, ids, late[0]),
                     registry.background.spawn)
             except StateUnavailable as exc:
                 if registry.fallback.mode == "reject":
@@ -724,10 +747,11 @@ class RunLimits:
             return None, node.id, 1.0
         return None, None, max(n.counts[self.scope] for n in lineage) / limit
 
-    def _give_back(self, shared: RedisRuns, ids: tuple[str, ...], full: str | None) -> None:
+    def _give_back(self, shared: RedisRuns, tenant: str, ids: tuple[str, ...],
+                   full: str | None) -> None:
         """Give back the count a call whose caller left during :meth:`_take` made."""
         if full is None:  # counted
-            self.registry.background.start(shared.give_back_request(self.scope, ids),
+            self.registry.background.start(shared.give_back_request(self.scope, tenant, ids),
                                            "run request give-back")
 
 
@@ -766,26 +790,27 @@ class _Counted:
             self.registry.give_back_request(self.scope, self.lineage)
         else:
             self.registry.background.start(
-                self.shared.give_back_request(self.scope,
+                self.shared.give_back_request(self.scope, self.lineage[0].tenant,
                                               tuple(node.id for node in self.lineage)),
                 "run request give-back")
 
 
-#: Builds the limiter of one live run for a :class:`FanoutWidth`: ``(run, width, max_wait)``
-#: -> a limiter of ``width`` slots whose queue (:data:`WIDTH_QUEUE` places) waits up to
-#: ``max_wait`` seconds. The memory one is :func:`local_width`; with the Redis backend the
-#: server passes one whose slots are leases every replica shares.
-WidthLimiters = Callable[[str, int, float], ConcurrencyLimiter]
+#: Builds the limiter of one live run for a :class:`FanoutWidth`: ``(tenant, run, width,
+#: max_wait)`` -> a limiter of ``width`` slots whose queue (:data:`WIDTH_QUEUE` places) waits
+#: up to ``max_wait`` seconds. The memory one is :func:`local_width`; with the Redis backend
+#: the server passes one whose slots are leases every replica shares.
+WidthLimiters = Callable[[str, str, int, float], ConcurrencyLimiter]
 
 
-def local_width(run: str, width: int, max_wait: float) -> ConcurrencyLimiter:
+def local_width(tenant: str, run: str, width: int, max_wait: float) -> ConcurrencyLimiter:
     """The limiter of one run's width in this process's memory."""
     return ConcurrencyLimiter(width, WIDTH_QUEUE, max_wait, None)
 
 
 class FanoutWidth:
-    """``fanout.width``: per run, at most ``width`` calls in flight in this scope; more wait
-    in the run's own queue (a limiter of ``policies/concurrency.py``, one per live run).
+    """``fanout.width``: per run (a tenant's run id), at most ``width`` calls in flight in
+    this scope; more wait in the run's own queue (a limiter of ``policies/concurrency.py``,
+    one per live run).
 
     Args:
         width, max_wait: the block's ``width`` and ``max_wait`` (seconds).
@@ -800,7 +825,7 @@ class FanoutWidth:
         self.width = width
         self.max_wait = max_wait
         self.limiters = limiters
-        self.runs: dict[str, _RunWidth] = {}
+        self.runs: dict[tuple[str, str], _RunWidth] = {}
 
     def reconfigure(self, config: FanoutConfig) -> None:
         """Adopt a new block in place (hot reload), keeping every run's held and queued calls."""
@@ -819,9 +844,11 @@ class FanoutWidth:
         run = call.run
         if run is None:
             return None
-        entry = self.runs.get(run)
+        key = (call.tenant, run)
+        entry = self.runs.get(key)
         if entry is None:
-            entry = self.runs[run] = _RunWidth(self.limiters(run, self.width, self.max_wait))
+            entry = self.runs[key] = _RunWidth(
+                self.limiters(call.tenant, run, self.width, self.max_wait))
         # Counted from here, not from the limiter's own counts: a shared limiter counts a
         # call only once Redis has answered, and the run's limiter must not be forgotten
         # (and a second one made) while a call of it waits for that answer.
@@ -831,7 +858,7 @@ class FanoutWidth:
             slot = await entry.limiter.take(run, call.priority, call.time_left(),
                                             queued_hook(call), reads=call.timeout_reads)
         except Rejected as rejected:
-            self._leave(run, entry)
+            self._leave(key, entry)
             if rejected.reason in (Reason.QUEUE_TIMEOUT, Reason.QUEUE_FULL):
                 raise Rejected(Reason.FANOUT_LIMITED, rejected.retry_after,
                                f"width: run {run} has {self.width} calls in flight "
@@ -839,14 +866,14 @@ class FanoutWidth:
                                ) from None
             raise
         except BaseException:
-            self._leave(run, entry)
+            self._leave(key, entry)
             raise
-        return _WidthSlot(self, run, entry, slot)
+        return _WidthSlot(self, key, entry, slot)
 
-    def _leave(self, run: str, entry: _RunWidth) -> None:
+    def _leave(self, key: tuple[str, str], entry: _RunWidth) -> None:
         entry.users -= 1
-        if not entry.users and self.runs.get(run) is entry:
-            del self.runs[run]
+        if not entry.users and self.runs.get(key) is entry:
+            del self.runs[key]
 
     def state(self) -> dict[str, object]:
         return {"width": self.width, "runs": len(self.runs)}
@@ -863,14 +890,15 @@ class _RunWidth:
 
 
 class _WidthSlot:
-    __slots__ = ("entry", "owner", "run", "slot")
+    __slots__ = ("entry", "key", "owner", "slot")
 
-    def __init__(self, owner: FanoutWidth, run: str, entry: _RunWidth, slot: Holding) -> None:
+    def __init__(self, owner: FanoutWidth, key: tuple[str, str], entry: _RunWidth,
+                 slot: Holding) -> None:
         self.owner = owner
-        self.run = run
+        self.key = key
         self.entry = entry
         self.slot = slot
 
     def release(self, outcome: Outcome) -> None:
         self.slot.release(outcome)
-        self.owner._leave(self.run, self.entry)
+        self.owner._leave(self.key, self.entry)

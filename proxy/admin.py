@@ -5,17 +5,37 @@
   Also the file's path, when it was loaded and how the last reload attempt went.
 * ``GET /admin/routes``: each route's live state: in flight (including requests admitted before
   a reload), and each policy's ``state()`` (limits, queued, bucket levels, per-tenant holders...).
-* ``GET /admin/runs``: the runs this replica knows, most recently active first (calls, spend,
-  depth, amplification, in flight and queued; descendants' totals included);
-  ``GET /admin/runs/{run}``: one run with its children and live calls (404 if unknown).
-* ``POST /admin/runs/{run}/cancel``: cancel a run and its descendants (``policies/runs.py``):
-  their queued calls are refused ``run_cancelled`` at once, their calls in flight closed, their
-  new calls refused for ``run.cancel_ttl``. Answers once the cancelled calls have all ended
-  (at most ``CANCEL_WAIT_S``), with ``quiet_ms``, the time from the cancel to the last of
-  them ending here. With the Redis backend the cancel is also recorded in Redis and published,
-  so every replica ends the run's calls and refuses its new ones (``"shared": true``); while
-  Redis does not answer it is sure to apply to this replica only (``"shared": false``, logged;
-  a Redis that was only slow may still run it and tell the others).
+A run is a tenant's run id (``policies/runs.py``): two tenants naming ``run-7`` have two runs.
+The run endpoints take ``?tenant=NAME`` (validated as ``X-Tenant-ID`` is: visible ASCII, at
+most 128 characters, sent once; else 400) to act on one tenant's run; without it they act on
+the run id in every tenant.
+
+* ``GET /admin/runs``: the runs this replica knows, each with its ``tenant``, most recently
+  active first (calls, spend, depth, amplification, in flight and queued; descendants' totals
+  included), at most ``RUNS_SHOWN`` (only the tenant's with ``?tenant=``):
+  ``{"runs": [...], "known": N}``.
+* ``GET /admin/runs/{run}``: ``{"run": RUN, "runs": [...]}``, one entry per tenant that has a
+  run of that id here (sorted by tenant), each with its ``tenant``, children and live calls;
+  404 if none.
+* ``POST /admin/runs/{run}/cancel``: cancel the run and its descendants (``policies/runs.py``)
+  in ``?tenant=``, else in every tenant that has a run of that id (known here, or with the Redis
+  backend known to Redis): their queued calls are refused ``run_cancelled`` at once, their
+  calls in flight closed, their new calls refused for ``run.cancel_ttl``. A cancel naming a
+  tenant whose run is not known yet refuses its first calls too; one naming none, for an id no
+  tenant has, cancels nothing (``"tenants": []``). Answers once the cancelled calls have all
+  ended (at most ``CANCEL_WAIT_S``)::
+
+      {"run": "run-7", "tenant": null, "tenants": ["team-a", "team-b"],
+       "cancelled_runs": [{"tenant": "team-a", "run": "run-7"}, ...],
+       "calls_ended": 3, "calls_still_running": 0, "quiet_ms": 4.1,
+       "refused_for_s": 600.0, "shared": true}
+
+  ``tenant`` is the one asked for (``null``: every tenant), ``tenants`` the tenants the cancel
+  hit, ``quiet_ms`` the time from the cancel to the last cancelled call ending here. With the
+  Redis backend the cancel is also recorded in Redis and published, so every replica ends the
+  runs' calls and refuses their new ones (``"shared": true``); while Redis does not answer it
+  is sure to apply to this replica only, and to the tenants known here (``"shared": false``,
+  logged; a Redis that was only slow may still run it and tell the others).
   Needs ``Authorization: Bearer TOKEN`` (``admin.token_file``, else the
   ``SLUICE_ADMIN_TOKEN`` environment variable; with neither, 403): read-only endpoints stay
   open, one that stops work does not.
@@ -40,6 +60,7 @@ from typing import Any
 from aiohttp import web
 
 from policies.config import IDENTITY_VALUE, MAX_IDENTITY_LENGTH
+from policies.runs import LiveCall, RunInfo
 from policies.state import StateUnavailable
 from proxy.config import load_token
 from proxy.redact import redact
@@ -91,26 +112,57 @@ def _authorized(request: web.Request) -> web.Response | None:
     return None
 
 
+def _tenant(request: web.Request) -> tuple[str | None, web.Response | None]:
+    """The ``?tenant=`` of a run endpoint (``None``: every tenant), or the 400 refusing it."""
+    values = request.query.getall("tenant", [])
+    if not values:
+        return None, None
+    tenant = values[0]
+    if len(values) > 1 or len(tenant) > MAX_IDENTITY_LENGTH or not IDENTITY_VALUE.fullmatch(
+            tenant):
+        # No caller could be of that tenant: X-Tenant-ID and the tenants table take no other.
+        return None, web.json_response(
+            {"error": f"not a tenant: visible ASCII (no spaces or control characters), at most "
+                      f"{MAX_IDENTITY_LENGTH} characters, given once, as X-Tenant-ID takes"},
+            status=400)
+    return tenant, None
+
+
 async def admin_runs(request: web.Request) -> web.Response:
+    tenant, refused = _tenant(request)
+    if refused is not None:
+        return refused
     registry = request.app[RUNTIME].runs
-    runs = sorted(registry.runs.values(), key=lambda info: -info.last_seen)[:RUNS_SHOWN]
+    known = [info for info in registry.runs.values() if tenant is None or info.tenant == tenant]
+    runs = sorted(known, key=lambda info: -info.last_seen)[:RUNS_SHOWN]
     return web.json_response({"runs": [registry.view(info) for info in runs],
-                              "known": len(registry.runs)})
+                              "known": len(known)})
 
 
 async def admin_run(request: web.Request) -> web.Response:
+    tenant, refused = _tenant(request)
+    if refused is not None:
+        return refused
     registry = request.app[RUNTIME].runs
-    info = registry.get(request.match_info["run"])
-    if info is None:
-        return web.json_response({"error": "no such run on this replica"}, status=404)
-    return web.json_response(registry.view(info, detail=True))
+    run = request.match_info["run"]
+    tenants = [tenant] if tenant is not None else registry.tenants_of(run)
+    runs = [info for name in tenants if (info := registry.get(run, name)) is not None]
+    if not runs:
+        where = "in that tenant " if tenant is not None else ""
+        return web.json_response({"error": f"no such run {where}on this replica"}, status=404)
+    return web.json_response({"run": run,
+                              "runs": [registry.view(info, detail=True) for info in runs]})
 
 
 async def admin_cancel_run(request: web.Request) -> web.Response:
     refused = _authorized(request)
     if refused is not None:
         return refused
+    tenant, refused = _tenant(request)
+    if refused is not None:
+        return refused
     runtime = request.app[RUNTIME]
+    registry = runtime.runs
     run = request.match_info["run"]
     if len(run) > MAX_IDENTITY_LENGTH or not IDENTITY_VALUE.fullmatch(run):
         # No caller could send it as X-Run-ID: cancelling it would only leave a phantom run.
@@ -118,24 +170,40 @@ async def admin_cancel_run(request: web.Request) -> web.Response:
             {"error": f"not a run id: visible ASCII (no spaces or control characters), at most "
                       f"{MAX_IDENTITY_LENGTH} characters, as X-Run-ID takes"}, status=400)
     started = time.monotonic()
+    tenants = [tenant] if tenant is not None else registry.tenants_of(run)
+    runs: list[RunInfo] = []
+    calls: list[LiveCall] = []
     # Here first, so this replica's calls end without waiting for Redis.
-    runs, calls = runtime.runs.cancel(run, runtime.cancel_ttl)
-    tasks = {task for task in (live.running for live in calls) if task is not None}
+    for name in tenants:
+        cancelled, ended = registry.cancel(run, runtime.cancel_ttl, name)
+        runs += cancelled
+        calls += ended
     shared = False
-    if runtime.runs.shared is not None:
+    if registry.shared is not None:
         try:
-            await runtime.runs.shared.cancel(run, runtime.cancel_ttl)
+            hit = await registry.shared.cancel(run, runtime.cancel_ttl, tenants,
+                                               every=tenant is None)
             shared = True
         except StateUnavailable as exc:
             log.warning("cancel of run %s is not confirmed beyond this replica (Redis may still "
                         "apply it when it answers): %s", run, exc.cause)
+        else:
+            for name in hit:
+                if name not in tenants:  # known to Redis only: refused here too from now
+                    tenants.append(name)
+                    cancelled, ended = registry.cancel(run, runtime.cancel_ttl, name)
+                    runs += cancelled
+                    calls += ended
+    tasks = {task for task in (live.running for live in calls) if task is not None}
     pending: set[asyncio.Task[Any]] = set()
     if tasks:
         _, pending = await asyncio.wait(tasks, timeout=CANCEL_WAIT_S)
     quiet_ms = (time.monotonic() - started) * 1000
     return web.json_response({
         "run": run,
-        "cancelled_runs": [info.id for info in runs],
+        "tenant": tenant,
+        "tenants": sorted(tenants),
+        "cancelled_runs": [{"tenant": info.tenant, "run": info.id} for info in runs],
         "calls_ended": len(tasks) - len(pending),
         "calls_still_running": len(pending),
         "quiet_ms": round(quiet_ms, 3),

@@ -132,7 +132,7 @@ def _timeline(args: argparse.Namespace) -> int:
             return EXIT_CONFIG_ERROR
         paths = [config.events.path]
     try:
-        return print_timeline(args.run_id, paths, sys.stdout)
+        return print_timeline(args.run_id, paths, sys.stdout, args.tenant)
     except OSError as exc:
         print(f"cannot read the event log {exc}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
@@ -199,6 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
     check.set_defaults(func=_check_config)
     timeline = sub.add_parser("timeline", help="print one run's admission timeline")
     timeline.add_argument("run_id", metavar="RUN_ID", help="the run's X-Run-ID value")
+    timeline.add_argument("--tenant", metavar="NAME",
+                          help="only this tenant's run of that id (default: every tenant's)")
     timeline.add_argument("--config", default=DEFAULT_CONFIG,
                           help=f"names the event log (events.path); default: {DEFAULT_CONFIG}")
     timeline.add_argument("--events", metavar="FILE", action="append",
@@ -241,6 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
         command.add_argument("run", metavar="RUN", help="the run's X-Run-ID value")
         run_commands.append(command)
     for command in run_commands:
+        command.add_argument("--tenant", metavar="NAME",
+                             help="one tenant's runs only (default: every tenant's)")
         command.add_argument("--config",
                              help=f"names the admin port and token (default: {DEFAULT_CONFIG}, "
                                   "unless --admin is given)")

@@ -1,4 +1,8 @@
-"""``sluice runs list|show RUN|cancel RUN``: the runs a replica knows, through its admin port.
+"""``sluice runs list|show RUN|cancel RUN [--tenant NAME]``: the runs a replica knows,
+through its admin port.
+
+A run is a tenant's run id: ``show`` and ``cancel`` act on the run id in every tenant that has
+it, or with ``--tenant`` in that one (``list --tenant`` lists only its runs).
 
 The address is the config's ``server.admin_listen`` (a wildcard host is reached on
 127.0.0.1), or ``--admin URL`` (then no config is read unless ``--config`` is given).
@@ -64,18 +68,23 @@ def _call(method: str, url: str, bearer: str | None = None) -> tuple[int, Any]:
             return error.code, {"error": error.reason}
 
 
-def run(config: Config | None, args: argparse.Namespace, out: IO[str] = sys.stdout) -> int:
-    """Carry out ``sluice runs ...``; returns the exit status. ``config`` is ``None`` when
-    ``--admin`` names the address and no ``--config`` was given."""
+def run(config: Config | None, args: argparse.Namespace, out: IO[str] | None = None) -> int:
+    """Carry out ``sluice runs ...``, writing to ``out`` (``sys.stdout`` as it is when
+    called); returns the exit status. ``config`` is ``None`` when ``--admin`` names the
+    address and no ``--config`` was given."""
+    if out is None:
+        out = sys.stdout
     base = args.admin or admin_url(config)  # type: ignore[arg-type]  (None only with --admin)
+    query = f"?{urllib.parse.urlencode({'tenant': args.tenant})}" if args.tenant else ""
     try:
         if args.runs_command == "list":
-            status, body = _call("GET", f"{base}/admin/runs")
+            status, body = _call("GET", f"{base}/admin/runs{query}")
         elif args.runs_command == "show":
-            status, body = _call("GET", f"{base}/admin/runs/{urllib.parse.quote(args.run, '')}")
+            status, body = _call(
+                "GET", f"{base}/admin/runs/{urllib.parse.quote(args.run, '')}{query}")
         else:
             status, body = _call(
-                "POST", f"{base}/admin/runs/{urllib.parse.quote(args.run, '')}/cancel",
+                "POST", f"{base}/admin/runs/{urllib.parse.quote(args.run, '')}/cancel{query}",
                 token(config))
     except OSError as error:
         print(f"sluice: cannot reach the admin port at {base}: {error}", file=sys.stderr)
@@ -86,16 +95,27 @@ def run(config: Config | None, args: argparse.Namespace, out: IO[str] = sys.stdo
     if args.runs_command == "list":
         out.write(_list(body["runs"]))
     elif args.runs_command == "show":
-        out.write(_show(body))
+        out.write("\n".join(_show(run) for run in body["runs"]))
+    elif not body["tenants"]:
+        out.write(f"no tenant has a run {body['run']}: nothing cancelled (--tenant NAME "
+                  "refuses its calls before they start)\n")
     else:
         out.write(
-            f"cancelled {', '.join(body['cancelled_runs'])}: {body['calls_ended']} call(s) "
+            f"cancelled {_cancelled(body['cancelled_runs'])}: {body['calls_ended']} call(s) "
             f"ended in {body['quiet_ms']:.1f} ms"
             + (f", {body['calls_still_running']} still running" if body["calls_still_running"]
                else "")
             + f"; new calls refused for {body['refused_for_s']:g}s"
             + (" on every replica\n" if body.get("shared") else "\n"))
     return 0
+
+
+def _cancelled(runs: list[dict[str, str]]) -> str:
+    """``run-7, run-7-kid of team-a; run-7 of team-b``: the runs a cancel hit, per tenant."""
+    by_tenant: dict[str, list[str]] = {}
+    for run in runs:
+        by_tenant.setdefault(run["tenant"], []).append(run["run"])
+    return "; ".join(f"{', '.join(names)} of {tenant}" for tenant, names in by_tenant.items())
 
 
 _COLUMNS = ("run", "tenant", "depth", "calls", "inflight", "queued", "amplification", "tokens",

@@ -171,16 +171,16 @@ class Runtime:
                         "(state.on_unavailable: local)", where, error,
                         self.state.fallback.replicas)
 
-    def _cancel_heard(self, run: str, left_s: float) -> None:
+    def _cancel_heard(self, tenant: str, run: str, left_s: float) -> None:
         """A cancel made on some replica (this one's too: then it finds nothing left to do)
-        reached this one: end the run's calls here, its descendants' included, and refuse
-        its new calls for ``left_s``."""
-        ending = sum(1 for info in self.runs.subtree(self.runs.resolve(run, None, ""))
+        reached this one: end ``tenant``'s run's calls here, its descendants' included, and
+        refuse its new calls for ``left_s``."""
+        ending = sum(1 for info in self.runs.subtree(self.runs.resolve(run, None, tenant))
                      for live in info.live if live.call.cancelled is None)
-        self.runs.cancel(run, left_s)
+        self.runs.cancel(run, left_s, tenant)
         if ending:
-            log.info("cancel of run %s heard from the shared state: %d call(s) here told to "
-                     "end", run, ending)
+            log.info("cancel of run %s of tenant %s heard from the shared state: %d call(s) "
+                     "here told to end", run, tenant, ending)
 
     def next_request_id(self) -> str:
         """A request id unique to this process (cheaper than a UUID on the hot path)."""

@@ -1,4 +1,6 @@
-"""``sluice timeline RUN_ID``: one agent run's admission story, rebuilt from the event log.
+"""``sluice timeline RUN_ID [--tenant NAME]``: one agent run's admission story, rebuilt from
+the event log. A run is a tenant's run id: without ``--tenant`` the events of every tenant's run
+of that id are read together (each event names its ``tenant``).
 
 Reads the JSON-lines event log (SPEC, "Events") that the config's ``events.path`` names, or the
 files given with ``--events`` (``-`` for standard input, e.g. ``kubectl logs POD -c sluice |
@@ -42,8 +44,10 @@ LAST_TS = 253_402_300_799
 _CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 
 
-def read_run(lines: Iterable[bytes | str], run_id: str) -> list[dict[str, Any]]:
-    """The events of run ``run_id`` among ``lines`` (JSON lines), ordered by ``ts``."""
+def read_run(lines: Iterable[bytes | str], run_id: str,
+             tenant: str | None = None) -> list[dict[str, Any]]:
+    """The events of run ``run_id`` (of ``tenant``, else of every tenant) among ``lines``
+    (JSON lines), ordered by ``ts``."""
     # The log is written by orjson, so the run id appears in a line exactly as orjson
     # encodes it: a substring test skips the other runs' lines without parsing them.
     needle = orjson.dumps(run_id)[1:-1]
@@ -56,7 +60,8 @@ def read_run(lines: Iterable[bytes | str], run_id: str) -> list[dict[str, Any]]:
             event = orjson.loads(raw)
         except orjson.JSONDecodeError:
             continue
-        if isinstance(event, dict) and event.get("run") == run_id and _is_event(event):
+        if isinstance(event, dict) and event.get("run") == run_id and _is_event(event) and (
+                tenant is None or event.get("tenant") == tenant):
             events.append(_printable(event))
     events.sort(key=lambda e: e["ts"])
     return events
@@ -254,16 +259,18 @@ def open_events(paths: Sequence[str]) -> Iterator[bytes]:
             raise OSError(f"{path}: {exc.strerror or exc}") from exc
 
 
-def print_timeline(run_id: str, paths: Sequence[str], out: IO[str]) -> int:
-    """Print run ``run_id``'s timeline from the logs at ``paths`` (events ordered by ``ts``
-    whatever the files' order); the exit status.
+def print_timeline(run_id: str, paths: Sequence[str], out: IO[str],
+                   tenant: str | None = None) -> int:
+    """Print run ``run_id``'s timeline (of ``tenant``'s run only, if given) from the logs at
+    ``paths`` (events ordered by ``ts`` whatever the files' order); the exit status.
 
     Raises:
         OSError: a log cannot be read.
     """
-    events = read_run(open_events(paths), run_id)
+    events = read_run(open_events(paths), run_id, tenant)
     if not events:
-        print(f"no events for run {run_id!r} in {', '.join(paths)}", file=sys.stderr)
+        of = f" of tenant {tenant!r}" if tenant is not None else ""
+        print(f"no events for run {run_id!r}{of} in {', '.join(paths)}", file=sys.stderr)
         return 1
     out.write(render(run_id, events))
     return 0

@@ -602,7 +602,7 @@ async def test_a_run_cancel_and_the_caller_leaving_at_once_leave_nothing_held(
 
                 task = asyncio.create_task(call())
                 await asyncio.wait_for(reading.wait(), 10)
-                runtime.runs.cancel(run, 60)
+                runtime.runs.cancel(run, 60, "default")  # its calls name no tenant
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, aiohttp.ClientError):
                     await task

@@ -25,6 +25,11 @@ def _call(run: str, parent: str | None = None) -> Call:
                 tenant="t", run=run, parent_run=parent)
 
 
+def run_ids(registry: RunRegistry) -> set[str]:
+    """The ids of the runs remembered (these tests' runs are all of tenant ``t``)."""
+    return {run for _, run in registry.runs}
+
+
 def test_endless_distinct_runs_hold_at_most_max_runs():
     """Every run id was kept a day after its last call: ~0.9 KiB per run, so a million
     distinct runs in a day held ~0.9 GB."""
@@ -43,7 +48,7 @@ def test_endless_distinct_runs_hold_at_most_max_runs():
     finally:
         tracemalloc.stop()
     assert len(registry.runs) == cap
-    assert set(registry.runs) == {f"run-{n}" for n in range(8 * cap, 9 * cap)}
+    assert set(registry.runs) == {(f"tenant-{n}", f"run-{n}") for n in range(8 * cap, 9 * cap)}
     assert after_nine < after_three * 1.05, (after_three, after_nine)
 
 
@@ -55,7 +60,7 @@ def test_the_least_recently_seen_go_first_and_runs_holding_state_stay(monkeypatc
     assert registry.take_request("x", [counted], 5) is None
     live = registry.resolve("live", None, "t")
     live.live.add(runs_module.LiveCall(_call("live"), None))
-    registry.cancel("cancelled", 600.0)
+    registry.cancel("cancelled", 600.0, "t")
     parent = registry.resolve("parent", None, "t")
     child = registry.resolve("child", "parent", "t")
     child.live.add(runs_module.LiveCall(_call("child", "parent"), None))
@@ -65,15 +70,15 @@ def test_the_least_recently_seen_go_first_and_runs_holding_state_stay(monkeypatc
         registry.resolve("regular", None, "t")  # seen again and again: never the oldest
     assert len(registry.runs) == 20
     kept = {"regular", "counted", "live", "cancelled", "parent", "child"}
-    assert kept <= set(registry.runs)
-    assert registry.runs["regular"] is regular and regular.calls == 3
+    assert kept <= run_ids(registry)
+    assert registry.runs[("t", "regular")] is regular and regular.calls == 3
     assert registry.resolve("child", "parent", "t").parent is parent
     # Once the child's call ends and the child is forgotten, its parent can go too.
     child.live.clear()
     for n in range(200):
         registry.resolve(f"later-{n}", None, "t")
-    assert not {"child", "parent", "regular"} & set(registry.runs)
-    assert {"counted", "live", "cancelled"} <= set(registry.runs)
+    assert not {"child", "parent", "regular"} & run_ids(registry)
+    assert {"counted", "live", "cancelled"} <= run_ids(registry)
 
 
 async def test_a_run_budgets_spend_survives_a_flood_of_new_runs(monkeypatch):
@@ -142,7 +147,7 @@ def test_runs_holding_only_counts_are_bounded_too(monkeypatch, caplog):
         info = registry.resolve(f"run-{n}", None, "t")
         assert registry.take_request("x", [info], 5) is None
     assert len(registry.runs) <= 20
-    assert {"live", "run-199"} <= set(registry.runs)  # the live one, and the newest
+    assert {"live", "run-199"} <= run_ids(registry)  # the live one, and the newest
     warnings = [r.getMessage() for r in caplog.records if "runs remembered" in r.getMessage()]
     # One text each time, which the proxy's repeat filter folds (a run id made each unique).
     assert warnings and set(warnings) == {
@@ -163,7 +168,7 @@ def test_the_depth_of_a_remembered_tree_is_kept(monkeypatch):
         registry.resolve(f"flood-{n}", None, "t")
         registry.resolve("leaf", "mid", "t")
     assert registry.resolve("leaf", "mid", "t").depth == 2
-    assert {"root", "mid", "leaf"} <= set(registry.runs)
+    assert {"root", "mid", "leaf"} <= run_ids(registry)
 
 
 # --- the concurrency limiter's fair-queueing state -------------------------------------------

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import json
 import subprocess
 import sys
 import time
@@ -41,7 +43,7 @@ async def test_width_3_keeps_10_calls_of_one_run_to_3_at_the_upstream(upstream, 
         other = asyncio.create_task(post(s, f"{sluice.url}/tools/x", run_headers("r2")))
         await wait_until(lambda: upstream.inflight == 4, what="3 of r1 and 1 of r2 upstream")
         async with s.get(f"{sluice.admin_url}/admin/runs/r1") as r:
-            shown = await r.json()
+            (shown,) = (await r.json())["runs"]
         assert (shown["inflight"], shown["queued"]) == (3, 7)
         upstream.hold.set()
         answers = await asyncio.gather(*calls, other)
@@ -79,7 +81,7 @@ async def test_depth_2_refuses_a_grandchilds_grandchild(upstream, start_sluice):
                 ("great", "grandchild"), ("great-great", "great")]
         answers = [await post(s, url, run_headers(run, parent)) for run, parent in tree]
         async with s.get(f"{sluice.admin_url}/admin/runs/great-great") as r:
-            assert (await r.json())["depth"] == 4
+            assert (await r.json())["runs"][0]["depth"] == 4
     assert [status for status, _, _ in answers] == [200, 200, 200, 429, 429]
     _, headers, body = answers[4]
     assert headers["X-Sluice-Reason"] == "fanout_limited"
@@ -169,7 +171,7 @@ async def _until_queued(s: aiohttp.ClientSession, sluice, run: str, queued: int)
     deadline = time.monotonic() + 10
     while True:
         async with s.get(f"{sluice.admin_url}/admin/runs/{run}") as r:
-            if (await r.json())["queued"] == queued:
+            if (await r.json())["runs"][0]["queued"] == queued:
                 return
         assert time.monotonic() < deadline, f"run {run} never had {queued} queued"
         await asyncio.sleep(0.02)
@@ -239,11 +241,11 @@ async def test_cancel_answers_in_flight_and_queued_calls_at_once(upstream, start
     async with aiohttp.ClientSession() as s:
         # A child run that exists before the cancel, with a call queued too.
         async with s.get(f"{sluice.admin_url}/admin/runs/job") as r:
-            assert (await r.json())["inflight"] == 3
+            assert (await r.json())["runs"][0]["inflight"] == 3
         await wait_until(lambda: len(upstream.requests) == 3, what="3 streams upstream")
         for _ in range(50):
             async with s.get(f"{sluice.admin_url}/admin/runs/job") as r:
-                if (await r.json())["queued"] == 5:
+                if (await r.json())["runs"][0]["queued"] == 5:
                     break
             await asyncio.sleep(0.02)
         started = time.monotonic()
@@ -317,7 +319,7 @@ async def test_cancel_needs_the_token_and_reads_stay_open(upstream, start_sluice
     assert await asyncio.to_thread(cli_main, ["runs", "cancel", "r", *argv]) == 0
     out = capsys.readouterr().out
     assert "r-kid" in out and "children: r-kid" in out
-    assert "cancelled r, r-kid: 0 call(s) ended" in out
+    assert "cancelled r, r-kid of default: 0 call(s) ended" in out
     assert await asyncio.to_thread(cli_main, ["runs", "show", "nope", *argv]) == 1
     # --admin alone needs no config file: run where none is at the default path.
     listed_cli = await asyncio.to_thread(
@@ -552,3 +554,124 @@ async def test_an_in_flight_call_answered_409_by_a_cancel_says_so_in_its_event(
                      what="the completed event")
     [done] = [e for e in sluice.events() if e["event"] == "completed"]
     assert (done["status"], done["outcome"]) == (409, "run_cancelled")
+
+
+# -- runs are scoped by tenant ----------------------------------------------------------------
+# Hostile trial: run ids were one namespace across tenants while a run's budgets were per
+# tenant, so with trusted identity team-a's calls naming run-1 spent team-b's run-1, re-parented
+# team-b's idle root run under a deep chain of its own, held team-b's fan-out width, and one
+# cancel of run-1 ended both tenants' calls.
+
+#: The tenants table (``identity.tenants``): SHA-256 of each API key -> its tenant.
+TENANT_KEYS = {hashlib.sha256(b"sk-team-a").hexdigest(): "team-a",
+               hashlib.sha256(b"sk-team-b").hexdigest(): "team-b"}
+
+
+def as_tenant(tenant: str, run: str, parent: str | None = None) -> dict[str, str]:
+    """Headers of a call of ``run`` by ``tenant`` (``team-a`` or ``team-b``), by its API key."""
+    return {"Authorization": f"Bearer sk-{tenant}", **run_headers(run, parent)}
+
+
+async def start_trusted(start_sluice, config: dict):
+    return await start_sluice(
+        {"identity": {"tenants": "env:SLUICE_TENANTS"}, **config},
+        env={"SLUICE_TENANTS": json.dumps(TENANT_KEYS), "SLUICE_ADMIN_TOKEN": TOKEN})
+
+
+async def test_two_tenants_runs_of_one_id_count_and_link_apart(upstream, start_sluice):
+    """team-a spending run-1's ``max_requests`` leaves team-b's run-1 untouched, and team-a
+    naming team-b's idle root ``job`` under its own deep chain (a call refused for its depth)
+    does not make team-b's ``job`` deeper."""
+    sluice = await start_trusted(start_sluice, {"fanout": {"depth": 1}, "routes": [
+        route("tools", upstream.url, "http", run={"max_requests": 2}),
+        route("free", upstream.url, "http")]})
+    async with aiohttp.ClientSession() as s:
+        tools, free = f"{sluice.url}/tools/x", f"{sluice.url}/free/x"
+        spent = [await post(s, tools, as_tenant("team-a", "run-1")) for _ in range(3)]
+        other = [await post(s, tools, as_tenant("team-b", "run-1")) for _ in range(2)]
+        # team-b's root run, which counts nothing (no max_requests on this route).
+        assert (await post(s, free, as_tenant("team-b", "job")))[0] == 200
+        chain = [await post(s, free, as_tenant("team-a", run, parent))
+                 for run, parent in (("a-0", None), ("a-1", "a-0"), ("job", "a-1"))]
+        later = await post(s, free, as_tenant("team-b", "job"))
+        assert [status for status, _, _ in spent] == [200, 200, 429]
+        assert spent[2][1]["X-Sluice-Reason"] == "run_budget_exhausted"
+        assert [status for status, _, _ in other] == [200, 200]
+        assert [status for status, _, _ in chain] == [200, 200, 429]
+        assert chain[2][1]["X-Sluice-Reason"] == "fanout_limited"
+        assert later[0] == 200
+        async with s.get(f"{sluice.admin_url}/admin/runs/job") as r:
+            shown = {run["tenant"]: run for run in (await r.json())["runs"]}
+        async with s.get(f"{sluice.admin_url}/admin/runs/run-1?tenant=team-b") as r:
+            (b_run,) = (await r.json())["runs"]
+        async with s.get(f"{sluice.admin_url}/admin/runs") as r:
+            listed = {(run["tenant"], run["run"]) for run in (await r.json())["runs"]}
+    assert (shown["team-a"]["depth"], shown["team-a"]["parent"]) == (2, "a-1")
+    assert (shown["team-b"]["depth"], shown["team-b"]["parent"]) == (0, None)
+    assert (b_run["tenant"], b_run["calls"]) == ("team-b", 2)
+    assert {("team-a", "run-1"), ("team-b", "run-1"), ("team-a", "job"),
+            ("team-b", "job")} <= listed
+
+
+async def test_two_tenants_runs_of_one_id_have_their_own_width_and_cancel(
+        upstream, start_sluice, monkeypatch, capsys):
+    """With ``fanout.width: 1`` team-a's run-1 at the upstream does not queue team-b's run-1;
+    a cancel of run-1 with ``?tenant=team-a`` ends team-a's call only; one without a tenant
+    ends both tenants' and says which it hit."""
+    upstream.hold = asyncio.Event()
+    sluice = await start_trusted(start_sluice, {"routes": [
+        route("tools", upstream.url, "http", fanout={"width": 1, "max_wait": "10s"})]})
+    url = f"{sluice.url}/tools/x"
+    admin = {"Authorization": f"Bearer {TOKEN}"}
+    async with aiohttp.ClientSession() as s:
+        a_call = asyncio.create_task(post(s, url, as_tenant("team-a", "run-1")))
+        b_call = asyncio.create_task(post(s, url, as_tenant("team-b", "run-1")))
+        await wait_until(lambda: upstream.inflight == 2, what="both tenants' run-1 upstream")
+        async with s.post(f"{sluice.admin_url}/admin/runs/run-1/cancel?tenant=team-a",
+                          headers=admin) as r:
+            assert r.status == 200
+            one = await r.json()
+        status, headers, _ = await a_call
+        assert (status, headers["X-Sluice-Reason"]) == (409, "run_cancelled")
+        await asyncio.sleep(0.2)
+        assert not b_call.done() and upstream.inflight == 1
+        # team-a's run-1 is refused for cancel_ttl; team-b's takes new calls.
+        refused = await post(s, url, as_tenant("team-a", "run-1"))
+        b_second = asyncio.create_task(post(s, url, as_tenant("team-b", "run-1", None)))
+        async with s.post(f"{sluice.admin_url}/admin/runs/run-1/cancel", headers=admin) as r:
+            both = await r.json()
+        b_answers = await asyncio.gather(b_call, b_second)
+        for bad in ("team a", "t" * 200, ""):
+            async with s.post(f"{sluice.admin_url}/admin/runs/run-1/cancel",
+                              params={"tenant": bad}, headers=admin) as r:
+                assert r.status == 400 and "not a tenant" in (await r.json())["error"], bad
+            async with s.get(f"{sluice.admin_url}/admin/runs/run-1",
+                             params={"tenant": bad}) as r:
+                assert r.status == 400, bad
+    upstream.hold.set()
+    assert (one["tenant"], one["tenants"]) == ("team-a", ["team-a"])
+    assert one["cancelled_runs"] == [{"tenant": "team-a", "run": "run-1"}]
+    assert one["calls_ended"] == 1
+    assert (refused[0], refused[1]["X-Sluice-Reason"]) == (409, "run_cancelled")
+    assert (both["tenant"], both["tenants"]) == (None, ["team-a", "team-b"])
+    assert sorted(r["tenant"] for r in both["cancelled_runs"]) == ["team-a", "team-b"]
+    assert [(status, headers["X-Sluice-Reason"]) for status, headers, _ in b_answers] == [
+        (409, "run_cancelled")] * 2
+    assert len(upstream.requests) == 2  # team-b's second call queued behind its first
+
+    # The CLI: show and cancel, in every tenant or in one.
+    monkeypatch.setenv("SLUICE_ADMIN_TOKEN", TOKEN)
+    argv = ["--admin", sluice.admin_url]
+    assert await asyncio.to_thread(cli_main, ["runs", "show", "run-1", *argv]) == 0
+    shown = capsys.readouterr().out
+    assert "tenant: team-a" in shown and "tenant: team-b" in shown
+    assert await asyncio.to_thread(
+        cli_main, ["runs", "show", "run-1", "--tenant", "team-b", *argv]) == 0
+    assert "team-a" not in capsys.readouterr().out
+    assert await asyncio.to_thread(
+        cli_main, ["runs", "cancel", "run-1", "--tenant", "team-b", *argv]) == 0
+    assert "cancelled run-1 of team-b: 0 call(s) ended" in capsys.readouterr().out
+    assert await asyncio.to_thread(cli_main, ["runs", "cancel", "run-1", *argv]) == 0
+    assert "cancelled run-1 of team-a; run-1 of team-b:" in capsys.readouterr().out
+    assert await asyncio.to_thread(cli_main, ["runs", "cancel", "nobody-s-run", *argv]) == 0
+    assert "no tenant has a run nobody-s-run: nothing cancelled" in capsys.readouterr().out

@@ -10,6 +10,7 @@ fixture) and one fake upstream, which counts what reaches it and the connections
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import aiohttp
@@ -18,6 +19,7 @@ import pytest
 from tests.conftest import route, wait_until
 from tests.fakeupstream import FakeUpstream
 from tests.redis_servers import RedisServer, new_prefix
+from tests.test_runs import TENANT_KEYS, as_tenant
 from tests.test_shared_rate_budget import redis_client, round_trips
 
 TOKEN = "s3cret-admin-token"
@@ -65,8 +67,9 @@ async def stream(session: aiohttp.ClientSession, sluice, run: str, parent: str |
 
 
 async def run_view(session: aiohttp.ClientSession, sluice, run: str) -> dict:
+    """The admin view of ``run`` of the one tenant these tests' calls are of."""
     async with session.get(f"{sluice.admin_url}/admin/runs/{run}") as r:
-        return await r.json() if r.status == 200 else {}
+        return (await r.json())["runs"][0] if r.status == 200 else {}
 
 
 async def cancel(session: aiohttp.ClientSession, sluice, run: str) -> dict:
@@ -374,7 +377,8 @@ def run_counts(state: dict, run: str) -> list[int]:
     """The counts of ``run``'s calls held in Redis, one per scope, read from Redis itself."""
     client = redis_client(str(state["redis_url"]))
     try:
-        return [int(n) for key in client.scan_iter(f"{state['key_prefix']}:*:run:{run}")
+        # The key names the run's tenant before its id (policies/state/runs.py).
+        return [int(n) for key in client.scan_iter(f"{state['key_prefix']}:*:run:*:{run}")
                 for field, n in client.hgetall(key).items() if field.startswith(b"n:")]
     finally:
         client.close()
@@ -384,8 +388,9 @@ def width_leases(state: dict, run: str) -> int:
     """Leases of ``run``'s width held in Redis, whatever the scope, read from Redis itself."""
     client = redis_client(str(state["redis_url"]))
     try:
+        # The group names the run's tenant before its id (policies.operations.width_limiters).
         return sum(client.zcard(key) for key in
-                   client.scan_iter(f"{state['key_prefix']}:*run:{run}" + "}:conc"))
+                   client.scan_iter(f"{state['key_prefix']}:*run:*:{run}" + "}:conc"))
     finally:
         client.close()
 
@@ -518,3 +523,47 @@ async def test_a_burst_on_a_spent_max_requests_is_refused_for_good(
 
         for _ in range(3):  # the SDKs' retries, together
             assert await asyncio.gather(*(again() for _ in range(8))) == ["false"] * 8
+
+
+async def test_two_tenants_runs_of_one_id_are_apart_across_replicas(
+        upstream, start_sluice, shared_state):
+    """With trusted identity: team-a spending run-1's ``max_requests`` over 2 replicas leaves
+    team-b's run-1 its own; with ``fanout.width: 1`` team-a's run-7 at the upstream through A
+    does not queue team-b's run-7 on B; a cancel of run-7 with ``?tenant=team-a`` made on B
+    ends team-a's call on A only; one naming no tenant made on A, which never saw team-b's
+    run-7, ends team-b's call on B and says it hit both tenants."""
+    config = {"state": shared_state, "identity": {"tenants": "env:SLUICE_TENANTS"},
+              "routes": [route("tools", upstream.url, "http", run={"max_requests": 2},
+                               fanout={"width": 1, "max_wait": "10s"})]}
+    env = {"SLUICE_TENANTS": json.dumps(TENANT_KEYS), "SLUICE_ADMIN_TOKEN": TOKEN}
+    a, b = [await start_sluice(config, env=env) for _ in range(2)]
+
+    async def one(s: aiohttp.ClientSession, rep, tenant: str, run: str) -> tuple[int, str]:
+        async with s.post(rep.url + "/tools/x", data=b"{}", headers=as_tenant(tenant, run)) as r:
+            await r.read()
+            return r.status, r.headers.get("X-Sluice-Reason", "")
+
+    async with aiohttp.ClientSession() as s:
+        spent = [await one(s, rep, "team-a", "run-1") for rep in (a, b, a)]
+        assert spent == [(200, ""), (200, ""), (429, "run_budget_exhausted")]
+        assert [await one(s, rep, "team-b", "run-1") for rep in (b, a)] == [(200, "")] * 2
+
+        upstream.hold = asyncio.Event()
+        a_call = asyncio.create_task(one(s, a, "team-a", "run-7"))
+        b_call = asyncio.create_task(one(s, b, "team-b", "run-7"))
+        await wait_until(lambda: upstream.inflight == 2, what="both tenants' run-7 upstream")
+        async with s.post(f"{b.admin_url}/admin/runs/run-7/cancel?tenant=team-a",
+                          headers=ADMIN) as r:
+            first = await r.json()
+        assert await asyncio.wait_for(a_call, QUIET_ACROSS_S * 5) == (409, "run_cancelled")
+        await asyncio.sleep(0.2)
+        assert not b_call.done() and upstream.inflight == 1
+        both = await cancel(s, a, "run-7")
+        assert await asyncio.wait_for(b_call, QUIET_ACROSS_S * 5) == (409, "run_cancelled")
+        late = [await one(s, rep, tenant, "run-7") for rep in (a, b)
+                for tenant in ("team-a", "team-b")]
+    upstream.hold.set()
+    assert (first["tenants"], first["shared"]) == (["team-a"], True)
+    assert (both["tenant"], both["tenants"], both["shared"]) == (
+        None, ["team-a", "team-b"], True)
+    assert late == [(409, "run_cancelled")] * 4

@@ -152,6 +152,45 @@ def test_links_are_fixed_at_first_sight_and_never_cycle():
     assert registry.resolve("self", "self", "t").parent is None
 
 
+async def test_two_tenants_runs_of_one_id_share_nothing():
+    """A run is a tenant's run id: links, depth, ``max_requests``, width and cancellation
+    of team-a's ``r`` leave team-b's ``r`` alone (a hostile trial found them shared)."""
+    registry = RunRegistry()
+    tracker = RunTracker(registry)
+    limits = RunLimits(registry, "x", RunConfig(max_requests=1), FanoutConfig(depth=1))
+    width = FanoutWidth(1, 0.05)
+
+    def of(tenant: str, run: str, parent: str | None = None) -> Call:
+        call = _call(run, parent)
+        call.tenant = tenant
+        return call
+
+    async def admitted(call: Call) -> list:
+        return [await tracker.admit(call), await limits.admit(call), await width.admit(call)]
+
+    b_root = registry.resolve("r", None, "b")  # team-b's idle root, counting nothing
+    registry.resolve("r", "a-1", "a")
+    registry.resolve("a-1", "a-0", "a")
+    assert (registry.get("r", "a").depth, b_root.depth, b_root.parent) == (1, 0, None)
+    # Each in a task of its own, as a handler's: a cancel ends the call's task.
+    held = await asyncio.create_task(admitted(of("a", "k")))
+    other = await asyncio.create_task(admitted(of("b", "k")))  # not queued behind team-a's
+    with pytest.raises(Rejected) as spent:
+        await limits.admit(of("a", "k"))
+    assert spent.value.reason is Reason.RUN_BUDGET_EXHAUSTED
+    assert registry.tenants_of("k") == ["a", "b"]
+    runs, calls = registry.cancel("k", 60.0, "a")
+    assert ([(n.tenant, n.id) for n in runs], [c.call.tenant for c in calls]) == (
+        [("a", "k")], ["a"])
+    with pytest.raises(Rejected) as refused:
+        await tracker.admit(of("a", "k"))
+    assert refused.value.reason is Reason.RUN_CANCELLED
+    assert registry.cancelled_by(registry.get("k", "b")) is None
+    for holding in (*held, *other):
+        holding.release(Outcome("2xx", True, 200, 0.01))
+    assert width.runs == {}
+
+
 def test_idle_runs_are_swept():
     now = [0.0]
     registry = RunRegistry(clock=lambda: now[0])
@@ -159,7 +198,7 @@ def test_idle_runs_are_swept():
     registry.resolve("kid", "old", "t")
     now[0] = 100_000.0
     registry.resolve("new", None, "t")
-    assert set(registry.runs) == {"new"}
+    assert set(registry.runs) == {("t", "new")}
 
 
 async def test_an_idle_parent_is_kept_while_its_child_calls_so_its_cancel_reaches_it():
@@ -173,8 +212,8 @@ async def test_an_idle_parent_is_kept_while_its_child_calls_so_its_cancel_reache
     for _ in range(30):  # the sub-agent works on, hourly, for 30 h
         now[0] += 3600.0
         (await tracker.admit(_call("kid", "root"))).release(Outcome("2xx", True))
-    assert registry.runs["kid"].parent is registry.runs.get("root")
-    registry.cancel("root", 600.0)
+    assert registry.runs[("t", "kid")].parent is registry.runs.get(("t", "root"))
+    registry.cancel("root", 600.0, "t")
     with pytest.raises(Rejected) as refused:
         await tracker.admit(_call("kid", "root"))
     assert refused.value.reason is Reason.RUN_CANCELLED
@@ -199,7 +238,7 @@ async def test_tracker_inherits_and_refuses_a_passed_parent_deadline():
     with pytest.raises(Rejected) as refused:
         await tracker.admit(late)
     assert refused.value.reason is Reason.DEADLINE_UNREACHABLE
-    view = registry.view(registry.runs["p"], detail=True)
+    view = registry.view(registry.runs[("t", "p")], detail=True)
     assert (view["calls"], view["own"]["calls"], view["children"]) == (1, 1, ["c", "c2"])
 
 

@@ -220,7 +220,8 @@ def _run_call(run: str) -> Call:
 
 
 async def _width_leases(backends: StateBackends, run: str) -> int:
-    return (await backends.leases.counts(f"r/run:{run}", run))[0]
+    # The group names the run's tenant (``policies.operations.width_limiters``): ``t``.
+    return (await backends.leases.counts(f"r/run:1:t:{run}", run))[0]
 
 
 @ON_REDIS

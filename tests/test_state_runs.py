@@ -58,74 +58,74 @@ async def shared_runs(url: str, prefix: str) -> AsyncIterator[RedisRuns]:
 
 async def test_links_make_a_lineage_without_cycles(where):
     async with shared_runs(*where) as runs:
-        assert (await runs.admit("c", "b")).ids == ("c", "b")
+        assert (await runs.admit("t", "c", "b")).ids == ("c", "b")
         # b was first seen as c's parent, counting nothing: a later parent links it.
-        assert (await runs.admit("b", "a")).ids == ("b", "a")
-        lineage = await runs.admit("c", None)
+        assert (await runs.admit("t", "b", "a")).ids == ("b", "a")
+        lineage = await runs.admit("t", "c", None)
         assert lineage.ids == ("c", "b", "a")
         assert lineage.cancelled is None and all(age >= 0 for age in lineage.ages)
         # a under c would close a cycle: ignored, a stays a root.
-        assert (await runs.admit("a", "c")).ids == ("a",)
+        assert (await runs.admit("t", "a", "c")).ids == ("a",)
         # c keeps the parent it was first seen with.
-        assert (await runs.admit("c", "x")).ids == ("c", "b", "a")
+        assert (await runs.admit("t", "c", "x")).ids == ("c", "b", "a")
         # A root that counted calls is not moved under a parent afterwards.
-        await runs.admit("solo", None)
-        assert (await runs.take_request("s", ("solo",), 5)) == (None, 1)
-        assert (await runs.admit("solo", "a")).ids == ("solo",)
+        await runs.admit("t", "solo", None)
+        assert (await runs.take_request("s", "t", ("solo",), 5)) == (None, 1)
+        assert (await runs.admit("t", "solo", "a")).ids == ("solo",)
 
 
 async def test_counts_are_all_or_none_and_given_back(where):
     async with shared_runs(*where) as runs:
-        await runs.admit("kid", "root")
-        assert await runs.take_request("s", ("kid", "root"), 2) == (None, 1)
-        assert await runs.take_request("s", ("root",), 2) == (None, 2)
+        await runs.admit("t", "kid", "root")
+        assert await runs.take_request("s", "t", ("kid", "root"), 2) == (None, 1)
+        assert await runs.take_request("s", "t", ("root",), 2) == (None, 2)
         # root is full: the kid's call counts nowhere, not even on the kid.
-        assert await runs.take_request("s", ("kid", "root"), 2) == ("root", 0)
-        await runs.give_back_request("s", ("root",))
-        assert await runs.take_request("s", ("kid", "root"), 2) == (None, 2)
-        assert await runs.take_request("s", ("kid",), 2) == ("kid", 0)
-        assert await runs.take_request("other-scope", ("kid", "root"), 2) == (None, 1)
+        assert await runs.take_request("s", "t", ("kid", "root"), 2) == ("root", 0)
+        await runs.give_back_request("s", "t", ("root",))
+        assert await runs.take_request("s", "t", ("kid", "root"), 2) == (None, 2)
+        assert await runs.take_request("s", "t", ("kid",), 2) == ("kid", 0)
+        assert await runs.take_request("other-scope", "t", ("kid", "root"), 2) == (None, 1)
 
 
 async def test_admit_counts_every_scope_or_none(where):
     async with shared_runs(*where) as runs:
         both = [Count("*", 3, None, None), Count("route", 2, None, None)]
-        assert (await runs.admit("kid", "root", both)).counted
-        lineage = await runs.admit("kid", "root", both)
+        assert (await runs.admit("t", "kid", "root", both)).counted
+        lineage = await runs.admit("t", "kid", "root", both)
         assert (lineage.counted, lineage.full, lineage.highs) == (True, (None, None), (2, 2))
         # The route's scope is full on kid: nothing counted in either scope.
-        lineage = await runs.admit("kid", "root", both)
+        lineage = await runs.admit("t", "kid", "root", both)
         assert (lineage.counted, lineage.full) == (False, (None, "kid"))
-        assert await runs.take_request("*", ("root",), 3) == (None, 3)
+        assert await runs.take_request("*", "t", ("root",), 3) == (None, 3)
         # Too deep, or too old, for a scope: counted nowhere, and the counts not read.
-        deep = await runs.admit("grandkid", "kid", [Count("route", 9, 1, None)])
+        deep = await runs.admit("t", "grandkid", "kid", [Count("route", 9, 1, None)])
         assert (deep.counted, deep.full) == (False, ())
         await asyncio.sleep(0.05)
-        old = await runs.admit("grandkid", "kid", [Count("route", 9, None, 0.04)])
+        old = await runs.admit("t", "grandkid", "kid", [Count("route", 9, None, 0.04)])
         assert (old.counted, old.full) == (False, ())
-        await runs.cancel("root", 60)
-        cancelled = await runs.admit("grandkid", "kid", [Count("route", 9, None, None)])
+        await runs.cancel("root", 60, ["t"])
+        cancelled = await runs.admit("t", "grandkid", "kid", [Count("route", 9, None, None)])
         assert (cancelled.cancelled, cancelled.counted) == ("root", False)
-        assert await runs.take_request("route", ("grandkid",), 1) == (None, 1)
+        assert await runs.take_request("route", "t", ("grandkid",), 1) == (None, 1)
 
 
 async def test_a_cancel_reaches_the_lineage_and_every_feed(where):
     async with shared_runs(*where) as first, shared_runs(*where) as later:
-        await first.admit("kid", "root")
-        assert await first.cancel("root", 60) == pytest.approx(60, abs=0.01)
-        lineage = await first.admit("grandkid", "kid")
+        await first.admit("t", "kid", "root")
+        assert await first.cancel("root", 60, ["t"]) == {"t": pytest.approx(60, abs=0.01)}
+        lineage = await first.admit("t", "grandkid", "kid")
         assert (lineage.cancelled, round(lineage.cancelled_left)) == ("root", 60)
         # A shorter cancel does not shorten the refusal in force.
-        assert await first.cancel("root", 5) == pytest.approx(60, abs=0.5)
+        assert await first.cancel("root", 5, ["t"]) == {"t": pytest.approx(60, abs=0.5)}
 
         heard: list[tuple[str, float]] = []
-        later.feed.start(lambda run, left: heard.append((run, left)))
+        later.feed.start(lambda tenant, run, left: heard.append((run, left)))
         await asyncio.wait_for(later.feed.subscribed.wait(), 5)
         # Made before this replica subscribed: read back from the set on subscribing. (On a
         # busy machine a cluster delivered one of the earlier cancels' messages after that too,
         # as below: heard twice, applied twice, which changes nothing.)
         assert {(run, round(left)) for run, left in heard} == {("root", 60)}
-        await first.cancel("another", 30)
+        await first.cancel("another", 30, ["t"])
         for _ in range(250):
             if any(run == "another" for run, _ in heard):
                 break
@@ -133,7 +133,8 @@ async def test_a_cancel_reaches_the_lineage_and_every_feed(where):
         # A cluster may deliver the earlier cancels' messages late (after the read-back):
         # a cancel heard twice is applied twice, which changes nothing.
         assert {(run, round(left)) for run, left in heard} == {("root", 60), ("another", 30)}
-        assert sorted(run for run, _ in await first.in_force()) == ["another", "root"]
+        assert sorted(await first.in_force()) == [("t", "another", pytest.approx(30, abs=1)),
+                                                  ("t", "root", pytest.approx(60, abs=1))]
 
 
 forests = st.lists(st.integers(0, 7), min_size=1, max_size=6).map(
@@ -159,7 +160,7 @@ def test_interleaved_replicas_never_overspend_a_run(where, parents, calls, limit
             names = [f"r{i}" for i in range(len(parents))]
             lineages = []
             for i, parent in enumerate(parents):
-                lineage = await reps[0].admit(names[i], None if parent is None else
+                lineage = await reps[0].admit("t", names[i], None if parent is None else
                                               names[parent])
                 lineages.append(lineage.ids)
             asked = [lineages[run % len(lineages)] for run, _ in calls]
@@ -168,8 +169,9 @@ def test_interleaved_replicas_never_overspend_a_run(where, parents, calls, limit
                                                                                   int]:
                 # Both ways a call is counted: in the tracker's admission, or on its own.
                 if index % 2:
-                    return await reps[rep].take_request("s", ids, limit)
-                lineage = await reps[rep].admit(ids[0], None, [Count("s", limit, None, None)])
+                    return await reps[rep].take_request("s", "t", ids, limit)
+                lineage = await reps[rep].admit("t", ids[0], None,
+                                                [Count("s", limit, None, None)])
                 assert lineage.ids == ids
                 return lineage.full[0], lineage.highs[0]
 
@@ -186,11 +188,11 @@ def test_interleaved_replicas_never_overspend_a_run(where, parents, calls, limit
                     assert counts[full] == limit and full in ids
             # What Redis holds is what the model says was granted.
             for name in names:
-                full, _ = await reps[0].take_request("s", (name,), counts[name] + 1)
+                full, _ = await reps[0].take_request("s", "t", (name,), counts[name] + 1)
                 assert full is None
-                await reps[0].give_back_request("s", (name,))
+                await reps[0].give_back_request("s", "t", (name,))
                 if counts[name]:
-                    assert await reps[0].take_request("s", (name,), counts[name]) == (name, 0)
+                    assert await reps[0].take_request("s", "t", (name,), counts[name]) == (name, 0)
 
     asyncio.run(scenario())
 
@@ -227,4 +229,38 @@ async def test_a_count_made_as_the_caller_leaves_is_given_back(where, step):
             await task
         # Shutdown's wait (Runtime.close) covers the step still on its way and its give-back.
         await registry.background.wait()
-        assert await real("s", ("r1",), 1) == (None, 1)  # the one allowed call is free
+        assert await real("s", "t", ("r1",), 1) == (None, 1)  # the one allowed call is free
+
+
+async def test_two_tenants_runs_of_one_id_are_apart(where):
+    """A run is a tenant's run id: two tenants' ``b`` link, count and are cancelled apart;
+    a cancel naming no tenant hits every tenant that has the id (and says which), none
+    that does not; every feed hears each tenant's cancel with its tenant."""
+    async with shared_runs(*where) as runs, shared_runs(*where) as other:
+        assert (await runs.admit("team-a", "b", "a")).ids == ("b", "a")
+        assert (await runs.admit("team-b", "b", None)).ids == ("b",)
+        # team-b's a is new, so it links under team-b's b (no cycle: team-a's b is not it).
+        assert (await runs.admit("team-b", "a", "b")).ids == ("a", "b")
+        assert (await runs.admit("team-a", "b", None)).ids == ("b", "a")
+        assert await runs.take_request("s", "team-a", ("b", "a"), 1) == (None, 1)
+        assert await runs.take_request("s", "team-a", ("b", "a"), 1) == ("b", 0)
+        counted = await runs.admit("team-b", "b", None, [Count("s", 1, None, None)])
+        assert (counted.tenant, counted.counted, counted.full) == ("team-b", True, (None,))
+
+        heard: list[tuple[str, str]] = []
+        other.feed.start(lambda tenant, run, left: heard.append((tenant, run)))
+        await asyncio.wait_for(other.feed.subscribed.wait(), 5)
+        assert await runs.cancel("b", 60, ["team-a"]) == {"team-a": pytest.approx(60, abs=1)}
+        assert (await runs.admit("team-a", "b", None)).cancelled == "b"
+        assert (await runs.admit("team-b", "b", None)).cancelled is None
+        assert set(await runs.cancel("a", 30, every=True)) == {"team-a", "team-b"}
+        assert (await runs.admit("team-b", "a", None)).cancelled == "a"
+        assert (await runs.admit("team-c", "a", None)).cancelled is None  # new after it
+        assert await runs.cancel("nobody-s", 30, every=True) == {}
+        for _ in range(250):
+            if len(heard) >= 3:
+                break
+            await asyncio.sleep(0.02)
+        assert set(heard) == {("team-a", "b"), ("team-a", "a"), ("team-b", "a")}
+        assert sorted((tenant, run) for tenant, run, _ in await runs.in_force()) == [
+            ("team-a", "a"), ("team-a", "b"), ("team-b", "a")]

@@ -96,6 +96,24 @@ def test_unknown_run_and_stdout_events(tmp_path):
     assert stdout_events.returncode == 2 and "--events -" in stdout_events.stderr
 
 
+def test_tenant_picks_one_tenants_run_of_an_id(tmp_path):
+    """A run is a tenant's run id: two tenants' run-1 are read together by default, and
+    apart with ``--tenant``."""
+    log = tmp_path / "events.jsonl"
+    log.write_text("".join(
+        json.dumps({"ts": ts, "event": "admitted", "run": "run-1", "tenant": tenant,
+                    "request_id": f"{tenant}-{ts}"}) + "\n"
+        for ts, tenant in ((1, "team-a"), (2, "team-b"), (3, "team-a"))))
+    both = timeline("run-1", "--events", str(log))
+    assert both.returncode == 0 and "3 event(s)" in both.stdout, both.stderr
+    one = timeline("run-1", "--tenant", "team-b", "--events", str(log))
+    assert one.returncode == 0 and "1 event(s)" in one.stdout, one.stderr
+    assert "team-a" not in one.stdout
+    none = timeline("run-1", "--tenant", "team-c", "--events", str(log))
+    assert none.returncode == 1 and "no events for run 'run-1' of tenant 'team-c'" in (
+        none.stderr)
+
+
 def test_a_rotated_log_is_read_across_its_files_plain_and_gzipped(tmp_path):
     # logrotate leaves a run's events in events.jsonl.2.gz, events.jsonl.1 and events.jsonl:
     # the tool read one file, so a run spanning a rotation lost its start.

@@ -2,20 +2,29 @@
 
 :class:`policies.runs.RunRegistry` keeps each replica's own view of its runs (live calls,
 statistics, fan-out width); with the Redis backend it asks a :class:`RedisRuns` for what must
-be the same on every replica:
+be the same on every replica.
 
-* **Links and first-call times.** Each run has a hash ``<prefix>:{runs}:run:<id>`` with
-  ``first`` (its first call, Redis ``TIME`` in ms), ``parent`` (the run it was first seen
-  under) and ``n:<scope>`` (calls counted for ``run.max_requests`` in that scope, its
-  descendants' included). Every call of a run refreshes the expiry of its run and of each
-  ancestor to :data:`RUN_IDLE_TTL_S`, so a tree lives as long as any of it calls.
-* **Cancellations.** A sorted set ``<prefix>:{runs}:cancelled`` of run ids scored by the
+A run is a tenant's run id: every key and message names it as ``<q><run>``, where ``<q>`` is
+``<len(tenant)>:<tenant>:`` (:func:`qualified`; the length keeps any tenant and run pair from
+reading as another, as ``policies/budget.py`` keys run budgets), and a parent is looked up in
+its child's tenant.
+
+* **Links and first-call times.** Each run has a hash ``<prefix>:{runs}:run:<q><id>`` with
+  ``first`` (its first call, Redis ``TIME`` in ms), ``parent`` (the run id it was first seen
+  under, of the same tenant) and ``n:<scope>`` (calls counted for ``run.max_requests`` in that
+  scope, its descendants' included). Every call of a run refreshes the expiry of its run and
+  of each ancestor to :data:`RUN_IDLE_TTL_S`, so a tree lives as long as any of it calls.
+* **Tenants of a run id.** A set ``<prefix>:{runs}:tenants:<id>`` of the ``<q>`` of each
+  tenant that has a run ``<id>``, added to when a run's hash is made and expiring with it, so
+  that a cancel naming no tenant finds every tenant's run of that id in one script.
+* **Cancellations.** A sorted set ``<prefix>:{runs}:cancelled`` of ``<q><run>`` scored by the
   Redis time (ms) until which their calls are refused (``run.cancel_ttl`` of the replica that
-  cancelled). A cancel also publishes ``<ttl_ms> <run>`` on ``<prefix>:runs:cancel``; each
-  replica's :class:`CancelFeed` hears it and ends that run's calls, its descendants' included,
-  at once. Pub/sub is at-most-once, so the set stays the truth: every call checks its whole
-  lineage against it (a replica that missed the message, or started after it, still refuses),
-  and the feed re-reads the set each time it (re)subscribes.
+  cancelled). A cancel also publishes ``<ttl_ms> <q><run>`` on ``<prefix>:runs:cancel`` per
+  tenant it hits; each replica's :class:`CancelFeed` hears it and ends that tenant's run's
+  calls, its descendants' included, at once. Pub/sub is at-most-once, so the set stays the
+  truth: every call checks its whole lineage against it (a replica that missed the message,
+  or started after it, still refuses), and the feed re-reads the set each time it
+  (re)subscribes.
 
 Every key lives in the ``{runs}`` hash slot, so each script runs on one slot of a Redis
 Cluster; the scripts walk parent links, so they build ancestors' keys themselves (all in that
@@ -53,10 +62,31 @@ MAX_LINEAGE = 64
 #: Cancellations read back at most when the feed (re)subscribes.
 RESYNC_LIMIT = 10_000
 
+
+def qualified(tenant: str) -> str:
+    """``<len(tenant)>:<tenant>:``, what precedes a run id of ``tenant`` in keys and
+    messages."""
+    return f"{len(tenant)}:{tenant}:"
+
+
+def unqualified(name: str) -> tuple[str, str] | None:
+    """``(tenant, run)`` from ``<q><run>`` (:func:`qualified`), or ``None`` when ``name`` is
+    not of that form (written by an older Sluice, or not by Sluice)."""
+    length, sep, rest = name.partition(":")
+    if not sep or not length.isdigit():
+        return None
+    size = int(length)
+    if rest[size:size + 1] != ":" or len(rest) <= size + 1:
+        return None
+    return rest[:size], rest[size + 1:]
+
 # Place a call's run in the shared tree, read its lineage, and count the call.
 # KEYS: cancelled zset, the run's hash, the parent's hash (or the run's again).
-# ARGV: run, parent ('' for none), key prefix of run hashes, idle ttl s, max lineage, then per
-# max_requests scope: field, limit, depth limit (-1: none), max duration ms (-1: none).
+# ARGV: run, parent ('' for none), key prefix of the tenant's run hashes, idle ttl s, max
+# lineage, the tenant's <q>, key prefix of tenant sets, then per max_requests scope: field,
+# limit, depth limit (-1: none), max duration ms (-1: none).
+# Each run hash made here puts the tenant in its id's tenant set; each run of the lineage
+# refreshes the expiry of its hash and of that set.
 # A new run is linked under its parent unless that would close a cycle; a run first seen as a
 # root is linked later only while it has counted nothing (as the memory registry does).
 # The call is counted in every scope on every run of the lineage, or nowhere: not when the
@@ -69,8 +99,9 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local run, parent, pre = ARGV[1], ARGV[2], ARGV[3]
 local ttl, max = tonumber(ARGV[4]), tonumber(ARGV[5])
+local q, sets = ARGV[6], ARGV[7]
 local key = KEYS[2]
-redis.call('HSETNX', key, 'first', now)
+if redis.call('HSETNX', key, 'first', now) == 1 then redis.call('SADD', sets .. run, q) end
 if parent ~= '' and parent ~= run and redis.call('HLEN', key) == 1 then
   local node, cycle = parent, false
   for _ = 1, max do
@@ -79,7 +110,9 @@ if parent ~= '' and parent ~= run and redis.call('HLEN', key) == 1 then
     if not node then break end
   end
   if not cycle then
-    redis.call('HSETNX', KEYS[3], 'first', now)
+    if redis.call('HSETNX', KEYS[3], 'first', now) == 1 then
+      redis.call('SADD', sets .. parent, q)
+    end
     redis.call('HSET', key, 'parent', parent)
   end
 end
@@ -92,12 +125,14 @@ for i = 1, max do
   if not first then
     first = now
     redis.call('HSET', k, 'first', now)
+    redis.call('SADD', sets .. node, q)
   end
   redis.call('EXPIRE', k, ttl)
+  redis.call('EXPIRE', sets .. node, ttl)
   ids[i] = node
   firsts[i] = first
   if hit == 0 then
-    local until_ms = redis.call('ZSCORE', KEYS[1], node)
+    local until_ms = redis.call('ZSCORE', KEYS[1], q .. node)
     if until_ms and tonumber(until_ms) > now then
       hit, left = i, tonumber(until_ms) - now
     end
@@ -106,9 +141,9 @@ for i = 1, max do
   if not node then break end
 end
 local counted, full, highs = 0, {}, {}
-if hit == 0 and #ARGV > 5 then
+if hit == 0 and #ARGV > 7 then
   local fits = true
-  for g = 6, #ARGV, 4 do
+  for g = 8, #ARGV, 4 do
     local depth_limit, duration = tonumber(ARGV[g + 2]), tonumber(ARGV[g + 3])
     if depth_limit >= 0 and #ids - 1 > depth_limit then fits = false end
     if duration >= 0 then
@@ -119,7 +154,7 @@ if hit == 0 and #ARGV > 5 then
   end
   if fits then
     local room = true
-    for g = 6, #ARGV, 4 do
+    for g = 8, #ARGV, 4 do
       local field, limit = ARGV[g], tonumber(ARGV[g + 1])
       local at, high = 0, 0
       for i = 1, #ids do
@@ -133,7 +168,7 @@ if hit == 0 and #ARGV > 5 then
     end
     if room then
       counted = 1
-      for g = 6, #ARGV, 4 do
+      for g = 8, #ARGV, 4 do
         for i = 1, #ids do redis.call('HINCRBY', pre .. ids[i], ARGV[g], 1) end
       end
     end
@@ -143,7 +178,8 @@ return {ids, firsts, hit, left, now, counted, full, highs}
 """)
 
 # Count one call on every run of a lineage for a scope, or on none.
-# KEYS: the run's hash (the rest are built from ARGV[1]). ARGV: prefix, field, limit, ids...
+# KEYS: the run's hash (the rest are built from ARGV[1]). ARGV: key prefix of the tenant's
+# run hashes, field, limit, ids...
 # Returns {0, highest count after} when counted, or {index of the first run at the limit, 0}.
 _TAKE = Script("""
 local pre, field, limit = ARGV[1], ARGV[2], tonumber(ARGV[3])
@@ -158,7 +194,7 @@ return {0, high}
 """)
 
 # Give back what _TAKE counted (never below 0; a forgotten run is not re-created).
-# KEYS: the run's hash. ARGV: prefix, field, ids...
+# KEYS: the run's hash. ARGV: key prefix of the tenant's run hashes, field, ids...
 _GIVE_BACK = Script("""
 local pre, field = ARGV[1], ARGV[2]
 for i = 3, #ARGV do
@@ -169,23 +205,51 @@ end
 return 0
 """)
 
-# Record a cancellation and tell every replica. KEYS: cancelled zset.
-# ARGV: run, refusal ms, channel. A longer refusal already recorded is kept. Entries whose
-# refusal ended are dropped here, so the set holds only cancellations in force.
+# Record a cancellation of run id ARGV[1] in some tenants and tell every replica.
+# KEYS: cancelled zset, the run id's tenant set. ARGV: run, refusal ms, channel, key prefix of
+# run hashes, '1' to add every tenant that has a run of that id (else '0'), then the <q> of
+# each tenant named. Per tenant: a longer refusal already recorded is kept, and one message
+# is published. Entries whose refusal ended are dropped here, so the set holds only
+# cancellations in force; so are tenants of the set whose run has expired.
+# Returns {<q>, ms the refusal lasts, ...} per tenant hit.
 _CANCEL = Script("""
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local until_ms = now + tonumber(ARGV[2])
-local old = redis.call('ZSCORE', KEYS[1], ARGV[1])
-if old and tonumber(old) > until_ms then until_ms = tonumber(old) end
+local run, ms, channel, runs = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4]
+local qs, seen = {}, {}
+for i = 6, #ARGV do
+  if not seen[ARGV[i]] then seen[ARGV[i]] = true qs[#qs + 1] = ARGV[i] end
+end
+if ARGV[5] == '1' then
+  for _, q in ipairs(redis.call('SMEMBERS', KEYS[2])) do
+    if redis.call('EXISTS', runs .. q .. run) == 1 then
+      if not seen[q] then seen[q] = true qs[#qs + 1] = q end
+    else
+      redis.call('SREM', KEYS[2], q)
+    end
+  end
+end
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-redis.call('ZADD', KEYS[1], until_ms, ARGV[1])
-redis.call('PEXPIREAT', KEYS[1], math.max(until_ms, redis.call('PTTL', KEYS[1]) + now))
-redis.call('PUBLISH', ARGV[3], (until_ms - now) .. ' ' .. ARGV[1])
-return until_ms - now
+local out, last = {}, 0
+for _, q in ipairs(qs) do
+  local member = q .. run
+  local until_ms = now + ms
+  local old = redis.call('ZSCORE', KEYS[1], member)
+  if old and tonumber(old) > until_ms then until_ms = tonumber(old) end
+  redis.call('ZADD', KEYS[1], until_ms, member)
+  if until_ms > last then last = until_ms end
+  redis.call('PUBLISH', channel, (until_ms - now) .. ' ' .. member)
+  out[#out + 1] = q
+  out[#out + 1] = until_ms - now
+end
+if last > 0 then
+  redis.call('PEXPIREAT', KEYS[1], math.max(last, redis.call('PTTL', KEYS[1]) + now))
+end
+return out
 """)
 
-# The cancellations in force, with the ms each has left. KEYS: cancelled zset. ARGV: limit.
+# The cancellations in force (<q><run>), with the ms each has left. KEYS: cancelled zset.
+# ARGV: limit.
 _IN_FORCE = Script("""
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -205,6 +269,7 @@ class Lineage:
     """A run's place in the shared tree, as one call found it.
 
     Attributes:
+        tenant: the tenant whose runs ``ids`` are.
         ids: the run, then its parent, up to the root (at most :data:`MAX_LINEAGE`).
         ages: seconds since each of their first calls, in the same order.
         cancelled: the run of ``ids`` whose cancellation refuses the call, or ``None``.
@@ -215,6 +280,7 @@ class Lineage:
         highs: per scope asked, the highest count on the lineage after counting.
     """
 
+    tenant: str
     ids: tuple[str, ...]
     ages: tuple[float, ...]
     cancelled: str | None
@@ -257,35 +323,38 @@ class RedisRuns:
         self.state = state
         self._cancelled = state.key(GROUP, "cancelled")
         self._runs = state.key(GROUP, "run") + ":"
+        self._tenants = state.key(GROUP, "tenants") + ":"
         #: The channel cancellations are published on (classic pub/sub: no slot).
         self.channel = f"{state.prefix}:runs:cancel"
         self.feed = CancelFeed(self)
 
-    def _key(self, run: str) -> str:
-        return self._runs + run
-
-    async def admit(self, run: str, parent: str | None,
+    async def admit(self, tenant: str, run: str, parent: str | None,
                     counts: Sequence[Count] = ()) -> Lineage:
-        """Place ``run`` under ``parent`` (on first sight) and read its lineage and whether a
-        cancellation refuses it; refreshes the expiry of the run and its ancestors. With
-        ``counts``, also count the call in each of those scopes on every run of the lineage,
-        all or none (as :meth:`take_request` does for one scope), unless the lineage is
-        cancelled, deeper than a scope's ``depth`` or older than its ``max_duration``.
+        """Place ``tenant``'s run ``run`` under the tenant's run ``parent`` (on first sight)
+        and read its lineage and whether a cancellation refuses it; refreshes the expiry of
+        the run and its ancestors. With ``counts``, also count the call in each of those
+        scopes on every run of the lineage, all or none (as :meth:`take_request` does for one
+        scope), unless the lineage is cancelled, deeper than a scope's ``depth`` or older
+        than its ``max_duration``.
 
         Raises:
             StateUnavailable: Redis did not answer within ``state.timeout``.
         """
-        parent_key = self._key(parent) if parent else self._key(run)
-        args: list[Any] = [run, parent or "", self._runs, RUN_IDLE_TTL_S, MAX_LINEAGE]
+        q = qualified(tenant)
+        runs = self._runs + q
+        key = runs + run
+        args: list[Any] = [run, parent or "", runs, RUN_IDLE_TTL_S, MAX_LINEAGE, q,
+                           self._tenants]
         for count in counts:
             args += [f"n:{count.scope}", count.limit,
                      -1 if count.depth is None else count.depth,
                      -1 if count.max_duration is None else round(count.max_duration * 1000)]
         ids, firsts, hit, left, now, counted, full, highs = await self.state.eval(
-            _ADMIT, [self._cancelled, self._key(run), parent_key], args)
+            _ADMIT, [self._cancelled, key, runs + parent if parent else key], args)
         names = tuple(_text(name) for name in ids)
         now = int(now)
         return Lineage(
+            tenant=tenant,
             ids=names,
             ages=tuple(max(0, now - int(first)) / 1000 for first in firsts),
             cancelled=names[int(hit) - 1] if int(hit) else None,
@@ -295,10 +364,10 @@ class RedisRuns:
             highs=tuple(int(high) for high in highs),
         )
 
-    async def take_request(self, scope: str, ids: tuple[str, ...],
+    async def take_request(self, scope: str, tenant: str, ids: tuple[str, ...],
                            limit: int) -> tuple[str | None, int]:
-        """Count one call in ``scope`` on every run of ``ids`` (a lineage, the run first), or
-        on none of them.
+        """Count one call in ``scope`` on every run of ``ids`` (a lineage of ``tenant``'s
+        runs, the run first), or on none of them.
 
         Returns:
             ``(full, highest)``: the first run already at ``limit`` (nothing counted), else
@@ -307,63 +376,80 @@ class RedisRuns:
         Raises:
             StateUnavailable: Redis did not answer (nothing was counted, as far as is known).
         """
-        full, high = await self.state.eval(_TAKE, [self._key(ids[0])],
-                                           [self._runs, f"n:{scope}", limit, *ids])
+        runs = self._runs + qualified(tenant)
+        full, high = await self.state.eval(_TAKE, [runs + ids[0]],
+                                           [runs, f"n:{scope}", limit, *ids])
         return (ids[int(full) - 1] if int(full) else None), int(high)
 
-    async def give_back_request(self, scope: str, ids: tuple[str, ...]) -> None:
+    async def give_back_request(self, scope: str, tenant: str, ids: tuple[str, ...]) -> None:
         """Undo :meth:`take_request` for a call that never reached the upstream.
 
         Raises:
             StateUnavailable: Redis did not answer (the count stays taken until it expires).
         """
-        await self.state.eval(_GIVE_BACK, [self._key(ids[0])],
-                              [self._runs, f"n:{scope}", *ids])
+        runs = self._runs + qualified(tenant)
+        await self.state.eval(_GIVE_BACK, [runs + ids[0]], [runs, f"n:{scope}", *ids])
 
-    async def cancel(self, run: str, ttl_s: float) -> float:
-        """Record that ``run`` (and so its descendants) is refused for ``ttl_s`` seconds and
-        publish it to every replica's :class:`CancelFeed`.
+    async def cancel(self, run: str, ttl_s: float, tenants: Sequence[str] = (), *,
+                     every: bool = False) -> dict[str, float]:
+        """Record that run id ``run`` of each of ``tenants`` (and, with ``every``, of every
+        tenant that has a run of that id in Redis) is refused, its descendants with it, for
+        ``ttl_s`` seconds, and publish each to every replica's :class:`CancelFeed`. A tenant
+        named whose run is not known yet is recorded too (its first calls are refused).
 
         Returns:
-            seconds the refusal lasts (more than ``ttl_s`` if a longer one was in force).
+            per tenant hit, seconds its refusal lasts (more than ``ttl_s`` if a longer one
+            was in force).
 
         Raises:
             StateUnavailable: Redis did not answer; the cancellation is not shared.
         """
-        left = await self.state.eval(_CANCEL, [self._cancelled],
-                                     [run, max(1, round(ttl_s * 1000)), self.channel])
-        return int(left) / 1000
+        rows = await self.state.eval(
+            _CANCEL, [self._cancelled, self._tenants + run],
+            [run, max(1, round(ttl_s * 1000)), self.channel, self._runs, "1" if every else "0",
+             *(qualified(tenant) for tenant in tenants)])
+        hit: dict[str, float] = {}
+        for i in range(0, len(rows), 2):
+            # The set holds only what admit wrote: <q> of a tenant, never malformed.
+            tenant = _text(rows[i])[:-1].partition(":")[2]
+            hit[tenant] = int(rows[i + 1]) / 1000
+        return hit
 
-    async def in_force(self) -> list[tuple[str, float]]:
-        """Every cancellation in force: ``(run, seconds left)``, at most :data:`RESYNC_LIMIT`.
+    async def in_force(self) -> list[tuple[str, str, float]]:
+        """Every cancellation in force: ``(tenant, run, seconds left)``, at most
+        :data:`RESYNC_LIMIT` (entries not of the ``<q><run>`` form are skipped).
 
         Raises:
             StateUnavailable: Redis did not answer.
         """
         rows = await self.state.eval(_IN_FORCE, [self._cancelled], [RESYNC_LIMIT])
-        return [(_text(rows[i]), int(_text(rows[i + 1])) / 1000)
-                for i in range(0, len(rows), 2)]
+        out = []
+        for i in range(0, len(rows), 2):
+            named = unqualified(_text(rows[i]))
+            if named is not None:
+                out.append((*named, int(_text(rows[i + 1])) / 1000))
+        return out
 
 
 class CancelFeed:
     """Each replica's subscription to the cancellations of every replica.
 
     :meth:`start` runs a listener on a pub/sub connection of its own; each cancellation heard
-    is handed to ``on_cancel(run, seconds_left)``, which must not block. Each time the listener
-    (re)subscribes it first hands over every cancellation in force (:meth:`RedisRuns.in_force`),
-    so one missed while disconnected, or made before this replica started, still applies to
-    calls already queued or in flight here.
+    is handed to ``on_cancel(tenant, run, seconds_left)``, which must not block. Each time the
+    listener (re)subscribes it first hands over every cancellation in force
+    (:meth:`RedisRuns.in_force`), so one missed while disconnected, or made before this
+    replica started, still applies to calls already queued or in flight here.
     """
 
     def __init__(self, runs: RedisRuns) -> None:
         self._runs = runs
         self._task: asyncio.Task[None] | None = None
         self._closing = False
-        self._on_cancel: Callable[[str, float], None] | None = None
+        self._on_cancel: Callable[[str, str, float], None] | None = None
         #: Set while subscribed (tests and readiness wait on it).
         self.subscribed = asyncio.Event()
 
-    def start(self, on_cancel: Callable[[str, float], None]) -> None:
+    def start(self, on_cancel: Callable[[str, str, float], None]) -> None:
         """Start listening (inside the running loop); never raises for Redis being down."""
         self._on_cancel = on_cancel
         if self._task is None:
@@ -376,19 +462,22 @@ class CancelFeed:
         if task is not None:
             await stop_listener(task, "the run cancellation listener")
 
-    def _deliver(self, run: str, left_s: float) -> None:
+    def _deliver(self, tenant: str, run: str, left_s: float) -> None:
         if self._on_cancel is not None and left_s > 0:
-            self._on_cancel(run, left_s)
+            self._on_cancel(tenant, run, left_s)
 
     def _heard(self, data: str) -> None:
-        """One message: ``<ms left> <run>`` (see ``_CANCEL``)."""
-        left_ms, _, run = data.partition(" ")
+        """One message: ``<ms left> <q><run>`` (see ``_CANCEL``)."""
+        left_ms, _, name = data.partition(" ")
+        named = unqualified(name)
         try:
             left_s = float(left_ms) / 1000
         except ValueError:
+            named = None
+        if named is None:  # also an older Sluice's ``<ms> <run>``: no tenant to apply it to
             log.warning("ignored a malformed run cancellation message: %.80r", data)
             return
-        self._deliver(run, left_s)
+        self._deliver(*named, left_s)
 
     async def _listen(self) -> None:
         runs = self._runs
@@ -397,8 +486,8 @@ class CancelFeed:
             try:
                 async with subscription(state, runs.channel, confirmed=True) as pubsub:
                     # Subscribed first, then read the set: nothing falls between the two.
-                    for run, left_s in await runs.in_force():
-                        self._deliver(run, left_s)
+                    for tenant, run, left_s in await runs.in_force():
+                        self._deliver(tenant, run, left_s)
                     self.subscribed.set()
                     while not self._closing:
                         message = await pubsub.get_message(timeout=READ_TIMEOUT_S)
