@@ -193,20 +193,25 @@ async def test_oom_readonly_and_busy_count_as_unavailable(
         admin.close()
 
 
-async def test_a_key_of_another_type_under_the_prefix_counts_as_unavailable(
+async def test_a_key_of_another_type_under_the_prefix_fails_its_calls_only(
         own: StateBackends, redis_server: RedisServer):
-    # Another program writing under Sluice's prefix turned every call into a 502
-    # "upstream_unreachable" with a traceback, the upstream never asked (a hostile trial):
-    # it is the backend that cannot serve, so state.on_unavailable applies.
+    # Another program writing under Sluice's prefix turned every call on that key into a 502
+    # "upstream_unreachable" with a traceback, the upstream never asked (a hostile trial): it
+    # is unavailable, so state.on_unavailable applies. But only that key: marking the whole
+    # backend down refused every route's calls while one key was foreign (a review).
     admin = redis_server.client()
     try:
-        def clobber() -> None:
-            for key in admin.scan_iter("*"):  # this server is the test's own
-                if admin.type(key) != b"string":
-                    admin.delete(key)
-                    admin.set(key, "x")
-
-        await refused_then_recovered(own, admin, clobber, admin.flushall, "WRONGTYPE")
+        for key in admin.scan_iter("*"):  # this server is the test's own
+            if admin.type(key) == b"hash":  # the ledger's counters
+                admin.delete(key)
+                admin.set(key, "x")
+        with pytest.raises(StateUnavailable, match="WRONGTYPE"):
+            await own.ledger.reserve("r", "x", [Claim("day", 1, 10, time.time() + 60)],
+                                     time.time(), 60)
+        assert own.health.up
+        await own.rates.admit("r", [Take("requests", 10, 60.0)])  # other keys still serve
+        admin.flushall()
+        await each_answers(own)
     finally:
         admin.close()
 

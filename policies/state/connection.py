@@ -57,7 +57,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from policies.secrets import secret_query_field
-from policies.state.errors import StateUnavailable, is_unavailable
+from policies.state.errors import StateUnavailable, is_key_fault, is_unavailable
 from policies.state.notify import RedisNotifier
 
 log = logging.getLogger("sluice.state")
@@ -319,6 +319,9 @@ class RedisState:
             self.health.fail(exc.cause)
             return StateUnavailable(f"state backend unavailable: {exc.cause}",
                                     self.probe_interval_s)
+        if is_key_fault(exc):  # that key only: the backend stays up for the others
+            return StateUnavailable(f"a key under the state prefix cannot be used (another "
+                                    f"program writing there?): {describe(exc)}")
         if not is_unavailable(exc):
             raise exc
         self.health.fail(describe(exc))

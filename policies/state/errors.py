@@ -25,10 +25,11 @@ _UNAVAILABLE_CODES = frozenset({
     "NOPERM", "NOAUTH", "WRONGPASS",  # ACL or password refusal
     "NOSCRIPT",    # still missing after redis-py's one SCRIPT LOAD (scripts disabled)
     "NOREPLICAS",
-    # A key under state.key_prefix holds another type: another program writes there (or a
-    # prefix is shared). Not our bug to crash on: the backend cannot serve these keys.
-    "WRONGTYPE",
 })
+# Replies about one key, not the server: a key under state.key_prefix holds another type
+# (another program writes there, or a prefix is shared). The calls on that key cannot be
+# served, but the backend is up for every other key.
+_KEY_CODES = frozenset({"WRONGTYPE"})
 
 # Client-side failures: the server is down, frozen, unreachable, or the pool is exhausted.
 _UNAVAILABLE_TYPES: tuple[type[BaseException], ...] = (
@@ -63,6 +64,13 @@ class StateUnavailable(Exception):
         self.cause = cause
         self.retry_after = retry_after
         self.maybe_applied = maybe_applied
+
+
+def is_key_fault(exc: BaseException) -> bool:
+    """True when ``exc`` says one key cannot be used (:data:`_KEY_CODES`), the backend
+    being up: the call fails as unavailable, but the backend is not marked down."""
+    return (isinstance(exc, rx.ResponseError)
+            and str(exc).split(" ", 1)[0].upper() in _KEY_CODES)
 
 
 def is_unavailable(exc: BaseException) -> bool:
