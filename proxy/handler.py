@@ -359,19 +359,23 @@ def _hand_over(rt: Runtime, route: Route, call: Call, admission: Admission, outc
     and by the drain's cut (:attr:`Runtime.finishing`)."""
     task = finish.task
     assert task is not None
-    route.present += 1  # the handler's own count is given back by handle()
+    route.present += 1  # the handler's own counts are given back by handle(): its body
+    held = len(call.body)  # is still held, by the task, so it counts until the task ends
+    rt.buffered_bytes += held
     if finish.left:
         call.background = task
         rt.finishing.add(task)
     else:
         task.cancel()  # nobody awaits its answer (_leave has cancelled it already, mostly)
     task.add_done_callback(functools.partial(_finished, rt, route, call, admission, outcome,
-                                             admitted_at, finish))
+                                             admitted_at, finish, held))
 
 
 def _finished(rt: Runtime, route: Route, call: Call, admission: Admission, caller: Outcome,
-              admitted_at: float, finish: Finish, task: asyncio.Task[object]) -> None:
-    """The end of a call's forward task that outlived its handler (:func:`_hand_over`)."""
+              admitted_at: float, finish: Finish, held: int, task: asyncio.Task[object]
+              ) -> None:
+    """The end of a call's forward task that outlived its handler (:func:`_hand_over`);
+    ``held``: the bytes of its body, counted in ``buffered_bytes`` until now."""
     try:
         if finish.left:
             if task.cancelled() and call.cancelled is not None:
@@ -385,6 +389,7 @@ def _finished(rt: Runtime, route: Route, call: Call, admission: Admission, calle
             _settle(rt, route, call, admission, caller, admitted_at, "call")
     finally:
         route.present -= 1
+        rt.buffered_bytes -= held
         rt.finishing.discard(task)
         call.background = None
 

@@ -66,6 +66,7 @@ async def admin_inflight(sluice: Any) -> int:
 async def assert_all_given_back(sluice: Any) -> None:
     """Nothing the calls took is still held: in flight, queued, waiting on a key."""
     await sluice.wait_metric("sluice_inflight_requests", 0, route="tools")
+    await sluice.wait_metric("sluice_buffered_request_bytes", 0)
     assert await admin_inflight(sluice) == 0
     assert await sluice.metric("sluice_queue_depth", route="tools") == 0
     assert await sluice.metric("sluice_idempotency_waiting", route="tools") == 0
@@ -297,6 +298,9 @@ async def test_a_caller_leaving_before_the_response_leaves_the_call_to_finish(
         await leave_a_call(http, url, scripted, after_first_event)
         await noticed_leaving(sluice, scripted)
         assert await admin_inflight(sluice) == 1  # the slot is still held...
+        # ...and its body, in memory until the call ends, counts against max_buffered_bytes
+        # (it was given back with the handler: a review held 12 bodies past a 2 MiB bound).
+        assert await sluice.metric("sluice_buffered_request_bytes") == len(json.dumps(CALL))
         waiting = asyncio.create_task(retry(http, url))  # ...and the key: the retry waits
         await sluice.wait_metric("sluice_idempotency_waiting", 1, route="tools")
         assert scripted.cut == 0 and scripted.calls == 1
