@@ -30,6 +30,7 @@ import math
 import re
 import sys
 import time
+import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any
@@ -255,8 +256,10 @@ def open_events(paths: Sequence[str]) -> Iterator[bytes]:
         try:
             with (gzip.open if path.endswith(".gz") else open)(path, "rb") as stream:
                 yield from stream
-        except OSError as exc:  # named here: gzip's errors do not name the file
-            raise OSError(f"{path}: {exc.strerror or exc}") from exc
+        except (OSError, EOFError, zlib.error) as exc:  # gzip's name no file; a file cut
+            # short (logrotate still compressing it) raises EOFError, a corrupt one zlib.error
+            raise OSError(f"{path}: {getattr(exc, 'strerror', None) or exc or 'cut short'}"
+                          ) from exc
 
 
 def print_timeline(run_id: str, paths: Sequence[str], out: IO[str],
