@@ -275,13 +275,26 @@ def _redis_url(value: str) -> str:
         field = re.search(r"argument '([^']*)'", str(exc))
         raise ValueError(f"has a query field redis-py does not take"
                          f"{f' ({field.group(1)!r})' if field else ''}") from None
-    except ValueError as exc:  # its own message names the field, never the value
-        raise ValueError(f"is not a Redis URL redis-py can read: {exc}") from None
+    except ValueError as exc:  # its message names a field, or quotes a piece of the URL
+        raise ValueError(f"is not a Redis URL redis-py can read: "
+                         f"{_unquoted_secret(str(exc), value)}") from None
     # redis-py reads the path as the database number and ignores one that is not a number:
     # a typo (/99x, /O) would silently use database 0, perhaps another deployment's.
     if scheme != "unix" and not _REDIS_DB.fullmatch(urllib.parse.urlsplit(value).path):
         raise ValueError("has a path that is no database number (redis://host:6379/0)")
     return value
+
+
+def _unquoted_secret(message: str, url: str) -> str:
+    """``message`` with each quoted piece of ``url``'s user info redacted: redis-py quotes
+    what it could not read, and a password holding ``/`` is read as the port
+    (``redis://:pa/ss@host`` says ``... as 'pa'``)."""
+    secret = url.partition("://")[2].rpartition("@")[0]
+    if not secret:
+        return message
+    return re.sub(r"'([^']*)'", lambda quoted: "'<redacted>'"
+                  if quoted.group(1) and quoted.group(1) in secret else quoted.group(0),
+                  message)
 
 
 #: The path of a ``redis://`` URL: none, or ``/`` and a database number.

@@ -34,6 +34,10 @@ ROUTE = """routes:
     ("  backend: redis\n  redis_url: 'redis://:hunter2@cache:6379/0?socket_timeout=soon'\n",
      "state.redis_url: is not a Redis URL redis-py can read: Invalid value for "
      "'socket_timeout'"),
+    # A password holding '/' is read as the port, and redis-py's message quoted it (a review).
+    ("  backend: redis\n  redis_url: 'redis://:hunter2/x@cache:6379/0'\n",
+     "state.redis_url: is not a Redis URL redis-py can read: Port could not be cast to "
+     "integer value as '<redacted>'"),
     # redis-py ignores a database that is not a number: the typo served database 0.
     ("  backend: redis\n  redis_url: 'redis://:hunter2@cache:6379/99x'\n",
      "bad.yaml:3: state.redis_url: has a path that is no database number"),
