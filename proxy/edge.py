@@ -6,9 +6,9 @@
   between requests (opened and silent, part of a head in, or kept alive idle: nginx likewise
   frees idle keep-alive connections when it runs out), which is closed; if every connection
   has a request in progress, it is answered 503 ``too_many_connections`` once its first bytes
-  arrive (so the caller reads the answer rather than a reset), then closed. Both count in
-  ``too_many_connections``. So idle or silent sockets, however many, never keep a probe or a
-  caller out;
+  arrive (so the caller reads the answer rather than a reset), then closed. The first counts
+  in ``sluice_idle_connections_closed_total``, the second in ``too_many_connections``. So
+  idle or silent sockets, however many, never keep a probe or a caller out;
 * ``header_timeout``: a request's head (request line and headers) must arrive within this of
   its first byte (of the connection's opening, for the first request), else 408
   ``request_timeout`` and close. This is what ends slowloris connections and silent ones;
@@ -174,6 +174,9 @@ class GuardedServer(web.Server):
     def refused(self, reason: Reason) -> None:
         """Count a connection or request its connection refused (nothing by default)."""
 
+    def evicted(self) -> None:
+        """Count an idle connection closed to make room (nothing by default)."""
+
     def evict_one(self) -> bool:
         """Close the oldest connection between requests (:attr:`EdgeProtocol.between_requests`)
         to make room for a new one; whether there was one. It counts as open until its
@@ -183,7 +186,7 @@ class GuardedServer(web.Server):
             if (isinstance(protocol, EdgeProtocol) and not transport.is_closing()
                     and protocol.between_requests):
                 transport.close()
-                self.refused(Reason.TOO_MANY_CONNECTIONS)
+                self.evicted()
                 return True
         return False
 
@@ -208,6 +211,9 @@ class EdgeServer(GuardedServer):
 
     def refused(self, reason: Reason) -> None:
         self.runtime.metrics.edge_rejections.labels(reason.code).inc()
+
+    def evicted(self) -> None:
+        self.runtime.metrics.idle_closed_proxy.inc()
 
 
     def _make_request(self, message: RawRequestMessage, payload: StreamReader,
@@ -296,6 +302,9 @@ class AdminServer(GuardedServer):
 
     def refused(self, reason: Reason) -> None:
         self.runtime.metrics.admin_rejections.labels(reason.code).inc()
+
+    def evicted(self) -> None:
+        self.runtime.metrics.idle_closed_admin.inc()
 
     def connection_settings(self) -> ServerConfig:
         server = self.runtime.config.server

@@ -245,20 +245,29 @@ class Metrics:
         self.edge_rejections = LoopCounter(
             "sluice_edge_rejections",
             "Connections and requests refused before any route's checks (over "
-            "server.max_connections, or an idle one closed to make room; header or body "
-            "timeouts; requests that are not valid HTTP/1.1, name no route or another "
-            "host), by reason.",
+            "server.max_connections with none idle to close; header or body timeouts; "
+            "requests that are not valid HTTP/1.1, name no route or another host), by "
+            "reason.",
             ["reason"],
             registry=r,
         )
         self.admin_rejections = LoopCounter(
             "sluice_admin_rejections",
             "Connections and requests the admin port refused at its door (over its 64 "
-            "connections, or an idle one closed to make room; header timeouts; requests "
-            "that are not valid HTTP/1.1), by reason: probes and scrapes crowded out.",
+            "connections with none idle to close; header timeouts; requests that are not "
+            "valid HTTP/1.1), by reason: probes and scrapes crowded out.",
             ["reason"],
             registry=r,
         )
+        idle_closed = LoopCounter(
+            "sluice_idle_connections_closed",
+            "Connections closed between requests (idle, silent, or part of a head in) to make "
+            "room for a new one, the port being at its connection limit, by port.",
+            ["port"],
+            registry=r,
+        )
+        self.idle_closed_proxy = idle_closed.labels("proxy")
+        self.idle_closed_admin = idle_closed.labels("admin")
         for reason in EDGE_REASONS:  # at 0 from the start, so that rate() sees the first
             self.edge_rejections.labels(reason.code)
         for reason in ADMIN_REASONS:

@@ -519,6 +519,7 @@ async def test_the_admin_port_closes_slow_and_idle_clients_and_keeps_probes_answ
                               + b"Connection: close\r\n\r\n", timeout=5)
     assert parse(probe)[0][0] == 200
     assert await closed_within(silent[0][0], 3) == b""  # the oldest made room
+    assert await sluice.metric("sluice_idle_connections_closed_total", port="admin") >= 1
     for _, writer in silent:
         writer.close()
     # Only connections each with a request in progress (a body still to come) fill it: one
@@ -650,7 +651,9 @@ async def test_connections_beyond_max_connections_get_503(upstream, start_sluice
     assert await closed_within(idle[0][0], 3) == b""
     for _, writer in idle:
         writer.close()
-    await sluice.wait_metric("sluice_edge_rejections_total", 1, reason="too_many_connections")
+    await sluice.wait_metric("sluice_idle_connections_closed_total", 1, port="proxy")
+    assert await sluice.metric("sluice_edge_rejections_total",
+                               reason="too_many_connections") == 0
     # Connections each with a call in flight are not touched: one more is answered 503.
     upstream.hold = asyncio.Event()
     held = []
