@@ -628,6 +628,12 @@ class EdgeProtocol(RequestHandler):
                 self._arm(now + self._settings.body_timeout)
                 return
             current = self._current_request
+            if self._messages or (current is not None and current.content is not self._body):
+                # The body of a request pipelined behind one still being served: its caller
+                # may wait for a 100 Continue sent only once its turn comes, and a 408 now
+                # would be read as the answer to the request ahead (a review).
+                self._arm(now + self._settings.body_timeout)
+                return
             answer = _BODY_TIMEOUT if current is not None and current.writer.output_size == 0 \
                 else None
         else:

@@ -551,6 +551,31 @@ async def test_the_admin_port_closes_slow_and_idle_clients_and_keeps_probes_answ
     assert await sluice.metric("sluice_admin_rejections_total", reason="request_timeout") > 0
     assert await sluice.metric("process_resident_memory_bytes") > 0  # and the process's own
 
+async def test_a_pipelined_request_waiting_for_100_continue_does_not_cut_the_one_ahead(
+        upstream, start_sluice):
+    """A POST pipelined behind a slow GET, its caller waiting for 100 Continue (sent only
+    when its turn comes): its body timer ran while the GET was served, and the 408 it wrote
+    reached the caller as the GET's answer, the GET cut (a review)."""
+    sluice = await start_sluice({"server": {"body_timeout": "1s"},
+                                 "routes": [route("svc", upstream.url, "http")]})
+    upstream.delay = 2.5
+    reader, writer = await asyncio.open_connection("127.0.0.1", sluice.port)
+    writer.write(b"GET /svc/slow HTTP/1.1\r\n" + LOOPBACK + b"\r\n"
+                 b"POST /svc/x HTTP/1.1\r\n" + LOOPBACK
+                 + b"Content-Length: 10\r\nExpect: 100-continue\r\n\r\n")
+    try:
+        status, _, _ = await read_answer(reader, timeout=10)
+        assert status == 200  # the GET's own answer
+        assert await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10) == \
+            b"HTTP/1.1 100 Continue\r\n\r\n"
+        writer.write(b"0123456789")
+        status, _, _ = await read_answer(reader, timeout=10)
+        assert status == 200
+    finally:
+        writer.close()
+    assert [r.method for r in upstream.requests] == ["GET", "POST"]
+
+
 async def test_a_stalled_or_trickling_body_is_cut_with_408(upstream, start_sluice):
     sluice = await start_sluice({"server": {"body_timeout": "1s", "min_body_rate": 100},
                                  "routes": [route("svc", upstream.url, "http")]})
