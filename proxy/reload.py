@@ -105,6 +105,15 @@ def keep_restart_only(running: Config, new: Config) -> tuple[Config, list[str]]:
         if _get(new, path) != value:
             held.append(".".join(path))
             new = _set(new, path, value)
+    # The file was checked against its own max_request_bytes; a larger one in force until a
+    # restart must still fit the bound on held bodies, or such bodies were refused for good.
+    server = new.server
+    if server.max_buffered_bytes < server.max_request_bytes:
+        log.warning("config reload: server.max_buffered_bytes (%d) is less than the "
+                    "max_request_bytes in force until a restart (%d); it is held at %d",
+                    server.max_buffered_bytes, server.max_request_bytes,
+                    running.server.max_buffered_bytes)
+        new = _set(new, ("server", "max_buffered_bytes"), running.server.max_buffered_bytes)
     return new, held
 
 

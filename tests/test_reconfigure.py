@@ -171,3 +171,23 @@ def test_restart_only_keys_are_held_back():
     assert applied.server.listen == "127.0.0.1:1000" and applied.events.path is None
     assert applied.server.drain_timeout == 9.0
     assert applied.routes[0].concurrency.limit == 3
+
+
+def test_a_reload_cannot_bound_held_bodies_below_the_largest_body_in_force(caplog):
+    # A new user lowered both max_request_bytes (restart-only: still 2 MiB) and
+    # max_buffered_bytes to 1 MiB: the reload applied the second, and every body over 1 MiB
+    # was refused buffers_full "retry" for good. The file alone was valid.
+    route = ROUTE.format(limit=1, rate="1/s")
+    running = parse_config("server: {max_request_bytes: 2097152, max_buffered_bytes: 8388608}\n"
+                           + route)
+    new = parse_config("server: {max_request_bytes: 1048576, max_buffered_bytes: 1048576}\n"
+                       + route)
+    applied, held = keep_restart_only(running, new)
+    assert held == ["server.max_request_bytes"]
+    assert applied.server.max_request_bytes == 2097152
+    assert applied.server.max_buffered_bytes == 8388608  # held at the running value
+    assert "max_buffered_bytes (1048576) is less than the max_request_bytes in force" in \
+        caplog.text
+    lower = parse_config("server: {max_request_bytes: 2097152, max_buffered_bytes: 4194304}\n"
+                         + route)
+    assert keep_restart_only(running, lower)[0].server.max_buffered_bytes == 4194304
