@@ -56,7 +56,8 @@
 * a ``Content-Length`` over ``server.max_request_bytes`` is refused with 413
   ``request_too_large`` before the body is read (and before any ``100 Continue``), and one
   that would take the bodies held at once past ``server.max_buffered_bytes`` with 503
-  ``buffers_full`` likewise (the handler holds the declared bytes until the call ends);
+  ``buffers_full`` likewise (the handler holds the declared bytes until the call ends; a
+  chunked body, whose length is known only once read, holds ``max_request_bytes``);
 * ``Expect: 100-continue`` is answered by Sluice (``100 Continue`` before the body is read)
   and never forwarded; any other expectation is refused with 417 ``expectation_failed``.
 
@@ -246,7 +247,12 @@ class EdgeServer(GuardedServer):
             return _answered(refused)
         headers = request.headers
         length = headers.get(hdrs.CONTENT_LENGTH)  # digits only: the parser refused the rest
-        declared = 0 if length is None else digits_value(length)
+        if length is not None:
+            declared = digits_value(length)
+        elif hdrs.TRANSFER_ENCODING in headers:  # chunked: its length is known once read,
+            declared = door.max_request_bytes    # so it holds the most it may be till then
+        else:
+            declared = 0
         if declared:
             if declared > door.max_request_bytes:
                 return _unread(rt, request, Rejected(
