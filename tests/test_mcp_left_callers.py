@@ -72,6 +72,17 @@ async def assert_all_given_back(sluice: Any) -> None:
     assert await sluice.metric("sluice_idempotency_waiting", route="tools") == 0
 
 
+async def serve_in_process(runtime: Runtime) -> tuple[web.ServerRunner, str]:
+    """Serve ``runtime``'s proxy port in this process (for tests that reach inside it): the
+    runner to clean up, and the ``tools`` route's MCP endpoint URL."""
+    runner = web.ServerRunner(build_proxy_server(runtime))
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    return runner, f"http://127.0.0.1:{port}/tools/mcp"
+
+
 async def completed_events(sluice: Any, count: int) -> list[dict]:
     """The ``completed`` events, once ``count`` of them are in the log (flushed every 0.2 s)."""
     await wait_until(lambda: sum(e["event"] == "completed" for e in sluice.events()) >= count,
@@ -511,12 +522,7 @@ async def test_a_proxy_error_while_finishing_without_the_caller_gives_everything
         raise RuntimeError("injected proxy bug")
 
     monkeypatch.setattr(proxy.forward, "send", broken_send)
-    runner = web.ServerRunner(build_proxy_server(runtime))
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    url = f"http://127.0.0.1:{port}/tools/mcp"
+    runner, url = await serve_in_process(runtime)
     [tools] = runtime.routes
     try:
         with caplog.at_level(logging.ERROR, logger="sluice"):
@@ -584,12 +590,7 @@ async def test_a_run_cancel_and_the_caller_leaving_at_once_leave_nothing_held(
         "      idempotency: {mode: dedup}, concurrency: {limit: 1, queue: 0}}\n")
     runtime = Runtime(config)
     await runtime.open()
-    runner = web.ServerRunner(build_proxy_server(runtime))
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    url = f"http://127.0.0.1:{port}/tools/mcp"
+    runner, url = await serve_in_process(runtime)
     [tools] = runtime.routes
     scripted.mode = "sse"
     try:
