@@ -35,7 +35,8 @@ the run id in every tenant.
   Redis backend the cancel is also recorded in Redis and published, so every replica ends the
   runs' calls and refuses their new ones (``"shared": true``); while Redis does not answer it
   is sure to apply to this replica only, and to the tenants known here (``"shared": false``,
-  logged; a Redis that was only slow may still run it and tell the others).
+  logged; a Redis that was only slow may still run it and tell the others). With the memory
+  backend, ``"shared": null``.
   Needs ``Authorization: Bearer TOKEN`` (``admin.token_file``, else the
   ``SLUICE_ADMIN_TOKEN`` environment variable; with neither, 403): read-only endpoints stay
   open, one that stops work does not.
@@ -178,8 +179,9 @@ async def admin_cancel_run(request: web.Request) -> web.Response:
         cancelled, ended = registry.cancel(run, runtime.cancel_ttl, name)
         runs += cancelled
         calls += ended
-    shared = False
+    shared: bool | None = None  # no shared state: this replica is all there is
     if registry.shared is not None:
+        shared = False
         try:
             hit = await registry.shared.cancel(run, runtime.cancel_ttl, tenants,
                                                every=tenant is None)

@@ -97,6 +97,13 @@ def run(config: Config | None, args: argparse.Namespace, out: IO[str] | None = N
     elif args.runs_command == "show":
         out.write("\n".join(_show(run) for run in body["runs"]))
     elif not body["tenants"]:
+        if body.get("shared") is False:
+            # Nothing known here, and the other replicas were not asked: saying "nothing
+            # cancelled" would tell the operator the run is not running (a review).
+            print(f"sluice: the shared run state did not answer, and this replica knows no "
+                  f"run {body['run']}: other replicas were not asked, nothing was cancelled; "
+                  f"try again once Redis answers (or with --tenant NAME)", file=sys.stderr)
+            return EXIT_FAILED
         out.write(f"no tenant has a run {body['run']}: nothing cancelled (--tenant NAME "
                   "refuses its calls before they start)\n")
     else:

@@ -201,7 +201,8 @@ async def test_depth_and_max_duration_come_from_the_shared_tree(
 
 
 async def test_redis_stopped_each_replica_keeps_its_own_runs(upstream, start_sluice,
-                                                            redis_server: RedisServer):
+                                                            redis_server: RedisServer,
+                                                            monkeypatch, capsys):
     """With Redis stopped, calls of a run are served without waiting on it, a cancel still
     ends and refuses the run on the replica it was made on (answering ``shared: false``,
     logged), and the other replica, which cannot hear of it, keeps serving the run; the
@@ -226,6 +227,15 @@ async def test_redis_stopped_each_replica_keeps_its_own_runs(upstream, start_slu
     assert "is not confirmed beyond this replica" in a.stderr()
     assert (refused[0], refused[1]["X-Sluice-Reason"]) == (409, "run_cancelled")
     assert [status for status, _, _ in other] == [200, 200, 429]
+    # `sluice runs cancel` on a replica that has not seen the run, Redis not answering: it
+    # said "no tenant has a run job: nothing cancelled" and exited 0 while the run went on
+    # at the other replica (a review). Nobody was asked: that is an error.
+    from proxy.cli import main as cli_main
+
+    monkeypatch.setenv("SLUICE_ADMIN_TOKEN", TOKEN)
+    code = await asyncio.to_thread(cli_main, ["runs", "cancel", "ghost", "--admin", b.admin_url])
+    assert code == 1
+    assert "the shared run state did not answer" in capsys.readouterr().err
 
 
 async def test_round_trips_per_call_of_a_run(upstream, start_sluice, redis_server: RedisServer):
