@@ -57,7 +57,8 @@
   ``request_too_large`` before the body is read (and before any ``100 Continue``), and one
   that would take the bodies held at once past ``server.max_buffered_bytes`` with 503
   ``buffers_full`` likewise (the handler holds the declared bytes until the call ends; a
-  chunked body, whose length is known only once read, holds ``max_request_bytes``);
+  chunked body, whose length is known only once read, holds ``max_request_bytes`` until
+  then);
 * ``Expect: 100-continue`` is answered by Sluice (``100 Continue`` before the body is read)
   and never forwarded; any other expectation is refused with 417 ``expectation_failed``.
 

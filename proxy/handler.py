@@ -116,34 +116,37 @@ async def handle(rt: Runtime, request: web.BaseRequest, held: int = 0
                  ) -> web.StreamResponse:
     """Serve one agent request (the only handler of the proxy port, bound to its runtime).
 
-    ``held``: its body's declared length, bytes, which the edge found room for under
-    ``server.max_buffered_bytes``: counted held from this first step, with no await since that
-    check, to the end of the call (queued, forwarded), in this one frame.
+    ``held``: the bytes of its body the edge found room for under ``server.max_buffered_bytes``
+    (its ``Content-Length``; ``max_request_bytes`` for a chunked one): counted held from this
+    first step, with no await since that check, to the end of the call (queued, forwarded),
+    in this one frame. :func:`_serve` lowers the count to the length read (``hold[0]``).
     """
     raw_path = request.raw_path
     route = rt.router.match(raw_path)
     if route is None:
         detail = "absolute-form request targets are refused" if raw_path[:1] != "/" else raw_path
         return refuse_at_edge(rt, Rejected(Reason.NO_ROUTE, None, detail[:200]))
+    hold = [held]
     rt.buffered_bytes += held
     if rt.draining:  # refused once read: nothing a drain should wait for under new traffic
         try:
-            return await _serve(rt, route, request, raw_path)
+            return await _serve(rt, route, request, raw_path, hold)
         finally:
-            rt.buffered_bytes -= held
+            rt.buffered_bytes -= hold[0]
     # Counted on the route object it matched from here to the end, queued or admitted: a
     # reload keeps that object (and its later admissions) counted, and the drain waits for it.
     route.present += 1
     try:
-        return await _serve(rt, route, request, raw_path)
+        return await _serve(rt, route, request, raw_path, hold)
     finally:
         route.present -= 1
-        rt.buffered_bytes -= held
+        rt.buffered_bytes -= hold[0]
 
 
 async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
-                 raw_path: str) -> web.StreamResponse:
-    """Everything :func:`handle` does once the request has a route."""
+                 raw_path: str, hold: list[int]) -> web.StreamResponse:
+    """Everything :func:`handle` does once the request has a route; ``hold``: the body's
+    bytes counted held (see :func:`handle`)."""
     headers = request.headers
     try:
         who = identify(rt, request)
@@ -161,6 +164,9 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
         return _reject(rt, route, Rejected(Reason.BODY_TOO_LARGE, None,
                                            f"limit {rt.config.server.max_request_bytes} bytes"),
                        request_id, tenant, run)
+    if hold[0] > len(body):  # chunked: counted at the most it could be until read
+        rt.buffered_bytes -= hold[0] - len(body)
+        hold[0] = len(body)
     if rt.draining:  # after the read, so an MCP caller's error carries its request id
         return _reject(rt, route, Rejected(Reason.DRAINING, DRAINING_RETRY_AFTER_S), request_id,
                        tenant, run, body)
