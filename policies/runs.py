@@ -46,7 +46,7 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from policies.concurrency import ConcurrencyLimiter, queued_hook
@@ -340,15 +340,27 @@ class RunRegistry:
             ``(runs, calls)``: the runs now cancelled, and their calls that were live (each
             already told to end: see :meth:`LiveCall.cancel`).
         """
-        info = self.resolve(run, None, tenant)
+        return self.cancel_in(run, ttl_s, (tenant,))
+
+    def cancel_in(self, run: str, ttl_s: float, tenants: Iterable[str]
+                  ) -> tuple[list[RunInfo], list[LiveCall]]:
+        """:meth:`cancel` in each of ``tenants`` at once: one look at the runs known here for
+        all of them (once per tenant, a cancel of an id many tenants have cost tenants x
+        runs on the event loop: 1.7 s at 9,000 tenants, a review)."""
         until = self.clock() + ttl_s
-        runs = self.subtree(info)
-        seen = {node.id for node in runs}
+        wanted = dict.fromkeys(tenants)  # in the order given: the answer lists them so
+        runs: list[RunInfo] = []
+        seen: set[tuple[str, str]] = set()
+        for tenant in wanted:
+            for node in self.subtree(self.resolve(run, None, tenant)):
+                if node.key not in seen:
+                    runs.append(node)
+                    seen.add(node.key)
         for node in self.runs.values():
-            if node.tenant == tenant and node.id not in seen and any(
+            if node.live and node.tenant in wanted and node.key not in seen and any(
                     run in live.call.lineage for live in node.live):
                 runs.append(node)
-                seen.add(node.id)
+                seen.add(node.key)
         calls: list[LiveCall] = []
         for node in runs:
             node.cancelled_until = max(node.cancelled_until, until)

@@ -61,7 +61,6 @@ from typing import Any
 from aiohttp import web
 
 from policies.config import IDENTITY_VALUE, MAX_IDENTITY_LENGTH
-from policies.runs import LiveCall, RunInfo
 from policies.state import StateUnavailable
 from proxy.config import load_token
 from proxy.redact import redact
@@ -172,13 +171,8 @@ async def admin_cancel_run(request: web.Request) -> web.Response:
                       f"{MAX_IDENTITY_LENGTH} characters, as X-Run-ID takes"}, status=400)
     started = time.monotonic()
     tenants = [tenant] if tenant is not None else registry.tenants_of(run)
-    runs: list[RunInfo] = []
-    calls: list[LiveCall] = []
     # Here first, so this replica's calls end without waiting for Redis.
-    for name in tenants:
-        cancelled, ended = registry.cancel(run, runtime.cancel_ttl, name)
-        runs += cancelled
-        calls += ended
+    runs, calls = registry.cancel_in(run, runtime.cancel_ttl, tenants)
     shared: bool | None = None  # no shared state: this replica is all there is
     if registry.shared is not None:
         shared = False
@@ -190,12 +184,12 @@ async def admin_cancel_run(request: web.Request) -> web.Response:
             log.warning("cancel of run %s is not confirmed beyond this replica (Redis may still "
                         "apply it when it answers): %s", run, exc.cause)
         else:
-            for name in hit:
-                if name not in tenants:  # known to Redis only: refused here too from now
-                    tenants.append(name)
-                    cancelled, ended = registry.cancel(run, runtime.cancel_ttl, name)
-                    runs += cancelled
-                    calls += ended
+            more = [name for name in hit if name not in tenants]
+            if more:  # known to Redis only: refused here too from now
+                tenants += more
+                cancelled, ended = registry.cancel_in(run, runtime.cancel_ttl, more)
+                runs += cancelled
+                calls += ended
     tasks = {task for task in (live.running for live in calls) if task is not None}
     pending: set[asyncio.Task[Any]] = set()
     if tasks:
