@@ -16,7 +16,7 @@ from policies.config import RunConfig
 from policies.pipeline import Call
 from policies.runs import RunLimits, RunRegistry, RunTracker
 from policies.state import redis_backends
-from policies.state.runs import Count, RedisRuns
+from policies.state.runs import Count, RedisRuns, qualified, unqualified
 from tests.redis_servers import (
     CLIENT_TIMEOUT_S,
     TEST_PROBE_S,
@@ -264,3 +264,13 @@ async def test_two_tenants_runs_of_one_id_are_apart(where):
         assert set(heard) == {("team-a", "b"), ("team-a", "a"), ("team-b", "a")}
         assert sorted((tenant, run) for tenant, run, _ in await runs.in_force()) == [
             ("team-a", "a"), ("team-a", "b"), ("team-b", "a")]
+
+
+def test_a_run_name_reads_back_and_a_malformed_one_is_none() -> None:
+    for tenant, run in (("team-a", "job"), ("1:a", "b:c"), ("x" * 128, ":"), ("9", "9:")):
+        assert unqualified(qualified(tenant) + run) == (tenant, run)
+    # Not Sluice's (another program under the prefix): none, never an error. "²" is a digit
+    # to str.isdigit() that int() refuses: one such member in the cancelled set made every
+    # resubscription of the cancel feed fail, and the replica heard no cancel (a review).
+    for name in ("²:a:b", "job", "3:ab", "1:a", ":a:b", "99999999999:a:b", "1:a:"):
+        assert unqualified(name) is None, name
