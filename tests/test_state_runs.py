@@ -9,6 +9,7 @@ import contextlib
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
+import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -274,3 +275,20 @@ def test_a_run_name_reads_back_and_a_malformed_one_is_none() -> None:
     # resubscription of the cancel feed fail, and the replica heard no cancel (a review).
     for name in ("²:a:b", "job", "3:ab", "1:a", ":a:b", "99999999999:a:b", "1:a:"):
         assert unqualified(name) is None, name
+
+
+async def test_a_count_taken_for_a_run_not_admitted_yet_expires():
+    # The run limits count a call themselves when the tracker's round trip did not (Redis
+    # did not answer it): that count created the run's hash with no expiry, kept for good
+    # (a review).
+    url = require_redis()
+    prefix = new_prefix()
+    try:
+        async with shared_runs(url, prefix) as runs:
+            assert await runs.take_request("s", "team-a", ("kid", "root"), 5) == (None, 1)
+        with redis.Redis.from_url(url, socket_timeout=2) as r:
+            keys = list(r.scan_iter(match=f"{prefix}:*"))
+            assert len(keys) == 2
+            assert all(0 < r.ttl(key) <= 86400 for key in keys)
+    finally:
+        delete_prefix(url, prefix)

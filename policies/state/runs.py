@@ -179,17 +179,22 @@ return {ids, firsts, hit, left, now, counted, full, highs}
 
 # Count one call on every run of a lineage for a scope, or on none.
 # KEYS: the run's hash (the rest are built from ARGV[1]). ARGV: key prefix of the tenant's
-# run hashes, field, limit, ids...
+# run hashes, field, limit, idle ttl (s), ids...
 # Returns {0, highest count after} when counted, or {index of the first run at the limit, 0}.
+# A run's hash lives RUN_IDLE_TTL_S past its last use, here too: a count taken for a run the
+# admission script had not written (Redis did not answer it) left a hash that never expired.
 _TAKE = Script("""
-local pre, field, limit = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local pre, field, limit, ttl = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
 local high = 0
-for i = 4, #ARGV do
+for i = 5, #ARGV do
   local n = tonumber(redis.call('HGET', pre .. ARGV[i], field) or '0')
-  if n >= limit then return {i - 3, 0} end
+  if n >= limit then return {i - 4, 0} end
   if n + 1 > high then high = n + 1 end
 end
-for i = 4, #ARGV do redis.call('HINCRBY', pre .. ARGV[i], field, 1) end
+for i = 5, #ARGV do
+  redis.call('HINCRBY', pre .. ARGV[i], field, 1)
+  redis.call('EXPIRE', pre .. ARGV[i], ttl)
+end
 return {0, high}
 """)
 
@@ -378,7 +383,7 @@ class RedisRuns:
         """
         runs = self._runs + qualified(tenant)
         full, high = await self.state.eval(_TAKE, [runs + ids[0]],
-                                           [runs, f"n:{scope}", limit, *ids])
+                                           [runs, f"n:{scope}", limit, RUN_IDLE_TTL_S, *ids])
         return (ids[int(full) - 1] if int(full) else None), int(high)
 
     async def give_back_request(self, scope: str, tenant: str, ids: tuple[str, ...]) -> None:
