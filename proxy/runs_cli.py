@@ -75,7 +75,10 @@ def run(config: Config | None, args: argparse.Namespace, out: IO[str] | None = N
     if out is None:
         out = sys.stdout
     base = args.admin or admin_url(config)  # type: ignore[arg-type]  (None only with --admin)
-    query = f"?{urllib.parse.urlencode({'tenant': args.tenant})}" if args.tenant else ""
+    # Given, even empty: the admin port refuses an empty tenant rather than reading it as
+    # "every tenant", which is what no --tenant means.
+    query = (f"?{urllib.parse.urlencode({'tenant': args.tenant})}"
+             if args.tenant is not None else "")
     try:
         if args.runs_command == "list":
             status, body = _call("GET", f"{base}/admin/runs{query}")
