@@ -256,12 +256,7 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
             outcome = Outcome("rejected", reached=False, status=rejected.reason.status)
             return refuse(rt, route, rejected, request_id, tenant, run, call.idempotency_key,
                           call.body, call.operation)
-        if label[0].isdigit():  # answered: a sample of the service time
-            outcome = Outcome(label, call.reached, response.status,
-                              time.monotonic() - admitted_at,
-                              call.answered_at - admitted_at if call.answered_at else None)
-        else:
-            outcome = Outcome(label, call.reached, response.status)
+        outcome = _answer_outcome(call, response, label, admitted_at)
         return response
     except (asyncio.CancelledError, ConnectionResetError):
         if finish is not None:
@@ -412,11 +407,7 @@ def _finish_outcome(rt: Runtime, route: Route, call: Call, task: asyncio.Task[ob
     error = task.exception()
     if error is None:
         response, label = task.result()  # type: ignore[misc]
-        if label[0].isdigit():
-            return Outcome(label, call.reached, response.status,
-                           time.monotonic() - admitted_at,
-                           call.answered_at - admitted_at if call.answered_at else None)
-        return Outcome(label, call.reached, response.status)
+        return _answer_outcome(call, response, label, admitted_at)
     if isinstance(error, Rejected):  # the first attempt refused (breaker, deadline)
         return Outcome("rejected", reached=False, status=error.reason.status)
     if isinstance(error, ConnectionResetError):
@@ -425,7 +416,20 @@ def _finish_outcome(rt: Runtime, route: Route, call: Call, task: asyncio.Task[ob
     return Outcome("upstream_error", call.reached, 502)
 
 
+def _answer_outcome(call: Call, response: web.StreamResponse, label: str,
+                    admitted_at: float) -> Outcome:
+    """The outcome of a call the forwarder ended with ``response`` (``label``: its
+    ``sluice_requests_total`` outcome); an upstream's answer is a sample of the service time
+    and of the time to its first byte."""
+    if label[0].isdigit():
+        return Outcome(label, call.reached, response.status, time.monotonic() - admitted_at,
+                       call.answered_at - admitted_at if call.answered_at else None)
+    return Outcome(label, call.reached, response.status)
+
+
 def _log_failure(route: Route, call: Call, error: BaseException) -> None:
+    """Log a fault of Sluice's own (with its traceback) that ended a call; a refusal or the
+    caller's disconnect is none."""
     if not isinstance(error, (Rejected, ConnectionResetError)):
         log.error("proxy error on route %s (request %s)", route.name, call.request_id,
                   exc_info=error)

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Any
 
 import aiohttp
 import pytest
@@ -15,6 +16,17 @@ from tests.conftest import free_ports, route, status_of, wait_until
 from tests.redis_servers import delete_prefix, new_prefix, require_redis
 
 CHAT = {"model": "gpt-test", "messages": [{"role": "user", "content": "hi"}]}
+
+
+async def openai_sluice(start_sluice, upstream, drain_timeout: str,
+                        **policies: object) -> tuple[Any, str]:
+    """A Sluice with one ``openai`` route (``policies`` on it) and ``drain_timeout``, and the
+    route's chat completions URL."""
+    sluice = await start_sluice({
+        "server": {"drain_timeout": drain_timeout},
+        "routes": [route("openai", upstream.url, "openai", **policies)],
+    })
+    return sluice, sluice.url + "/openai/v1/chat/completions"
 
 
 async def test_sigterm_drains_in_flight_work_and_refuses_new(upstream, start_sluice):
@@ -112,12 +124,8 @@ async def test_work_past_drain_timeout_is_cut_and_the_process_exits(upstream, st
 async def test_a_call_still_queued_at_the_drain_timeout_is_logged_as_cut(upstream, start_sluice):
     # Seen in a hostile trial: a queued call cut by the drain logged only `enqueued` (in flight
     # forever on the timeline) and was counted client_disconnected, blaming its caller.
-    sluice = await start_sluice({
-        "server": {"drain_timeout": "500ms"},
-        "routes": [route("openai", upstream.url, "openai",
-                         concurrency={"limit": 1, "queue": 1, "max_wait": "60s"})],
-    })
-    url = sluice.url + "/openai/v1/chat/completions"
+    sluice, url = await openai_sluice(start_sluice, upstream, "500ms",
+                                      concurrency={"limit": 1, "queue": 1, "max_wait": "60s"})
     upstream.hold = asyncio.Event()  # never set: neither call ends before the cut
     async with aiohttp.ClientSession() as session:
         calls = [asyncio.create_task(status_of(session, url, CHAT, {"X-Request-ID": name}))
@@ -175,12 +183,8 @@ async def test_a_second_sigterm_cuts_the_drain_short(upstream, start_sluice):
 async def test_calls_queued_at_sigterm_are_served_not_cut(upstream, start_sluice):
     # Seen in a hostile trial: the drain waited only for admitted calls, so those still queued
     # were cut whenever the drain looked while none was admitted (inside a slot's hand-over).
-    sluice = await start_sluice({
-        "server": {"drain_timeout": "20s"},
-        "routes": [route("openai", upstream.url, "openai",
-                         concurrency={"limit": 1, "queue": 4, "max_wait": "20s"})],
-    })
-    url = sluice.url + "/openai/v1/chat/completions"
+    sluice, url = await openai_sluice(start_sluice, upstream, "20s",
+                                      concurrency={"limit": 1, "queue": 4, "max_wait": "20s"})
     upstream.hold = asyncio.Event()
     async with aiohttp.ClientSession() as session:
         calls = [asyncio.create_task(status_of(session, url, CHAT)) for _ in range(3)]
@@ -200,9 +204,7 @@ async def test_new_requests_during_the_drain_do_not_hold_it(upstream, start_slui
     # From a review: the drain waits for every request present, and requests arriving while
     # it runs (each refused 503 draining once read) could keep that from ever reaching 0:
     # here, slow uploads overlapping one another.
-    sluice = await start_sluice({"server": {"drain_timeout": "20s"},
-                                 "routes": [route("openai", upstream.url, "openai")]})
-    url = sluice.url + "/openai/v1/chat/completions"
+    sluice, url = await openai_sluice(start_sluice, upstream, "20s")
     upstream.hold = asyncio.Event()
 
     async def slow_upload() -> bytes:

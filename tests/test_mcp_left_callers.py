@@ -72,6 +72,17 @@ async def assert_all_given_back(sluice: Any) -> None:
     assert await sluice.metric("sluice_idempotency_waiting", route="tools") == 0
 
 
+async def tools_runtime(upstream: str) -> Runtime:
+    """An opened runtime (for tests that reach inside it) with one ``tools`` mcp route to
+    ``upstream``: answers kept for their keys, one call at a time."""
+    runtime = Runtime(parse_config(
+        "routes:\n"
+        f"  - {{name: tools, path_prefix: /tools/, upstream: '{upstream}', protocol: mcp,\n"
+        "      idempotency: {mode: dedup}, concurrency: {limit: 1, queue: 0}}\n"))
+    await runtime.open()
+    return runtime
+
+
 async def serve_in_process(runtime: Runtime) -> tuple[web.ServerRunner, str]:
     """Serve ``runtime``'s proxy port in this process (for tests that reach inside it): the
     runner to clean up, and the ``tools`` route's MCP endpoint URL."""
@@ -506,12 +517,7 @@ async def test_a_proxy_error_while_finishing_without_the_caller_gives_everything
         scripted, monkeypatch, caplog):
     """A bug in Sluice while it finishes a call without its caller (in-process, with
     forwarding made to raise): logged, counted ``upstream_error``, nothing left held."""
-    config = parse_config(
-        "routes:\n"
-        f"  - {{name: tools, path_prefix: /tools/, upstream: '{scripted.url}', protocol: mcp,\n"
-        "      idempotency: {mode: dedup}, concurrency: {limit: 1, queue: 0}}\n")
-    runtime = Runtime(config)
-    await runtime.open()
+    runtime = await tools_runtime(scripted.url)
     real_send = proxy.forward.send
     at_send = asyncio.Event()
     go_on = asyncio.Event()
@@ -584,12 +590,7 @@ async def test_a_run_cancel_and_the_caller_leaving_at_once_leave_nothing_held(
         scripted, monkeypatch):
     """Two cancellations of one call at once (its run's cancel and its caller leaving, in the
     same loop turn, in-process): whichever wins, everything is given back, once."""
-    config = parse_config(
-        "routes:\n"
-        f"  - {{name: tools, path_prefix: /tools/, upstream: '{scripted.url}', protocol: mcp,\n"
-        "      idempotency: {mode: dedup}, concurrency: {limit: 1, queue: 0}}\n")
-    runtime = Runtime(config)
-    await runtime.open()
+    runtime = await tools_runtime(scripted.url)
     runner, url = await serve_in_process(runtime)
     [tools] = runtime.routes
     scripted.mode = "sse"

@@ -6,6 +6,7 @@ import asyncio
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import aiohttp
 
@@ -16,6 +17,13 @@ from tests.test_reload import CHAT, until
 def timeline(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "proxy", "timeline", *args], cwd=REPO,
                           capture_output=True, text=True, input=stdin, timeout=60)
+
+
+def timeline_of(tmp_path: Path, lines: list[str]) -> subprocess.CompletedProcess[str]:
+    """``sluice timeline a`` over an event log of ``lines``."""
+    log = tmp_path / "events.jsonl"
+    log.write_text("\n".join(lines) + "\n")
+    return timeline("a", "--events", str(log))
 
 
 def rows(output: str, first_column: str) -> dict[str, list[str]]:
@@ -177,8 +185,7 @@ def test_json_lines_that_are_not_our_events_are_skipped_not_fatal(tmp_path):
     # Seen by a new user: `kubectl logs ... | sluice timeline RUN --events -` may carry other
     # programs' JSON; a string `ts`, no `ts`, a numeric request id or a string token count
     # each ended the command with a traceback.
-    log = tmp_path / "events.jsonl"
-    log.write_text("\n".join([
+    shown = timeline_of(tmp_path, [
         '{"event": "admitted", "run": "a", "ts": "n"}',
         '{"event": "admitted", "run": "a"}',
         '{"event": "completed", "run": "a", "ts": 1, "request_id": 5}',
@@ -187,8 +194,7 @@ def test_json_lines_that_are_not_our_events_are_skipped_not_fatal(tmp_path):
         '{"ts": 10, "event": "admitted", "run": "a", "request_id": "x"}',
         '{"ts": 11, "event": "completed", "run": "a", "request_id": "x", "status": 200,'
         ' "input_tokens": "9", "output_tokens": 4, "duration_s": "slow", "cost_usd": true}',
-    ]) + "\n")
-    shown = timeline("a", "--events", str(log))
+    ])
     assert shown.returncode == 0, shown.stderr
     assert "Traceback" not in shown.stderr
     assert "1 request(s), 2 event(s)" in shown.stdout
@@ -199,14 +205,12 @@ def test_json_lines_that_are_not_our_events_are_skipped_not_fatal(tmp_path):
 def test_control_characters_callers_chose_are_printed_as_escapes(tmp_path):
     """A model, tenant or path a caller chose reached the operator's terminal raw: ESC and
     OSC sequences could clear it or retitle it, and a CR LF fake a line (a hostile trial)."""
-    log = tmp_path / "events.jsonl"
-    log.write_text("\n".join([
+    shown = timeline_of(tmp_path, [
         '{"ts": 10, "event": "admitted", "run": "a", "request_id": "x",'
         ' "tenant": "t\\u001b[2J"}',
         '{"ts": 11, "event": "completed", "run": "a", "request_id": "x", "status": 200,'
         ' "model": "m\\u001b]0;owned\\u0007\\r\\nfake line", "tenant": "t\\u009b"}',
-    ]) + "\n")
-    shown = timeline("a", "--events", str(log))
+    ])
     assert shown.returncode == 0, shown.stderr
     assert not any(ch in shown.stdout for ch in "\x1b\x07\r\x9b")
     assert "\\x1b[2J" in shown.stdout
