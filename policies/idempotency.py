@@ -837,11 +837,7 @@ class Idempotency:
         if lease.renewer is not None:
             lease.renewer.cancel()
         record = _answer_to_keep(claim, outcome)
-        if record is not None:
-            answer = Answer(record.kind, record.fingerprint, record.status, record.reason,
-                            record.headers, record.body)
-        else:
-            answer = Answer(SEEN, claim.fingerprint)
+        answer = shared_answer(record, claim.fingerprint)
         local = lease.local
         if local is not None and self._flights.get(lease.store_key) is local:
             # Duplicates that found Redis unavailable wait here: the answer, or the key.
@@ -900,6 +896,16 @@ class Idempotency:
                 future.set_result(_HANDOVER)
                 return
         del self._flights[store_key]
+
+
+def shared_answer(record: Record | None, fingerprint: bytes) -> Answer:
+    """What the shared records keep for a key when the request holding it ends: its
+    ``record`` (an answer to replay, or the fact one was too large), or, for ``None``, a use
+    of the key by the request of ``fingerprint`` (``SEEN``: free for a retry)."""
+    if record is None:
+        return Answer(SEEN, fingerprint)
+    return Answer(record.kind, record.fingerprint, record.status, record.reason,
+                  record.headers, record.body)
 
 
 def shared_record_key(route: str, tenant: str, key: str) -> str:

@@ -52,11 +52,11 @@ from multidict import CIMultiDict
 
 from policies.config import HEADER_NAME, Config, RouteConfig
 from policies.deadletter import ANSWERED, BUSY, CLAIMED, DeadLetter, DeadLetterFile, ReplayClaim
-from policies.idempotency import Capture, parse_key, shared_record_key
+from policies.idempotency import Capture, parse_key, shared_answer, shared_record_key
 from policies.idempotency_store import DONE, SEEN, TOO_LARGE
 from policies.state import DeadLetterStore, StateUnavailable, redact_url, redis_backends
 from policies.state.idempotency import CLAIMED as KEY_CLAIMED
-from policies.state.idempotency import IN_FLIGHT, Answer, IdempotencyRecords, new_owner
+from policies.state.idempotency import IN_FLIGHT, IdempotencyRecords, new_owner
 from proxy.client import client_timeout, upstream_session
 from proxy.forward import FORBIDDEN_IN_HEADERS, HOP_BY_HOP, upstream_url
 from proxy.rejections import jsonrpc_id
@@ -462,18 +462,16 @@ async def _free_key(key: _KeyHold | None, route: RouteConfig, status: int | None
     if key is None or key.busy:
         return
     assert route.idempotency is not None
-    answer = Answer(SEEN, key.fingerprint)
+    record = None
     mcp_id = jsonrpc_id(route.protocol, request_body)
     if status is not None and (route.protocol != "mcp" or mcp_id is not None):
         capture = Capture(route.idempotency.max_replay_bytes, mcp_id)
         capture.begin(status, reason, headers if headers is not None else CIMultiDict())
         capture.feed(body)
         record = capture.answer(key.fingerprint, f"{status // 100}xx")
-        if record is not None:
-            answer = Answer(record.kind, record.fingerprint, record.status, record.reason,
-                            record.headers, record.body)
     try:
-        await key.records.finish(key.name, key.owner, answer, route.idempotency.ttl)
+        await key.records.finish(key.name, key.owner, shared_answer(record, key.fingerprint),
+                                 route.idempotency.ttl)
     except StateUnavailable as exc:
         print(f"WARNING: the replay's answer was not stored for its Idempotency-Key "
               f"({exc.cause}): a request with the key waits until its hold lapses, then "

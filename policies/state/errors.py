@@ -66,11 +66,15 @@ class StateUnavailable(Exception):
         self.maybe_applied = maybe_applied
 
 
+def _code(reply: rx.ResponseError) -> str:
+    """The code an error reply starts with (``BUSY``, ``WRONGTYPE``...), upper case."""
+    return str(reply).split(" ", 1)[0].upper()
+
+
 def is_key_fault(exc: BaseException) -> bool:
     """True when ``exc`` says one key cannot be used (:data:`_KEY_CODES`), the backend
     being up: the call fails as unavailable, but the backend is not marked down."""
-    return (isinstance(exc, rx.ResponseError)
-            and str(exc).split(" ", 1)[0].upper() in _KEY_CODES)
+    return isinstance(exc, rx.ResponseError) and _code(exc) in _KEY_CODES
 
 
 def is_unavailable(exc: BaseException) -> bool:
@@ -78,11 +82,9 @@ def is_unavailable(exc: BaseException) -> bool:
     if isinstance(exc, _UNAVAILABLE_TYPES):
         return True
     if isinstance(exc, rx.ResponseError):
-        text = str(exc)
-        code = text.split(" ", 1)[0].upper()
-        if code in _UNAVAILABLE_CODES:
+        if _code(exc) in _UNAVAILABLE_CODES:
             return True
         # A server with EVALSHA renamed away (rename-command) refuses every script; redis-py
         # strips the "ERR " code from such replies.
-        return text.lower().startswith("unknown command")
+        return str(exc).lower().startswith("unknown command")
     return False
