@@ -91,18 +91,10 @@ async def test_sigterm_drains_in_flight_work_and_refuses_new(upstream, start_slu
 
 
 async def test_work_past_drain_timeout_is_cut_and_the_process_exits(upstream, start_sluice):
-    sluice = await start_sluice({
-        "server": {"drain_timeout": "500ms"},
-        "routes": [route("openai", upstream.url, "openai")],
-    })
+    sluice, url = await openai_sluice(start_sluice, upstream, "500ms")
     upstream.hold = asyncio.Event()  # never set: this request outlives the drain
     async with aiohttp.ClientSession() as session:
-        async def stuck() -> int:
-            async with session.post(sluice.url + "/openai/v1/chat/completions",
-                                    json=CHAT) as r:
-                return r.status
-
-        call = asyncio.create_task(stuck())
+        call = asyncio.create_task(status_of(session, url, CHAT))
         await wait_until(lambda: upstream.inflight == 1, what="the request at the upstream")
         sluice.signal(signal.SIGTERM)
         signalled = time.monotonic()
@@ -152,18 +144,10 @@ async def test_a_call_still_queued_at_the_drain_timeout_is_logged_as_cut(upstrea
 async def test_a_second_sigterm_cuts_the_drain_short(upstream, start_sluice):
     """An operator's second Ctrl-C (or a second SIGTERM) does not wait out a long
     ``drain_timeout``: what is left is cut at once (a new user's trial waited 30 s)."""
-    sluice = await start_sluice({
-        "server": {"drain_timeout": "120s"},
-        "routes": [route("openai", upstream.url, "openai")],
-    })
+    sluice, url = await openai_sluice(start_sluice, upstream, "120s")
     upstream.hold = asyncio.Event()  # never set: only a cut ends this request
     async with aiohttp.ClientSession() as session:
-        async def stuck() -> int:
-            async with session.post(sluice.url + "/openai/v1/chat/completions",
-                                    json=CHAT) as r:
-                return r.status
-
-        call = asyncio.create_task(stuck())
+        call = asyncio.create_task(status_of(session, url, CHAT))
         await wait_until(lambda: upstream.inflight == 1, what="the request at the upstream")
         sluice.signal(signal.SIGTERM)
         await wait_until(lambda: "draining: 1 request(s) in flight" in sluice.stderr(),
