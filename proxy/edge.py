@@ -17,6 +17,13 @@
   else 408 and close;
 * ``idle_timeout``: a keep-alive connection idle between requests is closed (aiohttp's own
   keep-alive timer);
+* a request head (request line and headers) over ``MAX_HEAD_BYTES`` (60 KiB, Envoy's default
+  ``max_request_headers_kb``) is answered 431 ``headers_too_large`` and the connection closed
+  as soon as that many bytes of it have arrived. aiohttp's own bounds (8190 bytes a line, 128
+  headers) let one head hold about 1 MB until ``header_timeout``, and a thousand such
+  connections took a fresh Sluice from 65 MB to 974 MB; with this bound they hold at most
+  ``max_connections`` x 60 KiB. A head pipelined behind a request still being served is
+  not answered (its answer would come first): the connection is closed;
 * a parser-level refusal (a request target or header value over 8190 bytes, or more than 128
   headers: 431 ``headers_too_large``; bad framing or syntax: 400 ``bad_request``) is answered
   in Sluice's shape: JSON body, ``X-Sluice-Reason``, ``Connection: close``, and nothing of
@@ -103,6 +110,12 @@ LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "[::1]"})
 _WILDCARDS = frozenset({"", "0.0.0.0", "::", "*"})
 #: A percent-encoded control character (C0 or DEL).
 _ESCAPED_CONTROL = re.compile(r"%(?:[01][0-9A-Fa-f]|7[Ff])")
+#: The most bytes of one request head (request line and headers) Sluice reads: Envoy's default
+#: ``max_request_headers_kb`` (60). nginx's default allows 32 KiB; the LLM SDKs send ~1 KiB.
+MAX_HEAD_BYTES = 60 * 1024
+#: How long a connection refused mid-head reads and drops what its caller still sends before
+#: it closes, seconds (so the refusal is not lost to a reset; nginx's ``lingering_time``).
+LINGER_S = 2.0
 #: Parser errors whose request head is too big rather than malformed.
 _TOO_MANY_HEADERS = "Too many headers"
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
@@ -139,6 +152,8 @@ def raw_answer(rejected: Rejected) -> bytes:
 _HEAD_TIMEOUT = raw_answer(Rejected(
     Reason.REQUEST_TIMEOUT, None, "the request's head did not arrive within server.header_timeout"
 ))
+_HEAD_TOO_LARGE = raw_answer(Rejected(
+    Reason.HEADERS_TOO_LARGE, None, f"a request head may be at most {MAX_HEAD_BYTES} bytes"))
 _BODY_TIMEOUT = raw_answer(Rejected(
     Reason.REQUEST_TIMEOUT, None,
     "the request body paused longer than server.body_timeout, or came slower than "
@@ -491,12 +506,32 @@ def _is_ip_literal(name: str) -> bool:
     return True
 
 
+class _Linger(asyncio.Protocol):
+    """What a connection refused mid-head becomes once its answer is written: it drops what
+    the caller still sends, and closes when the caller does or after ``LINGER_S``; its
+    ``connection_lost`` is the refused connection's, so the edge's count stays right."""
+
+    def __init__(self, refused: asyncio.BaseProtocol, transport: asyncio.BaseTransport) -> None:
+        self._refused = refused
+        self._timer = asyncio.get_running_loop().call_later(LINGER_S, transport.close)
+
+    def data_received(self, data: bytes) -> None:
+        pass
+
+    def eof_received(self) -> bool:
+        return False  # the caller is done: close
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._timer.cancel()
+        self._refused.connection_lost(exc)
+
+
 class EdgeProtocol(RequestHandler):
     """One connection of a :class:`GuardedServer`: aiohttp's request handler plus Sluice's
     connection limits and its own answer to requests the parser refuses (module docstring)."""
 
-    __slots__ = ("_body", "_body_bytes", "_body_start", "_deadline", "_edge", "_phase",
-                 "_refused", "_settings", "_timer")
+    __slots__ = ("_body", "_body_bytes", "_body_start", "_deadline", "_edge", "_head_bytes",
+                 "_phase", "_refused", "_settings", "_timer")
 
     def __init__(self, manager: GuardedServer, settings: ServerConfig, **kwargs: Any) -> None:
         super().__init__(manager, **kwargs)
@@ -508,6 +543,7 @@ class EdgeProtocol(RequestHandler):
         self._body: StreamReader | None = None
         self._body_start = 0.0
         self._body_bytes = 0
+        self._head_bytes = 0
         self._refused: asyncio.Transport | None = None
 
     # -- connection lifecycle ------------------------------------------------------------
@@ -596,10 +632,35 @@ class EdgeProtocol(RequestHandler):
                     deadline = min(deadline, self._body_start + settings.body_timeout
                                    + self._body_bytes / settings.min_body_rate)
                 self._deadline = deadline  # later than before: the timer re-arms lazily
-        elif data and self._phase != _HEAD:
+        elif self._phase == _HEAD:
+            self._head_bytes += len(data)
+            if self._head_bytes > MAX_HEAD_BYTES:
+                self._head_too_large()
+        elif data:
             if self._phase != _OPENED:  # the first request's time counts from the opening
                 self._arm(self._loop.time() + self._settings.header_timeout)
             self._phase = _HEAD
+            self._head_bytes = len(data)
+            if self._head_bytes > MAX_HEAD_BYTES:
+                self._head_too_large()
+
+    def _head_too_large(self) -> None:
+        """431 for a head past ``MAX_HEAD_BYTES``; a pipelined one is not answered (its answer
+        would be read as the answer to the request still being served), its connection
+        closed. The caller is likely still sending its head: closing now would reset the
+        connection and the reset can destroy the answer before the caller reads it, so what
+        it still sends is read and dropped for up to ``LINGER_S`` (nginx's lingering close)."""
+        self._edge.refused(Reason.HEADERS_TOO_LARGE)
+        transport = self.transport
+        if self._request_in_progress or self._messages or transport is None:
+            self.force_close()
+            return
+        self._disarm()
+        self._phase = _READ
+        self._parser = None  # and the head it holds: aiohttp drops it as the connection ends
+        transport.write(_HEAD_TOO_LARGE)
+        transport.write_eof()  # type: ignore[attr-defined]
+        transport.set_protocol(_Linger(self, transport))
 
     # -- timers --------------------------------------------------------------------------
 

@@ -384,6 +384,44 @@ async def test_parser_refusals_are_answered_in_sluices_shape(upstream, start_slu
     assert secret.decode() not in sluice.stderr()
 
 
+async def send_head_in_pieces(port: int, head: list[bytes]) -> bytes:
+    """Send ``head``'s lines one write (and one loop turn) at a time, so Sluice reads the head
+    in several pieces, stopping if it closes; every byte it sends until it closes."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    received = bytearray()
+    try:
+        for line in head:
+            if reader.at_eof() or writer.is_closing():
+                break
+            try:
+                writer.write(line)
+                await writer.drain()
+            except ConnectionError:
+                break
+            await asyncio.sleep(0.005)
+        return await closed_within(reader, 10, received)
+    finally:
+        writer.close()
+
+
+async def test_a_head_over_60_kib_is_431_as_it_arrives(upstream, start_sluice):
+    """aiohttp bounds a header line (8190 bytes) and their number (128), so one head could hold
+    ~1 MB until header_timeout: 751 connections took a fresh Sluice from 65 MB to 974 MB."""
+    sluice = await start_sluice({"routes": [route("svc", upstream.url, "openai")]})
+    start = [b"GET /svc/v1/models HTTP/1.1\r\n", LOOPBACK, b"Connection: close\r\n"]
+    line = b"X-Pad-%03d: " + b"a" * 4000 + b"\r\n"
+    too_big = start + [line % i for i in range(20)] + [b"\r\n"]  # ~80 KiB, each line valid
+    [(status, headers, body)] = parse(await send_head_in_pieces(sluice.port, too_big))
+    assert (status, headers["x-sluice-reason"]) == (431, "headers_too_large")
+    assert b"61440 bytes" in body
+    assert upstream.requests == []
+    assert await sluice.metric("sluice_edge_rejections_total", reason="headers_too_large") == 1
+    fits = start + [line % i for i in range(14)] + [b"\r\n"]  # ~56 KiB: served
+    [(status, _, _)] = parse(await send_head_in_pieces(sluice.port, fits))
+    assert status == 200
+    assert len(upstream.requests) == 1
+
+
 # -- slow and idle clients --------------------------------------------------------------------
 
 
