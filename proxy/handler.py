@@ -164,6 +164,15 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
         return _reject(rt, route, Rejected(Reason.BODY_TOO_LARGE, None,
                                            f"limit {rt.config.server.max_request_bytes} bytes"),
                        request_id, tenant, run)
+    except (asyncio.CancelledError, ConnectionResetError):
+        # The caller left (or the drain cut it) with its body still coming: nothing is
+        # held yet, but the upload is counted and logged as a call that ended so, as one
+        # that leaves while queued is (a 499 in nginx's log).
+        label = "drain_cut" if rt.cutting else ABANDONED.label
+        route.metrics.outcomes[label].inc()
+        rt.events.emit("completed", request_id, route.name, tenant, run, None, status=0,
+                       outcome=label, body_incomplete=True)
+        raise
     if hold[0] > len(body):  # chunked: counted at the most it could be until read
         rt.buffered_bytes -= hold[0] - len(body)
         hold[0] = len(body)

@@ -150,6 +150,29 @@ async def test_client_disconnect_while_queued(upstream, start_sluice):
     assert len(upstream.requests) == 2  # the queued caller that left never reached it
 
 
+async def test_a_caller_leaving_mid_body_is_counted_and_logged(upstream, start_sluice):
+    """An upload abandoned half way left no event and no count: nginx logs it (499)."""
+    sluice = await start_sluice({"routes": [one_slot_route(upstream.url)]})
+    reader, writer = await asyncio.open_connection("127.0.0.1", sluice.port)
+    writer.write(b"POST /openai/v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                 b"X-Tenant-ID: uploader\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: 1000\r\n\r\n{\"model\": ")
+    await writer.drain()
+    await sluice.wait_metric("sluice_buffered_request_bytes", 1000)
+    writer.close()
+    await sluice.wait_metric("sluice_requests_total", 1, route="openai",
+                             outcome="client_disconnected")
+    await wait_until(lambda: any(e["event"] == "completed" for e in sluice.events()),
+                     what="the completed event")
+    [event] = [e for e in sluice.events() if e["event"] == "completed"]
+    assert (event["tenant"], event["status"], event["outcome"], event["body_incomplete"]) == (
+        "uploader", 0, "client_disconnected", True)
+    assert await sluice.metric("sluice_buffered_request_bytes") == 0
+    async with aiohttp.ClientSession() as session:
+        await assert_slot_free(sluice, session, upstream)
+    assert len(upstream.requests) == 1
+
+
 async def test_proxy_error(upstream, monkeypatch, caplog):
     """A bug in Sluice itself cannot be provoked from outside, so this runs the proxy app
     in-process and makes forwarding raise once."""
