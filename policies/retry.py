@@ -25,9 +25,10 @@ is retried).
 retries). ``per_try_timeout`` bounds each attempt up to its response headers (Envoy's
 per-try timeout); the caller's own timeout (``x-stainless-timeout``) caps both.
 
-When retries end on a failure, the answer carries ``x-should-retry: false`` (the OpenAI and
-Anthropic SDKs obey it before their own rules) so the caller's SDK does not add its own three
-attempts on top of Sluice's.
+When retries end on a failure Sluice retried, the answer carries ``x-should-retry: false``
+(the OpenAI and Anthropic SDKs obey it before their own rules) so the caller's SDK does not
+add its own three attempts on top of Sluice's; a failure it did not retry (not in ``on``, or
+not safe) goes back without it, for the SDK's own rules: one layer retries, never two.
 """
 
 from __future__ import annotations

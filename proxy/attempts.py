@@ -21,9 +21,15 @@ Whether the request reached the upstream is decided in one place, :func:`proxy.f
 for plain and retrying routes alike: it decides what is charged and whether a POST without a
 key may be repeated.
 
-On a route with ``retry``, Sluice owns retries: every failure it relays or writes (408, 429,
-5xx, no answer) carries ``x-should-retry: false``, which the OpenAI and Anthropic SDKs obey
-before their own rules, so they do not stack their retries on Sluice's.
+On a route with ``retry``, one layer retries a failure, never two: when Sluice took the
+failure on (its status or error kind is in ``retry.on`` and repeating the request is safe),
+what it relays or writes once retrying ends carries ``x-should-retry: false``, which the
+OpenAI and Anthropic SDKs obey before their own rules, so they do not stack their retries on
+Sluice's. A failure Sluice does not retry (a status outside ``retry.on``, or a POST it cannot
+safely repeat: ``unsafe_to_retry``) is passed on without that header, so the caller's SDK
+applies its own rules as it would without Sluice (a new user found the default config's LLM
+routes had lost every retry of a 429 or a 503: Sluice did not repeat the POST and told the SDK
+not to either).
 """
 
 from __future__ import annotations
@@ -60,13 +66,7 @@ from proxy.runtime import Runtime
 
 log = logging.getLogger("sluice")
 
-#: Answers the SDKs would retry themselves (408, 429, >= 500).
-_SDK_RETRIED = frozenset({408, 429})
 _NO_RETRY = {"x-should-retry": "false"}
-
-
-def _final(status: int) -> bool:
-    return status >= 500 or status in _SDK_RETRIED
 
 
 class _Tries:
@@ -175,7 +175,9 @@ async def forward(request: web.BaseRequest, rt: Runtime, route: Route, call: Cal
                         plan.idempotent, timeout)
         extra: dict[str, str] | None = None
         if tries.stop:
-            extra = dict(_NO_RETRY)
+            # Retried as far as it went: the SDK must not add its own. Not repeated as unsafe:
+            # the caller's own rules stand (module docstring).
+            extra = {} if tries.stop == "unsafe_to_retry" else dict(_NO_RETRY)
             letter_id = await _dead_letter(rt, route, call, headers, tries)
             if letter_id is not None:
                 extra["X-Sluice-Dead-Letter"] = str(letter_id)
@@ -184,9 +186,6 @@ async def forward(request: web.BaseRequest, rt: Runtime, route: Route, call: Cal
                                        f"{len(tries.log)} attempt(s); the last: {tries.kind}")
         if tries.response is not None:
             response, tries.response = tries.response, None
-            if extra is None and retry is not None and response.status >= 408 \
-                    and _final(response.status):
-                extra = _NO_RETRY
             if call.response_headers:
                 extra = {**call.response_headers, **(extra or {})}
             call.status = response.status
@@ -215,8 +214,8 @@ async def forward(request: web.BaseRequest, rt: Runtime, route: Route, call: Cal
         error = tries.error
         assert error is not None
         answer = render(error, route.protocol, jsonrpc_id(route.protocol, call.body))
-        if retry is not None:
-            answer.headers.update(extra or _NO_RETRY)
+        if extra:
+            answer.headers.update(extra)
         outcome = "upstream_timeout" if tries.kind == "timeout" else "upstream_error"
         return answer, outcome
     finally:
@@ -329,12 +328,12 @@ async def _attempts(rt: Runtime, route: Route, call: Call, url: URL,
             wait = 0.0
             callers_key = IDEMPOTENCY_HEADER in call.headers
             upstream_dedups = retry.honours_idempotency_key and IDEMPOTENCY_HEADER in headers
-            if number >= (1 if client_retry else retry.attempts):
+            if not retry_is_safe(call.method, sent, callers_key=callers_key,
+                                 upstream_dedups=upstream_dedups,
+                                 declared_idempotent=declared_idempotent):
+                tries.stop = "unsafe_to_retry"  # before attempts: an SDK's retry of it too
+            elif number >= (1 if client_retry else retry.attempts):
                 tries.stop = "attempts_exhausted"
-            elif not retry_is_safe(call.method, sent, callers_key=callers_key,
-                                   upstream_dedups=upstream_dedups,
-                                   declared_idempotent=declared_idempotent):
-                tries.stop = "unsafe_to_retry"
             else:
                 wait = retry.wait(number - 1, hint)
                 if wait is None:

@@ -299,3 +299,47 @@ async def test_x_should_retry_false_stops_both_sdks(upstream, start_sluice):
     assert len(upstream.requests) == 80
     await oai.close()
     await ant.close()
+
+
+async def test_one_layer_retries_a_failure_sluice_or_the_sdk_never_both(upstream, start_sluice):
+    """A new user's trial: with the default config's retry block, an SDK calling without a key
+    of its own lost every retry of a 503 or a 429. Sluice would not repeat the POST (it may
+    have reached the upstream) and told the SDK not to either (x-should-retry: false). Now a
+    failure Sluice does not retry leaves the SDK's own rules in force, as without Sluice, and
+    one it retried still stops the SDK from stacking its own."""
+    retry = {"attempts": 3, "backoff": {"base": "1ms", "max": "2ms"},
+             "on": [502, 503, 504, "connect_error", "timeout"]}
+    sluice = await start_sluice({"routes": [
+        route("openai", upstream.url, "openai", retry=retry, idempotency={"mode": "dedup"}),
+        route("anthropic", upstream.url, "anthropic", retry=retry,
+              idempotency={"mode": "dedup"}),
+    ]})
+    upstream.error_headers = {"retry-after-ms": "5"}  # the SDKs' waits: short
+    for status, error in ((503, openai.InternalServerError), (429, openai.RateLimitError)):
+        upstream.requests.clear()
+        upstream.status = status
+        wire = Wire()
+        client = openai_client(sluice, max_retries=2, wire=wire)
+        with pytest.raises(error):
+            await call_openai(client)
+        await client.close()
+        # The SDK's three attempts, each forwarded once: as it would go without Sluice.
+        assert (len(wire.sent), len(upstream.requests)) == (3, 3), status
+        assert "x-should-retry" not in wire.received[-1][1].headers
+    upstream.requests.clear()
+    upstream.status = 503
+    wire = Wire()
+    client = anthropic_client(sluice, max_retries=2, wire=wire)
+    with pytest.raises(anthropic.InternalServerError):
+        await call_anthropic(client)
+    await client.close()
+    assert (len(wire.sent), len(upstream.requests)) == (3, 3)
+    # With the caller's own key Sluice may repeat the POST: it retries, the SDK does not.
+    upstream.requests.clear()
+    wire = Wire()
+    client = openai_client(sluice, max_retries=2, wire=wire)
+    with pytest.raises(openai.InternalServerError):
+        await call_openai(client, extra_headers={"Idempotency-Key": "own-key-1"})
+    await client.close()
+    assert (len(wire.sent), len(upstream.requests)) == (1, 3)
+    assert wire.received[-1][1].headers["x-should-retry"] == "false"
