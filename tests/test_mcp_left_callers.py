@@ -395,6 +395,9 @@ async def test_an_upstream_failing_after_the_caller_left_frees_the_key(
     async with aiohttp.ClientSession() as http:
         await leave_a_call(http, url, scripted, after_first_event)
         await wait_until(lambda: scripted.calls == 1, what="the call upstream")
+        # Not before Sluice has seen the caller leave: on a busy machine the upstream's
+        # failure could come first, and the call end as the caller's upstream_error.
+        await noticed_leaving(sluice, scripted)
         scripted.release.set()
         await assert_all_given_back(sluice)
         [completed] = await completed_events(sluice, 1)
