@@ -420,8 +420,9 @@ async def _attempt(rt: Runtime, route: Route, call: Call, url: URL,
                       else "connection_lost" if sent else "connect_error")
         neutral = False
     except TimeoutError:
-        tries.error = Rejected(Reason.UPSTREAM_TIMEOUT, None,
-                               f"no response headers within {limit:.3g}s")
+        tries.error = Rejected(Reason.UPSTREAM_TIMEOUT, None, (
+            f"no response headers within {limit:.3g}s, what was left of the caller's own "
+            "timeout" if callers_limit else f"no response headers within {limit:.3g}s"))
         tries.kind = "timeout"
         sent = True
         # Cut short by the caller's own deadline: not the upstream's fault.

@@ -183,6 +183,12 @@ async def test_callers_own_timeout_shortens_the_queue_wait(upstream, start_sluic
         assert 0.5 - TIMER_SLACK_S <= waited < 30  # the caller's 0.5 s, not the route's 60 s
         upstream.hold.set()
         assert (await first)[0] == 200
+        # Admitted, its upstream slower than its timeout: cut there, and the 504 says whose
+        # timeout it was (a new user read it as the upstream's or Sluice's own limit).
+        status, headers, body, _ = await chat(session, sluice.url, **{
+            "x-stainless-timeout": "0.5", "x-fake-delay": "5"})
+        assert (status, headers["X-Sluice-Reason"]) == (504, "upstream_timeout")
+        assert "the caller's own timeout" in body["error"]["message"]
 
 
 async def test_an_sdk_stream_queues_behind_streams_longer_than_its_timeout(upstream,
