@@ -158,6 +158,28 @@ async def _relay_chunk(request: web.BaseRequest, out: web.StreamResponse, chunk:
     return not answered(request)
 
 
+def _cut_if_behind(request: web.BaseRequest, call: Call | None) -> None:
+    """The deadline of a streamed answer still being relayed has passed: cut the caller's
+    connection if it is behind (its send buffer is full, so writing to it waits).
+
+    Nothing else bounds such a wait: the upstream's timer runs only while its answer is read,
+    so a caller that kept its connection open and stopped reading held its slot, its budget
+    reservation, its key and the upstream connection for as long as it liked (a hostile
+    trial's: ``timeouts.total: 5s``, still held after minutes). The connection is aborted,
+    not closed (a close waits for the unsent bytes to go); the handler is cancelled as it is
+    when a caller leaves (``client_disconnected``; what was streamed is charged). A caller
+    that is not behind is left to the upstream's own timer, which ends the answer as an
+    ``upstream_timeout`` (an MCP call's with its closing event).
+    """
+    protocol, transport = request.protocol, request.transport
+    if transport is None or protocol is None or not protocol.writing_paused:
+        return
+    log.warning("route %s: the caller took too little of its streamed answer within "
+                "timeouts.total; its connection is cut", call.route if call is not None
+                else "?", extra=PER_CALL)
+    transport.abort()
+
+
 @functools.lru_cache(maxsize=256)
 def _dropped(drop: frozenset[str], connection: tuple[str, ...]) -> frozenset[str]:
     """``drop`` and every field the ``Connection`` lines name (lower case). Cached: nearly
@@ -275,6 +297,7 @@ async def relay(
     meter: Meter | None = None,
     call: Call | None = None,
     finish: Finish | None = None,
+    deadline: float | None = None,
 ) -> tuple[web.StreamResponse, str]:
     """Relay an upstream answer to the caller, then release it; never retried.
 
@@ -285,7 +308,9 @@ async def relay(
     detection). ``finish``, for an MCP call that may outlive its caller (:class:`Finish`):
     once the caller has gone (it is told so, or a write to the caller fails before the
     call's response has passed), the answer is read on without being sent, up to the
-    response.
+    response. ``deadline``: monotonic seconds by which a streamed answer must have been
+    relayed (its attempt's ``timeouts.total``): a caller whose connection still cannot take
+    more of it then has that connection cut (:func:`_cut_if_behind`), as if it had left.
 
     Returns:
         ``(response, outcome)`` as :func:`forward` does.
@@ -298,6 +323,7 @@ async def relay(
         ConnectionResetError: a write to the caller failed (it has gone), unless ``finish``
             lets the answer be read on.
     """
+    guard: asyncio.TimerHandle | None = None
     try:
         status = upstream.status
         if not 200 <= status <= 599:
@@ -374,9 +400,19 @@ async def relay(
             except ConnectionResetError:
                 finish.left = True
         content = upstream.content
+        if deadline is not None:
+            guard = asyncio.get_running_loop().call_later(
+                deadline - time.monotonic(), _cut_if_behind, request, call)
         while True:
             try:
                 chunk = await content.readany()
+                if chunk and call is not None:
+                    now = call.progress_at = time.monotonic()
+                    if deadline is not None and now > deadline:
+                        # Read past the deadline (aiohttp hands out what it has buffered
+                        # without looking at its timer): the answer did not finish in time,
+                        # and writing on could wait on a caller that reads no more.
+                        raise TimeoutError
             except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as e:
                 timed_out = isinstance(e, TimeoutError)
                 label = "upstream_timeout" if timed_out else "upstream_error"
@@ -394,8 +430,6 @@ async def relay(
                 return out, label
             if not chunk:
                 break
-            if call is not None:
-                call.progress_at = time.monotonic()
             if meter is not None:
                 chunk = meter.chunk(chunk)
                 if not chunk:
@@ -415,4 +449,6 @@ async def relay(
             await out.write_eof()
         return out, outcome
     finally:
+        if guard is not None:
+            guard.cancel()
         upstream.release()
