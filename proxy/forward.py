@@ -400,12 +400,22 @@ async def relay(
             except ConnectionResetError:
                 finish.left = True
         content = upstream.content
+        # An answer with neither Content-Length nor chunked framing ends at its connection's
+        # close, and aiohttp reads a reset (the upstream died mid-answer) as that end too:
+        # its protocol keeps the error that closed the connection, which tells them apart.
+        closing = None
+        if (declared is None and hdrs.TRANSFER_ENCODING not in upstream_headers
+                and (connection := upstream.connection) is not None):
+            closing = connection.protocol
         if deadline is not None:
             guard = asyncio.get_running_loop().call_later(
                 deadline - time.monotonic(), _cut_if_behind, request, call)
         while True:
             try:
                 chunk = await content.readany()
+                if not chunk and closing is not None and isinstance(closing.exception(),
+                                                                    OSError):
+                    raise aiohttp.ClientPayloadError("the connection was reset")
                 if chunk and call is not None:
                     now = call.progress_at = time.monotonic()
                     if deadline is not None and now > deadline:

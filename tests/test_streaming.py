@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
+import struct
 
 import aiohttp
 import anthropic
@@ -143,3 +145,59 @@ async def test_a_caller_that_stops_reading_a_stream_is_cut_at_the_total_timeout(
         if writer is not None:
             writer.close()
         await runner.cleanup()
+
+
+async def test_a_close_delimited_stream_the_upstream_resets_is_cut_not_stored(start_sluice):
+    """An answer without Content-Length or chunked framing ends when its connection closes,
+    and aiohttp reads a reset (an abortive close: the upstream died mid-answer) as that end
+    too: the truncated stream reached the caller with a clean end, was charged as complete
+    and was stored for its key, every retry getting it replayed. A reset is now a cut."""
+    event = ('data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"m",'
+             '"choices":[{"index":0,"delta":{"content":"hello"}}]}\n\n').encode()
+    seen = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(int(line.partition(b":")[2]) for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length:"))
+        await reader.readexactly(length)
+        seen.append(head)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                     b"Connection: close\r\n\r\n" + event * 3)
+        await writer.drain()
+        await asyncio.sleep(0.1)
+        # Closed with SO_LINGER 0: a reset, not a FIN (the end of a close-delimited answer).
+        writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
+                                                   struct.pack("ii", 1, 0))
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        sluice = await start_sluice({"routes": [route(
+            "openai", f"http://127.0.0.1:{port}", "openai", idempotency={"mode": "dedup"},
+            budget={"output_tokens": "1000000/day", "per": "tenant"})]})
+        payload = {"model": "m", "messages": MESSAGES, "stream": True, "max_tokens": 100}
+        headers = {"Idempotency-Key": "reset-mid-stream"}
+        async with aiohttp.ClientSession() as session:
+            for _ in range(2):
+                async with session.post(sluice.url + "/openai/v1/chat/completions",
+                                        json=payload, headers=headers) as r:
+                    assert r.status == 200 and "Idempotent-Replayed" not in r.headers
+                    received = bytearray()
+                    try:
+                        async for chunk in r.content.iter_any():
+                            received += chunk
+                        ended = "cleanly"
+                    except aiohttp.ClientPayloadError:
+                        ended = "cut"
+                    assert (ended, bytes(received)) == ("cut", event * 3)
+        assert len(seen) == 2  # nothing was stored: the retry went upstream
+        await wait_until(lambda: len([e for e in sluice.events()
+                                      if e["event"] == "completed"]) == 2,
+                         what="both completed events")
+        done = [e for e in sluice.events() if e["event"] == "completed"]
+        assert {(e["outcome"], e["usage"]) for e in done} == {("upstream_error", "estimated")}
+    finally:
+        server.close()
+        await server.wait_closed()
