@@ -152,8 +152,8 @@ async def test_a_close_delimited_stream_the_upstream_resets_is_cut_not_stored(st
     and aiohttp reads a reset (an abortive close: the upstream died mid-answer) as that end
     too: the truncated stream reached the caller with a clean end, was charged as complete
     and was stored for its key, every retry getting it replayed. A reset is now a cut."""
-    event = ('data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"m",'
-             '"choices":[{"index":0,"delta":{"content":"hello"}}]}\n\n').encode()
+    event = (b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"m",'
+             b'"choices":[{"index":0,"delta":{"content":"hello"}}]}\n\n')
     seen = []
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
