@@ -76,6 +76,10 @@ _OUTCOMES = ("0xx", "1xx", "2xx", "3xx", "4xx", "5xx")
 #: as its own writer's check), though its client accepts them from an upstream.
 log = logging.getLogger("sluice")
 
+#: Seconds between checks, once a streamed answer's deadline has passed, that its caller is
+#: not behind (:class:`_Deadline`).
+_RECHECK_S = 1.0
+
 FORBIDDEN_IN_HEADERS = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 _BAD_HEADER = "a response header has control characters"
 #: The streamed answer being relayed to the caller, once its status line is out (set on the
@@ -158,9 +162,9 @@ async def _relay_chunk(request: web.BaseRequest, out: web.StreamResponse, chunk:
     return not answered(request)
 
 
-def _cut_if_behind(request: web.BaseRequest, call: Call | None) -> None:
-    """The deadline of a streamed answer still being relayed has passed: cut the caller's
-    connection if it is behind (its send buffer is full, so writing to it waits).
+class _Deadline:
+    """Cuts the caller's connection once a streamed answer's deadline has passed while it is
+    behind (its send buffer is full, so a write to it waits).
 
     Nothing else bounds such a wait: the upstream's timer runs only while its answer is read,
     so a caller that kept its connection open and stopped reading held its slot, its budget
@@ -168,16 +172,32 @@ def _cut_if_behind(request: web.BaseRequest, call: Call | None) -> None:
     trial's: ``timeouts.total: 5s``, still held after minutes). The connection is aborted,
     not closed (a close waits for the unsent bytes to go); the handler is cancelled as it is
     when a caller leaves (``client_disconnected``; what was streamed is charged). A caller
-    that is not behind is left to the upstream's own timer, which ends the answer as an
-    ``upstream_timeout`` (an MCP call's with its closing event).
+    not behind at the deadline is left to the upstream's own timer, which ends the answer as
+    an ``upstream_timeout`` (an MCP call's with a last event, whose write may still wait: so
+    the check is repeated every :data:`_RECHECK_S` until the relay ends).
     """
-    protocol, transport = request.protocol, request.transport
-    if transport is None or protocol is None or not protocol.writing_paused:
-        return
-    log.warning("route %s: the caller took too little of its streamed answer within "
-                "timeouts.total; its connection is cut", call.route if call is not None
-                else "?", extra=PER_CALL)
-    transport.abort()
+
+    __slots__ = ("call", "handle", "request")
+
+    def __init__(self, request: web.BaseRequest, call: Call | None, deadline: float) -> None:
+        self.request, self.call = request, call
+        self.handle = asyncio.get_running_loop().call_later(deadline - time.monotonic(),
+                                                            self._due)
+
+    def _due(self) -> None:
+        protocol, transport = self.request.protocol, self.request.transport
+        if transport is None or protocol is None:
+            return
+        if not protocol.writing_paused:
+            self.handle = asyncio.get_running_loop().call_later(_RECHECK_S, self._due)
+            return
+        log.warning("route %s: the caller took too little of its streamed answer within "
+                    "timeouts.total; its connection is cut",
+                    self.call.route if self.call is not None else "?", extra=PER_CALL)
+        transport.abort()
+
+    def cancel(self) -> None:
+        self.handle.cancel()
 
 
 @functools.lru_cache(maxsize=256)
@@ -310,7 +330,7 @@ async def relay(
     call's response has passed), the answer is read on without being sent, up to the
     response. ``deadline``: monotonic seconds by which a streamed answer must have been
     relayed (its attempt's ``timeouts.total``): a caller whose connection still cannot take
-    more of it then has that connection cut (:func:`_cut_if_behind`), as if it had left.
+    more of it then has that connection cut (:class:`_Deadline`), as if it had left.
 
     Returns:
         ``(response, outcome)`` as :func:`forward` does.
@@ -323,7 +343,7 @@ async def relay(
         ConnectionResetError: a write to the caller failed (it has gone), unless ``finish``
             lets the answer be read on.
     """
-    guard: asyncio.TimerHandle | None = None
+    guard: _Deadline | None = None
     try:
         status = upstream.status
         if not 200 <= status <= 599:
@@ -408,8 +428,7 @@ async def relay(
                 and (connection := upstream.connection) is not None):
             closing = connection.protocol
         if deadline is not None:
-            guard = asyncio.get_running_loop().call_later(
-                deadline - time.monotonic(), _cut_if_behind, request, call)
+            guard = _Deadline(request, call, deadline)
         while True:
             try:
                 chunk = await content.readany()
