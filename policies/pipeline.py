@@ -164,6 +164,12 @@ class Call:
         self.attempt_over(at)
         self._sent_at = at
 
+    @property
+    def sent_at(self) -> float | None:
+        """When the open attempt (the one whose answer is being relayed) was sent, monotonic
+        seconds; ``None`` when none is open."""
+        return self._sent_at
+
     def attempt_over(self, at: float) -> None:
         """The open attempt, if any, ended at ``at``: failed, or its answer let go."""
         if self._sent_at is not None:

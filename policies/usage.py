@@ -367,6 +367,13 @@ class Meter:
     _mode = _NONE
     #: An SSE event not complete yet.
     _pending = b""
+    #: Chunks that continue ``_pending`` without ending it, joined to it once one does: adding
+    #: each to it copied the event so far per chunk, quadratic in its size (a 3 MB event in
+    #: 1 KB chunks held the loop for 5 s).
+    _parts: list[bytes] | None = None
+    _parts_size = 0
+    #: The last two bytes held (of ``_pending`` and ``_parts``), where a boundary may start.
+    _edge = b""
     #: A JSON answer sent in chunks, held to be read at its end (the list is made by start).
     _json: list[bytes]
     _json_bytes = 0
@@ -467,6 +474,20 @@ class Meter:
                 if self._event(data, 0, size - 2) and self._strip:
                     return b""
                 return data
+        if self._pending:  # inside an event: does this chunk end it?
+            edge = self._edge if self._parts is not None else self._pending[-2:]
+            seen = edge + data[:2]
+            size = len(self._pending) + self._parts_size + len(data)
+            if (data.find(b"\n\n") < 0 and seen.find(b"\n\n") < 0 and size <= JSON_LIMIT_BYTES
+                    and not (self._cr and (data.find(b"\n\r\n") >= 0
+                                           or seen.find(b"\n\r\n") >= 0))):
+                if self._parts is None:
+                    self._parts = []
+                self._parts.append(data)
+                self._parts_size += len(data)
+                self._edge = (edge + data)[-2:]
+                return b"" if self._strip else data
+            self._join()
         buf = self._pending + data if self._pending else data
         if self._strip:
             out, end = self._filter(buf)
@@ -483,6 +504,12 @@ class Meter:
             if self._strip:
                 out += held
         return out
+
+    def _join(self) -> None:
+        """Join the chunks held in ``_parts`` to ``_pending``."""
+        if self._parts is not None:
+            self._pending = b"".join((self._pending, *self._parts))
+            self._parts, self._parts_size = None, 0
 
     def _big_chunk(self, data: bytes) -> bytes:
         """A chunk inside an event too big to hold: passed on whole; the event's end, if in
@@ -539,6 +566,7 @@ class Meter:
         if self._big:  # the stream ended inside a big event: it was passed on already
             self._end_big()
             return b""
+        self._join()
         tail, self._pending = self._pending, b""
         if not tail or self._mode != _SSE:
             return b""
@@ -583,11 +611,15 @@ class Meter:
         whole) set ``_bare_cr``: from then on each CR is passed on, and read, as an LF, the
         same line ending to an SSE reader (a raw CR can stand nowhere else in SSE: JSON text
         escapes it)."""
-        seen = self._pending + data if self._pending else data
+        # What is held has no line ending yet, but may end in a CR: only that byte is read
+        # again (all of it was, per chunk: quadratic in a long first line).
+        held = self._edge if self._parts is not None else self._pending
+        seen = held[-1:] + data if held else data
         lf = seen.find(b"\n")
         cr = seen.find(b"\r", 0, lf if lf >= 0 else len(seen))
         if cr >= 0 and cr + 1 < len(seen) and seen[cr + 1] != 0x0A:
             self._bare_cr = True
+            self._join()
             self._pending = self._pending.replace(b"\r", b"\n")
             return False
         if lf < 0:

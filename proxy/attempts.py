@@ -197,9 +197,11 @@ async def forward(request: web.BaseRequest, rt: Runtime, route: Route, call: Cal
                 request[fwd.MCP_ANSWER] = tries.tracker
                 capture = _Both(capture, tries.tracker) if capture is not None \
                     else tries.tracker
+            total, sent_at = timeout.total, call.sent_at
             try:
-                answer, outcome = await fwd.relay(request, response, extra, capture, meter,
-                                                  call, finish)
+                answer, outcome = await fwd.relay(
+                    request, response, extra, capture, meter, call, finish,
+                    None if total is None or sent_at is None else sent_at + total)
             except Rejected as error:  # not relayable (a bad status or header) or cut in time
                 await _verdict(tries, None)
                 call.status = error.reason.status

@@ -76,6 +76,10 @@ _OUTCOMES = ("0xx", "1xx", "2xx", "3xx", "4xx", "5xx")
 #: as its own writer's check), though its client accepts them from an upstream.
 log = logging.getLogger("sluice")
 
+#: Seconds between checks, once a streamed answer's deadline has passed, that its caller is
+#: not behind (:class:`_Deadline`).
+_RECHECK_S = 1.0
+
 FORBIDDEN_IN_HEADERS = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 _BAD_HEADER = "a response header has control characters"
 #: The streamed answer being relayed to the caller, once its status line is out (set on the
@@ -156,6 +160,44 @@ async def _relay_chunk(request: web.BaseRequest, out: web.StreamResponse, chunk:
                 raise
             finish.left = True
     return not answered(request)
+
+
+class _Deadline:
+    """Cuts the caller's connection once a streamed answer's deadline has passed while it is
+    behind (its send buffer is full, so a write to it waits).
+
+    Nothing else bounds such a wait: the upstream's timer runs only while its answer is read,
+    so a caller that kept its connection open and stopped reading held its slot, its budget
+    reservation, its key and the upstream connection for as long as it liked (a hostile
+    trial's: ``timeouts.total: 5s``, still held after minutes). The connection is aborted,
+    not closed (a close waits for the unsent bytes to go); the handler is cancelled as it is
+    when a caller leaves (``client_disconnected``; what was streamed is charged). A caller
+    not behind at the deadline is left to the upstream's own timer, which ends the answer as
+    an ``upstream_timeout`` (an MCP call's with a last event, whose write may still wait: so
+    the check is repeated every :data:`_RECHECK_S` until the relay ends).
+    """
+
+    __slots__ = ("call", "handle", "request")
+
+    def __init__(self, request: web.BaseRequest, call: Call | None, deadline: float) -> None:
+        self.request, self.call = request, call
+        self.handle = asyncio.get_running_loop().call_later(deadline - time.monotonic(),
+                                                            self._due)
+
+    def _due(self) -> None:
+        protocol, transport = self.request.protocol, self.request.transport
+        if transport is None or protocol is None:
+            return
+        if not protocol.writing_paused:
+            self.handle = asyncio.get_running_loop().call_later(_RECHECK_S, self._due)
+            return
+        log.warning("route %s: the caller took too little of its streamed answer within "
+                    "timeouts.total; its connection is cut",
+                    self.call.route if self.call is not None else "?", extra=PER_CALL)
+        transport.abort()
+
+    def cancel(self) -> None:
+        self.handle.cancel()
 
 
 @functools.lru_cache(maxsize=256)
@@ -275,6 +317,7 @@ async def relay(
     meter: Meter | None = None,
     call: Call | None = None,
     finish: Finish | None = None,
+    deadline: float | None = None,
 ) -> tuple[web.StreamResponse, str]:
     """Relay an upstream answer to the caller, then release it; never retried.
 
@@ -285,7 +328,9 @@ async def relay(
     detection). ``finish``, for an MCP call that may outlive its caller (:class:`Finish`):
     once the caller has gone (it is told so, or a write to the caller fails before the
     call's response has passed), the answer is read on without being sent, up to the
-    response.
+    response. ``deadline``: monotonic seconds by which a streamed answer must have been
+    relayed (its attempt's ``timeouts.total``): a caller whose connection still cannot take
+    more of it then has that connection cut (:class:`_Deadline`), as if it had left.
 
     Returns:
         ``(response, outcome)`` as :func:`forward` does.
@@ -298,6 +343,7 @@ async def relay(
         ConnectionResetError: a write to the caller failed (it has gone), unless ``finish``
             lets the answer be read on.
     """
+    guard: _Deadline | None = None
     try:
         status = upstream.status
         if not 200 <= status <= 599:
@@ -374,9 +420,28 @@ async def relay(
             except ConnectionResetError:
                 finish.left = True
         content = upstream.content
+        # An answer with neither Content-Length nor chunked framing ends at its connection's
+        # close, and aiohttp reads a reset (the upstream died mid-answer) as that end too:
+        # its protocol keeps the error that closed the connection, which tells them apart.
+        closing = None
+        if (declared is None and hdrs.TRANSFER_ENCODING not in upstream_headers
+                and (connection := upstream.connection) is not None):
+            closing = connection.protocol
+        if deadline is not None:
+            guard = _Deadline(request, call, deadline)
         while True:
             try:
                 chunk = await content.readany()
+                if not chunk and closing is not None and isinstance(closing.exception(),
+                                                                    OSError):
+                    raise aiohttp.ClientPayloadError("the connection was reset")
+                if chunk and call is not None:
+                    now = call.progress_at = time.monotonic()
+                    if deadline is not None and now > deadline:
+                        # Read past the deadline (aiohttp hands out what it has buffered
+                        # without looking at its timer): the answer did not finish in time,
+                        # and writing on could wait on a caller that reads no more.
+                        raise TimeoutError
             except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as e:
                 timed_out = isinstance(e, TimeoutError)
                 label = "upstream_timeout" if timed_out else "upstream_error"
@@ -394,8 +459,6 @@ async def relay(
                 return out, label
             if not chunk:
                 break
-            if call is not None:
-                call.progress_at = time.monotonic()
             if meter is not None:
                 chunk = meter.chunk(chunk)
                 if not chunk:
@@ -415,4 +478,6 @@ async def relay(
             await out.write_eof()
         return out, outcome
     finally:
+        if guard is not None:
+            guard.cancel()
         upstream.release()

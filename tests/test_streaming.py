@@ -1,4 +1,5 @@
-"""Streams pass through as they arrive and byte for byte.
+"""Streams pass through as they arrive and byte for byte, and a caller that stops reading one
+cannot hold it open past the route's timeouts.
 
 The fake upstream's ``stream_hold`` stops each stream after its first content event, so the
 test can see that the client already holds that event while the upstream has not finished.
@@ -7,12 +8,16 @@ test can see that the client already holds that event while the upstream has not
 from __future__ import annotations
 
 import asyncio
+import json
+import socket
+import struct
 
 import aiohttp
 import anthropic
 import openai
+from aiohttp import web
 
-from tests.conftest import route
+from tests.conftest import route, wait_until
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 EXPECTED_TEXT = "".join(f"tok{i} " for i in range(5))
@@ -76,3 +81,123 @@ async def test_streamed_and_plain_answers_are_byte_identical_to_direct(upstream,
                 assert r.status == 200
                 assert r.headers["Content-Type"] == direct_type
                 assert await r.read() == direct
+
+
+async def test_a_caller_that_stops_reading_a_stream_is_cut_at_the_total_timeout(start_sluice):
+    """A caller that kept its connection open and stopped reading a fast stream held its
+    slot, its budget reservation and the upstream's stream past ``timeouts.total`` for as long
+    as it kept the connection (the upstream's timer runs only while its answer is read, and
+    nothing bounded a write waiting on the caller): a hostile trial's, still held minutes
+    later. It is cut at ``timeouts.total`` as a caller that left, and charged what streamed."""
+    event = "data: " + json.dumps({
+        "id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m",
+        "choices": [{"index": 0, "delta": {"content": "y" * 1000}, "finish_reason": None}],
+    }) + "\n\n"
+    burst = event.encode() * 64
+    ended = asyncio.Event()
+
+    async def endless(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        try:
+            while True:  # as fast as the reader takes it, until Sluice closes the stream
+                await response.write(burst)
+        except ConnectionError:
+            return response
+        finally:
+            ended.set()
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", endless)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    writer = None
+    try:
+        sluice = await start_sluice({"routes": [route(
+            "openai", f"http://127.0.0.1:{port}", "openai", timeouts={"total": "1s"},
+            concurrency={"limit": 1},
+            budget={"output_tokens": "1000000/day", "per": "tenant"})]})
+        body = json.dumps({"model": "m", "messages": MESSAGES, "stream": True,
+                           "max_tokens": 100}).encode()
+        reader, writer = await asyncio.open_connection("127.0.0.1", sluice.port)
+        writer.write(b"POST /openai/v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                     b"Content-Type: application/json\r\nX-Tenant-ID: acme\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        head = await reader.readuntil(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200")
+        # ... and nothing more is read: the connection stays open, its buffers fill.
+        await sluice.wait_metric("sluice_inflight_requests", 0, timeout=30, route="openai")
+        assert await sluice.metric("sluice_budget_reserved", route="openai", tenant="acme",
+                                   unit="output_tokens") == 0
+        await asyncio.wait_for(ended.wait(), 10)  # the upstream's stream was closed
+        await wait_until(lambda: any(e["event"] == "completed" for e in sluice.events()),
+                         what="the completed event")
+        [done] = [e for e in sluice.events() if e["event"] == "completed"]
+        assert (done["outcome"], done["status"], done["usage"]) == (
+            "client_disconnected", 200, "estimated")
+        assert 1 <= done["output_tokens"] <= 100
+        assert "took too little of its streamed answer" in sluice.stderr()
+    finally:
+        if writer is not None:
+            writer.close()
+        await runner.cleanup()
+
+
+async def test_a_close_delimited_stream_the_upstream_resets_is_cut_not_stored(start_sluice):
+    """An answer without Content-Length or chunked framing ends when its connection closes,
+    and aiohttp reads a reset (an abortive close: the upstream died mid-answer) as that end
+    too: the truncated stream reached the caller with a clean end, was charged as complete
+    and was stored for its key, every retry getting it replayed. A reset is now a cut."""
+    event = (b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"m",'
+             b'"choices":[{"index":0,"delta":{"content":"hello"}}]}\n\n')
+    seen = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(int(line.partition(b":")[2]) for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length:"))
+        await reader.readexactly(length)
+        seen.append(head)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                     b"Connection: close\r\n\r\n" + event * 3)
+        await writer.drain()
+        await asyncio.sleep(0.1)
+        # Closed with SO_LINGER 0: a reset, not a FIN (the end of a close-delimited answer).
+        writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
+                                                   struct.pack("ii", 1, 0))
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        sluice = await start_sluice({"routes": [route(
+            "openai", f"http://127.0.0.1:{port}", "openai", idempotency={"mode": "dedup"},
+            budget={"output_tokens": "1000000/day", "per": "tenant"})]})
+        payload = {"model": "m", "messages": MESSAGES, "stream": True, "max_tokens": 100}
+        headers = {"Idempotency-Key": "reset-mid-stream"}
+        async with aiohttp.ClientSession() as session:
+            for _ in range(2):
+                async with session.post(sluice.url + "/openai/v1/chat/completions",
+                                        json=payload, headers=headers) as r:
+                    assert r.status == 200 and "Idempotent-Replayed" not in r.headers
+                    received = bytearray()
+                    try:
+                        async for chunk in r.content.iter_any():
+                            received += chunk
+                        ended = "cleanly"
+                    except aiohttp.ClientPayloadError:
+                        ended = "cut"
+                    assert (ended, bytes(received)) == ("cut", event * 3)
+        assert len(seen) == 2  # nothing was stored: the retry went upstream
+        await wait_until(lambda: len([e for e in sluice.events()
+                                      if e["event"] == "completed"]) == 2,
+                         what="both completed events")
+        done = [e for e in sluice.events() if e["event"] == "completed"]
+        assert {(e["outcome"], e["usage"]) for e in done} == {("upstream_error", "estimated")}
+    finally:
+        server.close()
+        await server.wait_closed()

@@ -479,3 +479,33 @@ def test_a_stream_whose_usage_chunk_is_empty_is_no_report():
     meter.chunk(b'data: {"choices":[],"usage":{}}\n\ndata: [DONE]\n\n')
     meter.finish()
     assert not meter.final
+
+
+@pytest.mark.parametrize("strip", [False, True])
+@pytest.mark.parametrize("first", [True, False], ids=["first event", "later event"])
+def test_a_long_event_in_small_chunks_is_searched_once_not_once_per_chunk(monkeypatch, strip,
+                                                                           first):
+    """An event held until its end was copied and searched whole again for every chunk that
+    continued it: quadratic in its size (a 3 MB event in 1 KB chunks held the event loop for
+    5 s; a 16 MB Responses event in 16 KB TLS records, 0.5 s). Chunks that do not end it are
+    now only kept, and the event is read once it ends."""
+    searched: list[int] = []
+
+    def counting(original):
+        def search(self: Meter, buf: bytes):
+            searched.append(len(buf))
+            return original(self, buf)
+        return search
+
+    monkeypatch.setattr(Meter, "_scan", counting(Meter._scan))
+    monkeypatch.setattr(Meter, "_filter", counting(Meter._filter))
+    long = sse(chat_chunk("x" * (JSON_LIMIT_BYTES // 4)))
+    stream = (b"" if first else sse(chat_chunk("hi"))) + long + sse(USAGE_CHUNK, "[DONE]")
+    meter = Meter(CHAT, anthropic=False, strip_usage=strip)
+    started(meter)
+    out = [meter.chunk(stream[at:at + 1024]) for at in range(0, len(stream), 1024)]
+    out.append(meter.finish())
+    kept = stream.replace(sse(USAGE_CHUNK), b"") if strip else stream
+    assert b"".join(out) == kept
+    assert (meter.usage.input_tokens, meter.usage.output_tokens, meter.final) == (7, 3, True)
+    assert sum(searched) <= 2 * len(stream)
