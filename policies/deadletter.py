@@ -23,7 +23,9 @@ same config reads and replays what any replica wrote; a write Redis does not ans
 kept (the caller still gets its answer; the failure is logged and counted as a failed write,
 whatever ``state.on_unavailable`` says: a letter kept in one replica's memory would be read
 by nobody). Either way, a request that is dead-lettered waits for its own record to be
-written (the ``X-Sluice-Dead-Letter`` id needs it), nothing else does.
+written (the ``X-Sluice-Dead-Letter`` id needs it), nothing else does, and that request for a
+second at most (``proxy.attempts.DEAD_LETTER_WAIT_S``): a file another process keeps locked
+is answered without the id, and the record is written once the lock is gone.
 
 The store is bounded: the write that would keep more than ``max_records`` letters drops the
 oldest (with their replays and replay holds) in the same transaction or script, so a long
