@@ -308,6 +308,10 @@ def _settle(rt: Runtime, route: Route, call: Call, admission: Admission, outcome
 
     ``left``: the caller's own outcome (it left) when the call's exchange was finished
     without it; ``outcome`` is then what the upstream's answer came to.
+
+    Never raises: a fault in the counting and logging is logged. Raised from the handler's
+    ``finally``, it replaced the answer being returned: a small answer's body, written once
+    the handler returns, was never sent, and the connection was cut without a word.
     """
     if call.cancelled is not None and outcome is ABANDONED:
         outcome = (Outcome("run_cancelled", call.reached, call.status)
@@ -316,6 +320,17 @@ def _settle(rt: Runtime, route: Route, call: Call, admission: Admission, outcome
         route.inflight -= 1
         route.live.discard(call)
     admission.release(outcome)
+    try:
+        _record(rt, route, call, outcome, admitted_at, traffic, left)
+    except Exception:
+        log.exception("counting the end of request %s on route %s failed", call.request_id,
+                      route.name)
+
+
+def _record(rt: Runtime, route: Route, call: Call, outcome: Outcome, admitted_at: float,
+            traffic: mcp.Traffic, left: Outcome | None) -> None:
+    """Count and log how a call ended, once everything it held is given back (see
+    :func:`_settle`)."""
     if admitted_at:
         if left is None:
             _completed(rt, route, call, outcome, admitted_at, traffic != "stream")

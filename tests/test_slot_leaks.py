@@ -19,6 +19,7 @@ from aiohttp import web
 import policies.mcp
 import policies.usage
 import proxy.forward
+import proxy.handler
 from proxy.config import parse_config
 from proxy.runtime import Runtime
 from proxy.server import build_proxy_server
@@ -300,3 +301,69 @@ async def test_a_proxy_error_mid_mcp_answer_ends_it_with_an_error(monkeypatch):
         await runner.cleanup()
         await runtime.close()
         await tools.cleanup()
+
+
+async def test_a_fault_counting_a_calls_end_leaves_its_answer_whole(upstream, monkeypatch,
+                                                                     caplog):
+    """Found by tests/test_faults_anywhere.py: a fault in the counting and logging after
+    everything was given back (here the ``completed`` event) escaped the handler's
+    ``finally`` and replaced the answer: the upstream's 200, work done and charged, became
+    500 ``internal_error``, and a stream's connection was cut without a word. The answer is
+    now sent as it came, and the fault logged."""
+    runtime = Runtime(parse_config(
+        "routes:\n"
+        f"  - {{name: openai, path_prefix: /openai/, upstream: '{upstream.url}',\n"
+        "      protocol: openai, concurrency: {limit: 1, queue: 0}}\n"))
+    await runtime.open()
+
+    def broken_completed(*args, **kwargs):
+        raise RuntimeError("injected bookkeeping bug")
+
+    runner, port = await serve(runtime)
+    url = f"http://127.0.0.1:{port}/openai/v1/chat/completions"
+    try:
+        async with aiohttp.ClientSession() as session:
+            with monkeypatch.context() as patched, \
+                    caplog.at_level(logging.ERROR, logger="sluice"):
+                patched.setattr(proxy.handler, "_completed", broken_completed)
+                status, _, body = await post(session, url)
+                assert (status, orjson.loads(body)["object"]) == (200, "chat.completion")
+                status, _, body = await post(session, url, STREAM)
+                assert status == 200 and body.endswith(b"data: [DONE]\n\n")
+            assert "injected bookkeeping bug" in caplog.text
+            [openai_route] = runtime.routes
+            assert (openai_route.inflight, openai_route.concurrency.inflight) == (0, 0)
+            assert (await post(session, url))[0] == 200
+    finally:
+        await runner.cleanup()
+        await runtime.close()
+
+
+async def test_an_error_escaping_after_the_answer_began_is_logged(upstream, monkeypatch,
+                                                                   caplog):
+    """The edge cuts the connection of an answer an error interrupts (no second answer can
+    follow the first's bytes): it said nothing of that error, a fault of Sluice's own."""
+    runtime = Runtime(parse_config(
+        "routes:\n"
+        f"  - {{name: openai, path_prefix: /openai/, upstream: '{upstream.url}',\n"
+        "      protocol: openai}\n"))
+    await runtime.open()
+
+    def broken_settle(*args, **kwargs):
+        raise RuntimeError("injected settle bug")
+
+    monkeypatch.setattr(proxy.handler, "_settle", broken_settle)
+    runner, port = await serve(runtime)
+    try:
+        async with aiohttp.ClientSession() as session:
+            with caplog.at_level(logging.ERROR, logger="sluice"):
+                async with session.post(f"http://127.0.0.1:{port}/openai/v1/chat/completions",
+                                        json=STREAM) as r:
+                    with contextlib.suppress(aiohttp.ClientPayloadError):
+                        await r.read()
+                await wait_until(lambda: "injected settle bug" in caplog.text,
+                                 what="the error in the log")
+        assert "error after an answer was begun" in caplog.text
+    finally:
+        await runner.cleanup()
+        await runtime.close()
