@@ -555,6 +555,7 @@ def _dead_lettered(rt: Runtime, route: Route, call: Call, reason: str, attempts:
     """A dead letter's write ended: its ``dead_lettered`` event and count, or its failure."""
     error = None if write.cancelled() else write.exception()
     if write.cancelled() or error is not None:
+        route.metrics.dead_letter_failures.inc()
         log.error("dead-letter write failed on route %s (request %s)", route.name,
                   call.request_id, exc_info=error)
         return

@@ -181,6 +181,29 @@ async def test_a_locked_dead_letter_file_holds_no_slot_past_a_second(upstream, s
     await sluice.wait_metric("sluice_buffered_request_bytes", 0)
 
 
+async def test_a_letter_the_store_cannot_write_is_counted_as_lost(upstream, start_sluice,
+                                                                   tmp_path):
+    """Seen in a hostile trial: on a full disk each lost letter was a log line only, so
+    nothing a dashboard or an alert reads said that dead letters were being lost."""
+    where = tmp_path / "letters"
+    where.mkdir()
+    sluice = await start_sluice({
+        "dead_letter": {"path": str(where / "dlq.sqlite")},
+        "routes": [route("openai", upstream.url, retry={"attempts": 1})]})
+    url = sluice.url + "/openai" + CHAT
+    async with aiohttp.ClientSession() as s:
+        status, headers = await post(s, url, **{"x-fake-status": "502"})
+        assert (status, headers["X-Sluice-Dead-Letter"]) == (502, "1")
+        for name in ("dlq.sqlite", "dlq.sqlite-wal", "dlq.sqlite-shm"):
+            (where / name).unlink(missing_ok=True)
+        where.rmdir()  # no file can be made there again
+        status, headers = await post(s, url, **{"x-fake-status": "502"})
+    assert status == 502 and "X-Sluice-Dead-Letter" not in headers
+    await sluice.wait_metric("sluice_dead_letter_write_failures_total", 1, route="openai")
+    assert await sluice.metric("sluice_dead_letters_total", route="openai") == 1
+    assert "dead-letter write failed on route openai" in sluice.stderr()
+
+
 async def test_first_attempt_fails_every_caller_gets_200_amplification_2(upstream, start_sluice,
                                                                          tmp_path):
     # ratio 1.0: this test is about amplification, not about the budget (tested below).
