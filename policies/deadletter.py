@@ -23,7 +23,9 @@ same config reads and replays what any replica wrote; a write Redis does not ans
 kept (the caller still gets its answer; the failure is logged and counted as a failed write,
 whatever ``state.on_unavailable`` says: a letter kept in one replica's memory would be read
 by nobody). Either way, a request that is dead-lettered waits for its own record to be
-written (the ``X-Sluice-Dead-Letter`` id needs it), nothing else does.
+written (the ``X-Sluice-Dead-Letter`` id needs it), nothing else does, and that request for a
+second at most (``proxy.attempts.DEAD_LETTER_WAIT_S``): a file another process keeps locked
+is answered without the id, and the record is written once the lock is gone.
 
 The store is bounded: the write that would keep more than ``max_records`` letters drops the
 oldest (with their replays and replay holds) in the same transaction or script, so a long
@@ -44,6 +46,7 @@ import asyncio
 import base64
 import concurrent.futures
 import logging
+import os
 import sqlite3
 import time
 from collections.abc import Iterable
@@ -235,15 +238,40 @@ class DeadLetter:
 
 
 class DeadLetterFile:
-    """Blocking access to the SQLite file: for the server's writer thread and the CLI."""
+    """Blocking access to the SQLite file: for the server's writer thread and the CLI.
+
+    A letter is written to the file at ``path`` even when the one open was deleted or moved
+    away meanwhile (``rm sluice-dlq.sqlite*`` to empty it): the connection is then closed and
+    the file opened, or created, again. Before, every later letter went into the deleted
+    file, named in its answer's ``X-Sluice-Dead-Letter`` and found by no ``sluice dlq``.
+
+    Raises:
+        sqlite3.Error: the file cannot be opened or created, or is no SQLite database.
+    """
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        self._open()
+
+    def _open(self) -> None:
+        self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.execute("PRAGMA busy_timeout=5000")
         self._db.executescript(_SCHEMA)
+        self._inode = _inode(self.path)
+
+    def _follow(self) -> None:
+        """Open the file at ``path`` again if it is no longer the one open. The old
+        connection is closed first: its write-ahead log, if left at the path, must not be
+        read into the new file."""
+        there = _inode(self.path)
+        if there is None or self._inode is None or there == self._inode:
+            return
+        log.warning("dead-letter file %s was deleted or moved away: letters go to a new "
+                    "file at that path from now", self.path)
+        self._db.close()
+        self._open()
 
     def close(self) -> None:
         self._db.close()
@@ -251,6 +279,7 @@ class DeadLetterFile:
     def add(self, letter: DeadLetter, max_records: int | None = None) -> Added:
         """Store ``letter``; with ``max_records``, drop the oldest letters beyond it (their
         replays and replay holds too) in the same transaction."""
+        self._follow()
         with self._db:
             self._db.execute("BEGIN IMMEDIATE")
             cursor = self._db.execute(
@@ -374,6 +403,18 @@ class DeadLetterFile:
             self._db.execute("DELETE FROM replays")
             self._db.execute("DELETE FROM replay_claims")
         return count
+
+
+def _inode(path: str) -> tuple[int, int] | None:
+    """The device and inode of the file at ``path``; ``None`` if there is none or it cannot
+    be told (then the open file is kept)."""
+    try:
+        status = os.stat(path)
+    except FileNotFoundError:
+        return (-1, -1)  # gone: no file is the open one
+    except (OSError, ValueError):
+        return None
+    return (status.st_dev, status.st_ino)
 
 
 class DeadLetterQueue:

@@ -35,8 +35,8 @@ not to either).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
-import sqlite3
 import time
 from typing import Any
 
@@ -47,6 +47,7 @@ from yarl import URL
 
 from policies import breaker as brk
 from policies.deadletter import Attempt, DeadLetter, redact, redact_path
+from policies.logs import PER_CALL
 from policies.mcp import AnswerTracker, Traffic
 from policies.operations import Plan
 from policies.pipeline import Call
@@ -57,7 +58,6 @@ from policies.retry import (
     retry_is_safe,
     upstream_retry_after,
 )
-from policies.state import StateUnavailable
 from proxy import forward as fwd
 from proxy.client import client_timeout
 from proxy.rejections import jsonrpc_id, render
@@ -67,6 +67,11 @@ from proxy.runtime import Runtime
 log = logging.getLogger("sluice")
 
 _NO_RETRY = {"x-should-retry": "false"}
+#: How long a dead-lettered call's answer waits for its record to be written, to name it in
+#: ``X-Sluice-Dead-Letter``, seconds. The call holds its slot meanwhile: a store that another
+#: process keeps locked (up to SQLite's 5 s busy timeout a write, one write after another)
+#: held every failing call's slot for as long, and refused healthy calls ``queue_timeout``.
+DEAD_LETTER_WAIT_S = 1.0
 
 
 class _Tries:
@@ -511,7 +516,8 @@ def _queued(route: Route) -> int:
 async def _dead_letter(rt: Runtime, route: Route, call: Call, headers: CIMultiDict[str],
                        tries: _Tries) -> int | None:
     """Dead-lettering: record the failed work; returns its id, or ``None`` if it could not be
-    written (the caller still gets its answer)."""
+    written, or not within ``DEAD_LETTER_WAIT_S`` (the caller still gets its answer; the
+    write goes on, its body counted in ``server.max_buffered_bytes`` until it ends)."""
     store = rt.dead_letters
     if store is None:
         return None
@@ -524,14 +530,42 @@ async def _dead_letter(rt: Runtime, route: Route, call: Call, headers: CIMultiDi
         redacted=removed + removed_query, body=call.body, body_size=len(call.body),
         attempts=_attempt_records(tries.log), reason=tries.stop,
     )
+    # The write runs to its end whatever the caller does; it is counted, logged as an event
+    # or as a failure, when it ends (before the answer, when that waited for it).
+    write = asyncio.ensure_future(store.add(letter))
+    write.add_done_callback(functools.partial(_dead_lettered, rt, route, call, tries.stop,
+                                              len(tries.log)))
     try:
-        letter_id = await store.add(letter)
-    except (sqlite3.Error, StateUnavailable):
-        log.exception("dead-letter write failed on route %s (request %s)", route.name,
-                      call.request_id)
+        async with asyncio.timeout(DEAD_LETTER_WAIT_S):
+            return await asyncio.shield(write)
+    except TimeoutError:
+        log.warning("dead-letter store of route %s has not taken a letter within %.0fs "
+                    "(locked by another process?): answered without its id; it is written "
+                    "when the store takes it", route.name, DEAD_LETTER_WAIT_S, extra=PER_CALL)
         return None
+    except Exception:  # logged by _dead_lettered: the caller still gets its answer
+        return None
+    finally:
+        if not write.done():  # its body outlives the call: still counted as held
+            held = min(len(letter.body), store.max_body_bytes)
+            rt.buffered_bytes += held
+            write.add_done_callback(functools.partial(_unhold, rt, held))
+
+
+def _dead_lettered(rt: Runtime, route: Route, call: Call, reason: str, attempts: int,
+                   write: asyncio.Future[int]) -> None:
+    """A dead letter's write ended: its ``dead_lettered`` event and count, or its failure."""
+    error = None if write.cancelled() else write.exception()
+    if write.cancelled() or error is not None:
+        route.metrics.dead_letter_failures.inc()
+        log.error("dead-letter write failed on route %s (request %s)", route.name,
+                  call.request_id, exc_info=error)
+        return
     route.metrics.dead_letters.inc()
     rt.events.emit("dead_lettered", call.request_id, route.name, call.tenant, call.run,
-                   call.idempotency_key, dead_letter_id=letter_id, reason=tries.stop,
-                   attempts=len(tries.log), **_operation(call))
-    return letter_id
+                   call.idempotency_key, dead_letter_id=write.result(), reason=reason,
+                   attempts=attempts, **_operation(call))
+
+
+def _unhold(rt: Runtime, held: int, write: asyncio.Future[int]) -> None:
+    rt.buffered_bytes -= held

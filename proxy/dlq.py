@@ -99,11 +99,15 @@ def _run(config: Config, args: argparse.Namespace) -> int:
             return 0
         print(f"no dead letter {args.id} ({path} does not exist)", file=sys.stderr)
         return EXIT_FAILED
-    file = DeadLetterFile(path)
     try:
-        return asyncio.run(_terminable(_command(config, _FileStore(file), path, args)))
-    finally:
-        file.close()
+        file = DeadLetterFile(path)
+        try:
+            return asyncio.run(_terminable(_command(config, _FileStore(file), path, args)))
+        finally:
+            file.close()
+    except sqlite3.Error as exc:  # not a database (corrupt), locked past busy_timeout, full
+        print(f"the dead letters in {path} are unavailable: {exc}", file=sys.stderr)
+        return EXIT_FAILED
 
 
 async def _terminable(command: Coroutine[Any, Any, int]) -> int:

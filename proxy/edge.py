@@ -719,6 +719,9 @@ class EdgeProtocol(RequestHandler):
         """Sluice's answer to a request aiohttp could not parse or hand on, and to an error
         escaping the handler: in the ``http`` shape, never quoting the request."""
         if request.writer.output_size > 0:
+            if exc is not None:  # else a fault of Sluice's own went without a word
+                log.error("error after an answer was begun (peer %s): the connection is cut",
+                          request.remote, exc_info=exc)
             raise ConnectionError("an answer was already being sent; the connection is cut")
         if isinstance(exc, HttpProcessingError | RequestPayloadError):
             if isinstance(exc, LineTooLong) or _TOO_MANY_HEADERS in str(exc):

@@ -289,8 +289,13 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
     except Exception:
         log.exception("proxy error on route %s (request %s)", route.name, request_id)
         outcome = Outcome("upstream_error", call.reached, 502)
-        return render(Rejected(Reason.UPSTREAM_UNREACHABLE, None, "proxy error"),
-                      route.protocol, jsonrpc_id(route.protocol, call.body))
+        error = Rejected(Reason.UPSTREAM_UNREACHABLE, None, "proxy error")
+        if call.phase == "answering":
+            # The upstream's status line is out: a 502 written now landed inside its body
+            # (a second status line mid-stream), or, in an MCP call's task, nothing did and
+            # the caller waited for the rest of an answer that would never come.
+            return await _cut(request, error, call.status)
+        return render(error, route.protocol, jsonrpc_id(route.protocol, call.body))
     finally:
         if finish is None:
             _settle(rt, route, call, admission, outcome, admitted_at, traffic)
@@ -312,6 +317,10 @@ def _settle(rt: Runtime, route: Route, call: Call, admission: Admission, outcome
 
     ``left``: the caller's own outcome (it left) when the call's exchange was finished
     without it; ``outcome`` is then what the upstream's answer came to.
+
+    Never raises: a fault in the counting and logging is logged. Raised from the handler's
+    ``finally``, it replaced the answer being returned: a small answer's body, written once
+    the handler returns, was never sent, and the connection was cut without a word.
     """
     if call.cancelled is not None and outcome is ABANDONED:
         outcome = (Outcome("run_cancelled", call.reached, call.status)
@@ -320,6 +329,17 @@ def _settle(rt: Runtime, route: Route, call: Call, admission: Admission, outcome
         route.inflight -= 1
         route.live.discard(call)
     admission.release(outcome)
+    try:
+        _record(rt, route, call, outcome, admitted_at, traffic, left)
+    except Exception:
+        log.exception("counting the end of request %s on route %s failed", call.request_id,
+                      route.name)
+
+
+def _record(rt: Runtime, route: Route, call: Call, outcome: Outcome, admitted_at: float,
+            traffic: mcp.Traffic, left: Outcome | None) -> None:
+    """Count and log how a call ended, once everything it held is given back (see
+    :func:`_settle`)."""
     if admitted_at:
         if left is None:
             _completed(rt, route, call, outcome, admitted_at, traffic != "stream")
@@ -469,17 +489,30 @@ async def _run_cancelled(rt: Runtime, route: Route, call: Call, request: web.Bas
     # Answering means sent: a status received from the upstream whose answer is still being
     # read (a small one is read whole first) has not reached the caller, which gets the 409.
     if call.phase == "answering" and request.transport is not None:
-        if await end_mcp_answer(request, rejected):
+        answer = await _cut(request, rejected, call.status)
+        if answer is request.get(RELAYED_STREAM):
             route.metrics.rejections[rejected.reason].inc()
-            return request[RELAYED_STREAM]
-        request.transport.close()
-        return web.Response(status=call.status)  # never sent: the connection is closed
+        return answer
     if admitted:
         route.metrics.rejections[rejected.reason].inc()
         call.status = rejected.reason.status  # what its `completed` event says it was sent
         return render(rejected, route.protocol, jsonrpc_id(route.protocol, call.body))
     return refuse(rt, route, rejected, call.request_id, call.tenant, call.run,
                   call.idempotency_key, call.body, call.operation)
+
+
+async def _cut(request: web.BaseRequest, rejected: Rejected, status: int
+               ) -> web.StreamResponse:
+    """End an answer whose status line has gone to the caller, for ``rejected``: an MCP
+    call's SSE answer ends with its JSON-RPC error as last event (see
+    :func:`proxy.forward.end_mcp_answer`), and that stream is returned; any other answer is
+    cut (its connection closed without its last bytes, so the cut is visible), and what is
+    returned is never sent."""
+    if await end_mcp_answer(request, rejected):
+        return request[RELAYED_STREAM]
+    if request.transport is not None:
+        request.transport.close()
+    return web.Response(status=status or 502)  # never sent: the connection is closed
 
 
 def _operation(call: Call) -> dict[str, object]:

@@ -394,6 +394,11 @@ class Metrics:
             "sluice_dead_letter_depth", "Records in the dead-letter store.", ["route"],
             registry=r,
         )
+        self.dead_letter_failures = LoopCounter(
+            "sluice_dead_letter_write_failures",
+            "Dead letters lost: the store could not write them (a full disk, a file that "
+            "cannot be opened, Redis not answering).", ["route"], registry=r,
+        )
 
         # Shared state (policies/state/).
         self.state_backend_up = Gauge(
@@ -653,6 +658,7 @@ class RouteMetrics:
         "_by_operation",
         "_by_tenant",
         "_metrics",
+        "dead_letter_failures",
         "dead_letters",
         "expiries",
         "name",
@@ -683,6 +689,7 @@ class RouteMetrics:
         self.retries = metrics.retries.labels(route)
         self.retry_overflow = metrics.retry_overflow.labels(route)
         self.dead_letters = metrics.dead_letters.labels(route)
+        self.dead_letter_failures = metrics.dead_letter_failures.labels(route)
         self.usage_missing = metrics.usage_missing.labels(route)
         self.usage_over_reservation = metrics.usage_over_reservation.labels(route)
         self.expiries = {r: metrics.expiries.labels(route, r) for r in ("max_wait", "deadline")}

@@ -193,6 +193,11 @@ class FileSink:
     after a ``copytruncate`` the next line lands at the new end of the file, not past a hole.
     A failed reopen keeps the open file and is logged once until one succeeds.
 
+    A FIFO that no process reads yet (a log shipper that starts after Sluice) is opened by the
+    first write, on the writer's thread, which waits there for its reader as it would for a
+    reader that stopped reading: opened at construction, on the event loop, the wait held up
+    the start (no ``/readyz``, SIGTERM unanswered) until a reader came.
+
     Raises:
         OSError: ``path`` cannot be opened for appending (at construction only).
     """
@@ -200,21 +205,30 @@ class FileSink:
     def __init__(self, path: str) -> None:
         self.path = path
         self._fd = -1  # none open yet
+        self._regular = False
         self._reopen_failed = False
-        self._open()
+        try:
+            self._open(os.O_NONBLOCK)  # a FIFO without a reader: ENXIO, not a wait
+        except OSError as exc:
+            if exc.errno != errno.ENXIO or not stat.S_ISFIFO(os.stat(path).st_mode):
+                raise
 
     def __call__(self, data: bytes) -> None:
-        if self._regular and self._replaced():
+        if self._fd < 0:  # a FIFO that had no reader: wait for one here, off the loop
+            self._open()
+        elif self._regular and self._replaced():
             self._reopen()
         self._sink(data)
 
     def close(self) -> None:
         """Close the file; not to be called while a write may still come."""
-        os.close(self._fd)
+        if self._fd >= 0:
+            os.close(self._fd)
 
-    def _open(self) -> None:
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+    def _open(self, flags: int = 0) -> None:
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | flags, 0o666)
         try:
+            os.set_blocking(fd, True)
             status = os.fstat(fd)
             self._sink = FdSink(fd)
         except OSError:

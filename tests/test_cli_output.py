@@ -72,6 +72,20 @@ def test_dlq_list_into_head_prints_no_traceback(dead_letters):
     assert "Traceback" not in result.stderr and "BrokenPipe" not in result.stderr, result.stderr
 
 
+@pytest.mark.parametrize("command", [["list"], ["show", "1"], ["replay", "1"], ["purge"]])
+def test_a_dead_letter_file_that_is_not_a_database_is_said_without_a_traceback(
+        dead_letters, command, capsys):
+    # Seen in a hostile trial: garbage bytes in dead_letter.path (or a file locked past its
+    # busy timeout) made every `sluice dlq` command end in a Python traceback.
+    path = dead_letters.parent / "dlq.sqlite"
+    for name in ("dlq.sqlite-wal", "dlq.sqlite-shm"):
+        (dead_letters.parent / name).unlink(missing_ok=True)
+    path.write_bytes(bytes(range(256)) * 16)
+    assert main(["dlq", *command, "--config", str(dead_letters)]) == 1
+    err = capsys.readouterr().err
+    assert err == f"the dead letters in {path} are unavailable: file is not a database\n"
+
+
 def test_dlq_list_columns_line_up_whatever_a_cell_holds(tmp_path, capsys):
     # Seen: fixed widths, so a replay that failed with ClientConnectorError (20 characters in
     # an 8-wide column) pushed that row's REQUEST out of line.

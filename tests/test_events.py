@@ -146,3 +146,43 @@ async def test_an_event_log_that_is_not_a_regular_file_is_not_reopened(tmp_path)
     await asyncio.to_thread(thread.join, 10)
     assert [orjson.loads(line)["request_id"] for line in read] == ["r1", "r2"]
     assert not path.exists()
+
+
+async def test_a_fifo_nobody_reads_yet_holds_up_neither_the_start_nor_its_lines(tmp_path):
+    # Seen in a hostile trial: `events.path` naming a FIFO whose reader (a log shipper) had
+    # not started made `sluice serve` wait in open() on the event loop: never ready, and
+    # SIGTERM unanswered until a reader came.
+    path = tmp_path / "events.fifo"
+    os.mkfifo(path)
+    started = threading.Event()
+    rescued: list[bool] = []
+
+    def rescue() -> None:  # a reader for a start that waits for one, so the test cannot hang
+        if not started.wait(10):
+            rescued.append(True)
+            with open(path, "rb"):
+                pass
+
+    threading.Thread(target=rescue, daemon=True).start()
+    log = EventLog(str(path))
+    await log.start()
+    started.set()
+    assert not rescued, "the start waited for the FIFO's reader"
+    read: list[bytes] = []
+    try:
+        log.emit("admitted", "r1", "up", "t", None)
+        log.flush()
+
+        def reader() -> None:  # the shipper comes late, and gets what waited for it
+            with open(path, "rb") as fifo:
+                read.extend(fifo.readline() for _ in range(2))
+
+        thread = threading.Thread(target=reader, daemon=True)
+        thread.start()
+        log.emit("admitted", "r2", "up", "t", None)
+        log.flush()
+        await asyncio.to_thread(thread.join, 10)
+    finally:
+        await log.close()
+    assert [orjson.loads(line)["request_id"] for line in read] == ["r1", "r2"]
+    assert log.dropped == 0

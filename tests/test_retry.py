@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sqlite3
 import sys
 import time
 
@@ -12,7 +13,7 @@ import openai
 import pytest
 from multidict import CIMultiDict
 
-from tests.conftest import REPO, free_port, route
+from tests.conftest import REPO, free_port, route, wait_until
 
 CHAT = "/v1/chat/completions"
 BODY = {"model": "gpt-test", "messages": [{"role": "user", "content": "hi"}]}
@@ -144,6 +145,63 @@ async def test_a_full_dead_letter_store_keeps_the_newest_letters(upstream, start
     assert await sluice.metric("sluice_dead_letters_dropped_total", route="openai") == 1
     assert await sluice.metric("sluice_dead_letter_depth", route="openai") == 2
     assert [line.split()[0] for line in (await dlq_list(sluice)).splitlines()[1:]] == ids[1:]
+
+
+async def test_a_locked_dead_letter_file_holds_no_slot_past_a_second(upstream, start_sluice,
+                                                                     tmp_path):
+    """Seen in a hostile trial: another process holding a write transaction on the file (an
+    operator's sqlite3 shell) kept each failing call in its slot for SQLite's 5 s busy
+    timeout, one write after another, and healthy calls queued behind it got 503
+    queue_timeout. The answer now goes without its id, and the letter is written once the
+    lock is gone."""
+    path = tmp_path / "dlq.sqlite"
+    sluice = await start_sluice({
+        "dead_letter": {"path": str(path)},
+        "routes": [route("openai", upstream.url, retry={"attempts": 1},
+                         concurrency={"limit": 1, "queue": 1, "max_wait": "3s"})]})
+    url = sluice.url + "/openai" + CHAT
+    locker = sqlite3.connect(path, isolation_level=None)
+    locker.execute("BEGIN EXCLUSIVE")
+    try:
+        async with aiohttp.ClientSession() as s:
+            failing = asyncio.create_task(post(s, url, **{"x-fake-status": "502"}))
+            await sluice.wait_metric("sluice_inflight_requests", 1, route="openai")
+            healthy = await post(s, url)
+            status, headers = await failing
+    finally:
+        locker.rollback()
+        locker.close()
+    assert healthy[0] == 200
+    assert status == 502 and "X-Sluice-Dead-Letter" not in headers
+    await wait_until(lambda: any(e["event"] == "dead_lettered" for e in sluice.events()),
+                     what="the letter written once the lock is gone")
+    [lettered] = [e for e in sluice.events() if e["event"] == "dead_lettered"]
+    assert lettered["dead_letter_id"] == 1
+    assert (await dlq_list(sluice)).splitlines()[1].split()[0] == "1"
+    await sluice.wait_metric("sluice_buffered_request_bytes", 0)
+
+
+async def test_a_letter_the_store_cannot_write_is_counted_as_lost(upstream, start_sluice,
+                                                                   tmp_path):
+    """Seen in a hostile trial: on a full disk each lost letter was a log line only, so
+    nothing a dashboard or an alert reads said that dead letters were being lost."""
+    where = tmp_path / "letters"
+    where.mkdir()
+    sluice = await start_sluice({
+        "dead_letter": {"path": str(where / "dlq.sqlite")},
+        "routes": [route("openai", upstream.url, retry={"attempts": 1})]})
+    url = sluice.url + "/openai" + CHAT
+    async with aiohttp.ClientSession() as s:
+        status, headers = await post(s, url, **{"x-fake-status": "502"})
+        assert (status, headers["X-Sluice-Dead-Letter"]) == (502, "1")
+        for name in ("dlq.sqlite", "dlq.sqlite-wal", "dlq.sqlite-shm"):
+            (where / name).unlink(missing_ok=True)
+        where.rmdir()  # no file can be made there again
+        status, headers = await post(s, url, **{"x-fake-status": "502"})
+    assert status == 502 and "X-Sluice-Dead-Letter" not in headers
+    await sluice.wait_metric("sluice_dead_letter_write_failures_total", 1, route="openai")
+    assert await sluice.metric("sluice_dead_letters_total", route="openai") == 1
+    assert "dead-letter write failed on route openai" in sluice.stderr()
 
 
 async def test_first_attempt_fails_every_caller_gets_200_amplification_2(upstream, start_sluice,

@@ -12,10 +12,14 @@ import contextlib
 import logging
 
 import aiohttp
+import orjson
 import pytest
 from aiohttp import web
 
+import policies.mcp
+import policies.usage
 import proxy.forward
+import proxy.handler
 from proxy.config import parse_config
 from proxy.runtime import Runtime
 from proxy.server import build_proxy_server
@@ -215,6 +219,174 @@ async def test_proxy_error(upstream, monkeypatch, caplog):
                 assert (await post(session, url))[0] == 200
         assert "injected proxy bug" in caplog.text
         assert "sk-never-logged" not in caplog.text
+    finally:
+        await runner.cleanup()
+        await runtime.close()
+
+
+async def serve(runtime: Runtime) -> tuple[web.ServerRunner, int]:
+    """Serve ``runtime``'s proxy port in this process: its runner and port."""
+    runner = web.ServerRunner(build_proxy_server(runtime))
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+
+
+async def test_a_proxy_error_mid_stream_cuts_the_answer(upstream, monkeypatch):
+    """Seen in a hostile trial: a fault of Sluice's own once the upstream's status line had
+    gone to the caller (here the usage meter failing on a chunk) made the handler answer
+    502 as well, and aiohttp wrote that second status line inside the stream's chunked body
+    ("Invalid character in chunk size: b'HTTP/1.1 502 Bad Gateway'"). The answer is cut
+    instead, and the slot is free."""
+    runtime = Runtime(parse_config(
+        "routes:\n"
+        f"  - {{name: openai, path_prefix: /openai/, upstream: '{upstream.url}',\n"
+        "      protocol: openai, concurrency: {limit: 1, queue: 0}}\n"))
+    await runtime.open()
+
+    def broken_chunk(self, data):
+        raise RuntimeError("injected meter bug")
+
+    runner, port = await serve(runtime)
+    url = f"http://127.0.0.1:{port}/openai/v1/chat/completions"
+    try:
+        async with aiohttp.ClientSession() as session:
+            with monkeypatch.context() as patched:
+                patched.setattr(policies.usage.Meter, "chunk", broken_chunk)
+                async with session.post(url, json=STREAM) as r:
+                    assert r.status == 200
+                    with pytest.raises(aiohttp.ClientPayloadError) as cut:
+                        await r.read()
+            assert "HTTP/1.1" not in str(cut.value)
+            [openai_route] = runtime.routes
+            await wait_until(lambda: openai_route.present == 0, what="the call to end")
+            assert (openai_route.inflight, openai_route.concurrency.inflight) == (0, 0)
+            assert (await post(session, url, STREAM))[0] == 200
+    finally:
+        await runner.cleanup()
+        await runtime.close()
+
+
+async def test_a_proxy_error_mid_mcp_answer_ends_it_with_an_error(monkeypatch):
+    """Seen in a hostile trial: the same fault in an MCP call kept for its key (forwarded in
+    a task of its own) sent nothing more after the SSE answer's headers, and left the
+    connection open: the caller waited for an answer that would never come (the Python MCP
+    client has no timeout by default). The answer now ends with the call's JSON-RPC error."""
+    async def tool(request: web.Request) -> web.StreamResponse:
+        message = await request.json()
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        result = {"jsonrpc": "2.0", "id": message["id"], "result": {"content": []}}
+        await out.write(b"event: message\ndata: " + orjson.dumps(result) + b"\n\n")
+        await out.write_eof()
+        return out
+
+    app = web.Application()
+    app.router.add_post("/mcp", tool)
+    tools = web.AppRunner(app)
+    await tools.setup()
+    site = web.TCPSite(tools, "127.0.0.1", 0)
+    await site.start()
+    tools_url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+    runtime = Runtime(parse_config(
+        "routes:\n"
+        f"  - {{name: tools, path_prefix: /tools/, upstream: '{tools_url}', protocol: mcp,\n"
+        "      idempotency: {mode: dedup}, concurrency: {limit: 1, queue: 0}}\n"))
+    await runtime.open()
+
+    def broken_feed(self, chunk):
+        raise RuntimeError("injected tracker bug")
+
+    runner, port = await serve(runtime)
+    url = f"http://127.0.0.1:{port}/tools/mcp"
+    call = {"jsonrpc": "2.0", "id": 7, "method": "tools/call",
+            "params": {"name": "deliver", "arguments": {"to": "ops"}}}
+    accept = {"Accept": "application/json, text/event-stream"}
+    try:
+        async with aiohttp.ClientSession() as session:
+            with monkeypatch.context() as patched:
+                patched.setattr(policies.mcp.AnswerTracker, "feed", broken_feed)
+                async with session.post(url, json=call, headers=accept) as r:
+                    async with asyncio.timeout(10):  # it waited for ever
+                        body = await r.read()
+            [_, data] = body.decode().strip().split("\n")
+            answer = orjson.loads(data.removeprefix("data: "))
+            assert answer["id"] == 7
+            assert answer["error"]["data"]["reason"] == "upstream_unreachable"
+            [tools_route] = runtime.routes
+            await wait_until(lambda: tools_route.present == 0, what="the call to end")
+            assert (tools_route.inflight, tools_route.concurrency.inflight) == (0, 0)
+            assert not tools_route.idempotency._flights
+            async with session.post(url, json={**call, "id": 8}, headers=accept) as r:
+                assert r.status == 200 and b'"id":8' in await r.read()
+    finally:
+        await runner.cleanup()
+        await runtime.close()
+        await tools.cleanup()
+
+
+async def test_a_fault_counting_a_calls_end_leaves_its_answer_whole(upstream, monkeypatch,
+                                                                     caplog):
+    """Found by tests/test_faults_anywhere.py: a fault in the counting and logging after
+    everything was given back (here the ``completed`` event) escaped the handler's
+    ``finally`` and replaced the answer: the upstream's 200, work done and charged, became
+    500 ``internal_error``, and a stream's connection was cut without a word. The answer is
+    now sent as it came, and the fault logged."""
+    runtime = Runtime(parse_config(
+        "routes:\n"
+        f"  - {{name: openai, path_prefix: /openai/, upstream: '{upstream.url}',\n"
+        "      protocol: openai, concurrency: {limit: 1, queue: 0}}\n"))
+    await runtime.open()
+
+    def broken_completed(*args, **kwargs):
+        raise RuntimeError("injected bookkeeping bug")
+
+    runner, port = await serve(runtime)
+    url = f"http://127.0.0.1:{port}/openai/v1/chat/completions"
+    try:
+        async with aiohttp.ClientSession() as session:
+            with monkeypatch.context() as patched, \
+                    caplog.at_level(logging.ERROR, logger="sluice"):
+                patched.setattr(proxy.handler, "_completed", broken_completed)
+                status, _, body = await post(session, url)
+                assert (status, orjson.loads(body)["object"]) == (200, "chat.completion")
+                status, _, body = await post(session, url, STREAM)
+                assert status == 200 and body.endswith(b"data: [DONE]\n\n")
+            assert "injected bookkeeping bug" in caplog.text
+            [openai_route] = runtime.routes
+            assert (openai_route.inflight, openai_route.concurrency.inflight) == (0, 0)
+            assert (await post(session, url))[0] == 200
+    finally:
+        await runner.cleanup()
+        await runtime.close()
+
+
+async def test_an_error_escaping_after_the_answer_began_is_logged(upstream, monkeypatch,
+                                                                   caplog):
+    """The edge cuts the connection of an answer an error interrupts (no second answer can
+    follow the first's bytes): it said nothing of that error, a fault of Sluice's own."""
+    runtime = Runtime(parse_config(
+        "routes:\n"
+        f"  - {{name: openai, path_prefix: /openai/, upstream: '{upstream.url}',\n"
+        "      protocol: openai}\n"))
+    await runtime.open()
+
+    def broken_settle(*args, **kwargs):
+        raise RuntimeError("injected settle bug")
+
+    monkeypatch.setattr(proxy.handler, "_settle", broken_settle)
+    runner, port = await serve(runtime)
+    try:
+        async with aiohttp.ClientSession() as session:
+            with caplog.at_level(logging.ERROR, logger="sluice"):
+                async with session.post(f"http://127.0.0.1:{port}/openai/v1/chat/completions",
+                                        json=STREAM) as r:
+                    with contextlib.suppress(aiohttp.ClientPayloadError):
+                        await r.read()
+                await wait_until(lambda: "injected settle bug" in caplog.text,
+                                 what="the error in the log")
+        assert "error after an answer was begun" in caplog.text
     finally:
         await runner.cleanup()
         await runtime.close()

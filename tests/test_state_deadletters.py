@@ -149,6 +149,31 @@ def test_the_sqlite_file_holds_a_letter_for_one_replay_across_connections(tmp_pa
         two.close()
 
 
+@pytest.mark.parametrize("how", ["deleted", "moved"])
+def test_letters_go_to_the_file_at_the_path_after_it_was_deleted_or_moved(tmp_path, how):
+    """Seen in a hostile trial: after ``rm dlq.sqlite*`` under a running server, every later
+    letter went into the deleted file: named in its answer, found by no ``sluice dlq``."""
+    path = tmp_path / "dlq.sqlite"
+    server = DeadLetterFile(str(path))
+    try:
+        server.add(letter(request_id="before"))
+        if how == "deleted":
+            for name in ("dlq.sqlite", "dlq.sqlite-wal", "dlq.sqlite-shm"):
+                (tmp_path / name).unlink(missing_ok=True)
+        else:  # the main file only, as a careless backup would (its log stays at the path)
+            path.rename(tmp_path / "old.sqlite")
+        second = server.add(letter(request_id="after")).id
+    finally:
+        server.close()
+    cli = DeadLetterFile(str(path))
+    try:
+        found = cli.get(second)
+        assert found is not None and found.request_id == "after"
+        assert [row["id"] for row in cli.list()] == [second]  # nothing of the old log
+    finally:
+        cli.close()
+
+
 # -- the bound: dead_letter.max_records --------------------------------------------------------
 
 
