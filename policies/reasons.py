@@ -82,7 +82,8 @@ class Reason(enum.Enum):
         "misdirected_request", 421, "Sluice does not serve this Host"
     )
     HEADERS_TOO_LARGE = (
-        "headers_too_large", 431, "the request head, a header line, or the number of headers is too large"
+        "headers_too_large", 431,
+        "the request head, a header line, or the number of headers is too large"
     )
     BUFFERS_FULL = (
         "buffers_full", 503,

@@ -157,7 +157,7 @@ async def test_client_disconnect_while_queued(upstream, start_sluice):
 async def test_a_caller_leaving_mid_body_is_counted_and_logged(upstream, start_sluice):
     """An upload abandoned half way left no event and no count: nginx logs it (499)."""
     sluice = await start_sluice({"routes": [one_slot_route(upstream.url)]})
-    reader, writer = await asyncio.open_connection("127.0.0.1", sluice.port)
+    _, writer = await asyncio.open_connection("127.0.0.1", sluice.port)
     writer.write(b"POST /openai/v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
                  b"X-Tenant-ID: uploader\r\nContent-Type: application/json\r\n"
                  b"Content-Length: 1000\r\n\r\n{\"model\": ")
