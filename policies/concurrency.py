@@ -26,6 +26,12 @@ overtake the queue. The best waiter is chosen by, in order:
    holds, however many distinct tenants pass through.
 3. Arrival order.
 
+A full queue refuses the call it would serve last: a newcomer of a better class, or of a
+tenant within its fair share, takes the place of the queued call of the worst class with the
+largest tag, which is answered ``queue_full`` at once (:meth:`ConcurrencyLimiter._displaced`);
+otherwise the newcomer is refused. So a tenant or class that fills the queue cannot keep
+better work out of it.
+
 Deadlines: a call whose caller sent its own timeout is refused ``deadline_unreachable`` at once
 when the estimated wait plus the call's own time already exceeds it, and otherwise waits at
 most its timeout less that time; one still queued when that passes is dropped (event
@@ -271,8 +277,9 @@ class ConcurrencyLimiter:
         Raises:
             Rejected: ``tenant_concurrency`` (429) when ``tenant`` is at ``per_tenant``;
                 ``deadline_unreachable`` when the caller's timeout leaves no time to queue,
-                ``queue_full`` when the queue is full, both at once; ``queue_timeout`` when
-                no slot freed within the wait. Nothing is held.
+                ``queue_full`` when the queue is full of calls that rank before this one,
+                both at once, or once queued when a newcomer that ranks before it took its
+                place; ``queue_timeout`` when no slot freed within the wait. Nothing is held.
             asyncio.CancelledError: the caller went away; nothing is held.
         """
         held = self._by_tenant.get(tenant, 0)
@@ -304,9 +311,15 @@ class ConcurrencyLimiter:
         max_wait = self.wait_budget(caller_timeout, reads)
         expected = (self.queued + 1) * self.mean_service_s / self.limit
         call_s = self.own_time(reads)
-        # Nobody may wait (no queue left, or ``max_wait: 0s``): the queue's refusal, whatever
-        # the caller's timeout, which is not what stands in its way.
-        if self.queue_full or self.max_wait <= 0:
+        # The call's tag: where ``_charge`` starts it, its tenant's time, never the class's past.
+        tag = max(self._vtime.get((priority, tenant), 0.0), self.vnow.get(priority, 0.0))
+        # A full queue takes this call in place of the one it would serve last, if this one
+        # ranks before it (``_displaced``); else nobody may wait (no queue left, or
+        # ``max_wait: 0s``): the queue's refusal, whatever the caller's timeout, which is not
+        # what stands in its way.
+        displaced = None
+        if self.max_wait <= 0 or (self.queue_full and (
+                displaced := self._displaced(priority, tag)) is None):
             raise Rejected(
                 Reason.QUEUE_FULL,
                 self._drain_estimate(self.queued + 1),
@@ -330,9 +343,18 @@ class ConcurrencyLimiter:
                 + (f"the upstream takes {call_s:.3g}s on average to start answering" if reads
                    else f"calls take {call_s:.3g}s on average"),
             )
+        if displaced is not None and displaced.future.done():
+            self._drop(displaced, GONE)
+        elif displaced is not None:
+            self._drop(displaced, EXPIRED)
+            displaced.future.set_exception(Rejected(
+                Reason.QUEUE_FULL,
+                self._drain_estimate(self.queued + 1),
+                f"{self.limit} slots busy and {self.queue_capacity} queued; this call's place "
+                "went to one of a better class or of a tenant within its fair share",
+                ("concurrency", self.limit, 0),
+            ))
         loop = asyncio.get_running_loop()
-        # The call's tag: where ``_charge`` starts it, its tenant's time, never the class's past.
-        tag = max(self._vtime.get((priority, tenant), 0.0), self.vnow.get(priority, 0.0))
         charged = self._charge(tenant, priority, cost)
         waiter = _Waiter(loop.create_future(), tenant, priority, tag, next(self._order),
                          loop.time())
@@ -356,6 +378,31 @@ class ConcurrencyLimiter:
             self._abandon(waiter)
             raise
         return charged, granted
+
+    def _displaced(self, priority: int, tag: float) -> _Waiter | None:
+        """The queued call a newcomer of class ``priority`` tagged ``tag`` takes the place of
+        in a full queue: the one it would serve last (of the worst class waiting, the largest
+        tag, i.e. the latest call of the tenant furthest past its share), when the newcomer
+        ranks before it; else ``None``. A tenant's newcomer never displaces its own calls of
+        its class (its tag is past theirs), so a tenant flooding the queue is refused at the
+        door, not churned inside; tenants within their share and better classes get in.
+        O(tenants waiting in that class), as a hand-over is."""
+        for cls in sorted(self._classes, reverse=True):
+            if cls < priority:
+                return None
+            last: _Waiter | None = None
+            for flow in self._classes[cls].flows.values():
+                while flow and flow[-1].state != WAITING:
+                    flow.pop()
+                if not flow:
+                    continue
+                if flow[-1].future.done():  # its caller left and has not run yet: its place
+                    return flow[-1]        # is free, and nobody need be refused for it
+                if last is None or (flow[-1].tag, flow[-1].order) > (last.tag, last.order):
+                    last = flow[-1]
+            if last is not None:
+                return last if cls > priority or tag < last.tag else None
+        return None
 
     async def take(self, tenant: str, priority: int = DEFAULT_PRIORITY,
                    caller_timeout: float | None = None,

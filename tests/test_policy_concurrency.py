@@ -248,3 +248,31 @@ async def test_a_tenant_left_behind_by_the_class_time_starts_its_next_calls_ther
     await queued(limiter, "slow", cost=1.0)
     await queued(limiter, "slow", cost=1.0)
     assert [w.tag for w in limiter.waiters()] == [3.0, 4.0]
+
+
+async def test_a_full_queue_refuses_the_call_it_would_serve_last():
+    limiter = limiter_with(queue=2)
+    await limiter.acquire("noisy", 2)
+    first, last = await queued(limiter, "noisy", 2), await queued(limiter, "noisy", 2)
+    # The noisy tenant's own next call of the class ranks after its queued ones: refused.
+    with pytest.raises(Rejected) as full:
+        await limiter.acquire("noisy", 2)
+    assert full.value.reason is Reason.QUEUE_FULL and limiter._by_tenant == {"noisy": 3}
+    # Another tenant's, within its share, takes the place of the noisy tenant's latest.
+    quiet = asyncio.create_task(limiter.acquire("quiet", 2))
+    with pytest.raises(Rejected) as displaced:
+        await last
+    assert displaced.value.reason is Reason.QUEUE_FULL and displaced.value.retry_after > 0
+    assert limiter._by_tenant == {"noisy": 2, "quiet": 1} and limiter.queued == 2
+    # A waiter whose caller left (not yet run) leaves a place: nobody is refused for it.
+    critical = asyncio.create_task(limiter.acquire("noisy", 0))
+    first.cancel()
+    await asyncio.sleep(0)
+    assert first.cancelled() and not quiet.done() and not critical.done()
+    assert limiter.queued == 2 and limiter._by_tenant == {"noisy": 2, "quiet": 1}
+    limiter.release("noisy", None)
+    await critical
+    limiter.release("noisy", None)
+    await quiet
+    limiter.release("quiet", None)
+    assert (limiter.inflight, limiter.queued, limiter._by_tenant) == (0, 0, {})
