@@ -55,7 +55,8 @@ fall below it; a new ``max_wait`` applies to requests queued after the reload.
 Rejections carry an honest ``retry_after`` estimated with Little's law: a queue of ``n`` ahead
 drains in about ``n * S / limit`` seconds (spread up to +50% at random, so callers refused
 together do not retry together), where ``S`` is the route's mean service time (an
-exponentially weighted average of observed upstream durations, seeded by the first one).
+exponentially weighted average of observed upstream durations, seeded by the first one),
+and at most ``max_wait + S / limit``: by then every call queued now has left the queue.
 
 This limiter counts one process's calls (``state.backend: memory``). With ``state.backend:
 redis`` a route uses :class:`policies.shared_concurrency.SharedConcurrencyLimiter`, which keeps
@@ -719,5 +720,11 @@ class ConcurrencyLimiter:
     def _drain_estimate(self, ahead: int) -> float:
         """Seconds until ``ahead`` queued requests have been served (Little's law), spread at
         random up to +50% so that callers refused together do not all return at the same
-        instant and collide again (Envoy jitters its rate-limited back-off to [d, 1.5d])."""
-        return ahead * self.mean_service_s / self.limit * random.uniform(1.0, JITTER_MAX)
+        instant and collide again (Envoy jitters its rate-limited back-off to [d, 1.5d]).
+
+        At most ``max_wait`` plus one slot's turn: by then every call queued now has left
+        the queue, served or expired, however many there were. Uncapped, a queue of 550 on
+        2 slots (a reload had lowered the limit) told callers to come back in 400 s, with
+        ``x-should-retry: false``, though it was empty 20 s later."""
+        turn = self.mean_service_s / self.limit
+        return min(ahead * turn, self.max_wait + turn) * random.uniform(1.0, JITTER_MAX)

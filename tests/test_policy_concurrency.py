@@ -276,3 +276,22 @@ async def test_a_full_queue_refuses_the_call_it_would_serve_last():
     await quiet
     limiter.release("quiet", None)
     assert (limiter.inflight, limiter.queued, limiter._by_tenant) == (0, 0, {})
+
+
+async def test_retry_after_is_at_most_max_wait_and_one_turn_however_long_the_queue():
+    # Every call queued now has left the queue within max_wait, served or expired: a queue of
+    # 50 on one 1 s slot told its refused callers to come back in 51-76 s (x-should-retry:
+    # false past 60 s) though it would be empty in 2.
+    limiter = limiter_with(queue=50, max_wait=2.0)
+    await limiter.acquire("t")
+    limiter.release("t", 1.0)
+    await limiter.acquire("t")
+    waiting = [asyncio.create_task(limiter.acquire("t")) for _ in range(50)]
+    await asyncio.sleep(0)
+    with pytest.raises(Rejected) as full:
+        await limiter.acquire("t")
+    assert full.value.reason is Reason.QUEUE_FULL
+    assert 3.0 <= full.value.retry_after <= 3.0 * JITTER_MAX
+    for task in waiting:
+        task.cancel()
+    await asyncio.gather(*waiting, return_exceptions=True)
