@@ -237,6 +237,8 @@ class ConcurrencyLimiter:
         #: True once a completion has updated the means (before, they are a guess).
         self.observed = False
         self._classes: dict[int, _Class] = {}
+        #: Waiters ended since the classes were last compacted (:meth:`_drop`).
+        self._ended = 0
         self._order = itertools.count()
         self._by_tenant: dict[str, int] = {}
         #: Fair queueing, per class: each tenant's virtual time in it (tenants with calls in
@@ -694,8 +696,13 @@ class ConcurrencyLimiter:
         self.queued -= 1
         if waiter.timer is not None:
             waiter.timer.cancel()
-        if state != GRANTED and sum(len(q.heap) for q in self._classes.values()) > (
-                2 * self.queued + 64):
+        # Every end leaves an entry behind in the heaps and flows until it is popped lazily,
+        # which a hand-over does only at their heads (and ``heads`` without aging never does
+        # for the flows: there, before, every call that ever queued was kept). Rebuilt once
+        # as many have ended as wait, plus some: amortized O(1) per end, O(queued) memory.
+        self._ended += 1
+        if self._ended > self.queued + 64:
+            self._ended = 0
             for queue in self._classes.values():
                 queue.compact()
 
