@@ -142,14 +142,17 @@ class _Class:
     order (the heads of those are the candidates for aging). Entries of waiters no longer
     WAITING are skipped lazily."""
 
-    __slots__ = ("flows", "heap")
+    __slots__ = ("flows", "heap", "tail")
 
     def __init__(self) -> None:
         self.heap: list[tuple[float, int, _Waiter]] = []
+        #: The same entries the other way round: the waiter served last first.
+        self.tail: list[tuple[float, int, _Waiter]] = []
         self.flows: dict[str, deque[_Waiter]] = {}
 
     def add(self, waiter: _Waiter) -> None:
         heapq.heappush(self.heap, (waiter.tag, waiter.order, waiter))
+        heapq.heappush(self.tail, (-waiter.tag, -waiter.order, waiter))
         flow = self.flows.get(waiter.tenant)
         if flow is None:
             flow = self.flows[waiter.tenant] = deque()
@@ -174,9 +177,18 @@ class _Class:
             else:
                 del self.flows[tenant]
 
+    def last(self) -> _Waiter | None:
+        """The waiting waiter with the largest tag (the latest of its tenant's), if any."""
+        tail = self.tail
+        while tail and tail[0][2].state != WAITING:
+            heapq.heappop(tail)
+        return tail[0][2] if tail else None
+
     def compact(self) -> None:
         self.heap = [entry for entry in self.heap if entry[2].state == WAITING]
         heapq.heapify(self.heap)
+        self.tail = [entry for entry in self.tail if entry[2].state == WAITING]
+        heapq.heapify(self.tail)
         flows = {}
         for tenant, flow in self.flows.items():
             alive = deque(w for w in flow if w.state == WAITING)
@@ -389,22 +401,15 @@ class ConcurrencyLimiter:
         ranks before it; else ``None``. A tenant's newcomer never displaces its own calls of
         its class (its tag is past theirs), so a tenant flooding the queue is refused at the
         door, not churned inside; tenants within their share and better classes get in.
-        O(tenants waiting in that class), as a hand-over is."""
+        A waiter whose caller left but has not run yet is returned whatever its rank: its
+        place is free, and nobody need be refused for it. O(log queued), amortized."""
         for cls in sorted(self._classes, reverse=True):
             if cls < priority:
                 return None
-            last: _Waiter | None = None
-            for flow in self._classes[cls].flows.values():
-                while flow and flow[-1].state != WAITING:
-                    flow.pop()
-                if not flow:
-                    continue
-                if flow[-1].future.done():  # its caller left and has not run yet: its place
-                    return flow[-1]        # is free, and nobody need be refused for it
-                if last is None or (flow[-1].tag, flow[-1].order) > (last.tag, last.order):
-                    last = flow[-1]
+            last = self._classes[cls].last()
             if last is not None:
-                return last if cls > priority or tag < last.tag else None
+                return (last if last.future.done() or cls > priority or tag < last.tag
+                        else None)
         return None
 
     async def take(self, tenant: str, priority: int = DEFAULT_PRIORITY,
