@@ -26,6 +26,12 @@ overtake the queue. The best waiter is chosen by, in order:
    holds, however many distinct tenants pass through.
 3. Arrival order.
 
+A full queue refuses the call it would serve last: a newcomer of a better class, or of a
+tenant within its fair share, takes the place of the queued call of the worst class with the
+largest tag, which is answered ``queue_full`` at once (:meth:`ConcurrencyLimiter._displaced`);
+otherwise the newcomer is refused. So a tenant or class that fills the queue cannot keep
+better work out of it.
+
 Deadlines: a call whose caller sent its own timeout is refused ``deadline_unreachable`` at once
 when the estimated wait plus the call's own time already exceeds it, and otherwise waits at
 most its timeout less that time; one still queued when that passes is dropped (event
@@ -49,7 +55,8 @@ fall below it; a new ``max_wait`` applies to requests queued after the reload.
 Rejections carry an honest ``retry_after`` estimated with Little's law: a queue of ``n`` ahead
 drains in about ``n * S / limit`` seconds (spread up to +50% at random, so callers refused
 together do not retry together), where ``S`` is the route's mean service time (an
-exponentially weighted average of observed upstream durations, seeded by the first one).
+exponentially weighted average of observed upstream durations, seeded by the first one),
+and at most ``max_wait + S / limit``: by then every call queued now has left the queue.
 
 This limiter counts one process's calls (``state.backend: memory``). With ``state.backend:
 redis`` a route uses :class:`policies.shared_concurrency.SharedConcurrencyLimiter`, which keeps
@@ -135,14 +142,17 @@ class _Class:
     order (the heads of those are the candidates for aging). Entries of waiters no longer
     WAITING are skipped lazily."""
 
-    __slots__ = ("flows", "heap")
+    __slots__ = ("flows", "heap", "tail")
 
     def __init__(self) -> None:
         self.heap: list[tuple[float, int, _Waiter]] = []
+        #: The same entries the other way round: the waiter served last first.
+        self.tail: list[tuple[float, int, _Waiter]] = []
         self.flows: dict[str, deque[_Waiter]] = {}
 
     def add(self, waiter: _Waiter) -> None:
         heapq.heappush(self.heap, (waiter.tag, waiter.order, waiter))
+        heapq.heappush(self.tail, (-waiter.tag, -waiter.order, waiter))
         flow = self.flows.get(waiter.tenant)
         if flow is None:
             flow = self.flows[waiter.tenant] = deque()
@@ -167,9 +177,18 @@ class _Class:
             else:
                 del self.flows[tenant]
 
+    def last(self) -> _Waiter | None:
+        """The waiting waiter with the largest tag (the latest of its tenant's), if any."""
+        tail = self.tail
+        while tail and tail[0][2].state != WAITING:
+            heapq.heappop(tail)
+        return tail[0][2] if tail else None
+
     def compact(self) -> None:
         self.heap = [entry for entry in self.heap if entry[2].state == WAITING]
         heapq.heapify(self.heap)
+        self.tail = [entry for entry in self.tail if entry[2].state == WAITING]
+        heapq.heapify(self.tail)
         flows = {}
         for tenant, flow in self.flows.items():
             alive = deque(w for w in flow if w.state == WAITING)
@@ -230,6 +249,8 @@ class ConcurrencyLimiter:
         #: True once a completion has updated the means (before, they are a guess).
         self.observed = False
         self._classes: dict[int, _Class] = {}
+        #: Waiters ended since the classes were last compacted (:meth:`_drop`).
+        self._ended = 0
         self._order = itertools.count()
         self._by_tenant: dict[str, int] = {}
         #: Fair queueing, per class: each tenant's virtual time in it (tenants with calls in
@@ -271,8 +292,9 @@ class ConcurrencyLimiter:
         Raises:
             Rejected: ``tenant_concurrency`` (429) when ``tenant`` is at ``per_tenant``;
                 ``deadline_unreachable`` when the caller's timeout leaves no time to queue,
-                ``queue_full`` when the queue is full, both at once; ``queue_timeout`` when
-                no slot freed within the wait. Nothing is held.
+                ``queue_full`` when the queue is full of calls that rank before this one,
+                both at once, or once queued when a newcomer that ranks before it took its
+                place; ``queue_timeout`` when no slot freed within the wait. Nothing is held.
             asyncio.CancelledError: the caller went away; nothing is held.
         """
         held = self._by_tenant.get(tenant, 0)
@@ -304,9 +326,15 @@ class ConcurrencyLimiter:
         max_wait = self.wait_budget(caller_timeout, reads)
         expected = (self.queued + 1) * self.mean_service_s / self.limit
         call_s = self.own_time(reads)
-        # Nobody may wait (no queue left, or ``max_wait: 0s``): the queue's refusal, whatever
-        # the caller's timeout, which is not what stands in its way.
-        if self.queue_full or self.max_wait <= 0:
+        # The call's tag: where ``_charge`` starts it, its tenant's time, never the class's past.
+        tag = max(self._vtime.get((priority, tenant), 0.0), self.vnow.get(priority, 0.0))
+        # A full queue takes this call in place of the one it would serve last, if this one
+        # ranks before it (``_displaced``); else nobody may wait (no queue left, or
+        # ``max_wait: 0s``): the queue's refusal, whatever the caller's timeout, which is not
+        # what stands in its way.
+        displaced = None
+        if self.max_wait <= 0 or (self.queue_full and (
+                displaced := self._displaced(priority, tag)) is None):
             raise Rejected(
                 Reason.QUEUE_FULL,
                 self._drain_estimate(self.queued + 1),
@@ -330,9 +358,18 @@ class ConcurrencyLimiter:
                 + (f"the upstream takes {call_s:.3g}s on average to start answering" if reads
                    else f"calls take {call_s:.3g}s on average"),
             )
+        if displaced is not None and displaced.future.done():
+            self._drop(displaced, GONE)
+        elif displaced is not None:
+            self._drop(displaced, EXPIRED)
+            displaced.future.set_exception(Rejected(
+                Reason.QUEUE_FULL,
+                self._drain_estimate(self.queued + 1),
+                f"{self.limit} slots busy and {self.queue_capacity} queued; this call's place "
+                "went to one of a better class or of a tenant within its fair share",
+                ("concurrency", self.limit, 0),
+            ))
         loop = asyncio.get_running_loop()
-        # The call's tag: where ``_charge`` starts it, its tenant's time, never the class's past.
-        tag = max(self._vtime.get((priority, tenant), 0.0), self.vnow.get(priority, 0.0))
         charged = self._charge(tenant, priority, cost)
         waiter = _Waiter(loop.create_future(), tenant, priority, tag, next(self._order),
                          loop.time())
@@ -356,6 +393,24 @@ class ConcurrencyLimiter:
             self._abandon(waiter)
             raise
         return charged, granted
+
+    def _displaced(self, priority: int, tag: float) -> _Waiter | None:
+        """The queued call a newcomer of class ``priority`` tagged ``tag`` takes the place of
+        in a full queue: the one it would serve last (of the worst class waiting, the largest
+        tag, i.e. the latest call of the tenant furthest past its share), when the newcomer
+        ranks before it; else ``None``. A tenant's newcomer never displaces its own calls of
+        its class (its tag is past theirs), so a tenant flooding the queue is refused at the
+        door, not churned inside; tenants within their share and better classes get in.
+        A waiter whose caller left but has not run yet is returned whatever its rank: its
+        place is free, and nobody need be refused for it. O(log queued), amortized."""
+        for cls in sorted(self._classes, reverse=True):
+            if cls < priority:
+                return None
+            last = self._classes[cls].last()
+            if last is not None:
+                return (last if last.future.done() or cls > priority or tag < last.tag
+                        else None)
+        return None
 
     async def take(self, tenant: str, priority: int = DEFAULT_PRIORITY,
                    caller_timeout: float | None = None,
@@ -646,8 +701,13 @@ class ConcurrencyLimiter:
         self.queued -= 1
         if waiter.timer is not None:
             waiter.timer.cancel()
-        if state != GRANTED and sum(len(q.heap) for q in self._classes.values()) > (
-                2 * self.queued + 64):
+        # Every end leaves an entry behind in the heaps and flows until it is popped lazily,
+        # which a hand-over does only at their heads (and ``heads`` without aging never does
+        # for the flows: there, before, every call that ever queued was kept). Rebuilt once
+        # as many have ended as wait, plus some: amortized O(1) per end, O(queued) memory.
+        self._ended += 1
+        if self._ended > self.queued + 64:
+            self._ended = 0
             for queue in self._classes.values():
                 queue.compact()
 
@@ -672,5 +732,11 @@ class ConcurrencyLimiter:
     def _drain_estimate(self, ahead: int) -> float:
         """Seconds until ``ahead`` queued requests have been served (Little's law), spread at
         random up to +50% so that callers refused together do not all return at the same
-        instant and collide again (Envoy jitters its rate-limited back-off to [d, 1.5d])."""
-        return ahead * self.mean_service_s / self.limit * random.uniform(1.0, JITTER_MAX)
+        instant and collide again (Envoy jitters its rate-limited back-off to [d, 1.5d]).
+
+        At most ``max_wait`` plus one slot's turn: by then every call queued now has left
+        the queue, served or expired, however many there were. Uncapped, a queue of 550 on
+        2 slots (a reload had lowered the limit) told callers to come back in 400 s, with
+        ``x-should-retry: false``, though it was empty 20 s later."""
+        turn = self.mean_service_s / self.limit
+        return min(ahead * turn, self.max_wait + turn) * random.uniform(1.0, JITTER_MAX)

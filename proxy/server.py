@@ -223,7 +223,11 @@ async def serve(config: Config, config_path: str | None = None,
         await proxy_runner.setup()
         await admin_runner.setup()
         host, port = _split(config.server.listen)
-        await web.TCPSite(proxy_runner, host, port, reuse_address=True).start()
+        # The kernel's accept queue holds a burst of connections until the loop accepts them;
+        # aiohttp's default of 128 dropped the rest of a burst, whose callers then waited for
+        # their SYN to be sent again (1 s, 3 s, 7 s...) before Sluice could answer them.
+        await web.TCPSite(proxy_runner, host, port, reuse_address=True,
+                          backlog=config.server.max_connections).start()
         admin_host, admin_port = _split(config.server.admin_listen)
         await web.TCPSite(admin_runner, admin_host, admin_port, reuse_address=True).start()
         log.info(

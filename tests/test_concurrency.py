@@ -218,3 +218,46 @@ async def test_an_sdk_stream_queues_behind_streams_longer_than_its_timeout(upstr
         await client.close()
     assert await sluice.metric("sluice_rejections_total", route="openai",
                                reason="deadline_unreachable") == 0
+
+
+async def test_a_full_queue_makes_room_for_a_better_class_and_a_quiet_tenant(upstream,
+                                                                            start_sluice):
+    # A noisy tenant's best-effort calls fill the queue: before, a critical call and a quiet
+    # tenant's first call were refused queue_full while those waited (measured with 1,500
+    # callers, 90% from one tenant, on a full queue of 256: the quiet tenants had 15% of
+    # their calls served, as the noisy one did). A bounded priority queue refuses the call it
+    # would serve last.
+    sluice = await start_sluice({"routes": [
+        openai_route(upstream, limit=1, queue=3, max_wait="60s")]})
+    upstream.hold = asyncio.Event()
+    noisy = {"X-Tenant-ID": "noisy", "X-Priority": "best-effort"}
+    async with aiohttp.ClientSession() as session:
+        calls = {"slot": asyncio.create_task(
+            chat(session, sluice.url, **noisy, **{"X-Tag": "slot"}))}
+        await wait_until(lambda: upstream.inflight == 1, what="the slot taken")
+        for depth in range(1, 4):
+            calls[f"be-{depth}"] = asyncio.create_task(
+                chat(session, sluice.url, **noisy, **{"X-Tag": f"be-{depth}"}))
+            await sluice.wait_metric("sluice_queue_depth", depth, route="openai")
+        # The noisy tenant's next call is refused at the door: it would be served last.
+        status, headers, _, _ = await chat(session, sluice.url, **noisy)
+        assert (status, headers["X-Sluice-Reason"]) == (503, "queue_full")
+        # A critical call takes the place of the noisy tenant's latest, answered at once.
+        calls["crit"] = asyncio.create_task(chat(session, sluice.url, **{
+            "X-Tenant-ID": "noisy", "X-Priority": "critical", "X-Tag": "crit"}))
+        status, headers, body, _ = await calls.pop("be-3")
+        assert (status, headers["X-Sluice-Reason"]) == (503, "queue_full")
+        assert int(headers["Retry-After"]) >= 1 and headers["x-should-retry"] == "true"
+        assert "better class" in body["error"]["message"]
+        # So does a quiet tenant's call of the same class: it is within its fair share.
+        calls["quiet"] = asyncio.create_task(chat(session, sluice.url, **{
+            "X-Tenant-ID": "quiet", "X-Priority": "best-effort", "X-Tag": "quiet"}))
+        status, headers, _, _ = await calls.pop("be-2")
+        assert (status, headers["X-Sluice-Reason"]) == (503, "queue_full")
+        assert await sluice.metric("sluice_queue_depth", route="openai") == 3
+        upstream.hold.set()
+        assert [r[0] for r in await asyncio.gather(*calls.values())] == [200] * 4
+    assert [r.headers["X-Tag"] for r in upstream.requests] == ["slot", "crit", "quiet", "be-1"]
+    await sluice.wait_metric("sluice_queue_depth", 0, route="openai")
+    assert await sluice.metric("sluice_rejections_total", route="openai",
+                               reason="queue_full") == 3

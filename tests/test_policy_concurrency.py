@@ -200,6 +200,21 @@ async def test_many_departures_do_not_grow_the_queue_without_bound():
     assert (limiter.inflight, limiter.queued) == (0, 0)
 
 
+async def test_calls_served_from_the_queue_leave_nothing_behind_without_aging():
+    # A hand-over pops the tag heap's head only, and without aging never looks at the tenants'
+    # flows: every call that had queued stayed in them (20,000 calls, 20,000 waiters kept, on
+    # a route with ``aging: null`` and in every run's fanout.width limiter).
+    limiter = ConcurrencyLimiter(1, 10, 30.0, None, aging=None)
+    await limiter.acquire("t")
+    for _ in range(2000):
+        waiting = asyncio.create_task(limiter.acquire("t"))
+        await asyncio.sleep(0)
+        limiter.release("t", 0.01)
+        await waiting
+    [queue] = limiter._classes.values()
+    assert len(queue.heap) + sum(len(flow) for flow in queue.flows.values()) <= 2 * 64 + 2
+
+
 async def test_the_callers_timeout_less_the_service_time_bounds_the_wait():
     limiter = limiter_with(per_tenant=2)
     # Before any completion the service time is a guess: only the caller's timeout counts.
@@ -248,3 +263,50 @@ async def test_a_tenant_left_behind_by_the_class_time_starts_its_next_calls_ther
     await queued(limiter, "slow", cost=1.0)
     await queued(limiter, "slow", cost=1.0)
     assert [w.tag for w in limiter.waiters()] == [3.0, 4.0]
+
+
+async def test_a_full_queue_refuses_the_call_it_would_serve_last():
+    limiter = limiter_with(queue=2)
+    await limiter.acquire("noisy", 2)
+    first, last = await queued(limiter, "noisy", 2), await queued(limiter, "noisy", 2)
+    # The noisy tenant's own next call of the class ranks after its queued ones: refused.
+    with pytest.raises(Rejected) as full:
+        await limiter.acquire("noisy", 2)
+    assert full.value.reason is Reason.QUEUE_FULL and limiter._by_tenant == {"noisy": 3}
+    # Another tenant's, within its share, takes the place of the noisy tenant's latest.
+    quiet = asyncio.create_task(limiter.acquire("quiet", 2))
+    with pytest.raises(Rejected) as displaced:
+        await last
+    assert displaced.value.reason is Reason.QUEUE_FULL and displaced.value.retry_after > 0
+    assert limiter._by_tenant == {"noisy": 2, "quiet": 1} and limiter.queued == 2
+    # A waiter whose caller left (not yet run) leaves a place: nobody is refused for it.
+    critical = asyncio.create_task(limiter.acquire("noisy", 0))
+    first.cancel()
+    await asyncio.sleep(0)
+    assert first.cancelled() and not quiet.done() and not critical.done()
+    assert limiter.queued == 2 and limiter._by_tenant == {"noisy": 2, "quiet": 1}
+    limiter.release("noisy", None)
+    await critical
+    limiter.release("noisy", None)
+    await quiet
+    limiter.release("quiet", None)
+    assert (limiter.inflight, limiter.queued, limiter._by_tenant) == (0, 0, {})
+
+
+async def test_retry_after_is_at_most_max_wait_and_one_turn_however_long_the_queue():
+    # Every call queued now has left the queue within max_wait, served or expired: a queue of
+    # 50 on one 1 s slot told its refused callers to come back in 51-76 s (x-should-retry:
+    # false past 60 s) though it would be empty in 2.
+    limiter = limiter_with(queue=50, max_wait=2.0)
+    await limiter.acquire("t")
+    limiter.release("t", 1.0)
+    await limiter.acquire("t")
+    waiting = [asyncio.create_task(limiter.acquire("t")) for _ in range(50)]
+    await asyncio.sleep(0)
+    with pytest.raises(Rejected) as full:
+        await limiter.acquire("t")
+    assert full.value.reason is Reason.QUEUE_FULL
+    assert 3.0 <= full.value.retry_after <= 3.0 * JITTER_MAX
+    for task in waiting:
+        task.cancel()
+    await asyncio.gather(*waiting, return_exceptions=True)

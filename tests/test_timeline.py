@@ -55,8 +55,11 @@ async def test_queued_rejected_and_retried_requests_are_rebuilt(upstream, start_
         refused = {**run, "X-Request-ID": "req-refused"}
         async with session.post(url, json=CHAT, headers=refused) as r:
             assert r.status == 503 and r.headers["X-Sluice-Reason"] == "queue_full"
-        async with session.post(url, json=CHAT, headers={"X-Run-ID": "other-run"}) as r:
-            assert r.status == 503  # another run's event, which must not show
+        # Another run's event, which must not show (the same tenant's: another tenant's call,
+        # within its fair share, would take req-queued's place in the full queue).
+        async with session.post(url, json=CHAT, headers={"X-Run-ID": "other-run",
+                                                         "X-Tenant-ID": "acme"}) as r:
+            assert r.status == 503
         upstream.hold.set()
         for response in await asyncio.gather(first, queued):
             assert response.status == 200
