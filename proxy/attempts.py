@@ -13,7 +13,8 @@ How a call ends here:
   refusal like any admission refusal (nothing reached the upstream, nothing is charged);
 * success, or a failure the route does not retry on: the upstream's answer, relayed;
 * a failure the route retries on (``retry.on``) that is still failing when retries end:
-  dead-lettered (:func:`_dead_letter`), then the upstream's last answer is relayed, or,
+  dead-lettered (:func:`_dead_letter`; not one Sluice could not safely repeat whose caller
+  is an SDK that retries it itself), then the upstream's last answer is relayed, or,
   if it never answered, Sluice writes 502 ``upstream_unreachable``, 504 ``upstream_timeout``,
   or 503 ``deadline_unreachable`` when the deadline left no time to try again.
 
@@ -53,6 +54,7 @@ from policies.operations import Plan
 from policies.pipeline import Call
 from policies.reasons import Reason, Rejected
 from policies.retry import (
+    CLIENT_RETRY_HEADER,
     IDEMPOTENCY_HEADER,
     RetryPolicy,
     retry_is_safe,
@@ -182,10 +184,15 @@ async def forward(request: web.BaseRequest, rt: Runtime, route: Route, call: Cal
         if tries.stop:
             # Retried as far as it went: the SDK must not add its own. Not repeated as unsafe:
             # the caller's own rules stand (module docstring).
-            extra = {} if tries.stop == "unsafe_to_retry" else dict(_NO_RETRY)
-            letter_id = await _dead_letter(rt, route, call, headers, tries)
-            if letter_id is not None:
-                extra["X-Sluice-Dead-Letter"] = str(letter_id)
+            unsafe = tries.stop == "unsafe_to_retry"
+            extra = {} if unsafe else dict(_NO_RETRY)
+            # Not a dead letter when the caller's SDK retries it itself (the Stainless SDKs
+            # send their attempt count): the record would outlive a retry that succeeded,
+            # and its replay would do the work once more (a new user's trial).
+            if not (unsafe and CLIENT_RETRY_HEADER in call.headers):
+                letter_id = await _dead_letter(rt, route, call, headers, tries)
+                if letter_id is not None:
+                    extra["X-Sluice-Dead-Letter"] = str(letter_id)
             if tries.response is None and tries.stop == "deadline":
                 tries.error = Rejected(Reason.DEADLINE_UNREACHABLE, None,
                                        f"{len(tries.log)} attempt(s); the last: {tries.kind}")

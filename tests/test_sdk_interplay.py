@@ -323,9 +323,11 @@ async def test_one_layer_retries_a_failure_sluice_or_the_sdk_never_both(upstream
         with pytest.raises(error):
             await call_openai(client)
         await client.close()
-        # The SDK's three attempts, each forwarded once: as it would go without Sluice.
+        # The SDK's three attempts, each forwarded once: as it would go without Sluice. None
+        # is a dead letter: a replay of one could redo work the SDK's retry then did.
         assert (len(wire.sent), len(upstream.requests)) == (3, 3), status
-        assert "x-should-retry" not in wire.received[-1][1].headers
+        assert not any("x-should-retry" in r.headers or "x-sluice-dead-letter" in r.headers
+                       for _, r in wire.received)
     upstream.requests.clear()
     upstream.status = 503
     wire = Wire()
@@ -343,3 +345,10 @@ async def test_one_layer_retries_a_failure_sluice_or_the_sdk_never_both(upstream
     await client.close()
     assert (len(wire.sent), len(upstream.requests)) == (1, 3)
     assert wire.received[-1][1].headers["x-should-retry"] == "false"
+    assert wire.received[-1][1].headers["x-sluice-dead-letter"] == "1"
+    # A caller that is no such SDK gets its unsafe failure dead-lettered, as before.
+    async with aiohttp.ClientSession() as session, session.post(
+            sluice.url + "/openai/v1/chat/completions",
+            json={"model": "gpt-test", "messages": MESSAGES}) as r:
+        assert r.status == 503 and r.headers["X-Sluice-Dead-Letter"] == "2"
+    assert await sluice.metric("sluice_dead_letters_total", route="openai") == 2
