@@ -94,6 +94,9 @@ def run(config: Config | None, args: argparse.Namespace, out: IO[str] | None = N
         return EXIT_FAILED
     if status != 200:
         print(f"sluice: {status}: {body.get('error', body)}", file=sys.stderr)
+        if status in (401, 403) and args.runs_command == "cancel":
+            print("sluice: the token sent is admin.token_file's (from --config), else the "
+                  "SLUICE_ADMIN_TOKEN environment variable's", file=sys.stderr)
         return EXIT_FAILED
     if args.runs_command == "list":
         out.write(_list(body["runs"]))

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import hashlib
 import json
+import os
 import subprocess
 import sys
 import time
@@ -327,6 +328,12 @@ async def test_cancel_needs_the_token_and_reads_stay_open(upstream, start_sluice
                          sluice.admin_url], cwd=tmp_path, capture_output=True, text=True,
         timeout=60)
     assert listed_cli.returncode == 0 and "r-kid" in listed_cli.stdout, listed_cli.stderr
+    # Without the config, no token is sent: the refusal says where the CLI takes one from.
+    refused = await asyncio.to_thread(
+        subprocess.run, [sys.executable, "-m", "proxy", "runs", "cancel", "r", "--admin",
+                         sluice.admin_url], cwd=tmp_path, capture_output=True, text=True,
+        timeout=60, env={k: v for k, v in os.environ.items() if k != "SLUICE_ADMIN_TOKEN"})
+    assert refused.returncode == 1 and "SLUICE_ADMIN_TOKEN" in refused.stderr, refused.stderr
     # A name no caller could send as X-Run-ID is refused, not made a phantom run.
     async with aiohttp.ClientSession() as s:
         for bad in ("%C3%A9quipe%20x", "r" * 200):
