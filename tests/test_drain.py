@@ -120,9 +120,12 @@ async def test_a_call_still_queued_at_the_drain_timeout_is_logged_as_cut(upstrea
                                       concurrency={"limit": 1, "queue": 1, "max_wait": "60s"})
     upstream.hold = asyncio.Event()  # never set: neither call ends before the cut
     async with aiohttp.ClientSession() as session:
-        calls = [asyncio.create_task(status_of(session, url, CHAT, {"X-Request-ID": name}))
-                 for name in ("held", "queued")]
+        # One after the other: sent together, "queued" could take the slot first (a loaded
+        # run failed so).
+        calls = [asyncio.create_task(status_of(session, url, CHAT, {"X-Request-ID": "held"}))]
         await wait_until(lambda: upstream.inflight == 1, what="one call at the upstream")
+        calls.append(asyncio.create_task(status_of(session, url, CHAT,
+                                                   {"X-Request-ID": "queued"})))
         await sluice.wait_metric("sluice_queue_depth", 1, route="openai")
         sluice.signal(signal.SIGTERM)
         for outcome in await asyncio.gather(*calls, return_exceptions=True):
