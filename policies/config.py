@@ -840,6 +840,11 @@ class RouteConfig(_Section):
     #: Every call on this route may be repeated safely (e.g. a read-only tool server):
     #: ``retry`` repeats POSTs as it repeats GETs.
     idempotent: bool = False
+    #: Request header fields taken out of what goes upstream (Envoy's route option of the
+    #: same name), e.g. the identity headers a third-party provider need not see. Sluice has
+    #: read them by then; a field Sluice sets itself (its ``Idempotency-Key``, the deadline
+    #: header) is set after.
+    request_headers_to_remove: list[HeaderName] = []
     #: Per-operation policy blocks (``policies/operations.py``), with ``default`` for the
     #: operations not named: by tool name on ``mcp`` routes, by ``"METHOD /path"`` pattern on
     #: ``http`` routes (the first in file order that matches), by model on ``openai`` and

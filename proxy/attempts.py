@@ -142,7 +142,7 @@ async def forward(request: web.BaseRequest, rt: Runtime, route: Route, call: Cal
         asyncio.CancelledError: the caller disconnected; the attempt in flight is closed and
             the breaker hears nothing of it.
     """
-    headers = fwd.upstream_headers(request)
+    headers = fwd.upstream_headers(request, route.request_drop)
     if route.own_credentials:
         # The route's credentials are the upstream's: a caller's own Authorization (the
         # SDKs always send one) made aiohttp refuse every call, counted as an attempt.

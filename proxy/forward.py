@@ -246,9 +246,18 @@ def _copy_headers(headers: CIMultiDictProxy[str], drop: frozenset[str]) -> CIMul
     return out
 
 
-def upstream_headers(request: web.BaseRequest) -> CIMultiDict[str]:
-    """The caller's headers as they go upstream (see the module docstring)."""
-    headers = _copy_headers(request.headers, _REQUEST_DROP)
+def request_drop(removed: list[str]) -> frozenset[str]:
+    """The request fields that never go upstream (hop-by-hop ones, ``Host``,
+    ``Content-Length``, ``Expect``) and a route's ``request_headers_to_remove``, lower case:
+    the ``drop`` of :func:`upstream_headers`."""
+    return _REQUEST_DROP | {name.lower() for name in removed}
+
+
+def upstream_headers(request: web.BaseRequest, drop: frozenset[str] = _REQUEST_DROP
+                     ) -> CIMultiDict[str]:
+    """The caller's headers as they go upstream (see the module docstring), less ``drop``
+    (:func:`request_drop`)."""
+    headers = _copy_headers(request.headers, drop)
     peer = request.remote
     if peer:
         prior = headers.get(hdrs.X_FORWARDED_FOR)

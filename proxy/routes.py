@@ -38,6 +38,7 @@ from policies.runs import FanoutWidth, RunLimits, RunRegistry, RunTracker
 from policies.state import StateBackends, memory_backends
 from proxy.client import client_timeout
 from proxy.events import EventLog
+from proxy.forward import request_drop
 from proxy.metrics import BudgetGauges, Metrics, RouteMetrics
 
 
@@ -99,6 +100,7 @@ class Route:
         "present",
         "protocol",
         "rate",
+        "request_drop",
         "retired",
         "retry",
         "run_limits",
@@ -124,6 +126,7 @@ class Route:
         #: The upstream URL carries user info: aiohttp sends it as HTTP Basic credentials,
         #: and refuses a request that also has an Authorization header.
         self.own_credentials = "@" in urllib.parse.urlsplit(config.upstream).netloc
+        self.request_drop = request_drop(config.request_headers_to_remove)
         #: The request path from this index on is what goes upstream (the prefix less its
         #: last slash).
         self.cut = len(self.prefix) - 1

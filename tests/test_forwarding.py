@@ -100,6 +100,26 @@ async def test_fields_named_in_connection_are_each_requests_own(upstream, start_
     assert "X-B" not in second.headers
 
 
+async def test_request_headers_to_remove_stay_with_sluice(upstream, start_sluice):
+    """A new user's trial: X-Tenant-ID and X-Run-ID went on to the provider. A route's
+    request_headers_to_remove keeps them (any case) from it; Sluice still reads them, and its
+    own Idempotency-Key is set after, even when listed."""
+    sluice = await start_sluice({"routes": [route(
+        "svc", upstream.url, "http", idempotency={"mode": "forward"},
+        request_headers_to_remove=["X-Tenant-ID", "x-run-id", "Idempotency-Key"])]})
+    async with aiohttp.ClientSession() as session, session.post(
+            sluice.url + "/svc/x", json={}, headers={"x-tenant-id": "acme", "X-Run-ID": "r1",
+                                                     "X-Step-ID": "s1"}) as r:
+        assert r.status == 200
+    [seen] = upstream.requests
+    assert "X-Tenant-ID" not in seen.headers and "X-Run-ID" not in seen.headers
+    assert seen.headers["X-Step-ID"] == "s1" and seen.headers["Idempotency-Key"]
+    await wait_until(lambda: any(e["event"] == "completed" for e in sluice.events()),
+                     what="the completed event")
+    [done] = [e for e in sluice.events() if e["event"] == "completed"]
+    assert (done["tenant"], done["run"]) == ("acme", "r1")
+
+
 async def test_x_forwarded_for_set_when_absent(upstream, start_sluice):
     sluice = await start_sluice({"routes": [route("svc", upstream.url, "http")]})
     async with aiohttp.ClientSession() as session, session.get(sluice.url + "/svc/x") as r:
