@@ -652,7 +652,11 @@ class EdgeProtocol(RequestHandler):
         it still sends is read and dropped for up to ``LINGER_S`` (nginx's lingering close)."""
         self._edge.refused(Reason.HEADERS_TOO_LARGE)
         transport = self.transport
-        if self._request_in_progress or self._messages or transport is None:
+        # Served or queued, or taken off the queue with its handler not started yet (Python
+        # 3.11 starts it a loop turn later; only then is _request_in_progress set): aiohttp
+        # waits for the next request only with _waiter set (its first excepted).
+        if (self._request_in_progress or self._messages or transport is None
+                or (self._request_count and self._waiter is None)):
             self.force_close()
             return
         self._disarm()

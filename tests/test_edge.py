@@ -15,7 +15,10 @@ import openai
 from aiohttp import web
 
 from policies.usage import JSON_LIMIT_BYTES
-from proxy.edge import ADMIN_MAX_CONNECTIONS
+from proxy.config import parse_config
+from proxy.edge import ADMIN_MAX_CONNECTIONS, MAX_HEAD_BYTES
+from proxy.runtime import Runtime
+from proxy.server import build_proxy_server
 from tests.conftest import raw_request, route, wait_until
 from tests.fakeupstream import RawUpstream
 from tests.mcp_servers import mcp_stateless  # noqa: F401  (a fixture)
@@ -420,6 +423,52 @@ async def test_a_head_over_60_kib_is_431_as_it_arrives(upstream, start_sluice):
     [(status, _, _)] = parse(await send_head_in_pieces(sluice.port, fits))
     assert status == 200
     assert len(upstream.requests) == 1
+
+
+async def test_a_big_head_behind_a_request_not_started_yet_does_not_answer_first(upstream):
+    """A head over 60 KiB right behind a request aiohttp had taken off its queue but whose
+    handler had not started yet (Python 3.11 starts it a loop turn later) was answered 431
+    at once, with the write side shut: the caller read the 431 as the answer to its first
+    request, whose own answer then had no connection to go to. It is a pipelined head:
+    the connection is closed, nothing answered out of turn."""
+    runtime = Runtime(parse_config(
+        "routes:\n"
+        f"  - {{name: svc, path_prefix: /svc/, upstream: '{upstream.url}', protocol: openai}}\n"))
+    await runtime.open()
+    runner = web.ServerRunner(build_proxy_server(runtime))
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        server = runner.server
+        assert server is not None
+        await wait_until(lambda: len(server.connections) == 1, what="the connection")
+        [protocol] = server.connections
+        await wait_until(lambda: protocol._waiter is not None, what="aiohttp to wait")
+        # Fed as the transport would, two reads one loop turn apart: the first request whole,
+        # then (aiohttp has taken it off its queue, its handler not started) a big head.
+        protocol.data_received(b"GET /svc/v1/models HTTP/1.1\r\n" + LOOPBACK + b"\r\n")
+        await asyncio.sleep(0)
+        assert not protocol._messages and not protocol._request_in_progress
+        pad = b"".join(b"X-Pad-%02d: %s\r\n" % (i, b"a" * 4000) for i in range(16))
+        assert len(pad) > MAX_HEAD_BYTES  # each line valid: only the head's size is refused
+        protocol.data_received(b"GET /svc/v1/models HTTP/1.1\r\n" + LOOPBACK + pad)
+        received = await closed_within(reader, 10)
+        assert not received.startswith(b"HTTP/1.1 431"), received[:80]
+        writer.close()
+        # Once the first answer is out and aiohttp waits for the next head, it is refused.
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /svc/v1/models HTTP/1.1\r\n" + LOOPBACK + b"\r\n")
+        assert (await read_answer(reader))[0] == 200
+        writer.write(b"GET /svc/v1/models HTTP/1.1\r\n" + LOOPBACK + pad)
+        [(status, _, _)] = parse(await closed_within(reader, 10))
+        assert status == 431
+    finally:
+        writer.close()
+        await runner.cleanup()
+        await runtime.close()
 
 
 # -- slow and idle clients --------------------------------------------------------------------
