@@ -974,3 +974,35 @@ async def test_a_real_mcp_servers_dns_rebinding_refusals_hold_behind_sluice(
     assert sorted(d["to"] for d in mcp_stateless.sent()) == sorted(allowed * 2)
     assert await sluice.metric("sluice_rejections_total", route="tools",
                                reason="forbidden_origin") == 2
+
+
+async def test_a_body_cut_with_408_is_no_caller_that_left(upstream, start_sluice):
+    """The 408 of a stalled body is the edge's refusal (``request_timeout``): the handler,
+    whose read of the body the cut ended, counted it as well, as a caller that left mid-body
+    (``client_disconnected``, its ``completed`` event saying status 0), though the caller
+    stayed and was sent the 408."""
+    sluice = await start_sluice({"server": {"body_timeout": "1s"},
+                                 "routes": [route("svc", upstream.url, "openai")]})
+    reader, writer = await asyncio.open_connection("127.0.0.1", sluice.port)
+    writer.write(b"POST /svc/v1/chat/completions HTTP/1.1\r\n" + LOOPBACK
+                 + b"Content-Length: 1000\r\n\r\n{\"model\": ")
+    try:
+        got = await closed_within(reader, 5)
+    finally:
+        writer.close()
+    assert got.startswith(b"HTTP/1.1 408")
+    assert await sluice.metric("sluice_edge_rejections_total", reason="request_timeout") == 1
+    # A caller that does leave mid-body is counted (tests/test_slot_leaks.py): wait for that
+    # count and event: those of the 408, had they come, came first.
+    _, writer = await asyncio.open_connection("127.0.0.1", sluice.port)
+    writer.write(b"POST /svc/v1/chat/completions HTTP/1.1\r\n" + LOOPBACK
+                 + b"Content-Length: 1000\r\n\r\n{\"model\": ")
+    await writer.drain()
+    await sluice.wait_metric("sluice_buffered_request_bytes", 1000)
+    writer.close()
+    await sluice.wait_metric("sluice_requests_total", 1, route="svc",
+                             outcome="client_disconnected")
+    await wait_until(lambda: any(e["event"] == "completed" for e in sluice.events()),
+                     what="the completed event")
+    assert len([e for e in sluice.events() if e["event"] == "completed"]) == 1
+    assert upstream.requests == []
