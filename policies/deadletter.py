@@ -240,10 +240,11 @@ class DeadLetter:
 class DeadLetterFile:
     """Blocking access to the SQLite file: for the server's writer thread and the CLI.
 
-    A letter is written to the file at ``path`` even when the one open was deleted or moved
-    away meanwhile (``rm sluice-dlq.sqlite*`` to empty it): the connection is then closed and
-    the file opened, or created, again. Before, every later letter went into the deleted
-    file, named in its answer's ``X-Sluice-Dead-Letter`` and found by no ``sluice dlq``.
+    A letter is written to (and the depth read from) the file at ``path`` even when the one
+    open was deleted or moved away meanwhile (``rm sluice-dlq.sqlite*`` to empty it): the
+    connection is then closed and the file opened, or created, again. Before, every later
+    letter went into the deleted file, named in its answer's ``X-Sluice-Dead-Letter`` and
+    found by no ``sluice dlq``.
 
     Raises:
         sqlite3.Error: the file cannot be opened or created, or is no SQLite database.
@@ -311,7 +312,8 @@ class DeadLetterFile:
         return dropped
 
     def depth(self) -> dict[str, int]:
-        """Records per route."""
+        """Records per route (in the file at ``path``, as :meth:`add` writes to)."""
+        self._follow()
         rows = self._db.execute("SELECT route, COUNT(*) FROM dead_letters GROUP BY route")
         return {route: count for route, count in rows}
 

@@ -182,14 +182,11 @@ async def forward(request: web.BaseRequest, rt: Runtime, route: Route, call: Cal
                         plan.idempotent, timeout)
         extra: dict[str, str] | None = None
         if tries.stop:
-            # Retried as far as it went: the SDK must not add its own. Not repeated as unsafe:
-            # the caller's own rules stand (module docstring).
-            unsafe = tries.stop == "unsafe_to_retry"
-            extra = {} if unsafe else dict(_NO_RETRY)
+            extra = dict(_NO_RETRY) if _retried(tries) else {}
             # Not a dead letter when the caller's SDK retries it itself (the Stainless SDKs
             # send their attempt count): the record would outlive a retry that succeeded,
             # and its replay would do the work once more (a new user's trial).
-            if not (unsafe and CLIENT_RETRY_HEADER in call.headers):
+            if not (tries.stop == "unsafe_to_retry" and CLIENT_RETRY_HEADER in call.headers):
                 letter_id = await _dead_letter(rt, route, call, headers, tries)
                 if letter_id is not None:
                     extra["X-Sluice-Dead-Letter"] = str(letter_id)
@@ -218,7 +215,7 @@ async def forward(request: web.BaseRequest, rt: Runtime, route: Route, call: Cal
                 await _verdict(tries, None)
                 call.status = error.reason.status
                 failed = render(error, route.protocol, jsonrpc_id(route.protocol, call.body))
-                if retry is not None:  # a final failure on a route that owns retries
+                if _retried(tries):  # else no layer of Sluice's retried it: the SDK may
                     failed.headers.update(_NO_RETRY)
                 timed_out = error.reason is Reason.UPSTREAM_TIMEOUT
                 return failed, "upstream_timeout" if timed_out else "upstream_error"
@@ -242,6 +239,14 @@ async def forward(request: web.BaseRequest, rt: Runtime, route: Route, call: Cal
                 breaker.release(ticket)
             else:  # after it, as the MCP SDKs do: its verdict stands
                 breaker.record_soon(ticket, brk.FAILURE if found.tool_failure else brk.SUCCESS)
+
+
+def _retried(tries: _Tries) -> bool:
+    """Whether Sluice took the failure on (it retried as far as it went): its answer then
+    says ``x-should-retry: false``, so the SDK adds none of its own. A failure repeated
+    not at all, as unsafe to repeat or as no failure ``retry.on`` names (an answer cut
+    before it was sent), leaves the caller's own rules standing (module docstring)."""
+    return bool(tries.stop) and tries.stop != "unsafe_to_retry"
 
 
 async def _verdict(tries: _Tries, tracker: AnswerTracker | None) -> None:

@@ -116,6 +116,9 @@ MAX_HEAD_BYTES = 60 * 1024
 #: How long a connection refused mid-head reads and drops what its caller still sends before
 #: it closes, seconds (so the refusal is not lost to a reset; nginx's ``lingering_time``).
 LINGER_S = 2.0
+#: Set on a request whose body the edge cut with its 408 (``server.body_timeout``): the
+#: handler whose read that cut ended counts no caller that left (the edge counted a refusal).
+BODY_CUT = web.RequestKey("sluice_body_cut", bool)
 #: Parser errors whose request head is too big rather than malformed.
 _TOO_MANY_HEADERS = "Too many headers"
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
@@ -652,7 +655,11 @@ class EdgeProtocol(RequestHandler):
         it still sends is read and dropped for up to ``LINGER_S`` (nginx's lingering close)."""
         self._edge.refused(Reason.HEADERS_TOO_LARGE)
         transport = self.transport
-        if self._request_in_progress or self._messages or transport is None:
+        # Served or queued, or taken off the queue with its handler not started yet (Python
+        # 3.11 starts it a loop turn later; only then is _request_in_progress set): aiohttp
+        # waits for the next request only with _waiter set (its first excepted).
+        if (self._request_in_progress or self._messages or transport is None
+                or (self._request_count and self._waiter is None)):
             self.force_close()
             return
         self._disarm()
@@ -702,8 +709,10 @@ class EdgeProtocol(RequestHandler):
                 # would be read as the answer to the request ahead (a review).
                 self._arm(now + self._settings.body_timeout)
                 return
-            answer = _BODY_TIMEOUT if current is not None and current.writer.output_size == 0 \
-                else None
+            answer = None
+            if current is not None and current.writer.output_size == 0:
+                answer = _BODY_TIMEOUT
+                current[BODY_CUT] = True
         else:
             return
         if answer is not None:

@@ -79,6 +79,9 @@ log = logging.getLogger("sluice")
 #: Seconds between checks, once a streamed answer's deadline has passed, that its caller is
 #: not behind (:class:`_Deadline`).
 _RECHECK_S = 1.0
+#: The longest the last event of an MCP answer (:func:`end_mcp_answer`) waits for a caller
+#: that is behind, seconds; past it, the answer is cut instead.
+LAST_EVENT_WAIT_S = 1.0
 
 FORBIDDEN_IN_HEADERS = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 _BAD_HEADER = "a response header has control characters"
@@ -127,7 +130,8 @@ async def end_mcp_answer(request: web.BaseRequest, rejected: Rejected) -> bool:
 
     Returns whether it did: not when the answer is no MCP call's SSE stream, has carried its
     response already, stops inside an event (what follows would not arrive whole), or the
-    caller has gone.
+    caller has gone or took none of the event within :data:`LAST_EVENT_WAIT_S` (then its
+    connection is cut).
     """
     out, answer = request.get(RELAYED_STREAM), request.get(MCP_ANSWER)
     if (out is None or answer is None or answer.outcome is not None
@@ -135,9 +139,17 @@ async def end_mcp_answer(request: web.BaseRequest, rejected: Rejected) -> bool:
         return False
     body = rejection_body(rejected, "mcp", answer.request_id)
     try:
-        await out.write(b"event: message\ndata: " + body + b"\n\n")
-        await out.write_eof()
+        async with asyncio.timeout(LAST_EVENT_WAIT_S):
+            await out.write(b"event: message\ndata: " + body + b"\n\n")
+            await out.write_eof()
     except ConnectionResetError:
+        return False
+    except TimeoutError:
+        # A caller that takes no more (it stopped reading) would hold the call, its slot
+        # included, for as long as it kept its connection: cut (aborted, as a close waits
+        # for the unsent bytes to go).
+        if request.transport is not None:
+            request.transport.abort()
         return False
     return True
 

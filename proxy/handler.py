@@ -47,6 +47,7 @@ from policies.pipeline import ABANDONED, DRAIN_CUT, REFUSED, Admission, Call, Ou
 from policies.reasons import Reason, Rejected
 from policies.retry import is_client_retry
 from proxy import attempts
+from proxy.edge import BODY_CUT
 from proxy.forward import (
     RELAYED_STREAM,
     Finish,
@@ -165,6 +166,8 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
                                            f"limit {rt.config.server.max_request_bytes} bytes"),
                        request_id, tenant, run)
     except (asyncio.CancelledError, ConnectionResetError):
+        if request.get(BODY_CUT):  # the edge's 408, counted there as a refusal
+            raise
         # The caller left (or the drain cut it) with its body still coming: nothing is
         # held yet, but the upload is counted and logged as a call that ended so, as one
         # that leaves while queued is (a 499 in nginx's log).

@@ -16,7 +16,10 @@ import openai
 from aiohttp import web
 
 from policies.usage import JSON_LIMIT_BYTES
-from proxy.edge import ADMIN_MAX_CONNECTIONS
+from proxy.config import parse_config
+from proxy.edge import ADMIN_MAX_CONNECTIONS, MAX_HEAD_BYTES
+from proxy.runtime import Runtime
+from proxy.server import build_proxy_server
 from tests.conftest import raw_request, route, wait_until
 from tests.fakeupstream import RawUpstream
 from tests.mcp_servers import mcp_stateless  # noqa: F401  (a fixture)
@@ -421,6 +424,52 @@ async def test_a_head_over_60_kib_is_431_as_it_arrives(upstream, start_sluice):
     [(status, _, _)] = parse(await send_head_in_pieces(sluice.port, fits))
     assert status == 200
     assert len(upstream.requests) == 1
+
+
+async def test_a_big_head_behind_a_request_not_started_yet_does_not_answer_first(upstream):
+    """A head over 60 KiB right behind a request aiohttp had taken off its queue but whose
+    handler had not started yet (Python 3.11 starts it a loop turn later) was answered 431
+    at once, with the write side shut: the caller read the 431 as the answer to its first
+    request, whose own answer then had no connection to go to. It is a pipelined head:
+    the connection is closed, nothing answered out of turn."""
+    runtime = Runtime(parse_config(
+        "routes:\n"
+        f"  - {{name: svc, path_prefix: /svc/, upstream: '{upstream.url}', protocol: openai}}\n"))
+    await runtime.open()
+    runner = web.ServerRunner(build_proxy_server(runtime))
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        server = runner.server
+        assert server is not None
+        await wait_until(lambda: len(server.connections) == 1, what="the connection")
+        [protocol] = server.connections
+        await wait_until(lambda: protocol._waiter is not None, what="aiohttp to wait")
+        # Fed as the transport would, two reads one loop turn apart: the first request whole,
+        # then (aiohttp has taken it off its queue, its handler not started) a big head.
+        protocol.data_received(b"GET /svc/v1/models HTTP/1.1\r\n" + LOOPBACK + b"\r\n")
+        await asyncio.sleep(0)
+        assert not protocol._messages and not protocol._request_in_progress
+        pad = b"".join(b"X-Pad-%02d: %s\r\n" % (i, b"a" * 4000) for i in range(16))
+        assert len(pad) > MAX_HEAD_BYTES  # each line valid: only the head's size is refused
+        protocol.data_received(b"GET /svc/v1/models HTTP/1.1\r\n" + LOOPBACK + pad)
+        received = await closed_within(reader, 10)
+        assert not received.startswith(b"HTTP/1.1 431"), received[:80]
+        writer.close()
+        # Once the first answer is out and aiohttp waits for the next head, it is refused.
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /svc/v1/models HTTP/1.1\r\n" + LOOPBACK + b"\r\n")
+        assert (await read_answer(reader))[0] == 200
+        writer.write(b"GET /svc/v1/models HTTP/1.1\r\n" + LOOPBACK + pad)
+        [(status, _, _)] = parse(await closed_within(reader, 10))
+        assert status == 431
+    finally:
+        writer.close()
+        await runner.cleanup()
+        await runtime.close()
 
 
 # -- slow and idle clients --------------------------------------------------------------------
@@ -956,3 +1005,35 @@ async def test_a_real_mcp_servers_dns_rebinding_refusals_hold_behind_sluice(
     assert sorted(d["to"] for d in mcp_stateless.sent()) == sorted(allowed * 2)
     assert await sluice.metric("sluice_rejections_total", route="tools",
                                reason="forbidden_origin") == 2
+
+
+async def test_a_body_cut_with_408_is_no_caller_that_left(upstream, start_sluice):
+    """The 408 of a stalled body is the edge's refusal (``request_timeout``): the handler,
+    whose read of the body the cut ended, counted it as well, as a caller that left mid-body
+    (``client_disconnected``, its ``completed`` event saying status 0), though the caller
+    stayed and was sent the 408."""
+    sluice = await start_sluice({"server": {"body_timeout": "1s"},
+                                 "routes": [route("svc", upstream.url, "openai")]})
+    reader, writer = await asyncio.open_connection("127.0.0.1", sluice.port)
+    writer.write(b"POST /svc/v1/chat/completions HTTP/1.1\r\n" + LOOPBACK
+                 + b"Content-Length: 1000\r\n\r\n{\"model\": ")
+    try:
+        got = await closed_within(reader, 5)
+    finally:
+        writer.close()
+    assert got.startswith(b"HTTP/1.1 408")
+    assert await sluice.metric("sluice_edge_rejections_total", reason="request_timeout") == 1
+    # A caller that does leave mid-body is counted (tests/test_slot_leaks.py): wait for that
+    # count and event: those of the 408, had they come, came first.
+    _, writer = await asyncio.open_connection("127.0.0.1", sluice.port)
+    writer.write(b"POST /svc/v1/chat/completions HTTP/1.1\r\n" + LOOPBACK
+                 + b"Content-Length: 1000\r\n\r\n{\"model\": ")
+    await writer.drain()
+    await sluice.wait_metric("sluice_buffered_request_bytes", 1000)
+    writer.close()
+    await sluice.wait_metric("sluice_requests_total", 1, route="svc",
+                             outcome="client_disconnected")
+    await wait_until(lambda: any(e["event"] == "completed" for e in sluice.events()),
+                     what="the completed event")
+    assert len([e for e in sluice.events() if e["event"] == "completed"]) == 1
+    assert upstream.requests == []

@@ -14,6 +14,7 @@ import pytest
 from multidict import CIMultiDict
 
 from tests.conftest import REPO, free_port, route, wait_until
+from tests.fakeupstream import RawUpstream
 
 CHAT = "/v1/chat/completions"
 BODY = {"model": "gpt-test", "messages": [{"role": "user", "content": "hi"}]}
@@ -377,3 +378,35 @@ async def test_retry_after_and_deadline(upstream, start_sluice, tmp_path):
     out = await dlq_list(sluice)
     assert [line.split()[5] for line in out.splitlines()[1:]] == [
         "retry_after_too_long", "deadline", "deadline"]
+
+
+async def test_an_answer_cut_before_it_was_sent_keeps_the_callers_retry_rules(start_sluice,
+                                                                              tmp_path):
+    """One layer retries a failure: a small answer cut short before any of it was sent (a 502
+    ``upstream_unreachable`` Sluice writes itself) is retried by no layer of Sluice's, yet it
+    still carried ``x-should-retry: false`` on a route with ``retry``, so the caller's SDK
+    dropped its own retry too. Only a failure Sluice did retry says so."""
+    cut = b"{\"id\": \"chatcmpl-1\", \"obj"
+    ok = await RawUpstream(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                           b"Content-Length: 1000\r\n\r\n" + cut).start()
+    failing = await RawUpstream(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: "
+                                b"application/json\r\nContent-Length: 1000\r\n\r\n" + cut).start()
+    retry = {"attempts": 2, "backoff": FAST_BACKOFF, "on": [503]}
+    try:
+        sluice = await retry_sluice(start_sluice, tmp_path,
+                                    route("ok", ok.url, retry=retry),
+                                    route("failing", failing.url, retry=retry))
+        async with aiohttp.ClientSession() as s:
+            status, headers = await post(s, sluice.url + "/ok" + CHAT,
+                                         **{"Idempotency-Key": "k1"})
+            assert (status, headers["X-Sluice-Reason"]) == (502, "upstream_unreachable")
+            assert "x-should-retry" not in headers
+            assert len(ok.requests) == 1
+            # Retried as far as it went, its last answer then cut: the SDK must not add more.
+            status, headers = await post(s, sluice.url + "/failing" + CHAT,
+                                         **{"Idempotency-Key": "k2"})
+            assert (status, headers["x-should-retry"]) == (502, "false")
+            assert len(failing.requests) == 2
+    finally:
+        await ok.stop()
+        await failing.stop()

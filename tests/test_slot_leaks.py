@@ -390,3 +390,66 @@ async def test_an_error_escaping_after_the_answer_began_is_logged(upstream, monk
     finally:
         await runner.cleanup()
         await runtime.close()
+
+
+async def test_a_run_cancel_of_an_mcp_answer_its_caller_cannot_take_frees_the_slot():
+    """A run's cancel ends an MCP call's SSE answer with a last event (``run_cancelled``),
+    written after the relay and its deadline guard have ended. Written to a caller whose
+    connection took no more (its buffers full: writing paused), that event waited for as
+    long as the caller kept its connection, holding the call's slot, and the cancel waited
+    in vain for the call to end. A caller that cannot take the last event is cut."""
+    started, release = asyncio.Event(), asyncio.Event()
+
+    async def tool(request: web.Request) -> web.StreamResponse:
+        message = await request.json()
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        progress = {"jsonrpc": "2.0", "method": "notifications/progress",
+                    "params": {"progressToken": message["id"], "progress": 0.1}}
+        await out.write(b"event: message\ndata: " + orjson.dumps(progress) + b"\n\n")
+        started.set()
+        await release.wait()  # working: the response comes much later
+        return out
+
+    app = web.Application()
+    app.router.add_post("/mcp", tool)
+    tools = web.AppRunner(app)
+    await tools.setup()
+    site = web.TCPSite(tools, "127.0.0.1", 0)
+    await site.start()
+    tools_url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+    runtime = Runtime(parse_config(
+        "routes:\n"
+        f"  - {{name: tools, path_prefix: /tools/, upstream: '{tools_url}', protocol: mcp,\n"
+        "      concurrency: {limit: 1, queue: 0}}\n"))
+    await runtime.open()
+    runner, port = await serve(runtime)
+    writer = None
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        body = orjson.dumps({"jsonrpc": "2.0", "id": 7, "method": "tools/call",
+                             "params": {"name": "work", "arguments": {}}})
+        writer.write(b"POST /tools/mcp HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Tenant-ID: acme\r\n"
+                     b"X-Run-ID: job\r\nContent-Type: application/json\r\n"
+                     b"Accept: application/json, text/event-stream\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        await reader.readuntil(b"\r\n\r\n")
+        await asyncio.wait_for(started.wait(), 10)
+        await reader.readuntil(b"\n\n")  # the progress event: between events now
+        # The caller reads no more, and its buffers are full: its connection takes nothing.
+        assert runner.server is not None
+        [caller] = runner.server.connections
+        caller.pause_writing()
+        [tools_route] = runtime.routes
+        _, calls = runtime.runs.cancel("job", 60, "acme")
+        assert len(calls) == 1
+        await wait_until(lambda: tools_route.inflight == 0, timeout=10,
+                         what="the cancelled call to end")
+        assert tools_route.concurrency.inflight == 0
+    finally:
+        release.set()
+        if writer is not None:
+            writer.close()
+        await runner.cleanup()
+        await runtime.close()
+        await tools.cleanup()

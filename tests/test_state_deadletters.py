@@ -174,6 +174,22 @@ def test_letters_go_to_the_file_at_the_path_after_it_was_deleted_or_moved(tmp_pa
         cli.close()
 
 
+def test_the_depth_is_read_from_the_file_at_the_path_after_it_was_deleted(tmp_path):
+    """After ``rm dlq.sqlite*`` the server's depth reads (``sluice_dead_letter_depth``, every
+    ``refresh_s``) went on counting the deleted file's letters until a new letter came, as
+    only a write looked for the file at the path: an emptied store said it held them."""
+    path = tmp_path / "dlq.sqlite"
+    server = DeadLetterFile(str(path))
+    try:
+        server.add(letter(request_id="before"))
+        assert sum(server.depth().values()) == 1
+        for name in ("dlq.sqlite", "dlq.sqlite-wal", "dlq.sqlite-shm"):
+            (tmp_path / name).unlink(missing_ok=True)
+        assert server.depth() == {}
+    finally:
+        server.close()
+
+
 # -- the bound: dead_letter.max_records --------------------------------------------------------
 
 
