@@ -332,32 +332,25 @@ def _settle(rt: Runtime, route: Route, call: Call, admission: Admission, outcome
         route.inflight -= 1
         route.live.discard(call)
     admission.release(outcome)
-    try:
-        _record(rt, route, call, outcome, admitted_at, traffic, left)
+    try:  # counting and logging how it ended, once everything it held is given back
+        if admitted_at:
+            if left is None:
+                _completed(rt, route, call, outcome, admitted_at, traffic != "stream")
+            else:
+                _completed(rt, route, call, left, admitted_at, True, finished=outcome)
+        elif outcome.label == "rejected":  # its `rejected` event went out with the refusal
+            route.metrics.outcomes[outcome.label].inc()
+            if call.operation is not None:
+                route.metrics.operation(call.operation).outcome(outcome.label)
+        elif outcome.label != "replayed":
+            # Left, cut by the drain or failed before admission (queued, say): without an
+            # event of its own, the timeline showed it in flight forever.
+            _completed(rt, route, call, outcome, None, False)
+        if call.new_unit:
+            route.metrics.work_units.inc()
     except Exception:
         log.exception("counting the end of request %s on route %s failed", call.request_id,
                       route.name)
-
-
-def _record(rt: Runtime, route: Route, call: Call, outcome: Outcome, admitted_at: float,
-            traffic: mcp.Traffic, left: Outcome | None) -> None:
-    """Count and log how a call ended, once everything it held is given back (see
-    :func:`_settle`)."""
-    if admitted_at:
-        if left is None:
-            _completed(rt, route, call, outcome, admitted_at, traffic != "stream")
-        else:
-            _completed(rt, route, call, left, admitted_at, True, finished=outcome)
-    elif outcome.label == "rejected":  # its `rejected` event went out with the refusal
-        route.metrics.outcomes[outcome.label].inc()
-        if call.operation is not None:
-            route.metrics.operation(call.operation).outcome(outcome.label)
-    elif outcome.label != "replayed":
-        # Left, cut by the drain or failed before admission (queued, say): without an
-        # event of its own, the timeline showed it in flight forever.
-        _completed(rt, route, call, outcome, None, False)
-    if call.new_unit:
-        route.metrics.work_units.inc()
 
 
 def _leave(rt: Runtime, call: Call, request: web.BaseRequest, finish: Finish) -> None:
