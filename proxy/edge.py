@@ -21,8 +21,11 @@
   ``max_request_headers_kb``) is answered 431 ``headers_too_large`` and the connection closed
   as soon as that many bytes of it have arrived. aiohttp's own bounds (8190 bytes a line, 128
   headers) let one head hold about 1 MB until ``header_timeout``, and a thousand such
-  connections took a fresh Sluice from 65 MB to 974 MB; with this bound they hold at most
-  ``max_connections`` x 60 KiB. A head pipelined behind a request still being served is
+  connections took a fresh Sluice from 65 MB to 974 MB (68 MB with this bound). Bytes are
+  counted from the first read that holds only part of a head, so one head may hold up to
+  60 KiB plus one read (uvloop reads at most 256 KB at a time): the start of a head that
+  arrives in the same read as the end of the request before it is not seen apart from
+  that request. A head pipelined behind a request still being served is
   not answered (its answer would come first): the connection is closed;
 * a parser-level refusal (a request target or header value over 8190 bytes, or more than 128
   headers: 431 ``headers_too_large``; bad framing or syntax: 400 ``bad_request``) is answered
