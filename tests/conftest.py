@@ -19,13 +19,16 @@ import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
 import yaml
+from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.config import StrictLoader
+from proxy.server import build_proxy_server
 from tests.fakeupstream import FakeUpstream
 from tests.redis_servers import (  # noqa: F401  (fixtures)
     backends,
@@ -185,6 +188,25 @@ async def raw_request(port: int, data: bytes, timeout: float = 10.0) -> bytes:
             return await reader.read(-1)
     finally:
         writer.close()
+
+
+async def serve_app(app: web.Application) -> tuple[web.AppRunner, int]:
+    """Serve ``app`` (a test's own upstream) on a free loopback port in this process: its
+    runner, to clean up, and its port."""
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+
+
+async def serve_runtime(runtime: Any) -> tuple[web.ServerRunner, int]:
+    """Serve ``runtime``'s proxy port in this process: its runner and port."""
+    runner = web.ServerRunner(build_proxy_server(runtime))
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
 
 
 def route(name: str, upstream: str, protocol: str = "openai", **policies: object) -> dict:

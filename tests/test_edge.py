@@ -19,8 +19,7 @@ from policies.usage import JSON_LIMIT_BYTES
 from proxy.config import parse_config
 from proxy.edge import ADMIN_MAX_CONNECTIONS, MAX_HEAD_BYTES
 from proxy.runtime import Runtime
-from proxy.server import build_proxy_server
-from tests.conftest import raw_request, route, wait_until
+from tests.conftest import raw_request, route, serve_app, serve_runtime, wait_until
 from tests.fakeupstream import RawUpstream
 from tests.mcp_servers import mcp_stateless  # noqa: F401  (a fixture)
 
@@ -436,11 +435,7 @@ async def test_a_big_head_behind_a_request_not_started_yet_does_not_answer_first
         "routes:\n"
         f"  - {{name: svc, path_prefix: /svc/, upstream: '{upstream.url}', protocol: openai}}\n"))
     await runtime.open()
-    runner = web.ServerRunner(build_proxy_server(runtime))
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    runner, port = await serve_runtime(runtime)
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
         server = runner.server
@@ -897,11 +892,7 @@ async def test_an_sse_event_over_4_mib_keeps_usage_read_and_stripped(start_sluic
 
     app = web.Application(client_max_size=1 << 20)
     app.router.add_post("/v1/chat/completions", chat)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
+    runner, port = await serve_app(app)
     try:
         sluice = await start_sluice({"routes": [route(
             "openai", f"http://127.0.0.1:{port}", "openai",
@@ -941,11 +932,7 @@ async def test_a_body_cut_by_the_total_timeout_is_504_not_502(start_sluice):
 
     app = web.Application()
     app.router.add_route("*", "/{tail:.*}", slow)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
+    runner, port = await serve_app(app)
     try:
         sluice = await start_sluice({"routes": [
             route("svc", f"http://127.0.0.1:{port}", "http", timeouts={"total": "1s"})]})

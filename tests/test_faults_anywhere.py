@@ -36,8 +36,7 @@ import proxy.metrics
 import proxy.routes
 from proxy.config import parse_config
 from proxy.runtime import Runtime
-from proxy.server import build_proxy_server
-from tests.conftest import wait_until
+from tests.conftest import serve_app, serve_runtime, wait_until
 from tests.fakeupstream import FakeUpstream
 
 TARGETS: dict[str, tuple[Any, str]] = {
@@ -110,11 +109,8 @@ async def tool_server() -> tuple[web.AppRunner, str]:
 
     app = web.Application()
     app.router.add_post("/mcp", post)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    return runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+    runner, port = await serve_app(app)
+    return runner, f"http://127.0.0.1:{port}"
 
 
 def config(llm: str, tools: str, directory: Path) -> str:
@@ -193,11 +189,8 @@ async def one_example(target: str, nth: int, kinds: list[str]) -> None:
     with tempfile.TemporaryDirectory() as directory:
         runtime = Runtime(parse_config(config(llm.url, tools_url, Path(directory))))
         await runtime.open()
-        runner = web.ServerRunner(build_proxy_server(runtime))
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        base = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+        runner, port = await serve_runtime(runtime)
+        base = f"http://127.0.0.1:{port}"
         try:
             async with aiohttp.ClientSession() as session:
                 with failing(target, nth):

@@ -22,8 +22,7 @@ import proxy.forward
 import proxy.handler
 from proxy.config import parse_config
 from proxy.runtime import Runtime
-from proxy.server import build_proxy_server
-from tests.conftest import free_port, route, wait_until
+from tests.conftest import free_port, route, serve_app, serve_runtime, wait_until
 
 CHAT = {"model": "gpt-test", "messages": [{"role": "user", "content": "hi"}]}
 STREAM = {**CHAT, "stream": True}
@@ -197,11 +196,7 @@ async def test_proxy_error(upstream, monkeypatch, caplog):
         return await real_send(*args, **kwargs)
 
     monkeypatch.setattr(proxy.forward, "send", broken_send)
-    runner = web.ServerRunner(build_proxy_server(runtime))
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
+    runner, port = await serve_runtime(runtime)
     url = f"http://127.0.0.1:{port}/openai/v1/chat/completions"
     try:
         with caplog.at_level(logging.ERROR, logger="sluice"):
@@ -224,15 +219,6 @@ async def test_proxy_error(upstream, monkeypatch, caplog):
         await runtime.close()
 
 
-async def serve(runtime: Runtime) -> tuple[web.ServerRunner, int]:
-    """Serve ``runtime``'s proxy port in this process: its runner and port."""
-    runner = web.ServerRunner(build_proxy_server(runtime))
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    return runner, site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-
-
 async def test_a_proxy_error_mid_stream_cuts_the_answer(upstream, monkeypatch):
     """Seen in a hostile trial: a fault of Sluice's own once the upstream's status line had
     gone to the caller (here the usage meter failing on a chunk) made the handler answer
@@ -248,7 +234,7 @@ async def test_a_proxy_error_mid_stream_cuts_the_answer(upstream, monkeypatch):
     def broken_chunk(self, data):
         raise RuntimeError("injected meter bug")
 
-    runner, port = await serve(runtime)
+    runner, port = await serve_runtime(runtime)
     url = f"http://127.0.0.1:{port}/openai/v1/chat/completions"
     try:
         async with aiohttp.ClientSession() as session:
@@ -284,11 +270,8 @@ async def test_a_proxy_error_mid_mcp_answer_ends_it_with_an_error(monkeypatch):
 
     app = web.Application()
     app.router.add_post("/mcp", tool)
-    tools = web.AppRunner(app)
-    await tools.setup()
-    site = web.TCPSite(tools, "127.0.0.1", 0)
-    await site.start()
-    tools_url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+    tools, tools_port = await serve_app(app)
+    tools_url = f"http://127.0.0.1:{tools_port}"
     runtime = Runtime(parse_config(
         "routes:\n"
         f"  - {{name: tools, path_prefix: /tools/, upstream: '{tools_url}', protocol: mcp,\n"
@@ -298,7 +281,7 @@ async def test_a_proxy_error_mid_mcp_answer_ends_it_with_an_error(monkeypatch):
     def broken_feed(self, chunk):
         raise RuntimeError("injected tracker bug")
 
-    runner, port = await serve(runtime)
+    runner, port = await serve_runtime(runtime)
     url = f"http://127.0.0.1:{port}/tools/mcp"
     call = {"jsonrpc": "2.0", "id": 7, "method": "tools/call",
             "params": {"name": "deliver", "arguments": {"to": "ops"}}}
@@ -342,7 +325,7 @@ async def test_a_fault_counting_a_calls_end_leaves_its_answer_whole(upstream, mo
     def broken_completed(*args, **kwargs):
         raise RuntimeError("injected bookkeeping bug")
 
-    runner, port = await serve(runtime)
+    runner, port = await serve_runtime(runtime)
     url = f"http://127.0.0.1:{port}/openai/v1/chat/completions"
     try:
         async with aiohttp.ClientSession() as session:
@@ -376,7 +359,7 @@ async def test_an_error_escaping_after_the_answer_began_is_logged(upstream, monk
         raise RuntimeError("injected settle bug")
 
     monkeypatch.setattr(proxy.handler, "_settle", broken_settle)
-    runner, port = await serve(runtime)
+    runner, port = await serve_runtime(runtime)
     try:
         async with aiohttp.ClientSession() as session:
             with caplog.at_level(logging.ERROR, logger="sluice"):
@@ -413,17 +396,14 @@ async def test_a_run_cancel_of_an_mcp_answer_its_caller_cannot_take_frees_the_sl
 
     app = web.Application()
     app.router.add_post("/mcp", tool)
-    tools = web.AppRunner(app)
-    await tools.setup()
-    site = web.TCPSite(tools, "127.0.0.1", 0)
-    await site.start()
-    tools_url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+    tools, tools_port = await serve_app(app)
+    tools_url = f"http://127.0.0.1:{tools_port}"
     runtime = Runtime(parse_config(
         "routes:\n"
         f"  - {{name: tools, path_prefix: /tools/, upstream: '{tools_url}', protocol: mcp,\n"
         "      concurrency: {limit: 1, queue: 0}}\n"))
     await runtime.open()
-    runner, port = await serve(runtime)
+    runner, port = await serve_runtime(runtime)
     writer = None
     try:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)

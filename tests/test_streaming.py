@@ -17,7 +17,7 @@ import anthropic
 import openai
 from aiohttp import web
 
-from tests.conftest import route, wait_until
+from tests.conftest import route, serve_app, wait_until
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 EXPECTED_TEXT = "".join(f"tok{i} " for i in range(5))
@@ -110,11 +110,7 @@ async def test_a_caller_that_stops_reading_a_stream_is_cut_at_the_total_timeout(
 
     app = web.Application()
     app.router.add_post("/v1/chat/completions", endless)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
+    runner, port = await serve_app(app)
     writer = None
     try:
         sluice = await start_sluice({"routes": [route(
