@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Awaitable, Callable
 
 import aiohttp
 import orjson
@@ -254,6 +255,22 @@ async def test_a_proxy_error_mid_stream_cuts_the_answer(upstream, monkeypatch):
         await runtime.close()
 
 
+async def tools_behind(tool: Callable[[web.Request], Awaitable[web.StreamResponse]],
+                       policies: str) -> tuple[web.AppRunner, Runtime]:
+    """An MCP server of one handler (``POST /mcp``), and an open runtime whose ``mcp`` route
+    ``/tools/`` fronts it with ``policies`` (flow-mapping entries): the server's runner and
+    the runtime, both to clean up."""
+    app = web.Application()
+    app.router.add_post("/mcp", tool)
+    tools, port = await serve_app(app)
+    runtime = Runtime(parse_config(
+        "routes:\n"
+        f"  - {{name: tools, path_prefix: /tools/, upstream: 'http://127.0.0.1:{port}',\n"
+        f"      protocol: mcp, {policies}}}\n"))
+    await runtime.open()
+    return tools, runtime
+
+
 async def test_a_proxy_error_mid_mcp_answer_ends_it_with_an_error(monkeypatch):
     """Seen in a hostile trial: the same fault in an MCP call kept for its key (forwarded in
     a task of its own) sent nothing more after the SSE answer's headers, and left the
@@ -268,15 +285,8 @@ async def test_a_proxy_error_mid_mcp_answer_ends_it_with_an_error(monkeypatch):
         await out.write_eof()
         return out
 
-    app = web.Application()
-    app.router.add_post("/mcp", tool)
-    tools, tools_port = await serve_app(app)
-    tools_url = f"http://127.0.0.1:{tools_port}"
-    runtime = Runtime(parse_config(
-        "routes:\n"
-        f"  - {{name: tools, path_prefix: /tools/, upstream: '{tools_url}', protocol: mcp,\n"
-        "      idempotency: {mode: dedup}, concurrency: {limit: 1, queue: 0}}\n"))
-    await runtime.open()
+    tools, runtime = await tools_behind(tool, "idempotency: {mode: dedup}, "
+                                              "concurrency: {limit: 1, queue: 0}")
 
     def broken_feed(self, chunk):
         raise RuntimeError("injected tracker bug")
@@ -394,15 +404,7 @@ async def test_a_run_cancel_of_an_mcp_answer_its_caller_cannot_take_frees_the_sl
         await release.wait()  # working: the response comes much later
         return out
 
-    app = web.Application()
-    app.router.add_post("/mcp", tool)
-    tools, tools_port = await serve_app(app)
-    tools_url = f"http://127.0.0.1:{tools_port}"
-    runtime = Runtime(parse_config(
-        "routes:\n"
-        f"  - {{name: tools, path_prefix: /tools/, upstream: '{tools_url}', protocol: mcp,\n"
-        "      concurrency: {limit: 1, queue: 0}}\n"))
-    await runtime.open()
+    tools, runtime = await tools_behind(tool, "concurrency: {limit: 1, queue: 0}")
     runner, port = await serve_runtime(runtime)
     writer = None
     try:
