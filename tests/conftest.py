@@ -209,6 +209,19 @@ async def serve_runtime(runtime: Any) -> tuple[web.ServerRunner, int]:
     return runner, site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
 
 
+async def leave_mid_body(sluice: Any, path: str, headers: bytes = b"") -> None:
+    """Be a caller that leaves mid-upload: send a head declaring a 1,000-byte body to
+    ``sluice`` (with ``headers``, CRLF-terminated lines), then a piece of the body, wait until
+    Sluice holds the body's bytes, and close."""
+    _, writer = await asyncio.open_connection("127.0.0.1", sluice.port)
+    writer.write(b"POST " + path.encode() + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n" + headers
+                 + b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+                 b"{\"model\": ")
+    await writer.drain()
+    await sluice.wait_metric("sluice_buffered_request_bytes", 1000)
+    writer.close()
+
+
 def route(name: str, upstream: str, protocol: str = "openai", **policies: object) -> dict:
     """A route config dict with prefix ``/<name>/``."""
     return {"name": name, "path_prefix": f"/{name}/", "upstream": upstream,

@@ -19,7 +19,7 @@ from policies.usage import JSON_LIMIT_BYTES
 from proxy.config import parse_config
 from proxy.edge import ADMIN_MAX_CONNECTIONS, MAX_HEAD_BYTES
 from proxy.runtime import Runtime
-from tests.conftest import raw_request, route, serve_app, serve_runtime, wait_until
+from tests.conftest import leave_mid_body, raw_request, route, serve_app, serve_runtime, wait_until
 from tests.fakeupstream import RawUpstream
 from tests.mcp_servers import mcp_stateless  # noqa: F401  (a fixture)
 
@@ -1012,12 +1012,7 @@ async def test_a_body_cut_with_408_is_no_caller_that_left(upstream, start_sluice
     assert await sluice.metric("sluice_edge_rejections_total", reason="request_timeout") == 1
     # A caller that does leave mid-body is counted (tests/test_slot_leaks.py): wait for that
     # count and event: those of the 408, had they come, came first.
-    _, writer = await asyncio.open_connection("127.0.0.1", sluice.port)
-    writer.write(b"POST /svc/v1/chat/completions HTTP/1.1\r\n" + LOOPBACK
-                 + b"Content-Length: 1000\r\n\r\n{\"model\": ")
-    await writer.drain()
-    await sluice.wait_metric("sluice_buffered_request_bytes", 1000)
-    writer.close()
+    await leave_mid_body(sluice, "/svc/v1/chat/completions")
     await sluice.wait_metric("sluice_requests_total", 1, route="svc",
                              outcome="client_disconnected")
     await wait_until(lambda: any(e["event"] == "completed" for e in sluice.events()),

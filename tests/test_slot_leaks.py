@@ -23,7 +23,7 @@ import proxy.forward
 import proxy.handler
 from proxy.config import parse_config
 from proxy.runtime import Runtime
-from tests.conftest import free_port, route, serve_app, serve_runtime, wait_until
+from tests.conftest import free_port, leave_mid_body, route, serve_app, serve_runtime, wait_until
 
 CHAT = {"model": "gpt-test", "messages": [{"role": "user", "content": "hi"}]}
 STREAM = {**CHAT, "stream": True}
@@ -157,13 +157,7 @@ async def test_client_disconnect_while_queued(upstream, start_sluice):
 async def test_a_caller_leaving_mid_body_is_counted_and_logged(upstream, start_sluice):
     """An upload abandoned half way left no event and no count: nginx logs it (499)."""
     sluice = await start_sluice({"routes": [one_slot_route(upstream.url)]})
-    _, writer = await asyncio.open_connection("127.0.0.1", sluice.port)
-    writer.write(b"POST /openai/v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-                 b"X-Tenant-ID: uploader\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: 1000\r\n\r\n{\"model\": ")
-    await writer.drain()
-    await sluice.wait_metric("sluice_buffered_request_bytes", 1000)
-    writer.close()
+    await leave_mid_body(sluice, "/openai/v1/chat/completions", b"X-Tenant-ID: uploader\r\n")
     await sluice.wait_metric("sluice_requests_total", 1, route="openai",
                              outcome="client_disconnected")
     await wait_until(lambda: any(e["event"] == "completed" for e in sluice.events()),
@@ -177,16 +171,21 @@ async def test_a_caller_leaving_mid_body_is_counted_and_logged(upstream, start_s
     assert len(upstream.requests) == 1
 
 
+async def openai_runtime(upstream_url: str, policies: str = "") -> Runtime:
+    """An open in-process runtime whose ``openai`` route ``/openai/`` fronts
+    ``upstream_url`` with ``policies`` (flow-mapping entries)."""
+    runtime = Runtime(parse_config(
+        "routes:\n"
+        f"  - {{name: openai, path_prefix: /openai/, upstream: '{upstream_url}',\n"
+        f"      protocol: openai{', ' + policies if policies else ''}}}\n"))
+    await runtime.open()
+    return runtime
+
+
 async def test_proxy_error(upstream, monkeypatch, caplog):
     """A bug in Sluice itself cannot be provoked from outside, so this runs the proxy app
     in-process and makes forwarding raise once."""
-    config = parse_config(
-        "routes:\n"
-        f"  - {{name: openai, path_prefix: /openai/, upstream: '{upstream.url}',\n"
-        "      protocol: openai, concurrency: {limit: 1, queue: 0}}\n"
-    )
-    runtime = Runtime(config)
-    await runtime.open()
+    runtime = await openai_runtime(upstream.url, "concurrency: {limit: 1, queue: 0}")
     real_send = proxy.forward.send
     failures = []
 
@@ -226,11 +225,7 @@ async def test_a_proxy_error_mid_stream_cuts_the_answer(upstream, monkeypatch):
     502 as well, and aiohttp wrote that second status line inside the stream's chunked body
     ("Invalid character in chunk size: b'HTTP/1.1 502 Bad Gateway'"). The answer is cut
     instead, and the slot is free."""
-    runtime = Runtime(parse_config(
-        "routes:\n"
-        f"  - {{name: openai, path_prefix: /openai/, upstream: '{upstream.url}',\n"
-        "      protocol: openai, concurrency: {limit: 1, queue: 0}}\n"))
-    await runtime.open()
+    runtime = await openai_runtime(upstream.url, "concurrency: {limit: 1, queue: 0}")
 
     def broken_chunk(self, data):
         raise RuntimeError("injected meter bug")
@@ -326,11 +321,7 @@ async def test_a_fault_counting_a_calls_end_leaves_its_answer_whole(upstream, mo
     ``finally`` and replaced the answer: the upstream's 200, work done and charged, became
     500 ``internal_error``, and a stream's connection was cut without a word. The answer is
     now sent as it came, and the fault logged."""
-    runtime = Runtime(parse_config(
-        "routes:\n"
-        f"  - {{name: openai, path_prefix: /openai/, upstream: '{upstream.url}',\n"
-        "      protocol: openai, concurrency: {limit: 1, queue: 0}}\n"))
-    await runtime.open()
+    runtime = await openai_runtime(upstream.url, "concurrency: {limit: 1, queue: 0}")
 
     def broken_completed(*args, **kwargs):
         raise RuntimeError("injected bookkeeping bug")
@@ -359,11 +350,7 @@ async def test_an_error_escaping_after_the_answer_began_is_logged(upstream, monk
                                                                    caplog):
     """The edge cuts the connection of an answer an error interrupts (no second answer can
     follow the first's bytes): it said nothing of that error, a fault of Sluice's own."""
-    runtime = Runtime(parse_config(
-        "routes:\n"
-        f"  - {{name: openai, path_prefix: /openai/, upstream: '{upstream.url}',\n"
-        "      protocol: openai}\n"))
-    await runtime.open()
+    runtime = await openai_runtime(upstream.url)
 
     def broken_settle(*args, **kwargs):
         raise RuntimeError("injected settle bug")
