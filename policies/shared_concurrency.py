@@ -44,6 +44,7 @@ per third of ``state.lease`` for a call running longer.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable, Mapping
 
@@ -120,6 +121,9 @@ class SharedConcurrencyLimiter(ConcurrencyLimiter):
         self.background = Background(backends)
         self._dispatcher: asyncio.Task[None] | None = None
         self._woken: Signal | None = None
+        #: This limiter's name in Redis among the replicas': the route's shared limit is the
+        #: lowest that live holders were configured with (a reload reaches them one by one).
+        self.holder = new_lease_id()
 
     # -- admission ----------------------------------------------------------------------------
 
@@ -192,7 +196,8 @@ class SharedConcurrencyLimiter(ConcurrencyLimiter):
         lease_id = new_lease_id()
         try:
             result = await leases.acquire(self.group, tenant, lease_id, self.limit,
-                                          self.per_tenant, backends.lease_s)
+                                          self.per_tenant, backends.lease_s,
+                                          holder=self.holder)
         except StateUnavailable as exc:
             if exc.maybe_applied:  # Redis may have run it before the answer timed out
                 self._forget_lease(lease_id, tenant)
@@ -354,9 +359,19 @@ class SharedConcurrencyLimiter(ConcurrencyLimiter):
                     tenant_weights: Mapping[str, float] | None = None,
                     aging: float | None = None) -> None:
         """Adopt new limits in place (hot reload); waiters are offered a raised limit at
-        once. Leases already held stay held: a lowered limit is reached as calls finish."""
+        once. Leases already held stay held: a lowered limit is reached as calls finish.
+        The new limit is recorded in Redis at once, so that the replicas' shared limit (the
+        lowest of theirs) follows without waiting for this replica's next acquire."""
+        changed = limit != self.limit
         self._adopt(limit, queue, max_wait, per_tenant, tenant_weights, aging)
+        if changed and _in_loop():
+            self.background.start(self._register(), f"limit of {self.group} recorded")
         self._wake()
+
+    async def _register(self) -> None:
+        with contextlib.suppress(StateUnavailable):  # the next acquire records it
+            await self.backends.leases.register(self.group, self.holder, self.limit,
+                                                self.backends.lease_s)
 
     def state(self) -> dict[str, object]:
         """:meth:`ConcurrencyLimiter.state` (this replica's counts), plus ``shared_inflight``
@@ -365,3 +380,11 @@ class SharedConcurrencyLimiter(ConcurrencyLimiter):
         out.update(shared=True, shared_inflight=self.shared_inflight,
                    lease_s=self.backends.lease_s, degraded=self.degraded)
         return out
+
+
+def _in_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True

@@ -205,6 +205,8 @@ async def test_a_runs_width_is_shared_by_two_replicas_and_a_reload_widens_it_in_
         await asyncio.sleep(0.3)
         assert not waiting.done()  # the run's one slot is held on the other replica
         assert await _width_leases(backends, "job") == 1
+        # A reload reaches both replicas: the width shared is the lowest of theirs.
+        here.reconfigure(FanoutConfig(width=2, max_wait="5s"))
         there.reconfigure(FanoutConfig(width=2, max_wait="5s"))
         second = await asyncio.wait_for(waiting, 2.0)
         assert await _width_leases(backends, "job") == 2
@@ -716,3 +718,30 @@ async def test_round_trips_and_admit_latency_memory_vs_redis(redis_server, capsy
               f"call {trips / n:.2f}")
     assert trips == 2 * n
 
+
+
+@ON_REDIS
+async def test_replicas_whose_limits_differ_share_the_lowest_one(backends: StateBackends):
+    """A reload reaches replicas one at a time (SIGHUP on one pod, a ConfigMap's file change
+    seen by each at its own moment). Meanwhile the shared limit is the lowest configured on
+    the replicas asking for slots: a trial with 4 replicas under load, one reloaded from
+    ``limit: 20`` to 40, had 40 calls at the upstream, all that replica's (the other three
+    were served 7 calls in 7.5 s, every other caller timed out), and reloaded to 5, that
+    replica was served none for 10 s while the others kept the route at 20."""
+    async with replica(backends) as other:
+        a, b = limiter(backends, 4, poll_s=0.05), limiter(other, 2, poll_s=0.05)
+        held = [await b.acquire("t"), await a.acquire("t")]
+        over = asyncio.create_task(a.acquire("t"))
+        await asyncio.sleep(0.3)
+        assert not over.done(), "A took a third slot past B's limit of 2"
+        assert await leases_held(backends) == 2
+        held.pop(0).release(DONE)  # B's slot frees: A's waiter takes it, still 2 in all
+        held.append(await asyncio.wait_for(over, 5.0))
+        assert await leases_held(backends) == 2
+        b.reconfigure(4, 8, 5.0, None)  # the reload reaches B too: 4 in all, at once
+        held.append(await asyncio.wait_for(a.acquire("t"), 2.0))
+        held.append(await asyncio.wait_for(b.acquire("t"), 2.0))
+        assert await leases_held(backends) == 4
+        for s in held:
+            s.release(DONE)
+        await eventually(lambda: leases_held(backends), 0, 5.0, "leases given back")

@@ -72,6 +72,24 @@ async def test_a_late_finish_without_an_answer_never_replaces_an_answer(
     assert await records.get(KEY) == ANSWER
 
 
+async def test_a_late_finish_with_an_answer_never_replaces_the_answer_stored_since(
+        backends: StateBackends):
+    """A replica frozen (SIGSTOP) longer than its marker's lease, with a call of the key in
+    flight: a duplicate on another replica takes the key over, runs and stores its answer;
+    the frozen one then thaws and finishes. A hostile trial (4 replicas, lease 4 s, frozen
+    7 s) had that late answer replace the stored one: the duplicate's caller had been given
+    answer c2, every later retry of the key was given c1."""
+    records = backends.idempotency
+    late = Answer(DONE, FP, 200, "OK", (), b'{"id": "late"}')
+    await records.begin(KEY, "a", FP, 0.2)
+    await asyncio.sleep(0.25)  # a's marker lapsed (its replica stalled): b takes over
+    assert (await records.begin(KEY, "b", FP, 60)).state == CLAIMED
+    assert await records.finish(KEY, "b", ANSWER, 3600) is True
+    assert await records.finish(KEY, "a", late, 3600) is False
+    assert await records.get(KEY) == ANSWER
+    assert (await records.begin(KEY, "c", FP, 60)).answer == ANSWER
+
+
 async def test_forward_mode_marks_a_key_seen_once(backends: StateBackends):
     records = backends.idempotency
     assert await records.seen(KEY, 60) is True

@@ -114,8 +114,11 @@ class IdempotencyRecords(Protocol):
     async def finish(self, key: str, owner: str, answer: Answer, ttl_s: float) -> bool:
         """Store ``answer`` for ``ttl_s`` seconds, drop ``owner``'s marker and wake waiters.
 
-        A ``SEEN`` answer never replaces a final one (another replica's request may have
-        finished meanwhile). Returns whether ``owner`` still held the marker.
+        No answer replaces a final one: another replica's request may have finished
+        meanwhile (this ``owner``'s marker lapsed while its replica stalled, and the request
+        that took the key over stored its answer, which its caller was given): the key's
+        answer stays the first stored.
+        Returns whether ``owner`` still held the marker.
         """
         ...
 
@@ -218,7 +221,7 @@ class MemoryIdempotencyRecords:
     async def finish(self, key: str, owner: str, answer: Answer, ttl_s: float) -> bool:
         now = self._clock()
         record = self._record(key, now)
-        if answer.kind != SEEN or record is None or record[0].kind == SEEN:
+        if record is None or record[0].kind == SEEN:
             self._records[key] = (answer, now + ttl_s)
         flight = self._flight(key, now)
         held = flight is not None and flight[0] == owner
@@ -290,7 +293,7 @@ return 1
 _FINISH = Script("""
 local kind = ARGV[2]
 local current = redis.call('HGET', KEYS[1], 'kind')
-if kind ~= '0' or not current or current == '0' then
+if not current or current == '0' then
   redis.call('DEL', KEYS[1])
   redis.call('HSET', KEYS[1], 'kind', kind, 'fp', ARGV[3], 'status', ARGV[4],
              'reason', ARGV[5], 'headers', ARGV[6], 'body', ARGV[7])

@@ -16,6 +16,13 @@ Redis layout: ``<prefix>:{<group>}:conc`` (lease id -> expiry ms) and
 ``<prefix>:{<group>}:conc:t:<tenant>`` (same, one tenant's), both expiring when their last
 lease would; channel ``<prefix>:{<group>}:conc:wake``. acquire, renew and release are one
 script call each.
+
+Replicas whose ``limit`` differs (a reload reaches them one at a time) share the lowest: each
+acquire names its *holder* (one route's limiter on one replica) and the limit it was given,
+kept one lease time in ``<prefix>:{<group>}:conc:lim`` (holder -> limit) and
+``<prefix>:{<group>}:conc:lim:exp`` (holder -> expiry ms). Without it a replica reloaded to
+a higher limit filled the route past the others' and starved their callers (they never saw
+a count under their own limit), and one reloaded to a lower limit was starved by the others.
 """
 
 from __future__ import annotations
@@ -66,9 +73,17 @@ class Leases(Protocol):
     """
 
     async def acquire(self, group: str, tenant: str, lease_id: str, limit: int,
-                      per_tenant: int | None, lease_s: float) -> LeaseResult:
+                      per_tenant: int | None, lease_s: float,
+                      holder: str | None = None) -> LeaseResult:
         """Take a slot for ``lease_id`` if one is free, expiring in ``lease_s`` seconds.
-        Acquiring an id already held renews it and grants again."""
+        Acquiring an id already held renews it and grants again. With ``holder``, ``limit``
+        is recorded as that holder's for ``lease_s``, and the slot is free only under the
+        lowest limit recorded on the group by a live holder."""
+        ...
+
+    async def register(self, group: str, holder: str, limit: int, lease_s: float) -> int:
+        """Record ``limit`` as ``holder``'s for ``lease_s`` (as :meth:`acquire` does, without
+        taking a slot: after a reload); the group's lowest live limit."""
         ...
 
     async def renew(self, group: str, tenant: str, lease_id: str, lease_s: float) -> bool:
@@ -110,7 +125,19 @@ class MemoryLeases:
         self._clock = clock
         self._groups: dict[str, dict[str, float]] = {}
         self._tenants: dict[tuple[str, str], dict[str, float]] = {}
+        #: group -> holder -> (limit, expiry)
+        self._limits: dict[str, dict[str, tuple[int, float]]] = {}
         self.notifier = MemoryNotifier()
+
+    def _lowest(self, group: str, holder: str, limit: int, lease_s: float) -> int:
+        now = self._clock()
+        if len(self._limits) > 1024:  # groups of runs come and go: keep the live ones
+            self._limits = {g: hs for g, hs in self._limits.items()
+                            if any(v[1] > now for v in hs.values())}
+        limits = {h: v for h, v in self._limits.get(group, {}).items() if v[1] > now}
+        limits[holder] = (limit, now + lease_s)
+        self._limits[group] = limits
+        return min(v[0] for v in limits.values())
 
     def _live(self, table: dict[str, float] | None, now: float) -> dict[str, float]:
         if table is None:
@@ -137,7 +164,10 @@ class MemoryLeases:
             self._tenants.pop((group, tenant), None)
 
     async def acquire(self, group: str, tenant: str, lease_id: str, limit: int,
-                      per_tenant: int | None, lease_s: float) -> LeaseResult:
+                      per_tenant: int | None, lease_s: float,
+                      holder: str | None = None) -> LeaseResult:
+        if holder is not None:
+            limit = self._lowest(group, holder, limit, lease_s)
         route, mine = self._tables(group, tenant)
         expiry = self._clock() + lease_s
         if lease_id in route:
@@ -152,6 +182,9 @@ class MemoryLeases:
             return LeaseResult(True, None, len(route), len(mine))
         finally:
             self._store(group, tenant, route, mine)
+
+    async def register(self, group: str, holder: str, limit: int, lease_s: float) -> int:
+        return self._lowest(group, holder, limit, lease_s)
 
     async def renew(self, group: str, tenant: str, lease_id: str, lease_s: float) -> bool:
         route, mine = self._tables(group, tenant)
@@ -194,10 +227,37 @@ local function hold(id, ms)
 end
 """
 
-# KEYS: the group's leases, the tenant's. ARGV: id, limit, per_tenant (-1: none), lease ms.
+# Records ``limit`` as ``holder``'s until ``now + ms`` in the group's holders' limits ``lim``
+# (holder -> limit) and their expiries ``exp`` (holder -> ms), drops the lapsed ones, and
+# returns the lowest limit left.
+_LOWEST = """
+local function lowest(lim, exp, holder, limit, ms)
+  local gone = redis.call('ZRANGEBYSCORE', exp, '-inf', now)
+  for i = 1, #gone do
+    redis.call('ZREM', lim, gone[i])
+    redis.call('ZREM', exp, gone[i])
+  end
+  redis.call('ZADD', lim, limit, holder)
+  redis.call('ZADD', exp, now + ms, holder)
+  for _, k in ipairs({lim, exp}) do
+    if redis.call('PTTL', k) < ms then redis.call('PEXPIRE', k, ms) end
+  end
+  return tonumber(redis.call('ZRANGE', lim, 0, 0, 'WITHSCORES')[2])
+end
+"""
+
+# KEYS: as acquire's first two (for _NOW), the holders' limits and expiries. ARGV: holder,
+# limit, lease ms. Returns the group's lowest live limit.
+_REGISTER = Script(_NOW + _LOWEST + """
+return lowest(KEYS[3], KEYS[4], ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]))
+""")
+
+# KEYS: the group's leases, the tenant's, and with a holder its holders' limits and their
+# expiries. ARGV: id, limit, per_tenant (-1: none), lease ms, holder ('' for none).
 # Returns {granted, refused (0 none, 1 limit, 2 tenant), inflight, tenant inflight}.
-_ACQUIRE = Script(_NOW + """
-local id, ms = ARGV[1], tonumber(ARGV[4])
+_ACQUIRE = Script(_NOW + _LOWEST + """
+local id, ms, limit = ARGV[1], tonumber(ARGV[4]), tonumber(ARGV[2])
+if ARGV[5] ~= '' then limit = lowest(KEYS[3], KEYS[4], ARGV[5], limit, ms) end
 local inflight, mine = redis.call('ZCARD', KEYS[1]), redis.call('ZCARD', KEYS[2])
 if redis.call('ZSCORE', KEYS[1], id) then
   hold(id, ms)
@@ -205,7 +265,7 @@ if redis.call('ZSCORE', KEYS[1], id) then
 end
 local per_tenant = tonumber(ARGV[3])
 if per_tenant >= 0 and mine >= per_tenant then return {0, 2, inflight, mine} end
-if inflight >= tonumber(ARGV[2]) then return {0, 1, inflight, mine} end
+if inflight >= limit then return {0, 1, inflight, mine} end
 hold(id, ms)
 return {1, 0, inflight + 1, mine + 1}
 """)
@@ -244,12 +304,24 @@ class RedisLeases:
         return self._state.key(group, "conc", "wake")
 
     async def acquire(self, group: str, tenant: str, lease_id: str, limit: int,
-                      per_tenant: int | None, lease_s: float) -> LeaseResult:
+                      per_tenant: int | None, lease_s: float,
+                      holder: str | None = None) -> LeaseResult:
+        keys = self._keys(group, tenant)
+        if holder is not None:
+            keys += self._holder_keys(group)
         reply = await self._state.eval(
-            _ACQUIRE, self._keys(group, tenant),
-            [lease_id, limit, -1 if per_tenant is None else per_tenant, _ms(lease_s)])
+            _ACQUIRE, keys,
+            [lease_id, limit, -1 if per_tenant is None else per_tenant, _ms(lease_s),
+             holder or ""])
         granted, refused, inflight, mine = (int(x) for x in reply)
         return LeaseResult(bool(granted), (None, LIMIT, TENANT)[refused], inflight, mine)
+
+    def _holder_keys(self, group: str) -> list[str]:
+        return [self._state.key(group, "conc", "lim"), self._state.key(group, "conc", "lim", "exp")]
+
+    async def register(self, group: str, holder: str, limit: int, lease_s: float) -> int:
+        keys = [*self._keys(group, ""), *self._holder_keys(group)]
+        return int(await self._state.eval(_REGISTER, keys, [holder, limit, _ms(lease_s)]))
 
     async def renew(self, group: str, tenant: str, lease_id: str, lease_s: float) -> bool:
         return bool(await self._state.eval(_RENEW, self._keys(group, tenant),
