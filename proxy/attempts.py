@@ -351,7 +351,9 @@ async def _attempts(rt: Runtime, route: Route, call: Call, url: URL,
                                  upstream_dedups=upstream_dedups,
                                  declared_idempotent=declared_idempotent):
                 tries.stop = "unsafe_to_retry"  # before attempts: an SDK's retry of it too
-            elif number >= (1 if client_retry else retry.attempts):
+            elif client_retry:  # the SDK owns this one's retries: one attempt here
+                tries.stop = "sdk_retry"
+            elif number >= retry.attempts:
                 tries.stop = "attempts_exhausted"
             else:
                 wait = retry.wait(number - 1, hint)
