@@ -17,7 +17,7 @@ import os
 import signal
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -190,10 +190,11 @@ async def raw_request(port: int, data: bytes, timeout: float = 10.0) -> bytes:
         writer.close()
 
 
-async def serve_app(app: web.Application) -> tuple[web.AppRunner, int]:
-    """Serve ``app`` (a test's own upstream) on a free loopback port in this process: its
-    runner, to clean up, and its port."""
-    runner = web.AppRunner(app, access_log=None)
+async def serve_app(app: web.Application, **options: Any) -> tuple[web.AppRunner, int]:
+    """Serve ``app`` (a test's own upstream) on a free loopback port in this process, with
+    ``options`` for its runner (e.g. ``handler_cancellation=True``): its runner, to clean up,
+    and its port."""
+    runner = web.AppRunner(app, access_log=None, **options)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
@@ -207,6 +208,17 @@ async def serve_runtime(runtime: Any) -> tuple[web.ServerRunner, int]:
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     return runner, site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+
+
+async def leave_the_queue(sluice: Any, call: Coroutine[Any, Any, object], route: str) -> None:
+    """Be a caller that leaves while queued: send ``call`` (a request to ``sluice``), wait
+    until it is in ``route``'s queue, cancel it, and wait until that queue is empty again."""
+    task = asyncio.create_task(call)
+    await sluice.wait_metric("sluice_queue_depth", 1, route=route)
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    await sluice.wait_metric("sluice_queue_depth", 0, route=route)
 
 
 async def leave_mid_body(sluice: Any, path: str, headers: bytes = b"") -> None:

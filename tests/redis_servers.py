@@ -13,16 +13,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -203,6 +206,27 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClu
         yield cluster
     finally:
         cluster.stop()
+
+
+@contextlib.asynccontextmanager
+async def replica_process(script: str, state: Any, lease_s: float, ready: bytes
+                          ) -> AsyncIterator[subprocess.Popen[bytes]]:
+    """A replica of its own process, to kill with SIGKILL: ``script`` (Python source that
+    reads the Redis URL, the key prefix and the lease seconds from ``argv``) run against
+    ``state`` (a :class:`policies.state.RedisState`), once it has printed ``ready``. Killed
+    and reaped on the way out."""
+    repo = Path(__file__).resolve().parent.parent
+    child = subprocess.Popen(
+        [sys.executable, "-c", script, state.url, state.prefix, str(lease_s)],
+        cwd=repo, stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(repo)})
+    try:
+        assert child.stdout is not None
+        line = await asyncio.to_thread(child.stdout.readline)
+        assert line.strip() == ready, line
+        yield child
+    finally:
+        child.kill()
+        child.wait()
 
 
 def new_prefix() -> str:

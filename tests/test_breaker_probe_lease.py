@@ -12,12 +12,8 @@ seconds, and wait on conditions with generous bounds (the old lease was 30 s).
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import aiohttp
 import pytest
@@ -28,10 +24,9 @@ from policies.reasons import Rejected
 from policies.state import StateBackends
 from policies.state.breaker import FAILURE, NEUTRAL, SUCCESS
 from tests.conftest import route
-from tests.redis_servers import replica
+from tests.redis_servers import replica, replica_process
 from tests.test_shared_rate_budget import own_state, post, replicas
 
-REPO = Path(__file__).resolve().parent.parent
 #: ``state.lease`` in these tests, seconds.
 LEASE_S = 1.0
 #: How long a test waits for what should happen within about one lease: far under the old
@@ -194,13 +189,7 @@ async def test_a_replica_killed_mid_probe_lets_another_probe_within_a_lease(
     state = backends.redis
     assert state is not None
     backends.lease_s = LEASE_S
-    child = subprocess.Popen(
-        [sys.executable, "-c", _PROBER, state.url, state.prefix, str(LEASE_S)],
-        cwd=REPO, stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(REPO)})
-    try:
-        assert child.stdout is not None
-        line = await asyncio.to_thread(child.stdout.readline)
-        assert line.strip() == b"probing", line
+    async with replica_process(_PROBER, state, LEASE_S, b"probing") as child:
         b = breaker(backends)
         loop = asyncio.get_running_loop()
         until = loop.time() + 3 * LEASE_S
@@ -213,9 +202,6 @@ async def test_a_replica_killed_mid_probe_lets_another_probe_within_a_lease(
         second = await probe_of(b)
         await b.record(second, SUCCESS, 200)
         assert b.current == "closed"
-    finally:
-        child.kill()
-        child.wait()
 
 
 _PROBER = """

@@ -36,7 +36,7 @@ from proxy.forward import MCP_ANSWER, Finish, _relay_chunk
 from proxy.runtime import Runtime
 from proxy.server import build_proxy_server
 from tests import mcp_servers
-from tests.conftest import wait_until
+from tests.conftest import leave_the_queue, serve_app, wait_until
 from tests.redis_servers import TEST_TIMEOUT_S, delete_prefix, new_prefix, require_redis
 from tests.test_reload import rewrite, set_limit
 
@@ -193,11 +193,7 @@ class ScriptedMcp:
     async def start(self) -> ScriptedMcp:
         app = web.Application()
         app.router.add_post("/mcp", self._post)
-        self.runner = web.AppRunner(app, handler_cancellation=True)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.runner, self.port = await serve_app(app, handler_cancellation=True)
         return self
 
     async def stop(self) -> None:
@@ -297,6 +293,17 @@ async def noticed_leaving(sluice: Any, scripted: ScriptedMcp) -> None:
     raise AssertionError("Sluice did not see the caller leave")
 
 
+async def retried_while_finishing(waits_on: Any, http: aiohttp.ClientSession, url: str,
+                                  scripted: ScriptedMcp) -> tuple[int, str, str]:
+    """The caller's retry while its first call is finished without it: sent to ``url``, seen
+    waiting on the key at ``waits_on`` (the Sluice it went to), then the upstream let
+    answer; the retry's status, ``Idempotent-Replayed`` and body."""
+    waiting = asyncio.create_task(retry(http, url))
+    await waits_on.wait_metric("sluice_idempotency_waiting", 1, route="tools")
+    scripted.release.set()
+    return await waiting
+
+
 async def retry(http: aiohttp.ClientSession, url: str, rpc_id: int = 2) -> tuple[int, str, str]:
     """The caller's retry of CALL under a new id: status, ``Idempotent-Replayed``, body."""
     async with http.post(url, json={**CALL, "id": rpc_id}, headers=HEADERS) as r:
@@ -369,12 +376,7 @@ async def test_a_caller_leaving_while_queued_is_let_go_at_once(scripted, start_s
             async with http.post(url, json=other, headers=HEADERS) as r:
                 await r.read()
 
-        task = asyncio.create_task(queued())
-        await sluice.wait_metric("sluice_queue_depth", 1, route="tools")
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        await sluice.wait_metric("sluice_queue_depth", 0, route="tools")
+        await leave_the_queue(sluice, queued(), "tools")
         scripted.release.set()
         assert (await first)[0] == 200
     await assert_all_given_back(sluice)
@@ -580,10 +582,7 @@ async def test_a_reload_while_a_call_finishes_without_its_caller(scripted, start
         await sluice.wait_metric("sluice_config_reloads_total", 1)
         await sluice.wait_metric("sluice_concurrency_limit", 2, route="tools")
         assert await admin_inflight(sluice) == 1
-        waiting = asyncio.create_task(retry(http, url))
-        await sluice.wait_metric("sluice_idempotency_waiting", 1, route="tools")
-        scripted.release.set()
-        status, replayed, body = await waiting
+        status, replayed, body = await retried_while_finishing(sluice, http, url, scripted)
     assert (status, replayed) == (200, "true") and "done #1" in body
     assert scripted.calls == 1
     await assert_all_given_back(sluice)
@@ -664,10 +663,8 @@ async def test_with_shared_state_the_retry_on_another_replica_gets_the_finished_
         async with aiohttp.ClientSession() as http:
             await leave_a_call(http, first.url + "/tools/mcp", scripted, after_first_event=True)
             await noticed_leaving(first, scripted)
-            waiting = asyncio.create_task(retry(http, second.url + "/tools/mcp"))
-            await second.wait_metric("sluice_idempotency_waiting", 1, route="tools")
-            scripted.release.set()
-            status, replayed, body = await waiting
+            status, replayed, body = await retried_while_finishing(
+                second, http, second.url + "/tools/mcp", scripted)
         assert (status, replayed) == (200, "true") and "done #1" in body
         assert scripted.calls == 1
         await assert_all_given_back(first)

@@ -4,21 +4,15 @@ a replica killed with SIGKILL (a real process) whose slots free within one lease
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from policies.state import StateBackends, memory_backends
 from policies.state.errors import StateUnavailable
 from policies.state.leases import LIMIT, TENANT, Lease, acquire_lease, wait_for_slot
-from tests.redis_servers import replica
-
-REPO = Path(__file__).resolve().parent.parent
+from tests.redis_servers import replica, replica_process
 
 
 async def test_slots_up_to_the_limit_and_the_tenant_cap_first(backends: StateBackends):
@@ -120,13 +114,7 @@ async def test_a_replica_killed_with_sigkill_frees_its_slots_within_the_lease_ti
     state = backends.redis
     assert state is not None
     lease_s = 0.3
-    child = subprocess.Popen(
-        [sys.executable, "-c", _HOLDER, state.url, state.prefix, str(lease_s)],
-        cwd=REPO, stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(REPO)})
-    try:
-        assert child.stdout is not None
-        line = await asyncio.to_thread(child.stdout.readline)
-        assert line.strip() == b"held", line
+    async with replica_process(_HOLDER, state, lease_s, b"held") as child:
         await asyncio.sleep(lease_s * 1.5)  # the child's renewals keep both slots
         assert await backends.leases.counts("r", "t") == (2, 2)
         child.send_signal(signal.SIGKILL)
@@ -139,9 +127,6 @@ async def test_a_replica_killed_with_sigkill_frees_its_slots_within_the_lease_ti
                 break
             assert asked - killed < lease_s + 0.15
             await asyncio.sleep(0.02)
-    finally:
-        child.kill()
-        child.wait()
 
 
 _HOLDER = """
