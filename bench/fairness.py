@@ -237,7 +237,16 @@ def scheduler_section(args: argparse.Namespace) -> tuple[str, dict[str, object]]
         "p95_s": scheduler.percentile(values, .95), "p99_s": scheduler.percentile(values, .99)}
         for name, waits in results.items() for key, values in waits.items()}
     record["light_alone_p95_s"] = unloaded
-    return f"{title}\n{scheduler.table(results, unloaded)}", record
+    # What a hand-over costs as the queue holds more tenants: aging against none (the same
+    # limiter, one candidate a class either way, so the cost should not grow with tenants).
+    costs = {n: (scheduler.hand_over_cost(n, None), scheduler.hand_over_cost(n, args.sim_aging))
+             for n in (128, 1_000, 5_000)}
+    record["hand_over_us"] = {str(n): {"no_aging": off, "aging": on}
+                              for n, (off, on) in costs.items()}
+    lines = ["hand-over CPU, one call queued per tenant: tenants  no aging  aging  ratio"]
+    lines += [f"{'':<48}{n:>7}  {off:>6.1f}  {on:>5.1f}  {on / off:>4.2f}x"
+              for n, (off, on) in costs.items()]
+    return f"{title}\n{scheduler.table(results, unloaded)}\n" + "\n".join(lines), record
 
 
 def cancel_to_quiet(workdir: Path, rounds: int) -> tuple[str, list[float]]:

@@ -168,6 +168,16 @@ class LimiterProgram(RuleBasedStateMachine):
         self.vnow = dict(limiter.vnow)
 
     @invariant()
+    def no_waiter_is_behind_its_class(self) -> None:
+        # Calls are tagged at or past their class's time and served smallest tag first, so a
+        # class's time never passes a call still waiting in it: the call with the smallest tag
+        # is the only one of its class that may age (the limiter looks at no other).
+        if not hasattr(self, "limiter"):
+            return
+        vnow = self.limiter.vnow
+        assert all(w.tag >= vnow.get(w.cls, 0.0) for w in self.limiter.waiters())
+
+    @invariant()
     def tasks_end_only_as_documented(self) -> None:
         for task, _ in getattr(self, "tasks", ()):
             if task.done() and not task.cancelled():
