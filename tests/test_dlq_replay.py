@@ -229,12 +229,19 @@ async def test_a_replayed_letter_is_the_answer_to_its_keys_later_retry(upstream,
 
         letter = await dead_letter(sluice, upstream, "pay-46")
         sent = len(upstream.requests)
+        # The retry stays at the upstream until the replay has been refused: a fixed delay
+        # was outrun by the CLI's start on a loaded machine (the retry had been answered).
+        upstream.hold = asyncio.Event()
         async with aiohttp.ClientSession() as s:
             retry = asyncio.create_task(s.post(
                 sluice.url + "/openai" + CHAT, json=BODY,
-                headers={**headers, "Idempotency-Key": "pay-46", "x-fake-delay": "2"}))
+                headers={**headers, "Idempotency-Key": "pay-46"}))
             await wait_until(lambda: len(upstream.requests) == sent + 1)
-            code, _, err = await outcome(await cli("dlq", "replay", letter, "--config", config))
+            try:
+                code, _, err = await outcome(
+                    await cli("dlq", "replay", letter, "--config", config))
+            finally:
+                upstream.hold.set()
             async with await retry as r:
                 assert r.status == 200
                 await r.read()
