@@ -99,6 +99,38 @@ class _TooManyValues(Exception):
     pass
 
 
+#: Deepest nesting of lists and mappings a config may have: far beyond a real one (under 10).
+MAX_CONFIG_DEPTH = 64
+
+
+def _too_deep(text: str) -> int | None:
+    """The line (1-based) where ``text`` nests lists or mappings more than
+    :data:`MAX_CONFIG_DEPTH` deep, read by libyaml's parser (C); ``None`` if it does not, or
+    if libyaml is missing or finds another fault (the full parse then reports that).
+
+    PyYAML's own scanner takes time quadratic in the depth of flow collections on one line
+    (``[[[...``: its simple-key bookkeeping is scanned at each token), so refusing a file of
+    50,000 such levels took 3 to 9 s of a reload thread; libyaml takes 2 ms."""
+    if not yaml.__with_libyaml__:
+        return None
+    depth = 0
+    try:
+        for event in yaml.parse(text, Loader=yaml.CSafeLoader):
+            if isinstance(event, (yaml.SequenceStartEvent, yaml.MappingStartEvent)):
+                depth += 1
+                if depth > MAX_CONFIG_DEPTH:
+                    return event.start_mark.line + 1
+            elif isinstance(event, (yaml.SequenceEndEvent, yaml.MappingEndEvent)):
+                depth -= 1
+    except yaml.MarkedYAMLError as exc:
+        # libyaml's own bound (1,000 levels) is met while scanning ahead, before the events.
+        if "nesting depth" in str(exc.problem) and exc.problem_mark is not None:
+            return exc.problem_mark.line + 1
+    except yaml.YAMLError:
+        pass
+    return None
+
+
 def _walk(node: yaml.Node, path: Path_, marks: dict[Path_, int],
           problems: list[tuple[Path_, int, str]], budget: list[int],
           inside: frozenset[int] = frozenset()) -> None:
@@ -249,6 +281,10 @@ def parse_config(text: str, filename: str = "<config>", base: Path | None = None
 
 
 def _parse_config(text: str, filename: str, base: Path) -> Config:
+    deep = _too_deep(text)
+    if deep is not None:
+        raise ConfigError([f"{filename}:{deep}: (yaml): nested too deeply (more than "
+                           f"{MAX_CONFIG_DEPTH} levels of lists and mappings)"])
     try:
         loader = StrictLoader(text)
         try:
@@ -391,6 +427,9 @@ def parse_tenants(text: str, source: str) -> dict[str, str]:
         ConfigError: one ``SOURCE:LINE: identity.tenants: PROBLEM`` line per problem.
     """
     where = f"{source}:{{}}: identity.tenants"
+    deep = _too_deep(text)
+    if deep is not None:
+        raise ConfigError([f"{where.format(deep)}: nested too deeply"])
     try:
         loader = StrictLoader(text)
         try:

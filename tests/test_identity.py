@@ -181,6 +181,7 @@ async def test_unknown_keys_can_go_to_a_configured_tenant(upstream, start_sluice
     (f"{digest('k')}: team a\n", 1, "visible ASCII"),
     (f"{digest('k')}: a\n{digest('k').upper()}: b\n", 2, "listed twice"),
     ("[a, b]\n", 1, "must be a mapping"),
+    (f"{digest('k')}: a\nx: " + "[" * 5_000 + "]" * 5_000 + "\n", 2, "nested too deeply"),
 ])
 def test_check_config_validates_the_tenants_file_without_echoing_keys(
         tmp_path, capsys, table, line, problem):
