@@ -275,6 +275,10 @@ def print_timeline(run_id: str, paths: Sequence[str], out: IO[str],
         of = f" of tenant {tenant!r}" if tenant is not None else ""
         print(f"no events for run {run_id!r}{of} in {', '.join(paths)}", file=sys.stderr)
         return 1
+    tenants = sorted({str(ev.get("tenant") or "-") for ev in events})
+    if tenant is None and len(tenants) > 1:  # runs are per tenant: say whose are merged
+        print(f"note: {len(tenants)} tenants have a run {run_id!r} ({', '.join(tenants)}): "
+              "their events are shown together; --tenant NAME shows one", file=sys.stderr)
     out.write(render(run_id, events))
     return 0
 

@@ -117,9 +117,12 @@ def test_tenant_picks_one_tenants_run_of_an_id(tmp_path):
         for ts, tenant in ((1, "team-a"), (2, "team-b"), (3, "team-a"))))
     both = timeline("run-1", "--events", str(log))
     assert both.returncode == 0 and "3 event(s)" in both.stdout, both.stderr
+    # Said, as a new user read three tenants' run as one run's summary (a README trial).
+    assert ("note: 2 tenants have a run 'run-1' (team-a, team-b): their events are shown "
+            "together; --tenant NAME shows one") in both.stderr
     one = timeline("run-1", "--tenant", "team-b", "--events", str(log))
     assert one.returncode == 0 and "1 event(s)" in one.stdout, one.stderr
-    assert "team-a" not in one.stdout
+    assert "team-a" not in one.stdout and "note:" not in one.stderr
     none = timeline("run-1", "--tenant", "team-c", "--events", str(log))
     assert none.returncode == 1 and "no events for run 'run-1' of tenant 'team-c'" in (
         none.stderr)
