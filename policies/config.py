@@ -236,6 +236,11 @@ class ServerConfig(_Section):
     min_body_rate: int = Field(default=1024, ge=0)
     #: A keep-alive connection idle this long between requests is closed, seconds.
     idle_timeout: PositiveDuration = 75.0
+    #: A caller's EOF (a FIN) after whole requests ends them as a caller that left (HAProxy's
+    #: ``option abortonclose``, Pingora's ``abort_on_close``). ``False``: it is read as a
+    #: half-close (``shutdown(SHUT_WR)``) and the requests are answered; TCP cannot tell the
+    #: two apart, so a caller that left is then seen only once its answer cannot be written.
+    abort_on_close: bool = True
     #: Connections open at once on the proxy port; beyond it a new one takes the place of the
     #: oldest idle one, or is answered 503 ``too_many_connections`` and closed.
     max_connections: int = Field(default=1000, gt=0)

@@ -219,7 +219,8 @@ class Outcome:
 REFUSED = Outcome("rejected", reached=False)
 #: The caller left, or something failed, before anything reached the upstream.
 ABANDONED = Outcome("client_disconnected", reached=False)
-#: The drain cut the call before it was admitted (still queued, or handed a slot the cut freed).
+#: The drain cut the call before it was admitted, its connection already gone (one still there
+#: is refused 503 ``draining`` instead: ``proxy.handler``).
 DRAIN_CUT = Outcome("drain_cut", reached=False)
 
 

@@ -17,6 +17,13 @@
   else 408 and close;
 * ``idle_timeout``: a keep-alive connection idle between requests is closed (aiohttp's own
   keep-alive timer);
+* ``abort_on_close``: a caller's EOF (a FIN) is a caller that left: the connection closes and
+  its call is cut (its queue place, slot and upstream request freed). TCP cannot tell that
+  from a half-close (``shutdown(SHUT_WR)``: ``nc -N``, some HTTP/1.0 clients); with
+  ``abort_on_close: false`` an EOF after whole requests is read as one, and they are
+  answered, the connection closed after the last (HAProxy without ``option abortonclose``),
+  while an EOF idle or with part of a head or body sent is still a caller that left
+  (:meth:`EdgeProtocol.eof_received`);
 * a request head (request line and headers) over ``MAX_HEAD_BYTES`` (60 KiB, Envoy's default
   ``max_request_headers_kb``) is answered 431 ``headers_too_large`` and the connection closed
   as soon as that many bytes of it have arrived. aiohttp's own bounds (8190 bytes a line, 128
@@ -573,6 +580,32 @@ class EdgeProtocol(RequestHandler):
             self._edge.open -= 1
         self._disarm()
         super().connection_lost(exc)
+
+    def eof_received(self) -> bool:
+        """The caller's EOF: whether to keep the connection open for writing (``False``
+        closes it, and aiohttp then cancels the call being served, as for any caller gone).
+
+        By default (``abort_on_close``) the caller has left: a FIN from a closed socket and
+        one from ``shutdown(SHUT_WR)`` look the same, and nearly every client that sends one
+        while its answer is pending is gone (an SDK's timeout, a cancelled task), so its
+        upstream call and queue place are freed at once. With ``abort_on_close: false`` and
+        every request it sent whole (being served, or queued behind one), it is read as a
+        half-close: the connection stays open to carry the answers and closes after the last
+        one. Idle, or with part of a head or body in, the caller has left either way."""
+        if (self._settings.abort_on_close or self._refused is not None
+                or self._phase != _READ or self.transport is None
+                or (self._waiter is not None and not self._messages)):
+            return False
+        messages = self._messages
+        if not messages:  # the last request is being served: close once it is answered
+            self._close = True
+            return True
+        message, payload = messages[-1]
+        if isinstance(message, RawRequestMessage):  # the last one says so in its answer
+            messages[-1] = (message._replace(should_close=True), payload)
+        else:  # a parse error's answer closes the connection anyway
+            self._close = True
+        return True
 
     @property
     def between_requests(self) -> bool:

@@ -180,8 +180,10 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
         rt.buffered_bytes -= hold[0] - len(body)
         hold[0] = len(body)
     if rt.draining:  # after the read, so an MCP caller's error carries its request id
-        return _reject(rt, route, Rejected(Reason.DRAINING, DRAINING_RETRY_AFTER_S), request_id,
-                       tenant, run, body)
+        refused = _reject(rt, route, Rejected(Reason.DRAINING, DRAINING_RETRY_AFTER_S),
+                          request_id, tenant, run, body)
+        refused.force_close()  # the process is going away: the next call goes elsewhere
+        return refused
     traffic: mcp.Traffic = "call"
     operation = None
     if route.protocol == "mcp":
@@ -218,8 +220,15 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
     try:
         try:
             if traffic == "call":  # MCP control and stream traffic take nothing
-                await admission.admit(plan.policies if run is not None else plan.runless,
-                                      call)
+                # Registered while admission may wait (a queue, a twin's answer, the shared
+                # state): the drain answers such calls 503 draining when it ends (_drained).
+                waiting = rt.admitting
+                waiting[call] = asyncio.current_task()
+                try:
+                    await admission.admit(plan.policies if run is not None else plan.runless,
+                                          call)
+                finally:
+                    del waiting[call]
         except Rejected as rejected:
             outcome = REFUSED
             return refuse(rt, route, rejected, request_id, tenant, run, call.idempotency_key,
@@ -228,12 +237,10 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
             outcome = Outcome("replayed", reached=False, status=replay.record.status)
             return _replay(rt, route, call, replay)
         if rt.cutting:
-            # Handed a slot that the drain's cut freed: cut too, rather than sent upstream as
-            # the process stops (whichever of the two the shutdown cancelled first decided).
-            outcome = DRAIN_CUT
-            if request.transport is not None:
-                request.transport.close()
-            return web.Response(status=503)  # never sent: the connection is closed
+            # Admitted as the drain ends (a slot the cut freed): refused, rather than sent
+            # upstream as the process stops; nothing was sent, so the caller may retry it.
+            outcome = REFUSED
+            return _drained(rt, route, call)
 
         # Admitted: from here the outcome is the upstream's, or why there was none. The
         # route's in-flight count is the handler's own: taken here, after admitted_at is set,
@@ -282,6 +289,14 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
             _leave(rt, call, request, finish)
         if call.cancelled is not None:  # its run was cancelled (POST /admin/runs/.../cancel)
             return await _run_cancelled(rt, route, call, request, bool(admitted_at), finish)
+        if rt.cutting and not admitted_at and request.transport is not None:
+            # Still queued (or otherwise admitting) when the drain ended: it never reached
+            # the upstream, so it is answered 503 draining, not cut (Runtime.refuse_waiting).
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()
+            outcome = REFUSED
+            return _drained(rt, route, call)
         # Cancelled: by the caller leaving, or by the drain cutting what outlived it.
         if admitted_at:
             label = "drain_cut" if rt.cutting else "client_disconnected"
@@ -585,6 +600,20 @@ def _reject(rt: Runtime, route: Route, rejected: Rejected, request_id: str, tena
     """Refuse before the call is built: the refusal, and the request's ``rejected`` outcome."""
     route.metrics.outcomes["rejected"].inc()
     return refuse(rt, route, rejected, request_id, tenant, run, None, body)
+
+
+def _drained(rt: Runtime, route: Route, call: Call) -> web.Response:
+    """The answer to a call the drain ended before it was admitted (queued, waiting for a
+    twin's answer or the shared state): 503 ``draining`` in the route's shape, counted and
+    logged as a refusal (its holdings go back as any refusal's do, in the handler's
+    ``finally``), and the connection closed, since the process is going away."""
+    response = refuse(rt, route, Rejected(Reason.DRAINING, DRAINING_RETRY_AFTER_S,
+                                          "the drain ended before this call was admitted; "
+                                          "nothing was sent upstream"),
+                      call.request_id, call.tenant, call.run, call.idempotency_key, call.body,
+                      call.operation)
+    response.force_close()
+    return response
 
 
 def _replay(rt: Runtime, route: Route, call: Call, replay: Replay) -> web.Response:

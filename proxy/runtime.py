@@ -16,6 +16,7 @@ from policies.budget import clock_from_env
 from policies.config import Config, RunConfig
 from policies.deadletter import DeadLetterQueue
 from policies.operations import width_limiters
+from policies.pipeline import Call
 from policies.runs import FanoutWidth, RunLimits, RunRegistry
 from policies.state import StateBackends, backends_for
 from policies.state.connection import redact_url
@@ -73,6 +74,10 @@ class Runtime:
         #: in flight and present on its route until it ends: the drain waits for them, and
         #: cancels those left when it cuts.
         self.finishing: set[asyncio.Task[Any]] = set()
+        #: Calls in admission (queued for a slot or a run's width, waiting for a twin's answer
+        #: or the shared state), each with its handler's task (``proxy.handler``): what
+        #: :meth:`refuse_waiting` answers when the drain ends.
+        self.admitting: dict[Call, asyncio.Task[Any]] = {}
         self.metrics.finishing.set_function(lambda: len(self.finishing))
         self.session: aiohttp.ClientSession | None = None
         #: Run trees, counts and cancellations, shared by every route (policies/runs.py),
@@ -181,6 +186,20 @@ class Runtime:
         if ending:
             log.info("cancel of run %s of tenant %s heard from the shared state: %d call(s) "
                      "here told to end", run, tenant, ending)
+
+    def refuse_waiting(self) -> list[asyncio.Task[Any]]:
+        """End every call still in admission when the drain ends (:attr:`cutting` set first):
+        its handler task is cancelled wherever it waits, and the handler, seeing
+        :attr:`cutting`, answers it 503 ``draining`` (it never reached the upstream) and gives
+        its holdings back as any refusal does. Returns those tasks, for the drain to wait for
+        their answers to be written before the shutdown cuts what is left.
+
+        Called before anything in flight is cut, so no waiter is left to be handed a slot
+        that the cut frees."""
+        tasks = [task for task in self.admitting.values() if not task.done()]
+        for task in tasks:
+            task.cancel()
+        return tasks
 
     def next_request_id(self) -> str:
         """A request id unique to this process (cheaper than a UUID on the hot path)."""

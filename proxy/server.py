@@ -2,10 +2,14 @@
 
 SIGTERM (or SIGINT) starts a drain, as Kubernetes expects of a pod being stopped: ``/readyz``
 turns 503 at once so the endpoint is taken out of rotation, new requests on the proxy port get
-503 ``draining`` (the listener stays open, so a caller gets an answer rather than a refused
-connection), and in-flight requests get up to ``server.drain_timeout`` seconds to finish before
-the remaining ones are cut and the process exits. A second SIGTERM or SIGINT (Ctrl-C again)
-cuts them at once.
+503 ``draining`` with ``Connection: close`` (the listener stays open, so a caller gets an
+answer rather than a refused connection), and the requests already in (in flight and queued)
+get up to ``server.drain_timeout`` seconds to finish. Then those not admitted yet (queued for
+a slot or a run's width, here or on the shared Redis queue, or waiting for a twin's answer)
+are answered 503 ``draining`` in their route's shape, since nothing of them reached the
+upstream, and those answers are written before the rest (in flight, or still sending their
+body) are cut and the process exits. A second SIGTERM or SIGINT (Ctrl-C again) does the same
+at once.
 
 SIGHUP, or a change of the config file, reloads the config in place (:mod:`proxy.reload`).
 """
@@ -279,10 +283,12 @@ def _log_held(filters: list[tuple[logging.Handler, RepeatFilter]], final: bool =
 
 async def _drain(runtime: Runtime, timeout_s: float, hurry: asyncio.Event) -> None:
     """Wait up to ``timeout_s`` for every call present to end, or until ``hurry`` is set (a
-    second SIGTERM or Ctrl-C), then cut what is left."""
+    second SIGTERM or Ctrl-C); then answer those not admitted yet 503 ``draining`` and wait
+    (up to ``SHUTDOWN_GRACE_S``) for those answers to be written, leaving what is in flight
+    for :func:`serve`'s shutdown of the proxy port to cut."""
     runtime.draining = True
     # Queued calls are waited for too, as Envoy and HAProxy do: each is admitted as a slot
-    # frees, or refused when its max_wait ends; only what outlives the timeout is cut.
+    # frees, or refused when its max_wait ends; only what outlives the timeout is ended.
     inflight = runtime.inflight
     log.info("draining: %d request(s) in flight, %d more waiting or being read, waiting up "
              "to %gs (a second SIGTERM or Ctrl-C cuts them now)", inflight,
@@ -293,9 +299,17 @@ async def _drain(runtime: Runtime, timeout_s: float, hurry: asyncio.Event) -> No
         await asyncio.sleep(DRAIN_POLL_S)
     if runtime.present:
         runtime.cutting = True
-        log.warning("%s: cutting %d request(s) still in flight and %d waiting",
-                    "second stop signal" if hurry.is_set() else "drain timeout",
-                    runtime.inflight, runtime.present - runtime.inflight)
+        # Calls not admitted yet (queued, mostly) never reached the upstream: each is answered
+        # 503 draining, and those answers are written before aiohttp's shutdown cancels the
+        # handlers; only then is what is in flight (or still being read) cut.
+        answering = runtime.refuse_waiting()
+        inflight = runtime.inflight
+        log.warning("%s: cutting %d request(s) still in flight and %d being read; %d waiting "
+                    "answered 503 draining",
+                    "second stop signal" if hurry.is_set() else "drain timeout", inflight,
+                    max(runtime.present - inflight - len(answering), 0), len(answering))
+        if answering:
+            await asyncio.wait(answering, timeout=SHUTDOWN_GRACE_S)
         # MCP calls being finished after their callers left are no handler's: aiohttp's
         # shutdown does not cut them, so the drain does (each gives its holdings back as it
         # ends), and waits for them to have ended.

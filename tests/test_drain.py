@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import subprocess
 import sys
@@ -11,7 +12,11 @@ from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
 
+from proxy.config import parse_config
+from proxy.runtime import Runtime
+from proxy.server import PROXY_SHUTDOWN_GRACE_S, _drain, build_proxy_server
 from tests.conftest import free_ports, route, status_of, wait_until
 from tests.redis_servers import delete_prefix, new_prefix, require_redis
 
@@ -68,6 +73,7 @@ async def test_sigterm_drains_in_flight_work_and_refuses_new(upstream, start_slu
             assert r.headers["X-Sluice-Reason"] == "draining"
             assert r.headers["Retry-After"] == "1"
             assert r.headers["x-should-retry"] == "true"
+            assert r.headers["Connection"] == "close"  # its next call goes to another replica
             assert (await r.json())["error"]["code"] == "draining"
         # An MCP caller gets a JSON-RPC error for its own request id.
         async with session.post(sluice.url + "/mcp/mcp", json={
@@ -113,35 +119,186 @@ async def test_work_past_drain_timeout_is_cut_and_the_process_exits(upstream, st
     assert completed["outcome"] == "drain_cut"
 
 
-async def test_a_call_still_queued_at_the_drain_timeout_is_logged_as_cut(upstream, start_sluice):
-    # Seen in a hostile trial: a queued call cut by the drain logged only `enqueued` (in flight
-    # forever on the timeline) and was counted client_disconnected, blaming its caller.
-    sluice, url = await openai_sluice(start_sluice, upstream, "500ms",
-                                      concurrency={"limit": 1, "queue": 1, "max_wait": "60s"})
-    upstream.hold = asyncio.Event()  # never set: neither call ends before the cut
-    async with aiohttp.ClientSession() as session:
-        # One after the other: sent together, "queued" could take the slot first (a loaded
-        # run failed so).
-        calls = [asyncio.create_task(status_of(session, url, CHAT, {"X-Request-ID": "held"}))]
-        await wait_until(lambda: upstream.inflight == 1, what="one call at the upstream")
-        calls.append(asyncio.create_task(status_of(session, url, CHAT,
-                                                   {"X-Request-ID": "queued"})))
-        await sluice.wait_metric("sluice_queue_depth", 1, route="openai")
-        sluice.signal(signal.SIGTERM)
-        for outcome in await asyncio.gather(*calls, return_exceptions=True):
-            assert isinstance(outcome, aiohttp.ClientError)  # cut: no answer
-        assert await sluice.wait_exit(timeout=30) == 0
-    assert "drain timeout: cutting 1 request(s) still in flight and 1 waiting" in sluice.stderr()
+def _by_request(events: list[dict]) -> dict[str, list[dict]]:
     by_request: dict[str, list[dict]] = {}
-    for event in sluice.events():
+    for event in events:
         by_request.setdefault(event.get("request_id"), []).append(event)
-    assert [e["event"] for e in by_request["queued"]] == ["enqueued", "completed"]
-    cut = by_request["queued"][-1]
-    assert (cut["status"], cut["outcome"]) == (0, "drain_cut")
-    assert cut["waited_s"] > 0
-    assert [e["event"] for e in by_request["held"]] == ["admitted", "completed"]
-    assert by_request["held"][-1]["outcome"] == "drain_cut"
-    assert len(upstream.requests) == 1  # the held call's slot, freed by the cut, went to none
+    return by_request
+
+
+def _tool_call(call_id: int) -> dict:
+    return {"jsonrpc": "2.0", "id": call_id, "method": "tools/call",
+            "params": {"name": "search", "arguments": {}}}
+
+
+async def _answer(session: aiohttp.ClientSession, url: str, body: dict,
+                  headers: dict[str, str]) -> tuple[int, dict[str, str], dict]:
+    async with session.post(url, json=body, headers=headers) as r:
+        return r.status, dict(r.headers), await r.json(content_type=None)
+
+
+async def test_calls_still_queued_when_the_drain_ends_are_answered_503_not_cut(upstream,
+                                                                               start_sluice):
+    # A queued call never reached the upstream: a closed connection told its caller nothing
+    # (an SDK cannot tell whether a POST cut so ran). Each queue answers in its route's shape:
+    # a route's slot queue, an MCP route's (a JSON-RPC error for its id) and a run's width
+    # queue (fanout.width); the calls at the upstream are still cut.
+    sluice = await start_sluice({
+        "server": {"drain_timeout": "500ms"},
+        "routes": [
+            route("openai", upstream.url, "openai",
+                  concurrency={"limit": 1, "queue": 1, "max_wait": "60s"}),
+            route("mcp", upstream.url, "mcp",
+                  concurrency={"limit": 1, "queue": 1, "max_wait": "60s"}),
+            route("tools", upstream.url, "http", fanout={"width": 1, "max_wait": "60s"}),
+        ],
+    })
+    upstream.hold = asyncio.Event()  # never set: the held calls end only by the cut
+    openai_url = sluice.url + "/openai/v1/chat/completions"
+    mcp_url, tools_url = sluice.url + "/mcp/mcp", sluice.url + "/tools/x"
+    run = {"X-Run-ID": "run-1"}
+    async with aiohttp.ClientSession() as session:
+        # One after the other: sent together, a queued call could take the slot first.
+        held: list[asyncio.Task] = []
+
+        async def hold(url: str, body: dict, headers: dict[str, str]) -> None:
+            index = len(held)
+            held.append(asyncio.create_task(
+                _answer(session, url, body, {"X-Request-ID": f"held-{index}", **headers})))
+            await wait_until(lambda: upstream.inflight == index + 1,
+                             what=f"held call {index} at the upstream")
+
+        await hold(openai_url, CHAT, {})
+        await hold(mcp_url, _tool_call(6), {})
+        await hold(tools_url, {"n": 1}, run)
+        queued = [
+            asyncio.create_task(_answer(session, openai_url, CHAT, {"X-Request-ID": "q-openai"})),
+            asyncio.create_task(_answer(session, mcp_url, _tool_call(7),
+                                        {"X-Request-ID": "q-mcp"})),
+            asyncio.create_task(_answer(session, tools_url, {"n": 2},
+                                        {"X-Request-ID": "q-tools", **run})),
+        ]
+        await wait_until(lambda: {e["request_id"] for e in sluice.events()
+                                  if e["event"] == "enqueued"} == {"q-openai", "q-mcp", "q-tools"},
+                         what="the three calls queued")
+        sluice.signal(signal.SIGTERM)
+        for outcome in await asyncio.gather(*held, return_exceptions=True):
+            assert isinstance(outcome, aiohttp.ClientError)  # cut: no answer
+        (s_openai, h_openai, b_openai), (s_mcp, h_mcp, b_mcp), (s_tools, h_tools, b_tools) = (
+            await asyncio.gather(*queued))
+        assert await sluice.wait_exit(timeout=30) == 0
+
+    assert s_openai == 503 and b_openai["error"]["code"] == "draining"
+    assert b_openai["error"]["type"] == "server_error"
+    assert s_tools == 503 and b_tools["error"]["reason"] == "draining"
+    assert b_tools["error"]["retry_after_s"] == 1.0
+    # MCP: HTTP 200 with a JSON-RPC error for its own id (an HTTP error status would end a
+    # 1.x client's whole session, docs/mcp.md), as for the drain's other refusals.
+    assert s_mcp == 200 and b_mcp["id"] == 7
+    assert b_mcp["error"]["code"] == 503 and b_mcp["error"]["data"]["reason"] == "draining"
+    for headers in (h_openai, h_mcp, h_tools):
+        assert headers["X-Sluice-Reason"] == "draining"
+        assert headers["Retry-After"] == "1" and headers["x-should-retry"] == "true"
+        assert headers["Connection"] == "close"  # the process is going away
+
+    stderr = sluice.stderr()
+    assert ("drain timeout: cutting 3 request(s) still in flight and 0 being read; "
+            "3 waiting answered 503 draining") in stderr
+    assert "Traceback" not in stderr
+    by_request = _by_request(sluice.events())
+    for request_id in ("q-openai", "q-mcp", "q-tools"):
+        # Counted and logged as a refusal (sluice_rejections_total{reason="draining"}), as
+        # a queue_timeout is: `enqueued` then `rejected`, and no `completed` event.
+        assert [e["event"] for e in by_request[request_id]] == ["enqueued", "rejected"]
+        assert by_request[request_id][-1]["reason"] == "draining"
+    for index in range(3):
+        events = by_request[f"held-{index}"]
+        assert [e["event"] for e in events] == ["admitted", "completed"]
+        assert events[-1]["outcome"] == "drain_cut"
+    # The held calls' slots, freed by the cut, went to nobody: only they reached the upstream.
+    assert len(upstream.requests) == 3
+
+
+async def test_a_queued_call_the_drain_answers_is_counted_as_a_refusal(upstream, tmp_path):
+    # In process, to read the counters the process takes with it: the answered call counts
+    # in sluice_rejections_total{reason="draining"} and as a `rejected` outcome, the cut one
+    # as drain_cut, and nothing stays held or queued.
+    events = tmp_path / "events.jsonl"
+    runtime = Runtime(parse_config(
+        f"events: {{path: '{events}'}}\n"
+        "routes:\n"
+        f"  - {{name: openai, path_prefix: /openai/, upstream: '{upstream.url}',\n"
+        "      protocol: openai, concurrency: {limit: 1, queue: 1, max_wait: 60s}}\n"))
+    await runtime.open()
+    runner = web.ServerRunner(build_proxy_server(runtime),
+                              shutdown_timeout=PROXY_SHUTDOWN_GRACE_S)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    url = f"http://127.0.0.1:{port}/openai/v1/chat/completions"
+    upstream.hold = asyncio.Event()
+    [route_] = runtime.routes
+
+    def sample(name: str, **labels: str) -> float:
+        value = runtime.metrics.registry.get_sample_value(name, {"route": "openai", **labels})
+        return value or 0.0
+
+    try:
+        async with aiohttp.ClientSession() as session:
+            held = asyncio.create_task(status_of(session, url, CHAT))
+            await wait_until(lambda: upstream.inflight == 1, what="one call at the upstream")
+            queued = asyncio.create_task(_answer(session, url, CHAT, {}))
+            await wait_until(lambda: sample("sluice_queue_depth") == 1, what="one call queued")
+            hurry = asyncio.Event()
+            hurry.set()
+            await _drain(runtime, 60.0, hurry)  # as a second SIGTERM: at once
+            await runner.cleanup()  # serve()'s next step: what is in flight is cut
+            status, headers, _ = await queued
+            with pytest.raises(aiohttp.ClientError):
+                await held
+    finally:
+        await runner.cleanup()
+        await runtime.close()
+    assert (status, headers["X-Sluice-Reason"]) == (503, "draining")
+    assert sample("sluice_rejections_total", reason="draining") == 1
+    assert sample("sluice_requests_total", outcome="rejected") == 1
+    assert sample("sluice_requests_total", outcome="drain_cut") == 1
+    assert sample("sluice_requests_total", outcome="client_disconnected") == 0
+    assert sample("sluice_queue_depth") == 0 and sample("sluice_inflight_requests") == 0
+    assert route_.present_total == 0 and not runtime.admitting
+    lines = [json.loads(line) for line in events.read_text().splitlines()]
+    assert [(e["event"], e.get("reason") or e.get("outcome")) for e in lines
+            if e["event"] in ("rejected", "completed")] in (
+        [("rejected", "draining"), ("completed", "drain_cut")],
+        [("completed", "drain_cut"), ("rejected", "draining")])
+
+
+async def test_a_second_sigterm_answers_queued_calls_at_once(upstream, start_sluice):
+    sluice, url = await openai_sluice(start_sluice, upstream, "120s",
+                                      concurrency={"limit": 1, "queue": 2, "max_wait": "120s"})
+    upstream.hold = asyncio.Event()  # never set
+    async with aiohttp.ClientSession() as session:
+        held = asyncio.create_task(_answer(session, url, CHAT, {}))
+        await wait_until(lambda: upstream.inflight == 1, what="one call at the upstream")
+        queued = [asyncio.create_task(_answer(session, url, CHAT, {"X-Request-ID": f"q{n}"}))
+                  for n in range(2)]
+        await sluice.wait_metric("sluice_queue_depth", 2, route="openai")
+        sluice.signal(signal.SIGTERM)
+        await wait_until(lambda: "draining: 1 request(s) in flight, 2 more waiting"
+                         in sluice.stderr(), what="the drain started")
+        await asyncio.sleep(1.2)  # an operator's second one, not the same Ctrl-C twice
+        assert not any(task.done() for task in queued)  # the first signal waits for them
+        sluice.signal(signal.SIGTERM)
+        answers = await asyncio.gather(*queued)
+        with pytest.raises(aiohttp.ClientError):
+            await held
+        assert await sluice.wait_exit(timeout=60) == 0  # long before the 120 s drain_timeout
+    assert [(status, headers["X-Sluice-Reason"], body["error"]["code"])
+            for status, headers, body in answers] == [(503, "draining", "draining")] * 2
+    assert ("second stop signal: cutting 1 request(s) still in flight and 0 being read; "
+            "2 waiting answered 503 draining") in sluice.stderr()
+    assert len(upstream.requests) == 1
 
 
 async def test_a_second_sigterm_cuts_the_drain_short(upstream, start_sluice):
@@ -258,6 +415,44 @@ async def test_a_replica_drains_calls_queued_on_a_slot_another_holds(upstream, s
         await holder.stop()
     finally:
         delete_prefix(str(state["redis_url"]), prefix)
+
+
+async def test_a_call_queued_for_a_shared_slot_is_answered_when_the_drain_ends(upstream,
+                                                                              start_sluice):
+    # The shared (Redis) queue as the local one: a call waiting there for the slot another
+    # replica holds is answered 503 draining at the drain's end, and takes no lease after.
+    prefix = new_prefix()
+    state = {"backend": "redis", "redis_url": require_redis(), "key_prefix": prefix}
+    openai = route("openai", upstream.url, "openai",
+                   concurrency={"limit": 1, "queue": 4, "max_wait": "60s"})
+    try:
+        holder = await start_sluice({"server": {"drain_timeout": "20s"}, "state": state,
+                                     "routes": [openai]})
+        draining = await start_sluice({"server": {"drain_timeout": "500ms"}, "state": state,
+                                       "routes": [openai]})
+        upstream.hold = asyncio.Event()
+        path = "/openai/v1/chat/completions"
+        async with aiohttp.ClientSession() as session:
+            first = asyncio.create_task(status_of(session, holder.url + path, CHAT))
+            await wait_until(lambda: upstream.inflight == 1, what="the holder's call")
+            queued = asyncio.create_task(_answer(session, draining.url + path, CHAT,
+                                                 {"X-Request-ID": "queued"}))
+            await draining.wait_metric("sluice_queue_depth", 1, route="openai")
+            draining.signal(signal.SIGTERM)
+            status, headers, body = await queued
+            assert await draining.wait_exit() == 0
+            upstream.hold.set()
+            assert await first == 200
+            # The slot is free for the holder's next call: the refused waiter holds no lease.
+            assert await status_of(session, holder.url + path, CHAT) == 200
+        await holder.stop()
+    finally:
+        delete_prefix(str(state["redis_url"]), prefix)
+    assert (status, headers["X-Sluice-Reason"], body["error"]["code"]) == (
+        503, "draining", "draining")
+    assert [e["event"] for e in _by_request(draining.events())["queued"]] == [
+        "enqueued", "rejected"]
+    assert len(upstream.requests) == 2  # the holder's two calls; the refused one never went
 
 
 def _signal_mask(pid: int, field: str) -> int:

@@ -19,7 +19,15 @@ from policies.usage import JSON_LIMIT_BYTES
 from proxy.config import parse_config
 from proxy.edge import ADMIN_MAX_CONNECTIONS, MAX_HEAD_BYTES
 from proxy.runtime import Runtime
-from tests.conftest import leave_mid_body, raw_request, route, serve_app, serve_runtime, wait_until
+from tests.conftest import (
+    leave_mid_body,
+    raw_request,
+    route,
+    serve_app,
+    serve_runtime,
+    status_of,
+    wait_until,
+)
 from tests.fakeupstream import RawUpstream
 from tests.mcp_servers import mcp_stateless  # noqa: F401  (a fixture)
 
@@ -1019,3 +1027,107 @@ async def test_a_body_cut_with_408_is_no_caller_that_left(upstream, start_sluice
                      what="the completed event")
     assert len([e for e in sluice.events() if e["event"] == "completed"]) == 1
     assert upstream.requests == []
+
+
+# -- a caller that half-closes ----------------------------------------------------------------
+
+
+def _post(path: bytes, body: bytes, extra: bytes = b"") -> bytes:
+    return (b"POST " + path + b" HTTP/1.1\r\n" + LOOPBACK + extra
+            + b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+
+
+CHAT_BODY = json.dumps({"model": "gpt-test", "messages": [{"role": "user", "content": "hi"}]}
+                       ).encode()
+
+
+async def _half_closed(port: int, data: bytes) -> bytes:
+    """Send ``data`` on a new connection, shut the write side (``shutdown(SHUT_WR)``, as
+    ``nc -N`` does) and read until the peer closes."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(data)
+        writer.write_eof()
+        return await closed_within(reader, 20)
+    finally:
+        writer.close()
+
+
+async def test_with_abort_on_close_off_a_half_closed_caller_gets_its_answer(upstream,
+                                                                           start_sluice):
+    """A whole request and then ``shutdown(SHUT_WR)`` (``nc -N``, some HTTP/1.0 clients):
+    Sluice read the EOF as the caller leaving, closed the connection and cancelled the call,
+    so such a client got no answer, from a fast upstream or queued. TCP cannot tell that EOF
+    from a caller that closed its socket, which the default must keep freeing at once
+    (``tests/test_slot_leaks.py``), so answering is ``server.abort_on_close: false`` (HAProxy
+    without ``option abortonclose``): then the answer comes, and the connection closes after
+    it (after the last one, pipelined)."""
+    sluice = await start_sluice({"server": {"abort_on_close": False}, "routes": [
+        route("svc", upstream.url, "openai",
+              concurrency={"limit": 1, "queue": 2, "max_wait": "30s"})]})
+    path = b"/svc/v1/chat/completions"
+    # A fast upstream.
+    raw = await _half_closed(sluice.port, _post(path, CHAT_BODY))
+    assert raw.startswith(b"HTTP/1.1 200"), raw[:200]  # before: b"", the connection closed
+    [(_, _, body)] = parse(raw)
+    assert json.loads(body)["object"] == "chat.completion"
+    # Queued behind a call holding the route's one slot.
+    upstream.hold = asyncio.Event()
+    async with aiohttp.ClientSession() as session:
+        held = asyncio.create_task(status_of(session, sluice.url + path.decode(),
+                                             json.loads(CHAT_BODY)))
+        await wait_until(lambda: upstream.inflight == 1, what="the call holding the slot")
+        queued = asyncio.create_task(_half_closed(sluice.port, _post(path, CHAT_BODY)))
+        await sluice.wait_metric("sluice_queue_depth", 1, route="svc")
+        upstream.hold.set()
+        raw = await queued
+        assert raw.startswith(b"HTTP/1.1 200"), raw[:200]
+        assert await held == 200
+    # Two whole requests pipelined, then the half-close: both answered, the last one saying
+    # the connection closes after it.
+    answers = parse(await _half_closed(sluice.port, _post(path, CHAT_BODY) * 2))
+    assert [status for status, _, _ in answers] == [200, 200]
+    assert answers[-1][1]["connection"] == "close"
+    assert len(upstream.requests) == 5
+    assert await sluice.metric("sluice_requests_total", route="svc", outcome="2xx") == 5
+    assert await sluice.metric("sluice_requests_total", route="svc",
+                               outcome="client_disconnected") == 0
+    # Half a body and then the EOF: that request can never be whole, so its caller has left,
+    # whatever abort_on_close says: no answer, counted and logged as leaving mid-body.
+    reader, writer = await asyncio.open_connection("127.0.0.1", sluice.port)
+    try:
+        writer.write(b"POST /svc/v1/chat/completions HTTP/1.1\r\n" + LOOPBACK
+                     + b"Content-Length: 1000\r\n\r\n{\"model\": ")
+        await sluice.wait_metric("sluice_buffered_request_bytes", 1000)
+        writer.write_eof()
+        assert await closed_within(reader, 10) == b""
+    finally:
+        writer.close()
+    await sluice.wait_metric("sluice_requests_total", 1, route="svc",
+                             outcome="client_disconnected")
+    await wait_until(lambda: any(e.get("body_incomplete") for e in sluice.events()),
+                     what="the completed event of the call left mid-body")
+    assert len(upstream.requests) == 5
+
+
+async def test_by_default_an_eof_after_a_whole_request_is_a_caller_that_left(upstream,
+                                                                            start_sluice):
+    """``abort_on_close`` (the default): a caller's EOF while its call is queued frees its
+    queue place at once and never reaches the upstream; that caller's socket may be closed
+    for good (an SDK's timeout), and TCP cannot tell it from a half-close."""
+    sluice = await start_sluice({"routes": [
+        route("svc", upstream.url, "openai",
+              concurrency={"limit": 1, "queue": 2, "max_wait": "30s"})]})
+    path = b"/svc/v1/chat/completions"
+    upstream.hold = asyncio.Event()
+    async with aiohttp.ClientSession() as session:
+        held = asyncio.create_task(status_of(session, sluice.url + path.decode(),
+                                             json.loads(CHAT_BODY)))
+        await wait_until(lambda: upstream.inflight == 1, what="the call holding the slot")
+        assert await _half_closed(sluice.port, _post(path, CHAT_BODY)) == b""
+        await sluice.wait_metric("sluice_queue_depth", 0, route="svc")
+        await sluice.wait_metric("sluice_requests_total", 1, route="svc",
+                                 outcome="client_disconnected")
+        upstream.hold.set()
+        assert await held == 200
+    assert len(upstream.requests) == 1
