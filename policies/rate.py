@@ -34,6 +34,13 @@ A reload keeps every level: buckets are named by route and role (``requests``,
 ``tenant:<name>``, ``tokens``), not by rate. What a bucket held at the reload drains at the old
 rate until the bucket's next take, and at the new rate from there
 (:meth:`RateLimiter.reconfigure`, :mod:`policies.state.rate`).
+
+Replicas whose rates differ (a reload reaches them one at a time) share the lowest in Redis:
+each admission names the limiter's :attr:`~RateLimiter.holder` and records its rate per bucket
+for ``state.lease``, and each bucket is checked and drained by the smallest limit and the
+slowest steady rate among the live records (the rule and why: :mod:`policies.state.rate`).
+A refusal's ``Retry-After`` follows that lowest rate; its ``RateLimit-Policy`` and message
+still name this replica's configured rate.
 """
 
 from __future__ import annotations
