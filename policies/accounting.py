@@ -251,8 +251,9 @@ class Accounting:
             rid, claims, now = reservation.rid, reservation.claims, reservation.now
         hold_s = budgets.hold_s if budgets is not None else 0.0
         try:
-            result = await backends.admissions.admit(owner.group, takes, rid, claims, now,
-                                                     hold_s)
+            result = await backends.admissions.admit(
+                owner.group, takes, rid, claims, now, hold_s,
+                rate.holder if rate is not None and takes else None)
         except StateUnavailable as exc:
             if budgets is not None and reservation is not None:
                 budgets.unanswered(reservation, exc)

@@ -34,6 +34,13 @@ A reload keeps every level: buckets are named by route and role (``requests``,
 ``tenant:<name>``, ``tokens``), not by rate. What a bucket held at the reload drains at the old
 rate until the bucket's next take, and at the new rate from there
 (:meth:`RateLimiter.reconfigure`, :mod:`policies.state.rate`).
+
+Replicas whose rates differ (a reload reaches them one at a time) share the lowest in Redis:
+each admission names the limiter's :attr:`~RateLimiter.holder` and records its rate per bucket
+for ``state.lease``, and each bucket is checked and drained by the smallest limit and the
+slowest steady rate among the live records (the rule and why: :mod:`policies.state.rate`).
+A refusal's ``Retry-After`` follows that lowest rate; its ``RateLimit-Policy`` and message
+still name this replica's configured rate.
 """
 
 from __future__ import annotations
@@ -49,7 +56,8 @@ from policies.logs import PER_CALL
 from policies.pipeline import Call, Outcome
 from policies.reasons import Reason, Rejected
 from policies.state import StateBackends, StateUnavailable
-from policies.state.rate import MemoryRateBuckets, Plan, RateResult, Take, memory_plan
+from policies.state.leases import new_lease_id
+from policies.state.rate import Holder, MemoryRateBuckets, Plan, RateResult, Take, memory_plan
 from policies.usage import endpoint_for
 
 log = logging.getLogger("sluice")
@@ -257,12 +265,19 @@ class RateLimiter:
         #: The route bucket's whole units left as the shared state last answered (Redis),
         #: for the admin API; ``None`` before any answer.
         self.available: int | None = None
+        #: This limiter's name among the replicas' in Redis: each shared bucket is checked
+        #: and drained by the lowest rate that live holders took from it with (a reload
+        #: reaches replicas one at a time). The same across a reload, so the new rate
+        #: replaces this replica's old one at its next admission.
+        self.holder = Holder(new_lease_id(), backends.lease_s)
         self.reconfigure(config)
 
     def reconfigure(self, config: RateConfig) -> None:
         """Adopt a changed ``rate`` block in place (hot reload). Levels are kept: they live in
         the state backend under names a rate change does not touch, and drain at the new rate
-        from where they stood."""
+        from where they stood. With Redis, the new rates are recorded (under the same
+        :attr:`holder`) at the next admission; until every replica has reloaded, the lowest
+        of theirs applies."""
         self.requests: Rate | None = config.requests
         self.tokens: Rate | None = config.tokens
         per_tenant = config.per_tenant
@@ -374,7 +389,7 @@ class RateLimiter:
         # A cancellation while Redis runs the script may leave the units taken there without
         # a holding: they drain within one period, so the error is a refusal, never excess.
         try:
-            result = await backends.rates.admit(self.group, takes)
+            result = await backends.rates.admit(self.group, takes, self.holder)
             source = backends
         except StateUnavailable as exc:
             source = fallback_for(backends, exc)
@@ -413,10 +428,14 @@ class RateLimiter:
         share = (f" (this replica's share, {take.limit}, while the shared state is "
                  "unavailable)" if local else "")
         if take.name == TOKENS:
-            if math.isinf(result.retry_after_s):  # only a local share can be this small
+            if math.isinf(result.retry_after_s):
+                # Only a local share, or a lower rate another replica holds, is this small.
+                lower = ("" if local or take.amount > take.limit else
+                         " (another replica still holds a lower token rate: the replicas "
+                         "apply the lowest until every one has the same configuration)")
                 return Rejected(Reason.EXCEEDS_LIMIT, None,
                                 f"this request reserves {int(take.amount)} tokens, more than "
-                                f"the token rate limit of {rate}{share}")
+                                f"the token rate limit of {rate}{share}{lower}")
             return Rejected(Reason.TOKEN_RATE_LIMITED, result.retry_after_s,
                             f"limit {rate} tokens{share}; this request reserves "
                             f"{int(take.amount)}", (TOKENS, take.limit, int(take.period_s)))

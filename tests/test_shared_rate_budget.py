@@ -9,6 +9,7 @@ own; the round-trip count reads that server's ``INFO commandstats``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import time
 import uuid
@@ -312,6 +313,122 @@ async def longest_wait_named(upstream, start_sluice, state: dict) -> None:
         assert headers["X-Sluice-Reason"] == "budget_exhausted"
         assert int(headers["Retry-After"]) > 60
     assert len(upstream.requests) == 1
+
+
+# -- replicas whose rates differ (a reload reaching them one at a time) ----------------------
+
+
+def rate_routes(upstream_url: str, requests: str, metered: bool) -> dict:
+    """The route of a replica with ``requests`` as its rate; ``metered``: with a token rate
+    too, so a chat call's units are taken with its tokens by the accounting step (the
+    admission script) rather than by the rate step (the buckets' own)."""
+    rate: dict[str, object] = {"requests": requests}
+    if metered:
+        rate["tokens"] = "10000000/min"
+    return route("openai", upstream_url, rate=rate)
+
+
+async def load(session: aiohttp.ClientSession, url: str, until: float, workers: int = 4
+               ) -> list[int]:
+    """Statuses of chat calls sent to ``url`` by ``workers`` agents in a loop until
+    ``until`` (monotonic seconds), each pausing 10 ms between calls."""
+    statuses: list[int] = []
+
+    async def agent() -> None:
+        while time.monotonic() < until:
+            statuses.append((await post(session, url))[0])
+            await asyncio.sleep(0.01)
+
+    await asyncio.gather(*(agent() for _ in range(workers)))
+    return statuses
+
+
+@pytest.mark.parametrize("metered", [False, True], ids=["rate-step", "accounting-step"])
+@pytest.mark.parametrize("shared_state", ["redis"], indirect=True)
+async def test_replicas_whose_rates_differ_share_the_lowest_and_none_is_starved(
+        upstream, start_sluice, shared_state, metered):
+    """A reload reaching replicas one at a time leaves A at ``600/min`` and B (reloaded
+    first) at ``120/min`` on one bucket. Checked each against its own rate, B was served
+    nothing while A kept the level above 120 (a trial: 60/min starved for ~20 s), and A went
+    on at 600. Sharing the lowest, a burst at A passes only B's 120, and then both are served
+    from B's 2 a second, within ``120 + 2/s`` over the whole time."""
+    state = {**shared_state, "lease": "10s"}  # B's record outlives A's burst on a busy machine
+    a = await start_sluice({"state": state,
+                            "routes": [rate_routes(upstream.url, "600/min", metered)]})
+    b = await start_sluice({"state": state,
+                            "routes": [rate_routes(upstream.url, "120/min", metered)]})
+    async with aiohttp.ClientSession() as session:
+        started = time.monotonic()
+        assert (await post(session, b.url))[0] == 200  # B takes once: its rate is recorded
+        gate = asyncio.Semaphore(20)
+
+        async def at_a() -> int:
+            async with gate:
+                return (await post(session, a.url))[0]
+
+        burst = await asyncio.gather(*(at_a() for _ in range(300)))
+        until = time.monotonic() + 10.0
+        at_a_after, at_b = await asyncio.gather(load(session, a.url, until),
+                                                load(session, b.url, until))
+        elapsed = time.monotonic() - started
+    served = 1 + burst.count(200) + at_a_after.count(200) + at_b.count(200)
+    print(f"\nburst at A: {burst.count(200)} of 300 served; then A {at_a_after.count(200)} "
+          f"of {len(at_a_after)}, B {at_b.count(200)} of {len(at_b)}; "
+          f"{served} in {elapsed:.1f}s")
+    assert set(burst) | set(at_a_after) | set(at_b) <= {200, 429}
+    assert burst.count(200) <= 120 + 2 * elapsed  # B's burst, not A's 600
+    assert served <= 120 + 2 * (elapsed + 1.0)  # B's rate over the whole time
+    assert at_b.count(200) >= 3 and at_a_after.count(200) >= 3  # neither is starved
+    assert len(upstream.requests) == served
+
+
+@pytest.mark.parametrize("shared_state", ["redis"], indirect=True)
+async def test_a_replica_killed_with_the_lower_rate_stops_constraining_after_its_lease(
+        upstream, start_sluice, shared_state):
+    """B (``60/min``) is killed mid-traffic (SIGKILL): while its record lives A is held to
+    B's rate; once the record has lapsed (``state.lease: 2s`` after B's last admission) A
+    serves its own ``600/min`` again."""
+    state = {**shared_state, "lease": "2s"}  # the shortest the fixture's timeout allows
+    a = await start_sluice({"state": state,
+                            "routes": [rate_routes(upstream.url, "600/min", False)]})
+    b = await start_sluice({"state": state,
+                            "routes": [rate_routes(upstream.url, "60/min", False)]})
+    client = redis_client(shared_state["redis_url"])
+    records = f"{shared_state['key_prefix']}:{{openai}}:rate:lim:requests"
+
+    def b_lives() -> bool:  # a record of B's rate (60 a minute: 1e6 us a unit) not lapsed
+        seconds, micros = client.time()
+        now_ms = seconds * 1000 + micros // 1000
+        return any(value.split()[:2] == [b"60", b"1000000"] and int(value.split()[2]) > now_ms
+                   for value in client.hgetall(records).values())
+
+    try:
+        async with aiohttp.ClientSession() as session:
+            stop = asyncio.Event()
+
+            async def b_agent() -> None:  # keeps B's record alive until B dies
+                while not stop.is_set():
+                    with contextlib.suppress(aiohttp.ClientError):
+                        await post(session, b.url)
+                    await asyncio.sleep(0.1)
+
+            agent = asyncio.create_task(b_agent())
+            await wait_for(b_lives, what="B's rate recorded")
+            started = time.monotonic()
+            held = [(await post(session, a.url))[0] for _ in range(80)]
+            elapsed = time.monotonic() - started
+            assert b_lives()
+            b.kill()
+            stop.set()
+            await agent
+            await wait_for(lambda: not b_lives(), timeout=10.0,
+                           what="B's record lapsed")
+            freed = await asyncio.gather(*(post(session, a.url) for _ in range(200)))
+    finally:
+        client.close()
+    # Held: B's 60 (B's own calls took some), plus one a second drained meanwhile.
+    assert held.count(200) <= 60 + elapsed + 1, (held.count(200), elapsed)
+    assert [status for status, _, _ in freed] == [200] * 200  # A's own burst of 600
 
 
 # -- Redis unavailable --------------------------------------------------------------------------

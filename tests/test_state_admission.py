@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from policies.state import StateBackends, memory_backends, redis_backends
 from policies.state.ledger import Claim
-from policies.state.rate import Take
+from policies.state.rate import Holder, Take
 from tests.redis_servers import (
     CLIENT_TIMEOUT_S,
     REDIS_URL,
@@ -171,3 +171,26 @@ async def test_a_release_refunds_and_releases_once(backends):
     assert not await backends.ledger.settle("r", reservation, [60.0])  # nothing left to settle
     assert not await backends.admissions.release("r", [], reservation)
     assert await backends.ledger.levels("r", ["tokens:acme:1"]) == [(0.0, 0.0)]
+
+
+async def test_holders_rates_and_claims_in_one_admission(backends):
+    """With a holder, the script also keeps the buckets' records (keys between the buckets
+    and the counters): the claims still land on their counters, and on Redis the bucket
+    applies the lowest rate of the live holders (memory: its own)."""
+    a, b = Holder("replica-a", 5.0), Holder("replica-b", 5.0)
+    mine, theirs = Take("requests", 10, 60.0), Take("requests", 2, 60.0)
+    now = time.time()
+    first = await backends.admissions.admit("r", [mine], rid(), [claim(30)], now, 900.0, a)
+    assert first.admitted and first.rates.remaining == (9,)
+    second = await backends.admissions.admit("r", [theirs], rid(), [claim(30)], now, 900.0, b)
+    assert second.admitted and second.rates.remaining == (0,)
+    third = await backends.admissions.admit("r", [mine], rid(), [claim(30)], now, 900.0, a)
+    if backends.redis is None:
+        assert third.admitted and third.rates.remaining == (7,)
+        held = 90.0
+    else:  # B's 2 applies to A too
+        assert (third.admitted, third.rates.denied, third.denied) == (False, 0, [])
+        held = 60.0
+    assert await backends.ledger.levels("r", ["tokens:acme:1"]) == [(0.0, held)]
+    over = await backends.admissions.admit("r", [], rid(), [claim(50)], now, 900.0, a)
+    assert (over.admitted, over.denied) == (False, [0])

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from policies.state import StateBackends
-from policies.state.rate import Take
+from policies.state.rate import Holder, Take
 from tests.redis_servers import replica
 
 # Long periods keep the buckets from draining noticeably while a test runs.
@@ -165,3 +165,77 @@ async def test_a_bucket_key_expires_once_drained(backends: StateBackends):
     key = state.key("r", "rate", "requests")
     ttl_ms = await state.run(lambda client: client.pttl(key))
     assert 17_000 < ttl_ms <= 18_001  # 3 units at 6 s each
+
+
+# -- replicas whose rates differ (a reload reaching them one at a time) ----------------------
+
+A = Holder("replica-a", 5.0)
+
+
+async def records(backends: StateBackends, name: str) -> dict[str, str]:
+    """The bucket's records hash, read from Redis itself: holder -> 'limit interval expiry'."""
+    state = backends.redis
+    assert state is not None
+    key = state.key("r", "rate", "lim", name)
+    raw = await state.run(lambda client: client.hgetall(key))
+    return {_text(h): _text(v) for h, v in raw.items()}
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+@pytest.mark.parametrize("backends", ["redis", "cluster"], indirect=True)
+async def test_a_bucket_applies_the_lowest_rate_of_its_live_holders(backends: StateBackends):
+    """Replica A at 10/min, B at 4/2min: while both are live the bucket admits by the
+    smallest limit (B's 4) and the longest interval (B's 30 s a unit), so A is refused at a
+    level its own rate would admit, with B's wait; once B's record lapses, A's own rate
+    applies again and B's record is gone."""
+    b = Holder("replica-b", 0.5)
+    mine, theirs = Take("requests", 10, 60.0), Take("requests", 4, 120.0)
+    async with replica(backends) as other:
+        assert (await backends.rates.admit("r", [mine], A)).remaining == (9,)  # A alone
+        assert (await other.rates.admit("r", [theirs], b)).remaining == (2,)   # 4 - 2
+        assert (await backends.rates.admit("r", [mine], A)).remaining == (1,)  # B's 4
+        assert (await backends.rates.admit("r", [mine], A)).remaining == (0,)
+        refused = await backends.rates.admit("r", [mine], A)
+        assert (refused.admitted, refused.denied) == (False, 0)
+        assert 29.0 < refused.retry_after_s <= 30.0  # B's interval, not A's 6 s
+        assert set(await records(backends, "requests")) == {A.id, b.id}
+        await asyncio.sleep(0.6)  # B stops taking: its record lapses
+        # Drained at B's 30 s a unit meanwhile (nothing); at A's 10 again: 4 held, 5 left.
+        assert (await backends.rates.admit("r", [mine], A)).remaining == (5,)
+        assert set(await records(backends, "requests")) == {A.id}
+
+
+@pytest.mark.parametrize("backends", ["redis", "cluster"], indirect=True)
+async def test_a_holder_raising_its_rate_replaces_its_own_record(backends: StateBackends):
+    """A reload in one process keeps the limiter's holder: its raised rate applies at its
+    next admission, not one lease time later (its old record is overwritten); the records
+    hash expires with its last record."""
+    for _ in range(2):
+        assert (await backends.rates.admit("r", [Take("requests", 2, 60.0)], A)).admitted
+    assert not (await backends.rates.admit("r", [Take("requests", 2, 60.0)], A)).admitted
+    raised = await backends.rates.admit("r", [Take("requests", 4, 60.0)], A)
+    assert raised.admitted and raised.remaining == (1,)
+    [(limit, interval, _)] = [v.split() for v in (await records(backends, "requests")).values()]
+    assert (float(limit), float(interval)) == (4.0, 15e6)
+    state = backends.redis
+    assert state is not None
+    key = state.key("r", "rate", "lim", "requests")
+    assert 0 < await state.run(lambda client: client.pttl(key)) <= 5000
+
+
+async def test_without_redis_holders_change_nothing(backends: StateBackends):
+    """The memory buckets (one process) and a caller naming no holder check each take by its
+    own rate, as before holders were kept."""
+    async with replica(backends) as other:
+        for _ in range(3):
+            assert (await backends.rates.admit("r", [Take("requests", 10, 60.0)])).admitted
+        # Each take is checked by its own rate: one unit of this 4/min fits beside 3 held.
+        ask = other.rates.admit
+        low = Take("requests", 4, 60.0)
+        holder = None if backends.redis is not None else Holder("replica-b", 5.0)
+        assert (await ask("r", [low], holder)).remaining == (0,)
+        assert not (await ask("r", [low], holder)).admitted
+        assert (await backends.rates.admit("r", [Take("requests", 10, 60.0)], A)).admitted

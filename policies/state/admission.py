@@ -36,11 +36,13 @@ from policies.state.ledger import (
 )
 from policies.state.rate import (
     GCRA_LUA,
+    Holder,
     MemoryRateBuckets,
     RateResult,
     RedisRateBuckets,
     Take,
     bucket_args,
+    holder_args,
     memory_plan,
     rate_result,
 )
@@ -71,7 +73,8 @@ class Admissions(Protocol):
     """
 
     async def admit(self, group: str, takes: Sequence[Take], rid: str,
-                    claims: Sequence[Claim], now: float, hold_s: float) -> AdmissionResult:
+                    claims: Sequence[Claim], now: float, hold_s: float,
+                    holder: Holder | None = None) -> AdmissionResult:
         """Take each bucket's amount and hold every claim under reservation ``rid``, or do
         neither.
 
@@ -83,6 +86,9 @@ class Admissions(Protocol):
             claims: the budget claims (:class:`~policies.state.ledger.Claim`), maybe none.
             now: Unix seconds on the caller's clock (the one its window names come from).
             hold_s: how long the reservation may stay unsettled before it is reaped, seconds.
+            holder: the rate limiter taking (Redis: each bucket is checked and drained by
+                the lowest rate live holders recorded on it, as
+                :meth:`~policies.state.rate.RateBuckets.admit` says).
         """
         ...
 
@@ -102,7 +108,8 @@ class MemoryAdmissions:
         self._ledger = ledger
 
     async def admit(self, group: str, takes: Sequence[Take], rid: str,
-                    claims: Sequence[Claim], now: float, hold_s: float) -> AdmissionResult:
+                    claims: Sequence[Claim], now: float, hold_s: float,
+                    holder: Holder | None = None) -> AdmissionResult:
         rates, ledger = self._rates, self._ledger
         plan = memory_plan(group, takes)
         denied = ledger.check(group, rid, claims, now, hold_s) if claims else []
@@ -125,31 +132,34 @@ class MemoryAdmissions:
         return self._ledger.release(group, rid)
 
 
-# KEYS: the reservations hash and its expiry set, then the buckets, then the counters.
-# ARGV: number of buckets, rid, hold ms, (limit, period us, amount) per bucket, then
-# (amount, cap, counter TTL ms) per claim. Returns {admitted 0|1, refusing bucket (1-based,
-# 0 none), its wait in us as text, remaining per bucket, denied claims (0-based), levels of
-# the counters after}. The ledger is reaped (and the id looked up) only when there are claims.
+# KEYS: the reservations hash and its expiry set, then the buckets, then (with a holder) their
+# records hashes, then the counters. ARGV: number of buckets, rid, hold ms, the holder ('' for
+# none), its records' lease ms, (limit, period us, amount) per bucket, then (amount, cap,
+# counter TTL ms) per claim. Returns {admitted 0|1, refusing bucket (1-based, 0 none), its wait
+# in us as text, remaining per bucket, denied claims (0-based), levels of the counters after}.
+# The ledger is reaped (and the id looked up) only when there are claims.
 _ADMIT = Script(GCRA_LUA + LEDGER_LUA + """
 local n, rid, hold = tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[3])
-local m = #KEYS - 2 - n
-local b = buckets(2, 3, n)
+local r = 2 + n
+if ARGV[4] ~= '' then r = 2 + 2 * n end
+local m = #KEYS - r
+local b = buckets(2, 5, n, 2 + n, ARGV[4], tonumber(ARGV[5]))
 local refused, wait = refusing(b)
 local denied, held = {}, false
 if m > 0 then
   reap(KEYS[1], KEYS[2], hold)
   held = redis.call('HEXISTS', KEYS[1], rid) == 1
-  if not held then denied = denied_claims(2 + n, 3 + 3 * n, m) end
+  if not held then denied = denied_claims(r, 5 + 3 * n, m) end
 end
 local admitted = 0
 if held then
   admitted, refused, wait = 1, 0, '0'
 elseif refused == 0 and #denied == 0 then
   take(b)
-  if m > 0 then hold_claims(KEYS[1], KEYS[2], rid, hold, 2 + n, 3 + 3 * n, m) end
+  if m > 0 then hold_claims(KEYS[1], KEYS[2], rid, hold, r, 5 + 3 * n, m) end
   admitted = 1
 end
-return {admitted, refused, wait, remaining(b), denied, levels(3 + n)}
+return {admitted, refused, wait, remaining(b), denied, levels(r + 1)}
 """)
 
 
@@ -173,12 +183,15 @@ class RedisAdmissions:
         self._ledger = ledger
 
     async def admit(self, group: str, takes: Sequence[Take], rid: str,
-                    claims: Sequence[Claim], now: float, hold_s: float) -> AdmissionResult:
+                    claims: Sequence[Claim], now: float, hold_s: float,
+                    holder: Holder | None = None) -> AdmissionResult:
         ledger = self._ledger
         hold_ms = hold_ms_of(hold_s)
-        keys = (ledger.reservation_keys(group) + self._rates.keys(group, takes)
-                + [ledger.counter(group, claim.key) for claim in claims])
-        args = [len(takes), rid, hold_ms, *bucket_args(takes),
+        keys = ledger.reservation_keys(group) + self._rates.keys(group, takes)
+        if holder is not None:
+            keys += self._rates.record_keys(group, takes)
+        keys += [ledger.counter(group, claim.key) for claim in claims]
+        args = [len(takes), rid, hold_ms, *holder_args(holder), *bucket_args(takes),
                 *ledger.claim_args(claims, now, hold_ms)]
         admitted, refused, wait, remaining, denied, flat = await self._state.eval(
             _ADMIT, keys, args)

@@ -25,6 +25,32 @@ replicas' clocks do not matter. Keys: ``<prefix>:{<group>}:rate:<name>``, a hash
 (level, time in microseconds, microseconds per unit) that expires once the bucket has drained
 (an absent bucket is an empty one; a hash without ``i``, written before it was kept, drains at
 the rate of the call reading it).
+
+**Replicas whose rates differ share the lowest.** A reload reaches replicas one at a time
+(a ConfigMap's file change is seen by each pod at its own moment), so for a while they take
+from one bucket with different rates. Checked against its own rate, a replica reloaded from
+``600/min`` to ``60/min`` was served nothing (the others kept the level above 60) while the
+others went on at 600. So an admission names its *holder* (:class:`Holder`: one route's
+limiter on one replica) and each bucket keeps, in ``<prefix>:{<group>}:rate:lim:<name>``, a
+hash of holder -> ``"limit interval_us expiry_ms"``, the rate each holder last took with, for
+``state.lease`` (as :mod:`policies.state.leases` keeps the concurrency limits). Each take
+records its own, drops the lapsed ones, and checks and drains the bucket by the lowest live
+rate, in the same script (no extra round trip). The hash expires with its last record, so a
+replica killed with the lower rate stops constraining the others one lease time after its
+last admission, and a raised rate applies once no live replica holds the old one.
+
+*Lowest* is per component: the smallest limit (the burst) and the longest interval (GCRA's
+emission interval, ``period / limit``: the slowest steady rate), which may come from two
+holders. That bucket admits, over any window ``w``, at most ``limit + w / interval`` units,
+no more than any live holder's own rate would: comparing whole rates by units per second
+would let ``600/min`` (a burst of 600) pass on a bucket another replica limits to ``10/s``
+(a burst of 10) at the same steady rate. During a change of period, the bucket can be
+stricter than either rate (``100/10min`` and ``20/min`` give a burst of 20 at one unit per
+6 s); that lasts until the replicas agree, at most a lease time after the last one reloaded.
+
+A refund is not a take: it records nothing and leaves the level draining at the rate it was
+stored with. The memory buckets serve one process, whose limiter is the only holder, so they
+ignore holders.
 """
 
 from __future__ import annotations
@@ -79,6 +105,19 @@ class RateResult(NamedTuple):
     remaining: tuple[int, ...]
 
 
+class Holder(NamedTuple):
+    """Who takes from shared buckets: one route's rate limiter on one replica.
+
+    Attributes:
+        id: its name among the replicas' (random, as a concurrency holder's).
+        lease_s: seconds its rates stay recorded after its last admission
+            (``state.lease``).
+    """
+
+    id: str
+    lease_s: float
+
+
 class RateBuckets(Protocol):
     """Shared GCRA buckets. Every method is one round trip to the backend.
 
@@ -86,8 +125,13 @@ class RateBuckets(Protocol):
         StateUnavailable: the backend did not answer in time (Redis only).
     """
 
-    async def admit(self, group: str, takes: Sequence[Take]) -> RateResult:
-        """Take each bucket's amount, all or none (see :class:`RateResult`)."""
+    async def admit(self, group: str, takes: Sequence[Take], holder: Holder | None = None
+                    ) -> RateResult:
+        """Take each bucket's amount, all or none (see :class:`RateResult`).
+
+        With ``holder``, each take's rate is recorded as the holder's for its lease, and each
+        bucket is checked and drained by the lowest rate recorded on it by a live holder
+        (Redis; the memory buckets have one process, so they ignore it)."""
         ...
 
     async def refund(self, group: str, takes: Sequence[Take]) -> None:
@@ -210,16 +254,16 @@ class MemoryRateBuckets:
 
     def give_back(self, plan: Plan) -> None:
         """Return every bucket's amount now (a refund); a bucket never drops below empty, and
-        an empty bucket is dropped (an absent one is the same, as in Redis)."""
+        an empty bucket is dropped (an absent one is the same, as in Redis). What is left
+        drains at the rate it was stored with: a refund is not a take at a new rate."""
         now = self.now_us()
         buckets = self._buckets
-        for (key, _, amount, interval, _), level in zip(plan, self._levels(plan, now),
-                                                       strict=True):
+        for (key, _, amount, _, _), level in zip(plan, self._levels(plan, now), strict=True):
             level -= amount
             if level <= 0:
                 buckets.pop(key, None)
-            else:
-                buckets[key] = (level, now, interval)
+            else:  # held something, so stored
+                buckets[key] = (level, now, buckets[key][2])
 
     def _levels(self, plan: Plan, now: int) -> list[float]:
         """Each bucket's level at ``now`` (an absent one is empty)."""
@@ -231,7 +275,8 @@ class MemoryRateBuckets:
                           max(state[0] - max(now - state[1], 0) / state[2], 0.0))
         return levels
 
-    async def admit(self, group: str, takes: Sequence[Take]) -> RateResult:
+    async def admit(self, group: str, takes: Sequence[Take], holder: Holder | None = None
+                    ) -> RateResult:
         plan = memory_plan(group, takes)
         refused = self.take(plan)
         return self.taken(plan) if refused is None else refused
@@ -265,29 +310,67 @@ def _remaining(plan: Plan, levels: Sequence[float]) -> tuple[int, ...]:
 # -- redis ------------------------------------------------------------------------------------
 
 #: Lua functions over GCRA buckets, for this module's script and the admission's
-#: (:mod:`policies.state.admission`). ``buckets(k, a, n)`` reads the ``n`` buckets
-#: ``KEYS[k + 1 .. k + n]``, each with (limit, period in microseconds, amount) from
-#: ``ARGV[a + 1 ..]``; ``refusing(b)`` names the one with the longest wait (1-based; 0: every
-#: one fits) and that wait in microseconds as text (``'-1'``: never); ``take``/``refund``
-#: move every level and store it; ``remaining(b)`` lists whole units left per bucket.
+#: (:mod:`policies.state.admission`). ``buckets(k, a, n, r, holder, ms)`` reads the ``n``
+#: buckets ``KEYS[k + 1 .. k + n]``, each with (limit, period in microseconds, amount) from
+#: ``ARGV[a + 1 ..]``; with a ``holder`` (not ``nil`` nor ``''``) it records each bucket's
+#: rate as the holder's for ``ms`` in its records hash ``KEYS[r + i]`` and uses the lowest live
+#: one (``lowest_rate``, the module docstring); ``refusing(b)`` names the one with the longest
+#: wait (1-based; 0: every one fits) and that wait in microseconds as text (``'-1'``: never);
+#: ``take``/``refund`` move every level and store it (a take at the rate it used, a refund
+#: at the one the level was stored with); ``remaining(b)`` lists whole units left per bucket.
 GCRA_LUA = """
 local now_us_t = redis.call('TIME')
 local now_us = tonumber(now_us_t[1]) * 1000000 + tonumber(now_us_t[2])
-local function buckets(k, a, n)
-  local b = {keys = {}, limits = {}, intervals = {}, amounts = {}, levels = {}, n = n}
+-- Records (limit, interval) as holder's in the bucket's records hash (holder ->
+-- 'limit interval_us expiry_ms') for ms, drops the lapsed records, and returns the lowest live
+-- rate: the smallest limit and the longest interval among them, this holder's included. A
+-- record still fresh (two thirds of ms left, the same rate) is not written again.
+local function lowest_rate(key, holder, ms, limit, interval)
+  local now_ms = math.floor(now_us / 1000)
+  local mine = string.format('%.17g %.17g', limit, interval)
+  local fresh = false
+  local flat = redis.call('HGETALL', key)
+  for j = 1, #flat, 2 do
+    local l, iv, exp = string.match(flat[j + 1], '^(%S+) (%S+) (%S+)$')
+    exp = tonumber(exp)
+    if flat[j] == holder then
+      fresh = exp ~= nil and exp - now_ms > ms * 2 / 3 and l .. ' ' .. iv == mine
+    elseif exp == nil or exp <= now_ms then
+      redis.call('HDEL', key, flat[j])
+    else
+      l, iv = tonumber(l), tonumber(iv)
+      if l < limit then limit = l end
+      if iv > interval then interval = iv end
+    end
+  end
+  if not fresh then
+    redis.call('HSET', key, holder, mine .. string.format(' %.0f', now_ms + ms))
+    if redis.call('PTTL', key) < ms then redis.call('PEXPIRE', key, ms) end
+  end
+  return limit, interval
+end
+local function buckets(k, a, n, r, holder, ms)
+  local b = {keys = {}, limits = {}, intervals = {}, drains = {}, amounts = {}, levels = {},
+             n = n}
   for i = 1, n do
     local limit = tonumber(ARGV[a + 3 * i - 2])
+    local interval = tonumber(ARGV[a + 3 * i - 1]) / limit
+    if holder ~= nil and holder ~= '' then
+      limit, interval = lowest_rate(KEYS[r + i], holder, ms, limit, interval)
+    end
     b.keys[i] = KEYS[k + i]
     b.limits[i] = limit
-    b.intervals[i] = tonumber(ARGV[a + 3 * i - 1]) / limit
+    b.intervals[i] = interval
     b.amounts[i] = tonumber(ARGV[a + 3 * i])
     local level = 0
     local stored = redis.call('HMGET', b.keys[i], 'l', 't', 'i')
+    -- the rate the stored level drains at: the one it was stored with (a reload, or the
+    -- replicas' lowest rate, may have changed since)
+    b.drains[i] = tonumber(stored[3]) or interval
     if stored[1] then
       local elapsed = now_us - tonumber(stored[2])
       if elapsed < 0 then elapsed = 0 end
-      -- drained at the rate it was stored with (a reload may have changed the rate since)
-      level = tonumber(stored[1]) - elapsed / (tonumber(stored[3]) or b.intervals[i])
+      level = tonumber(stored[1]) - elapsed / b.drains[i]
       if level < 0 then level = 0 end
     end
     b.levels[i] = level
@@ -303,13 +386,13 @@ local function remaining(b)
   end
   return out
 end
-local function store(b, i)
+local function store(b, i, interval)
   if b.levels[i] <= 0 then
     redis.call('DEL', b.keys[i])
   else
     redis.call('HSET', b.keys[i], 'l', string.format('%.17g', b.levels[i]), 't',
-               string.format('%.0f', now_us), 'i', string.format('%.17g', b.intervals[i]))
-    redis.call('PEXPIRE', b.keys[i], math.ceil(b.levels[i] * b.intervals[i] / 1000) + 1)
+               string.format('%.0f', now_us), 'i', string.format('%.17g', interval))
+    redis.call('PEXPIRE', b.keys[i], math.ceil(b.levels[i] * interval / 1000) + 1)
   end
 end
 local function refusing(b)
@@ -331,23 +414,25 @@ end
 local function take(b)
   for i = 1, b.n do
     b.levels[i] = b.levels[i] + b.amounts[i]
-    store(b, i)
+    store(b, i, b.intervals[i])
   end
 end
 local function refund(b)
   for i = 1, b.n do
     b.levels[i] = b.levels[i] - b.amounts[i]
     if b.levels[i] < 0 then b.levels[i] = 0 end
-    store(b, i)
+    store(b, i, b.drains[i])
   end
 end
 """
 
-# KEYS: one hash per bucket. ARGV[1]: 'take' | 'refund' | 'peek'; then per bucket: limit,
-# period in microseconds, amount. Returns {admitted 0|1, denied index (1-based, 0 none),
-# wait in microseconds as a string ('-1': never), remaining per bucket...}.
+# KEYS: one hash per bucket, then (with a holder) each bucket's records hash. ARGV[1]: 'take' |
+# 'refund' | 'peek'; ARGV[2]: the holder ('' for none); ARGV[3]: its records' lease in ms; then
+# per bucket: limit, period in microseconds, amount. Returns {admitted 0|1, denied index
+# (1-based, 0 none), wait in microseconds as a string ('-1': never), remaining per bucket...}.
 _GCRA = Script(GCRA_LUA + """
-local b = buckets(0, 1, #KEYS)
+local n = (#ARGV - 3) / 3
+local b = buckets(0, 3, n, n, ARGV[2], tonumber(ARGV[3]))
 local reply = {1, 0, '0'}
 if ARGV[1] == 'take' then
   local denied, wait = refusing(b)
@@ -367,6 +452,14 @@ def bucket_args(takes: Sequence[Take]) -> list[object]:
     for take in takes:
         args += [take.limit, repr(take.period_s * 1e6), repr(float(take.amount))]
     return args
+
+
+def holder_args(holder: Holder | None) -> list[object]:
+    """The ARGV of ``holder`` for :data:`GCRA_LUA`'s ``buckets``: its id (``''`` for none) and
+    its records' lease in whole milliseconds (at least 1)."""
+    if holder is None:
+        return ["", 0]
+    return [holder.id, max(int(holder.lease_s * 1000), 1)]
 
 
 def rate_result(admitted: bool, denied: int, wait: bytes | str, remaining: Sequence[object]
@@ -390,14 +483,25 @@ class RedisRateBuckets:
         """The buckets' keys, in ``group``'s hash slot."""
         return [self._state.key(group, "rate", take.name) for take in takes]
 
-    async def _run(self, mode: str, group: str, takes: Sequence[Take]) -> list[object]:
-        return await self._state.eval(_GCRA, self.keys(group, takes),
-                                      [mode, *bucket_args(takes)])
+    def record_keys(self, group: str, takes: Sequence[Take]) -> list[str]:
+        """The buckets' records hashes (holder -> its rate and the record's expiry), in
+        ``group``'s hash slot (``rate:lim:`` cannot collide with a bucket's name, which
+        starts ``requests``, ``tokens`` or ``tenant:``)."""
+        return [self._state.key(group, "rate", "lim", take.name) for take in takes]
 
-    async def admit(self, group: str, takes: Sequence[Take]) -> RateResult:
+    async def _run(self, mode: str, group: str, takes: Sequence[Take],
+                   holder: Holder | None = None) -> list[object]:
+        keys = self.keys(group, takes)
+        if holder is not None:
+            keys += self.record_keys(group, takes)
+        return await self._state.eval(_GCRA, keys,
+                                      [mode, *holder_args(holder), *bucket_args(takes)])
+
+    async def admit(self, group: str, takes: Sequence[Take], holder: Holder | None = None
+                    ) -> RateResult:
         if not takes:
             return RateResult(True, None, 0.0, ())
-        reply = await self._run("take", group, takes)
+        reply = await self._run("take", group, takes, holder)
         return rate_result(bool(int(reply[0])), int(reply[1]),  # type: ignore[call-overload]
                            reply[2], reply[3:])  # type: ignore[arg-type]
 
