@@ -484,8 +484,11 @@ class Budgets:
         ledger = source.ledger
         share = "" if source is self.backends else (
             " (this replica's share while the shared state is unavailable)")
+        left = None  # the first denying limit's, for RateLimit's r
         for limit, claim in denials:
             spent, held = ledger.level(self.group, claim.key)
+            if left is None:
+                left = max(math.floor(claim.cap - spent - held), 0)
             if spent + claim.amount <= claim.cap:
                 waits.append(SETTLE_WAIT_S)  # only requests in flight are in the way
             elif limit.period_s is None:
@@ -502,7 +505,7 @@ class Budgets:
         limit = denials[0][0]
         policy = None
         if limit.unit != "usd" and limit.period_s is not None:
-            policy = (limit.name, int(limit.amount), limit.period_s)
+            policy = (limit.name, int(limit.amount), limit.period_s, left or 0)
         return Rejected(Reason.BUDGET_EXHAUSTED, wait, "; ".join(details), policy,
                         retry=False if never else None)
 

@@ -289,7 +289,7 @@ class ConcurrencyLimiter:
             Reason.TENANT_CONCURRENCY,
             self.mean_service_s / max(held, 1),
             f"limit {self.per_tenant} in flight or queued per tenant",
-            ("tenant-concurrency", self.per_tenant, 0),
+            ("tenant-concurrency", self.per_tenant, 0, 0),
         )
 
     async def _wait(self, tenant: str, priority: int, caller_timeout: float | None,
@@ -317,7 +317,7 @@ class ConcurrencyLimiter:
                 f"{self.limit} slots busy and {self.queue_capacity} queued"
                 if self.max_wait > 0 else
                 f"{self.limit} slots busy and max_wait is 0s: no call waits for a slot",
-                ("concurrency", self.limit, 0),
+                ("concurrency", self.limit, 0, 0),
             )
         # Refused at once only when the caller's own timeout cannot cover the estimate: a wait
         # longer than ``max_wait`` alone is the queue's matter (``queue_timeout`` once it
@@ -343,7 +343,7 @@ class ConcurrencyLimiter:
                 self._drain_estimate(self.queued + 1),
                 f"{self.limit} slots busy and {self.queue_capacity} queued; this call's place "
                 "went to one of a better class or of a tenant within its fair share",
-                ("concurrency", self.limit, 0),
+                ("concurrency", self.limit, 0, 0),
             ))
         loop = asyncio.get_running_loop()
         charged = self._charge(tenant, priority, cost)
@@ -662,7 +662,7 @@ class ConcurrencyLimiter:
                 Reason.QUEUE_TIMEOUT,
                 self._drain_estimate(self.queued + 1),
                 deadline or f"waited the queue's max_wait of {self.max_wait:g}s",
-                ("concurrency", self.limit, 0),
+                ("concurrency", self.limit, 0, 0),
             )
         )
 

@@ -427,6 +427,7 @@ class RateLimiter:
             self.requests if take.name == REQUESTS else self.tenant_rate)
         share = (f" (this replica's share, {take.limit}, while the shared state is "
                  "unavailable)" if local else "")
+        left = result.remaining[result.denied]  # RateLimit's r: under this request's need
         if take.name == TOKENS:
             if math.isinf(result.retry_after_s):
                 # Only a local share, or a lower rate another replica holds, is this small.
@@ -438,7 +439,7 @@ class RateLimiter:
                                 f"the token rate limit of {rate}{share}{lower}")
             return Rejected(Reason.TOKEN_RATE_LIMITED, result.retry_after_s,
                             f"limit {rate} tokens{share}; this request reserves "
-                            f"{int(take.amount)}", (TOKENS, take.limit, int(take.period_s)))
+                            f"{int(take.amount)}", (TOKENS, take.limit, int(take.period_s), left))
         name = REQUESTS if take.name == REQUESTS else "requests-per-tenant"
         return Rejected(Reason.RATE_LIMITED, result.retry_after_s, f"limit {rate}{share}",
-                        (name, take.limit, int(take.period_s)))
+                        (name, take.limit, int(take.period_s), left))

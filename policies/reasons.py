@@ -117,8 +117,9 @@ class Rejected(Exception):
             (from the limit that denied, never another one's reset); ``None`` when retrying
             will not help.
         detail: a sentence for the caller, naming the limit (e.g. ``"limit 8 per tenant"``).
-        policy: ``(name, quota, window_s)`` of the limit that denied, for the IETF
-            ``RateLimit-Policy``/``RateLimit`` fields; ``None`` when no such quota applies.
+        policy: ``(name, quota, window_s, remaining)`` of the limit that denied, for the IETF
+            ``RateLimit-Policy``/``RateLimit`` fields (``remaining``: the whole units it has
+            left, ``r``; under the request's need, or 0); ``None`` when no such quota applies.
         retry: ``False`` when retrying this request as sent cannot succeed soon (a spent
             total budget), so ``x-should-retry: false`` is sent whatever ``retry_after``
             says; ``None`` leaves it to ``retry_after``. Always ``False`` for a reason whose
@@ -132,7 +133,7 @@ class Rejected(Exception):
         reason: Reason,
         retry_after: float | None,
         detail: str = "",
-        policy: tuple[str, int, int] | None = None,
+        policy: tuple[str, int, int, int] | None = None,
         retry: bool | None = None,
     ) -> None:
         super().__init__(reason.code)

@@ -15,7 +15,9 @@ Headers on every answer Sluice writes itself:
   any other client too.
 * ``X-Sluice-Reason``: the reason code.
 * For quota rejections, the IETF RateLimit fields (draft-ietf-httpapi-ratelimit-headers):
-  ``RateLimit-Policy: "name";q=N;w=S`` and ``RateLimit: "name";r=0;t=S``.
+  ``RateLimit-Policy: "name";q=N;w=S`` and ``RateLimit: "name";r=R;t=S``, ``R`` the whole
+  units the limit has left: 0 for a request count or a concurrency limit, and for tokens or a
+  budget what is left below this request's need (a smaller request may still fit now).
 
 The body uses the route protocol's own error shape so each SDK raises its usual error type.
 On ``mcp`` routes a refused call (one with a JSON-RPC id) is answered with HTTP **200** and a
@@ -72,10 +74,10 @@ def rejection_headers(rejected: Rejected) -> dict[str, str]:
         headers["retry-after-ms"] = str(math.ceil(wait * 1000))
         headers["x-should-retry"] = "true" if wait <= SDK_RETRY_AFTER_CAP_S else "false"
         if rejected.policy is not None:
-            name, quota, window = rejected.policy
+            name, quota, window, remaining = rejected.policy
             unit = ';qu="concurrent-requests"' if window == 0 else f";w={window}"
             headers["RateLimit-Policy"] = f'"{name}";q={quota}{unit}'
-            headers["RateLimit"] = f'"{name}";r=0;t={seconds}'
+            headers["RateLimit"] = f'"{name}";r={remaining};t={seconds}'
     if rejected.retry is False:
         headers["x-should-retry"] = "false"
     return headers

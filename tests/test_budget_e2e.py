@@ -226,6 +226,23 @@ async def test_spent_daily_budget_frees_at_the_next_utc_day(upstream, start_slui
     await client.close()
 
 
+async def test_a_budget_refusal_says_what_is_left_below_the_request(upstream, start_sluice):
+    # RateLimit's r was always 0, though a smaller call would still fit (read as "spent").
+    sluice = await start_sluice({"routes": [route(
+        "openai", upstream.url, budget={"output_tokens": "100/day", "per": "tenant"})]})
+    client = oai(sluice)
+    await client.chat.completions.create(model="gpt-test", messages=MSG, max_tokens=100,
+                                         extra_headers={"x-fake-tokens": "60"})
+    with pytest.raises(openai.RateLimitError) as refused:
+        await client.chat.completions.create(model="gpt-test", messages=MSG, max_tokens=100)
+    headers = refused.value.response.headers
+    name = headers["RateLimit-Policy"].split(";")[0]
+    assert headers["RateLimit-Policy"] == f"{name};q=100;w=86400"
+    assert headers["RateLimit"].startswith(f"{name};r=40;t="), headers["RateLimit"]
+    await client.chat.completions.create(model="gpt-test", messages=MSG, max_tokens=40)
+    await client.close()
+
+
 # -- what admitted answers and the log say ----------------------------------------------------
 
 async def test_headers_costs_events_and_metrics(upstream, start_sluice):

@@ -39,7 +39,7 @@ async def test_slots_then_queue_full_with_a_drain_estimate():
     assert full.value.reason is Reason.QUEUE_FULL
     # Nobody queued, two slots, 1 s assumed service time: the next slot in ~0.5 s.
     assert 0.5 <= full.value.retry_after <= 0.5 * JITTER_MAX
-    assert full.value.policy == ("concurrency", 2, 0)
+    assert full.value.policy == ("concurrency", 2, 0, 0)
     assert (limiter.inflight, limiter.queued, limiter._by_tenant) == (2, 0, {"t": 2})
 
 
@@ -165,7 +165,7 @@ async def test_per_tenant_counts_in_flight_and_queued_and_answers_at_once():
     with pytest.raises(Rejected) as capped:
         await limiter.acquire("a")
     assert capped.value.reason is Reason.TENANT_CONCURRENCY
-    assert capped.value.policy == ("tenant-concurrency", 2, 0)
+    assert capped.value.policy == ("tenant-concurrency", 2, 0, 0)
     assert capped.value.retry_after > 0
     b_waiting = await queued(limiter, "b")  # another tenant is queued, not refused
     limiter.release("a", None)

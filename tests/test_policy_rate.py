@@ -40,7 +40,7 @@ async def test_burst_of_n_then_429_with_the_time_to_the_next_slot():
         await limits.admit(call("t"))
     assert limited.value.reason is Reason.RATE_LIMITED
     assert 19.9 < limited.value.retry_after <= 20.0  # one request per 60/3 s
-    assert limited.value.policy == ("requests", 3, 60)
+    assert limited.value.policy == ("requests", 3, 60, 0)
     with pytest.raises(Rejected) as again:  # a refused request is not charged
         await limits.admit(call("t"))
     assert 19.9 < again.value.retry_after <= 20.0
@@ -62,7 +62,7 @@ async def test_tenants_have_their_own_buckets():
     await limits.admit(call("a"))
     with pytest.raises(Rejected) as limited:
         await limits.admit(call("a"))
-    assert limited.value.policy == ("requests-per-tenant", 2, 60)
+    assert limited.value.policy == ("requests-per-tenant", 2, 60, 0)
     await limits.admit(call("b"))
     await limits.admit(call("b"))
 
@@ -75,7 +75,7 @@ async def test_a_tenant_refused_by_its_own_quota_does_not_spend_the_routes():
     await limits.admit(call("b"))
     with pytest.raises(Rejected) as limited:
         await limits.admit(call("c"))
-    assert limited.value.policy == ("requests", 2, 60)
+    assert limited.value.policy == ("requests", 2, 60, 0)
 
 
 async def test_a_request_refused_by_the_route_does_not_spend_the_tenants_quota():
@@ -83,7 +83,7 @@ async def test_a_request_refused_by_the_route_does_not_spend_the_tenants_quota()
     await limits.admit(call("a"))
     with pytest.raises(Rejected) as limited:
         await limits.admit(call("b"))
-    assert limited.value.policy == ("requests", 1, 60)  # refused by the route...
+    assert limited.value.policy == ("requests", 1, 60, 0)  # refused by the route...
     # ...so once the route has room (a reload drops its rate), b's own quota is intact
     limits.reconfigure(RateConfig.model_validate({"per_tenant": {"requests": "1/h"}}))
     await limits.admit(call("b"))
@@ -97,7 +97,7 @@ async def test_units_of_a_call_refused_later_are_given_back_and_kept_once_served
     units.release(Outcome("2xx", reached=True, status=200))
     with pytest.raises(Rejected) as limited:
         await limits.admit(call("a"))  # served: the unit stays spent
-    assert limited.value.policy == ("requests-per-tenant", 1, 60)
+    assert limited.value.policy == ("requests-per-tenant", 1, 60, 0)
     await limits.admit(call("b"))  # the route had its refused unit back too
 
 
@@ -144,13 +144,13 @@ async def test_calls_of_one_tenant_in_flight_together_each_give_their_unit_back(
     await limits.admit(call("a"))  # the refused call's unit is back, the served one's is not
     with pytest.raises(Rejected) as limited:
         await limits.admit(call("a"))
-    assert limited.value.policy == ("requests-per-tenant", 2, 60)
+    assert limited.value.policy == ("requests-per-tenant", 2, 60, 0)
     second.release(None)  # a call that never reached the upstream: its unit comes back
     await limits.admit(call("b"))  # the route's third unit...
     await limits.admit(call("a"))  # ...and tenant a's second are free again
     with pytest.raises(Rejected) as limited:
         await limits.admit(call("c"))
-    assert limited.value.policy == ("requests", 3, 60)
+    assert limited.value.policy == ("requests", 3, 60, 0)
 
 
 async def test_a_sweep_due_by_size_midway_through_a_take_keeps_what_it_took():

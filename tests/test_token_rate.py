@@ -29,6 +29,9 @@ async def test_token_rate_weighs_reserved_tokens(upstream, start_sluice):
     headers = limited.value.response.headers
     assert limited.value.code == "token_rate_limited"
     assert headers["RateLimit-Policy"] == '"tokens";q=1000;w=3600'
+    # r: the tokens left now, under this request's ~420 (it was always 0, read as "spent")
+    left = int(headers["RateLimit"].split(";r=")[1].split(";")[0])
+    assert 100 < left < 420, headers["RateLimit"]
     # the bucket drains 1000 tokens an hour; ~260 more must drain: about 15 minutes
     assert 600 < int(headers["Retry-After"]) < 1200
     assert headers["x-should-retry"] == "false"
