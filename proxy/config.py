@@ -131,6 +131,29 @@ def _too_deep(text: str) -> int | None:
     return None
 
 
+def _values(node: yaml.Node, counted: dict[int, int], open_: set[int]) -> int:
+    """How many values ``node`` holds once its aliases are expanded, itself included, each
+    node counted once (``counted``: by node id), so an alias bomb is measured in the time of
+    its own few nodes, not of the 10^9 it expands to (:func:`_walk` took seconds to reach its
+    budget). A node met again inside itself (a loop, ``open_``) counts 1: :func:`_walk` names
+    the loop."""
+    key = id(node)
+    total = counted.get(key)
+    if total is not None:
+        return total
+    if key in open_:
+        return 1
+    total = 1
+    if isinstance(node, (yaml.MappingNode, yaml.SequenceNode)):
+        open_.add(key)
+        items = (value for _, value in node.value) if isinstance(node, yaml.MappingNode) \
+            else node.value
+        total += sum(_values(item, counted, open_) for item in items)
+        open_.discard(key)
+    counted[key] = total
+    return total
+
+
 def _walk(node: yaml.Node, path: Path_, marks: dict[Path_, int],
           problems: list[tuple[Path_, int, str]], budget: list[int],
           inside: frozenset[int] = frozenset()) -> None:
@@ -291,6 +314,8 @@ def _parse_config(text: str, filename: str, base: Path) -> Config:
             node = loader.get_single_node()
             if node is None:
                 raise ConfigError([f"{filename}:1: (top): the file is empty"])
+            if _values(node, {}, set()) > MAX_CONFIG_VALUES:
+                raise _TooManyValues
             marks: dict[Path_, int] = {}
             found: list[tuple[Path_, int, str]] = []
             _walk(node, (), marks, found, [MAX_CONFIG_VALUES])
