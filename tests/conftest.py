@@ -276,12 +276,12 @@ async def start_sluice(tmp_path: Path) -> AsyncIterator[Callable[..., Awaitable[
                     config_path: Path | None = None) -> SluiceProcess:
         data = yaml.load(config, Loader=StrictLoader) if isinstance(config, str) else json.loads(
             json.dumps(config))
-        port, admin_port = free_ports(2)
         index = len(started)
         events = tmp_path / f"events-{index}.jsonl"
         server = data.setdefault("server", {})
-        server.setdefault("listen", f"127.0.0.1:{port}")
-        server.setdefault("admin_listen", f"127.0.0.1:{admin_port}")
+        # Ports picked here can be taken by another process before Sluice binds them (other
+        # suites share the machine): then they are picked again, twice at most.
+        picked = "listen" not in server and "admin_listen" not in server
         server.setdefault("drain_timeout", "5s")
         data.setdefault("events", {"path": str(events)})
         # Never the default ./sluice-dlq.sqlite: the suite wrote its letters into the
@@ -289,26 +289,48 @@ async def start_sluice(tmp_path: Path) -> AsyncIterator[Callable[..., Awaitable[
         letters = data.setdefault("dead_letter", {})
         if isinstance(letters, dict):
             letters.setdefault("path", str(tmp_path / f"dlq-{index}.sqlite"))
-        port = int(server["listen"].rpartition(":")[2])
-        admin_port = int(server["admin_listen"].rpartition(":")[2])
         config_path = config_path or tmp_path / f"sluice-{index}.yaml"
-        config_path.write_text(yaml.safe_dump(data, sort_keys=False))
         stderr = tmp_path / f"sluice-{index}.stderr"
-        proc = ForkedSluice(str(config_path), str(stderr), str(REPO),
-                            {**coverage_env(), **(env or {})})
-        sluice = SluiceProcess(proc, port, admin_port, events, stderr, config_path)
-        started.append(sluice)
+        for attempt in range(3):
+            if picked:
+                port, admin_port = free_ports(2)
+                server["listen"] = f"127.0.0.1:{port}"
+                server["admin_listen"] = f"127.0.0.1:{admin_port}"
+            else:
+                server.setdefault("listen", f"127.0.0.1:{free_ports(1)[0]}")
+                port = int(server["listen"].rpartition(":")[2])
+                server.setdefault("admin_listen", f"127.0.0.1:{free_ports(1)[0]}")
+                admin_port = int(server["admin_listen"].rpartition(":")[2])
+            config_path.write_text(yaml.safe_dump(data, sort_keys=False))
+            proc = ForkedSluice(str(config_path), str(stderr), str(REPO),
+                                {**coverage_env(), **(env or {})})
+            sluice = SluiceProcess(proc, port, admin_port, events, stderr, config_path)
+            if await _ready(sluice):
+                started.append(sluice)
+                return sluice
+            if not (picked and attempt < 2 and "address already in use" in sluice.stderr()):
+                raise AssertionError(f"sluice exited at startup:\n{sluice.stderr()}")
+        raise AssertionError("unreachable")
+
+    async def _ready(sluice: SluiceProcess) -> bool:
+        """Wait for ``sluice`` to answer ``/readyz``; False if it exited first.
+
+        Raises:
+            AssertionError: not ready within ``STARTUP_TIMEOUT_S``.
+        """
+        proc = sluice.proc
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         async with aiohttp.ClientSession() as session:
             while True:
                 if proc.poll() is not None:
-                    raise AssertionError(f"sluice exited at startup:\n{sluice.stderr()}")
+                    return False
                 with contextlib.suppress(aiohttp.ClientError, ValueError):
                     async with session.get(sluice.admin_url + "/readyz") as r:
                         # Ours, not another process on a reused port.
                         if r.status == 200 and (await r.json()).get("pid") == proc.pid:
-                            return sluice
+                            return True
                 if time.monotonic() > deadline:
+                    started.append(sluice)  # stopped at the end like the others
                     raise AssertionError(f"sluice not ready in time:\n{sluice.stderr()}")
                 await asyncio.sleep(0.05)
 
