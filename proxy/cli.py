@@ -73,9 +73,10 @@ def _hold_signals() -> Callable[[], bool]:
     stop the server as soon as it runs, with nothing to drain (exit 0). Returns whether one
     came."""
     came: list[int] = []
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, _frame: came.append(signum))
+    # Last: a supervisor (or a test) that sees SIGHUP ignored may send SIGTERM at once.
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     return lambda: bool(came)
 
 
