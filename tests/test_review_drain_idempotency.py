@@ -92,3 +92,35 @@ async def test_a_drain_answers_a_thousand_queued_calls_each_once(upstream, start
                    for e in sluice.events())
     assert len(upstream.requests) == 1
     assert "Traceback" not in sluice.stderr()
+
+
+async def test_the_rate_unit_of_a_call_the_drain_answers_goes_back_to_the_shared_bucket(
+        upstream, start_sluice):
+    """A queued call took a request unit before it queued; answered 503 draining, it never
+    reached the upstream, so the unit is refunded on Redis before the process exits: another
+    replica has the rate less only the call that was cut at the upstream."""
+    prefix = new_prefix()
+    state = {"backend": "redis", "redis_url": require_redis(), "key_prefix": prefix}
+    openai = route("openai", upstream.url, "openai", rate={"requests": "3/h"},
+                   concurrency={"limit": 1, "queue": 4, "max_wait": "60s"})
+    path = "/openai/v1/chat/completions"
+    try:
+        draining = await start_sluice({"server": {"drain_timeout": "500ms"}, "state": state,
+                                       "routes": [openai]})
+        upstream.hold = asyncio.Event()
+        async with aiohttp.ClientSession() as session:
+            held = asyncio.create_task(status_of(session, draining.url + path, CHAT))
+            await wait_until(lambda: upstream.inflight == 1, what="the call holding the slot")
+            queued = asyncio.create_task(_answer(session, draining.url + path, CHAT, {}))
+            await draining.wait_metric("sluice_queue_depth", 1, route="openai")
+            draining.signal(signal.SIGTERM)
+            assert (await queued)[0] == 503
+            assert await draining.wait_exit(timeout=30) == 0
+            upstream.hold.set()
+            await asyncio.gather(held, return_exceptions=True)
+            other = await start_sluice({"state": state, "routes": [openai]})
+            statuses = [await status_of(session, other.url + path, CHAT) for _ in range(3)]
+            await other.stop()
+    finally:
+        delete_prefix(str(state["redis_url"]), prefix)
+    assert statuses == [200, 200, 429]
