@@ -558,9 +558,17 @@ class ConcurrencyLimiter:
         self._drop(waiter, GRANTED)
         if waiter.aged:  # every grant comes here, the Redis dispatcher's too
             self.aged_at[waiter.cls] = waiter.future.get_loop().time()
-        if waiter.tag > self.vnow.get(waiter.cls, 0.0):
-            self.vnow[waiter.cls] = waiter.tag
-            self._vtop = max(self._vtop, waiter.tag)
+        # The Redis dispatcher grants the waiter it chose before its round trip: a call that
+        # came meanwhile may be tagged below it, and the class's time must not pass a waiting
+        # call (``_best`` looks only at each class's first).
+        tag = waiter.tag
+        if tag > self.vnow.get(waiter.cls, 0.0):
+            first = self._classes[waiter.cls].first()
+            if first is not None and first.tag < tag:
+                tag = first.tag
+        if tag > self.vnow.get(waiter.cls, 0.0):
+            self.vnow[waiter.cls] = tag
+            self._vtop = max(self._vtop, tag)
         waiter.future.set_result(value)
 
     def _best(self) -> _Waiter | None:
@@ -570,7 +578,8 @@ class ConcurrencyLimiter:
         class can rank before it. Natively that is the order; and a call may age only when its
         tag is not past the class's virtual time, which never passes a waiting call's tag
         (calls are tagged at or past it, and the class's time moves to the tag of each call
-        it serves, the smallest), so only calls tied with the first may, and the first of
+        it serves, the smallest, or of the first still waiting if that is smaller: see
+        :meth:`_grant`), so only calls tied with the first may, and the first of
         those has waited longest. O(classes) a choice, however many tenants wait: looking at
         every tenant's oldest call, as this once did, cost 8 ms a hand-over with 5,000 queued
         (``tests/test_limiter_properties.py`` checks each choice against every waiter)."""

@@ -106,28 +106,34 @@ MAX_CONFIG_DEPTH = 64
 def _too_deep(text: str) -> int | None:
     """The line (1-based) where ``text`` nests lists or mappings more than
     :data:`MAX_CONFIG_DEPTH` deep, read by libyaml's parser (C); ``None`` if it does not, or
-    if libyaml is missing or finds another fault (the full parse then reports that).
+    if the parsers find another fault first (the full parse then reports that).
 
     PyYAML's own scanner takes time quadratic in the depth of flow collections on one line
     (``[[[...``: its simple-key bookkeeping is scanned at each token), so refusing a file of
-    50,000 such levels took 3 to 9 s of a reload thread; libyaml takes 2 ms."""
-    if not yaml.__with_libyaml__:
-        return None
-    depth = 0
-    try:
-        for event in yaml.parse(text, Loader=yaml.CSafeLoader):
-            if isinstance(event, (yaml.SequenceStartEvent, yaml.MappingStartEvent)):
-                depth += 1
-                if depth > MAX_CONFIG_DEPTH:
-                    return event.start_mark.line + 1
-            elif isinstance(event, (yaml.SequenceEndEvent, yaml.MappingEndEvent)):
-                depth -= 1
-    except yaml.MarkedYAMLError as exc:
-        # libyaml's own bound (1,000 levels) is met while scanning ahead, before the events.
-        if "nesting depth" in str(exc.problem) and exc.problem_mark is not None:
-            return exc.problem_mark.line + 1
-    except yaml.YAMLError:
-        pass
+    50,000 such levels took 3 to 9 s of a reload thread; libyaml takes 2 ms. A file libyaml
+    refuses though PyYAML reads it (an unknown ``%`` directive, ``%YAML 1.3``, a quoted
+    lone surrogate), or any file without libyaml, is read by PyYAML's parser instead, which
+    stops at the level too deep, long before the full parse would end (under a second for
+    50,000)."""
+    parsers = (yaml.CSafeLoader, yaml.SafeLoader) if yaml.__with_libyaml__ else (
+        yaml.SafeLoader,)
+    for loader in parsers:
+        depth = 0
+        try:
+            for event in yaml.parse(text, Loader=loader):
+                if isinstance(event, (yaml.SequenceStartEvent, yaml.MappingStartEvent)):
+                    depth += 1
+                    if depth > MAX_CONFIG_DEPTH:
+                        return event.start_mark.line + 1
+                elif isinstance(event, (yaml.SequenceEndEvent, yaml.MappingEndEvent)):
+                    depth -= 1
+            return None
+        except yaml.MarkedYAMLError as exc:
+            # libyaml's own bound (1,000 levels) is met while scanning ahead, before the events.
+            if "nesting depth" in str(exc.problem) and exc.problem_mark is not None:
+                return exc.problem_mark.line + 1
+        except yaml.YAMLError:
+            pass
     return None
 
 

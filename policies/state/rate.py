@@ -34,10 +34,11 @@ others went on at 600. So an admission names its *holder* (:class:`Holder`: one 
 limiter on one replica) and each bucket keeps, in ``<prefix>:{<group>}:rate:lim:<name>``, a
 hash of holder -> ``"limit interval_us expiry_ms"``, the rate each holder last took with, for
 ``state.lease`` (as :mod:`policies.state.leases` keeps the concurrency limits). Each take
-records its own, drops the lapsed ones, and checks and drains the bucket by the lowest live
-rate, in the same script (no extra round trip). The hash expires with its last record, so a
-replica killed with the lower rate stops constraining the others one lease time after its
-last admission, and a raised rate applies once no live replica holds the old one.
+records its own, drops the lapsed ones (and any it cannot read), and checks and drains the
+bucket by the lowest live rate, in the same script (no extra round trip). The hash expires
+with its last record, so a replica killed with the lower rate stops constraining the others
+one lease time after its last admission, and a raised rate applies once no live replica
+holds the old one.
 
 *Lowest* is per component: the smallest limit (the burst) and the longest interval (GCRA's
 emission interval, ``period / limit``: the slowest steady rate), which may come from two
@@ -322,9 +323,10 @@ GCRA_LUA = """
 local now_us_t = redis.call('TIME')
 local now_us = tonumber(now_us_t[1]) * 1000000 + tonumber(now_us_t[2])
 -- Records (limit, interval) as holder's in the bucket's records hash (holder ->
--- 'limit interval_us expiry_ms') for ms, drops the lapsed records, and returns the lowest live
--- rate: the smallest limit and the longest interval among them, this holder's included. A
--- record still fresh (two thirds of ms left, the same rate) is not written again.
+-- 'limit interval_us expiry_ms') for ms, drops the lapsed (or unreadable) records, and
+-- returns the lowest live rate: the smallest limit and the longest interval among them, this
+-- holder's included. A record still fresh (two thirds of ms left, the same rate) is not
+-- written again.
 local function lowest_rate(key, holder, ms, limit, interval)
   local now_ms = math.floor(now_us / 1000)
   local mine = string.format('%.17g %.17g', limit, interval)
@@ -335,12 +337,16 @@ local function lowest_rate(key, holder, ms, limit, interval)
     exp = tonumber(exp)
     if flat[j] == holder then
       fresh = exp ~= nil and exp - now_ms > ms * 2 / 3 and l .. ' ' .. iv == mine
-    elseif exp == nil or exp <= now_ms then
-      redis.call('HDEL', key, flat[j])
     else
       l, iv = tonumber(l), tonumber(iv)
-      if l < limit then limit = l end
-      if iv > interval then interval = iv end
+      -- a record this version cannot read (not positive finite numbers) counts as lapsed
+      if exp == nil or exp <= now_ms or not (l and l > 0 and l < math.huge)
+          or not (iv and iv > 0 and iv < math.huge) then
+        redis.call('HDEL', key, flat[j])
+      else
+        if l < limit then limit = l end
+        if iv > interval then interval = iv end
+      end
     end
   end
   if not fresh then
