@@ -14,27 +14,43 @@ from tests.conftest import route, status_of, wait_until
 from tests.redis_servers import delete_prefix, new_prefix, require_redis
 from tests.test_drain import CHAT, _answer, _by_request
 
+PATH = "/openai/v1/chat/completions"
+
+
+def _shared(upstream_url: str, **policies: object) -> tuple[dict, dict]:
+    """A Redis state under a prefix of its own, and an ``openai`` route to ``upstream_url``
+    with one slot, a queue of 4 and ``policies``."""
+    state = {"backend": "redis", "redis_url": require_redis(), "key_prefix": new_prefix()}
+    return state, route("openai", upstream_url, "openai", **policies,
+                        concurrency={"limit": 1, "queue": 4, "max_wait": "60s"})
+
+
+def _draining_soon(state: dict, openai: dict) -> dict:
+    """A config serving ``openai`` on ``state`` whose drain ends 500 ms after SIGTERM."""
+    return {"server": {"drain_timeout": "500ms"}, "state": state, "routes": [openai]}
+
+
+async def _hold_the_slot(session: aiohttp.ClientSession, sluice, upstream) -> asyncio.Task:
+    """A call holding the route's one slot at the upstream, until ``upstream.hold`` is set."""
+    upstream.hold = asyncio.Event()
+    held = asyncio.create_task(status_of(session, sluice.url + PATH, CHAT))
+    await wait_until(lambda: upstream.inflight == 1, what="the call holding the slot")
+    return held
+
 
 async def test_a_key_held_by_a_queued_call_is_freed_and_its_twin_answered_at_the_drain_end(
         upstream, start_sluice):
-    prefix = new_prefix()
-    state = {"backend": "redis", "redis_url": require_redis(), "key_prefix": prefix}
-    openai = route("openai", upstream.url, "openai", idempotency={"mode": "dedup"},
-                   concurrency={"limit": 1, "queue": 4, "max_wait": "60s"})
-    path = "/openai/v1/chat/completions"
+    state, openai = _shared(upstream.url, idempotency={"mode": "dedup"})
     try:
-        draining = await start_sluice({"server": {"drain_timeout": "500ms"}, "state": state,
-                                       "routes": [openai]})
-        upstream.hold = asyncio.Event()
+        draining = await start_sluice(_draining_soon(state, openai))
         async with aiohttp.ClientSession() as session:
-            held = asyncio.create_task(status_of(session, draining.url + path, CHAT))
-            await wait_until(lambda: upstream.inflight == 1, what="the call holding the slot")
+            held = await _hold_the_slot(session, draining, upstream)
             keyed = asyncio.create_task(_answer(
-                session, draining.url + path, CHAT,
+                session, draining.url + PATH, CHAT,
                 {"X-Request-ID": "first", "Idempotency-Key": "k-1"}))
             await draining.wait_metric("sluice_queue_depth", 1, route="openai")
             twin = asyncio.create_task(_answer(
-                session, draining.url + path, CHAT,
+                session, draining.url + PATH, CHAT,
                 {"X-Request-ID": "twin", "Idempotency-Key": "k-1"}))
             await asyncio.sleep(0.5)  # the twin is waiting for the first's answer
             assert not twin.done()
@@ -45,11 +61,11 @@ async def test_a_key_held_by_a_queued_call_is_freed_and_its_twin_answered_at_the
             await asyncio.gather(held, return_exceptions=True)
             other = await start_sluice({"state": state, "routes": [openai]})
             # The retry Retry-After: 1 invites, on another replica: it runs.
-            status, headers, _ = await _answer(session, other.url + path, CHAT,
+            status, headers, _ = await _answer(session, other.url + PATH, CHAT,
                                                {"Idempotency-Key": "k-1"})
             await other.stop()
     finally:
-        delete_prefix(str(state["redis_url"]), prefix)
+        delete_prefix(str(state["redis_url"]), state["key_prefix"])
     for answer in (first_answer, twin_answer):
         assert (answer[0], answer[1]["X-Sluice-Reason"]) == (503, "draining"), answer
     assert status == 200, (status, headers.get("X-Sluice-Reason"))
@@ -68,13 +84,10 @@ async def test_a_drain_answers_a_thousand_queued_calls_each_once(upstream, start
         "server": {"drain_timeout": "500ms", "max_connections": n + 50},
         "routes": [route("openai", upstream.url, "openai",
                          concurrency={"limit": 1, "queue": n, "max_wait": "120s"})]})
-    path = "/openai/v1/chat/completions"
-    upstream.hold = asyncio.Event()
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
-        held = asyncio.create_task(status_of(session, sluice.url + path, CHAT))
-        await wait_until(lambda: upstream.inflight == 1, what="the call holding the slot")
-        queued = [asyncio.create_task(_answer(session, sluice.url + path, CHAT,
+        held = await _hold_the_slot(session, sluice, upstream)
+        queued = [asyncio.create_task(_answer(session, sluice.url + PATH, CHAT,
                                               {"X-Request-ID": f"q{i}"})) for i in range(n)]
         await sluice.wait_metric("sluice_queue_depth", n, route="openai", timeout=120)
         sluice.signal(signal.SIGTERM)
@@ -99,19 +112,12 @@ async def test_the_rate_unit_of_a_call_the_drain_answers_goes_back_to_the_shared
     """A queued call took a request unit before it queued; answered 503 draining, it never
     reached the upstream, so the unit is refunded on Redis before the process exits: another
     replica has the rate less only the call that was cut at the upstream."""
-    prefix = new_prefix()
-    state = {"backend": "redis", "redis_url": require_redis(), "key_prefix": prefix}
-    openai = route("openai", upstream.url, "openai", rate={"requests": "3/h"},
-                   concurrency={"limit": 1, "queue": 4, "max_wait": "60s"})
-    path = "/openai/v1/chat/completions"
+    state, openai = _shared(upstream.url, rate={"requests": "3/h"})
     try:
-        draining = await start_sluice({"server": {"drain_timeout": "500ms"}, "state": state,
-                                       "routes": [openai]})
-        upstream.hold = asyncio.Event()
+        draining = await start_sluice(_draining_soon(state, openai))
         async with aiohttp.ClientSession() as session:
-            held = asyncio.create_task(status_of(session, draining.url + path, CHAT))
-            await wait_until(lambda: upstream.inflight == 1, what="the call holding the slot")
-            queued = asyncio.create_task(_answer(session, draining.url + path, CHAT, {}))
+            held = await _hold_the_slot(session, draining, upstream)
+            queued = asyncio.create_task(_answer(session, draining.url + PATH, CHAT, {}))
             await draining.wait_metric("sluice_queue_depth", 1, route="openai")
             draining.signal(signal.SIGTERM)
             assert (await queued)[0] == 503
@@ -119,8 +125,8 @@ async def test_the_rate_unit_of_a_call_the_drain_answers_goes_back_to_the_shared
             upstream.hold.set()
             await asyncio.gather(held, return_exceptions=True)
             other = await start_sluice({"state": state, "routes": [openai]})
-            statuses = [await status_of(session, other.url + path, CHAT) for _ in range(3)]
+            statuses = [await status_of(session, other.url + PATH, CHAT) for _ in range(3)]
             await other.stop()
     finally:
-        delete_prefix(str(state["redis_url"]), prefix)
+        delete_prefix(str(state["redis_url"]), state["key_prefix"])
     assert statuses == [200, 200, 429]
