@@ -561,14 +561,13 @@ class ConcurrencyLimiter:
         # The Redis dispatcher grants the waiter it chose before its round trip: a call that
         # came meanwhile may be tagged below it, and the class's time must not pass a waiting
         # call (``_best`` looks only at each class's first).
-        tag = waiter.tag
-        if tag > self.vnow.get(waiter.cls, 0.0):
+        vnow = self.vnow.get(waiter.cls, 0.0)
+        if waiter.tag > vnow:
             first = self._classes[waiter.cls].first()
-            if first is not None and first.tag < tag:
-                tag = first.tag
-        if tag > self.vnow.get(waiter.cls, 0.0):
-            self.vnow[waiter.cls] = tag
-            self._vtop = max(self._vtop, tag)
+            tag = waiter.tag if first is None else min(waiter.tag, first.tag)
+            if tag > vnow:
+                self.vnow[waiter.cls] = tag
+                self._vtop = max(self._vtop, tag)
         waiter.future.set_result(value)
 
     def _best(self) -> _Waiter | None:
