@@ -53,10 +53,13 @@ under the new limit). A smaller ``queue`` or ``per_tenant`` refuses newcomers un
 fall below it; a new ``max_wait`` applies to requests queued after the reload.
 
 Rejections carry an honest ``retry_after`` estimated with Little's law: a queue of ``n`` ahead
-drains in about ``n * S / limit`` seconds (spread up to +50% at random, so callers refused
-together do not retry together), where ``S`` is the route's mean service time (an
-exponentially weighted average of observed upstream durations, seeded by the first one),
-and at most ``max_wait + S / limit``: by then every call queued now has left the queue.
+drains in about ``n`` turns (spread up to +50% at random, so callers refused together do not
+retry together), and at most ``max_wait`` plus one turn: by then every call queued now has left
+the queue. A turn, the time between two slots freeing, is ``S / limit``, where ``S`` is the
+route's mean service time (an exponentially weighted average of observed upstream durations,
+seeded by the first one), or longer once no slot has freed for longer than that: calls that
+got slower say so only when they end, so a mean of 6 ms told callers to come back in 6 ms
+while 3 s calls held every slot (a new user's trial). See :meth:`ConcurrencyLimiter.turn`.
 
 This limiter counts one process's calls (``state.backend: memory``). With ``state.backend:
 redis`` a route uses :class:`policies.shared_concurrency.SharedConcurrencyLimiter`, which keeps
@@ -224,6 +227,11 @@ class ConcurrencyLimiter:
         self.mean_first_byte_s = _INITIAL_SERVICE_S
         #: True once a completion has updated the means (before, they are a guess).
         self.observed = False
+        #: Changes whenever a slot frees or passes on (a release, a grant, a reload): how
+        #: :meth:`turn` knows that none has since it last looked.
+        self.turns = 0
+        #: ``turns`` as :meth:`turn` last found it changed, and the monotonic time it did.
+        self._turns_seen = (-1, 0.0)
         self._classes: dict[int, _Class] = {}
         #: Waiters ended since the classes were last compacted (:meth:`_drop`).
         self._ended = 0
@@ -300,7 +308,6 @@ class ConcurrencyLimiter:
         the hand-over passed (see :meth:`_grant`)."""
         held = self._by_tenant.get(tenant, 0)
         max_wait = self.wait_budget(caller_timeout, reads)
-        expected = (self.queued + 1) * self.mean_service_s / self.limit
         call_s = self.own_time(reads)
         # The call's tag: where ``_charge`` starts it, its tenant's time, never the class's past.
         tag = max(self._vtime.get((priority, tenant), 0.0), self.vnow.get(priority, 0.0))
@@ -323,7 +330,8 @@ class ConcurrencyLimiter:
         # longer than ``max_wait`` alone is the queue's matter (``queue_timeout`` once it
         # passes), as for a caller that sent no timeout.
         if max_wait <= 0 or (caller_timeout is not None and self.observed
-                             and expected > caller_timeout - call_s):
+                             and (self.queued + 1) * self.turn() > caller_timeout - call_s):
+            expected = (self.queued + 1) * self.turn()
             left = (f"ends in {caller_timeout:.3g}s" if caller_timeout > 0  # type: ignore[operator]
                     else "has passed")
             raise Rejected(
@@ -458,6 +466,7 @@ class ConcurrencyLimiter:
         answer) updates the mean service time, and replaces ``charged`` (the estimate
         :meth:`acquire` returned) in the tenant's virtual time; ``first_byte_s`` (admission
         to the response headers; default ``service_s``) updates ``mean_first_byte_s``."""
+        self.turns += 1
         if service_s is not None:
             first = service_s if first_byte_s is None else first_byte_s
             if self.observed:
@@ -500,6 +509,7 @@ class ConcurrencyLimiter:
         apply to calls queued from now on.
         """
         self._adopt(limit, queue, max_wait, per_tenant, tenant_weights, aging)
+        self.turns += 1  # a raised limit frees slots without a release
         while self.inflight < self.limit:
             self.inflight += 1
             if not self._hand_over():
@@ -556,6 +566,7 @@ class ConcurrencyLimiter:
         """End ``waiter`` (WAITING, its future not done) holding a slot; its :meth:`_wait`
         returns ``value``."""
         self._drop(waiter, GRANTED)
+        self.turns += 1
         if waiter.aged:  # every grant comes here, the Redis dispatcher's too
             self.aged_at[waiter.cls] = waiter.future.get_loop().time()
         # The Redis dispatcher grants the waiter it chose before its round trip: a call that
@@ -729,5 +740,22 @@ class ConcurrencyLimiter:
         the queue, served or expired, however many there were. Uncapped, a queue of 550 on
         2 slots (a reload had lowered the limit) told callers to come back in 400 s, with
         ``x-should-retry: false``, though it was empty 20 s later."""
-        turn = self.mean_service_s / self.limit
+        turn = self.turn()
         return min(ahead * turn, self.max_wait + turn) * random.uniform(1.0, JITTER_MAX)
+
+    def turn(self) -> float:
+        """Seconds expected between two slots freeing while every slot is busy: the mean
+        service time over ``limit``, or, when no slot has freed or passed on since an earlier
+        call found the count of ``turns`` it finds now, the time since then if that is longer.
+
+        Asked only while every slot is busy (a call queues or is refused), so a count of
+        ``turns`` unchanged since an earlier look means every slot stayed busy all that time
+        and none freed: the calls holding them have run at least that long, whatever the
+        mean of the calls before them says (a measured lower bound, not a model)."""
+        turn = self.mean_service_s / self.limit
+        now = time.monotonic()
+        turns, since = self._turns_seen
+        if turns != self.turns:
+            self._turns_seen = (self.turns, now)
+            return turn
+        return turn if now - since < turn else now - since

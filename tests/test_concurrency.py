@@ -96,6 +96,34 @@ async def test_overflow_is_answered_while_every_slot_is_busy(upstream, start_slu
     assert [e["queue_depth"] for e in sluice.events() if e["event"] == "enqueued"] == [1]
 
 
+async def test_retry_after_grows_while_slow_calls_hold_every_slot(upstream, start_sluice):
+    # Fast calls first: the route's mean service time is a few ms. Then the upstream holds its
+    # calls. A new user's SDK, told retry-after-ms from that stale mean, came back within
+    # milliseconds again and again while 3 s calls held every slot.
+    sluice = await start_sluice({"routes": [
+        openai_route(upstream, limit=1, queue=1, max_wait="60s")]})
+    async with aiohttp.ClientSession() as session:
+        for _ in range(3):
+            assert (await chat(session, sluice.url))[0] == 200
+        upstream.hold = asyncio.Event()
+        held = asyncio.create_task(chat(session, sluice.url))
+        await wait_until(lambda: upstream.inflight == 1, what="the slot taken")
+        queued = asyncio.create_task(chat(session, sluice.url))
+        await sluice.wait_metric("sluice_queue_depth", 1, route="openai")
+        first = await chat(session, sluice.url)
+        await asyncio.sleep(1.0)
+        later = await chat(session, sluice.url)
+        upstream.hold.set()
+        assert [r[0] for r in await asyncio.gather(held, queued)] == [200, 200]
+    assert first[0] == later[0] == 503
+    assert first[1]["X-Sluice-Reason"] == later[1]["X-Sluice-Reason"] == "queue_full"
+    # A second with the only slot busy and none freed: two to go ahead of a retry (the queued
+    # call, then it) take at least that long each.
+    assert int(later[1]["retry-after-ms"]) >= 2000
+    assert int(later[1]["retry-after-ms"]) > int(first[1]["retry-after-ms"])
+    assert later[1]["x-should-retry"] == "true"
+
+
 async def test_queue_timeout_after_max_wait(upstream, start_sluice):
     sluice = await start_sluice({"routes": [
         openai_route(upstream, limit=1, queue=2, max_wait="300ms")]})

@@ -311,3 +311,54 @@ async def test_retry_after_is_at_most_max_wait_and_one_turn_however_long_the_que
     for task in waiting:
         task.cancel()
     await asyncio.gather(*waiting, return_exceptions=True)
+
+
+async def test_a_house_busy_longer_than_the_mean_says_so_in_retry_after():
+    # Fast calls set the mean at 6 ms; then a slow one holds the only slot. A new user's
+    # SDK was told to come back in 6 ms (retry-after-ms) while 3 s calls held every slot.
+    limiter = limiter_with(queue=1, max_wait=30.0)
+    for _ in range(3):
+        await limiter.acquire("t")
+        limiter.release("t", 0.006)
+    await limiter.acquire("t")  # the slow call
+    waiting = await queued(limiter)
+    with pytest.raises(Rejected) as first:
+        await limiter.acquire("t")
+    # Nothing has said yet that calls got slower: two turns of the mean.
+    assert first.value.retry_after <= 2 * 0.006 * JITTER_MAX
+    await asyncio.sleep(0.3)
+    with pytest.raises(Rejected) as later:
+        await limiter.acquire("t")
+    # No slot freed for at least 0.3 s with every one busy: a turn is at least that long,
+    # and the queue has two to go (the one waiting, then this one).
+    assert later.value.reason is Reason.QUEUE_FULL
+    assert later.value.retry_after >= 2 * 0.3
+    # A slot passing on starts the count again: the mean (now with the slow call in it) rules.
+    limiter.release("t", 0.306)
+    await waiting
+    again = await queued(limiter)
+    with pytest.raises(Rejected) as after:
+        await limiter.acquire("t")
+    assert after.value.retry_after <= 2 * limiter.mean_service_s * JITTER_MAX
+    again.cancel()
+    await asyncio.gather(again, return_exceptions=True)
+
+
+async def test_a_callers_deadline_is_measured_against_a_stalled_house():
+    # The deadline check estimates the wait with the same turn: a caller whose timeout a
+    # stalled slot will outlast is told at once, not queued until its timeout.
+    limiter = limiter_with(queue=5, max_wait=30.0)
+    for _ in range(3):
+        await limiter.acquire("t")
+        limiter.release("t", 0.01)
+    await limiter.acquire("t")
+    waiting = await queued(limiter)
+    with pytest.raises(Rejected):  # a full look at the house: the count is taken
+        await limiter.acquire("t", 1, 0.005)
+    await asyncio.sleep(0.5)
+    with pytest.raises(Rejected) as refused:
+        await limiter.acquire("t", 1, 0.9)
+    # Two turns of at least 0.5 s each exceed 0.9 s less the 10 ms call.
+    assert refused.value.reason is Reason.DEADLINE_UNREACHABLE
+    waiting.cancel()
+    await asyncio.gather(waiting, return_exceptions=True)
