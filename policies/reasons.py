@@ -34,7 +34,7 @@ class Reason(enum.Enum):
     # The route is overloaded or unavailable: 503.
     QUEUE_FULL = ("queue_full", 503, "all slots busy and the queue is full")
     QUEUE_TIMEOUT = ("queue_timeout", 503, "no slot freed within the queue's max_wait")
-    DRAINING = ("draining", 503, "Sluice is shutting down and accepts no new requests")
+    DRAINING = ("draining", 503, "Sluice is shutting down")
     CIRCUIT_OPEN = ("circuit_open", 503, "the upstream is failing and its circuit breaker is open")
     BUDGET_COUNTERS_FULL = (
         "budget_counters_full", 503,

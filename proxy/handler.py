@@ -180,7 +180,8 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
         rt.buffered_bytes -= hold[0] - len(body)
         hold[0] = len(body)
     if rt.draining:  # after the read, so an MCP caller's error carries its request id
-        refused = _reject(rt, route, Rejected(Reason.DRAINING, DRAINING_RETRY_AFTER_S),
+        refused = _reject(rt, route, Rejected(Reason.DRAINING, DRAINING_RETRY_AFTER_S,
+                                              "it takes no new calls"),
                           request_id, tenant, run, body)
         refused.force_close()  # the process is going away: the next call goes elsewhere
         return refused

@@ -150,6 +150,8 @@ def stories(events: list[dict[str, Any]]) -> list[RequestStory]:
                 ev.get("outcome", "completed"))
         elif kind == "rejected":
             story.result = f"rejected {ev.get('reason', '')}".strip()
+            if rid in enqueued and story.queued_s is None:  # refused from a queue
+                story.queued_s = ev["ts"] - enqueued[rid]
         elif kind == "replayed":
             story.result = "replayed"
         elif kind == "dead_lettered":

@@ -170,6 +170,22 @@ def test_tool_costs_count_in_the_runs_spend_and_events_name_the_operation() -> N
     assert "operation=send" in text
 
 
+def test_a_call_refused_from_a_queue_shows_how_long_it_waited() -> None:
+    """A queued call the drain answered 503 draining (or a cancel, or a better call taking
+    its place) logs `enqueued` then `rejected`, with no `waited_s`: its story said `-` queued,
+    as if it had been refused on arrival."""
+    from proxy.timeline import stories
+
+    base = {"request_id": "r1", "route": "openai", "tenant": "t", "run": "run-1",
+            "idempotency_key": None}
+    queued_then_refused = [{**base, "ts": 10.0, "event": "enqueued", "queue_depth": 1},
+                           {**base, "ts": 12.5, "event": "rejected", "reason": "draining"}]
+    [story] = stories(queued_then_refused)
+    assert story.queued_s == 2.5 and story.result == "rejected draining"
+    [refused_on_arrival] = stories(queued_then_refused[1:])
+    assert refused_on_arrival.queued_s is None
+
+
 def test_tokens_of_a_model_without_pricing_are_not_shown_as_free() -> None:
     """With the default config's empty `pricing`, a run's calls have `cost_usd: null`: the
     summary said `$0.000000`, as if they had cost nothing."""
