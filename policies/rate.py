@@ -23,7 +23,7 @@ together (:attr:`RateLimiter.metered_elsewhere`; one round trip,
 :mod:`policies.state.admission`); this step then holds nothing for that call. Nothing is given
 back after the answer (the upstream does not refund either); only a call that never reached
 the upstream gets its units back. A request reserving more than ``N`` tokens could never pass:
-400 ``exceeds_limit`` at once.
+400 ``exceeds_limit`` at once (before any state is asked).
 
 When the shared state does not answer (:class:`~policies.state.StateUnavailable`),
 ``state.on_unavailable`` decides: ``local`` takes from this replica's own memory buckets with
@@ -40,7 +40,13 @@ each admission names the limiter's :attr:`~RateLimiter.holder` and records its r
 for ``state.lease``, and each bucket is checked and drained by the smallest limit and the
 slowest steady rate among the live records (the rule and why: :mod:`policies.state.rate`).
 A refusal's ``Retry-After`` follows that lowest rate; its ``RateLimit-Policy`` and message
-still name this replica's configured rate.
+still name this replica's configured rate. A reservation within this replica's ``N`` tokens
+but over another live replica's lower token limit is not a 400: it fits once that record
+lapses (or that replica reloads), so it is 429 ``token_rate_limited`` with the wait the
+script measures: until the last lower record lapses (its holder's ``state.lease`` after its
+last take, if it takes no more), or until the level has drained to the limit left then, if
+later. Only this replica's own limit (or its local share while Redis is unavailable) makes
+a request that can never pass.
 """
 
 from __future__ import annotations
@@ -430,13 +436,11 @@ class RateLimiter:
         left = result.remaining[result.denied]  # RateLimit's r: under this request's need
         if take.name == TOKENS:
             if math.isinf(result.retry_after_s):
-                # Only a local share, or a lower rate another replica holds, is this small.
-                lower = ("" if local or take.amount > take.limit else
-                         " (another replica still holds a lower token rate: the replicas "
-                         "apply the lowest until every one has the same configuration)")
+                # Only a local share is this small: a whole limit was checked by token_take,
+                # and one over another replica's lower rate only waits for its record to lapse.
                 return Rejected(Reason.EXCEEDS_LIMIT, None,
                                 f"this request reserves {int(take.amount)} tokens, more than "
-                                f"the token rate limit of {rate}{share}{lower}")
+                                f"the token rate limit of {rate}{share}")
             return Rejected(Reason.TOKEN_RATE_LIMITED, result.retry_after_s,
                             f"limit {rate} tokens{share}; this request reserves "
                             f"{int(take.amount)}", (TOKENS, take.limit, int(take.period_s), left))
