@@ -8,7 +8,9 @@ and an aiohttp client reading statuses, headers and bodies:
 * a token reservation that fits this replica's own token rate but not the lower one another
   replica still records is 429 ``token_rate_limited`` with a ``Retry-After`` until that
   record lapses (the other replica's ``state.lease``), and passes once retried after it:
-  it was 400 ``exceeds_limit``, which tells a client never to retry a valid call.
+  it was 400 ``exceeds_limit``, which tells a client never to retry a valid call;
+* a refusal's ``RateLimit-Policy`` and message name the rate that refused it (the lowest
+  live one), not this replica's own: they named this replica's configured rate.
 """
 
 from __future__ import annotations
@@ -62,6 +64,8 @@ async def test_a_reservation_over_only_another_replicas_lower_token_rate_is_retr
         assert 0 < wait_ms <= 2000  # at most B's lease: its record lapses by then
         assert int(headers["Retry-After"]) <= 2
         assert headers["x-should-retry"] == "true"
+        assert headers["RateLimit-Policy"] == '"tokens";q=100;w=60'  # B's, which refused
+        assert "100/min" in message and "1000/min" in message, message
         await asyncio.sleep(wait_ms / 1000)
         assert (await chat(session, a.url, max_tokens=500))[0] == 200  # as promised
         status, headers, message = await chat(session, a.url, max_tokens=2000)
@@ -75,16 +79,59 @@ async def test_the_wait_over_a_lower_record_covers_its_lapse_and_the_level_then(
         backends: StateBackends):
     """The script's wait for an amount over only another holder's limit: until that record
     lapses, and longer if the level must still drain (at the rate it was stored with) to the
-    limit that applies then. An amount over the holder's own limit never fits."""
+    limit that applies then. An amount over the holder's own limit never fits. The answer
+    names the rate the bucket was checked by (for the refusal's ``RateLimit-Policy``)."""
     a, b = Holder("replica-a", 5.0), Holder("replica-b", 0.5)
     async with replica(backends) as other:
         assert (await other.rates.admit("r", [Take("tokens", 4, 120.0, 1)], b)).admitted
         soon = await backends.rates.admit("r", [Take("tokens", 10, 60.0, 8)], a)
         assert (soon.admitted, soon.denied) == (False, 0)
         assert 0 < soon.retry_after_s <= 0.5  # B's record lapses; then 1 + 8 <= 10
+        assert soon.applied == pytest.approx((4, 120.0))  # the rate that refused: B's
         assert (await other.rates.admit("r", [Take("tokens", 4, 120.0, 3)], b)).admitted
         later = await backends.rates.admit("r", [Take("tokens", 10, 60.0, 8)], a)
         # 4 held, draining at B's 30 s a unit: 2 must drain for 4 + 8 to fit A's 10
         assert 59.0 < later.retry_after_s <= 60.0
         never = await backends.rates.admit("r", [Take("tokens", 10, 60.0, 11)], a)
         assert never.retry_after_s == math.inf
+
+
+#: (A's rate block, B's, the bucket's RateLimit-Policy name, and the rate that refuses: the
+#: smallest limit of the two and the longest interval, as q and w, and as the message says it)
+CASES = {
+    "requests": ({"requests": "600/min"}, {"requests": "2/min"}, "requests", 2, 60, "2/min"),
+    # 10/min: 6 s a unit; 5/s: a burst of 5. The bucket: 5 at one per 6 s, i.e. 5 per 30 s.
+    "requests-mixed": ({"requests": "10/min"}, {"requests": "5/s"}, "requests", 5, 30,
+                       "5 per 30s"),
+    "per-tenant": ({"per_tenant": {"requests": "600/min"}}, {"per_tenant": {"requests": "2/min"}},
+                   "requests-per-tenant", 2, 60, "2/min"),
+    "tokens": ({"tokens": "1000/min"}, {"tokens": "100/min"}, "tokens", 100, 60, "100/min"),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("shared_state", ["redis"], indirect=True)
+async def test_a_refusal_names_the_lowest_live_rate_that_refused_it(
+        upstream, start_sluice, shared_state, case):
+    """B (reloaded first) takes once, recording its lower rate; A's calls are then refused
+    by it. The refusal's ``RateLimit-Policy`` gives the q and w the bucket applied, and its
+    message names that rate beside A's own."""
+    mine, theirs, name, q, w, applied = CASES[case]
+    state = {**shared_state, "lease": "30s"}  # B's record outlives the test
+    usage = {"write_max_tokens": False}
+    a = await start_sluice({"state": state, "routes": [
+        route("openai", upstream.url, rate=mine, usage=usage)]})
+    b = await start_sluice({"state": state, "routes": [
+        route("openai", upstream.url, rate=theirs, usage=usage)]})
+    async with aiohttp.ClientSession() as session:
+        assert (await chat(session, b.url))[0] == 200
+        for _ in range(20):
+            status, headers, message = await chat(session, a.url, max_tokens=40)
+            if status != 200:
+                break
+        assert status == 429, message
+        assert headers["RateLimit-Policy"] == f'"{name}";q={q};w={w}'
+        assert headers["RateLimit"].startswith(f'"{name}";r=')
+        assert applied in message, message
+        own = next(iter(mine.values()))
+        assert str(own if isinstance(own, str) else own["requests"]) in message, message

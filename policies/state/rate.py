@@ -57,6 +57,10 @@ drained, at the rate it was stored with, to the smallest limit among those it fi
 holder's included): the limit the bucket is checked by then. Only an amount over the holder's
 own limit waits forever.
 
+The answer names the rate the refusing bucket was checked by (:attr:`RateResult.applied`),
+so a refusal's ``RateLimit-Policy`` and message can give the rate that refused, not the
+caller's own: one more field in the same reply.
+
 A refund is not a take: it records nothing and leaves the level draining at the rate it was
 stored with. The memory buckets serve one process, whose limiter is the only holder, so they
 ignore holders.
@@ -108,12 +112,17 @@ class RateResult(NamedTuple):
             waits until those records lapse (see the module docstring).
         remaining: per bucket, whole units it could still admit now (after this call's
             take when admitted), for ``RateLimit`` headers.
+        applied: ``(limit, period_s)`` the refusing bucket was checked by, when it is not
+            necessarily the take's own: the lowest live rate of the holders (Redis, with a
+            holder; ``period_s`` is ``limit`` times the longest interval, so a rate mixed
+            from two holders reads as the one it enforces). ``None``: the take's own.
     """
 
     admitted: bool
     denied: int | None
     retry_after_s: float
     remaining: tuple[int, ...]
+    applied: tuple[float, float] | None = None
 
 
 class Holder(NamedTuple):
@@ -327,7 +336,9 @@ def _remaining(plan: Plan, levels: Sequence[float]) -> tuple[int, ...]:
 #: rate as the holder's for ``ms`` in its records hash ``KEYS[r + i]`` and uses the lowest live
 #: one (``lowest_rate``, the module docstring); ``refusing(b)`` names the one with the longest
 #: wait (1-based; 0: every one fits) and that wait in microseconds as text (``'-1'``: never,
-#: an amount over the holder's own limit; over only lower records, until they lapse);
+#: an amount over the holder's own limit; over only lower records, until they lapse), and
+#: ``applied(b, i)`` the rate bucket ``i`` was checked by (``'limit interval_us'``; ``''`` for
+#: 0);
 #: ``take``/``refund`` move every level and store it (a take at the rate it used, a refund
 #: at the one the level was stored with); ``remaining(b)`` lists whole units left per bucket.
 GCRA_LUA = """
@@ -446,6 +457,10 @@ local function refusing(b)
   if worst == math.huge then return worst_i, '-1' end
   return worst_i, string.format('%.3f', worst)
 end
+local function applied(b, i)
+  if i == 0 then return '' end
+  return string.format('%.17g %.17g', b.limits[i], b.intervals[i])
+end
 local function take(b)
   for i = 1, b.n do
     b.levels[i] = b.levels[i] + b.amounts[i]
@@ -464,14 +479,15 @@ end
 # KEYS: one hash per bucket, then (with a holder) each bucket's records hash. ARGV[1]: 'take' |
 # 'refund' | 'peek'; ARGV[2]: the holder ('' for none); ARGV[3]: its records' lease in ms; then
 # per bucket: limit, period in microseconds, amount. Returns {admitted 0|1, denied index
-# (1-based, 0 none), wait in microseconds as a string ('-1': never), remaining per bucket...}.
+# (1-based, 0 none), wait in microseconds as a string ('-1': never), the rate the denied
+# bucket was checked by ('limit interval_us', '' for none), remaining per bucket...}.
 _GCRA = Script(GCRA_LUA + """
 local n = (#ARGV - 3) / 3
 local b = buckets(0, 3, n, n, ARGV[2], tonumber(ARGV[3]))
-local reply = {1, 0, '0'}
+local reply = {1, 0, '0', ''}
 if ARGV[1] == 'take' then
   local denied, wait = refusing(b)
-  if denied > 0 then reply = {0, denied, wait} else take(b) end
+  if denied > 0 then reply = {0, denied, wait, applied(b, denied)} else take(b) end
 elseif ARGV[1] == 'refund' then
   refund(b)
 end
@@ -497,15 +513,18 @@ def holder_args(holder: Holder | None) -> list[object]:
     return [holder.id, max(int(holder.lease_s * 1000), 1)]
 
 
-def rate_result(admitted: bool, denied: int, wait: bytes | str, remaining: Sequence[object]
-                ) -> RateResult:
+def rate_result(admitted: bool, denied: int, wait: bytes | str, applied: bytes | str,
+                remaining: Sequence[object]) -> RateResult:
     """A :class:`RateResult` from a script's answer (``denied`` 1-based, 0 none; ``wait``
-    microseconds as text, ``-1`` never)."""
+    microseconds as text, ``-1`` never; ``applied`` the denied bucket's ``'limit
+    interval_us'``)."""
     left = tuple(int(r) for r in remaining)  # type: ignore[call-overload]
     if denied == 0:
         return RateResult(admitted, None, 0.0, left)
     us = float(wait)
-    return RateResult(False, denied - 1, math.inf if us < 0 else us / 1e6, left)
+    limit, interval_us = (float(part) for part in applied.split())
+    return RateResult(False, denied - 1, math.inf if us < 0 else us / 1e6, left,
+                      (limit, limit * interval_us / 1e6))
 
 
 class RedisRateBuckets:
@@ -538,7 +557,7 @@ class RedisRateBuckets:
             return RateResult(True, None, 0.0, ())
         reply = await self._run("take", group, takes, holder)
         return rate_result(bool(int(reply[0])), int(reply[1]),  # type: ignore[call-overload]
-                           reply[2], reply[3:])  # type: ignore[arg-type]
+                           reply[2], reply[3], reply[4:])  # type: ignore[arg-type]
 
     async def refund(self, group: str, takes: Sequence[Take]) -> None:
         if takes:
@@ -548,4 +567,4 @@ class RedisRateBuckets:
         if not takes:
             return ()
         reply = await self._run("peek", group, takes)
-        return tuple(int(r) for r in reply[3:])  # type: ignore[call-overload]
+        return tuple(int(r) for r in reply[4:])  # type: ignore[call-overload]
