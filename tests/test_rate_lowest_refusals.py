@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 
 import aiohttp
 import pytest
@@ -135,3 +136,21 @@ async def test_a_refusal_names_the_lowest_live_rate_that_refused_it(
         assert applied in message, message
         own = next(iter(mine.values()))
         assert str(own if isinstance(own, str) else own["requests"]) in message, message
+
+
+@pytest.mark.parametrize("backends", ["redis"], indirect=True)
+async def test_a_request_bucket_never_waits_forever_on_a_record_under_one(
+        backends: StateBackends):
+    """A request takes one unit, and Sluice records whole limits, so a request bucket meets
+    a record it cannot fit only from another version (a record reads as any positive finite
+    number). Such a record made the wait infinite: a 429 whose ``Retry-After`` cannot be
+    written. It is a lower record like any other: the wait is until it lapses."""
+    state = backends.redis
+    assert state is not None
+    key = state.key("r", "rate", "lim", "requests")
+    expiry = int(time.time() * 1000) + 3_000
+    await state.run(lambda client: client.hset(key, "other", f"0.5 120000000 {expiry}"))
+    refused = await backends.rates.admit("r", [Take("requests", 10, 60.0)],
+                                         Holder("replica-a", 5.0))
+    assert (refused.admitted, refused.denied) == (False, 0)
+    assert 0 < refused.retry_after_s <= 3.0
