@@ -23,7 +23,7 @@ together (:attr:`RateLimiter.metered_elsewhere`; one round trip,
 :mod:`policies.state.admission`); this step then holds nothing for that call. Nothing is given
 back after the answer (the upstream does not refund either); only a call that never reached
 the upstream gets its units back. A request reserving more than ``N`` tokens could never pass:
-400 ``exceeds_limit`` at once.
+400 ``exceeds_limit`` at once (before any state is asked).
 
 When the shared state does not answer (:class:`~policies.state.StateUnavailable`),
 ``state.on_unavailable`` decides: ``local`` takes from this replica's own memory buckets with
@@ -39,8 +39,18 @@ Replicas whose rates differ (a reload reaches them one at a time) share the lowe
 each admission names the limiter's :attr:`~RateLimiter.holder` and records its rate per bucket
 for ``state.lease``, and each bucket is checked and drained by the smallest limit and the
 slowest steady rate among the live records (the rule and why: :mod:`policies.state.rate`).
-A refusal's ``Retry-After`` follows that lowest rate; its ``RateLimit-Policy`` and message
-still name this replica's configured rate.
+A refusal's ``Retry-After``, ``RateLimit-Policy`` (``q``, ``w``) and message follow the
+rate that refused it: the script answers with the limit and interval it checked the refusing
+bucket by (in the same reply), and the message names this replica's own beside it. A limit
+and an interval from two replicas read as ``q`` = the limit, ``w`` = the limit times the
+interval rounded to whole seconds (``10/min`` and ``5/s``: ``q=5;w=30``, said ``5 per 30s``),
+the rate the bucket enforces. A reservation within this replica's ``N`` tokens
+but over another live replica's lower token limit is not a 400: it fits once that record
+lapses (or that replica reloads), so it is 429 ``token_rate_limited`` with the wait the
+script measures: until the last lower record lapses (its holder's ``state.lease`` after its
+last take, if it takes no more), or until the level has drained to the limit left then, if
+later. Only this replica's own limit (or its local share while Redis is unavailable) makes
+a request that can never pass.
 """
 
 from __future__ import annotations
@@ -428,18 +438,52 @@ class RateLimiter:
         share = (f" (this replica's share, {take.limit}, while the shared state is "
                  "unavailable)" if local else "")
         left = result.remaining[result.denied]  # RateLimit's r: under this request's need
-        if take.name == TOKENS:
-            if math.isinf(result.retry_after_s):
-                # Only a local share, or a lower rate another replica holds, is this small.
-                lower = ("" if local or take.amount > take.limit else
-                         " (another replica still holds a lower token rate: the replicas "
-                         "apply the lowest until every one has the same configuration)")
-                return Rejected(Reason.EXCEEDS_LIMIT, None,
-                                f"this request reserves {int(take.amount)} tokens, more than "
-                                f"the token rate limit of {rate}{share}{lower}")
+        # The rate that refused: this replica's, or the lowest another live replica holds.
+        quota, window, limit, why = take.limit, int(take.period_s), str(rate), share
+        lower = result.applied
+        if lower is not None and _differs(lower, take):
+            quota, window = max(1, round(lower[0])), max(1, round(lower[1]))
+            limit = rate_text(quota, window)
+            why = f" (the lowest rate a live replica holds; this replica's is {rate})"
+        policy = (name_of(take.name), quota, window, left)
+        if take.name != TOKENS:
+            return Rejected(Reason.RATE_LIMITED, result.retry_after_s, f"limit {limit}{why}",
+                            policy)
+        reserves = int(take.amount)
+        if math.isinf(result.retry_after_s):
+            # Only a local share is this small: a whole limit was checked by token_take,
+            # and one over another replica's lower rate only waits for its record to lapse.
+            return Rejected(Reason.EXCEEDS_LIMIT, None,
+                            f"this request reserves {reserves} tokens, more than the token "
+                            f"rate limit of {rate}{share}")
+        if take.amount > quota:  # fits this replica's rate once the lower one lapses
             return Rejected(Reason.TOKEN_RATE_LIMITED, result.retry_after_s,
-                            f"limit {rate} tokens{share}; this request reserves "
-                            f"{int(take.amount)}", (TOKENS, take.limit, int(take.period_s), left))
-        name = REQUESTS if take.name == REQUESTS else "requests-per-tenant"
-        return Rejected(Reason.RATE_LIMITED, result.retry_after_s, f"limit {rate}{share}",
-                        (name, take.limit, int(take.period_s), left))
+                            f"this request reserves {reserves} tokens, more than {limit}"
+                            f"{why}: it fits once that replica reloads or its rate lapses",
+                            policy)
+        return Rejected(Reason.TOKEN_RATE_LIMITED, result.retry_after_s,
+                        f"limit {limit} tokens{why}; this request reserves {reserves}", policy)
+
+
+def name_of(bucket: str) -> str:
+    """A bucket's name in ``RateLimit-Policy``: ``requests``, ``requests-per-tenant``,
+    ``tokens``."""
+    return bucket if bucket in (REQUESTS, TOKENS) else "requests-per-tenant"
+
+
+#: Config's rate units by their period (``N/min``), to name a rate the replicas applied.
+_UNITS = {1: "s", 60: "min", 3600: "h", 86400: "day"}
+
+
+def rate_text(count: int, period_s: int) -> str:
+    """``count`` per ``period_s`` as the config writes it (``120/min``), else ``5 per 30s``
+    (a limit and an interval from two replicas' rates)."""
+    unit = _UNITS.get(period_s)
+    return f"{count}/{unit}" if unit is not None else f"{count} per {period_s}s"
+
+
+def _differs(applied: tuple[float, float], take: Take) -> bool:
+    """Whether the rate a bucket applied is not ``take``'s own (float rounding aside)."""
+    limit, period_s = applied
+    return (abs(limit - take.limit) > 1e-9 * take.limit
+            or abs(period_s - take.period_s) > 1e-9 * take.period_s)

@@ -136,7 +136,8 @@ class MemoryAdmissions:
 # records hashes, then the counters. ARGV: number of buckets, rid, hold ms, the holder ('' for
 # none), its records' lease ms, (limit, period us, amount) per bucket, then (amount, cap,
 # counter TTL ms) per claim. Returns {admitted 0|1, refusing bucket (1-based, 0 none), its wait
-# in us as text, remaining per bucket, denied claims (0-based), levels of the counters after}.
+# in us as text, the rate it was checked by ('limit interval_us', '' for none), remaining per
+# bucket, denied claims (0-based), levels of the counters after}.
 # The ledger is reaped (and the id looked up) only when there are claims.
 _ADMIT = Script(GCRA_LUA + LEDGER_LUA + """
 local n, rid, hold = tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[3])
@@ -159,7 +160,7 @@ elseif refused == 0 and #denied == 0 then
   if m > 0 then hold_claims(KEYS[1], KEYS[2], rid, hold, r, 5 + 3 * n, m) end
   admitted = 1
 end
-return {admitted, refused, wait, remaining(b), denied, levels(r + 1)}
+return {admitted, refused, wait, applied(b, refused), remaining(b), denied, levels(r + 1)}
 """)
 
 
@@ -193,11 +194,11 @@ class RedisAdmissions:
         keys += [ledger.counter(group, claim.key) for claim in claims]
         args = [len(takes), rid, hold_ms, *holder_args(holder), *bucket_args(takes),
                 *ledger.claim_args(claims, now, hold_ms)]
-        admitted, refused, wait, remaining, denied, flat = await self._state.eval(
+        admitted, refused, wait, applied, remaining, denied, flat = await self._state.eval(
             _ADMIT, keys, args)
         if claims:
             ledger.remember(group, [claim.key for claim in claims], flat)
-        rates = rate_result(bool(admitted), int(refused), wait, remaining)
+        rates = rate_result(bool(admitted), int(refused), wait, applied, remaining)
         return AdmissionResult(bool(admitted), rates, [int(i) for i in denied])
 
     async def release(self, group: str, takes: Sequence[Take], rid: str) -> bool:

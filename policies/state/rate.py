@@ -49,6 +49,18 @@ would let ``600/min`` (a burst of 600) pass on a bucket another replica limits t
 stricter than either rate (``100/10min`` and ``20/min`` give a burst of 20 at one unit per
 6 s); that lasts until the replicas agree, at most a lease time after the last one reloaded.
 
+An amount over another holder's limit but within this holder's (a token reservation, when
+the replicas' token rates differ) is not one that can never pass: it fits once the lower
+records lapse. Its wait is until the last of them lapses (each at its own expiry: its
+holder's lease after its last take, if it takes no more), or, if later, until the level has
+drained, at the rate it was stored with, to the smallest limit among those it fits (this
+holder's included): the limit the bucket is checked by then. Only an amount over the holder's
+own limit waits forever.
+
+The answer names the rate the refusing bucket was checked by (:attr:`RateResult.applied`),
+so a refusal's ``RateLimit-Policy`` and message can give the rate that refused, not the
+caller's own: one more field in the same reply.
+
 A refund is not a take: it records nothing and leaves the level draining at the rate it was
 stored with. The memory buckets serve one process, whose limiter is the only holder, so they
 ignore holders.
@@ -95,15 +107,22 @@ class RateResult(NamedTuple):
         denied: index (into the takes) of the refusing bucket with the longest wait, or
             ``None``.
         retry_after_s: seconds until every bucket would fit the call; 0 when admitted;
-            ``math.inf`` when an amount exceeds its whole bucket (it can never pass).
+            ``math.inf`` when an amount exceeds its whole bucket as the caller's own rate
+            gives it (it can never pass). An amount over only another holder's lower limit
+            waits until those records lapse (see the module docstring).
         remaining: per bucket, whole units it could still admit now (after this call's
             take when admitted), for ``RateLimit`` headers.
+        applied: ``(limit, period_s)`` the refusing bucket was checked by, when it is not
+            necessarily the take's own: the lowest live rate of the holders (Redis, with a
+            holder; ``period_s`` is ``limit`` times the longest interval, so a rate mixed
+            from two holders reads as the one it enforces). ``None``: the take's own.
     """
 
     admitted: bool
     denied: int | None
     retry_after_s: float
     remaining: tuple[int, ...]
+    applied: tuple[float, float] | None = None
 
 
 class Holder(NamedTuple):
@@ -316,7 +335,10 @@ def _remaining(plan: Plan, levels: Sequence[float]) -> tuple[int, ...]:
 #: ``ARGV[a + 1 ..]``; with a ``holder`` (not ``nil`` nor ``''``) it records each bucket's
 #: rate as the holder's for ``ms`` in its records hash ``KEYS[r + i]`` and uses the lowest live
 #: one (``lowest_rate``, the module docstring); ``refusing(b)`` names the one with the longest
-#: wait (1-based; 0: every one fits) and that wait in microseconds as text (``'-1'``: never);
+#: wait (1-based; 0: every one fits) and that wait in microseconds as text (``'-1'``: never,
+#: an amount over the holder's own limit; over only lower records, until they lapse), and
+#: ``applied(b, i)`` the rate bucket ``i`` was checked by (``'limit interval_us'``; ``''`` for
+#: 0);
 #: ``take``/``refund`` move every level and store it (a take at the rate it used, a refund
 #: at the one the level was stored with); ``remaining(b)`` lists whole units left per bucket.
 GCRA_LUA = """
@@ -326,11 +348,14 @@ local now_us = tonumber(now_us_t[1]) * 1000000 + tonumber(now_us_t[2])
 -- 'limit interval_us expiry_ms') for ms, drops the lapsed (or unreadable) records, and
 -- returns the lowest live rate: the smallest limit and the longest interval among them, this
 -- holder's included. A record still fresh (two thirds of ms left, the same rate) is not
--- written again.
-local function lowest_rate(key, holder, ms, limit, interval)
+-- written again. For an amount over another holder's limit it also returns when the last
+-- such record lapses (ms; 0: none does) and the smallest limit the amount fits (this
+-- holder's included): the one the bucket is checked by then, if those holders take no more.
+local function lowest_rate(key, holder, ms, limit, interval, amount)
   local now_ms = math.floor(now_us / 1000)
   local mine = string.format('%.17g %.17g', limit, interval)
   local fresh = false
+  local lapse, fit = 0, limit
   local flat = redis.call('HGETALL', key)
   for j = 1, #flat, 2 do
     local l, iv, exp = string.match(flat[j + 1], '^(%S+) (%S+) (%S+)$')
@@ -346,6 +371,11 @@ local function lowest_rate(key, holder, ms, limit, interval)
       else
         if l < limit then limit = l end
         if iv > interval then interval = iv end
+        if l < amount then
+          if exp > lapse then lapse = exp end
+        elseif l < fit then
+          fit = l
+        end
       end
     end
   end
@@ -353,21 +383,25 @@ local function lowest_rate(key, holder, ms, limit, interval)
     redis.call('HSET', key, holder, mine .. string.format(' %.0f', now_ms + ms))
     if redis.call('PTTL', key) < ms then redis.call('PEXPIRE', key, ms) end
   end
-  return limit, interval
+  return limit, interval, lapse, fit
 end
 local function buckets(k, a, n, r, holder, ms)
   local b = {keys = {}, limits = {}, intervals = {}, drains = {}, amounts = {}, levels = {},
-             n = n}
+             lapses = {}, fits = {}, n = n}
   for i = 1, n do
     local limit = tonumber(ARGV[a + 3 * i - 2])
     local interval = tonumber(ARGV[a + 3 * i - 1]) / limit
+    local amount = tonumber(ARGV[a + 3 * i])
+    local lapse, fit = 0, limit
     if holder ~= nil and holder ~= '' then
-      limit, interval = lowest_rate(KEYS[r + i], holder, ms, limit, interval)
+      limit, interval, lapse, fit = lowest_rate(KEYS[r + i], holder, ms, limit, interval, amount)
     end
     b.keys[i] = KEYS[k + i]
     b.limits[i] = limit
     b.intervals[i] = interval
-    b.amounts[i] = tonumber(ARGV[a + 3 * i])
+    b.amounts[i] = amount
+    b.lapses[i] = lapse
+    b.fits[i] = fit
     local level = 0
     local stored = redis.call('HMGET', b.keys[i], 'l', 't', 'i')
     -- the rate the stored level drains at: the one it was stored with (a reload, or the
@@ -405,8 +439,14 @@ local function refusing(b)
   local worst, worst_i = -1, 0
   for i = 1, b.n do
     local wait = nil
-    if b.amounts[i] > b.limits[i] then
+    if b.amounts[i] > b.fits[i] then
       wait = math.huge
+    elseif b.amounts[i] > b.limits[i] then
+      -- over only other holders' lower limits: it fits once their records have lapsed and
+      -- the level has drained (at the rate it was stored with) to the limit left then
+      wait = b.lapses[i] * 1000 - now_us
+      local drained = (b.levels[i] + b.amounts[i] - b.fits[i]) * b.drains[i]
+      if drained > wait then wait = drained end
     else
       local over = b.levels[i] + b.amounts[i] - b.limits[i]
       if over > b.limits[i] * 1e-9 then wait = over * b.intervals[i] end
@@ -416,6 +456,10 @@ local function refusing(b)
   if worst_i == 0 then return 0, '0' end
   if worst == math.huge then return worst_i, '-1' end
   return worst_i, string.format('%.3f', worst)
+end
+local function applied(b, i)
+  if i == 0 then return '' end
+  return string.format('%.17g %.17g', b.limits[i], b.intervals[i])
 end
 local function take(b)
   for i = 1, b.n do
@@ -435,14 +479,15 @@ end
 # KEYS: one hash per bucket, then (with a holder) each bucket's records hash. ARGV[1]: 'take' |
 # 'refund' | 'peek'; ARGV[2]: the holder ('' for none); ARGV[3]: its records' lease in ms; then
 # per bucket: limit, period in microseconds, amount. Returns {admitted 0|1, denied index
-# (1-based, 0 none), wait in microseconds as a string ('-1': never), remaining per bucket...}.
+# (1-based, 0 none), wait in microseconds as a string ('-1': never), the rate the denied
+# bucket was checked by ('limit interval_us', '' for none), remaining per bucket...}.
 _GCRA = Script(GCRA_LUA + """
 local n = (#ARGV - 3) / 3
 local b = buckets(0, 3, n, n, ARGV[2], tonumber(ARGV[3]))
-local reply = {1, 0, '0'}
+local reply = {1, 0, '0', ''}
 if ARGV[1] == 'take' then
   local denied, wait = refusing(b)
-  if denied > 0 then reply = {0, denied, wait} else take(b) end
+  if denied > 0 then reply = {0, denied, wait, applied(b, denied)} else take(b) end
 elseif ARGV[1] == 'refund' then
   refund(b)
 end
@@ -468,15 +513,18 @@ def holder_args(holder: Holder | None) -> list[object]:
     return [holder.id, max(int(holder.lease_s * 1000), 1)]
 
 
-def rate_result(admitted: bool, denied: int, wait: bytes | str, remaining: Sequence[object]
-                ) -> RateResult:
+def rate_result(admitted: bool, denied: int, wait: bytes | str, applied: bytes | str,
+                remaining: Sequence[object]) -> RateResult:
     """A :class:`RateResult` from a script's answer (``denied`` 1-based, 0 none; ``wait``
-    microseconds as text, ``-1`` never)."""
+    microseconds as text, ``-1`` never; ``applied`` the denied bucket's ``'limit
+    interval_us'``)."""
     left = tuple(int(r) for r in remaining)  # type: ignore[call-overload]
     if denied == 0:
         return RateResult(admitted, None, 0.0, left)
     us = float(wait)
-    return RateResult(False, denied - 1, math.inf if us < 0 else us / 1e6, left)
+    limit, interval_us = (float(part) for part in applied.split())
+    return RateResult(False, denied - 1, math.inf if us < 0 else us / 1e6, left,
+                      (limit, limit * interval_us / 1e6))
 
 
 class RedisRateBuckets:
@@ -509,7 +557,7 @@ class RedisRateBuckets:
             return RateResult(True, None, 0.0, ())
         reply = await self._run("take", group, takes, holder)
         return rate_result(bool(int(reply[0])), int(reply[1]),  # type: ignore[call-overload]
-                           reply[2], reply[3:])  # type: ignore[arg-type]
+                           reply[2], reply[3], reply[4:])  # type: ignore[arg-type]
 
     async def refund(self, group: str, takes: Sequence[Take]) -> None:
         if takes:
@@ -519,4 +567,4 @@ class RedisRateBuckets:
         if not takes:
             return ()
         reply = await self._run("peek", group, takes)
-        return tuple(int(r) for r in reply[3:])  # type: ignore[call-overload]
+        return tuple(int(r) for r in reply[4:])  # type: ignore[call-overload]
