@@ -49,8 +49,9 @@ but over another live replica's lower token limit is not a 400: it fits once tha
 lapses (or that replica reloads), so it is 429 ``token_rate_limited`` with the wait the
 script measures: until the last lower record lapses (its holder's ``state.lease`` after its
 last take, if it takes no more), or until the level has drained to the limit left then, if
-later. Only this replica's own limit (or its local share while Redis is unavailable) makes
-a request that can never pass.
+later. Only this replica's own limit makes a request that can never pass; one over only its
+local share while the shared state is unavailable is 503 ``state_unavailable`` with the probe
+interval as its wait (it fits once that answers).
 """
 
 from __future__ import annotations
@@ -453,9 +454,14 @@ class RateLimiter:
         if math.isinf(result.retry_after_s):
             # Only a local share is this small: a whole limit was checked by token_take,
             # and one over another replica's lower rate only waits for its record to lapse.
-            return Rejected(Reason.EXCEEDS_LIMIT, None,
-                            f"this request reserves {reserves} tokens, more than the token "
-                            f"rate limit of {rate}{share}")
+            # It fits once the shared state answers: not a 400, which says never to retry.
+            redis = self.backends.redis
+            return Rejected(Reason.STATE_UNAVAILABLE,
+                            redis.probe_interval_s if redis is not None else 1.0,
+                            f"this request reserves {reserves} tokens, more than this "
+                            f"replica's share ({take.limit:g}) of the token rate limit of "
+                            f"{rate} while the shared state does not answer; it fits once "
+                            "that answers")
         if take.amount > quota:  # fits this replica's rate once the lower one lapses
             return Rejected(Reason.TOKEN_RATE_LIMITED, result.retry_after_s,
                             f"this request reserves {reserves} tokens, more than {limit}"

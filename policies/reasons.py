@@ -42,7 +42,7 @@ class Reason(enum.Enum):
     )
     STATE_UNAVAILABLE = (
         "state_unavailable", 503,
-        "the shared state (Redis) does not answer and state.on_unavailable is reject",
+        "the shared state (Redis) does not answer",
     )
     DEADLINE_UNREACHABLE = (
         "deadline_unreachable", 503, "the upstream could not answer within the request's deadline"

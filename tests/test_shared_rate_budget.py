@@ -512,6 +512,34 @@ async def test_local_mode_shares_what_a_budget_had_left_not_the_whole_budget(
     assert upstream.requests and len(upstream.requests) < 40
 
 
+async def test_local_mode_asks_a_reservation_over_the_replicas_share_to_come_back(
+        upstream, start_sluice, redis_server):
+    """A token reservation within the route's `rate.tokens` but over this replica's share of
+    it while Redis is away was 400 exceeds_limit, which tells a client never to retry a call
+    that fits as soon as Redis answers: it is 503 state_unavailable, retryable, instead."""
+    state = {**own_state(redis_server, "local"), "replicas": 10}
+    (sluice,) = await replicas(start_sluice, 1, state, route(
+        "openai", upstream.url, rate={"tokens": "1000/min"},
+        usage={"write_max_tokens": False}))
+    # Over 1000 / 10 replicas. Three fit in 1000 with room: the takes sent to the frozen
+    # Redis run there once it thaws (docs/design.md), as a third one does after it.
+    big = body(max_tokens=150)
+    async with aiohttp.ClientSession() as session:
+        assert (await post(session, sluice.url, big))[0] == 200
+        redis_server.freeze()
+        try:
+            status, headers, _ = await post(session, sluice.url, big)
+            assert (status, headers["X-Sluice-Reason"]) == (503, "state_unavailable")
+            assert headers["x-should-retry"] == "true" and int(headers["Retry-After"]) >= 1
+            assert (await post(session, sluice.url, body(max_tokens=20)))[0] == 200
+        finally:
+            redis_server.thaw()
+        await sluice.wait_metric("sluice_state_backend_up", 1, backend="redis")
+        again = await post(session, sluice.url, big)
+        assert again[0] == 200, again
+    assert len(upstream.requests) == 3
+
+
 async def test_reject_mode_refuses_503_state_unavailable_and_recovers_without_restart(
         upstream, start_sluice, redis_server):
     state = own_state(redis_server, "reject")
