@@ -102,6 +102,7 @@ class Runtime:
             ``removed``.
         """
         old = {route.name: route for route in self.routes}
+        replaced = dict(old)
         fanout = config.fanout
         global_limits = (RunLimits(self.runs, "*", config.run, fanout)
                          if config.run or (fanout and fanout.depth is not None) else None)
@@ -113,10 +114,10 @@ class Runtime:
         else:  # a reload keeps every run's held and queued calls
             self.global_fanout.reconfigure(fanout)
         routes = [
-            Route(rc, self.metrics, self.events, pricing=config.pricing, clock=self.clock,
+            Route(rc, self.events, pricing=config.pricing, clock=self.clock,
                   run_header=config.identity.run_header, runs=self.runs,
                   global_limits=global_limits, global_fanout=self.global_fanout,
-                  stall_after=config.server.stall_after, state=self.state)
+                  global_fanout_wait=fanout.max_wait if fanout else 0.0, state=self.state)
             for rc in config.routes
         ]
         for route in routes:
@@ -134,6 +135,9 @@ class Runtime:
             summary["changed" if previous.config != route.config else "unchanged"].append(
                 route.name)
             route.take_over(previous)
+        for route in routes:
+            route.bind_metrics(self.metrics, config.server.stall_after,
+                               replaced.get(route.name))
         for name, gone in old.items():
             summary["removed"].append(name)
             self.metrics.forget_route(name)
