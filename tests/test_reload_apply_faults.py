@@ -129,10 +129,12 @@ def fail_building_rates(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return failed
 
 
-async def post(session: aiohttp.ClientSession, url: str, **headers: str) -> int:
+async def post(session: aiohttp.ClientSession, url: str, **headers: str) -> int | str:
+    """The status of a chat call; a refusal's with its reason, as ``503 queue_full``."""
     async with session.post(url, json=CHAT, headers=headers) as response:
         await response.read()
-        return response.status
+        reason = response.headers.get("X-Sluice-Reason")
+        return response.status if reason is None else f"{response.status} {reason}"
 
 
 async def test_a_fault_building_a_reload_leaves_the_old_config_serving_with_its_gauges(
@@ -149,14 +151,14 @@ async def test_a_fault_building_a_reload_leaves_the_old_config_serving_with_its_
         # a: one slot, no queue, as before the reload.
         held_a = asyncio.create_task(post(session, a_url))
         await until(lambda: upstream.inflight == 1, what="a's call at the upstream")
-        assert await post(session, a_url) == 503
+        assert await post(session, a_url) == "503 queue_full"
         # The top-level fan-out: still one call of a run at a time, on any route.
         held_b = asyncio.create_task(post(session, b_url, **{"X-Run-ID": "r1"}))
         await until(lambda: upstream.inflight == 2, what="b's call at the upstream")
         second = asyncio.create_task(post(session, b_url, **{"X-Run-ID": "r1"}))
         await until(lambda: second.done() or upstream.inflight == 3,
                     what="the run's second call to be answered or forwarded")
-        assert second.done() and second.result() == 429
+        assert second.done() and second.result() == "429 fanout_limited"
         hold.set()
         assert await held_a == 200 and await held_b == 200
         upstream.hold = None
