@@ -20,12 +20,36 @@ file that disappears is logged once; the running config stays in force.
 2. keeps the keys in ``RESTART_ONLY`` (listener addresses, body size limit, event log
    destination, state backend, dead-letter file) at their running values, with a warning
    naming each one that changed: a reload cannot move a bound socket or an open file;
-3. applies the rest with :meth:`proxy.runtime.Runtime.configure`: new ``Route`` objects are
-   built and each takes over the live state of the old route of the same name
-   (:meth:`proxy.routes.Route.take_over`), then routes, router and settings are swapped in one
-   step on the event loop. A request already past route matching finishes under the route
-   object it matched (upstream, timeouts, prefix); policy objects are shared, so its slot goes
-   back to the same limiter the new route uses. Series of removed routes are dropped;
+3. applies the rest in two phases, on the event loop with no await between them:
+
+   * **build** (:meth:`proxy.runtime.Runtime.build`): every new ``Route`` and policy object,
+     the router and every setting derived from the config are constructed, and nothing live
+     is touched: no gauge is bound, no running object reconfigured, no attribute of the
+     runtime set. A fault here (only a bug, or a ``MemoryError``, can raise: the file is
+     valid) leaves the running config serving exactly as before, its gauges included;
+   * **commit** (:meth:`proxy.runtime.Runtime.commit`): only the live changes, in this order:
+     the top-level ``fanout`` object adopts its new block in place; each new route takes over
+     the live state of the old route of the same name (:meth:`proxy.routes.Route.take_over`:
+     a changed block reconfigures the running policy object in place); each route's gauges
+     are bound (:meth:`proxy.routes.Route.bind_metrics`); series of removed routes are
+     dropped; last, routes, router and settings are swapped. A request already past route
+     matching finishes under the route object it matched (upstream, timeouts, prefix); policy
+     objects are shared, so its slot goes back to the same limiter the new route uses.
+
+   A fault in either phase is handled as a refused file is (counted, logged with its
+   traceback, ``last_attempt`` says ``(apply): not applied`` or ``partly applied``, the watch
+   goes on), but what it leaves differs. After a build fault nothing of the new config
+   applies. A commit fault cannot be rolled back: the commit changes objects that serve, and
+   a change acts at once (a raised limit hands slots to queued calls, a shorter queue
+   refuses newcomers), so putting the old block back would not undo what it did, and would
+   run the same code that just failed. So a commit fault leaves what ran before it: the
+   top-level fan-out's new block, the policy objects of the routes taken over so far
+   reconfigured in place (and, if it came while binding gauges, some gauges reading the new,
+   unswapped routes), under the running routes, router and settings, which are not swapped.
+   Applying the same file again (a SIGHUP) completes it, since each route's blocks are still
+   compared with the running route's. Going back to the old file restores the fan-out but
+   not a route's reconfigured policy objects (their blocks compare equal, so they are kept
+   as they are); a restart does. At startup a fault in either phase raises;
 4. emits the ``config_reloaded`` event and counts ``sluice_config_reloads_total``.
 
 **Carrying a policy's state over** is one line per policy in ``Route.take_over``::
@@ -43,7 +67,9 @@ file that disappears is logged once; the running config stays in force.
 
 A policy object may also have ``state() -> dict`` (JSON-ready); list its attribute in
 ``Route.POLICIES`` and ``/admin/routes`` and the status page show it. Top-level settings that the
-request path reads from the ``Runtime`` (e.g. a pricing table) are set in ``Runtime.configure``.
+request path reads from the ``Runtime`` (e.g. a pricing table) are computed in ``Runtime.build``
+and set in ``Runtime.commit``; a gauge of a policy is bound in ``Route.bind_metrics``, never when
+the policy is built.
 """
 
 from __future__ import annotations
@@ -219,7 +245,8 @@ class Reloader:
         """Read, validate and apply the config file; True if it was applied.
 
         Never raises for a bad file: the running config stays in force and the problems are
-        logged, counted and kept in ``last_attempt``.
+        logged, counted and kept in ``last_attempt``; nor for a fault applying a valid one,
+        counted and kept alike, and logged with its traceback.
         """
         metrics = self.runtime.metrics
         seen = fingerprint(self.path)
@@ -257,7 +284,20 @@ class Reloader:
             )
         sections = [name for name in type(config).model_fields
                     if name != "routes" and getattr(config, name) != getattr(running, name)]
-        summary = self.runtime.configure(config)
+        try:
+            built = self.runtime.build(config)
+        except Exception as exc:
+            return self._not_applied(trigger, exc, "failed building it: nothing of it is "
+                                     "applied, the running config stays in force", "not applied")
+        try:
+            self.runtime.commit(built)
+        except Exception as exc:
+            return self._not_applied(
+                trigger, exc, "failed while putting it in force: the changes made before the "
+                "fault stay (shared policy objects reconfigured in place enforce its limits), "
+                "the running routes and settings stay in force; a SIGHUP applies it again in "
+                "full", "partly applied")
+        summary = built.summary
         # The files this config names are watched from now: a newly named tenants table
         # would otherwise read as changed at the next poll and reload it all once more.
         self._applied = (self._applied[0], *self._fingerprints()[1:])
@@ -280,6 +320,17 @@ class Reloader:
             ", ".join(sections) or "none",
         )
         return True
+
+    def _not_applied(self, trigger: str, exc: Exception, what: str, outcome: str) -> bool:
+        """Log, count and keep a valid config that a fault (a bug of ours) kept from being
+        applied: ``what`` it left, for the log; ``outcome`` in a word, for ``last_attempt``."""
+        log.error("config reload (%s) from %s %s", trigger, self.path, what, exc_info=exc)
+        metrics = self.runtime.metrics
+        metrics.config_reload_failures.inc()
+        metrics.config_last_reload_successful.set(0)
+        self.last_attempt = {"at": time.time(), "trigger": trigger, "ok": False, "problems": [
+            f"{self.path}:1: (apply): {outcome} ({type(exc).__name__}; see the log)"]}
+        return False
 
 
 RELOADER = web.AppKey("sluice_reloader", Reloader)

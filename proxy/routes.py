@@ -3,9 +3,11 @@
 Everything a request needs from its route (upstream URL parts, client timeout, policy objects,
 bound metrics) is computed here at load time, so the request path does no config lookups.
 
-A config reload builds new ``Route`` objects and each one calls :meth:`Route.take_over` on the
+A config reload builds new ``Route`` objects, which touches nothing live; putting them in
+force (:meth:`proxy.runtime.Runtime.commit`) has each one call :meth:`Route.take_over` on the
 route of the same name it replaces, so live policy state (slots held, queues, bucket levels)
-carries over; see :mod:`proxy.reload` for the pattern a policy follows.
+carries over, then :meth:`Route.bind_metrics`; see :mod:`proxy.reload` for the pattern a
+policy follows.
 """
 
 from __future__ import annotations
@@ -66,6 +68,8 @@ class Route:
         operations: the route's per-operation blocks (:mod:`policies.operations`), or None.
         base_plan: how a call no operation block applies to is admitted and forwarded;
             :meth:`plan` finds a call's plan.
+        metrics, budget_gauges: its series and budget gauges, set by :meth:`bind_metrics`
+            once the route goes in force (building one binds nothing).
     """
 
     #: Attributes holding policy objects. A policy object may have a ``state()`` method
@@ -109,12 +113,18 @@ class Route:
         "upstream_base",
     )
 
-    def __init__(self, config: RouteConfig, metrics: Metrics, events: EventLog, *,
+    def __init__(self, config: RouteConfig, events: EventLog, *,
                  pricing: dict[str, ModelPrice] | None = None,
                  clock: Callable[[], float] = time.time, run_header: str = "X-Run-ID",
                  runs: RunRegistry | None = None, global_limits: RunLimits | None = None,
-                 global_fanout: FanoutWidth | None = None, stall_after: float = 30.0,
+                 global_fanout: FanoutWidth | None = None, global_fanout_wait: float = 0.0,
                  state: StateBackends | None = None) -> None:
+        """Build the route and its policy objects; nothing live is touched (no gauge bound, no
+        shared object changed), so a route built and then dropped leaves no trace.
+
+        ``global_fanout_wait`` is the top-level ``fanout.max_wait`` of the config being built:
+        the shared ``global_fanout`` still has the running one until the reload is committed.
+        """
         self.config = config
         #: Where the policies keep their counters: this process's memory, or Redis shared by
         #: every replica (the runtime's, from the ``state`` block).
@@ -170,7 +180,7 @@ class Route:
         # A reservation is held for at least as long as a call may run (a 1 h total timeout
         # once lost its reservation at 15 min, mid-stream, and the budget was overspent).
         self.budgets = (Budgets(config.budget, pricing or {}, self.backends, clock, self.name,
-                                hold_for(config, global_fanout.max_wait if global_fanout
+                                hold_for(config, global_fanout_wait if global_fanout
                                          else 0.0))
                         if config.budget else None)
         _, blocks = config.operations()
@@ -183,9 +193,17 @@ class Route:
                                       run_header) if blocks else None)
         self._plans: dict[str, Plan] = {}
         self._admission_order()
-        # Gauges read this route's policies at scrape time (take_over() may swap them); a
-        # gauge of a block this route lacks is removed, so it cannot keep reading the
-        # object of a route a reload replaced.
+
+    def bind_metrics(self, metrics: Metrics, stall_after: float,
+                     replaced: Route | None = None) -> None:
+        """Export this route's series and gauges: called when it goes in force (after
+        :meth:`take_over` of ``replaced``, the route of the same name it replaces, if any), never
+        when it is built, so a reload that fails leaves the running routes' gauges as they were.
+
+        ``stall_after`` is ``server.stall_after`` in seconds (``sluice_stalled_requests``).
+        """
+        # Gauges read this route's policies at scrape time; a gauge of a block this route
+        # lacks is removed, so it cannot keep reading the object of the route it replaced.
         self.metrics: RouteMetrics = metrics.for_route(
             self.name,
             inflight=lambda: self.inflight_total,
@@ -193,6 +211,7 @@ class Route:
             limits=(lambda: self.concurrency) if self.concurrency else None,
             stalled=lambda: self.stalled(stall_after),
         )
+        _, blocks = self.config.operations()
         metrics.name_operations(self.name, blocks)
         if self.idempotency is not None:
             metrics.bind_idempotency(
@@ -209,7 +228,9 @@ class Route:
         else:
             metrics.unbind_circuit_state(self.name)
         self.budget_gauges = BudgetGauges(metrics, self.name, self.budgets)
-        # Read through the operation object: a reload may swap its breaker (take_over).
+        if replaced is not None:
+            self.budget_gauges.take_over(replaced.budget_gauges)
+        # Read through the operation object: take_over() may have swapped its breaker.
         metrics.bind_operation_breakers(self.name, {
             op.name: lambda op=op: op.breaker.state_value() if op.breaker else 0
             for op in self.operations or () if op.breaker is not None})
@@ -318,7 +339,8 @@ class Route:
     def take_over(self, old: Route) -> None:
         """Carry the live state of ``old``, the route of the same name this one replaces.
 
-        One line per policy, all alike (see :mod:`proxy.reload`).
+        One line per policy, all alike (see :mod:`proxy.reload`). Part of a reload's commit:
+        a changed block reconfigures ``old``'s policy object in place, which serves already.
         """
         new, prev = self.config, old.config
         self.concurrency = carry_over(
@@ -347,7 +369,6 @@ class Route:
         # (keyed by unit, scope and window, not by amount) and the route's rates.
         if self.budgets is not None and old.budgets is not None:
             self.budgets.take_over(old.budgets)
-        self.budget_gauges.take_over(old.budget_gauges)
         if self.accounting is not None and old.accounting is not None:
             self.accounting.tenants.update(old.accounting.tenants)  # the admin view's
         # The accounting takes metered calls' request units or leaves them to the rate step,

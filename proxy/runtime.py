@@ -7,13 +7,14 @@ import itertools
 import logging
 import os
 import sqlite3
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 
 from policies.budget import clock_from_env
-from policies.config import Config, RunConfig
+from policies.config import Config, FanoutConfig, RunConfig
 from policies.deadletter import DeadLetterQueue
 from policies.operations import width_limiters
 from policies.pipeline import Call
@@ -28,6 +29,37 @@ from proxy.metrics import Metrics
 from proxy.routes import Route, Router
 
 log = logging.getLogger("sluice")
+
+
+@dataclass(frozen=True, slots=True)
+class BuiltConfig:
+    """A config built by :meth:`Runtime.build` and not yet in force: all that
+    :meth:`Runtime.commit` needs to put it in force.
+
+    Attributes:
+        config: the config itself.
+        routes: its routes, new objects in file order; none is bound to a gauge yet.
+        router: the router over ``routes``.
+        replaces: the running route each new route of the same name replaces, by name.
+        removed: the running routes the config no longer has.
+        global_fanout: the top-level ``fanout.width`` the routes admit with: the running one,
+            a new one, or ``None`` without a width.
+        fanout_reconfigure: the ``fanout`` block the running ``global_fanout`` adopts at the
+            commit, or ``None`` (it is new, or there is none).
+        cancel_ttl: ``run.cancel_ttl``, or its default, seconds.
+        summary: route names by what happens to them: ``added``, ``changed``, ``unchanged``,
+            ``removed``.
+    """
+
+    config: Config
+    routes: list[Route]
+    router: Router
+    replaces: dict[str, Route]
+    removed: list[Route]
+    global_fanout: FanoutWidth | None
+    fanout_reconfigure: FanoutConfig | None
+    cancel_ttl: float
+    summary: dict[str, list[str]]
 
 
 class Runtime:
@@ -91,59 +123,103 @@ class Runtime:
         self.configure(config)
 
     def configure(self, config: Config) -> dict[str, list[str]]:
-        """Apply ``config``: at startup, and again on every reload (:mod:`proxy.reload`).
-
-        Builds the routes (each new one takes over the live state of the old route of the same
-        name), then swaps routes, router and settings in one step, with no await in between.
-        Everything the request path derives from the config is set here.
+        """Apply ``config``: :meth:`build`, then :meth:`commit`. At startup (a fault raises out
+        of the constructor), and from tests; a reload calls the two itself (:mod:`proxy.reload`).
 
         Returns:
-            route names by what happened to them: ``added``, ``changed``, ``unchanged``,
-            ``removed``.
+            route names by what happened to them (:attr:`BuiltConfig.summary`).
         """
-        old = {route.name: route for route in self.routes}
+        built = self.build(config)
+        self.commit(built)
+        return built.summary
+
+    def build(self, config: Config) -> BuiltConfig:
+        """Build everything ``config`` puts in force, touching nothing live: new routes with
+        their policy objects and router, and every setting derived from it. No gauge is
+        bound, no running object changed and no attribute of this runtime set, so if this
+        raises (only a bug can: ``config`` is validated), the running config serves as before.
+
+        Runs on the event loop, just before :meth:`commit`, with no await in between: what it
+        reads of the running config (the routes a new one replaces, the top-level fan-out) is
+        still what the commit changes.
+        """
+        running = {route.name: route for route in self.routes}
         fanout = config.fanout
         global_limits = (RunLimits(self.runs, "*", config.run, fanout)
                          if config.run or (fanout and fanout.depth is not None) else None)
+        global_fanout, fanout_reconfigure = self.global_fanout, None
         if fanout is None or fanout.width is None:
-            self.global_fanout = None
-        elif self.global_fanout is None:
-            self.global_fanout = FanoutWidth(fanout.width, fanout.max_wait,
-                                             width_limiters(self.state, "*"))
-        else:  # a reload keeps every run's held and queued calls
-            self.global_fanout.reconfigure(fanout)
+            global_fanout = None
+        elif global_fanout is None:
+            global_fanout = FanoutWidth(fanout.width, fanout.max_wait,
+                                        width_limiters(self.state, "*"))
+        else:  # the running one adopts the block at commit, keeping every run's calls
+            fanout_reconfigure = fanout
         routes = [
-            Route(rc, self.metrics, self.events, pricing=config.pricing, clock=self.clock,
+            Route(rc, self.events, pricing=config.pricing, clock=self.clock,
                   run_header=config.identity.run_header, runs=self.runs,
-                  global_limits=global_limits, global_fanout=self.global_fanout,
-                  stall_after=config.server.stall_after, state=self.state)
+                  global_limits=global_limits, global_fanout=global_fanout,
+                  global_fanout_wait=fanout.max_wait if fanout else 0.0, state=self.state)
             for rc in config.routes
         ]
+        replaces = {route.name: running[route.name] for route in routes
+                    if route.name in running}
+        removed = [route for name, route in running.items() if name not in replaces]
+        summary: dict[str, list[str]] = {"added": [], "changed": [], "unchanged": [],
+                                         "removed": [route.name for route in removed]}
         for route in routes:
+            previous = replaces.get(route.name)
+            kind = ("added" if previous is None else
+                    "changed" if previous.config != route.config else "unchanged")
+            summary[kind].append(route.name)
+        return BuiltConfig(
+            config=config, routes=routes, router=Router(routes), replaces=replaces,
+            removed=removed, global_fanout=global_fanout,
+            fanout_reconfigure=fanout_reconfigure,
+            cancel_ttl=(config.run.cancel_ttl if config.run else
+                        RunConfig.model_fields["cancel_ttl"].default),
+            summary=summary,
+        )
+
+    def commit(self, built: BuiltConfig) -> None:
+        """Put ``built`` in force: every live change of applying a config, and nothing else.
+
+        In this order, with no await: the running top-level fan-out adopts its new block;
+        each route takes over the live state of the one it replaces (a changed policy block
+        reconfigures the running object in place, :meth:`Route.take_over`); each route's
+        gauges are bound (and a retrying route's dead-letter depth); removed routes' series
+        are dropped; then routes, router and settings are swapped, the last step, after which
+        the request path sees the new config. Everything the request path derives from the
+        config is set here, from what :meth:`build` computed.
+
+        Only a bug raises here. One that does stops where it is: what ran before it stays
+        done (see :mod:`proxy.reload` for what that leaves).
+        """
+        config = built.config
+        if built.fanout_reconfigure is not None and built.global_fanout is not None:
+            built.global_fanout.reconfigure(built.fanout_reconfigure)
+        for route in built.routes:
+            replaced = built.replaces.get(route.name)
+            if replaced is not None:
+                route.take_over(replaced)
+        for route in built.routes:
+            route.bind_metrics(self.metrics, config.server.stall_after,
+                               built.replaces.get(route.name))
             if route.retries:
                 self.metrics.bind_dead_letter_depth(
                     route.name, lambda name=route.name: self.dead_letters.depth(name)
                 )
-        summary: dict[str, list[str]] = {"added": [], "changed": [], "unchanged": [],
-                                         "removed": []}
-        for route in routes:
-            previous = old.pop(route.name, None)
-            if previous is None:
-                summary["added"].append(route.name)
-                continue
-            summary["changed" if previous.config != route.config else "unchanged"].append(
-                route.name)
-            route.take_over(previous)
-        for name, gone in old.items():
-            summary["removed"].append(name)
-            self.metrics.forget_route(name)
+        for gone in built.removed:
+            self.metrics.forget_route(gone.name)
             for each in (gone, *gone.retired):  # the older objects' calls too
                 each.detach_metrics()
-            self.removed.append(gone)
-        self.removed = [route for route in self.removed if route.present_total]
+        # The swap: from here the request path sees the new config; nothing follows it.
+        self.removed = [route for route in (*self.removed, *built.removed)
+                        if route.present_total]
+        self.global_fanout = built.global_fanout
         self.config = config
-        self.routes = routes
-        self.router = Router(routes)
+        self.routes = built.routes
+        self.router = built.router
         identity = config.identity
         self.tenant_header = identity.tenant_header
         self.run_header = identity.run_header
@@ -151,10 +227,8 @@ class Runtime:
         self.parent_run_header = identity.parent_run_header
         self.timeout_header = identity.timeout_header
         #: How long a cancelled run's new calls are refused (``run.cancel_ttl``).
-        self.cancel_ttl = (config.run.cancel_ttl if config.run else
-                           RunConfig.model_fields["cancel_ttl"].default)
+        self.cancel_ttl = built.cancel_ttl
         self.default_tenant = identity.default_tenant
-        return summary
 
     def _state_changed(self, up: bool, error: str | None) -> None:
         """Say in the log what the policies do now that the state backend changed: once at

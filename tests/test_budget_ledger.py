@@ -25,7 +25,6 @@ from policies.state.admission import MemoryAdmissions
 from policies.state.ledger import MemoryLedger
 from policies.usage import Usage
 from proxy.events import EventLog
-from proxy.metrics import Metrics
 from proxy.rejections import rejection_headers
 from proxy.routes import Route
 
@@ -201,7 +200,7 @@ async def test_a_call_running_longer_than_15_minutes_keeps_its_reservation():
     state = memory_backends()
     state.ledger = MemoryLedger(clock=clock)
     state.admissions = MemoryAdmissions(state.rates, state.ledger)
-    route = Route(config, Metrics(), EventLog(None), clock=clock, state=state)
+    route = Route(config, EventLog(None), clock=clock, state=state)
     budgets = route.budgets
     assert budgets is not None and budgets.hold_s == hold_for(config) == 3600 + 60
     first = await budgets.reserve("acme", None, "m", 10, 990)

@@ -21,7 +21,6 @@ from policies.config import RouteConfig
 from policies.pipeline import ABANDONED, Admission, Call, Outcome
 from policies.reasons import Rejected
 from proxy.events import EventLog
-from proxy.metrics import Metrics
 from proxy.routes import Route
 
 TOOLS = ("slow", "fast", "other")
@@ -42,7 +41,7 @@ def route() -> Route:
         "protocol": "mcp", "concurrency": {"limit": ROUTE_LIMIT, "queue": 10, "max_wait": "60s"},
         "tools": {name: {"concurrency": {"limit": limit, "queue": 10, "max_wait": "60s"}}
                   for name, limit in LIMITS.items()}})
-    return Route(config, Metrics(), EventLog(None))
+    return Route(config, EventLog(None))
 
 
 async def run(steps: list[tuple[str, object]]) -> None:

@@ -14,7 +14,6 @@ from policies.reasons import Reason, Rejected
 from policies.state import memory_backends
 from proxy.config import parse_config
 from proxy.events import EventLog
-from proxy.metrics import Metrics
 from proxy.reload import keep_restart_only
 from proxy.routes import Route, carry_over
 
@@ -121,8 +120,7 @@ async def test_tenant_buckets_follow_the_new_per_tenant_rate():
 
 def _routes(yaml_text: str) -> list[Route]:
     config = parse_config(yaml_text)
-    metrics = Metrics()
-    return [Route(rc, metrics, EventLog(None)) for rc in config.routes]
+    return [Route(rc, EventLog(None)) for rc in config.routes]
 
 
 ROUTE = """
