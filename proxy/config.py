@@ -99,6 +99,15 @@ class _TooManyValues(Exception):
     pass
 
 
+class _TooDeep(Exception):
+    """Lists and mappings nest too deeply once aliases are expanded; ``line``: 1-based, of
+    the node (for one reached through an alias, its anchor's) at the level past the bound."""
+
+    def __init__(self, line: int) -> None:
+        super().__init__(line)
+        self.line = line
+
+
 #: Deepest nesting of lists and mappings a config may have: far beyond a real one (under 10).
 MAX_CONFIG_DEPTH = 64
 
@@ -137,27 +146,41 @@ def _too_deep(text: str) -> int | None:
     return None
 
 
-def _values(node: yaml.Node, counted: dict[int, int], open_: set[int]) -> int:
+def _values(node: yaml.Node, counted: dict[int, tuple[int, int]], open_: set[int],
+            level: int = 1) -> int:
     """How many values ``node`` holds once its aliases are expanded, itself included, each
-    node counted once (``counted``: by node id), so an alias bomb is measured in the time of
-    its own few nodes, not of the 10^9 it expands to (:func:`_walk` took seconds to reach its
-    budget). A node met again inside itself (a loop, ``open_``) counts 1: :func:`_walk` names
-    the loop."""
+    node counted once (``counted``: by node id, its values and the levels of lists and
+    mappings it nests), so an alias bomb is measured in the time of its own few nodes, not
+    of the 10^9 it expands to (:func:`_walk` took seconds to reach its budget). A node met
+    again inside itself (a loop, ``open_``) counts 1: :func:`_walk` names the loop.
+    ``level``: ``node``'s own, the document's being 1.
+
+    Raises:
+        _TooDeep: aliases nest lists and mappings more than :data:`MAX_CONFIG_DEPTH` deep,
+            which :func:`_too_deep` cannot see in the text (each anchor nests one level
+            more): 2,000 such levels ended in a ``RecursionError`` after ~1.2 s, at line 1.
+    """
     key = id(node)
-    total = counted.get(key)
-    if total is not None:
-        return total
-    if key in open_:
+    known = counted.get(key)
+    if known is None and key in open_:
         return 1
-    total = 1
-    if isinstance(node, (yaml.MappingNode, yaml.SequenceNode)):
-        open_.add(key)
-        items = (value for _, value in node.value) if isinstance(node, yaml.MappingNode) \
-            else node.value
-        total += sum(_values(item, counted, open_) for item in items)
-        open_.discard(key)
-    counted[key] = total
-    return total
+    if known is None:
+        total, depth = 1, 0
+        if isinstance(node, (yaml.MappingNode, yaml.SequenceNode)):
+            if level > MAX_CONFIG_DEPTH:
+                raise _TooDeep(node.start_mark.line + 1)
+            open_.add(key)
+            items = (value for _, value in node.value) if isinstance(node, yaml.MappingNode) \
+                else node.value
+            for item in items:
+                total += _values(item, counted, open_, level + 1)
+                depth = max(depth, counted.get(id(item), (0, 0))[1])
+            depth += 1
+            open_.discard(key)
+        counted[key] = known = (total, depth)
+    if level - 1 + known[1] > MAX_CONFIG_DEPTH:  # met again, through an alias, deeper
+        raise _TooDeep(node.start_mark.line + 1)
+    return known[0]
 
 
 def _walk(node: yaml.Node, path: Path_, marks: dict[Path_, int],
@@ -307,6 +330,10 @@ def parse_config(text: str, filename: str = "<config>", base: Path | None = None
     except _TooManyValues:
         raise ConfigError([f"{filename}:1: (yaml): more than {MAX_CONFIG_VALUES:,} values once "
                            "its aliases are expanded"]) from None
+    except _TooDeep as deep:
+        raise ConfigError([f"{filename}:{deep.line}: (yaml): nested too deeply once its aliases "
+                           f"are expanded (more than {MAX_CONFIG_DEPTH} levels of lists and "
+                           "mappings)"]) from None
 
 
 def _parse_config(text: str, filename: str, base: Path) -> Config:
