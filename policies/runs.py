@@ -10,6 +10,9 @@ what Sluice reasons about:
 * **Depth** is derived from the links (a root is depth 0, its child 1, ...), never read from
   a header, so an agent cannot claim to be shallower than it is. A run keeps the parent it was
   first seen with; a later, different parent (or one that would close a cycle) is ignored.
+  One exception: a run first seen as a root whose calls have counted nothing yet (none live,
+  no ``max_requests`` count) is linked by the first call that names a parent, and its
+  descendants' depths follow.
 * **Inheritance**: a call that names no priority takes its run's, else the nearest
   ancestor's; a call with no deadline of its own takes the nearest ancestor run's remaining
   deadline (a sub-agent cannot outlive the caller waiting for it).
@@ -240,8 +243,8 @@ class RunRegistry:
                 up = runs.get((tenant, parent)) or self.resolve(parent, None, tenant)
                 if all(node is not info for node in up.lineage()):
                     info.parent = up
-                    info.depth = up.depth + 1
                     up.children.add(run)
+                    self._set_depths(info)
         info.last_seen = now
         return info
 
@@ -277,11 +280,20 @@ class RunRegistry:
                 node.parent = up
             if up is not None:
                 up.children.add(name)
-            node.depth = 0 if up is None else up.depth + 1
+            if node.depth != (0 if up is None else up.depth + 1):
+                self._set_depths(node)
             age = lineage.ages[index]
             node.started = now - age
             node.started_wall = wall - age
             up = node
+
+    def _set_depths(self, info: RunInfo) -> None:
+        """Derive the depth of ``info`` and of every descendant known here from their links
+        again, after ``info``'s own link was made or moved: a child's depth was set from its
+        parent's when it was first seen, and a root linked later under a chain left its
+        children a level too shallow for ``fanout.depth`` (a new user's trial)."""
+        for node in self.subtree(info):  # parents before children
+            node.depth = 0 if node.parent is None else node.parent.depth + 1
 
     def subtree(self, info: RunInfo) -> list[RunInfo]:
         """``info`` and every descendant known here, parents before children."""

@@ -91,6 +91,24 @@ async def test_depth_2_refuses_a_grandchilds_grandchild(upstream, start_sluice):
     assert len(upstream.requests) == 3
 
 
+async def test_a_root_linked_later_takes_its_children_a_level_deeper(upstream, start_sluice):
+    # A run first seen as a root, whose calls count nothing, is linked by the first call
+    # naming a parent; its children kept the depth they had, one level too shallow for
+    # fanout.depth (a new user's trial: a child at depth 1 under a run at depth 1).
+    sluice = await start_sluice({"fanout": {"depth": 1},
+                                 "routes": [route("tools", upstream.url, "http")]})
+    async with aiohttp.ClientSession() as s:
+        url = f"{sluice.url}/tools/x"
+        steps = [("top", None), ("sub", None), ("leaf", "sub"), ("sub", "top"), ("leaf", None)]
+        answers = [await post(s, url, run_headers(run, parent)) for run, parent in steps]
+        async with s.get(f"{sluice.admin_url}/admin/runs/leaf") as r:
+            assert (await r.json())["runs"][0]["depth"] == 2
+    # leaf was at depth 1 and passed; once sub is under top, leaf is 2 levels down: refused.
+    assert [status for status, _, _ in answers] == [200, 200, 200, 200, 429]
+    assert answers[4][1]["X-Sluice-Reason"] == "fanout_limited"
+    assert len(upstream.requests) == 4
+
+
 async def test_max_requests_5_counts_descendants_and_refuses_the_sixth(upstream, start_sluice):
     sluice = await start_sluice({"routes": [route("tools", upstream.url, "http",
                                                   run={"max_requests": 5})]})
