@@ -476,8 +476,11 @@ events: {{path: {tmp_path / "events.jsonl"}}}
 routes:
   - {{name: r, path_prefix: /r/, upstream: "http://127.0.0.1:9"}}
 """)
+    # SIGHUP at its default in the child, as a supervisor starts it: under nohup it would be
+    # ignored before Python starts, and the SIGTERM below sent into the default action.
     proc = subprocess.Popen([sys.executable, "-m", "proxy.cli", "serve", "--config", str(config)],
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
     try:
         # Sent as soon as serve has taken SIGHUP over (its first step), long before its loop
         # takes SIGTERM (after ~0.5 s of imports).
