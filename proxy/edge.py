@@ -26,14 +26,14 @@
   (:meth:`EdgeProtocol.eof_received`);
 * a request head (request line and headers) over ``MAX_HEAD_BYTES`` (60 KiB, Envoy's default
   ``max_request_headers_kb``) is answered 431 ``headers_too_large`` and the connection closed
-  as soon as that many bytes of it have arrived. aiohttp's own bounds (8190 bytes a line, 128
-  headers) let one head hold about 1 MB until ``header_timeout``, and a thousand such
-  connections took a fresh Sluice from 65 MB to 974 MB (68 MB with this bound). Bytes are
-  counted from the first read that holds only part of a head, so one head may hold up to
-  60 KiB plus one read (uvloop reads at most 256 KB at a time): the start of a head that
-  arrives in the same read as the end of the request before it is not seen apart from
-  that request. A head pipelined behind a request still being served is
-  not answered (its answer would come first): the connection is closed;
+  as soon as that many bytes of it have arrived, or when a read that would take it past that
+  holds no blank line (its end) within the bound. aiohttp's own bounds (8190 bytes a line,
+  128 headers) let one head hold about 1 MB until ``header_timeout``, and a thousand such
+  connections took a fresh Sluice from 65 MB to 974 MB (68 MB with this bound). A head that
+  starts in the same read as the end of the request before it is not seen apart from that
+  request, so it may hold up to 60 KiB plus one read (uvloop reads at most 256 KB at a time).
+  A head pipelined behind a request still being served is not answered (its answer would
+  come first): the connection is closed;
 * a parser-level refusal (a request target or header value over 8190 bytes, or more than 128
   headers: 431 ``headers_too_large``; bad framing or syntax: 400 ``bad_request``) is answered
   in Sluice's shape: JSON body, ``X-Sluice-Reason``, ``Connection: close``, and nothing of
@@ -639,6 +639,11 @@ class EdgeProtocol(RequestHandler):
                 refused.write(self._edge.too_many)
                 refused.close()
             return
+        # A read that could take a head past the bound (``_head_bytes`` is a head's bytes so
+        # far, or the last head's: at worst more reads are looked at) must end it in time.
+        if len(data) > MAX_HEAD_BYTES - self._head_bytes and not self._head_ends_in(data):
+            self._head_too_large()
+            return
         count = self._request_count
         super().data_received(data)
         if self._force_close:
@@ -682,6 +687,20 @@ class EdgeProtocol(RequestHandler):
             self._head_bytes = len(data)
             if self._head_bytes > MAX_HEAD_BYTES:
                 self._head_too_large()
+
+    def _head_ends_in(self, data: bytes) -> bool:
+        """Whether the head ``data`` starts or continues ends within ``MAX_HEAD_BYTES`` of its
+        start (always, while a body is read). A head that arrives whole in one read is parsed
+        at once; without this look only heads spread over reads were bounded, and a 101 KB
+        one sent at once was forwarded (a new user's trial). The blank line may begin in the
+        read before (then ``data`` starts with its rest)."""
+        phase = self._phase
+        if phase == _BODY:
+            return True
+        if phase != _HEAD:
+            return data.find(b"\r\n\r\n", 0, MAX_HEAD_BYTES + 4) >= 0
+        return (data.find(b"\r\n\r\n", 0, MAX_HEAD_BYTES - self._head_bytes + 4) >= 0
+                or data.startswith((b"\n", b"\r\n")))
 
     def _head_too_large(self) -> None:
         """431 for a head past ``MAX_HEAD_BYTES``; a pipelined one is not answered (its answer

@@ -433,6 +433,52 @@ async def test_a_head_over_60_kib_is_431_as_it_arrives(upstream, start_sluice):
     assert len(upstream.requests) == 1
 
 
+async def test_a_head_over_60_kib_in_one_read_is_431_and_one_under_it_with_its_body_is_served(
+        upstream):
+    """A head that arrived whole in one read was parsed at once and never counted: a new
+    user's 101 KB head sent with one ``sendall`` was forwarded. Fed here as the transport
+    would, in one read each: a ~80 KiB head, then a ~56 KiB head with a 200 KB body."""
+    runtime = Runtime(parse_config(
+        "routes:\n"
+        f"  - {{name: svc, path_prefix: /svc/, upstream: '{upstream.url}', protocol: http}}\n"))
+    await runtime.open()
+    runner, port = await serve_runtime(runtime)
+
+    async def one_read(data: bytes) -> bytes:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            server = runner.server
+            assert server is not None
+            await wait_until(lambda: len(server.connections) == 1, what="the connection")
+            [protocol] = server.connections
+            protocol.data_received(data)
+            return await closed_within(reader, 10)
+        finally:
+            writer.close()
+            await wait_until(lambda: not runner.server.connections, what="it to close")
+
+    def head(lines: int, *extra: bytes) -> bytes:
+        pad = b"".join(b"X-Pad-%02d: %s\r\n" % (i, b"a" * 4000) for i in range(lines))
+        return (b"POST /svc/echo HTTP/1.1\r\n" + LOOPBACK + b"Connection: close\r\n" + pad
+                + b"".join(extra) + b"\r\n")
+
+    try:
+        too_big = head(20, b"Content-Length: 0\r\n")
+        assert len(too_big) > MAX_HEAD_BYTES
+        [(status, headers, _)] = parse(await one_read(too_big))
+        assert (status, headers["x-sluice-reason"]) == (431, "headers_too_large")
+        assert upstream.requests == []
+        body = b"b" * 200_000
+        fits = head(14, b"Content-Length: %d\r\n" % len(body)) + body
+        assert len(fits) - len(body) < MAX_HEAD_BYTES < len(fits)
+        [(status, _, _)] = parse(await one_read(fits))
+        assert status == 200
+        assert len(upstream.requests) == 1 and len(upstream.requests[0].body) == len(body)
+    finally:
+        await runner.cleanup()
+        await runtime.close()
+
+
 async def test_a_big_head_behind_a_request_not_started_yet_does_not_answer_first(upstream):
     """A head over 60 KiB right behind a request aiohttp had taken off its queue but whose
     handler had not started yet (Python 3.11 starts it a loop turn later) was answered 431
