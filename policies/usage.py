@@ -386,7 +386,7 @@ class Meter:
     _big_size = 0
     #: The stream's lines end in CRLF (``None`` until its first line ending).
     _cr: bool | None = None
-    #: They end in a bare CR: each is passed on as an LF (see ``_line_ending``).
+    #: They end in a bare CR: each is read as an LF (see ``_line_ending``).
     _bare_cr = False
     _sampled = 0
     _sample_tokens = 0
@@ -464,7 +464,14 @@ class Meter:
         if self._cr is None:
             self._cr = self._line_ending(data)
         if self._bare_cr:
-            data = data.replace(b"\r", b"\n")
+            # Read as LF; passed on so too only when the usage chunk is taken out (an event
+            # is then rewritten anyway), else byte for byte, as every stream is.
+            out = self._sse(data.replace(b"\r", b"\n"))
+            return out if self._strip else data
+        return self._sse(data)
+
+    def _sse(self, data: bytes) -> bytes:
+        """:meth:`chunk` for an SSE stream, its line endings read (LF or CRLF)."""
         if self._big:
             return self._big_chunk(data)
         if not self._pending and not self._cr and data.endswith(b"\n\n"):
@@ -528,7 +535,7 @@ class Meter:
         self._big_size += cut
         self._end_big()
         rest = data[after:]
-        return data[:after] + self.chunk(rest) if rest else data
+        return data[:after] + self._sse(rest) if rest else data
 
     def _end_big(self) -> None:
         """The big event ended: count it (its usage, or its size as streamed text)."""
@@ -608,9 +615,9 @@ class Meter:
         """Whether the stream's lines end in CRLF (a stream keeps its line ending, so this is
         decided once), ``None`` while no line has ended. Lines ending in a bare CR (valid
         SSE, sent by no LLM API we know; the meter waited for an LF and held such a stream
-        whole) set ``_bare_cr``: from then on each CR is passed on, and read, as an LF, the
-        same line ending to an SSE reader (a raw CR can stand nowhere else in SSE: JSON text
-        escapes it)."""
+        whole) set ``_bare_cr``: from then on each CR is read as an LF, the same line ending
+        to an SSE reader (a raw CR can stand nowhere else in SSE: JSON text escapes it), and
+        passed on as one when the usage chunk is taken out (else as it came)."""
         # What is held has no line ending yet, but may end in a CR: only that byte is read
         # again (all of it was, per chunk: quadratic in a long first line).
         held = self._edge if self._parts is not None else self._pending

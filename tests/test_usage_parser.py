@@ -415,6 +415,17 @@ def test_a_stream_with_bare_cr_line_endings_is_read_with_lf_endings():
     assert (meter.usage.input_tokens, meter.usage.output_tokens) == (3, 1)
 
 
+def test_a_bare_cr_stream_whose_usage_stays_is_passed_on_byte_for_byte():
+    """Read as LF, but passed on as it came when nothing is taken out of it: the fuzz test
+    drew ``b"\\r\\x00"`` and got ``b"\\n\\x00"`` (a caller that asked for the usage chunk, or
+    any text/event-stream answer, saw its bytes changed)."""
+    meter = Meter(CHAT, anthropic=False, strip_usage=False)
+    started(meter, "text/event-stream")
+    usage = b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":1}}\r\r'
+    stream = b'data: {"choices":[{"delta":{"content":"hi"}}]}\r\r' + usage + b"data: [DONE]\r\r"
+    assert feed_in_pieces(meter, stream, [10, 60, 80]) == stream
+    assert meter.final and (meter.usage.input_tokens, meter.usage.output_tokens) == (3, 1)
+
 
 def test_chunked_json_body_is_read_at_the_end():
     body = orjson.dumps({"id": "x", "usage": {"input_tokens": 3, "output_tokens": 9}})
