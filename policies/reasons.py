@@ -94,7 +94,11 @@ class Reason(enum.Enum):
     )
     INTERNAL_ERROR = ("internal_error", 500, "Sluice failed to handle this request")
     # Faults of the upstream itself, written by Sluice because no upstream answer exists.
-    UPSTREAM_UNREACHABLE = ("upstream_unreachable", 502, "the upstream could not be reached")
+    # (Whatever kept an answer from the caller, named in the detail: no connection, a
+    # connection ended or reset, or an answer that is not valid HTTP or cannot be relayed.)
+    UPSTREAM_UNREACHABLE = (
+        "upstream_unreachable", 502, "the upstream gave no answer Sluice could relay"
+    )
     UPSTREAM_TIMEOUT = ("upstream_timeout", 504, "the upstream did not answer in time")
 
     def __init__(self, code: str, status: int, summary: str) -> None:
