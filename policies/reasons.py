@@ -66,11 +66,9 @@ class Reason(enum.Enum):
     )
     # The caller or its connection, refused at the door (proxy/edge.py, proxy/identity.py).
     UNKNOWN_API_KEY = (
-        "unknown_api_key", 401, "no tenant is configured for this API key (identity.tenants)"
+        "unknown_api_key", 401, "Sluice could not tell the caller's tenant from an API key"
     )
-    TENANT_MISMATCH = (
-        "tenant_mismatch", 403, "the tenant header names a tenant other than the API key's"
-    )
+    TENANT_MISMATCH = ("tenant_mismatch", 403, "the request names more than one tenant")
     FORBIDDEN_ORIGIN = (
         "forbidden_origin", 403, "this Origin may not call this route (server.allowed_origins)"
     )
