@@ -411,13 +411,23 @@ class AdminServer(GuardedServer):
     """The admin port (``server.admin_listen``): the proxy port's header, body and idle
     timeouts, but at most :data:`ADMIN_MAX_CONNECTIONS` connections, since only probes,
     Prometheus and operators call it. Without them a few hundred slow or silent connections
-    would hold it as long as they liked, and the kubelet's probes with it."""
+    would hold it as long as they liked, and the kubelet's probes with it. Requests its parser
+    refuses are answered as on the proxy port (:meth:`EdgeProtocol.handle_error`, HTTP/1.1)."""
 
     too_many = _ADMIN_TOO_MANY
 
     def __init__(self, runtime: Runtime, handler: Callable[..., Awaitable[web.StreamResponse]],
                  **kwargs: Any) -> None:
-        super().__init__(handler, **kwargs)
+        make_request = kwargs.pop("request_factory")
+
+        def request_factory(message: RawRequestMessage, *args: Any) -> web.BaseRequest:
+            # A parser refusal is answered in an HTTP/1.1 status line, as on the proxy port
+            # (aiohttp's placeholder message for it says 1.0).
+            if message is PARSE_ERROR_MESSAGE:
+                message = _PARSE_ERROR_MESSAGE_11
+            return make_request(message, *args)
+
+        super().__init__(handler, request_factory=request_factory, **kwargs)
         self.runtime = runtime
         self._for: ServerConfig | None = None
         self._settings: ServerConfig | None = None

@@ -456,6 +456,20 @@ async def test_aiohttps_own_log_of_a_parser_refusal_names_the_cause_not_the_byte
     assert made.exc_info is None
 
 
+async def test_the_admin_ports_parser_refusals_are_http_1_1_too(upstream, start_sluice):
+    """Seen (new-user trial): the admin port answered them in an ``HTTP/1.0`` status line (the
+    proxy port in ``HTTP/1.1``)."""
+    sluice = await start_sluice({"routes": [route("svc", upstream.url, "http")]})
+    for request in (b"GET /healthz HTTP/1.1\r\n" + LOOPBACK + b"Content-Length: 1\r\n"
+                    b"Content-Length: 2\r\n\r\nab",
+                    b"GET /healthz HTTP/1.1\r\n\r\n"):
+        answer = await raw_request(sluice.admin_port, request, timeout=5)
+        assert answer.startswith(b"HTTP/1.1 400 "), answer[:40]
+        [(_, headers, body)] = parse(answer)
+        assert headers["x-sluice-reason"] == "bad_request"
+        assert json.loads(body)["error"]["reason"] == "bad_request"
+
+
 async def send_head_in_pieces(port: int, head: list[bytes]) -> bytes:
     """Send ``head``'s lines one write (and one loop turn) at a time, so Sluice reads the head
     in several pieces, stopping if it closes; every byte it sends until it closes."""
