@@ -12,6 +12,7 @@ the request path's parses go through :func:`loads`.
 from __future__ import annotations
 
 import gc
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -36,3 +37,39 @@ def loads(body: bytes | str, parse: Callable[[Any], Any] = orjson.loads) -> Any:
         return parse(body)
     finally:
         gc.enable()
+
+
+def shown(value: Any, limit: int = 40) -> str:
+    """``value``, read from JSON or YAML, as its writer would write it, for a message to them:
+    ``true``, ``null``, ``1e23``, ``[1]``, not Python's ``True``, ``None``, ``1e+23``; a string
+    in single quotes, as Sluice's messages quote one. At most ``limit`` characters (cut with
+    ``...``)."""
+    if isinstance(value, str):
+        text = repr(value)
+    elif isinstance(value, int) and not isinstance(value, bool):
+        try:
+            text = str(value)  # orjson refuses integers past 64 bits, which YAML reads
+        except ValueError:  # past Python's 4300 digits
+            text = "an integer of over 4300 digits"
+    else:
+        try:
+            text = orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS).decode()
+        except TypeError:
+            text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def member_as_sent(body: bytes, name: str, value: Any) -> str:
+    """Top-level member ``name`` of JSON ``body``, read as ``value``, for a message to its
+    sender: a number as its digits were sent (orjson reads an integer past 64 bits as a float,
+    so ``100000000000000000000000`` would show as ``1e23``), else :func:`shown`. For a refusal
+    only: it searches the body's text."""
+    if type(value) is float:
+        pattern = rb'"%s"\s*:\s*(-?[0-9][0-9.eE+-]{0,39})' % re.escape(name.encode())
+        for found in re.finditer(pattern, body):
+            try:
+                if float(found.group(1)) == value:  # the same number, whichever member it is
+                    return found.group(1).decode()
+            except ValueError:
+                continue
+    return shown(value)

@@ -34,6 +34,8 @@ from pydantic import (
 )
 from redis.asyncio.connection import ConnectionPool
 
+from policies.bodies import shown
+
 
 class ConfigError(Exception):
     """The config file is unreadable or invalid.
@@ -92,14 +94,15 @@ def _parse_allowance(value: Any) -> Allowance:
         unit = m.group(2)
         return Allowance(amount, None if unit == "total" else _RATE_PERIODS[unit], value.strip())
     raise ValueError(
-        f"{value!r} is not a budget: write N/min, N/h, N/day or N/total, e.g. 5000000/day"
+        f"{shown(value, 80)} is not a budget: write N/min, N/h, N/day or N/total, e.g. 5000000/day"
     )
 
 
 def _parse_duration(value: Any) -> float:
     if not isinstance(value, str) or not (m := _DURATION.match(value.strip())):
         raise ValueError(
-            f"{value!r} is not a duration: write a number and a unit, e.g. 250ms, 5s, 10m, 24h"
+            f"{shown(value, 80)} is not a duration: write a number and a unit, e.g. 250ms, 5s, "
+            "10m, 24h"
         )
     seconds = float(m.group(1)) * _DURATION_UNITS[m.group(2)]
     if seconds > MAX_DURATION_S:
@@ -111,7 +114,8 @@ def _parse_duration(value: Any) -> float:
 
 def _parse_rate(value: Any) -> Rate:
     if not isinstance(value, str) or not (m := _RATE.match(value.strip())):
-        raise ValueError(f"{value!r} is not a rate: write N/s, N/min, N/h or N/day, e.g. 600/min")
+        raise ValueError(
+            f"{shown(value, 80)} is not a rate: write N/s, N/min, N/h or N/day, e.g. 600/min")
     count = int(m.group(1))
     if count < 1:
         raise ValueError(f"{value!r}: a rate must allow at least 1 per period")

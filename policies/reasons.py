@@ -66,11 +66,9 @@ class Reason(enum.Enum):
     )
     # The caller or its connection, refused at the door (proxy/edge.py, proxy/identity.py).
     UNKNOWN_API_KEY = (
-        "unknown_api_key", 401, "no tenant is configured for this API key (identity.tenants)"
+        "unknown_api_key", 401, "Sluice could not tell the caller's tenant from an API key"
     )
-    TENANT_MISMATCH = (
-        "tenant_mismatch", 403, "the tenant header names a tenant other than the API key's"
-    )
+    TENANT_MISMATCH = ("tenant_mismatch", 403, "the request names more than one tenant")
     FORBIDDEN_ORIGIN = (
         "forbidden_origin", 403, "this Origin may not call this route (server.allowed_origins)"
     )
@@ -94,7 +92,11 @@ class Reason(enum.Enum):
     )
     INTERNAL_ERROR = ("internal_error", 500, "Sluice failed to handle this request")
     # Faults of the upstream itself, written by Sluice because no upstream answer exists.
-    UPSTREAM_UNREACHABLE = ("upstream_unreachable", 502, "the upstream could not be reached")
+    # (Whatever kept an answer from the caller, named in the detail: no connection, a
+    # connection ended or reset, or an answer that is not valid HTTP or cannot be relayed.)
+    UPSTREAM_UNREACHABLE = (
+        "upstream_unreachable", 502, "the upstream gave no answer Sluice could relay"
+    )
     UPSTREAM_TIMEOUT = ("upstream_timeout", 504, "the upstream did not answer in time")
 
     def __init__(self, code: str, status: int, summary: str) -> None:

@@ -105,6 +105,8 @@ class RunInfo:
             as its counts are: forgetting it would start the run's time over).
         calls, attempts, tokens, usd: its own calls finished, upstream attempts, tokens and
             USD charged (for ``sluice runs show`` and amplification).
+        unpriced: its own calls that used tokens of a model ``pricing`` does not name: their
+            cost is unknown, not 0 (``usd`` leaves them out).
         cancelled_until: monotonic seconds until which its calls are refused (0: never).
         live: its calls now being admitted, queued or forwarded.
         holders: per limit scope, the calls live here that hold a ``max_requests`` count of
@@ -113,7 +115,7 @@ class RunInfo:
 
     __slots__ = ("attempts", "calls", "cancelled_until", "children", "counts", "deadline",
                  "depth", "holders", "id", "key", "last_seen", "live", "parent", "priority",
-                 "started", "started_wall", "tenant", "timed", "tokens", "usd")
+                 "started", "started_wall", "tenant", "timed", "tokens", "unpriced", "usd")
 
     def __init__(self, run: str, tenant: str, parent: RunInfo | None, now: float) -> None:
         self.id = run
@@ -133,6 +135,7 @@ class RunInfo:
         self.attempts = 0
         self.tokens = 0
         self.usd = 0.0
+        self.unpriced = 0
         self.cancelled_until = 0.0
         #: Its child runs' ids (all of its tenant).
         self.children: set[str] = set()
@@ -454,13 +457,15 @@ class RunRegistry:
             "amplification": round(attempts / calls, 3) if calls else None,
             "tokens": sum(node.tokens for node in tree),
             "usd": round(sum(node.usd for node in tree), 9),
+            "unpriced_calls": sum(node.unpriced for node in tree),
             "cancelled": self.cancelled_by(info) is not None,
             "descendants": len(tree) - 1,
         }
         if detail:
             out["children"] = sorted(info.children)
             out["own"] = {"calls": info.calls, "attempts": info.attempts,
-                          "tokens": info.tokens, "usd": round(info.usd, 9)}
+                          "tokens": info.tokens, "usd": round(info.usd, 9),
+                          "unpriced_calls": info.unpriced}
             out["live_calls"] = [
                 {"request_id": c.call.request_id, "run": node.id, "route": c.call.route,
                  "phase": c.call.phase, "age_s": round(now - c.call.received_at, 3)}
@@ -621,9 +626,13 @@ class _Tracked:
             info.calls += 1
         charged = call.charged
         if charged:
-            info.tokens += int(charged.get("input_tokens") or 0) + int(
-                charged.get("output_tokens") or 0)
-            info.usd += float(charged.get("cost_usd") or 0.0)
+            used = int(charged.get("input_tokens") or 0) + int(charged.get("output_tokens") or 0)
+            info.tokens += used
+            cost = charged.get("cost_usd")
+            if cost is None:
+                info.unpriced += used > 0
+            else:
+                info.usd += float(cost)
 
 
 class RunLimits:

@@ -201,7 +201,8 @@ def read_request(endpoint: Endpoint, body: bytes, default_cap: int | None, write
         cap = get(field)
         if cap is not None:
             if type(cap) is not int or cap < 0:
-                raise ValueError(f"{field} must be a non-negative integer, not {cap!r:.40}")
+                raise ValueError(f"{field} must be a non-negative integer, not "
+                                 f"{bodies.member_as_sent(body, field, cap)}")
             break
     added: dict[str, object] | None = None  # fields to add to the body, if any
     if cap is None:
@@ -214,7 +215,8 @@ def read_request(endpoint: Endpoint, body: bytes, default_cap: int | None, write
     choices = get("n")
     if choices is not None:
         if type(choices) is not int or choices < 1:
-            raise ValueError(f"n must be a positive integer, not {choices!r:.40}")
+            raise ValueError(f"n must be a positive integer, not "
+                             f"{bodies.member_as_sent(body, 'n', choices)}")
         if cap and endpoint.choices:
             cap *= choices  # the cap applies to each of the n choices
     stream = get("stream") is True

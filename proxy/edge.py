@@ -36,7 +36,8 @@
   come first): the connection is closed;
 * a parser-level refusal (a request target or header value over 8190 bytes, or more than 128
   headers: 431 ``headers_too_large``; bad framing or syntax: 400 ``bad_request``) is answered
-  in Sluice's shape: JSON body, ``X-Sluice-Reason``, ``Connection: close``, and nothing of
+  in Sluice's shape: JSON body, ``X-Sluice-Reason``, ``Connection: close``, the cause named
+  when the parser's description is one Sluice knows (:func:`parse_cause`), and nothing of
   the request echoed, in the answer or in the log;
 * after a request with chunked framing, or an HTTP/1.0 request with ``Transfer-Encoding``
   (whose framing RFC 9112 §6.1 says to treat as faulty), the connection is closed once the
@@ -131,6 +132,74 @@ LINGER_S = 2.0
 BODY_CUT = web.RequestKey("sluice_body_cut", bool)
 #: Parser errors whose request head is too big rather than malformed.
 _TOO_MANY_HEADERS = "Too many headers"
+#: Why an HTTP/1.1 request without ``Host`` is refused (by the parser, or by the door).
+_NO_HOST = "an HTTP/1.1 request must carry Host (RFC 9112 §3.2)"
+#: The parser's description of a refusal (llhttp's error reason, or aiohttp's own check) ->
+#: the cause a refusal names. Looked up whole, never passed on: the parser's message goes on
+#: to quote the request's bytes (a header line, the request target), which may hold a key.
+_PARSE_CAUSES = {
+    "Missing 'Host' header in request.": _NO_HOST,
+    "Duplicate Content-Length": "Content-Length is given more than once",
+    "Duplicate 'Content-Length' header found.": "Content-Length is given more than once",
+    "Transfer-Encoding can't be present with Content-Length":
+        "Content-Length and Transfer-Encoding are both given (RFC 9112 §6.1)",
+    "Content-Length can't be present with Transfer-Encoding":
+        "Content-Length and Transfer-Encoding are both given (RFC 9112 §6.1)",
+    "Invalid character in Content-Length": "Content-Length is not a number of bytes",
+    "Empty Content-Length": "Content-Length is empty",
+    "Content-Length overflow": "Content-Length is too large a number",
+    "Duplicate 'Transfer-Encoding' header found.": "Transfer-Encoding is given more than once",
+    "Request has invalid `Transfer-Encoding`":
+        "Transfer-Encoding does not end in chunked (RFC 9112 §6.3)",
+    "Invalid `Transfer-Encoding` header value":
+        "Transfer-Encoding does not end in chunked (RFC 9112 §6.3)",
+    "Duplicate 'Host' header found.": "Host is given more than once",
+    "Invalid header token": "a header name holds a character not allowed in one",
+    "Invalid header field char": "a header name holds a character not allowed in one",
+    "Invalid header value char": "a header value holds a control character",
+    "Missing expected LF after header value": "a header line ends in CR without LF",
+    "Missing expected CR after header value": "a header line ends in LF without CR",
+    "Unexpected whitespace after header value":
+        "a header line begins with whitespace (obsolete line folding, RFC 9112 §5.2)",
+    "Expected LF after CR": "a line ends in CR without LF",
+    "Expected LF after headers": "the head does not end in a blank CRLF line",
+    "Invalid method encountered": "the request method is not a valid token",
+    "Expected space after method": "the request line has no single space after the method",
+    "Unexpected space after start line": "the request line ends in whitespace",
+    "Expected HTTP/, RTSP/ or ICE/": "the request line does not end in an HTTP version",
+    "Invalid major version": "the request line's HTTP version is malformed",
+    "Invalid minor version": "the request line's HTTP version is malformed",
+    "Received HTTPS traffic on an HTTP port":
+        "TLS (HTTPS) was sent to this plain-HTTP port",
+    "Invalid HTTP version": "the request line's HTTP version is malformed",
+    "Expected CRLF after version": "the request line does not end in CRLF",
+    "Expected CRLF": "a line does not end in CRLF",
+    "Bad line ending, expected CRLF": "a line does not end in CRLF",
+    "Invalid char in url path": "the request target holds a character not allowed in a URL",
+    "Invalid char in url query": "the request target holds a character not allowed in a URL",
+    "Invalid char in url fragment start":
+        "the request target holds a character not allowed in a URL",
+    "Invalid characters in url": "the request target holds a character not allowed in a URL",
+    "Unexpected start char in url": "the request target does not start with /",
+    "Invalid character in chunk size": "a chunk size is not hexadecimal",
+    "Chunk size overflow": "a chunk size is too large a number",
+    "Expected LF after chunk data": "a chunk's data does not end where its size says",
+    "Expected LF after chunk size": "a chunk size line does not end in CRLF",
+    "Missing expected CR after chunk size": "a chunk size line does not end in CRLF",
+    "Missing expected CR after chunk data": "a chunk's data does not end where its size says",
+    "Invalid character in chunk extensions": "a chunk extension holds a character not allowed",
+    "Invalid character in chunk extensions value":
+        "a chunk extension holds a character not allowed",
+    "Invalid character in chunk extensions name":
+        "a chunk extension holds a character not allowed",
+    "Invalid character in chunk extensions quoted value":
+        "a chunk extension holds a character not allowed",
+    "Invalid character in chunk extensions quote value":
+        "a chunk extension holds a character not allowed",
+    "Not enough data to satisfy transfer length header.":
+        "the connection ended before the chunked body did",
+    "Data after `Connection: close`": "bytes followed a request that said Connection: close",
+}
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 #: Allowed ``Host`` values remembered per config, so most requests cost one set lookup.
 _HOSTS_REMEMBERED = 64
@@ -320,17 +389,45 @@ def _only_chunked(headers: CIMultiDictProxy[str]) -> bool:
     return [c.strip().lower() for c in codings if c.strip()] == ["chunked"]
 
 
+#: Ends the log line of a parser refusal: the parser's own message quotes the request.
+REQUEST_NOT_LOGGED = "the request's bytes are left out of this log"
+
+
+def parse_cause(exc: BaseException) -> str | None:
+    """What was wrong with a request aiohttp's parser refused, in Sluice's words from
+    :data:`_PARSE_CAUSES`; ``None`` when the parser's description is not one of those (it is
+    then not shown: it might quote the request). A ``RequestPayloadError`` (a body the parser
+    refused) is read from the parser error that caused it."""
+    if not isinstance(exc, HttpProcessingError):
+        exc = exc.__cause__  # type: ignore[assignment]
+        if not isinstance(exc, HttpProcessingError):
+            return None
+    # llhttp's errors read "<reason>:\n\n  <bytes quoted>"; a bad request line's are prefixed.
+    message = exc.message.removeprefix("Bad status line:\n  ")
+    return _PARSE_CAUSES.get(message.split(":\n", 1)[0])
+
+
 class AdminServer(GuardedServer):
     """The admin port (``server.admin_listen``): the proxy port's header, body and idle
     timeouts, but at most :data:`ADMIN_MAX_CONNECTIONS` connections, since only probes,
     Prometheus and operators call it. Without them a few hundred slow or silent connections
-    would hold it as long as they liked, and the kubelet's probes with it."""
+    would hold it as long as they liked, and the kubelet's probes with it. Requests its parser
+    refuses are answered as on the proxy port (:meth:`EdgeProtocol.handle_error`, HTTP/1.1)."""
 
     too_many = _ADMIN_TOO_MANY
 
     def __init__(self, runtime: Runtime, handler: Callable[..., Awaitable[web.StreamResponse]],
                  **kwargs: Any) -> None:
-        super().__init__(handler, **kwargs)
+        make_request = kwargs.pop("request_factory")
+
+        def request_factory(message: RawRequestMessage, *args: Any) -> web.BaseRequest:
+            # A parser refusal is answered in an HTTP/1.1 status line, as on the proxy port
+            # (aiohttp's placeholder message for it says 1.0).
+            if message is PARSE_ERROR_MESSAGE:
+                message = _PARSE_ERROR_MESSAGE_11
+            return make_request(message, *args)
+
+        super().__init__(handler, request_factory=request_factory, **kwargs)
         self.runtime = runtime
         self._for: ServerConfig | None = None
         self._settings: ServerConfig | None = None
@@ -416,7 +513,7 @@ class Door:
         host = headers.get(hdrs.HOST)
         if host is None and request.version == HttpVersion11:
             return refuse_at_edge(rt, Rejected(
-                Reason.BAD_REQUEST, None, "an HTTP/1.1 request must carry Host (RFC 9112 §3.2)"))
+                Reason.BAD_REQUEST, None, _NO_HOST))
         if host is not None and not self.any_host and host not in self._hosts_seen:
             if not self.host_allowed(host):
                 return refuse_at_edge(rt, Rejected(Reason.MISDIRECTED, None, "list the name in "
@@ -793,14 +890,15 @@ class EdgeProtocol(RequestHandler):
                                     "at most 8190 bytes a request target or header value, "
                                     "and 128 headers")
             else:
-                rejected = Rejected(Reason.BAD_REQUEST, None,
+                rejected = Rejected(Reason.BAD_REQUEST, None, f"not valid HTTP/1.1: {cause}"
+                                    if (cause := parse_cause(exc)) else
                                     f"not valid HTTP/1.1 ({type(exc).__name__})")
             level = logging.DEBUG if (isinstance(exc, BadHttpMethod)
                                       and self._request_count == 1) else logging.WARNING
             # PER_CALL: a client sending nothing else gets a line every 10 s, not one each.
-            self.logger.log(level, "Error handling request from %s: %s (%d), not quoted",
+            self.logger.log(level, "Error handling request from %s: %s (%d), %s; %s",
                             request.remote, type(exc).__name__, rejected.reason.status,
-                            extra=PER_CALL)
+                            rejected.detail, REQUEST_NOT_LOGGED, extra=PER_CALL)
         else:
             log.error("error before an answer was written (peer %s)",
                       request.remote, exc_info=exc)

@@ -38,6 +38,7 @@ import time
 
 import aiohttp
 from aiohttp import hdrs, web
+from aiohttp.http_exceptions import LineTooLong
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
@@ -327,7 +328,55 @@ async def send(
     except TimeoutError as exc:
         raise Rejected(Reason.UPSTREAM_TIMEOUT, None, "no response headers in time") from exc
     except aiohttp.ClientError as exc:
-        raise Rejected(Reason.UPSTREAM_UNREACHABLE, None, type(exc).__name__) from exc
+        raise Rejected(Reason.UPSTREAM_UNREACHABLE, None, send_failure(exc)) from exc
+
+
+#: What aiohttp's response parser says was wrong with an upstream's status line or headers ->
+#: how a refusal names it. Looked up whole: its message goes on to quote the upstream's bytes.
+_UNREADABLE = {
+    "Expected HTTP/, RTSP/ or ICE/": "its answer does not begin with an HTTP status line",
+    "Invalid status code": "its status code is not three digits",
+    "Invalid HTTP version": "its status line's HTTP version is malformed",
+    "Invalid major version": "its status line's HTTP version is malformed",
+    "Invalid minor version": "its status line's HTTP version is malformed",
+    "Missing expected CR after response line": "its status line does not end in CRLF",
+    "Invalid header token": "a header name holds a character not allowed in one",
+    "Invalid header value char": "a header value holds a control character",
+    "Duplicate Content-Length": "Content-Length is given more than once",
+    "Invalid character in Content-Length": "its Content-Length is not a number of bytes",
+    "Content-Length overflow": "its Content-Length is too large a number",
+    "Too many headers received": "it sent more than 128 headers",
+}
+
+
+def send_failure(exc: aiohttp.ClientError) -> str:
+    """What went wrong when sending a request upstream or reading its status line and
+    headers, for a 502 ``upstream_unreachable``: whether Sluice could not connect at all, the
+    connection ended before an answer, or the upstream answered with something that is not
+    valid HTTP. Never quotes the upstream's bytes (its parser errors do)."""
+    if isinstance(exc, aiohttp.ClientConnectorDNSError):
+        return "could not connect to it: its host name did not resolve"
+    if isinstance(exc, aiohttp.ClientSSLError | aiohttp.ServerFingerprintMismatch):
+        return "could not connect to it: the TLS handshake failed"
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        if isinstance(exc.os_error, ConnectionRefusedError):
+            return "could not connect to it: connection refused"
+        return f"could not connect to it ({type(exc.os_error).__name__})"
+    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        return "it closed the connection without answering"
+    if isinstance(exc, ConnectionResetError):  # aiohttp's ClientOSError for a reset too
+        return "the connection was reset before it answered"
+    if isinstance(exc, aiohttp.ClientResponseError):
+        # The parser's error is this one's cause (aiohttp re-raises it as its own kind).
+        cause = exc.__cause__
+        parsed = cause.__cause__ if cause is not None else None
+        if isinstance(parsed, LineTooLong):
+            why = "a status or header line is over 8190 bytes"
+        else:
+            message = str(getattr(cause, "message", "")).removeprefix("Bad status line:\n  ")
+            why = _UNREADABLE.get(message.split(":\n", 1)[0], "")
+        return "it answered, but not in valid HTTP" + (f": {why}" if why else "")
+    return f"the connection failed before it answered ({type(exc).__name__})"
 
 
 async def relay(
@@ -370,7 +419,10 @@ async def relay(
         if not 200 <= status <= 599:
             # 600-999 are invalid (RFC 9110 §15: treat as 5xx); the only final 1xx aiohttp
             # returns is 101, an upgrade Sluice never asks for (Upgrade is hop-by-hop).
-            raise Rejected(Reason.UPSTREAM_UNREACHABLE, None, f"invalid status {status}")
+            raise Rejected(Reason.UPSTREAM_UNREACHABLE, None,
+                           f"it answered with status {status}, which is not valid HTTP (100-599)"
+                           if status > 599 else
+                           f"it answered with status {status}, which Sluice does not relay")
         outcome = _OUTCOMES[status // 100]
         upstream_headers = upstream.headers
         headers = _copy_headers(upstream_headers, _RESPONSE_DROP)

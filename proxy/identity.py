@@ -166,17 +166,18 @@ def key_digest(key: str) -> str:
     return hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()
 
 
-def credentials(headers: CIMultiDictProxy[str]) -> Iterator[str]:
-    """Every API key the request carries: bearer tokens and the :data:`KEY_HEADERS` values."""
+def credentials(headers: CIMultiDictProxy[str]) -> Iterator[tuple[str, str]]:
+    """Every API key the request carries, with the header it came in: bearer tokens
+    (``Authorization``) and the :data:`KEY_HEADERS` values."""
     for value in headers.getall("Authorization", ()):
         scheme, _, token = value.partition(" ")
         token = token.strip()
         if scheme.lower() == "bearer" and token:
-            yield token
+            yield "Authorization", token
     for name in KEY_HEADERS:
         for value in headers.getall(name, ()):
             if value.strip():
-                yield value.strip()
+                yield name, value.strip()
 
 
 def trusted_tenant(config: IdentityConfig, keys: dict[str, str],
@@ -187,35 +188,36 @@ def trusted_tenant(config: IdentityConfig, keys: dict[str, str],
         IdentityRejected: 401 ``unknown_api_key`` or 403 ``tenant_mismatch``.
     """
     found: str | None = None
-    sent = False
-    for key in credentials(headers):
-        sent = True
-        tenant = keys.get(key_digest(key), config.unknown_key_tenant)
+    found_in = ""  # the header of the key that gave ``found``
+    known = False  # whether some key was in the table (else found is unknown_key_tenant)
+    for header, key in credentials(headers):
+        tenant = keys.get(key_digest(key))
+        known = known or tenant is not None
+        tenant = tenant or config.unknown_key_tenant
         if tenant is None:
-            raise IdentityRejected(Reason.UNKNOWN_API_KEY, _unknown(sent=True),
+            raise IdentityRejected(Reason.UNKNOWN_API_KEY,
+                                   f"the API key in {header} is not in identity.tenants",
                                    found or config.default_tenant)
         if found is not None and tenant != found:
+            where = (f"two API keys in {header}" if header == found_in
+                     else f"the API keys in {found_in} and {header}")
             raise IdentityRejected(Reason.TENANT_MISMATCH,
-                                   "the request carries credentials of two tenants", found)
-        found = tenant
-    if not sent:
+                                   f"{where} give different tenants: send one key", found)
+        found, found_in = tenant, header
+    if found is None:
         if config.unknown_key_tenant is None:
-            raise IdentityRejected(Reason.UNKNOWN_API_KEY, _unknown(sent=False),
-                                   config.default_tenant)
+            raise IdentityRejected(
+                Reason.UNKNOWN_API_KEY, "none was sent, and identity.tenants is set: send one "
+                "as Authorization: Bearer, x-api-key or api-key", config.default_tenant)
         found = config.unknown_key_tenant
-    assert found is not None
     if claimed is not None and claimed != found:
         raise IdentityRejected(
             Reason.TENANT_MISMATCH,
             f"{config.tenant_header} names another tenant than the API key's: send the key's "
-            "tenant, or leave the header out",
+            "tenant, or leave the header out" if known else
+            f"{config.tenant_header} names another tenant than identity.unknown_key_tenant, "
+            "which a request without a known API key gets: send a known key, or leave the "
+            "header out",
             found,
         )
     return found
-
-
-def _unknown(sent: bool) -> str:
-    if sent:
-        return "the API key is not in identity.tenants"
-    return ("no API key: send one as Authorization: Bearer, x-api-key or api-key "
-            "(identity.tenants is set)")

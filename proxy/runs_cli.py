@@ -24,6 +24,7 @@ from typing import IO, Any
 
 from policies.config import Config
 from proxy.config import load_token
+from proxy.timeline import cost_text
 
 #: Seconds a CLI request to the admin port may take.
 TIMEOUT_S = 10.0
@@ -138,7 +139,7 @@ _COLUMNS = ("run", "tenant", "depth", "calls", "inflight", "queued", "amplificat
 def _list(runs: list[dict[str, Any]]) -> str:
     if not runs:
         return "no runs known\n"
-    rows = [tuple(_cell(r.get(c)) for c in _COLUMNS) for r in runs]
+    rows = [tuple(_usd(r) if c == "usd" else _cell(r.get(c)) for c in _COLUMNS) for r in runs]
     widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(_COLUMNS)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(_COLUMNS, widths, strict=True))]
     lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)) for row in rows]
@@ -148,13 +149,26 @@ def _list(runs: list[dict[str, Any]]) -> str:
 def _show(run: dict[str, Any]) -> str:
     keys = ("run", "tenant", "parent", "depth", "age_s", "calls", "attempts", "amplification",
             "tokens", "usd", "inflight", "queued", "descendants", "cancelled")
-    lines = [f"{k:>13}: {_cell(run.get(k))}" for k in keys]
-    lines.append(f"{'own':>13}: {_cell(run.get('own'))}")
+    lines = [f"{k:>13}: {_usd(run) if k == 'usd' else _cell(run.get(k))}" for k in keys]
+    own = run.get("own")
+    if isinstance(own, dict) and "usd" in own:
+        own = {**own, "usd": _usd(own)}
+        own.pop("unpriced_calls", None)
+    lines.append(f"{'own':>13}: {_cell(own)}")
     lines.append(f"{'children':>13}: {', '.join(run.get('children') or []) or '-'}")
     for call in run.get("live_calls") or []:
         lines.append(f"{'live':>13}: {call['request_id']} run={call['run']} "
                      f"route={call['route']} {call['phase']} {call['age_s']}s")
     return "\n".join(lines) + "\n"
+
+
+def _usd(run: dict[str, Any]) -> str:
+    """A run's spend as ``sluice timeline`` says it: calls of models without pricing make it
+    unknown, not $0."""
+    usd = run.get("usd")
+    if not isinstance(usd, int | float):
+        return _cell(usd)
+    return cost_text(usd, int(run.get("unpriced_calls") or 0))
 
 
 def _cell(value: Any) -> str:

@@ -33,7 +33,7 @@ from policies.config import Config
 from policies.logs import EVERY_S as LOG_REPEATS_EVERY_S
 from policies.logs import RepeatFilter
 from proxy.admin import add_admin_routes
-from proxy.edge import AdminServer, EdgeServer
+from proxy.edge import REQUEST_NOT_LOGGED, AdminServer, EdgeServer, parse_cause
 from proxy.handler import handle
 from proxy.reload import RELOADER, Reloader
 from proxy.runtime import RUNTIME, Runtime
@@ -67,7 +67,9 @@ class RedactMalformedRequests(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
         if isinstance(exc, HttpProcessingError):
-            record.msg = f"{record.getMessage()}: {type(exc).__name__} ({exc.code}), not quoted"
+            cause = parse_cause(exc) or "not valid HTTP/1.1"
+            record.msg = (f"{record.getMessage()}: {type(exc).__name__} ({exc.code}), {cause}; "
+                          f"{REQUEST_NOT_LOGGED}")
             record.args = None
             record.exc_info = None
             record.exc_text = None

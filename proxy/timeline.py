@@ -206,12 +206,19 @@ def summary(events: list[dict[str, Any]], requests: list[RequestStory]) -> str:
                 _number(ev.get("operation_cost_usd")) or 0.0)
             unpriced += used > 0 and _number(ev.get("cost_usd")) is None
     ratio = f"{attempts / len(requests):.2f}" if requests else "-"
+    return (f"amplification {ratio} ({attempts} upstream attempt(s) for {len(requests)} "
+            f"request(s)); spend {int(tokens)} tokens, {cost_text(usd, unpriced)}")
+
+
+def cost_text(usd: float, unpriced: int) -> str:
+    """A spend of ``usd`` dollars plus ``unpriced`` calls whose models have no price (their
+    cost unknown, not 0): ``$0.000008``, ``cost unknown (1 call(s) of models without
+    pricing)`` or ``$0.000008 + unknown (...)``. Also ``sluice runs``' form."""
     cost = f"${usd:.6f}"
     if unpriced:
         cost = (f"{cost} + unknown ({unpriced} call(s) of models without pricing)" if usd
                 else f"cost unknown ({unpriced} call(s) of models without pricing)")
-    return (f"amplification {ratio} ({attempts} upstream attempt(s) for {len(requests)} "
-            f"request(s)); spend {int(tokens)} tokens, {cost}")
+    return cost
 
 
 def render(run_id: str, events: list[dict[str, Any]]) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 
+import aiohttp
 import orjson
 import pytest
 import yaml
@@ -17,6 +18,7 @@ from policies.rate import RateLimiter
 from policies.reasons import Rejected
 from policies.state import memory_backends
 from proxy.config import parse_config
+from tests.conftest import route as route_config
 
 BODY = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}],
                      "max_tokens": 16})
@@ -89,6 +91,35 @@ async def test_unreadable_calls_are_refused_with_token_limits():
     charge = await acct.admit(make_call())
     assert charge is not None and charge.units is not None  # its tokens were taken
     charge.release(Outcome("2xx", True, 200))
+
+
+async def test_a_bad_cap_is_shown_as_the_caller_wrote_it(upstream, start_sluice):
+    """Seen (new-user trial): "max_tokens must be a non-negative integer, not True" for a JSON
+    true, and "not 1e+23" for 100000000000000000000000 (orjson reads an integer past 64 bits
+    as a float)."""
+    sluice = await start_sluice({"routes": [route_config(
+        "openai", upstream.url, "openai", rate={"tokens": "100000/min"},
+        usage={"default_max_tokens": 100})]})
+    start = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], '
+    async with aiohttp.ClientSession() as session:
+        for member, shown in ((b'"max_tokens": true', "max_tokens must be a non-negative "
+                               "integer, not true"),
+                              (b'"max_tokens": 100000000000000000000000', "max_tokens must be "
+                               "a non-negative integer, not 100000000000000000000000"),
+                              (b'"max_tokens": 5, "n": null', None),
+                              (b'"max_tokens": 5, "n": 1.0E+30',
+                               "n must be a positive integer, not 1.0E+30"),
+                              (b'"max_tokens": -7.5', "max_tokens must be a non-negative "
+                               "integer, not -7.5")):
+            async with session.post(sluice.url + "/openai/v1/chat/completions",
+                                    data=start + member + b"}",
+                                    headers={"Content-Type": "application/json"}) as r:
+                if shown is None:  # null is no n at all
+                    assert r.status == 200
+                    continue
+                assert (r.status, r.headers["X-Sluice-Reason"]) == (400, "bad_request")
+                message = (await r.json())["error"]["message"]
+                assert f"({shown}; this route limits tokens" in message, message
 
 
 async def test_a_compressed_body_is_unreadable_whatever_it_holds():

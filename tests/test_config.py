@@ -56,6 +56,14 @@ BAD_FILES = [
       "than 365d, the longest duration Sluice takes"]),
     ("duration without a unit", ROUTE + "    concurrency: {limit: 2, max_wait: 30}\n",
      [f"{{f}}:5: routes[0].concurrency.max_wait: 30 {NOT_A_DURATION}"]),
+    # Seen (new-user trial): Python's forms, "True is not a duration".
+    ("boolean where a duration belongs", ROUTE + "    concurrency: {limit: 2, max_wait: true}\n",
+     [f"{{f}}:5: routes[0].concurrency.max_wait: true {NOT_A_DURATION}"]),
+    ("boolean where a rate belongs", ROUTE + "    rate: {requests: false}\n",
+     [f"{{f}}:5: routes[0].rate.requests: false {NOT_A_RATE}"]),
+    ("mapping where a budget belongs", ROUTE + "    budget: {usd: {per: day}}\n",
+     ["{f}:5: routes[0].budget.usd: {{\"per\":\"day\"}} is not a budget: write N/min, N/h, "
+      "N/day or N/total, e.g. 5000000/day"]),
     ("a queue nobody may wait in", ROUTE + "    concurrency: {limit: 2, queue: 4, max_wait: 0s}\n",
      ["{f}:5: routes[0].concurrency: max_wait: 0s leaves the queue of 4 unused: set max_wait "
       "above 0, or queue: 0 to refuse at once"]),

@@ -5,9 +5,13 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
+import pytest
+
+from proxy.demo import fakellm
 from tests.conftest import REPO
 
 
@@ -45,3 +49,13 @@ async def test_demo_quick_prints_the_comparison_and_sluice_cuts_amplification(tm
     assert sluice["amplification"] < direct["amplification"]
     # Its working files (configs, logs, event log, dead letters) are gone.
     assert list(scratch.iterdir()) == []
+
+
+def test_the_fake_providers_docstring_names_the_options_it_takes(capsys):
+    """Seen (new-user trial): its docstring said ``--schedule JSON``; the code takes
+    ``--provider``."""
+    with pytest.raises(SystemExit):
+        fakellm.main(["--help"])
+    usage = capsys.readouterr().out
+    named = re.findall(r"(--[a-z-]+)", fakellm.__doc__ or "")
+    assert named and all(option in usage for option in named), (named, usage)

@@ -6,19 +6,24 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import logging
 import re
 import signal
 import statistics
 import time
+from unittest import mock
 
 import aiohttp
 import openai
 from aiohttp import web
+from aiohttp.http_exceptions import BadHttpMessage
+from aiohttp.http_parser import HttpRequestParser
 
 from policies.usage import JSON_LIMIT_BYTES
 from proxy.config import parse_config
 from proxy.edge import ADMIN_MAX_CONNECTIONS, MAX_HEAD_BYTES
 from proxy.runtime import Runtime
+from proxy.server import RedactMalformedRequests
 from tests.conftest import (
     leave_mid_body,
     raw_request,
@@ -393,6 +398,76 @@ async def test_parser_refusals_are_answered_in_sluices_shape(upstream, start_slu
     held = sum(int(n) for line in logged for n in re.findall(r"\((\d+) more like it", line))
     assert len(first) + held == 5, "\n".join(logged)
     assert secret.decode() not in sluice.stderr()
+
+
+async def test_a_parser_refusal_names_its_cause_and_still_quotes_nothing(upstream, start_sluice):
+    """Seen (new-user trial): every one of these read only "not valid HTTP/1.1
+    (BadHttpMessage)", and its log line ended in a cryptic "not quoted". The cause is named
+    when the parser's description is one Sluice knows; the request's bytes never are."""
+    sluice = await start_sluice({"routes": [route("svc", upstream.url, "openai")]})
+    secret = b"sk-parser-secret-0123456789"
+    key = b"X-Key: " + secret + b"\r\n"
+    for request, cause in (
+        (b"POST /svc/x HTTP/1.1\r\n" + LOOPBACK + key + b"Content-Length: 3\r\n"
+         b"Content-Length: 3\r\n\r\nabc", "Content-Length is given more than once"),
+        (b"POST /svc/x HTTP/1.1\r\n" + LOOPBACK + key + b"Content-Length: 3\r\n"
+         b"Transfer-Encoding: chunked\r\n\r\nabc",
+         "Content-Length and Transfer-Encoding are both given"),
+        (b"GET /svc/x HTTP/1.1\r\n" + key + b"\r\n", "an HTTP/1.1 request must carry Host"),
+        (b"GET /svc/x HTTP/1.1\r\n" + LOOPBACK + b"Authorization: Bearer " + secret
+         + b"\x01\r\n\r\n", "a header value holds a control character"),
+        (b"POST /svc/x HTTP/1.1\r\n" + LOOPBACK + b"Content-Length: " + secret + b"\r\n\r\n",
+         "Content-Length is not a number of bytes"),
+        # aiohttp's description of this one is the request target itself: not shown.
+        (b"CONNECT " + secret + b"@@ HTTP/1.1\r\n" + LOOPBACK + b"\r\n",
+         "not valid HTTP/1.1 (InvalidURLError)"),
+    ):
+        answer = await raw_request(sluice.port, request, timeout=5)
+        [(status, headers, body)] = parse(answer)
+        assert (status, headers["x-sluice-reason"]) == (400, "bad_request")
+        assert cause in json.loads(body)["error"]["message"], body
+        assert secret not in answer
+    assert upstream.requests == []
+    await sluice.stop()
+    logged = [line for line in sluice.stderr().splitlines() if "Error handling request" in line]
+    assert any("Content-Length is given more than once; the request's bytes are left out of "
+               "this log" in line for line in logged), "\n".join(logged)
+    assert not any("not quoted" in line for line in logged)
+    assert secret.decode() not in sluice.stderr()
+
+
+async def test_aiohttps_own_log_of_a_parser_refusal_names_the_cause_not_the_bytes():
+    """The filter on aiohttp's logger (for a refusal aiohttp logs itself) ended its line with
+    a cryptic "not quoted"; it names the cause and says the request is left out."""
+    secret = b"sk-parser-secret-0123456789"
+    parser = HttpRequestParser(mock.Mock(), asyncio.get_running_loop(), 2**16)
+    try:
+        parser.feed_data(b"POST /x HTTP/1.1\r\n" + LOOPBACK + b"Content-Length: 3\r\n"
+                         b"Content-Length: 3\r\nX-Key: " + secret + b"\r\n\r\nabc")
+    except BadHttpMessage as exc:
+        refused = exc
+    made = logging.LogRecord("aiohttp.server", logging.ERROR, __file__, 1,
+                             "Error handling request from %s", ("127.0.0.1",),
+                             (type(refused), refused, None))
+    assert RedactMalformedRequests().filter(made)
+    assert made.getMessage() == (
+        "Error handling request from 127.0.0.1: BadHttpMessage (400), Content-Length is given "
+        "more than once; the request's bytes are left out of this log")
+    assert made.exc_info is None
+
+
+async def test_the_admin_ports_parser_refusals_are_http_1_1_too(upstream, start_sluice):
+    """Seen (new-user trial): the admin port answered them in an ``HTTP/1.0`` status line (the
+    proxy port in ``HTTP/1.1``)."""
+    sluice = await start_sluice({"routes": [route("svc", upstream.url, "http")]})
+    for request in (b"GET /healthz HTTP/1.1\r\n" + LOOPBACK + b"Content-Length: 1\r\n"
+                    b"Content-Length: 2\r\n\r\nab",
+                    b"GET /healthz HTTP/1.1\r\n\r\n"):
+        answer = await raw_request(sluice.admin_port, request, timeout=5)
+        assert answer.startswith(b"HTTP/1.1 400 "), answer[:40]
+        [(_, headers, body)] = parse(answer)
+        assert headers["x-sluice-reason"] == "bad_request"
+        assert json.loads(body)["error"]["reason"] == "bad_request"
 
 
 async def send_head_in_pieces(port: int, head: list[bytes]) -> bytes:

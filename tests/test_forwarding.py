@@ -329,6 +329,42 @@ async def test_body_over_max_request_bytes_is_413_in_protocol_shape(upstream, st
     assert bodies["http"]["error"]["reason"] == "request_too_large"
 
 
+async def test_a_502_says_whether_the_upstream_was_reached_or_answered_unreadably(
+        start_sluice):
+    """Seen (new-user trial): an upstream that answered garbage got "the upstream could not be
+    reached (ClientResponseError)". Now a 502 says which happened, never quoting the
+    upstream's bytes."""
+    raw = await RawUpstream(b"").start()
+    closed = free_port()  # nothing listens there
+    try:
+        sluice = await start_sluice({"routes": [
+            route("svc", raw.url, "openai"),
+            route("gone", f"http://127.0.0.1:{closed}", "openai")]})
+        async with aiohttp.ClientSession() as session:
+            for path, response, detail in (
+                ("/gone/x", b"", "(could not connect to it: connection refused)"),
+                ("/svc/x", b"", "(it closed the connection without answering)"),
+                ("/svc/x", b"SECRETISH garbage\r\n\r\n",
+                 "(it answered, but not in valid HTTP: its answer does not begin with an HTTP "
+                 "status line)"),
+                ("/svc/x", b"HTTP/1.1 2x0 OK\r\nContent-Length: 0\r\n\r\n",
+                 "(it answered, but not in valid HTTP: its status code is not three digits)"),
+                ("/svc/x", b"HTTP/1.1 200 OK\r\nX-Big: " + b"a" * 9000 + b"\r\n\r\n",
+                 "(it answered, but not in valid HTTP: a status or header line is over 8190 "
+                 "bytes)"),
+            ):
+                raw.response = response
+                async with session.get(sluice.url + path) as r:
+                    assert (r.status, r.headers["X-Sluice-Reason"]) == (502,
+                                                                         "upstream_unreachable")
+                    message = (await r.json())["error"]["message"]
+                assert message == ("Sluice: the upstream gave no answer Sluice could relay "
+                                   + detail), message
+                assert "SECRETISH" not in message and "aaaa" not in message
+    finally:
+        await raw.stop()
+
+
 async def test_answers_that_cannot_be_relayed_become_502(start_sluice):
     """Statuses outside 200-599 and header values aiohttp refuses to write get a clean 502."""
     raw = await RawUpstream(b"").start()
@@ -336,9 +372,10 @@ async def test_answers_that_cannot_be_relayed_become_502(start_sluice):
         sluice = await start_sluice({"routes": [route("svc", raw.url, "openai")]})
         async with aiohttp.ClientSession() as session:
             for response, detail in (
-                (b"HTTP/1.1 999 Odd\r\nContent-Length: 2\r\n\r\nok", "invalid status 999"),
+                (b"HTTP/1.1 999 Odd\r\nContent-Length: 2\r\n\r\nok",
+                 "it answered with status 999, which is not valid HTTP (100-599)"),
                 (b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: h2c\r\nConnection: upgrade\r\n"
-                 b"\r\n", "invalid status 101"),
+                 b"\r\n", "it answered with status 101, which Sluice does not relay"),
                 (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nX-Bad: a\x01b\r\n\r\nok",
                  "control characters"),
                 (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nX-Bad: a\x01b\r\n\r\n"

@@ -138,6 +138,39 @@ async def test_trusted_identity_takes_the_tenant_from_the_api_key(upstream, star
         assert "sk-team" not in text and "sk-stolen" not in text
 
 
+async def _message(session: aiohttp.ClientSession, url: str, headers: dict[str, str]
+                   ) -> tuple[int, str]:
+    async with session.post(url + CHAT, json=BODY, headers=headers) as r:
+        return r.status, (await r.json())["error"]["message"]
+
+
+async def test_identity_refusals_say_what_was_sent_once(upstream, start_sluice, tmp_path):
+    """Seen (new-user trial): an unknown key read "no tenant is configured for this API key
+    (identity.tenants) (the API key is not in identity.tenants)", and keys of two tenants
+    in Authorization and x-api-key began "the tenant header names a tenant other than the
+    API key's" though no tenant header was sent."""
+    (tmp_path / "tenants.yaml").write_text(yaml.safe_dump(TENANTS))
+    sluice = await start_sluice({"identity": {"tenants": "tenants.yaml"},
+                                 "routes": [route("up", upstream.url, "openai")]})
+    async with aiohttp.ClientSession() as session:
+        assert await _message(session, sluice.url, {"Authorization": "Bearer sk-team-a",
+                                                    "x-api-key": "sk-team-b"}) == (
+            403, "Sluice: the request names more than one tenant (the API keys in "
+                 "Authorization and x-api-key give different tenants: send one key)")
+        assert await _message(session, sluice.url, {"Authorization": "Bearer sk-team-a",
+                                                    "X-Tenant-ID": "team-b"}) == (
+            403, "Sluice: the request names more than one tenant (X-Tenant-ID names another "
+                 "tenant than the API key's: send the key's tenant, or leave the header out)")
+        assert await _message(session, sluice.url, {"x-api-key": "sk-made-up"}) == (
+            401, "Sluice could not tell the caller's tenant from an API key (the API key in "
+                 "x-api-key is not in identity.tenants)")
+        assert await _message(session, sluice.url, {}) == (
+            401, "Sluice could not tell the caller's tenant from an API key (none was sent, "
+                 "and identity.tenants is set: send one as Authorization: Bearer, x-api-key "
+                 "or api-key)")
+    assert upstream.requests == []
+
+
 async def test_a_changed_tenants_file_applies_without_a_sighup(upstream, start_sluice,
                                                                tmp_path):
     """The watcher polled only the config file: a key added to the tenants table (a
@@ -170,6 +203,11 @@ async def test_unknown_keys_can_go_to_a_configured_tenant(upstream, start_sluice
             assert (await _call(session, sluice.url, headers))[0] == 200
         assert await _call(session, sluice.url, {"X-Tenant-ID": "team-a"}) == (
             403, "tenant_mismatch")
+        # No key was sent, so the message may not speak of "the API key's" tenant.
+        assert await _message(session, sluice.url, {"X-Tenant-ID": "team-a"}) == (
+            403, "Sluice: the request names more than one tenant (X-Tenant-ID names another "
+                 "tenant than identity.unknown_key_tenant, which a request without a known "
+                 "API key gets: send a known key, or leave the header out)")
     await wait_until(lambda: sum(e["event"] == "completed" for e in sluice.events()) == 3,
                      what="3 completed events")
     assert [e["tenant"] for e in sluice.events() if e["event"] == "completed"] == [

@@ -302,6 +302,32 @@ async def test_cancel_answers_in_flight_and_queued_calls_at_once(upstream, start
     upstream.stream_hold.set()
 
 
+async def test_runs_says_cost_unknown_for_models_without_pricing_as_timeline_does(
+        upstream, start_sluice, capsys):
+    """Seen (new-user trial): ``sluice runs`` showed usd 0.0 for a run whose calls used a
+    model without pricing, where ``sluice timeline`` said "cost unknown"."""
+    sluice = await start_sluice({"pricing": {"priced": {"input": 1.0, "output": 2.0}},
+                                 "routes": [route("openai", upstream.url, "openai")]})
+    chat = f"{sluice.url}/openai/v1/chat/completions"
+    async with aiohttp.ClientSession() as s:
+        for run, model in (("free", "unpriced"), ("mixed", "priced"), ("mixed", "unpriced"),
+                           ("paid", "priced")):
+            status, _, _ = await post(s, chat, run_headers(run), json.dumps(
+                {"model": model, "messages": [{"role": "user", "content": "hi"}]}).encode())
+            assert status == 200
+    argv = ["--config", str(sluice.config_path)]
+    assert await asyncio.to_thread(cli_main, ["runs", "list", *argv]) == 0
+    listed = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[1:]}
+    assert "cost unknown (1 call(s) of models without pricing)" in listed["free"]
+    assert "+ unknown (1 call(s) of models without pricing)" in listed["mixed"]
+    assert "unknown" not in listed["paid"] and "$0.0000" in listed["paid"]
+    assert await asyncio.to_thread(cli_main, ["runs", "show", "free", *argv]) == 0
+    shown = capsys.readouterr().out
+    assert "usd: cost unknown (1 call(s) of models without pricing)" in shown
+    assert "usd=cost unknown (1 call(s) of models without pricing)" in shown  # its own calls
+    assert "$0.0" not in shown and "usd=0.0" not in shown
+
+
 async def test_cancel_needs_the_token_and_reads_stay_open(upstream, start_sluice, tmp_path,
                                                           capsys):
     token_file = tmp_path / "admin-token"

@@ -1,7 +1,9 @@
 """A fake OpenAI-style LLM provider that degrades on a schedule (``sluice demo``, storms).
 
-Run as ``python -m proxy.demo.fakellm --schedule JSON`` (or in-process with
-:class:`FakeLLM`); it binds 127.0.0.1 on a free port and prints ``port N`` on its first line.
+Run as ``python -m proxy.demo.fakellm --provider JSON [--seed SEED]``, ``JSON`` being
+:meth:`Provider.to_json`'s output (the provider and its schedule of phases), ``SEED`` that of
+its work times' spread (or in-process with :class:`FakeLLM`); it binds 127.0.0.1 on a free
+port and prints ``port N`` on its first line.
 
 The model, scaled down in time from a real provider's incident:
 
