@@ -799,15 +799,88 @@ class Idempotency:
                     f"the first request with this key completed, but its answer exceeded "
                     f"max_replay_bytes ({self.max_replay_bytes}) and was not kept")
             return claim
+        store_key = (tenant, key)
+        if self.dedup:
+            here = await self._held_here(claim, records, shared_key, owner, store_key,
+                                         fingerprint, bound_s)
+            if here is not None:
+                return here
         # Claimed: nothing awaits from here to the return, so the lease cannot leak.
         lease = _Lease(records, shared_key, owner)
-        store_key = (tenant, key)
-        if store_key not in self._flights:
+        if claim._flight is not None:  # handed over by a twin this replica held
+            lease.local, claim._flight = claim._flight, None
+            lease.store_key = store_key
+        elif store_key not in self._flights:
             lease.local = self._flights[store_key] = _Flight(fingerprint)
             lease.store_key = store_key
         lease.renewer = self._background.spawn(_renew(records, shared_key, owner, self._lease_s))
         claim._lease = lease
         self._arm(claim)
+        return claim
+
+    async def _held_here(self, claim: Claim, records: IdempotencyRecords, shared_key: str,
+                         owner: str, store_key: tuple[str, str], fingerprint: bytes,
+                         bound_s: float) -> Claim | None:
+        """What this replica itself knows of a key Redis has just let ``claim`` take: a twin
+        it claimed from its own memory while Redis did not answer may still be in flight
+        here, or have left its answer here; Redis knows neither (a hostile trial: the key
+        ran twice, twice at once on one replica). The claim answers from that (its Redis
+        marker then stores the answer for every replica, or is freed) and is returned;
+        ``None`` when there is nothing here, or the twin here handed the key over
+        (``claim._flight`` is then set: this request runs, holding both).
+
+        Raises:
+            asyncio.CancelledError: the caller left while waiting; the marker is freed.
+        """
+        flight = self._flights.get(store_key)
+        record = self.store.get(store_key) if flight is None else None
+        if flight is None and (record is None or record.kind == SEEN):
+            return None
+        if flight is not None:
+            if flight.fingerprint != fingerprint:
+                claim.rejected = _mismatch(claim)
+            elif not self.wait_in_flight:
+                claim.rejected = Rejected(
+                    Reason.IDEMPOTENCY_CONFLICT, IN_FLIGHT_RETRY_AFTER_S,
+                    "a request with this Idempotency-Key is in flight")
+            elif len(flight.waiters) >= self.max_waiters:
+                claim.rejected = _too_many_waiting(len(flight.waiters))
+            if claim.rejected is not None:
+                self._drop(records, shared_key, owner, fingerprint)
+                return claim
+            renewer = self._background.spawn(_renew(records, shared_key, owner, self._lease_s))
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            try:
+                outcome = await self._wait(store_key, flight, bound_s)
+            except asyncio.CancelledError:
+                renewer.cancel()
+                self._drop(records, shared_key, owner, fingerprint)
+                raise
+            renewer.cancel()
+            claim.waited_s = loop.time() - started
+            if outcome is _HANDOVER:
+                claim._flight = flight
+                return None
+            if outcome is _TIMED_OUT:
+                self._drop(records, shared_key, owner, fingerprint)
+                claim.rejected = _still_in_flight(claim.waited_s)
+                return claim
+            assert isinstance(outcome, Record)
+            record = outcome
+        assert record is not None
+        # The answer kept here is the key's: Redis stores it for every replica.
+        self._background.spawn(self._quietly(records.finish(
+            shared_key, owner, shared_answer(record, record.fingerprint), self.ttl)))
+        if record.fingerprint != fingerprint:
+            claim.rejected = _mismatch(claim)
+        elif record.kind == DONE:
+            claim.replay = record
+        else:
+            claim.rejected = Rejected(
+                Reason.IDEMPOTENCY_CONFLICT, self.store.ttl_left(record),
+                f"the first request with this key completed, but its answer exceeded "
+                f"max_replay_bytes ({self.max_replay_bytes}) and was not kept")
         return claim
 
     async def _wait_shared(self, claim: Claim, records: IdempotencyRecords, key: str,
