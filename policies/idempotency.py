@@ -76,8 +76,9 @@ another payload), and waits for the first one's answer, woken by the ``finish`` 
 expire ``ttl`` after they were written (Redis evicts by its own policy). When Redis does not
 answer at the request's first look-up, ``state.on_unavailable: local`` uses this process's
 memory store instead (keys are then deduplicated per replica), and ``reject`` answers 503
-``state_unavailable``; a write that fails later leaves the marker to lapse, so the key is free
-again within ``state.lease``.
+``state_unavailable``; an answer's write that fails later is tried again until the marker
+would have lapsed (only while the marker is still its request's or no one's), then left: the
+key is free again within ``state.lease``.
 
 **MCP tool calls** (``mcp`` routes; issue 11): the payload fingerprint of a call is
 :func:`policies.mcp.fingerprint` (method, tool, arguments and the ``derive_from`` headers;
@@ -921,8 +922,31 @@ class Idempotency:
                         future.set_result(record)
             else:
                 self._pass_on(lease.store_key, local)
-        self._background.spawn(self._quietly(
-            lease.records.finish(lease.key, lease.owner, answer, self.ttl)))
+        self._background.spawn(self._store(lease, answer))
+
+    async def _store(self, lease: _Lease, answer: Answer) -> None:
+        """Write the answer ``lease``'s request leaves for its key; a write Redis did not
+        answer is tried again (``strict``: only while the key's marker is still this
+        request's or no one's) until the marker would have lapsed. Dropped at once, a write
+        that met a short freeze lost the answer, and a retry sent after it ran the keyed
+        work again (a hostile trial: a 1.5 s freeze, a 3 s lease)."""
+        loop = asyncio.get_running_loop()
+        until = loop.time() + self._lease_s
+        strict = False
+        while True:
+            try:
+                await lease.records.finish(lease.key, lease.owner, answer, self.ttl,
+                                           strict=strict)
+                return
+            except StateUnavailable as exc:
+                wait = exc.retry_after or IN_FLIGHT_RETRY_AFTER_S
+                if loop.time() + wait >= until:
+                    log.warning("an idempotency record was not written (its key is free "
+                                "again within %.0fs): %s", self._lease_s, exc.cause,
+                                extra=PER_CALL)
+                    return
+                strict = True
+                await asyncio.sleep(wait)
 
     def _drop(self, records: IdempotencyRecords, key: str, owner: str,
               fingerprint: bytes) -> None:

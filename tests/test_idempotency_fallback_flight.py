@@ -78,3 +78,32 @@ async def test_an_answer_kept_while_redis_was_away_is_replayed_on_every_replica(
     assert (status_a, headers_a.get("Idempotent-Replayed")) == (200, "true")
     assert (status_b, headers_b.get("Idempotent-Replayed")) == (200, "true")
     assert len(upstream.requests) == 1, "the keyed work ran again after Redis came back"
+
+
+async def test_an_answer_whose_write_met_a_short_freeze_is_kept(
+        upstream, start_sluice, redis_server):
+    """The first call ends while Redis is frozen for less than the lease: its answer's write
+    timed out and was dropped (logged), so a retry sent once Redis answered again ran the
+    keyed work a second time (measured: 2 executions after a 1.5 s freeze, lease 3 s). The
+    write is now tried again while the key's marker could still be its own."""
+    state = {**own_state(redis_server, "local"), "lease": "3s"}
+    routes = [route("openai", upstream.url, idempotency={"mode": "dedup", "max_wait": "30s"})]
+    a = await start_sluice({"state": state, "routes": routes})
+    b = await start_sluice({"state": state, "routes": routes})
+    upstream.hold = asyncio.Event()
+    async with aiohttp.ClientSession() as session:
+        first = asyncio.create_task(post(session, a.url, **KEY))
+        await wait_for(lambda: len(upstream.requests) == 1, what="the first call upstream")
+        redis_server.freeze()
+        try:
+            upstream.hold.set()
+            status, _, _ = await first
+            await asyncio.sleep(0.5)  # its answer's write meets the frozen Redis
+        finally:
+            redis_server.thaw()
+        assert status == 200
+        await backend_up(a)
+        await backend_up(b)
+        retry_status, retry_headers, _ = await post(session, b.url, **KEY)
+    assert (retry_status, retry_headers.get("Idempotent-Replayed")) == (200, "true")
+    assert len(upstream.requests) == 1, "the keyed work ran again after a short freeze"
