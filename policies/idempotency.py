@@ -368,8 +368,9 @@ class Claim:
         waited_s: how long it waited for an in-flight twin, seconds.
     """
 
-    __slots__ = ("_flight", "_lease", "_policy", "_store_key", "capture", "fingerprint",
-                 "header", "key", "mcp_id", "new_unit", "rejected", "replay", "waited_s")
+    __slots__ = ("_fallback", "_flight", "_lease", "_policy", "_shared", "_store_key",
+                 "capture", "fingerprint", "header", "key", "mcp_id", "new_unit", "rejected",
+                 "replay", "waited_s")
 
     def __init__(self, key: str | None, mcp_id: mcp.RequestId | None = None) -> None:
         self.key = key
@@ -386,6 +387,10 @@ class Claim:
         self._store_key: Hashable = None
         self._flight: _Flight | None = None
         self._lease: _Lease | None = None
+        #: The shared records' name and owner token of a look-up Redis did not answer.
+        self._shared: tuple[IdempotencyRecords, str, str] | None = None
+        #: The marker a key claimed from this process's memory takes in Redis once it answers.
+        self._fallback: _Lease | None = None
 
     @property
     def holds(self) -> bool:
@@ -668,6 +673,13 @@ class Idempotency:
             return claim
         claim._flight = _Flight(fingerprint)
         self._flights[store_key] = claim._flight
+        if claim._shared is not None and self.dedup:
+            # Claimed from memory while Redis did not answer: the key takes its marker there
+            # once it answers, so a duplicate sent to another replica then waits for it.
+            records, shared_key, owner = claim._shared
+            fallback = claim._fallback = _Lease(records, shared_key, owner)
+            fallback.renewer = self._background.spawn(
+                _register(records, shared_key, owner, fingerprint, self._lease_s))
         self._arm(claim)
         return claim
 
@@ -747,6 +759,7 @@ class Idempotency:
         claim.fingerprint = fingerprint
         claim._policy = self
         owner = new_owner()
+        claim._shared = (records, shared_key, owner)
         begin = await survive_leaving(
             records.begin(shared_key, owner, fingerprint, self._lease_s),
             lambda b: self._drop(records, shared_key, owner, fingerprint)
@@ -924,7 +937,7 @@ class Idempotency:
                 self._pass_on(lease.store_key, local)
         self._background.spawn(self._store(lease, answer))
 
-    async def _store(self, lease: _Lease, answer: Answer) -> None:
+    async def _store(self, lease: _Lease, answer: Answer, strict: bool = False) -> None:
         """Write the answer ``lease``'s request leaves for its key; a write Redis did not
         answer is tried again (``strict``: only while the key's marker is still this
         request's or no one's) until the marker would have lapsed. Dropped at once, a write
@@ -932,7 +945,6 @@ class Idempotency:
         work again (a hostile trial: a 1.5 s freeze, a 3 s lease)."""
         loop = asyncio.get_running_loop()
         until = loop.time() + self._lease_s
-        strict = False
         while True:
             try:
                 await lease.records.finish(lease.key, lease.owner, answer, self.ttl,
@@ -966,6 +978,13 @@ class Idempotency:
     def _finish(self, claim: Claim, flight: _Flight, outcome: str) -> None:
         store_key = claim._store_key
         record = _answer_to_keep(claim, outcome)
+        fallback, claim._fallback = claim._fallback, None
+        if fallback is not None:
+            if fallback.renewer is not None:
+                fallback.renewer.cancel()
+            # Strict: this request may never have held the marker.
+            self._background.spawn(self._store(
+                fallback, shared_answer(record, claim.fingerprint), strict=True))
         if record is not None:
             del self._flights[store_key]
             kept = record
@@ -1038,6 +1057,21 @@ def _fingerprint(method: str, path: str, body: bytes) -> bytes:
     digest.update(b"\0" + path.encode("utf-8", "surrogateescape") + b"\0")
     digest.update(body)
     return digest.digest()
+
+
+async def _register(records: IdempotencyRecords, key: str, owner: str, fingerprint: bytes,
+                    lease_s: float) -> None:
+    """Take ``owner``'s marker for a key claimed from memory while Redis did not answer, once
+    it answers, and keep it (until cancelled) every third of ``lease_s``; give up when another
+    request holds the key or it has an answer already."""
+    while True:
+        try:
+            begin = await records.begin(key, owner, fingerprint, lease_s)
+            if begin.state != CLAIMED:
+                return
+        except StateUnavailable:
+            pass
+        await asyncio.sleep(lease_s / 3)
 
 
 async def _renew(records: IdempotencyRecords, key: str, owner: str, lease_s: float) -> None:

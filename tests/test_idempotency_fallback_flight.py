@@ -56,6 +56,36 @@ async def test_a_duplicate_waits_for_its_twin_claimed_while_redis_was_away(
     assert len(upstream.requests) == 1
 
 
+async def test_a_key_claimed_while_redis_was_away_takes_its_marker_once_it_answers(
+        upstream, start_sluice, redis_server):
+    """Another replica knew nothing of a key claimed from memory during the outage: its
+    duplicate, sent once Redis answered again, ran the upstream while the first still ran."""
+    state = {**own_state(redis_server, "local"), "lease": "1s"}
+    routes = [route("openai", upstream.url, idempotency={"mode": "dedup", "max_wait": "30s"})]
+    a = await start_sluice({"state": state, "routes": routes})
+    b = await start_sluice({"state": state, "routes": routes})
+    upstream.hold = asyncio.Event()
+    async with aiohttp.ClientSession() as session:
+        redis_server.freeze()
+        try:
+            first = asyncio.create_task(post(session, a.url, **KEY))
+            await wait_for(lambda: len(upstream.requests) == 1, what="the first call upstream")
+        finally:
+            redis_server.thaw()
+        await backend_up(a)
+        await backend_up(b)
+        await asyncio.sleep(1.0)  # a third of the lease: the key has taken its marker
+        duplicate = asyncio.create_task(post(session, b.url, **KEY))
+        await asyncio.sleep(2.5)  # past the lease: the marker is kept, not left to lapse
+        executions = len(upstream.requests)
+        upstream.hold.set()
+        (status_1, _, _), (status_2, headers_2, _) = await first, await duplicate
+    assert executions == 1, "the duplicate ran upstream while its twin was still in flight"
+    assert (status_1, status_2) == (200, 200)
+    assert headers_2.get("Idempotent-Replayed") == "true"
+    assert len(upstream.requests) == 1
+
+
 async def test_an_answer_kept_while_redis_was_away_is_replayed_on_every_replica(
         upstream, start_sluice, redis_server):
     state = {**own_state(redis_server, "local"), "lease": "1s"}
