@@ -76,8 +76,9 @@ another payload), and waits for the first one's answer, woken by the ``finish`` 
 expire ``ttl`` after they were written (Redis evicts by its own policy). When Redis does not
 answer at the request's first look-up, ``state.on_unavailable: local`` uses this process's
 memory store instead (keys are then deduplicated per replica), and ``reject`` answers 503
-``state_unavailable``; a write that fails later leaves the marker to lapse, so the key is free
-again within ``state.lease``.
+``state_unavailable``; an answer's write that fails later is tried again until the marker
+would have lapsed (only while the marker is still its request's or no one's), then left: the
+key is free again within ``state.lease``.
 
 **MCP tool calls** (``mcp`` routes; issue 11): the payload fingerprint of a call is
 :func:`policies.mcp.fingerprint` (method, tool, arguments and the ``derive_from`` headers;
@@ -367,8 +368,9 @@ class Claim:
         waited_s: how long it waited for an in-flight twin, seconds.
     """
 
-    __slots__ = ("_flight", "_lease", "_policy", "_store_key", "capture", "fingerprint",
-                 "header", "key", "mcp_id", "new_unit", "rejected", "replay", "waited_s")
+    __slots__ = ("_fallback", "_flight", "_lease", "_policy", "_shared", "_store_key",
+                 "capture", "fingerprint", "header", "key", "mcp_id", "new_unit", "rejected",
+                 "replay", "waited_s")
 
     def __init__(self, key: str | None, mcp_id: mcp.RequestId | None = None) -> None:
         self.key = key
@@ -385,6 +387,10 @@ class Claim:
         self._store_key: Hashable = None
         self._flight: _Flight | None = None
         self._lease: _Lease | None = None
+        #: The shared records' name and owner token of a look-up Redis did not answer.
+        self._shared: tuple[IdempotencyRecords, str, str] | None = None
+        #: The marker a key claimed from this process's memory takes in Redis once it answers.
+        self._fallback: _Lease | None = None
 
     @property
     def holds(self) -> bool:
@@ -667,6 +673,13 @@ class Idempotency:
             return claim
         claim._flight = _Flight(fingerprint)
         self._flights[store_key] = claim._flight
+        if claim._shared is not None and self.dedup:
+            # Claimed from memory while Redis did not answer: the key takes its marker there
+            # once it answers, so a duplicate sent to another replica then waits for it.
+            records, shared_key, owner = claim._shared
+            fallback = claim._fallback = _Lease(records, shared_key, owner)
+            fallback.renewer = self._background.spawn(
+                _register(records, shared_key, owner, fingerprint, self._lease_s))
         self._arm(claim)
         return claim
 
@@ -746,6 +759,7 @@ class Idempotency:
         claim.fingerprint = fingerprint
         claim._policy = self
         owner = new_owner()
+        claim._shared = (records, shared_key, owner)
         begin = await survive_leaving(
             records.begin(shared_key, owner, fingerprint, self._lease_s),
             lambda b: self._drop(records, shared_key, owner, fingerprint)
@@ -799,15 +813,88 @@ class Idempotency:
                     f"the first request with this key completed, but its answer exceeded "
                     f"max_replay_bytes ({self.max_replay_bytes}) and was not kept")
             return claim
+        store_key = (tenant, key)
+        if self.dedup:
+            here = await self._held_here(claim, records, shared_key, owner, store_key,
+                                         fingerprint, bound_s)
+            if here is not None:
+                return here
         # Claimed: nothing awaits from here to the return, so the lease cannot leak.
         lease = _Lease(records, shared_key, owner)
-        store_key = (tenant, key)
-        if store_key not in self._flights:
+        if claim._flight is not None:  # handed over by a twin this replica held
+            lease.local, claim._flight = claim._flight, None
+            lease.store_key = store_key
+        elif store_key not in self._flights:
             lease.local = self._flights[store_key] = _Flight(fingerprint)
             lease.store_key = store_key
         lease.renewer = self._background.spawn(_renew(records, shared_key, owner, self._lease_s))
         claim._lease = lease
         self._arm(claim)
+        return claim
+
+    async def _held_here(self, claim: Claim, records: IdempotencyRecords, shared_key: str,
+                         owner: str, store_key: tuple[str, str], fingerprint: bytes,
+                         bound_s: float) -> Claim | None:
+        """What this replica itself knows of a key Redis has just let ``claim`` take: a twin
+        it claimed from its own memory while Redis did not answer may still be in flight
+        here, or have left its answer here; Redis knows neither (a hostile trial: the key
+        ran twice, twice at once on one replica). The claim answers from that (its Redis
+        marker then stores the answer for every replica, or is freed) and is returned;
+        ``None`` when there is nothing here, or the twin here handed the key over
+        (``claim._flight`` is then set: this request runs, holding both).
+
+        Raises:
+            asyncio.CancelledError: the caller left while waiting; the marker is freed.
+        """
+        flight = self._flights.get(store_key)
+        record = self.store.get(store_key) if flight is None else None
+        if flight is None and (record is None or record.kind == SEEN):
+            return None
+        if flight is not None:
+            if flight.fingerprint != fingerprint:
+                claim.rejected = _mismatch(claim)
+            elif not self.wait_in_flight:
+                claim.rejected = Rejected(
+                    Reason.IDEMPOTENCY_CONFLICT, IN_FLIGHT_RETRY_AFTER_S,
+                    "a request with this Idempotency-Key is in flight")
+            elif len(flight.waiters) >= self.max_waiters:
+                claim.rejected = _too_many_waiting(len(flight.waiters))
+            if claim.rejected is not None:
+                self._drop(records, shared_key, owner, fingerprint)
+                return claim
+            renewer = self._background.spawn(_renew(records, shared_key, owner, self._lease_s))
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            try:
+                outcome = await self._wait(store_key, flight, bound_s)
+            except asyncio.CancelledError:
+                renewer.cancel()
+                self._drop(records, shared_key, owner, fingerprint)
+                raise
+            renewer.cancel()
+            claim.waited_s = loop.time() - started
+            if outcome is _HANDOVER:
+                claim._flight = flight
+                return None
+            if outcome is _TIMED_OUT:
+                self._drop(records, shared_key, owner, fingerprint)
+                claim.rejected = _still_in_flight(claim.waited_s)
+                return claim
+            assert isinstance(outcome, Record)
+            record = outcome
+        assert record is not None
+        # The answer kept here is the key's: Redis stores it for every replica.
+        self._background.spawn(self._quietly(records.finish(
+            shared_key, owner, shared_answer(record, record.fingerprint), self.ttl)))
+        if record.fingerprint != fingerprint:
+            claim.rejected = _mismatch(claim)
+        elif record.kind == DONE:
+            claim.replay = record
+        else:
+            claim.rejected = Rejected(
+                Reason.IDEMPOTENCY_CONFLICT, self.store.ttl_left(record),
+                f"the first request with this key completed, but its answer exceeded "
+                f"max_replay_bytes ({self.max_replay_bytes}) and was not kept")
         return claim
 
     async def _wait_shared(self, claim: Claim, records: IdempotencyRecords, key: str,
@@ -848,8 +935,30 @@ class Idempotency:
                         future.set_result(record)
             else:
                 self._pass_on(lease.store_key, local)
-        self._background.spawn(self._quietly(
-            lease.records.finish(lease.key, lease.owner, answer, self.ttl)))
+        self._background.spawn(self._store(lease, answer))
+
+    async def _store(self, lease: _Lease, answer: Answer, strict: bool = False) -> None:
+        """Write the answer ``lease``'s request leaves for its key; a write Redis did not
+        answer is tried again (``strict``: only while the key's marker is still this
+        request's or no one's) until the marker would have lapsed. Dropped at once, a write
+        that met a short freeze lost the answer, and a retry sent after it ran the keyed
+        work again (a hostile trial: a 1.5 s freeze, a 3 s lease)."""
+        loop = asyncio.get_running_loop()
+        until = loop.time() + self._lease_s
+        while True:
+            try:
+                await lease.records.finish(lease.key, lease.owner, answer, self.ttl,
+                                           strict=strict)
+                return
+            except StateUnavailable as exc:
+                wait = exc.retry_after or IN_FLIGHT_RETRY_AFTER_S
+                if loop.time() + wait >= until:
+                    log.warning("an idempotency record was not written (its key is free "
+                                "again within %.0fs): %s", self._lease_s, exc.cause,
+                                extra=PER_CALL)
+                    return
+                strict = True
+                await asyncio.sleep(wait)
 
     def _drop(self, records: IdempotencyRecords, key: str, owner: str,
               fingerprint: bytes) -> None:
@@ -869,6 +978,13 @@ class Idempotency:
     def _finish(self, claim: Claim, flight: _Flight, outcome: str) -> None:
         store_key = claim._store_key
         record = _answer_to_keep(claim, outcome)
+        fallback, claim._fallback = claim._fallback, None
+        if fallback is not None:
+            if fallback.renewer is not None:
+                fallback.renewer.cancel()
+            # Strict: this request may never have held the marker.
+            self._background.spawn(self._store(
+                fallback, shared_answer(record, claim.fingerprint), strict=True))
         if record is not None:
             del self._flights[store_key]
             kept = record
@@ -941,6 +1057,21 @@ def _fingerprint(method: str, path: str, body: bytes) -> bytes:
     digest.update(b"\0" + path.encode("utf-8", "surrogateescape") + b"\0")
     digest.update(body)
     return digest.digest()
+
+
+async def _register(records: IdempotencyRecords, key: str, owner: str, fingerprint: bytes,
+                    lease_s: float) -> None:
+    """Take ``owner``'s marker for a key claimed from memory while Redis did not answer, once
+    it answers, and keep it (until cancelled) every third of ``lease_s``; give up when another
+    request holds the key or it has an answer already."""
+    while True:
+        try:
+            begin = await records.begin(key, owner, fingerprint, lease_s)
+            if begin.state != CLAIMED:
+                return
+        except StateUnavailable:
+            pass
+        await asyncio.sleep(lease_s / 3)
 
 
 async def _renew(records: IdempotencyRecords, key: str, owner: str, lease_s: float) -> None:

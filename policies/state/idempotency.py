@@ -111,13 +111,16 @@ class IdempotencyRecords(Protocol):
         """Extend ``owner``'s marker; ``False`` if it no longer holds it."""
         ...
 
-    async def finish(self, key: str, owner: str, answer: Answer, ttl_s: float) -> bool:
+    async def finish(self, key: str, owner: str, answer: Answer, ttl_s: float,
+                     strict: bool = False) -> bool:
         """Store ``answer`` for ``ttl_s`` seconds, drop ``owner``'s marker and wake waiters.
 
         No answer replaces a final one: another replica's request may have finished
         meanwhile (this ``owner``'s marker lapsed while its replica stalled, and the request
         that took the key over stored its answer, which its caller was given): the key's
-        answer stays the first stored.
+        answer stays the first stored. ``strict``: store it only while the marker is
+        ``owner``'s or no one's (a write tried again late must not pre-empt a request that
+        took the key over and still runs).
         Returns whether ``owner`` still held the marker.
         """
         ...
@@ -218,13 +221,14 @@ class MemoryIdempotencyRecords:
         self._flights[key] = (owner, flight[1], now + flight_s)
         return True
 
-    async def finish(self, key: str, owner: str, answer: Answer, ttl_s: float) -> bool:
+    async def finish(self, key: str, owner: str, answer: Answer, ttl_s: float,
+                     strict: bool = False) -> bool:
         now = self._clock()
         record = self._record(key, now)
-        if record is None or record[0].kind == SEEN:
-            self._records[key] = (answer, now + ttl_s)
         flight = self._flight(key, now)
         held = flight is not None and flight[0] == owner
+        if (record is None or record[0].kind == SEEN) and (not strict or held or flight is None):
+            self._records[key] = (answer, now + ttl_s)
         if held:
             del self._flights[key]
         self.notifier.publish(key)
@@ -289,25 +293,24 @@ return 1
 """)
 
 # KEYS: record, marker. ARGV: owner, kind, fingerprint hex, status, reason, headers JSON,
-# body, ttl ms, channel. Returns 1 if the owner held the marker.
+# body, ttl ms, channel, strict ('1': store only if the marker is the owner's or gone).
+# Returns 1 if the owner held the marker.
 _FINISH = Script("""
 local kind = ARGV[2]
+local held = 0
+local marker = redis.call('GET', KEYS[2])
+if marker then
+  local bar = string.find(marker, '|', 1, true)
+  if string.sub(marker, bar + 1) == ARGV[1] then held = 1 end
+end
 local current = redis.call('HGET', KEYS[1], 'kind')
-if not current or current == '0' then
+if (not current or current == '0') and (ARGV[10] ~= '1' or held == 1 or not marker) then
   redis.call('DEL', KEYS[1])
   redis.call('HSET', KEYS[1], 'kind', kind, 'fp', ARGV[3], 'status', ARGV[4],
              'reason', ARGV[5], 'headers', ARGV[6], 'body', ARGV[7])
   redis.call('PEXPIRE', KEYS[1], ARGV[8])
 end
-local held = 0
-local marker = redis.call('GET', KEYS[2])
-if marker then
-  local bar = string.find(marker, '|', 1, true)
-  if string.sub(marker, bar + 1) == ARGV[1] then
-    redis.call('DEL', KEYS[2])
-    held = 1
-  end
-end
+if held == 1 then redis.call('DEL', KEYS[2]) end
 redis.call('PUBLISH', ARGV[9], kind)
 return held
 """)
@@ -357,10 +360,12 @@ class RedisIdempotencyRecords:
         return bool(await self._state.eval(_RENEW, self._keys(key)[1:],
                                            [owner, _ms(flight_s)]))
 
-    async def finish(self, key: str, owner: str, answer: Answer, ttl_s: float) -> bool:
+    async def finish(self, key: str, owner: str, answer: Answer, ttl_s: float,
+                     strict: bool = False) -> bool:
         args: list[object] = [
             owner, answer.kind, answer.fingerprint.hex(), answer.status, answer.reason,
-            orjson.dumps(answer.headers), answer.body, _ms(ttl_s), self.channel(key)]
+            orjson.dumps(answer.headers), answer.body, _ms(ttl_s), self.channel(key),
+            "1" if strict else "0"]
         return bool(await self._state.eval(_FINISH, self._keys(key), args))
 
     async def seen(self, key: str, ttl_s: float) -> bool:

@@ -1,0 +1,139 @@
+"""A hostile trial of Sluice's Redis faults (trial/hostile): a key claimed from the local
+fallback while Redis did not answer (``on_unavailable: local``) was forgotten once Redis
+answered again. A duplicate of it sent afterwards, even to the very replica that still held
+the key in flight in its memory, found nothing in Redis and ran the upstream a second time,
+concurrently with the first (measured: 2 upstream executions of one key, 2 at once, after a
+1.5 s freeze); and a retry of a call that replica had answered during the outage ran again
+too, its answer kept only in that replica's memory. The replica now consults what it holds
+itself: the duplicate waits for its twin and gets its answer replayed, and an answer kept
+during the outage is replayed and shared through Redis."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+
+from tests.conftest import route
+from tests.test_shared_rate_budget import own_state, post, wait_for
+
+KEY = {"Idempotency-Key": "job-42", "X-Tenant-ID": "acme"}
+
+
+async def backend_up(sluice) -> None:
+    """Wait until the replica has seen Redis answer again."""
+    for _ in range(750):
+        if await sluice.metric("sluice_state_backend_up", backend="redis") == 1:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("the replica never saw Redis answer again")
+
+
+async def test_a_duplicate_waits_for_its_twin_claimed_while_redis_was_away(
+        upstream, start_sluice, redis_server):
+    state = {**own_state(redis_server, "local"), "lease": "1s"}
+    sluice = await start_sluice({"state": state, "routes": [route(
+        "openai", upstream.url, idempotency={"mode": "dedup", "max_wait": "30s"})]})
+    upstream.hold = asyncio.Event()
+    async with aiohttp.ClientSession() as session:
+        redis_server.freeze()
+        try:
+            first = asyncio.create_task(post(session, sluice.url, **KEY))
+            await wait_for(lambda: len(upstream.requests) == 1, what="the first call upstream")
+        finally:
+            redis_server.thaw()
+        await backend_up(sluice)
+        duplicate = asyncio.create_task(post(session, sluice.url, **KEY))
+        # Past the lease: a marker the frozen Redis ran late for the first call has lapsed,
+        # so the duplicate has had every chance to run.
+        await asyncio.sleep(2.5)
+        executions = len(upstream.requests)
+        upstream.hold.set()
+        (status_1, _, _), (status_2, headers_2, _) = await first, await duplicate
+    assert executions == 1, "the duplicate ran upstream while its twin was still in flight"
+    assert (status_1, status_2) == (200, 200)
+    assert headers_2.get("Idempotent-Replayed") == "true"
+    assert len(upstream.requests) == 1
+
+
+async def test_a_key_claimed_while_redis_was_away_takes_its_marker_once_it_answers(
+        upstream, start_sluice, redis_server):
+    """Another replica knew nothing of a key claimed from memory during the outage: its
+    duplicate, sent once Redis answered again, ran the upstream while the first still ran."""
+    state = {**own_state(redis_server, "local"), "lease": "1s"}
+    routes = [route("openai", upstream.url, idempotency={"mode": "dedup", "max_wait": "30s"})]
+    a = await start_sluice({"state": state, "routes": routes})
+    b = await start_sluice({"state": state, "routes": routes})
+    upstream.hold = asyncio.Event()
+    async with aiohttp.ClientSession() as session:
+        redis_server.freeze()
+        try:
+            first = asyncio.create_task(post(session, a.url, **KEY))
+            await wait_for(lambda: len(upstream.requests) == 1, what="the first call upstream")
+        finally:
+            redis_server.thaw()
+        await backend_up(a)
+        await backend_up(b)
+        await asyncio.sleep(1.0)  # a third of the lease: the key has taken its marker
+        duplicate = asyncio.create_task(post(session, b.url, **KEY))
+        await asyncio.sleep(2.5)  # past the lease: the marker is kept, not left to lapse
+        executions = len(upstream.requests)
+        upstream.hold.set()
+        (status_1, _, _), (status_2, headers_2, _) = await first, await duplicate
+    assert executions == 1, "the duplicate ran upstream while its twin was still in flight"
+    assert (status_1, status_2) == (200, 200)
+    assert headers_2.get("Idempotent-Replayed") == "true"
+    assert len(upstream.requests) == 1
+
+
+async def test_an_answer_kept_while_redis_was_away_is_replayed_on_every_replica(
+        upstream, start_sluice, redis_server):
+    state = {**own_state(redis_server, "local"), "lease": "1s"}
+    routes = [route("openai", upstream.url, idempotency={"mode": "dedup", "max_wait": "30s"})]
+    a = await start_sluice({"state": state, "routes": routes})
+    b = await start_sluice({"state": state, "routes": routes})
+    async with aiohttp.ClientSession() as session:
+        redis_server.freeze()
+        try:
+            status, _, _ = await post(session, a.url, **KEY)
+        finally:
+            redis_server.thaw()
+        assert status == 200
+        await backend_up(a)
+        await backend_up(b)
+        await asyncio.sleep(1.5)  # past the lease of a marker the frozen Redis ran late
+        status_a, headers_a, _ = await post(session, a.url, **KEY)
+        await asyncio.sleep(0.5)  # the answer reaches Redis in the background
+        status_b, headers_b, _ = await post(session, b.url, **KEY)
+    assert (status_a, headers_a.get("Idempotent-Replayed")) == (200, "true")
+    assert (status_b, headers_b.get("Idempotent-Replayed")) == (200, "true")
+    assert len(upstream.requests) == 1, "the keyed work ran again after Redis came back"
+
+
+async def test_an_answer_whose_write_met_a_short_freeze_is_kept(
+        upstream, start_sluice, redis_server):
+    """The first call ends while Redis is frozen for less than the lease: its answer's write
+    timed out and was dropped (logged), so a retry sent once Redis answered again ran the
+    keyed work a second time (measured: 2 executions after a 1.5 s freeze, lease 3 s). The
+    write is now tried again while the key's marker could still be its own."""
+    state = {**own_state(redis_server, "local"), "lease": "3s"}
+    routes = [route("openai", upstream.url, idempotency={"mode": "dedup", "max_wait": "30s"})]
+    a = await start_sluice({"state": state, "routes": routes})
+    b = await start_sluice({"state": state, "routes": routes})
+    upstream.hold = asyncio.Event()
+    async with aiohttp.ClientSession() as session:
+        first = asyncio.create_task(post(session, a.url, **KEY))
+        await wait_for(lambda: len(upstream.requests) == 1, what="the first call upstream")
+        redis_server.freeze()
+        try:
+            upstream.hold.set()
+            status, _, _ = await first
+            await asyncio.sleep(0.5)  # its answer's write meets the frozen Redis
+        finally:
+            redis_server.thaw()
+        assert status == 200
+        await backend_up(a)
+        await backend_up(b)
+        retry_status, retry_headers, _ = await post(session, b.url, **KEY)
+    assert (retry_status, retry_headers.get("Idempotent-Replayed")) == (200, "true")
+    assert len(upstream.requests) == 1, "the keyed work ran again after a short freeze"
