@@ -660,17 +660,7 @@ class Idempotency:
             assert isinstance(outcome, Record)
             record = outcome
         if record is not None and record.kind != SEEN:
-            if record.fingerprint != fingerprint:
-                claim.rejected = _mismatch(claim)
-            elif record.kind == DONE:
-                claim.replay = record
-            else:
-                claim.rejected = Rejected(
-                    Reason.IDEMPOTENCY_CONFLICT, self.store.ttl_left(record),
-                    f"the first request with this key completed, but its answer exceeded "
-                    f"max_replay_bytes ({self.max_replay_bytes}) or what the store holds "
-                    f"(max_bytes) and was not kept")
-            return claim
+            return self._answered(claim, record, fingerprint, self.store.ttl_left(record))
         claim._flight = _Flight(fingerprint)
         self._flights[store_key] = claim._flight
         if claim._shared is not None and self.dedup:
@@ -802,17 +792,9 @@ class Idempotency:
         if begin.state == FINISHED:
             answer = begin.answer
             assert answer is not None
-            if answer.fingerprint != fingerprint:
-                claim.rejected = _mismatch(claim)
-            elif answer.kind == DONE:
-                claim.replay = Record(DONE, answer.fingerprint, answer.status, answer.reason,
-                                      answer.headers, answer.body)
-            else:
-                claim.rejected = Rejected(
-                    Reason.IDEMPOTENCY_CONFLICT, begin.ttl_s,
-                    f"the first request with this key completed, but its answer exceeded "
-                    f"max_replay_bytes ({self.max_replay_bytes}) and was not kept")
-            return claim
+            return self._answered(claim, Record(answer.kind, answer.fingerprint, answer.status,
+                                                answer.reason, answer.headers, answer.body),
+                                  fingerprint, begin.ttl_s)
         store_key = (tenant, key)
         if self.dedup:
             here = await self._held_here(claim, records, shared_key, owner, store_key,
@@ -886,15 +868,23 @@ class Idempotency:
         # The answer kept here is the key's: Redis stores it for every replica.
         self._background.spawn(self._quietly(records.finish(
             shared_key, owner, shared_answer(record, record.fingerprint), self.ttl)))
+        return self._answered(claim, record, fingerprint, self.store.ttl_left(record))
+
+    def _answered(self, claim: Claim, record: Record, fingerprint: bytes,
+                  ttl_left_s: float) -> Claim:
+        """``claim`` answered from its key's kept ``record`` (``ttl_left_s``: seconds it is
+        kept still): the answer replayed, 422 ``idempotency_mismatch`` for another payload,
+        or 409 ``idempotency_conflict`` when the first answer was too big to keep."""
         if record.fingerprint != fingerprint:
             claim.rejected = _mismatch(claim)
         elif record.kind == DONE:
             claim.replay = record
         else:
             claim.rejected = Rejected(
-                Reason.IDEMPOTENCY_CONFLICT, self.store.ttl_left(record),
+                Reason.IDEMPOTENCY_CONFLICT, ttl_left_s,
                 f"the first request with this key completed, but its answer exceeded "
-                f"max_replay_bytes ({self.max_replay_bytes}) and was not kept")
+                f"max_replay_bytes ({self.max_replay_bytes}) or what the store holds "
+                f"(max_bytes) and was not kept")
         return claim
 
     async def _wait_shared(self, claim: Claim, records: IdempotencyRecords, key: str,
