@@ -4,6 +4,7 @@ socket, and slow or idle connections. Each test is an observation of issue 13.""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gzip
 import json
 import logging
@@ -508,50 +509,62 @@ async def test_a_head_over_60_kib_is_431_as_it_arrives(upstream, start_sluice):
     assert len(upstream.requests) == 1
 
 
+@contextlib.asynccontextmanager
+async def serving_in_process(upstream_url: str, protocol: str):
+    """A Sluice served in this process (one route, ``/svc/``), so a test can reach its
+    connections' protocol objects and feed them reads: ``(runner, port)``."""
+    runtime = Runtime(parse_config(
+        "routes:\n"
+        f"  - {{name: svc, path_prefix: /svc/, upstream: '{upstream_url}', "
+        f"protocol: {protocol}}}\n"))
+    await runtime.open()
+    runner, port = await serve_runtime(runtime)
+    try:
+        yield runner, port
+    finally:
+        await runner.cleanup()
+        await runtime.close()
+
+
+async def fed_in_one_read(runner: web.BaseRunner, port: int, data: bytes) -> bytes:
+    """Open a connection and hand ``data`` to its protocol as one read, as the transport
+    would; every byte answered until it closes."""
+    server = runner.server
+    assert server is not None
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        await wait_until(lambda: len(server.connections) == 1, what="the connection")
+        [protocol] = server.connections
+        protocol.data_received(data)
+        return await closed_within(reader, 10)
+    finally:
+        writer.close()
+        await wait_until(lambda: not server.connections, what="it to close")
+
+
 async def test_a_head_over_60_kib_in_one_read_is_431_and_one_under_it_with_its_body_is_served(
         upstream):
     """A head that arrived whole in one read was parsed at once and never counted: a new
     user's 101 KB head sent with one ``sendall`` was forwarded. Fed here as the transport
     would, in one read each: a ~80 KiB head, then a ~56 KiB head with a 200 KB body."""
-    runtime = Runtime(parse_config(
-        "routes:\n"
-        f"  - {{name: svc, path_prefix: /svc/, upstream: '{upstream.url}', protocol: http}}\n"))
-    await runtime.open()
-    runner, port = await serve_runtime(runtime)
-
-    async def one_read(data: bytes) -> bytes:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        try:
-            server = runner.server
-            assert server is not None
-            await wait_until(lambda: len(server.connections) == 1, what="the connection")
-            [protocol] = server.connections
-            protocol.data_received(data)
-            return await closed_within(reader, 10)
-        finally:
-            writer.close()
-            await wait_until(lambda: not runner.server.connections, what="it to close")
 
     def head(lines: int, *extra: bytes) -> bytes:
         pad = b"".join(b"X-Pad-%02d: %s\r\n" % (i, b"a" * 4000) for i in range(lines))
         return (b"POST /svc/echo HTTP/1.1\r\n" + LOOPBACK + b"Connection: close\r\n" + pad
                 + b"".join(extra) + b"\r\n")
 
-    try:
+    async with serving_in_process(upstream.url, "http") as (runner, port):
         too_big = head(20, b"Content-Length: 0\r\n")
         assert len(too_big) > MAX_HEAD_BYTES
-        [(status, headers, _)] = parse(await one_read(too_big))
+        [(status, headers, _)] = parse(await fed_in_one_read(runner, port, too_big))
         assert (status, headers["x-sluice-reason"]) == (431, "headers_too_large")
         assert upstream.requests == []
         body = b"b" * 200_000
         fits = head(14, b"Content-Length: %d\r\n" % len(body)) + body
         assert len(fits) - len(body) < MAX_HEAD_BYTES < len(fits)
-        [(status, _, _)] = parse(await one_read(fits))
+        [(status, _, _)] = parse(await fed_in_one_read(runner, port, fits))
         assert status == 200
         assert len(upstream.requests) == 1 and len(upstream.requests[0].body) == len(body)
-    finally:
-        await runner.cleanup()
-        await runtime.close()
 
 
 async def test_a_big_head_behind_a_request_not_started_yet_does_not_answer_first(upstream):
@@ -560,40 +573,34 @@ async def test_a_big_head_behind_a_request_not_started_yet_does_not_answer_first
     at once, with the write side shut: the caller read the 431 as the answer to its first
     request, whose own answer then had no connection to go to. It is a pipelined head:
     the connection is closed, nothing answered out of turn."""
-    runtime = Runtime(parse_config(
-        "routes:\n"
-        f"  - {{name: svc, path_prefix: /svc/, upstream: '{upstream.url}', protocol: openai}}\n"))
-    await runtime.open()
-    runner, port = await serve_runtime(runtime)
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    try:
-        server = runner.server
-        assert server is not None
-        await wait_until(lambda: len(server.connections) == 1, what="the connection")
-        [protocol] = server.connections
-        await wait_until(lambda: protocol._waiter is not None, what="aiohttp to wait")
-        # Fed as the transport would, two reads one loop turn apart: the first request whole,
-        # then (aiohttp has taken it off its queue, its handler not started) a big head.
-        protocol.data_received(b"GET /svc/v1/models HTTP/1.1\r\n" + LOOPBACK + b"\r\n")
-        await asyncio.sleep(0)
-        assert not protocol._messages and not protocol._request_in_progress
-        pad = b"".join(b"X-Pad-%02d: %s\r\n" % (i, b"a" * 4000) for i in range(16))
-        assert len(pad) > MAX_HEAD_BYTES  # each line valid: only the head's size is refused
-        protocol.data_received(b"GET /svc/v1/models HTTP/1.1\r\n" + LOOPBACK + pad)
-        received = await closed_within(reader, 10)
-        assert not received.startswith(b"HTTP/1.1 431"), received[:80]
-        writer.close()
-        # Once the first answer is out and aiohttp waits for the next head, it is refused.
+    async with serving_in_process(upstream.url, "openai") as (runner, port):
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(b"GET /svc/v1/models HTTP/1.1\r\n" + LOOPBACK + b"\r\n")
-        assert (await read_answer(reader))[0] == 200
-        writer.write(b"GET /svc/v1/models HTTP/1.1\r\n" + LOOPBACK + pad)
-        [(status, _, _)] = parse(await closed_within(reader, 10))
-        assert status == 431
-    finally:
-        writer.close()
-        await runner.cleanup()
-        await runtime.close()
+        try:
+            server = runner.server
+            assert server is not None
+            await wait_until(lambda: len(server.connections) == 1, what="the connection")
+            [protocol] = server.connections
+            await wait_until(lambda: protocol._waiter is not None, what="aiohttp to wait")
+            # Fed as the transport would, two reads one loop turn apart: the first request whole,
+            # then (aiohttp has taken it off its queue, its handler not started) a big head.
+            protocol.data_received(b"GET /svc/v1/models HTTP/1.1\r\n" + LOOPBACK + b"\r\n")
+            await asyncio.sleep(0)
+            assert not protocol._messages and not protocol._request_in_progress
+            pad = b"".join(b"X-Pad-%02d: %s\r\n" % (i, b"a" * 4000) for i in range(16))
+            assert len(pad) > MAX_HEAD_BYTES  # each line valid: only the head's size is refused
+            protocol.data_received(b"GET /svc/v1/models HTTP/1.1\r\n" + LOOPBACK + pad)
+            received = await closed_within(reader, 10)
+            assert not received.startswith(b"HTTP/1.1 431"), received[:80]
+            writer.close()
+            # Once the first answer is out and aiohttp waits for the next head, it is refused.
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"GET /svc/v1/models HTTP/1.1\r\n" + LOOPBACK + b"\r\n")
+            assert (await read_answer(reader))[0] == 200
+            writer.write(b"GET /svc/v1/models HTTP/1.1\r\n" + LOOPBACK + pad)
+            [(status, _, _)] = parse(await closed_within(reader, 10))
+            assert status == 431
+        finally:
+            writer.close()
 
 
 # -- slow and idle clients --------------------------------------------------------------------
