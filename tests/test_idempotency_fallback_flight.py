@@ -29,6 +29,38 @@ async def backend_up(sluice) -> None:
     raise AssertionError("the replica never saw Redis answer again")
 
 
+async def first_call_while_frozen(session, upstream, redis_server, url: str) -> asyncio.Task:
+    """Send the keyed call while Redis is frozen (claimed from memory), held at the upstream;
+    Redis thawed once it got there. Returns its task."""
+    redis_server.freeze()
+    try:
+        first = asyncio.create_task(post(session, url, **KEY))
+        await wait_for(lambda: len(upstream.requests) == 1, what="the first call upstream")
+    finally:
+        redis_server.thaw()
+    return first
+
+
+async def two_replicas(start_sluice, upstream, redis_server, lease: str) -> tuple:
+    """Two Sluices on the test's own Redis in ``local`` mode, one deduplicating route each."""
+    state = {**own_state(redis_server, "local"), "lease": lease}
+    routes = [route("openai", upstream.url, idempotency={"mode": "dedup", "max_wait": "30s"})]
+    return (await start_sluice({"state": state, "routes": routes}),
+            await start_sluice({"state": state, "routes": routes}))
+
+
+async def ran_once(upstream, first: asyncio.Task, duplicate: asyncio.Task) -> None:
+    """The held first call and its duplicate: one execution while both were out, then both
+    answered, the duplicate with the first's answer."""
+    executions = len(upstream.requests)
+    upstream.hold.set()
+    (status_1, _, _), (status_2, headers_2, _) = await first, await duplicate
+    assert executions == 1, "the duplicate ran upstream while its twin was still in flight"
+    assert (status_1, status_2) == (200, 200)
+    assert headers_2.get("Idempotent-Replayed") == "true"
+    assert len(upstream.requests) == 1
+
+
 async def test_a_duplicate_waits_for_its_twin_claimed_while_redis_was_away(
         upstream, start_sluice, redis_server):
     state = {**own_state(redis_server, "local"), "lease": "1s"}
@@ -36,62 +68,34 @@ async def test_a_duplicate_waits_for_its_twin_claimed_while_redis_was_away(
         "openai", upstream.url, idempotency={"mode": "dedup", "max_wait": "30s"})]})
     upstream.hold = asyncio.Event()
     async with aiohttp.ClientSession() as session:
-        redis_server.freeze()
-        try:
-            first = asyncio.create_task(post(session, sluice.url, **KEY))
-            await wait_for(lambda: len(upstream.requests) == 1, what="the first call upstream")
-        finally:
-            redis_server.thaw()
+        first = await first_call_while_frozen(session, upstream, redis_server, sluice.url)
         await backend_up(sluice)
         duplicate = asyncio.create_task(post(session, sluice.url, **KEY))
         # Past the lease: a marker the frozen Redis ran late for the first call has lapsed,
         # so the duplicate has had every chance to run.
         await asyncio.sleep(2.5)
-        executions = len(upstream.requests)
-        upstream.hold.set()
-        (status_1, _, _), (status_2, headers_2, _) = await first, await duplicate
-    assert executions == 1, "the duplicate ran upstream while its twin was still in flight"
-    assert (status_1, status_2) == (200, 200)
-    assert headers_2.get("Idempotent-Replayed") == "true"
-    assert len(upstream.requests) == 1
+        await ran_once(upstream, first, duplicate)
 
 
 async def test_a_key_claimed_while_redis_was_away_takes_its_marker_once_it_answers(
         upstream, start_sluice, redis_server):
     """Another replica knew nothing of a key claimed from memory during the outage: its
     duplicate, sent once Redis answered again, ran the upstream while the first still ran."""
-    state = {**own_state(redis_server, "local"), "lease": "1s"}
-    routes = [route("openai", upstream.url, idempotency={"mode": "dedup", "max_wait": "30s"})]
-    a = await start_sluice({"state": state, "routes": routes})
-    b = await start_sluice({"state": state, "routes": routes})
+    a, b = await two_replicas(start_sluice, upstream, redis_server, "1s")
     upstream.hold = asyncio.Event()
     async with aiohttp.ClientSession() as session:
-        redis_server.freeze()
-        try:
-            first = asyncio.create_task(post(session, a.url, **KEY))
-            await wait_for(lambda: len(upstream.requests) == 1, what="the first call upstream")
-        finally:
-            redis_server.thaw()
+        first = await first_call_while_frozen(session, upstream, redis_server, a.url)
         await backend_up(a)
         await backend_up(b)
         await asyncio.sleep(1.0)  # a third of the lease: the key has taken its marker
         duplicate = asyncio.create_task(post(session, b.url, **KEY))
         await asyncio.sleep(2.5)  # past the lease: the marker is kept, not left to lapse
-        executions = len(upstream.requests)
-        upstream.hold.set()
-        (status_1, _, _), (status_2, headers_2, _) = await first, await duplicate
-    assert executions == 1, "the duplicate ran upstream while its twin was still in flight"
-    assert (status_1, status_2) == (200, 200)
-    assert headers_2.get("Idempotent-Replayed") == "true"
-    assert len(upstream.requests) == 1
+        await ran_once(upstream, first, duplicate)
 
 
 async def test_an_answer_kept_while_redis_was_away_is_replayed_on_every_replica(
         upstream, start_sluice, redis_server):
-    state = {**own_state(redis_server, "local"), "lease": "1s"}
-    routes = [route("openai", upstream.url, idempotency={"mode": "dedup", "max_wait": "30s"})]
-    a = await start_sluice({"state": state, "routes": routes})
-    b = await start_sluice({"state": state, "routes": routes})
+    a, b = await two_replicas(start_sluice, upstream, redis_server, "1s")
     async with aiohttp.ClientSession() as session:
         redis_server.freeze()
         try:
@@ -116,10 +120,7 @@ async def test_an_answer_whose_write_met_a_short_freeze_is_kept(
     timed out and was dropped (logged), so a retry sent once Redis answered again ran the
     keyed work a second time (measured: 2 executions after a 1.5 s freeze, lease 3 s). The
     write is now tried again while the key's marker could still be its own."""
-    state = {**own_state(redis_server, "local"), "lease": "3s"}
-    routes = [route("openai", upstream.url, idempotency={"mode": "dedup", "max_wait": "30s"})]
-    a = await start_sluice({"state": state, "routes": routes})
-    b = await start_sluice({"state": state, "routes": routes})
+    a, b = await two_replicas(start_sluice, upstream, redis_server, "3s")
     upstream.hold = asyncio.Event()
     async with aiohttp.ClientSession() as session:
         first = asyncio.create_task(post(session, a.url, **KEY))
