@@ -170,8 +170,8 @@ async def test_two_tenants_runs_of_one_id_share_nothing():
 
     b_root = registry.resolve("r", None, "b")  # team-b's idle root, counting nothing
     registry.resolve("r", "a-1", "a")
-    registry.resolve("a-1", "a-0", "a")
-    assert (registry.get("r", "a").depth, b_root.depth, b_root.parent) == (1, 0, None)
+    registry.resolve("a-1", "a-0", "a")  # a-1, an idle root, linked: r moves a level down
+    assert (registry.get("r", "a").depth, b_root.depth, b_root.parent) == (2, 0, None)
     # Each in a task of its own, as a handler's: a cancel ends the call's task.
     held = await asyncio.create_task(admitted(of("a", "k")))
     other = await asyncio.create_task(admitted(of("b", "k")))  # not queued behind team-a's
