@@ -250,6 +250,8 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
         route.inflight += 1
         if traffic != "stream":  # a stream's silence is its normal state, not a stall
             route.live.add(call)
+        else:  # nor what a drain waits for
+            route.streams += 1
         call.phase = "forwarding"
         if route.budgets is not None:  # its tenant's budget gauges, from now (tokens or costs)
             route.budget_gauges.watch(call.tenant, route.metrics.tenant(call.tenant))
@@ -347,6 +349,8 @@ def _settle(rt: Runtime, route: Route, call: Call, admission: Admission, outcome
     if admitted_at:
         route.inflight -= 1
         route.live.discard(call)
+        if traffic == "stream":
+            route.streams -= 1
     admission.release(outcome)
     try:  # counting and logging how it ended, once everything it held is given back
         if admitted_at:

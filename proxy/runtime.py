@@ -290,6 +290,12 @@ class Runtime:
         or admitted (what a drain waits for)."""
         return sum(route.present_total for route in (*self.routes, *self.removed))
 
+    @property
+    def streams(self) -> int:
+        """MCP streams open on any route (part of :attr:`present`): what a drain does not
+        wait for."""
+        return sum(route.streams_total for route in (*self.routes, *self.removed))
+
     async def open(self) -> None:
         """Open the upstream session, the event log and the dead-letter store.
 

@@ -13,6 +13,7 @@ dedup lost when the client closes right after the result, a refusal ending a 1.x
 from __future__ import annotations
 
 import asyncio
+import signal
 from typing import Any
 
 import aiohttp
@@ -135,6 +136,42 @@ async def test_get_stream_has_an_idle_timeout_and_passes_last_event_id(upstream,
     assert 1.0 <= waited < 3.0  # cut after timeouts.idle of silence, not timeouts.total
     assert upstream.requests[0].method == "GET"
     assert upstream.requests[0].headers["Last-Event-ID"] == "stream-1_17"
+
+
+async def test_a_drain_waits_for_calls_not_for_idle_get_streams(mcp_session, start_sluice):
+    """Seen in a hostile trial: a session's GET stream stays open, silent, for the whole
+    session, and the drain waited for it as for a call: with any 2025-era client connected
+    (Python 1.x, 2.x ``legacy``, both TypeScript SDKs), every SIGTERM waited the whole
+    ``drain_timeout`` with nothing running (6.2 s of a 6 s drain_timeout for three idle
+    sessions, 0.0 s with none), then logged a WARNING "cutting 3 request(s) still in flight".
+    The drain now waits for calls only; the streams are ended once those are done (the
+    clients reconnect them, elsewhere)."""
+    sluice = await start_sluice({"server": {"drain_timeout": "120s"},
+                                 "routes": [mcp_route(mcp_session)]})
+    url = endpoint(sluice)
+    call = {"jsonrpc": "2.0", "id": 5, "method": "tools/call",
+            "params": {"name": "slow", "arguments": {"seconds": 1.0}}}
+    async with aiohttp.ClientSession() as http:
+        headers = await _raw_session(http, url)
+        async with http.get(url, headers={**headers, "Accept": "text/event-stream"}) as stream:
+            assert stream.status == 200
+
+            async def post_call() -> str:
+                async with http.post(url, json=call, headers=headers) as r:
+                    return await r.text()
+
+            answer = asyncio.create_task(post_call())
+            await wait_until(lambda: _admitted(sluice) >= 2, what="the stream and the call")
+            sluice.signal(signal.SIGTERM)
+            assert '"slept"' in await answer  # the call in flight is served to its end
+            # Before: the drain waited out its 120 s for the stream.
+            assert await sluice.wait_exit(timeout=60) == 0
+    assert "drain timeout" not in sluice.stderr()
+    assert "drained" in sluice.stderr()
+
+
+def _admitted(sluice: Any) -> int:
+    return sum(e["event"] == "admitted" for e in sluice.events())
 
 
 # -- a cancelled call leaves no answer for its key ------------------------------------------------
