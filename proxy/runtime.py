@@ -110,6 +110,9 @@ class Runtime:
         #: or the shared state), each with its handler's task (``proxy.handler``): what
         #: :meth:`refuse_waiting` answers when the drain ends.
         self.admitting: dict[Call, asyncio.Task[Any]] = {}
+        #: MCP calls admitted and not finished, each with its handler's task: what
+        #: :meth:`end_mcp_calls` ends when the drain cuts.
+        self.mcp_calls: dict[Call, asyncio.Task[Any]] = {}
         self.metrics.finishing.set_function(lambda: len(self.finishing))
         self.session: aiohttp.ClientSession | None = None
         #: Run trees, counts and cancellations, shared by every route (policies/runs.py),
@@ -271,6 +274,18 @@ class Runtime:
         Called before anything in flight is cut, so no waiter is left to be handed a slot
         that the cut frees."""
         tasks = [task for task in self.admitting.values() if not task.done()]
+        for task in tasks:
+            task.cancel()
+        return tasks
+
+    def end_mcp_calls(self) -> list[asyncio.Task[Any]]:
+        """End every MCP call still in flight when the drain cuts (:attr:`cutting` set, the
+        waiting calls answered first): its handler task is cancelled, and the handler, seeing
+        :attr:`cutting`, ends the call's answer with its JSON-RPC error rather than cutting
+        it (a cut POST fails no call on the Python ``mcp`` 1.x client, which then waits for
+        ever). Returns those tasks, for the drain to wait for before the shutdown cuts the
+        rest."""
+        tasks = [task for task in self.mcp_calls.values() if not task.done()]
         for task in tasks:
             task.cancel()
         return tasks

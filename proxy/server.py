@@ -315,6 +315,11 @@ async def _drain(runtime: Runtime, timeout_s: float, hurry: asyncio.Event) -> No
                     max(runtime.present - inflight - len(answering), 0), len(answering))
         if answering:
             await asyncio.wait(answering, timeout=SHUTDOWN_GRACE_S)
+        # MCP calls in flight end with their JSON-RPC error rather than a cut connection
+        # (a cut POST fails no call on the Python mcp 1.x client): their handlers write it.
+        ending = runtime.end_mcp_calls()
+        if ending:
+            await asyncio.wait(ending, timeout=SHUTDOWN_GRACE_S)
         # MCP calls being finished after their callers left are no handler's: aiohttp's
         # shutdown does not cut them, so the drain does (each gives its holdings back as it
         # ends), and waits for them to have ended.
