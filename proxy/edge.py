@@ -879,6 +879,12 @@ class EdgeProtocol(RequestHandler):
                      ) -> web.StreamResponse:
         """Sluice's answer to a request aiohttp could not parse or hand on, and to an error
         escaping the handler: in the ``http`` shape, never quoting the request."""
+        if isinstance(exc, ConnectionResetError):
+            # The caller has gone: a write met its closing connection before aiohttp
+            # cancelled the handler (an MCP SDK closes as soon as it has read its response).
+            # The handler has counted and logged that end (client_disconnected); it is no
+            # fault of Sluice's own, and nothing can be answered.
+            raise ConnectionError("the caller has gone")
         if request.writer.output_size > 0:
             if exc is not None:  # else a fault of Sluice's own went without a word
                 log.error("error after an answer was begun (peer %s): the connection is cut",

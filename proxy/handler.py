@@ -250,6 +250,12 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
         route.inflight += 1
         if traffic != "stream":  # a stream's silence is its normal state, not a stall
             route.live.add(call)
+        else:  # nor what a drain waits for
+            route.streams += 1
+        if traffic == "call" and route.protocol == "mcp":
+            task = asyncio.current_task()
+            if task is not None:  # for the drain's cut (Runtime.end_mcp_calls)
+                rt.mcp_calls[call] = task
         call.phase = "forwarding"
         if route.budgets is not None:  # its tenant's budget gauges, from now (tokens or costs)
             route.budget_gauges.watch(call.tenant, route.metrics.tenant(call.tenant))
@@ -298,6 +304,11 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
                 task.uncancel()
             outcome = REFUSED
             return _drained(rt, route, call)
+        if (rt.cutting and admitted_at and traffic == "call" and route.protocol == "mcp"
+                and request.transport is not None and not request.transport.is_closing()):
+            # Cut by the drain (Runtime.end_mcp_calls), its caller still there.
+            outcome = Outcome("drain_cut", call.reached, call.status)
+            return await _end_at_drain(route, call, request, finish)
         # Cancelled: by the caller leaving, or by the drain cutting what outlived it.
         if admitted_at:
             label = "drain_cut" if rt.cutting else "client_disconnected"
@@ -316,6 +327,7 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
             return await _cut(request, error, call.status)
         return render(error, route.protocol, jsonrpc_id(route.protocol, call.body))
     finally:
+        rt.mcp_calls.pop(call, None)
         if finish is None:
             _settle(rt, route, call, admission, outcome, admitted_at, traffic)
         elif finish.task is not None and not finish.task.done():
@@ -347,6 +359,8 @@ def _settle(rt: Runtime, route: Route, call: Call, admission: Admission, outcome
     if admitted_at:
         route.inflight -= 1
         route.live.discard(call)
+        if traffic == "stream":
+            route.streams -= 1
     admission.release(outcome)
     try:  # counting and logging how it ended, once everything it held is given back
         if admitted_at:
@@ -511,6 +525,30 @@ async def _run_cancelled(rt: Runtime, route: Route, call: Call, request: web.Bas
         return render(rejected, route.protocol, jsonrpc_id(route.protocol, call.body))
     return refuse(rt, route, rejected, call.request_id, call.tenant, call.run,
                   call.idempotency_key, call.body, call.operation)
+
+
+async def _end_at_drain(route: Route, call: Call, request: web.BaseRequest,
+                        finish: Finish | None) -> web.StreamResponse:
+    """Answer an MCP call in flight that the drain cut (:meth:`Runtime.end_mcp_calls`),
+    as a run's cancel is answered: its upstream request is closed already; an SSE answer
+    that has not carried its response ends with the call's JSON-RPC error (reason
+    ``draining``) as its last event, and one not begun is that error (HTTP 200); any other
+    answer is cut. A cut POST fails no call on the Python ``mcp`` 1.x client (it waited for
+    ever), the TypeScript 2025 clients waited for their request timeout, and the Python 2.x
+    client in ``auto`` mode, cut before the status line, lost its whole session."""
+    task = asyncio.current_task()
+    if task is not None:
+        task.uncancel()
+    if finish is not None and finish.task is not None and not finish.task.done():
+        await asyncio.wait((finish.task,))  # cancelled by _leave: let it unwind
+    rejected = Rejected(Reason.DRAINING, DRAINING_RETRY_AFTER_S,
+                        "the drain ended while this call ran; it may have run", retry=False)
+    if call.phase == "answering":
+        return await _cut(request, rejected, call.status)
+    call.status = rejected.reason.status  # what its `completed` event says it was sent
+    response = render(rejected, route.protocol, jsonrpc_id(route.protocol, call.body))
+    response.force_close()  # the process is going away
+    return response
 
 
 async def _cut(request: web.BaseRequest, rejected: Rejected, status: int

@@ -56,6 +56,9 @@ class Route:
         inflight: requests admitted through this object and not finished.
         present: requests matched to this object and not finished: the admitted ones and
             those still being read, admitted or queued.
+        streams: the admitted requests of ``inflight`` that are MCP streams (a session's GET
+            stream, ``subscriptions/listen``): open and mostly silent for a whole session,
+            they carry no call a drain should wait for.
         retired: the routes of the same name this one replaced on reloads that still had
             requests present then; their counts join ``inflight_total`` and
             ``present_total`` (a call queued on one is admitted there, reloads later).
@@ -109,6 +112,7 @@ class Route:
         "retry",
         "run_limits",
         "run_tracker",
+        "streams",
         "timeout",
         "upstream_base",
     )
@@ -172,6 +176,7 @@ class Route:
         self.retry = RetryPolicy(config.retry) if config.retry else None
         self.inflight = 0
         self.present = 0
+        self.streams = 0
         #: The calls admitted through this object and not finished (stall detection).
         self.live: set[Call] = set()
         self.retired: tuple[Route, ...] = ()
@@ -329,6 +334,12 @@ class Route:
     def inflight_total(self) -> int:
         """Requests in flight on this route, including those admitted before a reload."""
         return self.inflight + sum(route.inflight for route in self.retired)
+
+    @property
+    def streams_total(self) -> int:
+        """MCP streams admitted on this route and open, those admitted before a reload
+        included."""
+        return self.streams + sum(route.streams for route in self.retired)
 
     @property
     def present_total(self) -> int:

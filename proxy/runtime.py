@@ -110,6 +110,9 @@ class Runtime:
         #: or the shared state), each with its handler's task (``proxy.handler``): what
         #: :meth:`refuse_waiting` answers when the drain ends.
         self.admitting: dict[Call, asyncio.Task[Any]] = {}
+        #: MCP calls admitted and not finished, each with its handler's task: what
+        #: :meth:`end_mcp_calls` ends when the drain cuts.
+        self.mcp_calls: dict[Call, asyncio.Task[Any]] = {}
         self.metrics.finishing.set_function(lambda: len(self.finishing))
         self.session: aiohttp.ClientSession | None = None
         #: Run trees, counts and cancellations, shared by every route (policies/runs.py),
@@ -275,6 +278,18 @@ class Runtime:
             task.cancel()
         return tasks
 
+    def end_mcp_calls(self) -> list[asyncio.Task[Any]]:
+        """End every MCP call still in flight when the drain cuts (:attr:`cutting` set, the
+        waiting calls answered first): its handler task is cancelled, and the handler, seeing
+        :attr:`cutting`, ends the call's answer with its JSON-RPC error rather than cutting
+        it (a cut POST fails no call on the Python ``mcp`` 1.x client, which then waits for
+        ever). Returns those tasks, for the drain to wait for before the shutdown cuts the
+        rest."""
+        tasks = [task for task in self.mcp_calls.values() if not task.done()]
+        for task in tasks:
+            task.cancel()
+        return tasks
+
     def next_request_id(self) -> str:
         """A request id unique to this process (cheaper than a UUID on the hot path)."""
         return f"{self._id_prefix}{next(self._ids)}"
@@ -289,6 +304,12 @@ class Runtime:
         """Requests on any route from match to answer: admitted, queued, or still being read
         or admitted (what a drain waits for)."""
         return sum(route.present_total for route in (*self.routes, *self.removed))
+
+    @property
+    def streams(self) -> int:
+        """MCP streams open on any route (part of :attr:`present`): what a drain does not
+        wait for."""
+        return sum(route.streams_total for route in (*self.routes, *self.removed))
 
     async def open(self) -> None:
         """Open the upstream session, the event log and the dead-letter store.

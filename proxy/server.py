@@ -284,10 +284,10 @@ def _log_held(filters: list[tuple[logging.Handler, RepeatFilter]], final: bool =
 
 
 async def _drain(runtime: Runtime, timeout_s: float, hurry: asyncio.Event) -> None:
-    """Wait up to ``timeout_s`` for every call present to end, or until ``hurry`` is set (a
-    second SIGTERM or Ctrl-C); then answer those not admitted yet 503 ``draining`` and wait
-    (up to ``SHUTDOWN_GRACE_S``) for those answers to be written, leaving what is in flight
-    for :func:`serve`'s shutdown of the proxy port to cut."""
+    """Wait up to ``timeout_s`` for every call present to end (MCP streams apart), or until
+    ``hurry`` is set (a second SIGTERM or Ctrl-C); then answer those not admitted yet 503
+    ``draining`` and wait (up to ``SHUTDOWN_GRACE_S``) for those answers to be written,
+    leaving what is in flight for :func:`serve`'s shutdown of the proxy port to cut."""
     runtime.draining = True
     # Queued calls are waited for too, as Envoy and HAProxy do: each is admitted as a slot
     # frees, or refused when its max_wait ends; only what outlives the timeout is ended.
@@ -297,9 +297,14 @@ async def _drain(runtime: Runtime, timeout_s: float, hurry: asyncio.Event) -> No
              runtime.present - inflight, timeout_s)
     deadline = time.monotonic() + timeout_s
     # Polling keeps the request path free of drain bookkeeping; it runs only at shutdown.
-    while runtime.present and time.monotonic() < deadline and not hurry.is_set():  # noqa: ASYNC110
+    # MCP streams (a session's GET stream) stay open, silent, for as long as their session:
+    # waited for, they held every drain to its timeout. They carry no call, so they are not
+    # waited for; the shutdown of the proxy port ends them with the rest (their clients
+    # reconnect them, to another replica).
+    while (runtime.present > runtime.streams and time.monotonic() < deadline  # noqa: ASYNC110
+           and not hurry.is_set()):
         await asyncio.sleep(DRAIN_POLL_S)
-    if runtime.present:
+    if runtime.present > runtime.streams:
         runtime.cutting = True
         # Calls not admitted yet (queued, mostly) never reached the upstream: each is answered
         # 503 draining, and those answers are written before aiohttp's shutdown cancels the
@@ -312,6 +317,11 @@ async def _drain(runtime: Runtime, timeout_s: float, hurry: asyncio.Event) -> No
                     max(runtime.present - inflight - len(answering), 0), len(answering))
         if answering:
             await asyncio.wait(answering, timeout=SHUTDOWN_GRACE_S)
+        # MCP calls in flight end with their JSON-RPC error rather than a cut connection
+        # (a cut POST fails no call on the Python mcp 1.x client): their handlers write it.
+        ending = runtime.end_mcp_calls()
+        if ending:
+            await asyncio.wait(ending, timeout=SHUTDOWN_GRACE_S)
         # MCP calls being finished after their callers left are no handler's: aiohttp's
         # shutdown does not cut them, so the drain does (each gives its holdings back as it
         # ends), and waits for them to have ended.
@@ -320,5 +330,8 @@ async def _drain(runtime: Runtime, timeout_s: float, hurry: asyncio.Event) -> No
             task.cancel()
         if finishing:
             await asyncio.wait(finishing, timeout=SHUTDOWN_GRACE_S)
+    elif runtime.present:
+        runtime.cutting = True  # what is left (the streams) ends as the drain's cut
+        log.info("drained; ending %d MCP stream(s)", runtime.present)
     else:
         log.info("drained")

@@ -13,9 +13,11 @@ dedup lost when the client closes right after the result, a refusal ending a 1.x
 from __future__ import annotations
 
 import asyncio
+import signal
 from typing import Any
 
 import aiohttp
+import orjson
 import pytest
 from mcp import Client, MCPError
 
@@ -135,6 +137,86 @@ async def test_get_stream_has_an_idle_timeout_and_passes_last_event_id(upstream,
     assert 1.0 <= waited < 3.0  # cut after timeouts.idle of silence, not timeouts.total
     assert upstream.requests[0].method == "GET"
     assert upstream.requests[0].headers["Last-Event-ID"] == "stream-1_17"
+
+
+async def test_a_drain_waits_for_calls_not_for_idle_get_streams(mcp_session, start_sluice):
+    """Seen in a hostile trial: a session's GET stream stays open, silent, for the whole
+    session, and the drain waited for it as for a call: with any 2025-era client connected
+    (Python 1.x, 2.x ``legacy``, both TypeScript SDKs), every SIGTERM waited the whole
+    ``drain_timeout`` with nothing running (6.2 s of a 6 s drain_timeout for three idle
+    sessions, 0.0 s with none), then logged a WARNING "cutting 3 request(s) still in flight".
+    The drain now waits for calls only; the streams are ended once those are done (the
+    clients reconnect them, elsewhere)."""
+    sluice = await start_sluice({"server": {"drain_timeout": "120s"},
+                                 "routes": [mcp_route(mcp_session)]})
+    url = endpoint(sluice)
+    call = {"jsonrpc": "2.0", "id": 5, "method": "tools/call",
+            "params": {"name": "slow", "arguments": {"seconds": 1.0}}}
+    async with aiohttp.ClientSession() as http:
+        headers = await _raw_session(http, url)
+        async with http.get(url, headers={**headers, "Accept": "text/event-stream"}) as stream:
+            assert stream.status == 200
+
+            async def post_call() -> str:
+                async with http.post(url, json=call, headers=headers) as r:
+                    return await r.text()
+
+            answer = asyncio.create_task(post_call())
+            await wait_until(lambda: _admitted(sluice) >= 2, what="the stream and the call")
+            sluice.signal(signal.SIGTERM)
+            assert '"slept"' in await answer  # the call in flight is served to its end
+            # Before: the drain waited out its 120 s for the stream.
+            assert await sluice.wait_exit(timeout=60) == 0
+    assert "drain timeout" not in sluice.stderr()
+    assert "drained" in sluice.stderr()
+
+
+@pytest.mark.parametrize("json_response", [False, True])
+async def test_a_call_the_drain_cuts_gets_its_json_rpc_error(mcp_server_factory, start_sluice,
+                                                             json_response):
+    """Seen in a hostile trial: a call still running when the drain ended was cut (its
+    connection closed without a word). The Python ``mcp`` 1.x client fails no call on a cut
+    POST stream, so the call waited for ever (no timeout by default); the TypeScript 2025
+    clients waited for their request timeout (60 s by default); the Python 2.x client in
+    ``auto`` mode, cut before the status line, lost its whole session (an ExceptionGroup
+    out of ``Client``). As after a run's cancel or a timeout, the call's answer now ends with
+    its JSON-RPC error (reason ``draining``): an SSE answer as one last event, one not begun
+    as HTTP 200 and the error. Its outcome is still ``drain_cut``."""
+    server = mcp_server_factory("session", json_response=json_response)
+    sluice = await start_sluice({"server": {"drain_timeout": "1s"},
+                                 "routes": [mcp_route(server)]})
+    url = endpoint(sluice)
+    call = {"jsonrpc": "2.0", "id": 9, "method": "tools/call",
+            "params": {"name": "slow", "arguments": {"seconds": 20}}}
+    async with aiohttp.ClientSession() as http:
+        headers = await _raw_session(http, url)
+
+        async def post_call() -> tuple[int, str, bytes]:
+            async with http.post(url, json=call, headers=headers) as r:
+                return r.status, r.headers["Content-Type"], await r.read()  # before: cut
+
+        answer = asyncio.create_task(post_call())
+        await wait_until(lambda: _admitted(sluice) >= 1, what="the call in flight")
+        sluice.signal(signal.SIGTERM)
+        status, content_type, body = await answer
+    assert status == 200
+    if json_response:
+        assert content_type.startswith("application/json")
+        error = orjson.loads(body)
+    else:
+        assert content_type.startswith("text/event-stream")
+        last = body.decode().strip().split("\n\n")[-1]
+        error = orjson.loads(last.split("data: ", 1)[1])
+    assert error["id"] == 9
+    assert (error["error"]["code"], error["error"]["data"]["reason"]) == (503, "draining")
+    assert await sluice.wait_exit(timeout=30) == 0
+    [completed] = [e for e in sluice.events() if e["event"] == "completed"
+                   and e.get("operation") == "slow"]
+    assert completed["outcome"] == "drain_cut"
+
+
+def _admitted(sluice: Any) -> int:
+    return sum(e["event"] == "admitted" for e in sluice.events())
 
 
 # -- a cancelled call leaves no answer for its key ------------------------------------------------

@@ -375,6 +375,63 @@ async def test_an_error_escaping_after_the_answer_began_is_logged(upstream, monk
         await runtime.close()
 
 
+async def test_a_caller_gone_as_its_answer_ends_is_no_error_in_the_log(monkeypatch, caplog):
+    """Seen in a hostile trial: the MCP SDKs close their connection as soon as they have read
+    the response, and when that close lands as the upstream's answer ends, the last write of
+    the relay (its final chunk) meets a closing transport before aiohttp has cancelled the
+    handler: ``ClientConnectionResetError``. The handler counts that as the caller leaving
+    and re-raises it, and the edge logged it as a fault of Sluice's own, at ERROR with a
+    traceback (12 of 40 ordinary 2.x-client sessions against a session-mode server: their
+    GET streams; 1 in 11 calls of the 1.x client). The race is forced here: the relayed
+    answer's end finds the caller's connection closing."""
+    async def tool(request: web.Request) -> web.StreamResponse:
+        message = await request.json()
+        result = {"jsonrpc": "2.0", "id": message["id"], "result": {"content": []}}
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)  # streamed (chunked), as the official servers answer
+        await out.write(b"event: message\ndata: " + orjson.dumps(result) + b"\n\n")
+        await out.write_eof()
+        return out
+
+    tools, runtime = await tools_behind(tool, "concurrency: {limit: 1, queue: 0}")
+    runner, port = await serve_runtime(runtime)
+    real_write_eof = web.StreamResponse.write_eof
+
+    async def closing_write_eof(self, data=b""):
+        # Only the relayed answer: the end of a response on Sluice's own port.
+        transport = self._req.transport if self._req is not None else None
+        if transport is not None and transport.get_extra_info("sockname")[1] == port:
+            transport.close()
+            raise aiohttp.ClientConnectionResetError("Cannot write to closing transport")
+        return await real_write_eof(self, data)
+
+    url = f"http://127.0.0.1:{port}/tools/mcp"
+    call = {"jsonrpc": "2.0", "id": 7, "method": "tools/call",
+            "params": {"name": "deliver", "arguments": {"to": "ops"}}}
+    accept = {"Accept": "application/json, text/event-stream"}
+    [tools_route] = runtime.routes
+    try:
+        async with aiohttp.ClientSession() as session:
+            with monkeypatch.context() as patched, \
+                    caplog.at_level(logging.WARNING, logger="sluice"):
+                patched.setattr(web.StreamResponse, "write_eof", closing_write_eof)
+                for _ in range(2):  # a leaked slot would refuse the second
+                    async with session.post(url, json=call, headers=accept) as r:
+                        assert r.status == 200
+                        with contextlib.suppress(aiohttp.ClientPayloadError):
+                            await r.read()
+                    await wait_until(lambda: tools_route.present == 0, what="the call to end")
+                    assert (tools_route.inflight, tools_route.concurrency.inflight) == (0, 0)
+            assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+            assert runtime.metrics.registry.get_sample_value(
+                "sluice_requests_total", {"route": "tools",
+                                          "outcome": "client_disconnected"}) == 2
+    finally:
+        await runner.cleanup()
+        await runtime.close()
+        await tools.cleanup()
+
+
 async def test_a_run_cancel_of_an_mcp_answer_its_caller_cannot_take_frees_the_slot():
     """A run's cancel ends an MCP call's SSE answer with a last event (``run_cancelled``),
     written after the relay and its deadline guard have ended. Written to a caller whose
