@@ -751,8 +751,19 @@ class ConcurrencyLimiter:
         Asked only while every slot is busy (a call queues or is refused), so a count of
         ``turns`` unchanged since an earlier look means every slot stayed busy all that time
         and none freed: the calls holding them have run at least that long, whatever the
-        mean of the calls before them says (a measured lower bound, not a model)."""
+        mean of the calls before them says (a measured lower bound, not a model). That holds
+        only while every slot is this limiter's own (``inflight`` reaches ``limit``): a
+        :class:`~policies.shared_concurrency.SharedConcurrencyLimiter` sees no release of
+        another replica's calls, and its Retry-After grew with the time since it first
+        looked (1.5 s after 1.5 s of another replica's 50 ms calls), so the mean alone
+        serves there."""
         turn = self.mean_service_s / self.limit
+        if self.inflight < self.limit:
+            # Some slot is not this limiter's (the shared limiter's, held on another replica):
+            # it frees unseen here, so an unchanged count says nothing of it, and a look
+            # taken now must not stand for when every slot is this limiter's again.
+            self._turns_seen = (-1, 0.0)
+            return turn
         now = time.monotonic()
         turns, since = self._turns_seen
         if turns != self.turns:
