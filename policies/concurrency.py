@@ -57,7 +57,7 @@ drains in about ``n`` turns (spread up to +50% at random, so callers refused tog
 retry together), and at most ``max_wait`` plus one turn: by then every call queued now has left
 the queue. A turn, the time between two slots freeing, is ``S / limit``, where ``S`` is the
 route's mean service time (an exponentially weighted average of observed upstream durations,
-seeded by the first one), or longer once no slot has freed for longer than that: calls that
+seeded by the first one), or the time no slot has freed, once that is longer: calls that
 got slower say so only when they end, so a mean of 6 ms told callers to come back in 6 ms
 while 3 s calls held every slot (a new user's trial). See :meth:`ConcurrencyLimiter.turn`.
 
@@ -746,7 +746,8 @@ class ConcurrencyLimiter:
     def turn(self) -> float:
         """Seconds expected between two slots freeing while every slot is busy: the mean
         service time over ``limit``, or, when no slot has freed or passed on since an earlier
-        call found the count of ``turns`` it finds now, the time since then if that is longer.
+        call found the count of ``turns`` it finds now, the time since then over ``limit`` if
+        that is longer.
 
         Asked only while every slot is busy (a call queues or is refused), so a count of
         ``turns`` unchanged since an earlier look means every slot stayed busy all that time
@@ -769,4 +770,7 @@ class ConcurrencyLimiter:
         if turns != self.turns:
             self._turns_seen = (self.turns, now)
             return turn
-        return turn if now - since < turn else now - since
+        # Every call holding a slot has run at least ``now - since``: a service time that
+        # long, over the limit, is a turn (taken whole, a stall of 1 s on 8 slots told a
+        # caller behind 7 others that its wait was 8 s, and refused it).
+        return max(turn, (now - since) / self.limit)

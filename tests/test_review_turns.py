@@ -61,3 +61,28 @@ async def test_a_replica_seeing_no_release_of_anothers_quick_calls_does_not_stre
         assert len(refusals) > 5 and elapsed > 1.0
         # 50 ms a turn, spread up to 1.5x; never the second-long time since the first look
         assert max(refusals) <= 0.05 * 1.5 + 1e-9, (max(refusals), elapsed)
+
+
+async def test_a_stalled_house_of_eight_slots_stretches_a_turn_to_an_eighth_of_the_stall():
+    """Eight calls hold every slot, none freed for 1 s (calls take 50 ms on average before):
+    each has run at least 1 s, so a turn (service time over the limit) is at least 1/8 s,
+    not 1 s. 51c8b75 took the whole stall as a turn: a caller with a 5 s timeout behind 7
+    queued calls was refused deadline_unreachable ('the wait is estimated at 8.01s'), though
+    the eight calls all ended a second later and it was served."""
+    from policies.concurrency import ConcurrencyLimiter
+
+    limiter = ConcurrencyLimiter(8, 64, 30.0, None)
+    charged = await limiter.acquire("t")
+    limiter.release("t", 0.05, charged)
+    held = [await limiter.acquire("t") for _ in range(8)]
+    waiting = [asyncio.create_task(limiter.acquire("t", caller_timeout=30.0)) for _ in range(7)]
+    await asyncio.sleep(0)  # they queue, and look at the full house
+    assert limiter.queued == 7
+    await asyncio.sleep(1.0)
+    late = asyncio.create_task(limiter.acquire("t", caller_timeout=5.0))
+    await asyncio.sleep(0)
+    assert not late.done(), late.exception()  # queued: 8 turns of 1/8 s fit in 5 s
+    for charged in held:
+        limiter.release("t", 1.0, charged)
+    await asyncio.gather(late, *waiting)
+    assert limiter.inflight == 8
