@@ -888,10 +888,13 @@ class Idempotency:
         takes over its marker (``owner``, kept by ``renewer``) and writes its answer with
         it. Freed instead, the key was unknown to Redis while the twin ran (its own
         registration gives up on meeting this marker), and a duplicate sent to another
-        replica ran the upstream a second time, concurrently. With no such twin, the
-        marker is freed."""
+        replica ran the upstream a second time, concurrently. With no such twin, or one of
+        another payload (the marker names the payload: the twin's duplicates elsewhere would
+        read it as a mismatch), the marker is freed and the twin's registration takes the
+        key again."""
         fallback = flight.fallback
-        if fallback is None or fallback.key != shared_key or fallback.records is not records:
+        if (fallback is None or fallback.key != shared_key or fallback.records is not records
+                or flight.fingerprint != fingerprint):
             renewer.cancel()
             self._drop(records, shared_key, owner, fingerprint)
             return
