@@ -57,7 +57,7 @@ drains in about ``n`` turns (spread up to +50% at random, so callers refused tog
 retry together), and at most ``max_wait`` plus one turn: by then every call queued now has left
 the queue. A turn, the time between two slots freeing, is ``S / limit``, where ``S`` is the
 route's mean service time (an exponentially weighted average of observed upstream durations,
-seeded by the first one), or longer once no slot has freed for longer than that: calls that
+seeded by the first one), or the time no slot has freed, once that is longer: calls that
 got slower say so only when they end, so a mean of 6 ms told callers to come back in 6 ms
 while 3 s calls held every slot (a new user's trial). See :meth:`ConcurrencyLimiter.turn`.
 
@@ -746,16 +746,31 @@ class ConcurrencyLimiter:
     def turn(self) -> float:
         """Seconds expected between two slots freeing while every slot is busy: the mean
         service time over ``limit``, or, when no slot has freed or passed on since an earlier
-        call found the count of ``turns`` it finds now, the time since then if that is longer.
+        call found the count of ``turns`` it finds now, the time since then over ``limit`` if
+        that is longer.
 
         Asked only while every slot is busy (a call queues or is refused), so a count of
         ``turns`` unchanged since an earlier look means every slot stayed busy all that time
         and none freed: the calls holding them have run at least that long, whatever the
-        mean of the calls before them says (a measured lower bound, not a model)."""
+        mean of the calls before them says (a measured lower bound, not a model). That holds
+        only while every slot is this limiter's own (``inflight`` reaches ``limit``): a
+        :class:`~policies.shared_concurrency.SharedConcurrencyLimiter` sees no release of
+        another replica's calls, and its Retry-After grew with the time since it first
+        looked (1.5 s after 1.5 s of another replica's 50 ms calls), so the mean alone
+        serves there."""
         turn = self.mean_service_s / self.limit
+        if self.inflight < self.limit:
+            # Some slot is not this limiter's (the shared limiter's, held on another replica):
+            # it frees unseen here, so an unchanged count says nothing of it, and a look
+            # taken now must not stand for when every slot is this limiter's again.
+            self._turns_seen = (-1, 0.0)
+            return turn
         now = time.monotonic()
         turns, since = self._turns_seen
         if turns != self.turns:
             self._turns_seen = (self.turns, now)
             return turn
-        return turn if now - since < turn else now - since
+        # Every call holding a slot has run at least ``now - since``: a service time that
+        # long, over the limit, is a turn (taken whole, a stall of 1 s on 8 slots told a
+        # caller behind 7 others that its wait was 8 s, and refused it).
+        return max(turn, (now - since) / self.limit)

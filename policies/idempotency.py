@@ -328,11 +328,15 @@ class Replay(Exception):
 class _Flight:
     """A key whose request is running: its payload and who waits for it."""
 
-    __slots__ = ("fingerprint", "waiters")
+    __slots__ = ("fallback", "fingerprint", "waiters")
 
     def __init__(self, fingerprint: bytes) -> None:
         self.fingerprint = fingerprint
         self.waiters: deque[asyncio.Future[object]] = deque()
+        #: The Redis marker of a request claimed from memory during an outage, while it runs
+        #: (:attr:`Claim._fallback`): a duplicate that leaves it waiting hands its own marker
+        #: over to it (:meth:`Idempotency._leave_to_twin`).
+        self.fallback: _Lease | None = None
 
 
 class _Lease:
@@ -655,6 +659,7 @@ class Idempotency:
                 return claim
             if outcome is _HANDOVER:
                 claim._flight = flight
+                self._take_marker(claim)
                 self._arm(claim)
                 return claim
             assert isinstance(outcome, Record)
@@ -663,15 +668,22 @@ class Idempotency:
             return self._answered(claim, record, fingerprint, self.store.ttl_left(record))
         claim._flight = _Flight(fingerprint)
         self._flights[store_key] = claim._flight
-        if claim._shared is not None and self.dedup:
-            # Claimed from memory while Redis did not answer: the key takes its marker there
-            # once it answers, so a duplicate sent to another replica then waits for it.
-            records, shared_key, owner = claim._shared
-            fallback = claim._fallback = _Lease(records, shared_key, owner)
-            fallback.renewer = self._background.spawn(
-                _register(records, shared_key, owner, fingerprint, self._lease_s))
+        self._take_marker(claim)
         self._arm(claim)
         return claim
+
+    def _take_marker(self, claim: Claim) -> None:
+        """A key ``claim`` holds in this process's memory (its flight started, or handed
+        over by a twin that left no answer) while Redis did not answer its look-up takes its
+        marker there once it answers, so a duplicate sent to another replica then waits for
+        it. A request handed the key once took none: a duplicate sent to another replica ran
+        the upstream while it ran."""
+        if claim._shared is None or not self.dedup or claim._flight is None:
+            return
+        records, shared_key, owner = claim._shared
+        fallback = claim._fallback = claim._flight.fallback = _Lease(records, shared_key, owner)
+        fallback.renewer = self._background.spawn(
+            _register(records, shared_key, owner, claim.fingerprint, self._lease_s))
 
     def _arm(self, claim: Claim) -> None:
         if self.dedup:
@@ -841,27 +853,26 @@ class Idempotency:
                     "a request with this Idempotency-Key is in flight")
             elif len(flight.waiters) >= self.max_waiters:
                 claim.rejected = _too_many_waiting(len(flight.waiters))
-            if claim.rejected is not None:
-                self._drop(records, shared_key, owner, fingerprint)
-                return claim
             renewer = self._background.spawn(_renew(records, shared_key, owner, self._lease_s))
+            if claim.rejected is not None:
+                self._leave_to_twin(flight, records, shared_key, owner, fingerprint, renewer)
+                return claim
             loop = asyncio.get_running_loop()
             started = loop.time()
             try:
                 outcome = await self._wait(store_key, flight, bound_s)
             except asyncio.CancelledError:
-                renewer.cancel()
-                self._drop(records, shared_key, owner, fingerprint)
+                self._leave_to_twin(flight, records, shared_key, owner, fingerprint, renewer)
                 raise
-            renewer.cancel()
             claim.waited_s = loop.time() - started
+            if outcome is _TIMED_OUT:
+                self._leave_to_twin(flight, records, shared_key, owner, fingerprint, renewer)
+                claim.rejected = _still_in_flight(claim.waited_s)
+                return claim
+            renewer.cancel()
             if outcome is _HANDOVER:
                 claim._flight = flight
                 return None
-            if outcome is _TIMED_OUT:
-                self._drop(records, shared_key, owner, fingerprint)
-                claim.rejected = _still_in_flight(claim.waited_s)
-                return claim
             assert isinstance(outcome, Record)
             record = outcome
         assert record is not None
@@ -869,6 +880,28 @@ class Idempotency:
         self._background.spawn(self._quietly(records.finish(
             shared_key, owner, shared_answer(record, record.fingerprint), self.ttl)))
         return self._answered(claim, record, fingerprint, self.store.ttl_left(record))
+
+    def _leave_to_twin(self, flight: _Flight, records: IdempotencyRecords, shared_key: str,
+                       owner: str, fingerprint: bytes, renewer: asyncio.Task[None]) -> None:
+        """A request that took the key in Redis leaves (refused, timed out, or its caller
+        gone) while ``flight``, its twin claimed here from memory, still runs: the twin
+        takes over its marker (``owner``, kept by ``renewer``) and writes its answer with
+        it. Freed instead, the key was unknown to Redis while the twin ran (its own
+        registration gives up on meeting this marker), and a duplicate sent to another
+        replica ran the upstream a second time, concurrently. With no such twin, or one of
+        another payload (the marker names the payload: the twin's duplicates elsewhere would
+        read it as a mismatch), the marker is freed and the twin's registration takes the
+        key again."""
+        fallback = flight.fallback
+        if (fallback is None or fallback.key != shared_key or fallback.records is not records
+                or flight.fingerprint != fingerprint):
+            renewer.cancel()
+            self._drop(records, shared_key, owner, fingerprint)
+            return
+        if fallback.renewer is not None:
+            fallback.renewer.cancel()
+        fallback.owner = owner
+        fallback.renewer = renewer
 
     def _answered(self, claim: Claim, record: Record, fingerprint: bytes,
                   ttl_left_s: float) -> Claim:
@@ -969,6 +1002,7 @@ class Idempotency:
         store_key = claim._store_key
         record = _answer_to_keep(claim, outcome)
         fallback, claim._fallback = claim._fallback, None
+        flight.fallback = None
         if fallback is not None:
             if fallback.renewer is not None:
                 fallback.renewer.cancel()
@@ -1052,12 +1086,15 @@ def _fingerprint(method: str, path: str, body: bytes) -> bytes:
 async def _register(records: IdempotencyRecords, key: str, owner: str, fingerprint: bytes,
                     lease_s: float) -> None:
     """Take ``owner``'s marker for a key claimed from memory while Redis did not answer, once
-    it answers, and keep it (until cancelled) every third of ``lease_s``; give up when another
-    request holds the key or it has an answer already."""
+    it answers, and keep it (until cancelled) every third of ``lease_s``; give up when the
+    key has an answer already. Another request's marker is waited out, not given up on:
+    it may be the previous holder's, whose write frees it a moment later (a key handed over
+    here), or another replica's twin that ran during the outage and may end without an
+    answer, while this one still runs."""
     while True:
         try:
             begin = await records.begin(key, owner, fingerprint, lease_s)
-            if begin.state != CLAIMED:
+            if begin.state == FINISHED:
                 return
         except StateUnavailable:
             pass

@@ -641,7 +641,7 @@ class EdgeProtocol(RequestHandler):
     connection limits and its own answer to requests the parser refuses (module docstring)."""
 
     __slots__ = ("_body", "_body_bytes", "_body_start", "_deadline", "_edge", "_head_bytes",
-                 "_phase", "_refused", "_settings", "_timer")
+                 "_head_tail", "_phase", "_refused", "_settings", "_timer")
 
     def __init__(self, manager: GuardedServer, settings: ServerConfig, **kwargs: Any) -> None:
         super().__init__(manager, **kwargs)
@@ -654,6 +654,8 @@ class EdgeProtocol(RequestHandler):
         self._body_start = 0.0
         self._body_bytes = 0
         self._head_bytes = 0
+        #: The last bytes (up to 3) of the head being read: its blank line may start there.
+        self._head_tail = b""
         self._refused: asyncio.Transport | None = None
 
     # -- connection lifecycle ------------------------------------------------------------
@@ -775,6 +777,7 @@ class EdgeProtocol(RequestHandler):
                 self._deadline = deadline  # later than before: the timer re-arms lazily
         elif self._phase == _HEAD:
             self._head_bytes += len(data)
+            self._head_tail = (self._head_tail + data[-3:])[-3:]
             if self._head_bytes > MAX_HEAD_BYTES:
                 self._head_too_large()
         elif data:
@@ -782,6 +785,7 @@ class EdgeProtocol(RequestHandler):
                 self._arm(self._loop.time() + self._settings.header_timeout)
             self._phase = _HEAD
             self._head_bytes = len(data)
+            self._head_tail = data[-3:]
             if self._head_bytes > MAX_HEAD_BYTES:
                 self._head_too_large()
 
@@ -790,14 +794,17 @@ class EdgeProtocol(RequestHandler):
         start (always, while a body is read). A head that arrives whole in one read is parsed
         at once; without this look only heads spread over reads were bounded, and a 101 KB
         one sent at once was forwarded (a new user's trial). The blank line may begin in the
-        read before (then ``data`` starts with its rest)."""
+        read before: it is looked for from that read's last bytes (``data`` starting with CRLF
+        alone ends a head only after a line's CRLF, not after a header value: taken as an
+        end, it let a head cut before a line's CRLF bring 80 KiB more in its next read)."""
         phase = self._phase
         if phase == _BODY:
             return True
         if phase != _HEAD:
             return data.find(b"\r\n\r\n", 0, MAX_HEAD_BYTES + 4) >= 0
-        return (data.find(b"\r\n\r\n", 0, MAX_HEAD_BYTES - self._head_bytes + 4) >= 0
-                or data.startswith((b"\n", b"\r\n")))
+        tail = self._head_tail
+        return (tail + data).find(b"\r\n\r\n", 0,
+                                  MAX_HEAD_BYTES - self._head_bytes + 4 + len(tail)) >= 0
 
     def _head_too_large(self) -> None:
         """431 for a head past ``MAX_HEAD_BYTES``; a pipelined one is not answered (its answer

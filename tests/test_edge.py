@@ -16,6 +16,7 @@ from unittest import mock
 
 import aiohttp
 import openai
+import pytest
 from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMessage
 from aiohttp.http_parser import HttpRequestParser
@@ -1260,3 +1261,54 @@ async def test_by_default_an_eof_after_a_whole_request_is_a_caller_that_left(ups
         upstream.hold.set()
         assert await held == 200
     assert len(upstream.requests) == 1
+
+
+@pytest.mark.parametrize("split", [b"", b"\r"])
+async def test_a_head_whose_next_read_starts_a_line_ending_that_is_not_its_end_is_431(
+        upstream, split):
+    """A read starting with CRLF (or LF) ends the head only if the read before ended its last
+    line: a head cut just before a header line's CRLF (or between its CR and LF), then ~80 KiB
+    of headers in the next read, was passed as if that read started the blank line, and
+    forwarded (51c8b75: 200, the upstream saw it)."""
+    pad = b"".join(b"X-Pad-%02d: %s\r\n" % (i, b"a" * 4000) for i in range(20))
+    first = (b"GET /svc/v1/models HTTP/1.1\r\n" + LOOPBACK + b"Connection: close\r\n"
+             + b"X-First: a" + split)
+    rest = b"\r\n"[len(split):] + pad + b"\r\n"
+    assert len(first) + len(rest) > MAX_HEAD_BYTES
+    async with serving_in_process(upstream.url, "openai") as (runner, port):
+        server = runner.server
+        assert server is not None
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            await wait_until(lambda: len(server.connections) == 1, what="the connection")
+            [protocol] = server.connections
+            protocol.data_received(first)
+            protocol.data_received(rest)
+            [(status, headers, _)] = parse(await closed_within(reader, 10))
+        finally:
+            writer.close()
+        assert (status, headers["x-sluice-reason"]) == (431, "headers_too_large")
+        assert upstream.requests == []
+
+
+@pytest.mark.parametrize("cut", [1, 2, 3])
+async def test_a_head_cut_inside_its_blank_line_with_a_big_body_behind_is_served(upstream, cut):
+    """The blank line begun in one read and ended in the next, which brings a 200 KB body:
+    the head ends within the bound, so the call is served whole."""
+    body = b"b" * 200_000
+    head = (b"POST /svc/echo HTTP/1.1\r\n" + LOOPBACK + b"Connection: close\r\n"
+            + b"Content-Length: %d\r\n\r\n" % len(body))
+    async with serving_in_process(upstream.url, "http") as (runner, port):
+        server = runner.server
+        assert server is not None
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            await wait_until(lambda: len(server.connections) == 1, what="the connection")
+            [protocol] = server.connections
+            protocol.data_received(head[:-cut])
+            protocol.data_received(head[-cut:] + body)
+            [(status, _, _)] = parse(await closed_within(reader, 10))
+        finally:
+            writer.close()
+        assert status == 200
+        assert len(upstream.requests) == 1 and len(upstream.requests[0].body) == len(body)
