@@ -264,8 +264,10 @@ class Route:
             op,
             (
                 self.run_tracker,  # the run tree; a cancelled run is refused before all else
-                # A replay or a wait for a twin costs no quota or slot.
-                op.idempotency if op is not None and op.idempotency else self.idempotency,
+                # A replay or a wait for a twin costs no quota or slot. An operation's own
+                # block replaces the route's, ``mode: off`` included (no step at all).
+                op.idempotency if op is not None and op.config.idempotency is not None
+                else self.idempotency,
                 self.global_limits,  # run budgets and fan-out depth, all routes
                 self.run_limits,  # the same, this route
                 self.breaker,  # an open breaker refuses before anything is taken

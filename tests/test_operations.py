@@ -330,6 +330,23 @@ async def test_repeated_side_effecting_call_with_the_same_arguments_runs_once(
     assert [e["operation"] for e in replayed] == ["send"]
 
 
+async def test_a_tools_idempotency_off_replaces_the_routes_dedup(mcp_stateless, start_sluice):
+    """A tool's block replaces the route's, ``mode: off`` too: a new user's ``send`` with
+    ``idempotency: {mode: off}`` on a ``dedup`` route was still replayed (the tool had no
+    policy object, so the route's applied)."""
+    sluice = await start_sluice({"routes": [mcp_route(
+        mcp_stateless.base_url, idempotency={"mode": "dedup"},
+        tools={"send": {"idempotency": {"mode": "off"}}})]})
+    async with Client(endpoint(sluice), mode="legacy") as client:
+        added = [text(await client.call_tool("add", {"a": 1, "b": 1})) for _ in range(2)]
+        sent = [text(await client.call_tool("send", {"to": "ops@example.com", "body": "hi"}))
+                for _ in range(2)]
+    assert sent == ["sent #1", "sent #2"] and mcp_stateless.sends() == 2
+    assert added == ["2", "2"]
+    events = await flushed(sluice, "send", 2)
+    assert [e["operation"] for e in events if e["event"] == "replayed"] == ["add"]
+
+
 async def test_a_stored_answer_is_not_replayed_to_a_client_of_another_generation(
         mcp_server_factory, start_sluice):
     """Found by a hostile trial: an answer stored from a 2025-11-25 client (no
