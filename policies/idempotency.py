@@ -84,11 +84,13 @@ key is free again within ``state.lease``.
 :func:`policies.mcp.fingerprint` (method, tool, arguments and the ``derive_from`` headers;
 never the JSON-RPC ``id``, which differs on every call, so ``derive_from`` keys no longer get
 422), and a call that names no key and no ``derive_from`` headers gets one derived from that
-fingerprint (``"sluice-t-<32 hex>"``, with the tenant and route): the same tool with the same
-arguments is one call, so a client's retry replays the first answer instead of running the
-tool again. An answer is stored once it holds the response to the call, whatever happened
-after (the MCP SDKs close the connection right after the result event), with the response's
-id replaced by a placeholder; a replay gets the id of the request it answers
+fingerprint (``"sluice-t-<32 hex>"``, with the tenant, the route and a digest of the
+caller's credentials): the same tool with the same arguments from the same caller is one call,
+so a client's retry replays the first answer instead of running the tool again; another
+caller's identical call (other credentials) is not answered with it. A ``derive_from`` key
+includes the credentials too. An answer is stored once it holds the response to the call,
+whatever happened after (the MCP SDKs close the connection right after the result event), with
+the response's id replaced by a placeholder; a replay gets the id of the request it answers
 (:func:`policies.mcp.rewrite_id`). An answer without the response is not stored.
 
 **Amplification** (SPEC metrics): ``sluice_upstream_attempts_total`` counts every request sent
@@ -597,7 +599,7 @@ class Idempotency:
         else:
             key = self._derive(headers, tenant)
             if key is None and fingerprint is not None:
-                key = self._call_key(tenant, call_key or fingerprint)
+                key = self._call_key(tenant, call_key or fingerprint, headers)
             if key is None:
                 # A fresh key: unknown to anyone else, so there is nothing to look up.
                 claim = Claim(fresh_key())
@@ -689,11 +691,14 @@ class Idempotency:
         if self.dedup:
             claim.capture = Capture(self.max_replay_bytes, claim.mcp_id)
 
-    def _call_key(self, tenant: str, fingerprint: bytes) -> str:
+    def _call_key(self, tenant: str, fingerprint: bytes,
+                  headers: CIMultiDictProxy[str]) -> str:
         """The key of an MCP call that names none: its tool and arguments (the
-        fingerprint), with the tenant and the route."""
+        fingerprint), with the tenant, the route and the caller's credentials
+        (:func:`_credentials`)."""
         digest = hashlib.sha256(self._route)
         digest.update(b"\0" + tenant.encode("utf-8", "surrogateescape") + b"\0" + fingerprint)
+        digest.update(_credentials(headers))
         return f"sluice-t-{digest.hexdigest()[:32]}"
 
     def _derive(self, headers: CIMultiDictProxy[str], tenant: str) -> str | None:
@@ -706,6 +711,7 @@ class Idempotency:
         digest.update(b"\0" + tenant.encode("utf-8", "surrogateescape"))
         for value in values:
             digest.update(b"\0" + value.encode("utf-8", "surrogateescape"))
+        digest.update(_credentials(headers))
         return f"sluice-d-{digest.hexdigest()[:32]}"
 
     async def _wait(self, store_key: Hashable, flight: _Flight, bound_s: float) -> object:
@@ -1081,6 +1087,24 @@ def _fingerprint(method: str, path: str, body: bytes) -> bytes:
     digest.update(b"\0" + path.encode("utf-8", "surrogateescape") + b"\0")
     digest.update(body)
     return digest.digest()
+
+
+#: Where callers send their credentials (as ``proxy/identity.py`` reads them).
+CREDENTIAL_HEADERS = ("Authorization", "x-api-key", "api-key")
+
+
+def _credentials(headers: CIMultiDictProxy[str]) -> bytes:
+    """A digest of the credentials ``headers`` carry (none: the digest of nothing). A key
+    Sluice makes itself (derived, or an MCP call's tool and arguments) includes it, so an
+    answer is never replayed to a caller with other credentials: keyed by tenant alone, a
+    new user's second caller, sharing the tenant, was given the first one's
+    ``my_inbox`` result."""
+    digest = hashlib.sha256()
+    for name in CREDENTIAL_HEADERS:
+        for value in headers.getall(name, ()):
+            digest.update(name.encode() + b"\0" + value.encode("utf-8", "surrogateescape")
+                          + b"\0")
+    return b"\0" + digest.digest()
 
 
 async def _register(records: IdempotencyRecords, key: str, owner: str, fingerprint: bytes,

@@ -392,6 +392,35 @@ async def test_derive_from_keys_ignore_the_json_rpc_id(mcp_stateless, start_slui
     assert mcp_stateless.sends() == 1
 
 
+async def test_a_callers_tool_answer_is_not_replayed_to_a_caller_with_other_credentials(
+        mcp_stateless, start_sluice):
+    """A keyless tool call is keyed by its tool and arguments; keyed by tenant alone, a new
+    user's second caller (another API key, the same default tenant) was given the first
+    one's ``my_inbox`` answer for the whole ttl. The caller's credentials are part of the
+    key now: the same caller's repeat replays, another's runs; a ``derive_from`` key alike."""
+    sluice = await start_sluice({"routes": [mcp_route(
+        mcp_stateless.base_url, idempotency={"mode": "dedup"},
+        tools={"add": {"idempotency": {"mode": "dedup", "derive_from": ["X-Step-ID"]}}})]})
+
+    async def send(key: str, tool: str = "send") -> tuple[str | None, str]:
+        call = {"jsonrpc": "2.0", "id": 1, "method": "tools/call",
+                "params": {"name": tool, "arguments": {"to": "x"} if tool == "send"
+                           else {"a": 1, "b": 2}}}
+        headers = {"Accept": "application/json, text/event-stream", "X-Step-ID": "step-1",
+                   "MCP-Protocol-Version": "2025-06-18", "Authorization": f"Bearer {key}"}
+        async with aiohttp.ClientSession() as http, http.post(
+                endpoint(sluice), json=call, headers=headers) as r:
+            assert r.status == 200
+            return r.headers.get("Idempotent-Replayed"), await r.text()
+
+    alice, again, bob = await send("alice-key"), await send("alice-key"), await send("bob-key")
+    assert (alice[0], again[0], bob[0]) == (None, "true", None)
+    assert "sent #1" in alice[1] and "sent #1" in again[1] and "sent #2" in bob[1]
+    assert mcp_stateless.sends() == 2
+    derived = [await send(key, "add") for key in ("alice-key", "alice-key", "bob-key")]
+    assert [replayed for replayed, _ in derived] == [None, "true", None]
+
+
 @pytest.mark.parametrize("shared_state", ["redis"], indirect=True)
 async def test_same_tool_call_through_two_replicas_runs_once(mcp_session, start_sluice,
                                                              shared_state):
