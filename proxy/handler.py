@@ -26,7 +26,10 @@ leaves after the call may have reached the upstream and before its response came
 finishes the exchange without the caller (an MCP server runs the tool to its end anyway), so
 that its answer is kept for its key and its retry does not run the tool again. The call then
 holds everything until that task ends, and the task's end, not the handler, settles it
-(:func:`_leave`, :func:`_hand_over`): exactly one of the two does, once.
+(:func:`_leave`, :func:`_hand_over`): exactly one of the two does, once. For the same
+reason, a client's ``notifications/cancelled`` naming such a call of its session in flight
+is answered 202 here and not forwarded (:func:`_call_to_hold`): the tool runs on, and its
+answer is kept for the retry.
 """
 
 from __future__ import annotations
@@ -683,9 +686,9 @@ def _call_to_hold(rt: Runtime, route: Route, tenant: str, session: str | None,
                 or call.cancelled is not None
                 or call.headers.get(mcp.SESSION_HEADER) != session):
             continue
-        tracker = capture.tracker
-        if tracker is not None and tracker.outcome is not None:
-            return None  # its response has come: the cancel can stop nothing
+        tracker = capture.tracker  # set once the answer began with a status that is kept
+        if capture.status and (tracker is None or tracker.outcome is not None):
+            return None  # its response has come, or will not be kept: nothing to hold for
         return call
     return None
 
