@@ -76,6 +76,12 @@ MODERN_VERSION = "2026-07-28"
 #: The header naming a request's protocol revision (sent after ``initialize``).
 VERSION_HEADER = "MCP-Protocol-Version"
 
+#: The header naming a request's session (2025 revisions, session-mode servers).
+SESSION_HEADER = "Mcp-Session-Id"
+
+#: The notification a client sends to cancel one of its requests (``params.requestId``).
+CANCELLED = "notifications/cancelled"
+
 #: Methods whose ``params.name`` (or ``params.uri``) is mirrored in ``Mcp-Name`` (2026-07-28).
 NAMED_METHODS = frozenset({"tools/call", "resources/read", "prompts/get"})
 
@@ -192,6 +198,17 @@ class McpPost:
         """The tool of a non-batch ``tools/call``, the operation per-tool policies key on."""
         request = self.request
         return request.tool if request is not None else None
+
+    @property
+    def cancels(self) -> RequestId | None:
+        """The request a non-batch ``notifications/cancelled`` cancels: its
+        ``params.requestId`` as sent (a string and a number are different ids); ``None`` for
+        any other POST, or a cancel naming no valid id."""
+        message = self.messages[0]
+        if self.batch or message.method != CANCELLED or message.kind != "notification":
+            return None
+        request_id = message.params.get("requestId") if message.params is not None else None
+        return request_id if is_id(request_id) else None
 
 
 def allows_batch(protocol_version: str | None) -> bool:

@@ -26,13 +26,17 @@ leaves after the call may have reached the upstream and before its response came
 finishes the exchange without the caller (an MCP server runs the tool to its end anyway), so
 that its answer is kept for its key and its retry does not run the tool again. The call then
 holds everything until that task ends, and the task's end, not the handler, settles it
-(:func:`_leave`, :func:`_hand_over`): exactly one of the two does, once.
+(:func:`_leave`, :func:`_hand_over`): exactly one of the two does, once. For the same
+reason, a client's ``notifications/cancelled`` naming such a call of its session in flight
+is answered 202 here and not forwarded (:func:`_call_to_hold`): the tool runs on, and its
+answer is kept for the retry.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import logging
 import re
 import time
@@ -88,9 +92,11 @@ def _caller_timeout(request: web.BaseRequest, header: str) -> tuple[float | None
     return None, False
 
 
-def _mcp_traffic(request: web.BaseRequest, body: bytes) -> tuple[mcp.Traffic, str | None]:
-    """The traffic class of a request on an ``mcp`` route, and its operation (the tool of a
-    ``tools/call``, else ``None``).
+def _mcp_traffic(request: web.BaseRequest, body: bytes
+                 ) -> tuple[mcp.Traffic, str | None, mcp.RequestId | None]:
+    """The traffic class of a request on an ``mcp`` route, its operation (the tool of a
+    ``tools/call``, else ``None``), and the request id a ``notifications/cancelled`` names
+    (else ``None``).
 
     Raises:
         mcp.InvalidMcpRequest: a POST body that is not MCP, or an ``Mcp-Method`` /
@@ -98,7 +104,7 @@ def _mcp_traffic(request: web.BaseRequest, body: bytes) -> tuple[mcp.Traffic, st
             JSON-RPC batch holding a call (400).
     """
     if request.method != "POST":
-        return mcp.traffic(request.method), None
+        return mcp.traffic(request.method), None, None
     version = request.headers.get(mcp.VERSION_HEADER)
     post = mcp.parse_post(body, version)
     mcp.check_headers(post, request.headers, require=mcp.is_modern(version))
@@ -110,7 +116,8 @@ def _mcp_traffic(request: web.BaseRequest, body: bytes) -> tuple[mcp.Traffic, st
         raise mcp.InvalidMcpRequest(
             "a JSON-RPC batch holding a call (e.g. tools/call): send each call in its own "
             "POST, so that it is limited, keyed and retried as one call")
-    return mcp.traffic("POST", post), post.tool
+    traffic = mcp.traffic("POST", post)
+    return traffic, post.tool, post.cancels if traffic == "control" else None
 
 
 async def handle(rt: Runtime, request: web.BaseRequest, held: int = 0
@@ -189,10 +196,14 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
     operation = None
     if route.protocol == "mcp":
         try:
-            traffic, operation = _mcp_traffic(request, body)
+            traffic, operation, cancels = _mcp_traffic(request, body)
         except mcp.InvalidMcpRequest as bad:
             return _reject(rt, route, Rejected(Reason.BAD_REQUEST, None, bad.detail[:200]),
                            request_id, tenant, run, body)
+        if cancels is not None:
+            held = _call_to_hold(rt, route, tenant, headers.get(mcp.SESSION_HEADER), cancels)
+            if held is not None:
+                return _hold_cancel(rt, route, held, request_id, tenant, run)
 
     client_retry = is_client_retry(headers)
     timeout, timeout_reads = _caller_timeout(request, rt.timeout_header)
@@ -420,7 +431,7 @@ def _hand_over(rt: Runtime, route: Route, call: Call, admission: Admission, outc
     rt.buffered_bytes += held
     if finish.left:
         call.background = task
-        rt.finishing.add(task)
+        rt.finishing[task] = call
     else:
         task.cancel()  # nobody awaits its answer (_leave has cancelled it already, mostly)
     task.add_done_callback(functools.partial(_finished, rt, route, call, admission, outcome,
@@ -446,7 +457,7 @@ def _finished(rt: Runtime, route: Route, call: Call, admission: Admission, calle
     finally:
         route.present -= 1
         rt.buffered_bytes -= held
-        rt.finishing.discard(task)
+        rt.finishing.pop(task, None)
         call.background = None
 
 
@@ -653,6 +664,48 @@ def _drained(rt: Runtime, route: Route, call: Call) -> web.Response:
                       call.operation)
     response.force_close()
     return response
+
+
+def _call_to_hold(rt: Runtime, route: Route, tenant: str, session: str | None,
+                  request_id: mcp.RequestId) -> Call | None:
+    """The call a client's ``notifications/cancelled`` would stop that Sluice lets run on
+    instead (:func:`_hold_cancel`), or ``None`` to forward the cancel as any notification:
+    a ``tools/call`` of the same route, tenant and MCP session (``Mcp-Session-Id``; a cancel
+    without one names nothing), with JSON-RPC id ``request_id`` as sent (``7`` and ``"7"``
+    differ), whose answer is kept for its key (``dedup``), and which is still in flight
+    through Sluice with its response not come: its handler running, or being finished after
+    its caller left. Cancels are rare: a scan of the MCP calls in flight at cancel time keeps
+    this off the path of every other request."""
+    if session is None:
+        return None
+    kind = type(request_id)
+    for call in itertools.chain(rt.mcp_calls, rt.finishing.values()):
+        capture = call.capture
+        if (capture is None or capture.mcp_id != request_id or type(capture.mcp_id) is not kind
+                or call.route != route.name or call.tenant != tenant
+                or call.cancelled is not None
+                or call.headers.get(mcp.SESSION_HEADER) != session):
+            continue
+        tracker = capture.tracker  # set once the answer began with a status that is kept
+        if capture.status and (tracker is None or tracker.outcome is not None):
+            return None  # its response has come, or will not be kept: nothing to hold for
+        return call
+    return None
+
+
+def _hold_cancel(rt: Runtime, route: Route, call: Call, request_id: str, tenant: str,
+                 run: str | None) -> web.Response:
+    """Answer a client's cancel of ``call`` (:func:`_call_to_hold`) as an MCP server answers
+    a notification, 202 with no body, without forwarding it: the tool runs to its end and its
+    answer is kept for the call's key, so that the client's retry (a timeout's cancel is
+    mostly followed by one) gets that answer instead of running the tool a second time, as it
+    did when the server stopped the tool after its side effect. Counted as
+    ``sluice_requests_total{outcome="cancel_held"}`` and logged as a ``cancel_held`` event
+    carrying the call's key and ``call_request_id``."""
+    route.metrics.outcomes["cancel_held"].inc()
+    rt.events.emit("cancel_held", request_id, route.name, tenant, run, call.idempotency_key,
+                   status=202, call_request_id=call.request_id, **_operation(call))
+    return web.Response(status=202)
 
 
 def _replay(rt: Runtime, route: Route, call: Call, replay: Replay) -> web.Response:

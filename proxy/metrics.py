@@ -75,6 +75,7 @@ OUTCOMES = (
     "drain_cut",  # still running when the drain_timeout ran out at shutdown
     "replayed",  # answered from the idempotency store (see sluice_idempotent_replays_total)
     "run_cancelled",  # admitted, then ended by its run's cancellation (POST /admin/runs/...)
+    "cancel_held",  # an MCP client's cancel of a call kept for its key (dedup): answered 202
 )
 
 

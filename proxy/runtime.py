@@ -102,10 +102,10 @@ class Runtime:
         #: Set when the drain timeout ran out: requests cancelled from then on were cut by
         #: Sluice, not left by their callers.
         self.cutting = False
-        #: MCP calls being finished after their callers left (``proxy.handler``), each counted
-        #: in flight and present on its route until it ends: the drain waits for them, and
-        #: cancels those left when it cuts.
-        self.finishing: set[asyncio.Task[Any]] = set()
+        #: MCP calls being finished after their callers left (``proxy.handler``), each task
+        #: with its call, counted in flight and present on its route until it ends: the drain
+        #: waits for them, and cancels those left when it cuts.
+        self.finishing: dict[asyncio.Task[Any], Call] = {}
         #: Calls in admission (queued for a slot or a run's width, waiting for a twin's answer
         #: or the shared state), each with its handler's task (``proxy.handler``): what
         #: :meth:`refuse_waiting` answers when the drain ends.

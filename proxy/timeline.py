@@ -154,6 +154,8 @@ def stories(events: list[dict[str, Any]]) -> list[RequestStory]:
                 story.queued_s = ev["ts"] - enqueued[rid]
         elif kind == "replayed":
             story.result = "replayed"
+        elif kind == "cancel_held":
+            story.result = f"{ev.get('status', 202)} cancel held"
         elif kind == "dead_lettered":
             story.result = "dead-lettered"
     return list(out.values())

@@ -249,7 +249,11 @@ async def test_a_cancelled_calls_answer_is_not_replayed_to_the_next_caller(mcp_s
     response. Sluice stored it as the call's answer: every later identical call of the
     tenant, from any client, was told "Request cancelled" for the key's whole ttl, and the
     tool never ran for it (a hostile trial). A cancelled call, like a caller that left, leaves
-    no answer: the next caller's call runs."""
+    no answer: the next caller's call runs.
+
+    The cancel goes to the server directly (as through another replica, or a client that
+    bypasses Sluice): one sent through Sluice for its call in flight on this ``dedup`` route
+    is held, and the call runs to its end (``tests/test_mcp_cancels.py``)."""
     sluice = await start_sluice({"routes": [mcp_route(mcp_session,
                                                       idempotency={"mode": "dedup"})]})
     url = endpoint(sluice)
@@ -266,7 +270,7 @@ async def test_a_cancelled_calls_answer_is_not_replayed_to_the_next_caller(mcp_s
         await asyncio.sleep(0.3)
         cancel = {"jsonrpc": "2.0", "method": "notifications/cancelled",
                   "params": {"requestId": 7, "reason": "the user pressed stop"}}
-        async with http.post(url, json=cancel, headers=first) as r:
+        async with http.post(mcp_session.url, json=cancel, headers=first) as r:
             assert r.status == 202
         assert "Request cancelled" in await answer
     async with Client(endpoint(sluice), mode="legacy") as client:

@@ -162,6 +162,22 @@ def test_traffic_of_a_post(body: bytes, expected: str) -> None:
     assert traffic("POST", parse_post(body)) == expected
 
 
+@pytest.mark.parametrize(("body", "expected"), [
+    (rpc("notifications/cancelled", ..., requestId=3, reason="timed out"), 3),
+    (rpc("notifications/cancelled", ..., requestId="3"), "3"),  # as sent: not the number 3
+    (rpc("notifications/cancelled", ...), None),  # names nothing
+    (rpc("notifications/cancelled", ..., requestId=True), None),  # no id
+    (rpc("notifications/cancelled", ..., requestId=None), None),
+    (rpc("notifications/cancelled", 4, requestId=3), None),  # a request of that name
+    (rpc("notifications/progress", ..., requestId=3), None),
+    (call("send"), None),
+    (b"[" + rpc("notifications/cancelled", ..., requestId=3) + b"]", None),  # a batch
+])
+def test_the_request_a_cancel_names(body: bytes, expected: object) -> None:
+    cancels = parse_post(body).cancels
+    assert cancels == expected and type(cancels) is type(expected)
+
+
 def test_traffic_without_a_body() -> None:
     assert traffic("GET") == "stream"  # the session's stream, or a resumption (Last-Event-ID)
     assert traffic("delete") == "control"

@@ -186,6 +186,22 @@ def test_a_call_refused_from_a_queue_shows_how_long_it_waited() -> None:
     assert refused_on_arrival.queued_s is None
 
 
+def test_a_held_mcp_cancel_ends_its_story_and_names_the_call_it_let_run() -> None:
+    """A client's cancel Sluice answered itself (``cancel_held``) has no `completed` event: its
+    story said `in flight` for ever."""
+    from proxy.timeline import describe, stories
+
+    base = {"route": "tools", "tenant": "t", "run": "run-1", "idempotency_key": "sluice-t-1"}
+    events = [{**base, "request_id": "r1", "ts": 10.0, "event": "admitted",
+               "operation": "send"},
+              {**base, "request_id": "r2", "ts": 10.5, "event": "cancel_held", "status": 202,
+               "call_request_id": "r1", "operation": "send"}]
+    call, held = stories(events)
+    assert (call.result, held.result) == ("in flight", "202 cancel held")
+    assert describe(events[1]) == ("status=202, call_request_id=r1, operation=send, "
+                                   "key=sluice-t-1")
+
+
 def test_tokens_of_a_model_without_pricing_are_not_shown_as_free() -> None:
     """With the default config's empty `pricing`, a run's calls have `cost_usd: null`: the
     summary said `$0.000000`, as if they had cost nothing."""
