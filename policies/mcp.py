@@ -200,6 +200,13 @@ class McpPost:
         return request.tool if request is not None else None
 
     @property
+    def opens_session(self) -> bool:
+        """Whether the POST is an ``initialize`` request (a new session, or a 2025 client's
+        first exchange)."""
+        message = self.messages[0]
+        return not self.batch and message.method == "initialize"
+
+    @property
     def cancels(self) -> RequestId | None:
         """The request a non-batch ``notifications/cancelled`` cancels: its
         ``params.requestId`` as sent (a string and a number are different ids); ``None`` for

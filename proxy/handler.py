@@ -93,10 +93,10 @@ def _caller_timeout(request: web.BaseRequest, header: str) -> tuple[float | None
 
 
 def _mcp_traffic(request: web.BaseRequest, body: bytes
-                 ) -> tuple[mcp.Traffic, str | None, mcp.RequestId | None]:
+                 ) -> tuple[mcp.Traffic, str | None, mcp.RequestId | None, bool]:
     """The traffic class of a request on an ``mcp`` route, its operation (the tool of a
-    ``tools/call``, else ``None``), and the request id a ``notifications/cancelled`` names
-    (else ``None``).
+    ``tools/call``, else ``None``), the request id a ``notifications/cancelled`` names
+    (else ``None``), and whether it opens a session (``initialize``).
 
     Raises:
         mcp.InvalidMcpRequest: a POST body that is not MCP, or an ``Mcp-Method`` /
@@ -104,7 +104,7 @@ def _mcp_traffic(request: web.BaseRequest, body: bytes
             JSON-RPC batch holding a call (400).
     """
     if request.method != "POST":
-        return mcp.traffic(request.method), None, None
+        return mcp.traffic(request.method), None, None, False
     version = request.headers.get(mcp.VERSION_HEADER)
     post = mcp.parse_post(body, version)
     mcp.check_headers(post, request.headers, require=mcp.is_modern(version))
@@ -117,7 +117,9 @@ def _mcp_traffic(request: web.BaseRequest, body: bytes
             "a JSON-RPC batch holding a call (e.g. tools/call): send each call in its own "
             "POST, so that it is limited, keyed and retried as one call")
     traffic = mcp.traffic("POST", post)
-    return traffic, post.tool, post.cancels if traffic == "control" else None
+    if traffic != "control":
+        return traffic, post.tool, None, False
+    return traffic, post.tool, post.cancels, post.opens_session
 
 
 async def handle(rt: Runtime, request: web.BaseRequest, held: int = 0
@@ -186,20 +188,26 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
     if hold[0] > len(body):  # chunked: counted at the most it could be until read
         rt.buffered_bytes -= hold[0] - len(body)
         hold[0] = len(body)
-    if rt.draining:  # after the read, so an MCP caller's error carries its request id
+    traffic: mcp.Traffic = "call"
+    operation = cancels = None
+    opens_session = False
+    if route.protocol == "mcp":
+        try:
+            traffic, operation, cancels, opens_session = _mcp_traffic(request, body)
+        except mcp.InvalidMcpRequest as bad:
+            return _reject(rt, route, Rejected(Reason.BAD_REQUEST, None, bad.detail[:200]),
+                           request_id, tenant, run, body)
+    # New work is refused while draining; an MCP session's control traffic is not new work:
+    # a client lists its tools after the first result of one it had not listed, and refused,
+    # the Python 2.x client failed calls that had finished (a new user's trial). Opening a
+    # session is new work (its calls would be refused here next).
+    if rt.draining and (traffic != "control" or opens_session):
         refused = _reject(rt, route, Rejected(Reason.DRAINING, DRAINING_RETRY_AFTER_S,
                                               "it takes no new calls"),
                           request_id, tenant, run, body)
         refused.force_close()  # the process is going away: the next call goes elsewhere
         return refused
-    traffic: mcp.Traffic = "call"
-    operation = None
     if route.protocol == "mcp":
-        try:
-            traffic, operation, cancels = _mcp_traffic(request, body)
-        except mcp.InvalidMcpRequest as bad:
-            return _reject(rt, route, Rejected(Reason.BAD_REQUEST, None, bad.detail[:200]),
-                           request_id, tenant, run, body)
         if cancels is not None:
             held = _call_to_hold(rt, route, tenant, headers.get(mcp.SESSION_HEADER), cancels)
             if held is not None:

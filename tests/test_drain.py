@@ -18,6 +18,7 @@ from proxy.config import parse_config
 from proxy.runtime import Runtime
 from proxy.server import PROXY_SHUTDOWN_GRACE_S, _drain, build_proxy_server
 from tests.conftest import free_ports, route, status_of, wait_until
+from tests.mcp_servers import mcp_session, mcp_stateless  # noqa: F401  (fixtures)
 from tests.redis_servers import delete_prefix, new_prefix, require_redis
 
 CHAT = {"model": "gpt-test", "messages": [{"role": "user", "content": "hi"}]}
@@ -77,7 +78,8 @@ async def test_sigterm_drains_in_flight_work_and_refuses_new(upstream, start_slu
             assert (await r.json())["error"]["code"] == "draining"
         # An MCP caller gets a JSON-RPC error for its own request id.
         async with session.post(sluice.url + "/mcp/mcp", json={
-                "jsonrpc": "2.0", "id": 41, "method": "tools/list"}) as r:
+                "jsonrpc": "2.0", "id": 41, "method": "tools/call",
+                "params": {"name": "add", "arguments": {}}}) as r:
             assert r.status == 200  # an HTTP error would end a 1.x client's session (mcp.md)
             assert r.headers["X-Sluice-Reason"] == "draining"
             body = await r.json()
@@ -499,3 +501,60 @@ routes:
         proc.kill()
     assert proc.returncode == 0, stderr
     assert "Traceback" not in stderr and "drained" in stderr
+
+
+async def test_an_mcp_sessions_control_traffic_is_served_while_draining(
+        mcp_session, start_sluice):  # noqa: F811
+    """A new user's Python 2.x client, its tools not listed yet, sends ``tools/list`` after
+    the first result of a call: refused as new work during the drain, it failed calls that
+    had finished at the server. A session's control traffic is served while draining; a new
+    call, or a new session (``initialize``), is refused."""
+    from mcp import Client, MCPError
+
+    sluice = await start_sluice({
+        "server": {"drain_timeout": "20s"},
+        "routes": [{"name": "tools", "path_prefix": "/tools/", "upstream": mcp_session.base_url,
+                    "protocol": "mcp"}]})
+    async with Client(sluice.url + "/tools/mcp", mode="legacy") as client:
+        running = asyncio.create_task(client.call_tool("slow", {"seconds": 4.0}))
+        await wait_until(lambda: any(e["event"] == "admitted" for e in sluice.events()),
+                         what="the call admitted")
+        sluice.signal(signal.SIGTERM)
+        await wait_until(lambda: "draining" in sluice.stderr(), what="the drain")
+        tools = await client.list_tools()  # control traffic of a session: served
+        with pytest.raises(MCPError) as refused:  # a new call: refused, for this call only
+            await client.call_tool("add", {"a": 1, "b": 2})
+        result = await running
+    assert "slow" in {tool.name for tool in tools.tools}
+    assert refused.value.data["reason"] == "draining"
+    assert result.content[0].text == "slept"
+    assert await sluice.wait_exit(timeout=20) == 0
+    rejected = [e for e in sluice.events() if e["event"] == "rejected"]
+    assert [e["reason"] for e in rejected] == ["draining"]
+
+
+async def test_a_new_mcp_session_is_refused_while_draining(
+        mcp_stateless, start_sluice):  # noqa: F811
+    sluice = await start_sluice({
+        "server": {"drain_timeout": "20s"},
+        "routes": [{"name": "tools", "path_prefix": "/tools/", "upstream": mcp_stateless.base_url,
+                    "protocol": "mcp"}]})
+    url = sluice.url + "/tools/mcp"
+    headers = {"Accept": "application/json, text/event-stream"}
+    initialize = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+        "protocolVersion": "2025-06-18", "capabilities": {},
+        "clientInfo": {"name": "t", "version": "1"}}}
+    async with aiohttp.ClientSession() as session:
+        held = asyncio.create_task(session.post(url, headers=headers, json={
+            "jsonrpc": "2.0", "id": 2, "method": "tools/call",
+            "params": {"name": "slow", "arguments": {"seconds": 4.0}}}))
+        await wait_until(lambda: any(e["event"] == "admitted" for e in sluice.events()),
+                         what="a call in flight, so the drain lasts")
+        sluice.signal(signal.SIGTERM)
+        await wait_until(lambda: "draining" in sluice.stderr(), what="the drain")
+        async with session.post(url, headers=headers, json=initialize) as r:
+            assert r.headers["X-Sluice-Reason"] == "draining"
+            body = await r.json()
+        assert body["id"] == 1 and body["error"]["data"]["reason"] == "draining"
+        (await held).release()
+    assert await sluice.wait_exit(timeout=20) == 0
