@@ -101,6 +101,10 @@ def run(config: Config | None, args: argparse.Namespace, out: IO[str] | None = N
         return EXIT_FAILED
     if args.runs_command == "list":
         out.write(_list(body["runs"]))
+        known = body.get("known", 0)
+        if known > len(body["runs"]):  # the admin API lists the most recently active
+            out.write(f"({len(body['runs'])} most recently active of {known} runs known here; "
+                      "--tenant NAME lists one tenant's)\n")
     elif args.runs_command == "show":
         out.write("\n".join(_show(run) for run in body["runs"]))
     elif not body["tenants"]:

@@ -726,3 +726,19 @@ async def test_two_tenants_runs_of_one_id_have_their_own_width_and_cancel(
     assert "cancelled run-1 of team-a; run-1 of team-b:" in capsys.readouterr().out
     assert await asyncio.to_thread(cli_main, ["runs", "cancel", "nobody-s-run", *argv]) == 0
     assert "no tenant has a run nobody-s-run: nothing cancelled" in capsys.readouterr().out
+
+
+async def test_runs_list_says_when_it_shows_only_the_most_recent(upstream, start_sluice,
+                                                                   capsys):
+    """``/admin/runs`` lists the 200 most recently active runs; a new user's ``runs list``
+    printed 200 rows of 10,000 known with nothing saying the rest were left out."""
+    sluice = await start_sluice({"routes": [route("tools", upstream.url, "http")]})
+    async with aiohttp.ClientSession() as s:
+        for n in range(203):
+            assert (await post(s, f"{sluice.url}/tools/x", run_headers(f"run-{n}")))[0] == 200
+    argv = ["--config", str(sluice.config_path)]
+    assert await asyncio.to_thread(cli_main, ["runs", "list", *argv]) == 0
+    out = capsys.readouterr().out
+    assert "run-202" in out and "run-0 " not in out
+    assert out.endswith("(200 most recently active of 203 runs known here; --tenant NAME "
+                        "lists one tenant's)\n")
