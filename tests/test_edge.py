@@ -527,16 +527,17 @@ async def serving_in_process(upstream_url: str, protocol: str):
         await runtime.close()
 
 
-async def fed_in_one_read(runner: web.BaseRunner, port: int, data: bytes) -> bytes:
-    """Open a connection and hand ``data`` to its protocol as one read, as the transport
-    would; every byte answered until it closes."""
+async def fed_in_reads(runner: web.BaseRunner, port: int, *reads: bytes) -> bytes:
+    """Open a connection and hand each of ``reads`` to its protocol as one read, in turn, as
+    the transport would; every byte answered until it closes."""
     server = runner.server
     assert server is not None
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
         await wait_until(lambda: len(server.connections) == 1, what="the connection")
         [protocol] = server.connections
-        protocol.data_received(data)
+        for data in reads:
+            protocol.data_received(data)
         return await closed_within(reader, 10)
     finally:
         writer.close()
@@ -557,13 +558,13 @@ async def test_a_head_over_60_kib_in_one_read_is_431_and_one_under_it_with_its_b
     async with serving_in_process(upstream.url, "http") as (runner, port):
         too_big = head(20, b"Content-Length: 0\r\n")
         assert len(too_big) > MAX_HEAD_BYTES
-        [(status, headers, _)] = parse(await fed_in_one_read(runner, port, too_big))
+        [(status, headers, _)] = parse(await fed_in_reads(runner, port, too_big))
         assert (status, headers["x-sluice-reason"]) == (431, "headers_too_large")
         assert upstream.requests == []
         body = b"b" * 200_000
         fits = head(14, b"Content-Length: %d\r\n" % len(body)) + body
         assert len(fits) - len(body) < MAX_HEAD_BYTES < len(fits)
-        [(status, _, _)] = parse(await fed_in_one_read(runner, port, fits))
+        [(status, _, _)] = parse(await fed_in_reads(runner, port, fits))
         assert status == 200
         assert len(upstream.requests) == 1 and len(upstream.requests[0].body) == len(body)
 
@@ -1276,17 +1277,7 @@ async def test_a_head_whose_next_read_starts_a_line_ending_that_is_not_its_end_i
     rest = b"\r\n"[len(split):] + pad + b"\r\n"
     assert len(first) + len(rest) > MAX_HEAD_BYTES
     async with serving_in_process(upstream.url, "openai") as (runner, port):
-        server = runner.server
-        assert server is not None
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        try:
-            await wait_until(lambda: len(server.connections) == 1, what="the connection")
-            [protocol] = server.connections
-            protocol.data_received(first)
-            protocol.data_received(rest)
-            [(status, headers, _)] = parse(await closed_within(reader, 10))
-        finally:
-            writer.close()
+        [(status, headers, _)] = parse(await fed_in_reads(runner, port, first, rest))
         assert (status, headers["x-sluice-reason"]) == (431, "headers_too_large")
         assert upstream.requests == []
 
@@ -1299,16 +1290,7 @@ async def test_a_head_cut_inside_its_blank_line_with_a_big_body_behind_is_served
     head = (b"POST /svc/echo HTTP/1.1\r\n" + LOOPBACK + b"Connection: close\r\n"
             + b"Content-Length: %d\r\n\r\n" % len(body))
     async with serving_in_process(upstream.url, "http") as (runner, port):
-        server = runner.server
-        assert server is not None
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        try:
-            await wait_until(lambda: len(server.connections) == 1, what="the connection")
-            [protocol] = server.connections
-            protocol.data_received(head[:-cut])
-            protocol.data_received(head[-cut:] + body)
-            [(status, _, _)] = parse(await closed_within(reader, 10))
-        finally:
-            writer.close()
+        [(status, _, _)] = parse(await fed_in_reads(runner, port, head[:-cut],
+                                                    head[-cut:] + body))
         assert status == 200
         assert len(upstream.requests) == 1 and len(upstream.requests[0].body) == len(body)

@@ -8,9 +8,8 @@ import asyncio
 
 import aiohttp
 
-from tests.conftest import route
-from tests.test_idempotency_fallback_flight import KEY, backend_up
-from tests.test_shared_rate_budget import CHAT, body, own_state, post, wait_for
+from tests.test_idempotency_fallback_flight import KEY, backend_up, two_replicas
+from tests.test_shared_rate_budget import CHAT, body, post, wait_for
 
 
 async def test_a_duplicate_that_leaves_while_waiting_here_does_not_free_a_running_twins_key(
@@ -21,10 +20,7 @@ async def test_a_duplicate_that_leaves_while_waiting_here_does_not_free_a_runnin
     leaves. 51c8b75: leaving freed the key in Redis, and the registration had given up on
     seeing the duplicate's marker, so a third copy sent to B ran the upstream while the
     first still ran (2 executions, 2 at once)."""
-    state = {**own_state(redis_server, "local"), "lease": "30s"}
-    routes = [route("openai", upstream.url, idempotency={"mode": "dedup", "max_wait": "30s"})]
-    a = await start_sluice({"state": state, "routes": routes})
-    b = await start_sluice({"state": state, "routes": routes})
+    a, b = await two_replicas(start_sluice, upstream, redis_server, "30s")
     upstream.hold = asyncio.Event()
     async with aiohttp.ClientSession() as session:
         redis_server.stop()
@@ -61,10 +57,7 @@ async def test_a_key_handed_over_here_after_an_outage_takes_its_marker_in_redis(
     key to the duplicate, which runs upstream for 3 s. 51c8b75: only a request that started a
     flight took its marker in Redis, not one handed it, so a third copy sent to B meanwhile
     ran the upstream too (3 executions, 2 at once)."""
-    state = {**own_state(redis_server, "local"), "lease": "3s"}
-    routes = [route("openai", upstream.url, idempotency={"mode": "dedup", "max_wait": "30s"})]
-    a = await start_sluice({"state": state, "routes": routes})
-    b = await start_sluice({"state": state, "routes": routes})
+    a, b = await two_replicas(start_sluice, upstream, redis_server, "3s")
     upstream.hold = asyncio.Event()
     async with aiohttp.ClientSession() as session:
         redis_server.stop()
