@@ -215,7 +215,7 @@ class FileSink:
 
     def __call__(self, data: bytes) -> None:
         if self._fd < 0:  # a FIFO that had no reader: wait for one here, off the loop
-            self._open()
+            self._open(create=False)  # gone meanwhile: no regular file in its place
         elif self._regular and self._replaced():
             self._reopen()
         self._sink(data)
@@ -225,8 +225,9 @@ class FileSink:
         if self._fd >= 0:
             os.close(self._fd)
 
-    def _open(self, flags: int = 0) -> None:
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | flags, 0o666)
+    def _open(self, flags: int = 0, *, create: bool = True) -> None:
+        flags |= os.O_WRONLY | os.O_APPEND | (os.O_CREAT if create else 0)
+        fd = os.open(self.path, flags, 0o666)
         try:
             os.set_blocking(fd, True)
             status = os.fstat(fd)

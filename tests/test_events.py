@@ -129,7 +129,7 @@ async def test_an_event_log_that_is_not_a_regular_file_is_not_reopened(tmp_path)
 
     def reader() -> None:
         with open(path, "rb") as fifo:
-            read.extend(fifo.read().splitlines())
+            read.extend(fifo)  # line by line, as they come
 
     thread = threading.Thread(target=reader, daemon=True)
     thread.start()
@@ -138,6 +138,9 @@ async def test_an_event_log_that_is_not_a_regular_file_is_not_reopened(tmp_path)
     try:
         log.emit("admitted", "r1", "up", "t", None)
         log.flush()
+        # Removed once the writer has the FIFO open (its first line read): before, on a busy
+        # machine, the writer's thread could come to open it after the unlink.
+        await wait_until(lambda: len(read) == 1, what="the first line through the FIFO")
         path.unlink()
         log.emit("admitted", "r2", "up", "t", None)
         log.flush()
@@ -186,3 +189,20 @@ async def test_a_fifo_nobody_reads_yet_holds_up_neither_the_start_nor_its_lines(
         await log.close()
     assert [orjson.loads(line)["request_id"] for line in read] == ["r1", "r2"]
     assert log.dropped == 0
+
+
+async def test_a_fifo_removed_before_its_reader_came_leaves_no_file_in_its_place(tmp_path):
+    # The FIFO is opened by the first write when no reader had it at the start; removed
+    # before then, that open created a regular file there, which the lines then filled.
+    path = tmp_path / "events.fifo"
+    os.mkfifo(path)
+    log = EventLog(str(path))
+    await log.start()
+    try:
+        path.unlink()
+        log.emit("admitted", "r1", "up", "t", None)
+        log.flush()
+        await wait_until(lambda: log.dropped == 1, what="the line counted as dropped")
+    finally:
+        await log.close()
+    assert not path.exists()
