@@ -47,6 +47,9 @@ CHAT = "/openai/v1/chat/completions"
 BODY = {"model": "gpt-test", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
 DONE = Outcome("2xx", reached=True, status=200, service_s=0.01)
 ON_REDIS = pytest.mark.parametrize("backends", ["redis", "cluster"], indirect=True)
+#: Slack over ``state.timeout`` for a call while Redis is frozen, on a busy machine: one that
+#: waited for the frozen server would not answer before the test thaws it.
+FROZEN_SLACK_S = 1.0
 
 
 def limiter(backends: StateBackends, limit: int, *, queue: int = 8, max_wait: float = 5.0,
@@ -561,13 +564,13 @@ async def test_local_mode_admits_each_replicas_share_while_redis_is_frozen(
         own_redis.freeze()
         status, headers, took = await post(session, a.url)
         assert (status, headers["X-Sluice-Reason"]) == (503, "queue_full")  # 2 of 2 held
-        assert took <= 0.2 + 0.3, f"a call waited {took:.3f}s on frozen Redis"
+        assert took <= 0.2 + FROZEN_SLACK_S, f"a call waited {took:.3f}s on frozen Redis"
         assert [status for status, _, _ in await asyncio.gather(*before)] == [200, 200]
         for rep in (a, b):
             for _ in range(3):
                 status, _, took = await post(session, rep.url)
                 assert status == 200
-                assert took <= 0.2 + 0.3, f"a call waited {took:.3f}s on frozen Redis"
+                assert took <= 0.2 + FROZEN_SLACK_S, f"a call waited {took:.3f}s on frozen Redis"
         upstream.peak_inflight = 0
         results = await asyncio.gather(*(post(session, a.url, delay=0.5) for _ in range(4)))
         statuses = sorted(status for status, _, _ in results)
@@ -617,7 +620,7 @@ async def test_reject_mode_refuses_503_and_recovers_without_restart(
         assert waited <= 0.25 + 0.2 + 0.5, f"queued calls refused after {waited:.3f}s"
         status, headers, took = await post(session, b.url)
         assert status == 503 and headers["X-Sluice-Reason"] == "state_unavailable"
-        assert took <= 0.2 + 0.3
+        assert took <= 0.2 + FROZEN_SLACK_S
         upstream.hold.set()
         assert (await holder)[0] == 200  # admitted before: runs to its end
         assert len(upstream.requests) == 1

@@ -36,6 +36,9 @@ CHAT = "/openai/v1/chat/completions"
 MSG = [{"role": "user", "content": "count for me"}]
 #: The fake upstream's usage of a plain call: 11 prompt tokens, 5 completion tokens.
 PLAIN_SPEND = 16
+#: Slack over ``state.timeout`` for a call while Redis is frozen, on a busy machine: one that
+#: waited for the frozen server would not answer before the test thaws it.
+FROZEN_SLACK_S = 1.0
 
 
 def body(max_tokens: int = 10) -> dict:
@@ -461,7 +464,7 @@ async def test_local_mode_enforces_each_replicas_share_and_reconciles_spend(
             results = [await post(session, rep.url, **{"X-Tenant-ID": "acme"})
                        for _ in range(13)]
             slowest = max(took for _, _, took in results)
-            assert slowest <= 0.2 + 0.1, f"a call waited {slowest:.3f}s on frozen Redis"
+            assert slowest <= 0.2 + FROZEN_SLACK_S, f"a call waited {slowest:.3f}s on frozen Redis"
             statuses = [status for status, _, _ in results]
             served[rep] = statuses.count(200)
             assert statuses.count(200) == 10 and statuses.count(429) == 3  # 30 / 3 replicas
@@ -506,7 +509,7 @@ async def test_local_mode_shares_what_a_budget_had_left_not_the_whole_budget(
         for rep in (a, b):
             status, headers, took = await post(session, rep.url, **acme)
             assert (status, headers["X-Sluice-Reason"]) == (429, "budget_exhausted")
-            assert took <= 0.2 + 0.1
+            assert took <= 0.2 + FROZEN_SLACK_S
         await a.wait_metric("sluice_state_backend_up", 0, backend="redis")
         redis_server.thaw()
     assert upstream.requests and len(upstream.requests) < 40
@@ -555,7 +558,7 @@ async def test_reject_mode_refuses_503_state_unavailable_and_recovers_without_re
         for status, headers, took in results:
             assert status == 503 and headers["X-Sluice-Reason"] == "state_unavailable"
             assert int(headers["Retry-After"]) >= 1
-            assert took <= 0.2 + 0.1
+            assert took <= 0.2 + FROZEN_SLACK_S
         assert len(upstream.requests) == 1  # nothing was forwarded unmetered
 
         restarted = RedisServer(redis_server.directory, port=port).start()
