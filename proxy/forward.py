@@ -116,6 +116,11 @@ class Finish:
         self.task: asyncio.Task[tuple[web.StreamResponse, str]] | None = None
 
 
+#: The last event of an MCP call's stream the upstream ended without the call's response.
+_NO_RESPONSE = Rejected(Reason.UPSTREAM_UNREACHABLE, None,
+                        "the upstream ended its answer without the call's response")
+
+
 def answered(request: web.BaseRequest) -> bool:
     """Whether the MCP call's answer being relayed for ``request`` has carried its response
     (then nothing of the call is left to finish)."""
@@ -547,7 +552,11 @@ async def relay(
                 capture.feed(tail)
             if finish is None or not finish.left:
                 await out.write(tail)
-        if finish is None or not finish.left:
+        # An MCP call's stream that ended without the call's response (its session deleted
+        # while the tool ran) ends with the call's error as its last event: passed on as it
+        # came, the Python mcp 1.x client waited for ever (a hostile trial).
+        if (finish is None or not finish.left) and not await end_mcp_answer(request,
+                                                                             _NO_RESPONSE):
             await out.write_eof()
         return out, outcome
     finally:

@@ -219,6 +219,32 @@ def _admitted(sluice: Any) -> int:
     return sum(e["event"] == "admitted" for e in sluice.events())
 
 
+async def test_a_call_whose_stream_ends_without_its_response_gets_an_error_event(
+        mcp_session, start_sluice):
+    """A session deleted while its tool runs: the server ends that call's SSE stream with no
+    response, and passed on as it came, the Python mcp 1.x client waited for ever (a hostile
+    trial; directly against the server too). Sluice ends the stream with the call's JSON-RPC
+    error as its last event."""
+    sluice = await start_sluice({"routes": [mcp_route(mcp_session)]})
+    url = endpoint(sluice)
+    call = {"jsonrpc": "2.0", "id": 17, "method": "tools/call",
+            "params": {"name": "slow", "arguments": {"seconds": 5.0}}}
+    async with aiohttp.ClientSession() as http:
+        headers = await _raw_session(http, url)
+        async with http.post(url, json=call, headers=headers) as r:
+            assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
+            await wait_until(lambda: _admitted(sluice) >= 1, what="the call in flight")
+            async with http.delete(url, headers=headers) as gone:
+                assert gone.status in (200, 204)
+            stream = await r.read()
+    events = [orjson.loads(line[len(b"data: "):]) for line in stream.splitlines()
+              if line.startswith(b"data: ") and line.strip() != b"data:"]
+    last = events[-1]
+    assert last["id"] == 17 and "result" not in last
+    assert last["error"]["data"]["reason"] == "upstream_unreachable"
+    assert "without the call's response" in last["error"]["message"]
+
+
 # -- a cancelled call leaves no answer for its key ------------------------------------------------
 
 
