@@ -1,0 +1,40 @@
+"""Review of the cancel-hold / drain / no-response-event changes: the cases they missed."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import aiohttp
+
+from tests.test_mcp_left_callers import HEADERS, scripted  # noqa: F401  (fixture)
+
+
+def _route(upstream: str, **policies: Any) -> dict:
+    return {"name": "tools", "path_prefix": "/tools/", "upstream": upstream, "protocol": "mcp",
+            **policies}
+
+
+def _events(stream: bytes) -> list[dict]:
+    return [json.loads(line[len(b"data: "):]) for line in stream.splitlines()
+            if line.startswith(b"data: ") and line.strip() != b"data:"]
+
+
+async def test_a_call_with_an_empty_string_id_gets_no_made_up_error_after_its_response(
+        scripted, start_sluice):  # noqa: F811
+    """``""`` is a JSON-RPC string id like any other. The answer's tracker was looking for
+    id ``0`` (``jsonrpc_id(...) or 0``), so it never saw the response, and the stream, ended
+    cleanly after it, got an ``upstream_unreachable`` error for request ``0`` as its last
+    event: an error for another request of the session (the SDKs number from 0)."""
+    scripted.mode = "sse_open"
+    scripted.release.set()
+    sluice = await start_sluice({"routes": [_route(scripted.url)]})
+    call = {"jsonrpc": "2.0", "id": "", "method": "tools/call",
+            "params": {"name": "deliver", "arguments": {"to": "ops"}}}
+    async with aiohttp.ClientSession() as http:
+        async with http.post(sluice.url + "/tools/mcp", json=call, headers=HEADERS) as r:
+            assert r.status == 200
+            events = _events(await r.read())
+    assert [e.get("id") for e in events] == [""]
+    assert events[0]["result"]["content"][0]["text"] == "done #1"
+
