@@ -201,10 +201,9 @@ class McpPost:
 
     @property
     def opens_session(self) -> bool:
-        """Whether the POST is an ``initialize`` request (a new session, or a 2025 client's
-        first exchange)."""
-        message = self.messages[0]
-        return not self.batch and message.method == "initialize"
+        """Whether the POST holds an ``initialize`` request (a new session, or a 2025 client's
+        first exchange), alone or in a 2025-03-26 batch (which a server may take)."""
+        return any(m.method == "initialize" and m.kind == "request" for m in self.messages)
 
     @property
     def cancels(self) -> RequestId | None:

@@ -7,6 +7,7 @@ from typing import Any
 
 import aiohttp
 
+from policies import mcp
 from tests.test_mcp_left_callers import HEADERS, scripted  # noqa: F401  (fixture)
 
 
@@ -38,3 +39,13 @@ async def test_a_call_with_an_empty_string_id_gets_no_made_up_error_after_its_re
     assert [e.get("id") for e in events] == [""]
     assert events[0]["result"]["content"][0]["text"] == "done #1"
 
+
+def test_a_batch_holding_initialize_opens_a_session():
+    """A 2025-03-26 batch may hold ``initialize`` (the TypeScript SDK's server takes a batch
+    of one): it opens a session as the bare request does, so the drain refuses it."""
+    body = json.dumps([{"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+        "protocolVersion": "2025-03-26", "capabilities": {},
+        "clientInfo": {"name": "t", "version": "1"}}}]).encode()
+    post = mcp.parse_post(body, None)
+    assert mcp.traffic("POST", post) == "control"
+    assert post.opens_session
