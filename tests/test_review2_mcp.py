@@ -8,6 +8,7 @@ from typing import Any
 import aiohttp
 
 from policies import mcp
+from tests.mcp_servers import mcp_server_factory  # noqa: F401  (fixture)
 from tests.test_mcp_left_callers import HEADERS, scripted  # noqa: F401  (fixture)
 
 
@@ -49,3 +50,19 @@ def test_a_batch_holding_initialize_opens_a_session():
     post = mcp.parse_post(body, None)
     assert mcp.traffic("POST", post) == "control"
     assert post.opens_session
+
+
+async def test_a_stream_the_server_closes_for_polling_is_resumed_not_failed(
+        mcp_server_factory, start_sluice):  # noqa: F811
+    """2025-11-25 polling (SEP-1699): a server with an event store may close a call's SSE
+    stream after its priming event (an id, no data); the client reconnects with
+    ``Last-Event-ID`` and gets the response there. Sluice took that clean end for a stream
+    ended without its response and added the call's ``upstream_unreachable`` error as last
+    event: the client failed a call the server went on to answer."""
+    from mcp import Client
+
+    server = mcp_server_factory("session", resumable=True)
+    sluice = await start_sluice({"routes": [_route(server.base_url)]})
+    async with Client(sluice.url + "/tools/mcp", mode="legacy") as client:
+        result = await client.call_tool("poll", {"seconds": 1.0})
+    assert result.content[0].text == "polled" and not result.is_error
