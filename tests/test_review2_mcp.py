@@ -6,10 +6,12 @@ import json
 from typing import Any
 
 import aiohttp
+import pytest
 
 from policies import mcp
 from tests.mcp_servers import mcp_server_factory  # noqa: F401  (fixture)
 from tests.test_mcp_left_callers import HEADERS, scripted  # noqa: F401  (fixture)
+from tests.test_operations import MCP1_PYTHON, run_mcp1
 
 
 def _route(upstream: str, **policies: Any) -> dict:
@@ -66,3 +68,34 @@ async def test_a_stream_the_server_closes_for_polling_is_resumed_not_failed(
     async with Client(sluice.url + "/tools/mcp", mode="legacy") as client:
         result = await client.call_tool("poll", {"seconds": 1.0})
     assert result.content[0].text == "polled" and not result.is_error
+
+
+MCP1_POLL = """
+import asyncio, json, sys
+from datetime import timedelta
+from mcp import ClientSession
+from mcp.client.streamable_http import streamablehttp_client
+
+async def main(url):
+    async with streamablehttp_client(url) as (read, write, _):
+        async with ClientSession(read, write) as session:
+            await session.initialize()
+            try:
+                result = await session.call_tool("poll", {"seconds": 1.0},
+                                                 read_timeout_seconds=timedelta(seconds=20))
+                out = {"text": result.content[0].text, "error": result.isError}
+            except Exception as exc:
+                out = {"failed": f"{type(exc).__name__}: {exc}"[:200]}
+    print(json.dumps(out))
+
+asyncio.run(main(sys.argv[1]))
+"""
+
+
+@pytest.mark.skipif(not MCP1_PYTHON.exists(), reason="no .venv-mcp1 (the mcp 1.x client)")
+async def test_the_1x_client_resumes_a_stream_closed_for_polling(
+        mcp_server_factory, start_sluice, tmp_path):  # noqa: F811
+    server = mcp_server_factory("session", resumable=True)
+    sluice = await start_sluice({"routes": [_route(server.base_url)]})
+    out = await run_mcp1(tmp_path / "mcp1_poll.py", MCP1_POLL, sluice.url + "/tools/mcp")
+    assert out == {"text": "polled", "error": False}
