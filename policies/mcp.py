@@ -201,10 +201,9 @@ class McpPost:
 
     @property
     def opens_session(self) -> bool:
-        """Whether the POST is an ``initialize`` request (a new session, or a 2025 client's
-        first exchange)."""
-        message = self.messages[0]
-        return not self.batch and message.method == "initialize"
+        """Whether the POST holds an ``initialize`` request (a new session, or a 2025 client's
+        first exchange), alone or in a 2025-03-26 batch (which a server may take)."""
+        return any(m.method == "initialize" and m.kind == "request" for m in self.messages)
 
     @property
     def cancels(self) -> RequestId | None:
@@ -547,6 +546,15 @@ class AnswerTracker:
         self._buf = b""      # JSON: the whole body; SSE: the unread tail
         self._read = 0       # SSE: answer bytes before ``_buf``
         self._data: list[bytes] = []
+        #: SSE: the last event id the answer set (WHATWG ``id`` field; ``b""`` for none).
+        self.last_event_id = b""
+
+    @property
+    def resumable(self) -> bool:
+        """An SSE answer that gave its events ids: a client that did not get the response
+        reconnects with ``Last-Event-ID`` (the 2025-11-25 polling a server starts by closing
+        the stream early, SEP-1699) and gets it there."""
+        return self.sse and bool(self.last_event_id)
 
     @property
     def between_events(self) -> bool:
@@ -616,8 +624,11 @@ class AnswerTracker:
         if line.startswith(b":"):
             return  # a comment (keep-alive)
         field, _, value = line.partition(b":")
+        value = value[1:] if value.startswith(b" ") else value
         if field == b"data":
-            self._data.append(value[1:] if value.startswith(b" ") else value)
+            self._data.append(value)
+        elif field == b"id" and b"\0" not in value:
+            self.last_event_id = value
 
     def _event(self, data: bytes, offset: int) -> None:
         doc = _loads_or_none(data)  # not JSON (a priming event's data is empty): not it

@@ -201,8 +201,11 @@ async def forward(request: web.BaseRequest, rt: Runtime, route: Route, call: Cal
             call.progress_at = time.monotonic()
             capture = call.capture
             if tries.pending is not None or (route.protocol == "mcp" and traffic == "call"):
+                # ``""`` is an id as ``0`` is: ``or 0`` took it for none, so the response
+                # was never seen and a made-up error for request 0 ended the stream.
+                rpc_id = jsonrpc_id(route.protocol, call.body)
                 tries.tracker = AnswerTracker(response.headers.get("Content-Type"),
-                                              jsonrpc_id(route.protocol, call.body) or 0)
+                                              0 if rpc_id is None else rpc_id)
                 request[fwd.MCP_ANSWER] = tries.tracker
                 capture = _Both(capture, tries.tracker) if capture is not None \
                     else tries.tracker

@@ -554,9 +554,13 @@ async def relay(
                 await out.write(tail)
         # An MCP call's stream that ended without the call's response (its session deleted
         # while the tool ran) ends with the call's error as its last event: passed on as it
-        # came, the Python mcp 1.x client waited for ever (a hostile trial).
-        if (finish is None or not finish.left) and not await end_mcp_answer(request,
-                                                                             _NO_RESPONSE):
+        # came, the Python mcp 1.x client waited for ever (a hostile trial). Not one whose
+        # events had ids: that is a server's early close for polling (2025-11-25), and the
+        # client resumes it with Last-Event-ID; an error then failed a call still running.
+        tracker = request.get(MCP_ANSWER)
+        if (finish is None or not finish.left) and not (
+                tracker is not None and not tracker.resumable
+                and await end_mcp_answer(request, _NO_RESPONSE)):
             await out.write_eof()
         return out, outcome
     finally:

@@ -18,6 +18,8 @@ the same server answers them in both modes.
 Tools (all answer on ``/mcp``):
     ``add(a: int, b: int) -> int``           at once
     ``slow(seconds: float = 2.0) -> str``    sleeps ``seconds`` (at most 30), then ``"slept"``
+    ``poll(seconds: float = 1.0) -> str``    closes the call's SSE stream at once (polling;
+                                             ``resumable`` only), sleeps, then ``"polled"``
     ``send(to: str, body: str = "") -> str`` the side effect: appends one line
                                              ``{"to", "body"}`` to the count file, returns
                                              ``"sent #N"``
@@ -212,6 +214,14 @@ def _build(count_file: Path) -> Any:
         """Sleep for ``seconds`` (at most 30), then answer."""
         await asyncio.sleep(min(max(seconds, 0.0), 30.0))
         return "slept"
+
+    @server.tool()
+    async def poll(ctx: Context, seconds: float = 1.0) -> str:
+        """Close the call's SSE stream at once (2025-11-25 polling: a client resumes it with
+        ``Last-Event-ID``; needs ``resumable``), sleep ``seconds`` (at most 30), answer."""
+        await ctx.close_sse_stream()
+        await asyncio.sleep(min(max(seconds, 0.0), 30.0))
+        return "polled"
 
     @server.tool()
     async def send(to: str, body: str = "") -> str:
