@@ -329,19 +329,20 @@ class ConcurrencyLimiter:
         # Refused at once only when the caller's own timeout cannot cover the estimate: a wait
         # longer than ``max_wait`` alone is the queue's matter (``queue_timeout`` once it
         # passes), as for a caller that sent no timeout.
-        if max_wait <= 0 or (caller_timeout is not None and self.observed
-                             and (self.queued + 1) * self.turn() > caller_timeout - call_s):
+        if max_wait <= 0 or (caller_timeout is not None and self.observed):
             expected = (self.queued + 1) * self.turn()
-            left = (f"ends in {caller_timeout:.3g}s" if caller_timeout > 0  # type: ignore[operator]
-                    else "has passed")
-            raise Rejected(
-                Reason.DEADLINE_UNREACHABLE,
-                self._drain_estimate(self.queued + 1),
-                f"the caller's timeout {left}, which leaves no time to queue: the wait is "
-                f"estimated at {expected:.3g}s and "
-                + (f"the upstream takes {call_s:.3g}s on average to start answering" if reads
-                   else f"calls take {call_s:.3g}s on average"),
-            )
+            if max_wait <= 0 or expected > caller_timeout - call_s:  # type: ignore[operator]
+                left = (f"ends in {caller_timeout:.3g}s"
+                        if caller_timeout > 0  # type: ignore[operator]
+                        else "has passed")
+                raise Rejected(
+                    Reason.DEADLINE_UNREACHABLE,
+                    self._drain_estimate(self.queued + 1),
+                    f"the caller's timeout {left}, which leaves no time to queue: the wait "
+                    f"is estimated at {expected:.3g}s and "
+                    + (f"the upstream takes {call_s:.3g}s on average to start answering"
+                       if reads else f"calls take {call_s:.3g}s on average"),
+                )
         if displaced is not None and displaced.future.done():
             self._drop(displaced, GONE)
         elif displaced is not None:

@@ -165,6 +165,10 @@ MAX_IDENTITY_LENGTH = 128
 #: characters. Such a value is safe as a JSON string, a metric label and an HTML text node
 #: once escaped, whatever the caller's client did to encode it.
 IDENTITY_VALUE = re.compile(r"[!-~]+")
+#: Headers carrying an API key as their whole value (Anthropic; Azure OpenAI), besides
+#: ``Authorization: Bearer``: where ``identity.tenants`` looks keys up, and what an
+#: idempotency key Sluice derives includes (``policies/idempotency.py``).
+API_KEY_HEADERS = ("x-api-key", "api-key")
 
 
 def _identity_value(value: str) -> str:

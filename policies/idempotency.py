@@ -118,7 +118,7 @@ from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy, istr
 
 from policies import mcp
-from policies.config import IdempotencyConfig
+from policies.config import API_KEY_HEADERS, IdempotencyConfig
 from policies.idempotency_store import DONE, SEEN, TOO_LARGE, MemoryStore, Record, ResultStore
 from policies.logs import PER_CALL
 from policies.pipeline import Call, Outcome, survive_leaving
@@ -641,16 +641,9 @@ class Idempotency:
         if flight is None and record is None:
             claim.new_unit = not is_client_retry(headers)
         if flight is not None:
-            if self.dedup and flight.fingerprint != fingerprint:
-                claim.rejected = _mismatch(claim)
-                return claim
-            if not self.wait_in_flight:
-                claim.rejected = Rejected(
-                    Reason.IDEMPOTENCY_CONFLICT, IN_FLIGHT_RETRY_AFTER_S,
-                    "a request with this Idempotency-Key is in flight")
-                return claim
-            if len(flight.waiters) >= self.max_waiters:
-                claim.rejected = _too_many_waiting(len(flight.waiters))
+            claim.rejected = self._refuse_waiting(claim, flight.fingerprint, fingerprint,
+                                                  len(flight.waiters))
+            if claim.rejected is not None:
                 return claim
             loop = asyncio.get_running_loop()
             started = loop.time()
@@ -775,17 +768,9 @@ class Idempotency:
         if begin.state == CLAIMED:
             claim.new_unit = begin.answer is None and not is_client_retry(headers)
         elif begin.state == IN_FLIGHT:
-            if self.dedup and begin.fingerprint != fingerprint:
-                claim.rejected = _mismatch(claim)
-                return claim
-            if not self.wait_in_flight:
-                claim.rejected = Rejected(
-                    Reason.IDEMPOTENCY_CONFLICT, IN_FLIGHT_RETRY_AFTER_S,
-                    "a request with this Idempotency-Key is in flight")
-                return claim
-            waiting = self._shared_waiting.get(shared_key, 0)
-            if waiting >= self.max_waiters:
-                claim.rejected = _too_many_waiting(waiting)
+            claim.rejected = self._refuse_waiting(claim, begin.fingerprint, fingerprint,
+                                                  self._shared_waiting.get(shared_key, 0))
+            if claim.rejected is not None:
                 return claim
             try:
                 begin = await self._wait_shared(claim, records, shared_key, owner,
@@ -851,14 +836,8 @@ class Idempotency:
         if flight is None and (record is None or record.kind == SEEN):
             return None
         if flight is not None:
-            if flight.fingerprint != fingerprint:
-                claim.rejected = _mismatch(claim)
-            elif not self.wait_in_flight:
-                claim.rejected = Rejected(
-                    Reason.IDEMPOTENCY_CONFLICT, IN_FLIGHT_RETRY_AFTER_S,
-                    "a request with this Idempotency-Key is in flight")
-            elif len(flight.waiters) >= self.max_waiters:
-                claim.rejected = _too_many_waiting(len(flight.waiters))
+            claim.rejected = self._refuse_waiting(claim, flight.fingerprint, fingerprint,
+                                                  len(flight.waiters))
             renewer = self._background.spawn(_renew(records, shared_key, owner, self._lease_s))
             if claim.rejected is not None:
                 self._leave_to_twin(flight, records, shared_key, owner, fingerprint, renewer)
@@ -908,6 +887,21 @@ class Idempotency:
             fallback.renewer.cancel()
         fallback.owner = owner
         fallback.renewer = renewer
+
+    def _refuse_waiting(self, claim: Claim, twin: bytes, fingerprint: bytes,
+                        waiting: int) -> Rejected | None:
+        """Why ``claim`` may not wait for its twin in flight (payload fingerprint ``twin``,
+        ``waiting`` duplicates waiting for it already): 422 ``idempotency_mismatch`` for
+        another payload (``dedup``), 409 ``idempotency_conflict`` with ``on_in_flight:
+        reject`` or past ``max_waiters``; ``None`` when it may wait."""
+        if self.dedup and twin != fingerprint:
+            return _mismatch(claim)
+        if not self.wait_in_flight:
+            return Rejected(Reason.IDEMPOTENCY_CONFLICT, IN_FLIGHT_RETRY_AFTER_S,
+                            "a request with this Idempotency-Key is in flight")
+        if waiting >= self.max_waiters:
+            return _too_many_waiting(waiting)
+        return None
 
     def _answered(self, claim: Claim, record: Record, fingerprint: bytes,
                   ttl_left_s: float) -> Claim:
@@ -1090,7 +1084,7 @@ def _fingerprint(method: str, path: str, body: bytes) -> bytes:
 
 
 #: Where callers send their credentials (as ``proxy/identity.py`` reads them).
-CREDENTIAL_HEADERS = ("Authorization", "x-api-key", "api-key")
+CREDENTIAL_HEADERS = ("Authorization", *API_KEY_HEADERS)
 
 
 def _credentials(headers: CIMultiDictProxy[str]) -> bytes:

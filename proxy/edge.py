@@ -107,7 +107,7 @@ from multidict import CIMultiDictProxy
 from policies.config import Config, ServerConfig
 from policies.logs import PER_CALL
 from policies.reasons import Reason, Rejected
-from proxy.forward import digits_value
+from proxy.forward import digits_value, parser_reason
 from proxy.rejections import refuse, refuse_at_edge, rejection_body, rejection_headers, render
 from proxy.routes import Route
 from proxy.runtime import Runtime
@@ -402,9 +402,7 @@ def parse_cause(exc: BaseException) -> str | None:
         exc = exc.__cause__  # type: ignore[assignment]
         if not isinstance(exc, HttpProcessingError):
             return None
-    # llhttp's errors read "<reason>:\n\n  <bytes quoted>"; a bad request line's are prefixed.
-    message = exc.message.removeprefix("Bad status line:\n  ")
-    return _PARSE_CAUSES.get(message.split(":\n", 1)[0])
+    return _PARSE_CAUSES.get(parser_reason(exc.message))
 
 
 class AdminServer(GuardedServer):

@@ -354,6 +354,13 @@ _UNREADABLE = {
 }
 
 
+def parser_reason(message: object) -> str:
+    """The description in an HTTP parser error's message (llhttp's reason, or aiohttp's own
+    check), without the bytes it goes on to quote (``"<reason>:\n\n  <bytes>"``; a bad start
+    line's is prefixed ``Bad status line:``): for looking up in a table of Sluice's words."""
+    return str(message).removeprefix("Bad status line:\n  ").split(":\n", 1)[0]
+
+
 def send_failure(exc: aiohttp.ClientError) -> str:
     """What went wrong when sending a request upstream or reading its status line and
     headers, for a 502 ``upstream_unreachable``: whether Sluice could not connect at all, the
@@ -378,8 +385,7 @@ def send_failure(exc: aiohttp.ClientError) -> str:
         if isinstance(parsed, LineTooLong):
             why = "a status or header line is over 8190 bytes"
         else:
-            message = str(getattr(cause, "message", "")).removeprefix("Bad status line:\n  ")
-            why = _UNREADABLE.get(message.split(":\n", 1)[0], "")
+            why = _UNREADABLE.get(parser_reason(getattr(cause, "message", "")), "")
         return "it answered, but not in valid HTTP" + (f": {why}" if why else "")
     return f"the connection failed before it answered ({type(exc).__name__})"
 

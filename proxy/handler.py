@@ -521,15 +521,9 @@ async def _run_cancelled(rt: Runtime, route: Route, call: Call, request: web.Bas
     holding the ``run_cancelled`` JSON-RPC error: a cut stream fails nothing on the Python
     ``mcp`` 1.x client, whose call then waits for its own timeout (none by default).
     """
-    task = asyncio.current_task()
-    if task is not None:
-        task.uncancel()
     kind = "inflight" if admitted else "queued" if call.phase == "queued" else "admitting"
     route.metrics.cancelled(kind)
-    if finish is not None and finish.task is not None and not finish.task.done():
-        # Cancelled by _leave: once it has unwound, its upstream request is closed and
-        # nothing else writes to the caller.
-        await asyncio.wait((finish.task,))
+    await _take_back(finish)
     rejected = Rejected(Reason.RUN_CANCELLED, None, call.cancelled or "", retry=False)
     # Answering means sent: a status received from the upstream whose answer is still being
     # read (a small one is read whole first) has not reached the caller, which gets the 409.
@@ -546,6 +540,18 @@ async def _run_cancelled(rt: Runtime, route: Route, call: Call, request: web.Bas
                   call.idempotency_key, call.body, call.operation)
 
 
+async def _take_back(finish: Finish | None) -> None:
+    """Take back the handler's task, which Sluice cancelled to end its call now (a run's
+    cancel, the drain's cut), so that it can answer: its cancellation is undone, and a
+    forward task (cancelled by :func:`_leave`) has unwound, so its upstream request is closed
+    and nothing else writes to the caller."""
+    task = asyncio.current_task()
+    if task is not None:
+        task.uncancel()
+    if finish is not None and finish.task is not None and not finish.task.done():
+        await asyncio.wait((finish.task,))
+
+
 async def _end_at_drain(route: Route, call: Call, request: web.BaseRequest,
                         finish: Finish | None) -> web.StreamResponse:
     """Answer an MCP call in flight that the drain cut (:meth:`Runtime.end_mcp_calls`),
@@ -555,11 +561,7 @@ async def _end_at_drain(route: Route, call: Call, request: web.BaseRequest,
     answer is cut. A cut POST fails no call on the Python ``mcp`` 1.x client (it waited for
     ever), the TypeScript 2025 clients waited for their request timeout, and the Python 2.x
     client in ``auto`` mode, cut before the status line, lost its whole session."""
-    task = asyncio.current_task()
-    if task is not None:
-        task.uncancel()
-    if finish is not None and finish.task is not None and not finish.task.done():
-        await asyncio.wait((finish.task,))  # cancelled by _leave: let it unwind
+    await _take_back(finish)
     rejected = Rejected(Reason.DRAINING, DRAINING_RETRY_AFTER_S,
                         "the drain ended while this call ran; it may have run", retry=False)
     if call.phase == "answering":

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from multidict import CIMultiDictProxy, istr
 
-from policies.config import IDENTITY_VALUE, MAX_IDENTITY_LENGTH, IdentityConfig
+from policies.config import API_KEY_HEADERS, IDENTITY_VALUE, MAX_IDENTITY_LENGTH, IdentityConfig
 from policies.reasons import Reason, Rejected
 
 if TYPE_CHECKING:
@@ -56,7 +56,7 @@ if TYPE_CHECKING:
 #: The header a caller may name its request with (events, timeline).
 REQUEST_ID_HEADER = istr("X-Request-ID")
 #: Headers carrying an API key as their whole value (Anthropic; Azure OpenAI).
-KEY_HEADERS = ("x-api-key", "api-key")
+KEY_HEADERS = API_KEY_HEADERS
 
 
 class Identity(NamedTuple):

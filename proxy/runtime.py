@@ -7,6 +7,7 @@ import itertools
 import logging
 import os
 import sqlite3
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -273,10 +274,7 @@ class Runtime:
 
         Called before anything in flight is cut, so no waiter is left to be handed a slot
         that the cut frees."""
-        tasks = [task for task in self.admitting.values() if not task.done()]
-        for task in tasks:
-            task.cancel()
-        return tasks
+        return cancel_live(self.admitting.values())
 
     def end_mcp_calls(self) -> list[asyncio.Task[Any]]:
         """End every MCP call still in flight when the drain cuts (:attr:`cutting` set, the
@@ -285,10 +283,7 @@ class Runtime:
         it (a cut POST fails no call on the Python ``mcp`` 1.x client, which then waits for
         ever). Returns those tasks, for the drain to wait for before the shutdown cuts the
         rest."""
-        tasks = [task for task in self.mcp_calls.values() if not task.done()]
-        for task in tasks:
-            task.cancel()
-        return tasks
+        return cancel_live(self.mcp_calls.values())
 
     def next_request_id(self) -> str:
         """A request id unique to this process (cheaper than a UUID on the hot path)."""
@@ -349,6 +344,14 @@ class Runtime:
         await self.runs.background.wait()
         await self.state.close()
         await self.events.close()
+
+
+def cancel_live(tasks: Iterable[asyncio.Task[Any]]) -> list[asyncio.Task[Any]]:
+    """Cancel each of ``tasks`` not done yet; returns those, for the caller to wait for."""
+    live = [task for task in tasks if not task.done()]
+    for task in live:
+        task.cancel()
+    return live
 
 
 RUNTIME = web.AppKey("sluice_runtime", Runtime)

@@ -36,7 +36,7 @@ from proxy.admin import add_admin_routes
 from proxy.edge import REQUEST_NOT_LOGGED, AdminServer, EdgeServer, parse_cause
 from proxy.handler import handle
 from proxy.reload import RELOADER, Reloader
-from proxy.runtime import RUNTIME, Runtime
+from proxy.runtime import RUNTIME, Runtime, cancel_live
 
 log = logging.getLogger("sluice")
 
@@ -325,9 +325,7 @@ async def _drain(runtime: Runtime, timeout_s: float, hurry: asyncio.Event) -> No
         # MCP calls being finished after their callers left are no handler's: aiohttp's
         # shutdown does not cut them, so the drain does (each gives its holdings back as it
         # ends), and waits for them to have ended.
-        finishing = list(runtime.finishing)
-        for task in finishing:
-            task.cancel()
+        finishing = cancel_live(runtime.finishing)
         if finishing:
             await asyncio.wait(finishing, timeout=SHUTDOWN_GRACE_S)
     elif runtime.present:
