@@ -164,6 +164,12 @@ def _read_port(proc: subprocess.Popen[bytes], stderr_path: Path) -> int:
 # -- pytest fixtures (import them into a test module) ------------------------------------------
 
 
+def tool_call(request_id: int | str, name: str, **arguments: Any) -> dict[str, Any]:
+    """A JSON-RPC ``tools/call`` request body, for tests that post by hand."""
+    return {"jsonrpc": "2.0", "id": request_id, "method": "tools/call",
+            "params": {"name": name, "arguments": arguments}}
+
+
 @pytest.fixture
 def mcp_stateless(tmp_path: Path) -> Iterator[McpServer]:
     """A ``stateless_http=True`` server for one test."""

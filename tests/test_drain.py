@@ -18,7 +18,7 @@ from proxy.config import parse_config
 from proxy.runtime import Runtime
 from proxy.server import PROXY_SHUTDOWN_GRACE_S, _drain, build_proxy_server
 from tests.conftest import free_ports, route, status_of, wait_until
-from tests.mcp_servers import mcp_session, mcp_stateless  # noqa: F401  (fixtures)
+from tests.mcp_servers import mcp_session, mcp_stateless, tool_call  # noqa: F401  (fixtures)
 from tests.redis_servers import delete_prefix, new_prefix, require_redis
 
 CHAT = {"model": "gpt-test", "messages": [{"role": "user", "content": "hi"}]}
@@ -77,9 +77,7 @@ async def test_sigterm_drains_in_flight_work_and_refuses_new(upstream, start_slu
             assert r.headers["Connection"] == "close"  # its next call goes to another replica
             assert (await r.json())["error"]["code"] == "draining"
         # An MCP caller gets a JSON-RPC error for its own request id.
-        async with session.post(sluice.url + "/mcp/mcp", json={
-                "jsonrpc": "2.0", "id": 41, "method": "tools/call",
-                "params": {"name": "add", "arguments": {}}}) as r:
+        async with session.post(sluice.url + "/mcp/mcp", json=tool_call(41, "add")) as r:
             assert r.status == 200  # an HTTP error would end a 1.x client's session (mcp.md)
             assert r.headers["X-Sluice-Reason"] == "draining"
             body = await r.json()
@@ -128,11 +126,6 @@ def _by_request(events: list[dict]) -> dict[str, list[dict]]:
     return by_request
 
 
-def _tool_call(call_id: int) -> dict:
-    return {"jsonrpc": "2.0", "id": call_id, "method": "tools/call",
-            "params": {"name": "search", "arguments": {}}}
-
-
 async def _answer(session: aiohttp.ClientSession, url: str, body: dict,
                   headers: dict[str, str]) -> tuple[int, dict[str, str], dict]:
     async with session.post(url, json=body, headers=headers) as r:
@@ -171,11 +164,11 @@ async def test_calls_still_queued_when_the_drain_ends_are_answered_503_not_cut(u
                              what=f"held call {index} at the upstream")
 
         await hold(openai_url, CHAT, {})
-        await hold(mcp_url, _tool_call(6), {})
+        await hold(mcp_url, tool_call(6, "search"), {})
         await hold(tools_url, {"n": 1}, run)
         queued = [
             asyncio.create_task(_answer(session, openai_url, CHAT, {"X-Request-ID": "q-openai"})),
-            asyncio.create_task(_answer(session, mcp_url, _tool_call(7),
+            asyncio.create_task(_answer(session, mcp_url, tool_call(7, "search"),
                                         {"X-Request-ID": "q-mcp"})),
             asyncio.create_task(_answer(session, tools_url, {"n": 2},
                                         {"X-Request-ID": "q-tools", **run})),
@@ -545,9 +538,8 @@ async def test_a_new_mcp_session_is_refused_while_draining(
         "protocolVersion": "2025-06-18", "capabilities": {},
         "clientInfo": {"name": "t", "version": "1"}}}
     async with aiohttp.ClientSession() as session:
-        held = asyncio.create_task(session.post(url, headers=headers, json={
-            "jsonrpc": "2.0", "id": 2, "method": "tools/call",
-            "params": {"name": "slow", "arguments": {"seconds": 4.0}}}))
+        held = asyncio.create_task(session.post(url, headers=headers,
+                                                json=tool_call(2, "slow", seconds=4.0)))
         await wait_until(lambda: any(e["event"] == "admitted" for e in sluice.events()),
                          what="a call in flight, so the drain lasts")
         sluice.signal(signal.SIGTERM)

@@ -186,8 +186,7 @@ async def test_a_cancel_on_a_route_without_dedup_still_stops_the_tool(mcp_sessio
     sluice = await start_sluice({"routes": [mcp_route(mcp_session.base_url,
                                                       idempotency={"mode": "forward"})]})
     url = sluice.url + "/tools/mcp"
-    call = {"jsonrpc": "2.0", "id": 7, "method": "tools/call",
-            "params": {"name": "send_slowly", "arguments": {"to": "ops", "seconds": 20}}}
+    call = mcp_servers.tool_call(7, "send_slowly", to="ops", seconds=20)
     async with aiohttp.ClientSession() as http:
         headers = await _raw_session(http, url)
 

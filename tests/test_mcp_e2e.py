@@ -150,8 +150,7 @@ async def test_a_drain_waits_for_calls_not_for_idle_get_streams(mcp_session, sta
     sluice = await start_sluice({"server": {"drain_timeout": "120s"},
                                  "routes": [mcp_route(mcp_session)]})
     url = endpoint(sluice)
-    call = {"jsonrpc": "2.0", "id": 5, "method": "tools/call",
-            "params": {"name": "slow", "arguments": {"seconds": 1.0}}}
+    call = mcp_servers.tool_call(5, "slow", seconds=1.0)
     async with aiohttp.ClientSession() as http:
         headers = await _raw_session(http, url)
         async with http.get(url, headers={**headers, "Accept": "text/event-stream"}) as stream:
@@ -186,8 +185,7 @@ async def test_a_call_the_drain_cuts_gets_its_json_rpc_error(mcp_server_factory,
     sluice = await start_sluice({"server": {"drain_timeout": "1s"},
                                  "routes": [mcp_route(server)]})
     url = endpoint(sluice)
-    call = {"jsonrpc": "2.0", "id": 9, "method": "tools/call",
-            "params": {"name": "slow", "arguments": {"seconds": 20}}}
+    call = mcp_servers.tool_call(9, "slow", seconds=20)
     async with aiohttp.ClientSession() as http:
         headers = await _raw_session(http, url)
 
@@ -227,8 +225,7 @@ async def test_a_call_whose_stream_ends_without_its_response_gets_an_error_event
     error as its last event."""
     sluice = await start_sluice({"routes": [mcp_route(mcp_session)]})
     url = endpoint(sluice)
-    call = {"jsonrpc": "2.0", "id": 17, "method": "tools/call",
-            "params": {"name": "slow", "arguments": {"seconds": 5.0}}}
+    call = mcp_servers.tool_call(17, "slow", seconds=5.0)
     async with aiohttp.ClientSession() as http:
         headers = await _raw_session(http, url)
         async with http.post(url, json=call, headers=headers) as r:

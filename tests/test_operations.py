@@ -403,9 +403,8 @@ async def test_a_callers_tool_answer_is_not_replayed_to_a_caller_with_other_cred
         tools={"add": {"idempotency": {"mode": "dedup", "derive_from": ["X-Step-ID"]}}})]})
 
     async def send(key: str, tool: str = "send") -> tuple[str | None, str]:
-        call = {"jsonrpc": "2.0", "id": 1, "method": "tools/call",
-                "params": {"name": tool, "arguments": {"to": "x"} if tool == "send"
-                           else {"a": 1, "b": 2}}}
+        call = (mcp_servers.tool_call(1, tool, to="x") if tool == "send"
+                else mcp_servers.tool_call(1, tool, a=1, b=2))
         headers = {"Accept": "application/json, text/event-stream", "X-Step-ID": "step-1",
                    "MCP-Protocol-Version": "2025-06-18", "Authorization": f"Bearer {key}"}
         async with aiohttp.ClientSession() as http, http.post(

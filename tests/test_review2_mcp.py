@@ -9,7 +9,10 @@ import aiohttp
 import pytest
 
 from policies import mcp
-from tests.mcp_servers import mcp_server_factory  # noqa: F401  (fixture)
+from tests.mcp_servers import (
+    mcp_server_factory,  # noqa: F401  (fixture)
+    tool_call,
+)
 from tests.test_mcp_left_callers import HEADERS, scripted  # noqa: F401  (fixture)
 from tests.test_operations import MCP1_PYTHON, run_mcp1
 
@@ -33,8 +36,7 @@ async def test_a_call_with_an_empty_string_id_gets_no_made_up_error_after_its_re
     scripted.mode = "sse_open"
     scripted.release.set()
     sluice = await start_sluice({"routes": [_route(scripted.url)]})
-    call = {"jsonrpc": "2.0", "id": "", "method": "tools/call",
-            "params": {"name": "deliver", "arguments": {"to": "ops"}}}
+    call = tool_call("", "deliver", to="ops")
     async with aiohttp.ClientSession() as http:
         async with http.post(sluice.url + "/tools/mcp", json=call, headers=HEADERS) as r:
             assert r.status == 200
