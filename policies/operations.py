@@ -45,6 +45,7 @@ from policies.concurrency import ConcurrencyLimiter
 from policies.config import (
     DEFAULT_OPERATION,
     ConcurrencyConfig,
+    IdempotencyConfig,
     OperationConfig,
     PathGlob,
     RouteConfig,
@@ -187,7 +188,7 @@ class Operation:
         self.config = config
         #: The operation's counters in the state backends: distinct from the route's and
         #: from every other operation's.
-        self.group = f"{route.name}/{name}"
+        self.group = operation_group(route.name, name)
         self.concurrency = new_limiter(config.concurrency, backends, self.group)
         self.rate = (OperationRate(RateLimiter(config.rate, backends, self.group))
                      if config.rate else None)
@@ -230,6 +231,85 @@ class Operation:
         return out
 
 
+class OperationIndex:
+    """Which of a route's operation blocks a call is under, found from what it asks (the
+    rule of :meth:`Operations.resolve`), by the blocks' names alone: ``sluice dlq replay``
+    finds a dead letter's block from the config with it.
+
+    Args:
+        key: the key naming the route's operations (``tools``, ``endpoints`` or ``models``).
+        names: the names of its blocks, in file order (``endpoints:`` match in that order).
+
+    Raises:
+        ValueError: an ``endpoints:`` name is no ``"METHOD /path"`` (config validation
+            refuses those first).
+    """
+
+    __slots__ = ("default", "endpoints", "key", "names")
+
+    def __init__(self, key: str, names: Iterable[str]) -> None:
+        self.key = key
+        self.names = frozenset(names)
+        self.default = DEFAULT_OPERATION if DEFAULT_OPERATION in self.names else None
+        #: ``endpoints:`` as ``(method, path regex, block name)``, in file order.
+        self.endpoints: list[tuple[str, PathGlob, str]] = []
+        if key == "endpoints":
+            for name in names:
+                if name != DEFAULT_OPERATION:
+                    method, pattern = endpoint_pattern(name)
+                    self.endpoints.append((method, pattern, name))
+
+    def find(self, method: str, path: str, body: bytes,
+             tool: str | None) -> tuple[str | None, str | None]:
+        """``(name, block)`` of a call: its name for metrics and events (the tool, the
+        matching endpoint pattern or ``default``, the model; ``None`` when it has none), and
+        the name of the block that applies (``None`` for none).
+
+        ``path``: the upstream's path (after the route's prefix, query included or not);
+        ``tool``: the tool of an MCP ``tools/call`` (:attr:`policies.mcp.McpPost.tool`),
+        ``None`` for other calls, which have no operation.
+        """
+        if self.key == "endpoints":
+            path = decode_unreserved(path.partition("?")[0])
+            for allowed, pattern, name in self.endpoints:
+                if (allowed == "*" or allowed == method) and pattern.fullmatch(path):
+                    return name, name
+            default = self.default
+            return (DEFAULT_OPERATION, default) if default is not None else (None, None)
+        name = tool if self.key == "tools" else _model(body)
+        if name is None:
+            return None, None
+        if name not in self.names or name == DEFAULT_OPERATION:
+            return name, self.default
+        return name, name
+
+
+def operation_group(route: str, name: str) -> str:
+    """The group an operation block's state is kept under, ``ROUTE/NAME``: its counters,
+    breaker and idempotency records, apart from the route's and every other block's."""
+    return f"{route}/{name}"
+
+
+def replaces_idempotency(block: OperationConfig) -> bool:
+    """Whether an operation block's ``idempotency`` replaces its route's for its calls: as
+    soon as it has one, ``mode: off`` included (its calls are then keyed by nothing)."""
+    return block.idempotency is not None
+
+
+def idempotency_of(route: RouteConfig, block: str | None) -> tuple[str, IdempotencyConfig | None]:
+    """``(group, idempotency)`` of a call under operation block ``block`` (a name
+    :meth:`OperationIndex.find` gave; ``None`` for none): the ``idempotency`` block its key
+    is handled by (``None`` for none or ``mode: off``) and the group its shared records are
+    named by (:func:`policies.idempotency.shared_record_key`): the operation's, when its
+    block replaces the route's (:func:`replaces_idempotency`), else the route's."""
+    group, keys = route.name, route.idempotency
+    if block is not None:
+        own = route.operations()[1].get(block)
+        if own is not None and replaces_idempotency(own):
+            group, keys = operation_group(route.name, block), own.idempotency
+    return group, keys if keys is not None and keys.mode != "off" else None
+
+
 class Operations:
     """A route's operation blocks and how a call finds its own.
 
@@ -239,7 +319,7 @@ class Operations:
         backends, on_event, budgets, run_header: as :class:`Operation` takes them.
     """
 
-    __slots__ = ("by_name", "default", "endpoints", "key", "prefix_len", "protocol")
+    __slots__ = ("by_name", "index", "key", "prefix_len", "protocol")
 
     def __init__(self, route: RouteConfig, backends: StateBackends,
                  on_event: Callable[..., None], budgets: Budgets | None,
@@ -250,41 +330,22 @@ class Operations:
         self.by_name = {name: Operation(name, block, route, backends, on_event, budgets,
                                         run_header)
                         for name, block in blocks.items()}
-        self.default = self.by_name.get(DEFAULT_OPERATION)
-        #: ``endpoints:`` as ``(method, path regex, operation)``, in file order.
-        self.endpoints: list[tuple[str, PathGlob, Operation]] = []
-        if self.key == "endpoints":
-            for name, op in self.by_name.items():
-                if name != DEFAULT_OPERATION:
-                    method, pattern = endpoint_pattern(name)
-                    self.endpoints.append((method, pattern, op))
+        self.index = OperationIndex(self.key, self.by_name)
 
     def __iter__(self) -> Iterator[Operation]:
         """The operation blocks, in file order."""
         return iter(self.by_name.values())
 
     def resolve(self, call: Call) -> tuple[str | None, Operation | None]:
-        """``(name, operation)`` of ``call``: its name for metrics and events (the tool, the
-        matching endpoint pattern or ``default``, the model; ``None`` when it has none), and
-        the block that applies (``None`` for none).
+        """``(name, operation)`` of ``call`` (:meth:`OperationIndex.find`): its name for
+        metrics and events, and the block that applies (``None`` for none).
 
         On ``mcp`` routes the name is ``call.operation`` as the handler set it (the tool of a
         ``tools/call``); other MCP calls (``resources/read``, ...) have no operation.
         """
-        if self.key == "endpoints":
-            path = decode_unreserved(call.path[self.prefix_len:].partition("?")[0])
-            for method, pattern, op in self.endpoints:
-                if (method == "*" or method == call.method) and pattern.fullmatch(path):
-                    return op.name, op
-            default = self.default
-            return (DEFAULT_OPERATION, default) if default is not None else (None, None)
-        name = call.operation if self.key == "tools" else _model(call.body)
-        if name is None:
-            return None, None
-        op = self.by_name.get(name)
-        if op is None or name == DEFAULT_OPERATION:
-            op = self.default
-        return name, op
+        name, block = self.index.find(call.method, call.path[self.prefix_len:], call.body,
+                                      call.operation)
+        return name, self.by_name[block] if block is not None else None
 
     def take_over(self, old: Operations) -> None:
         """Keep the live state of the operations ``old`` had under the same names."""

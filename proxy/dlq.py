@@ -11,6 +11,9 @@
   ``Idempotency-Key`` got an answer below 400 since (the caller's own retry), as the route's
   shared idempotency records tell when its ``idempotency`` block stores answers (``mode:
   dedup``; the memory backend's are in the server's memory, out of the command's reach).
+  The block is the one a request of the letter's operation is under now: the route's, or
+  its tool's, endpoint's or model's own (``tools:``, ...), which replaces it, ``mode: off``
+  included (:func:`policies.operations.idempotency_of`).
   There it also holds the key as the route's requests do while it sends (refused, nothing
   sent, while a request with the key is in flight) and stores its answer for the key, so
   the caller's later retry gets it replayed rather than doing the work again. A
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import shlex
 import signal
@@ -44,16 +48,18 @@ import time
 from collections.abc import Coroutine
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import aiohttp
 import orjson
 from multidict import CIMultiDict
 
-from policies.config import HEADER_NAME, Config, RouteConfig
+from policies import mcp
+from policies.config import HEADER_NAME, Config, IdempotencyConfig, RouteConfig
 from policies.deadletter import ANSWERED, BUSY, CLAIMED, DeadLetter, DeadLetterFile, ReplayClaim
 from policies.idempotency import Capture, parse_key, shared_answer, shared_record_key
 from policies.idempotency_store import DONE, SEEN, TOO_LARGE
+from policies.operations import OperationIndex, idempotency_of
 from policies.state import DeadLetterStore, StateUnavailable, redact_url, redis_backends
 from policies.state.idempotency import CLAIMED as KEY_CLAIMED
 from policies.state.idempotency import IN_FLIGHT, IdempotencyRecords, new_owner
@@ -262,8 +268,9 @@ async def _replay(config: Config, store: DeadLetterStore | _FileStore, letter: D
     except ValueError as exc:
         print(exc, file=sys.stderr)
         return EXIT_FAILED
+    keys = _keys(route, letter)
     if records is not None and not args.again:
-        since = await _answered_since(records, route, letter)
+        since = await _answered_since(records, keys, letter)
         if since is not None:
             print(f"dead letter {letter.id}: its Idempotency-Key {letter.idempotency_key!r} was "
                   f"answered HTTP {since} since it was written (the caller's own retry, most "
@@ -296,7 +303,7 @@ async def _replay(config: Config, store: DeadLetterStore | _FileStore, letter: D
     key = None
     if records is not None:
         try:
-            key = await _hold_key(records, route, letter, hold_s)
+            key = await _hold_key(records, keys, letter, hold_s)
         except BaseException as exc:  # nothing was sent: the letter is free at once
             failed = "interrupted" if isinstance(exc, asyncio.CancelledError) else \
                 type(exc).__name__
@@ -319,7 +326,7 @@ async def _replay(config: Config, store: DeadLetterStore | _FileStore, letter: D
     finally:
         duration = time.monotonic() - started
         await _record(store, letter, status, error, duration, token, hold_s)
-        await _free_key(key, route, status, reason, answer_headers, answer,
+        await _free_key(key, route.protocol, status, reason, answer_headers, answer,
                         letter.body)
     if args.output and status is not None:
         try:
@@ -380,17 +387,45 @@ async def _record(store: DeadLetterStore | _FileStore, letter: DeadLetter,
               f"{hold_s:.0f}s, then would send it again", file=sys.stderr)
 
 
-async def _answered_since(records: IdempotencyRecords, route: RouteConfig,
+class _Keys(NamedTuple):
+    """The idempotency a letter's request is keyed under, as a request of it is now."""
+
+    #: The group its shared records are named by: the route's, or its operation's.
+    group: str
+    #: The ``idempotency`` block (never ``mode: off``).
+    config: IdempotencyConfig
+
+
+def _keys(route: RouteConfig, letter: DeadLetter) -> _Keys | None:
+    """The idempotency the letter's request is under, found as the server finds a request's
+    (:class:`policies.operations.OperationIndex`): its operation's own block replaces the
+    route's. ``None`` when no keys apply (none, or ``mode: off``). The operation is read
+    from the recorded request (an MCP call's tool from its body, an endpoint from its
+    method and path, a model from its body), which every letter keeps, those written
+    before this read too; a block added or renamed since applies as it would to the call."""
+    tool = None
+    if route.protocol == "mcp" and letter.method == "POST":
+        version = CIMultiDict(letter.headers).get(mcp.VERSION_HEADER)
+        # A body the route would refuse now names no operation: the route's block.
+        with contextlib.suppress(mcp.InvalidMcpRequest):
+            tool = mcp.parse_post(letter.body, version).tool
+    _, block = OperationIndex(*route.operations()).find(letter.method, letter.path,
+                                                        letter.body, tool)
+    group, config = idempotency_of(route, block)
+    return _Keys(group, config) if config is not None else None
+
+
+async def _answered_since(records: IdempotencyRecords, keys: _Keys | None,
                           letter: DeadLetter) -> int | None:
-    """The status below 400 the route's shared idempotency records hold for the letter's key
-    (a later request with that key was answered), or ``None``."""
-    if letter.idempotency_key is None or route.idempotency is None:
+    """The status below 400 the shared idempotency records ``keys`` names hold for the
+    letter's key (a later request with that key was answered), or ``None``."""
+    if letter.idempotency_key is None or keys is None:
         return None
     try:  # kept as sent (quoted, the draft's form, or bare); records are named by the key
         key = parse_key(letter.idempotency_key)
     except ValueError:
         return None
-    answer = await records.get(shared_record_key(route.name, letter.tenant, key))
+    answer = await records.get(shared_record_key(keys.group, letter.tenant, key))
     if answer is None or answer.kind not in (DONE, TOO_LARGE) or answer.status >= 400:
         return None
     return answer.status
@@ -417,32 +452,33 @@ async def _send(route: RouteConfig, letter: DeadLetter, headers: CIMultiDict[str
 
 
 class _KeyHold:
-    """The letter's key in the route's shared idempotency records, as a replay holds it: the
-    in-flight marker (``owner``), or ``busy`` when a request with the key holds it now."""
+    """The letter's key in its shared idempotency records (under ``keys``), as a replay holds
+    it: the in-flight marker (``owner``), or ``busy`` when a request with the key holds it
+    now."""
 
-    __slots__ = ("busy", "fingerprint", "name", "owner", "records")
+    __slots__ = ("busy", "fingerprint", "keys", "name", "owner", "records")
 
-    def __init__(self, records: IdempotencyRecords, name: str, owner: str,
+    def __init__(self, records: IdempotencyRecords, keys: _Keys, name: str, owner: str,
                  fingerprint: bytes, busy: bool) -> None:
-        self.records, self.name, self.owner = records, name, owner
+        self.records, self.keys, self.name, self.owner = records, keys, name, owner
         self.fingerprint, self.busy = fingerprint, busy
 
 
-async def _hold_key(records: IdempotencyRecords, route: RouteConfig, letter: DeadLetter,
+async def _hold_key(records: IdempotencyRecords, keys: _Keys | None, letter: DeadLetter,
                     hold_s: float) -> _KeyHold | None:
-    """Hold the letter's key while it is replayed, as a request of the route would: a caller's
-    retry with the key then waits for the replay's answer and gets it replayed, rather than
-    running the work beside it or after it. ``None`` when there is nothing to hold: the route
-    stores no answers, the letter has no key, or its key has no record (expired) or a final
-    one (the replay goes on as before: ``--again``, or an answer of 400 or more)."""
-    if (letter.idempotency_key is None or route.idempotency is None
-            or route.idempotency.mode != "dedup"):
+    """Hold the letter's key while it is replayed, as a request of it would (under ``keys``):
+    a caller's retry with the key then waits for the replay's answer and gets it replayed,
+    rather than running the work beside it or after it. ``None`` when there is nothing to
+    hold: its block stores no answers, the letter has no key, or its key has no record
+    (expired) or a final one (the replay goes on as before: ``--again``, or an answer of 400
+    or more)."""
+    if letter.idempotency_key is None or keys is None or keys.config.mode != "dedup":
         return None
     try:
         key = parse_key(letter.idempotency_key)
     except ValueError:
         return None
-    name = shared_record_key(route.name, letter.tenant, key)
+    name = shared_record_key(keys.group, letter.tenant, key)
     record = await records.get(name)
     if record is None or record.kind != SEEN:
         return None
@@ -451,31 +487,32 @@ async def _hold_key(records: IdempotencyRecords, route: RouteConfig, letter: Dea
     owner = new_owner()
     begin = await records.begin(name, owner, record.fingerprint, hold_s)
     if begin.state == IN_FLIGHT:
-        return _KeyHold(records, name, owner, record.fingerprint, busy=True)
+        return _KeyHold(records, keys, name, owner, record.fingerprint, busy=True)
     if begin.state != KEY_CLAIMED:
         return None
-    return _KeyHold(records, name, owner, record.fingerprint, busy=False)
+    return _KeyHold(records, keys, name, owner, record.fingerprint, busy=False)
 
 
-async def _free_key(key: _KeyHold | None, route: RouteConfig, status: int | None = None,
+async def _free_key(key: _KeyHold | None, protocol: str, status: int | None = None,
                     reason: str = "", headers: CIMultiDict[str] | None = None,
                     body: bytes = b"", request_body: bytes = b"") -> None:
-    """End the replay's hold of its key: store the answer as a request of the route would
-    have stored it (a final one is replayed to the key's later requests; an MCP call's by its
-    response, ``request_body`` being the call), or only a use of the key."""
+    """End the replay's hold of its key: store the answer as a request of it would have
+    stored it under its block (``key.keys``: ``max_replay_bytes``, ``ttl``; a final one is
+    replayed to the key's later requests; an MCP call's by its response, ``request_body``
+    being the call, on a route of ``protocol`` ``mcp``), or only a use of the key."""
     if key is None or key.busy:
         return
-    assert route.idempotency is not None
+    config = key.keys.config
     record = None
-    mcp_id = jsonrpc_id(route.protocol, request_body)
-    if status is not None and (route.protocol != "mcp" or mcp_id is not None):
-        capture = Capture(route.idempotency.max_replay_bytes, mcp_id)
+    mcp_id = jsonrpc_id(protocol, request_body)
+    if status is not None and (protocol != "mcp" or mcp_id is not None):
+        capture = Capture(config.max_replay_bytes, mcp_id)
         capture.begin(status, reason, headers if headers is not None else CIMultiDict())
         capture.feed(body)
         record = capture.answer(key.fingerprint, f"{status // 100}xx")
     try:
         await key.records.finish(key.name, key.owner, shared_answer(record, key.fingerprint),
-                                 route.idempotency.ttl)
+                                 config.ttl)
     except StateUnavailable as exc:
         print(f"WARNING: the replay's answer was not stored for its Idempotency-Key "
               f"({exc.cause}): a request with the key waits until its hold lapses, then "

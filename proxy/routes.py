@@ -31,6 +31,7 @@ from policies.operations import (
     carry_over,
     new_limiter,
     reconfigure_limiter,
+    replaces_idempotency,
     width_limiters,
 )
 from policies.pipeline import Call
@@ -266,7 +267,7 @@ class Route:
                 self.run_tracker,  # the run tree; a cancelled run is refused before all else
                 # A replay or a wait for a twin costs no quota or slot. An operation's own
                 # block replaces the route's, ``mode: off`` included (no step at all).
-                op.idempotency if op is not None and op.config.idempotency is not None
+                op.idempotency if op is not None and replaces_idempotency(op.config)
                 else self.idempotency,
                 self.global_limits,  # run budgets and fan-out depth, all routes
                 self.run_limits,  # the same, this route

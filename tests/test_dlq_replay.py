@@ -12,13 +12,17 @@ import sys
 
 import aiohttp
 import pytest
+from aiohttp import web
 
 from policies.deadletter import CLAIMED, DeadLetter, ReplayClaim
 from policies.state import StateUnavailable
 from proxy import dlq
 from proxy.config import parse_config
-from tests.conftest import REPO, route, wait_until
+from tests import mcp_servers
+from tests.conftest import REPO, route, serve_app, wait_until
 from tests.redis_servers import delete_prefix, new_prefix, require_redis
+
+mcp_stateless = mcp_servers.mcp_stateless
 
 CHAT = "/v1/chat/completions"
 BODY = {"model": "gpt-test", "messages": [{"role": "user", "content": "hi"}]}
@@ -276,3 +280,130 @@ async def test_a_result_the_store_cannot_take_is_said_and_the_answer_still_kept(
     assert "HTTP 200" in printed.out
     assert "was not stored (connection refused)" in printed.err
     assert out.read_bytes() and len(upstream.requests) == 1
+
+
+# -- a tool's own idempotency block ------------------------------------------------------------
+
+
+class Gate:
+    """In front of the MCP server: forwards every request, or, while ``failing``, answers 503
+    without forwarding (the tool does not run), so that Sluice dead-letters the call."""
+
+    def __init__(self, target: str) -> None:
+        self.target = target
+        self.failing = False
+        self.runner: web.AppRunner | None = None
+        self.url = ""
+
+    async def start(self) -> Gate:
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", self.handle)
+        self.runner, port = await serve_app(app)
+        self.url = f"http://127.0.0.1:{port}"
+        return self
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        if self.failing:
+            return web.Response(status=503, text="unavailable")
+        headers = {k: v for k, v in request.headers.items()
+                   if k.lower() not in ("host", "content-length", "transfer-encoding")}
+        async with aiohttp.ClientSession() as http, http.request(
+                request.method, self.target + request.path_qs, headers=headers,
+                data=body) as r:
+            answer = await r.read()
+            return web.Response(status=r.status, body=answer, headers={
+                "Content-Type": r.headers.get("Content-Type", "application/json")})
+
+
+async def call_tool(sluice, key: str, tool: str = "send", fails: bool = False,
+                    **arguments: object) -> tuple[int, str | None, str]:
+    """One ``tools/call`` with ``Idempotency-Key: key``: its status, ``Idempotent-Replayed``
+    and body; with ``fails``, the id of the dead letter it left instead of the last two."""
+    call = mcp_servers.tool_call(1, tool, **(arguments or {"to": "ops@example.com"}))
+    headers = {"Accept": "application/json, text/event-stream", "X-Tenant-ID": "acme",
+               "MCP-Protocol-Version": "2025-06-18", "Idempotency-Key": key}
+    async with aiohttp.ClientSession() as s, s.post(
+            sluice.url + "/tools/mcp", json=call, headers=headers) as r:
+        text = await r.text()
+        if fails:
+            assert r.status == 503, text
+            return r.status, None, r.headers["X-Sluice-Dead-Letter"]
+        return r.status, r.headers.get("Idempotent-Replayed"), text
+
+
+def mcp_config(url: str, prefix: str, upstream_url: str, **policies: object) -> dict:
+    """A Sluice on Redis with an ``mcp`` route ``tools`` that dead-letters failed calls."""
+    return {"state": {"backend": "redis", "redis_url": url, "key_prefix": prefix,
+                      "timeout": "2s"},
+            "routes": [route("tools", upstream_url, "mcp",
+                             retry={"attempts": 2, "backoff": FAST_BACKOFF}, **policies)]}
+
+
+async def test_a_replay_reads_and_writes_its_tools_own_idempotency_records(
+        mcp_stateless, start_sluice):
+    """A tool's ``idempotency`` block replaces its route's for its calls (``tools:``), and so
+    for the replay of its dead letters. The replay read and wrote the route's records
+    instead: with ``send`` deduplicating on a route that does not, a letter whose key the
+    caller's retry got an answer for was sent again (the mail went twice), and a caller's
+    retry after a replay ran the tool once more."""
+    url = require_redis()
+    prefix = new_prefix()
+    gate = await Gate(mcp_stateless.base_url).start()
+    try:
+        sluice = await start_sluice(mcp_config(url, prefix, gate.url, tools={
+            "send": {"idempotency": {"mode": "dedup", "ttl": "1h"}}}))
+        config = str(sluice.config_path)
+        gate.failing = True
+        _, _, letter = await call_tool(sluice, "mail-1", fails=True)
+        gate.failing = False
+        status, replayed, _ = await call_tool(sluice, "mail-1")  # the caller's own retry
+        assert (status, replayed, mcp_stateless.sends()) == (200, None, 1)
+        code, _, err = await outcome(await cli("dlq", "replay", letter, "--config", config))
+        assert code == 1 and "was answered HTTP 200 since" in err, err
+        assert mcp_stateless.sends() == 1
+
+        # Replayed first: the replay's answer is the answer to the caller's retry.
+        gate.failing = True
+        _, _, letter = await call_tool(sluice, "mail-2", fails=True)
+        gate.failing = False
+        code, out, err = await outcome(await cli("dlq", "replay", letter, "--config", config))
+        assert code == 0 and "HTTP 200" in out, err
+        assert mcp_stateless.sends() == 2
+        status, replayed, text = await call_tool(sluice, "mail-2")
+        assert (status, replayed) == (200, "true") and "sent #2" in text
+        assert mcp_stateless.sends() == 2
+    finally:
+        await gate.stop()
+        delete_prefix(url, prefix)
+
+
+async def test_a_replay_of_a_tool_with_idempotency_off_ignores_the_routes_records(
+        mcp_stateless, start_sluice):
+    """``send`` has ``idempotency: {mode: off}`` on a ``dedup`` route: its calls are keyed by
+    nothing, whatever the route's records hold for their key (here another tool's answer
+    for the same key, as an agent that keys every call of a step alike sends). Its letter's
+    replay was refused as "answered since", by the route's records."""
+    url = require_redis()
+    prefix = new_prefix()
+    gate = await Gate(mcp_stateless.base_url).start()
+    try:
+        sluice = await start_sluice(mcp_config(
+            url, prefix, gate.url, idempotency={"mode": "dedup"},
+            tools={"send": {"idempotency": {"mode": "off"}}}))
+        status, _, text = await call_tool(sluice, "step-7", "add", a=1, b=2)
+        assert status == 200 and '"3"' in text
+        gate.failing = True
+        _, _, letter = await call_tool(sluice, "step-7", fails=True)
+        gate.failing = False
+        code, out, err = await outcome(await cli("dlq", "replay", letter, "--config",
+                                                 str(sluice.config_path)))
+        assert code == 0 and "HTTP 200" in out, err
+        assert mcp_stateless.sends() == 1
+    finally:
+        await gate.stop()
+        delete_prefix(url, prefix)
