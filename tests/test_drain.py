@@ -510,8 +510,9 @@ async def test_an_mcp_sessions_control_traffic_is_served_while_draining(
                     "protocol": "mcp"}]})
     async with Client(sluice.url + "/tools/mcp", mode="legacy") as client:
         running = asyncio.create_task(client.call_tool("slow", {"seconds": 4.0}))
-        await wait_until(lambda: any(e["event"] == "admitted" for e in sluice.events()),
-                         what="the call admitted")
+        # The call's own admission: the session's initialize and GET stream are admitted too.
+        await wait_until(lambda: any(e["event"] == "admitted" and e.get("operation") == "slow"
+                                     for e in sluice.events()), what="the call admitted")
         sluice.signal(signal.SIGTERM)
         await wait_until(lambda: "draining" in sluice.stderr(), what="the drain")
         tools = await client.list_tools()  # control traffic of a session: served
