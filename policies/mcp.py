@@ -79,6 +79,10 @@ VERSION_HEADER = "MCP-Protocol-Version"
 #: The header naming a request's session (2025 revisions, session-mode servers).
 SESSION_HEADER = "Mcp-Session-Id"
 
+#: The header by which a GET resumes an SSE stream after the last event its client got
+#: (2025 revisions; WHATWG ``Last-Event-ID``).
+LAST_EVENT_ID_HEADER = "Last-Event-ID"
+
 #: The notification a client sends to cancel one of its requests (``params.requestId``).
 CANCELLED = "notifications/cancelled"
 
@@ -311,6 +315,15 @@ def traffic(http_method: str, post: McpPost | None = None) -> Traffic:
     if "call" in classes:
         return "call"
     return "stream" if "stream" in classes else "control"
+
+
+def resumes(http_method: str, headers: Mapping[str, str]) -> bool:
+    """Whether a request to the MCP endpoint resumes an SSE stream: a GET with a non-empty
+    ``Last-Event-ID``, by which a 2025-11-25 client gets the rest of a call's answer that a
+    server closed early for polling (SEP-1699), the answer to work already admitted (or the
+    rest of a session's GET stream that ended: the two look alike to a proxy). Its
+    :func:`traffic` is still ``stream``."""
+    return http_method.upper() == "GET" and bool(headers.get(LAST_EVENT_ID_HEADER))
 
 
 # -- request metadata headers -------------------------------------------------------------------

@@ -138,25 +138,52 @@ async def handle(rt: Runtime, request: web.BaseRequest, held: int = 0
         return refuse_at_edge(rt, Rejected(Reason.NO_ROUTE, None, detail[:200]))
     hold = [held]
     rt.buffered_bytes += held
-    if rt.draining:  # refused once read: nothing a drain should wait for under new traffic
-        try:
-            return await _serve(rt, route, request, raw_path, hold)
-        finally:
-            rt.buffered_bytes -= hold[0]
-    # Counted on the route object it matched from here to the end, queued or admitted: a
-    # reload keeps that object (and its later admissions) counted, and the drain waits for it.
-    route.present += 1
+    presence = _Presence(route)
+    if not rt.draining:  # one arriving during the drain counts once it is let in (_serve)
+        presence.enter()
     try:
-        return await _serve(rt, route, request, raw_path, hold)
+        return await _serve(rt, route, request, raw_path, hold, presence)
     finally:
-        route.present -= 1
+        presence.leave()
         rt.buffered_bytes -= hold[0]
 
 
+class _Presence:
+    """One request's place in its route's counts, given back by :func:`handle`'s ``finally``
+    alone (:meth:`leave`), whatever ends the request: in ``present`` (what the drain waits
+    for) and, for an MCP stream, in ``streams`` too (what it then does not).
+
+    Counted on the route object it matched, queued or admitted: a reload keeps that object
+    (and its later admissions) counted, and the drain waits for it."""
+
+    __slots__ = ("present", "route", "stream")
+
+    def __init__(self, route: Route) -> None:
+        self.route = route
+        self.present = self.stream = False
+
+    def enter(self) -> None:
+        """Count the request present; once, however often called."""
+        if not self.present:
+            self.route.present += 1
+            self.present = True
+
+    def idle(self) -> None:
+        """Count the (admitted, present) request as a stream the drain does not wait for."""
+        self.route.streams += 1
+        self.stream = True
+
+    def leave(self) -> None:
+        if self.stream:
+            self.route.streams -= 1
+        if self.present:
+            self.route.present -= 1
+
+
 async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
-                 raw_path: str, hold: list[int]) -> web.StreamResponse:
+                 raw_path: str, hold: list[int], presence: _Presence) -> web.StreamResponse:
     """Everything :func:`handle` does once the request has a route; ``hold``: the body's
-    bytes counted held (see :func:`handle`)."""
+    bytes counted held, ``presence`` its place in the route's counts (see :func:`handle`)."""
     headers = request.headers
     try:
         who = identify(rt, request)
@@ -190,23 +217,28 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
         hold[0] = len(body)
     traffic: mcp.Traffic = "call"
     operation = cancels = None
-    opens_session = False
+    opens_session = resumes = False
     if route.protocol == "mcp":
         try:
             traffic, operation, cancels, opens_session = _mcp_traffic(request, body)
         except mcp.InvalidMcpRequest as bad:
             return _reject(rt, route, Rejected(Reason.BAD_REQUEST, None, bad.detail[:200]),
                            request_id, tenant, run, body)
+        resumes = mcp.resumes(request.method, headers)
     # New work is refused while draining; an MCP session's control traffic is not new work:
     # a client lists its tools after the first result of one it had not listed, and refused,
-    # the Python 2.x client failed calls that had finished (a new user's trial). Opening a
-    # session is new work (its calls would be refused here next).
-    if rt.draining and (traffic != "control" or opens_session):
+    # the Python 2.x client failed calls that had finished (a new user's trial). Nor is a
+    # resumed stream: it brings the answer of a call admitted before (refused, its caller
+    # never got it). Opening a session is new work (its calls would be refused here next).
+    # Once the drain cuts, nothing more is let in: it would be cut as it began.
+    continues = resumes or (traffic == "control" and not opens_session)
+    if rt.draining and (rt.cutting or not continues):
         refused = _reject(rt, route, Rejected(Reason.DRAINING, DRAINING_RETRY_AFTER_S,
                                               "it takes no new calls"),
                           request_id, tenant, run, body)
         refused.force_close()  # the process is going away: the next call goes elsewhere
         return refused
+    presence.enter()  # let in: the drain waits for it
     if route.protocol == "mcp":
         if cancels is not None:
             held = _call_to_hold(rt, route, tenant, headers.get(mcp.SESSION_HEADER), cancels)
@@ -269,8 +301,8 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
         route.inflight += 1
         if traffic != "stream":  # a stream's silence is its normal state, not a stall
             route.live.add(call)
-        else:  # nor what a drain waits for
-            route.streams += 1
+        elif not resumes:  # nor what a drain waits for, but for a call's resumed answer
+            presence.idle()
         if traffic == "call" and route.protocol == "mcp":
             task = asyncio.current_task()
             if task is not None:  # for the drain's cut (Runtime.end_mcp_calls)
@@ -378,8 +410,6 @@ def _settle(rt: Runtime, route: Route, call: Call, admission: Admission, outcome
     if admitted_at:
         route.inflight -= 1
         route.live.discard(call)
-        if traffic == "stream":
-            route.streams -= 1
     admission.release(outcome)
     try:  # counting and logging how it ended, once everything it held is given back
         if admitted_at:

@@ -37,7 +37,8 @@ executions behind a proxy without going through it.
 
 Options: ``json_response=True`` answers requests with ``application/json`` instead of SSE;
 ``resumable=True`` gives the server an in-memory event store, so its SSE events carry ids and the
-client may reconnect with ``Last-Event-ID``.
+client may reconnect with ``Last-Event-ID``. ``list_delay=S`` makes ``tools/list`` answer only
+after ``S`` seconds (slow control traffic).
 
 Run by hand: ``python tests/mcp_servers.py --mode session --port 9000``.
 """
@@ -110,6 +111,7 @@ def run_mcp_server(
     count_file: Path,
     json_response: bool = False,
     resumable: bool = False,
+    list_delay: float = 0.0,
 ) -> Iterator[McpServer]:
     """Start the server in a child process and stop it (SIGTERM, then SIGKILL) on exit.
 
@@ -123,6 +125,8 @@ def run_mcp_server(
         args.append("--json-response")
     if resumable:
         args.append("--resumable")
+    if list_delay:
+        args += ["--list-delay", str(list_delay)]
     stderr_path = count_file.with_suffix(".stderr")
     with stderr_path.open("wb") as stderr:
         proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=stderr,
@@ -186,11 +190,12 @@ def mcp_session(tmp_path: Path) -> Iterator[McpServer]:
 
 @pytest.fixture
 def mcp_server_factory(tmp_path: Path) -> Iterator[Any]:
-    """``start(mode, json_response=False, resumable=False) -> McpServer``; all stop at the end."""
+    """``start(mode, json_response=False, resumable=False, list_delay=0.0) -> McpServer``; all
+    stop at the end."""
     with contextlib.ExitStack() as stack:
         n = 0
 
-        def start(mode: Mode = "stateless", **options: bool) -> McpServer:
+        def start(mode: Mode = "stateless", **options: Any) -> McpServer:
             nonlocal n
             n += 1
             return stack.enter_context(run_mcp_server(
@@ -202,13 +207,18 @@ def mcp_server_factory(tmp_path: Path) -> Iterator[Any]:
 # -- the child process --------------------------------------------------------------------------
 
 
-def _build(count_file: Path) -> Any:
+def _build(count_file: Path, list_delay: float = 0.0) -> Any:
     # This module has no ``from __future__ import annotations``: the SDK reads the tools'
     # annotations at runtime, and ``Context`` is only imported here, in the child.
     from mcp.server.mcpserver import Context, MCPServer
     from mcp.server.mcpserver.exceptions import ToolError
 
-    server = MCPServer("sluice-test-tools")
+    class Tools(MCPServer):
+        async def list_tools(self) -> Any:
+            await asyncio.sleep(list_delay)
+            return await super().list_tools()
+
+    server = Tools("sluice-test-tools")
 
     @server.tool()
     async def add(a: int, b: int) -> int:
@@ -298,7 +308,7 @@ def _event_store() -> Any:
 async def _serve(args: argparse.Namespace) -> None:
     import uvicorn
 
-    server = _build(Path(args.count_file))
+    server = _build(Path(args.count_file), args.list_delay)
     app = server.streamable_http_app(
         stateless_http=args.mode == "stateless",
         json_response=args.json_response,
@@ -326,6 +336,7 @@ def main() -> None:
     parser.add_argument("--count-file", default="mcp-sends.jsonl")
     parser.add_argument("--json-response", action="store_true")
     parser.add_argument("--resumable", action="store_true")
+    parser.add_argument("--list-delay", type=float, default=0.0)
     asyncio.run(_serve(parser.parse_args()))
 
 

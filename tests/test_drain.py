@@ -18,8 +18,14 @@ from proxy.config import parse_config
 from proxy.runtime import Runtime
 from proxy.server import PROXY_SHUTDOWN_GRACE_S, _drain, build_proxy_server
 from tests.conftest import free_ports, route, status_of, wait_until
-from tests.mcp_servers import mcp_session, mcp_stateless, tool_call  # noqa: F401  (fixtures)
+from tests.mcp_servers import (  # noqa: F401  (fixtures)
+    mcp_server_factory,
+    mcp_session,
+    mcp_stateless,
+    tool_call,
+)
 from tests.redis_servers import delete_prefix, new_prefix, require_redis
+from tests.test_mcp_e2e import _raw_session
 
 CHAT = {"model": "gpt-test", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -510,8 +516,8 @@ async def test_an_mcp_sessions_control_traffic_is_served_while_draining(
                     "protocol": "mcp"}]})
     async with Client(sluice.url + "/tools/mcp", mode="legacy") as client:
         running = asyncio.create_task(client.call_tool("slow", {"seconds": 4.0}))
-        await wait_until(lambda: any(e["event"] == "admitted" for e in sluice.events()),
-                         what="the call admitted")
+        # The call's own admission: the session's initialize and GET stream are admitted too.
+        await wait_until(lambda: _admitted_tool(sluice, "slow"), what="the call admitted")
         sluice.signal(signal.SIGTERM)
         await wait_until(lambda: "draining" in sluice.stderr(), what="the drain")
         tools = await client.list_tools()  # control traffic of a session: served
@@ -550,3 +556,95 @@ async def test_a_new_mcp_session_is_refused_while_draining(
         assert body["id"] == 1 and body["error"]["data"]["reason"] == "draining"
         (await held).release()
     assert await sluice.wait_exit(timeout=20) == 0
+
+
+async def _mcp_answer(http: aiohttp.ClientSession, url: str, headers: dict[str, str],
+                      body: dict) -> tuple[int, str]:
+    """The status and body of one POST to an MCP endpoint; ``(0, the error)`` for an answer
+    cut before its end."""
+    try:
+        async with http.post(url, json=body, headers=headers) as r:
+            return r.status, await r.text()
+    except aiohttp.ClientError as cut:
+        return 0, repr(cut)
+
+
+async def _resumed(http: aiohttp.ClientSession, url: str, headers: dict[str, str]
+                  ) -> tuple[int, str]:
+    """A GET resuming a call's stream, read as the SDKs' clients read it: until the call's
+    response (the server holds the stream open after it); ``(0, the error)`` if cut."""
+    body = ""
+    try:
+        async with http.get(url, headers={**headers, "Accept": "text/event-stream"}) as r:
+            async for line in r.content:
+                body += line.decode()
+                if '"result"' in body or r.status != 200:
+                    break
+            return r.status, body
+    except aiohttp.ClientError as cut:
+        return 0, f"{cut!r} after {body!r}"
+
+
+def _admitted_tool(sluice: Any, tool: str) -> bool:
+    return any(e["event"] == "admitted" and e.get("operation") == tool for e in sluice.events())
+
+
+async def test_control_traffic_served_while_draining_is_waited_for(
+        mcp_server_factory, start_sluice):  # noqa: F811
+    """From a review: a session's control traffic is served while draining, but the drain
+    waited only for what was in before it began: a slow ``tools/list`` sent during the drain
+    was cut mid-answer when the last call ended and the process exited. What the drain lets
+    in, it waits for."""
+    server = mcp_server_factory("session", list_delay=3.0)
+    sluice = await start_sluice({
+        "server": {"drain_timeout": "20s"},
+        "routes": [{"name": "tools", "path_prefix": "/tools/", "upstream": server.base_url,
+                    "protocol": "mcp"}]})
+    url = sluice.url + "/tools/mcp"
+    async with aiohttp.ClientSession() as http:
+        headers = await _raw_session(http, url)
+        call = asyncio.create_task(_mcp_answer(http, url, headers,
+                                               tool_call(2, "slow", seconds=1.0)))
+        await wait_until(lambda: _admitted_tool(sluice, "slow"), what="the call admitted")
+        sluice.signal(signal.SIGTERM)
+        await wait_until(lambda: "draining" in sluice.stderr(), what="the drain")
+        listed = await _mcp_answer(http, url, headers,
+                                   {"jsonrpc": "2.0", "id": 3, "method": "tools/list"})
+        assert (await call)[0] == 200
+    # Before: (0, "ClientPayloadError(...)"), cut 1 s in, as the call ended.
+    assert listed[0] == 200 and '"slow"' in listed[1], listed
+    assert await sluice.wait_exit(timeout=30) == 0
+    assert "drain timeout" not in sluice.stderr() and "drained" in sluice.stderr()
+
+
+async def test_a_calls_stream_resumed_while_draining_is_served_and_waited_for(
+        mcp_server_factory, start_sluice):  # noqa: F811
+    """2025-11-25 polling: a server closes a call's SSE stream after its priming event and
+    the client resumes it with a GET carrying ``Last-Event-ID``, where the call's answer
+    comes. Sluice refused that GET 503 ``draining`` as a new stream: the client never got the
+    answer of a call admitted before the drain. It is served, and the drain waits for it as
+    for the call; a session's plain GET stream is still not waited for
+    (``test_a_drain_waits_for_calls_not_for_idle_get_streams``)."""
+    server = mcp_server_factory("session", resumable=True)
+    sluice = await start_sluice({
+        "server": {"drain_timeout": "20s"},
+        "routes": [{"name": "tools", "path_prefix": "/tools/", "upstream": server.base_url,
+                    "protocol": "mcp"}]})
+    url = sluice.url + "/tools/mcp"
+    async with aiohttp.ClientSession() as http:
+        headers = await _raw_session(http, url)
+        status, closed = await _mcp_answer(http, url, headers,
+                                           tool_call(2, "poll", seconds=3.0))
+        assert status == 200 and '"polled"' not in closed  # closed early, for polling
+        last_id = [line[3:].strip() for line in closed.splitlines() if line.startswith("id:")][-1]
+        call = asyncio.create_task(_mcp_answer(http, url, headers,
+                                               tool_call(3, "slow", seconds=1.0)))
+        await wait_until(lambda: _admitted_tool(sluice, "slow"), what="a call in flight")
+        sluice.signal(signal.SIGTERM)
+        await wait_until(lambda: "draining" in sluice.stderr(), what="the drain")
+        resumed = await _resumed(http, url, {**headers, "Last-Event-ID": last_id})
+        assert (await call)[0] == 200
+    # Before: (503, ...draining...); served but not waited for, it was cut as the call ended.
+    assert resumed[0] == 200 and '"polled"' in resumed[1], resumed
+    assert await sluice.wait_exit(timeout=30) == 0
+    assert "drain timeout" not in sluice.stderr() and "drained" in sluice.stderr()

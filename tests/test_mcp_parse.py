@@ -25,6 +25,7 @@ from policies.mcp import (
     is_modern,
     parse_post,
     refusal,
+    resumes,
     rewrite_id,
     traffic,
 )
@@ -184,6 +185,13 @@ def test_traffic_without_a_body() -> None:
     assert traffic("OPTIONS") == "control"
     with pytest.raises(TypeError):
         traffic("POST")
+
+
+def test_a_get_with_last_event_id_resumes() -> None:
+    assert resumes("GET", CIMultiDict({"last-event-id": "2:3"}))
+    assert not resumes("GET", CIMultiDict({"Last-Event-ID": ""}))  # the session's stream
+    assert not resumes("GET", CIMultiDict())
+    assert not resumes("POST", CIMultiDict({"Last-Event-ID": "2:3"}))
 
 
 def test_a_batch_is_a_call_when_any_member_is() -> None:
