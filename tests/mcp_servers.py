@@ -57,6 +57,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+import aiohttp
 import pytest
 
 Mode = Literal["stateless", "session"]
@@ -166,6 +167,25 @@ def _read_port(proc: subprocess.Popen[bytes], stderr_path: Path) -> int:
 
 
 # -- pytest fixtures (import them into a test module) ------------------------------------------
+
+
+HTTP_HEADERS = {"Content-Type": "application/json",
+                "Accept": "application/json, text/event-stream"}
+
+
+async def raw_session(http: aiohttp.ClientSession, url: str) -> dict[str, str]:
+    """A 2025-11-25 session opened by hand; the headers its requests carry."""
+    init = {"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
+        "protocolVersion": "2025-11-25", "capabilities": {},
+        "clientInfo": {"name": "raw", "version": "1"}}}
+    async with http.post(url, json=init, headers=HTTP_HEADERS) as r:
+        await r.read()
+        headers = {**HTTP_HEADERS, "Mcp-Session-Id": r.headers["Mcp-Session-Id"],
+                   "MCP-Protocol-Version": "2025-11-25"}
+    async with http.post(url, json={"jsonrpc": "2.0", "method": "notifications/initialized"},
+                         headers=headers) as r:
+        await r.read()
+    return headers
 
 
 def tool_call(request_id: int | str, name: str, **arguments: Any) -> dict[str, Any]:

@@ -22,10 +22,10 @@ from tests.mcp_servers import (  # noqa: F401  (fixtures)
     mcp_server_factory,
     mcp_session,
     mcp_stateless,
+    raw_session,
     tool_call,
 )
 from tests.redis_servers import delete_prefix, new_prefix, require_redis
-from tests.test_mcp_e2e import _raw_session
 
 CHAT = {"model": "gpt-test", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -602,7 +602,7 @@ async def test_control_traffic_served_while_draining_is_waited_for(
                     "protocol": "mcp"}]})
     url = sluice.url + "/tools/mcp"
     async with aiohttp.ClientSession() as http:
-        headers = await _raw_session(http, url)
+        headers = await raw_session(http, url)
         call = asyncio.create_task(_mcp_answer(http, url, headers,
                                                tool_call(2, "slow", seconds=1.0)))
         await wait_until(lambda: _admitted_tool(sluice, "slow"), what="the call admitted")
@@ -632,7 +632,7 @@ async def test_a_calls_stream_resumed_while_draining_is_served_and_waited_for(
                     "protocol": "mcp"}]})
     url = sluice.url + "/tools/mcp"
     async with aiohttp.ClientSession() as http:
-        headers = await _raw_session(http, url)
+        headers = await raw_session(http, url)
         status, closed = await _mcp_answer(http, url, headers,
                                            tool_call(2, "poll", seconds=3.0))
         assert status == 200 and '"polled"' not in closed  # closed early, for polling

@@ -30,7 +30,6 @@ from mcp import Client, MCPError
 
 from tests import mcp_servers
 from tests.conftest import REPO, wait_until
-from tests.test_mcp_e2e import _raw_session
 from tests.test_mcp_left_callers import (
     CALL,
     HEADERS,
@@ -188,7 +187,7 @@ async def test_a_cancel_on_a_route_without_dedup_still_stops_the_tool(mcp_sessio
     url = sluice.url + "/tools/mcp"
     call = mcp_servers.tool_call(7, "send_slowly", to="ops", seconds=20)
     async with aiohttp.ClientSession() as http:
-        headers = await _raw_session(http, url)
+        headers = await mcp_servers.raw_session(http, url)
 
         async def answer() -> str:
             async with http.post(url, json=call, headers=headers) as r:

@@ -152,7 +152,7 @@ async def test_a_drain_waits_for_calls_not_for_idle_get_streams(mcp_session, sta
     url = endpoint(sluice)
     call = mcp_servers.tool_call(5, "slow", seconds=1.0)
     async with aiohttp.ClientSession() as http:
-        headers = await _raw_session(http, url)
+        headers = await mcp_servers.raw_session(http, url)
         async with http.get(url, headers={**headers, "Accept": "text/event-stream"}) as stream:
             assert stream.status == 200
 
@@ -187,7 +187,7 @@ async def test_a_call_the_drain_cuts_gets_its_json_rpc_error(mcp_server_factory,
     url = endpoint(sluice)
     call = mcp_servers.tool_call(9, "slow", seconds=20)
     async with aiohttp.ClientSession() as http:
-        headers = await _raw_session(http, url)
+        headers = await mcp_servers.raw_session(http, url)
 
         async def post_call() -> tuple[int, str, bytes]:
             async with http.post(url, json=call, headers=headers) as r:
@@ -229,7 +229,7 @@ async def test_a_call_whose_stream_ends_without_its_response_gets_an_error_event
     url = endpoint(sluice)
     call = mcp_servers.tool_call(17, "slow", seconds=5.0)
     async with aiohttp.ClientSession() as http:
-        headers = await _raw_session(http, url)
+        headers = await mcp_servers.raw_session(http, url)
         async with http.post(url, json=call, headers=headers) as r:
             assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
             await wait_until(lambda: _admitted(sluice) >= 1, what="the call in flight")
@@ -245,25 +245,6 @@ async def test_a_call_whose_stream_ends_without_its_response_gets_an_error_event
 
 
 # -- a cancelled call leaves no answer for its key ------------------------------------------------
-
-
-HTTP_HEADERS = {"Content-Type": "application/json",
-                "Accept": "application/json, text/event-stream"}
-
-
-async def _raw_session(http: aiohttp.ClientSession, url: str) -> dict[str, str]:
-    """A 2025-11-25 session opened by hand; the headers its requests carry."""
-    init = {"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
-        "protocolVersion": "2025-11-25", "capabilities": {},
-        "clientInfo": {"name": "raw", "version": "1"}}}
-    async with http.post(url, json=init, headers=HTTP_HEADERS) as r:
-        await r.read()
-        headers = {**HTTP_HEADERS, "Mcp-Session-Id": r.headers["Mcp-Session-Id"],
-                   "MCP-Protocol-Version": "2025-11-25"}
-    async with http.post(url, json={"jsonrpc": "2.0", "method": "notifications/initialized"},
-                         headers=headers) as r:
-        await r.read()
-    return headers
 
 
 async def test_a_cancelled_calls_answer_is_not_replayed_to_the_next_caller(mcp_session,
@@ -285,7 +266,7 @@ async def test_a_cancelled_calls_answer_is_not_replayed_to_the_next_caller(mcp_s
     call = {"jsonrpc": "2.0", "id": 7, "method": "tools/call",
             "params": {"name": "slow", "arguments": {"seconds": 1.5}}}
     async with aiohttp.ClientSession() as http:
-        first = await _raw_session(http, url)
+        first = await mcp_servers.raw_session(http, url)
 
         async def cancelled() -> str:
             async with http.post(url, json=call, headers=first) as r:
