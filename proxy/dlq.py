@@ -13,7 +13,8 @@
   dedup``; the memory backend's are in the server's memory, out of the command's reach).
   The block is the one a request of the letter's operation is under now: the route's, or
   its tool's, endpoint's or model's own (``tools:``, ...), which replaces it, ``mode: off``
-  included (:func:`policies.operations.idempotency_of`).
+  included (:func:`policies.operations.idempotency_of`). Its ``timeouts`` too replace the
+  route's for the send, and for how long the replay holds its letter and key.
   There it also holds the key as the route's requests do while it sends (refused, nothing
   sent, while a request with the key is in flight) and stores its answer for the key, so
   the caller's later retry gets it replayed rather than doing the work again. A
@@ -55,7 +56,7 @@ import orjson
 from multidict import CIMultiDict
 
 from policies import mcp
-from policies.config import HEADER_NAME, Config, IdempotencyConfig, RouteConfig
+from policies.config import HEADER_NAME, Config, IdempotencyConfig, RouteConfig, TimeoutsConfig
 from policies.deadletter import ANSWERED, BUSY, CLAIMED, DeadLetter, DeadLetterFile, ReplayClaim
 from policies.idempotency import Capture, parse_key, shared_answer, shared_record_key
 from policies.idempotency_store import DONE, SEEN, TOO_LARGE
@@ -74,7 +75,8 @@ EXIT_TERMINATED = 128 + signal.SIGTERM
 #: Bound on each Redis call of the command, seconds: at least this, whatever
 #: ``state.timeout`` (tuned for the request path) says, as a listing reads many entries.
 CLI_TIMEOUT_S = 5.0
-#: How much longer than its route's timeouts a replay holds its letter, seconds.
+#: How much longer than its timeouts (its operation's, or its route's) a replay holds its
+#: letter and its key, seconds.
 REPLAY_HOLD_MARGIN_S = 10.0
 
 
@@ -268,7 +270,9 @@ async def _replay(config: Config, store: DeadLetterStore | _FileStore, letter: D
     except ValueError as exc:
         print(exc, file=sys.stderr)
         return EXIT_FAILED
-    keys = _keys(route, letter)
+    block = _block(route, letter)
+    keys = _keys(route, block)
+    timeouts = route.timeouts_for(route.operations()[1].get(block) if block is not None else None)
     if records is not None and not args.again:
         since = await _answered_since(records, keys, letter)
         if since is not None:
@@ -280,7 +284,7 @@ async def _replay(config: Config, store: DeadLetterStore | _FileStore, letter: D
     # Held until the result is stored (or, if this command is killed, for as long as the send
     # may take): the check for an earlier answer and the hold are one step in the store.
     token = os.urandom(16).hex()
-    hold_s = route.timeouts.total + route.timeouts.connect + REPLAY_HOLD_MARGIN_S
+    hold_s = timeouts.total + timeouts.connect + REPLAY_HOLD_MARGIN_S
     claim = await store.claim_replay(letter.id or 0, token, hold_s, args.again)
     if claim.state == ANSWERED:
         # Work is dead-lettered because it may not have happened; once a replay was answered,
@@ -322,7 +326,8 @@ async def _replay(config: Config, store: DeadLetterStore | _FileStore, letter: D
     answer = b""
     reason, answer_headers = "", CIMultiDict[str]()
     try:
-        status, error, answer, reason, answer_headers = await _send(route, letter, headers)
+        status, error, answer, reason, answer_headers = await _send(route, timeouts, letter,
+                                                                    headers)
     finally:
         duration = time.monotonic() - started
         await _record(store, letter, status, error, duration, token, hold_s)
@@ -396,21 +401,27 @@ class _Keys(NamedTuple):
     config: IdempotencyConfig
 
 
-def _keys(route: RouteConfig, letter: DeadLetter) -> _Keys | None:
-    """The idempotency the letter's request is under, found as the server finds a request's
-    (:class:`policies.operations.OperationIndex`): its operation's own block replaces the
-    route's. ``None`` when no keys apply (none, or ``mode: off``). The operation is read
-    from the recorded request (an MCP call's tool from its body, an endpoint from its
-    method and path, a model from its body), which every letter keeps, those written
-    before this read too; a block added or renamed since applies as it would to the call."""
+def _block(route: RouteConfig, letter: DeadLetter) -> str | None:
+    """The name of the operation block the letter's request is under now (``None``: none),
+    found as the server finds a request's (:class:`policies.operations.OperationIndex`);
+    its ``idempotency`` and ``timeouts`` replace the route's. The operation is read from the
+    recorded request (an MCP call's tool from its body, an endpoint from its method and
+    path, a model from its body), which every letter keeps, those written before this read
+    too; a block added or renamed since applies as it would to the call."""
     tool = None
     if route.protocol == "mcp" and letter.method == "POST":
         version = CIMultiDict(letter.headers).get(mcp.VERSION_HEADER)
         # A body the route would refuse now names no operation: the route's block.
         with contextlib.suppress(mcp.InvalidMcpRequest):
             tool = mcp.parse_post(letter.body, version).tool
-    _, block = OperationIndex(*route.operations()).find(letter.method, letter.path,
-                                                        letter.body, tool)
+    return OperationIndex(*route.operations()).find(letter.method, letter.path, letter.body,
+                                                    tool)[1]
+
+
+def _keys(route: RouteConfig, block: str | None) -> _Keys | None:
+    """The idempotency a request under operation block ``block`` (:func:`_block`) is keyed
+    under: its block's own replaces the route's. ``None`` when no keys apply (none, or
+    ``mode: off``)."""
     group, config = idempotency_of(route, block)
     return _Keys(group, config) if config is not None else None
 
@@ -431,11 +442,12 @@ async def _answered_since(records: IdempotencyRecords, keys: _Keys | None,
     return answer.status
 
 
-async def _send(route: RouteConfig, letter: DeadLetter, headers: CIMultiDict[str],
+async def _send(route: RouteConfig, timeouts: TimeoutsConfig, letter: DeadLetter,
+                headers: CIMultiDict[str],
                 ) -> tuple[int | None, str | None, bytes, str, CIMultiDict[str]]:
-    """One attempt: ``(status, None, answer body, reason, answer headers)`` or
-    ``(None, error kind, b"", "", {})``."""
-    timeout = client_timeout(route.timeouts.total, route.timeouts.connect)
+    """One attempt under ``timeouts`` (the letter's operation's, or its route's): ``(status,
+    None, answer body, reason, answer headers)`` or ``(None, error kind, b"", "", {})``."""
+    timeout = client_timeout(timeouts.total, timeouts.connect)
     async with upstream_session() as session:
         try:
             async with session.request(

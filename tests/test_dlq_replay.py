@@ -7,8 +7,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
 import signal
 import sys
+import time
 
 import aiohttp
 import pytest
@@ -169,6 +171,37 @@ async def test_replay_arguments_that_cannot_work_are_refused_before_sending(
     for typo in ("0_1", "\u0661"):
         got, _, err = await outcome(await cli("dlq", "show", typo, "--config", config))
         assert got == 2 and "is not a whole number" in err
+
+
+async def test_a_replay_is_sent_and_held_under_its_models_own_timeouts(upstream, start_sluice,
+                                                                       tmp_path):
+    """A model's (tool's, endpoint's) ``timeouts`` block replaces its route's for its calls,
+    and so for the replay of its dead letters. The replay used the route's: here 1 s, so a
+    replay the upstream answers after 1.5 s was cut (the work done, its answer lost), and the
+    letter was held for the route's timeouts, not as long as its send may take."""
+    sluice = await start_sluice({
+        "dead_letter": {"path": str(tmp_path / "dlq.sqlite")},
+        "routes": [route("openai", upstream.url, timeouts={"total": "1s"},
+                         models={"gpt-test": {"timeouts": {"total": "60s"}}},
+                         retry={"attempts": 2, "backoff": FAST_BACKOFF})]})
+    config = str(sluice.config_path)
+    letter = await dead_letter(sluice, upstream, "pay-47")
+    sent = len(upstream.requests)
+    upstream.hold = asyncio.Event()
+    replay = await cli("dlq", "replay", letter, "--config", config)
+    await wait_until(lambda: len(upstream.requests) == sent + 1, timeout=30)
+    reached = time.monotonic()
+    # Held for the model's total and connect timeouts and the margin (75 s), not the
+    # route's (16 s).
+    code, _, err = await outcome(await cli("dlq", "replay", letter, "--config", config))
+    assert code == 1 and "is being replayed by another command" in err, err
+    held = re.search(r"lapses in (\d+)s", err)
+    assert held is not None and int(held[1]) > 60, err
+    await asyncio.sleep(max(0.0, reached + 1.5 - time.monotonic()))  # past the route's total
+    upstream.hold.set()
+    code, out, err = await outcome(replay)
+    assert code == 0 and "HTTP 200" in out, (out, err)
+    assert len(upstream.requests) == sent + 1
 
 
 def redis_dedup_config(url: str, prefix: str, upstream_url: str) -> dict:
