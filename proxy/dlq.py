@@ -3,10 +3,14 @@
 * ``list``: one line per record (the newest ``--limit``, 100 by default, oldest first): id,
   time (UTC), route, tenant, method and path, attempts, why retries ended, and the last
   replay's status; a last line says how many older records were left out.
-* ``show ID``: the whole record as JSON, with its attempts and replays.
+* ``show ID``: the whole record as JSON, with its attempts and replays, and where its
+  ``idempotency_key`` came from (``key_origin``: ``caller``, or ``derived`` or ``fresh``
+  for a key Sluice made; null in letters written before it was recorded).
 * ``replay ID``: send the recorded request once, straight to its route's upstream as the
-  config names it now, with the recorded method, path, headers, body and idempotency key; the
-  result is stored with the record. A record an earlier replay got an answer below 400 for
+  config names it now, with the recorded method, path, headers, body and idempotency key (the
+  one the call was handled under: the caller's, or one Sluice derived from ``derive_from``
+  headers or an MCP call's tool and arguments, used alike below); the result is stored with
+  the record. A record an earlier replay got an answer below 400 for
   is sent again only with ``--again``; with the Redis backend, so is one whose
   ``Idempotency-Key`` got an answer below 400 since (the caller's own retry), as the route's
   shared idempotency records tell when its ``idempotency`` block stores answers (``mode:
@@ -58,7 +62,14 @@ from multidict import CIMultiDict
 from policies import mcp
 from policies.config import HEADER_NAME, Config, IdempotencyConfig, RouteConfig, TimeoutsConfig
 from policies.deadletter import ANSWERED, BUSY, CLAIMED, DeadLetter, DeadLetterFile, ReplayClaim
-from policies.idempotency import Capture, parse_key, shared_answer, shared_record_key
+from policies.idempotency import (
+    DERIVED_KEY,
+    FRESH_KEY,
+    Capture,
+    parse_key,
+    shared_answer,
+    shared_record_key,
+)
 from policies.idempotency_store import DONE, SEEN, TOO_LARGE
 from policies.operations import OperationIndex, idempotency_of
 from policies.state import DeadLetterStore, StateUnavailable, redact_url, redis_backends
@@ -276,10 +287,10 @@ async def _replay(config: Config, store: DeadLetterStore | _FileStore, letter: D
     if records is not None and not args.again:
         since = await _answered_since(records, keys, letter)
         if since is not None:
-            print(f"dead letter {letter.id}: its Idempotency-Key {letter.idempotency_key!r} was "
-                  f"answered HTTP {since} since it was written (the caller's own retry, most "
-                  f"likely), so sending it again may do the work twice; pass --again to send "
-                  f"it anyway", file=sys.stderr)
+            print(f"dead letter {letter.id}: {_key_named(letter)} was answered HTTP {since} "
+                  f"since it was written (the caller's own retry, most likely), so sending it "
+                  f"again may do the work twice; pass --again to send it anyway",
+                  file=sys.stderr)
             return EXIT_FAILED
     # Held until the result is stored (or, if this command is killed, for as long as the send
     # may take): the check for an earlier answer and the hold are one step in the store.
@@ -315,10 +326,10 @@ async def _replay(config: Config, store: DeadLetterStore | _FileStore, letter: D
             raise
     if key is not None and key.busy:
         await _record(store, letter, None, "key_in_flight", 0.0, token, hold_s)
-        print(f"dead letter {letter.id}: a request with its Idempotency-Key "
-              f"{letter.idempotency_key!r} is in flight now (the caller's own retry, most "
-              f"likely), so sending it too may do the work twice; it was not sent: see that "
-              f"request's answer, or replay once it is over", file=sys.stderr)
+        print(f"dead letter {letter.id}: a request with {_key_named(letter)} is in flight now "
+              f"(the caller's own retry, most likely), so sending it too may do the work "
+              f"twice; it was not sent: see that request's answer, or replay once it is over",
+              file=sys.stderr)
         return EXIT_FAILED
     started = time.monotonic()
     status: int | None = None
@@ -343,6 +354,17 @@ async def _replay(config: Config, store: DeadLetterStore | _FileStore, letter: D
     print(f"replayed dead letter {letter.id} to {route.upstream}{letter.path}: {result} "
           f"in {duration:.3f}s")
     return 0 if status is not None and status < 400 else EXIT_FAILED
+
+
+def _key_named(letter: DeadLetter) -> str:
+    """How the command's messages name the letter's key: the caller's as it sent it; one
+    Sluice derived or made up is said to be, not printed (a derived key holds a digest of
+    the caller's credentials; ``dlq show`` has it, marked by ``key_origin``)."""
+    if letter.key_origin == DERIVED_KEY:
+        return "the key Sluice derived for it"
+    if letter.key_origin == FRESH_KEY:
+        return "the key Sluice made up for it"
+    return f"its Idempotency-Key {letter.idempotency_key!r}"
 
 
 def _field_value(value: str, what: str) -> str:
