@@ -638,7 +638,7 @@ def longest_call_s(route: RouteConfig, fanout_wait_s: float = 0.0) -> float:
     fanout = route.fanout if route.fanout is not None and route.fanout.width else None
     base = fanout_wait_s + waits(fanout, route.concurrency)
     plans = [(base, route.retry, route.timeouts)] + [
-        (base + waits(op.concurrency), op.retry or route.retry, op.timeouts or route.timeouts)
+        (base + waits(op.concurrency), op.retry or route.retry, route.timeouts_for(op))
         for op in route.operations()[1].values()]
     longest = 0.0
     for queue, retry, timeouts in plans:

@@ -901,6 +901,15 @@ class RouteConfig(_Section):
         key = OPERATION_KEYS[self.protocol]
         return key, getattr(self, key) or {}
 
+    def timeouts_for(self, block: OperationConfig | None) -> TimeoutsConfig:
+        """The upstream timeouts of a call under operation block ``block`` (``None``: no
+        block applies): the block's own ``timeouts`` when it has one, which replaces the
+        route's (a field it leaves out is the default, not the route's), else the route's
+        own object (``proxy.attempts`` tells the two apart by identity)."""
+        if block is not None and block.timeouts is not None:
+            return block.timeouts
+        return self.timeouts
+
     def costs_usd(self) -> bool:
         """Some operation of this route has a cost (``cost_per_call``, ``cost_per_second``)."""
         return any(op.cost_per_call or op.cost_per_second

@@ -4,7 +4,10 @@ A request on a route with ``retry`` whose failure was one Sluice retries on (a s
 kind in ``retry.on``) and that still failed when the retries ended (attempts spent, deadline,
 retry budget, breaker opened, unsafe to repeat, upstream asking for too long a wait) is
 written here with its route, tenant, run, idempotency key, method, path, headers, body and
-every attempt (time, status or error, duration), and the reason retries ended. The answer to
+every attempt (time, status or error, duration), and the reason retries ended. The key is the
+one the call was handled under: the caller's ``Idempotency-Key``, or the key Sluice derived
+for it (``derive_from``, an MCP call's tool and arguments) or made up, with where it came
+from (``key_origin``; letters written before it was recorded have none). The answer to
 the caller names the record in ``X-Sluice-Dead-Letter``.
 
 Secrets are never written: headers whose name or value says they carry credentials
@@ -84,7 +87,8 @@ CREATE TABLE IF NOT EXISTS dead_letters (
     body BLOB NOT NULL,
     body_size INTEGER NOT NULL,
     attempts TEXT NOT NULL,
-    reason TEXT NOT NULL
+    reason TEXT NOT NULL,
+    key_origin TEXT
 );
 CREATE INDEX IF NOT EXISTS dead_letters_route ON dead_letters (route);
 CREATE TABLE IF NOT EXISTS replays (
@@ -212,6 +216,10 @@ class DeadLetter:
     attempts: list[Attempt]
     reason: str
     created_at: float = field(default_factory=time.time)
+    #: Where ``idempotency_key`` came from (:func:`policies.idempotency.key_origin`:
+    #: ``caller``, ``derived`` or ``fresh``); ``None`` for a letter written before this was
+    #: recorded, or with no key.
+    key_origin: str | None = None
     id: int | None = None
     replays: list[dict[str, Any]] = field(default_factory=list)
 
@@ -229,7 +237,8 @@ class DeadLetter:
         return {
             "id": self.id, "created_at": self.created_at, "route": self.route,
             "tenant": self.tenant, "run": self.run, "idempotency_key": self.idempotency_key,
-            "request_id": self.request_id, "method": self.method, "path": self.path,
+            "key_origin": self.key_origin, "request_id": self.request_id,
+            "method": self.method, "path": self.path,
             "headers": [list(h) for h in self.headers], "redacted_headers": self.redacted,
             "body": body, "body_size": self.body_size, "body_truncated": self.truncated,
             "attempts": [a.as_dict() for a in self.attempts], "reason": self.reason,
@@ -260,7 +269,16 @@ class DeadLetterFile:
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.execute("PRAGMA busy_timeout=5000")
         self._db.executescript(_SCHEMA)
+        if "key_origin" not in self._columns():  # a file written before it was recorded
+            try:
+                self._db.execute("ALTER TABLE dead_letters ADD COLUMN key_origin TEXT")
+            except sqlite3.OperationalError:
+                if "key_origin" not in self._columns():  # not another process's, just now
+                    raise
         self._inode = _inode(self.path)
+
+    def _columns(self) -> set[str]:
+        return {row[1] for row in self._db.execute("PRAGMA table_info(dead_letters)")}
 
     def _follow(self) -> None:
         """Open the file at ``path`` again if it is no longer the one open. The old
@@ -286,12 +304,12 @@ class DeadLetterFile:
             cursor = self._db.execute(
                 "INSERT INTO dead_letters (created_at, route, tenant, run, idempotency_key,"
                 " request_id, method, path, headers, redacted, body, body_size, attempts,"
-                " reason) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                " reason, key_origin) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (letter.created_at, letter.route, letter.tenant, letter.run,
                  letter.idempotency_key, letter.request_id, letter.method, letter.path,
                  orjson.dumps(letter.headers), orjson.dumps(letter.redacted), letter.body,
                  letter.body_size, orjson.dumps([a.as_dict() for a in letter.attempts]),
-                 letter.reason),
+                 letter.reason, letter.key_origin),
             )
             dropped = self._drop_oldest(max_records) if max_records is not None else {}
         return Added(int(cursor.lastrowid or 0), dropped)
@@ -338,7 +356,7 @@ class DeadLetterFile:
         """The whole record ``letter_id`` with its replays, or ``None``."""
         row = self._db.execute(
             "SELECT id, created_at, route, tenant, run, idempotency_key, request_id, method,"
-            " path, headers, redacted, body, body_size, attempts, reason"
+            " path, headers, redacted, body, body_size, attempts, reason, key_origin"
             " FROM dead_letters WHERE id = ?", (letter_id,),
         ).fetchone()
         if row is None:
@@ -350,7 +368,7 @@ class DeadLetterFile:
             headers=[(n, v) for n, v in orjson.loads(row[9])], redacted=orjson.loads(row[10]),
             body=bytes(row[11]), body_size=row[12],
             attempts=[Attempt(**a) for a in orjson.loads(row[13])], reason=row[14],
-            replays=replays,
+            key_origin=row[15], replays=replays,
         )
 
     def claim_replay(self, letter_id: int, token: str, hold_s: float,

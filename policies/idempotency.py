@@ -172,6 +172,18 @@ _HANDOVER = object()
 _TIMED_OUT = object()
 
 
+#: Where a call's key came from (:func:`key_origin`; a dead letter records it): the caller's
+#: ``Idempotency-Key``; derived by Sluice (``derive_from``, or an MCP call's tool and
+#: arguments, each with a digest of the caller's credentials); made up fresh for the call.
+CALLER_KEY = "caller"
+DERIVED_KEY = "derived"
+FRESH_KEY = "fresh"
+#: How the keys Sluice makes begin: derived from ``derive_from`` headers, from an MCP call's
+#: tool and arguments, and fresh (every one ``"sluice-"``).
+DERIVED_PREFIX = "sluice-d-"
+TOOL_CALL_PREFIX = "sluice-t-"
+FRESH_PREFIX = "sluice-"
+
 #: Fresh keys drawn from one ``os.urandom`` read: one ``getrandom`` syscall per this many
 #: requests instead of one each; every key is still 128 bits from the OS's CSPRNG.
 FRESH_KEYS_PER_READ = 256
@@ -192,8 +204,18 @@ def fresh_key() -> str:
     if not _fresh_pool:
         # One read cut into keys by C code (findall, map): no Python step per key.
         hexed = os.urandom(16 * FRESH_KEYS_PER_READ).hex()
-        _fresh_pool.extend(map("sluice-".__add__, _HEX_KEY.findall(hexed)))
+        _fresh_pool.extend(map(FRESH_PREFIX.__add__, _HEX_KEY.findall(hexed)))
     return _fresh_pool.pop()
+
+
+def key_origin(key: str, callers: bool) -> str:
+    """Where ``key``, the key a call was handled under (as parsed or as sent upstream), came
+    from: :data:`CALLER_KEY` when ``callers`` (the caller sent an ``Idempotency-Key``), else
+    :data:`DERIVED_KEY` or :data:`FRESH_KEY`, by the form Sluice gives its own keys."""
+    if callers:
+        return CALLER_KEY
+    bare = key.strip('"')
+    return DERIVED_KEY if bare.startswith((DERIVED_PREFIX, TOOL_CALL_PREFIX)) else FRESH_KEY
 
 
 def parse_key(raw: str) -> str:
@@ -692,7 +714,7 @@ class Idempotency:
         digest = hashlib.sha256(self._route)
         digest.update(b"\0" + tenant.encode("utf-8", "surrogateescape") + b"\0" + fingerprint)
         digest.update(_credentials(headers))
-        return f"sluice-t-{digest.hexdigest()[:32]}"
+        return f"{TOOL_CALL_PREFIX}{digest.hexdigest()[:32]}"
 
     def _derive(self, headers: CIMultiDictProxy[str], tenant: str) -> str | None:
         if not self.derive_from:
@@ -705,7 +727,7 @@ class Idempotency:
         for value in values:
             digest.update(b"\0" + value.encode("utf-8", "surrogateescape"))
         digest.update(_credentials(headers))
-        return f"sluice-d-{digest.hexdigest()[:32]}"
+        return f"{DERIVED_PREFIX}{digest.hexdigest()[:32]}"
 
     async def _wait(self, store_key: Hashable, flight: _Flight, bound_s: float) -> object:
         """Wait at most ``bound_s`` seconds for ``flight`` to settle: a :class:`Record` to

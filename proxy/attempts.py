@@ -48,6 +48,7 @@ from yarl import URL
 
 from policies import breaker as brk
 from policies.deadletter import Attempt, DeadLetter, redact, redact_path
+from policies.idempotency import key_origin
 from policies.logs import PER_CALL
 from policies.mcp import AnswerTracker, Traffic
 from policies.operations import Plan
@@ -540,9 +541,16 @@ async def _dead_letter(rt: Runtime, route: Route, call: Call, headers: CIMultiDi
         return None
     kept, removed = redact(headers.items())
     path, removed_query = redact_path(call.path[len(route.prefix) - 1:])
+    # The key the call was handled under, as it went upstream (the caller's as sent, or
+    # Sluice's own), or as the caller sent it when the route keeps it from the upstream
+    # (request_headers_to_remove): its replay is checked and held under it all the same.
+    callers = call.headers.get(IDEMPOTENCY_HEADER)
     key = headers.get(IDEMPOTENCY_HEADER)
+    if key is None and call.idempotency_key is not None:
+        key = callers
     letter = DeadLetter(
         route=route.name, tenant=call.tenant, run=call.run, idempotency_key=key,
+        key_origin=key_origin(key, callers is not None) if key is not None else None,
         request_id=call.request_id, method=call.method, path=path, headers=kept,
         redacted=removed + removed_query, body=call.body, body_size=len(call.body),
         attempts=_attempt_records(tries.log), reason=tries.stop,

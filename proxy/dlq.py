@@ -3,17 +3,22 @@
 * ``list``: one line per record (the newest ``--limit``, 100 by default, oldest first): id,
   time (UTC), route, tenant, method and path, attempts, why retries ended, and the last
   replay's status; a last line says how many older records were left out.
-* ``show ID``: the whole record as JSON, with its attempts and replays.
+* ``show ID``: the whole record as JSON, with its attempts and replays, and where its
+  ``idempotency_key`` came from (``key_origin``: ``caller``, or ``derived`` or ``fresh``
+  for a key Sluice made; null in letters written before it was recorded).
 * ``replay ID``: send the recorded request once, straight to its route's upstream as the
-  config names it now, with the recorded method, path, headers, body and idempotency key; the
-  result is stored with the record. A record an earlier replay got an answer below 400 for
+  config names it now, with the recorded method, path, headers, body and idempotency key (the
+  one the call was handled under: the caller's, or one Sluice derived from ``derive_from``
+  headers or an MCP call's tool and arguments, used alike below); the result is stored with
+  the record. A record an earlier replay got an answer below 400 for
   is sent again only with ``--again``; with the Redis backend, so is one whose
   ``Idempotency-Key`` got an answer below 400 since (the caller's own retry), as the route's
   shared idempotency records tell when its ``idempotency`` block stores answers (``mode:
   dedup``; the memory backend's are in the server's memory, out of the command's reach).
   The block is the one a request of the letter's operation is under now: the route's, or
   its tool's, endpoint's or model's own (``tools:``, ...), which replaces it, ``mode: off``
-  included (:func:`policies.operations.idempotency_of`).
+  included (:func:`policies.operations.idempotency_of`). Its ``timeouts`` too replace the
+  route's for the send, and for how long the replay holds its letter and key.
   There it also holds the key as the route's requests do while it sends (refused, nothing
   sent, while a request with the key is in flight) and stores its answer for the key, so
   the caller's later retry gets it replayed rather than doing the work again. A
@@ -55,9 +60,16 @@ import orjson
 from multidict import CIMultiDict
 
 from policies import mcp
-from policies.config import HEADER_NAME, Config, IdempotencyConfig, RouteConfig
+from policies.config import HEADER_NAME, Config, IdempotencyConfig, RouteConfig, TimeoutsConfig
 from policies.deadletter import ANSWERED, BUSY, CLAIMED, DeadLetter, DeadLetterFile, ReplayClaim
-from policies.idempotency import Capture, parse_key, shared_answer, shared_record_key
+from policies.idempotency import (
+    DERIVED_KEY,
+    FRESH_KEY,
+    Capture,
+    parse_key,
+    shared_answer,
+    shared_record_key,
+)
 from policies.idempotency_store import DONE, SEEN, TOO_LARGE
 from policies.operations import OperationIndex, idempotency_of
 from policies.state import DeadLetterStore, StateUnavailable, redact_url, redis_backends
@@ -74,7 +86,8 @@ EXIT_TERMINATED = 128 + signal.SIGTERM
 #: Bound on each Redis call of the command, seconds: at least this, whatever
 #: ``state.timeout`` (tuned for the request path) says, as a listing reads many entries.
 CLI_TIMEOUT_S = 5.0
-#: How much longer than its route's timeouts a replay holds its letter, seconds.
+#: How much longer than its timeouts (its operation's, or its route's) a replay holds its
+#: letter and its key, seconds.
 REPLAY_HOLD_MARGIN_S = 10.0
 
 
@@ -268,19 +281,21 @@ async def _replay(config: Config, store: DeadLetterStore | _FileStore, letter: D
     except ValueError as exc:
         print(exc, file=sys.stderr)
         return EXIT_FAILED
-    keys = _keys(route, letter)
+    block = _block(route, letter)
+    keys = _keys(route, block)
+    timeouts = route.timeouts_for(route.operations()[1].get(block) if block is not None else None)
     if records is not None and not args.again:
         since = await _answered_since(records, keys, letter)
         if since is not None:
-            print(f"dead letter {letter.id}: its Idempotency-Key {letter.idempotency_key!r} was "
-                  f"answered HTTP {since} since it was written (the caller's own retry, most "
-                  f"likely), so sending it again may do the work twice; pass --again to send "
-                  f"it anyway", file=sys.stderr)
+            print(f"dead letter {letter.id}: {_key_named(letter)} was answered HTTP {since} "
+                  f"since it was written (the caller's own retry, most likely), so sending it "
+                  f"again may do the work twice; pass --again to send it anyway",
+                  file=sys.stderr)
             return EXIT_FAILED
     # Held until the result is stored (or, if this command is killed, for as long as the send
     # may take): the check for an earlier answer and the hold are one step in the store.
     token = os.urandom(16).hex()
-    hold_s = route.timeouts.total + route.timeouts.connect + REPLAY_HOLD_MARGIN_S
+    hold_s = timeouts.total + timeouts.connect + REPLAY_HOLD_MARGIN_S
     claim = await store.claim_replay(letter.id or 0, token, hold_s, args.again)
     if claim.state == ANSWERED:
         # Work is dead-lettered because it may not have happened; once a replay was answered,
@@ -311,10 +326,10 @@ async def _replay(config: Config, store: DeadLetterStore | _FileStore, letter: D
             raise
     if key is not None and key.busy:
         await _record(store, letter, None, "key_in_flight", 0.0, token, hold_s)
-        print(f"dead letter {letter.id}: a request with its Idempotency-Key "
-              f"{letter.idempotency_key!r} is in flight now (the caller's own retry, most "
-              f"likely), so sending it too may do the work twice; it was not sent: see that "
-              f"request's answer, or replay once it is over", file=sys.stderr)
+        print(f"dead letter {letter.id}: a request with {_key_named(letter)} is in flight now "
+              f"(the caller's own retry, most likely), so sending it too may do the work "
+              f"twice; it was not sent: see that request's answer, or replay once it is over",
+              file=sys.stderr)
         return EXIT_FAILED
     started = time.monotonic()
     status: int | None = None
@@ -322,7 +337,8 @@ async def _replay(config: Config, store: DeadLetterStore | _FileStore, letter: D
     answer = b""
     reason, answer_headers = "", CIMultiDict[str]()
     try:
-        status, error, answer, reason, answer_headers = await _send(route, letter, headers)
+        status, error, answer, reason, answer_headers = await _send(route, timeouts, letter,
+                                                                    headers)
     finally:
         duration = time.monotonic() - started
         await _record(store, letter, status, error, duration, token, hold_s)
@@ -338,6 +354,17 @@ async def _replay(config: Config, store: DeadLetterStore | _FileStore, letter: D
     print(f"replayed dead letter {letter.id} to {route.upstream}{letter.path}: {result} "
           f"in {duration:.3f}s")
     return 0 if status is not None and status < 400 else EXIT_FAILED
+
+
+def _key_named(letter: DeadLetter) -> str:
+    """How the command's messages name the letter's key: the caller's as it sent it; one
+    Sluice derived or made up is said to be, not printed (a derived key holds a digest of
+    the caller's credentials; ``dlq show`` has it, marked by ``key_origin``)."""
+    if letter.key_origin == DERIVED_KEY:
+        return "the key Sluice derived for it"
+    if letter.key_origin == FRESH_KEY:
+        return "the key Sluice made up for it"
+    return f"its Idempotency-Key {letter.idempotency_key!r}"
 
 
 def _field_value(value: str, what: str) -> str:
@@ -396,21 +423,27 @@ class _Keys(NamedTuple):
     config: IdempotencyConfig
 
 
-def _keys(route: RouteConfig, letter: DeadLetter) -> _Keys | None:
-    """The idempotency the letter's request is under, found as the server finds a request's
-    (:class:`policies.operations.OperationIndex`): its operation's own block replaces the
-    route's. ``None`` when no keys apply (none, or ``mode: off``). The operation is read
-    from the recorded request (an MCP call's tool from its body, an endpoint from its
-    method and path, a model from its body), which every letter keeps, those written
-    before this read too; a block added or renamed since applies as it would to the call."""
+def _block(route: RouteConfig, letter: DeadLetter) -> str | None:
+    """The name of the operation block the letter's request is under now (``None``: none),
+    found as the server finds a request's (:class:`policies.operations.OperationIndex`);
+    its ``idempotency`` and ``timeouts`` replace the route's. The operation is read from the
+    recorded request (an MCP call's tool from its body, an endpoint from its method and
+    path, a model from its body), which every letter keeps, those written before this read
+    too; a block added or renamed since applies as it would to the call."""
     tool = None
     if route.protocol == "mcp" and letter.method == "POST":
         version = CIMultiDict(letter.headers).get(mcp.VERSION_HEADER)
         # A body the route would refuse now names no operation: the route's block.
         with contextlib.suppress(mcp.InvalidMcpRequest):
             tool = mcp.parse_post(letter.body, version).tool
-    _, block = OperationIndex(*route.operations()).find(letter.method, letter.path,
-                                                        letter.body, tool)
+    return OperationIndex(*route.operations()).find(letter.method, letter.path, letter.body,
+                                                    tool)[1]
+
+
+def _keys(route: RouteConfig, block: str | None) -> _Keys | None:
+    """The idempotency a request under operation block ``block`` (:func:`_block`) is keyed
+    under: its block's own replaces the route's. ``None`` when no keys apply (none, or
+    ``mode: off``)."""
     group, config = idempotency_of(route, block)
     return _Keys(group, config) if config is not None else None
 
@@ -431,11 +464,12 @@ async def _answered_since(records: IdempotencyRecords, keys: _Keys | None,
     return answer.status
 
 
-async def _send(route: RouteConfig, letter: DeadLetter, headers: CIMultiDict[str],
+async def _send(route: RouteConfig, timeouts: TimeoutsConfig, letter: DeadLetter,
+                headers: CIMultiDict[str],
                 ) -> tuple[int | None, str | None, bytes, str, CIMultiDict[str]]:
-    """One attempt: ``(status, None, answer body, reason, answer headers)`` or
-    ``(None, error kind, b"", "", {})``."""
-    timeout = client_timeout(route.timeouts.total, route.timeouts.connect)
+    """One attempt under ``timeouts`` (the letter's operation's, or its route's): ``(status,
+    None, answer body, reason, answer headers)`` or ``(None, error kind, b"", "", {})``."""
+    timeout = client_timeout(timeouts.total, timeouts.connect)
     async with upstream_session() as session:
         try:
             async with session.request(

@@ -286,7 +286,7 @@ class Route:
             op.breaker if op is not None and self.protocol == "mcp"
             and op.config.circuit_breaker is not None and _counts_tool_errors(op) else None,
             op.retry if op is not None and op.retry else self.retry,
-            op.config.timeouts if op is not None and op.config.timeouts else config.timeouts,
+            config.timeouts_for(op.config if op is not None else None),
             config.idempotent or (op is not None and op.config.idempotent),
             # Each returns at once for a call that names no run: such a call skips them.
             (self.run_tracker, self.global_limits, self.run_limits, self.global_fanout,

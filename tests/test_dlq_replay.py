@@ -7,8 +7,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
 import signal
 import sys
+import time
 
 import aiohttp
 import pytest
@@ -171,6 +173,37 @@ async def test_replay_arguments_that_cannot_work_are_refused_before_sending(
         assert got == 2 and "is not a whole number" in err
 
 
+async def test_a_replay_is_sent_and_held_under_its_models_own_timeouts(upstream, start_sluice,
+                                                                       tmp_path):
+    """A model's (tool's, endpoint's) ``timeouts`` block replaces its route's for its calls,
+    and so for the replay of its dead letters. The replay used the route's: here 1 s, so a
+    replay the upstream answers after 1.5 s was cut (the work done, its answer lost), and the
+    letter was held for the route's timeouts, not as long as its send may take."""
+    sluice = await start_sluice({
+        "dead_letter": {"path": str(tmp_path / "dlq.sqlite")},
+        "routes": [route("openai", upstream.url, timeouts={"total": "1s"},
+                         models={"gpt-test": {"timeouts": {"total": "60s"}}},
+                         retry={"attempts": 2, "backoff": FAST_BACKOFF})]})
+    config = str(sluice.config_path)
+    letter = await dead_letter(sluice, upstream, "pay-47")
+    sent = len(upstream.requests)
+    upstream.hold = asyncio.Event()
+    replay = await cli("dlq", "replay", letter, "--config", config)
+    await wait_until(lambda: len(upstream.requests) == sent + 1, timeout=30)
+    reached = time.monotonic()
+    # Held for the model's total and connect timeouts and the margin (75 s), not the
+    # route's (16 s).
+    code, _, err = await outcome(await cli("dlq", "replay", letter, "--config", config))
+    assert code == 1 and "is being replayed by another command" in err, err
+    held = re.search(r"lapses in (\d+)s", err)
+    assert held is not None and int(held[1]) > 60, err
+    await asyncio.sleep(max(0.0, reached + 1.5 - time.monotonic()))  # past the route's total
+    upstream.hold.set()
+    code, out, err = await outcome(replay)
+    assert code == 0 and "HTTP 200" in out, (out, err)
+    assert len(upstream.requests) == sent + 1
+
+
 def redis_dedup_config(url: str, prefix: str, upstream_url: str) -> dict:
     """A Sluice on Redis whose route stores answers for keys and retries (dead-letters)."""
     return {"state": {"backend": "redis", "redis_url": url, "key_prefix": prefix,
@@ -251,6 +284,86 @@ async def test_a_replayed_letter_is_the_answer_to_its_keys_later_retry(upstream,
                 await r.read()
         assert code == 1 and "in flight" in err, err
         assert len(upstream.requests) == sent + 1
+    finally:
+        delete_prefix(url, prefix)
+
+
+async def test_a_key_sluice_derived_is_replayed_under_and_said_to_be_derived(
+        upstream, start_sluice):
+    """A call keyed by ``derive_from`` (a digest with the caller's credentials in it) is
+    handled under that key, and so is its letter's replay: refused once the caller's retry
+    was answered, the answer to the caller's retry when replayed first. The letter says the
+    key was derived; the command's messages name it so and never print it, nor the
+    credentials (only their name is kept)."""
+    url = require_redis()
+    prefix = new_prefix()
+    config = redis_dedup_config(url, prefix, upstream.url)
+    config["routes"][0]["idempotency"]["derive_from"] = ["X-Run-ID", "X-Step-ID"]
+    try:
+        sluice = await start_sluice(config)
+        path = str(sluice.config_path)
+
+        async def call(step: str, status: int) -> aiohttp.ClientResponse:
+            upstream.status = None if status == 200 else status
+            async with aiohttp.ClientSession() as s, s.post(
+                    sluice.url + "/openai" + CHAT, json=BODY, headers={
+                        "X-Tenant-ID": "acme", "X-Run-ID": "run-9", "X-Step-ID": step,
+                        "Authorization": "Bearer sk-test-secret"}) as r:
+                await r.read()
+                assert r.status == status
+                upstream.status = None
+                return r
+
+        letter = (await call("s1", 503)).headers["X-Sluice-Dead-Letter"]
+        _, out, _ = await outcome(await cli("dlq", "show", letter, "--config", path))
+        shown = json.loads(out)
+        assert shown["key_origin"] == "derived" and shown["idempotency_key"].startswith(
+            '"sluice-d-')
+        assert "sk-test-secret" not in out and shown["redacted_headers"] == ["Authorization"]
+        await call("s1", 200)  # the caller's own retry: the work is done
+        sent = len(upstream.requests)
+        code, _, err = await outcome(await cli("dlq", "replay", letter, "--config", path))
+        assert code == 1 and "the key Sluice derived for it was answered HTTP 200" in err, err
+        assert "sluice-d-" not in err and len(upstream.requests) == sent
+
+        letter = (await call("s2", 503)).headers["X-Sluice-Dead-Letter"]
+        code, out, err = await outcome(await cli("dlq", "replay", letter, "--config", path))
+        assert code == 0 and "HTTP 200" in out, err
+        sent = len(upstream.requests)
+        assert (await call("s2", 200)).headers.get("Idempotent-Replayed") == "true"
+        assert len(upstream.requests) == sent
+    finally:
+        delete_prefix(url, prefix)
+
+
+async def test_a_callers_key_the_route_keeps_from_the_upstream_is_still_the_letters(
+        upstream, start_sluice):
+    """With ``Idempotency-Key`` in ``request_headers_to_remove`` the upstream never sees the
+    caller's key, but Sluice handles the call under it. The letter recorded the key the
+    upstream got (none), so its replay sent the work again after the caller's retry with
+    that key was answered."""
+    url = require_redis()
+    prefix = new_prefix()
+    config = redis_dedup_config(url, prefix, upstream.url)
+    config["routes"][0]["request_headers_to_remove"] = ["Idempotency-Key"]
+    try:
+        sluice = await start_sluice(config)
+        path = str(sluice.config_path)
+        letter = await dead_letter(sluice, upstream, "pay-48")
+        assert "Idempotency-Key" not in upstream.requests[-1].headers
+        async with aiohttp.ClientSession() as s, s.post(
+                sluice.url + "/openai" + CHAT, json=BODY,
+                headers={"X-Tenant-ID": "acme", "Idempotency-Key": "pay-48"}) as r:
+            assert r.status == 200  # the caller's retry: the work is done
+            await r.read()
+        sent = len(upstream.requests)
+        code, _, err = await outcome(await cli("dlq", "replay", letter, "--config", path))
+        assert code == 1 and "its Idempotency-Key 'pay-48' was answered HTTP 200" in err, err
+        assert len(upstream.requests) == sent
+        _, out, _ = await outcome(await cli("dlq", "show", letter, "--config", path))
+        shown = json.loads(out)
+        assert (shown["idempotency_key"], shown["key_origin"]) == ("pay-48", "caller")
+        assert ["Idempotency-Key", "pay-48"] not in shown["headers"]  # it is not sent
     finally:
         delete_prefix(url, prefix)
 

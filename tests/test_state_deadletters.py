@@ -7,11 +7,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import sqlite3
 import time
 from collections.abc import AsyncIterator
 
 import pytest
 
+import policies.deadletter
 import policies.state.deadletters
 from policies.config import DeadLetterConfig
 from policies.deadletter import (
@@ -38,7 +40,7 @@ def letter(route: str = "openai", **changes: object) -> DeadLetter:
         redacted=["Authorization"], body=b'{"model": "m"}\x00\xff', body_size=40,
         attempts=[Attempt(1700000000.5, 503, None, 0.25), Attempt(1700000001.0, None,
                                                                    "timeout", 5.0)],
-        reason="attempts", created_at=1700000002.125,
+        reason="attempts", created_at=1700000002.125, key_origin="derived",
     )
     fields.update(changes)
     return DeadLetter(**fields)  # type: ignore[arg-type]
@@ -48,13 +50,14 @@ async def test_a_letter_comes_back_whole(backends: StateBackends):
     store = backends.dead_letters
     original = letter()
     first = (await store.add(original)).id
-    second = (await store.add(letter(run=None, idempotency_key=None))).id
+    second = (await store.add(letter(run=None, idempotency_key=None, key_origin=None))).id
     assert second == first + 1
     got = await store.get(first)
     assert got is not None
     assert got.as_dict() == {**original.as_dict(), "id": first}
     bare = await store.get(second)
-    assert bare is not None and (bare.run, bare.idempotency_key) == (None, None)
+    assert bare is not None
+    assert (bare.run, bare.idempotency_key, bare.key_origin) == (None, None, None)
     assert await store.get(second + 1) is None
 
 
@@ -144,6 +147,33 @@ def test_the_sqlite_file_holds_a_letter_for_one_replay_across_connections(tmp_pa
         time.sleep(0.02)
         assert one.claim_replay(letter_id, "c", 5.0, again=True).state == CLAIMED
         assert one.claim_replay(letter_id + 1, "d", 5.0).state == MISSING
+    finally:
+        one.close()
+        two.close()
+
+
+def test_a_file_written_before_key_origin_was_kept_is_read_and_written(tmp_path):
+    """A letter keeps where its key came from (``key_origin``); a file from before has no
+    such column: opening it adds one, its letters read with none, new ones with theirs."""
+    path = str(tmp_path / "dlq.sqlite")
+    schema = policies.deadletter._SCHEMA.replace(",\n    key_origin TEXT", "")
+    assert "key_origin" not in schema
+    old = sqlite3.connect(path)
+    old.executescript(schema)
+    old.execute("INSERT INTO dead_letters (created_at, route, tenant, idempotency_key,"
+                " request_id, method, path, headers, redacted, body, body_size, attempts,"
+                " reason) VALUES (1.0, 'openai', 'acme', 'k-0', 'req-0', 'POST', '/v1',"
+                " '[]', '[]', x'', 0, '[]', 'attempts')")
+    old.commit()
+    old.close()
+    one, two = DeadLetterFile(path), DeadLetterFile(path)  # the second finds it added
+    try:
+        before = one.get(1)
+        assert before is not None and (before.idempotency_key, before.key_origin) == (
+            "k-0", None)
+        new = two.get(two.add(letter()).id)
+        assert new is not None and new.key_origin == "derived"
+        assert new.as_dict() == {**letter().as_dict(), "id": new.id}
     finally:
         one.close()
         two.close()

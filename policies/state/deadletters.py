@@ -200,7 +200,8 @@ class MemoryDeadLetterStore:
 def _as_kwargs(letter: DeadLetter) -> dict[str, Any]:
     return {
         "route": letter.route, "tenant": letter.tenant, "run": letter.run,
-        "idempotency_key": letter.idempotency_key, "request_id": letter.request_id,
+        "idempotency_key": letter.idempotency_key, "key_origin": letter.key_origin,
+        "request_id": letter.request_id,
         "method": letter.method, "path": letter.path, "headers": list(letter.headers),
         "redacted": list(letter.redacted), "body": letter.body, "body_size": letter.body_size,
         "attempts": list(letter.attempts), "reason": letter.reason,
@@ -352,6 +353,8 @@ class RedisDeadLetterStore:
             fields += ["run", letter.run]
         if letter.idempotency_key is not None:
             fields += ["idempotency_key", letter.idempotency_key]
+        if letter.key_origin is not None:  # absent from letters written before it was kept
+            fields += ["key_origin", letter.key_origin]
         new_id, routes = await self._state.eval(
             _ADD, [self._stream, self._seq, self._depth],
             [letter.route, max_records or 0, MAX_DROPS_PER_ADD, self._replays, self._claims,
@@ -372,7 +375,8 @@ class RedisDeadLetterStore:
         return DeadLetter(
             id=letter_id, created_at=float(text["created_at"]), route=text["route"],
             tenant=text["tenant"], run=text.get("run"),
-            idempotency_key=text.get("idempotency_key"), request_id=text["request_id"],
+            idempotency_key=text.get("idempotency_key"), key_origin=text.get("key_origin"),
+            request_id=text["request_id"],
             method=text["method"], path=text["path"],
             headers=[(n, v) for n, v in orjson.loads(text["headers"])],
             redacted=orjson.loads(text["redacted"]), body=bytes(fields["body"]),
