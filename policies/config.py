@@ -298,6 +298,16 @@ def _redis_url(value: str) -> str:
     return value
 
 
+def _without_userinfo(url: str) -> str:
+    """``url`` with what may be its user info (``user:password@``) replaced by ``<redacted>``,
+    for a message about a URL too malformed to parse (a space in the password, ``http:/``):
+    everything between the scheme and the last ``@`` goes, too much rather than too little."""
+    scheme = re.match(r"[A-Za-z][A-Za-z0-9+.-]*:/{0,3}", url)
+    start = scheme.end() if scheme else 0
+    at = url.rfind("@", start)
+    return url if at < 0 else f"{url[:start]}<redacted>{url[at:]}"
+
+
 def _unquoted_secret(message: str, url: str) -> str:
     """``message`` with each quoted piece of ``url``'s user info redacted: redis-py quotes
     what it could not read, and a password holding ``/`` is read as the port
@@ -880,7 +890,8 @@ class RouteConfig(_Section):
         # when it connects, and every call would then fail 502.
         if not re.match(r"^https?://[^/?#\s]+(/[^?#\s]*)?$", value):
             raise ValueError(
-                f"{value!r} must be an http:// or https:// base URL with no query or fragment"
+                f"{_without_userinfo(value)!r} must be an http:// or https:// base URL with no "
+                "query or fragment"
             )
         try:
             parts = urllib.parse.urlsplit(value)

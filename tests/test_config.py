@@ -235,6 +235,23 @@ def test_a_rejected_upstream_url_is_shown_without_its_credentials(tmp_path: Path
     assert "s3cretpw" not in err and "SECRETQ" not in err
 
 
+@pytest.mark.parametrize("upstream", [
+    "http://bob:PW S13@127.0.0.1:9",  # a space: no URL parser reads it
+    "http:/bob:PW-S13@127.0.0.1:9",  # one slash: no authority at all
+    "http://bob:PW@S13@127.0.0.1:9/a b",
+])
+def test_a_malformed_upstream_url_is_shown_without_its_password(
+        tmp_path: Path, capsys, upstream: str) -> None:
+    # A new user's trial: a URL too malformed to parse was quoted whole, password and all,
+    # by check-config, at startup and in the reload log (the redaction reads URLs it parses).
+    path = tmp_path / "bad.yaml"
+    path.write_text(f"routes:\n  - {{name: r, path_prefix: /r/, upstream: '{upstream}'}}\n")
+    assert main(["check-config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}:2: routes[0].upstream: " in err and NOT_A_URL in err
+    assert "S13" not in err and "<redacted>@127.0.0.1:9" in err
+
+
 def test_max_buffered_bytes_must_hold_the_largest_body(tmp_path: Path, capsys) -> None:
     path = tmp_path / "bad.yaml"
     path.write_text("server: {max_request_bytes: 2000, max_buffered_bytes: 1000}\n"
