@@ -252,6 +252,16 @@ def _build(count_file: Path, list_delay: float = 0.0) -> Any:
         return "slept"
 
     @server.tool()
+    async def gated(path: str) -> str:
+        """Answer once the file ``path`` exists (at most 60 s): a call that lasts exactly as
+        long as its test needs, however slow the machine."""
+        for _ in range(3000):
+            if os.path.exists(path):
+                break
+            await asyncio.sleep(0.02)
+        return "opened"
+
+    @server.tool()
     async def poll(ctx: Context, seconds: float = 1.0) -> str:
         """Close the call's SSE stream at once (2025-11-25 polling: a client resumes it with
         ``Last-Event-ID``; needs ``resumable``), sleep ``seconds`` (at most 30), answer."""

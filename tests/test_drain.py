@@ -503,7 +503,7 @@ routes:
 
 
 async def test_an_mcp_sessions_control_traffic_is_served_while_draining(
-        mcp_session, start_sluice):  # noqa: F811
+        mcp_session, start_sluice, tmp_path):  # noqa: F811
     """A new user's Python 2.x client, its tools not listed yet, sends ``tools/list`` after
     the first result of a call: refused as new work during the drain, it failed calls that
     had finished at the server. A session's control traffic is served while draining; a new
@@ -514,19 +514,23 @@ async def test_an_mcp_sessions_control_traffic_is_served_while_draining(
         "server": {"drain_timeout": "20s"},
         "routes": [{"name": "tools", "path_prefix": "/tools/", "upstream": mcp_session.base_url,
                     "protocol": "mcp"}]})
+    gate = tmp_path / "gate"
     async with Client(sluice.url + "/tools/mcp", mode="legacy") as client:
-        running = asyncio.create_task(client.call_tool("slow", {"seconds": 4.0}))
+        # In flight until the gate opens: a call that ended on its own (a timed one did, on
+        # a loaded machine) would end the drain before the steps below.
+        running = asyncio.create_task(client.call_tool("gated", {"path": str(gate)}))
         # The call's own admission: the session's initialize and GET stream are admitted too.
-        await wait_until(lambda: _admitted_tool(sluice, "slow"), what="the call admitted")
+        await wait_until(lambda: _admitted_tool(sluice, "gated"), what="the call admitted")
         sluice.signal(signal.SIGTERM)
         await wait_until(lambda: "draining" in sluice.stderr(), what="the drain")
         tools = await client.list_tools()  # control traffic of a session: served
         with pytest.raises(MCPError) as refused:  # a new call: refused, for this call only
             await client.call_tool("add", {"a": 1, "b": 2})
+        gate.touch()
         result = await running
-    assert "slow" in {tool.name for tool in tools.tools}
+    assert "gated" in {tool.name for tool in tools.tools}
     assert refused.value.data["reason"] == "draining"
-    assert result.content[0].text == "slept"
+    assert result.content[0].text == "opened"
     assert await sluice.wait_exit(timeout=20) == 0
     rejected = [e for e in sluice.events() if e["event"] == "rejected"]
     assert [e["reason"] for e in rejected] == ["draining"]
