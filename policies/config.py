@@ -745,6 +745,17 @@ class OperationConfig(_Section):
     #: declares every operation so.
     idempotent: bool = False
 
+    @field_validator("timeouts")
+    @classmethod
+    def _call_timeouts(cls, value: TimeoutsConfig | None) -> TimeoutsConfig | None:
+        # Set here, they were ignored: ``idle`` bounds an MCP GET stream, which is no
+        # operation's, and the deadline header is named once for the route's calls.
+        unused = sorted({"idle", "deadline_header"} & (value.model_fields_set if value else set()))
+        if unused:
+            raise ValueError(f"an operation's timeouts take connect and total only; set "
+                             f"{' and '.join(unused)} in the route's timeouts")
+        return value
+
 
 #: The key naming the policy of every operation of a route that no other key names.
 DEFAULT_OPERATION = "default"

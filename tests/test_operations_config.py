@@ -122,6 +122,13 @@ def test_endpoint_pattern_means_what_its_regex_means(items: list[str], tail: str
       send:
         retry: {backoff: {base: 2s, max: 1s}}
 """, "sluice.yaml:8: routes[0].tools.send.retry.backoff.base: must not exceed backoff.max"),
+    # Taken and ignored before (idle bounds a GET stream; the header is the route's).
+    ("""\
+    tools:
+      search:
+        timeouts: {total: 10s, idle: 30s, deadline_header: X-Left}
+""", "sluice.yaml:8: routes[0].tools.search.timeouts: an operation's timeouts take connect "
+     "and total only; set deadline_header and idle in the route's timeouts"),
 ])
 def test_bad_operation_blocks(tmp_path: Path, tail: str, expected: str) -> None:
     found = problems(tmp_path, MCP + tail)
