@@ -375,10 +375,14 @@ class SharedConcurrencyLimiter(ConcurrencyLimiter):
 
     def state(self) -> dict[str, object]:
         """:meth:`ConcurrencyLimiter.state` (this replica's counts), plus ``shared_inflight``
-        (the route's leases on every replica, as last seen), ``lease_s`` and ``degraded``."""
+        (the route's leases on every replica, as last seen), ``lease_s`` and ``degraded``
+        (admitting from the local share: so since an acquire found Redis silent, until
+        Redis answers again, a call or the probe, whichever comes first)."""
         out = super().state()
+        # An idle route's flag waits for its next acquire; the backend's health does not.
+        degraded = self.degraded and not self.backends.health.up
         out.update(shared=True, shared_inflight=self.shared_inflight,
-                   lease_s=self.backends.lease_s, degraded=self.degraded)
+                   lease_s=self.backends.lease_s, degraded=degraded)
         return out
 
 

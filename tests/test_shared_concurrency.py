@@ -350,6 +350,7 @@ async def test_an_acquire_whose_answer_is_lost_holds_nothing_after_one_lease_tim
             await cancelled
         local = await lim.acquire("t")  # times out on Redis, then the local share: 1 of 2
         assert lim.degraded and local.lease.leases is state.fallback.local.leases
+        assert lim.state()["degraded"] is True
         with pytest.raises(Rejected) as full:
             await lim.acquire("t", caller_timeout=0.0)
         assert full.value.reason is Reason.DEADLINE_UNREACHABLE
@@ -357,6 +358,8 @@ async def test_an_acquire_whose_answer_is_lost_holds_nothing_after_one_lease_tim
         redis_server.thaw()
         thawed = time.monotonic()
         await eventually(lambda: _value(state.health.up), True, 5.0, "Redis back up")
+        # Shown as it is before the next acquire: the admin view said degraded till then.
+        assert lim.state()["degraded"] is False
         await eventually(lambda: leases_held(state), 0, state.lease_s + 1.0,
                          "leases of lost answers")
         assert time.monotonic() - thawed < state.lease_s + 1.0
