@@ -50,7 +50,7 @@ from policies import breaker as brk
 from policies.deadletter import Attempt, DeadLetter, redact, redact_path
 from policies.idempotency import key_origin
 from policies.logs import PER_CALL
-from policies.mcp import AnswerTracker, Traffic
+from policies.mcp import LAST_EVENT_ID_HEADER, SESSION_HEADER, AnswerTracker, Traffic
 from policies.operations import Plan
 from policies.pipeline import Call
 from policies.reasons import Reason, Rejected
@@ -210,6 +210,14 @@ async def forward(request: web.BaseRequest, rt: Runtime, route: Route, call: Cal
                 request[fwd.MCP_ANSWER] = tries.tracker
                 capture = _Both(capture, tries.tracker) if capture is not None \
                     else tries.tracker
+            elif (resumed := request.get(fwd.RESUMED_CALL)) is not None:
+                # A GET resuming a call's answer: followed for where it ends, should the
+                # upstream close it early again (below); its id is the one it resumed from.
+                tries.tracker = AnswerTracker(response.headers.get("Content-Type"), resumed[0])
+                tries.tracker.last_event_id = request.headers.get(
+                    LAST_EVENT_ID_HEADER, "").encode("utf-8", "surrogateescape")
+                capture = _Both(capture, tries.tracker) if capture is not None \
+                    else tries.tracker
             total, sent_at = timeout.total, call.sent_at
             try:
                 answer, outcome = await fwd.relay(
@@ -225,6 +233,14 @@ async def forward(request: web.BaseRequest, rt: Runtime, route: Route, call: Cal
                 return failed, "upstream_timeout" if timed_out else "upstream_error"
             if tries.pending is not None:
                 await _verdict(tries, tries.tracker)
+            tracker = tries.tracker
+            if (route.protocol == "mcp" and tracker is not None and tracker.outcome is None
+                    and tracker.resumable):
+                # Closed early for polling (2025-11-25): the client resumes it with a GET
+                # carrying the last event id, which the drain then waits for (proxy.handler).
+                rt.note_polled(route.name, call.headers.get(SESSION_HEADER),
+                               tracker.last_event_id.decode("utf-8", "surrogateescape"),
+                               tracker.request_id)
             return answer, outcome
         error = tries.error
         assert error is not None
