@@ -39,6 +39,7 @@ import asyncio
 import functools
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -213,11 +214,12 @@ async def forward(request: web.BaseRequest, rt: Runtime, route: Route, call: Cal
             elif (resumed := request.get(fwd.RESUMED_CALL)) is not None:
                 # A GET resuming a call's answer: followed for where it ends, should the
                 # upstream close it early again (below); its id is the one it resumed from.
+                # Once the response is through, it is told (``resumed[1]``: the drain waits
+                # no more for it, though a server may hold it open and a client read on).
                 tries.tracker = AnswerTracker(response.headers.get("Content-Type"), resumed[0])
                 tries.tracker.last_event_id = request.headers.get(
                     LAST_EVENT_ID_HEADER, "").encode("utf-8", "surrogateescape")
-                capture = _Both(capture, tries.tracker) if capture is not None \
-                    else tries.tracker
+                capture = _Answered(capture, tries.tracker, resumed[1])
             total, sent_at = timeout.total, call.sent_at
             try:
                 answer, outcome = await fwd.relay(
@@ -298,6 +300,30 @@ class _Both:
     def feed(self, chunk: bytes) -> None:
         self.capture.feed(chunk)
         self.tracker.feed(chunk)
+
+
+class _Answered:
+    """Feeds a resumed answer to ``capture`` (if any) and to its call's tracker, and calls
+    ``answered`` once, when the call's response has come through."""
+
+    __slots__ = ("answered", "capture", "tracker")
+
+    def __init__(self, capture: Any, tracker: AnswerTracker,
+                 answered: Callable[[], None]) -> None:
+        self.capture = capture
+        self.tracker = tracker
+        self.answered: Callable[[], None] | None = answered
+
+    def begin(self, status: int, reason: str | None, headers: Any) -> None:
+        if self.capture is not None:
+            self.capture.begin(status, reason, headers)
+
+    def feed(self, chunk: bytes) -> None:
+        if self.capture is not None:
+            self.capture.feed(chunk)
+        if self.tracker.feed(chunk) is not None and self.answered is not None:
+            answered, self.answered = self.answered, None
+            answered()
 
 
 async def _attempts(rt: Runtime, route: Route, call: Call, url: URL,

@@ -170,15 +170,18 @@ class _Presence:
             self.present = True
 
     def idle(self) -> None:
-        """Count the (admitted, present) request as a stream the drain does not wait for."""
-        self.route.streams += 1
-        self.stream = True
+        """Count the (admitted, present) request as a stream the drain does not wait for;
+        once, however often called (a resumed call's answer: when its response is through)."""
+        if self.present and not self.stream:
+            self.route.streams += 1
+            self.stream = True
 
     def leave(self) -> None:
         if self.stream:
             self.route.streams -= 1
         if self.present:
             self.route.present -= 1
+        self.present = self.stream = False
 
 
 async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
@@ -246,8 +249,8 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
         # notification had an id), and it stays open, silent, for the whole session.
         resumed = rt.take_polled(route.name, headers.get(mcp.SESSION_HEADER),
                                  headers[mcp.LAST_EVENT_ID_HEADER])
-        if resumed is not None:
-            request[RESUMED_CALL] = resumed
+        if resumed is not None:  # its call answered, it is a stream the drain leaves
+            request[RESUMED_CALL] = (*resumed, presence.idle)
         else:
             resumes = False
     if route.protocol == "mcp":

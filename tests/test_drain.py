@@ -703,3 +703,37 @@ async def test_a_sessions_get_stream_resumed_with_last_event_id_does_not_hold_th
         finally:
             resumed.release()
     assert "drain timeout" not in sluice.stderr() and "drained" in sluice.stderr()
+
+
+async def test_a_resumed_calls_stream_held_open_after_its_answer_does_not_hold_the_drain(
+        mcp_server_factory, start_sluice):  # noqa: F811
+    """From a review: the Python SDK's server keeps a resumed call's stream open after the
+    call's response, and the TypeScript SDK 1.x client reads on until the server closes it.
+    Waited for as a call, such a GET held every drain to its timeout once its call was
+    answered; with the response through, it is a stream like any other."""
+    server = mcp_server_factory("session", resumable=True)
+    sluice = await start_sluice({
+        "server": {"drain_timeout": "60s"},
+        "routes": [{"name": "tools", "path_prefix": "/tools/", "upstream": server.base_url,
+                    "protocol": "mcp"}]})
+    url = sluice.url + "/tools/mcp"
+    async with aiohttp.ClientSession() as http:
+        headers = await raw_session(http, url)
+        status, closed = await _mcp_answer(http, url, headers,
+                                           tool_call(2, "poll", seconds=0.5))
+        assert status == 200 and '"polled"' not in closed  # closed early, for polling
+        last_id = [line[3:].strip() for line in closed.splitlines() if line.startswith("id:")][-1]
+        async with http.get(url, headers={**headers, "Accept": "text/event-stream",
+                                          "Last-Event-ID": last_id}) as resumed:
+            assert resumed.status == 200
+            body = ""
+            async for line in resumed.content:
+                body += line.decode()
+                if '"polled"' in body:
+                    break
+            began = time.monotonic()
+            sluice.signal(signal.SIGTERM)  # the stream still open, as the client keeps it
+            # Before: the drain waited out its 60 s for the answered stream.
+            assert await sluice.wait_exit(timeout=30) == 0
+            assert time.monotonic() - began < 15
+    assert "drain timeout" not in sluice.stderr() and "drained" in sluice.stderr()
