@@ -233,16 +233,17 @@ async def forward(request: web.BaseRequest, rt: Runtime, route: Route, call: Cal
                     failed.headers.update(_NO_RETRY)
                 timed_out = error.reason is Reason.UPSTREAM_TIMEOUT
                 return failed, "upstream_timeout" if timed_out else "upstream_error"
-            if tries.pending is not None:
-                await _verdict(tries, tries.tracker)
             tracker = tries.tracker
-            if (route.protocol == "mcp" and tracker is not None and tracker.outcome is None
-                    and tracker.resumable):
+            if (route.protocol == "mcp" and tracker is not None and tracker.resumable
+                    and tracker.outcome is None):
                 # Closed early for polling (2025-11-25): the client resumes it with a GET
                 # carrying the last event id, which the drain then waits for (proxy.handler).
+                # Noted before anything awaits: the client may send that GET at once.
                 rt.note_polled(route.name, call.headers.get(SESSION_HEADER),
                                tracker.last_event_id.decode("utf-8", "surrogateescape"),
                                tracker.request_id)
+            if tries.pending is not None:
+                await _verdict(tries, tries.tracker)
             return answer, outcome
         error = tries.error
         assert error is not None
@@ -274,12 +275,18 @@ def _retried(tries: _Tries) -> bool:
 async def _verdict(tries: _Tries, tracker: AnswerTracker | None) -> None:
     """Tell a tool's breaker what its answer came to: a failure when the answer held no
     response (``tracker`` ``None``: it was cut) or a tool failure
-    (:attr:`policies.mcp.Outcome.tool_failure`), else a success."""
+    (:attr:`policies.mcp.Outcome.tool_failure`), else a success; nothing when the server
+    closed it early for polling (no response, events with ids)."""
     if tries.pending is None:
         return
     breaker, ticket = tries.pending
     tries.pending = None
     found = tracker.finish() if tracker is not None else None
+    if found is None and tracker is not None and tracker.resumable:
+        # Closed early for polling (2025-11-25): the response comes on the GET that resumes
+        # it, which no breaker hears; this answer says nothing of the tool yet.
+        breaker.release(ticket)
+        return
     failed = found is None or found.tool_failure
     await breaker.record(ticket, brk.FAILURE if failed else brk.SUCCESS)
 
