@@ -39,6 +39,7 @@ import asyncio
 import functools
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -50,7 +51,7 @@ from policies import breaker as brk
 from policies.deadletter import Attempt, DeadLetter, redact, redact_path
 from policies.idempotency import key_origin
 from policies.logs import PER_CALL
-from policies.mcp import AnswerTracker, Traffic
+from policies.mcp import LAST_EVENT_ID_HEADER, SESSION_HEADER, AnswerTracker, Traffic
 from policies.operations import Plan
 from policies.pipeline import Call
 from policies.reasons import Reason, Rejected
@@ -210,6 +211,15 @@ async def forward(request: web.BaseRequest, rt: Runtime, route: Route, call: Cal
                 request[fwd.MCP_ANSWER] = tries.tracker
                 capture = _Both(capture, tries.tracker) if capture is not None \
                     else tries.tracker
+            elif (resumed := request.get(fwd.RESUMED_CALL)) is not None:
+                # A GET resuming a call's answer: followed for where it ends, should the
+                # upstream close it early again (below); its id is the one it resumed from.
+                # Once the response is through, it is told (``resumed[1]``: the drain waits
+                # no more for it, though a server may hold it open and a client read on).
+                tries.tracker = AnswerTracker(response.headers.get("Content-Type"), resumed[0])
+                tries.tracker.last_event_id = request.headers.get(
+                    LAST_EVENT_ID_HEADER, "").encode("utf-8", "surrogateescape")
+                capture = _Answered(capture, tries.tracker, resumed[1])
             total, sent_at = timeout.total, call.sent_at
             try:
                 answer, outcome = await fwd.relay(
@@ -223,6 +233,15 @@ async def forward(request: web.BaseRequest, rt: Runtime, route: Route, call: Cal
                     failed.headers.update(_NO_RETRY)
                 timed_out = error.reason is Reason.UPSTREAM_TIMEOUT
                 return failed, "upstream_timeout" if timed_out else "upstream_error"
+            tracker = tries.tracker
+            if (route.protocol == "mcp" and tracker is not None and tracker.resumable
+                    and tracker.outcome is None):
+                # Closed early for polling (2025-11-25): the client resumes it with a GET
+                # carrying the last event id, which the drain then waits for (proxy.handler).
+                # Noted before anything awaits: the client may send that GET at once.
+                rt.note_polled(route.name, call.headers.get(SESSION_HEADER),
+                               tracker.last_event_id.decode("utf-8", "surrogateescape"),
+                               tracker.request_id)
             if tries.pending is not None:
                 await _verdict(tries, tries.tracker)
             return answer, outcome
@@ -256,12 +275,18 @@ def _retried(tries: _Tries) -> bool:
 async def _verdict(tries: _Tries, tracker: AnswerTracker | None) -> None:
     """Tell a tool's breaker what its answer came to: a failure when the answer held no
     response (``tracker`` ``None``: it was cut) or a tool failure
-    (:attr:`policies.mcp.Outcome.tool_failure`), else a success."""
+    (:attr:`policies.mcp.Outcome.tool_failure`), else a success; nothing when the server
+    closed it early for polling (no response, events with ids)."""
     if tries.pending is None:
         return
     breaker, ticket = tries.pending
     tries.pending = None
     found = tracker.finish() if tracker is not None else None
+    if found is None and tracker is not None and tracker.resumable:
+        # Closed early for polling (2025-11-25): the response comes on the GET that resumes
+        # it, which no breaker hears; this answer says nothing of the tool yet.
+        breaker.release(ticket)
+        return
     failed = found is None or found.tool_failure
     await breaker.record(ticket, brk.FAILURE if failed else brk.SUCCESS)
 
@@ -282,6 +307,30 @@ class _Both:
     def feed(self, chunk: bytes) -> None:
         self.capture.feed(chunk)
         self.tracker.feed(chunk)
+
+
+class _Answered:
+    """Feeds a resumed answer to ``capture`` (if any) and to its call's tracker, and calls
+    ``answered`` once, when the call's response has come through."""
+
+    __slots__ = ("answered", "capture", "tracker")
+
+    def __init__(self, capture: Any, tracker: AnswerTracker,
+                 answered: Callable[[], None]) -> None:
+        self.capture = capture
+        self.tracker = tracker
+        self.answered: Callable[[], None] | None = answered
+
+    def begin(self, status: int, reason: str | None, headers: Any) -> None:
+        if self.capture is not None:
+            self.capture.begin(status, reason, headers)
+
+    def feed(self, chunk: bytes) -> None:
+        if self.capture is not None:
+            self.capture.feed(chunk)
+        if self.tracker.feed(chunk) is not None and self.answered is not None:
+            answered, self.answered = self.answered, None
+            answered()
 
 
 async def _attempts(rt: Runtime, route: Route, call: Call, url: URL,

@@ -66,6 +66,7 @@ from policies.idempotency import (
     DERIVED_KEY,
     FRESH_KEY,
     Capture,
+    key_origin,
     parse_key,
     shared_answer,
     shared_record_key,
@@ -359,10 +360,15 @@ async def _replay(config: Config, store: DeadLetterStore | _FileStore, letter: D
 def _key_named(letter: DeadLetter) -> str:
     """How the command's messages name the letter's key: the caller's as it sent it; one
     Sluice derived or made up is said to be, not printed (a derived key holds a digest of
-    the caller's credentials; ``dlq show`` has it, marked by ``key_origin``)."""
-    if letter.key_origin == DERIVED_KEY:
+    the caller's credentials; ``dlq show`` has it, marked by ``key_origin``). A letter
+    written before ``key_origin`` was kept has none: a key of the form Sluice derives is
+    taken for one (a caller's key of that form is then named, not printed, too)."""
+    origin = letter.key_origin
+    if origin is None and letter.idempotency_key is not None:
+        origin = key_origin(letter.idempotency_key, callers=False)
+    if origin == DERIVED_KEY:
         return "the key Sluice derived for it"
-    if letter.key_origin == FRESH_KEY:
+    if letter.key_origin == FRESH_KEY:  # not by its form alone: a caller's may look alike
         return "the key Sluice made up for it"
     return f"its Idempotency-Key {letter.idempotency_key!r}"
 

@@ -92,6 +92,11 @@ RELAYED_STREAM = web.RequestKey("sluice_relayed_stream", web.StreamResponse)
 #: The tracker of an MCP call's answer as it is relayed (set on the request by
 #: ``proxy.attempts``), which tells whether its response has been sent.
 MCP_ANSWER = web.RequestKey("sluice_mcp_answer", AnswerTracker)
+#: On a GET resuming the answer of an MCP call the upstream closed early for polling (set
+#: by ``proxy.handler`` from :attr:`proxy.runtime.Runtime.polled`): ``(the call's JSON-RPC
+#: id, what to call once its response is through)``, by which ``proxy.attempts`` follows
+#: the resumed answer.
+RESUMED_CALL = web.RequestKey("sluice_resumed_call", tuple)
 
 
 class Finish:

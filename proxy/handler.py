@@ -54,6 +54,7 @@ from proxy import attempts
 from proxy.edge import BODY_CUT
 from proxy.forward import (
     RELAYED_STREAM,
+    RESUMED_CALL,
     Finish,
     answered,
     end_mcp_answer,
@@ -169,15 +170,18 @@ class _Presence:
             self.present = True
 
     def idle(self) -> None:
-        """Count the (admitted, present) request as a stream the drain does not wait for."""
-        self.route.streams += 1
-        self.stream = True
+        """Count the (admitted, present) request as a stream the drain does not wait for;
+        once, however often called (a resumed call's answer: when its response is through)."""
+        if self.present and not self.stream:
+            self.route.streams += 1
+            self.stream = True
 
     def leave(self) -> None:
         if self.stream:
             self.route.streams -= 1
         if self.present:
             self.route.present -= 1
+        self.present = self.stream = False
 
 
 async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
@@ -239,6 +243,16 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
         refused.force_close()  # the process is going away: the next call goes elsewhere
         return refused
     presence.enter()  # let in: the drain waits for it
+    if resumes:
+        # Waited for only when it resumes a call this process saw closed early: a session's
+        # own GET stream is resumed with Last-Event-ID too (the Python SDK's client, once a
+        # notification had an id), and it stays open, silent, for the whole session.
+        resumed = rt.take_polled(route.name, headers.get(mcp.SESSION_HEADER),
+                                 headers[mcp.LAST_EVENT_ID_HEADER])
+        if resumed is not None:  # its call answered, it is a stream the drain leaves
+            request[RESUMED_CALL] = (*resumed, presence.idle)
+        else:
+            resumes = False
     if route.protocol == "mcp":
         if cancels is not None:
             held = _call_to_hold(rt, route, tenant, headers.get(mcp.SESSION_HEADER), cancels)

@@ -7,6 +7,7 @@ import itertools
 import logging
 import os
 import sqlite3
+from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -17,6 +18,7 @@ from aiohttp import web
 from policies.budget import clock_from_env
 from policies.config import Config, FanoutConfig, RunConfig
 from policies.deadletter import DeadLetterQueue
+from policies.mcp import RequestId
 from policies.operations import width_limiters
 from policies.pipeline import Call
 from policies.runs import FanoutWidth, RunLimits, RunRegistry
@@ -61,6 +63,11 @@ class BuiltConfig:
     fanout_reconfigure: FanoutConfig | None
     cancel_ttl: float
     summary: dict[str, list[str]]
+
+
+#: How many calls closed early for polling :attr:`Runtime.polled` remembers at most (the
+#: oldest go first: a GET resuming one of those is then a stream the drain does not wait for).
+MAX_POLLED_CALLS = 10_000
 
 
 class Runtime:
@@ -114,6 +121,12 @@ class Runtime:
         #: MCP calls admitted and not finished, each with its handler's task: what
         #: :meth:`end_mcp_calls` ends when the drain cuts.
         self.mcp_calls: dict[Call, asyncio.Task[Any]] = {}
+        #: MCP calls whose SSE answer the upstream closed early, without the response but with
+        #: event ids (2025-11-25 polling), each by route, session and the last event id its
+        #: client got, with its JSON-RPC id (:meth:`note_polled`): a GET resuming one with
+        #: that ``Last-Event-ID`` is waited for by the drain; any other (a session's own GET
+        #: stream reconnected with the id of its last notification) is not.
+        self.polled: OrderedDict[tuple[str, str, str], RequestId] = OrderedDict()
         self.metrics.finishing.set_function(lambda: len(self.finishing))
         self.session: aiohttp.ClientSession | None = None
         #: Run trees, counts and cancellations, shared by every route (policies/runs.py),
@@ -284,6 +297,26 @@ class Runtime:
         ever). Returns those tasks, for the drain to wait for before the shutdown cuts the
         rest."""
         return cancel_live(self.mcp_calls.values())
+
+    def note_polled(self, route: str, session: str | None, event_id: str,
+                    rpc_id: RequestId) -> None:
+        """Remember a call whose answer stream the upstream closed early (see
+        :attr:`polled`); the oldest are forgotten past :data:`MAX_POLLED_CALLS`."""
+        key = (route, session or "", event_id)
+        self.polled[key] = rpc_id
+        self.polled.move_to_end(key)
+        while len(self.polled) > MAX_POLLED_CALLS:
+            self.polled.popitem(last=False)
+
+    def take_polled(self, route: str, session: str | None,
+                    event_id: str) -> tuple[RequestId] | None:
+        """``(its JSON-RPC id,)`` of the call a GET with ``Last-Event-ID`` ``event_id``
+        resumes, forgotten here (the GET follows it from now: ``proxy.attempts``); ``None``
+        when it resumes no call this process saw closed early."""
+        key = (route, session or "", event_id)
+        if key not in self.polled:
+            return None
+        return (self.polled.pop(key),)
 
     def next_request_id(self) -> str:
         """A request id unique to this process (cheaper than a UUID on the hot path)."""

@@ -299,9 +299,9 @@ async def _drain(runtime: Runtime, timeout_s: float, hurry: asyncio.Event) -> No
     # Polling keeps the request path free of drain bookkeeping; it runs only at shutdown.
     # MCP streams (a session's GET stream) stay open, silent, for as long as their session:
     # waited for, they held every drain to its timeout. They carry no call, so they are not
-    # waited for (a GET resuming a call's answer is no stream here: proxy.handler); the
-    # shutdown of the proxy port ends them with the rest (their clients reconnect them, to
-    # another replica).
+    # waited for (a GET resuming the answer of a call seen closed early is no stream here:
+    # proxy.handler); the shutdown of the proxy port ends them with the rest (their clients
+    # reconnect them, to another replica).
     while (runtime.present > runtime.streams and time.monotonic() < deadline  # noqa: ASYNC110
            and not hurry.is_set()):
         await asyncio.sleep(DRAIN_POLL_S)

@@ -520,3 +520,24 @@ async def test_a_replay_of_a_tool_with_idempotency_off_ignores_the_routes_record
     finally:
         await gate.stop()
         delete_prefix(url, prefix)
+
+
+@pytest.mark.parametrize(("key", "origin", "named"), [
+    ('"sluice-d-0123456789abcdef0123456789abcdef"', "derived", "the key Sluice derived"),
+    # Written before key_origin was kept: its form tells a key Sluice derived.
+    ('"sluice-d-0123456789abcdef0123456789abcdef"', None, "the key Sluice derived"),
+    ('"sluice-t-0123456789abcdef0123456789abcdef"', None, "the key Sluice derived"),
+    ("pay-47", "caller", "its Idempotency-Key 'pay-47'"),
+    ("pay-47", None, "its Idempotency-Key 'pay-47'"),
+])
+def test_a_derived_key_is_named_not_printed(key: str, origin: str | None, named: str) -> None:
+    """From a review: the command's messages name a key Sluice derived (it holds a digest of
+    the caller's credentials) without printing it, by the letter's ``key_origin``; a letter
+    written before that was kept has none, and its derived key was printed whole."""
+    letter = DeadLetter(route="openai", tenant="acme", run=None, idempotency_key=key,
+                        key_origin=origin, request_id="q", method="POST", path=CHAT,
+                        headers=[], redacted=[], body=b"{}", body_size=2, attempts=[],
+                        reason="attempts_exhausted", id=7)
+    said = dlq._key_named(letter)
+    assert said.startswith(named)
+    assert "sluice-d-" not in said and "sluice-t-" not in said

@@ -652,3 +652,88 @@ async def test_a_calls_stream_resumed_while_draining_is_served_and_waited_for(
     assert resumed[0] == 200 and '"polled"' in resumed[1], resumed
     assert await sluice.wait_exit(timeout=30) == 0
     assert "drain timeout" not in sluice.stderr() and "drained" in sluice.stderr()
+
+
+async def test_a_sessions_get_stream_resumed_with_last_event_id_does_not_hold_the_drain(
+        mcp_server_factory, start_sluice):  # noqa: F811
+    """From a review: the Python SDK's client reconnects its session's GET stream with
+    ``Last-Event-ID`` once the server gave any of its events an id (a server with an event
+    store, after any notification): the same header as a call's resumed answer. Taken for
+    one, that stream (open, silent, for the whole session) held every drain to its
+    timeout, as before plain GET streams were told apart. Only a GET resuming the answer of
+    a call this process closed early for polling is waited for."""
+    server = mcp_server_factory("session", resumable=True)
+    sluice = await start_sluice({
+        "server": {"drain_timeout": "60s"},
+        "routes": [{"name": "tools", "path_prefix": "/tools/", "upstream": server.base_url,
+                    "protocol": "mcp"}]})
+    url = sluice.url + "/tools/mcp"
+    sse = {"Accept": "text/event-stream"}
+    async with aiohttp.ClientSession() as http:
+        headers = await raw_session(http, url)
+        last_id = ""
+        async with http.get(url, headers={**headers, **sse}) as stream:
+            assert stream.status == 200
+            notified = await _mcp_answer(http, url, headers, tool_call(2, "notify"))
+            assert notified[0] == 200 and '"notified"' in notified[1], notified
+            async for line in stream.content:  # the notification, with its id
+                if line.startswith(b"id:"):
+                    last_id = line[3:].strip().decode()
+                    break
+        assert last_id.startswith("_GET_stream"), last_id
+        # The client's reconnection; the server resumes the session's stream and holds it.
+        for _ in range(50):
+            resumed = await http.get(url, headers={**headers, **sse, "Last-Event-ID": last_id})
+            if resumed.status == 200:
+                try:  # its priming event, then silence
+                    while await asyncio.wait_for(resumed.content.readline(), 1.0):
+                        pass
+                except TimeoutError:
+                    break  # open and silent: the session's stream, resumed
+            resumed.release()
+            await asyncio.sleep(0.1)
+        else:
+            pytest.fail("the session's GET stream was never resumed")
+        try:
+            began = time.monotonic()
+            sluice.signal(signal.SIGTERM)
+            # Before: the drain waited out its 60 s for the resumed stream.
+            assert await sluice.wait_exit(timeout=30) == 0
+            assert time.monotonic() - began < 15
+        finally:
+            resumed.release()
+    assert "drain timeout" not in sluice.stderr() and "drained" in sluice.stderr()
+
+
+async def test_a_resumed_calls_stream_held_open_after_its_answer_does_not_hold_the_drain(
+        mcp_server_factory, start_sluice):  # noqa: F811
+    """From a review: the Python SDK's server keeps a resumed call's stream open after the
+    call's response, and the TypeScript SDK 1.x client reads on until the server closes it.
+    Waited for as a call, such a GET held every drain to its timeout once its call was
+    answered; with the response through, it is a stream like any other."""
+    server = mcp_server_factory("session", resumable=True)
+    sluice = await start_sluice({
+        "server": {"drain_timeout": "60s"},
+        "routes": [{"name": "tools", "path_prefix": "/tools/", "upstream": server.base_url,
+                    "protocol": "mcp"}]})
+    url = sluice.url + "/tools/mcp"
+    async with aiohttp.ClientSession() as http:
+        headers = await raw_session(http, url)
+        status, closed = await _mcp_answer(http, url, headers,
+                                           tool_call(2, "poll", seconds=0.5))
+        assert status == 200 and '"polled"' not in closed  # closed early, for polling
+        last_id = [line[3:].strip() for line in closed.splitlines() if line.startswith("id:")][-1]
+        async with http.get(url, headers={**headers, "Accept": "text/event-stream",
+                                          "Last-Event-ID": last_id}) as resumed:
+            assert resumed.status == 200
+            body = ""
+            async for line in resumed.content:
+                body += line.decode()
+                if '"polled"' in body:
+                    break
+            began = time.monotonic()
+            sluice.signal(signal.SIGTERM)  # the stream still open, as the client keeps it
+            # Before: the drain waited out its 60 s for the answered stream.
+            assert await sluice.wait_exit(timeout=30) == 0
+            assert time.monotonic() - began < 15
+    assert "drain timeout" not in sluice.stderr() and "drained" in sluice.stderr()

@@ -101,3 +101,23 @@ async def test_the_1x_client_resumes_a_stream_closed_for_polling(
     sluice = await start_sluice({"routes": [_route(server.base_url)]})
     out = await run_mcp1(tmp_path / "mcp1_poll.py", MCP1_POLL, sluice.url + "/tools/mcp")
     assert out == {"text": "polled", "error": False}
+
+
+async def test_calls_a_server_closes_for_polling_do_not_open_their_tools_breaker(
+        mcp_server_factory, start_sluice):  # noqa: F811
+    """From a review: a tool's breaker heard each call whose stream the server closed early
+    for polling (2025-11-25, SEP-1699: a priming event with an id, then a clean end) as a
+    failure, an answer without its response: with ``fail_max: 2``, the third call of a
+    healthy tool on a polling server was refused ``circuit_open``, though every call was
+    answered (on the resumed GET, which no breaker hears)."""
+    from mcp import Client
+
+    server = mcp_server_factory("session", resumable=True)
+    sluice = await start_sluice({"routes": [_route(server.base_url, tools={
+        "poll": {"circuit_breaker": {"fail_max": 2, "reset_timeout": "60s"}}})]})
+    async with Client(sluice.url + "/tools/mcp", mode="legacy") as client:
+        for _ in range(3):
+            result = await client.call_tool("poll", {"seconds": 0.1})
+            assert result.content[0].text == "polled" and not result.is_error
+    assert await sluice.metric("sluice_operation_circuit_state", route="tools",
+                               operation="poll") == 0

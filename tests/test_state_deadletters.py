@@ -179,6 +179,35 @@ def test_a_file_written_before_key_origin_was_kept_is_read_and_written(tmp_path)
         two.close()
 
 
+def test_a_key_origin_column_another_process_adds_first_is_taken(tmp_path, monkeypatch):
+    """Two processes opening a file written before ``key_origin`` was kept both find the
+    column missing; the second's ``ALTER TABLE`` then fails (duplicate column), and the
+    column it finds there since is taken, not raised. The test above opens one after the
+    other, so the second finds the column and never comes to that branch."""
+    path = str(tmp_path / "dlq.sqlite")
+    schema = policies.deadletter._SCHEMA.replace(",\n    key_origin TEXT", "")
+    old = sqlite3.connect(path)
+    old.executescript(schema)
+    old.close()
+    first = DeadLetterFile(path)  # adds it
+    columns = DeadLetterFile._columns
+    looked: list[int] = []
+
+    def stale(self: DeadLetterFile) -> set[str]:  # the second looked before the first added
+        looked.append(1)
+        return set() if len(looked) == 1 else columns(self)
+
+    monkeypatch.setattr(DeadLetterFile, "_columns", stale)
+    second = DeadLetterFile(path)
+    try:
+        assert len(looked) == 2  # the ALTER failed, and the column was looked for again
+        got = second.get(second.add(letter()).id)
+        assert got is not None and got.key_origin == "derived"
+    finally:
+        first.close()
+        second.close()
+
+
 @pytest.mark.parametrize("how", ["deleted", "moved"])
 def test_letters_go_to_the_file_at_the_path_after_it_was_deleted_or_moved(tmp_path, how):
     """Seen in a hostile trial: after ``rm dlq.sqlite*`` under a running server, every later
