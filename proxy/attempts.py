@@ -211,7 +211,8 @@ async def forward(request: web.BaseRequest, rt: Runtime, route: Route, call: Cal
                 request[fwd.MCP_ANSWER] = tries.tracker
                 capture = _Both(capture, tries.tracker) if capture is not None \
                     else tries.tracker
-            elif (resumed := request.get(fwd.RESUMED_CALL)) is not None:
+            elif (route.protocol == "mcp"  # a look-up that misses raises: not on every call
+                  and (resumed := request.get(fwd.RESUMED_CALL)) is not None):
                 # A GET resuming a call's answer: followed for where it ends, should the
                 # upstream close it early again (below); its id is the one it resumed from.
                 # Once the response is through, it is told (``resumed[1]``: the drain waits
