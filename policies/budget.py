@@ -68,8 +68,10 @@ log = logging.getLogger("sluice")
 SETTLE_WAIT_S = 1.0
 #: How long a reservation may stay unsettled before the ledger reaps it, seconds, at least:
 #: a route's calls may run longer (:func:`longest_call_s`), and its hold is then that plus
-#: :data:`HOLD_MARGIN_S` (:func:`hold_for`).
-HOLD_S = 900.0
+#: :data:`HOLD_MARGIN_S` (:func:`hold_for`). The floor is short: a killed replica's
+#: reservations fill a budget until reaped (15 min, it once was, on a route of 5 s calls,
+#: with callers told to come back every second; a hostile trial).
+HOLD_S = 120.0
 HOLD_MARGIN_S = 60.0
 #: Reconcile entries kept while the shared ledger is unavailable (see :class:`Reconciler`).
 MAX_PENDING = 100_000

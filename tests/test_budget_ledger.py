@@ -8,6 +8,7 @@ import calendar
 import pytest
 
 from policies.budget import (
+    HOLD_S,
     POLICY_HEADER,
     REMAINING_HEADER,
     RESET_HEADER,
@@ -203,6 +204,10 @@ async def test_a_call_running_longer_than_15_minutes_keeps_its_reservation():
     route = Route(config, EventLog(None), clock=clock, state=state)
     budgets = route.budgets
     assert budgets is not None and budgets.hold_s == hold_for(config) == 3600 + 60
+    # A route of short calls: a killed replica's reservations go after 2 minutes, not 15.
+    short = config.model_copy(update={"timeouts": config.timeouts.model_copy(
+        update={"total": 5.0})})
+    assert hold_for(short) == HOLD_S == 120.0
     first = await budgets.reserve("acme", None, "m", 10, 990)
     clock.now += 50 * 60  # 50 minutes into the call
     with pytest.raises(Rejected) as denied:
