@@ -205,6 +205,36 @@ async def test_a_letter_the_store_cannot_write_is_counted_as_lost(upstream, star
     assert "dead-letter write failed on route openai" in sluice.stderr()
 
 
+async def test_letters_lost_to_an_unanswering_redis_are_one_line_a_route_not_a_traceback_each(
+        caplog) -> None:
+    """A hostile trial froze Redis under load: each dead letter it could not take was an
+    ERROR with a full traceback (six in 5 s on one replica), where every other write lost to
+    an outage is held to a line every few seconds. Now so is this one, with no traceback; a
+    failure of any other kind keeps its traceback."""
+    from types import SimpleNamespace
+
+    from policies.logs import PER_CALL
+    from policies.state import StateUnavailable
+    from proxy.attempts import _dead_lettered
+
+    lost: list[int] = []
+    route_ = SimpleNamespace(name="openai", metrics=SimpleNamespace(
+        dead_letter_failures=SimpleNamespace(inc=lambda: lost.append(1))))
+    call = SimpleNamespace(request_id="req-1")
+    loop = asyncio.get_running_loop()
+    for error in (StateUnavailable("timed out after 50ms"), OSError("disk full")):
+        write = loop.create_future()
+        write.set_exception(error)
+        with caplog.at_level("ERROR", logger="sluice"):
+            _dead_lettered(SimpleNamespace(), route_, call, "retries_exhausted", 3, write)
+    frozen, full = caplog.records[-2:]
+    assert frozen.getMessage() == ("dead-letter write failed on route openai: the state backend "
+                                   "did not answer (timed out after 50ms)")
+    assert frozen.exc_info is None and frozen.sluice_per_call is PER_CALL["sluice_per_call"]
+    assert full.exc_info is not None and not getattr(full, "sluice_per_call", False)
+    assert len(lost) == 2  # both counted in sluice_dead_letter_write_failures_total
+
+
 async def test_first_attempt_fails_every_caller_gets_200_amplification_2(upstream, start_sluice,
                                                                          tmp_path):
     # ratio 1.0: this test is about amplification, not about the budget (tested below).
