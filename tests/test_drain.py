@@ -593,36 +593,61 @@ def _admitted_tool(sluice: Any, tool: str) -> bool:
     return any(e["event"] == "admitted" and e.get("operation") == tool for e in sluice.events())
 
 
+def _admitted(sluice: Any) -> int:
+    """Admissions so far, a session's control traffic and streams included."""
+    return sum(e["event"] == "admitted" for e in sluice.events())
+
+
+async def _closed_for_polling(http: aiohttp.ClientSession, url: str, headers: dict[str, str],
+                              rpc_id: int, seconds: float) -> str:
+    """Post a ``poll`` call (its SSE answer closed early, for polling, after its priming
+    event); the ``Last-Event-ID`` a client resumes it with."""
+    status, closed = await _mcp_answer(http, url, headers,
+                                       tool_call(rpc_id, "poll", seconds=seconds))
+    assert status == 200 and '"polled"' not in closed, closed
+    return [line[3:].strip() for line in closed.splitlines() if line.startswith("id:")][-1]
+
+
+async def _draining_sluice(start_sluice: Any, server: Any, timeout: str = "20s") -> Any:
+    """Sluice with one ``mcp`` route to ``server`` and a drain of ``timeout``."""
+    return await start_sluice({
+        "server": {"drain_timeout": timeout},
+        "routes": [{"name": "tools", "path_prefix": "/tools/", "upstream": server.base_url,
+                    "protocol": "mcp"}]})
+
+
 async def test_control_traffic_served_while_draining_is_waited_for(
-        mcp_server_factory, start_sluice):  # noqa: F811
+        mcp_server_factory, start_sluice, tmp_path):  # noqa: F811
     """From a review: a session's control traffic is served while draining, but the drain
     waited only for what was in before it began: a slow ``tools/list`` sent during the drain
     was cut mid-answer when the last call ended and the process exited. What the drain lets
     in, it waits for."""
     server = mcp_server_factory("session", list_delay=3.0)
-    sluice = await start_sluice({
-        "server": {"drain_timeout": "20s"},
-        "routes": [{"name": "tools", "path_prefix": "/tools/", "upstream": server.base_url,
-                    "protocol": "mcp"}]})
+    sluice = await _draining_sluice(start_sluice, server)
     url = sluice.url + "/tools/mcp"
+    gate = tmp_path / "gate"
     async with aiohttp.ClientSession() as http:
         headers = await raw_session(http, url)
         call = asyncio.create_task(_mcp_answer(http, url, headers,
-                                               tool_call(2, "slow", seconds=1.0)))
-        await wait_until(lambda: _admitted_tool(sluice, "slow"), what="the call admitted")
+                                               tool_call(2, "gated", path=str(gate))))
+        await wait_until(lambda: _admitted_tool(sluice, "gated"), what="the call admitted")
         sluice.signal(signal.SIGTERM)
         await wait_until(lambda: "draining" in sluice.stderr(), what="the drain")
-        listed = await _mcp_answer(http, url, headers,
-                                   {"jsonrpc": "2.0", "id": 3, "method": "tools/list"})
+        before = _admitted(sluice)
+        listed = asyncio.create_task(_mcp_answer(
+            http, url, headers, {"jsonrpc": "2.0", "id": 3, "method": "tools/list"}))
+        await wait_until(lambda: _admitted(sluice) > before, what="the tools/list let in")
+        gate.touch()  # the call ends while the tools/list is still at the server
         assert (await call)[0] == 200
-    # Before: (0, "ClientPayloadError(...)"), cut 1 s in, as the call ended.
-    assert listed[0] == 200 and '"slow"' in listed[1], listed
+        listed = await listed
+    # Before: (0, "ClientPayloadError(...)"), cut as the call ended.
+    assert listed[0] == 200 and '"gated"' in listed[1], listed
     assert await sluice.wait_exit(timeout=30) == 0
     assert "drain timeout" not in sluice.stderr() and "drained" in sluice.stderr()
 
 
 async def test_a_calls_stream_resumed_while_draining_is_served_and_waited_for(
-        mcp_server_factory, start_sluice):  # noqa: F811
+        mcp_server_factory, start_sluice, tmp_path):  # noqa: F811
     """2025-11-25 polling: a server closes a call's SSE stream after its priming event and
     the client resumes it with a GET carrying ``Last-Event-ID``, where the call's answer
     comes. Sluice refused that GET 503 ``draining`` as a new stream: the client never got the
@@ -630,24 +655,23 @@ async def test_a_calls_stream_resumed_while_draining_is_served_and_waited_for(
     for the call; a session's plain GET stream is still not waited for
     (``test_a_drain_waits_for_calls_not_for_idle_get_streams``)."""
     server = mcp_server_factory("session", resumable=True)
-    sluice = await start_sluice({
-        "server": {"drain_timeout": "20s"},
-        "routes": [{"name": "tools", "path_prefix": "/tools/", "upstream": server.base_url,
-                    "protocol": "mcp"}]})
+    sluice = await _draining_sluice(start_sluice, server)
     url = sluice.url + "/tools/mcp"
+    gate = tmp_path / "gate"
     async with aiohttp.ClientSession() as http:
         headers = await raw_session(http, url)
-        status, closed = await _mcp_answer(http, url, headers,
-                                           tool_call(2, "poll", seconds=3.0))
-        assert status == 200 and '"polled"' not in closed  # closed early, for polling
-        last_id = [line[3:].strip() for line in closed.splitlines() if line.startswith("id:")][-1]
+        last_id = await _closed_for_polling(http, url, headers, 2, seconds=3.0)
         call = asyncio.create_task(_mcp_answer(http, url, headers,
-                                               tool_call(3, "slow", seconds=1.0)))
-        await wait_until(lambda: _admitted_tool(sluice, "slow"), what="a call in flight")
+                                               tool_call(3, "gated", path=str(gate))))
+        await wait_until(lambda: _admitted_tool(sluice, "gated"), what="a call in flight")
         sluice.signal(signal.SIGTERM)
         await wait_until(lambda: "draining" in sluice.stderr(), what="the drain")
-        resumed = await _resumed(http, url, {**headers, "Last-Event-ID": last_id})
+        before = _admitted(sluice)
+        resumed = asyncio.create_task(_resumed(http, url, {**headers, "Last-Event-ID": last_id}))
+        await wait_until(lambda: _admitted(sluice) > before, what="the GET let in")
+        gate.touch()  # the call ends before the polled answer comes on the GET
         assert (await call)[0] == 200
+        resumed = await resumed
     # Before: (503, ...draining...); served but not waited for, it was cut as the call ended.
     assert resumed[0] == 200 and '"polled"' in resumed[1], resumed
     assert await sluice.wait_exit(timeout=30) == 0
@@ -663,10 +687,7 @@ async def test_a_sessions_get_stream_resumed_with_last_event_id_does_not_hold_th
     timeout, as before plain GET streams were told apart. Only a GET resuming the answer of
     a call this process closed early for polling is waited for."""
     server = mcp_server_factory("session", resumable=True)
-    sluice = await start_sluice({
-        "server": {"drain_timeout": "60s"},
-        "routes": [{"name": "tools", "path_prefix": "/tools/", "upstream": server.base_url,
-                    "protocol": "mcp"}]})
+    sluice = await _draining_sluice(start_sluice, server, timeout="60s")
     url = sluice.url + "/tools/mcp"
     sse = {"Accept": "text/event-stream"}
     async with aiohttp.ClientSession() as http:
@@ -695,11 +716,9 @@ async def test_a_sessions_get_stream_resumed_with_last_event_id_does_not_hold_th
         else:
             pytest.fail("the session's GET stream was never resumed")
         try:
-            began = time.monotonic()
             sluice.signal(signal.SIGTERM)
             # Before: the drain waited out its 60 s for the resumed stream.
             assert await sluice.wait_exit(timeout=30) == 0
-            assert time.monotonic() - began < 15
         finally:
             resumed.release()
     assert "drain timeout" not in sluice.stderr() and "drained" in sluice.stderr()
@@ -712,17 +731,11 @@ async def test_a_resumed_calls_stream_held_open_after_its_answer_does_not_hold_t
     Waited for as a call, such a GET held every drain to its timeout once its call was
     answered; with the response through, it is a stream like any other."""
     server = mcp_server_factory("session", resumable=True)
-    sluice = await start_sluice({
-        "server": {"drain_timeout": "60s"},
-        "routes": [{"name": "tools", "path_prefix": "/tools/", "upstream": server.base_url,
-                    "protocol": "mcp"}]})
+    sluice = await _draining_sluice(start_sluice, server, timeout="60s")
     url = sluice.url + "/tools/mcp"
     async with aiohttp.ClientSession() as http:
         headers = await raw_session(http, url)
-        status, closed = await _mcp_answer(http, url, headers,
-                                           tool_call(2, "poll", seconds=0.5))
-        assert status == 200 and '"polled"' not in closed  # closed early, for polling
-        last_id = [line[3:].strip() for line in closed.splitlines() if line.startswith("id:")][-1]
+        last_id = await _closed_for_polling(http, url, headers, 2, seconds=0.5)
         async with http.get(url, headers={**headers, "Accept": "text/event-stream",
                                           "Last-Event-ID": last_id}) as resumed:
             assert resumed.status == 200
@@ -731,9 +744,7 @@ async def test_a_resumed_calls_stream_held_open_after_its_answer_does_not_hold_t
                 body += line.decode()
                 if '"polled"' in body:
                     break
-            began = time.monotonic()
             sluice.signal(signal.SIGTERM)  # the stream still open, as the client keeps it
             # Before: the drain waited out its 60 s for the answered stream.
             assert await sluice.wait_exit(timeout=30) == 0
-            assert time.monotonic() - began < 15
     assert "drain timeout" not in sluice.stderr() and "drained" in sluice.stderr()
