@@ -59,6 +59,7 @@ from typing import Any, Literal
 
 import aiohttp
 import pytest
+from aiohttp import web
 
 Mode = Literal["stateless", "session"]
 
@@ -186,6 +187,61 @@ async def raw_session(http: aiohttp.ClientSession, url: str) -> dict[str, str]:
                          headers=headers) as r:
         await r.read()
     return headers
+
+
+class McpGateway:
+    """In front of an MCP server (``target``: its base URL), in the test's process: forwards
+    every request and answers as the server did, except that
+
+    * while ``refusing``, it answers 503 without forwarding (the tool does not run: Sluice
+      dead-letters the call);
+    * for the next ``fail_after_run`` ``tools/call`` requests, it answers 502 once the server
+      has run the call (the fault that makes a retry run a side effect twice).
+
+    ``calls``: the tools of the ``tools/call`` requests it forwarded, in order."""
+
+    def __init__(self, target: str, fail_after_run: int = 0) -> None:
+        self.target = target
+        self.fail_after_run = fail_after_run
+        self.refusing = False
+        self.calls: list[str] = []
+        self.runner: web.AppRunner | None = None
+        self.url = ""
+
+    async def start(self) -> "McpGateway":
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", self.handle)
+        self.runner = web.AppRunner(app, access_log=None)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.url = f"http://127.0.0.1:{port}"
+        return self
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        if self.refusing:
+            return web.Response(status=503, text="unavailable")
+        headers = {k: v for k, v in request.headers.items()
+                   if k.lower() not in ("host", "content-length", "transfer-encoding")}
+        async with aiohttp.ClientSession() as http, http.request(
+                request.method, self.target + request.path_qs, headers=headers,
+                data=body) as r:
+            answer = await r.read()
+            status, content_type = r.status, r.headers.get("Content-Type")
+        doc = json.loads(body) if body else {}
+        if isinstance(doc, dict) and doc.get("method") == "tools/call":
+            self.calls.append(doc["params"]["name"])
+            if self.fail_after_run > 0:
+                self.fail_after_run -= 1
+                return web.Response(status=502, text="bad gateway")
+        return web.Response(status=status, body=answer,
+                            headers={"Content-Type": content_type or "application/json"})
 
 
 def tool_call(request_id: int | str, name: str, **arguments: Any) -> dict[str, Any]:

@@ -14,14 +14,13 @@ import time
 
 import aiohttp
 import pytest
-from aiohttp import web
 
 from policies.deadletter import CLAIMED, DeadLetter, ReplayClaim
 from policies.state import StateUnavailable
 from proxy import dlq
 from proxy.config import parse_config
 from tests import mcp_servers
-from tests.conftest import REPO, route, serve_app, wait_until
+from tests.conftest import REPO, route, wait_until
 from tests.redis_servers import delete_prefix, new_prefix, require_redis
 
 mcp_stateless = mcp_servers.mcp_stateless
@@ -398,41 +397,6 @@ async def test_a_result_the_store_cannot_take_is_said_and_the_answer_still_kept(
 # -- a tool's own idempotency block ------------------------------------------------------------
 
 
-class Gate:
-    """In front of the MCP server: forwards every request, or, while ``failing``, answers 503
-    without forwarding (the tool does not run), so that Sluice dead-letters the call."""
-
-    def __init__(self, target: str) -> None:
-        self.target = target
-        self.failing = False
-        self.runner: web.AppRunner | None = None
-        self.url = ""
-
-    async def start(self) -> Gate:
-        app = web.Application()
-        app.router.add_route("*", "/{tail:.*}", self.handle)
-        self.runner, port = await serve_app(app)
-        self.url = f"http://127.0.0.1:{port}"
-        return self
-
-    async def stop(self) -> None:
-        if self.runner is not None:
-            await self.runner.cleanup()
-
-    async def handle(self, request: web.Request) -> web.StreamResponse:
-        body = await request.read()
-        if self.failing:
-            return web.Response(status=503, text="unavailable")
-        headers = {k: v for k, v in request.headers.items()
-                   if k.lower() not in ("host", "content-length", "transfer-encoding")}
-        async with aiohttp.ClientSession() as http, http.request(
-                request.method, self.target + request.path_qs, headers=headers,
-                data=body) as r:
-            answer = await r.read()
-            return web.Response(status=r.status, body=answer, headers={
-                "Content-Type": r.headers.get("Content-Type", "application/json")})
-
-
 async def call_tool(sluice, key: str, tool: str = "send", fails: bool = False,
                     **arguments: object) -> tuple[int, str | None, str]:
     """One ``tools/call`` with ``Idempotency-Key: key``: its status, ``Idempotent-Replayed``
@@ -466,14 +430,14 @@ async def test_a_replay_reads_and_writes_its_tools_own_idempotency_records(
     retry after a replay ran the tool once more."""
     url = require_redis()
     prefix = new_prefix()
-    gate = await Gate(mcp_stateless.base_url).start()
+    gate = await mcp_servers.McpGateway(mcp_stateless.base_url).start()
     try:
         sluice = await start_sluice(mcp_config(url, prefix, gate.url, tools={
             "send": {"idempotency": {"mode": "dedup", "ttl": "1h"}}}))
         config = str(sluice.config_path)
-        gate.failing = True
+        gate.refusing = True
         _, _, letter = await call_tool(sluice, "mail-1", fails=True)
-        gate.failing = False
+        gate.refusing = False
         status, replayed, _ = await call_tool(sluice, "mail-1")  # the caller's own retry
         assert (status, replayed, mcp_stateless.sends()) == (200, None, 1)
         code, _, err = await outcome(await cli("dlq", "replay", letter, "--config", config))
@@ -481,9 +445,9 @@ async def test_a_replay_reads_and_writes_its_tools_own_idempotency_records(
         assert mcp_stateless.sends() == 1
 
         # Replayed first: the replay's answer is the answer to the caller's retry.
-        gate.failing = True
+        gate.refusing = True
         _, _, letter = await call_tool(sluice, "mail-2", fails=True)
-        gate.failing = False
+        gate.refusing = False
         code, out, err = await outcome(await cli("dlq", "replay", letter, "--config", config))
         assert code == 0 and "HTTP 200" in out, err
         assert mcp_stateless.sends() == 2
@@ -503,16 +467,16 @@ async def test_a_replay_of_a_tool_with_idempotency_off_ignores_the_routes_record
     replay was refused as "answered since", by the route's records."""
     url = require_redis()
     prefix = new_prefix()
-    gate = await Gate(mcp_stateless.base_url).start()
+    gate = await mcp_servers.McpGateway(mcp_stateless.base_url).start()
     try:
         sluice = await start_sluice(mcp_config(
             url, prefix, gate.url, idempotency={"mode": "dedup"},
             tools={"send": {"idempotency": {"mode": "off"}}}))
         status, _, text = await call_tool(sluice, "step-7", "add", a=1, b=2)
         assert status == 200 and '"3"' in text
-        gate.failing = True
+        gate.refusing = True
         _, _, letter = await call_tool(sluice, "step-7", fails=True)
-        gate.failing = False
+        gate.refusing = False
         code, out, err = await outcome(await cli("dlq", "replay", letter, "--config",
                                                  str(sluice.config_path)))
         assert code == 0 and "HTTP 200" in out, err

@@ -21,7 +21,6 @@ import aiohttp
 import openai
 import pytest
 import yaml
-from aiohttp import web
 from mcp import Client, MCPError
 
 from proxy.config import StrictLoader
@@ -234,57 +233,11 @@ async def test_mcp1_client_tool_breaker_fails_only_that_tool(mcp_session, start_
 # -- retry safety per operation ------------------------------------------------------------------
 
 
-class FailingGateway:
-    """A gateway in front of the MCP server that forwards each POST and, for the first
-    ``fail`` POSTs of a ``tools/call``, answers 502 after the server has run it: the fault that
-    makes a retry execute a side effect twice."""
-
-    def __init__(self, target: str, fail: int) -> None:
-        self.target = target
-        self.fail = fail
-        self.calls: list[str] = []
-        self.runner: web.AppRunner | None = None
-        self.url = ""
-
-    async def start(self) -> FailingGateway:
-        app = web.Application()
-        app.router.add_route("*", "/{tail:.*}", self.handle)
-        self.runner = web.AppRunner(app)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        self.url = f"http://127.0.0.1:{port}"
-        return self
-
-    async def stop(self) -> None:
-        if self.runner is not None:
-            await self.runner.cleanup()
-
-    async def handle(self, request: web.Request) -> web.StreamResponse:
-        body = await request.read()
-        headers = {k: v for k, v in request.headers.items()
-                   if k.lower() not in ("host", "content-length", "transfer-encoding")}
-        async with aiohttp.ClientSession() as http, http.request(
-                request.method, self.target + request.path_qs, headers=headers,
-                data=body) as r:
-            answer = await r.read()
-            status, content_type = r.status, r.headers.get("Content-Type")
-        doc = json.loads(body) if body else {}
-        if isinstance(doc, dict) and doc.get("method") == "tools/call":
-            self.calls.append(doc["params"]["name"])
-            if self.fail > 0:
-                self.fail -= 1
-                return web.Response(status=502, text="bad gateway")
-        return web.Response(status=status, body=answer, content_type=None,
-                            headers={"Content-Type": content_type or "application/json"})
-
-
 async def test_retried_side_effecting_call_executes_once(mcp_stateless, start_sluice):
     """The route retries 502s. ``send`` is not declared idempotent: its failed attempt is not
     repeated, so it runs once. ``add`` is (``idempotent: true`` in its block): it is retried
     and answers."""
-    gateway = await FailingGateway(mcp_stateless.base_url, fail=1).start()
+    gateway = await mcp_servers.McpGateway(mcp_stateless.base_url, fail_after_run=1).start()
     try:
         sluice = await start_sluice({"routes": [mcp_route(
             gateway.url, retry={"attempts": 3, "backoff": {"base": "50ms", "max": "100ms"},
@@ -294,7 +247,7 @@ async def test_retried_side_effecting_call_executes_once(mcp_stateless, start_sl
             with pytest.raises(MCPError):
                 await client.call_tool("send", {"to": "ops@example.com", "body": "once"})
             assert mcp_stateless.sends() == 1
-            gateway.fail = 1
+            gateway.fail_after_run = 1
             assert text(await client.call_tool("add", {"a": 1, "b": 2})) == "3"
         assert gateway.calls == ["send", "add", "add"]
         assert mcp_stateless.sends() == 1
