@@ -139,9 +139,8 @@ async def handle(rt: Runtime, request: web.BaseRequest, held: int = 0
         return refuse_at_edge(rt, Rejected(Reason.NO_ROUTE, None, detail[:200]))
     hold = [held]
     rt.buffered_bytes += held
-    presence = _Presence(route)
-    if not rt.draining:  # one arriving during the drain counts once it is let in (_serve)
-        presence.enter()
+    # One arriving during the drain counts once it is let in (_serve).
+    presence = _Presence(route, not rt.draining)
     try:
         return await _serve(rt, route, request, raw_path, hold, presence)
     finally:
@@ -159,9 +158,12 @@ class _Presence:
 
     __slots__ = ("present", "route", "stream")
 
-    def __init__(self, route: Route) -> None:
+    def __init__(self, route: Route, present: bool) -> None:
         self.route = route
-        self.present = self.stream = False
+        self.stream = False
+        self.present = present
+        if present:
+            route.present += 1
 
     def enter(self) -> None:
         """Count the request present; once, however often called."""
@@ -177,11 +179,12 @@ class _Presence:
             self.stream = True
 
     def leave(self) -> None:
-        if self.stream:
-            self.route.streams -= 1
-        if self.present:
-            self.route.present -= 1
-        self.present = self.stream = False
+        if self.present:  # a stream is present too (idle)
+            route = self.route
+            route.present -= 1
+            if self.stream:
+                route.streams -= 1
+            self.present = self.stream = False
 
 
 async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
@@ -242,7 +245,8 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
                           request_id, tenant, run, body)
         refused.force_close()  # the process is going away: the next call goes elsewhere
         return refused
-    presence.enter()  # let in: the drain waits for it
+    if not presence.present:  # let in during the drain: it waits for it
+        presence.enter()
     if resumes:
         # Waited for only when it resumes a call this process saw closed early: a session's
         # own GET stream is resumed with Last-Event-ID too (the Python SDK's client, once a
