@@ -31,6 +31,8 @@ Tools (all answer on ``/mcp``):
     ``fail(message: str = "tool failed")``   a tool failure: a result with ``isError: true``
     ``notify() -> str``                      sends ``notifications/tools/list_changed`` on the
                                              session's GET stream (session mode, 2025 clients)
+    ``gated(path: str) -> str``              answers ``"opened"`` once the file ``path`` exists
+                                             (at most 60 s): in flight as long as its test needs
 
 ``McpServer.sends()`` reads the count file directly, without an MCP call, so a test can count
 executions behind a proxy without going through it.
