@@ -6,8 +6,10 @@ Headers on every answer Sluice writes itself:
   fractions); ``retry-after-ms`` carries the precise value, which the OpenAI and Anthropic SDKs
   read first.
 * ``x-should-retry``: ``true`` when the wait is at most 60 s, else ``false``. Both SDKs obey it
-  before their status rules; the OpenAI SDK gives up on waits over 120 s and the Anthropic SDK
-  ignores waits over 60 s, so a longer wait must say "do not retry" outright. It is also
+  before their status rules; the OpenAI SDK (3.x) ignores a wait over 120 s and falls back to
+  its own back-off of 0.5-8 s (a storm against a long wait), and the Anthropic SDK ignored
+  waits over 60 s before its 2.x (2.17 honours any), so a longer wait says "do not retry"
+  outright: the caller's own scheduler is the one to hold such a call. It is also
   ``false``, with or without a wait, when the policy says retrying cannot help
   (``Rejected.retry``), e.g. a spent ``N/total`` budget, which it always is for a refusal
   of the request as sent (:data:`policies.reasons.AS_SENT_NEVER`: 400, 401, 403, 404, 413,
