@@ -77,7 +77,7 @@ from policies.state import DeadLetterStore, StateUnavailable, redact_url, redis_
 from policies.state.idempotency import CLAIMED as KEY_CLAIMED
 from policies.state.idempotency import IN_FLIGHT, IdempotencyRecords, new_owner
 from proxy.client import client_timeout, upstream_session
-from proxy.forward import FORBIDDEN_IN_HEADERS, HOP_BY_HOP, upstream_url
+from proxy.forward import FORBIDDEN_IN_HEADERS, HOP_BY_HOP, send_failure, upstream_url
 from proxy.rejections import jsonrpc_id
 
 EXIT_FAILED = 1
@@ -264,11 +264,13 @@ async def _replay(config: Config, store: DeadLetterStore | _FileStore, letter: D
         return EXIT_FAILED
     headers: CIMultiDict[str] = CIMultiDict(letter.headers)
     try:
-        for item in args.header:
+        for at, item in enumerate(args.header, 1):
             name, sep, value = item.partition(":")
             if not sep or not HEADER_NAME.fullmatch(name.strip()):
-                raise ValueError(f"--header {item!r} is not 'NAME: VALUE' (a name of letters, "
-                                 f"digits and !#$%&'*+-.^_`|~)")
+                # Named by position, never quoted: ``Authorization Bearer sk-...`` (the colon
+                # forgotten) is a secret whole.
+                raise ValueError(f"--header #{at} is not 'NAME: VALUE' (a name of letters, "
+                                 f"digits and !#$%&'*+-.^_`|~, then a colon)")
             headers[name.strip()] = _field_value(value.strip(), "--header")
         for item in args.header_from_env:
             name, sep, var = item.partition("=")
@@ -351,9 +353,11 @@ async def _replay(config: Config, store: DeadLetterStore | _FileStore, letter: D
         except OSError as exc:  # checked before sending; the path changed meanwhile
             print(f"the answer could not be written to {args.output}: {exc.strerror or exc}",
                   file=sys.stderr)
-    result = f"HTTP {status}, {len(answer)} bytes" if status is not None else f"failed: {error}"
-    print(f"replayed dead letter {letter.id} to {route.upstream}{letter.path}: {result} "
-          f"in {duration:.3f}s")
+    result = f"HTTP {status}, {len(answer)} bytes" if status is not None else \
+        f"failed: {error} ({reason})"
+    # The upstream as the admin views show it: its user info may hold a password.
+    print(f"replayed dead letter {letter.id} to {redact_url(route.upstream + letter.path)}: "
+          f"{result} in {duration:.3f}s")
     return 0 if status is not None and status < 400 else EXIT_FAILED
 
 
@@ -474,7 +478,8 @@ async def _send(route: RouteConfig, timeouts: TimeoutsConfig, letter: DeadLetter
                 headers: CIMultiDict[str],
                 ) -> tuple[int | None, str | None, bytes, str, CIMultiDict[str]]:
     """One attempt under ``timeouts`` (the letter's operation's, or its route's): ``(status,
-    None, answer body, reason, answer headers)`` or ``(None, error kind, b"", "", {})``."""
+    None, answer body, reason phrase, answer headers)``, or, when it got no whole answer,
+    ``(None, error kind, b"", why, {})`` (:func:`_why_failed`)."""
     timeout = client_timeout(timeouts.total, timeouts.connect)
     async with upstream_session() as session:
         try:
@@ -488,7 +493,19 @@ async def _send(route: RouteConfig, timeouts: TimeoutsConfig, letter: DeadLetter
                 return response.status, None, body, response.reason or "", kept
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             # ValueError: aiohttp refused what it was given, before sending it.
-            return None, type(exc).__name__, b"", "", CIMultiDict()
+            return None, type(exc).__name__, b"", _why_failed(exc, timeouts), CIMultiDict()
+
+
+def _why_failed(exc: Exception, timeouts: TimeoutsConfig) -> str:
+    """Why a replay's send got no whole answer, in a few words that quote nothing the
+    exception holds (an aiohttp ``InvalidURL`` quotes the URL, password and all)."""
+    if isinstance(exc, ValueError):  # InvalidURL too: aiohttp's is both
+        return "it could not be sent as it is"
+    if isinstance(exc, aiohttp.ConnectionTimeoutError):
+        return f"no connection within timeouts.connect, {timeouts.connect:g}s"
+    if isinstance(exc, TimeoutError):
+        return f"no whole answer within timeouts.total, {timeouts.total:g}s"
+    return send_failure(exc)
 
 
 class _KeyHold:
