@@ -10,8 +10,9 @@
   config names it now, with the recorded method, path, headers, body and idempotency key (the
   one the call was handled under: the caller's, or one Sluice derived from ``derive_from``
   headers or an MCP call's tool and arguments, used alike below); the result is stored with
-  the record. A record an earlier replay got an answer below 400 for
-  is sent again only with ``--again``; with the Redis backend, so is one whose
+  the record. A record an earlier replay got an answer below 400 for (on an ``mcp`` route,
+  one whose tool or JSON-RPC call did not fail: read as the live path reads it for tool
+  breakers) is sent again only with ``--again``; with the Redis backend, so is one whose
   ``Idempotency-Key`` got an answer below 400 since (the caller's own retry), as the route's
   shared idempotency records tell when its ``idempotency`` block stores answers (``mode:
   dedup``; the memory backend's are in the server's memory, out of the command's reach).
@@ -27,7 +28,8 @@
   removed when recording, so give them again with ``-H 'Authorization: Bearer ...'`` or
   ``--header-from-env NAME=ENVVAR`` (the latter keeps the secret out of the process list);
   ``--output FILE`` keeps the upstream's answer (a path it could not be written to is refused
-  before anything is sent). Exit status 0 when the upstream answered below 400, 1 otherwise;
+  before anything is sent). Exit status 0 when the upstream answered below 400 (and an MCP
+  call's tool or JSON-RPC call did not fail), 1 otherwise;
   130 after Ctrl-C and 143 after SIGTERM, the replay then recorded as interrupted and its
   letter free at once for the next.
 * ``purge``: delete every record.
@@ -339,9 +341,13 @@ async def _replay(config: Config, store: DeadLetterStore | _FileStore, letter: D
     error: str | None = "interrupted"  # what is stored if the send never returns
     answer = b""
     reason, answer_headers = "", CIMultiDict[str]()
+    failure = None
     try:
         status, error, answer, reason, answer_headers = await _send(route, timeouts, letter,
                                                                     headers)
+        failure = _call_failure(route.protocol, letter.body, status, answer, answer_headers)
+        if failure is not None:  # stored with its status: not answered, like a 4xx or 5xx
+            error = failure[0]
     finally:
         duration = time.monotonic() - started
         await _record(store, letter, status, error, duration, token, hold_s)
@@ -355,10 +361,34 @@ async def _replay(config: Config, store: DeadLetterStore | _FileStore, letter: D
                   file=sys.stderr)
     result = f"HTTP {status}, {len(answer)} bytes" if status is not None else \
         f"failed: {error} ({reason})"
+    if failure is not None:
+        result += f", {failure[1]}"
     # The upstream as the admin views show it: its user info may hold a password.
     print(f"replayed dead letter {letter.id} to {redact_url(route.upstream + letter.path)}: "
           f"{result} in {duration:.3f}s")
-    return 0 if status is not None and status < 400 else EXIT_FAILED
+    return 0 if status is not None and status < 400 and error is None else EXIT_FAILED
+
+
+def _call_failure(protocol: str, request_body: bytes, status: int | None, answer: bytes,
+                  headers: CIMultiDict[str]) -> tuple[str, str] | None:
+    """Whether an MCP call's 2xx answer (JSON or SSE) says the call failed, read as the live
+    path reads it for tool breakers (:func:`policies.mcp.answer_outcome`): ``(error kind
+    stored with the replay, what the message adds)``, or ``None`` (not an MCP call, no 2xx,
+    or the call succeeded). Kinds: ``tool_failed`` (a result with ``isError: true``),
+    ``jsonrpc_error`` (an error response) and ``no_response`` (none to the call in it)."""
+    request_id = jsonrpc_id(protocol, request_body)
+    if request_id is None or status is None or not 200 <= status < 300:
+        return None  # a notification has no response to read
+    found = mcp.answer_outcome(answer, headers.get("Content-Type"), request_id)
+    if found is None:
+        return "no_response", "but its answer holds no JSON-RPC response to the call"
+    if found.is_error_result:
+        return "tool_failed", "but the tool failed (its result has isError: true)"
+    # Any error, not only a breaker's tool failures (Outcome.tool_failure leaves out invalid
+    # params and cancellation, which say nothing of the tool's health): the work was not done.
+    if found.error_code is not None:
+        return "jsonrpc_error", f"but the call failed (JSON-RPC error {found.error_code})"
+    return None
 
 
 def _key_named(letter: DeadLetter) -> str:
