@@ -152,8 +152,8 @@ class ReplayClaim(NamedTuple):
 
     Attributes:
         state: ``claimed`` (this replay holds the letter until it records its result),
-            ``answered`` (an earlier replay was answered below 400 and ``again`` was not
-            given), ``busy`` (another replay holds the letter) or ``missing`` (no letter).
+            ``answered`` (an earlier replay was answered, :func:`answered`, and ``again``
+            was not given), ``busy`` (another replay holds the letter) or ``missing`` (no letter).
         replay: when answered, that earlier replay (``at``, ``status``, ``error``,
             ``duration_s``).
         left_s: when busy, seconds until the other replay's hold lapses if it never records
@@ -179,9 +179,13 @@ class Added(NamedTuple):
 
 
 def answered(replays: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
-    """The last replay the upstream answered below 400, or ``None``."""
+    """The last replay the upstream answered below 400 with no error, or ``None``: an MCP
+    call's 200 whose tool (or JSON-RPC) failed is kept with its status and the error
+    (``tool_failed``...), and is not answered. The Redis store's ``_CLAIM_REPLAY`` says
+    the same in Lua."""
     return next((r for r in reversed(list(replays))
-                 if r["status"] is not None and r["status"] < 400), None)
+                 if r["status"] is not None and r["status"] < 400 and r.get("error") is None),
+                None)
 
 
 @dataclass(slots=True)
@@ -348,7 +352,7 @@ class DeadLetterFile:
         return [
             {"id": r[0], "created_at": r[1], "route": r[2], "tenant": r[3], "method": r[4],
              "path": r[5], "attempts": len(orjson.loads(r[6])), "reason": r[7],
-             "last_replay": r[8] if r[8] is not None else r[9]}
+             "last_replay": r[9] if r[9] is not None else r[8]}
             for r in reversed(rows)
         ]
 
@@ -375,7 +379,7 @@ class DeadLetterFile:
                      again: bool = False) -> ReplayClaim:
         """Hold ``letter_id`` for one replay (``token``: the replay's own, random) for at most
         ``hold_s`` seconds, in one transaction, unless another replay holds it or, without
-        ``again``, an earlier one was answered below 400. Two commands replaying one letter
+        ``again``, an earlier one was answered (:func:`answered`). Two commands replaying one letter
         at once would both send it: only one gets ``claimed``."""
         with self._db:
             self._db.execute("BEGIN IMMEDIATE")

@@ -230,7 +230,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     replay.add_argument("--output", metavar="FILE", help="write the upstream's answer here")
     replay.add_argument("--again", action="store_true",
-                        help="send it even though an earlier replay was answered (below 400)")
+                        help="send it even though an earlier replay was answered (below 400, "
+                             "and on an mcp route with no tool or JSON-RPC error)")
     dlq_sub.add_parser("purge", help="delete every record")
     for command in (listing, show, replay, dlq_sub.choices["purge"]):
         command.add_argument("--config", default=DEFAULT_CONFIG, help=config_help)

@@ -10,8 +10,9 @@
   config names it now, with the recorded method, path, headers, body and idempotency key (the
   one the call was handled under: the caller's, or one Sluice derived from ``derive_from``
   headers or an MCP call's tool and arguments, used alike below); the result is stored with
-  the record. A record an earlier replay got an answer below 400 for
-  is sent again only with ``--again``; with the Redis backend, so is one whose
+  the record. A record an earlier replay got an answer below 400 for (on an ``mcp`` route,
+  one whose tool or JSON-RPC call did not fail: read as the live path reads it for tool
+  breakers) is sent again only with ``--again``; with the Redis backend, so is one whose
   ``Idempotency-Key`` got an answer below 400 since (the caller's own retry), as the route's
   shared idempotency records tell when its ``idempotency`` block stores answers (``mode:
   dedup``; the memory backend's are in the server's memory, out of the command's reach).
@@ -27,7 +28,8 @@
   removed when recording, so give them again with ``-H 'Authorization: Bearer ...'`` or
   ``--header-from-env NAME=ENVVAR`` (the latter keeps the secret out of the process list);
   ``--output FILE`` keeps the upstream's answer (a path it could not be written to is refused
-  before anything is sent). Exit status 0 when the upstream answered below 400, 1 otherwise;
+  before anything is sent). Exit status 0 when the upstream answered below 400 (and an MCP
+  call's tool or JSON-RPC call did not fail), 1 otherwise;
   130 after Ctrl-C and 143 after SIGTERM, the replay then recorded as interrupted and its
   letter free at once for the next.
 * ``purge``: delete every record.
@@ -77,7 +79,7 @@ from policies.state import DeadLetterStore, StateUnavailable, redact_url, redis_
 from policies.state.idempotency import CLAIMED as KEY_CLAIMED
 from policies.state.idempotency import IN_FLIGHT, IdempotencyRecords, new_owner
 from proxy.client import client_timeout, upstream_session
-from proxy.forward import FORBIDDEN_IN_HEADERS, HOP_BY_HOP, upstream_url
+from proxy.forward import FORBIDDEN_IN_HEADERS, HOP_BY_HOP, send_failure, upstream_url
 from proxy.rejections import jsonrpc_id
 
 EXIT_FAILED = 1
@@ -264,11 +266,13 @@ async def _replay(config: Config, store: DeadLetterStore | _FileStore, letter: D
         return EXIT_FAILED
     headers: CIMultiDict[str] = CIMultiDict(letter.headers)
     try:
-        for item in args.header:
+        for at, item in enumerate(args.header, 1):
             name, sep, value = item.partition(":")
             if not sep or not HEADER_NAME.fullmatch(name.strip()):
-                raise ValueError(f"--header {item!r} is not 'NAME: VALUE' (a name of letters, "
-                                 f"digits and !#$%&'*+-.^_`|~)")
+                # Named by position, never quoted: ``Authorization Bearer sk-...`` (the colon
+                # forgotten) is a secret whole.
+                raise ValueError(f"--header #{at} is not 'NAME: VALUE' (a name of letters, "
+                                 f"digits and !#$%&'*+-.^_`|~, then a colon)")
             headers[name.strip()] = _field_value(value.strip(), "--header")
         for item in args.header_from_env:
             name, sep, var = item.partition("=")
@@ -337,9 +341,13 @@ async def _replay(config: Config, store: DeadLetterStore | _FileStore, letter: D
     error: str | None = "interrupted"  # what is stored if the send never returns
     answer = b""
     reason, answer_headers = "", CIMultiDict[str]()
+    failure = None
     try:
         status, error, answer, reason, answer_headers = await _send(route, timeouts, letter,
                                                                     headers)
+        failure = _call_failure(route.protocol, letter.body, status, answer, answer_headers)
+        if failure is not None:  # stored with its status: not answered, like a 4xx or 5xx
+            error = failure[0]
     finally:
         duration = time.monotonic() - started
         await _record(store, letter, status, error, duration, token, hold_s)
@@ -351,10 +359,36 @@ async def _replay(config: Config, store: DeadLetterStore | _FileStore, letter: D
         except OSError as exc:  # checked before sending; the path changed meanwhile
             print(f"the answer could not be written to {args.output}: {exc.strerror or exc}",
                   file=sys.stderr)
-    result = f"HTTP {status}, {len(answer)} bytes" if status is not None else f"failed: {error}"
-    print(f"replayed dead letter {letter.id} to {route.upstream}{letter.path}: {result} "
-          f"in {duration:.3f}s")
-    return 0 if status is not None and status < 400 else EXIT_FAILED
+    result = f"HTTP {status}, {len(answer)} bytes" if status is not None else \
+        f"failed: {error} ({reason})"
+    if failure is not None:
+        result += f", {failure[1]}"
+    # The upstream as the admin views show it: its user info may hold a password.
+    print(f"replayed dead letter {letter.id} to {redact_url(route.upstream + letter.path)}: "
+          f"{result} in {duration:.3f}s")
+    return 0 if status is not None and status < 400 and error is None else EXIT_FAILED
+
+
+def _call_failure(protocol: str, request_body: bytes, status: int | None, answer: bytes,
+                  headers: CIMultiDict[str]) -> tuple[str, str] | None:
+    """Whether an MCP call's 2xx answer (JSON or SSE) says the call failed, read as the live
+    path reads it for tool breakers (:func:`policies.mcp.answer_outcome`): ``(error kind
+    stored with the replay, what the message adds)``, or ``None`` (not an MCP call, no 2xx,
+    or the call succeeded). Kinds: ``tool_failed`` (a result with ``isError: true``),
+    ``jsonrpc_error`` (an error response) and ``no_response`` (none to the call in it)."""
+    request_id = jsonrpc_id(protocol, request_body)
+    if request_id is None or status is None or not 200 <= status < 300:
+        return None  # a notification has no response to read
+    found = mcp.answer_outcome(answer, headers.get("Content-Type"), request_id)
+    if found is None:
+        return "no_response", "but its answer holds no JSON-RPC response to the call"
+    if found.is_error_result:
+        return "tool_failed", "but the tool failed (its result has isError: true)"
+    # Any error, not only a breaker's tool failures (Outcome.tool_failure leaves out invalid
+    # params and cancellation, which say nothing of the tool's health): the work was not done.
+    if found.error_code is not None:
+        return "jsonrpc_error", f"but the call failed (JSON-RPC error {found.error_code})"
+    return None
 
 
 def _key_named(letter: DeadLetter) -> str:
@@ -474,7 +508,8 @@ async def _send(route: RouteConfig, timeouts: TimeoutsConfig, letter: DeadLetter
                 headers: CIMultiDict[str],
                 ) -> tuple[int | None, str | None, bytes, str, CIMultiDict[str]]:
     """One attempt under ``timeouts`` (the letter's operation's, or its route's): ``(status,
-    None, answer body, reason, answer headers)`` or ``(None, error kind, b"", "", {})``."""
+    None, answer body, reason phrase, answer headers)``, or, when it got no whole answer,
+    ``(None, error kind, b"", why, {})`` (:func:`_why_failed`)."""
     timeout = client_timeout(timeouts.total, timeouts.connect)
     async with upstream_session() as session:
         try:
@@ -488,7 +523,19 @@ async def _send(route: RouteConfig, timeouts: TimeoutsConfig, letter: DeadLetter
                 return response.status, None, body, response.reason or "", kept
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             # ValueError: aiohttp refused what it was given, before sending it.
-            return None, type(exc).__name__, b"", "", CIMultiDict()
+            return None, type(exc).__name__, b"", _why_failed(exc, timeouts), CIMultiDict()
+
+
+def _why_failed(exc: Exception, timeouts: TimeoutsConfig) -> str:
+    """Why a replay's send got no whole answer, in a few words that quote nothing the
+    exception holds (an aiohttp ``InvalidURL`` quotes the URL, password and all)."""
+    if isinstance(exc, ValueError):  # InvalidURL too: aiohttp's is both
+        return "it could not be sent as it is"
+    if isinstance(exc, aiohttp.ConnectionTimeoutError):
+        return f"no connection within timeouts.connect, {timeouts.connect:g}s"
+    if isinstance(exc, TimeoutError):
+        return f"no whole answer within timeouts.total, {timeouts.total:g}s"
+    return send_failure(exc)
 
 
 class _KeyHold:

@@ -121,6 +121,21 @@ async def test_a_replay_holds_its_letter_until_its_result_is_stored(backends: St
     assert (await store.claim_replay(first, "t6", 5.0, again=True)).state == BUSY
 
 
+async def test_a_200_whose_mcp_call_failed_is_not_answered(backends: StateBackends):
+    """``dlq replay`` stores an MCP call's 200 whose tool (or JSON-RPC) failed with its
+    error (``tool_failed``): it was taken for answered, so the next replay needed
+    ``--again``. It is listed by its error; an answered replay still needs ``again``."""
+    store = backends.dead_letters
+    first = (await store.add(letter("tools"))).id
+    assert (await store.claim_replay(first, "t1", 5.0)).state == CLAIMED
+    await store.add_replay(first, 200, "tool_failed", 0.1, "t1")
+    assert (await store.list())[0]["last_replay"] == "tool_failed"
+    assert (await store.claim_replay(first, "t2", 5.0)).state == CLAIMED
+    await store.add_replay(first, 200, None, 0.1, "t2")
+    done = await store.claim_replay(first, "t3", 5.0)
+    assert done.state == ANSWERED and done.replay is not None and done.replay["error"] is None
+
+
 async def test_the_hold_of_a_replay_that_never_finished_lapses(backends: StateBackends):
     store = backends.dead_letters
     letter_id = (await store.add(letter())).id

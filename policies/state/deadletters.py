@@ -69,15 +69,15 @@ class DeadLetterStore(Protocol):
     async def list(self, limit: int = 100) -> list[dict[str, Any]]:
         """The newest ``limit`` letters as summaries, oldest first: ``id``, ``created_at``,
         ``route``, ``tenant``, ``method``, ``path``, ``attempts`` (a count), ``reason``,
-        ``last_replay`` (the last replay's status, or its error, or ``None``)."""
+        ``last_replay`` (the last replay's error, else its status; ``None``: none)."""
         ...
 
     async def claim_replay(self, letter_id: int, token: str, hold_s: float,
                            again: bool = False) -> ReplayClaim:
         """Hold ``letter_id`` for one replay (``token``: the replay's own, random) for at
         most ``hold_s`` seconds, atomically, unless another replay holds it or, without
-        ``again``, an earlier replay was answered below 400 (so two commands replaying one
-        letter at once never both send it)."""
+        ``again``, an earlier replay was answered (:func:`policies.deadletter.answered`; so
+        two commands replaying one letter at once never both send it)."""
         ...
 
     async def add_replay(self, letter_id: int, status: int | None, error: str | None,
@@ -103,7 +103,7 @@ def _summary(letter_id: int, fields: dict[str, Any], last: dict[str, Any] | None
              ) -> dict[str, Any]:
     replay = None
     if last is not None:
-        replay = last["status"] if last["status"] is not None else last["error"]
+        replay = last["error"] if last["error"] is not None else last["status"]
     return {"id": letter_id, "created_at": fields["created_at"], "route": fields["route"],
             "tenant": fields["tenant"], "method": fields["method"], "path": fields["path"],
             "attempts": fields["attempts"], "reason": fields["reason"], "last_replay": replay}
@@ -282,8 +282,10 @@ if left > 0 then return {'busy', left} end
 if ARGV[4] ~= '1' then
   local replays = redis.call('LRANGE', KEYS[2], 0, -1)
   for i = #replays, 1, -1 do
-    local status = cjson.decode(replays[i])['status']
-    if type(status) == 'number' and status < 400 then return {'answered', replays[i]} end
+    local replay = cjson.decode(replays[i])
+    local status, failed = replay['status'], replay['error']
+    if type(status) == 'number' and status < 400 and (failed == nil or failed == cjson.null)
+    then return {'answered', replays[i]} end
   end
 end
 redis.call('SET', KEYS[3], ARGV[2], 'PX', ARGV[3])

@@ -1,0 +1,144 @@
+"""What ``sluice dlq replay`` says, and how it counts an answer: no secret in its messages (an
+upstream URL's password, a malformed ``--header``'s value), why a send failed, and an MCP
+answer whose tool (or JSON-RPC) failed counted as failed. Each was found by a new user's
+trial. The real CLI in a subprocess, on a letter written to a dead-letter file, sent to a
+test's own upstream (or a closed port)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import orjson
+import pytest
+from aiohttp import web
+
+from policies.deadletter import DeadLetter, DeadLetterFile
+from tests.conftest import free_port, route, serve_app
+from tests.mcp_servers import tool_call
+from tests.test_dlq_replay import cli, outcome
+
+PASSWORD = "UpPass123"
+
+
+def letter_file(tmp_path: Path, upstream: str, protocol: str = "http", path: str = "/mcp",
+                body: bytes = b"{}", **policies: object) -> tuple[str, str]:
+    """A config with one route ``tools`` to ``upstream`` and a dead-letter file holding one
+    letter of it (``POST path`` with ``body``): the config's path and the letter's id."""
+    letters = str(tmp_path / "dlq.sqlite")
+    config = tmp_path / "sluice.yaml"
+    config.write_text(json.dumps({"dead_letter": {"path": letters},
+                                  "routes": [route("tools", upstream, protocol, **policies)]}))
+    file = DeadLetterFile(letters)
+    try:
+        added = file.add(DeadLetter(
+            route="tools", tenant="acme", run=None, idempotency_key=None, request_id="q",
+            method="POST", path=path,
+            headers=[("Content-Type", "application/json"),
+                     ("Accept", "application/json, text/event-stream")],
+            redacted=[], body=body, body_size=len(body), attempts=[],
+            reason="attempts_exhausted"))
+    finally:
+        file.close()
+    return str(config), str(added.id)
+
+
+async def test_a_replay_never_prints_the_upstreams_password(tmp_path):
+    """The upstream's URL was printed as configured, user info and all: a failed replay said
+    ``replayed dead letter 1 to http://bob:UpPass123@...``. It is redacted as the admin
+    views redact it, and the failure says why (connection refused), not only its class."""
+    closed = free_port()
+    config, letter = letter_file(tmp_path, f"http://bob:{PASSWORD}@127.0.0.1:{closed}/base")
+    code, out, err = await outcome(await cli("dlq", "replay", letter, "--config", config))
+    assert code == 1, (out, err)
+    assert PASSWORD not in out + err
+    assert f"to http://bob:<redacted>@127.0.0.1:{closed}/base/mcp: failed: " in out, out
+    assert "connection refused" in out, out
+
+
+async def test_a_replay_cut_by_its_timeout_says_which_timeout(tmp_path):
+    """``failed: TimeoutError in 0.503s`` did not say which timeout ended it."""
+    async def stall(request: web.Request) -> web.Response:
+        await asyncio.sleep(30)
+        return web.json_response({})
+
+    app = web.Application()
+    app.router.add_post("/mcp", stall)
+    runner, port = await serve_app(app)
+    try:
+        config, letter = letter_file(tmp_path, f"http://127.0.0.1:{port}",
+                                     timeouts={"total": "300ms"})
+        code, out, err = await outcome(await cli("dlq", "replay", letter, "--config", config))
+    finally:
+        await runner.cleanup()
+    assert code == 1, (out, err)
+    assert "failed: TimeoutError (no whole answer within timeouts.total, 0.3s)" in out, out
+
+
+async def test_a_malformed_header_is_refused_without_quoting_its_value(tmp_path):
+    """``-H 'Authorization Bearer sk-...'`` (no colon) was refused quoting the whole
+    argument, the secret with it."""
+    config, letter = letter_file(tmp_path, f"http://127.0.0.1:{free_port()}")
+    code, _, err = await outcome(await cli(
+        "dlq", "replay", letter, "--config", config, "-H", "X-Note: fine",
+        "-H", "Authorization Bearer sk-leak123"))
+    assert code == 1 and "sk-leak123" not in err and "Bearer" not in err, err
+    assert "--header #2 is not 'NAME: VALUE'" in err, err
+
+
+def _answer(kind: str) -> dict[str, object]:
+    if kind == "jsonrpc_error":
+        return {"jsonrpc": "2.0", "id": 7, "error": {"code": -32603, "message": "boom"}}
+    return {"jsonrpc": "2.0", "id": 7, "result": {
+        "content": [{"type": "text", "text": "done"}], "isError": kind == "tool_failed"}}
+
+
+@pytest.mark.parametrize("sse", [False, True], ids=["json", "sse"])
+@pytest.mark.parametrize(("kind", "said"), [
+    ("tool_failed", "but the tool failed (its result has isError: true)"),
+    ("jsonrpc_error", "but the call failed (JSON-RPC error -32603)"),
+    ("ok", None),
+])
+async def test_an_mcp_replay_whose_tool_failed_is_a_failed_replay(tmp_path, sse, kind, said):
+    """An MCP server answers a failed call with HTTP 200: a JSON-RPC error, or a tool result
+    with ``isError: true``. The replay was reported a success (exit 0) and recorded as
+    answered, so the next replay was refused without ``--again``. Its answer is read as the
+    live path reads it for tool breakers; a failure exits 1, says so, and leaves the letter
+    replayable. An answer whose call succeeded is still a success, JSON or SSE."""
+    sent: list[bytes] = []
+
+    async def serve(request: web.Request) -> web.Response:
+        sent.append(await request.read())
+        doc = orjson.dumps(_answer(kind))
+        if sse:
+            return web.Response(body=b"event: message\ndata: " + doc + b"\n\n",
+                                content_type="text/event-stream")
+        return web.Response(body=doc, content_type="application/json")
+
+    app = web.Application()
+    app.router.add_post("/mcp", serve)
+    runner, port = await serve_app(app)
+    try:
+        config, letter = letter_file(tmp_path, f"http://127.0.0.1:{port}", "mcp",
+                                     body=orjson.dumps(tool_call(7, "send", to="ops")))
+        code, out, err = await outcome(await cli("dlq", "replay", letter, "--config", config))
+        if said is None:
+            assert code == 0 and "HTTP 200" in out and "but" not in out, (out, err)
+            code, _, err = await outcome(await cli("dlq", "replay", letter, "--config",
+                                                   config))
+            assert code == 1 and "already replayed" in err, err
+            assert len(sent) == 1
+            return
+        assert code == 1 and "HTTP 200" in out and said in out, (out, err)
+        # Not answered: the next replay is sent without --again.
+        code, out, err = await outcome(await cli("dlq", "replay", letter, "--config", config))
+        assert code == 1 and said in out, (out, err)
+        assert len(sent) == 2
+        _, out, _ = await outcome(await cli("dlq", "show", letter, "--config", config))
+        assert [(r["status"], r["error"]) for r in json.loads(out)["replays"]] == [
+            (200, kind), (200, kind)]
+        _, out, _ = await outcome(await cli("dlq", "list", "--config", config))
+        assert f" {kind} " in out, out
+    finally:
+        await runner.cleanup()
