@@ -379,7 +379,7 @@ class Breaker:
         """This replica's own breaker state while the shared one is unavailable."""
         fallback = self._backends.fallback
         if fallback.mode == "reject":
-            raise Rejected(Reason.STATE_UNAVAILABLE, exc.retry_after or PROBE_RETRY_AFTER_S,
+            raise Rejected(Reason.STATE_UNAVAILABLE, exc.hint or PROBE_RETRY_AFTER_S,
                            f"route {self.route}: the circuit breaker's state is unavailable")
         return fallback.memory().breakers
 

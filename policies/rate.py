@@ -84,13 +84,15 @@ TAKES_KEPT = 1024
 
 
 def unavailable(exc: StateUnavailable) -> Rejected:
-    """The 503 ``state_unavailable`` of ``state.on_unavailable: reject``, with the wait until
-    the backend is probed again as ``Retry-After``.
+    """The 503 ``state_unavailable`` of ``state.on_unavailable: reject``, with
+    :attr:`StateUnavailable.hint` as ``Retry-After``: the time the backend has been down so
+    far, at least until its next probe and at most 10 s.
 
     The caller is told no more than the reason: ``exc.cause`` names Redis's address and the
     error, which are the operator's (the log, ``/readyz`` on the admin port), not a caller's.
     """
-    wait = exc.retry_after if exc.retry_after is not None else 1.0
+    hint = exc.hint
+    wait = hint if hint is not None else 1.0
     return Rejected(Reason.STATE_UNAVAILABLE, wait)
 
 
