@@ -20,11 +20,17 @@ import pytest
 import redis
 
 from policies.breaker import Breaker
-from policies.config import CircuitBreakerConfig
+from policies.config import CircuitBreakerConfig, RateConfig
 from policies.deadletter import DeadLetter
-from policies.rate import unavailable
-from policies.reasons import Reason
-from policies.state import StateBackends, StateUnavailable, redact_url, redis_backends
+from policies.rate import RateLimiter, unavailable
+from policies.reasons import Reason, Rejected
+from policies.state import (
+    Fallback,
+    StateBackends,
+    StateUnavailable,
+    redact_url,
+    redis_backends,
+)
 from policies.state.breaker import FAILURE, SUCCESS, BreakerParams, Ticket
 from policies.state.connection import RedisState, Script
 from policies.state.idempotency import SEEN, Answer
@@ -459,5 +465,25 @@ async def test_the_state_unavailable_hint_grows_with_the_outage():
         with pytest.raises(StateUnavailable) as long_ago:
             await rates.admit("r", take)
         assert unavailable(long_ago.value).retry_after == 10.0
+    finally:
+        await backends.close()
+
+
+async def test_a_token_reservation_over_the_local_share_is_told_the_outage_so_far():
+    """``on_unavailable: local``: a reservation over this replica's share of the token rate
+    but within the whole fits once Redis answers; its wait grows with the outage as the
+    other state_unavailable refusals' do, not the probe interval however long it lasts."""
+    require_redis()
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    backends = await redis_backends(url, new_prefix(), TIMEOUT_S, probe_interval_s=PROBE_S)
+    backends.fallback = Fallback("local", 10)
+    limits = RateLimiter(RateConfig.model_validate({"tokens": "1000/min"}), backends, "r")
+    try:
+        assert not backends.health.up
+        backends.health.changed_monotonic -= 3.0  # down for 3 s so far, not waited out
+        with pytest.raises(Rejected) as refused:
+            await limits.take([limits.token_take(150)])
+        assert refused.value.reason is Reason.STATE_UNAVAILABLE
+        assert 3.0 <= refused.value.retry_after <= 3.0 + MARGIN_S
     finally:
         await backends.close()

@@ -52,6 +52,19 @@ _UNAVAILABLE_TYPES: tuple[type[BaseException], ...] = (
 OUTAGE_HINT_MAX_S = 10.0
 
 
+def outage_hint(probe_s: float, down_s: float) -> float:
+    """The wait to tell a caller refused because the backend is down, seconds: the time it has
+    been down so far (``down_s``), at least ``probe_s`` (until its next probe) and at most
+    :data:`OUTAGE_HINT_MAX_S`.
+
+    An outage that has lasted ``d`` seconds is not likely to end in the next half second
+    (the longer it has lasted, the longer it tends to go on), and a caller told ``d`` each
+    time doubles its wait at every retry, as exponential backoff would. Told the probe
+    interval whatever the outage's length, an SDK with 5 retries gave up after 2.6 s of a
+    4 s outage its own backoff would have outlasted."""
+    return min(OUTAGE_HINT_MAX_S, max(probe_s, down_s))
+
+
 class StateUnavailable(Exception):
     """The shared state backend did not answer within ``state.timeout``, or refused to.
 
@@ -74,20 +87,13 @@ class StateUnavailable(Exception):
 
     @property
     def hint(self) -> float | None:
-        """The wait to tell a caller refused for this, seconds: the time the backend has been
-        down so far (``down_s``), at least ``retry_after`` (its next probe) and at most
-        :data:`OUTAGE_HINT_MAX_S`; ``None`` when ``retry_after`` is.
-
-        An outage that has lasted ``d`` seconds is not likely to end in the next half second
-        (the longer it has lasted, the longer it tends to go on), and a caller told ``d``
-        each time doubles its wait at every retry, as exponential backoff would. Told the
-        probe interval whatever the outage's length, an SDK with 5 retries gave up after
-        2.6 s of a 4 s outage its own backoff would have outlasted. ``retry_after`` itself
-        stays the probe interval: Sluice's own retries (a lease release, an idempotency
-        record's write) follow the probe, not this."""
+        """The wait to tell a caller refused for this, seconds (:func:`outage_hint` of
+        ``retry_after`` and ``down_s``); ``None`` when ``retry_after`` is. ``retry_after``
+        itself stays the probe interval: Sluice's own retries (a lease release, an
+        idempotency record's write) follow the probe, not this."""
         if self.retry_after is None:
             return None
-        return min(OUTAGE_HINT_MAX_S, max(self.retry_after, self.down_s))
+        return outage_hint(self.retry_after, self.down_s)
 
 
 def _code(reply: rx.ResponseError) -> str:
