@@ -3,7 +3,8 @@
 States (Nygard, "Release It!"; Resilience4j's names): **closed** lets attempts through and
 counts their outcomes; **open** answers 503 ``circuit_open`` at once, with ``Retry-After`` =
 the time left until half-open plus a random share of up to one ``reset_timeout`` (so refused
-callers do not all return at the same instant, see :meth:`Breaker._rejection`), and calls
+callers do not all return at the same instant), never past the SDKs' 60 s cap when the
+half-open is due within it (see :meth:`Breaker._rejection`), and calls
 nothing upstream; **half-open** lets exactly one probe through at a time, across every
 replica, and ``success_threshold`` successful probes in a row close it again while a failed
 probe opens it for another ``reset_timeout``. Like Resilience4j's default, the move from open
@@ -86,7 +87,7 @@ from policies.config import CircuitBreakerConfig
 from policies.logs import PER_CALL
 from policies.pipeline import Call, survive_leaving
 from policies.rate import Background
-from policies.reasons import Reason, Rejected
+from policies.reasons import SDK_RETRY_AFTER_CAP_S, Reason, Rejected
 from policies.state import BreakerStates, StateBackends, StateUnavailable, memory_backends
 from policies.state.breaker import (
     CLOSED,
@@ -379,7 +380,7 @@ class Breaker:
         """This replica's own breaker state while the shared one is unavailable."""
         fallback = self._backends.fallback
         if fallback.mode == "reject":
-            raise Rejected(Reason.STATE_UNAVAILABLE, exc.retry_after or PROBE_RETRY_AFTER_S,
+            raise Rejected(Reason.STATE_UNAVAILABLE, exc.hint or PROBE_RETRY_AFTER_S,
                            f"route {self.route}: the circuit breaker's state is unavailable")
         return fallback.memory().breakers
 
@@ -395,14 +396,22 @@ class Breaker:
         never shorter than ``wait`` but gets a random share of up to one ``reset_timeout``
         (one ``PROBE_RETRY_AFTER_S`` while a probe is in flight): the refused callers come
         back spread over about as long as they arrived in.
+
+        The spread never carries a wait the SDKs would honour (``wait`` at most
+        :data:`~policies.reasons.SDK_RETRY_AFTER_CAP_S`, 60 s) past that cap: it is cut
+        there, so ``x-should-retry`` stays ``true`` whenever the probe is due within it.
+        Uncut, a ``reset_timeout`` of 40 s gave hints up to 78.5 s, and half the refused
+        callers were told not to retry work a retry at about 40 s would have served.
         """
         if probing if probing is not None else (self._state == HALF_OPEN and self._probing):
             detail = "a probe is in flight"
-            wait += random.uniform(0, PROBE_RETRY_AFTER_S)
+            spread = wait + random.uniform(0, PROBE_RETRY_AFTER_S)
         else:
             detail = f"opened by {cause if cause is not None else self._cause}"
-            wait += random.uniform(0, self.reset_timeout)
-        return Rejected(Reason.CIRCUIT_OPEN, wait, f"route {self.route}: {detail}")
+            spread = wait + random.uniform(0, self.reset_timeout)
+        if wait <= SDK_RETRY_AFTER_CAP_S:
+            spread = min(spread, SDK_RETRY_AFTER_CAP_S)
+        return Rejected(Reason.CIRCUIT_OPEN, spread, f"route {self.route}: {detail}")
 
     # -- outcomes -----------------------------------------------------------------------------
 

@@ -230,8 +230,12 @@ class ConcurrencyLimiter:
         #: Changes whenever a slot frees or passes on (a release, a grant, a reload): how
         #: :meth:`turn` knows that none has since it last looked.
         self.turns = 0
-        #: ``turns`` as :meth:`turn` last found it changed, and the monotonic time it did.
+        #: ``turns`` as a look on the queueing path (:meth:`_full_since`) or a hand-over
+        #: last found it changed with every slot busy, and the monotonic time it did.
         self._turns_seen = (-1, 0.0)
+        #: ``turns`` when these were taken, and each refused tenant's first refusal since
+        #: (:meth:`_tenant_stalled`).
+        self._tenant_looks: tuple[int, dict[str, float]] = (-1, {})
         self._classes: dict[int, _Class] = {}
         #: Waiters ended since the classes were last compacted (:meth:`_drop`).
         self._ended = 0
@@ -283,7 +287,7 @@ class ConcurrencyLimiter:
         """
         held = self._by_tenant.get(tenant, 0)
         if held >= self._tenant_cap:
-            raise self._tenant_refusal(held)
+            raise self._tenant_refusal(held, tenant)
         if self.inflight < self.limit and not self.queued:
             charged = self._charge(tenant, priority, cost)
             self.inflight += 1
@@ -292,10 +296,20 @@ class ConcurrencyLimiter:
         charged, _ = await self._wait(tenant, priority, caller_timeout, on_queued, cost, reads)
         return charged
 
-    def _tenant_refusal(self, held: int) -> Rejected:
+    def _tenant_refusal(self, held: int, tenant: str | None = None) -> Rejected:
+        """429 ``tenant_concurrency`` for a tenant holding ``held`` calls (in flight and
+        queued), its Retry-After the time until one of them ends: a service time over
+        ``held``. The service time is the route's mean, or, for ``tenant`` (its calls counted
+        here, all this limiter's own), at least how long none of its calls can have ended
+        (:meth:`_tenant_stalled`) when that is longer: the mean of earlier calls alone told
+        a tenant to come back in 12 ms while its 2 calls of 3.5 s had run 0.3 s. ``tenant``
+        is ``None`` for a count that includes other replicas' calls, whose ends go unseen."""
+        service = self.mean_service_s
+        if tenant is not None:
+            service = max(service, self._tenant_stalled(tenant))
         return Rejected(
             Reason.TENANT_CONCURRENCY,
-            self.mean_service_s / max(held, 1),
+            service / max(held, 1),
             f"limit {self.per_tenant} in flight or queued per tenant",
             ("tenant-concurrency", self.per_tenant, 0, 0),
         )
@@ -307,6 +321,8 @@ class ConcurrencyLimiter:
         refusals and cancellation apply). Returns what :meth:`acquire` returns, and the value
         the hand-over passed (see :meth:`_grant`)."""
         held = self._by_tenant.get(tenant, 0)
+        # This call found the house full: from now on, no turn means every slot stayed busy.
+        self._full_since(time.monotonic())
         max_wait = self.wait_budget(caller_timeout, reads)
         call_s = self.own_time(reads)
         # The call's tag: where ``_charge`` starts it, its tenant's time, never the class's past.
@@ -568,6 +584,10 @@ class ConcurrencyLimiter:
         returns ``value``."""
         self._drop(waiter, GRANTED)
         self.turns += 1
+        if self.inflight >= self.limit:
+            # A slot passed on and every one is busy again: the stall clock starts here, at
+            # the turn itself, not at whichever refusal comes next.
+            self._turns_seen = (self.turns, time.monotonic())
         if waiter.aged:  # every grant comes here, the Redis dispatcher's too
             self.aged_at[waiter.cls] = waiter.future.get_loop().time()
         # The Redis dispatcher grants the waiter it chose before its round trip: a call that
@@ -746,32 +766,74 @@ class ConcurrencyLimiter:
 
     def turn(self) -> float:
         """Seconds expected between two slots freeing while every slot is busy: the mean
-        service time over ``limit``, or, when no slot has freed or passed on since an earlier
-        call found the count of ``turns`` it finds now, the time since then over ``limit`` if
-        that is longer.
+        service time over ``limit``, or, when no slot has freed or passed on since a call
+        first found every slot busy (:meth:`_full_since`), the time since then over ``limit``
+        if that is longer.
 
-        Asked only while every slot is busy (a call queues or is refused), so a count of
-        ``turns`` unchanged since an earlier look means every slot stayed busy all that time
-        and none freed: the calls holding them have run at least that long, whatever the
-        mean of the calls before them says (a measured lower bound, not a model). That holds
-        only while every slot is this limiter's own (``inflight`` reaches ``limit``): a
+        A count of ``turns`` unchanged since that look means every slot stayed busy all that
+        time and none freed: the calls holding them have run at least that long, whatever the
+        mean of the calls before them says (a measured lower bound, not a model). The look is
+        taken when a call finds the house full (it queues or is refused, :meth:`_wait`) and
+        at each hand-over, not at the first refusal: fast calls, then slow ones filling every
+        slot with callers queued behind them, told the first refused callers the fast mean
+        (37-48 ms while 3.5 s calls had held both slots for over a second; the SDKs spent
+        every retry in 0.25 s). That holds only while every slot is this limiter's own
+        (``inflight`` reaches ``limit``): a
         :class:`~policies.shared_concurrency.SharedConcurrencyLimiter` sees no release of
         another replica's calls, and its Retry-After grew with the time since it first
         looked (1.5 s after 1.5 s of another replica's 50 ms calls), so the mean alone
         serves there."""
         turn = self.mean_service_s / self.limit
-        if self.inflight < self.limit:
-            # Some slot is not this limiter's (the shared limiter's, held on another replica):
-            # it frees unseen here, so an unchanged count says nothing of it, and a look
-            # taken now must not stand for when every slot is this limiter's again.
-            self._turns_seen = (-1, 0.0)
-            return turn
         now = time.monotonic()
-        turns, since = self._turns_seen
-        if turns != self.turns:
-            self._turns_seen = (self.turns, now)
+        since = self._full_since(now)
+        if since is None:
             return turn
         # Every call holding a slot has run at least ``now - since``: a service time that
         # long, over the limit, is a turn (taken whole, a stall of 1 s on 8 slots told a
         # caller behind 7 others that its wait was 8 s, and refused it).
         return max(turn, (now - since) / self.limit)
+
+    def _tenant_stalled(self, tenant: str) -> float:
+        """Seconds for which none of ``tenant``'s calls in flight can have ended, as far as
+        refusals tell: since its first refusal after the route's last turn (a slot freeing or
+        passing on, on any tenant's call), or since every slot was first seen busy if that is
+        earlier and still holds (:meth:`_full_since`). No turn means no call in flight ended,
+        its calls included, so each has run at least that long (a lower bound, as for
+        :meth:`turn`). Kept on the refusal path only: the time a tenant reached its cap is
+        an admission's, which reads no clock, so the first refusal is the first look. The
+        looks are dropped at the next turn, and never outnumber the tenants holding calls."""
+        now = time.monotonic()
+        turns, looks = self._tenant_looks
+        if turns != self.turns:
+            looks = {}
+            self._tenant_looks = (self.turns, looks)
+        elif tenant not in looks and len(looks) >= len(self._by_tenant):
+            # Tenants gone by queued calls leaving (no turn) keep no look.
+            by_tenant = self._by_tenant
+            looks = {name: at for name, at in looks.items() if name in by_tenant}
+            self._tenant_looks = (turns, looks)
+        since = looks.setdefault(tenant, now)
+        full = self._full_since(now)
+        if full is not None and full < since:
+            since = full
+        return now - since
+
+    def _full_since(self, now: float) -> float | None:
+        """The monotonic time since which every slot has been busy and none has freed or
+        passed on, as far as looks on the queueing path tell (``now`` when this is the first
+        look since the last turn); ``None`` when some slot is not this limiter's own.
+
+        Only the refusal and queueing paths call this, never the admission of a call to a
+        free slot nor a release with nobody queued, so those stay free of clock reads: the
+        house filling up by admissions is seen by the first call that finds it full."""
+        if self.inflight < self.limit:
+            # Some slot is not this limiter's (the shared limiter's, held on another replica):
+            # it frees unseen here, so an unchanged count says nothing of it, and a look
+            # taken now must not stand for when every slot is this limiter's again.
+            self._turns_seen = (-1, 0.0)
+            return None
+        turns, since = self._turns_seen
+        if turns != self.turns:
+            self._turns_seen = (self.turns, now)
+            return now
+        return since

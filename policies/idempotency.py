@@ -639,7 +639,7 @@ class Idempotency:
             except StateUnavailable as exc:
                 if self._backends.fallback.mode == "reject":
                     claim.rejected = Rejected(
-                        Reason.STATE_UNAVAILABLE, exc.retry_after or IN_FLIGHT_RETRY_AFTER_S,
+                        Reason.STATE_UNAVAILABLE, exc.hint or IN_FLIGHT_RETRY_AFTER_S,
                         "the idempotency records are unavailable")
                     return claim
                 # local: this process's own store decides, as with the memory backend.
@@ -805,7 +805,7 @@ class Idempotency:
                 # 1 s freeze). A look-up that may have claimed the key frees it.
                 self._drop(records, shared_key, owner, fingerprint)
                 claim.rejected = Rejected(
-                    Reason.IDEMPOTENCY_CONFLICT, exc.retry_after or IN_FLIGHT_RETRY_AFTER_S,
+                    Reason.IDEMPOTENCY_CONFLICT, exc.hint or IN_FLIGHT_RETRY_AFTER_S,
                     "a request with this Idempotency-Key is in flight, and the shared "
                     "idempotency records stopped answering while this one waited for it")
                 return claim

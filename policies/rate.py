@@ -67,6 +67,7 @@ from policies.logs import PER_CALL
 from policies.pipeline import Call, Outcome
 from policies.reasons import Reason, Rejected
 from policies.state import StateBackends, StateUnavailable
+from policies.state.errors import outage_hint
 from policies.state.leases import new_lease_id
 from policies.state.rate import Holder, MemoryRateBuckets, Plan, RateResult, Take, memory_plan
 from policies.usage import endpoint_for
@@ -84,13 +85,15 @@ TAKES_KEPT = 1024
 
 
 def unavailable(exc: StateUnavailable) -> Rejected:
-    """The 503 ``state_unavailable`` of ``state.on_unavailable: reject``, with the wait until
-    the backend is probed again as ``Retry-After``.
+    """The 503 ``state_unavailable`` of ``state.on_unavailable: reject``, with
+    :attr:`StateUnavailable.hint` as ``Retry-After``: the time the backend has been down so
+    far, at least until its next probe and at most 10 s.
 
     The caller is told no more than the reason: ``exc.cause`` names Redis's address and the
     error, which are the operator's (the log, ``/readyz`` on the admin port), not a caller's.
     """
-    wait = exc.retry_after if exc.retry_after is not None else 1.0
+    hint = exc.hint
+    wait = hint if hint is not None else 1.0
     return Rejected(Reason.STATE_UNAVAILABLE, wait)
 
 
@@ -457,7 +460,8 @@ class RateLimiter:
             # It fits once the shared state answers: not a 400, which says never to retry.
             redis = self.backends.redis
             return Rejected(Reason.STATE_UNAVAILABLE,
-                            redis.probe_interval_s if redis is not None else 1.0,
+                            1.0 if redis is None
+                            else outage_hint(redis.probe_interval_s, redis.health.down_for()),
                             f"this request reserves {reserves} tokens, more than this "
                             f"replica's share ({take.limit:g}) of the token rate limit of "
                             f"{rate} while the shared state does not answer; it fits once "

@@ -14,6 +14,10 @@ from __future__ import annotations
 
 import enum
 
+#: Longest wait both official SDKs honour as given (the Anthropic SDK's cap), seconds: a
+#: refusal whose wait is longer says ``x-should-retry: false`` (``proxy/rejections.py``).
+SDK_RETRY_AFTER_CAP_S = 60.0
+
 
 class Reason(enum.Enum):
     """A reason code, its HTTP status, and a one-line explanation for people."""

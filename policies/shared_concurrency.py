@@ -147,7 +147,7 @@ class SharedConcurrencyLimiter(ConcurrencyLimiter):
         """
         held = self._by_tenant.get(tenant, 0)
         if held >= self._tenant_cap:
-            raise self._tenant_refusal(held)
+            raise self._tenant_refusal(held, tenant)
         # This replica alone filling the limit means no lease is free: skip the round trip.
         if not self.queued and self.inflight < self.limit:
             try:

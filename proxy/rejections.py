@@ -40,14 +40,11 @@ import orjson
 from aiohttp import web
 
 from policies import bodies, mcp
-from policies.reasons import Reason, Rejected
+from policies.reasons import SDK_RETRY_AFTER_CAP_S, Reason, Rejected
 
 if TYPE_CHECKING:
     from proxy.routes import Route
     from proxy.runtime import Runtime
-
-#: Longest wait both official SDKs honour as given (the Anthropic SDK's cap), seconds.
-SDK_RETRY_AFTER_CAP_S = 60.0
 
 _OPENAI_TYPES = {429: "rate_limit_error", 503: "server_error", 502: "server_error"}
 _ANTHROPIC_TYPES = {

@@ -362,3 +362,86 @@ async def test_a_callers_deadline_is_measured_against_a_stalled_house():
     assert refused.value.reason is Reason.DEADLINE_UNREACHABLE
     waiting.cancel()
     await asyncio.gather(waiting, return_exceptions=True)
+
+
+async def test_the_stall_clock_starts_when_a_call_first_queues_not_at_the_first_refusal():
+    # Fast calls set the mean at 6 ms; then a slow call fills the house and one queues behind
+    # it. A hostile trial's first refusals, a second later, were told the fast mean (37-48 ms
+    # while 3.5 s calls held both slots): the clock had started at the first refusal.
+    limiter = limiter_with(queue=1, max_wait=30.0)
+    for _ in range(3):
+        await limiter.acquire("t")
+        limiter.release("t", 0.006)
+    await limiter.acquire("t")  # the slow call
+    waiting = await queued(limiter)  # found every slot busy: no slot has freed since
+    await asyncio.sleep(0.3)
+    with pytest.raises(Rejected) as first:
+        await limiter.acquire("t")
+    # The first refusal already knows no slot freed for 0.3 s: two turns of at least that.
+    assert first.value.reason is Reason.QUEUE_FULL
+    assert first.value.retry_after >= 2 * 0.3
+    waiting.cancel()
+    await asyncio.gather(waiting, return_exceptions=True)
+
+
+async def test_the_stall_clock_restarts_at_a_hand_over_not_at_the_next_refusal():
+    # A slot passed on is a turn whose time is known: the clock starts there.
+    limiter = limiter_with(queue=1, max_wait=30.0)
+    for _ in range(3):
+        await limiter.acquire("t")
+        limiter.release("t", 0.006)
+    await limiter.acquire("t")
+    waiting = await queued(limiter)
+    limiter.release("t", 0.006)  # handed to the waiter, which now holds the only slot
+    await waiting
+    await asyncio.sleep(0.3)
+    again = await queued(limiter)
+    with pytest.raises(Rejected) as refused:
+        await limiter.acquire("t")
+    assert refused.value.retry_after >= 2 * 0.3
+    again.cancel()
+    await asyncio.gather(again, return_exceptions=True)
+
+
+async def test_a_tenant_at_its_cap_is_told_at_least_how_long_its_calls_have_run():
+    # The tenant's 2 calls run long on a route with free slots, after fast calls set the mean
+    # at 6 ms. A hostile trial measured 12 ms (the mean over 2) while they had run 0.3 s.
+    limiter = limiter_with(limit=8, queue=5, per_tenant=2)
+    for _ in range(3):
+        await limiter.acquire("t")
+        limiter.release("t", 0.006)
+    await limiter.acquire("t")
+    await limiter.acquire("t")
+    with pytest.raises(Rejected) as first:
+        await limiter.acquire("t")
+    assert first.value.reason is Reason.TENANT_CONCURRENCY
+    assert first.value.retry_after <= 0.006  # nothing known yet but the mean
+    await asyncio.sleep(0.3)
+    with pytest.raises(Rejected) as later:
+        await limiter.acquire("t")
+    # No slot freed since the first refusal: each of its calls has run at least 0.3 s.
+    assert later.value.retry_after >= 0.3 / 2
+    # Another tenant's call ending is a turn: the look is dropped, the mean rules again.
+    await limiter.acquire("u")
+    limiter.release("u", 0.006)
+    with pytest.raises(Rejected) as after:
+        await limiter.acquire("t")
+    assert after.value.retry_after <= 0.3 / 2
+
+
+async def test_a_tenant_at_its_cap_on_a_full_house_is_told_how_long_every_slot_stayed_busy():
+    # The route's stall clock, started by a call that queued, bounds the tenant's calls too.
+    limiter = limiter_with(limit=2, queue=5, per_tenant=2)
+    for _ in range(3):
+        await limiter.acquire("t")
+        limiter.release("t", 0.006)
+    await limiter.acquire("t")
+    await limiter.acquire("t")
+    waiting = await queued(limiter, tenant="u")
+    await asyncio.sleep(0.3)
+    with pytest.raises(Rejected) as first:
+        await limiter.acquire("t")
+    assert first.value.reason is Reason.TENANT_CONCURRENCY
+    assert first.value.retry_after >= 0.3 / 2
+    waiting.cancel()
+    await asyncio.gather(waiting, return_exceptions=True)

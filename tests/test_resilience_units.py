@@ -13,7 +13,7 @@ import pytest
 from policies import breaker as brk
 from policies.config import CircuitBreakerConfig, RetryConfig
 from policies.deadletter import Attempt, DeadLetter, DeadLetterFile, redact, redact_path
-from policies.reasons import Reason, Rejected
+from policies.reasons import SDK_RETRY_AFTER_CAP_S, Reason, Rejected
 from policies.retry import (
     RetryBudget,
     RetryPolicy,
@@ -24,6 +24,7 @@ from policies.retry import (
 from policies.state import memory_backends
 from policies.state.breaker import MemoryBreakerStates
 from proxy.events import EventLog
+from proxy.rejections import rejection_headers
 
 
 class Clock:
@@ -309,3 +310,27 @@ def test_redact_and_store_roundtrip(tmp_path) -> None:
     assert store.depth() == {"r": 1}
     assert store.purge() == 1 and store.list() == []
     store.close()
+
+
+async def test_the_spread_never_carries_a_wait_within_the_sdk_cap_past_it(clock: Clock) -> None:
+    # reset_timeout 40 s: a probe due in 40 s, spread by up to 40 s more, told callers up to
+    # 78.5 s and x-should-retry: false on half the refusals, so they abandoned work a retry
+    # at about 40 s would have served.
+    breaker, _ = make_breaker(clock, fail_max=1, reset_timeout="40s")
+    first = await breaker.attempt()
+    await breaker.record(first, brk.FAILURE)
+    assert breaker.blocked_for() == 40.0
+    waits = []
+    for _ in range(200):
+        with pytest.raises(Rejected) as info:
+            breaker.check()
+        waits.append(info.value.retry_after)
+        assert rejection_headers(info.value)["x-should-retry"] == "true"
+    assert all(40.0 <= wait <= SDK_RETRY_AFTER_CAP_S for wait in waits)
+    assert len({round(wait, 1) for wait in waits}) > 10  # still spread, up to the cap
+    # A probe due past the cap (the upstream asked for 90 s) is told as it is: not now.
+    await breaker.record(first, brk.FAILURE, 503, 90.0)
+    with pytest.raises(Rejected) as info:
+        breaker.check()
+    assert info.value.retry_after >= 90.0
+    assert rejection_headers(info.value)["x-should-retry"] == "false"

@@ -20,14 +20,23 @@ import pytest
 import redis
 
 from policies.breaker import Breaker
-from policies.config import CircuitBreakerConfig
+from policies.config import CircuitBreakerConfig, RateConfig
 from policies.deadletter import DeadLetter
-from policies.state import StateBackends, StateUnavailable, redact_url, redis_backends
+from policies.rate import RateLimiter, unavailable
+from policies.reasons import Reason, Rejected
+from policies.state import (
+    Fallback,
+    StateBackends,
+    StateUnavailable,
+    redact_url,
+    redis_backends,
+)
 from policies.state.breaker import FAILURE, SUCCESS, BreakerParams, Ticket
 from policies.state.connection import RedisState, Script
 from policies.state.idempotency import SEEN, Answer
 from policies.state.ledger import Claim
 from policies.state.rate import Take
+from proxy.rejections import rejection_headers
 from tests.conftest import route
 from tests.redis_servers import RedisCluster, RedisServer, free_port, new_prefix, require_redis
 
@@ -426,3 +435,55 @@ async def test_writes_lost_in_an_outage_are_logged_once_per_kind_not_once_per_ca
     await sluice.stop()  # and what was held back is counted at shutdown, not lost
     held = re.findall(r"not applied: .*\((\d+) more like it held back", sluice.stderr())
     assert held and sum(map(int, held)) + len(lost) >= 30, sluice.stderr()
+
+
+async def test_the_state_unavailable_hint_grows_with_the_outage():
+    """A closed port: the refusal's wait is the time Redis has been down so far, at least the
+    probe interval and at most 10 s. Always the probe interval, it made an SDK with 5 retries
+    give up after 2.6 s of a 4 s outage. Sluice's own retries keep the probe interval."""
+    require_redis()
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    backends = await redis_backends(url, new_prefix(), TIMEOUT_S, probe_interval_s=PROBE_S)
+    rates = backends.rates
+    take = [Take("requests", 10, 60.0)]
+    try:
+        assert not backends.health.up
+        with pytest.raises(StateUnavailable) as fresh:
+            await rates.admit("r", take)
+        assert unavailable(fresh.value).retry_after >= PROBE_S
+        await asyncio.sleep(1.0)  # the outage goes on (a lower bound: a slow machine adds)
+        with pytest.raises(StateUnavailable) as longer:
+            await rates.admit("r", take)
+        refused = unavailable(longer.value)
+        assert refused.reason is Reason.STATE_UNAVAILABLE
+        headers = rejection_headers(refused)
+        assert int(headers["retry-after-ms"]) >= 1000
+        assert headers["x-should-retry"] == "true"
+        assert longer.value.retry_after == pytest.approx(PROBE_S)
+        # Down for ten minutes: the clock the hint reads from is moved back, not waited out.
+        backends.health.changed_monotonic -= 600.0
+        with pytest.raises(StateUnavailable) as long_ago:
+            await rates.admit("r", take)
+        assert unavailable(long_ago.value).retry_after == 10.0
+    finally:
+        await backends.close()
+
+
+async def test_a_token_reservation_over_the_local_share_is_told_the_outage_so_far():
+    """``on_unavailable: local``: a reservation over this replica's share of the token rate
+    but within the whole fits once Redis answers; its wait grows with the outage as the
+    other state_unavailable refusals' do, not the probe interval however long it lasts."""
+    require_redis()
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    backends = await redis_backends(url, new_prefix(), TIMEOUT_S, probe_interval_s=PROBE_S)
+    backends.fallback = Fallback("local", 10)
+    limits = RateLimiter(RateConfig.model_validate({"tokens": "1000/min"}), backends, "r")
+    try:
+        assert not backends.health.up
+        backends.health.changed_monotonic -= 3.0  # down for 3 s so far, not waited out
+        with pytest.raises(Rejected) as refused:
+            await limits.take([limits.token_take(150)])
+        assert refused.value.reason is Reason.STATE_UNAVAILABLE
+        assert 3.0 <= refused.value.retry_after <= 3.0 + MARGIN_S
+    finally:
+        await backends.close()

@@ -127,6 +127,8 @@ class Health:
         last_error: why the last failed call failed (never holds a password), or ``None``;
             kept after recovery, as the last error seen.
         changed_at: ``time.time()`` of the last change between up and down.
+        changed_monotonic: ``time.monotonic()`` of the same (what :meth:`down_for` measures
+            from: a wall clock stepped back or forward does not stretch an outage).
         failures: calls that failed since the backend was last up.
     """
 
@@ -135,6 +137,7 @@ class Health:
         self.known = False
         self.last_error: str | None = None
         self.changed_at = time.time()
+        self.changed_monotonic = time.monotonic()
         self.failures = 0
         self._listeners: list[Callable[[bool, str | None], None]] = []
 
@@ -159,6 +162,11 @@ class Health:
             self.up = False
             self._changed()
 
+    def down_for(self) -> float:
+        """Seconds the backend has been marked down (since it was created, if it never
+        answered); 0 while it is up."""
+        return 0.0 if self.up else time.monotonic() - self.changed_monotonic
+
     def as_dict(self) -> dict[str, object]:
         """JSON-ready view for ``/readyz`` detail."""
         return {"up": self.up, "last_error": self.last_error, "since": self.changed_at,
@@ -167,6 +175,7 @@ class Health:
     def _changed(self) -> None:
         # No log line of its own: the listeners say what the change means (proxy/runtime.py).
         self.changed_at = time.time()
+        self.changed_monotonic = time.monotonic()
         for listener in self._listeners:
             listener(self.up, None if self.up else self.last_error)
         self.known = True
@@ -318,7 +327,7 @@ class RedisState:
         if isinstance(exc, StateUnavailable):  # refused while connecting (see probe)
             self.health.fail(exc.cause)
             return StateUnavailable(f"state backend unavailable: {exc.cause}",
-                                    self.probe_interval_s)
+                                    self.probe_interval_s, down_s=self.health.down_for())
         if is_key_fault(exc):  # that key only: the backend stays up for the others
             return StateUnavailable(f"a key under the state prefix cannot be used (another "
                                     f"program writing there?): {describe(exc)}")
@@ -326,7 +335,7 @@ class RedisState:
             raise exc
         self.health.fail(describe(exc))
         return StateUnavailable(f"state backend unavailable: {describe(exc)}",
-                                self.probe_interval_s)
+                                self.probe_interval_s, down_s=self.health.down_for())
 
     async def _watch(self) -> None:
         while not self._closed:
@@ -428,7 +437,7 @@ class RedisState:
         if client is None or (monitored and not self.health.up):
             why = self.health.last_error or "not connected yet"
             raise StateUnavailable(f"state backend unavailable: {why}", self.probe_interval_s,
-                                   maybe_applied=False)
+                                   maybe_applied=False, down_s=self.health.down_for())
         try:
             async with Deadline(self.timeout_s):
                 try:

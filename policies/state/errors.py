@@ -47,6 +47,24 @@ _UNAVAILABLE_TYPES: tuple[type[BaseException], ...] = (
 )
 
 
+#: Longest wait a refusal for an outage tells a caller, seconds (:attr:`StateUnavailable.hint`):
+#: well under the 60 s the SDKs honour, and a recovery is used within this long.
+OUTAGE_HINT_MAX_S = 10.0
+
+
+def outage_hint(probe_s: float, down_s: float) -> float:
+    """The wait to tell a caller refused because the backend is down, seconds: the time it has
+    been down so far (``down_s``), at least ``probe_s`` (until its next probe) and at most
+    :data:`OUTAGE_HINT_MAX_S`.
+
+    An outage that has lasted ``d`` seconds is not likely to end in the next half second
+    (the longer it has lasted, the longer it tends to go on), and a caller told ``d`` each
+    time doubles its wait at every retry, as exponential backoff would. Told the probe
+    interval whatever the outage's length, an SDK with 5 retries gave up after 2.6 s of a
+    4 s outage its own backoff would have outlasted."""
+    return min(OUTAGE_HINT_MAX_S, max(probe_s, down_s))
+
+
 class StateUnavailable(Exception):
     """The shared state backend did not answer within ``state.timeout``, or refused to.
 
@@ -56,14 +74,26 @@ class StateUnavailable(Exception):
         maybe_applied: the call was sent, so a frozen or slow server may still run it later
             (its outcome is unknown); ``False`` when it was refused before anything was sent
             (the backend was already marked down).
+        down_s: how long the backend had been marked down when this was raised, seconds.
     """
 
     def __init__(self, cause: str, retry_after: float | None = None,
-                 maybe_applied: bool = True) -> None:
+                 maybe_applied: bool = True, down_s: float = 0.0) -> None:
         super().__init__(cause)
         self.cause = cause
         self.retry_after = retry_after
         self.maybe_applied = maybe_applied
+        self.down_s = down_s
+
+    @property
+    def hint(self) -> float | None:
+        """The wait to tell a caller refused for this, seconds (:func:`outage_hint` of
+        ``retry_after`` and ``down_s``); ``None`` when ``retry_after`` is. ``retry_after``
+        itself stays the probe interval: Sluice's own retries (a lease release, an
+        idempotency record's write) follow the probe, not this."""
+        if self.retry_after is None:
+            return None
+        return outage_hint(self.retry_after, self.down_s)
 
 
 def _code(reply: rx.ResponseError) -> str:
