@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import enum
 
-#: Longest wait both official SDKs honour as given (the Anthropic SDK's cap), seconds: a
-#: refusal whose wait is longer says ``x-should-retry: false`` (``proxy/rejections.py``).
+#: Longest wait a refusal tells a caller to retry after, seconds: a longer one says
+#: ``x-should-retry: false`` (``proxy/rejections.py`` says why: the OpenAI SDK drops a wait
+#: over 120 s for its own short back-off, and the Anthropic SDK dropped one over 60 s).
 SDK_RETRY_AFTER_CAP_S = 60.0
 
 
