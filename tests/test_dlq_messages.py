@@ -7,6 +7,7 @@ test's own upstream (or a closed port)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from pathlib import Path
 
@@ -59,8 +60,11 @@ async def test_a_replay_never_prints_the_upstreams_password(tmp_path):
 
 async def test_a_replay_cut_by_its_timeout_says_which_timeout(tmp_path):
     """``failed: TimeoutError in 0.503s`` did not say which timeout ended it."""
+    released = asyncio.Event()
+
     async def stall(request: web.Request) -> web.Response:
-        await asyncio.sleep(30)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(released.wait(), 30)
         return web.json_response({})
 
     app = web.Application()
@@ -71,6 +75,7 @@ async def test_a_replay_cut_by_its_timeout_says_which_timeout(tmp_path):
                                      timeouts={"total": "300ms"})
         code, out, err = await outcome(await cli("dlq", "replay", letter, "--config", config))
     finally:
+        released.set()  # the runner's cleanup waits for its handlers
         await runner.cleanup()
     assert code == 1, (out, err)
     assert "failed: TimeoutError (no whole answer within timeouts.total, 0.3s)" in out, out
