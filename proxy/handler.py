@@ -166,10 +166,9 @@ class _Presence:
             route.present += 1
 
     def enter(self) -> None:
-        """Count the request present; once, however often called."""
-        if not self.present:
-            self.route.present += 1
-            self.present = True
+        """Count present a request not counted when made (it arrived during the drain)."""
+        self.route.present += 1
+        self.present = True
 
     def idle(self) -> None:
         """Count the (admitted, present) request as a stream the drain does not wait for;

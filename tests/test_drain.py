@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -515,11 +516,7 @@ async def test_a_drain_stays_for_the_control_traffic_a_client_sends_after_its_re
     gate = tmp_path / "gate"
     async with aiohttp.ClientSession() as http:
         headers = await raw_session(http, url)
-        call = asyncio.create_task(_mcp_answer(http, url, headers,
-                                               tool_call(2, "gated", path=str(gate))))
-        await wait_until(lambda: _admitted_tool(sluice, "gated"), what="the call admitted")
-        sluice.signal(signal.SIGTERM)
-        await wait_until(lambda: "draining" in sluice.stderr(), what="the drain")
+        call = await _gated_call_then_drain(sluice, http, url, headers, 2, gate)
         gate.touch()
         assert (await call)[0] == 200
         await asyncio.sleep(0.2)
@@ -637,6 +634,19 @@ async def _closed_for_polling(http: aiohttp.ClientSession, url: str, headers: di
     return [line[3:].strip() for line in closed.splitlines() if line.startswith("id:")][-1]
 
 
+async def _gated_call_then_drain(sluice: Any, http: aiohttp.ClientSession, url: str,
+                                 headers: dict[str, str], rpc_id: int,
+                                 gate: Path) -> asyncio.Task[tuple[int, str]]:
+    """Post a ``gated`` call (in flight until ``gate`` exists), wait for its admission, then
+    SIGTERM Sluice and wait for its drain: the call, as a task (:func:`_mcp_answer`)."""
+    call = asyncio.create_task(_mcp_answer(http, url, headers,
+                                           tool_call(rpc_id, "gated", path=str(gate))))
+    await wait_until(lambda: _admitted_tool(sluice, "gated"), what="the call admitted")
+    sluice.signal(signal.SIGTERM)
+    await wait_until(lambda: "draining" in sluice.stderr(), what="the drain")
+    return call
+
+
 async def _draining_sluice(start_sluice: Any, server: Any, timeout: str = "20s") -> Any:
     """Sluice with one ``mcp`` route to ``server`` and a drain of ``timeout``."""
     return await start_sluice({
@@ -657,11 +667,7 @@ async def test_control_traffic_served_while_draining_is_waited_for(
     gate = tmp_path / "gate"
     async with aiohttp.ClientSession() as http:
         headers = await raw_session(http, url)
-        call = asyncio.create_task(_mcp_answer(http, url, headers,
-                                               tool_call(2, "gated", path=str(gate))))
-        await wait_until(lambda: _admitted_tool(sluice, "gated"), what="the call admitted")
-        sluice.signal(signal.SIGTERM)
-        await wait_until(lambda: "draining" in sluice.stderr(), what="the drain")
+        call = await _gated_call_then_drain(sluice, http, url, headers, 2, gate)
         before = _admitted(sluice)
         listed = asyncio.create_task(_mcp_answer(
             http, url, headers, {"jsonrpc": "2.0", "id": 3, "method": "tools/list"}))
@@ -690,11 +696,7 @@ async def test_a_calls_stream_resumed_while_draining_is_served_and_waited_for(
     async with aiohttp.ClientSession() as http:
         headers = await raw_session(http, url)
         last_id = await _closed_for_polling(http, url, headers, 2, seconds=3.0)
-        call = asyncio.create_task(_mcp_answer(http, url, headers,
-                                               tool_call(3, "gated", path=str(gate))))
-        await wait_until(lambda: _admitted_tool(sluice, "gated"), what="a call in flight")
-        sluice.signal(signal.SIGTERM)
-        await wait_until(lambda: "draining" in sluice.stderr(), what="the drain")
+        call = await _gated_call_then_drain(sluice, http, url, headers, 3, gate)
         before = _admitted(sluice)
         resumed = asyncio.create_task(_resumed(http, url, {**headers, "Last-Event-ID": last_id}))
         await wait_until(lambda: _admitted(sluice) > before, what="the GET let in")

@@ -19,6 +19,15 @@ def limiter_with(limit: int = 1, queue: int = 5, max_wait: float = 30.0,
     return ConcurrencyLimiter(limit, queue, max_wait, per_tenant)
 
 
+async def full_after_fast_calls(limiter: ConcurrencyLimiter, service_s: float) -> None:
+    """Three calls of ``service_s`` seconds each for tenant ``t`` (the limiter's mean, once
+    observed), then one more that takes a slot and keeps it (the slow call)."""
+    for _ in range(3):
+        await limiter.acquire("t")
+        limiter.release("t", service_s)
+    await limiter.acquire("t")
+
+
 async def queued(limiter: ConcurrencyLimiter, tenant: str = "t", priority: int = 1,
                  timeout: float | None = None, cost: float | None = None
                  ) -> asyncio.Task[float | None]:
@@ -317,10 +326,7 @@ async def test_a_house_busy_longer_than_the_mean_says_so_in_retry_after():
     # Fast calls set the mean at 6 ms; then a slow one holds the only slot. A new user's
     # SDK was told to come back in 6 ms (retry-after-ms) while 3 s calls held every slot.
     limiter = limiter_with(queue=1, max_wait=30.0)
-    for _ in range(3):
-        await limiter.acquire("t")
-        limiter.release("t", 0.006)
-    await limiter.acquire("t")  # the slow call
+    await full_after_fast_calls(limiter, 0.006)
     waiting = await queued(limiter)
     with pytest.raises(Rejected) as first:
         await limiter.acquire("t")
@@ -348,10 +354,7 @@ async def test_a_callers_deadline_is_measured_against_a_stalled_house():
     # The deadline check estimates the wait with the same turn: a caller whose timeout a
     # stalled slot will outlast is told at once, not queued until its timeout.
     limiter = limiter_with(queue=5, max_wait=30.0)
-    for _ in range(3):
-        await limiter.acquire("t")
-        limiter.release("t", 0.01)
-    await limiter.acquire("t")
+    await full_after_fast_calls(limiter, 0.01)
     waiting = await queued(limiter)
     with pytest.raises(Rejected):  # a full look at the house: the count is taken
         await limiter.acquire("t", 1, 0.005)
@@ -369,10 +372,7 @@ async def test_the_stall_clock_starts_when_a_call_first_queues_not_at_the_first_
     # it. A hostile trial's first refusals, a second later, were told the fast mean (37-48 ms
     # while 3.5 s calls held both slots): the clock had started at the first refusal.
     limiter = limiter_with(queue=1, max_wait=30.0)
-    for _ in range(3):
-        await limiter.acquire("t")
-        limiter.release("t", 0.006)
-    await limiter.acquire("t")  # the slow call
+    await full_after_fast_calls(limiter, 0.006)
     waiting = await queued(limiter)  # found every slot busy: no slot has freed since
     await asyncio.sleep(0.3)
     with pytest.raises(Rejected) as first:
@@ -387,10 +387,7 @@ async def test_the_stall_clock_starts_when_a_call_first_queues_not_at_the_first_
 async def test_the_stall_clock_restarts_at_a_hand_over_not_at_the_next_refusal():
     # A slot passed on is a turn whose time is known: the clock starts there.
     limiter = limiter_with(queue=1, max_wait=30.0)
-    for _ in range(3):
-        await limiter.acquire("t")
-        limiter.release("t", 0.006)
-    await limiter.acquire("t")
+    await full_after_fast_calls(limiter, 0.006)
     waiting = await queued(limiter)
     limiter.release("t", 0.006)  # handed to the waiter, which now holds the only slot
     await waiting
@@ -407,10 +404,7 @@ async def test_a_tenant_at_its_cap_is_told_at_least_how_long_its_calls_have_run(
     # The tenant's 2 calls run long on a route with free slots, after fast calls set the mean
     # at 6 ms. A hostile trial measured 12 ms (the mean over 2) while they had run 0.3 s.
     limiter = limiter_with(limit=8, queue=5, per_tenant=2)
-    for _ in range(3):
-        await limiter.acquire("t")
-        limiter.release("t", 0.006)
-    await limiter.acquire("t")
+    await full_after_fast_calls(limiter, 0.006)
     await limiter.acquire("t")
     with pytest.raises(Rejected) as first:
         await limiter.acquire("t")
@@ -432,10 +426,7 @@ async def test_a_tenant_at_its_cap_is_told_at_least_how_long_its_calls_have_run(
 async def test_a_tenant_at_its_cap_on_a_full_house_is_told_how_long_every_slot_stayed_busy():
     # The route's stall clock, started by a call that queued, bounds the tenant's calls too.
     limiter = limiter_with(limit=2, queue=5, per_tenant=2)
-    for _ in range(3):
-        await limiter.acquire("t")
-        limiter.release("t", 0.006)
-    await limiter.acquire("t")
+    await full_after_fast_calls(limiter, 0.006)
     await limiter.acquire("t")
     waiting = await queued(limiter, tenant="u")
     await asyncio.sleep(0.3)
