@@ -28,14 +28,22 @@ admitted on Redis leases before the outage included) are under its share of the 
 (:meth:`~policies.state.Fallback.whole_share`), taking a lease from its memory for the share
 of ``per_tenant``, and logs it once per outage;
 ``reject`` refuses 503 ``state_unavailable`` (every waiter too). Every attempt asks Redis
-first, so the shared limit is back as soon as it answers; a call admitted on the local share
-and still running then is counted in Redis at its lease's next renewal (within a third of
-``state.lease``), past the limit if need be, so new calls wait until the route is back under
-it (before, such calls went uncounted and the route ran up to twice its limit until they
-ended). A lease whose acquire Redis may have run without the answer arriving (a timeout,
-the caller's cancellation) is released in the background, or lapses within the lease time if
-Redis cannot take that either. Cost: one round trip to take a lease, one to give it back, one
-per third of ``state.lease`` for a call running longer.
+first, so the shared limit is back as soon as it answers. A call admitted on the local share
+and still running then is moved into Redis (its memory lease taken there, past the limit if
+need be, so new calls wait until the route is back under it) as soon as this replica sees
+Redis up, by its probe or a call (:meth:`~policies.state.StateBackends.move_leases`), or else
+at its lease's next renewal; until it is moved, this replica's acquires count it beside the
+leases Redis holds (``uncounted``). Another replica's such calls are unknown here until that
+replica has moved them, so a replica that admitted from its share keeps to it for
+``settle_s`` after Redis answers again (two probe intervals and the timeout), the time the
+others take to see Redis back and move theirs (a hostile trial, before: 6 and 7 calls at the
+upstream on a limit of 4 in the half second after a thaw). A lease whose acquire Redis may
+have run without the answer arriving (a timeout, the caller's cancellation) is released in
+the background, or lapses within the lease time if Redis cannot take that either; a memory
+lease taken instead gets another id, so that release cannot land on it once moved.
+
+Cost: one round trip to take a lease, one to give it back, one per third of ``state.lease``
+for a call running longer.
 
 ``inflight`` and ``queued`` (and so ``sluice_inflight_requests``) stay this replica's;
 :meth:`SharedConcurrencyLimiter.state` adds the route's count across replicas as last seen.
@@ -117,6 +125,9 @@ class SharedConcurrencyLimiter(ConcurrencyLimiter):
         self.shared_inflight: int | None = None
         #: Admitting from this replica's share while Redis does not answer.
         self.degraded = False
+        #: Loop time until which this replica keeps to its share though Redis answers again
+        #: (``backends.settle_s`` after an outage it admitted through), or 0.
+        self._share_until = 0.0
         #: Lease releases whose acquire's answer was lost; their failures are logged.
         self.background = Background(backends)
         self._dispatcher: asyncio.Task[None] | None = None
@@ -193,14 +204,28 @@ class SharedConcurrencyLimiter(ConcurrencyLimiter):
         """
         backends = self.backends
         leases: Leases = backends.leases
+        if self._share_until:
+            if asyncio.get_running_loop().time() < self._share_until:
+                # Redis answers again, but another replica's calls admitted from its memory
+                # may not be in Redis yet: keep to the share until they are (settle_s).
+                share = backends.fallback.whole_share(self.limit)
+                if self.inflight >= share:
+                    return None, LeaseResult(False, LIMIT, self.inflight, 0)
+            else:
+                self._share_until = 0.0
+        # This replica's own calls admitted from memory and not yet in Redis count too.
+        unmoved = self._unmoved() if backends.unmoved_leases else 0
         lease_id = new_lease_id()
         try:
             result = await leases.acquire(self.group, tenant, lease_id, self.limit,
                                           self.per_tenant, backends.lease_s,
-                                          holder=self.holder)
+                                          holder=self.holder, uncounted=unmoved)
         except StateUnavailable as exc:
             if exc.maybe_applied:  # Redis may have run it before the answer timed out
                 self._forget_lease(lease_id, tenant)
+                # That release lands when Redis is back: a memory lease of the same id
+                # moved into Redis by then would be the one released.
+                lease_id = new_lease_id()
             fallback = backends.fallback
             if fallback.mode == "reject":
                 raise
@@ -224,13 +249,22 @@ class SharedConcurrencyLimiter(ConcurrencyLimiter):
             self.shared_inflight = result.inflight
             if self.degraded:
                 self.degraded = False
+                self._share_until = asyncio.get_running_loop().time() + backends.settle_s
                 log.warning("concurrency of route %s: shared across replicas again",
                             self.group)
+                if result.granted and self.inflight >= backends.fallback.whole_share(
+                        self.limit):
+                    self._forget_lease(lease_id, tenant)
+                    return None, LeaseResult(False, LIMIT, self.inflight, 0)
         if not result.granted:
             return None, result
         shared = None if leases is backends.leases else backends.leases
         return Lease(leases, self.group, tenant, lease_id, backends.lease_s,
-                     shared=shared), result
+                     shared=shared, unmoved=backends.unmoved_leases), result
+
+    def _unmoved(self) -> int:
+        """This route's calls here on memory leases not yet moved into Redis."""
+        return sum(1 for lease in self.backends.unmoved_leases if lease.group == self.group)
 
     def _forget_lease(self, lease_id: str, tenant: str) -> None:
         """Release ``lease_id`` in Redis, which may hold it though its acquire's answer was

@@ -45,7 +45,7 @@ from policies.state.idempotency import (
     MemoryIdempotencyRecords,
     RedisIdempotencyRecords,
 )
-from policies.state.leases import Leases, MemoryLeases, RedisLeases
+from policies.state.leases import Lease, Leases, MemoryLeases, RedisLeases
 from policies.state.ledger import MAX_COUNTERS, Ledger, LedgerFull, MemoryLedger, RedisLedger
 from policies.state.rate import MemoryRateBuckets, RateBuckets, RedisRateBuckets
 
@@ -102,6 +102,9 @@ class StateBackends:
     #: Writes policies started and nothing awaits (settles, refunds, reconciliation, keys
     #: and leases given back, dead letters): :meth:`close` lets them end first.
     background: set[asyncio.Future[Any]] = field(default_factory=set)
+    #: Concurrency leases taken from memory while Redis did not answer and not yet moved
+    #: into Redis (:class:`~policies.state.leases.Lease`): moved as soon as it answers again.
+    unmoved_leases: set[Lease] = field(default_factory=set)
 
     @property
     def kind(self) -> str:
@@ -113,6 +116,26 @@ class StateBackends:
         :func:`redis_backends`)."""
         if self.redis is not None:
             await self.redis.start()
+
+    @property
+    def settle_s(self) -> float:
+        """Seconds a replica that admitted calls from its share of a concurrency limit during
+        an outage keeps to that share once Redis answers it again: time for every other
+        replica cut off by the same outage to see Redis back (its probe, every
+        ``probe_interval_s``) and move its own such calls into Redis (one call, at most the
+        timeout); twice the probe interval plus the timeout. 0 for memory."""
+        if self.redis is None:
+            return 0.0
+        return 2 * self.redis.probe_interval_s + self.redis.timeout_s
+
+    def move_leases(self, up: bool, _error: str | None = None) -> None:
+        """A :meth:`Health.on_change` listener: once the backend is up again, start moving
+        every lease in :attr:`unmoved_leases` into Redis now, rather than at its next renewal
+        (up to a third of ``state.lease`` later, while other replicas admit as if its call
+        were not running)."""
+        if up:
+            for lease in list(self.unmoved_leases):
+                lease.promote()
 
     def keep(self, task: asyncio.Future[Any]) -> None:
         """Let :meth:`close` wait for ``task``, a write started in the background."""
@@ -214,7 +237,7 @@ def backends_for(config: StateConfig) -> StateBackends:
 
 def _redis_set(state: RedisState) -> StateBackends:
     rates, ledger = RedisRateBuckets(state), RedisLedger(state)
-    return StateBackends(
+    backends = StateBackends(
         health=state.health,
         redis=state,
         rates=rates,
@@ -225,6 +248,8 @@ def _redis_set(state: RedisState) -> StateBackends:
         dead_letters=RedisDeadLetterStore(state),
         admissions=RedisAdmissions(state, rates, ledger),
     )
+    state.health.on_change(backends.move_leases)
+    return backends
 
 
 async def redis_backends(url: str, prefix: str, timeout_s: float, *,

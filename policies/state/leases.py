@@ -74,11 +74,14 @@ class Leases(Protocol):
 
     async def acquire(self, group: str, tenant: str, lease_id: str, limit: int,
                       per_tenant: int | None, lease_s: float,
-                      holder: str | None = None) -> LeaseResult:
+                      holder: str | None = None, uncounted: int = 0) -> LeaseResult:
         """Take a slot for ``lease_id`` if one is free, expiring in ``lease_s`` seconds.
         Acquiring an id already held renews it and grants again. With ``holder``, ``limit``
         is recorded as that holder's for ``lease_s``, and the slot is free only under the
-        lowest limit recorded on the group by a live holder."""
+        lowest limit recorded on the group by a live holder. ``uncounted``: calls of the
+        caller's own at the upstream that hold no lease here yet (taken from memory during an
+        outage, see :meth:`Lease.promote`): the slot is free only if the leases held and
+        these together are under the limit."""
         ...
 
     async def register(self, group: str, holder: str, limit: int, lease_s: float) -> int:
@@ -165,7 +168,7 @@ class MemoryLeases:
 
     async def acquire(self, group: str, tenant: str, lease_id: str, limit: int,
                       per_tenant: int | None, lease_s: float,
-                      holder: str | None = None) -> LeaseResult:
+                      holder: str | None = None, uncounted: int = 0) -> LeaseResult:
         if holder is not None:
             limit = self._lowest(group, holder, limit, lease_s)
         route, mine = self._tables(group, tenant)
@@ -176,7 +179,7 @@ class MemoryLeases:
         try:
             if per_tenant is not None and len(mine) >= per_tenant:
                 return LeaseResult(False, TENANT, len(route), len(mine))
-            if len(route) >= limit:
+            if len(route) + uncounted >= limit:
                 return LeaseResult(False, LIMIT, len(route), len(mine))
             route[lease_id] = mine[lease_id] = expiry
             return LeaseResult(True, None, len(route), len(mine))
@@ -253,7 +256,8 @@ return lowest(KEYS[3], KEYS[4], ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]))
 """)
 
 # KEYS: the group's leases, the tenant's, and with a holder its holders' limits and their
-# expiries. ARGV: id, limit, per_tenant (-1: none), lease ms, holder ('' for none).
+# expiries. ARGV: id, limit, per_tenant (-1: none), lease ms, holder ('' for none), the
+# caller's calls holding no lease yet (counted against the limit beside the leases).
 # Returns {granted, refused (0 none, 1 limit, 2 tenant), inflight, tenant inflight}.
 _ACQUIRE = Script(_NOW + _LOWEST + """
 local id, ms, limit = ARGV[1], tonumber(ARGV[4]), tonumber(ARGV[2])
@@ -265,7 +269,7 @@ if redis.call('ZSCORE', KEYS[1], id) then
 end
 local per_tenant = tonumber(ARGV[3])
 if per_tenant >= 0 and mine >= per_tenant then return {0, 2, inflight, mine} end
-if inflight >= limit then return {0, 1, inflight, mine} end
+if inflight + tonumber(ARGV[6]) >= limit then return {0, 1, inflight, mine} end
 hold(id, ms)
 return {1, 0, inflight + 1, mine + 1}
 """)
@@ -305,14 +309,14 @@ class RedisLeases:
 
     async def acquire(self, group: str, tenant: str, lease_id: str, limit: int,
                       per_tenant: int | None, lease_s: float,
-                      holder: str | None = None) -> LeaseResult:
+                      holder: str | None = None, uncounted: int = 0) -> LeaseResult:
         keys = self._keys(group, tenant)
         if holder is not None:
             keys += self._holder_keys(group)
         reply = await self._state.eval(
             _ACQUIRE, keys,
             [lease_id, limit, -1 if per_tenant is None else per_tenant, _ms(lease_s),
-             holder or ""])
+             holder or "", uncounted])
         granted, refused, inflight, mine = (int(x) for x in reply)
         return LeaseResult(bool(granted), (None, LIMIT, TENANT)[refused], inflight, mine)
 
@@ -355,10 +359,16 @@ class Lease:
     past the limit: the call is still at the upstream, so it must count, and new calls wait
     until the count is under the limit again (as after a lowered limit). :attr:`retaken`
     counts those times.
+
+    A lease taken from memory while Redis did not answer (``shared``) is *moved* into Redis
+    once Redis answers: by :meth:`promote` as soon as the backend is seen up again, or else by
+    its next renewal; while it waits it sits in ``unmoved``, which the limiter counts as
+    calls Redis does not know of (:meth:`Leases.acquire`'s ``uncounted``).
     """
 
     def __init__(self, leases: Leases, group: str, tenant: str, lease_id: str,
-                 lease_s: float, *, shared: Leases | None = None) -> None:
+                 lease_s: float, *, shared: Leases | None = None,
+                 unmoved: set[Lease] | None = None) -> None:
         self.leases = leases
         #: For a lease taken from memory while Redis did not answer: Redis's leases, which
         #: each renewal tries first; once Redis answers the call counts there (taken past the
@@ -370,10 +380,17 @@ class Lease:
         self.lease_s = lease_s
         #: Times the lease was found gone and taken again while its call ran.
         self.retaken = 0
+        #: The set this lease is in while it is a memory lease not yet moved into Redis.
+        self._unmoved = unmoved
+        if shared is not None and unmoved is not None:
+            unmoved.add(self)
         #: True while the renewal task waits for its next turn (and only then may
         #: :meth:`release` cancel it: cancelled during a backend call, it could not know
         #: whether the call took effect, e.g. a lease moved into Redis whose reply is lost).
         self._sleeping = False
+        #: The one move into Redis under way, whoever started it (never cancelled, for the
+        #: same reason); :meth:`release` waits for it.
+        self._moving: asyncio.Task[None] | None = None
         self._renewal: asyncio.Task[None] | None = asyncio.create_task(
             self._renew(), name=f"sluice-lease-{group}")
         self._renewal.add_done_callback(self._renewal_ended)
@@ -395,26 +412,53 @@ class Lease:
                 self._sleeping = False
             if self._release is not None:
                 return
-            shared = self._shared
-            try:
-                held = await (shared or self.leases).renew(self.group, self.tenant,
-                                                           self.lease_id, self.lease_s)
-            except StateUnavailable:
-                if shared is not None:  # Redis still away: keep the memory lease
+            if self._shared is not None:
+                try:
+                    await self._move()
+                except StateUnavailable:  # Redis still away: keep the memory lease
                     await self.leases.renew(self.group, self.tenant, self.lease_id,
                                             self.lease_s)
+                continue
+            try:
+                held = await self.leases.renew(self.group, self.tenant, self.lease_id,
+                                               self.lease_s)
+            except StateUnavailable:
                 continue  # try again next time; the lease outlives two misses
-            if shared is not None:
-                # Counted in Redis from now on; the memory lease (which never suspends) goes.
-                local, self.leases, self._shared = self.leases, shared, None
-                await local.release(self.group, self.tenant, self.lease_id)
-            elif not held and self._release is None:
+            if not held and self._release is None:
                 # Gone while the call runs (Redis restarted empty, or an outage outlasted
                 # the lease): the call still occupies the upstream, so it counts again;
                 # others wait until the count is back under the limit.
                 self.retaken += 1
                 log.warning("concurrency lease on %s lapsed while its call ran; taken again",
                             self.group, extra=PER_CALL)
+
+    def promote(self) -> None:
+        """Move this memory lease into Redis now, not at its next renewal (Redis answers
+        again); never raises, never awaits. Nothing happens if it is not a memory lease, is
+        being moved, or is released."""
+        if self._shared is not None and self._release is None:
+            self._move()
+
+    def _move(self) -> asyncio.Task[None]:
+        """The move under way, or a new one."""
+        if self._moving is None:
+            self._moving = asyncio.get_running_loop().create_task(
+                self._moved(), name=f"sluice-lease-move-{self.group}")
+            self._moving.add_done_callback(_retrieve)
+        return self._moving
+
+    async def _moved(self) -> None:
+        shared = self._shared
+        assert shared is not None
+        try:
+            # Taken past the limit if need be, as a lapsed lease is: the call is running.
+            await shared.renew(self.group, self.tenant, self.lease_id, self.lease_s)
+        finally:
+            self._moving = None  # a failed move is tried again by the next renewal
+        local, self.leases, self._shared = self.leases, shared, None
+        if self._unmoved is not None:
+            self._unmoved.discard(self)
+        await local.release(self.group, self.tenant, self.lease_id)  # memory: never suspends
 
     def release(self) -> asyncio.Task[bool]:
         """Stop renewing and give the slot back; never awaits, never raises (for a
@@ -427,12 +471,17 @@ class Lease:
 
     async def _end(self) -> bool:
         # One give-back, once no renewal can take the lease again or move it: a renewal
-        # between turns is cancelled, one in a backend call is let finish (it ends then).
+        # between turns is cancelled, one in a backend call is let finish (it ends then),
+        # and a move under way is let finish, so the lease is given back where it is.
         renewal, self._renewal = self._renewal, None
         if renewal is not None and not renewal.done():
             if self._sleeping:
                 renewal.cancel()
             await asyncio.wait([renewal])
+        if self._moving is not None:
+            await asyncio.wait([self._moving])
+        if self._unmoved is not None:
+            self._unmoved.discard(self)
         return await self._give_back()
 
     async def aclose(self) -> bool:
@@ -446,6 +495,12 @@ class Lease:
             log.info("concurrency lease on %s left to lapse: %s", self.group, exc.cause,
                      extra=PER_CALL)
             return False
+
+
+def _retrieve(task: asyncio.Task[None]) -> None:
+    # A move that found Redis away again is retried by the renewal: nothing to report.
+    if not task.cancelled():
+        task.exception()
 
 
 async def acquire_lease(leases: Leases, group: str, tenant: str, limit: int,
