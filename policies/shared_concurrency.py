@@ -31,8 +31,8 @@ of ``per_tenant``, and logs it once per outage;
 first, so the shared limit is back as soon as it answers. A call admitted on the local share
 and still running then is moved into Redis (its memory lease taken there, past the limit if
 need be, so new calls wait until the route is back under it) as soon as this replica sees
-Redis up, by its probe or a call (:meth:`~policies.state.StateBackends.move_leases`), or else
-at its lease's next renewal; until it is moved, this replica's acquires count it beside the
+Redis up, by its probe or a call (:meth:`~policies.state.StateBackends.renew_leases`), or
+else at its lease's next renewal; until it is moved, this replica's acquires count it beside the
 leases Redis holds (``uncounted``). Another replica's such calls are unknown here until that
 replica has moved them, so a replica that admitted from its share keeps to it for
 ``settle_s`` after Redis answers again (two probe intervals and the timeout), the time the
@@ -214,7 +214,8 @@ class SharedConcurrencyLimiter(ConcurrencyLimiter):
             else:
                 self._share_until = 0.0
         # This replica's own calls admitted from memory and not yet in Redis count too.
-        unmoved = self._unmoved() if backends.unmoved_leases else 0
+        held = backends.held_leases
+        unmoved = held.unmoved_on(self.group) if held.unmoved else 0
         lease_id = new_lease_id()
         try:
             result = await leases.acquire(self.group, tenant, lease_id, self.limit,
@@ -260,11 +261,7 @@ class SharedConcurrencyLimiter(ConcurrencyLimiter):
             return None, result
         shared = None if leases is backends.leases else backends.leases
         return Lease(leases, self.group, tenant, lease_id, backends.lease_s,
-                     shared=shared, unmoved=backends.unmoved_leases), result
-
-    def _unmoved(self) -> int:
-        """This route's calls here on memory leases not yet moved into Redis."""
-        return sum(1 for lease in self.backends.unmoved_leases if lease.group == self.group)
+                     shared=shared, held=held), result
 
     def _forget_lease(self, lease_id: str, tenant: str) -> None:
         """Release ``lease_id`` in Redis, which may hold it though its acquire's answer was

@@ -4,8 +4,9 @@ During the outage each replica admits its share of the limit on memory leases. R
 not know those calls, so until they are counted there a replica asking Redis for a slot would
 be granted one beside them: the route ran 6 and 7 calls on a limit of 4 in the first half
 second after a thaw (a hostile trial, two replicas). Here: a replica's own memory calls count
-in its first acquire after the thaw; every replica moves its memory leases into Redis as soon
-as it sees Redis up (not at their renewal, a third of ``lease`` later); and a replica that
+in its first acquire after the thaw; every replica moves its memory leases into Redis (and
+takes again the leases Redis lost) as soon as it sees Redis up, not at their renewal, a third
+of ``lease`` later; and a replica that
 admitted from its share keeps to it for ``settle_s`` after Redis answers, while the others'
 moves land. Two replicas' state on a Redis of the test's own, stopped and started again.
 """
@@ -18,7 +19,7 @@ import pytest
 
 from policies.reasons import Rejected
 from policies.shared_concurrency import SharedConcurrencyLimiter
-from policies.state import Fallback, StateBackends, redis_backends
+from policies.state import Fallback, StateBackends, StateUnavailable, redis_backends
 from tests.redis_servers import RedisServer, new_prefix
 from tests.test_shared_concurrency import DONE, eventually, leases_held, limiter
 
@@ -70,7 +71,7 @@ async def test_calls_admitted_from_memory_keep_the_limit_after_redis_is_back(red
             await asyncio.sleep(0.02)
         assert not a.degraded and not b.degraded  # they did ask Redis
         await eventually(lambda: leases_held(a_state), 4, 5.0, "memory calls counted in Redis")
-        assert not a_state.unmoved_leases and not b_state.unmoved_leases
+        assert not a_state.held_leases.unmoved and not b_state.held_leases.unmoved
         assert (await memory_leases_held(a_state), await memory_leases_held(b_state)) == (0, 0)
         for slot in held + extra:
             slot.release(DONE)
@@ -98,11 +99,34 @@ async def test_a_replica_counts_its_memory_calls_in_redis_once_its_probe_sees_it
         redis_server.start()
         await eventually(lambda: _value(state.health.up), True, 5.0, "Redis seen up")
         await eventually(lambda: leases_held(state), 2, 5.0, "memory calls counted in Redis")
-        assert await memory_leases_held(state) == 0 and not state.unmoved_leases
+        assert await memory_leases_held(state) == 0 and not state.held_leases.unmoved
         assert all(slot.lease.leases is state.leases for slot in held)
         for slot in held:
             slot.release(DONE)
         await eventually(lambda: leases_held(state), 0, 5.0, "leases given back")
+    finally:
+        await state.close()
+
+
+async def test_leases_a_restarted_redis_lost_are_taken_again_once_it_is_seen_up(redis_server):
+    """Redis restarts empty under two running calls: once a call has found it gone and the
+    probe sees it back, both leases are taken again (their renewal is 10 s away), so
+    the route's count is right before new calls ask."""
+    state = await replica_state(redis_server, new_prefix())
+    try:
+        lim = limiter(state, 4)
+        held = [await lim.acquire("t"), await lim.acquire("t")]
+        redis_server.stop()
+        with pytest.raises(StateUnavailable):  # a call finds it gone: marked down
+            await leases_held(state)
+        redis_server.start()  # empty
+        await eventually(lambda: _value(state.health.up), True, 5.0, "Redis seen up")
+        await eventually(lambda: leases_held(state), 2, 5.0, "leases taken again")
+        assert sum(slot.lease.retaken for slot in held) == 2
+        for slot in held:
+            slot.release(DONE)
+        await eventually(lambda: leases_held(state), 0, 5.0, "leases given back")
+        assert not state.held_leases.live
     finally:
         await state.close()
 
@@ -120,7 +144,7 @@ async def test_a_call_ending_while_its_lease_moves_leaves_nothing_held(redis_ser
             slot.release(DONE)
         redis_server.start()
         if when == "as it starts":
-            state.move_leases(True)
+            state.renew_leases(True)
             slot.release(DONE)
         await eventually(lambda: _value(state.health.up), True, 5.0, "Redis seen up")
         if when == "as it lands":
@@ -129,7 +153,7 @@ async def test_a_call_ending_while_its_lease_moves_leaves_nothing_held(redis_ser
         await slot.lease.release()
         assert await leases_held(state) == 0
         assert await memory_leases_held(state) == 0
-        assert not state.unmoved_leases
+        assert not state.held_leases.unmoved and not state.held_leases.live
         assert (lim.inflight, lim.queued) == (0, 0)
     finally:
         await state.close()

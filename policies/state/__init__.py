@@ -45,7 +45,7 @@ from policies.state.idempotency import (
     MemoryIdempotencyRecords,
     RedisIdempotencyRecords,
 )
-from policies.state.leases import Lease, Leases, MemoryLeases, RedisLeases
+from policies.state.leases import HeldLeases, Leases, MemoryLeases, RedisLeases
 from policies.state.ledger import MAX_COUNTERS, Ledger, LedgerFull, MemoryLedger, RedisLedger
 from policies.state.rate import MemoryRateBuckets, RateBuckets, RedisRateBuckets
 
@@ -102,9 +102,9 @@ class StateBackends:
     #: Writes policies started and nothing awaits (settles, refunds, reconciliation, keys
     #: and leases given back, dead letters): :meth:`close` lets them end first.
     background: set[asyncio.Future[Any]] = field(default_factory=set)
-    #: Concurrency leases taken from memory while Redis did not answer and not yet moved
-    #: into Redis (:class:`~policies.state.leases.Lease`): moved as soon as it answers again.
-    unmoved_leases: set[Lease] = field(default_factory=set)
+    #: The concurrency leases this process holds on this set: renewed (a memory lease
+    #: moved into Redis) as soon as Redis answers again after an outage.
+    held_leases: HeldLeases = field(default_factory=HeldLeases)
 
     @property
     def kind(self) -> str:
@@ -128,14 +128,14 @@ class StateBackends:
             return 0.0
         return 2 * self.redis.probe_interval_s + self.redis.timeout_s
 
-    def move_leases(self, up: bool, _error: str | None = None) -> None:
-        """A :meth:`Health.on_change` listener: once the backend is up again, start moving
-        every lease in :attr:`unmoved_leases` into Redis now, rather than at its next renewal
-        (up to a third of ``state.lease`` later, while other replicas admit as if its call
-        were not running)."""
+    def renew_leases(self, up: bool, _error: str | None = None) -> None:
+        """A :meth:`Health.on_change` listener: once Redis is up again, renew every lease
+        held here now rather than at its next renewal (up to a third of ``state.lease``
+        later, while other replicas admit as if its call were not running): a lease Redis
+        lost (restarted empty, or an outage longer than the lease) is taken again, and one
+        taken from memory during the outage is moved into Redis."""
         if up:
-            for lease in list(self.unmoved_leases):
-                lease.promote()
+            self.held_leases.refresh_all()
 
     def keep(self, task: asyncio.Future[Any]) -> None:
         """Let :meth:`close` wait for ``task``, a write started in the background."""
@@ -248,7 +248,7 @@ def _redis_set(state: RedisState) -> StateBackends:
         dead_letters=RedisDeadLetterStore(state),
         admissions=RedisAdmissions(state, rates, ledger),
     )
-    state.health.on_change(backends.move_leases)
+    state.health.on_change(backends.renew_leases)
     return backends
 
 

@@ -350,6 +350,29 @@ def _ms(seconds: float) -> int:
 # -- holding a lease --------------------------------------------------------------------------
 
 
+class HeldLeases:
+    """The leases one process holds on one state set (:class:`Lease` keeps itself here), for
+    what must reach them all at once: Redis answering again after an outage.
+
+    Attributes:
+        live: every lease not yet released.
+        unmoved: the memory leases taken while Redis did not answer and not yet moved there.
+    """
+
+    def __init__(self) -> None:
+        self.live: set[Lease] = set()
+        self.unmoved: set[Lease] = set()
+
+    def refresh_all(self) -> None:
+        """:meth:`Lease.refresh` every live lease (never raises, never awaits)."""
+        for lease in list(self.live):
+            lease.refresh()
+
+    def unmoved_on(self, group: str) -> int:
+        """Calls of ``group`` here on memory leases not yet moved into Redis."""
+        return sum(1 for lease in self.unmoved if lease.group == group)
+
+
 class Lease:
     """A granted lease kept alive in the background until :meth:`release`.
 
@@ -361,18 +384,18 @@ class Lease:
     counts those times.
 
     A lease taken from memory while Redis did not answer (``shared``) is *moved* into Redis
-    once Redis answers: by :meth:`promote` as soon as the backend is seen up again, or else by
-    its next renewal; while it waits it sits in ``unmoved``, which the limiter counts as
-    calls Redis does not know of (:meth:`Leases.acquire`'s ``uncounted``).
+    by the first renewal that Redis answers: taken there (past the limit if need be, as a
+    lapsed lease is) and given back in memory. Until then it is in ``held.unmoved``, which the
+    limiter counts as calls Redis does not know of (:meth:`Leases.acquire`'s ``uncounted``).
+    :meth:`refresh` runs that renewal out of turn, once Redis is seen up again.
     """
 
     def __init__(self, leases: Leases, group: str, tenant: str, lease_id: str,
                  lease_s: float, *, shared: Leases | None = None,
-                 unmoved: set[Lease] | None = None) -> None:
+                 held: HeldLeases | None = None) -> None:
         self.leases = leases
         #: For a lease taken from memory while Redis did not answer: Redis's leases, which
-        #: each renewal tries first; once Redis answers the call counts there (taken past the
-        #: limit if need be, as a lapsed lease is) and the memory lease is given back.
+        #: each renewal tries first (see the class docstring).
         self._shared = shared
         self.group = group
         self.tenant = tenant
@@ -380,17 +403,18 @@ class Lease:
         self.lease_s = lease_s
         #: Times the lease was found gone and taken again while its call ran.
         self.retaken = 0
-        #: The set this lease is in while it is a memory lease not yet moved into Redis.
-        self._unmoved = unmoved
-        if shared is not None and unmoved is not None:
-            unmoved.add(self)
+        self._held = held
+        if held is not None:
+            held.live.add(self)
+            if shared is not None:
+                held.unmoved.add(self)
         #: True while the renewal task waits for its next turn (and only then may
         #: :meth:`release` cancel it: cancelled during a backend call, it could not know
         #: whether the call took effect, e.g. a lease moved into Redis whose reply is lost).
         self._sleeping = False
-        #: The one move into Redis under way, whoever started it (never cancelled, for the
-        #: same reason); :meth:`release` waits for it.
-        self._moving: asyncio.Task[None] | None = None
+        #: The one renewal under way, in turn or out of it (never cancelled, for the same
+        #: reason); :meth:`release` waits for it.
+        self._renewing: asyncio.Task[None] | None = None
         self._renewal: asyncio.Task[None] | None = asyncio.create_task(
             self._renew(), name=f"sluice-lease-{group}")
         self._renewal.add_done_callback(self._renewal_ended)
@@ -412,53 +436,52 @@ class Lease:
                 self._sleeping = False
             if self._release is not None:
                 return
-            if self._shared is not None:
+            with contextlib.suppress(StateUnavailable):  # again next turn: it outlives two
+                await self._renewal_task()
+
+    def refresh(self) -> None:
+        """Renew now, out of turn (Redis answers again after an outage: it may have lost the
+        lease, and a memory lease should count there at once); never raises, never awaits.
+        Nothing happens once released, or while a renewal is under way."""
+        if self._release is None:
+            self._renewal_task()
+
+    def _renewal_task(self) -> asyncio.Task[None]:
+        """The renewal under way, or a new one."""
+        if self._renewing is None:
+            self._renewing = asyncio.get_running_loop().create_task(
+                self._renewed(), name=f"sluice-lease-renew-{self.group}")
+            self._renewing.add_done_callback(_retrieve)
+        return self._renewing
+
+    async def _renewed(self) -> None:
+        shared = self._shared
+        try:
+            if shared is None:
+                held = await self.leases.renew(self.group, self.tenant, self.lease_id,
+                                               self.lease_s)
+            else:
                 try:
-                    await self._move()
+                    await shared.renew(self.group, self.tenant, self.lease_id, self.lease_s)
                 except StateUnavailable:  # Redis still away: keep the memory lease
                     await self.leases.renew(self.group, self.tenant, self.lease_id,
                                             self.lease_s)
-                continue
-            try:
-                held = await self.leases.renew(self.group, self.tenant, self.lease_id,
-                                               self.lease_s)
-            except StateUnavailable:
-                continue  # try again next time; the lease outlives two misses
-            if not held and self._release is None:
-                # Gone while the call runs (Redis restarted empty, or an outage outlasted
-                # the lease): the call still occupies the upstream, so it counts again;
-                # others wait until the count is back under the limit.
-                self.retaken += 1
-                log.warning("concurrency lease on %s lapsed while its call ran; taken again",
-                            self.group, extra=PER_CALL)
-
-    def promote(self) -> None:
-        """Move this memory lease into Redis now, not at its next renewal (Redis answers
-        again); never raises, never awaits. Nothing happens if it is not a memory lease, is
-        being moved, or is released."""
-        if self._shared is not None and self._release is None:
-            self._move()
-
-    def _move(self) -> asyncio.Task[None]:
-        """The move under way, or a new one."""
-        if self._moving is None:
-            self._moving = asyncio.get_running_loop().create_task(
-                self._moved(), name=f"sluice-lease-move-{self.group}")
-            self._moving.add_done_callback(_retrieve)
-        return self._moving
-
-    async def _moved(self) -> None:
-        shared = self._shared
-        assert shared is not None
-        try:
-            # Taken past the limit if need be, as a lapsed lease is: the call is running.
-            await shared.renew(self.group, self.tenant, self.lease_id, self.lease_s)
+                    raise
         finally:
-            self._moving = None  # a failed move is tried again by the next renewal
-        local, self.leases, self._shared = self.leases, shared, None
-        if self._unmoved is not None:
-            self._unmoved.discard(self)
-        await local.release(self.group, self.tenant, self.lease_id)  # memory: never suspends
+            self._renewing = None
+        if shared is not None:
+            # Counted in Redis from now on; the memory lease (which never suspends) goes.
+            local, self.leases, self._shared = self.leases, shared, None
+            if self._held is not None:
+                self._held.unmoved.discard(self)
+            await local.release(self.group, self.tenant, self.lease_id)
+        elif not held and self._release is None:
+            # Gone while the call runs (Redis restarted empty, or an outage outlasted
+            # the lease): the call still occupies the upstream, so it counts again;
+            # others wait until the count is back under the limit.
+            self.retaken += 1
+            log.warning("concurrency lease on %s lapsed while its call ran; taken again",
+                        self.group, extra=PER_CALL)
 
     def release(self) -> asyncio.Task[bool]:
         """Stop renewing and give the slot back; never awaits, never raises (for a
@@ -470,18 +493,19 @@ class Lease:
         return self._release
 
     async def _end(self) -> bool:
-        # One give-back, once no renewal can take the lease again or move it: a renewal
-        # between turns is cancelled, one in a backend call is let finish (it ends then),
-        # and a move under way is let finish, so the lease is given back where it is.
+        # One give-back, once no renewal can take the lease again or move it: the renewal
+        # loop between turns is cancelled, and a renewal in a backend call (in turn or out
+        # of it) is let finish, so the lease is given back where it is then.
         renewal, self._renewal = self._renewal, None
         if renewal is not None and not renewal.done():
             if self._sleeping:
                 renewal.cancel()
             await asyncio.wait([renewal])
-        if self._moving is not None:
-            await asyncio.wait([self._moving])
-        if self._unmoved is not None:
-            self._unmoved.discard(self)
+        if self._renewing is not None:
+            await asyncio.wait([self._renewing])
+        if self._held is not None:
+            self._held.live.discard(self)
+            self._held.unmoved.discard(self)
         return await self._give_back()
 
     async def aclose(self) -> bool:
@@ -498,9 +522,14 @@ class Lease:
 
 
 def _retrieve(task: asyncio.Task[None]) -> None:
-    # A move that found Redis away again is retried by the renewal: nothing to report.
-    if not task.cancelled():
-        task.exception()
+    # A renewal Redis did not answer is tried again next turn (the renewal loop, which awaits
+    # it in turn, suppresses the same); anything else is a fault of ours, said here since an
+    # out-of-turn renewal has nobody awaiting it.
+    if task.cancelled():
+        return
+    exc = task.exception()
+    if exc is not None and not isinstance(exc, StateUnavailable):
+        log.error("concurrency lease renewal failed", exc_info=exc)
 
 
 async def acquire_lease(leases: Leases, group: str, tenant: str, limit: int,
