@@ -34,13 +34,14 @@ need be, so new calls wait until the route is back under it) as soon as this rep
 Redis up, by its probe or a call (:meth:`~policies.state.StateBackends.renew_leases`), or
 else at its lease's next renewal; until it is moved, this replica's acquires count it beside the
 leases Redis holds (``uncounted``). Another replica's such calls are unknown here until that
-replica has moved them, so a replica that admitted from its share keeps to it for
+replica has moved them, so a replica that fell back to its share keeps to it for
 ``settle_s`` after Redis answers again (two probe intervals and the timeout), the time the
-others take to see Redis back and move theirs (a hostile trial, before: 6 and 7 calls at the
-upstream on a limit of 4 in the half second after a thaw). A lease whose acquire Redis may
-have run without the answer arriving (a timeout, the caller's cancellation) is released in
-the background, or lapses within the lease time if Redis cannot take that either; a memory
-lease taken instead gets another id, so that release cannot land on it once moved.
+others take to see Redis back and move theirs, counting its own acquires still waiting for
+Redis's answer (a hostile trial, before: 6 and 7 calls at the upstream on a limit of 4 in
+the half second after a thaw). A lease whose acquire Redis may have run without the answer
+arriving (a timeout, the caller's cancellation) is released in the background, retried
+until it would have lapsed anyway; a memory lease taken instead gets another id, so that
+release cannot land on it once moved.
 
 Cost: one round trip to take a lease, one to give it back, one per third of ``state.lease``
 for a call running longer.
@@ -71,7 +72,15 @@ from policies.pipeline import Call, Outcome
 from policies.rate import Background, unavailable
 from policies.reasons import Rejected
 from policies.state import StateBackends, StateUnavailable
-from policies.state.leases import LIMIT, TENANT, Lease, LeaseResult, Leases, new_lease_id
+from policies.state.leases import (
+    LIMIT,
+    TENANT,
+    Lease,
+    LeaseResult,
+    Leases,
+    new_lease_id,
+    release_until_lapsed,
+)
 from policies.state.notify import Signal
 
 log = logging.getLogger("sluice")
@@ -126,8 +135,11 @@ class SharedConcurrencyLimiter(ConcurrencyLimiter):
         #: Admitting from this replica's share while Redis does not answer.
         self.degraded = False
         #: Loop time until which this replica keeps to its share though Redis answers again
-        #: (``backends.settle_s`` after an outage it admitted through), or 0.
+        #: (``backends.settle_s`` after Redis last failed one of its acquires: others' calls
+        #: admitted from memory meanwhile may not be in Redis yet), or 0.
         self._share_until = 0.0
+        #: Acquires of this replica waiting for Redis's answer.
+        self._asking = 0
         #: Lease releases whose acquire's answer was lost; their failures are logged.
         self.background = Background(backends)
         self._dispatcher: asyncio.Task[None] | None = None
@@ -204,23 +216,20 @@ class SharedConcurrencyLimiter(ConcurrencyLimiter):
         """
         backends = self.backends
         leases: Leases = backends.leases
-        if self._share_until:
-            if asyncio.get_running_loop().time() < self._share_until:
-                # Redis answers again, but another replica's calls admitted from its memory
-                # may not be in Redis yet: keep to the share until they are (settle_s).
-                share = backends.fallback.whole_share(self.limit)
-                if self.inflight >= share:
-                    return None, LeaseResult(False, LIMIT, self.inflight, 0)
-            else:
-                self._share_until = 0.0
+        if self._share_until and self._at_share():
+            return None, LeaseResult(False, LIMIT, self.inflight, 0)
         # This replica's own calls admitted from memory and not yet in Redis count too.
         held = backends.held_leases
-        unmoved = held.unmoved_on(self.group) if held.unmoved else 0
+        unmoved = held.unmoved_on(self.group, tenant) if held.unmoved else (0, 0)
         lease_id = new_lease_id()
+        self._asking += 1
         try:
-            result = await leases.acquire(self.group, tenant, lease_id, self.limit,
-                                          self.per_tenant, backends.lease_s,
-                                          holder=self.holder, uncounted=unmoved)
+            try:
+                result = await leases.acquire(self.group, tenant, lease_id, self.limit,
+                                              self.per_tenant, backends.lease_s,
+                                              holder=self.holder, uncounted=unmoved)
+            finally:
+                self._asking -= 1
         except StateUnavailable as exc:
             if exc.maybe_applied:  # Redis may have run it before the answer timed out
                 self._forget_lease(lease_id, tenant)
@@ -253,15 +262,24 @@ class SharedConcurrencyLimiter(ConcurrencyLimiter):
                 self._share_until = asyncio.get_running_loop().time() + backends.settle_s
                 log.warning("concurrency of route %s: shared across replicas again",
                             self.group)
-                if result.granted and self.inflight >= backends.fallback.whole_share(
-                        self.limit):
-                    self._forget_lease(lease_id, tenant)
-                    return None, LeaseResult(False, LIMIT, self.inflight, 0)
+            if result.granted and self._share_until and self._at_share():
+                self._forget_lease(lease_id, tenant)
+                return None, LeaseResult(False, LIMIT, self.inflight, 0)
         if not result.granted:
             return None, result
         shared = None if leases is backends.leases else backends.leases
         return Lease(leases, self.group, tenant, lease_id, backends.lease_s,
                      shared=shared, held=held), result
+
+    def _at_share(self) -> bool:
+        """Whether this replica, settling (see :attr:`_share_until`), holds its share of the
+        limit, counting the acquires of its own still waiting for Redis's answer (each of
+        which may be granted); ``False``, and the window closed, once it has passed."""
+        if asyncio.get_running_loop().time() >= self._share_until:
+            self._share_until = 0.0
+            return False
+        share = self.backends.fallback.whole_share(self.limit)
+        return self.inflight + self._asking >= share
 
     def _forget_lease(self, lease_id: str, tenant: str) -> None:
         """Release ``lease_id`` in Redis, which may hold it though its acquire's answer was
@@ -270,21 +288,10 @@ class SharedConcurrencyLimiter(ConcurrencyLimiter):
                               f"lease release on {self.group}")
 
     async def _release_lost(self, lease_id: str, tenant: str) -> None:
-        """Retried while Redis does not answer, until the lease would have lapsed anyway: a
-        frozen Redis runs the acquire when it thaws, and the slot should not stay taken for
+        """A frozen Redis runs the acquire when it thaws: the slot should not stay taken for
         the rest of a lease time after it is back."""
-        loop = asyncio.get_running_loop()
-        until = loop.time() + self.backends.lease_s
-        while True:
-            try:
-                await self.backends.leases.release(self.group, tenant, lease_id)
-                return
-            except StateUnavailable as exc:
-                wait = exc.retry_after or POLL_S
-                if loop.time() + wait >= until:
-                    log.debug("lease %s on %s left to lapse", lease_id, self.group)
-                    return
-                await asyncio.sleep(wait)
+        await release_until_lapsed(self.backends.leases, self.group, tenant, lease_id,
+                                   self.backends.lease_s)
 
     def _degrade(self, exc: StateUnavailable, share: int) -> None:
         if not self.degraded:

@@ -268,9 +268,18 @@ async def test_a_lease_moved_to_redis_is_given_back_there_when_released_mid_move
 
 
 async def test_a_lease_taken_from_memory_stays_there_while_redis_is_away():
+    """Its moves into a frozen Redis time out: the memory lease is renewed meanwhile, and at
+    the end given back in memory and, as a timed-out move may have run, in Redis too (tried
+    until the lease would have lapsed)."""
     class Away:
+        releases = 0
+
         async def renew(self, *args: object) -> bool:
             raise StateUnavailable("frozen")
+
+        async def release(self, *args: object) -> bool:
+            Away.releases += 1
+            raise StateUnavailable("frozen", retry_after=0.05)
 
     local = memory_backends().leases
     assert (await local.acquire("r", "a", "m1", 1, None, 0.15)).granted
@@ -279,6 +288,7 @@ async def test_a_lease_taken_from_memory_stays_there_while_redis_is_away():
     assert await local.counts("r", "a") == (1, 1)
     assert await lease.aclose() is True
     assert await local.counts("r", "a") == (0, 0)
+    assert Away.releases >= 2
 
 
 async def test_a_renewal_that_fails_is_logged_when_it_fails(caplog):

@@ -73,6 +73,9 @@ log = logging.getLogger("sluice.state")
 
 #: Longest shutdown waits for writes policies started in the background, seconds.
 CLOSE_GRACE_S = 2.0
+#: Lease renewals in flight at once when Redis answers again after an outage
+#: (:meth:`StateBackends.renew_leases`): a few, so the pool's other calls are not starved.
+RENEW_BATCH = 8
 
 
 @dataclass(slots=True)
@@ -105,6 +108,8 @@ class StateBackends:
     #: The concurrency leases this process holds on this set: renewed (a memory lease
     #: moved into Redis) as soon as Redis answers again after an outage.
     held_leases: HeldLeases = field(default_factory=HeldLeases)
+    #: The renewal of every held lease started when Redis was last seen up again.
+    _renewing: asyncio.Task[None] | None = None
 
     @property
     def kind(self) -> str:
@@ -133,9 +138,27 @@ class StateBackends:
         held here now rather than at its next renewal (up to a third of ``state.lease``
         later, while other replicas admit as if its call were not running): a lease Redis
         lost (restarted empty, or an outage longer than the lease) is taken again, and one
-        taken from memory during the outage is moved into Redis."""
-        if up:
-            self.held_leases.refresh_all()
+        taken from memory during the outage is moved into Redis. See :meth:`_renew_held`."""
+        if up and self.held_leases.live and (self._renewing is None or self._renewing.done()):
+            self._renewing = asyncio.get_running_loop().create_task(
+                self._renew_held(), name="sluice-leases-renewed-on-recovery")
+            self.keep(self._renewing)
+
+    async def _renew_held(self) -> None:
+        """Renew the held leases :data:`RENEW_BATCH` at a time, memory leases first, while
+        the backend stays up. All at once, thousands of renewals queued for the pool's
+        connections past the timeout, failed, and marked Redis down again, each recovery
+        starting another round (a hostile review: 2,000 calls held, the health flapping 40
+        times in 8 s, with calls admitted from memory meanwhile)."""
+        held = self.held_leases
+        order = [*held.unmoved, *(lease for lease in held.live if lease not in held.unmoved)]
+        for start in range(0, len(order), RENEW_BATCH):
+            if not self.health.up:
+                return  # down again: the next recovery starts over
+            renewals = [task for lease in order[start:start + RENEW_BATCH]
+                        if (task := lease.refresh()) is not None]
+            if renewals:
+                await asyncio.wait(renewals)
 
     def keep(self, task: asyncio.Future[Any]) -> None:
         """Let :meth:`close` wait for ``task``, a write started in the background."""

@@ -74,14 +74,15 @@ class Leases(Protocol):
 
     async def acquire(self, group: str, tenant: str, lease_id: str, limit: int,
                       per_tenant: int | None, lease_s: float,
-                      holder: str | None = None, uncounted: int = 0) -> LeaseResult:
+                      holder: str | None = None,
+                      uncounted: tuple[int, int] = (0, 0)) -> LeaseResult:
         """Take a slot for ``lease_id`` if one is free, expiring in ``lease_s`` seconds.
         Acquiring an id already held renews it and grants again. With ``holder``, ``limit``
         is recorded as that holder's for ``lease_s``, and the slot is free only under the
         lowest limit recorded on the group by a live holder. ``uncounted``: calls of the
         caller's own at the upstream that hold no lease here yet (taken from memory during an
-        outage, see :meth:`Lease.promote`): the slot is free only if the leases held and
-        these together are under the limit."""
+        outage, see :meth:`Lease.refresh`), the group's and the tenant's: the slot is free only
+        if the leases held and these together are under ``limit`` (``per_tenant``)."""
         ...
 
     async def register(self, group: str, holder: str, limit: int, lease_s: float) -> int:
@@ -168,7 +169,8 @@ class MemoryLeases:
 
     async def acquire(self, group: str, tenant: str, lease_id: str, limit: int,
                       per_tenant: int | None, lease_s: float,
-                      holder: str | None = None, uncounted: int = 0) -> LeaseResult:
+                      holder: str | None = None,
+                      uncounted: tuple[int, int] = (0, 0)) -> LeaseResult:
         if holder is not None:
             limit = self._lowest(group, holder, limit, lease_s)
         route, mine = self._tables(group, tenant)
@@ -177,9 +179,9 @@ class MemoryLeases:
             route[lease_id] = mine[lease_id] = expiry
             return LeaseResult(True, None, len(route), len(mine))
         try:
-            if per_tenant is not None and len(mine) >= per_tenant:
+            if per_tenant is not None and len(mine) + uncounted[1] >= per_tenant:
                 return LeaseResult(False, TENANT, len(route), len(mine))
-            if len(route) + uncounted >= limit:
+            if len(route) + uncounted[0] >= limit:
                 return LeaseResult(False, LIMIT, len(route), len(mine))
             route[lease_id] = mine[lease_id] = expiry
             return LeaseResult(True, None, len(route), len(mine))
@@ -257,7 +259,8 @@ return lowest(KEYS[3], KEYS[4], ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]))
 
 # KEYS: the group's leases, the tenant's, and with a holder its holders' limits and their
 # expiries. ARGV: id, limit, per_tenant (-1: none), lease ms, holder ('' for none), the
-# caller's calls holding no lease yet (counted against the limit beside the leases).
+# caller's calls holding no lease yet, the group's and the tenant's (counted against limit
+# and per_tenant beside the leases).
 # Returns {granted, refused (0 none, 1 limit, 2 tenant), inflight, tenant inflight}.
 _ACQUIRE = Script(_NOW + _LOWEST + """
 local id, ms, limit = ARGV[1], tonumber(ARGV[4]), tonumber(ARGV[2])
@@ -268,7 +271,9 @@ if redis.call('ZSCORE', KEYS[1], id) then
   return {1, 0, inflight, mine}
 end
 local per_tenant = tonumber(ARGV[3])
-if per_tenant >= 0 and mine >= per_tenant then return {0, 2, inflight, mine} end
+if per_tenant >= 0 and mine + tonumber(ARGV[7]) >= per_tenant then
+  return {0, 2, inflight, mine}
+end
 if inflight + tonumber(ARGV[6]) >= limit then return {0, 1, inflight, mine} end
 hold(id, ms)
 return {1, 0, inflight + 1, mine + 1}
@@ -309,14 +314,15 @@ class RedisLeases:
 
     async def acquire(self, group: str, tenant: str, lease_id: str, limit: int,
                       per_tenant: int | None, lease_s: float,
-                      holder: str | None = None, uncounted: int = 0) -> LeaseResult:
+                      holder: str | None = None,
+                      uncounted: tuple[int, int] = (0, 0)) -> LeaseResult:
         keys = self._keys(group, tenant)
         if holder is not None:
             keys += self._holder_keys(group)
         reply = await self._state.eval(
             _ACQUIRE, keys,
             [lease_id, limit, -1 if per_tenant is None else per_tenant, _ms(lease_s),
-             holder or "", uncounted])
+             holder or "", *uncounted])
         granted, refused, inflight, mine = (int(x) for x in reply)
         return LeaseResult(bool(granted), (None, LIMIT, TENANT)[refused], inflight, mine)
 
@@ -363,14 +369,15 @@ class HeldLeases:
         self.live: set[Lease] = set()
         self.unmoved: set[Lease] = set()
 
-    def refresh_all(self) -> None:
-        """:meth:`Lease.refresh` every live lease (never raises, never awaits)."""
-        for lease in list(self.live):
-            lease.refresh()
-
-    def unmoved_on(self, group: str) -> int:
-        """Calls of ``group`` here on memory leases not yet moved into Redis."""
-        return sum(1 for lease in self.unmoved if lease.group == group)
+    def unmoved_on(self, group: str, tenant: str) -> tuple[int, int]:
+        """Calls of ``group`` here on memory leases not yet moved into Redis, and those of
+        them that are ``tenant``'s."""
+        route = mine = 0
+        for lease in self.unmoved:
+            if lease.group == group:
+                route += 1
+                mine += lease.tenant == tenant
+        return route, mine
 
 
 class Lease:
@@ -412,6 +419,9 @@ class Lease:
         #: :meth:`release` cancel it: cancelled during a backend call, it could not know
         #: whether the call took effect, e.g. a lease moved into Redis whose reply is lost).
         self._sleeping = False
+        #: A move into Redis failed after it may have been applied (its answer lost): the
+        #: lease may be held there as well as in memory, and is given back in both.
+        self._maybe_moved = False
         #: The one renewal under way, in turn or out of it (never cancelled, for the same
         #: reason); :meth:`release` waits for it.
         self._renewing: asyncio.Task[None] | None = None
@@ -439,12 +449,14 @@ class Lease:
             with contextlib.suppress(StateUnavailable):  # again next turn: it outlives two
                 await self._renewal_task()
 
-    def refresh(self) -> None:
+    def refresh(self) -> asyncio.Task[None] | None:
         """Renew now, out of turn (Redis answers again after an outage: it may have lost the
         lease, and a memory lease should count there at once); never raises, never awaits.
-        Nothing happens once released, or while a renewal is under way."""
-        if self._release is None:
-            self._renewal_task()
+        Returns the renewal under way (a new one, or one already running), or ``None`` once
+        released. Its failure is for the caller to ignore: the next turn tries again."""
+        if self._release is not None:
+            return None
+        return self._renewal_task()
 
     def _renewal_task(self) -> asyncio.Task[None]:
         """The renewal under way, or a new one."""
@@ -463,7 +475,9 @@ class Lease:
             else:
                 try:
                     await shared.renew(self.group, self.tenant, self.lease_id, self.lease_s)
-                except StateUnavailable:  # Redis still away: keep the memory lease
+                except StateUnavailable as exc:  # Redis still away: keep the memory lease
+                    # A move whose answer was lost may have taken the lease in Redis too.
+                    self._maybe_moved = self._maybe_moved or exc.maybe_applied
                     await self.leases.renew(self.group, self.tenant, self.lease_id,
                                             self.lease_s)
                     raise
@@ -513,12 +527,40 @@ class Lease:
         return await self.release()
 
     async def _give_back(self) -> bool:
+        held = await release_until_lapsed(self.leases, self.group, self.tenant, self.lease_id,
+                                          self.lease_s)
+        if self._shared is not None and self._maybe_moved:
+            await release_until_lapsed(self._shared, self.group, self.tenant, self.lease_id,
+                                       self.lease_s)
+        return held
+
+
+#: Seconds between tries of a release the backend did not answer, when it names no time.
+RELEASE_RETRY_S = 0.25
+
+
+async def release_until_lapsed(leases: Leases, group: str, tenant: str, lease_id: str,
+                               lease_s: float) -> bool:
+    """Release ``lease_id``, tried again while the backend does not answer until the lease
+    would have lapsed anyway (``lease_s`` from now): given up at the first failure, a
+    release during an outage kept its slot taken for up to a lease time after Redis was
+    back. Never raises :class:`StateUnavailable`.
+
+    Returns:
+        ``True`` if the lease was held when released; ``False`` if not, or left to lapse.
+    """
+    loop = asyncio.get_running_loop()
+    until = loop.time() + lease_s
+    while True:
         try:
-            return await self.leases.release(self.group, self.tenant, self.lease_id)
+            return await leases.release(group, tenant, lease_id)
         except StateUnavailable as exc:
-            log.info("concurrency lease on %s left to lapse: %s", self.group, exc.cause,
-                     extra=PER_CALL)
-            return False
+            wait = exc.retry_after or RELEASE_RETRY_S
+            if loop.time() + wait >= until:
+                log.info("concurrency lease on %s left to lapse: %s", group, exc.cause,
+                         extra=PER_CALL)
+                return False
+            await asyncio.sleep(wait)
 
 
 def _retrieve(task: asyncio.Task[None]) -> None:
