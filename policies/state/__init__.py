@@ -133,12 +133,13 @@ class StateBackends:
             return 0.0
         return 2 * self.redis.probe_interval_s + self.redis.timeout_s
 
-    def renew_leases(self, up: bool, _error: str | None = None) -> None:
-        """A :meth:`Health.on_change` listener: once Redis is up again, renew every lease
-        held here now rather than at its next renewal (up to a third of ``state.lease``
-        later, while other replicas admit as if its call were not running): a lease Redis
-        lost (restarted empty, or an outage longer than the lease) is taken again, and one
-        taken from memory during the outage is moved into Redis. See :meth:`_renew_held`."""
+    def renew_leases(self, up: bool = True, _error: str | None = None) -> None:
+        """A :meth:`Health.on_change` and :meth:`Health.on_reconnect` listener: once Redis is
+        up again, or answers on a new connection after a broken one, renew every lease held
+        here now rather than at its next renewal (up to a third of ``state.lease`` later,
+        while other replicas admit as if its call were not running): a lease Redis lost
+        (restarted empty, or an outage longer than the lease) is taken again, and one taken
+        from memory during the outage is moved into Redis. See :meth:`_renew_held`."""
         if up and self.held_leases.live and (self._renewing is None or self._renewing.done()):
             self._renewing = asyncio.get_running_loop().create_task(
                 self._renew_held(), name="sluice-leases-renewed-on-recovery")
@@ -272,6 +273,7 @@ def _redis_set(state: RedisState) -> StateBackends:
         admissions=RedisAdmissions(state, rates, ledger),
     )
     state.health.on_change(backends.renew_leases)
+    state.health.on_reconnect(backends.renew_leases)
     return backends
 
 

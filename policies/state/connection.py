@@ -140,12 +140,26 @@ class Health:
         self.changed_monotonic = time.monotonic()
         self.failures = 0
         self._listeners: list[Callable[[bool, str | None], None]] = []
+        self._reconnect_listeners: list[Callable[[], None]] = []
 
     def on_change(self, listener: Callable[[bool, str | None], None]) -> None:
         """Call ``listener(up, last_error)`` on every change between up and down, and on the
         first result (so an outage from the start is told too; read :attr:`known` before
         the call to tell a first answer from a recovery)."""
         self._listeners.append(listener)
+
+    def on_reconnect(self, listener: Callable[[], None]) -> None:
+        """Call ``listener()`` when a call found its connection broken and was answered on a
+        new one, the backend never marked down: a server restarted that fast (``kill -9`` and
+        back within the timeout, a pod replaced) may have lost every key, and nothing else
+        tells it."""
+        self._reconnect_listeners.append(listener)
+
+    def reconnected(self) -> None:
+        """Record a call answered on a new connection after its own broke (see
+        :meth:`on_reconnect`)."""
+        for listener in self._reconnect_listeners:
+            listener()
 
     def ok(self) -> None:
         """Record a successful call."""
@@ -449,10 +463,15 @@ class RedisState:
                         raise
                     await _drop_idle(client)
                     result = await op(client)
+                    reconnected = True
+                else:
+                    reconnected = False
         except Exception as exc:
             raise self._unavailable(exc) from exc
         self._answered_at = time.monotonic()
         self.health.ok()
+        if reconnected:
+            self.health.reconnected()
         return result
 
     async def eval(self, script: Script, keys: list[str], args: list[Any]) -> Any:
