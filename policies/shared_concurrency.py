@@ -34,14 +34,14 @@ need be, so new calls wait until the route is back under it) as soon as this rep
 Redis up, by its probe or a call (:meth:`~policies.state.StateBackends.renew_leases`), or
 else at its lease's next renewal; until it is moved, this replica's acquires count it beside the
 leases Redis holds (``uncounted``). Another replica's such calls are unknown here until that
-replica has moved them, so a replica that fell back to its share keeps to it for
-``settle_s`` after Redis answers again (two probe intervals and the timeout), the time the
-others take to see Redis back and move theirs, counting its own acquires still waiting for
-Redis's answer (a hostile trial, before: 6 and 7 calls at the upstream on a limit of 4 in
-the half second after a thaw). A lease whose acquire Redis may have run without the answer
-arriving (a timeout, the caller's cancellation) is released in the background, retried
-until it would have lapsed anyway; a memory lease taken instead gets another id, so that
-release cannot land on it once moved.
+replica has moved them, so a replica that fell back to its share keeps to it (and to its
+share of ``per_tenant``) for ``settle_s`` from when Redis came back (two probe intervals
+and the timeout), the time the others take to see Redis back and move theirs, counting its
+own acquires still waiting for Redis's answer (a hostile trial, before: 6 and 7 calls at
+the upstream on a limit of 4 in the half second after a thaw). A lease whose acquire Redis
+may have run without the answer arriving (a timeout, the caller's cancellation) is released
+in the background, or once Redis answers again if it cannot be now; a memory lease taken
+instead gets another id, so that release cannot land on it once moved.
 
 Cost: one round trip to take a lease, one to give it back, one per third of ``state.lease``
 for a call running longer.
@@ -55,6 +55,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Mapping
 
 from policies.concurrency import (
@@ -78,8 +79,8 @@ from policies.state.leases import (
     Lease,
     LeaseResult,
     Leases,
+    give_back,
     new_lease_id,
-    release_until_lapsed,
 )
 from policies.state.notify import Signal
 
@@ -134,12 +135,13 @@ class SharedConcurrencyLimiter(ConcurrencyLimiter):
         self.shared_inflight: int | None = None
         #: Admitting from this replica's share while Redis does not answer.
         self.degraded = False
-        #: Loop time until which this replica keeps to its share though Redis answers again
-        #: (``backends.settle_s`` after Redis last failed one of its acquires: others' calls
-        #: admitted from memory meanwhile may not be in Redis yet), or 0.
+        #: ``time.monotonic()`` until which this replica keeps to its share though Redis
+        #: answers again (``backends.settle_s`` from when it came back, after an outage this
+        #: replica fell back through: others' calls admitted from memory meanwhile may not be
+        #: in Redis yet), or 0.
         self._share_until = 0.0
-        #: Acquires of this replica waiting for Redis's answer.
-        self._asking = 0
+        #: Acquires of this replica waiting for Redis's answer, by tenant.
+        self._asking: dict[str, int] = {}
         #: Lease releases whose acquire's answer was lost; their failures are logged.
         self.background = Background(backends)
         self._dispatcher: asyncio.Task[None] | None = None
@@ -216,20 +218,24 @@ class SharedConcurrencyLimiter(ConcurrencyLimiter):
         """
         backends = self.backends
         leases: Leases = backends.leases
-        if self._share_until and self._at_share():
-            return None, LeaseResult(False, LIMIT, self.inflight, 0)
+        if self._share_until and (settling := self._over_share(tenant)) is not None:
+            return None, settling
         # This replica's own calls admitted from memory and not yet in Redis count too.
         held = backends.held_leases
         unmoved = held.unmoved_on(self.group, tenant) if held.unmoved else (0, 0)
         lease_id = new_lease_id()
-        self._asking += 1
+        asking = self._asking
+        asking[tenant] = asking.get(tenant, 0) + 1
         try:
             try:
                 result = await leases.acquire(self.group, tenant, lease_id, self.limit,
                                               self.per_tenant, backends.lease_s,
                                               holder=self.holder, uncounted=unmoved)
             finally:
-                self._asking -= 1
+                if left := asking[tenant] - 1:
+                    asking[tenant] = left
+                else:
+                    del asking[tenant]
         except StateUnavailable as exc:
             if exc.maybe_applied:  # Redis may have run it before the answer timed out
                 self._forget_lease(lease_id, tenant)
@@ -259,27 +265,42 @@ class SharedConcurrencyLimiter(ConcurrencyLimiter):
             self.shared_inflight = result.inflight
             if self.degraded:
                 self.degraded = False
-                self._share_until = asyncio.get_running_loop().time() + backends.settle_s
+                health = backends.health
+                # From when Redis came back, not from this route's first call since.
+                back_at = health.changed_monotonic if health.up else time.monotonic()
+                self._share_until = back_at + backends.settle_s
                 log.warning("concurrency of route %s: shared across replicas again",
                             self.group)
-            if result.granted and self._share_until and self._at_share():
+            if (result.granted and self._share_until
+                    and (settling := self._over_share(tenant)) is not None):
                 self._forget_lease(lease_id, tenant)
-                return None, LeaseResult(False, LIMIT, self.inflight, 0)
+                return None, settling
         if not result.granted:
             return None, result
         shared = None if leases is backends.leases else backends.leases
         return Lease(leases, self.group, tenant, lease_id, backends.lease_s,
                      shared=shared, held=held), result
 
-    def _at_share(self) -> bool:
-        """Whether this replica, settling (see :attr:`_share_until`), holds its share of the
-        limit, counting the acquires of its own still waiting for Redis's answer (each of
-        which may be granted); ``False``, and the window closed, once it has passed."""
-        if asyncio.get_running_loop().time() >= self._share_until:
+    def _over_share(self, tenant: str) -> LeaseResult | None:
+        """While this replica settles (:attr:`_share_until`): the refusal if it holds its
+        share of ``per_tenant`` for ``tenant`` or of ``limit``, counting its acquires still
+        waiting for Redis's answer (each may be granted); ``None`` if not, and once the
+        window has passed (it is closed then)."""
+        if time.monotonic() >= self._share_until:
             self._share_until = 0.0
-            return False
-        share = self.backends.fallback.whole_share(self.limit)
-        return self.inflight + self._asking >= share
+            return None
+        fallback = self.backends.fallback
+        asking = self._asking
+        if self.per_tenant is not None:
+            group = self.group
+            mine = asking.get(tenant, 0) + sum(
+                1 for lease in self.backends.held_leases.live
+                if lease.group == group and lease.tenant == tenant)
+            if mine >= fallback.whole_share(self.per_tenant):
+                return LeaseResult(False, TENANT, self.inflight, mine)
+        if self.inflight + sum(asking.values()) >= fallback.whole_share(self.limit):
+            return LeaseResult(False, LIMIT, self.inflight, 0)
+        return None
 
     def _forget_lease(self, lease_id: str, tenant: str) -> None:
         """Release ``lease_id`` in Redis, which may hold it though its acquire's answer was
@@ -289,9 +310,9 @@ class SharedConcurrencyLimiter(ConcurrencyLimiter):
 
     async def _release_lost(self, lease_id: str, tenant: str) -> None:
         """A frozen Redis runs the acquire when it thaws: the slot should not stay taken for
-        the rest of a lease time after it is back."""
-        await release_until_lapsed(self.backends.leases, self.group, tenant, lease_id,
-                                   self.backends.lease_s)
+        a lease time after it is back (:class:`~policies.state.leases.HeldLeases`)."""
+        await give_back(self.backends.leases, self.group, tenant, lease_id,
+                        self.backends.held_leases)
 
     def _degrade(self, exc: StateUnavailable, share: int) -> None:
         if not self.degraded:

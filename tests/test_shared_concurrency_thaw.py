@@ -22,7 +22,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from policies.reasons import Rejected
+from policies.reasons import Reason, Rejected
 from policies.shared_concurrency import SharedConcurrencyLimiter
 from policies.state import (
     RENEW_BATCH,
@@ -224,6 +224,8 @@ class FlakyLeases:
         self.store, self.switch, self.health, self.rng = store, switch, health, rng
         #: Renewals on their way now, and the most there were at once.
         self.renewing = self.peak_renewing = 0
+        #: If set, the next renewal waits for it before it is sent.
+        self.gate: asyncio.Event | None = None
 
     async def _travel(self) -> None:
         """A message on its way: 1 to 4 turns of the loop, as the seed says."""
@@ -255,6 +257,9 @@ class FlakyLeases:
         self.renewing += 1
         self.peak_renewing = max(self.peak_renewing, self.renewing)
         try:
+            if self.gate is not None:
+                gate, self.gate = self.gate, None
+                await gate.wait()
             return await self._call(lambda: self.store.renew(*args))
         finally:
             self.renewing -= 1
@@ -322,11 +327,13 @@ def test_outages_at_any_await_leave_no_lease_and_every_call_counted(steps, limit
     asyncio.run(_outages(steps, limit, random.Random(seed), lease_s))
 
 
-def stand_in_replicas(limit: int, rng: random.Random, lease_s: float
+def stand_in_replicas(limit: int, rng: random.Random, lease_s: float,
+                      per_tenant: int | None = None
                       ) -> tuple[MemoryLeases, Switch,
                                  dict[str, tuple[StateBackends, SharedConcurrencyLimiter]]]:
     """Replicas ``a`` and ``b`` (``on_unavailable: local``, 2 replicas) sharing ``limit``
-    on the stand-in Redis: its store, its switch, and each replica's state and limiter."""
+    (and ``per_tenant``) on the stand-in Redis: its store, its switch, and each replica's
+    state and limiter."""
     store, switch = MemoryLeases(), Switch()
     replicas: dict[str, tuple[StateBackends, SharedConcurrencyLimiter]] = {}
     for name in "ab":
@@ -338,7 +345,8 @@ def stand_in_replicas(limit: int, rng: random.Random, lease_s: float
         state.fallback = Fallback("local", 2)
         state.lease_s = lease_s
         state.health.on_change(state.renew_leases)  # as redis_backends() does
-        replicas[name] = (state, limiter(state, limit, queue=4, max_wait=0.2))
+        replicas[name] = (state, limiter(state, limit, queue=4, max_wait=0.2,
+                                         per_tenant=per_tenant))
     return store, switch, replicas
 
 
@@ -364,6 +372,98 @@ async def test_callers_arriving_together_after_the_thaw_keep_to_the_share():
     switch.up = True
     replicas["b"][0].health.ok()
     await eventually(lambda: store.counts("r", "t"), (0, 0), 2.0, "leases given back")
+
+
+async def test_a_tenant_keeps_to_its_share_of_per_tenant_after_the_thaw():
+    """``per_tenant: 2`` on two replicas (1 each from memory): tenant X has a call on each
+    during the outage; A sees Redis back and moves its call, B has not yet. A's next call
+    for X is refused, as during the outage: 3 calls of X would run (a review: 3 of 2)."""
+    store, switch, replicas = stand_in_replicas(10, random.Random(0), 3.0, per_tenant=2)
+    (a_state, a), (b_state, b) = replicas["a"], replicas["b"]
+    switch.up = False
+    for state in (a_state, b_state):  # marked down: no acquire is sent, none is lost
+        state.health.fail("down")
+    held = [await a.acquire("X"), await b.acquire("X")]
+    switch.up = True
+    a_state.health.ok()  # A's probe; B's is yet to run
+    await eventually(lambda: store.counts("r", "X"), (1, 1), 2.0, "A's call moved")
+    with pytest.raises(Rejected) as refused:
+        await a.acquire("X", caller_timeout=0.0)
+    assert refused.value.reason is Reason.TENANT_CONCURRENCY
+    other = await a.acquire("Y", caller_timeout=0.0)  # another tenant is within its share
+    b_state.health.ok()
+    await eventually(lambda: store.counts("r", "X"), (3, 2), 2.0, "B's call moved")
+    for slot in (*held, other):
+        slot.release(DONE)
+    await eventually(lambda: store.counts("r", "X"), (0, 0), 2.0, "leases given back")
+
+
+async def test_an_idle_route_is_not_held_to_its_share_long_after_redis_is_back():
+    """The settle window runs from when Redis came back, not from the route's first call
+    since: a route idle past it gets its whole limit at once (a review: 1 of 4 admitted,
+    2 s after the recovery)."""
+    store, switch, replicas = stand_in_replicas(4, random.Random(0), 3.0)
+    state, lim = replicas["a"]
+    switch.up = False
+    (await lim.acquire("t")).release(DONE)  # fell back to its share
+    switch.up = True
+    state.health.ok()
+    await asyncio.sleep(state.settle_s + 0.1)
+    slots = await asyncio.gather(*(grab(lim) for _ in range(4)))
+    assert None not in slots
+    for slot in slots:
+        slot.release(DONE)
+    await eventually(lambda: store.counts("r", "t"), (0, 0), 2.0, "leases given back")
+
+
+async def test_redis_back_again_during_the_recovery_renewals_renews_once_more():
+    """A blip while the recovery's renewals run (one held open): a call admitted from
+    memory in it is moved when Redis is back again, not at its renewal a second later (a
+    review: left to it, 5 calls ran on a limit of 4 meanwhile)."""
+    store, switch, replicas = stand_in_replicas(4, random.Random(0), 3.0)
+    state, lim = replicas["a"]
+    first = await lim.acquire("t")
+    state.leases.gate = gate = asyncio.Event()
+    state.renew_leases(True)  # a recovery: its renewal of the first call waits at the gate
+    await eventually(lambda: _value(state.leases.renewing), 1, 2.0, "renewal under way")
+    switch.up = False
+    second = await lim.acquire("t")  # from memory
+    assert lim.degraded and len(state.held_leases.unmoved) == 1
+    switch.up = True
+    state.health.ok()  # back again while the first recovery's renewals run
+    gate.set()
+    await eventually(lambda: _value(len(state.held_leases.unmoved)), 0, 0.5,
+                     "the memory call moved")
+    await eventually(lambda: store.counts("r", "t"), (2, 2), 2.0, "both calls in Redis")
+    for slot in (first, second):
+        slot.release(DONE)
+    await eventually(lambda: store.counts("r", "t"), (0, 0), 2.0, "leases given back")
+
+
+async def test_a_lost_acquire_run_after_a_freeze_longer_than_the_lease_is_released(
+        redis_server):
+    """An acquire sent into a frozen Redis times out (the call runs from memory, then ends);
+    Redis stays frozen past the lease time and runs the acquire when it thaws: that lease is
+    released as soon as Redis is seen back (a review: retried only until the lease would have
+    lapsed, it then held the slot for a whole lease time)."""
+    state = await replica_state(redis_server, new_prefix())
+    state.lease_s = 1.0
+    try:
+        lim = limiter(state, 4)
+        warm = await lim.acquire("t")  # the scripts loaded: a frozen server runs them later
+        warm.release(DONE)
+        await eventually(lambda: leases_held(state), 0, 2.0, "warm-up lease given back")
+        redis_server.freeze()
+        slot = await lim.acquire("t")  # times out on Redis: from memory
+        slot.release(DONE)
+        await asyncio.sleep(2.0)  # the freeze outlasts the lease
+        redis_server.thaw()
+        await eventually(lambda: _value(state.health.up), True, 5.0, "Redis seen up")
+        await eventually(lambda: leases_held(state), 0, 0.5, "the lost acquire's lease")
+        assert not state.held_leases.lost
+    finally:
+        redis_server.thaw()
+        await state.close()
 
 
 async def test_leases_are_renewed_a_few_at_a_time_when_redis_is_back():

@@ -26,7 +26,9 @@ script on one slot. Every Redis call on the request path is one round trip and r
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -45,7 +47,7 @@ from policies.state.idempotency import (
     MemoryIdempotencyRecords,
     RedisIdempotencyRecords,
 )
-from policies.state.leases import HeldLeases, Leases, MemoryLeases, RedisLeases
+from policies.state.leases import HeldLeases, Leases, MemoryLeases, RedisLeases, give_back
 from policies.state.ledger import MAX_COUNTERS, Ledger, LedgerFull, MemoryLedger, RedisLedger
 from policies.state.rate import MemoryRateBuckets, RateBuckets, RedisRateBuckets
 
@@ -108,8 +110,10 @@ class StateBackends:
     #: The concurrency leases this process holds on this set: renewed (a memory lease
     #: moved into Redis) as soon as Redis answers again after an outage.
     held_leases: HeldLeases = field(default_factory=HeldLeases)
-    #: The renewal of every held lease started when Redis was last seen up again.
+    #: The renewal of every held lease started when Redis was last seen up again, and
+    #: whether Redis came back again while it ran.
     _renewing: asyncio.Task[None] | None = None
+    _renew_again: bool = False
 
     @property
     def kind(self) -> str:
@@ -124,42 +128,63 @@ class StateBackends:
 
     @property
     def settle_s(self) -> float:
-        """Seconds a replica that admitted calls from its share of a concurrency limit during
-        an outage keeps to that share once Redis answers it again: time for every other
-        replica cut off by the same outage to see Redis back (its probe, every
-        ``probe_interval_s``) and move its own such calls into Redis (one call, at most the
-        timeout); twice the probe interval plus the timeout. 0 for memory."""
+        """Seconds a replica that fell back to its share of a concurrency limit during an
+        outage keeps to that share once Redis is up again: time for every other replica cut
+        off by the same outage to see Redis back (its probe, every ``probe_interval_s``) and
+        start moving its own such calls into Redis (a round trip, at most the timeout, per
+        :data:`RENEW_BATCH` of them); twice the probe interval plus the timeout. 0 for
+        memory."""
         if self.redis is None:
             return 0.0
         return 2 * self.redis.probe_interval_s + self.redis.timeout_s
 
     def renew_leases(self, up: bool = True, _error: str | None = None) -> None:
         """A :meth:`Health.on_change` and :meth:`Health.on_reconnect` listener: once Redis is
-        up again, or answers on a new connection after a broken one, renew every lease held
-        here now rather than at its next renewal (up to a third of ``state.lease`` later,
-        while other replicas admit as if its call were not running): a lease Redis lost
-        (restarted empty, or an outage longer than the lease) is taken again, and one taken
-        from memory during the outage is moved into Redis. See :meth:`_renew_held`."""
-        if up and self.held_leases.live and (self._renewing is None or self._renewing.done()):
-            self._renewing = asyncio.get_running_loop().create_task(
-                self._renew_held(), name="sluice-leases-renewed-on-recovery")
-            self.keep(self._renewing)
+        up again, or answers on a new connection after a broken one, give back the leases
+        whose release it did not answer and renew every lease held here now rather than at
+        its next renewal (up to a third of ``state.lease`` later, while other replicas admit
+        as if its call were not running): a lease Redis lost (restarted empty, or an outage
+        longer than the lease) is taken again, and one taken from memory during the outage
+        is moved into Redis. See :meth:`_renew_held`."""
+        held = self.held_leases
+        if not up or not (held.live or held.lost):
+            return
+        if self._renewing is not None and not self._renewing.done():
+            self._renew_again = True  # leases taken since its list was made: once more
+            return
+        self._renewing = asyncio.get_running_loop().create_task(
+            self._renew_held(), name="sluice-leases-renewed-on-recovery")
+        self.keep(self._renewing)
 
     async def _renew_held(self) -> None:
-        """Renew the held leases :data:`RENEW_BATCH` at a time, memory leases first, while
-        the backend stays up. All at once, thousands of renewals queued for the pool's
-        connections past the timeout, failed, and marked Redis down again, each recovery
-        starting another round (a hostile review: 2,000 calls held, the health flapping 40
-        times in 8 s, with calls admitted from memory meanwhile)."""
+        """The lost releases, then the held leases (memory ones first), :data:`RENEW_BATCH`
+        at a time, while the backend stays up; again if Redis came back meanwhile. All at
+        once, thousands of renewals queued for the pool's connections past the timeout,
+        failed, and marked Redis down again, each recovery starting another round (a hostile
+        review: 2,000 calls held, the health flapping 40 times in 8 s, with calls admitted
+        from memory meanwhile)."""
         held = self.held_leases
-        order = [*held.unmoved, *(lease for lease in held.live if lease not in held.unmoved)]
-        for start in range(0, len(order), RENEW_BATCH):
-            if not self.health.up:
-                return  # down again: the next recovery starts over
-            renewals = [task for lease in order[start:start + RENEW_BATCH]
-                        if (task := lease.refresh()) is not None]
-            if renewals:
-                await asyncio.wait(renewals)
+        while True:
+            self._renew_again = False
+            lost = list(held.lost)
+            held.lost.difference_update(lost)  # give_back puts back what fails again
+            steps: list[Callable[[], Awaitable[object] | None]] = [
+                functools.partial(give_back, self.leases, *ids, held) for ids in lost]
+            steps += [lease.refresh for lease in held.unmoved]
+            steps += [lease.refresh for lease in held.live if lease not in held.unmoved]
+            for start in range(0, len(steps), RENEW_BATCH):
+                if not self.health.up:
+                    return  # down again: the next recovery starts over
+                batch = [step() for step in steps[start:start + RENEW_BATCH]]
+                running = [asyncio.ensure_future(a) for a in batch if a is not None]
+                if running:
+                    await asyncio.wait(running)
+                for task in running:
+                    exc = None if task.cancelled() else task.exception()
+                    if exc is not None and not isinstance(exc, StateUnavailable):
+                        log.error("a concurrency lease's renewal failed", exc_info=exc)
+            if not self._renew_again:
+                return
 
     def keep(self, task: asyncio.Future[Any]) -> None:
         """Let :meth:`close` wait for ``task``, a write started in the background."""

@@ -358,16 +358,23 @@ def _ms(seconds: float) -> int:
 
 class HeldLeases:
     """The leases one process holds on one state set (:class:`Lease` keeps itself here), for
-    what must reach them all at once: Redis answering again after an outage.
+    what must reach them all at once: Redis answering again after an outage
+    (:meth:`~policies.state.StateBackends.renew_leases`).
 
     Attributes:
         live: every lease not yet released.
         unmoved: the memory leases taken while Redis did not answer and not yet moved there.
+        lost: ``(group, tenant, lease id)`` of releases Redis did not answer (and of acquires
+            whose answer was lost, which it may have run): released when it answers again.
+            Not retried meanwhile: a frozen Redis runs what was queued in it when it thaws,
+            however long after, and a release tried only until the lease would have lapsed
+            left the slot of an acquire queued in a longer freeze taken for a whole lease.
     """
 
     def __init__(self) -> None:
         self.live: set[Lease] = set()
         self.unmoved: set[Lease] = set()
+        self.lost: set[tuple[str, str, str]] = set()
 
     def unmoved_on(self, group: str, tenant: str) -> tuple[int, int]:
         """Calls of ``group`` here on memory leases not yet moved into Redis, and those of
@@ -527,51 +534,39 @@ class Lease:
         return await self.release()
 
     async def _give_back(self) -> bool:
-        held = await release_until_lapsed(self.leases, self.group, self.tenant, self.lease_id,
-                                          self.lease_s)
+        held = await give_back(self.leases, self.group, self.tenant, self.lease_id, self._held)
         if self._shared is not None and self._maybe_moved:
-            await release_until_lapsed(self._shared, self.group, self.tenant, self.lease_id,
-                                       self.lease_s)
+            await give_back(self._shared, self.group, self.tenant, self.lease_id, self._held)
         return held
 
 
-#: Seconds between tries of a release the backend did not answer, when it names no time.
-RELEASE_RETRY_S = 0.25
-
-
-async def release_until_lapsed(leases: Leases, group: str, tenant: str, lease_id: str,
-                               lease_s: float) -> bool:
-    """Release ``lease_id``, tried again while the backend does not answer until the lease
-    would have lapsed anyway (``lease_s`` from now): given up at the first failure, a
-    release during an outage kept its slot taken for up to a lease time after Redis was
-    back. Never raises :class:`StateUnavailable`.
+async def give_back(leases: Leases, group: str, tenant: str, lease_id: str,
+                    held: HeldLeases | None) -> bool:
+    """Release ``lease_id``; if the backend does not answer, leave it in ``held.lost`` for
+    when it answers again (or, with no ``held``, to lapse). Never raises
+    :class:`StateUnavailable`.
 
     Returns:
-        ``True`` if the lease was held when released; ``False`` if not, or left to lapse.
+        ``True`` if the lease was held when released; ``False`` if not, or not answered.
     """
-    loop = asyncio.get_running_loop()
-    until = loop.time() + lease_s
-    while True:
-        try:
-            return await leases.release(group, tenant, lease_id)
-        except StateUnavailable as exc:
-            wait = exc.retry_after or RELEASE_RETRY_S
-            if loop.time() + wait >= until:
-                log.info("concurrency lease on %s left to lapse: %s", group, exc.cause,
-                         extra=PER_CALL)
-                return False
-            await asyncio.sleep(wait)
+    try:
+        return await leases.release(group, tenant, lease_id)
+    except StateUnavailable as exc:
+        if held is None:
+            log.info("concurrency lease on %s left to lapse: %s", group, exc.cause,
+                     extra=PER_CALL)
+        else:
+            held.lost.add((group, tenant, lease_id))
+            log.info("concurrency lease on %s given back once the state backend answers: %s",
+                     group, exc.cause, extra=PER_CALL)
+        return False
 
 
 def _retrieve(task: asyncio.Task[None]) -> None:
-    # A renewal Redis did not answer is tried again next turn (the renewal loop, which awaits
-    # it in turn, suppresses the same); anything else is a fault of ours, said here since an
-    # out-of-turn renewal has nobody awaiting it.
-    if task.cancelled():
-        return
-    exc = task.exception()
-    if exc is not None and not isinstance(exc, StateUnavailable):
-        log.error("concurrency lease renewal failed", exc_info=exc)
+    # Whoever awaits the renewal says how it failed (the renewal loop, the recovery's
+    # StateBackends._renew_held); this only keeps asyncio from calling it never retrieved.
+    if not task.cancelled():
+        task.exception()
 
 
 async def acquire_lease(leases: Leases, group: str, tenant: str, limit: int,
