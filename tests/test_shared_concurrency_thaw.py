@@ -466,6 +466,27 @@ async def test_a_lost_acquire_run_after_a_freeze_longer_than_the_lease_is_releas
         await state.close()
 
 
+async def test_releases_not_tried_before_redis_went_again_are_kept_for_the_next_time():
+    """20 releases Redis did not answer; it comes back and goes again during the first batch
+    of them: none is forgotten (each is still to release), and the next recovery releases
+    them all."""
+    store, switch, replicas = stand_in_replicas(40, random.Random(0), 3.0)
+    state, _lim = replicas["a"]
+    ids = {("r", "t", f"lost-{i}") for i in range(20)}
+    for _, tenant, lease_id in ids:
+        assert (await store.acquire("r", tenant, lease_id, 40, None, 3.0)).granted
+    state.held_leases.lost.update(ids)
+    state.health.fail("down")
+    state.health.ok()  # back: the releases start, 8 at a time
+    switch.up = False  # and it goes again at once
+    await eventually(lambda: _value(state._renewing.done()), True, 2.0, "recovery ended")
+    assert state.held_leases.lost == ids
+    switch.up = True
+    state.health.ok()
+    await eventually(lambda: store.counts("r", "t"), (0, 0), 2.0, "every lost lease released")
+    assert not state.held_leases.lost
+
+
 async def test_leases_are_renewed_a_few_at_a_time_when_redis_is_back():
     """60 calls held on a replica when Redis comes back (all lost by a restart, say): all
     are renewed at once, but no more than RENEW_BATCH at a time (thousands at once timed

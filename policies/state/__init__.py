@@ -166,10 +166,8 @@ class StateBackends:
         held = self.held_leases
         while True:
             self._renew_again = False
-            lost = list(held.lost)
-            held.lost.difference_update(lost)  # give_back puts back what fails again
             steps: list[Callable[[], Awaitable[object] | None]] = [
-                functools.partial(give_back, self.leases, *ids, held) for ids in lost]
+                functools.partial(self._release_lost, ids) for ids in list(held.lost)]
             steps += [lease.refresh for lease in held.unmoved]
             steps += [lease.refresh for lease in held.live if lease not in held.unmoved]
             for start in range(0, len(steps), RENEW_BATCH):
@@ -185,6 +183,11 @@ class StateBackends:
                         log.error("a concurrency lease's renewal failed", exc_info=exc)
             if not self._renew_again:
                 return
+
+    async def _release_lost(self, ids: tuple[str, str, str]) -> None:
+        # Out of the set while it is tried; give_back puts it back if Redis does not answer.
+        self.held_leases.lost.discard(ids)
+        await give_back(self.leases, *ids, self.held_leases)
 
     def keep(self, task: asyncio.Future[Any]) -> None:
         """Let :meth:`close` wait for ``task``, a write started in the background."""

@@ -507,7 +507,8 @@ class Lease:
     def release(self) -> asyncio.Task[bool]:
         """Stop renewing and give the slot back; never awaits, never raises (for a
         pipeline holding's ``release``). Returns the task doing it; calling again returns the
-        same task. If the backend is unavailable the lease lapses by itself."""
+        same task. If the backend does not answer, the lease is given back once it does
+        (:class:`HeldLeases`), or lapses by itself."""
         if self._release is None:
             self._release = asyncio.create_task(self._end(),
                                                 name=f"sluice-lease-release-{self.group}")
