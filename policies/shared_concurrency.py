@@ -34,8 +34,8 @@ need be, so new calls wait until the route is back under it) as soon as this rep
 Redis up, by its probe or a call (:meth:`~policies.state.StateBackends.renew_leases`), or
 else at its lease's next renewal; until it is moved, this replica's acquires count it beside the
 leases Redis holds (``uncounted``). Another replica's such calls are unknown here until that
-replica has moved them, so a replica that fell back to its share keeps to it (and to its
-share of ``per_tenant``) for ``settle_s`` from when Redis came back (two probe intervals
+replica has moved them, so every replica that saw the outage keeps to its share (and to
+its share of ``per_tenant``) for ``settle_s`` from when Redis came back (two probe intervals
 and the timeout), the time the others take to see Redis back and move theirs, counting its
 own acquires still waiting for Redis's answer (a hostile trial, before: 6 and 7 calls at
 the upstream on a limit of 4 in the half second after a thaw). A lease whose acquire Redis
@@ -135,11 +135,6 @@ class SharedConcurrencyLimiter(ConcurrencyLimiter):
         self.shared_inflight: int | None = None
         #: Admitting from this replica's share while Redis does not answer.
         self.degraded = False
-        #: ``time.monotonic()`` until which this replica keeps to its share though Redis
-        #: answers again (``backends.settle_s`` from when it came back, after an outage this
-        #: replica fell back through: others' calls admitted from memory meanwhile may not be
-        #: in Redis yet), or 0.
-        self._share_until = 0.0
         #: Acquires of this replica waiting for Redis's answer, by tenant.
         self._asking: dict[str, int] = {}
         #: Lease releases whose acquire's answer was lost; their failures are logged.
@@ -218,7 +213,7 @@ class SharedConcurrencyLimiter(ConcurrencyLimiter):
         """
         backends = self.backends
         leases: Leases = backends.leases
-        if self._share_until and (settling := self._over_share(tenant)) is not None:
+        if (settling := self._over_share(tenant)) is not None:
             return None, settling
         # This replica's own calls admitted from memory and not yet in Redis count too.
         held = backends.held_leases
@@ -265,14 +260,9 @@ class SharedConcurrencyLimiter(ConcurrencyLimiter):
             self.shared_inflight = result.inflight
             if self.degraded:
                 self.degraded = False
-                health = backends.health
-                # From when Redis came back, not from this route's first call since.
-                back_at = health.changed_monotonic if health.up else time.monotonic()
-                self._share_until = back_at + backends.settle_s
                 log.warning("concurrency of route %s: shared across replicas again",
                             self.group)
-            if (result.granted and self._share_until
-                    and (settling := self._over_share(tenant)) is not None):
+            if result.granted and (settling := self._over_share(tenant)) is not None:
                 self._forget_lease(lease_id, tenant)
                 return None, settling
         if not result.granted:
@@ -282,19 +272,22 @@ class SharedConcurrencyLimiter(ConcurrencyLimiter):
                      shared=shared, held=held), result
 
     def _over_share(self, tenant: str) -> LeaseResult | None:
-        """While this replica settles (:attr:`_share_until`): the refusal if it holds its
-        share of ``per_tenant`` for ``tenant`` or of ``limit``, counting its acquires still
-        waiting for Redis's answer (each may be granted); ``None`` if not, and once the
-        window has passed (it is closed then)."""
-        if time.monotonic() >= self._share_until:
-            self._share_until = 0.0
+        """For ``backends.settle_s`` after Redis came back (``Health.recovered_at``; with
+        ``on_unavailable: local``), while other replicas' calls admitted from memory may not
+        be in Redis yet: the refusal if this replica holds its share of ``per_tenant`` for
+        ``tenant`` or of ``limit``, counting its acquires still waiting for Redis's answer
+        (each may be granted); else ``None``."""
+        backends = self.backends
+        recovered = backends.health.recovered_at
+        if (recovered is None or time.monotonic() >= recovered + backends.settle_s
+                or backends.fallback.mode != "local"):
             return None
-        fallback = self.backends.fallback
+        fallback = backends.fallback
         asking = self._asking
         if self.per_tenant is not None:
             group = self.group
             mine = asking.get(tenant, 0) + sum(
-                1 for lease in self.backends.held_leases.live
+                1 for lease in backends.held_leases.live
                 if lease.group == group and lease.tenant == tenant)
             if mine >= fallback.whole_share(self.per_tenant):
                 return LeaseResult(False, TENANT, self.inflight, mine)

@@ -374,6 +374,30 @@ async def test_callers_arriving_together_after_the_thaw_keep_to_the_share():
     await eventually(lambda: store.counts("r", "t"), (0, 0), 2.0, "leases given back")
 
 
+async def test_a_replica_that_saw_the_outage_keeps_to_its_share_though_it_admitted_nothing():
+    """B holds its share (2) on Redis leases when Redis goes, admits nothing meanwhile, but
+    sees the outage (a renewal fails); A admits its share from memory. Redis back, B's probe
+    sees it first: B keeps to its share while A's calls are not in Redis yet, rather than
+    filling the limit beside them (5 of 4 when only a replica that fell back kept to it)."""
+    store, switch, replicas = stand_in_replicas(4, random.Random(0), 3.0)
+    (a_state, a), (b_state, b) = replicas["a"], replicas["b"]
+    held = [await b.acquire("t"), await b.acquire("t")]
+    switch.up = False
+    b_state.health.fail("a renewal timed out")
+    a_state.health.fail("down")  # marked down: nothing sent, nothing lost
+    held += [await a.acquire("t"), await a.acquire("t")]
+    assert a.degraded and not b.degraded
+    switch.up = True
+    b_state.health.ok()  # B's probe; A's is yet to run
+    assert await grab(b) is None
+    assert a.inflight + b.inflight == 4
+    a_state.health.ok()
+    await eventually(lambda: store.counts("r", "t"), (4, 4), 2.0, "A's calls moved")
+    for slot in held:
+        slot.release(DONE)
+    await eventually(lambda: store.counts("r", "t"), (0, 0), 2.0, "leases given back")
+
+
 async def test_a_tenant_keeps_to_its_share_of_per_tenant_after_the_thaw():
     """``per_tenant: 2`` on two replicas (1 each from memory): tenant X has a call on each
     during the outage; A sees Redis back and moves its call, B has not yet. A's next call

@@ -130,6 +130,9 @@ class Health:
         changed_monotonic: ``time.monotonic()`` of the same (what :meth:`down_for` measures
             from: a wall clock stepped back or forward does not stretch an outage).
         failures: calls that failed since the backend was last up.
+        recovered_at: ``time.monotonic()`` of the last time it was up again after being
+            down, or answered on a new connection after its own broke (a restart too fast to
+            be marked down); ``None`` before either.
     """
 
     def __init__(self) -> None:
@@ -139,6 +142,7 @@ class Health:
         self.changed_at = time.time()
         self.changed_monotonic = time.monotonic()
         self.failures = 0
+        self.recovered_at: float | None = None
         self._listeners: list[Callable[[bool, str | None], None]] = []
         self._reconnect_listeners: list[Callable[[], None]] = []
 
@@ -158,6 +162,7 @@ class Health:
     def reconnected(self) -> None:
         """Record a call answered on a new connection after its own broke (see
         :meth:`on_reconnect`)."""
+        self.recovered_at = time.monotonic()
         for listener in self._reconnect_listeners:
             listener()
 
@@ -190,6 +195,8 @@ class Health:
         # No log line of its own: the listeners say what the change means (proxy/runtime.py).
         self.changed_at = time.time()
         self.changed_monotonic = time.monotonic()
+        if self.up and self.known:
+            self.recovered_at = self.changed_monotonic
         for listener in self._listeners:
             listener(self.up, None if self.up else self.last_error)
         self.known = True
