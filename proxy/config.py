@@ -251,7 +251,14 @@ def _nearest_line(path: Path_, marks: dict[Path_, int]) -> int:
     return 1
 
 
-def _problems(err: ValidationError, marks: dict[Path_, int], filename: str) -> Iterator[str]:
+def _problems(err: ValidationError, marks: dict[Path_, int], filename: str) -> list[str]:
+    """One ``FILE:LINE: KEY: PROBLEM`` line per error, in the file's order (pydantic's is the
+    models' fields', which put line 10 before line 9)."""
+    lines = sorted(_located(err, marks), key=lambda found: found[0])
+    return [f"{filename}:{line}: {text}" for line, text in lines]
+
+
+def _located(err: ValidationError, marks: dict[Path_, int]) -> Iterator[tuple[int, str]]:
     for item in err.errors():
         # pydantic puts the Annotated validator's name in the path for union members; drop
         # anything that is not a config key so the path reads as the user wrote it.
@@ -264,7 +271,7 @@ def _problems(err: ValidationError, marks: dict[Path_, int], filename: str) -> I
             message = "unknown key (a typo here would silently disable a limit)"
         elif item["type"] == "missing":
             message = "required key is missing"
-        yield f"{filename}:{_nearest_line(path, marks)}: {_dotted(path)}: {message}"
+        yield _nearest_line(path, marks), f"{_dotted(path)}: {message}"
 
 
 def _user_path(loc: tuple[str | int, ...], marks: dict[Path_, int]) -> Path_:
@@ -370,7 +377,7 @@ def _parse_config(text: str, filename: str, base: Path) -> Config:
     try:
         config = Config.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(list(_problems(exc, marks, filename))) from None
+        raise ConfigError(_problems(exc, marks, filename)) from None
     problems = [
         f"{filename}:{_nearest_line(path, marks)}: {_dotted(path)}: {message}"
         for path, message in cross_checks(config)

@@ -118,11 +118,17 @@ BAD_FILES = [
      ["{f}:3: (yaml): expected ',' or ']', but got ':'"]),
     ("tab indentation", "server:\n\tlisten: 127.0.0.1:8080\n" + ROUTE,
      ["{f}:2: (yaml): found character '\\t' that cannot start any token"]),
+    # In the file's order (pydantic's own is its fields', which said line 3 before line 2).
     ("several problems at once",
      "server:\n  drain_timeout: 5 sec\n  listen: nowhere\n" + ROUTE + "    concurency: 1\n",
-     ["{f}:3: server.listen: 'nowhere' is not HOST:PORT, e.g. 127.0.0.1:8080",
-      f"{{f}}:2: server.drain_timeout: '5 sec' {NOT_A_DURATION}",
+     [f"{{f}}:2: server.drain_timeout: '5 sec' {NOT_A_DURATION}",
+      "{f}:3: server.listen: 'nowhere' is not HOST:PORT, e.g. 127.0.0.1:8080",
       f"{{f}}:8: routes[0].concurency: unknown key {TYPO}"]),
+    ("an unknown key before a bad value",
+     ROUTE + "state:\n  backend: redis\n  on_unavailible: local\n  timeout: 50\n",
+     [f"{{f}}:7: state.on_unavailible: unknown key {TYPO}",
+      "{f}:8: state.timeout: 50 is not a duration: write a number and a unit, e.g. 250ms, "
+      "5s, 10m, 24h"]),
 ]
 
 
