@@ -131,8 +131,8 @@ class Health:
             from: a wall clock stepped back or forward does not stretch an outage).
         failures: calls that failed since the backend was last up.
         recovered_at: ``time.monotonic()`` of the last time it was up again after being
-            down, or answered on a new connection after its own broke (a restart too fast to
-            be marked down); ``None`` before either.
+            down, or a connection connected again (a restart perhaps too fast to be marked
+            down); ``None`` before either.
     """
 
     def __init__(self) -> None:
@@ -153,15 +153,15 @@ class Health:
         self._listeners.append(listener)
 
     def on_reconnect(self, listener: Callable[[], None]) -> None:
-        """Call ``listener()`` when a call found its connection broken and was answered on a
-        new one, the backend never marked down: a server restarted that fast (``kill -9`` and
-        back within the timeout, a pod replaced) may have lost every key, and nothing else
-        tells it."""
+        """Call ``listener()`` when a connection, connected before, connects again (a call
+        found it broken and was answered on a new one, or the pool found it closed by the
+        server), the backend perhaps never marked down: a server restarted that fast
+        (``kill -9`` and back within the timeout, a pod replaced) may have lost every key,
+        and nothing else tells it."""
         self._reconnect_listeners.append(listener)
 
     def reconnected(self) -> None:
-        """Record a call answered on a new connection after its own broke (see
-        :meth:`on_reconnect`)."""
+        """Record a connection connecting again (see :meth:`on_reconnect`)."""
         self.recovered_at = time.monotonic()
         for listener in self._reconnect_listeners:
             listener()
