@@ -598,8 +598,8 @@ async def test_local_mode_admits_each_replicas_share_while_redis_is_frozen(
                                              for _ in range(4)))
             return [status for status, _, _ in results]
 
-        # A keeps to its share for settle_s (1.2 s here) after its first call Redis
-        # answers, while B's calls from memory, if any, are moved; then the whole limit.
+        # A keeps to its share for settle_s (1.2 s here) from when it saw Redis back, while
+        # B's calls from memory, if any, are moved; then the whole limit.
         await eventually(served, [200] * 4, 15.0, "4 calls served on one replica")
         assert upstream.peak_inflight == 4
         assert "shared across replicas again" in a.stderr()
