@@ -25,23 +25,23 @@ slots on other replicas while it waited).
 When Redis does not answer (``StateUnavailable``), ``state.on_unavailable`` applies, as for
 rates (:mod:`policies.rate`): ``local`` admits while this replica's calls in flight (those
 admitted on Redis leases before the outage included) are under its share of the limit
-(:meth:`~policies.state.Fallback.whole_share`), taking a lease from its memory for the share
-of ``per_tenant``, and logs it once per outage;
-``reject`` refuses 503 ``state_unavailable`` (every waiter too). Every attempt asks Redis
-first, so the shared limit is back as soon as it answers. A call admitted on the local share
-and still running then is moved into Redis (its memory lease taken there, past the limit if
-need be, so new calls wait until the route is back under it) as soon as this replica sees
-Redis up, by its probe or a call (:meth:`~policies.state.StateBackends.renew_leases`), or
-else at its lease's next renewal; until it is moved, this replica's acquires count it beside the
-leases Redis holds (``uncounted``). Another replica's such calls are unknown here until that
-replica has moved them, so every replica that saw the outage keeps to its share (and to
-its share of ``per_tenant``) for ``settle_s`` from when Redis came back (two probe intervals
-and the timeout), the time the others take to see Redis back and move theirs, counting its
-own acquires still waiting for Redis's answer (a hostile trial, before: 6 and 7 calls at
-the upstream on a limit of 4 in the half second after a thaw). A lease whose acquire Redis
-may have run without the answer arriving (a timeout, the caller's cancellation) is released
-in the background, or once Redis answers again if it cannot be now; a memory lease taken
-instead gets another id, so that release cannot land on it once moved.
+(:meth:`~policies.state.Fallback.whole_share`), taking a lease from its memory for the share of
+``per_tenant``, and logs it once per outage; ``reject`` refuses 503 ``state_unavailable``
+(every waiter too). Every attempt asks Redis first, so the shared limit is back as soon as it
+answers. A call admitted on the local share and still running then is moved into Redis (its
+memory lease taken there, past the limit if need be, so new calls wait until the route is back
+under it) as soon as this replica sees Redis up, by its probe or a call
+(:meth:`~policies.state.StateBackends.renew_leases`), or else at its lease's next renewal;
+until it is moved, this replica's acquires count it beside the leases Redis holds
+(``uncounted``). Another replica's such calls are unknown here until that replica has moved
+them, so every replica that saw the outage keeps to its share (and to its share of
+``per_tenant``) for ``settle_s`` from when Redis came back (two probe intervals and the
+timeout), the time the others take to see Redis back and move theirs, counting its own acquires
+still waiting for Redis's answer (a hostile trial, before: 6 and 7 calls at the upstream on a
+limit of 4 in the half second after a thaw). A lease whose acquire Redis may have run without
+the answer arriving (a timeout, the caller's cancellation) is released in the background, or
+once Redis answers again if it cannot be now; a memory lease taken instead gets another id, so
+that release cannot land on it once moved.
 
 Cost: one round trip to take a lease, one to give it back, one per third of ``state.lease``
 for a call running longer.

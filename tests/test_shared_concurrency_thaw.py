@@ -35,7 +35,7 @@ from policies.state import (
 )
 from policies.state.leases import MemoryLeases
 from tests.redis_servers import RedisServer, new_prefix
-from tests.test_shared_concurrency import DONE, eventually, leases_held, limiter
+from tests.test_shared_concurrency import DONE, _value, eventually, leases_held, limiter
 
 T = TypeVar("T")
 
@@ -199,10 +199,6 @@ async def test_a_call_ending_while_its_lease_moves_leaves_nothing_held(redis_ser
         assert (lim.inflight, lim.queued) == (0, 0)
     finally:
         await state.close()
-
-
-async def _value(x):
-    return x
 
 
 # -- outages at any await (hypothesis, a Redis stand-in) -----------------------------------------

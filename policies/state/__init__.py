@@ -129,11 +129,10 @@ class StateBackends:
     @property
     def settle_s(self) -> float:
         """Seconds a replica that saw an outage keeps to its share of a concurrency limit
-        once Redis is up again: time for every other replica cut
-        off by the same outage to see Redis back (its probe, every ``probe_interval_s``) and
-        start moving its own such calls into Redis (a round trip, at most the timeout, per
-        :data:`RENEW_BATCH` of them); twice the probe interval plus the timeout. 0 for
-        memory."""
+        once Redis is up again: time for every other replica cut off by the same outage to
+        see Redis back (its probe, every ``probe_interval_s``) and start moving its own such
+        calls into Redis (a round trip, at most the timeout, per :data:`RENEW_BATCH` of
+        them); twice the probe interval plus the timeout. 0 for memory."""
         if self.redis is None:
             return 0.0
         return 2 * self.redis.probe_interval_s + self.redis.timeout_s

@@ -363,7 +363,9 @@ class HeldLeases:
 
     Attributes:
         live: every lease not yet released.
-        unmoved: the memory leases taken while Redis did not answer and not yet moved there.
+        unmoved: the memory leases taken while Redis did not answer and not yet moved there
+            (a subset of ``live``, kept apart so that every acquire can ask whether there
+            are any without looking through ``live``).
         lost: ``(group, tenant, lease id)`` of releases Redis did not answer (and of acquires
             whose answer was lost, which it may have run): released when it answers again.
             Not retried meanwhile: a frozen Redis runs what was queued in it when it thaws,
