@@ -189,7 +189,7 @@ class Outcome:
     Attributes:
         label: the ``sluice_requests_total`` outcome (``2xx`` ... ``5xx``, ``rejected``,
             ``replayed``, ``upstream_error``, ``upstream_timeout``, ``client_disconnected``,
-            ``drain_cut``).
+            ``client_cancelled``, ``drain_cut``).
         reached: the request may have reached the upstream (an attempt was sent, or its
             sending could not be shown not to have left). ``False`` means the upstream never
             saw it: whatever was taken for it is given back in full.
@@ -219,6 +219,9 @@ class Outcome:
 REFUSED = Outcome("rejected", reached=False)
 #: The caller left, or something failed, before anything reached the upstream.
 ABANDONED = Outcome("client_disconnected", reached=False)
+#: Its MCP client cancelled it (``notifications/cancelled``) before it was admitted: answered
+#: (HTTP 200) with the JSON-RPC error "Request cancelled", nothing sent upstream.
+CLIENT_CANCELLED = Outcome("client_cancelled", reached=False, status=200)
 #: The drain cut the call before it was admitted, its connection already gone (one still there
 #: is refused 503 ``draining`` instead: ``proxy.handler``).
 DRAIN_CUT = Outcome("drain_cut", reached=False)

@@ -29,7 +29,9 @@ holds everything until that task ends, and the task's end, not the handler, sett
 (:func:`_leave`, :func:`_hand_over`): exactly one of the two does, once. For the same
 reason, a client's ``notifications/cancelled`` naming such a call of its session in flight
 is answered 202 here and not forwarded (:func:`_call_to_hold`): the tool runs on, and its
-answer is kept for the retry.
+answer is kept for the retry. A cancel naming a call of its session still waiting in
+admission (which the server has not seen) ends that call here instead, on any route
+(:func:`_waiting_call`).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import itertools
 import logging
 import re
 import time
+from typing import Any
 
 from aiohttp import web
 from multidict import istr
@@ -47,7 +50,15 @@ from multidict import istr
 from policies import mcp
 from policies.concurrency import DEFAULT_PRIORITY, PRIORITIES
 from policies.idempotency import Replay, replay_response
-from policies.pipeline import ABANDONED, DRAIN_CUT, REFUSED, Admission, Call, Outcome
+from policies.pipeline import (
+    ABANDONED,
+    CLIENT_CANCELLED,
+    DRAIN_CUT,
+    REFUSED,
+    Admission,
+    Call,
+    Outcome,
+)
 from policies.reasons import Reason, Rejected
 from policies.retry import is_client_retry
 from proxy import attempts
@@ -258,7 +269,11 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
             resumes = False
     if route.protocol == "mcp":
         if cancels is not None:
-            held = _call_to_hold(rt, route, tenant, headers.get(mcp.SESSION_HEADER), cancels)
+            session = headers.get(mcp.SESSION_HEADER)
+            waiting = _waiting_call(rt, route, tenant, session, cancels)
+            if waiting is not None:
+                return _end_waiting(rt, route, *waiting, request_id, tenant, run)
+            held = _call_to_hold(rt, route, tenant, session, cancels)
             if held is not None:
                 return _hold_cancel(rt, route, held, request_id, tenant, run)
 
@@ -362,6 +377,12 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
                 outcome = _finish_outcome(rt, route, call, task, admitted_at)
                 raise
             _leave(rt, call, request, finish)
+        if call in rt.cancelled_waiting:  # its client cancelled it as it waited (_end_waiting)
+            rt.cancelled_waiting.discard(call)
+            await _take_back(None)
+            outcome = CLIENT_CANCELLED
+            return web.Response(body=mcp.cancelled(jsonrpc_id(route.protocol, call.body)),
+                                content_type="application/json")
         if call.cancelled is not None:  # its run was cancelled (POST /admin/runs/.../cancel)
             return await _run_cancelled(rt, route, call, request, bool(admitted_at), finish)
         if rt.cutting and not admitted_at and request.transport is not None:
@@ -748,6 +769,48 @@ def _call_to_hold(rt: Runtime, route: Route, tenant: str, session: str | None,
             return None  # its response has come, or will not be kept: nothing to hold for
         return call
     return None
+
+
+def _waiting_call(rt: Runtime, route: Route, tenant: str, session: str | None,
+                  request_id: mcp.RequestId) -> tuple[Call, asyncio.Task[Any]] | None:
+    """The call a client's ``notifications/cancelled`` ends in Sluice (:func:`_end_waiting`),
+    with its handler's task, or ``None``: a call of the same route, tenant and MCP session
+    (``Mcp-Session-Id``; a cancel without one names nothing) with JSON-RPC id ``request_id``
+    as sent (``7`` and ``"7"`` differ), still in admission (queued for a slot or a run's
+    width, waiting for a twin's answer or the shared state), so that the upstream has not
+    seen it. Cancels are rare: a scan of the calls in admission keeps this off the path of
+    every other request."""
+    if session is None:
+        return None
+    kind = type(request_id)
+    for call, task in rt.admitting.items():
+        if (call.route != route.name or call.tenant != tenant or call.cancelled is not None
+                or call in rt.cancelled_waiting or task.done()
+                or call.headers.get(mcp.SESSION_HEADER) != session):
+            continue
+        found = jsonrpc_id(route.protocol, call.body)
+        if found == request_id and type(found) is kind:
+            return call, task
+    return None
+
+
+def _end_waiting(rt: Runtime, route: Route, call: Call, task: asyncio.Task[Any],
+                 request_id: str, tenant: str, run: str | None) -> web.Response:
+    """End ``call``, which its client cancelled while it waited in Sluice (:func:`_waiting_call`),
+    and answer the cancel 202 (as an MCP server answers a notification) without forwarding it:
+    the server never got the call. The call's handler task is cancelled where it waits, so
+    that its wait ends, and its handler answers it "Request cancelled" (:func:`mcp.cancelled`),
+    gives back what it held and counts it ``client_cancelled``. Before, the cancel went to a
+    server that did not know the call, and the call was sent once a slot freed: the tool ran
+    though its client had given up on it, and mostly also for the retry that followed.
+    Counted as ``sluice_requests_total{outcome="cancel_applied"}`` and logged as a
+    ``cancel_applied`` event naming the call (``call_request_id``)."""
+    rt.cancelled_waiting.add(call)
+    task.cancel()
+    route.metrics.outcomes["cancel_applied"].inc()
+    rt.events.emit("cancel_applied", request_id, route.name, tenant, run, call.idempotency_key,
+                   status=202, call_request_id=call.request_id, **_operation(call))
+    return web.Response(status=202)
 
 
 def _hold_cancel(rt: Runtime, route: Route, call: Call, request_id: str, tenant: str,

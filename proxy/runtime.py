@@ -118,6 +118,10 @@ class Runtime:
         #: or the shared state), each with its handler's task (``proxy.handler``): what
         #: :meth:`refuse_waiting` answers when the drain ends.
         self.admitting: dict[Call, asyncio.Task[Any]] = {}
+        #: MCP calls of :attr:`admitting` whose clients cancelled them
+        #: (``notifications/cancelled``), their handler tasks cancelled: each handler, seeing
+        #: its call here, answers it "Request cancelled" and takes it out (``proxy.handler``).
+        self.cancelled_waiting: set[Call] = set()
         #: MCP calls admitted and not finished, each with its handler's task: what
         #: :meth:`end_mcp_calls` ends when the drain cuts.
         self.mcp_calls: dict[Call, asyncio.Task[Any]] = {}

@@ -156,6 +156,8 @@ def stories(events: list[dict[str, Any]]) -> list[RequestStory]:
             story.result = "replayed"
         elif kind == "cancel_held":
             story.result = f"{ev.get('status', 202)} cancel held"
+        elif kind == "cancel_applied":
+            story.result = f"{ev.get('status', 202)} cancel applied"
         elif kind == "dead_lettered":
             story.result = "dead-lettered"
     return list(out.values())

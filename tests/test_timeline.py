@@ -202,6 +202,23 @@ def test_a_held_mcp_cancel_ends_its_story_and_names_the_call_it_let_run() -> Non
                                    "key=sluice-t-1")
 
 
+def test_a_cancel_that_ended_a_queued_mcp_call_ends_both_stories() -> None:
+    """A client's cancel that ended its call in the queue (``cancel_applied``) says so, and
+    the call's story ends with its ``client_cancelled`` outcome and its time queued."""
+    from proxy.timeline import stories
+
+    base = {"route": "tools", "tenant": "t", "run": None, "idempotency_key": None}
+    events = [{**base, "request_id": "r1", "ts": 10.0, "event": "enqueued",
+               "operation": "send", "queue_depth": 1},
+              {**base, "request_id": "r2", "ts": 10.5, "event": "cancel_applied", "status": 202,
+               "call_request_id": "r1", "operation": "send"},
+              {**base, "request_id": "r1", "ts": 10.5, "event": "completed", "status": 200,
+               "outcome": "client_cancelled", "waited_s": 0.5, "operation": "send"}]
+    call, applied = stories(events)
+    assert (call.result, call.queued_s) == ("200 client_cancelled", 0.5)
+    assert applied.result == "202 cancel applied"
+
+
 def test_tokens_of_a_model_without_pricing_are_not_shown_as_free() -> None:
     """With the default config's empty `pricing`, a run's calls have `cost_usd: null`: the
     summary said `$0.000000`, as if they had cost nothing."""
