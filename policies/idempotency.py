@@ -111,7 +111,7 @@ import logging
 import os
 import re
 from collections import deque
-from collections.abc import Awaitable, Hashable
+from collections.abc import Awaitable, Callable, Hashable
 from typing import TypeVar
 
 from aiohttp import web
@@ -482,6 +482,10 @@ class Idempotency:
         self._lease_s = backends.lease_s if backends is not None else StateBackends.lease_s
         #: Its own Redis calls that nobody awaits: shutdown waits for them.
         self._background = Background(self._backends)
+        #: The pause between a marker's renewals or registration tries (seconds given):
+        #: cut short when Redis is seen back (:meth:`StateBackends.seen_back`).
+        self._pause: Callable[[float], Awaitable[None]] = (
+            self._backends.seen_back if self._backends is not None else asyncio.sleep)
 
     def _adopt(self, config: IdempotencyConfig) -> None:
         self.mode = config.mode
@@ -700,7 +704,13 @@ class Idempotency:
         records, shared_key, owner = claim._shared
         fallback = claim._fallback = claim._flight.fallback = _Lease(records, shared_key, owner)
         fallback.renewer = self._background.spawn(
-            _register(records, shared_key, owner, claim.fingerprint, self._lease_s))
+            _register(records, shared_key, owner, claim.fingerprint, self._lease_s, self._pause))
+
+    def _keep_marker(self, records: IdempotencyRecords, key: str,
+                     owner: str) -> asyncio.Future[None]:
+        """Renew ``owner``'s marker of ``key`` in the background until cancelled
+        (:func:`_renew`)."""
+        return self._background.spawn(_renew(records, key, owner, self._lease_s, self._pause))
 
     def _arm(self, claim: Claim) -> None:
         if self.dedup:
@@ -834,7 +844,7 @@ class Idempotency:
         elif store_key not in self._flights:
             lease.local = self._flights[store_key] = _Flight(fingerprint)
             lease.store_key = store_key
-        lease.renewer = self._background.spawn(_renew(records, shared_key, owner, self._lease_s))
+        lease.renewer = self._keep_marker(records, shared_key, owner)
         claim._lease = lease
         self._arm(claim)
         return claim
@@ -860,7 +870,7 @@ class Idempotency:
         if flight is not None:
             claim.rejected = self._refuse_waiting(claim, flight.fingerprint, fingerprint,
                                                   len(flight.waiters))
-            renewer = self._background.spawn(_renew(records, shared_key, owner, self._lease_s))
+            renewer = self._keep_marker(records, shared_key, owner)
             if claim.rejected is not None:
                 self._leave_to_twin(flight, records, shared_key, owner, fingerprint, renewer)
                 return claim
@@ -1124,13 +1134,16 @@ def _credentials(headers: CIMultiDictProxy[str]) -> bytes:
 
 
 async def _register(records: IdempotencyRecords, key: str, owner: str, fingerprint: bytes,
-                    lease_s: float) -> None:
+                    lease_s: float, pause: Callable[[float], Awaitable[None]]) -> None:
     """Take ``owner``'s marker for a key claimed from memory while Redis did not answer, once
     it answers, and keep it (until cancelled) every third of ``lease_s``; give up when the
     key has an answer already. Another request's marker is waited out, not given up on:
     it may be the previous holder's, whose write frees it a moment later (a key handed over
     here), or another replica's twin that ran during the outage and may end without an
-    answer, while this one still runs."""
+    answer, while this one still runs. ``pause(seconds)`` waits between tries, and ends
+    early when Redis is seen back: tried only on schedule, the marker came up to a third
+    of the lease after Redis answered, and a duplicate sent to another replica meanwhile
+    ran the upstream a second time."""
     while True:
         try:
             begin = await records.begin(key, owner, fingerprint, lease_s)
@@ -1138,14 +1151,16 @@ async def _register(records: IdempotencyRecords, key: str, owner: str, fingerpri
                 return
         except StateUnavailable:
             pass
-        await asyncio.sleep(lease_s / 3)
+        await pause(lease_s / 3)
 
 
-async def _renew(records: IdempotencyRecords, key: str, owner: str, lease_s: float) -> None:
+async def _renew(records: IdempotencyRecords, key: str, owner: str, lease_s: float,
+                 pause: Callable[[float], Awaitable[None]]) -> None:
     """Keep ``owner``'s in-flight marker alive while its request runs (until cancelled),
-    renewing it every third of ``lease_s``."""
+    renewing it every third of ``lease_s``, and as soon as Redis is seen back after an
+    outage (``pause``, as for :func:`_register`)."""
     while True:
-        await asyncio.sleep(lease_s / 3)
+        await pause(lease_s / 3)
         try:
             if not await records.renew(key, owner, lease_s):
                 return  # lapsed (Redis lost it): a twin may run now, nothing to keep

@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 
 import aiohttp
+import redis.asyncio
+import yaml
 
 from tests.conftest import route
 from tests.test_shared_rate_budget import own_state, post, wait_for
@@ -90,6 +92,37 @@ async def test_a_key_claimed_while_redis_was_away_takes_its_marker_once_it_answe
         await asyncio.sleep(1.0)  # a third of the lease: the key has taken its marker
         duplicate = asyncio.create_task(post(session, b.url, **KEY))
         await asyncio.sleep(2.5)  # past the lease: the marker is kept, not left to lapse
+        await ran_once(upstream, first, duplicate)
+
+
+async def test_a_key_claimed_while_redis_was_away_takes_its_marker_as_soon_as_it_answers(
+        upstream, start_sluice, redis_server):
+    """The marker was taken at the registration's next try, a third of ``state.lease`` after
+    the one the outage failed (20 s here): until then, a duplicate sent to another replica
+    found the key free and ran the upstream a second time while the first still ran. The
+    registration now tries again as soon as its replica sees Redis back."""
+    a, b = await two_replicas(start_sluice, upstream, redis_server, "60s")
+    prefix = yaml.safe_load(a.config_path.read_text())["state"]["key_prefix"]
+    upstream.hold = asyncio.Event()
+    async with aiohttp.ClientSession() as session:
+        first = await first_call_while_frozen(session, upstream, redis_server, a.url)
+        await backend_up(a)
+        client = redis.asyncio.Redis.from_url(redis_server.url)
+        try:
+            async def markers() -> list[bytes]:
+                return [k async for k in client.scan_iter(match=f"{prefix}:*flight*")]
+
+            for _ in range(500):  # 10 s, half the registration's schedule
+                if await markers():
+                    break
+                await asyncio.sleep(0.02)
+            else:
+                raise AssertionError("the key took no marker once Redis answered again")
+        finally:
+            await client.aclose()
+        await backend_up(b)
+        duplicate = asyncio.create_task(post(session, b.url, **KEY))
+        await asyncio.sleep(0.5)  # the duplicate has had time to run upstream, had it been let
         await ran_once(upstream, first, duplicate)
 
 

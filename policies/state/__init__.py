@@ -114,6 +114,8 @@ class StateBackends:
     #: whether Redis came back again while it ran.
     _renewing: asyncio.Task[None] | None = None
     _renew_again: bool = False
+    #: Set, and replaced by a fresh one, each time Redis is seen back (:meth:`seen_back`).
+    _back: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
     def kind(self) -> str:
@@ -136,6 +138,24 @@ class StateBackends:
         if self.redis is None:
             return 0.0
         return 2 * self.redis.probe_interval_s + self.redis.timeout_s
+
+    def wake(self, up: bool = True, _error: str | None = None) -> None:
+        """A :meth:`Health.on_change` and :meth:`Health.on_reconnect` listener: once Redis is
+        up again, or answers on a new connection after a broken one, wake every
+        :meth:`seen_back` waiting."""
+        if up:
+            back, self._back = self._back, asyncio.Event()
+            back.set()
+
+    async def seen_back(self, timeout_s: float) -> None:
+        """Return after ``timeout_s`` seconds, or as soon as Redis is seen back (up again, or
+        answering on a new connection after a broken one) if that comes first: the pause
+        of a write that retries on a schedule, so that it is made when Redis can take it,
+        not up to a whole period later."""
+        try:
+            await asyncio.wait_for(self._back.wait(), timeout_s)
+        except TimeoutError:
+            pass
 
     def renew_leases(self, up: bool = True, _error: str | None = None) -> None:
         """A :meth:`Health.on_change` and :meth:`Health.on_reconnect` listener: once Redis is
@@ -301,6 +321,8 @@ def _redis_set(state: RedisState) -> StateBackends:
     )
     state.health.on_change(backends.renew_leases)
     state.health.on_reconnect(backends.renew_leases)
+    state.health.on_change(backends.wake)
+    state.health.on_reconnect(backends.wake)
     return backends
 
 
