@@ -315,3 +315,24 @@ async def test_a_renewal_that_fails_is_logged_when_it_fails(caplog):
     await asyncio.sleep(0.1)  # past its first renewal
     assert "its renewal failed; the lease lapses" in caplog.text
     assert await lease.aclose() is True
+
+
+async def test_a_pause_ends_when_redis_is_seen_back_or_at_its_timeout() -> None:
+    """``seen_back``: the pause of a write retried on a schedule (an idempotency key's marker
+    taken after an outage) ends as soon as a health listener hears Redis back, not at its
+    timeout; a pause that is cancelled or times out leaves nothing behind."""
+    backends = memory_backends()
+    paused = asyncio.create_task(backends.seen_back(3600))
+    await asyncio.sleep(0)
+    backends.wake(False, "down")  # a change to down wakes nothing
+    await asyncio.sleep(0)
+    assert not paused.done()
+    backends.wake(True)
+    await asyncio.wait_for(paused, 5)
+    await backends.seen_back(0.01)
+    cancelled = asyncio.create_task(backends.seen_back(3600))
+    await asyncio.sleep(0)
+    cancelled.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await cancelled
+    assert backends._pauses == set()

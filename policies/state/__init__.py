@@ -114,8 +114,9 @@ class StateBackends:
     #: whether Redis came back again while it ran.
     _renewing: asyncio.Task[None] | None = None
     _renew_again: bool = False
-    #: Set, and replaced by a fresh one, each time Redis is seen back (:meth:`seen_back`).
-    _back: asyncio.Event = field(default_factory=asyncio.Event)
+    #: What :meth:`seen_back` calls wait on: resolved when Redis is seen back, or at their
+    #: timeout.
+    _pauses: set[asyncio.Future[None]] = field(default_factory=set)
 
     @property
     def kind(self) -> str:
@@ -144,18 +145,24 @@ class StateBackends:
         up again, or answers on a new connection after a broken one, wake every
         :meth:`seen_back` waiting."""
         if up:
-            back, self._back = self._back, asyncio.Event()
-            back.set()
+            for pause in self._pauses:
+                _end_pause(pause)
 
     async def seen_back(self, timeout_s: float) -> None:
         """Return after ``timeout_s`` seconds, or as soon as Redis is seen back (up again, or
         answering on a new connection after a broken one) if that comes first: the pause
         of a write that retries on a schedule, so that it is made when Redis can take it,
-        not up to a whole period later."""
+        not up to a whole period later. Costs what ``asyncio.sleep`` does (a future and a
+        timer): every keyed call on Redis renews its marker in such a loop."""
+        loop = asyncio.get_running_loop()
+        pause: asyncio.Future[None] = loop.create_future()
+        timer = loop.call_later(timeout_s, _end_pause, pause)
+        self._pauses.add(pause)
         try:
-            await asyncio.wait_for(self._back.wait(), timeout_s)
-        except TimeoutError:
-            pass
+            await pause
+        finally:
+            timer.cancel()
+            self._pauses.discard(pause)
 
     def renew_leases(self, up: bool = True, _error: str | None = None) -> None:
         """A :meth:`Health.on_change` and :meth:`Health.on_reconnect` listener: once Redis is
@@ -268,6 +275,11 @@ class Fallback:
         if self.local is None:
             self.local = memory_backends(self.max_budget_counters)
         return self.local
+
+
+def _end_pause(pause: asyncio.Future[None]) -> None:
+    if not pause.done():
+        pause.set_result(None)
 
 
 def memory_backends(max_budget_counters: int = MAX_COUNTERS) -> StateBackends:
