@@ -52,7 +52,8 @@ class Call:
         call as a deadline does), parent_run (the parent run named by the caller,
         ``None`` for none), operation (the tool, endpoint or model a per-operation policy
         keys on; ``None`` for none), client_retry (the caller's SDK says this request is its
-        own retry: ``x-stainless-retry-count`` > 0), received_at (monotonic seconds).
+        own retry: ``x-stainless-retry-count`` > 0), rpc_id (an MCP call's JSON-RPC id as
+        sent, ``None`` for anything else), received_at (monotonic seconds).
 
     Left by policies for the request path:
         idempotency_key: the key, for events; upstream_key: the ``Idempotency-Key`` value to
@@ -97,7 +98,8 @@ class Call:
                  "operation",
                  "operation_cost", "operation_overrun", "parent_run", "path", "phase",
                  "priority", "priority_given", "progress_at", "reached", "received_at",
-                 "reporter", "request_id", "response_headers", "route", "run", "status",
+                 "reporter", "request_id", "response_headers", "route", "rpc_id", "run",
+                 "status",
                  "tenant", "timeout", "timeout_reads", "units_deferred", "upstream_key")
 
     def __init__(self, *, request_id: str, route: str, method: str, path: str,
@@ -105,7 +107,8 @@ class Call:
                  priority: int = 1, timeout: float | None = None, operation: str | None = None,
                  reporter: Callable[[Call, str, dict[str, Any]], None] = _ignore,
                  parent_run: str | None = None, priority_given: bool = True,
-                 client_retry: bool = False, timeout_reads: bool = False) -> None:
+                 client_retry: bool = False, timeout_reads: bool = False,
+                 rpc_id: int | str | None = None) -> None:
         self.request_id = request_id
         self.route = route
         self.method = method
@@ -122,6 +125,7 @@ class Call:
         self.parent_run = parent_run
         self.priority_given = priority_given
         self.client_retry = client_retry
+        self.rpc_id = rpc_id
         self.received_at = time.monotonic()
         self.lineage: tuple[str, ...] = ()
         self.cost: float | None = None

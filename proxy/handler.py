@@ -105,10 +105,12 @@ def _caller_timeout(request: web.BaseRequest, header: str) -> tuple[float | None
 
 
 def _mcp_traffic(request: web.BaseRequest, body: bytes
-                 ) -> tuple[mcp.Traffic, str | None, mcp.RequestId | None, bool]:
+                 ) -> tuple[mcp.Traffic, str | None, mcp.RequestId | None, bool,
+                            mcp.RequestId | None]:
     """The traffic class of a request on an ``mcp`` route, its operation (the tool of a
     ``tools/call``, else ``None``), the request id a ``notifications/cancelled`` names
-    (else ``None``), and whether it opens a session (``initialize``).
+    (else ``None``), whether it opens a session (``initialize``), and the JSON-RPC id of a
+    call (``None`` for other traffic).
 
     Raises:
         mcp.InvalidMcpRequest: a POST body that is not MCP, or an ``Mcp-Method`` /
@@ -116,7 +118,7 @@ def _mcp_traffic(request: web.BaseRequest, body: bytes
             JSON-RPC batch holding a call (400).
     """
     if request.method != "POST":
-        return mcp.traffic(request.method), None, None, False
+        return mcp.traffic(request.method), None, None, False, None
     version = request.headers.get(mcp.VERSION_HEADER)
     post = mcp.parse_post(body, version)
     mcp.check_headers(post, request.headers, require=mcp.is_modern(version))
@@ -130,8 +132,10 @@ def _mcp_traffic(request: web.BaseRequest, body: bytes
             "POST, so that it is limited, keyed and retried as one call")
     traffic = mcp.traffic("POST", post)
     if traffic != "control":
-        return traffic, post.tool, None, False
-    return traffic, post.tool, post.cancels, post.opens_session
+        request_message = post.request
+        return (traffic, post.tool, None, False,
+                request_message.id if request_message is not None else None)
+    return traffic, post.tool, post.cancels, post.opens_session, None
 
 
 async def handle(rt: Runtime, request: web.BaseRequest, held: int = 0
@@ -233,11 +237,11 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
         rt.buffered_bytes -= hold[0] - len(body)
         hold[0] = len(body)
     traffic: mcp.Traffic = "call"
-    operation = cancels = None
+    operation = cancels = rpc_id = None
     opens_session = resumes = False
     if route.protocol == "mcp":
         try:
-            traffic, operation, cancels, opens_session = _mcp_traffic(request, body)
+            traffic, operation, cancels, opens_session, rpc_id = _mcp_traffic(request, body)
         except mcp.InvalidMcpRequest as bad:
             return _reject(rt, route, Rejected(Reason.BAD_REQUEST, None, bad.detail[:200]),
                            request_id, tenant, run, body)
@@ -286,7 +290,7 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
         priority_given=priority is not None,
         parent_run=who.parent_run if run is not None else None,
         timeout=timeout, timeout_reads=timeout_reads, operation=operation,
-        reporter=route.report, client_retry=client_retry,
+        reporter=route.report, client_retry=client_retry, rpc_id=rpc_id,
     )
     call.new_unit = not client_retry
     # MCP control and stream traffic take nothing, an operation's steps included.
@@ -379,10 +383,9 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
             _leave(rt, call, request, finish)
         if call in rt.cancelled_waiting:  # its client cancelled it as it waited (_end_waiting)
             rt.cancelled_waiting.discard(call)
-            await _take_back(None)
+            _uncancel()
             outcome = CLIENT_CANCELLED
-            return web.Response(body=mcp.cancelled(jsonrpc_id(route.protocol, call.body)),
-                                content_type="application/json")
+            return web.Response(body=mcp.cancelled(call.rpc_id), content_type="application/json")
         if call.cancelled is not None:  # its run was cancelled (POST /admin/runs/.../cancel)
             return await _run_cancelled(rt, route, call, request, bool(admitted_at), finish)
         if rt.cutting and not admitted_at and request.transport is not None:
@@ -613,11 +616,19 @@ async def _take_back(finish: Finish | None) -> None:
     cancel, the drain's cut), so that it can answer: its cancellation is undone, and a
     forward task (cancelled by :func:`_leave`) has unwound, so its upstream request is closed
     and nothing else writes to the caller."""
-    task = asyncio.current_task()
-    if task is not None:
-        task.uncancel()
+    _uncancel()
     if finish is not None and finish.task is not None and not finish.task.done():
         await asyncio.wait((finish.task,))
+
+
+def _uncancel() -> None:
+    """Undo every cancellation of the running task: Sluice's own, to end its call now (a
+    client's cancel and its run's can both land on a queued call in one loop turn), so
+    that it answers with nothing left pending on the task."""
+    task = asyncio.current_task()
+    if task is not None:
+        while task.cancelling():
+            task.uncancel()
 
 
 async def _end_at_drain(route: Route, call: Call, request: web.BaseRequest,
@@ -772,41 +783,38 @@ def _call_to_hold(rt: Runtime, route: Route, tenant: str, session: str | None,
 
 
 def _waiting_call(rt: Runtime, route: Route, tenant: str, session: str | None,
-                  request_id: mcp.RequestId) -> tuple[Call, asyncio.Task[Any]] | None:
+                  rpc_id: mcp.RequestId) -> tuple[Call, asyncio.Task[Any]] | None:
     """The call a client's ``notifications/cancelled`` ends in Sluice (:func:`_end_waiting`),
     with its handler's task, or ``None``: a call of the same route, tenant and MCP session
-    (``Mcp-Session-Id``; a cancel without one names nothing) with JSON-RPC id ``request_id``
-    as sent (``7`` and ``"7"`` differ), still in admission (queued for a slot or a run's
-    width, waiting for a twin's answer or the shared state), so that the upstream has not
-    seen it. Cancels are rare: a scan of the calls in admission keeps this off the path of
-    every other request."""
+    (``Mcp-Session-Id``; a cancel without one names nothing) with JSON-RPC id ``rpc_id`` as
+    sent (``7`` and ``"7"`` differ), still in admission (queued for a slot or a run's width,
+    waiting for a twin's answer or the shared state), so that the upstream has not seen it.
+    Cancels are rare: a scan of the calls in admission keeps this off the path of every
+    other request."""
     if session is None:
         return None
-    kind = type(request_id)
+    kind = type(rpc_id)
     for call, task in rt.admitting.items():
-        if (call.route != route.name or call.tenant != tenant or call.cancelled is not None
-                or call in rt.cancelled_waiting or task.done()
-                or call.headers.get(mcp.SESSION_HEADER) != session):
-            continue
-        found = jsonrpc_id(route.protocol, call.body)
-        if found == request_id and type(found) is kind:
+        if (call.rpc_id == rpc_id and type(call.rpc_id) is kind and call.route == route.name
+                and call.tenant == tenant and not task.done()
+                and call.headers.get(mcp.SESSION_HEADER) == session):
             return call, task
     return None
 
 
 def _end_waiting(rt: Runtime, route: Route, call: Call, task: asyncio.Task[Any],
                  request_id: str, tenant: str, run: str | None) -> web.Response:
-    """End ``call``, which its client cancelled while it waited in Sluice (:func:`_waiting_call`),
-    and answer the cancel 202 (as an MCP server answers a notification) without forwarding it:
-    the server never got the call. The call's handler task is cancelled where it waits, so
-    that its wait ends, and its handler answers it "Request cancelled" (:func:`mcp.cancelled`),
-    gives back what it held and counts it ``client_cancelled``. Before, the cancel went to a
-    server that did not know the call, and the call was sent once a slot freed: the tool ran
-    though its client had given up on it, and mostly also for the retry that followed.
-    Counted as ``sluice_requests_total{outcome="cancel_applied"}`` and logged as a
-    ``cancel_applied`` event naming the call (``call_request_id``)."""
-    rt.cancelled_waiting.add(call)
-    task.cancel()
+    """Answer request ``request_id``, a client's cancel of ``call`` (:func:`_waiting_call`),
+    202 as an MCP server answers a notification, without forwarding it: the server never
+    got the call. Unless the call is being ended already (by an earlier cancel, or its
+    run's), its handler task is cancelled where it waits, and its handler answers it
+    "Request cancelled" (:func:`policies.mcp.cancelled`), gives back what it held and counts
+    it ``client_cancelled``; sent on, the call would have run once a slot freed, though its
+    client had given up on it. Counted as ``sluice_requests_total{outcome="cancel_applied"}``
+    and logged as a ``cancel_applied`` event naming the call (``call_request_id``)."""
+    if call not in rt.cancelled_waiting and call.cancelled is None:
+        rt.cancelled_waiting.add(call)
+        task.cancel()
     route.metrics.outcomes["cancel_applied"].inc()
     rt.events.emit("cancel_applied", request_id, route.name, tenant, run, call.idempotency_key,
                    status=202, call_request_id=call.request_id, **_operation(call))

@@ -16,6 +16,8 @@ everything it held is given back. A cancel naming anything else is handled as be
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -23,10 +25,20 @@ import aiohttp
 import pytest
 from mcp import Client, MCPError
 
+import policies.mcp
+from proxy import handler
+from proxy.config import parse_config
+from proxy.runtime import Runtime
 from tests import mcp_servers
 from tests.conftest import wait_until
 from tests.test_mcp_cancels import RecordingMcp, cancel, mcp_route
-from tests.test_mcp_left_callers import CALL, HEADERS, TOKEN, assert_all_given_back
+from tests.test_mcp_left_callers import (
+    CALL,
+    HEADERS,
+    TOKEN,
+    assert_all_given_back,
+    serve_in_process,
+)
 
 mcp_session = mcp_servers.mcp_session
 
@@ -170,8 +182,9 @@ async def test_a_call_waiting_for_its_twins_answer_is_ended_and_the_twin_runs_on
 
 async def test_a_client_cancel_and_a_run_cancel_together_answer_the_call_once(
         recording, start_sluice):
-    """Both cancels reach a queued call of run ``job`` within one loop turn: the call is
-    answered once (the client's cancel came first), and nothing stays held."""
+    """Both cancels reach a queued call of run ``job`` at once: the call is answered once,
+    by whichever came first, and nothing stays held (in-process, each order in one loop
+    turn: below)."""
     sluice = await start_sluice({"routes": [mcp_route(
         recording.url, idempotency={"mode": "forward"}, concurrency=ONE_SLOT)]},
         env={"SLUICE_ADMIN_TOKEN": TOKEN})
@@ -201,6 +214,203 @@ async def test_a_client_cancel_and_a_run_cancel_together_answer_the_call_once(
         assert (await holder)[0] == 200
     assert recording.calls == 1
     await assert_all_given_back(sluice)
-    ends = [e for e in sluice.events() if e.get("request_id") and e["event"] in
-            ("completed", "rejected") and e.get("outcome") != "2xx"]
+    # Events are written in order: once the holder's end is in the log, so is the queued
+    # call's, which came before it.
+    holder_id = next(e["request_id"] for e in sluice.events() if e["event"] == "admitted")
+    await wait_until(lambda: any(e["event"] == "completed" and e["request_id"] == holder_id
+                                 for e in sluice.events()), what="the holder's end logged")
+    [enqueued] = [e for e in sluice.events() if e["event"] == "enqueued"]
+    ends = [e for e in sluice.events() if e["event"] in ("completed", "rejected")
+            and e["request_id"] == enqueued["request_id"]]
     assert len(ends) == 1, ends
+
+
+# -- in one loop turn: the runtime served in this process -----------------------------------------
+# (From a hostile review of the change.) What a cancel's request does between its body and
+# its 202, _waiting_call then _end_waiting, never suspends: calling the two is that cancel
+# arriving at that instant, so it can be made to land in the same loop turn as something else.
+
+
+class IdsMcp(RecordingMcp):
+    """:class:`RecordingMcp` that also keeps the JSON-RPC id of every ``tools/call`` it got."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ids: list[Any] = []
+
+    async def _post(self, request: Any) -> Any:
+        message = await request.json()
+        if message.get("method") == "tools/call":
+            self.ids.append(message["id"])
+        return await super()._post(request)
+
+
+@pytest.fixture
+async def ids_upstream() -> Any:
+    server = await IdsMcp().start()
+    yield server
+    await server.stop()
+
+
+@contextlib.asynccontextmanager
+async def served(upstream: str, extra: str = "") -> AsyncIterator[tuple[Runtime, str]]:
+    """A runtime with one ``tools`` mcp route (one slot, a queue of 4) served in this
+    process, and its MCP endpoint's URL."""
+    rt = Runtime(parse_config(
+        "routes:\n"
+        f"  - {{name: tools, path_prefix: /tools/, upstream: '{upstream}', protocol: mcp,\n"
+        "      idempotency: {mode: forward},\n"
+        f"      concurrency: {{limit: 1, queue: 4, max_wait: 30s}}{extra}}}\n"))
+    await rt.open()
+    runner, url = await serve_in_process(rt)
+    try:
+        yield rt, url
+    finally:
+        await runner.cleanup()
+        await rt.close()
+
+
+def queued(rt: Runtime) -> int:
+    return rt.router.match("/tools/mcp").concurrency.queued
+
+
+def client_cancel(rt: Runtime, rpc_id: Any, session: str = "s-1") -> bool:
+    """What a client's cancel of its call ``rpc_id`` does, synchronously; ``False`` when it
+    would be forwarded."""
+    route = rt.router.match("/tools/mcp")
+    [call] = [c for c in rt.admitting if c.rpc_id == rpc_id]
+    found = handler._waiting_call(rt, route, call.tenant, session, rpc_id)
+    if found is None:
+        return False
+    handler._end_waiting(rt, route, *found, "cancel-request", call.tenant, call.run)
+    return True
+
+
+async def assert_nothing_held(rt: Runtime) -> None:
+    route = rt.router.match("/tools/mcp")
+    await wait_until(lambda: route.inflight == 0 and not rt.admitting, what="all given back")
+    assert route.concurrency.inflight == 0 and route.concurrency.queued == 0
+    assert not rt.cancelled_waiting and not rt.mcp_calls
+
+
+async def send(http: aiohttp.ClientSession, url: str, message: dict,
+               headers: dict) -> tuple[int, str]:
+    async with http.post(url, json=message, headers=headers) as r:
+        return r.status, await r.text()
+
+
+SESSION = {**HEADERS, "Mcp-Session-Id": "s-1"}
+
+
+async def test_a_cancel_in_the_turn_its_call_is_handed_a_slot(ids_upstream):
+    """The slot is handed to call 2 (its waiter resolved, its task not resumed yet) and its
+    client's cancel lands in that turn: call 2 is answered -32800 and never sent, and the
+    slot passes on to call 3."""
+    async with served(ids_upstream.url) as (rt, url):
+        limiter = rt.router.match("/tools/mcp").concurrency
+        grant, fired = limiter._grant, []
+
+        def grant_then_cancel(waiter: Any, value: object) -> None:
+            grant(waiter, value)
+            if not fired:
+                fired.append(client_cancel(rt, 2))
+
+        limiter._grant = grant_then_cancel
+        async with aiohttp.ClientSession() as http:
+            first = asyncio.create_task(send(http, url, CALL, SESSION))
+            await wait_until(lambda: ids_upstream.inflight == 1, what="call 1 upstream")
+            second = asyncio.create_task(send(http, url, {**CALL, "id": 2}, SESSION))
+            await wait_until(lambda: queued(rt) == 1, what="call 2 queued")
+            third = asyncio.create_task(send(http, url, {**CALL, "id": 3}, SESSION))
+            await wait_until(lambda: queued(rt) == 2, what="call 3 queued")
+            ids_upstream.release.set()
+            answers = await asyncio.wait_for(asyncio.gather(first, second, third), 10)
+        assert fired == [True]
+        assert '"code":-32800' in answers[1][1] and "done" in answers[2][1]
+        assert ids_upstream.ids == [1, 3]
+        await assert_nothing_held(rt)
+
+
+@pytest.mark.parametrize("order", ["client_first", "run_first"])
+async def test_a_client_cancel_and_a_run_cancel_in_one_turn(ids_upstream, monkeypatch, order):
+    """Both cancels in one loop turn, each order: the call is answered once (-32800 when the
+    client's came first, 409 ``run_cancelled`` when the run's did), the client's cancel is
+    answered here in both orders (the server never saw the call), nothing stays held, and
+    the handler's task answers with no cancellation left pending (a run's cancel after the
+    client's left one: ``cancelling()`` was 1)."""
+    pending: list[int] = []
+    real = policies.mcp.cancelled
+
+    def answer(rpc_id: Any) -> bytes:
+        task = asyncio.current_task()
+        pending.append(task.cancelling() if task is not None else -1)
+        return real(rpc_id)
+
+    monkeypatch.setattr(policies.mcp, "cancelled", answer)
+    async with served(ids_upstream.url) as (rt, url):
+        async with aiohttp.ClientSession() as http:
+            first = asyncio.create_task(send(http, url, CALL, {**SESSION, "X-Run-ID": "other"}))
+            await wait_until(lambda: ids_upstream.inflight == 1, what="call 1 upstream")
+            second = asyncio.create_task(send(http, url, {**CALL, "id": 2},
+                                              {**SESSION, "X-Run-ID": "job"}))
+            await wait_until(lambda: queued(rt) == 1, what="call 2 queued")
+            [call] = list(rt.admitting)
+            if order == "client_first":
+                applied = client_cancel(rt, 2)
+                rt.runs.cancel("job", 60.0, call.tenant)
+            else:
+                rt.runs.cancel("job", 60.0, call.tenant)
+                applied = client_cancel(rt, 2)
+            status, body = await asyncio.wait_for(second, 10)
+            ids_upstream.release.set()
+            await first
+        assert applied
+        assert ids_upstream.ids == [1]
+        await assert_nothing_held(rt)
+    if order == "client_first":
+        assert status == 200 and '"code":-32800' in body and pending == [0]
+    else:
+        assert '"run_cancelled"' in body and pending == []
+
+
+async def test_two_cancels_of_one_queued_call_are_both_answered_here(ids_upstream):
+    """Two cancels of one queued call at once (two connections): the second, landing before
+    the call's handler has run, was forwarded to a server that never saw the call (10 of
+    10)."""
+    async with served(ids_upstream.url) as (rt, url):
+        async with aiohttp.ClientSession() as http:
+            first = asyncio.create_task(send(http, url, CALL, SESSION))
+            await wait_until(lambda: ids_upstream.inflight == 1, what="call 1 upstream")
+            for rpc_id in range(100, 105):
+                waiting = asyncio.create_task(send(http, url, {**CALL, "id": rpc_id}, SESSION))
+                await wait_until(lambda: queued(rt) == 1, what="the call queued")
+                cancels = await asyncio.gather(send(http, url, cancel(rpc_id), SESSION),
+                                               send(http, url, cancel(rpc_id), SESSION))
+                assert [status for status, _ in cancels] == [202, 202]
+                assert '"code":-32800' in (await asyncio.wait_for(waiting, 10))[1]
+            ids_upstream.release.set()
+            await first
+        assert ids_upstream.ids == [1] and ids_upstream.cancels == []
+        await assert_nothing_held(rt)
+
+
+async def test_a_cancelled_queued_call_gives_its_runs_count_back(ids_upstream):
+    """Run ``job`` may make 2 calls (``run.max_requests``): its queued call cancelled by its
+    client gives its count back, so one more call of the run passes and the next is
+    refused."""
+    async with served(ids_upstream.url, ",\n      run: {max_requests: 2}") as (rt, url):
+        job = {**SESSION, "X-Run-ID": "job"}
+        async with aiohttp.ClientSession() as http:
+            first = asyncio.create_task(send(http, url, CALL, job))
+            await wait_until(lambda: ids_upstream.inflight == 1, what="call 1 upstream")
+            waiting = asyncio.create_task(send(http, url, {**CALL, "id": 2}, job))
+            await wait_until(lambda: queued(rt) == 1, what="call 2 queued")
+            assert (await send(http, url, cancel(2), job))[0] == 202
+            assert '"code":-32800' in (await waiting)[1]
+            ids_upstream.release.set()
+            await first
+            third = await send(http, url, {**CALL, "id": 3}, job)
+            fourth = await send(http, url, {**CALL, "id": 4}, job)
+        assert "done" in third[1] and "run_budget_exhausted" in fourth[1]
+        assert ids_upstream.ids == [1, 3]
+        await assert_nothing_held(rt)
