@@ -706,11 +706,12 @@ class Idempotency:
         fallback.renewer = self._background.spawn(
             _register(records, shared_key, owner, claim.fingerprint, self._lease_s, self._pause))
 
-    def _keep_marker(self, records: IdempotencyRecords, key: str,
-                     owner: str) -> asyncio.Future[None]:
-        """Renew ``owner``'s marker of ``key`` in the background until cancelled
-        (:func:`_renew`)."""
-        return self._background.spawn(_renew(records, key, owner, self._lease_s, self._pause))
+    def _keep_marker(self, records: IdempotencyRecords, key: str, owner: str,
+                     fingerprint: bytes) -> asyncio.Future[None]:
+        """Renew ``owner``'s marker of ``key`` (payload ``fingerprint``) in the background
+        until cancelled (:func:`_renew`)."""
+        return self._background.spawn(_renew(records, key, owner, fingerprint, self._lease_s,
+                                             self._pause))
 
     def _arm(self, claim: Claim) -> None:
         if self.dedup:
@@ -844,7 +845,7 @@ class Idempotency:
         elif store_key not in self._flights:
             lease.local = self._flights[store_key] = _Flight(fingerprint)
             lease.store_key = store_key
-        lease.renewer = self._keep_marker(records, shared_key, owner)
+        lease.renewer = self._keep_marker(records, shared_key, owner, fingerprint)
         claim._lease = lease
         self._arm(claim)
         return claim
@@ -870,7 +871,7 @@ class Idempotency:
         if flight is not None:
             claim.rejected = self._refuse_waiting(claim, flight.fingerprint, fingerprint,
                                                   len(flight.waiters))
-            renewer = self._keep_marker(records, shared_key, owner)
+            renewer = self._keep_marker(records, shared_key, owner, fingerprint)
             if claim.rejected is not None:
                 self._leave_to_twin(flight, records, shared_key, owner, fingerprint, renewer)
                 return claim
@@ -1154,18 +1155,27 @@ async def _register(records: IdempotencyRecords, key: str, owner: str, fingerpri
         await pause(lease_s / 3)
 
 
-async def _renew(records: IdempotencyRecords, key: str, owner: str, lease_s: float,
-                 pause: Callable[[float], Awaitable[None]]) -> None:
+async def _renew(records: IdempotencyRecords, key: str, owner: str, fingerprint: bytes,
+                 lease_s: float, pause: Callable[[float], Awaitable[None]]) -> None:
     """Keep ``owner``'s in-flight marker alive while its request runs (until cancelled),
     renewing it every third of ``lease_s``, and as soon as Redis is seen back after an
-    outage (``pause``, as for :func:`_register`)."""
+    outage (``pause``, as for :func:`_register`). A marker Redis lost meanwhile (frozen
+    past the lease, or restarted empty) is taken again while the key is free: given up, a
+    duplicate sent to another replica ran the upstream while this request still ran.
+    Once another request holds the key, or it has an answer, the renewal ends. (A take
+    that Redis runs after the request's own end wrote its answer finds that answer; one
+    after an end that kept none leaves a marker no one renews, which lapses within
+    ``lease_s``: duplicates wait that long at worst, as for a replica killed mid-call.)"""
     while True:
         await pause(lease_s / 3)
         try:
-            if not await records.renew(key, owner, lease_s):
-                return  # lapsed (Redis lost it): a twin may run now, nothing to keep
+            if await records.renew(key, owner, lease_s):
+                continue
+            begin = await records.begin(key, owner, fingerprint, lease_s)
         except StateUnavailable:
             continue  # the marker lives on for its expiry; try again next time
+        if begin.state != CLAIMED:
+            return
 
 
 def _still_in_flight(waited_s: float) -> Rejected:

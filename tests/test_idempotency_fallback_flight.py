@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 
 import aiohttp
+import pytest
 import redis.asyncio
 import yaml
 
@@ -102,25 +103,64 @@ async def test_a_key_claimed_while_redis_was_away_takes_its_marker_as_soon_as_it
     found the key free and ran the upstream a second time while the first still ran. The
     registration now tries again as soon as its replica sees Redis back."""
     a, b = await two_replicas(start_sluice, upstream, redis_server, "60s")
-    prefix = yaml.safe_load(a.config_path.read_text())["state"]["key_prefix"]
     upstream.hold = asyncio.Event()
     async with aiohttp.ClientSession() as session:
         first = await first_call_while_frozen(session, upstream, redis_server, a.url)
         await backend_up(a)
-        client = redis.asyncio.Redis.from_url(redis_server.url)
-        try:
-            async def markers() -> list[bytes]:
-                return [k async for k in client.scan_iter(match=f"{prefix}:*flight*")]
-
-            for _ in range(500):  # 10 s, half the registration's schedule
-                if await markers():
-                    break
-                await asyncio.sleep(0.02)
-            else:
-                raise AssertionError("the key took no marker once Redis answered again")
-        finally:
-            await client.aclose()
+        for _ in range(500):  # 10 s, half the registration's schedule
+            if await flight_markers(redis_server, a):
+                break
+            await asyncio.sleep(0.02)
+        else:
+            raise AssertionError("the key took no marker once Redis answered again")
         await backend_up(b)
+        duplicate = asyncio.create_task(post(session, b.url, **KEY))
+        await asyncio.sleep(0.5)  # the duplicate has had time to run upstream, had it been let
+        await ran_once(upstream, first, duplicate)
+
+
+async def flight_markers(redis_server, sluice) -> list[bytes]:
+    """The in-flight markers under ``sluice``'s key prefix in the test's own Redis."""
+    prefix = yaml.safe_load(sluice.config_path.read_text())["state"]["key_prefix"]
+    client = redis.asyncio.Redis.from_url(redis_server.url)
+    try:
+        return [k async for k in client.scan_iter(match=f"{prefix}:*flight*")]
+    finally:
+        await client.aclose()
+
+
+@pytest.mark.parametrize("outage", ["freeze", "restart"])
+async def test_a_marker_lost_while_its_call_runs_is_taken_again(
+        upstream, start_sluice, redis_server, outage):
+    """Redis frozen for longer than ``state.lease``, or restarted empty, while a keyed call
+    runs: its marker was gone, the renewal found it so and stopped, and a duplicate sent to
+    another replica once Redis answered again ran the upstream a second time while the
+    first still ran. The marker is now taken again when the key is free (a twin that took
+    it meanwhile keeps it)."""
+    a, b = await two_replicas(start_sluice, upstream, redis_server,
+                              "1s" if outage == "freeze" else "30s")
+    upstream.hold = asyncio.Event()
+    async with aiohttp.ClientSession() as session:
+        first = asyncio.create_task(post(session, a.url, **KEY))
+        await wait_for(lambda: len(upstream.requests) == 1, what="the first call upstream")
+        assert await flight_markers(redis_server, a)
+        if outage == "freeze":
+            redis_server.freeze()
+            try:
+                await asyncio.sleep(2.0)  # twice the lease: the marker lapses at the thaw
+            finally:
+                redis_server.thaw()
+        else:
+            redis_server.stop()
+            redis_server.start()  # empty, on the same port
+        await backend_up(a)
+        await backend_up(b)
+        for _ in range(250):
+            if await flight_markers(redis_server, a):
+                break
+            await asyncio.sleep(0.02)
+        else:
+            raise AssertionError("the running call's marker was not taken again")
         duplicate = asyncio.create_task(post(session, b.url, **KEY))
         await asyncio.sleep(0.5)  # the duplicate has had time to run upstream, had it been let
         await ran_once(upstream, first, duplicate)
