@@ -111,7 +111,7 @@ import logging
 import os
 import re
 from collections import deque
-from collections.abc import Awaitable, Callable, Hashable
+from collections.abc import Awaitable, Hashable
 from typing import TypeVar
 
 from aiohttp import web
@@ -482,10 +482,6 @@ class Idempotency:
         self._lease_s = backends.lease_s if backends is not None else StateBackends.lease_s
         #: Its own Redis calls that nobody awaits: shutdown waits for them.
         self._background = Background(self._backends)
-        #: The pause between a marker's renewals or registration tries (seconds given):
-        #: cut short when Redis is seen back (:meth:`StateBackends.seen_back`).
-        self._pause: Callable[[float], Awaitable[None]] = (
-            self._backends.seen_back if self._backends is not None else asyncio.sleep)
 
     def _adopt(self, config: IdempotencyConfig) -> None:
         self.mode = config.mode
@@ -704,14 +700,21 @@ class Idempotency:
         records, shared_key, owner = claim._shared
         fallback = claim._fallback = claim._flight.fallback = _Lease(records, shared_key, owner)
         fallback.renewer = self._background.spawn(
-            _register(records, shared_key, owner, claim.fingerprint, self._lease_s, self._pause))
+            _register(records, shared_key, owner, claim.fingerprint, self._lease_s,
+                      self._shared_backends))
 
     def _keep_marker(self, records: IdempotencyRecords, key: str, owner: str,
                      fingerprint: bytes) -> asyncio.Future[None]:
         """Renew ``owner``'s marker of ``key`` (payload ``fingerprint``) in the background
         until cancelled (:func:`_renew`)."""
         return self._background.spawn(_renew(records, key, owner, fingerprint, self._lease_s,
-                                             self._pause))
+                                             self._shared_backends))
+
+    @property
+    def _shared_backends(self) -> StateBackends:
+        """The Redis backends (only a shared claim's markers are kept, so there are some)."""
+        assert self._backends is not None
+        return self._backends
 
     def _arm(self, claim: Claim) -> None:
         if self.dedup:
@@ -1135,43 +1138,46 @@ def _credentials(headers: CIMultiDictProxy[str]) -> bytes:
 
 
 async def _register(records: IdempotencyRecords, key: str, owner: str, fingerprint: bytes,
-                    lease_s: float, pause: Callable[[float], Awaitable[None]]) -> None:
+                    lease_s: float, backends: StateBackends) -> None:
     """Take ``owner``'s marker for a key claimed from memory while Redis did not answer, once
     it answers, and keep it (until cancelled) every third of ``lease_s``; give up when the
     key has an answer already. Another request's marker is waited out, not given up on:
     it may be the previous holder's, whose write frees it a moment later (a key handed over
     here), or another replica's twin that ran during the outage and may end without an
-    answer, while this one still runs. ``pause(seconds)`` waits between tries, and ends
-    early when Redis is seen back: tried only on schedule, the marker came up to a third
-    of the lease after Redis answered, and a duplicate sent to another replica meanwhile
-    ran the upstream a second time."""
+    answer, while this one still runs. Between tries it waits for ``backends`` to see Redis
+    back (:meth:`StateBackends.seen_back`, then :meth:`StateBackends.paced`): tried only on
+    schedule, the marker came up to a third of the lease after Redis answered, and a
+    duplicate sent to another replica meanwhile ran the upstream a second time."""
+    woken = False
     while True:
         try:
-            begin = await records.begin(key, owner, fingerprint, lease_s)
+            async with backends.paced(woken):
+                begin = await records.begin(key, owner, fingerprint, lease_s)
             if begin.state == FINISHED:
                 return
         except StateUnavailable:
             pass
-        await pause(lease_s / 3)
+        woken = await backends.seen_back(lease_s / 3)
 
 
 async def _renew(records: IdempotencyRecords, key: str, owner: str, fingerprint: bytes,
-                 lease_s: float, pause: Callable[[float], Awaitable[None]]) -> None:
+                 lease_s: float, backends: StateBackends) -> None:
     """Keep ``owner``'s in-flight marker alive while its request runs (until cancelled),
     renewing it every third of ``lease_s``, and as soon as Redis is seen back after an
-    outage (``pause``, as for :func:`_register`). A marker Redis lost meanwhile (frozen
-    past the lease, or restarted empty) is taken again while the key is free: given up, a
+    outage (as :func:`_register` waits). A marker Redis lost meanwhile (frozen past the
+    lease, or restarted empty) is taken again while the key is free: given up, a
     duplicate sent to another replica ran the upstream while this request still ran.
     Once another request holds the key, or it has an answer, the renewal ends. (A take
     that Redis runs after the request's own end wrote its answer finds that answer; one
     after an end that kept none leaves a marker no one renews, which lapses within
     ``lease_s``: duplicates wait that long at worst, as for a replica killed mid-call.)"""
     while True:
-        await pause(lease_s / 3)
+        woken = await backends.seen_back(lease_s / 3)
         try:
-            if await records.renew(key, owner, lease_s):
-                continue
-            begin = await records.begin(key, owner, fingerprint, lease_s)
+            async with backends.paced(woken):
+                if await records.renew(key, owner, lease_s):
+                    continue
+                begin = await records.begin(key, owner, fingerprint, lease_s)
         except StateUnavailable:
             continue  # the marker lives on for its expiry; try again next time
         if begin.state != CLAIMED:

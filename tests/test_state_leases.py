@@ -4,13 +4,16 @@ a replica killed with SIGKILL (a real process) whose slots free within one lease
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import time
 
 import pytest
 
-from policies.state import StateBackends, memory_backends
+from policies.idempotency import _renew
+from policies.state import StateBackends, memory_backends, redis_backends
 from policies.state.errors import StateUnavailable
+from policies.state.idempotency import CLAIMED
 from policies.state.leases import (
     LIMIT,
     TENANT,
@@ -19,7 +22,15 @@ from policies.state.leases import (
     acquire_lease,
     wait_for_slot,
 )
-from tests.redis_servers import replica, replica_process
+from tests.redis_servers import (
+    CLIENT_TIMEOUT_S,
+    TEST_PROBE_S,
+    delete_prefix,
+    new_prefix,
+    replica,
+    replica_process,
+    require_redis,
+)
 
 
 async def test_slots_up_to_the_limit_and_the_tenant_cap_first(backends: StateBackends):
@@ -318,21 +329,83 @@ async def test_a_renewal_that_fails_is_logged_when_it_fails(caplog):
 
 
 async def test_a_pause_ends_when_redis_is_seen_back_or_at_its_timeout() -> None:
-    """``seen_back``: the pause of a write retried on a schedule (an idempotency key's marker
-    taken after an outage) ends as soon as a health listener hears Redis back, not at its
-    timeout; a pause that is cancelled or times out leaves nothing behind."""
-    backends = memory_backends()
-    paused = asyncio.create_task(backends.seen_back(3600))
-    await asyncio.sleep(0)
-    backends.wake(False, "down")  # a change to down wakes nothing
-    await asyncio.sleep(0)
-    assert not paused.done()
-    backends.wake(True)
-    await asyncio.wait_for(paused, 5)
-    await backends.seen_back(0.01)
-    cancelled = asyncio.create_task(backends.seen_back(3600))
-    await asyncio.sleep(0)
-    cancelled.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await cancelled
-    assert backends._pauses == set()
+    """``seen_back``: the pause of a write retried on a schedule (an idempotency key's marker)
+    ends as soon as a health listener hears Redis back, and says so; a pause that times
+    out says so, and one cancelled leaves nothing behind."""
+    prefix = new_prefix()
+    url = require_redis()
+    state = await redis_backends(url, prefix, CLIENT_TIMEOUT_S, probe_interval_s=TEST_PROBE_S)
+    try:
+        paused = asyncio.create_task(state.seen_back(3600))
+        await asyncio.sleep(0)
+        state.wake(False, "down")  # a change to down wakes nothing
+        await asyncio.sleep(0)
+        assert not paused.done()
+        state.wake(True)
+        assert await asyncio.wait_for(paused, 5) is True
+        assert await state.seen_back(0.01) is False
+        cancelled = asyncio.create_task(state.seen_back(3600))
+        await asyncio.sleep(0)
+        cancelled.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await cancelled
+        assert state._pauses == set()
+    finally:
+        await state.close()
+        delete_prefix(url, prefix)
+
+
+@pytest.mark.parametrize("outage", ["freeze", "restart"])
+async def test_many_markers_renewed_on_recovery_do_not_mark_redis_down_again(
+        redis_server, outage) -> None:
+    """Every running keyed call's marker renewal woken at once by Redis coming back: on the
+    pool's connections past ``state.timeout``, they marked Redis down again, and each
+    recovery woke them all once more (a hostile review: the health down in 49 of 60 looks
+    over 3 s with 150 calls, a keyed call run twice meanwhile). Now a recovery's writes go
+    :data:`~policies.state.RENEW_BATCH` at a time: Redis is marked down once, by the
+    outage, and every marker is there again (after a restart, taken again)."""
+    state = await redis_backends(redis_server.url, new_prefix(), 0.2,
+                                 probe_interval_s=TEST_PROBE_S)
+    records, lease_s = state.idempotency, 30.0
+    keys = [(f"route\0acme\0k{i}", f"owner-{i}") for i in range(600)]
+    changes: list[bool] = []
+    state.health.on_change(lambda up, _error: changes.append(up))
+    fingerprint = b"\x01" * 32
+    renewers: list[asyncio.Task[None]] = []
+    try:
+        for key, owner in keys:
+            assert (await records.begin(key, owner, fingerprint, lease_s)).state == CLAIMED
+        renewers = [asyncio.create_task(_renew(records, key, owner, fingerprint, lease_s, state))
+                    for key, owner in keys]
+        await asyncio.sleep(0.05)
+        if outage == "freeze":
+            redis_server.freeze()
+            try:
+                with pytest.raises(StateUnavailable):
+                    await records.get("a look that finds Redis frozen")
+            finally:
+                await asyncio.sleep(0.5)
+                redis_server.thaw()
+        else:
+            redis_server.stop()
+            redis_server.start()
+            with contextlib.suppress(StateUnavailable):
+                await records.get("a look that finds the connection broken")
+        client = redis_server.client()
+
+        def markers() -> int:
+            return sum(client.exists(records._keys(key)[1]) for key, _ in keys)
+
+        for _ in range(200):
+            await asyncio.sleep(0.05)
+            if state.health.up and markers() == len(keys):
+                break
+        await asyncio.sleep(1.0)  # a herd's timeouts would mark it down again by now
+        assert markers() == len(keys)
+        assert changes.count(False) <= 1, changes
+        assert state.health.up
+    finally:
+        for renewer in renewers:
+            renewer.cancel()
+        await asyncio.gather(*renewers, return_exceptions=True)
+        await state.close()
