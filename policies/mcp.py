@@ -756,7 +756,7 @@ def refusal(request_id: RequestId | None, code: int, message: str, *, reason: st
                          "error": {"code": code, "message": message, "data": payload}})
 
 
-def cancelled(request_id: RequestId) -> bytes:
+def cancelled(request_id: RequestId | None) -> bytes:
     """The JSON-RPC error body that answers a call its client cancelled before Sluice sent it
     on: code -32800 "Request cancelled", as the Python SDK 2.x server answers a call its client
     cancelled (:data:`REQUEST_CANCELLED`), with ``data.reason`` ``client_cancelled`` and
@@ -764,4 +764,3 @@ def cancelled(request_id: RequestId) -> bytes:
     return orjson.dumps({"jsonrpc": "2.0", "id": request_id, "error": {
         "code": REQUEST_CANCELLED, "message": "Request cancelled",
         "data": {"reason": "client_cancelled", "sent": False}}})
-

@@ -29,7 +29,7 @@ import policies.mcp
 from proxy import handler
 from proxy.config import parse_config
 from proxy.runtime import Runtime
-from tests import mcp_servers
+from tests import mcp_servers, test_mcp_cancels
 from tests.conftest import wait_until
 from tests.test_mcp_cancels import RecordingMcp, cancel, mcp_route
 from tests.test_mcp_left_callers import (
@@ -41,15 +41,9 @@ from tests.test_mcp_left_callers import (
 )
 
 mcp_session = mcp_servers.mcp_session
+recording = test_mcp_cancels.recording
 
 ONE_SLOT = {"limit": 1, "queue": 4, "max_wait": "30s"}
-
-
-@pytest.fixture
-async def recording() -> Any:
-    server = await RecordingMcp().start()
-    yield server
-    await server.stop()
 
 
 async def events_of(sluice: Any, kind: str, count: int) -> list[dict]:
