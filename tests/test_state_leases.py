@@ -9,9 +9,10 @@ import signal
 import time
 
 import pytest
+import redis.asyncio
 
 from policies.idempotency import _renew
-from policies.state import StateBackends, memory_backends, redis_backends
+from policies.state import RENEW_BATCH, StateBackends, memory_backends, redis_backends
 from policies.state.errors import StateUnavailable
 from policies.state.idempotency import CLAIMED
 from policies.state.leases import (
@@ -362,9 +363,9 @@ async def test_many_markers_renewed_on_recovery_do_not_mark_redis_down_again(
     pool's connections past ``state.timeout``, they marked Redis down again, and each
     recovery woke them all once more (a hostile review: the health down in 49 of 60 looks
     over 3 s with 150 calls, a keyed call run twice meanwhile). Now a recovery's writes go
-    :data:`~policies.state.RENEW_BATCH` at a time: Redis is marked down once, by the
-    outage, and every marker is there again (after a restart, taken again)."""
-    state = await redis_backends(redis_server.url, new_prefix(), 0.2,
+    :data:`~policies.state.RENEW_BATCH` at a time: next to none time out, the health stays
+    up, and every marker is there again (after a restart, taken again)."""
+    state = await redis_backends(redis_server.url, new_prefix(), 0.05,  # state.timeout's default
                                  probe_interval_s=TEST_PROBE_S)
     records, lease_s = state.idempotency, 30.0
     keys = [(f"route\0acme\0k{i}", f"owner-{i}") for i in range(600)]
@@ -372,9 +373,21 @@ async def test_many_markers_renewed_on_recovery_do_not_mark_redis_down_again(
     state.health.on_change(lambda up, _error: changes.append(up))
     fingerprint = b"\x01" * 32
     renewers: list[asyncio.Task[None]] = []
+    failed = [0]  # renewals (and takes) that Redis did not answer
+    client = redis.asyncio.Redis.from_url(redis_server.url)
     try:
         for key, owner in keys:
             assert (await records.begin(key, owner, fingerprint, lease_s)).state == CLAIMED
+        for name in ("renew", "begin"):
+            write = getattr(records, name)
+
+            async def counted(*args: object, write=write) -> object:
+                try:
+                    return await write(*args)
+                except StateUnavailable:
+                    failed[0] += 1
+                    raise
+            setattr(records, name, counted)
         renewers = [asyncio.create_task(_renew(records, key, owner, fingerprint, lease_s, state))
                     for key, owner in keys]
         await asyncio.sleep(0.05)
@@ -391,21 +404,26 @@ async def test_many_markers_renewed_on_recovery_do_not_mark_redis_down_again(
             redis_server.start()
             with contextlib.suppress(StateUnavailable):
                 await records.get("a look that finds the connection broken")
-        client = redis_server.client()
+        flights = [records._keys(key)[1] for key, _ in keys]
 
-        def markers() -> int:
-            return sum(client.exists(records._keys(key)[1]) for key, _ in keys)
+        async def markers() -> int:  # one round trip, on a client of the test's own
+            return await client.exists(*flights)
 
         for _ in range(200):
             await asyncio.sleep(0.05)
-            if state.health.up and markers() == len(keys):
+            if state.health.up and await markers() == len(keys):
                 break
         await asyncio.sleep(1.0)  # a herd's timeouts would mark it down again by now
-        assert markers() == len(keys)
-        assert changes.count(False) <= 1, changes
+        assert await markers() == len(keys)
+        # Before: hundreds of timeouts, and the health down again and again (7 times after
+        # the freeze, 198 after the restart). A loaded machine may still time out a batch.
+        print(f"{outage}: {failed[0]} renewals not answered; health {changes}")
+        assert failed[0] <= 2 * RENEW_BATCH, changes
+        assert changes.count(False) <= 2, changes
         assert state.health.up
     finally:
         for renewer in renewers:
             renewer.cancel()
         await asyncio.gather(*renewers, return_exceptions=True)
+        await client.aclose()
         await state.close()

@@ -147,9 +147,12 @@ class StateBackends:
     def wake(self, up: bool = True, _error: str | None = None) -> None:
         """A :meth:`Health.on_change` and :meth:`Health.on_reconnect` listener: once Redis is
         up again, or answers on a new connection after a broken one, wake every
-        :meth:`seen_back` waiting. (One restart is heard once per pooled connection that
-        reconnects, each waking the writes paused since: a few more renewals, paced.)"""
-        if up:
+        :meth:`seen_back` waiting. Not while Redis is still marked down (the probe's own
+        connection reconnects before the probe's answer marks it up: woken then, the writes
+        failed at once and waited a whole period more). One restart is heard once per pooled
+        connection that reconnects, each waking the writes paused since: a few more
+        renewals, paced."""
+        if up and self.health.up:
             for pause in self._pauses:
                 _end_pause(pause, True)
 
