@@ -272,8 +272,9 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
         else:
             resumes = False
     if route.protocol == "mcp":
-        if cancels is not None:
-            session = headers.get(mcp.SESSION_HEADER)
+        # A cancel without a session names nothing: its id is only its client's.
+        session = headers.get(mcp.SESSION_HEADER) if cancels is not None else None
+        if session is not None:
             waiting = _waiting_call(rt, route, tenant, session, cancels)
             if waiting is not None:
                 return _end_waiting(rt, route, *waiting, request_id, tenant, run)
@@ -755,25 +756,29 @@ def _drained(rt: Runtime, route: Route, call: Call) -> web.Response:
     return response
 
 
-def _call_to_hold(rt: Runtime, route: Route, tenant: str, session: str | None,
+def _named_by_cancel(call: Call, route: Route, tenant: str, session: str,
+                     rpc_id: mcp.RequestId) -> bool:
+    """Whether a client's ``notifications/cancelled`` of ``rpc_id`` names ``call``: an MCP
+    call of the same route, tenant and session (``Mcp-Session-Id``) with that JSON-RPC id as
+    sent (``7`` and ``"7"`` differ)."""
+    return (call.rpc_id == rpc_id and type(call.rpc_id) is type(rpc_id)
+            and call.route == route.name and call.tenant == tenant
+            and call.headers.get(mcp.SESSION_HEADER) == session)
+
+
+def _call_to_hold(rt: Runtime, route: Route, tenant: str, session: str,
                   request_id: mcp.RequestId) -> Call | None:
     """The call a client's ``notifications/cancelled`` would stop that Sluice lets run on
     instead (:func:`_hold_cancel`), or ``None`` to forward the cancel as any notification:
-    a ``tools/call`` of the same route, tenant and MCP session (``Mcp-Session-Id``; a cancel
-    without one names nothing), with JSON-RPC id ``request_id`` as sent (``7`` and ``"7"``
-    differ), whose answer is kept for its key (``dedup``), and which is still in flight
-    through Sluice with its response not come: its handler running, or being finished after
-    its caller left. Cancels are rare: a scan of the MCP calls in flight at cancel time keeps
-    this off the path of every other request."""
-    if session is None:
-        return None
-    kind = type(request_id)
+    a ``tools/call`` the cancel names (:func:`_named_by_cancel`) whose answer is kept for its
+    key (``dedup``), and which is still in flight through Sluice with its response not
+    come: its handler running, or being finished after its caller left. Cancels are rare: a
+    scan of the MCP calls in flight at cancel time keeps this off the path of every other
+    request."""
     for call in itertools.chain(rt.mcp_calls, rt.finishing.values()):
         capture = call.capture
-        if (capture is None or capture.mcp_id != request_id or type(capture.mcp_id) is not kind
-                or call.route != route.name or call.tenant != tenant
-                or call.cancelled is not None
-                or call.headers.get(mcp.SESSION_HEADER) != session):
+        if (capture is None or call.cancelled is not None
+                or not _named_by_cancel(call, route, tenant, session, request_id)):
             continue
         tracker = capture.tracker  # set once the answer began with a status that is kept
         if capture.status and (tracker is None or tracker.outcome is not None):
@@ -782,22 +787,15 @@ def _call_to_hold(rt: Runtime, route: Route, tenant: str, session: str | None,
     return None
 
 
-def _waiting_call(rt: Runtime, route: Route, tenant: str, session: str | None,
+def _waiting_call(rt: Runtime, route: Route, tenant: str, session: str,
                   rpc_id: mcp.RequestId) -> tuple[Call, asyncio.Task[Any]] | None:
     """The call a client's ``notifications/cancelled`` ends in Sluice (:func:`_end_waiting`),
-    with its handler's task, or ``None``: a call of the same route, tenant and MCP session
-    (``Mcp-Session-Id``; a cancel without one names nothing) with JSON-RPC id ``rpc_id`` as
-    sent (``7`` and ``"7"`` differ), still in admission (queued for a slot or a run's width,
-    waiting for a twin's answer or the shared state), so that the upstream has not seen it.
-    Cancels are rare: a scan of the calls in admission keeps this off the path of every
-    other request."""
-    if session is None:
-        return None
-    kind = type(rpc_id)
+    with its handler's task, or ``None``: a call the cancel names (:func:`_named_by_cancel`)
+    still in admission (queued for a slot or a run's width, waiting for a twin's answer or
+    the shared state), so that the upstream has not seen it. Cancels are rare: a scan of
+    the calls in admission keeps this off the path of every other request."""
     for call, task in rt.admitting.items():
-        if (call.rpc_id == rpc_id and type(call.rpc_id) is kind and call.route == route.name
-                and call.tenant == tenant and not task.done()
-                and call.headers.get(mcp.SESSION_HEADER) == session):
+        if not task.done() and _named_by_cancel(call, route, tenant, session, rpc_id):
             return call, task
     return None
 
