@@ -210,7 +210,8 @@ async def test_a_client_cancel_and_a_run_cancel_together_answer_the_call_once(
     await assert_all_given_back(sluice)
     # Events are written in order: once the holder's end is in the log, so is the queued
     # call's, which came before it.
-    holder_id = next(e["request_id"] for e in sluice.events() if e["event"] == "admitted")
+    # The first admitted is the holder's; the log may not have it yet (flushed every 0.2 s).
+    holder_id = (await events_of(sluice, "admitted", 1))[0]["request_id"]
     await wait_until(lambda: any(e["event"] == "completed" and e["request_id"] == holder_id
                                  for e in sluice.events()), what="the holder's end logged")
     [enqueued] = [e for e in sluice.events() if e["event"] == "enqueued"]
