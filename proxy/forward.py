@@ -133,6 +133,15 @@ def answered(request: web.BaseRequest) -> bool:
     return tracker is not None and tracker.outcome is not None
 
 
+def delivered(request: web.BaseRequest) -> bool:
+    """Whether the MCP call's response has been handed to its caller's connection: the
+    caller has its answer, and its closing the stream afterwards is no disconnect (the
+    official clients close a call's stream as soon as its response is read, while a server
+    may end it later)."""
+    tracker = request.get(MCP_ANSWER)
+    return tracker is not None and tracker.sent
+
+
 async def end_mcp_answer(request: web.BaseRequest, rejected: Rejected) -> bool:
     """End an MCP call's SSE answer, already started, with ``rejected`` as its last event
     (the JSON-RPC error for the call's id, the SSE refusal shape of docs/mcp.md) instead of
@@ -177,6 +186,9 @@ async def _relay_chunk(request: web.BaseRequest, out: web.StreamResponse, chunk:
     if not finish.left:
         try:
             await out.write(chunk)
+            tracker = request.get(MCP_ANSWER)
+            if tracker is not None and tracker.outcome is not None:
+                tracker.sent = True
             return True
         except ConnectionResetError:
             if answered(request):
@@ -217,6 +229,9 @@ class _Deadline:
         log.warning("route %s: the caller took too little of its streamed answer within "
                     "timeouts.total; its connection is cut",
                     self.call.route if self.call is not None else "?", extra=PER_CALL)
+        tracker = self.request.get(MCP_ANSWER)
+        if tracker is not None:  # what it had not taken is lost, its response maybe too
+            tracker.sent = False
         transport.abort()
 
     def cancel(self) -> None:
@@ -509,6 +524,7 @@ async def relay(
             except ConnectionResetError:
                 finish.left = True
         content = upstream.content
+        tracker = request.get(MCP_ANSWER)
         # An answer with neither Content-Length nor chunked framing ends at its connection's
         # close, and aiohttp reads a reset (the upstream died mid-answer) as that end too:
         # its protocol keeps the error that closed the connection, which tells them apart.
@@ -556,6 +572,8 @@ async def relay(
                 capture.feed(chunk)
             if finish is None:
                 await out.write(chunk)  # raises ConnectionResetError if the caller has gone
+                if tracker is not None:  # an MCP call's answer: has its response gone?
+                    tracker.sent = tracker.outcome is not None
             elif not await _relay_chunk(request, out, chunk, finish):
                 return out, outcome  # the caller has gone and the response is in
         if meter is not None and (tail := meter.finish()):
@@ -568,7 +586,6 @@ async def relay(
         # came, the Python mcp 1.x client waited for ever (a hostile trial). Not one whose
         # events had ids: that is a server's early close for polling (2025-11-25), and the
         # client resumes it with Last-Event-ID; an error then failed a call still running.
-        tracker = request.get(MCP_ANSWER)
         if (finish is None or not finish.left) and not (
                 tracker is not None and not tracker.resumable
                 and await end_mcp_answer(request, _NO_RESPONSE)):

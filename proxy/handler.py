@@ -68,6 +68,7 @@ from proxy.forward import (
     RESUMED_CALL,
     Finish,
     answered,
+    delivered,
     end_mcp_answer,
 )
 from proxy.identity import IdentityRejected, identify
@@ -404,8 +405,13 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
             return await _end_at_drain(route, call, request, finish)
         # Cancelled: by the caller leaving, or by the drain cutting what outlived it.
         if admitted_at:
-            label = "drain_cut" if rt.cutting else "client_disconnected"
-            outcome = Outcome(label, call.reached, call.status)
+            if not rt.cutting and delivered(request):
+                # An MCP call's caller that closed its stream once it had read the response
+                # (as the official clients do): answered, whatever the upstream sent after.
+                outcome = _delivered_outcome(call, admitted_at)
+            else:
+                label = "drain_cut" if rt.cutting else "client_disconnected"
+                outcome = Outcome(label, call.reached, call.status)
         elif rt.cutting:
             outcome = DRAIN_CUT
         raise
@@ -571,6 +577,15 @@ def _answer_outcome(call: Call, response: web.StreamResponse, label: str,
         return Outcome(label, call.reached, response.status, time.monotonic() - admitted_at,
                        call.answered_at - admitted_at if call.answered_at else None)
     return Outcome(label, call.reached, response.status)
+
+
+def _delivered_outcome(call: Call, admitted_at: float) -> Outcome:
+    """The outcome of an MCP call whose caller left after its response was sent
+    (:func:`proxy.forward.delivered`): the answer's status class, as if the upstream had
+    ended the stream then; its time is a sample of the service time."""
+    return Outcome(f"{call.status // 100}xx", call.reached, call.status,
+                   time.monotonic() - admitted_at,
+                   call.answered_at - admitted_at if call.answered_at else None)
 
 
 def _log_failure(route: Route, call: Call, error: BaseException) -> None:
