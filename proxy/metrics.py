@@ -279,6 +279,12 @@ class Metrics:
             "sluice_inflight_requests", "Requests admitted and not yet finished.", ["route"],
             registry=r,
         )
+        self.streams = Gauge(
+            "sluice_open_streams",
+            "MCP GET streams open (a session's stream, or a resumed answer once its response "
+            "is through): counted in sluice_inflight_requests, they hold no concurrency slot.",
+            ["route"], registry=r,
+        )
         self.buffered_bytes = Gauge(
             "sluice_buffered_request_bytes",
             "Request body bytes held now, all routes (declared by Content-Length, from a "
@@ -553,6 +559,7 @@ class Metrics:
         queued: Callable[[], float],
         limits: Callable[[], ConcurrencyLimiter] | None = None,
         stalled: Callable[[], float] | None = None,
+        streams: Callable[[], float] | None = None,
     ) -> RouteMetrics:
         """Bind every series to ``route``; the callables are read at scrape time.
 
@@ -563,6 +570,8 @@ class Metrics:
         self.queue_depth.labels(route).set_function(queued)
         if stalled is not None:
             self.stalled.labels(route).set_function(stalled)
+        if streams is not None:
+            self.streams.labels(route).set_function(streams)
         gauges = {
             self.concurrency_limit: lambda lim: lim.limit,
             self.queue_limit: lambda lim: lim.queue_capacity,

@@ -216,6 +216,7 @@ class Route:
             queued=lambda: self.concurrency.queued if self.concurrency else 0,
             limits=(lambda: self.concurrency) if self.concurrency else None,
             stalled=lambda: self.stalled(stall_after),
+            streams=lambda: self.streams_total,
         )
         _, blocks = self.config.operations()
         metrics.name_operations(self.name, blocks)

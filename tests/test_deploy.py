@@ -125,7 +125,10 @@ def test_saturation_panels_are_true_for_replicas_on_either_backend(tmp_path):
     """Two replicas of a route with concurrency.limit 4 (or 8 with Redis) and a queue of 5 each.
     With the memory backend each replica has its own limit, so together they have 8 slots;
     with Redis they share the 8. Queues are each replica's own on either backend, so the panel
-    compares the fullest one (full: pod-b refuses queue_full) with the capacity of one."""
+    compares the fullest one (full: pod-b refuses queue_full) with the capacity of one. An
+    MCP GET stream is a request in flight holding no slot: the in-flight panel leaves out
+    ``sluice_open_streams`` (pod-a has one), and still reads replicas that export no such
+    gauge (a Sluice from before it)."""
     promtool = tool("promtool")
     inflight, queue = _panel_targets("In flight vs"), _panel_targets("Queue depth vs")
     rules = {"groups": [{"name": "panels", "rules": [
@@ -135,10 +138,15 @@ def test_saturation_panels_are_true_for_replicas_on_either_backend(tmp_path):
         {"record": "panel:capacity", "expr": queue["B"]}]}]}
     (tmp_path / "panels.yaml").write_text(yaml.safe_dump(rules))
 
-    def replicas(backend: str, limit: int) -> dict:
+    def replicas(backend: str, limit: int, streams: bool) -> dict:
         series = []
         for pod, inflight_now, queued in (("pod-a", 3, 2), ("pod-b", 4, 5)):
             labels = f'instance="{pod}:9901",job="sluice"'
+            if streams:
+                open_streams = int(pod == "pod-a")
+                inflight_now += open_streams
+                series.append({"series": f'sluice_open_streams{{{labels},route="openai"}}',
+                               "values": f"{open_streams}x5"})
             series += [
                 {"series": f'sluice_state_backend_up{{{labels},backend="{backend}"}}',
                  "values": "1x5"},
@@ -157,7 +165,8 @@ def test_saturation_panels_are_true_for_replicas_on_either_backend(tmp_path):
             for name, value in expected.items()]}
 
     tests = {"rule_files": ["panels.yaml"], "evaluation_interval": "1m",
-             "tests": [replicas("memory", 4), replicas("redis", 8)]}
+             "tests": [replicas(backend, limit, streams) for backend, limit in
+                       (("memory", 4), ("redis", 8)) for streams in (True, False)]}
     (tmp_path / "panels.test.yaml").write_text(yaml.safe_dump(tests))
     run(promtool, "test", "rules", "panels.test.yaml", cwd=tmp_path)
 

@@ -92,6 +92,29 @@ async def test_get_stream_holds_no_slot_and_delete_ends_the_session(mcp_session,
     assert all(200 <= e["status"] < 300 for e in completed), completed
 
 
+async def test_get_stream_is_counted_apart_from_the_calls_in_flight(mcp_session, start_sluice,
+                                                                     tmp_path):
+    """``sluice_inflight_requests`` counts the session's GET stream, which holds no slot; a
+    dashboard of it against ``concurrency.limit`` showed 2 on a limit of 1 (a new user's
+    trial). ``sluice_open_streams`` counts the streams, so calls in flight are the
+    difference."""
+    sluice = await start_sluice({"routes": [mcp_route(
+        mcp_session, concurrency={"limit": 1, "queue": 0})]})
+    gate = tmp_path / "gate"
+    async with Client(endpoint(sluice), mode="legacy") as client:
+        await sluice.wait_metric("sluice_open_streams", 1, route="tools")
+        call = asyncio.create_task(client.call_tool("gated", {"path": str(gate)},
+                                                    read_timeout_seconds=30))
+        await sluice.wait_metric("sluice_inflight_requests", 2, route="tools")
+        assert await sluice.metric("sluice_open_streams", route="tools") == 1
+        gate.touch()
+        assert not (await call).is_error
+        await sluice.wait_metric("sluice_inflight_requests", 1, route="tools")
+        assert await sluice.metric("sluice_open_streams", route="tools") == 1
+    await sluice.wait_metric("sluice_open_streams", 0, route="tools")
+    await sluice.wait_metric("sluice_inflight_requests", 0, route="tools")
+
+
 def _stream_open(sluice: Any) -> bool:
     return any(e["event"] == "admitted" for e in sluice.events())
 
