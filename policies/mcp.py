@@ -561,9 +561,6 @@ class AnswerTracker:
         self._data: list[bytes] = []
         #: SSE: the last event id the answer set (WHATWG ``id`` field; ``b""`` for none).
         self.last_event_id = b""
-        #: The response has been handed to the caller's connection (set by whoever relays
-        #: the answer): a caller closing its stream after that has had its answer.
-        self.sent = False
 
     @property
     def resumable(self) -> bool:

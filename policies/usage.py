@@ -353,6 +353,7 @@ class Meter:
     Attributes:
         status: the upstream's status, 0 until headers arrive.
         complete: the whole answer went through (a clean end, not a cut).
+        done: an OpenAI stream's last event, ``data: [DONE]``, has been read.
         usage: as the upstream reported it so far.
         final: ``usage`` is the upstream's final count.
         streamed_tokens: estimated output tokens in the content events passed on, for a
@@ -395,6 +396,7 @@ class Meter:
     _per_event = 1
     status = 0
     complete = False
+    done = False
     _final = False
     #: The upstream reported a negative count: none of this answer's counts is final.
     _negative = False
@@ -692,6 +694,8 @@ class Meter:
             payload = b"\n".join(lines)
             buf, first, end = payload, 0, len(payload)
         if buf.find(b"{", first, first + 4) < 0:
+            if buf.find(b"[DONE]", first, first + 7) >= 0:
+                self.done = True
             return False  # [DONE], or not JSON
         at = buf.find(b'"usage"', first, end)
         if at >= 0 and buf.find(b"{", at + 7, at + 11) >= 0:

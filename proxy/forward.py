@@ -92,6 +92,8 @@ RELAYED_STREAM = web.RequestKey("sluice_relayed_stream", web.StreamResponse)
 #: The tracker of an MCP call's answer as it is relayed (set on the request by
 #: ``proxy.attempts``), which tells whether its response has been sent.
 MCP_ANSWER = web.RequestKey("sluice_mcp_answer", AnswerTracker)
+#: Set once the answer's last message has gone to the caller (:func:`delivered`).
+ANSWER_SENT = web.RequestKey("sluice_answer_sent", bool)
 #: On a GET resuming the answer of an MCP call the upstream closed early for polling (set
 #: by ``proxy.handler`` from :attr:`proxy.runtime.Runtime.polled`): ``(the call's JSON-RPC
 #: id, what to call once its response is through)``, by which ``proxy.attempts`` follows
@@ -134,12 +136,13 @@ def answered(request: web.BaseRequest) -> bool:
 
 
 def delivered(request: web.BaseRequest) -> bool:
-    """Whether the MCP call's response has been handed to its caller's connection: the
-    caller has its answer, and its closing the stream afterwards is no disconnect (the
-    official clients close a call's stream as soon as its response is read, while a server
-    may end it later)."""
-    tracker = request.get(MCP_ANSWER)
-    return tracker is not None and tracker.sent
+    """Whether the last message of the answer relayed for ``request`` (an MCP call's
+    response, an OpenAI stream's ``data: [DONE]``) has been handed to the caller's
+    connection: the caller has its answer, and its closing the stream afterwards is no
+    disconnect. The official MCP clients close a call's stream as soon as its response is
+    read, and the OpenAI Python SDK's synchronous client as soon as it reads ``[DONE]``,
+    while the upstream may end the stream a moment later."""
+    return request.get(ANSWER_SENT, False)
 
 
 async def end_mcp_answer(request: web.BaseRequest, rejected: Rejected) -> bool:
@@ -186,9 +189,8 @@ async def _relay_chunk(request: web.BaseRequest, out: web.StreamResponse, chunk:
     if not finish.left:
         try:
             await out.write(chunk)
-            tracker = request.get(MCP_ANSWER)
-            if tracker is not None and tracker.outcome is not None:
-                tracker.sent = True
+            if answered(request):
+                request[ANSWER_SENT] = True
             return True
         except ConnectionResetError:
             if answered(request):
@@ -229,9 +231,8 @@ class _Deadline:
         log.warning("route %s: the caller took too little of its streamed answer within "
                     "timeouts.total; its connection is cut",
                     self.call.route if self.call is not None else "?", extra=PER_CALL)
-        tracker = self.request.get(MCP_ANSWER)
-        if tracker is not None:  # what it had not taken is lost, its response maybe too
-            tracker.sent = False
+        # What it had not taken is lost, maybe the answer's last message too.
+        self.request.pop(ANSWER_SENT, None)
         transport.abort()
 
     def cancel(self) -> None:
@@ -572,8 +573,9 @@ async def relay(
                 capture.feed(chunk)
             if finish is None:
                 await out.write(chunk)  # raises ConnectionResetError if the caller has gone
-                if tracker is not None:  # an MCP call's answer: has its response gone?
-                    tracker.sent = tracker.outcome is not None
+                if ((tracker is not None and tracker.outcome is not None)
+                        or (meter is not None and meter.done)):
+                    request[ANSWER_SENT] = True  # the answer's last message has gone
             elif not await _relay_chunk(request, out, chunk, finish):
                 return out, outcome  # the caller has gone and the response is in
         if meter is not None and (tail := meter.finish()):
@@ -581,6 +583,8 @@ async def relay(
                 capture.feed(tail)
             if finish is None or not finish.left:
                 await out.write(tail)
+                if meter.done:
+                    request[ANSWER_SENT] = True
         # An MCP call's stream that ended without the call's response (its session deleted
         # while the tool ran) ends with the call's error as its last event: passed on as it
         # came, the Python mcp 1.x client waited for ever (a hostile trial). Not one whose

@@ -406,8 +406,8 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
         # Cancelled: by the caller leaving, or by the drain cutting what outlived it.
         if admitted_at:
             if not rt.cutting and delivered(request):
-                # An MCP call's caller that closed its stream once it had read the response
-                # (as the official clients do): answered, whatever the upstream sent after.
+                # A caller that closed the stream once it had read the answer's last message
+                # (an MCP call's response, OpenAI's [DONE]): answered, whatever came after.
                 outcome = _delivered_outcome(call, admitted_at)
             else:
                 label = "drain_cut" if rt.cutting else "client_disconnected"
@@ -580,7 +580,7 @@ def _answer_outcome(call: Call, response: web.StreamResponse, label: str,
 
 
 def _delivered_outcome(call: Call, admitted_at: float) -> Outcome:
-    """The outcome of an MCP call whose caller left after its response was sent
+    """The outcome of a call whose caller left after the answer's last message was sent
     (:func:`proxy.forward.delivered`): the answer's status class, as if the upstream had
     ended the stream then; its time is a sample of the service time."""
     return Outcome(f"{call.status // 100}xx", call.reached, call.status,

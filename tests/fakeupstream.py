@@ -74,6 +74,7 @@ class FakeUpstream:
     stream_usage: bool = True  # honour stream_options.include_usage
     hold: asyncio.Event | None = None  # when set, requests wait for it before answering
     stream_hold: asyncio.Event | None = None  # when set, streams wait for it after one event
+    done_linger: float = 0.0  # seconds an OpenAI stream stays open after its [DONE]
     requests: list[Seen] = field(default_factory=list)
     inflight: int = 0
     peak_inflight: int = 0
@@ -258,6 +259,8 @@ class FakeUpstream:
                     "model": model, "choices": [], "usage": usage}
             await response.write(f"data: {json.dumps(tail)}\n\n".encode())
         await response.write(b"data: [DONE]\n\n")
+        if self.done_linger:
+            await asyncio.sleep(self.done_linger)
         await response.write_eof()
         return response
 

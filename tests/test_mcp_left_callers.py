@@ -347,7 +347,7 @@ async def test_a_caller_leaving_before_the_response_leaves_the_call_to_finish(
 async def test_a_caller_leaving_after_the_response_is_cut_as_before(scripted, start_sluice):
     """The response has passed: nothing is left to finish, the stream is cut at once, and
     its answer is kept for the key, as before. The caller had its answer, so the call is
-    ``2xx`` (it was ``client_disconnected``: tests/test_mcp_answered_callers.py)."""
+    ``2xx`` (it was ``client_disconnected``: tests/test_answered_callers.py)."""
     scripted.mode = "sse_open"
     sluice = await start_sluice({"routes": [mcp_route(scripted.url)]})
     url = sluice.url + "/tools/mcp"

@@ -155,6 +155,31 @@ def test_openai_stream_any_split_reads_usage_and_passes_bytes(crlf):
                 meter.usage.cache_read_tokens) == (7, 3, 2)
 
 
+@pytest.mark.parametrize("strip", [False, True])
+@pytest.mark.parametrize("crlf", [False, True])
+def test_done_is_seen_once_the_done_event_has_passed_at_any_split(crlf, strip):
+    """``Meter.done`` (the relay's sign that the caller has its whole answer) turns true with
+    the chunk that ends the ``[DONE]`` event, not before, however the stream is cut."""
+    stream = OPENAI_STREAM.replace(b"\n", b"\r\n") if crlf else OPENAI_STREAM
+    ends_at = len(stream)  # the [DONE] event is the last
+    for cuts in splits(stream):
+        meter = Meter(CHAT, anthropic=False, strip_usage=strip)
+        started(meter)
+        last = 0
+        for cut in [*cuts, len(stream)]:
+            meter.chunk(stream[last:cut])
+            last = cut
+            assert meter.done is (cut == ends_at), (cuts, cut)
+    unspaced = Meter(CHAT, anthropic=False, strip_usage=False)
+    started(unspaced)
+    unspaced.chunk(b"data:[DONE]\n\n")
+    assert unspaced.done
+    content = Meter(CHAT, anthropic=False, strip_usage=False)
+    started(content)
+    content.chunk(sse(chat_chunk("[DONE]")))  # the text of a content event is no end
+    assert not content.done
+
+
 @pytest.mark.parametrize("crlf", [False, True])
 def test_strip_removes_only_the_usage_chunk_at_any_split(crlf):
     stream = sse(chat_chunk("Hello"), chat_chunk(" wor"), USAGE_CHUNK, "[DONE]", crlf=crlf)

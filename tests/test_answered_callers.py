@@ -1,15 +1,15 @@
-"""An MCP call whose caller closes its stream once it has read the response was answered.
+"""A caller that closes its stream once it has read the answer's last message was answered.
 
-The official clients read a call's SSE stream up to the call's response and then close it;
-a server may end that stream a moment later (or, as allowed, later still). When the close
-came first, Sluice counted the call ``client_disconnected`` (its handler was cancelled while
-it waited for the rest of the stream), though its caller had its answer: a second new user
-saw answered calls logged that way now and then. A dashboard or alert on callers giving up
-then counts ordinary calls.
+The official MCP clients read a call's SSE stream up to the call's response and then close
+it, and the OpenAI Python SDK's synchronous client closes a chat stream as soon as it reads
+``data: [DONE]``; the upstream may end the stream a moment later. When the close came first,
+Sluice counted the call ``client_disconnected`` (its handler was cancelled while it waited for
+the rest of the stream), though its caller had its answer: a new user saw answered MCP calls
+logged that way now and then, and a dashboard or alert on callers giving up counted them.
 
-The scripted upstream here sends the response and holds the stream open, so the close always
-comes first. The call now ends with its answer's status class (``2xx``); a caller that leaves
-before the response, or whose last write failed, is still ``client_disconnected``.
+The upstreams here send the last message and hold the stream open, so the close always comes
+first. The call now ends with its answer's status class (``2xx``); a caller that leaves
+before the last message, or whose last write failed, is still ``client_disconnected``.
 """
 
 from __future__ import annotations
@@ -20,11 +20,13 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import openai
 import pytest
 from aiohttp import web
 from mcp import Client
 
 from tests.conftest import wait_until
+from tests.fakeupstream import FakeUpstream
 from tests.test_mcp_left_callers import (
     CALL,
     HEADERS,
@@ -157,3 +159,65 @@ async def test_raw_caller_reading_the_response_then_closing(holding, start_sluic
     [completed] = await the_calls_ended(sluice, holding, 1)
     assert completed["outcome"] == "2xx"
     await assert_all_given_back(sluice)
+
+
+# -- OpenAI streams: the synchronous client closes at [DONE] ------------------------------------
+
+
+def openai_route(upstream: FakeUpstream) -> dict:
+    return {"name": "openai", "path_prefix": "/openai/", "upstream": upstream.url,
+            "protocol": "openai"}
+
+
+def stream_chat_sync(base_url: str) -> str:
+    """One streamed chat completion through the OpenAI SDK's synchronous client (it breaks
+    out of the stream at ``[DONE]`` and closes the response); the text it read."""
+    client = openai.OpenAI(base_url=base_url, api_key="sk-test", max_retries=0)
+    try:
+        stream = client.chat.completions.create(
+            model="gpt-test", messages=[{"role": "user", "content": "hi"}], stream=True,
+            stream_options={"include_usage": True})
+        return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    finally:
+        client.close()
+
+
+async def chat_ends(sluice: Any, count: int) -> list[dict]:
+    def ends() -> list[dict]:
+        return [e for e in sluice.events() if e["event"] == "completed"]
+
+    await wait_until(lambda: len(ends()) >= count, what=f"{count} completed call(s)")
+    return ends()
+
+
+async def test_openai_sync_client_closing_at_done_is_answered(upstream, start_sluice):
+    """The upstream holds the stream open 5 s after ``[DONE]``. Before: every call
+    ``client_disconnected`` (10 of 10 in a trial at a 10 ms linger)."""
+    upstream.done_linger = 5.0
+    sluice = await start_sluice({"routes": [openai_route(upstream)]})
+    for _ in range(3):
+        text = await asyncio.to_thread(stream_chat_sync, sluice.url + "/openai/v1")
+        assert text.startswith("tok0 ")
+    ends = await chat_ends(sluice, 3)
+    assert [(e["outcome"], e["status"], e["usage"]) for e in ends] == [("2xx", 200,
+                                                                         "reported")] * 3
+    assert await sluice.metric("sluice_requests_total", route="openai",
+                               outcome="client_disconnected") == 0
+    await sluice.wait_metric("sluice_inflight_requests", 0, route="openai")
+
+
+async def test_an_openai_caller_leaving_before_done_is_still_client_disconnected(
+        upstream, start_sluice):
+    """A caller that leaves mid-stream, before ``[DONE]``, did not get its answer."""
+    upstream.stream_hold = asyncio.Event()
+    sluice = await start_sluice({"routes": [openai_route(upstream)]})
+    async with aiohttp.ClientSession() as http:
+        async with http.post(sluice.url + "/openai/v1/chat/completions", json={
+                "model": "gpt-test", "stream": True,
+                "messages": [{"role": "user", "content": "hi"}]}) as r:
+            await asyncio.wait_for(r.content.readuntil(b"\n\n"), 10)
+            r.close()
+    [end] = await chat_ends(sluice, 1)
+    upstream.stream_hold.set()
+    assert end["outcome"] == "client_disconnected"
+    await sluice.wait_metric("sluice_inflight_requests", 0, route="openai")
