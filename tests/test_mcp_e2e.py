@@ -19,11 +19,13 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
+from aiohttp import web
 from mcp import Client, MCPError
 
 from tests import mcp_servers
-from tests.conftest import REPO, wait_until
+from tests.conftest import REPO, serve_app, wait_until
 from tests.mcp_servers import McpServer
+from tests.test_reload import rewrite
 
 # The server fixtures, for this module's tests.
 mcp_session = mcp_servers.mcp_session
@@ -113,6 +115,73 @@ async def test_get_stream_is_counted_apart_from_the_calls_in_flight(mcp_session,
         assert await sluice.metric("sluice_open_streams", route="tools") == 1
     await sluice.wait_metric("sluice_open_streams", 0, route="tools")
     await sluice.wait_metric("sluice_inflight_requests", 0, route="tools")
+
+
+async def test_open_streams_gauge_across_reloads_and_the_routes_removal(start_sluice):
+    """From a review of the gauge: it follows streams admitted before a reload (the route
+    object replaced), drops with a removed route, never goes negative for a route re-added
+    while the removed one's streams are open, and is back at 0 when they close."""
+    held, opened = asyncio.Event(), []
+
+    async def get(request: web.Request) -> web.StreamResponse:
+        opened.append(1)
+        try:
+            out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await out.prepare(request)
+            await out.write(b": open\n\n")
+            await held.wait()
+            await out.write_eof()
+            return out
+        finally:
+            opened.pop()
+
+    app = web.Application()
+    app.router.add_get("/mcp", get)
+    runner, port = await serve_app(app, handler_cancellation=True)
+
+    def tools(name: str = "tools", limit: int = 1) -> dict:
+        return {"name": name, "path_prefix": f"/{name}/", "upstream": f"http://127.0.0.1:{port}",
+                "protocol": "mcp", "concurrency": {"limit": limit}}
+
+    async def reloaded(count: int) -> None:
+        await wait_until(lambda: sluice.stderr().count("config reloaded") >= count,
+                         what=f"reload {count}")
+
+    try:
+        sluice = await start_sluice({"routes": [tools()]})
+        url = sluice.url + "/tools/mcp"
+        async with aiohttp.ClientSession() as http:
+            async def stream(**headers: str) -> aiohttp.ClientResponse:
+                r = await http.get(url, headers={"Accept": "text/event-stream",
+                                                 "Mcp-Session-Id": "s-1", **headers})
+                await asyncio.wait_for(r.content.readuntil(b"\n\n"), 10)
+                return r
+
+            first, resumed = await stream(), await stream(**{"Last-Event-ID": "3"})
+            await sluice.wait_metric("sluice_open_streams", 2, route="tools")
+            assert await sluice.metric("sluice_inflight_requests", route="tools") == 2
+            rewrite(sluice.config_path, lambda d: d["routes"].__setitem__(0, tools(limit=3)))
+            await reloaded(1)
+            third = await stream()
+            await sluice.wait_metric("sluice_open_streams", 3, route="tools")
+            first.close()
+            await sluice.wait_metric("sluice_open_streams", 2, route="tools")
+            rewrite(sluice.config_path, lambda d: d["routes"].__setitem__(0, tools("other")))
+            await reloaded(2)
+            assert ("sluice_open_streams", (("route", "tools"),)) not in await sluice.metrics()
+            rewrite(sluice.config_path, lambda d: d["routes"].append(tools()))
+            await reloaded(3)
+            gauge = await sluice.metric("sluice_open_streams", route="tools")
+            inflight = await sluice.metric("sluice_inflight_requests", route="tools")
+            assert 0 <= gauge <= inflight
+            resumed.close()
+            third.close()
+            await wait_until(lambda: not opened, what="the upstream's streams closed")
+        await sluice.wait_metric("sluice_open_streams", 0, route="tools")
+        await sluice.wait_metric("sluice_inflight_requests", 0, route="tools")
+    finally:
+        held.set()
+        await runner.cleanup()
 
 
 def _stream_open(sluice: Any) -> bool:
