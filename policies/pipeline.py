@@ -52,8 +52,9 @@ class Call:
         call as a deadline does), parent_run (the parent run named by the caller,
         ``None`` for none), operation (the tool, endpoint or model a per-operation policy
         keys on; ``None`` for none), client_retry (the caller's SDK says this request is its
-        own retry: ``x-stainless-retry-count`` > 0), rpc_id (an MCP call's JSON-RPC id as
-        sent, ``None`` for anything else), received_at (monotonic seconds).
+        own retry: ``x-stainless-retry-count`` > 0), rpc_id (the JSON-RPC id of an MCP
+        POST's one request as sent, ``None`` for anything else), received_at (monotonic
+        seconds).
 
     Left by policies for the request path:
         idempotency_key: the key, for events; upstream_key: the ``Idempotency-Key`` value to

@@ -203,7 +203,10 @@ async def forward(request: web.BaseRequest, rt: Runtime, route: Route, call: Cal
             call.status = response.status
             call.progress_at = time.monotonic()
             capture = call.capture
-            if tries.pending is not None or (route.protocol == "mcp" and traffic == "call"):
+            if tries.pending is not None or (route.protocol == "mcp" and (
+                    traffic == "call" or (traffic == "control" and call.rpc_id is not None))):
+                # A call's answer, or a control request's (initialize, tools/list): followed
+                # to its response, which tells when the caller has it (forward.delivered).
                 # ``""`` is an id as ``0`` is: ``or 0`` took it for none, so the response
                 # was never seen and a made-up error for request 0 ended the stream.
                 rpc_id = jsonrpc_id(route.protocol, call.body)

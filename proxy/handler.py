@@ -110,8 +110,8 @@ def _mcp_traffic(request: web.BaseRequest, body: bytes
                             mcp.RequestId | None]:
     """The traffic class of a request on an ``mcp`` route, its operation (the tool of a
     ``tools/call``, else ``None``), the request id a ``notifications/cancelled`` names
-    (else ``None``), whether it opens a session (``initialize``), and the JSON-RPC id of a
-    call (``None`` for other traffic).
+    (else ``None``), whether it opens a session (``initialize``), and the JSON-RPC id of
+    its one request (``None`` for a notification, a response or a batch).
 
     Raises:
         mcp.InvalidMcpRequest: a POST body that is not MCP, or an ``Mcp-Method`` /
@@ -132,11 +132,11 @@ def _mcp_traffic(request: web.BaseRequest, body: bytes
             "a JSON-RPC batch holding a call (e.g. tools/call): send each call in its own "
             "POST, so that it is limited, keyed and retried as one call")
     traffic = mcp.traffic("POST", post)
+    request_message = post.request
+    rpc_id = request_message.id if request_message is not None else None
     if traffic != "control":
-        request_message = post.request
-        return (traffic, post.tool, None, False,
-                request_message.id if request_message is not None else None)
-    return traffic, post.tool, post.cancels, post.opens_session, None
+        return traffic, post.tool, None, False, rpc_id
+    return traffic, post.tool, post.cancels, post.opens_session, rpc_id
 
 
 async def handle(rt: Runtime, request: web.BaseRequest, held: int = 0
@@ -405,9 +405,12 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
             return await _end_at_drain(route, call, request, finish)
         # Cancelled: by the caller leaving, or by the drain cutting what outlived it.
         if admitted_at:
-            if not rt.cutting and delivered(request):
+            if not rt.cutting and (delivered(request) or (
+                    presence.stream and call.phase == "answering")):
                 # A caller that closed the stream once it had read the answer's last message
                 # (an MCP call's response, OpenAI's [DONE]): answered, whatever came after.
+                # Or an MCP GET stream its client closed (a session's ends so, at every
+                # close) once it was under way: such a stream has no end of its own.
                 outcome = _delivered_outcome(call, admitted_at)
             else:
                 label = "drain_cut" if rt.cutting else "client_disconnected"

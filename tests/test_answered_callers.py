@@ -15,6 +15,7 @@ before the last message, or whose last write failed, is still ``client_disconnec
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,8 @@ import pytest
 from aiohttp import web
 from mcp import Client
 
-from tests.conftest import wait_until
+from tests import mcp_servers
+from tests.conftest import serve_app, wait_until
 from tests.fakeupstream import FakeUpstream
 from tests.test_mcp_left_callers import (
     CALL,
@@ -38,10 +40,17 @@ from tests.test_mcp_left_callers import (
 )
 from tests.test_operations import MCP1_PYTHON, run_mcp1
 
+mcp_session = mcp_servers.mcp_session
+
 
 class HandshakingMcp(ScriptedMcp):
     """:class:`ScriptedMcp` that also answers the handshake and ``tools/list`` of the
-    official clients (one tool, ``deliver``), so that they can call its tool."""
+    official clients (one tool, ``deliver``), so that they can call its tool. With
+    ``sse_initialize``, ``initialize`` is answered on an SSE stream held open after the
+    response, as ``sse_open`` holds a call's (``initialize_cut`` counts those Sluice cut)."""
+
+    sse_initialize = False
+    initialize_cut = 0
 
     async def _post(self, request: web.Request) -> web.StreamResponse:
         message = await request.json()  # aiohttp keeps the body: the parent reads it again
@@ -49,11 +58,23 @@ class HandshakingMcp(ScriptedMcp):
         if "id" not in message:  # a notification
             return web.Response(status=202)
         if method == "initialize":
-            return web.json_response({"jsonrpc": "2.0", "id": message["id"], "result": {
+            answer = {"jsonrpc": "2.0", "id": message["id"], "result": {
                 "protocolVersion": message["params"]["protocolVersion"],
                 "capabilities": {"tools": {}},
-                "serverInfo": {"name": "scripted", "version": "1"}}},
-                headers={"Mcp-Session-Id": "s-1"})
+                "serverInfo": {"name": "scripted", "version": "1"}}}
+            if not self.sse_initialize:
+                return web.json_response(answer, headers={"Mcp-Session-Id": "s-1"})
+            out = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                              "Mcp-Session-Id": "s-1"})
+            await out.prepare(request)
+            await out.write(b"event: message\ndata: " + json.dumps(answer).encode() + b"\n\n")
+            try:
+                await self.release.wait()
+            except asyncio.CancelledError:
+                self.initialize_cut += 1
+                raise
+            await out.write_eof()
+            return out
         if method == "tools/list":
             return web.json_response({"jsonrpc": "2.0", "id": message["id"], "result": {
                 "tools": [{"name": "deliver", "inputSchema": {"type": "object"}}]}})
@@ -159,6 +180,79 @@ async def test_raw_caller_reading_the_response_then_closing(holding, start_sluic
     [completed] = await the_calls_ended(sluice, holding, 1)
     assert completed["outcome"] == "2xx"
     await assert_all_given_back(sluice)
+
+
+async def test_a_control_request_closed_after_its_response_is_answered(holding, start_sluice):
+    """``initialize`` answered on an SSE stream the server holds open: the client reads the
+    response and closes it. Before: that request was ``client_disconnected`` (the tracker
+    that sees a response followed calls only)."""
+    holding.sse_initialize = True
+    sluice = await start_sluice({"routes": [mcp_route(holding.url,
+                                                      idempotency={"mode": "forward"})]})
+    async with Client(sluice.url + "/tools/mcp", mode="legacy") as client:
+        result = await client.call_tool("deliver", {"to": "ops"}, read_timeout_seconds=30)
+        assert result.content[0].text == "done #1"
+        await wait_until(lambda: holding.initialize_cut == 1, what="initialize's stream cut")
+    await sluice.wait_metric("sluice_inflight_requests", 0, route="tools")
+    await wait_until(lambda: any(e["event"] == "completed" and e.get("operation") == "deliver"
+                                 for e in sluice.events()), what="the call's end logged")
+    ends = [e for e in sluice.events() if e["event"] == "completed"]
+    first = next(e["request_id"] for e in sluice.events() if e["event"] == "admitted")
+    assert [e["outcome"] for e in ends if e["request_id"] == first] == ["2xx"]  # initialize
+    # (The upstream answers the client's GET stream and DELETE 405: 4xx.)
+    assert "client_disconnected" not in {e["outcome"] for e in ends}, ends
+
+
+async def test_a_sessions_get_stream_closed_by_its_client_ends_2xx(mcp_session, start_sluice):
+    """A 2025 client (the 2.x client in legacy mode) opens its session's GET stream and
+    closes it when the session closes: the stream's normal end, as it has no end of its own.
+    Before: one ``client_disconnected`` per session (a new user's trial: 21 of 21)."""
+    sluice = await start_sluice({"routes": [mcp_route(mcp_session.base_url,
+                                                      idempotency={"mode": "forward"})]})
+    for _ in range(2):
+        async with Client(sluice.url + "/tools/mcp", mode="legacy") as client:
+            await sluice.wait_metric("sluice_open_streams", 1, route="tools")
+            assert (await client.call_tool("add", {"a": 2, "b": 3})).content[0].text == "5"
+        await sluice.wait_metric("sluice_open_streams", 0, route="tools")
+    await sluice.wait_metric("sluice_inflight_requests", 0, route="tools")
+
+    def ends() -> list[dict]:
+        return [e for e in sluice.events() if e["event"] == "completed"]
+
+    # initialize, initialized, the GET stream, the call, DELETE (and any tools/list): each
+    # session's GET stream is among them, the last to end.
+    await wait_until(lambda: len(ends()) >= 10, what="both sessions' ends logged")
+    assert {e["outcome"] for e in ends()} == {"2xx"}, ends()
+    assert await sluice.metric("sluice_requests_total", route="tools",
+                               outcome="client_disconnected") == 0
+
+
+async def test_a_get_stream_left_before_the_upstream_answered_is_client_disconnected(
+        start_sluice):
+    """A GET stream whose client leaves before the upstream's head came never started."""
+    held = asyncio.Event()
+
+    async def get(request: web.Request) -> web.StreamResponse:
+        await held.wait()
+        return web.Response(status=405)
+
+    app = web.Application()
+    app.router.add_get("/mcp", get)
+    runner, port = await serve_app(app, handler_cancellation=True)
+    try:
+        sluice = await start_sluice({"routes": [mcp_route(f"http://127.0.0.1:{port}")]})
+        async with aiohttp.ClientSession() as http:
+            request = asyncio.create_task(http.get(
+                sluice.url + "/tools/mcp", headers={"Accept": "text/event-stream",
+                                                    "Mcp-Session-Id": "s-1"}))
+            await sluice.wait_metric("sluice_open_streams", 1, route="tools")
+            request.cancel()
+        await sluice.wait_metric("sluice_open_streams", 0, route="tools")
+        [end] = await completed_events(sluice, 1)
+        assert end["outcome"] == "client_disconnected"
+    finally:
+        held.set()
+        await runner.cleanup()
 
 
 # -- OpenAI streams: the synchronous client closes at [DONE] ------------------------------------
