@@ -406,6 +406,7 @@ class Route:
             "upstream": self.upstream_base,
             "protocol": self.protocol,
             "inflight": self.inflight_total,
+            "open_streams": self.streams_total,
         }
         for name in self.POLICIES:
             policy = getattr(self, name)

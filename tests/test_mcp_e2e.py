@@ -109,6 +109,11 @@ async def test_get_stream_is_counted_apart_from_the_calls_in_flight(mcp_session,
                                                     read_timeout_seconds=30))
         await sluice.wait_metric("sluice_inflight_requests", 2, route="tools")
         assert await sluice.metric("sluice_open_streams", route="tools") == 1
+        async with aiohttp.ClientSession() as http, \
+                http.get(sluice.admin_url + "/admin/routes") as r:
+            [tools] = (await r.json())["routes"]
+        assert (tools["inflight"], tools["open_streams"],
+                tools["concurrency"]["inflight"]) == (2, 1, 1)
         gate.touch()
         assert not (await call).is_error
         await sluice.wait_metric("sluice_inflight_requests", 1, route="tools")
