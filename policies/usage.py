@@ -694,8 +694,8 @@ class Meter:
             payload = b"\n".join(lines)
             buf, first, end = payload, 0, len(payload)
         if buf.find(b"{", first, first + 4) < 0:
-            if buf.find(b"[DONE]", first, first + 7) >= 0:
-                self.done = True
+            if buf.startswith(b" [DONE]", first) or buf.startswith(b"[DONE]", first):
+                self.done = True  # as the SDK reads it: data, less one leading space
             return False  # [DONE], or not JSON
         at = buf.find(b'"usage"', first, end)
         if at >= 0 and buf.find(b"{", at + 7, at + 11) >= 0:

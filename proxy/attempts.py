@@ -51,7 +51,13 @@ from policies import breaker as brk
 from policies.deadletter import Attempt, DeadLetter, redact, redact_path
 from policies.idempotency import key_origin
 from policies.logs import PER_CALL
-from policies.mcp import LAST_EVENT_ID_HEADER, SESSION_HEADER, AnswerTracker, Traffic
+from policies.mcp import (
+    LAST_EVENT_ID_HEADER,
+    SESSION_HEADER,
+    AnswerTracker,
+    Traffic,
+    is_sse,
+)
 from policies.operations import Plan
 from policies.pipeline import Call
 from policies.reasons import Reason, Rejected
@@ -204,9 +210,12 @@ async def forward(request: web.BaseRequest, rt: Runtime, route: Route, call: Cal
             call.progress_at = time.monotonic()
             capture = call.capture
             if tries.pending is not None or (route.protocol == "mcp" and (
-                    traffic == "call" or (traffic == "control" and call.rpc_id is not None))):
-                # A call's answer, or a control request's (initialize, tools/list): followed
-                # to its response, which tells when the caller has it (forward.delivered).
+                    traffic == "call" or (traffic == "control" and call.rpc_id is not None
+                                          and is_sse(response.headers.get("Content-Type"))))):
+                # A call's answer, or a control request's on a stream (initialize,
+                # tools/list): followed to its response, which tells when the caller has it
+                # (forward.delivered). Not a control request's JSON answer: complete only at
+                # its end, it would tell nothing, and be held whole for nothing.
                 # ``""`` is an id as ``0`` is: ``or 0`` took it for none, so the response
                 # was never seen and a made-up error for request 0 ended the stream.
                 rpc_id = jsonrpc_id(route.protocol, call.body)
@@ -224,6 +233,7 @@ async def forward(request: web.BaseRequest, rt: Runtime, route: Route, call: Cal
                 tries.tracker = AnswerTracker(response.headers.get("Content-Type"), resumed[0])
                 tries.tracker.last_event_id = request.headers.get(
                     LAST_EVENT_ID_HEADER, "").encode("utf-8", "surrogateescape")
+                request[fwd.RESUMED_ANSWER] = tries.tracker
                 capture = _Answered(capture, tries.tracker, resumed[1])
             total, sent_at = timeout.total, call.sent_at
             try:

@@ -89,11 +89,14 @@ _BAD_HEADER = "a response header has control characters"
 #: The streamed answer being relayed to the caller, once its status line is out (set on the
 #: request, so a call ended mid-answer can still finish it: ``proxy.handler``).
 RELAYED_STREAM = web.RequestKey("sluice_relayed_stream", web.StreamResponse)
-#: The tracker of an MCP call's answer as it is relayed (set on the request by
-#: ``proxy.attempts``), which tells whether its response has been sent.
+#: The tracker of an MCP request's answer (a call's, or a control request's with an id) as
+#: it is relayed (set on the request by ``proxy.attempts``): whether its response has come.
 MCP_ANSWER = web.RequestKey("sluice_mcp_answer", AnswerTracker)
 #: Set once the answer's last message has gone to the caller (:func:`delivered`).
 ANSWER_SENT = web.RequestKey("sluice_answer_sent", bool)
+#: The tracker of a call's answer resumed on a GET (set by ``proxy.attempts``), read only to
+#: see when its response has gone to the caller (:data:`ANSWER_SENT`).
+RESUMED_ANSWER = web.RequestKey("sluice_resumed_answer", AnswerTracker)
 #: On a GET resuming the answer of an MCP call the upstream closed early for polling (set
 #: by ``proxy.handler`` from :attr:`proxy.runtime.Runtime.polled`): ``(the call's JSON-RPC
 #: id, what to call once its response is through)``, by which ``proxy.attempts`` follows
@@ -136,12 +139,13 @@ def answered(request: web.BaseRequest) -> bool:
 
 
 def delivered(request: web.BaseRequest) -> bool:
-    """Whether the last message of the answer relayed for ``request`` (an MCP call's
+    """Whether the last message of the answer relayed for ``request`` (an MCP request's
     response, an OpenAI stream's ``data: [DONE]``) has been handed to the caller's
-    connection: the caller has its answer, and its closing the stream afterwards is no
-    disconnect. The official MCP clients close a call's stream as soon as its response is
-    read, and the OpenAI Python SDK's synchronous client as soon as it reads ``[DONE]``,
-    while the upstream may end the stream a moment later."""
+    connection (its send buffer: what the caller read is not known): the caller has its
+    answer, and its closing the stream afterwards is no disconnect. The official MCP
+    clients close a request's stream as soon as its response is read, and the OpenAI Python
+    SDK's synchronous client as soon as it reads ``[DONE]``, while the upstream may end the
+    stream a moment later."""
     return request.get(ANSWER_SENT, False)
 
 
@@ -526,6 +530,8 @@ async def relay(
                 finish.left = True
         content = upstream.content
         tracker = request.get(MCP_ANSWER)
+        # What tells when the answer's last message has gone (a meter, for [DONE], too).
+        last = tracker if tracker is not None else request.get(RESUMED_ANSWER)
         # An answer with neither Content-Length nor chunked framing ends at its connection's
         # close, and aiohttp reads a reset (the upstream died mid-answer) as that end too:
         # its protocol keeps the error that closed the connection, which tells them apart.
@@ -573,7 +579,7 @@ async def relay(
                 capture.feed(chunk)
             if finish is None:
                 await out.write(chunk)  # raises ConnectionResetError if the caller has gone
-                if ((tracker is not None and tracker.outcome is not None)
+                if ((last is not None and last.outcome is not None)
                         or (meter is not None and meter.done)):
                     request[ANSWER_SENT] = True  # the answer's last message has gone
             elif not await _relay_chunk(request, out, chunk, finish):

@@ -406,11 +406,13 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
         # Cancelled: by the caller leaving, or by the drain cutting what outlived it.
         if admitted_at:
             if not rt.cutting and (delivered(request) or (
-                    presence.stream and call.phase == "answering")):
+                    presence.stream and call.phase == "answering"
+                    and RESUMED_CALL not in request)):
                 # A caller that closed the stream once it had read the answer's last message
-                # (an MCP call's response, OpenAI's [DONE]): answered, whatever came after.
-                # Or an MCP GET stream its client closed (a session's ends so, at every
-                # close) once it was under way: such a stream has no end of its own.
+                # (an MCP request's response, OpenAI's [DONE]): answered, whatever came
+                # after. Or an MCP session's GET stream its client closed (at every session's
+                # close) once under way: it has no end of its own. (A GET resuming a call's
+                # answer ends with that call's response: delivered() tells.)
                 outcome = _delivered_outcome(call, admitted_at)
             else:
                 label = "drain_cut" if rt.cutting else "client_disconnected"

@@ -26,6 +26,8 @@ import pytest
 from aiohttp import web
 from mcp import Client
 
+from proxy.config import parse_config
+from proxy.runtime import Runtime
 from tests import mcp_servers
 from tests.conftest import serve_app, wait_until
 from tests.fakeupstream import FakeUpstream
@@ -37,6 +39,7 @@ from tests.test_mcp_left_callers import (
     completed_events,
     leave_a_call,
     mcp_route,
+    serve_in_process,
 )
 from tests.test_operations import MCP1_PYTHON, run_mcp1
 
@@ -253,6 +256,97 @@ async def test_a_get_stream_left_before_the_upstream_answered_is_client_disconne
     finally:
         held.set()
         await runner.cleanup()
+
+
+class PollingMcp:
+    """An MCP endpoint that closes each POST's answer early for polling (one priming event
+    with an id, no response) and gives the response on the GET resuming it with
+    ``Last-Event-ID``, once ``answer`` is set, holding that GET open until ``end`` is."""
+
+    def __init__(self) -> None:
+        self.answer, self.end = asyncio.Event(), asyncio.Event()
+        self.pending: dict[str, Any] = {}
+        self.url = ""
+
+    async def post(self, request: web.Request) -> web.StreamResponse:
+        message = await request.json()
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        self.pending[f"ev-{message['id']}"] = message["id"]
+        await out.write(f"id: ev-{message['id']}\ndata: \n\n".encode())
+        await out.write_eof()
+        return out
+
+    async def get(self, request: web.Request) -> web.StreamResponse:
+        last = request.headers.get("Last-Event-ID", "")
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        if last in self.pending:
+            await self.answer.wait()
+            body = {"jsonrpc": "2.0", "id": self.pending[last], "result": {"content": []}}
+            await out.write(f"id: {last}-r\ndata: {json.dumps(body)}\n\n".encode())
+        await self.end.wait()
+        await out.write_eof()
+        return out
+
+
+@pytest.fixture
+async def polling() -> AsyncIterator[PollingMcp]:
+    server = PollingMcp()
+    app = web.Application()
+    app.router.add_post("/mcp", server.post)
+    app.router.add_get("/mcp", server.get)
+    runner, port = await serve_app(app, handler_cancellation=True)
+    server.url = f"http://127.0.0.1:{port}"
+    yield server
+    server.answer.set()
+    server.end.set()
+    await runner.cleanup()
+
+
+@pytest.mark.parametrize("write_fails", [False, True])
+async def test_a_get_resuming_a_calls_answer_ends_with_that_calls_response(
+        polling, monkeypatch, write_fails):
+    """A GET resuming a call's answer closed early for polling: closed by its client after
+    the response, ``2xx``; when the write carrying the response fails (the client gone),
+    ``client_disconnected`` (from a review: the GET counted ``2xx`` there, as it was marked a
+    finished stream before the write)."""
+    runtime = Runtime(parse_config(
+        "routes:\n"
+        f"  - {{name: tools, path_prefix: /tools/, upstream: '{polling.url}', "
+        "protocol: mcp}\n"))
+    await runtime.open()
+    runner, url = await serve_in_process(runtime)
+    real_write = web.StreamResponse.write
+
+    async def write(self: web.StreamResponse, data: bytes) -> None:
+        if (write_fails and self._req is not None and self._req.method == "GET"
+                and b'"result"' in bytes(data) and self._req.path.startswith("/tools/")):
+            raise ConnectionResetError("the caller has gone")
+        return await real_write(self, data)
+
+    def outcome(label: str) -> float | None:
+        return runtime.metrics.registry.get_sample_value(
+            "sluice_requests_total", {"route": "tools", "outcome": label})
+
+    try:
+        async with aiohttp.ClientSession() as http:
+            async with http.post(url, json=CALL, headers=HEADERS) as r:
+                assert await r.read() == b"id: ev-1\ndata: \n\n"  # closed early
+            monkeypatch.setattr(web.StreamResponse, "write", write)
+            polling.answer.set()
+            async with http.get(url, headers={"Accept": "text/event-stream",
+                                              "Last-Event-ID": "ev-1"}) as r:
+                if not write_fails:
+                    event = await asyncio.wait_for(r.content.readuntil(b"\n\n"), 10)
+                    assert b'"result"' in event
+        [tools] = runtime.routes
+        await wait_until(lambda: tools.inflight == 0, what="both requests' ends")
+        assert outcome("2xx") == (1 if write_fails else 2)  # the POST, and the GET?
+        assert outcome("client_disconnected") == (1 if write_fails else 0)
+    finally:
+        await runner.cleanup()
+        await runtime.close()
 
 
 # -- OpenAI streams: the synchronous client closes at [DONE] ------------------------------------

@@ -177,6 +177,7 @@ def test_done_is_seen_once_the_done_event_has_passed_at_any_split(crlf, strip):
     content = Meter(CHAT, anthropic=False, strip_usage=False)
     started(content)
     content.chunk(sse(chat_chunk("[DONE]")))  # the text of a content event is no end
+    content.chunk(b'data:"[DONE]"\n\n')  # nor a JSON string (the SDK reads it as data)
     assert not content.done
 
 
