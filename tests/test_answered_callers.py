@@ -9,7 +9,10 @@ logged that way now and then, and a dashboard or alert on callers giving up coun
 
 The upstreams here send the last message and hold the stream open, so the close always comes
 first. The call now ends with its answer's status class (``2xx``); a caller that leaves
-before the last message, or whose last write failed, is still ``client_disconnected``.
+before the last message, or whose last write failed, is still ``client_disconnected``. So do
+an MCP control request answered on a stream (``initialize``), a GET resuming a call's answer
+(with that call's response), and a session's GET stream, which has no end of its own and is
+closed by its client at every session's close.
 """
 
 from __future__ import annotations
