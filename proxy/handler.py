@@ -65,6 +65,7 @@ from proxy import attempts
 from proxy.edge import BODY_CUT
 from proxy.forward import (
     RELAYED_STREAM,
+    RESUMED_ANSWER,
     RESUMED_CALL,
     Finish,
     answered,
@@ -432,6 +433,8 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
         return render(error, route.protocol, jsonrpc_id(route.protocol, call.body))
     finally:
         rt.mcp_calls.pop(call, None)
+        if resumes and not presence.stream and not rt.cutting:
+            _poll_again(rt, route, request)
         if finish is None:
             _settle(rt, route, call, admission, outcome, admitted_at, traffic)
         elif finish.task is not None and not finish.task.done():
@@ -441,6 +444,19 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
                     Outcome("client_disconnected", call.reached, call.status))
         else:
             _settle(rt, route, call, admission, outcome, admitted_at, traffic)
+
+
+def _poll_again(rt: Runtime, route: Route, request: web.BaseRequest) -> None:
+    """A GET resuming a call's answer ended before the call's response came through on it
+    (its client left, the upstream failed): the client resumes it again, from the last
+    event id it got, and that GET resumes the call too (:meth:`Runtime.note_polled`).
+    Forgotten when the first GET took it, a second one was a session's plain stream, which
+    a drain does not wait for (a review)."""
+    tracker = request.get(RESUMED_ANSWER)
+    event_id = (tracker.last_event_id.decode("utf-8", "surrogateescape")
+                if tracker is not None else request.headers[mcp.LAST_EVENT_ID_HEADER])
+    rt.note_polled(route.name, request.headers.get(mcp.SESSION_HEADER), event_id,
+                   request[RESUMED_CALL][0])
 
 
 def _settle(rt: Runtime, route: Route, call: Call, admission: Admission, outcome: Outcome,

@@ -352,6 +352,45 @@ async def test_a_get_resuming_a_calls_answer_ends_with_that_calls_response(
         await runtime.close()
 
 
+async def test_a_resume_retried_after_the_first_left_still_resumes_the_call(polling):
+    """The client's GET resuming a call's answer breaks before the response, and it resumes
+    again from the same event id, as the SDKs do. Before (a review): the first GET had taken
+    the call off ``Runtime.polled``, so the second was a session's plain stream: a drain
+    did not wait for it, and left before the response it counted ``2xx``."""
+    runtime = Runtime(parse_config(
+        "routes:\n"
+        f"  - {{name: tools, path_prefix: /tools/, upstream: '{polling.url}', "
+        "protocol: mcp}\n"))
+    await runtime.open()
+    runner, url = await serve_in_process(runtime)
+    resume = {"Accept": "text/event-stream", "Last-Event-ID": "ev-1"}
+
+    def outcome(label: str) -> float | None:
+        return runtime.metrics.registry.get_sample_value(
+            "sluice_requests_total", {"route": "tools", "outcome": label})
+
+    try:
+        async with aiohttp.ClientSession() as http:
+            async with http.post(url, json=CALL, headers=HEADERS) as r:
+                assert await r.read() == b"id: ev-1\ndata: \n\n"  # closed early
+            for _ in range(2):  # each resume breaks before the response
+                get = await http.get(url, headers=resume)
+                await wait_until(lambda: runtime.inflight == 1, what="the GET upstream")
+                assert runtime.present > runtime.streams  # a drain waits for it
+                get.close()
+                await wait_until(lambda: runtime.inflight == 0, what="the GET's end")
+            polling.answer.set()
+            async with http.get(url, headers=resume) as r:
+                event = await asyncio.wait_for(r.content.readuntil(b"\n\n"), 10)
+                assert b'"result"' in event
+        await wait_until(lambda: runtime.inflight == 0, what="the last GET's end")
+        assert (outcome("2xx"), outcome("client_disconnected")) == (2, 2)
+        assert not runtime.polled  # taken by the GET that got the response
+    finally:
+        await runner.cleanup()
+        await runtime.close()
+
+
 # -- OpenAI streams: the synchronous client closes at [DONE] ------------------------------------
 
 
