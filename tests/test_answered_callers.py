@@ -307,19 +307,41 @@ async def polling() -> AsyncIterator[PollingMcp]:
     await runner.cleanup()
 
 
-@pytest.mark.parametrize("write_fails", [False, True])
-async def test_a_get_resuming_a_calls_answer_ends_with_that_calls_response(
-        polling, monkeypatch, write_fails):
-    """A GET resuming a call's answer closed early for polling: closed by its client after
-    the response, ``2xx``; when the write carrying the response fails (the client gone),
-    ``client_disconnected`` (from a review: the GET counted ``2xx`` there, as it was marked a
-    finished stream before the write)."""
+@pytest.fixture
+async def in_front(polling) -> AsyncIterator[tuple[Runtime, str]]:
+    """A runtime served in this process with one ``tools`` route in front of ``polling``:
+    it, and the route's MCP endpoint."""
     runtime = Runtime(parse_config(
         "routes:\n"
         f"  - {{name: tools, path_prefix: /tools/, upstream: '{polling.url}', "
         "protocol: mcp}\n"))
     await runtime.open()
     runner, url = await serve_in_process(runtime)
+    yield runtime, url
+    await runner.cleanup()
+    await runtime.close()
+
+
+def outcomes(runtime: Runtime, *labels: str) -> tuple[float | None, ...]:
+    """``sluice_requests_total`` of the ``tools`` route for each of ``labels``."""
+    return tuple(runtime.metrics.registry.get_sample_value(
+        "sluice_requests_total", {"route": "tools", "outcome": label}) for label in labels)
+
+
+async def closed_early(http: aiohttp.ClientSession, url: str) -> None:
+    """Send CALL: its answer is closed early for polling, after one event, ``ev-1``."""
+    async with http.post(url, json=CALL, headers=HEADERS) as r:
+        assert await r.read() == b"id: ev-1\ndata: \n\n"
+
+
+@pytest.mark.parametrize("write_fails", [False, True])
+async def test_a_get_resuming_a_calls_answer_ends_with_that_calls_response(
+        polling, in_front, monkeypatch, write_fails):
+    """A GET resuming a call's answer closed early for polling: closed by its client after
+    the response, ``2xx``; when the write carrying the response fails (the client gone),
+    ``client_disconnected`` (from a review: the GET counted ``2xx`` there, as it was marked a
+    finished stream before the write)."""
+    runtime, url = in_front
     real_write = web.StreamResponse.write
 
     async def write(self: web.StreamResponse, data: bytes) -> None:
@@ -328,67 +350,44 @@ async def test_a_get_resuming_a_calls_answer_ends_with_that_calls_response(
             raise ConnectionResetError("the caller has gone")
         return await real_write(self, data)
 
-    def outcome(label: str) -> float | None:
-        return runtime.metrics.registry.get_sample_value(
-            "sluice_requests_total", {"route": "tools", "outcome": label})
-
-    try:
-        async with aiohttp.ClientSession() as http:
-            async with http.post(url, json=CALL, headers=HEADERS) as r:
-                assert await r.read() == b"id: ev-1\ndata: \n\n"  # closed early
-            monkeypatch.setattr(web.StreamResponse, "write", write)
-            polling.answer.set()
-            async with http.get(url, headers={"Accept": "text/event-stream",
-                                              "Last-Event-ID": "ev-1"}) as r:
-                if not write_fails:
-                    event = await asyncio.wait_for(r.content.readuntil(b"\n\n"), 10)
-                    assert b'"result"' in event
-        [tools] = runtime.routes
-        await wait_until(lambda: tools.inflight == 0, what="both requests' ends")
-        assert outcome("2xx") == (1 if write_fails else 2)  # the POST, and the GET?
-        assert outcome("client_disconnected") == (1 if write_fails else 0)
-    finally:
-        await runner.cleanup()
-        await runtime.close()
+    async with aiohttp.ClientSession() as http:
+        await closed_early(http, url)
+        monkeypatch.setattr(web.StreamResponse, "write", write)
+        polling.answer.set()
+        async with http.get(url, headers={"Accept": "text/event-stream",
+                                          "Last-Event-ID": "ev-1"}) as r:
+            if not write_fails:
+                event = await asyncio.wait_for(r.content.readuntil(b"\n\n"), 10)
+                assert b'"result"' in event
+    await wait_until(lambda: runtime.inflight == 0, what="both requests' ends")
+    # The POST is 2xx either way; the GET is 2xx only if its response went out.
+    assert outcomes(runtime, "2xx", "client_disconnected") == ((1, 1) if write_fails
+                                                              else (2, 0))
 
 
-async def test_a_resume_retried_after_the_first_left_still_resumes_the_call(polling):
+async def test_a_resume_retried_after_the_first_left_still_resumes_the_call(polling,
+                                                                           in_front):
     """The client's GET resuming a call's answer breaks before the response, and it resumes
     again from the same event id, as the SDKs do. Before (a review): the first GET had taken
     the call off ``Runtime.polled``, so the second was a session's plain stream: a drain
     did not wait for it, and left before the response it counted ``2xx``."""
-    runtime = Runtime(parse_config(
-        "routes:\n"
-        f"  - {{name: tools, path_prefix: /tools/, upstream: '{polling.url}', "
-        "protocol: mcp}\n"))
-    await runtime.open()
-    runner, url = await serve_in_process(runtime)
+    runtime, url = in_front
     resume = {"Accept": "text/event-stream", "Last-Event-ID": "ev-1"}
-
-    def outcome(label: str) -> float | None:
-        return runtime.metrics.registry.get_sample_value(
-            "sluice_requests_total", {"route": "tools", "outcome": label})
-
-    try:
-        async with aiohttp.ClientSession() as http:
-            async with http.post(url, json=CALL, headers=HEADERS) as r:
-                assert await r.read() == b"id: ev-1\ndata: \n\n"  # closed early
-            for _ in range(2):  # each resume breaks before the response
-                get = await http.get(url, headers=resume)
-                await wait_until(lambda: runtime.inflight == 1, what="the GET upstream")
-                assert runtime.present > runtime.streams  # a drain waits for it
-                get.close()
-                await wait_until(lambda: runtime.inflight == 0, what="the GET's end")
-            polling.answer.set()
-            async with http.get(url, headers=resume) as r:
-                event = await asyncio.wait_for(r.content.readuntil(b"\n\n"), 10)
-                assert b'"result"' in event
-        await wait_until(lambda: runtime.inflight == 0, what="the last GET's end")
-        assert (outcome("2xx"), outcome("client_disconnected")) == (2, 2)
-        assert not runtime.polled  # taken by the GET that got the response
-    finally:
-        await runner.cleanup()
-        await runtime.close()
+    async with aiohttp.ClientSession() as http:
+        await closed_early(http, url)
+        for _ in range(2):  # each resume breaks before the response
+            get = await http.get(url, headers=resume)
+            await wait_until(lambda: runtime.inflight == 1, what="the GET upstream")
+            assert runtime.present > runtime.streams  # a drain waits for it
+            get.close()
+            await wait_until(lambda: runtime.inflight == 0, what="the GET's end")
+        polling.answer.set()
+        async with http.get(url, headers=resume) as r:
+            event = await asyncio.wait_for(r.content.readuntil(b"\n\n"), 10)
+            assert b'"result"' in event
+    await wait_until(lambda: runtime.inflight == 0, what="the last GET's end")
+    assert outcomes(runtime, "2xx", "client_disconnected") == (2, 2)
+    assert not runtime.polled  # taken by the GET that got the response
 
 
 # -- OpenAI streams: the synchronous client closes at [DONE] ------------------------------------
