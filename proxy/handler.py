@@ -433,8 +433,6 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
         return render(error, route.protocol, jsonrpc_id(route.protocol, call.body))
     finally:
         rt.mcp_calls.pop(call, None)
-        if resumes and not presence.stream and not rt.cutting:
-            _poll_again(rt, route, request)
         if finish is None:
             _settle(rt, route, call, admission, outcome, admitted_at, traffic)
         elif finish.task is not None and not finish.task.done():
@@ -444,6 +442,8 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
                     Outcome("client_disconnected", call.reached, call.status))
         else:
             _settle(rt, route, call, admission, outcome, admitted_at, traffic)
+        if resumes and not presence.stream and not rt.cutting:
+            _poll_again(rt, route, request)
 
 
 def _poll_again(rt: Runtime, route: Route, request: web.BaseRequest) -> None:
@@ -452,11 +452,15 @@ def _poll_again(rt: Runtime, route: Route, request: web.BaseRequest) -> None:
     event id it got, and that GET resumes the call too (:meth:`Runtime.note_polled`).
     Forgotten when the first GET took it, a second one was a session's plain stream, which
     a drain does not wait for (a review)."""
-    tracker = request.get(RESUMED_ANSWER)
-    event_id = (tracker.last_event_id.decode("utf-8", "surrogateescape")
-                if tracker is not None else request.headers[mcp.LAST_EVENT_ID_HEADER])
-    rt.note_polled(route.name, request.headers.get(mcp.SESSION_HEADER), event_id,
-                   request[RESUMED_CALL][0])
+    try:  # after the call's end is settled, and never in place of its answer
+        tracker = request.get(RESUMED_ANSWER)
+        event_id = (tracker.last_event_id.decode("utf-8", "surrogateescape")
+                    if tracker is not None else request.headers[mcp.LAST_EVENT_ID_HEADER])
+        rt.note_polled(route.name, request.headers.get(mcp.SESSION_HEADER), event_id,
+                       request[RESUMED_CALL][0])
+    except Exception:
+        log.exception("route %s: a resumed answer is not noted for its next resume",
+                      route.name)
 
 
 def _settle(rt: Runtime, route: Route, call: Call, admission: Admission, outcome: Outcome,
