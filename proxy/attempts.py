@@ -216,9 +216,10 @@ async def forward(request: web.BaseRequest, rt: Runtime, route: Route, call: Cal
                 # tools/list): followed to its response, which tells when the caller has it
                 # (forward.delivered). Not a control request's JSON answer: complete only at
                 # its end, it would tell nothing, and be held whole for nothing.
+                # The id as the handler read it from the body (not parsed again here).
                 # ``""`` is an id as ``0`` is: ``or 0`` took it for none, so the response
                 # was never seen and a made-up error for request 0 ended the stream.
-                rpc_id = jsonrpc_id(route.protocol, call.body)
+                rpc_id = call.rpc_id
                 tries.tracker = AnswerTracker(response.headers.get("Content-Type"),
                                               0 if rpc_id is None else rpc_id)
                 request[fwd.MCP_ANSWER] = tries.tracker

@@ -193,8 +193,6 @@ async def _relay_chunk(request: web.BaseRequest, out: web.StreamResponse, chunk:
     if not finish.left:
         try:
             await out.write(chunk)
-            if answered(request):
-                request[ANSWER_SENT] = True
             return True
         except ConnectionResetError:
             if answered(request):
@@ -579,11 +577,13 @@ async def relay(
                 capture.feed(chunk)
             if finish is None:
                 await out.write(chunk)  # raises ConnectionResetError if the caller has gone
-                if ((last is not None and last.outcome is not None)
-                        or (meter is not None and meter.done)):
-                    request[ANSWER_SENT] = True  # the answer's last message has gone
             elif not await _relay_chunk(request, out, chunk, finish):
                 return out, outcome  # the caller has gone and the response is in
+            elif finish.left:
+                continue  # read on without the caller: nothing was written
+            if ((last is not None and last.outcome is not None)
+                    or (meter is not None and meter.done)):
+                request[ANSWER_SENT] = True  # the answer's last message has gone
         if meter is not None and (tail := meter.finish()):
             if capture is not None:
                 capture.feed(tail)

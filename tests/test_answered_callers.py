@@ -411,13 +411,6 @@ def stream_chat_sync(base_url: str) -> str:
         client.close()
 
 
-async def chat_ends(sluice: Any, count: int) -> list[dict]:
-    def ends() -> list[dict]:
-        return [e for e in sluice.events() if e["event"] == "completed"]
-
-    await wait_until(lambda: len(ends()) >= count, what=f"{count} completed call(s)")
-    return ends()
-
 
 async def test_openai_sync_client_closing_at_done_is_answered(upstream, start_sluice):
     """The upstream holds the stream open 5 s after ``[DONE]``. Before: every call
@@ -427,7 +420,7 @@ async def test_openai_sync_client_closing_at_done_is_answered(upstream, start_sl
     for _ in range(3):
         text = await asyncio.to_thread(stream_chat_sync, sluice.url + "/openai/v1")
         assert text.startswith("tok0 ")
-    ends = await chat_ends(sluice, 3)
+    ends = await completed_events(sluice, 3)
     assert [(e["outcome"], e["status"], e["usage"]) for e in ends] == [("2xx", 200,
                                                                          "reported")] * 3
     assert await sluice.metric("sluice_requests_total", route="openai",
@@ -446,7 +439,7 @@ async def test_an_openai_caller_leaving_before_done_is_still_client_disconnected
                 "messages": [{"role": "user", "content": "hi"}]}) as r:
             await asyncio.wait_for(r.content.readuntil(b"\n\n"), 10)
             r.close()
-    [end] = await chat_ends(sluice, 1)
+    [end] = await completed_events(sluice, 1)
     upstream.stream_hold.set()
     assert end["outcome"] == "client_disconnected"
     await sluice.wait_metric("sluice_inflight_requests", 0, route="openai")
