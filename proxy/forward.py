@@ -165,9 +165,19 @@ async def end_mcp_answer(request: web.BaseRequest, rejected: Rejected) -> bool:
             or not answer.between_events):
         return False
     body = rejection_body(rejected, "mcp", answer.request_id)
+    return await end_answer(request, out, b"event: message\ndata: " + body + b"\n\n")
+
+
+async def end_answer(request: web.BaseRequest, out: web.StreamResponse,
+                     last: bytes = b"") -> bool:
+    """Send ``last`` (bytes, if any) and the end of ``out``, the answer relayed for
+    ``request``, as the upstream would have ended it. Returns whether it did: not when the
+    caller has gone or took none of it within :data:`LAST_EVENT_WAIT_S` (then its connection
+    is cut)."""
     try:
         async with asyncio.timeout(LAST_EVENT_WAIT_S):
-            await out.write(b"event: message\ndata: " + body + b"\n\n")
+            if last:
+                await out.write(last)
             await out.write_eof()
     except ConnectionResetError:
         return False

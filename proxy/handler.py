@@ -70,6 +70,7 @@ from proxy.forward import (
     Finish,
     answered,
     delivered,
+    end_answer,
     end_mcp_answer,
 )
 from proxy.identity import IdentityRejected, identify
@@ -389,6 +390,18 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
             _uncancel()
             outcome = CLIENT_CANCELLED
             return web.Response(body=mcp.cancelled(call.rpc_id), content_type="application/json")
+        if admitted_at and delivered(request):
+            # The answer's last message has gone (an MCP request's response, OpenAI's
+            # [DONE]): answered, whatever ended its stream after. Its caller closing it (the
+            # official MCP clients, OpenAI's synchronous client), or its run's cancel or the
+            # drain's cut, which end it as the upstream would have instead of cutting it.
+            outcome = _delivered_outcome(call, admitted_at)
+            if ((call.cancelled is not None or rt.cutting) and request.transport is not None
+                    and not request.transport.is_closing()):
+                await _take_back(finish)
+                await end_answer(request, request[RELAYED_STREAM])
+                return request[RELAYED_STREAM]  # ended, or never sent: cut
+            raise
         if call.cancelled is not None:  # its run was cancelled (POST /admin/runs/.../cancel)
             return await _run_cancelled(rt, route, call, request, bool(admitted_at), finish)
         if rt.cutting and not admitted_at and request.transport is not None:
@@ -406,14 +419,11 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
             return await _end_at_drain(route, call, request, finish)
         # Cancelled: by the caller leaving, or by the drain cutting what outlived it.
         if admitted_at:
-            if not rt.cutting and (delivered(request) or (
-                    presence.stream and call.phase == "answering"
-                    and RESUMED_CALL not in request)):
-                # A caller that closed the stream once it had read the answer's last message
-                # (an MCP request's response, OpenAI's [DONE]): answered, whatever came
-                # after. Or an MCP session's GET stream its client closed (at every session's
-                # close) once under way: it has no end of its own. (A GET resuming a call's
-                # answer ends with that call's response: delivered() tells.)
+            if (not rt.cutting and presence.stream and call.phase == "answering"
+                    and RESUMED_CALL not in request):
+                # An MCP session's GET stream its client closed (at every session's close)
+                # once under way: it has no end of its own. (A GET resuming a call's answer
+                # ends with that call's response: delivered() tells.)
                 outcome = _delivered_outcome(call, admitted_at)
             else:
                 label = "drain_cut" if rt.cutting else "client_disconnected"

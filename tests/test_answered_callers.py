@@ -18,7 +18,9 @@ closed by its client at every session's close.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -443,3 +445,106 @@ async def test_an_openai_caller_leaving_before_done_is_still_client_disconnected
     upstream.stream_hold.set()
     assert end["outcome"] == "client_disconnected"
     await sluice.wait_metric("sluice_inflight_requests", 0, route="openai")
+
+
+# -- Ended by Sluice after the answer: its run's cancel, the drain --------------------------------
+
+TOKEN = "s3cret-admin-token"
+
+
+async def cancel_run(sluice: Any, run: str) -> None:
+    async with aiohttp.ClientSession() as http, http.post(
+            f"{sluice.admin_url}/admin/runs/{run}/cancel",
+            headers={"Authorization": f"Bearer {TOKEN}"}) as r:
+        assert r.status == 200, await r.text()
+
+
+async def read_to_the_end(response: aiohttp.ClientResponse) -> bytes:
+    """The rest of ``response``; raises ``aiohttp.ClientPayloadError`` if it was cut."""
+    return await asyncio.wait_for(response.content.read(), 20)
+
+
+async def test_a_runs_cancel_after_an_openai_streams_done_ends_it_as_answered(upstream,
+                                                                             start_sluice):
+    """The upstream holds the stream open 30 s after ``[DONE]`` and the caller reads on to
+    its end; the caller's run is cancelled after ``[DONE]`` went out. Before: the stream
+    was cut (the caller's read failed) and the call counted ``run_cancelled``, though its
+    caller had the whole answer."""
+    upstream.done_linger = 30.0
+    sluice = await start_sluice({"routes": [openai_route(upstream)]}, env={
+        "SLUICE_ADMIN_TOKEN": TOKEN})
+    async with aiohttp.ClientSession() as http, http.post(
+            sluice.url + "/openai/v1/chat/completions", headers={"X-Run-ID": "job"},
+            json={"model": "gpt-test", "stream": True,
+                  "messages": [{"role": "user", "content": "hi"}]}) as r:
+        await asyncio.wait_for(r.content.readuntil(b"data: [DONE]\n\n"), 10)
+        await cancel_run(sluice, "job")
+        assert await read_to_the_end(r) == b""  # ended, not cut
+    [end] = await completed_events(sluice, 1)
+    assert (end["outcome"], end["status"]) == ("2xx", 200)
+    await wait_until(lambda: upstream.cancelled == 1, what="the upstream's stream closed")
+    assert await sluice.metric("sluice_requests_total", route="openai",
+                               outcome="run_cancelled") == 0
+    await sluice.wait_metric("sluice_inflight_requests", 0, route="openai")
+
+
+@pytest.mark.parametrize("idempotency", ["forward", "dedup"])
+async def test_a_runs_cancel_after_an_mcp_calls_response_ends_its_stream_as_answered(
+        holding, start_sluice, idempotency):
+    """An MCP call's response went out and the upstream holds its stream open; the run's
+    cancel ends the stream there. Before: the connection was cut and the call counted
+    ``run_cancelled``."""
+    sluice = await start_sluice({"routes": [mcp_route(holding.url,
+                                                      idempotency={"mode": idempotency})]},
+                                env={"SLUICE_ADMIN_TOKEN": TOKEN})
+    async with aiohttp.ClientSession() as http, http.post(
+            sluice.url + "/tools/mcp", json=CALL,
+            headers={**HEADERS, "X-Run-ID": "job", "Idempotency-Key": "k-1"}) as r:
+        event = await asyncio.wait_for(r.content.readuntil(b"\n\n"), 10)
+        assert b'"id": 1' in event and b"done #1" in event
+        await cancel_run(sluice, "job")
+        assert await read_to_the_end(r) == b""
+    [completed] = await the_calls_ended(sluice, holding, 1)
+    assert (completed["outcome"], completed["status"]) == ("2xx", 200)
+    assert await sluice.metric("sluice_requests_total", route="tools",
+                               outcome="run_cancelled") == 0
+    await assert_all_given_back(sluice)
+
+
+async def test_the_drain_ends_an_mcp_calls_answered_stream_as_answered(holding,
+                                                                       start_sluice):
+    """The drain's timeout comes while the upstream holds an answered call's stream open:
+    the stream ends as the upstream would have ended it, and the call is ``2xx``. Before:
+    cut, ``drain_cut``."""
+    sluice = await start_sluice({"server": {"drain_timeout": "500ms"},
+                                 "routes": [mcp_route(holding.url,
+                                                      idempotency={"mode": "forward"})]})
+    async with aiohttp.ClientSession() as http, http.post(
+            sluice.url + "/tools/mcp", json=CALL, headers=HEADERS) as r:
+        await asyncio.wait_for(r.content.readuntil(b"\n\n"), 10)
+        sluice.signal(signal.SIGTERM)
+        assert await read_to_the_end(r) == b""
+    assert await sluice.wait_exit(timeout=30) == 0
+    [completed] = [e for e in sluice.events() if e["event"] == "completed"]
+    assert (completed["outcome"], completed["status"]) == ("2xx", 200)
+
+
+async def test_the_drain_cutting_an_openai_stream_after_done_counts_it_answered(
+        upstream, start_sluice):
+    """Past ``[DONE]``, the upstream holding the stream open through the drain's timeout:
+    the shutdown closes the connection (aiohttp's, after the stream's handler), and the call
+    is ``2xx``, as its caller had the whole answer. Before: ``drain_cut``."""
+    upstream.done_linger = 30.0
+    sluice = await start_sluice({"server": {"drain_timeout": "500ms"},
+                                 "routes": [openai_route(upstream)]})
+    async with aiohttp.ClientSession() as http, http.post(
+            sluice.url + "/openai/v1/chat/completions",
+            json={"model": "gpt-test", "stream": True,
+                  "messages": [{"role": "user", "content": "hi"}]}) as r:
+        await asyncio.wait_for(r.content.readuntil(b"data: [DONE]\n\n"), 10)
+        sluice.signal(signal.SIGTERM)
+        with contextlib.suppress(aiohttp.ClientPayloadError):
+            await read_to_the_end(r)
+    assert await sluice.wait_exit(timeout=30) == 0
+    [completed] = [e for e in sluice.events() if e["event"] == "completed"]
+    assert (completed["outcome"], completed["status"]) == ("2xx", 200)
