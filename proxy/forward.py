@@ -94,6 +94,10 @@ RELAYED_STREAM = web.RequestKey("sluice_relayed_stream", web.StreamResponse)
 MCP_ANSWER = web.RequestKey("sluice_mcp_answer", AnswerTracker)
 #: Set once the answer's last message has gone to the caller (:func:`delivered`).
 ANSWER_SENT = web.RequestKey("sluice_answer_sent", bool)
+#: Set as the end of the relayed answer begins to be written (chunked framing's last chunk):
+#: written a second time (a cancel can land while the first waits for the caller to take
+#: it), it reached the caller as stray bytes after a whole answer (a review).
+ANSWER_ENDED = web.RequestKey("sluice_answer_ended", bool)
 #: The tracker of a call's answer resumed on a GET (set by ``proxy.attempts``), read only to
 #: see when its response has gone to the caller (:data:`ANSWER_SENT`).
 RESUMED_ANSWER = web.RequestKey("sluice_resumed_answer", AnswerTracker)
@@ -171,9 +175,12 @@ async def end_mcp_answer(request: web.BaseRequest, rejected: Rejected) -> bool:
 async def end_answer(request: web.BaseRequest, out: web.StreamResponse,
                      last: bytes = b"") -> bool:
     """Send ``last`` (bytes, if any) and the end of ``out``, the answer relayed for
-    ``request``, as the upstream would have ended it. Returns whether it did: not when the
-    caller has gone or took none of it within :data:`LAST_EVENT_WAIT_S` (then its connection
-    is cut)."""
+    ``request``, as the upstream would have ended it. Returns whether it did: not when its
+    end was begun already (:data:`ANSWER_ENDED`), nor when the caller has gone or took none
+    of it within :data:`LAST_EVENT_WAIT_S` (then its connection is cut)."""
+    if request.get(ANSWER_ENDED, False):
+        return False
+    request[ANSWER_ENDED] = True
     try:
         async with asyncio.timeout(LAST_EVENT_WAIT_S):
             if last:
@@ -609,6 +616,7 @@ async def relay(
         if (finish is None or not finish.left) and not (
                 tracker is not None and not tracker.resumable
                 and await end_mcp_answer(request, _NO_RESPONSE)):
+            request[ANSWER_ENDED] = True
             await out.write_eof()
         return out, outcome
     finally:

@@ -398,9 +398,14 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
             outcome = _delivered_outcome(call, admitted_at)
             if ((call.cancelled is not None or rt.cutting) and request.transport is not None
                     and not request.transport.is_closing()):
+                if call.cancelled is not None:  # its run's cancel closed the upstream's stream
+                    route.metrics.cancelled("inflight")
                 await _take_back(finish)
-                await end_answer(request, request[RELAYED_STREAM])
-                return request[RELAYED_STREAM]  # ended, or never sent: cut
+                out = request[RELAYED_STREAM]
+                if not await end_answer(request, out) and request.transport is not None:
+                    # Its end was being written when the cancel came: closed, not ended twice.
+                    request.transport.close()
+                return out
             raise
         if call.cancelled is not None:  # its run was cancelled (POST /admin/runs/.../cancel)
             return await _run_cancelled(rt, route, call, request, bool(admitted_at), finish)
