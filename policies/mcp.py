@@ -210,6 +210,12 @@ class McpPost:
         return any(m.method == "initialize" and m.kind == "request" for m in self.messages)
 
     @property
+    def method(self) -> str | None:
+        """The JSON-RPC method of a non-batch POST's request or notification (e.g.
+        ``initialize``, ``tools/call``); ``None`` for a response or a batch."""
+        return None if self.batch else self.messages[0].method
+
+    @property
     def cancels(self) -> RequestId | None:
         """The request a non-batch ``notifications/cancelled`` cancels: its
         ``params.requestId`` as sent (a string and a number are different ids); ``None`` for

@@ -53,8 +53,9 @@ class Call:
         ``None`` for none), operation (the tool, endpoint or model a per-operation policy
         keys on; ``None`` for none), client_retry (the caller's SDK says this request is its
         own retry: ``x-stainless-retry-count`` > 0), rpc_id (the JSON-RPC id of an MCP
-        POST's one request as sent, ``None`` for anything else), received_at (monotonic
-        seconds).
+        POST's one request as sent, ``None`` for anything else), rpc_method (the JSON-RPC
+        method of an MCP POST's one request or notification, e.g. ``initialize``; ``None``
+        for anything else), received_at (monotonic seconds).
 
     Left by policies for the request path:
         idempotency_key: the key, for events; upstream_key: the ``Idempotency-Key`` value to
@@ -99,7 +100,8 @@ class Call:
                  "operation",
                  "operation_cost", "operation_overrun", "parent_run", "path", "phase",
                  "priority", "priority_given", "progress_at", "reached", "received_at",
-                 "reporter", "request_id", "response_headers", "route", "rpc_id", "run",
+                 "reporter", "request_id", "response_headers", "route", "rpc_id",
+                 "rpc_method", "run",
                  "status",
                  "tenant", "timeout", "timeout_reads", "units_deferred", "upstream_key")
 
@@ -109,7 +111,7 @@ class Call:
                  reporter: Callable[[Call, str, dict[str, Any]], None] = _ignore,
                  parent_run: str | None = None, priority_given: bool = True,
                  client_retry: bool = False, timeout_reads: bool = False,
-                 rpc_id: int | str | None = None) -> None:
+                 rpc_id: int | str | None = None, rpc_method: str | None = None) -> None:
         self.request_id = request_id
         self.route = route
         self.method = method
@@ -127,6 +129,7 @@ class Call:
         self.priority_given = priority_given
         self.client_retry = client_retry
         self.rpc_id = rpc_id
+        self.rpc_method = rpc_method
         self.received_at = time.monotonic()
         self.lineage: tuple[str, ...] = ()
         self.cost: float | None = None
@@ -158,6 +161,17 @@ class Call:
         if self.timeout is None:
             return None
         return self.timeout - (time.monotonic() - self.received_at)
+
+    def event_names(self) -> dict[str, str]:
+        """The fields of this call's events that name what it is, those it has:
+        ``operation`` (its tool, endpoint or model) and ``mcp_method`` (an MCP POST's
+        JSON-RPC method)."""
+        fields: dict[str, str] = {}
+        if self.operation is not None:
+            fields["operation"] = self.operation
+        if self.rpc_method is not None:
+            fields["mcp_method"] = self.rpc_method
+        return fields
 
     def notify(self, event: str, fields: dict[str, Any]) -> None:
         """Report a step of this call for the timeline: ``event`` with ``fields``."""

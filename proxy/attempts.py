@@ -442,7 +442,7 @@ async def _attempts(rt: Runtime, route: Route, call: Call, url: URL,
             rt.events.emit("retried", call.request_id, route.name, call.tenant, call.run,
                            call.idempotency_key, attempt=number + 1,
                            after=status or tries.kind, wait_s=round(wait, 3),
-                           **_operation(call))
+                           **call.event_names())
             tries.drop_response()
             call.attempt_over(time.monotonic())
             await asyncio.sleep(wait)
@@ -587,10 +587,6 @@ def _too_late(at: float, deadline: float | None, caller_deadline: float | None) 
     )
 
 
-def _operation(call: Call) -> dict[str, str]:
-    return {} if call.operation is None else {"operation": call.operation}
-
-
 def _queued(route: Route) -> int:
     limiter = route.concurrency
     return limiter.queued if limiter is not None else 0
@@ -661,7 +657,7 @@ def _dead_lettered(rt: Runtime, route: Route, call: Call, reason: str, attempts:
     route.metrics.dead_letters.inc()
     rt.events.emit("dead_lettered", call.request_id, route.name, call.tenant, call.run,
                    call.idempotency_key, dead_letter_id=write.result(), reason=reason,
-                   attempts=attempts, **_operation(call))
+                   attempts=attempts, **call.event_names())
 
 
 def _unhold(rt: Runtime, held: int, write: asyncio.Future[int]) -> None:

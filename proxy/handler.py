@@ -42,7 +42,7 @@ import itertools
 import logging
 import re
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 from aiohttp import web
 from multidict import istr
@@ -107,13 +107,25 @@ def _caller_timeout(request: web.BaseRequest, header: str) -> tuple[float | None
     return None, False
 
 
-def _mcp_traffic(request: web.BaseRequest, body: bytes
-                 ) -> tuple[mcp.Traffic, str | None, mcp.RequestId | None, bool,
-                            mcp.RequestId | None]:
-    """The traffic class of a request on an ``mcp`` route, its operation (the tool of a
-    ``tools/call``, else ``None``), the request id a ``notifications/cancelled`` names
-    (else ``None``), whether it opens a session (``initialize``), and the JSON-RPC id of
-    its one request (``None`` for a notification, a response or a batch).
+class _McpRequest(NamedTuple):
+    """What the request path reads of a request on an ``mcp`` route."""
+
+    traffic: mcp.Traffic
+    #: The tool of a ``tools/call``, else ``None``.
+    operation: str | None
+    #: The request id a ``notifications/cancelled`` names, else ``None``.
+    cancels: mcp.RequestId | None
+    #: It opens a session (``initialize``).
+    opens_session: bool
+    #: The JSON-RPC id of its one request (``None`` for a notification, a response, a batch).
+    rpc_id: mcp.RequestId | None
+    #: The JSON-RPC method of its one request or notification, for its events (``None`` for
+    #: a GET, a DELETE, a response, a batch).
+    rpc_method: str | None
+
+
+def _mcp_traffic(request: web.BaseRequest, body: bytes) -> _McpRequest:
+    """What a request on an ``mcp`` route is (:class:`_McpRequest`).
 
     Raises:
         mcp.InvalidMcpRequest: a POST body that is not MCP, or an ``Mcp-Method`` /
@@ -121,7 +133,7 @@ def _mcp_traffic(request: web.BaseRequest, body: bytes
             JSON-RPC batch holding a call (400).
     """
     if request.method != "POST":
-        return mcp.traffic(request.method), None, None, False, None
+        return _McpRequest(mcp.traffic(request.method), None, None, False, None, None)
     version = request.headers.get(mcp.VERSION_HEADER)
     post = mcp.parse_post(body, version)
     mcp.check_headers(post, request.headers, require=mcp.is_modern(version))
@@ -137,8 +149,9 @@ def _mcp_traffic(request: web.BaseRequest, body: bytes
     request_message = post.request
     rpc_id = request_message.id if request_message is not None else None
     if traffic != "control":
-        return traffic, post.tool, None, False, rpc_id
-    return traffic, post.tool, post.cancels, post.opens_session, rpc_id
+        return _McpRequest(traffic, post.tool, None, False, rpc_id, post.method)
+    return _McpRequest(traffic, post.tool, post.cancels, post.opens_session, rpc_id,
+                       post.method)
 
 
 async def handle(rt: Runtime, request: web.BaseRequest, held: int = 0
@@ -240,11 +253,12 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
         rt.buffered_bytes -= hold[0] - len(body)
         hold[0] = len(body)
     traffic: mcp.Traffic = "call"
-    operation = cancels = rpc_id = None
+    operation = cancels = rpc_id = rpc_method = None
     opens_session = resumes = False
     if route.protocol == "mcp":
         try:
-            traffic, operation, cancels, opens_session, rpc_id = _mcp_traffic(request, body)
+            traffic, operation, cancels, opens_session, rpc_id, rpc_method = _mcp_traffic(
+                request, body)
         except mcp.InvalidMcpRequest as bad:
             return _reject(rt, route, Rejected(Reason.BAD_REQUEST, None, bad.detail[:200]),
                            request_id, tenant, run, body)
@@ -259,7 +273,7 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
     if rt.draining and (rt.cutting or not continues):
         refused = _reject(rt, route, Rejected(Reason.DRAINING, DRAINING_RETRY_AFTER_S,
                                               "it takes no new calls"),
-                          request_id, tenant, run, body)
+                          request_id, tenant, run, body, rpc_method)
         refused.force_close()  # the process is going away: the next call goes elsewhere
         return refused
     if not presence.present:  # let in during the drain: it waits for it
@@ -295,6 +309,7 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
         parent_run=who.parent_run if run is not None else None,
         timeout=timeout, timeout_reads=timeout_reads, operation=operation,
         reporter=route.report, client_retry=client_retry, rpc_id=rpc_id,
+        rpc_method=rpc_method,
     )
     call.new_unit = not client_retry
     # MCP control and stream traffic take nothing, an operation's steps included.
@@ -324,7 +339,7 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
         except Rejected as rejected:
             outcome = REFUSED
             return refuse(rt, route, rejected, request_id, tenant, run, call.idempotency_key,
-                          call.body, call.operation)
+                          call.body, call.operation, call.rpc_method)
         except Replay as replay:
             outcome = Outcome("replayed", reached=False, status=replay.record.status)
             return _replay(rt, route, call, replay)
@@ -352,12 +367,12 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
             route.budget_gauges.watch(call.tenant, route.metrics.tenant(call.tenant))
         if call.enqueued_at is not None:
             route.metrics.queue_wait.observe(admitted_at - call.enqueued_at)
-        if call.operation is None:
+        if call.operation is None and call.rpc_method is None:
             rt.events.emit("admitted", request_id, route.name, tenant, run,
                            call.idempotency_key)
         else:
             rt.events.emit("admitted", request_id, route.name, tenant, run,
-                           call.idempotency_key, operation=call.operation)
+                           call.idempotency_key, **call.event_names())
         try:
             if route.protocol == "mcp" and traffic == "call" and call.capture is not None:
                 # An MCP call whose answer is kept for its key: forwarded in a task of its
@@ -372,7 +387,7 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
         except Rejected as rejected:  # the first attempt refused (breaker, deadline)
             outcome = Outcome("rejected", reached=False, status=rejected.reason.status)
             return refuse(rt, route, rejected, request_id, tenant, run, call.idempotency_key,
-                          call.body, call.operation)
+                          call.body, call.operation, call.rpc_method)
         outcome = _answer_outcome(call, response, label, admitted_at)
         return response
     except (asyncio.CancelledError, ConnectionResetError):
@@ -664,7 +679,7 @@ async def _run_cancelled(rt: Runtime, route: Route, call: Call, request: web.Bas
         call.status = rejected.reason.status  # what its `completed` event says it was sent
         return render(rejected, route.protocol, jsonrpc_id(route.protocol, call.body))
     return refuse(rt, route, rejected, call.request_id, call.tenant, call.run,
-                  call.idempotency_key, call.body, call.operation)
+                  call.idempotency_key, call.body, call.operation, call.rpc_method)
 
 
 async def _take_back(finish: Finish | None) -> None:
@@ -726,6 +741,7 @@ def _operation(call: Call) -> dict[str, object]:
     return {} if call.operation is None else {"operation": call.operation}
 
 
+
 def _completed(rt: Runtime, route: Route, call: Call, outcome: Outcome,
                admitted_at: float | None, timed: bool, finished: Outcome | None = None) -> None:
     """Count and log a call that was not refused or replayed, once its holdings are given
@@ -774,6 +790,8 @@ def _completed(rt: Runtime, route: Route, call: Call, outcome: Outcome,
             if call.operation_overrun:
                 fields["over_reservation_usd"] = call.operation_overrun
                 metrics.usage_over_reservation.inc()
+    if call.rpc_method is not None:
+        fields["mcp_method"] = call.rpc_method
     if charged is not None:
         tenant = metrics.tenant(call.tenant)
         if charged["input_tokens"]:
@@ -791,10 +809,12 @@ def _completed(rt: Runtime, route: Route, call: Call, outcome: Outcome,
 
 
 def _reject(rt: Runtime, route: Route, rejected: Rejected, request_id: str, tenant: str,
-            run: str | None, body: bytes = b"") -> web.Response:
+            run: str | None, body: bytes = b"", rpc_method: str | None = None
+            ) -> web.Response:
     """Refuse before the call is built: the refusal, and the request's ``rejected`` outcome."""
     route.metrics.outcomes["rejected"].inc()
-    return refuse(rt, route, rejected, request_id, tenant, run, None, body)
+    return refuse(rt, route, rejected, request_id, tenant, run, None, body,
+                  mcp_method=rpc_method)
 
 
 def _drained(rt: Runtime, route: Route, call: Call) -> web.Response:
@@ -806,7 +826,7 @@ def _drained(rt: Runtime, route: Route, call: Call) -> web.Response:
                                           "the drain ended before this call was admitted; "
                                           "nothing was sent upstream"),
                       call.request_id, call.tenant, call.run, call.idempotency_key, call.body,
-                      call.operation)
+                      call.operation, call.rpc_method)
     response.force_close()
     return response
 
@@ -896,5 +916,5 @@ def _replay(rt: Runtime, route: Route, call: Call, replay: Replay) -> web.Respon
     route.metrics.outcomes["replayed"].inc()
     rt.events.emit("replayed", call.request_id, route.name, call.tenant, call.run,
                    call.idempotency_key, status=record.status, bytes=len(record.body),
-                   waited_s=round(replay.waited_s, 6), **_operation(call))
+                   waited_s=round(replay.waited_s, 6), **call.event_names())
     return replay_response(record)

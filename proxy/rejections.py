@@ -192,18 +192,21 @@ def refuse_at_edge(rt: Runtime, rejected: Rejected) -> web.Response:
 
 def refuse(rt: Runtime, route: Route, rejected: Rejected, request_id: str, tenant: str,
            run: str | None, idempotency_key: str | None = None, body: bytes = b"",
-           operation: str | None = None) -> web.Response:
+           operation: str | None = None, mcp_method: str | None = None) -> web.Response:
     """Count ``rejected`` by reason, log its ``rejected`` event, and render it for ``route``.
 
     The one way Sluice refuses a request on a route, whether before admission (the handler)
     or at the breaker after it (``proxy.attempts``); ``body`` supplies an MCP request's id;
-    ``operation`` is the call's (``policies/operations.py``), counted and logged with it.
+    ``operation`` is the call's (``policies/operations.py``), counted and logged with it;
+    ``mcp_method``, an MCP POST's JSON-RPC method, is logged with it.
     """
     route.metrics.rejections[rejected.reason].inc()
     extra: dict[str, str] = {}
     if operation is not None:
         route.metrics.operation(operation).rejected(rejected.reason.code)
         extra["operation"] = operation
+    if mcp_method is not None:
+        extra["mcp_method"] = mcp_method
     rt.events.emit("rejected", request_id, route.name, tenant, run, idempotency_key,
                    reason=rejected.reason.code,
                    retry_after_s=None if rejected.retry_after is None

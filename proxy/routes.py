@@ -296,13 +296,13 @@ class Route:
 
     def report(self, call: Call, event: str, fields: dict[str, Any]) -> None:
         """A policy's step for one of this route's calls (``Call.notify``): its timeline
-        event, with the call's operation, and an expiry's count in ``sluice_expiries_total``
-        (``fields["deadline"]``, taken out: the caller's own deadline, else ``max_wait``)."""
+        event, with the call's operation and MCP method, and an expiry's count in
+        ``sluice_expiries_total`` (``fields["deadline"]``, taken out: the caller's own
+        deadline, else ``max_wait``)."""
         if event == "expired":
             self.metrics.expiries["deadline" if fields.pop("deadline", False)
                                   else "max_wait"].inc()
-        if call.operation is not None:
-            fields["operation"] = call.operation
+        fields.update(call.event_names())
         self.events.emit(event, call.request_id, self.name, call.tenant, call.run,
                          call.idempotency_key, **fields)
 

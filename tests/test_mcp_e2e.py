@@ -73,6 +73,36 @@ async def test_tools_list_after_a_call_is_not_rate_limited(mcp_server_factory, s
                                reason="rate_limited") == 1
 
 
+async def test_each_events_names_its_json_rpc_method(mcp_session, start_sluice):
+    """A session's events name what each POST was (``mcp_method``), the control traffic
+    included: before, only a call's tool (``operation``) told them apart, and the events of
+    ``initialize``, ``tools/list`` and the notifications looked alike."""
+    sluice = await start_sluice({"routes": [mcp_route(mcp_session,
+                                                      rate={"requests": "1/min"})]})
+    async with Client(endpoint(sluice), mode="legacy") as client:
+        assert text(await client.call_tool("add", {"a": 2, "b": 3})) == "5"
+        with pytest.raises(MCPError):  # over the route's rate
+            await client.call_tool("add", {"a": 1, "b": 1})
+        await client.list_tools()
+    await sluice.wait_metric("sluice_inflight_requests", 0, route="tools")
+
+    def methods(kind: str) -> list[str | None]:
+        return [e.get("mcp_method") for e in sluice.events() if e["event"] == kind]
+
+    await wait_until(lambda: "tools/list" in methods("completed"), what="the events flushed")
+    admitted = methods("admitted")
+    for method in ("initialize", "notifications/initialized", "tools/call", "tools/list"):
+        assert method in admitted, admitted
+        assert method in methods("completed")
+    assert None in admitted  # the GET stream and the DELETE: no JSON-RPC message
+    [refused] = [e for e in sluice.events() if e["event"] == "rejected"]
+    assert (refused["mcp_method"], refused["operation"], refused["reason"]) == (
+        "tools/call", "add", "rate_limited")
+    [called] = [e for e in sluice.events()
+                if e["event"] == "completed" and e.get("mcp_method") == "tools/call"]
+    assert called["operation"] == "add" and called["outcome"] == "2xx"
+
+
 async def test_get_stream_holds_no_slot_and_delete_ends_the_session(mcp_session, start_sluice):
     """Before: at ``limit: 1`` the session's GET stream held the slot for the whole session, so
     every call and the closing DELETE got 503 and the server's session was never ended."""

@@ -179,6 +179,17 @@ def test_the_request_a_cancel_names(body: bytes, expected: object) -> None:
     assert cancels == expected and type(cancels) is type(expected)
 
 
+@pytest.mark.parametrize(("body", "expected"), [
+    (rpc("initialize", 1), "initialize"),
+    (rpc("notifications/initialized", ...), "notifications/initialized"),
+    (call("send"), "tools/call"),
+    (orjson.dumps({"jsonrpc": "2.0", "id": 1, "result": {}}), None),  # a response
+    (b"[" + rpc("ping", 1) + b"]", None),  # a batch: no one method
+])
+def test_the_method_a_post_names(body: bytes, expected: str | None) -> None:
+    assert parse_post(body).method == expected
+
+
 def test_traffic_without_a_body() -> None:
     assert traffic("GET") == "stream"  # the session's stream, or a resumption (Last-Event-ID)
     assert traffic("delete") == "control"
