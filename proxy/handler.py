@@ -259,6 +259,8 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
         try:
             traffic, operation, cancels, opens_session, rpc_id, rpc_method = _mcp_traffic(
                 request, body)
+            if rpc_method is not None:
+                rpc_method = _capped(rpc_method)
         except mcp.InvalidMcpRequest as bad:
             return _reject(rt, route, Rejected(Reason.BAD_REQUEST, None, bad.detail[:200]),
                            request_id, tenant, run, body)
@@ -316,10 +318,7 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
     plan = route.plan(call) if traffic == "call" else route.base_plan
     operation = call.operation
     if operation is not None and len(operation) > MAX_OPERATION_LABEL_CHARS:
-        # Looked up whole; events and metrics keep what an MCP tool name may be (1 to 128
-        # characters), not megabytes of a made-up one on every event line of the call.
-        call.operation = (f"{operation[:MAX_OPERATION_LABEL_CHARS]}..."
-                          f"(+{len(operation) - MAX_OPERATION_LABEL_CHARS} characters)")
+        call.operation = _capped(operation)  # looked up whole, by route.plan
     admission = Admission()
     outcome = ABANDONED
     admitted_at = 0.0
@@ -734,6 +733,16 @@ async def _cut(request: web.BaseRequest, rejected: Rejected, status: int
     if request.transport is not None:
         request.transport.close()
     return web.Response(status=status or 502)  # never sent: the connection is closed
+
+
+def _capped(name: str) -> str:
+    """A name from a request (a tool's, an MCP method's) as events and metrics keep it: what
+    an MCP tool name may be (1 to 128 characters), then how much more there was, not
+    megabytes of a made-up one on every event line of the call."""
+    if len(name) <= MAX_OPERATION_LABEL_CHARS:
+        return name
+    return (f"{name[:MAX_OPERATION_LABEL_CHARS]}..."
+            f"(+{len(name) - MAX_OPERATION_LABEL_CHARS} characters)")
 
 
 def _operation(call: Call) -> dict[str, object]:

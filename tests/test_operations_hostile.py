@@ -248,6 +248,23 @@ async def test_a_huge_tool_name_does_not_bloat_the_event_log(mcp_stateless, star
     assert sluice.events_path.stat().st_size < 20_000
 
 
+async def test_a_huge_method_name_does_not_bloat_the_event_log(mcp_stateless, start_sluice):
+    """The same for a notification with a 2 MB method, which events name (``mcp_method``):
+    they keep 128 characters and say how long the rest was."""
+    sluice = await start_sluice({"routes": [{
+        "name": "tools", "path_prefix": "/tools/", "upstream": mcp_stateless.base_url,
+        "protocol": "mcp"}]})
+    huge = "notifications/" + "h" * 2_000_000
+    async with aiohttp.ClientSession() as http, http.post(
+            sluice.url + "/tools/mcp", headers=HEADERS,
+            json={"jsonrpc": "2.0", "method": huge}) as r:
+        await r.read()
+    await wait_until(lambda: any(e["event"] == "completed" for e in sluice.events()))
+    [completed] = [e for e in sluice.events() if e["event"] == "completed"]
+    assert completed["mcp_method"] == f"{huge[:128]}...(+{len(huge) - 128} characters)"
+    assert sluice.events_path.stat().st_size < 20_000
+
+
 @pytest.mark.skipif(not MCP1_PYTHON.exists(), reason="no .venv-mcp1 (the mcp 1.x client)")
 async def test_mcp1_session_survives_a_tool_cost_over_the_whole_budget(mcp_session, start_sluice,
                                                                        tmp_path):
