@@ -286,6 +286,13 @@ def _log_held(filters: list[tuple[logging.Handler, RepeatFilter]], final: bool =
                                           None))
 
 
+def _mcp_calls_present(runtime: Runtime) -> bool:
+    """Whether a call of an ``mcp`` route (not one of its streams) is present, before or
+    after a reload."""
+    return any(route.present_total > route.streams_total
+               for route in (*runtime.routes, *runtime.removed) if route.protocol == "mcp")
+
+
 async def _drain(runtime: Runtime, timeout_s: float, hurry: asyncio.Event) -> None:
     """Wait up to ``timeout_s`` for every call present to end (MCP streams apart), or until
     ``hurry`` is set (a second SIGTERM or Ctrl-C); then answer those not admitted yet 503
@@ -308,14 +315,16 @@ async def _drain(runtime: Runtime, timeout_s: float, hurry: asyncio.Event) -> No
     # An MCP client sends control traffic right after a call's result (the Python 2.x
     # client's tools/list, before it hands the result over): a drain that ended with the
     # call shut the port on it, and the client lost a result its tool had produced (a new
-    # user's trial: 4 of 10 runs). So on MCP routes a drain that waited for calls ends only
-    # once nothing has been present for MCP_FOLLOW_UP_S.
-    follow_up = any(route.protocol == "mcp" for route in runtime.routes)
-    waited, quiet_since = False, 0.0
+    # user's trial: 4 of 10 runs). So a drain that waited for calls of an MCP route ends only
+    # once nothing has been present for MCP_FOLLOW_UP_S (not one that waited for other
+    # routes' calls only: a new user saw each drain take a second more once the config had
+    # an MCP route).
+    follow_up, quiet_since = False, 0.0
     while time.monotonic() < deadline and not hurry.is_set():
         if runtime.present > runtime.streams:
-            waited, quiet_since = True, 0.0
-        elif not (follow_up and waited):
+            follow_up = follow_up or _mcp_calls_present(runtime)
+            quiet_since = 0.0
+        elif not follow_up:
             break
         elif not quiet_since:
             quiet_since = time.monotonic()
