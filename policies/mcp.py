@@ -105,11 +105,16 @@ _B64_PREFIX, _B64_SUFFIX = "=?base64?", "?="
 
 
 class InvalidMcpRequest(ValueError):
-    """The POST body is not an MCP JSON-RPC message Sluice can read: answer 400."""
+    """The POST body is not an MCP JSON-RPC message Sluice can read: answer 400.
+
+    ``method``: the JSON-RPC method of the POST when its body was read before the fault (a
+    header that disagrees with it), for the refusal's event; ``None`` otherwise.
+    """
 
     def __init__(self, detail: str) -> None:
         super().__init__(detail)
         self.detail = detail
+        self.method: str | None = None
 
 
 class HeaderMismatch(InvalidMcpRequest):

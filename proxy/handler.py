@@ -136,7 +136,11 @@ def _mcp_traffic(request: web.BaseRequest, body: bytes) -> _McpRequest:
         return _McpRequest(mcp.traffic(request.method), None, None, False, None, None)
     version = request.headers.get(mcp.VERSION_HEADER)
     post = mcp.parse_post(body, version)
-    mcp.check_headers(post, request.headers, require=mcp.is_modern(version))
+    try:
+        mcp.check_headers(post, request.headers, require=mcp.is_modern(version))
+    except mcp.InvalidMcpRequest as bad:
+        bad.method = post.method  # read: its refusal's event names it
+        raise
     # A batch (protocol 2025-03-26; the TypeScript SDK 1.x server still runs every member) is
     # no one call: it would pass a route's rate, a run's max_requests and a slot once for any
     # number of tools/calls, under none of their tools' blocks, and with no idempotency key,
@@ -263,7 +267,8 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
                 rpc_method = _capped(rpc_method)
         except mcp.InvalidMcpRequest as bad:
             return _reject(rt, route, Rejected(Reason.BAD_REQUEST, None, bad.detail[:200]),
-                           request_id, tenant, run, body)
+                           request_id, tenant, run, body,
+                           None if bad.method is None else _capped(bad.method))
         resumes = mcp.resumes(request.method, headers)
     # New work is refused while draining; an MCP session's control traffic is not new work:
     # a client lists its tools after the first result of one it had not listed, and refused,
@@ -899,7 +904,8 @@ def _end_waiting(rt: Runtime, route: Route, call: Call, task: asyncio.Task[Any],
         task.cancel()
     route.metrics.outcomes["cancel_applied"].inc()
     rt.events.emit("cancel_applied", request_id, route.name, tenant, run, call.idempotency_key,
-                   status=202, call_request_id=call.request_id, **_operation(call))
+                   status=202, call_request_id=call.request_id, mcp_method=mcp.CANCELLED,
+                   **_operation(call))
     return web.Response(status=202)
 
 
@@ -914,7 +920,8 @@ def _hold_cancel(rt: Runtime, route: Route, call: Call, request_id: str, tenant:
     carrying the call's key and ``call_request_id``."""
     route.metrics.outcomes["cancel_held"].inc()
     rt.events.emit("cancel_held", request_id, route.name, tenant, run, call.idempotency_key,
-                   status=202, call_request_id=call.request_id, **_operation(call))
+                   status=202, call_request_id=call.request_id, mcp_method=mcp.CANCELLED,
+                   **_operation(call))
     return web.Response(status=202)
 
 
