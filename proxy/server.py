@@ -235,10 +235,12 @@ async def serve(config: Config, config_path: str | None = None,
         # The kernel's accept queue holds a burst of connections until the loop accepts them;
         # aiohttp's default of 128 dropped the rest of a burst, whose callers then waited for
         # their SYN to be sent again (1 s, 3 s, 7 s...) before Sluice could answer them.
-        await web.TCPSite(proxy_runner, host, port, reuse_address=True,
-                          backlog=config.server.max_connections).start()
+        await _listen(web.TCPSite(proxy_runner, host, port, reuse_address=True,
+                                  backlog=config.server.max_connections),
+                      "server.listen", config.server.listen)
         admin_host, admin_port = _split(config.server.admin_listen)
-        await web.TCPSite(admin_runner, admin_host, admin_port, reuse_address=True).start()
+        await _listen(web.TCPSite(admin_runner, admin_host, admin_port, reuse_address=True),
+                      "server.admin_listen", config.server.admin_listen)
         log.info(
             "sluice serving on %s (admin %s), %d route(s)",
             _bound(proxy_runner), _bound(admin_runner), len(runtime.routes),
@@ -256,6 +258,20 @@ async def serve(config: Config, config_path: str | None = None,
         await runtime.close()
         reporter.cancel()
         _log_held(repeats, final=True)
+
+
+async def _listen(site: web.TCPSite, key: str, address: str) -> None:
+    """Start ``site`` on ``address``, the config's ``key``.
+
+    Raises:
+        OSError: the address cannot be bound (taken by another process, say), its message
+            naming the config key to change.
+    """
+    try:
+        await site.start()
+    except OSError as exc:
+        raise OSError(exc.errno, f"{key} {address}: {exc.strerror or exc} (set {key} to a "
+                                 "free address in a copy of the config)") from None
 
 
 def _repeat_filters() -> list[tuple[logging.Handler, RepeatFilter]]:
