@@ -119,7 +119,8 @@ def _timeline(args: argparse.Namespace) -> int:
     from proxy.timeline import print_timeline
 
     paths = args.events
-    if not paths:
+    from_config = not paths
+    if from_config:
         config = _load(args.config)
         if config is None:
             return EXIT_CONFIG_ERROR
@@ -135,7 +136,13 @@ def _timeline(args: argparse.Namespace) -> int:
     try:
         return print_timeline(args.run_id, paths, sys.stdout, args.tenant)
     except OSError as exc:
-        print(f"cannot read the event log {exc}", file=sys.stderr)
+        where = ""
+        if from_config and not os.path.isabs(paths[0]):
+            # Sluice opens a relative events.path from its own working directory, which may
+            # not be this one (a new user's trial ran the timeline from another directory).
+            where = (f" (events.path in {args.config}, relative to the working directory "
+                     f"{os.getcwd()}: run this where Sluice runs, or pass --events FILE)")
+        print(f"cannot read the event log {exc}{where}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
 
 

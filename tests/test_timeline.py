@@ -157,6 +157,18 @@ def test_a_rotated_log_is_read_across_its_files_plain_and_gzipped(tmp_path):
         assert f"cannot read the event log {tmp_path / bad}: " in refused.stderr
 
 
+def test_a_relative_events_path_not_found_says_where_it_was_looked_for(tmp_path: Path) -> None:
+    """``events.path: sluice-events.jsonl`` is where Sluice runs; the timeline run from
+    another directory found no log, and said only that (a new user's trial)."""
+    config = tmp_path / "my-sluice.yaml"
+    config.write_text("events: {path: sluice-events.jsonl}\n"
+                      "routes:\n  - {name: r, path_prefix: /r/, upstream: 'http://127.0.0.1:9'}\n")
+    refused = timeline("run-42", "--config", str(config))  # run from the repository
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert (f"(events.path in {config}, relative to the working directory {REPO}: run this "
+            "where Sluice runs, or pass --events FILE)") in refused.stderr, refused.stderr
+
+
 def test_tool_costs_count_in_the_runs_spend_and_events_name_the_operation() -> None:
     from proxy.timeline import render
 
