@@ -664,10 +664,13 @@ async def test_slowloris_and_silent_connections_are_closed_while_calls_are_serve
     assert statistics.median(took for _, took in served) < 1.0
     slow, quiet = results[:500], results[500:]
     assert max(took for took, _ in slow) < 3.0  # header_timeout 1s, plus a drip and slack
-    answered = [got for _, got in slow if got != b"reset"]
-    assert len(answered) >= 475  # a few may meet the close under load
-    assert all(got.startswith(b"HTTP/1.1 408") and b'"request_timeout"' in got
-               for got in answered)
+    # A few may meet the close under load: reset by it, or closed with nothing to answer as
+    # a silent one is, their first byte late (two suites at once: one such in 500).
+    answered = [got for _, got in slow if got not in (b"reset", b"")]
+    assert len(answered) >= 475
+    odd = [got[:80] for got in answered
+           if not (got.startswith(b"HTTP/1.1 408") and b'"request_timeout"' in got)]
+    assert not odd, odd
     assert max(took for took, _ in quiet) < 3.0
     assert all(got == b"" for _, got in quiet)  # nothing to answer
     assert "/slow" not in {s.path_qs for s in upstream.requests}
