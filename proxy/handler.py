@@ -422,7 +422,8 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
                 await _take_back(finish)
                 out = request[RELAYED_STREAM]
                 if not await end_answer(request, out) and request.transport is not None:
-                    # Its end was being written when the cancel came: closed, not ended twice.
+                    # Not ended here (its end was being written when the cancel came, or
+                    # its caller has gone): closed, so that aiohttp writes no end after it.
                     request.transport.close()
                 return out
             raise
@@ -753,7 +754,6 @@ def _capped(name: str) -> str:
 def _operation(call: Call) -> dict[str, object]:
     """An event's ``operation`` field: the call's tool, endpoint or model, when it has one."""
     return {} if call.operation is None else {"operation": call.operation}
-
 
 
 def _completed(rt: Runtime, route: Route, call: Call, outcome: Outcome,
