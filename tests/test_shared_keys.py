@@ -229,8 +229,11 @@ async def test_a_breaker_opened_through_one_replica_refuses_on_the_others(
         before = len(upstream.requests)
         calls = [asyncio.create_task(post(s, sluice.url + url))
                  for _ in range(4) for sluice in (a, b, c)]
-        await wait_for(lambda: sum(call.done() for call in calls) == 11)
-        assert len(upstream.requests) == before + 1 and upstream.inflight == 1
+        # The probe reaches the upstream when it does: under load after the 11 refusals (two
+        # suites at once once found it sent but not yet seen there).
+        await wait_for(lambda: sum(call.done() for call in calls) == 11
+                       and upstream.inflight == 1)
+        assert len(upstream.requests) == before + 1
         refused = [call.result() for call in calls if call.done()]
         assert {(st, h["X-Sluice-Reason"]) for st, h, _ in refused} == {(503, "circuit_open")}
         upstream.hold.set()
