@@ -80,6 +80,7 @@ def run(config: Config | None, args: argparse.Namespace, out: IO[str] | None = N
     # "every tenant", which is what no --tenant means.
     query = (f"?{urllib.parse.urlencode({'tenant': args.tenant})}"
              if args.tenant is not None else "")
+    bearer = token(config) if args.runs_command == "cancel" else None
     try:
         if args.runs_command == "list":
             status, body = _call("GET", f"{base}/admin/runs{query}")
@@ -89,15 +90,20 @@ def run(config: Config | None, args: argparse.Namespace, out: IO[str] | None = N
         else:
             status, body = _call(
                 "POST", f"{base}/admin/runs/{urllib.parse.quote(args.run, '')}/cancel{query}",
-                token(config))
+                bearer)
     except OSError as error:
         print(f"sluice: cannot reach the admin port at {base}: {error}", file=sys.stderr)
         return EXIT_FAILED
     if status != 200:
         print(f"sluice: {status}: {body.get('error', body)}", file=sys.stderr)
         if status in (401, 403) and args.runs_command == "cancel":
-            print("sluice: the token sent is admin.token_file's (from --config), else the "
-                  "SLUICE_ADMIN_TOKEN environment variable's", file=sys.stderr)
+            if bearer is None:  # a new user's trial read "the token sent" where none was
+                print("sluice: no admin token was found to send: pass --config with the "
+                      "server's config (its admin.token_file), or set SLUICE_ADMIN_TOKEN",
+                      file=sys.stderr)
+            else:
+                print("sluice: the token sent is admin.token_file's (from --config), else the "
+                      "SLUICE_ADMIN_TOKEN environment variable's", file=sys.stderr)
         return EXIT_FAILED
     if args.runs_command == "list":
         out.write(_list(body["runs"]))

@@ -377,7 +377,15 @@ async def test_cancel_needs_the_token_and_reads_stay_open(upstream, start_sluice
         subprocess.run, [sys.executable, "-m", "proxy", "runs", "cancel", "r", "--admin",
                          sluice.admin_url], cwd=tmp_path, capture_output=True, text=True,
         timeout=60, env={k: v for k, v in os.environ.items() if k != "SLUICE_ADMIN_TOKEN"})
-    assert refused.returncode == 1 and "SLUICE_ADMIN_TOKEN" in refused.stderr, refused.stderr
+    assert refused.returncode == 1 and (
+        "sluice: no admin token was found to send: pass --config with the server's config "
+        "(its admin.token_file), or set SLUICE_ADMIN_TOKEN") in refused.stderr, refused.stderr
+    # With one sent and refused, it says which one it was.
+    wrong = await asyncio.to_thread(
+        subprocess.run, [sys.executable, "-m", "proxy", "runs", "cancel", "r", "--admin",
+                         sluice.admin_url], cwd=tmp_path, capture_output=True, text=True,
+        timeout=60, env={**os.environ, "SLUICE_ADMIN_TOKEN": "wrong"})
+    assert wrong.returncode == 1 and "the token sent is admin.token_file's" in wrong.stderr
     # A name no caller could send as X-Run-ID is refused, not made a phantom run.
     async with aiohttp.ClientSession() as s:
         for bad in ("%C3%A9quipe%20x", "r" * 200):
