@@ -1212,7 +1212,8 @@ def _mismatch(claim: Claim) -> Rejected:
         return Rejected(Reason.IDEMPOTENCY_MISMATCH, None,
                         "this call's key was used for another call: other params, or the same "
                         "call from an MCP client of another protocol generation (a stored "
-                        "answer is replayed only within its generation)")
+                        "answer is replayed only within its generation); to run it again, "
+                        "change an argument or send an Idempotency-Key of its own")
     return Rejected(Reason.IDEMPOTENCY_MISMATCH, None,
                     "this Idempotency-Key was used with a different method, path or body")
 

@@ -403,3 +403,30 @@ async def test_an_input_required_answer_is_not_kept_so_the_continuation_runs() -
     held = await policy.admit(continuation)  # 422 idempotency_mismatch before
     assert held is not None and continuation.idempotency_key == first.idempotency_key
     held.finish("2xx")
+
+
+async def test_an_mcp_calls_mismatch_says_how_to_run_it_again() -> None:
+    """Another call under a used key is refused 422; the message says why and what to do
+    (a new user read the why and guessed the rest)."""
+    import orjson
+
+    from policies.pipeline import Call
+    from policies.reasons import Rejected
+
+    policy = Idempotency(IdempotencyConfig(), "tools", mcp_calls=True)
+    headers = CIMultiDictProxy(CIMultiDict({"Idempotency-Key": "k-1"}))
+
+    def call(seat: str) -> Call:
+        body = orjson.dumps({"jsonrpc": "2.0", "id": 1, "method": "tools/call",
+                             "params": {"name": "book", "arguments": {"seat": seat}}})
+        return Call(request_id="r", route="tools", method="POST", path="/tools/mcp",
+                    headers=headers, body=body, tenant="t", rpc_id=1)
+
+    claim = await policy.admit(call("1A"))
+    assert claim is not None
+    with pytest.raises(Rejected) as refused:
+        await policy.admit(call("2B"))
+    assert refused.value.reason is Reason.IDEMPOTENCY_MISMATCH
+    assert refused.value.detail.endswith(
+        "to run it again, change an argument or send an Idempotency-Key of its own")
+    claim.finish("2xx")
