@@ -86,8 +86,11 @@ class Call:
     may have), which decides what a call that ends without an answer is charged;
     answered_at, when the last attempt's response headers arrived (monotonic seconds, 0.0
     before); background, the task that finishes the call's upstream exchange after its
-    caller left (``proxy.handler``; ``None`` while the caller is there); the upstream time
-    of its attempts (:meth:`attempt_sent`, :meth:`attempt_over`, :meth:`upstream_seconds`).
+    caller left (``proxy.handler``; ``None`` while the caller is there); relaying, the task
+    relaying the call's answer once its last message has gone to the caller
+    (``proxy.forward.delivered``), which a drain ends rather than waits for (``None``
+    before); the upstream time of its attempts (:meth:`attempt_sent`, :meth:`attempt_over`,
+    :meth:`upstream_seconds`).
 
     A policy reports a step for the timeline (e.g. ``enqueued``) with
     :meth:`notify`, which hands it to ``reporter(call, event, fields)`` (default: ignored);
@@ -100,6 +103,7 @@ class Call:
                  "operation",
                  "operation_cost", "operation_overrun", "parent_run", "path", "phase",
                  "priority", "priority_given", "progress_at", "reached", "received_at",
+                 "relaying",
                  "reporter", "request_id", "response_headers", "route", "rpc_id",
                  "rpc_method", "run",
                  "status",
@@ -152,6 +156,7 @@ class Call:
         self.reached = False
         self.answered_at = 0.0
         self.background: asyncio.Task[Any] | None = None
+        self.relaying: asyncio.Task[Any] | None = None
         self._upstream_s = 0.0
         self._sent_at: float | None = None
 

@@ -198,6 +198,15 @@ async def end_answer(request: web.BaseRequest, out: web.StreamResponse,
     return True
 
 
+def _sent(request: web.BaseRequest, call: Call | None) -> None:
+    """The last message of the answer relayed for ``request`` has gone to the caller
+    (:func:`delivered`): a drain ends the rest of it rather than waits for it
+    (:attr:`Call.relaying`, the task relaying it)."""
+    request[ANSWER_SENT] = True
+    if call is not None and call.relaying is None:
+        call.relaying = asyncio.current_task()
+
+
 async def _relay_chunk(request: web.BaseRequest, out: web.StreamResponse, chunk: bytes,
                        finish: Finish) -> bool:
     """Send ``chunk`` of an answer that may outlive its caller, unless the caller has gone;
@@ -252,6 +261,8 @@ class _Deadline:
                     self.call.route if self.call is not None else "?", extra=PER_CALL)
         # What it had not taken is lost, maybe the answer's last message too.
         self.request.pop(ANSWER_SENT, None)
+        if self.call is not None:
+            self.call.relaying = None
         transport.abort()
 
     def cancel(self) -> None:
@@ -600,14 +611,14 @@ async def relay(
                 continue  # read on without the caller: nothing was written
             if ((last is not None and last.outcome is not None)
                     or (meter is not None and meter.done)):
-                request[ANSWER_SENT] = True  # the answer's last message has gone
+                _sent(request, call)
         if meter is not None and (tail := meter.finish()):
             if capture is not None:
                 capture.feed(tail)
             if finish is None or not finish.left:
                 await out.write(tail)
                 if meter.done:
-                    request[ANSWER_SENT] = True
+                    _sent(request, call)
         # An MCP call's stream that ended without the call's response (its session deleted
         # while the tool ran) ends with the call's error as its last event: passed on as it
         # came, the Python mcp 1.x client waited for ever (a hostile trial). Not one whose

@@ -413,9 +413,10 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
             # The answer's last message has gone (an MCP request's response, OpenAI's
             # [DONE]): answered, whatever ended its stream after. Its caller closing it (the
             # official MCP clients, OpenAI's synchronous client), or its run's cancel or the
-            # drain's cut, which end it as the upstream would have instead of cutting it.
+            # drain (Runtime.end_answered, end_mcp_calls), which end it as the upstream would
+            # have instead of cutting it.
             outcome = _delivered_outcome(call, admitted_at)
-            if ((call.cancelled is not None or rt.cutting) and request.transport is not None
+            if ((call.cancelled is not None or rt.draining) and request.transport is not None
                     and not request.transport.is_closing()):
                 if call.cancelled is not None:  # its run's cancel closed the upstream's stream
                     route.metrics.cancelled("inflight")

@@ -302,6 +302,24 @@ class Runtime:
         rest."""
         return cancel_live(self.mcp_calls.values())
 
+    def end_answered(self) -> list[asyncio.Task[Any]]:
+        """End every call in flight whose answer's last message has gone to its caller while
+        its upstream holds the stream open (:attr:`Call.relaying`), for the drain (whose
+        :attr:`draining` is set): the task relaying it is cancelled, once, and the handler,
+        seeing the answer delivered, ends the stream as the upstream would have. Returns those
+        tasks."""
+        ending = []
+        for route in (*self.routes, *self.removed):
+            for each in (route, *route.retired):
+                for call in each.live:
+                    task = call.relaying
+                    if task is not None:
+                        call.relaying = None
+                        if not task.done():
+                            task.cancel()
+                            ending.append(task)
+        return ending
+
     def note_polled(self, route: str, session: str | None, event_id: str,
                     rpc_id: RequestId) -> None:
         """Remember a call whose answer stream the upstream closed early (see

@@ -337,6 +337,13 @@ async def _drain(runtime: Runtime, timeout_s: float, hurry: asyncio.Event) -> No
     # an MCP route).
     follow_up, quiet_since = False, 0.0
     while time.monotonic() < deadline and not hurry.is_set():
+        # A call whose answer's last message has gone (OpenAI's [DONE], an MCP call's
+        # response) is answered: its stream is ended, not waited for while its upstream holds
+        # it open (a new user's trial: every such stream held a drain to its timeout).
+        answered = runtime.end_answered()
+        if answered:
+            log.info("draining: ending %d stream(s) whose answer has gone out",
+                     len(answered))
         if runtime.present > runtime.streams:
             follow_up = follow_up or _mcp_calls_present(runtime)
             quiet_since = 0.0
@@ -362,7 +369,8 @@ async def _drain(runtime: Runtime, timeout_s: float, hurry: asyncio.Event) -> No
             await asyncio.wait(answering, timeout=SHUTDOWN_GRACE_S)
         # MCP calls in flight end with their JSON-RPC error rather than a cut connection
         # (a cut POST fails no call on the Python mcp 1.x client): their handlers write it.
-        ending = runtime.end_mcp_calls()
+        # So do answered streams (a second stop signal cut the drain short): their end.
+        ending = runtime.end_answered() + runtime.end_mcp_calls()
         if ending:
             await asyncio.wait(ending, timeout=SHUTDOWN_GRACE_S)
         # MCP calls being finished after their callers left are no handler's: aiohttp's

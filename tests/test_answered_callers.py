@@ -18,7 +18,6 @@ closed by its client at every session's close.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import signal
 from collections.abc import AsyncIterator
@@ -511,31 +510,33 @@ async def test_a_runs_cancel_after_an_mcp_calls_response_ends_its_stream_as_answ
     await assert_all_given_back(sluice)
 
 
-async def test_the_drain_ends_an_mcp_calls_answered_stream_as_answered(holding,
-                                                                       start_sluice):
-    """The drain's timeout comes while the upstream holds an answered call's stream open:
-    the stream ends as the upstream would have ended it, and the call is ``2xx``. Before:
-    cut, ``drain_cut``."""
-    sluice = await start_sluice({"server": {"drain_timeout": "500ms"},
+@pytest.mark.parametrize("idempotency", ["forward", "dedup"])
+async def test_the_drain_ends_an_mcp_calls_answered_stream_as_answered(holding, start_sluice,
+                                                                       idempotency):
+    """SIGTERM while the upstream holds an answered call's stream open: the drain ends the
+    stream as the upstream would have, at once, and the call is ``2xx``. Before: the drain
+    waited for it to its timeout (here 60 s), then cut it, ``drain_cut``."""
+    sluice = await start_sluice({"server": {"drain_timeout": "60s"},
                                  "routes": [mcp_route(holding.url,
-                                                      idempotency={"mode": "forward"})]})
+                                                      idempotency={"mode": idempotency})]})
     async with aiohttp.ClientSession() as http, http.post(
             sluice.url + "/tools/mcp", json=CALL, headers=HEADERS) as r:
         await asyncio.wait_for(r.content.readuntil(b"\n\n"), 10)
         sluice.signal(signal.SIGTERM)
         assert await read_to_the_end(r) == b""
-    assert await sluice.wait_exit(timeout=30) == 0
+        assert await sluice.wait_exit(timeout=20) == 0  # well before drain_timeout
     [completed] = [e for e in sluice.events() if e["event"] == "completed"]
     assert (completed["outcome"], completed["status"]) == ("2xx", 200)
+    assert "ending 1 stream(s) whose answer has gone out" in sluice.stderr()
 
 
-async def test_the_drain_cutting_an_openai_stream_after_done_counts_it_answered(
-        upstream, start_sluice):
-    """Past ``[DONE]``, the upstream holding the stream open through the drain's timeout:
-    the shutdown closes the connection (aiohttp's, after the stream's handler), and the call
-    is ``2xx``, as its caller had the whole answer. Before: ``drain_cut``."""
-    upstream.done_linger = 30.0
-    sluice = await start_sluice({"server": {"drain_timeout": "500ms"},
+async def test_the_drain_ends_an_openai_stream_held_open_after_done(upstream, start_sluice):
+    """Past ``[DONE]``, the upstream holding the stream open (here 60 s): SIGTERM ends the
+    stream at once, as the upstream would have, and the call is ``2xx``. Before (a new
+    user's trial): the drain waited for it to its timeout, then cut it (the caller's read
+    failed), ``drain_cut``."""
+    upstream.done_linger = 60.0
+    sluice = await start_sluice({"server": {"drain_timeout": "60s"},
                                  "routes": [openai_route(upstream)]})
     async with aiohttp.ClientSession() as http, http.post(
             sluice.url + "/openai/v1/chat/completions",
@@ -543,8 +544,8 @@ async def test_the_drain_cutting_an_openai_stream_after_done_counts_it_answered(
                   "messages": [{"role": "user", "content": "hi"}]}) as r:
         await asyncio.wait_for(r.content.readuntil(b"data: [DONE]\n\n"), 10)
         sluice.signal(signal.SIGTERM)
-        with contextlib.suppress(aiohttp.ClientPayloadError):
-            await read_to_the_end(r)
-    assert await sluice.wait_exit(timeout=30) == 0
+        assert await read_to_the_end(r) == b""  # ended, not cut
+        assert await sluice.wait_exit(timeout=20) == 0  # well before drain_timeout
     [completed] = [e for e in sluice.events() if e["event"] == "completed"]
     assert (completed["outcome"], completed["status"]) == ("2xx", 200)
+    await wait_until(lambda: upstream.cancelled == 1, what="the upstream's stream closed")
