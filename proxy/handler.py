@@ -420,6 +420,7 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
                     and not request.transport.is_closing()):
                 if call.cancelled is not None:  # its run's cancel closed the upstream's stream
                     route.metrics.cancelled("inflight")
+                call.relaying = None  # ended here: a drain starting now cancels it no more
                 await _take_back(finish)
                 out = request[RELAYED_STREAM]
                 if not await end_answer(request, out) and request.transport is not None:
