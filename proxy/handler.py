@@ -151,10 +151,10 @@ def _mcp_traffic(request: web.BaseRequest, body: bytes) -> _McpRequest:
             "POST, so that it is limited, keyed and retried as one call")
     traffic = mcp.traffic("POST", post)
     request_message = post.request
-    rpc_id = request_message.id if request_message is not None else None
-    if traffic != "control":
-        return _McpRequest(traffic, post.tool, None, False, rpc_id, post.method)
-    return _McpRequest(traffic, post.tool, post.cancels, post.opens_session, rpc_id,
+    control = traffic == "control"
+    return _McpRequest(traffic, post.tool, post.cancels if control else None,
+                       control and post.opens_session,
+                       request_message.id if request_message is not None else None,
                        post.method)
 
 
@@ -392,7 +392,7 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
             outcome = Outcome("rejected", reached=False, status=rejected.reason.status)
             return refuse(rt, route, rejected, request_id, tenant, run, call.idempotency_key,
                           call.body, call.operation, call.rpc_method)
-        outcome = _answer_outcome(call, response, label, admitted_at)
+        outcome = _answer_outcome(call, response.status, label, admitted_at)
         return response
     except (asyncio.CancelledError, ConnectionResetError):
         if finish is not None:
@@ -621,7 +621,7 @@ def _finish_outcome(rt: Runtime, route: Route, call: Call, task: asyncio.Task[ob
     error = task.exception()
     if error is None:
         response, label = task.result()  # type: ignore[misc]
-        return _answer_outcome(call, response, label, admitted_at)
+        return _answer_outcome(call, response.status, label, admitted_at)
     if isinstance(error, Rejected):  # the first attempt refused (breaker, deadline)
         return Outcome("rejected", reached=False, status=error.reason.status)
     if isinstance(error, ConnectionResetError):
@@ -630,24 +630,22 @@ def _finish_outcome(rt: Runtime, route: Route, call: Call, task: asyncio.Task[ob
     return Outcome("upstream_error", call.reached, 502)
 
 
-def _answer_outcome(call: Call, response: web.StreamResponse, label: str,
-                    admitted_at: float) -> Outcome:
-    """The outcome of a call the forwarder ended with ``response`` (``label``: its
-    ``sluice_requests_total`` outcome); an upstream's answer is a sample of the service time
-    and of the time to its first byte."""
+def _answer_outcome(call: Call, status: int, label: str, admitted_at: float) -> Outcome:
+    """The outcome of a call the forwarder ended with an answer of ``status`` (``label``:
+    its ``sluice_requests_total`` outcome); an upstream's answer is a sample of the service
+    time and of the time to its first byte."""
     if label[0].isdigit():
-        return Outcome(label, call.reached, response.status, time.monotonic() - admitted_at,
+        return Outcome(label, call.reached, status, time.monotonic() - admitted_at,
                        call.answered_at - admitted_at if call.answered_at else None)
-    return Outcome(label, call.reached, response.status)
+    return Outcome(label, call.reached, status)
 
 
 def _delivered_outcome(call: Call, admitted_at: float) -> Outcome:
-    """The outcome of a call whose caller left after the answer's last message was sent
-    (:func:`proxy.forward.delivered`): the answer's status class, as if the upstream had
-    ended the stream then; its time is a sample of the service time."""
-    return Outcome(f"{call.status // 100}xx", call.reached, call.status,
-                   time.monotonic() - admitted_at,
-                   call.answered_at - admitted_at if call.answered_at else None)
+    """The outcome of a call whose answer's last message had gone to the caller
+    (:func:`proxy.forward.delivered`) when something else ended its stream (its caller
+    closing it, its run's cancel, a drain), or of an MCP session's GET stream its client
+    closed: the answer's status class, as if the upstream had ended the stream then."""
+    return _answer_outcome(call, call.status, f"{call.status // 100}xx", admitted_at)
 
 
 def _log_failure(route: Route, call: Call, error: BaseException) -> None:

@@ -19,7 +19,7 @@ import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 import pytest
@@ -190,20 +190,24 @@ async def raw_request(port: int, data: bytes, timeout: float = 10.0) -> bytes:
         writer.close()
 
 
+RunnerT = TypeVar("RunnerT", bound=web.BaseRunner)
+
+
 async def serve_app(app: web.Application, **options: Any) -> tuple[web.AppRunner, int]:
     """Serve ``app`` (a test's own upstream) on a free loopback port in this process, with
     ``options`` for its runner (e.g. ``handler_cancellation=True``): its runner, to clean up,
     and its port."""
-    runner = web.AppRunner(app, access_log=None, **options)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    return runner, site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    return await _on_a_free_port(web.AppRunner(app, access_log=None, **options))
 
 
-async def serve_runtime(runtime: Any) -> tuple[web.ServerRunner, int]:
-    """Serve ``runtime``'s proxy port in this process: its runner and port."""
-    runner = web.ServerRunner(build_proxy_server(runtime))
+async def serve_runtime(runtime: Any, **settings: Any) -> tuple[web.ServerRunner, int]:
+    """Serve ``runtime``'s proxy port in this process: its runner (``web.ServerRunner``
+    with the keywords ``settings``, e.g. ``serve``'s ``shutdown_timeout``) and port."""
+    return await _on_a_free_port(web.ServerRunner(build_proxy_server(runtime), **settings))
+
+
+async def _on_a_free_port(runner: RunnerT) -> tuple[RunnerT, int]:
+    """Set ``runner`` up on a free loopback port: it, and the port."""
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()

@@ -13,12 +13,11 @@ from typing import Any
 
 import aiohttp
 import pytest
-from aiohttp import web
 
 from proxy.config import parse_config
 from proxy.runtime import Runtime
-from proxy.server import PROXY_SHUTDOWN_GRACE_S, _drain, build_proxy_server
-from tests.conftest import free_ports, route, status_of, wait_until
+from proxy.server import PROXY_SHUTDOWN_GRACE_S, _drain
+from tests.conftest import free_ports, route, serve_runtime, status_of, wait_until
 from tests.mcp_servers import (  # noqa: F401  (fixtures)
     mcp_server_factory,
     mcp_session,
@@ -228,17 +227,6 @@ async def test_calls_still_queued_when_the_drain_ends_are_answered_503_not_cut(u
     assert len(upstream.requests) == 3
 
 
-async def proxy_port(runtime: Runtime) -> tuple[web.ServerRunner, int]:
-    """Serve ``runtime``'s proxy port in this process, shut down as ``serve`` does: the
-    runner to clean up, and the port."""
-    runner = web.ServerRunner(build_proxy_server(runtime),
-                              shutdown_timeout=PROXY_SHUTDOWN_GRACE_S)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    return runner, site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-
-
 async def test_a_queued_call_the_drain_answers_is_counted_as_a_refusal(upstream, tmp_path):
     # In process, to read the counters the process takes with it: the answered call counts
     # in sluice_rejections_total{reason="draining"} and as a `rejected` outcome, the cut one
@@ -250,7 +238,7 @@ async def test_a_queued_call_the_drain_answers_is_counted_as_a_refusal(upstream,
         f"  - {{name: openai, path_prefix: /openai/, upstream: '{upstream.url}',\n"
         "      protocol: openai, concurrency: {limit: 1, queue: 1, max_wait: 60s}}\n"))
     await runtime.open()
-    runner, port = await proxy_port(runtime)
+    runner, port = await serve_runtime(runtime, shutdown_timeout=PROXY_SHUTDOWN_GRACE_S)
     url = f"http://127.0.0.1:{port}/openai/v1/chat/completions"
     upstream.hold = asyncio.Event()
     [route_] = runtime.routes
@@ -801,7 +789,7 @@ async def test_a_drain_that_waited_for_no_mcp_call_takes_no_follow_up(upstream, 
         f"  - {{name: tools, path_prefix: /tools/, upstream: '{upstream.url}', "
         "protocol: mcp}\n"))
     await runtime.open()
-    runner, port = await proxy_port(runtime)
+    runner, port = await serve_runtime(runtime, shutdown_timeout=PROXY_SHUTDOWN_GRACE_S)
     upstream.hold = asyncio.Event()
     try:
         async with aiohttp.ClientSession() as session:

@@ -85,6 +85,9 @@ async def _reload(sluice, change) -> None:
 
 
 async def _held_after_done(upstream, start_sluice, change) -> None:
+    """An OpenAI stream held open by its upstream after [DONE], its route changed by a
+    reload (``change``, on the config as a dict), then SIGTERM: the stream ends at once,
+    cleanly, ``2xx``."""
     upstream.done_linger = 60.0
     other = {"name": "other", "path_prefix": "/other/", "upstream": upstream.url,
              "protocol": "openai"}
@@ -104,6 +107,7 @@ async def _held_after_done(upstream, start_sluice, change) -> None:
 
 async def test_a_route_removed_by_a_reload_still_has_its_answered_stream_ended(upstream,
                                                                                start_sluice):
+    """Its call is on a route the config no longer has (``Runtime.removed``)."""
     await _held_after_done(upstream, start_sluice,
                            lambda d: d.update(routes=[r for r in d["routes"]
                                                       if r["name"] != "openai"]))
@@ -111,6 +115,7 @@ async def test_a_route_removed_by_a_reload_still_has_its_answered_stream_ended(u
 
 async def test_a_route_replaced_by_a_reload_still_has_its_answered_stream_ended(upstream,
                                                                                 start_sluice):
+    """Its call is on the route object a reload replaced (``Route.retired``)."""
     def change(d):
         d["routes"][0]["timeouts"] = {"total": "120s"}
     await _held_after_done(upstream, start_sluice, change)
@@ -132,7 +137,7 @@ async def test_the_drain_ends_the_answered_stream_and_waits_for_the_other(upstre
         sluice.signal(signal.SIGTERM)
         assert await read_to_the_end(done) == b""
         await asyncio.sleep(1.0)
-        assert sluice.proc.poll() is None if hasattr(sluice, "proc") else True
+        assert sluice.proc.poll() is None  # still draining: it waits for the other
         upstream.done_linger = 0.0
         hold.set()
         rest = await read_to_the_end(mid)
@@ -163,8 +168,9 @@ async def test_a_runs_cancel_and_the_drain_on_one_answered_call(holding, start_s
     assert (completed["outcome"], completed["status"]) == ("2xx", 200)
 
 
-async def test_a_second_sigterm_with_an_answered_stream_and_one_mid_answer(upstream,
-                                                                          start_sluice):
+async def test_a_second_sigterm_still_cuts_a_stream_mid_answer(upstream, start_sluice):
+    """The cut's ``end_answered`` ends only answered streams: a second SIGTERM cuts one still
+    mid-answer, ``drain_cut``, as before."""
     upstream.done_linger = 60.0
     sluice = await start_sluice({"server": {"drain_timeout": "60s"},
                                  "routes": [openai_route(upstream)]})

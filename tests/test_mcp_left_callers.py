@@ -34,9 +34,8 @@ from policies.mcp import AnswerTracker
 from proxy.config import parse_config
 from proxy.forward import MCP_ANSWER, Finish, _relay_chunk
 from proxy.runtime import Runtime
-from proxy.server import build_proxy_server
 from tests import mcp_servers
-from tests.conftest import leave_the_queue, serve_app, wait_until
+from tests.conftest import leave_the_queue, serve_app, serve_runtime, wait_until
 from tests.redis_servers import TEST_TIMEOUT_S, delete_prefix, new_prefix, require_redis
 from tests.test_reload import rewrite, set_limit
 
@@ -86,11 +85,7 @@ async def tools_runtime(upstream: str) -> Runtime:
 async def serve_in_process(runtime: Runtime) -> tuple[web.ServerRunner, str]:
     """Serve ``runtime``'s proxy port in this process (for tests that reach inside it): the
     runner to clean up, and the ``tools`` route's MCP endpoint URL."""
-    runner = web.ServerRunner(build_proxy_server(runtime))
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    runner, port = await serve_runtime(runtime)
     return runner, f"http://127.0.0.1:{port}/tools/mcp"
 
 
