@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import random
 import shutil
 import signal
 import socket
@@ -67,21 +68,33 @@ def require_redis(url: str = REDIS_URL) -> str:
     return url
 
 
+def _ephemeral_floor() -> int:
+    """The lowest port the kernel hands out for ``bind(0)`` and outgoing connections."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def free_port() -> int:
-    """A free loopback port whose cluster bus port (+10000) is free too."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port > 55000:
-            continue
-        with socket.socket() as bus:
+    """A free loopback port whose cluster bus port (+10000) is free too.
+
+    Both lie below the ephemeral range: a port picked by ``bind(0)`` and released could be
+    taken by any outgoing connection before ``redis-server`` binds it, which once failed CI
+    ("redis-server on port 39237 did not start"). Only these helpers pick ports down here;
+    :meth:`RedisServer.start` moves on to another if one is taken all the same.
+    """
+    top = _ephemeral_floor() - 10000
+    for _ in range(200):
+        port = random.randrange(max(1024, top - 4000), top)
+        with contextlib.ExitStack() as held:
             try:
-                bus.bind(("127.0.0.1", port + 10000))
+                for candidate in (port, port + 10000):
+                    held.enter_context(socket.socket()).bind(("127.0.0.1", candidate))
             except OSError:
                 continue
         return port
-    raise RuntimeError("no free port pair")
+    raise RuntimeError("no free port pair below the ephemeral range")
 
 
 def delete_prefix(url: str, prefix: str) -> None:
@@ -101,6 +114,9 @@ class RedisServer:
         if shutil.which("redis-server") is None:
             unavailable("redis-server is not installed")
         self.directory = directory
+        #: A port the caller chose (a restart on the same address) is kept; a picked one is
+        #: replaced if another process binds it first.
+        self.pinned = port is not None
         self.port = port or free_port()
         self.extra = extra
         self.proc: subprocess.Popen[bytes] | None = None
@@ -110,20 +126,50 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> RedisServer:
+        """Run the server and wait until it answers PING.
+
+        Raises RuntimeError, with the server's own log, if it exits at once three times (a
+        pinned port taken; an unpinned one is re-picked each time) or is not answering after
+        15 s (two busy cores).
+        """
         self.directory.mkdir(parents=True, exist_ok=True)
-        self.proc = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
-             "--save", "", "--appendonly", "no", "--dir", str(self.directory),
-             "--protected-mode", "no", *self.extra],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + 5
-        while not answers(self.url):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"redis-server on port {self.port} did not start")
-            time.sleep(0.02)
-        return self
+        log = self.directory / "redis-server.log"
+        for _ in range(3):
+            self.proc = subprocess.Popen(
+                ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
+                 "--save", "", "--appendonly", "no", "--dir", str(self.directory),
+                 "--protected-mode", "no", "--logfile", str(log), *self.extra],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            )
+            deadline = time.monotonic() + 15
+            while not self._answering():
+                if self.proc.poll() is not None:
+                    break  # exited: most likely its port was taken
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"redis-server on port {self.port} did not answer "
+                                       f"within 15 s; its log:\n{_tail(log)}")
+                time.sleep(0.02)
+            else:
+                return self
+            if not self.pinned:
+                self.port = free_port()
+                # a cluster node records its address at start: a node on a new port starts anew
+                (self.directory / "nodes.conf").unlink(missing_ok=True)
+        self.proc = None
+        raise RuntimeError(f"redis-server on port {self.port} exited at start three times; "
+                           f"its log:\n{_tail(log)}")
+
+    def _answering(self) -> bool:
+        """This server answers, not another one that took the port first."""
+        try:
+            with redis.Redis(port=self.port, socket_timeout=0.5,
+                             socket_connect_timeout=0.5) as r:
+                return r.info("server")["process_id"] == self.proc.pid
+        except redis.AuthenticationError:  # up, wanting a password: ours if still running
+            return self.proc.poll() is None
+        except (redis.RedisError, OSError):
+            return False
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -142,6 +188,13 @@ class RedisServer:
 
     def client(self) -> redis.Redis:
         return redis.Redis(port=self.port, socket_timeout=5)
+
+
+def _tail(log: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log written)"
 
 
 @pytest.fixture
