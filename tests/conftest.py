@@ -15,7 +15,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
 from pathlib import Path
@@ -30,6 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from proxy.config import StrictLoader
 from proxy.server import build_proxy_server
 from tests.fakeupstream import FakeUpstream
+from tests.ports import free_ports
 from tests.redis_servers import (  # noqa: F401  (fixtures)
     backends,
     redis_cluster,
@@ -55,20 +55,8 @@ def coverage_env() -> dict[str, str]:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def free_ports(count: int) -> list[int]:
-    """``count`` distinct free ports: each socket is held until all are picked (two calls of
-    :func:`free_port` once got the same port back, and Sluice refused its listen and admin
-    ports as one)."""
-    with contextlib.ExitStack() as held:
-        sockets = [held.enter_context(socket.socket()) for _ in range(count)]
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
+    """A free loopback port (:mod:`tests.ports`: not one an outgoing connection can take)."""
+    return free_ports(1)[0]
 
 
 class SluiceProcess:

@@ -16,10 +16,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -32,6 +30,7 @@ import pytest
 import redis
 
 from policies.state import StateBackends, memory_backends, redis_backends
+from tests.ports import free_ports
 
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
 #: The per-call bound the tests give Sluice's state (``state.timeout``): generous, as 2 busy
@@ -68,33 +67,9 @@ def require_redis(url: str = REDIS_URL) -> str:
     return url
 
 
-def _ephemeral_floor() -> int:
-    """The lowest port the kernel hands out for ``bind(0)`` and outgoing connections."""
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768  # Linux's default
-
-
 def free_port() -> int:
-    """A free loopback port whose cluster bus port (+10000) is free too.
-
-    Both lie below the ephemeral range: a port picked by ``bind(0)`` and released could be
-    taken by any outgoing connection before ``redis-server`` binds it, which once failed CI
-    ("redis-server on port 39237 did not start"). Only these helpers pick ports down here;
-    :meth:`RedisServer.start` moves on to another if one is taken all the same.
-    """
-    top = _ephemeral_floor() - 10000
-    for _ in range(200):
-        port = random.randrange(max(1024, top - 4000), top)
-        with contextlib.ExitStack() as held:
-            try:
-                for candidate in (port, port + 10000):
-                    held.enter_context(socket.socket()).bind(("127.0.0.1", candidate))
-            except OSError:
-                continue
-        return port
-    raise RuntimeError("no free port pair below the ephemeral range")
+    """A free loopback port whose cluster bus port (+10000) is free too (:mod:`tests.ports`)."""
+    return free_ports(1, bus=True)[0]
 
 
 def delete_prefix(url: str, prefix: str) -> None:

@@ -1,5 +1,6 @@
-"""The suite's own ``redis-server`` helper survives a port taken before it binds (CI failed
-once on "redis-server on port 39237 did not start")."""
+"""The suite's free ports lie below the ephemeral range, and its own ``redis-server`` helper
+survives a port taken before it binds (CI failed once on "redis-server on port 39237 did not
+start")."""
 
 from __future__ import annotations
 
@@ -9,14 +10,17 @@ from pathlib import Path
 import pytest
 
 from tests import redis_servers
+from tests.ports import ephemeral_floor, free_ports
 from tests.redis_servers import RedisServer, answers, free_port
 
 
-def test_free_port_lies_below_the_ephemeral_range() -> None:
-    floor = redis_servers._ephemeral_floor()
+def test_free_ports_lie_below_the_ephemeral_range() -> None:
+    floor = ephemeral_floor()
     for _ in range(20):
         port = free_port()
         assert 1024 <= port and port + 10000 < floor
+    picked = free_ports(5)
+    assert len(set(picked)) == 5 and max(picked) < floor
 
 
 def test_a_picked_port_taken_first_is_replaced(tmp_path: Path,
