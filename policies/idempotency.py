@@ -34,11 +34,14 @@ tenant and route: two tenants never share a stored result, whatever keys they se
 **Dedup semantics**:
 
 * completed duplicate, same payload fingerprint (SHA-256 of method, path with query, and
-  body): the stored status, headers (less framing and ``Set-Cookie``) and body, with
+  body; for a key the caller sent, bound to the caller's credentials too, so another caller
+  who learns the key is never given the answer: :func:`_with_credentials`): the stored
+  status, headers (less framing and ``Set-Cookie``) and body, with
   ``Idempotent-Replayed: true``; streamed answers (SSE) are stored as the bytes of the whole
   stream and replayed at once as one response, so the client's SSE parser sees the same events.
-* same key, different fingerprint: 422 ``idempotency_mismatch`` (the draft's status), whether
-  the first request is done or still in flight.
+* same key, different fingerprint (another payload, or another caller's credentials): 422
+  ``idempotency_mismatch`` (the draft's status), whether the first request is done or still in
+  flight.
 * duplicate while the first is in flight: with ``on_in_flight: wait`` (default) it waits,
   holding no concurrency slot, and gets the first one's answer as a replay; with ``reject``
   it gets 409 ``idempotency_conflict`` with ``Retry-After: 1`` (the draft's answer; the
@@ -631,6 +634,11 @@ class Idempotency:
             claim = Claim(key, mcp_id)
             claim.header = f'"{key}"'
 
+        if self.dedup:
+            if fingerprint is None:
+                fingerprint = _fingerprint(method, path, body)
+            if raw is not None:
+                fingerprint = _with_credentials(fingerprint, headers)
         bound = self.max_wait if wait_s is None else max(wait_s, 0.0)
         if self._backends is not None:
             try:
@@ -655,8 +663,7 @@ class Idempotency:
 
         if not self.dedup:
             fingerprint = b""
-        elif fingerprint is None:
-            fingerprint = _fingerprint(method, path, body)
+        assert fingerprint is not None  # made above for dedup
         claim.fingerprint = fingerprint
         claim._policy = self
         claim._store_key = store_key
@@ -787,12 +794,8 @@ class Idempotency:
             claim.new_unit = await records.seen(shared_key, self.ttl) and not is_client_retry(
                 headers)
             return claim
-        if not self.dedup:
-            fingerprint = b""
-        elif call_fingerprint is not None:
-            fingerprint = call_fingerprint
-        else:
-            fingerprint = _fingerprint(method, path, body)
+        fingerprint = call_fingerprint if self.dedup else b""
+        assert fingerprint is not None  # claim() made it for dedup
         claim.fingerprint = fingerprint
         claim._policy = self
         owner = new_owner()
@@ -1119,6 +1122,17 @@ def _fingerprint(method: str, path: str, body: bytes) -> bytes:
     return digest.digest()
 
 
+def _with_credentials(fingerprint: bytes, headers: CIMultiDictProxy[str]) -> bytes:
+    """``fingerprint`` (32 bytes) bound to the credentials ``headers`` carry
+    (:func:`_credentials`): a key the caller chose is that caller's, so the same key and
+    payload from other credentials, or none, is answered 422 ``idempotency_mismatch``, never
+    with the first caller's stored answer. Records stay scoped by tenant; with
+    self-declared tenants (no ``identity.tenants``) that scope alone would replay an answer
+    to anyone who learnt the key (a new user's trial: a request with no ``Authorization``
+    was given another caller's completion)."""
+    return hashlib.sha256(fingerprint + _credentials(headers)).digest()
+
+
 #: Where callers send their credentials (as ``proxy/identity.py`` reads them).
 CREDENTIAL_HEADERS = ("Authorization", *API_KEY_HEADERS)
 
@@ -1215,7 +1229,8 @@ def _mismatch(claim: Claim) -> Rejected:
                         "answer is replayed only within its generation); to run it again, "
                         "change an argument or send an Idempotency-Key of its own")
     return Rejected(Reason.IDEMPOTENCY_MISMATCH, None,
-                    "this Idempotency-Key was used with a different method, path or body")
+                    "this Idempotency-Key was used with a different method, path or body, "
+                    "or by a caller with other credentials")
 
 
 def replay_response(record: Record) -> web.Response:

@@ -430,3 +430,28 @@ async def test_an_mcp_calls_mismatch_says_how_to_run_it_again() -> None:
     assert refused.value.detail.endswith(
         "to run it again, change an argument or send an Idempotency-Key of its own")
     claim.finish("2xx")
+
+
+async def test_a_callers_key_replays_only_to_the_same_credentials() -> None:
+    # A new user's trial: with self-declared tenants, a request with another API key, or
+    # none, sending a key it had learnt was given the first caller's stored completion.
+    policy = Idempotency(IdempotencyConfig(), "r")
+
+    def sent(**credentials: str) -> CIMultiDictProxy[str]:
+        return CIMultiDictProxy(CIMultiDict({"Idempotency-Key": "k", **credentials}))
+
+    alice = {"Authorization": "Bearer alice-key"}
+    owner = await policy.claim("POST", "/p", sent(**alice), "t", b"1")
+    twin = await policy.claim("POST", "/p", sent(Authorization="Bearer mallory"), "t", b"1")
+    assert twin.rejected is not None and twin.rejected.reason is Reason.IDEMPOTENCY_MISMATCH
+    assert "other credentials" in twin.rejected.detail
+    owner.capture.begin(200, "OK", CIMultiDict({"Content-Type": "application/json"}))
+    owner.capture.feed(b'{"secret": 1}')
+    owner.finish("2xx")
+    for other in ({"Authorization": "Bearer mallory"}, {"x-api-key": "alice-key"}, {}):
+        claim = await policy.claim("POST", "/p", sent(**other), "t", b"1")
+        assert claim.replay is None, other
+        assert claim.rejected is not None and claim.rejected.reason is Reason.IDEMPOTENCY_MISMATCH
+    again = await policy.claim("POST", "/p", sent(**alice), "t", b"1")
+    assert again.replay is not None and again.replay.body == b'{"secret": 1}'
+    assert policy.in_flight == 0

@@ -190,6 +190,32 @@ async def test_a_key_held_by_a_killed_replica_is_freed(upstream, start_sluice, s
           "(lease 2 s)")
 
 
+async def test_a_callers_key_is_replayed_only_to_its_own_credentials(upstream, start_sluice,
+                                                                   shared_state):
+    # A new user's trial on the default identity (tenants declared, so everyone is
+    # "default"): a request with another API key, or none, sending a learnt key was given
+    # the first caller's completion from the store, where no upstream checks credentials.
+    a, b = await replicas(start_sluice, 2, shared_state,
+                          route("openai", upstream.url, idempotency={"mode": "dedup"}))
+    key = {"Idempotency-Key": "k-cred-1"}
+    async with aiohttp.ClientSession() as session:
+        first = await post(session, a.url + "/openai" + CHAT,
+                           Authorization="Bearer alice-key", **key)
+        assert first[0] == 200
+        for sluice in (a, b):
+            for other in ({"Authorization": "Bearer mallory-key"}, {"x-api-key": "alice-key"},
+                          {}):
+                status, headers, body = await post(session, sluice.url + "/openai" + CHAT,
+                                                   **other, **key)
+                assert (status, headers.get("X-Sluice-Reason")) == (
+                    422, "idempotency_mismatch"), other
+                assert body != first[2]
+            status, headers, body = await post(session, sluice.url + "/openai" + CHAT,
+                                               Authorization="Bearer alice-key", **key)
+            assert (status, headers.get("Idempotent-Replayed"), body) == (200, "true", first[2])
+    assert upstream.executed == 1
+
+
 # -- circuit breaker ----------------------------------------------------------------------------
 
 
