@@ -32,6 +32,17 @@ What is charged (``usage`` in the event):
   before the answer, a proxy error): the whole reservation, since the upstream may have
   billed it all.
 
+With retries, each attempt is a request the upstream may bill, so a call is charged for all
+of them (:meth:`Charge._used`): the answer relayed as above; when none was relayed, the
+latest attempt as above if it may have been billed (no answer, or one below 400 its caller
+left before), and nothing for an error answer let go in a retry's wait or an attempt refused
+a connection; plus the whole reservation for each earlier attempt that may have reached the
+upstream and got no answer (a timeout, a connection lost after sending), counted in the
+``completed`` event's ``unanswered_attempts`` and labelled ``reserved`` if nothing else was
+charged. Before, only the last answer counted: a caller that left in the back-off after a
+503 was charged its whole reservation, and a timed-out attempt followed by a relayed 503 was
+charged nothing (a hostile trial).
+
 The last two are counted in ``sluice_usage_missing_total`` by the request path: missing usage
 is never counted as zero.
 """
@@ -43,7 +54,7 @@ import math
 
 from policies.budget import Budgets, Reservation, price_usd
 from policies.config import DEFAULT_OPERATION, ModelPrice, RouteConfig
-from policies.pipeline import Call, Outcome
+from policies.pipeline import SENT_UNANSWERED, Call, Outcome
 from policies.rate import RateLimiter, Units, fallback_for
 from policies.reasons import Reason, Rejected
 from policies.state import LedgerFull, StateBackends, StateUnavailable
@@ -354,10 +365,8 @@ class Charge(Meter):
                 units.handed_over()
                 self._acct.budgets.give_back(reservation, units.takes)
                 reservation = None
-        elif self.final:
-            usage, source = self.usage, "reported"
         else:
-            usage, source = self._unreported(outcome.label)
+            usage, source = self._used(outcome.label, call)
         if units is not None:
             units.release(outcome)
         if reservation is not None:
@@ -373,6 +382,8 @@ class Charge(Meter):
             "cost_usd": None if price is None else round(price_usd(price, usage), 9),
             "usage": source,
         }
+        if call.unanswered:
+            call.charged["unanswered_attempts"] = call.unanswered
         cap = self.cost.output_cap
         if source == "reported" and cap is not None:
             # Charged as reported, the upstream's count being the bill: more than the
@@ -381,6 +392,31 @@ class Charge(Meter):
             over = (usage.input_tokens + usage.output_tokens) - (self.cost.input_tokens + cap)
             if over > 0:
                 call.charged["over_reservation_tokens"] = over
+
+    def _used(self, outcome: str, call: Call) -> tuple[Usage, str]:
+        """What a call that reached the upstream used, over all its attempts (module
+        docstring): the relayed answer's usage, or, when none was relayed, the latest
+        attempt's worst case if it may have been billed; plus the whole reservation for each
+        earlier attempt that may have reached the upstream and got no answer."""
+        if self.status:  # an answer was relayed, and read as it passed
+            usage, source = (self.usage, "reported") if self.final else self._unreported(
+                outcome)
+        elif call.answer_status == SENT_UNANSWERED or 0 < call.answer_status < 400:
+            usage, source = self._unreported(outcome)  # it may have been billed in full
+        else:  # an error answer (providers bill none) let go in a retry's wait, or unsent
+            usage, source = Usage(), "none"
+        if call.unanswered:
+            worst = self._worst()
+            usage = Usage(usage.input_tokens + call.unanswered * worst.input_tokens,
+                          usage.output_tokens + call.unanswered * worst.output_tokens,
+                          usage.cache_read_tokens, usage.cache_write_tokens)
+            if source == "none":
+                source = "reserved"
+        return usage, source
+
+    def _worst(self) -> Usage:
+        """The most one attempt can use: the reservation (input estimate, output cap)."""
+        return Usage(self.cost.input_tokens, self.cost.output_cap or 0)
 
     def _unreported(self, outcome: str) -> tuple[Usage, str]:
         """What a call that reached the upstream used when its answer gave no final count."""
@@ -397,4 +433,4 @@ class Charge(Meter):
                 output = min(output, cap)
             return Usage(seen.input_tokens or cost.input_tokens, output,
                          seen.cache_read_tokens, seen.cache_write_tokens), "estimated"
-        return Usage(cost.input_tokens, cap or 0), "reserved"
+        return self._worst(), "reserved"

@@ -454,7 +454,8 @@ class Costs:
 
 class CostCharge:
     """A call's cost, held until it ends: settled to ``attempts x cost_per_call + upstream
-    seconds x cost_per_second`` (nothing when no attempt may have reached the upstream)."""
+    seconds x cost_per_second``, counting only attempts that may have reached the upstream
+    (one refused a connection costs nothing; nothing at all when none may have)."""
 
     __slots__ = ("call", "costs", "reservation")
 
@@ -467,7 +468,7 @@ class CostCharge:
         costs, call = self.costs, self.call
         usd = 0.0
         if outcome.reached:
-            usd = (call.attempts * costs.per_call
+            usd = ((call.attempts - call.unsent) * costs.per_call
                    + call.upstream_seconds(time.monotonic()) * costs.per_second)
             call.operation_cost = round(usd, 9)
             if self.reservation is not None:

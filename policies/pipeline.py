@@ -84,6 +84,12 @@ class Call:
     reached, whether an attempt may have reached the upstream (from the moment one is sent;
     false again only if :func:`proxy.forward.left` shows it never left, and no earlier one
     may have), which decides what a call that ends without an answer is charged;
+    answer_status, how the latest attempt ended, for what it may have cost: its answer's
+    status, :data:`SENT_UNANSWERED` when it may have reached the upstream and got no answer
+    (a timeout, a connection lost after sending, the caller gone while waiting), 0 when none
+    was sent or it never left; unanswered, how many earlier attempts (a later one followed)
+    ended :data:`SENT_UNANSWERED`: each may have been billed in full; unsent, attempts shown
+    never to have left (a refused connection);
     answered_at, when the last attempt's response headers arrived (monotonic seconds, 0.0
     before); background, the task that finishes the call's upstream exchange after its
     caller left (``proxy.handler``; ``None`` while the caller is there); relaying, the task
@@ -97,7 +103,8 @@ class Call:
     the request path passes one reporter per route, so no call builds a closure.
     """
 
-    __slots__ = ("_sent_at", "_upstream_s", "answered_at", "attempts", "background", "body",
+    __slots__ = ("_sent_at", "_upstream_s", "answer_status", "answered_at", "attempts",
+                 "background", "body",
                  "cancelled", "capture", "charged", "client_retry", "cost", "enqueued_at",
                  "headers", "idempotency_key", "lineage", "meter", "method", "new_unit",
                  "operation",
@@ -107,7 +114,8 @@ class Call:
                  "reporter", "request_id", "response_headers", "route", "rpc_id",
                  "rpc_method", "run",
                  "status",
-                 "tenant", "timeout", "timeout_reads", "units_deferred", "upstream_key")
+                 "tenant", "timeout", "timeout_reads", "unanswered", "units_deferred",
+                 "unsent", "upstream_key")
 
     def __init__(self, *, request_id: str, route: str, method: str, path: str,
                  headers: Mapping[str, str], body: bytes, tenant: str, run: str | None = None,
@@ -154,6 +162,9 @@ class Call:
         self.operation_overrun = 0.0
         self.status = 0
         self.reached = False
+        self.answer_status = 0
+        self.unanswered = 0
+        self.unsent = 0
         self.answered_at = 0.0
         self.background: asyncio.Task[Any] | None = None
         self.relaying: asyncio.Task[Any] | None = None
@@ -205,6 +216,11 @@ class Call:
         the one still open (the answer being relayed) up to ``now``."""
         open_s = now - self._sent_at if self._sent_at is not None else 0.0
         return self._upstream_s + max(open_s, 0.0)
+
+
+#: :attr:`Call.answer_status` of an attempt that may have reached the upstream and got no
+#: answer.
+SENT_UNANSWERED = -1
 
 
 class Outcome:

@@ -59,7 +59,7 @@ from policies.mcp import (
     is_sse,
 )
 from policies.operations import Plan
-from policies.pipeline import Call
+from policies.pipeline import SENT_UNANSWERED, Call
 from policies.reasons import Reason, Rejected
 from policies.retry import (
     CLIENT_RETRY_HEADER,
@@ -479,8 +479,11 @@ async def _attempt(rt: Runtime, route: Route, call: Call, url: URL,
         raise
     started = time.monotonic()
     reached_before = call.reached
+    if call.answer_status == SENT_UNANSWERED:  # the one before may have been billed in full
+        call.unanswered += 1
     try:
         call.reached = True  # from here it may leave, whatever ends the attempt
+        call.answer_status = SENT_UNANSWERED
         route.metrics.upstream_attempts.inc()
         call.attempts += 1
         call.attempt_sent(started)
@@ -496,7 +499,7 @@ async def _attempt(rt: Runtime, route: Route, call: Call, url: URL,
                                           timeout)
         tries.answered(response)  # first: whatever happens next, the response gets closed
         call.answered_at = time.monotonic()
-        status = response.status
+        status = call.answer_status = response.status
         # Read here, under the except below that gives the tickets back if reading fails.
         hint = upstream_retry_after(response.headers) if status >= 400 else None
         verdict = brk.classify(status, response.headers)
@@ -534,6 +537,9 @@ async def _attempt(rt: Runtime, route: Route, call: Call, url: URL,
         return status, hint, True
     call.attempt_over(time.monotonic())
     call.reached = reached_before or sent
+    if not sent:
+        call.answer_status = 0
+        call.unsent += 1
     tries.drop_response()
     if neutral:
         for breaker, ticket in tickets:

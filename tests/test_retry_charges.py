@@ -1,0 +1,211 @@
+"""What a call with retries is charged: every attempt the upstream may have billed, and
+nothing for one it cannot have (policies/accounting.py, ``Charge._used``; policies/operations.py,
+``CostCharge``). Each test failed before the fix (a hostile trial, round 34): only the last
+answer counted."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import aiohttp
+from aiohttp import web
+
+from tests.conftest import free_port, route, serve_app
+
+CHAT = "/openai/v1/chat/completions"
+
+
+async def _completed(sluice, timeout: float = 20.0) -> list[dict]:
+    deadline = time.monotonic() + timeout
+    while True:
+        done = [e for e in sluice.events() if e.get("event") == "completed"]
+        if done:
+            return done
+        assert time.monotonic() < deadline, "no completed event"
+        await asyncio.sleep(0.05)
+
+
+async def test_a_caller_leaving_in_the_retry_back_off_after_a_5xx_is_not_charged_its_reservation(
+        upstream, start_sluice):
+    """The only attempt sent was answered 503 in full (a provider bills nothing for it) and
+    the next was never sent: a caller that leaves during the back-off must be charged what a
+    caller that waits for the same 503 is charged (nothing), not its whole reservation."""
+    sluice = await start_sluice({"routes": [route(
+        "openai", upstream.url, idempotent=True,
+        retry={"attempts": 3, "backoff": {"base": "5s", "max": "5s"}, "on": [503]},
+        budget={"tokens": "100000/day", "per": "tenant"})]})
+    upstream.status = 503
+    body = json.dumps({"model": "gpt-test", "messages": [{"role": "user", "content": "hi"}],
+                       "max_tokens": 500}).encode()
+    _, writer = await asyncio.open_connection("127.0.0.1", sluice.port)
+    writer.write(b"POST " + CHAT.encode() + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                 b"X-Tenant-ID: acme\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    await writer.drain()
+    deadline = time.monotonic() + 20
+    while not upstream.requests:  # the first attempt reached the upstream and got its 503
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.3)  # Sluice is now in the back-off before attempt 2
+    writer.close()
+    [done] = await _completed(sluice)
+    assert len(upstream.requests) == 1, "only the first attempt was sent"
+    assert done["outcome"] == "client_disconnected"
+    remaining = await sluice.metric("sluice_budget_remaining", route="openai", tenant="acme",
+                                    unit="tokens")
+    assert (done["usage"], done["input_tokens"] + done["output_tokens"], remaining) == (
+        "none", 0, 100000.0)
+
+
+async def test_retries_that_got_a_5xx_then_no_connection_charge_nothing(upstream, start_sluice):
+    """Attempt 1 reached the upstream and got a whole 503 (billed nothing); attempts 2 and 3
+    found no upstream to connect to (never reached it). Nothing was billed, so nothing may be
+    charged; the whole reservation (input estimate + max_tokens) was."""
+    sluice = await start_sluice({"routes": [route(
+        "openai", upstream.url, idempotent=True,
+        retry={"attempts": 3, "backoff": {"base": "1s", "max": "1s"},
+               "on": [503, "connect_error"]},
+        budget={"tokens": "100000/day", "per": "tenant"})]})
+    upstream.status = 503
+    body = {"model": "gpt-test", "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 500}
+    async with aiohttp.ClientSession() as s:
+        sent = asyncio.create_task(s.post(sluice.url + CHAT, json=body,
+                                          headers={"X-Tenant-ID": "acme"}))
+        deadline = time.monotonic() + 20
+        while not upstream.requests:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        await upstream.stop()  # the next attempts are refused a connection
+        async with await sent as r:
+            await r.read()
+            assert (r.status, r.headers["X-Sluice-Reason"]) == (502, "upstream_unreachable")
+    [done] = await _completed(sluice)
+    remaining = await sluice.metric("sluice_budget_remaining", route="openai", tenant="acme",
+                                    unit="tokens")
+    assert (done["usage"], done["input_tokens"] + done["output_tokens"], remaining) == (
+        "none", 0, 100000.0)
+
+
+async def test_an_attempt_that_timed_out_upstream_is_charged_though_the_last_got_a_503(
+        start_sluice):
+    """The other face of the retry/accounting gap: attempt 1 is sent and cut by
+    ``per_try_timeout`` (the upstream runs it to the end and bills it: "a timeout before the
+    answer ... the whole reservation, since the upstream may have billed it all"); attempt 2
+    gets a whole 503, which is relayed. The call is charged nothing (``usage: none``), so
+    calls that time out and then meet a 503 spend the upstream's tokens outside the budget."""
+    seen: list[int] = []
+
+    async def chat(request: web.Request) -> web.Response:
+        await request.read()
+        seen.append(1)
+        if len(seen) == 1:  # worked to the end (and billed), after Sluice stopped waiting
+            await asyncio.sleep(1.5)
+            return web.json_response({"choices": [], "usage": {"prompt_tokens": 30,
+                                                                "completion_tokens": 500}})
+        return web.json_response({"error": {"message": "overloaded"}}, status=503)
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    runner, port = await serve_app(app)
+    try:
+        sluice = await start_sluice({"routes": [route(
+            "openai", f"http://127.0.0.1:{port}", idempotent=True,
+            retry={"attempts": 2, "per_try_timeout": "500ms",
+                   "backoff": {"base": "10ms", "max": "20ms"}, "on": [503, "timeout"]},
+            budget={"tokens": "100000/day", "per": "tenant"})]})
+        body = {"model": "gpt-test", "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 500}
+        async with aiohttp.ClientSession() as s, s.post(
+                sluice.url + CHAT, json=body, headers={"X-Tenant-ID": "acme"}) as r:
+            await r.read()
+            assert r.status == 503
+        [done] = await _completed(sluice)
+        assert len(seen) == 2
+        assert done["usage"] == "reserved", done
+        assert done["input_tokens"] + done["output_tokens"] > 0
+    finally:
+        await runner.cleanup()
+
+
+async def test_an_attempt_refused_a_connection_is_not_charged_cost_per_call(start_sluice):
+    """``cost_per_call`` is charged per upstream attempt, and "a call that never reached the
+    upstream costs nothing" (docs/operations.md): an attempt refused a connection never
+    reached it either, yet the call below (attempt 1 refused, attempt 2 answered) is charged
+    two calls' cost, and reported as passing its hold (``over_reservation_usd``)."""
+    port = free_port()
+    sluice = await start_sluice({"routes": [route(
+        "h", f"http://127.0.0.1:{port}", protocol="http", idempotent=True,
+        retry={"attempts": 3, "backoff": {"base": "1s", "max": "1s"}, "on": ["connect_error"]},
+        budget={"usd": "100/day", "per": "tenant"},
+        endpoints={"POST /v1/x": {"cost_per_call": 1.0}})]})
+
+    async def ok(request: web.Request) -> web.Response:
+        return web.json_response({"ok": True})
+
+    app = web.Application()
+    app.router.add_post("/v1/x", ok)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    try:
+        async with aiohttp.ClientSession() as s:
+            sent = asyncio.create_task(s.post(sluice.url + "/h/v1/x", data=b"{}",
+                                              headers={"X-Tenant-ID": "acme"}))
+            deadline = time.monotonic() + 20
+            while not any(e.get("event") == "retried" for e in sluice.events()):
+                assert time.monotonic() < deadline, "attempt 1 was not refused"
+                await asyncio.sleep(0.02)
+            await web.TCPSite(runner, "127.0.0.1", port).start()  # up for attempt 2
+            async with await sent as r:
+                assert r.status == 200
+                await r.read()
+        [done] = await _completed(sluice)
+        remaining = await sluice.metric("sluice_budget_remaining", route="h", tenant="acme",
+                                        unit="usd")
+        assert (done["operation_cost_usd"], remaining) == (1.0, 99.0)
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_timed_out_attempt_is_charged_beside_the_usage_the_next_one_reports(
+        start_sluice):
+    # Attempt 1 runs to its end upstream after Sluice stopped waiting (billed), attempt 2
+    # answers with its usage: both count, the first at its reservation (30 input estimated
+    # from the body, 500 max_tokens), and the event says one attempt went unanswered.
+    seen: list[int] = []
+
+    async def chat(request: web.Request) -> web.Response:
+        await request.read()
+        seen.append(1)
+        if len(seen) == 1:
+            await asyncio.sleep(1.5)
+        return web.json_response({"choices": [], "usage": {"prompt_tokens": 7,
+                                                            "completion_tokens": 11}})
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    runner, port = await serve_app(app)
+    try:
+        sluice = await start_sluice({"routes": [route(
+            "openai", f"http://127.0.0.1:{port}", idempotent=True,
+            retry={"attempts": 2, "per_try_timeout": "500ms",
+                   "backoff": {"base": "10ms", "max": "20ms"}, "on": ["timeout"]},
+            budget={"tokens": "100000/day", "per": "tenant"})]})
+        body = {"model": "gpt-test", "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 500}
+        async with aiohttp.ClientSession() as s, s.post(
+                sluice.url + CHAT, json=body, headers={"X-Tenant-ID": "acme"}) as r:
+            assert r.status == 200
+            await r.read()
+        [done] = await _completed(sluice)
+        assert (done["usage"], done["unanswered_attempts"]) == ("reported", 1)
+        assert done["output_tokens"] == 11 + 500
+        # Past the one reservation held by exactly what attempt 2 reported.
+        assert done["over_reservation_tokens"] == 7 + 11
+        remaining = await sluice.metric("sluice_budget_remaining", route="openai",
+                                        tenant="acme", unit="tokens")
+        assert remaining == 100000 - done["input_tokens"] - done["output_tokens"]
+    finally:
+        await runner.cleanup()
