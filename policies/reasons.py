@@ -47,7 +47,8 @@ class Reason(enum.Enum):
     )
     STATE_UNAVAILABLE = (
         "state_unavailable", 503,
-        "the shared state (Redis) does not answer",
+        "the shared state (Redis) cannot be used: it does not answer, or refuses Sluice (a "
+        "wrong password); Sluice's /readyz says which",
     )
     DEADLINE_UNREACHABLE = (
         "deadline_unreachable", 503, "the upstream could not answer within the request's deadline"

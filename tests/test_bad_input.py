@@ -263,6 +263,8 @@ async def test_state_unavailable_tells_callers_no_internal_address(start_sluice,
             assert r.status == 503
             body = await r.text()
     assert "state_unavailable" in body
+    # Not "does not answer" alone: a wrong password is refused too (a new user's trial).
+    assert "refuses Sluice" in body and "/readyz" in body
     for internal in (str(port), "127.0.0.1", "Error 111", "ConnectionError", "redis://"):
         assert internal not in body, body
     # The operator still sees the cause: on the admin port, and in the log.
