@@ -556,17 +556,35 @@ async def test_an_mcp_sessions_control_traffic_is_served_while_draining(
     assert [e["reason"] for e in rejected] == ["draining"]
 
 
-async def test_a_new_mcp_session_is_refused_while_draining(
-        mcp_stateless, start_sluice):  # noqa: F811
+#: A client's first message to a server, as the SDKs send it: a 2025 client's ``initialize``,
+#: and the ``server/discover`` the Python 2.x client sends in its default ``mode="auto"``
+#: (``ClientSession.send_discover``: the metadata in ``_meta`` and in headers).
+_OPENINGS = {
+    "initialize": ({}, {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+        "protocolVersion": "2025-06-18", "capabilities": {},
+        "clientInfo": {"name": "t", "version": "1"}}}),
+    "server/discover": (
+        {"MCP-Protocol-Version": "2026-07-28", "Mcp-Method": "server/discover"},
+        {"jsonrpc": "2.0", "id": 1, "method": "server/discover", "params": {"_meta": {
+            "io.modelcontextprotocol/protocolVersion": "2026-07-28",
+            "io.modelcontextprotocol/clientInfo": {"name": "t", "version": "1"},
+            "io.modelcontextprotocol/clientCapabilities": {}}}}),
+}
+
+
+@pytest.mark.parametrize("method", list(_OPENINGS))
+async def test_a_new_mcp_client_is_refused_while_draining(
+        mcp_stateless, start_sluice, method):  # noqa: F811
+    """A new client's first message is refused, so it connects to another replica. A new
+    user's trial: ``server/discover`` (the Python 2.x client's default) was served, as
+    control traffic, and the client's first ``tools/call`` was refused ``draining``."""
     sluice = await start_sluice({
         "server": {"drain_timeout": "20s"},
         "routes": [{"name": "tools", "path_prefix": "/tools/", "upstream": mcp_stateless.base_url,
                     "protocol": "mcp"}]})
     url = sluice.url + "/tools/mcp"
+    opening_headers, opening = _OPENINGS[method]
     headers = {"Accept": "application/json, text/event-stream"}
-    initialize = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
-        "protocolVersion": "2025-06-18", "capabilities": {},
-        "clientInfo": {"name": "t", "version": "1"}}}
     async with aiohttp.ClientSession() as session:
         held = asyncio.create_task(session.post(url, headers=headers,
                                                 json=tool_call(2, "slow", seconds=4.0)))
@@ -574,12 +592,15 @@ async def test_a_new_mcp_session_is_refused_while_draining(
                          what="a call in flight, so the drain lasts")
         sluice.signal(signal.SIGTERM)
         await wait_until(lambda: "draining" in sluice.stderr(), what="the drain")
-        async with session.post(url, headers=headers, json=initialize) as r:
-            assert r.headers["X-Sluice-Reason"] == "draining"
+        async with session.post(url, headers={**headers, **opening_headers},
+                                json=opening) as r:
+            assert r.headers.get("X-Sluice-Reason") == "draining"
             body = await r.json()
         assert body["id"] == 1 and body["error"]["data"]["reason"] == "draining"
         (await held).release()
     assert await sluice.wait_exit(timeout=20) == 0
+    assert [(e["event"], e.get("reason"), e.get("mcp_method")) for e in sluice.events()
+            if e["event"] == "rejected"] == [("rejected", "draining", method)]
 
 
 async def _mcp_answer(http: aiohttp.ClientSession, url: str, headers: dict[str, str],
