@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -315,8 +316,18 @@ async def test_a_second_sigterm_cuts_the_drain_short(upstream, start_sluice):
         sluice.signal(signal.SIGTERM)
         await wait_until(lambda: "draining: 1 request(s) in flight" in sluice.stderr(),
                          what="the drain started")
+        assert ("(a second SIGTERM or Ctrl-C, 1s or more after the first, cuts them now)"
+                in sluice.stderr())
         assert not call.done()  # the first signal waits for it
         sluice.signal(signal.SIGTERM)  # within 1 s of the first: the same Ctrl-C, twice
+        # Said, not silently ignored: the drain's line promised a second signal cuts.
+        await wait_until(lambda: "after the first stop signal ignored" in sluice.stderr(),
+                         what="the repeat signal said ignored")
+        ignored = next(line for line in sluice.stderr().splitlines()
+                       if "after the first stop signal ignored" in line)
+        assert re.search(r"sluice: SIGTERM 0\.\d+s after the first stop signal ignored: within "
+                         r"the 1s grace \(one Ctrl-C can arrive twice\); another one after it "
+                         r"cuts the calls now$", ignored), ignored
         await asyncio.sleep(0.3)
         assert not call.done()
         await asyncio.sleep(1.0)  # later: an operator's second one
@@ -325,6 +336,7 @@ async def test_a_second_sigterm_cuts_the_drain_short(upstream, start_sluice):
             await call
         assert await sluice.wait_exit(timeout=60) == 0  # long before the 120 s drain_timeout
     assert "second stop signal: cutting 1 request(s) still in flight" in sluice.stderr()
+    assert sluice.stderr().count("stop signal ignored") == 1  # not the one that cut
 
 
 async def test_calls_queued_at_sigterm_are_served_not_cut(upstream, start_sluice):
