@@ -37,6 +37,8 @@ from typing import IO, Any
 
 import orjson
 
+from policies.wording import counted
+
 #: Fields every request event has; the rest are the event's own.
 COMMON_FIELDS = ("ts", "event", "request_id", "route", "tenant", "run", "idempotency_key")
 #: The last second of year 9999, the latest ``ts`` a timeline can print.
@@ -211,7 +213,7 @@ def summary(events: list[dict[str, Any]], requests: list[RequestStory]) -> str:
             unpriced += used > 0 and _number(ev.get("cost_usd")) is None
     ratio = f"{attempts / len(requests):.2f}" if requests else "-"
     return (f"amplification {ratio} ({attempts} upstream attempt(s) for {len(requests)} "
-            f"request(s)); spend {int(tokens)} tokens, {cost_text(usd, unpriced)}")
+            f"request(s)); spend {counted(int(tokens), 'token')}, {cost_text(usd, unpriced)}")
 
 
 def cost_text(usd: float, unpriced: int) -> str:

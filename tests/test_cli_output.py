@@ -65,6 +65,12 @@ def test_dlq_list_says_how_many_it_left_out(dead_letters, capsys):
         main(["dlq", "list", "--config", str(dead_letters), "--limit", "0"])
 
 
+def test_dlq_list_says_one_older_one_in_the_singular(dead_letters, capsys):
+    assert main(["dlq", "list", "--config", str(dead_letters), "--limit", "2999"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "(the newest 2999 of 3000 records; 1 older one left out: --limit 3000 lists them all)")
+
+
 def test_dlq_list_into_head_prints_no_traceback(dead_letters):
     result = subprocess.run(
         ["bash", "-c", f"{sys.executable} -m proxy dlq list --limit 3000 --config "

@@ -91,6 +91,29 @@ async def test_depth_2_refuses_a_grandchilds_grandchild(upstream, start_sluice):
     assert len(upstream.requests) == 3
 
 
+async def test_refusals_at_a_limit_of_one_say_one_call_not_calls(upstream, start_sluice):
+    """A new user read "run r has 1 calls in flight"; a limit of 1 (or a depth of 1) is said
+    in the singular."""
+    sluice = await start_sluice({"routes": [
+        route("wide", upstream.url, "http", fanout={"width": 1, "max_wait": "100ms"}),
+        route("counted", upstream.url, "http", run={"max_requests": 1}),
+        route("deep", upstream.url, "http", fanout={"depth": 0})]})
+    upstream.hold = asyncio.Event()
+    async with aiohttp.ClientSession() as s:
+        held = asyncio.create_task(post(s, f"{sluice.url}/wide/x", run_headers("w")))
+        await wait_until(lambda: upstream.inflight == 1, what="the first call upstream")
+        wide = await post(s, f"{sluice.url}/wide/x", run_headers("w"))
+        upstream.hold.set()
+        assert (await held)[0] == 200
+        assert (await post(s, f"{sluice.url}/counted/x", run_headers("c")))[0] == 200
+        counted = await post(s, f"{sluice.url}/counted/x", run_headers("c"))
+        deep = await post(s, f"{sluice.url}/deep/x", run_headers("child", "root"))
+    messages = [json.loads(body)["error"]["message"] for _, _, body in (wide, counted, deep)]
+    assert "width: run w has 1 call in flight (fanout.width)" in messages[0], messages
+    assert "max_requests: run c and its descendants made 1 call" in messages[1], messages
+    assert "depth: run child is 1 level below its root" in messages[2], messages
+
+
 async def test_a_root_linked_later_takes_its_children_a_level_deeper(upstream, start_sluice):
     # A run first seen as a root, whose calls count nothing, is linked by the first call
     # naming a parent; its children kept the depth they had, one level too shallow for
