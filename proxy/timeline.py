@@ -218,12 +218,14 @@ def summary(events: list[dict[str, Any]], requests: list[RequestStory]) -> str:
 
 def cost_text(usd: float, unpriced: int) -> str:
     """A spend of ``usd`` dollars plus ``unpriced`` calls whose models have no price (their
-    cost unknown, not 0): ``$0.000008``, ``cost unknown (1 call(s) of models without
-    pricing)`` or ``$0.000008 + unknown (...)``. Also ``sluice runs``' form."""
+    cost unknown, not 0): ``$0.000008``, ``cost unknown (1 call of a model without
+    pricing)`` or ``$0.000008 + unknown (2 calls of models without pricing)``. Also
+    ``sluice runs``' form."""
     cost = f"${usd:.6f}"
     if unpriced:
-        cost = (f"{cost} + unknown ({unpriced} call(s) of models without pricing)" if usd
-                else f"cost unknown ({unpriced} call(s) of models without pricing)")
+        which = (f"{counted(unpriced, 'call')} of "
+                 f"{'a model' if unpriced == 1 else 'models'} without pricing")
+        cost = f"{cost} + unknown ({which})" if usd else f"cost unknown ({which})"
     return cost
 
 
