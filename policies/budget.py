@@ -60,6 +60,7 @@ from policies.state import StateBackends, StateUnavailable
 from policies.state.ledger import Claim, LedgerFull
 from policies.state.rate import Take
 from policies.usage import Usage, cost_usd
+from policies.wording import counted
 
 log = logging.getLogger("sluice")
 
@@ -601,8 +602,8 @@ class Reconciler:
                 await ledger.settle(group, entry.rid, entry.actual)
             pending.popleft()
             applied += 1
-        log.warning("budget spend of %d calls reconciled into the shared ledger on %s",
-                    applied, group)
+        log.warning("budget spend of %s reconciled into the shared ledger on %s",
+                    counted(applied, "call"), group)
 
 
 class _Pending:

@@ -78,6 +78,7 @@ from collections.abc import Callable, Mapping
 
 from policies.pipeline import Call, Outcome
 from policies.reasons import Reason, Rejected
+from policies.wording import counted
 
 #: Priority classes by ``X-Priority`` value; lower is served first.
 PRIORITIES = {"critical": 0, "standard": 1, "best-effort": 2}
@@ -337,9 +338,10 @@ class ConcurrencyLimiter:
             raise Rejected(
                 Reason.QUEUE_FULL,
                 self._drain_estimate(self.queued + 1),
-                f"{self.limit} slots busy and {self.queue_capacity} queued"
+                f"{counted(self.limit, 'slot')} busy and {self.queue_capacity} queued"
                 if self.max_wait > 0 else
-                f"{self.limit} slots busy and max_wait is 0s: no call waits for a slot",
+                f"{counted(self.limit, 'slot')} busy and max_wait is 0s: no call waits for a "
+                "slot",
                 ("concurrency", self.limit, 0, 0),
             )
         # Refused at once only when the caller's own timeout cannot cover the estimate: a wait
@@ -366,8 +368,9 @@ class ConcurrencyLimiter:
             displaced.future.set_exception(Rejected(
                 Reason.QUEUE_FULL,
                 self._drain_estimate(self.queued + 1),
-                f"{self.limit} slots busy and {self.queue_capacity} queued; this call's place "
-                "went to one of a better class or of a tenant within its fair share",
+                f"{counted(self.limit, 'slot')} busy and {self.queue_capacity} queued; this "
+                "call's place went to one of a better class or of a tenant within its fair "
+                "share",
                 ("concurrency", self.limit, 0, 0),
             ))
         loop = asyncio.get_running_loop()

@@ -92,6 +92,10 @@ NAMED_METHODS = frozenset({"tools/call", "resources/read", "prompts/get"})
 #: Request methods that are control traffic whatever their name (the ``*/list`` ones are too).
 CONTROL_METHODS = frozenset({"initialize", "server/discover", "ping"})
 
+#: Request methods a client connecting to a server sends first: new work for a draining
+#: replica (its client would connect there, then have its first call refused ``draining``).
+OPENING_METHODS = frozenset({"initialize", "server/discover"})
+
 #: Request methods that open a long-lived stream.
 STREAM_METHODS = frozenset({"subscriptions/listen"})
 
@@ -210,9 +214,10 @@ class McpPost:
 
     @property
     def opens_session(self) -> bool:
-        """Whether the POST holds an ``initialize`` request (a new session, or a 2025 client's
-        first exchange), alone or in a 2025-03-26 batch (which a server may take)."""
-        return any(m.method == "initialize" and m.kind == "request" for m in self.messages)
+        """Whether the POST holds a client's first request to a server (:data:`OPENING_METHODS`:
+        a 2025 client's ``initialize``, a new session; a 2026-07-28 client's
+        ``server/discover``), alone or in a 2025-03-26 batch (which a server may take)."""
+        return any(m.method in OPENING_METHODS and m.kind == "request" for m in self.messages)
 
     @property
     def method(self) -> str | None:

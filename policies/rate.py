@@ -71,6 +71,7 @@ from policies.state.errors import outage_hint
 from policies.state.leases import new_lease_id
 from policies.state.rate import Holder, MemoryRateBuckets, Plan, RateResult, Take, memory_plan
 from policies.usage import endpoint_for
+from policies.wording import counted
 
 log = logging.getLogger("sluice")
 
@@ -384,8 +385,8 @@ class RateLimiter:
         if amount > rate.count:
             raise Rejected(
                 Reason.EXCEEDS_LIMIT, None,
-                f"this request reserves {amount} tokens, more than the whole token rate "
-                f"limit of {rate}; lower max_tokens",
+                f"this request reserves {counted(amount, 'token')}, more than the whole "
+                f"token rate limit of {rate}; lower max_tokens",
             )
         return Take(TOKENS, rate.count, float(rate.period_s), amount)
 
@@ -462,14 +463,14 @@ class RateLimiter:
             return Rejected(Reason.STATE_UNAVAILABLE,
                             1.0 if redis is None
                             else outage_hint(redis.probe_interval_s, redis.health.down_for()),
-                            f"this request reserves {reserves} tokens, more than this "
-                            f"replica's share ({take.limit:g}) of the token rate limit of "
+                            f"this request reserves {counted(reserves, 'token')}, more than "
+                            f"this replica's share ({take.limit:g}) of the token rate limit of "
                             f"{rate} while the shared state does not answer; it fits once "
                             "that answers")
         if take.amount > quota:  # fits this replica's rate once the lower one lapses
             return Rejected(Reason.TOKEN_RATE_LIMITED, result.retry_after_s,
-                            f"this request reserves {reserves} tokens, more than {limit}"
-                            f"{why}: it fits once that replica reloads or its rate lapses",
+                            f"this request reserves {counted(reserves, 'token')}, more than "
+                            f"{limit}{why}: it fits once that replica reloads or its rate lapses",
                             policy)
         return Rejected(Reason.TOKEN_RATE_LIMITED, result.retry_after_s,
                         f"limit {limit} tokens{why}; this request reserves {reserves}", policy)

@@ -60,6 +60,7 @@ from policies.rate import Background, unavailable
 from policies.reasons import Reason, Rejected
 from policies.state import Fallback, StateUnavailable
 from policies.state.runs import Count, Lineage, RedisRuns
+from policies.wording import counted
 
 log = logging.getLogger("sluice")
 
@@ -674,8 +675,8 @@ class RunLimits:
             info = registry.resolve(call.run, call.parent_run, call.tenant)
         if self.depth is not None and info.depth > self.depth:
             raise Rejected(Reason.FANOUT_LIMITED, None,
-                           f"depth: run {info.id} is {info.depth} levels below its root; "
-                           f"fanout.depth is {self.depth}", retry=False)
+                           f"depth: run {info.id} is {counted(info.depth, 'level')} below its "
+                           f"root; fanout.depth is {self.depth}", retry=False)
         config = self.run
         if config is None:
             return None
@@ -726,10 +727,12 @@ class RunLimits:
         if pending:
             return Rejected(
                 Reason.RUN_BUDGET_EXHAUSTED, PENDING_WAIT_S,
-                f"max_requests: run {full} and its descendants have {limit} calls counted, "
-                f"{pending} of them not yet sent upstream (given back if they never are)")
+                f"max_requests: run {full} and its descendants have "
+                f"{counted(limit, 'call')} counted, {pending} not yet sent upstream (given "
+                "back if never sent)")
         return Rejected(Reason.RUN_BUDGET_EXHAUSTED, None,
-                        f"max_requests: run {full} and its descendants made {limit} calls",
+                        f"max_requests: run {full} and its descendants made "
+                        f"{counted(limit, 'call')}",
                         retry=False)
 
     def _claim(self, call: Call, limit: int) -> tuple[RedisRuns | None, str | None,
@@ -894,8 +897,9 @@ class FanoutWidth:
             self._leave(key, entry)
             if rejected.reason in (Reason.QUEUE_TIMEOUT, Reason.QUEUE_FULL):
                 raise Rejected(Reason.FANOUT_LIMITED, rejected.retry_after,
-                               f"width: run {run} has {self.width} calls in flight "
-                               f"(fanout.width) and none ended within {self.max_wait:g}s"
+                               f"width: run {run} has {counted(self.width, 'call')} in "
+                               f"flight (fanout.width) and none ended within "
+                               f"{self.max_wait:g}s"
                                ) from None
             raise
         except BaseException:

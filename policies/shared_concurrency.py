@@ -83,6 +83,7 @@ from policies.state.leases import (
     new_lease_id,
 )
 from policies.state.notify import Signal
+from policies.wording import counted
 
 log = logging.getLogger("sluice")
 
@@ -311,8 +312,8 @@ class SharedConcurrencyLimiter(ConcurrencyLimiter):
         if not self.degraded:
             self.degraded = True
             log.warning("concurrency of route %s: %s; this replica admits at most %d of the "
-                        "%d slots from its own memory until it answers (state.on_unavailable: "
-                        "local)", self.group, exc.cause, share, self.limit)
+                        "%s from its own memory until it answers (state.on_unavailable: "
+                        "local)", self.group, exc.cause, share, counted(self.limit, "slot"))
 
     # -- the dispatcher -----------------------------------------------------------------------
 

@@ -10,12 +10,14 @@ work (see ``proxy/dlq.py``).
 cancels runs through the admin port (see ``proxy/runs_cli.py``).
 ``sluice demo [--quick]`` runs a retry storm on a local fake provider, direct and through
 Sluice, and compares them (see ``proxy/demo/cli.py``).
+``sluice --version`` prints the installed distribution's version.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.metadata
 import logging
 import os
 import signal
@@ -27,6 +29,8 @@ if TYPE_CHECKING:  # the config's modules take ~0.4 s to import: each command im
     from policies.config import Config
 
 DEFAULT_CONFIG = "config/sluice.yaml"
+#: The distribution ``sluice --version`` names the version of (``pyproject.toml``'s name).
+DISTRIBUTION = "sluice"
 EXIT_CONFIG_ERROR = 2
 #: ``serve`` could not start: a listener could not bind, or a file could not be opened.
 EXIT_START_FAILED = 1
@@ -192,10 +196,25 @@ def _whole(most: int) -> Callable[[str], int]:
     return parse
 
 
+def _version() -> str:
+    """The installed ``sluice`` distribution's version (``pyproject.toml``'s)."""
+    try:
+        return importlib.metadata.version(DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout never installed
+        return "(version unknown: not installed)"
+
+
+def _name_choices(commands: argparse._SubParsersAction) -> None:
+    """Name a subcommand by its choices in a usage error (``required: {list,show}``), where
+    argparse names its dest, a word no user types (``required: runs_command``)."""
+    commands.metavar = "{" + ",".join(commands.choices) + "}"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="sluice", description="Backpressure sidecar for AI agents' LLM and tool calls."
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the proxy")
     serve.add_argument("--config", default=DEFAULT_CONFIG, help=f"default: {DEFAULT_CONFIG}")
@@ -242,6 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     dlq_sub.add_parser("purge", help="delete every record")
     for command in (listing, show, replay, dlq_sub.choices["purge"]):
         command.add_argument("--config", default=DEFAULT_CONFIG, help=config_help)
+    _name_choices(dlq_sub)
     dlq.set_defaults(func=_dlq)
     runs = sub.add_parser("runs", help="list, show and cancel agent runs (admin port)")
     runs_sub = runs.add_subparsers(dest="runs_command", required=True)
@@ -259,6 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
                                   "unless --admin is given)")
         command.add_argument("--admin", metavar="URL",
                              help="the admin port's URL instead of server.admin_listen")
+    _name_choices(runs_sub)
     runs.set_defaults(func=_runs)
     demo = sub.add_parser(
         "demo", help="watch Sluice contain a retry storm on a local fake provider (~40 s)"
@@ -271,6 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--json", metavar="FILE", help="also write the full record as JSON")
     demo.add_argument("--seed", type=int, default=1, help="random seed of the fleet (1)")
     demo.set_defaults(func=_demo)
+    _name_choices(sub)
     return parser
 
 

@@ -78,6 +78,7 @@ from policies.operations import OperationIndex, idempotency_of
 from policies.state import DeadLetterStore, StateUnavailable, redact_url, redis_backends
 from policies.state.idempotency import CLAIMED as KEY_CLAIMED
 from policies.state.idempotency import IN_FLIGHT, IdempotencyRecords, new_owner
+from policies.wording import counted
 from proxy.client import client_timeout, upstream_session
 from proxy.forward import FORBIDDEN_IN_HEADERS, HOP_BY_HOP, send_failure, upstream_url
 from proxy.rejections import jsonrpc_id
@@ -248,8 +249,9 @@ async def _list(store: DeadLetterStore | _FileStore, limit: int) -> None:
                  for at, width in enumerate(widths)]
         print("  ".join([*cells, row[-1]]))
     if total > len(rows):
-        print(f"(the newest {len(rows)} of {total} records; {total - len(rows)} older ones left "
-              f"out: --limit {total} lists them all)")
+        print(f"(the newest {len(rows)} of {total} records; "
+              f"{counted(total - len(rows), 'older one')} left out: --limit {total} lists them "
+              "all)")
 
 
 async def _replay(config: Config, store: DeadLetterStore | _FileStore, letter: DeadLetter,
@@ -359,7 +361,7 @@ async def _replay(config: Config, store: DeadLetterStore | _FileStore, letter: D
         except OSError as exc:  # checked before sending; the path changed meanwhile
             print(f"the answer could not be written to {args.output}: {exc.strerror or exc}",
                   file=sys.stderr)
-    result = f"HTTP {status}, {len(answer)} bytes" if status is not None else \
+    result = f"HTTP {status}, {counted(len(answer), 'byte')}" if status is not None else \
         f"failed: {error} ({reason})"
     if failure is not None:
         result += f", {failure[1]}"

@@ -115,7 +115,7 @@ class _McpRequest(NamedTuple):
     operation: str | None
     #: The request id a ``notifications/cancelled`` names, else ``None``.
     cancels: mcp.RequestId | None
-    #: It opens a session (``initialize``).
+    #: It opens a session or a client's first exchange (``initialize``, ``server/discover``).
     opens_session: bool
     #: The JSON-RPC id of its one request (``None`` for a notification, a response, a batch).
     rpc_id: mcp.RequestId | None
@@ -274,7 +274,8 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
     # a client lists its tools after the first result of one it had not listed, and refused,
     # the Python 2.x client failed calls that had finished (a new user's trial). Nor is a
     # resumed stream: it brings the answer of a call admitted before (refused, its caller
-    # never got it). Opening a session is new work (its calls would be refused here next).
+    # never got it). Opening a session is new work (its calls would be refused here next), and
+    # so is a 2026 client's ``server/discover`` (the Python 2.x client's default first message).
     # Once the drain cuts, nothing more is let in: it would be cut as it began.
     continues = resumes or (traffic == "control" and not opens_session)
     if rt.draining and (rt.cutting or not continues):

@@ -174,11 +174,15 @@ def _show(run: dict[str, Any]) -> str:
 
 def _usd(run: dict[str, Any]) -> str:
     """A run's spend as ``sluice timeline`` says it: calls of models without pricing make it
-    unknown, not $0."""
+    unknown, not $0; ``-`` until one of its calls has finished (the admin API's ``usd`` is
+    then 0.0, a spend not known yet, not one of nothing)."""
     usd = run.get("usd")
     if not isinstance(usd, int | float):
         return _cell(usd)
-    return cost_text(usd, int(run.get("unpriced_calls") or 0))
+    unpriced = int(run.get("unpriced_calls") or 0)
+    if not run.get("calls") and not usd and not unpriced:
+        return "-"
+    return cost_text(usd, unpriced)
 
 
 def _cell(value: Any) -> str:

@@ -9,7 +9,8 @@ a slot or a run's width, here or on the shared Redis queue, or waiting for a twi
 are answered 503 ``draining`` in their route's shape, since nothing of them reached the
 upstream, and those answers are written before the rest (in flight, or still sending their
 body) are cut and the process exits. A second SIGTERM or SIGINT (Ctrl-C again) does the same
-at once.
+at once, if it comes ``SECOND_SIGNAL_AFTER_S`` or more after the first (one sooner is logged
+as ignored).
 
 SIGHUP, or a change of the config file, reloads the config in place (:mod:`proxy.reload`).
 """
@@ -212,17 +213,24 @@ async def serve(config: Config, config_path: str | None = None,
     stop, hurry = asyncio.Event(), asyncio.Event()
     first_signal_at = 0.0
 
-    def on_stop_signal() -> None:
+    def on_stop_signal(sig: signal.Signals) -> None:
         nonlocal first_signal_at
+        since = time.monotonic() - first_signal_at
         if not stop.is_set():
             first_signal_at = time.monotonic()
             stop.set()
-        elif time.monotonic() - first_signal_at >= SECOND_SIGNAL_AFTER_S:
+        elif since >= SECOND_SIGNAL_AFTER_S:
             hurry.set()  # a second one: no more waiting
+        elif not hurry.is_set():
+            # Said, as the drain's first line promises a second signal cuts the calls: an
+            # operator whose Ctrl-C came too soon would otherwise wait with no word why.
+            log.info("%s %.1fs after the first stop signal ignored: within the %gs grace (one "
+                     "Ctrl-C can arrive twice); another one after it cuts the calls now",
+                     sig.name, since, SECOND_SIGNAL_AFTER_S)
 
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, on_stop_signal)
+        loop.add_signal_handler(sig, on_stop_signal, sig)
     if stop_requested():
         stop.set()
     # Until the reloader takes it over, a SIGHUP must not kill the process (its default).
@@ -319,8 +327,8 @@ async def _drain(runtime: Runtime, timeout_s: float, hurry: asyncio.Event) -> No
     # frees, or refused when its max_wait ends; only what outlives the timeout is ended.
     inflight = runtime.inflight
     log.info("draining: %d request(s) in flight, %d more waiting or being read, waiting up "
-             "to %gs (a second SIGTERM or Ctrl-C cuts them now)", inflight,
-             runtime.present - inflight, timeout_s)
+             "to %gs (a second SIGTERM or Ctrl-C, %gs or more after the first, cuts them now)",
+             inflight, runtime.present - inflight, timeout_s, SECOND_SIGNAL_AFTER_S)
     deadline = time.monotonic() + timeout_s
     # Polling keeps the request path free of drain bookkeeping; it runs only at shutdown.
     # MCP streams (a session's GET stream) stay open, silent, for as long as their session:

@@ -37,6 +37,8 @@ from typing import IO, Any
 
 import orjson
 
+from policies.wording import counted
+
 #: Fields every request event has; the rest are the event's own.
 COMMON_FIELDS = ("ts", "event", "request_id", "route", "tenant", "run", "idempotency_key")
 #: The last second of year 9999, the latest ``ts`` a timeline can print.
@@ -211,17 +213,19 @@ def summary(events: list[dict[str, Any]], requests: list[RequestStory]) -> str:
             unpriced += used > 0 and _number(ev.get("cost_usd")) is None
     ratio = f"{attempts / len(requests):.2f}" if requests else "-"
     return (f"amplification {ratio} ({attempts} upstream attempt(s) for {len(requests)} "
-            f"request(s)); spend {int(tokens)} tokens, {cost_text(usd, unpriced)}")
+            f"request(s)); spend {counted(int(tokens), 'token')}, {cost_text(usd, unpriced)}")
 
 
 def cost_text(usd: float, unpriced: int) -> str:
     """A spend of ``usd`` dollars plus ``unpriced`` calls whose models have no price (their
-    cost unknown, not 0): ``$0.000008``, ``cost unknown (1 call(s) of models without
-    pricing)`` or ``$0.000008 + unknown (...)``. Also ``sluice runs``' form."""
+    cost unknown, not 0): ``$0.000008``, ``cost unknown (1 call of a model without
+    pricing)`` or ``$0.000008 + unknown (2 calls of models without pricing)``. Also
+    ``sluice runs``' form."""
     cost = f"${usd:.6f}"
     if unpriced:
-        cost = (f"{cost} + unknown ({unpriced} call(s) of models without pricing)" if usd
-                else f"cost unknown ({unpriced} call(s) of models without pricing)")
+        which = (f"{counted(unpriced, 'call')} of "
+                 f"{'a model' if unpriced == 1 else 'models'} without pricing")
+        cost = f"{cost} + unknown ({which})" if usd else f"cost unknown ({which})"
     return cost
 
 

@@ -3,6 +3,7 @@ what it left out, and no traceback when the reader of a pipe goes away."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import subprocess
 import sys
 
@@ -62,6 +63,12 @@ def test_dlq_list_says_how_many_it_left_out(dead_letters, capsys):
     assert "left out" not in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(["dlq", "list", "--config", str(dead_letters), "--limit", "0"])
+
+
+def test_dlq_list_says_one_older_one_in_the_singular(dead_letters, capsys):
+    assert main(["dlq", "list", "--config", str(dead_letters), "--limit", "2999"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "(the newest 2999 of 3000 records; 1 older one left out: --limit 3000 lists them all)")
 
 
 def test_dlq_list_into_head_prints_no_traceback(dead_letters):
@@ -150,3 +157,27 @@ def test_dlq_numbers_at_their_bounds_are_answered(either_store, capsys):
     assert capsys.readouterr().out.split()[0] == "ID"
     assert main(["dlq", "show", str(MAX_LETTER_ID), "--config", either_store]) == 1
     assert f"no dead letter {MAX_LETTER_ID} in" in capsys.readouterr().err
+
+
+def test_version_is_the_installed_distributions(capsys):
+    """``sluice --version`` was a usage error ("the following arguments are required")."""
+    with pytest.raises(SystemExit) as exited:
+        main(["--version"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out == f"sluice {importlib.metadata.version('sluice')}\n"
+
+
+@pytest.mark.parametrize("argv, usage, choices", [
+    ([], "usage: sluice [-h] [--version]", "{serve,check-config,timeline,dlq,runs,demo}"),
+    (["dlq"], "usage: sluice dlq [-h]", "{list,show,replay,purge}"),
+    (["runs"], "usage: sluice runs [-h]", "{list,show,cancel}"),
+])
+def test_a_missing_command_is_named_by_its_choices(argv, usage, choices, capsys):
+    """The error named argparse's internal dests ("required: runs_command"), words a user
+    cannot type; it names the commands that would do."""
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].startswith(usage) and choices in lines[0]
+    assert lines[-1].endswith(f": error: the following arguments are required: {choices}")

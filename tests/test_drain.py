@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -315,8 +316,18 @@ async def test_a_second_sigterm_cuts_the_drain_short(upstream, start_sluice):
         sluice.signal(signal.SIGTERM)
         await wait_until(lambda: "draining: 1 request(s) in flight" in sluice.stderr(),
                          what="the drain started")
+        assert ("(a second SIGTERM or Ctrl-C, 1s or more after the first, cuts them now)"
+                in sluice.stderr())
         assert not call.done()  # the first signal waits for it
         sluice.signal(signal.SIGTERM)  # within 1 s of the first: the same Ctrl-C, twice
+        # Said, not silently ignored: the drain's line promised a second signal cuts.
+        await wait_until(lambda: "after the first stop signal ignored" in sluice.stderr(),
+                         what="the repeat signal said ignored")
+        ignored = next(line for line in sluice.stderr().splitlines()
+                       if "after the first stop signal ignored" in line)
+        assert re.search(r"sluice: SIGTERM 0\.\d+s after the first stop signal ignored: within "
+                         r"the 1s grace \(one Ctrl-C can arrive twice\); another one after it "
+                         r"cuts the calls now$", ignored), ignored
         await asyncio.sleep(0.3)
         assert not call.done()
         await asyncio.sleep(1.0)  # later: an operator's second one
@@ -325,6 +336,7 @@ async def test_a_second_sigterm_cuts_the_drain_short(upstream, start_sluice):
             await call
         assert await sluice.wait_exit(timeout=60) == 0  # long before the 120 s drain_timeout
     assert "second stop signal: cutting 1 request(s) still in flight" in sluice.stderr()
+    assert sluice.stderr().count("stop signal ignored") == 1  # not the one that cut
 
 
 async def test_calls_queued_at_sigterm_are_served_not_cut(upstream, start_sluice):
@@ -556,17 +568,35 @@ async def test_an_mcp_sessions_control_traffic_is_served_while_draining(
     assert [e["reason"] for e in rejected] == ["draining"]
 
 
-async def test_a_new_mcp_session_is_refused_while_draining(
-        mcp_stateless, start_sluice):  # noqa: F811
+#: A client's first message to a server, as the SDKs send it: a 2025 client's ``initialize``,
+#: and the ``server/discover`` the Python 2.x client sends in its default ``mode="auto"``
+#: (``ClientSession.send_discover``: the metadata in ``_meta`` and in headers).
+_OPENINGS = {
+    "initialize": ({}, {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+        "protocolVersion": "2025-06-18", "capabilities": {},
+        "clientInfo": {"name": "t", "version": "1"}}}),
+    "server/discover": (
+        {"MCP-Protocol-Version": "2026-07-28", "Mcp-Method": "server/discover"},
+        {"jsonrpc": "2.0", "id": 1, "method": "server/discover", "params": {"_meta": {
+            "io.modelcontextprotocol/protocolVersion": "2026-07-28",
+            "io.modelcontextprotocol/clientInfo": {"name": "t", "version": "1"},
+            "io.modelcontextprotocol/clientCapabilities": {}}}}),
+}
+
+
+@pytest.mark.parametrize("method", list(_OPENINGS))
+async def test_a_new_mcp_client_is_refused_while_draining(
+        mcp_stateless, start_sluice, method):  # noqa: F811
+    """A new client's first message is refused, so it connects to another replica. A new
+    user's trial: ``server/discover`` (the Python 2.x client's default) was served, as
+    control traffic, and the client's first ``tools/call`` was refused ``draining``."""
     sluice = await start_sluice({
         "server": {"drain_timeout": "20s"},
         "routes": [{"name": "tools", "path_prefix": "/tools/", "upstream": mcp_stateless.base_url,
                     "protocol": "mcp"}]})
     url = sluice.url + "/tools/mcp"
+    opening_headers, opening = _OPENINGS[method]
     headers = {"Accept": "application/json, text/event-stream"}
-    initialize = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
-        "protocolVersion": "2025-06-18", "capabilities": {},
-        "clientInfo": {"name": "t", "version": "1"}}}
     async with aiohttp.ClientSession() as session:
         held = asyncio.create_task(session.post(url, headers=headers,
                                                 json=tool_call(2, "slow", seconds=4.0)))
@@ -574,12 +604,15 @@ async def test_a_new_mcp_session_is_refused_while_draining(
                          what="a call in flight, so the drain lasts")
         sluice.signal(signal.SIGTERM)
         await wait_until(lambda: "draining" in sluice.stderr(), what="the drain")
-        async with session.post(url, headers=headers, json=initialize) as r:
-            assert r.headers["X-Sluice-Reason"] == "draining"
+        async with session.post(url, headers={**headers, **opening_headers},
+                                json=opening) as r:
+            assert r.headers.get("X-Sluice-Reason") == "draining"
             body = await r.json()
         assert body["id"] == 1 and body["error"]["data"]["reason"] == "draining"
         (await held).release()
     assert await sluice.wait_exit(timeout=20) == 0
+    assert [(e["event"], e.get("reason"), e.get("mcp_method")) for e in sluice.events()
+            if e["event"] == "rejected"] == [("rejected", "draining", method)]
 
 
 async def _mcp_answer(http: aiohttp.ClientSession, url: str, headers: dict[str, str],

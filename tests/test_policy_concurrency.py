@@ -52,6 +52,22 @@ async def test_slots_then_queue_full_with_a_drain_estimate():
     assert (limiter.inflight, limiter.queued, limiter._by_tenant) == (2, 0, {"t": 2})
 
 
+async def test_a_refusal_at_a_limit_of_one_says_one_slot():
+    """It said "1 slots busy and 1 queued"."""
+    limiter = limiter_with(limit=1, queue=1)
+    await limiter.acquire("t")
+    waiting = await queued(limiter)
+    with pytest.raises(Rejected) as full:
+        await limiter.acquire("t")
+    assert full.value.detail == "1 slot busy and 1 queued"
+    never = limiter_with(limit=1, queue=0, max_wait=0.0)
+    await never.acquire("t")
+    with pytest.raises(Rejected) as full:
+        await never.acquire("t")
+    assert full.value.detail == "1 slot busy and max_wait is 0s: no call waits for a slot"
+    waiting.cancel()
+
+
 async def test_service_time_average_drives_retry_after():
     limiter = limiter_with(queue=0, max_wait=5.0)
     await limiter.acquire("t")

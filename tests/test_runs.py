@@ -8,6 +8,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -89,6 +90,29 @@ async def test_depth_2_refuses_a_grandchilds_grandchild(upstream, start_sluice):
     assert headers["x-should-retry"] == "false"
     assert b"depth" in body
     assert len(upstream.requests) == 3
+
+
+async def test_refusals_at_a_limit_of_one_say_one_call_not_calls(upstream, start_sluice):
+    """A new user read "run r has 1 calls in flight"; a limit of 1 (or a depth of 1) is said
+    in the singular."""
+    sluice = await start_sluice({"routes": [
+        route("wide", upstream.url, "http", fanout={"width": 1, "max_wait": "100ms"}),
+        route("counted", upstream.url, "http", run={"max_requests": 1}),
+        route("deep", upstream.url, "http", fanout={"depth": 0})]})
+    upstream.hold = asyncio.Event()
+    async with aiohttp.ClientSession() as s:
+        held = asyncio.create_task(post(s, f"{sluice.url}/wide/x", run_headers("w")))
+        await wait_until(lambda: upstream.inflight == 1, what="the first call upstream")
+        wide = await post(s, f"{sluice.url}/wide/x", run_headers("w"))
+        upstream.hold.set()
+        assert (await held)[0] == 200
+        assert (await post(s, f"{sluice.url}/counted/x", run_headers("c")))[0] == 200
+        counted = await post(s, f"{sluice.url}/counted/x", run_headers("c"))
+        deep = await post(s, f"{sluice.url}/deep/x", run_headers("child", "root"))
+    messages = [json.loads(body)["error"]["message"] for _, _, body in (wide, counted, deep)]
+    assert "width: run w has 1 call in flight (fanout.width)" in messages[0], messages
+    assert "max_requests: run c and its descendants made 1 call" in messages[1], messages
+    assert "depth: run child is 1 level below its root" in messages[2], messages
 
 
 async def test_a_root_linked_later_takes_its_children_a_level_deeper(upstream, start_sluice):
@@ -302,29 +326,48 @@ async def test_cancel_answers_in_flight_and_queued_calls_at_once(upstream, start
     upstream.stream_hold.set()
 
 
+def _usd_cells(listing: str) -> dict[str, str]:
+    """``sluice runs list``'s ``usd`` cell of each run."""
+    header, *rows = listing.splitlines()
+    start, end = header.index("usd"), header.index("cancelled")
+    return {row.split()[0]: row[start:end].strip() for row in rows}
+
+
 async def test_runs_says_cost_unknown_for_models_without_pricing_as_timeline_does(
         upstream, start_sluice, capsys):
     """Seen (new-user trial): ``sluice runs`` showed usd 0.0 for a run whose calls used a
-    model without pricing, where ``sluice timeline`` said "cost unknown"."""
+    model without pricing, where ``sluice timeline`` said "cost unknown"; and $0.000000 for a
+    run none of whose calls had finished, a spend it could not know yet."""
     sluice = await start_sluice({"pricing": {"priced": {"input": 1.0, "output": 2.0}},
                                  "routes": [route("openai", upstream.url, "openai")]})
     chat = f"{sluice.url}/openai/v1/chat/completions"
+    argv = ["--config", str(sluice.config_path)]
     async with aiohttp.ClientSession() as s:
         for run, model in (("free", "unpriced"), ("mixed", "priced"), ("mixed", "unpriced"),
-                           ("paid", "priced")):
+                           ("mixed", "unpriced"), ("paid", "priced")):
             status, _, _ = await post(s, chat, run_headers(run), json.dumps(
                 {"model": model, "messages": [{"role": "user", "content": "hi"}]}).encode())
             assert status == 200
-    argv = ["--config", str(sluice.config_path)]
-    assert await asyncio.to_thread(cli_main, ["runs", "list", *argv]) == 0
-    listed = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[1:]}
-    assert "cost unknown (1 call(s) of models without pricing)" in listed["free"]
-    assert "+ unknown (1 call(s) of models without pricing)" in listed["mixed"]
-    assert "unknown" not in listed["paid"] and "$0.0000" in listed["paid"]
+        upstream.hold = asyncio.Event()
+        busy = asyncio.create_task(post(s, chat, run_headers("busy"), json.dumps(
+            {"model": "priced", "messages": [{"role": "user", "content": "hi"}]}).encode()))
+        await wait_until(lambda: upstream.inflight == 1, what="busy's call upstream")
+        assert await asyncio.to_thread(cli_main, ["runs", "list", *argv]) == 0
+        listed = _usd_cells(capsys.readouterr().out)
+        assert await asyncio.to_thread(cli_main, ["runs", "show", "busy", *argv]) == 0
+        shown_busy = capsys.readouterr().out
+        upstream.hold.set()
+        assert (await busy)[0] == 200
+    assert listed["free"] == "cost unknown (1 call of a model without pricing)"
+    assert re.fullmatch(r"\$0\.\d{6} \+ unknown \(2 calls of models without pricing\)",
+                        listed["mixed"]), listed
+    assert re.fullmatch(r"\$0\.\d{6}", listed["paid"]), listed
+    assert listed["busy"] == "-"  # no call finished: no spend to claim
+    assert "usd: -\n" in shown_busy and "usd=-" in shown_busy and "$" not in shown_busy
     assert await asyncio.to_thread(cli_main, ["runs", "show", "free", *argv]) == 0
     shown = capsys.readouterr().out
-    assert "usd: cost unknown (1 call(s) of models without pricing)" in shown
-    assert "usd=cost unknown (1 call(s) of models without pricing)" in shown  # its own calls
+    assert "usd: cost unknown (1 call of a model without pricing)" in shown
+    assert "usd=cost unknown (1 call of a model without pricing)" in shown  # its own calls
     assert "$0.0" not in shown and "usd=0.0" not in shown
 
 

@@ -241,10 +241,10 @@ def test_tokens_of_a_model_without_pricing_are_not_shown_as_free() -> None:
             "output_tokens": 8}
     unpriced = [{**base, "cost_usd": None}]
     assert summary(unpriced, []).endswith(
-        "spend 20 tokens, cost unknown (1 call(s) of models without pricing)")
+        "spend 20 tokens, cost unknown (1 call of a model without pricing)")
     mixed = [*unpriced, {**base, "request_id": "r2", "cost_usd": 0.000008}]
     assert summary(mixed, []).endswith(
-        "spend 40 tokens, $0.000008 + unknown (1 call(s) of models without pricing)")
+        "spend 40 tokens, $0.000008 + unknown (1 call of a model without pricing)")
     assert summary([{**base, "cost_usd": 0.000008}], []).endswith("$0.000008")
 
 
