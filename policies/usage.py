@@ -18,10 +18,16 @@ Anthropic ``/messages``      ``max_tokens``      ``usage``; streams: ``message_s
 Request side (:func:`read_request`): the body is parsed once for the model, the output cap,
 ``stream`` and ``stream_options``. Input tokens are *estimated* at one token per
 :data:`BYTES_PER_TOKEN` bytes of the JSON body, a little more than English prose (about 4 bytes
-a token, OpenAI's rule of thumb) or code (about 3.5) use, with each base64 image or audio
-attachment counted as :data:`ATTACHMENT_TOKENS` instead of its size, and any other (a text
-file, a PDF) at its decoded size. It is an estimate: CJK text and long audio can cost more
-than it says, a PDF less, and the settle uses the upstream's count.
+a token, OpenAI's rule of thumb) or code (about 3.5) use. Only an attachment part of a
+message (:data:`_ATTACHMENT_PARTS`: OpenAI ``image_url``, ``input_image``,
+``computer_screenshot``, ``input_audio``, ``file``, ``input_file``; Anthropic ``image`` and
+``document``, also in a tool's result) is counted otherwise, by what it carries: an
+inline base64 image or audio as :data:`ATTACHMENT_TOKENS` instead of its size, any other
+inline file (a text file, a PDF) at its decoded size, and one given by reference (an http(s)
+URL, a file id) as :data:`ATTACHMENT_TOKENS`, as its size cannot be seen. The same bytes
+anywhere else (a text part, a string ``content``, a tool's input) count as text, as the
+upstream bills them. It is an estimate: CJK text and long audio can cost more than it says,
+a PDF less (more, when given by reference), and the settle uses the upstream's count.
 
 Response side (:class:`Meter`): the answer passes through byte for byte while usage is read
 from it: a JSON body once complete, its top-level ``usage`` member (parsed from that member
@@ -60,8 +66,9 @@ from policies.paths import decode_unreserved
 
 #: Bytes of request or streamed text counted as one token by the estimates.
 BYTES_PER_TOKEN = 3
-#: Tokens assumed per base64 attachment: Anthropic bills about w*h/750 per image, about 1,600
-#: at the largest size it takes unscaled; OpenAI about 765 for a 1024x1024 high-detail image.
+#: Tokens assumed per image or audio attachment, inline or by reference, and per file by
+#: reference: Anthropic bills about w*h/750 per image, about 1,600 at the largest size it
+#: takes unscaled; OpenAI about 765 for a 1024x1024 high-detail image.
 ATTACHMENT_TOKENS = 1600
 #: A JSON answer sent in chunks is held (a copy; the chunks go on at once) up to this size to
 #: read its usage at the end, and an SSE event is held up to this size; past it only the
@@ -73,8 +80,13 @@ TAIL_BYTES = 64 * 1024
 HEAD_BYTES = 512
 #: Content events of a stream parsed to measure their text; later ones count as their mean.
 SAMPLE_EVENTS = 16
-#: A base64 string under a ``data`` key longer than this is an attachment, bytes.
-_ATTACHMENT_MIN_BYTES = 256
+#: Types of the content parts that carry an image, audio or a file (OpenAI Chat Completions
+#: and Responses; Anthropic Messages); any other part is read as text.
+_ATTACHMENT_PARTS = frozenset({"image_url", "input_image", "computer_screenshot", "input_audio",
+                               "file", "input_file", "image", "document"})
+#: Responses input items whose ``output`` (not ``content``) may hold attachment parts.
+_OUTPUT_ITEMS = frozenset({"function_call_output", "computer_call_output",
+                           "custom_tool_call_output"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +99,8 @@ class Endpoint:
         write_field: where a configured default cap is written, ``None`` if output is 0.
         usage_option: streams carry usage only when ``stream_options.include_usage`` is set.
         choices: ``n`` asks for that many answers, each up to the cap.
+        messages: the body member listing the messages (or input items) whose content parts
+            may be attachments, ``None`` if the endpoint takes none.
     """
 
     name: str
@@ -94,17 +108,18 @@ class Endpoint:
     write_field: str | None
     usage_option: bool
     choices: bool
+    messages: str | None
 
 
 CHAT = Endpoint("chat.completions", ("max_completion_tokens", "max_tokens"),
-                "max_completion_tokens", usage_option=True, choices=True)
+                "max_completion_tokens", usage_option=True, choices=True, messages="messages")
 COMPLETIONS = Endpoint("completions", ("max_tokens",), "max_tokens", usage_option=True,
-                       choices=True)
+                       choices=True, messages=None)
 RESPONSES = Endpoint("responses", ("max_output_tokens",), "max_output_tokens",
-                     usage_option=False, choices=False)
-EMBEDDINGS = Endpoint("embeddings", (), None, usage_option=False, choices=False)
+                     usage_option=False, choices=False, messages="input")
+EMBEDDINGS = Endpoint("embeddings", (), None, usage_option=False, choices=False, messages=None)
 MESSAGES = Endpoint("messages", ("max_tokens",), "max_tokens", usage_option=False,
-                    choices=False)
+                    choices=False, messages="messages")
 
 
 #: Looked up as ``istr``: a ``str`` name is lower-cased on every look-up in a CIMultiDict.
@@ -229,8 +244,8 @@ def read_request(endpoint: Endpoint, body: bytes, default_cap: int | None, write
             added["stream_options"] = {**(options if isinstance(options, dict) else {}),
                                        "include_usage": True}
             strip = True
-    return RequestCost(endpoint, model, stream, estimate_input_tokens(body, obj), cap, strip,
-                       body if added is None else _with_fields(body, obj, added))
+    return RequestCost(endpoint, model, stream, estimate_input_tokens(endpoint, body, obj),
+                       cap, strip, body if added is None else _with_fields(body, obj, added))
 
 
 def _with_fields(body: bytes, obj: dict, added: dict[str, object]) -> bytes:
@@ -247,61 +262,136 @@ def _with_fields(body: bytes, obj: dict, added: dict[str, object]) -> bytes:
     return body[:end] + b"," + orjson.dumps(added)[1:-1] + body[end:]
 
 
-def estimate_input_tokens(body: bytes, obj: object) -> int:
+def estimate_input_tokens(endpoint: Endpoint, body: bytes, obj: dict) -> int:
     """Input tokens of a request body, estimated (see the module docstring); at least 1.
 
-    A body without base64 payloads costs O(1); one with them is walked once to set them apart.
+    Only the messages' content parts are walked (``endpoint.messages``, then each one's
+    ``content``, a ``tool_result``'s ``content``, a tool output item's ``output``): the cost
+    grows with the number of parts, not with the body's size, and no byte of it is searched.
+    An attachment part's payload (its data, URL or file id) is taken out of the bytes counted
+    as text and counted as :func:`_attachment` says; the rest of the part stays text.
     """
     size = len(body)
-    if body.find(b"base64") < 0 and body.find(b'"input_audio"') < 0:
-        return max(1, -(-size // BYTES_PER_TOKEN))  # no attachment
-    flat = 0  # tokens of the attachments counted flat
-    stack = [obj]
+    flat = 0  # tokens of the attachments
+    items = obj.get(endpoint.messages)  # None if it has none: no JSON key is None
+    stack = [items] if type(items) is list else None
     while stack:
-        node = stack.pop()
-        if isinstance(node, dict):
-            for key, value in node.items():
-                if isinstance(value, str):
-                    counted = _attachment(key, value, node)
-                    if counted is not None:
-                        flat += counted
-                        size -= len(value)
-                elif isinstance(value, dict | list):
-                    stack.append(value)
-        elif isinstance(node, list):
-            for value in node:
-                if isinstance(value, str):
-                    counted = _attachment("", value, None)
-                    if counted is not None:
-                        flat += counted
-                        size -= len(value)
-                elif isinstance(value, dict | list):
-                    stack.append(value)
+        for item in stack.pop():
+            if type(item) is not dict:
+                continue
+            kind = item.get("type")  # none on a Chat or Anthropic message
+            if kind is not None and type(kind) is str:  # a list or an object would not hash
+                if kind in _ATTACHMENT_PARTS:
+                    tokens, chars = _attachment(kind, item)
+                    flat += tokens
+                    size -= chars
+                    continue
+                if kind in _OUTPUT_ITEMS:
+                    inner = item.get("output")
+                    if type(inner) is dict:  # a computer_call_output's screenshot
+                        stack.append([inner])
+                    elif type(inner) is list:
+                        stack.append(inner)
+                    continue
+            inner = item.get("content")
+            if type(inner) is list:
+                stack.append(inner)
     return max(1, -(-size // BYTES_PER_TOKEN)) + flat
 
 
-def _attachment(key: str, value: str, parent: dict | None) -> int | None:
-    """The tokens a base64 attachment counts for, or ``None`` if ``value`` is not one.
+def _attachment(kind: str, part: dict) -> tuple[int, int]:
+    """``(tokens, characters)`` of an attachment part of type ``kind``: the tokens its payload
+    counts for, and the characters of that payload (taken out of the body's text count);
+    ``(0, 0)`` when it carries none that this reads, so all of it counts as text.
 
-    An image or audio (``data:image/...``, ``data:audio/...``; a ``data`` member beside an
-    ``image/*`` ``media_type`` or an audio ``format``) is billed by its size in pixels or
-    seconds, not bytes: :data:`ATTACHMENT_TOKENS`. Anything else base64 (``text/plain``, a
-    PDF) is read by the model as its content: its decoded bytes count as text, so a prompt
-    wrapped as ``data:text/plain;base64,`` is not counted flat (a hostile trial's: 1 MB of
-    text reserved as 1,600 tokens, 12.5x a tenant's daily budget in one call).
+    The payload is inline (a ``data:`` URL or base64 data, see :func:`_inline`), an
+    ``http(s)`` URL or a file id. One by URL or id is billed by what it points to, which
+    cannot be seen here: :data:`ATTACHMENT_TOKENS`, as for an inline image. Shapes read:
+
+    * OpenAI Chat Completions: ``image_url.url``; ``input_audio.data``; ``file.file_data``,
+      ``file.file_id``.
+    * OpenAI Responses: ``input_image`` and ``computer_screenshot``: ``image_url``,
+      ``file_id``; ``input_file``: ``file_data``, ``file_url``, ``file_id``.
+    * Anthropic: ``image`` and ``document``: a ``source`` of type ``base64``
+      (``media_type``, ``data``), ``url`` or ``file`` (``file_id``); a ``text`` or
+      ``content`` source is text.
     """
-    if value.startswith("data:") and ";base64," in value[:128]:
-        media = value[5:value.find(";")]
-    elif key in ("data", "file_data") and len(value) > _ATTACHMENT_MIN_BYTES:
-        media = ""
-        if parent is not None:
-            given = parent.get("media_type")
-            media = given if isinstance(given, str) else "audio/" if "format" in parent else ""
-    else:
-        return None
+    if kind == "image" or kind == "document":
+        source = part.get("source")
+        if type(source) is not dict:
+            return 0, 0
+        how = source.get("type")
+        if how == "base64":
+            media = source.get("media_type")
+            return _inline(source.get("data"), media if type(media) is str else "")
+        if how == "url":
+            return _linked(source.get("url"))
+        return _by_id(source.get("file_id")) if how == "file" else (0, 0)
+    if kind == "input_audio":
+        audio = part.get("input_audio")
+        return _inline(audio.get("data"), "audio/") if type(audio) is dict else (0, 0)
+    if kind == "image_url":
+        image = part.get("image_url")
+        return _linked(image.get("url") if type(image) is dict else image)
+    if kind == "file":  # Chat Completions: the file's members are under ``file``
+        part = part.get("file")
+        if type(part) is not dict:
+            return 0, 0
+    if kind == "input_image" or kind == "computer_screenshot":
+        given = part.get("image_url")
+        if type(given) is str and given:
+            return _linked(given)
+    else:  # file, input_file
+        given = part.get("file_data")  # a data: URL or bare base64
+        if type(given) is str and given:
+            return _inline(given, None)
+        given = part.get("file_url")
+        if type(given) is str and given:
+            return _linked(given)
+    return _by_id(part.get("file_id"))
+
+
+def _is_data_url(value: str) -> bool:
+    """Whether ``value`` is a base64 ``data:`` URL."""
+    return value.startswith("data:") and ";base64," in value[:128]
+
+
+def _inline(value: object, media: str | None) -> tuple[int, int]:
+    """``(tokens, characters)`` of an inline base64 payload of type ``media`` (``None``: the
+    ``data:`` URL's, unknown if it is bare base64).
+
+    An image or audio is billed by its size in pixels or seconds, not bytes:
+    :data:`ATTACHMENT_TOKENS`. Anything else (``text/plain``, a PDF) is read by the model as
+    its content: its decoded bytes count as text, so a prompt wrapped as
+    ``data:text/plain;base64,`` is not counted flat (a hostile trial's: 1 MB of text reserved
+    as 1,600 tokens, 12.5x a tenant's daily budget in one call).
+    """
+    if type(value) is not str:
+        return 0, 0
+    if media is None:
+        media = value[5:value.find(";")] if _is_data_url(value) else ""
     if media.startswith(("image/", "audio/")):
-        return ATTACHMENT_TOKENS
-    return -(-(len(value) * 3 // 4) // BYTES_PER_TOKEN)
+        return ATTACHMENT_TOKENS, len(value)
+    return -(-(len(value) * 3 // 4) // BYTES_PER_TOKEN), len(value)
+
+
+def _linked(value: object) -> tuple[int, int]:
+    """``(tokens, characters)`` of an attachment's URL: a base64 ``data:`` URL is inline (see
+    :func:`_inline`), an ``http(s)`` one counts :data:`ATTACHMENT_TOKENS`; any other string is
+    no attachment the upstream takes, and stays text: ``(0, 0)``."""
+    if type(value) is not str:
+        return 0, 0
+    if _is_data_url(value):
+        return _inline(value, None)
+    if value[:8].lower().startswith(("http://", "https://")):
+        return ATTACHMENT_TOKENS, len(value)
+    return 0, 0
+
+
+def _by_id(value: object) -> tuple[int, int]:
+    """``(tokens, characters)`` of an attachment given by file id: :data:`ATTACHMENT_TOKENS`,
+    its size unseen."""
+    return (ATTACHMENT_TOKENS, len(value)) if type(value) is str and value else (0, 0)
 
 
 def _text_bytes(node: object) -> int:
