@@ -365,6 +365,8 @@ class Charge(Meter):
                 units.handed_over()
                 self._acct.budgets.give_back(reservation, units.takes)
                 reservation = None
+        elif self.final and self.status and not call.unanswered:  # most calls: one answer
+            usage, source = self.usage, "reported"
         else:
             usage, source = self._used(outcome.label, call)
         if units is not None:
