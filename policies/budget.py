@@ -42,7 +42,7 @@ import time
 import uuid
 import weakref
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from policies.config import (
@@ -346,7 +346,7 @@ class Budgets:
         not); kept for later if Redis is down."""
         if reservation.source.redis is not None:
             self.background.start(
-                self.reconciler.settle(reservation.rid, [0.0] * len(reservation.claims)),
+                self.reconciler.settle(reservation, [0.0] * len(reservation.claims)),
                 f"budget release on {self.group}")
 
     def answered(self, reservation: Reservation) -> None:
@@ -385,7 +385,7 @@ class Budgets:
     def _settle(self, reservation: Reservation, actual: list[float]) -> None:
         source = reservation.source
         if source.redis is not None:
-            self.background.start(self.reconciler.settle(reservation.rid, actual),
+            self.background.start(self.reconciler.settle(reservation, actual),
                                   f"budget settle on {self.group}")
             return
         finish_now(source.ledger.settle(self.group, reservation.rid, actual))
@@ -524,6 +524,15 @@ class Reconciler:
       its own as a reservation without a cap, then settled, so a charge whose answer was lost
       is not added twice (the reservation's id is held once; its settle lands once).
 
+    A settle that finds nothing to settle (Redis restarted empty or lost the key, the
+    reservation was reaped long ago, an earlier settle landed and lost its answer) answers
+    no levels, so its counters' levels are read then: else the shared ledger would keep
+    those of the reserve (``level``, held), read by the budget gauges, the headers and the
+    next outage's local share (:meth:`Budgets.localize`), until the counter's next answer
+    (for a quiet tenant, its window's end). Settles that find their reservation, the normal
+    case, take no more round trips. Every settle of a shared reservation goes through
+    :meth:`settle` or :meth:`give_back`, so this holds for all of them.
+
     Entries are kept up to :data:`MAX_PENDING`; beyond that the oldest are dropped (logged),
     so an outage with heavy traffic cannot grow memory without bound.
     """
@@ -544,32 +553,37 @@ class Reconciler:
         old._pending.clear()
         self.kick()
 
-    async def settle(self, rid: str, actual: list[float]) -> None:
+    async def settle(self, reservation: Reservation, actual: list[float]) -> None:
         """Settle a shared reservation now; if Redis does not answer, keep it for later."""
-        budgets = self._budgets
+        entry = _Pending(reservation.rid, None, actual, _keys(reservation.claims))
         try:
-            await budgets.backends.ledger.settle(budgets.group, rid, actual)
+            await self._apply(entry)
         except StateUnavailable:
-            self._add(_Pending(rid, None, actual))
+            self._add(entry)
             raise
 
     async def give_back(self, reservation: Reservation, takes: Sequence[Take]) -> None:
-        """Release a shared reservation with nothing spent and refund ``takes`` in one call;
-        if Redis does not answer, keep the release for later (the refund is dropped: the
-        units drain within their period)."""
+        """Release a reservation with nothing spent and refund ``takes`` in one call; if
+        Redis does not answer, keep the release for later (the refund is dropped: the units
+        drain within their period)."""
         budgets = self._budgets
+        source = reservation.source
+        entry = _Pending(reservation.rid, None, [0.0] * len(reservation.claims),
+                         _keys(reservation.claims))
         try:
-            await reservation.source.admissions.release(budgets.group, takes, reservation.rid)
+            released = await source.admissions.release(budgets.group, takes, reservation.rid)
+            if not released and source.redis is not None:
+                await source.ledger.levels(budgets.group, entry.keys)
         except StateUnavailable:
-            self._add(_Pending(reservation.rid, None, [0.0] * len(reservation.claims)))
+            self._add(entry)
             raise
 
     def charge(self, claims: list[Claim], actual: list[float]) -> None:
         """Keep spend made on the local fallback, to charge the shared ledger later."""
-        spent = [(claim, used) for claim, used in zip(claims, actual, strict=True) if used]
+        spent = [claim._replace(amount=used, cap=UNCAPPED)
+                 for claim, used in zip(claims, actual, strict=True) if used]
         if spent:
-            self._add(_Pending(uuid.uuid4().hex, [claim._replace(amount=used, cap=UNCAPPED)
-                                                  for claim, used in spent], None))
+            self._add(_Pending(uuid.uuid4().hex, spent, None, _keys(spent)))
 
     def kick(self) -> None:
         """Start reconciling, unless nothing is pending or it already runs."""
@@ -586,40 +600,49 @@ class Reconciler:
         pending.append(entry)
 
     async def _run(self) -> None:
-        budgets = self._budgets
-        ledger, group = budgets.backends.ledger, budgets.group
         pending = self._pending
         applied = 0
         while pending:
-            entry = pending[0]
-            if entry.claims is not None:
-                if entry.actual is None:
-                    await ledger.reserve(group, entry.rid, entry.claims, budgets.clock(),
-                                         budgets.hold_s)
-                    entry.actual = [claim.amount for claim in entry.claims]
-                await ledger.settle(group, entry.rid, entry.actual)
-            else:
-                await ledger.settle(group, entry.rid, entry.actual)
+            await self._apply(pending[0])
             pending.popleft()
             applied += 1
         log.warning("budget spend of %s reconciled into the shared ledger on %s",
-                    counted(applied, "call"), group)
+                    counted(applied, "call"), self._budgets.group)
+
+    async def _apply(self, entry: _Pending) -> None:
+        """Apply one entry to the shared ledger, and read its counters' levels if its settle
+        found nothing (see the class docstring). Safe to repeat after a failure."""
+        budgets = self._budgets
+        ledger, group = budgets.backends.ledger, budgets.group
+        if entry.actual is None:  # local spend: held uncapped under its own id first
+            assert entry.claims is not None
+            await ledger.reserve(group, entry.rid, entry.claims, budgets.clock(),
+                                 budgets.hold_s)
+            entry.actual = [claim.amount for claim in entry.claims]
+        if not await ledger.settle(group, entry.rid, entry.actual):
+            await ledger.levels(group, entry.keys)
 
 
 class _Pending:
     """One reconcile entry: a shared reservation to settle (``claims`` ``None``), or local
-    spend to charge (``claims``: amounts spent, ``actual`` set once the charge is held)."""
+    spend to charge (``claims``: amounts spent, ``actual`` set once the charge is held);
+    ``keys``: its counters, read again if its settle finds nothing."""
 
-    __slots__ = ("actual", "claims", "rid")
+    __slots__ = ("actual", "claims", "keys", "rid")
 
-    def __init__(self, rid: str, claims: list[Claim] | None, actual: list[float] | None
-                 ) -> None:
+    def __init__(self, rid: str, claims: list[Claim] | None, actual: list[float] | None,
+                 keys: list[str]) -> None:
         self.rid = rid
         self.claims = claims
         self.actual = actual
+        self.keys = keys
 
     def __repr__(self) -> str:
         return f"_Pending({self.rid!r}, {self.claims!r}, {self.actual!r})"
+
+
+def _keys(claims: Iterable[Claim]) -> list[str]:
+    return [claim.key for claim in claims]
 
 
 def longest_call_s(route: RouteConfig, fanout_wait_s: float = 0.0) -> float:

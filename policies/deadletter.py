@@ -14,8 +14,11 @@ Secrets are never written: headers whose name or value says they carry credentia
 (:func:`policies.secrets.secret_header`: ``Authorization``, ``Cookie``, anything with ``auth``,
 ``key``, ``token``, ``secret``, ``password``, ``credential``, ``session``...; a value such as
 ``Bearer ...`` or ``sk-...``, whatever its name) are removed and only their names kept, so
-``sluice dlq replay`` must be given them again. Bodies are kept up to ``max_body_bytes``; a
-cut body is marked and cannot be replayed.
+``sluice dlq replay`` must be given them again. Query parameters go by the same rule
+(:func:`policies.secrets.secret_query_field`: ``?api_key=``, ``?sig=``...; a value such as
+``?q=sk-...``, whatever its name): the path is stored, and replayed, without them, and
+``?NAME`` for each is listed with the removed headers' names. Bodies are kept up to
+``max_body_bytes``; a cut body is marked and cannot be replayed.
 
 Storage follows the ``state`` block. With the memory backend: one SQLite file per replica
 (``dead_letter.path``; WAL mode, so ``sluice dlq`` can read while the server writes); the
@@ -55,6 +58,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
+from urllib.parse import unquote_plus
 
 import orjson
 
@@ -121,7 +125,9 @@ def redact(headers: Iterable[tuple[str, str]]) -> tuple[list[tuple[str, str]], l
 
 
 def redact_path(path: str) -> tuple[str, list[str]]:
-    """Drop credential-like query parameters from ``path`` (as received, percent-encoded).
+    """Drop query parameters that carry credentials, by name or by value
+    (:func:`policies.secrets.secret_query_field`), from ``path`` (as received,
+    percent-encoded; read decoded).
 
     Returns the path to store and ``?NAME`` for each parameter dropped, so a replay knows what
     must be supplied again.
@@ -132,9 +138,9 @@ def redact_path(path: str) -> tuple[str, list[str]]:
     kept: list[str] = []
     removed: list[str] = []
     for pair in query.split("&"):
-        name = pair.partition("=")[0].lower()
-        if secret_query_field(name):
-            removed.append("?" + pair.partition("=")[0])
+        name, _, value = pair.partition("=")
+        if secret_query_field(unquote_plus(name), unquote_plus(value)):
+            removed.append("?" + name)
         else:
             kept.append(pair)
     return (f"{target}?{'&'.join(kept)}" if kept else target), removed

@@ -1,6 +1,7 @@
 """What marks a credential: by its value, in every place Sluice stores or shows what callers
 sent (dead letters, ``policies.deadletter``; the admin views and reload errors,
-``proxy.redact``), and by a header's name, in dead letters (``proxy.redact`` reads config keys
+``proxy.redact``; URLs it prints, ``policies.state.redact_url``), in a header or a query
+field alike, and by a header's or a query field's name (``proxy.redact`` reads config keys
 by words of its own: ``key_prefix`` is no key)."""
 
 from __future__ import annotations
@@ -28,9 +29,11 @@ NOT_SECRET_HEADERS = frozenset({"idempotency-key"})
 SECRET_QUERY_PARTS = (*SECRET_HEADER_PARTS, "sig")
 
 
-def secret_query_field(name: str) -> bool:
-    """Whether a query parameter carries a credential, by its name."""
-    return _named_secret(name.lower(), SECRET_QUERY_PARTS)
+def secret_query_field(name: str, value: str) -> bool:
+    """Whether a query parameter carries a credential, by its name or its value (both
+    percent-decoded): ``?api_key=...``, and ``?q=sk-...`` too, as :func:`secret_header`
+    reads a header."""
+    return _named_secret(name.lower(), SECRET_QUERY_PARTS) or bool(SECRET_VALUE.match(value))
 
 
 def secret_header(name: str, value: str) -> bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 from typing import Any
+from urllib.parse import unquote_plus
 
 from policies.secrets import SECRET_VALUE, secret_query_field
 from policies.state import redact_url
@@ -40,9 +41,10 @@ def redact(value: Any, key: str = "") -> Any:
 
     Redacted: the value of a key with a secret-sounding word (``password``, ``token``,
     ``api_key``, ``auth``...); the password, or a lone token, in a URL's userinfo, and query
-    fields named as credentials (``?password=``, ``?api_key=``), also inside a longer string
-    (``redis://:pw@host`` -> ``redis://:<redacted>@host``); strings shaped like API keys or
-    ``Authorization`` values (``sk-...``, ``Bearer ...``).
+    fields that carry credentials by name or value (``?password=``, ``?api_key=``,
+    ``?q=sk-...``), also inside a longer string (``redis://:pw@host`` ->
+    ``redis://:<redacted>@host``); strings shaped like API keys or ``Authorization`` values
+    (``sk-...``, ``Bearer ...``).
     """
     if isinstance(value, dict):
         return {k: redact(v, str(k)) for k, v in value.items()}
@@ -63,7 +65,7 @@ def redact(value: Any, key: str = "") -> Any:
 
 
 def _redact_query_field(match: re.Match[str]) -> str:
-    if not secret_query_field(match.group(2)):
+    if not secret_query_field(unquote_plus(match.group(2)), unquote_plus(match.group(3))):
         return match.group(0)
     return f"{match.group(1)}{match.group(2)}={REDACTED}"
 

@@ -51,6 +51,10 @@ from tests.test_reload import CHAT, until
       "problems": [f"f:9: routes[0].upstream: 'http://127.0.0.1:9/?api_key={REDACTED}' must "
                    "be an http:// or https:// base URL with no query or fragment"],
       "note": "a budget of tokens=5 is no query"}),
+    # And by their value, whatever the field's name (policies.secrets), as in a header.
+    ({"problems": ["f:9: routes[0].upstream: 'http://h:9/?k=sk-Q3&page=2' has a query"]},
+     {"problems": [f"f:9: routes[0].upstream: 'http://h:9/?k={REDACTED}&page=2' has a "
+                   "query"]}),
 ])
 def test_redact(value, expected):
     assert redact(value) == expected

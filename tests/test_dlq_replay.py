@@ -335,6 +335,37 @@ async def test_a_key_sluice_derived_is_replayed_under_and_said_to_be_derived(
         delete_prefix(url, prefix)
 
 
+async def test_a_dead_letter_keeps_no_credential_valued_query_field(upstream, start_sluice,
+                                                                     state):
+    """A value that looks like a credential (``sk-``, ``AIza``...) is one whatever its name
+    (policies/secrets.py), in the query as in a header: an OpenAI key in ``?k=`` and a
+    Google key in ``?q=`` were kept in the letter and printed by ``dlq show`` and ``dlq
+    list``, while the same key in ``X-Echo`` was redacted (a hostile trial). Their names are
+    kept, as a credential's by its name is; the rest of the query stays."""
+    sluice = await start_sluice({**state, "routes": [route(
+        "h", upstream.url, protocol="http", idempotent=True,
+        retry={"attempts": 2, "backoff": FAST_BACKOFF, "on": [503]})]})
+    upstream.status = 503
+    async with aiohttp.ClientSession() as s, s.post(
+            sluice.url + "/h/v1/x?k=sk-proj-HOSTILE1&q=AIzaHOSTILE2&page=2", data=b"{}",
+            headers={"Content-Type": "application/json",
+                     "X-Echo": "sk-proj-HOSTILE3"}) as r:
+        await r.read()
+        letter = r.headers["X-Sluice-Dead-Letter"]
+    assert upstream.requests[-1].raw_path == "/v1/x?k=sk-proj-HOSTILE1&q=AIzaHOSTILE2&page=2"
+    config = str(sluice.config_path)
+    code, shown, err = await outcome(await cli("dlq", "show", letter, "--config", config))
+    assert code == 0, err
+    assert "HOSTILE" not in shown
+    record = json.loads(shown)
+    assert record["path"] == "/v1/x?page=2"
+    assert record["redacted_headers"] == ["X-Echo", "?k", "?q"]
+    code, listed, err = await outcome(await cli("dlq", "list", "--config", config))
+    assert code == 0 and "/v1/x?page=2" in listed and "HOSTILE" not in listed, err
+    await wait_until(lambda: any(e["event"] == "dead_lettered" for e in sluice.events()))
+    assert "HOSTILE" not in json.dumps(sluice.events())
+
+
 async def test_a_callers_key_the_route_keeps_from_the_upstream_is_still_the_letters(
         upstream, start_sluice):
     """With ``Idempotency-Key`` in ``request_headers_to_remove`` the upstream never sees the

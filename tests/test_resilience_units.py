@@ -259,6 +259,19 @@ def test_credential_query_parameters_are_not_stored() -> None:
     assert redact_path("/v1/x") == ("/v1/x", [])
 
 
+def test_query_parameters_with_credential_values_are_not_stored_whatever_their_name() -> None:
+    # Found by a hostile trial: ?k=sk-... and ?q=AIza... were kept in dead letters while the
+    # same value in a header was redacted. Neutral names (code=, k=) go by value; a value read
+    # percent-decoded; plain values stay, "sk" and a Bearer-less "token" too.
+    assert redact_path("/v1/x?k=sk-proj-abc&q=AIzaXYZ&page=2") == (
+        "/v1/x?page=2", ["?k", "?q"])
+    assert redact_path("/v1/x?code=ghp_abc&state=s1") == ("/v1/x?state=s1", ["?code"])
+    assert redact_path("/v1/x?a=Bearer%20t0k&b=eyJhbGciOi.e30.sig&c=sk%2Dx") == (
+        "/v1/x", ["?a", "?b", "?c"])
+    assert redact_path("/v1/x?q=sketch&lang=en&n=token&code=42") == (
+        "/v1/x?q=sketch&lang=en&n=token&code=42", [])
+
+
 def test_credentials_by_any_header_name_or_by_their_value_are_not_stored() -> None:
     # Found by a hostile trial: Azure's Ocp-Apim-Subscription-Key and other vendors' key
     # headers, and a Bearer value under a name of no note, were stored in clear.

@@ -206,6 +206,81 @@ async def test_a_reserve_cancelled_in_flight_holds_nothing_once_redis_answers(re
         await backends.close()
 
 
+async def test_a_settle_redis_no_longer_holds_corrects_the_levels_kept(redis_server, tmp_path):
+    """Redis restarted empty under a held reservation: its settle finds nothing, and answered
+    no levels, so the levels kept from the reserve stayed (100 held) for the gauges, the
+    headers and the next outage's local share, until that counter's next answer (a hostile
+    trial). Now such a settle, or a release, reads them again: nothing held, and a share of
+    the whole."""
+    backends = await own_backends(redis_server)
+    restarted = None
+    try:
+        budgets = Budgets([BudgetConfig.model_validate({"tokens": "1000/day", "per": "tenant"})],
+                          {}, backends, time.time, "r")
+        held = await budgets.reserve("acme", None, "m", 10, 90)
+        refused_later = await budgets.reserve("acme", None, "m", 10, 40)
+        assert budgets.reserved("tokens", "tenant", "acme") == 150
+        port = redis_server.port
+        redis_server.stop()
+        restarted = RedisServer(tmp_path / "redis-restarted", port=port).start()  # empty
+        budgets.settle(held, Usage(10, 30))
+        budgets.give_back(refused_later, [])  # a call refused after its admission
+        await wait_for(lambda: backends.health.up and not budgets.reconciler, what="settle")
+        await budgets.background.wait()
+        assert (budgets.reserved("tokens", "tenant", "acme"),
+                budgets.remaining("tokens", "tenant", "acme")) == (0, 1000)
+        restarted.freeze()
+        try:  # a share of (1000 - 0) / 2 replicas, not of (1000 - 100) / 2
+            local = await budgets.reserve("acme", None, "m", 10, 480)
+            assert local.source is backends.fallback.local
+        finally:
+            restarted.thaw()
+    finally:
+        await backends.close()
+        if restarted is not None:
+            restarted.stop()
+
+
+async def test_budget_reserved_gauge_returns_to_zero_after_redis_restarted_empty(
+        upstream, start_sluice, tmp_path):
+    """Two calls hold 1,060 tokens in the shared ledger; Redis restarts empty (same address)
+    while they run; both end. Nothing is held anywhere now, yet ``sluice_budget_reserved``
+    (and ``sluice_budget_remaining``) kept reading the levels cached from the reserve: the
+    settle of a reservation Redis no longer has answered no levels, and nothing refreshed
+    them until that tenant called again (a tenant that never does showed 1,060 held all day;
+    a hostile trial)."""
+    first = RedisServer(tmp_path / "redis-1").start()
+    second = None
+    try:
+        sluice = await start_sluice({
+            "routes": [route("openai", upstream.url, concurrency={"limit": 2, "queue": 4},
+                             budget={"tokens": "100000/day", "per": "tenant"})],
+            "state": {"backend": "redis", "redis_url": first.url, "key_prefix": new_prefix()}})
+        payload = {"model": "gpt-test", "messages": [{"role": "user", "content": "hi"}],
+                   "max_tokens": 500}
+        labels = {"route": "openai", "tenant": "acme", "unit": "tokens"}
+        upstream.hold = asyncio.Event()
+        async with aiohttp.ClientSession() as session:
+            calls = []
+            for inflight in (1, 2):  # one after the other: the levels kept are the last's
+                calls.append(asyncio.create_task(post(session, sluice.url, payload,
+                                                      **{"X-Tenant-ID": "acme"})))
+                await sluice.wait_metric("sluice_inflight_requests", inflight, route="openai")
+            assert await sluice.metric("sluice_budget_reserved", **labels) == 1060
+            port = first.port
+            first.stop()
+            second = RedisServer(tmp_path / "redis-2", port=port).start()  # empty
+            upstream.hold.set()
+            assert [status for status, _, _ in await asyncio.gather(*calls)] == [200, 200]
+        await sluice.wait_metric("sluice_inflight_requests", 0, route="openai")
+        await sluice.wait_metric("sluice_budget_reserved", 0, timeout=10, **labels)
+        assert await sluice.metric("sluice_budget_remaining", **labels) == 100000
+    finally:
+        first.stop()
+        if second is not None:
+            second.stop()
+
+
 async def test_budget_counters_of_many_tenants_are_forgotten_after_their_window():
     """Issue 13: per-tenant budget state must not grow with distinct tenants for ever."""
     now = [86400.0 * 20000 + 3600]

@@ -253,6 +253,9 @@ def test_redact_url_hides_passwords_and_tokens():
     assert redact_url("redis://h:1/0?password=pw&db=2") == (
         "redis://h:1/0?password=<redacted>&db=2")
     assert redact_url("redis://h:6379/0") == "redis://h:6379/0"
+    # A credential by its value, whatever the field's name (policies.secrets).
+    assert redact_url("https://api.example.com/v1?k=sk-abc&region=eu") == (
+        "https://api.example.com/v1?k=<redacted>&region=eu")
 
 
 def test_keys_share_the_group_hash_tag():

@@ -84,8 +84,9 @@ CONNECT_TIMEOUT_S = 2.0
 
 
 def redact_url(url: str) -> str:
-    """``url`` with any password (in the userinfo, or a query field named as a credential:
-    ``password=``, ``api_key=``, ``token=``...) replaced by ``<redacted>``; a lone userinfo
+    """``url`` with any password (in the userinfo, or a query field that carries a
+    credential by its name or value, :func:`policies.secrets.secret_query_field`:
+    ``password=``, ``api_key=``, ``q=sk-...``) replaced by ``<redacted>``; a lone userinfo
     without ``:`` is taken for a token and redacted too.
 
     >>> redact_url("redis://:s3cret@cache:6379/0")
@@ -104,7 +105,7 @@ def redact_url(url: str) -> str:
     if query:
         fields = urllib.parse.parse_qsl(query, keep_blank_values=True)
         query = "&".join(
-            f"{name}={REDACTED if secret_query_field(name) else value}"
+            f"{name}={REDACTED if secret_query_field(name, value) else value}"
             for name, value in fields
         )
     return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))

@@ -510,7 +510,9 @@ class RedisLedger:
     def remember_settled(self, group: str, reply: Sequence[Any]) -> bool:
         """Keep the levels a settling script answered (``settle_levels``: ``{settled,
         {counter key, spent, held, ...}}``), so the gauges and headers show the settle, not
-        the reserve before it; returns whether the reservation was settled."""
+        the reserve before it; returns whether the reservation was settled. One Redis no
+        longer has answers no levels (its counters were named in it): the caller, which
+        knows them, reads them then (:class:`policies.budget.Reconciler`)."""
         settled, flat = reply
         prefix = self.counter(group, "")
         keys = [raw.decode().removeprefix(prefix) for raw in flat[0::3]]
