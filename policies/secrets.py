@@ -11,8 +11,11 @@ import re
 #: Values that are credentials whatever their name: API keys by their vendors' prefixes
 #: (OpenAI ``sk-``, Stripe ``sk_``/``rk_``, Slack ``xox?-``, GitHub ``gh?_``, AWS ``AKIA``,
 #: Google ``AIza``), JSON Web Tokens (``eyJ``: a base64url JSON header, then a dot) and
-#: ``Authorization`` schemes, whose names are case-insensitive (RFC 9110 §11.1).
-SECRET_VALUE = re.compile(r"^(?:sk-|sk_|rk_|xox[abp]-|gh[pousr]_|AKIA|AIza|eyJ[\w-]*\."
+#: ``Authorization`` schemes, whose names are case-insensitive (RFC 9110 §11.1). Not Slovak's
+#: language tag, ``sk-SK`` (``Accept-Language: sk-SK,sk;q=0.9``, ``?hl=sk-SK``), which a dead
+#: letter would otherwise lose, and its replay with it.
+SECRET_VALUE = re.compile(r"^(?:sk-(?![A-Za-z]{2}(?:$|[,;]))|sk_|rk_|xox[abp]-|gh[pousr]_|AKIA|AIza"
+                          r"|eyJ[\w-]*\."
                           r"|(?i:bearer|basic|digest|token)\s)")
 
 #: Header-name fragments that mark a credential (matched on the lower-cased name): the usual

@@ -272,6 +272,15 @@ def test_query_parameters_with_credential_values_are_not_stored_whatever_their_n
         "/v1/x?q=sketch&lang=en&n=token&code=42", [])
 
 
+def test_slovak_language_tags_are_no_credential() -> None:
+    # The OpenAI key prefix "sk-" is also Slovak's language tag: by value alone, ?hl=sk-SK
+    # was dropped from a dead letter (and from its replay), and Accept-Language with it.
+    assert redact_path("/v1/x?hl=sk-SK&k=sk-a") == ("/v1/x?hl=sk-SK", ["?k"])
+    kept, removed = redact([("Accept-Language", "sk-SK,sk;q=0.9,en;q=0.8"),
+                            ("X-Note", "sk-SKx9"), ("X-Other", "sk-ab-live")])
+    assert kept == [("Accept-Language", "sk-SK,sk;q=0.9,en;q=0.8")] and len(removed) == 2
+
+
 def test_credentials_by_any_header_name_or_by_their_value_are_not_stored() -> None:
     # Found by a hostile trial: Azure's Ocp-Apim-Subscription-Key and other vendors' key
     # headers, and a Bearer value under a name of no note, were stored in clear.
