@@ -6,15 +6,18 @@ answer counted."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
+from collections.abc import AsyncIterator, Callable
 
 import aiohttp
 from aiohttp import web
 
-from tests.conftest import free_port, route, serve_app
+from tests.conftest import SluiceProcess, free_port, route, serve_app
 
 CHAT = "/openai/v1/chat/completions"
+USAGE_7_11 = {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 11}}
 
 
 async def _completed(sluice, timeout: float = 20.0) -> list[dict]:
@@ -89,13 +92,14 @@ async def test_retries_that_got_a_5xx_then_no_connection_charge_nothing(upstream
         "none", 0, 100000.0)
 
 
-async def test_an_attempt_that_timed_out_upstream_is_charged_though_the_last_got_a_503(
-        start_sluice):
-    """The other face of the retry/accounting gap: attempt 1 is sent and cut by
-    ``per_try_timeout`` (the upstream runs it to the end and bills it: "a timeout before the
-    answer ... the whole reservation, since the upstream may have billed it all"); attempt 2
-    gets a whole 503, which is relayed. The call is charged nothing (``usage: none``), so
-    calls that time out and then meet a 503 spend the upstream's tokens outside the budget."""
+@contextlib.asynccontextmanager
+async def _first_attempt_timed_out(start_sluice, later: Callable[[], web.Response],
+                                   on: list[object]
+                                   ) -> AsyncIterator[tuple[SluiceProcess, list[int]]]:
+    """A Sluice whose ``openai`` route (budget 100,000 tokens a day per tenant) gives each
+    attempt 500 ms: the upstream's first answer comes after 1.5 s (it ran to its end and
+    billed it, usage 7 + 11), its later ones ``later()``; with the upstream's request
+    count."""
     seen: list[int] = []
 
     async def chat(request: web.Request) -> web.Response:
@@ -103,31 +107,49 @@ async def test_an_attempt_that_timed_out_upstream_is_charged_though_the_last_got
         seen.append(1)
         if len(seen) == 1:  # worked to the end (and billed), after Sluice stopped waiting
             await asyncio.sleep(1.5)
-            return web.json_response({"choices": [], "usage": {"prompt_tokens": 30,
-                                                                "completion_tokens": 500}})
-        return web.json_response({"error": {"message": "overloaded"}}, status=503)
+            return web.json_response(USAGE_7_11)
+        return later()
 
     app = web.Application()
     app.router.add_post("/v1/chat/completions", chat)
     runner, port = await serve_app(app)
     try:
-        sluice = await start_sluice({"routes": [route(
+        yield await start_sluice({"routes": [route(
             "openai", f"http://127.0.0.1:{port}", idempotent=True,
             retry={"attempts": 2, "per_try_timeout": "500ms",
-                   "backoff": {"base": "10ms", "max": "20ms"}, "on": [503, "timeout"]},
-            budget={"tokens": "100000/day", "per": "tenant"})]})
-        body = {"model": "gpt-test", "messages": [{"role": "user", "content": "hi"}],
-                "max_tokens": 500}
-        async with aiohttp.ClientSession() as s, s.post(
-                sluice.url + CHAT, json=body, headers={"X-Tenant-ID": "acme"}) as r:
-            await r.read()
-            assert r.status == 503
+                   "backoff": {"base": "10ms", "max": "20ms"}, "on": on},
+            budget={"tokens": "100000/day", "per": "tenant"})]}), seen
+    finally:
+        await runner.cleanup()
+
+
+async def _chat(sluice: SluiceProcess) -> int:
+    """One chat completion (500 max_tokens) for tenant acme; its status."""
+    body = {"model": "gpt-test", "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 500}
+    async with aiohttp.ClientSession() as s, s.post(
+            sluice.url + CHAT, json=body, headers={"X-Tenant-ID": "acme"}) as r:
+        await r.read()
+        return r.status
+
+
+async def test_an_attempt_that_timed_out_upstream_is_charged_though_the_last_got_a_503(
+        start_sluice):
+    """The other face of the retry/accounting gap: attempt 1 is sent and cut by
+    ``per_try_timeout`` (the upstream runs it to the end and bills it: "a timeout before the
+    answer ... the whole reservation, since the upstream may have billed it all"); attempt 2
+    gets a whole 503, which is relayed. The call is charged nothing (``usage: none``), so
+    calls that time out and then meet a 503 spend the upstream's tokens outside the budget."""
+    def overloaded() -> web.Response:
+        return web.json_response({"error": {"message": "overloaded"}}, status=503)
+
+    async with _first_attempt_timed_out(start_sluice, overloaded, [503, "timeout"]) as (
+            sluice, seen):
+        assert await _chat(sluice) == 503
         [done] = await _completed(sluice)
         assert len(seen) == 2
         assert done["usage"] == "reserved", done
         assert done["input_tokens"] + done["output_tokens"] > 0
-    finally:
-        await runner.cleanup()
 
 
 async def test_an_attempt_refused_a_connection_is_not_charged_cost_per_call(start_sluice):
@@ -172,33 +194,11 @@ async def test_an_attempt_refused_a_connection_is_not_charged_cost_per_call(star
 async def test_a_timed_out_attempt_is_charged_beside_the_usage_the_next_one_reports(
         start_sluice):
     # Attempt 1 runs to its end upstream after Sluice stopped waiting (billed), attempt 2
-    # answers with its usage: both count, the first at its reservation (30 input estimated
+    # answers with its usage: both count, the first at its reservation (the input estimated
     # from the body, 500 max_tokens), and the event says one attempt went unanswered.
-    seen: list[int] = []
-
-    async def chat(request: web.Request) -> web.Response:
-        await request.read()
-        seen.append(1)
-        if len(seen) == 1:
-            await asyncio.sleep(1.5)
-        return web.json_response({"choices": [], "usage": {"prompt_tokens": 7,
-                                                            "completion_tokens": 11}})
-
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", chat)
-    runner, port = await serve_app(app)
-    try:
-        sluice = await start_sluice({"routes": [route(
-            "openai", f"http://127.0.0.1:{port}", idempotent=True,
-            retry={"attempts": 2, "per_try_timeout": "500ms",
-                   "backoff": {"base": "10ms", "max": "20ms"}, "on": ["timeout"]},
-            budget={"tokens": "100000/day", "per": "tenant"})]})
-        body = {"model": "gpt-test", "messages": [{"role": "user", "content": "hi"}],
-                "max_tokens": 500}
-        async with aiohttp.ClientSession() as s, s.post(
-                sluice.url + CHAT, json=body, headers={"X-Tenant-ID": "acme"}) as r:
-            assert r.status == 200
-            await r.read()
+    async with _first_attempt_timed_out(start_sluice, lambda: web.json_response(USAGE_7_11),
+                                        ["timeout"]) as (sluice, _):
+        assert await _chat(sluice) == 200
         [done] = await _completed(sluice)
         assert (done["usage"], done["unanswered_attempts"]) == ("reported", 1)
         assert done["output_tokens"] == 11 + 500
@@ -207,5 +207,3 @@ async def test_a_timed_out_attempt_is_charged_beside_the_usage_the_next_one_repo
         remaining = await sluice.metric("sluice_budget_remaining", route="openai",
                                         tenant="acme", unit="tokens")
         assert remaining == 100000 - done["input_tokens"] - done["output_tokens"]
-    finally:
-        await runner.cleanup()
