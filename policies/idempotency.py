@@ -1224,8 +1224,9 @@ def _of_generation(fingerprint: bytes, version: str | None) -> bytes:
 def _mismatch(claim: Claim) -> Rejected:
     if claim.mcp_id is not None:  # an MCP call
         return Rejected(Reason.IDEMPOTENCY_MISMATCH, None,
-                        "this call's key was used for another call: other params, or the same "
-                        "call from an MCP client of another protocol generation (a stored "
+                        "this call's key was used for another call: other params, the same "
+                        "call from other credentials, or from an MCP client of another "
+                        "protocol generation (a stored "
                         "answer is replayed only within its generation); to run it again, "
                         "change an argument or send an Idempotency-Key of its own")
     return Rejected(Reason.IDEMPOTENCY_MISMATCH, None,

@@ -414,21 +414,25 @@ async def test_an_mcp_calls_mismatch_says_how_to_run_it_again() -> None:
     from policies.reasons import Rejected
 
     policy = Idempotency(IdempotencyConfig(), "tools", mcp_calls=True)
-    headers = CIMultiDictProxy(CIMultiDict({"Idempotency-Key": "k-1"}))
 
-    def call(seat: str) -> Call:
+    def call(seat: str, token: str = "a") -> Call:
         body = orjson.dumps({"jsonrpc": "2.0", "id": 1, "method": "tools/call",
                              "params": {"name": "book", "arguments": {"seat": seat}}})
+        headers = CIMultiDictProxy(CIMultiDict({"Idempotency-Key": "k-1",
+                                                "Authorization": f"Bearer {token}"}))
         return Call(request_id="r", route="tools", method="POST", path="/tools/mcp",
                     headers=headers, body=body, tenant="t", rpc_id=1)
 
     claim = await policy.admit(call("1A"))
     assert claim is not None
-    with pytest.raises(Rejected) as refused:
-        await policy.admit(call("2B"))
-    assert refused.value.reason is Reason.IDEMPOTENCY_MISMATCH
-    assert refused.value.detail.endswith(
-        "to run it again, change an argument or send an Idempotency-Key of its own")
+    # Another call, or the same one from other credentials (the caller's key is its own).
+    for other in (call("2B"), call("1A", token="b")):
+        with pytest.raises(Rejected) as refused:
+            await policy.admit(other)
+        assert refused.value.reason is Reason.IDEMPOTENCY_MISMATCH
+        assert "other credentials" in refused.value.detail
+        assert refused.value.detail.endswith(
+            "to run it again, change an argument or send an Idempotency-Key of its own")
     claim.finish("2xx")
 
 
