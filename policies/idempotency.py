@@ -121,13 +121,14 @@ from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy, istr
 
 from policies import mcp
-from policies.config import API_KEY_HEADERS, IdempotencyConfig
+from policies.config import IdempotencyConfig
 from policies.idempotency_store import DONE, SEEN, TOO_LARGE, MemoryStore, Record, ResultStore
 from policies.logs import PER_CALL
 from policies.pipeline import Call, Outcome, survive_leaving
 from policies.rate import Background
 from policies.reasons import Reason, Rejected
 from policies.retry import is_client_retry
+from policies.secrets import secret_header
 from policies.state import IdempotencyRecords, StateBackends, StateUnavailable
 from policies.state.idempotency import (
     CLAIMED,
@@ -1133,19 +1134,26 @@ def _with_credentials(fingerprint: bytes, headers: CIMultiDictProxy[str]) -> byt
     return hashlib.sha256(fingerprint + _credentials(headers)).digest()
 
 
-#: Where callers send their credentials (as ``proxy/identity.py`` reads them).
-CREDENTIAL_HEADERS = ("Authorization", *API_KEY_HEADERS)
+#: Headers that name a credential-sounding word but identify no caller: an MCP session id
+#: changes with every session, and a key is one call across sessions (docs/idempotency.md).
+NOT_CREDENTIALS = frozenset({mcp.SESSION_HEADER.lower()})
 
 
 def _credentials(headers: CIMultiDictProxy[str]) -> bytes:
-    """A digest of the credentials ``headers`` carry (none: the digest of nothing). A key
-    Sluice makes itself (derived, or an MCP call's tool and arguments) includes it, so an
-    answer is never replayed to a caller with other credentials: keyed by tenant alone, a
-    new user's second caller, sharing the tenant, was given the first one's
-    ``my_inbox`` result."""
+    """A digest of the credentials ``headers`` carry (none: the digest of nothing): every
+    field :func:`policies.secrets.secret_header` takes for one, by name or by value
+    (``Authorization``, ``x-api-key``, Gemini's ``x-goog-api-key``, Azure's
+    ``Ocp-Apim-Subscription-Key``, ``Cookie``, ``X-Auth-Token``, ``sk-...`` under any name),
+    in name order, less :data:`NOT_CREDENTIALS`. A key Sluice makes itself (derived, or an
+    MCP call's tool and arguments) includes it, and a caller's own key is bound to it
+    (:func:`_with_credentials`), so an answer is never replayed to a caller with other
+    credentials: keyed by tenant alone, a new user's second caller, sharing the tenant, was
+    given the first one's ``my_inbox`` result; bound to three headers only, a caller with
+    another Gemini key was given the first one's answer (a review)."""
     digest = hashlib.sha256()
-    for name in CREDENTIAL_HEADERS:
-        for value in headers.getall(name, ()):
+    for name, value in sorted((name.lower(), value) for name, value in headers.items()
+                              if secret_header(name, value)):
+        if name not in NOT_CREDENTIALS:
             digest.update(name.encode() + b"\0" + value.encode("utf-8", "surrogateescape")
                           + b"\0")
     return b"\0" + digest.digest()
