@@ -64,7 +64,7 @@ import orjson
 
 from policies.config import DeadLetterConfig
 from policies.logs import PER_CALL
-from policies.secrets import secret_header, secret_query_field
+from policies.secrets import secret_header, secret_query_field, secret_query_name
 
 if TYPE_CHECKING:  # policies.state.deadletters imports this module's records
     from policies.state import StateBackends
@@ -124,13 +124,17 @@ def redact(headers: Iterable[tuple[str, str]]) -> tuple[list[tuple[str, str]], l
     return kept, removed
 
 
+#: What stands for a query field's name that is itself a credential (``?sk-...``).
+REDACTED_NAME = "<redacted>"
+
+
 def redact_path(path: str) -> tuple[str, list[str]]:
     """Drop query parameters that carry credentials, by name or by value
     (:func:`policies.secrets.secret_query_field`), from ``path`` (as received,
     percent-encoded; read decoded).
 
     Returns the path to store and ``?NAME`` for each parameter dropped, so a replay knows what
-    must be supplied again.
+    must be supplied again (:data:`REDACTED_NAME` for a name that is itself a credential).
     """
     target, sep, query = path.partition("?")
     if not sep:
@@ -139,8 +143,9 @@ def redact_path(path: str) -> tuple[str, list[str]]:
     removed: list[str] = []
     for pair in query.split("&"):
         name, _, value = pair.partition("=")
-        if secret_query_field(unquote_plus(name), unquote_plus(value)):
-            removed.append("?" + name)
+        name_read = unquote_plus(name)
+        if secret_query_field(name_read, unquote_plus(value)):
+            removed.append("?" + (REDACTED_NAME if secret_query_name(name_read) else name))
         else:
             kept.append(pair)
     return (f"{target}?{'&'.join(kept)}" if kept else target), removed

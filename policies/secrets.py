@@ -32,11 +32,28 @@ NOT_SECRET_HEADERS = frozenset({"idempotency-key"})
 SECRET_QUERY_PARTS = (*SECRET_HEADER_PARTS, "sig")
 
 
+#: A query value that is a credential whatever its field's name: a vendor's key, a JWT, or
+#: an ``Authorization`` scheme with one token after it and nothing more. Stricter than
+#: :data:`SECRET_VALUE` on the schemes: a search for "basic python tutorial" or "token
+#: limits" is no credential (a review: dropped from a dead letter, its replay searched for
+#: nothing).
+SECRET_QUERY_VALUE = re.compile(
+    r"^(?:sk-(?![A-Za-z]{2}(?:$|[,;]))|sk_|rk_|xox[abp]-|gh[pousr]_|AKIA|AIza|eyJ[\w-]*\."
+    r"|(?i:bearer|basic|digest|token)\s+\S+$)")
+
+
 def secret_query_field(name: str, value: str) -> bool:
-    """Whether a query parameter carries a credential, by its name or its value (both
-    percent-decoded): ``?api_key=...``, and ``?q=sk-...`` too, as :func:`secret_header`
-    reads a header."""
-    return _named_secret(name.lower(), SECRET_QUERY_PARTS) or bool(SECRET_VALUE.match(value))
+    """Whether a query parameter carries a credential (both percent-decoded): by its name
+    (``?api_key=...``), by its value (``?q=sk-...``, :data:`SECRET_QUERY_VALUE`), or by a
+    name shaped as a key itself (``?sk-proj-...``, sent with no ``=``)."""
+    return (_named_secret(name.lower(), SECRET_QUERY_PARTS)
+            or SECRET_QUERY_VALUE.match(value) is not None or secret_query_name(name))
+
+
+def secret_query_name(name: str) -> bool:
+    """Whether a query field's name (percent-decoded) is itself a credential
+    (``?sk-proj-...``, a token sent with no ``=``): then not even the name may be shown."""
+    return SECRET_QUERY_VALUE.match(name) is not None
 
 
 def secret_header(name: str, value: str) -> bool:

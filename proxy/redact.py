@@ -10,7 +10,7 @@ import re
 from typing import Any
 from urllib.parse import unquote_plus
 
-from policies.secrets import SECRET_VALUE, secret_query_field
+from policies.secrets import SECRET_VALUE, secret_query_field, secret_query_name
 from policies.state import redact_url
 
 REDACTED = "<redacted>"
@@ -33,7 +33,7 @@ _URL_USERINFO = re.compile(rf"\b({_SCHEME})([^/?#\s]*)@")
 # A value that is a URL as a whole: redacted by parsing it (see redact_url).
 _WHOLE_URL = re.compile(_SCHEME)
 # A query field of a URL quoted inside a longer string (``...?api_key=abc&x=1'``).
-_QUERY_FIELD = re.compile(r"([?&])([^=&\s'\"#?]+)=([^&\s'\"#]*)")
+_QUERY_FIELD = re.compile(r"([?&])([^=&\s'\"#?]+)(?:=([^&\s'\"#]*))?")
 
 
 def redact(value: Any, key: str = "") -> Any:
@@ -61,12 +61,16 @@ def redact(value: Any, key: str = "") -> Any:
         # query (redis-py reads ?password=; some APIs take ?api_key=).
         return redact_url(value)
     value = _URL_USERINFO.sub(_redact_userinfo, value)
-    return _QUERY_FIELD.sub(_redact_query_field, value) if "=" in value else value
+    return (_QUERY_FIELD.sub(_redact_query_field, value) if "=" in value or "?" in value
+            else value)
 
 
 def _redact_query_field(match: re.Match[str]) -> str:
-    if not secret_query_field(unquote_plus(match.group(2)), unquote_plus(match.group(3))):
+    name = unquote_plus(match.group(2))
+    if not secret_query_field(name, unquote_plus(match.group(3) or "")):
         return match.group(0)
+    if secret_query_name(name):  # the name is the token (``?sk-...``): none of it is shown
+        return f"{match.group(1)}{REDACTED}"
     return f"{match.group(1)}{match.group(2)}={REDACTED}"
 
 

@@ -56,7 +56,7 @@ from redis.commands.core import AsyncScript
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
-from policies.secrets import secret_query_field
+from policies.secrets import secret_query_field, secret_query_name
 from policies.state.errors import StateUnavailable, is_key_fault, is_unavailable
 from policies.state.notify import RedisNotifier
 
@@ -105,7 +105,8 @@ def redact_url(url: str) -> str:
     if query:
         fields = urllib.parse.parse_qsl(query, keep_blank_values=True)
         query = "&".join(
-            f"{name}={REDACTED if secret_query_field(name, value) else value}"
+            REDACTED if secret_query_name(name)
+            else f"{name}={REDACTED if secret_query_field(name, value) else value}"
             for name, value in fields
         )
     return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
