@@ -387,10 +387,11 @@ class Charge(Meter):
         if call.unanswered:
             call.charged["unanswered_attempts"] = call.unanswered
         cap = self.cost.output_cap
-        if source == "reported" and cap is not None:
-            # Charged as reported, the upstream's count being the bill: more than the
-            # reservation (an input the estimate undercounted, an upstream past max_tokens)
-            # can pass a budget by the difference, so it is said.
+        if cap is not None and (source == "reported" or call.unanswered):
+            # Charged as reported, the upstream's count being the bill, or for retried
+            # attempts each at the reservation: more than the one reservation held (an input
+            # the estimate undercounted, an upstream past max_tokens, attempts that timed
+            # out) can pass a budget by the difference, so it is said.
             over = (usage.input_tokens + usage.output_tokens) - (self.cost.input_tokens + cap)
             if over > 0:
                 call.charged["over_reservation_tokens"] = over
@@ -403,8 +404,12 @@ class Charge(Meter):
         if self.status:  # an answer was relayed, and read as it passed
             usage, source = (self.usage, "reported") if self.final else self._unreported(
                 outcome)
+        elif call.answer_status == SENT_UNANSWERED and call.sent_at is None:
+            # It ended unanswered (a timeout, a connection lost), not cut by its caller
+            # leaving: the upstream may have run it to the end, streamed or not.
+            usage, source = self._worst(), "reserved"
         elif call.answer_status == SENT_UNANSWERED or 0 < call.answer_status < 400:
-            usage, source = self._unreported(outcome)  # it may have been billed in full
+            usage, source = self._unreported(outcome)  # its caller left while it was open
         else:  # an error answer (providers bill none) let go in a retry's wait, or unsent
             usage, source = Usage(), "none"
         if call.unanswered:

@@ -96,6 +96,7 @@ class Call:
     relaying the call's answer once its last message has gone to the caller
     (``proxy.forward.delivered``), which a drain ends rather than waits for (``None``
     before); the upstream time of its attempts (:meth:`attempt_sent`, :meth:`attempt_over`,
+    :meth:`attempt_unsent`,
     :meth:`upstream_seconds`).
 
     A policy reports a step for the timeline (e.g. ``enqueued``) with
@@ -210,6 +211,10 @@ class Call:
         if self._sent_at is not None:
             self._upstream_s += max(at - self._sent_at, 0.0)
             self._sent_at = None
+
+    def attempt_unsent(self) -> None:
+        """The open attempt never left (a refused connection): its time is no upstream time."""
+        self._sent_at = None
 
     def upstream_seconds(self, now: float) -> float:
         """Seconds the upstream spent on this call: each attempt from its sending to its end,

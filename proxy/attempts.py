@@ -535,9 +535,11 @@ async def _attempt(rt: Runtime, route: Route, call: Call, url: URL,
             tickets = [pair for pair in tickets if pair[0] is not tool_breaker]
         await _record_each(tickets, verdict, status, hint)
         return status, hint, True
-    call.attempt_over(time.monotonic())
     call.reached = reached_before or sent
-    if not sent:
+    if sent:
+        call.attempt_over(time.monotonic())
+    else:  # no upstream time, no cost_per_call: it never left
+        call.attempt_unsent()
         call.answer_status = 0
         call.unsent += 1
     tries.drop_response()
