@@ -30,14 +30,17 @@ def ephemeral_floor() -> int:
 
 def free_ports(count: int, *, bus: bool = False) -> list[int]:
     """``count`` distinct free loopback ports, each with its port + 10000 free too when
-    ``bus``; all of them below the ephemeral range, the bus ports included. Each is held until
+    ``bus``; all of them below the ephemeral range, the bus ports included (unless that
+    range starts too low to leave room: then as ``bind(0)`` gives them). Each is held until
     all are picked, so none is handed out twice.
 
     Raises:
         RuntimeError: no such ports found in 200 tries per port.
     """
-    top = ephemeral_floor() - CLUSTER_BUS_OFFSET
+    top = ephemeral_floor() - (CLUSTER_BUS_OFFSET if bus else 0)
     low = max(1024, top - _SPAN)
+    if top - low < 1000:  # the ephemeral range starts low: take ports as the kernel gives them
+        return _kernel_ports(count, bus)
     with contextlib.ExitStack() as held:
         ports: list[int] = []
         for _ in range(200 * count):
@@ -55,3 +58,26 @@ def free_ports(count: int, *, bus: bool = False) -> list[int]:
         if len(ports) < count:
             raise RuntimeError(f"no {count} free port(s) between {low} and {top}")
         return ports
+
+
+def _kernel_ports(count: int, bus: bool) -> list[int]:
+    """:func:`free_ports` where nothing lies below the ephemeral range: ports ``bind(0)``
+    gives (each held until all are picked), the race with outgoing connections accepted."""
+    with contextlib.ExitStack() as held:
+        ports: list[int] = []
+        for _ in range(200 * count):
+            if len(ports) == count:
+                return ports
+            sock = held.enter_context(socket.socket())
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+            if bus:
+                if port + CLUSTER_BUS_OFFSET > 65535:
+                    continue
+                try:
+                    held.enter_context(socket.socket()).bind(
+                        ("127.0.0.1", port + CLUSTER_BUS_OFFSET))
+                except OSError:
+                    continue
+            ports.append(port)
+        raise RuntimeError(f"no {count} free port(s)")
