@@ -288,6 +288,7 @@ async def _replay(config: Config, store: DeadLetterStore | _FileStore, letter: D
     except ValueError as exc:
         print(exc, file=sys.stderr)
         return EXIT_FAILED
+    _warn_removed(letter, headers)
     block = _block(route, letter)
     keys = _keys(route, block)
     timeouts = route.timeouts_for(route.operations()[1].get(block) if block is not None else None)
@@ -369,6 +370,24 @@ async def _replay(config: Config, store: DeadLetterStore | _FileStore, letter: D
     print(f"replayed dead letter {letter.id} to {redact_url(route.upstream + letter.path)}: "
           f"{result} in {duration:.3f}s")
     return 0 if status is not None and status < 400 and error is None else EXIT_FAILED
+
+
+def _warn_removed(letter: DeadLetter, headers: CIMultiDict[str]) -> None:
+    """Say what the replay is sent without: the credentials removed when the letter was
+    written (by name only) that ``--header``/``--header-from-env`` did not give again, and
+    its query fields removed so (no option gives those back). A new user's replay printed
+    only its status, sent without ten such fields."""
+    query = [name for name in letter.redacted if name.startswith("?")]
+    missing = [name for name in letter.redacted
+               if not name.startswith("?") and name not in headers]
+    if missing:
+        print(f"WARNING: dead letter {letter.id} is replayed without {', '.join(missing)}, "
+              "removed as credentials when it was written; give them with --header or "
+              "--header-from-env", file=sys.stderr)
+    if query:
+        print(f"WARNING: dead letter {letter.id} is replayed without its query field(s) "
+              f"{', '.join(query)}, removed as credentials when it was written",
+              file=sys.stderr)
 
 
 def _call_failure(protocol: str, request_body: bytes, status: int | None, answer: bytes,

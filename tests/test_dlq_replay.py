@@ -364,6 +364,17 @@ async def test_a_dead_letter_keeps_no_credential_valued_query_field(upstream, st
     assert code == 0 and "/v1/x?page=2" in listed and "HOSTILE" not in listed, err
     await wait_until(lambda: any(e["event"] == "dead_lettered" for e in sluice.events()))
     assert "HOSTILE" not in json.dumps(sluice.events())
+    # Replayed without them, and said so (a new user's replay printed only its status).
+    upstream.status = 200
+    code, _, err = await outcome(await cli("dlq", "replay", letter, "--config", config,
+                                           "-H", "X-Echo: given-again"))
+    assert code == 0, err
+    assert upstream.requests[-1].raw_path == "/v1/x?page=2"
+    assert "without its query field(s) ?k, ?q" in err and "X-Echo" not in err, err
+    code, _, err = await outcome(await cli("dlq", "replay", letter, "--config", config,
+                                           "--again"))
+    assert code == 0, err
+    assert "replayed without X-Echo, removed as credentials" in err, err
 
 
 async def test_a_callers_key_the_route_keeps_from_the_upstream_is_still_the_letters(
