@@ -27,9 +27,19 @@ SECRET_HEADER_PARTS = ("auth", "cookie", "key", "token", "secret", "password", "
 SECRET_HEADER_WORDS = frozenset({"pass", "pwd", "pin"})
 #: Headers whose name has such a fragment but that carry no credential.
 NOT_SECRET_HEADERS = frozenset({"idempotency-key"})
-#: Query parameter name fragments that mark a credential (``?key=``, ``?api_key=``, a
-#: signed URL's ``?sig=``): some APIs authenticate in the query.
-SECRET_QUERY_PARTS = (*SECRET_HEADER_PARTS, "sig")
+#: Words of a query field's name (split at ``-``, ``_``, ``.`` and camelCase) that mark a
+#: credential (``?key=``, ``?api_key=``, ``?apiKey=``, ``?access_token=``, a signed URL's
+#: ``?sig=`` and ``X-Amz-Signature``): some APIs authenticate in the query. Whole words, not
+#: fragments as for headers: a query names its data too, and by fragment ``author``,
+#: ``keyword``, ``max_tokens`` and ``monkey`` were dropped from dead letters and their
+#: replays (a new user's trial).
+SECRET_QUERY_WORDS = frozenset({
+    "auth", "authorization", "key", "apikey", "token", "accesstoken", "secret", "password",
+    "passwd", "passphrase", "pass", "pwd", "pw", "credential", "credentials", "creds",
+    "session", "sessionid", "sid", "sig", "signature", "cookie", "private", "jwt", "bearer",
+    "accesskey", "secretkey", "privatekey", "authkey", "authtoken", "sessiontoken", "idtoken",
+    "refreshtoken", "clientsecret"})
+_NAME_WORDS = re.compile(r"[-_.\s]+|(?<=[a-z0-9])(?=[A-Z])")
 
 
 #: A query value that is a credential whatever its field's name: a vendor's key, a JWT, or
@@ -46,7 +56,7 @@ def secret_query_field(name: str, value: str) -> bool:
     """Whether a query parameter carries a credential (both percent-decoded): by its name
     (``?api_key=...``), by its value (``?q=sk-...``, :data:`SECRET_QUERY_VALUE`), or by a
     name shaped as a key itself (``?sk-proj-...``, sent with no ``=``)."""
-    return (_named_secret(name.lower(), SECRET_QUERY_PARTS)
+    return (not SECRET_QUERY_WORDS.isdisjoint(word.lower() for word in _NAME_WORDS.split(name))
             or SECRET_QUERY_VALUE.match(value) is not None or secret_query_name(name))
 
 

@@ -272,6 +272,18 @@ def test_query_parameters_with_credential_values_are_not_stored_whatever_their_n
         "/v1/x?q=sketch&lang=en&n=token&code=42", [])
 
 
+def test_query_fields_go_by_whole_words_of_their_names() -> None:
+    # A new user's trial: by fragment, author=, keyword=, max_tokens= and monkey= were
+    # dropped from a dead letter (and its replay) as credentials.
+    kept = "/v1/x?author=bob&keyword=x&max_tokens=5&monkey=banana&code=42&state=s"
+    assert redact_path(kept) == (kept, [])
+    secret = ("/v1/x?apiKey=a&access_token=b&X-Amz-Signature=c&X-Amz-Security-Token=d"
+              "&client_secret=e&pw=f&refreshtoken=g&page=2")
+    assert redact_path(secret) == ("/v1/x?page=2", [
+        "?apiKey", "?access_token", "?X-Amz-Signature", "?X-Amz-Security-Token",
+        "?client_secret", "?pw", "?refreshtoken"])
+
+
 def test_slovak_language_tags_are_no_credential() -> None:
     # The OpenAI key prefix "sk-" is also Slovak's language tag: by value alone, ?hl=sk-SK
     # was dropped from a dead letter (and from its replay), and Accept-Language with it.
