@@ -76,6 +76,8 @@ def run(config: Config | None, args: argparse.Namespace, out: IO[str] | None = N
     if out is None:
         out = sys.stdout
     base = args.admin or admin_url(config)  # type: ignore[arg-type]  (None only with --admin)
+    if "://" not in base:  # --admin 127.0.0.1:9901, as server.admin_listen writes it
+        base = "http://" + base
     # Given, even empty: the admin port refuses an empty tenant rather than reading it as
     # "every tenant", which is what no --tenant means.
     query = (f"?{urllib.parse.urlencode({'tenant': args.tenant})}"
@@ -188,6 +190,8 @@ def _usd(run: dict[str, Any]) -> str:
 def _cell(value: Any) -> str:
     if value is None:
         return "-"
+    if isinstance(value, bool):  # "cancelled False" read as Python, not as a table
+        return "yes" if value else "no"
     if isinstance(value, dict):
         return ", ".join(f"{k}={_cell(v)}" for k, v in value.items())
     return str(value)

@@ -415,6 +415,13 @@ async def test_cancel_needs_the_token_and_reads_stay_open(upstream, start_sluice
                          sluice.admin_url], cwd=tmp_path, capture_output=True, text=True,
         timeout=60)
     assert listed_cli.returncode == 0 and "r-kid" in listed_cli.stdout, listed_cli.stderr
+    # As server.admin_listen writes it, no scheme (a new user's "unknown url type"); flags
+    # as words, not Python's False.
+    bare = await asyncio.to_thread(
+        cli_main, ["runs", "show", "r", "--admin", sluice.admin_url.removeprefix("http://")])
+    assert bare == 0
+    shown = capsys.readouterr().out
+    assert "cancelled: yes" in shown and "True" not in shown and "False" not in shown
     # Without the config, no token is sent: the refusal says where the CLI takes one from.
     refused = await asyncio.to_thread(
         subprocess.run, [sys.executable, "-m", "proxy", "runs", "cancel", "r", "--admin",
