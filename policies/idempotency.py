@@ -1134,16 +1134,19 @@ def _with_credentials(fingerprint: bytes, headers: CIMultiDictProxy[str]) -> byt
     return hashlib.sha256(fingerprint + _credentials(headers)).digest()
 
 
-#: Headers that name a credential-sounding word but identify no caller: an MCP session id
-#: changes with every session, and a key is one call across sessions (docs/idempotency.md).
-NOT_CREDENTIALS = frozenset({mcp.SESSION_HEADER.lower()})
+#: Headers that name a credential-sounding word but are not read as the caller's: an MCP
+#: session id changes with every session, and a key is one call across sessions
+#: (docs/idempotency.md); a ``Cookie`` changes under a caller's feet (a load balancer's
+#: stickiness cookie), and would make a call's retry another call, its side effect run
+#: twice under a key Sluice derives.
+NOT_CREDENTIALS = frozenset({mcp.SESSION_HEADER.lower(), "cookie"})
 
 
 def _credentials(headers: CIMultiDictProxy[str]) -> bytes:
     """A digest of the credentials ``headers`` carry (none: the digest of nothing): every
     field :func:`policies.secrets.secret_header` takes for one, by name or by value
     (``Authorization``, ``x-api-key``, Gemini's ``x-goog-api-key``, Azure's
-    ``Ocp-Apim-Subscription-Key``, ``Cookie``, ``X-Auth-Token``, ``sk-...`` under any name),
+    ``Ocp-Apim-Subscription-Key``, ``X-Auth-Token``, ``sk-...`` under any name),
     in name order, less :data:`NOT_CREDENTIALS`. A key Sluice makes itself (derived, or an
     MCP call's tool and arguments) includes it, and a caller's own key is bound to it
     (:func:`_with_credentials`), so an answer is never replayed to a caller with other

@@ -459,3 +459,30 @@ async def test_a_callers_key_replays_only_to_the_same_credentials() -> None:
     again = await policy.claim("POST", "/p", sent(**alice), "t", b"1")
     assert again.replay is not None and again.replay.body == b'{"secret": 1}'
     assert policy.in_flight == 0
+
+
+async def test_a_cookie_changing_between_a_call_and_its_retry_keeps_the_key() -> None:
+    # A stickiness cookie a load balancer rotates is no credential of the caller's: read as
+    # one, a tool call's retry would get another derived key and run its side effect twice.
+    policy = Idempotency(IdempotencyConfig(), "tools", mcp_calls=True)
+    import orjson
+
+    from policies.idempotency import Replay
+    from policies.pipeline import Call
+
+    def call(cookie: str) -> Call:
+        body = orjson.dumps({"jsonrpc": "2.0", "id": 1, "method": "tools/call",
+                             "params": {"name": "send", "arguments": {"to": "a"}}})
+        headers = CIMultiDictProxy(CIMultiDict({"Authorization": "Bearer t",
+                                                "Cookie": f"AWSALB={cookie}"}))
+        return Call(request_id="r", route="tools", method="POST", path="/tools/mcp",
+                    headers=headers, body=body, tenant="t", rpc_id=1)
+
+    first = await policy.admit(call("one"))
+    assert first is not None
+    first.capture.begin(200, "OK", CIMultiDict({"Content-Type": "application/json"}))
+    first.capture.feed(b'{"jsonrpc": "2.0", "id": 1, "result": {"content": []}}')
+    first.finish("2xx")
+    with pytest.raises(Replay) as replayed:  # the stored answer, not a second run
+        await policy.admit(call("two"))
+    assert replayed.value.record.status == 200
