@@ -117,18 +117,17 @@ from collections import deque
 from collections.abc import Awaitable, Hashable
 from typing import TypeVar
 
-from aiohttp import web
+from aiohttp import hdrs, web
 from multidict import CIMultiDict, CIMultiDictProxy, istr
 
 from policies import mcp
-from policies.config import IdempotencyConfig
+from policies.config import API_KEY_HEADERS, IdempotencyConfig
 from policies.idempotency_store import DONE, SEEN, TOO_LARGE, MemoryStore, Record, ResultStore
 from policies.logs import PER_CALL
 from policies.pipeline import Call, Outcome, survive_leaving
 from policies.rate import Background
 from policies.reasons import Reason, Rejected
 from policies.retry import is_client_retry
-from policies.secrets import secret_header
 from policies.state import IdempotencyRecords, StateBackends, StateUnavailable
 from policies.state.idempotency import (
     CLAIMED,
@@ -1134,29 +1133,28 @@ def _with_credentials(fingerprint: bytes, headers: CIMultiDictProxy[str]) -> byt
     return hashlib.sha256(fingerprint + _credentials(headers)).digest()
 
 
-#: Headers that name a credential-sounding word but are not read as the caller's: an MCP
-#: session id changes with every session, and a key is one call across sessions
-#: (docs/idempotency.md); a ``Cookie`` changes under a caller's feet (a load balancer's
-#: stickiness cookie), and would make a call's retry another call, its side effect run
-#: twice under a key Sluice derives.
-NOT_CREDENTIALS = frozenset({mcp.SESSION_HEADER.lower(), "cookie"})
+#: The request headers that carry a caller's credentials, as APIs read them: the
+#: ``Authorization`` schemes; OpenAI-compatible, Anthropic and Azure OpenAI keys
+#: (``proxy/identity.py``); Gemini's; Azure API Management's; and the common token header.
+#: A list, not every field :func:`policies.secrets.secret_header` takes for one (a review):
+#: fields such as an RFC 9421 ``Signature``, an ``X-CSRF-Token`` or a per-request JWT
+#: change with every request, and would make a call's retry another call, its side effect
+#: run twice under a key Sluice derives; so would a load balancer's ``Cookie``.
+CREDENTIAL_HEADERS = (hdrs.AUTHORIZATION, *API_KEY_HEADERS, "x-goog-api-key",
+                      "Ocp-Apim-Subscription-Key", "X-Auth-Token")
 
 
 def _credentials(headers: CIMultiDictProxy[str]) -> bytes:
-    """A digest of the credentials ``headers`` carry (none: the digest of nothing): every
-    field :func:`policies.secrets.secret_header` takes for one, by name or by value
-    (``Authorization``, ``x-api-key``, Gemini's ``x-goog-api-key``, Azure's
-    ``Ocp-Apim-Subscription-Key``, ``X-Auth-Token``, ``sk-...`` under any name),
-    in name order, less :data:`NOT_CREDENTIALS`. A key Sluice makes itself (derived, or an
-    MCP call's tool and arguments) includes it, and a caller's own key is bound to it
-    (:func:`_with_credentials`), so an answer is never replayed to a caller with other
-    credentials: keyed by tenant alone, a new user's second caller, sharing the tenant, was
-    given the first one's ``my_inbox`` result; bound to three headers only, a caller with
-    another Gemini key was given the first one's answer (a review)."""
+    """A digest of the credentials ``headers`` carry in :data:`CREDENTIAL_HEADERS` (none:
+    the digest of nothing). A key Sluice makes itself (derived, or an MCP call's tool and
+    arguments) includes it, and a caller's own key is bound to it (:func:`_with_credentials`),
+    so an answer is never replayed to a caller with other credentials: keyed by tenant alone,
+    a new user's second caller, sharing the tenant, was given the first one's ``my_inbox``
+    result; bound to three headers, a caller with another Gemini key was given the first
+    one's answer (a review)."""
     digest = hashlib.sha256()
-    for name, value in sorted((name.lower(), value) for name, value in headers.items()
-                              if secret_header(name, value)):
-        if name not in NOT_CREDENTIALS:
+    for name in CREDENTIAL_HEADERS:
+        for value in headers.getall(name, ()):
             digest.update(name.encode() + b"\0" + value.encode("utf-8", "surrogateescape")
                           + b"\0")
     return b"\0" + digest.digest()
