@@ -27,37 +27,60 @@ SECRET_HEADER_PARTS = ("auth", "cookie", "key", "token", "secret", "password", "
 SECRET_HEADER_WORDS = frozenset({"pass", "pwd", "pin"})
 #: Headers whose name has such a fragment but that carry no credential.
 NOT_SECRET_HEADERS = frozenset({"idempotency-key"})
-#: Words of a query field's name (split at ``-``, ``_``, ``.`` and camelCase) that mark a
-#: credential (``?key=``, ``?api_key=``, ``?apiKey=``, ``?access_token=``, a signed URL's
-#: ``?sig=`` and ``X-Amz-Signature``): some APIs authenticate in the query. Whole words, not
-#: fragments as for headers: a query names its data too, and by fragment ``author``,
-#: ``keyword``, ``max_tokens`` and ``monkey`` were dropped from dead letters and their
-#: replays (a new user's trial).
+#: Words of a query field's name (split at ``-``, ``_``, ``.``, brackets and camelCase,
+#: ``APIToken`` as ``API`` ``Token``) that mark a credential: ``?key=``, ``?api_key=``,
+#: ``?apiKey=``, ``?access_token=``, a signed URL's ``?sig=``, ``X-Amz-Signature``,
+#: ``user[password]``, OpenWeatherMap's ``?appid=``. Whole words, not fragments as for
+#: headers: a query names its data too, and by fragment ``author``, ``keyword``,
+#: ``max_tokens`` and ``monkey`` were dropped from dead letters and their replays (a new
+#: user's trial).
 SECRET_QUERY_WORDS = frozenset({
-    "auth", "authorization", "key", "apikey", "token", "accesstoken", "secret", "password",
-    "passwd", "passphrase", "pass", "pwd", "pw", "credential", "credentials", "creds",
-    "session", "sessionid", "sid", "sig", "signature", "cookie", "private", "jwt", "bearer",
-    "accesskey", "secretkey", "privatekey", "authkey", "authtoken", "sessiontoken", "idtoken",
-    "refreshtoken", "clientsecret"})
-_NAME_WORDS = re.compile(r"[-_.\s]+|(?<=[a-z0-9])(?=[A-Z])")
+    "auth", "authorization", "key", "token", "secret", "password", "passwd", "passphrase",
+    "pass", "pwd", "pw", "credential", "credentials", "creds", "session", "sessionid", "sid",
+    "sig", "signature", "cookie", "jwt", "bearer", "appid"})
+#: Endings of a word that runs a credential's name together (``appkey``, ``hapikey``,
+#: ``apitoken``, ``appsecret``, ``subscriptionkey``): by whole words alone these were kept
+#: (a review).
+SECRET_QUERY_ENDINGS = ("apikey", "appkey", "accesskey", "secretkey", "privatekey",
+                        "authkey", "subscriptionkey", "token", "secret", "password", "passwd",
+                        "signature")
+#: Names (lower case, separators dropped) that hold such a word and carry no credential:
+#: pagination cursors (Google's ``pageToken``, AWS's ``NextToken``, S3's
+#: ``continuation-token``) and keys of data (a review: dropped, their replays sent another
+#: request).
+NOT_SECRET_QUERY_NAMES = frozenset({
+    "pagetoken", "nextpagetoken", "nexttoken", "continuationtoken", "synctoken",
+    "resumptiontoken", "cursortoken", "sortkey", "partitionkey", "rowkey", "primarykey",
+    "cachekey", "groupkey", "objectkey"})
+_NAME_WORDS = re.compile(r"[-_.\s\[\]]+|(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])")
+_NAME_SEPARATORS = re.compile(r"[-_.\s\[\]]+")
 
 
 #: A query value that is a credential whatever its field's name: a vendor's key, a JWT, or
-#: an ``Authorization`` scheme with one token after it and nothing more. Stricter than
-#: :data:`SECRET_VALUE` on the schemes: a search for "basic python tutorial" or "token
-#: limits" is no credential (a review: dropped from a dead letter, its replay searched for
-#: nothing).
+#: an ``Authorization`` scheme with one token-like word after it (8 characters with a digit,
+#: or 16). Stricter than :data:`SECRET_VALUE` on the schemes: a search for "basic python
+#: tutorial", "basic auth" or "token bucket" is no credential (reviews: dropped from a dead
+#: letter, its replay searched for nothing).
 SECRET_QUERY_VALUE = re.compile(
     r"^(?:sk-(?![A-Za-z]{2}(?:$|[,;]))|sk_|rk_|xox[abp]-|gh[pousr]_|AKIA|AIza|eyJ[\w-]*\."
-    r"|(?i:bearer|basic|digest|token)\s+\S+$)")
+    r"|(?i:bearer|basic|digest|token)\s+(?:(?=\S*\d)\S{8,}|\S{16,})$)")
 
 
 def secret_query_field(name: str, value: str) -> bool:
     """Whether a query parameter carries a credential (both percent-decoded): by its name
-    (``?api_key=...``), by its value (``?q=sk-...``, :data:`SECRET_QUERY_VALUE`), or by a
-    name shaped as a key itself (``?sk-proj-...``, sent with no ``=``)."""
-    return (not SECRET_QUERY_WORDS.isdisjoint(word.lower() for word in _NAME_WORDS.split(name))
-            or SECRET_QUERY_VALUE.match(value) is not None or secret_query_name(name))
+    (:data:`SECRET_QUERY_WORDS`, :data:`SECRET_QUERY_ENDINGS`, less
+    :data:`NOT_SECRET_QUERY_NAMES`), by its value (``?q=sk-...``,
+    :data:`SECRET_QUERY_VALUE`), or by a name shaped as a key itself (``?sk-proj-...``, sent
+    with no ``=``)."""
+    return (_secret_query_words(name) or SECRET_QUERY_VALUE.match(value) is not None
+            or secret_query_name(name))
+
+
+def _secret_query_words(name: str) -> bool:
+    if _NAME_SEPARATORS.sub("", name).lower() in NOT_SECRET_QUERY_NAMES:
+        return False
+    return any(word in SECRET_QUERY_WORDS or word.endswith(SECRET_QUERY_ENDINGS)
+               for word in (part.lower() for part in _NAME_WORDS.split(name) if part))
 
 
 def secret_query_name(name: str) -> bool:

@@ -266,7 +266,7 @@ def test_query_parameters_with_credential_values_are_not_stored_whatever_their_n
     assert redact_path("/v1/x?k=sk-proj-abc&q=AIzaXYZ&page=2") == (
         "/v1/x?page=2", ["?k", "?q"])
     assert redact_path("/v1/x?code=ghp_abc&state=s1") == ("/v1/x?state=s1", ["?code"])
-    assert redact_path("/v1/x?a=Bearer%20t0k&b=eyJhbGciOi.e30.sig&c=sk%2Dx") == (
+    assert redact_path("/v1/x?a=Bearer%20t0k3n-2f9a1c&b=eyJhbGciOi.e30.sig&c=sk%2Dx") == (
         "/v1/x", ["?a", "?b", "?c"])
     assert redact_path("/v1/x?q=sketch&lang=en&n=token&code=42") == (
         "/v1/x?q=sketch&lang=en&n=token&code=42", [])
