@@ -13,6 +13,7 @@ environment variable.
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
 import sys
@@ -95,6 +96,9 @@ def run(config: Config | None, args: argparse.Namespace, out: IO[str] | None = N
                 bearer)
     except OSError as error:
         print(f"sluice: cannot reach the admin port at {base}: {error}", file=sys.stderr)
+        return EXIT_FAILED
+    except (ValueError, http.client.InvalidURL) as error:  # --admin 127.0.0.1:990l (a review)
+        print(f"sluice: {base} is no admin port's URL: {error}", file=sys.stderr)
         return EXIT_FAILED
     if status != 200:
         print(f"sluice: {status}: {body.get('error', body)}", file=sys.stderr)
