@@ -15,6 +15,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from policies.config import IdempotencyConfig
 from policies.idempotency import FRESH_KEYS_PER_READ, Capture, Idempotency, fresh_key, parse_key
 from policies.idempotency_store import DONE, SEEN, TOO_LARGE, MemoryStore, Record
+from policies.pipeline import Call
 from policies.reasons import Reason
 from proxy.config import ConfigError, parse_config
 
@@ -405,23 +406,28 @@ async def test_an_input_required_answer_is_not_kept_so_the_continuation_runs() -
     held.finish("2xx")
 
 
+def _tool_call(tool: str, arguments: dict, headers: dict[str, str]) -> Call:
+    """An MCP ``tools/call`` of ``tool`` with ``arguments`` (JSON-RPC id 1) on route
+    ``tools``, sent with ``headers``."""
+    import orjson
+
+    body = orjson.dumps({"jsonrpc": "2.0", "id": 1, "method": "tools/call",
+                         "params": {"name": tool, "arguments": arguments}})
+    return Call(request_id="r", route="tools", method="POST", path="/tools/mcp",
+                headers=CIMultiDictProxy(CIMultiDict(headers)), body=body, tenant="t",
+                rpc_id=1)
+
+
 async def test_an_mcp_calls_mismatch_says_how_to_run_it_again() -> None:
     """Another call under a used key is refused 422; the message says why and what to do
     (a new user read the why and guessed the rest)."""
-    import orjson
-
-    from policies.pipeline import Call
     from policies.reasons import Rejected
 
     policy = Idempotency(IdempotencyConfig(), "tools", mcp_calls=True)
 
     def call(seat: str, token: str = "a") -> Call:
-        body = orjson.dumps({"jsonrpc": "2.0", "id": 1, "method": "tools/call",
-                             "params": {"name": "book", "arguments": {"seat": seat}}})
-        headers = CIMultiDictProxy(CIMultiDict({"Idempotency-Key": "k-1",
-                                                "Authorization": f"Bearer {token}"}))
-        return Call(request_id="r", route="tools", method="POST", path="/tools/mcp",
-                    headers=headers, body=body, tenant="t", rpc_id=1)
+        return _tool_call("book", {"seat": seat},
+                          {"Idempotency-Key": "k-1", "Authorization": f"Bearer {token}"})
 
     claim = await policy.admit(call("1A"))
     assert claim is not None
@@ -464,19 +470,13 @@ async def test_a_callers_key_replays_only_to_the_same_credentials() -> None:
 async def test_a_cookie_changing_between_a_call_and_its_retry_keeps_the_key() -> None:
     # A stickiness cookie a load balancer rotates is no credential of the caller's: read as
     # one, a tool call's retry would get another derived key and run its side effect twice.
-    policy = Idempotency(IdempotencyConfig(), "tools", mcp_calls=True)
-    import orjson
-
     from policies.idempotency import Replay
-    from policies.pipeline import Call
+
+    policy = Idempotency(IdempotencyConfig(), "tools", mcp_calls=True)
 
     def call(cookie: str) -> Call:
-        body = orjson.dumps({"jsonrpc": "2.0", "id": 1, "method": "tools/call",
-                             "params": {"name": "send", "arguments": {"to": "a"}}})
-        headers = CIMultiDictProxy(CIMultiDict({"Authorization": "Bearer t",
-                                                "Cookie": f"AWSALB={cookie}"}))
-        return Call(request_id="r", route="tools", method="POST", path="/tools/mcp",
-                    headers=headers, body=body, tenant="t", rpc_id=1)
+        return _tool_call("send", {"to": "a"},
+                          {"Authorization": "Bearer t", "Cookie": f"AWSALB={cookie}"})
 
     first = await policy.admit(call("one"))
     assert first is not None

@@ -30,6 +30,18 @@ async def _completed(sluice, timeout: float = 20.0) -> list[dict]:
         await asyncio.sleep(0.05)
 
 
+async def raw_chat(sluice: SluiceProcess, body: dict) -> asyncio.StreamWriter:
+    """Send a chat completion ``body`` for tenant acme on a raw connection, which the caller
+    can then close at any moment; returns its writer."""
+    data = json.dumps(body).encode()
+    _, writer = await asyncio.open_connection("127.0.0.1", sluice.port)
+    writer.write(b"POST " + CHAT.encode() + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                 b"X-Tenant-ID: acme\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n" % len(data) + data)
+    await writer.drain()
+    return writer
+
+
 async def test_a_caller_leaving_in_the_retry_back_off_after_a_5xx_is_not_charged_its_reservation(
         upstream, start_sluice):
     """The only attempt sent was answered 503 in full (a provider bills nothing for it) and
@@ -40,13 +52,8 @@ async def test_a_caller_leaving_in_the_retry_back_off_after_a_5xx_is_not_charged
         retry={"attempts": 3, "backoff": {"base": "5s", "max": "5s"}, "on": [503]},
         budget={"tokens": "100000/day", "per": "tenant"})]})
     upstream.status = 503
-    body = json.dumps({"model": "gpt-test", "messages": [{"role": "user", "content": "hi"}],
-                       "max_tokens": 500}).encode()
-    _, writer = await asyncio.open_connection("127.0.0.1", sluice.port)
-    writer.write(b"POST " + CHAT.encode() + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-                 b"X-Tenant-ID: acme\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: %d\r\n\r\n" % len(body) + body)
-    await writer.drain()
+    writer = await raw_chat(sluice, {"model": "gpt-test", "max_tokens": 500,
+                                     "messages": [{"role": "user", "content": "hi"}]})
     deadline = time.monotonic() + 20
     while not upstream.requests:  # the first attempt reached the upstream and got its 503
         assert time.monotonic() < deadline
@@ -152,6 +159,39 @@ async def test_an_attempt_that_timed_out_upstream_is_charged_though_the_last_got
         assert done["input_tokens"] + done["output_tokens"] > 0
 
 
+async def ok_upstream() -> web.AppRunner:
+    """An upstream answering ``POST /v1/x`` 200, set up but listening nowhere yet."""
+    async def ok(request: web.Request) -> web.Response:
+        return web.json_response({"ok": True})
+
+    app = web.Application()
+    app.router.add_post("/v1/x", ok)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    return runner
+
+
+async def post_up_for_attempt_two(sluice: SluiceProcess, runner: web.AppRunner, port: int,
+                                  before_up: Callable[[], None] = lambda: None) -> dict:
+    """POST ``/h/v1/x`` for tenant acme; once attempt 1 has failed (a ``retried`` event),
+    call ``before_up`` and start ``runner`` on ``port`` for attempt 2, which must answer
+    200. Returns the ``retried`` event."""
+    async with aiohttp.ClientSession() as s:
+        sent = asyncio.create_task(s.post(sluice.url + "/h/v1/x", data=b"{}",
+                                          headers={"X-Tenant-ID": "acme"}))
+        deadline = time.monotonic() + 30
+        while not (retried := [e for e in sluice.events() if e.get("event") == "retried"]):
+            assert time.monotonic() < deadline, "attempt 1 did not fail"
+            assert not sent.done(), sent.result()
+            await asyncio.sleep(0.02)
+        before_up()
+        await web.TCPSite(runner, "127.0.0.1", port).start()  # up for attempt 2
+        async with await sent as r:
+            assert r.status == 200, await r.text()
+            await r.read()
+    return retried[0]
+
+
 async def test_an_attempt_refused_a_connection_is_not_charged_cost_per_call(start_sluice):
     """``cost_per_call`` is charged per upstream attempt, and "a call that never reached the
     upstream costs nothing" (docs/operations.md): an attempt refused a connection never
@@ -164,25 +204,9 @@ async def test_an_attempt_refused_a_connection_is_not_charged_cost_per_call(star
         budget={"usd": "100/day", "per": "tenant"},
         endpoints={"POST /v1/x": {"cost_per_call": 1.0}})]})
 
-    async def ok(request: web.Request) -> web.Response:
-        return web.json_response({"ok": True})
-
-    app = web.Application()
-    app.router.add_post("/v1/x", ok)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
+    runner = await ok_upstream()
     try:
-        async with aiohttp.ClientSession() as s:
-            sent = asyncio.create_task(s.post(sluice.url + "/h/v1/x", data=b"{}",
-                                              headers={"X-Tenant-ID": "acme"}))
-            deadline = time.monotonic() + 20
-            while not any(e.get("event") == "retried" for e in sluice.events()):
-                assert time.monotonic() < deadline, "attempt 1 was not refused"
-                await asyncio.sleep(0.02)
-            await web.TCPSite(runner, "127.0.0.1", port).start()  # up for attempt 2
-            async with await sent as r:
-                assert r.status == 200
-                await r.read()
+        await post_up_for_attempt_two(sluice, runner, port)
         [done] = await _completed(sluice)
         remaining = await sluice.metric("sluice_budget_remaining", route="h", tenant="acme",
                                         unit="usd")

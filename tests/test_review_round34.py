@@ -21,6 +21,7 @@ from policies.reasons import Reason
 from policies.state import redact_url
 from proxy.redact import redact
 from tests.conftest import route, serve_app
+from tests.test_retry_charges import ok_upstream, post_up_for_attempt_two, raw_chat
 
 CHAT = "/openai/v1/chat/completions"
 
@@ -214,13 +215,9 @@ async def test_a_timed_out_stream_attempt_is_charged_its_reservation_if_its_call
             retry={"attempts": 2, "per_try_timeout": "300ms",
                    "backoff": {"base": "5s", "max": "5s"}, "on": ["timeout"]},
             budget={"tokens": "100000/day", "per": "tenant"})]})
-        body = json.dumps({"model": "gpt-test", "stream": True, "max_tokens": 500,
-                           "messages": [{"role": "user", "content": "hi"}]}).encode()
-        _, writer = await asyncio.open_connection("127.0.0.1", sluice.port)
-        writer.write(b"POST " + CHAT.encode() + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-                     b"X-Tenant-ID: acme\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\n\r\n" % len(body) + body)
-        await writer.drain()
+        writer = await raw_chat(sluice, {"model": "gpt-test", "stream": True,
+                                         "max_tokens": 500,
+                                         "messages": [{"role": "user", "content": "hi"}]})
         deadline = time.monotonic() + 20
         while not any(e.get("event") == "retried" for e in sluice.events()):
             assert time.monotonic() < deadline, "attempt 1 did not time out"
@@ -296,13 +293,7 @@ async def test_an_attempt_with_no_connection_is_not_charged_upstream_seconds(
             pass
         fillers.append(filler)
 
-    async def ok(request: web.Request) -> web.Response:
-        return web.json_response({"ok": True})
-
-    app = web.Application()
-    app.router.add_post("/v1/x", ok)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
+    runner = await ok_upstream()
     try:
         sluice = await start_sluice({"routes": [route(
             "h", f"http://127.0.0.1:{port}", protocol="http", idempotent=True,
@@ -311,21 +302,11 @@ async def test_an_attempt_with_no_connection_is_not_charged_upstream_seconds(
                    "on": ["connect_error", "timeout"]},
             budget={"usd": "100/day", "per": "tenant"},
             endpoints={"POST /v1/x": {"cost_per_second": 1.0}})]})
-        async with aiohttp.ClientSession() as s:
-            sent = asyncio.create_task(s.post(sluice.url + "/h/v1/x", data=b"{}",
-                                              headers={"X-Tenant-ID": "acme"}))
-            deadline = time.monotonic() + 30
-            while not any(e.get("event") == "retried" for e in sluice.events()):
-                assert time.monotonic() < deadline, "attempt 1 got no connect timeout"
-                assert not sent.done(), sent.result()
-                await asyncio.sleep(0.05)
-            attempt_1 = next(e for e in sluice.events() if e.get("event") == "retried")
+        def free() -> None:
             for sock in (*fillers, holder):
                 sock.close()
-            await web.TCPSite(runner, "127.0.0.1", port).start()  # up for attempt 2
-            async with await sent as r:
-                assert r.status == 200, await r.text()
-                await r.read()
+
+        attempt_1 = await post_up_for_attempt_two(sluice, runner, port, free)
         deadline = time.monotonic() + 20
         while not (done := [e for e in sluice.events() if e.get("event") == "completed"]):
             assert time.monotonic() < deadline, "no completed event"
