@@ -14,9 +14,10 @@ import re
 #: ``Authorization`` schemes, whose names are case-insensitive (RFC 9110 §11.1). Not Slovak's
 #: language tag, ``sk-SK`` (``Accept-Language: sk-SK,sk;q=0.9``, ``?hl=sk-SK``), which a dead
 #: letter would otherwise lose, and its replay with it.
-SECRET_VALUE = re.compile(r"^(?:sk-(?![A-Za-z]{2}(?:$|[,;]))|sk_|rk_|xox[abp]-|gh[pousr]_|AKIA|AIza"
-                          r"|eyJ[\w-]*\."
-                          r"|(?i:bearer|basic|digest|token)\s)")
+#: (The vendors' prefixes and the schemes are shared with :data:`SECRET_QUERY_VALUE`.)
+_KEY_PREFIXES = r"sk-(?![A-Za-z]{2}(?:$|[,;]))|sk_|rk_|xox[abp]-|gh[pousr]_|AKIA|AIza|eyJ[\w-]*\."
+_SCHEMES = r"(?i:bearer|basic|digest|token)"
+SECRET_VALUE = re.compile(rf"^(?:{_KEY_PREFIXES}|{_SCHEMES}\s)")
 
 #: Header-name fragments that mark a credential (matched on the lower-cased name): the usual
 #: ones, and ``key`` for vendor headers such as Azure's ``Ocp-Apim-Subscription-Key``.
@@ -61,9 +62,8 @@ _NAME_SEPARATORS = re.compile(r"[-_.\s\[\]]+")
 #: or 16). Stricter than :data:`SECRET_VALUE` on the schemes: a search for "basic python
 #: tutorial", "basic auth" or "token bucket" is no credential (reviews: dropped from a dead
 #: letter, its replay searched for nothing).
-SECRET_QUERY_VALUE = re.compile(
-    r"^(?:sk-(?![A-Za-z]{2}(?:$|[,;]))|sk_|rk_|xox[abp]-|gh[pousr]_|AKIA|AIza|eyJ[\w-]*\."
-    r"|(?i:bearer|basic|digest|token)\s+(?:(?=\S*\d)\S{8,}|\S{16,})$)")
+_TOKEN_WORD = r"(?:(?=\S*\d)\S{8,}|\S{16,})"
+SECRET_QUERY_VALUE = re.compile(rf"^(?:{_KEY_PREFIXES}|{_SCHEMES}\s+{_TOKEN_WORD}$)")
 
 
 def secret_query_field(name: str, value: str) -> bool:

@@ -26,7 +26,8 @@ import yaml
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.config import StrictLoader
+from proxy.config import StrictLoader, parse_config
+from proxy.runtime import Runtime
 from proxy.server import build_proxy_server
 from tests.fakeupstream import FakeUpstream
 from tests.ports import free_ports
@@ -153,6 +154,15 @@ async def wait_until(predicate: Callable[[], bool], timeout: float = 10.0,
         await asyncio.sleep(0.01)
 
 
+async def completed_events(sluice: SluiceProcess, count: int = 1,
+                           timeout: float = 20.0) -> list[dict]:
+    """``sluice``'s ``completed`` events, once ``count`` of them are in its log (flushed
+    every 0.2 s)."""
+    await wait_until(lambda: sum(e["event"] == "completed" for e in sluice.events()) >= count,
+                     timeout, f"{count} completed event(s)")
+    return [e for e in sluice.events() if e["event"] == "completed"]
+
+
 async def status_of(session: aiohttp.ClientSession, url: str, body: object,
                     headers: dict[str, str] | None = None) -> int:
     """POST ``body`` as JSON and read the whole answer; its status."""
@@ -230,6 +240,16 @@ def route(name: str, upstream: str, protocol: str = "openai", **policies: object
     """A route config dict with prefix ``/<name>/``."""
     return {"name": name, "path_prefix": f"/{name}/", "upstream": upstream,
             "protocol": protocol, **policies}
+
+
+async def open_runtime(*routes: dict, **top: object) -> Runtime:
+    """A :class:`proxy.runtime.Runtime` of ``routes`` (:func:`route` dicts) and top-level
+    config blocks ``top`` (e.g. ``events``), opened, for a test that serves it in process
+    (:func:`serve_runtime`); the test closes it."""
+    runtime = Runtime(parse_config(yaml.safe_dump({**top, "routes": list(routes)},
+                                                  sort_keys=False)))
+    await runtime.open()
+    return runtime
 
 
 @pytest.fixture

@@ -30,17 +30,15 @@ import pytest
 from aiohttp import web
 from mcp import Client
 
-from proxy.config import parse_config
 from proxy.runtime import Runtime
 from tests import mcp_servers
-from tests.conftest import serve_app, wait_until
+from tests.conftest import completed_events, open_runtime, route, serve_app, wait_until
 from tests.fakeupstream import FakeUpstream
 from tests.test_mcp_left_callers import (
     CALL,
     HEADERS,
     ScriptedMcp,
     assert_all_given_back,
-    completed_events,
     leave_a_call,
     mcp_route,
     serve_in_process,
@@ -312,11 +310,7 @@ async def polling() -> AsyncIterator[PollingMcp]:
 async def in_front(polling) -> AsyncIterator[tuple[Runtime, str]]:
     """A runtime served in this process with one ``tools`` route in front of ``polling``:
     it, and the route's MCP endpoint."""
-    runtime = Runtime(parse_config(
-        "routes:\n"
-        f"  - {{name: tools, path_prefix: /tools/, upstream: '{polling.url}', "
-        "protocol: mcp}\n"))
-    await runtime.open()
+    runtime = await open_runtime(route("tools", polling.url, "mcp"))
     runner, url = await serve_in_process(runtime)
     yield runtime, url
     await runner.cleanup()

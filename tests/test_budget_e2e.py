@@ -14,7 +14,7 @@ import anthropic
 import openai
 import pytest
 
-from tests.conftest import route
+from tests.conftest import completed_events, route
 
 MSG = [{"role": "user", "content": "count for me"}]
 
@@ -40,13 +40,6 @@ async def until(condition, timeout: float = 20.0, what: str = "condition") -> No
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         await asyncio.sleep(0.02)
-
-
-async def completed_events(sluice, count: int) -> list[dict]:
-    """The ``completed`` events, once ``count`` of them are written (flushed every 0.2 s)."""
-    await until(lambda: len([e for e in sluice.events() if e["event"] == "completed"]) >= count,
-                what=f"{count} completed events")
-    return [e for e in sluice.events() if e["event"] == "completed"]
 
 
 # -- the race ---------------------------------------------------------------------------------

@@ -15,10 +15,15 @@ from typing import Any
 import aiohttp
 import pytest
 
-from proxy.config import parse_config
-from proxy.runtime import Runtime
 from proxy.server import PROXY_SHUTDOWN_GRACE_S, _drain
-from tests.conftest import free_ports, route, serve_runtime, status_of, wait_until
+from tests.conftest import (
+    free_ports,
+    open_runtime,
+    route,
+    serve_runtime,
+    status_of,
+    wait_until,
+)
 from tests.mcp_servers import (  # noqa: F401  (fixtures)
     mcp_server_factory,
     mcp_session,
@@ -233,12 +238,9 @@ async def test_a_queued_call_the_drain_answers_is_counted_as_a_refusal(upstream,
     # in sluice_rejections_total{reason="draining"} and as a `rejected` outcome, the cut one
     # as drain_cut, and nothing stays held or queued.
     events = tmp_path / "events.jsonl"
-    runtime = Runtime(parse_config(
-        f"events: {{path: '{events}'}}\n"
-        "routes:\n"
-        f"  - {{name: openai, path_prefix: /openai/, upstream: '{upstream.url}',\n"
-        "      protocol: openai, concurrency: {limit: 1, queue: 1, max_wait: 60s}}\n"))
-    await runtime.open()
+    runtime = await open_runtime(
+        route("openai", upstream.url, concurrency={"limit": 1, "queue": 1, "max_wait": "60s"}),
+        events={"path": str(events)})
     runner, port = await serve_runtime(runtime, shutdown_timeout=PROXY_SHUTDOWN_GRACE_S)
     url = f"http://127.0.0.1:{port}/openai/v1/chat/completions"
     upstream.hold = asyncio.Event()
@@ -815,13 +817,8 @@ async def test_a_drain_that_waited_for_no_mcp_call_takes_no_follow_up(upstream, 
     drain that waited take the extra second (a new user's trial: 1.43 s against 0.42 s).
     The follow-up is made 600 s here, so a drain that takes it outlives the test's bound."""
     monkeypatch.setattr("proxy.server.MCP_FOLLOW_UP_S", 600.0)
-    runtime = Runtime(parse_config(
-        "routes:\n"
-        f"  - {{name: openai, path_prefix: /openai/, upstream: '{upstream.url}', "
-        "protocol: openai}\n"
-        f"  - {{name: tools, path_prefix: /tools/, upstream: '{upstream.url}', "
-        "protocol: mcp}\n"))
-    await runtime.open()
+    runtime = await open_runtime(route("openai", upstream.url),
+                                 route("tools", upstream.url, "mcp"))
     runner, port = await serve_runtime(runtime, shutdown_timeout=PROXY_SHUTDOWN_GRACE_S)
     upstream.hold = asyncio.Event()
     try:

@@ -16,10 +16,8 @@ import pytest
 import yaml
 
 from policies.pipeline import Call
-from proxy.config import parse_config
-from proxy.runtime import Runtime
 from tests import test_answered_callers
-from tests.conftest import serve_runtime, wait_until
+from tests.conftest import open_runtime, route, serve_runtime, wait_until
 from tests.test_answered_callers import TOKEN, cancel_run, openai_route, read_to_the_end
 from tests.test_mcp_left_callers import CALL, HEADERS, mcp_route
 
@@ -37,11 +35,7 @@ async def test_a_caller_closing_after_done_leaves_no_call_for_the_collector(upst
     request, response) alive until a cyclic collection, which the server puts off
     (``tune_gc``). None is left with the collector off."""
     upstream.done_linger = 30.0
-    runtime = Runtime(parse_config(
-        "routes:\n"
-        f"  - {{name: openai, path_prefix: /openai/, upstream: '{upstream.url}', "
-        "protocol: openai}\n"))
-    await runtime.open()
+    runtime = await open_runtime(route("openai", upstream.url))
     runner, port = await serve_runtime(runtime)
     gc.collect()
     gc.disable()

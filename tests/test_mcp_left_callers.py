@@ -35,7 +35,13 @@ from proxy.config import parse_config
 from proxy.forward import MCP_ANSWER, Finish, _relay_chunk
 from proxy.runtime import Runtime
 from tests import mcp_servers
-from tests.conftest import leave_the_queue, serve_app, serve_runtime, wait_until
+from tests.conftest import (
+    completed_events,
+    leave_the_queue,
+    serve_app,
+    serve_runtime,
+    wait_until,
+)
 from tests.redis_servers import TEST_TIMEOUT_S, delete_prefix, new_prefix, require_redis
 from tests.test_reload import rewrite, set_limit
 
@@ -87,13 +93,6 @@ async def serve_in_process(runtime: Runtime) -> tuple[web.ServerRunner, str]:
     runner to clean up, and the ``tools`` route's MCP endpoint URL."""
     runner, port = await serve_runtime(runtime)
     return runner, f"http://127.0.0.1:{port}/tools/mcp"
-
-
-async def completed_events(sluice: Any, count: int) -> list[dict]:
-    """The ``completed`` events, once ``count`` of them are in the log (flushed every 0.2 s)."""
-    await wait_until(lambda: sum(e["event"] == "completed" for e in sluice.events()) >= count,
-                     what=f"{count} completed event(s)")
-    return [e for e in sluice.events() if e["event"] == "completed"]
 
 
 # -- through the official client and server -----------------------------------------------------

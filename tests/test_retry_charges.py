@@ -14,20 +14,10 @@ from collections.abc import AsyncIterator, Callable
 import aiohttp
 from aiohttp import web
 
-from tests.conftest import SluiceProcess, free_port, route, serve_app
+from tests.conftest import SluiceProcess, completed_events, free_port, route, serve_app
 
 CHAT = "/openai/v1/chat/completions"
 USAGE_7_11 = {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 11}}
-
-
-async def _completed(sluice, timeout: float = 20.0) -> list[dict]:
-    deadline = time.monotonic() + timeout
-    while True:
-        done = [e for e in sluice.events() if e.get("event") == "completed"]
-        if done:
-            return done
-        assert time.monotonic() < deadline, "no completed event"
-        await asyncio.sleep(0.05)
 
 
 async def raw_chat(sluice: SluiceProcess, body: dict) -> asyncio.StreamWriter:
@@ -60,7 +50,7 @@ async def test_a_caller_leaving_in_the_retry_back_off_after_a_5xx_is_not_charged
         await asyncio.sleep(0.01)
     await asyncio.sleep(0.3)  # Sluice is now in the back-off before attempt 2
     writer.close()
-    [done] = await _completed(sluice)
+    [done] = await completed_events(sluice)
     assert len(upstream.requests) == 1, "only the first attempt was sent"
     assert done["outcome"] == "client_disconnected"
     remaining = await sluice.metric("sluice_budget_remaining", route="openai", tenant="acme",
@@ -92,7 +82,7 @@ async def test_retries_that_got_a_5xx_then_no_connection_charge_nothing(upstream
         async with await sent as r:
             await r.read()
             assert (r.status, r.headers["X-Sluice-Reason"]) == (502, "upstream_unreachable")
-    [done] = await _completed(sluice)
+    [done] = await completed_events(sluice)
     remaining = await sluice.metric("sluice_budget_remaining", route="openai", tenant="acme",
                                     unit="tokens")
     assert (done["usage"], done["input_tokens"] + done["output_tokens"], remaining) == (
@@ -153,7 +143,7 @@ async def test_an_attempt_that_timed_out_upstream_is_charged_though_the_last_got
     async with _first_attempt_timed_out(start_sluice, overloaded, [503, "timeout"]) as (
             sluice, seen):
         assert await _chat(sluice) == 503
-        [done] = await _completed(sluice)
+        [done] = await completed_events(sluice)
         assert len(seen) == 2
         assert done["usage"] == "reserved", done
         assert done["input_tokens"] + done["output_tokens"] > 0
@@ -207,7 +197,7 @@ async def test_an_attempt_refused_a_connection_is_not_charged_cost_per_call(star
     runner = await ok_upstream()
     try:
         await post_up_for_attempt_two(sluice, runner, port)
-        [done] = await _completed(sluice)
+        [done] = await completed_events(sluice)
         remaining = await sluice.metric("sluice_budget_remaining", route="h", tenant="acme",
                                         unit="usd")
         assert (done["operation_cost_usd"], remaining) == (1.0, 99.0)
@@ -223,7 +213,7 @@ async def test_a_timed_out_attempt_is_charged_beside_the_usage_the_next_one_repo
     async with _first_attempt_timed_out(start_sluice, lambda: web.json_response(USAGE_7_11),
                                         ["timeout"]) as (sluice, _):
         assert await _chat(sluice) == 200
-        [done] = await _completed(sluice)
+        [done] = await completed_events(sluice)
         assert (done["usage"], done["unanswered_attempts"]) == ("reported", 1)
         assert done["output_tokens"] == 11 + 500
         # Past the one reservation held by exactly what attempt 2 reported.

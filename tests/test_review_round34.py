@@ -20,7 +20,7 @@ from policies.idempotency import Idempotency
 from policies.reasons import Reason
 from policies.state import redact_url
 from proxy.redact import redact
-from tests.conftest import route, serve_app
+from tests.conftest import completed_events, route, serve_app
 from tests.test_retry_charges import ok_upstream, post_up_for_attempt_two, raw_chat
 
 CHAT = "/openai/v1/chat/completions"
@@ -147,13 +147,7 @@ async def test_retried_attempts_charged_past_the_budget_say_by_how_much(start_sl
         async with aiohttp.ClientSession() as s, s.post(
                 sluice.url + CHAT, json=body, headers={"X-Tenant-ID": "acme"}) as r:
             await r.read()
-        deadline = time.monotonic() + 20
-        while True:
-            done = [e for e in sluice.events() if e.get("event") == "completed"]
-            if done:
-                break
-            assert time.monotonic() < deadline, "no completed event"
-            await asyncio.sleep(0.05)
+        done = await completed_events(sluice)
         charged = done[0]["input_tokens"] + done[0]["output_tokens"]
         assert (len(seen), done[0]["unanswered_attempts"], done[0]["usage"]) == (
             3, 2, "reserved")
@@ -223,10 +217,7 @@ async def test_a_timed_out_stream_attempt_is_charged_its_reservation_if_its_call
             assert time.monotonic() < deadline, "attempt 1 did not time out"
             await asyncio.sleep(0.02)
         writer.close()  # in the 5 s back-off: attempt 1 is over, attempt 2 not sent
-        deadline = time.monotonic() + 20
-        while not (done := [e for e in sluice.events() if e.get("event") == "completed"]):
-            assert time.monotonic() < deadline, "no completed event"
-            await asyncio.sleep(0.05)
+        done = await completed_events(sluice)
         assert len(seen) == 1
         event = done[0]
         assert event["outcome"] == "client_disconnected"
@@ -307,10 +298,7 @@ async def test_an_attempt_with_no_connection_is_not_charged_upstream_seconds(
                 sock.close()
 
         attempt_1 = await post_up_for_attempt_two(sluice, runner, port, free)
-        deadline = time.monotonic() + 20
-        while not (done := [e for e in sluice.events() if e.get("event") == "completed"]):
-            assert time.monotonic() < deadline, "no completed event"
-            await asyncio.sleep(0.05)
+        done = await completed_events(sluice)
         # A connect timeout is retried as "timeout" (Reason.UPSTREAM_TIMEOUT), never sent.
         assert attempt_1["after"] == "timeout", attempt_1
         # Attempt 1 never left; its 4 s wait for a connection is no upstream time.
