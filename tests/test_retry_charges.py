@@ -42,6 +42,9 @@ async def test_a_caller_leaving_in_the_retry_back_off_after_a_5xx_is_not_charged
         retry={"attempts": 3, "backoff": {"base": "5s", "max": "5s"}, "on": [503]},
         budget={"tokens": "100000/day", "per": "tenant"})]})
     upstream.status = 503
+    # Its wait, at least 5 s: the route's full-jitter back-off could pick less than the
+    # 0.3 s below and send attempt 2 before the caller leaves.
+    upstream.error_headers = {"Retry-After": "5"}
     writer = await raw_chat(sluice, {"model": "gpt-test", "max_tokens": 500,
                                      "messages": [{"role": "user", "content": "hi"}]})
     deadline = time.monotonic() + 20
