@@ -41,7 +41,9 @@ upstream and got no answer (a timeout, a connection lost after sending), counted
 ``completed`` event's ``unanswered_attempts`` and labelled ``reserved`` if nothing else was
 charged. Before, only the last answer counted: a caller that left in the back-off after a
 503 was charged its whole reservation, and a timed-out attempt followed by a relayed 503 was
-charged nothing (a hostile trial).
+charged nothing (a hostile trial). So that these charges cannot pass a budget, the retry
+after such an attempt first holds another worst case (:meth:`Charge.hold_retry`); if it
+does not fit, retrying ends there.
 
 The last two are counted in ``sluice_usage_missing_total`` by the request path: missing usage
 is never counted as zero.
@@ -340,6 +342,36 @@ class Charge(Meter):
         self.units: Units | None = None
         self._released = False
 
+    #: Reservations :meth:`hold_retry` took for retries, settled to nothing when the charge
+    #: ends (the call's whole spend settles on ``reservation``). A class-level default: most
+    #: calls are never retried.
+    _retry_holds: list[Reservation] | None = None
+
+    async def hold_retry(self) -> None:
+        """Hold one more worst case on the budgets before a retry that follows an attempt
+        which may have been billed in full (sent, and no answer: a timeout, a connection
+        lost): that attempt is charged its whole reservation (:meth:`_used`), so without
+        this, retries could pass a budget by ``retry.attempts - 1`` reservations. Nothing on
+        a call without a budget reservation. Taken as the call's first (:meth:`Budgets.reserve
+        <policies.budget.Budgets.reserve>`: one ledger call, the local fallback while the
+        shared ledger is unavailable), and kept on the charge with no ``await`` between.
+
+        Raises:
+            Rejected: ``budget_exhausted`` when another attempt does not fit now;
+                ``state_unavailable`` (``on_unavailable: reject``) or
+                ``budget_counters_full``; nothing more is held then.
+        """
+        call = self.call
+        if self.reservation is None or call is None:
+            return
+        cost = self.cost
+        held = await self._acct.budgets.reserve(call.tenant, call.run, cost.model,
+                                                cost.input_tokens, cost.output_cap or 0,
+                                                call.lineage)
+        if self._retry_holds is None:
+            self._retry_holds = []
+        self._retry_holds.append(held)
+
     def release(self, outcome: Outcome | None) -> None:
         """End the charge, once (a :class:`policies.pipeline.Holding`). Never awaits.
 
@@ -373,6 +405,10 @@ class Charge(Meter):
             units.release(outcome)
         if reservation is not None:
             self._acct.budgets.settle(reservation, usage)
+        retry_holds = self._retry_holds
+        if retry_holds is not None:
+            for held in retry_holds:
+                self._acct.budgets.settle(held, None)
         if outcome is None or outcome.label == "rejected":
             return
         model = self.cost.model
@@ -389,10 +425,14 @@ class Charge(Meter):
         cap = self.cost.output_cap
         if cap is not None and (source == "reported" or call.unanswered):
             # Charged as reported, the upstream's count being the bill, or for retried
-            # attempts each at the reservation: more than the one reservation held (an input
+            # attempts each at the reservation: more than the reservations held (an input
             # the estimate undercounted, an upstream past max_tokens, attempts that timed
-            # out) can pass a budget by the difference, so it is said.
-            over = (usage.input_tokens + usage.output_tokens) - (self.cost.input_tokens + cap)
+            # out on a route without a budget to hold their retries on) can pass a budget
+            # by the difference, so it is said.
+            worst = self.cost.input_tokens + cap
+            over = (usage.input_tokens + usage.output_tokens) - worst
+            if retry_holds is not None:
+                over -= len(retry_holds) * worst
             if over > 0:
                 call.charged["over_reservation_tokens"] = over
 

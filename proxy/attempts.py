@@ -432,6 +432,9 @@ async def _attempts(rt: Runtime, route: Route, call: Call, url: URL,
                     tries.stop = "deadline"
                 elif any(breaker.blocked_for() > wait for breaker in breakers):
                     tries.stop = "circuit_open"
+                elif (call.answer_status == SENT_UNANSWERED and call.meter is not None
+                      and (refused := await _hold_retry(call)) is not None):
+                    tries.stop = refused.reason.code  # budget_exhausted: no room for it
                 elif not retry.budget.try_acquire(route.inflight + _queued(route)):
                     tries.stop = "retry_budget"
                     route.metrics.retry_overflow.inc()
@@ -449,6 +452,17 @@ async def _attempts(rt: Runtime, route: Route, call: Call, url: URL,
     finally:
         if holding:
             retry.budget.release()
+
+
+async def _hold_retry(call: Call) -> Rejected | None:
+    """Hold on the budgets what the next attempt may cost, after one that may have been
+    billed in full (:meth:`policies.accounting.Charge.hold_retry`); the refusal if it does
+    not fit, which ends retrying."""
+    try:
+        await call.meter.hold_retry()
+    except Rejected as refused:
+        return refused
+    return None
 
 
 async def _attempt(rt: Runtime, route: Route, call: Call, url: URL,

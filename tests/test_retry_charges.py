@@ -9,12 +9,14 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 
 import aiohttp
+import pytest
 from aiohttp import web
 
 from tests.conftest import SluiceProcess, completed_events, free_port, route, serve_app
+from tests.redis_servers import delete_prefix, new_prefix, require_redis
 
 CHAT = "/openai/v1/chat/completions"
 USAGE_7_11 = {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 11}}
@@ -94,11 +96,12 @@ async def test_retries_that_got_a_5xx_then_no_connection_charge_nothing(upstream
 
 @contextlib.asynccontextmanager
 async def _first_attempt_timed_out(start_sluice, later: Callable[[], web.Response],
-                                   on: list[object]
+                                   on: list[object], budget: str = "100000/day",
+                                   state: dict | None = None,
                                    ) -> AsyncIterator[tuple[SluiceProcess, list[int]]]:
-    """A Sluice whose ``openai`` route (budget 100,000 tokens a day per tenant) gives each
-    attempt 500 ms: the upstream's first answer comes after 1.5 s (it ran to its end and
-    billed it, usage 7 + 11), its later ones ``later()``; with the upstream's request
+    """A Sluice whose ``openai`` route (``budget`` tokens per tenant, on ``state``) gives
+    each attempt 500 ms: the upstream's first answer comes after 1.5 s (it ran to its end
+    and billed it, usage 7 + 11), its later ones ``later()``; with the upstream's request
     count."""
     seen: list[int] = []
 
@@ -114,11 +117,12 @@ async def _first_attempt_timed_out(start_sluice, later: Callable[[], web.Respons
     app.router.add_post("/v1/chat/completions", chat)
     runner, port = await serve_app(app)
     try:
-        yield await start_sluice({"routes": [route(
+        yield await start_sluice({"state": state or {"backend": "memory"},
+                                  "routes": [route(
             "openai", f"http://127.0.0.1:{port}", idempotent=True,
             retry={"attempts": 2, "per_try_timeout": "500ms",
                    "backoff": {"base": "10ms", "max": "20ms"}, "on": on},
-            budget={"tokens": "100000/day", "per": "tenant"})]}), seen
+            budget={"tokens": budget, "per": "tenant"})]}), seen
     finally:
         await runner.cleanup()
 
@@ -219,8 +223,58 @@ async def test_a_timed_out_attempt_is_charged_beside_the_usage_the_next_one_repo
         [done] = await completed_events(sluice)
         assert (done["usage"], done["unanswered_attempts"]) == ("reported", 1)
         assert done["output_tokens"] == 11 + 500
-        # Past the one reservation held by exactly what attempt 2 reported.
-        assert done["over_reservation_tokens"] == 7 + 11
+        # Attempt 2 held a reservation of its own, so the budget was not passed.
+        assert "over_reservation_tokens" not in done, done
         remaining = await sluice.metric("sluice_budget_remaining", route="openai",
                                         tenant="acme", unit="tokens")
         assert remaining == 100000 - done["input_tokens"] - done["output_tokens"]
+        assert await sluice.metric("sluice_budget_reserved", route="openai", tenant="acme",
+                                   unit="tokens") == 0
+
+
+@pytest.fixture(params=["memory", "redis"])
+def budget_state(request: pytest.FixtureRequest) -> Iterator[dict]:
+    """A ``state`` block: this process's memory, or the shared Redis under a prefix of its
+    own (deleted afterwards)."""
+    if request.param == "memory":
+        yield {"backend": "memory"}
+        return
+    url = require_redis()
+    prefix = new_prefix()
+    try:
+        yield {"backend": "redis", "redis_url": url, "key_prefix": prefix}
+    finally:
+        delete_prefix(url, prefix)
+
+
+async def test_a_retry_after_an_unanswered_attempt_needs_room_in_the_budget(
+        start_sluice, budget_state):
+    """Attempt 1 timed out (the upstream ran it and billed it: charged its whole
+    reservation, about 530 tokens); a retry may be billed as much again. With 900 tokens a
+    day, there is no room for a second reservation: retrying stops (dead letter reason
+    ``budget_exhausted``) instead of sending attempt 2, which passed the budget before
+    (only the first attempt was reserved: 530 + 18 charged on 900)."""
+    async with _first_attempt_timed_out(start_sluice, lambda: web.json_response(USAGE_7_11),
+                                        ["timeout"], budget="900/day",
+                                        state=budget_state) as (sluice, seen):
+        body = {"model": "gpt-test", "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 500}
+        async with aiohttp.ClientSession() as s, s.post(
+                sluice.url + CHAT, json=body, headers={"X-Tenant-ID": "acme"}) as r:
+            await r.read()
+            assert (r.status, r.headers["X-Sluice-Reason"]) == (504, "upstream_timeout")
+            assert r.headers["x-should-retry"] == "false"
+        [done] = await completed_events(sluice)
+        assert len(seen) == 1, "attempt 2 was sent with no room left for it"
+        reserved = done["input_tokens"] + done["output_tokens"]
+        assert (done["usage"], done.get("unanswered_attempts")) == ("reserved", None)
+        assert 500 < reserved < 900
+        deadline = time.monotonic() + 20
+        while not (letters := [e for e in sluice.events() if e.get("event") == "dead_lettered"]):
+            assert time.monotonic() < deadline, "no dead_lettered event"
+            await asyncio.sleep(0.02)
+        assert [e["reason"] for e in letters] == ["budget_exhausted"]
+        await sluice.wait_metric("sluice_budget_reserved", 0, route="openai", tenant="acme",
+                                 unit="tokens")
+        await sluice.wait_metric("sluice_budget_remaining", 900 - reserved, route="openai",
+                                 tenant="acme", unit="tokens")
