@@ -192,11 +192,10 @@ async def test_a_timed_out_stream_attempt_is_charged_its_reservation_if_its_call
     relayed; nothing was relayed and the caller left after the attempt was over. Had the
     caller waited for a 503 on attempt 2, the same attempt would be charged input + 500
     (``unanswered_attempts``)."""
-    seen: list[int] = []
+    seen: list[str] = []  # the message of each attempt that reached the upstream
 
     async def chat(request: web.Request) -> web.Response:
-        await request.read()
-        seen.append(1)
+        seen.append((await request.json())["messages"][0]["content"])
         await asyncio.sleep(2.0)  # generates (and bills) after Sluice stopped waiting
         return web.json_response({"choices": []})
 
@@ -207,18 +206,27 @@ async def test_a_timed_out_stream_attempt_is_charged_its_reservation_if_its_call
         sluice = await start_sluice({"routes": [route(
             "openai", f"http://127.0.0.1:{port}", idempotent=True,
             retry={"attempts": 2, "per_try_timeout": "300ms",
-                   "backoff": {"base": "5s", "max": "5s"}, "on": ["timeout"]},
+                   "backoff": {"base": "30s", "max": "30s"}, "on": ["timeout"]},
             budget={"tokens": "100000/day", "per": "tenant"})]})
-        writer = await raw_chat(sluice, {"model": "gpt-test", "stream": True,
-                                         "max_tokens": 500,
-                                         "messages": [{"role": "user", "content": "hi"}]})
-        deadline = time.monotonic() + 20
-        while not any(e.get("event") == "retried" for e in sluice.events()):
-            assert time.monotonic() < deadline, "attempt 1 did not time out"
-            await asyncio.sleep(0.02)
-        writer.close()  # in the 5 s back-off: attempt 1 is over, attempt 2 not sent
-        done = await completed_events(sluice)
-        assert len(seen) == 1
+        # The back-off is full jitter, uniform(0, 30 s): a wait too short to leave in
+        # (about one in thirty) sends attempt 2 first; then the case is tried again.
+        for trial in range(3):
+            message = f"hi {trial}"
+            writer = await raw_chat(sluice, {"model": "gpt-test", "stream": True,
+                                             "max_tokens": 500,
+                                             "messages": [{"role": "user",
+                                                           "content": message}]})
+            deadline = time.monotonic() + 20
+            while not (retried := [e for e in sluice.events()
+                                   if e.get("event") == "retried"][trial:]):
+                assert time.monotonic() < deadline, "attempt 1 did not time out"
+                await asyncio.sleep(0.02)
+            writer.close()  # in the back-off: attempt 1 is over, attempt 2 not sent
+            if retried[0]["wait_s"] >= 1.0:
+                break
+        done = [e for e in await completed_events(sluice, count=trial + 1)
+                if e["request_id"] == retried[0]["request_id"]]
+        assert seen.count(message) == 1
         event = done[0]
         assert event["outcome"] == "client_disconnected"
         # The reservation: the input estimate and max_tokens.
