@@ -8,7 +8,8 @@ endpoint (path ends with)   output cap field    usage in the answer
 OpenAI ``/chat/completions``  ``max_completion_tokens``, ``max_tokens``  ``usage``; streams: a last
                                                 chunk with ``choices: []`` and ``usage``, sent
                                                 only if ``stream_options.include_usage``
-OpenAI ``/completions``      ``max_tokens``      the same
+OpenAI ``/completions``      ``max_tokens``      the same (the cap counts per prompt of a
+                                                ``prompt`` list, times ``n`` or ``best_of``)
 OpenAI ``/responses``        ``max_output_tokens``  ``usage``; streams: ``response.completed``
 OpenAI ``/embeddings``       (none: 0 output)    ``usage``
 Anthropic ``/messages``      ``max_tokens``      ``usage``; streams: ``message_start`` (input),
@@ -232,8 +233,11 @@ def read_request(endpoint: Endpoint, body: bytes, default_cap: int | None, write
         if type(choices) is not int or choices < 1:
             raise ValueError(f"n must be a positive integer, not "
                              f"{bodies.member_as_sent(body, 'n', choices)}")
-        if cap and endpoint.choices:
-            cap *= choices  # the cap applies to each of the n choices
+    if cap and endpoint.choices:
+        answers = choices or 1  # the cap applies to each of the n choices
+        if endpoint is COMPLETIONS:
+            answers = _completions_answers(body, get("prompt"), get("best_of"), answers)
+        cap *= answers
     stream = get("stream") is True
     strip = False
     if stream and endpoint.usage_option and stream_usage:
@@ -246,6 +250,25 @@ def read_request(endpoint: Endpoint, body: bytes, default_cap: int | None, write
             strip = True
     return RequestCost(endpoint, model, stream, estimate_input_tokens(endpoint, body, obj),
                        cap, strip, body if added is None else _with_fields(body, obj, added))
+
+
+def _completions_answers(body: bytes, prompt: object, best_of: object, choices: int) -> int:
+    """Answers a legacy Completions call may bill, each up to its cap: ``choices`` (``n``)
+    per prompt, or ``best_of`` if more (that many are generated and billed, ``n`` returned),
+    times the prompts of a list (of strings or of token-id lists; a list of ints is one
+    prompt), each answered on its own.
+
+    Raises:
+        ValueError: ``best_of`` is present but not a positive integer.
+    """
+    if best_of is not None:
+        if type(best_of) is not int or best_of < 1:
+            raise ValueError(f"best_of must be a positive integer, not "
+                             f"{bodies.member_as_sent(body, 'best_of', best_of)}")
+        choices = max(choices, best_of)
+    if type(prompt) is list and prompt and type(prompt[0]) is not int:
+        choices *= len(prompt)
+    return choices
 
 
 def _with_fields(body: bytes, obj: dict, added: dict[str, object]) -> bytes:
