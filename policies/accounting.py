@@ -25,7 +25,8 @@ What is charged (``usage`` in the event):
 * ``reported``: the upstream's own count, whenever the answer carried one.
 * ``none`` (0): the request never reached the upstream (refused, or no connection), or the
   upstream answered an error status in full: providers bill neither.
-* ``estimated``: a stream cut before its usage arrived (caller gone, upstream cut or stalled):
+* ``estimated``: a stream cut before its usage arrived (caller gone, upstream cut or stalled,
+  or an error event from the upstream in place of the rest of the answer):
   the input (the upstream's count if it came, else the estimate) and the output streamed so
   far, at least 1 token and at most the cap; never 0.
 * ``reserved``: anything else without a count (a complete answer without usage, a timeout
@@ -472,7 +473,10 @@ class Charge(Meter):
         if status >= 400 and self.complete:
             return Usage(), "none"
         cap = cost.output_cap
-        if (cost.stream and not self.complete and status < 400
+        # A stream whose upstream said in an error event that it gave up is charged as a cut
+        # one: what it reported and streamed. Its whole reservation (max_tokens) made an
+        # overloaded_error after a few tokens cost far more than a dropped connection.
+        if (cost.stream and (not self.complete or self.failed) and status < 400
                 and (status or outcome == "client_disconnected")):
             seen = self.usage
             output = max(seen.output_tokens, self.streamed_tokens, 1)

@@ -467,6 +467,7 @@ class Meter:
         status: the upstream's status, 0 until headers arrive.
         complete: the whole answer went through (a clean end, not a cut).
         done: an OpenAI stream's last event, ``data: [DONE]``, has been read.
+        failed: a stream's event reported an error (the upstream gave up mid-answer).
         usage: as the upstream reported it so far.
         final: ``usage`` is the upstream's final count.
         streamed_tokens: estimated output tokens in the content events passed on, for a
@@ -510,6 +511,7 @@ class Meter:
     status = 0
     complete = False
     done = False
+    failed = False
     _final = False
     #: The upstream reported a negative count: none of this answer's counts is final.
     _negative = False
@@ -815,14 +817,37 @@ class Meter:
             return self._parse(buf[first:end], True)
         if self._kind is MESSAGES:
             if buf.find(b"content_block_delta", start, start + 64) < 0:
+                if buf.find(b"error", start, start + 64) >= 0:
+                    self._error_event(buf[first:end])
                 return False
-        elif self._kind is RESPONSES and buf.find(b".delta", start, start + 64) < 0:
-            return False
+        elif self._kind is RESPONSES:
+            if buf.find(b".delta", start, start + 64) < 0:
+                if buf.find(b"error", start, start + 64) >= 0:
+                    self._error_event(buf[first:end])
+                return False
+        elif buf.find(b'"error"', first, first + 10) >= 0 and self._error_event(buf[first:end]):
+            return False  # OpenAI's {"error": ...} chunk
         if self._sampled < SAMPLE_EVENTS:
             self._parse(buf[first:end], False)
         else:
             self.streamed_tokens += self._per_event
         return False
+
+    def _error_event(self, payload: bytes) -> bool:
+        """Note an event reporting that the answer failed mid-stream (Anthropic's and the
+        Responses API's ``"type": "error"``, a Chat Completions chunk ``{"error": ...}``): the
+        stream that follows it ends without usage, as a cut one does. Returns whether it is
+        one."""
+        try:
+            obj = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            return False
+        failed = isinstance(obj, dict) and (obj.get("type") == "error" or (
+            self._kind is not MESSAGES and self._kind is not RESPONSES
+            and isinstance(obj.get("error"), dict)))
+        if failed:
+            self.failed = True
+        return failed
 
     def _parse(self, payload: bytes, has_usage: bool) -> bool:
         """Parse one event: take its usage, measure its text; True if it is to be stripped."""

@@ -3,12 +3,15 @@ the code it was written against."""
 
 from __future__ import annotations
 
+import json
 import time
 
+import anthropic
 import openai
 import pytest
+from aiohttp import web
 
-from tests.conftest import route
+from tests.conftest import completed_events, route, serve_app
 
 #: Budgets' clock: today 12:00 UTC, so no daily window rolls over mid-test.
 NOON = {"SLUICE_TEST_NOW": str(int(time.time()) // 86400 * 86400 + 43200)}
@@ -47,3 +50,110 @@ async def test_completions_reserve_every_prompt_and_best_of_not_one_answer(
                                     max_tokens=100)
     assert len(upstream.requests) == 1
     await client.close()
+
+
+# -- 2. a stream the upstream ends with an error event is charged what it used, not max_tokens --
+
+def _sse(obj: dict, event: str | None = None) -> bytes:
+    head = f"event: {event}\n" if event else ""
+    return (head + "data: " + json.dumps(obj) + "\n\n").encode()
+
+
+_FAILING_STREAMS = {
+    # Anthropic's overloaded_error after the answer began (HTTP 200, then an error event).
+    "anthropic": [
+        _sse({"type": "message_start", "message": {
+            "id": "msg_1", "type": "message", "role": "assistant", "model": "claude-x",
+            "content": [], "stop_reason": None, "stop_sequence": None,
+            "usage": {"input_tokens": 20, "output_tokens": 1}}}, "message_start"),
+        _sse({"type": "content_block_start", "index": 0,
+              "content_block": {"type": "text", "text": ""}}, "content_block_start"),
+        _sse({"type": "content_block_delta", "index": 0,
+              "delta": {"type": "text_delta", "text": "hello there"}}, "content_block_delta"),
+        _sse({"type": "error", "error": {"type": "overloaded_error", "message": "Overloaded"}},
+             "error"),
+    ],
+    # The Responses API's error event.
+    "responses": [
+        _sse({"type": "response.created", "sequence_number": 0, "response": {
+            "id": "resp_1", "object": "response", "created_at": 1, "status": "in_progress",
+            "model": "gpt-x", "output": [], "usage": None}}, "response.created"),
+        _sse({"type": "response.output_text.delta", "sequence_number": 1, "item_id": "i",
+              "output_index": 0, "content_index": 0, "delta": "hello there"},
+             "response.output_text.delta"),
+        _sse({"type": "error", "sequence_number": 2, "code": "server_error",
+              "message": "The server had an error", "param": None}, "error"),
+    ],
+    # A Chat Completions stream's error chunk, as the OpenAI SDK reads it.
+    "chat": [
+        _sse({"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "gpt-x",
+              "choices": [{"index": 0, "delta": {"content": "hello there"},
+                           "finish_reason": None}]}),
+        _sse({"error": {"message": "The server had an error", "type": "server_error"}}),
+    ],
+}
+
+
+async def _failing_stream(request: web.Request) -> web.StreamResponse:
+    await request.read()
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    for event in _FAILING_STREAMS[request.headers["x-shape"]]:
+        await response.write(event)
+    await response.write_eof()
+    return response
+
+
+@pytest.mark.parametrize("shape", list(_FAILING_STREAMS))
+async def test_a_stream_ended_by_an_error_event_is_charged_what_it_streamed(
+        start_sluice, shape) -> None:
+    """An upstream that gives up mid-stream says so in an error event (Anthropic's
+    ``overloaded_error``, the Responses API's ``error``, a Chat chunk ``{"error": ...}``) and
+    ends the stream cleanly. Sluice charged such a stream its whole reservation (5,000 output
+    tokens for a few words, ``usage: reserved``, ignoring the 20 input tokens Anthropic
+    reported), while the same stream cut by a reset is charged what it streamed: a tenant's
+    budget drained by the provider's own overload errors."""
+    app = web.Application()
+    app.router.add_post("/{tail:.*}", _failing_stream)
+    runner, port = await serve_app(app)
+    try:
+        protocol = "anthropic" if shape == "anthropic" else "openai"
+        sluice = await start_sluice({"routes": [route(
+            protocol, f"http://127.0.0.1:{port}", protocol=protocol,
+            budget={"tokens": "100000/day", "per": "tenant"})]}, env=NOON)
+        headers = {"X-Tenant-ID": "acme", "x-shape": shape}
+        with pytest.raises(Exception):  # noqa: B017 - each SDK has its own error for it
+            if shape == "anthropic":
+                claude = anthropic.AsyncAnthropic(base_url=sluice.url + "/anthropic",
+                                                  api_key="sk-ant-test", max_retries=0)
+                async with claude.messages.stream(
+                        model="claude-x", max_tokens=5000, extra_headers=headers,
+                        messages=[{"role": "user", "content": "hi"}]) as stream:
+                    async for _ in stream:
+                        pass
+                    await stream.get_final_message()
+            else:
+                client = oai(sluice)
+                if shape == "responses":
+                    stream = await client.responses.create(
+                        model="gpt-x", input="hi", max_output_tokens=5000, stream=True,
+                        extra_headers=headers)
+                else:
+                    stream = await client.chat.completions.create(
+                        model="gpt-x", max_completion_tokens=5000, stream=True,
+                        messages=[{"role": "user", "content": "hi"}], extra_headers=headers)
+                async for event in stream:
+                    if getattr(event, "type", None) == "error":
+                        raise RuntimeError(event.message)
+        [done] = await completed_events(sluice)
+        assert done["usage"] == "estimated", done
+        assert 1 <= done["output_tokens"] < 100, done
+        if shape == "anthropic":
+            assert done["input_tokens"] == 20  # as the upstream reported it
+        await sluice.wait_metric("sluice_budget_reserved", 0, route=protocol, tenant="acme",
+                                 unit="tokens")
+        assert await sluice.metric("sluice_budget_remaining", route=protocol, tenant="acme",
+                                   unit="tokens") == (
+            100000 - done["input_tokens"] - done["output_tokens"])
+    finally:
+        await runner.cleanup()
