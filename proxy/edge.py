@@ -65,6 +65,10 @@
   JSON-RPC shape; requests without ``Origin`` (not from a browser) pass;
 * a path with a control character, raw or percent-encoded (``%00``-``%1F``, ``%7F``), is
   refused with 400 ``bad_request`` (the parser refuses raw ones first);
+* a request target with a ``#`` (a fragment, which RFC 9112 §3.2 does not allow there) is
+  refused with 400 ``bad_request``: the URL it is forwarded to drops the fragment, while
+  routing and metering read the target as sent, so ``/v1/chat/completions#x`` reached the
+  upstream as ``/v1/chat/completions`` unmetered (past every budget and token rate);
 * a ``Transfer-Encoding`` other than ``chunked`` alone (``gzip, chunked``) is refused with
   400 ``bad_request``: Sluice does not decode such codings, and would forward the still-coded
   bytes as the body;
@@ -134,6 +138,8 @@ BODY_CUT = web.RequestKey("sluice_body_cut", bool)
 _TOO_MANY_HEADERS = "Too many headers"
 #: Why an HTTP/1.1 request without ``Host`` is refused (by the parser, or by the door).
 _NO_HOST = "an HTTP/1.1 request must carry Host (RFC 9112 §3.2)"
+#: Why a request target holding a fragment is refused (see the module docstring).
+_FRAGMENT = "a fragment (#) in the request target (RFC 9112 §3.2): send the path without it"
 #: The parser's description of a refusal (llhttp's error reason, or aiohttp's own check) ->
 #: the cause a refusal names. Looked up whole, never passed on: the parser's message goes on
 #: to quote the request's bytes (a header line, the request target), which may hold a key.
@@ -528,6 +534,8 @@ class Door:
         if "%" in raw and _ESCAPED_CONTROL.search(raw.partition("?")[0]):
             return refuse_at_edge(rt, Rejected(Reason.BAD_REQUEST, None,
                                                "a control character in the path"))
+        if "#" in raw:
+            return refuse_at_edge(rt, Rejected(Reason.BAD_REQUEST, None, _FRAGMENT))
         if self.mcp and not self.any_origin:
             origin = headers.get(hdrs.ORIGIN)
             if origin is not None:

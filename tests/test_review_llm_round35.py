@@ -3,6 +3,7 @@ the code it was written against."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
@@ -11,7 +12,7 @@ import openai
 import pytest
 from aiohttp import web
 
-from tests.conftest import completed_events, route, serve_app
+from tests.conftest import completed_events, raw_request, route, serve_app
 
 #: Budgets' clock: today 12:00 UTC, so no daily window rolls over mid-test.
 NOON = {"SLUICE_TEST_NOW": str(int(time.time()) // 86400 * 86400 + 43200)}
@@ -157,3 +158,42 @@ async def test_a_stream_ended_by_an_error_event_is_charged_what_it_streamed(
             100000 - done["input_tokens"] - done["output_tokens"])
     finally:
         await runner.cleanup()
+
+
+# -- 3. a fragment in the request target skipped metering; the upstream got the metered path --
+
+@pytest.mark.parametrize("target", ["/openai/v1/chat/completions#x",
+                                    "/openai/v1/chat/completions#"])
+async def test_a_fragment_in_the_target_is_refused_not_forwarded_unmetered(
+        start_sluice, target) -> None:
+    """``POST /openai/v1/chat/completions#x``: routing and metering read the target as sent
+    (it does not end in ``/chat/completions``, so not metered), and the forwarded URL drops
+    the fragment, so the upstream got ``POST /v1/chat/completions``: a 5,000-token call
+    passed a 10-token daily budget (and any token rate) untouched. A fragment cannot stand in
+    a request target (RFC 9112 §3.2), so it is refused, 400, and nothing is forwarded."""
+    seen: list[bytes] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        seen.append(head.partition(b"\r\n")[0])
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 2\r\nConnection: close\r\n\r\n{}")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    try:
+        port = server.sockets[0].getsockname()[1]
+        sluice = await start_sluice({"routes": [route(
+            "openai", f"http://127.0.0.1:{port}",
+            budget={"tokens": "10/day", "per": "tenant"})]}, env=NOON)
+        body = json.dumps({"model": "m", "max_tokens": 5000,
+                           "messages": [{"role": "user", "content": "hi"}]}).encode()
+        answer = await raw_request(sluice.port, (
+            f"POST {target} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode() + body)
+        assert seen == [], f"forwarded unmetered as {seen}"
+        assert answer.startswith(b"HTTP/1.1 400 "), answer[:200]
+        assert b"X-Sluice-Reason: bad_request" in answer
+    finally:
+        server.close()
