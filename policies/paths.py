@@ -5,7 +5,9 @@ the character itself, and upstreams decode it before routing (aiohttp, Starlette
 ``/v1/chat/completion%73`` *is* ``/v1/chat/completions``. A policy that matched the raw path
 would let the encoded spelling dodge it, so it matches :func:`decode_unreserved` of it.
 Encoded reserved characters (``%2F``) stay encoded: they are data, not separators, and
-encoded dot-segments are refused at the door (``proxy.routes.has_dot_segment``).
+encoded dot-segments are refused at the door (``proxy.routes.has_dot_segment``). Metering
+(:func:`policies.usage.endpoint_for`) reads ``%2F`` as a slash too: Starlette routes on the
+fully decoded path, so an LLM endpoint spelled with one is still the endpoint there.
 """
 
 from __future__ import annotations

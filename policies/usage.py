@@ -136,10 +136,19 @@ def content_coding(headers: Mapping[str, str]) -> str | None:
 
 
 def endpoint_for(protocol: str, method: str, raw_path: str) -> Endpoint | None:
-    """The metered endpoint a request calls, or ``None`` if it is not metered."""
+    """The metered endpoint a request calls, or ``None`` if it is not metered.
+
+    An encoded slash (``%2F``) counts as a slash here: uvicorn hands Starlette the decoded
+    path, so vLLM, SGLang or the LiteLLM proxy serve ``/v1/chat%2Fcompletions`` as chat
+    completions (it went through unmetered). Metering a path an upstream would not serve so
+    costs nothing: its error answer is charged none.
+    """
     if method != "POST":
         return None
-    path = decode_unreserved(raw_path.partition("?")[0]).rstrip("/")
+    path = decode_unreserved(raw_path.partition("?")[0])
+    if "%" in path:
+        path = path.replace("%2F", "/").replace("%2f", "/")
+    path = path.rstrip("/")
     if protocol == "anthropic":
         return MESSAGES if path.endswith("/messages") else None
     if path.endswith("/chat/completions"):

@@ -4,8 +4,11 @@ the code it was written against."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import socket
 import time
+from collections.abc import AsyncIterator
 
 import anthropic
 import openai
@@ -197,3 +200,66 @@ async def test_a_fragment_in_the_target_is_refused_not_forwarded_unmetered(
         assert b"X-Sluice-Reason: bad_request" in answer
     finally:
         server.close()
+
+
+# -- 4. an encoded slash (%2F) in a metered path skipped metering on Starlette upstreams --
+
+@contextlib.asynccontextmanager
+async def _starlette_llm() -> AsyncIterator[tuple[int, list[str]]]:
+    """An OpenAI- and Anthropic-shaped upstream on uvicorn + Starlette, the stack of vLLM,
+    SGLang and the LiteLLM proxy (they route on the percent-decoded path): its port, and
+    the raw paths its LLM handlers answered."""
+    import uvicorn
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    served: list[str] = []
+
+    async def llm(request: Request) -> JSONResponse:
+        served.append(request.scope["raw_path"].decode())
+        return JSONResponse({"id": "x", "object": "chat.completion", "choices": [],
+                             "usage": {"prompt_tokens": 9, "completion_tokens": 4000,
+                                       "input_tokens": 9, "output_tokens": 4000}})
+
+    app = Starlette(routes=[Route("/v1/chat/completions", llm, methods=["POST"]),
+                            Route("/v1/messages", llm, methods=["POST"])])
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="error", lifespan="off"))
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        while not server.started:
+            await asyncio.sleep(0.01)
+        yield sock.getsockname()[1], served
+    finally:
+        server.should_exit = True
+        await task
+        sock.close()
+
+
+@pytest.mark.parametrize(("protocol", "target"), [
+    ("openai", "/openai/v1/chat%2Fcompletions"),
+    ("openai", "/openai/v1%2fchat%2Fcompletions"),
+    ("anthropic", "/anthropic/v1%2Fmessages"),
+])
+async def test_an_encoded_slash_in_a_metered_path_is_still_metered(
+        start_sluice, protocol, target) -> None:
+    """``POST /openai/v1/chat%2Fcompletions``: Sluice left ``%2F`` encoded when it decided
+    whether a call is metered (``policies.paths``: "data, not separators"), so the call was
+    not metered; but uvicorn hands Starlette the decoded path and it routes
+    ``/v1/chat/completions``: a 5,000-token call passed a 10-token daily budget and the
+    upstream billed 4,000 output tokens that no budget, token rate or metric saw."""
+    async with _starlette_llm() as (port, served):
+        sluice = await start_sluice({"routes": [route(
+            protocol, f"http://127.0.0.1:{port}", protocol=protocol,
+            budget={"tokens": "10/day", "per": "tenant"})]}, env=NOON)
+        body = json.dumps({"model": "m", "max_tokens": 5000,
+                           "messages": [{"role": "user", "content": "hi"}]}).encode()
+        answer = await raw_request(sluice.port, (
+            f"POST {target} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode() + body)
+        assert served == [], f"the upstream served it unmetered: {answer[:120]!r}"
+        assert answer.startswith(b"HTTP/1.1 400 "), answer[:200]
+        assert b"X-Sluice-Reason: exceeds_limit" in answer
