@@ -64,6 +64,7 @@ from policies.state import LedgerFull, StateBackends, StateUnavailable
 from policies.state.admission import AdmissionResult
 from policies.state.rate import Take
 from policies.usage import (
+    MESSAGES,
     Endpoint,
     Meter,
     RequestCost,
@@ -104,7 +105,6 @@ class Accounting:
                  rate: RateLimiter | None, budgets: Budgets | None,
                  run_header: str, token_models: frozenset[str] = frozenset()) -> None:
         self.protocol = config.protocol
-        self.anthropic = config.protocol == "anthropic"
         usage = config.usage
         self.default_cap = usage.default_max_tokens
         self.write_cap = usage.write_max_tokens
@@ -335,7 +335,9 @@ class Charge(Meter):
     """
 
     def __init__(self, acct: Accounting, cost: RequestCost, call: Call) -> None:
-        super().__init__(cost.endpoint, acct.anthropic, cost.strip_usage)
+        # Read in Anthropic's shape only at /messages: an anthropic route's /chat/completions
+        # answers in OpenAI's.
+        super().__init__(cost.endpoint, cost.endpoint is MESSAGES, cost.strip_usage)
         self._acct = acct
         self.cost = cost
         self.call: Call | None = call

@@ -14,6 +14,7 @@ OpenAI ``/responses``        ``max_output_tokens``  ``usage``; streams: ``respon
 OpenAI ``/embeddings``       (none: 0 output)    ``usage``
 Anthropic ``/messages``      ``max_tokens``      ``usage``; streams: ``message_start`` (input),
                                                 then ``message_delta`` (final output)
+Anthropic ``/chat/completions``  as OpenAI's     as OpenAI's (Anthropic's OpenAI compatibility)
 ==========================  ==================  ===============================================
 
 Request side (:func:`read_request`): the body is parsed once for the model, the output cap,
@@ -150,7 +151,10 @@ def endpoint_for(protocol: str, method: str, raw_path: str) -> Endpoint | None:
         path = path.replace("%2F", "/").replace("%2f", "/")
     path = path.rstrip("/")
     if protocol == "anthropic":
-        return MESSAGES if path.endswith("/messages") else None
+        if path.endswith("/messages"):
+            return MESSAGES
+        # Anthropic's OpenAI SDK compatibility: billed as any call, answered in OpenAI's shape.
+        return CHAT if path.endswith("/chat/completions") else None
     if path.endswith("/chat/completions"):
         return CHAT
     if path.endswith("/completions"):

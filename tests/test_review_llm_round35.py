@@ -263,3 +263,31 @@ async def test_an_encoded_slash_in_a_metered_path_is_still_metered(
         assert served == [], f"the upstream served it unmetered: {answer[:120]!r}"
         assert answer.startswith(b"HTTP/1.1 400 "), answer[:200]
         assert b"X-Sluice-Reason: exceeds_limit" in answer
+
+
+# -- 5. Anthropic's OpenAI-compatible endpoint on an anthropic route went unmetered --
+
+async def test_anthropics_openai_compatible_chat_endpoint_is_metered(upstream,
+                                                                      start_sluice) -> None:
+    """Anthropic serves the OpenAI SDK at ``/v1/chat/completions`` (its "OpenAI SDK
+    compatibility", billed as any Claude call), but an ``anthropic`` route metered only
+    ``/messages``: an agent pointing the OpenAI SDK at ``/anthropic/v1`` passed the route's
+    budget with any ``max_tokens``, and its usage reached no metric or event."""
+    sluice = await start_sluice({"routes": [route(
+        "anthropic", upstream.url, protocol="anthropic",
+        budget={"tokens": "1000/day", "per": "tenant"})]}, env=NOON)
+    client = openai.AsyncOpenAI(base_url=sluice.url + "/anthropic/v1", api_key="sk-ant-test",
+                                max_retries=0, default_headers={"X-Tenant-ID": "acme"})
+    msg = [{"role": "user", "content": "hi"}]
+    with pytest.raises(openai.BadRequestError) as caught:
+        await client.chat.completions.create(model="claude-x", messages=msg, max_tokens=5000)
+    assert caught.value.response.headers["X-Sluice-Reason"] == "exceeds_limit"
+    assert upstream.requests == []
+    await client.chat.completions.create(model="claude-x", messages=msg, max_tokens=50)
+    [done] = await completed_events(sluice)
+    assert (done["usage"], done["input_tokens"], done["output_tokens"]) == ("reported", 11, 5)
+    await sluice.wait_metric("sluice_budget_reserved", 0, route="anthropic", tenant="acme",
+                             unit="tokens")
+    assert await sluice.metric("sluice_budget_remaining", route="anthropic", tenant="acme",
+                               unit="tokens") == 1000 - 16
+    await client.close()
