@@ -242,15 +242,14 @@ def read_request(endpoint: Endpoint, body: bytes, default_cap: int | None, write
             if write_cap:
                 added = {endpoint.write_field: default_cap}
     choices = get("n")
-    if choices is not None:
-        if type(choices) is not int or choices < 1:
-            raise ValueError(f"n must be a positive integer, not "
-                             f"{bodies.member_as_sent(body, 'n', choices)}")
-    if cap and endpoint.choices:
-        answers = choices or 1  # the cap applies to each of the n choices
-        if endpoint is COMPLETIONS:
-            answers = _completions_answers(body, get("prompt"), get("best_of"), answers)
-        cap *= answers
+    if choices is not None and (type(choices) is not int or choices < 1):
+        raise ValueError(f"n must be a positive integer, not "
+                         f"{bodies.member_as_sent(body, 'n', choices)}")
+    if endpoint is COMPLETIONS:
+        if cap:
+            cap *= _completions_answers(body, get("prompt"), get("best_of"), choices or 1)
+    elif choices is not None and cap and endpoint.choices:
+        cap *= choices  # the cap applies to each of the n choices
     stream = get("stream") is True
     strip = False
     if stream and endpoint.usage_option and stream_usage:
