@@ -107,6 +107,24 @@ def _caller_timeout(request: web.BaseRequest, header: str) -> tuple[float | None
     return None, False
 
 
+#: How long past the caller's own deadline admission may still run before the call is
+#: answered 503 ``deadline_unreachable``: the policies that wait (a queue, a twin's answer)
+#: end their own wait at the deadline with their own reason; this bounds the rest, chiefly
+#: a shared-state round trip to a Redis that does not answer, which ``state.timeout`` alone
+#: bounds (a caller with a 0.3 s deadline held 6 s by a frozen Redis, a hostile trial).
+ADMISSION_DEADLINE_GRACE_S = 0.25
+
+
+def _admission_bound(call: Call) -> asyncio.Timeout:
+    """A bound on the admission of ``call``: its caller's deadline (``X-Request-Timeout`` or
+    the SDKs' timeout headers, counted from its arrival) plus
+    :data:`ADMISSION_DEADLINE_GRACE_S`; none without one. A call admitted after its deadline
+    would be refused before its first attempt anyway (:mod:`proxy.attempts`). Cancelling an
+    admission is what a caller leaving does: whatever a policy took is given back."""
+    left = call.time_left()
+    return asyncio.timeout(None if left is None else max(left, 0.0) + ADMISSION_DEADLINE_GRACE_S)
+
+
 class _McpRequest(NamedTuple):
     """What the request path reads of a request on an ``mcp`` route."""
 
@@ -336,9 +354,17 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
                 # state): the drain answers such calls 503 draining when it ends (_drained).
                 waiting = rt.admitting
                 waiting[call] = asyncio.current_task()
+                bound = _admission_bound(call)
                 try:
-                    await admission.admit(plan.policies if run is not None else plan.runless,
-                                          call)
+                    async with bound:
+                        await admission.admit(plan.policies if run is not None
+                                              else plan.runless, call)
+                except TimeoutError:
+                    if not bound.expired():
+                        raise
+                    raise Rejected(Reason.DEADLINE_UNREACHABLE, None,
+                                   "the call's deadline passed before it could be sent"
+                                   ) from None
                 finally:
                     del waiting[call]
         except Rejected as rejected:

@@ -33,6 +33,7 @@ from prometheus_client.aiohttp import make_aiohttp_handler
 from policies.config import Config
 from policies.logs import EVERY_S as LOG_REPEATS_EVERY_S
 from policies.logs import RepeatFilter
+from policies.state import StateUnavailable
 from proxy.admin import add_admin_routes
 from proxy.edge import REQUEST_NOT_LOGGED, AdminServer, EdgeServer, parse_cause
 from proxy.handler import handle
@@ -98,13 +99,33 @@ def build_proxy_server(runtime: Runtime) -> EdgeServer:
     )
 
 
+def _metrics_handler(runtime: Runtime) -> Callable[[web.Request], Any]:
+    """``/metrics``: the registry, once the shared budget counters last seen holding a
+    reservation have been read again (:meth:`policies.state.ledger.RedisLedger.refresh_held`),
+    so ``sluice_budget_reserved`` and ``sluice_budget_remaining`` say what Redis holds, not
+    what it held when this replica last called on them. Redis not answering leaves them as
+    they were (bounded by ``state.timeout``; at once while it is marked down)."""
+    render = make_aiohttp_handler(runtime.metrics.registry)
+
+    async def metrics(request: web.Request) -> web.StreamResponse:
+        refresh = getattr(runtime.state.ledger, "refresh_held", None)
+        if refresh is not None:
+            try:
+                await refresh()
+            except StateUnavailable:
+                pass
+        return await render(request)
+
+    return metrics
+
+
 def build_admin_app(runtime: Runtime, reloader: Reloader | None = None) -> web.Application:
     """The app on ``server.admin_listen``: ``/metrics``, ``/healthz``, ``/readyz``, ``/admin/``."""
     app = web.Application()
     app[RUNTIME] = runtime
     if reloader is not None:
         app[RELOADER] = reloader
-    app.router.add_get("/metrics", make_aiohttp_handler(runtime.metrics.registry))
+    app.router.add_get("/metrics", _metrics_handler(runtime))
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
     add_admin_routes(app)

@@ -43,6 +43,8 @@ from policies.state.connection import RedisState, Script
 DUST = 1e-9
 #: Counter levels the Redis ledger remembers from its last answers, for :meth:`Ledger.level`.
 LEVEL_CACHE_SIZE = 10_000
+#: Counters of one group :meth:`RedisLedger.refresh_held` reads again, at most (one script).
+REFRESH_KEYS = 500
 
 
 class Claim(NamedTuple):
@@ -473,6 +475,10 @@ class RedisLedger:
     def __init__(self, state: RedisState) -> None:
         self._state = state
         self._seen: OrderedDict[tuple[str, str], tuple[float, float]] = OrderedDict()
+        #: How many answers :meth:`remember` has kept: a refresh keeps what it read of a
+        #: counter only if no answer about it was kept since the refresh asked.
+        self._answers = 0
+        self._answered: dict[tuple[str, str], int] = {}
 
     def reservation_keys(self, group: str) -> list[str]:
         """The group's reservations hash and their expiry set (``KEYS[1]``, ``KEYS[2]``)."""
@@ -540,17 +546,49 @@ class RedisLedger:
     def level(self, group: str, key: str) -> tuple[float, float]:
         return self._seen.get((group, key), (0.0, 0.0))
 
+    async def refresh_held(self) -> None:
+        """Read again the levels of the counters last seen holding something (at most
+        :data:`REFRESH_KEYS` a group), so that what :meth:`level` says of them is Redis's
+        now. A counter's level is otherwise what this replica's last call on it heard: one
+        whose settle answered while another replica's call still held its reservation kept
+        showing that reservation (``sluice_budget_reserved``, and as much less
+        ``sluice_budget_remaining``) after it had settled too, on an idle deployment, until
+        the tenant's next call here (a hostile review). One round trip a group.
+
+        Raises:
+            StateUnavailable: as :meth:`levels` (the levels are kept as they were).
+        """
+        by_group: dict[str, list[str]] = {}
+        for (group, key), (_spent, held) in self._seen.items():
+            if held > DUST:
+                keys = by_group.setdefault(group, [])
+                if len(keys) < REFRESH_KEYS:
+                    keys.append(key)
+        for group, keys in by_group.items():
+            asked = self._answers
+            flat = await self._state.eval(_LEVELS, [self.counter(group, k) for k in keys], [])
+            # A call's answer about a counter kept while this read was on its way may be the
+            # newer: that one stays.
+            fresh = [i for i, key in enumerate(keys)
+                     if self._answered.get((group, key), 0) <= asked]
+            self.remember(group, [keys[i] for i in fresh],
+                          [v for i in fresh for v in (flat[2 * i], flat[2 * i + 1])])
+
     def remember(self, group: str, keys: Sequence[str], flat: Sequence[bytes]
                  ) -> list[tuple[float, float]]:
         """Keep the levels a script answered (``spent, held`` flat, per key) for
         :meth:`level`; returns them as pairs."""
         seen = self._seen
+        answered = self._answered
+        self._answers += 1
         out = []
         for i, key in enumerate(keys):
             value = (float(flat[2 * i]), float(flat[2 * i + 1]))
             seen[(group, key)] = value
             seen.move_to_end((group, key))
+            answered[(group, key)] = self._answers
             out.append(value)
         while len(seen) > LEVEL_CACHE_SIZE:
-            seen.popitem(last=False)
+            gone, _ = seen.popitem(last=False)
+            answered.pop(gone, None)
         return out
