@@ -107,3 +107,52 @@ async def test_a_call_with_a_short_deadline_is_answered_near_it_while_redis_is_f
         assert took < 3.0, f"answered {took:.1f}s after a 0.3 s deadline"
     finally:
         server.stop()
+
+
+# -- 3. a Redis refusing writes (maxmemory, noeviction) is told "answers again" twice a second --
+
+
+async def test_a_redis_refusing_writes_is_not_marked_up_by_each_ping_it_answers(
+        upstream, start_sluice, tmp_path):
+    """Redis reaches ``maxmemory`` under ``noeviction``: every script that writes is refused
+    OOM, reads and PING still answer. Sluice marked it down at the first refused write, then
+    up at the probe's next PING (or a read in flight) and logged, each time, "state backend
+    answers again: limits are shared across replicas", untrue, and the other way round at
+    the next call: 7 pairs of WARNING lines in 3 s of light traffic, ``/readyz`` and
+    ``sluice_state_backend_up`` saying up half the time, the concurrency and budget
+    fallbacks switching on and off. Marked down, it is marked up once a write goes through
+    again."""
+    from tests.redis_servers import RedisServer
+
+    server = RedisServer(tmp_path / "redis").start()
+    try:
+        state = {"backend": "redis", "redis_url": server.url, "key_prefix": "trial",
+                 "timeout": "300ms", "lease": "2s"}
+        sluice = await start_sluice({"state": state, "routes": [route(
+            "openai", upstream.url, rate={"per_tenant": {"requests": "100000/min"}})]})
+        admin = server.client()
+        async with aiohttp.ClientSession() as session:
+            assert await post(session, sluice.url) == 200
+            admin.config_set("maxmemory-policy", "noeviction")
+            admin.config_set("maxmemory", "1")
+            started = time.monotonic()
+            while time.monotonic() - started < 3.0:  # six probes of a replica marked down
+                statuses = await asyncio.gather(*(post(session, sluice.url) for _ in range(5)))
+                assert set(statuses) == {200}  # on_unavailable: local serves them
+                await asyncio.sleep(0.05)
+            during = sluice.stderr()
+            up = await sluice.metric("sluice_state_backend_up", backend="redis")
+            admin.config_set("maxmemory", "0")
+            await sluice.wait_metric("sluice_state_backend_up", 1.0, backend="redis")
+        admin.close()
+        assert during.count("state backend unavailable") == 1, during
+        assert "answers again" not in during, during
+        assert up == 0.0
+        await eventually(lambda: _stderr_count(sluice, "answers again"), 1, 5.0,
+                         "recovery logged once")
+    finally:
+        server.stop()
+
+
+async def _stderr_count(sluice, text: str) -> int:
+    return sluice.stderr().count(text)

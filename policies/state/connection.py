@@ -28,8 +28,13 @@ setting says which. Whatever the client, every call made through :meth:`RedisSta
   :attr:`RedisState.health`.
 
 While the backend is marked down, calls fail at once (no request waits out a timeout on a
-frozen server) and a background probe PINGs every ``probe_interval_s``; the first answer marks
-it up again, so recovery needs no restart and no new client.
+frozen server) and a background probe makes a write (a key added and removed) every
+``probe_interval_s``; the first write that goes through marks it up again, so recovery needs
+no restart and no new client. A write, not a PING: a Redis at its ``maxmemory``
+(noeviction) answers PING and reads and refuses every write, and was marked up at each
+probe. A call sent before the backend was marked down and answered after does not mark it up
+either (a read, or a release, answered by such a Redis). While up, an idle backend is PINGed
+(:data:`HEARTBEAT_S`).
 
 Keys: ``<prefix>:{<group>}:<kind>:...``. Everything one script touches shares the ``{group}``
 hash tag (a route's name, an idempotency key's digest...), so in a cluster each script runs
@@ -253,6 +258,15 @@ class Script:
         return registered[1]
 
 
+# KEYS: the probe's key. A write with commands Sluice's own scripts use (so an ACL that lets
+# Sluice work lets the probe write), taken back in the same script: no key is left.
+_WRITE_PROBE = Script("""
+redis.call('ZADD', KEYS[1], 0, 'probe')
+redis.call('ZREM', KEYS[1], 'probe')
+return 1
+""")
+
+
 class RedisState:
     """One Redis (or Redis Cluster) connection with a key prefix, a timeout and a health.
 
@@ -336,8 +350,18 @@ class RedisState:
                     # and keeps probing, so fixing Redis or its ACL needs no restart; a bad
                     # URL shows in the log and /readyz until it is corrected.
                     raise StateUnavailable(describe(exc)) from exc
+            client = self._client
             async with Deadline(self.timeout_s):
-                await self._client.ping()
+                if self.health.up:
+                    await client.ping()
+                else:
+                    # Marked down, a write must go through to mark it up: a Redis at its
+                    # maxmemory (noeviction) or refusing writes (MISCONF, READONLY) answers
+                    # PING and refuses every script that takes something, and was marked up
+                    # at each probe and down at the next call, twice a second (a hostile
+                    # review: "answers again: limits are shared" logged 7 times in 3 s).
+                    await _WRITE_PROBE.bind(client)(keys=[self.key("probe")], args=[],
+                                                    client=client)
         except Exception as exc:
             raise self._unavailable(exc) from exc
         self._answered_at = time.monotonic()
@@ -462,6 +486,11 @@ class RedisState:
             why = self.health.last_error or "not connected yet"
             raise StateUnavailable(f"state backend unavailable: {why}", self.probe_interval_s,
                                    maybe_applied=False, down_s=self.health.down_for())
+        # The health's last change when this call was sent: a call that went out before the
+        # backend was marked down and is answered after does not mark it up (a read or a
+        # release answered by a Redis that refuses writes is no sign it takes them again;
+        # the probe's write is).
+        sent_at = self.health.changed_monotonic
         try:
             async with Deadline(self.timeout_s):
                 try:
@@ -479,9 +508,11 @@ class RedisState:
         except Exception as exc:
             raise self._unavailable(exc) from exc
         self._answered_at = time.monotonic()
-        self.health.ok()
+        health = self.health
+        if health.up or not monitored or health.changed_monotonic == sent_at:
+            health.ok()
         if reconnected:
-            self.health.reconnected()
+            health.reconnected()
         return result
 
     async def eval(self, script: Script, keys: list[str], args: list[Any]) -> Any:
