@@ -42,6 +42,7 @@ import itertools
 import logging
 import re
 import time
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from aiohttp import web
@@ -58,6 +59,7 @@ from policies.pipeline import (
     Admission,
     Call,
     Outcome,
+    Policy,
 )
 from policies.reasons import Reason, Rejected
 from policies.retry import is_client_retry
@@ -115,14 +117,27 @@ def _caller_timeout(request: web.BaseRequest, header: str) -> tuple[float | None
 ADMISSION_DEADLINE_GRACE_S = 0.25
 
 
-def _admission_bound(call: Call) -> asyncio.Timeout:
-    """A bound on the admission of ``call``: its caller's deadline (``X-Request-Timeout`` or
-    the SDKs' timeout headers, counted from its arrival) plus
-    :data:`ADMISSION_DEADLINE_GRACE_S`; none without one. A call admitted after its deadline
-    would be refused before its first attempt anyway (:mod:`proxy.attempts`). Cancelling an
-    admission is what a caller leaving does: whatever a policy took is given back."""
+async def _admit_by_deadline(admission: Admission, policies: Sequence[Policy],
+                             call: Call) -> None:
+    """Admit ``call``, whose caller sent a deadline (``X-Request-Timeout`` or the SDKs'
+    timeout headers, counted from its arrival), by that deadline plus
+    :data:`ADMISSION_DEADLINE_GRACE_S`. A call admitted after its deadline would be refused
+    before its first attempt anyway (:mod:`proxy.attempts`). Ending an admission is what a
+    caller leaving does: whatever a policy took is given back.
+
+    Raises:
+        Rejected: ``deadline_unreachable`` when the bound passed; or a policy's refusal.
+    """
     left = call.time_left()
-    return asyncio.timeout(None if left is None else max(left, 0.0) + ADMISSION_DEADLINE_GRACE_S)
+    bound = asyncio.timeout(max(left or 0.0, 0.0) + ADMISSION_DEADLINE_GRACE_S)
+    try:
+        async with bound:
+            await admission.admit(policies, call)
+    except TimeoutError:
+        if not bound.expired():
+            raise
+        raise Rejected(Reason.DEADLINE_UNREACHABLE, None,
+                       "the call's deadline passed before it could be sent") from None
 
 
 class _McpRequest(NamedTuple):
@@ -354,17 +369,14 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
                 # state): the drain answers such calls 503 draining when it ends (_drained).
                 waiting = rt.admitting
                 waiting[call] = asyncio.current_task()
-                bound = _admission_bound(call)
+                policies = plan.policies if run is not None else plan.runless
                 try:
-                    async with bound:
-                        await admission.admit(plan.policies if run is not None
-                                              else plan.runless, call)
-                except TimeoutError:
-                    if not bound.expired():
-                        raise
-                    raise Rejected(Reason.DEADLINE_UNREACHABLE, None,
-                                   "the call's deadline passed before it could be sent"
-                                   ) from None
+                    if call.timeout is None:
+                        # Most callers send no deadline: no timeout scope, which would cost
+                        # a timer handle and loop look-ups per call for nothing.
+                        await admission.admit(policies, call)
+                    else:
+                        await _admit_by_deadline(admission, policies, call)
                 finally:
                     del waiting[call]
         except Rejected as rejected:
