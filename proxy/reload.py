@@ -84,6 +84,7 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp import web
+from pydantic import BaseModel
 
 from policies.config import Config
 from proxy.config import ConfigError, load_config
@@ -123,13 +124,19 @@ def keep_restart_only(running: Config, new: Config) -> tuple[Config, list[str]]:
     """``new`` with the ``RESTART_ONLY`` keys set back to their ``running`` values.
 
     Returns:
-        the config to apply, and the dotted names of the keys that were held back.
+        the config to apply, and the dotted names of the keys that were held back: for a
+        whole section (``state``, ``dead_letter``), each of its keys that changed.
     """
     held: list[str] = []
     for path in RESTART_ONLY:
         value = _get(running, path)
-        if _get(new, path) != value:
-            held.append(".".join(path))
+        changed = _get(new, path)
+        if changed != value:
+            if isinstance(value, BaseModel):
+                held += [".".join((*path, name)) for name in type(value).model_fields
+                         if getattr(changed, name) != getattr(value, name)]
+            else:
+                held.append(".".join(path))
             new = _set(new, path, value)
     # The file was checked against its own max_request_bytes; a larger one in force until a
     # restart must still fit the bound on held bodies, or such bodies were refused for good.
@@ -278,10 +285,14 @@ class Reloader:
         running = self.runtime.config
         config, held = keep_restart_only(running, config)
         for key in held:
-            log.warning(
-                "config reload: %s changed but cannot change while running; still %r until "
-                "a restart", key, _get(running, tuple(key.split("."))),
-            )
+            path = tuple(key.split("."))
+            section = _get(running, path[:-1])
+            if type(section).model_fields[path[-1]].repr:
+                log.warning("config reload: %s changed but cannot change while running; "
+                            "still %r until a restart", key, _get(running, path))
+            else:  # a value kept out of reprs (state.redis_url may hold a password)
+                log.warning("config reload: %s changed but cannot change while running; "
+                            "the running one stays until a restart", key)
         sections = [name for name in type(config).model_fields
                     if name != "routes" and getattr(config, name) != getattr(running, name)]
         try:

@@ -169,6 +169,11 @@ def test_restart_only_keys_are_held_back():
     assert applied.server.listen == "127.0.0.1:1000" and applied.events.path is None
     assert applied.server.drain_timeout == 9.0
     assert applied.routes[0].concurrency.limit == 3
+    # A whole section held back is named by the keys of it that changed.
+    moved = parse_config("state: {backend: redis, redis_url: 'redis://127.0.0.1:1/0'}\n"
+                         + ROUTE.format(limit=1, rate="1/s"))
+    assert keep_restart_only(running, moved)[1] == [
+        "server.listen", "state.backend", "state.redis_url"]
 
 
 def test_a_reload_cannot_bound_held_bodies_below_the_largest_body_in_force(caplog):

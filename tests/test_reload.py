@@ -15,6 +15,7 @@ import yaml
 
 from proxy.config import StrictLoader
 from tests.conftest import route, status_of
+from tests.redis_servers import delete_prefix, new_prefix, require_redis
 
 CHAT = {"model": "gpt-test", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -309,3 +310,29 @@ async def status_of_chat(sluice) -> int:
     async with aiohttp.ClientSession() as session, session.post(
             sluice.url + "/llm/v1/chat/completions", json=CHAT) as r:
         return r.status
+
+
+async def test_a_held_state_change_names_its_key_and_never_prints_the_redis_url(
+        upstream, start_sluice):
+    """A reload that changes only ``state.redis_url`` logged ``state changed ...; still
+    StateConfig(...)``: the URL is kept out of reprs (it may hold a password), so the line
+    did not say what changed (a hostile review). It names the key now, and its value
+    nowhere."""
+    url = require_redis()
+    prefix = new_prefix()
+    try:
+        sluice = await start_sluice({"routes": [route("llm", upstream.url)],
+                                     "state": {"backend": "redis", "redis_url": url,
+                                               "key_prefix": prefix}})
+        rewrite(sluice.config_path, lambda data: data["state"].update(
+            redis_url="redis://:hunter2-secret@127.0.0.1:6379/0"))
+        await sluice.wait_metric("sluice_config_reloads_total", 1)
+        async with aiohttp.ClientSession() as session, session.get(
+                sluice.admin_url + "/admin/config") as r:
+            view = await r.json()
+        assert view["last_reload"]["held"] == ["state.redis_url"]
+        await until(lambda: "state.redis_url changed but cannot change while running"
+                    in sluice.stderr())
+        assert "hunter2" not in sluice.stderr()
+    finally:
+        delete_prefix(url, prefix)
