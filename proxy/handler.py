@@ -431,7 +431,7 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
             outcome = Outcome("rejected", reached=False, status=rejected.reason.status)
             return refuse(rt, route, rejected, request_id, tenant, run, call.idempotency_key,
                           call.body, call.operation, call.rpc_method)
-        outcome = _answer_outcome(call, response.status, label, admitted_at)
+        outcome = _answer_outcome(call, _status_of(response, label), label, admitted_at)
         return response
     except (asyncio.CancelledError, ConnectionResetError):
         if finish is not None:
@@ -677,6 +677,22 @@ def _answer_outcome(call: Call, status: int, label: str, admitted_at: float) -> 
         return Outcome(label, call.reached, status, time.monotonic() - admitted_at,
                        call.answered_at - admitted_at if call.answered_at else None)
     return Outcome(label, call.reached, status)
+
+
+#: Reasons by their code, to read an answer Sluice wrote back (its ``X-Sluice-Reason``).
+_REASONS = {reason.code: reason for reason in Reason}
+
+
+def _status_of(response: web.StreamResponse, label: str) -> int:
+    """The status a call's ``completed`` event names for the answer the forwarder ended it
+    with: the answer's, but for a failure Sluice wrote itself (``upstream_timeout``,
+    ``upstream_error``) the reason's own, 504 or 502: on an ``mcp`` route a call's is sent
+    as HTTP 200 and a JSON-RPC error (:func:`proxy.rejections.render`), as a run's cancel's
+    409 is, and its event names 409."""
+    if label[0].isdigit():
+        return response.status
+    reason = _REASONS.get(response.headers.get("X-Sluice-Reason", ""))
+    return reason.status if reason is not None else response.status
 
 
 def _delivered_outcome(call: Call, admitted_at: float) -> Outcome:

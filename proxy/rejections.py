@@ -26,9 +26,12 @@ On ``mcp`` routes a refused call (one with a JSON-RPC id) is answered with HTTP 
 JSON-RPC error echoing its id, code = the reason's status (429, 503, 409, 422), ``data``
 ``{reason, retryAfterMs}``: the one shape that fails only that call on every official MCP
 client (``docs/mcp.md``; a 429 or 503 status ends the whole session of the Python 1.x
-client), and so is a 400 ``exceeds_limit`` (a tool's cost over a whole budget). Sluice's other
-errors there (400 unreadable request, 404, 413, 502, 504) keep their statuses: they are not
-backpressure.
+client), and so is a 400 ``exceeds_limit`` (a tool's cost over a whole budget). So are a
+call's own 502 ``upstream_unreachable`` and 504 ``upstream_timeout`` (code 502 / 504): the
+1.x client raises those statuses out of its transport too, cancelling every call of the
+session, for one tool that timed out before its answer began. Sluice's other errors there
+(400 unreadable request, 404, 413) keep their statuses, as do a GET's and a notification's
+502/504 (no id to answer).
 """
 
 from __future__ import annotations
@@ -160,8 +163,9 @@ def jsonrpc_id(protocol: str, body: bytes) -> mcp.RequestId | None:
     return found if mcp.is_id(found) else None
 
 
-#: Refusals of one MCP call that go out as HTTP 200 + JSON-RPC error (see the module docstring).
-_MCP_CALL_REFUSALS = frozenset({409, 422, 429, 503})
+#: Refusals and failures of one MCP call that go out as HTTP 200 + JSON-RPC error (see the
+#: module docstring).
+_MCP_CALL_REFUSALS = frozenset({409, 422, 429, 502, 503, 504})
 #: 400s that are a policy's verdict on one call, not an unreadable request: a tool whose cost
 #: exceeds a whole budget must fail that call only, as a spent budget's 429 does.
 _MCP_CALL_REFUSAL_REASONS = frozenset({Reason.EXCEEDS_LIMIT})

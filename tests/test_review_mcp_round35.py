@@ -1,0 +1,119 @@
+"""A hostile review of MCP tool calls and runs (round 35): each case failed before its fix.
+
+1. A tool call Sluice ends with its own ``upstream_timeout`` (504) or ``upstream_unreachable``
+   (502) before the upstream's answer began (a JSON-answering server, a tool's
+   ``timeouts.total``; a server that drops the connection) was answered with that HTTP status.
+   The Python ``mcp`` 1.x client ends its *whole session* on any status from 400 up but 404
+   (docs/mcp.md): the session's other calls in flight were cancelled and every later call
+   failed, where the same timeout once the answer had begun (an SSE server) failed that one
+   call only. Such a call is now answered as every other per-call refusal on an ``mcp`` route:
+   HTTP 200 and the JSON-RPC error (code 504 / 502, ``data.reason``).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import aiohttp
+import pytest
+
+from tests import mcp_servers
+from tests.conftest import free_port, wait_until
+from tests.test_operations import MCP1_PYTHON, run_mcp1
+
+mcp_server_factory = mcp_servers.mcp_server_factory
+
+CALL = {"jsonrpc": "2.0", "id": 7, "method": "tools/call",
+        "params": {"name": "send", "arguments": {"to": "ops"}}}
+HEADERS = {"Accept": "application/json, text/event-stream"}
+
+MCP1_ONE_CALL_TIMES_OUT = """
+import asyncio, json, sys
+from datetime import timedelta
+from mcp import ClientSession
+from mcp.client.streamable_http import streamablehttp_client
+
+def said(exc):
+    error = getattr(exc, "error", None)
+    return {"raised": type(exc).__name__, "code": getattr(error, "code", None),
+            "data": getattr(error, "data", None)}
+
+async def main(url):
+    out = {}
+    try:
+        async with streamablehttp_client(url) as (read, write, _):
+            async with ClientSession(read, write) as session:
+                await session.initialize()
+                async def other():
+                    try:
+                        r = await session.call_tool("slow", {"seconds": 2},
+                                                    read_timeout_seconds=timedelta(seconds=10))
+                        out["other"] = r.content[0].text
+                    except BaseException as exc:
+                        out["other"] = said(exc)
+                        raise
+                task = asyncio.create_task(other())
+                await asyncio.sleep(0.3)
+                try:
+                    await session.call_tool("send_slowly", {"to": "ops", "seconds": 4},
+                                            read_timeout_seconds=timedelta(seconds=10))
+                    out["timed"] = "answered"
+                except BaseException as exc:
+                    out["timed"] = said(exc)
+                await asyncio.gather(task, return_exceptions=True)
+                r = await session.call_tool("add", {"a": 1, "b": 2},
+                                            read_timeout_seconds=timedelta(seconds=10))
+                out["add"] = r.content[0].text
+    except BaseException as exc:
+        out["session"] = f"{type(exc).__name__}: {exc}"[:300]
+    print(json.dumps(out))
+
+asyncio.run(main(sys.argv[1]))
+"""
+
+
+@pytest.mark.skipif(not MCP1_PYTHON.exists(), reason="no .venv-mcp1 (the mcp 1.x client)")
+async def test_mcp1_session_survives_a_tool_timing_out_before_its_answer_began(
+        mcp_server_factory, start_sluice, tmp_path):
+    """Before: ``send_slowly`` got HTTP 504; the 1.x client raised it out of its transport,
+    the concurrent ``slow`` call was cancelled, ``add`` never ran, and the session ended
+    with an ``ExceptionGroup``."""
+    server = mcp_server_factory("session", json_response=True)
+    sluice = await start_sluice({"routes": [{
+        "name": "tools", "path_prefix": "/tools/", "upstream": server.base_url,
+        "protocol": "mcp", "tools": {"send_slowly": {"timeouts": {"total": "1s"}}}}]})
+    out = await run_mcp1(tmp_path / "mcp1_timeout.py", MCP1_ONE_CALL_TIMES_OUT,
+                         sluice.url + "/tools/mcp")
+    assert "session" not in out, out
+    assert out["timed"]["code"] == 504, out
+    assert out["timed"]["data"]["reason"] == "upstream_timeout"
+    assert out["other"] == "slept" and out["add"] == "3"
+    assert await sluice.metric("sluice_operation_requests_total", route="tools",
+                               operation="send_slowly", outcome="upstream_timeout") == 1
+
+
+async def test_a_call_whose_upstream_is_unreachable_is_answered_as_a_jsonrpc_error(
+        start_sluice):
+    """Before: HTTP 502 (the 1.x client's session ended on it). A notification and a GET,
+    which have no id to answer, keep the HTTP status."""
+    closed = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    sluice = await start_sluice({"routes": [{
+        "name": "tools", "path_prefix": "/tools/", "upstream": closed, "protocol": "mcp"}]})
+    url = sluice.url + "/tools/mcp"
+    async with aiohttp.ClientSession() as http:
+        async with http.post(url, json=CALL, headers=HEADERS) as r:
+            status, reason, body = r.status, r.headers["X-Sluice-Reason"], await r.read()
+        assert (status, reason) == (200, "upstream_unreachable")
+        answer: Any = json.loads(body)
+        assert answer["id"] == 7 and answer["error"]["code"] == 502
+        assert answer["error"]["data"]["reason"] == "upstream_unreachable"
+        async with http.get(url, headers={"Accept": "text/event-stream"}) as r:
+            assert r.status == 502
+    def completed() -> list[dict]:
+        return [e for e in sluice.events() if e["event"] == "completed"
+                and e.get("operation") == "send"]
+
+    await wait_until(completed, what="the call's completed event")
+    [ended] = completed()
+    assert ended["outcome"] == "upstream_error" and ended["status"] == 502
