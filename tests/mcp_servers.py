@@ -20,6 +20,9 @@ Tools (all answer on ``/mcp``):
     ``slow(seconds: float = 2.0) -> str``    sleeps ``seconds`` (at most 30), then ``"slept"``
     ``poll(seconds: float = 1.0) -> str``    closes the call's SSE stream at once (polling;
                                              ``resumable`` only), sleeps, then ``"polled"``
+    ``poll_send(to: str, seconds: float = 1.0) -> str``
+                                             ``poll``, with ``send``'s side effect once the
+                                             stream is closed: a polled tool that is counted
     ``send(to: str, body: str = "") -> str`` the side effect: appends one line
                                              ``{"to", "body"}`` to the count file, returns
                                              ``"sent #N"``
@@ -326,6 +329,16 @@ def _build(count_file: Path, list_delay: float = 0.0) -> Any:
         await ctx.close_sse_stream()
         await asyncio.sleep(min(max(seconds, 0.0), 30.0))
         return "polled"
+
+    @server.tool()
+    async def poll_send(ctx: Context, to: str, seconds: float = 1.0) -> str:
+        """``poll`` that also records one delivery (``send``'s), after closing its stream."""
+        await ctx.close_sse_stream()
+        with count_file.open("a") as f:
+            f.write(json.dumps({"to": to, "body": ""}) + "\n")
+        sent = _count(count_file)
+        await asyncio.sleep(min(max(seconds, 0.0), 30.0))
+        return f"sent #{sent}"
 
     @server.tool()
     async def send(to: str, body: str = "") -> str:

@@ -8,10 +8,18 @@
    failed, where the same timeout once the answer had begun (an SSE server) failed that one
    call only. Such a call is now answered as every other per-call refusal on an ``mcp`` route:
    HTTP 200 and the JSON-RPC error (code 504 / 502, ``data.reason``).
+2. A call whose SSE answer the server closes early for polling (2025-11-25, SEP-1699: a
+   priming event with an id, then a clean end; the client resumes it with a GET carrying
+   ``Last-Event-ID``) is settled by Sluice when that POST ends, while its tool is still
+   running at the server: its key is given back with no answer kept (the resumed GET, which
+   carries the response, keeps nothing for it either), and its slot too. So on a ``dedup``
+   route the same call again ran the tool a second time instead of being replayed, and a
+   tool's ``concurrency.limit`` let more calls run at the server than it allows. Not fixed.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -117,3 +125,53 @@ async def test_a_call_whose_upstream_is_unreachable_is_answered_as_a_jsonrpc_err
     await wait_until(completed, what="the call's completed event")
     [ended] = completed()
     assert ended["outcome"] == "upstream_error" and ended["status"] == 502
+
+
+@pytest.mark.xfail(strict=True, reason="a call closed early for polling is settled when its "
+                   "POST ends, while its tool runs (finding 2, not fixed)")
+async def test_a_polled_calls_answer_is_kept_for_its_key(mcp_server_factory, start_sluice):
+    """Before (and still): ``sent #2``: the second identical call ran the tool again; a call
+    answered on its POST is replayed (``sent #1``)."""
+    from mcp import Client
+
+    server = mcp_server_factory("session", resumable=True)
+    sluice = await start_sluice({"routes": [{
+        "name": "tools", "path_prefix": "/tools/", "upstream": server.base_url,
+        "protocol": "mcp", "idempotency": {"mode": "dedup", "max_wait": "30s"}}]})
+    async with Client(sluice.url + "/tools/mcp", mode="legacy") as client:
+        first = await client.call_tool("poll_send", {"to": "ops", "seconds": 0.3},
+                                       read_timeout_seconds=20)
+        assert first.content[0].text == "sent #1"
+        again = await client.call_tool("poll_send", {"to": "ops", "seconds": 0.3},
+                                       read_timeout_seconds=20)
+        assert again.content[0].text == "sent #1", "the tool ran a second time"
+    assert server.sends() == 1
+
+
+@pytest.mark.xfail(strict=True, reason="a call closed early for polling is settled when its "
+                   "POST ends, while its tool runs (finding 2, not fixed)")
+async def test_a_polled_call_holds_its_tools_slot_while_its_tool_runs(mcp_server_factory,
+                                                                      start_sluice):
+    """Before (and still): with ``poll`` limited to one call at a time and no queue, a
+    second ``poll`` was sent while the first one's tool still ran at the server (its POST
+    closed early for polling): two at once."""
+    from mcp import Client, MCPError
+
+    server = mcp_server_factory("session", resumable=True)
+    sluice = await start_sluice({"routes": [{
+        "name": "tools", "path_prefix": "/tools/", "upstream": server.base_url,
+        "protocol": "mcp", "tools": {"poll": {"concurrency": {"limit": 1, "queue": 0}}}}]})
+    async with Client(sluice.url + "/tools/mcp", mode="legacy") as client:
+        first = asyncio.create_task(client.call_tool("poll", {"seconds": 4.0},
+                                                     read_timeout_seconds=20))
+
+        def first_post_ended() -> bool:
+            return any(e["event"] == "completed" and e.get("operation") == "poll"
+                       for e in sluice.events())
+
+        await wait_until(first_post_ended, what="the first call's POST closed for polling")
+        assert not first.done()  # its tool still runs; its answer comes on the resumed GET
+        with pytest.raises(MCPError) as refused:
+            await client.call_tool("poll", {"seconds": 0.1}, read_timeout_seconds=20)
+        assert refused.value.error.data["reason"] == "queue_full"
+        assert (await first).content[0].text == "polled"
