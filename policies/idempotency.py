@@ -567,7 +567,8 @@ class Idempotency:
 
     def _for_request(self, claim: Claim) -> Record:
         """The stored answer to replay to ``claim``'s request: an MCP answer's response gets
-        the request's own id.
+        the request's own id, and its server's requests to the first call's client are left
+        out (:func:`policies.mcp.without_server_requests`).
 
         Raises:
             Rejected: ``idempotency_conflict`` when the stored answer holds no response to
@@ -577,12 +578,16 @@ class Idempotency:
         assert record is not None
         if claim.mcp_id is None:
             return record
+        content_type = _content_type(record)
         try:
-            body = mcp.rewrite_id(record.body, _content_type(record), STORED_ID, claim.mcp_id)
+            body = mcp.rewrite_id(record.body, content_type, STORED_ID, claim.mcp_id)
         except mcp.UnusableAnswer:
             raise Rejected(Reason.IDEMPOTENCY_CONFLICT, None,
                            "the stored answer for this call holds no response", retry=False
                            ) from None
+        # Not the first call's requests to its client (an elicitation, a sampling call):
+        # asked again of this one, for a tool that does not run again.
+        body = mcp.without_server_requests(body, content_type)
         return Record(DONE, record.fingerprint, record.status, record.reason, record.headers,
                       body)
 

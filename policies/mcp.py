@@ -11,6 +11,8 @@ protocol. The words "request", "notification" and "response" are JSON-RPC 2.0's.
 * :func:`fingerprint`: the idempotency fingerprint of a call: method, tool, arguments, MRTR
   continuation and chosen headers; never the JSON-RPC ``id``, which differs on every call.
 * :func:`rewrite_id`: a stored answer (JSON or SSE) given the id of the request it replays to.
+* :func:`without_server_requests`: a stored SSE answer without the server's requests to the
+  first call's client (an elicitation, a sampling call), as a replay gives it.
 * :class:`AnswerTracker` / :func:`answer_outcome`: whether an answer, as it streams, holds the
   response to the request yet, and whether that response is a tool failure.
 * :func:`refusal`: the JSON-RPC error body Sluice answers a refused call with (docs/mcp.md).
@@ -755,6 +757,43 @@ def _rewrite_sse(answer: bytes, old_id: RequestId, new_id: RequestId) -> bytes:
                                if j not in data)])
         data = []
     raise UnusableAnswer(f"the stored stream holds no response to id {old_id!r}")
+
+
+def without_server_requests(answer: bytes, content_type: str | None) -> bytes:
+    """A stored answer as a replay gives it: an SSE answer without the events that carry a
+    request of the server's to its client (``elicitation/create``, ``sampling/createMessage``,
+    ``roots/list``: a message with a ``method`` and an ``id``), each with all its lines
+    (fields and comments); every other byte as it was.
+
+    Such a request was the first call's: replayed, the retrying client asked its user again
+    (or ran an LLM completion again) for a tool that does not run again, and sent its reply
+    to a server that no longer waited for it. A JSON answer holds no server request and is
+    returned as it is, as is an SSE answer that holds none.
+    """
+    if not is_sse(content_type):
+        return answer
+    lines = [m.group() for m in _LINE.finditer(answer)]
+    kept: list[bytes] = []
+    event: list[bytes] = []  # the current event's lines (fields, comments)
+    data: list[bytes] = []
+    dropped = False
+    for line in lines:
+        content = line.rstrip(b"\r\n")
+        if content:
+            event.append(line)
+            if content.partition(b":")[0] == b"data":
+                data.append(_data_value(line))
+            continue
+        # A blank line ends the event (or is a stray one between events: kept).
+        doc = _loads_or_none(b"\n".join(data)) if data else None
+        if isinstance(doc, dict) and "method" in doc and "id" in doc:
+            dropped = True
+        else:
+            kept.extend(event)
+            kept.append(line)
+        event, data = [], []
+    kept.extend(event)  # an event cut off before its blank line: as it was
+    return b"".join(kept) if dropped else answer
 
 
 def _dumps_answer(doc: object) -> bytes:

@@ -23,6 +23,8 @@ Tools (all answer on ``/mcp``):
     ``poll_send(to: str, seconds: float = 1.0) -> str``
                                              ``poll``, with ``send``'s side effect once the
                                              stream is closed: a polled tool that is counted
+    ``confirm_send(to: str) -> str``         asks its client to confirm (an elicitation on
+                                             the call's stream), then ``send``'s side effect
     ``send(to: str, body: str = "") -> str`` the side effect: appends one line
                                              ``{"to", "body"}`` to the count file, returns
                                              ``"sent #N"``
@@ -294,6 +296,11 @@ def _build(count_file: Path, list_delay: float = 0.0) -> Any:
     from mcp.server.mcpserver import Context, MCPServer
     from mcp.server.mcpserver.exceptions import ToolError
 
+    from pydantic import BaseModel
+
+    class Confirm(BaseModel):
+        ok: bool
+
     class Tools(MCPServer):
         async def list_tools(self) -> Any:
             await asyncio.sleep(list_delay)
@@ -329,6 +336,17 @@ def _build(count_file: Path, list_delay: float = 0.0) -> Any:
         await ctx.close_sse_stream()
         await asyncio.sleep(min(max(seconds, 0.0), 30.0))
         return "polled"
+
+    @server.tool()
+    async def confirm_send(ctx: Context, to: str) -> str:
+        """Ask the client to confirm (``elicitation/create`` on the call's stream), then,
+        if it accepted, record one delivery (``send``'s side effect)."""
+        answer = await ctx.elicit(message=f"send to {to}?", schema=Confirm)
+        if answer.action != "accept":
+            return "not sent"
+        with count_file.open("a") as f:
+            f.write(json.dumps({"to": to, "body": ""}) + "\n")
+        return f"sent #{_count(count_file)}"
 
     @server.tool()
     async def poll_send(ctx: Context, to: str, seconds: float = 1.0) -> str:

@@ -15,6 +15,12 @@
    carries the response, keeps nothing for it either), and its slot too. So on a ``dedup``
    route the same call again ran the tool a second time instead of being replayed, and a
    tool's ``concurrency.limit`` let more calls run at the server than it allows. Not fixed.
+3. A replayed answer (``dedup``) held every event of the first call's SSE answer, the
+   server's requests to its client included: an ``elicitation/create`` (a tool asking its
+   user to confirm) or a ``sampling/createMessage`` (an LLM call the client makes) was asked
+   again of the retrying client, for a tool that did not run again; its reply went to a
+   server that no longer waited for it, so a user declining the second time was told
+   ``sent #1`` all the same. A replay now carries no server request.
 """
 
 from __future__ import annotations
@@ -175,3 +181,43 @@ async def test_a_polled_call_holds_its_tools_slot_while_its_tool_runs(mcp_server
             await client.call_tool("poll", {"seconds": 0.1}, read_timeout_seconds=20)
         assert refused.value.error.data["reason"] == "queue_full"
         assert (await first).content[0].text == "polled"
+
+
+async def test_a_replay_does_not_ask_the_client_again_what_the_first_call_asked(
+        mcp_server_factory, start_sluice):
+    """Before: the elicitation callback ran twice (the second for nothing: the tool ran
+    once, and the server never read the second reply)."""
+    from mcp import Client, types
+
+    server = mcp_server_factory("session")
+    sluice = await start_sluice({"routes": [{
+        "name": "tools", "path_prefix": "/tools/", "upstream": server.base_url,
+        "protocol": "mcp", "idempotency": {"mode": "dedup", "max_wait": "30s"}}]})
+    asked: list[Any] = []
+
+    async def confirm(context: Any, params: Any) -> Any:
+        asked.append(params.message)
+        return types.ElicitResult(action="accept", content={"ok": True})
+
+    async with Client(sluice.url + "/tools/mcp", mode="legacy",
+                      elicitation_callback=confirm) as client:
+        first = await client.call_tool("confirm_send", {"to": "ops"}, read_timeout_seconds=20)
+        again = await client.call_tool("confirm_send", {"to": "ops"}, read_timeout_seconds=20)
+    assert first.content[0].text == again.content[0].text == "sent #1"
+    assert await sluice.metric("sluice_idempotent_replays_total", route="tools") == 1
+    assert server.sends() == 1
+    assert asked == ["send to ops?"]
+
+
+def test_a_replayed_sse_answer_keeps_everything_but_the_servers_requests() -> None:
+    from policies.mcp import without_server_requests
+
+    request = (b'id: 1\r\nevent: message\r\ndata: {"jsonrpc":"2.0","id":0,'
+               b'"method":"sampling/createMessage","params":{}}\r\n\r\n')
+    rest = (b'event: message\ndata: {"jsonrpc":"2.0","method":"notifications/progress",'
+            b'"params":{}}\n\n: keep-alive\n\nid: 2\ndata: {"jsonrpc":"2.0",\n'
+            b'data: "id":5,"result":{}}\n\n')
+    assert without_server_requests(request + rest, "text/event-stream") == rest
+    assert without_server_requests(rest, "text/event-stream") is rest
+    as_json = b'{"jsonrpc":"2.0","id":5,"result":{}}'
+    assert without_server_requests(as_json, "application/json") is as_json
