@@ -431,6 +431,14 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
             outcome = Outcome("rejected", reached=False, status=rejected.reason.status)
             return refuse(rt, route, rejected, request_id, tenant, run, call.idempotency_key,
                           call.body, call.operation, call.rpc_method)
+        if (label == "upstream_timeout" and presence.stream and call.phase == "answering"
+                and RESUMED_CALL not in request):
+            # An MCP session's GET stream (or subscriptions/listen) silent for timeouts.idle:
+            # the official servers write nothing on it for a whole session, its normal state
+            # (no stall either), and its client opens another. Ended as its client closing it
+            # is: counted upstream_timeout, each open session added one every idle period.
+            outcome = _delivered_outcome(call, admitted_at)
+            return response
         outcome = _answer_outcome(call, _status_of(response, label), label, admitted_at)
         return response
     except (asyncio.CancelledError, ConnectionResetError):

@@ -21,6 +21,11 @@
    again of the retrying client, for a tool that did not run again; its reply went to a
    server that no longer waited for it, so a user declining the second time was told
    ``sent #1`` all the same. A replay now carries no server request.
+4. A session's GET stream, silent for its whole life with the official servers (their normal
+   state: Sluice counts no stall on it), was cut at ``timeouts.idle`` and counted and logged
+   ``upstream_timeout``: one per open session every ``idle`` (10 min by default) in
+   ``sluice_requests_total`` and the dashboard's "Requests by outcome", for upstreams that
+   were fine. It now ends as its client closing it does, ``2xx``.
 """
 
 from __future__ import annotations
@@ -221,3 +226,26 @@ def test_a_replayed_sse_answer_keeps_everything_but_the_servers_requests() -> No
     assert without_server_requests(rest, "text/event-stream") is rest
     as_json = b'{"jsonrpc":"2.0","id":5,"result":{}}'
     assert without_server_requests(as_json, "application/json") is as_json
+
+
+async def test_an_idle_session_stream_cut_at_timeouts_idle_is_no_upstream_timeout(
+        mcp_server_factory, start_sluice):
+    """Before: each idle cut of the GET stream was an ``upstream_timeout``."""
+    from mcp import Client
+
+    server = mcp_server_factory("session")
+    sluice = await start_sluice({"routes": [{
+        "name": "tools", "path_prefix": "/tools/", "upstream": server.base_url,
+        "protocol": "mcp", "timeouts": {"idle": "1s"}}]})
+
+    def streams_ended() -> list[dict]:  # the session's GET streams (no JSON-RPC method)
+        return [e for e in sluice.events() if e["event"] == "completed"
+                and e.get("mcp_method") is None]
+
+    async with Client(sluice.url + "/tools/mcp", mode="legacy") as client:
+        await wait_until(streams_ended, what="the idle GET stream cut", timeout=15)
+        assert (await client.call_tool("add", {"a": 1, "b": 2})).content[0].text == "3"
+        [ended, *_] = streams_ended()
+    assert ended["outcome"] == "2xx", ended
+    assert await sluice.metric("sluice_requests_total", route="tools",
+                               outcome="upstream_timeout") == 0
