@@ -439,7 +439,7 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
             # is: counted upstream_timeout, each open session added one every idle period.
             outcome = _delivered_outcome(call, admitted_at)
             return response
-        outcome = _answer_outcome(call, _status_of(response, label), label, admitted_at)
+        outcome = _answer_outcome(call, response.status, label, admitted_at, response)
         return response
     except (asyncio.CancelledError, ConnectionResetError):
         if finish is not None:
@@ -668,7 +668,7 @@ def _finish_outcome(rt: Runtime, route: Route, call: Call, task: asyncio.Task[ob
     error = task.exception()
     if error is None:
         response, label = task.result()  # type: ignore[misc]
-        return _answer_outcome(call, response.status, label, admitted_at)
+        return _answer_outcome(call, response.status, label, admitted_at, response)
     if isinstance(error, Rejected):  # the first attempt refused (breaker, deadline)
         return Outcome("rejected", reached=False, status=error.reason.status)
     if isinstance(error, ConnectionResetError):
@@ -677,28 +677,28 @@ def _finish_outcome(rt: Runtime, route: Route, call: Call, task: asyncio.Task[ob
     return Outcome("upstream_error", call.reached, 502)
 
 
-def _answer_outcome(call: Call, status: int, label: str, admitted_at: float) -> Outcome:
+def _answer_outcome(call: Call, status: int, label: str, admitted_at: float,
+                    response: web.StreamResponse | None = None) -> Outcome:
     """The outcome of a call the forwarder ended with an answer of ``status`` (``label``:
-    its ``sluice_requests_total`` outcome); an upstream's answer is a sample of the service
+    its ``sluice_requests_total`` outcome; ``response``, when it is at hand, for a failure
+    Sluice wrote: :func:`_written_status`); an upstream's answer is a sample of the service
     time and of the time to its first byte."""
     if label[0].isdigit():
         return Outcome(label, call.reached, status, time.monotonic() - admitted_at,
                        call.answered_at - admitted_at if call.answered_at else None)
-    return Outcome(label, call.reached, status)
+    return Outcome(label, call.reached,
+                   status if response is None else _written_status(response))
 
 
 #: Reasons by their code, to read an answer Sluice wrote back (its ``X-Sluice-Reason``).
 _REASONS = {reason.code: reason for reason in Reason}
 
 
-def _status_of(response: web.StreamResponse, label: str) -> int:
-    """The status a call's ``completed`` event names for the answer the forwarder ended it
-    with: the answer's, but for a failure Sluice wrote itself (``upstream_timeout``,
-    ``upstream_error``) the reason's own, 504 or 502: on an ``mcp`` route a call's is sent
-    as HTTP 200 and a JSON-RPC error (:func:`proxy.rejections.render`), as a run's cancel's
-    409 is, and its event names 409."""
-    if label[0].isdigit():
-        return response.status
+def _written_status(response: web.StreamResponse) -> int:
+    """The status a call's ``completed`` event names for a failure Sluice wrote itself
+    (``upstream_timeout``, ``upstream_error``): the reason's own, 504 or 502, though on an
+    ``mcp`` route a call's is sent as HTTP 200 and a JSON-RPC error
+    (:func:`proxy.rejections.render`), as a run's cancel's 409 is, and its event names 409."""
     reason = _REASONS.get(response.headers.get("X-Sluice-Reason", ""))
     return reason.status if reason is not None else response.status
 
