@@ -295,7 +295,6 @@ def _build(count_file: Path, list_delay: float = 0.0) -> Any:
     # annotations at runtime, and ``Context`` is only imported here, in the child.
     from mcp.server.mcpserver import Context, MCPServer
     from mcp.server.mcpserver.exceptions import ToolError
-
     from pydantic import BaseModel
 
     class Confirm(BaseModel):

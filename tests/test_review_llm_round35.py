@@ -163,6 +163,16 @@ async def test_a_stream_ended_by_an_error_event_is_charged_what_it_streamed(
         await runner.cleanup()
 
 
+async def _raw_chat(port: int, target: str) -> bytes:
+    """A 5,000-token chat completion sent to ``POST target`` on a raw connection, as no
+    client would spell it; Sluice's whole answer."""
+    body = json.dumps({"model": "m", "max_tokens": 5000,
+                       "messages": [{"role": "user", "content": "hi"}]}).encode()
+    return await raw_request(port, (
+        f"POST {target} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode() + body)
+
+
 # -- 3. a fragment in the request target skipped metering; the upstream got the metered path --
 
 @pytest.mark.parametrize("target", ["/openai/v1/chat/completions#x",
@@ -190,11 +200,7 @@ async def test_a_fragment_in_the_target_is_refused_not_forwarded_unmetered(
         sluice = await start_sluice({"routes": [route(
             "openai", f"http://127.0.0.1:{port}",
             budget={"tokens": "10/day", "per": "tenant"})]}, env=NOON)
-        body = json.dumps({"model": "m", "max_tokens": 5000,
-                           "messages": [{"role": "user", "content": "hi"}]}).encode()
-        answer = await raw_request(sluice.port, (
-            f"POST {target} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode() + body)
+        answer = await _raw_chat(sluice.port, target)
         assert seen == [], f"forwarded unmetered as {seen}"
         assert answer.startswith(b"HTTP/1.1 400 "), answer[:200]
         assert b"X-Sluice-Reason: bad_request" in answer
@@ -255,11 +261,7 @@ async def test_an_encoded_slash_in_a_metered_path_is_still_metered(
         sluice = await start_sluice({"routes": [route(
             protocol, f"http://127.0.0.1:{port}", protocol=protocol,
             budget={"tokens": "10/day", "per": "tenant"})]}, env=NOON)
-        body = json.dumps({"model": "m", "max_tokens": 5000,
-                           "messages": [{"role": "user", "content": "hi"}]}).encode()
-        answer = await raw_request(sluice.port, (
-            f"POST {target} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode() + body)
+        answer = await _raw_chat(sluice.port, target)
         assert served == [], f"the upstream served it unmetered: {answer[:120]!r}"
         assert answer.startswith(b"HTTP/1.1 400 "), answer[:200]
         assert b"X-Sluice-Reason: exceeds_limit" in answer

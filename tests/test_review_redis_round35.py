@@ -83,16 +83,17 @@ async def test_a_call_with_a_short_deadline_is_answered_near_it_while_redis_is_f
         upstream, start_sluice, tmp_path):
     """``state.timeout: 6s`` (an operator's generous bound for a slow Redis), Redis frozen
     (SIGSTOP), a caller whose deadline is 0.3 s (``X-Request-Timeout``): the answer, 503
-    ``deadline_unreachable``, "the call's deadline passed before it could be sent", comes
-    only when the Redis round trip gives up, 6 s later, twenty times the caller's deadline.
-    The bound here is 3 s: no speed is asserted, only that the call is not held to
-    ``state.timeout`` once its deadline has passed."""
+    ``deadline_unreachable``, "the call's deadline passed before it could be sent", came
+    only when the Redis round trip gave up, 6 s later, twenty times the caller's deadline.
+    Here ``state.timeout`` is 40 s and the bound 20 s: no speed is asserted (a loaded
+    machine has room), only that the call is not held to ``state.timeout`` once its
+    deadline has passed."""
     from tests.redis_servers import RedisServer
 
     server = RedisServer(tmp_path / "redis").start()
     try:
         state = {"backend": "redis", "redis_url": server.url, "key_prefix": "trial",
-                 "timeout": "6s", "lease": "30s"}
+                 "timeout": "40s"}
         sluice = await start_sluice({"state": state, "routes": [route(
             "openai", upstream.url, rate={"per_tenant": {"requests": "100/min"}})]})
         async with aiohttp.ClientSession() as session:
@@ -104,7 +105,7 @@ async def test_a_call_with_a_short_deadline_is_answered_near_it_while_redis_is_f
             took = time.monotonic() - started
             server.thaw()
         assert status in (503, 504)
-        assert took < 3.0, f"answered {took:.1f}s after a 0.3 s deadline"
+        assert took < 20.0, f"answered {took:.1f}s after a 0.3 s deadline"
     finally:
         server.stop()
 
