@@ -1243,6 +1243,17 @@ def _mismatch(claim: Claim) -> Rejected:
                         "protocol generation (a stored "
                         "answer is replayed only within its generation); to run it again, "
                         "change an argument or send an Idempotency-Key of its own")
+    policy = claim._policy
+    if (claim.key is not None and policy is not None and policy.derive_from
+            and claim.key.strip('"').startswith(DERIVED_PREFIX)):
+        # The caller sent no key: name the headers Sluice made it from (a new user saw the
+        # message speak of an Idempotency-Key it never sent).
+        headers = ", ".join(policy.derive_from)
+        return Rejected(Reason.IDEMPOTENCY_MISMATCH, None,
+                        f"the idempotency key Sluice derived from this request's {headers} "
+                        "was used with a different method, path or body, or by a caller with "
+                        "other credentials; to run it again, send other values of those "
+                        "headers or an Idempotency-Key of its own")
     return Rejected(Reason.IDEMPOTENCY_MISMATCH, None,
                     "this Idempotency-Key was used with a different method, path or body, "
                     "or by a caller with other credentials")

@@ -486,3 +486,27 @@ async def test_a_cookie_changing_between_a_call_and_its_retry_keeps_the_key() ->
     with pytest.raises(Replay) as replayed:  # the stored answer, not a second run
         await policy.admit(call("two"))
     assert replayed.value.record.status == 200
+
+
+async def test_a_derived_keys_mismatch_names_the_headers_it_was_made_from() -> None:
+    """The same X-Run-ID and X-Step-ID with another body: 422, whose message spoke of "this
+    Idempotency-Key", which the caller never sent (a new user's trial, round 35). It names
+    the headers the key was derived from, and how to run the request again."""
+    from policies.pipeline import Call
+    from policies.reasons import Rejected
+
+    policy = Idempotency(IdempotencyConfig(derive_from=["X-Run-ID", "X-Step-ID"]), "r")
+
+    def call(body: bytes) -> Call:
+        sent = CIMultiDictProxy(CIMultiDict({"X-Run-ID": "run", "X-Step-ID": "1"}))
+        return Call(request_id="q", route="r", method="POST", path="/v1/x", headers=sent,
+                    body=body, tenant="t")
+
+    held = await policy.admit(call(b'{"a": 1}'))
+    assert held is not None
+    with pytest.raises(Rejected) as refused:
+        await policy.admit(call(b'{"a": 2}'))
+    assert refused.value.reason is Reason.IDEMPOTENCY_MISMATCH
+    assert refused.value.detail.startswith(
+        "the idempotency key Sluice derived from this request's X-Run-ID, X-Step-ID was used")
+    assert "Idempotency-Key of its own" in refused.value.detail
