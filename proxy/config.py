@@ -603,5 +603,10 @@ def load_config(path: str | Path, *, stream: bool = False) -> Config:
         raise ConfigError([f"{path}:1: (file): cannot read: {_why(exc)}"]) from None
     # A pipe's directory (/dev, /dev/fd) is no place for the files a config names: those
     # are then found from the working directory, as the shell that made the pipe would.
-    base = path.parent if not stream or path.is_file() else Path.cwd()
+    # /dev/stdin redirected from a file (`< sluice.yaml`) is that file: /proc/self/fd/0
+    # links to it, so its files are found beside it (they were looked for in /dev).
+    if not stream:
+        base = path.parent
+    else:
+        base = path.resolve().parent if path.is_file() else Path.cwd()
     return parse_config(text, str(path), base)

@@ -387,6 +387,14 @@ def test_check_config_reads_stdin_and_stops_at_the_size_bound(tmp_path: Path) ->
                           cwd=tmp_path, input=piped, capture_output=True, text=True,
                           timeout=COMMAND_TIMEOUT_S)
     assert done.returncode == 0, done.stderr
+    # /dev/stdin redirected from a file (`< sluice.yaml`) is that file: what it names is
+    # found beside it, not in /dev (a new user's trial, round 35), whatever the directory.
+    write(tmp_path / "piped.yaml", piped)
+    with (tmp_path / "piped.yaml").open() as redirected:
+        done = subprocess.run([sys.executable, "-m", "proxy", "check-config", "/dev/stdin"],
+                              cwd=REPO, stdin=redirected, capture_output=True, text=True,
+                              timeout=COMMAND_TIMEOUT_S)
+    assert done.returncode == 0, done.stderr
     # A named FIFO is read once a writer comes (opened without waiting, it read as empty).
     fifo = tmp_path / "fifo.yaml"
     os.mkfifo(fifo)
