@@ -410,6 +410,9 @@ async def test_a_tenant_keeps_to_its_share_of_per_tenant_after_the_thaw():
     switch.up = False
     for state in (a_state, b_state):  # marked down: no acquire is sent, none is lost
         state.health.fail("down")
+        # A settle window of 10 s, not the stand-in's 30 ms: the refusal below must come
+        # within it, which a loaded machine missed (a new user's suite, round 35).
+        state.redis.probe_interval_s = 5.0  # type: ignore[union-attr]
     held = [await a.acquire("X"), await b.acquire("X")]
     switch.up = True
     a_state.health.ok()  # A's probe; B's is yet to run

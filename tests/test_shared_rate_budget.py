@@ -745,7 +745,10 @@ async def test_round_trips_per_admitted_call_with_the_default_circuit_breaker(
     machine."""
     url, servers = counted
     state = {"backend": "redis", "redis_url": url, "key_prefix": new_prefix(),
-             "timeout": "200ms", "on_unavailable": "local", "replicas": 3}
+             "timeout": "2s", "on_unavailable": "local", "replicas": 3}
+    # A 2 s timeout: at 200 ms a loaded machine can time scripts out, and the releases and
+    # reconciles that follow count as extra scripts (the likely cause of 23 against a bound
+    # of 19 in a new user's suite at load 9-13, round 35).
     (sluice,) = await replicas(start_sluice, 1, state, route(
         "openai", upstream.url,
         rate={"requests": "100000/min", "per_tenant": {"requests": "100000/min"},
