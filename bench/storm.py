@@ -12,11 +12,11 @@ repeat, the fleet is run against the same provider process:
   ``sluice-no-retry`` (no ``retry``), ``sluice-limit-only`` (only ``concurrency``).
 
 Reported per mode: units of work, upstream attempts per unit (amplification) and per
-completed unit, completion within the deadline, p50/p99 time to complete, tokens billed and
-wasted, duplicate side effects (counted by the provider per ``Idempotency-Key``); per phase a
-unit started in; and Sluice's own counters. Targets (issue 7): amplification <= 1.1 through
-Sluice where direct reaches >= 3, completion within the deadline >= 2x direct, zero duplicate
-side effects.
+completed unit, completion within the deadline, p50/p99 time to complete (of the completed
+units only), tokens billed and wasted, duplicate side effects (counted by the provider per
+``Idempotency-Key``); per phase a unit started in; and Sluice's own counters. Targets (issue
+7): amplification <= 1.1 through Sluice where direct reaches >= 3, completion within the
+deadline >= 2x direct, zero duplicate side effects.
 
     python -m bench storm                    # the demo's full schedule, ~45 s
     python -m bench storm --repeat 3 --modes direct,sluice,sluice-no-breaker

@@ -10,9 +10,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from aiohttp import web
 
 from proxy.demo import fakellm
-from tests.conftest import REPO
+from proxy.demo.fleet import ABANDONED, Fleet, FleetRun
+from proxy.demo.report import answers_line
+from proxy.demo.storm import ModeResult
+from tests.conftest import REPO, serve_app
 
 
 async def test_demo_quick_prints_the_comparison_and_sluice_cuts_amplification(tmp_path: Path):
@@ -34,9 +38,21 @@ async def test_demo_quick_prints_the_comparison_and_sluice_cuts_amplification(tm
                   and line.strip().startswith("direct"))
     assert header.split() == ["direct", "through", "Sluice"]
     for label in ("units of work", "upstream attempts per unit of work", "completed within",
-                  "p99 time to complete, s", "tokens wasted", "duplicate side effects"):
+                  "p99 time to complete, s (completed steps only)", "tokens wasted",
+                  "duplicate side effects"):
         row = next(line for line in text.splitlines() if line.startswith(label))
         assert len(row[len(label):].split()) >= 2, row
+    # What the requests got back: every request the agents sent, in exactly one row (seen in
+    # a new user's trial: those cut at a step's deadline were left out, 593 of 694 shown).
+    sent = next(line for line in text.splitlines()
+                if line.startswith("requests the agents sent")).split()[-2:]
+    for title, total in zip(("direct", "through Sluice"), sent, strict=True):
+        line = next(line.strip() for line in text.splitlines()
+                    if line.strip().startswith(f"{title}, ") and " requests: " in line)
+        shown, rows = line.removeprefix(f"{title}, ").split(" requests: ")
+        counts = [int(row.rsplit(" (", 1)[0].rsplit(" ", 1)[1].replace(",", ""))
+                  for row in rows.split(", ")]
+        assert shown == total and sum(counts) == int(total.replace(",", "")), (line, total)
     assert "Upstream attempts per unit of work:" in text
     assert f"Full record: {record}" in text
     assert f"Plot: {plot}" in text or "No plot: matplotlib is not installed" in text
@@ -46,6 +62,9 @@ async def test_demo_quick_prints_the_comparison_and_sluice_cuts_amplification(tm
     modes = json.loads(record.read_text())["modes"]
     direct, sluice = modes["direct"]["summary"], modes["sluice"]["summary"]
     assert direct["units"] == sluice["units"] > 0
+    for mode in ("direct", "sluice"):
+        answers = modes[mode]["answers"]
+        assert sum(answers.values()) == modes[mode]["summary"]["agent_requests"], (mode, answers)
     assert sluice["amplification"] < direct["amplification"]
     # Its working files (configs, logs, event log, dead letters) are gone.
     assert list(scratch.iterdir()) == []
@@ -59,3 +78,37 @@ def test_the_fake_providers_docstring_names_the_options_it_takes(capsys):
     usage = capsys.readouterr().out
     named = re.findall(r"(--[a-z-]+)", fakellm.__doc__ or "")
     assert named and all(option in usage for option in named), (named, usage)
+
+
+async def test_a_request_cut_at_its_steps_deadline_is_counted_once_as_abandoned():
+    """Each step's first request gets a 503 the SDK retries at once; the retry is never
+    answered, so the step's deadline cuts it: both requests are counted, the second as
+    abandoned, and the report's rows sum to the requests sent."""
+    seen: dict[str, int] = {}
+    release = asyncio.Event()
+
+    async def provider(request: web.Request) -> web.Response:
+        await request.read()
+        key = request.headers["Idempotency-Key"]
+        seen[key] = seen.get(key, 0) + 1
+        if seen[key] == 1:
+            return web.Response(status=503, headers={"retry-after-ms": "1"})
+        await release.wait()
+        return web.Response(status=200)
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", provider)
+    runner, port = await serve_app(app, handler_cancellation=True)
+    try:
+        fleet = Fleet(rate=10, arrivals_s=0.3, deadline_s=0.5, timeout_s=30, agents=1)
+        run = FleetRun(fleet, f"http://127.0.0.1:{port}/v1/chat/completions")
+        units = await run.run()
+    finally:
+        release.set()
+        await runner.cleanup()
+    assert len(units) == 3 and run.completed == 0
+    assert [u.requests for u in units] == [2, 2, 2]
+    assert dict(run.answers) == {"503": 3, ABANDONED: 3}
+    line = answers_line(ModeResult("direct", units, dict(run.answers), upstream={}))
+    assert line == ("direct, 6 requests: 503 3 (50%), "
+                    "abandoned at the step deadline 3 (50%)")

@@ -103,7 +103,7 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     print("\nBy the phase a step started in (upstream attempts per step and per completed "
           "step, steps completed):\n", file=out)
     print(report.phase_table(results, scenario), file=out)
-    print("\nWhat the agents' requests got back:", file=out)
+    print("\nWhat the agents' requests got back (each request sent counted once):", file=out)
     for result in results:
         print("  " + report.answers_line(result), file=out)
     print("", file=out)

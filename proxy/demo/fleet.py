@@ -5,7 +5,8 @@ a fixed schedule whatever became of earlier ones (open loop: every run is offere
 work). A unit is one agent step: a chat completion carrying the step's own
 ``Idempotency-Key`` (the same on every try, as an agent passes one with ``extra_headers``). It
 counts as completed if it succeeds within ``deadline_s`` of its start; at that point it is
-abandoned (its request in flight is cancelled, as an agent run that gave up on a step).
+abandoned (its request in flight is cancelled, as an agent run that gave up on a step, and
+that request's answer is counted as :data:`ABANDONED`).
 
 **Inner layer: the openai SDK's retry rules** (``openai/_base_client.py``, 3.x; see
 ``shared/notes/infra-semantics.md`` §5), re-implemented on aiohttp so that the demo needs
@@ -49,6 +50,9 @@ SDK_MAX_RETRY_AFTER_S = 120.0
 AGENT_INITIAL_INTERVAL_S = 0.5
 AGENT_BACKOFF_FACTOR = 2.0
 AGENT_JITTER_S = 1.0
+
+#: The answer counted for a request still awaiting its answer when its step's deadline came.
+ABANDONED = "abandoned"
 
 REQUEST_BODY = (
     b'{"model":"fake-llm","messages":[{"role":"user","content":"Plan the next step."}],'
@@ -96,7 +100,9 @@ class FleetRun:
     url: str
     seed: int = 1
     units: list[Unit] = field(default_factory=list)
-    answers: Counter[str] = field(default_factory=Counter)  # per request: status/reason
+    # Per request sent, exactly once: its status, Sluice's reason, "timeout" (the client's),
+    # "connect_error", or ABANDONED.
+    answers: Counter[str] = field(default_factory=Counter)
     t0: float = 0.0
     in_flight: int = 0  # HTTP requests awaiting an answer now
 
@@ -154,6 +160,8 @@ class FleetRun:
             self.in_flight += 1
             status: int | None = None
             answer: Mapping[str, str] = {}
+            # Stays so if the step's deadline cancels this request before it is answered.
+            label = ABANDONED
             try:
                 async with session.post(self.url, data=REQUEST_BODY, headers=headers,
                                         timeout=timeout) as response:
@@ -166,7 +174,7 @@ class FleetRun:
                 label = "connect_error"
             finally:
                 self.in_flight -= 1
-            self.answers[label] += 1
+                self.answers[label] += 1
             if status is not None and status < 400:
                 return True
             if retry == self.fleet.sdk_retries:

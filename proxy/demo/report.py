@@ -6,9 +6,13 @@ import logging
 from collections.abc import Sequence
 from pathlib import Path
 
+from proxy.demo.fleet import ABANDONED
 from proxy.demo.storm import ModeResult, Scenario, per_phase, summarise, timeline
 
 TITLES = {"direct": "direct", "sluice": "through Sluice"}
+#: Answer labels other than a status or a Sluice reason, in plain words.
+ANSWER_WORDS = {"timeout": "client timeout", "connect_error": "connection error",
+                ABANDONED: "abandoned at the step deadline"}
 
 
 def cell(value: float | int | None, spec: str) -> str:
@@ -46,8 +50,11 @@ def side_by_side(results: list[ModeResult], scenario: Scenario) -> str:
     row("upstream attempts per completed unit", "attempts_per_completed", ".2f")
     lines.append((f"completed within {deadline:g} s",
                   *(f"{s['completed']:,} ({s['completion_rate']:.0%})" for s in sums)))
-    row("p50 time to complete, s", "p50_s", ".2f")
-    row("p99 time to complete, s", "p99_s", ".2f")
+    # A step that did not complete has no time to complete: these leave it out, so a mode
+    # that completes few steps (only the quick ones) can look faster than one that completes
+    # many.
+    row("p50 time to complete, s (completed steps only)", "p50_s", ".2f")
+    row("p99 time to complete, s (completed steps only)", "p99_s", ".2f")
     row("tokens billed", "tokens_billed", ",")
     row("tokens wasted", "tokens_wasted", ",")
     row("duplicate side effects", "duplicate_side_effects", ",")
@@ -76,11 +83,14 @@ def phase_table(results: list[ModeResult], scenario: Scenario) -> str:
 
 
 def answers_line(result: ModeResult) -> str:
-    """What the agents' requests got back, most common first."""
-    total = sum(result.answers.values()) or 1
-    parts = [f"{label} {n:,} ({n / total:.0%})"
+    """What the agents' requests got back, most common first: every request sent counted
+    once, by status, Sluice's reason, or :data:`ANSWER_WORDS`, so the counts sum to the
+    requests sent (the total shown first)."""
+    total = sum(result.answers.values())
+    parts = [f"{ANSWER_WORDS.get(label, label)} {n:,} ({n / total:.0%})"
              for label, n in sorted(result.answers.items(), key=lambda kv: -kv[1])]
-    return f"{TITLES.get(result.mode, result.mode)}: " + ", ".join(parts)
+    return (f"{TITLES.get(result.mode, result.mode)}, {total:,} requests: "
+            + ", ".join(parts))
 
 
 def plot(results: list[ModeResult], scenario: Scenario, path: Path,

@@ -11,9 +11,10 @@ What is reported per mode (:func:`summarise`): units of work, the requests the a
 upstream attempts (counted by the provider) and their ratio to units (the amplification) and
 to completed units (what each useful result cost: a proxy that refused everything would show
 a low amplification and no completed unit), units completed within the deadline, the p50/p99
-time to complete, tokens billed and wasted (billed for answers that completed no unit: answers
-to callers that had given up, and duplicates), and duplicate side effects (completions beyond
-the first per ``Idempotency-Key``, counted by the provider).
+time to complete of the completed units only (the others have none), tokens billed and wasted
+(billed for answers that completed no unit: answers to callers that had given up, and
+duplicates), and duplicate side effects (completions beyond the first per
+``Idempotency-Key``, counted by the provider).
 """
 
 from __future__ import annotations
