@@ -92,11 +92,14 @@ class Call:
     never to have left (a refused connection);
     answered_at, when the last attempt's response headers arrived (monotonic seconds, 0.0
     before); background, the task that finishes the call's upstream exchange after its
-    caller left (``proxy.handler``; ``None`` while the caller is there); relaying, the task
+    caller left, or that holds it for its response after its answer was closed early for
+    polling (``proxy.handler``; ``None`` while the caller is there); relaying, the task
     relaying the call's answer once its last message has gone to the caller
     (``proxy.forward.delivered``), which a drain ends rather than waits for (``None``
-    before); the upstream time of its attempts (:meth:`attempt_sent`, :meth:`attempt_over`,
-    :meth:`attempt_unsent`,
+    before); polled, an MCP call's answer the upstream closed early for polling
+    (``proxy.runtime.Polled``), whose end is then its response resumed on a GET
+    (``proxy.handler`` holds it until then; ``None`` otherwise); the upstream time of its
+    attempts (:meth:`attempt_sent`, :meth:`attempt_over`, :meth:`attempt_unsent`,
     :meth:`upstream_seconds`).
 
     A policy reports a step for the timeline (e.g. ``enqueued``) with
@@ -110,7 +113,8 @@ class Call:
                  "headers", "idempotency_key", "lineage", "meter", "method", "new_unit",
                  "operation",
                  "operation_cost", "operation_overrun", "parent_run", "path", "phase",
-                 "priority", "priority_given", "progress_at", "reached", "received_at",
+                 "polled", "priority", "priority_given", "progress_at", "reached",
+                 "received_at",
                  "relaying",
                  "reporter", "request_id", "response_headers", "route", "rpc_id",
                  "rpc_method", "run",
@@ -169,6 +173,7 @@ class Call:
         self.answered_at = 0.0
         self.background: asyncio.Task[Any] | None = None
         self.relaying: asyncio.Task[Any] | None = None
+        self.polled: Any = None
         self._upstream_s = 0.0
         self._sent_at: float | None = None
 

@@ -73,7 +73,7 @@ from proxy import forward as fwd
 from proxy.client import client_timeout
 from proxy.rejections import jsonrpc_id, render
 from proxy.routes import Route
-from proxy.runtime import Runtime
+from proxy.runtime import Polled, Runtime
 
 log = logging.getLogger("sluice")
 
@@ -83,6 +83,9 @@ _NO_RETRY = {"x-should-retry": "false"}
 #: process keeps locked (up to SQLite's 5 s busy timeout a write, one write after another)
 #: held every failing call's slot for as long, and refused healthy calls ``queue_timeout``.
 DEAD_LETTER_WAIT_S = 1.0
+#: How long a call closed early for polling is held for its response when its attempt had
+#: no total timeout to bound it (``timeouts.total``'s default), seconds.
+POLLED_WAIT_S = 600.0
 
 
 class _Tries:
@@ -230,12 +233,14 @@ async def forward(request: web.BaseRequest, rt: Runtime, route: Route, call: Cal
                 # A GET resuming a call's answer: followed for where it ends, should the
                 # upstream close it early again (below); its id is the one it resumed from.
                 # Once the response is through, it is told (``resumed[1]``: the drain waits
-                # no more for it, though a server may hold it open and a client read on).
-                tries.tracker = AnswerTracker(response.headers.get("Content-Type"), resumed[0])
+                # no more for it, though a server may hold it open and a client read on),
+                # and so is the call, held until then (``resumed[0]``, proxy.handler).
+                tries.tracker = AnswerTracker(response.headers.get("Content-Type"),
+                                              resumed[0].rpc_id)
                 tries.tracker.last_event_id = request.headers.get(
                     LAST_EVENT_ID_HEADER, "").encode("utf-8", "surrogateescape")
                 request[fwd.RESUMED_ANSWER] = tries.tracker
-                capture = _Answered(capture, tries.tracker, resumed[1])
+                capture = _Answered(capture, tries.tracker, resumed[1], resumed[0])
             total, sent_at = timeout.total, call.sent_at
             try:
                 answer, outcome = await fwd.relay(
@@ -257,7 +262,7 @@ async def forward(request: web.BaseRequest, rt: Runtime, route: Route, call: Cal
                 # Noted before anything awaits: the client may send that GET at once.
                 rt.note_polled(route.name, call.headers.get(SESSION_HEADER),
                                tracker.last_event_id.decode("utf-8", "surrogateescape"),
-                               tracker.request_id)
+                               _polled(request, call, traffic, outcome, tracker, total))
             if tries.pending is not None:
                 await _verdict(tries, tries.tracker)
             return answer, outcome
@@ -278,6 +283,28 @@ async def forward(request: web.BaseRequest, rt: Runtime, route: Route, call: Cal
                 breaker.release(ticket)
             else:  # after it, as the MCP SDKs do: its verdict stands
                 breaker.record_soon(ticket, brk.FAILURE if found.tool_failure else brk.SUCCESS)
+
+
+def _polled(request: web.BaseRequest, call: Call, traffic: Traffic, outcome: str,
+            tracker: AnswerTracker, total: float | None) -> Polled:
+    """What a GET resuming an answer the upstream closed early for polling follows: the
+    request's own :class:`~proxy.runtime.Polled`, or, for a GET that was itself closed
+    early again, the one it resumed. A call's answer that ended cleanly so is not the
+    call's end (its tool runs on at the server): it is left on the call
+    (:attr:`Call.polled`), and ``proxy.handler`` holds the call until its response comes on
+    a resumed GET, or until ``total`` seconds (its attempt's ``timeouts.total``) from the
+    attempt's sending have passed."""
+    resumed = request.get(fwd.RESUMED_CALL)
+    if resumed is not None:
+        return resumed[0]
+    if traffic != "call" or outcome != "2xx":
+        return Polled(tracker.request_id)
+    sent_at = call.sent_at
+    polled = Polled(tracker.request_id, call.capture,
+                    (time.monotonic() if sent_at is None else sent_at)
+                    + (POLLED_WAIT_S if total is None else total))
+    call.polled = polled
+    return polled
 
 
 def _retried(tries: _Tries) -> bool:
@@ -326,27 +353,36 @@ class _Both:
 
 
 class _Answered:
-    """Feeds a resumed answer to ``capture`` (if any) and to its call's tracker, and calls
-    ``answered`` once, when the call's response has come through."""
+    """Feeds a resumed answer to ``capture`` (if any), to its call's tracker and to the
+    call it resumes (``polled``: its key's capture, up to the response), and once the call's
+    response has come through calls ``answered`` and tells ``polled``, once."""
 
-    __slots__ = ("answered", "capture", "tracker")
+    __slots__ = ("answered", "capture", "polled", "tracker")
 
     def __init__(self, capture: Any, tracker: AnswerTracker,
-                 answered: Callable[[], None]) -> None:
+                 answered: Callable[[], None], polled: Polled) -> None:
         self.capture = capture
         self.tracker = tracker
         self.answered: Callable[[], None] | None = answered
+        self.polled: Polled | None = polled
 
     def begin(self, status: int, reason: str | None, headers: Any) -> None:
         if self.capture is not None:
             self.capture.begin(status, reason, headers)
+        if status >= 300 or not self.tracker.sse:  # an error, not the call's answer resumed
+            self.polled = None
 
     def feed(self, chunk: bytes) -> None:
         if self.capture is not None:
             self.capture.feed(chunk)
+        polled = self.polled
+        if polled is not None:
+            polled.feed(chunk)
         if self.tracker.feed(chunk) is not None and self.answered is not None:
-            answered, self.answered = self.answered, None
+            answered, self.answered, self.polled = self.answered, None, None
             answered()
+            if polled is not None:
+                polled.respond()
 
 
 async def _attempts(rt: Runtime, route: Route, call: Call, url: URL,

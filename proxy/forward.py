@@ -102,9 +102,9 @@ ANSWER_ENDED = web.RequestKey("sluice_answer_ended", bool)
 #: see when its response has gone to the caller (:data:`ANSWER_SENT`).
 RESUMED_ANSWER = web.RequestKey("sluice_resumed_answer", AnswerTracker)
 #: On a GET resuming the answer of an MCP call the upstream closed early for polling (set
-#: by ``proxy.handler`` from :attr:`proxy.runtime.Runtime.polled`): ``(the call's JSON-RPC
-#: id, what to call once its response is through)``, by which ``proxy.attempts`` follows
-#: the resumed answer.
+#: by ``proxy.handler`` from :attr:`proxy.runtime.Runtime.polled`): ``(the call's
+#: proxy.runtime.Polled, what to call once its response is through)``, by which
+#: ``proxy.attempts`` follows the resumed answer.
 RESUMED_CALL = web.RequestKey("sluice_resumed_call", tuple)
 
 

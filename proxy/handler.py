@@ -51,6 +51,7 @@ from multidict import istr
 from policies import mcp
 from policies.concurrency import DEFAULT_PRIORITY, PRIORITIES
 from policies.idempotency import Replay, replay_response
+from policies.logs import PER_CALL
 from policies.pipeline import (
     ABANDONED,
     CLIENT_CANCELLED,
@@ -79,7 +80,7 @@ from proxy.identity import IdentityRejected, identify
 from proxy.metrics import MAX_OPERATION_LABEL_CHARS
 from proxy.rejections import jsonrpc_id, refuse, refuse_at_edge, render
 from proxy.routes import Route, has_dot_segment
-from proxy.runtime import Runtime
+from proxy.runtime import Polled, Runtime
 
 log = logging.getLogger("sluice")
 
@@ -326,7 +327,7 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
         resumed = rt.take_polled(route.name, headers.get(mcp.SESSION_HEADER),
                                  headers[mcp.LAST_EVENT_ID_HEADER])
         if resumed is not None:  # its call answered, it is a stream the drain leaves
-            request[RESUMED_CALL] = (*resumed, presence.idle)
+            request[RESUMED_CALL] = (resumed, presence.idle)
         else:
             resumes = False
     if route.protocol == "mcp":
@@ -538,10 +539,14 @@ def _poll_again(rt: Runtime, route: Route, request: web.BaseRequest) -> None:
     a drain does not wait for (a review)."""
     try:  # after the call's end is settled, and never in place of its answer
         tracker = request.get(RESUMED_ANSWER)
+        polled = request[RESUMED_CALL][0]
+        if tracker is not None and tracker.sse and not tracker.between_events:
+            # Broken off inside an event, which the next GET sends again whole: what the
+            # call's capture holds is no longer the answer, and is not kept for its key.
+            polled.capture = None
         event_id = (tracker.last_event_id.decode("utf-8", "surrogateescape")
                     if tracker is not None else request.headers[mcp.LAST_EVENT_ID_HEADER])
-        rt.note_polled(route.name, request.headers.get(mcp.SESSION_HEADER), event_id,
-                       request[RESUMED_CALL][0])
+        rt.note_polled(route.name, request.headers.get(mcp.SESSION_HEADER), event_id, polled)
     except Exception:
         log.exception("route %s: a resumed answer is not noted for its next resume",
                       route.name)
@@ -557,10 +562,16 @@ def _settle(rt: Runtime, route: Route, call: Call, admission: Admission, outcome
     ``left``: the caller's own outcome (it left) when the call's exchange was finished
     without it; ``outcome`` is then what the upstream's answer came to.
 
+    A call whose answer the upstream closed early for polling (:attr:`Call.polled`) is not
+    over: it is held (:func:`_hold_polled`), and settled here once its response has come.
+
     Never raises: a fault in the counting and logging is logged. Raised from the handler's
     ``finally``, it replaced the answer being returned: a small answer's body, written once
     the handler returns, was never sent, and the connection was cut without a word.
     """
+    if call.polled is not None and _hold_polled(rt, route, call, admission, outcome,
+                                                admitted_at, left):
+        return
     if call.cancelled is not None and outcome is ABANDONED:
         outcome = (Outcome("run_cancelled", call.reached, call.status)
                    if admitted_at else REFUSED)
@@ -587,6 +598,89 @@ def _settle(rt: Runtime, route: Route, call: Call, admission: Admission, outcome
     except Exception:
         log.exception("counting the end of request %s on route %s failed", call.request_id,
                       route.name)
+
+
+def _hold_polled(rt: Runtime, route: Route, call: Call, admission: Admission,
+                 outcome: Outcome, admitted_at: float, left: Outcome | None) -> bool:
+    """Hold a call whose answer the upstream closed early for polling (2025-11-25, SEP-1699)
+    instead of settling it: its tool runs on at the server, and its response comes on the
+    GET its client resumes the answer with (:class:`proxy.runtime.Polled`), maybe on another
+    connection. Until then it keeps everything it took (its key, slot, rate and run counts,
+    budget reservation, the ``cost_per_second`` clock), its place in flight on its route,
+    and its body counted held; a ``dedup`` route's capture is fed the resumed answer, so its
+    response is kept for the key. Returns whether it is held: not when its run was
+    cancelled or the drain cuts (it ends now, as before), nor when its response came first
+    (a resumed GET can beat this handler's end).
+
+    The hold is a task of its own (:func:`_resumed`), which ends when the response comes
+    through, or with ``TimeoutError`` at the call's bound (:attr:`Polled.deadline`: its
+    attempt's ``timeouts.total``), or cancelled by the call's run's cancel
+    (:attr:`Call.background`) or the drain's cut (:attr:`Runtime.polling`); its end settles
+    the call, once (:func:`_polled_end`), with that outcome."""
+    polled, call.polled = call.polled, None
+    if polled.answered or call.cancelled is not None or rt.cutting:
+        if not polled.answered:
+            polled.capture = None  # nothing is kept for the key of a call that ends now
+        return False
+    try:
+        waiter = polled.waiter = asyncio.get_running_loop().create_future()
+        task = asyncio.create_task(_resumed(waiter, polled.deadline or 0.0))
+    except Exception:  # _settle never raises: the call ends now instead
+        log.exception("route %s: call %s, closed early for polling, is not held for its "
+                      "response", route.name, call.request_id)
+        polled.capture = polled.waiter = None
+        return False
+    route.present += 1
+    held = len(call.body)
+    rt.buffered_bytes += held
+    rt.polling[task] = call
+    call.background = task
+    task.add_done_callback(functools.partial(_polled_end, rt, route, call, admission, outcome,
+                                             admitted_at, left, polled, held))
+    return True
+
+
+async def _resumed(waiter: asyncio.Future[None], deadline: float) -> None:
+    """Wait for ``waiter``, a polled call's response on a resumed GET (:func:`_hold_polled`).
+
+    Raises:
+        TimeoutError: ``deadline`` (monotonic seconds) passed first.
+    """
+    async with asyncio.timeout_at(deadline):
+        await waiter
+
+
+def _polled_end(rt: Runtime, route: Route, call: Call, admission: Admission, ended: Outcome,
+                admitted_at: float, left: Outcome | None, polled: Polled, held: int,
+                task: asyncio.Task[None]) -> None:
+    """The end of a polled call's hold (:func:`_hold_polled`): settle the call with what it
+    came to. ``ended``: how its POST ended (its answer's status class); ``held``: the bytes
+    of its body, counted in ``buffered_bytes`` until now."""
+    try:
+        if task.cancelled():  # its run's cancel, or the drain's cut
+            if call.cancelled is not None:
+                route.metrics.cancelled("inflight")
+                outcome = Outcome("run_cancelled", call.reached, call.status)
+            else:
+                outcome = Outcome("drain_cut" if rt.cutting else "client_disconnected",
+                                  call.reached, call.status)
+        elif isinstance(task.exception(), TimeoutError):
+            log.info("route %s: the response of call %s, closed early for polling, did not "
+                     "come on a resumed GET within its timeouts.total", route.name,
+                     call.request_id, extra=PER_CALL)
+            outcome = Outcome("upstream_timeout", call.reached, call.status)
+        elif task.exception() is not None:
+            _log_failure(route, call, task.exception())  # type: ignore[arg-type]
+            outcome = Outcome("upstream_error", call.reached, call.status)
+        else:
+            outcome = _answer_outcome(call, ended.status, ended.label, admitted_at)
+        _settle(rt, route, call, admission, outcome, admitted_at, "call", left)
+    finally:
+        polled.capture = polled.waiter = None
+        route.present -= 1
+        rt.buffered_bytes -= held
+        rt.polling.pop(task, None)
+        call.background = None
 
 
 def _leave(rt: Runtime, call: Call, request: web.BaseRequest, finish: Finish) -> None:
@@ -653,7 +747,8 @@ def _finished(rt: Runtime, route: Route, call: Call, admission: Admission, calle
         route.present -= 1
         rt.buffered_bytes -= held
         rt.finishing.pop(task, None)
-        call.background = None
+        if call.background is task:  # else its answer was closed for polling: held on
+            call.background = None
 
 
 def _finish_outcome(rt: Runtime, route: Route, call: Call, task: asyncio.Task[object],
@@ -924,10 +1019,11 @@ def _call_to_hold(rt: Runtime, route: Route, tenant: str, session: str,
     instead (:func:`_hold_cancel`), or ``None`` to forward the cancel as any notification:
     a ``tools/call`` the cancel names (:func:`_named_by_cancel`) whose answer is kept for its
     key (``dedup``), and which is still in flight through Sluice with its response not
-    come: its handler running, or being finished after its caller left. Cancels are rare: a
+    come: its handler running, being finished after its caller left, or held for its
+    response after its answer was closed early for polling. Cancels are rare: a
     scan of the MCP calls in flight at cancel time keeps this off the path of every other
     request."""
-    for call in itertools.chain(rt.mcp_calls, rt.finishing.values()):
+    for call in itertools.chain(rt.mcp_calls, rt.finishing.values(), rt.polling.values()):
         capture = call.capture
         if (capture is None or call.cancelled is not None
                 or not _named_by_cancel(call, route, tenant, session, request_id)):

@@ -506,6 +506,12 @@ class Metrics:
             "MCP calls whose upstream exchange Sluice is finishing after their caller left "
             "(counted in sluice_inflight_requests too).", registry=r,
         )
+        self.polling = Gauge(
+            "sluice_polled_calls",
+            "MCP calls whose answer the upstream closed early for polling, held until their "
+            "response comes on the GET that resumes it (counted in sluice_inflight_requests "
+            "too).", registry=r,
+        )
         self.expiries = LoopCounter(
             "sluice_expiries",
             "Queued calls dropped before reaching the upstream, by reason (max_wait: the "

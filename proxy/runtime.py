@@ -66,8 +66,56 @@ class BuiltConfig:
 
 
 #: How many calls closed early for polling :attr:`Runtime.polled` remembers at most (the
-#: oldest go first: a GET resuming one of those is then a stream the drain does not wait for).
+#: oldest go first: a GET resuming one of those is then a stream the drain does not wait for;
+#: a call still held for its response is ended by its own bound all the same).
 MAX_POLLED_CALLS = 10_000
+
+
+class Polled:
+    """An MCP request whose answer stream the upstream closed early for polling (2025-11-25,
+    SEP-1699: events with ids, then a clean end, without the response), which its client
+    resumes with a GET carrying ``Last-Event-ID``: what such a GET follows
+    (``proxy.attempts``).
+
+    For a ``tools/call`` the tool runs on at the server, so the call is not over when its
+    POST ends: ``proxy.handler`` holds everything it took (its key, slot, budgets) until
+    :meth:`respond` says its response came through on a resumed GET, or until
+    :attr:`deadline`. Until then :meth:`feed` hands the resumed answer to the call's
+    idempotency capture, so that a ``dedup`` route keeps the response for the call's key.
+
+    Attributes:
+        rpc_id: the JSON-RPC id of the request.
+        capture: the call's idempotency capture, while the resumed answer is to be kept for
+            its key; ``None`` otherwise (none kept, the call ended, or a resumed GET broke
+            off inside an event: the bytes kept would no longer be the answer).
+        deadline: monotonic seconds by which the call's response must have come (its
+            attempt's sending plus ``timeouts.total``); ``None`` for a request not held.
+        answered: the response has come through on a resumed GET.
+        waiter: resolved by :meth:`respond`, while ``proxy.handler`` holds the call.
+    """
+
+    __slots__ = ("answered", "capture", "deadline", "rpc_id", "waiter")
+
+    def __init__(self, rpc_id: RequestId, capture: Any = None,
+                 deadline: float | None = None) -> None:
+        self.rpc_id = rpc_id
+        self.capture = capture
+        self.deadline = deadline
+        self.answered = False
+        self.waiter: asyncio.Future[None] | None = None
+
+    def feed(self, chunk: bytes) -> None:
+        """Bytes of a resumed answer, in order, up to and including the call's response."""
+        capture = self.capture
+        if capture is not None:
+            capture.feed(chunk)
+
+    def respond(self) -> None:
+        """The call's response has come through on a resumed GET: the call is over."""
+        self.answered = True
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
 
 class Runtime:
@@ -125,13 +173,19 @@ class Runtime:
         #: MCP calls admitted and not finished, each with its handler's task: what
         #: :meth:`end_mcp_calls` ends when the drain cuts.
         self.mcp_calls: dict[Call, asyncio.Task[Any]] = {}
-        #: MCP calls whose SSE answer the upstream closed early, without the response but with
-        #: event ids (2025-11-25 polling), each by route, session and the last event id its
-        #: client got, with its JSON-RPC id (:meth:`note_polled`): a GET resuming one with
-        #: that ``Last-Event-ID`` is waited for by the drain; any other (a session's own GET
-        #: stream reconnected with the id of its last notification) is not.
-        self.polled: OrderedDict[tuple[str, str, str], RequestId] = OrderedDict()
+        #: MCP requests whose SSE answer the upstream closed early, without the response but
+        #: with event ids (2025-11-25 polling), each by route, session and the last event id
+        #: its client got (:meth:`note_polled`): a GET resuming one with that
+        #: ``Last-Event-ID`` follows it (:class:`Polled`) and is waited for by the drain; any
+        #: other (a session's own GET stream reconnected with the id of its last
+        #: notification) is not.
+        self.polled: OrderedDict[tuple[str, str, str], Polled] = OrderedDict()
+        #: MCP calls closed early for polling whose response has not come yet, each by the
+        #: task that holds it (``proxy.handler``): present and in flight on its route until
+        #: it ends; the drain waits for them, and cancels those left when it cuts.
+        self.polling: dict[asyncio.Task[Any], Call] = {}
         self.metrics.finishing.set_function(lambda: len(self.finishing))
+        self.metrics.polling.set_function(lambda: len(self.polling))
         self.session: aiohttp.ClientSession | None = None
         #: Run trees, counts and cancellations, shared by every route (policies/runs.py),
         #: and with the Redis backend by every replica.
@@ -321,24 +375,20 @@ class Runtime:
         return ending
 
     def note_polled(self, route: str, session: str | None, event_id: str,
-                    rpc_id: RequestId) -> None:
-        """Remember a call whose answer stream the upstream closed early (see
+                    polled: Polled) -> None:
+        """Remember a request whose answer stream the upstream closed early (see
         :attr:`polled`); the oldest are forgotten past :data:`MAX_POLLED_CALLS`."""
         key = (route, session or "", event_id)
-        self.polled[key] = rpc_id
+        self.polled[key] = polled
         self.polled.move_to_end(key)
         while len(self.polled) > MAX_POLLED_CALLS:
             self.polled.popitem(last=False)
 
-    def take_polled(self, route: str, session: str | None,
-                    event_id: str) -> tuple[RequestId] | None:
-        """``(its JSON-RPC id,)`` of the call a GET with ``Last-Event-ID`` ``event_id``
-        resumes, forgotten here (the GET follows it from now: ``proxy.attempts``); ``None``
-        when it resumes no call this process saw closed early."""
-        key = (route, session or "", event_id)
-        if key not in self.polled:
-            return None
-        return (self.polled.pop(key),)
+    def take_polled(self, route: str, session: str | None, event_id: str) -> Polled | None:
+        """The request a GET with ``Last-Event-ID`` ``event_id`` resumes, forgotten here (the
+        GET follows it from now: ``proxy.attempts``); ``None`` when it resumes no request
+        this process saw closed early."""
+        return self.polled.pop((route, session or "", event_id), None)
 
     def next_request_id(self) -> str:
         """A request id unique to this process (cheaper than a UUID on the hot path)."""

@@ -402,10 +402,11 @@ async def _drain(runtime: Runtime, timeout_s: float, hurry: asyncio.Event) -> No
         ending = runtime.end_answered() + runtime.end_mcp_calls()
         if ending:
             await asyncio.wait(ending, timeout=SHUTDOWN_GRACE_S)
-        # MCP calls being finished after their callers left are no handler's: aiohttp's
-        # shutdown does not cut them, so the drain does (each gives its holdings back as it
-        # ends), and waits for them to have ended.
-        finishing = cancel_live(runtime.finishing)
+        # MCP calls being finished after their callers left, or held for an answer closed
+        # early for polling, are no handler's: aiohttp's shutdown does not cut them, so the
+        # drain does (each gives its holdings back as it ends), and waits for them to have
+        # ended.
+        finishing = cancel_live((*runtime.finishing, *runtime.polling))
         if finishing:
             await asyncio.wait(finishing, timeout=SHUTDOWN_GRACE_S)
     elif runtime.present:

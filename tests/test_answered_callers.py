@@ -365,17 +365,19 @@ async def test_a_resume_retried_after_the_first_left_still_resumes_the_call(poll
     """The client's GET resuming a call's answer breaks before the response, and it resumes
     again from the same event id, as the SDKs do. Before (a review): the first GET had taken
     the call off ``Runtime.polled``, so the second was a session's plain stream: a drain
-    did not wait for it, and left before the response it counted ``2xx``."""
+    did not wait for it, and left before the response it counted ``2xx``. The call itself
+    stays in flight (held for its response) throughout: one of ``inflight``."""
     runtime, url = in_front
     resume = {"Accept": "text/event-stream", "Last-Event-ID": "ev-1"}
     async with aiohttp.ClientSession() as http:
         await closed_early(http, url)
         for _ in range(2):  # each resume breaks before the response
             get = await http.get(url, headers=resume)
-            await wait_until(lambda: runtime.inflight == 1, what="the GET upstream")
-            assert runtime.present > runtime.streams  # a drain waits for it
+            await wait_until(lambda: runtime.inflight == 2, what="the GET upstream")
+            assert runtime.present > runtime.streams + 1  # a drain waits for it
             get.close()
-            await wait_until(lambda: runtime.inflight == 0, what="the GET's end")
+            await wait_until(lambda: runtime.inflight == 1, what="the GET's end")
+            assert len(runtime.polling) == 1  # the call, held for its response
         polling.answer.set()
         async with http.get(url, headers=resume) as r:
             event = await asyncio.wait_for(r.content.readuntil(b"\n\n"), 10)
@@ -383,6 +385,7 @@ async def test_a_resume_retried_after_the_first_left_still_resumes_the_call(poll
     await wait_until(lambda: runtime.inflight == 0, what="the last GET's end")
     assert outcomes(runtime, "2xx", "client_disconnected") == (2, 2)
     assert not runtime.polled  # taken by the GET that got the response
+    assert not runtime.polling  # the call ended with it
 
 
 # -- OpenAI streams: the synchronous client closes at [DONE] ------------------------------------

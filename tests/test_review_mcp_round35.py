@@ -14,7 +14,10 @@
    running at the server: its key is given back with no answer kept (the resumed GET, which
    carries the response, keeps nothing for it either), and its slot too. So on a ``dedup``
    route the same call again ran the tool a second time instead of being replayed, and a
-   tool's ``concurrency.limit`` let more calls run at the server than it allows. Not fixed.
+   tool's ``concurrency.limit`` let more calls run at the server than it allows. Such a
+   call now stays in flight, holding everything it took, until its response comes on the
+   resumed GET (its answer then kept for its key), its ``timeouts.total`` passes, its run
+   is cancelled or the drain cuts it.
 3. A replayed answer (``dedup``) held every event of the first call's SSE answer, the
    server's requests to its client included: an ``elicitation/create`` (a tool asking its
    user to confirm) or a ``sampling/createMessage`` (an LLM call the client makes) was asked
@@ -138,11 +141,9 @@ async def test_a_call_whose_upstream_is_unreachable_is_answered_as_a_jsonrpc_err
     assert ended["outcome"] == "upstream_error" and ended["status"] == 502
 
 
-@pytest.mark.xfail(strict=True, reason="a call closed early for polling is settled when its "
-                   "POST ends, while its tool runs (finding 2, not fixed)")
 async def test_a_polled_calls_answer_is_kept_for_its_key(mcp_server_factory, start_sluice):
-    """Before (and still): ``sent #2``: the second identical call ran the tool again; a call
-    answered on its POST is replayed (``sent #1``)."""
+    """Before: ``sent #2``: the second identical call ran the tool again; a call answered on
+    its POST is replayed (``sent #1``)."""
     from mcp import Client
 
     server = mcp_server_factory("session", resumable=True)
@@ -159,33 +160,39 @@ async def test_a_polled_calls_answer_is_kept_for_its_key(mcp_server_factory, sta
     assert server.sends() == 1
 
 
-@pytest.mark.xfail(strict=True, reason="a call closed early for polling is settled when its "
-                   "POST ends, while its tool runs (finding 2, not fixed)")
 async def test_a_polled_call_holds_its_tools_slot_while_its_tool_runs(mcp_server_factory,
                                                                       start_sluice):
-    """Before (and still): with ``poll`` limited to one call at a time and no queue, a
-    second ``poll`` was sent while the first one's tool still ran at the server (its POST
-    closed early for polling): two at once."""
+    """Before: with ``poll`` limited to one call at a time and no queue, a second ``poll``
+    was sent while the first one's tool still ran at the server (its POST closed early for
+    polling): two at once. The first call now ends when its response comes on the resumed
+    GET: its ``completed`` event is written then, once, and not when its POST closed."""
     from mcp import Client, MCPError
 
     server = mcp_server_factory("session", resumable=True)
     sluice = await start_sluice({"routes": [{
         "name": "tools", "path_prefix": "/tools/", "upstream": server.base_url,
         "protocol": "mcp", "tools": {"poll": {"concurrency": {"limit": 1, "queue": 0}}}}]})
+
+    def completed() -> list[dict]:
+        return [e for e in sluice.events() if e["event"] == "completed"
+                and e.get("operation") == "poll"]
+
     async with Client(sluice.url + "/tools/mcp", mode="legacy") as client:
         first = asyncio.create_task(client.call_tool("poll", {"seconds": 4.0},
                                                      read_timeout_seconds=20))
-
-        def first_post_ended() -> bool:
-            return any(e["event"] == "completed" and e.get("operation") == "poll"
-                       for e in sluice.events())
-
-        await wait_until(first_post_ended, what="the first call's POST closed for polling")
+        # Its POST closed for polling: held for its response.
+        await sluice.wait_metric("sluice_polled_calls", 1)
         assert not first.done()  # its tool still runs; its answer comes on the resumed GET
         with pytest.raises(MCPError) as refused:
             await client.call_tool("poll", {"seconds": 0.1}, read_timeout_seconds=20)
         assert refused.value.error.data["reason"] == "queue_full"
         assert (await first).content[0].text == "polled"
+    await wait_until(completed, what="the first call's completed event")
+    [ended] = completed()
+    assert ended["outcome"] == "2xx" and ended["status"] == 200
+    assert ended["duration_s"] >= 3.5  # to its response, not to its POST's early close
+    await sluice.wait_metric("sluice_polled_calls", 0)
+    await sluice.wait_metric("sluice_inflight_requests", 0, route="tools")
 
 
 async def test_a_replay_does_not_ask_the_client_again_what_the_first_call_asked(
@@ -249,3 +256,4 @@ async def test_an_idle_session_stream_cut_at_timeouts_idle_is_no_upstream_timeou
     assert ended["outcome"] == "2xx", ended
     assert await sluice.metric("sluice_requests_total", route="tools",
                                outcome="upstream_timeout") == 0
+
