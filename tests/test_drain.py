@@ -738,6 +738,27 @@ async def test_a_calls_stream_resumed_while_draining_is_served_and_waited_for(
     assert "drain timeout" not in sluice.stderr() and "drained" in sluice.stderr()
 
 
+async def test_a_polled_call_is_waited_for_then_cut_by_the_drain(
+        mcp_server_factory, start_sluice):  # noqa: F811
+    """A call whose answer the server closed early for polling is not over: its tool runs
+    on, and its response comes on the GET its client resumes it with. The drain waits for
+    it as for any call in flight, and, its client never resuming it, cuts it when
+    ``drain_timeout`` ends: it ends ``drain_cut``, once, and the process exits."""
+    server = mcp_server_factory("session", resumable=True)
+    sluice = await _draining_sluice(start_sluice, server, timeout="1s")
+    url = sluice.url + "/tools/mcp"
+    async with aiohttp.ClientSession() as http:
+        headers = await raw_session(http, url)
+        await _closed_for_polling(http, url, headers, 2, seconds=20.0)
+        await sluice.wait_metric("sluice_polled_calls", 1)
+        sluice.signal(signal.SIGTERM)
+        assert await sluice.wait_exit(timeout=30) == 0
+    assert "drain timeout: cutting 1 request(s) still in flight" in sluice.stderr()
+    [ended] = [e for e in sluice.events()
+               if e["event"] == "completed" and e.get("operation") == "poll"]
+    assert ended["outcome"] == "drain_cut", ended
+
+
 async def test_a_sessions_get_stream_resumed_with_last_event_id_does_not_hold_the_drain(
         mcp_server_factory, start_sluice):  # noqa: F811
     """From a review: the Python SDK's client reconnects its session's GET stream with

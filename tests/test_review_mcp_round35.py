@@ -257,3 +257,129 @@ async def test_an_idle_session_stream_cut_at_timeouts_idle_is_no_upstream_timeou
     assert await sluice.metric("sluice_requests_total", route="tools",
                                outcome="upstream_timeout") == 0
 
+
+async def _closed_for_polling(http: aiohttp.ClientSession, url: str, headers: dict[str, str],
+                              body: dict[str, Any]) -> str:
+    """Post a ``poll`` call by hand and read its SSE answer, which the server closes early
+    for polling (a priming event with an id, no response); its last event id."""
+    async with http.post(url, json=body, headers=headers) as r:
+        assert r.status == 200
+        answer = (await r.read()).decode()
+    assert '"result"' not in answer, answer
+    return [line[3:].strip() for line in answer.splitlines() if line.startswith("id:")][-1]
+
+
+async def _resumed(http: aiohttp.ClientSession, url: str, headers: dict[str, str]) -> str:
+    """Resume a polled answer with a GET (``headers`` carry ``Last-Event-ID``) and read it
+    up to the call's response."""
+    body = ""
+    async with http.get(url, headers={**headers, "Accept": "text/event-stream"}) as r:
+        assert r.status == 200
+        async for line in r.content:
+            body += line.decode()
+            if '"result"' in body and not line.strip():  # the response's event has ended
+                break
+    return body
+
+
+def _completed(sluice: Any, tool: str) -> list[dict]:
+    return [e for e in sluice.events() if e["event"] == "completed"
+            and e.get("operation") == tool]
+
+
+async def test_a_polled_call_never_resumed_is_ended_at_its_timeouts_total(
+        mcp_server_factory, start_sluice):
+    """A polled call whose client never resumes its answer holds its slot until its tool's
+    ``timeouts.total`` (from its sending) has passed, then ends ``upstream_timeout``: one
+    ``completed`` event, nothing left in flight, the slot free again."""
+    server = mcp_server_factory("session", resumable=True)
+    sluice = await start_sluice({"routes": [{
+        "name": "tools", "path_prefix": "/tools/", "upstream": server.base_url,
+        "protocol": "mcp", "tools": {"poll": {"timeouts": {"total": "1.5s"},
+                                              "concurrency": {"limit": 1, "queue": 0}}}}]})
+    url = sluice.url + "/tools/mcp"
+    async with aiohttp.ClientSession() as http:
+        headers = await mcp_servers.raw_session(http, url)
+        await _closed_for_polling(http, url, headers, mcp_servers.tool_call(2, "poll",
+                                                                            seconds=10))
+        await sluice.wait_metric("sluice_polled_calls", 1)
+        assert await sluice.metric("sluice_inflight_requests", route="tools") == 1
+        assert _completed(sluice, "poll") == []  # not over when its POST closed
+        async with http.post(url, json=mcp_servers.tool_call(3, "poll", seconds=0),
+                             headers=headers) as r:
+            refused = json.loads(await r.read())
+        assert refused["error"]["data"]["reason"] == "queue_full"
+        await sluice.wait_metric("sluice_polled_calls", 0, timeout=15)
+        await sluice.wait_metric("sluice_inflight_requests", 0, route="tools")
+        await wait_until(lambda: _completed(sluice, "poll"), what="the call's end")
+        [ended] = _completed(sluice, "poll")
+        assert ended["outcome"] == "upstream_timeout" and ended["status"] == 200, ended
+        assert ended["duration_s"] >= 1.4
+        # Its slot is free: the next call is sent (and held in its turn).
+        await _closed_for_polling(http, url, headers, mcp_servers.tool_call(4, "poll",
+                                                                            seconds=0.1))
+    assert await sluice.metric("sluice_requests_total", route="tools",
+                               outcome="upstream_timeout") == 1
+
+
+async def test_a_polled_call_ends_with_its_runs_cancel(mcp_server_factory, start_sluice):
+    """A run's cancel reaches a call held for its polled answer: it ends ``run_cancelled``,
+    and gives back its key at once (nothing kept for it)."""
+    server = mcp_server_factory("session", resumable=True)
+    sluice = await start_sluice({"routes": [{
+        "name": "tools", "path_prefix": "/tools/", "upstream": server.base_url,
+        "protocol": "mcp", "idempotency": {"mode": "dedup", "max_wait": "30s"}}]},
+        env={"SLUICE_ADMIN_TOKEN": "trial-poll-token"})
+    url = sluice.url + "/tools/mcp"
+    async with aiohttp.ClientSession() as http:
+        headers = {**await mcp_servers.raw_session(http, url), "X-Run-ID": "r1"}
+        await _closed_for_polling(http, url, headers, mcp_servers.tool_call(
+            2, "poll_send", to="ops", seconds=10))
+        await sluice.wait_metric("sluice_polled_calls", 1)
+        async with http.post(f"{sluice.admin_url}/admin/runs/r1/cancel",
+                             headers={"Authorization": "Bearer trial-poll-token"}) as r:
+            cancelled = await r.json()
+        assert cancelled["calls_ended"] == 1, cancelled
+        await sluice.wait_metric("sluice_polled_calls", 0)
+        await sluice.wait_metric("sluice_inflight_requests", 0, route="tools")
+        await wait_until(lambda: _completed(sluice, "poll_send"), what="the call's end")
+        [ended] = _completed(sluice, "poll_send")
+        assert ended["outcome"] == "run_cancelled", ended
+        # Its key is free: the same call, in another run, is sent again (not replayed).
+        again = {**headers, "X-Run-ID": "r2"}
+        last_id = await _closed_for_polling(http, url, again, mcp_servers.tool_call(
+            3, "poll_send", to="ops", seconds=0.1))
+        assert '"sent #2"' in await _resumed(http, url, {**again, "Last-Event-ID": last_id})
+    await sluice.wait_metric("sluice_polled_calls", 0)
+    assert await sluice.metric("sluice_idempotent_replays_total", route="tools") == 0
+
+
+async def test_a_retry_of_a_polled_call_still_running_waits_for_its_answer(
+        mcp_server_factory, start_sluice):
+    """A client's retry of a polled call whose tool still runs (its timeout, then the same
+    call again) waits for the first call's key and gets its answer replayed, with its own
+    id, once the first call's response comes on the resumed GET: the tool runs once."""
+    server = mcp_server_factory("session", resumable=True)
+    sluice = await start_sluice({"routes": [{
+        "name": "tools", "path_prefix": "/tools/", "upstream": server.base_url,
+        "protocol": "mcp", "idempotency": {"mode": "dedup", "max_wait": "30s"}}]})
+    url = sluice.url + "/tools/mcp"
+    async with aiohttp.ClientSession() as http:
+        headers = await mcp_servers.raw_session(http, url)
+        last_id = await _closed_for_polling(http, url, headers, mcp_servers.tool_call(
+            2, "poll_send", to="ops", seconds=1.0))
+        await sluice.wait_metric("sluice_polled_calls", 1)
+
+        async def retry() -> str:
+            async with http.post(url, json=mcp_servers.tool_call(
+                    3, "poll_send", to="ops", seconds=1.0), headers=headers) as r:
+                return (await r.read()).decode()
+
+        retried = asyncio.create_task(retry())
+        await sluice.wait_metric("sluice_idempotency_waiting", 1, route="tools")
+        first = await _resumed(http, url, {**headers, "Last-Event-ID": last_id})
+        assert '"sent #1"' in first and '"id":2' in first.replace(" ", ""), first
+        again = await retried
+    assert '"sent #1"' in again and '"id":3' in again.replace(" ", ""), again
+    assert server.sends() == 1
+    assert await sluice.metric("sluice_idempotent_replays_total", route="tools") == 1
