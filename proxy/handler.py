@@ -441,6 +441,8 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
             outcome = _delivered_outcome(call, admitted_at)
             return response
         outcome = _answer_outcome(call, response.status, label, admitted_at, response)
+        if request.method == "DELETE" and route.protocol == "mcp" and response.status < 300:
+            _end_session_polls(rt, route, headers.get(mcp.SESSION_HEADER))
         return response
     except (asyncio.CancelledError, ConnectionResetError):
         if finish is not None:
@@ -550,6 +552,20 @@ def _poll_again(rt: Runtime, route: Route, request: web.BaseRequest) -> None:
     except Exception:
         log.exception("route %s: a resumed answer is not noted for its next resume",
                       route.name)
+
+
+def _end_session_polls(rt: Runtime, route: Route, session: str | None) -> None:
+    """The upstream closed MCP ``session`` (its client's DELETE): end the calls of it held
+    for a polled answer (:func:`_hold_polled`), ``client_disconnected``. Nothing can resume
+    their answers now, and held to their bound (600 s without ``timeouts.total``) they kept
+    their slots and keys for nothing (a review)."""
+    if session is None or not rt.polling:
+        return
+    for task, call in list(rt.polling.items()):
+        if call.route == route.name and call.headers.get(mcp.SESSION_HEADER) == session:
+            task.cancel()
+    for key in [key for key in rt.polled if key[0] == route.name and key[1] == session]:
+        del rt.polled[key]
 
 
 def _settle(rt: Runtime, route: Route, call: Call, admission: Admission, outcome: Outcome,
