@@ -348,7 +348,7 @@ class Charge(Meter):
     #: Reservations :meth:`hold_retry` took for retries, settled to nothing when the charge
     #: ends (the call's whole spend settles on ``reservation``). A class-level default: most
     #: calls are never retried.
-    _retry_holds: list[Reservation] | None = None
+    _retry_holds: list[tuple[Budgets, Reservation]] | None = None
 
     async def hold_retry(self) -> None:
         """Hold one more worst case on the budgets before a retry that follows an attempt
@@ -368,12 +368,15 @@ class Charge(Meter):
         if self.reservation is None or call is None:
             return
         cost = self.cost
-        held = await self._acct.budgets.reserve(call.tenant, call.run, cost.model,
-                                                cost.input_tokens, cost.output_cap or 0,
-                                                call.lineage)
+        # On the budgets in force now: a reload since the call's admission may have lowered
+        # them, and this hold is a new admission (held on the old limit, a retry passed the
+        # reloaded budget).
+        budgets = self._acct.budgets.current()
+        held = await budgets.reserve(call.tenant, call.run, cost.model, cost.input_tokens,
+                                     cost.output_cap or 0, call.lineage)
         if self._retry_holds is None:
             self._retry_holds = []
-        self._retry_holds.append(held)
+        self._retry_holds.append((budgets, held))
 
     def release(self, outcome: Outcome | None) -> None:
         """End the charge, once (a :class:`policies.pipeline.Holding`). Never awaits.
@@ -410,8 +413,8 @@ class Charge(Meter):
             self._acct.budgets.settle(reservation, usage)
         retry_holds = self._retry_holds
         if retry_holds is not None:
-            for held in retry_holds:
-                self._acct.budgets.settle(held, None)
+            for budgets, held in retry_holds:
+                budgets.settle(held, None)
         if outcome is None or outcome.label == "rejected":
             return
         model = self.cost.model

@@ -178,6 +178,8 @@ class Budgets:
         self.hold_s = hold_s
         self.background = Background(backends)
         self.reconciler = Reconciler(self)
+        #: The budgets a reload replaced these with (:meth:`take_over`), if any.
+        self.successor: Budgets | None = None
         if backends.redis is not None:
             # Weakly: a reload replaces this object, and the health outlives it.
             reconciler = weakref.ref(self.reconciler)
@@ -195,6 +197,16 @@ class Budgets:
         if self.backends is not old.backends:
             self.backends = old.backends
         self.reconciler.adopt(old.reconciler)
+        old.successor = self
+
+    def current(self) -> Budgets:
+        """The budgets in force on this route now: this object, or the one a reload replaced
+        it with (:meth:`take_over`), for a call admitted before the reload that takes a new
+        hold after it (a retry's, :meth:`policies.accounting.Charge.hold_retry`)."""
+        budgets = self
+        while budgets.successor is not None:
+            budgets = budgets.successor
+        return budgets
 
     # -- admission ----------------------------------------------------------------------------
 

@@ -12,10 +12,14 @@ is resumed. Each case failed before its fix.
 
 from __future__ import annotations
 
+import asyncio
+
 import aiohttp
+from aiohttp import web
 
 from tests import mcp_servers
-from tests.conftest import wait_until
+from tests.conftest import completed_events, route, serve_app, wait_until
+from tests.test_reload import rewrite
 from tests.test_review_mcp_round35 import _closed_for_polling, _completed
 
 mcp_server_factory = mcp_servers.mcp_server_factory
@@ -46,3 +50,55 @@ async def test_a_polled_call_ends_when_its_session_is_closed(mcp_server_factory,
         other = await mcp_servers.raw_session(http, url)
         await _closed_for_polling(http, url, other, mcp_servers.tool_call(3, "poll",
                                                                           seconds=0.1))
+
+
+# -- 2. a retry's budget hold after a reload that lowered the budget ------------------------
+
+
+async def test_a_retrys_hold_after_a_reload_is_held_on_the_reloaded_budget(start_sluice):
+    """Before: the retry's hold was taken on the budget the call was admitted under, with
+    its old limit: a reload lowering ``budget.tokens`` to 1,000 while attempt 1 stalled let
+    attempt 2 be held against 2,000 and sent, and the call was charged two reservations
+    (~1,060 tokens) on the 1,000-token budget in force. Now the hold, an admission taken
+    after the reload, is refused by the budget in force: attempt 2 is not sent."""
+    seen: list[int] = []
+
+    async def chat(request: web.Request) -> web.Response:
+        await request.read()
+        seen.append(1)
+        await asyncio.sleep(10.0)  # never answers within the attempt's bound
+        return web.json_response({"choices": [], "usage": {"prompt_tokens": 7,
+                                                            "completion_tokens": 500}})
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    runner, port = await serve_app(app)
+    try:
+        sluice = await start_sluice({"routes": [route(
+            "openai", f"http://127.0.0.1:{port}", idempotent=True,
+            retry={"attempts": 2, "per_try_timeout": "4s",
+                   "backoff": {"base": "10ms", "max": "20ms"}, "on": ["timeout"]},
+            budget={"tokens": "2000/day", "per": "tenant"})]})
+        body = {"model": "gpt-test", "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 500}
+        async with aiohttp.ClientSession() as s:
+            call = asyncio.create_task(s.post(sluice.url + "/openai/v1/chat/completions",
+                                              json=body, headers={"X-Tenant-ID": "acme"}))
+            await wait_until(lambda: len(seen) == 1, what="attempt 1 at the upstream")
+
+            def lower(data: dict) -> None:
+                data["routes"][0]["budget"]["tokens"] = "1000/day"
+
+            rewrite(sluice.config_path, lower)
+            await sluice.wait_metric("sluice_config_reloads_total", 1)
+            async with await call as r:
+                await r.read()
+                assert r.headers["X-Sluice-Reason"] == "upstream_timeout"
+        done = await completed_events(sluice)
+        assert len(seen) == 1, "attempt 2 was held on the budget before the reload"
+        charged = done[0]["input_tokens"] + done[0]["output_tokens"]
+        assert charged <= 1000, done[0]
+        await sluice.wait_metric("sluice_budget_reserved", 0, route="openai", tenant="acme",
+                                 unit="tokens")
+    finally:
+        await runner.cleanup()
