@@ -340,6 +340,7 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
             held = _call_to_hold(rt, route, tenant, session, cancels)
             if held is not None:
                 return _hold_cancel(rt, route, held, request_id, tenant, run)
+            _end_polled_by_cancel(rt, route, tenant, session, cancels)
 
     client_retry = is_client_retry(headers)
     timeout, timeout_reads = _caller_timeout(request, rt.timeout_header)
@@ -568,6 +569,20 @@ def _end_session_polls(rt: Runtime, route: Route, session: str | None) -> None:
         del rt.polled[key]
 
 
+def _end_polled_by_cancel(rt: Runtime, route: Route, tenant: str, session: str,
+                          rpc_id: mcp.RequestId) -> None:
+    """A client's ``notifications/cancelled`` names a call held for its polled answer that
+    Sluice does not hold the cancel for (:func:`_call_to_hold`: no answer kept for its
+    key): the cancel goes on to the server, which stops the tool, and the client resumes
+    no answer it cancelled, so the hold ends now, ``client_cancelled``; held to its bound
+    (600 s without ``timeouts.total``), it kept its slot for nothing (a review)."""
+    for task, call in list(rt.polling.items()):
+        if (not task.done() and call.cancelled is None
+                and _named_by_cancel(call, route, tenant, session, rpc_id)):
+            rt.cancelled_waiting.add(call)
+            task.cancel()
+
+
 def _settle(rt: Runtime, route: Route, call: Call, admission: Admission, outcome: Outcome,
             admitted_at: float, traffic: mcp.Traffic, left: Outcome | None = None) -> None:
     """The end of every call, run exactly once and never awaiting: give back everything it
@@ -677,6 +692,9 @@ def _polled_end(rt: Runtime, route: Route, call: Call, admission: Admission, end
             if call.cancelled is not None:
                 route.metrics.cancelled("inflight")
                 outcome = Outcome("run_cancelled", call.reached, call.status)
+            elif call in rt.cancelled_waiting:  # its client's cancel (_end_polled_by_cancel)
+                rt.cancelled_waiting.discard(call)
+                outcome = Outcome(CLIENT_CANCELLED.label, call.reached, call.status)
             else:
                 outcome = Outcome("drain_cut" if rt.cutting else "client_disconnected",
                                   call.reached, call.status)
@@ -696,6 +714,7 @@ def _polled_end(rt: Runtime, route: Route, call: Call, admission: Admission, end
         route.present -= 1
         rt.buffered_bytes -= held
         rt.polling.pop(task, None)
+        rt.cancelled_waiting.discard(call)
         call.background = None
 
 

@@ -168,7 +168,8 @@ class Runtime:
         self.admitting: dict[Call, asyncio.Task[Any]] = {}
         #: MCP calls of :attr:`admitting` whose clients cancelled them
         #: (``notifications/cancelled``), their handler tasks cancelled: each handler, seeing
-        #: its call here, answers it "Request cancelled" and takes it out (``proxy.handler``).
+        #: its call here, answers it "Request cancelled" and takes it out (``proxy.handler``);
+        #: and calls of :attr:`polling` so cancelled, their holds ended ``client_cancelled``.
         self.cancelled_waiting: set[Call] = set()
         #: MCP calls admitted and not finished, each with its handler's task: what
         #: :meth:`end_mcp_calls` ends when the drain cuts.

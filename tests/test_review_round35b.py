@@ -8,6 +8,14 @@ is resumed. Each case failed before its fix.
    server answers a GET of it 404), so a tool limited to one call at a time refused every
    other session's call ``queue_full`` for ten minutes. It now ends when its session is
    closed, ``client_disconnected``.
+2. A retry's budget hold (after an unanswered attempt) was taken on the budgets its call
+   was admitted under: a reload that lowered the budget while attempt 1 stalled let the
+   retry be held against the old limit, sent, and charged past the budget in force. The
+   hold is now taken on the budgets in force.
+3. A call held for its polled answer on a route that keeps no answer for its key, whose
+   client cancels it (``notifications/cancelled``, forwarded: the server stops the tool),
+   was held on, slot and all, until its bound: its client resumes no answer it cancelled.
+   It now ends with the cancel, ``client_cancelled``.
 """
 
 from __future__ import annotations
@@ -102,3 +110,35 @@ async def test_a_retrys_hold_after_a_reload_is_held_on_the_reloaded_budget(start
                                  unit="tokens")
     finally:
         await runner.cleanup()
+
+
+# -- 3. a held polled call its client cancels -----------------------------------------------
+
+
+async def test_a_polled_call_its_client_cancels_ends_with_the_cancel(mcp_server_factory,
+                                                                    start_sluice):
+    """Before: after the client's ``notifications/cancelled`` (forwarded, 202), the call
+    stayed held (``sluice_polled_calls`` 1) and the tool's one slot refused the next call
+    ``queue_full`` until the default 600 s bound."""
+    server = mcp_server_factory("session", resumable=True)
+    sluice = await start_sluice({"routes": [{
+        "name": "tools", "path_prefix": "/tools/", "upstream": server.base_url,
+        "protocol": "mcp", "tools": {"poll": {"concurrency": {"limit": 1, "queue": 0}}}}]})
+    url = sluice.url + "/tools/mcp"
+    async with aiohttp.ClientSession() as http:
+        headers = await mcp_servers.raw_session(http, url)
+        await _closed_for_polling(http, url, headers, mcp_servers.tool_call(2, "poll",
+                                                                            seconds=10))
+        await sluice.wait_metric("sluice_polled_calls", 1)
+        cancel = {"jsonrpc": "2.0", "method": "notifications/cancelled",
+                  "params": {"requestId": 2, "reason": "the user gave up"}}
+        async with http.post(url, json=cancel, headers=headers) as r:
+            assert r.status == 202, r.status
+        await sluice.wait_metric("sluice_polled_calls", 0, timeout=5)
+        await sluice.wait_metric("sluice_inflight_requests", 0, route="tools")
+        await wait_until(lambda: _completed(sluice, "poll"), what="the call's end")
+        [ended] = _completed(sluice, "poll")
+        assert ended["outcome"] == "client_cancelled", ended
+        # Its slot is free: the next call is sent, not refused queue_full.
+        await _closed_for_polling(http, url, headers, mcp_servers.tool_call(3, "poll",
+                                                                            seconds=0.1))
