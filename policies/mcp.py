@@ -584,8 +584,13 @@ class AnswerTracker:
         #: 16 KB chunks took 3-4 s instead of 0.5 (a review).
         self._parts: list[bytes] = []
         self._data: list[bytes] = []
-        #: SSE: the last event id the answer set (WHATWG ``id`` field; ``b""`` for none).
+        #: SSE: the last event id the answer set (WHATWG ``id`` field; ``b""`` for none), as
+        #: a client has it: taken when its event ends (is dispatched), not at its ``id``
+        #: line. A client cut inside an event resumes from the id before it, and noted under
+        #: the half event's id, its call was never found again (a review).
         self.last_event_id = b""
+        #: SSE: an ``id`` field of the event still being read, not yet in effect.
+        self._id_pending: bytes | None = None
 
     @property
     def resumable(self) -> bool:
@@ -598,7 +603,7 @@ class AnswerTracker:
     def between_events(self) -> bool:
         """An SSE answer whose bytes so far end where a new event may begin (no part of a
         line or of an event's data pending): an event written now would arrive whole."""
-        return self.sse and not self._buf and not self._data
+        return self.sse and not self._buf and not self._data and self._id_pending is None
 
     def begin(self, status: int, reason: str | None, headers: object) -> None:
         """The answer's status line and headers (the relay's capture interface): the
@@ -678,6 +683,8 @@ class AnswerTracker:
 
     def _line(self, line: bytes, offset: int) -> None:
         if not line:
+            if self._id_pending is not None:  # the event is dispatched: its id takes effect
+                self.last_event_id, self._id_pending = self._id_pending, None
             if self._data:
                 self._event(b"\n".join(self._data), offset)
                 self._data = []
@@ -689,7 +696,7 @@ class AnswerTracker:
         if field == b"data":
             self._data.append(value)
         elif field == b"id" and b"\0" not in value:
-            self.last_event_id = value
+            self._id_pending = value
 
     def _event(self, data: bytes, offset: int) -> None:
         doc = _loads_or_none(data)  # not JSON (a priming event's data is empty): not it

@@ -16,6 +16,10 @@ is resumed. Each case failed before its fix.
    client cancels it (``notifications/cancelled``, forwarded: the server stops the tool),
    was held on, slot and all, until its bound: its client resumes no answer it cancelled.
    It now ends with the cancel, ``client_cancelled``.
+4. Sluice noted a polled call under the ``id`` of an event it had only begun to read, where a
+   client resumes from the id of the last event it got whole: a resumed GET cut inside the
+   response's event, resumed again, was taken for a plain stream, and the call stayed held
+   until its bound though its response had come. An event's id now takes effect at its end.
 """
 
 from __future__ import annotations
@@ -142,3 +146,54 @@ async def test_a_polled_call_its_client_cancels_ends_with_the_cancel(mcp_server_
         # Its slot is free: the next call is sent, not refused queue_full.
         await _closed_for_polling(http, url, headers, mcp_servers.tool_call(3, "poll",
                                                                             seconds=0.1))
+
+
+# -- 4. a resumed GET cut inside an event, then resumed again -------------------------------
+
+
+async def test_a_resume_cut_inside_an_event_is_followed_when_resumed_again(start_sluice):
+    """A client resumes from the id of the last event it *received whole* (WHATWG: an
+    event's id takes effect when the event is dispatched; one cut before its end is
+    dropped, its id too). Before: Sluice noted the call under the id line of the event cut
+    in half (``e2``), so the client's next GET (``Last-Event-ID: e1``) was taken for a plain
+    stream: the response it carried ended nothing, and the call stayed held, slot and all,
+    until its bound (600 s)."""
+    gets: list[str] = []
+
+    async def mcp(request: web.Request) -> web.StreamResponse:
+        if request.method == "POST":
+            await request.read()  # closed early for polling: a priming event, then the end
+            return web.Response(body=b"id: e1\ndata: \n\n", content_type="text/event-stream")
+        gets.append(request.headers.get("Last-Event-ID", ""))
+        response = b'id: e2\ndata: {"jsonrpc":"2.0","id":2,"result":{"content":[]}}\n\n'
+        if len(gets) == 1:  # the first resume ends inside the response's event
+            return web.Response(body=response[:30], content_type="text/event-stream")
+        return web.Response(body=response, content_type="text/event-stream")
+
+    app = web.Application()
+    app.router.add_route("*", "/mcp", mcp)
+    runner, port = await serve_app(app)
+    try:
+        sluice = await start_sluice({"routes": [{
+            "name": "tools", "path_prefix": "/tools/", "upstream": f"http://127.0.0.1:{port}",
+            "protocol": "mcp", "tools": {"poll": {"concurrency": {"limit": 1, "queue": 0}}}}]})
+        url = sluice.url + "/tools/mcp"
+        async with aiohttp.ClientSession() as http:
+            headers = {"Accept": "application/json, text/event-stream"}
+            async with http.post(url, json=mcp_servers.tool_call(2, "poll"),
+                                 headers=headers) as r:
+                assert await r.read() == b"id: e1\ndata: \n\n"
+            await sluice.wait_metric("sluice_polled_calls", 1)
+            resume = {"Accept": "text/event-stream", "Last-Event-ID": "e1"}
+            async with http.get(url, headers=resume) as r:
+                assert b'"result"' not in await r.read()  # cut inside the event
+            async with http.get(url, headers=resume) as r:  # e2 never arrived whole
+                assert b'"result"' in await r.read()
+            assert gets == ["e1", "e1"]
+            await sluice.wait_metric("sluice_polled_calls", 0, timeout=5)
+            await sluice.wait_metric("sluice_inflight_requests", 0, route="tools")
+            await wait_until(lambda: _completed(sluice, "poll"), what="the call's end")
+            [ended] = _completed(sluice, "poll")
+            assert ended["outcome"] == "2xx", ended
+    finally:
+        await runner.cleanup()
