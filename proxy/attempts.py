@@ -720,3 +720,62 @@ def _dead_lettered(rt: Runtime, route: Route, call: Call, reason: str, attempts:
 
 def _unhold(rt: Runtime, held: int, write: asyncio.Future[int]) -> None:
     rt.buffered_bytes -= held
+
+
+def fetch_held_answer(rt: Runtime, route: Route, call: Call) -> None:
+    """A client's cancel of ``call``, held for its polled answer (``proxy.handler``), was
+    held too: the tool runs on so that the client's retry gets its answer from the call's
+    key. That answer comes only on a GET resuming it, which a client that cancelled the
+    call never sends: held to its bound (600 s without ``timeouts.total``), the call kept
+    its key, its retries were refused ``idempotency_conflict`` and the tool's result was
+    lost (a review). So Sluice resumes it itself (:func:`_fetch_held`), from the event id
+    the call was noted under; a client's own GET from it is then a plain stream. Nothing
+    for a call not held so."""
+    session = call.headers.get(SESSION_HEADER) or ""
+    for key, polled in rt.polled.items():
+        if (key[0] == route.name and key[1] == session and polled.waiter is not None
+                and polled.rpc_id == call.rpc_id and type(polled.rpc_id) is type(call.rpc_id)):
+            del rt.polled[key]
+            waiter = polled.waiter
+            task = asyncio.create_task(_fetch_held(rt, route, call, polled, key[2]))
+            # Ended with the hold: its response, its bound, its run's cancel, the drain.
+            waiter.add_done_callback(functools.partial(_cancel, task))
+            return
+
+
+def _cancel(task: asyncio.Task[None], _done: asyncio.Future[None]) -> None:
+    task.cancel()
+
+
+async def _fetch_held(rt: Runtime, route: Route, call: Call, polled: Polled,
+                      event_id: str) -> None:
+    """Resume ``polled``'s answer from ``event_id`` with a GET of Sluice's own (the call's
+    headers, as its client would resume it) and feed it to the call's key up to the
+    call's response (:meth:`Polled.respond`, which ends the hold)."""
+    headers = fwd.upstream_headers_of(call.headers, route.request_drop)
+    if route.own_credentials:
+        headers.popall(hdrs.AUTHORIZATION, None)
+    for name in (hdrs.CONTENT_TYPE, hdrs.CONTENT_LENGTH, IDEMPOTENCY_HEADER):
+        headers.popall(name, None)
+    headers[hdrs.ACCEPT] = "text/event-stream"
+    headers[LAST_EVENT_ID_HEADER] = event_id
+    url = URL(route.upstream_base + call.path[route.cut:], encoded=True)
+    timeouts = route.config.timeouts
+    try:
+        async with rt.session.get(url, headers=headers, timeout=client_timeout(
+                None, timeouts.connect, sock_read=timeouts.idle)) as response:
+            if response.status >= 300 or not is_sse(response.headers.get("Content-Type")):
+                log.info("route %s: call %s's held answer was not resumed (%d)", route.name,
+                         call.request_id, response.status, extra=PER_CALL)
+                return
+            tracker = AnswerTracker(response.headers.get("Content-Type"), polled.rpc_id)
+            async for chunk in response.content.iter_any():
+                polled.feed(chunk)
+                if tracker.feed(chunk) is not None:
+                    polled.respond()
+                    return
+        polled.capture = None  # ended without the response: nothing is kept for the key
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        polled.capture = None
+        log.info("route %s: call %s's held answer was not resumed: %r", route.name,
+                 call.request_id, exc, extra=PER_CALL)

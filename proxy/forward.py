@@ -334,6 +334,13 @@ def upstream_headers(request: web.BaseRequest, drop: frozenset[str] = _REQUEST_D
     return headers
 
 
+def upstream_headers_of(headers: CIMultiDictProxy[str], drop: frozenset[str] = _REQUEST_DROP
+                        ) -> CIMultiDict[str]:
+    """A request's ``headers`` as they go upstream, less ``drop``, for a request Sluice
+    makes on a call's behalf (no peer to name in ``X-Forwarded-For``)."""
+    return _copy_headers(headers, drop)
+
+
 def upstream_url(origin_and_base: str, rest: str) -> URL:
     """The upstream URL for the path ``rest`` (already stripped of the route prefix).
 

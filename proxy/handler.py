@@ -1113,6 +1113,8 @@ def _hold_cancel(rt: Runtime, route: Route, call: Call, request_id: str, tenant:
     ``sluice_requests_total{outcome="cancel_held"}`` and logged as a ``cancel_held`` event
     carrying the call's key and ``call_request_id``."""
     route.metrics.outcomes["cancel_held"].inc()
+    if call in rt.polling.values():  # held for its polled answer, which its client won't fetch
+        attempts.fetch_held_answer(rt, route, call)
     rt.events.emit("cancel_held", request_id, route.name, tenant, run, call.idempotency_key,
                    status=202, call_request_id=call.request_id, mcp_method=mcp.CANCELLED,
                    **_operation(call))

@@ -20,6 +20,11 @@ is resumed. Each case failed before its fix.
    client resumes from the id of the last event it got whole: a resumed GET cut inside the
    response's event, resumed again, was taken for a plain stream, and the call stayed held
    until its bound though its response had come. An event's id now takes effect at its end.
+5. On a ``dedup`` route a client's cancel of a call held for its polled answer is held too
+   (the tool runs on, for the retry to get its answer), but that answer comes only on a GET
+   resuming it, which the cancelling client never sends: the retry was refused
+   ``idempotency_conflict`` and the key held until the bound (600 s). Sluice now resumes
+   the answer itself.
 """
 
 from __future__ import annotations
@@ -197,3 +202,42 @@ async def test_a_resume_cut_inside_an_event_is_followed_when_resumed_again(start
             assert ended["outcome"] == "2xx", ended
     finally:
         await runner.cleanup()
+
+
+# -- 5. a held cancel of a polled call, then the client's retry -----------------------------
+
+
+async def test_a_retry_after_a_held_cancel_of_a_polled_call_gets_its_answer(
+        mcp_server_factory, start_sluice):
+    """On a ``dedup`` route Sluice holds a client's cancel of a call whose answer it keeps
+    (202, not forwarded) so that the tool runs to its end and the client's retry gets its
+    answer. A polled call's answer comes only on a GET resuming it, which a client that
+    cancelled the call never sends: the retry waited for a twin held until its bound (600
+    s), and was refused when its own wait ended, the tool's result lost."""
+    server = mcp_server_factory("session", resumable=True)
+    sluice = await start_sluice({"routes": [{
+        "name": "tools", "path_prefix": "/tools/", "upstream": server.base_url,
+        "protocol": "mcp", "idempotency": {"mode": "dedup", "max_wait": "8s"}}]})
+    url = sluice.url + "/tools/mcp"
+    async with aiohttp.ClientSession() as http:
+        headers = await mcp_servers.raw_session(http, url)
+        await _closed_for_polling(http, url, headers, mcp_servers.tool_call(
+            2, "poll_send", to="ops", seconds=0.5))
+        await sluice.wait_metric("sluice_polled_calls", 1)
+        cancel = {"jsonrpc": "2.0", "method": "notifications/cancelled",
+                  "params": {"requestId": 2, "reason": "timed out"}}
+        async with http.post(url, json=cancel, headers=headers) as r:
+            assert r.status == 202, r.status
+        assert await sluice.metric("sluice_requests_total", route="tools",
+                                   outcome="cancel_held") == 1
+        async with http.post(url, json=mcp_servers.tool_call(3, "poll_send", to="ops",
+                                                             seconds=0.5),
+                             headers=headers) as r:
+            again = (await r.read()).decode()
+    assert '"sent #1"' in again, again
+    assert server.sends() == 1
+    await sluice.wait_metric("sluice_polled_calls", 0)
+    await sluice.wait_metric("sluice_inflight_requests", 0, route="tools")
+    await wait_until(lambda: _completed(sluice, "poll_send"), what="the call's end")
+    [ended] = _completed(sluice, "poll_send")
+    assert ended["outcome"] == "2xx", ended
