@@ -779,3 +779,7 @@ async def _fetch_held(rt: Runtime, route: Route, call: Call, polled: Polled,
         polled.capture = None
         log.info("route %s: call %s's held answer was not resumed: %r", route.name,
                  call.request_id, exc, extra=PER_CALL)
+    except Exception:  # nobody awaits this task: logged here, and the hold ends at its bound
+        polled.capture = None
+        log.exception("route %s: call %s's held answer was not resumed", route.name,
+                      call.request_id)
