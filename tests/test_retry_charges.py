@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
 import aiohttp
 import pytest
@@ -95,6 +95,24 @@ async def test_retries_that_got_a_5xx_then_no_connection_charge_nothing(upstream
 
 
 @contextlib.asynccontextmanager
+async def retried_chat(start_sluice, chat: Callable[[web.Request], Awaitable[web.StreamResponse]],
+                       retry: dict, budget: str, state: dict | None = None
+                       ) -> AsyncIterator[SluiceProcess]:
+    """A Sluice whose ``openai`` route (idempotent, ``retry``, ``budget`` tokens per tenant,
+    on ``state``, memory by default) forwards to an upstream answering
+    ``POST /v1/chat/completions`` with ``chat``."""
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    runner, port = await serve_app(app)
+    try:
+        yield await start_sluice({"state": state or {"backend": "memory"}, "routes": [route(
+            "openai", f"http://127.0.0.1:{port}", idempotent=True, retry=retry,
+            budget={"tokens": budget, "per": "tenant"})]})
+    finally:
+        await runner.cleanup()
+
+
+@contextlib.asynccontextmanager
 async def _first_attempt_timed_out(start_sluice, later: Callable[[], web.Response],
                                    on: list[object], budget: str = "100000/day",
                                    state: dict | None = None,
@@ -113,18 +131,11 @@ async def _first_attempt_timed_out(start_sluice, later: Callable[[], web.Respons
             return web.json_response(USAGE_7_11)
         return later()
 
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", chat)
-    runner, port = await serve_app(app)
-    try:
-        yield await start_sluice({"state": state or {"backend": "memory"},
-                                  "routes": [route(
-            "openai", f"http://127.0.0.1:{port}", idempotent=True,
-            retry={"attempts": 2, "per_try_timeout": "500ms",
-                   "backoff": {"base": "10ms", "max": "20ms"}, "on": on},
-            budget={"tokens": budget, "per": "tenant"})]}), seen
-    finally:
-        await runner.cleanup()
+    async with retried_chat(start_sluice, chat,
+                            {"attempts": 2, "per_try_timeout": "500ms",
+                             "backoff": {"base": "10ms", "max": "20ms"}, "on": on},
+                            budget, state) as sluice:
+        yield sluice, seen
 
 
 async def _chat(sluice: SluiceProcess) -> int:

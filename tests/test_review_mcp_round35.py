@@ -141,15 +141,40 @@ async def test_a_call_whose_upstream_is_unreachable_is_answered_as_a_jsonrpc_err
     assert ended["outcome"] == "upstream_error" and ended["status"] == 502
 
 
+#: ``tools`` giving ``poll`` one slot and no queue: a second call at once is refused.
+ONE_POLL = {"poll": {"concurrency": {"limit": 1, "queue": 0}}}
+
+
+async def polling_sluice(mcp_server_factory: Any, start_sluice: Any,
+                         env: dict[str, str] | None = None,
+                         **policies: object) -> tuple[Any, Any]:
+    """The resumable session-mode server, which closes a call's answer early for polling
+    (its ``poll`` and ``poll_send`` tools), behind a Sluice whose ``mcp`` route ``tools``
+    (``/tools/``) has ``policies``: the server and the Sluice."""
+    server = mcp_server_factory("session", resumable=True)
+    route = {"name": "tools", "path_prefix": "/tools/", "upstream": server.base_url,
+             "protocol": "mcp", **policies}
+    extra = {"env": env} if env is not None else {}
+    return server, await start_sluice({"routes": [route]}, **extra)
+
+
+async def held_poll(http: aiohttp.ClientSession, url: str, sluice: Any) -> dict[str, str]:
+    """A session on ``url`` whose ``poll`` call (id 2, 10 s) the server closed early for
+    polling, now held by ``sluice`` for its response: the session's headers."""
+    headers = await mcp_servers.raw_session(http, url)
+    await _closed_for_polling(http, url, headers, mcp_servers.tool_call(2, "poll",
+                                                                        seconds=10))
+    await sluice.wait_metric("sluice_polled_calls", 1)
+    return headers
+
+
 async def test_a_polled_calls_answer_is_kept_for_its_key(mcp_server_factory, start_sluice):
     """Before: ``sent #2``: the second identical call ran the tool again; a call answered on
     its POST is replayed (``sent #1``)."""
     from mcp import Client
 
-    server = mcp_server_factory("session", resumable=True)
-    sluice = await start_sluice({"routes": [{
-        "name": "tools", "path_prefix": "/tools/", "upstream": server.base_url,
-        "protocol": "mcp", "idempotency": {"mode": "dedup", "max_wait": "30s"}}]})
+    server, sluice = await polling_sluice(mcp_server_factory, start_sluice,
+                                          idempotency={"mode": "dedup", "max_wait": "30s"})
     async with Client(sluice.url + "/tools/mcp", mode="legacy") as client:
         first = await client.call_tool("poll_send", {"to": "ops", "seconds": 0.3},
                                        read_timeout_seconds=20)
@@ -168,10 +193,7 @@ async def test_a_polled_call_holds_its_tools_slot_while_its_tool_runs(mcp_server
     GET: its ``completed`` event is written then, once, and not when its POST closed."""
     from mcp import Client, MCPError
 
-    server = mcp_server_factory("session", resumable=True)
-    sluice = await start_sluice({"routes": [{
-        "name": "tools", "path_prefix": "/tools/", "upstream": server.base_url,
-        "protocol": "mcp", "tools": {"poll": {"concurrency": {"limit": 1, "queue": 0}}}}]})
+    _, sluice = await polling_sluice(mcp_server_factory, start_sluice, tools=ONE_POLL)
 
     def completed() -> list[dict]:
         return [e for e in sluice.events() if e["event"] == "completed"
@@ -292,17 +314,13 @@ async def test_a_polled_call_never_resumed_is_ended_at_its_timeouts_total(
     """A polled call whose client never resumes its answer holds its slot until its tool's
     ``timeouts.total`` (from its sending) has passed, then ends ``upstream_timeout``: one
     ``completed`` event, nothing left in flight, the slot free again."""
-    server = mcp_server_factory("session", resumable=True)
-    sluice = await start_sluice({"routes": [{
-        "name": "tools", "path_prefix": "/tools/", "upstream": server.base_url,
-        "protocol": "mcp", "tools": {"poll": {"timeouts": {"total": "1.5s"},
-                                              "concurrency": {"limit": 1, "queue": 0}}}}]})
+    _, sluice = await polling_sluice(
+        mcp_server_factory, start_sluice,
+        tools={"poll": {"timeouts": {"total": "1.5s"},
+                        "concurrency": {"limit": 1, "queue": 0}}})
     url = sluice.url + "/tools/mcp"
     async with aiohttp.ClientSession() as http:
-        headers = await mcp_servers.raw_session(http, url)
-        await _closed_for_polling(http, url, headers, mcp_servers.tool_call(2, "poll",
-                                                                            seconds=10))
-        await sluice.wait_metric("sluice_polled_calls", 1)
+        headers = await held_poll(http, url, sluice)
         assert await sluice.metric("sluice_inflight_requests", route="tools") == 1
         assert _completed(sluice, "poll") == []  # not over when its POST closed
         async with http.post(url, json=mcp_servers.tool_call(3, "poll", seconds=0),
@@ -325,10 +343,8 @@ async def test_a_polled_call_never_resumed_is_ended_at_its_timeouts_total(
 async def test_a_polled_call_ends_with_its_runs_cancel(mcp_server_factory, start_sluice):
     """A run's cancel reaches a call held for its polled answer: it ends ``run_cancelled``,
     and gives back its key at once (nothing kept for it)."""
-    server = mcp_server_factory("session", resumable=True)
-    sluice = await start_sluice({"routes": [{
-        "name": "tools", "path_prefix": "/tools/", "upstream": server.base_url,
-        "protocol": "mcp", "idempotency": {"mode": "dedup", "max_wait": "30s"}}]},
+    _, sluice = await polling_sluice(
+        mcp_server_factory, start_sluice, idempotency={"mode": "dedup", "max_wait": "30s"},
         env={"SLUICE_ADMIN_TOKEN": "trial-poll-token"})
     url = sluice.url + "/tools/mcp"
     async with aiohttp.ClientSession() as http:
@@ -359,10 +375,8 @@ async def test_a_retry_of_a_polled_call_still_running_waits_for_its_answer(
     """A client's retry of a polled call whose tool still runs (its timeout, then the same
     call again) waits for the first call's key and gets its answer replayed, with its own
     id, once the first call's response comes on the resumed GET: the tool runs once."""
-    server = mcp_server_factory("session", resumable=True)
-    sluice = await start_sluice({"routes": [{
-        "name": "tools", "path_prefix": "/tools/", "upstream": server.base_url,
-        "protocol": "mcp", "idempotency": {"mode": "dedup", "max_wait": "30s"}}]})
+    server, sluice = await polling_sluice(mcp_server_factory, start_sluice,
+                                          idempotency={"mode": "dedup", "max_wait": "30s"})
     url = sluice.url + "/tools/mcp"
     async with aiohttp.ClientSession() as http:
         headers = await mcp_servers.raw_session(http, url)

@@ -20,8 +20,13 @@ from policies.idempotency import Idempotency
 from policies.reasons import Reason
 from policies.state import redact_url
 from proxy.redact import redact
-from tests.conftest import completed_events, route, serve_app
-from tests.test_retry_charges import ok_upstream, post_up_for_attempt_two, raw_chat
+from tests.conftest import completed_events, route
+from tests.test_retry_charges import (
+    ok_upstream,
+    post_up_for_attempt_two,
+    raw_chat,
+    retried_chat,
+)
 
 CHAT = "/openai/v1/chat/completions"
 
@@ -133,16 +138,11 @@ async def test_retried_attempts_are_held_within_the_budget(start_sluice) -> None
         return web.json_response({"choices": [], "usage": {"prompt_tokens": 7,
                                                             "completion_tokens": 500}})
 
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", chat)
-    runner, port = await serve_app(app)
-    try:
-        limit = 1200
-        sluice = await start_sluice({"routes": [route(
-            "openai", f"http://127.0.0.1:{port}", idempotent=True,
-            retry={"attempts": 3, "per_try_timeout": "300ms",
-                   "backoff": {"base": "10ms", "max": "20ms"}, "on": ["timeout"]},
-            budget={"tokens": f"{limit}/day", "per": "tenant"})]})
+    limit = 1200
+    async with retried_chat(start_sluice, chat,
+                            {"attempts": 3, "per_try_timeout": "300ms",
+                             "backoff": {"base": "10ms", "max": "20ms"}, "on": ["timeout"]},
+                            f"{limit}/day") as sluice:
         body = {"model": "gpt-test", "messages": [{"role": "user", "content": "hi"}],
                 "max_tokens": 500}
         async with aiohttp.ClientSession() as s, s.post(
@@ -160,8 +160,6 @@ async def test_retried_attempts_are_held_within_the_budget(start_sluice) -> None
         remaining = await sluice.metric("sluice_budget_remaining", route="openai",
                                         tenant="acme", unit="tokens")
         assert remaining == limit - charged
-    finally:
-        await runner.cleanup()
 
 
 # -- 5. test infrastructure: ports below the ephemeral range --------------------------------
@@ -203,15 +201,10 @@ async def test_a_timed_out_stream_attempt_is_charged_its_reservation_if_its_call
         await asyncio.sleep(2.0)  # generates (and bills) after Sluice stopped waiting
         return web.json_response({"choices": []})
 
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", chat)
-    runner, port = await serve_app(app)
-    try:
-        sluice = await start_sluice({"routes": [route(
-            "openai", f"http://127.0.0.1:{port}", idempotent=True,
-            retry={"attempts": 2, "per_try_timeout": "300ms",
-                   "backoff": {"base": "30s", "max": "30s"}, "on": ["timeout"]},
-            budget={"tokens": "100000/day", "per": "tenant"})]})
+    async with retried_chat(start_sluice, chat,
+                            {"attempts": 2, "per_try_timeout": "300ms",
+                             "backoff": {"base": "30s", "max": "30s"}, "on": ["timeout"]},
+                            "100000/day") as sluice:
         # The back-off is full jitter, uniform(0, 30 s): a wait too short to leave in
         # (about one in thirty) sends attempt 2 first; then the case is tried again.
         for trial in range(3):
@@ -237,8 +230,6 @@ async def test_a_timed_out_stream_attempt_is_charged_its_reservation_if_its_call
         assert (event["usage"], event["output_tokens"]) == ("reserved", 500), (
             f"charged {event['input_tokens']} + {event['output_tokens']} tokens "
             f"({event['usage']}) for an attempt that timed out upstream")
-    finally:
-        await runner.cleanup()
 
 
 async def test_a_replayed_dead_letter_keeps_a_search_query_that_begins_with_basic(

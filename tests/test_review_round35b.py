@@ -35,9 +35,16 @@ import aiohttp
 from aiohttp import web
 
 from tests import mcp_servers
-from tests.conftest import completed_events, route, serve_app, wait_until
+from tests.conftest import completed_events, serve_app, wait_until
 from tests.test_reload import rewrite
-from tests.test_review_mcp_round35 import _closed_for_polling, _completed
+from tests.test_retry_charges import retried_chat
+from tests.test_review_mcp_round35 import (
+    ONE_POLL,
+    _closed_for_polling,
+    _completed,
+    held_poll,
+    polling_sluice,
+)
 
 mcp_server_factory = mcp_servers.mcp_server_factory
 
@@ -46,16 +53,10 @@ async def test_a_polled_call_ends_when_its_session_is_closed(mcp_server_factory,
                                                              start_sluice):
     """Before: after the DELETE, ``sluice_polled_calls`` stayed 1 and the next session's
     ``poll`` was refused ``queue_full`` (held until the default 600 s bound)."""
-    server = mcp_server_factory("session", resumable=True)
-    sluice = await start_sluice({"routes": [{
-        "name": "tools", "path_prefix": "/tools/", "upstream": server.base_url,
-        "protocol": "mcp", "tools": {"poll": {"concurrency": {"limit": 1, "queue": 0}}}}]})
+    _, sluice = await polling_sluice(mcp_server_factory, start_sluice, tools=ONE_POLL)
     url = sluice.url + "/tools/mcp"
     async with aiohttp.ClientSession() as http:
-        headers = await mcp_servers.raw_session(http, url)
-        await _closed_for_polling(http, url, headers, mcp_servers.tool_call(2, "poll",
-                                                                            seconds=10))
-        await sluice.wait_metric("sluice_polled_calls", 1)
+        headers = await held_poll(http, url, sluice)
         async with http.delete(url, headers=headers) as r:
             assert r.status < 300, r.status
         await sluice.wait_metric("sluice_polled_calls", 0, timeout=5)
@@ -87,15 +88,10 @@ async def test_a_retrys_hold_after_a_reload_is_held_on_the_reloaded_budget(start
         return web.json_response({"choices": [], "usage": {"prompt_tokens": 7,
                                                             "completion_tokens": 500}})
 
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", chat)
-    runner, port = await serve_app(app)
-    try:
-        sluice = await start_sluice({"routes": [route(
-            "openai", f"http://127.0.0.1:{port}", idempotent=True,
-            retry={"attempts": 2, "per_try_timeout": "4s",
-                   "backoff": {"base": "10ms", "max": "20ms"}, "on": ["timeout"]},
-            budget={"tokens": "2000/day", "per": "tenant"})]})
+    async with retried_chat(start_sluice, chat,
+                            {"attempts": 2, "per_try_timeout": "4s",
+                             "backoff": {"base": "10ms", "max": "20ms"}, "on": ["timeout"]},
+                            "2000/day") as sluice:
         body = {"model": "gpt-test", "messages": [{"role": "user", "content": "hi"}],
                 "max_tokens": 500}
         async with aiohttp.ClientSession() as s:
@@ -117,8 +113,6 @@ async def test_a_retrys_hold_after_a_reload_is_held_on_the_reloaded_budget(start
         assert charged <= 1000, done[0]
         await sluice.wait_metric("sluice_budget_reserved", 0, route="openai", tenant="acme",
                                  unit="tokens")
-    finally:
-        await runner.cleanup()
 
 
 # -- 3. a held polled call its client cancels -----------------------------------------------
@@ -129,16 +123,10 @@ async def test_a_polled_call_its_client_cancels_ends_with_the_cancel(mcp_server_
     """Before: after the client's ``notifications/cancelled`` (forwarded, 202), the call
     stayed held (``sluice_polled_calls`` 1) and the tool's one slot refused the next call
     ``queue_full`` until the default 600 s bound."""
-    server = mcp_server_factory("session", resumable=True)
-    sluice = await start_sluice({"routes": [{
-        "name": "tools", "path_prefix": "/tools/", "upstream": server.base_url,
-        "protocol": "mcp", "tools": {"poll": {"concurrency": {"limit": 1, "queue": 0}}}}]})
+    _, sluice = await polling_sluice(mcp_server_factory, start_sluice, tools=ONE_POLL)
     url = sluice.url + "/tools/mcp"
     async with aiohttp.ClientSession() as http:
-        headers = await mcp_servers.raw_session(http, url)
-        await _closed_for_polling(http, url, headers, mcp_servers.tool_call(2, "poll",
-                                                                            seconds=10))
-        await sluice.wait_metric("sluice_polled_calls", 1)
+        headers = await held_poll(http, url, sluice)
         cancel = {"jsonrpc": "2.0", "method": "notifications/cancelled",
                   "params": {"requestId": 2, "reason": "the user gave up"}}
         async with http.post(url, json=cancel, headers=headers) as r:
@@ -214,10 +202,8 @@ async def test_a_retry_after_a_held_cancel_of_a_polled_call_gets_its_answer(
     answer. A polled call's answer comes only on a GET resuming it, which a client that
     cancelled the call never sends: the retry waited for a twin held until its bound (600
     s), and was refused when its own wait ended, the tool's result lost."""
-    server = mcp_server_factory("session", resumable=True)
-    sluice = await start_sluice({"routes": [{
-        "name": "tools", "path_prefix": "/tools/", "upstream": server.base_url,
-        "protocol": "mcp", "idempotency": {"mode": "dedup", "max_wait": "8s"}}]})
+    server, sluice = await polling_sluice(mcp_server_factory, start_sluice,
+                                          idempotency={"mode": "dedup", "max_wait": "8s"})
     url = sluice.url + "/tools/mcp"
     async with aiohttp.ClientSession() as http:
         headers = await mcp_servers.raw_session(http, url)
