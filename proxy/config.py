@@ -38,6 +38,7 @@ from policies.config import (
     Path_,
     cross_checks,
 )
+from policies.wording import counted
 
 # --- YAML with YAML 1.2 scalars, duplicate-key errors and line numbers ----------------------
 
@@ -271,6 +272,11 @@ def _located(err: ValidationError, marks: dict[Path_, int]) -> Iterator[tuple[in
             message = "unknown key (a typo here would silently disable a limit)"
         elif item["type"] == "missing":
             message = "required key is missing"
+        elif item["type"] == "too_short" and "min_length" in item.get("ctx", {}):
+            # pydantic's "List should have at least 1 item after validation, not 0"
+            ctx = item["ctx"]
+            message = (f"needs at least {counted(ctx['min_length'], 'item')}, "
+                       f"has {ctx.get('actual_length', 0) or 'none'}")
         yield _nearest_line(path, marks), f"{_dotted(path)}: {message}"
 
 

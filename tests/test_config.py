@@ -111,6 +111,11 @@ BAD_FILES = [
      ["{f}:1: routes: required key is missing"]),
     ("routes as a mapping", "routes:\n  openai: {path_prefix: /openai/}\n",
      ["{f}:1: routes: Input should be a valid list"]),
+    # Said as pydantic says it, "List should have at least 1 item after validation, not 0",
+    # it read unlike every other line (a new user's trial, round 35).
+    ("empty routes", "routes: []\n", ["{f}:1: routes: needs at least 1 item, has none"]),
+    ("empty retry.on", ROUTE + "    retry: {on: []}\n",
+     ["{f}:5: routes[0].retry.on: needs at least 1 item, has none"]),
     ("empty file", "", ["{f}:1: (top): the file is empty"]),
     ("comments only", "# nothing here\n", ["{f}:1: (top): the file is empty"]),
     ("not a mapping", "- a\n- b\n", ["{f}:1: (top): the file must be a mapping of sections"]),
