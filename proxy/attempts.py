@@ -83,6 +83,9 @@ _NO_RETRY = {"x-should-retry": "false"}
 #: process keeps locked (up to SQLite's 5 s busy timeout a write, one write after another)
 #: held every failing call's slot for as long, and refused healthy calls ``queue_timeout``.
 DEAD_LETTER_WAIT_S = 1.0
+#: How long after an attempt's limit its own timeout scope ends, seconds: aiohttp's bound on
+#: connecting, set to the limit, goes first, so a connection not made in time says so.
+CONNECT_FIRST_S = 0.05
 #: How long a call closed early for polling is held for its response when its attempt had
 #: no total timeout to bound it (``timeouts.total``'s default), seconds.
 POLLED_WAIT_S = 600.0
@@ -544,7 +547,13 @@ async def _attempt(rt: Runtime, route: Route, call: Call, url: URL,
             response = await fwd.send(rt.session, call.method, url, headers, call.body,
                                       timeout)
         else:
-            async with asyncio.timeout(limit):
+            if timeout.connect is None or limit < timeout.connect:
+                # aiohttp bounds connecting within the attempt's limit, and this scope comes
+                # just after it: an attempt cut while its connection was still being made
+                # (an upstream's full accept queue drops the SYN) then reads as never sent,
+                # charged nothing and safe to retry, not as sent and unanswered (a review).
+                timeout = client_timeout(timeout.total, limit, timeout.sock_read)
+            async with asyncio.timeout(limit + CONNECT_FIRST_S):
                 response = await fwd.send(rt.session, call.method, url, headers, call.body,
                                           timeout)
         tries.answered(response)  # first: whatever happens next, the response gets closed

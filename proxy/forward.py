@@ -389,7 +389,9 @@ async def send(
             timeout=client_timeout,
         )
     except TimeoutError as exc:
-        raise Rejected(Reason.UPSTREAM_TIMEOUT, None, "no response headers in time") from exc
+        raise Rejected(Reason.UPSTREAM_TIMEOUT, None, (
+            "no connection to it in time" if isinstance(exc, aiohttp.ConnectionTimeoutError)
+            else "no response headers in time")) from exc
     except aiohttp.ClientError as exc:
         raise Rejected(Reason.UPSTREAM_UNREACHABLE, None, send_failure(exc)) from exc
 

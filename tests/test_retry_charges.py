@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
@@ -289,3 +290,37 @@ async def test_a_retry_after_an_unanswered_attempt_needs_room_in_the_budget(
                                  unit="tokens")
         await sluice.wait_metric("sluice_budget_remaining", 900 - reserved, route="openai",
                                  tenant="acme", unit="tokens")
+
+
+async def test_an_attempt_cut_while_still_connecting_is_not_charged(start_sluice):
+    """``per_try_timeout`` (300 ms) shorter than ``timeouts.connect`` (5 s) passed while
+    the connection was still being made (an upstream whose accept queue is full drops the
+    SYN): nothing was sent, yet each attempt counted as sent and unanswered, charged its
+    whole reservation and held another for its retry (a review, round 34, left then). Such
+    an attempt now reads as never sent: nothing charged, nothing held."""
+    full = socket.socket()
+    full.bind(("127.0.0.1", 0))
+    full.listen(0)  # an accept queue of one, never accepted
+    filler = socket.create_connection(full.getsockname())
+    try:
+        port = full.getsockname()[1]
+        sluice = await start_sluice({"routes": [route(
+            "openai", f"http://127.0.0.1:{port}", idempotent=True,
+            retry={"attempts": 2, "per_try_timeout": "300ms",
+                   "backoff": {"base": "10ms", "max": "20ms"}, "on": ["timeout"]},
+            budget={"tokens": "100000/day", "per": "tenant"})]})
+        async with aiohttp.ClientSession() as s, s.post(
+                sluice.url + CHAT, json={"model": "gpt-test", "max_tokens": 500,
+                                         "messages": [{"role": "user", "content": "hi"}]},
+                headers={"X-Tenant-ID": "acme"}) as r:
+            assert (r.status, r.headers["X-Sluice-Reason"]) == (504, "upstream_timeout")
+            assert "no connection to it in time" in await r.text()
+        [done] = await completed_events(sluice)
+        assert (done["usage"], done["input_tokens"] + done["output_tokens"]) == ("none", 0)
+        assert "unanswered_attempts" not in done
+        remaining = await sluice.metric("sluice_budget_remaining", route="openai",
+                                        tenant="acme", unit="tokens")
+        assert remaining == 100000
+    finally:
+        filler.close()
+        full.close()
