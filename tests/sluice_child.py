@@ -54,12 +54,29 @@ def _start_coverage():  # type: ignore[no-untyped-def]
     import coverage
 
     inherited = coverage.Coverage.current()
-    if inherited is not None:  # the fork server's own, under ``patch = subprocess``
+    if inherited is not None:  # a fork server measured under ``patch = subprocess``
         inherited.stop()
     cov = coverage.Coverage(data_file=data_file, data_suffix=True,
                             config_file=os.path.join(os.getcwd(), "pyproject.toml"))
     cov.start()
     return cov
+
+
+def _start_fork_server() -> None:
+    """Start the fork server (and multiprocessing's resource tracker, which it starts) out
+    of coverage's sight: measured as subprocesses (``patch = subprocess``), they saved their
+    data when they exited with the test run, after it had been combined, and left a
+    ``.coverage.<host>.pid*`` file each behind every run (two new users saw eight). They only
+    fork; each server forked measures itself (:func:`_start_coverage`)."""
+    from multiprocessing import forkserver
+
+    saved = {name: os.environ.pop(name)
+             for name in ("COVERAGE_PROCESS_CONFIG", "COVERAGE_PROCESS_START")
+             if name in os.environ}
+    try:
+        forkserver.ensure_running()
+    finally:
+        os.environ.update(saved)
 
 
 class ForkedSluice:
@@ -73,6 +90,7 @@ class ForkedSluice:
         if ForkedSluice._context is None:
             context = multiprocessing.get_context("forkserver")
             context.set_forkserver_preload(PRELOAD)
+            _start_fork_server()
             ForkedSluice._context = context
         self._process = ForkedSluice._context.Process(
             target=_serve, args=(config_path, stderr_path, cwd, env),
