@@ -1250,13 +1250,13 @@ def _mismatch(claim: Claim) -> Rejected:
         # message speak of an Idempotency-Key it never sent).
         headers = ", ".join(policy.derive_from)
         return Rejected(Reason.IDEMPOTENCY_MISMATCH, None,
-                        f"the idempotency key Sluice derived from this request's {headers} "
-                        "was used with a different method, path or body, or by a caller with "
-                        "other credentials; to run it again, send other values of those "
-                        "headers or an Idempotency-Key of its own")
+                        f"Sluice derived it from this request's {headers}; it was used with "
+                        "a different method, path or body, or by a caller with other "
+                        "credentials; to run it again, send other values of those headers "
+                        "or an Idempotency-Key of its own")
     return Rejected(Reason.IDEMPOTENCY_MISMATCH, None,
-                    "this Idempotency-Key was used with a different method, path or body, "
-                    "or by a caller with other credentials")
+                    "its Idempotency-Key was used with a different method, path or body, or "
+                    "by a caller with other credentials")
 
 
 def replay_response(record: Record) -> web.Response:

@@ -58,7 +58,8 @@ class Reason(enum.Enum):
         "idempotency_conflict", 409, "this Idempotency-Key is held by another request"
     )
     IDEMPOTENCY_MISMATCH = (
-        "idempotency_mismatch", 422, "this Idempotency-Key was already used for another request"
+        "idempotency_mismatch", 422, "this request's idempotency key was already used for "
+        "another request"
     )
     # The request itself cannot be forwarded.
     NO_ROUTE = ("no_route", 404, "no route matches this path; Sluice forwards only to its routes")

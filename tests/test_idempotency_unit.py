@@ -508,5 +508,5 @@ async def test_a_derived_keys_mismatch_names_the_headers_it_was_made_from() -> N
         await policy.admit(call(b'{"a": 2}'))
     assert refused.value.reason is Reason.IDEMPOTENCY_MISMATCH
     assert refused.value.detail.startswith(
-        "the idempotency key Sluice derived from this request's X-Run-ID, X-Step-ID was used")
+        "Sluice derived it from this request's X-Run-ID, X-Step-ID; it was used")
     assert "Idempotency-Key of its own" in refused.value.detail
