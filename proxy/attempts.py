@@ -474,6 +474,13 @@ async def _attempts(rt: Runtime, route: Route, call: Call, url: URL,
                 elif (call.answer_status == SENT_UNANSWERED and call.meter is not None
                       and (refused := await _hold_retry(call)) is not None):
                     tries.stop = refused.reason.code  # budget_exhausted: no room for it
+                    failed = tries.error
+                    if failed is not None:  # said in the answer, not in the dead letter alone
+                        tries.error = Rejected(
+                            failed.reason, failed.retry_after,
+                            f"{failed.detail}; not retried: the budget has no room for "
+                            f"another attempt ({refused.reason.code})",
+                            failed.policy, failed.retry)
                 elif not retry.budget.try_acquire(route.inflight + _queued(route)):
                     tries.stop = "retry_budget"
                     route.metrics.retry_overflow.inc()

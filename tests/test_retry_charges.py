@@ -276,6 +276,10 @@ async def test_a_retry_after_an_unanswered_attempt_needs_room_in_the_budget(
             await r.read()
             assert (r.status, r.headers["X-Sluice-Reason"]) == (504, "upstream_timeout")
             assert r.headers["x-should-retry"] == "false"
+            # Why it was not retried is in the answer (a new user found it only in the
+            # dead letter, round 35).
+            assert ("not retried: the budget has no room for another attempt "
+                    "(budget_exhausted)") in await r.text()
         [done] = await completed_events(sluice)
         assert len(seen) == 1, "attempt 2 was sent with no room left for it"
         reserved = done["input_tokens"] + done["output_tokens"]
