@@ -394,6 +394,12 @@ def _parse_config(text: str, filename: str, base: Path) -> Config:
     if spec is not None:
         at = f"{filename}:{_nearest_line(('identity', 'tenants'), marks)}: identity.tenants"
         config.identity._keys = load_tenants(spec, base, at)
+        if not config.identity._keys and config.identity.unknown_key_tenant is None:
+            # Every caller would be refused 401 unknown_api_key, with nothing in the log: an
+            # empty secret, or a file caught half-written by a reload (a new user's trial).
+            raise ConfigError([f"{at}: the table holds no API key, so every caller would be "
+                               "refused; list at least one digest, or set "
+                               "identity.unknown_key_tenant"])
     _check_sources(config, filename, marks, base)
     return config
 

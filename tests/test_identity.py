@@ -269,3 +269,23 @@ async def test_naming_a_tenants_file_in_a_running_config_reloads_once(upstream, 
         assert await _call(session, sluice.url, {"Authorization": "Bearer sk-team-a"}) == (
             200, "")
     assert await sluice.metric("sluice_config_reloads_total") == 1
+
+
+@pytest.mark.parametrize("table", ["", "# keys go here\n", "{}\n"])
+def test_an_empty_tenants_table_is_refused_unless_unknown_keys_have_a_tenant(
+        tmp_path, capsys, table):
+    """An empty table passed check-config and a reload (logged only as "other sections
+    changed: identity"), after which every caller was refused 401 ``unknown_api_key``: an
+    empty secret, or a file caught half-written, refusing all traffic with nothing in the
+    log (a new user's trial, round 35). Refused now, unless unknown keys have a tenant."""
+    (tmp_path / "tenants.yaml").write_text(table)
+    config = tmp_path / "sluice.yaml"
+    config.write_text("identity:\n  tenants: tenants.yaml\nroutes:\n"
+                      "  - {name: up, path_prefix: /up/, upstream: 'http://127.0.0.1:1'}\n")
+    assert main(["check-config", str(config)]) == 2
+    assert (f"{config}:2: identity.tenants: the table holds no API key, so every caller "
+            "would be refused" in capsys.readouterr().err)
+    config.write_text("identity:\n  tenants: tenants.yaml\n  unknown_key_tenant: guests\n"
+                      "routes:\n"
+                      "  - {name: up, path_prefix: /up/, upstream: 'http://127.0.0.1:1'}\n")
+    assert main(["check-config", str(config)]) == 0
