@@ -103,7 +103,12 @@ def run(config: Config | None, args: argparse.Namespace, out: IO[str] | None = N
     if status != 200:
         print(f"sluice: {status}: {body.get('error', body)}", file=sys.stderr)
         if status in (401, 403) and args.runs_command == "cancel":
-            if bearer is None:  # a new user's trial read "the token sent" where none was
+            if bearer is None and config is not None:
+                # Given a config that names no token file (a new user, round 35, was told to
+                # pass the --config it had passed).
+                print(f"sluice: no admin token was found to send: {args.config} sets no "
+                      "admin.token_file, and SLUICE_ADMIN_TOKEN is not set", file=sys.stderr)
+            elif bearer is None:  # a new user's trial read "the token sent" where none was
                 print("sluice: no admin token was found to send: pass --config with the "
                       "server's config (its admin.token_file), or set SLUICE_ADMIN_TOKEN",
                       file=sys.stderr)

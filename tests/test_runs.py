@@ -12,9 +12,11 @@ import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import aiohttp
 import openai
+import yaml
 
 from proxy.cli import main as cli_main
 from tests.conftest import route, wait_until
@@ -430,6 +432,20 @@ async def test_cancel_needs_the_token_and_reads_stay_open(upstream, start_sluice
     assert refused.returncode == 1 and (
         "sluice: no admin token was found to send: pass --config with the server's config "
         "(its admin.token_file), or set SLUICE_ADMIN_TOKEN") in refused.stderr, refused.stderr
+    # Given a config that names no token file, it says so, not "pass --config" (a new
+    # user, round 35).
+    bare_config = yaml.safe_load(sluice.config_path.read_text())
+    del bare_config["admin"]["token_file"]
+    config_arg = str(tmp_path / "no-token.yaml")
+    Path(config_arg).write_text(yaml.safe_dump(bare_config))
+    untokened = await asyncio.to_thread(
+        subprocess.run, [sys.executable, "-m", "proxy", "runs", "cancel", "r", "--config",
+                         config_arg, "--admin", sluice.admin_url], cwd=tmp_path,
+        capture_output=True, text=True, timeout=60,
+        env={k: v for k, v in os.environ.items() if k != "SLUICE_ADMIN_TOKEN"})
+    assert untokened.returncode == 1 and (
+        f"sluice: no admin token was found to send: {config_arg} sets no admin.token_file, "
+        "and SLUICE_ADMIN_TOKEN is not set") in untokened.stderr, untokened.stderr
     # With one sent and refused, it says which one it was.
     wrong = await asyncio.to_thread(
         subprocess.run, [sys.executable, "-m", "proxy", "runs", "cancel", "r", "--admin",
