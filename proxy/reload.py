@@ -325,10 +325,12 @@ class Reloader:
         )
         log.info(
             "config reloaded from %s (%s): %d route(s); changed %s, added %s, removed %s; "
-            "other sections changed: %s",
+            "other sections changed: %s%s",
             self.path, trigger, len(self.runtime.routes), summary["changed"] or "none",
             summary["added"] or "none", summary["removed"] or "none",
             ", ".join(sections) or "none",
+            # Else a held change read as none changed, beside its warning (a new user).
+            f" (held until a restart: {', '.join(held)})" if held else "",
         )
         return True
 

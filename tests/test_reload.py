@@ -333,6 +333,8 @@ async def test_a_held_state_change_names_its_key_and_never_prints_the_redis_url(
         assert view["last_reload"]["held"] == ["state.redis_url"]
         await until(lambda: "state.redis_url changed but cannot change while running"
                     in sluice.stderr())
+        await until(lambda: "other sections changed: none (held until a restart: "
+                    "state.redis_url)" in sluice.stderr())
         assert "hunter2" not in sluice.stderr()
     finally:
         delete_prefix(url, prefix)
