@@ -476,10 +476,12 @@ async def _attempts(rt: Runtime, route: Route, call: Call, url: URL,
                     tries.stop = refused.reason.code  # budget_exhausted: no room for it
                     failed = tries.error
                     if failed is not None:  # said in the answer, not in the dead letter alone
+                        why = ("the budget has no room for another attempt"
+                               if refused.reason is Reason.BUDGET_EXHAUSTED
+                               else "the budget could not hold another attempt")
                         tries.error = Rejected(
                             failed.reason, failed.retry_after,
-                            f"{failed.detail}; not retried: the budget has no room for "
-                            f"another attempt ({refused.reason.code})",
+                            f"{failed.detail}; not retried: {why} ({refused.reason.code})",
                             failed.policy, failed.retry)
                 elif not retry.budget.try_acquire(route.inflight + _queued(route)):
                     tries.stop = "retry_budget"
