@@ -777,7 +777,7 @@ async def _fetch_held(rt: Runtime, route: Route, call: Call, polled: Polled,
         headers.popall(name, None)
     headers[hdrs.ACCEPT] = "text/event-stream"
     headers[LAST_EVENT_ID_HEADER] = event_id
-    url = URL(route.upstream_base + call.path[route.cut:], encoded=True)
+    url = fwd.upstream_url(route.upstream_base, call.path[route.cut:])
     timeouts = route.config.timeouts
     try:
         async with rt.session.get(url, headers=headers, timeout=client_timeout(
