@@ -1245,7 +1245,7 @@ def _mismatch(claim: Claim) -> Rejected:
                         "change an argument or send an Idempotency-Key of its own")
     policy = claim._policy
     if (claim.key is not None and policy is not None and policy.derive_from
-            and claim.key.strip('"').startswith(DERIVED_PREFIX)):
+            and key_origin(claim.key, callers=False) == DERIVED_KEY):
         # The caller sent no key: name the headers Sluice made it from (a new user saw the
         # message speak of an Idempotency-Key it never sent).
         headers = ", ".join(policy.derive_from)
