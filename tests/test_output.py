@@ -8,6 +8,7 @@ on SIGTERM, stuck in a write on the event loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import re
@@ -16,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import aiohttp
@@ -24,7 +26,7 @@ import yaml
 
 from proxy import output
 from proxy.output import BackgroundWriter
-from tests.conftest import REPO, coverage_env, free_ports
+from tests.conftest import REPO, STARTUP_TIMEOUT_S, coverage_env, free_ports
 from tests.fakeupstream import FakeUpstream
 
 
@@ -217,29 +219,46 @@ def _read_all(fd: int, into: list[bytes]) -> None:
 
 
 @pytest.fixture
-def serve_config(tmp_path: Path, upstream: FakeUpstream) -> tuple[Path, int, int]:
-    port, admin_port = free_ports(2)
-    config = {
-        "server": {"listen": f"127.0.0.1:{port}", "admin_listen": f"127.0.0.1:{admin_port}",
-                   "drain_timeout": "2s"},
-        "routes": [{"name": "r", "path_prefix": "/r/", "upstream": upstream.url}],
-    }  # events: the default, stdout
+def start_serve(tmp_path: Path, upstream: FakeUpstream
+                ) -> Callable[..., Awaitable[tuple[subprocess.Popen, int, int]]]:
+    """``start(**popen_kwargs)``: ``sluice serve`` (events to its stdout, the default) as a
+    plain ``Popen`` with the given descriptors, once it answers ``/readyz``; returns
+    ``(proc, port, admin_port)``. Its stderr must be a pipe: read when it exits at startup.
+    Ports taken by another process before Sluice binds them are picked again, twice at most
+    (as ``start_sluice`` does)."""
     path = tmp_path / "sluice.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return path, port, admin_port
+
+    async def start(**popen_kwargs: object) -> tuple[subprocess.Popen, int, int]:
+        for attempt in range(3):
+            port, admin_port = free_ports(2)
+            path.write_text(yaml.safe_dump({
+                "server": {"listen": f"127.0.0.1:{port}",
+                           "admin_listen": f"127.0.0.1:{admin_port}", "drain_timeout": "2s"},
+                "routes": [{"name": "r", "path_prefix": "/r/", "upstream": upstream.url}],
+            }))
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "proxy", "serve", "--config", str(path)], cwd=str(REPO),
+                env={**os.environ, **coverage_env()}, **popen_kwargs)
+            if await _ready(proc, admin_port):
+                return proc, port, admin_port
+            stderr = proc.stderr.read().decode(errors="replace")
+            for pipe in (proc.stdout, proc.stderr):
+                if pipe is not None:
+                    pipe.close()
+            if not (attempt < 2 and "address already in use" in stderr):
+                raise AssertionError(f"sluice exited at startup:\n{stderr}")
+        raise AssertionError("unreachable")
+
+    return start
 
 
 async def test_a_proxy_whose_stdout_and_stderr_nobody_reads_keeps_serving_and_stops(
-        serve_config: tuple[Path, int, int]) -> None:
-    path, port, admin_port = serve_config
+        start_serve: Callable[..., Awaitable[tuple[subprocess.Popen, int, int]]]) -> None:
     # Popen, not asyncio's subprocess: its pipes would be read into buffers by the loop.
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "proxy", "serve", "--config", str(path)], cwd=str(REPO),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE,  # never read
-        env={**os.environ, **coverage_env()})
+    proc, port, admin_port = await start_serve(stdout=subprocess.PIPE,
+                                               stderr=subprocess.PIPE)  # never read
     try:
         async with aiohttp.ClientSession() as session:
-            await _ready(session, admin_port)
             # ~600 bytes of events a request: 600 requests are ~5 pipes' worth.
             async with asyncio.timeout(60):
                 for n in range(600):
@@ -262,18 +281,14 @@ async def test_a_proxy_whose_stdout_and_stderr_nobody_reads_keeps_serving_and_st
 
 
 async def test_a_proxy_started_with_stdout_closed_serves_counts_its_events_and_stops(
-        serve_config: tuple[Path, int, int]) -> None:
+        start_serve: Callable[..., Awaitable[tuple[subprocess.Popen, int, int]]]) -> None:
     # Seen: with ">&-", the events' writer thread died on the first flush (sys.stdout is
     # None), and libuv aborted at exit on a descriptor that took number 1 (rc 134).
-    path, port, admin_port = serve_config
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "proxy", "serve", "--config", str(path)], cwd=str(REPO),
+    proc, port, admin_port = await start_serve(
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-        preexec_fn=lambda: os.close(1),  # before exec: the child starts without it
-        env={**os.environ, **coverage_env()})
+        preexec_fn=lambda: os.close(1))  # before exec: the child starts without it
     try:
         async with aiohttp.ClientSession() as session:
-            await _ready(session, admin_port)
             async with session.post(f"http://127.0.0.1:{port}/r/x", json={}) as r:
                 assert r.status == 200
             async with asyncio.timeout(30):
@@ -293,13 +308,24 @@ async def test_a_proxy_started_with_stdout_closed_serves_counts_its_events_and_s
         proc.stderr.close()
 
 
-async def _ready(session: aiohttp.ClientSession, admin_port: int) -> None:
-    async with asyncio.timeout(30):
-        while True:
-            try:
+async def _ready(proc: subprocess.Popen, admin_port: int) -> bool:
+    """Wait for ``proc`` to answer ``/readyz`` on ``admin_port``; False if it exited first.
+
+    Raises:
+        AssertionError: not ready within ``STARTUP_TIMEOUT_S``.
+    """
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    async with aiohttp.ClientSession() as session:
+        while proc.poll() is None:
+            with contextlib.suppress(aiohttp.ClientError, ValueError):
                 async with session.get(f"http://127.0.0.1:{admin_port}/readyz") as r:
-                    if r.status == 200:
-                        return
-            except aiohttp.ClientError:
-                pass
+                    # Ours, not another process on a reused port.
+                    if r.status == 200 and (await r.json()).get("pid") == proc.pid:
+                        return True
+            if time.monotonic() > deadline:
+                proc.kill()
+                proc.wait()
+                raise AssertionError(f"sluice not ready in {STARTUP_TIMEOUT_S} s:\n"
+                                     f"{proc.stderr.read().decode(errors='replace')}")
             await asyncio.sleep(0.05)
+    return False
