@@ -100,6 +100,26 @@ class _TooManyValues(Exception):
     pass
 
 
+def yaml_problem(exc: yaml.MarkedYAMLError) -> tuple[int, str]:
+    """The 1-based line to name for a YAML syntax error, and what to say of it.
+
+    PyYAML marks where it noticed the error (``problem_mark``) and, for most, where the
+    construct it was reading began (``context_mark``). A scanner's context ("while scanning a
+    quoted scalar") is a token that began there and never ended: the mistake is at its start,
+    though noticed lines later (an unclosed quote is found at the end of the file). A parser's
+    ("while parsing a block mapping") is an enclosing collection: the mistake is where it was
+    noticed. The other line is named in the text when they differ. Only PyYAML's own words
+    are used, never its snippet of the file, which could quote a secret."""
+    problem = exc.problem or "unreadable"
+    found = exc.problem_mark.line + 1 if exc.problem_mark else None
+    began = exc.context_mark.line + 1 if exc.context_mark and exc.context else None
+    if began is None or found is None or began == found:
+        return found or began or 1, problem
+    if exc.context.startswith("while scanning"):
+        return began, f"{exc.context}: {problem} (line {found})"
+    return found, f"{problem} ({exc.context} that starts on line {began})"
+
+
 class _TooDeep(Exception):
     """Lists and mappings nest too deeply once aliases are expanded; ``line``: 1-based, of
     the node (for one reached through an alias, its anchor's) at the level past the bound."""
@@ -373,9 +393,8 @@ def _parse_config(text: str, filename: str, base: Path) -> Config:
         finally:
             loader.dispose()
     except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        line = mark.line + 1 if mark else 1
-        raise ConfigError([f"{filename}:{line}: (yaml): {exc.problem or exc}"]) from None
+        line, problem = yaml_problem(exc)
+        raise ConfigError([f"{filename}:{line}: (yaml): {problem}"]) from None
     except yaml.YAMLError as exc:
         raise ConfigError([f"{filename}:1: (yaml): {exc}"]) from None
     if not isinstance(data, dict):
@@ -514,10 +533,8 @@ def parse_tenants(text: str, source: str) -> dict[str, str]:
         finally:
             loader.dispose()
     except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        # exc.problem only: the YAML error's snippet would quote the line, maybe a key.
-        raise ConfigError([f"{where.format(mark.line + 1 if mark else 1)}: not valid YAML "
-                           f"({exc.problem or 'unreadable'})"]) from None
+        line, problem = yaml_problem(exc)
+        raise ConfigError([f"{where.format(line)}: not valid YAML ({problem})"]) from None
     except yaml.YAMLError:
         raise ConfigError([f"{where.format(1)}: not valid YAML"]) from None
     except RecursionError:

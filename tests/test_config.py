@@ -120,7 +120,12 @@ BAD_FILES = [
     ("comments only", "# nothing here\n", ["{f}:1: (top): the file is empty"]),
     ("not a mapping", "- a\n- b\n", ["{f}:1: (top): the file must be a mapping of sections"]),
     ("YAML syntax error", "server:\n  listen: [127.0.0.1\n" + ROUTE,
-     ["{f}:3: (yaml): expected ',' or ']', but got ':'"]),
+     ["{f}:3: (yaml): expected ',' or ']', but got ':' (while parsing a flow sequence that "
+      "starts on line 2)"]),
+    # Was said at the file's last line, where PyYAML noticed the quote never closed.
+    ("unclosed quote", "server:\n  listen: '127.0.0.1:8080\n" + ROUTE,
+     ["{f}:2: (yaml): while scanning a quoted scalar: found unexpected end of stream "
+      "(line 7)"]),
     ("tab indentation", "server:\n\tlisten: 127.0.0.1:8080\n" + ROUTE,
      ["{f}:2: (yaml): found character '\\t' that cannot start any token"]),
     # In the file's order (pydantic's own is its fields', which said line 3 before line 2).
@@ -147,6 +152,18 @@ def test_bad_file_names_file_line_and_key(tmp_path: Path, capsys, text: str,
     captured = capsys.readouterr()
     assert captured.err.splitlines() == [line.format(f=path) for line in expected]
     assert captured.out == ""
+
+
+def test_a_tenants_table_with_an_unclosed_quote_is_refused_on_the_quote_s_line(
+        tmp_path: Path, capsys) -> None:
+    (tmp_path / "tenants.yaml").write_text(f"{'a' * 64}: team-a\n'{'b' * 64}: team-b\n"
+                                           f"{'c' * 64}: team-c\n")
+    path = tmp_path / "sluice.yaml"
+    path.write_text("identity: {tenants: tenants.yaml}\n" + ROUTE)
+    assert main(["check-config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"{tmp_path / 'tenants.yaml'}:2: identity.tenants: not valid YAML (while "
+                   "scanning a quoted scalar: found unexpected end of stream (line 4))\n")
 
 
 def test_quoted_yaml11_words_and_every_key_are_accepted(tmp_path: Path, capsys) -> None:
