@@ -9,8 +9,8 @@ passed. Expiries are the server's time (``TIME``), so replicas' clocks do not ma
 
 A release publishes on the route's channel, so a waiter on any replica wakes at once
 (:meth:`Leases.watch`); leases that lapse publish nothing, which is why waiters also poll
-(:func:`wait_for_slot`). Each replica keeps its own queue and priorities; this module only
-says whether a slot is free now.
+(:mod:`policies.shared_concurrency`). Each replica keeps its own queue and priorities; this
+module only says whether a slot is free now.
 
 Redis layout: ``<prefix>:{<group>}:conc`` (lease id -> expiry ms) and
 ``<prefix>:{<group>}:conc:t:<tenant>`` (same, one tenant's), both expiring when their last
@@ -581,30 +581,3 @@ async def acquire_lease(leases: Leases, group: str, tenant: str, limit: int,
     if not result.granted:
         return result, None
     return result, Lease(leases, group, tenant, lease_id, lease_s)
-
-
-async def wait_for_slot(leases: Leases, group: str, tenant: str, limit: int,
-                        per_tenant: int | None, lease_s: float, timeout_s: float,
-                        poll_s: float = 0.25) -> tuple[LeaseResult, Lease | None]:
-    """Acquire a lease, waiting up to ``timeout_s`` seconds for a slot to free anywhere.
-
-    Wakes on a release published by any replica, and re-checks at least every ``poll_s``
-    seconds (a lease that lapses publishes nothing). A tenant refusal is returned at once:
-    waiting will not make the tenant's own calls finish sooner than the route's.
-
-    Returns:
-        The last result and the held :class:`Lease`, or ``None`` when not granted in time.
-
-    Raises:
-        StateUnavailable: the backend did not answer (Redis only).
-    """
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    async with leases.watch(group) as released:
-        while True:
-            result, lease = await acquire_lease(leases, group, tenant, limit, per_tenant,
-                                                lease_s)
-            left = deadline - loop.time()
-            if lease is not None or result.refused_by == TENANT or left <= 0:
-                return result, lease
-            await released.wait(min(poll_s, left))
