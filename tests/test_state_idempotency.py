@@ -101,17 +101,14 @@ async def test_forward_mode_marks_a_key_seen_once(backends: StateBackends):
 async def test_a_duplicate_on_another_replica_waits_for_the_answer(backends: StateBackends):
     async with replica(backends) as other:
         assert (await backends.idempotency.begin(KEY, "a", FP, 60)).state == CLAIMED
-        loop = asyncio.get_running_loop()
-        started = loop.time()
-        # Polling every 5 s: only the finish's message can wake it sooner.
+        # Asking again only every 600 s: only the finish's message can wake it in time.
         waiter = asyncio.create_task(
-            wait_for_answer(other.idempotency, KEY, "b", FP, 60, timeout_s=5, poll_s=5))
+            wait_for_answer(other.idempotency, KEY, "b", FP, 60, timeout_s=600, poll_s=600))
         await asyncio.sleep(0.1)
         assert not waiter.done()
         await backends.idempotency.finish(KEY, "a", ANSWER, 3600)
-        done = await asyncio.wait_for(waiter, 2)
+        done = await asyncio.wait_for(waiter, 30)
         assert (done.state, done.answer) == (FINISHED, ANSWER)
-        assert loop.time() - started < 1.0
 
 
 async def test_a_waiter_takes_over_a_key_left_without_an_answer(backends: StateBackends):
@@ -131,10 +128,12 @@ async def test_waiting_ends_at_once_for_another_payload_and_at_the_timeout(
     records = backends.idempotency
     await records.begin(KEY, "a", FP, 60)
     loop = asyncio.get_running_loop()
-    started = loop.time()
-    mismatch = await wait_for_answer(records, KEY, "b", OTHER_FP, 60, timeout_s=5)
+    # At once, not after 600 s.
+    mismatch = await asyncio.wait_for(
+        wait_for_answer(records, KEY, "b", OTHER_FP, 60, timeout_s=600, poll_s=600), 30)
     assert (mismatch.state, mismatch.fingerprint) == (IN_FLIGHT, FP)
-    assert loop.time() - started < 0.2
-    late = await wait_for_answer(records, KEY, "b", FP, 60, timeout_s=0.3, poll_s=0.1)
+    started = loop.time()
+    late = await asyncio.wait_for(
+        wait_for_answer(records, KEY, "b", FP, 60, timeout_s=0.3, poll_s=0.1), 30)
     assert late.state == IN_FLIGHT
-    assert 0.3 <= loop.time() - started < 0.7
+    assert loop.time() - started >= 0.3
