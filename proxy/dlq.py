@@ -19,7 +19,9 @@
   The block is the one a request of the letter's operation is under now: the route's, or
   its tool's, endpoint's or model's own (``tools:``, ...), which replaces it, ``mode: off``
   included (:func:`policies.operations.idempotency_of`). Its ``timeouts`` too replace the
-  route's for the send, and for how long the replay holds its letter and key.
+  route's for the send, and for how long the replay holds its letter and key; and its
+  ``retry`` (or else the route's) bounds the wait for the response headers as it bounded
+  each attempt of the call: ``per_try_timeout``, or ``deadline`` when shorter.
   There it also holds the key as the route's requests do while it sends (refused, nothing
   sent, while a request with the key is in flight) and stores its answer for the key, so
   the caller's later retry gets it replayed rather than doing the work again. A
@@ -62,7 +64,14 @@ import orjson
 from multidict import CIMultiDict
 
 from policies import mcp
-from policies.config import HEADER_NAME, Config, IdempotencyConfig, RouteConfig, TimeoutsConfig
+from policies.config import (
+    HEADER_NAME,
+    Config,
+    IdempotencyConfig,
+    RetryConfig,
+    RouteConfig,
+    TimeoutsConfig,
+)
 from policies.deadletter import ANSWERED, BUSY, CLAIMED, DeadLetter, DeadLetterFile, ReplayClaim
 from policies.idempotency import (
     DERIVED_KEY,
@@ -79,6 +88,7 @@ from policies.state import DeadLetterStore, StateUnavailable, redact_url, redis_
 from policies.state.idempotency import CLAIMED as KEY_CLAIMED
 from policies.state.idempotency import IN_FLIGHT, IdempotencyRecords, new_owner
 from policies.wording import counted
+from proxy.attempts import CONNECT_FIRST_S
 from proxy.client import client_timeout, upstream_session
 from proxy.forward import FORBIDDEN_IN_HEADERS, HOP_BY_HOP, send_failure, upstream_url
 from proxy.rejections import jsonrpc_id
@@ -291,7 +301,10 @@ async def _replay(config: Config, store: DeadLetterStore | _FileStore, letter: D
     _warn_removed(letter, headers)
     block = _block(route, letter)
     keys = _keys(route, block)
-    timeouts = route.timeouts_for(route.operations()[1].get(block) if block is not None else None)
+    operation = route.operations()[1].get(block) if block is not None else None
+    timeouts = route.timeouts_for(operation)
+    limit = _headers_limit(operation.retry if operation is not None and operation.retry
+                           else route.retry)
     if records is not None and not args.again:
         since = await _answered_since(records, keys, letter)
         if since is not None:
@@ -346,8 +359,8 @@ async def _replay(config: Config, store: DeadLetterStore | _FileStore, letter: D
     reason, answer_headers = "", CIMultiDict[str]()
     failure = None
     try:
-        status, error, answer, reason, answer_headers = await _send(route, timeouts, letter,
-                                                                    headers)
+        status, error, answer, reason, answer_headers = await _send(route, timeouts, limit,
+                                                                    letter, headers)
         failure = _call_failure(route.protocol, letter.body, status, answer, answer_headers)
         if failure is not None:  # stored with its status: not answered, like a 4xx or 5xx
             error = failure[0]
@@ -525,35 +538,72 @@ async def _answered_since(records: IdempotencyRecords, keys: _Keys | None,
     return answer.status
 
 
-async def _send(route: RouteConfig, timeouts: TimeoutsConfig, letter: DeadLetter,
-                headers: CIMultiDict[str],
+class _Limit(NamedTuple):
+    """The bound on a replay's wait for its response headers, as on each attempt of the
+    call: its ``retry`` block's ``per_try_timeout``, or its ``deadline`` when shorter."""
+
+    #: Seconds.
+    seconds: float
+    #: The setting it comes from, as the failure names it (``retry.per_try_timeout``).
+    named: str
+
+
+def _headers_limit(retry: RetryConfig | None) -> _Limit | None:
+    """The :class:`_Limit` of a replay under ``retry`` (its operation's, or else its
+    route's: the one its calls' attempts were under), or ``None`` when it sets neither
+    bound. One attempt is all a replay sends, so the deadline over all of them bounds it
+    as it bounded the first."""
+    if retry is None:
+        return None
+    limits = [_Limit(seconds, f"retry.{name}") for name, seconds in (
+        ("per_try_timeout", retry.per_try_timeout), ("deadline", retry.deadline))
+        if seconds is not None]
+    return min(limits, key=lambda limit: limit.seconds) if limits else None
+
+
+async def _send(route: RouteConfig, timeouts: TimeoutsConfig, limit: _Limit | None,
+                letter: DeadLetter, headers: CIMultiDict[str],
                 ) -> tuple[int | None, str | None, bytes, str, CIMultiDict[str]]:
-    """One attempt under ``timeouts`` (the letter's operation's, or its route's): ``(status,
-    None, answer body, reason phrase, answer headers)``, or, when it got no whole answer,
-    ``(None, error kind, b"", why, {})`` (:func:`_why_failed`)."""
-    timeout = client_timeout(timeouts.total, timeouts.connect)
+    """One attempt under ``timeouts`` (the letter's operation's, or its route's), its wait
+    for the response headers (connecting included) under ``limit`` too, as a live attempt's
+    (:func:`_headers_limit`): ``(status, None, answer body, reason phrase, answer
+    headers)``, or, when it got no whole answer, ``(None, error kind, b"", why, {})``
+    (:func:`_why_failed`)."""
+    connect = timeouts.connect
+    if limit is not None and limit.seconds < connect:
+        connect = limit.seconds  # aiohttp's bound fires first: "no connection" is said
+    timeout = client_timeout(timeouts.total, connect)
     async with upstream_session() as session:
+        scope = asyncio.timeout(None if limit is None else limit.seconds + CONNECT_FIRST_S)
         try:
-            async with session.request(
-                letter.method, upstream_url(route.upstream, letter.path), headers=headers,
-                data=letter.body or None, allow_redirects=False, timeout=timeout,
-            ) as response:
+            async with scope:
+                response = await session.request(
+                    letter.method, upstream_url(route.upstream, letter.path), headers=headers,
+                    data=letter.body or None, allow_redirects=False, timeout=timeout)
+            async with response:
                 body = await response.read()
                 kept = CIMultiDict((name, value) for name, value in response.headers.items()
                                    if name.lower() not in HOP_BY_HOP)
                 return response.status, None, body, response.reason or "", kept
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             # ValueError: aiohttp refused what it was given, before sending it.
-            return None, type(exc).__name__, b"", _why_failed(exc, timeouts), CIMultiDict()
+            why = _why_failed(exc, timeouts, limit, scope.expired())
+            return None, type(exc).__name__, b"", why, CIMultiDict()
 
 
-def _why_failed(exc: Exception, timeouts: TimeoutsConfig) -> str:
+def _why_failed(exc: Exception, timeouts: TimeoutsConfig, limit: _Limit | None = None,
+                cut: bool = False) -> str:
     """Why a replay's send got no whole answer, in a few words that quote nothing the
-    exception holds (an aiohttp ``InvalidURL`` quotes the URL, password and all)."""
+    exception holds (an aiohttp ``InvalidURL`` quotes the URL, password and all);
+    ``limit``: the bound on its wait for headers, ``cut``: that bound ended it."""
     if isinstance(exc, ValueError):  # InvalidURL too: aiohttp's is both
         return "it could not be sent as it is"
     if isinstance(exc, aiohttp.ConnectionTimeoutError):
+        if limit is not None and limit.seconds < timeouts.connect:
+            return f"no connection within {limit.named}, {limit.seconds:g}s"
         return f"no connection within timeouts.connect, {timeouts.connect:g}s"
+    if cut and limit is not None:
+        return f"no response headers within {limit.named}, {limit.seconds:g}s"
     if isinstance(exc, TimeoutError):
         return f"no whole answer within timeouts.total, {timeouts.total:g}s"
     return send_failure(exc)

@@ -147,3 +147,63 @@ async def test_an_mcp_replay_whose_tool_failed_is_a_failed_replay(tmp_path, sse,
         assert f" {kind} " in out, out
     finally:
         await runner.cleanup()
+
+
+@pytest.mark.parametrize(("policies", "said"), [
+    ({"retry": {"per_try_timeout": "300ms"}}, "retry.per_try_timeout, 0.3s"),
+    ({"retry": {"deadline": "300ms"}}, "retry.deadline, 0.3s"),
+    # The endpoint's own retry replaces the route's, as for its live calls.
+    ({"retry": {"per_try_timeout": "60s"},
+      "endpoints": {"POST /mcp": {"retry": {"per_try_timeout": "300ms"}}}},
+     "retry.per_try_timeout, 0.3s"),
+], ids=["per_try_timeout", "deadline", "endpoints-own"])
+async def test_a_replay_to_a_stuck_upstream_is_cut_as_its_attempts_were(tmp_path, policies,
+                                                                       said):
+    """A replay was bounded by ``timeouts`` alone (600 s by default): the route's
+    ``retry.per_try_timeout`` (or ``deadline``), which cut each of the call's attempts,
+    did not apply, so a replay to a stuck upstream held the operator's terminal for ten
+    minutes. Its one attempt now has the bound an attempt of the call had to its headers."""
+    released = asyncio.Event()
+
+    async def stall(request: web.Request) -> web.Response:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(released.wait(), 30)
+        return web.json_response({})
+
+    app = web.Application()
+    app.router.add_post("/mcp", stall)
+    runner, port = await serve_app(app)
+    try:
+        config, letter = letter_file(tmp_path, f"http://127.0.0.1:{port}", **policies)
+        code, out, err = await outcome(await cli("dlq", "replay", letter, "--config", config))
+        _, shown, _ = await outcome(await cli("dlq", "show", letter, "--config", config))
+    finally:
+        released.set()
+        await runner.cleanup()
+    assert code == 1, (out, err)
+    assert f"failed: TimeoutError (no response headers within {said})" in out, out
+    assert [r["error"] for r in json.loads(shown)["replays"]] == ["TimeoutError"]
+
+
+async def test_a_replays_answer_body_may_take_longer_than_the_per_try_timeout(tmp_path):
+    """As for a live attempt, ``per_try_timeout`` bounds the wait for the response headers;
+    the body then has ``timeouts.total``."""
+
+    async def slow_body(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse()
+        await response.prepare(request)
+        await response.write(b'{"part": ')
+        await asyncio.sleep(0.6)
+        await response.write(b'"two"}')
+        return response
+
+    app = web.Application()
+    app.router.add_post("/mcp", slow_body)
+    runner, port = await serve_app(app)
+    try:
+        config, letter = letter_file(tmp_path, f"http://127.0.0.1:{port}",
+                                     retry={"per_try_timeout": "300ms"})
+        code, out, err = await outcome(await cli("dlq", "replay", letter, "--config", config))
+    finally:
+        await runner.cleanup()
+    assert code == 0 and "HTTP 200, 15 bytes" in out, (out, err)
