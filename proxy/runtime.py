@@ -412,8 +412,10 @@ class Runtime:
         wait for."""
         return sum(route.streams_total for route in (*self.routes, *self.removed))
 
-    async def open(self) -> None:
-        """Open the upstream session, the event log and the dead-letter store.
+    async def open(self, dead_letters: bool = True) -> None:
+        """Open the upstream session, the event log and (with ``dead_letters``) the
+        dead-letter store; ``serve`` opens the store itself once it listens
+        (:meth:`open_dead_letters`).
 
         Raises:
             OSError: the event log or the dead-letter file cannot be opened or created
@@ -434,6 +436,17 @@ class Runtime:
         except OSError as exc:
             raise OSError(f"events.path {self.config.events.path}: {exc.strerror or exc}"
                           ) from exc
+        if dead_letters:
+            await self.open_dead_letters()
+
+    async def open_dead_letters(self) -> None:
+        """Open the dead-letter store (creating its file) if some route retries; else a
+        reload that adds a ``retry`` block opens it with the first letter.
+
+        Raises:
+            OSError: the dead-letter file cannot be opened or created (naming
+                ``dead_letter.path``).
+        """
         if any(route.retries for route in self.routes):
             try:
                 await self.dead_letters.open()

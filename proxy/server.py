@@ -221,7 +221,9 @@ async def serve(config: Config, config_path: str | None = None,
     runtime = Runtime(config)
     reloader = Reloader(runtime, config_path) if config_path else None
     try:
-        await runtime.open()
+        # The dead-letter store once both listeners are bound: a start that fails (a port
+        # taken) left a new ./sluice-dlq.sqlite beside the user's config.
+        await runtime.open(dead_letters=False)
     except BaseException:
         await runtime.close()  # what opened before the failure (the upstream session)
         raise
@@ -270,6 +272,7 @@ async def serve(config: Config, config_path: str | None = None,
         admin_host, admin_port = _split(config.server.admin_listen)
         await _listen(web.TCPSite(admin_runner, admin_host, admin_port, reuse_address=True),
                       "server.admin_listen", config.server.admin_listen)
+        await runtime.open_dead_letters()
         log.info(
             "sluice serving on %s (admin %s), %d route(s)",
             _bound(proxy_runner), _bound(admin_runner), len(runtime.routes),

@@ -7,6 +7,7 @@ user would.
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -230,6 +231,33 @@ def test_a_port_already_taken_is_one_clear_line_not_a_traceback(tmp_path: Path) 
             f"attempting to bind on address ('127.0.0.1', {port}): address already in use "
             "(set server.listen to a free address in a copy of the config)") in done.stderr
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("taken", ["server.listen", "server.admin_listen"])
+def test_a_start_that_fails_leaves_no_dead_letter_file_behind(tmp_path: Path,
+                                                              taken: str) -> None:
+    """A ``serve`` that could not bind its port created ``./sluice-dlq.sqlite`` (the default
+    ``dead_letter.path``, in the user's working directory) on its way out: an empty file,
+    and for a user of ``state.backend: redis`` one that ``sluice dlq`` then pointed at.
+    The file is opened once both listeners are bound."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        listen = {"server.listen": f"127.0.0.1:{port}", "server.admin_listen": "127.0.0.1:0"}
+        if taken == "server.admin_listen":
+            listen = {"server.listen": "127.0.0.1:0", "server.admin_listen": f"127.0.0.1:{port}"}
+        config = tmp_path / "sluice.yaml"
+        config.write_text(
+            f"server: {{listen: '{listen['server.listen']}', "
+            f"admin_listen: '{listen['server.admin_listen']}'}}\n"
+            "routes:\n  - {name: r, path_prefix: /r/, upstream: 'http://127.0.0.1:9', "
+            "retry: {attempts: 2}}\n")
+        done = subprocess.run([sys.executable, "-m", "proxy", "serve", "--config", str(config)],
+                              cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)},
+                              capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and f"{taken} 127.0.0.1:{port}" in done.stderr, done.stderr
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["sluice.yaml"]
 
 
 @pytest.mark.parametrize(("section", "key", "said"), [
