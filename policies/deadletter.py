@@ -58,7 +58,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
-from urllib.parse import unquote_plus
+from urllib.parse import quote, unquote_plus
 
 import orjson
 
@@ -438,6 +438,24 @@ class DeadLetterFile:
             self._db.execute("DELETE FROM replays")
             self._db.execute("DELETE FROM replay_claims")
         return count
+
+
+def letters_in(path: str, busy_timeout_s: float = 1.0) -> int | None:
+    """How many dead letters the SQLite file at ``path`` holds, read without creating the
+    file or its tables (a server on another backend must not leave one behind); ``None``
+    when there is no file, or it is no dead-letter file, or it stayed locked longer than
+    ``busy_timeout_s`` seconds. Never raises."""
+    if not os.path.isfile(path):
+        return None
+    try:
+        # mode=rw, not ro: a read-only connection leaves the -wal and -shm files behind.
+        db = sqlite3.connect(f"file:{quote(path)}?mode=rw", uri=True, timeout=busy_timeout_s)
+        try:
+            return int(db.execute("SELECT COUNT(*) FROM dead_letters").fetchone()[0])
+        finally:
+            db.close()
+    except sqlite3.Error:
+        return None
 
 
 def _inode(path: str) -> tuple[int, int] | None:

@@ -261,6 +261,10 @@ def build_parser() -> argparse.ArgumentParser:
     dlq_sub.add_parser("purge", help="delete every record")
     for command in (listing, show, replay, dlq_sub.choices["purge"]):
         command.add_argument("--config", default=DEFAULT_CONFIG, help=config_help)
+        command.add_argument("--file", metavar="PATH",
+                             help="read the dead-letter SQLite file at PATH instead, whatever "
+                                  "state.backend says (letters written with memory before a "
+                                  "move to redis)")
     _name_choices(dlq_sub)
     dlq.set_defaults(func=_dlq)
     runs = sub.add_parser("runs", help="list, show and cancel agent runs (admin port)")

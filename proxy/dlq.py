@@ -40,7 +40,10 @@ Each reads where the servers of ``--config`` write: with ``state.backend: redis`
 Stream every replica shares (``state.redis_url`` and ``state.key_prefix``; so any replica's
 letters are listed and replayed from any machine with that config); with ``memory``, the
 dead-letter file that ``dead_letter.path`` names (the server may be running meanwhile: the
-file is in WAL mode). Exit status 1 when Redis does not answer.
+file is in WAL mode). Exit status 1 when Redis does not answer. ``--file PATH`` reads the
+dead-letter file at ``PATH`` instead, whatever the backend (the letters written with
+``memory`` before a move to ``redis``, which ``list`` then names on stderr:
+:func:`file_left_behind`); a replay from it checks and holds no shared idempotency record.
 """
 
 from __future__ import annotations
@@ -72,7 +75,15 @@ from policies.config import (
     RouteConfig,
     TimeoutsConfig,
 )
-from policies.deadletter import ANSWERED, BUSY, CLAIMED, DeadLetter, DeadLetterFile, ReplayClaim
+from policies.deadletter import (
+    ANSWERED,
+    BUSY,
+    CLAIMED,
+    DeadLetter,
+    DeadLetterFile,
+    ReplayClaim,
+    letters_in,
+)
 from policies.idempotency import (
     DERIVED_KEY,
     FRESH_KEY,
@@ -123,9 +134,9 @@ class _Terminated(Exception):
 
 
 def _run(config: Config, args: argparse.Namespace) -> int:
-    if config.state.backend == "redis":
+    if config.state.backend == "redis" and args.file is None:
         return asyncio.run(_terminable(_shared(config, args)))
-    path = config.dead_letter.path
+    path = config.dead_letter.path if args.file is None else args.file
     if not Path(path).exists() and args.dlq_command != "purge":
         if args.dlq_command == "list":
             print(f"no dead letters ({path} does not exist)")
@@ -183,12 +194,35 @@ async def _shared(config: Config, args: argparse.Namespace) -> int:
     state = await redis_backends(url, config.state.key_prefix,
                                  max(config.state.timeout, CLI_TIMEOUT_S))
     try:
-        return await _command(config, state.dead_letters, where, args, state.idempotency)
+        status = await _command(config, state.dead_letters, where, args, state.idempotency)
+        if args.dlq_command == "list":
+            hint = file_left_behind(config, args.config)
+            if hint is not None:
+                print(f"NOTE: {hint}", file=sys.stderr)
+        return status
     except StateUnavailable as exc:
         print(f"the dead letters in {where} are unavailable: {exc.cause}", file=sys.stderr)
         return EXIT_FAILED
     finally:
         await state.close()
+
+
+def file_left_behind(config: Config, config_path: str | None) -> str | None:
+    """With ``state.backend: redis``, what to tell a user whose ``dead_letter.path`` still
+    holds letters (written with ``memory``, most likely, before a move to Redis), which
+    neither the server nor ``sluice dlq`` read there: the file, its count and the command
+    that lists them (``--config config_path`` in it when given). ``None`` when the file is
+    missing or holds none. Blocking (a count in the file); never raises."""
+    path = config.dead_letter.path
+    count = letters_in(path)
+    if not count:
+        return None
+    command = f"sluice dlq list --file {shlex.quote(path)}"
+    if config_path is not None:
+        command += f" --config {shlex.quote(str(config_path))}"
+    return (f"dead_letter.path {path} holds {counted(count, 'dead letter')} that "
+            f"state.backend: redis does not show (written with state.backend: memory); "
+            f"read them with `{command}`")
 
 
 class _FileStore:

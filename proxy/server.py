@@ -35,6 +35,7 @@ from policies.logs import EVERY_S as LOG_REPEATS_EVERY_S
 from policies.logs import RepeatFilter
 from policies.state import StateUnavailable
 from proxy.admin import add_admin_routes
+from proxy.dlq import file_left_behind
 from proxy.edge import REQUEST_NOT_LOGGED, AdminServer, EdgeServer, parse_cause
 from proxy.handler import handle
 from proxy.reload import RELOADER, Reloader
@@ -273,6 +274,10 @@ async def serve(config: Config, config_path: str | None = None,
         await _listen(web.TCPSite(admin_runner, admin_host, admin_port, reuse_address=True),
                       "server.admin_listen", config.server.admin_listen)
         await runtime.open_dead_letters()
+        if config.state.backend == "redis":  # letters the move from memory left behind
+            hint = await asyncio.to_thread(file_left_behind, config, config_path)
+            if hint is not None:
+                log.warning("%s", hint)
         log.info(
             "sluice serving on %s (admin %s), %d route(s)",
             _bound(proxy_runner), _bound(admin_runner), len(runtime.routes),
