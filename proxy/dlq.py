@@ -137,9 +137,12 @@ def _run(config: Config, args: argparse.Namespace) -> int:
     if config.state.backend == "redis" and args.file is None:
         return asyncio.run(_terminable(_shared(config, args)))
     path = config.dead_letter.path if args.file is None else args.file
-    if not Path(path).exists() and args.dlq_command != "purge":
+    if not Path(path).exists():
         if args.dlq_command == "list":
             print(f"no dead letters ({path} does not exist)")
+            return 0
+        if args.dlq_command == "purge":  # not created: a typo'd path would be left behind
+            print(f"purged 0 record(s) ({path} does not exist)")
             return 0
         print(f"no dead letter {args.id} ({path} does not exist)", file=sys.stderr)
         return EXIT_FAILED

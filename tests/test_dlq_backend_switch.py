@@ -60,6 +60,10 @@ async def test_letters_left_in_the_file_after_a_move_to_redis_are_named_and_read
         code, out, _ = await outcome(await cli("dlq", "list", "--file", str(missing),
                                                "--config", config))
         assert code == 0 and f"({missing} does not exist)" in out, out
+        # Nor by purge (a typo in --file created an empty file there).
+        code, out, _ = await outcome(await cli("dlq", "purge", "--file", str(missing),
+                                               "--config", config))
+        assert code == 0 and f"purged 0 record(s) ({missing} does not exist)" in out, out
         assert not missing.exists()
     finally:
         delete_prefix(url, prefix)
