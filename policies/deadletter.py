@@ -430,6 +430,19 @@ class DeadLetterFile:
                 " ORDER BY id", (letter_id,))
         ]
 
+    def delete(self, letter_id: int) -> bool:
+        """Delete one record with its replays and any replay's hold on it; ``False`` if
+        there was none (a replay sending it meanwhile then records nothing, as after a
+        purge)."""
+        with self._db:
+            self._db.execute("BEGIN IMMEDIATE")
+            found = self._db.execute("DELETE FROM dead_letters WHERE id = ?",
+                                     (letter_id,)).rowcount
+            self._db.execute("DELETE FROM replays WHERE dead_letter_id = ?", (letter_id,))
+            self._db.execute("DELETE FROM replay_claims WHERE dead_letter_id = ?",
+                             (letter_id,))
+        return found > 0
+
     def purge(self) -> int:
         """Delete every record and replay; returns how many records there were."""
         with self._db:

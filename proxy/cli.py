@@ -4,8 +4,8 @@
 and exits 0, or 2 after printing one ``FILE:LINE: KEY: PROBLEM`` line per problem;
 ``sluice timeline RUN_ID [--config PATH] [--events FILE ...]`` prints a run's admission timeline
 (exit 1 when the log has no event of that run).
-``sluice dlq list|show ID|replay ID|purge [--config PATH]`` inspects and replays dead-lettered
-work (see ``proxy/dlq.py``).
+``sluice dlq list|show ID|replay ID|delete ID|purge [--config PATH]`` inspects, replays and
+deletes dead-lettered work (see ``proxy/dlq.py``).
 ``sluice runs list|show RUN|cancel RUN [--config PATH] [--admin URL]`` lists, shows and
 cancels runs through the admin port (see ``proxy/runs_cli.py``).
 ``sluice demo [--quick]`` runs a retry storm on a local fake provider, direct and through
@@ -258,8 +258,10 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--again", action="store_true",
                         help="send it even though an earlier replay was answered (below 400, "
                              "and on an mcp route with no tool or JSON-RPC error)")
+    delete = dlq_sub.add_parser("delete", help="delete one record, with its replays")
+    delete.add_argument("id", type=_whole(MAX_LETTER_ID))
     dlq_sub.add_parser("purge", help="delete every record")
-    for command in (listing, show, replay, dlq_sub.choices["purge"]):
+    for command in (listing, show, replay, delete, dlq_sub.choices["purge"]):
         command.add_argument("--config", default=DEFAULT_CONFIG, help=config_help)
         command.add_argument("--file", metavar="PATH",
                              help="read the dead-letter SQLite file at PATH instead, whatever "

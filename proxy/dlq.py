@@ -34,6 +34,7 @@
   call's tool or JSON-RPC call did not fail), 1 otherwise;
   130 after Ctrl-C and 143 after SIGTERM, the replay then recorded as interrupted and its
   letter free at once for the next.
+* ``delete ID``: delete one record, with its replays (exit status 1 when there is none).
 * ``purge``: delete every record.
 
 Each reads where the servers of ``--config`` write: with ``state.backend: redis``, the Redis
@@ -250,6 +251,9 @@ class _FileStore:
         self._file.add_replay(letter_id, status, error, duration_s, token)
         return True
 
+    async def delete(self, letter_id: int) -> bool:
+        return self._file.delete(letter_id)
+
     async def purge(self) -> int:
         return self._file.purge()
 
@@ -264,6 +268,12 @@ async def _command(config: Config, store: DeadLetterStore | _FileStore, where: s
         return 0
     if args.dlq_command == "purge":
         print(f"purged {await store.purge()} record(s) from {where}")
+        return 0
+    if args.dlq_command == "delete":
+        if not await store.delete(args.id):
+            print(f"no dead letter {args.id} in {where}", file=sys.stderr)
+            return EXIT_FAILED
+        print(f"deleted dead letter {args.id} from {where}")
         return 0
     letter = await store.get(args.id)
     if letter is None:

@@ -117,6 +117,27 @@ async def test_two_replays_started_at_once_send_the_letter_once(upstream, start_
     assert [r["status"] for r in json.loads(out)["replays"]] == [200, 200]
 
 
+async def test_delete_removes_one_letter_and_its_replays_and_leaves_the_others(
+        upstream, start_sluice, state):
+    sluice = await start_sluice({**state, "routes": [route(
+        "openai", upstream.url, retry={"attempts": 2, "backoff": FAST_BACKOFF})]})
+    first = await dead_letter(sluice, upstream, "del-1")
+    second = await dead_letter(sluice, upstream, "del-2")
+    config = str(sluice.config_path)
+    code, _, err = await outcome(await cli("dlq", "replay", first, "--config", config))
+    assert code == 0, err
+    code, out, err = await outcome(await cli("dlq", "delete", first, "--config", config))
+    assert (code, err) == (0, "") and out.startswith(f"deleted dead letter {first} from ")
+    code, _, err = await outcome(await cli("dlq", "show", first, "--config", config))
+    assert code == 1 and f"no dead letter {first}" in err
+    code, out, _ = await outcome(await cli("dlq", "list", "--config", config))
+    assert code == 0
+    assert [line.split()[0] for line in out.splitlines()[1:]] == [second]
+    # Once more: nothing to delete, said and exit status 1.
+    code, out, err = await outcome(await cli("dlq", "delete", first, "--config", config))
+    assert (code, out) == (1, "") and f"no dead letter {first} in " in err
+
+
 @pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)],
                          ids=["ctrl-c", "sigterm"])
 async def test_a_replay_stopped_mid_send_leaves_its_result_and_frees_the_letter(
