@@ -10,8 +10,9 @@ Two YAML 1.1 habits of PyYAML are closed off here because each one silently chan
   becomes 493, ``2024-01-01`` a date. :class:`StrictLoader` resolves scalars the YAML 1.2 core
   way instead (``true``/``false`` only, decimal numbers only, no timestamps), and the pydantic
   models are strict, so a boolean or a number where a string belongs is an error. A plain
-  ``on``/``off``/``yes``/``no`` or a leading-zero number is refused wherever it appears: the
-  file would mean something else to every YAML 1.1 tool (and reader) that sees it.
+  ``on``/``off``/``yes``/``no``, a leading-zero number or a base-60 one (``1:30``) is refused
+  wherever it appears: the file would mean something else to every YAML 1.1 tool (and
+  reader) that sees it.
 
 Durations are strings with a unit (``250ms``, ``5s``, ``10m``, ``24h``, ``1d``) and become
 float seconds; rates are ``N/s``, ``N/min``, ``N/h``, ``N/day`` and become :class:`Rate`.
@@ -70,6 +71,9 @@ StrictLoader.add_implicit_resolver(
 _YAML11_BOOL = re.compile(r"^(?:yes|Yes|YES|no|No|NO|on|On|ON|off|Off|OFF)$")
 #: Plain integers with a leading zero: octal to YAML 1.1 readers, decimal to YAML 1.2.
 _YAML11_OCTAL = re.compile(r"^[-+]?0[0-9]+$")
+#: Plain base-60 numbers (``1:30``): 90 to YAML 1.1 readers (its int and float types'
+#: sexagesimal forms, yaml.org/type/int.html and float.html), a string to YAML 1.2.
+_YAML11_SEXAGESIMAL = re.compile(r"^[-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+(?:\.[0-9_]*)?$")
 
 
 def _ambiguous(node: yaml.ScalarNode) -> str | None:
@@ -87,7 +91,20 @@ def _ambiguous(node: yaml.ScalarNode) -> str | None:
             meaning = "a string to YAML 1.1 readers"
         return (f"{value!r} is {meaning} and decimal to YAML 1.2: drop the leading zero, or "
                 "quote the string")
+    if _YAML11_SEXAGESIMAL.match(value):
+        return (f"{value!r} is {_base60(value):g} (base 60) to YAML 1.1 readers and a string "
+                "to YAML 1.2: write the number, a duration with a unit (90s), or quote the "
+                "string")
     return None
+
+
+def _base60(value: str) -> float:
+    """A YAML 1.1 sexagesimal number's value: ``1:30`` is 90, ``-1:30.5`` is -90.5."""
+    sign = -1 if value.startswith("-") else 1
+    total = 0.0
+    for part in value.lstrip("+-").replace("_", "").split(":"):
+        total = total * 60 + float(part)
+    return sign * total
 
 
 #: Values a config may hold once its YAML aliases are expanded: far beyond a real one (a

@@ -81,6 +81,17 @@ BAD_FILES = [
     ("leading-zero number", ROUTE + "    concurrency: {limit: 0755}\n",
      ["{f}:5: routes[0].concurrency.limit: '0755' is octal to YAML 1.1 readers (493) and "
       "decimal to YAML 1.2: drop the leading zero, or quote the string"]),
+    # Reported on the next run only, as "not a duration" or "a valid integer", which said
+    # nothing of the 90 a YAML 1.1 reader takes (a new user's trial, round 36).
+    ("base-60 number", ROUTE + "    timeouts: {total: 1:30}\n    concurrency: {limit: 1:30}\n"
+     "    concurrency: {limit: 2}\n",
+     ["{f}:5: routes[0].timeouts.total: '1:30' is 90 (base 60) to YAML 1.1 readers and a "
+      "string to YAML 1.2: write the number, a duration with a unit (90s), or quote the "
+      "string",
+      "{f}:6: routes[0].concurrency.limit: '1:30' is 90 (base 60) to YAML 1.1 readers and a "
+      "string to YAML 1.2: write the number, a duration with a unit (90s), or quote the "
+      "string",
+      "{f}:7: routes[0].concurrency: duplicate key"]),
     ("number where a string belongs", "identity:\n  default_tenant: 3.10\n" + ROUTE,
      ["{f}:2: identity.default_tenant: Input should be a valid string"]),
     ("string where a number belongs", ROUTE + "    concurrency: {limit: '8'}\n",
