@@ -210,8 +210,10 @@ class Accounting:
         if cost.output_cap is None:
             raise Rejected(
                 Reason.BAD_REQUEST, None,
-                f"set {cost.endpoint.cap_fields[0]}: this route limits tokens and configures "
-                f"no usage.default_max_tokens",
+                # Every field the endpoint reads: max_completion_tokens alone sent a user of
+                # max_tokens, which the README and the SDKs still speak of, looking for it.
+                f"set {' or '.join(cost.endpoint.cap_fields)}: this route limits tokens and "
+                f"configures no usage.default_max_tokens",
             )
         if run is None and self.budgets is not None and self.budgets.needs_run:
             raise Rejected(Reason.BAD_REQUEST, None,

@@ -1254,9 +1254,12 @@ def _mismatch(claim: Claim) -> Rejected:
                         "a different method, path or body, or by a caller with other "
                         "credentials; to run it again, send other values of those headers "
                         "or an Idempotency-Key of its own")
+    # What to do, not only what happened (a new user's trial, round 36): the stored
+    # fingerprint is one digest, so which of these differed is not known here.
     return Rejected(Reason.IDEMPOTENCY_MISMATCH, None,
                     "its Idempotency-Key was used with a different method, path or body, or "
-                    "by a caller with other credentials")
+                    "by a caller with other credentials; send this key again only with that "
+                    "same request, and a new request with an Idempotency-Key of its own")
 
 
 def replay_response(record: Record) -> web.Response:

@@ -122,6 +122,18 @@ async def test_a_bad_cap_is_shown_as_the_caller_wrote_it(upstream, start_sluice)
                 assert f"({shown}; this route limits tokens" in message, message
 
 
+async def test_a_call_with_no_cap_is_told_every_field_that_caps_it(upstream, start_sluice):
+    sluice = await start_sluice({"routes": [route_config(
+        "openai", upstream.url, "openai", rate={"tokens": "100000/min"})]})
+    async with aiohttp.ClientSession() as session:
+        async with session.post(sluice.url + "/openai/v1/chat/completions",
+                                json={"model": "m", "messages": [{"role": "user",
+                                                                  "content": "hi"}]}) as r:
+            assert (r.status, r.headers["X-Sluice-Reason"]) == (400, "bad_request")
+            message = (await r.json())["error"]["message"]
+    assert "set max_completion_tokens or max_tokens: this route limits tokens" in message
+
+
 async def test_a_compressed_body_is_unreadable_whatever_it_holds():
     """A body sent with ``Content-Encoding: gzip`` (or ``br``, even over plain JSON bytes)
     is not read as JSON: it passes unmetered and untouched where no token limit applies, and

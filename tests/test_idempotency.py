@@ -64,6 +64,7 @@ async def test_concurrent_duplicates_execute_once_and_replay(upstream, start_slu
         assert status == 422
         assert h["X-Sluice-Reason"] == "idempotency_mismatch"
         assert b'"reason":"idempotency_mismatch"' in body
+        assert b"a new request with an Idempotency-Key of its own" in body
 
         # Another tenant with the same key runs its own request.
         status, h, _ = await post(s, url, payload, {**headers, "X-Tenant-ID": "other"})
