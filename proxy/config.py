@@ -20,6 +20,7 @@ float seconds; rates are ``N/s``, ``N/min``, ``N/h``, ``N/day`` and become :clas
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import re
@@ -130,11 +131,15 @@ def yaml_problem(exc: yaml.MarkedYAMLError) -> tuple[int, str]:
     problem = exc.problem or "unreadable"
     found = exc.problem_mark.line + 1 if exc.problem_mark else None
     began = exc.context_mark.line + 1 if exc.context_mark and exc.context else None
-    if began is None or found is None or began == found:
-        return found or began or 1, problem
-    if exc.context.startswith("while scanning"):
-        return began, f"{exc.context}: {problem} (line {found})"
-    return found, f"{problem} ({exc.context} that starts on line {began})"
+    line = found or began or 1
+    if began is not None and found is not None and began != found:
+        if exc.context.startswith("while scanning"):
+            line, problem = began, f"{exc.context}: {problem} (line {found})"
+        else:
+            problem = f"{problem} ({exc.context} that starts on line {began})"
+    if problem.startswith("expected <block end>"):  # PyYAML's words for a misindented line
+        problem += "; check this line's indentation against the lines around it"
+    return line, problem
 
 
 class _TooDeep(Exception):
@@ -307,6 +312,9 @@ def _located(err: ValidationError, marks: dict[Path_, int]) -> Iterator[tuple[in
             # The unknown key is, by definition, not a known one: name it all the same.
             path = (*_user_path(loc[:-1], marks), loc[-1])
             message = "unknown key (a typo here would silently disable a limit)"
+            close = difflib.get_close_matches(str(loc[-1]), _keys_at(loc[:-1]), n=1)
+            if close:
+                message += f"; did you mean {close[0]}?"
         elif item["type"] == "missing":
             message = "required key is missing"
         elif item["type"] == "too_short" and "min_length" in item.get("ctx", {}):
@@ -326,6 +334,22 @@ def _user_path(loc: tuple[str | int, ...], marks: dict[Path_, int]) -> Path_:
         if (*path, part) in marks or (isinstance(part, str) and part in _KNOWN_KEYS):
             path.append(part)
     return tuple(path)
+
+
+def _keys_at(loc: tuple[str | int, ...]) -> list[str]:
+    """The keys the config block at pydantic's ``loc`` may hold (a model's fields, found by
+    following ``loc`` down from :class:`Config` through lists, mappings and optional
+    blocks); none where it cannot be told."""
+    model: type[BaseModel] = Config
+    for part in loc:
+        if isinstance(part, int) or part not in model.model_fields:
+            continue  # a list index, a mapping's own key (a tool's name), a validator's name
+        nested = [arg for arg in _type_args(model.model_fields[part].annotation)
+                  if isinstance(arg, type) and issubclass(arg, BaseModel)]
+        if not nested:
+            return []
+        model = nested[0]
+    return list(model.model_fields)
 
 
 def _all_keys(model: type[BaseModel]) -> set[str]:

@@ -32,11 +32,12 @@ YAML11_BOOL = ("is a boolean to YAML 1.1 readers and a string to YAML 1.2: "
 # (case id, file text, expected stderr lines with {f} for the file's path)
 BAD_FILES = [
     ("unknown top-level key", "servr:\n  listen: 127.0.0.1:8080\n" + ROUTE,
-     [f"{{f}}:1: servr: unknown key {TYPO}"]),
+     [f"{{f}}:1: servr: unknown key {TYPO}; did you mean server?"]),
     ("unknown route key", ROUTE + "    concurency: {limit: 2}\n",
-     [f"{{f}}:5: routes[0].concurency: unknown key {TYPO}"]),
+     [f"{{f}}:5: routes[0].concurency: unknown key {TYPO}; did you mean concurrency?"]),
     ("unknown nested key", ROUTE + "    concurrency:\n      limit: 2\n      max_wiat: 5s\n",
-     [f"{{f}}:7: routes[0].concurrency.max_wiat: unknown key {TYPO}"]),
+     [f"{{f}}:7: routes[0].concurrency.max_wiat: unknown key {TYPO}; did you mean "
+      "max_wait?"]),
     ("known key in the wrong section", ROUTE + "    limit: 2\n",
      [f"{{f}}:5: routes[0].limit: unknown key {TYPO}"]),
     ("one port for both listeners",
@@ -49,7 +50,8 @@ BAD_FILES = [
     ("duration with a spaced unit", "server:\n  drain_timeout: 5 sec\n" + ROUTE,
      [f"{{f}}:2: server.drain_timeout: '5 sec' {NOT_A_DURATION}"]),
     ("sexagesimal duration", "server:\n  drain_timeout: 1:30\n" + ROUTE,
-     [f"{{f}}:2: server.drain_timeout: '1:30' {NOT_A_DURATION}"]),
+     ["{f}:2: server.drain_timeout: '1:30' is 90 (base 60) to YAML 1.1 readers and a string "
+      "to YAML 1.2: write the number, a duration with a unit (90s), or quote the string"]),
     # A new user's 99999999999999999999h became a 24-digit Retry-After; 400 digits, infinity.
     ("duration beyond a year",
      ROUTE + "    circuit_breaker: {reset_timeout: 99999999999999999999h}\n",
@@ -138,6 +140,10 @@ BAD_FILES = [
     ("unclosed quote", "server:\n  listen: '127.0.0.1:8080\n" + ROUTE,
      ["{f}:2: (yaml): while scanning a quoted scalar: found unexpected end of stream "
       "(line 7)"]),
+    ("misindented line", ROUTE + "   protocol: openai\n",
+     ["{f}:5: (yaml): expected <block end>, but found '<block mapping start>' (while parsing "
+      "a block collection that starts on line 2); check this line's indentation against "
+      "the lines around it"]),
     ("tab indentation", "server:\n\tlisten: 127.0.0.1:8080\n" + ROUTE,
      ["{f}:2: (yaml): found character '\\t' that cannot start any token"]),
     # In the file's order (pydantic's own is its fields', which said line 3 before line 2).
@@ -145,10 +151,10 @@ BAD_FILES = [
      "server:\n  drain_timeout: 5 sec\n  listen: nowhere\n" + ROUTE + "    concurency: 1\n",
      [f"{{f}}:2: server.drain_timeout: '5 sec' {NOT_A_DURATION}",
       "{f}:3: server.listen: 'nowhere' is not HOST:PORT, e.g. 127.0.0.1:8080",
-      f"{{f}}:8: routes[0].concurency: unknown key {TYPO}"]),
+      f"{{f}}:8: routes[0].concurency: unknown key {TYPO}; did you mean concurrency?"]),
     ("an unknown key before a bad value",
      ROUTE + "state:\n  backend: redis\n  on_unavailible: local\n  timeout: 50\n",
-     [f"{{f}}:7: state.on_unavailible: unknown key {TYPO}",
+     [f"{{f}}:7: state.on_unavailible: unknown key {TYPO}; did you mean on_unavailable?",
       "{f}:8: state.timeout: 50 is not a duration: write a number and a unit, e.g. 250ms, "
       "5s, 10m, 24h"]),
 ]
@@ -212,7 +218,7 @@ def test_console_script_exit_codes_and_default_config(tmp_path: Path) -> None:
     sluice = [str(script)] if script.exists() else [sys.executable, "-m", "proxy"]
     bad = tmp_path / "bad.yaml"
     bad.write_text(ROUTE + "    concurency: {limit: 2}\n")
-    expected = f"{bad}:5: routes[0].concurency: unknown key {TYPO}\n"
+    expected = f"{bad}:5: routes[0].concurency: unknown key {TYPO}; did you mean concurrency?\n"
 
     def run(*command: str) -> subprocess.CompletedProcess:
         return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=60)
