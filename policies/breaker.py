@@ -21,6 +21,12 @@ What the breaker hears about an attempt (:func:`classify`):
 * **nothing** (neutral): the caller's own cancellation or deadline, a 429 *with* rate-limit
   headers (a quota, which says nothing about health), and every answer Sluice writes itself
   (those never reach an attempt).
+* a **stream** (an LLM call that asked for one, answered 2xx) is judged once it has ended
+  (:func:`classify_stream`): one the upstream ended with an error event after HTTP 200 is a
+  failure when the event names a server-side fault (Anthropic's ``overloaded_error``,
+  ``api_error``; OpenAI's ``server_error``), neutral when it names a rate limit, and a
+  success when it names the request's own (``invalid_request_error``), as the status it
+  stands for would be (:func:`policies.usage.stream_error_side`).
 
 Trips: ``fail_max`` consecutive failures, or, when ``rate`` is set, a failure rate ``>= rate``
 over the last ``window`` seconds once ``min_calls`` outcomes are in it (Resilience4j's
@@ -105,9 +111,10 @@ from policies.state.breaker import (
     Ticket,
     Verdict,
 )
+from policies.usage import CLIENT, SERVER
 
 __all__ = ["FAILURE", "MAX_OPEN_HINT_S", "NEUTRAL", "PROBE_RETRY_AFTER_S", "SUCCESS",
-           "Breaker", "Pass", "classify"]
+           "Breaker", "Pass", "classify", "classify_stream"]
 
 log = logging.getLogger("sluice")
 
@@ -137,6 +144,17 @@ _RATE_LIMIT_HEADERS = (
     "anthropic-ratelimit-requests-reset",
     "anthropic-ratelimit-tokens-reset",
 )
+
+
+def classify_stream(stream_error: str | None) -> int:
+    """What a 2xx stream tells the breaker once it has ended, by the error event it may have
+    ended with (:attr:`policies.usage.Meter.stream_error`, whose fault the event says it
+    is): FAILURE for the server's (an ``overloaded_error`` or ``api_error`` after HTTP 200,
+    as a 5xx), NEUTRAL for a rate limit (as a 429 with rate-limit headers), SUCCESS for the
+    request's own (``invalid_request_error``, as a 400) or for none."""
+    if stream_error is None or stream_error == CLIENT:
+        return SUCCESS
+    return FAILURE if stream_error == SERVER else NEUTRAL
 
 
 def classify(status: int, headers: Mapping[str, str]) -> int:

@@ -463,6 +463,56 @@ def cost_usd(usage: Usage, price_input: float, price_output: float, price_cache_
     ) / 1_000_000
 
 
+#: :attr:`Meter.stream_error` of an error event that is the upstream's fault (it failed the
+#: answer as a 5xx would), of one that names the request's own (as a 400 does), and of one
+#: that names a rate limit or quota (as a 429 with rate-limit headers does).
+SERVER, CLIENT, QUOTA = "server", "client", "quota"
+#: Words of an error type or code (lower case, ``_`` dropped) that name a server-side fault:
+#: Anthropic's ``overloaded_error``, ``api_error``, ``timeout_error``; OpenAI's
+#: ``server_error``; vLLM's ``InternalServerError``, ``ServiceUnavailableError``...
+_SERVER_WORDS = ("overload", "server", "apierror", "internal", "unavailable", "timeout")
+
+
+def stream_error_side(event: object) -> str:
+    """Whose fault a stream's error event says its failure is: :data:`SERVER`,
+    :data:`CLIENT` or :data:`QUOTA` (see the breaker's section of the README).
+
+    ``event`` is the event's parsed data: Anthropic's ``{"type": "error", "error": {"type":
+    ...}}``, a Chat Completions chunk ``{"error": {"type": ..., "code": ...}}``, the
+    Responses API's ``{"type": "error", "code": ...}`` or ``{"type": "response.failed",
+    "response": {"error": {"code": ...}}}``. In order: an HTTP status in ``code`` or
+    ``status`` (vLLM's) decides as that status would (5xx server, 429 quota, other 4xx
+    client); else a type or code naming a rate limit is a quota, one naming a server-side
+    fault (:data:`_SERVER_WORDS`) is the server's, and any other named one (
+    ``invalid_request_error``, ``context_length_exceeded``, ``invalid_prompt``...) the
+    client's; an event naming nothing is the server's (the upstream gave up, and did not
+    say the request was at fault).
+    """
+    error: object = event
+    if isinstance(event, dict):
+        if isinstance(event.get("error"), dict):
+            error = event["error"]
+        elif event.get("type") == "response.failed":
+            response = event.get("response")
+            error = response.get("error") if isinstance(response, dict) else None
+    if not isinstance(error, dict):
+        return SERVER
+    names = []
+    for field in ("code", "status", "type"):
+        value = error.get(field)
+        if type(value) is int and 400 <= value <= 599:
+            return SERVER if value >= 500 else QUOTA if value == 429 else CLIENT
+        if isinstance(value, str) and value and (field != "type" or value != "error"):
+            names.append(value.lower().replace("_", ""))
+    if not names:
+        return SERVER
+    if any("ratelimit" in name for name in names):
+        return QUOTA
+    if any(word in name for name in names for word in _SERVER_WORDS):
+        return SERVER
+    return CLIENT
+
+
 _NONE, _JSON, _SSE = 0, 1, 2
 _FINAL_RESPONSE_EVENTS = frozenset({"response.completed", "response.incomplete",
                                     "response.failed"})
@@ -480,6 +530,8 @@ class Meter:
         complete: the whole answer went through (a clean end, not a cut).
         done: an OpenAI stream's last event, ``data: [DONE]``, has been read.
         failed: a stream's event reported an error (the upstream gave up mid-answer).
+        stream_error: whose fault the first such event says it is (:func:`stream_error_side`:
+            :data:`SERVER`, :data:`CLIENT`, :data:`QUOTA`), ``None`` when there was none.
         usage: as the upstream reported it so far.
         final: ``usage`` is the upstream's final count.
         streamed_tokens: estimated output tokens in the content events passed on, for a
@@ -524,6 +576,7 @@ class Meter:
     complete = False
     done = False
     failed = False
+    stream_error: str | None = None
     _final = False
     #: The upstream reported a negative count: none of this answer's counts is final.
     _negative = False
@@ -834,7 +887,8 @@ class Meter:
                 return False
         elif self._kind is RESPONSES:
             if buf.find(b".delta", start, start + 64) < 0:
-                if buf.find(b"error", start, start + 64) >= 0:
+                if (buf.find(b"error", start, start + 64) >= 0
+                        or buf.find(b"response.failed", start, start + 64) >= 0):
                     self._error_event(buf[first:end])
                 return False
         elif buf.find(b'"error"', first, first + 10) >= 0 and self._error_event(buf[first:end]):
@@ -847,19 +901,28 @@ class Meter:
 
     def _error_event(self, payload: bytes) -> bool:
         """Note an event reporting that the answer failed mid-stream (Anthropic's and the
-        Responses API's ``"type": "error"``, a Chat Completions chunk ``{"error": ...}``): the
-        stream that follows it ends without usage, as a cut one does. Returns whether it is
-        one."""
+        Responses API's ``"type": "error"``, the Responses API's ``response.failed``, a Chat
+        Completions chunk ``{"error": ...}``): the stream that follows it ends without usage,
+        as a cut one does. Returns whether it is one."""
         try:
             obj = orjson.loads(payload)
         except orjson.JSONDecodeError:
             return False
-        failed = isinstance(obj, dict) and (obj.get("type") == "error" or (
-            self._kind is not MESSAGES and self._kind is not RESPONSES
-            and isinstance(obj.get("error"), dict)))
+        if not isinstance(obj, dict):
+            return False
+        kind = obj.get("type")
+        failed = kind == "error" or (
+            kind == "response.failed" if self._kind is RESPONSES
+            else self._kind is not MESSAGES and isinstance(obj.get("error"), dict))
         if failed:
-            self.failed = True
+            self._failed(obj)
         return failed
+
+    def _failed(self, event: dict) -> None:
+        """The stream reported an error in ``event`` (its parsed data)."""
+        self.failed = True
+        if self.stream_error is None:
+            self.stream_error = stream_error_side(event)
 
     def _parse(self, payload: bytes, has_usage: bool) -> bool:
         """Parse one event: take its usage, measure its text; True if it is to be stripped."""
@@ -892,6 +955,8 @@ class Meter:
                         u := response.get("usage"), dict
                     ) and self._take(u):
                         self.final = True
+                    if kind == "response.failed":
+                        self._failed(obj)
         else:
             choices = obj.get("choices")
             if has_usage and isinstance(u := obj.get("usage"), dict):

@@ -107,9 +107,8 @@ class _Tries:
     __slots__ = ("error", "kind", "log", "pending", "response", "stop", "tracker")
 
     def __init__(self) -> None:
-        #: An operation's breaker and its ticket for an MCP answer whose verdict (a tool
-        #: failure or not) is known only once the answer has been read.
-        self.pending: tuple[brk.Breaker, brk.Pass] | None = None
+        #: Breakers whose verdict on the answer is known only once it has been read.
+        self.pending: _Waiting | None = None
         #: Reads the relayed answer for ``pending``'s verdict.
         self.tracker: AnswerTracker | None = None
         self.response: aiohttp.ClientResponse | None = None
@@ -126,6 +125,20 @@ class _Tries:
         if self.response is not None:
             self.response.release()
             self.response = None
+
+
+class _Waiting:
+    """Tickets of breakers that hear a 2xx answer's verdict only once it has been read
+    (:attr:`_Tries.pending`): an MCP tool's breaker, one ticket, judged by the call's result
+    (a tool failure or not, :func:`_verdict`); or, for an LLM stream, every breaker of the
+    attempt, judged by the error event the stream may end with
+    (:func:`policies.breaker.classify_stream`)."""
+
+    __slots__ = ("tickets", "tool")
+
+    def __init__(self, tickets: list[tuple[brk.Breaker, brk.Pass]], tool: bool) -> None:
+        self.tickets = tickets
+        self.tool = tool
 
 
 async def forward(request: web.BaseRequest, rt: Runtime, route: Route, call: Call,
@@ -146,6 +159,11 @@ async def forward(request: web.BaseRequest, rt: Runtime, route: Route, call: Cal
 
     ``finish``: the call's exchange may outlive its caller (:class:`proxy.forward.Finish`,
     an MCP call whose answer is kept for its key); the relay is told.
+
+    A streamed call on an ``openai`` or ``anthropic`` route (one whose ``call.meter`` read
+    ``"stream": true``) that is answered 2xx tells its breakers only once its stream has
+    ended: a server-side error event in place of the rest of the answer is a failure
+    (:func:`policies.breaker.classify_stream`), and the call's outcome ``upstream_error``.
 
     Returns:
         ``(response, outcome)``: ``outcome`` is a ``sluice_requests_total`` label; whether
@@ -215,9 +233,10 @@ async def forward(request: web.BaseRequest, rt: Runtime, route: Route, call: Cal
             call.status = response.status
             call.progress_at = time.monotonic()
             capture = call.capture
-            if tries.pending is not None or (route.protocol == "mcp" and (
+            # (An MCP tool's breaker waits for its answer, tries.pending, on a call only.)
+            if route.protocol == "mcp" and (
                     traffic == "call" or (traffic == "control" and call.rpc_id is not None
-                                          and is_sse(response.headers.get("Content-Type"))))):
+                                          and is_sse(response.headers.get("Content-Type")))):
                 # A call's answer, or a control request's on a stream (initialize,
                 # tools/list): followed to its response, which tells when the caller has it
                 # (forward.delivered). Not a control request's JSON answer: complete only at
@@ -250,7 +269,7 @@ async def forward(request: web.BaseRequest, rt: Runtime, route: Route, call: Cal
                     request, response, extra, capture, meter, call, finish,
                     None if total is None or sent_at is None else sent_at + total)
             except Rejected as error:  # not relayable (a bad status or header) or cut in time
-                await _verdict(tries, None)
+                await _verdict(tries, None, meter)
                 call.status = error.reason.status
                 failed = render(error, route.protocol, jsonrpc_id(route.protocol, call.body))
                 if _retried(tries):  # else no layer of Sluice's retried it: the SDK may
@@ -267,7 +286,7 @@ async def forward(request: web.BaseRequest, rt: Runtime, route: Route, call: Cal
                                tracker.last_event_id.decode("utf-8", "surrogateescape"),
                                _polled(request, call, traffic, outcome, tracker, total))
             if tries.pending is not None:
-                await _verdict(tries, tries.tracker)
+                await _verdict(tries, tries.tracker, meter)
             return answer, outcome
         error = tries.error
         assert error is not None
@@ -279,13 +298,19 @@ async def forward(request: web.BaseRequest, rt: Runtime, route: Route, call: Cal
     finally:
         tries.drop_response()
         if tries.pending is not None:  # the caller left during the answer
-            breaker, ticket = tries.pending
-            tries.pending = None
-            found = tries.tracker.outcome if tries.tracker is not None else None
-            if found is None:  # before the response: the answer says nothing
-                breaker.release(ticket)
-            else:  # after it, as the MCP SDKs do: its verdict stands
-                breaker.record_soon(ticket, brk.FAILURE if found.tool_failure else brk.SUCCESS)
+            waiting, tries.pending = tries.pending, None
+            if not waiting.tool:  # a stream: what it showed before the caller left stands
+                verdict = brk.classify_stream(meter.stream_error)
+                for breaker, ticket in waiting.tickets:
+                    breaker.record_soon(ticket, verdict)
+            else:
+                [(breaker, ticket)] = waiting.tickets
+                found = tries.tracker.outcome if tries.tracker is not None else None
+                if found is None:  # before the response: the answer says nothing
+                    breaker.release(ticket)
+                else:  # after it, as the MCP SDKs do: its verdict stands
+                    breaker.record_soon(ticket, brk.FAILURE if found.tool_failure
+                                        else brk.SUCCESS)
 
 
 def _polled(request: web.BaseRequest, call: Call, traffic: Traffic, outcome: str,
@@ -318,15 +343,22 @@ def _retried(tries: _Tries) -> bool:
     return bool(tries.stop) and tries.stop != "unsafe_to_retry"
 
 
-async def _verdict(tries: _Tries, tracker: AnswerTracker | None) -> None:
-    """Tell a tool's breaker what its answer came to: a failure when the answer held no
-    response (``tracker`` ``None``: it was cut) or a tool failure
-    (:attr:`policies.mcp.Outcome.tool_failure`), else a success; nothing when the server
-    closed it early for polling (no response, events with ids)."""
-    if tries.pending is None:
+async def _verdict(tries: _Tries, tracker: AnswerTracker | None, meter: Any) -> None:
+    """Tell the breakers waiting for the answer (:class:`_Waiting`) what it came to.
+
+    A stream's: what its error event, if any, says (``meter``'s
+    :attr:`~policies.usage.Meter.stream_error`, :func:`policies.breaker.classify_stream`).
+    A tool's: a failure when the answer held no response (``tracker`` ``None``: it was
+    cut) or a tool failure (:attr:`policies.mcp.Outcome.tool_failure`), else a success;
+    nothing when the server closed it early for polling (no response, events with ids)."""
+    waiting = tries.pending
+    if waiting is None:
         return
-    breaker, ticket = tries.pending
     tries.pending = None
+    if not waiting.tool:
+        await _record_each(waiting.tickets, brk.classify_stream(meter.stream_error))
+        return
+    [(breaker, ticket)] = waiting.tickets
     found = tracker.finish() if tracker is not None else None
     if found is None and tracker is not None and tracker.resumable:
         # Closed early for polling (2025-11-25): the response comes on the GET that resumes
@@ -568,9 +600,12 @@ async def _attempt(rt: Runtime, route: Route, call: Call, url: URL,
         tries.answered(response)  # first: whatever happens next, the response gets closed
         call.answered_at = time.monotonic()
         status = call.answer_status = response.status
-        # Read here, under the except below that gives the tickets back if reading fails.
-        hint = upstream_retry_after(response.headers) if status >= 400 else None
-        verdict = brk.classify(status, response.headers)
+        if status < 300:  # a success (brk.classify), with no Retry-After to read
+            hint, verdict = None, brk.SUCCESS
+        else:
+            # Read here, under the except below that gives the tickets back if reading fails.
+            hint = upstream_retry_after(response.headers) if status >= 400 else None
+            verdict = brk.classify(status, response.headers)
     except Rejected as exc:
         tries.error = exc
         sent = fwd.left(exc)
@@ -595,12 +630,18 @@ async def _attempt(rt: Runtime, route: Route, call: Call, url: URL,
     else:
         if logged and status >= 400:  # an answer below 400 is never retried nor dead-lettered
             tries.log.append((started, status, None, time.monotonic() - started))
-        if tool_breaker is not None and verdict == brk.SUCCESS and status < 300:
-            # A tool failure shows in the answer only: its breaker hears once it is read.
-            for pair in tickets:
-                if pair[0] is tool_breaker:
-                    tries.pending = pair
-            tickets = [pair for pair in tickets if pair[0] is not tool_breaker]
+        if status < 300:
+            if tool_breaker is not None:
+                # A tool failure shows in the answer only: its breaker hears once it is read.
+                for pair in tickets:
+                    if pair[0] is tool_breaker:
+                        tries.pending = _Waiting([pair], True)
+                tickets = [pair for pair in tickets if pair[0] is not tool_breaker]
+            elif (meter := call.meter) is not None and meter.cost.stream:
+                # An LLM stream may yet end in an error event (the upstream overloaded
+                # mid-answer): its breakers hear once it has ended. A 2xx is never retried.
+                tries.pending = _Waiting(tickets, False)
+                return status, hint, True
         await _record_each(tickets, verdict, status, hint)
         return status, hint, True
     call.reached = reached_before or sent

@@ -47,7 +47,7 @@ from policies.logs import PER_CALL
 from policies.mcp import AnswerTracker
 from policies.pipeline import Call
 from policies.reasons import Reason, Rejected
-from policies.usage import Meter
+from policies.usage import SERVER, Meter
 from proxy.rejections import rejection_body
 
 HOP_BY_HOP = frozenset(
@@ -474,7 +474,9 @@ async def relay(
     more of it then has that connection cut (:class:`_Deadline`), as if it had left.
 
     Returns:
-        ``(response, outcome)`` as :func:`forward` does.
+        ``(response, outcome)`` as :func:`forward` does; a stream ``meter`` found ended by a
+        server-side error event (:attr:`policies.usage.Meter.stream_error`) is
+        ``upstream_error``, its status still the one relayed.
 
     Raises:
         Rejected: when a small answer was cut before any of it was sent:
@@ -618,16 +620,23 @@ async def relay(
                 return out, outcome  # the caller has gone and the response is in
             elif finish.left:
                 continue  # read on without the caller: nothing was written
+            # An error event is a stream's last message too: the SDKs raise on it, and close.
             if ((last is not None and last.outcome is not None)
-                    or (meter is not None and meter.done)):
+                    or (meter is not None and (meter.done or meter.failed))):
                 _sent(request, call)
-        if meter is not None and (tail := meter.finish()):
-            if capture is not None:
-                capture.feed(tail)
-            if finish is None or not finish.left:
-                await out.write(tail)
-                if meter.done:
-                    _sent(request, call)
+        if meter is not None:
+            if tail := meter.finish():
+                if capture is not None:
+                    capture.feed(tail)
+                if finish is None or not finish.left:
+                    await out.write(tail)
+                    if meter.done or meter.failed:
+                        _sent(request, call)
+            if meter.stream_error == SERVER:
+                # The upstream gave up mid-answer, saying so in an error event (HTTP 200
+                # sent already): a failure of the upstream, as a 5xx is (proxy.attempts
+                # tells its breaker). The bytes went to the caller as they came.
+                outcome = "upstream_error"
         # An MCP call's stream that ended without the call's response (its session deleted
         # while the tool ran) ends with the call's error as its last event: passed on as it
         # came, the Python mcp 1.x client waited for ever (a hostile trial). Not one whose

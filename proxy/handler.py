@@ -64,6 +64,7 @@ from policies.pipeline import (
 )
 from policies.reasons import Reason, Rejected
 from policies.retry import is_client_retry
+from policies.usage import SERVER
 from proxy import attempts
 from proxy.edge import BODY_CUT
 from proxy.forward import (
@@ -837,7 +838,12 @@ def _delivered_outcome(call: Call, admitted_at: float) -> Outcome:
     """The outcome of a call whose answer's last message had gone to the caller
     (:func:`proxy.forward.delivered`) when something else ended its stream (its caller
     closing it, its run's cancel, a drain), or of an MCP session's GET stream its client
-    closed: the answer's status class, as if the upstream had ended the stream then."""
+    closed: the answer's status class, as if the upstream had ended the stream then; or
+    ``upstream_error`` when that last message was an error event naming a server-side fault
+    (the SDKs raise on it and close the stream: :attr:`policies.usage.Meter.stream_error`)."""
+    meter = call.meter
+    if meter is not None and meter.stream_error == SERVER:
+        return _answer_outcome(call, call.status, "upstream_error", admitted_at)
     return _answer_outcome(call, call.status, f"{call.status // 100}xx", admitted_at)
 
 

@@ -69,7 +69,8 @@ OUTCOMES = (
     "4xx",
     "5xx",
     "rejected",  # Sluice answered itself (see sluice_rejections_total for why)
-    "upstream_error",  # no usable answer: connect failure, reset, cut stream
+    "upstream_error",  # no usable answer: connect failure, reset, cut stream, or a stream
+    # the upstream ended with a server-side error event after HTTP 200 (status stays 200)
     "upstream_timeout",
     "client_disconnected",  # the caller left before the answer was complete
     "drain_cut",  # still running when the drain_timeout ran out at shutdown

@@ -1,0 +1,265 @@
+"""A stream the upstream ends with an error event (HTTP 200, a few events, then Anthropic's
+``overloaded_error``, a Chat Completions ``{"error": ...}`` chunk, the Responses API's
+``response.failed``) is a failure of the upstream, as a 5xx is: the route's breaker hears a
+failure and the call's outcome is ``upstream_error`` (status 200, what the client saw). An
+error event that names the request's own fault (``invalid_request_error``) is not one, as a
+400 is not. Driven through the official SDKs, streaming, on routes that limit no tokens."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import NamedTuple
+
+import anthropic
+import openai
+import pytest
+from aiohttp import web
+
+from tests.conftest import completed_events, route, serve_app
+
+BREAKER = {"fail_max": 2, "reset_timeout": "60s"}
+
+
+def _sse(obj: dict, event: str | None = None) -> bytes:
+    head = f"event: {event}\n" if event else ""
+    return (head + "data: " + json.dumps(obj) + "\n\n").encode()
+
+
+def _anthropic(error_type: str) -> list[bytes]:
+    return [
+        _sse({"type": "message_start", "message": {
+            "id": "msg_1", "type": "message", "role": "assistant", "model": "claude-x",
+            "content": [], "stop_reason": None, "stop_sequence": None,
+            "usage": {"input_tokens": 20, "output_tokens": 1}}}, "message_start"),
+        _sse({"type": "content_block_start", "index": 0,
+              "content_block": {"type": "text", "text": ""}}, "content_block_start"),
+        _sse({"type": "content_block_delta", "index": 0,
+              "delta": {"type": "text_delta", "text": "hello there"}}, "content_block_delta"),
+        _sse({"type": "error", "error": {"type": error_type, "message": "it failed"}}, "error"),
+    ]
+
+
+def _chat(error: dict) -> list[bytes]:
+    return [
+        _sse({"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "gpt-x",
+              "choices": [{"index": 0, "delta": {"content": "hello there"},
+                           "finish_reason": None}]}),
+        _sse({"error": error}),
+    ]
+
+
+def _responses_failed(code: str) -> list[bytes]:
+    response = {"id": "resp_1", "object": "response", "created_at": 1, "model": "gpt-x",
+                "output": [], "usage": None}
+    return [
+        _sse({"type": "response.created", "sequence_number": 0,
+              "response": dict(response, status="in_progress")}, "response.created"),
+        _sse({"type": "response.output_text.delta", "sequence_number": 1, "item_id": "i",
+              "output_index": 0, "content_index": 0, "delta": "hello there"},
+             "response.output_text.delta"),
+        _sse({"type": "response.failed", "sequence_number": 2, "response": dict(
+            response, status="failed", error={"code": code, "message": "it failed"})},
+             "response.failed"),
+    ]
+
+
+SHAPES = {
+    "overloaded": _anthropic("overloaded_error"),
+    "api_error": _anthropic("api_error"),
+    "anthropic_invalid": _anthropic("invalid_request_error"),
+    "chat_server": _chat({"message": "The server had an error", "type": "server_error",
+                          "param": None, "code": None}),
+    "chat_invalid": _chat({"message": "bad", "type": "invalid_request_error", "param": None,
+                           "code": "context_length_exceeded"}),
+    "responses_server": _responses_failed("server_error"),
+}
+
+
+SEEN = web.AppKey("seen", list)
+
+
+class Failing(NamedTuple):
+    """The upstream: its URL, and the ``x-shape`` of every request that reached it."""
+
+    url: str
+    seen: list[str]
+
+
+async def _streams(request: web.Request) -> web.StreamResponse:
+    """Every answer: HTTP 200, chunked SSE, the events ``x-shape`` names, then a clean end."""
+    await request.read()
+    request.app[SEEN].append(request.headers["x-shape"])
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    for event in SHAPES[request.headers["x-shape"]]:
+        await response.write(event)
+    await response.write_eof()
+    return response
+
+
+@pytest.fixture
+async def failing() -> AsyncIterator[Failing]:
+    app = web.Application()
+    seen: list[str] = []
+    app[SEEN] = seen
+    app.router.add_post("/{tail:.*}", _streams)
+    runner, port = await serve_app(app)
+    yield Failing(f"http://127.0.0.1:{port}", seen)
+    await runner.cleanup()
+
+
+async def _claude(sluice, shape: str) -> None:
+    """One streamed message through the Anthropic SDK; raises what the SDK raises."""
+    client = anthropic.AsyncAnthropic(base_url=sluice.url + "/anthropic",
+                                      api_key="sk-ant-test", max_retries=0)
+    try:
+        async with client.messages.stream(
+                model="claude-x", max_tokens=100, extra_headers={"x-shape": shape},
+                messages=[{"role": "user", "content": "hi"}]) as stream:
+            async for _ in stream:
+                pass
+    finally:
+        await client.close()
+
+
+async def _gpt(sluice, shape: str) -> None:
+    """One streamed chat completion (or Responses call) through the OpenAI SDK."""
+    client = openai.AsyncOpenAI(base_url=sluice.url + "/openai/v1", api_key="sk-test",
+                                max_retries=0)
+    try:
+        if shape.startswith("responses"):
+            stream = await client.responses.create(model="gpt-x", input="hi", stream=True,
+                                                   extra_headers={"x-shape": shape})
+        else:
+            stream = await client.chat.completions.create(
+                model="gpt-x", stream=True, messages=[{"role": "user", "content": "hi"}],
+                extra_headers={"x-shape": shape})
+        async for _ in stream:
+            pass
+    finally:
+        await client.close()
+
+
+def _refused_open(error: BaseException) -> bool:
+    return (isinstance(error, (openai.APIStatusError, anthropic.APIStatusError))
+            and error.status_code == 503
+            and error.response.headers.get("X-Sluice-Reason") == "circuit_open")
+
+
+async def test_anthropic_overloaded_mid_stream_opens_the_breaker(start_sluice, failing) -> None:
+    """Two streams that end in ``overloaded_error`` / ``api_error`` (after message_start and
+    some text) open a ``fail_max: 2`` breaker: the third call is refused ``circuit_open`` and
+    never reaches the upstream. Each is completed ``upstream_error``, status 200. Before, the
+    breaker heard two successes (the 200 status line) and stayed closed."""
+    sluice = await start_sluice({"routes": [route(
+        "anthropic", failing.url, protocol="anthropic", circuit_breaker=BREAKER)]})
+    for shape in ("overloaded", "api_error"):
+        with pytest.raises(anthropic.APIStatusError) as caught:
+            await _claude(sluice, shape)
+        assert not _refused_open(caught.value)  # the SDK read the upstream's error event
+    done = await completed_events(sluice, 2)
+    assert [(e["outcome"], e["status"]) for e in done] == [("upstream_error", 200)] * 2
+    with pytest.raises(anthropic.APIStatusError) as caught:
+        await _claude(sluice, "overloaded")
+    assert _refused_open(caught.value)
+    assert failing.seen == ["overloaded", "api_error"]
+    assert await sluice.metric("sluice_requests_total", route="anthropic",
+                               outcome="upstream_error") == 2
+
+
+@pytest.mark.parametrize("shape", ["chat_server", "responses_server"])
+async def test_openai_server_error_mid_stream_opens_the_breaker(start_sluice, failing,
+                                                                shape) -> None:
+    """The OpenAI shapes: a Chat Completions ``{"error": {"type": "server_error"}}`` chunk,
+    a Responses ``response.failed`` with ``server_error``, on a plain ``openai`` route (no
+    budget, no token rate): two such streams open the breaker; each is ``upstream_error``."""
+    sluice = await start_sluice({"routes": [route("openai", failing.url,
+                                                  circuit_breaker=BREAKER)]})
+    for _ in range(2):
+        try:
+            await _gpt(sluice, shape)
+        except openai.APIError as error:  # the Chat chunk raises; response.failed is an event
+            assert not _refused_open(error)
+    done = await completed_events(sluice, 2)
+    assert [(e["outcome"], e["status"]) for e in done] == [("upstream_error", 200)] * 2
+    with pytest.raises(openai.APIStatusError) as caught:
+        await _gpt(sluice, shape)
+    assert _refused_open(caught.value)
+    assert len(failing.seen) == 2
+
+
+@pytest.mark.parametrize("client_side, server_side", [
+    ("anthropic_invalid", "overloaded"),
+    ("chat_invalid", "chat_server"),
+], ids=["anthropic", "openai"])
+async def test_a_client_side_error_event_does_not_count(start_sluice, failing, client_side,
+                                                        server_side) -> None:
+    """An error event naming the request's fault (``invalid_request_error``) counts as a 400
+    does: a success for the breaker, outcome ``2xx``. Server-side errors taking turns with
+    it never make two failures in a row, so a ``fail_max: 2`` breaker stays closed; two in a
+    row then open it."""
+    protocol = "anthropic" if client_side.startswith("anthropic") else "openai"
+    call = _claude if protocol == "anthropic" else _gpt
+    sluice = await start_sluice({"routes": [route(protocol, failing.url, protocol=protocol,
+                                                  circuit_breaker=BREAKER)]})
+    shapes = [server_side, client_side, server_side, client_side, server_side, server_side]
+    for shape in shapes:
+        with pytest.raises((openai.APIError, anthropic.APIError)) as caught:
+            await call(sluice, shape)
+        assert not _refused_open(caught.value), shape
+    done = await completed_events(sluice, len(shapes))
+    assert [e["outcome"] for e in done] == [
+        "2xx" if shape == client_side else "upstream_error" for shape in shapes]
+    assert {e["status"] for e in done} == {200}
+    with pytest.raises((openai.APIError, anthropic.APIError)) as caught:
+        await call(sluice, server_side)
+    assert _refused_open(caught.value)
+    assert failing.seen == shapes
+
+
+async def test_a_failed_stream_is_not_replayed_for_its_key(start_sluice, failing) -> None:
+    """On a ``dedup`` route a stream the upstream failed mid-answer is kept for its key no
+    more than a 5xx is: the retry with the same ``Idempotency-Key`` reaches the upstream
+    again. Before, the ``overloaded`` stream was stored as a 2xx answer and the retry got
+    the same error replayed, never reaching the (maybe recovered) upstream. A stream ended
+    by the request's own error is replayed, as a 400 is."""
+    sluice = await start_sluice({"routes": [route("openai", failing.url,
+                                                  idempotency={"mode": "dedup"})]})
+    for key, shape in (("k-1", "chat_server"), ("k-1", "chat_server"),
+                       ("k-2", "chat_invalid"), ("k-2", "chat_invalid")):
+        client = openai.AsyncOpenAI(base_url=sluice.url + "/openai/v1", api_key="sk-test",
+                                    max_retries=0)
+        with pytest.raises(openai.APIError):
+            stream = await client.chat.completions.create(
+                model="gpt-x", stream=True, messages=[{"role": "user", "content": "hi"}],
+                extra_headers={"x-shape": shape, "Idempotency-Key": key})
+            async for _ in stream:
+                pass
+        await client.close()
+    assert failing.seen == ["chat_server", "chat_server", "chat_invalid"]
+
+
+@pytest.mark.parametrize("event, side", [
+    ({"type": "error", "error": {"type": "overloaded_error", "message": "Overloaded"}},
+     "server"),
+    ({"type": "error", "error": {"type": "api_error"}}, "server"),
+    ({"type": "error", "error": {"type": "timeout_error"}}, "server"),
+    ({"type": "error", "error": {"type": "invalid_request_error"}}, "client"),
+    ({"type": "error", "error": {"type": "rate_limit_error"}}, "quota"),
+    ({"error": {"type": "server_error", "code": None}}, "server"),
+    ({"error": {"type": "invalid_request_error", "code": "context_length_exceeded"}},
+     "client"),
+    ({"error": {"type": "BadRequestError", "code": 400}}, "client"),  # vLLM's
+    ({"error": {"type": "InternalServerError", "code": 500}}, "server"),
+    ({"error": {"message": "no type at all"}}, "server"),
+    ({"type": "error", "code": "server_error", "message": "x"}, "server"),  # Responses
+    ({"type": "error", "code": "rate_limit_exceeded"}, "quota"),
+    ({"type": "response.failed", "response": {"error": {"code": "invalid_prompt"}}},
+     "client"),
+    ({"type": "response.failed", "response": {"error": None}}, "server"),
+])
+def test_which_error_events_are_the_upstreams(event: dict, side: str) -> None:
+    from policies.usage import stream_error_side
+
+    assert stream_error_side(event) == side
