@@ -263,3 +263,32 @@ def test_which_error_events_are_the_upstreams(event: dict, side: str) -> None:
     from policies.usage import stream_error_side
 
     assert stream_error_side(event) == side
+
+
+def test_the_meter_reads_the_first_error_event_and_response_failed_with_usage() -> None:
+    """What the relay acts on: ``Meter.stream_error`` says the first error event's side,
+    whether the event is a Responses ``response.failed`` carrying its usage (parsed for the
+    usage, and still a failure) or an Anthropic ``error`` followed by another."""
+    from multidict import CIMultiDict
+
+    from policies.usage import MESSAGES, RESPONSES, Meter
+
+    sse = CIMultiDict({"Content-Type": "text/event-stream"})
+    failed = _sse({"type": "response.failed", "sequence_number": 2, "response": {
+        "id": "resp_1", "status": "failed", "error": {"code": "server_error", "message": "x"},
+        "usage": {"input_tokens": 9, "output_tokens": 4, "total_tokens": 13}}},
+        "response.failed")
+    meter = Meter(RESPONSES, anthropic=False, strip_usage=False)
+    meter.start(200, sse)
+    for event in _responses_failed("server_error")[:2]:
+        assert meter.chunk(event) == event
+    assert meter.stream_error is None and not meter.failed
+    assert meter.chunk(failed) == failed
+    assert (meter.stream_error, meter.failed, meter.final) == ("server", True, True)
+    assert (meter.usage.input_tokens, meter.usage.output_tokens) == (9, 4)
+
+    meter = Meter(MESSAGES, anthropic=True, strip_usage=False)
+    meter.start(200, sse)
+    stream = b"".join(_anthropic("overloaded_error") + _anthropic("invalid_request_error")[3:])
+    assert meter.chunk(stream) == stream
+    assert meter.stream_error == "server"
