@@ -7,6 +7,7 @@ error event that names the request's own fault (``invalid_request_error``) is no
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from typing import NamedTuple
@@ -94,6 +95,8 @@ async def _streams(request: web.Request) -> web.StreamResponse:
     await response.prepare(request)
     for event in SHAPES[request.headers["x-shape"]]:
         await response.write(event)
+    if request.headers.get("x-linger"):  # the stream stays open until Sluice closes it
+        await asyncio.sleep(60)
     await response.write_eof()
     return response
 
@@ -104,18 +107,20 @@ async def failing() -> AsyncIterator[Failing]:
     seen: list[str] = []
     app[SEEN] = seen
     app.router.add_post("/{tail:.*}", _streams)
-    runner, port = await serve_app(app)
+    # A lingering stream's handler ends when Sluice closes its connection.
+    runner, port = await serve_app(app, handler_cancellation=True)
     yield Failing(f"http://127.0.0.1:{port}", seen)
     await runner.cleanup()
 
 
-async def _claude(sluice, shape: str) -> None:
+async def _claude(sluice, shape: str, headers: dict[str, str] | None = None) -> None:
     """One streamed message through the Anthropic SDK; raises what the SDK raises."""
     client = anthropic.AsyncAnthropic(base_url=sluice.url + "/anthropic",
                                       api_key="sk-ant-test", max_retries=0)
     try:
         async with client.messages.stream(
-                model="claude-x", max_tokens=100, extra_headers={"x-shape": shape},
+                model="claude-x", max_tokens=100,
+                extra_headers={"x-shape": shape, **(headers or {})},
                 messages=[{"role": "user", "content": "hi"}]) as stream:
             async for _ in stream:
                 pass
@@ -123,18 +128,19 @@ async def _claude(sluice, shape: str) -> None:
         await client.close()
 
 
-async def _gpt(sluice, shape: str) -> None:
+async def _gpt(sluice, shape: str, headers: dict[str, str] | None = None) -> None:
     """One streamed chat completion (or Responses call) through the OpenAI SDK."""
     client = openai.AsyncOpenAI(base_url=sluice.url + "/openai/v1", api_key="sk-test",
                                 max_retries=0)
     try:
         if shape.startswith("responses"):
-            stream = await client.responses.create(model="gpt-x", input="hi", stream=True,
-                                                   extra_headers={"x-shape": shape})
+            stream = await client.responses.create(
+                model="gpt-x", input="hi", stream=True,
+                extra_headers={"x-shape": shape, **(headers or {})})
         else:
             stream = await client.chat.completions.create(
                 model="gpt-x", stream=True, messages=[{"role": "user", "content": "hi"}],
-                extra_headers={"x-shape": shape})
+                extra_headers={"x-shape": shape, **(headers or {})})
         async for _ in stream:
             pass
     finally:
@@ -216,6 +222,29 @@ async def test_a_client_side_error_event_does_not_count(start_sluice, failing, c
         await call(sluice, server_side)
     assert _refused_open(caught.value)
     assert failing.seen == shapes
+
+
+@pytest.mark.parametrize("protocol, shape", [("anthropic", "overloaded"),
+                                             ("openai", "chat_server")])
+async def test_the_sdk_closing_on_the_error_event_first_is_no_disconnect(
+        start_sluice, failing, protocol, shape) -> None:
+    """The SDKs raise on the error event and close the stream; an upstream that keeps its
+    stream open after the event (or is slower to end it) leaves Sluice to see the caller go
+    first. The error event was the answer's last message: the call is ``upstream_error``,
+    not ``client_disconnected``, and the breaker hears the failure all the same."""
+    call = _claude if protocol == "anthropic" else _gpt
+    sluice = await start_sluice({"routes": [route(protocol, failing.url, protocol=protocol,
+                                                  circuit_breaker=BREAKER)]})
+    for _ in range(2):
+        with pytest.raises((openai.APIError, anthropic.APIError)) as caught:
+            await call(sluice, shape, {"x-linger": "1"})
+        assert not _refused_open(caught.value)
+    done = await completed_events(sluice, 2)
+    assert [(e["outcome"], e["status"]) for e in done] == [("upstream_error", 200)] * 2
+    with pytest.raises((openai.APIError, anthropic.APIError)) as caught:
+        await call(sluice, shape)
+    assert _refused_open(caught.value)
+    assert len(failing.seen) == 2
 
 
 async def test_a_failed_stream_is_not_replayed_for_its_key(start_sluice, failing) -> None:
