@@ -16,7 +16,7 @@ Sluice itself adds and nothing else:
   ``trust_env=False``, ``auto_decompress=False``, no headers of its own (the default headers
   are turned off in the request class, not by ``skip_auto_headers``, which is slower), Sluice's
   default route timeout (``connect`` 5 s, ``total`` 600 s), on a ``TCPConnector`` with
-  ``limit=0``, ``ttl_dns_cache=60``, ``keepalive_timeout=30``;
+  ``limit=0``, ``ttl_dns_cache=60``, ``keepalive_timeout=4`` (``server.upstream_idle_timeout``);
 * forwarding (``proxy/forward.py``): header copies less the dropped fields, found by a
   case-insensitive key-view intersection, the ``Connection``-named set cached by value;
 * process (``proxy/server.py`` ``tune_gc``): startup's objects frozen out of the cyclic
@@ -113,7 +113,7 @@ def make_handler(session: aiohttp.ClientSession, upstream: str,
 async def serve(port: int, upstream: str, prefix: str) -> None:
     """Serve on 127.0.0.1:``port`` until SIGTERM or SIGINT."""
     loop = asyncio.get_running_loop()
-    connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=60, keepalive_timeout=30,
+    connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=60, keepalive_timeout=4,
                                      enable_cleanup_closed=True)
     session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
                                     trust_env=False, cookie_jar=aiohttp.DummyCookieJar(),

@@ -244,6 +244,11 @@ class ServerConfig(_Section):
     min_body_rate: int = Field(default=1024, ge=0)
     #: A keep-alive connection idle this long between requests is closed, seconds.
     idle_timeout: PositiveDuration = 75.0
+    #: An idle connection to an upstream is kept for reuse this long, seconds. Below the
+    #: upstream's own keep-alive timeout, or a request written on a connection the upstream
+    #: is closing that moment gets no answer (a POST is then not retried: RFC 9112 §9.3.1).
+    #: 4 s: under uvicorn's, Node's and Apache's 5 s (httpx, the MCP SDK's client, keeps 5).
+    upstream_idle_timeout: PositiveDuration = 4.0
     #: A caller's EOF (a FIN) after whole requests ends them as a caller that left (HAProxy's
     #: ``option abortonclose``, Pingora's ``abort_on_close``). ``False``: it is read as a
     #: half-close (``shutdown(SHUT_WR)``) and the requests are answered; TCP cannot tell the

@@ -103,6 +103,7 @@ RESTART_ONLY: tuple[tuple[str, ...], ...] = (
     ("server", "listen"),
     ("server", "admin_listen"),
     ("server", "max_request_bytes"),
+    ("server", "upstream_idle_timeout"),  # the upstream connection pool's, set at its start
     ("events", "path"),
     ("state",),
     ("dead_letter",),

@@ -424,7 +424,7 @@ class Runtime:
         connector = aiohttp.TCPConnector(
             limit=0,  # concurrency is bounded by the routes' own limits, not by the pool
             ttl_dns_cache=60,
-            keepalive_timeout=30,
+            keepalive_timeout=self.config.server.upstream_idle_timeout,
             enable_cleanup_closed=True,  # closes leaked TLS transports on Python 3.11
         )
         self.session = upstream_session(connector)
