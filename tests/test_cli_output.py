@@ -169,7 +169,7 @@ def test_version_is_the_installed_distributions(capsys):
 
 @pytest.mark.parametrize("argv, usage, choices", [
     ([], "usage: sluice [-h] [--version]", "{serve,check-config,timeline,dlq,runs,demo}"),
-    (["dlq"], "usage: sluice dlq [-h]", "{list,show,replay,purge}"),
+    (["dlq"], "usage: sluice dlq [-h]", "{list,show,replay,delete,purge}"),
     (["runs"], "usage: sluice runs [-h]", "{list,show,cancel}"),
 ])
 def test_a_missing_command_is_named_by_its_choices(argv, usage, choices, capsys):
