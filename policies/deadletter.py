@@ -251,7 +251,8 @@ class DeadLetter:
             body = {"base64": base64.b64encode(self.body).decode()}
         return {
             "id": self.id, "created_at": self.created_at, "route": self.route,
-            "tenant": self.tenant, "run": self.run, "idempotency_key": self.idempotency_key,
+            "tenant": self.tenant, "run": self.run,
+            "idempotency_key": _key_as_logged(self.idempotency_key),
             "key_origin": self.key_origin, "request_id": self.request_id,
             "method": self.method, "path": self.path,
             "headers": [list(h) for h in self.headers], "redacted_headers": self.redacted,
@@ -259,6 +260,21 @@ class DeadLetter:
             "attempts": [a.as_dict() for a in self.attempts], "reason": self.reason,
             "replays": self.replays,
         }
+
+
+def _key_as_logged(key: str | None) -> str | None:
+    """A letter's key (the ``Idempotency-Key`` value it went upstream with, quoted when
+    Sluice or the caller quoted it) as the event log and the timeline name it: the key
+    itself. ``dlq show`` printed ``"\"sluice-d-..\""``, which a grep of the log missed."""
+    # Here, not at the top: at import time it would close a cycle (through policies.rate).
+    from policies.idempotency import parse_key
+
+    if key is None:
+        return None
+    try:
+        return parse_key(key)
+    except ValueError:  # stored before the key was checked: shown as it was sent
+        return key
 
 
 class DeadLetterFile:

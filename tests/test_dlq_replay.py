@@ -337,8 +337,12 @@ async def test_a_key_sluice_derived_is_replayed_under_and_said_to_be_derived(
         letter = (await call("s1", 503)).headers["X-Sluice-Dead-Letter"]
         _, out, _ = await outcome(await cli("dlq", "show", letter, "--config", path))
         shown = json.loads(out)
+        # Named as the event log names it, not as the quoted header value it went with.
         assert shown["key_origin"] == "derived" and shown["idempotency_key"].startswith(
-            '"sluice-d-')
+            "sluice-d-")
+        assert shown["idempotency_key"] in {event["idempotency_key"] for event in
+                                            sluice.events() if event["request_id"] ==
+                                            shown["request_id"]}
         assert "sk-test-secret" not in out and shown["redacted_headers"] == ["Authorization"]
         await call("s1", 200)  # the caller's own retry: the work is done
         sent = len(upstream.requests)
