@@ -210,3 +210,25 @@ async def test_the_levels_kept_for_gauges_follow_the_settle_not_only_the_reserve
     assert ledger.level("g", "day") == (18, 0)
     assert await ledger.settle("g", first, [18]) is False  # once
     assert ledger.level("g", "day") == (18, 0)
+
+
+@pytest.mark.parametrize("backends", ["redis", "cluster"], indirect=True)
+async def test_a_refresh_reaps_a_dead_replicas_lapsed_reservation(backends: StateBackends):
+    """A replica's kept level showed another replica's reservation after its hold had passed
+    (that replica killed) until the next reserve in the group; the refresh a scrape makes
+    now reaps it as that reserve would, and a settle arriving late still charges once."""
+    ledger, now = backends.ledger, time.time()
+    dead = rid()
+    async with replica(backends) as other:
+        assert await other.ledger.reserve("g", dead, claims(now, day=(200, 3000)), now,
+                                          0.3) == []
+        mine = rid()
+        assert await ledger.reserve("g", mine, claims(now, day=(10, 3000)), now, 0.3) == []
+        assert await ledger.settle("g", mine, [7]) is True
+        assert ledger.level("g", "day") == (7, 200)  # the other replica's, held
+        await asyncio.sleep(0.4)  # past the hold
+        await ledger.refresh_held()
+        assert ledger.level("g", "day") == (7, 0)
+        assert await other.ledger.settle("g", dead, [150]) is True  # lapsed: charged once
+        assert await other.ledger.settle("g", dead, [150]) is False
+        assert (await ledger.levels("g", ["day"])) == [(157, 0)]

@@ -188,6 +188,8 @@ class RedisAdmissions:
                     holder: Holder | None = None) -> AdmissionResult:
         ledger = self._ledger
         hold_ms = hold_ms_of(hold_s)
+        if claims:
+            ledger.note_hold(group, hold_ms)
         keys = ledger.reservation_keys(group) + self._rates.keys(group, takes)
         if holder is not None:
             keys += self._rates.record_keys(group, takes)
