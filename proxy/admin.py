@@ -4,7 +4,10 @@
   (:func:`proxy.redact.redact`); durations are in seconds, rates as written (``600/min``).
   Also the file's path, when it was loaded and how the last reload attempt went.
 * ``GET /admin/routes``: each route's live state: in flight (including requests admitted before
-  a reload), and each policy's ``state()`` (limits, queued, bucket levels, per-tenant holders...).
+  a reload), and each policy's ``state()`` (limits, queued, bucket levels, per-tenant holders...);
+  ``"removed": true`` on a route a reload removed while it still had calls (in flight or
+  queued), listed after the routes in force until they end (a route added back under the same
+  name is listed apart from it).
 A run is a tenant's run id (``policies/runs.py``): two tenants naming ``run-7`` have two runs.
 The run endpoints take ``?tenant=NAME`` (validated as ``X-Tenant-ID`` is: visible ASCII, at
 most 128 characters, sent once; else 400) to act on one tenant's run; without it they act on
@@ -223,7 +226,10 @@ def routes_view(runtime: Runtime) -> dict[str, Any]:
     return {
         "draining": runtime.draining,
         "inflight": runtime.inflight,
-        "routes": [redact(route.state()) for route in runtime.routes],
+        "routes": [redact({**route.state(), "removed": removed})
+                   for routes, removed in ((runtime.routes, False),
+                                           (runtime.draining_routes, True))
+                   for route in routes],
     }
 
 
@@ -309,7 +315,7 @@ def _compact(value: Any) -> str:
 def render_page(routes: dict[str, Any], config: dict[str, Any]) -> str:
     """The status page as one HTML document (no scripts, styles inline, no external assets)."""
     policies = sorted({k for r in routes["routes"] for k in r} - {
-        "name", "path_prefix", "upstream", "protocol", "inflight"})
+        "name", "path_prefix", "upstream", "protocol", "inflight", "removed"})
     if routes["draining"]:
         status = '<span class=bad>draining</span>'
     else:
@@ -328,8 +334,10 @@ def render_page(routes: dict[str, Any], config: dict[str, Any]) -> str:
     rows = []
     for route in routes["routes"]:
         cells = "".join(f"<td>{_policy_cell(route.get(p))}</td>" for p in policies)
+        removed = " <span class=bad>removed, draining</span>" if route.get("removed") else ""
         rows.append(
-            f"<tr><td><b>{_e(route['name'])}</b><br><span class=muted>{_e(route['path_prefix'])}"
+            f"<tr><td><b>{_e(route['name'])}</b>{removed}<br>"
+            f"<span class=muted>{_e(route['path_prefix'])}"
             f" &rarr; {_e(route['upstream'])}</span><br>{_e(route['protocol'])}</td>"
             f"<td class=num>{_e(route['inflight'])}</td>{cells}</tr>"
         )

@@ -4,9 +4,10 @@ Names carry the ``sluice_`` prefix and base units (seconds); each has a ``route`
 values come from the config, so the series count is bounded. Each registry is private to one
 server instance, so tests and reloads never collide on the process-wide default registry.
 
-Gauges that mirror live state (in-flight, queue depth) are read at scrape time through
-``set_function`` so the request path pays nothing for them; counters and histograms are bound
-to their labels once per route (``RouteMetrics``) so a request does no label lookups.
+Gauges that mirror live state are read at scrape time so the request path pays nothing for
+them: a route's calls (in flight, queued, streams, stalled) through :meth:`Metrics.bind_load`,
+the rest through ``set_function``; counters and histograms are bound to their labels once
+per route (``RouteMetrics``) so a request does no label lookups.
 
 The counters and histograms a request updates are :class:`LoopCounter` and
 :class:`LoopHistogram`: plain numbers that prometheus-client's registry reads through their
@@ -22,7 +23,7 @@ from __future__ import annotations
 import contextlib
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from prometheus_client import (
     GC_COLLECTOR,
@@ -34,7 +35,12 @@ from prometheus_client import (
     disable_created_metrics,
 )
 from prometheus_client.metrics import MetricWrapperBase
-from prometheus_client.metrics_core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.metrics_core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.utils import floatToGoString
 
 from policies.reasons import Reason
@@ -276,24 +282,12 @@ class Metrics:
             self.edge_rejections.labels(reason.code)
         for reason in ADMIN_REASONS:
             self.admin_rejections.labels(reason.code)
-        self.inflight = Gauge(
-            "sluice_inflight_requests", "Requests admitted and not yet finished.", ["route"],
-            registry=r,
-        )
-        self.streams = Gauge(
-            "sluice_open_streams",
-            "MCP GET streams open (a session's stream, or a resumed answer once its response "
-            "is through): counted in sluice_inflight_requests, they hold no concurrency slot.",
-            ["route"], registry=r,
-        )
+        self._load: Callable[[], dict[str, RouteLoad]] = dict
+        r.register(_LoadGauges(lambda: self._load()))
         self.buffered_bytes = Gauge(
             "sluice_buffered_request_bytes",
             "Request body bytes held now, all routes (declared by Content-Length, from a "
             "request's arrival to the end of its call); server.max_buffered_bytes bounds it.",
-            registry=r,
-        )
-        self.queue_depth = Gauge(
-            "sluice_queue_depth", "Requests waiting for a concurrency slot.", ["route"],
             registry=r,
         )
         self.queue_wait = LoopHistogram(
@@ -519,11 +513,6 @@ class Metrics:
             "queue's bound; deadline: the caller's own deadline).",
             ["route", "reason"], registry=r,
         )
-        self.stalled = Gauge(
-            "sluice_stalled_requests",
-            "Requests in flight that moved no bytes for longer than server.stall_after.",
-            ["route"], registry=r,
-        )
         self._tenant_labels: set[str] = set()
 
     def tenant_label(self, tenant: str) -> str:
@@ -559,26 +548,24 @@ class Metrics:
         sent before: names from requests cannot push a configured tool into ``other``."""
         self._operation_labels.setdefault(route, set()).update(names)
 
+    def bind_load(self, read: Callable[[], dict[str, RouteLoad]]) -> None:
+        """Export each route's live calls (``sluice_inflight_requests``,
+        ``sluice_queue_depth``, ``sluice_open_streams``, ``sluice_stalled_requests``) from
+        ``read()`` at scrape time: route name to its :class:`RouteLoad`, a series for each
+        route it names (the runtime names the routes in force, and the removed ones until
+        their calls end)."""
+        self._load = read
+
     def for_route(
         self,
         route: str,
-        inflight: Callable[[], float],
-        queued: Callable[[], float],
         limits: Callable[[], ConcurrencyLimiter] | None = None,
-        stalled: Callable[[], float] | None = None,
-        streams: Callable[[], float] | None = None,
     ) -> RouteMetrics:
         """Bind every series to ``route``; the callables are read at scrape time.
 
         ``limits`` returns the route's concurrency limiter, or is ``None`` when the route has
         no concurrency block (its limit gauges are then removed, e.g. after a reload).
         """
-        self.inflight.labels(route).set_function(inflight)
-        self.queue_depth.labels(route).set_function(queued)
-        if stalled is not None:
-            self.stalled.labels(route).set_function(stalled)
-        if streams is not None:
-            self.streams.labels(route).set_function(streams)
         gauges = {
             self.concurrency_limit: lambda lim: lim.limit,
             self.queue_limit: lambda lim: lim.queue_capacity,
@@ -652,6 +639,47 @@ class Metrics:
             "sluice_dead_letters_dropped",
             "Oldest dead letters dropped to keep the store within dead_letter.max_records.",
             "route", read))
+
+
+class RouteLoad(NamedTuple):
+    """A route's calls now, for its gauges (:meth:`Metrics.bind_load`)."""
+
+    inflight: int  # admitted and not finished, streams included
+    queued: int  # waiting for a slot of the route's concurrency limiter
+    streams: int  # MCP GET streams open
+    stalled: int  # in flight and silent for longer than server.stall_after
+
+
+#: The gauges of :class:`RouteLoad`, field by field: (name, help).
+_LOAD_GAUGES = (
+    ("sluice_inflight_requests",
+     "Requests admitted and not yet finished (on a route a reload removed: until they end)."),
+    ("sluice_queue_depth", "Requests waiting for a concurrency slot."),
+    ("sluice_open_streams",
+     "MCP GET streams open (a session's stream, or a resumed answer once its response is "
+     "through): counted in sluice_inflight_requests, they hold no concurrency slot."),
+    ("sluice_stalled_requests",
+     "Requests in flight that moved no bytes for longer than server.stall_after."),
+)
+
+
+class _LoadGauges:
+    """The gauges of each route's :class:`RouteLoad`, read at scrape time from ``read()``
+    (route name to load): one series per route it names, so a route with no calls left
+    after its removal has none."""
+
+    def __init__(self, read: Callable[[], dict[str, RouteLoad]]) -> None:
+        self._read = read
+
+    def describe(self) -> list[Metric]:
+        return [GaugeMetricFamily(name, doc, labels=["route"]) for name, doc in _LOAD_GAUGES]
+
+    def collect(self) -> Iterator[Metric]:
+        families = self.describe()
+        for route, load in self._read().items():
+            for family, value in zip(families, load, strict=True):
+                family.add_metric([route], value)  # type: ignore[attr-defined]
+        yield from families
 
 
 class _ReadCounter:

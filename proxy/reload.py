@@ -32,9 +32,11 @@ file that disappears is logged once; the running config stays in force.
      the live state of the old route of the same name (:meth:`proxy.routes.Route.take_over`:
      a changed block reconfigures the running policy object in place); each route's gauges
      are bound (:meth:`proxy.routes.Route.bind_metrics`); series of removed routes are
-     dropped; last, routes, router and settings are swapped. A request already past route
-     matching finishes under the route object it matched (upstream, timeouts, prefix); policy
-     objects are shared, so its slot goes back to the same limiter the new route uses.
+     dropped (but for their calls' gauges, read from the routes still draining until they
+     end: :meth:`proxy.runtime.Runtime.load`); last, routes, router and settings are
+     swapped. A request already past route matching finishes under the route object it
+     matched (upstream, timeouts, prefix); policy objects are shared, so its slot goes back
+     to the same limiter the new route uses.
 
    A fault in either phase is handled as a refused file is (counted, logged with its
    traceback, ``last_attempt`` says ``(apply): not applied`` or ``partly applied``, the watch

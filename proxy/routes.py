@@ -200,24 +200,16 @@ class Route:
         self._plans: dict[str, Plan] = {}
         self._admission_order()
 
-    def bind_metrics(self, metrics: Metrics, stall_after: float,
-                     replaced: Route | None = None) -> None:
+    def bind_metrics(self, metrics: Metrics, replaced: Route | None = None) -> None:
         """Export this route's series and gauges: called when it goes in force (after
         :meth:`take_over` of ``replaced``, the route of the same name it replaces, if any), never
         when it is built, so a reload that fails leaves the running routes' gauges as they were.
-
-        ``stall_after`` is ``server.stall_after`` in seconds (``sluice_stalled_requests``).
         """
         # Gauges read this route's policies at scrape time; a gauge of a block this route
         # lacks is removed, so it cannot keep reading the object of the route it replaced.
+        # Its calls' gauges (in flight, queued...) are the runtime's (Runtime.load).
         self.metrics: RouteMetrics = metrics.for_route(
-            self.name,
-            inflight=lambda: self.inflight_total,
-            queued=lambda: self.concurrency.queued if self.concurrency else 0,
-            limits=(lambda: self.concurrency) if self.concurrency else None,
-            stalled=lambda: self.stalled(stall_after),
-            streams=lambda: self.streams_total,
-        )
+            self.name, limits=(lambda: self.concurrency) if self.concurrency else None)
         _, blocks = self.config.operations()
         metrics.name_operations(self.name, blocks)
         if self.idempotency is not None:
@@ -350,6 +342,17 @@ class Route:
         """Requests on this route from match to answer, queued ones and those on the objects
         reloads replaced included."""
         return self.present + sum(route.present for route in self.retired)
+
+    @property
+    def limiters(self) -> list[ConcurrencyLimiter]:
+        """The concurrency limiters calls of this route queue in: its own, and those of the
+        objects reloads replaced where they differ (a block removed, or removed and added
+        back: calls queued in the old one wait there)."""
+        found: dict[int, ConcurrencyLimiter] = {}
+        for route in (self, *self.retired):
+            if route.concurrency is not None:
+                found.setdefault(id(route.concurrency), route.concurrency)
+        return list(found.values())
 
     def take_over(self, old: Route) -> None:
         """Carry the live state of ``old``, the route of the same name this one replaces.

@@ -16,6 +16,7 @@ import aiohttp
 from aiohttp import web
 
 from policies.budget import clock_from_env
+from policies.concurrency import ConcurrencyLimiter
 from policies.config import Config, FanoutConfig, RunConfig
 from policies.deadletter import DeadLetterQueue
 from policies.mcp import RequestId
@@ -28,7 +29,7 @@ from policies.state.runs import RedisRuns
 from proxy import output
 from proxy.client import upstream_session
 from proxy.events import EventLog
-from proxy.metrics import Metrics
+from proxy.metrics import Metrics, RouteLoad
 from proxy.routes import Route, Router
 
 log = logging.getLogger("sluice")
@@ -154,6 +155,7 @@ class Runtime:
         #: Request body bytes held now (``server.max_buffered_bytes``; ``proxy.handler``).
         self.buffered_bytes = 0
         self.metrics.buffered_bytes.set_function(lambda: self.buffered_bytes)
+        self.metrics.bind_load(self.load)
         self.draining = False
         #: Set when the drain timeout ran out: requests cancelled from then on were cut by
         #: Sluice, not left by their callers.
@@ -279,8 +281,7 @@ class Runtime:
             if replaced is not None:
                 route.take_over(replaced)
         for route in built.routes:
-            route.bind_metrics(self.metrics, config.server.stall_after,
-                               built.replaces.get(route.name))
+            route.bind_metrics(self.metrics, built.replaces.get(route.name))
             if route.retries:
                 self.metrics.bind_dead_letter_depth(
                     route.name, lambda name=route.name: self.dead_letters.depth(name)
@@ -394,6 +395,30 @@ class Runtime:
     def next_request_id(self) -> str:
         """A request id unique to this process (cheaper than a UUID on the hot path)."""
         return f"{self._id_prefix}{next(self._ids)}"
+
+    @property
+    def draining_routes(self) -> list[Route]:
+        """Routes a reload removed whose calls have not all ended (admitted or queued)."""
+        return [route for route in self.removed if route.present_total]
+
+    def load(self) -> dict[str, RouteLoad]:
+        """Each route's calls now, by route name, for its gauges (read at scrape time): every
+        route in force, and each removed one until its calls end, under its name. A removed
+        route added back while its old calls run counts both, which share its upstream."""
+        after = self.config.server.stall_after
+        load: dict[str, RouteLoad] = {}
+        limiters: dict[str, dict[int, ConcurrencyLimiter]] = {}
+        for route in (*self.routes, *self.draining_routes):
+            seen = load.get(route.name, RouteLoad(0, 0, 0, 0))
+            load[route.name] = RouteLoad(seen.inflight + route.inflight_total, 0,
+                                         seen.streams + route.streams_total,
+                                         seen.stalled + route.stalled(after))
+            own = limiters.setdefault(route.name, {})
+            for limiter in route.limiters:
+                own.setdefault(id(limiter), limiter)
+        for name, own in limiters.items():
+            load[name] = load[name]._replace(queued=sum(lim.queued for lim in own.values()))
+        return load
 
     @property
     def inflight(self) -> int:

@@ -591,7 +591,7 @@ def test_operation_label_values_are_capped() -> None:
     from proxy.metrics import MAX_OPERATION_LABELS, Metrics
 
     metrics = Metrics()
-    series = metrics.for_route("tools", inflight=lambda: 0, queued=lambda: 0)
+    series = metrics.for_route("tools")
     for n in range(MAX_OPERATION_LABELS + 50):
         series.operation(f"tool-{n}").outcome("2xx")
     series.operation("tool-0").outcome("2xx")  # one seen before the cap keeps its name

@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import aiohttp
 import redis
+import yaml
 
-from tests.conftest import route, status_of, wait_until
+from proxy.config import StrictLoader
+from tests.conftest import SluiceProcess, route, status_of, wait_until
 from tests.redis_servers import delete_prefix, new_prefix, require_redis
 
 CHAT = {"model": "gpt-test", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10}
@@ -73,3 +77,95 @@ async def test_a_killed_replicas_lapsed_reservation_leaves_the_gauges_at_the_nex
     finally:
         client.close()
         delete_prefix(url, prefix)
+
+
+# -- 2. a removed route's calls vanished from /metrics and /admin/routes ------------------------
+
+
+def rewrite(path: Path, routes: list[dict]) -> None:
+    """Replace the config's routes the way an editor saves: write aside, rename over."""
+    data = yaml.load(path.read_text(), Loader=StrictLoader)
+    data["routes"] = routes
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(yaml.safe_dump(data, sort_keys=False))
+    os.replace(tmp, path)
+
+
+async def routes_view(sluice: SluiceProcess) -> dict:
+    async with aiohttp.ClientSession() as s, s.get(sluice.admin_url + "/admin/routes") as r:
+        return await r.json()
+
+
+async def series(sluice: SluiceProcess, name: str) -> dict[str, float]:
+    """``name``'s samples by route label."""
+    return {dict(labels)["route"]: value for (sample, labels), value in
+            (await sluice.metrics()).items() if sample == name}
+
+
+async def test_a_removed_routes_calls_stay_in_its_gauges_until_they_end(upstream, start_sluice):
+    """Route h, 2 calls at the upstream and 2 queued, is removed by a reload: its
+    ``sluice_inflight_requests`` and ``sluice_queue_depth`` went, and ``/admin/routes`` had
+    the queued calls nowhere. Added back while they run, its gauge counted only the new
+    route's calls (2 where 4 were at the upstream)."""
+    keep = route("keep", upstream.url, "http")
+    h = route("h", upstream.url, "http", concurrency={"limit": 2, "queue": 6,
+                                                       "max_wait": "30s"})
+    sluice = await start_sluice({"routes": [keep, h]})
+    url = sluice.url + "/h/slow"
+
+    async def reloaded(count: int) -> None:
+        await wait_until(lambda: sluice.stderr().count("config reloaded") >= count,
+                         what=f"reload {count}")
+
+    upstream.hold = asyncio.Event()
+    async with aiohttp.ClientSession() as session:
+        old = [asyncio.create_task(status_of(session, url, None)) for _ in range(4)]
+        await wait_until(lambda: upstream.inflight == 2, what="2 calls at the upstream")
+        await sluice.wait_metric("sluice_queue_depth", 2, route="h")
+        rewrite(sluice.config_path, [keep])
+        await reloaded(1)
+        assert (await series(sluice, "sluice_inflight_requests")).get("h") == 2
+        assert (await series(sluice, "sluice_queue_depth")).get("h") == 2
+        view = await routes_view(sluice)
+        assert [(r["name"], r["removed"]) for r in view["routes"]] == [
+            ("keep", False), ("h", True)]
+        assert view["routes"][1]["inflight"] == 2
+        assert view["routes"][1]["concurrency"]["queued"] == 2
+
+        rewrite(sluice.config_path, [keep, h])  # added back: empty slots, the old calls run
+        await reloaded(2)
+        new = [asyncio.create_task(status_of(session, url, None)) for _ in range(2)]
+        await wait_until(lambda: upstream.inflight == 4, what="4 calls at the upstream")
+        assert await sluice.metric("sluice_inflight_requests", route="h") == 4
+        assert await sluice.metric("sluice_queue_depth", route="h") == 2
+        view = await routes_view(sluice)
+        assert [(r["name"], r["removed"], r["inflight"]) for r in view["routes"]] == [
+            ("keep", False, 0), ("h", False, 2), ("h", True, 2)]
+        assert view["inflight"] == 4
+
+        upstream.hold.set()
+        assert [await call for call in (*old, *new)] == [200] * 6
+        await sluice.wait_metric("sluice_inflight_requests", 0, route="h")
+        assert await sluice.metric("sluice_queue_depth", route="h") == 0
+        assert [r["name"] for r in (await routes_view(sluice))["routes"]] == ["keep", "h"]
+
+        # Removed again with one call running: its series stays until that call ends.
+        upstream.hold = asyncio.Event()
+        last = asyncio.create_task(status_of(session, url, None))
+        await wait_until(lambda: upstream.inflight == 1, what="the call at the upstream")
+        rewrite(sluice.config_path, [keep])
+        await reloaded(3)
+        assert (await series(sluice, "sluice_inflight_requests")).get("h") == 1
+        upstream.hold.set()
+        assert await last == 200
+        for name in ("sluice_inflight_requests", "sluice_queue_depth"):
+            await wait_until_absent(sluice, name, "h")
+        assert [r["name"] for r in (await routes_view(sluice))["routes"]] == ["keep"]
+
+
+async def wait_until_absent(sluice: SluiceProcess, name: str, label: str,
+                            timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while label in (found := await series(sluice, name)):
+        assert time.monotonic() < deadline, f"{name}: {found}"
+        await asyncio.sleep(0.05)

@@ -7,7 +7,7 @@ from proxy.metrics import MAX_TENANT_LABELS, OTHER_TENANT, Metrics
 
 def test_tenants_beyond_the_cap_share_other():
     metrics = Metrics()
-    route = metrics.for_route("r", inflight=lambda: 0, queued=lambda: 0)
+    route = metrics.for_route("r")
     labels = [route.tenant(f"t{i}").label for i in range(MAX_TENANT_LABELS + 50)]
     assert labels[:MAX_TENANT_LABELS] == [f"t{i}" for i in range(MAX_TENANT_LABELS)]
     assert set(labels[MAX_TENANT_LABELS:]) == {OTHER_TENANT}
