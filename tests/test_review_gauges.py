@@ -147,7 +147,7 @@ async def test_a_removed_routes_calls_stay_in_its_gauges_until_they_end(upstream
         assert [await call for call in (*old, *new)] == [200] * 6
         await sluice.wait_metric("sluice_inflight_requests", 0, route="h")
         assert await sluice.metric("sluice_queue_depth", route="h") == 0
-        assert [r["name"] for r in (await routes_view(sluice))["routes"]] == ["keep", "h"]
+        await listed(sluice, ["keep", "h"])
 
         # Removed again with one call running: its series stays until that call ends.
         upstream.hold = asyncio.Event()
@@ -160,7 +160,7 @@ async def test_a_removed_routes_calls_stay_in_its_gauges_until_they_end(upstream
         assert await last == 200
         for name in ("sluice_inflight_requests", "sluice_queue_depth"):
             await wait_until_absent(sluice, name, "h")
-        assert [r["name"] for r in (await routes_view(sluice))["routes"]] == ["keep"]
+        await listed(sluice, ["keep"])
 
 
 async def wait_until_absent(sluice: SluiceProcess, name: str, label: str,
@@ -168,4 +168,13 @@ async def wait_until_absent(sluice: SluiceProcess, name: str, label: str,
     deadline = time.monotonic() + timeout
     while label in (found := await series(sluice, name)):
         assert time.monotonic() < deadline, f"{name}: {found}"
+        await asyncio.sleep(0.05)
+
+
+async def listed(sluice: SluiceProcess, names: list[str], timeout: float = 10.0) -> None:
+    """Wait until ``/admin/routes`` lists the routes ``names``, in order (a call's answer
+    reaches its caller a moment before the call has left its route)."""
+    deadline = time.monotonic() + timeout
+    while (found := [r["name"] for r in (await routes_view(sluice))["routes"]]) != names:
+        assert time.monotonic() < deadline, found
         await asyncio.sleep(0.05)

@@ -221,12 +221,17 @@ async def test_a_refresh_reaps_a_dead_replicas_lapsed_reservation(backends: Stat
     dead = rid()
     async with replica(backends) as other:
         assert await other.ledger.reserve("g", dead, claims(now, day=(200, 3000)), now,
-                                          0.3) == []
+                                          60) == []
         mine = rid()
-        assert await ledger.reserve("g", mine, claims(now, day=(10, 3000)), now, 0.3) == []
+        assert await ledger.reserve("g", mine, claims(now, day=(10, 3000)), now, 60) == []
         assert await ledger.settle("g", mine, [7]) is True
         assert ledger.level("g", "day") == (7, 200)  # the other replica's, held
-        await asyncio.sleep(0.4)  # past the hold
+        await ledger.refresh_held()
+        assert ledger.level("g", "day") == (7, 200)  # not due
+        # Its hold over, as a minute would make it (the ledger reaps on Redis's clock).
+        expiries = ledger.reservation_keys("g")[1]
+        assert backends.redis is not None
+        await backends.redis.run(lambda client: client.zadd(expiries, {dead: 0}, xx=True))
         await ledger.refresh_held()
         assert ledger.level("g", "day") == (7, 0)
         assert await other.ledger.settle("g", dead, [150]) is True  # lapsed: charged once
