@@ -131,6 +131,8 @@ async def test_a_removed_routes_calls_stay_in_its_gauges_until_they_end(upstream
             ("keep", False), ("h", True)]
         assert view["routes"][1]["inflight"] == 2
         assert view["routes"][1]["concurrency"]["queued"] == 2
+        async with session.get(sluice.admin_url + "/admin/") as r:
+            assert "removed, draining" in await r.text()
 
         rewrite(sluice.config_path, [keep, h])  # added back: empty slots, the old calls run
         await reloaded(2)
