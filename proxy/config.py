@@ -312,9 +312,7 @@ def _located(err: ValidationError, marks: dict[Path_, int]) -> Iterator[tuple[in
             # The unknown key is, by definition, not a known one: name it all the same.
             path = (*_user_path(loc[:-1], marks), loc[-1])
             message = "unknown key (a typo here would silently disable a limit)"
-            close = difflib.get_close_matches(str(loc[-1]), _keys_at(loc[:-1]), n=1)
-            if close:
-                message += f"; did you mean {close[0]}?"
+            message += _suggestion(str(loc[-1]), _block_at(loc[:-1]))
         elif item["type"] == "missing":
             message = "required key is missing"
         elif item["type"] == "too_short" and "min_length" in item.get("ctx", {}):
@@ -336,20 +334,40 @@ def _user_path(loc: tuple[str | int, ...], marks: dict[Path_, int]) -> Path_:
     return tuple(path)
 
 
-def _keys_at(loc: tuple[str | int, ...]) -> list[str]:
-    """The keys the config block at pydantic's ``loc`` may hold (a model's fields, found by
-    following ``loc`` down from :class:`Config` through lists, mappings and optional
-    blocks); none where it cannot be told."""
+def _block_at(loc: tuple[str | int, ...]) -> type[BaseModel] | None:
+    """The model of the config block at pydantic's ``loc``, found by following it down from
+    :class:`Config` through lists, mappings and optional blocks; ``None`` where it cannot
+    be told."""
     model: type[BaseModel] = Config
     for part in loc:
         if isinstance(part, int) or part not in model.model_fields:
             continue  # a list index, a mapping's own key (a tool's name), a validator's name
-        nested = [arg for arg in _type_args(model.model_fields[part].annotation)
-                  if isinstance(arg, type) and issubclass(arg, BaseModel)]
+        nested = _blocks_of(model.model_fields[part].annotation)
         if not nested:
-            return []
+            return None
         model = nested[0]
-    return list(model.model_fields)
+    return model
+
+
+def _blocks_of(annotation: Any) -> list[type[BaseModel]]:
+    return [arg for arg in _type_args(annotation)
+            if isinstance(arg, type) and issubclass(arg, BaseModel)]
+
+
+def _suggestion(key: str, block: type[BaseModel] | None) -> str:
+    """What an unknown ``key`` of ``block`` may have meant, as the end of its message: the
+    block's nearest key (difflib), else the blocks inside it that have ``key`` itself (a
+    ``limit`` written beside ``concurrency`` rather than in it); empty when neither."""
+    if block is None:
+        return ""
+    close = difflib.get_close_matches(key, list(block.model_fields), n=1)
+    if close:
+        return f"; did you mean {close[0]}?"
+    inside = [f"{name}.{key}" for name, field in block.model_fields.items()
+              if any(key in nested.model_fields for nested in _blocks_of(field.annotation))]
+    if inside:
+        return f"; did you mean {' or '.join(inside[:3])}?"
+    return ""
 
 
 def _all_keys(model: type[BaseModel]) -> set[str]:

@@ -39,7 +39,7 @@ BAD_FILES = [
      [f"{{f}}:7: routes[0].concurrency.max_wiat: unknown key {TYPO}; did you mean "
       "max_wait?"]),
     ("known key in the wrong section", ROUTE + "    limit: 2\n",
-     [f"{{f}}:5: routes[0].limit: unknown key {TYPO}"]),
+     [f"{{f}}:5: routes[0].limit: unknown key {TYPO}; did you mean concurrency.limit?"]),
     ("one port for both listeners",
      "server:\n  listen: 127.0.0.1:8080\n  admin_listen: 0.0.0.0:8080\n" + ROUTE,
      ["{f}:3: server.admin_listen: 0.0.0.0:8080 uses the same port as listen (127.0.0.1:8080)"]),
