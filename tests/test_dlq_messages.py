@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import orjson
@@ -21,6 +22,27 @@ from tests.mcp_servers import tool_call
 from tests.test_dlq_replay import cli, outcome
 
 PASSWORD = "UpPass123"
+
+
+@contextlib.asynccontextmanager
+async def stalled_upstream() -> AsyncIterator[str]:
+    """The URL of an upstream whose ``POST /mcp`` answers nothing until the block ends (30 s
+    at most)."""
+    released = asyncio.Event()
+
+    async def stall(request: web.Request) -> web.Response:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(released.wait(), 30)
+        return web.json_response({})
+
+    app = web.Application()
+    app.router.add_post("/mcp", stall)
+    runner, port = await serve_app(app)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        released.set()  # the runner's cleanup waits for its handlers
+        await runner.cleanup()
 
 
 def letter_file(tmp_path: Path, upstream: str, protocol: str = "http", path: str = "/mcp",
@@ -60,23 +82,9 @@ async def test_a_replay_never_prints_the_upstreams_password(tmp_path):
 
 async def test_a_replay_cut_by_its_timeout_says_which_timeout(tmp_path):
     """``failed: TimeoutError in 0.503s`` did not say which timeout ended it."""
-    released = asyncio.Event()
-
-    async def stall(request: web.Request) -> web.Response:
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(released.wait(), 30)
-        return web.json_response({})
-
-    app = web.Application()
-    app.router.add_post("/mcp", stall)
-    runner, port = await serve_app(app)
-    try:
-        config, letter = letter_file(tmp_path, f"http://127.0.0.1:{port}",
-                                     timeouts={"total": "300ms"})
+    async with stalled_upstream() as upstream:
+        config, letter = letter_file(tmp_path, upstream, timeouts={"total": "300ms"})
         code, out, err = await outcome(await cli("dlq", "replay", letter, "--config", config))
-    finally:
-        released.set()  # the runner's cleanup waits for its handlers
-        await runner.cleanup()
     assert code == 1, (out, err)
     assert "failed: TimeoutError (no whole answer within timeouts.total, 0.3s)" in out, out
 
@@ -163,23 +171,10 @@ async def test_a_replay_to_a_stuck_upstream_is_cut_as_its_attempts_were(tmp_path
     ``retry.per_try_timeout`` (or ``deadline``), which cut each of the call's attempts,
     did not apply, so a replay to a stuck upstream held the operator's terminal for ten
     minutes. Its one attempt now has the bound an attempt of the call had to its headers."""
-    released = asyncio.Event()
-
-    async def stall(request: web.Request) -> web.Response:
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(released.wait(), 30)
-        return web.json_response({})
-
-    app = web.Application()
-    app.router.add_post("/mcp", stall)
-    runner, port = await serve_app(app)
-    try:
-        config, letter = letter_file(tmp_path, f"http://127.0.0.1:{port}", **policies)
+    async with stalled_upstream() as upstream:
+        config, letter = letter_file(tmp_path, upstream, **policies)
         code, out, err = await outcome(await cli("dlq", "replay", letter, "--config", config))
         _, shown, _ = await outcome(await cli("dlq", "show", letter, "--config", config))
-    finally:
-        released.set()
-        await runner.cleanup()
     assert code == 1, (out, err)
     assert f"failed: TimeoutError (no response headers within {said})" in out, out
     assert [r["error"] for r in json.loads(shown)["replays"]] == ["TimeoutError"]

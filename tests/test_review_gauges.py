@@ -8,7 +8,6 @@ import contextlib
 import os
 import time
 import uuid
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import aiohttp
@@ -18,16 +17,9 @@ import yaml
 from proxy.config import StrictLoader
 from tests.conftest import SluiceProcess, route, status_of, wait_until
 from tests.redis_servers import delete_prefix, new_prefix, require_redis
+from tests.test_review_redis_round35 import budgeted_replicas, eventually
 
 CHAT = {"model": "gpt-test", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10}
-
-
-async def eventually(probe: Callable[[], Awaitable[float]], expected: float, timeout: float,
-                     what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while (value := await probe()) != expected:
-        assert time.monotonic() < deadline, f"{what}: {value!r} after {timeout}s"
-        await asyncio.sleep(0.1)
 
 
 # -- 1. a killed replica's lapsed reservation stayed in the gauges of an idle route -------------
@@ -42,13 +34,8 @@ async def test_a_killed_replicas_lapsed_reservation_leaves_the_gauges_at_the_nex
 
     The hold is 2 minutes at least (``policies.budget.HOLD_S``; no config shortens it), so
     the test moves the reservation's expiry into the past in Redis, as 2 minutes would."""
-    url = require_redis()
-    prefix = new_prefix()
-    state = {"backend": "redis", "redis_url": url, "key_prefix": prefix, "timeout": "500ms"}
-    config = {"state": state, "routes": [route(
-        "openai", upstream.url, budget={"tokens": "100000/day", "per": "tenant"})]}
-    a = await start_sluice(config)
-    b = await start_sluice(config)
+    url, prefix = require_redis(), new_prefix()
+    a, b = await budgeted_replicas(start_sluice, upstream, url, prefix)
     tenant = f"t-{uuid.uuid4().hex[:8]}"
     labels = {"route": "openai", "tenant": tenant, "unit": "tokens"}
     client = redis.Redis.from_url(url, socket_timeout=2)

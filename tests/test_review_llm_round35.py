@@ -16,6 +16,7 @@ import pytest
 from aiohttp import web
 
 from tests.conftest import completed_events, raw_request, route, serve_app
+from tests.sse import anthropic_failing, sse
 
 #: Budgets' clock: today 12:00 UTC, so no daily window rolls over mid-test.
 NOON = {"SLUICE_TEST_NOW": str(int(time.time()) // 86400 * 86400 + 43200)}
@@ -58,42 +59,26 @@ async def test_completions_reserve_every_prompt_and_best_of_not_one_answer(
 
 # -- 2. a stream the upstream ends with an error event is charged what it used, not max_tokens --
 
-def _sse(obj: dict, event: str | None = None) -> bytes:
-    head = f"event: {event}\n" if event else ""
-    return (head + "data: " + json.dumps(obj) + "\n\n").encode()
-
-
 _FAILING_STREAMS = {
     # Anthropic's overloaded_error after the answer began (HTTP 200, then an error event).
-    "anthropic": [
-        _sse({"type": "message_start", "message": {
-            "id": "msg_1", "type": "message", "role": "assistant", "model": "claude-x",
-            "content": [], "stop_reason": None, "stop_sequence": None,
-            "usage": {"input_tokens": 20, "output_tokens": 1}}}, "message_start"),
-        _sse({"type": "content_block_start", "index": 0,
-              "content_block": {"type": "text", "text": ""}}, "content_block_start"),
-        _sse({"type": "content_block_delta", "index": 0,
-              "delta": {"type": "text_delta", "text": "hello there"}}, "content_block_delta"),
-        _sse({"type": "error", "error": {"type": "overloaded_error", "message": "Overloaded"}},
-             "error"),
-    ],
+    "anthropic": anthropic_failing("overloaded_error", "Overloaded"),
     # The Responses API's error event.
     "responses": [
-        _sse({"type": "response.created", "sequence_number": 0, "response": {
+        sse({"type": "response.created", "sequence_number": 0, "response": {
             "id": "resp_1", "object": "response", "created_at": 1, "status": "in_progress",
             "model": "gpt-x", "output": [], "usage": None}}, "response.created"),
-        _sse({"type": "response.output_text.delta", "sequence_number": 1, "item_id": "i",
+        sse({"type": "response.output_text.delta", "sequence_number": 1, "item_id": "i",
               "output_index": 0, "content_index": 0, "delta": "hello there"},
              "response.output_text.delta"),
-        _sse({"type": "error", "sequence_number": 2, "code": "server_error",
+        sse({"type": "error", "sequence_number": 2, "code": "server_error",
               "message": "The server had an error", "param": None}, "error"),
     ],
     # A Chat Completions stream's error chunk, as the OpenAI SDK reads it.
     "chat": [
-        _sse({"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "gpt-x",
+        sse({"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "gpt-x",
               "choices": [{"index": 0, "delta": {"content": "hello there"},
                            "finish_reason": None}]}),
-        _sse({"error": {"message": "The server had an error", "type": "server_error"}}),
+        sse({"error": {"message": "The server had an error", "type": "server_error"}}),
     ],
 }
 

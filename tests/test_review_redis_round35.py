@@ -11,7 +11,7 @@ import uuid
 
 import aiohttp
 
-from tests.conftest import route
+from tests.conftest import SluiceProcess, route
 from tests.redis_servers import delete_prefix, new_prefix, require_redis
 
 CHAT = "/openai/v1/chat/completions"
@@ -35,6 +35,16 @@ async def eventually(probe, expected, timeout: float, what: str) -> None:
         await asyncio.sleep(0.1)
 
 
+async def budgeted_replicas(start_sluice, upstream, url: str, prefix: str
+                            ) -> tuple[SluiceProcess, SluiceProcess]:
+    """Two replicas on Redis ``url`` under ``prefix``, sharing route ``openai``'s budget of
+    100,000 tokens a day per tenant."""
+    state = {"backend": "redis", "redis_url": url, "key_prefix": prefix, "timeout": "500ms"}
+    config = {"state": state, "routes": [route(
+        "openai", upstream.url, budget={"tokens": "100000/day", "per": "tenant"})]}
+    return await start_sluice(config), await start_sluice(config)
+
+
 # -- 1. sluice_budget_reserved of a replica keeps another replica's settled reservation ---------
 
 
@@ -46,13 +56,8 @@ async def test_a_replicas_budget_reserved_gauge_reads_zero_once_every_replicas_c
     showing B's reservation in ``sluice_budget_reserved`` (and that much less in
     ``sluice_budget_remaining``) for good, on an idle deployment, until the tenant's next call
     on A (README: the gauges "show the live state")."""
-    url = require_redis()
-    prefix = new_prefix()
-    state = {"backend": "redis", "redis_url": url, "key_prefix": prefix, "timeout": "500ms"}
-    config = {"state": state, "routes": [route(
-        "openai", upstream.url, budget={"tokens": "100000/day", "per": "tenant"})]}
-    a = await start_sluice(config)
-    b = await start_sluice(config)
+    url, prefix = require_redis(), new_prefix()
+    a, b = await budgeted_replicas(start_sluice, upstream, url, prefix)
     tenant = f"t-{uuid.uuid4().hex[:8]}"
     try:
         async with aiohttp.ClientSession() as session:

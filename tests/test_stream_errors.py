@@ -8,7 +8,6 @@ error event that names the request's own fault (``invalid_request_error``) is no
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator
 from typing import NamedTuple
 
@@ -18,35 +17,17 @@ import pytest
 from aiohttp import web
 
 from tests.conftest import completed_events, route, serve_app
+from tests.sse import anthropic_failing, sse
 
 BREAKER = {"fail_max": 2, "reset_timeout": "60s"}
 
 
-def _sse(obj: dict, event: str | None = None) -> bytes:
-    head = f"event: {event}\n" if event else ""
-    return (head + "data: " + json.dumps(obj) + "\n\n").encode()
-
-
-def _anthropic(error_type: str) -> list[bytes]:
-    return [
-        _sse({"type": "message_start", "message": {
-            "id": "msg_1", "type": "message", "role": "assistant", "model": "claude-x",
-            "content": [], "stop_reason": None, "stop_sequence": None,
-            "usage": {"input_tokens": 20, "output_tokens": 1}}}, "message_start"),
-        _sse({"type": "content_block_start", "index": 0,
-              "content_block": {"type": "text", "text": ""}}, "content_block_start"),
-        _sse({"type": "content_block_delta", "index": 0,
-              "delta": {"type": "text_delta", "text": "hello there"}}, "content_block_delta"),
-        _sse({"type": "error", "error": {"type": error_type, "message": "it failed"}}, "error"),
-    ]
-
-
 def _chat(error: dict) -> list[bytes]:
     return [
-        _sse({"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "gpt-x",
+        sse({"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "gpt-x",
               "choices": [{"index": 0, "delta": {"content": "hello there"},
                            "finish_reason": None}]}),
-        _sse({"error": error}),
+        sse({"error": error}),
     ]
 
 
@@ -54,21 +35,21 @@ def _responses_failed(code: str) -> list[bytes]:
     response = {"id": "resp_1", "object": "response", "created_at": 1, "model": "gpt-x",
                 "output": [], "usage": None}
     return [
-        _sse({"type": "response.created", "sequence_number": 0,
+        sse({"type": "response.created", "sequence_number": 0,
               "response": dict(response, status="in_progress")}, "response.created"),
-        _sse({"type": "response.output_text.delta", "sequence_number": 1, "item_id": "i",
+        sse({"type": "response.output_text.delta", "sequence_number": 1, "item_id": "i",
               "output_index": 0, "content_index": 0, "delta": "hello there"},
              "response.output_text.delta"),
-        _sse({"type": "response.failed", "sequence_number": 2, "response": dict(
+        sse({"type": "response.failed", "sequence_number": 2, "response": dict(
             response, status="failed", error={"code": code, "message": "it failed"})},
              "response.failed"),
     ]
 
 
 SHAPES = {
-    "overloaded": _anthropic("overloaded_error"),
-    "api_error": _anthropic("api_error"),
-    "anthropic_invalid": _anthropic("invalid_request_error"),
+    "overloaded": anthropic_failing("overloaded_error"),
+    "api_error": anthropic_failing("api_error"),
+    "anthropic_invalid": anthropic_failing("invalid_request_error"),
     "chat_server": _chat({"message": "The server had an error", "type": "server_error",
                           "param": None, "code": None}),
     "chat_invalid": _chat({"message": "bad", "type": "invalid_request_error", "param": None,
@@ -302,13 +283,13 @@ def test_the_meter_reads_the_first_error_event_and_response_failed_with_usage() 
 
     from policies.usage import MESSAGES, RESPONSES, Meter
 
-    sse = CIMultiDict({"Content-Type": "text/event-stream"})
-    failed = _sse({"type": "response.failed", "sequence_number": 2, "response": {
+    headers = CIMultiDict({"Content-Type": "text/event-stream"})
+    failed = sse({"type": "response.failed", "sequence_number": 2, "response": {
         "id": "resp_1", "status": "failed", "error": {"code": "server_error", "message": "x"},
         "usage": {"input_tokens": 9, "output_tokens": 4, "total_tokens": 13}}},
         "response.failed")
     meter = Meter(RESPONSES, anthropic=False, strip_usage=False)
-    meter.start(200, sse)
+    meter.start(200, headers)
     for event in _responses_failed("server_error")[:2]:
         assert meter.chunk(event) == event
     assert meter.stream_error is None and not meter.failed
@@ -317,7 +298,8 @@ def test_the_meter_reads_the_first_error_event_and_response_failed_with_usage() 
     assert (meter.usage.input_tokens, meter.usage.output_tokens) == (9, 4)
 
     meter = Meter(MESSAGES, anthropic=True, strip_usage=False)
-    meter.start(200, sse)
-    stream = b"".join(_anthropic("overloaded_error") + _anthropic("invalid_request_error")[3:])
+    meter.start(200, headers)
+    stream = b"".join(anthropic_failing("overloaded_error")
+                      + anthropic_failing("invalid_request_error")[3:])
     assert meter.chunk(stream) == stream
     assert meter.stream_error == "server"
