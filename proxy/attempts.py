@@ -269,7 +269,7 @@ async def forward(request: web.BaseRequest, rt: Runtime, route: Route, call: Cal
                     request, response, extra, capture, meter, call, finish,
                     None if total is None or sent_at is None else sent_at + total)
             except Rejected as error:  # not relayable (a bad status or header) or cut in time
-                await _verdict(tries, None, meter)
+                await _verdict(tries, None, meter, cut=True)
                 call.status = error.reason.status
                 failed = render(error, route.protocol, jsonrpc_id(route.protocol, call.body))
                 if _retried(tries):  # else no layer of Sluice's retried it: the SDK may
@@ -286,7 +286,8 @@ async def forward(request: web.BaseRequest, rt: Runtime, route: Route, call: Cal
                                tracker.last_event_id.decode("utf-8", "surrogateescape"),
                                _polled(request, call, traffic, outcome, tracker, total))
             if tries.pending is not None:
-                await _verdict(tries, tries.tracker, meter)
+                await _verdict(tries, tries.tracker, meter,
+                               cut=outcome in ("upstream_error", "upstream_timeout"))
             return answer, outcome
         error = tries.error
         assert error is not None
@@ -343,10 +344,13 @@ def _retried(tries: _Tries) -> bool:
     return bool(tries.stop) and tries.stop != "unsafe_to_retry"
 
 
-async def _verdict(tries: _Tries, tracker: AnswerTracker | None, meter: Any) -> None:
+async def _verdict(tries: _Tries, tracker: AnswerTracker | None, meter: Any,
+                   cut: bool = False) -> None:
     """Tell the breakers waiting for the answer (:class:`_Waiting`) what it came to.
 
-    A stream's: what its error event, if any, says (``meter``'s
+    A stream's: a failure when the upstream cut it or was too slow with it (``cut``: the
+    relay's ``upstream_error`` or ``upstream_timeout``), as a connection lost before the
+    status line is; else what its error event, if any, says (``meter``'s
     :attr:`~policies.usage.Meter.stream_error`, :func:`policies.breaker.classify_stream`).
     A tool's: a failure when the answer held no response (``tracker`` ``None``: it was
     cut) or a tool failure (:attr:`policies.mcp.Outcome.tool_failure`), else a success;
@@ -356,7 +360,8 @@ async def _verdict(tries: _Tries, tracker: AnswerTracker | None, meter: Any) -> 
         return
     tries.pending = None
     if not waiting.tool:
-        await _record_each(waiting.tickets, brk.classify_stream(meter.stream_error))
+        await _record_each(waiting.tickets, brk.FAILURE if cut
+                           else brk.classify_stream(meter.stream_error))
         return
     [(breaker, ticket)] = waiting.tickets
     found = tracker.finish() if tracker is not None else None

@@ -68,16 +68,16 @@ _FAILING_STREAMS = {
             "id": "resp_1", "object": "response", "created_at": 1, "status": "in_progress",
             "model": "gpt-x", "output": [], "usage": None}}, "response.created"),
         sse({"type": "response.output_text.delta", "sequence_number": 1, "item_id": "i",
-              "output_index": 0, "content_index": 0, "delta": "hello there"},
-             "response.output_text.delta"),
+             "output_index": 0, "content_index": 0, "delta": "hello there"},
+            "response.output_text.delta"),
         sse({"type": "error", "sequence_number": 2, "code": "server_error",
-              "message": "The server had an error", "param": None}, "error"),
+             "message": "The server had an error", "param": None}, "error"),
     ],
     # A Chat Completions stream's error chunk, as the OpenAI SDK reads it.
     "chat": [
         sse({"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "gpt-x",
-              "choices": [{"index": 0, "delta": {"content": "hello there"},
-                           "finish_reason": None}]}),
+             "choices": [{"index": 0, "delta": {"content": "hello there"},
+                          "finish_reason": None}]}),
         sse({"error": {"message": "The server had an error", "type": "server_error"}}),
     ],
 }

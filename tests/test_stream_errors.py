@@ -25,8 +25,8 @@ BREAKER = {"fail_max": 2, "reset_timeout": "60s"}
 def _chat(error: dict) -> list[bytes]:
     return [
         sse({"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "gpt-x",
-              "choices": [{"index": 0, "delta": {"content": "hello there"},
-                           "finish_reason": None}]}),
+             "choices": [{"index": 0, "delta": {"content": "hello there"},
+                          "finish_reason": None}]}),
         sse({"error": error}),
     ]
 
@@ -36,13 +36,13 @@ def _responses_failed(code: str) -> list[bytes]:
                 "output": [], "usage": None}
     return [
         sse({"type": "response.created", "sequence_number": 0,
-              "response": dict(response, status="in_progress")}, "response.created"),
+             "response": dict(response, status="in_progress")}, "response.created"),
         sse({"type": "response.output_text.delta", "sequence_number": 1, "item_id": "i",
-              "output_index": 0, "content_index": 0, "delta": "hello there"},
-             "response.output_text.delta"),
+             "output_index": 0, "content_index": 0, "delta": "hello there"},
+            "response.output_text.delta"),
         sse({"type": "response.failed", "sequence_number": 2, "response": dict(
             response, status="failed", error={"code": code, "message": "it failed"})},
-             "response.failed"),
+            "response.failed"),
     ]
 
 
@@ -55,6 +55,7 @@ SHAPES = {
     "chat_invalid": _chat({"message": "bad", "type": "invalid_request_error", "param": None,
                            "code": "context_length_exceeded"}),
     "responses_server": _responses_failed("server_error"),
+    "anthropic_begun": anthropic_failing("overloaded_error")[:3],  # no error event
 }
 
 
@@ -78,6 +79,10 @@ async def _streams(request: web.Request) -> web.StreamResponse:
         await response.write(event)
     if request.headers.get("x-linger"):  # the stream stays open until Sluice closes it
         await asyncio.sleep(60)
+    if request.headers.get("x-cut"):  # the upstream dies mid-answer: no end of the chunks
+        assert request.transport is not None
+        request.transport.abort()
+        return response
     await response.write_eof()
     return response
 
@@ -303,3 +308,22 @@ def test_the_meter_reads_the_first_error_event_and_response_failed_with_usage() 
                       + anthropic_failing("invalid_request_error")[3:])
     assert meter.chunk(stream) == stream
     assert meter.stream_error == "server"
+
+
+async def test_a_stream_the_upstream_cuts_is_a_failure_too(start_sluice, failing) -> None:
+    """A stream whose connection the upstream drops mid-answer (after HTTP 200 and some
+    events, no error event) was completed ``upstream_error`` while its breaker heard a
+    success, from the status line: an upstream dying mid-stream never opened it. Two such
+    streams now open a ``fail_max: 2`` breaker, as two error events do."""
+    sluice = await start_sluice({"routes": [route(
+        "anthropic", failing.url, protocol="anthropic", circuit_breaker=BREAKER)]})
+    for _ in range(2):
+        with pytest.raises(anthropic.APIError) as caught:
+            await _claude(sluice, "anthropic_begun", {"x-cut": "1"})
+        assert not _refused_open(caught.value)
+    done = await completed_events(sluice, 2)
+    assert [(e["outcome"], e["status"]) for e in done] == [("upstream_error", 200)] * 2
+    with pytest.raises(anthropic.APIStatusError) as caught:
+        await _claude(sluice, "anthropic_begun")
+    assert _refused_open(caught.value)
+    assert failing.seen == ["anthropic_begun"] * 2
