@@ -156,6 +156,9 @@ class Runtime:
         self.buffered_bytes = 0
         self.metrics.buffered_bytes.set_function(lambda: self.buffered_bytes)
         self.metrics.bind_load(self.load)
+        #: Set once ``serve`` has everything open (listeners, dead-letter store): until then
+        #: ``/readyz`` says ``starting`` (503), so a start that fails is never ready.
+        self.started = False
         self.draining = False
         #: Set when the drain timeout ran out: requests cancelled from then on were cut by
         #: Sluice, not left by their callers.

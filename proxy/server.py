@@ -161,8 +161,9 @@ async def _healthz(request: web.Request) -> web.Response:
 async def _readyz(request: web.Request) -> web.Response:
     runtime = request.app[RUNTIME]
     state = {"backend": runtime.state.kind, **runtime.state.health.as_dict()}
-    if runtime.draining:
-        return web.json_response({"status": "draining", "pid": os.getpid(), "state": state},
+    if runtime.draining or not runtime.started:
+        status = "draining" if runtime.draining else "starting"
+        return web.json_response({"status": status, "pid": os.getpid(), "state": state},
                                  status=503)
     if not runtime.state.health.up:
         # Still ready: state.on_unavailable says how calls are served meanwhile, and taking
@@ -278,6 +279,7 @@ async def serve(config: Config, config_path: str | None = None,
             hint = await asyncio.to_thread(file_left_behind, config, config_path)
             if hint is not None:
                 log.warning("%s", hint)
+        runtime.started = True
         log.info(
             "sluice serving on %s (admin %s), %d route(s)",
             _bound(proxy_runner), _bound(admin_runner), len(runtime.routes),
