@@ -50,7 +50,10 @@ On a config reload the limiter is reconfigured in place (:meth:`ConcurrencyLimit
 nothing held or queued is dropped. A higher ``limit`` hands the new slots to waiters at once; a
 lower one takes effect as requests finish (a freed slot is handed over only while the count is
 under the new limit). A smaller ``queue`` or ``per_tenant`` refuses newcomers until the counts
-fall below it; a new ``max_wait`` applies to requests queued after the reload.
+fall below it; a new ``max_wait`` applies to requests queued after the reload. A block the
+reload removes is the limit raised without bound (:meth:`ConcurrencyLimiter.retire`): its
+queued calls are admitted at once, and its calls in flight still release into it; added back
+while it still holds calls, the block gets this limiter again, so those calls count.
 
 Rejections carry an honest ``retry_after`` estimated with Little's law: a queue of ``n`` ahead
 drains in about ``n`` turns (spread up to +50% at random, so callers refused together do not
@@ -73,6 +76,7 @@ import heapq
 import itertools
 import math
 import random
+import sys
 import time
 from collections.abc import Callable, Mapping
 
@@ -89,6 +93,9 @@ _INITIAL_SERVICE_S = 1.0  # assumed mean service time before the first completio
 #: Largest factor the Retry-After estimate is spread by (see ``_drain_estimate``).
 JITTER_MAX = 1.5
 _TENANTS_SHOWN = 20  # tenants listed by state(), the biggest holders first
+#: The ``limit`` of a limiter whose block a reload removed (:meth:`ConcurrencyLimiter.retire`):
+#: more slots than calls can ever be in flight, so every call is admitted at once.
+UNLIMITED = sys.maxsize
 #: The ``queue_timeout`` details when the caller's own deadline, not ``max_wait``, ended the
 #: wait: once a call's time is known it is set aside from the deadline, before then it is not.
 DEADLINE_EXPIRED = ("the caller's timeout, less the time a call takes, ran out while it was "
@@ -535,6 +542,27 @@ class ConcurrencyLimiter:
             if not self._hand_over():
                 self.inflight -= 1
                 break
+
+    def retire(self) -> None:
+        """A reload removed this limiter's block: no limit from now on. Every queued call is
+        admitted at once (as a raised limit admits them), and so is any call that reaches
+        this object later (one that found its route before the reload); calls in flight
+        release into it as before. :meth:`reconfigure` puts a limit back (the block added
+        again while :attr:`busy`: those calls count, and a limit below them drains)."""
+        self._adopt(UNLIMITED, self.queue_capacity, self.max_wait, None,
+                    self.tenant_weights, self.aging)
+        self.turns += 1
+        for waiter in self.waiters():
+            if waiter.future.done():  # cancelled; its caller has not run yet
+                self._drop(waiter, GONE)
+            else:
+                self.inflight += 1
+                self._grant(waiter, None)
+
+    @property
+    def busy(self) -> bool:
+        """Calls hold slots here or wait for one: a retired limiter is kept while so."""
+        return bool(self.inflight or self.queued)
 
     def _adopt(self, limit: int, queue: int, max_wait: float, per_tenant: int | None,
                tenant_weights: Mapping[str, float] | None, aging: float | None) -> None:

@@ -33,7 +33,7 @@ time) settles at the end, and may pass the budget: it is reported as
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, TypeVar
 
 import orjson
@@ -86,6 +86,54 @@ def carry_over(old: P | None, new: P | None, old_config: C | None, new_config: C
             return new
         reconfigure(old, new_config)  # type: ignore[arg-type]
     return old
+
+
+class TakeOver:
+    """One reload's carrying over of one route's policy objects (:func:`carry_over`, block by
+    block), and of the objects of the blocks it removes that still hold calls.
+
+    A removed block is a limit raised without bound: its object is told so (its
+    ``retire()``: a limiter's queued calls are admitted at once, its calls in flight release
+    into it as before) and kept in :attr:`draining` under the block's key while it is
+    ``busy`` (holds calls). The block added back under that key gets that object again,
+    reconfigured, so the calls still in flight under it count toward the new limit: a fresh
+    object would start empty beside them. Objects with no ``retire`` (rates, breakers, ...)
+    are only carried over. A route keeps :attr:`draining` until its next reload, which drops
+    the objects no longer busy.
+
+    Args:
+        draining: the route's ``draining`` from its previous reload, by block key.
+    """
+
+    __slots__ = ("draining",)
+
+    def __init__(self, draining: Mapping[str, Any]) -> None:
+        self.draining: dict[str, Any] = {key: kept for key, kept in draining.items()
+                                         if kept.busy}
+
+    def __call__(self, key: str, old: P | None, new: P | None, old_config: C | None,
+                 new_config: C | None,
+                 reconfigure: Callable[[P, C], None] | None = None) -> P | None:
+        """:func:`carry_over` of the block ``key`` (unique within the route: ``concurrency``,
+        ``operations['GET /slow'].concurrency``), and what the class docstring says of a
+        block removed or added back."""
+        if old is None and new is not None and reconfigure is not None:
+            kept = self.draining.pop(key, None)
+            if kept is not None:
+                reconfigure(kept, new_config)  # type: ignore[arg-type]
+                return kept  # type: ignore[no-any-return]
+        carried = carry_over(old, new, old_config, new_config, reconfigure)
+        if old is not None and carried is None:
+            self.retire(key, old)
+        return carried
+
+    def retire(self, key: str, old: object | None) -> None:
+        """The block ``key`` is gone: ``old``, its object, retires, and is kept while busy."""
+        retire = getattr(old, "retire", None)
+        if retire is not None:
+            retire()
+            if old.busy:  # type: ignore[union-attr]
+                self.draining[key] = old
 
 
 def reconfigure_limiter(limiter: ConcurrencyLimiter, c: ConcurrencyConfig) -> None:
@@ -207,19 +255,33 @@ class Operation:
                             budgets, run_header)
                       if config.cost_per_call or config.cost_per_second else None)
 
-    def take_over(self, old: Operation) -> None:
+    def take_over(self, old: Operation | None, carry: TakeOver) -> None:
         """Carry the live state of ``old``, the operation of the same name this one replaces
-        on a reload (as :meth:`proxy.routes.Route.take_over` does for the route's)."""
-        new, prev = self.config, old.config
-        self.concurrency = carry_over(old.concurrency, self.concurrency, prev.concurrency,
-                                      new.concurrency, reconfigure_limiter)
-        self.rate = carry_over(old.rate, self.rate, prev.rate, new.rate,
-                               lambda rate, c: rate.limiter.reconfigure(c))
-        self.idempotency = carry_over(old.idempotency, self.idempotency, prev.idempotency,
-                                      new.idempotency, lambda keys, c: keys.reconfigure(c))
-        self.breaker = carry_over(old.breaker, self.breaker, prev.circuit_breaker,
-                                  new.circuit_breaker)
-        self.retry = carry_over(old.retry, self.retry, prev.retry, new.retry)
+        on a reload (as :meth:`proxy.routes.Route.take_over` does for the route's); ``None``
+        for a block the running config lacks (it may have had it before: ``carry``)."""
+        new, prev = self.config, old and old.config
+        self.concurrency = carry(self._key("concurrency"), old and old.concurrency,
+                                 self.concurrency, prev and prev.concurrency, new.concurrency,
+                                 reconfigure_limiter)
+        self.rate = carry(self._key("rate"), old and old.rate, self.rate, prev and prev.rate,
+                          new.rate, lambda rate, c: rate.limiter.reconfigure(c))
+        self.idempotency = carry(self._key("idempotency"), old and old.idempotency,
+                                 self.idempotency, prev and prev.idempotency, new.idempotency,
+                                 lambda keys, c: keys.reconfigure(c))
+        self.breaker = carry(self._key("breaker"), old and old.breaker, self.breaker,
+                             prev and prev.circuit_breaker, new.circuit_breaker)
+        self.retry = carry(self._key("retry"), old and old.retry, self.retry,
+                           prev and prev.retry, new.retry)
+
+    def retire(self, carry: TakeOver) -> None:
+        """A reload removed this whole block: each of its objects as a removed block's
+        (:class:`TakeOver`)."""
+        for name in self.POLICIES:
+            carry.retire(self._key(name), getattr(self, name))
+
+    def _key(self, policy: str) -> str:
+        """The key of this operation's ``policy`` among its route's blocks (:class:`TakeOver`)."""
+        return f"operations[{self.name!r}].{policy}"
 
     def state(self) -> dict[str, Any]:
         """The operation's live state for the admin API (JSON-ready)."""
@@ -347,12 +409,20 @@ class Operations:
                                       call.operation)
         return name, self.by_name[block] if block is not None else None
 
-    def take_over(self, old: Operations) -> None:
-        """Keep the live state of the operations ``old`` had under the same names."""
+    def take_over(self, old: Operations | None, carry: TakeOver) -> None:
+        """Keep the live state of the operations ``old`` had under the same names (``old``:
+        the running route's, ``None`` if it has none); retire those it had and these lack."""
+        before = old.by_name if old is not None else {}
+        for name, previous in before.items():
+            if name not in self.by_name:
+                previous.retire(carry)
         for name, op in self.by_name.items():
-            previous = old.by_name.get(name)
-            if previous is not None:
-                op.take_over(previous)
+            op.take_over(before.get(name), carry)
+
+    def retire(self, carry: TakeOver) -> None:
+        """A reload removed every operation block (:meth:`Operation.retire`)."""
+        for op in self.by_name.values():
+            op.retire(carry)
 
     def state(self) -> dict[str, Any]:
         """Every operation block's live state, by name (JSON-ready)."""

@@ -862,13 +862,30 @@ class FanoutWidth:
         self.max_wait = max_wait
         self.limiters = limiters
         self.runs: dict[tuple[str, str], _RunWidth] = {}
+        #: A reload removed the block (:meth:`retire`): every run's limiter admits at once.
+        self.retired = False
 
     def reconfigure(self, config: FanoutConfig) -> None:
-        """Adopt a new block in place (hot reload), keeping every run's held and queued calls."""
+        """Adopt a new block in place (hot reload), keeping every run's held and queued calls;
+        after :meth:`retire`, the block added back, counting the calls still in flight."""
+        self.retired = False
         self.width = config.width or self.width
         self.max_wait = config.max_wait
         for entry in self.runs.values():
             entry.limiter.reconfigure(self.width, WIDTH_QUEUE, self.max_wait, None)
+
+    def retire(self) -> None:
+        """A reload removed the block: every run's queued calls are admitted at once, and so
+        is any call that reaches this object later; calls in flight release as before
+        (:meth:`policies.concurrency.ConcurrencyLimiter.retire`)."""
+        self.retired = True
+        for entry in self.runs.values():
+            entry.limiter.retire()
+
+    @property
+    def busy(self) -> bool:
+        """Some run has a call admitted, queued or being admitted here."""
+        return bool(self.runs)
 
     async def admit(self, call: Call) -> _WidthSlot | None:
         """Raises:
@@ -885,6 +902,8 @@ class FanoutWidth:
         if entry is None:
             entry = self.runs[key] = _RunWidth(
                 self.limiters(call.tenant, run, self.width, self.max_wait))
+            if self.retired:
+                entry.limiter.retire()
         # Counted from here, not from the limiter's own counts: a shared limiter counts a
         # call only once Redis has answered, and the run's limiter must not be forgotten
         # (and a second one made) while a call of it waits for that answer.

@@ -63,6 +63,7 @@ from policies.concurrency import (
     EXPIRED,
     GONE,
     GRANTED,
+    UNLIMITED,
     WAITING,
     ConcurrencyLimiter,
     _Waiter,
@@ -93,12 +94,14 @@ POLL_S = 0.25
 
 
 class SharedSlot:
-    """One call's lease, and its place in the local counts (a pipeline holding)."""
+    """One call's lease, and its place in the local counts (a pipeline holding). A call
+    admitted after a reload removed the block (:meth:`ConcurrencyLimiter.retire`) holds no
+    lease (``lease`` is ``None``): only the local count."""
 
     __slots__ = ("charged", "cls", "lease", "limiter", "tenant")
 
     def __init__(self, limiter: SharedConcurrencyLimiter, tenant: str, charged: float | None,
-                 cls: int, lease: Lease) -> None:
+                 cls: int, lease: Lease | None) -> None:
         self.limiter = limiter
         self.tenant = tenant
         self.charged = charged
@@ -138,6 +141,10 @@ class SharedConcurrencyLimiter(ConcurrencyLimiter):
         self.degraded = False
         #: Acquires of this replica waiting for Redis's answer, by tenant.
         self._asking: dict[str, int] = {}
+        #: Calls admitted here with no lease, by tenant, once a reload removed the block
+        #: (:meth:`retire`): Redis does not count them, so if the block is added back while
+        #: they run, every acquire adds them to the leases (``uncounted``).
+        self._unleased: dict[str, int] = {}
         #: Lease releases whose acquire's answer was lost; their failures are logged.
         self.background = Background(backends)
         self._dispatcher: asyncio.Task[None] | None = None
@@ -169,6 +176,8 @@ class SharedConcurrencyLimiter(ConcurrencyLimiter):
         held = self._by_tenant.get(tenant, 0)
         if held >= self._tenant_cap:
             raise self._tenant_refusal(held, tenant)
+        if self.limit == UNLIMITED:  # the block was removed (retire): no lease to take
+            return self._admit_unleased(tenant, priority, cost)
         # This replica alone filling the limit means no lease is free: skip the round trip.
         if not self.queued and self.inflight < self.limit:
             try:
@@ -181,13 +190,33 @@ class SharedConcurrencyLimiter(ConcurrencyLimiter):
                 self._by_tenant[tenant] = self._by_tenant.get(tenant, 0) + 1
                 return SharedSlot(self, tenant, self._charge(tenant, priority, cost), priority,
                                   lease)
+            if self.limit == UNLIMITED:  # retired while Redis answered: the refusal is moot
+                return self._admit_unleased(tenant, priority, cost)
             if result.refused_by == TENANT:
                 raise self._tenant_refusal(result.tenant_inflight)
         self._dispatch_soon()
         charged, lease = await self._wait(tenant, priority, caller_timeout, on_queued, cost,
                                           reads)
-        assert isinstance(lease, Lease)
+        assert lease is None or isinstance(lease, Lease)  # None: granted by retire()
         return SharedSlot(self, tenant, charged, priority, lease)
+
+    def _admit_unleased(self, tenant: str, priority: int, cost: float | None) -> SharedSlot:
+        """Admit ``tenant``'s call with no lease: the block was removed (:meth:`retire`)."""
+        self.inflight += 1
+        self._by_tenant[tenant] = self._by_tenant.get(tenant, 0) + 1
+        self._unleased[tenant] = self._unleased.get(tenant, 0) + 1
+        return SharedSlot(self, tenant, self._charge(tenant, priority, cost), priority, None)
+
+    def _grant(self, waiter: _Waiter, value: object) -> None:
+        if value is None:  # by retire(), or the dispatcher after it: no lease
+            self._unleased[waiter.tenant] = self._unleased.get(waiter.tenant, 0) + 1
+        super()._grant(waiter, value)
+
+    @property
+    def busy(self) -> bool:
+        """:attr:`ConcurrencyLimiter.busy`, or an acquire waits for Redis's answer (its
+        lease, if granted, is counted here)."""
+        return bool(self.inflight or self.queued or self._asking)
 
     async def take(self, tenant: str, priority: int = DEFAULT_PRIORITY,  # type: ignore[override]
                    caller_timeout: float | None = None,
@@ -219,6 +248,9 @@ class SharedConcurrencyLimiter(ConcurrencyLimiter):
         # This replica's own calls admitted from memory and not yet in Redis count too.
         held = backends.held_leases
         unmoved = held.unmoved_on(self.group, tenant) if held.unmoved else (0, 0)
+        if self._unleased:  # the block is back over calls admitted while it was removed
+            unmoved = (unmoved[0] + sum(self._unleased.values()),
+                       unmoved[1] + self._unleased.get(tenant, 0))
         lease_id = new_lease_id()
         asking = self._asking
         asking[tenant] = asking.get(tenant, 0) + 1
@@ -347,6 +379,10 @@ class SharedConcurrencyLimiter(ConcurrencyLimiter):
                     if waiter.future.done():  # cancelled; its caller has not run yet
                         self._drop(waiter, GONE)
                         continue
+                    if self.limit == UNLIMITED:  # it queued as retire() ran: no lease needed
+                        self.inflight += 1
+                        self._grant(waiter, None)
+                        continue
                     try:
                         lease, result = await self._try(waiter.tenant)
                     except StateUnavailable as exc:
@@ -384,12 +420,21 @@ class SharedConcurrencyLimiter(ConcurrencyLimiter):
                 lease: Lease | None = None) -> None:
         """Free the local count of ``tenant``'s call (:meth:`ConcurrencyLimiter.release`,
         which hands nothing over here) and give its ``lease`` back (a task); the dispatcher
-        asks again once the release has landed."""
+        asks again once the release has landed. ``lease`` is ``None`` for a call admitted
+        with none (:meth:`retire`)."""
         super().release(tenant, service_s, charged, cls, first_byte_s)
         if lease is not None:
             task = lease.release()
             self.backends.keep(task)  # shutdown waits for it (StateBackends.close)
             task.add_done_callback(self._wake)
+            return
+        # A call admitted while the block was removed (retire): Redis never counted it.
+        left = self._unleased[tenant] - 1
+        if left:
+            self._unleased[tenant] = left
+        else:
+            del self._unleased[tenant]
+        self._wake()
 
     def _hand_over(self) -> bool:
         """A slot freed here is not passed to a waiter here: its lease goes back to Redis,
@@ -400,7 +445,7 @@ class SharedConcurrencyLimiter(ConcurrencyLimiter):
         if waiter.state != GRANTED:
             super()._abandon(waiter)
             return
-        # Granted just as its caller left: the lease the dispatcher took goes back.
+        # Granted just as its caller left: the lease the dispatcher took (if any) goes back.
         flow = (waiter.cls, waiter.tenant)
         if flow in self._vtime:
             self._vtime[flow] -= waiter.increment

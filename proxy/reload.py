@@ -28,15 +28,16 @@ file that disappears is logged once; the running config stays in force.
      runtime set. A fault here (only a bug, or a ``MemoryError``, can raise: the file is
      valid) leaves the running config serving exactly as before, its gauges included;
    * **commit** (:meth:`proxy.runtime.Runtime.commit`): only the live changes, in this order:
-     the top-level ``fanout`` object adopts its new block in place; each new route takes over
-     the live state of the old route of the same name (:meth:`proxy.routes.Route.take_over`:
-     a changed block reconfigures the running policy object in place); each route's gauges
-     are bound (:meth:`proxy.routes.Route.bind_metrics`); series of removed routes are
-     dropped (but for their calls' gauges, read from the routes still draining until they
-     end: :meth:`proxy.runtime.Runtime.load`); last, routes, router and settings are
-     swapped. A request already past route matching finishes under the route object it
-     matched (upstream, timeouts, prefix); policy objects are shared, so its slot goes back
-     to the same limiter the new route uses.
+     the top-level ``fanout`` object adopts its new block in place (or retires, the block
+     removed); each new route takes over the live state of the old route of the same name
+     (:meth:`proxy.routes.Route.take_over`: a changed block reconfigures the running policy
+     object in place, a removed one retires it); each route's gauges are bound
+     (:meth:`proxy.routes.Route.bind_metrics`); series of removed routes are dropped (but for
+     their calls' gauges, read from the routes still draining until they end:
+     :meth:`proxy.runtime.Runtime.load`); last, routes, router and settings are swapped. A
+     request already past route matching finishes under the route object it matched
+     (upstream, timeouts, prefix); policy objects are shared, so its slot goes back to the
+     same limiter the new route uses.
 
    A fault in either phase is handled as a refused file is (counted, logged with its
    traceback, ``last_attempt`` says ``(apply): not applied`` or ``partly applied``, the watch
@@ -54,18 +55,24 @@ file that disappears is logged once; the running config stays in force.
    as they are); a restart does. At startup a fault in either phase raises;
 4. emits the ``config_reloaded`` event and counts ``sluice_config_reloads_total``.
 
-**Carrying a policy's state over** is one line per policy in ``Route.take_over``::
+**Carrying a policy's state over** is one line per policy in ``Route.take_over``, through the
+reload's :class:`policies.operations.TakeOver` (``carry``), which applies
+:func:`policies.operations.carry_over` and keeps the objects of removed blocks::
 
-    self.budget = carry_over(old.budget, self.budget, prev.budget, new.budget,
-                             lambda budget, c: budget.reconfigure(c))
+    self.budget = carry("budget", old.budget, self.budget, prev.budget, new.budget,
+                        lambda budget, c: budget.reconfigure(c))
 
 * config block unchanged: the old object is kept as it is (counters, stored keys, breaker
   state, queue);
 * block changed: ``reconfigure(old_object, new_block)`` adopts the new limits in place and keeps
   the state; a policy given no ``reconfigure`` gets its fresh object instead (state reset), so
   give one to every policy whose state must survive a change of its own limits;
-* block added or removed: the new object, or ``None`` (a limit added by a reload counts only
-  the calls admitted after it).
+* block added or removed: the new object, or ``None``. A removed object that has ``retire()``
+  and ``busy`` (limiters, fan-out widths) is retired (a limit raised without bound: its queued
+  calls go at once, its calls in flight release into it) and kept with the route while busy;
+  the block added back under the same key gets it again, reconfigured, so the calls still in
+  flight under it count. Otherwise a limit added by a reload counts only the calls admitted
+  after it.
 
 A policy object may also have ``state() -> dict`` (JSON-ready); list its attribute in
 ``Route.POLICIES`` and ``/admin/routes`` and the status page show it. Top-level settings that the

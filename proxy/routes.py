@@ -28,6 +28,7 @@ from policies.operations import (
     Operation,
     Operations,
     Plan,
+    TakeOver,
     carry_over,
     new_limiter,
     reconfigure_limiter,
@@ -63,6 +64,9 @@ class Route:
         retired: the routes of the same name this one replaced on reloads that still had
             requests present then; their counts join ``inflight_total`` and
             ``present_total`` (a call queued on one is admitted there, reloads later).
+        draining: the objects of ``concurrency`` and ``fanout`` blocks (the route's, its
+            operations') that reloads removed while they held calls, by block key; the block
+            added back gets its own again (:class:`policies.operations.TakeOver`).
         policies: the admission steps, in order (:meth:`_admission_order`).
         accounting: token accounting, on ``openai`` and ``anthropic`` routes only.
         backends: the state its policies keep their counters in
@@ -93,6 +97,7 @@ class Route:
         "config",
         "cut",
         "deadline_header",
+        "draining",
         "events",
         "fanout",
         "global_fanout",
@@ -181,6 +186,7 @@ class Route:
         #: The calls admitted through this object and not finished (stall detection).
         self.live: set[Call] = set()
         self.retired: tuple[Route, ...] = ()
+        self.draining: dict[str, Any] = {}
         self.accounting: Accounting | None = None
         # The route's counters are the group of its name in the shared ledger.
         # A reservation is held for at least as long as a call may run (a 1 h total timeout
@@ -358,31 +364,35 @@ class Route:
         """Carry the live state of ``old``, the route of the same name this one replaces.
 
         One line per policy, all alike (see :mod:`proxy.reload`). Part of a reload's commit:
-        a changed block reconfigures ``old``'s policy object in place, which serves already.
+        a changed block reconfigures ``old``'s policy object in place, which serves already;
+        a removed one retires it, and one added back gets it again while it still holds calls
+        (:class:`policies.operations.TakeOver`).
         """
         new, prev = self.config, old.config
-        self.concurrency = carry_over(
-            old.concurrency, self.concurrency, prev.concurrency, new.concurrency,
-            reconfigure_limiter,
+        carry = TakeOver(old.draining)
+        self.concurrency = carry(
+            "concurrency", old.concurrency, self.concurrency, prev.concurrency,
+            new.concurrency, reconfigure_limiter,
         )
-        self.fanout = carry_over(old.fanout, self.fanout, prev.fanout, new.fanout,
-                                 lambda width, c: width.reconfigure(c))
-        self.rate = carry_over(
-            old.rate, self.rate, prev.rate, new.rate, lambda rate, c: rate.reconfigure(c)
+        self.fanout = carry("fanout", old.fanout, self.fanout, prev.fanout, new.fanout,
+                            lambda width, c: width.reconfigure(c))
+        self.rate = carry(
+            "rate", old.rate, self.rate, prev.rate, new.rate,
+            lambda rate, c: rate.reconfigure(c),
         )
         # Stored answers and keys in flight survive any reload that keeps the block: a
         # changed one is adopted in place, since forgetting either lets a side effect run
         # twice (its store shrinks to new bounds; a new TTL applies to new answers).
-        self.idempotency = carry_over(
-            old.idempotency, self.idempotency, prev.idempotency, new.idempotency,
-            lambda keys, c: keys.reconfigure(c),
+        self.idempotency = carry(
+            "idempotency", old.idempotency, self.idempotency, prev.idempotency,
+            new.idempotency, lambda keys, c: keys.reconfigure(c),
         )
         # The breaker keeps its state whatever changed in its block (open stays open; the new
         # thresholds apply from the next outcome): it lives in the state backend under the
         # route's name, shared with every replica, so only the object's view could be reset.
-        self.breaker = carry_over(old.breaker, self.breaker, prev.circuit_breaker,
-                                  new.circuit_breaker, lambda breaker, c: breaker.reconfigure(c))
-        self.retry = carry_over(old.retry, self.retry, prev.retry, new.retry)
+        self.breaker = carry("breaker", old.breaker, self.breaker, prev.circuit_breaker,
+                             new.circuit_breaker, lambda breaker, c: breaker.reconfigure(c))
+        self.retry = carry("retry", old.retry, self.retry, prev.retry, new.retry)
         # Accounting is rebuilt from the new blocks, but spend carries over: the budget ledger
         # (keyed by unit, scope and window, not by amount) and the route's rates.
         if self.budgets is not None and old.budgets is not None:
@@ -396,8 +406,11 @@ class Route:
         elif self.rate is not None:
             self.rate.metered_elsewhere = False
         # Operations named before and after keep their state (slots, levels, breakers).
-        if self.operations is not None and old.operations is not None:
-            self.operations.take_over(old.operations)
+        if self.operations is not None:
+            self.operations.take_over(old.operations, carry)
+        elif old.operations is not None:
+            old.operations.retire(carry)
+        self.draining = carry.draining
         self.retired = tuple(route for route in (old, *old.retired) if route.present)
         self._admission_order()
 

@@ -47,6 +47,7 @@ class BuiltConfig:
         replaces: the running route each new route of the same name replaces, by name.
         removed: the running routes the config no longer has.
         global_fanout: the top-level ``fanout.width`` the routes admit with: the running one,
+            the one a reload removed while its runs still have calls (added back: they count),
             a new one, or ``None`` without a width.
         fanout_reconfigure: the ``fanout`` block the running ``global_fanout`` adopts at the
             commit, or ``None`` (it is new, or there is none).
@@ -199,6 +200,10 @@ class Runtime:
             shared=RedisRuns(self.state.redis) if self.state.redis is not None else None,
             fallback=self.state.fallback)
         self.global_fanout: FanoutWidth | None = None
+        #: The top-level ``fanout.width`` a reload removed while runs had calls under it
+        #: (retired: :meth:`policies.runs.FanoutWidth.retire`): added back before they end,
+        #: the block gets it again, so they count.
+        self.retired_fanout: FanoutWidth | None = None
         self._ids = itertools.count(1)
         self._id_prefix = f"{os.getpid():x}-{os.urandom(3).hex()}-"
         self.configure(config)
@@ -229,6 +234,8 @@ class Runtime:
         global_limits = (RunLimits(self.runs, "*", config.run, fanout)
                          if config.run or (fanout and fanout.depth is not None) else None)
         global_fanout, fanout_reconfigure = self.global_fanout, None
+        if global_fanout is None and self.retired_fanout is not None and self.retired_fanout.busy:
+            global_fanout = self.retired_fanout
         if fanout is None or fanout.width is None:
             global_fanout = None
         elif global_fanout is None:
@@ -265,7 +272,8 @@ class Runtime:
     def commit(self, built: BuiltConfig) -> None:
         """Put ``built`` in force: every live change of applying a config, and nothing else.
 
-        In this order, with no await: the running top-level fan-out adopts its new block;
+        In this order, with no await: the running top-level fan-out adopts its new block (or
+        retires, its block removed: :meth:`policies.runs.FanoutWidth.retire`);
         each route takes over the live state of the one it replaces (a changed policy block
         reconfigures the running object in place, :meth:`Route.take_over`); each route's
         gauges are bound (and a retrying route's dead-letter depth); removed routes' series
@@ -279,6 +287,12 @@ class Runtime:
         config = built.config
         if built.fanout_reconfigure is not None and built.global_fanout is not None:
             built.global_fanout.reconfigure(built.fanout_reconfigure)
+        if built.global_fanout is None and self.global_fanout is not None:
+            # The block is gone: the runs' queued calls go now (a limit raised without bound).
+            self.global_fanout.retire()
+            self.retired_fanout = self.global_fanout
+        elif built.global_fanout is not None:
+            self.retired_fanout = None
         for route in built.routes:
             replaced = built.replaces.get(route.name)
             if replaced is not None:

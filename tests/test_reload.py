@@ -338,3 +338,33 @@ async def test_a_held_state_change_names_its_key_and_never_prints_the_redis_url(
         assert "hunter2" not in sluice.stderr()
     finally:
         delete_prefix(url, prefix)
+
+
+async def test_a_removed_limit_admits_its_queued_calls_and_counts_them_when_back(
+        upstream, start_sluice):
+    # Seen in a hostile trial: calls queued behind a concurrency block a reload removed
+    # stayed in the old limiter, out of every gauge, and were answered 503 queue_timeout at
+    # its max_wait while newcomers went straight through; the block added back while calls
+    # admitted under it still ran started empty beside them (2 at the upstream on limit: 1).
+    limit = {"limit": 1, "queue": 4, "max_wait": "30s"}
+    sluice = await start_sluice({"routes": [route("llm", upstream.url, concurrency=limit)]})
+    url = sluice.url + "/llm/v1/chat/completions"
+    upstream.hold = asyncio.Event()
+    async with aiohttp.ClientSession() as session:
+        calls = [asyncio.create_task(status_of(session, url, CHAT)) for _ in range(3)]
+        await until(lambda: upstream.inflight == 1, what="the first call at the upstream")
+        await sluice.wait_metric("sluice_queue_depth", 2, route="llm")
+        rewrite(sluice.config_path, lambda data: data["routes"][0].pop("concurrency"))
+        await sluice.wait_metric("sluice_config_reloads_total", 1)
+        # At once, as under a raised limit (the test waits 20 s of the 30 s max_wait).
+        await until(lambda: upstream.inflight == 3, what="the queued calls at the upstream")
+        rewrite(sluice.config_path,
+                lambda data: data["routes"][0].update(concurrency=limit))
+        await sluice.wait_metric("sluice_concurrency_limit", 1, route="llm")
+        calls.append(asyncio.create_task(status_of(session, url, CHAT)))
+        await sluice.wait_metric("sluice_queue_depth", 1, route="llm")  # the 3 count
+        assert upstream.inflight == 3
+        upstream.hold.set()
+        assert await asyncio.gather(*calls) == [200] * 4
+    assert upstream.peak_inflight == 3
+    assert await sluice.metric("sluice_inflight_requests", route="llm") == 0
