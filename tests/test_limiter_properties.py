@@ -3,7 +3,8 @@
 The limiter runs on a real asyncio event loop whose clock is virtual, so queue expiries fire
 when the test moves time, not when the machine gets round to it. Each step of a random program
 is one of: a call arrives (tenant, priority, caller timeout), a task is cancelled, a holder
-releases its slot, time moves, the loop runs a few turns, or a reload changes the limits. Steps
+releases its slot, time moves, the loop runs a few turns, a reload changes the limits, or a
+reload removes the block (the limit raised without bound) and a later one adds it back. Steps
 between loop turns are what make the races: a cancel and a hand-over, an expiry and a cancel,
 landing before the task they concern has run.
 
@@ -11,10 +12,10 @@ Invariants, after every step: never more than ``limit`` in flight (a lowered lim
 exceeded only by calls admitted before it, and only until they finish); counts never negative;
 no task ends any other way than holding a slot, ``Rejected`` or cancelled (no
 ``InvalidStateError``, no unhandled error in a callback); per-tenant caps hold; the queue is
-work-conserving (a caller still waiting means every slot is taken); the route's virtual time
-never goes back; and every hand-over serves a waiter that no other waiting waiter outranks by
-(effective class after aging, fair-queueing tag or age, arrival). At the end, once every call has
-ended, everything is back to zero.
+work-conserving (a caller still waiting means every slot is taken, and none waits on a removed
+block); the route's virtual time never goes back; and every hand-over serves a waiter that no
+other waiting waiter outranks by (effective class after aging, fair-queueing tag or age,
+arrival). At the end, once every call has ended, everything is back to zero.
 
 The ledger program reserves, settles and releases random claims across shared counters; the
 invariants: a reservation is admitted only if it fits every limit, spent + held never exceeds
@@ -40,7 +41,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from policies.concurrency import ConcurrencyLimiter
+from policies.concurrency import UNLIMITED, ConcurrencyLimiter
 from policies.reasons import Rejected
 from policies.state.ledger import Claim, MemoryLedger
 
@@ -79,6 +80,7 @@ class LimiterProgram(RuleBasedStateMachine):
         self.tasks: list[tuple[asyncio.Task[None], str]] = []
         self.released: set[int] = set()
         self.allowed = limit  # the most that may be in flight now (see raise_or_lower)
+        self.removed = False  # the block is removed (remove_block) and not added back
 
     def teardown(self) -> None:
         if not hasattr(self, "loop"):
@@ -134,6 +136,16 @@ class LimiterProgram(RuleBasedStateMachine):
     def run(self, turns: int) -> None:
         self._turns(turns)
 
+    @precondition(lambda self: self.limiter.waiters())  # else it seldom finds any queued
+    @rule()
+    def remove_block(self) -> None:
+        # A reload removed the block: every queued call is admitted now, and newcomers too,
+        # until ``reload`` adds it back over the calls still in flight (which must count).
+        self.limiter.retire()
+        assert not self.limiter.waiters()
+        self.allowed = UNLIMITED
+        self.removed = True
+
     @rule(limit=st.integers(1, 3), queue=st.integers(0, 4),
           per_tenant=st.none() | st.integers(1, 3), weights=WEIGHTS, aging=AGING)
     def reload(self, limit: int, queue: int, per_tenant: int | None,
@@ -142,6 +154,7 @@ class LimiterProgram(RuleBasedStateMachine):
                                  aging=aging)
         # A lowered limit drains: calls already in flight may finish above it.
         self.allowed = max(limit, self.limiter.inflight)
+        self.removed = False
 
     # -- invariants ---------------------------------------------------------------------------
 
@@ -164,6 +177,7 @@ class LimiterProgram(RuleBasedStateMachine):
         limiter = self.limiter
         alive = [w for w in limiter.waiters() if not w.future.done()]
         assert not alive or limiter.inflight >= limiter.limit, (len(alive), limiter.inflight)
+        assert not (alive and self.removed), "a call waits on a removed block"
         assert all(now >= self.vnow.get(cls, 0.0) for cls, now in limiter.vnow.items())
         self.vnow = dict(limiter.vnow)
 
@@ -241,6 +255,25 @@ class LimiterProgram(RuleBasedStateMachine):
 
 TestLimiterProgram = LimiterProgram.TestCase
 TestLimiterProgram.settings = EXAMPLES
+
+
+class RemovedBlockProgram(LimiterProgram):
+    """The program started with every slot busy and calls queued (six arrivals), so that
+    ``remove_block`` finds calls waiting far more often than random arrivals leave some, and
+    the ``reload`` after it adds the block back over the calls it admitted."""
+
+    @initialize(limit=st.integers(1, 3), queue=st.integers(1, 4),
+                per_tenant=st.none() | st.integers(1, 3), weights=WEIGHTS, aging=AGING)
+    def start(self, limit: int, queue: int, per_tenant: int | None,
+              weights: dict[str, float], aging: float | None) -> None:
+        LimiterProgram.start(self, limit, queue, per_tenant, weights, aging)
+        for tenant in TENANTS * 2:
+            self.arrive(tenant, 1, None, None)
+        self._turns(2)
+
+
+TestRemovedBlockProgram = RemovedBlockProgram.TestCase
+TestRemovedBlockProgram.settings = EXAMPLES
 
 
 class LedgerProgram(RuleBasedStateMachine):
