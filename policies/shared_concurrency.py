@@ -43,6 +43,13 @@ the answer arriving (a timeout, the caller's cancellation) is released in the ba
 once Redis answers again if it cannot be now; a memory lease taken instead gets another id, so
 that release cannot land on it once moved.
 
+A reload that removes the block retires the limiter
+(:meth:`~policies.concurrency.ConcurrencyLimiter.retire`): its waiters, and any call that
+reaches it later, are admitted at once with no lease (nothing is asked of Redis); calls holding
+leases give them back as they end, and the limit this replica recorded for the group lapses
+within one lease time. Added back while calls admitted without a lease still run, the block
+adds them to every acquire's count (``uncounted``) until they end.
+
 Cost: one round trip to take a lease, one to give it back, one per third of ``state.lease``
 for a call running longer.
 
