@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
@@ -18,7 +19,7 @@ from aiohttp import web
 from policies.budget import clock_from_env
 from policies.concurrency import ConcurrencyLimiter
 from policies.config import Config, FanoutConfig, RunConfig
-from policies.deadletter import DeadLetterQueue
+from policies.deadletter import DeadLetterQueue, letters_in
 from policies.mcp import RequestId
 from policies.operations import width_limiters
 from policies.pipeline import Call
@@ -152,6 +153,9 @@ class Runtime:
         # Created at startup from the restart-only dead_letter block; its file is opened only
         # when some route retries (see open() and DeadLetterQueue.add).
         self.dead_letters = DeadLetterQueue(config.dead_letter, self.state)
+        #: The event log's and the dead-letter store's files if :meth:`open` created them.
+        self._created_events: str | None = None
+        self._created_letters: str | None = None
         self.metrics.bind_dead_letters_dropped(lambda: self.dead_letters.dropped)
         #: Request body bytes held now (``server.max_buffered_bytes``; ``proxy.handler``).
         self.buffered_bytes = 0
@@ -454,10 +458,9 @@ class Runtime:
         wait for."""
         return sum(route.streams_total for route in (*self.routes, *self.removed))
 
-    async def open(self, dead_letters: bool = True) -> None:
-        """Open the upstream session, the event log and (with ``dead_letters``) the
-        dead-letter store; ``serve`` opens the store itself once it listens
-        (:meth:`open_dead_letters`).
+    async def open(self) -> None:
+        """Open the upstream session, the event log and the dead-letter store, noting the
+        files this creates (:meth:`remove_created_files`).
 
         Raises:
             OSError: the event log or the dead-letter file cannot be opened or created
@@ -473,27 +476,46 @@ class Runtime:
         await self.state.start()
         if self.runs.shared is not None:
             self.runs.shared.feed.start(self._cancel_heard)
+        self._note_new_files()
         try:
             await self.events.start()
         except OSError as exc:
             raise OSError(f"events.path {self.config.events.path}: {exc.strerror or exc}"
                           ) from exc
-        if dead_letters:
-            await self.open_dead_letters()
-
-    async def open_dead_letters(self) -> None:
-        """Open the dead-letter store (creating its file) if some route retries; else a
-        reload that adds a ``retry`` block opens it with the first letter.
-
-        Raises:
-            OSError: the dead-letter file cannot be opened or created (naming
-                ``dead_letter.path``).
-        """
+        # Opened before the listeners are bound, so a store that cannot be opened (locked by
+        # another process, unwritable) stops the start before any call is taken: opened
+        # after, a start served calls for SQLite's busy timeout and then cut them, their
+        # letters lost (a hostile review).
         if any(route.retries for route in self.routes):
             try:
                 await self.dead_letters.open()
             except sqlite3.Error as exc:
-                raise OSError(f"dead_letter.path {self.config.dead_letter.path}: {exc}") from exc
+                raise OSError(f"dead_letter.path {self.config.dead_letter.path}: {exc}"
+                              ) from exc
+
+    def _note_new_files(self) -> None:
+        """Note the event log's and the dead-letter store's files that :meth:`open` is about
+        to create (a stat each, once at startup)."""
+        events, letters = self.config.events.path, self.config.dead_letter.path
+        if events is not None and not os.path.exists(events):
+            self._created_events = events
+        if (self.state.redis is None and any(route.retries for route in self.routes)
+                and not os.path.exists(letters)):
+            self._created_letters = letters
+
+    def remove_created_files(self) -> None:
+        """After a start that failed (a port taken), remove the event log and dead-letter
+        files :meth:`open` created, if they hold nothing yet: a failed start left a new
+        ``./sluice-dlq.sqlite`` beside the user's config. Call it once :meth:`close` has
+        closed them. Never raises."""
+        events, letters = self._created_events, self._created_letters
+        if events is not None and os.path.isfile(events) and os.path.getsize(events) == 0:
+            with contextlib.suppress(OSError):
+                os.unlink(events)
+        if letters is not None and not letters_in(letters):
+            for path in (letters, f"{letters}-wal", f"{letters}-shm", f"{letters}-journal"):
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
 
     async def close(self) -> None:
         """Close the upstream session, the dead-letter store, and flush the event log."""

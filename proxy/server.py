@@ -223,11 +223,10 @@ async def serve(config: Config, config_path: str | None = None,
     runtime = Runtime(config)
     reloader = Reloader(runtime, config_path) if config_path else None
     try:
-        # The dead-letter store once both listeners are bound: a start that fails (a port
-        # taken) left a new ./sluice-dlq.sqlite beside the user's config.
-        await runtime.open(dead_letters=False)
+        await runtime.open()
     except BaseException:
         await runtime.close()  # what opened before the failure (the upstream session)
+        runtime.remove_created_files()
         raise
     proxy_runner = web.ServerRunner(build_proxy_server(runtime),
                                     shutdown_timeout=PROXY_SHUTDOWN_GRACE_S)
@@ -274,7 +273,6 @@ async def serve(config: Config, config_path: str | None = None,
         admin_host, admin_port = _split(config.server.admin_listen)
         await _listen(web.TCPSite(admin_runner, admin_host, admin_port, reuse_address=True),
                       "server.admin_listen", config.server.admin_listen)
-        await runtime.open_dead_letters()
         if config.state.backend == "redis":  # letters the move from memory left behind
             hint = await asyncio.to_thread(file_left_behind, config, config_path)
             if hint is not None:
@@ -295,6 +293,8 @@ async def serve(config: Config, config_path: str | None = None,
         await proxy_runner.cleanup()
         await admin_runner.cleanup()
         await runtime.close()
+        if not runtime.started:  # a listener could not be bound: leave no new file behind
+            runtime.remove_created_files()
         reporter.cancel()
         _log_held(repeats, final=True)
 

@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import os
 import socket
+import sqlite3
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from proxy.cli import main
-from tests.conftest import REPO
+from tests.conftest import REPO, free_port
 
 ROUTE = ("routes:\n"
          "  - name: openai\n"
@@ -255,8 +257,8 @@ def test_a_start_that_fails_leaves_no_dead_letter_file_behind(tmp_path: Path,
                                                               taken: str) -> None:
     """A ``serve`` that could not bind its port created ``./sluice-dlq.sqlite`` (the default
     ``dead_letter.path``, in the user's working directory) on its way out: an empty file,
-    and for a user of ``state.backend: redis`` one that ``sluice dlq`` then pointed at.
-    The file is opened once both listeners are bound."""
+    and for a user of ``state.backend: redis`` one that ``sluice dlq`` then pointed at. The
+    files a failed start created, holding nothing, are removed (the event log's too)."""
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
         held.listen()
@@ -268,6 +270,7 @@ def test_a_start_that_fails_leaves_no_dead_letter_file_behind(tmp_path: Path,
         config.write_text(
             f"server: {{listen: '{listen['server.listen']}', "
             f"admin_listen: '{listen['server.admin_listen']}'}}\n"
+            "events: {path: events.jsonl}\n"
             "routes:\n  - {name: r, path_prefix: /r/, upstream: 'http://127.0.0.1:9', "
             "retry: {attempts: 2}}\n")
         done = subprocess.run([sys.executable, "-m", "proxy", "serve", "--config", str(config)],
@@ -275,6 +278,39 @@ def test_a_start_that_fails_leaves_no_dead_letter_file_behind(tmp_path: Path,
                               capture_output=True, text=True, timeout=60)
     assert done.returncode == 1 and f"{taken} 127.0.0.1:{port}" in done.stderr, done.stderr
     assert sorted(path.name for path in tmp_path.iterdir()) == ["sluice.yaml"]
+
+
+def test_a_dead_letter_file_that_cannot_be_opened_stops_the_start_before_it_listens(
+        tmp_path: Path) -> None:
+    """Opened once the listeners were bound, a dead-letter file another process kept locked
+    let a start serve calls for SQLite's busy timeout (5 s), then cut them and exit 1, their
+    letters lost (a hostile review). It is opened before: the proxy port is never bound."""
+    letters = tmp_path / "dlq.sqlite"
+    locker = sqlite3.connect(letters, isolation_level=None)
+    locker.execute("CREATE TABLE t (x)")
+    locker.execute("BEGIN EXCLUSIVE")  # as an open sqlite3 shell's transaction would
+    locker.execute("INSERT INTO t VALUES (1)")
+    port = free_port()
+    config = tmp_path / "sluice.yaml"
+    config.write_text(
+        f"server: {{listen: '127.0.0.1:{port}', admin_listen: '127.0.0.1:0'}}\n"
+        f"dead_letter: {{path: '{letters}'}}\n"
+        "routes:\n  - {name: r, path_prefix: /r/, upstream: 'http://127.0.0.1:9', "
+        "retry: {attempts: 2}}\n")
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "proxy", "serve", "--config",
+                                 str(config)], cwd=REPO, stderr=subprocess.PIPE, text=True)
+        answered = 0
+        while proc.poll() is None:
+            with socket.socket() as probe:
+                answered += probe.connect_ex(("127.0.0.1", port)) == 0
+            time.sleep(0.05)
+        stderr = proc.stderr.read()
+        proc.stderr.close()
+    finally:
+        locker.close()
+    assert proc.returncode == 1 and "dead_letter.path" in stderr, stderr
+    assert answered == 0  # never listening, so no call was taken and then cut
 
 
 @pytest.mark.parametrize(("section", "key", "said"), [
