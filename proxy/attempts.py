@@ -645,8 +645,12 @@ async def _attempt(rt: Runtime, route: Route, call: Call, url: URL,
             elif (meter := call.meter) is not None and meter.cost.stream:
                 # An LLM stream may yet end in an error event (the upstream overloaded
                 # mid-answer): its breakers hear once it has ended. A 2xx is never retried.
-                tries.pending = _Waiting(tickets, False)
-                return status, hint, True
+                # Not a half-open probe's breaker: it is judged by the status line, or one
+                # slow stream held the whole route refused (a hostile review: 10 minutes).
+                waiting = [pair for pair in tickets if pair[1].ticket.probe is None]
+                if waiting:
+                    tries.pending = _Waiting(waiting, False)
+                    tickets = [pair for pair in tickets if pair[1].ticket.probe is not None]
         await _record_each(tickets, verdict, status, hint)
         return status, hint, True
     call.reached = reached_before or sent

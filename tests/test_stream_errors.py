@@ -11,6 +11,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import NamedTuple
 
+import aiohttp
 import anthropic
 import openai
 import pytest
@@ -72,6 +73,8 @@ class Failing(NamedTuple):
 async def _streams(request: web.Request) -> web.StreamResponse:
     """Every answer: HTTP 200, chunked SSE, the events ``x-shape`` names, then a clean end."""
     await request.read()
+    if status := request.headers.get("x-status"):  # a plain JSON answer of that status
+        return web.json_response({"type": "error"}, status=int(status))
     request.app[SEEN].append(request.headers["x-shape"])
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await response.prepare(request)
@@ -327,3 +330,30 @@ async def test_a_stream_the_upstream_cuts_is_a_failure_too(start_sluice, failing
         await _claude(sluice, "anthropic_begun")
     assert _refused_open(caught.value)
     assert failing.seen == ["anthropic_begun"] * 2
+
+
+async def test_a_half_open_probe_that_streams_is_judged_by_its_status_line(
+        start_sluice, failing) -> None:
+    """The probe's verdict waited for its stream's end: a probe streaming slowly (here, never
+    ending) held the breaker half-open, every other call refused ``circuit_open`` ("a probe
+    is in flight") for as long as ``timeouts.total`` (a hostile review). The probe is judged
+    by its status line, as before streams were: its 200 closes the breaker at once."""
+    sluice = await start_sluice({"routes": [route(
+        "anthropic", failing.url, protocol="anthropic",
+        circuit_breaker={"fail_max": 2, "reset_timeout": "300ms"})]})
+    url = sluice.url + "/anthropic/v1/messages"
+    body = {"model": "claude-x", "max_tokens": 10, "stream": True,
+            "messages": [{"role": "user", "content": "hi"}]}
+    async with aiohttp.ClientSession() as session:
+        for _ in range(2):  # two 500s open the breaker
+            async with session.post(url, json=body, headers={"x-status": "500"}) as r:
+                assert r.status == 500
+        async with session.post(url, json=body, headers={"x-status": "200"}) as r:
+            assert r.headers["X-Sluice-Reason"] == "circuit_open"
+        await asyncio.sleep(0.5)  # past reset_timeout: the next call is the probe
+        async with session.post(url, json=body, headers={
+                "x-shape": "anthropic_begun", "x-linger": "1"}) as probe:
+            assert probe.status == 200
+            await probe.content.readuntil(b"hello there")  # its stream is under way
+            async with session.post(url, json=body, headers={"x-status": "200"}) as r:
+                assert r.status == 200, r.headers.get("X-Sluice-Reason")
