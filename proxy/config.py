@@ -25,7 +25,8 @@ import json
 import os
 import re
 import stat
-from collections.abc import Iterator
+import typing
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -74,7 +75,10 @@ _YAML11_BOOL = re.compile(r"^(?:yes|Yes|YES|no|No|NO|on|On|ON|off|Off|OFF)$")
 _YAML11_OCTAL = re.compile(r"^[-+]?0[0-9]+$")
 #: Plain base-60 numbers (``1:30``): 90 to YAML 1.1 readers (its int and float types'
 #: sexagesimal forms, yaml.org/type/int.html and float.html), a string to YAML 1.2.
-_YAML11_SEXAGESIMAL = re.compile(r"^[-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+(?:\.[0-9_]*)?$")
+#: The int form starts with 1-9 (``0:30`` and ``00:30`` are strings to YAML 1.1 too); the
+#: float form needs its point (``0:30.5``).
+_YAML11_SEXAGESIMAL = re.compile(
+    r"^[-+]?(?:[1-9][0-9_]*(?::[0-5]?[0-9])+|[0-9][0-9_]*(?::[0-5]?[0-9])+\.[0-9_]*)$")
 
 
 def _ambiguous(node: yaml.ScalarNode) -> str | None:
@@ -339,13 +343,19 @@ def _block_at(loc: tuple[str | int, ...]) -> type[BaseModel] | None:
     :class:`Config` through lists, mappings and optional blocks; ``None`` where it cannot
     be told."""
     model: type[BaseModel] = Config
+    named = False  # the part is a mapping's own key (a tool's, an endpoint's, a model's name)
     for part in loc:
-        if isinstance(part, int) or part not in model.model_fields:
-            continue  # a list index, a mapping's own key (a tool's name), a validator's name
-        nested = _blocks_of(model.model_fields[part].annotation)
+        if named or isinstance(part, int) or part not in model.model_fields:
+            named = False
+            continue  # that, a list index, or a validator's name
+        annotation = model.model_fields[part].annotation
+        nested = _blocks_of(annotation)
         if not nested:
             return None
         model = nested[0]
+        # A tool named "retry" is no retry block: the key after a mapping field is a name.
+        named = any(typing.get_origin(arg) in (dict, Mapping)
+                    for arg in _type_args(annotation))
     return model
 
 

@@ -96,6 +96,13 @@ BAD_FILES = [
       "string to YAML 1.2: write the number, a duration with a unit (90s), or quote the "
       "string",
       "{f}:7: routes[0].concurrency: duplicate key"]),
+    # YAML 1.1's base-60 integers start with 1-9: 0:30 is a string to every reader.
+    ("0:30 is no base-60 number", "server:\n  drain_timeout: 0:30\n" + ROUTE,
+     [f"{{f}}:2: server.drain_timeout: '0:30' {NOT_A_DURATION}"]),
+    # A tool's name is no key of its block: a tool named retry got retry's keys suggested.
+    ("a tool named like a block", ROUTE + "    protocol: mcp\n    tools:\n"
+     "      retry: {deadlline: 1s}\n",
+     [f"{{f}}:7: routes[0].tools.retry.deadlline: unknown key {TYPO}"]),
     ("number where a string belongs", "identity:\n  default_tenant: 3.10\n" + ROUTE,
      ["{f}:2: identity.default_tenant: Input should be a valid string"]),
     ("string where a number belongs", ROUTE + "    concurrency: {limit: '8'}\n",
