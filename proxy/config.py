@@ -141,9 +141,22 @@ def yaml_problem(exc: yaml.MarkedYAMLError) -> tuple[int, str]:
             line, problem = began, f"{exc.context}: {problem} (line {found})"
         else:
             problem = f"{problem} ({exc.context} that starts on line {began})"
-    if problem.startswith("expected <block end>"):  # PyYAML's words for a misindented line
-        problem += "; check this line's indentation against the lines around it"
+    for said, hint in _YAML_HINTS:
+        if (exc.problem or "").startswith(said):
+            problem += f"; {hint}"
+            break
     return line, problem
+
+
+#: What PyYAML's words for the commonest slips in a config usually mean (a new user's trial
+#: and a hostile review), added to its message.
+_YAML_HINTS = (
+    ("expected <block end>", "check this line's indentation against the lines around it"),
+    ("mapping values are not allowed here",
+     "quote a value that holds ': ', or indent this line no deeper than its key"),
+    ("expected the node content",
+     "quote a value that starts with [ or { and is no list or mapping (e.g. '[::1]:8080')"),
+)
 
 
 class _TooDeep(Exception):

@@ -153,6 +153,12 @@ BAD_FILES = [
      ["{f}:5: (yaml): expected <block end>, but found '<block mapping start>' (while parsing "
       "a block collection that starts on line 2); check this line's indentation against "
       "the lines around it"]),
+    ("over-indented line", "server:\n  listen: 127.0.0.1:8080\n    drain_timeout: 5s\n" + ROUTE,
+     ["{f}:3: (yaml): mapping values are not allowed here; quote a value that holds ': ', or "
+      "indent this line no deeper than its key"]),
+    ("unquoted IPv6 address", "server:\n  listen: [::1]:8080\n" + ROUTE,
+     ["{f}:2: (yaml): expected the node content, but found ':'; quote a value that starts "
+      "with [ or {{ and is no list or mapping (e.g. '[::1]:8080')"]),
     ("tab indentation", "server:\n\tlisten: 127.0.0.1:8080\n" + ROUTE,
      ["{f}:2: (yaml): found character '\\t' that cannot start any token"]),
     # In the file's order (pydantic's own is its fields', which said line 3 before line 2).
