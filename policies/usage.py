@@ -481,12 +481,14 @@ def stream_error_side(event: object) -> str:
     ...}}``, a Chat Completions chunk ``{"error": {"type": ..., "code": ...}}``, the
     Responses API's ``{"type": "error", "code": ...}`` or ``{"type": "response.failed",
     "response": {"error": {"code": ...}}}``. In order: an HTTP status in ``code`` or
-    ``status`` (vLLM's) decides as that status would (5xx server, 429 quota, other 4xx
-    client); else a type or code naming a rate limit is a quota, one naming a server-side
-    fault (:data:`_SERVER_WORDS`) is the server's, and any other named one (
-    ``invalid_request_error``, ``context_length_exceeded``, ``invalid_prompt``...) the
-    client's; an event naming nothing is the server's (the upstream gave up, and did not
-    say the request was at fault).
+    ``status`` (vLLM's; an integer or its three digits as a string, ``"503"``) decides as
+    that status would (5xx server, 429 quota, other 4xx client); else a type or code naming
+    a rate limit or quota (``rate_limit_exceeded``, OpenAI's ``insufficient_quota``) is a
+    quota, one naming a server-side fault (:data:`_SERVER_WORDS`) is the server's, and any
+    other named one (``invalid_request_error``, ``context_length_exceeded``,
+    ``invalid_prompt``...) the client's; an event naming nothing (an ``error`` that is a
+    string, an event that is not an error object at all) is the server's (the upstream gave
+    up, and did not say the request was at fault).
     """
     error: object = event
     if isinstance(event, dict):
@@ -500,13 +502,15 @@ def stream_error_side(event: object) -> str:
     names = []
     for field in ("code", "status", "type"):
         value = error.get(field)
+        if type(value) is str and len(value) == 3 and value.isascii() and value.isdigit():
+            value = int(value)  # a status sent as a string decides as the integer does
         if type(value) is int and 400 <= value <= 599:
             return SERVER if value >= 500 else QUOTA if value == 429 else CLIENT
         if isinstance(value, str) and value and (field != "type" or value != "error"):
             names.append(value.lower().replace("_", ""))
     if not names:
         return SERVER
-    if any("ratelimit" in name for name in names):
+    if any("ratelimit" in name or "quota" in name for name in names):
         return QUOTA
     if any(word in name for name in names for word in _SERVER_WORDS):
         return SERVER

@@ -276,6 +276,13 @@ async def test_a_failed_stream_is_not_replayed_for_its_key(start_sluice, failing
     ({"type": "response.failed", "response": {"error": {"code": "invalid_prompt"}}},
      "client"),
     ({"type": "response.failed", "response": {"error": None}}, "server"),
+    ({"error": {"message": "x", "type": "insufficient_quota", "code": "insufficient_quota"}},
+     "quota"),
+    ({"error": {"message": "x", "type": None, "code": "503"}}, "server"),
+    ({"error": {"message": "x", "type": "invalid_request_error", "code": "429"}}, "quota"),
+    ({"error": {"type": "BadRequestError", "status": "400"}}, "client"),
+    ({"error": {"type": "x", "code": "５０３"}}, "client"),  # not ASCII digits: a name
+    ({"error": "upstream model crashed"}, "server"),
 ])
 def test_which_error_events_are_the_upstreams(event: dict, side: str) -> None:
     from policies.usage import stream_error_side
