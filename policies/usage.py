@@ -517,6 +517,22 @@ def stream_error_side(event: object) -> str:
     return CLIENT
 
 
+def _named_error(buf: bytes, start: int, end: int) -> bool:
+    """Whether the SSE event ``buf[start:end]`` has an ``event:`` line naming ``error`` (its
+    first such line, as sent: Anthropic's streams send one per event)."""
+    if buf.startswith(b"event:", start):
+        at = start + 6
+    else:
+        at = buf.find(b"\nevent:", start, end)
+        if at < 0:
+            return False
+        at += 7
+    if buf.startswith(b" ", at):
+        at += 1
+    line_end = buf.find(b"\n", at, end)
+    return buf[at:end if line_end < 0 else line_end].rstrip(b"\r") == b"error"
+
+
 _NONE, _JSON, _SSE = 0, 1, 2
 _FINAL_RESPONSE_EVENTS = frozenset({"response.completed", "response.incomplete",
                                     "response.failed"})
@@ -880,6 +896,8 @@ class Meter:
         if buf.find(b"{", first, first + 4) < 0:
             if buf.startswith(b" [DONE]", first) or buf.startswith(b"[DONE]", first):
                 self.done = True  # as the SDK reads it: data, less one leading space
+            elif self._kind is MESSAGES and _named_error(buf, start, end):
+                self._failed(None)  # the anthropic SDK raises on it, whatever its data
             return False  # [DONE], or not JSON
         at = buf.find(b'"usage"', first, end)
         if at >= 0 and buf.find(b"{", at + 7, at + 11) >= 0:
@@ -887,7 +905,7 @@ class Meter:
         if self._kind is MESSAGES:
             if buf.find(b"content_block_delta", start, start + 64) < 0:
                 if buf.find(b"error", start, start + 64) >= 0:
-                    self._error_event(buf[first:end])
+                    self._error_event(buf[first:end], _named_error(buf, start, end))
                 return False
         elif self._kind is RESPONSES:
             if buf.find(b".delta", start, start + 64) < 0:
@@ -903,27 +921,36 @@ class Meter:
             self.streamed_tokens += self._per_event
         return False
 
-    def _error_event(self, payload: bytes) -> bool:
+    def _error_event(self, payload: bytes, named: bool = False) -> bool:
         """Note an event reporting that the answer failed mid-stream (Anthropic's and the
         Responses API's ``"type": "error"``, the Responses API's ``response.failed``, a Chat
-        Completions chunk ``{"error": ...}``): the stream that follows it ends without usage,
-        as a cut one does. Returns whether it is one."""
+        Completions chunk whose ``error`` is anything but empty, as the openai SDK reads it:
+        ``{"error": {...}}``, ``{"error": "upstream model crashed"}``; any event named
+        ``error``, ``named``, as the anthropic SDK reads it, whatever its data): the stream
+        that follows it ends without usage, as a cut one does. Returns whether it is one."""
         try:
             obj = orjson.loads(payload)
         except orjson.JSONDecodeError:
-            return False
+            obj = None
         if not isinstance(obj, dict):
-            return False
+            if named:
+                self._failed(None)  # names no side: the server's
+            return named
         kind = obj.get("type")
         failed = kind == "error" or (
             kind == "response.failed" if self._kind is RESPONSES
-            else self._kind is not MESSAGES and isinstance(obj.get("error"), dict))
+            else self._kind is not MESSAGES and bool(obj.get("error")))
         if failed:
             self._failed(obj)
-        return failed
+        elif named:
+            # An event named error whose data is no error (a ping's): it says no side.
+            self._failed(obj if isinstance(obj.get("error"), dict) else None)
+        return failed or named
 
-    def _failed(self, event: dict) -> None:
-        """The stream reported an error in ``event`` (its parsed data)."""
+    def _failed(self, event: object) -> None:
+        """The stream reported an error in ``event`` (its parsed data, ``None`` when it
+        names no side)."""
+
         self.failed = True
         if self.stream_error is None:
             self.stream_error = stream_error_side(event)

@@ -23,7 +23,7 @@ from tests.sse import anthropic_failing, sse
 BREAKER = {"fail_max": 2, "reset_timeout": "60s"}
 
 
-def _chat(error: dict) -> list[bytes]:
+def _chat(error: dict | str) -> list[bytes]:
     return [
         sse({"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "gpt-x",
              "choices": [{"index": 0, "delta": {"content": "hello there"},
@@ -57,6 +57,11 @@ SHAPES = {
                            "code": "context_length_exceeded"}),
     "responses_server": _responses_failed("server_error"),
     "anthropic_begun": anthropic_failing("overloaded_error")[:3],  # no error event
+    "chat_error_string": _chat("upstream model crashed"),
+    "anthropic_error_text": anthropic_failing("overloaded_error")[:3]
+    + [b"event: error\ndata: overloaded\n\n"],
+    "anthropic_error_ping": anthropic_failing("overloaded_error")[:3]
+    + [sse({"type": "ping"}, "error")],
 }
 
 
@@ -182,6 +187,31 @@ async def test_openai_server_error_mid_stream_opens_the_breaker(start_sluice, fa
         await _gpt(sluice, shape)
     assert _refused_open(caught.value)
     assert len(failing.seen) == 2
+
+
+@pytest.mark.parametrize("shape", ["chat_error_string", "anthropic_error_text",
+                                   "anthropic_error_ping"])
+async def test_error_events_the_sdks_raise_on_are_the_servers(start_sluice, failing,
+                                                              shape) -> None:
+    """Events the official SDKs raise on though they hold no error object: a Chat
+    Completions chunk whose ``error`` is a string (the openai SDK raises on any ``error``
+    not empty), an Anthropic ``event: error`` whose data is text or a ``ping`` (the anthropic
+    SDK raises on any event named ``error``). Naming no side, they are the server's: two
+    open a ``fail_max: 2`` breaker, each ``upstream_error``. Before, each was a ``2xx``."""
+    protocol = "anthropic" if shape.startswith("anthropic") else "openai"
+    call = _claude if protocol == "anthropic" else _gpt
+    sluice = await start_sluice({"routes": [route(protocol, failing.url, protocol=protocol,
+                                                  circuit_breaker=BREAKER)]})
+    for _ in range(2):
+        with pytest.raises((openai.APIError, anthropic.APIError)) as caught:
+            await call(sluice, shape)
+        assert not _refused_open(caught.value)
+    done = await completed_events(sluice, 2)
+    assert [(e["outcome"], e["status"]) for e in done] == [("upstream_error", 200)] * 2
+    with pytest.raises((openai.APIError, anthropic.APIError)) as caught:
+        await call(sluice, shape)
+    assert _refused_open(caught.value)
+    assert failing.seen == [shape] * 2
 
 
 @pytest.mark.parametrize("client_side, server_side", [
@@ -318,6 +348,33 @@ def test_the_meter_reads_the_first_error_event_and_response_failed_with_usage() 
                       + anthropic_failing("invalid_request_error")[3:])
     assert meter.chunk(stream) == stream
     assert meter.stream_error == "server"
+
+
+@pytest.mark.parametrize("event, side", [
+    (b"event: error\ndata: overloaded\n\n", "server"),
+    (b"event: error\r\ndata: overloaded\r\n\r\n", "server"),  # a CRLF stream
+    (b"id: 7\nevent:error\ndata: {\"type\": \"ping\"}\n\n", "server"),
+    (b'event: error\ndata: {"error": {"type": "invalid_request_error"}}\n\n', "client"),
+    (b'event: error\ndata: {"error": {"type": "rate_limit_error"}}\n\n', "quota"),
+    (b'event: ping\ndata: {"type": "ping", "note": "error"}\n\n', None),
+    (b'event: errors\ndata: not json\n\n', None),
+])
+def test_the_meter_reads_any_anthropic_event_named_error(event: bytes, side: str | None) -> None:
+    """The anthropic SDK raises on every event named ``error``, whatever its data: the
+    meter fails the stream on each, with the side its error object names, else the
+    server's; an event named otherwise is read by its data."""
+    from multidict import CIMultiDict
+
+    from policies.usage import MESSAGES, Meter
+
+    stream = b"".join(anthropic_failing("overloaded_error")[:3])
+    if b"\r" in event:
+        stream = stream.replace(b"\n", b"\r\n")
+    meter = Meter(MESSAGES, anthropic=True, strip_usage=False)
+    meter.start(200, CIMultiDict({"Content-Type": "text/event-stream"}))
+    assert meter.chunk(stream + event) == stream + event
+    assert (meter.stream_error, meter.failed) == (side, side is not None)
+    assert meter.usage.input_tokens == 20
 
 
 async def test_a_stream_the_upstream_cuts_is_a_failure_too(start_sluice, failing) -> None:
