@@ -299,6 +299,13 @@ class Capture:
         if self.tracker is not None:
             self.tracker.feed(chunk)
 
+    def not_an_outcome(self) -> None:
+        """The answer turned out to be no outcome, as a 429 is none (a stream the upstream
+        ended with a rate-limit or quota error event after HTTP 200): nothing is kept for
+        the key, which is free for a retry once the limit has passed."""
+        self.storable = False
+        self.chunks = []
+
     def record(self, fingerprint: bytes) -> Record:
         """The record to store once the whole answer was relayed."""
         if self.size > self.limit:

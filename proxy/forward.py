@@ -25,7 +25,9 @@ answer rather than a clean end (aiohttp's ``ClientPayloadError`` on the other si
 
 The one hook for the idempotency store: an optional ``capture`` sees the status line, the
 headers and every body chunk as it is relayed, so a stored answer is exactly what the first
-caller received, without a second forwarding path.
+caller received, without a second forwarding path. A stream the upstream ends with a
+rate-limit error event is no outcome, as a 429 is none: the capture is told so
+(:meth:`~policies.idempotency.Capture.not_an_outcome`).
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ from policies.logs import PER_CALL
 from policies.mcp import AnswerTracker
 from policies.pipeline import Call
 from policies.reasons import Reason, Rejected
-from policies.usage import SERVER, Meter
+from policies.usage import QUOTA, SERVER, Meter
 from proxy.rejections import rejection_body
 
 HOP_BY_HOP = frozenset(
@@ -632,11 +634,17 @@ async def relay(
                     await out.write(tail)
                     if meter.done or meter.failed:
                         _sent(request, call)
-            if meter.stream_error == SERVER:
-                # The upstream gave up mid-answer, saying so in an error event (HTTP 200
-                # sent already): a failure of the upstream, as a 5xx is (proxy.attempts
-                # tells its breaker). The bytes went to the caller as they came.
-                outcome = "upstream_error"
+            if meter.stream_error is not None:
+                if meter.stream_error == SERVER:
+                    # The upstream gave up mid-answer, saying so in an error event (HTTP
+                    # 200 sent already): a failure of the upstream, as a 5xx is
+                    # (proxy.attempts tells its breaker). The bytes went to the caller as
+                    # they came.
+                    outcome = "upstream_error"
+                elif meter.stream_error == QUOTA and capture is not None:
+                    # A rate limit said in an event is no outcome, as a 429 is none: the
+                    # key's retry, once the limit has passed, reaches the upstream.
+                    capture.not_an_outcome()
         # An MCP call's stream that ended without the call's response (its session deleted
         # while the tool ran) ends with the call's error as its last event: passed on as it
         # came, the Python mcp 1.x client waited for ever (a hostile trial). Not one whose

@@ -57,6 +57,11 @@ SHAPES = {
                            "code": "context_length_exceeded"}),
     "responses_server": _responses_failed("server_error"),
     "anthropic_begun": anthropic_failing("overloaded_error")[:3],  # no error event
+    "chat_quota": _chat({"message": "Rate limit reached", "type": "requests", "param": None,
+                         "code": "rate_limit_exceeded"}),
+    "chat_insufficient": _chat({"message": "You exceeded your quota",
+                                "type": "insufficient_quota", "param": None,
+                                "code": "insufficient_quota"}),
     "chat_error_string": _chat("upstream model crashed"),
     "anthropic_error_text": anthropic_failing("overloaded_error")[:3]
     + [b"event: error\ndata: overloaded\n\n"],
@@ -286,6 +291,25 @@ async def test_a_failed_stream_is_not_replayed_for_its_key(start_sluice, failing
                 pass
         await client.close()
     assert failing.seen == ["chat_server", "chat_server", "chat_invalid"]
+
+
+@pytest.mark.parametrize("shape", ["chat_quota", "chat_insufficient"])
+@pytest.mark.parametrize("linger", [False, True], ids=["upstream_ends", "sdk_closes_first"])
+async def test_a_rate_limited_stream_is_not_replayed_for_its_key(start_sluice, failing, shape,
+                                                                 linger) -> None:
+    """A stream ended by a rate-limit or quota error event is kept for its key no more than
+    a 429 is: the retry with the same ``Idempotency-Key`` reaches the upstream again, whether
+    the upstream ended the stream after the event or the SDK closed it first. Before, the
+    first stream was stored as a 2xx answer and every retry got the rate limit replayed."""
+    sluice = await start_sluice({"routes": [route("openai", failing.url,
+                                                  idempotency={"mode": "dedup"})]})
+    headers = {"Idempotency-Key": f"k-{shape}", **({"x-linger": "1"} if linger else {})}
+    for _ in range(2):
+        with pytest.raises(openai.APIError):
+            await _gpt(sluice, shape, headers)
+    assert failing.seen == [shape] * 2
+    done = await completed_events(sluice, 2)
+    assert [(e["outcome"], e["status"]) for e in done] == [("2xx", 200)] * 2
 
 
 @pytest.mark.parametrize("event, side", [
