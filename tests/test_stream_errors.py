@@ -63,10 +63,10 @@ SHAPES = {
                                 "type": "insufficient_quota", "param": None,
                                 "code": "insufficient_quota"}),
     "chat_error_string": _chat("upstream model crashed"),
-    "anthropic_error_text": anthropic_failing("overloaded_error")[:3]
-    + [b"event: error\ndata: overloaded\n\n"],
-    "anthropic_error_ping": anthropic_failing("overloaded_error")[:3]
-    + [sse({"type": "ping"}, "error")],
+    "anthropic_error_text": [*anthropic_failing("overloaded_error")[:3],
+                             b"event: error\ndata: overloaded\n\n"],
+    "anthropic_error_ping": [*anthropic_failing("overloaded_error")[:3],
+                             sse({"type": "ping"}, "error")],
 }
 
 
@@ -335,7 +335,7 @@ async def test_a_rate_limited_stream_is_not_replayed_for_its_key(start_sluice, f
     ({"error": {"message": "x", "type": None, "code": "503"}}, "server"),
     ({"error": {"message": "x", "type": "invalid_request_error", "code": "429"}}, "quota"),
     ({"error": {"type": "BadRequestError", "status": "400"}}, "client"),
-    ({"error": {"type": "x", "code": "５０３"}}, "client"),  # not ASCII digits: a name
+    ({"error": {"type": "x", "code": "\uff15\uff10\uff13"}}, "client"),  # fullwidth "503": a name
     ({"error": "upstream model crashed"}, "server"),
 ])
 def test_which_error_events_are_the_upstreams(event: dict, side: str) -> None:
