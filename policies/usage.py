@@ -975,6 +975,8 @@ class Meter:
                     self._take(u)
             elif kind == "message_delta" and isinstance(u := obj.get("usage"), dict):
                 self.final = self._take(u) or self.final
+            elif kind == "error":  # one carrying usage is parsed here, not by _error_event
+                self._failed(obj)
         elif self._kind is RESPONSES:
             kind = obj.get("type")
             if isinstance(kind, str):
@@ -988,11 +990,15 @@ class Meter:
                         self.final = True
                     if kind == "response.failed":
                         self._failed(obj)
+                elif kind == "error":  # one carrying usage, as above
+                    self._failed(obj)
         else:
             choices = obj.get("choices")
             if has_usage and isinstance(u := obj.get("usage"), dict):
                 self.final = self._take(u) or self.final
                 strip = self._strip and choices == []
+                if obj.get("error"):  # an error chunk carrying usage: once a stream, here
+                    self._failed(obj)
             if choices:
                 field = "delta" if self._kind is CHAT else "text"
                 for choice in choices:

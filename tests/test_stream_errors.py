@@ -401,6 +401,35 @@ def test_the_meter_reads_any_anthropic_event_named_error(event: bytes, side: str
     assert meter.usage.input_tokens == 20
 
 
+@pytest.mark.parametrize("kind, event, side", [
+    ("chat", {"error": {"type": "server_error"},
+              "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}},
+     "server"),
+    ("chat", {"error": {"type": "requests", "code": "rate_limit_exceeded"},
+              "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}},
+     "quota"),
+    ("messages", {"type": "error", "error": {"type": "overloaded_error"},
+                  "usage": {"output_tokens": 3}}, "server"),
+    ("responses", {"type": "error", "code": "server_error",
+                   "usage": {"input_tokens": 1, "output_tokens": 1}}, "server"),
+], ids=["chat", "chat_quota", "messages", "responses"])
+def test_an_error_event_carrying_usage_fails_the_stream(kind: str, event: dict,
+                                                        side: str) -> None:
+    """An error event that also reports usage is parsed for the usage, and read as the
+    error event it is (the SDKs raise on it): before, it was taken for a usage event only
+    and the stream counted as a success."""
+    from multidict import CIMultiDict
+
+    from policies.usage import CHAT, MESSAGES, RESPONSES, Meter
+
+    endpoint = {"chat": CHAT, "messages": MESSAGES, "responses": RESPONSES}[kind]
+    meter = Meter(endpoint, anthropic=kind == "messages", strip_usage=True)
+    meter.start(200, CIMultiDict({"Content-Type": "text/event-stream"}))
+    data = sse(event, "error" if kind == "messages" else None)
+    assert meter.chunk(data) == data  # the SDK must see it: not stripped as a usage chunk
+    assert (meter.stream_error, meter.failed) == (side, True)
+
+
 async def test_a_stream_the_upstream_cuts_is_a_failure_too(start_sluice, failing) -> None:
     """A stream whose connection the upstream drops mid-answer (after HTTP 200 and some
     events, no error event) was completed ``upstream_error`` while its breaker heard a
