@@ -427,16 +427,24 @@ class DeadLetterFile:
         return ReplayClaim(CLAIMED)
 
     def add_replay(self, letter_id: int, status: int | None, error: str | None,
-                   duration_s: float, token: str | None = None) -> None:
-        """Record the result of replaying ``letter_id``, and end the hold of ``token``."""
+                   duration_s: float, token: str | None = None) -> bool:
+        """Record the result of replaying ``letter_id``, and end the hold of ``token``;
+        ``False``, recording nothing, if there is no such letter (deleted, purged or dropped
+        while the replay was sent), as the Redis store does."""
         with self._db:
             self._db.execute("BEGIN IMMEDIATE")
+            # Checked in the transaction: a delete between the check and the insert would
+            # leave a replay row no letter owns (and no delete or purge ever removes).
+            if self._db.execute("SELECT 1 FROM dead_letters WHERE id = ?",
+                                (letter_id,)).fetchone() is None:
+                return False
             self._db.execute(
                 "INSERT INTO replays (dead_letter_id, at, status, error, duration_s)"
                 " VALUES (?, ?, ?, ?, ?)", (letter_id, time.time(), status, error, duration_s),
             )
             self._db.execute("DELETE FROM replay_claims WHERE dead_letter_id = ? AND token = ?",
                              (letter_id, token))
+        return True
 
     def _replays(self, letter_id: int) -> list[dict[str, Any]]:
         return [

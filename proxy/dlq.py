@@ -248,8 +248,7 @@ class _FileStore:
 
     async def add_replay(self, letter_id: int, status: int | None, error: str | None,
                          duration_s: float, token: str | None = None) -> bool:
-        self._file.add_replay(letter_id, status, error, duration_s, token)
-        return True
+        return self._file.add_replay(letter_id, status, error, duration_s, token)
 
     async def delete(self, letter_id: int) -> bool:
         return self._file.delete(letter_id)
@@ -379,7 +378,7 @@ async def _replay(config: Config, store: DeadLetterStore | _FileStore, letter: D
               "result", file=sys.stderr)
         return EXIT_FAILED
     if claim.state != CLAIMED:
-        print(f"no dead letter {letter.id} (it was purged meanwhile)", file=sys.stderr)
+        print(f"no dead letter {letter.id} (it was deleted or purged meanwhile)", file=sys.stderr)
         return EXIT_FAILED
     # The letter's key too, as a request of the route holds it: a caller's retry with it
     # waits for this replay's answer, and this replay does not run beside one in flight.
@@ -526,8 +525,9 @@ async def _record(store: DeadLetterStore | _FileStore, letter: DeadLetter,
     is still printed: the send happened), never raised over the upstream's answer."""
     try:
         if not await store.add_replay(letter.id or 0, status, error, duration_s, token):
-            print(f"WARNING: dead letter {letter.id} was dropped or purged during this "
-                  f"replay, so its result is not stored", file=sys.stderr)
+            print(f"WARNING: dead letter {letter.id} was deleted or purged (or dropped for "
+                  f"dead_letter.max_records) during this replay, so its result is not "
+                  f"stored", file=sys.stderr)
     except (StateUnavailable, sqlite3.Error) as exc:
         cause = exc.cause if isinstance(exc, StateUnavailable) else exc
         print(f"WARNING: the result of this replay of dead letter {letter.id} was not stored "

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import re
 import signal
+import sqlite3
 import sys
 import time
 
@@ -136,6 +138,36 @@ async def test_delete_removes_one_letter_and_its_replays_and_leaves_the_others(
     # Once more: nothing to delete, said and exit status 1.
     code, out, err = await outcome(await cli("dlq", "delete", first, "--config", config))
     assert (code, out) == (1, "") and f"no dead letter {first} in " in err
+
+
+async def test_a_letter_deleted_while_it_is_replayed_keeps_no_replay(
+        upstream, start_sluice, state):
+    """``dlq delete`` while a replay of the letter is at the upstream: the replay's result
+    is stored nowhere, and the replay says so. With the SQLite file it was stored for the
+    deleted letter (a row no delete or purge removes) and nothing was said (a review); the
+    Redis store already refused it."""
+    sluice = await start_sluice({**state, "routes": [route(
+        "openai", upstream.url, retry={"attempts": 2, "backoff": FAST_BACKOFF})]})
+    letter = await dead_letter(sluice, upstream, "del-3")
+    config = str(sluice.config_path)
+    upstream.hold = asyncio.Event()
+    sent = len(upstream.requests)
+    replay = await cli("dlq", "replay", letter, "--config", config)
+    try:
+        await wait_until(lambda: len(upstream.requests) == sent + 1, timeout=30)
+        code, out, err = await outcome(await cli("dlq", "delete", letter, "--config", config))
+        assert code == 0 and out.startswith(f"deleted dead letter {letter} "), err
+    finally:
+        upstream.hold.set()
+    code, out, err = await outcome(replay)
+    assert code == 0 and "HTTP 200" in out, err  # the upstream's answer, still printed
+    assert (f"WARNING: dead letter {letter} was deleted or purged (or dropped for "
+            "dead_letter.max_records) during this replay, so its result is not stored") in err
+    code, _, err = await outcome(await cli("dlq", "show", letter, "--config", config))
+    assert code == 1 and f"no dead letter {letter}" in err
+    if "dead_letter" in state:
+        with contextlib.closing(sqlite3.connect(state["dead_letter"]["path"])) as db:
+            assert db.execute("SELECT COUNT(*) FROM replays").fetchone()[0] == 0
 
 
 @pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)],
