@@ -51,11 +51,12 @@ from __future__ import annotations
 import asyncio
 import base64
 import concurrent.futures
+import contextlib
 import logging
 import os
 import sqlite3
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 from urllib.parse import quote, unquote_plus
@@ -485,14 +486,50 @@ def letters_in(path: str, busy_timeout_s: float = 1.0) -> int | None:
     if not os.path.isfile(path):
         return None
     try:
-        # mode=rw, not ro: a read-only connection leaves the -wal and -shm files behind.
-        db = sqlite3.connect(f"file:{quote(path)}?mode=rw", uri=True, timeout=busy_timeout_s)
-        try:
+        with _reading(path, busy_timeout_s) as db:
             return int(db.execute("SELECT COUNT(*) FROM dead_letters").fetchone()[0])
-        finally:
-            db.close()
     except sqlite3.Error:
         return None
+
+
+class NotADeadLetterFile(Exception):
+    """The file is a SQLite database (an empty file reads as one) without the
+    ``dead_letters`` table: another application's, or none yet."""
+
+
+def check_dead_letter_file(path: str, busy_timeout_s: float = 5.0) -> None:
+    """Check that the existing file at ``path`` is a dead-letter file (it has the
+    ``dead_letters`` table) by reading it only, before :class:`DeadLetterFile` opens it:
+    that would add the tables to any SQLite database and switch it to WAL mode for good
+    (``sluice dlq list --file app.db``).
+
+    Raises:
+        NotADeadLetterFile: it is a SQLite database, or an empty file, without that table.
+        sqlite3.Error: there is no file there, or it is no SQLite database, or it stayed
+            locked longer than ``busy_timeout_s`` seconds.
+    """
+    with _reading(path, busy_timeout_s) as db:
+        found = db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table'"
+                           " AND name = 'dead_letters'").fetchone()
+    if found is None:
+        raise NotADeadLetterFile(f"{path} is no Sluice dead-letter file (a SQLite database "
+                                 "without a dead_letters table)")
+
+
+@contextlib.contextmanager
+def _reading(path: str, busy_timeout_s: float) -> Iterator[sqlite3.Connection]:
+    """A connection to the existing SQLite file at ``path`` that creates nothing when it
+    opens (no file, no table, no journal mode set), closed at the end of the block.
+
+    Raises:
+        sqlite3.Error: there is no file there (``unable to open database file``).
+    """
+    # mode=rw, not ro: a read-only connection leaves the -wal and -shm files behind.
+    db = sqlite3.connect(f"file:{quote(path)}?mode=rw", uri=True, timeout=busy_timeout_s)
+    try:
+        yield db
+    finally:
+        db.close()
 
 
 def _inode(path: str) -> tuple[int, int] | None:

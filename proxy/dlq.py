@@ -45,6 +45,8 @@ file is in WAL mode). Exit status 1 when Redis does not answer. ``--file PATH`` 
 dead-letter file at ``PATH`` instead, whatever the backend (the letters written with
 ``memory`` before a move to ``redis``, which ``list`` then names on stderr:
 :func:`file_left_behind`); a replay from it checks and holds no shared idempotency record.
+A file that is no dead-letter file (another application's SQLite database, an empty file)
+is refused, exit status 1, and left as it was: the commands never make one.
 """
 
 from __future__ import annotations
@@ -82,7 +84,9 @@ from policies.deadletter import (
     CLAIMED,
     DeadLetter,
     DeadLetterFile,
+    NotADeadLetterFile,
     ReplayClaim,
+    check_dead_letter_file,
     letters_in,
 )
 from policies.idempotency import (
@@ -146,6 +150,15 @@ def _run(config: Config, args: argparse.Namespace) -> int:
             print(f"purged 0 record(s) ({path} does not exist)")
             return 0
         print(f"no dead letter {args.id} ({path} does not exist)", file=sys.stderr)
+        return EXIT_FAILED
+    try:
+        # Read first, changing nothing: opening it creates the tables, in any database.
+        check_dead_letter_file(path)
+    except NotADeadLetterFile as exc:
+        print(f"{exc}: nothing was read or changed in it", file=sys.stderr)
+        return EXIT_FAILED
+    except sqlite3.Error as exc:  # not a database, or locked past the timeout
+        print(f"the dead letters in {path} are unavailable: {exc}", file=sys.stderr)
         return EXIT_FAILED
     try:
         file = DeadLetterFile(path)
