@@ -4,8 +4,8 @@
 and exits 0, or 2 after printing one ``FILE:LINE: KEY: PROBLEM`` line per problem;
 ``sluice timeline RUN_ID [--config PATH] [--events FILE ...]`` prints a run's admission timeline
 (exit 1 when the log has no event of that run).
-``sluice dlq list|show ID|replay ID|delete ID|purge [--config PATH]`` inspects, replays and
-deletes dead-lettered work (see ``proxy/dlq.py``).
+``sluice dlq list|show ID|replay ID|delete ID|purge [--config PATH] [--file PATH]`` inspects,
+replays and deletes dead-lettered work (see ``proxy/dlq.py``).
 ``sluice runs list|show RUN|cancel RUN [--config PATH] [--admin URL]`` lists, shows and
 cancels runs through the admin port (see ``proxy/runs_cli.py``).
 ``sluice demo [--quick]`` runs a retry storm on a local fake provider, direct and through
@@ -162,6 +162,10 @@ def _with_config(args: argparse.Namespace, run: Callable[[Config, argparse.Names
 def _dlq(args: argparse.Namespace) -> int:
     from proxy.dlq import run
 
+    if args.config is None:
+        if args.file is not None and args.dlq_command != "replay":
+            return run(None, args)  # the file is named, and only a replay needs the routes
+        args.config = DEFAULT_CONFIG
     return _with_config(args, run)
 
 
@@ -236,7 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
     timeline.set_defaults(func=_timeline)
     dlq = sub.add_parser("dlq", help="inspect and replay dead-lettered work")
     dlq_sub = dlq.add_subparsers(dest="dlq_command", required=True)
-    config_help = f"the config naming the dead-letter file (default: {DEFAULT_CONFIG})"
+    config_help = (f"the config naming the dead-letter store and the routes (default: "
+                   f"{DEFAULT_CONFIG}; with --file, read by replay only, unless given)")
     listing = dlq_sub.add_parser("list", help="summaries of the stored records")
     listing.add_argument("--limit", type=_whole(MAX_LIST_LIMIT), default=100, metavar="N",
                          help="list the newest N records (default 100)")
@@ -262,7 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
     delete.add_argument("id", type=_whole(MAX_LETTER_ID))
     dlq_sub.add_parser("purge", help="delete every record")
     for command in (listing, show, replay, delete, dlq_sub.choices["purge"]):
-        command.add_argument("--config", default=DEFAULT_CONFIG, help=config_help)
+        command.add_argument("--config", help=config_help)
         command.add_argument("--file", metavar="PATH",
                              help="read the dead-letter SQLite file at PATH instead, whatever "
                                   "state.backend says (letters written with memory before a "

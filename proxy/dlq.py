@@ -46,7 +46,9 @@ dead-letter file at ``PATH`` instead, whatever the backend (the letters written 
 ``memory`` before a move to ``redis``, which ``list`` then names on stderr:
 :func:`file_left_behind`); a replay from it checks and holds no shared idempotency record.
 A file that is no dead-letter file (another application's SQLite database, an empty file)
-is refused, exit status 1, and left as it was: the commands never make one.
+is refused, exit status 1, and left as it was: the commands never make one. With ``--file``,
+only ``replay`` (which needs the letter's route) reads a config when ``--config`` is not
+given; the others read none.
 """
 
 from __future__ import annotations
@@ -121,9 +123,11 @@ CLI_TIMEOUT_S = 5.0
 REPLAY_HOLD_MARGIN_S = 10.0
 
 
-def run(config: Config, args: argparse.Namespace) -> int:
+def run(config: Config | None, args: argparse.Namespace) -> int:
     """Run ``sluice dlq <command>``; returns the exit status (130 after Ctrl-C, 143 after
-    SIGTERM: a replay under way is then recorded as interrupted and its letter freed)."""
+    SIGTERM: a replay under way is then recorded as interrupted and its letter freed).
+    ``config`` may be ``None`` only with ``--file`` and a command other than ``replay``
+    (which needs the routes)."""
     try:
         return _run(config, args)
     except KeyboardInterrupt:
@@ -138,10 +142,14 @@ class _Terminated(Exception):
     """SIGTERM arrived (a supervisor, ``timeout``): the command was cancelled, cleanly."""
 
 
-def _run(config: Config, args: argparse.Namespace) -> int:
-    if config.state.backend == "redis" and args.file is None:
-        return asyncio.run(_terminable(_shared(config, args)))
-    path = config.dead_letter.path if args.file is None else args.file
+def _run(config: Config | None, args: argparse.Namespace) -> int:
+    if args.file is not None:
+        path = args.file
+    else:
+        assert config is not None  # sluice.cli loads it unless --file is given
+        if config.state.backend == "redis":
+            return asyncio.run(_terminable(_shared(config, args)))
+        path = config.dead_letter.path
     if not Path(path).exists():
         if args.dlq_command == "list":
             print(f"no dead letters ({path} does not exist)")
@@ -273,7 +281,7 @@ class _FileStore:
         return self._file.depth()
 
 
-async def _command(config: Config, store: DeadLetterStore | _FileStore, where: str,
+async def _command(config: Config | None, store: DeadLetterStore | _FileStore, where: str,
                    args: argparse.Namespace, records: IdempotencyRecords | None = None) -> int:
     if args.dlq_command == "list":
         await _list(store, args.limit)
@@ -295,6 +303,7 @@ async def _command(config: Config, store: DeadLetterStore | _FileStore, where: s
         sys.stdout.buffer.write(orjson.dumps(letter.as_dict(), option=orjson.OPT_INDENT_2))
         sys.stdout.write("\n")
         return 0
+    assert config is not None  # sluice.cli loads it for a replay
     return await _replay(config, store, letter, args, records)
 
 

@@ -1,10 +1,11 @@
 """``sluice dlq ... --file PATH``: it reads (and deletes from, and records replays in) a
-dead-letter file only, never making one of another file. The real CLI in subprocesses, on
-files in the test's own directory."""
+dead-letter file only, never making one of another file, and it needs a config for
+``replay`` only. The real CLI in subprocesses, on files in the test's own directory."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import sqlite3
 import sys
@@ -64,3 +65,29 @@ async def test_a_file_that_is_no_dead_letter_file_is_refused_and_left_as_it_was(
     if kind == "another-apps-database":
         with sqlite3.connect(foreign) as db:
             assert db.execute("PRAGMA journal_mode").fetchone() == ("delete",)
+
+
+async def test_with_file_only_replay_needs_a_config(tmp_path):
+    """``--file`` names the store, so ``list``, ``show``, ``delete`` and ``purge`` read no
+    config: they ended with exit 2 where no ``config/sluice.yaml`` was found. ``replay``
+    needs the letter's route, so it still reads one."""
+    _, letter = letter_file(tmp_path, f"http://127.0.0.1:{free_port()}")
+    letters = str(tmp_path / "dlq.sqlite")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()  # no config/sluice.yaml here
+    code, out, err = await cli_in(elsewhere, "dlq", "list", "--file", letters)
+    assert code == 0 and [line.split()[0] for line in out.splitlines()[1:]] == [letter], err
+    code, out, err = await cli_in(elsewhere, "dlq", "show", letter, "--file", letters)
+    assert code == 0 and json.loads(out)["route"] == "tools", err
+    code, out, err = await cli_in(elsewhere, "dlq", "replay", letter, "--file", letters)
+    assert code == 2 and "config/sluice.yaml" in err, (out, err)
+    code, out, err = await cli_in(elsewhere, "dlq", "delete", letter, "--file", letters)
+    assert (code, err) == (0, "") and out == f"deleted dead letter {letter} from {letters}\n"
+    code, out, err = await cli_in(elsewhere, "dlq", "purge", "--file", letters)
+    assert (code, err) == (0, "") and out == f"purged 0 record(s) from {letters}\n"
+    # A config given is still read, and a broken one said (as for every command).
+    broken = elsewhere / "broken.yaml"
+    broken.write_text("routes: [\n")
+    code, _, err = await cli_in(elsewhere, "dlq", "list", "--file", letters,
+                                "--config", str(broken))
+    assert code == 2 and "broken.yaml" in err, err
