@@ -394,7 +394,9 @@ async def _replay(config: Config, store: DeadLetterStore | _FileStore, letter: D
               f"{done['status']}); pass --again to send it once more", file=sys.stderr)
         return EXIT_FAILED
     if claim.state == BUSY:
-        show = f"sluice dlq show {letter.id} --config {shlex.quote(str(args.config))}"
+        store_named = (f"--file {shlex.quote(args.file)}" if args.file is not None
+                       else f"--config {shlex.quote(str(args.config))}")
+        show = f"sluice dlq show {letter.id} {store_named}"
         print(f"dead letter {letter.id} is being replayed by another command now (its hold "
               f"lapses in {claim.left_s:.0f}s if it never finishes); see `{show}` for its "
               "result", file=sys.stderr)

@@ -5,6 +5,7 @@ dead-letter file only, never making one of another file, and it needs a config f
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import sqlite3
@@ -13,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, free_port
-from tests.test_dlq_messages import letter_file
+from tests.conftest import REPO, free_port, wait_until
+from tests.test_dlq_messages import letter_file, stalled_upstream
 from tests.test_dlq_replay import outcome
 
 
@@ -91,3 +92,30 @@ async def test_with_file_only_replay_needs_a_config(tmp_path):
     code, _, err = await cli_in(elsewhere, "dlq", "list", "--file", letters,
                                 "--config", str(broken))
     assert code == 2 and "broken.yaml" in err, err
+
+
+def held(letters: str) -> bool:
+    """Whether a replay holds a letter of the file now."""
+    with contextlib.closing(sqlite3.connect(letters)) as db:
+        return db.execute("SELECT COUNT(*) FROM replay_claims").fetchone()[0] > 0
+
+
+async def test_a_replay_refused_as_busy_names_the_file_it_read(tmp_path):
+    """A replay refused because another holds the letter points at ``dlq show`` for the
+    other's result: with ``--file`` it named ``--config``, whose store is another one."""
+    async with stalled_upstream() as upstream:
+        config, letter = letter_file(tmp_path, upstream)
+        letters = str(tmp_path / "dlq.sqlite")
+        first = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "proxy", "dlq", "replay", letter, "--file", letters,
+            "--config", config, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)},
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        try:
+            await wait_until(lambda: held(letters), timeout=30, what="the first replay's hold")
+            code, _, err = await cli_in(tmp_path, "dlq", "replay", letter, "--file", letters,
+                                        "--config", config)
+        finally:
+            first.kill()
+            await first.wait()
+    assert code == 1 and "is being replayed by another command" in err, err
+    assert f"see `sluice dlq show {letter} --file {letters}` for its result" in err, err
