@@ -512,8 +512,8 @@ def check_dead_letter_file(path: str, busy_timeout_s: float = 5.0) -> None:
         found = db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table'"
                            " AND name = 'dead_letters'").fetchone()
     if found is None:
-        raise NotADeadLetterFile(f"{path} is no Sluice dead-letter file (a SQLite database "
-                                 "without a dead_letters table)")
+        raise NotADeadLetterFile(f"{path} is no Sluice dead-letter file (it holds no "
+                                 "dead_letters table)")
 
 
 @contextlib.contextmanager
