@@ -22,7 +22,7 @@ from policies.state import StateUnavailable
 from proxy import dlq
 from proxy.config import parse_config
 from tests import mcp_servers
-from tests.conftest import REPO, route, wait_until
+from tests.conftest import REPO, SluiceProcess, route, wait_until
 from tests.redis_servers import delete_prefix, new_prefix, require_redis
 
 mcp_stateless = mcp_servers.mcp_stateless
@@ -81,6 +81,21 @@ def state(request: pytest.FixtureRequest, tmp_path):
                          "timeout": "2s"}}
     finally:
         delete_prefix(url, prefix)
+
+
+async def held_replay(start_sluice, upstream, state: dict, key: str
+                      ) -> tuple[SluiceProcess, str, asyncio.subprocess.Process]:
+    """A Sluice on ``state`` whose route retries, one dead letter of it under ``key``, and
+    ``sluice dlq replay`` of it running, its send held at the upstream (``upstream.hold``,
+    set by the test): the Sluice, the letter's id and the replay's process."""
+    sluice = await start_sluice({**state, "routes": [route(
+        "openai", upstream.url, retry={"attempts": 2, "backoff": FAST_BACKOFF})]})
+    letter = await dead_letter(sluice, upstream, key)
+    upstream.hold = asyncio.Event()
+    sent = len(upstream.requests)
+    proc = await cli("dlq", "replay", letter, "--config", str(sluice.config_path))
+    await wait_until(lambda: len(upstream.requests) == sent + 1, timeout=30)
+    return sluice, letter, proc
 
 
 async def test_two_replays_started_at_once_send_the_letter_once(upstream, start_sluice, state):
@@ -146,15 +161,9 @@ async def test_a_letter_deleted_while_it_is_replayed_keeps_no_replay(
     is stored nowhere, and the replay says so. With the SQLite file it was stored for the
     deleted letter (a row no delete or purge removes) and nothing was said (a review); the
     Redis store already refused it."""
-    sluice = await start_sluice({**state, "routes": [route(
-        "openai", upstream.url, retry={"attempts": 2, "backoff": FAST_BACKOFF})]})
-    letter = await dead_letter(sluice, upstream, "del-3")
+    sluice, letter, replay = await held_replay(start_sluice, upstream, state, "del-3")
     config = str(sluice.config_path)
-    upstream.hold = asyncio.Event()
-    sent = len(upstream.requests)
-    replay = await cli("dlq", "replay", letter, "--config", config)
     try:
-        await wait_until(lambda: len(upstream.requests) == sent + 1, timeout=30)
         code, out, err = await outcome(await cli("dlq", "delete", letter, "--config", config))
         assert code == 0 and out.startswith(f"deleted dead letter {letter} "), err
     finally:
@@ -178,14 +187,8 @@ async def test_a_replay_stopped_mid_send_leaves_its_result_and_frees_the_letter(
     recorded as interrupted (it may have reached the upstream) and the letter is free for
     the next replay at once, with one line said, not a traceback. SIGTERM ended the process
     where it stood and held the letter for the route's whole timeout (a new user's trial)."""
-    sluice = await start_sluice({**state, "routes": [route(
-        "openai", upstream.url, retry={"attempts": 2, "backoff": FAST_BACKOFF})]})
-    letter = await dead_letter(sluice, upstream, "pay-43")
+    sluice, letter, proc = await held_replay(start_sluice, upstream, state, "pay-43")
     config = str(sluice.config_path)
-    upstream.hold = asyncio.Event()
-    sent_before = len(upstream.requests)
-    proc = await cli("dlq", "replay", letter, "--config", config)
-    await wait_until(lambda: len(upstream.requests) == sent_before + 1, timeout=30)
     proc.send_signal(sig)
     got, _, err = await outcome(proc)
     assert got == code and "Traceback" not in err, err

@@ -152,6 +152,22 @@ def _refused_open(error: BaseException) -> bool:
             and error.response.headers.get("X-Sluice-Reason") == "circuit_open")
 
 
+async def _two_open_the_breaker(sluice, call, shape: str,
+                                headers: dict[str, str] | None = None) -> None:
+    """Two streams of ``shape`` through ``call`` (:func:`_claude`, :func:`_gpt`), each raised
+    by the SDK on what the upstream sent and completed ``upstream_error`` with status 200,
+    open a ``fail_max: 2`` breaker: the third call is refused ``circuit_open``."""
+    for _ in range(2):
+        with pytest.raises((openai.APIError, anthropic.APIError)) as caught:
+            await call(sluice, shape, headers)
+        assert not _refused_open(caught.value)
+    done = await completed_events(sluice, 2)
+    assert [(e["outcome"], e["status"]) for e in done] == [("upstream_error", 200)] * 2
+    with pytest.raises((openai.APIError, anthropic.APIError)) as caught:
+        await call(sluice, shape)
+    assert _refused_open(caught.value)
+
+
 async def test_anthropic_overloaded_mid_stream_opens_the_breaker(start_sluice, failing) -> None:
     """Two streams that end in ``overloaded_error`` / ``api_error`` (after message_start and
     some text) open a ``fail_max: 2`` breaker: the third call is refused ``circuit_open`` and
@@ -207,15 +223,7 @@ async def test_error_events_the_sdks_raise_on_are_the_servers(start_sluice, fail
     call = _claude if protocol == "anthropic" else _gpt
     sluice = await start_sluice({"routes": [route(protocol, failing.url, protocol=protocol,
                                                   circuit_breaker=BREAKER)]})
-    for _ in range(2):
-        with pytest.raises((openai.APIError, anthropic.APIError)) as caught:
-            await call(sluice, shape)
-        assert not _refused_open(caught.value)
-    done = await completed_events(sluice, 2)
-    assert [(e["outcome"], e["status"]) for e in done] == [("upstream_error", 200)] * 2
-    with pytest.raises((openai.APIError, anthropic.APIError)) as caught:
-        await call(sluice, shape)
-    assert _refused_open(caught.value)
+    await _two_open_the_breaker(sluice, call, shape)
     assert failing.seen == [shape] * 2
 
 
@@ -259,15 +267,7 @@ async def test_the_sdk_closing_on_the_error_event_first_is_no_disconnect(
     call = _claude if protocol == "anthropic" else _gpt
     sluice = await start_sluice({"routes": [route(protocol, failing.url, protocol=protocol,
                                                   circuit_breaker=BREAKER)]})
-    for _ in range(2):
-        with pytest.raises((openai.APIError, anthropic.APIError)) as caught:
-            await call(sluice, shape, {"x-linger": "1"})
-        assert not _refused_open(caught.value)
-    done = await completed_events(sluice, 2)
-    assert [(e["outcome"], e["status"]) for e in done] == [("upstream_error", 200)] * 2
-    with pytest.raises((openai.APIError, anthropic.APIError)) as caught:
-        await call(sluice, shape)
-    assert _refused_open(caught.value)
+    await _two_open_the_breaker(sluice, call, shape, {"x-linger": "1"})
     assert len(failing.seen) == 2
 
 
@@ -437,15 +437,7 @@ async def test_a_stream_the_upstream_cuts_is_a_failure_too(start_sluice, failing
     streams now open a ``fail_max: 2`` breaker, as two error events do."""
     sluice = await start_sluice({"routes": [route(
         "anthropic", failing.url, protocol="anthropic", circuit_breaker=BREAKER)]})
-    for _ in range(2):
-        with pytest.raises(anthropic.APIError) as caught:
-            await _claude(sluice, "anthropic_begun", {"x-cut": "1"})
-        assert not _refused_open(caught.value)
-    done = await completed_events(sluice, 2)
-    assert [(e["outcome"], e["status"]) for e in done] == [("upstream_error", 200)] * 2
-    with pytest.raises(anthropic.APIStatusError) as caught:
-        await _claude(sluice, "anthropic_begun")
-    assert _refused_open(caught.value)
+    await _two_open_the_breaker(sluice, _claude, "anthropic_begun", {"x-cut": "1"})
     assert failing.seen == ["anthropic_begun"] * 2
 
 
