@@ -163,7 +163,7 @@ def _run(config: Config | None, args: argparse.Namespace) -> int:
         # Read first, changing nothing: opening it creates the tables, in any database.
         check_dead_letter_file(path)
     except NotADeadLetterFile as exc:
-        print(f"{exc}: nothing was read or changed in it", file=sys.stderr)
+        print(f"{exc}; refused, with nothing written to it", file=sys.stderr)
         return EXIT_FAILED
     except sqlite3.Error as exc:  # not a database, or locked past the timeout
         print(f"the dead letters in {path} are unavailable: {exc}", file=sys.stderr)

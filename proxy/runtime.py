@@ -495,12 +495,13 @@ class Runtime:
 
     def _note_new_files(self) -> None:
         """Note the event log's and the dead-letter store's files that :meth:`open` is about
-        to create (a stat each, once at startup)."""
+        to create (a stat each, once at startup). Not a path that is a symlink, even one to
+        nothing yet: it is the user's, and removing it was removing their link."""
         events, letters = self.config.events.path, self.config.dead_letter.path
-        if events is not None and not os.path.exists(events):
+        if events is not None and not os.path.lexists(events):
             self._created_events = events
         if (self.state.redis is None and any(route.retries for route in self.routes)
-                and not os.path.exists(letters)):
+                and not os.path.lexists(letters)):
             self._created_letters = letters
 
     def remove_created_files(self) -> None:

@@ -293,6 +293,29 @@ def test_a_start_that_fails_leaves_no_dead_letter_file_behind(tmp_path: Path,
     assert sorted(path.name for path in tmp_path.iterdir()) == ["sluice.yaml"]
 
 
+def test_a_failed_start_keeps_the_users_symlinks(tmp_path: Path) -> None:
+    """``events.path`` and ``dead_letter.path`` as symlinks to files not made yet: a start
+    that failed removed the links themselves, taking them for files it had created (a
+    hostile review). They are the user's: kept."""
+    (tmp_path / "events.jsonl").symlink_to(tmp_path / "target-events.jsonl")
+    (tmp_path / "dlq.sqlite").symlink_to(tmp_path / "target-dlq.sqlite")
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        config = tmp_path / "sluice.yaml"
+        config.write_text(
+            f"server: {{listen: '127.0.0.1:{port}', admin_listen: '127.0.0.1:0'}}\n"
+            "events: {path: events.jsonl}\ndead_letter: {path: dlq.sqlite}\n"
+            "routes:\n  - {name: r, path_prefix: /r/, upstream: 'http://127.0.0.1:9', "
+            "retry: {attempts: 2}}\n")
+        done = subprocess.run([sys.executable, "-m", "proxy", "serve", "--config", str(config)],
+                              cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)},
+                              capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1, done.stderr
+    assert (tmp_path / "events.jsonl").is_symlink() and (tmp_path / "dlq.sqlite").is_symlink()
+
+
 def test_a_dead_letter_file_that_cannot_be_opened_stops_the_start_before_it_listens(
         tmp_path: Path) -> None:
     """Opened once the listeners were bound, a dead-letter file another process kept locked

@@ -58,7 +58,7 @@ async def test_a_file_that_is_no_dead_letter_file_is_refused_and_left_as_it_was(
                                       "--config", config)
         assert (code, out) == (1, ""), (command, out, err)
         assert err == (f"{foreign} is no Sluice dead-letter file (it holds no dead_letters "
-                       "table): nothing was read or changed in it\n"), command
+                       "table); refused, with nothing written to it\n"), command
     assert foreign.read_bytes() == before
     assert foreign.stat().st_mtime_ns == 1_000_000_000
     assert sorted(p.name for p in tmp_path.iterdir()) == ["app.db", "dlq.sqlite",
