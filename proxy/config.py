@@ -151,7 +151,9 @@ def yaml_problem(exc: yaml.MarkedYAMLError) -> tuple[int, str]:
 #: What PyYAML's words for the commonest slips in a config usually mean (a new user's trial
 #: and a hostile review), added to its message.
 _YAML_HINTS = (
-    ("expected <block end>", "check this line's indentation against the lines around it"),
+    ("expected <block end>", "check this line's indentation against the lines around it, "
+     "and for a quote left open above it (closed by one further down)"),
+    ("found character '\\t' that cannot start any token", "indent with spaces, not tabs"),
     ("mapping values are not allowed here",
      "quote a value that holds ': ', or indent this line no deeper than its key"),
     ("expected the node content",

@@ -151,6 +151,9 @@ def _run(config: Config | None, args: argparse.Namespace) -> int:
             return asyncio.run(_terminable(_shared(config, args)))
         path = config.dead_letter.path
     if not Path(path).exists():
+        if args.file is not None:  # named on the command line: a typo must not pass as empty
+            print(f"--file {path}: no such file", file=sys.stderr)
+            return EXIT_FAILED
         if args.dlq_command == "list":
             print(f"no dead letters ({path} does not exist)")
             return 0
@@ -366,7 +369,6 @@ async def _replay(config: Config, store: DeadLetterStore | _FileStore, letter: D
     except ValueError as exc:
         print(exc, file=sys.stderr)
         return EXIT_FAILED
-    _warn_removed(letter, headers)
     block = _block(route, letter)
     keys = _keys(route, block)
     operation = route.operations()[1].get(block) if block is not None else None
@@ -422,6 +424,9 @@ async def _replay(config: Config, store: DeadLetterStore | _FileStore, letter: D
               f"twice; it was not sent: see that request's answer, or replay once it is over",
               file=sys.stderr)
         return EXIT_FAILED
+    # Said once it is sure to be sent: before a refusal (answered already, held by another
+    # replay), it warned of a send that never happened (a new user's trial).
+    _warn_removed(letter, headers)
     started = time.monotonic()
     status: int | None = None
     error: str | None = "interrupted"  # what is stored if the send never returns

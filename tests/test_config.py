@@ -152,7 +152,8 @@ BAD_FILES = [
     ("misindented line", ROUTE + "   protocol: openai\n",
      ["{f}:5: (yaml): expected <block end>, but found '<block mapping start>' (while parsing "
       "a block collection that starts on line 2); check this line's indentation against "
-      "the lines around it"]),
+      "the lines around it, and for a quote left open above it (closed by one further "
+      "down)"]),
     ("over-indented line", "server:\n  listen: 127.0.0.1:8080\n    drain_timeout: 5s\n" + ROUTE,
      ["{f}:3: (yaml): mapping values are not allowed here; quote a value that holds ': ', or "
       "indent this line no deeper than its key"]),
@@ -160,7 +161,8 @@ BAD_FILES = [
      ["{f}:2: (yaml): expected the node content, but found ':'; quote a value that starts "
       "with [ or {{ and is no list or mapping (e.g. '[::1]:8080')"]),
     ("tab indentation", "server:\n\tlisten: 127.0.0.1:8080\n" + ROUTE,
-     ["{f}:2: (yaml): found character '\\t' that cannot start any token"]),
+     ["{f}:2: (yaml): found character '\\t' that cannot start any token; indent with "
+      "spaces, not tabs"]),
     # In the file's order (pydantic's own is its fields', which said line 3 before line 2).
     ("several problems at once",
      "server:\n  drain_timeout: 5 sec\n  listen: nowhere\n" + ROUTE + "    concurency: 1\n",

@@ -435,6 +435,9 @@ async def test_a_dead_letter_keeps_no_credential_valued_query_field(upstream, st
                                            "--again"))
     assert code == 0, err
     assert "replayed without X-Echo, removed as credentials" in err, err
+    # Refused as answered already, it says nothing of a send that never happens.
+    code, _, err = await outcome(await cli("dlq", "replay", letter, "--config", config))
+    assert code == 1 and "already replayed" in err and "X-Echo" not in err, err
 
 
 async def test_a_callers_key_the_route_keeps_from_the_upstream_is_still_the_letters(
