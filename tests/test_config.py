@@ -267,6 +267,29 @@ def test_a_port_already_taken_is_one_clear_line_not_a_traceback(tmp_path: Path) 
     assert "Traceback" not in done.stderr
 
 
+def _serve_with_a_port_taken(tmp_path: Path, taken: str, more: str
+                             ) -> tuple[int, subprocess.CompletedProcess]:
+    """``sluice serve`` run in ``tmp_path`` on a config whose ``taken`` listener
+    (``server.listen`` or ``server.admin_listen``) is on a port another socket holds, with a
+    route that retries and the top-level blocks ``more`` (YAML): that port and the run."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        listen = {"server.listen": "127.0.0.1:0", "server.admin_listen": "127.0.0.1:0",
+                  taken: f"127.0.0.1:{port}"}
+        config = tmp_path / "sluice.yaml"
+        config.write_text(
+            f"server: {{listen: '{listen['server.listen']}', "
+            f"admin_listen: '{listen['server.admin_listen']}'}}\n{more}"
+            "routes:\n  - {name: r, path_prefix: /r/, upstream: 'http://127.0.0.1:9', "
+            "retry: {attempts: 2}}\n")
+        return port, subprocess.run(
+            [sys.executable, "-m", "proxy", "serve", "--config", str(config)], cwd=tmp_path,
+            env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+            timeout=60)
+
+
 @pytest.mark.parametrize("taken", ["server.listen", "server.admin_listen"])
 def test_a_start_that_fails_leaves_no_dead_letter_file_behind(tmp_path: Path,
                                                               taken: str) -> None:
@@ -274,23 +297,7 @@ def test_a_start_that_fails_leaves_no_dead_letter_file_behind(tmp_path: Path,
     ``dead_letter.path``, in the user's working directory) on its way out: an empty file,
     and for a user of ``state.backend: redis`` one that ``sluice dlq`` then pointed at. The
     files a failed start created, holding nothing, are removed (the event log's too)."""
-    with socket.socket() as held:
-        held.bind(("127.0.0.1", 0))
-        held.listen()
-        port = held.getsockname()[1]
-        listen = {"server.listen": f"127.0.0.1:{port}", "server.admin_listen": "127.0.0.1:0"}
-        if taken == "server.admin_listen":
-            listen = {"server.listen": "127.0.0.1:0", "server.admin_listen": f"127.0.0.1:{port}"}
-        config = tmp_path / "sluice.yaml"
-        config.write_text(
-            f"server: {{listen: '{listen['server.listen']}', "
-            f"admin_listen: '{listen['server.admin_listen']}'}}\n"
-            "events: {path: events.jsonl}\n"
-            "routes:\n  - {name: r, path_prefix: /r/, upstream: 'http://127.0.0.1:9', "
-            "retry: {attempts: 2}}\n")
-        done = subprocess.run([sys.executable, "-m", "proxy", "serve", "--config", str(config)],
-                              cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)},
-                              capture_output=True, text=True, timeout=60)
+    port, done = _serve_with_a_port_taken(tmp_path, taken, "events: {path: events.jsonl}\n")
     assert done.returncode == 1 and f"{taken} 127.0.0.1:{port}" in done.stderr, done.stderr
     assert sorted(path.name for path in tmp_path.iterdir()) == ["sluice.yaml"]
 
@@ -301,19 +308,9 @@ def test_a_failed_start_keeps_the_users_symlinks(tmp_path: Path) -> None:
     hostile review). They are the user's: kept."""
     (tmp_path / "events.jsonl").symlink_to(tmp_path / "target-events.jsonl")
     (tmp_path / "dlq.sqlite").symlink_to(tmp_path / "target-dlq.sqlite")
-    with socket.socket() as held:
-        held.bind(("127.0.0.1", 0))
-        held.listen()
-        port = held.getsockname()[1]
-        config = tmp_path / "sluice.yaml"
-        config.write_text(
-            f"server: {{listen: '127.0.0.1:{port}', admin_listen: '127.0.0.1:0'}}\n"
-            "events: {path: events.jsonl}\ndead_letter: {path: dlq.sqlite}\n"
-            "routes:\n  - {name: r, path_prefix: /r/, upstream: 'http://127.0.0.1:9', "
-            "retry: {attempts: 2}}\n")
-        done = subprocess.run([sys.executable, "-m", "proxy", "serve", "--config", str(config)],
-                              cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)},
-                              capture_output=True, text=True, timeout=60)
+    _, done = _serve_with_a_port_taken(tmp_path, "server.listen",
+                                       "events: {path: events.jsonl}\n"
+                                       "dead_letter: {path: dlq.sqlite}\n")
     assert done.returncode == 1, done.stderr
     assert (tmp_path / "events.jsonl").is_symlink() and (tmp_path / "dlq.sqlite").is_symlink()
 
