@@ -654,7 +654,9 @@ class RouteLoad(NamedTuple):
 _LOAD_GAUGES = (
     ("sluice_inflight_requests",
      "Requests admitted and not yet finished (on a route a reload removed: until they end)."),
-    ("sluice_queue_depth", "Requests waiting for a concurrency slot."),
+    ("sluice_queue_depth",
+     "Requests waiting for a concurrency slot: the route's, its endpoints', tools' and "
+     "models', or a run's fanout.width."),
     ("sluice_open_streams",
      "MCP GET streams open (a session's stream, or a resumed answer once its response is "
      "through): counted in sluice_inflight_requests, they hold no concurrency slot."),

@@ -351,13 +351,22 @@ class Route:
 
     @property
     def limiters(self) -> list[ConcurrencyLimiter]:
-        """The concurrency limiters calls of this route queue in: its own, and those of the
-        objects reloads replaced where they differ (a block removed, or removed and added
-        back: calls queued in the old one wait there)."""
+        """The limiters calls of this route queue in (``sluice_queue_depth``, read at a
+        scrape): its ``concurrency``, its endpoints', tools' and models', and each run's of
+        its ``fanout.width``; and those of the objects reloads replaced where they differ (a
+        block removed, or removed and added back: calls queued in the old one wait there).
+        The operations' and runs' were left out, and a route queueing at an endpoint's limit
+        showed 0 queued (a hostile review)."""
         found: dict[int, ConcurrencyLimiter] = {}
         for route in (self, *self.retired):
-            if route.concurrency is not None:
-                found.setdefault(id(route.concurrency), route.concurrency)
+            limiters = [route.concurrency]
+            if route.operations is not None:
+                limiters += [op.concurrency for op in route.operations.by_name.values()]
+            if route.fanout is not None:
+                limiters += [run.limiter for run in route.fanout.runs.values()]
+            for limiter in limiters:
+                if limiter is not None:
+                    found.setdefault(id(limiter), limiter)
         return list(found.values())
 
     def take_over(self, old: Route) -> None:

@@ -167,3 +167,25 @@ async def listed(sluice: SluiceProcess, names: list[str], timeout: float = 10.0)
     while (found := [r["name"] for r in (await routes_view(sluice))["routes"]]) != names:
         assert time.monotonic() < deadline, found
         await asyncio.sleep(0.05)
+
+
+async def test_calls_queued_at_an_endpoints_or_a_runs_limit_are_in_the_queue_depth(
+        upstream, start_sluice):
+    """``sluice_queue_depth`` counted the route's own limiter only: calls queued at an
+    endpoint's ``concurrency`` or a run's ``fanout.width`` showed 0 while ``/admin/routes``
+    said 3 queued (a hostile review)."""
+    sluice = await start_sluice({"routes": [route(
+        "h", upstream.url, "http",
+        endpoints={"POST /slow": {"concurrency": {"limit": 1, "queue": 5, "max_wait": "30s"}}},
+        fanout={"width": 1, "max_wait": "30s"})]})
+    upstream.hold = asyncio.Event()
+    async with aiohttp.ClientSession() as session:
+        calls = [asyncio.create_task(status_of(session, sluice.url + "/h/slow", None))
+                 for _ in range(3)]  # one at the upstream, two at the endpoint's limit
+        calls += [asyncio.create_task(status_of(session, sluice.url + "/h/other", None,
+                                                {"X-Run-ID": "run-1"})) for _ in range(2)]
+        await wait_until(lambda: upstream.inflight == 2, what="2 calls at the upstream")
+        await sluice.wait_metric("sluice_queue_depth", 3, route="h")
+        upstream.hold.set()
+        assert await asyncio.gather(*calls) == [200] * 5
+    await sluice.wait_metric("sluice_queue_depth", 0, route="h")
