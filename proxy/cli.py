@@ -166,6 +166,12 @@ def _dlq(args: argparse.Namespace) -> int:
         if args.file is not None and args.dlq_command != "replay":
             return run(None, args)  # the file is named, and only a replay needs the routes
         args.config = DEFAULT_CONFIG
+        if args.file is not None and not os.path.exists(DEFAULT_CONFIG):
+            # "config/sluice.yaml: cannot read" did not say why a replay of a file wants it
+            # (a new user's trial, round 36).
+            print(f"sluice dlq replay --file reads the letter's route from --config (default "
+                  f"{DEFAULT_CONFIG}, not found here): pass --config PATH", file=sys.stderr)
+            return EXIT_CONFIG_ERROR
     return _with_config(args, run)
 
 
