@@ -298,8 +298,11 @@ class Reloader:
             path = tuple(key.split("."))
             section = _get(running, path[:-1])
             if type(section).model_fields[path[-1]].repr:
+                value = _get(running, path)
+                # The restart-only floats are durations: "4s" as written, not "4.0".
+                shown = f"{value:g}s" if isinstance(value, float) else repr(value)
                 log.warning("config reload: %s changed but cannot change while running; "
-                            "still %r until a restart", key, _get(running, path))
+                            "still %s until a restart", key, shown)
             else:  # a value kept out of reprs (state.redis_url may hold a password)
                 log.warning("config reload: %s changed but cannot change while running; "
                             "the running one stays until a restart", key)

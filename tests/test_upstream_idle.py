@@ -14,6 +14,7 @@ from aiohttp import web
 
 from tests.conftest import route
 from tests.ports import free_ports
+from tests.test_reload import rewrite, until
 
 
 async def _upstream() -> tuple[web.AppRunner, int, list[int]]:
@@ -60,3 +61,15 @@ async def test_an_idle_upstream_connection_is_let_go_after_upstream_idle_timeout
             assert len(await two_calls(long, 1.0)) == 1
     finally:
         await runner.cleanup()
+
+
+async def test_a_reload_keeps_the_running_idle_timeout_and_says_it_as_written(
+        upstream, start_sluice):
+    """The pool is made at the start: a reload keeps its idle time, saying so in the unit a
+    config is written in (it said "still 4.0")."""
+    sluice = await start_sluice({"routes": [route("r", upstream.url, "http")]})
+    rewrite(sluice.config_path,
+            lambda data: data["server"].update(upstream_idle_timeout="10s"))
+    await sluice.wait_metric("sluice_config_reloads_total", 1)
+    await until(lambda: "config reload: server.upstream_idle_timeout changed but cannot "
+                "change while running; still 4s until a restart" in sluice.stderr())
