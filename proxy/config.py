@@ -399,9 +399,8 @@ def _all_keys(model: type[BaseModel]) -> set[str]:
     keys: set[str] = set()
     for name, field in model.model_fields.items():
         keys.add(name)
-        for arg in _type_args(field.annotation):
-            if isinstance(arg, type) and issubclass(arg, BaseModel):
-                keys |= _all_keys(arg)
+        for nested in _blocks_of(field.annotation):
+            keys |= _all_keys(nested)
     return keys
 
 

@@ -452,6 +452,23 @@ def send_failure(exc: aiohttp.ClientError) -> str:
     return f"the connection failed before it answered ({type(exc).__name__})"
 
 
+def judged_stream(meter: Meter | None, capture: Capture | None, label: str) -> str:
+    """The outcome of a stream whose last message reached the caller, ``label`` (its status
+    class) unless ``meter`` read an error event in it (:attr:`Meter.stream_error`): a
+    server-side one is ``upstream_error`` (HTTP 200 sent already: a failure of the upstream,
+    as a 5xx is; ``proxy.attempts`` tells its breaker), and a rate limit or quota leaves
+    nothing kept for the key in ``capture`` (no outcome, as a 429 is none: the key's retry,
+    once the limit has passed, reaches the upstream). The bytes went to the caller as they
+    came. One rule for the upstream ending the stream (:func:`relay`) and for the caller
+    closing it on the event first (``proxy.handler``)."""
+    error = None if meter is None else meter.stream_error
+    if error == SERVER:
+        return "upstream_error"
+    if error == QUOTA and capture is not None:
+        capture.not_an_outcome()
+    return label
+
+
 async def relay(
     request: web.BaseRequest,
     upstream: aiohttp.ClientResponse,
@@ -634,17 +651,8 @@ async def relay(
                     await out.write(tail)
                     if meter.done or meter.failed:
                         _sent(request, call)
-            if meter.stream_error is not None:
-                if meter.stream_error == SERVER:
-                    # The upstream gave up mid-answer, saying so in an error event (HTTP
-                    # 200 sent already): a failure of the upstream, as a 5xx is
-                    # (proxy.attempts tells its breaker). The bytes went to the caller as
-                    # they came.
-                    outcome = "upstream_error"
-                elif meter.stream_error == QUOTA and capture is not None:
-                    # A rate limit said in an event is no outcome, as a 429 is none: the
-                    # key's retry, once the limit has passed, reaches the upstream.
-                    capture.not_an_outcome()
+            if meter.stream_error is not None:  # a call, not an attribute test, only then
+                outcome = judged_stream(meter, capture, outcome)
         # An MCP call's stream that ended without the call's response (its session deleted
         # while the tool ran) ends with the call's error as its last event: passed on as it
         # came, the Python mcp 1.x client waited for ever (a hostile trial). Not one whose

@@ -64,7 +64,6 @@ from policies.pipeline import (
 )
 from policies.reasons import Reason, Rejected
 from policies.retry import is_client_retry
-from policies.usage import QUOTA, SERVER
 from proxy import attempts
 from proxy.edge import BODY_CUT
 from proxy.forward import (
@@ -76,6 +75,7 @@ from proxy.forward import (
     delivered,
     end_answer,
     end_mcp_answer,
+    judged_stream,
 )
 from proxy.identity import IdentityRejected, identify
 from proxy.metrics import MAX_OPERATION_LABEL_CHARS
@@ -838,18 +838,11 @@ def _delivered_outcome(call: Call, admitted_at: float) -> Outcome:
     """The outcome of a call whose answer's last message had gone to the caller
     (:func:`proxy.forward.delivered`) when something else ended its stream (its caller
     closing it, its run's cancel, a drain), or of an MCP session's GET stream its client
-    closed: the answer's status class, as if the upstream had ended the stream then; or
-    ``upstream_error`` when that last message was an error event naming a server-side fault
-    (the SDKs raise on it and close the stream: :attr:`policies.usage.Meter.stream_error`);
-    one naming a rate limit or quota leaves nothing kept for the call's key, as
-    :func:`proxy.forward.relay` does when the upstream ends the stream first."""
-    meter = call.meter
-    if meter is not None and meter.stream_error is not None:
-        if meter.stream_error == SERVER:
-            return _answer_outcome(call, call.status, "upstream_error", admitted_at)
-        if meter.stream_error == QUOTA and call.capture is not None:
-            call.capture.not_an_outcome()
-    return _answer_outcome(call, call.status, f"{call.status // 100}xx", admitted_at)
+    closed: the answer's status class, as if the upstream had ended the stream then, unless
+    that last message was an error event (the SDKs raise on it and close the stream:
+    :func:`proxy.forward.judged_stream`)."""
+    label = judged_stream(call.meter, call.capture, f"{call.status // 100}xx")
+    return _answer_outcome(call, call.status, label, admitted_at)
 
 
 def _log_failure(route: Route, call: Call, error: BaseException) -> None:

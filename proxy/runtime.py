@@ -476,7 +476,8 @@ class Runtime:
         await self.state.start()
         if self.runs.shared is not None:
             self.runs.shared.feed.start(self._cancel_heard)
-        self._note_new_files()
+        retrying = any(route.retries for route in self.routes)
+        self._note_new_files(retrying)
         try:
             await self.events.start()
         except OSError as exc:
@@ -486,22 +487,22 @@ class Runtime:
         # another process, unwritable) stops the start before any call is taken: opened
         # after, a start served calls for SQLite's busy timeout and then cut them, their
         # letters lost (a hostile review).
-        if any(route.retries for route in self.routes):
+        if retrying:  # else the first letter opens it (a reload adding a retry block)
             try:
                 await self.dead_letters.open()
             except sqlite3.Error as exc:
                 raise OSError(f"dead_letter.path {self.config.dead_letter.path}: {exc}"
                               ) from exc
 
-    def _note_new_files(self) -> None:
-        """Note the event log's and the dead-letter store's files that :meth:`open` is about
-        to create (a stat each, once at startup). Not a path that is a symlink, even one to
-        nothing yet: it is the user's, and removing it was removing their link."""
+    def _note_new_files(self, retrying: bool) -> None:
+        """Note the event log's and (``retrying``: some route retries, so :meth:`open`
+        opens the store) the dead-letter store's files that :meth:`open` is about to create
+        (a stat each, once at startup). Not a path that is a symlink, even one to nothing
+        yet: it is the user's, and removing it was removing their link."""
         events, letters = self.config.events.path, self.config.dead_letter.path
         if events is not None and not os.path.lexists(events):
             self._created_events = events
-        if (self.state.redis is None and any(route.retries for route in self.routes)
-                and not os.path.lexists(letters)):
+        if retrying and self.state.redis is None and not os.path.lexists(letters):
             self._created_letters = letters
 
     def remove_created_files(self) -> None:
