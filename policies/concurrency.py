@@ -345,10 +345,8 @@ class ConcurrencyLimiter:
             raise Rejected(
                 Reason.QUEUE_FULL,
                 self._drain_estimate(self.queued + 1),
-                f"{counted(self.limit, 'slot')} busy and {self.queue_capacity} queued"
-                if self.max_wait > 0 else
-                f"{counted(self.limit, 'slot')} busy and max_wait is 0s: no call waits for a "
-                "slot",
+                f"{self._busy()} and {self.queued} queued" if self.max_wait > 0 else
+                f"{self._busy()} and max_wait is 0s: no call waits for a slot",
                 ("concurrency", self.limit, 0, 0),
             )
         # Refused at once only when the caller's own timeout cannot cover the estimate: a wait
@@ -371,13 +369,13 @@ class ConcurrencyLimiter:
         if displaced is not None and displaced.future.done():
             self._drop(displaced, GONE)
         elif displaced is not None:
+            full = f"{self._busy()} and {self.queued} queued"
             self._drop(displaced, EXPIRED)
             displaced.future.set_exception(Rejected(
                 Reason.QUEUE_FULL,
                 self._drain_estimate(self.queued + 1),
-                f"{counted(self.limit, 'slot')} busy and {self.queue_capacity} queued; this "
-                "call's place went to one of a better class or of a tenant within its fair "
-                "share",
+                f"{full}; this call's place went to one of a better class or of a tenant "
+                "within its fair share",
                 ("concurrency", self.limit, 0, 0),
             ))
         loop = asyncio.get_running_loop()
@@ -480,6 +478,12 @@ class ConcurrencyLimiter:
         """What a caller's timeout must cover besides the queue, seconds: the mean service
         time for a deadline, the mean time to the upstream's first byte for a read timeout."""
         return self.mean_first_byte_s if reads else self.mean_service_s
+
+    def _busy(self) -> str:
+        """The slots a refusal names as busy: above a lowered limit, the calls still in
+        flight too (a reload's "limit 1" while 4 drain is not "1 slot busy")."""
+        busy = f"{counted(self.limit, 'slot')} busy"
+        return busy if self.inflight <= self.limit else f"{busy} ({self.inflight} in flight)"
 
     @property
     def queue_full(self) -> bool:

@@ -68,6 +68,23 @@ async def test_a_refusal_at_a_limit_of_one_says_one_slot():
     waiting.cancel()
 
 
+async def test_a_refusal_after_a_reload_lowered_the_limits_names_what_is_there():
+    """After a reload lowered ``limit: 4, queue: 4`` to 1 and 1 with every slot and place
+    taken, a refusal said "1 slot busy and 1 queued" while 4 ran and 4 waited."""
+    limiter = limiter_with(limit=4, queue=4)
+    for _ in range(4):
+        await limiter.acquire("t")
+    waiting = [await queued(limiter) for _ in range(4)]
+    limiter.reconfigure(1, 1, 30.0, None)
+    with pytest.raises(Rejected) as full:
+        await limiter.acquire("t")
+    assert full.value.detail == "1 slot busy (4 in flight) and 4 queued"
+    for task in waiting:
+        task.cancel()
+    await asyncio.gather(*waiting, return_exceptions=True)
+    assert limiter.queued == 0
+
+
 async def test_service_time_average_drives_retry_after():
     limiter = limiter_with(queue=0, max_wait=5.0)
     await limiter.acquire("t")
