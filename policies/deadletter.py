@@ -504,13 +504,20 @@ def check_dead_letter_file(path: str, busy_timeout_s: float = 5.0) -> None:
     (``sluice dlq list --file app.db``).
 
     Raises:
-        NotADeadLetterFile: it is a SQLite database, or an empty file, without that table.
-        sqlite3.Error: there is no file there, or it is no SQLite database, or it stayed
-            locked longer than ``busy_timeout_s`` seconds.
+        NotADeadLetterFile: it is no SQLite database, or one (or an empty file) without
+            that table.
+        sqlite3.Error: there is no file there, or it stayed locked longer than
+            ``busy_timeout_s`` seconds.
     """
-    with _reading(path, busy_timeout_s) as db:
-        found = db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table'"
-                           " AND name = 'dead_letters'").fetchone()
+    try:
+        with _reading(path, busy_timeout_s) as db:
+            found = db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table'"
+                               " AND name = 'dead_letters'").fetchone()
+    except sqlite3.DatabaseError as exc:
+        if getattr(exc, "sqlite_errorname", None) != "SQLITE_NOTADB":
+            raise
+        raise NotADeadLetterFile(f"{path} is no Sluice dead-letter file (it is no SQLite "
+                                 "database)") from None
     if found is None:
         raise NotADeadLetterFile(f"{path} is no Sluice dead-letter file (it holds no "
                                  "dead_letters table)")

@@ -90,7 +90,9 @@ def test_a_dead_letter_file_that_is_not_a_database_is_said_without_a_traceback(
     path.write_bytes(bytes(range(256)) * 16)
     assert main(["dlq", *command, "--config", str(dead_letters)]) == 1
     err = capsys.readouterr().err
-    assert err == f"the dead letters in {path} are unavailable: file is not a database\n"
+    assert err == (f"{path} is no Sluice dead-letter file (it is no SQLite database); "
+                   "refused, with nothing written to it\n")
+    assert path.read_bytes() == bytes(range(256)) * 16
 
 
 def test_dlq_list_columns_line_up_whatever_a_cell_holds(tmp_path, capsys):

@@ -39,7 +39,7 @@ def another_apps_database(path: Path) -> None:
         db.close()
 
 
-@pytest.mark.parametrize("kind", ["another-apps-database", "empty-file"])
+@pytest.mark.parametrize("kind", ["another-apps-database", "empty-file", "no-database"])
 async def test_a_file_that_is_no_dead_letter_file_is_refused_and_left_as_it_was(
         tmp_path, kind):
     """``--file`` on another application's SQLite database added the dead-letter tables to
@@ -48,6 +48,8 @@ async def test_a_file_that_is_no_dead_letter_file_is_refused_and_left_as_it_was(
     foreign = tmp_path / "app.db"
     if kind == "empty-file":
         foreign.touch()
+    elif kind == "no-database":  # it printed SQLite's own "file is not a database"
+        foreign.write_text("notes, not a database\n" * 200)
     else:
         another_apps_database(foreign)
     before = foreign.read_bytes()
@@ -57,8 +59,10 @@ async def test_a_file_that_is_no_dead_letter_file_is_refused_and_left_as_it_was(
         code, out, err = await cli_in(tmp_path, "dlq", *command, "--file", str(foreign),
                                       "--config", config)
         assert (code, out) == (1, ""), (command, out, err)
-        assert err == (f"{foreign} is no Sluice dead-letter file (it holds no dead_letters "
-                       "table); refused, with nothing written to it\n"), command
+        why = ("it is no SQLite database" if kind == "no-database"
+               else "it holds no dead_letters table")
+        assert err == (f"{foreign} is no Sluice dead-letter file ({why}); refused, with "
+                       "nothing written to it\n"), command
     assert foreign.read_bytes() == before
     assert foreign.stat().st_mtime_ns == 1_000_000_000
     assert sorted(p.name for p in tmp_path.iterdir()) == ["app.db", "dlq.sqlite",
