@@ -45,6 +45,26 @@ STARTUP_TIMEOUT_S = 20.0
 STOP_GRACE_S = 3.0
 
 
+class _FailuresAsTheyCome:
+    """Names a failure the moment it is known, not only in the summary at the end: a run
+    that CI or a user's ``timeout`` kills on a busy machine said only "F" (a new user's
+    trial)."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        reporter = self.config.pluginmanager.get_plugin("terminalreporter")
+        if report.failed and reporter is not None:
+            # On a line of its own: the progress dots leave the cursor mid-line.
+            reporter.write(f"\nFAILED {report.nodeid} ({report.when})\n", red=True)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not hasattr(config, "workerinput"):  # the controller: xdist's workers print nothing
+        config.pluginmanager.register(_FailuresAsTheyCome(config), "failures-as-they-come")
+
+
 def coverage_env() -> dict[str, str]:
     """The environment that makes a Sluice child measure itself, if this run is measured."""
     import coverage
