@@ -70,8 +70,9 @@ from aiohttp import web
 
 Mode = Literal["stateless", "session"]
 
-#: Seconds to wait for the child to report its port.
-STARTUP_TIMEOUT_S = 20.0
+#: Seconds to wait for the child to report its port (one that exits is seen at once; 20
+#: was too short at load 11, where importing the SDK alone took 16 s).
+STARTUP_TIMEOUT_S = 60.0
 
 #: The path the server answers MCP on.
 MCP_PATH = "/mcp"
