@@ -105,6 +105,7 @@ from policies.state.breaker import (
     NEUTRAL,
     OPEN,
     OPENED,
+    PROBE_FAILED,
     STATE_NAMES,
     SUCCESS,
     BreakerParams,
@@ -170,10 +171,14 @@ def classify(status: int, headers: Mapping[str, str]) -> int:
 
 class Pass(NamedTuple):
     """Permission for one attempt (from :meth:`Breaker.attempt`): the breaker state it was
-    admitted from (shared, or this replica's during an outage) and its ticket there."""
+    admitted from (shared, or this replica's during an outage) and its ticket there; or,
+    ``after`` set, what :meth:`Breaker.record` returns for a half-open probe's success, to
+    report the same answer's failure found later with (its ticket then names the epoch that
+    success left the breaker in)."""
 
     states: BreakerStates
     ticket: Ticket
+    after: bool = False
 
 
 class Breaker:
@@ -181,7 +186,9 @@ class Breaker:
 
     Per attempt: ``ticket = await attempt()`` (raises ``Rejected``), then exactly one of
     ``await record(ticket, outcome, status, retry_after)`` or ``release(ticket)`` (neutral
-    outcome, e.g. the caller went away; never awaits). ``check()`` is the same test as
+    outcome, e.g. the caller went away; never awaits); a half-open probe's success may be
+    followed by one more ``record`` of the pass it returned, once its answer (a stream) has
+    been read. ``check()`` is the same test as
     ``attempt()`` from the cached view, taking nothing, for refusing a call before it queues
     (the pipeline step :meth:`admit`).
 
@@ -434,16 +441,35 @@ class Breaker:
     # -- outcomes -----------------------------------------------------------------------------
 
     async def record(self, ticket: Pass, outcome: int, status: int | None = None,
-                     retry_after: float | None = None) -> None:
+                     retry_after: float | None = None) -> Pass | None:
         """Feed the outcome of an attempt admitted with ``ticket``; never raises for an
         unavailable state backend (the outcome is then dropped). It completes even if the
         caller is cancelled meanwhile.
+
+        **A probe whose answer fails after its success was recorded** (an LLM stream judged
+        by its status line, so that one slow stream does not hold the route refused while it
+        lasts): its success returns a pass, ``after`` set, naming the epoch that success left
+        the breaker in (the next one when it closed the breaker, else the probe's own). That
+        pass recorded with FAILURE (the stream failed: a server-side error event, or cut)
+        opens the breaker at once for ``reset_timeout`` (cause ``probe_failed``), as a failed
+        probe does, provided the breaker is still in that epoch: closed by that success,
+        whatever other calls did since short of opening it, or still half-open, the success
+        counted towards ``success_threshold``. If it has moved on (opened since by anyone,
+        and maybe closed again by another probe; or closed by another probe's success) it
+        changes nothing, as an outcome of an older state never does
+        (:data:`policies.state.breaker.PROBE_FAILED`). Recorded with SUCCESS or NEUTRAL it
+        changes nothing and costs nothing. (A success the state backend did not take at
+        once returns no pass: whether it closed the breaker is not known.)
 
         Args:
             outcome: SUCCESS, FAILURE or NEUTRAL (see :func:`classify`).
             status: the upstream's status, if it answered.
             retry_after: the upstream's Retry-After in seconds, if it sent one; on a 429 or
                 503 it may extend an open breaker's wait.
+
+        Returns:
+            For a half-open probe's success, the pass to record the same answer's later
+            failure with; else ``None``.
         """
         states = ticket.states
         if retry_after is None or status not in (429, 503):  # no hint for an open breaker
@@ -452,14 +478,18 @@ class Breaker:
                 # (memory), or on its way with the next script or flush (Redis).
                 if states.batched:
                     self._flush_soon(states)
-                return
+                return None
             hint = None
         else:
             hint = min(retry_after, MAX_OPEN_HINT_S)
-        if ticket.ticket.probe is not None:
+        if ticket.ticket.probe is not None:  # (a probe's pass never defers, nor its after)
+            if ticket.after:  # a probe's answer, after its success: only a failure tells
+                if outcome != FAILURE:
+                    return None
+                outcome = PROBE_FAILED
             self._let_go(ticket.ticket)  # the probe is over: its outcome frees the lease
         if outcome == NEUTRAL and ticket.ticket.probe is None and not hint:
-            return  # nothing to count, no lease to free: no round trip
+            return None  # nothing to count, no lease to free: no round trip
         try:
             verdict = await self._shielded(
                 states.record(self.route, ticket.ticket, outcome, self._params, hint))
@@ -472,14 +502,23 @@ class Breaker:
                 log.warning("route %s: a probe's outcome waits for the state backend: %s",
                             self.route, exc.cause, extra=PER_CALL)
                 self._background.spawn(self._resend(states, ticket.ticket, outcome, hint))
-                return
+                return None
             log.warning("route %s: a circuit-breaker outcome was dropped: %s", self.route,
                         exc.cause, extra=PER_CALL)
-            return
+            return None
         # A transition happened in the ticket's epoch, so the new one is known; otherwise the
         # ticket may be stale, and the epoch is left to the next admit to learn.
         self._heard(states, verdict,
                     ticket.ticket.epoch + 1 if verdict.transition is not None else None)
+        if outcome == SUCCESS and ticket.ticket.probe is not None:
+            # The epoch it left the breaker in: the next one if it closed it; else the
+            # probe's own (half-open still, under success_threshold; or left already, the
+            # success stale, and then the pass can change nothing).
+            epoch = ticket.ticket.epoch
+            if verdict.transition == CLOSED_AGAIN:
+                epoch += 1
+            return Pass(states, Ticket(epoch, ticket.ticket.probe), True)
+        return None
 
     def _heard(self, states: BreakerStates, verdict: Verdict, epoch: int | None) -> None:
         """Take in what recording an outcome answered (``epoch``: the new one, if known)."""

@@ -132,7 +132,8 @@ class _Waiting:
     (:attr:`_Tries.pending`): an MCP tool's breaker, one ticket, judged by the call's result
     (a tool failure or not, :func:`_verdict`); or, for an LLM stream, every breaker of the
     attempt, judged by the error event the stream may end with
-    (:func:`policies.breaker.classify_stream`)."""
+    (:func:`policies.breaker.classify_stream`), the one it is the half-open probe of
+    included, through the pass its status line's success returned (:func:`_record_probes`)."""
 
     __slots__ = ("tickets", "tool")
 
@@ -164,6 +165,8 @@ async def forward(request: web.BaseRequest, rt: Runtime, route: Route, call: Cal
     ``"stream": true``) that is answered 2xx tells its breakers only once its stream has
     ended: a server-side error event in place of the rest of the answer is a failure
     (:func:`policies.breaker.classify_stream`), and the call's outcome ``upstream_error``.
+    A breaker it is the half-open probe of hears its status line at once, then only its
+    stream's failure, which opens it again (:meth:`policies.breaker.Breaker.record`).
 
     Returns:
         ``(response, outcome)``: ``outcome`` is a ``sluice_requests_total`` label; whether
@@ -646,11 +649,14 @@ async def _attempt(rt: Runtime, route: Route, call: Call, url: URL,
                 # An LLM stream may yet end in an error event (the upstream overloaded
                 # mid-answer): its breakers hear once it has ended. A 2xx is never retried.
                 # Not a half-open probe's breaker: it is judged by the status line, or one
-                # slow stream held the whole route refused (a hostile review: 10 minutes).
+                # slow stream held the whole route refused (a hostile review: 10 minutes);
+                # it hears the stream's failure too (_record_probes).
                 waiting = [pair for pair in tickets if pair[1].ticket.probe is None]
                 if waiting:
                     tries.pending = _Waiting(waiting, False)
                     tickets = [pair for pair in tickets if pair[1].ticket.probe is not None]
+                await _record_probes(tries, tickets, status)
+                return status, hint, True
         await _record_each(tickets, verdict, status, hint)
         return status, hint, True
     call.reached = reached_before or sent
@@ -684,6 +690,26 @@ async def _record_each(tickets: list[tuple[brk.Breaker, brk.Pass]], outcome: int
             for later, left in tickets[at + 1:]:
                 later.record_soon(left, outcome)
             raise
+
+
+async def _record_probes(tries: _Tries, probes: list[tuple[brk.Breaker, brk.Pass]],
+                         status: int) -> None:
+    """Report a 2xx stream's status line, a success, to the breakers it is the half-open
+    probe of (``probes``; none, most often), and leave the passes each returns for the
+    stream's end with the others waiting for it (``tries.pending``): a stream that fails
+    then opens that breaker again, unless it has moved on since (``Breaker.record``). As
+    :func:`_record_each`, the probes after a cancelled record go to ``record_soon``."""
+    for at, (breaker, ticket) in enumerate(probes):
+        try:
+            after = await breaker.record(ticket, brk.SUCCESS, status)
+        except BaseException:
+            for later, left in probes[at + 1:]:
+                later.record_soon(left, brk.SUCCESS)
+            raise
+        if after is not None:
+            if tries.pending is None:
+                tries.pending = _Waiting([], False)
+            tries.pending.tickets.append((breaker, after))
 
 
 def _attempt_records(log: list[tuple[float, int | None, str | None, float]]) -> list[Attempt]:

@@ -8,7 +8,9 @@ error event that names the request's own fault (``invalid_request_error``) is no
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import contextlib
+import uuid
+from collections.abc import AsyncIterator, Iterator
 from typing import NamedTuple
 
 import aiohttp
@@ -18,6 +20,7 @@ import pytest
 from aiohttp import web
 
 from tests.conftest import completed_events, route, serve_app
+from tests.redis_servers import TEST_TIMEOUT_S, delete_prefix, require_redis
 from tests.sse import anthropic_failing, sse
 
 BREAKER = {"fail_max": 2, "reset_timeout": "60s"}
@@ -466,3 +469,63 @@ async def test_a_half_open_probe_that_streams_is_judged_by_its_status_line(
             await probe.content.readuntil(b"hello there")  # its stream is under way
             async with session.post(url, json=body, headers={"x-status": "200"}) as r:
                 assert r.status == 200, r.headers.get("X-Sluice-Reason")
+
+
+@pytest.fixture(params=["memory", "redis"])
+def probe_state(request: pytest.FixtureRequest) -> Iterator[dict[str, object]]:
+    """The route's state: this process's memory, or the shared Redis (``REDIS_URL``) under a
+    key prefix of its own, deleted afterwards (skipped where no Redis answers, unless
+    ``CI=true``)."""
+    if request.param == "memory":
+        yield {}
+        return
+    url = require_redis()
+    prefix = f"probe-{uuid.uuid4().hex[:12]}"
+    try:
+        yield {"state": {"backend": "redis", "redis_url": url, "key_prefix": prefix,
+                         "timeout": f"{int(TEST_TIMEOUT_S * 1000)}ms"}}
+    finally:
+        delete_prefix(url, prefix)
+
+
+@pytest.mark.parametrize("fails", ["error_event", "cut"])
+async def test_a_probe_whose_stream_fails_opens_the_breaker_again(
+        start_sluice, failing, probe_state, fails) -> None:
+    """An upstream that answers every stream 200, then fails it (an ``overloaded_error``
+    event, or its connection dropped mid-answer): the half-open probe, judged by its status
+    line, closed the breaker, and its stream's failure was heard by nobody, so every
+    ``reset_timeout`` let ``fail_max`` more calls reach the failing upstream. The probe's
+    stream failing now opens the breaker again at once, for another ``reset_timeout``: the
+    next call is refused ``circuit_open`` and never reaches the upstream."""
+    sluice = await start_sluice({**probe_state, "routes": [route(
+        "anthropic", failing.url, protocol="anthropic",
+        circuit_breaker={"fail_max": 2, "reset_timeout": "2s"})]})
+    url = sluice.url + "/anthropic/v1/messages"
+    body = {"model": "claude-x", "max_tokens": 10, "stream": True,
+            "messages": [{"role": "user", "content": "hi"}]}
+    failed = {"x-shape": "overloaded"} if fails == "error_event" else {
+        "x-shape": "anthropic_begun", "x-cut": "1"}
+
+    async def call(session: aiohttp.ClientSession) -> tuple[int, str | None]:
+        async with session.post(url, json=body, headers=failed) as r:
+            with contextlib.suppress(aiohttp.ClientPayloadError):  # a cut stream
+                await r.read()
+            return r.status, r.headers.get("X-Sluice-Reason")
+
+    async with aiohttp.ClientSession() as session:
+        assert [await call(session) for _ in range(2)] == [(200, None)] * 2
+        await sluice.wait_metric("sluice_circuit_state", 2, route="anthropic")
+        assert await call(session) == (503, "circuit_open")
+        assert len(failing.seen) == 2
+        await sluice.wait_metric("sluice_circuit_state", 1, route="anthropic")  # reset_timeout
+        assert await call(session) == (200, None)  # the probe: its status line closes it...
+        assert len(failing.seen) == 3
+        # ... and its stream's failure opens it again, as a failed probe does.
+        await sluice.wait_metric("sluice_circuit_state", 2, route="anthropic")
+        assert await call(session) == (503, "circuit_open")
+        assert await call(session) == (503, "circuit_open")
+        assert len(failing.seen) == 3
+        await sluice.wait_metric("sluice_circuit_state", 1, route="anthropic")
+        assert await call(session) == (200, None)  # the next probe, one reset_timeout later
+        assert len(failing.seen) == 4
+        await sluice.wait_metric("sluice_circuit_state", 2, route="anthropic")

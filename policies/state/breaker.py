@@ -14,7 +14,9 @@ their next call, and half-open lets exactly one probe through across all of them
   probe's outcome removes. Its holder renews it while the probe runs (:meth:`~BreakerStates.
   renew`), so a probe longer than ``probe_s`` keeps it, and a probing replica that dies (or
   stops renewing) loses it ``probe_s`` after its last renewal at most. ``success_threshold``
-  successful probes in a row close; a failed probe opens again.
+  successful probes in a row close; a failed probe opens again, and so does a probe found
+  failed after its success was recorded (:data:`PROBE_FAILED`), as long as the breaker is
+  still in the epoch that success left it in.
 
 Each transition bumps an *epoch*; an attempt's :class:`Ticket` carries the epoch it was
 admitted in, and an outcome from an older epoch changes nothing (a closed-state failure that
@@ -70,6 +72,13 @@ CLOSED, HALF_OPEN, OPEN = 0, 1, 2
 STATE_NAMES = {CLOSED: "closed", HALF_OPEN: "half-open", OPEN: "open"}
 #: Outcomes, as :func:`policies.breaker.classify` numbers them.
 SUCCESS, FAILURE, NEUTRAL = 0, 1, 2
+#: The outcome of a half-open probe that failed after its success was recorded (its answer,
+#: a stream, failed once under way: :meth:`policies.breaker.Breaker.record`), sent with a
+#: ticket of the epoch that success left the breaker in: if the breaker is still in it
+#: (closed by that success, or half-open still), it opens for ``reset_s`` with cause
+#: ``probe_failed``, as a failed probe opens it, whatever its counts; if it has moved on (an
+#: opening since, by anyone), it changes nothing, as any outcome of an older epoch.
+PROBE_FAILED = 3
 #: Transitions (:attr:`Verdict.transition`).
 OPENED, HALF_OPENED, CLOSED_AGAIN = "opened", "half_open", "closed"
 #: Longest a success :meth:`BreakerStates.defer` took waits for its flush, seconds.
@@ -168,11 +177,11 @@ class BreakerStates(Protocol):
 
     async def record(self, group: str, ticket: Ticket, outcome: int, params: BreakerParams,
                      hint_s: float | None = None) -> Verdict:
-        """Feed the outcome (SUCCESS, FAILURE or NEUTRAL) of the attempt ``ticket`` admitted;
-        it frees the probe lease if it held it. ``hint_s``: the upstream asked for this
-        long a pause (a 429/503 ``Retry-After``): an open breaker stays open at least that
-        long. Successes :meth:`defer` counted for ``group`` are applied first, in the same
-        call."""
+        """Feed the outcome (SUCCESS, FAILURE, NEUTRAL, or :data:`PROBE_FAILED`) of the
+        attempt ``ticket`` admitted; it frees the probe lease if it held it. ``hint_s``: the
+        upstream asked for this long a pause (a 429/503 ``Retry-After``): an open breaker
+        stays open at least that long. Successes :meth:`defer` counted for ``group`` are
+        applied first, in the same call."""
         ...
 
     def defer(self, group: str, ticket: Ticket, outcome: int, params: BreakerParams) -> bool:
@@ -280,11 +289,13 @@ class MemoryBreakerStates:
             if ticket.probe is not None and m.probe is not None and m.probe[0] == ticket.probe:
                 m.probe = None
             if outcome != NEUTRAL:
-                failed = outcome == FAILURE
+                failed = outcome != SUCCESS  # a FAILURE, or a PROBE_FAILED
                 if m.state == CLOSED:
                     if failed:
                         m.failures += 1
-                        if m.failures >= params.fail_max:
+                        if outcome == PROBE_FAILED:  # closed by that probe, its epoch still
+                            transition = self._open(m, now, params, "probe_failed")
+                        elif m.failures >= params.fail_max:
                             transition = self._open(m, now, params, "fail_max")
                     else:
                         m.failures = 0
@@ -449,7 +460,8 @@ end
 return {0, epoch, 0, math.max(redis.call('PTTL', KEYS[2]), 0), 1, transition, cause}
 """)
 
-# KEYS: breaker, probe lease, window. ARGV: epoch, token ('' none), outcome, fail_max,
+# KEYS: breaker, probe lease, window. ARGV: epoch, token ('' none), outcome (3: PROBE_FAILED,
+# a failure that opens a closed breaker at once), fail_max,
 # success_threshold, reset ms, window s (0 none), rate, min_calls, hint ms (0 none), epoch of
 # the deferred successes, how many (0 none).
 # Returns {state, transition, cause, open for ms}.
@@ -499,11 +511,15 @@ if tonumber(ARGV[1]) == epoch then
   if ARGV[2] ~= '' and redis.call('GET', KEYS[2]) == ARGV[2] then redis.call('DEL', KEYS[2]) end
   local outcome = tonumber(ARGV[3])
   if outcome ~= 2 then
-    local failed = outcome == 1
+    local failed = outcome ~= 0
     if state == 0 then
       if failed then
         failures = failures + 1
-        if failures >= tonumber(ARGV[4]) then open('fail_max') end
+        if outcome == 3 then
+          open('probe_failed')
+        elseif failures >= tonumber(ARGV[4]) then
+          open('fail_max')
+        end
       else
         failures = 0
       end
