@@ -82,6 +82,7 @@ failure rate): the upstream's answer still reaches its caller.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import random
@@ -491,8 +492,12 @@ class Breaker:
         if outcome == NEUTRAL and ticket.ticket.probe is None and not hint:
             return None  # nothing to count, no lease to free: no round trip
         try:
+            # Heard even if the caller leaves meanwhile (a cut stream's caller is cut too):
+            # else the transition it made is on no timeline, and this replica's view keeps
+            # admitting from a closed view for up to VIEW_FRESH_S.
             verdict = await self._shielded(
-                states.record(self.route, ticket.ticket, outcome, self._params, hint))
+                states.record(self.route, ticket.ticket, outcome, self._params, hint),
+                functools.partial(self._heard_of, states, ticket.ticket))
         except StateUnavailable as exc:
             if ticket.ticket.probe is not None and self._may_resend(exc, outcome):
                 # Dropped, the probe's lease would stay held: every replica would refuse
@@ -506,10 +511,7 @@ class Breaker:
             log.warning("route %s: a circuit-breaker outcome was dropped: %s", self.route,
                         exc.cause, extra=PER_CALL)
             return None
-        # A transition happened in the ticket's epoch, so the new one is known; otherwise the
-        # ticket may be stale, and the epoch is left to the next admit to learn.
-        self._heard(states, verdict,
-                    ticket.ticket.epoch + 1 if verdict.transition is not None else None)
+        self._heard_of(states, ticket.ticket, verdict)
         if outcome == SUCCESS and ticket.ticket.probe is not None:
             # The epoch it left the breaker in: the next one if it closed it; else the
             # probe's own (half-open still, under success_threshold; or left already, the
@@ -519,6 +521,12 @@ class Breaker:
                 epoch += 1
             return Pass(states, Ticket(epoch, ticket.ticket.probe), True)
         return None
+
+    def _heard_of(self, states: BreakerStates, ticket: Ticket, verdict: Verdict) -> None:
+        """:meth:`_heard` for the verdict on an outcome of ``ticket``'s: a transition happened
+        in the ticket's epoch, so the new one is known; otherwise the ticket may be stale, and
+        the epoch is left to the next admit to learn."""
+        self._heard(states, verdict, ticket.epoch + 1 if verdict.transition is not None else None)
 
     def _heard(self, states: BreakerStates, verdict: Verdict, epoch: int | None) -> None:
         """Take in what recording an outcome answered (``epoch``: the new one, if known)."""
@@ -606,8 +614,7 @@ class Breaker:
                 if not self._may_resend(exc, outcome):
                     return  # it may have landed
                 continue
-            self._heard(states, verdict,
-                        ticket.epoch + 1 if verdict.transition is not None else None)
+            self._heard_of(states, ticket, verdict)
             return
         log.warning("route %s: a probe's outcome was dropped; its lease has lapsed",
                     self.route)

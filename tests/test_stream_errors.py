@@ -19,7 +19,7 @@ import openai
 import pytest
 from aiohttp import web
 
-from tests.conftest import completed_events, route, serve_app
+from tests.conftest import completed_events, route, serve_app, wait_until
 from tests.redis_servers import TEST_TIMEOUT_S, delete_prefix, require_redis
 from tests.sse import anthropic_failing, sse
 
@@ -529,3 +529,10 @@ async def test_a_probe_whose_stream_fails_opens_the_breaker_again(
         assert await call(session) == (200, None)  # the next probe, one reset_timeout later
         assert len(failing.seen) == 4
         await sluice.wait_metric("sluice_circuit_state", 2, route="anthropic")
+    # On Redis as on memory, though the cut stream's caller is cut too, during the record.
+    await wait_until(lambda: len(_opened(sluice)) == 3, what="3 circuit_opened events")
+    assert [e["cause"] for e in _opened(sluice)] == ["fail_max", "probe_failed", "probe_failed"]
+
+
+def _opened(sluice) -> list[dict]:
+    return [e for e in sluice.events() if e["event"] == "circuit_opened"]
