@@ -28,6 +28,7 @@ from policies.state.breaker import (
     NEUTRAL,
     OPEN,
     OPENED,
+    PROBE_FAILED,
     SUCCESS,
     BreakerParams,
     BreakerStates,
@@ -327,8 +328,11 @@ async def test_attempts_on_a_stale_closed_view_ask_redis_once(tmp_path):
         server.stop()
 
 
-# A replica's sequence: each step an attempt with its outcome, or a flush.
-STEP = st.sampled_from([SUCCESS, SUCCESS, SUCCESS, FAILURE, FAILURE, NEUTRAL, "flush"])
+# A replica's sequence: each step an attempt with its outcome, or a flush. PROBE_FAILED (a
+# probe's stream failing after its success closed the breaker) is recorded with the ticket
+# admitted, of the current epoch, as the pass a probe's success returns is while it holds.
+STEP = st.sampled_from([SUCCESS, SUCCESS, SUCCESS, FAILURE, FAILURE, NEUTRAL, PROBE_FAILED,
+                        "flush"])
 
 
 async def failures(backends: StateBackends, group: str) -> int:
@@ -428,7 +432,7 @@ def test_the_memory_window_keeps_the_totals_a_plain_sum_would_give(outcomes, win
 
 @settings(max_examples=300, deadline=None)
 @given(steps=st.lists(st.tuples(st.sampled_from([SUCCESS, SUCCESS, SUCCESS, SUCCESS, FAILURE,
-                                                 NEUTRAL]),
+                                                 NEUTRAL, PROBE_FAILED]),
                                 st.sampled_from([0, 0, 0.0004, 0.25, 0.9996, 1, 2.5, 6, 40]),
                                 st.integers(0, 8)),
                       max_size=150),
