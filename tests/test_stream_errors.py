@@ -536,3 +536,36 @@ async def test_a_probe_whose_stream_fails_opens_the_breaker_again(
 
 def _opened(sluice) -> list[dict]:
     return [e for e in sluice.events() if e["event"] == "circuit_opened"]
+
+
+async def test_every_breaker_the_probe_is_the_probe_of_opens_again(start_sluice,
+                                                                   failing) -> None:
+    """The route's breaker and the model's (``models:``), opened by the same two failed
+    streams, let the same call through as their probe: its stream's failure opens both
+    again, and the next call, refused, reaches nothing."""
+    breaker = {"fail_max": 2, "reset_timeout": "2s"}
+    sluice = await start_sluice({"routes": [route(
+        "anthropic", failing.url, protocol="anthropic", circuit_breaker=breaker,
+        models={"claude-x": {"circuit_breaker": breaker}})]})
+    url = sluice.url + "/anthropic/v1/messages"
+    body = {"model": "claude-x", "max_tokens": 10, "stream": True,
+            "messages": [{"role": "user", "content": "hi"}]}
+
+    async def call(session: aiohttp.ClientSession) -> tuple[int, str | None]:
+        async with session.post(url, json=body, headers={"x-shape": "overloaded"}) as r:
+            await r.read()
+            return r.status, r.headers.get("X-Sluice-Reason")
+
+    async def states(value: float) -> None:
+        await sluice.wait_metric("sluice_circuit_state", value, route="anthropic")
+        await sluice.wait_metric("sluice_operation_circuit_state", value, route="anthropic",
+                                 operation="claude-x")
+
+    async with aiohttp.ClientSession() as session:
+        assert [await call(session) for _ in range(2)] == [(200, None)] * 2
+        await states(2)
+        await states(1)  # reset_timeout passed
+        assert await call(session) == (200, None)  # the probe of both
+        await states(2)
+        assert await call(session) == (503, "circuit_open")
+    assert len(failing.seen) == 3
