@@ -26,7 +26,9 @@ What the breaker hears about an attempt (:func:`classify`):
   failure when the event names a server-side fault (Anthropic's ``overloaded_error``,
   ``api_error``; OpenAI's ``server_error``), neutral when it names a rate limit, and a
   success when it names the request's own (``invalid_request_error``), as the status it
-  stands for would be (:func:`policies.usage.stream_error_side`).
+  stands for would be (:func:`policies.usage.stream_error_side`). A half-open probe's stream
+  is judged by its status line instead, and its failure (only) heard again at its end: it
+  opens the breaker anew unless the breaker has moved on since (:meth:`Breaker.record`).
 
 Trips: ``fail_max`` consecutive failures, or, when ``rate`` is set, a failure rate ``>= rate``
 over the last ``window`` seconds once ``min_calls`` outcomes are in it (Resilience4j's
