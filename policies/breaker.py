@@ -485,13 +485,9 @@ class Breaker:
             hint = None
         else:
             hint = min(retry_after, MAX_OPEN_HINT_S)
-        if ticket.ticket.probe is not None:  # (a probe's pass never defers, nor its after)
-            if ticket.after:  # a probe's answer, after its success: only a failure tells
-                if outcome != FAILURE:
-                    return None
-                outcome = PROBE_FAILED
-            self._let_go(ticket.ticket)  # the probe is over: its outcome frees the lease
-        if outcome == NEUTRAL and ticket.ticket.probe is None and not hint:
+        if ticket.ticket.probe is not None:  # a probe's pass, or its after: never deferred
+            return await self._record_probe(ticket, outcome, hint)
+        if outcome == NEUTRAL and not hint:
             return None  # nothing to count, no lease to free: no round trip
         try:
             # Heard even if the caller leaves meanwhile (a cut stream's caller is cut too):
@@ -501,7 +497,28 @@ class Breaker:
                 states.record(self.route, ticket.ticket, outcome, self._params, hint),
                 functools.partial(self._heard_of, states, ticket.ticket))
         except StateUnavailable as exc:
-            if ticket.ticket.probe is not None and self._may_resend(exc, outcome):
+            log.warning("route %s: a circuit-breaker outcome was dropped: %s", self.route,
+                        exc.cause, extra=PER_CALL)
+            return None
+        self._heard_of(states, ticket.ticket, verdict)
+        return None
+
+    async def _record_probe(self, ticket: Pass, outcome: int,
+                            hint: float | None) -> Pass | None:
+        """:meth:`record` of a half-open probe's pass, or of the pass its success returned
+        (``ticket.after``): the one place a probe's later failure is told from the rest."""
+        states = ticket.states
+        if ticket.after:  # the probe's answer, after its success: only a failure tells
+            if outcome != FAILURE:
+                return None
+            outcome = PROBE_FAILED
+        self._let_go(ticket.ticket)  # the probe is over: its outcome frees the lease
+        try:
+            verdict = await self._shielded(
+                states.record(self.route, ticket.ticket, outcome, self._params, hint),
+                functools.partial(self._heard_of, states, ticket.ticket))
+        except StateUnavailable as exc:
+            if self._may_resend(exc, outcome):
                 # Dropped, the probe's lease would stay held: every replica would refuse
                 # (half-open, a probe in flight) until it lapsed, up to a lease later (a
                 # hostile trial, with a fixed 30 s lease then: 28 s after a 2 s freeze, with
@@ -514,15 +531,15 @@ class Breaker:
                         exc.cause, extra=PER_CALL)
             return None
         self._heard_of(states, ticket.ticket, verdict)
-        if outcome == SUCCESS and ticket.ticket.probe is not None:
-            # The epoch it left the breaker in: the next one if it closed it; else the
-            # probe's own (half-open still, under success_threshold; or left already, the
-            # success stale, and then the pass can change nothing).
-            epoch = ticket.ticket.epoch
-            if verdict.transition == CLOSED_AGAIN:
-                epoch += 1
-            return Pass(states, Ticket(epoch, ticket.ticket.probe), True)
-        return None
+        if outcome != SUCCESS:
+            return None
+        # The epoch it left the breaker in: the next one if it closed it; else the probe's
+        # own (half-open still, under success_threshold; or left already, the success
+        # stale, and then the pass can change nothing).
+        epoch = ticket.ticket.epoch
+        if verdict.transition == CLOSED_AGAIN:
+            epoch += 1
+        return Pass(states, Ticket(epoch, ticket.ticket.probe), True)
 
     def _heard_of(self, states: BreakerStates, ticket: Ticket, verdict: Verdict) -> None:
         """:meth:`_heard` for the verdict on an outcome of ``ticket``'s: a transition happened
