@@ -500,7 +500,9 @@ class Breaker:
             log.warning("route %s: a circuit-breaker outcome was dropped: %s", self.route,
                         exc.cause, extra=PER_CALL)
             return None
-        self._heard_of(states, ticket.ticket, verdict)
+        # _heard_of, inline: the first success of each second of a window comes this way.
+        self._heard(states, verdict,
+                    ticket.ticket.epoch + 1 if verdict.transition is not None else None)
         return None
 
     async def _record_probe(self, ticket: Pass, outcome: int,
