@@ -569,3 +569,26 @@ async def test_every_breaker_the_probe_is_the_probe_of_opens_again(start_sluice,
         await states(2)
         assert await call(session) == (503, "circuit_open")
     assert len(failing.seen) == 3
+
+
+@pytest.mark.parametrize("call", [_claude, _gpt], ids=["anthropic", "openai"])
+async def test_a_probe_the_sdk_drops_on_its_error_event_opens_the_breaker_again(
+        start_sluice, failing, call) -> None:
+    """Through the official SDKs, which raise on the error event and close the stream
+    there, perhaps before the upstream has ended it: the probe's failure is heard all the
+    same (what the caller had seen included the event), and the next call is refused."""
+    shape = "overloaded" if call is _claude else "chat_server"
+    protocol = "anthropic" if call is _claude else "openai"
+    sluice = await start_sluice({"routes": [route(
+        protocol, failing.url, protocol=protocol,
+        circuit_breaker={"fail_max": 2, "reset_timeout": "3s"})]})
+    await _two_open_the_breaker(sluice, call, shape)  # (which waits for the event log)
+    await sluice.wait_metric("sluice_circuit_state", 1, route=protocol)
+    with pytest.raises((openai.APIError, anthropic.APIError)) as caught:
+        await call(sluice, shape)  # the probe
+    assert not _refused_open(caught.value)
+    await sluice.wait_metric("sluice_circuit_state", 2, route=protocol)
+    with pytest.raises((openai.APIError, anthropic.APIError)) as caught:
+        await call(sluice, shape)
+    assert _refused_open(caught.value)
+    assert failing.seen == [shape] * 3
