@@ -489,18 +489,20 @@ class Breaker:
             return await self._record_probe(ticket, outcome, hint)
         if outcome == NEUTRAL and not hint:
             return None  # nothing to count, no lease to free: no round trip
+        call = states.record(self.route, ticket.ticket, outcome, self._params, hint)
         try:
-            # Heard even if the caller leaves meanwhile (a cut stream's caller is cut too):
-            # else the transition it made is on no timeline, and this replica's view keeps
-            # admitting from a closed view for up to VIEW_FRESH_S.
-            verdict = await self._shielded(
-                states.record(self.route, ticket.ticket, outcome, self._params, hint),
-                functools.partial(self._heard_of, states, ticket.ticket))
+            # _shielded, inline (the first success of each second of a window, and every
+            # failure, come this way). Heard even if the caller leaves meanwhile (a cut
+            # stream's caller is cut too): else the transition it made is on no timeline,
+            # and this replica's view keeps admitting from a closed view for VIEW_FRESH_S.
+            verdict = await (call if not self._shared else survive_leaving(
+                call, functools.partial(self._heard_of, states, ticket.ticket),
+                self._background.spawn))
         except StateUnavailable as exc:
             log.warning("route %s: a circuit-breaker outcome was dropped: %s", self.route,
                         exc.cause, extra=PER_CALL)
             return None
-        # _heard_of, inline: the first success of each second of a window comes this way.
+        # _heard_of, inline too.
         self._heard(states, verdict,
                     ticket.ticket.epoch + 1 if verdict.transition is not None else None)
         return None
