@@ -28,7 +28,8 @@ What the breaker hears about an attempt (:func:`classify`):
   success when it names the request's own (``invalid_request_error``), as the status it
   stands for would be (:func:`policies.usage.stream_error_side`). A half-open probe's stream
   is judged by its status line instead, and its failure (only) heard again at its end: it
-  opens the breaker anew unless the breaker has moved on since (:meth:`Breaker.record`).
+  opens the breaker anew unless the breaker has moved on or heard a success since
+  (:meth:`Breaker.record`).
 
 Trips: ``fail_max`` consecutive failures, or, when ``rate`` is set, a failure rate ``>= rate``
 over the last ``window`` seconds once ``min_calls`` outcomes are in it (Resilience4j's
@@ -455,9 +456,11 @@ class Breaker:
         the breaker in (the next one when it closed the breaker, else the probe's own). That
         pass recorded with FAILURE (the stream failed: a server-side error event, or cut)
         opens the breaker at once for ``reset_timeout`` (cause ``probe_failed``), as a failed
-        probe does, provided the breaker is still in that epoch: closed by that success,
-        whatever other calls did since short of opening it, or still half-open, the success
-        counted towards ``success_threshold``. If it has moved on (opened since by anyone,
+        probe does, provided the breaker is still in that epoch and heard no other success
+        since: closed by that success, other calls' failures under ``fail_max`` since, or
+        still half-open, the success counted towards ``success_threshold``. Closed with a
+        success since, it is one more failure, as any call's. If it has moved on (opened
+        since by anyone,
         and maybe closed again by another probe; or closed by another probe's success) it
         changes nothing, as an outcome of an older state never does
         (:data:`policies.state.breaker.PROBE_FAILED`). Recorded with SUCCESS or NEUTRAL it

@@ -74,10 +74,14 @@ STATE_NAMES = {CLOSED: "closed", HALF_OPEN: "half-open", OPEN: "open"}
 SUCCESS, FAILURE, NEUTRAL = 0, 1, 2
 #: The outcome of a half-open probe that failed after its success was recorded (its answer,
 #: a stream, failed once under way: :meth:`policies.breaker.Breaker.record`), sent with a
-#: ticket of the epoch that success left the breaker in: if the breaker is still in it
-#: (closed by that success, or half-open still), it opens for ``reset_s`` with cause
-#: ``probe_failed``, as a failed probe opens it, whatever its counts; if it has moved on (an
-#: opening since, by anyone), it changes nothing, as any outcome of an older epoch.
+#: ticket of the epoch that success left the breaker in: if the breaker is still in it and
+#: has recorded no other success since (closed by that success, or half-open still), it
+#: opens for ``reset_s`` with cause ``probe_failed``, as a failed probe opens it, whatever
+#: its counts; closed, with a success since, it is one more failure (an upstream that
+#: answered others well since is judged as any stream's failure judges it: a hostile review
+#: saw a probe's stream cut by ``timeouts.total`` after 2,041 good ones reopen the breaker);
+#: if it has moved on (an opening since, by anyone), it changes nothing, as any outcome of
+#: an older epoch.
 PROBE_FAILED = 3
 #: Transitions (:attr:`Verdict.transition`).
 OPENED, HALF_OPENED, CLOSED_AGAIN = "opened", "half_open", "closed"
@@ -243,6 +247,8 @@ class _Machine:
         #: epoch, closed, no probe) from any other.
         self.closed: Ticket | None = Ticket(0)
         self.failures = 0
+        #: Half-open: the probes' successes in a row; closed: 1 once a success was recorded
+        #: in this epoch (:data:`PROBE_FAILED`), else 0.
         self.successes = 0
         self.open_until = 0  # ms
         self.cause = ""
@@ -293,12 +299,13 @@ class MemoryBreakerStates:
                 if m.state == CLOSED:
                     if failed:
                         m.failures += 1
-                        if outcome == PROBE_FAILED:  # closed by that probe, its epoch still
+                        if outcome == PROBE_FAILED and not m.successes:
+                            # Closed by that probe, its epoch still, nothing good heard since.
                             transition = self._open(m, now, params, "probe_failed")
                         elif m.failures >= params.fail_max:
                             transition = self._open(m, now, params, "fail_max")
                     else:
-                        m.failures = 0
+                        m.failures, m.successes = 0, 1
                 elif m.state == HALF_OPEN:
                     if failed:
                         transition = self._open(m, now, params, "probe_failed")
@@ -336,7 +343,7 @@ class MemoryBreakerStates:
             window.calls += 1  # into the quiet second's bucket at the next _window_add
         elif params.window_s:
             return False  # the first outcome these params count in the window
-        m.failures = 0
+        m.failures, m.successes = 0, 1
         return True
 
     async def flush(self, group: str, params: BreakerParams) -> Verdict | None:
@@ -461,7 +468,7 @@ return {0, epoch, 0, math.max(redis.call('PTTL', KEYS[2]), 0), 1, transition, ca
 """)
 
 # KEYS: breaker, probe lease, window. ARGV: epoch, token ('' none), outcome (3: PROBE_FAILED,
-# a failure that opens a closed breaker at once), fail_max,
+# a failure that opens a closed breaker at once if it heard no success since), fail_max,
 # success_threshold, reset ms, window s (0 none), rate, min_calls, hint ms (0 none), epoch of
 # the deferred successes, how many (0 none).
 # Returns {state, transition, cause, open for ms}.
@@ -495,9 +502,10 @@ local function count(n, f)
   end
   return calls, fails
 end
+-- Closed, 'successes' is 1 once a success was recorded in the epoch (outcome 3 needs none).
 local batch = tonumber(ARGV[12])
 if batch > 0 and tonumber(ARGV[11]) == epoch and state == 0 then
-  failures = 0
+  failures, successes = 0, 1
   if size > 0 then
     local calls, fails = count(batch, 0)
     -- One by one, only the success that first made calls >= min_calls could have tripped
@@ -515,13 +523,13 @@ if tonumber(ARGV[1]) == epoch then
     if state == 0 then
       if failed then
         failures = failures + 1
-        if outcome == 3 then
+        if outcome == 3 and successes == 0 then
           open('probe_failed')
         elseif failures >= tonumber(ARGV[4]) then
           open('fail_max')
         end
       else
-        failures = 0
+        failures, successes = 0, 1
       end
     elseif state == 1 then
       if failed then
