@@ -15,7 +15,9 @@ protocol. The words "request", "notification" and "response" are JSON-RPC 2.0's.
   first call's client (an elicitation, a sampling call), as a replay gives it.
 * :class:`AnswerTracker` / :func:`answer_outcome`: whether an answer, as it streams, holds the
   response to the request yet, and whether that response is a tool failure.
-* :func:`refusal`: the JSON-RPC error body Sluice answers a refused call with (docs/mcp.md).
+* :func:`refusal`: the JSON-RPC error body Sluice answers a refused call with (docs/mcp.md);
+  :func:`cancelled`, a call its client cancelled while it waited in Sluice (JSON or SSE, as
+  :func:`accepts_sse` tells).
 
 Errors: everything raised here for bad input is a ``ValueError``: :class:`InvalidMcpRequest`
 (the POST cannot be read as MCP; answer 400) and its subclass :class:`HeaderMismatch`, and
@@ -848,11 +850,39 @@ def refusal(request_id: RequestId | None, code: int, message: str, *, reason: st
                          "error": {"code": code, "message": message, "data": payload}})
 
 
-def cancelled(request_id: RequestId | None) -> bytes:
-    """The JSON-RPC error body that answers a call its client cancelled before Sluice sent it
-    on: code -32800 "Request cancelled", as the Python SDK 2.x server answers a call its client
-    cancelled (:data:`REQUEST_CANCELLED`), with ``data.reason`` ``client_cancelled`` and
-    ``data.sent`` ``false`` (the server never got it)."""
-    return orjson.dumps({"jsonrpc": "2.0", "id": request_id, "error": {
+def cancelled(request_id: RequestId | None, *, sse: bool = False) -> bytes:
+    """The body that answers a call its client cancelled before Sluice sent it on: the
+    JSON-RPC error -32800 "Request cancelled", as the Python SDK 2.x server answers a call
+    its client cancelled (:data:`REQUEST_CANCELLED`), with ``data.reason``
+    ``client_cancelled`` and ``data.sent`` ``false`` (the server never got it).
+
+    ``sse``: as an SSE stream of that one event (``event: message``), the shape that server
+    answers in (to a client whose ``Accept`` takes it, :func:`accepts_sse`). The client has
+    given up on the call: the Python 2.x client closes the call's response stream at its
+    timeout, and reading a JSON answer after that raised ``anyio.BrokenResourceError`` out
+    of the client (its SSE path catches it; a hostile trial)."""
+    body = orjson.dumps({"jsonrpc": "2.0", "id": request_id, "error": {
         "code": REQUEST_CANCELLED, "message": "Request cancelled",
         "data": {"reason": "client_cancelled", "sent": False}}})
+    return b"event: message\ndata: " + body + b"\n\n" if sse else body
+
+
+def accepts_sse(accept: str | None) -> bool:
+    """Whether an ``Accept`` header value (``None``: absent) takes ``text/event-stream``:
+    that media range, ``text/*`` or ``*/*``, with no ``q=0``. The MCP clients send
+    ``application/json, text/event-stream``."""
+    for media in (accept or "").split(","):
+        kind, _, params = media.partition(";")
+        if kind.strip().lower() not in (SSE, "text/*", "*/*"):
+            continue
+        for param in params.split(";"):
+            name, _, value = param.partition("=")
+            if name.strip().lower() == "q":
+                try:
+                    if float(value.strip()) <= 0:
+                        break
+                except ValueError:
+                    break
+        else:
+            return True
+    return False

@@ -460,7 +460,11 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
             rt.cancelled_waiting.discard(call)
             _uncancel()
             outcome = CLIENT_CANCELLED
-            return web.Response(body=mcp.cancelled(call.rpc_id), content_type="application/json")
+            # In the server's own shape (an SSE event, to a client that takes one): its
+            # client gave up on it, and the Python 2.x client raised out of its JSON path.
+            sse = mcp.accepts_sse(call.headers.get("Accept"))
+            return web.Response(body=mcp.cancelled(call.rpc_id, sse=sse),
+                                content_type=mcp.SSE if sse else "application/json")
         if admitted_at and delivered(request):
             # The answer's last message has gone (an MCP request's response, OpenAI's
             # [DONE]): answered, whatever ended its stream after. Its caller closing it (the

@@ -336,10 +336,10 @@ async def test_a_client_cancel_and_a_run_cancel_in_one_turn(ids_upstream, monkey
     pending: list[int] = []
     real = policies.mcp.cancelled
 
-    def answer(rpc_id: Any) -> bytes:
+    def answer(rpc_id: Any, **shape: bool) -> bytes:
         task = asyncio.current_task()
         pending.append(task.cancelling() if task is not None else -1)
-        return real(rpc_id)
+        return real(rpc_id, **shape)
 
     monkeypatch.setattr(policies.mcp, "cancelled", answer)
     async with served(ids_upstream.url) as (rt, url):
@@ -409,3 +409,73 @@ async def test_a_cancelled_queued_call_gives_its_runs_count_back(ids_upstream):
         assert "done" in third[1] and "run_budget_exhausted" in fourth[1]
         assert ids_upstream.ids == [1, 3]
         await assert_nothing_held(rt)
+
+
+async def test_python_2x_clients_timed_out_in_the_queue_get_their_timeout_error(
+        mcp_session, start_sluice, tmp_path: Path):
+    """Before: the cancelled call's POST was answered ``application/json`` while the server
+    answers its session's calls over SSE; the Python 2.x client, which had closed that
+    call's response stream at its timeout, hit it with ``send_nowait`` on its JSON path and
+    raised ``anyio.BrokenResourceError`` out of the client (3 or 4 clients of 6 in a hostile
+    trial) instead of the call's ``MCPError`` "timed out" (the 2.x client's normal timeout,
+    what it raises against the server directly). Now it is answered as the server
+    answers a cancelled call: one SSE event carrying the -32800 error."""
+    sluice = await start_sluice({"routes": [mcp_route(
+        mcp_session.base_url, tools={"slow": {"concurrency": {"limit": 1, "queue": 4}}})]})
+    url = sluice.url + "/tools/mcp"
+
+    def leaves(error: BaseException) -> list[BaseException]:
+        if isinstance(error, BaseExceptionGroup):
+            return [leaf for each in error.exceptions for leaf in leaves(each)]
+        return [error]
+
+    async def one(seconds: float) -> str:
+        try:
+            async with Client(url, mode="legacy", read_timeout_seconds=0.6) as client:
+                await client.call_tool("slow", {"seconds": seconds})
+        except BaseException as error:  # what escaped the client is the bug
+            found = leaves(error)
+            if all(isinstance(e, MCPError) and "timed out" in str(e).lower() for e in found):
+                return "timed out"
+            return ", ".join(repr(e) for e in found)
+        return "answered"
+
+    # One holds the slot and four queue (a sixth would be refused queue_full).
+    outcomes = await asyncio.gather(*(one(1.5 + i / 1000) for i in range(5)))
+    assert outcomes == ["timed out"] * 5
+    [*_, last] = await events_of(sluice, "cancel_applied", 1)
+    assert last["status"] == 202
+    await assert_all_given_back(sluice)
+
+
+async def test_a_cancelled_queued_call_is_answered_in_the_stream_its_client_accepts(
+        recording, start_sluice):
+    """Raw HTTP: with ``text/event-stream`` in its Accept, the queued call's POST gets one SSE
+    event holding the -32800 error for its id (the server's own shape); a client accepting
+    only JSON gets the JSON body."""
+    sluice = await start_sluice({"routes": [mcp_route(
+        recording.url, idempotency={"mode": "forward"}, concurrency=ONE_SLOT)]})
+    url = sluice.url + "/tools/mcp"
+    session = {**HEADERS, "Mcp-Session-Id": "s-1"}
+    async with aiohttp.ClientSession() as http:
+        async def post(message: dict, headers: dict) -> tuple[int, str | None, str]:
+            async with http.post(url, json=message, headers=headers) as r:
+                return r.status, r.headers.get("Content-Type"), await r.text()
+
+        holder = asyncio.create_task(post(CALL, session))
+        await wait_until(lambda: recording.inflight == 1, what="the first call upstream")
+        for rpc_id, accept, shape in ((2, HEADERS["Accept"], "text/event-stream"),
+                                      (3, "application/json", "application/json")):
+            queued = asyncio.create_task(post({**CALL, "id": rpc_id},
+                                              {**session, "Accept": accept}))
+            await sluice.wait_metric("sluice_queue_depth", 1, route="tools")
+            assert (await post(cancel(rpc_id), session))[0] == 202
+            status, content_type, body = await asyncio.wait_for(queued, 10)
+            assert status == 200 and content_type is not None
+            assert content_type.startswith(shape)
+            error = (policies.mcp.answer_outcome(body.encode(), content_type, rpc_id))
+            assert error is not None and error.cancelled
+            if shape == "text/event-stream":
+                assert body.startswith("event: message\ndata: {") and body.endswith("}\n\n")
+        recording.release.set()
+        assert (await holder)[0] == 200
