@@ -230,6 +230,12 @@ class McpPost:
         return None if self.batch else self.messages[0].method
 
     @property
+    def answers(self) -> tuple[RequestId, ...]:
+        """The ids of the server's requests to its client that the POST's responses answer
+        (an elicitation's, a sampling call's), in order; ``()`` for a POST holding none."""
+        return tuple(m.id for m in self.messages if m.kind == "response" and m.id is not None)
+
+    @property
     def cancels(self) -> RequestId | None:
         """The request a non-batch ``notifications/cancelled`` cancels: its
         ``params.requestId`` as sent (a string and a number are different ids); ``None`` for
@@ -593,6 +599,11 @@ class AnswerTracker:
         self.last_event_id = b""
         #: SSE: an ``id`` field of the event still being read, not yet in effect.
         self._id_pending: bytes | None = None
+        #: SSE: the ids of the server's requests to its client the answer has carried
+        #: (``elicitation/create``, ``sampling/createMessage``, ``roots/list``: a message
+        #: with a ``method`` and an ``id``) that the client has not answered yet
+        #: (:meth:`client_answered`); ``None`` until the first one.
+        self._asks: set[RequestId] | None = None
 
     @property
     def resumable(self) -> bool:
@@ -600,6 +611,20 @@ class AnswerTracker:
         reconnects with ``Last-Event-ID`` (the 2025-11-25 polling a server starts by closing
         the stream early, SEP-1699) and gets it there."""
         return self.sse and bool(self.last_event_id)
+
+    @property
+    def awaits_client(self) -> bool:
+        """The answer has carried a request of the server's to its client (an elicitation,
+        a sampling call, ``roots/list``) that the client has not answered
+        (:meth:`client_answered`): until it does, the server's tool waits, and the response
+        may never come."""
+        return bool(self._asks)
+
+    def client_answered(self, request_id: RequestId) -> None:
+        """The client has sent its response to the server's request ``request_id`` (a POST
+        carrying it): the server's wait for it is over."""
+        if self._asks:
+            self._asks.discard(request_id)
 
     @property
     def between_events(self) -> bool:
@@ -704,6 +729,10 @@ class AnswerTracker:
         doc = _loads_or_none(data)  # not JSON (a priming event's data is empty): not it
         if _is_response_to(doc, self.request_id):
             self.outcome, self.complete_at = _outcome(doc), offset
+        elif isinstance(doc, dict) and "method" in doc and is_id(doc.get("id")):
+            if self._asks is None:
+                self._asks = set()
+            self._asks.add(doc["id"])  # 1 and "1" stay apart in a set, as ids must
 
 
 def answer_outcome(answer: bytes, content_type: str | None,

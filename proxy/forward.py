@@ -120,7 +120,9 @@ class Finish:
     Once :attr:`left` is set (the caller has gone), :func:`relay` sends the caller nothing
     more and reads the upstream's answer up to the call's response (the end of the answer,
     for a JSON one), under the route's timeouts as before, so that the call ends with the
-    upstream's real outcome.
+    upstream's real outcome; unless the answer then carries a request of the server's to
+    the client that left (:func:`awaits_client`): the relay ends there
+    (``ConnectionResetError``), since that response would never come.
     """
 
     __slots__ = ("left", "task")
@@ -142,6 +144,16 @@ def answered(request: web.BaseRequest) -> bool:
     (then nothing of the call is left to finish)."""
     tracker = request.get(MCP_ANSWER)
     return tracker is not None and tracker.outcome is not None
+
+
+def awaits_client(call: Call | None) -> bool:
+    """Whether the MCP call's answer (its key's capture follows it: a ``dedup`` call) has
+    carried a request of the server's to its client that the client has not answered
+    (:attr:`policies.mcp.AnswerTracker.awaits_client`): the server's tool waits for that
+    answer, so the call cannot be finished without its caller."""
+    capture = call.capture if call is not None else None
+    tracker = capture.tracker if capture is not None else None
+    return tracker is not None and tracker.awaits_client
 
 
 def delivered(request: web.BaseRequest) -> bool:
@@ -638,6 +650,12 @@ async def relay(
             elif not await _relay_chunk(request, out, chunk, finish):
                 return out, outcome  # the caller has gone and the response is in
             elif finish.left:
+                if awaits_client(call):
+                    # The server asked the client that left (an elicitation after it left):
+                    # its tool waits for an answer nobody will send, so the response would
+                    # never come. The call ends as its caller did, nothing kept for its key.
+                    raise ConnectionResetError("the caller left the server's request to it "
+                                               "unanswered")
                 continue  # read on without the caller: nothing was written
             # An error event is a stream's last message too: the SDKs raise on it, and close.
             if ((last is not None and last.outcome is not None)

@@ -24,8 +24,10 @@ One exception to "the caller's disconnect closes the upstream request": an MCP c
 idempotency keeps answers (``dedup``) is forwarded in a task of its own, and when its caller
 leaves after the call may have reached the upstream and before its response came, that task
 finishes the exchange without the caller (an MCP server runs the tool to its end anyway), so
-that its answer is kept for its key and its retry does not run the tool again. The call then
-holds everything until that task ends, and the task's end, not the handler, settles it
+that its answer is kept for its key and its retry does not run the tool again (not when the
+server's tool waits on that caller's answer to a request of its own, an elicitation: it
+could never end). The call then holds everything until that task ends, and the task's end,
+not the handler, settles it
 (:func:`_leave`, :func:`_hand_over`): exactly one of the two does, once. For the same
 reason, a client's ``notifications/cancelled`` naming such a call of its session in flight
 is answered 202 here and not forwarded (:func:`_call_to_hold`): the tool runs on, and its
@@ -72,6 +74,7 @@ from proxy.forward import (
     RESUMED_CALL,
     Finish,
     answered,
+    awaits_client,
     delivered,
     end_answer,
     end_mcp_answer,
@@ -157,6 +160,8 @@ class _McpRequest(NamedTuple):
     #: The JSON-RPC method of its one request or notification, for its events (``None`` for
     #: a GET, a DELETE, a response, a batch).
     rpc_method: str | None
+    #: The ids of the server's requests to its client that its responses answer.
+    answers: tuple[mcp.RequestId, ...] = ()
 
 
 def _mcp_traffic(request: web.BaseRequest, body: bytes) -> _McpRequest:
@@ -190,7 +195,7 @@ def _mcp_traffic(request: web.BaseRequest, body: bytes) -> _McpRequest:
     return _McpRequest(traffic, post.tool, post.cancels if control else None,
                        control and post.opens_session,
                        request_message.id if request_message is not None else None,
-                       post.method)
+                       post.method, post.answers if control else ())
 
 
 async def handle(rt: Runtime, request: web.BaseRequest, held: int = 0
@@ -294,10 +299,11 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
     traffic: mcp.Traffic = "call"
     operation = cancels = rpc_id = rpc_method = None
     opens_session = resumes = False
+    answers: tuple[mcp.RequestId, ...] = ()
     if route.protocol == "mcp":
         try:
-            traffic, operation, cancels, opens_session, rpc_id, rpc_method = _mcp_traffic(
-                request, body)
+            traffic, operation, cancels, opens_session, rpc_id, rpc_method, answers = (
+                _mcp_traffic(request, body))
             if rpc_method is not None:
                 rpc_method = _capped(rpc_method)
         except mcp.InvalidMcpRequest as bad:
@@ -342,6 +348,8 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
             if held is not None:
                 return _hold_cancel(rt, route, held, request_id, tenant, run)
             _end_polled_by_cancel(rt, route, tenant, session, cancels)
+        if answers and (session := headers.get(mcp.SESSION_HEADER)) is not None:
+            _client_answered(rt, route, tenant, session, answers)
 
     client_retry = is_client_retry(headers)
     timeout, timeout_reads = _caller_timeout(request, rt.timeout_header)
@@ -588,6 +596,24 @@ def _end_polled_by_cancel(rt: Runtime, route: Route, tenant: str, session: str,
             task.cancel()
 
 
+def _client_answered(rt: Runtime, route: Route, tenant: str, session: str,
+                     answers: tuple[mcp.RequestId, ...]) -> None:
+    """A client's POST carries its responses to the server's requests ``answers`` (an
+    elicitation's, a sampling call's): the MCP calls of its route, tenant and session
+    (``Mcp-Session-Id``: a server's request ids are its session's) in flight whose answers
+    carried those requests wait on their client no more, and may be finished without it
+    again (:func:`_leave`). Taken as the POST arrives, before it is forwarded: a caller
+    that leaves once its answer is on the way leaves a call the server can end. Such POSTs
+    are rare: a scan of the MCP calls in flight keeps this off every other request's path."""
+    for call in itertools.chain(rt.mcp_calls, rt.finishing.values()):
+        capture = call.capture
+        tracker = capture.tracker if capture is not None else None
+        if (tracker is not None and tracker.awaits_client and call.route == route.name
+                and call.tenant == tenant and call.headers.get(mcp.SESSION_HEADER) == session):
+            for rpc_id in answers:
+                tracker.client_answered(rpc_id)
+
+
 def _settle(rt: Runtime, route: Route, call: Call, admission: Admission, outcome: Outcome,
             admitted_at: float, traffic: mcp.Traffic, left: Outcome | None = None) -> None:
     """The end of every call, run exactly once and never awaiting: give back everything it
@@ -733,12 +759,19 @@ def _leave(rt: Runtime, call: Call, request: web.BaseRequest, finish: Finish) ->
     (:class:`proxy.forward.Finish`): the call keeps its slot, key and every other holding
     until the upstream's answer ends, and its answer is then kept for its key, so that the
     caller's retry gets it instead of running the tool again. Otherwise the task is
-    cancelled, which closes the upstream request, as on every other route.
+    cancelled, which closes the upstream request, as on every other route. So is it when
+    the answer has carried a request of the server's to its client (an elicitation) that the
+    client has not answered (:func:`proxy.forward.awaits_client`): the tool waits for that
+    answer, which nobody will send now, so the response would never come, and the call held
+    its slot and key (and an identical retry waited for the key, then got 409) until
+    ``timeouts.total`` (a hostile trial). Ended now, it keeps nothing for its key: the retry
+    runs the tool again, which is safe, since the tool was waiting on its client.
     """
     task = finish.task
     if task is None or task.done():
         return
-    if call.reached and call.cancelled is None and not rt.cutting and not answered(request):
+    if (call.reached and call.cancelled is None and not rt.cutting and not answered(request)
+            and not awaits_client(call)):
         finish.left = True
     else:
         task.cancel()
@@ -1063,7 +1096,9 @@ def _call_to_hold(rt: Runtime, route: Route, tenant: str, session: str,
     a ``tools/call`` the cancel names (:func:`_named_by_cancel`) whose answer is kept for its
     key (``dedup``), and which is still in flight through Sluice with its response not
     come: its handler running, being finished after its caller left, or held for its
-    response after its answer was closed early for polling. Cancels are rare: a
+    response after its answer was closed early for polling; not one whose tool waits on
+    the client that cancels it (an elicitation it has not answered:
+    :attr:`policies.mcp.AnswerTracker.awaits_client`), which would never end. Cancels are rare: a
     scan of the MCP calls in flight at cancel time keeps this off the path of every other
     request."""
     for call in itertools.chain(rt.mcp_calls, rt.finishing.values(), rt.polling.values()):
@@ -1074,6 +1109,8 @@ def _call_to_hold(rt: Runtime, route: Route, tenant: str, session: str,
         tracker = capture.tracker  # set once the answer began with a status that is kept
         if capture.status and (tracker is None or tracker.outcome is not None):
             return None  # its response has come, or will not be kept: nothing to hold for
+        if tracker is not None and tracker.awaits_client:
+            return None  # its tool waits on the client that cancels: held, it waited on
         return call
     return None
 

@@ -23,8 +23,11 @@ Tools (all answer on ``/mcp``):
     ``poll_send(to: str, seconds: float = 1.0) -> str``
                                              ``poll``, with ``send``'s side effect once the
                                              stream is closed: a polled tool that is counted
-    ``confirm_send(to: str) -> str``         asks its client to confirm (an elicitation on
-                                             the call's stream), then ``send``'s side effect
+    ``confirm_send(to: str, ask_after: float = 0.0, answer_after: float = 0.0) -> str``
+                                             asks its client to confirm (an elicitation on
+                                             the call's stream) after ``ask_after`` seconds,
+                                             then ``send``'s side effect, and answers
+                                             ``answer_after`` seconds later
     ``send(to: str, body: str = "") -> str`` the side effect: appends one line
                                              ``{"to", "body"}`` to the count file, returns
                                              ``"sent #N"``
@@ -338,15 +341,20 @@ def _build(count_file: Path, list_delay: float = 0.0) -> Any:
         return "polled"
 
     @server.tool()
-    async def confirm_send(ctx: Context, to: str) -> str:
-        """Ask the client to confirm (``elicitation/create`` on the call's stream), then,
-        if it accepted, record one delivery (``send``'s side effect)."""
+    async def confirm_send(ctx: Context, to: str, ask_after: float = 0.0,
+                           answer_after: float = 0.0) -> str:
+        """Ask the client to confirm (``elicitation/create`` on the call's stream) after
+        ``ask_after`` seconds, then, if it accepted, record one delivery (``send``'s side
+        effect) and answer ``answer_after`` seconds later (each at most 30)."""
+        await asyncio.sleep(min(max(ask_after, 0.0), 30.0))
         answer = await ctx.elicit(message=f"send to {to}?", schema=Confirm)
         if answer.action != "accept":
             return "not sent"
         with count_file.open("a") as f:
             f.write(json.dumps({"to": to, "body": ""}) + "\n")
-        return f"sent #{_count(count_file)}"
+        sent = _count(count_file)
+        await asyncio.sleep(min(max(answer_after, 0.0), 30.0))
+        return f"sent #{sent}"
 
     @server.tool()
     async def poll_send(ctx: Context, to: str, seconds: float = 1.0) -> str:

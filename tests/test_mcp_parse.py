@@ -17,6 +17,7 @@ from policies.mcp import (
     McpPost,
     Outcome,
     UnusableAnswer,
+    accepts_sse,
     allows_batch,
     answer_outcome,
     check_headers,
@@ -588,3 +589,49 @@ def test_the_fingerprint_reads_integers_past_64_bits_exactly_and_nothing_else_di
     assert fp(big, body=False) == fp(bigger, body=False)  # the collision, read by orjson
     assert fp(big) != fp(bigger)
     assert fp(big) == fp(b'{ "amount" : 123456789012345678901234567890 }')
+
+
+def test_the_tracker_follows_the_servers_requests_its_client_has_not_answered() -> None:
+    tracker = AnswerTracker("text/event-stream", 5)
+    assert not tracker.awaits_client
+    tracker.feed(b'event: message\ndata: {"jsonrpc":"2.0","method":"notifications/progress",'
+                 b'"params":{}}\n\n')
+    assert not tracker.awaits_client  # a notification asks nothing
+    tracker.feed(b'event: message\ndata: {"jsonrpc":"2.0","id":0,"method":"elicitation/create",'
+                 b'"params":{}}\n\nevent: message\ndata: {"jsonrpc":"2.0","id":"1",'
+                 b'"method":"roots/list"}\n\n')
+    assert tracker.awaits_client
+    tracker.client_answered(1)  # "1" is not 1
+    tracker.client_answered(0)
+    assert tracker.awaits_client
+    tracker.client_answered("1")
+    assert not tracker.awaits_client
+    assert not AnswerTracker("application/json", 5).awaits_client
+
+
+@pytest.mark.parametrize(("body", "expected"), [
+    (b'{"jsonrpc":"2.0","id":3,"result":{"action":"accept"}}', (3,)),
+    (b'{"jsonrpc":"2.0","id":"a","error":{"code":-1,"message":"no"}}', ("a",)),
+    (b'{"jsonrpc":"2.0","id":null,"error":{"code":-1,"message":"no"}}', ()),
+    (b'[{"jsonrpc":"2.0","id":1,"result":{}},{"jsonrpc":"2.0","method":"x"},'
+     b'{"jsonrpc":"2.0","id":2,"result":{}}]', (1, 2)),
+    (b'{"jsonrpc":"2.0","id":3,"method":"tools/list"}', ()),
+])
+def test_the_server_requests_a_post_answers(body: bytes, expected: tuple) -> None:
+    assert parse_post(body).answers == expected
+
+
+@pytest.mark.parametrize(("accept", "expected"), [
+    ("application/json, text/event-stream", True),
+    ("text/event-stream;q=0.5", True),
+    ("Text/Event-Stream", True),
+    ("*/*", True),
+    ("text/*", True),
+    ("application/json", False),
+    ("application/json, text/event-stream;q=0", False),
+    ("text/event-stream;q=zero", False),
+    ("", False),
+    (None, False),
+])
+def test_which_accept_takes_an_sse_answer(accept: str | None, expected: bool) -> None:
+    assert accepts_sse(accept) is expected
