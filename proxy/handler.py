@@ -299,7 +299,6 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
     traffic: mcp.Traffic = "call"
     operation = cancels = rpc_id = rpc_method = None
     opens_session = resumes = False
-    answers: tuple[mcp.RequestId, ...] = ()
     if route.protocol == "mcp":
         try:
             traffic, operation, cancels, opens_session, rpc_id, rpc_method, answers = (
