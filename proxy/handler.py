@@ -25,16 +25,14 @@ idempotency keeps answers (``dedup``) is forwarded in a task of its own, and whe
 leaves after the call may have reached the upstream and before its response came, that task
 finishes the exchange without the caller (an MCP server runs the tool to its end anyway), so
 that its answer is kept for its key and its retry does not run the tool again (not when the
-server's tool waits on that caller's answer to a request of its own, an elicitation: it
-could never end). The call then holds everything until that task ends, and the task's end,
-not the handler, settles it
-(:func:`_leave`, :func:`_hand_over`): exactly one of the two does, once. For the same
-reason, a client's ``notifications/cancelled`` naming such a call of its session in flight
-is answered 202 here and not forwarded (:func:`_call_to_hold`): the tool runs on, and its
-answer is kept for the retry. A cancel naming a call of its session still waiting in
+server's tool waits on that caller's answer to a request of its own, an elicitation: it could
+never end). The call then holds everything until that task ends, and the task's end, not the
+handler, settles it (:func:`_leave`, :func:`_hand_over`): exactly one of the two does, once.
+For the same reason, a client's ``notifications/cancelled`` naming such a call of its session
+in flight is answered 202 here and not forwarded (:func:`_call_to_hold`): the tool runs on, and
+its answer is kept for the retry. A cancel naming a call of its session still waiting in
 admission (which the server has not seen) ends that call here instead, on any route
-(:func:`_waiting_call`).
-"""
+(:func:`_waiting_call`)."""
 
 from __future__ import annotations
 
@@ -1097,9 +1095,9 @@ def _call_to_hold(rt: Runtime, route: Route, tenant: str, session: str,
     come: its handler running, being finished after its caller left, or held for its
     response after its answer was closed early for polling; not one whose tool waits on
     the client that cancels it (an elicitation it has not answered:
-    :attr:`policies.mcp.AnswerTracker.awaits_client`), which would never end. Cancels are rare: a
-    scan of the MCP calls in flight at cancel time keeps this off the path of every other
-    request."""
+    :attr:`policies.mcp.AnswerTracker.awaits_client`), which held would never end.
+    Cancels are rare: a scan of the MCP calls in flight at cancel time keeps this off the
+    path of every other request."""
     for call in itertools.chain(rt.mcp_calls, rt.finishing.values(), rt.polling.values()):
         capture = call.capture
         if (capture is None or call.cancelled is not None
@@ -1109,7 +1107,7 @@ def _call_to_hold(rt: Runtime, route: Route, tenant: str, session: str,
         if capture.status and (tracker is None or tracker.outcome is not None):
             return None  # its response has come, or will not be kept: nothing to hold for
         if tracker is not None and tracker.awaits_client:
-            return None  # its tool waits on the client that cancels: held, it waited on
+            return None  # its tool waits on the client that cancels it: forwarded, it ends
         return call
     return None
 
