@@ -156,8 +156,11 @@ IN_FLIGHT_RETRY_AFTER_S = 1.0
 _NOT_STORED = frozenset({401, 403, 407, 408, 409, 425, 429})
 #: ``sluice_requests_total`` outcomes that mean the upstream's whole answer was relayed.
 _ANSWERED = frozenset({"2xx", "3xx", "4xx"})
-#: Response headers not replayed: framing is recomputed; a cookie belongs to one exchange.
-_NOT_REPLAYED = frozenset({"content-length", "set-cookie", "idempotent-replayed"})
+#: Response headers not replayed: framing is recomputed; a cookie belongs to one exchange,
+#: and an MCP session id to one session (the TypeScript SDK 1.x client takes the id of every
+#: response: a replay moved it into the first caller's session).
+_NOT_REPLAYED = frozenset({"content-length", "set-cookie", "idempotent-replayed",
+                           "mcp-session-id"})
 
 # RFC 8941 §3.3.3 sf-string (printable ASCII, only \" and \\ escaped), and a bare value:
 # visible ASCII without the quote and the comma (a comma would join two header lines).

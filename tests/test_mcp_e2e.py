@@ -383,6 +383,30 @@ async def test_a_call_whose_stream_ends_without_its_response_gets_an_error_event
 # -- a cancelled call leaves no answer for its key ------------------------------------------------
 
 
+async def test_a_replay_does_not_carry_the_first_calls_session_id(mcp_session, start_sluice):
+    """A ``dedup`` answer stored from session A's call carried A's ``Mcp-Session-Id`` header
+    into its replay to session B: the TypeScript SDK 1.x client takes the session id of
+    every response, so B's client went on in A's session (its DELETE then 404) and A's id
+    was handed to another session (a helper's finding). The replay carries none: each
+    client keeps its own."""
+    sluice = await start_sluice({"routes": [mcp_route(mcp_session,
+                                                      idempotency={"mode": "dedup"})]})
+    url = endpoint(sluice)
+    call = {"jsonrpc": "2.0", "id": 3, "method": "tools/call",
+            "params": {"name": "add", "arguments": {"a": 40, "b": 2}}}
+    async with aiohttp.ClientSession() as http:
+        first = await mcp_servers.raw_session(http, url)
+        second = await mcp_servers.raw_session(http, url)
+        assert first["Mcp-Session-Id"] != second["Mcp-Session-Id"]
+        key = {"Idempotency-Key": "replayed-across-sessions"}
+        async with http.post(url, json=call, headers={**first, **key}) as r:
+            assert "42" in await r.text()
+        async with http.post(url, json=call, headers={**second, **key}) as r:
+            assert "42" in await r.text()
+            assert r.headers.get("Idempotent-Replayed") == "true"
+            assert "Mcp-Session-Id" not in r.headers, r.headers
+
+
 async def test_a_cancelled_calls_answer_is_not_replayed_to_the_next_caller(mcp_session,
                                                                           start_sluice):
     """A client that cancels its call (``notifications/cancelled``: the TypeScript SDK's
