@@ -676,6 +676,11 @@ async def relay(
         # came, the Python mcp 1.x client waited for ever (a hostile trial). Not one whose
         # events had ids: that is a server's early close for polling (2025-11-25), and the
         # client resumes it with Last-Event-ID; an error then failed a call still running.
+        # Such a stream is no answer: counted as one the upstream cut (upstream_error), as
+        # its client gets upstream_unreachable; it was counted 2xx (a hostile trial).
+        if (outcome == "2xx" and tracker is not None and tracker.sse
+                and not tracker.resumable and tracker.outcome is None):
+            outcome = "upstream_error"
         if (finish is None or not finish.left) and not (
                 tracker is not None and not tracker.resumable
                 and await end_mcp_answer(request, _NO_RESPONSE)):
