@@ -64,7 +64,7 @@ from policies.pipeline import (
 )
 from policies.reasons import Reason, Rejected
 from policies.retry import is_client_retry
-from proxy import attempts
+from proxy import attempts, session_end
 from proxy.edge import BODY_CUT
 from proxy.forward import (
     RELAYED_STREAM,
@@ -347,6 +347,10 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
             _end_polled_by_cancel(rt, route, tenant, session, cancels)
         if answers and (session := headers.get(mcp.SESSION_HEADER)) is not None:
             _client_answered(rt, route, tenant, session, answers)
+        if request.method == "DELETE":  # a session's end waits for its kept calls
+            deferred = session_end.defer(rt, route, request, request_id, tenant, run)
+            if deferred is not None:
+                return deferred
 
     client_retry = is_client_retry(headers)
     timeout, timeout_reads = _caller_timeout(request, rt.timeout_header)
@@ -449,7 +453,7 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
             return response
         outcome = _answer_outcome(call, response.status, label, admitted_at, response)
         if request.method == "DELETE" and route.protocol == "mcp" and response.status < 300:
-            _end_session_polls(rt, route, headers.get(mcp.SESSION_HEADER))
+            session_end.end_session_polls(rt, route, headers.get(mcp.SESSION_HEADER))
         return response
     except (asyncio.CancelledError, ConnectionResetError):
         if finish is not None:
@@ -565,20 +569,6 @@ def _poll_again(rt: Runtime, route: Route, request: web.BaseRequest) -> None:
                       route.name)
 
 
-def _end_session_polls(rt: Runtime, route: Route, session: str | None) -> None:
-    """The upstream closed MCP ``session`` (its client's DELETE): end the calls of it held
-    for a polled answer (:func:`_hold_polled`), ``client_disconnected``. Nothing can resume
-    their answers now, and held to their bound (600 s without ``timeouts.total``) they kept
-    their slots and keys for nothing (a review)."""
-    if session is None or not rt.polling:
-        return
-    for task, call in list(rt.polling.items()):
-        if call.route == route.name and call.headers.get(mcp.SESSION_HEADER) == session:
-            task.cancel()
-    for key in [key for key in rt.polled if key[0] == route.name and key[1] == session]:
-        del rt.polled[key]
-
-
 def _end_polled_by_cancel(rt: Runtime, route: Route, tenant: str, session: str,
                           rpc_id: mcp.RequestId) -> None:
     """A client's ``notifications/cancelled`` names a call held for its polled answer that
@@ -630,6 +620,8 @@ def _settle(rt: Runtime, route: Route, call: Call, admission: Admission, outcome
     """
     if call.polled is not None and _hold_polled(rt, route, call, admission, outcome,
                                                 admitted_at, left):
+        if rt.session_deletes:
+            session_end.held_for_polling(rt, route, call)
         return
     if call.cancelled is not None and outcome is ABANDONED:
         outcome = (Outcome("run_cancelled", call.reached, call.status)
@@ -638,6 +630,8 @@ def _settle(rt: Runtime, route: Route, call: Call, admission: Admission, outcome
         route.inflight -= 1
         route.live.discard(call)
     admission.release(outcome)
+    if rt.session_deletes:  # a session's DELETE may wait for this call (never raises)
+        session_end.call_ended(rt, call)
     try:  # counting and logging how it ended, once everything it held is given back
         if admitted_at:
             if left is None:

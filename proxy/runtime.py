@@ -11,7 +11,7 @@ import sqlite3
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from aiohttp import web
@@ -32,6 +32,9 @@ from proxy.client import upstream_session
 from proxy.events import EventLog
 from proxy.metrics import Metrics, RouteLoad
 from proxy.routes import Route, Router
+
+if TYPE_CHECKING:
+    from proxy.session_end import Deferred
 
 log = logging.getLogger("sluice")
 
@@ -195,6 +198,12 @@ class Runtime:
         #: task that holds it (``proxy.handler``): present and in flight on its route until
         #: it ends; the drain waits for them, and cancels those left when it cuts.
         self.polling: dict[asyncio.Task[Any], Call] = {}
+        #: MCP sessions' DELETEs answered by Sluice and not sent yet, each by route name and
+        #: ``Mcp-Session-Id``: they wait for the session's calls kept for a retry
+        #: (``proxy.session_end``).
+        self.session_deletes: dict[tuple[str, str], Deferred] = {}
+        #: The tasks sending those DELETEs upstream, for the drain to wait for.
+        self.session_delete_tasks: set[asyncio.Task[None]] = set()
         self.metrics.finishing.set_function(lambda: len(self.finishing))
         self.metrics.polling.set_function(lambda: len(self.polling))
         self.session: aiohttp.ClientSession | None = None

@@ -1,11 +1,16 @@
-"""An MCP call's stream the upstream ends without the call's response is no 2xx answer.
+"""A session's DELETE waits for the session's calls whose answers Sluice keeps for a retry.
 
-A session-mode server that ends its session (its client's DELETE) ends the streams of the
-session's calls in flight with no response. The call's client gets the JSON-RPC error 502
-``upstream_unreachable`` as the stream's last event, but its ``completed`` event and
-``sluice_requests_total`` said ``2xx`` (and a call finished without its caller said
-``finished_after_leaving: "2xx"``; a hostile trial). It is now ``upstream_error``, as a
-stream the upstream cut is.
+The official Python clients (1.x, and 2.x in ``legacy`` mode) send ``DELETE`` with their
+``Mcp-Session-Id`` when ``async with Client(...)`` exits, before they close the POSTs still
+open. On a ``dedup`` route Sluice finishes a timed-out call without its caller (or holds its
+client's cancel) so that the retry gets its answer; but it forwarded the DELETE at once, the
+server ended the session, its tool task was cancelled after the side effect, the call's
+stream ended without its response, nothing was kept for the key, and the retry ran the tool
+again (a hostile trial, 5 of 5). Sluice now answers such a DELETE itself (200, as the server
+does) and sends it upstream once the last of those calls has ended.
+
+A stream the upstream ends without the call's response is counted ``upstream_error`` (it was
+``2xx``, though its client got the JSON-RPC error 502 ``upstream_unreachable``).
 """
 
 from __future__ import annotations
@@ -13,15 +18,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import signal
 from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
 import pytest
 from aiohttp import web
+from mcp import Client, MCPError
 
-from tests.conftest import completed_events, serve_app
+from tests import mcp_servers
+from tests.conftest import completed_events, serve_app, wait_until
 from tests.test_mcp_left_callers import assert_all_given_back, noticed_leaving
+from tests.test_operations import MCP1_PYTHON, run_mcp1
+
+mcp_session = mcp_servers.mcp_session
 
 DEDUP = {"mode": "dedup", "max_wait": "30s"}
 SESSION = "s-1"
@@ -138,6 +149,112 @@ async def delete_session(http: aiohttp.ClientSession, url: str) -> tuple[int, by
         return r.status, await r.read()
 
 
+# -- through the official client and server -------------------------------------------------------
+
+
+async def test_sdk_timed_out_call_then_client_exit_then_retry_runs_once(mcp_session,
+                                                                         start_sluice):
+    """The hostile trial's scenario (memory backend): a slow side-effecting call times out
+    inside ``async with Client(...)`` (2.x, legacy: a session and its DELETE on exit), the
+    client exits, and a new client retries the same call. Before: ``sent #2``, two side
+    effects."""
+    sluice = await start_sluice({"state": {"backend": "memory"},
+                                 "routes": [mcp_route(mcp_session.base_url, idempotency=DEDUP)]})
+    url = sluice.url + "/tools/mcp"
+    async with Client(url, mode="legacy") as client:
+        with pytest.raises(MCPError):
+            await client.call_tool("send_slowly", {"to": "ops", "seconds": 2.5},
+                                   read_timeout_seconds=0.7)
+    async with Client(url, mode="legacy") as client:
+        result = await client.call_tool("send_slowly", {"to": "ops", "seconds": 2.5},
+                                        read_timeout_seconds=30)
+    assert result.content[0].text == "sent #1" and not result.is_error
+    assert mcp_session.sends() == 1
+    assert await sluice.metric("sluice_idempotent_replays_total", route="tools") == 1
+    await assert_all_given_back(sluice)
+    # Both sessions' DELETEs were sent upstream in the end: none is left waiting.
+    await wait_until(lambda: sum(e["event"] == "session_delete_sent"
+                                 for e in sluice.events()) >= 1,
+                     what="the deferred DELETE sent")
+    [first] = [e for e in sluice.events() if e["event"] == "completed"
+               and e.get("operation") == "send_slowly"]
+    assert first["outcome"] in ("2xx", "client_disconnected")
+    assert first.get("finished_after_leaving", "2xx") == "2xx"
+
+
+# -- raw HTTP against a scripted session server ---------------------------------------------------
+
+
+async def test_a_delete_waits_for_a_call_finishing_without_its_caller(session_server,
+                                                                      start_sluice):
+    """Answered 200 at once, sent upstream only after the call has finished; the retry gets
+    the kept answer and the tool ran once. Before: the DELETE reached the server at once,
+    which ended the call's stream without its response, and the retry ran it again."""
+    sluice = await start_sluice({"routes": [mcp_route(session_server.url,
+                                                      idempotency=DEDUP)]})
+    url = sluice.url + "/tools/mcp"
+    async with aiohttp.ClientSession() as http:
+        await leave_call(http, url, session_server)
+        await noticed_leaving(sluice, session_server)
+        assert await delete_session(http, url) == (200, b"")
+        # A second DELETE of the session while the first waits: answered too, not sent.
+        assert await delete_session(http, url) == (200, b"")
+        assert "delete" not in session_server.log
+        session_server.release.set()
+        await asyncio.wait_for(session_server.deleted.wait(), 10)
+        await assert_all_given_back(sluice)
+        retry = {**CALL, "id": 8}
+        async with http.post(url, json=retry, headers=HEADERS) as r:
+            body = await r.text()
+            replayed = r.headers.get("Idempotent-Replayed")
+    assert session_server.log == ["call", "answered", "delete"]
+    assert replayed == "true" and "done #1" in body and '"id":8' in body.replace(" ", "")
+    assert session_server.calls == 1
+    await completed_events(sluice, 3)  # the call, and each DELETE when answered
+    [deferred, again] = [e for e in sluice.events() if e["event"] == "completed"
+                         and e.get("session_delete") == "deferred"]
+    assert again["call_request_ids"] == deferred["call_request_ids"]
+    assert (deferred["status"], deferred["outcome"]) == (200, "2xx")
+    assert len(deferred["call_request_ids"]) == 1
+    await wait_until(lambda: any(e["event"] == "session_delete_sent" for e in sluice.events()),
+                     what="the session_delete_sent event")
+    [sent] = [e for e in sluice.events() if e["event"] == "session_delete_sent"]
+    assert sent["status"] == 200 and sent["request_id"] == deferred["request_id"]
+
+
+async def test_a_delete_waits_for_a_call_whose_cancel_was_held(session_server, start_sluice):
+    """The 2.x client in legacy mode: its timeout sends ``notifications/cancelled`` (held)
+    and leaves the POST open; its exit sends the DELETE before it closes that POST."""
+    sluice = await start_sluice({"routes": [mcp_route(session_server.url,
+                                                      idempotency=DEDUP)]})
+    url = sluice.url + "/tools/mcp"
+    async with aiohttp.ClientSession() as http:
+        async with http.post(url, json=CALL, headers=HEADERS) as r:
+            await r.content.readuntil(b"\n\n")
+            cancel = {"jsonrpc": "2.0", "method": "notifications/cancelled",
+                      "params": {"requestId": 7, "reason": "timed out"}}
+            async with http.post(url, json=cancel, headers=HEADERS) as c:
+                assert c.status == 202
+            assert await delete_session(http, url) == (200, b"")
+        assert "delete" not in session_server.log
+        session_server.release.set()
+        await asyncio.wait_for(session_server.deleted.wait(), 10)
+        await assert_all_given_back(sluice)
+    assert session_server.log == ["call", "answered", "delete"]
+
+
+async def test_a_delete_with_no_kept_call_goes_through_at_once(session_server, start_sluice):
+    """Nothing of the session in flight (or a route that keeps no answers): forwarded as
+    before, answered by the server."""
+    sluice = await start_sluice({"routes": [mcp_route(session_server.url,
+                                                      idempotency=DEDUP)]})
+    async with aiohttp.ClientSession() as http:
+        assert (await delete_session(http, sluice.url + "/tools/mcp"))[0] == 200
+    assert session_server.log == ["delete"]
+    [completed] = await completed_events(sluice, 1)
+    assert "session_delete" not in completed and completed["outcome"] == "2xx"
+
+
 async def test_a_stream_ended_without_its_response_is_an_upstream_error(session_server,
                                                                         start_sluice):
     """A route that keeps no answers: the DELETE goes through while the call's client waits,
@@ -182,3 +299,112 @@ async def test_a_finish_ended_without_its_response_is_an_upstream_error(session_
                                outcome="upstream_error") == 1
     assert await sluice.metric("sluice_finished_after_leaving_total", route="tools",
                                outcome="2xx") == 0
+
+
+MCP1_EXIT_AND_RETRY = """
+import asyncio, json, sys
+from datetime import timedelta
+from mcp.client.streamable_http import streamablehttp_client
+from mcp import ClientSession
+
+async def session(url, timeout_s):
+    args = {"to": "ops", "seconds": 2.5}
+    async with streamablehttp_client(url) as (read, write, _):
+        async with ClientSession(read, write) as session:
+            await session.initialize()
+            try:
+                result = await session.call_tool(
+                    "send_slowly", args, read_timeout_seconds=timedelta(seconds=timeout_s))
+                return result.content[0].text
+            except Exception as exc:
+                return f"{type(exc).__name__}: {exc}"[:200]
+
+async def main(url):
+    first = await session(url, 0.7)
+    retry = await session(url, 30)
+    print(json.dumps({"first": first, "retry": retry}))
+
+asyncio.run(main(sys.argv[1]))
+"""
+
+
+@pytest.mark.skipif(not MCP1_PYTHON.exists(), reason="no .venv-mcp1 (the mcp 1.x client)")
+async def test_python_1x_client_exit_after_a_timeout_then_retry_runs_once(
+        mcp_session, start_sluice, tmp_path):
+    """The 1.x client sends no cancel on its timeout and leaves the POST open: at its exit
+    the DELETE comes while the call's caller still seems to wait. Before: ``sent #2``."""
+    sluice = await start_sluice({"routes": [mcp_route(mcp_session.base_url,
+                                                      idempotency=DEDUP)]})
+    out = await run_mcp1(tmp_path / "mcp1_exit.py", MCP1_EXIT_AND_RETRY,
+                         sluice.url + "/tools/mcp")
+    assert "Timed out" in out["first"], out
+    assert out["retry"] == "sent #1"
+    assert mcp_session.sends() == 1
+    await assert_all_given_back(sluice)
+
+
+async def test_a_call_sent_on_the_session_after_its_delete_is_waited_for_too(session_server,
+                                                                             start_sluice):
+    """A client reusing the session's id after its DELETE: the request is forwarded (the
+    server still has the session), and the DELETE, checked again as each call ends, waits
+    for that call too."""
+    sluice = await start_sluice({"routes": [mcp_route(session_server.url,
+                                                      idempotency=DEDUP)]})
+    url = sluice.url + "/tools/mcp"
+    later = {**CALL, "id": 9, "params": {"name": "deliver", "arguments": {"to": "sales"}}}
+    async with aiohttp.ClientSession() as http:
+        await leave_call(http, url, session_server)
+        await noticed_leaving(sluice, session_server)
+        assert await delete_session(http, url) == (200, b"")
+
+        async def call_later() -> str:
+            async with http.post(url, json=later, headers=HEADERS) as r:
+                return await r.text()
+
+        answer = asyncio.create_task(call_later())
+        await wait_until(lambda: session_server.calls == 2, what="the later call upstream")
+        session_server.release.set()
+        assert "done #2" in await answer
+        await asyncio.wait_for(session_server.deleted.wait(), 10)
+        await assert_all_given_back(sluice)
+    assert session_server.log == ["call", "call", "answered", "answered", "delete"]
+
+
+async def test_a_drain_sends_a_waiting_delete_once_its_call_has_ended(session_server,
+                                                                      start_sluice):
+    """SIGTERM while a DELETE waits for a call finishing without its caller: the drain
+    waits for the call, the DELETE is sent after it, and the process exits."""
+    sluice = await start_sluice({"server": {"drain_timeout": "20s"},
+                                 "routes": [mcp_route(session_server.url,
+                                                      idempotency=DEDUP)]})
+    url = sluice.url + "/tools/mcp"
+    async with aiohttp.ClientSession() as http:
+        await leave_call(http, url, session_server)
+        await noticed_leaving(sluice, session_server)
+        assert await delete_session(http, url) == (200, b"")
+    sluice.signal(signal.SIGTERM)
+    await wait_until(lambda: "draining" in sluice.stderr(), what="the drain to start")
+    session_server.release.set()
+    assert await sluice.wait_exit(timeout=20) == 0
+    assert session_server.log == ["call", "answered", "delete"]
+    [sent] = [e for e in sluice.events() if e["event"] == "session_delete_sent"]
+    assert sent["status"] == 200
+
+
+async def test_a_drain_cut_sends_a_waiting_delete(session_server, start_sluice):
+    """Past ``drain_timeout`` the call is cut, and the DELETE that waited for it is sent
+    before the process exits: the server's session ends with it."""
+    sluice = await start_sluice({"server": {"drain_timeout": "300ms"},
+                                 "routes": [mcp_route(session_server.url,
+                                                      idempotency=DEDUP)]})
+    url = sluice.url + "/tools/mcp"
+    async with aiohttp.ClientSession() as http:
+        await leave_call(http, url, session_server)
+        await noticed_leaving(sluice, session_server)
+        assert await delete_session(http, url) == (200, b"")
+    sluice.signal(signal.SIGTERM)
+    assert await sluice.wait_exit(timeout=20) == 0
+    assert "delete" in session_server.log
+    [completed] = [e for e in sluice.events() if e["event"] == "completed"
+                   and e.get("mcp_method") == "tools/call"]
+    assert completed["finished_after_leaving"] == "drain_cut"

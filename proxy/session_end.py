@@ -1,0 +1,197 @@
+"""An MCP session's DELETE waits for the session's calls whose answers are kept for a retry.
+
+The official Python clients (1.x, and 2.x in ``legacy`` mode) end a session with ``DELETE``
+and its ``Mcp-Session-Id`` when their context exits, before they close the POSTs still open.
+The server then ends the session and cancels its tools' tasks. On a ``dedup`` route that
+undid what Sluice does for a timed-out call (finishing it without its caller, holding its
+client's cancel: ``proxy.handler``): the tool was cancelled after its side effect, its
+stream ended without the response, nothing was kept for the key, and the client's retry ran
+the tool a second time (a hostile trial, 5 of 5).
+
+The rule, here only: a DELETE of a session (route and ``Mcp-Session-Id``) that has a call
+in flight through Sluice whose answer is kept for its key and whose response has not come
+(:func:`kept_calls`: its caller waiting, gone, or its cancel held; or held for an answer
+closed early for polling) is answered by Sluice at once, 200 with no body as the official
+server answers it, and sent upstream once no such call of the session is left
+(:func:`call_ended`, from the end of every call). Every such call is bounded by its own
+``timeouts``, so the wait is too. A DELETE of a session with none goes through as before.
+
+- The calls are matched by route and session only, not by tenant: the DELETE ends the
+  server's session whoever sends it, and deferring it only delays it.
+- A second DELETE while one waits is answered 200 too, and not sent: one is enough.
+- Requests of the session sent after its DELETE (a client reusing the id) are forwarded as
+  before: the server's session is still there. A keyed call among them delays the DELETE
+  further, as it would have; the check is made again at each call's end, not against the
+  calls of the moment the DELETE came.
+- A call held for an answer closed early for polling gets that answer fetched by Sluice
+  itself (:func:`proxy.attempts.fetch_held_answer`): its client, having deleted the
+  session, will not resume it.
+- The drain waits for the calls as ever (``server.drain_timeout``); its cut ends them, and
+  each DELETE left is then sent (the drain waits :data:`proxy.server.SHUTDOWN_GRACE_S` for
+  those sends), so that the server's session ends with the process rather than at its idle
+  timeout.
+
+The DELETE's ``completed`` event is written when Sluice answers it (``2xx``, what its client
+got) with ``session_delete: "deferred"`` and the ``call_request_ids`` it waits for; the
+upstream send is a ``session_delete_sent`` event under the DELETE's request id (the
+upstream's ``status``, 0 when it failed, and ``deferred_s``, seconds since it came).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING, NamedTuple
+
+import aiohttp
+from aiohttp import hdrs, web
+
+from policies import mcp
+from policies.logs import PER_CALL
+from proxy import attempts
+from proxy import forward as fwd
+from proxy.client import client_timeout
+
+if TYPE_CHECKING:
+    from multidict import CIMultiDict
+
+    from policies.pipeline import Call
+    from proxy.routes import Route
+    from proxy.runtime import Runtime
+
+log = logging.getLogger("sluice")
+
+
+class Deferred(NamedTuple):
+    """A session's DELETE answered by Sluice and not sent yet."""
+
+    route: Route
+    #: The DELETE's own request id, tenant and run (its events').
+    request_id: str
+    tenant: str
+    run: str | None
+    #: Its headers as they go upstream.
+    headers: CIMultiDict[str]
+    path: str
+    #: Monotonic seconds when it came.
+    since: float
+
+
+def kept_calls(rt: Runtime, route: str, session: str, ending: Call | None = None
+               ) -> list[Call]:
+    """The calls of MCP ``session`` on ``route`` a DELETE waits for: in flight through
+    Sluice (its handler running, finished without its caller, or held for an answer closed
+    early for polling), kept for its key (``dedup``), not cancelled by its run, and whose
+    response has not come; ``ending`` (a call being settled now) is not counted."""
+    found = []
+    for call in (*rt.mcp_calls, *rt.finishing.values(), *rt.polling.values()):
+        capture = call.capture
+        if (call is ending or capture is None or call.cancelled is not None
+                or call.route != route or call.headers.get(mcp.SESSION_HEADER) != session):
+            continue
+        tracker = capture.tracker  # set once the answer began with a status that is kept
+        if capture.status and (tracker is None or tracker.outcome is not None):
+            continue  # its response has come, or will not be kept: nothing to wait for
+        found.append(call)
+    return found
+
+
+def defer(rt: Runtime, route: Route, request: web.BaseRequest, request_id: str, tenant: str,
+          run: str | None) -> web.Response | None:
+    """Answer a DELETE of an MCP session here, 200 with no body, when it must wait (module
+    docstring); ``None`` to forward it as before."""
+    session = request.headers.get(mcp.SESSION_HEADER)
+    if session is None:
+        return None
+    key = (route.name, session)
+    waits_for = kept_calls(rt, route.name, session)
+    if key not in rt.session_deletes:
+        if not waits_for:
+            return None
+        headers = fwd.upstream_headers(request, route.request_drop)
+        if route.own_credentials:
+            headers.popall(hdrs.AUTHORIZATION, None)
+        rt.session_deletes[key] = Deferred(route, request_id, tenant, run, headers,
+                                           request.raw_path, time.monotonic())
+        for call in waits_for:
+            if call in rt.polling.values():  # its client will not resume it now
+                attempts.fetch_held_answer(rt, route, call)
+    route.metrics.outcomes["2xx"].inc()
+    rt.events.emit("completed", request_id, route.name, tenant, run, status=200,
+                   outcome="2xx", session_delete="deferred",
+                   call_request_ids=[call.request_id for call in waits_for])
+    return web.Response(status=200)
+
+
+def held_for_polling(rt: Runtime, route: Route, call: Call) -> None:
+    """``call``'s answer was closed early for polling after its session's DELETE came: its
+    client will not resume it, so Sluice fetches it (module docstring)."""
+    session = call.headers.get(mcp.SESSION_HEADER)
+    if session is not None and (route.name, session) in rt.session_deletes:
+        attempts.fetch_held_answer(rt, route, call)
+
+
+def call_ended(rt: Runtime, call: Call) -> None:
+    """``call`` ends (``proxy.handler._settle``): send its session's deferred DELETE if no
+    call it waits for is left. Never raises."""
+    try:
+        session = call.headers.get(mcp.SESSION_HEADER)
+        if session is None:
+            return
+        key = (call.route, session)
+        deferred = rt.session_deletes.get(key)
+        if deferred is None or kept_calls(rt, call.route, session, ending=call):
+            return
+        del rt.session_deletes[key]
+        task = asyncio.create_task(_send(rt, deferred))
+        # Present from now, not from the task's first step: a drain looking in between
+        # saw nothing present and ended before it was sent.
+        deferred.route.present += 1
+        rt.session_delete_tasks.add(task)
+        task.add_done_callback(rt.session_delete_tasks.discard)
+    except Exception:
+        log.exception("route %s: a deferred session DELETE is not sent", call.route)
+
+
+async def _send(rt: Runtime, deferred: Deferred) -> None:
+    """Send ``deferred`` upstream, counted present on its route (the drain waits for it),
+    within the route's ``timeouts``; log its ``session_delete_sent`` event. Counted present
+    by :func:`call_ended`, which starts it."""
+    route = deferred.route
+    status = 0
+    try:
+        timeouts = route.config.timeouts
+        url = fwd.upstream_url(route.upstream_base, deferred.path[route.cut:])
+        assert rt.session is not None
+        async with rt.session.delete(url, headers=deferred.headers, timeout=client_timeout(
+                timeouts.total, timeouts.connect)) as response:
+            await response.read()
+            status = response.status
+        if status < 300:
+            end_session_polls(rt, route, deferred.headers.get(mcp.SESSION_HEADER))
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        log.info("route %s: the deferred DELETE %s was not sent: %r", route.name,
+                 deferred.request_id, exc, extra=PER_CALL)
+    except Exception:  # nobody awaits this task
+        log.exception("route %s: the deferred DELETE %s was not sent", route.name,
+                      deferred.request_id)
+    finally:
+        route.present -= 1
+        rt.events.emit("session_delete_sent", deferred.request_id, route.name,
+                       deferred.tenant, deferred.run, status=status,
+                       deferred_s=round(time.monotonic() - deferred.since, 6))
+
+
+def end_session_polls(rt: Runtime, route: Route, session: str | None) -> None:
+    """The upstream closed MCP ``session`` (its client's DELETE): end the calls of it held
+    for a polled answer (``proxy.handler._hold_polled``), ``client_disconnected``. Nothing
+    can resume their answers now, and held to their bound (600 s without
+    ``timeouts.total``) they kept their slots and keys for nothing (a review)."""
+    if session is None or not rt.polling:
+        return
+    for task, call in list(rt.polling.items()):
+        if call.route == route.name and call.headers.get(mcp.SESSION_HEADER) == session:
+            task.cancel()
+    for key in [key for key in rt.polled if key[0] == route.name and key[1] == session]:
+        del rt.polled[key]
