@@ -31,8 +31,10 @@ from tests import mcp_servers
 from tests.conftest import completed_events, serve_app, wait_until
 from tests.test_mcp_left_callers import assert_all_given_back, noticed_leaving
 from tests.test_operations import MCP1_PYTHON, run_mcp1
+from tests.test_review_mcp_round35 import _closed_for_polling, polling_sluice
 
 mcp_session = mcp_servers.mcp_session
+mcp_server_factory = mcp_servers.mcp_server_factory
 
 DEDUP = {"mode": "dedup", "max_wait": "30s"}
 SESSION = "s-1"
@@ -408,3 +410,31 @@ async def test_a_drain_cut_sends_a_waiting_delete(session_server, start_sluice):
     [completed] = [e for e in sluice.events() if e["event"] == "completed"
                    and e.get("mcp_method") == "tools/call"]
     assert completed["finished_after_leaving"] == "drain_cut"
+
+
+async def test_a_delete_waits_for_a_polled_call_whose_answer_sluice_fetches(
+        mcp_server_factory, start_sluice):
+    """A call whose answer the server closed early for polling (2025-11-25), its client
+    then deleting the session without resuming it: Sluice resumes the answer itself, keeps
+    it for the key, and sends the DELETE after. Before: the DELETE went through, the hold
+    ended with nothing kept, and the retry in a new session ran the tool again."""
+    server, sluice = await polling_sluice(mcp_server_factory, start_sluice, idempotency=DEDUP)
+    url = sluice.url + "/tools/mcp"
+    async with aiohttp.ClientSession() as http:
+        headers = await mcp_servers.raw_session(http, url)
+        await _closed_for_polling(http, url, headers, mcp_servers.tool_call(
+            2, "poll_send", to="ops", seconds=1))
+        await sluice.wait_metric("sluice_polled_calls", 1)
+        async with http.delete(url, headers=headers) as r:
+            assert (r.status, await r.read()) == (200, b"")
+        await sluice.wait_metric("sluice_polled_calls", 0, timeout=15)
+        await wait_until(lambda: any(e["event"] == "session_delete_sent"
+                                     for e in sluice.events()), what="the DELETE sent")
+        again = await mcp_servers.raw_session(http, url)
+        async with http.post(url, json=mcp_servers.tool_call(3, "poll_send", to="ops",
+                                                             seconds=1), headers=again) as r:
+            replayed, body = r.headers.get("Idempotent-Replayed"), await r.text()
+    assert replayed == "true" and "sent #1" in body
+    assert server.sends() == 1
+    [sent] = [e for e in sluice.events() if e["event"] == "session_delete_sent"]
+    assert sent["status"] == 200
