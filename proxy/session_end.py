@@ -82,8 +82,11 @@ def kept_calls(rt: Runtime, route: str, session: str, ending: Call | None = None
                ) -> list[Call]:
     """The calls of MCP ``session`` on ``route`` a DELETE waits for: in flight through
     Sluice (its handler running, finished without its caller, or held for an answer closed
-    early for polling), kept for its key (``dedup``), not cancelled by its run, and whose
-    response has not come; ``ending`` (a call being settled now) is not counted."""
+    early for polling), kept for its key (``dedup``), not cancelled by its run, whose
+    response has not come, and whose tool does not wait on its client (a server's request,
+    an elicitation, unanswered: the deleted session's client will not answer it, and held
+    to its timeout it kept the DELETE waiting for nothing); ``ending`` (a call being
+    settled now) is not counted."""
     found = []
     for call in (*rt.mcp_calls, *rt.finishing.values(), *rt.polling.values()):
         capture = call.capture
@@ -93,6 +96,8 @@ def kept_calls(rt: Runtime, route: str, session: str, ending: Call | None = None
         tracker = capture.tracker  # set once the answer began with a status that is kept
         if capture.status and (tracker is None or tracker.outcome is not None):
             continue  # its response has come, or will not be kept: nothing to wait for
+        if tracker is not None and tracker.awaits_client:
+            continue  # its tool waits on the client that ends the session: it would not end
         found.append(call)
     return found
 
