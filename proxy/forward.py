@@ -156,6 +156,22 @@ def awaits_client(call: Call | None) -> bool:
     return tracker is not None and tracker.awaits_client
 
 
+def kept_for_retry(call: Call) -> bool:
+    """Whether an MCP call in flight through Sluice (its handler running, finished without
+    its caller, or held for an answer closed early for polling) is one whose answer its key
+    will keep (``dedup``) and whose response has not come, so that a retry waits for it: a
+    client's cancel of it is held, and its session's DELETE waits for it. Not a call its run
+    cancelled, nor one whose tool waits on its client (:func:`awaits_client`): held for, it
+    would never end."""
+    capture = call.capture
+    if capture is None or call.cancelled is not None:
+        return False
+    tracker = capture.tracker  # set once the answer began with a status that is kept
+    if capture.status and (tracker is None or tracker.outcome is not None):
+        return False  # its response has come, or will not be kept
+    return tracker is None or not tracker.awaits_client
+
+
 def delivered(request: web.BaseRequest) -> bool:
     """Whether the last message of the answer relayed for ``request`` (an MCP request's
     response, an OpenAI stream's ``data: [DONE]``) has been handed to the caller's

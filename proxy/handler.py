@@ -77,6 +77,7 @@ from proxy.forward import (
     end_answer,
     end_mcp_answer,
     judged_stream,
+    kept_for_retry,
 )
 from proxy.identity import IdentityRejected, identify
 from proxy.metrics import MAX_OPERATION_LABEL_CHARS
@@ -1093,16 +1094,10 @@ def _call_to_hold(rt: Runtime, route: Route, tenant: str, session: str,
     Cancels are rare: a scan of the MCP calls in flight at cancel time keeps this off the
     path of every other request."""
     for call in itertools.chain(rt.mcp_calls, rt.finishing.values(), rt.polling.values()):
-        capture = call.capture
-        if (capture is None or call.cancelled is not None
+        if (call.capture is None or call.cancelled is not None
                 or not _named_by_cancel(call, route, tenant, session, request_id)):
             continue
-        tracker = capture.tracker  # set once the answer began with a status that is kept
-        if capture.status and (tracker is None or tracker.outcome is not None):
-            return None  # its response has come, or will not be kept: nothing to hold for
-        if tracker is not None and tracker.awaits_client:
-            return None  # its tool waits on the client that cancels it: forwarded, it ends
-        return call
+        return call if kept_for_retry(call) else None
     return None
 
 

@@ -87,19 +87,9 @@ def kept_calls(rt: Runtime, route: str, session: str, ending: Call | None = None
     an elicitation, unanswered: the deleted session's client will not answer it, and held
     to its timeout it kept the DELETE waiting for nothing); ``ending`` (a call being
     settled now) is not counted."""
-    found = []
-    for call in (*rt.mcp_calls, *rt.finishing.values(), *rt.polling.values()):
-        capture = call.capture
-        if (call is ending or capture is None or call.cancelled is not None
-                or call.route != route or call.headers.get(mcp.SESSION_HEADER) != session):
-            continue
-        tracker = capture.tracker  # set once the answer began with a status that is kept
-        if capture.status and (tracker is None or tracker.outcome is not None):
-            continue  # its response has come, or will not be kept: nothing to wait for
-        if tracker is not None and tracker.awaits_client:
-            continue  # its tool waits on the client that ends the session: it would not end
-        found.append(call)
-    return found
+    return [call for call in (*rt.mcp_calls, *rt.finishing.values(), *rt.polling.values())
+            if call is not ending and call.route == route
+            and call.headers.get(mcp.SESSION_HEADER) == session and fwd.kept_for_retry(call)]
 
 
 def defer(rt: Runtime, route: Route, request: web.BaseRequest, request_id: str, tenant: str,
