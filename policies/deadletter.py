@@ -497,30 +497,41 @@ class NotADeadLetterFile(Exception):
     ``dead_letters`` table: another application's, or none yet."""
 
 
+#: The columns of every dead-letter file's ``dead_letters`` table (``key_origin``, added
+#: later, is added when a file without it is opened).
+_LETTER_COLUMNS = frozenset({
+    "id", "created_at", "route", "tenant", "run", "idempotency_key", "request_id", "method",
+    "path", "headers", "redacted", "body", "body_size", "attempts", "reason"})
+
+
 def check_dead_letter_file(path: str, busy_timeout_s: float = 5.0) -> None:
     """Check that the existing file at ``path`` is a dead-letter file (it has the
-    ``dead_letters`` table) by reading it only, before :class:`DeadLetterFile` opens it:
-    that would add the tables to any SQLite database and switch it to WAL mode for good
-    (``sluice dlq list --file app.db``).
+    ``dead_letters`` table, with its columns) by reading it only, before
+    :class:`DeadLetterFile` opens it: that would add the tables to any SQLite database and
+    switch it to WAL mode for good (``sluice dlq list --file app.db``).
 
     Raises:
         NotADeadLetterFile: it is no SQLite database, or one (or an empty file) without
-            that table.
+            that table, or with a table of that name that lacks its columns.
         sqlite3.Error: there is no file there, or it stayed locked longer than
             ``busy_timeout_s`` seconds.
     """
     try:
         with _reading(path, busy_timeout_s) as db:
-            found = db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table'"
-                               " AND name = 'dead_letters'").fetchone()
+            columns = {row[1] for row in db.execute("PRAGMA table_info(dead_letters)")}
     except sqlite3.DatabaseError as exc:
         if getattr(exc, "sqlite_errorname", None) != "SQLITE_NOTADB":
             raise
         raise NotADeadLetterFile(f"{path} is no Sluice dead-letter file (it is no SQLite "
                                  "database)") from None
-    if found is None:
+    if not columns:
         raise NotADeadLetterFile(f"{path} is no Sluice dead-letter file (it holds no "
                                  "dead_letters table)")
+    if missing := _LETTER_COLUMNS - columns:
+        # Another application's table of that name: opened, it was switched to WAL mode
+        # and then failed on "no such column: route" (a new user's trial).
+        raise NotADeadLetterFile(f"{path} is no Sluice dead-letter file (its dead_letters "
+                                 f"table has no {', '.join(sorted(missing))} column)")
 
 
 @contextlib.contextmanager

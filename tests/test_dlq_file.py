@@ -29,17 +29,18 @@ async def cli_in(cwd: Path, *args: str) -> tuple[int, str, str]:
     return await outcome(proc)
 
 
-def another_apps_database(path: Path) -> None:
+def another_apps_database(path: Path, table: str = "users") -> None:
     db = sqlite3.connect(path)
     try:
-        db.execute("CREATE TABLE users (id INTEGER PRIMARY KEY, name TEXT)")
-        db.execute("INSERT INTO users (name) VALUES ('ada')")
+        db.execute(f"CREATE TABLE {table} (id INTEGER PRIMARY KEY, name TEXT)")
+        db.execute(f"INSERT INTO {table} (name) VALUES ('ada')")
         db.commit()
     finally:
         db.close()
 
 
-@pytest.mark.parametrize("kind", ["another-apps-database", "empty-file", "no-database"])
+@pytest.mark.parametrize("kind", ["another-apps-database", "empty-file", "no-database",
+                                  "another-apps-dead-letters"])
 async def test_a_file_that_is_no_dead_letter_file_is_refused_and_left_as_it_was(
         tmp_path, kind):
     """``--file`` on another application's SQLite database added the dead-letter tables to
@@ -50,6 +51,8 @@ async def test_a_file_that_is_no_dead_letter_file_is_refused_and_left_as_it_was(
         foreign.touch()
     elif kind == "no-database":  # it printed SQLite's own "file is not a database"
         foreign.write_text("notes, not a database\n" * 200)
+    elif kind == "another-apps-dead-letters":  # switched to WAL, then "no such column"
+        another_apps_database(foreign, "dead_letters")
     else:
         another_apps_database(foreign)
     before = foreign.read_bytes()
@@ -59,15 +62,18 @@ async def test_a_file_that_is_no_dead_letter_file_is_refused_and_left_as_it_was(
         code, out, err = await cli_in(tmp_path, "dlq", *command, "--file", str(foreign),
                                       "--config", config)
         assert (code, out) == (1, ""), (command, out, err)
-        why = ("it is no SQLite database" if kind == "no-database"
-               else "it holds no dead_letters table")
+        why = {"no-database": "it is no SQLite database",
+               "another-apps-dead-letters": "its dead_letters table has no attempts, "
+               "body, body_size, created_at, headers, idempotency_key, method, path, "
+               "reason, redacted, request_id, route, run, tenant column",
+               }.get(kind, "it holds no dead_letters table")
         assert err == (f"{foreign} is no Sluice dead-letter file ({why}); refused, with "
                        "nothing written to it\n"), command
     assert foreign.read_bytes() == before
     assert foreign.stat().st_mtime_ns == 1_000_000_000
     assert sorted(p.name for p in tmp_path.iterdir()) == ["app.db", "dlq.sqlite",
                                                           "sluice.yaml"]
-    if kind == "another-apps-database":
+    if kind.startswith("another-apps"):
         with sqlite3.connect(foreign) as db:
             assert db.execute("PRAGMA journal_mode").fetchone() == ("delete",)
 
