@@ -372,11 +372,11 @@ async def test_a_call_sent_on_the_session_after_its_delete_is_waited_for_too(ses
     assert session_server.log == ["call", "call", "answered", "answered", "delete"]
 
 
-async def test_a_drain_sends_a_waiting_delete_once_its_call_has_ended(session_server,
-                                                                      start_sluice):
-    """SIGTERM while a DELETE waits for a call finishing without its caller: the drain
-    waits for the call, the DELETE is sent after it, and the process exits."""
-    sluice = await start_sluice({"server": {"drain_timeout": "20s"},
+async def deleted_while_finishing(start_sluice: Any, session_server: SessionServer,
+                                  drain_timeout: str) -> Any:
+    """A Sluice (``drain_timeout``) in front of ``session_server`` with a call finishing
+    without its caller and its session's DELETE answered, waiting for it."""
+    sluice = await start_sluice({"server": {"drain_timeout": drain_timeout},
                                  "routes": [mcp_route(session_server.url,
                                                       idempotency=DEDUP)]})
     url = sluice.url + "/tools/mcp"
@@ -384,6 +384,14 @@ async def test_a_drain_sends_a_waiting_delete_once_its_call_has_ended(session_se
         await leave_call(http, url, session_server)
         await noticed_leaving(sluice, session_server)
         assert await delete_session(http, url) == (200, b"")
+    return sluice
+
+
+async def test_a_drain_sends_a_waiting_delete_once_its_call_has_ended(session_server,
+                                                                      start_sluice):
+    """SIGTERM while a DELETE waits for a call finishing without its caller: the drain
+    waits for the call, the DELETE is sent after it, and the process exits."""
+    sluice = await deleted_while_finishing(start_sluice, session_server, "20s")
     sluice.signal(signal.SIGTERM)
     await wait_until(lambda: "draining" in sluice.stderr(), what="the drain to start")
     session_server.release.set()
@@ -396,14 +404,7 @@ async def test_a_drain_sends_a_waiting_delete_once_its_call_has_ended(session_se
 async def test_a_drain_cut_sends_a_waiting_delete(session_server, start_sluice):
     """Past ``drain_timeout`` the call is cut, and the DELETE that waited for it is sent
     before the process exits: the server's session ends with it."""
-    sluice = await start_sluice({"server": {"drain_timeout": "300ms"},
-                                 "routes": [mcp_route(session_server.url,
-                                                      idempotency=DEDUP)]})
-    url = sluice.url + "/tools/mcp"
-    async with aiohttp.ClientSession() as http:
-        await leave_call(http, url, session_server)
-        await noticed_leaving(sluice, session_server)
-        assert await delete_session(http, url) == (200, b"")
+    sluice = await deleted_while_finishing(start_sluice, session_server, "300ms")
     sluice.signal(signal.SIGTERM)
     assert await sluice.wait_exit(timeout=20) == 0
     assert "delete" in session_server.log
