@@ -516,7 +516,11 @@ class Breaker:
         (``ticket.after``): the one place a probe's later failure is told from the rest."""
         states = ticket.states
         if ticket.after:  # the probe's answer, after its success: only a failure tells
-            if outcome != FAILURE:
+            if outcome != FAILURE or (states is self._backends.breakers
+                                      and ticket.ticket.epoch < self._epoch):
+                # Or the view knows the breaker has moved on: the record could change
+                # nothing, and its answer would tell the view no probe is in flight while
+                # a new one is (a review: check() then let calls queue for a refusal).
                 return None
             outcome = PROBE_FAILED
         self._let_go(ticket.ticket)  # the probe is over: its outcome frees the lease

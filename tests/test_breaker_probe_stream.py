@@ -144,6 +144,29 @@ async def test_once_the_breaker_moved_on_a_probes_stream_failing_changes_nothing
     assert (b.current, w.opened()) == ("open", ["fail_max", "fail_max", "probe_failed"])
 
 
+async def test_a_stale_probes_failure_leaves_a_new_probe_in_flight_seen():
+    """A's success closed the breaker; it opened again and B now probes. A's stream failing
+    then changed nothing in the state, but its record's answer told this replica's view no
+    probe was in flight: ``check()`` stopped refusing, and calls queued only to be refused
+    at their attempt (a review). The view knows the breaker has moved on: nothing is sent,
+    and the view keeps refusing while B's probe runs. (Memory only: on Redis the view
+    leaves a probe in flight to the attempt's script.)"""
+    w = Watched(memory_backends())
+    b = w.breaker
+    await w.open()
+    after_a = await w.probe_succeeds()
+    await w.open()
+    probe_b = await probe_of(b)
+    with pytest.raises(Rejected):
+        b.check()
+    assert await b.record(after_a, FAILURE) is None
+    with pytest.raises(Rejected) as refused:
+        b.check()
+    assert "probe" in refused.value.detail
+    await b.record(probe_b, SUCCESS, 200)
+    assert b.current == "closed"
+
+
 async def test_under_a_success_threshold_the_half_open_state_is_the_probes_too(
         states: StateBackends):
     """``success_threshold: 2``: A's success leaves the breaker half-open; A's stream
