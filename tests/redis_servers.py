@@ -28,6 +28,8 @@ from typing import Any
 
 import pytest
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from policies.state import StateBackends, memory_backends, redis_backends
 from tests.ports import free_ports
@@ -138,8 +140,10 @@ class RedisServer:
     def _answering(self) -> bool:
         """This server answers, not another one that took the port first."""
         try:
-            with redis.Redis(port=self.port, socket_timeout=0.5,
-                             socket_connect_timeout=0.5) as r:
+            # No retries: redis-py's default three, with back-off, made one look at a port
+            # taken by a silent listener 9 s long (a pinned-port test took 27 s).
+            with redis.Redis(port=self.port, socket_timeout=0.5, socket_connect_timeout=0.5,
+                             retry=Retry(NoBackoff(), 0)) as r:
                 return r.info("server")["process_id"] == self.proc.pid
         except redis.AuthenticationError:  # up, wanting a password: ours if still running
             return self.proc.poll() is None
