@@ -1273,8 +1273,12 @@ def _mismatch(claim: Claim) -> Rejected:
 
 
 def replay_response(record: Record) -> web.Response:
-    """The stored answer as a fresh response, marked ``Idempotent-Replayed: true``."""
-    headers = CIMultiDict(record.headers)
+    """The stored answer as a fresh response, marked ``Idempotent-Replayed: true``; the
+    headers a replay leaves out (``_NOT_REPLAYED``) are left out here too, for a record
+    stored before one joined them (an ``Mcp-Session-Id`` kept by an earlier release, for up
+    to its ``ttl``)."""
+    headers = CIMultiDict((name, value) for name, value in record.headers
+                          if name.lower() not in _NOT_REPLAYED)
     headers[REPLAYED_HEADER] = "true"
     return web.Response(status=record.status, reason=record.reason or None, body=record.body,
                         headers=headers)

@@ -13,7 +13,14 @@ import pytest
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from policies.config import IdempotencyConfig
-from policies.idempotency import FRESH_KEYS_PER_READ, Capture, Idempotency, fresh_key, parse_key
+from policies.idempotency import (
+    FRESH_KEYS_PER_READ,
+    Capture,
+    Idempotency,
+    fresh_key,
+    parse_key,
+    replay_response,
+)
 from policies.idempotency_store import DONE, SEEN, TOO_LARGE, MemoryStore, Record
 from policies.pipeline import Call
 from policies.reasons import Reason
@@ -510,3 +517,18 @@ async def test_a_derived_keys_mismatch_names_the_headers_it_was_made_from() -> N
     assert refused.value.detail.startswith(
         "Sluice derived it from this request's X-Run-ID, X-Step-ID; it was used")
     assert "Idempotency-Key of its own" in refused.value.detail
+
+
+def test_a_record_stored_before_a_header_was_left_out_replays_without_it():
+    """``Mcp-Session-Id`` joined the headers a replay leaves out when answers are captured;
+    a record an earlier release stored (on Redis, for up to its ``ttl``) still held the
+    first caller's session id, and replayed it to another session (a review)."""
+    record = Record(DONE, os.urandom(32), 200, "OK", (
+        ("Content-Type", "text/event-stream"), ("Mcp-Session-Id", "first-callers-session"),
+        ("Set-Cookie", "a=b"), ("X-Upstream", "kept")), b"data: {}\n\n")
+    replayed = replay_response(record)
+    assert "Mcp-Session-Id" not in replayed.headers
+    assert "Set-Cookie" not in replayed.headers
+    assert replayed.headers["X-Upstream"] == "kept"
+    assert replayed.headers["Idempotent-Replayed"] == "true"
+    assert (replayed.status, replayed.body) == (200, b"data: {}\n\n")
