@@ -105,6 +105,13 @@ STREAM_METHODS = frozenset({"subscriptions/listen"})
 
 SSE = "text/event-stream"
 
+#: The requests of a server's to its client that a tool waits on for its answer (MCP
+#: 2025-11-25: elicitation, sampling, the client's roots). Not ``ping``, which no tool
+#: waits on (a review: a server's ping on a call's stream made its caller's leaving end
+#: the call, the tool ran on and its retry ran it again), nor a method this list does not
+#: know: a call is then finished without its caller, as before.
+CLIENT_ANSWERED = frozenset({"elicitation/create", "sampling/createMessage", "roots/list"})
+
 _VERSION = re.compile(r"\d{4}-\d{2}-\d{2}")
 _B64_PREFIX, _B64_SUFFIX = "=?base64?", "?="
 
@@ -599,9 +606,8 @@ class AnswerTracker:
         self.last_event_id = b""
         #: SSE: an ``id`` field of the event still being read, not yet in effect.
         self._id_pending: bytes | None = None
-        #: SSE: the ids of the server's requests to its client the answer has carried
-        #: (``elicitation/create``, ``sampling/createMessage``, ``roots/list``: a message
-        #: with a ``method`` and an ``id``) that the client has not answered yet
+        #: SSE: the ids of the server's requests to its client the answer has carried that
+        #: a tool waits on (:data:`CLIENT_ANSWERED`) and the client has not answered yet
         #: (:meth:`client_answered`); ``None`` until the first one.
         self._asks: set[RequestId] | None = None
 
@@ -729,7 +735,8 @@ class AnswerTracker:
         doc = _loads_or_none(data)  # not JSON (a priming event's data is empty): not it
         if _is_response_to(doc, self.request_id):
             self.outcome, self.complete_at = _outcome(doc), offset
-        elif isinstance(doc, dict) and "method" in doc and is_id(doc.get("id")):
+        elif (isinstance(doc, dict) and doc.get("method") in CLIENT_ANSWERED
+              and is_id(doc.get("id"))):
             if self._asks is None:
                 self._asks = set()
             self._asks.add(doc["id"])  # 1 and "1" stay apart in a set, as ids must

@@ -597,6 +597,9 @@ def test_the_tracker_follows_the_servers_requests_its_client_has_not_answered() 
     tracker.feed(b'event: message\ndata: {"jsonrpc":"2.0","method":"notifications/progress",'
                  b'"params":{}}\n\n')
     assert not tracker.awaits_client  # a notification asks nothing
+    tracker.feed(b'event: message\ndata: {"jsonrpc":"2.0","id":7,"method":"ping"}\n\n'
+                 b'event: message\ndata: {"jsonrpc":"2.0","id":8,"method":"x/unknown"}\n\n')
+    assert not tracker.awaits_client  # no tool waits on a ping, nor on what we do not know
     tracker.feed(b'event: message\ndata: {"jsonrpc":"2.0","id":0,"method":"elicitation/create",'
                  b'"params":{}}\n\nevent: message\ndata: {"jsonrpc":"2.0","id":"1",'
                  b'"method":"roots/list"}\n\n')
