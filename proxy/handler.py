@@ -591,9 +591,11 @@ def _client_answered(rt: Runtime, route: Route, tenant: str, session: str,
     (``Mcp-Session-Id``: a server's request ids are its session's) in flight whose answers
     carried those requests wait on their client no more, and may be finished without it
     again (:func:`_leave`). Taken as the POST arrives, before it is forwarded: a caller
-    that leaves once its answer is on the way leaves a call the server can end. Such POSTs
-    are rare: a scan of the MCP calls in flight keeps this off every other request's path."""
-    for call in itertools.chain(rt.mcp_calls, rt.finishing.values()):
+    that leaves once its answer is on the way leaves a call the server can end; so does a
+    call held for an answer closed early for polling (a review: else its session's DELETE
+    did not wait for it). Such POSTs are rare: a scan of the MCP calls in flight keeps this
+    off every other request's path."""
+    for call in itertools.chain(rt.mcp_calls, rt.finishing.values(), rt.polling.values()):
         capture = call.capture
         tracker = capture.tracker if capture is not None else None
         if (tracker is not None and tracker.awaits_client and call.route == route.name

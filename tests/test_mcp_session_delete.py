@@ -70,6 +70,9 @@ class SessionServer:
         self.cut = 0  # read by noticed_leaving: this server never sees a cut
         self.runner: web.AppRunner | None = None
         self.port = 0
+        #: What a call's stream carries first.
+        self.first_event: dict = {"jsonrpc": "2.0", "method": "notifications/progress",
+                                  "params": {"progressToken": 1, "progress": 0.5}}
 
     @property
     def url(self) -> str:
@@ -102,8 +105,7 @@ class SessionServer:
         try:
             out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await out.prepare(request)
-            await out.write(_event({"jsonrpc": "2.0", "method": "notifications/progress",
-                                    "params": {"progressToken": 1, "progress": 0.5}}))
+            await out.write(_event(self.first_event))
             release = asyncio.ensure_future(self.release.wait())
             deleted = asyncio.ensure_future(self.deleted.wait())
             await asyncio.wait((release, deleted), return_when=asyncio.FIRST_COMPLETED)
@@ -439,3 +441,98 @@ async def test_a_delete_waits_for_a_polled_call_whose_answer_sluice_fetches(
     assert server.sends() == 1
     [sent] = [e for e in sluice.events() if e["event"] == "session_delete_sent"]
     assert sent["status"] == 200
+
+
+async def test_a_servers_ping_on_the_calls_stream_does_not_end_it_when_its_caller_leaves(
+        session_server, start_sluice):
+    """A server's ``ping`` on the call's stream was taken for a question its tool waited on:
+    the caller leaving ended the call at once, the tool ran on at the server, nothing was
+    kept, and the retry ran it again (a review). No tool waits on a ping: the call is
+    finished without its caller, and the retry gets its answer."""
+    session_server.first_event = {"jsonrpc": "2.0", "id": 0, "method": "ping"}
+    sluice = await start_sluice({"routes": [mcp_route(session_server.url,
+                                                      idempotency=DEDUP)]})
+    url = sluice.url + "/tools/mcp"
+    async with aiohttp.ClientSession() as http:
+        await leave_call(http, url, session_server)
+        await noticed_leaving(sluice, session_server)
+        session_server.release.set()
+        async with http.post(url, json={**CALL, "id": 8}, headers=HEADERS) as r:
+            replayed, body = r.headers.get("Idempotent-Replayed"), await r.text()
+    assert replayed == "true" and "done #1" in body
+    assert session_server.log == ["call", "answered"]
+    await assert_all_given_back(sluice)
+
+
+class PolledAskingServer:
+    """A ``tools/call`` answered with a priming event, an ``elicitation/create`` (both with
+    event ids), then closed early for polling (SEP-1699); a resuming GET gets nothing yet.
+    Logs ``call``, ``answer <id>`` (the client's response POST), ``get``, ``delete``."""
+
+    def __init__(self) -> None:
+        self.log: list[str] = []
+        self.runner: web.AppRunner | None = None
+        self.port = 0
+        self.stopping = asyncio.Event()
+
+    async def start(self) -> PolledAskingServer:
+        app = web.Application()
+        app.router.add_post("/mcp", self._post)
+        app.router.add_get("/mcp", self._get)
+        app.router.add_delete("/mcp", self._delete)
+        self.runner, self.port = await serve_app(app, handler_cancellation=True)
+        return self
+
+    async def _delete(self, request: web.Request) -> web.Response:
+        self.log.append("delete")
+        return web.Response(status=200)
+
+    async def _get(self, request: web.Request) -> web.StreamResponse:
+        self.log.append("get")
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        await self.stopping.wait()  # the answer is not ready
+        return out
+
+    async def _post(self, request: web.Request) -> web.StreamResponse:
+        message = await request.json()
+        if "method" not in message:
+            self.log.append(f"answer {message.get('id')}")
+            return web.Response(status=202)
+        self.log.append("call")
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        await out.write(b"id: e1\ndata: \n\n")
+        await out.write(b"id: e2\n" + _event({"jsonrpc": "2.0", "id": 0,
+                                             "method": "elicitation/create", "params": {}}))
+        await out.write_eof()
+        return out
+
+
+async def test_a_polled_calls_answered_question_lets_its_sessions_delete_wait(start_sluice):
+    """The client answered the elicitation of a call closed early for polling: its tool
+    can end, so the session's DELETE must wait for it (and Sluice fetch its answer). The
+    answer was looked for among live and finishing calls only, so the call stayed "waiting
+    on its client", the DELETE went through at once and the held call ended with nothing
+    kept for its key (a review)."""
+    server = await PolledAskingServer().start()
+    try:
+        sluice = await start_sluice({"routes": [mcp_route(f"http://127.0.0.1:{server.port}",
+                                                          idempotency=DEDUP)]})
+        url = sluice.url + "/tools/mcp"
+        async with aiohttp.ClientSession() as http:
+            async with http.post(url, json=CALL, headers=HEADERS) as r:
+                await r.read()
+            await sluice.wait_metric("sluice_polled_calls", 1)
+            answer = {"jsonrpc": "2.0", "id": 0, "result": {"action": "accept", "content": {}}}
+            async with http.post(url, json=answer, headers=HEADERS) as r:
+                assert r.status == 202
+            assert await delete_session(http, url) == (200, b"")
+        await wait_until(lambda: any(e.get("session_delete") == "deferred"
+                                     for e in sluice.events()), what="the DELETE deferred")
+        await wait_until(lambda: "get" in server.log, what="Sluice fetching the answer")
+        assert "delete" not in server.log  # it waits for the call
+    finally:
+        server.stopping.set()
+        assert server.runner is not None
+        await server.runner.cleanup()
