@@ -201,7 +201,7 @@ class Runtime:
         #: MCP sessions' DELETEs answered by Sluice and not sent yet, each by route name and
         #: ``Mcp-Session-Id``: they wait for the session's calls kept for a retry
         #: (``proxy.session_end``).
-        self.session_deletes: dict[tuple[str, str], Deferred] = {}
+        self.session_deletes: dict[tuple[str, str], list[Deferred]] = {}
         #: The tasks sending those DELETEs upstream, for the drain to wait for.
         self.session_delete_tasks: set[asyncio.Task[None]] = set()
         self.metrics.finishing.set_function(lambda: len(self.finishing))

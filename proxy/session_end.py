@@ -18,7 +18,10 @@ server answers it, and sent upstream once no such call of the session is left
 
 - The calls are matched by route and session only, not by tenant: the DELETE ends the
   server's session whoever sends it, and deferring it only delays it.
-- A second DELETE while one waits is answered 200 too, and not sent: one is enough.
+- A second DELETE while one waits is answered 200 too and kept with its own headers (up
+  to :data:`MAX_DELETES_KEPT`): once the calls have ended they are sent in the order they
+  came until the server takes one (a 2xx), so that a DELETE the server refuses (another
+  caller's, without the session owner's credentials) cannot stand for the owner's.
 - Requests of the session sent after its DELETE (a client reusing the id) are forwarded as
   before: the server's session is still there. A keyed call among them delays the DELETE
   further, as it would have; the check is made again at each call's end, not against the
@@ -63,6 +66,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("sluice")
 
 
+#: DELETEs of one session kept while they wait (each with its own headers, sent in turn
+#: until the server takes one); those past it are answered 200 and not sent.
+MAX_DELETES_KEPT = 4
+
+
 class Deferred(NamedTuple):
     """A session's DELETE answered by Sluice and not sent yet."""
 
@@ -101,17 +109,22 @@ def defer(rt: Runtime, route: Route, request: web.BaseRequest, request_id: str, 
         return None
     key = (route.name, session)
     waits_for = kept_calls(rt, route.name, session)
-    if key not in rt.session_deletes:
+    waiting = rt.session_deletes.get(key)
+    if waiting is None:
         if not waits_for:
             return None
-        headers = fwd.upstream_headers(request, route.request_drop)
-        if route.own_credentials:
-            headers.popall(hdrs.AUTHORIZATION, None)
-        rt.session_deletes[key] = Deferred(route, request_id, tenant, run, headers,
-                                           request.raw_path, time.monotonic())
+        waiting = rt.session_deletes[key] = []
         for call in waits_for:
             if call in rt.polling.values():  # its client will not resume it now
                 attempts.fetch_held_answer(rt, route, call)
+    if len(waiting) < MAX_DELETES_KEPT:
+        # Each with its own headers: the first one kept, had it been the only one sent, let
+        # a stranger's DELETE (refused by the server) stand for the owner's (a review).
+        headers = fwd.upstream_headers(request, route.request_drop)
+        if route.own_credentials:
+            headers.popall(hdrs.AUTHORIZATION, None)
+        waiting.append(Deferred(route, request_id, tenant, run, headers, request.raw_path,
+                                time.monotonic()))
     route.metrics.outcomes["2xx"].inc()
     rt.events.emit("completed", request_id, route.name, tenant, run, status=200,
                    outcome="2xx", session_delete="deferred",
@@ -135,24 +148,36 @@ def call_ended(rt: Runtime, call: Call) -> None:
         if session is None:
             return
         key = (call.route, session)
-        deferred = rt.session_deletes.get(key)
-        if deferred is None or kept_calls(rt, call.route, session, ending=call):
+        waiting = rt.session_deletes.get(key)
+        if waiting is None or kept_calls(rt, call.route, session, ending=call):
             return
         del rt.session_deletes[key]
-        task = asyncio.create_task(_send(rt, deferred))
+        task = asyncio.create_task(_send_until_taken(rt, waiting))
         # Present from now, not from the task's first step: a drain looking in between
         # saw nothing present and ended before it was sent.
-        deferred.route.present += 1
+        waiting[0].route.present += 1
         rt.session_delete_tasks.add(task)
         task.add_done_callback(rt.session_delete_tasks.discard)
     except Exception:
         log.exception("route %s: a deferred session DELETE is not sent", call.route)
 
 
-async def _send(rt: Runtime, deferred: Deferred) -> None:
-    """Send ``deferred`` upstream, counted present on its route (the drain waits for it),
-    within the route's ``timeouts``; log its ``session_delete_sent`` event. Counted present
-    by :func:`call_ended`, which starts it."""
+async def _send_until_taken(rt: Runtime, waiting: list[Deferred]) -> None:
+    """Send the DELETEs ``waiting`` upstream in the order they came until the server takes
+    one (a 2xx: the session has ended, the rest are not sent), counted present on their
+    route (the drain waits), as :func:`call_ended`, which starts it, counted it."""
+    route = waiting[0].route
+    try:
+        for deferred in waiting:
+            if await _send(rt, deferred) // 100 == 2:
+                return
+    finally:
+        route.present -= 1
+
+
+async def _send(rt: Runtime, deferred: Deferred) -> int:
+    """Send ``deferred`` upstream within its route's ``timeouts`` and log its
+    ``session_delete_sent`` event; the server's status, 0 when it got none."""
     route = deferred.route
     status = 0
     try:
@@ -172,10 +197,10 @@ async def _send(rt: Runtime, deferred: Deferred) -> None:
         log.exception("route %s: the deferred DELETE %s was not sent", route.name,
                       deferred.request_id)
     finally:
-        route.present -= 1
         rt.events.emit("session_delete_sent", deferred.request_id, route.name,
                        deferred.tenant, deferred.run, status=status,
                        deferred_s=round(time.monotonic() - deferred.since, 6))
+    return status
 
 
 def end_session_polls(rt: Runtime, route: Route, session: str | None) -> None:

@@ -70,6 +70,8 @@ class SessionServer:
         self.cut = 0  # read by noticed_leaving: this server never sees a cut
         self.runner: web.AppRunner | None = None
         self.port = 0
+        #: The Authorization a DELETE must carry, if any (else 401).
+        self.delete_needs: str | None = None
         #: What a call's stream carries first.
         self.first_event: dict = {"jsonrpc": "2.0", "method": "notifications/progress",
                                   "params": {"progressToken": 1, "progress": 0.5}}
@@ -91,6 +93,10 @@ class SessionServer:
             await self.runner.cleanup()
 
     async def _delete(self, request: web.Request) -> web.Response:
+        if (self.delete_needs is not None
+                and request.headers.get("Authorization") != self.delete_needs):
+            self.log.append("delete refused")
+            return web.Response(status=401)
         self.log.append("delete")
         self.deleted.set()
         return web.Response(status=200, content_type="application/json")
@@ -536,3 +542,29 @@ async def test_a_polled_calls_answered_question_lets_its_sessions_delete_wait(st
         server.stopping.set()
         assert server.runner is not None
         await server.runner.cleanup()
+
+
+async def test_a_refused_delete_does_not_stand_for_the_owners(session_server, start_sluice):
+    """Two DELETEs waited for one call: another caller's first, which the server refuses,
+    then the owner's. Only the first was kept and sent: the server answered it 401, the
+    owner's was never sent and the session lived on, though the owner was told 200 (a
+    review). Each is kept with its own headers and sent in turn until the server takes
+    one."""
+    session_server.delete_needs = "Bearer owner"
+    sluice = await start_sluice({"routes": [mcp_route(session_server.url,
+                                                      idempotency=DEDUP)]})
+    url = sluice.url + "/tools/mcp"
+    async with aiohttp.ClientSession() as http:
+        await leave_call(http, url, session_server)
+        await noticed_leaving(sluice, session_server)
+        for who in ("Bearer stranger", "Bearer owner"):
+            async with http.delete(url, headers={**HEADERS, "Authorization": who}) as r:
+                assert (r.status, await r.read()) == (200, b"")
+        session_server.release.set()
+        await asyncio.wait_for(session_server.deleted.wait(), 10)
+    assert session_server.log == ["call", "answered", "delete refused", "delete"]
+    await wait_until(lambda: len([e for e in sluice.events()
+                                  if e["event"] == "session_delete_sent"]) == 2,
+                     what="both DELETEs sent")
+    assert [e["status"] for e in sluice.events()
+            if e["event"] == "session_delete_sent"] == [401, 200]
