@@ -154,6 +154,20 @@ async def leave_call(http: aiohttp.ClientSession, url: str, server: SessionServe
         await task
 
 
+async def finishing_without_its_caller(start_sluice: Any, session_server: SessionServer,
+                                       **top: Any) -> tuple[Any, str]:
+    """A Sluice (``top``: more of its config) in front of ``session_server`` on a ``dedup``
+    route, with CALL's caller gone and the call being finished without it: ``(sluice, the
+    route's MCP URL)``."""
+    sluice = await start_sluice({**top, "routes": [mcp_route(session_server.url,
+                                                             idempotency=DEDUP)]})
+    url = sluice.url + "/tools/mcp"
+    async with aiohttp.ClientSession() as http:
+        await leave_call(http, url, session_server)
+    await noticed_leaving(sluice, session_server)
+    return sluice, url
+
+
 async def delete_session(http: aiohttp.ClientSession, url: str) -> tuple[int, bytes]:
     async with http.delete(url, headers=HEADERS) as r:
         return r.status, await r.read()
@@ -200,12 +214,8 @@ async def test_a_delete_waits_for_a_call_finishing_without_its_caller(session_se
     """Answered 200 at once, sent upstream only after the call has finished; the retry gets
     the kept answer and the tool ran once. Before: the DELETE reached the server at once,
     which ended the call's stream without its response, and the retry ran it again."""
-    sluice = await start_sluice({"routes": [mcp_route(session_server.url,
-                                                      idempotency=DEDUP)]})
-    url = sluice.url + "/tools/mcp"
+    sluice, url = await finishing_without_its_caller(start_sluice, session_server)
     async with aiohttp.ClientSession() as http:
-        await leave_call(http, url, session_server)
-        await noticed_leaving(sluice, session_server)
         assert await delete_session(http, url) == (200, b"")
         # A second DELETE of the session while the first waits: answered too, not sent.
         assert await delete_session(http, url) == (200, b"")
@@ -292,12 +302,8 @@ async def test_a_finish_ended_without_its_response_is_an_upstream_error(session_
     """The same for a call finished without its caller, on a route keeping answers: the
     server ends the stream without the response (not for a DELETE: a DELETE sent directly,
     past Sluice). Before: ``finished_after_leaving`` ``2xx``; nothing is kept either way."""
-    sluice = await start_sluice({"routes": [mcp_route(session_server.url,
-                                                      idempotency=DEDUP)]})
-    url = sluice.url + "/tools/mcp"
+    sluice, _ = await finishing_without_its_caller(start_sluice, session_server)
     async with aiohttp.ClientSession() as http:
-        await leave_call(http, url, session_server)
-        await noticed_leaving(sluice, session_server)
         async with http.delete(session_server.url + "/mcp", headers=HEADERS) as r:
             assert r.status == 200
         await assert_all_given_back(sluice)
@@ -358,13 +364,9 @@ async def test_a_call_sent_on_the_session_after_its_delete_is_waited_for_too(ses
     """A client reusing the session's id after its DELETE: the request is forwarded (the
     server still has the session), and the DELETE, checked again as each call ends, waits
     for that call too."""
-    sluice = await start_sluice({"routes": [mcp_route(session_server.url,
-                                                      idempotency=DEDUP)]})
-    url = sluice.url + "/tools/mcp"
+    sluice, url = await finishing_without_its_caller(start_sluice, session_server)
     later = {**CALL, "id": 9, "params": {"name": "deliver", "arguments": {"to": "sales"}}}
     async with aiohttp.ClientSession() as http:
-        await leave_call(http, url, session_server)
-        await noticed_leaving(sluice, session_server)
         assert await delete_session(http, url) == (200, b"")
 
         async def call_later() -> str:
@@ -384,13 +386,9 @@ async def deleted_while_finishing(start_sluice: Any, session_server: SessionServ
                                   drain_timeout: str) -> Any:
     """A Sluice (``drain_timeout``) in front of ``session_server`` with a call finishing
     without its caller and its session's DELETE answered, waiting for it."""
-    sluice = await start_sluice({"server": {"drain_timeout": drain_timeout},
-                                 "routes": [mcp_route(session_server.url,
-                                                      idempotency=DEDUP)]})
-    url = sluice.url + "/tools/mcp"
+    sluice, url = await finishing_without_its_caller(
+        start_sluice, session_server, server={"drain_timeout": drain_timeout})
     async with aiohttp.ClientSession() as http:
-        await leave_call(http, url, session_server)
-        await noticed_leaving(sluice, session_server)
         assert await delete_session(http, url) == (200, b"")
     return sluice
 
@@ -456,12 +454,8 @@ async def test_a_servers_ping_on_the_calls_stream_does_not_end_it_when_its_calle
     kept, and the retry ran it again (a review). No tool waits on a ping: the call is
     finished without its caller, and the retry gets its answer."""
     session_server.first_event = {"jsonrpc": "2.0", "id": 0, "method": "ping"}
-    sluice = await start_sluice({"routes": [mcp_route(session_server.url,
-                                                      idempotency=DEDUP)]})
-    url = sluice.url + "/tools/mcp"
+    sluice, url = await finishing_without_its_caller(start_sluice, session_server)
     async with aiohttp.ClientSession() as http:
-        await leave_call(http, url, session_server)
-        await noticed_leaving(sluice, session_server)
         session_server.release.set()
         async with http.post(url, json={**CALL, "id": 8}, headers=HEADERS) as r:
             replayed, body = r.headers.get("Idempotent-Replayed"), await r.text()
@@ -551,12 +545,8 @@ async def test_a_refused_delete_does_not_stand_for_the_owners(session_server, st
     review). Each is kept with its own headers and sent in turn until the server takes
     one."""
     session_server.delete_needs = "Bearer owner"
-    sluice = await start_sluice({"routes": [mcp_route(session_server.url,
-                                                      idempotency=DEDUP)]})
-    url = sluice.url + "/tools/mcp"
+    sluice, url = await finishing_without_its_caller(start_sluice, session_server)
     async with aiohttp.ClientSession() as http:
-        await leave_call(http, url, session_server)
-        await noticed_leaving(sluice, session_server)
         for who in ("Bearer stranger", "Bearer owner"):
             async with http.delete(url, headers={**HEADERS, "Authorization": who}) as r:
                 assert (r.status, await r.read()) == (200, b"")
