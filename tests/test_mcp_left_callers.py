@@ -22,7 +22,7 @@ import json
 import logging
 import signal
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Self
 
 import aiohttp
 import pytest
@@ -184,11 +184,15 @@ class ScriptedMcp:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    async def start(self) -> ScriptedMcp:
+    async def start(self) -> Self:
         app = web.Application()
-        app.router.add_post("/mcp", self._post)
+        self.add_routes(app)
         self.runner, self.port = await serve_app(app, handler_cancellation=True)
         return self
+
+    def add_routes(self, app: web.Application) -> None:
+        """What it answers (a subclass may answer more)."""
+        app.router.add_post("/mcp", self._post)
 
     async def stop(self) -> None:
         self.release.set()

@@ -29,7 +29,7 @@ from mcp import Client, MCPError
 
 from tests import mcp_servers
 from tests.conftest import completed_events, serve_app, wait_until
-from tests.test_mcp_left_callers import assert_all_given_back, noticed_leaving
+from tests.test_mcp_left_callers import ScriptedMcp, assert_all_given_back, noticed_leaving
 from tests.test_operations import MCP1_PYTHON, run_mcp1
 from tests.test_review_mcp_round35 import _closed_for_polling, polling_sluice
 
@@ -54,7 +54,7 @@ def _event(message: dict) -> bytes:
     return b"event: message\ndata: " + json.dumps(message).encode() + b"\n\n"
 
 
-class SessionServer:
+class SessionServer(ScriptedMcp):
     """An MCP endpoint with sessions, as the official server behaves: a ``tools/call`` is
     answered on SSE (a progress event at once, the response once :attr:`release` is set);
     a DELETE ends the session, and with it the streams of its calls in flight, with no
@@ -62,35 +62,18 @@ class SessionServer:
     (:attr:`log`): ``call``, ``answered``, ``ended_without_response``, ``delete``."""
 
     def __init__(self) -> None:
-        self.release = asyncio.Event()
+        super().__init__()
         self.deleted = asyncio.Event()
         self.log: list[str] = []
-        self.inflight = 0
-        self.calls = 0
-        self.cut = 0  # read by noticed_leaving: this server never sees a cut
-        self.runner: web.AppRunner | None = None
-        self.port = 0
         #: The Authorization a DELETE must carry, if any (else 401).
         self.delete_needs: str | None = None
         #: What a call's stream carries first.
         self.first_event: dict = {"jsonrpc": "2.0", "method": "notifications/progress",
                                   "params": {"progressToken": 1, "progress": 0.5}}
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    async def start(self) -> SessionServer:
-        app = web.Application()
-        app.router.add_post("/mcp", self._post)
+    def add_routes(self, app: web.Application) -> None:
+        super().add_routes(app)
         app.router.add_delete("/mcp", self._delete)
-        self.runner, self.port = await serve_app(app, handler_cancellation=True)
-        return self
-
-    async def stop(self) -> None:
-        self.release.set()
-        if self.runner is not None:
-            await self.runner.cleanup()
 
     async def _delete(self, request: web.Request) -> web.Response:
         if (self.delete_needs is not None
