@@ -148,6 +148,20 @@ def yaml_problem(exc: yaml.MarkedYAMLError) -> tuple[int, str]:
     return line, problem
 
 
+def reader_problem(exc: yaml.reader.ReaderError, text: str) -> tuple[int, str]:
+    """The 1-based line of a character YAML does not allow (a NUL, a control character,
+    U+FFFE), and what to say of it. PyYAML checks the whole text before parsing and reports
+    only the character's offset (``position``, in characters of ``text``); its message also
+    ends in a second line (``in "<unicode string>", position N``) that names nothing useful.
+    YAML 1.1 §5.1 lists the characters allowed."""
+    position = max(0, min(exc.position, len(text)))
+    line = text.count("\n", 0, position) + 1
+    column = position - (text.rfind("\n", 0, position) + 1) + 1
+    character = exc.character if isinstance(exc.character, int) else ord(exc.character)
+    return line, (f"unacceptable character #x{character:04x} at column {column}: "
+                  f"{exc.reason} (YAML allows only printable characters, tab and line breaks)")
+
+
 #: What PyYAML's words for the commonest slips in a config usually mean (a new user's trial
 #: and a hostile review), added to its message.
 _YAML_HINTS = (
@@ -478,6 +492,9 @@ def _parse_config(text: str, filename: str, base: Path) -> Config:
     except yaml.MarkedYAMLError as exc:
         line, problem = yaml_problem(exc)
         raise ConfigError([f"{filename}:{line}: (yaml): {problem}"]) from None
+    except yaml.reader.ReaderError as exc:
+        line, problem = reader_problem(exc, text)
+        raise ConfigError([f"{filename}:{line}: (yaml): {problem}"]) from None
     except yaml.YAMLError as exc:
         raise ConfigError([f"{filename}:1: (yaml): {exc}"]) from None
     if not isinstance(data, dict):
@@ -617,6 +634,9 @@ def parse_tenants(text: str, source: str) -> dict[str, str]:
             loader.dispose()
     except yaml.MarkedYAMLError as exc:
         line, problem = yaml_problem(exc)
+        raise ConfigError([f"{where.format(line)}: not valid YAML ({problem})"]) from None
+    except yaml.reader.ReaderError as exc:
+        line, problem = reader_problem(exc, text)
         raise ConfigError([f"{where.format(line)}: not valid YAML ({problem})"]) from None
     except yaml.YAMLError:
         raise ConfigError([f"{where.format(1)}: not valid YAML"]) from None

@@ -163,6 +163,14 @@ BAD_FILES = [
     ("tab indentation", "server:\n\tlisten: 127.0.0.1:8080\n" + ROUTE,
      ["{f}:2: (yaml): found character '\\t' that cannot start any token; indent with "
       "spaces, not tabs"]),
+    # PyYAML reports where such a character is as an offset only: it was said at line 1, on
+    # two lines (a hostile trial, stop 38).
+    ("NUL in a comment", ROUTE + "    protocol: openai  # x\x00\n",
+     ["{f}:5: (yaml): unacceptable character #x0000 at column 26: special characters are "
+      "not allowed (YAML allows only printable characters, tab and line breaks)"]),
+    ("U+FFFE in a value", "server:\n  listen: 127.0.0.1:8080\ufffe\n" + ROUTE,
+     ["{f}:2: (yaml): unacceptable character #xfffe at column 25: special characters are "
+      "not allowed (YAML allows only printable characters, tab and line breaks)"]),
     # In the file's order (pydantic's own is its fields', which said line 3 before line 2).
     ("several problems at once",
      "server:\n  drain_timeout: 5 sec\n  listen: nowhere\n" + ROUTE + "    concurency: 1\n",
@@ -199,6 +207,18 @@ def test_a_tenants_table_with_an_unclosed_quote_is_refused_on_the_quote_s_line(
     err = capsys.readouterr().err
     assert err == (f"{tmp_path / 'tenants.yaml'}:2: identity.tenants: not valid YAML (while "
                    "scanning a quoted scalar: found unexpected end of stream (line 4))\n")
+
+
+def test_a_tenants_table_with_a_control_character_names_its_line(tmp_path: Path,
+                                                                  capsys) -> None:
+    (tmp_path / "tenants.yaml").write_text(f"{'a' * 64}: team-a\n{'b' * 64}: team\x07b\n")
+    path = tmp_path / "sluice.yaml"
+    path.write_text("identity: {tenants: tenants.yaml}\n" + ROUTE)
+    assert main(["check-config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"{tmp_path / 'tenants.yaml'}:2: identity.tenants: not valid YAML (unacceptable "
+                   "character #x0007 at column 71: special characters are not allowed (YAML "
+                   "allows only printable characters, tab and line breaks))\n")
 
 
 def test_quoted_yaml11_words_and_every_key_are_accepted(tmp_path: Path, capsys) -> None:
