@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import sys
 from collections.abc import AsyncIterator
 
 import uvloop
@@ -178,9 +179,13 @@ def main() -> None:
     asyncio.set_event_loop(loop)
     # backlog: the load generator opens all its connections at once. handler_cancellation: a
     # caller that leaves gives its place in the queue up.
-    web.run_app(build_app(args.delay, args.slots), host="127.0.0.1", port=args.port,
-                access_log=None, print=None, backlog=4096, shutdown_timeout=1.0,
-                handler_cancellation=True, loop=loop)
+    try:
+        web.run_app(build_app(args.delay, args.slots), host="127.0.0.1", port=args.port,
+                    access_log=None, print=None, backlog=4096, shutdown_timeout=1.0,
+                    handler_cancellation=True, loop=loop)
+    except OSError as exc:  # the README sends new users here: one line, as `sluice serve` says
+        sys.exit(f"upstream.py: cannot listen on 127.0.0.1:{args.port} ({exc.strerror}); "
+                 "pick another --port")
 
 
 if __name__ == "__main__":

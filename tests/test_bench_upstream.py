@@ -7,7 +7,11 @@ reservation (``usage: reserved``).
 
 from __future__ import annotations
 
+import socket
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import aiohttp
 import anthropic
@@ -74,3 +78,18 @@ async def test_its_delay_holds_back_both_shapes():
                 assert r.status == 200 and field in answer, answer
     finally:
         await runner.cleanup()
+
+
+def test_a_port_taken_is_said_in_one_line() -> None:
+    """A new user's trial: with the port taken it died with a 15-line traceback."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run([sys.executable, "bench/upstream.py", "--port", str(port)],
+                              capture_output=True, text=True, timeout=60,
+                              cwd=Path(__file__).parent.parent)
+    assert done.returncode == 1
+    [line] = done.stderr.splitlines()
+    assert line.startswith(f"upstream.py: cannot listen on 127.0.0.1:{port} (")
+    assert line.endswith("address already in use); pick another --port")
