@@ -335,25 +335,98 @@ def _problems(err: ValidationError, marks: dict[Path_, int], filename: str) -> l
 
 
 def _located(err: ValidationError, marks: dict[Path_, int]) -> Iterator[tuple[int, str]]:
-    for item in err.errors():
-        # pydantic puts the Annotated validator's name in the path for union members; drop
-        # anything that is not a config key so the path reads as the user wrote it.
+    errors = [(_error_path(item, marks), item) for item in err.errors()]
+    # pydantic puts the Annotated validator's name in the path for union members (dropped
+    # above, so the path reads as the user wrote it), and each member refuses the value on
+    # its own: retry.on's `[502, "on"]` got "a valid integer", then "'connect_error' or
+    # 'timeout'". One line says all it could be (a new user's trial, stop 38).
+    by_path: dict[Path_, list[dict]] = {}
+    for path, item in errors:
+        by_path.setdefault(path, []).append(item)
+    for path, items in by_path.items():
+        wanted = [_wanted(item) for item in items]
+        value = items[0]["input"]
+        if None in wanted or not _scalar(value):
+            for item in items:
+                yield _nearest_line(path, marks), f"{_dotted(path)}: {_message(item)}"
+            continue
+        message = f"{_shown(value)} should be {' or '.join(dict.fromkeys(wanted))}"  # type: ignore[arg-type]
+        yield _nearest_line(path, marks), f"{_dotted(path)}: {message}{_closest(value, items)}"
+
+
+def _error_path(item: dict, marks: dict[Path_, int]) -> Path_:
+    """The key an error is about, as the user wrote it; an unknown key is, by definition,
+    not a known one: named all the same."""
+    loc = item["loc"]
+    if item["type"] == "extra_forbidden":
+        return (*_user_path(loc[:-1], marks), loc[-1])
+    return _user_path(loc, marks)
+
+
+def _message(item: dict) -> str:
+    """pydantic's words for an error, where no plainer ones are known."""
+    if item["type"] == "extra_forbidden":
         loc = item["loc"]
-        path = _user_path(loc, marks)
-        message = item["msg"].removeprefix("Value error, ")
-        if item["type"] == "extra_forbidden":
-            # The unknown key is, by definition, not a known one: name it all the same.
-            path = (*_user_path(loc[:-1], marks), loc[-1])
-            message = "unknown key (a typo here would silently disable a limit)"
-            message += _suggestion(str(loc[-1]), _block_at(loc[:-1]))
-        elif item["type"] == "missing":
-            message = "required key is missing"
-        elif item["type"] == "too_short" and "min_length" in item.get("ctx", {}):
-            # pydantic's "List should have at least 1 item after validation, not 0"
-            ctx = item["ctx"]
-            message = (f"needs at least {counted(ctx['min_length'], 'item')}, "
-                       f"has {ctx.get('actual_length', 0) or 'none'}")
-        yield _nearest_line(path, marks), f"{_dotted(path)}: {message}"
+        return ("unknown key (a typo here would silently disable a limit)"
+                + _suggestion(str(loc[-1]), _block_at(loc[:-1])))
+    if item["type"] == "missing":
+        return "required key is missing"
+    ctx = item.get("ctx") or {}
+    if item["type"] == "too_short" and "min_length" in ctx:
+        # pydantic's "List should have at least 1 item after validation, not 0"
+        return (f"needs at least {counted(ctx['min_length'], 'item')}, "
+                f"has {ctx.get('actual_length', 0) or 'none'}")
+    return item["msg"].removeprefix("Value error, ")
+
+
+#: pydantic's error types for a value of the wrong kind, said as what the key takes.
+_KINDS = {"int_parsing": "a whole number", "int_type": "a whole number",
+          "int_from_float": "a whole number", "float_parsing": "a number",
+          "float_type": "a number", "bool_parsing": "true or false", "bool_type": "true or false",
+          "string_type": "a string (quote it)"}
+#: pydantic's bound errors, with their ``ctx`` key, said as what the key takes.
+_BOUNDS = {"greater_than": ("gt", "more than {}"), "greater_than_equal": ("ge", "{} or more"),
+           "less_than": ("lt", "less than {}"), "less_than_equal": ("le", "{} or less")}
+
+
+def _wanted(item: dict) -> str | None:
+    """What a value refused for its kind or a bound should be (``a whole number``,
+    ``'connect_error' or 'timeout'``, ``0 or more``); ``None`` for any other error."""
+    ctx = item.get("ctx") or {}
+    if item["type"] == "literal_error" and "expected" in ctx:
+        return str(ctx["expected"])
+    bound = _BOUNDS.get(item["type"])
+    if bound is not None and bound[0] in ctx:
+        limit = ctx[bound[0]]
+        return bound[1].format(f"{limit:g}" if isinstance(limit, float) else limit)
+    return _KINDS.get(item["type"])
+
+
+def _closest(value: object, items: list[dict]) -> str:
+    """``; did you mean 'timeout'?`` for a string close to one of the words a literal
+    takes, else nothing."""
+    if not isinstance(value, str):
+        return ""
+    words = [word for item in items if item["type"] == "literal_error"
+             for word in re.findall(r"'([^']*)'", str(item["ctx"]["expected"]))]
+    close = difflib.get_close_matches(value, words, n=1, cutoff=0.75)
+    return f"; did you mean '{close[0]}'?" if close else ""
+
+
+def _scalar(value: object) -> bool:
+    """A value short and plain enough to quote back: never a mapping, a list or a long
+    string (a block pasted in the wrong place, or a secret)."""
+    return (value is None or isinstance(value, (bool, int, float))
+            or (isinstance(value, str) and len(value) <= 40))
+
+
+def _shown(value: object) -> str:
+    """A scalar as YAML writes it (``true``, ``null``, ``'8'``, ``1.5``)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return repr(value)
 
 
 def _user_path(loc: tuple[str | int, ...], marks: dict[Path_, int]) -> Path_:

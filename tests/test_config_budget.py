@@ -108,4 +108,4 @@ def test_check_config_reports_file_lines(tmp_path):
                             cwd=REPO, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert result.stderr.strip() == (
-        f"{path}:2: pricing.gpt-4o-mini.input: Input should be a valid number")
+        f"{path}:2: pricing.gpt-4o-mini.input: 'cheap' should be a number")

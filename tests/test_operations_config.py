@@ -94,12 +94,11 @@ def test_endpoint_pattern_means_what_its_regex_means(items: list[str], tail: str
     tools:
       search:
         concurrency: {limit: 0}
-""", "sluice.yaml:8: routes[0].tools.search.concurrency.limit: Input should be greater than 0"),
+""", "sluice.yaml:8: routes[0].tools.search.concurrency.limit: 0 should be more than 0"),
     ("""\
     tools:
       send: {cost_per_call: -1}
-""", "sluice.yaml:7: routes[0].tools.send.cost_per_call: Input should be greater than or "
-     "equal to 0"),
+""", "sluice.yaml:7: routes[0].tools.send.cost_per_call: -1 should be 0 or more"),
     ("""\
     endpoints:
       "POST /x": {rate: {requests: 1/s}}
