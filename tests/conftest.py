@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
@@ -37,7 +36,7 @@ from tests.redis_servers import (  # noqa: F401  (fixtures)
     redis_server,
     shared_state,
 )
-from tests.sluice_child import COVERAGE_ENV, ForkedSluice
+from tests.sluice_child import ForkedSluice, coverage_env
 
 REPO = Path(__file__).resolve().parent.parent
 #: How long a Sluice child may take to be ready, seconds: on success it
@@ -65,16 +64,6 @@ class _FailuresAsTheyCome:
 def pytest_configure(config: pytest.Config) -> None:
     if not hasattr(config, "workerinput"):  # the controller: xdist's workers print nothing
         config.pluginmanager.register(_FailuresAsTheyCome(config), "failures-as-they-come")
-
-
-def coverage_env() -> dict[str, str]:
-    """The environment that makes a Sluice child measure itself, if this run is measured."""
-    import coverage
-
-    current = coverage.Coverage.current()
-    if current is None:
-        return {}
-    return {COVERAGE_ENV: os.path.abspath(current.config.data_file)}
 
 
 def free_port() -> int:

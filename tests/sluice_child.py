@@ -1,10 +1,12 @@
-"""``sluice serve`` in a child forked from a warm interpreter, for the test harness.
+"""``sluice serve``, and the other ``sluice`` commands, in a child forked from a warm
+interpreter, for the test harness.
 
 Starting ``python -m proxy`` costs about a second of imports on a busy machine, and the suite
-starts Sluice some forty times. A ``forkserver`` that has imported Sluice once forks each
-server in tens of milliseconds instead; the child then runs the same entry point as the
-console script (``proxy.cli.main``) with its own stdout, stderr, working directory and
-environment, so it is still a separate process that signals, exit codes and crashes reach.
+runs Sluice hundreds of times (servers, and ``dlq`` commands). A ``forkserver`` that has
+imported Sluice once forks each in tens of milliseconds instead; the child then runs the same
+entry point as the console script (``proxy.cli.main``) with its own stdin, stdout, stderr,
+working directory and environment, so it is still a separate process that signals, exit
+codes and crashes reach.
 
 When the test run is measured by coverage (``pytest --cov``, the default in pyproject.toml),
 each server measures itself and saves its data when it exits; the harness stops servers with
@@ -13,12 +15,16 @@ SIGTERM (a drain) before SIGKILL, so their data is kept.
 
 from __future__ import annotations
 
+import asyncio
 import multiprocessing
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 
+#: The clone's root, where the commands run unless told otherwise.
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: Set to the test run's coverage data file when the run is measured (see ``_start_coverage``).
 COVERAGE_ENV = "COVERAGE_SLUICE_DATA"
 #: Imported once by the fork server, so each child starts warm.
@@ -26,23 +32,44 @@ PRELOAD = ["tests.sluice_child", "proxy.cli", "proxy.server", "uvloop", "pytest"
 
 
 def _serve(config_path: str, stderr_path: str, cwd: str, env: dict[str, str]) -> None:
-    os.chdir(cwd)
+    _run(["serve", "--config", config_path], cwd, env, os.devnull, stderr_path)
+
+
+def _run(args: list[str], cwd: str, env: dict[str, str], stdout_path: str,
+         stderr_path: str) -> None:
+    """``sluice ARGS`` run as the console script runs it, from ``cwd``, with ``env`` added,
+    stdin empty, stdout and stderr into those files, Ctrl-C's default action (a suite
+    started with SIGINT ignored passes that on), and the exit status of ``main``."""
     os.environ.update(env)
-    for fd, path, flags in ((1, os.devnull, os.O_WRONLY),
+    os.chdir(REPO)  # coverage reads its config and sources from the clone's root
+    coverage = _start_coverage()
+    os.chdir(cwd)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for fd, path, flags in ((0, os.devnull, os.O_RDONLY),
+                            (1, stdout_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
                             (2, stderr_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)):
         opened = os.open(path, flags, 0o644)
         os.dup2(opened, fd)
         os.close(opened)
-    coverage = _start_coverage()
     from proxy.cli import main
 
     try:
-        code = main(["serve", "--config", config_path])
+        code = main(args)
     finally:
         if coverage is not None:  # multiprocessing ends the child with os._exit: no atexit
             coverage.stop()
             coverage.save()
     sys.exit(code)
+
+
+def coverage_env() -> dict[str, str]:
+    """The environment that makes a Sluice child measure itself, if this run is measured."""
+    import coverage
+
+    current = coverage.Coverage.current()
+    if current is None:
+        return {}
+    return {COVERAGE_ENV: os.path.abspath(current.config.data_file)}
 
 
 def _start_coverage():  # type: ignore[no-untyped-def]
@@ -57,7 +84,7 @@ def _start_coverage():  # type: ignore[no-untyped-def]
     if inherited is not None:  # a fork server measured under ``patch = subprocess``
         inherited.stop()
     cov = coverage.Coverage(data_file=data_file, data_suffix=True,
-                            config_file=os.path.join(os.getcwd(), "pyproject.toml"))
+                            config_file=os.path.join(REPO, "pyproject.toml"))
     cov.start()
     return cov
 
@@ -79,6 +106,15 @@ def _start_fork_server() -> None:
         os.environ.update(saved)
 
 
+def _fork_context() -> multiprocessing.context.ForkServerContext:
+    if ForkedSluice._context is None:
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(PRELOAD)
+        _start_fork_server()
+        ForkedSluice._context = context
+    return ForkedSluice._context
+
+
 class ForkedSluice:
     """A ``subprocess.Popen``-like handle (``pid``, ``poll``, ``wait``, ``send_signal``,
     ``returncode``) on one forked ``sluice serve``."""
@@ -87,12 +123,7 @@ class ForkedSluice:
 
     def __init__(self, config_path: str, stderr_path: str, cwd: str,
                  env: dict[str, str]) -> None:
-        if ForkedSluice._context is None:
-            context = multiprocessing.get_context("forkserver")
-            context.set_forkserver_preload(PRELOAD)
-            _start_fork_server()
-            ForkedSluice._context = context
-        self._process = ForkedSluice._context.Process(
+        self._process = _fork_context().Process(
             target=_serve, args=(config_path, stderr_path, cwd, env),
             daemon=True,  # never left running after the session, even if a test leaks it
         )
@@ -118,3 +149,63 @@ class ForkedSluice:
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
+
+
+class ForkedCli:
+    """``sluice ARGS`` (any command but ``serve``) in a forked child, with the parts of
+    :class:`asyncio.subprocess.Process` the tests use: ``pid``, ``returncode``,
+    ``send_signal``, ``kill`` and ``communicate`` (stdout and stderr, whole, once it ended).
+    Its output goes to files, read at the end: a command that prints more than a pipe holds
+    cannot block on it."""
+
+    def __init__(self, args: list[str], cwd: str, env: dict[str, str] | None = None) -> None:
+        self._dir = tempfile.TemporaryDirectory(prefix="sluice-cli-")
+        self._out = os.path.join(self._dir.name, "stdout")
+        self._err = os.path.join(self._dir.name, "stderr")
+        self._process = _fork_context().Process(
+            target=_run, args=(list(args), cwd, {**os.environ, **coverage_env(), **(env or {})},
+                               self._out, self._err),
+            daemon=True)
+        self._process.start()
+        self.pid = self._process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._process.exitcode
+
+    def send_signal(self, sig: int) -> None:
+        if self._process.exitcode is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    async def wait(self) -> int:
+        while self._process.exitcode is None:
+            await asyncio.sleep(0.01)
+        return self._process.exitcode
+
+    async def communicate(self) -> tuple[bytes, bytes]:
+        await self.wait()
+        try:
+            with open(self._out, "rb") as out, open(self._err, "rb") as err:
+                return out.read(), err.read()
+        finally:
+            self._dir.cleanup()
+
+
+async def sluice_cli(*args: str, cwd: str = REPO, timeout: float = 60) -> tuple[int, str, str]:
+    """``sluice ARGS`` in a forked child (:class:`ForkedCli`), run from ``cwd``, without
+    blocking the event loop: its exit status, stdout and stderr.
+
+    Raises:
+        TimeoutError: it had not ended after ``timeout`` seconds (it is killed).
+    """
+    proc = ForkedCli(list(args), cwd)
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), timeout)
+    except TimeoutError:
+        proc.kill()
+        raise
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()

@@ -4,29 +4,23 @@ dead-letter file only, never making one of another file, and it needs a config f
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import os
 import sqlite3
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, free_port, wait_until
+from tests.conftest import free_port, wait_until
+from tests.sluice_child import ForkedCli, sluice_cli
 from tests.test_dlq_messages import letter_file, stalled_upstream
-from tests.test_dlq_replay import outcome
 
 
 async def cli_in(cwd: Path, *args: str) -> tuple[int, str, str]:
     """The CLI run from ``cwd`` (so ``config/sluice.yaml`` is looked for there): its exit
     status, stdout and stderr."""
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "proxy", *args, cwd=cwd,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-    return await outcome(proc)
+    return await sluice_cli(*args, cwd=str(cwd))
 
 
 def another_apps_database(path: Path, table: str = "users") -> None:
@@ -118,10 +112,8 @@ async def test_a_replay_refused_as_busy_names_the_file_it_read(tmp_path):
     async with stalled_upstream() as upstream:
         config, letter = letter_file(tmp_path, upstream)
         letters = str(tmp_path / "dlq.sqlite")
-        first = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "proxy", "dlq", "replay", letter, "--file", letters,
-            "--config", config, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)},
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        first = ForkedCli(["dlq", "replay", letter, "--file", letters, "--config", config],
+                          str(tmp_path))
         try:
             await wait_until(lambda: held(letters), timeout=30, what="the first replay's hold")
             code, _, err = await cli_in(tmp_path, "dlq", "replay", letter, "--file", letters,

@@ -11,7 +11,6 @@ import json
 import re
 import signal
 import sqlite3
-import sys
 import time
 
 import aiohttp
@@ -24,6 +23,7 @@ from proxy.config import parse_config
 from tests import mcp_servers
 from tests.conftest import REPO, SluiceProcess, route, wait_until
 from tests.redis_servers import delete_prefix, new_prefix, require_redis
+from tests.sluice_child import ForkedCli
 
 mcp_stateless = mcp_servers.mcp_stateless
 
@@ -32,21 +32,12 @@ BODY = {"model": "gpt-test", "messages": [{"role": "user", "content": "hi"}]}
 FAST_BACKOFF = {"base": "10ms", "max": "20ms"}
 
 
-def _default_signals() -> None:
-    # A suite started with SIGINT ignored (from a script with `&`, nohup, some CI runners)
-    # passes that on to its children: the Ctrl-C test's signal then did nothing, and the
-    # test waited for a command that never ended (a new user's trial).
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+async def cli(*args: str) -> ForkedCli:
+    """``sluice ARGS`` from the clone, forked warm (:class:`tests.sluice_child.ForkedCli`)."""
+    return ForkedCli(list(args), str(REPO))
 
 
-async def cli(*args: str) -> asyncio.subprocess.Process:
-    return await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "proxy", *args, cwd=REPO,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        preexec_fn=_default_signals)
-
-
-async def outcome(proc: asyncio.subprocess.Process) -> tuple[int, str, str]:
+async def outcome(proc: ForkedCli | asyncio.subprocess.Process) -> tuple[int, str, str]:
     try:
         out, err = await asyncio.wait_for(proc.communicate(), 60)
     except TimeoutError:
@@ -84,7 +75,7 @@ def state(request: pytest.FixtureRequest, tmp_path):
 
 
 async def held_replay(start_sluice, upstream, state: dict, key: str
-                      ) -> tuple[SluiceProcess, str, asyncio.subprocess.Process]:
+                      ) -> tuple[SluiceProcess, str, ForkedCli]:
     """A Sluice on ``state`` whose route retries, one dead letter of it under ``key``, and
     ``sluice dlq replay`` of it running, its send held at the upstream (``upstream.hold``,
     set by the test): the Sluice, the letter's id and the replay's process."""
@@ -375,6 +366,9 @@ async def test_a_key_sluice_derived_is_replayed_under_and_said_to_be_derived(
         # Named as the event log names it, not as the quoted header value it went with.
         assert shown["key_origin"] == "derived" and shown["idempotency_key"].startswith(
             "sluice-d-")
+        # The event log is written off the event loop: its line may come a moment later.
+        await wait_until(lambda: any(event["request_id"] == shown["request_id"]
+                                     for event in sluice.events()), what="the call's events")
         assert shown["idempotency_key"] in {event["idempotency_key"] for event in
                                             sluice.events() if event["request_id"] ==
                                             shown["request_id"]}

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import sqlite3
-import sys
 import time
 
 import aiohttp
@@ -13,22 +12,13 @@ import openai
 import pytest
 from multidict import CIMultiDict
 
-from tests.conftest import REPO, free_port, route, wait_until
+from tests.conftest import free_port, route, wait_until
 from tests.fakeupstream import RawUpstream
+from tests.sluice_child import sluice_cli
 
 CHAT = "/v1/chat/completions"
 BODY = {"model": "gpt-test", "messages": [{"role": "user", "content": "hi"}]}
 FAST_BACKOFF = {"base": "10ms", "max": "50ms"}
-
-
-async def sluice_cli(*args: str) -> tuple[int, str, str]:
-    """Run ``python -m proxy ARGS`` without blocking the loop the fake upstream runs in."""
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "proxy", *args, cwd=REPO,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-    )
-    out, err = await proc.communicate()
-    return proc.returncode, out.decode(), err.decode()
 
 
 def header(seen, name: str) -> str | None:

@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
 import time
 
 import aiohttp
 import openai
 import pytest
 
-from tests.conftest import REPO, route
+from tests.conftest import route
 from tests.redis_servers import RedisServer, new_prefix
+from tests.sluice_child import sluice_cli
 
 CHAT = "/v1/chat/completions"
 BODY = {"model": "gpt-test", "messages": [{"role": "user", "content": "hi"}]}
@@ -40,14 +40,6 @@ async def replicas(start_sluice, n: int, state: dict, *routes: dict, **extra: ob
     """``n`` Sluice processes of one deployment: the same routes, the same ``state``."""
     return [await start_sluice({"state": state, "routes": list(routes), **extra})
             for _ in range(n)]
-
-
-async def sluice_cli(*args: str) -> tuple[int, str, str]:
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "proxy", *args, cwd=REPO,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-    out, err = await proc.communicate()
-    return proc.returncode, out.decode(), err.decode()
 
 
 # -- idempotency --------------------------------------------------------------------------------
