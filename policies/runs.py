@@ -40,7 +40,10 @@ limiters the server gives :class:`FanoutWidth` (leases in Redis, two round trips
 Inherited priorities and deadlines, and the statistics ``sluice runs`` shows stay per
 replica. While Redis does not answer, ``state.on_unavailable`` applies: ``local`` decides
 from this replica's own view (a ``1/state.replicas`` share of ``max_requests`` and of
-``width``), ``reject`` refuses 503 ``state_unavailable``.
+``width``), ``reject`` refuses 503 ``state_unavailable``. A count Redis may have taken
+though its answer was lost (sent to a frozen Redis, which runs it when it thaws), and a
+give-back Redis did not answer, are given back once it answers again, each once
+(:class:`GiveBacks`): calls that never reached the upstream spend nothing of the run.
 """
 
 from __future__ import annotations
@@ -49,8 +52,10 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+import weakref
+from collections import deque
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
+from typing import Any, TypeVar
 
 from policies.concurrency import ConcurrencyLimiter, queued_hook
 from policies.config import FanoutConfig, RunConfig
@@ -59,10 +64,12 @@ from policies.pipeline import Call, Holding, Outcome, survive_leaving
 from policies.rate import Background, unavailable
 from policies.reasons import Reason, Rejected
 from policies.state import Fallback, StateUnavailable
-from policies.state.runs import Count, Lineage, RedisRuns
+from policies.state.runs import Count, Lineage, RedisRuns, new_take_id
 from policies.wording import counted
 
 log = logging.getLogger("sluice")
+
+T = TypeVar("T")
 
 #: Response header on admitted calls once a run limit is ``warn_at`` used:
 #: ``"max_requests";used=0.800`` (the fuller of the two limits).
@@ -88,6 +95,9 @@ WIDTH_QUEUE = 1024
 #: Suggested wait when a run's ``max_requests`` is held by calls not yet sent upstream,
 #: seconds: they either reach it or give their count back within a queue wait or two.
 PENDING_WAIT_S = 1.0
+#: Give-backs kept while the shared state does not answer (see :class:`GiveBacks`), as
+#: ``policies.budget.MAX_PENDING`` keeps budget spend to reconcile.
+MAX_GIVE_BACKS = 100_000
 
 
 class RunInfo:
@@ -204,6 +214,18 @@ class RunRegistry:
         self.background = Background()
         #: What the run tracker's round trip counted, per call, until the call ends.
         self.counted: dict[Call, SharedCount] = {}
+        #: Give-backs the shared state did not answer, until it does.
+        self.give_backs = GiveBacks(shared, self.background)
+        if shared is not None:
+            # Weakly, as budgets do: the health outlives a registry (tests make many).
+            give_backs = weakref.ref(self.give_backs)
+
+            def give_back_when_up(up: bool, _error: str | None) -> None:
+                live = give_backs()
+                if up and live is not None:
+                    live.kick()
+
+            shared.state.health.on_change(give_back_when_up)
 
     # -- the tree -----------------------------------------------------------------------------
 
@@ -333,12 +355,35 @@ class RunRegistry:
         part = self.counted.pop(call, None)
         if part is None or not part.lineage.counted or self.shared is None:
             return
-        for count in part.counts:
-            if count.scope not in part.claimed:
-                self.background.start(
-                    self.shared.give_back_request(count.scope, part.lineage.tenant,
-                                                  part.lineage.ids),
-                    "run request give-back")
+        unclaimed = [count.scope for count in part.counts if count.scope not in part.claimed]
+        if unclaimed:
+            self.give_back(part.take, unclaimed)
+
+    def give_back(self, take: str, scopes: Sequence[str]) -> None:
+        """Give back the shared count ``take`` took in ``scopes`` (its call never reached
+        the upstream). Never awaits: it runs as a task, and one the shared state does not
+        answer is sent again once it answers (:class:`GiveBacks`)."""
+        self.background.start(self.give_backs.give_back(take, tuple(scopes)),
+                              "run request give-back")
+
+    async def counting(self, step: Awaitable[T], take: str, scopes: Sequence[str]) -> T:
+        """Await ``step``, a shared count taken under ``take`` in ``scopes``: if the shared
+        state does not answer it but it was sent, a frozen or slow Redis may still count
+        the call, which will never reach the upstream (it is refused, or decided on this
+        replica's own view): given back (:meth:`give_back`), once Redis answers if not now.
+        Whether the caller waits for the answer or has left (:func:`survive_leaving`).
+
+        Raises:
+            StateUnavailable: as ``step`` does.
+        """
+        try:
+            result = await step
+        except StateUnavailable as exc:
+            if exc.maybe_applied:
+                self.give_back(take, scopes)
+            raise
+        self.give_backs.kick()  # Redis answers: give-backs it did not answer can go in now
+        return result
 
     # -- cancellation -------------------------------------------------------------------------
 
@@ -475,6 +520,75 @@ class RunRegistry:
         return out
 
 
+class GiveBacks:
+    """Give-backs of shared ``max_requests`` counts the shared state did not answer, sent
+    again once it answers (as :class:`policies.budget.Reconciler` does for budget spend).
+
+    Each names the id its count was taken under (:meth:`RedisRuns.give_back_request`), so it
+    applies once however often it is sent: one Redis ran though its answer was lost (a
+    frozen Redis runs what was sent to it when it thaws) finds nothing the second time, and
+    one sent before the count it gives back has run keeps that count from being taken.
+    They are sent again, in order, when the health sees Redis up again and whenever a run
+    call is answered (:meth:`kick`); one that fails stops the round until the next.
+    Kept up to :data:`MAX_GIVE_BACKS`; beyond that the oldest are dropped (logged), so an
+    outage with heavy traffic cannot grow memory without bound.
+
+    Args:
+        shared: the shared run state (``None``: memory only, nothing to give back there).
+        background: where the round runs (shutdown waits for it).
+    """
+
+    __slots__ = ("__weakref__", "_background", "_pending", "_shared", "_task")
+
+    def __init__(self, shared: RedisRuns | None, background: Background) -> None:
+        self._shared = shared
+        self._background = background
+        self._pending: deque[tuple[str, tuple[str, ...]]] = deque()
+        self._task: asyncio.Task[None] | None = None
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    async def give_back(self, take: str, scopes: tuple[str, ...]) -> None:
+        """Give back the count ``take`` took in ``scopes`` now; if the shared state does not
+        answer, keep it for when it does.
+
+        Raises:
+            StateUnavailable: not answered now (kept).
+        """
+        assert self._shared is not None
+        try:
+            await self._shared.give_back_request(take, scopes)
+        except StateUnavailable:
+            self._add((take, scopes))
+            raise
+
+    def kick(self) -> None:
+        """Start sending the kept give-backs, unless none is kept or it already runs."""
+        if self._pending and (self._task is None or self._task.done()):
+            self._task = self._background.start(self._run(), "run request give-backs")
+
+    def _add(self, entry: tuple[str, tuple[str, ...]]) -> None:
+        pending = self._pending
+        if len(pending) >= MAX_GIVE_BACKS:
+            take, scopes = pending.popleft()
+            log.warning("run request give-back dropped (over %d kept while the state backend "
+                        "does not answer): take %s of %s", MAX_GIVE_BACKS, take,
+                        ", ".join(scopes), extra=PER_CALL)
+        pending.append(entry)
+
+    async def _run(self) -> None:
+        assert self._shared is not None
+        pending = self._pending
+        applied = 0
+        while pending:
+            await self._shared.give_back_request(*pending[0])
+            pending.popleft()
+            applied += 1
+        log.warning("run request give-back of %s reconciled into the shared run state",
+                    counted(applied, "call"))
+
+
 # --- the policies ----------------------------------------------------------------------------
 
 
@@ -483,11 +597,13 @@ class SharedCount:
     scopes at once), until each scope's :class:`RunLimits` claims its part; parts never
     claimed are given back when the call ends (:meth:`RunRegistry.settle_count`)."""
 
-    __slots__ = ("claimed", "counts", "lineage")
+    __slots__ = ("claimed", "counts", "lineage", "take")
 
-    def __init__(self, counts: list[Count], lineage: Lineage) -> None:
+    def __init__(self, counts: list[Count], lineage: Lineage, take: str) -> None:
         self.counts = counts
         self.lineage = lineage
+        #: The id the counts were taken under (:meth:`RedisRuns.give_back_request`).
+        self.take = take
         self.claimed: set[str] = set()
 
     def index(self, scope: str) -> int | None:
@@ -553,17 +669,21 @@ class RunTracker:
         its run or an ancestor is cancelled."""
         registry = self.registry
         counts = [count for limits in self.limits if (count := limits.shared_count())]
+        take = new_take_id()
+        step = shared.admit(info.tenant, info.id, call.parent_run, counts, take)
         try:
-            lineage = await survive_leaving(shared.admit(info.tenant, info.id, call.parent_run,
-                                                         counts),
-                                             lambda late: self._give_back(call, counts, late),
-                                             registry.background.spawn)
+            lineage = await survive_leaving(
+                registry.counting(step, take, [count.scope for count in counts]),
+                lambda late: self._give_back(call, counts, late, take),
+                registry.background.spawn)
         except StateUnavailable as exc:
+            # A count sent is given back by ``counting``: the call is refused, or counted
+            # on this replica's own view.
             if registry.fallback.mode == "reject":
                 raise unavailable(exc) from None
             return  # this replica's own tree decides (state.on_unavailable: local)
         if counts:
-            registry.counted[call] = SharedCount(counts, lineage)
+            registry.counted[call] = SharedCount(counts, lineage, take)
         registry.adopt(info, lineage)
         call.lineage = lineage.ids[1:]
         if lineage.cancelled is not None:
@@ -576,10 +696,11 @@ class RunTracker:
                            f"{lineage.cancelled_left:.0f}s more", retry=False)
         self._refuse_if_cancelled(info)
 
-    def _give_back(self, call: Call, counts: list[Count], lineage: Lineage) -> None:
+    def _give_back(self, call: Call, counts: list[Count], lineage: Lineage,
+                   take: str) -> None:
         """Give back what the round trip of a call whose caller left during it counted."""
         if counts:
-            self.registry.counted[call] = SharedCount(counts, lineage)
+            self.registry.counted[call] = SharedCount(counts, lineage, take)
             self.registry.settle_count(call)
 
     def _inherit(self, info: RunInfo, call: Call) -> None:
@@ -696,11 +817,11 @@ class RunLimits:
                     used, warn = age / config.max_duration, "max_duration"
             for node in lineage:  # their first calls' times now limit them: keep them
                 node.timed = True
-        shared: RedisRuns | None = None
+        take: str | None = None
         if config.max_requests is not None:
             claimed = self._claim(call, config.max_requests)
-            shared, full, share = (claimed if claimed is not None else
-                                   await self._take(lineage, config.max_requests))
+            take, full, share = (claimed if claimed is not None else
+                                 await self._take(lineage, config.max_requests))
             if full is not None:
                 raise self._spent(full, call, config.max_requests)
             if share >= used:
@@ -712,7 +833,7 @@ class RunLimits:
             headers[RUN_WARNING_HEADER] = f'"{warn}";used={min(used, 1.0):.3f}'
         if config.max_requests is None:
             return None
-        return _Counted(registry, self.scope, lineage, shared, call)
+        return _Counted(registry, self.scope, lineage, take, call)
 
     def _spent(self, full: str, call: Call, limit: int) -> Rejected:
         """``run_budget_exhausted`` for run ``full`` at ``limit`` calls: final, unless calls
@@ -735,7 +856,7 @@ class RunLimits:
                         f"{counted(limit, 'call')}",
                         retry=False)
 
-    def _claim(self, call: Call, limit: int) -> tuple[RedisRuns | None, str | None,
+    def _claim(self, call: Call, limit: int) -> tuple[str | None, str | None,
                                                       float] | None:
         """What the run tracker's round trip decided for this scope (as :meth:`_take`
         returns it), or ``None`` when it did not count the call here (no shared state, Redis
@@ -751,58 +872,62 @@ class RunLimits:
         if not lineage.counted:
             return None
         part.claimed.add(self.scope)
-        return registry.shared, None, lineage.highs[index] / limit
+        return part.take, None, lineage.highs[index] / limit
 
     async def _take(self, lineage: list[RunInfo], limit: int
-                    ) -> tuple[RedisRuns | None, str | None, float]:
+                    ) -> tuple[str | None, str | None, float]:
         """Count the call on ``lineage`` in the shared state, else in this replica's.
 
+        A count sent to a Redis that did not answer is given back once it answers
+        (:meth:`RunRegistry.counting`): the call is refused, or counted here instead.
+
         Returns:
-            ``(shared, full, share)``: the shared state that counted it (``None``: counted
-            here), the run already at the limit (nothing counted), and the fullest run's
-            share of the limit after counting.
+            ``(take, full, share)``: the id the shared state counted it under (``None``:
+            counted here), the run already at the limit (nothing counted), and the fullest
+            run's share of the limit after counting.
         """
         registry = self.registry
         shared = registry.shared
         if shared is not None:
             ids = tuple(node.id for node in lineage)
-            tenant = lineage[0].tenant
+            take = new_take_id()
+            step = shared.take_request(self.scope, lineage[0].tenant, ids, limit, take)
             try:
                 full, high = await survive_leaving(
-                    shared.take_request(self.scope, tenant, ids, limit),
-                    lambda late: self._give_back(shared, tenant, ids, late[0]),
+                    registry.counting(step, take, (self.scope,)),
+                    lambda late: self._give_back(take, late[0]),
                     registry.background.spawn)
             except StateUnavailable as exc:
                 if registry.fallback.mode == "reject":
                     raise unavailable(exc) from None
                 limit = registry.fallback.whole_share(limit)
             else:
-                return shared, full, high / limit
+                return take, full, high / limit
         node = registry.take_request(self.scope, lineage, limit)
         if node is not None:
             return None, node.id, 1.0
         return None, None, max(n.counts[self.scope] for n in lineage) / limit
 
-    def _give_back(self, shared: RedisRuns, tenant: str, ids: tuple[str, ...],
-                   full: str | None) -> None:
+    def _give_back(self, take: str, full: str | None) -> None:
         """Give back the count a call whose caller left during :meth:`_take` made."""
         if full is None:  # counted
-            self.registry.background.start(shared.give_back_request(self.scope, tenant, ids),
-                                           "run request give-back")
+            self.registry.give_back(take, (self.scope,))
 
 
 class _Counted:
     """A call's ``max_requests`` count on each run of its lineage (a holding): listed in each
-    run's ``holders`` until the call ends, given back then if it never reached the upstream."""
+    run's ``holders`` until the call ends, given back then if it never reached the upstream
+    (in the shared state by ``take``, the id it was counted under there; ``None``: counted
+    in this replica's memory)."""
 
-    __slots__ = ("call", "lineage", "registry", "scope", "shared")
+    __slots__ = ("call", "lineage", "registry", "scope", "take")
 
     def __init__(self, registry: RunRegistry, scope: str, lineage: list[RunInfo],
-                 shared: RedisRuns | None, call: Call) -> None:
+                 take: str | None, call: Call) -> None:
         self.registry = registry
         self.scope = scope
         self.lineage = lineage
-        self.shared = shared
+        self.take = take
         self.call = call
         for node in lineage:
             holders = node.holders
@@ -822,13 +947,10 @@ class _Counted:
                 del node.holders[scope]  # type: ignore[union-attr]
         if outcome.reached:
             return
-        if self.shared is None:
+        if self.take is None:
             self.registry.give_back_request(self.scope, self.lineage)
         else:
-            self.registry.background.start(
-                self.shared.give_back_request(self.scope, self.lineage[0].tenant,
-                                              tuple(node.id for node in self.lineage)),
-                "run request give-back")
+            self.registry.give_back(self.take, (self.scope,))
 
 
 #: Builds the limiter of one live run for a :class:`FanoutWidth`: ``(tenant, run, width,

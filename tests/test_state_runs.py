@@ -17,7 +17,7 @@ from policies.config import RunConfig
 from policies.pipeline import Call
 from policies.runs import RunLimits, RunRegistry, RunTracker
 from policies.state import redis_backends
-from policies.state.runs import Count, RedisRuns, qualified, unqualified
+from policies.state.runs import Count, RedisRuns, new_take_id, qualified, unqualified
 from tests.redis_servers import (
     CLIENT_TIMEOUT_S,
     TEST_PROBE_S,
@@ -79,13 +79,37 @@ async def test_counts_are_all_or_none_and_given_back(where):
     async with shared_runs(*where) as runs:
         await runs.admit("t", "kid", "root")
         assert await runs.take_request("s", "t", ("kid", "root"), 2) == (None, 1)
-        assert await runs.take_request("s", "t", ("root",), 2) == (None, 2)
+        assert await runs.take_request("s", "t", ("root",), 2, "take-1") == (None, 2)
         # root is full: the kid's call counts nowhere, not even on the kid.
         assert await runs.take_request("s", "t", ("kid", "root"), 2) == ("root", 0)
-        await runs.give_back_request("s", "t", ("root",))
+        assert await runs.give_back_request("take-1", ["s"]) == 1
         assert await runs.take_request("s", "t", ("kid", "root"), 2) == (None, 2)
         assert await runs.take_request("s", "t", ("kid",), 2) == ("kid", 0)
         assert await runs.take_request("other-scope", "t", ("kid", "root"), 2) == (None, 1)
+
+
+async def test_a_give_back_applies_once_and_may_come_before_its_take(where):
+    """A give-back names its take: sent again (Redis did not answer the first, which it may
+    have run) it gives nothing more back; it undoes the runs the take counted on, each scope
+    once; and sent before its take has run (the take's reply was lost in a frozen Redis that
+    has not run it yet), the take counts nothing when it runs."""
+    async with shared_runs(*where) as runs:
+        both = [Count("*", 3, None, None), Count("route", 3, None, None)]
+        await runs.admit("t", "kid", "root")
+        assert (await runs.admit("t", "kid", "root", both, "a")).counted
+        assert await runs.take_request("s", "t", ("kid", "root"), 3, "b") == (None, 1)
+        assert await runs.give_back_request("a", ["route"]) == 1
+        assert await runs.give_back_request("a", ["route"]) == 0
+        assert await runs.give_back_request("a", ["*", "route"]) == 1
+        assert await runs.give_back_request("b", ["s"]) == 1
+        assert await runs.give_back_request("b", ["s"]) == 0
+        for scope in ("*", "route", "s"):  # each back to 0, neither below nor above
+            assert await runs.take_request(scope, "t", ("kid", "root"), 1) == (None, 1)
+        assert await runs.give_back_request("c", ["s"]) == 0  # before its take
+        assert await runs.take_request("s", "t", ("kid",), 5, "c") == (None, 0)
+        assert (await runs.admit("t", "kid", None, both, "c")).counted is False
+        assert await runs.give_back_request("c", ["s"]) == 0
+        assert await runs.take_request("s", "t", ("kid", "root"), 2) == (None, 2)
 
 
 async def test_admit_counts_every_scope_or_none(where):
@@ -189,9 +213,10 @@ def test_interleaved_replicas_never_overspend_a_run(where, parents, calls, limit
                     assert counts[full] == limit and full in ids
             # What Redis holds is what the model says was granted.
             for name in names:
-                full, _ = await reps[0].take_request("s", "t", (name,), counts[name] + 1)
+                take = new_take_id()
+                full, _ = await reps[0].take_request("s", "t", (name,), counts[name] + 1, take)
                 assert full is None
-                await reps[0].give_back_request("s", "t", (name,))
+                await reps[0].give_back_request(take, ["s"])
                 if counts[name]:
                     assert await reps[0].take_request("s", "t", (name,), counts[name]) == (name, 0)
 
@@ -288,7 +313,7 @@ async def test_a_count_taken_for_a_run_not_admitted_yet_expires():
             assert await runs.take_request("s", "team-a", ("kid", "root"), 5) == (None, 1)
         with redis.Redis.from_url(url, socket_timeout=2) as r:
             keys = list(r.scan_iter(match=f"{prefix}:*"))
-            assert len(keys) == 2
+            assert len(keys) == 3  # the two runs and the take's record
             assert all(0 < r.ttl(key) <= 86400 for key in keys)
     finally:
         delete_prefix(url, prefix)

@@ -14,6 +14,13 @@ its child's tenant.
   under, of the same tenant) and ``n:<scope>`` (calls counted for ``run.max_requests`` in that
   scope, its descendants' included). Every call of a run refreshes the expiry of its run and
   of each ancestor to :data:`RUN_IDLE_TTL_S`, so a tree lives as long as any of it calls.
+* **Takes.** Each count is taken under an id of its caller's (:func:`new_take_id`), recorded
+  in a hash ``<prefix>:{runs}:take:<id>`` (the runs it counted on and one ``n:<scope>`` field
+  per scope counted) for :data:`TAKE_HOLD_S`. A give-back names that id and undoes what the
+  take counted, once: a give-back sent again, because Redis did not answer the first (it may
+  have run it), finds nothing more to undo. A give-back that finds no record (its take's
+  reply was lost, and the take is still queued in a frozen Redis, or never ran) leaves one
+  saying the take is given back, so that the take counts nothing if it runs after it.
 * **Tenants of a run id.** A set ``<prefix>:{runs}:tenants:<id>`` of the ``<q>`` of each
   tenant that has a run ``<id>``, added to when a run's hash is made and expiring with it, so
   that a cancel naming no tenant finds every tenant's run of that id in one script.
@@ -33,13 +40,15 @@ request-path operation is one script, one round trip, bounded by ``state.timeout
 raising :class:`~policies.state.errors.StateUnavailable` when Redis does not answer; a call
 of a run makes one (:meth:`RedisRuns.admit` places it, checks its cancellation and counts it
 for ``max_requests``), a call that never reached the upstream one more to give its count
-back.
+back (and one more for each time Redis did not answer that: see
+:class:`policies.runs.GiveBacks`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -61,6 +70,17 @@ RUN_IDLE_TTL_S = 86400
 MAX_LINEAGE = 64
 #: Cancellations read back at most when the feed (re)subscribes.
 RESYNC_LIMIT = 10_000
+#: How long the record of a count (a take) is kept, seconds: a give-back must reach Redis
+#: within it, or the count stays for the run's life. It covers a call's waits before it is
+#: sent upstream (queues, minutes at most) and an outage that holds its give-back back; each
+#: record costs ~200 bytes of Redis memory for this long (~12 MB at 100 calls a second).
+TAKE_HOLD_S = 600
+
+
+def new_take_id() -> str:
+    """A fresh id for one count (:meth:`RedisRuns.take_request`, :meth:`RedisRuns.admit`),
+    unique across replicas."""
+    return uuid.uuid4().hex
 
 
 def qualified(tenant: str) -> str:
@@ -81,16 +101,19 @@ def unqualified(name: str) -> tuple[str, str] | None:
     return rest[:size], rest[size + 1:]
 
 # Place a call's run in the shared tree, read its lineage, and count the call.
-# KEYS: cancelled zset, the run's hash, the parent's hash (or the run's again).
+# KEYS: cancelled zset, the run's hash, the parent's hash (or the run's again), the take's
+# record (see _TAKE).
 # ARGV: run, parent ('' for none), key prefix of the tenant's run hashes, idle ttl s, max
-# lineage, the tenant's <q>, key prefix of tenant sets, then per max_requests scope: field,
-# limit, depth limit (-1: none), max duration ms (-1: none).
+# lineage, the tenant's <q>, key prefix of tenant sets, take hold ms, then per max_requests
+# scope: field, limit, depth limit (-1: none), max duration ms (-1: none).
 # Each run hash made here puts the tenant in its id's tenant set; each run of the lineage
 # refreshes the expiry of its hash and of that set.
 # A new run is linked under its parent unless that would close a cycle; a run first seen as a
 # root is linked later only while it has counted nothing (as the memory registry does).
 # The call is counted in every scope on every run of the lineage, or nowhere: not when the
-# lineage is cancelled, deeper or older than a scope allows, or a run is at a scope's limit.
+# lineage is cancelled, deeper or older than a scope allows, a run is at a scope's limit, or
+# the take was given back before it ran (its record says 'gone'). A count is recorded as
+# _TAKE records it.
 # Returns {ids, first-call ms, cancelled index (0: none), ms its refusal has left, now ms,
 # counted (0/1), per scope the index of the first run at its limit (0: none), per scope the
 # highest count after counting}.
@@ -99,7 +122,7 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local run, parent, pre = ARGV[1], ARGV[2], ARGV[3]
 local ttl, max = tonumber(ARGV[4]), tonumber(ARGV[5])
-local q, sets = ARGV[6], ARGV[7]
+local q, sets, hold = ARGV[6], ARGV[7], ARGV[8]
 local key = KEYS[2]
 if redis.call('HSETNX', key, 'first', now) == 1 then redis.call('SADD', sets .. run, q) end
 if parent ~= '' and parent ~= run and redis.call('HLEN', key) == 1 then
@@ -141,9 +164,9 @@ for i = 1, max do
   if not node then break end
 end
 local counted, full, highs = 0, {}, {}
-if hit == 0 and #ARGV > 7 then
+if hit == 0 and #ARGV > 8 and redis.call('HEXISTS', KEYS[4], 'gone') == 0 then
   local fits = true
-  for g = 8, #ARGV, 4 do
+  for g = 9, #ARGV, 4 do
     local depth_limit, duration = tonumber(ARGV[g + 2]), tonumber(ARGV[g + 3])
     if depth_limit >= 0 and #ids - 1 > depth_limit then fits = false end
     if duration >= 0 then
@@ -154,7 +177,7 @@ if hit == 0 and #ARGV > 7 then
   end
   if fits then
     local room = true
-    for g = 8, #ARGV, 4 do
+    for g = 9, #ARGV, 4 do
       local field, limit = ARGV[g], tonumber(ARGV[g + 1])
       local at, high = 0, 0
       for i = 1, #ids do
@@ -168,9 +191,12 @@ if hit == 0 and #ARGV > 7 then
     end
     if room then
       counted = 1
-      for g = 8, #ARGV, 4 do
+      redis.call('HSET', KEYS[4], 'pre', pre, 'ids', cjson.encode(ids))
+      for g = 9, #ARGV, 4 do
         for i = 1, #ids do redis.call('HINCRBY', pre .. ids[i], ARGV[g], 1) end
+        redis.call('HSET', KEYS[4], ARGV[g], 1)
       end
+      redis.call('PEXPIRE', KEYS[4], hold)
     end
   end
 end
@@ -178,36 +204,61 @@ return {ids, firsts, hit, left, now, counted, full, highs}
 """)
 
 # Count one call on every run of a lineage for a scope, or on none.
-# KEYS: the run's hash (the rest are built from ARGV[1]). ARGV: key prefix of the tenant's
-# run hashes, field, limit, idle ttl (s), ids...
+# KEYS: the run's hash (the rest are built from ARGV[1]), the take's record.
+# ARGV: key prefix of the tenant's run hashes, field, limit, idle ttl (s), take hold ms, ids...
 # Returns {0, highest count after} when counted, or {index of the first run at the limit, 0}.
 # A run's hash lives RUN_IDLE_TTL_S past its last use, here too: a count taken for a run the
 # admission script had not written (Redis did not answer it) left a hash that never expired.
+# A count is recorded under the take's id for the hold ('pre': the prefix, 'ids': the runs,
+# JSON, and the field), for _GIVE_BACK; a take given back before it ran (its record says
+# 'gone') counts nothing and answers {0, 0}: its caller stopped waiting for the answer.
 _TAKE = Script("""
 local pre, field, limit, ttl = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
+if redis.call('HEXISTS', KEYS[2], 'gone') == 1 then return {0, 0} end
 local high = 0
-for i = 5, #ARGV do
+for i = 6, #ARGV do
   local n = tonumber(redis.call('HGET', pre .. ARGV[i], field) or '0')
-  if n >= limit then return {i - 4, 0} end
+  if n >= limit then return {i - 5, 0} end
   if n + 1 > high then high = n + 1 end
 end
-for i = 5, #ARGV do
+local ids = {}
+for i = 6, #ARGV do
   redis.call('HINCRBY', pre .. ARGV[i], field, 1)
   redis.call('EXPIRE', pre .. ARGV[i], ttl)
+  ids[#ids + 1] = ARGV[i]
 end
+redis.call('HSET', KEYS[2], 'pre', pre, 'ids', cjson.encode(ids), field, 1)
+redis.call('PEXPIRE', KEYS[2], ARGV[5])
 return {0, high}
 """)
 
-# Give back what _TAKE counted (never below 0; a forgotten run is not re-created).
-# KEYS: the run's hash. ARGV: key prefix of the tenant's run hashes, field, ids...
+# Give back what one take (_TAKE or _ADMIT) counted in some scopes, once per scope (never
+# below 0; a forgotten run is not re-created). A take with no record (not run yet, or it
+# counted nothing) is marked 'gone' for the hold, so that it counts nothing if it runs later.
+# KEYS: the take's record. ARGV: take hold ms, fields...
+# Returns how many scopes were given back.
 _GIVE_BACK = Script("""
-local pre, field = ARGV[1], ARGV[2]
-for i = 3, #ARGV do
-  local k = pre .. ARGV[i]
-  local n = tonumber(redis.call('HGET', k, field) or '0')
-  if n > 0 then redis.call('HINCRBY', k, field, -1) end
+local take = KEYS[1]
+if redis.call('EXISTS', take) == 0 then
+  redis.call('HSET', take, 'gone', 1)
+  redis.call('PEXPIRE', take, ARGV[1])
+  return 0
 end
-return 0
+local pre, ids = redis.call('HGET', take, 'pre'), nil
+local done = 0
+for f = 2, #ARGV do
+  local field = ARGV[f]
+  if pre and redis.call('HDEL', take, field) == 1 then
+    ids = ids or cjson.decode(redis.call('HGET', take, 'ids'))
+    for _, id in ipairs(ids) do
+      local k = pre .. id
+      local n = tonumber(redis.call('HGET', k, field) or '0')
+      if n > 0 then redis.call('HINCRBY', k, field, -1) end
+    end
+    done = done + 1
+  end
+end
+return done
 """)
 
 # Record a cancellation of run id ARGV[1] in some tenants and tell every replica.
@@ -329,33 +380,37 @@ class RedisRuns:
         self._cancelled = state.key(GROUP, "cancelled")
         self._runs = state.key(GROUP, "run") + ":"
         self._tenants = state.key(GROUP, "tenants") + ":"
+        self._takes = state.key(GROUP, "take") + ":"
         #: The channel cancellations are published on (classic pub/sub: no slot).
         self.channel = f"{state.prefix}:runs:cancel"
         self.feed = CancelFeed(self)
 
     async def admit(self, tenant: str, run: str, parent: str | None,
-                    counts: Sequence[Count] = ()) -> Lineage:
+                    counts: Sequence[Count] = (), take: str | None = None) -> Lineage:
         """Place ``tenant``'s run ``run`` under the tenant's run ``parent`` (on first sight)
         and read its lineage and whether a cancellation refuses it; refreshes the expiry of
         the run and its ancestors. With ``counts``, also count the call in each of those
         scopes on every run of the lineage, all or none (as :meth:`take_request` does for one
         scope), unless the lineage is cancelled, deeper than a scope's ``depth`` or older
-        than its ``max_duration``.
+        than its ``max_duration``; the count is recorded under ``take`` (a fresh id if
+        ``None``), for :meth:`give_back_request`.
 
         Raises:
-            StateUnavailable: Redis did not answer within ``state.timeout``.
+            StateUnavailable: Redis did not answer within ``state.timeout``; if it was sent
+                (``maybe_applied``) Redis may still count the call later: give ``take`` back.
         """
         q = qualified(tenant)
         runs = self._runs + q
         key = runs + run
         args: list[Any] = [run, parent or "", runs, RUN_IDLE_TTL_S, MAX_LINEAGE, q,
-                           self._tenants]
+                           self._tenants, TAKE_HOLD_S * 1000]
         for count in counts:
             args += [f"n:{count.scope}", count.limit,
                      -1 if count.depth is None else count.depth,
                      -1 if count.max_duration is None else round(count.max_duration * 1000)]
         ids, firsts, hit, left, now, counted, full, highs = await self.state.eval(
-            _ADMIT, [self._cancelled, key, runs + parent if parent else key], args)
+            _ADMIT, [self._cancelled, key, runs + parent if parent else key,
+                     self._takes + (take or new_take_id())], args)
         names = tuple(_text(name) for name in ids)
         now = int(now)
         return Lineage(
@@ -370,30 +425,43 @@ class RedisRuns:
         )
 
     async def take_request(self, scope: str, tenant: str, ids: tuple[str, ...],
-                           limit: int) -> tuple[str | None, int]:
+                           limit: int, take: str | None = None) -> tuple[str | None, int]:
         """Count one call in ``scope`` on every run of ``ids`` (a lineage of ``tenant``'s
-        runs, the run first), or on none of them.
+        runs, the run first), or on none of them; the count is recorded under ``take`` (a
+        fresh id if ``None``) for :data:`TAKE_HOLD_S`, for :meth:`give_back_request`.
 
         Returns:
             ``(full, highest)``: the first run already at ``limit`` (nothing counted), else
             ``None`` and the highest count on the lineage after counting.
 
         Raises:
-            StateUnavailable: Redis did not answer (nothing was counted, as far as is known).
+            StateUnavailable: Redis did not answer; if it was sent (``maybe_applied``), a
+                frozen or slow Redis may still count the call later: give ``take`` back.
         """
         runs = self._runs + qualified(tenant)
-        full, high = await self.state.eval(_TAKE, [runs + ids[0]],
-                                           [runs, f"n:{scope}", limit, RUN_IDLE_TTL_S, *ids])
+        full, high = await self.state.eval(
+            _TAKE, [runs + ids[0], self._takes + (take or new_take_id())],
+            [runs, f"n:{scope}", limit, RUN_IDLE_TTL_S, TAKE_HOLD_S * 1000, *ids])
         return (ids[int(full) - 1] if int(full) else None), int(high)
 
-    async def give_back_request(self, scope: str, tenant: str, ids: tuple[str, ...]) -> None:
-        """Undo :meth:`take_request` for a call that never reached the upstream.
+    async def give_back_request(self, take: str, scopes: Sequence[str]) -> int:
+        """Undo what the count ``take`` (:meth:`take_request` or :meth:`admit`) counted in
+        each of ``scopes``, for a call that never reached the upstream: on the runs it
+        counted on, whatever the lineage is now. Safe to repeat, and to send before the take
+        has run: each scope is given back once, and a take not yet run counts nothing when
+        it does (for :data:`TAKE_HOLD_S`).
+
+        Returns:
+            the scopes given back by this call (0: none counted, or already given back).
 
         Raises:
-            StateUnavailable: Redis did not answer (the count stays taken until it expires).
+            StateUnavailable: Redis did not answer; it may still run this later. Send it
+                again once Redis answers (:class:`policies.runs.GiveBacks` does), or the
+                count stays taken for the run's life.
         """
-        runs = self._runs + qualified(tenant)
-        await self.state.eval(_GIVE_BACK, [runs + ids[0]], [runs, f"n:{scope}", *ids])
+        return int(await self.state.eval(_GIVE_BACK, [self._takes + take],
+                                          [TAKE_HOLD_S * 1000,
+                                           *(f"n:{scope}" for scope in scopes)]))
 
     async def cancel(self, run: str, ttl_s: float, tenants: Sequence[str] = (), *,
                      every: bool = False) -> dict[str, float]:

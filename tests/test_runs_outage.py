@@ -1,0 +1,193 @@
+"""A run's ``max_requests`` across a Redis freeze (``state.backend: redis``).
+
+A call that never reached the upstream must leave no count behind, even when Redis does not
+answer at the moment the count is taken or given back (a hostile trial: the run was refused
+429 ``run_budget_exhausted``, ``x-should-retry: false``, after 6 of its 10 calls):
+
+* a count whose reply is lost (Redis frozen, ``state.timeout`` passed, the call refused 503
+  ``state_unavailable``) is still run by Redis when it thaws: it must be given back;
+* a give-back Redis does not answer (frozen) must be applied once it answers again, and
+  only once, even though the first attempt may run in Redis when it thaws.
+
+Each test freezes (SIGSTOP) a Redis of its own, then counts the calls the run is served.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from policies.config import RunConfig
+from policies.pipeline import Call, Outcome
+from policies.reasons import Reason, Rejected
+from policies.runs import RunLimits, RunRegistry, RunTracker
+from policies.state import Fallback, StateBackends, redis_backends
+from policies.state.runs import RedisRuns, qualified
+from tests.redis_servers import RedisServer, new_prefix
+
+#: ``state.timeout`` here, seconds: short, so a frozen Redis fails a call quickly.
+TIMEOUT_S = 0.2
+#: How long a test waits for the counts to settle after the thaw, seconds.
+SETTLE_S = 5.0
+MAX_REQUESTS = 4
+SCOPE = "*"
+TENANT = "t"
+RUN = "r1"
+
+REACHED = Outcome("2xx", True, 200)
+NEVER_SENT = Outcome("client_disconnected", False)
+
+
+class Replica:
+    """One replica's run policies on the test's Redis (``on_unavailable: reject``)."""
+
+    def __init__(self, state: StateBackends) -> None:
+        assert state.redis is not None
+        self.state = state
+        self.registry = RunRegistry(shared=RedisRuns(state.redis),
+                                    fallback=Fallback("reject", 1))
+        self.limits = RunLimits(self.registry, SCOPE, RunConfig(max_requests=MAX_REQUESTS),
+                                None)
+        self.tracker = RunTracker(self.registry, [self.limits])
+        self._ids = iter(range(1, 1_000_000))
+
+    async def admit(self) -> tuple[Call, list]:
+        """Admit one call of the run as the request path does (tracker, then run limits);
+        returns the call and its holdings, to release in reverse order."""
+        call = Call(request_id=f"q{next(self._ids)}", route="x", method="POST", path="/x/",
+                    headers={}, body=b"", tenant=TENANT, run=RUN, parent_run=None)
+        held = []
+        try:
+            held.append(await self.tracker.admit(call))
+            held.append(await self.limits.admit(call))
+        except BaseException:
+            release(held, NEVER_SENT)
+            raise
+        return call, held
+
+    async def close(self) -> None:
+        await self.registry.background.wait()
+        await self.state.close()
+
+
+def release(held: list, outcome: Outcome) -> None:
+    for holding in reversed(held):
+        if holding is not None:
+            holding.release(outcome)
+
+
+def counted(server: RedisServer, prefix: str) -> int:
+    """The run's ``max_requests`` count in Redis."""
+    key = f"{prefix}:{{runs}}:run:{qualified(TENANT)}{RUN}"
+    return int(server.client().hget(key, f"n:{SCOPE}") or 0)
+
+
+async def settled(server: RedisServer, prefix: str, expected: int) -> int:
+    """The run's count once it is ``expected``, or after :data:`SETTLE_S` seconds; then a
+    little longer, so that a give-back applied twice would show."""
+    deadline = time.monotonic() + SETTLE_S
+    while counted(server, prefix) != expected and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.5)
+    return counted(server, prefix)
+
+
+async def served(replica: Replica) -> int:
+    """Calls of the run admitted (and sent upstream) until it is refused for its
+    ``max_requests``; fails on any other refusal."""
+    n = 0
+    for _ in range(MAX_REQUESTS + 3):
+        try:
+            _, held = await replica.admit()
+        except Rejected as rejected:
+            assert rejected.reason is Reason.RUN_BUDGET_EXHAUSTED, rejected
+            return n
+        release(held, REACHED)
+        n += 1
+    return n
+
+
+async def replica_on(server: RedisServer, prefix: str) -> Replica:
+    state = await redis_backends(server.url, prefix, TIMEOUT_S, probe_interval_s=0.05)
+    assert state.health.up, state.health.last_error
+    return Replica(state)
+
+
+async def test_a_count_whose_reply_is_lost_in_a_freeze_is_given_back(redis_server):
+    """Calls arrive while Redis is frozen: each is refused 503 ``state_unavailable`` after
+    ``state.timeout``, but those already written to Redis' socket are run when it thaws.
+    Once things settle the run holds no count, and it is served exactly ``max_requests``."""
+    prefix = new_prefix()
+    replica = await replica_on(redis_server, prefix)
+    try:
+        _, held = await replica.admit()  # the run exists, as it would in a real trial
+        release(held, NEVER_SENT)
+        assert await settled(redis_server, prefix, 0) == 0
+        redis_server.freeze()
+        try:
+            outcomes = await asyncio.gather(*(replica.admit() for _ in range(3)),
+                                            return_exceptions=True)
+        finally:
+            redis_server.thaw()
+        assert all(isinstance(o, Rejected) and o.reason is Reason.STATE_UNAVAILABLE
+                   for o in outcomes), outcomes
+        assert await settled(redis_server, prefix, 0) == 0
+        assert await served(replica) == MAX_REQUESTS
+    finally:
+        await replica.close()
+
+
+async def test_a_give_back_made_in_a_freeze_is_applied_once_redis_answers(redis_server):
+    """One call of the run reached the upstream; two more were admitted and end without
+    reaching it while Redis is frozen: their give-backs fail (the first perhaps run by
+    Redis when it thaws). Once Redis answers again both are applied, once each: the run
+    holds one count and is served exactly ``max_requests`` in all."""
+    prefix = new_prefix()
+    replica = await replica_on(redis_server, prefix)
+    try:
+        _, first = await replica.admit()
+        release(first, REACHED)
+        left = [await replica.admit() for _ in range(2)]
+        assert counted(redis_server, prefix) == 3
+        redis_server.freeze()
+        try:
+            for _, held in left:
+                release(held, NEVER_SENT)
+            # Long enough for each give-back to fail (and Redis to be marked down).
+            await asyncio.sleep(3 * TIMEOUT_S)
+        finally:
+            redis_server.thaw()
+        assert await settled(redis_server, prefix, 1) == 1
+        assert 1 + await served(replica) == MAX_REQUESTS
+    finally:
+        await replica.close()
+
+
+@pytest.mark.parametrize("replicas", [2])
+async def test_two_replicas_calls_in_a_freeze_leave_no_count(redis_server, replicas):
+    """As the trial ran it: two replicas, calls in parallel on each while Redis is frozen,
+    some refused for the count's lost reply, some queued to leave during the freeze. Once
+    Redis answers, the run holds only the counts of calls that reached the upstream."""
+    prefix = new_prefix()
+    group = [await replica_on(redis_server, prefix) for _ in range(replicas)]
+    try:
+        _, held = await group[0].admit()
+        release(held, REACHED)
+        leaving = [await replica.admit() for replica in group]
+        redis_server.freeze()
+        try:
+            for _, held in leaving:
+                release(held, NEVER_SENT)
+            outcomes = await asyncio.gather(
+                *(replica.admit() for replica in group for _ in range(2)),
+                return_exceptions=True)
+        finally:
+            redis_server.thaw()
+        assert all(isinstance(o, Rejected) for o in outcomes), outcomes
+        assert await settled(redis_server, prefix, 1) == 1
+        assert 1 + await served(group[1]) == MAX_REQUESTS
+    finally:
+        for replica in group:
+            await replica.close()
