@@ -262,7 +262,7 @@ async def test_finish_is_idempotent_and_keys_are_scoped_by_tenant():
     ("{derive_from: ['X Run']}", "not an HTTP header name"),
     ("{ttl: 24}", "not a duration"),
     ("{mode: on}", "'on' is a boolean to YAML 1.1 readers"),
-    ("{max_entries: 0}", "greater than 0"),
+    ("{max_entries: 0}", "0 should be more than 0"),
     ("{on_inflight: wait}", "unknown key"),
 ])
 def test_config_problems_are_reported(block, problem):
