@@ -148,6 +148,10 @@ def yaml_problem(exc: yaml.MarkedYAMLError) -> tuple[int, str]:
     return line, problem
 
 
+#: What YAML 1.1 counts as a line break (§5.4), as PyYAML's marks count lines.
+_LINE_BREAKS = re.compile("\r\n|[\r\n\x85\u2028\u2029]")
+
+
 def reader_problem(exc: yaml.reader.ReaderError, text: str) -> tuple[int, str]:
     """The 1-based line of a character YAML does not allow (a NUL, a control character,
     U+FFFE), and what to say of it. PyYAML checks the whole text before parsing and reports
@@ -155,8 +159,9 @@ def reader_problem(exc: yaml.reader.ReaderError, text: str) -> tuple[int, str]:
     ends in a second line (``in "<unicode string>", position N``) that names nothing useful.
     YAML 1.1 §5.1 lists the characters allowed."""
     position = max(0, min(exc.position, len(text)))
-    line = text.count("\n", 0, position) + 1
-    column = position - (text.rfind("\n", 0, position) + 1) + 1
+    breaks = list(_LINE_BREAKS.finditer(text, 0, position))
+    line = len(breaks) + 1
+    column = position - (breaks[-1].end() if breaks else 0) + 1
     character = exc.character if isinstance(exc.character, int) else ord(exc.character)
     return line, (f"unacceptable character #x{character:04x} at column {column}: "
                   f"{exc.reason} (YAML allows only printable characters, tab and line breaks)")
@@ -217,7 +222,7 @@ def _too_deep(text: str) -> int | None:
             # libyaml's own bound (1,000 levels) is met while scanning ahead, before the events.
             if "nesting depth" in str(exc.problem) and exc.problem_mark is not None:
                 return exc.problem_mark.line + 1
-        except yaml.YAMLError:
+        except (yaml.YAMLError, UnicodeEncodeError):  # a lone surrogate: libyaml encodes
             pass
     return None
 
@@ -340,10 +345,12 @@ def _located(err: ValidationError, marks: dict[Path_, int]) -> Iterator[tuple[in
     # above, so the path reads as the user wrote it), and each member refuses the value on
     # its own: retry.on's `[502, "on"]` got "a valid integer", then "'connect_error' or
     # 'timeout'". One line says all it could be (a new user's trial, stop 38).
-    by_path: dict[Path_, list[dict]] = {}
+    # Grouped by the value too: two values never share a line, even where their paths
+    # could not be told apart.
+    by_path: dict[tuple[Path_, str], list[dict]] = {}
     for path, item in errors:
-        by_path.setdefault(path, []).append(item)
-    for path, items in by_path.items():
+        by_path.setdefault((path, repr(item["input"])), []).append(item)
+    for (path, _), items in by_path.items():
         wanted = [_wanted(item) for item in items]
         value = items[0]["input"]
         if None in wanted or not _scalar(value):
@@ -437,6 +444,8 @@ def _user_path(loc: tuple[str | int, ...], marks: dict[Path_, int]) -> Path_:
     for part in loc:
         if (*path, part) in marks or (isinstance(part, str) and part in _KNOWN_KEYS):
             path.append(part)
+        elif isinstance(part, int) and (*path, str(part)) in marks:
+            path.append(str(part))  # a mapping key YAML read as a number (pricing: {1: ...})
     return tuple(path)
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from proxy.cli import main
+from proxy.config import ConfigError, parse_config
 from tests.conftest import REPO, free_port
 
 ROUTE = ("routes:\n"
@@ -171,6 +172,14 @@ BAD_FILES = [
       "'timeout'",
       "{f}:5: routes[0].retry.on[2]: 'connect_eror' should be a whole number or "
       "'connect_error' or 'timeout'; did you mean 'connect_error'?"]),
+    # Grouped by path alone, with the number keys dropped from it, these two said one line,
+    # "pricing.input: 'abc' should be a number or 0 or more" (a review).
+    ("two bad prices under model names YAML reads as numbers",
+     "pricing:\n  1: {input: 'abc', output: 1}\n  2: {input: -5, output: 1}\n" + ROUTE,
+     ["{f}:2: pricing.1: 1 should be a string (quote it)",
+      "{f}:2: pricing.1.input: 'abc' should be a number",
+      "{f}:3: pricing.2: 2 should be a string (quote it)",
+      "{f}:3: pricing.2.input: -5 should be 0 or more"]),
     ("a word where a count belongs", ROUTE + "    circuit_breaker: {fail_max: five}\n",
      ["{f}:5: routes[0].circuit_breaker.fail_max: 'five' should be a whole number"]),
     # PyYAML reports where such a character is as an offset only: it was said at line 1, on
@@ -435,3 +444,27 @@ def test_max_buffered_bytes_must_hold_the_largest_body(tmp_path: Path, capsys) -
     assert main(["check-config", str(path)]) == 2
     assert "max_buffered_bytes (1000) is less than max_request_bytes (2000)" in \
         capsys.readouterr().err
+
+
+@pytest.mark.parametrize("line_break", ["\r", "\x85", "\u2028"], ids=["CR", "NEL", "LS"])
+def test_a_refused_character_is_named_on_its_line_whatever_breaks_the_lines(line_break):
+    """YAML counts CR, NEL and U+2028 as line breaks too: a review saw line 1 said for a
+    character on line 3 of a file broken by those alone."""
+    text = ROUTE.replace("\n", line_break).replace("    path_prefix", "  \x07 path_prefix", 1)
+    with pytest.raises(ConfigError) as refused:
+        parse_config(text, "c.yaml")
+    assert refused.value.problems[0].startswith(
+        "c.yaml:3: (yaml): unacceptable character #x0007 at column 3: ")
+
+
+def test_a_tenants_table_in_an_environment_variable_that_is_not_utf8_is_refused(
+        tmp_path: Path, capsys, monkeypatch) -> None:
+    """A byte that is not UTF-8 reaches Python as a lone surrogate (PEP 383): libyaml's
+    encoding of it crashed check-config with a traceback (a review)."""
+    monkeypatch.setenv("TENANTS", f"{'a' * 64}: team-a\n{'b' * 64}: team\udcffb\n")
+    path = tmp_path / "sluice.yaml"
+    path.write_text("identity: {tenants: 'env:TENANTS'}\n" + ROUTE)
+    assert main(["check-config", str(path)]) == 2
+    assert capsys.readouterr().err.startswith(
+        "env:TENANTS:2: identity.tenants: not valid YAML (unacceptable character #xdcff at "
+        "column 71: ")
