@@ -64,7 +64,7 @@ from policies.pipeline import Call, Holding, Outcome, survive_leaving
 from policies.rate import Background, unavailable
 from policies.reasons import Reason, Rejected
 from policies.state import Fallback, StateUnavailable
-from policies.state.runs import Count, Lineage, RedisRuns, new_take_id
+from policies.state.runs import Count, CountedOn, Lineage, RedisRuns, new_take_id
 from policies.wording import counted
 
 log = logging.getLogger("sluice")
@@ -357,14 +357,18 @@ class RunRegistry:
             return
         unclaimed = [count.scope for count in part.counts if count.scope not in part.claimed]
         if unclaimed:
-            self.give_back(part.take, unclaimed)
+            self.give_back(part.take, unclaimed, (part.lineage.tenant, part.lineage.ids))
 
-    def give_back(self, take: str, scopes: Sequence[str]) -> None:
+    def give_back(self, take: str, scopes: Sequence[str],
+                  counted_on: CountedOn | None = None) -> None:
         """Give back the shared count ``take`` took in ``scopes`` (its call never reached
-        the upstream). Never awaits: it runs as a task, and one the shared state does not
-        answer is sent again once it answers (:class:`GiveBacks`)."""
-        self.background.start(self.give_backs.give_back(take, tuple(scopes)),
-                              "run request give-back")
+        the upstream); ``counted_on`` when the shared state answered that it counted (see
+        :meth:`RedisRuns.give_back_request`). Never awaits: it runs as a task, and one the
+        shared state does not answer is sent again once it answers (:class:`GiveBacks`). No
+        scope: nothing was counted (a run with no ``max_requests``), nothing is sent."""
+        if scopes:
+            self.background.start(self.give_backs.give_back(take, tuple(scopes), counted_on),
+                                  "run request give-back")
 
     async def counting(self, step: Awaitable[T], take: str, scopes: Sequence[str]) -> T:
         """Await ``step``, a shared count taken under ``take`` in ``scopes``: if the shared
@@ -520,6 +524,10 @@ class RunRegistry:
         return out
 
 
+#: A kept give-back: the take's id, its scopes, and the runs it was heard to count on.
+_GiveBack = tuple[str, tuple[str, ...], CountedOn | None]
+
+
 class GiveBacks:
     """Give-backs of shared ``max_requests`` counts the shared state did not answer, sent
     again once it answers (as :class:`policies.budget.Reconciler` does for budget spend).
@@ -543,24 +551,26 @@ class GiveBacks:
     def __init__(self, shared: RedisRuns | None, background: Background) -> None:
         self._shared = shared
         self._background = background
-        self._pending: deque[tuple[str, tuple[str, ...]]] = deque()
+        self._pending: deque[_GiveBack] = deque()
         self._task: asyncio.Task[None] | None = None
 
     def __len__(self) -> int:
         return len(self._pending)
 
-    async def give_back(self, take: str, scopes: tuple[str, ...]) -> None:
-        """Give back the count ``take`` took in ``scopes`` now; if the shared state does not
-        answer, keep it for when it does.
+    async def give_back(self, take: str, scopes: tuple[str, ...],
+                        counted_on: CountedOn | None = None) -> None:
+        """Give back the count ``take`` took in ``scopes`` now
+        (:meth:`RedisRuns.give_back_request`); if the shared state does not answer, keep it
+        for when it does.
 
         Raises:
             StateUnavailable: not answered now (kept).
         """
         assert self._shared is not None
         try:
-            await self._shared.give_back_request(take, scopes)
+            await self._shared.give_back_request(take, scopes, counted_on)
         except StateUnavailable:
-            self._add((take, scopes))
+            self._add((take, scopes, counted_on))
             raise
 
     def kick(self) -> None:
@@ -568,10 +578,10 @@ class GiveBacks:
         if self._pending and (self._task is None or self._task.done()):
             self._task = self._background.start(self._run(), "run request give-backs")
 
-    def _add(self, entry: tuple[str, tuple[str, ...]]) -> None:
+    def _add(self, entry: _GiveBack) -> None:
         pending = self._pending
         if len(pending) >= MAX_GIVE_BACKS:
-            take, scopes = pending.popleft()
+            take, scopes, _ = pending.popleft()
             log.warning("run request give-back dropped (over %d kept while the state backend "
                         "does not answer): take %s of %s", MAX_GIVE_BACKS, take,
                         ", ".join(scopes), extra=PER_CALL)
@@ -582,8 +592,13 @@ class GiveBacks:
         pending = self._pending
         applied = 0
         while pending:
-            await self._shared.give_back_request(*pending[0])
-            pending.popleft()
+            # Taken off first: ``_add`` may drop the oldest while this send waits.
+            entry = pending.popleft()
+            try:
+                await self._shared.give_back_request(*entry)
+            except BaseException:
+                pending.appendleft(entry)
+                raise
             applied += 1
         log.warning("run request give-back of %s reconciled into the shared run state",
                     counted(applied, "call"))
@@ -895,7 +910,7 @@ class RunLimits:
             try:
                 full, high = await survive_leaving(
                     registry.counting(step, take, (self.scope,)),
-                    lambda late: self._give_back(take, late[0]),
+                    lambda late: self._give_back(take, late[0], (lineage[0].tenant, ids)),
                     registry.background.spawn)
             except StateUnavailable as exc:
                 if registry.fallback.mode == "reject":
@@ -908,10 +923,10 @@ class RunLimits:
             return None, node.id, 1.0
         return None, None, max(n.counts[self.scope] for n in lineage) / limit
 
-    def _give_back(self, take: str, full: str | None) -> None:
+    def _give_back(self, take: str, full: str | None, counted_on: CountedOn) -> None:
         """Give back the count a call whose caller left during :meth:`_take` made."""
         if full is None:  # counted
-            self.registry.give_back(take, (self.scope,))
+            self.registry.give_back(take, (self.scope,), counted_on)
 
 
 class _Counted:
@@ -950,7 +965,9 @@ class _Counted:
         if self.take is None:
             self.registry.give_back_request(self.scope, self.lineage)
         else:
-            self.registry.give_back(self.take, (self.scope,))
+            lineage = self.lineage
+            self.registry.give_back(self.take, (self.scope,),
+                                    (lineage[0].tenant, tuple(node.id for node in lineage)))
 
 
 #: Builds the limiter of one live run for a :class:`FanoutWidth`: ``(tenant, run, width,

@@ -19,11 +19,13 @@ import time
 
 import pytest
 
+import policies.runs as runs_module
 from policies.config import RunConfig
 from policies.pipeline import Call, Outcome
+from policies.rate import Background
 from policies.reasons import Reason, Rejected
-from policies.runs import RunLimits, RunRegistry, RunTracker
-from policies.state import Fallback, StateBackends, redis_backends
+from policies.runs import GiveBacks, RunLimits, RunRegistry, RunTracker
+from policies.state import Fallback, StateBackends, StateUnavailable, redis_backends
 from policies.state.runs import RedisRuns, qualified
 from tests.redis_servers import RedisServer, new_prefix
 
@@ -191,3 +193,65 @@ async def test_two_replicas_calls_in_a_freeze_leave_no_count(redis_server, repli
     finally:
         for replica in group:
             await replica.close()
+
+
+class _Answering:
+    """A shared run state whose give-backs fail while ``down``; the first of ``slow`` waits
+    for ``answer`` before it is answered."""
+
+    def __init__(self, slow: str) -> None:
+        self.down = True
+        self.slow = slow
+        self.answer = asyncio.Event()
+        self.applied: list[str] = []
+
+    async def give_back_request(self, take: str, scopes: tuple[str, ...],
+                                counted_on: object = None) -> int:
+        if self.down:
+            raise StateUnavailable("down", 1.0, maybe_applied=False)
+        if take == self.slow:
+            await self.answer.wait()
+        self.applied.append(take)
+        return len(scopes)
+
+
+async def test_a_give_back_kept_while_the_oldest_is_dropped_is_still_sent(monkeypatch):
+    """The round sent the oldest kept give-back, then took the oldest off the list when it
+    was answered: if that one had been dropped meanwhile (the list full, another failed
+    give-back added), the one taken off was another, never sent (a review). At most
+    ``MAX_GIVE_BACKS`` are kept; every one kept is sent once."""
+    monkeypatch.setattr(runs_module, "MAX_GIVE_BACKS", 3)
+    shared = _Answering(slow="a")
+    give_backs = GiveBacks(shared, Background())  # type: ignore[arg-type]
+    for take in "abc":
+        with pytest.raises(StateUnavailable):
+            await give_backs.give_back(take, (SCOPE,))
+    shared.down = False
+    give_backs.kick()  # sends a, whose answer waits
+    await asyncio.sleep(0)
+    shared.down = True
+    with pytest.raises(StateUnavailable):  # kept, and the list is full: the oldest dropped
+        await give_backs.give_back("d", (SCOPE,))
+    shared.down = False
+    shared.answer.set()
+    for _ in range(100):
+        give_backs.kick()
+        await asyncio.sleep(0.01)
+        if not len(give_backs):
+            break
+    assert sorted(shared.applied) == ["a", "b", "c", "d"]
+
+
+async def test_a_call_that_counted_nothing_gives_nothing_back():
+    """A run with no ``max_requests`` counts nothing in its admission: when Redis did not
+    answer it, nothing is given back (a review saw a give-back of no scope sent, a record
+    left in Redis, and "1 call reconciled" logged)."""
+    shared = _Answering(slow="")
+    registry = RunRegistry()
+    registry.give_backs = GiveBacks(shared, registry.background)  # type: ignore[arg-type]
+    registry.give_back("a", ())
+    await asyncio.sleep(0.05)
+    assert (len(registry.give_backs), shared.applied) == (0, [])
+    registry.give_back("b", (SCOPE,))
+    await asyncio.sleep(0.05)
+    assert len(registry.give_backs) == 1  # the one that counted is kept for when Redis answers

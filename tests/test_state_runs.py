@@ -17,6 +17,7 @@ from policies.config import RunConfig
 from policies.pipeline import Call
 from policies.runs import RunLimits, RunRegistry, RunTracker
 from policies.state import redis_backends
+from policies.state import runs as runs_state
 from policies.state.runs import Count, RedisRuns, new_take_id, qualified, unqualified
 from tests.redis_servers import (
     CLIENT_TIMEOUT_S,
@@ -110,6 +111,40 @@ async def test_a_give_back_applies_once_and_may_come_before_its_take(where):
         assert (await runs.admit("t", "kid", None, both, "c")).counted is False
         assert await runs.give_back_request("c", ["s"]) == 0
         assert await runs.take_request("s", "t", ("kid", "root"), 2) == (None, 2)
+
+
+async def test_a_take_sent_again_counts_once(where):
+    """redis-py sends a script again when the connection dropped after sending it; Redis may
+    have run the first (a review: counted twice under one take, given back once, and the
+    run lost a call for its life). A take that finds its own record answers as counted,
+    with the counts as they stand, and counts nothing more."""
+    async with shared_runs(*where) as runs:
+        both = [Count("*", 3, None, None), Count("route", 1, None, None)]
+        assert await runs.take_request("s", "t", ("kid", "root"), 1, "a") == (None, 1)
+        assert await runs.take_request("s", "t", ("kid", "root"), 1, "a") == (None, 1)
+        first = await runs.admit("t", "kid", "root", both, "b")
+        again = await runs.admit("t", "kid", "root", both, "b")
+        assert (first.counted, first.highs) == (again.counted, again.highs) == (True, (1, 1))
+        assert await runs.give_back_request("a", ["s"]) == 1
+        assert await runs.give_back_request("b", ["*", "route"]) == 2
+        assert await runs.take_request("s", "t", ("kid", "root"), 1) == (None, 1)
+        assert (await runs.admit("t", "kid", "root", both)).highs == (1, 1)
+
+
+async def test_a_count_heard_is_given_back_after_its_record_lapsed(where, monkeypatch):
+    """A call queued longer than ``TAKE_HOLD_S`` (a ``max_wait`` of 15 minutes) found its
+    take's record gone when it gave its count back: marked not to count, and the count
+    stayed for the run's life (a review). A caller that heard its take count names the
+    runs it counted on: given back there, once."""
+    monkeypatch.setattr(runs_state, "TAKE_HOLD_S", 0.1)
+    async with shared_runs(*where) as runs:
+        assert await runs.take_request("s", "t", ("kid", "root"), 1, "a") == (None, 1)
+        await asyncio.sleep(0.3)  # the record lapses
+        heard = ("t", ("kid", "root"))
+        assert await runs.give_back_request("a", ["s"], heard) == 1
+        assert await runs.give_back_request("a", ["s"], heard) == 0  # once
+        assert await runs.take_request("s", "t", ("kid", "root"), 1) == (None, 1)
+        assert await runs.take_request("s", "t", ("root",), 1) == ("root", 0)
 
 
 async def test_admit_counts_every_scope_or_none(where):

@@ -77,6 +77,10 @@ RESYNC_LIMIT = 10_000
 TAKE_HOLD_S = 600
 
 
+#: ``(tenant, run ids)``: the runs a take was heard to count on, the run first.
+CountedOn = tuple[str, tuple[str, ...]]
+
+
 def new_take_id() -> str:
     """A fresh id for one count (:meth:`RedisRuns.take_request`, :meth:`RedisRuns.admit`),
     unique across replicas."""
@@ -164,7 +168,18 @@ for i = 1, max do
   if not node then break end
 end
 local counted, full, highs = 0, {}, {}
-if hit == 0 and #ARGV > 8 and redis.call('HEXISTS', KEYS[4], 'gone') == 0 then
+if hit == 0 and #ARGV > 8 and redis.call('HEXISTS', KEYS[4], 'pre') == 1 then
+  -- Run already (the client sent it again after a connection dropped): counted once.
+  counted = 1
+  for g = 9, #ARGV, 4 do
+    local high = 0
+    for i = 1, #ids do
+      high = math.max(high, tonumber(redis.call('HGET', pre .. ids[i], ARGV[g]) or '0'))
+    end
+    full[#full + 1] = 0
+    highs[#highs + 1] = high
+  end
+elseif hit == 0 and #ARGV > 8 and redis.call('HEXISTS', KEYS[4], 'gone') == 0 then
   local fits = true
   for g = 9, #ARGV, 4 do
     local depth_limit, duration = tonumber(ARGV[g + 2]), tonumber(ARGV[g + 3])
@@ -211,11 +226,20 @@ return {ids, firsts, hit, left, now, counted, full, highs}
 # admission script had not written (Redis did not answer it) left a hash that never expired.
 # A count is recorded under the take's id for the hold ('pre': the prefix, 'ids': the runs,
 # JSON, and the field), for _GIVE_BACK; a take given back before it ran (its record says
-# 'gone') counts nothing and answers {0, 0}: its caller stopped waiting for the answer.
+# 'gone') counts nothing and answers {0, 0}: its caller stopped waiting for the answer. A
+# take that finds its own record ran already (redis-py sends a script again after a dropped
+# connection): it answers as counted and counts nothing more. _ADMIT does the same.
 _TAKE = Script("""
 local pre, field, limit, ttl = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
 if redis.call('HEXISTS', KEYS[2], 'gone') == 1 then return {0, 0} end
 local high = 0
+if redis.call('HEXISTS', KEYS[2], 'pre') == 1 then
+  -- Run already (the client sent it again after a connection dropped): counted once.
+  for i = 6, #ARGV do
+    high = math.max(high, tonumber(redis.call('HGET', pre .. ARGV[i], field) or '0'))
+  end
+  return {0, high}
+end
 for i = 6, #ARGV do
   local n = tonumber(redis.call('HGET', pre .. ARGV[i], field) or '0')
   if n >= limit then return {i - 5, 0} end
@@ -234,19 +258,37 @@ return {0, high}
 
 # Give back what one take (_TAKE or _ADMIT) counted in some scopes, once per scope (never
 # below 0; a forgotten run is not re-created). A take with no record (not run yet, or it
-# counted nothing) is marked 'gone' for the hold, so that it counts nothing if it runs later.
-# KEYS: the take's record. ARGV: take hold ms, fields...
+# counted nothing) is marked 'gone' for the hold, so that it counts nothing if it runs later;
+# unless its caller heard it count (then named the runs it counted on): its record lapsed
+# (a call queued longer than the hold), the scopes are given back on those runs, and a record
+# with no scope left is kept for the hold, so that a give-back sent again undoes nothing.
+# KEYS: the take's record. ARGV: take hold ms, number of fields N, N fields, then (heard
+# counted only) the key prefix of the tenant's run hashes and the run ids.
 # Returns how many scopes were given back.
 _GIVE_BACK = Script("""
-local take = KEYS[1]
+local take, n = KEYS[1], tonumber(ARGV[2])
 if redis.call('EXISTS', take) == 0 then
-  redis.call('HSET', take, 'gone', 1)
+  local done = 0
+  if #ARGV > n + 2 then
+    local pre = ARGV[n + 3]
+    for f = 3, n + 2 do
+      for i = n + 4, #ARGV do
+        local k = pre .. ARGV[i]
+        local c = tonumber(redis.call('HGET', k, ARGV[f]) or '0')
+        if c > 0 then redis.call('HINCRBY', k, ARGV[f], -1) end
+      end
+      done = done + 1
+    end
+    redis.call('HSET', take, 'pre', pre)
+  else
+    redis.call('HSET', take, 'gone', 1)
+  end
   redis.call('PEXPIRE', take, ARGV[1])
-  return 0
+  return done
 end
 local pre, ids = redis.call('HGET', take, 'pre'), nil
 local done = 0
-for f = 2, #ARGV do
+for f = 3, n + 2 do
   local field = ARGV[f]
   if pre and redis.call('HDEL', take, field) == 1 then
     ids = ids or cjson.decode(redis.call('HGET', take, 'ids'))
@@ -403,7 +445,7 @@ class RedisRuns:
         runs = self._runs + q
         key = runs + run
         args: list[Any] = [run, parent or "", runs, RUN_IDLE_TTL_S, MAX_LINEAGE, q,
-                           self._tenants, TAKE_HOLD_S * 1000]
+                           self._tenants, round(TAKE_HOLD_S * 1000)]
         for count in counts:
             args += [f"n:{count.scope}", count.limit,
                      -1 if count.depth is None else count.depth,
@@ -441,15 +483,18 @@ class RedisRuns:
         runs = self._runs + qualified(tenant)
         full, high = await self.state.eval(
             _TAKE, [runs + ids[0], self._takes + (take or new_take_id())],
-            [runs, f"n:{scope}", limit, RUN_IDLE_TTL_S, TAKE_HOLD_S * 1000, *ids])
+            [runs, f"n:{scope}", limit, RUN_IDLE_TTL_S, round(TAKE_HOLD_S * 1000), *ids])
         return (ids[int(full) - 1] if int(full) else None), int(high)
 
-    async def give_back_request(self, take: str, scopes: Sequence[str]) -> int:
+    async def give_back_request(self, take: str, scopes: Sequence[str],
+                                counted_on: CountedOn | None = None) -> int:
         """Undo what the count ``take`` (:meth:`take_request` or :meth:`admit`) counted in
         each of ``scopes``, for a call that never reached the upstream: on the runs it
         counted on, whatever the lineage is now. Safe to repeat, and to send before the take
         has run: each scope is given back once, and a take not yet run counts nothing when
-        it does (for :data:`TAKE_HOLD_S`).
+        it does (for :data:`TAKE_HOLD_S`). ``counted_on``, ``(tenant, run ids)``, when its
+        caller heard the take count: a record that lapsed (the call waited longer than
+        :data:`TAKE_HOLD_S`) is then given back on those runs instead of marked not to count.
 
         Returns:
             the scopes given back by this call (0: none counted, or already given back).
@@ -459,9 +504,12 @@ class RedisRuns:
                 again once Redis answers (:class:`policies.runs.GiveBacks` does), or the
                 count stays taken for the run's life.
         """
-        return int(await self.state.eval(_GIVE_BACK, [self._takes + take],
-                                          [TAKE_HOLD_S * 1000,
-                                           *(f"n:{scope}" for scope in scopes)]))
+        args: list[Any] = [round(TAKE_HOLD_S * 1000), len(scopes),
+                           *(f"n:{scope}" for scope in scopes)]
+        if counted_on is not None:
+            tenant, ids = counted_on
+            args += [self._runs + qualified(tenant), *ids]
+        return int(await self.state.eval(_GIVE_BACK, [self._takes + take], args))
 
     async def cancel(self, run: str, ttl_s: float, tenants: Sequence[str] = (), *,
                      every: bool = False) -> dict[str, float]:
