@@ -37,9 +37,13 @@ def _serve(config_path: str, stderr_path: str, cwd: str, env: dict[str, str]) ->
 
 def _run(args: list[str], cwd: str, env: dict[str, str], stdout_path: str,
          stderr_path: str) -> None:
-    """``sluice ARGS`` run as the console script runs it, from ``cwd``, with ``env`` added,
-    stdin empty, stdout and stderr into those files, Ctrl-C's default action (a suite
-    started with SIGINT ignored passes that on), and the exit status of ``main``."""
+    """``sluice ARGS`` run as the console script runs it, from ``cwd``, with exactly ``env``
+    (not the fork server's, which may hold a variable a test has removed since), stdin
+    empty, stdout and stderr into those files, and the exit status of ``main``. Ctrl-C
+    works as in a new interpreter (a suite started with SIGINT ignored passes that on), down
+    to dying of SIGINT where nothing handled it (exit -2, 130 in a shell), not multiprocessing's
+    exit 1 and traceback."""
+    os.environ.clear()
     os.environ.update(env)
     os.chdir(REPO)  # coverage reads its config and sources from the clone's root
     coverage = _start_coverage()
@@ -53,12 +57,21 @@ def _run(args: list[str], cwd: str, env: dict[str, str], stdout_path: str,
         os.close(opened)
     from proxy.cli import main
 
+    interrupted = False
+    code = None
     try:
         code = main(args)
+    except KeyboardInterrupt:
+        interrupted = True
     finally:
         if coverage is not None:  # multiprocessing ends the child with os._exit: no atexit
             coverage.stop()
             coverage.save()
+    if interrupted:  # as CPython ends on an unhandled KeyboardInterrupt
+        sys.stdout.flush()
+        sys.stderr.flush()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
     sys.exit(code)
 
 
@@ -124,7 +137,7 @@ class ForkedSluice:
     def __init__(self, config_path: str, stderr_path: str, cwd: str,
                  env: dict[str, str]) -> None:
         self._process = _fork_context().Process(
-            target=_serve, args=(config_path, stderr_path, cwd, env),
+            target=_serve, args=(config_path, stderr_path, cwd, {**os.environ, **env}),
             daemon=True,  # never left running after the session, even if a test leaks it
         )
         self._process.start()
@@ -186,8 +199,8 @@ class ForkedCli:
         return self._process.exitcode
 
     async def communicate(self) -> tuple[bytes, bytes]:
-        await self.wait()
         try:
+            await self.wait()
             with open(self._out, "rb") as out, open(self._err, "rb") as err:
                 return out.read(), err.read()
         finally:
