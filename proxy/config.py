@@ -42,6 +42,7 @@ from policies.config import (
     cross_checks,
 )
 from policies.wording import counted
+from proxy.redact import redact
 
 # --- YAML with YAML 1.2 scalars, duplicate-key errors and line numbers ----------------------
 
@@ -357,7 +358,10 @@ def _located(err: ValidationError, marks: dict[Path_, int]) -> Iterator[tuple[in
             for item in items:
                 yield _nearest_line(path, marks), f"{_dotted(path)}: {_message(item)}"
             continue
-        message = f"{_shown(value)} should be {' or '.join(dict.fromkeys(wanted))}"  # type: ignore[arg-type]
+        # Quoted back as the admin API would show it: a URL with a password pasted into the
+        # wrong key (`backend: redis://:pw@host`) must not reach the log (a review).
+        shown = _shown(redact(value, str(path[-1]) if path else ""))
+        message = f"{shown} should be {' or '.join(dict.fromkeys(wanted))}"  # type: ignore[arg-type]
         yield _nearest_line(path, marks), f"{_dotted(path)}: {message}{_closest(value, items)}"
 
 

@@ -468,3 +468,13 @@ def test_a_tenants_table_in_an_environment_variable_that_is_not_utf8_is_refused(
     assert capsys.readouterr().err.startswith(
         "env:TENANTS:2: identity.tenants: not valid YAML (unacceptable character #xdcff at "
         "column 71: ")
+
+
+def test_a_key_pasted_where_a_word_belongs_is_not_quoted_back():
+    """The refusal quotes short values back ('redsi' should be 'memory' or 'redis'), but
+    not one shaped like an API key (a review)."""
+    key = "sk-" + "a1" * 15
+    with pytest.raises(ConfigError) as refused:
+        parse_config(f"state: {{backend: {key}}}\n" + ROUTE, "c.yaml")
+    assert refused.value.problems == [
+        "c.yaml:1: state.backend: '<redacted>' should be 'memory' or 'redis'"]
