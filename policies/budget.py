@@ -40,8 +40,6 @@ import math
 import os
 import time
 import uuid
-import weakref
-from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -55,6 +53,7 @@ from policies.config import (
 from policies.logs import PER_CALL
 from policies.rate import Background, fallback_for, finish_now
 from policies.reasons import Reason, Rejected
+from policies.redelivery import Redeliveries
 from policies.retry import HINT_JITTER
 from policies.state import StateBackends, StateUnavailable
 from policies.state.ledger import Claim, LedgerFull
@@ -181,15 +180,7 @@ class Budgets:
         #: The budgets a reload replaced these with (:meth:`take_over`), if any.
         self.successor: Budgets | None = None
         if backends.redis is not None:
-            # Weakly: a reload replaces this object, and the health outlives it.
-            reconciler = weakref.ref(self.reconciler)
-
-            def reconcile_when_up(up: bool, _error: str | None) -> None:
-                live = reconciler()
-                if up and live is not None:
-                    live.kick()
-
-            backends.health.on_change(reconcile_when_up)
+            self.reconciler.resend_when_up(backends.health)
 
     def take_over(self, old: Budgets) -> None:
         """Continue ``old``'s work after a reload: its state (the memory ledger of a route
@@ -525,8 +516,9 @@ class Budgets:
                         retry=False if never else None)
 
 
-class Reconciler:
-    """Spend the shared ledger has not been told yet, told once it answers again.
+class Reconciler(Redeliveries["_Pending"]):
+    """Spend the shared ledger has not been told yet, told once it answers again
+    (:class:`policies.redelivery.Redeliveries`).
 
     Two kinds of entries, applied in order, each exactly once:
 
@@ -549,29 +541,19 @@ class Reconciler:
     so an outage with heavy traffic cannot grow memory without bound.
     """
 
-    __slots__ = ("__weakref__", "_budgets", "_pending", "_task")
+    __slots__ = ("_budgets",)
 
     def __init__(self, budgets: Budgets) -> None:
+        super().__init__(budgets.background, MAX_PENDING)
         self._budgets = budgets
-        self._pending: deque[_Pending] = deque()
-        self._task: asyncio.Task[None] | None = None
-
-    def __len__(self) -> int:
-        return len(self._pending)
-
-    def adopt(self, old: Reconciler) -> None:
-        """Take ``old``'s entries (a reload replaced its route)."""
-        self._pending.extend(old._pending)
-        old._pending.clear()
-        self.kick()
 
     async def settle(self, reservation: Reservation, actual: list[float]) -> None:
         """Settle a shared reservation now; if Redis does not answer, keep it for later."""
         entry = _Pending(reservation.rid, None, actual, _keys(reservation.claims))
         try:
-            await self._apply(entry)
+            await self._send(entry)
         except StateUnavailable:
-            self._add(entry)
+            self.keep(entry)
             raise
 
     async def give_back(self, reservation: Reservation, takes: Sequence[Take]) -> None:
@@ -587,7 +569,7 @@ class Reconciler:
             if not released and source.redis is not None:
                 await source.ledger.levels(budgets.group, entry.keys)
         except StateUnavailable:
-            self._add(entry)
+            self.keep(entry)
             raise
 
     def charge(self, claims: list[Claim], actual: list[float]) -> None:
@@ -595,33 +577,20 @@ class Reconciler:
         spent = [claim._replace(amount=used, cap=UNCAPPED)
                  for claim, used in zip(claims, actual, strict=True) if used]
         if spent:
-            self._add(_Pending(uuid.uuid4().hex, spent, None, _keys(spent)))
+            self.keep(_Pending(uuid.uuid4().hex, spent, None, _keys(spent)))
 
-    def kick(self) -> None:
-        """Start reconciling, unless nothing is pending or it already runs."""
-        if self._pending and (self._task is None or self._task.done()):
-            self._task = self._budgets.background.start(
-                self._run(), f"budget reconcile on {self._budgets.group}")
+    def _round_name(self) -> str:
+        return f"budget reconcile on {self._budgets.group}"
 
-    def _add(self, entry: _Pending) -> None:
-        pending = self._pending
-        if len(pending) >= MAX_PENDING:
-            lost = pending.popleft()
-            log.warning("budget spend to reconcile on %s dropped (over %d kept): %s",
-                        self._budgets.group, MAX_PENDING, lost, extra=PER_CALL)
-        pending.append(entry)
+    def _dropped(self, entry: _Pending) -> None:
+        log.warning("budget spend to reconcile on %s dropped (over %d kept): %s",
+                    self._budgets.group, MAX_PENDING, entry, extra=PER_CALL)
 
-    async def _run(self) -> None:
-        pending = self._pending
-        applied = 0
-        while pending:
-            await self._apply(pending[0])
-            pending.popleft()
-            applied += 1
+    def _sent(self, count: int) -> None:
         log.warning("budget spend of %s reconciled into the shared ledger on %s",
-                    counted(applied, "call"), self._budgets.group)
+                    counted(count, "call"), self._budgets.group)
 
-    async def _apply(self, entry: _Pending) -> None:
+    async def _send(self, entry: _Pending) -> None:
         """Apply one entry to the shared ledger, and read its counters' levels if its settle
         found nothing (see the class docstring). Safe to repeat after a failure."""
         budgets = self._budgets

@@ -52,8 +52,6 @@ import asyncio
 import itertools
 import logging
 import time
-import weakref
-from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -63,6 +61,7 @@ from policies.logs import PER_CALL
 from policies.pipeline import Call, Holding, Outcome, survive_leaving
 from policies.rate import Background, unavailable
 from policies.reasons import Reason, Rejected
+from policies.redelivery import Redeliveries
 from policies.state import Fallback, StateUnavailable
 from policies.state.runs import Count, CountedOn, Lineage, RedisRuns, new_take_id
 from policies.wording import counted
@@ -217,15 +216,7 @@ class RunRegistry:
         #: Give-backs the shared state did not answer, until it does.
         self.give_backs = GiveBacks(shared, self.background)
         if shared is not None:
-            # Weakly, as budgets do: the health outlives a registry (tests make many).
-            give_backs = weakref.ref(self.give_backs)
-
-            def give_back_when_up(up: bool, _error: str | None) -> None:
-                live = give_backs()
-                if up and live is not None:
-                    live.kick()
-
-            shared.state.health.on_change(give_back_when_up)
+            self.give_backs.resend_when_up(shared.state.health)
 
     # -- the tree -----------------------------------------------------------------------------
 
@@ -528,34 +519,27 @@ class RunRegistry:
 _GiveBack = tuple[str, tuple[str, ...], CountedOn | None]
 
 
-class GiveBacks:
+class GiveBacks(Redeliveries[_GiveBack]):
     """Give-backs of shared ``max_requests`` counts the shared state did not answer, sent
-    again once it answers (as :class:`policies.budget.Reconciler` does for budget spend).
+    again once it answers (:class:`policies.redelivery.Redeliveries`, as budget spend is).
 
     Each names the id its count was taken under (:meth:`RedisRuns.give_back_request`), so it
     applies once however often it is sent: one Redis ran though its answer was lost (a
     frozen Redis runs what was sent to it when it thaws) finds nothing the second time, and
     one sent before the count it gives back has run keeps that count from being taken.
-    They are sent again, in order, when the health sees Redis up again and whenever a run
-    call is answered (:meth:`kick`); one that fails stops the round until the next.
-    Kept up to :data:`MAX_GIVE_BACKS`; beyond that the oldest are dropped (logged), so an
-    outage with heavy traffic cannot grow memory without bound.
+    They are sent again when the health sees Redis up again and whenever a run call is
+    answered (:meth:`kick`). Kept up to :data:`MAX_GIVE_BACKS`.
 
     Args:
         shared: the shared run state (``None``: memory only, nothing to give back there).
         background: where the round runs (shutdown waits for it).
     """
 
-    __slots__ = ("__weakref__", "_background", "_pending", "_shared", "_task")
+    __slots__ = ("_shared",)
 
     def __init__(self, shared: RedisRuns | None, background: Background) -> None:
+        super().__init__(background, MAX_GIVE_BACKS)
         self._shared = shared
-        self._background = background
-        self._pending: deque[_GiveBack] = deque()
-        self._task: asyncio.Task[None] | None = None
-
-    def __len__(self) -> int:
-        return len(self._pending)
 
     async def give_back(self, take: str, scopes: tuple[str, ...],
                         counted_on: CountedOn | None = None) -> None:
@@ -566,42 +550,29 @@ class GiveBacks:
         Raises:
             StateUnavailable: not answered now (kept).
         """
-        assert self._shared is not None
+        entry = (take, scopes, counted_on)
         try:
-            await self._shared.give_back_request(take, scopes, counted_on)
+            await self._send(entry)
         except StateUnavailable:
-            self._add((take, scopes, counted_on))
+            self.keep(entry)
             raise
 
-    def kick(self) -> None:
-        """Start sending the kept give-backs, unless none is kept or it already runs."""
-        if self._pending and (self._task is None or self._task.done()):
-            self._task = self._background.start(self._run(), "run request give-backs")
-
-    def _add(self, entry: _GiveBack) -> None:
-        pending = self._pending
-        if len(pending) >= MAX_GIVE_BACKS:
-            take, scopes, _ = pending.popleft()
-            log.warning("run request give-back dropped (over %d kept while the state backend "
-                        "does not answer): take %s of %s", MAX_GIVE_BACKS, take,
-                        ", ".join(scopes), extra=PER_CALL)
-        pending.append(entry)
-
-    async def _run(self) -> None:
+    async def _send(self, entry: _GiveBack) -> None:
         assert self._shared is not None
-        pending = self._pending
-        applied = 0
-        while pending:
-            # Taken off first: ``_add`` may drop the oldest while this send waits.
-            entry = pending.popleft()
-            try:
-                await self._shared.give_back_request(*entry)
-            except BaseException:
-                pending.appendleft(entry)
-                raise
-            applied += 1
+        await self._shared.give_back_request(*entry)
+
+    def _round_name(self) -> str:
+        return "run request give-backs"
+
+    def _dropped(self, entry: _GiveBack) -> None:
+        take, scopes, _ = entry
+        log.warning("run request give-back dropped (over %d kept while the state backend "
+                    "does not answer): take %s of %s", MAX_GIVE_BACKS, take,
+                    ", ".join(scopes), extra=PER_CALL)
+
+    def _sent(self, count: int) -> None:
         log.warning("run request give-back of %s reconciled into the shared run state",
-                    counted(applied, "call"))
+                    counted(count, "call"))
 
 
 # --- the policies ----------------------------------------------------------------------------

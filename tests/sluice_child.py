@@ -22,6 +22,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 
 #: The clone's root, where the commands run unless told otherwise.
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -119,25 +120,27 @@ def _start_fork_server() -> None:
         os.environ.update(saved)
 
 
+_context: multiprocessing.context.ForkServerContext | None = None
+
+
 def _fork_context() -> multiprocessing.context.ForkServerContext:
-    if ForkedSluice._context is None:
+    """The fork server's context, started (with Sluice imported) on first use."""
+    global _context
+    if _context is None:
         context = multiprocessing.get_context("forkserver")
         context.set_forkserver_preload(PRELOAD)
         _start_fork_server()
-        ForkedSluice._context = context
-    return ForkedSluice._context
+        _context = context
+    return _context
 
 
-class ForkedSluice:
-    """A ``subprocess.Popen``-like handle (``pid``, ``poll``, ``wait``, ``send_signal``,
-    ``returncode``) on one forked ``sluice serve``."""
+class _Forked:
+    """One child forked by the fork server to run ``target(*args)``: ``pid``,
+    ``returncode``, ``send_signal`` and ``kill``, as a subprocess handle has them."""
 
-    _context: multiprocessing.context.ForkServerContext | None = None
-
-    def __init__(self, config_path: str, stderr_path: str, cwd: str,
-                 env: dict[str, str]) -> None:
+    def __init__(self, target: Callable[..., None], args: tuple[object, ...]) -> None:
         self._process = _fork_context().Process(
-            target=_serve, args=(config_path, stderr_path, cwd, {**os.environ, **env}),
+            target=target, args=args,
             daemon=True,  # never left running after the session, even if a test leaks it
         )
         self._process.start()
@@ -147,12 +150,24 @@ class ForkedSluice:
     def returncode(self) -> int | None:
         return self._process.exitcode
 
-    def poll(self) -> int | None:
-        return self._process.exitcode
-
     def send_signal(self, sig: int) -> None:
         if self._process.exitcode is None:
             os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class ForkedSluice(_Forked):
+    """A ``subprocess.Popen``-like handle (``pid``, ``poll``, ``wait``, ``send_signal``,
+    ``returncode``) on one forked ``sluice serve``."""
+
+    def __init__(self, config_path: str, stderr_path: str, cwd: str,
+                 env: dict[str, str]) -> None:
+        super().__init__(_serve, (config_path, stderr_path, cwd, {**os.environ, **env}))
+
+    def poll(self) -> int | None:
+        return self._process.exitcode
 
     def wait(self, timeout: float | None = None) -> int:
         self._process.join(timeout)
@@ -160,11 +175,8 @@ class ForkedSluice:
             raise subprocess.TimeoutExpired(f"sluice pid {self.pid}", timeout or 0)
         return self._process.exitcode
 
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
 
-
-class ForkedCli:
+class ForkedCli(_Forked):
     """``sluice ARGS`` (any command but ``serve``) in a forked child, with the parts of
     :class:`asyncio.subprocess.Process` the tests use: ``pid``, ``returncode``,
     ``send_signal``, ``kill`` and ``communicate`` (stdout and stderr, whole, once it ended).
@@ -175,23 +187,8 @@ class ForkedCli:
         self._dir = tempfile.TemporaryDirectory(prefix="sluice-cli-")
         self._out = os.path.join(self._dir.name, "stdout")
         self._err = os.path.join(self._dir.name, "stderr")
-        self._process = _fork_context().Process(
-            target=_run, args=(list(args), cwd, {**os.environ, **coverage_env(), **(env or {})},
-                               self._out, self._err),
-            daemon=True)
-        self._process.start()
-        self.pid = self._process.pid
-
-    @property
-    def returncode(self) -> int | None:
-        return self._process.exitcode
-
-    def send_signal(self, sig: int) -> None:
-        if self._process.exitcode is None:
-            os.kill(self.pid, sig)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
+        super().__init__(_run, (list(args), cwd, {**os.environ, **coverage_env(), **(env or {})},
+                                self._out, self._err))
 
     async def wait(self) -> int:
         while self._process.exitcode is None:
@@ -209,12 +206,16 @@ class ForkedCli:
 
 async def sluice_cli(*args: str, cwd: str = REPO, timeout: float = 60) -> tuple[int, str, str]:
     """``sluice ARGS`` in a forked child (:class:`ForkedCli`), run from ``cwd``, without
-    blocking the event loop: its exit status, stdout and stderr.
+    blocking the event loop: its exit status, stdout and stderr (:func:`ended`)."""
+    return await ended(ForkedCli(list(args), cwd), timeout)
+
+
+async def ended(proc: ForkedCli, timeout: float = 60) -> tuple[int, str, str]:
+    """``proc``'s exit status, stdout and stderr once it ends.
 
     Raises:
         TimeoutError: it had not ended after ``timeout`` seconds (it is killed).
     """
-    proc = ForkedCli(list(args), cwd)
     try:
         out, err = await asyncio.wait_for(proc.communicate(), timeout)
     except TimeoutError:

@@ -24,6 +24,7 @@ from tests import mcp_servers
 from tests.conftest import REPO, SluiceProcess, route, wait_until
 from tests.redis_servers import delete_prefix, new_prefix, require_redis
 from tests.sluice_child import ForkedCli
+from tests.sluice_child import ended as outcome
 
 mcp_stateless = mcp_servers.mcp_stateless
 
@@ -35,16 +36,6 @@ FAST_BACKOFF = {"base": "10ms", "max": "20ms"}
 async def cli(*args: str) -> ForkedCli:
     """``sluice ARGS`` from the clone, forked warm (:class:`tests.sluice_child.ForkedCli`)."""
     return ForkedCli(list(args), str(REPO))
-
-
-async def outcome(proc: ForkedCli | asyncio.subprocess.Process) -> tuple[int, str, str]:
-    try:
-        out, err = await asyncio.wait_for(proc.communicate(), 60)
-    except TimeoutError:
-        proc.kill()
-        raise
-    assert proc.returncode is not None
-    return proc.returncode, out.decode(), err.decode()
 
 
 async def dead_letter(sluice, upstream, key: str) -> str:

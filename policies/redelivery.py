@@ -1,0 +1,103 @@
+"""Writes the shared state did not answer, kept and sent again, in order, once it answers.
+
+One mechanism behind budget spend still to reconcile (:class:`policies.budget.Reconciler`)
+and run-count give-backs (:class:`policies.runs.GiveBacks`). An entry must be safe to send
+again (each names an id the shared state applies once): Redis may have run a write whose
+answer was lost. The round that sends them is a task on the owner's
+:class:`~policies.rate.Background`, started by :meth:`Redeliveries.kick` (when the health
+sees Redis up again, and whenever the owner hears Redis answer); one that fails stops the
+round until the next kick, and the entry stays first in line. At most ``limit`` entries are
+kept: beyond that the oldest is dropped (the subclass logs it), so an outage with heavy
+traffic cannot grow memory without bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import weakref
+from collections import deque
+from typing import TYPE_CHECKING, Generic, TypeVar
+
+if TYPE_CHECKING:
+    from policies.rate import Background
+    from policies.state.connection import Health
+
+E = TypeVar("E")
+
+
+class Redeliveries(Generic[E]):
+    """Entries kept until the shared state takes them (see the module docstring).
+
+    Subclasses say how one entry is sent (:meth:`_send`), what a round is called
+    (:meth:`_round_name`), and what to log when entries are dropped or a round has sent
+    some (:meth:`_dropped`, :meth:`_sent`).
+    """
+
+    __slots__ = ("__weakref__", "_background", "_limit", "_pending", "_task")
+
+    def __init__(self, background: Background, limit: int) -> None:
+        self._background = background
+        self._limit = limit
+        self._pending: deque[E] = deque()
+        self._task: asyncio.Task[None] | None = None
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def resend_when_up(self, health: Health) -> None:
+        """Kick a round whenever ``health`` sees the shared state up again. Held weakly:
+        the health outlives the owner (a reload replaces it; tests make many)."""
+        me = weakref.ref(self)
+
+        def kick_when_up(up: bool, _error: str | None) -> None:
+            live = me()
+            if up and live is not None:
+                live.kick()
+
+        health.on_change(kick_when_up)
+
+    def adopt(self, old: Redeliveries[E]) -> None:
+        """Take ``old``'s entries (a reload replaced its owner), and share this queue with
+        it from now on: one its round has in flight, should the send fail, comes back here
+        rather than to a queue nobody kicks any more."""
+        self._pending.extend(old._pending)
+        old._pending = self._pending
+        self.kick()
+
+    def keep(self, entry: E) -> None:
+        """Keep ``entry`` for the next round, dropping the oldest beyond the limit."""
+        pending = self._pending
+        if len(pending) >= self._limit:
+            self._dropped(pending.popleft())
+        pending.append(entry)
+
+    def kick(self) -> None:
+        """Start a round, unless nothing is kept or one already runs."""
+        if self._pending and (self._task is None or self._task.done()):
+            self._task = self._background.start(self._round(), self._round_name())
+
+    async def _round(self) -> None:
+        pending = self._pending
+        sent = 0
+        while pending:
+            # Taken off first: ``keep`` may drop the oldest while this send waits.
+            entry = pending.popleft()
+            try:
+                await self._send(entry)
+            except BaseException:
+                pending.appendleft(entry)
+                raise
+            sent += 1
+        self._sent(sent)
+
+    async def _send(self, entry: E) -> None:
+        raise NotImplementedError
+
+    def _round_name(self) -> str:
+        raise NotImplementedError
+
+    def _dropped(self, entry: E) -> None:
+        raise NotImplementedError
+
+    def _sent(self, count: int) -> None:
+        raise NotImplementedError
