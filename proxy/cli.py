@@ -105,7 +105,9 @@ def _serve(args: argparse.Namespace) -> int:
         try:
             run(serve(config, args.config, stop_requested))
         except OSError as exc:  # a port already taken, or a file that cannot be opened
-            print(f"sluice: cannot start: {exc}", file=sys.stderr)
+            from proxy.redact import redact
+
+            print(f"sluice: cannot start: {redact(str(exc))}", file=sys.stderr)
             return EXIT_START_FAILED
     return 0
 

@@ -10,7 +10,8 @@ import re
 from typing import Any
 from urllib.parse import unquote_plus
 
-from policies.secrets import SECRET_VALUE, secret_query_field, secret_query_name
+from policies.secrets import (SECRET_IN_TEXT, SECRET_VALUE, secret_query_field,
+                              secret_query_name)
 from policies.state import redact_url
 
 REDACTED = "<redacted>"
@@ -44,7 +45,8 @@ def redact(value: Any, key: str = "") -> Any:
     fields that carry credentials by name or value (``?password=``, ``?api_key=``,
     ``?q=sk-...``), also inside a longer string (``redis://:pw@host`` ->
     ``redis://:<redacted>@host``); strings shaped like API keys or ``Authorization`` values
-    (``sk-...``, ``Bearer ...``).
+    (``sk-...``, ``Bearer ...``), as a whole or inside a longer string (a message quoting a
+    value: ``'sk-...' is not a duration``, :data:`policies.secrets.SECRET_IN_TEXT`).
     """
     if isinstance(value, dict):
         return {k: redact(v, str(k)) for k, v in value.items()}
@@ -61,8 +63,13 @@ def redact(value: Any, key: str = "") -> Any:
         # query (redis-py reads ?password=; some APIs take ?api_key=).
         return redact_url(value)
     value = _URL_USERINFO.sub(_redact_userinfo, value)
-    return (_QUERY_FIELD.sub(_redact_query_field, value) if "=" in value or "?" in value
-            else value)
+    if "=" in value or "?" in value:
+        value = _QUERY_FIELD.sub(_redact_query_field, value)
+    return SECRET_IN_TEXT.sub(_redact_in_text, value)
+
+
+def _redact_in_text(match: re.Match[str]) -> str:
+    return f"{match.group(1) or ''}{REDACTED}"
 
 
 def _redact_query_field(match: re.Match[str]) -> str:

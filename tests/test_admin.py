@@ -55,6 +55,16 @@ from tests.test_reload import CHAT, until
     ({"problems": ["f:9: routes[0].upstream: 'http://h:9/?k=sk-Q3&page=2' has a query"]},
      {"problems": [f"f:9: routes[0].upstream: 'http://h:9/?k={REDACTED}&page=2' has a "
                    "query"]}),
+    # Inside a longer string too (check-config echoed `'sk-...' is not a duration`), but
+    # not a language tag or prose that names a scheme.
+    ({"problems": ["f:8: server.drain_timeout: 'sk-proj-Ab12Cd34' is not a duration",
+                   "f:9: server.stall_after: 'Bearer abcdefgh12345678' is not a duration",
+                   "f:10: x: 'AKIAIOSFODNN7EXAMPLE' or eyJhbGc.eyJzdWI.c2ln, not sk-SK",
+                   "f:11: a basic auth header, a token bucket, task-sk-1"]},
+     {"problems": [f"f:8: server.drain_timeout: '{REDACTED}' is not a duration",
+                   f"f:9: server.stall_after: 'Bearer {REDACTED}' is not a duration",
+                   f"f:10: x: '{REDACTED}' or {REDACTED}, not sk-SK",
+                   "f:11: a basic auth header, a token bucket, task-sk-1"]}),
 ])
 def test_redact(value, expected):
     assert redact(value) == expected

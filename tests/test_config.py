@@ -420,6 +420,19 @@ def test_a_rejected_upstream_url_is_shown_without_its_credentials(tmp_path: Path
     assert "s3cretpw" not in err and "SECRETQ" not in err
 
 
+def test_an_api_key_where_a_duration_belongs_is_not_echoed(tmp_path: Path, capsys) -> None:
+    # A hostile trial: `'sk-...' is not a duration` printed the key whole (only a message
+    # starting with one was redacted).
+    path = tmp_path / "bad.yaml"
+    path.write_text("server:\n  drain_timeout: sk-proj-K3yS3cr3tValue\n"
+                    "  stall_after: 'Bearer T0kenS3cr3tValue'\n")
+    assert main(["check-config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}:2: server.drain_timeout: '<redacted>' is not a duration" in err
+    assert f"{path}:3: server.stall_after: 'Bearer <redacted>' is not a duration" in err
+    assert "S3cr3t" not in err
+
+
 @pytest.mark.parametrize("upstream", [
     "http://bob:PW S13@127.0.0.1:9",  # a space: no URL parser reads it
     "http:/bob:PW-S13@127.0.0.1:9",  # one slash: no authority at all
