@@ -63,7 +63,7 @@ from policies.rate import Background, unavailable
 from policies.reasons import Reason, Rejected
 from policies.redelivery import Redeliveries
 from policies.state import Fallback, StateUnavailable
-from policies.state.runs import Count, CountedOn, Lineage, RedisRuns, new_take_id
+from policies.state.runs import NO_TAKE, Count, CountedOn, Lineage, RedisRuns, new_take_id
 from policies.wording import counted
 
 log = logging.getLogger("sluice")
@@ -655,7 +655,7 @@ class RunTracker:
         its run or an ancestor is cancelled."""
         registry = self.registry
         counts = [count for limits in self.limits if (count := limits.shared_count())]
-        take = new_take_id()
+        take = new_take_id() if counts else NO_TAKE  # nothing counted, nothing to give back
         step = shared.admit(info.tenant, info.id, call.parent_run, counts, take)
         try:
             lineage = await survive_leaving(

@@ -169,6 +169,25 @@ async def test_admit_counts_every_scope_or_none(where):
         assert await runs.take_request("route", "t", ("grandkid",), 1) == (None, 1)
 
 
+async def test_only_an_admission_that_counts_records_a_take():
+    """A run's call with no ``max_requests`` counts nothing, so it draws no take id and
+    leaves no record; one that counts leaves one (for its give-back)."""
+    url, prefix = require_redis(), new_prefix()
+    client = redis.Redis.from_url(url)
+    try:
+        async with shared_runs(url, prefix) as runs:
+            def takes() -> list[bytes]:
+                return [key for key in client.scan_iter(f"{prefix}:*") if b":take:" in key]
+
+            assert (await runs.admit("t", "r", None)).ids == ("r",)
+            assert takes() == []
+            assert (await runs.admit("t", "r", None, [Count("s", 5, None, None)])).counted
+            assert len(takes()) == 1
+    finally:
+        client.close()
+        delete_prefix(url, prefix)
+
+
 async def test_a_cancel_reaches_the_lineage_and_every_feed(where):
     async with shared_runs(*where) as first, shared_runs(*where) as later:
         await first.admit("t", "kid", "root")

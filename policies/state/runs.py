@@ -87,6 +87,11 @@ def new_take_id() -> str:
     return uuid.uuid4().hex
 
 
+#: The take of an admission that counts nothing: its record key is never written, but the
+#: script is given one (its keys share a Redis Cluster slot).
+NO_TAKE = "-"
+
+
 def qualified(tenant: str) -> str:
     """``<len(tenant)>:<tenant>:``, what precedes a run id of ``tenant`` in keys and
     messages."""
@@ -452,7 +457,7 @@ class RedisRuns:
                      -1 if count.max_duration is None else round(count.max_duration * 1000)]
         ids, firsts, hit, left, now, counted, full, highs = await self.state.eval(
             _ADMIT, [self._cancelled, key, runs + parent if parent else key,
-                     self._takes + (take or new_take_id())], args)
+                     self._takes + (take or (new_take_id() if counts else NO_TAKE))], args)
         names = tuple(_text(name) for name in ids)
         now = int(now)
         return Lineage(
