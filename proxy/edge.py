@@ -750,10 +750,13 @@ class EdgeProtocol(RequestHandler):
             self._head_too_large()
             return
         count = self._request_count
+        reading = self._body if self._phase == _BODY else None
         super().data_received(data)
         if self._force_close:
             return
         if self._request_count != count and self._messages:
+            if reading is not None and not reading.is_eof():
+                self._body_refused(reading)
             # One or more request heads arrived; the last one's body may still be coming.
             body = self._messages[-1][1]
             if body.is_eof():
@@ -794,6 +797,26 @@ class EdgeProtocol(RequestHandler):
             self._head_tail = data[-3:]
             if self._head_bytes > MAX_HEAD_BYTES:
                 self._head_too_large()
+
+    def _body_refused(self, body: StreamReader) -> None:
+        """The parser refused the rest of ``body`` (a malformed chunk, trailers past its
+        bounds) in a later read than its head: aiohttp's C parser then drops the body without
+        a word to its reader and queues the error as a message of its own, so the handler
+        reading the body would wait for ever, holding its bytes of ``max_buffered_bytes``
+        (a hostile trial). The reader gets the parser's error, as aiohttp's pure-Python
+        parser gives it (a ``RequestPayloadError`` caused by it), and the handler's failed
+        read is answered 400 (431 for trailers) by :meth:`handle_error`, as the same bytes in
+        the head's read are."""
+        message = self._messages[-1][0]
+        cause = getattr(message, "exc", None)
+        if isinstance(message, RawRequestMessage) or not isinstance(cause, BaseException):
+            return  # a body is never left unended by a whole next request
+        error = RequestPayloadError(str(cause))
+        error.__cause__ = cause
+        body.set_exception(error)
+        # Ended too: aiohttp reads what is left of an unread body after its answer, and
+        # would meet the error there and log it with the request's bytes.
+        body.feed_eof()
 
     def _head_ends_in(self, data: bytes) -> bool:
         """Whether the head ``data`` starts or continues ends within ``MAX_HEAD_BYTES`` of its
@@ -904,7 +927,8 @@ class EdgeProtocol(RequestHandler):
                           request.remote, exc_info=exc)
             raise ConnectionError("an answer was already being sent; the connection is cut")
         if isinstance(exc, HttpProcessingError | RequestPayloadError):
-            if isinstance(exc, LineTooLong) or _TOO_MANY_HEADERS in str(exc):
+            if (isinstance(exc, LineTooLong) or isinstance(exc.__cause__, LineTooLong)
+                    or _TOO_MANY_HEADERS in str(exc)):
                 rejected = Rejected(Reason.HEADERS_TOO_LARGE, None,
                                     "at most 8190 bytes a request target or header value, "
                                     "and 128 headers")

@@ -836,6 +836,43 @@ async def test_a_stalled_or_trickling_body_is_cut_with_408(upstream, start_sluic
     assert upstream.requests[-1].body == b"x" * 5000
 
 
+@pytest.mark.parametrize(("first", "rest", "status", "said"), [
+    (b"3\r\nabc\r\n", b"zz\r\nabc\r\n0\r\n\r\n", 400, b"a chunk size is not hexadecimal"),
+    (b"3\r\nabc\r\n", b"3\r\nabcXX0\r\n\r\n", 400,
+     b"a chunk's data does not end where its size says"),
+    (b"3\r\nabc\r\n", b"f" * 22 + b"\r\n", 400, b"a chunk size is too large a number"),
+    (b"3\r\nabc\r\n0\r\n",
+     b"".join(b"X-T%d: %s\r\n" % (i, b"v" * 1000) for i in range(129)) + b"\r\n", 431,
+     b"128 headers"),
+], ids=["bad-size", "no-crlf-after-data", "huge-size", "129-trailers"])
+async def test_a_body_the_parser_refuses_after_its_head_is_answered_at_once(
+        upstream, start_sluice, first: bytes, rest: bytes, status: int, said: bytes) -> None:
+    """A hostile trial: a malformed chunk (or trailers past the parser's bounds) arriving in
+    a later read than its head got no answer, ever (aiohttp's C parser dropped the body
+    without ending its reader), and held ``max_request_bytes`` of ``max_buffered_bytes``:
+    eight such connections refused everyone else's bodies. Now it is answered as the same
+    bytes in one read are, and nothing stays held."""
+    sluice = await start_sluice({"server": {"body_timeout": "30s"},
+                                 "routes": [route("svc", upstream.url, "http")]})
+    reader, writer = await asyncio.open_connection("127.0.0.1", sluice.port)
+    try:
+        writer.write(b"POST /svc/x HTTP/1.1\r\n" + LOOPBACK
+                     + b"Transfer-Encoding: chunked\r\n\r\n" + first)
+        await writer.drain()
+        await sluice.wait_metric("sluice_buffered_request_bytes", 33554432)  # being read
+        writer.write(rest)
+        [(got, headers, body)] = parse(await closed_within(reader, 5))
+    finally:
+        writer.close()
+    assert (got, headers["x-sluice-reason"]) == (
+        status, "bad_request" if status == 400 else "headers_too_large")
+    assert said in body
+    await sluice.wait_metric("sluice_buffered_request_bytes", 0)
+    assert upstream.requests == []
+    log = sluice.stderr()
+    assert "Unhandled exception" not in log and "abcXX" not in log and "b'zz'" not in log
+
+
 async def test_an_idle_keep_alive_connection_is_closed(upstream, start_sluice):
     sluice = await start_sluice({"server": {"idle_timeout": "1s"},
                                  "routes": [route("svc", upstream.url, "http")]})
