@@ -703,7 +703,9 @@ class Idempotency:
                 return claim
             assert isinstance(outcome, Record)
             record = outcome
-        if record is not None and record.kind != SEEN:
+        if record is not None and record.kind != SEEN and self.dedup:
+            # (An answer kept from dedup before a reload to serialize is not this call's:
+            # serialize replays nothing.)
             return self._answered(claim, record, fingerprint, self.store.ttl_left(record))
         claim._flight = _Flight(fingerprint)
         self._flights[store_key] = claim._flight
@@ -843,7 +845,7 @@ class Idempotency:
                 return claim
             if begin.state == IN_FLIGHT:
                 claim.rejected = (_mismatch(claim)
-                                  if begin.fingerprint != fingerprint
+                                  if self.dedup and begin.fingerprint != fingerprint
                                   else _still_in_flight(claim.waited_s))
                 return claim
         if begin.state == FINISHED:
@@ -1064,7 +1066,6 @@ class Idempotency:
             self._background.spawn(self._store(
                 fallback, shared_answer(record, claim.fingerprint), strict=True))
         if record is not None:
-            del self._flights[store_key]
             kept = record
             if (record.kind == DONE and isinstance(self.store, MemoryStore)
                     and record.size > self.store.max_bytes):
@@ -1073,13 +1074,22 @@ class Idempotency:
                 # that the key never runs again (its waiters still get the answer itself).
                 kept = Record(TOO_LARGE, record.fingerprint, record.status)
             self.store.put(store_key, kept)
+            if not self.dedup:
+                # A reload left dedup while this call ran: its answer is kept (for a return
+                # to dedup), but its waiters replay nothing now: they take the key in turn.
+                self._pass_on(store_key, flight)
+                return
+            del self._flights[store_key]
             for future in flight.waiters:
                 if not future.done():
                     future.set_result(record)
             return
-        # No outcome to keep: the key is free for a retry, which is recognised as one.
+        # No outcome to keep: the key is free for a retry, which is recognised as one. An
+        # answer kept from dedup (before a reload to serialize) stays, as in Redis.
         self._pass_on(store_key, flight)
-        self.store.put(store_key, Record(SEEN, claim.fingerprint))
+        kept = self.store.get(store_key)
+        if kept is None or kept.kind == SEEN:
+            self.store.put(store_key, Record(SEEN, claim.fingerprint))
 
     def _pass_on(self, store_key: Hashable, flight: _Flight) -> None:
         """Hand the key to the longest waiter still there, or forget the flight."""

@@ -210,6 +210,43 @@ async def test_an_answer_within_max_replay_bytes_the_store_cannot_hold_still_end
     assert later.rejected.reason is Reason.IDEMPOTENCY_CONFLICT
 
 
+async def test_a_reload_from_dedup_to_serialize_runs_each_request_one_at_a_time():
+    """A hostile trial: after a reload from ``dedup`` to ``serialize`` the same request with
+    the same key was refused 422 ``idempotency_mismatch`` for the stored answer's whole
+    ttl (serialize has no fingerprint to match). Serialize replays nothing: a stored answer
+    is kept for a return to dedup, and a call still running from before the reload hands
+    the key to its waiters in turn rather than its answer."""
+    policy = Idempotency(IdempotencyConfig(), "r")
+    stored = await policy.claim("POST", "/p", _headers("k"), "t", b"1")
+    stored.capture.begin(200, "OK", CIMultiDict({"Content-Type": "application/json"}))
+    stored.capture.feed(b'{"id":1}')
+    stored.finish("2xx")
+    running = await policy.claim("POST", "/p", _headers("j"), "t", b"1")
+    policy.reconfigure(IdempotencyConfig(mode="serialize"))
+
+    again = await policy.claim("POST", "/p", _headers("k"), "t", b"1")
+    assert again.rejected is None and again.replay is None and not again.new_unit
+    again.finish("2xx")
+
+    waiters = [asyncio.create_task(policy.claim("POST", "/p", _headers("j"), "t", b"1"))
+               for _ in range(2)]
+    await _waiting(policy, 2)
+    running.capture.begin(200, "OK", CIMultiDict({"Content-Type": "application/json"}))
+    running.capture.feed(b'{"id":2}')
+    running.finish("2xx")  # its answer is kept, the key goes to the first waiter
+    first = await asyncio.wait_for(waiters[0], 5)
+    assert first.rejected is None and first.replay is None and not waiters[1].done()
+    first.finish("2xx")
+    second = await asyncio.wait_for(waiters[1], 5)
+    assert second.rejected is None and second.replay is None
+    second.finish("2xx")
+    assert policy.in_flight == 0 and policy.waiting == 0
+
+    policy.reconfigure(IdempotencyConfig())  # back to dedup: the answers kept replay
+    assert (await policy.claim("POST", "/p", _headers("k"), "t", b"1")).replay.body == b'{"id":1}'
+    assert (await policy.claim("POST", "/p", _headers("j"), "t", b"1")).replay.body == b'{"id":2}'
+
+
 async def test_a_key_handed_to_a_leaving_waiter_passes_to_the_next():
     policy = Idempotency(IdempotencyConfig(), "r")
     owner = await policy.claim("POST", "/p", _headers("k"), "t", b"1")

@@ -52,6 +52,27 @@ async def test_a_stored_answer_is_returned_whole(backends: StateBackends):
     assert (await records.begin("other", "b", FP, 60)).answer == too_large
 
 
+async def test_a_serialized_request_is_never_answered_from_a_stored_answer(
+        backends: StateBackends):
+    """An empty fingerprint (``mode: serialize``, which replays nothing) claims a key whose
+    answer was stored under ``dedup`` before a reload (a hostile trial: 422 for the same
+    request, for the record's whole ttl), one at a time, and its end keeps that answer."""
+    records = backends.idempotency
+    await records.begin(KEY, "a", FP, 60)
+    await records.finish(KEY, "a", ANSWER, 3600)
+    claimed = await records.begin(KEY, "b", b"", 60)
+    assert (claimed.state, claimed.answer) == (CLAIMED, ANSWER)  # a use before: a retry
+    twin = await records.begin(KEY, "c", b"", 60)
+    assert (twin.state, twin.fingerprint) == (IN_FLIGHT, b"")
+    assert (await wait_for_answer(records, KEY, "c", b"", 60, 0.1)).state == IN_FLIGHT
+    await records.finish(KEY, "b", Answer(SEEN, b""), 3600)
+    assert (await wait_for_answer(records, KEY, "c", b"", 60, 1)).state == CLAIMED
+    assert (await records.begin(KEY, "d", FP, 60)).state == IN_FLIGHT
+    await records.finish(KEY, "c", Answer(SEEN, b""), 3600)
+    back = await records.begin(KEY, "d", FP, 60)  # back in dedup: the answer replays
+    assert (back.state, back.answer) == (FINISHED, ANSWER)
+
+
 async def test_a_key_freed_without_an_answer_is_claimed_again_as_a_retry(
         backends: StateBackends):
     records = backends.idempotency

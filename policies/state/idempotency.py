@@ -104,7 +104,9 @@ class IdempotencyRecords(Protocol):
                     flight_s: float) -> Begin:
         """Decide the request's standing, claiming the key (marker for ``flight_s``) when it
         is neither in flight nor done. ``owner`` identifies this request (random, unique);
-        beginning again with the owner that holds the marker renews it."""
+        beginning again with the owner that holds the marker renews it. An empty
+        ``fingerprint`` (``mode: serialize``, which replays nothing) is never ``done``: a
+        stored answer (kept from ``dedup`` before a reload) does not stop it claiming."""
         ...
 
     async def renew(self, key: str, owner: str, flight_s: float) -> bool:
@@ -152,7 +154,8 @@ async def wait_for_answer(records: IdempotencyRecords, key: str, owner: str,
     Returns the last :class:`Begin`: ``done`` (replay or refuse it), ``claimed`` (the key was
     freed without an answer and this request holds it now; run it and ``finish``), or
     ``in_flight`` when the timeout passed, or at once when the request in flight has another
-    fingerprint (the caller answers 422).
+    fingerprint (the caller answers 422; not for an empty ``fingerprint``, which compares
+    no payloads: ``mode: serialize``).
 
     Raises:
         StateUnavailable: the backend did not answer (Redis only).
@@ -163,7 +166,8 @@ async def wait_for_answer(records: IdempotencyRecords, key: str, owner: str,
         while True:
             begin = await records.begin(key, owner, fingerprint, flight_s)
             left = deadline - loop.time()
-            if begin.state != IN_FLIGHT or begin.fingerprint != fingerprint or left <= 0:
+            if (begin.state != IN_FLIGHT or (fingerprint and begin.fingerprint != fingerprint)
+                    or left <= 0):
                 return begin
             await finished.wait(min(poll_s, left))
 
@@ -208,7 +212,7 @@ class MemoryIdempotencyRecords:
                 return Begin(CLAIMED)
             return Begin(IN_FLIGHT, None, flight[1], flight[2] - now)
         record = self._record(key, now)
-        if record is not None and record[0].kind != SEEN:
+        if record is not None and record[0].kind != SEEN and fingerprint:
             return Begin(FINISHED, record[0], b"", record[1] - now)
         self._flights[key] = (owner, fingerprint, now + flight_s)
         return Begin(CLAIMED, None if record is None else record[0])
@@ -253,7 +257,7 @@ class MemoryIdempotencyRecords:
 
 _FIELDS = "'kind', 'fp', 'status', 'reason', 'headers', 'body'"
 
-# KEYS: record, marker. ARGV: owner, fingerprint hex, flight ms.
+# KEYS: record, marker. ARGV: owner, fingerprint hex (empty: serialize, never done), flight ms.
 # Returns {1 claimed, seen fields...} | {2 in flight, fingerprint hex, marker ttl ms}
 #       | {3 done, record fields..., record ttl ms}.
 _BEGIN = Script("""
@@ -267,7 +271,7 @@ if marker then
   return {2, string.sub(marker, 1, bar - 1), redis.call('PTTL', KEYS[2])}
 end
 local rec = redis.call('HMGET', KEYS[1], """ + _FIELDS + """)
-if rec[1] and rec[1] ~= '0' then
+if rec[1] and rec[1] ~= '0' and ARGV[2] ~= '' then
   local reply = {3}
   for i = 1, 6 do reply[i + 1] = rec[i] or '' end
   reply[8] = redis.call('PTTL', KEYS[1])
