@@ -226,6 +226,10 @@ class Accounting:
         self.rate = rate
         if rate is not None:
             rate.metered_elsewhere = _limits_tokens(rate, self.budgets)
+            # Which calls it leaves to this step is read by this step's protocol: a rate kept
+            # by a reload that changed the route's protocol had the old one, and the calls
+            # only that one meters took no request unit at all (a review).
+            rate.protocol = self.protocol
 
     async def reserve(self, charge: Charge) -> None:
         """Take the request's units and worst-case tokens from the rates, and hold its worst

@@ -8,7 +8,7 @@ import pytest
 
 from policies.concurrency import ConcurrencyLimiter
 from policies.config import RateConfig
-from policies.pipeline import Call
+from policies.pipeline import Admission, Call
 from policies.rate import RateLimiter
 from policies.reasons import Reason, Rejected
 from policies.state import memory_backends
@@ -149,6 +149,40 @@ def test_take_over_keeps_unchanged_policies_and_reconfigures_changed_ones():
     old.present = 0
     newest.take_over(newer)
     assert newest.retired == () and newest.concurrency is old.concurrency
+
+
+@pytest.mark.parametrize(("before", "after"), [("openai", "anthropic"), ("anthropic", "openai")])
+async def test_a_reload_that_changes_the_protocol_keeps_limiting_every_call(before, after):
+    """A review: a reload changing a route's protocol kept its rate (the block unchanged) with
+    the old protocol, which left the request units of calls only that protocol meters
+    (``/v1/embeddings`` on openai) to the new accounting step, which does not meter them:
+    they took no unit at all, and ``rate.requests: 1/min`` let every one through."""
+    text = """
+routes:
+  - name: a
+    path_prefix: /a/
+    upstream: http://127.0.0.1:1
+    protocol: {protocol}
+    rate: {{requests: 1/min}}
+    budget: {{tokens: 100000/day, per: tenant}}
+"""
+    for path in ("/a/v1/embeddings", "/a/v1/messages", "/a/v1/chat/completions"):
+        backends = memory_backends()
+        old, new = (Route(parse_config(text.format(protocol=p)).routes[0], EventLog(None),
+                          state=backends) for p in (before, after))
+        new.take_over(old)
+        assert new.rate is old.rate
+        admitted = Admission()
+        await admitted.admit(new.base_plan.policies, _call_to(path))
+        refused = Admission()
+        with pytest.raises(Rejected) as caught:
+            await refused.admit(new.base_plan.policies, _call_to(path))
+        assert caught.value.reason is Reason.RATE_LIMITED, path
+
+
+def _call_to(path: str) -> Call:
+    return Call(request_id="r", route="a", method="POST", path=path, headers={},
+                body=b'{"model": "m", "input": "hi", "max_tokens": 5}', tenant="t")
 
 
 def test_carry_over_without_reconfigure_takes_the_fresh_object():
