@@ -453,12 +453,16 @@ def _count(value: object) -> int:
 
 def cost_usd(usage: Usage, price_input: float, price_output: float, price_cache_read: float,
              price_cache_write: float) -> float:
-    """USD of ``usage`` at prices in USD per million tokens."""
-    plain = usage.input_tokens - usage.cache_read_tokens - usage.cache_write_tokens
+    """USD of ``usage`` at prices in USD per million tokens. The cache parts are parts of
+    the input (:class:`Usage`): an upstream reporting more cached tokens than input tokens
+    is charged no more than its input count (a hostile trial: 99,999 cached of 10 prompt
+    tokens cost 5,000 times the call)."""
+    read = min(usage.cache_read_tokens, usage.input_tokens)
+    write = min(usage.cache_write_tokens, usage.input_tokens - read)
     return (
-        max(plain, 0) * price_input
-        + usage.cache_read_tokens * price_cache_read
-        + usage.cache_write_tokens * price_cache_write
+        (usage.input_tokens - read - write) * price_input
+        + read * price_cache_read
+        + write * price_cache_write
         + usage.output_tokens * price_output
     ) / 1_000_000
 

@@ -18,6 +18,7 @@ from policies.budget import (
     clock_from_env,
     hold_for,
     longest_call_s,
+    price_usd,
 )
 from policies.config import BudgetConfig, ModelPrice, RouteConfig
 from policies.reasons import Reason, Rejected
@@ -131,6 +132,19 @@ async def test_usd_budget_prices_worst_case_and_refuses_unpriced_models():
     with pytest.raises(Rejected) as denied:
         await b.reserve("t", None, "mystery-model", 1, 1)
     assert denied.value.reason is Reason.UNPRICED_MODEL
+
+
+def test_cached_tokens_beyond_the_input_count_are_not_charged_again():
+    """The cache parts are parts of the input: 99,999 cached of 10 prompt tokens (a
+    misbehaving upstream, a hostile trial) were charged as 10 + 99,999 tokens."""
+    price = ModelPrice.model_validate({"input": 1.0, "output": 2.0, "cache_read": 0.5,
+                                       "cache_write": 1.25})
+    assert price_usd(price, Usage(10, 5, cache_read_tokens=99_999)) == pytest.approx(
+        (10 * 0.5 + 5 * 2.0) / 1e6)
+    assert price_usd(price, Usage(10, 0, cache_read_tokens=4, cache_write_tokens=99)) == (
+        pytest.approx((4 * 0.5 + 6 * 1.25) / 1e6))
+    assert price_usd(price, Usage(100, 0, cache_read_tokens=30, cache_write_tokens=20)) == (
+        pytest.approx((50 * 1.0 + 30 * 0.5 + 20 * 1.25) / 1e6))
 
 
 async def test_headers_name_the_binding_limit_and_warn():
