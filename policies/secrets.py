@@ -66,9 +66,10 @@ _TOKEN_WORD = r"(?:(?=\S*\d)\S{8,}|\S{16,})"
 SECRET_QUERY_VALUE = re.compile(rf"^(?:{_KEY_PREFIXES}|{_SCHEMES}\s+{_TOKEN_WORD}$)")
 
 #: A credential inside a longer text (a message quoting a value it refused: ``'sk-...' is not
-#: a duration``): a vendor's key or a JWT starting a word, to the next space, quote, comma or semicolon; an
-#: ``Authorization`` scheme and the token-like word after it (as for query values: "basic
-#: auth" or "token bucket" in a sentence is no credential). Group 1 is a scheme, kept.
+#: a duration``): a vendor's key or a JWT starting a word, to the next space, quote, comma or
+#: semicolon; an ``Authorization`` scheme and the token-like word after it (as for query
+#: values: "basic auth" or "token bucket" in a sentence is no credential). Group 1 is a
+#: scheme, kept.
 _TEXT_WORD = r"[^\s'\",;]"
 SECRET_IN_TEXT = re.compile(
     rf"(?<![\w-])(?:(?:{_KEY_PREFIXES}){_TEXT_WORD}*"

@@ -10,8 +10,7 @@ import re
 from typing import Any
 from urllib.parse import unquote_plus
 
-from policies.secrets import (SECRET_IN_TEXT, SECRET_VALUE, secret_query_field,
-                              secret_query_name)
+from policies.secrets import SECRET_IN_TEXT, SECRET_VALUE, secret_query_field, secret_query_name
 from policies.state import redact_url
 
 REDACTED = "<redacted>"
