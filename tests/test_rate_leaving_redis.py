@@ -11,16 +11,18 @@ Found by a review: the units stayed taken, and later calls were refused ``rate_l
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 
 import pytest
 
 from policies.pipeline import Admission, Call
 from policies.reasons import Reason, Rejected
-from policies.state import StateBackends
+from policies.state import Fallback, StateBackends, redis_backends
 from proxy.config import parse_config
 from proxy.events import EventLog
 from proxy.routes import Route
+from tests.redis_servers import RedisServer, new_prefix
 
 REDIS = pytest.mark.parametrize("backends", ["redis"], indirect=True)
 #: How late each reply of a slowed state call arrives, seconds.
@@ -74,7 +76,9 @@ async def leave_during(route: Route, obj: object, name: str, c: Call) -> None:
         await leaver
     restore()
     await asyncio.sleep(LATE_S)
-    await route.rate.background.wait()
+    for owner in (route.rate, route.budgets):  # where the give-back runs
+        if owner is not None:
+            await owner.background.wait()
 
 
 @REDIS
@@ -93,3 +97,83 @@ async def test_a_caller_leaving_during_a_refused_take_gives_nothing_back(backend
     with pytest.raises(Rejected) as refused:
         await admit(route, call())  # a refund for the refused take would let this pass
     assert refused.value.reason is Reason.RATE_LIMITED
+
+
+CHAT = b'{"model": "m", "max_tokens": 50, "messages": [{"role": "user", "content": "hi"}]}'
+CHAT_PATH = "/a/v1/chat/completions"
+
+
+@REDIS
+async def test_a_caller_leaving_during_the_token_admission_gets_its_tokens_back(backends):
+    route = build(backends, "    rate: {tokens: 100/min}\n", protocol="openai")
+    await leave_during(route, backends.admissions, "admit", call(CHAT_PATH, CHAT))
+    await admit(route, call(CHAT_PATH, CHAT))  # ~55 of 100 tokens: refused if ~55 stayed
+
+
+@REDIS
+async def test_a_caller_leaving_during_the_admission_gets_units_tokens_and_budget_back(
+        backends):
+    route = build(backends, "    rate: {requests: 1/min, tokens: 100/min}\n"
+                            "    budget: {tokens: 100/day, per: tenant}\n", protocol="openai")
+    rounds = backends.admissions.release
+    released: list[str] = []
+
+    async def counted(group, takes, rid):
+        released.append(rid)
+        return await rounds(group, takes, rid)
+    backends.admissions.release = counted
+    await leave_during(route, backends.admissions, "admit", call(CHAT_PATH, CHAT))
+    assert len(released) == 1  # the request unit, the tokens and the reservation: one trip
+    # Its request unit, its ~55 tokens and its ~55 reserved on the budget are all free again.
+    await admit(route, call(CHAT_PATH, CHAT))
+
+
+@REDIS
+async def test_a_caller_leaving_during_a_budget_only_admission_frees_its_reservation(
+        backends):
+    route = build(backends, "    budget: {tokens: 100/day, per: tenant}\n", protocol="openai")
+    await leave_during(route, backends.admissions, "admit", call(CHAT_PATH, CHAT))
+    await admit(route, call(CHAT_PATH, CHAT))  # ~55 of 100: refused if ~55 stayed held
+
+
+@REDIS
+async def test_a_caller_leaving_during_a_refused_admission_gives_nothing_back(backends):
+    route = build(backends, "    rate: {tokens: 100/min}\n", protocol="openai")
+    await admit(route, call(CHAT_PATH, CHAT))  # ~55 of 100 tokens, held
+    await leave_during(route, backends.admissions, "admit", call(CHAT_PATH, CHAT))
+    with pytest.raises(Rejected) as refused:
+        await admit(route, call(CHAT_PATH, CHAT))  # a refund of ~55 would let this pass
+    assert refused.value.reason is Reason.TOKEN_RATE_LIMITED
+
+
+async def test_a_caller_leaving_during_an_admission_redis_never_answers_frees_its_reservation(
+        redis_server: RedisServer):
+    """The reply never comes (Redis frozen past ``state.timeout``): the script may still run
+    when Redis wakes, so the reservation is released by id once Redis answers again (the
+    units, which have no id, drain within their period)."""
+    backends = await redis_backends(redis_server.url, new_prefix(), 0.2, probe_interval_s=0.05)
+    backends.fallback = Fallback("local", 2)
+    try:
+        route = build(backends, "    budget: {tokens: 100/day, per: tenant}\n",
+                      protocol="openai")
+        budgets = route.budgets
+        redis_server.freeze()
+        leaver = asyncio.create_task(admit(route, call(CHAT_PATH, CHAT)))
+        await asyncio.sleep(0.05)  # the script is sent; Redis runs it when thawed
+        leaver.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await leaver
+        await budgets.background.wait()  # the admission timed out; its release is kept
+        assert budgets.reconciler
+        redis_server.thaw()
+        deadline = time.monotonic() + 15
+        while not backends.health.up or budgets.reconciler:
+            assert time.monotonic() < deadline, "the release was never sent"
+            await asyncio.sleep(0.02)
+        await budgets.background.wait()
+        await admit(route, call(CHAT_PATH, CHAT))  # ~55 of 100: refused if ~55 stayed held
+        with pytest.raises(Rejected) as refused:
+            await admit(route, call(CHAT_PATH, CHAT))  # the budget still counts
+        assert refused.value.reason is Reason.BUDGET_EXHAUSTED
+    finally:
+        await backends.close()
