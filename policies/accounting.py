@@ -52,12 +52,12 @@ is never counted as zero.
 
 from __future__ import annotations
 
-import asyncio
 import math
+from collections.abc import Awaitable
 
 from policies.budget import Budgets, Reservation, price_usd
 from policies.config import DEFAULT_OPERATION, ModelPrice, RouteConfig
-from policies.pipeline import SENT_UNANSWERED, Call, Outcome
+from policies.pipeline import SENT_UNANSWERED, Call, Outcome, survive_leaving
 from policies.rate import RateLimiter, Units, fallback_for
 from policies.reasons import Reason, Rejected
 from policies.state import LedgerFull, StateBackends, StateUnavailable
@@ -245,6 +245,8 @@ class Accounting:
             Rejected: ``exceeds_limit``, ``unpriced_model``, ``rate_limited``,
                 ``token_rate_limited``, ``budget_exhausted``, ``state_unavailable``; nothing
                 is left held.
+            asyncio.CancelledError: the caller left; what a Redis admission took is given
+                back once its reply arrives.
         """
         cost, call = charge.cost, charge.call
         cap = cost.output_cap or 0
@@ -270,13 +272,21 @@ class Accounting:
         if reservation is not None:
             rid, claims, now = reservation.rid, reservation.claims, reservation.now
         hold_s = budgets.hold_s if budgets is not None else 0.0
+        step = backends.admissions.admit(owner.group, takes, rid, claims, now, hold_s,
+                                         rate.holder if rate is not None and takes else None)
         try:
-            result = await backends.admissions.admit(
-                owner.group, takes, rid, claims, now, hold_s,
-                rate.holder if rate is not None and takes else None)
+            if backends.redis is None:  # memory: nothing suspends, so no caller leaves midway
+                result = await step
+            else:
+                # A caller leaving while Redis runs the script does not cut it: it ends in the
+                # background and what it took is given back once its reply says so
+                # (:meth:`_left`); a reservation it may hold without a reply is released by
+                # id (:func:`_shared`).
+                result = await survive_leaving(
+                    _shared(step, budgets, reservation),
+                    lambda late: self._left(late, rate, budgets, takes, reservation),
+                    owner.background.spawn)
         except StateUnavailable as exc:
-            if budgets is not None and reservation is not None:
-                budgets.unanswered(reservation, exc)
             source = fallback_for(backends, exc)
             if rate is not None:
                 takes = rate.local_takes(takes)
@@ -288,12 +298,6 @@ class Accounting:
                                                        hold_s)
             except LedgerFull as full:
                 raise Budgets.full(full) from None
-        except asyncio.CancelledError:
-            # Rate units taken by a script that ran drain within a period (a refusal, never
-            # excess); a reservation it held is released by id.
-            if budgets is not None and reservation is not None:
-                budgets.abandon(reservation)
-            raise
         except LedgerFull as exc:  # raised before anything was taken
             raise Budgets.full(exc) from None
         if rate is not None:
@@ -316,6 +320,21 @@ class Accounting:
                 and len(self.tenants) < MAX_TENANTS_SHOWN):
             self.tenants[call.tenant] = None
 
+    @staticmethod
+    def _left(result: AdmissionResult, rate: RateLimiter | None, budgets: Budgets | None,
+              takes: list[Take], reservation: Reservation | None) -> None:
+        """Give back what the shared admission of a call whose caller left before its reply
+        took (``result``, the late reply), as for a call that never reached the upstream:
+        the units and the reservation in one round trip (:meth:`Budgets.give_back`), or the
+        units alone. Only a reply saying admitted is acted on: nothing was taken otherwise,
+        and a refund is not idempotent, so one would free units others hold."""
+        if not result.admitted:
+            return
+        if budgets is not None and reservation is not None:
+            budgets.give_back(reservation, takes)
+        elif rate is not None and takes:
+            Units(rate, rate.backends, takes).release(None)
+
     def _refusal(self, takes: list[Take], reservation: Reservation | None,
                  result: AdmissionResult, source: StateBackends) -> Rejected:
         """The refusal of the limit with the longest wait among those that denied."""
@@ -326,6 +345,23 @@ class Accounting:
             refusals.append(self.budgets.refusal(reservation, result.denied))
         return max(refusals, key=lambda r: math.inf if r.retry_after is None
                    else r.retry_after)
+
+
+async def _shared(step: Awaitable[AdmissionResult], budgets: Budgets | None,
+                  reservation: Reservation | None) -> AdmissionResult:
+    """Await ``step``, an admission sent to the shared state; when it ends without a reply
+    (:class:`~policies.state.StateUnavailable`), a reservation it may have held there is
+    released by id (:meth:`Budgets.unanswered`), whether the caller waits or has left.
+
+    Raises:
+        StateUnavailable: from ``step``.
+    """
+    try:
+        return await step
+    except StateUnavailable as exc:
+        if budgets is not None and reservation is not None:
+            budgets.unanswered(reservation, exc)
+        raise
 
 
 class Charge(Meter):

@@ -64,7 +64,7 @@ from typing import Any, TypeVar
 
 from policies.config import Rate, RateConfig
 from policies.logs import PER_CALL
-from policies.pipeline import Call, Outcome
+from policies.pipeline import Call, Outcome, survive_leaving
 from policies.reasons import Reason, Rejected
 from policies.state import StateBackends, StateUnavailable
 from policies.state.errors import outage_hint
@@ -399,12 +399,22 @@ class RateLimiter:
         Raises:
             Rejected: ``rate_limited`` / ``token_rate_limited`` with the wait of the slowest
                 bucket; ``state_unavailable``. Nothing is held.
+            asyncio.CancelledError: the caller left; units a Redis take took are refunded
+                once its reply arrives.
         """
         backends = self.backends
-        # A cancellation while Redis runs the script may leave the units taken there without
-        # a holding: they drain within one period, so the error is a refusal, never excess.
         try:
-            result = await backends.rates.admit(self.group, takes, self.holder)
+            if backends.redis is None:  # memory: nothing suspends, so no caller leaves midway
+                result = await backends.rates.admit(self.group, takes, self.holder)
+            else:
+                # A caller leaving while Redis runs the script does not cut it: it ends in the
+                # background and what it took is given back once its reply says so
+                # (:meth:`_left`). A take whose reply never comes (StateUnavailable) may
+                # still have taken units there: they drain within one period, so the error
+                # is a refusal, never excess.
+                result = await survive_leaving(
+                    backends.rates.admit(self.group, takes, self.holder),
+                    lambda late: self._left(late, takes), self.background.spawn)
             source = backends
         except StateUnavailable as exc:
             source = fallback_for(backends, exc)
@@ -414,6 +424,13 @@ class RateLimiter:
         if not result.admitted:
             raise self.refusal(takes, result, source)
         return Units(self, source, takes)
+
+    def _left(self, result: RateResult, takes: Sequence[Take]) -> None:
+        """Refund the units a take whose caller left before its reply took (``result``, the
+        late reply). Only a reply saying they were taken is acted on: a refund is not
+        idempotent, so one for a take that took nothing would free units others hold."""
+        if result.admitted:
+            Units(self, self.backends, takes).release(None)
 
     def local_takes(self, takes: Sequence[Take]) -> list[Take]:
         """``takes`` with this replica's share of each limit (``state.replicas``), for the
