@@ -188,15 +188,8 @@ async def forward(request: web.BaseRequest, rt: Runtime, route: Route, call: Cal
     meter = call.meter
     if meter is not None:
         meter.request_headers(headers)
-    deadline_header = route.deadline_header
-    if deadline_header is not None:
-        left = call.time_left()
-        if left is not None:
-            # What is left of the caller's deadline, so the upstream can stop work nobody
-            # awaits.
-            headers[deadline_header] = f"{max(left, 0.001):.3f}"
-        else:  # a value Sluice took for no deadline ("0", "inf") must not reach it as one
-            headers.popall(deadline_header, None)
+    if route.deadline_header is not None:
+        _stamp_time_left(route.deadline_header, call, headers)
     url = URL(route.upstream_base + call.path[route.cut:], encoded=True)
     tries = _Tries()
     if plan is None:
@@ -428,6 +421,19 @@ class _Answered:
                 polled.respond()
 
 
+def _stamp_time_left(deadline_header: str, call: Call, headers: CIMultiDict[str]) -> None:
+    """Tell the upstream what is left of the caller's deadline now, in seconds, under
+    ``deadline_header`` (``timeouts.deadline_header``), so it can stop work nobody awaits:
+    stamped again on each attempt, or a retry promised it the time the first attempts and
+    back-offs had spent (a hostile trial: three attempts over 2.4 s each said 5 s). A value
+    Sluice took for no deadline ("0", "inf") does not reach it as one."""
+    left = call.time_left()
+    if left is not None:
+        headers[deadline_header] = f"{max(left, 0.001):.3f}"
+    else:
+        headers.popall(deadline_header, None)
+
+
 async def _attempts(rt: Runtime, route: Route, call: Call, url: URL,
                     headers: CIMultiDict[str], tries: _Tries, retry: RetryPolicy | None,
                     breakers: tuple[brk.Breaker, ...], tool_breaker: brk.Breaker | None,
@@ -469,6 +475,8 @@ async def _attempts(rt: Runtime, route: Route, call: Call, url: URL,
                                    "the call's deadline passed before it could be sent")
                 tries.stop = "deadline"
                 return
+            if number > 1 and route.deadline_header is not None:
+                _stamp_time_left(route.deadline_header, call, headers)
             try:
                 status, hint, sent = await _attempt(rt, route, call, url, headers, tries,
                                                     limit, callers_limit, retry is not None,
@@ -752,6 +760,11 @@ async def _dead_letter(rt: Runtime, route: Route, call: Call, headers: CIMultiDi
     store = rt.dead_letters
     if store is None:
         return None
+    if route.deadline_header is not None and route.deadline_header in headers:
+        # The time its caller had left: a replay has no caller, and would tell the upstream
+        # it has a moment of a deadline long gone.
+        headers = headers.copy()
+        headers.popall(route.deadline_header)
     kept, removed = redact(headers.items())
     path, removed_query = redact_path(call.path[len(route.prefix) - 1:])
     # The key the call was handled under, as it went upstream (the caller's as sent, or

@@ -402,6 +402,33 @@ async def test_retry_after_and_deadline(upstream, start_sluice, tmp_path):
         "retry_after_too_long", "deadline", "deadline"]
 
 
+async def test_each_attempt_tells_the_upstream_the_time_left_and_a_letter_keeps_none(
+        upstream, start_sluice, tmp_path):
+    """A hostile trial: every retry sent the deadline header as it was before the first
+    attempt, so an upstream (or a Sluice behind this one) worked for 2.4 s more than the
+    caller would wait. Each attempt now says what is left; a dead letter keeps none (its
+    replay has no caller)."""
+    sluice = await retry_sluice(
+        start_sluice, tmp_path,
+        route("tool", upstream.url, "http",
+              retry={"attempts": 3, "backoff": {"base": "300ms", "max": "300ms"}}))
+    upstream.statuses = [503, 503, 503]
+    async with aiohttp.ClientSession() as s:
+        status, _ = await post(s, sluice.url + "/tool/v1/deploy",
+                               **{"X-Request-Timeout": "5", "Idempotency-Key": "deploy-1"})
+    assert status == 503 and len(upstream.requests) == 3
+    first = upstream.requests[0]
+    told = [float(header(seen, "X-Request-Timeout")) for seen in upstream.requests]
+    assert 4 < told[0] <= 5 and told[0] > told[1] > told[2]
+    for seen, left in zip(upstream.requests[1:], told[1:], strict=True):
+        # What was told first, less the time since: within the time a request takes here.
+        assert left == pytest.approx(told[0] - (seen.at - first.at), abs=0.25)
+    with sqlite3.connect(tmp_path / "dlq.sqlite") as db:
+        (stored,) = db.execute("SELECT headers FROM dead_letters").fetchone()
+    headers = stored.decode() if isinstance(stored, bytes) else stored
+    assert "deploy-1" in headers and "x-request-timeout" not in headers.lower()
+
+
 async def test_an_answer_cut_before_it_was_sent_keeps_the_callers_retry_rules(start_sluice,
                                                                               tmp_path):
     """One layer retries a failure: a small answer cut short before any of it was sent (a 502
