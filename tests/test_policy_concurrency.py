@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from policies.concurrency import JITTER_MAX, ConcurrencyLimiter
 from policies.reasons import Reason, Rejected
@@ -273,6 +275,66 @@ async def test_the_callers_timeout_less_the_service_time_bounds_the_wait():
         await limiter.acquire("t", 1, 1.0)
     assert unreachable.value.reason is Reason.DEADLINE_UNREACHABLE
     assert (limiter.queued, limiter._by_tenant) == (0, {"t": 1})
+
+
+async def test_a_deadline_counts_only_the_calls_that_would_be_served_before_it():
+    """A hostile trial: a critical call behind three best-effort ones was refused
+    ``deadline_unreachable`` (its wait estimated from the whole queue), though it was served
+    at once when it sent no deadline. The calls that go first are the ones that count."""
+    limiter = limiter_with(limit=1, queue=8)
+    await full_after_fast_calls(limiter, 0.5)  # a mean of 0.5 s; "t" holds the slot
+    backlog = [await queued(limiter, "t", priority=2) for _ in range(3)]
+    # Critical goes first: one turn of wait and its own 0.5 s fit its 1.5 s.
+    critical = await queued(limiter, "c", priority=0, timeout=1.5)
+    # t's fourth would go after all four: 2.5 s of wait do not fit.
+    with pytest.raises(Rejected) as refused:
+        await limiter.acquire("t", 2, 1.5)
+    assert refused.value.reason is Reason.DEADLINE_UNREACHABLE
+    assert refused.value.retry_after >= 2.5
+    # Another tenant's first best-effort call goes before t's backlog but for its first,
+    # tied with it: three turns and its own 0.5 s fit 2.1 s (the whole queue would not).
+    fair = await queued(limiter, "f", priority=2, timeout=2.1)
+    served = []
+    for tenant in ("t", "c", "t", "f", "t", "t"):
+        limiter.release(tenant, 0.5)
+        await asyncio.sleep(0)
+        done = [task for task in (critical, *backlog, fair) if task.done()
+                and task not in served]
+        served += done
+    assert served == [critical, backlog[0], fair, backlog[1], backlog[2]]
+    assert (limiter.inflight, limiter.queued) == (0, 0)
+
+
+@given(st.lists(st.tuples(st.sampled_from("abc"), st.integers(0, 2), st.booleans()),
+                max_size=40),
+       st.integers(0, 2), st.sampled_from("abcd"), st.integers(0, 50))
+@settings(max_examples=60, deadline=None)
+def test_the_calls_ahead_are_counted_as_the_queue_serves_them(arrivals, priority, tenant,
+                                                              enough):
+    """:meth:`ConcurrencyLimiter._ahead` against a count over every waiter: calls of better
+    classes, and of the newcomer's class tagged at or before its tag, some having left."""
+
+    async def run() -> None:
+        limiter = limiter_with(limit=1, queue=100)
+        await limiter.acquire("x")
+        tasks = []
+        for who, cls, leaves in arrivals:
+            tasks.append((await queued(limiter, who, cls), leaves))
+        for task, leaves in tasks:
+            if leaves:
+                task.cancel()
+        await asyncio.sleep(0)
+        tag = max(limiter._vtime.get((priority, tenant), 0.0), limiter.vnow.get(priority, 0.0))
+        waiting = limiter.waiters()
+        assert len(waiting) == limiter.queued == sum(q.waiting for q in limiter._classes.values())
+        exact = sum(1 for w in waiting if w.cls < priority or (w.cls == priority and w.tag <= tag))
+        counted = limiter._ahead(priority, tag, enough)
+        assert counted == exact if exact <= enough else counted > enough
+        for task, _ in tasks:
+            task.cancel()
+        await asyncio.gather(*(task for task, _ in tasks), return_exceptions=True)
+
+    asyncio.run(run())
 
 
 async def test_calls_taken_without_queueing_count_against_their_tenant_once_a_queue_forms():
