@@ -97,7 +97,7 @@ class Endpoint:
 
     Attributes:
         name: for messages and events.
-        cap_fields: request fields that cap output tokens, the first present one wins.
+        cap_fields: request fields that cap output tokens; the largest present counts.
         write_field: where a configured default cap is written, ``None`` if output is 0.
         usage_option: streams carry usage only when ``stream_options.include_usage`` is set.
         choices: ``n`` asks for that many answers, each up to the cap.
@@ -226,13 +226,17 @@ def read_request(endpoint: Endpoint, body: bytes, default_cap: int | None, write
     if type(model) is not str:
         model = None
     cap = None
-    for field in endpoint.cap_fields:  # the first present one wins
-        cap = get(field)
-        if cap is not None:
-            if type(cap) is not int or cap < 0:
+    for field in endpoint.cap_fields:
+        value = get(field)
+        if value is not None:
+            if type(value) is not int or value < 0:
                 raise ValueError(f"{field} must be a non-negative integer, not "
-                                 f"{bodies.member_as_sent(body, field, cap)}")
-            break
+                                 f"{bodies.member_as_sent(body, field, value)}")
+            # Both sent: the larger, as upstreams differ in which they read (vLLM reads
+            # max_completion_tokens only when it is not 0; a hostile trial reserved 0 for a
+            # call that could write 10,000).
+            if cap is None or value > cap:
+                cap = value
     added: dict[str, object] | None = None  # fields to add to the body, if any
     if cap is None:
         if endpoint.write_field is None:

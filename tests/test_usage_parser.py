@@ -105,6 +105,12 @@ def test_request_reads_cap_and_adds_usage_option_and_default_cap():
                              True)
     assert orjson.loads(rewritten.body)["stream_options"] == {"x": 1, "include_usage": True}
 
+    both = read_request(CHAT, b'{"max_completion_tokens": 0, "max_tokens": 10000}', 7, True,
+                        True)
+    assert both.output_cap == 10000  # an upstream may read either (a hostile trial: 0)
+    assert read_request(CHAT, b'{"max_completion_tokens": 90, "max_tokens": 9}', 7, True,
+                        True).output_cap == 90
+
     several = read_request(CHAT, b'{"model": "m", "n": 3, "max_tokens": 10}', None, True,
                            True)
     assert several.output_cap == 30  # each of the 3 choices may use the whole cap
