@@ -701,8 +701,11 @@ class Idempotency:
                 self._take_marker(claim)
                 self._arm(claim)
                 return claim
+            # The answer of the call it waited for, under dedup then (a reload to serialize
+            # since, before this one resumed, does not make it run: a review saw the
+            # waiters run at once).
             assert isinstance(outcome, Record)
-            record = outcome
+            return self._answered(claim, outcome, fingerprint, self.store.ttl_left(outcome))
         if record is not None and record.kind != SEEN and self.dedup:
             # (An answer kept from dedup before a reload to serialize is not this call's:
             # serialize replays nothing.)
@@ -741,7 +744,11 @@ class Idempotency:
         return self._backends
 
     def _arm(self, claim: Claim) -> None:
-        if self.dedup:
+        """Capture the answer of a call that holds its key, to replay it: in ``dedup``, for a
+        call that has a fingerprint (one that began under ``serialize`` and was handed the
+        key after a reload to dedup has none: its answer, stored, would refuse every later
+        request of the key 422 ``idempotency_mismatch``, a review)."""
+        if self.dedup and claim.fingerprint:
             claim.capture = Capture(self.max_replay_bytes, claim.mcp_id)
 
     def _call_key(self, tenant: str, fingerprint: bytes,
@@ -845,7 +852,8 @@ class Idempotency:
                 return claim
             if begin.state == IN_FLIGHT:
                 claim.rejected = (_mismatch(claim)
-                                  if self.dedup and begin.fingerprint != fingerprint
+                                  if self.dedup and begin.fingerprint
+                                  and begin.fingerprint != fingerprint
                                   else _still_in_flight(claim.waited_s))
                 return claim
         if begin.state == FINISHED:
@@ -950,7 +958,7 @@ class Idempotency:
         ``waiting`` duplicates waiting for it already): 422 ``idempotency_mismatch`` for
         another payload (``dedup``), 409 ``idempotency_conflict`` with ``on_in_flight:
         reject`` or past ``max_waiters``; ``None`` when it may wait."""
-        if self.dedup and twin != fingerprint:
+        if self.dedup and twin and twin != fingerprint:  # (none: a serialized call)
             return _mismatch(claim)
         if not self.wait_in_flight:
             return Rejected(Reason.IDEMPOTENCY_CONFLICT, IN_FLIGHT_RETRY_AFTER_S,

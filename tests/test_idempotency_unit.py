@@ -247,6 +247,49 @@ async def test_a_reload_from_dedup_to_serialize_runs_each_request_one_at_a_time(
     assert (await policy.claim("POST", "/p", _headers("j"), "t", b"1")).replay.body == b'{"id":2}'
 
 
+async def test_waiters_given_an_answer_just_before_a_reload_to_serialize_replay_it():
+    """A review: the answer of the call they waited for (under dedup) reached the waiters,
+    and a reload to serialize landed before they resumed; each then ran, at once, and the
+    second's end raised ``KeyError`` (the first's had dropped its flight)."""
+    policy = Idempotency(IdempotencyConfig(), "r")
+    running = await policy.claim("POST", "/p", _headers("k"), "t", b"1")
+    waiters = [asyncio.create_task(policy.claim("POST", "/p", _headers("k"), "t", b"1"))
+               for _ in range(2)]
+    await _waiting(policy, 2)
+    running.capture.begin(200, "OK", CIMultiDict({"Content-Type": "application/json"}))
+    running.capture.feed(b'{"id":1}')
+    running.finish("2xx")
+    policy.reconfigure(IdempotencyConfig(mode="serialize"))  # before the waiters resume
+    for claim in await asyncio.gather(*waiters):
+        assert claim.replay.body == b'{"id":1}' and not claim.holds
+    assert policy.in_flight == 0 and policy.waiting == 0
+
+
+async def test_after_a_reload_to_dedup_a_serialized_call_leaves_no_answer_that_refuses():
+    """A review, the reverse of the reload above: a serialized call (no fingerprint) handed
+    the key after a reload to dedup stored its answer with no fingerprint, and the same
+    request was refused 422 for the answer's ttl. And a dedup newcomer meeting a serialized
+    call still in flight waits for it rather than being told its payload differs."""
+    policy = Idempotency(IdempotencyConfig(mode="serialize"), "r")
+    running = await policy.claim("POST", "/p", _headers("k"), "t", b"1")
+    waiter = asyncio.create_task(policy.claim("POST", "/p", _headers("k"), "t", b"1"))
+    await _waiting(policy, 1)
+    policy.reconfigure(IdempotencyConfig())
+    newcomer = asyncio.create_task(policy.claim("POST", "/p", _headers("k"), "t", b"1"))
+    await _waiting(policy, 2)
+    running.finish("2xx")  # serialized: nothing kept, the key goes to the first waiter
+    handed = await asyncio.wait_for(waiter, 5)
+    assert handed.rejected is None and handed.replay is None and handed.capture is None
+    handed.finish("2xx")
+    last = await asyncio.wait_for(newcomer, 5)  # it runs in turn, and its answer is kept
+    assert last.rejected is None and last.replay is None and last.capture is not None
+    last.capture.begin(200, "OK", CIMultiDict({"Content-Type": "application/json"}))
+    last.capture.feed(b'{"id":3}')
+    last.finish("2xx")
+    again = await policy.claim("POST", "/p", _headers("k"), "t", b"1")
+    assert again.rejected is None and again.replay.body == b'{"id":3}'
+
+
 async def test_a_key_handed_to_a_leaving_waiter_passes_to_the_next():
     policy = Idempotency(IdempotencyConfig(), "r")
     owner = await policy.claim("POST", "/p", _headers("k"), "t", b"1")

@@ -154,8 +154,8 @@ async def wait_for_answer(records: IdempotencyRecords, key: str, owner: str,
     Returns the last :class:`Begin`: ``done`` (replay or refuse it), ``claimed`` (the key was
     freed without an answer and this request holds it now; run it and ``finish``), or
     ``in_flight`` when the timeout passed, or at once when the request in flight has another
-    fingerprint (the caller answers 422; not for an empty ``fingerprint``, which compares
-    no payloads: ``mode: serialize``).
+    fingerprint (the caller answers 422; not when either is empty, which compares no
+    payloads: a call of ``mode: serialize``).
 
     Raises:
         StateUnavailable: the backend did not answer (Redis only).
@@ -166,8 +166,8 @@ async def wait_for_answer(records: IdempotencyRecords, key: str, owner: str,
         while True:
             begin = await records.begin(key, owner, fingerprint, flight_s)
             left = deadline - loop.time()
-            if (begin.state != IN_FLIGHT or (fingerprint and begin.fingerprint != fingerprint)
-                    or left <= 0):
+            if (begin.state != IN_FLIGHT or left <= 0 or (
+                    fingerprint and begin.fingerprint and begin.fingerprint != fingerprint)):
                 return begin
             await finished.wait(min(poll_s, left))
 
