@@ -32,6 +32,10 @@ _SCHEME = r"[a-zA-Z][a-zA-Z0-9+.-]*://"
 _URL_USERINFO = re.compile(rf"\b({_SCHEME})([^/?#\s]*)@")
 # A value that is a URL as a whole: redacted by parsing it (see redact_url).
 _WHOLE_URL = re.compile(_SCHEME)
+# A value quoted in a message (as refused values are: ``'Basic abc' is not a duration``).
+_QUOTED = re.compile(r"""(?=(['"])([^'"\n]+)\1)""")  # a lookahead: every quote is tried
+# An Authorization scheme and its space, kept when the rest is redacted.
+_SCHEME_WORD = re.compile(r"(?i:bearer|basic|digest|token)\s+")
 # A query field of a URL quoted inside a longer string (``...?api_key=abc&x=1'``).
 _QUERY_FIELD = re.compile(r"([?&])([^=&\s'\"#?]+)(?:=([^&\s'\"#]*))?")
 
@@ -45,7 +49,8 @@ def redact(value: Any, key: str = "") -> Any:
     ``?q=sk-...``), also inside a longer string (``redis://:pw@host`` ->
     ``redis://:<redacted>@host``); strings shaped like API keys or ``Authorization`` values
     (``sk-...``, ``Bearer ...``), as a whole or inside a longer string (a message quoting a
-    value: ``'sk-...' is not a duration``, :data:`policies.secrets.SECRET_IN_TEXT`).
+    value: ``'sk-...' is not a duration``, :data:`policies.secrets.SECRET_IN_TEXT`; a quoted
+    value that is one whole, however short: ``'Basic dXNlcjpwYXNz'``).
     """
     if isinstance(value, dict):
         return {k: redact(v, str(k)) for k, v in value.items()}
@@ -64,7 +69,29 @@ def redact(value: Any, key: str = "") -> Any:
     value = _URL_USERINFO.sub(_redact_userinfo, value)
     if "=" in value or "?" in value:
         value = _QUERY_FIELD.sub(_redact_query_field, value)
+    if "'" in value or '"' in value:
+        value = _redact_quoted(value)
     return SECRET_IN_TEXT.sub(_redact_in_text, value)
+
+
+def _redact_quoted(text: str) -> str:
+    """``text`` with each quoted value that is a credential as a whole (``'Basic
+    dXNlcjpwYXNz'``, as a refused config value is quoted back) redacted, however short: only
+    its scheme, if any, is kept. Every quote is tried as an opening one, so an apostrophe
+    earlier in the text (``can't``) does not pair with the value's own quote."""
+    parts: list[str] = []
+    at = 0
+    for match in _QUOTED.finditer(text):
+        inner = match.group(2)
+        if match.start(2) < at or not SECRET_VALUE.match(inner):
+            continue
+        scheme = _SCHEME_WORD.match(inner)
+        parts += (text[at:match.start(2)], scheme.group(0) if scheme else "", REDACTED)
+        at = match.end(2)
+    if not parts:
+        return text
+    parts.append(text[at:])
+    return "".join(parts)
 
 
 def _redact_in_text(match: re.Match[str]) -> str:

@@ -65,6 +65,12 @@ from tests.test_reload import CHAT, until
                    f"f:9: server.stall_after: 'Bearer {REDACTED}' is not a duration",
                    f"f:10: x: '{REDACTED}' or {REDACTED}, not sk-SK",
                    "f:11: a basic auth header, a token bucket, task-sk-1"]}),
+    # A quoted value that is a credential whole, however short; an apostrophe before it
+    # does not hide it (a review).
+    ({"problems": ["f:2: x: 'Basic dXNlcjpwYXNz' is not a duration",
+                   "f:3: can't read \"Bearer abcdefghijklmno\", it's 'basic'"]},
+     {"problems": [f"f:2: x: 'Basic {REDACTED}' is not a duration",
+                   f"f:3: can't read \"Bearer {REDACTED}\", it's 'basic'"]}),
 ])
 def test_redact(value, expected):
     assert redact(value) == expected
