@@ -72,7 +72,7 @@ this queue and counts ``limit`` and ``per_tenant`` across replicas with Redis le
 from __future__ import annotations
 
 import asyncio
-import heapq
+import bisect
 import itertools
 import math
 import random
@@ -148,43 +148,42 @@ class _Waiter:
 
 
 class _Class:
-    """The waiters of one priority class by fair-queueing tag, in a heap each way: ``heap``
-    holds the next call by fairness first, ``tail`` the call served last first (the one a
-    full queue gives up). Entries of waiters no longer WAITING are skipped lazily, and dropped
-    by :meth:`compact`."""
+    """The waiters of one priority class, in fair-queueing order: ``(tag, order, waiter)``
+    kept sorted, the next call to serve first and the one a full queue gives up last. A
+    waiter leaves it as it stops waiting (:meth:`remove`), so every entry waits, and the
+    calls served before a newcomer are counted by bisection (:meth:`at_or_before`).
+    O(log n) to find a place, and a memmove of the list's tail to insert or remove (a
+    few microseconds at 10,000 queued): it replaced two heaps with lazily skipped ends, on
+    which counting the calls ahead took a walk of the heap."""
 
-    __slots__ = ("heap", "tail", "waiting")
+    __slots__ = ("entries",)
 
     def __init__(self) -> None:
-        self.heap: list[tuple[float, int, _Waiter]] = []
-        self.tail: list[tuple[float, int, _Waiter]] = []
-        #: Its waiters still WAITING (the heaps hold ended ones too, until popped).
-        self.waiting = 0
+        self.entries: list[tuple[float, int, _Waiter]] = []
 
     def add(self, waiter: _Waiter) -> None:
-        self.waiting += 1
-        heapq.heappush(self.heap, (waiter.tag, waiter.order, waiter))
-        heapq.heappush(self.tail, (-waiter.tag, -waiter.order, waiter))
+        bisect.insort(self.entries, (waiter.tag, waiter.order, waiter))
+
+    def remove(self, waiter: _Waiter) -> None:
+        """Take ``waiter`` out (a no-op if it is not in)."""
+        entries = self.entries
+        at = bisect.bisect_left(entries, (waiter.tag, waiter.order))
+        if at < len(entries) and entries[at][2] is waiter:
+            del entries[at]
 
     def first(self) -> _Waiter | None:
-        """The waiting waiter with the smallest tag (the earliest of those tied), if any."""
-        heap = self.heap
-        while heap and heap[0][2].state != WAITING:
-            heapq.heappop(heap)
-        return heap[0][2] if heap else None
+        """The waiter with the smallest tag (the earliest of those tied), if any."""
+        entries = self.entries
+        return entries[0][2] if entries else None
 
     def last(self) -> _Waiter | None:
-        """The waiting waiter with the largest tag (the latest of its tenant's), if any."""
-        tail = self.tail
-        while tail and tail[0][2].state != WAITING:
-            heapq.heappop(tail)
-        return tail[0][2] if tail else None
+        """The waiter with the largest tag (the latest of its tenant's), if any."""
+        entries = self.entries
+        return entries[-1][2] if entries else None
 
-    def compact(self) -> None:
-        self.heap = [entry for entry in self.heap if entry[2].state == WAITING]
-        heapq.heapify(self.heap)
-        self.tail = [entry for entry in self.tail if entry[2].state == WAITING]
-        heapq.heapify(self.tail)
+    def at_or_before(self, tag: float) -> int:
+        """How many of its waiters are tagged at or before ``tag``."""
+        return bisect.bisect_right(self.entries, (tag, math.inf))
 
 
 def queued_hook(call: Call) -> Callable[[int], None]:
@@ -249,7 +248,6 @@ class ConcurrencyLimiter:
         self._tenant_looks: tuple[int, dict[str, float]] = (-1, {})
         self._classes: dict[int, _Class] = {}
         #: Waiters ended since the classes were last compacted (:meth:`_drop`).
-        self._ended = 0
         self._order = itertools.count()
         self._by_tenant: dict[str, int] = {}
         #: Fair queueing, per class: each tenant's virtual time in it (tenants with calls in
@@ -358,16 +356,14 @@ class ConcurrencyLimiter:
         if max_wait <= 0 or (caller_timeout is not None and self.observed):
             turn = self.turn()
             budget = (caller_timeout or 0.0) - call_s
-            ahead, cut = self.queued, False
+            ahead = self.queued
             if max_wait > 0 and (ahead + 1) * turn > budget:
                 # Only the calls served before this one stand in its way: a critical call,
                 # or a tenant's within its fair share, goes before most of the queue (a
                 # hostile trial: a critical call behind three best-effort ones was refused,
                 # though served at once without its deadline). Counted only when the whole
-                # queue would not fit, and no further than what fits.
-                enough = int(budget / turn) if turn > 0 else ahead
-                ahead = self._ahead(priority, tag, enough)
-                cut = ahead > enough  # the count stopped there: the whole wait is longer
+                # queue would not fit.
+                ahead = self._ahead(priority, tag)
             expected = (ahead + 1) * turn
             if max_wait <= 0 or expected > budget:
                 left = (f"ends in {caller_timeout:.3g}s"
@@ -375,9 +371,9 @@ class ConcurrencyLimiter:
                         else "has passed")
                 raise Rejected(
                     Reason.DEADLINE_UNREACHABLE,
-                    self._drain_estimate((self.queued if cut else ahead) + 1),
+                    self._drain_estimate(ahead + 1),
                     f"the caller's timeout {left}, which leaves no time to queue: the wait "
-                    f"is estimated at {'over ' if cut else ''}{expected:.3g}s and "
+                    f"is estimated at {expected:.3g}s and "
                     + (f"the upstream takes {call_s:.3g}s on average to start answering"
                        if reads else f"calls take {call_s:.3g}s on average"),
                 )
@@ -418,34 +414,17 @@ class ConcurrencyLimiter:
             raise
         return charged, granted
 
-    def _ahead(self, priority: int, tag: float, enough: int) -> int:
+    def _ahead(self, priority: int, tag: float) -> int:
         """How many queued calls would be served before a newcomer of class ``priority``
         tagged ``tag`` (the order :meth:`_best` serves in, aging aside): every call of a
-        better class, and those of its own class tagged at or before it. Counting stops once
-        past ``enough``. The own class's heap is walked from its root only where tags are at
-        or before ``tag`` (a heap's children are never tagged before their parent), so the
-        walk visits about twice the calls it counts, plus ended entries not yet compacted,
-        whatever the queue's length."""
+        better class, and those of its own class tagged at or before it. O(classes x log
+        queued)."""
         ahead = 0
         for cls, queue in self._classes.items():
             if cls < priority:
-                ahead += queue.waiting
-        own = self._classes.get(priority)
-        if own is None or ahead > enough:
-            return ahead
-        heap = own.heap
-        size = len(heap)
-        stack = [0] if heap else []
-        while stack:
-            i = stack.pop()
-            entry_tag, _, waiter = heap[i]
-            if entry_tag > tag:
-                continue
-            if waiter.state == WAITING:
-                ahead += 1
-                if ahead > enough:
-                    break
-            stack.extend(child for child in (2 * i + 1, 2 * i + 2) if child < size)
+                ahead += len(queue.entries)
+            elif cls == priority:
+                ahead += queue.at_or_before(tag)
         return ahead
 
     def _displaced(self, priority: int, tag: float) -> _Waiter | None:
@@ -734,7 +713,7 @@ class ConcurrencyLimiter:
 
     def _loop_time(self) -> float | None:
         for queue in self._classes.values():
-            for _, _, waiter in queue.heap:
+            for _, _, waiter in queue.entries:
                 return waiter.future.get_loop().time()
         return None
 
@@ -765,8 +744,7 @@ class ConcurrencyLimiter:
 
     def waiters(self) -> list[_Waiter]:
         """Every waiter still waiting (for tests and the admin view)."""
-        return [entry[2] for queue in self._classes.values() for entry in queue.heap
-                if entry[2].state == WAITING]
+        return [entry[2] for queue in self._classes.values() for entry in queue.entries]
 
     def _expire(self, waiter: _Waiter, deadline: str | None = None) -> None:
         """``waiter``'s wait is over: refuse it ``queue_timeout``, with ``deadline`` (the
@@ -800,20 +778,12 @@ class ConcurrencyLimiter:
         self._leave(waiter.tenant)
 
     def _drop(self, waiter: _Waiter, state: int) -> None:
-        """End a waiting waiter in ``state``; its heap entry, if still there, is skipped."""
+        """End a waiting waiter in ``state``: it leaves its class's queue."""
         waiter.state = state
         self.queued -= 1
-        self._classes[waiter.cls].waiting -= 1
+        self._classes[waiter.cls].remove(waiter)
         if waiter.timer is not None:
             waiter.timer.cancel()
-        # Every end leaves an entry behind in the class's heaps until it is popped lazily,
-        # which a hand-over does only at their heads. Rebuilt once as many have ended as
-        # wait, plus some: amortized O(1) per end, O(queued) memory.
-        self._ended += 1
-        if self._ended > self.queued + 64:
-            self._ended = 0
-            for queue in self._classes.values():
-                queue.compact()
 
     def _leave(self, tenant: str) -> None:
         """One of ``tenant``'s calls ends (:meth:`release` does this itself, inline)."""
