@@ -1014,8 +1014,9 @@ class Idempotency:
         answer = shared_answer(record, claim.fingerprint)
         local = lease.local
         if local is not None and self._flights.get(lease.store_key) is local:
-            # Duplicates that found Redis unavailable wait here: the answer, or the key.
-            if record is not None:
+            # Duplicates that found Redis unavailable wait here: the answer, or the key (as
+            # :meth:`_finish` does, also when a reload left dedup while this call ran).
+            if record is not None and self.dedup:
                 del self._flights[lease.store_key]
                 for future in local.waiters:
                     if not future.done():
