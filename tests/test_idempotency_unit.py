@@ -81,8 +81,7 @@ async def test_100k_keys_through_the_policy_leave_no_flights():
         headers = CIMultiDictProxy(CIMultiDict({"Idempotency-Key": f"k{i}"}))
         claim = await policy.claim("POST", "/v1/x", headers, "t", b"{}")
         assert claim.capture is not None and claim.new_unit
-        claim.capture.begin(200, "OK", CIMultiDict({"Content-Type": "application/json"}))
-        claim.capture.feed(b'{"ok":true}')
+        _answer(claim, b'{"ok":true}')
         claim.finish("2xx")
     assert len(policy.store) == 5_000 and policy.store.bytes <= 8 * MiB
     assert policy.in_flight == 0 and policy.waiting == 0
@@ -172,6 +171,12 @@ def _headers(key: str) -> CIMultiDictProxy[str]:
     return CIMultiDictProxy(CIMultiDict({"Idempotency-Key": key}))
 
 
+def _answer(claim, body: bytes, status: int = 200, reason: str = "OK") -> None:
+    """The upstream's JSON answer to ``claim``'s call, as its capture sees it."""
+    claim.capture.begin(status, reason, CIMultiDict({"Content-Type": "application/json"}))
+    claim.capture.feed(body)
+
+
 async def _waiting(policy: Idempotency, count: int) -> None:
     while policy.waiting < count:
         await asyncio.sleep(0)
@@ -183,8 +188,7 @@ async def test_waiters_get_the_stored_answer():
     waiters = [asyncio.create_task(policy.claim("POST", "/p", _headers("k"), "t", b"1"))
                for _ in range(3)]
     await _waiting(policy, 3)
-    owner.capture.begin(201, "Created", CIMultiDict({"Content-Type": "application/json"}))
-    owner.capture.feed(b'{"id":1}')
+    _answer(owner, b'{"id":1}', 201, "Created")
     owner.finish("2xx")
     for claim in await asyncio.gather(*waiters):
         assert claim.replay.status == 201 and claim.replay.body == b'{"id":1}'
@@ -218,8 +222,7 @@ async def test_a_reload_from_dedup_to_serialize_runs_each_request_one_at_a_time(
     the key to its waiters in turn rather than its answer."""
     policy = Idempotency(IdempotencyConfig(), "r")
     stored = await policy.claim("POST", "/p", _headers("k"), "t", b"1")
-    stored.capture.begin(200, "OK", CIMultiDict({"Content-Type": "application/json"}))
-    stored.capture.feed(b'{"id":1}')
+    _answer(stored, b'{"id":1}')
     stored.finish("2xx")
     running = await policy.claim("POST", "/p", _headers("j"), "t", b"1")
     policy.reconfigure(IdempotencyConfig(mode="serialize"))
@@ -231,8 +234,7 @@ async def test_a_reload_from_dedup_to_serialize_runs_each_request_one_at_a_time(
     waiters = [asyncio.create_task(policy.claim("POST", "/p", _headers("j"), "t", b"1"))
                for _ in range(2)]
     await _waiting(policy, 2)
-    running.capture.begin(200, "OK", CIMultiDict({"Content-Type": "application/json"}))
-    running.capture.feed(b'{"id":2}')
+    _answer(running, b'{"id":2}')
     running.finish("2xx")  # its answer is kept, the key goes to the first waiter
     first = await asyncio.wait_for(waiters[0], 5)
     assert first.rejected is None and first.replay is None and not waiters[1].done()
@@ -256,8 +258,7 @@ async def test_waiters_given_an_answer_just_before_a_reload_to_serialize_replay_
     waiters = [asyncio.create_task(policy.claim("POST", "/p", _headers("k"), "t", b"1"))
                for _ in range(2)]
     await _waiting(policy, 2)
-    running.capture.begin(200, "OK", CIMultiDict({"Content-Type": "application/json"}))
-    running.capture.feed(b'{"id":1}')
+    _answer(running, b'{"id":1}')
     running.finish("2xx")
     policy.reconfigure(IdempotencyConfig(mode="serialize"))  # before the waiters resume
     for claim in await asyncio.gather(*waiters):
@@ -283,8 +284,7 @@ async def test_after_a_reload_to_dedup_a_serialized_call_leaves_no_answer_that_r
     handed.finish("2xx")
     last = await asyncio.wait_for(newcomer, 5)  # it runs in turn, and its answer is kept
     assert last.rejected is None and last.replay is None and last.capture is not None
-    last.capture.begin(200, "OK", CIMultiDict({"Content-Type": "application/json"}))
-    last.capture.feed(b'{"id":3}')
+    _answer(last, b'{"id":3}')
     last.finish("2xx")
     again = await policy.claim("POST", "/p", _headers("k"), "t", b"1")
     assert again.rejected is None and again.replay.body == b'{"id":3}'
@@ -542,8 +542,7 @@ async def test_a_callers_key_replays_only_to_the_same_credentials() -> None:
     twin = await policy.claim("POST", "/p", sent(Authorization="Bearer mallory"), "t", b"1")
     assert twin.rejected is not None and twin.rejected.reason is Reason.IDEMPOTENCY_MISMATCH
     assert "other credentials" in twin.rejected.detail
-    owner.capture.begin(200, "OK", CIMultiDict({"Content-Type": "application/json"}))
-    owner.capture.feed(b'{"secret": 1}')
+    _answer(owner, b'{"secret": 1}')
     owner.finish("2xx")
     for other in ({"Authorization": "Bearer mallory"}, {"x-api-key": "alice-key"}, {}):
         claim = await policy.claim("POST", "/p", sent(**other), "t", b"1")
@@ -567,8 +566,7 @@ async def test_a_cookie_changing_between_a_call_and_its_retry_keeps_the_key() ->
 
     first = await policy.admit(call("one"))
     assert first is not None
-    first.capture.begin(200, "OK", CIMultiDict({"Content-Type": "application/json"}))
-    first.capture.feed(b'{"jsonrpc": "2.0", "id": 1, "result": {"content": []}}')
+    _answer(first, b'{"jsonrpc": "2.0", "id": 1, "result": {"content": []}}')
     first.finish("2xx")
     with pytest.raises(Replay) as replayed:  # the stored answer, not a second run
         await policy.admit(call("two"))
