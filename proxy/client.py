@@ -37,6 +37,27 @@ class VerbatimRequest(aiohttp.ClientRequest):
         self._skip_auto_headers = _NEVER_ADDED
 
 
+class UpstreamConnector(aiohttp.TCPConnector):
+    """A ``TCPConnector`` that never reuses a pooled connection holding bytes nobody asked for.
+
+    An upstream that sends a second, unrequested response after an answer (a late one, or
+    one in the same write as an answer over the streamed size) leaves it parsed, or waiting
+    to be, on the idle connection; aiohttp's reuse check asks only whether the connection is
+    open, so the next call on it got that response as its answer, every later call the one
+    before it, across tenants, and a duplicate's answer was stored under another's key (a
+    hostile trial). A connection whose protocol says it should close (bytes buffered or not
+    yet parsed, an answer's body unfinished) is closed when taken from the pool, and the next
+    one tried. (Bytes that arrive after a connection is taken are its answer: HTTP/1.1 cannot
+    tell them apart.)"""
+
+    async def _get(self, key, traces):  # type: ignore[no-untyped-def]  # aiohttp's own
+        while True:
+            conn = await super()._get(key, traces)
+            if conn is None or not conn.protocol or not conn.protocol.should_close:
+                return conn
+            conn.close()  # released with should_close: its transport is closed
+
+
 def client_timeout(total: float | None, connect: float | None,
                    sock_read: float | None = None) -> aiohttp.ClientTimeout:
     """An upstream timeout, in seconds (``None``: none), kept to the millisecond rather than

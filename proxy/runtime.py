@@ -28,7 +28,7 @@ from policies.state import StateBackends, backends_for
 from policies.state.connection import redact_url
 from policies.state.runs import RedisRuns
 from proxy import output
-from proxy.client import upstream_session
+from proxy.client import UpstreamConnector, upstream_session
 from proxy.events import EventLog
 from proxy.metrics import Metrics, RouteLoad
 from proxy.routes import Route, Router
@@ -475,7 +475,7 @@ class Runtime:
             OSError: the event log or the dead-letter file cannot be opened or created
                 (naming ``events.path`` or ``dead_letter.path``).
         """
-        connector = aiohttp.TCPConnector(
+        connector = UpstreamConnector(
             limit=0,  # concurrency is bounded by the routes' own limits, not by the pool
             ttl_dns_cache=60,
             keepalive_timeout=self.config.server.upstream_idle_timeout,

@@ -7,10 +7,12 @@ sloppy caller could send.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import re
 
 import aiohttp
+import pytest
 from yarl import URL
 
 from tests.conftest import free_port, raw_request, route, wait_until
@@ -423,3 +425,76 @@ async def test_a_route_with_credentials_in_its_upstream_url_sends_them_not_the_c
                 assert r.status == 200
     basic = "Basic " + base64.b64encode(b"svc:hunter2").decode()
     assert [seen.headers["Authorization"] for seen in upstream.requests] == [basic, basic]
+
+
+class _StrayAnswers:
+    """A keep-alive upstream that answers each request with its own path, and after the one
+    for ``/evil`` sends a second answer nobody asked for: ``late`` seconds after it, or in
+    the same write after an answer too big to be held whole (Sluice streams it)."""
+
+    def __init__(self, late: float | None) -> None:
+        self.late = late
+        self.connections = 0
+        self.port = 0
+        self._server: asyncio.Server | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> _StrayAnswers:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def stop(self) -> None:
+        assert self._server is not None
+        self._server.close()
+        for task in self._tasks:
+            task.cancel()
+
+    @staticmethod
+    def _answer(body: bytes) -> bytes:
+        return (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n" % len(body) + body)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._tasks.add(asyncio.current_task())  # type: ignore[arg-type]
+        self.connections += 1
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                path = head.split(b" ", 2)[1]
+                stray = self._answer(b'{"answer_for": "STRAY"}')
+                if path.endswith(b"/evil") and self.late is None:
+                    big = b'{"pad": "' + b"x" * 300_000 + b'"}'
+                    writer.write(self._answer(big) + stray)
+                    continue
+                writer.write(self._answer(b'{"answer_for": "%s"}' % path))
+                if path.endswith(b"/evil"):
+                    await writer.drain()
+                    await asyncio.sleep(self.late or 0)
+                    writer.write(stray)
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
+            writer.close()
+
+
+@pytest.mark.parametrize("late", [0.1, None], ids=["late", "same-write-after-a-big-answer"])
+async def test_an_answer_nobody_asked_for_never_reaches_the_next_caller(start_sluice, late):
+    """A hostile trial: an upstream sending a second, unrequested answer on a keep-alive
+    connection shifted every later answer on it by one, across tenants (alice got the
+    stray, bob alice's, ...), all counted 2xx. A pooled connection holding such bytes is
+    closed when taken, never reused."""
+    upstream = await _StrayAnswers(late).start()
+    try:
+        sluice = await start_sluice({"routes": [route("h", f"http://127.0.0.1:{upstream.port}",
+                                                      "http")]})
+        async with aiohttp.ClientSession() as session:
+            async with session.get(sluice.url + "/h/evil") as r:
+                assert r.status == 200
+                await r.read()
+            await asyncio.sleep(0.3)  # the late one has arrived on the idle connection
+            for tenant in ("alice", "bob", "carol"):
+                async with session.get(sluice.url + f"/h/{tenant}",
+                                       headers={"X-Tenant-ID": tenant}) as r:
+                    assert (r.status, await r.json()) == (200, {"answer_for": f"/{tenant}"})
+        assert upstream.connections == 2  # the tainted one closed, a fresh one for the rest
+    finally:
+        await upstream.stop()
