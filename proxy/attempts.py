@@ -296,8 +296,9 @@ async def forward(request: web.BaseRequest, rt: Runtime, route: Route, call: Cal
         tries.drop_response()
         if tries.pending is not None:  # the caller left during the answer
             waiting, tries.pending = tries.pending, None
-            if not waiting.tool:  # a stream: what it showed before the caller left stands
-                verdict = brk.classify_stream(meter.stream_error)
+            if not waiting.tool:  # what the answer showed before the caller left stands
+                verdict = brk.classify_stream(meter.stream_error if meter is not None
+                                              else None)
                 for breaker, ticket in waiting.tickets:
                     breaker.record_soon(ticket, verdict)
             else:
@@ -356,8 +357,8 @@ async def _verdict(tries: _Tries, tracker: AnswerTracker | None, meter: Any,
         return
     tries.pending = None
     if not waiting.tool:
-        await _record_each(waiting.tickets, brk.FAILURE if cut
-                           else brk.classify_stream(meter.stream_error))
+        await _record_each(waiting.tickets, brk.FAILURE if cut else brk.classify_stream(
+            meter.stream_error if meter is not None else None))
         return
     [(breaker, ticket)] = waiting.tickets
     found = tracker.finish() if tracker is not None else None
@@ -653,12 +654,14 @@ async def _attempt(rt: Runtime, route: Route, call: Call, url: URL,
                     if pair[0] is tool_breaker:
                         tries.pending = _Waiting([pair], True)
                 tickets = [pair for pair in tickets if pair[0] is not tool_breaker]
-            elif (meter := call.meter) is not None and meter.cost.stream:
-                # An LLM stream may yet end in an error event (the upstream overloaded
-                # mid-answer): its breakers hear once it has ended. A 2xx is never retried.
-                # Not a half-open probe's breaker: it is judged by the status line, or one
-                # slow stream held the whole route refused (a hostile review: 10 minutes);
-                # it hears the stream's failure too (_record_probes).
+            else:
+                # Judged once read: a body cut after the status line is a failure, as a
+                # connection lost before it is (a hostile trial: 502 after 502, the breaker
+                # closed), and an LLM stream may yet end in an error event (the upstream
+                # overloaded mid-answer). A 2xx is never retried. Not a half-open probe's
+                # breaker: it is judged by the status line, or one slow stream held the
+                # whole route refused (a hostile review: 10 minutes); it hears the
+                # answer's failure too (_record_probes).
                 waiting = [pair for pair in tickets if pair[1].ticket.probe is None]
                 if waiting:
                     tries.pending = _Waiting(waiting, False)

@@ -6,8 +6,10 @@ import asyncio
 import time
 
 import aiohttp
+import pytest
 
 from tests.conftest import route
+from tests.fakeupstream import RawUpstream
 from tests.test_reload import rewrite
 
 CHAT = "/openai/v1/chat/completions"
@@ -195,3 +197,25 @@ async def test_an_open_breaker_idle_past_its_open_time_reads_half_open(upstream,
         assert (await post(s, sluice.url))[0] == 200  # the probe
         await sluice.wait_metric("sluice_circuit_state", 0, route="openai")
     assert len(upstream.requests) == 2
+
+
+@pytest.mark.parametrize("protocol", ["http", "openai"])
+async def test_an_answer_cut_after_its_status_line_counts_as_a_failure(start_sluice, protocol):
+    """A hostile trial: a 200 whose body the upstream cut (Content-Length 100, then close)
+    was judged a success at its status line; every caller got 502 and the breaker never
+    opened. It is judged once read now, as a stream is: a failure."""
+    raw = await RawUpstream(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                            b"Content-Length: 100\r\n\r\n{\"id\": 1").start()
+    try:
+        sluice = await start_sluice({"routes": [route(
+            "openai", raw.url, protocol,
+            circuit_breaker={"fail_max": 3, "reset_timeout": "30s"})]})
+        async with aiohttp.ClientSession() as s:
+            for _ in range(3):
+                status, headers = await post(s, sluice.url)
+                assert (status, headers["X-Sluice-Reason"]) == (502, "upstream_unreachable")
+            status, headers = await post(s, sluice.url)
+            assert (status, headers["X-Sluice-Reason"]) == (503, "circuit_open")
+        assert len(raw.requests) == 3
+    finally:
+        await raw.stop()
