@@ -34,6 +34,11 @@ _URL_USERINFO = re.compile(rf"\b({_SCHEME})([^/?#\s]*)@")
 _WHOLE_URL = re.compile(_SCHEME)
 # A value quoted in a message (as refused values are: ``'Basic abc' is not a duration``).
 _QUOTED = re.compile(r"""(?=(['"])([^'"\n]+)\1)""")  # a lookahead: every quote is tried
+# 20 or more letters and digits in a row, at least three of each kind among them: a key's
+# body, whatever its vendor's prefix (separators cut model names, UUIDs and dates into
+# shorter runs; a number with its unit, ``99999999999999999999h``, has one letter).
+_KEYLIKE = re.compile(r"(?<![A-Za-z0-9])(?=(?:[A-Za-z]*[0-9]){3})(?=(?:[0-9]*[A-Za-z]){3})"
+                      r"[A-Za-z0-9]{20,}")
 # An Authorization scheme and its space, kept when the rest is redacted.
 _SCHEME_WORD = re.compile(r"(?i:bearer|basic|digest|token)\s+")
 # A query field of a URL quoted inside a longer string (``...?api_key=abc&x=1'``).
@@ -76,14 +81,17 @@ def redact(value: Any, key: str = "") -> Any:
 
 def _redact_quoted(text: str) -> str:
     """``text`` with each quoted value that is a credential as a whole (``'Basic
-    dXNlcjpwYXNz'``, as a refused config value is quoted back) redacted, however short: only
-    its scheme, if any, is kept. Every quote is tried as an opening one, so an apostrophe
+    dXNlcjpwYXNz'``, as a refused config value is quoted back) redacted, however short, and
+    each that holds a run of 20 letters and digits, three of each at least (a key of a vendor whose prefix
+    Sluice does not know: Azure's 32 hex digits, ``gsk_...``, ``hf_...``; a new user's
+    trial): only its scheme, if any, is kept. Model names, UUIDs and durations have no
+    such run. Every quote is tried as an opening one, so an apostrophe
     earlier in the text (``can't``) does not pair with the value's own quote."""
     parts: list[str] = []
     at = 0
     for match in _QUOTED.finditer(text):
         inner = match.group(2)
-        if match.start(2) < at or not SECRET_VALUE.match(inner):
+        if match.start(2) < at or not (SECRET_VALUE.match(inner) or _KEYLIKE.search(inner)):
             continue
         scheme = _SCHEME_WORD.match(inner)
         parts += (text[at:match.start(2)], scheme.group(0) if scheme else "", REDACTED)

@@ -426,13 +426,15 @@ def test_an_api_key_where_a_duration_belongs_is_not_echoed(tmp_path: Path, capsy
     path = tmp_path / "bad.yaml"
     path.write_text("server:\n  drain_timeout: sk-proj-K3yS3cr3tValue\n"
                     "  stall_after: 'Bearer T0kenS3cr3tValue'\n"
-                    "  idle_timeout: 'Basic dXNlcjpwYXNz'\n")  # short, no digit (a review)
+                    "  idle_timeout: 'Basic dXNlcjpwYXNz'\n"  # short, no digit (a review)
+                    "  body_timeout: 3f9a1c0b7d2e4f6a8b9c0d1e2f3a4b5c\n")  # no known prefix
     assert main(["check-config", str(path)]) == 2
     err = capsys.readouterr().err
     assert f"{path}:2: server.drain_timeout: '<redacted>' is not a duration" in err
     assert f"{path}:3: server.stall_after: 'Bearer <redacted>' is not a duration" in err
     assert f"{path}:4: server.idle_timeout: 'Basic <redacted>' is not a duration" in err
-    assert "S3cr3t" not in err and "dXNlcjpwYXNz" not in err
+    assert f"{path}:5: server.body_timeout: '<redacted>' is not a duration" in err
+    assert "S3cr3t" not in err and "dXNlcjpwYXNz" not in err and "3f9a1c0b" not in err
 
 
 @pytest.mark.parametrize("upstream", [
