@@ -662,11 +662,16 @@ async def _attempt(rt: Runtime, route: Route, call: Call, url: URL,
                 # breaker: it is judged by the status line, or one slow stream held the
                 # whole route refused (a hostile review: 10 minutes); it hears the
                 # answer's failure too (_record_probes).
-                waiting = [pair for pair in tickets if pair[1].ticket.probe is None]
+                waiting, probes = tickets, None
+                for pair in tickets:  # most often one ticket, no probe: nothing to split
+                    if pair[1].ticket.probe is not None:
+                        waiting = [pair for pair in tickets if pair[1].ticket.probe is None]
+                        probes = [pair for pair in tickets if pair[1].ticket.probe is not None]
+                        break
                 if waiting:
                     tries.pending = _Waiting(waiting, False)
-                    tickets = [pair for pair in tickets if pair[1].ticket.probe is not None]
-                await _record_probes(tries, tickets, status)
+                if probes:
+                    await _record_probes(tries, probes, status)
                 return status, hint, True
         await _record_each(tickets, verdict, status, hint)
         return status, hint, True

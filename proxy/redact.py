@@ -82,10 +82,10 @@ def redact(value: Any, key: str = "") -> Any:
 def _redact_quoted(text: str) -> str:
     """``text`` with each quoted value that is a credential as a whole (``'Basic
     dXNlcjpwYXNz'``, as a refused config value is quoted back) redacted, however short, and
-    each that holds a run of 20 letters and digits, three of each at least (a key of a vendor whose prefix
-    Sluice does not know: Azure's 32 hex digits, ``gsk_...``, ``hf_...``; a new user's
-    trial): only its scheme, if any, is kept. Model names, UUIDs and durations have no
-    such run. Every quote is tried as an opening one, so an apostrophe
+    each that holds a run of 20 letters and digits, three of each at least (a key of a
+    vendor whose prefix Sluice does not know: Azure's 32 hex digits, ``gsk_...``,
+    ``hf_...``; a new user's trial): only its scheme, if any, is kept. Model names, UUIDs
+    and durations have no such run. Every quote is tried as an opening one, so an apostrophe
     earlier in the text (``can't``) does not pair with the value's own quote."""
     parts: list[str] = []
     at = 0
