@@ -545,6 +545,14 @@ async def relay(
                            f"it answered with status {status}, which Sluice does not relay")
         outcome = _OUTCOMES[status // 100]
         upstream_headers = upstream.headers
+        coding = upstream_headers.get(hdrs.TRANSFER_ENCODING)
+        if coding is not None and coding.strip().lower() != "chunked":
+            # A coding of the transfer (gzip, or chunked not last) is hop-by-hop: relayed
+            # without it, the caller got gzip bytes as the body, or the chunks' own framing
+            # and then no end (a hostile trial); refused as a request with one is (400).
+            raise Rejected(Reason.UPSTREAM_UNREACHABLE, None,
+                           "it answered with a transfer coding other than chunked, which "
+                           "Sluice does not relay")
         headers = _copy_headers(upstream_headers, _RESPONSE_DROP)
         if not "".join(headers.values()).isascii():  # in C: one pass over every value
             _warn_undecodable(headers, call)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import gzip
 import re
 
 import aiohttp
@@ -187,6 +188,26 @@ async def test_chunked_response_reframed_not_forwarded(start_sluice):
             assert r.status == 200
             assert await r.read() == b"abcdefg"
             assert "X-Hop" not in r.headers
+    finally:
+        await raw.stop()
+
+
+@pytest.mark.parametrize("coding", [b"gzip", b"chunked, gzip", b"gzip, chunked"])
+async def test_an_answer_with_a_transfer_coding_besides_chunked_is_refused(start_sluice,
+                                                                          coding):
+    """A hostile trial: ``Transfer-Encoding: gzip`` was dropped (hop-by-hop) and the gzip
+    bytes relayed as the plain body; ``chunked, gzip`` sent the chunks' own framing as the
+    body, then no end. Refused as a request with one is."""
+    body = (b"3\r\nabc\r\n0\r\n\r\n" if coding.endswith(b"chunked")
+            else gzip.compress(b'{"id": 1}'))
+    raw = await RawUpstream(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                            b"Transfer-Encoding: " + coding + b"\r\nConnection: close\r\n\r\n"
+                            + body).start()
+    try:
+        sluice = await start_sluice({"routes": [route("svc", raw.url, "http")]})
+        async with aiohttp.ClientSession() as session, session.get(sluice.url + "/svc/x") as r:
+            assert (r.status, r.headers["X-Sluice-Reason"]) == (502, "upstream_unreachable")
+            assert "transfer coding other than chunked" in (await r.json())["error"]["message"]
     finally:
         await raw.stop()
 
