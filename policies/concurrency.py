@@ -247,7 +247,6 @@ class ConcurrencyLimiter:
         #: (:meth:`_tenant_stalled`).
         self._tenant_looks: tuple[int, dict[str, float]] = (-1, {})
         self._classes: dict[int, _Class] = {}
-        #: Waiters ended since the classes were last compacted (:meth:`_drop`).
         self._order = itertools.count()
         self._by_tenant: dict[str, int] = {}
         #: Fair queueing, per class: each tenant's virtual time in it (tenants with calls in

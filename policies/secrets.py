@@ -16,7 +16,10 @@ import re
 #: letter would otherwise lose, and its replay with it.
 #: (The vendors' prefixes and the schemes are shared with :data:`SECRET_QUERY_VALUE`.)
 _KEY_PREFIXES = r"sk-(?![A-Za-z]{2}(?:$|[,;]))|sk_|rk_|xox[abp]-|gh[pousr]_|AKIA|AIza|eyJ[\w-]*\."
-_SCHEMES = r"(?i:bearer|basic|digest|token)"
+#: ``Authorization`` schemes, case-insensitive (a regular expression, for patterns here and in
+#: ``proxy.redact``).
+AUTH_SCHEMES = r"(?i:bearer|basic|digest|token)"
+_SCHEMES = AUTH_SCHEMES
 SECRET_VALUE = re.compile(rf"^(?:{_KEY_PREFIXES}|{_SCHEMES}\s)")
 
 #: Header-name fragments that mark a credential (matched on the lower-cased name): the usual

@@ -188,8 +188,6 @@ async def forward(request: web.BaseRequest, rt: Runtime, route: Route, call: Cal
     meter = call.meter
     if meter is not None:
         meter.request_headers(headers)
-    if route.deadline_header is not None:
-        _stamp_time_left(route.deadline_header, call, headers)
     url = URL(route.upstream_base + call.path[route.cut:], encoded=True)
     tries = _Tries()
     if plan is None:
@@ -297,8 +295,7 @@ async def forward(request: web.BaseRequest, rt: Runtime, route: Route, call: Cal
         if tries.pending is not None:  # the caller left during the answer
             waiting, tries.pending = tries.pending, None
             if not waiting.tool:  # what the answer showed before the caller left stands
-                verdict = brk.classify_stream(meter.stream_error if meter is not None
-                                              else None)
+                verdict = _read_verdict(meter)
                 for breaker, ticket in waiting.tickets:
                     breaker.record_soon(ticket, verdict)
             else:
@@ -357,8 +354,7 @@ async def _verdict(tries: _Tries, tracker: AnswerTracker | None, meter: Any,
         return
     tries.pending = None
     if not waiting.tool:
-        await _record_each(waiting.tickets, brk.FAILURE if cut else brk.classify_stream(
-            meter.stream_error if meter is not None else None))
+        await _record_each(waiting.tickets, brk.FAILURE if cut else _read_verdict(meter))
         return
     [(breaker, ticket)] = waiting.tickets
     found = tracker.finish() if tracker is not None else None
@@ -422,12 +418,20 @@ class _Answered:
                 polled.respond()
 
 
+def _read_verdict(meter: Any) -> int:
+    """What a 2xx answer read (to its end, or until its caller left) tells its breakers: the
+    error event its stream may have ended with, if a meter read one
+    (:func:`policies.breaker.classify_stream`); an answer no meter reads is a success."""
+    return brk.classify_stream(None if meter is None else meter.stream_error)
+
+
 def _stamp_time_left(deadline_header: str, call: Call, headers: CIMultiDict[str]) -> None:
     """Tell the upstream what is left of the caller's deadline now, in seconds, under
     ``deadline_header`` (``timeouts.deadline_header``), so it can stop work nobody awaits:
     stamped again on each attempt, or a retry promised it the time the first attempts and
     back-offs had spent (a hostile trial: three attempts over 2.4 s each said 5 s). A value
-    Sluice took for no deadline ("0", "inf") does not reach it as one."""
+    Sluice took for no deadline ("0", "inf") does not reach it as one. Called before each
+    attempt (:func:`_attempts`)."""
     left = call.time_left()
     if left is not None:
         headers[deadline_header] = f"{max(left, 0.001):.3f}"
@@ -476,7 +480,7 @@ async def _attempts(rt: Runtime, route: Route, call: Call, url: URL,
                                    "the call's deadline passed before it could be sent")
                 tries.stop = "deadline"
                 return
-            if number > 1 and route.deadline_header is not None:
+            if route.deadline_header is not None:
                 _stamp_time_left(route.deadline_header, call, headers)
             try:
                 status, hint, sent = await _attempt(rt, route, call, url, headers, tries,

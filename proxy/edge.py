@@ -106,12 +106,11 @@ from aiohttp.http_exceptions import BadHttpMethod, HttpProcessingError, LineTooL
 from aiohttp.streams import StreamReader
 from aiohttp.web_protocol import ERROR as PARSE_ERROR_MESSAGE
 from aiohttp.web_protocol import RequestHandler, RequestPayloadError
-from multidict import CIMultiDictProxy
 
 from policies.config import Config, ServerConfig
 from policies.logs import PER_CALL
 from policies.reasons import Reason, Rejected
-from proxy.forward import digits_value, parser_reason
+from proxy.forward import digits_value, only_chunked, parser_reason
 from proxy.rejections import refuse, refuse_at_edge, rejection_body, rejection_headers, render
 from proxy.routes import Route
 from proxy.runtime import Runtime
@@ -386,15 +385,6 @@ _TRANSFER_CODING = ("a transfer coding other than chunked (Transfer-Encoding) is
                     "Sluice would pass its bytes on undecoded; send the body as it is")
 
 
-def _only_chunked(headers: CIMultiDictProxy[str]) -> bool:
-    """``Transfer-Encoding`` (every field of it) is ``chunked`` alone. The parser refuses a
-    list not ending in ``chunked``; ``gzip, chunked`` it frames by the chunks, and the body
-    it hands over is still gzip, which forwarding with ``Content-Length`` would pass on as
-    if it were the body itself (RFC 9112 §6.1: a coding not understood is not served)."""
-    codings = ",".join(headers.getall(hdrs.TRANSFER_ENCODING)).split(",")
-    return [c.strip().lower() for c in codings if c.strip()] == ["chunked"]
-
-
 #: Ends the log line of a parser refusal: the parser's own message quotes the request.
 REQUEST_NOT_LOGGED = "the request's bytes are left out of this log"
 
@@ -524,7 +514,7 @@ class Door:
                                                    "server.allowed_hosts to serve it"))
             if len(self._hosts_seen) < _HOSTS_REMEMBERED:
                 self._hosts_seen.add(host)
-        if hdrs.TRANSFER_ENCODING in headers and not _only_chunked(headers):
+        if hdrs.TRANSFER_ENCODING in headers and not only_chunked(headers):
             return refuse_at_edge(rt, Rejected(Reason.BAD_REQUEST, None, _TRANSFER_CODING))
         if not "".join(headers.values()).isascii():  # in C: one pass over every value
             refusal = _undecodable_header(headers)

@@ -444,6 +444,16 @@ _UNREADABLE = {
 }
 
 
+def only_chunked(headers: CIMultiDictProxy[str]) -> bool:
+    """``Transfer-Encoding`` (every field of it) is ``chunked`` alone, in a request or an
+    answer. The parser refuses a list not ending in ``chunked``; ``gzip, chunked`` it frames
+    by the chunks, and the body it hands over is still gzip, which forwarding with
+    ``Content-Length`` would pass on as if it were the body itself (RFC 9112 §6.1: a coding
+    not understood is not served)."""
+    codings = ",".join(headers.getall(hdrs.TRANSFER_ENCODING)).split(",")
+    return [c.strip().lower() for c in codings if c.strip()] == ["chunked"]
+
+
 def parser_reason(message: object) -> str:
     """The description in an HTTP parser error's message (llhttp's reason, or aiohttp's own
     check), without the bytes it goes on to quote (``"<reason>:\n\n  <bytes>"``; a bad start
@@ -545,8 +555,7 @@ async def relay(
                            f"it answered with status {status}, which Sluice does not relay")
         outcome = _OUTCOMES[status // 100]
         upstream_headers = upstream.headers
-        coding = upstream_headers.get(hdrs.TRANSFER_ENCODING)
-        if coding is not None and coding.strip().lower() != "chunked":
+        if hdrs.TRANSFER_ENCODING in upstream_headers and not only_chunked(upstream_headers):
             # A coding of the transfer (gzip, or chunked not last) is hop-by-hop: relayed
             # without it, the caller got gzip bytes as the body, or the chunks' own framing
             # and then no end (a hostile trial); refused as a request with one is (400).

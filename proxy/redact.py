@@ -10,7 +10,13 @@ import re
 from typing import Any
 from urllib.parse import unquote_plus
 
-from policies.secrets import SECRET_IN_TEXT, SECRET_VALUE, secret_query_field, secret_query_name
+from policies.secrets import (
+    AUTH_SCHEMES,
+    SECRET_IN_TEXT,
+    SECRET_VALUE,
+    secret_query_field,
+    secret_query_name,
+)
 from policies.state import redact_url
 
 REDACTED = "<redacted>"
@@ -40,7 +46,7 @@ _QUOTED = re.compile(r"""(?=(['"])([^'"\n]+)\1)""")  # a lookahead: every quote 
 _KEYLIKE = re.compile(r"(?<![A-Za-z0-9])(?=(?:[A-Za-z]*[0-9]){3})(?=(?:[0-9]*[A-Za-z]){3})"
                       r"[A-Za-z0-9]{20,}")
 # An Authorization scheme and its space, kept when the rest is redacted.
-_SCHEME_WORD = re.compile(r"(?i:bearer|basic|digest|token)\s+")
+_SCHEME_WORD = re.compile(rf"{AUTH_SCHEMES}\s+")
 # A query field of a URL quoted inside a longer string (``...?api_key=abc&x=1'``).
 _QUERY_FIELD = re.compile(r"([?&])([^=&\s'\"#?]+)(?:=([^&\s'\"#]*))?")
 

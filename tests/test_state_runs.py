@@ -170,8 +170,9 @@ async def test_admit_counts_every_scope_or_none(where):
 
 
 async def test_only_an_admission_that_counts_records_a_take():
-    """A run's call with no ``max_requests`` counts nothing, so it draws no take id and
-    leaves no record; one that counts leaves one (for its give-back)."""
+    """A run's call with no ``max_requests`` counts nothing and leaves no take record; one
+    that counts leaves one (for its give-back). (That the first draws no id at all is not
+    seen in Redis: this checks what is.)"""
     url, prefix = require_redis(), new_prefix()
     client = redis.Redis.from_url(url)
     try:
