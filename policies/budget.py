@@ -549,12 +549,7 @@ class Reconciler(Redeliveries["_Pending"]):
 
     async def settle(self, reservation: Reservation, actual: list[float]) -> None:
         """Settle a shared reservation now; if Redis does not answer, keep it for later."""
-        entry = _Pending(reservation.rid, None, actual, _keys(reservation.claims))
-        try:
-            await self._send(entry)
-        except StateUnavailable:
-            self.keep(entry)
-            raise
+        await self.send(_Pending(reservation.rid, None, actual, _keys(reservation.claims)))
 
     async def give_back(self, reservation: Reservation, takes: Sequence[Take]) -> None:
         """Release a reservation with nothing spent and refund ``takes`` in one call; if

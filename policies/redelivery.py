@@ -18,6 +18,8 @@ import weakref
 from collections import deque
 from typing import TYPE_CHECKING, Generic, TypeVar
 
+from policies.state import StateUnavailable
+
 if TYPE_CHECKING:
     from policies.rate import Background
     from policies.state.connection import Health
@@ -63,6 +65,18 @@ class Redeliveries(Generic[E]):
         self._pending.extend(old._pending)
         old._pending = self._pending
         self.kick()
+
+    async def send(self, entry: E) -> None:
+        """Send ``entry`` now; if the shared state does not answer, keep it for a round.
+
+        Raises:
+            StateUnavailable: not answered now (kept).
+        """
+        try:
+            await self._send(entry)
+        except StateUnavailable:
+            self.keep(entry)
+            raise
 
     def keep(self, entry: E) -> None:
         """Keep ``entry`` for the next round, dropping the oldest beyond the limit."""

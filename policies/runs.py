@@ -550,12 +550,7 @@ class GiveBacks(Redeliveries[_GiveBack]):
         Raises:
             StateUnavailable: not answered now (kept).
         """
-        entry = (take, scopes, counted_on)
-        try:
-            await self._send(entry)
-        except StateUnavailable:
-            self.keep(entry)
-            raise
+        await self.send((take, scopes, counted_on))
 
     async def _send(self, entry: _GiveBack) -> None:
         assert self._shared is not None
