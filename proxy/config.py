@@ -123,7 +123,12 @@ class _TooManyValues(Exception):
     pass
 
 
-def yaml_problem(exc: yaml.MarkedYAMLError) -> tuple[int, str]:
+#: The YAML errors that name where in the text they are (:func:`yaml_problem`).
+PLACED_YAML_ERRORS = (yaml.MarkedYAMLError, yaml.reader.ReaderError)
+
+
+def yaml_problem(exc: yaml.MarkedYAMLError | yaml.reader.ReaderError, text: str
+                 ) -> tuple[int, str]:
     """The 1-based line to name for a YAML syntax error, and what to say of it.
 
     PyYAML marks where it noticed the error (``problem_mark``) and, for most, where the
@@ -132,7 +137,10 @@ def yaml_problem(exc: yaml.MarkedYAMLError) -> tuple[int, str]:
     though noticed lines later (an unclosed quote is found at the end of the file). A parser's
     ("while parsing a block mapping") is an enclosing collection: the mistake is where it was
     noticed. The other line is named in the text when they differ. Only PyYAML's own words
-    are used, never its snippet of the file, which could quote a secret."""
+    are used, never its snippet of the file, which could quote a secret. A character YAML
+    does not allow is placed in ``text`` (:func:`reader_problem`)."""
+    if isinstance(exc, yaml.reader.ReaderError):
+        return reader_problem(exc, text)
     problem = exc.problem or "unreadable"
     found = exc.problem_mark.line + 1 if exc.problem_mark else None
     began = exc.context_mark.line + 1 if exc.context_mark and exc.context else None
@@ -575,11 +583,8 @@ def _parse_config(text: str, filename: str, base: Path) -> Config:
             data = loader.construct_document(node)
         finally:
             loader.dispose()
-    except yaml.MarkedYAMLError as exc:
-        line, problem = yaml_problem(exc)
-        raise ConfigError([f"{filename}:{line}: (yaml): {problem}"]) from None
-    except yaml.reader.ReaderError as exc:
-        line, problem = reader_problem(exc, text)
+    except PLACED_YAML_ERRORS as exc:
+        line, problem = yaml_problem(exc, text)
         raise ConfigError([f"{filename}:{line}: (yaml): {problem}"]) from None
     except yaml.YAMLError as exc:
         raise ConfigError([f"{filename}:1: (yaml): {exc}"]) from None
@@ -718,11 +723,8 @@ def parse_tenants(text: str, source: str) -> dict[str, str]:
             node = loader.get_single_node()
         finally:
             loader.dispose()
-    except yaml.MarkedYAMLError as exc:
-        line, problem = yaml_problem(exc)
-        raise ConfigError([f"{where.format(line)}: not valid YAML ({problem})"]) from None
-    except yaml.reader.ReaderError as exc:
-        line, problem = reader_problem(exc, text)
+    except PLACED_YAML_ERRORS as exc:
+        line, problem = yaml_problem(exc, text)
         raise ConfigError([f"{where.format(line)}: not valid YAML ({problem})"]) from None
     except yaml.YAMLError:
         raise ConfigError([f"{where.format(1)}: not valid YAML"]) from None
