@@ -36,7 +36,7 @@ from tests.redis_servers import (  # noqa: F401  (fixtures)
     redis_server,
     shared_state,
 )
-from tests.sluice_child import ForkedSluice, coverage_env
+from tests.sluice_child import ForkedSluice
 
 REPO = Path(__file__).resolve().parent.parent
 #: How long a Sluice child may take to be ready, seconds: on success it
@@ -325,8 +325,7 @@ async def start_sluice(tmp_path: Path) -> AsyncIterator[Callable[..., Awaitable[
                 server.setdefault("admin_listen", f"127.0.0.1:{free_ports(1)[0]}")
                 admin_port = int(server["admin_listen"].rpartition(":")[2])
             config_path.write_text(yaml.safe_dump(data, sort_keys=False))
-            proc = ForkedSluice(str(config_path), str(stderr), str(REPO),
-                                {**coverage_env(), **(env or {})})
+            proc = ForkedSluice(str(config_path), str(stderr), str(REPO), env or {})
             sluice = SluiceProcess(proc, port, admin_port, events, stderr, config_path)
             if await _ready(sluice):
                 started.append(sluice)

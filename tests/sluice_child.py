@@ -158,16 +158,22 @@ class _Forked:
         self.send_signal(signal.SIGKILL)
 
 
+def _child_env(env: dict[str, str] | None) -> dict[str, str]:
+    """A forked child's whole environment: this process's, its coverage collection's, and
+    the test's own ``env`` over both."""
+    return {**os.environ, **coverage_env(), **(env or {})}
+
+
 class ForkedSluice(_Forked):
     """A ``subprocess.Popen``-like handle (``pid``, ``poll``, ``wait``, ``send_signal``,
     ``returncode``) on one forked ``sluice serve``."""
 
     def __init__(self, config_path: str, stderr_path: str, cwd: str,
                  env: dict[str, str]) -> None:
-        super().__init__(_serve, (config_path, stderr_path, cwd, {**os.environ, **env}))
+        super().__init__(_serve, (config_path, stderr_path, cwd, _child_env(env)))
 
     def poll(self) -> int | None:
-        return self._process.exitcode
+        return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
         self._process.join(timeout)
@@ -187,8 +193,7 @@ class ForkedCli(_Forked):
         self._dir = tempfile.TemporaryDirectory(prefix="sluice-cli-")
         self._out = os.path.join(self._dir.name, "stdout")
         self._err = os.path.join(self._dir.name, "stderr")
-        super().__init__(_run, (list(args), cwd, {**os.environ, **coverage_env(), **(env or {})},
-                                self._out, self._err))
+        super().__init__(_run, (list(args), cwd, _child_env(env), self._out, self._err))
 
     async def wait(self) -> int:
         while self._process.exitcode is None:
