@@ -26,8 +26,9 @@ import yaml
 
 from proxy import output
 from proxy.output import BackgroundWriter
-from tests.conftest import REPO, STARTUP_TIMEOUT_S, coverage_env, free_ports
+from tests.conftest import REPO, STARTUP_TIMEOUT_S, free_ports
 from tests.fakeupstream import FakeUpstream
+from tests.sluice_child import coverage_env
 
 
 class Stuck:
