@@ -244,12 +244,15 @@ async def test_a_lease_taken_from_memory_is_counted_in_redis_once_it_answers(
     from its lease's next renewal once Redis is back, past the limit if need be; before, it
     went uncounted and the route ran up to twice its limit until such calls ended."""
     local = memory_backends().leases
-    assert (await local.acquire("r", "a", "m1", 1, None, 0.3)).granted
-    lease = Lease(local, "r", "a", "m1", 0.3, shared=backends.leases)
+    # A 1 s lease, renewed every third of it: with 0.3 s, a CI run on a busy machine saw it
+    # lapse (retaken) before its renewal moved it.
+    assert (await local.acquire("r", "a", "m1", 1, None, 1.0)).granted
+    lease = Lease(local, "r", "a", "m1", 1.0, shared=backends.leases)
     # Meanwhile another replica took the route's one slot in Redis.
     assert (await backends.leases.acquire("r", "b", "other", 1, None, 60)).granted
-    # One renewal (every 0.1 s) moves it there, over the limit of 1 (draining): waited for,
-    # not a fixed 0.15 s, which left a busy machine 50 ms (before the fix: (1, 0) for good).
+    # One renewal (every third of a second) moves it there, over the limit of 1 (draining):
+    # waited for, not a fixed time, which left a busy machine 50 ms (before the fix: (1, 0)
+    # for good).
     deadline = time.monotonic() + 5
     while (counted := await backends.leases.counts("r", "a")) != (2, 1):
         assert time.monotonic() < deadline, counted
