@@ -429,9 +429,9 @@ async def test_python_2x_clients_timed_out_in_the_queue_get_their_timeout_error(
             return [leaf for each in error.exceptions for leaf in leaves(each)]
         return [error]
 
-    async def one(seconds: float) -> str:
+    async def one(seconds: float, timeout: float = 0.6) -> str:
         try:
-            async with Client(url, mode="legacy", read_timeout_seconds=0.6) as client:
+            async with Client(url, mode="legacy", read_timeout_seconds=timeout) as client:
                 await client.call_tool("slow", {"seconds": seconds})
         except BaseException as error:  # what escaped the client is the bug
             found = leaves(error)
@@ -440,8 +440,16 @@ async def test_python_2x_clients_timed_out_in_the_queue_get_their_timeout_error(
             return ", ".join(repr(e) for e in found)
         return "answered"
 
-    # One holds the slot and four queue (a sixth would be refused queue_full).
-    outcomes = await asyncio.gather(*(one(1.5 + i / 1000) for i in range(5)))
+    # One holds the slot and four queue (a sixth would be refused queue_full). The holder
+    # times out (1.2 s) after the queued four have (0.6 s), so their cancels find them still
+    # queued: with one timeout for all, the holder's cancel freed the slot just as the first
+    # queued call's own cancel came, and on a busy machine that call was handed the slot and
+    # sent first (one clean-clone CI run of three, and a new user's suite).
+    holder = asyncio.create_task(one(1.5, timeout=1.2))
+    await wait_until(lambda: any(e["event"] == "admitted" and e.get("operation") == "slow"
+                                 for e in sluice.events()), what="the holder's call admitted")
+    queued = [asyncio.create_task(one(1.5 + i / 1000)) for i in range(1, 5)]
+    outcomes = [await holder, *await asyncio.gather(*queued)]
     assert outcomes == ["timed out"] * 5
     [*_, last] = await events_of(sluice, "cancel_applied", 1)
     assert last["status"] == 202
