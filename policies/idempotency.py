@@ -303,9 +303,10 @@ class Capture:
             self.tracker.feed(chunk)
 
     def not_an_outcome(self) -> None:
-        """The answer turned out to be no outcome, as a 429 is none (a stream the upstream
-        ended with a rate-limit or quota error event after HTTP 200): nothing is kept for
-        the key, which is free for a retry once the limit has passed."""
+        """The answer turned out to be no outcome to replay: as a 429 is none (a stream the
+        upstream ended with a rate-limit or quota error event after HTTP 200), or a stream
+        it ended cleanly before its last event (maybe a part of the answer). Nothing is
+        kept for the key, which is free for a retry."""
         self.storable = False
         self.chunks = []
 

@@ -556,7 +556,10 @@ class Meter:
     Attributes:
         status: the upstream's status, 0 until headers arrive.
         complete: the whole answer went through (a clean end, not a cut).
-        done: an OpenAI stream's last event, ``data: [DONE]``, has been read.
+        done: a stream's last event, as its API defines it, has been read: ``data: [DONE]``
+            (Chat Completions, Completions), ``message_stop`` (Messages), or
+            ``response.completed``, ``response.incomplete`` or ``response.failed``
+            (Responses).
         failed: a stream's event reported an error (the upstream gave up mid-answer).
         stream_error: whose fault the first such event says it is (:func:`stream_error_side`:
             :data:`SERVER`, :data:`CLIENT`, :data:`QUOTA`), ``None`` when there was none.
@@ -611,6 +614,13 @@ class Meter:
     #: An input count was reported (a later event may bring only the output count).
     _input_seen = False
     streamed_tokens = 0
+
+    @property
+    def cut_short(self) -> bool:
+        """A stream that ended before its last event (:attr:`done`) and without an error
+        event: its upstream closed it cleanly mid-answer, so what the caller got may be a
+        part of the answer (the SDKs read such an end as the answer's, and raise nothing)."""
+        return self._mode == _SSE and not (self.done or self.failed)
 
     @property
     def final(self) -> bool:
@@ -897,34 +907,43 @@ class Meter:
             if line < 0:
                 return False  # a comment, or an event without data
             first = line + 6
+        # The event's name is looked for in its head (its ``event:`` line, or the start of
+        # its data), in ``buf``; its data is read from ``data``.
+        data, last = buf, end
         if buf.find(b"\n", first, end) >= 0:  # several data lines: join them (WHATWG SSE)
             lines = [x[5:] for x in buf[start:end].split(b"\n") if x.startswith(b"data:")]
-            payload = b"\n".join(lines)
-            buf, first, end = payload, 0, len(payload)
-        if buf.find(b"{", first, first + 4) < 0:
-            if buf.startswith(b" [DONE]", first) or buf.startswith(b"[DONE]", first):
+            data = b"\n".join(lines)
+            first, last = 0, len(data)
+        if data.find(b"{", first, first + 4) < 0:
+            if data.startswith(b" [DONE]", first) or data.startswith(b"[DONE]", first):
                 self.done = True  # as the SDK reads it: data, less one leading space
             elif self._kind is MESSAGES and _named_error(buf, start, end):
                 self._failed(None)  # the anthropic SDK raises on it, whatever its data
             return False  # [DONE], or not JSON
-        at = buf.find(b'"usage"', first, end)
-        if at >= 0 and buf.find(b"{", at + 7, at + 11) >= 0:
-            return self._parse(buf[first:end], True)
+        at = data.find(b'"usage"', first, last)
+        if at >= 0 and data.find(b"{", at + 7, at + 11) >= 0:
+            return self._parse(data[first:last], True)
         if self._kind is MESSAGES:
             if buf.find(b"content_block_delta", start, start + 64) < 0:
-                if buf.find(b"error", start, start + 64) >= 0:
-                    self._error_event(buf[first:end], _named_error(buf, start, end))
+                if buf.find(b"message_stop", start, start + 64) >= 0:
+                    self.done = True
+                elif buf.find(b"error", start, start + 64) >= 0:
+                    self._error_event(data[first:last], _named_error(buf, start, end))
                 return False
         elif self._kind is RESPONSES:
             if buf.find(b".delta", start, start + 64) < 0:
                 if (buf.find(b"error", start, start + 64) >= 0
                         or buf.find(b"response.failed", start, start + 64) >= 0):
-                    self._error_event(buf[first:end])
+                    self._error_event(data[first:last])
+                elif (buf.find(b"response.completed", start, start + 64) >= 0
+                      or buf.find(b"response.incomplete", start, start + 64) >= 0):
+                    self.done = True  # its usage, when there is one, is read above
                 return False
-        elif buf.find(b'"error"', first, first + 10) >= 0 and self._error_event(buf[first:end]):
+        elif (data.find(b'"error"', first, first + 10) >= 0
+              and self._error_event(data[first:last])):
             return False  # OpenAI's {"error": ...} chunk
         if self._sampled < SAMPLE_EVENTS:
-            self._parse(buf[first:end], False)
+            self._parse(data[first:last], False)
         else:
             self.streamed_tokens += self._per_event
         return False
@@ -985,12 +1004,15 @@ class Meter:
                 self.final = self._take(u) or self.final
             elif kind == "error":  # one carrying usage is parsed here, not by _error_event
                 self._failed(obj)
+            elif kind == "message_stop":
+                self.done = True
         elif self._kind is RESPONSES:
             kind = obj.get("type")
             if isinstance(kind, str):
                 if kind.endswith(".delta"):
                     text = _text_bytes(obj.get("delta"))
                 elif kind in _FINAL_RESPONSE_EVENTS:
+                    self.done = True
                     response = obj.get("response")
                     if isinstance(response, dict) and isinstance(
                         u := response.get("usage"), dict

@@ -26,8 +26,9 @@ answer rather than a clean end (aiohttp's ``ClientPayloadError`` on the other si
 The one hook for the idempotency store: an optional ``capture`` sees the status line, the
 headers and every body chunk as it is relayed, so a stored answer is exactly what the first
 caller received, without a second forwarding path. A stream the upstream ends with a
-rate-limit error event is no outcome, as a 429 is none: the capture is told so
-(:meth:`~policies.idempotency.Capture.not_an_outcome`).
+rate-limit error event is no outcome, as a 429 is none, and one it ends cleanly before its
+last event (:attr:`~policies.usage.Meter.cut_short`) may be a part of the answer: the capture
+is told so (:meth:`~policies.idempotency.Capture.not_an_outcome`), and keeps nothing.
 """
 
 from __future__ import annotations
@@ -704,6 +705,10 @@ async def relay(
                         _sent(request, call)
             if meter.stream_error is not None:  # a call, not an attribute test, only then
                 outcome = judged_stream(meter, capture, outcome)
+            elif capture is not None and meter.cut_short:
+                # Ended cleanly before its last event: maybe a part of the answer, so none
+                # is kept to be replayed for the key, which a retry may take.
+                capture.not_an_outcome()
         # An MCP call's stream that ended without the call's response (its session deleted
         # while the tool ran) ends with the call's error as its last event: passed on as it
         # came, the Python mcp 1.x client waited for ever (a hostile trial). Not one whose

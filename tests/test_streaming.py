@@ -15,6 +15,7 @@ import struct
 import aiohttp
 import anthropic
 import openai
+import pytest
 from aiohttp import web
 
 from tests.conftest import route, serve_app, wait_until
@@ -194,6 +195,73 @@ async def test_a_close_delimited_stream_the_upstream_resets_is_cut_not_stored(st
                          what="both completed events")
         done = [e for e in sluice.events() if e["event"] == "completed"]
         assert {(e["outcome"], e["usage"]) for e in done} == {("upstream_error", "estimated")}
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+_CHAT_EVENT = (b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"m",'
+               b'"choices":[{"index":0,"delta":{"content":"hello"}}]}\n\n')
+_MESSAGES_EVENT = (b'event: content_block_delta\ndata: {"type":"content_block_delta","index":0,'
+                   b'"delta":{"type":"text_delta","text":"hello"}}\n\n')
+_RESPONSES_EVENT = (b'event: response.output_text.delta\ndata: {"type":'
+                    b'"response.output_text.delta","delta":"hello"}\n\n')
+#: (protocol, path, a content event, the stream's last event as its API defines it)
+_STREAM_ENDS = {
+    "chat": ("openai", "/v1/chat/completions", _CHAT_EVENT, b"data: [DONE]\n\n"),
+    "messages": ("anthropic", "/v1/messages", _MESSAGES_EVENT,
+                 b'event: message_stop\ndata: {"type":"message_stop"}\n\n'),
+    "responses": ("openai", "/v1/responses", _RESPONSES_EVENT,
+                  b'event: response.completed\ndata: {"type":"response.completed","response":'
+                  b'{"id":"r","status":"completed","usage":null}}\n\n'),
+}
+
+
+@pytest.mark.parametrize("ended", [True, False], ids=["with_last_event", "without"])
+@pytest.mark.parametrize("api", sorted(_STREAM_ENDS))
+async def test_a_stream_ended_cleanly_before_its_last_event_is_not_replayed(
+        start_sluice, api, ended):
+    """A stream an upstream ends cleanly (its chunked framing's last chunk) before the
+    API's last event (a proxy in front of it giving up mid-answer) reaches the caller as
+    an end the SDKs raise nothing on; it was kept for its idempotency key, and every retry
+    with the key got the part replayed for the key's ttl. Now only a stream that reached
+    its last event is kept: without it the retry goes upstream."""
+    protocol, path, event, last = _STREAM_ENDS[api]
+    body = event * 3 + (last if ended else b"")
+    seen = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+            except asyncio.IncompleteReadError:
+                break
+            length = next(int(line.partition(b":")[2]) for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"content-length:"))
+            await reader.readexactly(length)
+            seen.append(head)
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                         b"Transfer-Encoding: chunked\r\n\r\n"
+                         + b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body))
+            await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        sluice = await start_sluice({"routes": [route(
+            "llm", f"http://127.0.0.1:{port}", protocol, idempotency={"mode": "dedup"})]})
+        payload = {"model": "m", "stream": True, "max_tokens": 100}
+        payload["input" if api == "responses" else "messages"] = MESSAGES
+        headers = {"Idempotency-Key": f"clean-end-{api}-{ended}"}
+        replayed = []
+        async with aiohttp.ClientSession() as session:
+            for _ in range(2):
+                async with session.post(sluice.url + "/llm" + path, json=payload,
+                                        headers=headers) as r:
+                    assert (r.status, await r.read()) == (200, body)
+                    replayed.append(r.headers.get("Idempotent-Replayed"))
+        assert (len(seen), replayed) == ((1, [None, "true"]) if ended else (2, [None, None]))
     finally:
         server.close()
         await server.wait_closed()

@@ -187,6 +187,51 @@ def test_done_is_seen_once_the_done_event_has_passed_at_any_split(crlf, strip):
     assert not content.done
 
 
+@pytest.mark.parametrize("usage", [None, {"input_tokens": 9, "output_tokens": 4}])
+@pytest.mark.parametrize("kind", ["messages", "responses"])
+def test_done_is_each_apis_last_event_at_any_split(kind, usage):
+    """``Meter.done`` is the Messages API's ``message_stop``, the Responses API's
+    ``response.completed`` (with usage or not), at the chunk that ends it; before it the
+    stream is :attr:`~policies.usage.Meter.cut_short` if it ends there."""
+    if kind == "messages":
+        names = ["message_start", "content_block_delta", "message_stop"]
+        stream = sse({"type": "message_start", "message": {"usage": usage}},
+                     {"type": "content_block_delta", "delta": {"type": "text_delta",
+                                                               "text": "hi"}},
+                     {"type": "message_stop"}, event_names=names)
+        endpoint = MESSAGES
+    else:
+        names = ["response.created", "response.output_text.delta", "response.completed"]
+        stream = sse({"type": "response.created", "response": {"usage": None}},
+                     {"type": "response.output_text.delta", "delta": "hi"},
+                     {"type": "response.completed", "response": {"usage": usage}},
+                     event_names=names)
+        endpoint = RESPONSES
+    for cuts in splits(stream):
+        meter = Meter(endpoint, anthropic=kind == "messages", strip_usage=False)
+        started(meter)
+        last = 0
+        for cut in [*cuts, len(stream)]:
+            meter.chunk(stream[last:cut])
+            last = cut
+            assert meter.done is (cut == len(stream)), (cuts, cut)
+            assert meter.cut_short is (cut != len(stream))
+
+
+def test_an_event_of_several_data_lines_is_read_after_other_events():
+    """An event whose data spans several ``data:`` lines (joined, as WHATWG SSE says) was
+    read with its offset in the chunk applied to the joined data: after another event in
+    the same chunk, an Anthropic text delta counted nothing and a last event was missed."""
+    delta = (b'event: content_block_delta\ndata: {"type": "content_block_delta",\n'
+             b'data: "delta": {"type": "text_delta", "text": "' + b"x" * 40 + b'"}}\n\n')
+    stop = b'event: message_stop\ndata: {"type":\ndata: "message_stop"}\n\n'
+    meter = Meter(MESSAGES, anthropic=True, strip_usage=False)
+    started(meter)
+    meter.chunk(sse({"type": "ping"}, event_names=["ping"]) + delta + stop)
+    assert meter.streamed_tokens == -(-40 // BYTES_PER_TOKEN)
+    assert meter.done
+
+
 @pytest.mark.parametrize("crlf", [False, True])
 def test_strip_removes_only_the_usage_chunk_at_any_split(crlf):
     stream = sse(chat_chunk("Hello"), chat_chunk(" wor"), USAGE_CHUNK, "[DONE]", crlf=crlf)
