@@ -83,13 +83,15 @@ memory store instead (keys are then deduplicated per replica), and ``reject`` an
 would have lapsed (only while the marker is still its request's or no one's), then left: the
 key is free again within ``state.lease``.
 
-**MCP tool calls** (``mcp`` routes; issue 11): the payload fingerprint of a call is
-:func:`policies.mcp.fingerprint` (method, tool, arguments and the ``derive_from`` headers;
-never the JSON-RPC ``id``, which differs on every call, so ``derive_from`` keys no longer get
-422), and a call that names no key and no ``derive_from`` headers gets one derived from that
-fingerprint (``"sluice-t-<32 hex>"``, with the tenant, the route and a digest of the
-caller's credentials): the same tool with the same arguments from the same caller is one call,
-so a client's retry replays the first answer instead of running the tool again; another
+**MCP tool calls** (``mcp`` routes; issue 11): the payload fingerprint of an MCP request is
+:func:`policies.mcp.fingerprint` (method, params but ``_meta``, and the ``derive_from``
+headers; never the JSON-RPC ``id``, which differs on every call, so ``derive_from`` keys no
+longer get 422), and a ``tools/call`` that names no key and no ``derive_from`` headers gets
+one derived from that fingerprint (``"sluice-t-<32 hex>"``, with the tenant, the route and a
+digest of the caller's credentials): the same tool with the same arguments from the same
+caller is one call, so a client's retry replays the first answer instead of running the tool
+again. Other methods get a fresh key: a resource read or a task's poll asked again must reach
+the server again. Another
 caller's identical call (other credentials) is not answered with it. A ``derive_from`` key
 includes the credentials too. An answer is stored once it holds the response to the call,
 whatever happened after (the MCP SDKs close the connection right after the result event), with
@@ -548,11 +550,15 @@ class Idempotency:
         fingerprint = call_key = None
         if message is not None:
             try:
-                call_key = bytes.fromhex(mcp.fingerprint(message, call.headers,
-                                                         self.derive_from, call.body))
+                payload = bytes.fromhex(mcp.fingerprint(message, call.headers,
+                                                        self.derive_from, call.body))
             except mcp.InvalidMcpRequest as bad:
                 raise Rejected(Reason.BAD_REQUEST, None, bad.detail) from None
-            fingerprint = _of_generation(call_key, call.headers.get(mcp.VERSION_HEADER))
+            fingerprint = _of_generation(payload, call.headers.get(mcp.VERSION_HEADER))
+            # Only a tool call is one unit of work by its payload: a resource read, a
+            # task's poll or a log level asked twice must reach the server twice.
+            if message.method == "tools/call":
+                call_key = payload
         claim = await self.claim(call.method, call.path, call.headers, call.tenant, call.body,
                                  wait_s=wait_s, fingerprint=fingerprint, call_key=call_key,
                                  mcp_id=message.id if message is not None else None)
@@ -578,8 +584,8 @@ class Idempotency:
 
     def _for_request(self, claim: Claim) -> Record:
         """The stored answer to replay to ``claim``'s request: an MCP answer's response gets
-        the request's own id, and its server's requests to the first call's client are left
-        out (:func:`policies.mcp.without_server_requests`).
+        the request's own id, and its server's requests to the first call's client and its
+        progress are left out (:func:`policies.mcp.for_replay`).
 
         Raises:
             Rejected: ``idempotency_conflict`` when the stored answer holds no response to
@@ -597,8 +603,8 @@ class Idempotency:
                            "the stored answer for this call holds no response", retry=False
                            ) from None
         # Not the first call's requests to its client (an elicitation, a sampling call):
-        # asked again of this one, for a tool that does not run again.
-        body = mcp.without_server_requests(body, content_type)
+        # asked again of this one, for a tool that does not run again; nor its progress.
+        body = mcp.for_replay(body, content_type)
         return Record(DONE, record.fingerprint, record.status, record.reason, record.headers,
                       body)
 
@@ -617,8 +623,8 @@ class Idempotency:
         seconds (default ``max_wait``). An MCP call passes its ``fingerprint`` (32 bytes,
         :func:`policies.mcp.fingerprint`, with the client's protocol generation) and
         JSON-RPC id ``mcp_id``: the fingerprint then stands for the payload and, without a
-        caller's or derived key, ``call_key`` (the fingerprint without the generation) makes
-        the key.
+        caller's or derived key, a tool call's ``call_key`` (the fingerprint without the
+        generation; ``None`` for other methods, which then get a fresh key) makes the key.
         Never raises for the request's own faults: they come back as :attr:`Claim.rejected`
         (400, 409 or 422; 503 ``state_unavailable`` when the shared records do not answer and
         ``state.on_unavailable`` is ``reject``).
@@ -639,8 +645,8 @@ class Idempotency:
             claim = Claim(key, mcp_id)
         else:
             key = self._derive(headers, tenant)
-            if key is None and fingerprint is not None:
-                key = self._call_key(tenant, call_key or fingerprint, headers)
+            if key is None and call_key is not None:
+                key = self._call_key(tenant, call_key, headers)
             if key is None:
                 # A fresh key: unknown to anyone else, so there is nothing to look up.
                 claim = Claim(fresh_key())

@@ -8,11 +8,13 @@ protocol. The words "request", "notification" and "response" are JSON-RPC 2.0's.
   queued), ``stream`` (long-lived: no slot, no total timeout) and ``call`` (policies apply).
 * :func:`check_headers`: the ``Mcp-Method`` / ``Mcp-Name`` / ``MCP-Protocol-Version`` headers
   of protocol 2026-07-28 must agree with the body (:class:`HeaderMismatch`, a 400).
-* :func:`fingerprint`: the idempotency fingerprint of a call: method, tool, arguments, MRTR
-  continuation and chosen headers; never the JSON-RPC ``id``, which differs on every call.
+* :func:`fingerprint`: the idempotency fingerprint of a request: method, params (tool,
+  arguments, MRTR continuation...) and chosen headers; never the JSON-RPC ``id`` nor
+  ``_meta``, which differ on every call.
 * :func:`rewrite_id`: a stored answer (JSON or SSE) given the id of the request it replays to.
-* :func:`without_server_requests`: a stored SSE answer without the server's requests to the
-  first call's client (an elicitation, a sampling call), as a replay gives it.
+* :func:`for_replay`: a stored SSE answer without the server's requests to the
+  first call's client (an elicitation, a sampling call) and its progress, as a replay gives
+  it.
 * :class:`AnswerTracker` / :func:`answer_outcome`: whether an answer, as it streams, holds the
   response to the request yet, and whether that response is a tool failure.
 * :func:`refusal`: the JSON-RPC error body Sluice answers a refused call with (docs/mcp.md);
@@ -434,15 +436,22 @@ def check_headers(post: McpPost, headers: Mapping[str, str], *, require: bool = 
 # -- idempotency fingerprint --------------------------------------------------------------------
 
 
+#: The params :func:`fingerprint` has counted by name since before it counted them all.
+_COUNTED_PARAMS = frozenset({"_meta", "inputResponses", "requestState"})
+
+
 def fingerprint(message: Message, headers: Mapping[str, str] | None = None,
                 names: Iterable[str] = (), body: bytes | None = None) -> str:
     """The idempotency fingerprint of a request: 64 hex digits of SHA-256.
 
-    Covers the method, :attr:`Message.target` (the tool name for ``tools/call``),
-    ``params.arguments`` as canonical JSON (keys sorted at every depth, so key order does not
-    matter; ``1`` and ``1.0`` stay different), the MRTR continuation ``params.inputResponses``
-    and ``params.requestState`` (2026-07-28: the retry of a call that got an
-    ``InputRequiredResult`` has the same arguments and must not replay that result), and the
+    Covers the method, every member of ``params`` but ``_meta``, as canonical JSON (keys
+    sorted at every depth, so key order does not matter; ``1`` and ``1.0`` stay different):
+    for a ``tools/call`` the tool's ``name`` and ``arguments``, a task it asks to be run as
+    (``task``: its answer is a task, not the tool's result), the MRTR continuation
+    ``inputResponses`` and ``requestState`` (2026-07-28: the retry of a call that got an
+    ``InputRequiredResult`` has the same arguments and must not replay that result); for
+    another method its own (a ``resources/read``'s ``uri``, a ``tasks/get``'s ``taskId``: only
+    the method and a name once counted, and two tasks' polls shared an answer). And the
     values of the headers ``names`` (case-insensitive; several values joined by ``", "``; an
     absent header differs from an empty one). Never the JSON-RPC ``id`` nor ``params._meta``
     (a progress token, client info): both change from one identical call to the next.
@@ -473,6 +482,15 @@ def fingerprint(message: Message, headers: Mapping[str, str] | None = None,
         params.get("inputResponses"), params.get("requestState"),
         [[n, _header(headers, n) if headers is not None else None] for n in chosen],
     ]
+    # The other params, only when there are any: a fingerprint made before they counted
+    # stays the same, so an answer stored then still replays.
+    counted = None if message.target is None else (
+        "uri" if message.method == "resources/read" else "name")
+    rest = {k: v for k, v in params.items()
+            if k not in _COUNTED_PARAMS and k != counted
+            and not (k == "arguments" and isinstance(v, Mapping))}
+    if rest:
+        material.append(rest)
     try:
         canonical = orjson.dumps(material, option=orjson.OPT_SORT_KEYS)
     except orjson.JSONEncodeError:  # it reads 1,024 levels of nesting but writes 254
@@ -804,16 +822,18 @@ def _rewrite_sse(answer: bytes, old_id: RequestId, new_id: RequestId) -> bytes:
     raise UnusableAnswer(f"the stored stream holds no response to id {old_id!r}")
 
 
-def without_server_requests(answer: bytes, content_type: str | None) -> bytes:
+def for_replay(answer: bytes, content_type: str | None) -> bytes:
     """A stored answer as a replay gives it: an SSE answer without the events that carry a
     request of the server's to its client (``elicitation/create``, ``sampling/createMessage``,
-    ``roots/list``: a message with a ``method`` and an ``id``), each with all its lines
-    (fields and comments); every other byte as it was.
+    ``roots/list``: a message with a ``method`` and an ``id``) or a ``notifications/progress``,
+    each with all its lines (fields and comments); every other byte as it was.
 
-    Such a request was the first call's: replayed, the retrying client asked its user again
-    (or ran an LLM completion again) for a tool that does not run again, and sent its reply
-    to a server that no longer waited for it. A JSON answer holds no server request and is
-    returned as it is, as is an SSE answer that holds none.
+    Both were the first call's: replayed, the retrying client asked its user again (or ran an
+    LLM completion again) for a tool that does not run again, and sent its reply to a server
+    that no longer waited for it; and a progress notification names the first call's
+    ``progressToken``, which the official clients make of the request's id, so in the
+    retrying session it reached another call in flight there (a hostile trial). A JSON
+    answer holds neither and is returned as it is, as is an SSE answer that holds none.
     """
     if not is_sse(content_type):
         return answer
@@ -831,7 +851,8 @@ def without_server_requests(answer: bytes, content_type: str | None) -> bytes:
             continue
         # A blank line ends the event (or is a stray one between events: kept).
         doc = _loads_or_none(b"\n".join(data)) if data else None
-        if isinstance(doc, dict) and "method" in doc and "id" in doc:
+        if isinstance(doc, dict) and "method" in doc and (
+                "id" in doc or doc["method"] == "notifications/progress"):
             dropped = True
         else:
             kept.extend(event)

@@ -386,7 +386,9 @@ async def test_mcp_call_key_fingerprint_and_replay_under_the_new_id() -> None:
     assert claim is not None and first.idempotency_key.startswith("sluice-t-")
     first.capture.begin(200, "OK", CIMultiDict({"Content-Type": "text/event-stream"}))
     first.capture.feed(b'event: message\ndata: {"jsonrpc":"2.0","method":"notifications/'
-                       b'progress","params":{"progress":1}}\n\n')
+                       b'progress","params":{"progressToken":1,"progress":1}}\n\n')
+    first.capture.feed(b'event: message\ndata: {"jsonrpc":"2.0","method":"notifications/'
+                       b'message","params":{"level":"info","data":"sending"}}\n\n')
     first.capture.feed(b'event: message\ndata: {"jsonrpc":"2.0","id":1,"result":{"content":'
                        b'[{"type":"text","text":"sent #1"}]}}\n\nevent: message\ndata: {"jso')
     claim.release(Outcome("client_disconnected", reached=True, status=200))
@@ -397,7 +399,8 @@ async def test_mcp_call_key_fingerprint_and_replay_under_the_new_id() -> None:
     body = replay.value.record.body
     assert b'"id":"second"' in body and b'"id":1' not in body
     assert body.endswith(b'"sent #1"}]}}\n\n')  # cut after the response's event
-    assert b"notifications/progress" in body  # what came before the response stays
+    assert b"notifications/message" in body  # what came before the response stays,
+    assert b"notifications/progress" not in body  # but the first call's progress
     assert again.idempotency_key == first.idempotency_key
     other = call(3, "b")  # other arguments: another call
     assert await policy.admit(other) is not None

@@ -315,6 +315,34 @@ def test_the_fingerprint_covers_what_makes_another_call(other: bytes) -> None:
     assert fp(call("send", 1, to="a")) != fp(other)
 
 
+@pytest.mark.parametrize("first, other", [
+    (rpc("tools/call", 1, name="send", arguments={"to": "a"}),
+     rpc("tools/call", 1, name="send", arguments={"to": "a"}, task={"ttl": 60000})),
+    (rpc("tasks/get", 1, taskId="t-1"), rpc("tasks/get", 1, taskId="t-2")),
+    (rpc("logging/setLevel", 1, level="debug"), rpc("logging/setLevel", 1, level="error")),
+    (rpc("completion/complete", 1, ref={"type": "ref/prompt", "name": "p"},
+         argument={"name": "a", "value": "x"}),
+     rpc("completion/complete", 1, ref={"type": "ref/prompt", "name": "p"},
+         argument={"name": "a", "value": "y"})),
+    (rpc("resources/read", 1, uri="file:///a"), rpc("resources/read", 1, uri="file:///b")),
+])
+def test_the_fingerprint_covers_every_param_but_meta(first: bytes, other: bytes) -> None:
+    """A hostile trial (2026-12-06): only the method, a name and the MRTR members counted, so
+    two tasks' polls, or a call and the same call asked for as a task, shared one."""
+    assert fp(first) != fp(other)
+
+
+def test_a_fingerprint_made_before_every_param_counted_is_unchanged() -> None:
+    """Answers stored under an earlier release's fingerprint still replay: a request with
+    no params besides those that counted then keeps its fingerprint (values computed with
+    the release before 2026-12-06)."""
+    assert fp(rpc("tools/call", 9, name="send", arguments={"to": "a"},
+                  _meta={"progressToken": 1})) == (
+        "73d718337e8368c22083a1efb578882ca7f6eba5e9634dc19afdf5c9235ef540")
+    assert fp(rpc("resources/read", 9, uri="file:///x")) == (
+        "55597ac0ac0ec3bbc0fc56b972dda0516dcf0e992bc445eb04d2c8b0eec5dbcb")
+
+
 def test_chosen_headers_count_and_others_do_not() -> None:
     body = call("send", 1, to="a")
     base = fp(body, {"X-Run-ID": "r1", "X-Noise": "1"}, ("x-run-id",))

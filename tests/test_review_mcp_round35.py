@@ -243,18 +243,23 @@ async def test_a_replay_does_not_ask_the_client_again_what_the_first_call_asked(
     assert asked == ["send to ops?"]
 
 
-def test_a_replayed_sse_answer_keeps_everything_but_the_servers_requests() -> None:
-    from policies.mcp import without_server_requests
+def test_a_replayed_sse_answer_keeps_everything_but_the_servers_requests_and_progress() -> None:
+    """And not the first call's progress (a hostile trial, 2026-12-06): its token is the
+    first call's request id, which in the retrying session named another call in flight."""
+    from policies.mcp import for_replay
 
     request = (b'id: 1\r\nevent: message\r\ndata: {"jsonrpc":"2.0","id":0,'
                b'"method":"sampling/createMessage","params":{}}\r\n\r\n')
-    rest = (b'event: message\ndata: {"jsonrpc":"2.0","method":"notifications/progress",'
+    progress = (b'event: message\ndata: {"jsonrpc":"2.0","method":"notifications/progress",'
+                b'"params":{"progressToken":1,"progress":1}}\n\n')
+    rest = (b'event: message\ndata: {"jsonrpc":"2.0","method":"notifications/message",'
             b'"params":{}}\n\n: keep-alive\n\nid: 2\ndata: {"jsonrpc":"2.0",\n'
             b'data: "id":5,"result":{}}\n\n')
-    assert without_server_requests(request + rest, "text/event-stream") == rest
-    assert without_server_requests(rest, "text/event-stream") is rest
+    assert for_replay(request + progress + rest, "text/event-stream") == rest
+    assert for_replay(progress + rest, "text/event-stream") == rest
+    assert for_replay(rest, "text/event-stream") is rest
     as_json = b'{"jsonrpc":"2.0","id":5,"result":{}}'
-    assert without_server_requests(as_json, "application/json") is as_json
+    assert for_replay(as_json, "application/json") is as_json
 
 
 async def test_an_idle_session_stream_cut_at_timeouts_idle_is_no_upstream_timeout(

@@ -1,0 +1,73 @@
+"""Which MCP requests a ``dedup`` route keys by their payload (a hostile trial, 2026-12-06):
+only ``tools/call``. Every request with an id was keyed, and by its method and name alone, so
+a resource's first content was replayed for the key's ttl, a task's poll never saw the task
+end, and another task's poll got the first task's status."""
+
+from __future__ import annotations
+
+import aiohttp
+from aiohttp import web
+
+from tests.conftest import route, serve_app
+
+HEADERS = {"Accept": "application/json, text/event-stream", "Authorization": "Bearer k"}
+
+
+async def _rpc(session: aiohttp.ClientSession, url: str, rpc_id: int, method: str,
+               params: dict) -> tuple[dict, str | None]:
+    async with session.post(url, headers=HEADERS, json={
+            "jsonrpc": "2.0", "id": rpc_id, "method": method, "params": params}) as r:
+        assert r.status == 200, await r.text()
+        return await r.json(), r.headers.get("Idempotent-Replayed")
+
+
+async def test_only_a_tool_call_is_keyed_by_its_payload(start_sluice):
+    seen: list[tuple[str, dict]] = []
+
+    async def handle(request: web.Request) -> web.Response:
+        doc = await request.json()
+        params = doc.get("params", {})
+        seen.append((doc["method"], params))
+        n = len(seen)
+        if doc["method"] == "tasks/get":  # a task that ends after its first poll
+            first_poll = [m for m, _ in seen].count("tasks/get") == 1
+            result = {"taskId": params["taskId"], "status": "working" if first_poll
+                      else "completed"}
+        elif doc["method"] == "tools/call" and "task" in params:
+            result = {"task": {"taskId": f"task-{n}", "status": "working"}}
+        else:
+            result = {"read": n}
+        return web.json_response({"jsonrpc": "2.0", "id": doc["id"], "result": result})
+
+    app = web.Application()
+    app.router.add_post("/mcp", handle)
+    runner, port = await serve_app(app)
+    try:
+        sluice = await start_sluice({"routes": [route(
+            "tools", f"http://127.0.0.1:{port}", "mcp", idempotency={"mode": "dedup"})]})
+        url = sluice.url + "/tools/mcp"
+        async with aiohttp.ClientSession() as session:
+            reads = [await _rpc(session, url, i, "resources/read", {"uri": "counter://x"})
+                     for i in range(1, 3)]
+            assert [(doc["id"], doc["result"], replayed) for doc, replayed in reads] == [
+                (1, {"read": 1}, None), (2, {"read": 2}, None)]
+            polls = [await _rpc(session, url, i, "tasks/get", {"taskId": task})
+                     for i, task in ((3, "t-1"), (4, "t-1"), (5, "t-2"))]
+            assert [doc["result"] for doc, _ in polls] == [
+                {"taskId": "t-1", "status": "working"}, {"taskId": "t-1", "status": "completed"},
+                {"taskId": "t-2", "status": "completed"}]
+            # A tool call is still one call by its payload, and asking for it as a task
+            # is another call (its answer is a task, not the tool's result).
+            plain = {"name": "send", "arguments": {"to": "a"}}
+            first, _ = await _rpc(session, url, 6, "tools/call", plain)
+            again, replayed = await _rpc(session, url, 7, "tools/call",
+                                         {**plain, "_meta": {"progressToken": 7}})
+            assert (again["id"], again["result"], replayed) == (7, first["result"], "true")
+            as_task, replayed = await _rpc(session, url, 8, "tools/call",
+                                           {**plain, "task": {"ttl": 60000}})
+            assert (as_task["result"], replayed) == ({"task": {"taskId": "task-7",
+                                                               "status": "working"}}, None)
+        assert [method for method, _ in seen] == ["resources/read"] * 2 + ["tasks/get"] * 3 + [
+            "tools/call"] * 2
+    finally:
+        await runner.cleanup()
