@@ -59,11 +59,14 @@ class Redeliveries(Generic[E]):
         health.on_change(kick_when_up)
 
     def adopt(self, old: Redeliveries[E]) -> None:
-        """Take ``old``'s entries (a reload replaced its owner), and share this queue with
-        it from now on: one its round has in flight, should the send fail, comes back here
-        rather than to a queue nobody kicks any more."""
-        self._pending.extend(old._pending)
-        old._pending = self._pending
+        """Take ``old``'s entries (a reload replaced its owner) by sharing its queue from
+        now on, with every generation before it that shares it: what a call admitted under
+        any of them keeps, and an entry a round has in flight whose send fails, comes back
+        to the one queue the newest owner kicks. (Each owner once took its predecessor's
+        entries into a queue of its own and re-pointed only that predecessor: a call
+        admitted two reloads earlier kept its spend in a queue nobody read, lost.)"""
+        old._pending.extend(self._pending)
+        self._pending = old._pending
         self.kick()
 
     async def send(self, entry: E) -> None:
@@ -91,7 +94,7 @@ class Redeliveries(Generic[E]):
             self._task = self._background.start(self._round(), self._round_name())
 
     async def _round(self) -> None:
-        pending = self._pending
+        pending = self._pending  # shared by every generation (adopt): never replaced
         sent = 0
         while pending:
             # Taken off first: ``keep`` may drop the oldest while this send waits.
