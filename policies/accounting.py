@@ -412,10 +412,13 @@ class Charge(Meter):
         cost = self.cost
         # On the budgets in force now: a reload since the call's admission may have lowered
         # them, and this hold is a new admission (held on the old limit, a retry passed the
-        # reloaded budget).
+        # reloaded budget). In the call's windows, though, where its every attempt is charged
+        # (:meth:`_used`): held in the window the retry came in, a per-minute budget's
+        # previous minute was passed by what the hold was for (a review).
         budgets = self._acct.budgets.current()
         held = await budgets.reserve(call.tenant, call.run, cost.model, cost.input_tokens,
-                                     cost.output_cap or 0, call.lineage)
+                                     cost.output_cap or 0, call.lineage,
+                                     self.reservation.now)
         if self._retry_holds is None:
             self._retry_holds = []
         self._retry_holds.append((budgets, held))

@@ -203,7 +203,7 @@ class Budgets:
 
     async def reserve(self, tenant: str, run: str | None, model: str | None,
                       input_tokens: int, output_tokens: int,
-                      ancestors: Sequence[str] = ()) -> Reservation:
+                      ancestors: Sequence[str] = (), at: float | None = None) -> Reservation:
         """Hold the worst case of one request on every limit, or refuse it: one call to the
         ledger (one Redis round trip). (A metered call's step, :mod:`policies.accounting`,
         holds it with the call's rate units in one call instead: :meth:`prepare`,
@@ -216,6 +216,9 @@ class Budgets:
         With the shared ledger unavailable, ``on_unavailable: local`` holds on this replica's
         memory ledger with each limit's share (``state.replicas``); ``reject`` refuses.
 
+        ``at`` (epoch seconds, default now) picks the windows held in: a retry's extra hold
+        is taken in its call's windows, where the call's every attempt is charged.
+
         Raises:
             Rejected: ``unpriced_model`` (400) when a usd limit applies and ``model`` has no
                 price; ``exceeds_limit`` (400) when the worst case exceeds a whole limit;
@@ -223,12 +226,13 @@ class Budgets:
                 (503, ``on_unavailable: reject``).
         """
         return await self._hold(
-            self.prepare(tenant, run, model, input_tokens, output_tokens, ancestors))
+            self.prepare(tenant, run, model, input_tokens, output_tokens, ancestors, at))
 
     def prepare(self, tenant: str, run: str | None, model: str | None, input_tokens: int,
-                output_tokens: int, ancestors: Sequence[str] = ()) -> Reservation:
-        """The reservation of one request's worst case on every limit (see :meth:`reserve`),
-        not yet held: its id, claims and the limits they belong to.
+                output_tokens: int, ancestors: Sequence[str] = (),
+                at: float | None = None) -> Reservation:
+        """The reservation of one request's worst case on every limit (see :meth:`reserve`,
+        and its ``at``), not yet held: its id, claims and the limits they belong to.
 
         Raises:
             Rejected: ``unpriced_model`` or ``exceeds_limit`` (400), as :meth:`reserve`.
@@ -237,7 +241,7 @@ class Budgets:
         if price is None and self.needs_price:
             raise Rejected(Reason.UNPRICED_MODEL, None,
                            f"model {model!r} is not in the pricing table")
-        now = self.clock()
+        now = self.clock() if at is None else at
         worst = Usage(input_tokens, output_tokens)
         claims = []
         limits = []
@@ -422,7 +426,9 @@ class Budgets:
         ledger = reservation.source.ledger
         for limit, claim in zip(reservation.limits, reservation.claims, strict=True):
             spent, held = ledger.level(self.group, claim.key)
-            used = (spent + held) / claim.cap
+            # A cap of 0: a local share of a limit spent when Redis last answered (a call
+            # costing 0 still fits it).
+            used = (spent + held) / claim.cap if claim.cap > 0 else 1.0
             if binding is None or used > binding[0]:
                 binding = (used, limit, claim.cap - spent - held)
             if limit.warn_at is not None and used >= limit.warn_at and (
