@@ -844,7 +844,7 @@ class Idempotency:
                 return claim
             try:
                 begin = await self._wait_shared(claim, records, shared_key, owner,
-                                                fingerprint, bound_s)
+                                                fingerprint, bound_s, begin.ttl_s)
             except StateUnavailable as exc:
                 if self._backends is not None and self._backends.fallback.mode == "reject":
                     raise
@@ -992,16 +992,18 @@ class Idempotency:
         return claim
 
     async def _wait_shared(self, claim: Claim, records: IdempotencyRecords, key: str,
-                           owner: str, fingerprint: bytes, bound_s: float) -> Begin:
-        """Wait (bounded) for the key's twin on any replica to finish; a key freed without an
-        answer is claimed by this request."""
+                           owner: str, fingerprint: bytes, bound_s: float,
+                           lapses_in_s: float) -> Begin:
+        """Wait (bounded) for the key's twin on any replica to finish (its marker seen to
+        lapse in ``lapses_in_s``); a key freed without an answer is claimed by this
+        request."""
         loop = asyncio.get_running_loop()
         started = loop.time()
         self.waiting += 1
         self._shared_waiting[key] = self._shared_waiting.get(key, 0) + 1
         try:
             return await wait_for_answer(records, key, owner, fingerprint, self._lease_s,
-                                         bound_s)
+                                         bound_s, lapses_in_s=lapses_in_s)
         except asyncio.CancelledError:
             # Its last look-up may have claimed the key just as the caller left.
             self._drop(records, key, owner, fingerprint)

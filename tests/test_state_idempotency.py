@@ -7,6 +7,7 @@ import asyncio
 import hashlib
 
 from policies.state import StateBackends
+from policies.state.connection import Script
 from policies.state.idempotency import (
     CLAIMED,
     DONE,
@@ -158,3 +159,51 @@ async def test_waiting_ends_at_once_for_another_payload_and_at_the_timeout(
         wait_for_answer(records, KEY, "b", FP, 60, timeout_s=0.3, poll_s=0.1), 30)
     assert late.state == IN_FLIGHT
     assert loop.time() - started >= 0.3
+
+
+_WIPE = Script("return redis.call('DEL', KEYS[1], KEYS[2])")
+
+
+async def _lose_everything(records: object) -> None:
+    """What a Redis restarted empty, or flushed, does to one key: its marker and record gone
+    (in memory, as if)."""
+    if hasattr(records, "_flights"):
+        records._flights.clear()
+        records._records.clear()
+    else:
+        await records._state.eval(_WIPE, records._keys(KEY), [])
+
+
+async def test_a_waiter_does_not_claim_a_marker_lost_before_it_would_lapse(
+        backends: StateBackends):
+    """A hostile trial: after a Redis restart or FLUSHALL, a duplicate already waiting found
+    the key with no marker and claimed it, running the call a second time while the first
+    still ran (10 of 10 keys), before the first's replica took its marker again. A request's
+    end always leaves a record, so a key with neither, before the marker seen would lapse,
+    was lost: the waiter waits on, for the holder's renewal to take it again."""
+    records = backends.idempotency
+    assert (await records.begin(KEY, "a", FP, 60)).state == CLAIMED
+    seen = await records.begin(KEY, "b", FP, 60)
+    assert seen.state == IN_FLIGHT
+    await _lose_everything(records)
+    waiting = asyncio.create_task(wait_for_answer(records, KEY, "b", FP, 60, 30,
+                                                  poll_s=0.05, lapses_in_s=seen.ttl_s))
+    await asyncio.sleep(0.3)
+    assert not waiting.done()  # polled five times: the key was not taken
+    assert (await records.begin(KEY, "a", FP, 60)).state == CLAIMED  # the holder's renewal
+    await asyncio.sleep(0.1)
+    await records.finish(KEY, "a", ANSWER, 3600)
+    done = await asyncio.wait_for(waiting, 5)
+    assert (done.state, done.answer) == (FINISHED, ANSWER)
+    # Once the marker seen would have lapsed, a lost key is free (its holder's replica is
+    # gone too), and a key its holder freed is claimed at once.
+    await records.begin("lost", "a", FP, 0.2)
+    lapsing = await records.begin("lost", "b", FP, 0.2)
+    assert lapsing.state == IN_FLIGHT
+    assert (await wait_for_answer(records, "lost", "b", FP, 60, 5, poll_s=0.05,
+                                  lapses_in_s=lapsing.ttl_s)).state == CLAIMED
+    await records.finish("lost", "b", Answer(SEEN, b""), 60)
+    assert (await records.begin("freed", "a", FP, 60)).state == CLAIMED
+    assert (await records.finish("freed", "a", Answer(SEEN, b""), 60)) is True
+    assert (await wait_for_answer(records, "freed", "b", FP, 60, 5,
+                                  lapses_in_s=60)).state == CLAIMED

@@ -101,12 +101,18 @@ class IdempotencyRecords(Protocol):
     """
 
     async def begin(self, key: str, owner: str, fingerprint: bytes,
-                    flight_s: float) -> Begin:
+                    flight_s: float, expected: bool = False) -> Begin:
         """Decide the request's standing, claiming the key (marker for ``flight_s``) when it
         is neither in flight nor done. ``owner`` identifies this request (random, unique);
         beginning again with the owner that holds the marker renews it. An empty
         ``fingerprint`` (``mode: serialize``, which replays nothing) is never ``done``: a
-        stored answer (kept from ``dedup`` before a reload) does not stop it claiming."""
+        stored answer (kept from ``dedup`` before a reload) does not stop it claiming.
+
+        ``expected``: the caller saw another request's marker that has not lapsed yet. A key
+        with neither that marker nor a record then was not freed (a request's end always
+        leaves a record) but lost (Redis restarted empty, flushed, evicted): it is answered
+        ``in_flight`` (no fingerprint, no ttl), not claimed, as the request that holds it
+        takes its marker again once its replica sees Redis back, or at its next renewal."""
         ...
 
     async def renew(self, key: str, owner: str, flight_s: float) -> bool:
@@ -148,7 +154,7 @@ def new_owner() -> str:
 
 async def wait_for_answer(records: IdempotencyRecords, key: str, owner: str,
                           fingerprint: bytes, flight_s: float, timeout_s: float,
-                          poll_s: float = 0.25) -> Begin:
+                          poll_s: float = 0.25, lapses_in_s: float = 0.0) -> Begin:
     """Wait until ``key`` is no longer in flight, for at most ``timeout_s`` seconds.
 
     Returns the last :class:`Begin`: ``done`` (replay or refuse it), ``claimed`` (the key was
@@ -157,14 +163,25 @@ async def wait_for_answer(records: IdempotencyRecords, key: str, owner: str,
     fingerprint (the caller answers 422; not when either is empty, which compares no
     payloads: a call of ``mode: serialize``).
 
+    Until the marker last seen (``lapses_in_s``: the in-flight look-up's ttl that made the
+    caller wait, seconds) would lapse, a key found with neither marker nor record is not
+    claimed (``expected`` of :meth:`IdempotencyRecords.begin`): after a Redis restart or
+    flush, waiters claimed every such key and ran its call a second time while the first
+    still ran (a hostile trial: 10 of 10 keys), before the first's replica took its marker
+    again.
+
     Raises:
         StateUnavailable: the backend did not answer (Redis only).
     """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
+    lapse_at = loop.time() + lapses_in_s
     async with records.watch(key) as finished:
         while True:
-            begin = await records.begin(key, owner, fingerprint, flight_s)
+            begin = await records.begin(key, owner, fingerprint, flight_s,
+                                        loop.time() < lapse_at)
+            if begin.state == IN_FLIGHT and begin.ttl_s > 0:
+                lapse_at = loop.time() + begin.ttl_s
             left = deadline - loop.time()
             if (begin.state != IN_FLIGHT or left <= 0 or (
                     fingerprint and begin.fingerprint and begin.fingerprint != fingerprint)):
@@ -203,7 +220,7 @@ class MemoryIdempotencyRecords:
         return entry
 
     async def begin(self, key: str, owner: str, fingerprint: bytes,
-                    flight_s: float) -> Begin:
+                    flight_s: float, expected: bool = False) -> Begin:
         now = self._clock()
         flight = self._flight(key, now)
         if flight is not None:
@@ -212,6 +229,8 @@ class MemoryIdempotencyRecords:
                 return Begin(CLAIMED)
             return Begin(IN_FLIGHT, None, flight[1], flight[2] - now)
         record = self._record(key, now)
+        if record is None and expected:
+            return Begin(IN_FLIGHT)
         if record is not None and record[0].kind != SEEN and fingerprint:
             return Begin(FINISHED, record[0], b"", record[1] - now)
         self._flights[key] = (owner, fingerprint, now + flight_s)
@@ -271,6 +290,7 @@ if marker then
   return {2, string.sub(marker, 1, bar - 1), redis.call('PTTL', KEYS[2])}
 end
 local rec = redis.call('HMGET', KEYS[1], """ + _FIELDS + """)
+if not rec[1] and ARGV[4] == '1' then return {2, '', -1} end
 if rec[1] and rec[1] ~= '0' and ARGV[2] ~= '' then
   local reply = {3}
   for i = 1, 6 do reply[i + 1] = rec[i] or '' end
@@ -349,9 +369,10 @@ class RedisIdempotencyRecords:
         return self._state.key(self._group(key), "idem", "done")
 
     async def begin(self, key: str, owner: str, fingerprint: bytes,
-                    flight_s: float) -> Begin:
+                    flight_s: float, expected: bool = False) -> Begin:
         reply = await self._state.eval(_BEGIN, self._keys(key),
-                                       [owner, fingerprint.hex(), _ms(flight_s)])
+                                       [owner, fingerprint.hex(), _ms(flight_s),
+                                        "1" if expected else "0"])
         state = int(reply[0])
         if state == 1:
             return Begin(CLAIMED, _answer(reply[1:7]) if len(reply) > 1 else None)
