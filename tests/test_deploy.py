@@ -257,6 +257,13 @@ def test_sidecar_manifest_fits_sluice_config():
     assert sidecar["args"][-1] == f"{mount['mountPath']}/sluice.yaml"
     for container in (sidecar, agent):
         assert set(container["resources"]) == {"requests", "limits"}
+    # Room for the memory at rest, the bodies held and the parse of the largest one (up to
+    # ~34x its size: README, "Memory"): at 256Mi one 16 MiB body was OOM-killed.
+    limit = sidecar["resources"]["limits"]["memory"]
+    assert limit.endswith(("Mi", "Gi"))
+    limit_bytes = int(limit[:-2]) * (2**20 if limit.endswith("Mi") else 2**30)
+    server = config.server
+    assert limit_bytes >= 70 * 2**20 + server.max_buffered_bytes + 34 * server.max_request_bytes
     env = {e["name"]: e.get("value") for e in agent["env"]}
     prefixes = {r.protocol: r.path_prefix for r in config.routes}
     listen = config.server.listen
