@@ -7,7 +7,8 @@ in-place write, and a Kubernetes ConfigMap update, where the kubelet writes a ne
 directory and swaps the ``..data`` symlink to it (the mounted ``sluice.yaml ->
 ..data/sluice.yaml`` then resolves to a new inode). An inotify watch on the file would miss
 that swap; one stat a second costs nothing and needs no dependency. A change is applied once
-the file has stayed the same for ``SETTLE_S``, so a half-written file is not read. The files
+the file has stayed the same for ``SETTLE_S``, so a file being written is not read midway,
+unless its writer stops for longer (the README says to rename a new file over it). The files
 the config names and reads at load (the ``identity.tenants`` table, ``admin.token_file``)
 are watched the same way: a rotated key table or token applies without a SIGHUP. A config
 file that disappears is logged once; the running config stays in force.
