@@ -56,6 +56,7 @@ Run by hand: ``python tests/mcp_servers.py --mode session --port 9000``.
 import argparse
 import asyncio
 import contextlib
+import inspect
 import json
 import os
 import socket
@@ -408,26 +409,41 @@ def _count(count_file: Path) -> int:
 def _event_store() -> Any:
     from mcp.server.streamable_http import EventMessage, EventStore
 
+    def session() -> str | None:
+        """The session of the transport calling the store. The SDK shares one store among
+        every session's transport and names a request's stream by its JSON-RPC id, which
+        each session numbers from its own start: a store keyed by stream alone replayed
+        another session's events for the same id to a resumed stream (a hostile trial)."""
+        frame = inspect.currentframe()
+        while frame is not None:
+            transport = frame.f_locals.get("self")
+            if hasattr(transport, "mcp_session_id"):
+                return transport.mcp_session_id
+            frame = frame.f_back
+        return None
+
     class MemoryEventStore(EventStore):
-        """Every event kept in order; ids are ``<stream>:<n>``."""
+        """Every event kept in order, with its session; ids are ``<stream>:<n>``."""
 
         def __init__(self) -> None:
-            self.events: list[tuple[str, str, Any]] = []
+            self.events: list[tuple[str, tuple[str | None, str], Any]] = []
 
         async def store_event(self, stream_id: str, message: Any) -> str:
             event_id = f"{stream_id}:{len(self.events)}"
-            self.events.append((event_id, stream_id, message))
+            self.events.append((event_id, (session(), stream_id), message))
             return event_id
 
         async def replay_events_after(self, last_event_id: str, send_callback: Any) -> str | None:
             ids = [e[0] for e in self.events]
             if last_event_id not in ids:
                 return None
-            stream_id = self.events[ids.index(last_event_id)][1]
+            stream = self.events[ids.index(last_event_id)][1]
+            if stream[0] != session():
+                return None  # another session's event
             for event_id, sid, message in self.events[ids.index(last_event_id) + 1:]:
-                if sid == stream_id and message is not None:
+                if sid == stream and message is not None:
                     await send_callback(EventMessage(message, event_id))
-            return stream_id
+            return stream[1]
 
     return MemoryEventStore()
 
