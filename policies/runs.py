@@ -819,13 +819,22 @@ class RunLimits:
     def _spent(self, full: str, call: Call, limit: int) -> Rejected:
         """``run_budget_exhausted`` for run ``full`` at ``limit`` calls: final, unless calls
         live here still hold counts of it that they give back if they never reach the
-        upstream (queued, or being admitted): then retryable in :data:`PENDING_WAIT_S`, as a
-        budget is while only reservations in flight deny it. Costs one look at each holder.
+        upstream (queued, waiting for an idempotent twin, or being admitted): then retryable
+        in :data:`PENDING_WAIT_S`, as a budget is while only reservations in flight deny it.
+        Costs one look at each holder, and at each call counted by the shared state here.
         Calls on other replicas are not known here: a refusal they would have made retryable
         is final."""
-        node = self.registry.get(full, call.tenant)
+        registry = self.registry
+        node = registry.get(full, call.tenant)
         holders = node.holders.get(self.scope, ()) if node is not None and node.holders else ()
         pending = sum(1 for held in holders if held is not call and not held.reached)
+        # With shared run state a call holds its count from the run tracker's round trip on,
+        # before it claims it here: one waiting for its idempotent twin's answer (which it
+        # will be replayed, giving the count back) made an unrelated call's refusal final.
+        pending += sum(1 for other, part in registry.counted.items()
+                       if other is not call and not other.reached and other not in holders
+                       and part.lineage.counted and part.index(self.scope) is not None
+                       and part.lineage.tenant == call.tenant and full in part.lineage.ids)
         if pending:
             return Rejected(
                 Reason.RUN_BUDGET_EXHAUSTED, PENDING_WAIT_S,

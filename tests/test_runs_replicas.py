@@ -577,3 +577,41 @@ async def test_two_tenants_runs_of_one_id_are_apart_across_replicas(
     assert (both["tenant"], both["tenants"], both["shared"]) == (
         None, ["team-a", "team-b"], True)
     assert late == [(409, "run_cancelled")] * 4
+
+
+async def test_a_twin_waiting_for_its_answer_makes_the_runs_refusal_retryable(
+        upstream, start_sluice, shared_state):
+    """A hostile trial: on Redis a call holds its run count from the run tracker's round trip
+    on, so a retry waiting for its idempotent twin's answer (replayed, so never sent: its
+    count is given back) held one, and an unrelated call of the run was refused as final
+    (``x-should-retry: false``, "made 2 calls" after one). It is retryable now, and fits
+    once the twin has its answer."""
+    upstream.hold = asyncio.Event()
+    sluice = await start_sluice({"state": shared_state, "routes": [route(
+        "openai", upstream.url, run={"max_requests": 2},
+        idempotency={"mode": "dedup", "max_wait": "30s"})]})
+    async with aiohttp.ClientSession() as s:
+        async def keyed() -> int:
+            async with s.post(sluice.url + CHAT, json=chat(),
+                              headers={**run_headers("job"), "Idempotency-Key": "k-1"}) as r:
+                await r.read()
+                return r.status
+
+        first = asyncio.create_task(keyed())
+        await wait_until(lambda: len(upstream.requests) == 1, what="the first call upstream")
+        twin = asyncio.create_task(keyed())
+        await asyncio.sleep(0.3)  # the twin is counted, and waits for the first's answer
+        status, headers, _ = await call(s, sluice, "job")
+        assert (status, headers["X-Sluice-Reason"], headers["x-should-retry"]) == (
+            429, "run_budget_exhausted", "true")
+        assert "Retry-After" in headers
+        upstream.hold.set()
+        assert await first == await twin == 200
+        # The twin's count is given back (in the background): the refused call fits then.
+        for _ in range(30):
+            status, _, _ = await call(s, sluice, "job")
+            if status == 200:
+                break
+            await asyncio.sleep(0.1)
+        assert status == 200
+    assert len(upstream.requests) == 2
