@@ -525,6 +525,13 @@ def stream_error_side(event: object) -> str:
     return CLIENT
 
 
+def _finish_reason_given(data: bytes, first: int, last: int) -> bool:
+    """Whether the chunk ``data[first:last]`` gives a choice's ``finish_reason`` (a string;
+    every chunk before the last has ``null``). A byte search and a look at what follows."""
+    at = data.find(b'"finish_reason"', first, last)
+    return at >= 0 and data[at + 15:at + 22].lstrip(b" \t:").startswith(b'"')
+
+
 def _named_error(buf: bytes, start: int, end: int) -> bool:
     """Whether the SSE event ``buf[start:end]`` has an ``event:`` line naming ``error`` (its
     first such line, as sent: Anthropic's streams send one per event)."""
@@ -609,6 +616,8 @@ class Meter:
     failed = False
     stream_error: str | None = None
     _final = False
+    #: A Chat Completions or Completions chunk gave a choice's ``finish_reason``.
+    _finished = False
     #: The upstream reported a negative count: none of this answer's counts is final.
     _negative = False
     #: An input count was reported (a later event may bring only the output count).
@@ -617,10 +626,16 @@ class Meter:
 
     @property
     def cut_short(self) -> bool:
-        """A stream that ended before its last event (:attr:`done`) and without an error
-        event: its upstream closed it cleanly mid-answer, so what the caller got may be a
-        part of the answer (the SDKs read such an end as the answer's, and raise nothing)."""
-        return self._mode == _SSE and not (self.done or self.failed)
+        """A stream that ended before its answer did, without an error event: its upstream
+        closed it cleanly mid-answer, so what the caller got may be a part of the answer
+        (the SDKs read such an end as the answer's, and raise nothing). Its answer is over
+        at its last event (:attr:`done`), at its final usage (Anthropic's ``message_delta``,
+        the usage chunk of Chat Completions), or, for Chat Completions and Completions, at a
+        choice's ``finish_reason``: servers that never send ``data: [DONE]`` exist (older
+        llama.cpp, text-generation-inference, mistral.rs), and their whole answers are
+        answers."""
+        return self._mode == _SSE and not (self.done or self.failed or self._final
+                                           or self._finished)
 
     @property
     def final(self) -> bool:
@@ -799,7 +814,11 @@ class Meter:
         tail, self._pending = self._pending, b""
         if not tail or self._mode != _SSE:
             return b""
+        ended = self.done, self._finished
         dropped = self._event(tail, 0, len(tail))
+        # An event the stream ended inside is discarded by an SSE client (WHATWG): its usage
+        # is read, but it is no last event of the answer.
+        self.done, self._finished = ended
         return tail if self._strip and not dropped else b""
 
     def _read_json(self, data: bytes) -> None:
@@ -908,7 +927,9 @@ class Meter:
                 return False  # a comment, or an event without data
             first = line + 6
         # The event's name is looked for in its head (its ``event:`` line, or the start of
-        # its data), in ``buf``; its data is read from ``data``.
+        # its data; not past its end, where the next event's name may be), in ``buf``; its
+        # data is read from ``data``.
+        head = min(start + 64, end)
         data, last = buf, end
         if buf.find(b"\n", first, end) >= 0:  # several data lines: join them (WHATWG SSE)
             lines = [x[5:] for x in buf[start:end].split(b"\n") if x.startswith(b"data:")]
@@ -924,24 +945,27 @@ class Meter:
         if at >= 0 and data.find(b"{", at + 7, at + 11) >= 0:
             return self._parse(data[first:last], True)
         if self._kind is MESSAGES:
-            if buf.find(b"content_block_delta", start, start + 64) < 0:
-                if buf.find(b"message_stop", start, start + 64) >= 0:
+            if buf.find(b"content_block_delta", start, head) < 0:
+                if buf.find(b"message_stop", start, head) >= 0:
                     self.done = True
-                elif buf.find(b"error", start, start + 64) >= 0:
+                elif buf.find(b"error", start, head) >= 0:
                     self._error_event(data[first:last], _named_error(buf, start, end))
                 return False
         elif self._kind is RESPONSES:
-            if buf.find(b".delta", start, start + 64) < 0:
-                if (buf.find(b"error", start, start + 64) >= 0
-                        or buf.find(b"response.failed", start, start + 64) >= 0):
+            if buf.find(b".delta", start, head) < 0:
+                if (buf.find(b"error", start, head) >= 0
+                        or buf.find(b"response.failed", start, head) >= 0):
                     self._error_event(data[first:last])
-                elif (buf.find(b"response.completed", start, start + 64) >= 0
-                      or buf.find(b"response.incomplete", start, start + 64) >= 0):
+                elif (buf.find(b"response.completed", start, head) >= 0
+                      or buf.find(b"response.incomplete", start, head) >= 0):
                     self.done = True  # its usage, when there is one, is read above
                 return False
-        elif (data.find(b'"error"', first, first + 10) >= 0
-              and self._error_event(data[first:last])):
-            return False  # OpenAI's {"error": ...} chunk
+        else:
+            if (data.find(b'"error"', first, first + 10) >= 0
+                    and self._error_event(data[first:last])):
+                return False  # OpenAI's {"error": ...} chunk
+            if not self._finished:
+                self._finished = _finish_reason_given(data, first, last)
         if self._sampled < SAMPLE_EVENTS:
             self._parse(data[first:last], False)
         else:

@@ -508,6 +508,20 @@ def judged_stream(meter: Meter | None, capture: Capture | None, label: str) -> s
     return label
 
 
+def judged_whole(meter: Meter, capture: Capture | None, label: str) -> str:
+    """The outcome of an answer ``meter`` has read whole, buffered or relayed as it came:
+    :func:`judged_stream`'s when it read an error event; and a stream ended cleanly before
+    its answer did (:attr:`policies.usage.Meter.cut_short`) keeps nothing for the key in
+    ``capture`` (what came may be a part of the answer), its label unchanged. One rule for
+    both framings: the same bytes sent with a Content-Length were kept, chunked they were
+    not (a review)."""
+    if meter.stream_error is not None:  # an attribute test first: most answers have none
+        return judged_stream(meter, capture, label)
+    if capture is not None and meter.cut_short:
+        capture.not_an_outcome()
+    return label
+
+
 async def relay(
     request: web.BaseRequest,
     upstream: aiohttp.ClientResponse,
@@ -594,6 +608,7 @@ async def relay(
                 ) from None
             if meter is not None:
                 data = meter.body(data)
+                outcome = judged_whole(meter, capture, outcome)
             if capture is not None:
                 capture.feed(data)
             response = web.Response(
@@ -703,12 +718,7 @@ async def relay(
                     await out.write(tail)
                     if meter.done or meter.failed:
                         _sent(request, call)
-            if meter.stream_error is not None:  # a call, not an attribute test, only then
-                outcome = judged_stream(meter, capture, outcome)
-            elif capture is not None and meter.cut_short:
-                # Ended cleanly before its last event: maybe a part of the answer, so none
-                # is kept to be replayed for the key, which a retry may take.
-                capture.not_an_outcome()
+            outcome = judged_whole(meter, capture, outcome)
         # An MCP call's stream that ended without the call's response (its session deleted
         # while the tool ran) ends with the call's error as its last event: passed on as it
         # came, the Python mcp 1.x client waited for ever (a hostile trial). Not one whose

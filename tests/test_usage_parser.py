@@ -218,6 +218,35 @@ def test_done_is_each_apis_last_event_at_any_split(kind, usage):
             assert meter.cut_short is (cut != len(stream))
 
 
+def test_a_short_events_name_is_not_read_from_the_next_event():
+    """A review: an event's name was looked for in the 64 bytes from its start, past its
+    end: a ``ping`` (36 bytes) followed by a partial ``message_stop`` read as the last
+    event, so a stream cut there was neither cut short nor undelivered."""
+    meter = Meter(MESSAGES, anthropic=True, strip_usage=False)
+    started(meter)
+    meter.chunk(b'event: ping\ndata: {"type": "ping"}\n\nevent: message_stop\ndata: {"ty')
+    meter.finish()  # the upstream ends the stream cleanly here
+    assert not meter.done and meter.cut_short
+
+
+@pytest.mark.parametrize("chunk, finished", [
+    (b'{"choices":[{"index":0,"delta":{"content":"a"},"finish_reason":null}]}', False),
+    (b'{"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}', True),
+    (b'{"choices":[{"index":0,"delta":{},"finish_reason": "length"}]}', True),
+    (b'{"choices":[{"index":0,"delta":{"content":"\\"finish_reason\\":\\"x"},'
+     b'"finish_reason":null}]}', False),
+])
+def test_a_chat_stream_is_over_at_a_finish_reason(chunk, finished):
+    """Servers that never send ``data: [DONE]`` exist: a choice's ``finish_reason`` ends
+    the answer as far as :attr:`Meter.cut_short` goes (a review); text that merely holds
+    the words, escaped inside a string, does not."""
+    meter = Meter(CHAT, anthropic=False, strip_usage=False)
+    started(meter)
+    meter.chunk(b"data: " + chunk + b"\n\n")
+    meter.finish()
+    assert meter.cut_short is not finished and not meter.done
+
+
 def test_an_event_of_several_data_lines_is_read_after_other_events():
     """An event whose data spans several ``data:`` lines (joined, as WHATWG SSE says) was
     read with its offset in the chunk applied to the joined data: after another event in
