@@ -90,8 +90,8 @@ longer get 422), and a ``tools/call`` that names no key and no ``derive_from`` h
 one derived from that fingerprint (``"sluice-t-<32 hex>"``, with the tenant, the route and a
 digest of the caller's credentials): the same tool with the same arguments from the same
 caller is one call, so a client's retry replays the first answer instead of running the tool
-again. Other methods get a fresh key: a resource read or a task's poll asked again must reach
-the server again. Another
+again. Other methods get a fresh key whatever their headers: a resource read or a task's
+poll asked again must reach the server again. Another
 caller's identical call (other credentials) is not answered with it. A ``derive_from`` key
 includes the credentials too. An answer is stored once it holds the response to the call,
 whatever happened after (the MCP SDKs close the connection right after the result event), with
@@ -535,30 +535,25 @@ class Idempotency:
         derive_from = self.derive_from
         if not (self.mcp or KEY_HEADER in headers
                 or (derive_from and all(map(headers.__contains__, derive_from)))):
-            # A fresh key (most calls: no key sent, no derive_from header set complete; see
-            # :meth:`claim`): nobody else can know it, so nothing is looked up or held.
-            key = fresh_key()
-            call.idempotency_key = key
-            call.upstream_key = f'"{key}"'
-            call.new_unit = not call.client_retry
-            return None
+            return self._fresh(call)  # most calls: no key sent, no derive_from header set
+        message = self._mcp_call(call.body)
+        if message is not None and message.method != "tools/call":
+            # Only a tool call is one unit of work: a resource read, a task's poll or a log
+            # level asked again must reach the server again, under whatever key its
+            # headers make (an MCP client sets headers per session, not per request).
+            return self._fresh(call)
         wait_s = self.max_wait
         left = call.time_left()
         if left is not None:
             wait_s = min(wait_s, left)
-        message = self._mcp_call(call.body)
         fingerprint = call_key = None
         if message is not None:
             try:
-                payload = bytes.fromhex(mcp.fingerprint(message, call.headers,
-                                                        self.derive_from, call.body))
+                call_key = bytes.fromhex(mcp.fingerprint(message, call.headers,
+                                                         self.derive_from, call.body))
             except mcp.InvalidMcpRequest as bad:
                 raise Rejected(Reason.BAD_REQUEST, None, bad.detail) from None
-            fingerprint = _of_generation(payload, call.headers.get(mcp.VERSION_HEADER))
-            # Only a tool call is one unit of work by its payload: a resource read, a
-            # task's poll or a log level asked twice must reach the server twice.
-            if message.method == "tools/call":
-                call_key = payload
+            fingerprint = _of_generation(call_key, call.headers.get(mcp.VERSION_HEADER))
         claim = await self.claim(call.method, call.path, call.headers, call.tenant, call.body,
                                  wait_s=wait_s, fingerprint=fingerprint, call_key=call_key,
                                  mcp_id=message.id if message is not None else None)
@@ -571,6 +566,15 @@ class Idempotency:
         call.upstream_key = claim.header
         call.capture = claim.capture
         return claim if claim.holds else None
+
+    @staticmethod
+    def _fresh(call: Call) -> None:
+        """Give ``call`` a fresh key (:meth:`claim`'s last rule): nobody else can know it,
+        so nothing is looked up or held."""
+        key = fresh_key()
+        call.idempotency_key = key
+        call.upstream_key = f'"{key}"'
+        call.new_unit = not call.client_retry
 
     def _mcp_call(self, body: bytes) -> mcp.Message | None:
         """The request of an MCP POST holding one request (``mcp`` routes), else ``None``."""
@@ -623,8 +627,8 @@ class Idempotency:
         seconds (default ``max_wait``). An MCP call passes its ``fingerprint`` (32 bytes,
         :func:`policies.mcp.fingerprint`, with the client's protocol generation) and
         JSON-RPC id ``mcp_id``: the fingerprint then stands for the payload and, without a
-        caller's or derived key, a tool call's ``call_key`` (the fingerprint without the
-        generation; ``None`` for other methods, which then get a fresh key) makes the key.
+        caller's or derived key, ``call_key`` (the fingerprint without the generation) makes
+        the key.
         Never raises for the request's own faults: they come back as :attr:`Claim.rejected`
         (400, 409 or 422; 503 ``state_unavailable`` when the shared records do not answer and
         ``state.on_unavailable`` is ``reject``).
@@ -645,8 +649,8 @@ class Idempotency:
             claim = Claim(key, mcp_id)
         else:
             key = self._derive(headers, tenant)
-            if key is None and call_key is not None:
-                key = self._call_key(tenant, call_key, headers)
+            if key is None and fingerprint is not None:
+                key = self._call_key(tenant, call_key or fingerprint, headers)
             if key is None:
                 # A fresh key: unknown to anyone else, so there is nothing to look up.
                 claim = Claim(fresh_key())

@@ -1,7 +1,8 @@
-"""Which MCP requests a ``dedup`` route keys by their payload (a hostile trial, 2026-12-06):
-only ``tools/call``. Every request with an id was keyed, and by its method and name alone, so
-a resource's first content was replayed for the key's ttl, a task's poll never saw the task
-end, and another task's poll got the first task's status."""
+"""Which MCP requests a ``dedup`` route keys (a hostile trial and a review, 2026-12-06): only
+``tools/call``. Every request with an id was keyed, and by its method and name alone, so a
+resource's first content was replayed for the key's ttl, a task's poll never saw the task
+end, and another task's poll got the first task's status; under a ``derive_from`` step or a
+session-wide ``Idempotency-Key`` a task's polls were refused 422 or replayed."""
 
 from __future__ import annotations
 
@@ -69,5 +70,79 @@ async def test_only_a_tool_call_is_keyed_by_its_payload(start_sluice):
                                                                "status": "working"}}, None)
         assert [method for method, _ in seen] == ["resources/read"] * 2 + ["tasks/get"] * 3 + [
             "tools/call"] * 2
+    finally:
+        await runner.cleanup()
+
+
+BASE = {"Accept": "application/json, text/event-stream", "Authorization": "Bearer k"}
+
+
+async def _call(session: aiohttp.ClientSession, url: str, rpc_id: int, method: str,
+                params: dict, headers: dict) -> tuple[int, dict, str | None]:
+    async with session.post(url, headers={**BASE, **headers}, json={
+            "jsonrpc": "2.0", "id": rpc_id, "method": method, "params": params}) as r:
+        return r.status, await r.json(), r.headers.get("Idempotent-Replayed")
+
+
+async def _task_server() -> tuple[web.AppRunner, int, list[str]]:
+    seen: list[str] = []
+
+    async def handle(request: web.Request) -> web.Response:
+        doc = await request.json()
+        seen.append(doc["method"])
+        if doc["method"] == "tools/call":
+            result = {"task": {"taskId": "t-1", "status": "working"}}
+        else:  # tasks/get: the task ends after its first poll
+            done = seen.count("tasks/get") > 1
+            result = {"taskId": "t-1", "status": "completed" if done else "working"}
+        return web.json_response({"jsonrpc": "2.0", "id": doc["id"], "result": result})
+
+    app = web.Application()
+    app.router.add_post("/mcp", handle)
+    runner, port = await serve_app(app)
+    return runner, port, seen
+
+
+async def test_a_task_poll_in_a_derive_from_step_reaches_the_server(start_sluice):
+    """A task-augmented tool call and its ``tasks/get`` polls carry the step's headers: the
+    first poll was refused 422 (another payload under the call's key)."""
+    runner, port, seen = await _task_server()
+    try:
+        sluice = await start_sluice({"routes": [route(
+            "tools", f"http://127.0.0.1:{port}", "mcp",
+            idempotency={"mode": "dedup", "derive_from": ["X-Run-ID", "X-Step-ID"]})]})
+        url = sluice.url + "/tools/mcp"
+        step = {"X-Run-ID": "run-1", "X-Step-ID": "step-1"}
+        async with aiohttp.ClientSession() as session:
+            status, _, _ = await _call(session, url, 1, "tools/call", {
+                "name": "send", "arguments": {"to": "a"}, "task": {"ttl": 60000}}, step)
+            assert status == 200
+            polls = [await _call(session, url, i, "tasks/get", {"taskId": "t-1"}, step)
+                     for i in (2, 3)]
+            again = await _call(session, url, 4, "tools/call", {
+                "name": "send", "arguments": {"to": "a"}, "task": {"ttl": 60000}}, step)
+        assert [(s, doc.get("result", doc.get("error"))) for s, doc, _ in polls] == [
+            (200, {"taskId": "t-1", "status": "working"}),
+            (200, {"taskId": "t-1", "status": "completed"})]
+        assert again[2] == "true"  # the step's tool call is still one call
+        assert seen == ["tools/call", "tasks/get", "tasks/get"]
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_task_poll_with_a_session_wide_idempotency_key_is_not_replayed(start_sluice):
+    """An MCP client sets headers per transport (session), not per request: one with an
+    ``Idempotency-Key`` among them sends it on every poll, and the second was replayed."""
+    runner, port, seen = await _task_server()
+    try:
+        sluice = await start_sluice({"routes": [route(
+            "tools", f"http://127.0.0.1:{port}", "mcp", idempotency={"mode": "dedup"})]})
+        url = sluice.url + "/tools/mcp"
+        async with aiohttp.ClientSession() as session:
+            polls = [await _call(session, url, i, "tasks/get", {"taskId": "t-1"},
+                                 {"Idempotency-Key": "session-wide"}) for i in (2, 3)]
+        assert [(doc["result"]["status"], replayed) for _, doc, replayed in polls] == [
+            ("working", None), ("completed", None)]
+        assert seen == ["tasks/get", "tasks/get"]
     finally:
         await runner.cleanup()
