@@ -35,6 +35,7 @@ from pydantic import (
 from redis.asyncio.connection import ConnectionPool
 
 from policies.bodies import shown
+from policies.secrets import secret_header
 
 
 class ConfigError(Exception):
@@ -155,6 +156,20 @@ def _header_name(value: str) -> str:
 
 
 HeaderName = Annotated[str, AfterValidator(_header_name)]
+
+
+def _identity_header_name(value: str) -> str:
+    if secret_header(value, ""):
+        raise ValueError(
+            f"{value!r} carries a credential (Sluice redacts it wherever it shows headers), "
+            "so it cannot name a tenant, run, priority or deadline: its values would be shown "
+            "in /metrics, the admin API and the event log; map keys to tenants with "
+            "identity.tenants instead")
+    return value
+
+
+#: A header whose values Sluice shows (tenants, runs): not one that carries a credential.
+IdentityHeaderName = Annotated[HeaderName, AfterValidator(_identity_header_name)]
 
 
 Path_ = tuple[str | int, ...]
@@ -422,13 +437,13 @@ class StateConfig(_Section):
 class IdentityConfig(_Section):
     """``identity``: who is calling (``proxy/identity.py``)."""
 
-    tenant_header: HeaderName = "X-Tenant-ID"
-    run_header: HeaderName = "X-Run-ID"
-    priority_header: HeaderName = "X-Priority"
-    parent_run_header: HeaderName = "X-Parent-Run-ID"
+    tenant_header: IdentityHeaderName = "X-Tenant-ID"
+    run_header: IdentityHeaderName = "X-Run-ID"
+    priority_header: IdentityHeaderName = "X-Priority"
+    parent_run_header: IdentityHeaderName = "X-Parent-Run-ID"
     #: The caller's deadline in seconds from now; the SDKs' ``x-stainless-timeout`` is read
     #: too when this is absent.
-    timeout_header: HeaderName = "X-Request-Timeout"
+    timeout_header: IdentityHeaderName = "X-Request-Timeout"
     default_tenant: IdentityValue = "default"
     #: Trusted identity: a file mapping SHA-256 hex digests of API keys to tenants (a path,
     #: relative to the config file), or ``env:NAME`` for the same text in an environment
@@ -498,7 +513,9 @@ class ConcurrencyConfig(_Section):
     per_tenant: int | None = Field(default=None, gt=0)
     #: Weighted fair queueing across tenants within a priority class: a tenant's share of the
     #: slots is its weight over the waiting tenants' sum; tenants not named weigh 1.
-    tenant_weights: dict[str, Annotated[float, Field(gt=0)]] = {}
+    #: Keyed by tenant names a caller can have (a typo like ``"team a"`` would leave the
+    #: tenant it meant at weight 1 unseen).
+    tenant_weights: dict[IdentityValue, Annotated[float, Field(gt=0)]] = {}
     #: A call waiting longer than this moves up one priority class per interval (so
     #: best-effort work cannot starve); null: no aging.
     aging: PositiveDuration | None = 5.0

@@ -495,3 +495,31 @@ def test_a_key_pasted_where_a_word_belongs_is_not_quoted_back():
         parse_config(f"state: {{backend: {key}}}\n" + ROUTE, "c.yaml")
     assert refused.value.problems == [
         "c.yaml:1: state.backend: '<redacted>' should be 'memory' or 'redis'"]
+
+
+@pytest.mark.parametrize("field", ["tenant_header", "run_header", "priority_header"])
+@pytest.mark.parametrize("name", ["x-api-key", "Authorization", "Cookie", "X-Session-Token"])
+def test_a_header_that_carries_a_credential_cannot_name_a_tenant_or_a_run(field, name):
+    """A hostile trial: ``tenant_header: x-api-key`` (a "quota per key" shortcut) passed
+    check-config, and every caller's key then showed as a tenant label in /metrics, in the
+    admin API and in the event log. A header Sluice redacts elsewhere is refused here."""
+    with pytest.raises(ConfigError) as refused:
+        parse_config(f"identity: {{{field}: {name}}}\n" + ROUTE, "c.yaml")
+    assert refused.value.problems == [
+        f"c.yaml:1: identity.{field}: {name!r} carries a credential (Sluice redacts it "
+        "wherever it shows headers), so it cannot name a tenant, run, priority or deadline: "
+        "its values would be shown in /metrics, the admin API and the event log; map keys "
+        "to tenants with identity.tenants instead"]
+    assert parse_config("identity: {tenant_header: X-Team}\n" + ROUTE, "c.yaml")
+
+
+def test_a_tenant_weight_is_keyed_by_a_tenant_name_a_caller_can_have():
+    """A hostile trial: ``tenant_weights`` took keys no caller can have (``"team a"``,
+    ``""``, ``"team-a "``), so a typo left the tenant it meant at weight 1 unseen."""
+    text = ROUTE + "    concurrency: {limit: 4, tenant_weights: {'team-a ': 3}}\n"
+    with pytest.raises(ConfigError) as refused:
+        parse_config(text, "c.yaml")
+    assert refused.value.problems == [
+        "c.yaml:5: routes[0].concurrency.tenant_weights.\"team-a \": 'team-a ' is not an "
+        "identity value: visible ASCII (letters, digits, punctuation), no spaces, at most "
+        "128 characters"]
