@@ -118,18 +118,22 @@ class RequestStory:
 
 
 def stories(events: list[dict[str, Any]]) -> list[RequestStory]:
-    """One :class:`RequestStory` per request, in order of arrival."""
-    out: dict[str, RequestStory] = {}
-    enqueued: dict[str, float] = {}
+    """One :class:`RequestStory` per request, in order of arrival. A request is its id and
+    its tenant: a caller names its own ids (``X-Request-ID``), so two tenants' requests of
+    one id are two (merged, one tenant's id could distort another's run report)."""
+    out: dict[tuple[str, str], RequestStory] = {}
+    enqueued: dict[tuple[str, str], float] = {}
     for ev in events:
-        rid = ev.get("request_id")
-        if rid is None:
+        request_id = ev.get("request_id")
+        if request_id is None:
             continue
+        # "-" for a field an event lacks, as in the table of events (not "None").
+        tenant = str(ev.get("tenant") or "-")
+        rid = (tenant, request_id)
         story = out.get(rid)
         if story is None:
-            # "-" for a field an event lacks, as in the table of events (not "None").
-            story = out[rid] = RequestStory(rid, str(ev.get("route") or "-"),
-                                            str(ev.get("tenant") or "-"), ev["ts"])
+            story = out[rid] = RequestStory(request_id, str(ev.get("route") or "-"), tenant,
+                                            ev["ts"])
         kind = ev["event"]
         story.events.append(kind)
         if kind == "enqueued":  # the first of its queues (run width, operation, route)

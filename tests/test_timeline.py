@@ -324,3 +324,19 @@ async def test_a_caller_that_leaves_while_queued_ends_its_story(upstream, start_
     assert story["req-left"][4] != "-" and story["req-left"][5] == "-"  # queued, no upstream
     assert "in flight" not in result.stdout
     assert "client_disconnected, after " in result.stdout
+
+
+def test_two_tenants_requests_of_one_id_are_two_stories() -> None:
+    """A hostile trial: two tenants' runs of one id, their requests sending the same
+    ``X-Request-ID``, were read as one request (amplification 2.00, one row, the first
+    tenant's): a caller could distort another tenant's run report."""
+    from proxy.timeline import stories, summary
+
+    events = [{"request_id": "r1", "route": "openai", "tenant": tenant, "run": "run-1",
+               "idempotency_key": None, "ts": ts + at, "event": kind,
+               **({"status": 200, "outcome": "2xx"} if kind == "completed" else {})}
+              for tenant, ts in (("team-a", 10.0), ("team-b", 11.0))
+              for at, kind in ((0.0, "admitted"), (0.5, "completed"))]
+    told = stories(events)
+    assert [(s.request_id, s.tenant) for s in told] == [("r1", "team-a"), ("r1", "team-b")]
+    assert summary(events, told).startswith("amplification 1.00 (2 upstream attempt(s) for 2 ")
