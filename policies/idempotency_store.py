@@ -30,7 +30,7 @@ TOO_LARGE = 2
 
 #: Bytes charged per record on top of its body and header text: the record, its key and
 #: fingerprint and the store's own bookkeeping (~430 B traced on CPython 3.11), and each
-#: header's tuple and string objects (~290 B). tests/test_idempotency_store.py checks with
+#: header's tuple and string objects (~290 B). tests/test_idempotency_unit.py checks with
 #: tracemalloc that the charge covers what the records really hold, so max_bytes is a bound.
 RECORD_OVERHEAD_BYTES = 512
 HEADER_OVERHEAD_BYTES = 320
@@ -88,7 +88,15 @@ class ResultStore(Protocol):
 
 
 class MemoryStore:
-    """An LRU of records bounded by ``max_entries`` and ``max_bytes``, with a TTL.
+    """Records bounded by ``max_entries`` and ``max_bytes``, with a TTL; past a bound the
+    owner holding the most (bytes, or records) loses its least recently used record.
+
+    A key that is a tuple is owned by its first item (the policy's keys are ``(tenant,
+    key)``); any other key by no one in particular. One least-recently-used pool for every
+    tenant let one tenant's traffic push out another's answers (a hostile trial: 70 keyed
+    calls with 1 MB answers from team-b, and team-a's retry of a payment ran again): now a
+    tenant's records go only once no other tenant holds more. Choosing the owner is a look
+    at each owner with records, only when a bound is passed.
 
     Args:
         max_entries: records kept at most.
@@ -104,14 +112,17 @@ class MemoryStore:
         self.ttl_s = ttl_s
         self.bytes = 0
         self._clock = clock
-        self._records: OrderedDict[Hashable, Record] = OrderedDict()
+        self._records: dict[Hashable, Record] = {}
+        #: Each owner's keys, least recently used first, and the bytes of its records.
+        self._owned: dict[Hashable, tuple[OrderedDict[Hashable, None], list[int]]] = {}
 
     def __len__(self) -> int:
         return len(self._records)
 
     def resize(self, max_entries: int, max_bytes: int, ttl_s: float) -> None:
-        """Adopt new bounds (a reload): the oldest records go until both hold; the records
-        kept keep their expiry, and ``ttl_s`` applies to the records written from now."""
+        """Adopt new bounds (a reload): records go as :meth:`put` lets them go until both
+        hold; the records kept keep their expiry, and ``ttl_s`` applies to the records
+        written from now."""
         self.max_entries, self.max_bytes, self.ttl_s = max_entries, max_bytes, ttl_s
         self._evict()
 
@@ -120,29 +131,49 @@ class MemoryStore:
         if record is None:
             return None
         if record.expires_at <= self._clock():
-            del self._records[key]
-            self.bytes -= record.size
+            self._drop(key)
             return None
-        self._records.move_to_end(key)
+        self._owned[_owner(key)][0].move_to_end(key)
         return record
 
     def ttl_left(self, record: Record) -> float:
         return max(record.expires_at - self._clock(), 0.0)
 
     def put(self, key: Hashable, record: Record) -> None:
-        records = self._records
-        old = records.pop(key, None)
-        if old is not None:
-            self.bytes -= old.size
+        if key in self._records:
+            self._drop(key)
         if record.size > self.max_bytes:
             return  # could never fit; the policy caps bodies below max_bytes anyway
         record.expires_at = self._clock() + self.ttl_s
-        records[key] = record
+        self._records[key] = record
+        owner = _owner(key)
+        owned = self._owned.get(owner)
+        if owned is None:
+            owned = self._owned[owner] = (OrderedDict(), [0])
+        owned[0][key] = None
+        owned[1][0] += record.size
         self.bytes += record.size
         self._evict()
 
+    def _drop(self, key: Hashable) -> None:
+        record = self._records.pop(key)
+        owner = _owner(key)
+        keys, size = self._owned[owner]
+        del keys[key]
+        size[0] -= record.size
+        if not keys:
+            del self._owned[owner]
+        self.bytes -= record.size
+
     def _evict(self) -> None:
-        records = self._records
-        while len(records) > self.max_entries or self.bytes > self.max_bytes:
-            _, evicted = records.popitem(last=False)
-            self.bytes -= evicted.size
+        while len(self._records) > self.max_entries or self.bytes > self.max_bytes:
+            by_bytes = self.bytes > self.max_bytes
+            keys, _ = max(self._owned.values(),
+                          key=(lambda owned: owned[1][0]) if by_bytes
+                          else (lambda owned: len(owned[0])))
+            self._drop(next(iter(keys)))
+
+
+def _owner(key: Hashable) -> Hashable:
+    """Who owns ``key`` (:class:`MemoryStore`): a tuple's first item."""
+    return key[0] if type(key) is tuple else None

@@ -114,6 +114,29 @@ def test_a_resized_store_keeps_what_fits_and_each_records_expiry():
     assert store.get("c") is None and store.get("d") is not None
 
 
+@pytest.mark.parametrize("bound", ["bytes", "entries"])
+def test_a_tenants_records_go_only_once_no_other_tenant_holds_more(bound):
+    """A hostile trial: one LRU pool for every tenant let team-b's keyed calls push out
+    team-a's stored answer (70 calls with 1 MB answers), and team-a's retry ran again. The
+    owner holding the most loses its least recently used record."""
+    big = answer(100_000)
+    limits = ({"max_entries": 1000, "max_bytes": 5 * big.size} if bound == "bytes"
+              else {"max_entries": 5, "max_bytes": MiB * 64})
+    store = MemoryStore(ttl_s=60, **limits)
+    store.put(("team-a", "pay-1"), answer(100_000))
+    for i in range(70):
+        store.put(("team-b", f"k-{i}"), answer(100_000))
+    assert store.get(("team-a", "pay-1")) is not None
+    assert [store.get(("team-b", f"k-{i}")) is not None for i in range(66, 70)] == [True] * 4
+    assert store.get(("team-b", "k-65")) is None and len(store) == 5
+    # Once team-a holds the most, its own least recently used record goes first.
+    for i in range(4):
+        store.put(("team-a", f"pay-{i + 2}"), answer(100_000))
+    assert store.get(("team-a", "pay-1")) is None and store.get(("team-a", "pay-2")) is None
+    assert store.get(("team-b", "k-69")) is not None
+    assert store.bytes == sum(r.size for r in store._records.values())
+
+
 def test_a_record_larger_than_the_store_is_not_kept():
     store = MemoryStore(max_entries=10, max_bytes=2000, ttl_s=60)
     store.put("small", answer(10))
