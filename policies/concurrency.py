@@ -13,8 +13,13 @@ overtake the queue. The best waiter is chosen by, in order:
 2. **Weighted fair queueing across tenants**, after Linux CFS's vruntime: each tenant has a
    virtual time that every call it sends advances by ``cost / weight``
    (``concurrency.tenant_weights``, default 1). The cost is the call's reserved tokens where
-   the route meters tokens (``Call.cost``), else its expected service time (the tenant's
-   observed mean, corrected to the actual duration when the call ends). A call is tagged with
+   the route meters tokens (``Call.cost``), else its expected service time in units of the
+   route's mean (the tenant's observed mean over the route's, corrected to the actual
+   duration when the call ends). Counted in seconds, the calls queued on a cold route were
+   priced at the starting guess (1 s) and those after the first answer at what was observed:
+   with a 0.1 s upstream and weights 3:1, a hostile trial's flooder got 2% of the slots, not
+   25%, until its backlog drained; in the route's mean, a typical call costs 1 throughout.
+   A call is tagged with
    its tenant's virtual time when it arrives, never below the route's (the tag of the last call
    served: a tenant returning from idle gets no banked credit, as CFS places a waking task at
    ``min_vruntime``), and the smallest tag is served first. A tenant sending ten times as much
@@ -90,6 +95,9 @@ DEFAULT_PRIORITY = 1
 
 _EWMA_WEIGHT = 0.1  # weight of the newest sample in the service-time average
 _INITIAL_SERVICE_S = 1.0  # assumed mean service time before the first completion, seconds
+#: The least mean service time a call's cost is counted in (a route whose calls took no
+#: measurable time), seconds.
+_MIN_MEAN_S = 1e-6
 #: Largest factor the Retry-After estimate is spread by (see ``_drain_estimate``).
 JITTER_MAX = 1.5
 _TENANTS_SHOWN = 20  # tenants listed by state(), the biggest holders first
@@ -283,7 +291,8 @@ class ConcurrencyLimiter:
 
         Returns:
             the service time charged to the tenant's virtual time when the cost was not known
-            (to be corrected at :meth:`release`), else ``None``.
+            (in units of the route's mean service time; corrected at :meth:`release`), else
+            ``None``.
 
         Raises:
             Rejected: ``tenant_concurrency`` (429) when ``tenant`` is at ``per_tenant``;
@@ -537,7 +546,7 @@ class ConcurrencyLimiter:
                 self._tenant_service[tenant] = mean + _EWMA_WEIGHT * (service_s - mean)
             if charged is not None and (cls, tenant) in self._vtime:
                 weights = self.tenant_weights
-                error = service_s - charged
+                error = service_s / max(self.mean_service_s, _MIN_MEAN_S) - charged
                 self._vtime[cls, tenant] += (error / weights.get(tenant, 1.0) if weights
                                              else error)
         held = self._by_tenant[tenant] - 1
@@ -719,7 +728,8 @@ class ConcurrencyLimiter:
     def _charge(self, tenant: str, cls: int, cost: float | None) -> float | None:
         """Advance ``tenant``'s virtual time in ``cls`` by one call, from its tag (the
         tenant's time, never below the class's): returns the service time charged when no
-        token cost was known (to be corrected at :meth:`release`), else ``None``."""
+        token cost was known (in units of the route's mean; corrected at :meth:`release`),
+        else ``None``."""
         if cost is not None:
             mean = self._mean_tokens
             self._mean_tokens = cost if mean is None else mean + _EWMA_WEIGHT * (cost - mean)
@@ -727,8 +737,9 @@ class ConcurrencyLimiter:
         elif self._mean_tokens is not None:
             cost = self._mean_tokens  # an unmetered call on a metered route: a typical one
             charged = None
-        else:
-            cost = charged = self._tenant_service.get(tenant, self.mean_service_s)
+        else:  # in units of the route's mean service time (the module docstring)
+            mean = self.mean_service_s
+            cost = charged = self._tenant_service.get(tenant, mean) / max(mean, _MIN_MEAN_S)
         flow = cls, tenant
         tag = self._vtime.get(flow)
         if tag is None:  # the tenant's first call in flight or queued: it starts at the class's

@@ -530,3 +530,33 @@ async def test_a_tenant_at_its_cap_on_a_full_house_is_told_how_long_every_slot_s
     assert first.value.retry_after >= 0.3 / 2
     waiting.cancel()
     await asyncio.gather(waiting, return_exceptions=True)
+
+
+@pytest.mark.parametrize("service_s", [0.1, 4.0])
+async def test_weights_hold_from_a_cold_start(service_s):
+    """A hostile trial: on a route that had answered no call yet, every queued call was
+    priced at the starting guess of 1 s and those after the first answer at what was
+    observed, so with a 0.1 s upstream the flooding tenant (weight 1) got 1 slot in 49
+    against a light one of weight 3, and with a 4 s upstream more than its share. Priced in
+    units of the route's mean service time, the shares are 3:1 from the start."""
+    limiter = ConcurrencyLimiter(1, 100, 600.0, None, tenant_weights={"light": 3.0})
+    charged = await limiter.acquire("holder")
+    heavy = [await queued(limiter, "heavy") for _ in range(30)]
+    light = [await queued(limiter, "light") for _ in range(2)]
+    served: list[str] = []
+    holder, holding = "holder", charged
+    for _ in range(40):
+        limiter.release(holder, service_s, holding)  # the first answer is the first sample
+        await asyncio.sleep(0)
+        granted = [t for t in heavy + light if t.done() and not getattr(t, "seen", False)]
+        assert len(granted) == 1
+        task = granted[0]
+        task.seen = True  # type: ignore[attr-defined]
+        holder, holding = ("heavy" if task in heavy else "light"), task.result()
+        served.append(holder)
+        if holder == "light":  # light keeps two calls queued
+            light.append(await queued(limiter, "light"))
+    assert served.count("light") == pytest.approx(30, abs=2)
+    for task in heavy + light:
+        task.cancel()
+    await asyncio.gather(*heavy, *light, return_exceptions=True)
