@@ -11,9 +11,23 @@ import time
 
 from policies.budget import Budgets
 from policies.config import BudgetConfig
-from policies.state import redis_backends
+from policies.state import StateUnavailable, redis_backends
 from policies.usage import Usage
 from tests.redis_servers import RedisServer, delete_prefix, new_prefix
+
+
+async def _spent_once_reconciled(backends, key: str) -> float:
+    """What the shared ledger says ``key`` spent once anything is (5 s at most): Redis is
+    back, and the reconciler sends what it kept."""
+    deadline = time.monotonic() + 5
+    spent = 0.0
+    while time.monotonic() < deadline and not spent:
+        await asyncio.sleep(0.2)
+        try:
+            (spent, _), = await backends.ledger.levels("r", [key])
+        except StateUnavailable:
+            continue
+    return spent
 
 
 def blocks() -> list[BudgetConfig]:
@@ -45,16 +59,7 @@ async def test_local_spend_of_a_call_admitted_before_two_reloads_is_reconciled(r
         gc.collect()
         # Redis is back: the route's reconciler (c's) sends what was kept.
         restarted = RedisServer(directory, port=port).start()
-        deadline = time.monotonic() + 5
-        spent = 0.0
-        while time.monotonic() < deadline:
-            await asyncio.sleep(0.2)
-            try:
-                (spent, _), = await backends.ledger.levels("r", [key])
-            except Exception:
-                continue
-            if spent:
-                break
+        spent = await _spent_once_reconciled(backends, key)
         assert spent == 30, (f"shared ledger spent {spent}, expected 30; entries queued on "
                              f"the route's reconciler: {len(c.reconciler)}")
     finally:
@@ -83,18 +88,9 @@ async def test_a_reconcile_send_in_flight_at_a_reload_is_not_lost_when_it_fails(
         b.take_over(a)
         await asyncio.sleep(1.0)  # the send times out (state timeout 0.5 s)
         redis_server.thaw()
-        deadline = time.monotonic() + 5
-        spent = held = 0.0
-        while time.monotonic() < deadline:
-            await asyncio.sleep(0.2)
-            try:
-                (spent, held), = await backends.ledger.levels("r", [key])
-            except Exception:
-                continue
-            if spent:
-                break
-        assert spent == 30, (f"shared ledger spent {spent} (held {held}), expected 30; "
-                             f"queued on the route's reconciler: {len(b.reconciler)}")
+        spent = await _spent_once_reconciled(backends, key)
+        assert spent == 30, (f"shared ledger spent {spent}, expected 30; queued on the "
+                             f"route's reconciler: {len(b.reconciler)}")
     finally:
         await backends.close()
         delete_prefix(redis_server.url, prefix)

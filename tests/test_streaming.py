@@ -217,19 +217,12 @@ _STREAM_ENDS = {
 }
 
 
-@pytest.mark.parametrize("framing", ["chunked", "length"])
-@pytest.mark.parametrize("ended", [True, False], ids=["with_last_event", "without"])
-@pytest.mark.parametrize("api", sorted(_STREAM_ENDS))
-async def test_a_stream_ended_cleanly_before_its_last_event_is_not_replayed(
-        start_sluice, api, ended, framing):
-    """A stream an upstream ends cleanly (its chunked framing's last chunk, or its
-    Content-Length reached) before the API's last event (a proxy in front of it giving up
-    mid-answer) reaches the caller as an end the SDKs raise nothing on; it was kept for its
-    idempotency key, and every retry with the key got the part replayed for the key's ttl.
-    Now only a stream whose answer ended is kept: without it the retry goes upstream. One
-    rule for both framings (a review: the buffered path kept it)."""
-    protocol, path, event, last = _STREAM_ENDS[api]
-    body = event * 3 + (last if ended else b"")
+async def _sent_twice(start_sluice, protocol: str, path: str, payload: dict, body: bytes,
+                      framing: str, key: str) -> tuple[int, list[str | None]]:
+    """Send ``payload`` twice under the idempotency key ``key`` through a ``dedup`` route to
+    an upstream that answers every request with the SSE ``body`` (framed by a
+    ``Content-Length``, or ``chunked`` with its last chunk): how many requests reached the
+    upstream, and each answer's ``Idempotent-Replayed``."""
     framed = (b"Content-Length: %d\r\n\r\n%s" % (len(body), body) if framing == "length"
               else b"Transfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n"
               % (len(body), body))
@@ -254,20 +247,37 @@ async def test_a_stream_ended_cleanly_before_its_last_event_is_not_replayed(
     try:
         sluice = await start_sluice({"routes": [route(
             "llm", f"http://127.0.0.1:{port}", protocol, idempotency={"mode": "dedup"})]})
-        payload = {"model": "m", "stream": True, "max_tokens": 100}
-        payload["input" if api == "responses" else "messages"] = MESSAGES
-        headers = {"Idempotency-Key": f"clean-end-{api}-{ended}-{framing}"}
         replayed = []
         async with aiohttp.ClientSession() as session:
             for _ in range(2):
                 async with session.post(sluice.url + "/llm" + path, json=payload,
-                                        headers=headers) as r:
+                                        headers={"Idempotency-Key": key}) as r:
                     assert (r.status, await r.read()) == (200, body)
                     replayed.append(r.headers.get("Idempotent-Replayed"))
-        assert (len(seen), replayed) == ((1, [None, "true"]) if ended else (2, [None, None]))
+        return len(seen), replayed
     finally:
         server.close()
         await server.wait_closed()
+
+
+@pytest.mark.parametrize("framing", ["chunked", "length"])
+@pytest.mark.parametrize("ended", [True, False], ids=["with_last_event", "without"])
+@pytest.mark.parametrize("api", sorted(_STREAM_ENDS))
+async def test_a_stream_ended_cleanly_before_its_last_event_is_not_replayed(
+        start_sluice, api, ended, framing):
+    """A stream an upstream ends cleanly (its chunked framing's last chunk, or its
+    Content-Length reached) before the API's last event (a proxy in front of it giving up
+    mid-answer) reaches the caller as an end the SDKs raise nothing on; it was kept for its
+    idempotency key, and every retry with the key got the part replayed for the key's ttl.
+    Now only a stream whose answer ended is kept: without it the retry goes upstream. One
+    rule for both framings (a review: the buffered path kept it)."""
+    protocol, path, event, last = _STREAM_ENDS[api]
+    payload = {"model": "m", "stream": True, "max_tokens": 100}
+    payload["input" if api == "responses" else "messages"] = MESSAGES
+    sent = await _sent_twice(start_sluice, protocol, path, payload,
+                             event * 3 + (last if ended else b""), framing,
+                             f"clean-end-{api}-{ended}-{framing}")
+    assert sent == ((1, [None, "true"]) if ended else (2, [None, None]))
 
 
 def _chat_chunk(delta: bytes, finish: bytes = b"null") -> bytes:
@@ -284,40 +294,6 @@ async def test_a_whole_chat_stream_without_done_is_replayed(start_sluice, framin
     its key, whatever its framing."""
     body = (_chat_chunk(b'{"role":"assistant","content":"hello"}')
             + _chat_chunk(b"{}", b' "stop"').replace(b'"finish_reason":', b'"finish_reason" :'))
-    framed = (b"Content-Length: %d\r\n\r\n%s" % (len(body), body) if framing == "length"
-              else b"Transfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n"
-              % (len(body), body))
-    seen = []
-
-    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while True:
-            try:
-                head = await reader.readuntil(b"\r\n\r\n")
-            except asyncio.IncompleteReadError:
-                break
-            length = next(int(line.partition(b":")[2]) for line in head.split(b"\r\n")
-                          if line.lower().startswith(b"content-length:"))
-            await reader.readexactly(length)
-            seen.append(head)
-            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n" + framed)
-            await writer.drain()
-        writer.close()
-
-    server = await asyncio.start_server(serve, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    try:
-        sluice = await start_sluice({"routes": [route(
-            "llm", f"http://127.0.0.1:{port}", "openai", idempotency={"mode": "dedup"})]})
-        payload = {"model": "m", "stream": True, "max_tokens": 100, "messages": MESSAGES}
-        replayed = []
-        async with aiohttp.ClientSession() as session:
-            for _ in range(2):
-                async with session.post(sluice.url + "/llm/v1/chat/completions",
-                                        json=payload,
-                                        headers={"Idempotency-Key": f"whole-{framing}"}) as r:
-                    assert (r.status, await r.read()) == (200, body)
-                    replayed.append(r.headers.get("Idempotent-Replayed"))
-        assert (len(seen), replayed) == (1, [None, "true"])
-    finally:
-        server.close()
-        await server.wait_closed()
+    payload = {"model": "m", "stream": True, "max_tokens": 100, "messages": MESSAGES}
+    assert await _sent_twice(start_sluice, "openai", "/v1/chat/completions", payload, body,
+                             framing, f"whole-{framing}") == (1, [None, "true"])
