@@ -35,7 +35,8 @@ from pydantic import (
 from redis.asyncio.connection import ConnectionPool
 
 from policies.bodies import shown
-from policies.secrets import secret_header
+from policies.secrets import API_KEY_HEADERS as API_KEY_HEADERS
+from policies.secrets import CARRIER_HEADERS, CREDENTIAL_HEADERS
 
 
 class ConfigError(Exception):
@@ -158,13 +159,15 @@ def _header_name(value: str) -> str:
 HeaderName = Annotated[str, AfterValidator(_header_name)]
 
 
+_CREDENTIALS = frozenset(name.lower() for name in (*CREDENTIAL_HEADERS, *CARRIER_HEADERS))
+
+
 def _identity_header_name(value: str) -> str:
-    if secret_header(value, ""):
+    if value.lower() in _CREDENTIALS:
         raise ValueError(
-            f"{value!r} carries a credential (Sluice redacts it wherever it shows headers), "
-            "so it cannot name a tenant, run, priority or deadline: its values would be shown "
-            "in /metrics, the admin API and the event log; map keys to tenants with "
-            "identity.tenants instead")
+            f"{value!r} carries a credential, so it cannot name a tenant, run, priority or "
+            "deadline: its values would be shown in /metrics, the admin API and the event "
+            "log; map keys to tenants with identity.tenants instead")
     return value
 
 
@@ -180,10 +183,6 @@ MAX_IDENTITY_LENGTH = 128
 #: characters. Such a value is safe as a JSON string, a metric label and an HTML text node
 #: once escaped, whatever the caller's client did to encode it.
 IDENTITY_VALUE = re.compile(r"[!-~]+")
-#: Headers carrying an API key as their whole value (Anthropic; Azure OpenAI), besides
-#: ``Authorization: Bearer``: where ``identity.tenants`` looks keys up, and what an
-#: idempotency key Sluice derives includes (``policies/idempotency.py``).
-API_KEY_HEADERS = ("x-api-key", "api-key")
 
 
 def _identity_value(value: str) -> str:

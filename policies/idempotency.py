@@ -119,17 +119,18 @@ from collections import deque
 from collections.abc import Awaitable, Hashable
 from typing import TypeVar
 
-from aiohttp import hdrs, web
+from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy, istr
 
 from policies import mcp
-from policies.config import API_KEY_HEADERS, IdempotencyConfig
+from policies.config import IdempotencyConfig
 from policies.idempotency_store import DONE, SEEN, TOO_LARGE, MemoryStore, Record, ResultStore
 from policies.logs import PER_CALL
 from policies.pipeline import Call, Outcome, survive_leaving
 from policies.rate import Background
 from policies.reasons import Reason, Rejected
 from policies.retry import is_client_retry
+from policies.secrets import CREDENTIAL_HEADERS
 from policies.state import IdempotencyRecords, StateBackends, StateUnavailable
 from policies.state.idempotency import (
     CLAIMED,
@@ -1180,15 +1181,11 @@ def _with_credentials(fingerprint: bytes, headers: CIMultiDictProxy[str]) -> byt
     return hashlib.sha256(fingerprint + _credentials(headers)).digest()
 
 
-#: The request headers that carry a caller's credentials, as APIs read them: the
-#: ``Authorization`` schemes; OpenAI-compatible, Anthropic and Azure OpenAI keys
-#: (``proxy/identity.py``); Gemini's; Azure API Management's; and the common token header.
-#: A list, not every field :func:`policies.secrets.secret_header` takes for one (a review):
-#: fields such as an RFC 9421 ``Signature``, an ``X-CSRF-Token`` or a per-request JWT
-#: change with every request, and would make a call's retry another call, its side effect
-#: run twice under a key Sluice derives; so would a load balancer's ``Cookie``.
-CREDENTIAL_HEADERS = (hdrs.AUTHORIZATION, *API_KEY_HEADERS, "x-goog-api-key",
-                      "Ocp-Apim-Subscription-Key", "X-Auth-Token")
+# The credentials a derived key includes: :data:`policies.secrets.CREDENTIAL_HEADERS`, a
+# list, not every field :func:`policies.secrets.secret_header` takes for one (a review):
+# fields such as an RFC 9421 ``Signature``, an ``X-CSRF-Token`` or a per-request JWT change
+# with every request, and would make a call's retry another call, its side effect run twice
+# under a key Sluice derives; so would a load balancer's ``Cookie``.
 
 
 def _credentials(headers: CIMultiDictProxy[str]) -> bytes:

@@ -22,6 +22,20 @@ AUTH_SCHEMES = r"(?i:bearer|basic|digest|token)"
 _SCHEMES = AUTH_SCHEMES
 SECRET_VALUE = re.compile(rf"^(?:{_KEY_PREFIXES}|{_SCHEMES}\s)")
 
+#: The request headers that carry a caller's credentials, as APIs read them: the
+#: ``Authorization`` schemes (and a proxy's), a browser's ``Cookie``; OpenAI-compatible,
+#: Anthropic and Azure OpenAI keys (``proxy/identity.py``); Gemini's; Azure API
+#: Management's; and the common token header. A list, not every field
+#: :func:`secret_header` takes for one: a gateway's ``X-Authenticated-Userid`` names a user
+#: it checked, and an RFC 9421 ``Signature`` changes with every request.
+#: Headers carrying an API key as their whole value (Anthropic; Azure OpenAI), besides
+#: ``Authorization: Bearer``: where ``identity.tenants`` looks keys up.
+API_KEY_HEADERS = ("x-api-key", "api-key")
+CREDENTIAL_HEADERS = ("Authorization", *API_KEY_HEADERS, "x-goog-api-key",
+                      "Ocp-Apim-Subscription-Key", "X-Auth-Token")
+#: And those a caller's agent sends that no API reads a key from, but that carry one.
+CARRIER_HEADERS = ("Proxy-Authorization", "Cookie")
+
 #: Header-name fragments that mark a credential (matched on the lower-cased name): the usual
 #: ones, and ``key`` for vendor headers such as Azure's ``Ocp-Apim-Subscription-Key``.
 SECRET_HEADER_PARTS = ("auth", "cookie", "key", "token", "secret", "password", "passwd",
