@@ -13,13 +13,15 @@ overtake the queue. The best waiter is chosen by, in order:
 2. **Weighted fair queueing across tenants**, after Linux CFS's vruntime: each tenant has a
    virtual time that every call it sends advances by ``cost / weight``
    (``concurrency.tenant_weights``, default 1). The cost is the call's reserved tokens where
-   the route meters tokens (``Call.cost``), else its expected service time in units of the
-   route's mean (the tenant's observed mean over the route's, corrected to the actual
-   duration when the call ends). Counted in seconds, the calls queued on a cold route were
-   priced at the starting guess (1 s) and those after the first answer at what was observed:
-   with a 0.1 s upstream and weights 3:1, a hostile trial's flooder got 2% of the slots, not
-   25%, until its backlog drained; in the route's mean, a typical call costs 1 throughout.
-   A call is tagged with
+   the route meters tokens (``Call.cost``), else its expected service time (the tenant's
+   observed mean, corrected to the actual duration when the call ends) in units of the
+   route's first observed service time, and 1 before it. Counted in seconds, the calls
+   queued on a cold route were priced at the starting guess (1 s) and those after the first
+   answer at what was observed: with a 0.1 s upstream and weights 3:1, a hostile trial's
+   flooder got 2% of the slots, not 25%, until its backlog drained. In a unit fixed by the
+   first sample a typical call costs 1 before and after it, and later costs compare as
+   seconds do (a unit that followed the mean let a tenant of 30 s calls on a 0.1 s route
+   take 77% of the slot time: a review). A call is tagged with
    its tenant's virtual time when it arrives, never below the route's (the tag of the last call
    served: a tenant returning from idle gets no banked credit, as CFS places a waking task at
    ``min_vruntime``), and the smallest tag is served first. A tenant sending ten times as much
@@ -95,7 +97,7 @@ DEFAULT_PRIORITY = 1
 
 _EWMA_WEIGHT = 0.1  # weight of the newest sample in the service-time average
 _INITIAL_SERVICE_S = 1.0  # assumed mean service time before the first completion, seconds
-#: The least mean service time a call's cost is counted in (a route whose calls took no
+#: The least service time a call's cost is counted in (a route whose first call took no
 #: measurable time), seconds.
 _MIN_MEAN_S = 1e-6
 #: Largest factor the Retry-After estimate is spread by (see ``_drain_estimate``).
@@ -245,6 +247,8 @@ class ConcurrencyLimiter:
         self.mean_first_byte_s = _INITIAL_SERVICE_S
         #: True once a completion has updated the means (before, they are a guess).
         self.observed = False
+        #: The first observed service time, seconds: what a call's cost is counted in.
+        self._unit: float | None = None
         #: Changes whenever a slot frees or passes on (a release, a grant, a reload): how
         #: :meth:`turn` knows that none has since it last looked.
         self.turns = 0
@@ -291,7 +295,7 @@ class ConcurrencyLimiter:
 
         Returns:
             the service time charged to the tenant's virtual time when the cost was not known
-            (in units of the route's mean service time; corrected at :meth:`release`), else
+            (in units of the route's first observed one; corrected at :meth:`release`), else
             ``None``.
 
         Raises:
@@ -539,6 +543,7 @@ class ConcurrencyLimiter:
                 self.mean_service_s = service_s
                 self.mean_first_byte_s = first
                 self.observed = True
+                self._unit = max(service_s, _MIN_MEAN_S)
             if self._mean_tokens is None:
                 # A tenant's mean prices only calls with no token cost on a route that has
                 # seen none (``_charge``); once one has had a cost it is never read again.
@@ -546,7 +551,7 @@ class ConcurrencyLimiter:
                 self._tenant_service[tenant] = mean + _EWMA_WEIGHT * (service_s - mean)
             if charged is not None and (cls, tenant) in self._vtime:
                 weights = self.tenant_weights
-                error = service_s / max(self.mean_service_s, _MIN_MEAN_S) - charged
+                error = service_s / self._unit - charged  # type: ignore[operator]
                 self._vtime[cls, tenant] += (error / weights.get(tenant, 1.0) if weights
                                              else error)
         held = self._by_tenant[tenant] - 1
@@ -728,8 +733,8 @@ class ConcurrencyLimiter:
     def _charge(self, tenant: str, cls: int, cost: float | None) -> float | None:
         """Advance ``tenant``'s virtual time in ``cls`` by one call, from its tag (the
         tenant's time, never below the class's): returns the service time charged when no
-        token cost was known (in units of the route's mean; corrected at :meth:`release`),
-        else ``None``."""
+        token cost was known (in units of the route's first observed service time; corrected
+        at :meth:`release`), else ``None``."""
         if cost is not None:
             mean = self._mean_tokens
             self._mean_tokens = cost if mean is None else mean + _EWMA_WEIGHT * (cost - mean)
@@ -737,9 +742,10 @@ class ConcurrencyLimiter:
         elif self._mean_tokens is not None:
             cost = self._mean_tokens  # an unmetered call on a metered route: a typical one
             charged = None
-        else:  # in units of the route's mean service time (the module docstring)
-            mean = self.mean_service_s
-            cost = charged = self._tenant_service.get(tenant, mean) / max(mean, _MIN_MEAN_S)
+        else:  # in units of the route's first observed service time (module docstring)
+            unit = self._unit
+            cost = charged = (1.0 if unit is None
+                              else self._tenant_service.get(tenant, self.mean_service_s) / unit)
         flow = cls, tenant
         tag = self._vtime.get(flow)
         if tag is None:  # the tenant's first call in flight or queued: it starts at the class's

@@ -560,3 +560,52 @@ async def test_weights_hold_from_a_cold_start(service_s):
     for task in heavy + light:
         task.cancel()
     await asyncio.gather(*heavy, *light, return_exceptions=True)
+
+
+_SERVICE_S = {"a": 30.0, "b": 0.1}
+
+
+async def _slot_time_shares(limiter: ConcurrencyLimiter, total_s: float) -> dict[str, float]:
+    """Both tenants keep two calls queued behind the one slot; each call, once granted,
+    holds the slot for its tenant's service time (released with it, and with its charge,
+    as Slot.release does). Returns each tenant's share of the slot time."""
+    pending: list[tuple[str, asyncio.Future]] = []
+
+    def send(tenant: str) -> None:
+        pending.append((tenant, asyncio.ensure_future(limiter.acquire(tenant))))
+
+    holder, charged = "b", await limiter.acquire("b")
+    for tenant in ("a", "a", "b", "b"):
+        send(tenant)
+    await asyncio.sleep(0)
+    used = {"a": 0.0, "b": 0.0}
+    while sum(used.values()) < total_s:
+        used[holder] += _SERVICE_S[holder]
+        limiter.release(holder, _SERVICE_S[holder], charged)
+        await asyncio.sleep(0)
+        granted = [entry for entry in pending if entry[1].done()]
+        assert len(granted) == 1
+        pending.remove(granted[0])
+        holder, charged = granted[0][0], granted[0][1].result()
+        send(holder)  # the tenant keeps two calls queued
+        await asyncio.sleep(0)
+    for _, task in pending:
+        task.cancel()
+    await asyncio.gather(*(task for _, task in pending), return_exceptions=True)
+    total = sum(used.values())
+    return {tenant: spent / total for tenant, spent in used.items()}
+
+
+
+@pytest.mark.parametrize("weights, slow_share", [({}, (0.35, 0.65)), ({"b": 3.0}, (0.0, 0.40))])
+async def test_a_tenant_of_slow_calls_gets_its_weights_share_of_the_slot_time(
+        weights, slow_share):
+    """A review of the cold-start fix: tenant a's calls take 30 s and b's 0.1 s, both keep
+    work queued. Counted in units of the route's *mean*, moved by each sample, a 30 s call
+    cost at most 1 / EWMA weight = 10 units however long it ran: a took 77% of the slot
+    time with equal weights, 60% with b weighted 3. In a unit fixed at the first sample,
+    costs compare as seconds do."""
+    limiter = ConcurrencyLimiter(1, 100, 600.0, None, tenant_weights=weights or None)
+    shares = await _slot_time_shares(limiter, 3000.0)
+    low, high = slow_share
+    assert low <= shares["a"] <= high, shares
