@@ -526,10 +526,14 @@ def stream_error_side(event: object) -> str:
 
 
 def _finish_reason_given(data: bytes, first: int, last: int) -> bool:
-    """Whether the chunk ``data[first:last]`` gives a choice's ``finish_reason`` (a string;
-    every chunk before the last has ``null``). A byte search and a look at what follows."""
+    """Whether the chunk ``data[first:last]`` gives a choice's ``finish_reason`` (a string
+    other than ``""``; every chunk before the last has ``null``, or ``""`` on some servers).
+    A byte search and a look at what follows."""
     at = data.find(b'"finish_reason"', first, last)
-    return at >= 0 and data[at + 15:at + 22].lstrip(b" \t:").startswith(b'"')
+    if at < 0:
+        return False
+    value = data[at + 15:at + 24].lstrip(b" \t\r\n:")
+    return value.startswith(b'"') and not value.startswith(b'""')  # "" is none (some send it)
 
 
 def _named_error(buf: bytes, start: int, end: int) -> bool:
@@ -616,8 +620,11 @@ class Meter:
     failed = False
     stream_error: str | None = None
     _final = False
-    #: A Chat Completions or Completions chunk gave a choice's ``finish_reason``.
+    #: A Chat Completions or Completions chunk gave a choice's ``finish_reason``, or an
+    #: Anthropic stream its ``message_delta``.
     _finished = False
+    #: A JSON answer did not parse.
+    _unreadable = False
     #: The upstream reported a negative count: none of this answer's counts is final.
     _negative = False
     #: An input count was reported (a later event may bring only the output count).
@@ -629,13 +636,17 @@ class Meter:
         """A stream that ended before its answer did, without an error event: its upstream
         closed it cleanly mid-answer, so what the caller got may be a part of the answer
         (the SDKs read such an end as the answer's, and raise nothing). Its answer is over
-        at its last event (:attr:`done`), at its final usage (Anthropic's ``message_delta``,
-        the usage chunk of Chat Completions), or, for Chat Completions and Completions, at a
-        choice's ``finish_reason``: servers that never send ``data: [DONE]`` exist (older
-        llama.cpp, text-generation-inference, mistral.rs), and their whole answers are
-        answers."""
-        return self._mode == _SSE and not (self.done or self.failed or self._final
-                                           or self._finished)
+        at its last event (:attr:`done`), at Anthropic's ``message_delta`` (its stop
+        reason), or, for Chat Completions and Completions, at a choice's ``finish_reason``:
+        servers that never send ``data: [DONE]`` exist (older llama.cpp,
+        text-generation-inference, mistral.rs), and their whole answers are answers. Not at
+        a usage object: some servers send one in every chunk (vLLM's
+        ``continuous_usage_stats``). With ``n`` over 1, the first choice to finish ends it
+        (no choice is followed by its index). Or a JSON answer that is no JSON (cut short in
+        its body's framing)."""
+        if self._mode == _JSON:
+            return self._unreadable
+        return self._mode == _SSE and not (self.done or self.failed or self._finished)
 
     @property
     def final(self) -> bool:
@@ -666,7 +677,7 @@ class Meter:
         if content_coding(headers):
             return  # compressed anyway: unreadable, so passed on untouched
         # Only a stream is read event by event, so only a stream can be stripped.
-        content_type = headers.get("Content-Type", "")
+        content_type = headers.get("Content-Type", "").lower()  # case-insensitive (RFC 9110)
         if content_type.startswith("text/event-stream"):
             self._mode = _SSE
             if self._strip:
@@ -845,6 +856,7 @@ class Meter:
             try:
                 obj = orjson.loads(data)
             except orjson.JSONDecodeError:
+                self._unreadable = True
                 return
         if isinstance(obj, dict) and isinstance(usage := obj.get("usage"), dict) \
                 and self._take(usage):
@@ -919,6 +931,8 @@ class Meter:
         later ones count as the sample's mean, so a long stream costs a few byte searches per
         event and no copies.
         """
+        if self.done and (self._kind is CHAT or self._kind is COMPLETIONS):
+            return False  # after [DONE]: the openai SDK reads no further (others read on)
         if buf.startswith(b"data:", start):
             first = start + 5
         else:
@@ -1024,8 +1038,10 @@ class Meter:
                 message = obj.get("message")
                 if isinstance(message, dict) and isinstance(u := message.get("usage"), dict):
                     self._take(u)
-            elif kind == "message_delta" and isinstance(u := obj.get("usage"), dict):
-                self.final = self._take(u) or self.final
+            elif kind == "message_delta":
+                self._finished = True
+                if isinstance(u := obj.get("usage"), dict):
+                    self.final = self._take(u) or self.final
             elif kind == "error":  # one carrying usage is parsed here, not by _error_event
                 self._failed(obj)
             elif kind == "message_stop":
@@ -1058,6 +1074,8 @@ class Meter:
                 for choice in choices:
                     if isinstance(choice, dict):
                         text += _text_bytes(choice.get(field))
+                        if has_usage and choice.get("finish_reason"):
+                            self._finished = True  # a chunk with usage skips the byte look
         if text:
             tokens = max(1, -(-text // BYTES_PER_TOKEN))
             self.streamed_tokens += tokens

@@ -626,3 +626,82 @@ def test_a_long_event_in_small_chunks_is_searched_once_not_once_per_chunk(monkey
     assert b"".join(out) == kept
     assert (meter.usage.input_tokens, meter.usage.output_tokens, meter.final) == (7, 3, True)
     assert sum(searched) <= 2 * len(stream)
+
+
+def _chat(delta: str, finish: str = "null", usage: bool = False) -> bytes:
+    extra = ',"usage":{"prompt_tokens":3,"completion_tokens":1}' if usage else ""
+    return (b'data: {"id":"c","object":"chat.completion.chunk","choices":[{"index":0,'
+            b'"delta":{"content":"' + delta.encode() + b'"},"finish_reason":'
+            + finish.encode() + b"}]" + extra.encode() + b"}\n\n")
+
+
+def test_usage_in_every_chunk_does_not_end_the_answer():
+    """A hostile trial and a review: vLLM's ``continuous_usage_stats`` sends usage in every
+    chunk, and a usage read ended the answer, so a stream cut after two chunks was kept
+    for its key and replayed. Only a finish (or the last event) ends it."""
+    meter = Meter(CHAT, anthropic=False, strip_usage=False)
+    started(meter)
+    meter.chunk(_chat("a", usage=True) + _chat("b", usage=True))
+    meter.finish()
+    assert meter.cut_short
+    whole = Meter(CHAT, anthropic=False, strip_usage=False)
+    started(whole)
+    whole.chunk(_chat("a", usage=True) + _chat("", '"stop"', usage=True))
+    whole.finish()
+    assert not whole.cut_short
+
+
+def test_an_empty_finish_reason_is_none():
+    """A hostile trial: some servers send ``"finish_reason": ""`` on every chunk, and it
+    ended the answer at the first one."""
+    meter = Meter(CHAT, anthropic=False, strip_usage=False)
+    started(meter)
+    meter.chunk(_chat("a", '""') + _chat("b", ' ""'))
+    meter.finish()
+    assert meter.cut_short
+
+
+def test_an_error_chunk_after_done_is_no_failure_of_a_chat_stream():
+    """A hostile trial: a whole stream, then a stray error chunk after ``data: [DONE]``
+    (which the openai SDK never reads) counted upstream_error: not kept, billed again, and
+    two such answers opened the breaker."""
+    meter = Meter(CHAT, anthropic=False, strip_usage=False)
+    started(meter)
+    meter.chunk(_chat("a", '"stop"') + b"data: [DONE]\n\n"
+                + b'data: {"error":{"message":"boom","type":"server_error"}}\n\n')
+    meter.finish()
+    assert (meter.done, meter.failed, meter.stream_error, meter.cut_short) == (
+        True, False, None, False)
+
+
+def test_a_stream_is_known_by_its_content_type_in_any_case():
+    """Media types are case-insensitive (RFC 9110 §8.3.1): a hostile trial's
+    ``Text/Event-Stream`` answer was read as nothing, and its mid-stream error missed."""
+    meter = Meter(MESSAGES, anthropic=True, strip_usage=False)
+    started(meter, "Text/Event-Stream; charset=utf-8")
+    meter.chunk(b'event: error\ndata: {"type":"error","error":{"type":"overloaded_error"}}\n\n')
+    meter.finish()
+    assert meter.failed and meter.stream_error is not None
+
+
+def test_a_json_answer_that_is_no_json_is_cut_short():
+    """A hostile trial: a JSON answer whose body ended cleanly half way (an early last
+    chunk, or a close) was kept for its key and replayed broken for the key's ttl."""
+    whole = b'{"id":"c","choices":[{"message":{"content":"hi"}}],"usage":{"prompt_tokens":3,' \
+            b'"completion_tokens":1}}'
+    for data, cut in ((whole, False), (whole[:30], True), (whole[:-1], True)):
+        meter = Meter(CHAT, anthropic=False, strip_usage=False)
+        started(meter, "application/json")
+        meter.body(data)
+        assert meter.cut_short is cut, data
+
+
+def test_an_unterminated_message_delta_does_not_end_the_answer():
+    """A review: an event the stream ended inside is discarded by an SSE client; its usage
+    is read, but a ``message_delta`` so cut ends no answer, as a ``message_stop`` does not."""
+    meter = Meter(MESSAGES, anthropic=True, strip_usage=False)
+    started(meter)
+    meter.chunk(b'event: message_delta\ndata: {"type":"message_delta","delta":{"stop_reason":'
+                b'"end_turn"},"usage":{"output_tokens":7}}')
+    meter.finish()
+    assert meter.cut_short and meter.usage.output_tokens == 7
