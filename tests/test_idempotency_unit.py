@@ -21,7 +21,15 @@ from policies.idempotency import (
     parse_key,
     replay_response,
 )
-from policies.idempotency_store import DONE, SEEN, TOO_LARGE, MemoryStore, Record
+from policies.idempotency_store import (
+    DONE,
+    OWNER_OVERHEAD_BYTES,
+    RECORD_OVERHEAD_BYTES,
+    SEEN,
+    TOO_LARGE,
+    MemoryStore,
+    Record,
+)
 from policies.pipeline import Call
 from policies.reasons import Reason
 from proxy.config import ConfigError, parse_config
@@ -120,8 +128,8 @@ def test_a_tenants_records_go_only_once_no_other_tenant_holds_more(bound):
     team-a's stored answer (70 calls with 1 MB answers), and team-a's retry ran again. The
     owner holding the most loses its least recently used record."""
     big = answer(100_000)
-    limits = ({"max_entries": 1000, "max_bytes": 5 * big.size} if bound == "bytes"
-              else {"max_entries": 5, "max_bytes": MiB * 64})
+    limits = ({"max_entries": 1000, "max_bytes": 5 * big.size + 2 * OWNER_OVERHEAD_BYTES}
+              if bound == "bytes" else {"max_entries": 5, "max_bytes": MiB * 64})
     store = MemoryStore(ttl_s=60, **limits)
     store.put(("team-a", "pay-1"), answer(100_000))
     for i in range(70):
@@ -134,11 +142,53 @@ def test_a_tenants_records_go_only_once_no_other_tenant_holds_more(bound):
         store.put(("team-a", f"pay-{i + 2}"), answer(100_000))
     assert store.get(("team-a", "pay-1")) is None and store.get(("team-a", "pay-2")) is None
     assert store.get(("team-b", "k-69")) is not None
-    assert store.bytes == sum(r.size for r in store._records.values())
+    assert store.bytes == sum(r.size for r in store._records.values()) + (
+        2 * OWNER_OVERHEAD_BYTES)
+
+
+def test_charged_bytes_cover_the_memory_records_of_many_tenants_hold():
+    """A review: each owner's bookkeeping (its LRU of keys, its heap entries) was charged
+    nothing, so with 10,000 tenants of one small record each the store held more than
+    max_bytes said (666 B a record over the 512 charged). Records allocated first, so only
+    the store's own allocations are traced."""
+    tenants = [f"tenant-{i}" for i in range(10_000)]
+    keys = [f"key-{os.urandom(8).hex()}" for _ in range(10_000)]
+    records = [Record(SEEN, os.urandom(32)) for _ in range(10_000)]
+    store = MemoryStore(max_entries=100_000, max_bytes=1024 * MiB, ttl_s=86400)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for tenant, key, record in zip(tenants, keys, records, strict=True):
+            store.put((tenant, key), record)
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    # The records' own objects exist already: what is traced is the bookkeeping, which
+    # their overhead and their owners' must cover.
+    bookkeeping = store.bytes - sum(r.size - RECORD_OVERHEAD_BYTES for r in records)
+    assert held <= bookkeeping, (held, bookkeeping)
+
+
+def test_a_record_that_fits_is_not_evicted_by_its_own_put():
+    """A review: four tenants hold one 100 kB answer each, a fifth stores a 250 kB one that
+    fits; it held the most bytes, so its answer, just stored, was the one dropped (its
+    retry, a payment, ran again). The next owner's record goes instead."""
+    one = answer(100_000).size
+    store = MemoryStore(max_entries=1000, max_bytes=5 * one + 5 * OWNER_OVERHEAD_BYTES,
+                        ttl_s=60)
+    for tenant in "abcd":
+        store.put((tenant, "k"), answer(100_000))
+    store.put(("e", "pay"), answer(250_000))
+    assert store.get(("e", "pay")) is not None
+    assert sum(store.get((t, "k")) is not None for t in "abcd") == 2  # two had to go
+    store.put(("e", "pay-2"), answer(250_000))  # now e holds the most: its oldest goes
+    assert store.get(("e", "pay")) is None and store.get(("e", "pay-2")) is not None
 
 
 def test_a_record_larger_than_the_store_is_not_kept():
-    store = MemoryStore(max_entries=10, max_bytes=2000, ttl_s=60)
+    store = MemoryStore(max_entries=10, max_bytes=2000 + OWNER_OVERHEAD_BYTES, ttl_s=60)
     store.put("small", answer(10))
     store.put("huge", answer(5000))
     assert store.get("huge") is None and store.get("small") is not None
