@@ -207,9 +207,12 @@ async def test_an_attempt_refused_a_connection_is_not_charged_cost_per_call(star
     reached it either, yet the call below (attempt 1 refused, attempt 2 answered) is charged
     two calls' cost, and reported as passing its hold (``over_reservation_usd``)."""
     port = free_port()
+    # Attempts to spare: the test starts the upstream once it reads the first retry's event
+    # (flushed every 0.2 s), and full-jitter back-offs under that ran all 3 of an earlier
+    # version's attempts first (a new user's suite, once).
     sluice = await start_sluice({"routes": [route(
         "h", f"http://127.0.0.1:{port}", protocol="http", idempotent=True,
-        retry={"attempts": 3, "backoff": {"base": "1s", "max": "1s"}, "on": ["connect_error"]},
+        retry={"attempts": 6, "backoff": {"base": "1s", "max": "1s"}, "on": ["connect_error"]},
         budget={"usd": "100/day", "per": "tenant"},
         endpoints={"POST /v1/x": {"cost_per_call": 1.0}})]})
 
