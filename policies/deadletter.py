@@ -296,6 +296,12 @@ class DeadLetterFile:
         self._open()
 
     def _open(self) -> None:
+        # Created readable by its owner only: its letters hold whole request bodies (prompts,
+        # tool arguments), and it was made 0644 in the working directory (a new user's
+        # trial). SQLite gives its write-ahead log the same mode. A path that cannot be
+        # created here is left to SQLite, whose error says why.
+        with contextlib.suppress(OSError):
+            os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
         self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")

@@ -227,7 +227,9 @@ class FileSink:
 
     def _open(self, flags: int = 0, *, create: bool = True) -> None:
         flags |= os.O_WRONLY | os.O_APPEND | (os.O_CREAT if create else 0)
-        fd = os.open(self.path, flags, 0o666)
+        # Not readable by every user (a new user's trial found it 0644): events name tenants,
+        # runs and keys. A log shipper in the same group (a pod's fsGroup) still reads it.
+        fd = os.open(self.path, flags, 0o640)
         try:
             os.set_blocking(fd, True)
             status = os.fstat(fd)

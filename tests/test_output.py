@@ -330,3 +330,27 @@ async def _ready(proc: subprocess.Popen, admin_port: int) -> bool:
                                      f"{proc.stderr.read().decode(errors='replace')}")
             await asyncio.sleep(0.05)
     return False
+
+
+def test_the_event_log_and_the_dead_letter_file_are_not_readable_by_every_user(tmp_path):
+    """A new user's trial: both were made 0644 in the working directory, the dead letters
+    holding whole request bodies (prompts, tool arguments) and the events naming tenants,
+    runs and keys. The letters are their owner's alone; a log shipper of the same group (a
+    pod's fsGroup) still reads the events. A file that is there keeps its mode."""
+    import stat
+
+    from policies.deadletter import DeadLetterFile
+    from proxy.output import FileSink
+
+    old = os.umask(0o022)
+    try:
+        FileSink(str(tmp_path / "events.jsonl"))
+        DeadLetterFile(str(tmp_path / "dlq.sqlite")).close()
+        kept = tmp_path / "kept.sqlite"
+        kept.touch(mode=0o644)
+        DeadLetterFile(str(kept)).close()
+    finally:
+        os.umask(old)
+    modes = {name: stat.S_IMODE(os.stat(tmp_path / name).st_mode)
+             for name in ("events.jsonl", "dlq.sqlite", "kept.sqlite")}
+    assert modes == {"events.jsonl": 0o640, "dlq.sqlite": 0o600, "kept.sqlite": 0o644}
