@@ -855,8 +855,11 @@ class Meter:
         if obj is None:
             try:
                 obj = orjson.loads(data)
-            except orjson.JSONDecodeError:
-                self._unreadable = True
+            except orjson.JSONDecodeError as exc:
+                # Cut short: the parse ran out at the end. Not a whole body orjson refuses
+                # elsewhere (NaN, a byte-order mark), nor an empty one (a review).
+                end = len(data.rstrip())
+                self._unreadable = end > 0 and exc.pos >= end
                 return
         if isinstance(obj, dict) and isinstance(usage := obj.get("usage"), dict) \
                 and self._take(usage):
@@ -931,8 +934,6 @@ class Meter:
         later ones count as the sample's mean, so a long stream costs a few byte searches per
         event and no copies.
         """
-        if self.done and (self._kind is CHAT or self._kind is COMPLETIONS):
-            return False  # after [DONE]: the openai SDK reads no further (others read on)
         if buf.startswith(b"data:", start):
             first = start + 5
         else:
@@ -962,6 +963,8 @@ class Meter:
             if buf.find(b"content_block_delta", start, head) < 0:
                 if buf.find(b"message_stop", start, head) >= 0:
                     self.done = True
+                elif buf.find(b"message_delta", start, head) >= 0:
+                    self._finished = True  # one without usage (one with is parsed above)
                 elif buf.find(b"error", start, head) >= 0:
                     self._error_event(data[first:last], _named_error(buf, start, end))
                 return False
@@ -975,9 +978,11 @@ class Meter:
                     self.done = True  # its usage, when there is one, is read above
                 return False
         else:
-            if (data.find(b'"error"', first, first + 10) >= 0
+            # OpenAI's {"error": ...} chunk; none after [DONE], where the openai SDK stops
+            # reading (the other SDKs read on: their error events count wherever they are).
+            if (not self.done and data.find(b'"error"', first, first + 10) >= 0
                     and self._error_event(data[first:last])):
-                return False  # OpenAI's {"error": ...} chunk
+                return False
             if not self._finished:
                 self._finished = _finish_reason_given(data, first, last)
         if self._sampled < SAMPLE_EVENTS:
@@ -1067,7 +1072,7 @@ class Meter:
             if has_usage and isinstance(u := obj.get("usage"), dict):
                 self.final = self._take(u) or self.final
                 strip = self._strip and choices == []
-                if obj.get("error"):  # an error chunk carrying usage: once a stream, here
+                if obj.get("error") and not self.done:  # an error chunk carrying usage
                     self._failed(obj)
             if choices:
                 field = "delta" if self._kind is CHAT else "text"

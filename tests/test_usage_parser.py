@@ -705,3 +705,33 @@ def test_an_unterminated_message_delta_does_not_end_the_answer():
                 b'"end_turn"},"usage":{"output_tokens":7}}')
     meter.finish()
     assert meter.cut_short and meter.usage.output_tokens == 7
+
+
+@pytest.mark.parametrize("body, cut", [
+    (b'{"choices":[{"logprob":NaN}],"usage":{"prompt_tokens":1,"completion_tokens":1}}', False),
+    (b'{"usage":{"prompt_tokens":1,"completion_tokens":1},"choices":[{"logprob":NaN}]}', False),
+    (b"", False),
+    (b"OK", False),
+    (b'\xef\xbb\xbf{"choices":[]}', False),
+    (b'{"choices":[{"message":{"content":"hel', True),
+])
+def test_only_a_json_answer_cut_at_its_end_is_cut_short(body, cut):
+    """A review: every body orjson refuses was judged cut short (a whole answer with NaN,
+    which Python's json writes, depending on its keys' order; an empty 200; text labelled
+    JSON), so none was kept and every retry ran again. Only a parse that ran out at the
+    body's end is a cut."""
+    meter = Meter(CHAT, anthropic=False, strip_usage=False)
+    started(meter, "application/json")
+    meter.body(body)
+    assert meter.cut_short is cut
+
+
+def test_an_anthropic_message_delta_without_usage_ends_the_answer():
+    """A review: only a ``message_delta`` carrying usage reached the parse that ends the
+    answer, so a server that sends it bare and then closes was judged cut short."""
+    meter = Meter(MESSAGES, anthropic=True, strip_usage=False)
+    started(meter)
+    meter.chunk(b'event: message_delta\ndata: {"type":"message_delta","delta":{"stop_reason":'
+                b'"end_turn"}}\n\n')
+    meter.finish()
+    assert not meter.cut_short
