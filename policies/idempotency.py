@@ -1091,7 +1091,7 @@ class Idempotency:
         if record is not None:
             kept = record
             if (record.kind == DONE and isinstance(self.store, MemoryStore)
-                    and record.size > self.store.max_bytes):
+                    and not self.store.fits(record)):
                 # Within max_replay_bytes, but with its headers and overhead more than the
                 # store holds at all: the fact is kept, as for an answer over the limit, so
                 # that the key never runs again (its waiters still get the answer itself).

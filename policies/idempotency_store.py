@@ -94,17 +94,20 @@ class ResultStore(Protocol):
 
 class MemoryStore:
     """Records bounded by ``max_entries`` and ``max_bytes``, with a TTL; past a bound the
-    owner holding the most bytes loses its least recently used record.
+    owner holding the largest share loses its least recently used record.
 
     A key that is a tuple is owned by its first item (the policy's keys are ``(tenant,
     key)``); any other key by no one in particular. One least-recently-used pool for every
     tenant let one tenant's traffic push out another's answers (a hostile trial: 70 keyed
     calls with 1 MB answers from team-b, and team-a's retry of a payment ran again): now a
-    tenant's records go only once no other tenant holds more. The owner holding the most is
-    found on a heap of owners by bytes (entries made stale by later changes skipped as they
-    come up, the heap rebuilt when they outnumber the owners), not by a look at each owner
-    (a review: 393 us a put with 10,000 tenants). A record just stored is not what its own
-    put evicts: a 250 kB answer of a tenant holding nothing else was dropped at once.
+    tenant's records go only once no other tenant holds more. An owner's share is the larger
+    of its part of ``max_bytes`` and of ``max_entries`` (its dominant share: ranked by bytes
+    alone, a flood of small records under the entries bound pushed out another's one big
+    answer, a review). The owner with the largest is found on a heap (entries made stale by
+    later changes skipped as they come up, the heap rebuilt when they outnumber the owners,
+    or the bounds change), not by a look at each owner (a review: 393 us a put with 10,000
+    tenants). A record just stored is not what its own put evicts: a 250 kB answer of a
+    tenant holding nothing else was dropped at once.
 
     Args:
         max_entries: records kept at most.
@@ -123,8 +126,8 @@ class MemoryStore:
         self._clock = clock
         self._records: dict[Hashable, Record] = {}
         self._owned: dict[Hashable, _Owned] = {}
-        #: ``(-bytes, order, owner)`` per change of an owner's bytes; stale ones are skipped.
-        self._heap: list[tuple[int, int, Hashable]] = []
+        #: ``(-share, order, owner)`` per change of an owner's records; stale ones skipped.
+        self._heap: list[tuple[float, int, Hashable]] = []
         self._order = 0
 
     def __len__(self) -> int:
@@ -135,7 +138,13 @@ class MemoryStore:
         hold; the records kept keep their expiry, and ``ttl_s`` applies to the records
         written from now."""
         self.max_entries, self.max_bytes, self.ttl_s = max_entries, max_bytes, ttl_s
+        self._rebuild()
         self._evict(None)
+
+    def fits(self, record: Record) -> bool:
+        """Whether ``record`` can be kept at all (with its owner's bookkeeping): one that
+        cannot is not stored by :meth:`put`, and the policy keeps the fact instead."""
+        return record.size + OWNER_OVERHEAD_BYTES <= self.max_bytes
 
     def get(self, key: Hashable) -> Record | None:
         record = self._records.get(key)
@@ -153,8 +162,8 @@ class MemoryStore:
     def put(self, key: Hashable, record: Record) -> None:
         if key in self._records:
             self._drop(key)
-        if record.size + OWNER_OVERHEAD_BYTES > self.max_bytes:
-            return  # could never fit; the policy caps bodies below max_bytes anyway
+        if not self.fits(record):
+            return  # the policy keeps a record of the fact instead (``fits``)
         record.expires_at = self._clock() + self.ttl_s
         self._records[key] = record
         owner = _owner(key)
@@ -181,16 +190,24 @@ class MemoryStore:
             del self._owned[owner]
             self.bytes -= OWNER_OVERHEAD_BYTES
 
+    def _share(self, owned: _Owned) -> float:
+        """``owned``'s dominant share of the store: the larger of its bytes' part of
+        ``max_bytes`` and its records' part of ``max_entries``."""
+        return max((owned.bytes + OWNER_OVERHEAD_BYTES) / self.max_bytes,
+                   len(owned.keys) / self.max_entries)
+
     def _ranked(self, owner: Hashable, owned: _Owned) -> None:
-        """Put ``owner`` on the heap at its bytes now (its earlier entries go stale)."""
-        heap = self._heap
-        if len(heap) > 2 * len(self._owned) + 64:  # mostly stale: rebuild it
-            heap[:] = [(-o.bytes, o.order, name) for name, o in self._owned.items()
-                       if name != owner]
-            heapq.heapify(heap)
+        """Put ``owner`` on the heap at its share now (its earlier entries go stale)."""
+        if len(self._heap) > 2 * len(self._owned) + 64:  # mostly stale
+            self._rebuild()
         self._order += 1
         owned.order = self._order
-        heapq.heappush(heap, (-owned.bytes, self._order, owner))
+        heapq.heappush(self._heap, (-self._share(owned), self._order, owner))
+
+    def _rebuild(self) -> None:
+        """The heap anew: one live entry per owner, at its share under the bounds now."""
+        self._heap = [(-self._share(o), o.order, name) for name, o in self._owned.items()]
+        heapq.heapify(self._heap)
 
     def _evict(self, stored: Hashable | None) -> None:
         """Drop records until both bounds hold (see the class docstring)."""
@@ -198,7 +215,7 @@ class MemoryStore:
             self._drop(self._victim(stored))
 
     def _victim(self, stored: Hashable | None) -> Hashable:
-        """The least recently used key of the owner holding the most bytes; not ``stored``
+        """The least recently used key of the owner holding the largest share; not ``stored``
         (the record its put has just stored) while another owner holds one. The owner it is
         taken from is ranked anew by :meth:`_drop`."""
         heap = self._heap

@@ -187,6 +187,33 @@ def test_a_record_that_fits_is_not_evicted_by_its_own_put():
     assert store.get(("e", "pay")) is None and store.get(("e", "pay-2")) is not None
 
 
+def test_a_flood_of_small_records_does_not_push_out_anothers_answer_under_the_entries_bound():
+    """A review: ranked by bytes alone, past ``max_entries`` (the bound that binds with the
+    defaults: 10,000 records of ~512 B are 5 MiB of 64) tenant b's one 100 kB answer went to
+    tenant a's flood of records. An owner's share is its larger part of either bound."""
+    store = MemoryStore(max_entries=100, max_bytes=64 * MiB, ttl_s=86400)
+    store.put(("b", "pay-1"), answer(100_000))
+    for i in range(150):
+        store.put(("a", f"k-{i}"), Record(SEEN, b"f" * 32))
+    assert store.get(("b", "pay-1")) is not None and len(store) == 100
+
+
+async def test_an_answer_the_store_cannot_hold_is_kept_as_a_fact():
+    """A review: the store refused a record whose size and its owner's bookkeeping passed
+    max_bytes, while the policy kept the fact (TOO_LARGE) only past max_bytes: an answer
+    in between was kept as neither, and the key's next request ran the work again."""
+    policy = Idempotency(IdempotencyConfig(max_bytes=4096, max_replay_bytes=4096), "r")
+    headers = CIMultiDictProxy(CIMultiDict({"Idempotency-Key": "k"}))
+    first = await policy.claim("POST", "/p", headers, "t", b"1")
+    assert first.capture is not None
+    first.capture.begin(200, "OK", CIMultiDict({"Content-Type": "application/json"}))
+    first.capture.feed(b"x" * 3200)
+    first.finish("2xx")
+    again = await policy.claim("POST", "/p", headers, "t", b"1")
+    assert again.rejected is not None and again.rejected.reason is Reason.IDEMPOTENCY_CONFLICT
+    assert not again.new_unit
+
+
 def test_a_record_larger_than_the_store_is_not_kept():
     store = MemoryStore(max_entries=10, max_bytes=2000 + OWNER_OVERHEAD_BYTES, ttl_s=60)
     store.put("small", answer(10))
