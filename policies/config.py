@@ -36,7 +36,7 @@ from redis.asyncio.connection import ConnectionPool
 
 from policies.bodies import shown
 from policies.secrets import API_KEY_HEADERS as API_KEY_HEADERS
-from policies.secrets import CARRIER_HEADERS, CREDENTIAL_HEADERS
+from policies.secrets import credential_header
 
 
 class ConfigError(Exception):
@@ -159,11 +159,8 @@ def _header_name(value: str) -> str:
 HeaderName = Annotated[str, AfterValidator(_header_name)]
 
 
-_CREDENTIALS = frozenset(name.lower() for name in (*CREDENTIAL_HEADERS, *CARRIER_HEADERS))
-
-
 def _identity_header_name(value: str) -> str:
-    if value.lower() in _CREDENTIALS:
+    if credential_header(value):
         raise ValueError(
             f"{value!r} carries a credential, so it cannot name a tenant, run, priority or "
             "deadline: its values would be shown in /metrics, the admin API and the event "

@@ -124,6 +124,23 @@ def secret_header(name: str, value: str) -> bool:
     return _named_secret(lower, SECRET_HEADER_PARTS) or bool(SECRET_VALUE.match(value))
 
 
+#: The parts of :data:`SECRET_HEADER_PARTS` that mark a credential in any header's name; not
+#: ``auth`` and ``session``, which also name what an authenticating gateway checked
+#: (``X-Authenticated-Userid``, ``Cf-Access-Authenticated-User-Email``) or a run.
+_CREDENTIAL_PARTS = tuple(p for p in SECRET_HEADER_PARTS if p not in ("auth", "session"))
+_CREDENTIAL_NAMES = frozenset(n.lower() for n in (*CREDENTIAL_HEADERS, *CARRIER_HEADERS))
+
+
+def credential_header(name: str) -> bool:
+    """Whether a header named ``name`` carries a caller's credential whatever its value: one
+    of :data:`CREDENTIAL_HEADERS` or :data:`CARRIER_HEADERS`, or a name holding a token's,
+    key's, secret's or password's word (``X-Session-Token``, ``X-Vault-Token``)."""
+    lower = name.lower()
+    if lower in _CREDENTIAL_NAMES:
+        return True
+    return lower not in NOT_SECRET_HEADERS and _named_secret(lower, _CREDENTIAL_PARTS)
+
+
 def _named_secret(lower: str, parts: tuple[str, ...]) -> bool:
     """A lower-cased name holds one of ``parts``, or one of :data:`SECRET_HEADER_WORDS` as a
     whole word (between ``-`` and ``_``)."""

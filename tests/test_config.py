@@ -499,12 +499,14 @@ def test_a_key_pasted_where_a_word_belongs_is_not_quoted_back():
 
 @pytest.mark.parametrize("field", ["tenant_header", "run_header", "priority_header"])
 @pytest.mark.parametrize("name", ["x-api-key", "Authorization", "Cookie", "X-Auth-Token",
-                                  "Proxy-Authorization"])
+                                  "Proxy-Authorization", "X-Session-Token", "X-Vault-Token",
+                                  "X-Api-Secret", "X-Amz-Security-Token", "Private-Token"])
 def test_a_header_that_carries_a_credential_cannot_name_a_tenant_or_a_run(field, name):
     """A hostile trial: ``tenant_header: x-api-key`` (a "quota per key" shortcut) passed
     check-config, and every caller's key then showed as a tenant label in /metrics, in the
     admin API and in the event log. The headers callers' credentials travel in are refused
-    here; not every name with "auth" in it (a review): an authenticating gateway's checked
+    here, as is any name holding a token's, key's, secret's or password's word; not every
+    name with "auth" or "session" in it (a review): an authenticating gateway's checked
     user is the natural tenant behind it."""
     with pytest.raises(ConfigError) as refused:
         parse_config(f"identity: {{{field}: {name}}}\n" + ROUTE, "c.yaml")
