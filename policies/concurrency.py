@@ -14,14 +14,16 @@ overtake the queue. The best waiter is chosen by, in order:
    virtual time that every call it sends advances by ``cost / weight``
    (``concurrency.tenant_weights``, default 1). The cost is the call's reserved tokens where
    the route meters tokens (``Call.cost``), else its expected service time (the tenant's
-   observed mean, corrected to the actual duration when the call ends) in units of the
-   route's first observed service time, and 1 before it. Counted in seconds, the calls
-   queued on a cold route were priced at the starting guess (1 s) and those after the first
-   answer at what was observed: with a 0.1 s upstream and weights 3:1, a hostile trial's
-   flooder got 2% of the slots, not 25%, until its backlog drained. In a unit fixed by the
-   first sample a typical call costs 1 before and after it, and later costs compare as
-   seconds do (a unit that followed the mean let a tenant of 30 s calls on a 0.1 s route
-   take 77% of the slot time: a review). A call is tagged with
+   observed mean, corrected to the actual duration when the call ends) in a unit, the median
+   of the route's first 8 service times; until those are in, every call costs 1. Counted
+   in seconds, the calls queued on a cold route were priced at the starting guess (1 s) and
+   those after the first answer at what was observed: with a 0.1 s upstream and weights
+   3:1, a hostile trial's flooder got 2% of the slots, not 25%, until its backlog drained.
+   A typical call costs 1 before and after the unit is known, and later costs compare as
+   seconds do (a unit that followed the moving mean let a tenant of 30 s calls on a 0.1 s
+   route take 77% of the slot time; one fixed by the first answer alone, a cached 1 ms one
+   or a 120 s cold start, priced the cold backlog 100 times too low or high: reviews).
+   A call is tagged with
    its tenant's virtual time when it arrives, never below the route's (the tag of the last call
    served: a tenant returning from idle gets no banked credit, as CFS places a waking task at
    ``min_vruntime``), and the smallest tag is served first. A tenant sending ten times as much
@@ -97,9 +99,11 @@ DEFAULT_PRIORITY = 1
 
 _EWMA_WEIGHT = 0.1  # weight of the newest sample in the service-time average
 _INITIAL_SERVICE_S = 1.0  # assumed mean service time before the first completion, seconds
-#: The least service time a call's cost is counted in (a route whose first call took no
+#: The least service time a call's cost is counted in (a route whose calls took no
 #: measurable time), seconds.
 _MIN_MEAN_S = 1e-6
+#: Service times whose median is the unit a call's cost is counted in.
+_UNIT_SAMPLES = 8
 #: Largest factor the Retry-After estimate is spread by (see ``_drain_estimate``).
 JITTER_MAX = 1.5
 _TENANTS_SHOWN = 20  # tenants listed by state(), the biggest holders first
@@ -247,8 +251,10 @@ class ConcurrencyLimiter:
         self.mean_first_byte_s = _INITIAL_SERVICE_S
         #: True once a completion has updated the means (before, they are a guess).
         self.observed = False
-        #: The first observed service time, seconds: what a call's cost is counted in.
+        #: What a call's cost is counted in: the median of the first service times
+        #: observed (``_samples``), seconds; ``None`` until there are enough.
         self._unit: float | None = None
+        self._samples: list[float] = []
         #: Changes whenever a slot frees or passes on (a release, a grant, a reload): how
         #: :meth:`turn` knows that none has since it last looked.
         self.turns = 0
@@ -294,9 +300,9 @@ class ConcurrencyLimiter:
             cost: the call's cost in tokens, if known (else its service time is used).
 
         Returns:
-            the service time charged to the tenant's virtual time when the cost was not known
-            (in units of the route's first observed one; corrected at :meth:`release`), else
-            ``None``.
+            the service time charged to the tenant's virtual time, seconds, when it is to be
+            corrected at :meth:`release` (no token cost known, and the route's unit known),
+            else ``None``.
 
         Raises:
             Rejected: ``tenant_concurrency`` (429) when ``tenant`` is at ``per_tenant``;
@@ -543,7 +549,10 @@ class ConcurrencyLimiter:
                 self.mean_service_s = service_s
                 self.mean_first_byte_s = first
                 self.observed = True
-                self._unit = max(service_s, _MIN_MEAN_S)
+            if self._unit is None:
+                self._samples.append(service_s)
+                if len(self._samples) == _UNIT_SAMPLES:  # the median: no outlier decides it
+                    self._unit = max(sorted(self._samples)[_UNIT_SAMPLES // 2], _MIN_MEAN_S)
             if self._mean_tokens is None:
                 # A tenant's mean prices only calls with no token cost on a route that has
                 # seen none (``_charge``); once one has had a cost it is never read again.
@@ -551,7 +560,7 @@ class ConcurrencyLimiter:
                 self._tenant_service[tenant] = mean + _EWMA_WEIGHT * (service_s - mean)
             if charged is not None and (cls, tenant) in self._vtime:
                 weights = self.tenant_weights
-                error = service_s / self._unit - charged  # type: ignore[operator]
+                error = (service_s - charged) / self._unit  # type: ignore[operator]
                 self._vtime[cls, tenant] += (error / weights.get(tenant, 1.0) if weights
                                              else error)
         held = self._by_tenant[tenant] - 1
@@ -732,9 +741,9 @@ class ConcurrencyLimiter:
 
     def _charge(self, tenant: str, cls: int, cost: float | None) -> float | None:
         """Advance ``tenant``'s virtual time in ``cls`` by one call, from its tag (the
-        tenant's time, never below the class's): returns the service time charged when no
-        token cost was known (in units of the route's first observed service time; corrected
-        at :meth:`release`), else ``None``."""
+        tenant's time, never below the class's): returns the service time charged, seconds,
+        when it is to be corrected at :meth:`release` (no token cost known, and the unit
+        known), else ``None``."""
         if cost is not None:
             mean = self._mean_tokens
             self._mean_tokens = cost if mean is None else mean + _EWMA_WEIGHT * (cost - mean)
@@ -742,10 +751,11 @@ class ConcurrencyLimiter:
         elif self._mean_tokens is not None:
             cost = self._mean_tokens  # an unmetered call on a metered route: a typical one
             charged = None
-        else:  # in units of the route's first observed service time (module docstring)
-            unit = self._unit
-            cost = charged = (1.0 if unit is None
-                              else self._tenant_service.get(tenant, self.mean_service_s) / unit)
+        elif self._unit is None:  # a call until the unit is known (the module docstring)
+            cost, charged = 1.0, None
+        else:  # seconds, counted in the unit
+            charged = self._tenant_service.get(tenant, self.mean_service_s)
+            cost = charged / self._unit
         flow = cls, tenant
         tag = self._vtime.get(flow)
         if tag is None:  # the tenant's first call in flight or queued: it starts at the class's

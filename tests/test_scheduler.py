@@ -114,9 +114,15 @@ def test_a_deadline_shorter_than_the_estimated_wait_is_refused_at_once():
 def test_unmetered_calls_cost_their_service_time_and_are_corrected():
     async def main() -> None:
         limiter = ConcurrencyLimiter(1, 10, 30.0, None)
+        # Until the unit (the median of 8 service times) is known, a call costs 1 and
+        # nothing is corrected; then it costs its tenant's mean in the unit, corrected.
+        for seconds in (3.0, 0.001, 2.0, 2.0, 120.0, 2.0, 2.0, 2.0):
+            assert await limiter.acquire("t") is None
+            limiter.release("t", seconds, None)
         charged = await limiter.acquire("t")
-        assert charged == 1.0  # the assumed mean before any observation
+        assert charged == pytest.approx(limiter.mean_service_s)  # seconds: the route's mean
         limiter.release("t", 3.0, charged)
+        assert limiter._unit == 2.0
         assert await limiter.acquire("t", cost=100.0) is None  # tokens: no correction
         # An unmetered call on a route that meters tokens costs a typical metered one.
         task = asyncio.ensure_future(limiter.acquire("u"))
