@@ -580,7 +580,9 @@ class IdempotencyConfig(_Section):
     #: 409 ``idempotency_conflict`` at once.
     max_waiters: int = Field(default=100, gt=0)
     max_entries: int = Field(default=10_000, gt=0)
-    max_bytes: int = Field(default=64 * 1024 * 1024, gt=0)
+    #: At least 4 KiB: a record and its tenant's bookkeeping are charged ~1.3 KB before any
+    #: body, and a store that can hold none keeps not even the fact that a key ran.
+    max_bytes: int = Field(default=64 * 1024 * 1024, ge=4096)
     max_replay_bytes: int = Field(default=1024 * 1024, gt=0)
 
     @model_validator(mode="after")

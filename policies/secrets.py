@@ -133,12 +133,17 @@ _CREDENTIAL_NAMES = frozenset(n.lower() for n in (*CREDENTIAL_HEADERS, *CARRIER_
 
 def credential_header(name: str) -> bool:
     """Whether a header named ``name`` carries a caller's credential whatever its value: one
-    of :data:`CREDENTIAL_HEADERS` or :data:`CARRIER_HEADERS`, or a name holding a token's,
-    key's, secret's or password's word (``X-Session-Token``, ``X-Vault-Token``)."""
+    of :data:`CREDENTIAL_HEADERS` or :data:`CARRIER_HEADERS`, a name holding a token's,
+    key's, secret's or password's word (``X-Session-Token``, ``X-Vault-Token``), or
+    ``authorization``, ``authentication``, or ``auth`` as its last word (``X-Api-Auth``);
+    not ``auth`` elsewhere (``X-Authenticated-Userid``, ``X-Auth-Request-User``)."""
     lower = name.lower()
     if lower in _CREDENTIAL_NAMES:
         return True
-    return lower not in NOT_SECRET_HEADERS and _named_secret(lower, _CREDENTIAL_PARTS)
+    if lower in NOT_SECRET_HEADERS:
+        return False
+    return (_named_secret(lower, _CREDENTIAL_PARTS) or "authorization" in lower
+            or "authentication" in lower or re.split(r"[-_]", lower)[-1] == "auth")
 
 
 def _named_secret(lower: str, parts: tuple[str, ...]) -> bool:

@@ -857,8 +857,13 @@ class Meter:
                 obj = orjson.loads(data)
             except orjson.JSONDecodeError as exc:
                 # Cut short: the parse ran out at the end. Not a whole body orjson refuses
-                # elsewhere (NaN, a byte-order mark), nor an empty one (a review).
-                end = len(data.rstrip())
+                # elsewhere (NaN, a byte-order mark), nor an empty one (a review). orjson
+                # counts characters, and a body cut inside one is no UTF-8 at all.
+                try:
+                    end = len(data.rstrip().decode())
+                except UnicodeDecodeError as bad:
+                    self._unreadable = bad.reason == "unexpected end of data"
+                    return
                 self._unreadable = end > 0 and exc.pos >= end
                 return
         if isinstance(obj, dict) and isinstance(usage := obj.get("usage"), dict) \
@@ -980,7 +985,9 @@ class Meter:
         else:
             # OpenAI's {"error": ...} chunk; none after [DONE], where the openai SDK stops
             # reading (the other SDKs read on: their error events count wherever they are).
-            if (not self.done and data.find(b'"error"', first, first + 10) >= 0
+            if self.done:
+                return False  # nor is its content counted: only a usage chunk is read (above)
+            if (data.find(b'"error"', first, first + 10) >= 0
                     and self._error_event(data[first:last])):
                 return False
             if not self._finished:

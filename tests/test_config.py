@@ -500,7 +500,8 @@ def test_a_key_pasted_where_a_word_belongs_is_not_quoted_back():
 @pytest.mark.parametrize("field", ["tenant_header", "run_header", "priority_header"])
 @pytest.mark.parametrize("name", ["x-api-key", "Authorization", "Cookie", "X-Auth-Token",
                                   "Proxy-Authorization", "X-Session-Token", "X-Vault-Token",
-                                  "X-Api-Secret", "X-Amz-Security-Token", "Private-Token"])
+                                  "X-Api-Secret", "X-Amz-Security-Token", "Private-Token",
+                                  "X-Authorization", "Authentication", "X-Api-Auth"])
 def test_a_header_that_carries_a_credential_cannot_name_a_tenant_or_a_run(field, name):
     """A hostile trial: ``tenant_header: x-api-key`` (a "quota per key" shortcut) passed
     check-config, and every caller's key then showed as a tenant label in /metrics, in the

@@ -437,7 +437,8 @@ async def test_finish_is_idempotent_and_keys_are_scoped_by_tenant():
 @pytest.mark.parametrize(("block", "problem"), [
     ("{mode: forward, on_in_flight: reject}", "on_in_flight has no effect in mode forward"),
     ("{mode: serialize, max_replay_bytes: 10}", "max_replay_bytes has no effect"),
-    ("{max_replay_bytes: 2000, max_bytes: 1000}", "exceeds max_bytes"),
+    ("{max_replay_bytes: 20000, max_bytes: 10000}", "exceeds max_bytes"),
+    ("{max_bytes: 1000}", "should be 4096 or more"),
     ("{derive_from: [X-Run-ID, x-run-id]}", "names a header twice"),
     ("{derive_from: ['X Run']}", "not an HTTP header name"),
     ("{ttl: 24}", "not a duration"),

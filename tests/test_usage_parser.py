@@ -735,3 +735,25 @@ def test_an_anthropic_message_delta_without_usage_ends_the_answer():
                 b'"end_turn"}}\n\n')
     meter.finish()
     assert not meter.cut_short
+
+
+@pytest.mark.parametrize("cut", range(1, 12))
+def test_a_json_answer_cut_within_text_that_is_not_ascii_is_cut_short(cut):
+    """A review: orjson reports where a parse failed in characters, not bytes, and a body cut
+    inside a character is no UTF-8 at all: an answer cut after any ``é`` or emoji was judged
+    whole, kept and replayed broken."""
+    whole = '{"choices":[{"message":{"content":"日本語 é 🙂"}}]}'.encode()
+    meter = Meter(CHAT, anthropic=False, strip_usage=False)
+    started(meter, "application/json")
+    meter.body(whole[:-cut])
+    assert meter.cut_short
+
+
+def test_content_after_done_is_not_counted():
+    """A review: content chunks after ``data: [DONE]``, which the openai SDK never reads,
+    went into the output estimate charged when no usage came."""
+    meter = Meter(CHAT, anthropic=False, strip_usage=False)
+    started(meter)
+    meter.chunk(_chat("a", '"stop"') + b"data: [DONE]\n\n" + _chat("x" * 400) * 3)
+    meter.finish()
+    assert meter.streamed_tokens == 1
