@@ -281,8 +281,11 @@ def test_cancellations_at_any_await_leave_no_lease_and_no_slot(calls, limit, per
 
 async def _cancellations(calls, limit: int, per_tenant: int | None) -> None:
     prefix = new_prefix()
-    a_state = await redis_backends(REDIS_URL, prefix, 0.5, probe_interval_s=0.1)
-    b_state = await redis_backends(REDIS_URL, prefix, 0.5, probe_interval_s=0.1)
+    # A timeout the machine's load cannot reach: one connect past 0.5 s (a CI run beside
+    # other work) put both replicas on their own memory, each admitting its local share of
+    # 1, as on_unavailable: local says, which is not what this test is about.
+    a_state = await redis_backends(REDIS_URL, prefix, 3.0, probe_interval_s=0.1)
+    b_state = await redis_backends(REDIS_URL, prefix, 3.0, probe_interval_s=0.1)
     try:
         for state in (a_state, b_state):
             state.lease_s = 30.0
