@@ -35,7 +35,6 @@ from pydantic import (
 from redis.asyncio.connection import ConnectionPool
 
 from policies.bodies import shown
-from policies.secrets import API_KEY_HEADERS as API_KEY_HEADERS
 from policies.secrets import credential_header
 
 

@@ -650,8 +650,8 @@ class Idempotency:
             claim = Claim(key, mcp_id)
         else:
             key = self._derive(headers, tenant)
-            if key is None and fingerprint is not None:
-                key = self._call_key(tenant, call_key or fingerprint, headers)
+            if key is None and call_key is not None:
+                key = self._call_key(tenant, call_key, headers)
             if key is None:
                 # A fresh key: unknown to anyone else, so there is nothing to look up.
                 claim = Claim(fresh_key())
@@ -1181,21 +1181,16 @@ def _with_credentials(fingerprint: bytes, headers: CIMultiDictProxy[str]) -> byt
     return hashlib.sha256(fingerprint + _credentials(headers)).digest()
 
 
-# The credentials a derived key includes: :data:`policies.secrets.CREDENTIAL_HEADERS`, a
-# list, not every field :func:`policies.secrets.secret_header` takes for one (a review):
-# fields such as an RFC 9421 ``Signature``, an ``X-CSRF-Token`` or a per-request JWT change
-# with every request, and would make a call's retry another call, its side effect run twice
-# under a key Sluice derives; so would a load balancer's ``Cookie``.
-
-
 def _credentials(headers: CIMultiDictProxy[str]) -> bytes:
-    """A digest of the credentials ``headers`` carry in :data:`CREDENTIAL_HEADERS` (none:
-    the digest of nothing). A key Sluice makes itself (derived, or an MCP call's tool and
-    arguments) includes it, and a caller's own key is bound to it (:func:`_with_credentials`),
-    so an answer is never replayed to a caller with other credentials: keyed by tenant alone,
-    a new user's second caller, sharing the tenant, was given the first one's ``my_inbox``
-    result; bound to three headers, a caller with another Gemini key was given the first
-    one's answer (a review)."""
+    """A digest of the credentials ``headers`` carry in
+    :data:`policies.secrets.CREDENTIAL_HEADERS` (none: the digest of nothing; a list, not
+    every field that may hold a secret, a review: those that change with every request would
+    make a call's retry another call, its side effect run twice under a key Sluice derives).
+    A key Sluice makes itself (derived, or an MCP call's tool and arguments) includes it, and
+    a caller's own key is bound to it (:func:`_with_credentials`), so an answer is never
+    replayed to a caller with other credentials: keyed by tenant alone, a new user's second
+    caller, sharing the tenant, was given the first one's ``my_inbox`` result; bound to three
+    headers, a caller with another Gemini key was given the first one's answer (a review)."""
     digest = hashlib.sha256()
     for name in CREDENTIAL_HEADERS:
         for value in headers.getall(name, ()):

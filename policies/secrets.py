@@ -19,21 +19,22 @@ _KEY_PREFIXES = r"sk-(?![A-Za-z]{2}(?:$|[,;]))|sk_|rk_|xox[abp]-|gh[pousr]_|AKIA
 #: ``Authorization`` schemes, case-insensitive (a regular expression, for patterns here and in
 #: ``proxy.redact``).
 AUTH_SCHEMES = r"(?i:bearer|basic|digest|token)"
-_SCHEMES = AUTH_SCHEMES
-SECRET_VALUE = re.compile(rf"^(?:{_KEY_PREFIXES}|{_SCHEMES}\s)")
+SECRET_VALUE = re.compile(rf"^(?:{_KEY_PREFIXES}|{AUTH_SCHEMES}\s)")
 
-#: The request headers that carry a caller's credentials, as APIs read them: the
-#: ``Authorization`` schemes (and a proxy's), a browser's ``Cookie``; OpenAI-compatible,
-#: Anthropic and Azure OpenAI keys (``proxy/identity.py``); Gemini's; Azure API
-#: Management's; and the common token header. A list, not every field
-#: :func:`secret_header` takes for one: a gateway's ``X-Authenticated-Userid`` names a user
-#: it checked, and an RFC 9421 ``Signature`` changes with every request.
 #: Headers carrying an API key as their whole value (Anthropic; Azure OpenAI), besides
 #: ``Authorization: Bearer``: where ``identity.tenants`` looks keys up.
 API_KEY_HEADERS = ("x-api-key", "api-key")
+#: The request headers that carry a caller's credentials, as APIs read them: the
+#: ``Authorization`` schemes; OpenAI-compatible, Anthropic and Azure OpenAI keys
+#: (``proxy/identity.py``); Gemini's; Azure API Management's; and the common token header.
+#: A list, not every field :func:`secret_header` takes for one: a gateway's
+#: ``X-Authenticated-Userid`` names a user it checked, and an RFC 9421 ``Signature``, an
+#: ``X-CSRF-Token`` or a per-request JWT change with every request (an idempotency key
+#: Sluice derives includes these: with those, a call's retry would be another call).
 CREDENTIAL_HEADERS = ("Authorization", *API_KEY_HEADERS, "x-goog-api-key",
                       "Ocp-Apim-Subscription-Key", "X-Auth-Token")
-#: And those a caller's agent sends that no API reads a key from, but that carry one.
+#: Headers that carry a credential no API reads as the caller's: a proxy's ``Authorization``
+#: and a browser's (or a load balancer's) ``Cookie``.
 CARRIER_HEADERS = ("Proxy-Authorization", "Cookie")
 
 #: Header-name fragments that mark a credential (matched on the lower-cased name): the usual
@@ -80,7 +81,7 @@ _NAME_SEPARATORS = re.compile(r"[-_.\s\[\]]+")
 #: tutorial", "basic auth" or "token bucket" is no credential (reviews: dropped from a dead
 #: letter, its replay searched for nothing).
 _TOKEN_WORD = r"(?:(?=\S*\d)\S{8,}|\S{16,})"
-SECRET_QUERY_VALUE = re.compile(rf"^(?:{_KEY_PREFIXES}|{_SCHEMES}\s+{_TOKEN_WORD}$)")
+SECRET_QUERY_VALUE = re.compile(rf"^(?:{_KEY_PREFIXES}|{AUTH_SCHEMES}\s+{_TOKEN_WORD}$)")
 
 #: A credential inside a longer text (a message quoting a value it refused: ``'sk-...' is not
 #: a duration``): a vendor's key or a JWT starting a word, to the next space, quote, comma or
@@ -90,7 +91,7 @@ SECRET_QUERY_VALUE = re.compile(rf"^(?:{_KEY_PREFIXES}|{_SCHEMES}\s+{_TOKEN_WORD
 _TEXT_WORD = r"[^\s'\",;]"
 SECRET_IN_TEXT = re.compile(
     rf"(?<![\w-])(?:(?:{_KEY_PREFIXES}){_TEXT_WORD}*"
-    rf"|({_SCHEMES}\s+)(?:(?={_TEXT_WORD}*\d){_TEXT_WORD}{{8,}}|{_TEXT_WORD}{{16,}}))")
+    rf"|({AUTH_SCHEMES}\s+)(?:(?={_TEXT_WORD}*\d){_TEXT_WORD}{{8,}}|{_TEXT_WORD}{{16,}}))")
 
 
 def secret_query_field(name: str, value: str) -> bool:

@@ -45,8 +45,9 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from multidict import CIMultiDictProxy, istr
 
-from policies.config import API_KEY_HEADERS, IDENTITY_VALUE, MAX_IDENTITY_LENGTH, IdentityConfig
+from policies.config import IDENTITY_VALUE, MAX_IDENTITY_LENGTH, IdentityConfig
 from policies.reasons import Reason, Rejected
+from policies.secrets import API_KEY_HEADERS
 
 if TYPE_CHECKING:
     from aiohttp import web
