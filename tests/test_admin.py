@@ -65,8 +65,6 @@ from tests.test_reload import CHAT, until
                    f"f:9: server.stall_after: 'Bearer {REDACTED}' is not a duration",
                    f"f:10: x: '{REDACTED}' or {REDACTED}, not sk-SK",
                    "f:11: a basic auth header, a token bucket, task-sk-1"]}),
-    # A quoted value that is a credential whole, however short; an apostrophe before it
-    # does not hide it (a review).
     # A key of a vendor whose prefix Sluice does not know: its long run of letters and
     # digits (a new user's trial); a model name, a UUID or a date has none.
     ({"problems": ["f:9: x: '3f9a1c0b7d2e4f6a8b9c0d1e2f3a4b5c' is not a duration",
@@ -77,6 +75,8 @@ from tests.test_reload import CHAT, until
                    f"f:9: x: '{REDACTED}' is not a rate",
                    "f:9: model 'gpt-4o-mini-2024-07-18' or 'claude-3-5-sonnet-20241022', "
                    "'123e4567-e89b-12d3-a456-426614174000'"]}),
+    # A quoted value that is a credential whole, however short; an apostrophe before it
+    # does not hide it (a review).
     ({"problems": ["f:2: x: 'Basic dXNlcjpwYXNz' is not a duration",
                    "f:3: can't read \"Bearer abcdefghijklmno\", it's 'basic'"]},
      {"problems": [f"f:2: x: 'Basic {REDACTED}' is not a duration",

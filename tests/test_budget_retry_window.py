@@ -5,8 +5,6 @@ were charged to the first, which a 1000/min budget then passed (1,425 spent)."""
 
 from __future__ import annotations
 
-import calendar
-
 import orjson
 import pytest
 import yaml
@@ -19,14 +17,7 @@ from policies.reasons import Reason, Rejected
 from policies.state import memory_backends
 from policies.usage import Usage
 from proxy.config import parse_config
-
-
-class Clock:
-    def __init__(self, now: float) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
+from tests.test_budget_ledger import Clock, at
 
 
 @pytest.mark.parametrize("room_for_retry", [False, True])
@@ -36,7 +27,7 @@ async def test_a_retry_hold_across_a_window_end_is_held_where_the_call_is_charge
         "name": "openai", "path_prefix": "/openai/", "upstream": "http://127.0.0.1:1",
         "protocol": "openai", "budget": {"tokens": "1000/min", "per": "tenant"}}]}), "<t>")
     (route,) = config.routes
-    clock = Clock(float(calendar.timegm((2026, 3, 1, 12, 0, 59))))
+    clock = Clock(at("2026-03-01 12:00:59"))
     budgets = Budgets(route.budget, {}, memory_backends(), clock, "openai")
     acct = Accounting(route, {}, None, budgets, "X-Run-ID")
     body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}],

@@ -456,6 +456,7 @@ class _StrayAnswers:
     def __init__(self, late: float | None) -> None:
         self.late = late
         self.connections = 0
+        self.strays = 0  # stray answers written
         self.port = 0
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -470,6 +471,8 @@ class _StrayAnswers:
         self._server.close()
         for task in self._tasks:
             task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._server.wait_closed()
 
     @staticmethod
     def _answer(body: bytes) -> bytes:
@@ -487,12 +490,16 @@ class _StrayAnswers:
                 if path.endswith(b"/evil") and self.late is None:
                     big = b'{"pad": "' + b"x" * 300_000 + b'"}'
                     writer.write(self._answer(big) + stray)
+                    await writer.drain()
+                    self.strays += 1
                     continue
                 writer.write(self._answer(b'{"answer_for": "%s"}' % path))
                 if path.endswith(b"/evil"):
                     await writer.drain()
                     await asyncio.sleep(self.late or 0)
                     writer.write(stray)
+                    await writer.drain()
+                    self.strays += 1
         except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
             writer.close()
 
@@ -511,7 +518,9 @@ async def test_an_answer_nobody_asked_for_never_reaches_the_next_caller(start_sl
             async with session.get(sluice.url + "/h/evil") as r:
                 assert r.status == 200
                 await r.read()
-            await asyncio.sleep(0.3)  # the late one has arrived on the idle connection
+            # The stray is written, and has a moment to reach the idle connection.
+            await wait_until(lambda: upstream.strays == 1, what="the stray answer sent")
+            await asyncio.sleep(0.1)
             for tenant in ("alice", "bob", "carol"):
                 async with session.get(sluice.url + f"/h/{tenant}",
                                        headers={"X-Tenant-ID": tenant}) as r:

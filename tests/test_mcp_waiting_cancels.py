@@ -441,11 +441,12 @@ async def test_python_2x_clients_timed_out_in_the_queue_get_their_timeout_error(
         return "answered"
 
     # One holds the slot and four queue (a sixth would be refused queue_full). The holder
-    # times out (1.2 s) after the queued four have (0.6 s), so their cancels find them still
+    # times out (2.5 s) well after the queued four have (0.6 s after each sends, which waits
+    # on the holder's admitted event and a handshake), so their cancels find them still
     # queued: with one timeout for all, the holder's cancel freed the slot just as the first
     # queued call's own cancel came, and on a busy machine that call was handed the slot and
     # sent first (one clean-clone CI run of three, and a new user's suite).
-    holder = asyncio.create_task(one(1.5, timeout=1.2))
+    holder = asyncio.create_task(one(3.0, timeout=2.5))
     await wait_until(lambda: any(e["event"] == "admitted" and e.get("operation") == "slow"
                                  for e in sluice.events()), what="the holder's call admitted")
     queued = [asyncio.create_task(one(1.5 + i / 1000)) for i in range(1, 5)]

@@ -344,7 +344,7 @@ def test_the_event_log_and_the_dead_letter_file_are_not_readable_by_every_user(t
 
     old = os.umask(0o022)
     try:
-        FileSink(str(tmp_path / "events.jsonl"))
+        FileSink(str(tmp_path / "events.jsonl")).close()
         DeadLetterFile(str(tmp_path / "dlq.sqlite")).close()
         kept = tmp_path / "kept.sqlite"
         kept.touch(mode=0o644)

@@ -600,7 +600,8 @@ async def test_a_twin_waiting_for_its_answer_makes_the_runs_refusal_retryable(
         first = asyncio.create_task(keyed())
         await wait_until(lambda: len(upstream.requests) == 1, what="the first call upstream")
         twin = asyncio.create_task(keyed())
-        await asyncio.sleep(0.3)  # the twin is counted, and waits for the first's answer
+        # The twin is counted (the run step comes first) and waits for the first's answer.
+        await sluice.wait_metric("sluice_idempotency_waiting", 1, route="openai")
         status, headers, _ = await call(s, sluice, "job")
         assert (status, headers["X-Sluice-Reason"], headers["x-should-retry"]) == (
             429, "run_budget_exhausted", "true")

@@ -19,6 +19,7 @@ import pytest
 from aiohttp import web
 
 from tests.conftest import route, serve_app, wait_until
+from tests.fakeupstream import RawUpstream
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 EXPECTED_TEXT = "".join(f"tok{i} " for i in range(5))
@@ -226,27 +227,11 @@ async def _sent_twice(start_sluice, protocol: str, path: str, payload: dict, bod
     framed = (b"Content-Length: %d\r\n\r\n%s" % (len(body), body) if framing == "length"
               else b"Transfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n"
               % (len(body), body))
-    seen = []
-
-    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while True:
-            try:
-                head = await reader.readuntil(b"\r\n\r\n")
-            except asyncio.IncompleteReadError:
-                break
-            length = next(int(line.partition(b":")[2]) for line in head.split(b"\r\n")
-                          if line.lower().startswith(b"content-length:"))
-            await reader.readexactly(length)
-            seen.append(head)
-            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n" + framed)
-            await writer.drain()
-        writer.close()
-
-    server = await asyncio.start_server(serve, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
+    upstream = await RawUpstream(
+        b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n" + framed).start()
     try:
         sluice = await start_sluice({"routes": [route(
-            "llm", f"http://127.0.0.1:{port}", protocol, idempotency={"mode": "dedup"})]})
+            "llm", upstream.url, protocol, idempotency={"mode": "dedup"})]})
         replayed = []
         async with aiohttp.ClientSession() as session:
             for _ in range(2):
@@ -254,10 +239,9 @@ async def _sent_twice(start_sluice, protocol: str, path: str, payload: dict, bod
                                         headers={"Idempotency-Key": key}) as r:
                     assert (r.status, await r.read()) == (200, body)
                     replayed.append(r.headers.get("Idempotent-Replayed"))
-        return len(seen), replayed
+        return len(upstream.requests), replayed
     finally:
-        server.close()
-        await server.wait_closed()
+        await upstream.stop()
 
 
 @pytest.mark.parametrize("framing", ["chunked", "length"])
