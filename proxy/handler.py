@@ -105,7 +105,11 @@ def _caller_timeout(request: web.BaseRequest, header: str) -> tuple[float | None
     get = request.headers.get
     raw, reads = get(header), False
     if raw is None:
-        raw, reads = get(_STAINLESS_TIMEOUT) or get(_STAINLESS_READ_TIMEOUT), True
+        raw, reads = get(_STAINLESS_TIMEOUT), True
+        # The anthropic SDK (2.17) sends "NOT_GIVEN" there when the timeout is the client's,
+        # and the value in the read-timeout header: read past a value that is no number.
+        if raw is None or not _SECONDS.fullmatch(raw):
+            raw = get(_STAINLESS_READ_TIMEOUT)
     if raw and _SECONDS.fullmatch(raw):  # not "inf", "nan", "1e-300", "-1", "1_000"
         value = float(raw)
         if value > 0:

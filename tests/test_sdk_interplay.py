@@ -352,3 +352,45 @@ async def test_one_layer_retries_a_failure_sluice_or_the_sdk_never_both(upstream
             json={"model": "gpt-test", "messages": MESSAGES}) as r:
         assert r.status == 503 and r.headers["X-Sluice-Dead-Letter"] == "2"
     assert await sluice.metric("sluice_dead_letters_total", route="openai") == 2
+
+
+@pytest.mark.parametrize("sdk", ["openai", "anthropic"])
+async def test_a_client_level_timeout_is_a_deadline(upstream, start_sluice, sdk):
+    """A hostile trial: ``AsyncAnthropic(timeout=2.5)`` sends ``x-stainless-timeout:
+    NOT_GIVEN`` and the value in ``x-stainless-read-timeout``; Sluice read the first, found
+    no number and took the call for one without a deadline, so behind a 30 s wait it queued
+    until the SDK gave up (2.5 s, then again per retry) instead of being answered 503 within
+    it (here: the queue wait it was allowed ran out first)."""
+    sluice = await start_sluice({"routes": [
+        route("openai", upstream.url, "openai",
+              concurrency={"limit": 1, "queue": 4, "max_wait": "60s"}),
+        route("anthropic", upstream.url, "anthropic",
+              concurrency={"limit": 1, "queue": 4, "max_wait": "60s"}),
+    ]})
+    wire = Wire()
+    if sdk == "openai":
+        client = openai.AsyncOpenAI(base_url=sluice.url + "/openai/v1", api_key="sk-test",
+                                    max_retries=0, timeout=1.5, http_client=(
+                                        openai.DefaultAsyncHttpxClient(event_hooks=wire.hooks())))
+        call, timed_out = call_openai, openai.APITimeoutError
+    else:
+        client = anthropic.AsyncAnthropic(
+            base_url=sluice.url + "/anthropic", api_key="sk-ant-test", max_retries=0,
+            timeout=1.5, http_client=anthropic.DefaultAsyncHttpxClient(event_hooks=wire.hooks()))
+        call, timed_out = call_anthropic, anthropic.APITimeoutError
+    upstream.hold = asyncio.Event()  # the one slot taken until the end: no call can make it
+    try:
+        holder = asyncio.create_task(call(client.with_options(timeout=60)))
+        await wait_until(lambda: upstream.inflight == 1, what="the slot taken")
+        # Sluice's answer, within the caller's deadline: the SDK never timed out.
+        with pytest.raises(openai.InternalServerError if sdk == "openai"
+                           else anthropic.InternalServerError) as refused:
+            await call(client)
+        assert not isinstance(refused.value, timed_out)
+        assert refused.value.response.headers["x-sluice-reason"] == "queue_timeout"
+        upstream.hold.set()
+        await holder
+    finally:
+        await client.close()
+    sent = wire.sent[-1][1].headers
+    assert float(sent["x-stainless-read-timeout"]) == 1.5  # what Sluice has to read
