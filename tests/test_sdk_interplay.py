@@ -378,8 +378,11 @@ async def test_a_client_level_timeout_is_a_deadline(upstream, start_sluice, sdk)
             base_url=sluice.url + "/anthropic", api_key="sk-ant-test", max_retries=0,
             timeout=1.5, http_client=anthropic.DefaultAsyncHttpxClient(event_hooks=wire.hooks()))
         call, timed_out = call_anthropic, anthropic.APITimeoutError
-    upstream.hold = asyncio.Event()  # the one slot taken until the end: no call can make it
-    try:
+    upstream.delay = 0.6  # the route's time to a first byte, once seen: what a read timeout
+    try:                  # must leave room for, so the queue's wait ends 0.6 s before the SDK's
+        await call(client)
+        upstream.delay = 0.0
+        upstream.hold = asyncio.Event()  # the one slot taken until the end: no call makes it
         holder = asyncio.create_task(call(client.with_options(timeout=60)))
         await wait_until(lambda: upstream.inflight == 1, what="the slot taken")
         # Sluice's answer, within the caller's deadline: the SDK never timed out.
