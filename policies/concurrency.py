@@ -106,6 +106,13 @@ _MIN_MEAN_S = 1e-6
 _UNIT_SAMPLES = 8
 #: Largest factor the Retry-After estimate is spread by (see ``_drain_estimate``).
 JITTER_MAX = 1.5
+#: The shortest Retry-After a concurrency refusal gives, seconds: the openai and anthropic
+#: SDKs' own first back-off (``INITIAL_RETRY_DELAY``). An estimate is the past's mean; when
+#: the calls holding the slots prove longer, a caller told less spends its retries (two by
+#: default) before any slot frees: a burst of 1 s calls after fast ones was told 2-8 ms and
+#: its SDK gave up within 0.3 s (a hostile trial), sooner than with no hint at all. A hint
+#: too long costs the caller that wait; too short, its call.
+MIN_RETRY_AFTER_S = 0.5
 _TENANTS_SHOWN = 20  # tenants listed by state(), the biggest holders first
 #: The ``limit`` of a limiter whose block a reload removed (:meth:`ConcurrencyLimiter.retire`):
 #: more slots than calls can ever be in flight, so every call is admitted at once.
@@ -336,7 +343,7 @@ class ConcurrencyLimiter:
             service = max(service, self._tenant_stalled(tenant))
         return Rejected(
             Reason.TENANT_CONCURRENCY,
-            service / max(held, 1),
+            max(service / max(held, 1), MIN_RETRY_AFTER_S),
             f"limit {self.per_tenant} in flight or queued per tenant",
             ("tenant-concurrency", self.per_tenant, 0, 0),
         )
@@ -585,13 +592,33 @@ class ConcurrencyLimiter:
         admitted at once; a lowered one is reached as in-flight requests finish. New weights
         apply to calls queued from now on.
         """
+        shorter = max_wait < self.max_wait
         self._adopt(limit, queue, max_wait, per_tenant, tenant_weights, aging)
+        if shorter:
+            self._shorten_waits()
         self.turns += 1  # a raised limit frees slots without a release
         while self.inflight < self.limit:
             self.inflight += 1
             if not self._hand_over():
                 self.inflight -= 1
                 break
+
+    def _shorten_waits(self) -> None:
+        """A reload lowered ``max_wait``: calls queued before it wait no longer than the new
+        ``max_wait`` from now (if they would have waited longer), as :meth:`_drain_estimate`
+        assumes of every queued call. Kept, they were served up to 9 s after a reload to
+        ``max_wait: 2s`` while newcomers were told the queue would be through in 4 s (a
+        hostile trial). Counted from the reload, not from their arrival: a reload ends no
+        wait at once."""
+        for waiter in self.waiters():
+            timer = waiter.timer
+            if timer is None or waiter.state != WAITING:
+                continue
+            loop = waiter.future.get_loop()
+            ends = loop.time() + self.max_wait
+            if timer.when() > ends:
+                timer.cancel()
+                waiter.timer = loop.call_at(ends, self._expire, waiter)
 
     def retire(self) -> None:
         """A reload removed this limiter's block: no limit from now on. Every queued call is
@@ -837,9 +864,11 @@ class ConcurrencyLimiter:
         At most ``max_wait`` plus one slot's turn: by then every call queued now has left
         the queue, served or expired, however many there were. Uncapped, a queue of 550 on
         2 slots (a reload had lowered the limit) told callers to come back in 400 s, with
-        ``x-should-retry: false``, though it was empty 20 s later."""
+        ``x-should-retry: false``, though it was empty 20 s later. At least
+        :data:`MIN_RETRY_AFTER_S`."""
         turn = self.turn()
-        return min(ahead * turn, self.max_wait + turn) * random.uniform(1.0, JITTER_MAX)
+        estimate = max(min(ahead * turn, self.max_wait + turn), MIN_RETRY_AFTER_S)
+        return estimate * random.uniform(1.0, JITTER_MAX)
 
     def turn(self) -> float:
         """Seconds expected between two slots freeing while every slot is busy: the mean

@@ -468,7 +468,10 @@ class SharedConcurrencyLimiter(ConcurrencyLimiter):
         The new limit is recorded in Redis at once, so that the replicas' shared limit (the
         lowest of theirs) follows without waiting for this replica's next acquire."""
         changed = limit != self.limit
+        shorter = max_wait < self.max_wait
         self._adopt(limit, queue, max_wait, per_tenant, tenant_weights, aging)
+        if shorter:
+            self._shorten_waits()
         if changed and _in_loop():
             self.background.start(self._register(), f"limit of {self.group} recorded")
         self._wake()

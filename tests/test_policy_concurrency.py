@@ -12,7 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from policies.concurrency import JITTER_MAX, WAITING, ConcurrencyLimiter
+from policies import concurrency
+from policies.concurrency import JITTER_MAX, MIN_RETRY_AFTER_S, WAITING, ConcurrencyLimiter
 from policies.reasons import Reason, Rejected
 
 
@@ -416,6 +417,14 @@ async def test_retry_after_is_at_most_max_wait_and_one_turn_however_long_the_que
     await asyncio.gather(*waiting, return_exceptions=True)
 
 
+@pytest.fixture
+def estimates_unfloored(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The estimates themselves, without the least hint a refusal gives (milliseconds are
+    what these tests can afford to wait)."""
+    monkeypatch.setattr(concurrency, "MIN_RETRY_AFTER_S", 0.0)
+
+
+@pytest.mark.usefixtures("estimates_unfloored")
 async def test_a_house_busy_longer_than_the_mean_says_so_in_retry_after():
     # Fast calls set the mean at 6 ms; then a slow one holds the only slot. A new user's
     # SDK was told to come back in 6 ms (retry-after-ms) while 3 s calls held every slot.
@@ -494,6 +503,7 @@ async def test_the_stall_clock_restarts_at_a_hand_over_not_at_the_next_refusal()
     await asyncio.gather(again, return_exceptions=True)
 
 
+@pytest.mark.usefixtures("estimates_unfloored")
 async def test_a_tenant_at_its_cap_is_told_at_least_how_long_its_calls_have_run():
     # The tenant's 2 calls run long on a route with free slots, after fast calls set the mean
     # at 6 ms. A hostile trial measured 12 ms (the mean over 2) while they had run 0.3 s.
@@ -517,6 +527,7 @@ async def test_a_tenant_at_its_cap_is_told_at_least_how_long_its_calls_have_run(
     assert after.value.retry_after <= 0.3 / 2
 
 
+@pytest.mark.usefixtures("estimates_unfloored")
 async def test_a_tenant_at_its_cap_on_a_full_house_is_told_how_long_every_slot_stayed_busy():
     # The route's stall clock, started by a call that queued, bounds the tenant's calls too.
     limiter = limiter_with(limit=2, queue=5, per_tenant=2)
@@ -612,3 +623,53 @@ async def test_a_tenant_of_slow_calls_gets_its_weights_share_of_the_slot_time(
     shares = await _slot_time_shares(limiter, 3000.0)
     low, high = slow_share
     assert low <= shares["a"] <= high, shares
+
+
+async def test_a_burst_after_fast_calls_is_told_no_less_than_the_sdks_first_back_off():
+    """A hostile trial: fast calls set the mean at 6 ms, then a tenant's fan-out of 1 s calls
+    filled its cap and the slot: its refused calls were told 2-8 ms (``retry-after-ms``), and
+    the openai SDK spent its two retries within 0.3 s, long before a slot freed, sooner than
+    with no hint at all (its own back-off starts at 0.5 s)."""
+    limiter = limiter_with(limit=1, queue=1)
+    await full_after_fast_calls(limiter, 0.006)
+    waiting = await queued(limiter)
+    with pytest.raises(Rejected) as full:
+        await limiter.acquire("t")
+    assert full.value.reason is Reason.QUEUE_FULL
+    assert MIN_RETRY_AFTER_S <= full.value.retry_after <= MIN_RETRY_AFTER_S * JITTER_MAX
+    waiting.cancel()
+    await asyncio.gather(waiting, return_exceptions=True)
+
+    capped = limiter_with(limit=4, per_tenant=1)
+    await full_after_fast_calls(capped, 0.006)
+    with pytest.raises(Rejected) as refused:
+        await capped.acquire("t")
+    assert refused.value.reason is Reason.TENANT_CONCURRENCY
+    assert refused.value.retry_after == MIN_RETRY_AFTER_S
+
+
+async def test_a_reload_that_shortens_max_wait_shortens_the_waits_under_way():
+    """A hostile trial: ``max_wait`` 30 s reloaded to 2 s with calls queued: they were served
+    up to 9 s later, while newcomers were told (``Retry-After``) the queue would be through
+    within the new ``max_wait``. They now wait no longer than it from the reload; a caller's
+    own shorter deadline still ends its wait first, and a longer ``max_wait`` extends none."""
+    limiter = limiter_with(limit=1, queue=4, max_wait=30.0)
+    await limiter.acquire("t")
+    loop = asyncio.get_running_loop()
+    long_wait = await queued(limiter)
+    own_deadline = await queued(limiter, timeout=0.1)
+    before = {id(w): w.timer.when() for w in limiter.waiters()}
+    reloaded_at = loop.time()
+    limiter.reconfigure(1, 4, 0.3, None)
+    ends = {id(w): w.timer.when() for w in limiter.waiters()}
+    assert sorted(ends.values())[0] == min(before.values())  # the caller's own 0.1 s kept
+    assert reloaded_at + 0.3 <= max(ends.values()) < before[max(ends, key=ends.get)]
+    limiter.reconfigure(1, 4, 60.0, None)  # lengthened: no wait is extended
+    assert {id(w): w.timer.when() for w in limiter.waiters()} == ends
+    for task in (own_deadline, long_wait):
+        with pytest.raises(Rejected) as expired:
+            await task
+        assert expired.value.reason is Reason.QUEUE_TIMEOUT
+    assert loop.time() - reloaded_at < 5.0  # not the 30 s it had queued for
+    assert (limiter.queued, limiter.inflight) == (0, 1)
+    limiter.release("t", None)
