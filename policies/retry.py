@@ -67,8 +67,8 @@ def retry_is_safe(method: str, sent: bool, *, callers_key: bool = False,
         method: the HTTP method, upper case.
         sent: the request may have reached the upstream (False only when the connection
             was never made).
-        callers_key: the caller sent its own ``Idempotency-Key``: it chose to rely on the
-            upstream honouring it.
+        callers_key: the caller sent its own ``Idempotency-Key`` and it goes upstream: the
+            caller chose to rely on the upstream honouring it.
         upstream_dedups: the request carries a key (the caller's or one Sluice chose) and
             the route says the upstream honours it (``retry.honours_idempotency_key``).
         declared_idempotent: the route or the call's operation is declared idempotent

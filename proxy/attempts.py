@@ -506,7 +506,10 @@ async def _attempts(rt: Runtime, route: Route, call: Call, url: URL,
             # idempotency block invented makes a retry safe only if the upstream honours
             # keys; the caller's own key says the caller relies on it.
             wait = 0.0
-            callers_key = IDEMPOTENCY_HEADER in call.headers
+            # The caller's key counts only as it goes upstream: one a route or the caller's
+            # own ``Connection`` drops (RFC 9110 §7.6.1) protects nothing there (a POST ran
+            # twice with no key on either attempt, a hostile trial).
+            callers_key = IDEMPOTENCY_HEADER in call.headers and IDEMPOTENCY_HEADER in headers
             upstream_dedups = retry.honours_idempotency_key and IDEMPOTENCY_HEADER in headers
             if not retry_is_safe(call.method, sent, callers_key=callers_key,
                                  upstream_dedups=upstream_dedups,

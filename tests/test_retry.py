@@ -312,6 +312,30 @@ async def test_only_safe_requests_are_retried(upstream, start_sluice, tmp_path):
                        ("openai", "sdk_retry")]
 
 
+@pytest.mark.parametrize("dropped_by", ["connection", "route"])
+async def test_a_callers_key_the_upstream_never_sees_makes_no_post_safe_to_repeat(
+        upstream, start_sluice, tmp_path, dropped_by):
+    """A hostile trial: ``Connection: Idempotency-Key`` (its field is hop-by-hop then, RFC
+    9110 §7.6.1) kept the key from the upstream, yet Sluice repeated the POST as one the
+    upstream could deduplicate: the upstream ran it twice, with no key on either attempt. So
+    did a route's ``request_headers_to_remove``."""
+    retry = {"attempts": 3, "backoff": FAST_BACKOFF}
+    keyed = route("openai", upstream.url, retry=retry)
+    if dropped_by == "route":
+        keyed["request_headers_to_remove"] = ["Idempotency-Key"]
+    sluice = await retry_sluice(start_sluice, tmp_path, keyed)
+    headers = {"Idempotency-Key": "k-hop"}
+    if dropped_by == "connection":
+        headers["Connection"] = "Idempotency-Key"
+    upstream.status = 503
+    async with aiohttp.ClientSession() as s:
+        status, answer = await post(s, sluice.url + "/openai" + CHAT, **headers)
+    assert status == 503 and "x-should-retry" not in answer
+    [seen] = upstream.requests  # sent once
+    assert header(seen, "Idempotency-Key") is None
+    assert (await dlq_list(sluice)).splitlines()[1].split()[5] == "unsafe_to_retry"
+
+
 async def test_an_attempt_that_may_have_reached_the_upstream_is_not_logged_as_a_connect_error(
         start_sluice, tmp_path):
     """An upstream that read the whole POST, then closed without answering: the dead letter
