@@ -40,7 +40,7 @@ import re
 import time
 
 import aiohttp
-from aiohttp import hdrs, web
+from aiohttp import HttpVersion11, hdrs, web
 from aiohttp.http_exceptions import LineTooLong
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
@@ -634,6 +634,11 @@ async def relay(
             # connection to chunked framing, so not even an error answer could follow.
             raise Rejected(Reason.UPSTREAM_UNREACHABLE, None, _BAD_HEADER)
         out = web.StreamResponse(status=status, reason=upstream.reason, headers=headers)
+        if declared is None and request.version < HttpVersion11:
+            # No length and no chunks for HTTP/1.0: the answer ends at the close (RFC 9112
+            # §6.3), which aiohttp writes no header for yet keeps the connection open (a
+            # keep-alive 1.0 client read the next answer as this one's body, a hostile trial).
+            out.force_close()
         if call is not None:
             call.phase = "answering"
         if finish is None:

@@ -234,6 +234,30 @@ async def test_http_1_0_with_chunked_framing_is_closed_after_the_answer(upstream
     assert status == 200 and headers.get("connection", "close").lower() != "keep-alive"
 
 
+async def test_an_http_1_0_keep_alive_caller_gets_an_unframed_answer_ended_by_a_close(
+        start_sluice):
+    """A hostile trial: an answer with no Content-Length (the upstream's ends at its close, or
+    is chunked, as a stream is) reached an HTTP/1.0 keep-alive caller with no framing at all
+    and the connection kept open: it waited for the idle timeout, or read the next answer as
+    this one's body. HTTP/1.0 has no chunks, so the close must end it (RFC 9112 §6.3)."""
+    fake = await RawUpstream(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n"
+                             b"Connection: close\r\n\r\nuntil the close").start()
+    try:
+        sluice = await start_sluice({"routes": [route("svc", fake.url, "http")]})
+        reader, writer = await asyncio.open_connection("127.0.0.1", sluice.port)
+        try:
+            request = b"GET /svc/x HTTP/1.0\r\n" + LOOPBACK + b"Connection: keep-alive\r\n\r\n"
+            writer.write(request)
+            answer = await closed_within(reader, 5.0)
+        finally:
+            writer.close()
+    finally:
+        await fake.stop()
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.0 200") and body == b"until the close"
+    assert b"content-length" not in head.lower()
+
+
 async def test_a_transfer_coding_besides_chunked_is_refused_not_passed_on(upstream,
                                                                          start_sluice):
     # Seen (new-user trial): "gzip, chunked" was framed by its chunks and the still-gzipped
