@@ -96,7 +96,7 @@ import ipaddress
 import logging
 import re
 import socket
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from http import HTTPStatus
 from typing import Any
 
@@ -137,6 +137,7 @@ BODY_CUT = web.RequestKey("sluice_body_cut", bool)
 _TOO_MANY_HEADERS = "Too many headers"
 #: Why an HTTP/1.1 request without ``Host`` is refused (by the parser, or by the door).
 _NO_HOST = "an HTTP/1.1 request must carry Host (RFC 9112 §3.2)"
+_UNLISTED_HOST = "list the name in server.allowed_hosts to serve it"
 #: Why a request target holding a fragment is refused (see the module docstring).
 _FRAGMENT = "a fragment (#) in the request target (RFC 9112 §3.2): send the path without it"
 #: The parser's description of a refusal (llhttp's error reason, or aiohttp's own check) ->
@@ -421,10 +422,30 @@ class AdminServer(GuardedServer):
                 message = _PARSE_ERROR_MESSAGE_11
             return make_request(message, *args)
 
-        super().__init__(handler, request_factory=request_factory, **kwargs)
+        async def handle(request: web.BaseRequest) -> web.StreamResponse:
+            # The proxy port's Host check (DNS rebinding: a browser page whose name turns
+            # into 127.0.0.1 read /admin/config and the tenants in /metrics, a hostile trial).
+            host = request.headers.get(hdrs.HOST)
+            if host is not None and not self._hosts()(host):
+                self.refused(Reason.MISDIRECTED)
+                return render(Rejected(Reason.MISDIRECTED, None, _UNLISTED_HOST), "http")
+            return await handler(request)
+
+        super().__init__(handle, request_factory=request_factory, **kwargs)
         self.runtime = runtime
         self._for: ServerConfig | None = None
         self._settings: ServerConfig | None = None
+        self._hosts_for: tuple[ServerConfig, HostCheck] | None = None
+
+    def _hosts(self) -> HostCheck:
+        """The ``Host`` check of the config serving now: ``server.admin_listen``'s own names
+        (the kubelet's probes and Prometheus call it by the pod's address), and any
+        ``server.allowed_hosts`` lists."""
+        server = self.runtime.config.server
+        if self._hosts_for is None or self._hosts_for[0] is not server:
+            self._hosts_for = (server, HostCheck(server.admin_listen, server.allowed_hosts,
+                                                 own_names=True))
+        return self._hosts_for[1]
 
     def refused(self, reason: Reason) -> None:
         self.runtime.metrics.admin_rejections.labels(reason.code).inc()
@@ -491,12 +512,11 @@ class Door:
         server = config.server
         self.max_request_bytes = server.max_request_bytes
         self.max_buffered_bytes = server.max_buffered_bytes
-        self.any_host, self.hosts, self.host_suffixes, self.ip_hosts = allowed_hosts(server)
+        self.host_allowed = HostCheck(server.listen, server.allowed_hosts)
+        self._hosts_seen = self.host_allowed.seen
         self.origins = frozenset(server.allowed_origins)
         self.any_origin = "*" in self.origins
         self.mcp = any(route.protocol == "mcp" for route in config.routes)
-        #: ``Host`` values seen allowed, as sent: a connection sends the same one each time.
-        self._hosts_seen: set[str] = set()
 
     def check(self, rt: Runtime, request: web.BaseRequest) -> web.StreamResponse | None:
         """A refusal for ``request``, or ``None`` to let it through."""
@@ -508,12 +528,8 @@ class Door:
         if host is None and request.version == HttpVersion11:
             return refuse_at_edge(rt, Rejected(
                 Reason.BAD_REQUEST, None, _NO_HOST))
-        if host is not None and not self.any_host and host not in self._hosts_seen:
-            if not self.host_allowed(host):
-                return refuse_at_edge(rt, Rejected(Reason.MISDIRECTED, None, "list the name in "
-                                                   "server.allowed_hosts to serve it"))
-            if len(self._hosts_seen) < _HOSTS_REMEMBERED:
-                self._hosts_seen.add(host)
+        if host is not None and host not in self._hosts_seen and not self.host_allowed(host):
+            return refuse_at_edge(rt, Rejected(Reason.MISDIRECTED, None, _UNLISTED_HOST))
         if hdrs.TRANSFER_ENCODING in headers and not only_chunked(headers):
             return refuse_at_edge(rt, Rejected(Reason.BAD_REQUEST, None, _TRANSFER_CODING))
         if not "".join(headers.values()).isascii():  # in C: one pass over every value
@@ -537,15 +553,6 @@ class Door:
                         "list it in server.allowed_origins to allow it"))
         return None
 
-    def host_allowed(self, host: str) -> bool:
-        """Whether the ``Host`` value ``host`` names this server (its port is not compared)."""
-        name = host_name(host)
-        if name in self.hosts:
-            return True
-        if self.ip_hosts and _is_ip_literal(name):
-            return True
-        return any(name.endswith(suffix) for suffix in self.host_suffixes)
-
     def origin_allowed(self, origin: str, host: str | None) -> bool:
         """Whether a browser page of ``origin`` may call a request whose ``Host`` is ``host``."""
         origin = origin.strip().lower()
@@ -559,20 +566,44 @@ class Door:
         return origin_host == own_host and (own_port is None or own_port == origin_port)
 
 
-def allowed_hosts(server: ServerConfig) -> tuple[bool, frozenset[str], tuple[str, ...], bool]:
-    """``(any, names, suffixes, any IP literal)`` of ``server.allowed_hosts``, or its default
-    (see the module docstring)."""
-    if server.allowed_hosts is not None:
-        names = frozenset(h for h in server.allowed_hosts if not h.startswith("*"))
-        suffixes = tuple(h[1:] for h in server.allowed_hosts if h.startswith("*."))
-        return "*" in server.allowed_hosts, names, suffixes, False
-    host = server.listen.rpartition(":")[0].strip("[]").lower()
-    if host in _WILDCARDS:
-        return False, LOOPBACK_NAMES | {socket.gethostname().lower()}, (), True
-    literal = f"[{host}]" if ":" in host else host
-    if host == "localhost" or (_is_ip_literal(literal) and ipaddress.ip_address(host).is_loopback):
-        return False, LOOPBACK_NAMES | {literal}, (), False
-    return False, frozenset({literal}), (), False
+class HostCheck:
+    """Whether a ``Host`` value names a server listening on ``listen``: one ``allowed`` lists
+    (``server.allowed_hosts``: names, ``*.suffix`` patterns, ``*`` for any), or by default
+    the listen address's own names (see the module docstring); with ``own_names``, both. The
+    port is not compared. Values found allowed are remembered (:attr:`seen`), up to a bound:
+    a connection sends the same one each time."""
+
+    def __init__(self, listen: str, allowed: Sequence[str] | None, *,
+                 own_names: bool = False) -> None:
+        self.ip_literals = False
+        names: frozenset[str] = frozenset()
+        if allowed is None or own_names:
+            host = listen.rpartition(":")[0].strip("[]").lower()
+            literal = f"[{host}]" if ":" in host else host
+            if host in _WILDCARDS:
+                names = LOOPBACK_NAMES | {socket.gethostname().lower()}
+                self.ip_literals = True
+            elif host == "localhost" or (_is_ip_literal(literal)
+                                         and ipaddress.ip_address(host).is_loopback):
+                names = LOOPBACK_NAMES | {literal}
+            else:
+                names = frozenset({literal})
+        allowed = allowed or ()
+        self.names = names | {h for h in allowed if not h.startswith("*")}
+        self.suffixes = tuple(h[1:] for h in allowed if h.startswith("*."))
+        self.any = "*" in allowed
+        #: Values found allowed, as sent (looked up before calling, on the request path).
+        self.seen: set[str] = set()
+
+    def __call__(self, host: str) -> bool:
+        if host in self.seen:
+            return True
+        name = host_name(host)
+        allowed = (self.any or name in self.names or (self.ip_literals and _is_ip_literal(name))
+                   or any(name.endswith(suffix) for suffix in self.suffixes))
+        if allowed and len(self.seen) < _HOSTS_REMEMBERED:
+            self.seen.add(host)
+        return allowed
 
 
 def host_name(host: str) -> str:

@@ -66,7 +66,7 @@ EDGE_REASONS = (*sorted(EDGE_ONLY, key=lambda r: r.code), Reason.BAD_REQUEST,
 #: The reasons ``sluice_admin_rejections_total`` has: the admin port's door
 #: (``proxy.edge.GuardedServer``) refuses only for these.
 ADMIN_REASONS = (Reason.BAD_REQUEST, Reason.HEADERS_TOO_LARGE, Reason.INTERNAL_ERROR,
-                 Reason.REQUEST_TIMEOUT, Reason.TOO_MANY_CONNECTIONS)
+                 Reason.MISDIRECTED, Reason.REQUEST_TIMEOUT, Reason.TOO_MANY_CONNECTIONS)
 
 #: Values of ``sluice_requests_total{outcome}``.
 OUTCOMES = (
@@ -265,7 +265,8 @@ class Metrics:
             "sluice_admin_rejections",
             "Connections and requests the admin port refused at its door (over its 64 "
             "connections with none idle to close; header timeouts; requests that are not "
-            "valid HTTP/1.1), by reason: probes and scrapes crowded out.",
+            "valid HTTP/1.1; a Host it does not serve), by reason: probes and scrapes "
+            "crowded out or misdirected.",
             ["reason"],
             registry=r,
         )

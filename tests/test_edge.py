@@ -482,6 +482,31 @@ async def test_aiohttps_own_log_of_a_parser_refusal_names_the_cause_not_the_byte
     assert made.exc_info is None
 
 
+async def test_the_admin_port_serves_only_its_own_hosts(upstream, start_sluice):
+    """A hostile trial: the admin port answered any ``Host``, so a web page whose name an
+    attacker points at 127.0.0.1 (DNS rebinding) read ``/admin/config`` (the config and its
+    file's path), ``/admin/runs`` and the tenants in ``/metrics``. It checks ``Host`` as the
+    proxy port does: ``admin_listen``'s own names by default, else ``allowed_hosts``."""
+    sluice = await start_sluice({"routes": [route("svc", upstream.url, "http")]})
+    admin = str(sluice.admin_port).encode()
+    for path in (b"/admin/config", b"/metrics", b"/admin/runs", b"/healthz"):
+        status, headers, body = await _status(sluice.admin_port, b"rebound.evil.example:" + admin,
+                                              path)
+        assert (status, headers["x-sluice-reason"]) == (421, "misdirected_request"), path
+        assert b"routes" not in body and b"sluice_" not in body
+    for host in (b"127.0.0.1:" + admin, b"localhost:" + admin, b"[::1]:" + admin):
+        assert (await _status(sluice.admin_port, host, b"/healthz"))[0] == 200, host
+    assert await sluice.metric("sluice_admin_rejections_total", reason="misdirected_request") == 4
+
+    # Names listed for the proxy port (a Compose service's) are the admin port's too, beside
+    # its own: a probe by address still reaches it.
+    sluice = await start_sluice({"server": {"allowed_hosts": ["sluice"]},
+                                 "routes": [route("svc", upstream.url, "http")]})
+    for host, status in ((b"sluice:9901", 200), (b"localhost", 200), (b"evil", 421)):
+        assert (await _status(sluice.admin_port, host, b"/healthz"))[0] == status, host
+    assert (await _status(sluice.port, b"localhost"))[0] == 421
+
+
 async def test_the_admin_ports_parser_refusals_are_http_1_1_too(upstream, start_sluice):
     """Seen (new-user trial): the admin port answered them in an ``HTTP/1.0`` status line (the
     proxy port in ``HTTP/1.1``)."""

@@ -134,6 +134,7 @@ async def test_refusals_before_a_route_are_counted_at_the_edge(upstream, start_s
     admin = {labels[0][1]: value for (name, labels), value in samples.items()
              if name == "sluice_admin_rejections_total"}
     assert admin == dict.fromkeys(("bad_request", "headers_too_large", "internal_error",
-                                   "request_timeout", "too_many_connections"), 0)
+                                   "misdirected_request", "request_timeout",
+                                   "too_many_connections"), 0)
     assert await sluice.metric("sluice_rejections_total", route="svc",
                                reason="bad_request") == 0
