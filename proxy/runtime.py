@@ -171,6 +171,16 @@ class Runtime:
         #: Set when the drain timeout ran out: requests cancelled from then on were cut by
         #: Sluice, not left by their callers.
         self.cutting = False
+        #: When the drain cuts what is left, monotonic seconds: set as it starts
+        #: (``server.drain_timeout`` on), brought forward to the cut (:meth:`drain_until`).
+        self.drain_deadline: float | None = None
+        #: Resolved when :attr:`drain_deadline` is set or moves, then replaced
+        #: (:meth:`drain_moved`).
+        self._drain_moved: asyncio.Future[None] | None = None
+        #: Calls waiting out a retry back-off, each with the task that waits
+        #: (``proxy.attempts``): at no upstream, so the drain's cut does not cut them but
+        #: wakes them, and waits for their answers (their last failure, dead-lettered).
+        self.backing_off: dict[Call, asyncio.Task[Any]] = {}
         #: MCP calls being finished after their callers left (``proxy.handler``), each task
         #: with its call, counted in flight and present on its route until it ends: the drain
         #: waits for them, and cancels those left when it cuts.
@@ -367,6 +377,31 @@ class Runtime:
         if ending:
             log.info("cancel of run %s of tenant %s heard from the shared state: %d call(s) "
                      "here told to end", run, tenant, ending)
+
+    def drain_until(self, deadline: float) -> None:
+        """Drain until ``deadline`` (monotonic seconds), or bring the drain's cut forward to
+        it: sets :attr:`draining` and wakes every call in retry back-off, which stops
+        retrying if its next attempt would not start before ``deadline``
+        (:func:`proxy.attempts._back_off`)."""
+        self.draining = True
+        self.drain_deadline = deadline
+        moved, self._drain_moved = self._drain_moved, None
+        if moved is not None and not moved.done():
+            moved.set_result(None)
+
+    def drain_moved(self) -> asyncio.Future[None]:
+        """A future resolved the next time :meth:`drain_until` sets the drain's deadline
+        (one shared by every waiter; awaited through ``asyncio.wait``, which never cancels
+        it)."""
+        if self._drain_moved is None:
+            self._drain_moved = asyncio.get_running_loop().create_future()
+        return self._drain_moved
+
+    def cut_before(self, at: float) -> bool:
+        """Whether the drain cuts before ``at`` (monotonic seconds): an attempt that would
+        start then would be cut as it began, or never start."""
+        deadline = self.drain_deadline
+        return deadline is not None and at >= deadline
 
     def refuse_waiting(self) -> list[asyncio.Task[Any]]:
         """End every call still in admission when the drain ends (:attr:`cutting` set first):
