@@ -12,7 +12,8 @@ How a call ends here:
 * the breaker refuses its first attempt: :class:`~policies.reasons.Rejected` is raised, a
   refusal like any admission refusal (nothing reached the upstream, nothing is charged);
 * success, or a failure the route does not retry on: the upstream's answer, relayed;
-* a failure the route retries on (``retry.on``) that is still failing when retries end:
+* a failure the route retries on (``retry.on``) that is still failing when retries end
+  (or when the drain would cut its next attempt before it starts: :func:`_back_off`):
   dead-lettered (:func:`_dead_letter`; not one Sluice could not safely repeat whose caller
   is an SDK that retries it itself), then the upstream's last answer is relayed, or,
   if it never answered, Sluice writes 502 ``upstream_unreachable``, 504 ``upstream_timeout``,
@@ -525,6 +526,8 @@ async def _attempts(rt: Runtime, route: Route, call: Call, url: URL,
                     tries.stop = "retry_after_too_long"
                 elif _too_late(time.monotonic() + wait, deadline, caller_deadline):
                     tries.stop = "deadline"
+                elif rt.cut_before(time.monotonic() + wait):
+                    tries.stop = "draining"  # the drain would cut the retry as it began
                 elif any(breaker.blocked_for() > wait for breaker in breakers):
                     tries.stop = "circuit_open"
                 elif (call.answer_status == SENT_UNANSWERED and call.meter is not None
@@ -550,12 +553,42 @@ async def _attempts(rt: Runtime, route: Route, call: Call, url: URL,
                            call.idempotency_key, attempt=number + 1,
                            after=status or tries.kind, wait_s=round(wait, 3),
                            **call.event_names())
-            tries.drop_response()
             call.attempt_over(time.monotonic())
-            await asyncio.sleep(wait)
+            # The failed answer stays open through the back-off (its connection held, one
+            # per retry in flight, which the retry budget bounds): a drain that ends the
+            # back-off relays it, the caller's answer as when retries run out.
+            if not await _back_off(rt, call, wait):
+                tries.stop = "draining"
+                return
+            tries.drop_response()
     finally:
         if holding:
             retry.budget.release()
+
+
+async def _back_off(rt: Runtime, call: Call, wait: float) -> bool:
+    """Wait ``wait`` seconds before the next attempt; returns ``False``, at once, when the
+    drain would cut that attempt before it starts (its deadline falls within the wait, or a
+    second stop signal brings it into it: :meth:`Runtime.drain_until`).
+
+    A call waiting here is at no upstream: cut by the drain, it ended with no answer and its
+    work not dead-lettered (a hostile trial: the caller held the whole ``drain_timeout``,
+    then dropped). It stops retrying instead, answered and dead-lettered as when retries
+    run out, reason ``draining``. A back-off that ends before the drain's deadline is
+    waited out, and its attempt made."""
+    resume_at = time.monotonic() + wait
+    task = asyncio.current_task()
+    if task is not None:  # for the drain's cut to wait for its answer
+        rt.backing_off[call] = task
+    try:
+        while not rt.cut_before(resume_at):
+            left = resume_at - time.monotonic()
+            if left <= 0:
+                return True
+            await asyncio.wait((rt.drain_moved(),), timeout=left)
+        return False
+    finally:
+        rt.backing_off.pop(call, None)
 
 
 async def _hold_retry(call: Call) -> Rejected | None:

@@ -35,6 +35,7 @@ from policies.logs import EVERY_S as LOG_REPEATS_EVERY_S
 from policies.logs import RepeatFilter
 from policies.state import StateUnavailable
 from proxy.admin import add_admin_routes
+from proxy.attempts import DEAD_LETTER_WAIT_S
 from proxy.dlq import file_left_behind
 from proxy.edge import REQUEST_NOT_LOGGED, AdminServer, EdgeServer, parse_cause
 from proxy.handler import handle
@@ -353,14 +354,16 @@ async def _drain(runtime: Runtime, timeout_s: float, hurry: asyncio.Event) -> No
     ``hurry`` is set (a second SIGTERM or Ctrl-C); then answer those not admitted yet 503
     ``draining`` and wait (up to ``SHUTDOWN_GRACE_S``) for those answers to be written,
     leaving what is in flight for :func:`serve`'s shutdown of the proxy port to cut."""
-    runtime.draining = True
+    deadline = time.monotonic() + timeout_s
+    # A call in retry back-off whose next attempt would start past the deadline stops
+    # retrying now, answered with its last failure and dead-lettered (proxy.attempts).
+    runtime.drain_until(deadline)
     # Queued calls are waited for too, as Envoy and HAProxy do: each is admitted as a slot
     # frees, or refused when its max_wait ends; only what outlives the timeout is ended.
     inflight = runtime.inflight
     log.info("draining: %d request(s) in flight, %d more waiting or being read, waiting up "
              "to %gs (a second SIGTERM or Ctrl-C, %gs or more after the first, cuts them now)",
              inflight, runtime.present - inflight, timeout_s, SECOND_SIGNAL_AFTER_S)
-    deadline = time.monotonic() + timeout_s
     # Polling keeps the request path free of drain bookkeeping; it runs only at shutdown.
     # MCP streams (a session's GET stream) stay open, silent, for as long as their session:
     # waited for, they held every drain to its timeout. They carry no call, so they are not
@@ -395,17 +398,28 @@ async def _drain(runtime: Runtime, timeout_s: float, hurry: asyncio.Event) -> No
         await asyncio.sleep(DRAIN_POLL_S)
     if runtime.present > runtime.streams:
         runtime.cutting = True
-        # Calls not admitted yet (queued, mostly) never reached the upstream: each is answered
-        # 503 draining, and those answers are written before aiohttp's shutdown cancels the
-        # handlers; only then is what is in flight (or still being read) cut.
+        # Calls in retry back-off (a second stop signal came before their back-off ended)
+        # are at no upstream: each stops retrying and is answered its last failure,
+        # dead-lettered. Calls not admitted yet (queued, mostly) never reached the upstream:
+        # each is answered 503 draining. Those answers are written before aiohttp's shutdown
+        # cancels the handlers; only then is what is in flight (or still being read) cut.
+        runtime.drain_until(time.monotonic())
+        backing_off = list(runtime.backing_off.values())
         answering = runtime.refuse_waiting()
-        inflight = runtime.inflight
+        inflight = runtime.inflight - len(backing_off)
         log.warning("%s: cutting %d request(s) still in flight and %d being read; %d waiting "
-                    "answered 503 draining",
+                    "answered 503 draining%s",
                     "second stop signal" if hurry.is_set() else "drain timeout", inflight,
-                    max(runtime.present - inflight - len(answering), 0), len(answering))
-        if answering:
-            await asyncio.wait(answering, timeout=SHUTDOWN_GRACE_S)
+                    max(runtime.present - runtime.inflight - len(answering), 0),
+                    len(answering),
+                    f"; {len(backing_off)} in retry back-off answered their last failure, "
+                    "dead-lettered" if backing_off else "")
+        if answering or backing_off:
+            # A back-off's answer waits for its dead letter to be written (up to
+            # DEAD_LETTER_WAIT_S) to name it.
+            await asyncio.wait((*answering, *backing_off),
+                               timeout=SHUTDOWN_GRACE_S + (DEAD_LETTER_WAIT_S if backing_off
+                                                           else 0.0))
         # MCP calls in flight end with their JSON-RPC error rather than a cut connection
         # (a cut POST fails no call on the Python mcp 1.x client): their handlers write it.
         # So do answered streams (a second stop signal cut the drain short): their end.
