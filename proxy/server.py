@@ -8,7 +8,10 @@ get up to ``server.drain_timeout`` seconds to finish. Then those not admitted ye
 a slot or a run's width, here or on the shared Redis queue, or waiting for a twin's answer)
 are answered 503 ``draining`` in their route's shape, since nothing of them reached the
 upstream, and those answers are written before the rest (in flight, or still sending their
-body) are cut and the process exits. A second SIGTERM or SIGINT (Ctrl-C again) does the same
+body) are cut and the process exits. A call waiting out a retry back-off is neither: one whose
+next attempt would start only once the drain cuts (at the drain's start, or at the cut)
+stops retrying and is answered its last failure, dead-lettered ``draining``
+(:func:`proxy.attempts._back_off`). A second SIGTERM or SIGINT (Ctrl-C again) does the same
 at once, if it comes ``SECOND_SIGNAL_AFTER_S`` or more after the first (one sooner is logged
 as ignored).
 
