@@ -697,27 +697,7 @@ class Idempotency:
         if flight is None and record is None:
             claim.new_unit = not is_client_retry(headers)
         if flight is not None:
-            claim.rejected = self._refuse_waiting(claim, flight.fingerprint, fingerprint,
-                                                  len(flight.waiters))
-            if claim.rejected is not None:
-                return claim
-            loop = asyncio.get_running_loop()
-            started = loop.time()
-            outcome = await self._wait(store_key, flight, bound)
-            claim.waited_s = loop.time() - started
-            if outcome is _TIMED_OUT:
-                claim.rejected = _still_in_flight(claim.waited_s)
-                return claim
-            if outcome is _HANDOVER:
-                claim._flight = flight
-                self._take_marker(claim)
-                self._arm(claim)
-                return claim
-            # The answer of the call it waited for, under dedup then (a reload to serialize
-            # since, before this one resumed, does not make it run: a review saw the
-            # waiters run at once).
-            assert isinstance(outcome, Record)
-            return self._answered(claim, outcome, fingerprint, self.store.ttl_left(outcome))
+            return await self._wait_here(claim, store_key, flight, bound)
         if record is not None and record.kind != SEEN and self.dedup:
             # (An answer kept from dedup before a reload to serialize is not this call's:
             # serialize replays nothing.)
@@ -727,6 +707,35 @@ class Idempotency:
         self._take_marker(claim)
         self._arm(claim)
         return claim
+
+    async def _wait_here(self, claim: Claim, store_key: Hashable, flight: _Flight,
+                         bound_s: float) -> Claim:
+        """``claim`` waits (at most ``bound_s`` seconds more) for its twin ``flight`` in this
+        process's memory, and gets its answer, the key (it runs, and takes its marker in
+        Redis once it answers: :meth:`_take_marker`) or 409 past the bound."""
+        fingerprint = claim.fingerprint
+        claim.rejected = self._refuse_waiting(claim, flight.fingerprint, fingerprint,
+                                              len(flight.waiters))
+        if claim.rejected is not None:
+            return claim
+        loop = asyncio.get_running_loop()
+        started = loop.time() - claim.waited_s
+        outcome = await self._wait(store_key, flight, bound_s)
+        claim.waited_s = loop.time() - started
+        if outcome is _TIMED_OUT:
+            claim.rejected = _still_in_flight(claim.waited_s)
+            return claim
+        if outcome is _HANDOVER:
+            claim._flight = flight
+            claim._store_key = store_key
+            self._take_marker(claim)
+            self._arm(claim)
+            return claim
+        # The answer of the call it waited for, under dedup then (a reload to serialize
+        # since, before this one resumed, does not make it run: a review saw the
+        # waiters run at once).
+        assert isinstance(outcome, Record)
+        return self._answered(claim, outcome, fingerprint, self.store.ttl_left(outcome))
 
     def _take_marker(self, claim: Claim) -> None:
         """A key ``claim`` holds in this process's memory (its flight started, or handed
@@ -853,10 +862,23 @@ class Idempotency:
             except StateUnavailable as exc:
                 if self._backends is not None and self._backends.fallback.mode == "reject":
                     raise
-                # Its twin is known to be in flight: the local fallback, which knows no
-                # flight, would run it again (a hostile trial: the work ran twice after a
-                # 1 s freeze). A look-up that may have claimed the key frees it.
+                # A look-up that may have claimed the key frees it.
                 self._drop(records, shared_key, owner, fingerprint)
+                store_key = (tenant, key)
+                flight = self._flights.get(store_key)
+                if flight is not None:
+                    # Its twin runs here (or another it may wait for): it waits for it in
+                    # memory, as with the memory backend; refused 409 at once, it was told
+                    # to retry while this replica answered the twin seconds later (a
+                    # hostile trial: two duplicates refused 0.6 s into a freeze). Handed the
+                    # key, it takes the marker under an owner of its own: the one just freed
+                    # might be freed again after it is taken.
+                    claim._shared = (records, shared_key, new_owner())
+                    return await self._wait_here(claim, store_key, flight,
+                                                 max(bound_s - claim.waited_s, 0.0))
+                # Its twin is known to be in flight on another replica: the local fallback,
+                # which knows no flight of it, would run it again (a hostile trial: the work
+                # ran twice after a 1 s freeze).
                 claim.rejected = Rejected(
                     Reason.IDEMPOTENCY_CONFLICT, exc.hint or IN_FLIGHT_RETRY_AFTER_S,
                     "a request with this Idempotency-Key is in flight, and the shared "
