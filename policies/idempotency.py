@@ -81,7 +81,8 @@ answer at the request's first look-up, ``state.on_unavailable: local`` uses this
 memory store instead (keys are then deduplicated per replica), and ``reject`` answers 503
 ``state_unavailable``; an answer's write that fails later is tried again until the marker
 would have lapsed (only while the marker is still its request's or no one's), then left: the
-key is free again within ``state.lease``.
+key is free again within ``state.lease``. Until that write is over, the answer is kept in
+this process's memory store too, for a retry that falls back to it.
 
 **MCP tool calls** (``mcp`` routes; issue 11): the payload fingerprint of an MCP request is
 :func:`policies.mcp.fingerprint` (method, params but ``_meta``, and the ``derive_from``
@@ -395,6 +396,8 @@ class _Lease:
         #: duplicate that finds Redis unavailable (``on_unavailable: local``) still waits for
         #: its twin here; ``None`` when the local records had the key in flight already.
         self.local: _Flight | None = None
+        #: The key in this process's records (``(tenant, key)``), where the answer is kept
+        #: while its write to Redis is under way (:meth:`Idempotency._finish_shared`).
         self.store_key: Hashable = None
 
 
@@ -904,12 +907,11 @@ class Idempotency:
                 return here
         # Claimed: nothing awaits from here to the return, so the lease cannot leak.
         lease = _Lease(records, shared_key, owner)
+        lease.store_key = store_key
         if claim._flight is not None:  # handed over by a twin this replica held
             lease.local, claim._flight = claim._flight, None
-            lease.store_key = store_key
         elif store_key not in self._flights:
             lease.local = self._flights[store_key] = _Flight(fingerprint)
-            lease.store_key = store_key
         lease.renewer = self._keep_marker(records, shared_key, owner, fingerprint)
         claim._lease = lease
         self._arm(claim)
@@ -1043,11 +1045,21 @@ class Idempotency:
             claim.waited_s = loop.time() - started
 
     def _finish_shared(self, claim: Claim, lease: _Lease, outcome: str) -> None:
-        """Store the answer (or a ``SEEN`` use) and free the key, in the background."""
+        """Store the answer (or a ``SEEN`` use) and free the key, in the background. The
+        answer is kept in this process's records too until that write has ended (written,
+        or given up as the marker would have lapsed): a retry that finds Redis unavailable
+        meanwhile falls back to them (``on_unavailable: local``), and, finding neither the
+        call nor its answer there, ran the keyed work again during a freeze shorter than
+        the lease, on the very replica that had answered it (a hostile trial). Once the
+        write has ended, Redis's record is the key's (or, given up, the key is free), so
+        no copy of it stays here to be replayed in a later outage."""
         if lease.renewer is not None:
             lease.renewer.cancel()
         record = _answer_to_keep(claim, outcome)
         answer = shared_answer(record, claim.fingerprint)
+        here = None
+        if record is not None and self.dedup:
+            here = self._keep_here(lease.store_key, record)
         local = lease.local
         if local is not None and self._flights.get(lease.store_key) is local:
             # Duplicates that found Redis unavailable wait here: the answer, or the key (as
@@ -1059,14 +1071,24 @@ class Idempotency:
                         future.set_result(record)
             else:
                 self._pass_on(lease.store_key, local)
-        self._background.spawn(self._store(lease, answer))
+        self._background.spawn(self._store(lease, answer, kept_here=here))
 
-    async def _store(self, lease: _Lease, answer: Answer, strict: bool = False) -> None:
+    async def _store(self, lease: _Lease, answer: Answer, strict: bool = False,
+                     kept_here: Record | None = None) -> None:
         """Write the answer ``lease``'s request leaves for its key; a write Redis did not
         answer is tried again (``strict``: only while the key's marker is still this
         request's or no one's) until the marker would have lapsed. Dropped at once, a write
         that met a short freeze lost the answer, and a retry sent after it ran the keyed
-        work again (a hostile trial: a 1.5 s freeze, a 3 s lease)."""
+        work again (a hostile trial: a 1.5 s freeze, a 3 s lease). ``kept_here``: the
+        record kept for the key in this process's records while the write is under way,
+        dropped once it has ended, however it ended."""
+        try:
+            await self._write(lease, answer, strict)
+        finally:
+            if kept_here is not None:
+                self.store.discard(lease.store_key, kept_here)
+
+    async def _write(self, lease: _Lease, answer: Answer, strict: bool) -> None:
         loop = asyncio.get_running_loop()
         until = loop.time() + self._lease_s
         while True:
@@ -1111,14 +1133,7 @@ class Idempotency:
             self._background.spawn(self._store(
                 fallback, shared_answer(record, claim.fingerprint), strict=True))
         if record is not None:
-            kept = record
-            if (record.kind == DONE and isinstance(self.store, MemoryStore)
-                    and not self.store.fits(record)):
-                # Within max_replay_bytes, but with its headers and overhead more than the
-                # store holds at all: the fact is kept, as for an answer over the limit, so
-                # that the key never runs again (its waiters still get the answer itself).
-                kept = Record(TOO_LARGE, record.fingerprint, record.status)
-            self.store.put(store_key, kept)
+            self._keep_here(store_key, record)
             if not self.dedup:
                 # A reload left dedup while this call ran: its answer is kept (for a return
                 # to dedup), but its waiters replay nothing now: they take the key in turn.
@@ -1135,6 +1150,19 @@ class Idempotency:
         kept = self.store.get(store_key)
         if kept is None or kept.kind == SEEN:
             self.store.put(store_key, Record(SEEN, claim.fingerprint))
+
+    def _keep_here(self, store_key: Hashable, record: Record) -> Record:
+        """Keep ``record``, an answer for a key, in this process's records; returns what was
+        kept."""
+        kept = record
+        if (record.kind == DONE and isinstance(self.store, MemoryStore)
+                and not self.store.fits(record)):
+            # Within max_replay_bytes, but with its headers and overhead more than the
+            # store holds at all: the fact is kept, as for an answer over the limit, so
+            # that the key never runs again (its waiters still get the answer itself).
+            kept = Record(TOO_LARGE, record.fingerprint, record.status)
+        self.store.put(store_key, kept)
+        return kept
 
     def _pass_on(self, store_key: Hashable, flight: _Flight) -> None:
         """Hand the key to the longest waiter still there, or forget the flight."""

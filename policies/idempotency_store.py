@@ -91,6 +91,10 @@ class ResultStore(Protocol):
         """Seconds until ``record`` expires (0 if it has)."""
         ...
 
+    def discard(self, key: Hashable, record: Record) -> None:
+        """Forget ``key``'s record if it is still ``record`` (not one stored since)."""
+        ...
+
 
 class MemoryStore:
     """Records bounded by ``max_entries`` and ``max_bytes``, with a TTL; past a bound the
@@ -158,6 +162,10 @@ class MemoryStore:
 
     def ttl_left(self, record: Record) -> float:
         return max(record.expires_at - self._clock(), 0.0)
+
+    def discard(self, key: Hashable, record: Record) -> None:
+        if self._records.get(key) is record:
+            self._drop(key)
 
     def put(self, key: Hashable, record: Record) -> None:
         if key in self._records:

@@ -111,6 +111,22 @@ def test_records_expire_after_ttl_and_lru_order_is_by_use():
     assert len(store) == 0 and store.bytes == 0
 
 
+def test_a_record_is_discarded_only_while_it_is_the_keys_own():
+    """What the policy keeps here while an answer's write to Redis is under way is dropped
+    once it ends, with its owner's bookkeeping, but not a record stored for the key since."""
+    store = MemoryStore(max_entries=10, max_bytes=MiB, ttl_s=60)
+    kept = answer(10)
+    store.put(("acme", "k"), kept)
+    store.discard(("acme", "k"), answer(10))  # another record: kept stays
+    assert store.get(("acme", "k")) is kept
+    store.discard(("acme", "k"), kept)
+    assert store.get(("acme", "k")) is None and len(store) == 0 and store.bytes == 0
+    since = answer(10)
+    store.put(("acme", "k"), since)
+    store.discard(("acme", "k"), kept)
+    assert store.get(("acme", "k")) is since
+
+
 def test_a_resized_store_keeps_what_fits_and_each_records_expiry():
     now = [0.0]
     store = MemoryStore(max_entries=3, max_bytes=MiB, ttl_s=60, clock=lambda: now[0])
