@@ -4,10 +4,15 @@ RFC 3986 §6.2.2.2: a percent-encoded unreserved character (ALPHA, DIGIT, ``-._~
 the character itself, and upstreams decode it before routing (aiohttp, Starlette, Express):
 ``/v1/chat/completion%73`` *is* ``/v1/chat/completions``. A policy that matched the raw path
 would let the encoded spelling dodge it, so it matches :func:`decode_unreserved` of it.
-Encoded reserved characters (``%2F``) stay encoded: they are data, not separators, and
-encoded dot-segments are refused at the door (``proxy.routes.has_dot_segment``). Metering
-(:func:`policies.usage.endpoint_for`) reads ``%2F`` as a slash too: Starlette routes on the
-fully decoded path, so an LLM endpoint spelled with one is still the endpoint there.
+Encoded reserved characters (``%2F``) stay encoded there: to some upstreams they are data,
+not separators (encoded dot-segments are refused at the door,
+``proxy.routes.has_dot_segment``). But others route on a more lenient reading,
+:func:`as_routed`: uvicorn hands Starlette the fully decoded path (``/v1/jobs%2F3`` is
+``/v1/jobs/3`` there), nginx merges runs of slashes, Express ignores a trailing one. So a
+policy keyed on a path applies when either reading matches it: metering
+(:func:`policies.usage.endpoint_for`) and ``endpoints:`` patterns
+(:class:`policies.operations.Operations`), which ``/v1/jobs%2F3``, ``/v1//jobs/3`` and
+``/v1/jobs/3/`` dodged (a hostile trial).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import re
 
 _ENCODED_UNRESERVED = re.compile(
     r"%(4[1-9A-Fa-f]|5[0-9Aa]|6[1-9A-Fa-f]|7[0-9Aa]|3[0-9]|2[DEde]|5[Ff]|7[Ee])")
+_SLASH_RUN = re.compile(r"//+")
 
 
 def decode_unreserved(path: str) -> str:
@@ -23,3 +29,18 @@ def decode_unreserved(path: str) -> str:
     if "%" not in path:
         return path
     return _ENCODED_UNRESERVED.sub(lambda m: chr(int(m.group(1), 16)), path)
+
+
+def as_routed(path: str) -> str:
+    """``path`` (a path without its query, :func:`decode_unreserved` already) as the most
+    lenient common upstreams route it: ``%2F`` as a slash, a run of slashes as one, and no
+    trailing slash (the module docstring); ``path`` itself, the same object, when none of
+    these applies."""
+    routed = path
+    if "%" in routed:
+        routed = routed.replace("%2F", "/").replace("%2f", "/")
+    if "//" in routed:
+        routed = _SLASH_RUN.sub("/", routed)
+    if len(routed) > 1 and routed[-1] == "/":
+        routed = routed.rstrip("/") or "/"
+    return path if routed == path else routed

@@ -60,7 +60,7 @@ import orjson
 from multidict import CIMultiDict, istr
 
 from policies import bodies
-from policies.paths import decode_unreserved
+from policies.paths import as_routed, decode_unreserved
 
 # Bytes are searched with ``find``, never ``sub in data``: CPython 3.11's ``in`` on bytes first
 # tries ``sub`` as an int and builds (then drops) a TypeError, about 1,000 instructions more
@@ -139,17 +139,14 @@ def content_coding(headers: Mapping[str, str]) -> str | None:
 def endpoint_for(protocol: str, method: str, raw_path: str) -> Endpoint | None:
     """The metered endpoint a request calls, or ``None`` if it is not metered.
 
-    An encoded slash (``%2F``) counts as a slash here: uvicorn hands Starlette the decoded
-    path, so vLLM, SGLang or the LiteLLM proxy serve ``/v1/chat%2Fcompletions`` as chat
-    completions (it went through unmetered). Metering a path an upstream would not serve so
-    costs nothing: its error answer is charged none.
+    Read as the most lenient upstreams route it (:func:`policies.paths.as_routed`): uvicorn
+    hands Starlette the decoded path, so vLLM, SGLang or the LiteLLM proxy serve
+    ``/v1/chat%2Fcompletions`` as chat completions (it went through unmetered). Metering a
+    path an upstream would not serve so costs nothing: its error answer is charged none.
     """
     if method != "POST":
         return None
-    path = decode_unreserved(raw_path.partition("?")[0])
-    if "%" in path:
-        path = path.replace("%2F", "/").replace("%2f", "/")
-    path = path.rstrip("/")
+    path = as_routed(decode_unreserved(raw_path.partition("?")[0]))
     if protocol == "anthropic":
         if path.endswith("/messages"):
             return MESSAGES

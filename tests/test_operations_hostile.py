@@ -57,12 +57,17 @@ async def test_percent_encoded_path_matches_its_endpoint_pattern(upstream, start
     for disguised in ("/api/v1/job%73/2", "/api/v1/%6Aobs/3", "/api/%76%31/jobs/4"):
         status, headers = await raw_post(sluice.port, disguised)
         assert (status, headers.get("X-Sluice-Reason")) == (429, "rate_limited"), disguised
-    # Encoded reserved characters are another path: %2F is not a segment separator.
-    assert (await raw_post(sluice.port, "/api/v1/jobs/5%2Fx"))[0] == 429
+    # %2F is data to some upstreams (one segment: the pattern's) and a slash to others
+    # (Starlette's, behind uvicorn); a run of slashes is one to nginx, a trailing one none to
+    # Express. Each spelling dodged the pattern (a hostile trial): either reading applies.
+    for disguised in ("/api/v1/jobs/5%2Fx", "/api/v1/jobs%2F6", "/api/v1/jobs%2f7",
+                      "/api/v1//jobs/8", "/api//v1/jobs//9", "/api/v1/jobs/10/"):
+        status, headers = await raw_post(sluice.port, disguised)
+        assert (status, headers.get("X-Sluice-Reason")) == (429, "rate_limited"), disguised
     assert (await raw_post(sluice.port, "/api/v1/search"))[0] == 200
     assert [seen.method for seen in upstream.requests] == ["POST", "POST"]
     assert await sluice.metric("sluice_operation_rejections_total", route="api",
-                               operation="POST /v1/jobs/*", reason="rate_limited") == 4
+                               operation="POST /v1/jobs/*", reason="rate_limited") == 9
 
 
 async def test_a_long_path_against_a_many_wildcard_pattern_stalls_nothing(upstream,
