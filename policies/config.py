@@ -267,10 +267,12 @@ class ServerConfig(_Section):
     #: Connections open at once on the proxy port; beyond it a new one takes the place of the
     #: oldest idle one, or is answered 503 ``too_many_connections`` and closed.
     max_connections: int = Field(default=1000, gt=0)
-    #: Request body bytes held at once (declared by ``Content-Length``, from the request's
-    #: arrival to the end of its call, queued calls included); a request whose body would
-    #: pass it is refused 503 ``buffers_full`` before its body is read, so a burst of large
-    #: bodies is turned away rather than the process killed for memory.
+    #: Request body bytes held at once, from the request's head to the end of its call,
+    #: queued calls included; each body counts what has arrived of it, and at least its first
+    #: 64 KiB (``proxy.edge.BodyHold``). A request with no room for that is refused 503
+    #: ``buffers_full`` before its body is read, and one whose next bytes find no room as they
+    #: arrive, so a burst of large bodies is turned away rather than the process killed for
+    #: memory, and slow uploads hold only what they have sent.
     max_buffered_bytes: int = Field(default=256 * 1024 * 1024, gt=0)
     #: A call in flight with no bytes moved for longer than this counts as stalled
     #: (``sluice_stalled_requests``).

@@ -76,11 +76,15 @@
   ``bad_request`` naming the field: aiohttp reads such bytes as surrogate escapes and its
   writer drops them, so the upstream would get the value silently changed;
 * a ``Content-Length`` over ``server.max_request_bytes`` is refused with 413
-  ``request_too_large`` before the body is read (and before any ``100 Continue``), and one
-  that would take the bodies held at once past ``server.max_buffered_bytes`` with 503
-  ``buffers_full`` likewise (the handler holds the declared bytes until the call ends; a
-  chunked body, whose length is known only once read, holds ``max_request_bytes`` until
-  then);
+  ``request_too_large`` before the body is read (and before any ``100 Continue``). A body
+  counts against ``server.max_buffered_bytes`` from its head to the end of its call
+  (:class:`BodyHold`): at its head, its first ``FIRST_HOLD_BYTES`` (64 KiB; the whole of a
+  smaller declared length) or what has arrived of it if more, and then each byte as it
+  arrives. A request whose first count would pass the bound is refused with 503
+  ``buffers_full`` before its body is read (and before any ``100 Continue``); one whose
+  next bytes find no room, with the same 503 as they arrive, and its connection closed.
+  Counted at its declared length from its head on, 8 connections declaring 32 MiB and
+  sending 2 KiB/s held the whole bound for hours (a hostile trial);
 * ``Expect: 100-continue`` is answered by Sluice (``100 Continue`` before the body is read)
   and never forwarded; any other expectation is refused with 417 ``expectation_failed``.
 
@@ -117,7 +121,8 @@ from proxy.runtime import Runtime
 
 log = logging.getLogger("sluice")
 
-Handler = Callable[[Runtime, web.BaseRequest, int], Awaitable[web.StreamResponse]]
+Handler = Callable[[Runtime, web.BaseRequest, "BodyHold | None"],
+                   Awaitable[web.StreamResponse]]
 
 #: Host names of the loopback interface, allowed when Sluice listens on it.
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "[::1]"})
@@ -130,6 +135,10 @@ MAX_HEAD_BYTES = 60 * 1024
 #: How long a connection refused mid-head reads and drops what its caller still sends before
 #: it closes, seconds (so the refusal is not lost to a reset; nginx's ``lingering_time``).
 LINGER_S = 2.0
+#: A request body's first bytes counted held at its head (:class:`BodyHold`), before they
+#: arrive: a body this size or smaller (an LLM SDK's call is a few KiB to tens of KiB) is
+#: counted once, at the door, and refused unread when there is no room for it.
+FIRST_HOLD_BYTES = 64 * 1024
 #: Set on a request whose body the edge cut with its 408 (``server.body_timeout``): the
 #: handler whose read that cut ended counts no caller that left (the edge counted a refusal).
 BODY_CUT = web.RequestKey("sluice_body_cut", bool)
@@ -354,19 +363,20 @@ class EdgeServer(GuardedServer):
         if length is not None:
             declared = digits_value(length)
         elif hdrs.TRANSFER_ENCODING in headers:  # chunked: its length is known once read,
-            declared = door.max_request_bytes    # so it holds the most it may be till then
+            declared = door.max_request_bytes    # so it counts as the most it may be
         else:
             declared = 0
+        hold = None
         if declared:
             if declared > door.max_request_bytes:
                 return _unread(rt, request, Rejected(
                     Reason.BODY_TOO_LARGE, None,
                     f"limit {door.max_request_bytes} bytes; Content-Length says {declared}"))
-            if rt.buffered_bytes + declared > door.max_buffered_bytes:
-                return _unread(rt, request, Rejected(
-                    Reason.BUFFERS_FULL, BUFFERS_FULL_RETRY_AFTER_S,
-                    f"{rt.buffered_bytes} bytes of bodies held, limit "
-                    f"{door.max_buffered_bytes}"))
+            # Pipelined, or sent with its head: some of it may be here already.
+            first = max(min(declared, FIRST_HOLD_BYTES), request.content.total_bytes)
+            if rt.buffered_bytes + first > door.max_buffered_bytes:
+                return _unread(rt, request, buffers_full(rt, door.max_buffered_bytes))
+            hold = BodyHold(rt, request, first, door.max_buffered_bytes)
         expect = headers.get(hdrs.EXPECT)
         if expect is not None and request.version >= HttpVersion11:
             if expect.lower() != "100-continue":
@@ -377,7 +387,85 @@ class EdgeServer(GuardedServer):
                 request.transport.write(_CONTINUE)
         # Held from here (the handler takes the body's bytes in its first step, with no
         # await since this check) to the end of its call.
-        return self._handler(rt, request, declared)
+        return self._handler(rt, request, hold)
+
+
+def buffers_full(rt: Runtime, limit: int) -> Rejected:
+    """503 ``buffers_full``: the bodies held at once (``rt.buffered_bytes``) leave no room
+    under ``limit`` (``server.max_buffered_bytes``, bytes) for the bytes of one more."""
+    return Rejected(Reason.BUFFERS_FULL, BUFFERS_FULL_RETRY_AFTER_S,
+                    f"{rt.buffered_bytes} bytes of bodies held, limit {limit}")
+
+
+class BodyHold:
+    """The bytes of one request body counted in :attr:`Runtime.buffered_bytes`, which
+    ``server.max_buffered_bytes`` bounds, from its handler's first step to the end of its
+    call (:func:`proxy.handler.handle` takes and gives back; the connection grows it).
+
+    A body counts what has arrived of it, never less than a first amount the door found room
+    for (:data:`FIRST_HOLD_BYTES`, or the declared length if smaller): counted at its declared
+    length from its head on, slow uploaders held memory they had not sent (a hostile trial).
+    Each read of the connection grows the count by the body's bytes it brought
+    (:meth:`grow`); bytes that find no room end the request with 503 ``buffers_full``
+    (:meth:`EdgeProtocol._no_room`). So the count never passes the bound, and the bytes in
+    memory pass it by at most one read (uvloop reads up to 256 KiB) per connection refused.
+
+    Attributes:
+        held: the bytes counted now (0 before :meth:`take` and after :meth:`give_back`).
+    """
+
+    __slots__ = ("_first", "_limit", "_request", "_rt", "held")
+
+    def __init__(self, rt: Runtime, request: web.BaseRequest, first: int, limit: int) -> None:
+        self._rt = rt
+        self._request = request
+        self._first = first
+        self._limit = limit
+        self.held = 0
+
+    def take(self) -> None:
+        """Count the first amount, and from now on the bytes as they arrive. Called in the
+        handler's first step, with no await since the door found room for it."""
+        self.held = self._first
+        self._rt.buffered_bytes += self.held
+        protocol = self._request.protocol
+        if isinstance(protocol, EdgeProtocol):
+            protocol._hold = self
+
+    def grow(self) -> bool:
+        """Count the body's bytes arrived beyond those counted; ``False``, counting nothing,
+        when that would pass the bound (the request is then refused)."""
+        arrived = self._request.content.total_bytes
+        more = arrived - self.held
+        if more <= 0:
+            return True
+        rt = self._rt
+        if rt.buffered_bytes + more > self._limit:
+            return False
+        rt.buffered_bytes += more
+        self.held = arrived
+        return True
+
+    def refuse(self) -> None:
+        """End the read of the body with 503 ``buffers_full`` (its bytes found no room):
+        :func:`proxy.handler.handle`'s read raises it as a :class:`Rejected`."""
+        self._request.content.set_exception(buffers_full(self._rt, self._limit))
+
+    def read(self, length: int) -> None:
+        """The body is read whole, ``length`` bytes: count those, no more (a chunked body's
+        first amount may be more than its length)."""
+        if self.held > length:
+            self._rt.buffered_bytes -= self.held - length
+            self.held = length
+
+    def give_back(self) -> None:
+        """Uncount every byte counted; the body's bytes still to arrive are not counted (a
+        handler that answered without reading them: aiohttp reads and drops them)."""
+        self._rt.buffered_bytes -= self.held
+        self.held = 0
+        protocol = self._request.protocol
+        if isinstance(protocol, EdgeProtocol) and protocol._hold is self:
+            protocol._hold = None
 
 
 #: Why a request with a transfer coding besides ``chunked`` is refused (its value is not
@@ -494,10 +582,15 @@ async def _unread(rt: Runtime, request: web.BaseRequest, rejected: Rejected
     invited (no ``100 Continue``): 413 over ``server.max_request_bytes``, 503 ``buffers_full``
     over ``server.max_buffered_bytes``; in the route's shape and counted on it, as when a body
     turns out too long while read. The connection is closed: the body was not read."""
-    response = _refused_at(rt, request.raw_path, rejected)
+    return await sent_and_closed(request, _refused_at(rt, request.raw_path, rejected))
+
+
+async def sent_and_closed(request: web.BaseRequest, response: web.StreamResponse
+                          ) -> web.StreamResponse:
+    """Send ``response`` to ``request`` now and close the connection, the rest of its body
+    unread: left to aiohttp, the unread body would be read and dropped for up to 10 s (its
+    lingering close) before the connection closes."""
     response.force_close()
-    # Sent and the connection closed here: left to aiohttp, the unread body would be read
-    # and dropped for up to 10 s (its lingering close) before the connection closes.
     await response.prepare(request)
     await response.write_eof()
     request.protocol.force_close()
@@ -668,7 +761,7 @@ class EdgeProtocol(RequestHandler):
     connection limits and its own answer to requests the parser refuses (module docstring)."""
 
     __slots__ = ("_body", "_body_bytes", "_body_start", "_deadline", "_edge", "_head_bytes",
-                 "_head_tail", "_phase", "_refused", "_settings", "_timer")
+                 "_head_tail", "_hold", "_phase", "_refused", "_settings", "_timer")
 
     def __init__(self, manager: GuardedServer, settings: ServerConfig, **kwargs: Any) -> None:
         super().__init__(manager, **kwargs)
@@ -684,6 +777,8 @@ class EdgeProtocol(RequestHandler):
         #: The last bytes (up to 3) of the head being read: its blank line may start there.
         self._head_tail = b""
         self._refused: asyncio.Transport | None = None
+        #: The body being read by the request served now, counted as it arrives.
+        self._hold: BodyHold | None = None
 
     # -- connection lifecycle ------------------------------------------------------------
 
@@ -775,6 +870,10 @@ class EdgeProtocol(RequestHandler):
         super().data_received(data)
         if self._force_close:
             return
+        hold = self._hold
+        if hold is not None and not hold.grow():
+            self._no_room(hold)
+            return
         if self._request_count != count and self._messages:
             if reading is not None and not reading.is_eof():
                 self._body_refused(reading)
@@ -838,6 +937,18 @@ class EdgeProtocol(RequestHandler):
         # Ended too: aiohttp reads what is left of an unread body after its answer, and
         # would meet the error there and log it with the request's bytes.
         body.feed_eof()
+
+    def _no_room(self, hold: BodyHold) -> None:
+        """The bytes of the body being read found no room under ``server.max_buffered_bytes``
+        (:meth:`BodyHold.grow`): its reader gets the refusal, which its handler answers with
+        503 ``buffers_full`` in the route's shape and then closes the connection, as the door
+        does for a body with no room for its first bytes. Nothing more is read meanwhile: the
+        transport is paused, not the parser (aiohttp's pause asserts a body still expected,
+        and these bytes may have ended it)."""
+        self._hold = None
+        if self.transport is not None:
+            self.transport.pause_reading()
+        hold.refuse()
 
     def _head_ends_in(self, data: bytes) -> bool:
         """Whether the head ``data`` starts or continues ends within ``MAX_HEAD_BYTES`` of its

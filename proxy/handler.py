@@ -65,7 +65,7 @@ from policies.pipeline import (
 from policies.reasons import Reason, Rejected
 from policies.retry import is_client_retry
 from proxy import attempts, session_end
-from proxy.edge import BODY_CUT
+from proxy.edge import BODY_CUT, BodyHold, sent_and_closed
 from proxy.forward import (
     RELAYED_STREAM,
     RESUMED_ANSWER,
@@ -201,29 +201,30 @@ def _mcp_traffic(request: web.BaseRequest, body: bytes) -> _McpRequest:
                        post.method, post.answers if control else ())
 
 
-async def handle(rt: Runtime, request: web.BaseRequest, held: int = 0
+async def handle(rt: Runtime, request: web.BaseRequest, hold: BodyHold | None = None
                  ) -> web.StreamResponse:
     """Serve one agent request (the only handler of the proxy port, bound to its runtime).
 
-    ``held``: the bytes of its body the edge found room for under ``server.max_buffered_bytes``
-    (its ``Content-Length``; ``max_request_bytes`` for a chunked one): counted held from this
-    first step, with no await since that check, to the end of the call (queued, forwarded),
-    in this one frame. :func:`_serve` lowers the count to the length read (``hold[0]``).
+    ``hold``: its body's count under ``server.max_buffered_bytes``, whose first bytes the
+    edge found room for (``None``: no body): taken in this first step, with no await since
+    that check, grown by the connection as the body arrives, and given back at the end of
+    the call (queued, forwarded), in this one frame.
     """
     raw_path = request.raw_path
     route = rt.router.match(raw_path)
     if route is None:
         detail = "absolute-form request targets are refused" if raw_path[:1] != "/" else raw_path
         return refuse_at_edge(rt, Rejected(Reason.NO_ROUTE, None, detail[:200]))
-    hold = [held]
-    rt.buffered_bytes += held
+    if hold is not None:
+        hold.take()
     # One arriving during the drain counts once it is let in (_serve).
     presence = _Presence(route, not rt.draining)
     try:
         return await _serve(rt, route, request, raw_path, hold, presence)
     finally:
         presence.leave()
-        rt.buffered_bytes -= hold[0]
+        if hold is not None:
+            hold.give_back()
 
 
 class _Presence:
@@ -265,7 +266,8 @@ class _Presence:
 
 
 async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
-                 raw_path: str, hold: list[int], presence: _Presence) -> web.StreamResponse:
+                 raw_path: str, hold: BodyHold | None, presence: _Presence
+                 ) -> web.StreamResponse:
     """Everything :func:`handle` does once the request has a route; ``hold``: the body's
     bytes counted held, ``presence`` its place in the route's counts (see :func:`handle`)."""
     headers = request.headers
@@ -285,6 +287,9 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
         return _reject(rt, route, Rejected(Reason.BODY_TOO_LARGE, None,
                                            f"limit {rt.config.server.max_request_bytes} bytes"),
                        request_id, tenant, run)
+    except Rejected as refused:  # its bytes found no room (BodyHold.grow): 503 buffers_full
+        return await sent_and_closed(request, _reject(rt, route, refused, request_id, tenant,
+                                                      run))
     except (asyncio.CancelledError, ConnectionResetError):
         if request.get(BODY_CUT):  # the edge's 408, counted there as a refusal
             raise
@@ -296,9 +301,8 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
         rt.events.emit("completed", request_id, route.name, tenant, run, None, status=0,
                        outcome=label, body_incomplete=True)
         raise
-    if hold[0] > len(body):  # chunked: counted at the most it could be until read
-        rt.buffered_bytes -= hold[0] - len(body)
-        hold[0] = len(body)
+    if hold is not None:
+        hold.read(len(body))
     traffic: mcp.Traffic = "call"
     operation = cancels = rpc_id = rpc_method = None
     opens_session = resumes = False

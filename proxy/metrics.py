@@ -287,8 +287,9 @@ class Metrics:
         r.register(_LoadGauges(lambda: self._load()))
         self.buffered_bytes = Gauge(
             "sluice_buffered_request_bytes",
-            "Request body bytes held now, all routes (declared by Content-Length, from a "
-            "request's arrival to the end of its call); server.max_buffered_bytes bounds it.",
+            "Request body bytes held now, all routes (as they arrive, at least a body's first "
+            "64 KiB, from a request's head to the end of its call); "
+            "server.max_buffered_bytes bounds it.",
             registry=r,
         )
         self.queue_wait = LoopHistogram(

@@ -908,7 +908,7 @@ async def test_a_body_the_parser_refuses_after_its_head_is_answered_at_once(
         writer.write(b"POST /svc/x HTTP/1.1\r\n" + LOOPBACK
                      + b"Transfer-Encoding: chunked\r\n\r\n" + first)
         await writer.drain()
-        await sluice.wait_metric("sluice_buffered_request_bytes", 33554432)  # being read
+        await sluice.wait_metric("sluice_buffered_request_bytes", 65536)  # being read: 64 KiB
         writer.write(rest)
         [(got, headers, body)] = parse(await closed_within(reader, 5))
     finally:
@@ -966,10 +966,11 @@ async def test_bodies_past_max_buffered_bytes_are_refused_before_they_are_read(u
         await sluice.wait_metric("sluice_buffered_request_bytes", 0)
         async with s.post(sluice.url + "/svc/x", data=body) as r:
             assert r.status == 200
-        # A chunked body's length is known only once read: it holds max_request_bytes, the
-        # most it may be, until then (two trials passed the bound with chunked bodies counted
-        # as none), and its length once read (a review: a few small chunked calls in flight,
-        # counted at the most, refused every other body).
+        # A chunked body's length is known only once read: until then it holds its first
+        # amount, here max_request_bytes, the most it may be (64 KiB with a larger bound;
+        # two trials passed the bound with chunked bodies counted as none), and its length
+        # once read (a review: a few small chunked calls in flight, counted at the most,
+        # refused every other body).
         upstream.hold = asyncio.Event()
         go_on = asyncio.Event()
 
@@ -997,6 +998,62 @@ async def test_bodies_past_max_buffered_bytes_are_refused_before_they_are_read(u
         await sluice.wait_metric("sluice_buffered_request_bytes", 0)
     assert await sluice.metric("sluice_rejections_total", route="svc",
                                reason="buffers_full") == 3
+
+
+async def test_a_slow_upload_holds_only_the_bytes_it_has_sent(upstream, start_sluice):
+    """A hostile trial: a body was counted held at its declared ``Content-Length`` from its
+    head on, so 8 connections declaring 32 MiB each and sending 2 KiB/s (above
+    ``min_body_rate``: never cut) held all of ``max_buffered_bytes``, and every other body
+    was refused 503 ``buffers_full`` for hours. A body now counts what has arrived of it (at
+    least its first 64 KiB), and is refused mid-upload only when its next bytes find no
+    room."""
+    mib = 1024 * 1024  # the fake upstream reads bodies up to 1 MiB
+    sluice = await start_sluice({"server": {"max_request_bytes": mib,
+                                            "max_buffered_bytes": 2 * mib},
+                                 "routes": [route("svc", upstream.url, "http")]})
+    head = b"POST /svc/up HTTP/1.1\r\n" + LOOPBACK + b"Content-Length: %d\r\n\r\n" % mib
+    slow = []
+    try:
+        for _ in range(4):  # 4 MiB declared: twice max_buffered_bytes
+            reader, writer = await asyncio.open_connection("127.0.0.1", sluice.port)
+            writer.write(head + b"x" * 2048)
+            slow.append((reader, writer))
+        deadline = time.monotonic() + 10
+        while await sluice.metric("sluice_buffered_request_bytes") < 4 * 65536:
+            assert time.monotonic() < deadline, "the slow bodies' heads were not all read"
+            await asyncio.sleep(0.05)
+        async with aiohttp.ClientSession() as s, s.post(sluice.url + "/svc/x",
+                                                        data=b"y" * 1000) as r:
+            assert r.status == 200, (r.status, r.headers.get("X-Sluice-Reason"))
+        await sluice.wait_metric("sluice_buffered_request_bytes", 4 * 65536)
+        # Past its first 64 KiB a body counts as its bytes arrive.
+        first, second, *rest = slow
+        first[1].write(b"x" * 200 * 1024)
+        await sluice.wait_metric("sluice_buffered_request_bytes", 3 * 65536 + 202 * 1024)
+        # One whole and held upstream; the next one's growth finds no room past 2 MiB: it is
+        # refused mid-upload and its connection closed, and nothing it held stays counted.
+        upstream.hold = asyncio.Event()
+        first[1].write(b"x" * (mib - 202 * 1024))
+        await wait_until(lambda: len(upstream.requests) == 2, what="the whole body forwarded")
+        await sluice.wait_metric("sluice_buffered_request_bytes", mib + 3 * 65536)
+        # Not all of it (no reset while it writes), but past its room: 1 MiB - 128 KiB.
+        second[1].write(b"x" * (mib - 2048 - 65536))
+        [(status, headers, _)] = parse(await closed_within(second[0], 10))
+        assert (status, headers["x-sluice-reason"]) == (503, "buffers_full")
+        await sluice.wait_metric("sluice_buffered_request_bytes", mib + 2 * 65536)
+        for _, writer in rest:
+            writer.close()
+        await sluice.wait_metric("sluice_buffered_request_bytes", mib)
+        upstream.hold.set()
+        status, _, _ = await read_answer(first[0], timeout=10)
+        assert status == 200
+        assert [len(r.body) for r in upstream.requests] == [1000, mib]
+        await sluice.wait_metric("sluice_buffered_request_bytes", 0)
+    finally:
+        for _, writer in slow:
+            writer.close()
+    assert await sluice.metric("sluice_rejections_total", route="svc",
+                               reason="buffers_full") == 1
 
 
 async def test_connections_beyond_max_connections_get_503(upstream, start_sluice):
