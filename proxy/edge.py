@@ -13,8 +13,9 @@
   its first byte (of the connection's opening, for the first request), else 408
   ``request_timeout`` and close. This is what ends slowloris connections and silent ones;
 * ``body_timeout`` and ``min_body_rate``: a body may pause at most ``body_timeout``, and once
-  ``body_timeout`` has passed must average ``min_body_rate`` bytes a second since its head,
-  else 408 and close;
+  ``body_timeout`` has passed must average ``min_body_rate`` bytes a second since its head
+  (since its ``100 Continue``, for a caller that waited for one: a request pipelined behind
+  a slow one is invited only when its turn comes), else 408 and close;
 * ``idle_timeout``: a keep-alive connection idle between requests is closed (aiohttp's own
   keep-alive timer);
 * ``abort_on_close``: a caller's EOF (a FIN) is a caller that left: the connection closes and
@@ -385,6 +386,9 @@ class EdgeServer(GuardedServer):
             if not request.content.is_eof() and request.transport is not None:
                 # The caller waits for this before it sends the body (RFC 9110 §10.1.1).
                 request.transport.write(_CONTINUE)
+                protocol = request.protocol
+                if isinstance(protocol, EdgeProtocol):
+                    protocol.continued(request.content)
         # Held from here (the handler takes the body's bytes in its first step, with no
         # await since this check) to the end of its call.
         return self._handler(rt, request, hold)
@@ -937,6 +941,16 @@ class EdgeProtocol(RequestHandler):
         # Ended too: aiohttp reads what is left of an unread body after its answer, and
         # would meet the error there and log it with the request's bytes.
         body.feed_eof()
+
+    def continued(self, body: StreamReader) -> None:
+        """``100 Continue`` was sent for ``body``: its ``body_timeout`` (and the time its
+        ``min_body_rate`` is averaged over) starts now. Counted from its head, a body
+        pipelined behind a request taking 2 s upstream had 1 s of a 3 s ``body_timeout``
+        left when it was invited (a hostile trial)."""
+        if self._phase == _BODY and self._body is body:
+            now = self._loop.time()
+            self._body_start = now
+            self._arm(now + self._settings.body_timeout)
 
     def _no_room(self, hold: BodyHold) -> None:
         """The bytes of the body being read found no room under ``server.max_buffered_bytes``

@@ -850,6 +850,32 @@ async def test_a_pipelined_request_waiting_for_100_continue_does_not_cut_the_one
     assert [r.method for r in upstream.requests] == ["GET", "POST"]
 
 
+async def test_a_pipelined_body_has_body_timeout_from_its_100_continue(upstream,
+                                                                        start_sluice):
+    """A hostile trial: behind a GET taking 2 s upstream, a POST waiting for 100 Continue got
+    it at 2.0 s and its 408 at 3.0 s (``body_timeout`` 3 s counted from its head): its caller
+    had 1 s to send a body it was only just invited to send. Its time starts at the 100."""
+    sluice = await start_sluice({"server": {"body_timeout": "3s"},
+                                 "routes": [route("svc", upstream.url, "http")]})
+    upstream.delay = 2.0
+    reader, writer = await asyncio.open_connection("127.0.0.1", sluice.port)
+    try:
+        writer.write(b"GET /svc/slow HTTP/1.1\r\n" + LOOPBACK + b"\r\n"
+                     b"POST /svc/x HTTP/1.1\r\n" + LOOPBACK
+                     + b"Content-Length: 10\r\nExpect: 100-continue\r\n\r\n")
+        status, _, _ = await read_answer(reader, timeout=10)
+        assert status == 200
+        assert await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10) == \
+            b"HTTP/1.1 100 Continue\r\n\r\n"
+        await asyncio.sleep(2.0)  # the caller's own pace, within body_timeout of the 100
+        writer.write(b"0123456789")
+        status, _, body = await read_answer(reader, timeout=10)
+        assert status == 200, body
+    finally:
+        writer.close()
+    assert [r.method for r in upstream.requests] == ["GET", "POST"]
+
+
 async def test_a_stalled_or_trickling_body_is_cut_with_408(upstream, start_sluice):
     sluice = await start_sluice({"server": {"body_timeout": "1s", "min_body_rate": 100},
                                  "routes": [route("svc", upstream.url, "http")]})
