@@ -39,7 +39,11 @@
   headers: 431 ``headers_too_large``; bad framing or syntax: 400 ``bad_request``) is answered
   in Sluice's shape: JSON body, ``X-Sluice-Reason``, ``Connection: close``, the cause named
   when the parser's description is one Sluice knows (:func:`parse_cause`), and nothing of
-  the request echoed, in the answer or in the log;
+  the request echoed, in the answer or in the log. A refusal of a request pipelined behind
+  another in the same read never answers that other one (aiohttp drops the requests parsed
+  from a read it refuses): on a connection's first read the request before it is served and
+  the connection then closed; later, the connection is closed without an answer to either
+  (:meth:`EdgeProtocol._answer_in_order`);
 * after a request with chunked framing, or an HTTP/1.0 request with ``Transfer-Encoding``
   (whose framing RFC 9112 §6.1 says to treat as faulty), the connection is closed once the
   answer is sent, and nothing pipelined behind it is served. aiohttp's C parser does not
@@ -106,8 +110,10 @@ from http import HTTPStatus
 from typing import Any
 
 from aiohttp import hdrs, web
+from aiohttp.base_protocol import BaseProtocol
 from aiohttp.http import HttpVersion, HttpVersion10, HttpVersion11, RawRequestMessage
 from aiohttp.http_exceptions import BadHttpMethod, HttpProcessingError, LineTooLong
+from aiohttp.http_parser import HttpRequestParser
 from aiohttp.streams import StreamReader
 from aiohttp.web_protocol import ERROR as PARSE_ERROR_MESSAGE
 from aiohttp.web_protocol import RequestHandler, RequestPayloadError
@@ -740,6 +746,33 @@ def _is_ip_literal(name: str) -> bool:
     return True
 
 
+def _whole_first_request(data: bytes, loop: asyncio.AbstractEventLoop
+                         ) -> tuple[RawRequestMessage, StreamReader] | None:
+    """The first request in ``data`` (a connection's first read), parsed by a parser of its
+    own: its message and its whole body, or ``None`` when the parser refuses it (its head or
+    its body) or it does not end in ``data``. The parser's limits are aiohttp's defaults,
+    which :func:`proxy.server.build_proxy_server` keeps; its body's reader never pauses the
+    connection (the bytes are all here)."""
+    parser = HttpRequestParser(BaseProtocol(loop), loop, 2**31 - 1,
+                               payload_exception=RequestPayloadError, auto_decompress=False)
+    end = data.find(b"\r\n\r\n") + 4
+    try:
+        messages, _, _ = parser.feed_data(data[:end])
+    except HttpProcessingError:
+        return None
+    if not messages:
+        return None
+    message, payload = messages[0]
+    if not payload.is_eof():
+        try:
+            parser.feed_data(data[end:])
+        except HttpProcessingError:
+            pass  # a later request's: the first one's body is whole or not, as below
+        if not payload.is_eof() or payload.exception() is not None:
+            return None
+    return message, payload
+
+
 class _Linger(asyncio.Protocol):
     """What a connection refused mid-head becomes once its answer is written: it drops what
     the caller still sends, and closes when the caller does or after ``LINGER_S``; its
@@ -870,7 +903,10 @@ class EdgeProtocol(RequestHandler):
             self._head_too_large()
             return
         count = self._request_count
-        reading = self._body if self._phase == _BODY else None
+        phase = self._phase
+        reading = self._body if phase == _BODY else None
+        tail = self._head_tail
+        idle = self._waiter is not None and not self._waiter.done()
         super().data_received(data)
         if self._force_close:
             return
@@ -878,6 +914,11 @@ class EdgeProtocol(RequestHandler):
         if hold is not None and not hold.grow():
             self._no_room(hold)
             return
+        if (self._request_count != count and self._messages
+                and not isinstance(self._messages[-1][0], RawRequestMessage)):
+            self._answer_in_order(data, phase, tail, reading, idle)
+            if self._force_close:
+                return
         if self._request_count != count and self._messages:
             if reading is not None and not reading.is_eof():
                 self._body_refused(reading)
@@ -941,6 +982,48 @@ class EdgeProtocol(RequestHandler):
         # Ended too: aiohttp reads what is left of an unread body after its answer, and
         # would meet the error there and log it with the request's bytes.
         body.feed_eof()
+
+    def _answer_in_order(self, data: bytes, phase: int, tail: bytes,
+                         reading: StreamReader | None, idle: bool) -> None:
+        """The parser refused ``data`` (read in ``phase``; ``tail``: the last bytes of the
+        head it continues; ``reading``: the body it continues; ``idle``: aiohttp was waiting
+        for a request): keep its refusal, queued last, only if it answers the request it
+        concerns.
+
+        aiohttp drops the requests its parser took from a read it refuses, so a valid request
+        and a malformed one in one read were answered once, with the malformed one's 400,
+        which the caller reads as the valid one's (RFC 9112 §9.3.2; a hostile trial). When a
+        request's head ends in the read with bytes after it, the refusal may be a later
+        request's: on a connection's first read (nothing before it in the parser) the read
+        is parsed again, and a whole first request is served in the refusal's place, the
+        connection closed after its answer; otherwise (what came before is gone) nothing of
+        the read is answered, and the connection is closed once what is in progress is.
+        Sent alone, or with its own body, a malformed request is answered as before."""
+        if phase == _BODY:
+            if reading is None or not reading.is_eof():
+                return  # the body being read was refused (_body_refused)
+            first = None  # it ended in this read: the refusal is a later request's
+        else:
+            joined = tail + data if phase == _HEAD else data
+            end = joined.find(b"\r\n\r\n") + 4
+            if end < 4 or end >= len(joined):
+                return  # no head ended before the read's last bytes: it is the first
+            first = _whole_first_request(data, self._loop) if phase == _OPENED else None
+            if phase == _OPENED and first is None:
+                return  # the first request itself was refused
+        self._edge.refused(Reason.BAD_REQUEST)
+        self.logger.warning("a request pipelined behind another in one read was refused by "
+                            "the parser: the connection is closed without its answer; %s",
+                            REQUEST_NOT_LOGGED, extra=PER_CALL)
+        if first is not None:  # in the refusal's place: the waiter aiohttp woke finds it
+            message, payload = first
+            self._messages[-1] = (message._replace(should_close=True), payload)
+            self.close()  # and nothing more is parsed
+        elif idle:  # aiohttp was woken for the refusal: closed, it is written nowhere
+            self.force_close()
+        else:  # answer the requests before it (queued or being served), then close
+            self._messages.pop()
+            self.close()
 
     def continued(self, body: StreamReader) -> None:
         """``100 Continue`` was sent for ``body``: its ``body_timeout`` (and the time its

@@ -426,6 +426,43 @@ async def test_parser_refusals_are_answered_in_sluices_shape(upstream, start_slu
     assert secret.decode() not in sluice.stderr()
 
 
+async def test_a_refusal_pipelined_in_the_same_read_never_answers_the_request_before_it(
+        upstream, start_sluice):
+    """A hostile trial: a valid GET and a malformed request behind it in one write were
+    answered once, 400 "a header value holds a control character", which the client reads
+    as the GET's answer (RFC 9112 §9.3.2: answers come in request order); the GET was never
+    forwarded (aiohttp's parser drops the requests it parsed from a read it refuses). The GET
+    is answered, and the connection closed without an answer to the bad one."""
+    sluice = await start_sluice({"routes": [route("svc", upstream.url, "http")]})
+    bad = b"GET /svc/x HTTP/1.1\r\n" + LOOPBACK + b"X: a\x01b\r\n\r\n"
+    first = b"GET /svc/slow HTTP/1.1\r\n" + LOOPBACK + b"\r\n"
+    body = b'{"a": 1}'
+    post = (b"POST /svc/post HTTP/1.1\r\n" + LOOPBACK
+            + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    for sent, path in ((first + bad, "/slow"), (post + bad, "/post")):
+        answers = parse(await raw_request(sluice.port, sent, timeout=5))
+        assert [status for status, _, _ in answers] == [200], answers
+        assert answers[0][1]["connection"] == "close"
+        assert upstream.requests[-1].path_qs == path
+    # A request whose head arrived over two reads, the second also holding a bad request:
+    # what came before cannot be replayed, so nothing is answered rather than the wrong 400.
+    reader, writer = await asyncio.open_connection("127.0.0.1", sluice.port)
+    try:
+        writer.write(first[:20])
+        await writer.drain()
+        await asyncio.sleep(0.3)  # a read of its own (read with the rest, it is served: 200)
+        writer.write(first[20:] + bad)
+        received = await closed_within(reader, 5)
+    finally:
+        writer.close()
+    assert not received.startswith(b"HTTP/1.1 400"), received[:80]
+    # Alone, or with its own body in the same read, a bad request is still answered.
+    for sent in (bad, b"POST /svc/x HTTP/1.1\r\n" + LOOPBACK + b"X: a\x01b\r\n"
+                 b"Content-Length: 2\r\n\r\nab"):
+        [(status, headers, _)] = parse(await raw_request(sluice.port, sent, timeout=5))
+        assert (status, headers["x-sluice-reason"]) == (400, "bad_request")
+
+
 async def test_a_parser_refusal_names_its_cause_and_still_quotes_nothing(upstream, start_sluice):
     """Seen (new-user trial): every one of these read only "not valid HTTP/1.1
     (BadHttpMessage)", and its log line ended in a cryptic "not quoted". The cause is named
