@@ -95,8 +95,8 @@ def make_handler(session: aiohttp.ClientSession, upstream: str,
         headers = _without(request.headers, _DROP_REQUEST)
         peer = request.remote
         if peer:
-            prior = headers.get("X-Forwarded-For")
-            headers["X-Forwarded-For"] = f"{prior}, {peer}" if prior else peer
+            prior = headers.getall("X-Forwarded-For", None)
+            headers["X-Forwarded-For"] = ", ".join((*prior, peer)) if prior else peer
         url = URL(upstream + request.raw_path[cut:], encoded=True)
         answer = await session.request(request.method, url, headers=headers,
                                        data=body or None, allow_redirects=False)

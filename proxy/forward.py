@@ -360,8 +360,10 @@ def upstream_headers(request: web.BaseRequest, drop: frozenset[str] = _REQUEST_D
     headers = _copy_headers(request.headers, drop)
     peer = request.remote
     if peer:
-        prior = headers.get(hdrs.X_FORWARDED_FOR)
-        headers[hdrs.X_FORWARDED_FOR] = f"{prior}, {peer}" if prior else peer
+        # Every line of it: several lines are one list (RFC 9110 §5.3), and a hop named on a
+        # second line was lost (a hostile trial).
+        prior = headers.getall(hdrs.X_FORWARDED_FOR, None)
+        headers[hdrs.X_FORWARDED_FOR] = ", ".join((*prior, peer)) if prior else peer
     return headers
 
 

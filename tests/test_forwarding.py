@@ -69,6 +69,7 @@ async def test_request_hop_by_hop_headers_dropped_end_to_end_kept(upstream, star
         b"Authorization: Bearer sk-test-passes-through\r\n"
         b"X-Forwarded-For: 203.0.113.7\r\n"
         b"X-End-To-End: kept\r\n"
+        b"X-Forwarded-For: 198.51.100.2\r\n"  # a second line of the same list
         b"Transfer-Encoding: chunked\r\n"
         b"\r\n"
         b"5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n"
@@ -82,7 +83,7 @@ async def test_request_hop_by_hop_headers_dropped_end_to_end_kept(upstream, star
         assert hop not in got, hop
     assert got["host"] == f"127.0.0.1:{upstream.port}"
     assert got["authorization"] == "Bearer sk-test-passes-through"
-    assert got["x-forwarded-for"] == "203.0.113.7, 127.0.0.1"
+    assert got["x-forwarded-for"] == "203.0.113.7, 198.51.100.2, 127.0.0.1"
     assert got["x-end-to-end"] == "kept"
     assert seen.body == b"hello world"
     assert got["content-length"] == "11"
