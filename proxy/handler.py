@@ -213,7 +213,11 @@ async def handle(rt: Runtime, request: web.BaseRequest, hold: BodyHold | None = 
     raw_path = request.raw_path
     route = rt.router.match(raw_path)
     if route is None:
-        detail = "absolute-form request targets are refused" if raw_path[:1] != "/" else raw_path
+        # Not a path: absolute-form (a forward proxy's), CONNECT's authority, OPTIONS's "*".
+        detail = (raw_path if raw_path[:1] == "/" else
+                  "CONNECT is not served" if request.method == "CONNECT" else
+                  "a request target of * is not served" if raw_path == "*" else
+                  "absolute-form request targets are refused")
         return refuse_at_edge(rt, Rejected(Reason.NO_ROUTE, None, detail[:200]))
     if hold is not None:
         hold.take()
