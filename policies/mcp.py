@@ -95,8 +95,17 @@ CANCELLED = "notifications/cancelled"
 #: Methods whose ``params.name`` (or ``params.uri``) is mirrored in ``Mcp-Name`` (2026-07-28).
 NAMED_METHODS = frozenset({"tools/call", "resources/read", "prompts/get"})
 
-#: Request methods that are control traffic whatever their name (the ``*/list`` ones are too).
-CONTROL_METHODS = frozenset({"initialize", "server/discover", "ping"})
+#: Request methods that are control traffic whatever their name (the ``*/list`` ones are too):
+#: the session's own management, and a task's follow-ups (MCP 2025-11-25), whose work was
+#: admitted as the ``tools/call`` that made the task. Counted as calls, a run at its
+#: ``max_requests`` could not even cancel its own task, and a ``logging/setLevel`` queued
+#: behind tool calls for a slot (a hostile trial). What asks the server for work of its own
+#: (``tools/call``, ``resources/read``, ``prompts/get``, a method not known here) is a call.
+CONTROL_METHODS = frozenset({
+    "initialize", "server/discover", "ping", "logging/setLevel", "completion/complete",
+    "resources/subscribe", "resources/unsubscribe", "tasks/get", "tasks/result",
+    "tasks/cancel",
+})
 
 #: Request methods a client connecting to a server sends first: new work for a draining
 #: replica (its client would connect there, then have its first call refused ``draining``).

@@ -6,10 +6,12 @@ session-wide ``Idempotency-Key`` a task's polls were refused 422 or replayed."""
 
 from __future__ import annotations
 
+import asyncio
+
 import aiohttp
 from aiohttp import web
 
-from tests.conftest import route, serve_app
+from tests.conftest import route, serve_app, wait_until
 
 HEADERS = {"Accept": "application/json, text/event-stream", "Authorization": "Bearer k"}
 
@@ -133,4 +135,54 @@ async def test_a_task_poll_with_a_session_wide_idempotency_key_is_not_replayed(s
             ("working", None), ("completed", None)]
         assert seen == ["tasks/get", "tasks/get"]
     finally:
+        await runner.cleanup()
+
+
+async def test_a_sessions_management_and_a_tasks_follow_ups_take_no_slot_nor_run_count(
+        start_sluice):
+    """A hostile trial: ``logging/setLevel``, ``completion/complete``, subscriptions and a
+    task's ``tasks/get``/``tasks/cancel`` were calls: a run at its ``max_requests`` was
+    refused ``run_budget_exhausted`` for cancelling its own task, and ``logging/setLevel``
+    queued behind a tool call for the route's one slot, then was refused ``queue_timeout``."""
+    seen: list[str] = []
+    release = asyncio.Event()
+
+    async def handle(request: web.Request) -> web.Response:
+        doc = await request.json()
+        seen.append(doc["method"])
+        if doc["method"] == "tools/call":
+            await release.wait()
+        return web.json_response({"jsonrpc": "2.0", "id": doc["id"], "result": {}})
+
+    app = web.Application()
+    app.router.add_post("/mcp", handle)
+    runner, port = await serve_app(app)
+    try:
+        sluice = await start_sluice({"routes": [route(
+            "tools", f"http://127.0.0.1:{port}", "mcp", run={"max_requests": 1},
+            concurrency={"limit": 1, "queue": 1, "max_wait": "30s"})]})
+        url = sluice.url + "/tools/mcp"
+        run = {"X-Run-ID": "r1"}
+        async with aiohttp.ClientSession() as session:
+            slot = asyncio.create_task(_rpc(session, url, 1, "tools/call",
+                                            {"name": "slow", "arguments": {}}, run))
+            await wait_until(lambda: seen == ["tools/call"], what="the slot taken")
+            follow_ups = [("logging/setLevel", {"level": "debug"}),
+                          ("completion/complete", {"ref": {"type": "ref/prompt", "name": "p"},
+                                                   "argument": {"name": "a", "value": "x"}}),
+                          ("resources/subscribe", {"uri": "counter://x"}),
+                          ("resources/unsubscribe", {"uri": "counter://x"}),
+                          ("tasks/get", {"taskId": "t-1"}),
+                          ("tasks/result", {"taskId": "t-1"}),
+                          ("tasks/cancel", {"taskId": "t-1"})]
+            for i, (method, params) in enumerate(follow_ups, start=2):
+                doc, _ = await _rpc(session, url, i, method, params, run)
+                assert doc == {"jsonrpc": "2.0", "id": i, "result": {}}, method
+            release.set()
+            await slot
+        assert seen == ["tools/call", *(method for method, _ in follow_ups)]
+        assert await sluice.metric("sluice_rejections_total", route="tools",
+                                   reason="run_budget_exhausted") == 0
+    finally:
+        release.set()
         await runner.cleanup()

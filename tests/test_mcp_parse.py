@@ -157,7 +157,14 @@ def test_is_modern() -> None:
     (call("send"), "call"),
     (rpc("resources/read", 1, uri="file:///x"), "call"),
     (rpc("prompts/get", 1, name="p"), "call"),
-    (rpc("completion/complete", 1), "call"),
+    (rpc("completion/complete", 1), "control"),
+    (rpc("logging/setLevel", 1, level="debug"), "control"),
+    (rpc("resources/subscribe", 1, uri="file:///x"), "control"),
+    (rpc("resources/unsubscribe", 1, uri="file:///x"), "control"),
+    (rpc("tasks/get", 1, taskId="t1"), "control"),
+    (rpc("tasks/result", 1, taskId="t1"), "control"),
+    (rpc("tasks/cancel", 1, taskId="t1"), "control"),
+    (rpc("sampling/unknownThing", 1), "call"),  # a method not known here may be work
     (rpc("subscriptions/listen", 1), "stream"),
 ])
 def test_traffic_of_a_post(body: bytes, expected: str) -> None:
