@@ -53,7 +53,7 @@ from policies.config import (
     endpoint_pattern,
 )
 from policies.idempotency import Idempotency
-from policies.paths import as_routed, decode_unreserved
+from policies.paths import as_routed, decode_unreserved, without_trailing_slash
 from policies.pipeline import Call, Outcome, Policy
 from policies.rate import RateLimiter, Units
 from policies.reasons import Reason, Rejected
@@ -332,13 +332,13 @@ class OperationIndex:
         ``None`` for other calls, which have no operation.
         """
         if self.key == "endpoints":
-            # Both readings of the path (policies.paths): the one that matches applies.
+            # Every reading of the path (policies.paths): the first pattern one matches applies.
             path = decode_unreserved(path.partition("?")[0])
             routed = as_routed(path)
+            readings = {path, routed, without_trailing_slash(routed)}
             for allowed, pattern, name in self.endpoints:
-                if (allowed == "*" or allowed == method) and (
-                        pattern.fullmatch(path)
-                        or (routed is not path and pattern.fullmatch(routed))):
+                if (allowed == "*" or allowed == method) and any(
+                        pattern.fullmatch(reading) for reading in readings):
                     return name, name
             default = self.default
             return (DEFAULT_OPERATION, default) if default is not None else (None, None)

@@ -33,14 +33,18 @@ def decode_unreserved(path: str) -> str:
 
 def as_routed(path: str) -> str:
     """``path`` (a path without its query, :func:`decode_unreserved` already) as the most
-    lenient common upstreams route it: ``%2F`` as a slash, a run of slashes as one, and no
-    trailing slash (the module docstring); ``path`` itself, the same object, when none of
-    these applies."""
+    lenient common upstreams route it: ``%2F`` as a slash and a run of slashes as one (the
+    module docstring; a trailing slash is kept: :func:`without_trailing_slash`); ``path``
+    itself, the same object, when neither applies."""
     routed = path
     if "%" in routed:
         routed = routed.replace("%2F", "/").replace("%2f", "/")
     if "//" in routed:
         routed = _SLASH_RUN.sub("/", routed)
-    if len(routed) > 1 and routed[-1] == "/":
-        routed = routed.rstrip("/") or "/"
     return path if routed == path else routed
+
+
+def without_trailing_slash(path: str) -> str:
+    """``path`` less a trailing slash (Express routes ``/jobs/5/`` as ``/jobs/5``); ``path``
+    itself, the same object, when it has none (or is ``/``)."""
+    return path[:-1] if len(path) > 1 and path[-1] == "/" else path

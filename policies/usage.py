@@ -146,7 +146,7 @@ def endpoint_for(protocol: str, method: str, raw_path: str) -> Endpoint | None:
     """
     if method != "POST":
         return None
-    path = as_routed(decode_unreserved(raw_path.partition("?")[0]))
+    path = as_routed(decode_unreserved(raw_path.partition("?")[0])).rstrip("/")
     if protocol == "anthropic":
         if path.endswith("/messages"):
             return MESSAGES

@@ -897,6 +897,11 @@ class EdgeProtocol(RequestHandler):
                 refused.write(self._edge.too_many)
                 refused.close()
             return
+        if self._close or self._force_close:
+            # aiohttp parses nothing more (_answer_in_order closed it): nor is it counted as
+            # a head here, where the rest of a refused request's body ended the answer of the
+            # request served in its place as a head too large (a review).
+            return
         # A read that could take a head past the bound (``_head_bytes`` is a head's bytes so
         # far, or the last head's: at worst more reads are looked at) must end it in time.
         if len(data) > MAX_HEAD_BYTES - self._head_bytes and not self._head_ends_in(data):
@@ -994,11 +999,14 @@ class EdgeProtocol(RequestHandler):
         and a malformed one in one read were answered once, with the malformed one's 400,
         which the caller reads as the valid one's (RFC 9112 §9.3.2; a hostile trial). When a
         request's head ends in the read with bytes after it, the refusal may be a later
-        request's: on a connection's first read (nothing before it in the parser) the read
-        is parsed again, and a whole first request is served in the refusal's place, the
-        connection closed after its answer; otherwise (what came before is gone) nothing of
-        the read is answered, and the connection is closed once what is in progress is.
-        Sent alone, or with its own body, a malformed request is answered as before."""
+        request's: when the read starts a request (a connection's first, or one between
+        requests: nothing before it in the parser) it is parsed again, and a whole first
+        request is served in the refusal's place, the connection closed after its answer (a
+        refusal of that first request itself is kept: a malformed request sent alone or with
+        its own body is answered 400, on a kept-alive connection too, which a first cut only
+        did on a connection's first read: a review); otherwise (the read continues a head or
+        a body, and what came before is gone) nothing of the read is answered, and the
+        connection is closed once what is in progress is."""
         if phase == _BODY:
             if reading is None or not reading.is_eof():
                 return  # the body being read was refused (_body_refused)
@@ -1008,8 +1016,9 @@ class EdgeProtocol(RequestHandler):
             end = joined.find(b"\r\n\r\n") + 4
             if end < 4 or end >= len(joined):
                 return  # no head ended before the read's last bytes: it is the first
-            first = _whole_first_request(data, self._loop) if phase == _OPENED else None
-            if phase == _OPENED and first is None:
+            starts = phase == _OPENED or phase == _READ  # the read starts a request
+            first = _whole_first_request(data, self._loop) if starts else None
+            if starts and first is None:
                 return  # the first request itself was refused
         self._edge.refused(Reason.BAD_REQUEST)
         self.logger.warning("a request pipelined behind another in one read was refused by "

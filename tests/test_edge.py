@@ -426,6 +426,63 @@ async def test_parser_refusals_are_answered_in_sluices_shape(upstream, start_slu
     assert secret.decode() not in sluice.stderr()
 
 
+async def _second_on_keep_alive(port: int, bad: bytes) -> bytes:
+    """What the answer to ``bad`` is, sent alone in one write after a first request answered
+    on the same kept-alive connection; until the connection closes."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(b"GET /svc/ok HTTP/1.1\r\n" + LOOPBACK + b"\r\n")
+        await writer.drain()
+        status, _, _ = await read_answer(reader)
+        assert status == 200
+        writer.write(bad)
+        await writer.drain()
+        return await closed_within(reader, 5)
+    finally:
+        writer.close()
+
+
+async def test_a_bad_request_with_its_body_on_a_kept_alive_connection_is_answered(
+        upstream, start_sluice):
+    """A review: once a refusal pipelined behind a request was kept from answering it, a
+    malformed request sent alone with its own body on a kept-alive connection (its body is
+    bytes after its head) got no answer at all, the connection dropped."""
+    sluice = await start_sluice({"routes": [route("svc", upstream.url, "http")]})
+    bad_header = (b"POST /svc/x HTTP/1.1\r\n" + LOOPBACK + b"X: a\x01b\r\n"
+                  b"Content-Length: 2\r\n\r\nab")
+    bad_chunk = (b"POST /svc/x HTTP/1.1\r\n" + LOOPBACK + b"Transfer-Encoding: chunked\r\n\r\n"
+                 b"zz\r\nab\r\n0\r\n\r\n")
+    for bad in (bad_header, bad_chunk):
+        assert (await _second_on_keep_alive(sluice.port, bad))[:12] == b"HTTP/1.1 400", bad
+    assert [seen.path_qs for seen in upstream.requests] == ["/ok", "/ok"]
+
+
+async def test_the_request_served_in_a_refusals_place_survives_the_refused_ones_body(
+        upstream, start_sluice):
+    """A review: the refused request's body, still arriving after the connection stopped
+    parsing, was counted as a head, and past the head bound it cut the answer of the request
+    served in its place."""
+    sluice = await start_sluice({"routes": [route("svc", upstream.url, "http")]})
+    upstream.hold = asyncio.Event()
+    get = b"GET /svc/slow HTTP/1.1\r\n" + LOOPBACK + b"\r\n"
+    bad = (b"POST /svc/x HTTP/1.1\r\n" + LOOPBACK + b"X: a\x01b\r\n"
+           b"Content-Length: 200000\r\n\r\n")
+    reader, writer = await asyncio.open_connection("127.0.0.1", sluice.port)
+    try:
+        writer.write(get + bad + b"z" * 1000)
+        await writer.drain()
+        await wait_until(lambda: upstream.inflight == 1, what="the GET upstream")
+        for _ in range(4):  # 120 KB more of the refused body: past MAX_HEAD_BYTES
+            writer.write(b"z" * 30000)
+            await writer.drain()
+            await asyncio.sleep(0.1)
+        upstream.hold.set()
+        received = await closed_within(reader, 5)
+    finally:
+        writer.close()
+    assert received.startswith(b"HTTP/1.1 200"), received[:120]
+
+
 async def test_a_refusal_pipelined_in_the_same_read_never_answers_the_request_before_it(
         upstream, start_sluice):
     """A hostile trial: a valid GET and a malformed request behind it in one write were

@@ -23,6 +23,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from policies.operations import OperationIndex
 from tests import mcp_servers
 from tests.conftest import REPO, wait_until
 from tests.test_operations import MCP1_PYTHON, MCP1_SEQUENCE, run_mcp1
@@ -68,6 +69,17 @@ async def test_percent_encoded_path_matches_its_endpoint_pattern(upstream, start
     assert [seen.method for seen in upstream.requests] == ["POST", "POST"]
     assert await sluice.metric("sluice_operation_rejections_total", route="api",
                                operation="POST /v1/jobs/*", reason="rate_limited") == 9
+
+
+def test_a_pattern_ending_in_a_slash_matches_its_lenient_spellings():
+    """A review: every reading dropped a trailing slash, so a Django-style pattern
+    (``/api/jobs/``) matched none of the spellings uvicorn or nginx route to it."""
+    index = OperationIndex("endpoints", ["POST /api/jobs/", "POST /v1/jobs/*", "default"])
+    for spelled in ("/api/jobs/", "/api/jobs%2F", "/api/jobs//", "/api//jobs/"):
+        assert index.find("POST", spelled, b"", None)[1] == "POST /api/jobs/", spelled
+    for spelled in ("/v1/jobs/5", "/v1/jobs/5/", "/v1/jobs%2F5", "/v1//jobs/5"):
+        assert index.find("POST", spelled, b"", None)[1] == "POST /v1/jobs/*", spelled
+    assert index.find("POST", "/api/other/", b"", None)[1] == "default"
 
 
 async def test_a_long_path_against_a_many_wildcard_pattern_stalls_nothing(upstream,

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from policies import concurrency
 from policies.pipeline import Outcome
 from policies.reasons import Reason, Rejected
 from policies.shared_concurrency import SharedConcurrencyLimiter
@@ -24,11 +25,13 @@ def limiter(backends: StateBackends, limit: int, queue: int) -> SharedConcurrenc
 
 @pytest.mark.parametrize("backends", ["redis"], indirect=True)
 async def test_a_replica_seeing_no_release_of_anothers_quick_calls_does_not_stretch_its_turn(
-        backends: StateBackends):
+        backends: StateBackends, monkeypatch: pytest.MonkeyPatch):
     """A holds the route's one slot with calls of 50 ms, one after another (30 of them);
     B, whose queue is 0, refuses its callers. B has seen its own calls take 50 ms, and no
     slot of its own was held all that time: its Retry-After stays near 50 ms, not the time
-    since its first refusal (51c8b75: ~1.5 s, growing for as long as A keeps the slot)."""
+    since its first refusal (51c8b75: ~1.5 s, growing for as long as A keeps the slot).
+    The estimate itself, without the least hint a refusal gives (MIN_RETRY_AFTER_S)."""
+    monkeypatch.setattr(concurrency, "MIN_RETRY_AFTER_S", 0.0)
     async with replica(backends) as other:
         a, b = limiter(backends, 1, 8), limiter(other, 1, 0)
         own = await b.acquire("t")

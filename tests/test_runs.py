@@ -390,7 +390,7 @@ async def test_cancel_needs_the_token_and_reads_stay_open(upstream, start_sluice
         # A token that is not UTF-8 (no client would send one; a raw socket does): 401 too,
         # not a 500 and a traceback.
         reader, writer = await asyncio.open_connection("127.0.0.1", sluice.admin_port)
-        writer.write(b"POST /admin/runs/r/cancel HTTP/1.1\r\nHost: x\r\n"
+        writer.write(b"POST /admin/runs/r/cancel HTTP/1.1\r\nHost: 127.0.0.1\r\n"
                      b"Authorization: Bearer \xff\xfe\r\nContent-Length: 0\r\n\r\n")
         assert (await reader.readline()).startswith(b"HTTP/1.1 401 ")
         writer.close()
