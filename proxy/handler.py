@@ -677,8 +677,8 @@ def _hold_polled(rt: Runtime, route: Route, call: Call, admission: Admission,
     budget reservation, the ``cost_per_second`` clock), its place in flight on its route,
     and its body counted held; a ``dedup`` route's capture is fed the resumed answer, so its
     response is kept for the key. Returns whether it is held: not when its run was
-    cancelled or the drain cuts (it ends now, as before), nor when its response came first
-    (a resumed GET can beat this handler's end).
+    cancelled, the drain cuts or its session's DELETE went through (it ends now, as
+    before), nor when its response came first (a resumed GET can beat this handler's end).
 
     The hold is a task of its own (:func:`_resumed`), which ends when the response comes
     through, or with ``TimeoutError`` at the call's bound (:attr:`Polled.deadline`: its
@@ -686,7 +686,8 @@ def _hold_polled(rt: Runtime, route: Route, call: Call, admission: Admission,
     (:attr:`Call.background`) or the drain's cut (:attr:`Runtime.polling`); its end settles
     the call, once (:func:`_polled_end`), with that outcome."""
     polled, call.polled = call.polled, None
-    if polled.answered or call.cancelled is not None or rt.cutting:
+    if (polled.answered or call.cancelled is not None or rt.cutting
+            or (route.name, call.headers.get(mcp.SESSION_HEADER, "")) in rt.ended_sessions):
         if not polled.answered:
             polled.capture = None  # nothing is kept for the key of a call that ends now
         return False

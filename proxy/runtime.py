@@ -208,6 +208,11 @@ class Runtime:
         #: task that holds it (``proxy.handler``): present and in flight on its route until
         #: it ends; the drain waits for them, and cancels those left when it cuts.
         self.polling: dict[asyncio.Task[Any], Call] = {}
+        #: MCP sessions whose DELETE went through while a call of theirs was in flight, by
+        #: route name and ``Mcp-Session-Id`` (the latest
+        #: :data:`proxy.session_end.ENDED_SESSIONS_KEPT`): such a
+        #: call closed early for polling after it is not held (``proxy.handler``).
+        self.ended_sessions: OrderedDict[tuple[str, str], None] = OrderedDict()
         #: MCP sessions' DELETEs answered by Sluice and not sent yet, each by route name and
         #: ``Mcp-Session-Id``: they wait for the session's calls kept for a retry
         #: (``proxy.session_end``).

@@ -65,6 +65,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("sluice")
 
+#: How many ended MCP sessions :attr:`Runtime.ended_sessions` remembers (the oldest go first;
+#: a call of one forgotten is held to its own bound, as before).
+ENDED_SESSIONS_KEPT = 256
+
 
 #: DELETEs of one session kept while they wait (each with its own headers, sent in turn
 #: until the server takes one); those past it are answered 200 and not sent.
@@ -208,7 +212,17 @@ def end_session_polls(rt: Runtime, route: Route, session: str | None) -> None:
     for a polled answer (``proxy.handler._hold_polled``), ``client_disconnected``. Nothing
     can resume their answers now, and held to their bound (600 s without
     ``timeouts.total``) they kept their slots and keys for nothing (a review)."""
-    if session is None or not rt.polling:
+    if session is None:
+        return
+    # A call of it still in flight may be closed early for polling after this (its stream's
+    # end read after the DELETE's answer): held then, it kept its slot to its bound, 600 s
+    # by default (a hostile trial: a legacy client leaving mid-call).
+    if any(call.headers.get(mcp.SESSION_HEADER) == session for call in route.live):
+        ended = rt.ended_sessions
+        ended[route.name, session] = None
+        if len(ended) > ENDED_SESSIONS_KEPT:
+            ended.popitem(last=False)
+    if not rt.polling:
         return
     for task, call in list(rt.polling.items()):
         if call.route == route.name and call.headers.get(mcp.SESSION_HEADER) == session:

@@ -541,3 +541,48 @@ async def test_a_refused_delete_does_not_stand_for_the_owners(session_server, st
                      what="both DELETEs sent")
     assert [e["status"] for e in sluice.events()
             if e["event"] == "session_delete_sent"] == [401, 200]
+
+
+async def test_a_call_closed_for_polling_after_its_sessions_delete_is_not_held(start_sluice):
+    """A hostile trial: a legacy client leaving mid-call sends its session's DELETE; the
+    server ends the call's stream after its priming event (an id: polling), and Sluice read
+    that end after the DELETE's answer, when nothing could resume the call any more. Held
+    for polling, it kept the route's slot to ``timeouts.total`` (600 s by default)."""
+    deleted = asyncio.Event()
+    log: list[str] = []
+
+    async def post(request: web.Request) -> web.StreamResponse:
+        await request.json()
+        log.append("call")
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        await out.write(b"id: e1\ndata: \n\n")
+        await deleted.wait()
+        await asyncio.sleep(0.2)  # the DELETE's answer is through Sluice first
+        await out.write_eof()
+        return out
+
+    async def delete(request: web.Request) -> web.Response:
+        log.append("delete")
+        deleted.set()
+        return web.Response(status=200)
+
+    app = web.Application()
+    app.router.add_post("/mcp", post)
+    app.router.add_delete("/mcp", delete)
+    runner, port = await serve_app(app)
+    try:
+        sluice = await start_sluice({"routes": [mcp_route(
+            f"http://127.0.0.1:{port}", concurrency={"limit": 1, "queue": 0})]})
+        url = sluice.url + "/tools/mcp"
+        async with aiohttp.ClientSession() as http:
+            call = asyncio.create_task(http.post(url, json=CALL, headers=HEADERS))
+            await wait_until(lambda: log == ["call"], what="the call at the server")
+            assert await delete_session(http, url) == (200, b"")
+            async with await call as r:  # read to its end: the caller stays
+                assert r.status == 200 and b"id: e1" in await r.read()
+            await sluice.wait_metric("sluice_inflight_requests", 0, route="tools")
+            assert await sluice.metric("sluice_polled_calls") == 0
+    finally:
+        deleted.set()
+        await runner.cleanup()
