@@ -331,9 +331,10 @@ class Capture:
         if self.mcp_id is None:
             return self.record(fingerprint) if outcome in _ANSWERED else None
         tracker = self.tracker
-        if (tracker is not None and not tracker.sse and tracker.complete_at is None
-                and outcome in _ANSWERED):
-            tracker.finish()  # a JSON answer holds its response only once it has all come
+        if tracker is not None and tracker.complete_at is None and outcome in _ANSWERED:
+            # A JSON answer holds its response only once it has all come; an SSE one may end
+            # in a CR held back for an LF to follow (proxy.forward.relay).
+            tracker.finish()
         if tracker is None or tracker.complete_at is None:
             return None  # the response never came: the call may not have run to its end
         found = tracker.outcome

@@ -732,9 +732,12 @@ async def relay(
         # events had ids: that is a server's early close for polling (2025-11-25), and the
         # client resumes it with Last-Event-ID; an error then failed a call still running.
         # Such a stream is no answer: counted as one the upstream cut (upstream_error), as
-        # its client gets upstream_unreachable; it was counted 2xx (a hostile trial).
+        # its client gets upstream_unreachable; it was counted 2xx (a hostile trial). Its end
+        # is told to the tracker first (finish): a last line may end in a CR it held back for
+        # an LF to follow (SSE lines may end in a lone CR), and the response event it closes
+        # went unseen, the answer kept for no key (a hostile trial).
         if (outcome == "2xx" and tracker is not None and tracker.sse
-                and not tracker.resumable and tracker.outcome is None):
+                and not tracker.resumable and tracker.finish() is None):
             outcome = "upstream_error"
         if (finish is None or not finish.left) and not (
                 tracker is not None and not tracker.resumable

@@ -7,6 +7,7 @@ session-wide ``Idempotency-Key`` a task's polls were refused 422 or replayed."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import aiohttp
 from aiohttp import web
@@ -185,4 +186,42 @@ async def test_a_sessions_management_and_a_tasks_follow_ups_take_no_slot_nor_run
                                    reason="run_budget_exhausted") == 0
     finally:
         release.set()
+        await runner.cleanup()
+
+
+async def test_an_sse_answer_with_bare_cr_line_ends_is_kept_for_its_key(start_sluice):
+    """A hostile trial: SSE lines may end in a lone CR; the answer's last byte was that CR,
+    held back in case an LF followed, so its response event was never seen, nothing was kept
+    for the key and the retry ran the tool again."""
+    seen: list[str] = []
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        doc = await request.json()
+        seen.append(doc["method"])
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        answer = {"jsonrpc": "2.0", "id": doc["id"],
+                  "result": {"content": [{"type": "text", "text": f"run {len(seen)}"}]}}
+        await out.write(b"event: message\rdata: " + json.dumps(answer).encode() + b"\r\r")
+        await out.write_eof()
+        return out
+
+    app = web.Application()
+    app.router.add_post("/mcp", handle)
+    runner, port = await serve_app(app)
+    try:
+        sluice = await start_sluice({"routes": [route(
+            "tools", f"http://127.0.0.1:{port}", "mcp", idempotency={"mode": "dedup"})]})
+        url = sluice.url + "/tools/mcp"
+        call = {"name": "send", "arguments": {"to": "ops"}}
+        async with aiohttp.ClientSession() as session:
+            answers = []
+            for rpc_id in (1, 2):
+                async with session.post(url, headers=HEADERS, json={
+                        "jsonrpc": "2.0", "id": rpc_id, "method": "tools/call",
+                        "params": call}) as r:
+                    answers.append((r.headers.get("Idempotent-Replayed"), await r.text()))
+        assert seen == ["tools/call"]  # the retry was replayed, not run again
+        assert answers[1][0] == "true" and "run 1" in answers[1][1]
+    finally:
         await runner.cleanup()
