@@ -383,7 +383,8 @@ class EdgeServer(GuardedServer):
             first = max(min(declared, FIRST_HOLD_BYTES), request.content.total_bytes)
             if rt.buffered_bytes + first > door.max_buffered_bytes:
                 return _unread(rt, request, buffers_full(rt, door.max_buffered_bytes))
-            hold = BodyHold(rt, request, first, door.max_buffered_bytes)
+            hold = BodyHold(rt, request, first, door.max_buffered_bytes,
+                            length is None or declared > first)
         expect = headers.get(hdrs.EXPECT)
         if expect is not None and request.version >= HttpVersion11:
             if expect.lower() != "100-continue":
@@ -424,23 +425,28 @@ class BodyHold:
         held: the bytes counted now (0 before :meth:`take` and after :meth:`give_back`).
     """
 
-    __slots__ = ("_first", "_limit", "_request", "_rt", "held")
+    __slots__ = ("_first", "_grows", "_limit", "_request", "_rt", "held")
 
-    def __init__(self, rt: Runtime, request: web.BaseRequest, first: int, limit: int) -> None:
+    def __init__(self, rt: Runtime, request: web.BaseRequest, first: int, limit: int,
+                 grows: bool) -> None:
         self._rt = rt
         self._request = request
         self._first = first
         self._limit = limit
+        #: The first amount may be less than the body (else the connection need not count
+        #: its reads: most bodies are smaller than the first amount).
+        self._grows = grows
         self.held = 0
 
     def take(self) -> None:
         """Count the first amount, and from now on the bytes as they arrive. Called in the
         handler's first step, with no await since the door found room for it."""
         self.held = self._first
-        self._rt.buffered_bytes += self.held
-        protocol = self._request.protocol
-        if isinstance(protocol, EdgeProtocol):
-            protocol._hold = self
+        self._rt.buffered_bytes += self._first
+        if self._grows:
+            protocol = self._request.protocol
+            if isinstance(protocol, EdgeProtocol):
+                protocol._hold = self
 
     def grow(self) -> bool:
         """Count the body's bytes arrived beyond those counted; ``False``, counting nothing,
@@ -473,9 +479,10 @@ class BodyHold:
         handler that answered without reading them: aiohttp reads and drops them)."""
         self._rt.buffered_bytes -= self.held
         self.held = 0
-        protocol = self._request.protocol
-        if isinstance(protocol, EdgeProtocol) and protocol._hold is self:
-            protocol._hold = None
+        if self._grows:
+            protocol = self._request.protocol
+            if isinstance(protocol, EdgeProtocol) and protocol._hold is self:
+                protocol._hold = None
 
 
 #: Why a request with a transfer coding besides ``chunked`` is refused (its value is not
