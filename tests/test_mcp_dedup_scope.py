@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Awaitable, Callable
 
 import aiohttp
 from aiohttp import web
@@ -23,6 +24,15 @@ async def _rpc(session: aiohttp.ClientSession, url: str, rpc_id: int, method: st
             "jsonrpc": "2.0", "id": rpc_id, "method": method, "params": params}) as r:
         assert r.status == 200, await r.text()
         return await r.json(), r.headers.get("Idempotent-Replayed")
+
+
+async def mcp_endpoint(handle: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                       ) -> tuple[web.AppRunner, int]:
+    """``handle`` serving ``POST /mcp`` on a free loopback port: its runner (to clean up) and
+    its port."""
+    app = web.Application()
+    app.router.add_post("/mcp", handle)
+    return await serve_app(app)
 
 
 async def test_only_a_tool_call_is_keyed_by_its_payload(start_sluice):
@@ -43,9 +53,7 @@ async def test_only_a_tool_call_is_keyed_by_its_payload(start_sluice):
             result = {"read": n}
         return web.json_response({"jsonrpc": "2.0", "id": doc["id"], "result": result})
 
-    app = web.Application()
-    app.router.add_post("/mcp", handle)
-    runner, port = await serve_app(app)
+    runner, port = await mcp_endpoint(handle)
     try:
         sluice = await start_sluice({"routes": [route(
             "tools", f"http://127.0.0.1:{port}", "mcp", idempotency={"mode": "dedup"})]})
@@ -90,9 +98,7 @@ async def _task_server() -> tuple[web.AppRunner, int, list[str]]:
             result = {"taskId": "t-1", "status": "completed" if done else "working"}
         return web.json_response({"jsonrpc": "2.0", "id": doc["id"], "result": result})
 
-    app = web.Application()
-    app.router.add_post("/mcp", handle)
-    runner, port = await serve_app(app)
+    runner, port = await mcp_endpoint(handle)
     return runner, port, seen
 
 
@@ -155,9 +161,7 @@ async def test_a_sessions_management_and_a_tasks_follow_ups_take_no_slot_nor_run
             await release.wait()
         return web.json_response({"jsonrpc": "2.0", "id": doc["id"], "result": {}})
 
-    app = web.Application()
-    app.router.add_post("/mcp", handle)
-    runner, port = await serve_app(app)
+    runner, port = await mcp_endpoint(handle)
     try:
         sluice = await start_sluice({"routes": [route(
             "tools", f"http://127.0.0.1:{port}", "mcp", run={"max_requests": 1},
@@ -206,9 +210,7 @@ async def test_an_sse_answer_with_bare_cr_line_ends_is_kept_for_its_key(start_sl
         await out.write_eof()
         return out
 
-    app = web.Application()
-    app.router.add_post("/mcp", handle)
-    runner, port = await serve_app(app)
+    runner, port = await mcp_endpoint(handle)
     try:
         sluice = await start_sluice({"routes": [route(
             "tools", f"http://127.0.0.1:{port}", "mcp", idempotency={"mode": "dedup"})]})
