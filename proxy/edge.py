@@ -39,11 +39,12 @@
   headers: 431 ``headers_too_large``; bad framing or syntax: 400 ``bad_request``) is answered
   in Sluice's shape: JSON body, ``X-Sluice-Reason``, ``Connection: close``, the cause named
   when the parser's description is one Sluice knows (:func:`parse_cause`), and nothing of
-  the request echoed, in the answer or in the log. A refusal of a request pipelined behind
-  another in the same read never answers that other one (aiohttp drops the requests parsed
-  from a read it refuses): on a connection's first read the request before it is served and
-  the connection then closed; later, the connection is closed without an answer to either
-  (:meth:`EdgeProtocol._answer_in_order`);
+  the request echoed, in the answer or in the log. aiohttp drops the requests its parser took
+  from a read it refuses: on a connection's first read a request before the refused one is
+  served in the refusal's place and the connection then closed
+  (:meth:`EdgeProtocol._answer_in_order`); on a later read the refusal is answered, and a
+  client that pipelined a valid request and a malformed one in it reads the 400 as the valid
+  one's (which was not sent upstream);
 * after a request with chunked framing, or an HTTP/1.0 request with ``Transfer-Encoding``
   (whose framing RFC 9112 §6.1 says to treat as faulty), the connection is closed once the
   answer is sent, and nothing pipelined behind it is served. aiohttp's C parser does not
@@ -917,8 +918,6 @@ class EdgeProtocol(RequestHandler):
         count = self._request_count
         phase = self._phase
         reading = self._body if phase == _BODY else None
-        tail = self._head_tail
-        idle = self._waiter is not None and not self._waiter.done()
         super().data_received(data)
         if self._force_close:
             return
@@ -926,11 +925,9 @@ class EdgeProtocol(RequestHandler):
         if hold is not None and not hold.grow():
             self._no_room(hold)
             return
-        if (self._request_count != count and self._messages
+        if (phase == _OPENED and self._request_count != count and self._messages
                 and not isinstance(self._messages[-1][0], RawRequestMessage)):
-            self._answer_in_order(data, phase, tail, reading, idle)
-            if self._force_close:
-                return
+            self._answer_in_order(data)
         if self._request_count != count and self._messages:
             if reading is not None and not reading.is_eof():
                 self._body_refused(reading)
@@ -995,51 +992,35 @@ class EdgeProtocol(RequestHandler):
         # would meet the error there and log it with the request's bytes.
         body.feed_eof()
 
-    def _answer_in_order(self, data: bytes, phase: int, tail: bytes,
-                         reading: StreamReader | None, idle: bool) -> None:
-        """The parser refused ``data`` (read in ``phase``; ``tail``: the last bytes of the
-        head it continues; ``reading``: the body it continues; ``idle``: aiohttp was waiting
-        for a request): keep its refusal, queued last, only if it answers the request it
-        concerns.
+    def _answer_in_order(self, data: bytes) -> None:
+        """The parser refused ``data``, a connection's first read: keep its refusal, queued
+        last, only if it answers the request it concerns.
 
         aiohttp drops the requests its parser took from a read it refuses, so a valid request
-        and a malformed one in one read were answered once, with the malformed one's 400,
-        which the caller reads as the valid one's (RFC 9112 §9.3.2; a hostile trial). When a
-        request's head ends in the read with bytes after it, the refusal may be a later
-        request's: when the read starts a request (a connection's first, or one between
-        requests: nothing before it in the parser) it is parsed again, and a whole first
-        request is served in the refusal's place, the connection closed after its answer (a
-        refusal of that first request itself is kept: a malformed request sent alone or with
-        its own body is answered 400, on a kept-alive connection too, which a first cut only
-        did on a connection's first read: a review); otherwise (the read continues a head or
-        a body, and what came before is gone) nothing of the read is answered, and the
-        connection is closed once what is in progress is."""
-        if phase == _BODY:
-            if reading is None or not reading.is_eof():
-                return  # the body being read was refused (_body_refused)
-            first = None  # it ended in this read: the refusal is a later request's
-        else:
-            joined = tail + data if phase == _HEAD else data
-            end = joined.find(b"\r\n\r\n") + 4
-            if end < 4 or end >= len(joined):
-                return  # no head ended before the read's last bytes: it is the first
-            starts = phase == _OPENED or phase == _READ  # the read starts a request
-            first = _whole_first_request(data, self._loop) if starts else None
-            if starts and first is None:
-                return  # the first request itself was refused
+        and a malformed one sent together were answered once, with the malformed one's 400,
+        which the caller reads as the valid one's (RFC 9112 §9.3.2; a hostile trial). A first
+        read starts a request, so it is parsed again: when a whole first request ends before
+        the read does, it is served in the refusal's place, the connection closed after its
+        answer, and nothing after it is answered. A refusal of that first request itself
+        stands. So does a later read's: it may continue a head or a body the read before
+        left in the parser, whose position between reads aiohttp's C parser does not show
+        (taken for a read that starts a request when the one before ended a whole one, a read
+        had a header value served as a request; taken for one that continues something, the
+        400 of a malformed request sent alone with its body on a kept-alive connection was
+        lost: two reviews)."""
+        end = data.find(b"\r\n\r\n") + 4
+        if end < 4 or end >= len(data):
+            return  # no head ended before the read's last bytes: the refusal is the first's
+        first = _whole_first_request(data, self._loop)
+        if first is None:
+            return  # the first request itself was refused
         self._edge.refused(Reason.BAD_REQUEST)
-        self.logger.warning("a request pipelined behind another in one read was refused by "
-                            "the parser: the connection is closed without its answer; %s",
-                            REQUEST_NOT_LOGGED, extra=PER_CALL)
-        if first is not None:  # in the refusal's place: the waiter aiohttp woke finds it
-            message, payload = first
-            self._messages[-1] = (message._replace(should_close=True), payload)
-            self.close()  # and nothing more is parsed
-        elif idle:  # aiohttp was woken for the refusal: closed, it is written nowhere
-            self.force_close()
-        else:  # answer the requests before it (queued or being served), then close
-            self._messages.pop()
-            self.close()
+        self.logger.warning("a request sent behind another in a connection's first read was "
+                            "refused by the parser: the connection is closed without its "
+                            "answer; %s", REQUEST_NOT_LOGGED, extra=PER_CALL)
+        message, payload = first  # in the refusal's place: the waiter aiohttp woke finds it
+        self._messages[-1] = (message._replace(should_close=True), payload)
+        self.close()  # and nothing more is parsed
 
     def continued(self, body: StreamReader) -> None:
         """``100 Continue`` was sent for ``body``: its ``body_timeout`` (and the time its

@@ -488,8 +488,9 @@ async def test_a_refusal_pipelined_in_the_same_read_never_answers_the_request_be
     """A hostile trial: a valid GET and a malformed request behind it in one write were
     answered once, 400 "a header value holds a control character", which the client reads
     as the GET's answer (RFC 9112 §9.3.2: answers come in request order); the GET was never
-    forwarded (aiohttp's parser drops the requests it parsed from a read it refuses). The GET
-    is answered, and the connection closed without an answer to the bad one."""
+    forwarded (aiohttp's parser drops the requests it parsed from a read it refuses). On a
+    connection's first read the GET is answered, and the connection closed without an answer
+    to the bad one."""
     sluice = await start_sluice({"routes": [route("svc", upstream.url, "http")]})
     bad = b"GET /svc/x HTTP/1.1\r\n" + LOOPBACK + b"X: a\x01b\r\n\r\n"
     first = b"GET /svc/slow HTTP/1.1\r\n" + LOOPBACK + b"\r\n"
@@ -501,18 +502,19 @@ async def test_a_refusal_pipelined_in_the_same_read_never_answers_the_request_be
         assert [status for status, _, _ in answers] == [200], answers
         assert answers[0][1]["connection"] == "close"
         assert upstream.requests[-1].path_qs == path
-    # A request whose head arrived over two reads, the second also holding a bad request:
-    # what came before cannot be replayed, so nothing is answered rather than the wrong 400.
+    # A later read may continue a head the read before left in the parser: nothing in it is
+    # taken for a request of its own (a review: the rest of a header value, read as a
+    # request line, was forwarded), and its refusal is answered as aiohttp answers it.
+    ok = b"GET /svc/ok HTTP/1.1\r\n" + LOOPBACK + b"\r\n"
     reader, writer = await asyncio.open_connection("127.0.0.1", sluice.port)
     try:
-        writer.write(first[:20])
-        await writer.drain()
-        await asyncio.sleep(0.3)  # a read of its own (read with the rest, it is served: 200)
-        writer.write(first[20:] + bad)
-        received = await closed_within(reader, 5)
+        writer.write(ok + b"GET /svc/b HTTP/1.1\r\nX-Note: ")
+        assert (await read_answer(reader))[0] == 200
+        writer.write(b"GET /svc/smuggled HTTP/1.1\r\n" + LOOPBACK + b"\r\n" + bad)
+        await closed_within(reader, 10)
     finally:
         writer.close()
-    assert not received.startswith(b"HTTP/1.1 400"), received[:80]
+    assert [seen.path_qs for seen in upstream.requests][-1] == "/ok"
     # Alone, or with its own body in the same read, a bad request is still answered.
     for sent in (bad, b"POST /svc/x HTTP/1.1\r\n" + LOOPBACK + b"X: a\x01b\r\n"
                  b"Content-Length: 2\r\n\r\nab"):
