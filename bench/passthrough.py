@@ -96,7 +96,8 @@ def make_handler(session: aiohttp.ClientSession, upstream: str,
         peer = request.remote
         if peer:
             prior = headers.getall("X-Forwarded-For", None)
-            headers["X-Forwarded-For"] = ", ".join((*prior, peer)) if prior else peer
+            headers["X-Forwarded-For"] = (", ".join([*filter(None, prior), peer]) if prior
+                                          else peer)
         url = URL(upstream + request.raw_path[cut:], encoded=True)
         answer = await session.request(request.method, url, headers=headers,
                                        data=body or None, allow_redirects=False)

@@ -361,9 +361,10 @@ def upstream_headers(request: web.BaseRequest, drop: frozenset[str] = _REQUEST_D
     peer = request.remote
     if peer:
         # Every line of it: several lines are one list (RFC 9110 §5.3), and a hop named on a
-        # second line was lost (a hostile trial).
+        # second line was lost (a hostile trial); an empty line names none (a review).
         prior = headers.getall(hdrs.X_FORWARDED_FOR, None)
-        headers[hdrs.X_FORWARDED_FOR] = ", ".join((*prior, peer)) if prior else peer
+        headers[hdrs.X_FORWARDED_FOR] = ", ".join([*filter(None, prior), peer]) if prior \
+            else peer
     return headers
 
 
@@ -737,7 +738,7 @@ async def relay(
         # an LF to follow (SSE lines may end in a lone CR), and the response event it closes
         # went unseen, the answer kept for no key (a hostile trial).
         if (outcome == "2xx" and tracker is not None and tracker.sse
-                and not tracker.resumable and tracker.finish() is None):
+                and tracker.finish() is None and not tracker.resumable):
             outcome = "upstream_error"
         if (finish is None or not finish.left) and not (
                 tracker is not None and not tracker.resumable

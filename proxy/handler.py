@@ -426,9 +426,11 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
             route.live.add(call)
         elif not resumes:  # nor what a drain waits for, but for a call's resumed answer
             presence.idle()
-        if traffic == "call" and route.protocol == "mcp":
+        if route.protocol == "mcp" and traffic != "stream" and rpc_id is not None:
+            # A request (control ones too: a task's tasks/result waits for the task's end, a
+            # review) the drain's cut answers with its JSON-RPC error (Runtime.end_mcp_calls).
             task = asyncio.current_task()
-            if task is not None:  # for the drain's cut (Runtime.end_mcp_calls)
+            if task is not None:
                 rt.mcp_calls[call] = task
         call.phase = "forwarding"
         if route.budgets is not None:  # its tenant's budget gauges, from now (tokens or costs)
@@ -517,7 +519,7 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
                 task.uncancel()
             outcome = REFUSED
             return _drained(rt, route, call)
-        if (rt.cutting and admitted_at and traffic == "call" and route.protocol == "mcp"
+        if (rt.cutting and admitted_at and traffic != "stream" and route.protocol == "mcp"
                 and request.transport is not None and not request.transport.is_closing()):
             # Cut by the drain (Runtime.end_mcp_calls), its caller still there.
             outcome = Outcome("drain_cut", call.reached, call.status)

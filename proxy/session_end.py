@@ -217,7 +217,8 @@ def end_session_polls(rt: Runtime, route: Route, session: str | None) -> None:
     # A call of it still in flight may be closed early for polling after this (its stream's
     # end read after the DELETE's answer): held then, it kept its slot to its bound, 600 s
     # by default (a hostile trial: a legacy client leaving mid-call).
-    if any(call.headers.get(mcp.SESSION_HEADER) == session for call in route.live):
+    if any(call.method != "DELETE" and call.headers.get(mcp.SESSION_HEADER) == session
+           for each in (route, *route.retired) for call in each.live):
         ended = rt.ended_sessions
         ended[route.name, session] = None
         if len(ended) > ENDED_SESSIONS_KEPT:

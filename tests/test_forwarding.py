@@ -85,6 +85,10 @@ async def test_request_hop_by_hop_headers_dropped_end_to_end_kept(upstream, star
     assert got["authorization"] == "Bearer sk-test-passes-through"
     assert got["x-forwarded-for"] == "203.0.113.7, 198.51.100.2, 127.0.0.1"
     assert got["x-end-to-end"] == "kept"
+    # An empty line names no hop (a review: it became a leading empty member).
+    await raw_request(sluice.port, b"GET /svc/x HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                      b"X-Forwarded-For:\r\nConnection: close\r\n\r\n")
+    assert upstream.requests[-1].headers["X-Forwarded-For"] == "127.0.0.1"
     assert seen.body == b"hello world"
     assert got["content-length"] == "11"
 
