@@ -60,7 +60,7 @@ import orjson
 from multidict import CIMultiDict, istr
 
 from policies import bodies
-from policies.paths import as_routed, decode_unreserved
+from policies.paths import as_routed, decode_unreserved, without_trailing_slash
 
 # Bytes are searched with ``find``, never ``sub in data``: CPython 3.11's ``in`` on bytes first
 # tries ``sub`` as an int and builds (then drops) a TypeError, about 1,000 instructions more
@@ -146,7 +146,7 @@ def endpoint_for(protocol: str, method: str, raw_path: str) -> Endpoint | None:
     """
     if method != "POST":
         return None
-    path = as_routed(decode_unreserved(raw_path.partition("?")[0])).rstrip("/")
+    path = without_trailing_slash(as_routed(decode_unreserved(raw_path.partition("?")[0])))
     if protocol == "anthropic":
         if path.endswith("/messages"):
             return MESSAGES

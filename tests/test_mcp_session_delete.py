@@ -27,6 +27,7 @@ import pytest
 from aiohttp import web
 from mcp import Client, MCPError
 
+from proxy.session_end import ENDED_SESSIONS_KEPT
 from tests import mcp_servers
 from tests.conftest import completed_events, serve_app, wait_until
 from tests.test_mcp_left_callers import ScriptedMcp, assert_all_given_back, noticed_leaving
@@ -543,12 +544,18 @@ async def test_a_refused_delete_does_not_stand_for_the_owners(session_server, st
             if e["event"] == "session_delete_sent"] == [401, 200]
 
 
-async def test_a_call_closed_for_polling_after_its_sessions_delete_is_not_held(start_sluice):
+@pytest.mark.parametrize("others_ended", [0, ENDED_SESSIONS_KEPT + 1])
+async def test_a_call_closed_for_polling_after_its_sessions_delete_is_not_held(start_sluice,
+                                                                             others_ended):
     """A hostile trial: a legacy client leaving mid-call sends its session's DELETE; the
     server ends the call's stream after its priming event (an id: polling), and Sluice read
     that end after the DELETE's answer, when nothing could resume the call any more. Held
-    for polling, it kept the route's slot to ``timeouts.total`` (600 s by default)."""
-    deleted = asyncio.Event()
+    for polling, it kept the route's slot to ``timeouts.total`` (600 s by default).
+
+    With ``others_ended``, other agents end their idle sessions meanwhile (a review): the
+    DELETE being handled counted as its own session's call in flight, so every DELETE was
+    remembered, and those pushed the one that mattered out of the 256 kept."""
+    released = asyncio.Event()
     log: list[str] = []
 
     async def post(request: web.Request) -> web.StreamResponse:
@@ -557,14 +564,11 @@ async def test_a_call_closed_for_polling_after_its_sessions_delete_is_not_held(s
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await out.prepare(request)
         await out.write(b"id: e1\ndata: \n\n")
-        await deleted.wait()
-        await asyncio.sleep(0.2)  # the DELETE's answer is through Sluice first
+        await released.wait()  # the DELETE's answer is through Sluice first
         await out.write_eof()
         return out
 
     async def delete(request: web.Request) -> web.Response:
-        log.append("delete")
-        deleted.set()
         return web.Response(status=200)
 
     app = web.Application()
@@ -579,10 +583,15 @@ async def test_a_call_closed_for_polling_after_its_sessions_delete_is_not_held(s
             call = asyncio.create_task(http.post(url, json=CALL, headers=HEADERS))
             await wait_until(lambda: log == ["call"], what="the call at the server")
             assert await delete_session(http, url) == (200, b"")
+            for n in range(others_ended):
+                async with http.delete(url, headers={**HEADERS, "Mcp-Session-Id": f"o-{n}"}
+                                       ) as r:
+                    assert r.status == 200
+            released.set()
             async with await call as r:  # read to its end: the caller stays
                 assert r.status == 200 and b"id: e1" in await r.read()
             await sluice.wait_metric("sluice_inflight_requests", 0, route="tools")
             assert await sluice.metric("sluice_polled_calls") == 0
     finally:
-        deleted.set()
+        released.set()
         await runner.cleanup()

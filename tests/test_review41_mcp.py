@@ -1,6 +1,6 @@
-"""A review of stop 41's MCP fixes: the ended sessions a DELETE leaves for calls closed for
-polling after it, a priming event ended by a lone CR, and a drain's cut of a long-held
-control request (``tasks/result``)."""
+"""A review of stop 41's MCP fixes: a priming event ended by a lone CR, and a drain's cut of
+a long-held control request (``tasks/result``). (The ended sessions a DELETE leaves are
+tested in tests/test_mcp_session_delete.py.)"""
 from __future__ import annotations
 
 import asyncio
@@ -10,62 +10,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from proxy.session_end import ENDED_SESSIONS_KEPT
-from tests.conftest import serve_app, wait_until
-from tests.test_mcp_session_delete import CALL, HEADERS, delete_session, mcp_route
-
-
-async def test_a_sessions_end_is_remembered_past_other_sessions_deletes(start_sluice):
-    """``end_session_polls`` records a session only if a call of it is in flight; the DELETE
-    being handled, in flight with that ``Mcp-Session-Id`` itself, counted as one, so every
-    DELETE was recorded: idle sessions ended by other agents meanwhile pushed the one whose
-    call was still in flight out of the 256 kept, and that call, closed for polling after,
-    was held to ``timeouts.total`` (600 s by default)."""
-    deleted = asyncio.Event()
-    others_done = asyncio.Event()
-    log: list[str] = []
-
-    async def post(request: web.Request) -> web.StreamResponse:
-        await request.json()
-        log.append("call")
-        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await out.prepare(request)
-        await out.write(b"id: e1\ndata: \n\n")
-        await deleted.wait()
-        await others_done.wait()
-        await out.write_eof()
-        return out
-
-    async def delete(request: web.Request) -> web.Response:
-        if request.headers.get("Mcp-Session-Id") == HEADERS["Mcp-Session-Id"]:
-            deleted.set()
-        return web.Response(status=200)
-
-    app = web.Application()
-    app.router.add_post("/mcp", post)
-    app.router.add_delete("/mcp", delete)
-    runner, port = await serve_app(app)
-    try:
-        sluice = await start_sluice({"routes": [mcp_route(
-            f"http://127.0.0.1:{port}", concurrency={"limit": 1, "queue": 0})]})
-        url = sluice.url + "/tools/mcp"
-        async with aiohttp.ClientSession() as http:
-            call = asyncio.create_task(http.post(url, json=CALL, headers=HEADERS))
-            await wait_until(lambda: log == ["call"], what="the call at the server")
-            assert await delete_session(http, url) == (200, b"")
-            # Other agents end their (idle) sessions meanwhile.
-            for n in range(ENDED_SESSIONS_KEPT + 1):
-                async with http.delete(url, headers={**HEADERS, "Mcp-Session-Id": f"o-{n}"}
-                                       ) as r:
-                    assert r.status == 200
-            others_done.set()
-            async with await call as r:
-                assert r.status == 200 and b"id: e1" in await r.read()
-            await sluice.wait_metric("sluice_inflight_requests", 0, route="tools")
-    finally:
-        deleted.set()
-        others_done.set()
-        await runner.cleanup()
+from tests.conftest import serve_app
+from tests.test_mcp_session_delete import CALL, HEADERS, mcp_route
 
 
 @pytest.mark.parametrize("eol", [b"\n", b"\r"])
