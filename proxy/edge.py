@@ -624,6 +624,7 @@ class Door:
         self.max_request_bytes = server.max_request_bytes
         self.max_buffered_bytes = server.max_buffered_bytes
         self.host_allowed = HostCheck(server.listen, server.allowed_hosts)
+        #: Its values found allowed, looked up first: most requests need no call.
         self._hosts_seen = self.host_allowed.seen
         self.origins = frozenset(server.allowed_origins)
         self.any_origin = "*" in self.origins
@@ -754,16 +755,15 @@ def _is_ip_literal(name: str) -> bool:
     return True
 
 
-def _whole_first_request(data: bytes, loop: asyncio.AbstractEventLoop
+def _whole_first_request(data: bytes, end: int, loop: asyncio.AbstractEventLoop
                          ) -> tuple[RawRequestMessage, StreamReader] | None:
-    """The first request in ``data`` (a connection's first read), parsed by a parser of its
-    own: its message and its whole body, or ``None`` when the parser refuses it (its head or
-    its body) or it does not end in ``data``. The parser's limits are aiohttp's defaults,
-    which :func:`proxy.server.build_proxy_server` keeps; its body's reader never pauses the
-    connection (the bytes are all here)."""
+    """The first request in ``data`` (a connection's first read, whose first head ends at
+    ``end``), parsed by a parser of its own: its message and its whole body, or ``None`` when
+    the parser refuses it (its head or its body) or it does not end in ``data``. The
+    parser's limits are aiohttp's defaults, which :func:`proxy.server.build_proxy_server`
+    keeps; its body's reader never pauses the connection (the bytes are all here)."""
     parser = HttpRequestParser(BaseProtocol(loop), loop, 2**31 - 1,
                                payload_exception=RequestPayloadError, auto_decompress=False)
-    end = data.find(b"\r\n\r\n") + 4
     try:
         messages, _, _ = parser.feed_data(data[:end])
     except HttpProcessingError:
@@ -1011,7 +1011,7 @@ class EdgeProtocol(RequestHandler):
         end = data.find(b"\r\n\r\n") + 4
         if end < 4 or end >= len(data):
             return  # no head ended before the read's last bytes: the refusal is the first's
-        first = _whole_first_request(data, self._loop)
+        first = _whole_first_request(data, end, self._loop)
         if first is None:
             return  # the first request itself was refused
         self._edge.refused(Reason.BAD_REQUEST)
