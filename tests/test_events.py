@@ -86,7 +86,10 @@ async def test_a_rotated_event_log_is_reopened_at_its_path(upstream, start_sluic
             assert await status_of(session, url, CHAT, {"X-Request-ID": request_id}) == 200
 
         await call("before")
-        await wait_until(lambda: "before" in request_ids(path), what="the first events")
+        # Both of its events (admitted, completed) written before the move: the second,
+        # flushed after it, went to the new file on a loaded machine (a clean-clone run).
+        await wait_until(lambda: request_ids(path).count("before") == 2,
+                         what="the first events")
         path.rename(moved)  # logrotate's move; the new file is Sluice's to create
         await call("after-move")
         await wait_until(lambda: request_ids(path).count("after-move") == 2,
