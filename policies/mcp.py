@@ -19,7 +19,8 @@ protocol. The words "request", "notification" and "response" are JSON-RPC 2.0's.
   response to the request yet, and whether that response is a tool failure.
 * :func:`refusal`: the JSON-RPC error body Sluice answers a refused call with (docs/mcp.md);
   :func:`cancelled`, a call its client cancelled while it waited in Sluice (JSON or SSE, as
-  :func:`accepts_sse` tells).
+  :func:`accepts_sse` tells); :func:`cancel_notification`, Sluice's own cancel of a request
+  it sent (at the revisions where :func:`cancels_by_closing` is false).
 
 Errors: everything raised here for bad input is a ``ValueError``: :class:`InvalidMcpRequest`
 (the POST cannot be read as MCP; answer 400) and its subclass :class:`HeaderMismatch`, and
@@ -931,6 +932,27 @@ def cancelled(request_id: RequestId | None, *, sse: bool = False) -> bytes:
         "code": REQUEST_CANCELLED, "message": "Request cancelled",
         "data": {"reason": "client_cancelled", "sent": False}}})
     return b"event: message\ndata: " + body + b"\n\n" if sse else body
+
+
+def cancel_notification(request_id: RequestId, reason: str) -> bytes:
+    """The ``notifications/cancelled`` body by which Sluice asks a server to stop request
+    ``request_id`` (the id the server got), with ``reason`` (``params.reason``, for the
+    server's logs): the cancellation of MCP 2025-06-18 and 2025-11-25 (the "Cancellation"
+    utility), which a server may ignore (a request it does not know, or one done already);
+    it answers the request with its response as usual, or with the cancellation error
+    (:attr:`Outcome.cancelled`). At 2026-07-28 a client cancels a request on Streamable
+    HTTP by closing its response stream instead (:func:`cancels_by_closing`)."""
+    return orjson.dumps({"jsonrpc": "2.0", "method": CANCELLED,
+                         "params": {"requestId": request_id, "reason": reason}})
+
+
+def cancels_by_closing(protocol_version: str | None) -> bool:
+    """Whether a request made at this ``MCP-Protocol-Version`` is cancelled by closing its
+    response stream (2026-07-28 on: "closing the SSE response stream is the cancellation
+    signal ... no ``notifications/cancelled`` is required or expected"; the official 2.x
+    server acknowledges a posted one and drops it) rather than by a ``notifications/cancelled``
+    (the 2025 revisions, and a request without the header: 2025-03-26)."""
+    return is_modern(protocol_version)
 
 
 def accepts_sse(accept: str | None) -> bool:
