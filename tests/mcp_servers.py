@@ -35,6 +35,12 @@ Tools (all answer on ``/mcp``):
                                              ``send``'s side effect first, then a sleep of
                                              ``seconds`` (at most 30), then ``"sent #N"``: a
                                              slow tool that outlasts a caller's timeout
+    ``send_after(to: str, seconds: float = 2.0) -> str``
+                                             a sleep of ``seconds`` (at most 30), then
+                                             ``send``'s side effect and ``"sent #N"``; a
+                                             cancel during the sleep (``notifications/
+                                             cancelled`` on its session) stops it before the
+                                             side effect and is recorded (``cancels()``)
     ``sends() -> int``                       how many times ``send`` has run
     ``fail(message: str = "tool failed")``   a tool failure: a result with ``isError: true``
     ``notify() -> str``                      sends ``notifications/tools/list_changed`` on the
@@ -112,6 +118,12 @@ class McpServer:
         if not self.count_file.exists():
             return []
         return [json.loads(line) for line in self.count_file.read_text().splitlines() if line]
+
+    def cancels(self) -> list[str]:
+        """The ``to`` of every ``send_after`` call the server stopped on a cancel, oldest
+        first (read from the file next to the count file)."""
+        path = _cancels_file(self.count_file)
+        return path.read_text().splitlines() if path.exists() else []
 
     def reset_sends(self) -> None:
         """Forget past ``send`` executions (the tool counts on from the file)."""
@@ -384,6 +396,20 @@ def _build(count_file: Path, list_delay: float = 0.0) -> Any:
         return f"sent #{sent}"
 
     @server.tool()
+    async def send_after(to: str, seconds: float = 2.0) -> str:
+        """A side effect after a wait: ``seconds`` (at most 30), then one delivery. A cancel
+        during the wait stops it, recorded, with no delivery."""
+        try:
+            await asyncio.sleep(min(max(seconds, 0.0), 30.0))
+        except asyncio.CancelledError:
+            with _cancels_file(count_file).open("a") as f:
+                f.write(to + "\n")
+            raise
+        with count_file.open("a") as f:
+            f.write(json.dumps({"to": to, "body": ""}) + "\n")
+        return f"sent #{_count(count_file)}"
+
+    @server.tool()
     async def sends() -> int:
         """How many times ``send`` has run."""
         return _count(count_file)
@@ -400,6 +426,10 @@ def _build(count_file: Path, list_delay: float = 0.0) -> Any:
         return "notified"
 
     return server
+
+
+def _cancels_file(count_file: Path) -> Path:
+    return count_file.with_suffix(".cancels")
 
 
 def _count(count_file: Path) -> int:
