@@ -93,7 +93,10 @@ class Call:
     answered_at, when the last attempt's response headers arrived (monotonic seconds, 0.0
     before); background, the task that finishes the call's upstream exchange after its
     caller left, or that holds it for its response after its answer was closed early for
-    polling (``proxy.handler``; ``None`` while the caller is there); relaying, the task
+    polling (``proxy.handler``; ``None`` while the caller is there); stop, what a run's
+    cancel calls instead of cancelling the call's task, when set: a call finished after its
+    caller left, whose cancel Sluice sends to its MCP server while it waits for the server's
+    answer (``proxy.handler``; ``None`` otherwise); relaying, the task
     relaying the call's answer once its last message has gone to the caller
     (``proxy.forward.delivered``), which a drain ends rather than waits for (``None``
     before); polled, an MCP call's answer the upstream closed early for polling
@@ -118,7 +121,7 @@ class Call:
                  "relaying",
                  "reporter", "request_id", "response_headers", "route", "rpc_id",
                  "rpc_method", "run",
-                 "status",
+                 "status", "stop",
                  "tenant", "timeout", "timeout_reads", "unanswered", "units_deferred",
                  "unsent", "upstream_key")
 
@@ -172,6 +175,7 @@ class Call:
         self.unsent = 0
         self.answered_at = 0.0
         self.background: asyncio.Task[Any] | None = None
+        self.stop: Callable[[], None] | None = None
         self.relaying: asyncio.Task[Any] | None = None
         self.polled: Any = None
         self._upstream_s = 0.0

@@ -175,9 +175,14 @@ class LiveCall:
         """End the call now: its handler task is cancelled wherever it waits (a queue, the
         upstream's answer), and the request path answers ``run_cancelled`` (or cuts a
         stream already started); a call finishing after its caller left
-        (:attr:`Call.background`) has that task cancelled instead."""
+        (:attr:`Call.background`) has that task cancelled instead, unless the call says how
+        it stops (:attr:`Call.stop`: its MCP server is asked to cancel, and its answer
+        awaited)."""
         if self.call.cancelled is None:
             self.call.cancelled = why
+            if self.call.stop is not None:
+                self.call.stop()
+                return
             task = self.running
             if task is not None and not task.done():
                 task.cancel()

@@ -55,8 +55,11 @@ from policies.logs import PER_CALL
 from policies.mcp import (
     LAST_EVENT_ID_HEADER,
     SESSION_HEADER,
+    VERSION_HEADER,
     AnswerTracker,
     Traffic,
+    cancel_notification,
+    cancels_by_closing,
     is_sse,
 )
 from policies.operations import Plan
@@ -938,3 +941,64 @@ async def _fetch_held(rt: Runtime, route: Route, call: Call, polled: Polled,
         polled.capture = None
         log.exception("route %s: call %s's held answer was not resumed", route.name,
                       call.request_id)
+
+
+#: Headers of a call that its cancel does not carry: the call's body's, its key's, and the
+#: 2026-07-28 routing headers (its cancel is sent only at earlier revisions, which have none).
+_NOT_ON_CANCEL = (hdrs.CONTENT_TYPE, hdrs.CONTENT_LENGTH, IDEMPOTENCY_HEADER, LAST_EVENT_ID_HEADER,
+                  "Mcp-Method", "Mcp-Name")
+
+
+def cancels_upstream(call: Call) -> bool:
+    """Whether Sluice asks the MCP server to stop ``call`` with a ``notifications/cancelled``
+    of its own when it ends the call before its response (a run's cancel, the drain's cut):
+    a request (it has an id) that may have reached the server, made at a revision whose
+    cancellation is that notification (:func:`policies.mcp.cancels_by_closing`: at
+    2026-07-28, closing the call's stream is its cancel, and Sluice closes it)."""
+    return (call.reached and call.rpc_id is not None
+            and not cancels_by_closing(call.headers.get(VERSION_HEADER)))
+
+
+def send_cancel(rt: Runtime, route: Route, call: Call) -> None:
+    """Send the MCP server ``call``'s cancellation (:func:`_send_cancel`) in a task of its
+    own, which the drain waits for (:attr:`Runtime.upstream_cancels`); nothing waits for
+    its answer: a notification's is 202 and nothing else, and the server's answer to the
+    call comes on the call's own stream."""
+    task = asyncio.create_task(_send_cancel(rt, route, call))
+    rt.upstream_cancels.add(task)
+    task.add_done_callback(rt.upstream_cancels.discard)
+
+
+async def _send_cancel(rt: Runtime, route: Route, call: Call) -> None:
+    """POST a ``notifications/cancelled`` naming ``call``'s JSON-RPC id (as the server got
+    it) to the call's endpoint, with the headers the call went upstream with (its session,
+    protocol version and credentials; ``Accept`` both JSON and SSE, as the transport
+    requires of every POST), within the route's ``timeouts``, and log a ``cancel_sent``
+    event with the server's status (0 when it gave none)."""
+    status = 0
+    try:
+        headers = fwd.upstream_headers_of(call.headers, route.request_drop)
+        if route.own_credentials:
+            headers.popall(hdrs.AUTHORIZATION, None)
+        for name in _NOT_ON_CANCEL:
+            headers.popall(name, None)
+        headers[hdrs.CONTENT_TYPE] = "application/json"
+        headers[hdrs.ACCEPT] = "application/json, text/event-stream"
+        assert call.rpc_id is not None
+        body = cancel_notification(call.rpc_id, f"Sluice: {call.cancelled or 'draining'}")
+        url = fwd.upstream_url(route.upstream_base, call.path[route.cut:])
+        timeouts = route.config.timeouts
+        assert rt.session is not None
+        async with rt.session.post(url, data=body, headers=headers, timeout=client_timeout(
+                timeouts.total, timeouts.connect)) as response:
+            await response.read()
+            status = response.status
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        log.info("route %s: the cancel of call %s was not sent: %r", route.name,
+                 call.request_id, exc, extra=PER_CALL)
+    except Exception:  # nobody awaits this task
+        log.exception("route %s: the cancel of call %s was not sent", route.name,
+                      call.request_id)
+    finally:
+        rt.events.emit("cancel_sent", call.request_id, route.name, call.tenant, call.run,
+                       call.idempotency_key, status=status, **call.event_names())

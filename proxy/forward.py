@@ -157,6 +157,16 @@ def awaits_client(call: Call | None) -> bool:
     return tracker is not None and tracker.awaits_client
 
 
+def cancelled_at_server(call: Call) -> bool:
+    """Whether the MCP call's answer (a ``dedup`` call's, which its key's capture follows)
+    was the server's cancellation error (:attr:`policies.mcp.Outcome.cancelled`): the
+    server stopped the call when told to, before its response."""
+    capture = call.capture
+    tracker = capture.tracker if capture is not None else None
+    found = tracker.outcome if tracker is not None else None
+    return found is not None and found.cancelled
+
+
 def kept_for_retry(call: Call) -> bool:
     """Whether an MCP call in flight through Sluice (its handler running, finished without
     its caller, or held for an answer closed early for polling) is one whose answer its key

@@ -73,6 +73,7 @@ from proxy.forward import (
     Finish,
     answered,
     awaits_client,
+    cancelled_at_server,
     delivered,
     end_answer,
     end_mcp_answer,
@@ -479,7 +480,7 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
                 # it back (a loop turn): the call ended with that answer.
                 outcome = _finish_outcome(rt, route, call, task, admitted_at)
                 raise
-            _leave(rt, call, request, finish)
+            _leave(rt, route, call, request, finish)
         if call in rt.cancelled_waiting:  # its client cancelled it as it waited (_end_waiting)
             rt.cancelled_waiting.discard(call)
             _uncancel()
@@ -510,7 +511,10 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
                 return out
             raise
         if call.cancelled is not None:  # its run was cancelled (POST /admin/runs/.../cancel)
-            return await _run_cancelled(rt, route, call, request, bool(admitted_at), finish)
+            answer = await _run_cancelled(rt, route, call, request, bool(admitted_at), finish)
+            if finish is not None and finish.left:  # its server was asked to cancel it
+                outcome = Outcome("run_cancelled", call.reached, call.status)
+            return answer
         if rt.cutting and not admitted_at and request.transport is not None:
             # Still queued (or otherwise admitting) when the drain ended: it never reached
             # the upstream, so it is answered 503 draining, not cut (Runtime.refuse_waiting).
@@ -758,7 +762,8 @@ def _polled_end(rt: Runtime, route: Route, call: Call, admission: Admission, end
         call.background = None
 
 
-def _leave(rt: Runtime, call: Call, request: web.BaseRequest, finish: Finish) -> None:
+def _leave(rt: Runtime, route: Route, call: Call, request: web.BaseRequest,
+           finish: Finish) -> None:
     """The handler of a call forwarded in a task of its own ends without its answer (the
     caller left, the drain cut it, its run was cancelled): decide what becomes of that task.
 
@@ -775,12 +780,30 @@ def _leave(rt: Runtime, call: Call, request: web.BaseRequest, finish: Finish) ->
     its slot and key (and an identical retry waited for the key, then got 409) until
     ``timeouts.total`` (a hostile trial). Ended now, it keeps nothing for its key: the retry
     runs the tool again, which is safe, since the tool was waiting on its client.
+
+    A run's cancel or the drain's cut ends a call Sluice can ask its server to stop
+    (:func:`proxy.attempts.cancels_upstream`: a 2025-era request) with that server's
+    ``notifications/cancelled``, sent by Sluice (:func:`proxy.attempts.send_cancel`); a
+    run's cancel then finishes the exchange as for a caller that left, its caller answered
+    ``run_cancelled`` at once: the call holds its key until the server's answer (the
+    cancellation error frees it; a result, the tool having run on, is kept for it, so that
+    a twin waiting for the key gets it rather than running the tool again). The drain's cut
+    holds nothing (the process is going away). A 2026-07-28 call's cancel is the close of
+    its stream (the task cancelled), and nothing is kept for its key.
     """
     task = finish.task
     if task is None or task.done():
         return
-    if (call.reached and call.cancelled is None and not rt.cutting and not answered(request)
-            and not awaits_client(call)):
+    if not call.reached or answered(request):
+        task.cancel()
+        return
+    ended = call.cancelled is not None or rt.cutting
+    if ended and attempts.cancels_upstream(call):
+        attempts.send_cancel(rt, route, call)
+        held = not rt.cutting and not awaits_client(call)
+    else:
+        held = not ended and not awaits_client(call)
+    if held:
         finish.left = True
     else:
         task.cancel()
@@ -803,6 +826,7 @@ def _hand_over(rt: Runtime, route: Route, call: Call, admission: Admission, outc
     if finish.left:
         call.background = task
         rt.finishing[task] = call
+        call.stop = functools.partial(_cancel_finishing, rt, route, call, task)
     else:
         task.cancel()  # nobody awaits its answer (_leave has cancelled it already, mostly)
     task.add_done_callback(functools.partial(_finished, rt, route, call, admission, outcome,
@@ -816,8 +840,9 @@ def _finished(rt: Runtime, route: Route, call: Call, admission: Admission, calle
     ``held``: the bytes of its body, counted in ``buffered_bytes`` until now."""
     try:
         if finish.left:
-            if task.cancelled() and call.cancelled is not None:
-                route.metrics.cancelled("inflight")
+            if (task.cancelled() and rt.cutting and call.cancelled is None
+                    and attempts.cancels_upstream(call)):
+                attempts.send_cancel(rt, route, call)  # the drain's cut: its server stops
             _settle(rt, route, call, admission, _finish_outcome(rt, route, call, task,
                                                                  admitted_at),
                     admitted_at, "call", caller)
@@ -829,8 +854,27 @@ def _finished(rt: Runtime, route: Route, call: Call, admission: Admission, calle
         route.present -= 1
         rt.buffered_bytes -= held
         rt.finishing.pop(task, None)
+        call.stop = None
         if call.background is task:  # else its answer was closed for polling: held on
             call.background = None
+
+
+def _cancel_finishing(rt: Runtime, route: Route, call: Call, task: asyncio.Task[object]
+                      ) -> None:
+    """A run's cancel of a call being finished after its caller left (:attr:`Call.stop`):
+    its server is asked to stop it (:func:`proxy.attempts.send_cancel`), and the finish
+    goes on to the server's answer, holding the key (see :func:`_leave`); a 2026-07-28
+    call's cancel is closing its stream: its task is cancelled. Never raises (it runs
+    inside the run's cancel)."""
+    try:
+        route.metrics.cancelled("inflight")
+        if attempts.cancels_upstream(call):
+            attempts.send_cancel(rt, route, call)
+            return
+    except Exception:
+        log.exception("route %s: the cancel of call %s was not sent", route.name,
+                      call.request_id)
+    task.cancel()
 
 
 def _finish_outcome(rt: Runtime, route: Route, call: Call, task: asyncio.Task[object],
@@ -838,10 +882,11 @@ def _finish_outcome(rt: Runtime, route: Route, call: Call, task: asyncio.Task[ob
     """What the exchange of a call finished without its caller came to, as the request path
     would have said it with the caller there."""
     if task.cancelled():  # the drain's cut, or its run's cancel
+        if rt.cutting:
+            return Outcome("drain_cut", call.reached, call.status)
         if call.cancelled is not None:
             return Outcome("run_cancelled", call.reached, call.status)
-        return Outcome("drain_cut" if rt.cutting else "client_disconnected", call.reached,
-                       call.status)
+        return Outcome("client_disconnected", call.reached, call.status)
     error = task.exception()
     if error is None:
         response, label = task.result()  # type: ignore[misc]
@@ -933,10 +978,13 @@ async def _run_cancelled(rt: Runtime, route: Route, call: Call, request: web.Bas
 async def _take_back(finish: Finish | None) -> None:
     """Take back the handler's task, which Sluice cancelled to end its call now (a run's
     cancel, the drain's cut), so that it can answer: its cancellation is undone, and a
-    forward task (cancelled by :func:`_leave`) has unwound, so its upstream request is closed
-    and nothing else writes to the caller."""
+    forward task cancelled by :func:`_leave` has unwound, so its upstream request is closed
+    and nothing else writes to the caller. One :func:`_leave` left to finish without its
+    caller (its server asked to cancel it) writes to the caller no more: not waited for,
+    and nothing awaits here, so that the caller's last event follows what was relayed."""
     _uncancel()
-    if finish is not None and finish.task is not None and not finish.task.done():
+    if (finish is not None and finish.task is not None and not finish.task.done()
+            and not finish.left):
         await asyncio.wait((finish.task,))
 
 
@@ -1028,9 +1076,12 @@ def _completed(rt: Runtime, route: Route, call: Call, outcome: Outcome,
         metrics.upstream_duration.observe(elapsed)
     metrics.outcomes[outcome.label].inc()
     if finished is not None:
-        fields["finished_after_leaving"] = finished.label
+        label = finished.label
+        if call.cancelled is not None and label[0].isdigit() and cancelled_at_server(call):
+            label = "cancelled"  # its server stopped it, as its run's cancel asked
+        fields["finished_after_leaving"] = label
         fields["finished_status"] = finished.status
-        metrics.finished_after_leaving(finished.label)
+        metrics.finished_after_leaving(label)
     charged = call.charged
     if charged is not None:
         fields.update(charged)

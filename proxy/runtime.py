@@ -219,6 +219,10 @@ class Runtime:
         self.session_deletes: dict[tuple[str, str], list[Deferred]] = {}
         #: The tasks sending those DELETEs upstream, for the drain to wait for.
         self.session_delete_tasks: set[asyncio.Task[None]] = set()
+        #: The tasks sending MCP servers Sluice's own ``notifications/cancelled`` of calls a
+        #: run's cancel or the drain's cut ended (``proxy.attempts.send_cancel``), for the
+        #: drain to wait for.
+        self.upstream_cancels: set[asyncio.Task[None]] = set()
         self.metrics.finishing.set_function(lambda: len(self.finishing))
         self.metrics.polling.set_function(lambda: len(self.polling))
         self.session: aiohttp.ClientSession | None = None

@@ -438,8 +438,10 @@ async def _drain(runtime: Runtime, timeout_s: float, hurry: asyncio.Event) -> No
             await asyncio.wait(finishing, timeout=SHUTDOWN_GRACE_S)
         # The sessions' DELETEs that waited for those calls are sent as they end: so that
         # the servers' sessions end with this process, not at their idle timeouts.
-        if runtime.session_delete_tasks:
-            await asyncio.wait(runtime.session_delete_tasks, timeout=SHUTDOWN_GRACE_S)
+        # So are the cancels of the calls the cut ended, which tell their servers to stop.
+        sending = runtime.session_delete_tasks | runtime.upstream_cancels
+        if sending:
+            await asyncio.wait(sending, timeout=SHUTDOWN_GRACE_S)
     elif runtime.present:
         runtime.cutting = True  # what is left (the streams) ends as the drain's cut
         log.info("drained; ending %d MCP stream(s)", runtime.present)

@@ -166,7 +166,9 @@ class ScriptedMcp:
     ``release``, then the JSON response), ``headers_late`` (nothing until ``release``, then
     an SSE response), ``sse_open`` (headers and the response at once, then the stream stays
     open until ``release``). With ``fail`` set, what follows ``release`` is a cut connection
-    instead of the response. Counts the calls it got, finished and saw cut.
+    instead of the response. Counts the calls it got, finished and saw cut. A
+    ``notifications/cancelled`` is answered 202 and ignored (a server may), kept in
+    ``cancels`` with the headers it came with (a tool that cannot be stopped).
     """
 
     def __init__(self) -> None:
@@ -177,6 +179,7 @@ class ScriptedMcp:
         self.finished = 0
         self.cut = 0
         self.inflight = 0
+        self.cancels: list[tuple[dict, dict[str, str]]] = []
         self.runner: web.AppRunner | None = None
         self.port = 0
 
@@ -201,6 +204,9 @@ class ScriptedMcp:
 
     async def _post(self, request: web.Request) -> web.StreamResponse:
         message = await request.json()
+        if message.get("method") == "notifications/cancelled":
+            self.cancels.append((message["params"], dict(request.headers)))
+            return web.Response(status=202)
         if message.get("method") != "tools/call":
             return web.json_response({"jsonrpc": "2.0", "id": message.get("id"), "result": {}})
         self.calls += 1
@@ -448,9 +454,13 @@ async def test_a_drain_cut_ends_a_call_finishing_without_its_caller(scripted, st
     assert completed["finished_after_leaving"] == "drain_cut"
 
 
-async def test_a_run_cancel_ends_a_call_finishing_without_its_caller(scripted, start_sluice):
-    """A cancelled run's calls end, those finishing without their callers too: the upstream
-    request is closed, the key freed, nothing held."""
+async def test_a_run_cancel_of_a_call_finishing_without_its_caller_asks_its_server(
+        scripted, start_sluice):
+    """A cancelled run's call finishing without its caller: Sluice sends its server the
+    call's ``notifications/cancelled`` and holds the key until the server's answer. This
+    server ignores the cancel (it may) and answers: the answer is kept, and the retry gets
+    it rather than running the call again. Before, the upstream request was closed and the
+    key freed: the retry ran it a second time (``done #2``) while the first ran on."""
     scripted.mode = "sse"
     sluice = await start_sluice({"routes": [mcp_route(scripted.url)]},
                                 env={"SLUICE_ADMIN_TOKEN": TOKEN})
@@ -463,17 +473,22 @@ async def test_a_run_cancel_ends_a_call_finishing_without_its_caller(scripted, s
                              headers={"Authorization": f"Bearer {TOKEN}"}) as r:
             assert r.status == 200
             report = await r.json()
-        assert (report["calls_ended"], report["calls_still_running"]) == (1, 0)
-        await wait_until(lambda: scripted.cut == 1, what="the upstream request cut")
+        # Not ended: its server has not answered the cancel (within the cancel's wait).
+        assert (report["calls_ended"], report["calls_still_running"]) == (0, 1)
+        [(params, headers)] = scripted.cancels
+        assert params == {"requestId": 1, "reason": "Sluice: run job was cancelled"}
+        assert headers["Accept"] == "application/json, text/event-stream"
+        assert await admin_inflight(sluice) == 1 and scripted.cut == 0
+        status, replayed, body = await retried_while_finishing(sluice, http, url, scripted)
         await assert_all_given_back(sluice)
         [completed] = await completed_events(sluice, 1)
-        scripted.release.set()
-        status, replayed, body = await retry(http, url)  # no run: the key was freed
-    assert "done #2" in body
-    assert completed["finished_after_leaving"] == "run_cancelled"
+    assert (status, replayed) == (200, "true") and "done #1" in body
+    assert completed["outcome"] == "client_disconnected"  # the caller's
+    assert completed["finished_after_leaving"] == "2xx"
     assert await sluice.metric("sluice_cancels_total", route="tools", where="inflight") == 1
-    assert status == 200 and replayed == ""
-    assert scripted.calls == 2
+    assert scripted.calls == 1
+    [sent] = [e for e in sluice.events() if e["event"] == "cancel_sent"]
+    assert sent["status"] == 202 and sent["request_id"] == completed["request_id"]
 
 
 async def test_llm_streams_are_still_cut_when_their_caller_leaves(upstream, start_sluice):
@@ -496,25 +511,33 @@ async def test_llm_streams_are_still_cut_when_their_caller_leaves(upstream, star
 
 
 async def test_a_run_cancel_with_the_caller_there_still_answers_it(scripted, start_sluice):
-    """The caller is still reading when its run is cancelled: the call's forward task is cut
-    and the caller's SSE answer ends with the ``run_cancelled`` error, as before."""
+    """The caller is still reading when its run is cancelled: its SSE answer ends with the
+    ``run_cancelled`` error at once, as before; the call's server is asked to cancel it, and
+    the exchange is finished without the caller (here the server ignores the cancel), the
+    key held to the server's answer, which is kept. Before, the upstream request was cut and
+    the key freed."""
     scripted.mode = "sse"
     sluice = await start_sluice({"routes": [mcp_route(scripted.url)]},
                                 env={"SLUICE_ADMIN_TOKEN": TOKEN})
+    url = sluice.url + "/tools/mcp"
     async with aiohttp.ClientSession() as http:
-        async with http.post(sluice.url + "/tools/mcp", json=CALL,
-                             headers={**HEADERS, "X-Run-ID": "job"}) as r:
+        async with http.post(url, json=CALL, headers={**HEADERS, "X-Run-ID": "job"}) as r:
             await r.content.readuntil(b"\n\n")  # the progress notification
             async with http.post(f"{sluice.admin_url}/admin/runs/job/cancel",
                                  headers={"Authorization": f"Bearer {TOKEN}"}) as c:
-                assert (await c.json())["calls_ended"] == 1
+                assert (await c.json())["calls_ended"] == 1  # its caller was answered
             rest = await r.text()
-    assert '"reason":"run_cancelled"' in rest.replace(" ", "") and '"id":1' in rest
-    await wait_until(lambda: scripted.cut == 1, what="the upstream request cut")
-    await assert_all_given_back(sluice)
-    [completed] = await completed_events(sluice, 1)
+        assert '"reason":"run_cancelled"' in rest.replace(" ", "") and '"id":1' in rest
+        await wait_until(lambda: len(scripted.cancels) == 1, what="the cancel upstream")
+        assert scripted.cancels[0][0]["requestId"] == 1
+        assert scripted.cut == 0 and await admin_inflight(sluice) == 1
+        status, replayed, body = await retried_while_finishing(sluice, http, url, scripted)
+        await assert_all_given_back(sluice)
+        [completed] = await completed_events(sluice, 1)
+    assert (status, replayed) == (200, "true") and "done #1" in body
     assert completed["outcome"] == "run_cancelled"
-    assert "finished_after_leaving" not in completed
+    assert (completed["finished_after_leaving"], completed["finished_status"]) == ("2xx", 200)
+    assert scripted.calls == 1
 
 
 async def test_a_proxy_error_while_finishing_without_the_caller_gives_everything_back(
@@ -590,29 +613,36 @@ async def test_a_reload_while_a_call_finishes_without_its_caller(scripted, start
 async def test_a_run_cancel_and_the_caller_leaving_at_once_leave_nothing_held(
         scripted, monkeypatch):
     """Two cancellations of one call at once (its run's cancel and its caller leaving, in the
-    same loop turn, in-process): whichever wins, everything is given back, once."""
+    same loop turn, in-process): whichever wins, everything is given back, once, when the
+    call ends: its server, asked to cancel it, ignores that and answers (each run's call has
+    arguments of its own, so that no answer kept is replayed to the next)."""
     runtime = await tools_runtime(scripted.url)
     runner, url = await serve_in_process(runtime)
     [tools] = runtime.routes
     scripted.mode = "sse"
     try:
         async with aiohttp.ClientSession() as http:
-            for run in ("job-1", "job-2", "job-3"):
+            for n, run in enumerate(("job-1", "job-2", "job-3"), 1):
                 reading = asyncio.Event()
 
                 async def call(run: str = run, reading: asyncio.Event = reading) -> None:
-                    async with http.post(url, json=CALL,
+                    body = {**CALL, "params": {"name": "deliver", "arguments": {"to": run}}}
+                    async with http.post(url, json=body,
                                          headers={**HEADERS, "X-Run-ID": run}) as r:
                         await r.content.readuntil(b"\n\n")
                         reading.set()
                         await r.read()
 
+                scripted.release = asyncio.Event()
                 task = asyncio.create_task(call())
                 await asyncio.wait_for(reading.wait(), 10)
                 runtime.runs.cancel(run, 60, "default")  # its calls name no tenant
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, aiohttp.ClientError):
                     await task
+                await wait_until(lambda n=n: len(scripted.cancels) == n,  # type: ignore[misc]
+                                 what="its cancel upstream")
+                scripted.release.set()
                 await wait_until(lambda: tools.present == 0 and not runtime.finishing,
                                  what="the call to end")
                 assert (tools.inflight, tools.concurrency.inflight) == (0, 0)
