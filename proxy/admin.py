@@ -23,7 +23,9 @@ the run id in every tenant.
 * ``POST /admin/runs/{run}/cancel``: cancel the run and its descendants (``policies/runs.py``)
   in ``?tenant=``, else in every tenant that has a run of that id (known here, or with the Redis
   backend known to Redis): their queued calls are refused ``run_cancelled`` at once, their
-  calls in flight closed, their new calls refused for ``run.cancel_ttl``. A cancel naming a
+  calls in flight closed (a keyed 2025-era MCP call is answered ``run_cancelled`` too, and
+  its server sent the call's ``notifications/cancelled``; the call holds its key until the
+  server answers, docs/mcp.md), their new calls refused for ``run.cancel_ttl``. A cancel naming a
   tenant whose run is not known yet refuses its first calls too; one naming none, for an id no
   tenant has, cancels nothing (``"tenants": []``). Answers once the cancelled calls have all
   ended (at most ``CANCEL_WAIT_S``)::

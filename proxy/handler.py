@@ -32,7 +32,11 @@ For the same reason, a client's ``notifications/cancelled`` naming such a call o
 in flight is answered 202 here and not forwarded (:func:`_call_to_hold`): the tool runs on, and
 its answer is kept for the retry. A cancel naming a call of its session still waiting in
 admission (which the server has not seen) ends that call here instead, on any route
-(:func:`_waiting_call`)."""
+(:func:`_waiting_call`). A run's cancel of such a call in flight answers its caller at once,
+and Sluice sends the server a ``notifications/cancelled`` of its own; the task then finishes
+the exchange to the server's answer, as for a caller that left (:func:`_leave`,
+:func:`_cancel_finishing`), so that the key is held until the tool has stopped or its
+result is kept."""
 
 from __future__ import annotations
 
