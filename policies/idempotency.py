@@ -160,6 +160,11 @@ IN_FLIGHT_RETRY_AFTER_S = 1.0
 _NOT_STORED = frozenset({401, 403, 407, 408, 409, 425, 429})
 #: ``sluice_requests_total`` outcomes that mean the upstream's whole answer was relayed.
 _ANSWERED = frozenset({"2xx", "3xx", "4xx"})
+#: Outcomes of a failure relayed whole (its status one the store does not keep), and of one
+#: Sluice wrote after its attempts: what a key's waiting duplicates are given
+#: (:meth:`Capture.failure`).
+_FAILED_WHOLE = frozenset({"4xx", "5xx"})
+_FAILED_BY_SLUICE = frozenset({"upstream_error", "upstream_timeout"})
 #: Response headers not replayed: framing is recomputed; a cookie belongs to one exchange,
 #: and an MCP session id to one session (the TypeScript SDK 1.x client takes the id of every
 #: response: a replay moved it into the first caller's session).
@@ -262,12 +267,15 @@ def parse_key(raw: str) -> str:
 class Capture:
     """Collects the upstream's answer as it is relayed (fed by ``proxy.forward``).
 
-    Only a storable status is collected, and only up to ``limit`` bytes; past that the
-    chunks are dropped and only the size is kept, so a long stream costs no memory here.
+    A storable status is collected to be kept for the key; any other answer (a 5xx, a 429,
+    or the failure Sluice writes when its attempts found no answer: :meth:`written`) to be
+    given to the duplicates waiting for the key (:meth:`failure`). Only up to ``limit``
+    bytes; past that the chunks are dropped and only the size is kept, so a long stream
+    costs no memory here.
     """
 
-    __slots__ = ("chunks", "headers", "limit", "mcp_id", "reason", "size", "status", "storable",
-                 "tracker")
+    __slots__ = ("added", "by_sluice", "chunks", "headers", "limit", "mcp_id", "reason",
+                 "shareable", "size", "status", "storable", "tracker")
 
     def __init__(self, limit: int, mcp_id: mcp.RequestId | None = None) -> None:
         self.limit = limit
@@ -280,23 +288,54 @@ class Capture:
         self.chunks: list[bytes] = []
         self.size = 0
         self.storable = False
+        #: The answer is a failure its key's waiting duplicates may be given (:meth:`failure`).
+        self.shareable = False
+        #: Sluice wrote the answer itself, its attempts having found none to relay.
+        self.by_sluice = False
+        #: Headers Sluice adds to a failure that its waiting duplicates get too
+        #: (:meth:`add_to_failure`).
+        self.added: tuple[tuple[str, str], ...] = ()
 
     def begin(self, status: int, reason: str | None, headers: CIMultiDict[str]) -> None:
         """The upstream's status line and headers (hop-by-hop fields already dropped)."""
         self.status = status
         self.reason = reason or ""
         self.storable = status < 500 and status not in _NOT_STORED
+        # An MCP call's failure is not given to its twins: its body names the call's own
+        # JSON-RPC id, if any (they run their own call, as before).
+        self.shareable = not self.storable and self.mcp_id is None
+        self.by_sluice = False
+        self.chunks = []
+        self.size = 0
         if self.storable and self.mcp_id is not None:
             self.tracker = mcp.AnswerTracker(headers.get("Content-Type"), self.mcp_id)
-        if self.storable:
-            self.headers = tuple(
-                (name, value) for name, value in headers.items()
-                if name.lower() not in _NOT_REPLAYED
-            )
+        self.headers = tuple(
+            (name, value) for name, value in headers.items()
+            if name.lower() not in _NOT_REPLAYED
+        )
+
+    def written(self, response: web.Response) -> None:
+        """The failure Sluice answers with after its attempts found no answer to relay (502
+        ``upstream_unreachable``, 504 ``upstream_timeout``...), in place of whatever began.
+        Never kept for the key; not an MCP call's (:meth:`begin`)."""
+        if self.mcp_id is not None:
+            return
+        self.begin(response.status, response.reason, CIMultiDict(response.headers))
+        self.storable = False
+        body = response.body
+        self.by_sluice = self.shareable = isinstance(body, bytes)
+        if isinstance(body, bytes):
+            self.feed(body)
+
+    def add_to_failure(self, headers: dict[str, str]) -> None:
+        """Headers Sluice sets on the answer that also belong to its failure as its key's
+        waiting duplicates get it: ``x-should-retry: false`` (Sluice retried it: theirs
+        must not retry either) and ``X-Sluice-Dead-Letter`` (the call's one dead letter)."""
+        self.added = tuple(headers.items())
 
     def feed(self, chunk: bytes) -> None:
         """Bytes of the body, in order, as they were sent on to the caller."""
-        if not self.storable:
+        if not (self.storable or self.shareable):
             return
         self.size += len(chunk)
         if self.size <= self.limit:
@@ -311,8 +350,29 @@ class Capture:
         upstream ended with a rate-limit or quota error event after HTTP 200), or a stream
         it ended cleanly before its last event (maybe a part of the answer). Nothing is
         kept for the key, which is free for a retry."""
-        self.storable = False
+        self.storable = self.shareable = False
         self.chunks = []
+
+    def failure(self, fingerprint: bytes, outcome: str) -> Record | None:
+        """The answer to give the duplicates waiting for the key of a call that ended with
+        ``outcome`` and left nothing to keep (:meth:`answer` is ``None``), or ``None``: they
+        then take the key in turn, as a later retry does. Given only a failure of a call that
+        reached the upstream (an attempt was made) and whose answer its caller got whole: an
+        upstream answer the store does not keep (5xx, 429, 408...) relayed in full, or the
+        failure Sluice wrote once its attempts ended (:meth:`written`). Not a refusal of
+        Sluice's before any attempt (never captured), a stream cut short or ended by an
+        error event, a caller that left, a drain's cut, an answer over ``limit``, nor an MCP
+        call's failure."""
+        if not self.shareable or self.size > self.limit:
+            return None
+        if outcome not in _FAILED_WHOLE and not (self.by_sluice and outcome in _FAILED_BY_SLUICE):
+            return None
+        headers = self.headers
+        if self.added:
+            names = {name.lower() for name, _ in self.added}
+            headers = (*(h for h in headers if h[0].lower() not in names), *self.added)
+        return Record(DONE, fingerprint, self.status, self.reason, headers,
+                      b"".join(self.chunks))
 
     def record(self, fingerprint: bytes) -> Record:
         """The record to store once the whole answer was relayed."""
@@ -358,14 +418,26 @@ class Replay(Exception):
     """The call's answer is a stored one: reply with :func:`replay_response` of ``record``.
 
     Attributes:
-        record: the stored answer.
+        record: the stored answer, or the failure of the twin it waited for (``failure``).
         waited_s: how long the call waited for its in-flight twin, seconds.
+        failure: ``record`` is its twin's failure, not stored (:meth:`Capture.failure`).
     """
 
-    def __init__(self, record: Record, waited_s: float) -> None:
+    def __init__(self, record: Record, waited_s: float, failure: bool = False) -> None:
         super().__init__("replay")
         self.record = record
         self.waited_s = waited_s
+        self.failure = failure
+
+
+class _Failed:
+    """What a waiter's future resolves to when its twin failed: the failure to answer with
+    (:meth:`Capture.failure`), kept for no one else."""
+
+    __slots__ = ("record",)
+
+    def __init__(self, record: Record) -> None:
+        self.record = record
 
 
 class _Flight:
@@ -419,7 +491,7 @@ class Claim:
 
     __slots__ = ("_fallback", "_flight", "_lease", "_policy", "_shared", "_store_key",
                  "capture", "fingerprint", "header", "key", "mcp_id", "new_unit", "rejected",
-                 "replay", "waited_s")
+                 "replay", "twin_failed", "waited_s")
 
     def __init__(self, key: str | None, mcp_id: mcp.RequestId | None = None) -> None:
         self.key = key
@@ -431,6 +503,8 @@ class Claim:
         self.new_unit = False
         self.rejected: Rejected | None = None
         self.replay: Record | None = None
+        #: :attr:`replay` is the failure of the twin it waited for, not a stored answer.
+        self.twin_failed = False
         self.waited_s = 0.0
         self._policy: Idempotency | None = None
         self._store_key: Hashable = None
@@ -567,7 +641,7 @@ class Idempotency:
         if claim.rejected is not None:
             raise claim.rejected
         if claim.replay is not None:
-            raise Replay(self._for_request(claim), claim.waited_s)
+            raise Replay(self._for_request(claim), claim.waited_s, claim.twin_failed)
         call.upstream_key = claim.header
         call.capture = claim.capture
         return claim if claim.holds else None
@@ -735,6 +809,8 @@ class Idempotency:
             self._take_marker(claim)
             self._arm(claim)
             return claim
+        if isinstance(outcome, _Failed):
+            return _given_failure(claim, outcome.record)
         # The answer of the call it waited for, under dedup then (a reload to serialize
         # since, before this one resumed, does not make it run: a review saw the
         # waiters run at once).
@@ -959,6 +1035,10 @@ class Idempotency:
             if outcome is _HANDOVER:
                 claim._flight = flight
                 return None
+            if isinstance(outcome, _Failed):
+                # The twin failed (its own write tells Redis's waiters): the key is free.
+                self._drop(records, shared_key, owner, fingerprint)
+                return _given_failure(claim, outcome.record)
             assert isinstance(outcome, Record)
             record = outcome
         assert record is not None
@@ -1070,6 +1150,9 @@ class Idempotency:
                 for future in local.waiters:
                     if not future.done():
                         future.set_result(record)
+            elif record is None:
+                self._settle_waiters(lease.store_key, local,
+                                     self._failure(claim, outcome, local))
             else:
                 self._pass_on(lease.store_key, local)
         self._background.spawn(self._store(lease, answer, kept_here=here))
@@ -1147,7 +1230,7 @@ class Idempotency:
             return
         # No outcome to keep: the key is free for a retry, which is recognised as one. An
         # answer kept from dedup (before a reload to serialize) stays, as in Redis.
-        self._pass_on(store_key, flight)
+        self._settle_waiters(store_key, flight, self._failure(claim, outcome, flight))
         kept = self.store.get(store_key)
         if kept is None or kept.kind == SEEN:
             self.store.put(store_key, Record(SEEN, claim.fingerprint))
@@ -1164,6 +1247,31 @@ class Idempotency:
             kept = Record(TOO_LARGE, record.fingerprint, record.status)
         self.store.put(store_key, kept)
         return kept
+
+    def _failure(self, claim: Claim, outcome: str, flight: _Flight | None) -> Record | None:
+        """The failure ``claim``'s call (ended with ``outcome``, nothing kept) leaves for the
+        duplicates waiting for it (:meth:`Capture.failure`), or ``None``; looked for only
+        when some wait (``flight``'s waiters here; ``None``: maybe on another replica)."""
+        capture = claim.capture
+        if capture is None or not self.dedup or (flight is not None and not flight.waiters):
+            return None
+        return capture.failure(claim.fingerprint, outcome)
+
+    def _settle_waiters(self, store_key: Hashable, flight: _Flight,
+                        failure: Record | None) -> None:
+        """A key's call ended with nothing to keep: every duplicate waiting for it here is
+        given its ``failure`` (instead of each running the call again, one after another,
+        each with its own retries: a hostile trial's 20 copies made 60 attempts), and the key
+        is free for whoever comes next; with no failure to give, the key is handed to the
+        longest waiter (:meth:`_pass_on`)."""
+        if failure is None:
+            self._pass_on(store_key, flight)
+            return
+        del self._flights[store_key]
+        failed = _Failed(failure)
+        for future in flight.waiters:
+            if not future.done():
+                future.set_result(failed)
 
     def _pass_on(self, store_key: Hashable, flight: _Flight) -> None:
         """Hand the key to the longest waiter still there, or forget the flight."""
@@ -1295,6 +1403,13 @@ async def _renew(records: IdempotencyRecords, key: str, owner: str, fingerprint:
             continue  # the marker lives on for its expiry; try again next time
         if begin.state != CLAIMED:
             return
+
+
+def _given_failure(claim: Claim, failure: Record) -> Claim:
+    """``claim``, a duplicate that waited for its twin, answered with the twin's failure."""
+    claim.replay = failure
+    claim.twin_failed = True
+    return claim
 
 
 def _still_in_flight(waited_s: float) -> Rejected:

@@ -224,6 +224,8 @@ async def forward(request: web.BaseRequest, rt: Runtime, route: Route, call: Cal
             if tries.response is None and tries.stop == "deadline":
                 tries.error = Rejected(Reason.DEADLINE_UNREACHABLE, None,
                                        f"{len(tries.log)} attempt(s); the last: {tries.kind}")
+        if extra and call.capture is not None:
+            call.capture.add_to_failure(extra)
         if tries.response is not None:
             response, tries.response = tries.response, None
             if call.response_headers:
@@ -272,6 +274,8 @@ async def forward(request: web.BaseRequest, rt: Runtime, route: Route, call: Cal
                 failed = render(error, route.protocol, jsonrpc_id(route.protocol, call.body))
                 if _retried(tries):  # else no layer of Sluice's retried it: the SDK may
                     failed.headers.update(_NO_RETRY)
+                if call.capture is not None:  # its key's waiting duplicates get it too
+                    call.capture.written(failed)
                 timed_out = error.reason is Reason.UPSTREAM_TIMEOUT
                 return failed, "upstream_timeout" if timed_out else "upstream_error"
             tracker = tries.tracker
@@ -292,6 +296,8 @@ async def forward(request: web.BaseRequest, rt: Runtime, route: Route, call: Cal
         answer = render(error, route.protocol, jsonrpc_id(route.protocol, call.body))
         if extra:
             answer.headers.update(extra)
+        if call.capture is not None:  # its key's waiting duplicates get it too
+            call.capture.written(answer)
         outcome = "upstream_timeout" if tries.kind == "timeout" else "upstream_error"
         return answer, outcome
     finally:

@@ -1225,11 +1225,16 @@ def _hold_cancel(rt: Runtime, route: Route, call: Call, request_id: str, tenant:
 
 
 def _replay(rt: Runtime, route: Route, call: Call, replay: Replay) -> web.Response:
-    """Count, log as an event, and answer with the stored response of the key's first use."""
+    """Count, log as an event, and answer with the stored response of the key's first use,
+    or with the failure of the twin it waited for (its event then says ``failure: true``)."""
     record = replay.record
     route.metrics.replays.inc()
     route.metrics.outcomes["replayed"].inc()
+    failure: dict[str, bool] = {}
+    if replay.failure:
+        route.metrics.failure_replays.inc()
+        failure["failure"] = True
     rt.events.emit("replayed", call.request_id, route.name, call.tenant, call.run,
                    call.idempotency_key, status=record.status, bytes=len(record.body),
-                   waited_s=round(replay.waited_s, 6), **call.event_names())
+                   waited_s=round(replay.waited_s, 6), **call.event_names(), **failure)
     return replay_response(record)

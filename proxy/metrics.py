@@ -359,6 +359,12 @@ class Metrics:
             "Answers replayed from the idempotency store instead of forwarded.",
             ["route"], registry=r,
         )
+        self.idempotent_failure_replays = LoopCounter(
+            "sluice_idempotent_failure_replays",
+            "Of the replays, those of a twin's failure: a duplicate that waited for its key's "
+            "call was given that call's failure (not stored) instead of running it again.",
+            ["route"], registry=r,
+        )
         self.idempotency_entries = Gauge(
             "sluice_idempotency_store_entries",
             "Records in this replica's idempotency store for the route: all of them with the "
@@ -712,6 +718,7 @@ class RouteMetrics:
         "dead_letter_failures",
         "dead_letters",
         "expiries",
+        "failure_replays",
         "name",
         "outcomes",
         "queue_wait",
@@ -737,6 +744,7 @@ class RouteMetrics:
         self.upstream_attempts = metrics.upstream_attempts.labels(route)
         self.work_units = metrics.work_units.labels(route)
         self.replays = metrics.idempotent_replays.labels(route)
+        self.failure_replays = metrics.idempotent_failure_replays.labels(route)
         self.retries = metrics.retries.labels(route)
         self.retry_overflow = metrics.retry_overflow.labels(route)
         self.dead_letters = metrics.dead_letters.labels(route)

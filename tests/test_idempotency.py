@@ -373,3 +373,111 @@ async def test_waiting_duplicates_of_one_key_are_bounded_in_number(upstream, sta
     assert upstream.executed == 2
     assert await sluice.metric("sluice_rejections_total", route="tools",
                                reason="idempotency_conflict") == 1
+
+
+FAILING_ROUTE = {"retry": {"attempts": 3, "backoff": {"base": "10ms", "max": "50ms"}},
+                 "idempotency": {"mode": "dedup"}}
+
+
+async def test_waiting_duplicates_get_their_twins_failure(upstream, start_sluice):
+    """20 agents of one step whose call failed after Sluice's retries ran it 20 times, one
+    after another, each with its retries (60 attempts, 20 dead letters): those waiting for
+    the key now get the first one's failure; one arriving after it runs again."""
+    upstream.hold = asyncio.Event()
+    upstream.status = 503
+    sluice = await start_sluice({"state": {"backend": "memory"}, "routes": [route(
+        "tools", upstream.url, "http", **FAILING_ROUTE)]})
+    url = sluice.url + "/tools/v1/charge"
+    headers = {"Idempotency-Key": "charge-9", "X-Tenant-ID": "acme"}
+    async with aiohttp.ClientSession() as s:
+        first = asyncio.create_task(post(s, url, {"usd": 5}, headers))
+        await wait_for(lambda: len(upstream.requests) == 1)
+        twins = [asyncio.create_task(post(s, url, {"usd": 5}, headers)) for _ in range(9)]
+        await sluice.wait_metric("sluice_idempotency_waiting", 9, route="tools")
+        upstream.hold.set()
+        results = await asyncio.gather(first, *twins)
+        assert len(upstream.requests) == 3  # one retry cycle, not ten
+        assert [status for status, _, _ in results] == [503] * 10
+        assert "Idempotent-Replayed" not in results[0][1]
+        assert [h.get("Idempotent-Replayed") for _, h, _ in results[1:]] == ["true"] * 9
+        # The same answer: body, Sluice's "do not retry" and the one dead letter's id.
+        assert {body for _, _, body in results} == {results[0][2]}
+        assert {h["x-should-retry"] for _, h, _ in results} == {"false"}
+        assert {h["X-Sluice-Dead-Letter"] for _, h, _ in results} == {
+            results[0][1]["X-Sluice-Dead-Letter"]}
+
+        # The failure is not stored: a retry arriving now runs its own cycle.
+        status, h, _ = await post(s, url, {"usd": 5}, headers)
+        assert status == 503 and "Idempotent-Replayed" not in h
+    assert len(upstream.requests) == 6
+    assert await sluice.metric("sluice_upstream_attempts_total", route="tools") == 6
+    assert await sluice.metric("sluice_dead_letters_total", route="tools") == 2
+    assert await sluice.metric("sluice_idempotent_replays_total", route="tools") == 9
+    assert await sluice.metric("sluice_idempotent_failure_replays_total", route="tools") == 9
+    assert await sluice.metric("sluice_requests_total", route="tools", outcome="replayed") == 9
+    assert await sluice.metric("sluice_work_units_total", route="tools") == 1
+    await wait_for(lambda: len([e for e in sluice.events() if e["event"] == "replayed"]) == 9)
+    replayed = [e for e in sluice.events() if e["event"] == "replayed"]
+    assert {(e["status"], e["failure"]) for e in replayed} == {(503, True)}
+
+
+async def test_a_failure_sluice_writes_is_given_to_waiting_twins(upstream, start_sluice,):
+    """No answer from the upstream in time: the 504 Sluice writes once its retries end is
+    the failure the waiting duplicates get."""
+    upstream.hold = asyncio.Event()  # never set: every attempt times out
+    sluice = await start_sluice({"state": {"backend": "memory"}, "routes": [route(
+        "tools", upstream.url, "http", **{**FAILING_ROUTE, "retry": {
+            "attempts": 2, "per_try_timeout": "400ms", "backoff": {"base": "10ms"}}})]})
+    url = sluice.url + "/tools/v1/charge"
+    headers = {"Idempotency-Key": "charge-10"}
+    async with aiohttp.ClientSession() as s:
+        first = asyncio.create_task(post(s, url, {"usd": 5}, headers))
+        await wait_for(lambda: len(upstream.requests) == 1)
+        twins = [asyncio.create_task(post(s, url, {"usd": 5}, headers)) for _ in range(3)]
+        await sluice.wait_metric("sluice_idempotency_waiting", 3, route="tools")
+        results = await asyncio.gather(first, *twins)
+    assert {(status, h["X-Sluice-Reason"]) for status, h, _ in results} == {
+        (504, "upstream_timeout")}
+    assert [h.get("Idempotent-Replayed") for _, h, _ in results] == [None] + ["true"] * 3
+    assert {body for _, _, body in results} == {results[0][2]}
+    assert len(upstream.requests) == 2
+    assert await sluice.metric("sluice_upstream_attempts_total", route="tools") == 2
+
+
+async def test_a_twin_whose_caller_left_or_was_refused_hands_the_key_on(upstream, start_sluice,):
+    """What is not a failure of the call is not given to its waiting twins: a caller that
+    left (its request cancelled), and a refusal of Sluice's own before any attempt (here
+    ``queue_timeout``): the waiter runs its own request, judged on its own."""
+    upstream.hold = asyncio.Event()
+    sluice = await start_sluice({"state": {"backend": "memory"}, "routes": [route(
+        "tools", upstream.url, "http", concurrency={"limit": 1, "queue": 5, "max_wait": "1s"},
+        **FAILING_ROUTE)]})
+    url = sluice.url + "/tools/v1/charge"
+    async with aiohttp.ClientSession() as s:
+        headers = {"Idempotency-Key": "left-1"}
+        first = asyncio.create_task(post(s, url, {"usd": 1}, headers))
+        await wait_for(lambda: len(upstream.requests) == 1)
+        second = asyncio.create_task(post(s, url, {"usd": 1}, headers))
+        await sluice.wait_metric("sluice_idempotency_waiting", 1, route="tools")
+        first.cancel()
+        await wait_for(lambda: len(upstream.requests) == 2 and upstream.cancelled == 1)
+        upstream.hold.set()
+        status, h, _ = await second
+        assert status == 200 and "Idempotent-Replayed" not in h
+
+        upstream.hold = asyncio.Event()
+        blocker = asyncio.create_task(post(s, url, {}, {"Idempotency-Key": "blocker"}))
+        await wait_for(lambda: len(upstream.requests) == 3)
+        headers = {"Idempotency-Key": "queued-1"}
+        queued = asyncio.create_task(post(s, url, {"usd": 2}, headers))
+        await sluice.wait_metric("sluice_queue_depth", 1, route="tools")
+        waiter = asyncio.create_task(post(s, url, {"usd": 2}, headers))
+        await sluice.wait_metric("sluice_idempotency_waiting", 1, route="tools")
+        status, h, _ = await queued
+        assert (status, h["X-Sluice-Reason"]) == (503, "queue_timeout")
+        upstream.hold.set()
+        status, h, _ = await waiter
+        assert status == 200 and "Idempotent-Replayed" not in h
+        assert (await blocker)[0] == 200
+    assert len(upstream.requests) == 4
+    assert await sluice.metric("sluice_idempotent_failure_replays_total", route="tools") == 0

@@ -252,10 +252,17 @@ def test_capture_keeps_bodies_up_to_the_limit_only():
     capture.feed(b"data: 2\n\n")
     assert capture.chunks == [] and capture.record(b"f").kind == TOO_LARGE
 
+    # A failure is never kept, but its waiting twins are given it whole, within the limit.
     failed = Capture(limit=10)
-    failed.begin(503, "Service Unavailable", CIMultiDict())
+    failed.begin(503, "Service Unavailable", CIMultiDict({"Content-Length": "1"}))
     failed.feed(b"x")
-    assert not failed.storable and failed.chunks == []
+    assert not failed.storable and failed.answer(b"f", "5xx") is None
+    shared = failed.failure(b"f", "5xx")
+    assert shared is not None
+    assert (shared.status, shared.headers, shared.body) == (503, (), b"x")
+    assert failed.failure(b"f", "upstream_error") is None  # relayed, then cut short
+    failed.feed(b"y" * 10)
+    assert failed.chunks == [] and failed.failure(b"f", "5xx") is None
 
 
 @pytest.mark.parametrize(("raw", "key"), [
