@@ -135,6 +135,7 @@ from policies.secrets import CREDENTIAL_HEADERS
 from policies.state import IdempotencyRecords, StateBackends, StateUnavailable
 from policies.state.idempotency import (
     CLAIMED,
+    FAILED,
     FINISHED,
     IN_FLIGHT,
     Answer,
@@ -938,7 +939,7 @@ class Idempotency:
                 return claim
             try:
                 begin = await self._wait_shared(claim, records, shared_key, owner,
-                                                fingerprint, bound_s, begin.ttl_s)
+                                                fingerprint, bound_s, begin.ttl_s, begin.owner)
             except StateUnavailable as exc:
                 if self._backends is not None and self._backends.fallback.mode == "reject":
                     raise
@@ -970,6 +971,11 @@ class Idempotency:
                                   and begin.fingerprint != fingerprint
                                   else _still_in_flight(claim.waited_s))
                 return claim
+        if begin.state == FAILED:  # the twin it waited for failed, on any replica
+            answer = begin.answer
+            assert answer is not None
+            return _given_failure(claim, Record(DONE, answer.fingerprint, answer.status,
+                                                answer.reason, answer.headers, answer.body))
         if begin.state == FINISHED:
             answer = begin.answer
             assert answer is not None
@@ -1036,8 +1042,9 @@ class Idempotency:
                 claim._flight = flight
                 return None
             if isinstance(outcome, _Failed):
-                # The twin failed (its own write tells Redis's waiters): the key is free.
-                self._drop(records, shared_key, owner, fingerprint)
+                # The twin here failed: the key is free, and duplicates waiting on this
+                # request's marker on other replicas get the failure too.
+                self._drop(records, shared_key, owner, fingerprint, outcome.record)
                 return _given_failure(claim, outcome.record)
             assert isinstance(outcome, Record)
             record = outcome
@@ -1103,17 +1110,17 @@ class Idempotency:
 
     async def _wait_shared(self, claim: Claim, records: IdempotencyRecords, key: str,
                            owner: str, fingerprint: bytes, bound_s: float,
-                           lapses_in_s: float) -> Begin:
-        """Wait (bounded) for the key's twin on any replica to finish (its marker seen to
-        lapse in ``lapses_in_s``); a key freed without an answer is claimed by this
-        request."""
+                           lapses_in_s: float, holder: str) -> Begin:
+        """Wait (bounded) for the key's twin on any replica (``holder``: its owner token) to
+        finish (its marker seen to lapse in ``lapses_in_s``); a key freed without an answer
+        is claimed by this request, unless the twin left a failure (``failed``)."""
         loop = asyncio.get_running_loop()
         started = loop.time()
         self.waiting += 1
         self._shared_waiting[key] = self._shared_waiting.get(key, 0) + 1
         try:
             return await wait_for_answer(records, key, owner, fingerprint, self._lease_s,
-                                         bound_s, lapses_in_s=lapses_in_s)
+                                         bound_s, lapses_in_s=lapses_in_s, holder=holder)
         except asyncio.CancelledError:
             # Its last look-up may have claimed the key just as the caller left.
             self._drop(records, key, owner, fingerprint)
@@ -1138,47 +1145,52 @@ class Idempotency:
             lease.renewer.cancel()
         record = _answer_to_keep(claim, outcome)
         answer = shared_answer(record, claim.fingerprint)
+        # Its waiters may be on any replica: the failure goes with the write.
+        failure = self._failure(claim, outcome, None) if record is None else None
         here = None
         if record is not None and self.dedup:
             here = self._keep_here(lease.store_key, record)
         local = lease.local
         if local is not None and self._flights.get(lease.store_key) is local:
-            # Duplicates that found Redis unavailable wait here: the answer, or the key (as
-            # :meth:`_finish` does, also when a reload left dedup while this call ran).
+            # Duplicates that found Redis unavailable wait here: the answer, the failure, or
+            # the key (as :meth:`_finish` does, also when a reload left dedup while this
+            # call ran).
             if record is not None and self.dedup:
                 del self._flights[lease.store_key]
                 for future in local.waiters:
                     if not future.done():
                         future.set_result(record)
             elif record is None:
-                self._settle_waiters(lease.store_key, local,
-                                     self._failure(claim, outcome, local))
+                self._settle_waiters(lease.store_key, local, failure)
             else:
                 self._pass_on(lease.store_key, local)
-        self._background.spawn(self._store(lease, answer, kept_here=here))
+        self._background.spawn(self._store(lease, answer, kept_here=here, failure=failure))
 
     async def _store(self, lease: _Lease, answer: Answer, strict: bool = False,
-                     kept_here: Record | None = None) -> None:
+                     kept_here: Record | None = None, failure: Record | None = None) -> None:
         """Write the answer ``lease``'s request leaves for its key; a write Redis did not
         answer is tried again (``strict``: only while the key's marker is still this
         request's or no one's) until the marker would have lapsed. Dropped at once, a write
         that met a short freeze lost the answer, and a retry sent after it ran the keyed
         work again (a hostile trial: a 1.5 s freeze, a 3 s lease). ``kept_here``: the
         record kept for the key in this process's records while the write is under way,
-        dropped once it has ended, however it ended."""
+        dropped once it has ended, however it ended. ``failure``: what the request's
+        waiting duplicates, on any replica, are given (:meth:`Capture.failure`)."""
         try:
-            await self._write(lease, answer, strict)
+            await self._write(lease, answer, strict, failure)
         finally:
             if kept_here is not None:
                 self.store.discard(lease.store_key, kept_here)
 
-    async def _write(self, lease: _Lease, answer: Answer, strict: bool) -> None:
+    async def _write(self, lease: _Lease, answer: Answer, strict: bool,
+                     failure: Record | None = None) -> None:
         loop = asyncio.get_running_loop()
         until = loop.time() + self._lease_s
         while True:
             try:
                 await lease.records.finish(lease.key, lease.owner, answer, self.ttl,
-                                           strict=strict)
+                                           strict=strict, failure=_shared_failure(failure),
+                                           failure_s=self._lease_s)
                 return
             except StateUnavailable as exc:
                 wait = exc.retry_after or IN_FLIGHT_RETRY_AFTER_S
@@ -1191,10 +1203,12 @@ class Idempotency:
                 await asyncio.sleep(wait)
 
     def _drop(self, records: IdempotencyRecords, key: str, owner: str,
-              fingerprint: bytes) -> None:
-        """Free a key this request may hold although its caller left (background)."""
+              fingerprint: bytes, failure: Record | None = None) -> None:
+        """Free a key this request may hold although its caller left (background); with the
+        ``failure`` its duplicates waiting on its marker are given."""
         self._background.spawn(self._quietly(
-            records.finish(key, owner, Answer(SEEN, fingerprint), self.ttl)))
+            records.finish(key, owner, Answer(SEEN, fingerprint), self.ttl,
+                           failure=_shared_failure(failure), failure_s=self._lease_s)))
 
     async def _quietly(self, call: Awaitable[object]) -> None:
         try:
@@ -1210,12 +1224,16 @@ class Idempotency:
         record = _answer_to_keep(claim, outcome)
         fallback, claim._fallback = claim._fallback, None
         flight.fallback = None
+        failure = None
+        if record is None:
+            failure = self._failure(claim, outcome, None if fallback is not None else flight)
         if fallback is not None:
             if fallback.renewer is not None:
                 fallback.renewer.cancel()
             # Strict: this request may never have held the marker.
             self._background.spawn(self._store(
-                fallback, shared_answer(record, claim.fingerprint), strict=True))
+                fallback, shared_answer(record, claim.fingerprint), strict=True,
+                failure=failure))
         if record is not None:
             self._keep_here(store_key, record)
             if not self.dedup:
@@ -1230,7 +1248,7 @@ class Idempotency:
             return
         # No outcome to keep: the key is free for a retry, which is recognised as one. An
         # answer kept from dedup (before a reload to serialize) stays, as in Redis.
-        self._settle_waiters(store_key, flight, self._failure(claim, outcome, flight))
+        self._settle_waiters(store_key, flight, failure)
         kept = self.store.get(store_key)
         if kept is None or kept.kind == SEEN:
             self.store.put(store_key, Record(SEEN, claim.fingerprint))
@@ -1292,6 +1310,14 @@ def shared_answer(record: Record | None, fingerprint: bytes) -> Answer:
         return Answer(SEEN, fingerprint)
     return Answer(record.kind, record.fingerprint, record.status, record.reason,
                   record.headers, record.body)
+
+
+def _shared_failure(failure: Record | None) -> Answer | None:
+    """A failure given to waiting duplicates, as the shared records keep it."""
+    if failure is None:
+        return None
+    return Answer(DONE, failure.fingerprint, failure.status, failure.reason, failure.headers,
+                  failure.body)
 
 
 def shared_record_key(route: str, tenant: str, key: str) -> str:

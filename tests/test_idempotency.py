@@ -379,13 +379,13 @@ FAILING_ROUTE = {"retry": {"attempts": 3, "backoff": {"base": "10ms", "max": "50
                  "idempotency": {"mode": "dedup"}}
 
 
-async def test_waiting_duplicates_get_their_twins_failure(upstream, start_sluice):
+async def test_waiting_duplicates_get_their_twins_failure(upstream, start_sluice, state_block):
     """20 agents of one step whose call failed after Sluice's retries ran it 20 times, one
     after another, each with its retries (60 attempts, 20 dead letters): those waiting for
     the key now get the first one's failure; one arriving after it runs again."""
     upstream.hold = asyncio.Event()
     upstream.status = 503
-    sluice = await start_sluice({"state": {"backend": "memory"}, "routes": [route(
+    sluice = await start_sluice({"state": state_block, "routes": [route(
         "tools", upstream.url, "http", **FAILING_ROUTE)]})
     url = sluice.url + "/tools/v1/charge"
     headers = {"Idempotency-Key": "charge-9", "X-Tenant-ID": "acme"}
@@ -421,11 +421,12 @@ async def test_waiting_duplicates_get_their_twins_failure(upstream, start_sluice
     assert {(e["status"], e["failure"]) for e in replayed} == {(503, True)}
 
 
-async def test_a_failure_sluice_writes_is_given_to_waiting_twins(upstream, start_sluice,):
+async def test_a_failure_sluice_writes_is_given_to_waiting_twins(upstream, start_sluice,
+                                                                  state_block):
     """No answer from the upstream in time: the 504 Sluice writes once its retries end is
     the failure the waiting duplicates get."""
     upstream.hold = asyncio.Event()  # never set: every attempt times out
-    sluice = await start_sluice({"state": {"backend": "memory"}, "routes": [route(
+    sluice = await start_sluice({"state": state_block, "routes": [route(
         "tools", upstream.url, "http", **{**FAILING_ROUTE, "retry": {
             "attempts": 2, "per_try_timeout": "400ms", "backoff": {"base": "10ms"}}})]})
     url = sluice.url + "/tools/v1/charge"
@@ -444,12 +445,13 @@ async def test_a_failure_sluice_writes_is_given_to_waiting_twins(upstream, start
     assert await sluice.metric("sluice_upstream_attempts_total", route="tools") == 2
 
 
-async def test_a_twin_whose_caller_left_or_was_refused_hands_the_key_on(upstream, start_sluice,):
+async def test_a_twin_whose_caller_left_or_was_refused_hands_the_key_on(upstream, start_sluice,
+                                                                       state_block):
     """What is not a failure of the call is not given to its waiting twins: a caller that
     left (its request cancelled), and a refusal of Sluice's own before any attempt (here
     ``queue_timeout``): the waiter runs its own request, judged on its own."""
     upstream.hold = asyncio.Event()
-    sluice = await start_sluice({"state": {"backend": "memory"}, "routes": [route(
+    sluice = await start_sluice({"state": state_block, "routes": [route(
         "tools", upstream.url, "http", concurrency={"limit": 1, "queue": 5, "max_wait": "1s"},
         **FAILING_ROUTE)]})
     url = sluice.url + "/tools/v1/charge"
@@ -481,3 +483,41 @@ async def test_a_twin_whose_caller_left_or_was_refused_hands_the_key_on(upstream
         assert (await blocker)[0] == 200
     assert len(upstream.requests) == 4
     assert await sluice.metric("sluice_idempotent_failure_replays_total", route="tools") == 0
+
+
+async def test_duplicates_waiting_on_another_replica_get_the_failure(upstream, start_sluice):
+    """Two replicas on one Redis: the duplicates waiting on the replica that does not run the
+    call get its failure too (woken by its write), and make no attempt of their own."""
+    url, prefix = require_redis(), new_prefix()
+    state = {"backend": "redis", "redis_url": url, "key_prefix": prefix,
+             "timeout": f"{int(TEST_TIMEOUT_S * 1000)}ms"}
+    upstream.hold = asyncio.Event()
+    upstream.status = 503
+    config = {"state": state, "routes": [route("tools", upstream.url, "http", **FAILING_ROUTE)]}
+    try:
+        runner, other = await start_sluice(config), await start_sluice(config)
+        async with aiohttp.ClientSession() as s:
+            first = asyncio.create_task(post(s, runner.url + "/tools/v1/charge", {"usd": 5},
+                                             {"Idempotency-Key": "charge-11"}))
+            await wait_for(lambda: len(upstream.requests) == 1)
+            twins = [asyncio.create_task(post(s, other.url + "/tools/v1/charge", {"usd": 5},
+                                              {"Idempotency-Key": "charge-11"}))
+                     for _ in range(5)]
+            await other.wait_metric("sluice_idempotency_waiting", 5, route="tools")
+            upstream.hold.set()
+            results = await asyncio.gather(first, *twins)
+            assert [status for status, _, _ in results] == [503] * 6
+            assert [h.get("Idempotent-Replayed") for _, h, _ in results] == [None] + ["true"] * 5
+            assert {body for _, _, body in results} == {results[0][2]}
+            assert len(upstream.requests) == 3
+
+            # Arriving after the failure, on either replica: the key is free, and runs.
+            status, h, _ = await post(s, other.url + "/tools/v1/charge", {"usd": 5},
+                                      {"Idempotency-Key": "charge-11"})
+            assert status == 503 and "Idempotent-Replayed" not in h
+        assert len(upstream.requests) == 6
+        assert await runner.metric("sluice_upstream_attempts_total", route="tools") == 3
+        assert await other.metric("sluice_upstream_attempts_total", route="tools") == 3
+        assert await other.metric("sluice_idempotent_failure_replays_total", route="tools") == 5
+    finally:
+        delete_prefix(url, prefix)

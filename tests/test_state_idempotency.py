@@ -11,6 +11,7 @@ from policies.state.connection import Script
 from policies.state.idempotency import (
     CLAIMED,
     DONE,
+    FAILED,
     FINISHED,
     IN_FLIGHT,
     SEEN,
@@ -30,14 +31,42 @@ ANSWER = Answer(DONE, FP, 200, "OK", (("content-type", "application/json"), ("x-
 async def test_the_first_request_claims_the_key_and_a_twin_sees_it_in_flight(
         backends: StateBackends):
     records = backends.idempotency
-    assert await records.begin(KEY, "a", FP, 60) == (CLAIMED, None, b"", 0.0)
+    assert await records.begin(KEY, "a", FP, 60) == (CLAIMED, None, b"", 0.0, "")
     twin = await records.begin(KEY, "b", FP, 60)
-    assert (twin.state, twin.answer, twin.fingerprint) == (IN_FLIGHT, None, FP)
+    assert (twin.state, twin.answer, twin.fingerprint, twin.owner) == (IN_FLIGHT, None, FP, "a")
     assert 59 < twin.ttl_s <= 60
     # The holder beginning again (a retry inside the same request) keeps the key.
     assert (await records.begin(KEY, "a", FP, 60)).state == CLAIMED
     assert await records.renew(KEY, "a", 60) is True
     assert await records.renew(KEY, "b", 60) is False
+
+
+async def test_a_failure_is_given_only_to_those_that_waited_on_its_request(
+        backends: StateBackends):
+    """A request that failed (nothing kept) leaves its failure for the duplicates that waited
+    on its marker, on any replica; a request arriving after it finds the key free."""
+    records = backends.idempotency
+    failure = Answer(DONE, FP, 503, "Service Unavailable", (("x-should-retry", "false"),),
+                     b'{"error": "down"}')
+    assert (await records.begin(KEY, "a", FP, 60)).state == CLAIMED
+    assert (await records.begin(KEY, "b", FP, 60)).owner == "a"
+    assert await records.finish(KEY, "a", Answer(SEEN, FP), 3600, failure=failure,
+                                failure_s=60) is True
+    async with replica(backends) as other:
+        failed = await other.idempotency.begin(KEY, "b", FP, 60, waited_on="a")
+        assert (failed.state, failed.answer) == (FAILED, failure)
+        # Again (a waiter on another replica): the failure is not used up.
+        assert (await other.idempotency.begin(KEY, "c", FP, 60, waited_on="a")).state == FAILED
+    # A newcomer (or a waiter on another request) takes the key, as a retry; the waiters on
+    # "a" still get its failure meanwhile.
+    retry = await records.begin(KEY, "d", FP, 60, waited_on="x")
+    assert (retry.state, retry.answer) == (CLAIMED, Answer(SEEN, FP))
+    assert (await records.begin(KEY, "b", FP, 60, waited_on="a")).state == FAILED
+    assert (await records.begin(KEY, "f", FP, 60)).owner == "d"
+    # A failure is never left by a request that does not hold the key.
+    await records.finish(KEY, "z", Answer(SEEN, FP), 3600, failure=failure, failure_s=60)
+    await records.finish(KEY, "d", Answer(SEEN, FP), 3600)
+    assert (await records.begin(KEY, "g", FP, 60, waited_on="z")).state == CLAIMED
 
 
 async def test_a_stored_answer_is_returned_whole(backends: StateBackends):

@@ -17,11 +17,22 @@ key; a ``SEEN`` record, if any, is returned so the caller knows it is a retry). 
 that should wait calls :func:`wait_for_answer`: it watches the key's channel (``finish``
 publishes on it) and calls ``begin`` again on every wake-up and at least every poll interval,
 until the key is done, becomes free (then it holds it: the first request left without an
-answer to keep, and this one runs its own), or the timeout passes.
+answer to keep, and this one runs its own), the request it waited for *failed* (below), or
+the timeout passes.
+
+A request that ends with a failure, nothing kept (an upstream 5xx after Sluice's retries...),
+leaves that failure beside its ``SEEN`` record for a lease, under its owner token
+(``finish``'s ``failure``). A waiter names the owner whose marker it waited on
+(``begin``'s ``waited_on``), and only such a waiter is given it (*failed*): the duplicates
+that waited for that call, on any replica, get its failure instead of each running the call
+again in turn, while a request that arrives after it names no one and finds the key free. No
+clock is compared: the token tells which call a waiter waited for.
 
 Redis layout, one hash slot per key (the tag is a digest of the key, as keys may hold any
 character): ``<prefix>:{<digest>}:idem`` the record (a hash), ``...:idem:flight`` the marker
-(a string ``<fingerprint hex>|<owner>``), channel ``...:idem:done``.
+(a string ``<fingerprint hex>|<owner>``), ``...:idem:failed`` the failure of the last call
+that ended with one (a hash: its owner and the answer's fields; it lapses after a lease),
+channel ``...:idem:done``.
 """
 
 from __future__ import annotations
@@ -43,6 +54,7 @@ from policies.state.notify import MemoryNotifier, Signal
 __all__ = [
     "CLAIMED",
     "DONE",
+    "FAILED",
     "FINISHED",
     "IN_FLIGHT",
     "SEEN",
@@ -61,6 +73,7 @@ __all__ = [
 CLAIMED = "claimed"
 IN_FLIGHT = "in_flight"
 FINISHED = "done"
+FAILED = "failed"
 
 
 class Answer(NamedTuple):
@@ -80,17 +93,22 @@ class Begin(NamedTuple):
 
     Attributes:
         state: ``claimed`` (this request holds the key now), ``in_flight`` (another request
-            holds it) or ``done`` (a final record exists).
+            holds it), ``done`` (a final record exists) or ``failed`` (the request it waited
+            for ended with a failure, not kept: ``begin``'s ``waited_on``).
         answer: the record: a ``SEEN`` one when claimed after an earlier use, the ``DONE`` or
-            ``TOO_LARGE`` one when done; ``None`` otherwise.
+            ``TOO_LARGE`` one when done, the failure (``DONE``) when failed; ``None``
+            otherwise.
         fingerprint: when in flight, the fingerprint of the request holding the key.
         ttl_s: seconds until the record expires (done), or the marker lapses (in flight).
+        owner: when in flight, the owner token of the request holding the key (``""`` for a
+            marker lost: ``expected``).
     """
 
     state: str
     answer: Answer | None = None
     fingerprint: bytes = b""
     ttl_s: float = 0.0
+    owner: str = ""
 
 
 class IdempotencyRecords(Protocol):
@@ -101,9 +119,11 @@ class IdempotencyRecords(Protocol):
     """
 
     async def begin(self, key: str, owner: str, fingerprint: bytes,
-                    flight_s: float, expected: bool = False) -> Begin:
+                    flight_s: float, expected: bool = False, waited_on: str = "") -> Begin:
         """Decide the request's standing, claiming the key (marker for ``flight_s``) when it
-        is neither in flight nor done. ``owner`` identifies this request (random, unique);
+        is neither in flight nor done; ``failed`` instead when the key is free and the request
+        ``waited_on`` (the owner of the marker this one waited on) left a failure
+        (:meth:`finish`). ``owner`` identifies this request (random, unique);
         beginning again with the owner that holds the marker renews it. An empty
         ``fingerprint`` (``mode: serialize``, which replays nothing) is never ``done``: a
         stored answer (kept from ``dedup`` before a reload) does not stop it claiming.
@@ -120,8 +140,13 @@ class IdempotencyRecords(Protocol):
         ...
 
     async def finish(self, key: str, owner: str, answer: Answer, ttl_s: float,
-                     strict: bool = False) -> bool:
+                     strict: bool = False, failure: Answer | None = None,
+                     failure_s: float = 0.0) -> bool:
         """Store ``answer`` for ``ttl_s`` seconds, drop ``owner``'s marker and wake waiters.
+
+        ``failure``: with a ``SEEN`` answer, the failure the request ended with, given for
+        ``failure_s`` seconds to the requests that waited on ``owner``'s marker
+        (``begin``'s ``waited_on``); kept only while ``owner`` held the marker.
 
         No answer replaces a final one: another replica's request may have finished
         meanwhile (this ``owner``'s marker lapsed while its replica stalled, and the request
@@ -154,14 +179,16 @@ def new_owner() -> str:
 
 async def wait_for_answer(records: IdempotencyRecords, key: str, owner: str,
                           fingerprint: bytes, flight_s: float, timeout_s: float,
-                          poll_s: float = 0.25, lapses_in_s: float = 0.0) -> Begin:
+                          poll_s: float = 0.25, lapses_in_s: float = 0.0,
+                          holder: str = "") -> Begin:
     """Wait until ``key`` is no longer in flight, for at most ``timeout_s`` seconds.
 
     Returns the last :class:`Begin`: ``done`` (replay or refuse it), ``claimed`` (the key was
-    freed without an answer and this request holds it now; run it and ``finish``), or
-    ``in_flight`` when the timeout passed, or at once when the request in flight has another
-    fingerprint (the caller answers 422; not when either is empty, which compares no
-    payloads: a call of ``mode: serialize``).
+    freed without an answer and this request holds it now; run it and ``finish``),
+    ``failed`` (the request it waited for, ``holder`` or whoever held the key after, ended
+    with a failure: answer with it), or ``in_flight`` when the timeout passed, or at once
+    when the request in flight has another fingerprint (the caller answers 422; not when
+    either is empty, which compares no payloads: a call of ``mode: serialize``).
 
     Until the marker last seen (``lapses_in_s``: the in-flight look-up's ttl that made the
     caller wait, seconds) would lapse, a key found with neither marker nor record is not
@@ -179,9 +206,11 @@ async def wait_for_answer(records: IdempotencyRecords, key: str, owner: str,
     async with records.watch(key) as finished:
         while True:
             begin = await records.begin(key, owner, fingerprint, flight_s,
-                                        loop.time() < lapse_at)
+                                        loop.time() < lapse_at, holder)
             if begin.state == IN_FLIGHT and begin.ttl_s > 0:
                 lapse_at = loop.time() + begin.ttl_s
+            if begin.owner:
+                holder = begin.owner
             left = deadline - loop.time()
             if (begin.state != IN_FLIGHT or left <= 0 or (
                     fingerprint and begin.fingerprint and begin.fingerprint != fingerprint)):
@@ -203,6 +232,7 @@ class MemoryIdempotencyRecords:
         self._clock = clock
         self._records: dict[str, tuple[Answer, float]] = {}
         self._flights: dict[str, tuple[str, bytes, float]] = {}  # owner, fingerprint, expiry
+        self._failed: dict[str, tuple[str, Answer, float]] = {}  # owner, failure, expiry
         self.notifier = MemoryNotifier()
 
     def _record(self, key: str, now: float) -> tuple[Answer, float] | None:
@@ -220,15 +250,22 @@ class MemoryIdempotencyRecords:
         return entry
 
     async def begin(self, key: str, owner: str, fingerprint: bytes,
-                    flight_s: float, expected: bool = False) -> Begin:
+                    flight_s: float, expected: bool = False, waited_on: str = "") -> Begin:
         now = self._clock()
         flight = self._flight(key, now)
-        if flight is not None:
-            if flight[0] == owner:
-                self._flights[key] = (owner, flight[1], now + flight_s)
-                return Begin(CLAIMED)
-            return Begin(IN_FLIGHT, None, flight[1], flight[2] - now)
+        if flight is not None and flight[0] == owner:
+            self._flights[key] = (owner, flight[1], now + flight_s)
+            return Begin(CLAIMED)
         record = self._record(key, now)
+        failed = self._failed.get(key) if waited_on else None
+        if failed is not None and failed[2] <= now:
+            del self._failed[key]
+        elif (failed is not None and failed[0] == waited_on
+                and (record is None or record[0].kind == SEEN)):
+            # (Whoever took the key since: this request waited for that call, which failed.)
+            return Begin(FAILED, failed[1])
+        if flight is not None:
+            return Begin(IN_FLIGHT, None, flight[1], flight[2] - now, flight[0])
         if record is None and expected:
             return Begin(IN_FLIGHT)
         if record is not None and record[0].kind != SEEN and fingerprint:
@@ -245,7 +282,8 @@ class MemoryIdempotencyRecords:
         return True
 
     async def finish(self, key: str, owner: str, answer: Answer, ttl_s: float,
-                     strict: bool = False) -> bool:
+                     strict: bool = False, failure: Answer | None = None,
+                     failure_s: float = 0.0) -> bool:
         now = self._clock()
         record = self._record(key, now)
         flight = self._flight(key, now)
@@ -254,6 +292,8 @@ class MemoryIdempotencyRecords:
             self._records[key] = (answer, now + ttl_s)
         if held:
             del self._flights[key]
+            if failure is not None and answer.kind == SEEN:
+                self._failed[key] = (owner, failure, now + failure_s)
         self.notifier.publish(key)
         return held
 
@@ -276,18 +316,31 @@ class MemoryIdempotencyRecords:
 
 _FIELDS = "'kind', 'fp', 'status', 'reason', 'headers', 'body'"
 
-# KEYS: record, marker. ARGV: owner, fingerprint hex (empty: serialize, never done), flight ms.
-# Returns {1 claimed, seen fields...} | {2 in flight, fingerprint hex, marker ttl ms}
-#       | {3 done, record fields..., record ttl ms}.
+# KEYS: record, marker, failure. ARGV: owner, fingerprint hex (empty: serialize, never done),
+# flight ms, expected ('1'), waited on (the owner whose marker the caller waited on, or '').
+# Returns {1 claimed, seen fields...} | {2 in flight, fingerprint hex, marker ttl ms, owner}
+#       | {3 done, record fields..., record ttl ms} | {4 failed, failure fields...}.
 _BEGIN = Script("""
 local marker = redis.call('GET', KEYS[2])
-if marker then
-  local bar = string.find(marker, '|', 1, true)
-  if string.sub(marker, bar + 1) == ARGV[1] then
-    redis.call('PEXPIRE', KEYS[2], ARGV[3])
-    return {1}
+local bar = marker and string.find(marker, '|', 1, true)
+if marker and string.sub(marker, bar + 1) == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[2], ARGV[3])
+  return {1}
+end
+if ARGV[5] ~= '' then
+  local kind = redis.call('HGET', KEYS[1], 'kind')
+  if not kind or kind == '0' then
+    local failed = redis.call('HMGET', KEYS[3], 'by', """ + _FIELDS + """)
+    if failed[1] == ARGV[5] then
+      local reply = {4}
+      for i = 1, 6 do reply[i + 1] = failed[i + 1] or '' end
+      return reply
+    end
   end
-  return {2, string.sub(marker, 1, bar - 1), redis.call('PTTL', KEYS[2])}
+end
+if marker then
+  return {2, string.sub(marker, 1, bar - 1), redis.call('PTTL', KEYS[2]),
+          string.sub(marker, bar + 1)}
 end
 local rec = redis.call('HMGET', KEYS[1], """ + _FIELDS + """)
 if not rec[1] and ARGV[4] == '1' then return {2, '', -1} end
@@ -316,8 +369,10 @@ redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return 1
 """)
 
-# KEYS: record, marker. ARGV: owner, kind, fingerprint hex, status, reason, headers JSON,
-# body, ttl ms, channel, strict ('1': store only if the marker is the owner's or gone).
+# KEYS: record, marker, failure. ARGV: owner, kind, fingerprint hex, status, reason, headers
+# JSON, body, ttl ms, channel, strict ('1': store only if the marker is the owner's or gone),
+# then, for a failure given to the owner's waiters (a SEEN record only), its fingerprint hex,
+# status, reason, headers JSON, body and how long it is kept, ms.
 # Returns 1 if the owner held the marker.
 _FINISH = Script("""
 local kind = ARGV[2]
@@ -334,7 +389,15 @@ if (not current or current == '0') and (ARGV[10] ~= '1' or held == 1 or not mark
              'reason', ARGV[5], 'headers', ARGV[6], 'body', ARGV[7])
   redis.call('PEXPIRE', KEYS[1], ARGV[8])
 end
-if held == 1 then redis.call('DEL', KEYS[2]) end
+if held == 1 then
+  redis.call('DEL', KEYS[2])
+  if ARGV[11] and kind == '0' then
+    redis.call('DEL', KEYS[3])
+    redis.call('HSET', KEYS[3], 'by', ARGV[1], 'kind', '1', 'fp', ARGV[11],
+               'status', ARGV[12], 'reason', ARGV[13], 'headers', ARGV[14], 'body', ARGV[15])
+    redis.call('PEXPIRE', KEYS[3], ARGV[16])
+  end
+end
 redis.call('PUBLISH', ARGV[9], kind)
 return held
 """)
@@ -362,35 +425,43 @@ class RedisIdempotencyRecords:
 
     def _keys(self, key: str) -> list[str]:
         group = self._group(key)
-        return [self._state.key(group, "idem"), self._state.key(group, "idem", "flight")]
+        return [self._state.key(group, "idem"), self._state.key(group, "idem", "flight"),
+                self._state.key(group, "idem", "failed")]
 
     def channel(self, key: str) -> str:
         """The channel :meth:`finish` publishes on for ``key``."""
         return self._state.key(self._group(key), "idem", "done")
 
     async def begin(self, key: str, owner: str, fingerprint: bytes,
-                    flight_s: float, expected: bool = False) -> Begin:
+                    flight_s: float, expected: bool = False, waited_on: str = "") -> Begin:
         reply = await self._state.eval(_BEGIN, self._keys(key),
                                        [owner, fingerprint.hex(), _ms(flight_s),
-                                        "1" if expected else "0"])
+                                        "1" if expected else "0", waited_on])
         state = int(reply[0])
         if state == 1:
             return Begin(CLAIMED, _answer(reply[1:7]) if len(reply) > 1 else None)
         if state == 2:
             return Begin(IN_FLIGHT, None, bytes.fromhex(reply[1].decode()),
-                         max(int(reply[2]), 0) / 1000)
+                         max(int(reply[2]), 0) / 1000,
+                         reply[3].decode() if len(reply) > 3 else "")
+        if state == 4:
+            return Begin(FAILED, _answer(reply[1:7]))
         return Begin(FINISHED, _answer(reply[1:7]), b"", max(int(reply[7]), 0) / 1000)
 
     async def renew(self, key: str, owner: str, flight_s: float) -> bool:
-        return bool(await self._state.eval(_RENEW, self._keys(key)[1:],
+        return bool(await self._state.eval(_RENEW, self._keys(key)[1:2],
                                            [owner, _ms(flight_s)]))
 
     async def finish(self, key: str, owner: str, answer: Answer, ttl_s: float,
-                     strict: bool = False) -> bool:
+                     strict: bool = False, failure: Answer | None = None,
+                     failure_s: float = 0.0) -> bool:
         args: list[object] = [
             owner, answer.kind, answer.fingerprint.hex(), answer.status, answer.reason,
             orjson.dumps(answer.headers), answer.body, _ms(ttl_s), self.channel(key),
             "1" if strict else "0"]
+        if failure is not None:
+            args += [failure.fingerprint.hex(), failure.status, failure.reason,
+                     orjson.dumps(failure.headers), failure.body, _ms(failure_s)]
         return bool(await self._state.eval(_FINISH, self._keys(key), args))
 
     async def seen(self, key: str, ttl_s: float) -> bool:
