@@ -61,6 +61,23 @@ tenant and route: two tenants never share a stored result, whatever keys they se
   This follows Stripe's rule that a result is saved only once the endpoint executed, made
   stricter for 5xx: those are mostly transient here (overload, a bad deploy), and storing one
   would fail that key for ``ttl`` although a retry would succeed. The draft would replay errors too.
+* what is shared, not stored: the failure of a call that reached the upstream (at least one
+  attempt was sent, connect errors included) and ended with an answer the store does not
+  keep, its caller given that answer whole: an upstream status above (5xx, 401, 403, 407,
+  408, 409, 425, 429) relayed in full, or the failure Sluice writes once its attempts end
+  without an answer (502 ``upstream_unreachable``, 504 ``upstream_timeout``, 503
+  ``deadline_unreachable``...). The duplicates *already waiting* for the key are given it
+  (status, headers less framing, body, Sluice's ``x-should-retry`` and
+  ``X-Sluice-Dead-Letter``), with ``Idempotent-Replayed: true``, instead of each taking the
+  key in turn and running the call again with its own retries (a hostile trial: 20 copies
+  of one step made 60 attempts and 20 dead letters). A request that arrives after it finds
+  the key free and runs. Not shared (the next waiter takes the key and runs, judged on its
+  own): Sluice's refusals before any attempt, a caller that disconnected, a drain's or a
+  run's cancel, a stream cut short or ended by an error event, an answer over
+  ``max_replay_bytes``, and an MCP call's failure (its body names its own JSON-RPC id). With
+  Redis the failure is left beside the key's ``SEEN`` record for ``state.lease``, under the
+  owner token of the marker its waiters waited on (:mod:`policies.state.idempotency`), so
+  waiters on every replica get it and nobody else does.
 * an answer larger than ``max_replay_bytes`` is passed through to its caller but not stored:
   a duplicate gets 409 ``idempotency_conflict`` with ``x-should-retry: false`` and a
   ``Retry-After`` equal to the time left until the key expires (it must not execute again,
@@ -305,9 +322,6 @@ class Capture:
         # An MCP call's failure is not given to its twins: its body names the call's own
         # JSON-RPC id, if any (they run their own call, as before).
         self.shareable = not self.storable and self.mcp_id is None
-        self.by_sluice = False
-        self.chunks = []
-        self.size = 0
         if self.storable and self.mcp_id is not None:
             self.tracker = mcp.AnswerTracker(headers.get("Content-Type"), self.mcp_id)
         self.headers = tuple(
@@ -321,6 +335,8 @@ class Capture:
         Never kept for the key; not an MCP call's (:meth:`begin`)."""
         if self.mcp_id is not None:
             return
+        self.chunks = []  # of an answer that began, then was cut: not what its caller got
+        self.size = 0
         self.begin(response.status, response.reason, CIMultiDict(response.headers))
         self.storable = False
         body = response.body
