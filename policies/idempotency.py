@@ -65,14 +65,15 @@ tenant and route: two tenants never share a stored result, whatever keys they se
   attempt was sent, connect errors included) and ended with an answer the store does not
   keep, its caller given that answer whole: an upstream status above (5xx, 401, 403, 407,
   408, 409, 425, 429) relayed in full, or the failure Sluice writes once its attempts end
-  without an answer (502 ``upstream_unreachable``, 504 ``upstream_timeout``, 503
-  ``deadline_unreachable``...). The duplicates *already waiting* for the key are given it
-  (status, headers less framing, body, Sluice's ``x-should-retry`` and
-  ``X-Sluice-Dead-Letter``), with ``Idempotent-Replayed: true``, instead of each taking the
-  key in turn and running the call again with its own retries (a hostile trial: 20 copies
-  of one step made 60 attempts and 20 dead letters). A request that arrives after it finds
-  the key free and runs. Not shared (the next waiter takes the key and runs, judged on its
-  own): Sluice's refusals before any attempt, a caller that disconnected, a drain's or a
+  without an answer (502 ``upstream_unreachable``, 504 ``upstream_timeout``). The duplicates
+  *already waiting* for the key are given it (status, headers less framing, body, Sluice's
+  ``x-should-retry`` and ``X-Sluice-Dead-Letter``), with ``Idempotent-Replayed: true``,
+  instead of each taking the key in turn and running the call again with its own retries (a
+  hostile trial: 20 copies of one step made 60 attempts and 20 dead letters). A request that
+  arrives after it finds the key free and runs. Not shared (the next waiter takes the key
+  and runs, judged on its own): Sluice's refusals before any attempt, a caller that
+  disconnected, a call whose caller sent a deadline and whose retries stopped at a deadline
+  (:attr:`Capture.own_deadline`: a twin with more time tries for itself), a drain's or a
   run's cancel, a stream cut short or ended by an error event, an answer over
   ``max_replay_bytes``, and an MCP call's failure (its body names its own JSON-RPC id). With
   Redis the failure is left beside the key's ``SEEN`` record for ``state.lease``, under the
@@ -292,8 +293,8 @@ class Capture:
     costs no memory here.
     """
 
-    __slots__ = ("added", "by_sluice", "chunks", "headers", "limit", "mcp_id", "reason",
-                 "shareable", "size", "status", "storable", "tracker")
+    __slots__ = ("added", "by_sluice", "chunks", "headers", "limit", "mcp_id", "own_deadline",
+                 "reason", "shareable", "size", "status", "storable", "tracker")
 
     def __init__(self, limit: int, mcp_id: mcp.RequestId | None = None) -> None:
         self.limit = limit
@@ -313,6 +314,9 @@ class Capture:
         #: Headers Sluice adds to a failure that its waiting duplicates get too
         #: (:meth:`add_to_failure`).
         self.added: tuple[tuple[str, str], ...] = ()
+        #: Its attempts stopped at its caller's deadline, not at the retry policy's end: the
+        #: failure is this caller's, and a twin with more time runs the call itself.
+        self.own_deadline = False
 
     def begin(self, status: int, reason: str | None, headers: CIMultiDict[str]) -> None:
         """The upstream's status line and headers (hop-by-hop fields already dropped)."""
@@ -378,9 +382,10 @@ class Capture:
         upstream answer the store does not keep (5xx, 429, 408...) relayed in full, or the
         failure Sluice wrote once its attempts ended (:meth:`written`). Not a refusal of
         Sluice's before any attempt (never captured), a stream cut short or ended by an
-        error event, a caller that left, a drain's cut, an answer over ``limit``, nor an MCP
-        call's failure."""
-        if not self.shareable or self.size > self.limit:
+        error event, a caller that left, a drain's cut, attempts its caller's deadline may
+        have stopped (:attr:`own_deadline`), an answer over ``limit``, nor an MCP call's
+        failure."""
+        if not self.shareable or self.own_deadline or self.size > self.limit:
             return None
         if outcome not in _FAILED_WHOLE and not (self.by_sluice and outcome in _FAILED_BY_SLUICE):
             return None

@@ -221,6 +221,9 @@ async def forward(request: web.BaseRequest, rt: Runtime, route: Route, call: Cal
                 letter_id = await _dead_letter(rt, route, call, headers, tries)
                 if letter_id is not None:
                     extra["X-Sluice-Dead-Letter"] = str(letter_id)
+            if tries.stop == "deadline" and call.timeout and call.capture is not None:
+                # Maybe its caller's deadline, not the call's: a twin with more time tries.
+                call.capture.own_deadline = True
             if tries.response is None and tries.stop == "deadline":
                 tries.error = Rejected(Reason.DEADLINE_UNREACHABLE, None,
                                        f"{len(tries.log)} attempt(s); the last: {tries.kind}")

@@ -521,3 +521,29 @@ async def test_duplicates_waiting_on_another_replica_get_the_failure(upstream, s
         assert await other.metric("sluice_idempotent_failure_replays_total", route="tools") == 5
     finally:
         delete_prefix(url, prefix)
+
+
+async def test_a_twin_stopped_by_its_callers_deadline_hands_the_key_on(upstream, start_sluice):
+    """A call whose retries its caller's deadline stopped (the upstream's Retry-After did not
+    fit in it) failed for that caller, not for good: a duplicate with no deadline waiting for
+    the key runs the call itself, rather than being given the short-deadline caller's 503."""
+    upstream.hold = asyncio.Event()
+    upstream.statuses = [503]  # then 200
+    upstream.error_headers = {"Retry-After": "3"}
+    sluice = await start_sluice({"state": {"backend": "memory"}, "routes": [route(
+        "tools", upstream.url, "http", **{**FAILING_ROUTE, "retry": {"attempts": 3}})]})
+    url = sluice.url + "/tools/v1/charge"
+    headers = {"Idempotency-Key": "charge-11"}
+    async with aiohttp.ClientSession() as s:
+        first = asyncio.create_task(post(s, url, {"usd": 5},
+                                         {**headers, "X-Request-Timeout": "2"}))
+        await wait_for(lambda: len(upstream.requests) == 1)
+        twin = asyncio.create_task(post(s, url, {"usd": 5}, headers))
+        await sluice.wait_metric("sluice_idempotency_waiting", 1, route="tools")
+        upstream.hold.set()
+        status, h, _ = await first
+        assert status == 503 and "Idempotent-Replayed" not in h
+        status, h, _ = await twin
+    assert status == 200 and "Idempotent-Replayed" not in h
+    assert len(upstream.requests) == 2
+    assert await sluice.metric("sluice_idempotent_failure_replays_total", route="tools") == 0
