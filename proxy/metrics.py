@@ -356,7 +356,8 @@ class Metrics:
         )
         self.idempotent_replays = LoopCounter(
             "sluice_idempotent_replays",
-            "Answers replayed from the idempotency store instead of forwarded.",
+            "Answers replayed instead of forwarded: from the idempotency store, or a twin's "
+            "failure given to the duplicates that waited for it.",
             ["route"], registry=r,
         )
         self.idempotent_failure_replays = LoopCounter(
