@@ -23,6 +23,7 @@ import os
 import signal
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the config's modules take ~0.4 s to import: each command imports its own
@@ -70,26 +71,30 @@ def _load(path: str, *, stream: bool = False) -> Config | None:
         return None
 
 
-def _hold_signals() -> Callable[[], bool]:
+def _hold_signals() -> tuple[Callable[[], bool], Callable[[], bool]]:
     """Take the signals over while ``serve`` starts (imports, config, connections: about a
-    second), until its event loop takes them: SIGHUP is ignored (its default action would
-    end the process; the config is read after anyway), SIGTERM and SIGINT are remembered and
-    stop the server as soon as it runs, with nothing to drain (exit 0). Returns whether one
-    came."""
+    second, more for a large config), until its event loop takes them: SIGTERM and SIGINT
+    are remembered and stop the server as soon as it runs, with nothing to drain (exit 0);
+    SIGHUP is remembered too (its default action would end the process) and reloads the
+    config once the watch starts: the file may have changed after it was read. Returns
+    whether a stop signal came, and whether a SIGHUP did."""
     came: list[int] = []
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda signum, _frame: came.append(signum))
-    # Last: a supervisor (or a test) that sees SIGHUP ignored may send SIGTERM at once.
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    return lambda: bool(came)
+    return (lambda: signal.SIGTERM in came or signal.SIGINT in came,
+            lambda: signal.SIGHUP in came)
 
 
 def _serve(args: argparse.Namespace) -> int:
-    stop_requested = _hold_signals()
+    stop_requested, reload_requested = _hold_signals()
     _hold_standard_descriptors()
     from proxy.output import logging_in_background
+    from proxy.reload import fingerprint
     from proxy.server import serve
 
+    # Taken before the file is read: a change made while it is read (and the server starts)
+    # is then one the watch sees.
+    read = fingerprint(Path(args.config))
     config = _load(args.config)
     if config is None:
         return EXIT_CONFIG_ERROR
@@ -103,7 +108,7 @@ def _serve(args: argparse.Namespace) -> int:
     # the event loop (proxy/output.py); the event log's writer is the runtime's.
     with logging_in_background(sys.stderr):
         try:
-            run(serve(config, args.config, stop_requested))
+            run(serve(config, args.config, stop_requested, reload_requested, read))
         except OSError as exc:  # a port already taken, or a file that cannot be opened
             from proxy.redact import redact
 

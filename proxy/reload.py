@@ -185,13 +185,17 @@ class Reloader:
     """
 
     def __init__(self, runtime: Runtime, path: str | Path,
-                 poll_interval_s: float = POLL_INTERVAL_S) -> None:
+                 poll_interval_s: float = POLL_INTERVAL_S, read: Fingerprint = None) -> None:
+        """``read``: the config file's fingerprint taken before the running config was read
+        from it (``None``: now); a file changed since then is applied at the first poll."""
         self.runtime = runtime
         self.path = Path(path)
         self.poll_interval_s = poll_interval_s
         self.loaded_at = time.time()
         self.last_attempt: dict[str, Any] | None = None
         self._applied = self._fingerprints()
+        if read is not None:
+            self._applied = (read, *self._applied[1:])
         #: Polls in a row that found no config file.
         self._absent = 0
         #: The file and problems of the last refused attempt: a SIGHUP sent after an edit the
@@ -200,9 +204,12 @@ class Reloader:
         self._signalled = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
-    def start(self) -> None:
-        """Install the SIGHUP handler and start watching the file (inside the running loop)."""
+    def start(self, signalled: bool = False) -> None:
+        """Install the SIGHUP handler and start watching the file (inside the running loop);
+        ``signalled``: a SIGHUP came before (the file is read again at once)."""
         asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self._signalled.set)
+        if signalled:
+            self._signalled.set()
         self._task = asyncio.create_task(self._watch(), name="sluice-reload")
 
     async def stop(self) -> None:

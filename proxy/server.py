@@ -42,7 +42,7 @@ from proxy.attempts import DEAD_LETTER_WAIT_S
 from proxy.dlq import file_left_behind
 from proxy.edge import REQUEST_NOT_LOGGED, AdminServer, EdgeServer, parse_cause
 from proxy.handler import handle
-from proxy.reload import RELOADER, Reloader
+from proxy.reload import RELOADER, Fingerprint, Reloader
 from proxy.runtime import RUNTIME, Runtime, cancel_live
 
 log = logging.getLogger("sluice")
@@ -213,19 +213,25 @@ def tune_gc() -> None:
 
 
 async def serve(config: Config, config_path: str | None = None,
-                stop_requested: Callable[[], bool] = lambda: False) -> None:
+                stop_requested: Callable[[], bool] = lambda: False,
+                reload_requested: Callable[[], bool] = lambda: False,
+                read: Fingerprint = None) -> None:
     """Run Sluice until SIGTERM/SIGINT, then drain and return.
 
     With ``config_path`` (the file ``config`` was loaded from), SIGHUP and changes to that file
     reload the config; without it, SIGHUP is ignored. ``stop_requested`` says whether a
-    SIGTERM or SIGINT came before the loop took the signals over (it then stops at once).
+    SIGTERM or SIGINT came before the loop took the signals over (it then stops at once),
+    ``reload_requested`` whether a SIGHUP did (the config is read again once the watch
+    starts); ``read``: the config file's fingerprint taken before it was read
+    (:func:`proxy.reload.fingerprint`; ``None``: taken now), so that a change made since is
+    seen and applied.
     """
     server_log = logging.getLogger("aiohttp.server")
     if not any(isinstance(f, RedactMalformedRequests) for f in server_log.filters):
         server_log.addFilter(RedactMalformedRequests())
     repeats = _repeat_filters()
     runtime = Runtime(config)
-    reloader = Reloader(runtime, config_path) if config_path else None
+    reloader = Reloader(runtime, config_path, read=read) if config_path else None
     try:
         await runtime.open()
     except BaseException:
@@ -261,8 +267,10 @@ async def serve(config: Config, config_path: str | None = None,
         loop.add_signal_handler(sig, on_stop_signal, sig)
     if stop_requested():
         stop.set()
-    # Until the reloader takes it over, a SIGHUP must not kill the process (its default).
-    loop.add_signal_handler(signal.SIGHUP, lambda: None)
+    # Until the reloader takes it over, a SIGHUP must not kill the process (its default):
+    # it is remembered, and the reloader reads the file again when it starts.
+    hup_came = [reload_requested()]
+    loop.add_signal_handler(signal.SIGHUP, hup_came.append, True)
     reporter = asyncio.create_task(_report_held(repeats), name="sluice-log-repeats")
     try:
         await proxy_runner.setup()
@@ -287,7 +295,7 @@ async def serve(config: Config, config_path: str | None = None,
             _bound(proxy_runner), _bound(admin_runner), len(runtime.routes),
         )
         if reloader is not None:
-            reloader.start()
+            reloader.start(signalled=any(hup_came))
         tune_gc()
         await stop.wait()
         if reloader is not None:

@@ -501,14 +501,53 @@ routes:
     try:
         # Sent as soon as serve has taken SIGHUP over (its first step), long before its loop
         # takes SIGTERM (after ~0.5 s of imports).
-        await wait_until(lambda: _signal_mask(proc.pid, "SigIgn") & (1 << (signal.SIGHUP - 1)),
-                         what="serve starting")
+        await _serve_holds_sighup(proc.pid)
         proc.send_signal(signal.SIGTERM)
         _, stderr = await asyncio.to_thread(proc.communicate, timeout=30)
     finally:
         proc.kill()
     assert proc.returncode == 0, stderr
     assert "Traceback" not in stderr and "drained" in stderr
+
+
+async def _serve_holds_sighup(pid: int) -> None:
+    """Until ``serve``'s first step has taken the signals over (SIGHUP is caught last)."""
+    await wait_until(lambda: _signal_mask(pid, "SigCgt") & (1 << (signal.SIGHUP - 1)),
+                     what="serve starting")
+
+
+async def test_sighup_while_starting_reloads_once_the_watch_starts(tmp_path):
+    """An ops trial: a SIGHUP sent while serve started (after an operator replaced the file
+    it was reading) was ignored; the file read could be the old one. It is remembered, and
+    the config is read again once the watch starts."""
+    config = tmp_path / "sluice.yaml"
+    port, admin_port = free_ports(2)
+    events = tmp_path / "events.jsonl"
+    config.write_text(f"""
+server: {{listen: "127.0.0.1:{port}", admin_listen: "127.0.0.1:{admin_port}"}}
+events: {{path: {events}}}
+routes:
+  - {{name: r, path_prefix: /r/, upstream: "http://127.0.0.1:9"}}
+""")
+    proc = subprocess.Popen([sys.executable, "-m", "proxy.cli", "serve", "--config", str(config)],
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
+    try:
+        await _serve_holds_sighup(proc.pid)
+        proc.send_signal(signal.SIGHUP)
+
+        def reloaded() -> list[str]:
+            lines = events.read_text().splitlines() if events.exists() else []
+            return [json.loads(line)["trigger"] for line in lines
+                    if '"config_reloaded"' in line]
+
+        await wait_until(lambda: reloaded() == ["sighup"], timeout=30, what="its reload")
+        assert proc.poll() is None  # not ended by it
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = await asyncio.to_thread(proc.communicate, timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stderr
 
 
 async def test_a_drain_stays_for_the_control_traffic_a_client_sends_after_its_result(

@@ -368,3 +368,31 @@ async def test_a_removed_limit_admits_its_queued_calls_and_counts_them_when_back
         assert await asyncio.gather(*calls) == [200] * 4
     assert upstream.peak_inflight == 3
     assert await sluice.metric("sluice_inflight_requests", route="llm") == 0
+
+
+async def test_a_file_changed_while_the_running_config_was_read_is_applied(upstream, tmp_path):
+    """An ops trial: a config slow to read (~20 s for a large pricing table) replaced while
+    Sluice started was never applied: the watch took the file's fingerprint after the load,
+    so the new file looked like the one in force. The fingerprint is taken before the read
+    (``proxy.cli``), and the first poll applies the newer file."""
+    from proxy.config import load_config
+    from proxy.reload import Reloader, fingerprint
+    from proxy.runtime import Runtime
+
+    path = tmp_path / "sluice.yaml"
+    path.write_text(yaml.safe_dump({"routes": [route(
+        "llm", upstream.url, concurrency={"limit": 2, "queue": 0})]}, sort_keys=False))
+    read = fingerprint(path)
+    config = load_config(path)
+    rewrite(path, set_limit(7))  # replaced after the read, before the watch starts
+    runtime = Runtime(config)
+    await runtime.open()
+    reloader = Reloader(runtime, path, poll_interval_s=0.05, read=read)
+    reloader.start()
+    try:
+        await until(lambda: runtime.config.routes[0].concurrency.limit == 7,
+                    what="the newer file applied")
+        assert reloader.last_attempt is not None and reloader.last_attempt["trigger"] == "file"
+    finally:
+        await reloader.stop()
+        await runtime.close()
