@@ -72,13 +72,15 @@ tenant and route: two tenants never share a stored result, whatever keys they se
   hostile trial: 20 copies of one step made 60 attempts and 20 dead letters). A request that
   arrives after it finds the key free and runs. Not shared (the next waiter takes the key
   and runs, judged on its own): Sluice's refusals before any attempt, a caller that
-  disconnected, a call whose caller sent a deadline and whose retries stopped at a deadline
-  (:attr:`Capture.own_deadline`: a twin with more time tries for itself), a drain's or a
-  run's cancel, a stream cut short or ended by an error event, an answer over
-  ``max_replay_bytes``, and an MCP call's failure (its body names its own JSON-RPC id). With
-  Redis the failure is left beside the key's ``SEEN`` record for ``state.lease``, under the
-  owner token of the marker its waiters waited on (:mod:`policies.state.idempotency`), so
-  waiters on every replica get it and nobody else does.
+  disconnected, a failure that came of its caller rather than of the call
+  (:attr:`Capture.callers_own`: an attempt its deadline cut short or a retry it left no time
+  for, its SDK's retry, which Sluice tries once, the retries a drain of its replica or its
+  run's budget stopped: a twin tries for itself), a drain's or a run's cancel, a stream cut
+  short or ended by an error event, an answer over ``max_replay_bytes``, and an MCP call's
+  failure (its body names its own JSON-RPC id). With Redis the failure is left beside the
+  key's ``SEEN`` record for ``state.lease``, under the owner token of the marker its waiters
+  waited on (:mod:`policies.state.idempotency`), so waiters on every replica get it and
+  nobody else does.
 * an answer larger than ``max_replay_bytes`` is passed through to its caller but not stored:
   a duplicate gets 409 ``idempotency_conflict`` with ``x-should-retry: false`` and a
   ``Retry-After`` equal to the time left until the key expires (it must not execute again,
@@ -293,7 +295,7 @@ class Capture:
     costs no memory here.
     """
 
-    __slots__ = ("added", "by_sluice", "chunks", "headers", "limit", "mcp_id", "own_deadline",
+    __slots__ = ("added", "by_sluice", "callers_own", "chunks", "headers", "limit", "mcp_id",
                  "reason", "shareable", "size", "status", "storable", "tracker")
 
     def __init__(self, limit: int, mcp_id: mcp.RequestId | None = None) -> None:
@@ -314,9 +316,11 @@ class Capture:
         #: Headers Sluice adds to a failure that its waiting duplicates get too
         #: (:meth:`add_to_failure`).
         self.added: tuple[tuple[str, str], ...] = ()
-        #: Its attempts stopped at its caller's deadline, not at the retry policy's end: the
-        #: failure is this caller's, and a twin with more time runs the call itself.
-        self.own_deadline = False
+        #: The failure came of its caller, not of the call: its deadline cut an attempt or left
+        #: no time for the next, its SDK retries it (one attempt here), this replica drains,
+        #: its run's budget had no room for a retry (``proxy.attempts``). A waiting twin runs
+        #: the call itself.
+        self.callers_own = False
 
     def begin(self, status: int, reason: str | None, headers: CIMultiDict[str]) -> None:
         """The upstream's status line and headers (hop-by-hop fields already dropped)."""
@@ -341,6 +345,7 @@ class Capture:
             return
         self.chunks = []  # of an answer that began, then was cut: not what its caller got
         self.size = 0
+        self.added = ()  # its headers are all it carries (not a relayed answer's additions)
         self.begin(response.status, response.reason, CIMultiDict(response.headers))
         self.storable = False
         body = response.body
@@ -382,10 +387,9 @@ class Capture:
         upstream answer the store does not keep (5xx, 429, 408...) relayed in full, or the
         failure Sluice wrote once its attempts ended (:meth:`written`). Not a refusal of
         Sluice's before any attempt (never captured), a stream cut short or ended by an
-        error event, a caller that left, a drain's cut, attempts its caller's deadline may
-        have stopped (:attr:`own_deadline`), an answer over ``limit``, nor an MCP call's
-        failure."""
-        if not self.shareable or self.own_deadline or self.size > self.limit:
+        error event, a caller that left, a drain's cut, a failure of its caller's
+        (:attr:`callers_own`), an answer over ``limit``, nor an MCP call's failure."""
+        if not self.shareable or self.callers_own or self.size > self.limit:
             return None
         if outcome not in _FAILED_WHOLE and not (self.by_sluice and outcome in _FAILED_BY_SLUICE):
             return None

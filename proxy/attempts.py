@@ -95,6 +95,16 @@ CONNECT_FIRST_S = 0.05
 POLLED_WAIT_S = 600.0
 
 
+#: Ends of retrying that come of the call (its upstream, its route), not of its caller or of
+#: this replica: the failure is the call's, which its key's waiting twins are given
+#: (:meth:`policies.idempotency.Capture.failure`). Not so ``sdk_retry`` (the caller's SDK
+#: retries: one attempt here), ``draining`` (this replica stops), ``budget_exhausted`` and
+#: the like (the caller's run or tenant has no room), nor a deadline that was the caller's
+#: (:attr:`_Tries.callers`).
+_CALLS_STOPS = frozenset({"attempts_exhausted", "retry_after_too_long", "unsafe_to_retry",
+                          "circuit_open", "retry_budget", "deadline"})
+
+
 class _Tries:
     """What the attempts of one call came to.
 
@@ -104,11 +114,13 @@ class _Tries:
         kind: ``connect_error`` (the request never left), ``connection_lost`` (it may have
             reached the upstream) or ``timeout`` for ``error``.
         stop: why retrying ended on a failure the route retries on; set means dead-lettered.
+        callers: the last failure, or the end of retrying, came of the caller's own deadline
+            (an attempt it cut short, no time left for another), not of the call.
         log: every attempt, for the dead letter (routes with ``retry`` only), as the fields
             of :class:`policies.deadletter.Attempt` (built only for a dead letter).
     """
 
-    __slots__ = ("error", "kind", "log", "pending", "response", "stop", "tracker")
+    __slots__ = ("callers", "error", "kind", "log", "pending", "response", "stop", "tracker")
 
     def __init__(self) -> None:
         #: Breakers whose verdict on the answer is known only once it has been read.
@@ -119,6 +131,7 @@ class _Tries:
         self.error: Rejected | None = None
         self.kind = ""
         self.stop = ""
+        self.callers = False
         self.log: list[tuple[float, int | None, str | None, float]] = []
 
     def answered(self, response: aiohttp.ClientResponse) -> None:
@@ -221,14 +234,14 @@ async def forward(request: web.BaseRequest, rt: Runtime, route: Route, call: Cal
                 letter_id = await _dead_letter(rt, route, call, headers, tries)
                 if letter_id is not None:
                     extra["X-Sluice-Dead-Letter"] = str(letter_id)
-            if tries.stop == "deadline" and call.timeout and call.capture is not None:
-                # Maybe its caller's deadline, not the call's: a twin with more time tries.
-                call.capture.own_deadline = True
             if tries.response is None and tries.stop == "deadline":
                 tries.error = Rejected(Reason.DEADLINE_UNREACHABLE, None,
                                        f"{len(tries.log)} attempt(s); the last: {tries.kind}")
-        if extra and call.capture is not None:
-            call.capture.add_to_failure(extra)
+        if call.capture is not None:
+            if tries.callers or (tries.stop and tries.stop not in _CALLS_STOPS):
+                call.capture.callers_own = True  # a twin of the call tries for itself
+            elif extra:
+                call.capture.add_to_failure(extra)
         if tries.response is not None:
             response, tries.response = tries.response, None
             if call.response_headers:
@@ -492,9 +505,11 @@ async def _attempts(rt: Runtime, route: Route, call: Call, url: URL,
                     raise Rejected(Reason.DEADLINE_UNREACHABLE, None,
                                    "the call's deadline passed before it could be sent")
                 tries.stop = "deadline"
+                tries.callers = callers_limit
                 return
             if route.deadline_header is not None:
                 _stamp_time_left(route.deadline_header, call, headers)
+            tries.callers = False  # until this attempt's caller's deadline cuts it
             try:
                 status, hint, sent = await _attempt(rt, route, call, url, headers, tries,
                                                     limit, callers_limit, retry is not None,
@@ -536,8 +551,9 @@ async def _attempts(rt: Runtime, route: Route, call: Call, url: URL,
                 wait = retry.wait(number - 1, hint)
                 if wait is None:
                     tries.stop = "retry_after_too_long"
-                elif _too_late(time.monotonic() + wait, deadline, caller_deadline):
+                elif _too_late(resume_at := time.monotonic() + wait, deadline, caller_deadline):
                     tries.stop = "deadline"
+                    tries.callers = not _too_late(resume_at, deadline, None)
                 elif rt.cut_before(time.monotonic() + wait):
                     tries.stop = "draining"  # the drain would cut the retry as it began
                 elif any(breaker.blocked_for() > wait for breaker in breakers):
@@ -691,7 +707,7 @@ async def _attempt(rt: Runtime, route: Route, call: Call, url: URL,
         tries.kind = "timeout"
         sent = True
         # Cut short by the caller's own deadline: not the upstream's fault.
-        neutral = callers_limit
+        neutral = tries.callers = callers_limit
     except BaseException:
         for breaker, ticket in tickets:
             breaker.release(ticket)
