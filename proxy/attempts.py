@@ -530,6 +530,8 @@ async def _attempts(rt: Runtime, route: Route, call: Call, url: URL,
             if retry is None or not (status in retry.on_statuses if status is not None
                                      else retry.retries_error(tries.kind)):
                 return
+            if call.cancelled is not None:
+                return  # its run was cancelled (its caller answered): no attempt after that
             # A failure this route retries on: retry it, or say why not. A key the
             # idempotency block invented makes a retry safe only if the upstream honours
             # keys; the caller's own key says the caller relies on it.
@@ -977,29 +979,45 @@ _NOT_ON_CANCEL = (hdrs.CONTENT_TYPE, hdrs.CONTENT_LENGTH, IDEMPOTENCY_HEADER, LA
 def cancels_upstream(call: Call) -> bool:
     """Whether Sluice asks the MCP server to stop ``call`` with a ``notifications/cancelled``
     of its own when it ends the call before its response (a run's cancel, the drain's cut):
-    a request (it has an id) that may have reached the server, made at a revision whose
-    cancellation is that notification (:func:`policies.mcp.cancels_by_closing`: at
-    2026-07-28, closing the call's stream is its cancel, and Sluice closes it)."""
-    return (call.reached and call.rpc_id is not None
+    a request (it has an id) whose attempt is at the server now (sent with no answer yet, or
+    a success being relayed: not a failed attempt waiting out a back-off, which holds
+    nothing there), made at a revision whose cancellation is that notification
+    (:func:`policies.mcp.cancels_by_closing`: at 2026-07-28, closing the call's stream is
+    its cancel, and Sluice closes it)."""
+    status = call.answer_status
+    return (call.rpc_id is not None and (status == SENT_UNANSWERED or 200 <= status < 300)
             and not cancels_by_closing(call.headers.get(VERSION_HEADER)))
 
 
-def send_cancel(rt: Runtime, route: Route, call: Call) -> None:
+#: How long a call finished after its run's cancel waits for its server's answer once the
+#: server took Sluice's ``notifications/cancelled``, seconds: the 2025 revisions say a
+#: server SHOULD NOT answer a request it cancelled (the TypeScript SDK's server drops the
+#: result and leaves the stream open; the Python SDK's answers "Request cancelled"), so no
+#: answer by then is read as the tool stopped: its stream is closed and its key freed.
+CANCEL_ANSWER_WAIT_S = 2.0
+
+
+def send_cancel(rt: Runtime, route: Route, call: Call,
+                finishing: asyncio.Task[Any] | None = None) -> None:
     """Send the MCP server ``call``'s cancellation (:func:`_send_cancel`) in a task of its
-    own, which the drain waits for (:attr:`Runtime.upstream_cancels`); nothing waits for
-    its answer: a notification's is 202 and nothing else, and the server's answer to the
-    call comes on the call's own stream."""
-    task = asyncio.create_task(_send_cancel(rt, route, call))
+    own, which the drain waits for (:attr:`Runtime.upstream_cancels`). ``finishing``: the
+    task finishing the call's exchange (a run's cancel), closed if the server, having taken
+    the cancel, has not answered the call within :data:`CANCEL_ANSWER_WAIT_S`; the answer,
+    if any, comes on the call's own stream (the notification's is 202 and nothing else)."""
+    task = asyncio.create_task(_send_cancel(rt, route, call, finishing))
     rt.upstream_cancels.add(task)
     task.add_done_callback(rt.upstream_cancels.discard)
 
 
-async def _send_cancel(rt: Runtime, route: Route, call: Call) -> None:
+async def _send_cancel(rt: Runtime, route: Route, call: Call,
+                       finishing: asyncio.Task[Any] | None) -> None:
     """POST a ``notifications/cancelled`` naming ``call``'s JSON-RPC id (as the server got
     it) to the call's endpoint, with the headers the call went upstream with (its session,
     protocol version and credentials; ``Accept`` both JSON and SSE, as the transport
-    requires of every POST), within the route's ``timeouts``, and log a ``cancel_sent``
-    event with the server's status (0 when it gave none)."""
+    requires of every POST), within the route's ``timeouts.connect`` and
+    :data:`CANCEL_ANSWER_WAIT_S`, and log a ``cancel_sent`` event with the server's status
+    (0 when it gave none); then, if the server took it, close ``finishing`` once it has not
+    answered the call within :data:`CANCEL_ANSWER_WAIT_S`."""
     status = 0
     try:
         headers = fwd.upstream_headers_of(call.headers, route.request_drop)
@@ -1007,6 +1025,8 @@ async def _send_cancel(rt: Runtime, route: Route, call: Call) -> None:
             headers.popall(hdrs.AUTHORIZATION, None)
         for name in _NOT_ON_CANCEL:
             headers.popall(name, None)
+        if route.deadline_header is not None:  # a notification has no deadline
+            headers.popall(route.deadline_header, None)
         headers[hdrs.CONTENT_TYPE] = "application/json"
         headers[hdrs.ACCEPT] = "application/json, text/event-stream"
         assert call.rpc_id is not None
@@ -1014,8 +1034,10 @@ async def _send_cancel(rt: Runtime, route: Route, call: Call) -> None:
         url = fwd.upstream_url(route.upstream_base, call.path[route.cut:])
         timeouts = route.config.timeouts
         assert rt.session is not None
+        # A notification's answer is an empty 202: one that takes longer than a call's
+        # connect and this wait is not coming.
         async with rt.session.post(url, data=body, headers=headers, timeout=client_timeout(
-                timeouts.total, timeouts.connect)) as response:
+                timeouts.connect + CANCEL_ANSWER_WAIT_S, timeouts.connect)) as response:
             await response.read()
             status = response.status
     except (aiohttp.ClientError, TimeoutError) as exc:
@@ -1027,3 +1049,7 @@ async def _send_cancel(rt: Runtime, route: Route, call: Call) -> None:
     finally:
         rt.events.emit("cancel_sent", call.request_id, route.name, call.tenant, call.run,
                        call.idempotency_key, status=status, **call.event_names())
+    if finishing is not None and 200 <= status < 300:  # the server took it
+        # Awaited in this task, so the drain's wait for the cancels covers it too.
+        await asyncio.wait((finishing,), timeout=CANCEL_ANSWER_WAIT_S)
+        finishing.cancel()  # no answer in time: taken as stopped (done by then: nothing)

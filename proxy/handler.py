@@ -803,7 +803,7 @@ def _leave(rt: Runtime, route: Route, call: Call, request: web.BaseRequest,
         return
     ended = call.cancelled is not None or rt.cutting
     if ended and attempts.cancels_upstream(call):
-        attempts.send_cancel(rt, route, call)
+        attempts.send_cancel(rt, route, call, None if rt.cutting else task)
         held = not rt.cutting and not awaits_client(call)
     else:
         held = not ended and not awaits_client(call)
@@ -873,7 +873,7 @@ def _cancel_finishing(rt: Runtime, route: Route, call: Call, task: asyncio.Task[
     try:
         route.metrics.cancelled("inflight")
         if attempts.cancels_upstream(call):
-            attempts.send_cancel(rt, route, call)
+            attempts.send_cancel(rt, route, call, task)
             return
     except Exception:
         log.exception("route %s: the cancel of call %s was not sent", route.name,

@@ -37,6 +37,10 @@ ADMIN = {"Authorization": f"Bearer {TOKEN}"}
 #: How long the first call's tool waits before its side effect, seconds: long enough for
 #: each test's steps on a busy machine, short enough when the tool runs to its end.
 TOOL_S = 3.0
+#: The tool's wait for a server that ignores the cancel and runs the tool on: within
+#: ``CANCEL_ANSWER_WAIT_S`` (2 s), the time Sluice gives a server that took the cancel to
+#: answer the call before it closes the call's stream.
+RUNS_ON_S = 1.5
 
 
 def mcp_route(upstream: str) -> dict:
@@ -107,17 +111,18 @@ async def test_a_server_that_runs_the_tool_on_has_its_result_replayed_to_the_dup
     """The stateless server cannot stop the tool (each POST is a transport of its own: the
     cancel names a request it does not know, which the spec lets it ignore): the tool runs
     to its end, its result is kept for the key, and the duplicate gets it replayed. One side
-    effect. Before: the duplicate ran the tool beside the first (two sends)."""
+    effect. Before: the duplicate ran the tool beside the first (two sends). (A tool that
+    runs on past ``CANCEL_ANSWER_WAIT_S`` is cut then: the review test of a silent server.)"""
     sluice = await start_sluice({"routes": [mcp_route(mcp_stateless.base_url)]},
                                 env={"SLUICE_ADMIN_TOKEN": TOKEN})
     url = sluice.url + "/tools/mcp"
     async with aiohttp.ClientSession() as http:
         headers = await session_headers(http, url, mcp_stateless)
-        first = tool_call(1, "send_after", to="ops", seconds=TOOL_S)
+        first = tool_call(1, "send_after", to="ops", seconds=RUNS_ON_S)
         async with http.post(url, json=first, headers={**headers, "X-Run-ID": "job"}) as r:
             assert r.status == 200
             duplicate = asyncio.create_task(post(
-                http, url, tool_call(2, "send_after", to="ops", seconds=TOOL_S), headers))
+                http, url, tool_call(2, "send_after", to="ops", seconds=RUNS_ON_S), headers))
             await sluice.wait_metric("sluice_idempotency_waiting", 1, route="tools")
             await cancel_run(sluice, http, "job")
             answer = await r.text()
