@@ -5,7 +5,9 @@ The tests of deferred successes feed each outcome as the breaker policy does (``
 alike; a property test then checks that batching on Redis gives the consecutive-failure count
 and the openings that recording each outcome at once gives, for any sequence of one replica's
 outcomes and flushes, and another that memory's ``defer`` (a closed-state success counted in
-a few steps) leaves every count and decision where ``record`` leaves them.
+a few steps) leaves every count and decision where ``record`` leaves them. Across replicas, a
+deferred success resets the failures that happened before it, whenever it is delivered, and
+none that happened after it.
 """
 
 from __future__ import annotations
@@ -272,6 +274,68 @@ async def test_a_batch_opens_on_the_rate_where_its_first_success_would_have(
     opened = [v for v in verdicts if v is not None and v.transition is not None]
     assert [(v.transition, v.cause) for v in opened] == [(OPENED, "failure_rate")]
     assert (await breakers.view("r")).state == OPEN
+
+
+#: Between outcomes whose order a test sets: far beyond a script's delivery delay (what a
+#: deferred success's server time may be late by), even on two busy cores.
+APART_S = 0.05
+
+
+async def test_a_success_delivered_after_other_replicas_failures_does_not_reset_them(
+        backends: StateBackends):
+    """The hostile trial, three replicas on one Redis (fail_max 3): one success on each,
+    then three failures, one per replica, each replica's success delivered only after other
+    replicas' failures (inside its own failure's script). It opens at the third failure, as
+    it does when all three fail on one replica; and again once a probe has closed it. (The
+    successes' times counted once delivered, it stayed closed, and opened at the fifth.)"""
+    params = PARAMS._replace(success_threshold=1)
+    async with replica(backends) as b, replica(backends) as c:
+        replicas = (backends, b, c)
+        for round_ in range(2):
+            for r in replicas:
+                admission = await r.breakers.admit("r", params)
+                assert admission.allowed and admission.ticket.probe is None
+                assert await feed(r.breakers, admission.ticket, SUCCESS, params) is None
+            await asyncio.sleep(APART_S)
+            transitions = []
+            for r in (c, backends, b):
+                admission = await r.breakers.admit("r", params)
+                assert admission.allowed, (round_, transitions)
+                verdict = await feed(r.breakers, admission.ticket, FAILURE, params)
+                assert verdict is not None
+                transitions.append(verdict.transition)
+            assert transitions == [None, None, OPENED], round_
+            for r in replicas:
+                assert await r.breakers.flush("r", params) is None  # all delivered already
+            await asyncio.sleep(params.reset_s + 0.01)
+            probe = await backends.breakers.admit("r", params)
+            assert probe.ticket.probe is not None
+            verdict = await backends.breakers.record("r", probe.ticket, SUCCESS, params)
+            assert verdict.transition == CLOSED_AGAIN
+
+
+async def test_a_deferred_success_resets_the_failures_before_it_and_no_later_one(
+        backends: StateBackends):
+    """C fails, then A succeeds (deferred), then B fails, then A's success is flushed: it
+    resets C's failure, which came before it, not B's, which came after: two more to open."""
+    async with replica(backends) as b, replica(backends) as c:
+        admission = await c.breakers.admit("r", PARAMS)
+        await c.breakers.record("r", admission.ticket, FAILURE, PARAMS)
+        await asyncio.sleep(APART_S)
+        admission = await backends.breakers.admit("r", PARAMS)
+        assert await feed(backends.breakers, admission.ticket, SUCCESS) is None
+        await asyncio.sleep(APART_S)
+        admission = await b.breakers.admit("r", PARAMS)
+        await b.breakers.record("r", admission.ticket, FAILURE, PARAMS)
+        flushed = await backends.breakers.flush("r", PARAMS)
+        assert flushed is None or (flushed.state, flushed.transition) == (CLOSED, None)
+        assert await failures(backends, "r") == 1
+        transitions = []
+        for r in (c, b):
+            admission = await r.breakers.admit("r", PARAMS)
+            transitions.append(
+                (await r.breakers.record("r", admission.ticket, FAILURE, PARAMS)).transition)
+        assert transitions == [None, OPENED]
 
 
 def breaker(backends: StateBackends, events: list[str]) -> Breaker:

@@ -23,37 +23,56 @@ admitted in, and an outcome from an older epoch changes nothing (a closed-state 
 lands after the breaker went half-open must not re-open it). Every transition is reported to
 the one caller whose call made it (:attr:`Verdict.transition`), so each is put on the
 timeline once. An upstream ``Retry-After`` seen while open can lengthen the open time
-(``hint_s``), never shorten it. Time is the server's (``TIME``, milliseconds).
+(``hint_s``), never shorten it. Time is the server's (``TIME``: milliseconds, and
+microseconds for the run of failures below).
 
 **Successes in closed state are batched on Redis** (:meth:`BreakerStates.defer`): a closed
 breaker's successes are by far its most common outcome, and each would otherwise be a round
 trip of its own, a third beside a metered call's admission and settle. A replica counts them
 per breaker and epoch and delivers the count inside the next script it sends for that breaker
 (a failure, a neutral outcome with a hint or a probe, a probe's outcome: the successes are
-applied first, then the outcome, so the consecutive-failure count is reset in the order the
-outcomes were sent), or in a flush at most ``FLUSH_S`` later. What that changes: a batched
-success lands in the window bucket of the second it is delivered in, at most ``FLUSH_S`` late,
-and for that long the shared counts lack this replica's latest successes. Why it is safe: no
-success is lost (but see below) and no failure or probe outcome waits, so a breaker opens no
-later than before (save where a success is itself what trips the rate, below: that opening
-waits for the flush); the error can only lean towards opening, and only by
-``FLUSH_S`` worth of successes: another replica's failure may meanwhile see a failure rate
-higher by the share of the window's last ``FLUSH_S`` (under 1 % of the default 30 s window at
-a steady pace), or a consecutive-failure run that one of these successes would have reset.
-Outcomes from different replicas are unordered already (concurrent scripts). Recorded one by
-one, only the success that brings the window to ``min_calls`` can trip the rate (every later
-one lowers it): the script checks the window as it stood at that success, so a batch opens
-exactly where single records would have, up to the bucket placement. Successes counted under
-an older epoch are dropped, as a stale ticket's outcome is; so are those whose script Redis
-does not answer (they could only have lowered a failure rate; never sent twice, though a
-script sent to a frozen server may still run when it wakes).
-Memory records every outcome at once (it costs no round trip); its :meth:`~BreakerStates.defer`
-counts a closed-state success there and then, in a few steps, whenever that success can
-change nothing but the counts (see :class:`_Window`), and leaves the rest to ``record``.
+applied first, then the outcome), or in a flush at most ``FLUSH_S`` later.
+
+*The consecutive-failure count* is kept in the order outcomes happened, not the order they
+were delivered in: a batch carries the age of its latest success (this replica's monotonic
+clock, microseconds; no replica's clock is compared with another's), the script places that
+success at ``TIME`` minus the age on the server's clock, and the breaker keeps the server
+times of its current run of failures (each failure is stamped with ``TIME`` by its own
+script). A success resets only the failures recorded up to its time: the count after it is
+the number recorded after it. So a success that happened before other replicas' failures
+and was delivered after them leaves them standing (it used to wipe them: three replicas
+each failing once after a success each stayed closed under ``fail_max: 3``, and opened only
+at the fifth failure). What remains: the placed time is late by the delivery's delay (the
+script's one-way trip, and a retry or script reload within ``state.timeout`` if one
+happens), so a failure recorded within that delay after the success, on another replica,
+is still reset by it; a failover to a server whose clock differs moves the times by the
+difference; outcomes that happen at once on different replicas have no order but the
+server's (concurrent scripts).
+
+*The failure-rate window* is what batching still delays: a batched success lands in the
+window bucket of the second it is delivered in, at most ``FLUSH_S`` late, and for that long
+the shared counts lack this replica's latest successes, so another replica's failure may see
+a failure rate higher by the share of the window's last ``FLUSH_S`` (under 1 % of the default
+30 s window at a steady pace): that error leans only towards opening. No success is lost (but
+see below) and no failure or probe outcome waits, so a breaker opens no later than before
+(save where a success is itself what trips the rate: that opening waits for the flush).
+Recorded one by one, only the success that brings the window to ``min_calls`` can trip the
+rate (every later one lowers it): the script checks the window as it stood at that success,
+so a batch opens exactly where single records would have, up to the bucket placement.
+Successes counted under an older epoch are dropped, as a stale ticket's outcome is; so are
+those whose script Redis does not answer (the failures they would have reset stand, the rate
+they would have lowered stays; never sent twice, though a script sent to a frozen server may
+still run when it wakes). Probes and the half-open state are untouched: a batch is applied
+only to a closed breaker in the epoch it was counted in.
+Memory records every outcome at once, in the order they happen (one process, no round trip),
+so none of this applies to it; its :meth:`~BreakerStates.defer` counts a closed-state success
+there and then, in a few steps, whenever that success can change nothing but the counts (see
+:class:`_Window`), and leaves the rest to ``record``.
 
 Redis layout: ``<prefix>:{<group>}:breaker`` a hash (state, epoch, counters, open-until,
-cause), ``...:breaker:window`` a hash of per-second counts, ``...:breaker:probe`` the probe
-lease.
+cause, and ``run``: the server times of the current run of consecutive failures, the latest
+``min(failures, fail_max)`` of them, microseconds, space-separated, oldest first),
+``...:breaker:window`` a hash of per-second counts, ``...:breaker:probe`` the probe lease.
 """
 
 from __future__ import annotations
@@ -437,15 +456,16 @@ def _window_add(window: _Window, second: int, failed: bool, params: BreakerParam
 _READ = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local v = redis.call('HMGET', KEYS[1], 'state', 'epoch', 'failures', 'successes', 'until',
-                     'cause')
+                     'cause', 'run')
 local state, epoch = tonumber(v[1] or '0'), tonumber(v[2] or '0')
 local failures, successes = tonumber(v[3] or '0'), tonumber(v[4] or '0')
-local open_until, cause = tonumber(v[5] or '0'), v[6] or ''
+local open_until, cause, run = tonumber(v[5] or '0'), v[6] or '', v[7] or ''
 local function save()
   redis.call('HSET', KEYS[1], 'state', state, 'epoch', epoch, 'failures', failures,
              'successes', successes, 'until', string.format('%.0f', open_until),
-             'cause', cause)
+             'cause', cause, 'run', run)
 end
 """
 
@@ -470,12 +490,34 @@ return {0, epoch, 0, math.max(redis.call('PTTL', KEYS[2]), 0), 1, transition, ca
 # KEYS: breaker, probe lease, window. ARGV: epoch, token ('' none), outcome (3: PROBE_FAILED,
 # a failure that opens a closed breaker at once if it heard no success since), fail_max,
 # success_threshold, reset ms, window s (0 none), rate, min_calls, hint ms (0 none), epoch of
-# the deferred successes, how many (0 none).
+# the deferred successes, how many (0 none), how long ago the latest of them was, us.
 # Returns {state, transition, cause, open for ms}.
 _RECORD = Script(_READ + """
 local transition = ''
+-- 'run': the server times (us, oldest first) of the current run of consecutive failures,
+-- the latest min(failures, fail_max) of them; older ones count as before any success.
+local function times()
+  local list = {}
+  for at in string.gmatch(run, '%d+') do list[#list + 1] = tonumber(at) end
+  while #list > failures do table.remove(list, 1) end
+  return list
+end
+local function keep(list)
+  local out = {}
+  for i, at in ipairs(list) do out[i] = string.format('%.0f', at) end
+  run = table.concat(out, ' ')
+end
+-- A success at server time 'at' (us) resets the failures recorded up to it, no later ones.
+local function succeeded(at)
+  local after = {}
+  for _, failed_at in ipairs(times()) do
+    if failed_at > at then after[#after + 1] = failed_at end
+  end
+  failures, successes = #after, 1
+  keep(after)
+end
 local function open(why)
-  state, epoch, successes, failures = 2, epoch + 1, 0, 0
+  state, epoch, successes, failures, run = 2, epoch + 1, 0, 0, ''
   open_until = now + tonumber(ARGV[6])
   cause = why
   redis.call('DEL', KEYS[2])
@@ -505,7 +547,8 @@ end
 -- Closed, 'successes' is 1 once a success was recorded in the epoch (outcome 3 needs none).
 local batch = tonumber(ARGV[12])
 if batch > 0 and tonumber(ARGV[11]) == epoch and state == 0 then
-  failures, successes = 0, 1
+  -- The latest success of the batch, on this server's clock (late by the delivery's delay).
+  succeeded(now_us - tonumber(ARGV[13]))
   if size > 0 then
     local calls, fails = count(batch, 0)
     -- One by one, only the success that first made calls >= min_calls could have tripped
@@ -522,6 +565,10 @@ if tonumber(ARGV[1]) == epoch then
     local failed = outcome ~= 0
     if state == 0 then
       if failed then
+        local list = times()
+        list[#list + 1] = now_us
+        while #list > tonumber(ARGV[4]) do table.remove(list, 1) end
+        keep(list)
         failures = failures + 1
         if outcome == 3 and successes == 0 then
           open('probe_failed')
@@ -529,7 +576,7 @@ if tonumber(ARGV[1]) == epoch then
           open('fail_max')
         end
       else
-        failures, successes = 0, 1
+        succeeded(now_us)
       end
     elseif state == 1 then
       if failed then
@@ -537,7 +584,7 @@ if tonumber(ARGV[1]) == epoch then
       else
         successes = successes + 1
         if successes >= tonumber(ARGV[5]) then
-          state, epoch, failures, successes, cause = 0, epoch + 1, 0, 0, ''
+          state, epoch, failures, successes, cause, run = 0, epoch + 1, 0, 0, '', ''
           redis.call('DEL', KEYS[2], KEYS[3])
           transition = 'closed'
         end
@@ -590,10 +637,12 @@ class RedisBreakerStates:
 
     batched = True
 
-    def __init__(self, state: RedisState) -> None:
+    def __init__(self, state: RedisState, clock: Callable[[], float] = time.monotonic) -> None:
         self._state = state
-        #: group -> (epoch, successes counted by :meth:`defer` and not yet sent).
-        self._pending: dict[str, tuple[int, int]] = {}
+        self._clock = clock
+        #: group -> (epoch, successes counted by :meth:`defer` and not yet sent, when the
+        #: latest of them was counted: ``clock`` seconds).
+        self._pending: dict[str, tuple[int, int, float]] = {}
 
     def _keys(self, group: str) -> list[str]:
         key = self._state.key
@@ -611,15 +660,16 @@ class RedisBreakerStates:
     async def record(self, group: str, ticket: Ticket, outcome: int, params: BreakerParams,
                      hint_s: float | None = None) -> Verdict:
         return await self._send(group, ticket, outcome, params, hint_s,
-                                self._pending.pop(group, (0, 0)))
+                                self._pending.pop(group, None))
 
     def defer(self, group: str, ticket: Ticket, outcome: int, params: BreakerParams) -> bool:
         if outcome != SUCCESS or ticket.probe is not None:
             return False
-        epoch, successes = self._pending.get(group, (ticket.epoch, 0))
+        epoch, successes, _ = self._pending.get(group, (ticket.epoch, 0, 0.0))
         if ticket.epoch >= epoch:  # a newer epoch's make the older ones stale: drop them
             self._pending[group] = (ticket.epoch,
-                                    successes + 1 if ticket.epoch == epoch else 1)
+                                    successes + 1 if ticket.epoch == epoch else 1,
+                                    self._clock())
         return True  # an older epoch's success is stale: dropped, as record would
 
     async def flush(self, group: str, params: BreakerParams) -> Verdict | None:
@@ -629,12 +679,16 @@ class RedisBreakerStates:
         return await self._send(group, Ticket(batch[0]), NEUTRAL, params, None, batch)
 
     async def _send(self, group: str, ticket: Ticket, outcome: int, params: BreakerParams,
-                    hint_s: float | None, batch: tuple[int, int]) -> Verdict:
+                    hint_s: float | None, batch: tuple[int, int, float] | None) -> Verdict:
+        # The batch's latest success goes as its age, not a time: only this replica's clock
+        # measures it, and the script places it on the server's (module doc).
+        epoch, successes, at = batch or (0, 0, 0.0)
+        age_us = max(int((self._clock() - at) * 1_000_000), 0) if successes else 0
         args: list[object] = [
             ticket.epoch, ticket.probe or "", outcome, params.fail_max,
             params.success_threshold, _ms(params.reset_s),
             math.ceil(params.window_s) if params.window_s else 0, repr(float(params.rate)),
-            params.min_calls, _ms(hint_s) if hint_s else 0, *batch]
+            params.min_calls, _ms(hint_s) if hint_s else 0, epoch, successes, age_us]
         state, transition, cause, left_ms = await self._state.eval(
             _RECORD, self._keys(group), args)
         return Verdict(int(state), transition.decode() or None, cause.decode(),
