@@ -79,7 +79,8 @@ When the backend does not answer (:class:`~policies.state.StateUnavailable`):
 answers again (its outcomes are not merged back: a breaker's history is short-lived), and
 ``reject`` refuses the attempt 503 ``state_unavailable``. An outcome that cannot be written is
 dropped (logged; deferred successes at debug level, as they could only have lowered a
-failure rate): the upstream's answer still reaches its caller.
+failure rate or reset a run of failures: losing them leans towards opening): the upstream's
+answer still reaches its caller.
 """
 
 from __future__ import annotations
