@@ -274,6 +274,31 @@ async def test_a_breaker_opened_through_one_replica_refuses_on_the_others(
     assert sorted(transitions()) == ["circuit_closed", "circuit_half_open", "circuit_opened"]
 
 
+async def test_one_failure_on_each_replica_after_a_success_on_each_opens_at_fail_max(
+        upstream, start_sluice, shared_state):
+    """The hostile trial: fail_max 3, one success through each of three replicas, then at
+    once one 503 through each. The third failure opens the breaker, as three on one replica
+    do (each replica's success, delivered with its failure or flushed after the others'
+    failures, counted as a reset when delivered, it stayed closed until the fifth)."""
+    a, b, c = await replicas(start_sluice, 3, shared_state, route(
+        "openai", upstream.url, retry={"attempts": 1},
+        circuit_breaker={"fail_max": 3, "reset_timeout": "5s"}))
+    url = "/openai" + CHAT
+    async with aiohttp.ClientSession() as s:
+        for sluice in (a, b, c):
+            assert (await post(s, sluice.url + url))[0] == 200
+        upstream.status = 503
+        for sluice in (c, a, b):
+            status, headers, _ = await post(s, sluice.url + url)
+            assert status == 503 and "X-Sluice-Reason" not in headers  # the upstream's
+        status, headers, _ = await post(s, b.url + url)
+        assert (status, headers.get("X-Sluice-Reason")) == (503, "circuit_open")
+    assert len(upstream.requests) == 6
+    await wait_for(lambda: any(e["event"] == "circuit_opened" for e in b.events()))
+    [opened] = [e for e in b.events() if e["event"] == "circuit_opened"]
+    assert opened["cause"] == "fail_max"
+
+
 # -- dead letters -------------------------------------------------------------------------------
 
 
