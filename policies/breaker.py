@@ -71,8 +71,11 @@ lease later, whatever ``reset_timeout`` is (a fixed 30 s lease refused every rep
 (nothing left to record it) is no longer renewed either, on memory as on Redis. Renewals are
 one script each, only while half-open; a closed breaker starts none.
 
-``sluice_circuit_state`` and the admin page read the cached view (never an await at scrape; a
-view older than ``VIEW_FRESH_S`` is refreshed in the background for the next scrape).
+``sluice_circuit_state`` and the admin page read the cached view. ``/metrics`` first
+refreshes the views older than ``VIEW_FRESH_S`` (:meth:`Breaker.refresh_stale`, one script
+each), so the gauge follows any replica's transition, opening or closing, within
+``VIEW_FRESH_S`` of a scrape; the admin page (and a gauge read outside a scrape) gets a
+stale view refreshed in the background, for the next read.
 
 When the backend does not answer (:class:`~policies.state.StateUnavailable`):
 ``state.on_unavailable: local`` decides from this replica's own memory breaker until Redis
@@ -291,6 +294,19 @@ class Breaker:
 
     def _fresh(self) -> bool:
         return time.monotonic() - self._seen_at < VIEW_FRESH_S
+
+    async def refresh_stale(self) -> None:
+        """Bring the cached view up to date when it is older than ``VIEW_FRESH_S`` (one
+        script on Redis, bounded by ``state.timeout``; an unavailable backend leaves it as
+        it was), for a reader about to report it: ``/metrics`` awaits this before it
+        renders, so ``sluice_circuit_state`` is never older than ``VIEW_FRESH_S`` at a
+        scrape. Refreshed only in the background, each scrape read what the one before had
+        asked for: another replica's probe closing the breaker showed one to two scrape
+        intervals late (1-2 s in a hostile trial), as nothing else asks while this
+        replica's callers wait out a refusal's ``Retry-After``."""
+        if (self._shared or self._seen_at < 0) and not self._fresh():
+            self._refreshing = True
+            await self._refresh()
 
     async def _refresh(self) -> None:
         try:

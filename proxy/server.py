@@ -108,17 +108,27 @@ def _metrics_handler(runtime: Runtime) -> Callable[[web.Request], Any]:
     """``/metrics``: the registry, once the shared budget counters last seen holding a
     reservation have been read again (:meth:`policies.state.ledger.RedisLedger.refresh_held`),
     so ``sluice_budget_reserved`` and ``sluice_budget_remaining`` say what Redis holds, not
-    what it held when this replica last called on them. Redis not answering leaves them as
-    they were (bounded by ``state.timeout``; at once while it is marked down)."""
+    what it held when this replica last called on them, and the circuit breakers' views older
+    than 0.5 s have been too (:meth:`policies.breaker.Breaker.refresh_stale`), so
+    ``sluice_circuit_state`` follows another replica's transition within 0.5 s. Redis not
+    answering leaves them as they were (bounded by ``state.timeout``; at once while it is
+    marked down). The reads run at once, side by side."""
     render = make_aiohttp_handler(runtime.metrics.registry)
 
-    async def metrics(request: web.Request) -> web.StreamResponse:
+    async def budgets() -> None:
         refresh = getattr(runtime.state.ledger, "refresh_held", None)
         if refresh is not None:
             try:
                 await refresh()
             except StateUnavailable:
                 pass
+
+    async def metrics(request: web.Request) -> web.StreamResponse:
+        breakers = [breaker for route in runtime.routes
+                    for breaker in (route.breaker,
+                                    *(op.breaker for op in route.operations or ()))
+                    if breaker is not None]
+        await asyncio.gather(budgets(), *(breaker.refresh_stale() for breaker in breakers))
         return await render(request)
 
     return metrics

@@ -299,6 +299,30 @@ async def test_one_failure_on_each_replica_after_a_success_on_each_opens_at_fail
     assert opened["cause"] == "fail_max"
 
 
+async def test_the_state_gauge_follows_another_replicas_transitions_at_the_next_scrape(
+        upstream, start_sluice, shared_state):
+    """B serves nothing while A's calls open the breaker and A's probe closes it: B's first
+    scrape after each reads the new state (its view, older than 0.5 s, is read again before
+    the scrape is answered). Refreshed only for the scrape after, a closing showed one to
+    two scrape intervals late on a replica whose callers were waiting out a refusal."""
+    a, b = await replicas(start_sluice, 2, shared_state, route(
+        "openai", upstream.url, retry={"attempts": 1},
+        circuit_breaker={"fail_max": 1, "reset_timeout": "1s"}))
+    url = "/openai" + CHAT
+    gauge = {"route": "openai"}
+    async with aiohttp.ClientSession() as s:
+        assert await b.metric("sluice_circuit_state", **gauge) == 0
+        upstream.status = 503
+        assert (await post(s, a.url + url))[0] == 503
+        opened_at = time.monotonic()
+        await asyncio.sleep(0.5 + 0.05)  # B's view of the closed breaker is stale
+        assert await b.metric("sluice_circuit_state", **gauge) == 2
+        await asyncio.sleep(max(0.0, opened_at + 1.1 - time.monotonic()))
+        upstream.status = None
+        assert (await post(s, a.url + url))[0] == 200  # the probe: closed
+        assert await b.metric("sluice_circuit_state", **gauge) == 0
+
+
 # -- dead letters -------------------------------------------------------------------------------
 
 
