@@ -45,9 +45,9 @@ each failing once after a success each stayed closed under ``fail_max: 3``, and 
 at the fifth failure). What remains: the placed time is late by the delivery's delay (the
 script's one-way trip, and a retry or script reload within ``state.timeout`` if one
 happens), so a failure recorded within that delay after the success, on another replica,
-is still reset by it; a failover to a server whose clock differs moves the times by the
-difference; outcomes that happen at once on different replicas have no order but the
-server's (concurrent scripts).
+is still reset by it; a failover to a server whose clock differs, or a step of the server's
+clock, moves the times recorded before it by that much; outcomes that happen at once on
+different replicas have no order but the server's (concurrent scripts).
 
 *The failure-rate window* is what batching still delays: a batched success lands in the
 window bucket of the second it is delivered in, at most ``FLUSH_S`` late, and for that long
