@@ -228,7 +228,8 @@ class FileSink:
     def _open(self, flags: int = 0, *, create: bool = True) -> None:
         flags |= os.O_WRONLY | os.O_APPEND | (os.O_CREAT if create else 0)
         # Not readable by every user (a new user's trial found it 0644): events name tenants,
-        # runs and keys. A log shipper in the same group (a pod's fsGroup) still reads it.
+        # runs and keys. A log shipper in the same group (a pod's fsGroup) still reads it;
+        # the umask applies, as to any file a daemon creates (077 makes it 0600).
         fd = os.open(self.path, flags, 0o640)
         try:
             os.set_blocking(fd, True)
