@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import logging
 import sys
 import time
 from collections.abc import Callable
@@ -27,6 +28,8 @@ from typing import Any
 import orjson
 
 from proxy.output import CLOSE_TIMEOUT_S, BackgroundWriter, FileSink, stream_sink
+
+log = logging.getLogger("sluice")
 
 FLUSH_INTERVAL_S = 0.2
 #: Events that make a flush due before its time. Small batches keep what a flush frees below
@@ -116,9 +119,17 @@ class EventLog:
         else:
             # Opened at startup, before any traffic; closed in close().
             sink = self._file = FileSink(self.path)
-        self._writer = BackgroundWriter(sink, "sluice-events-writer", lost=_dropped_line)
+        self._writer = BackgroundWriter(sink, "sluice-events-writer", lost=_dropped_line,
+                                        failed=self._write_failed)
         self._loop = asyncio.get_running_loop()
         self._task = asyncio.create_task(self._flush_forever(), name="sluice-events")
+
+    def _write_failed(self, error: Exception) -> None:
+        """The destination refused a batch (a full disk...): said in the log, once until a
+        write succeeds again; its events are counted dropped."""
+        log.warning("events could not be written to %s (%s): they are dropped and counted "
+                    "in sluice_output_dropped_total{output=\"events\"} until a write succeeds",
+                    self.path or "stdout", error)
 
     def flush(self) -> None:
         """Hand what is buffered to the writer (encoding a few KiB: cheap on the loop)."""

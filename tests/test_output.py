@@ -25,6 +25,7 @@ import pytest
 import yaml
 
 from proxy import output
+from proxy.events import EventLog
 from proxy.output import BackgroundWriter
 from tests.conftest import REPO, STARTUP_TIMEOUT_S, free_ports
 from tests.fakeupstream import FakeUpstream
@@ -171,6 +172,50 @@ def test_drops_whose_announcement_was_lost_too_are_announced_again() -> None:
     writer.write(b"ok\n")
     assert writer.close(10)
     assert b"".join(taken) == b"lost 30\nok\n" and writer.dropped == 30
+
+
+def test_a_run_of_failed_writes_is_told_once_and_again_after_a_success() -> None:
+    # An ops trial: events.path on /dev/full lost 40 events, counted, and said nowhere.
+    failures = [3]
+    told: list[str] = []
+    written: list[bytes] = []
+
+    def disk(data: bytes) -> None:
+        if failures[0]:
+            failures[0] -= 1
+            raise OSError(28, "No space left on device")
+        written.append(data)
+
+    writer = BackgroundWriter(disk, "test-writer", failed=lambda exc: told.append(str(exc)))
+    for batch in range(1, 4):
+        writer.write(b"a\n")
+        while writer.dropped < batch:  # one batch at a time: three failures in a row
+            time.sleep(0.001)
+    writer.write(b"ok\n")  # a success ends the run
+    while written != [b"ok\n"]:
+        time.sleep(0.001)
+    failures[0] = 1
+    writer.write(b"b\n")
+    assert writer.close(10)
+    assert told == ["[Errno 28] No space left on device"] * 2 and writer.dropped == 4
+
+
+async def test_events_that_cannot_be_written_are_said_in_the_log(
+        caplog: pytest.LogCaptureFixture) -> None:
+    events = EventLog("/dev/full")
+    await events.start()
+    with caplog.at_level(logging.WARNING, logger="sluice"):
+        events.emit_system("config_reloaded", trigger="test")
+        events.flush()
+        deadline = time.monotonic() + 10
+        while events.dropped < 1 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert events.dropped >= 1
+        await events.close()
+    assert [r.getMessage() for r in caplog.records if "could not be written" in r.getMessage()
+            ] == ["events could not be written to /dev/full ([Errno 28] No space left on "
+                  "device): they are dropped and counted in "
+                  'sluice_output_dropped_total{output="events"} until a write succeeds']
 
 
 def test_log_lines_to_a_stderr_nobody_reads_never_block_the_logger() -> None:
