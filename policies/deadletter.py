@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import collections
 import concurrent.futures
 import contextlib
 import logging
@@ -75,6 +76,25 @@ log = logging.getLogger("sluice")
 #: How often the depth is read again from the store, seconds: other processes change it
 #: (``sluice dlq purge``, the other replicas writing to a shared stream).
 DEPTH_REFRESH_S = 15.0
+#: How long opening the SQLite file (and each write of a ``sluice dlq`` command) waits for
+#: another process's lock before it fails with ``database is locked``, seconds.
+OPEN_BUSY_TIMEOUT_S = 5.0
+#: How long one try of the server's writer waits for another process's lock, seconds. A
+#: write that gets no lock is tried again, so this bounds only how long a try keeps the
+#: store's thread (depth reads, and the shutdown's flush, wait behind it).
+WRITE_BUSY_TIMEOUT_S = 1.0
+#: Letters the server keeps in memory, in order, while the file is locked by another
+#: process (or they come faster than the disk takes them), at most: this many, and this many
+#: bytes (bodies as cut to ``max_body_bytes``, headers and path). One past either bound is
+#: lost: :class:`LetterNotKept`. The bytes count in ``server.max_buffered_bytes`` too.
+MAX_HELD_LETTERS = 1000
+MAX_HELD_BYTES = 64 * 1024 * 1024
+#: At shutdown, letters held for a locked file are written until the drain's deadline, or
+#: for this long at least, seconds; those still held then are lost (logged, with their ids).
+FLUSH_MIN_S = 1.0
+#: Pause between two tries of a letter the file refused as locked, seconds (a try usually
+#: waits ``WRITE_BUSY_TIMEOUT_S`` itself; some lock conflicts fail at once).
+RETRY_PAUSE_S = 0.05
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS dead_letters (
@@ -293,7 +313,15 @@ class DeadLetterFile:
 
     def __init__(self, path: str) -> None:
         self.path = path
+        self._busy_timeout_ms = round(OPEN_BUSY_TIMEOUT_S * 1000)
         self._open()
+
+    def wait_for_locks(self, seconds: float) -> None:
+        """Wait at most ``seconds`` for another process's lock before a write (or a read
+        during its recovery) fails with ``database is locked``, from now on (a file opened
+        again after a move too)."""
+        self._busy_timeout_ms = round(seconds * 1000)
+        self._db.execute(f"PRAGMA busy_timeout={self._busy_timeout_ms}")
 
     def _open(self) -> None:
         # Created readable by its owner only: its letters hold whole request bodies (prompts,
@@ -305,7 +333,7 @@ class DeadLetterFile:
         self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.execute("PRAGMA busy_timeout=5000")
+        self._db.execute(f"PRAGMA busy_timeout={self._busy_timeout_ms}")
         self._db.executescript(_SCHEMA)
         if "key_origin" not in self._columns():  # a file written before it was recorded
             try:
@@ -568,6 +596,36 @@ def _inode(path: str) -> tuple[int, int] | None:
     return (status.st_dev, status.st_ino)
 
 
+class LetterNotKept(Exception):
+    """A letter the server could not keep for a locked SQLite file: as many letters or bytes
+    as it holds at most (``MAX_HELD_LETTERS``, ``MAX_HELD_BYTES``) were held already, or the
+    server stopped before the file took it."""
+
+
+def locked(exc: BaseException) -> bool:
+    """Whether ``exc`` is SQLite's ``database is locked`` (``SQLITE_BUSY``, or
+    ``SQLITE_LOCKED``, and their extended codes): another connection holds the lock, and
+    the same write can succeed once it lets go."""
+    name = getattr(exc, "sqlite_errorname", None) or ""
+    return isinstance(exc, sqlite3.OperationalError) and (
+        name.startswith("SQLITE_BUSY") or name.startswith("SQLITE_LOCKED"))
+
+
+class _Held(NamedTuple):
+    """A letter waiting for the server's writer, and what its :meth:`DeadLetterQueue.add`
+    awaits."""
+
+    letter: DeadLetter
+    size: int
+    written: asyncio.Future[Added]
+
+
+def _size(letter: DeadLetter) -> int:
+    """The bytes of ``letter`` a held copy keeps: its body (as cut), headers and path."""
+    return (len(letter.body) + len(letter.path)
+            + sum(len(name) + len(value) for name, value in letter.headers))
+
+
 class DeadLetterQueue:
     """The server's side: the SQLite file, written on one thread of its own off the event
     loop, or the Redis Stream of a Redis state backend.
@@ -590,6 +648,15 @@ class DeadLetterQueue:
         self._shared = state.dead_letters if state is not None and state.redis else None
         self._file: DeadLetterFile | None = None
         self._writes: set[asyncio.Future[Added]] = set()
+        #: Letters for the file not written yet, oldest first (one writer, in order).
+        self._held: collections.deque[_Held] = collections.deque()
+        self._held_bytes = 0
+        self._writer: asyncio.Task[None] | None = None
+        self._locked_since: float | None = None  # monotonic; while the file refuses writes
+        self._stopping = False
+        #: Letters lost since start because they could not be kept for a locked file
+        #: (``MAX_HELD_LETTERS`` or ``MAX_HELD_BYTES`` reached, or still held at shutdown).
+        self.not_kept = 0
         self.refresh_s = refresh_s
         self._refreshing: asyncio.Task[None] | None = None  # every refresh_s, once open
         self._reading: asyncio.Future[None] | None = None  # one read after drops at a time
@@ -638,6 +705,7 @@ class DeadLetterQueue:
     async def _open(self) -> None:
         if self._shared is None:
             file = await self._run(DeadLetterFile, self.path)
+            await self._run(file.wait_for_locks, WRITE_BUSY_TIMEOUT_S)
             self._depth = await self._run(file.depth)
             self._file = file
         else:
@@ -662,10 +730,15 @@ class DeadLetterQueue:
         """Write ``letter`` (its body cut to ``max_body_bytes`` here, the oldest letters
         beyond ``max_records`` dropped with it) and return its id.
 
-        The write completes even if the awaiting request is cancelled meanwhile.
+        The write completes even if the awaiting request is cancelled meanwhile. A letter
+        for a file another process keeps locked is held in memory (``MAX_HELD_LETTERS``,
+        ``MAX_HELD_BYTES``) and written, after those before it, once the lock is gone.
 
         Raises:
-            sqlite3.Error: the file could not be written.
+            LetterNotKept: the file is locked and as many letters as are held at most are
+                held already, or the server stopped before the file took it.
+            sqlite3.Error: the file could not be written for another reason (a full disk,
+                a damaged file).
             StateUnavailable: the shared stream did not answer (Redis).
         """
         letter.body_size = len(letter.body)
@@ -680,8 +753,7 @@ class DeadLetterQueue:
         else:
             if self._file is None:  # a reload gave a route its first retry block
                 await self.open()
-            assert self._file is not None
-            write = self._run(self._file.add, letter, self.max_records)
+            write = self._hold(letter)
         route = letter.route
 
         def count(done: asyncio.Future[Added]) -> None:
@@ -701,13 +773,102 @@ class DeadLetterQueue:
         write.add_done_callback(count)
         return (await asyncio.shield(write)).id
 
-    async def close(self) -> None:
-        """Stop reading the depth, finish pending writes and close the file (the shared
-        stream's connection is the state backend's, closed with it)."""
+    def _hold(self, letter: DeadLetter) -> asyncio.Future[Added]:
+        """Put ``letter`` in line for the writer; a future of its write, failed at once with
+        :class:`LetterNotKept` when the line is full (or the server is stopping)."""
+        written: asyncio.Future[Added] = asyncio.get_running_loop().create_future()
+        size = _size(letter)
+        if self._stopping or len(self._held) >= MAX_HELD_LETTERS or (
+                self._held and self._held_bytes + size > MAX_HELD_BYTES):
+            self.not_kept += 1
+            written.set_exception(LetterNotKept(
+                "the server is stopping" if self._stopping else
+                f"{len(self._held)} letter(s), {self._held_bytes} bytes, are held for "
+                f"{self.path} already (at most {MAX_HELD_LETTERS} letters, {MAX_HELD_BYTES} "
+                f"bytes), the file {'locked' if self._locked_since else 'slow'}"))
+            return written
+        self._held.append(_Held(letter, size, written))
+        self._held_bytes += size
+        if self._writer is None or self._writer.done():
+            self._writer = asyncio.create_task(self._write_held(), name="sluice-dlq-writer")
+        return written
+
+    async def _write_held(self) -> None:
+        """Write the held letters, oldest first, each once the file takes it: a try refused
+        for another process's lock is made again (the letter stays first in line), any other
+        failure loses that letter only. Ends when none is left, or the server stops."""
+        while self._held and not self._stopping:
+            held = self._held[0]
+            assert self._file is not None
+            try:
+                added = await self._run(self._file.add, held.letter, self.max_records)
+            except Exception as exc:  # handed to the letter's caller
+                if locked(exc):
+                    self._note_locked()
+                    await asyncio.sleep(RETRY_PAUSE_S)
+                    continue
+                self._release()
+                held.written.set_exception(exc)
+                continue
+            self._note_free()
+            self._release()
+            held.written.set_result(added)
+
+    def _release(self) -> None:
+        held = self._held.popleft()
+        self._held_bytes -= held.size
+
+    def _note_locked(self) -> None:
+        if self._locked_since is None:
+            self._locked_since = time.monotonic()
+            log.warning("dead-letter file %s is locked by another process: its letters are "
+                        "held in memory (at most %d, %d MiB) and written, in order, once the "
+                        "lock is gone", self.path, MAX_HELD_LETTERS, MAX_HELD_BYTES >> 20)
+
+    def _note_free(self) -> None:
+        if self._locked_since is not None:
+            log.warning("dead-letter file %s is free again after %.1fs: the letters held "
+                        "for it are being written (%d left)", self.path,
+                        time.monotonic() - self._locked_since, len(self._held) - 1)
+            self._locked_since = None
+
+    async def _flush(self, until: float | None) -> None:
+        """Let the writer write what is held until ``until`` (monotonic; ``FLUSH_MIN_S``
+        from now at least), then stop it; letters still held are lost, and said so."""
+        if self._writer is None or self._writer.done():
+            return
+        budget = max(FLUSH_MIN_S, (until or 0.0) - time.monotonic())
+        await asyncio.wait((self._writer,), timeout=budget)
+        if not self._writer.done():
+            # Not cancelled: the try under way on the store's thread would go on, and a
+            # letter it wrote would be said lost. It ends within WRITE_BUSY_TIMEOUT_S.
+            self._stopping = True
+            await asyncio.gather(self._writer, return_exceptions=True)
+        if not self._held:
+            return
+        ids = [held.letter.request_id for held in self._held]
+        log.error("dead-letter file %s still locked at shutdown, after %.1fs: %d letter(s) "
+                  "held for it are lost (requests %s)", self.path, budget, len(ids),
+                  ", ".join(ids))
+        while self._held:
+            held = self._held[0]
+            self._release()
+            self.not_kept += 1
+            held.written.set_exception(LetterNotKept(
+                f"the server stopped with {self.path} still locked"))
+        await asyncio.sleep(0)  # their callbacks (events, counts) run before the log closes
+
+    async def close(self, flush_until: float | None = None) -> None:
+        """Stop reading the depth, write the letters held for a locked file until
+        ``flush_until`` (monotonic seconds; ``FLUSH_MIN_S`` from now at least; those still
+        held then are lost, logged, and their writes fail with :class:`LetterNotKept`),
+        finish pending writes and close the file (the shared stream's connection is the
+        state backend's, closed with it)."""
         for task in (self._refreshing, self._reading):
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
+        await self._flush(flush_until)
         if self._file is not None:
             await self._run(self._file.close)
             self._file = None

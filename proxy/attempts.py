@@ -49,7 +49,7 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from policies import breaker as brk
-from policies.deadletter import Attempt, DeadLetter, redact, redact_path
+from policies.deadletter import Attempt, DeadLetter, LetterNotKept, redact, redact_path
 from policies.idempotency import key_origin
 from policies.logs import PER_CALL
 from policies.mcp import (
@@ -883,17 +883,25 @@ async def _dead_letter(rt: Runtime, route: Route, call: Call, headers: CIMultiDi
 
 def _dead_lettered(rt: Runtime, route: Route, call: Call, reason: str, attempts: int,
                    write: asyncio.Future[int]) -> None:
-    """A dead letter's write ended: its ``dead_lettered`` event and count, or its failure."""
+    """A dead letter's write ended: its ``dead_lettered`` event and count, or its failure
+    (a ``dead_letter_lost`` event, counted and logged)."""
     error = None if write.cancelled() else write.exception()
+    if write.cancelled() or error is not None:
+        route.metrics.dead_letter_failures.inc()
+        rt.events.emit("dead_letter_lost", call.request_id, route.name, call.tenant, call.run,
+                       call.idempotency_key, reason=reason, attempts=attempts,
+                       error=str(error or "cancelled"), **call.event_names())
     if isinstance(error, StateUnavailable):
         # Redis away: expected, and every failing call would log it with a traceback (a
         # hostile trial saw six in 5 s of one freeze). One line a route every few seconds.
-        route.metrics.dead_letter_failures.inc()
         log.error("dead-letter write failed on route %s: the state backend did not answer "
                   "(%s)", route.name, error.cause, extra=PER_CALL)
         return
+    if isinstance(error, LetterNotKept):  # a locked file: as for Redis away, no traceback
+        log.error("dead-letter write failed on route %s: not kept for the locked file: %s",
+                  route.name, error, extra=PER_CALL)
+        return
     if write.cancelled() or error is not None:
-        route.metrics.dead_letter_failures.inc()
         log.error("dead-letter write failed on route %s (request %s)", route.name,
                   call.request_id, exc_info=error)
         return

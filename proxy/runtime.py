@@ -576,7 +576,8 @@ class Runtime:
         """Close the upstream session, the dead-letter store, and flush the event log."""
         if self.session is not None:
             await self.session.close()
-        await self.dead_letters.close()
+        # Letters held for a locked file get what is left of the drain (1 s at least).
+        await self.dead_letters.close(self.drain_deadline)
         if self.runs.shared is not None:
             await self.runs.shared.feed.close()
         await self.runs.background.wait()

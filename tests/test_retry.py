@@ -210,19 +210,23 @@ async def test_letters_lost_to_an_unanswering_redis_are_one_line_a_route_not_a_t
     lost: list[int] = []
     route_ = SimpleNamespace(name="openai", metrics=SimpleNamespace(
         dead_letter_failures=SimpleNamespace(inc=lambda: lost.append(1))))
-    call = SimpleNamespace(request_id="req-1")
+    call = SimpleNamespace(request_id="req-1", tenant="acme", run=None, idempotency_key=None,
+                           event_names=dict)
+    emitted: list[tuple] = []
+    rt = SimpleNamespace(events=SimpleNamespace(emit=lambda *a, **f: emitted.append((a, f))))
     loop = asyncio.get_running_loop()
     for error in (StateUnavailable("timed out after 50ms"), OSError("disk full")):
         write = loop.create_future()
         write.set_exception(error)
         with caplog.at_level("ERROR", logger="sluice"):
-            _dead_lettered(SimpleNamespace(), route_, call, "retries_exhausted", 3, write)
+            _dead_lettered(rt, route_, call, "retries_exhausted", 3, write)
     frozen, full = caplog.records[-2:]
     assert frozen.getMessage() == ("dead-letter write failed on route openai: the state backend "
                                    "did not answer (timed out after 50ms)")
     assert frozen.exc_info is None and frozen.sluice_per_call is PER_CALL["sluice_per_call"]
     assert full.exc_info is not None and not getattr(full, "sluice_per_call", False)
     assert len(lost) == 2  # both counted in sluice_dead_letter_write_failures_total
+    assert [a[0] for a, _ in emitted] == ["dead_letter_lost"] * 2  # and on the event log
 
 
 async def test_first_attempt_fails_every_caller_gets_200_amplification_2(upstream, start_sluice,
