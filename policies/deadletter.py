@@ -31,7 +31,12 @@ whatever ``state.on_unavailable`` says: a letter kept in one replica's memory wo
 by nobody). Either way, a request that is dead-lettered waits for its own record to be
 written (the ``X-Sluice-Dead-Letter`` id needs it), nothing else does, and that request for a
 second at most (``proxy.attempts.DEAD_LETTER_WAIT_S``): a file another process keeps locked
-is answered without the id, and the record is written once the lock is gone.
+is answered without the id, and the record is written once the lock is gone. The server
+holds such letters in memory, in order, up to ``MAX_HELD_LETTERS`` letters and
+``MAX_HELD_BYTES`` bytes (one past either is lost: :class:`LetterNotKept`, counted and logged
+as a failed write), tries the first again until the file takes it (a try waits
+``WRITE_BUSY_TIMEOUT_S`` for the lock), and at shutdown writes them until the drain's deadline
+(``FLUSH_MIN_S`` at least); those still held then are lost, and logged with their requests.
 
 The store is bounded: the write that would keep more than ``max_records`` letters drops the
 oldest (with their replays and replay holds) in the same transaction or script, so a long

@@ -84,7 +84,7 @@ log = logging.getLogger("sluice")
 _NO_RETRY = {"x-should-retry": "false"}
 #: How long a dead-lettered call's answer waits for its record to be written, to name it in
 #: ``X-Sluice-Dead-Letter``, seconds. The call holds its slot meanwhile: a store that another
-#: process keeps locked (up to SQLite's 5 s busy timeout a write, one write after another)
+#: process keeps locked (its letters held in memory until it lets go, one after another)
 #: held every failing call's slot for as long, and refused healthy calls ``queue_timeout``.
 DEAD_LETTER_WAIT_S = 1.0
 #: How long after an attempt's limit its own timeout scope ends, seconds: aiohttp's bound on

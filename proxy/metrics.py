@@ -410,7 +410,8 @@ class Metrics:
         self.dead_letter_failures = LoopCounter(
             "sluice_dead_letter_write_failures",
             "Dead letters lost: the store could not write them (a full disk, a file that "
-            "cannot be opened, Redis not answering).", ["route"], registry=r,
+            "cannot be opened or is damaged, Redis not answering, a locked file with as "
+            "many letters held for it as are kept).", ["route"], registry=r,
         )
 
         # Shared state (policies/state/).
