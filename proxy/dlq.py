@@ -46,7 +46,10 @@ dead-letter file at ``PATH`` instead, whatever the backend (the letters written 
 ``memory`` before a move to ``redis``, which ``list`` then names on stderr:
 :func:`file_left_behind`); a replay from it checks and holds no shared idempotency record.
 A file that is no dead-letter file (another application's SQLite database, an empty file)
-is refused, exit status 1, and left as it was: the commands never make one. With ``--file``,
+is refused, exit status 1, and left as it was: the commands never make one. A damaged file
+(a read fails "database disk image is malformed", or a letter asked for is not found and
+``PRAGMA quick_check`` finds damage) is said to be damaged, exit status 1, with how to try
+to recover it (:func:`policies.deadletter.recover_hint`), never "no dead letter N". With ``--file``,
 only ``replay`` (which needs the letter's route) reads a config when ``--config`` is not
 given; the others read none.
 """
@@ -84,11 +87,15 @@ from policies.deadletter import (
     ANSWERED,
     BUSY,
     CLAIMED,
+    MISSING,
+    DamagedFile,
     DeadLetter,
     DeadLetterFile,
     NotADeadLetterFile,
     ReplayClaim,
     check_dead_letter_file,
+    corrupt,
+    damage,
     letters_in,
 )
 from policies.idempotency import (
@@ -177,8 +184,14 @@ def _run(config: Config | None, args: argparse.Namespace) -> int:
             return asyncio.run(_terminable(_command(config, _FileStore(file), path, args)))
         finally:
             file.close()
-    except sqlite3.Error as exc:  # not a database (corrupt), locked past busy_timeout, full
-        print(f"the dead letters in {path} are unavailable: {exc}", file=sys.stderr)
+    except DamagedFile as exc:
+        print(exc, file=sys.stderr)
+        return EXIT_FAILED
+    except sqlite3.Error as exc:  # locked past busy_timeout, a full disk, a damaged page
+        if corrupt(exc):
+            print(DamagedFile(path, str(exc)), file=sys.stderr)
+        else:
+            print(f"the dead letters in {path} are unavailable: {exc}", file=sys.stderr)
         return EXIT_FAILED
 
 
@@ -260,22 +273,38 @@ class _FileStore:
     def __init__(self, file: DeadLetterFile) -> None:
         self._file = file
 
+    def _found(self, found: bool) -> None:
+        """A letter asked for is not there: in a damaged file it may be in a page that
+        cannot be read (``dlq show 2`` said ``no dead letter 2`` of a letter that was).
+
+        Raises:
+            DamagedFile: ``PRAGMA quick_check`` finds the file damaged.
+        """
+        if not found and (problems := damage(self._file.path)) is not None:
+            raise DamagedFile(self._file.path, problems)
+
     async def get(self, letter_id: int) -> DeadLetter | None:
-        return self._file.get(letter_id)
+        letter = self._file.get(letter_id)
+        self._found(letter is not None)
+        return letter
 
     async def list(self, limit: int = 100) -> list[dict[str, Any]]:
         return self._file.list(limit)
 
     async def claim_replay(self, letter_id: int, token: str, hold_s: float,
                            again: bool = False) -> ReplayClaim:
-        return self._file.claim_replay(letter_id, token, hold_s, again)
+        claim = self._file.claim_replay(letter_id, token, hold_s, again)
+        self._found(claim.state != MISSING)
+        return claim
 
     async def add_replay(self, letter_id: int, status: int | None, error: str | None,
                          duration_s: float, token: str | None = None) -> bool:
         return self._file.add_replay(letter_id, status, error, duration_s, token)
 
     async def delete(self, letter_id: int) -> bool:
-        return self._file.delete(letter_id)
+        deleted = self._file.delete(letter_id)
+        self._found(deleted)
+        return deleted
 
     async def purge(self) -> int:
         return self._file.purge()

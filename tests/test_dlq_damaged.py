@@ -1,0 +1,73 @@
+"""A damaged dead-letter file (a page overwritten, as a disk or a careless copy does).
+
+A hostile ops trial overwrote page 2 (the ``dead_letters`` table's root) with 0xff bytes:
+``sluice serve`` started and reported ready with no word and went on writing letters; ``dlq
+list`` said "database disk image is malformed"; ``dlq show 2`` said "no dead letter 2", of
+a letter the file had held. The real CLI and a real ``sluice serve``, in subprocesses."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from policies.deadletter import Attempt, DeadLetter, DeadLetterFile
+from tests.conftest import route, wait_until
+from tests.sluice_child import sluice_cli
+
+PAGE = 4096  # SQLite's default page size, which the file is made with
+
+
+def damaged_file(path: Path, letters: int = 3) -> None:
+    """A dead-letter file holding ``letters`` letters, then its page 2 overwritten."""
+    file = DeadLetterFile(str(path))
+    try:
+        for n in range(letters):
+            file.add(DeadLetter(route="openai", tenant="acme", run=None, idempotency_key=None,
+                                request_id=f"req-{n}", method="POST", path="/v1/x",
+                                headers=[], redacted=[], body=b"{}", body_size=2,
+                                attempts=[Attempt(1700000000.0, 503, None, 0.1)],
+                                reason="attempts_exhausted"))
+    finally:
+        file.close()  # the last connection: the write-ahead log is written into the file
+    with open(path, "r+b") as raw:
+        raw.seek(PAGE)
+        raw.write(b"\xff" * PAGE)
+
+
+def says_damaged(err: str, path: Path) -> bool:
+    return (f"the dead-letter file {path} is damaged" in err and ".recover" in err
+            and "no dead letter" not in err)
+
+
+async def test_show_of_a_letter_in_a_damaged_page_says_the_file_is_damaged(tmp_path):
+    path = tmp_path / "dlq.sqlite"
+    damaged_file(path)
+    for command in (("show", "2"), ("delete", "2")):
+        code, out, err = await sluice_cli("dlq", *command, "--file", str(path))
+        assert code == 1 and says_damaged(err, path), (command, out, err)
+
+
+async def test_list_of_a_damaged_file_says_so_and_how_to_recover(tmp_path):
+    path = tmp_path / "dlq.sqlite"
+    damaged_file(path)
+    code, out, err = await sluice_cli("dlq", "list", "--file", str(path))
+    assert code == 1 and says_damaged(err, path), (out, err)
+
+
+async def test_a_letter_not_in_a_sound_file_is_still_no_dead_letter(tmp_path):
+    path = tmp_path / "dlq.sqlite"
+    file = DeadLetterFile(str(path))
+    file.close()
+    code, _, err = await sluice_cli("dlq", "show", "7", "--file", str(path))
+    assert code == 1 and f"no dead letter 7 in {path}" in err and "damaged" not in err
+
+
+async def test_serve_warns_at_start_of_a_damaged_file(upstream, start_sluice, tmp_path):
+    path = tmp_path / "dlq.sqlite"
+    damaged_file(path)
+    sluice = await start_sluice({
+        "dead_letter": {"path": str(path)},
+        "routes": [route("openai", upstream.url, retry={"attempts": 1})]})
+    await wait_until(lambda: f"dead-letter file {path} is damaged" in sluice.stderr(),
+                     what="the warning of a damaged file")
+    said = next(line for line in sluice.stderr().splitlines() if "is damaged" in line)
+    assert "ERROR" in said and ".recover" in said
