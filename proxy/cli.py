@@ -22,6 +22,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -94,7 +95,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     # Taken before the file is read: a change made while it is read (and the server starts)
     # is then one the watch sees.
-    read = fingerprint(Path(args.config))
+    read, read_since_ns = fingerprint(Path(args.config)), time.time_ns()
     config = _load(args.config)
     if config is None:
         return EXIT_CONFIG_ERROR
@@ -108,7 +109,8 @@ def _serve(args: argparse.Namespace) -> int:
     # the event loop (proxy/output.py); the event log's writer is the runtime's.
     with logging_in_background(sys.stderr):
         try:
-            run(serve(config, args.config, stop_requested, reload_requested, read))
+            run(serve(config, args.config, stop_requested, reload_requested, read,
+                      read_since_ns))
         except OSError as exc:  # a port already taken, or a file that cannot be opened
             from proxy.redact import redact
 

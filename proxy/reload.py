@@ -107,6 +107,9 @@ log = logging.getLogger("sluice")
 POLL_INTERVAL_S = 1.0
 #: How long a changed file must stay unchanged before it is read, seconds.
 SETTLE_S = 0.2
+#: How much earlier than the start of the config's read a named file's change time may be
+#: and still be taken for a change made during it (file times are a clock tick coarse).
+CTIME_SLACK_NS = 50_000_000
 
 #: Keys a reload cannot change (a bound socket, an app's body limit, an open file, a store).
 RESTART_ONLY: tuple[tuple[str, ...], ...] = (
@@ -185,17 +188,30 @@ class Reloader:
     """
 
     def __init__(self, runtime: Runtime, path: str | Path,
-                 poll_interval_s: float = POLL_INTERVAL_S, read: Fingerprint = None) -> None:
+                 poll_interval_s: float = POLL_INTERVAL_S, read: Fingerprint = None,
+                 read_since_ns: int | None = None) -> None:
         """``read``: the config file's fingerprint taken before the running config was read
-        from it (``None``: now); a file changed since then is applied at the first poll."""
+        from it (``None``: now); a file changed since then is applied at the first poll.
+        ``read_since_ns``: when that read began (``time.time_ns()``), for the files the config
+        names, whose names are known only once it is read: one whose inode changed since
+        (its ctime: a write, or a rename over it) is read again at the first poll."""
         self.runtime = runtime
         self.path = Path(path)
         self.poll_interval_s = poll_interval_s
         self.loaded_at = time.time()
         self.last_attempt: dict[str, Any] | None = None
-        self._applied = self._fingerprints()
+        applied = list(self._fingerprints())
         if read is not None:
-            self._applied = (read, *self._applied[1:])
+            applied[0] = read
+        if read_since_ns is not None:
+            # File times are a clock tick coarse (a few ms): a change just after the read
+            # began may carry a time just before it. A false alarm costs one reload.
+            since = read_since_ns - CTIME_SLACK_NS
+            for i, name in enumerate(self._named(), start=1):
+                with contextlib.suppress(OSError):
+                    if os.stat(self.path.parent / name).st_ctime_ns >= since:
+                        applied[i] = None  # seen as changed at the first poll
+        self._applied = tuple(applied)
         #: Polls in a row that found no config file.
         self._absent = 0
         #: The file and problems of the last refused attempt: a SIGHUP sent after an edit the
@@ -260,11 +276,14 @@ class Reloader:
     def _fingerprints(self) -> tuple[Fingerprint, ...]:
         """The config file's fingerprint, then those of the files the running config reads at
         load (a path, not ``env:NAME``), relative to the config file's directory."""
+        return (fingerprint(self.path),
+                *(fingerprint(self.path.parent / name) for name in self._named()))
+
+    def _named(self) -> list[str]:
+        """The files the running config reads at load (a path, not ``env:NAME``)."""
         config = self.runtime.config
-        named = [config.identity.tenants, config.admin.token_file]
-        return (fingerprint(self.path), *(
-            fingerprint(self.path.parent / name) for name in named
-            if name is not None and not name.startswith("env:")))
+        return [name for name in (config.identity.tenants, config.admin.token_file)
+                if name is not None and not name.startswith("env:")]
 
     async def reload(self, trigger: str) -> bool:
         """Read, validate and apply the config file; True if it was applied.

@@ -225,7 +225,7 @@ def tune_gc() -> None:
 async def serve(config: Config, config_path: str | None = None,
                 stop_requested: Callable[[], bool] = lambda: False,
                 reload_requested: Callable[[], bool] = lambda: False,
-                read: Fingerprint = None) -> None:
+                read: Fingerprint = None, read_since_ns: int | None = None) -> None:
     """Run Sluice until SIGTERM/SIGINT, then drain and return.
 
     With ``config_path`` (the file ``config`` was loaded from), SIGHUP and changes to that file
@@ -234,14 +234,16 @@ async def serve(config: Config, config_path: str | None = None,
     ``reload_requested`` whether a SIGHUP did (the config is read again once the watch
     starts); ``read``: the config file's fingerprint taken before it was read
     (:func:`proxy.reload.fingerprint`; ``None``: taken now), so that a change made since is
-    seen and applied.
+    seen and applied; ``read_since_ns``: when that read began, for the files the config
+    names (:class:`proxy.reload.Reloader`).
     """
     server_log = logging.getLogger("aiohttp.server")
     if not any(isinstance(f, RedactMalformedRequests) for f in server_log.filters):
         server_log.addFilter(RedactMalformedRequests())
     repeats = _repeat_filters()
     runtime = Runtime(config)
-    reloader = Reloader(runtime, config_path, read=read) if config_path else None
+    reloader = (Reloader(runtime, config_path, read=read, read_since_ns=read_since_ns)
+                if config_path else None)
     try:
         await runtime.open()
     except BaseException:

@@ -495,11 +495,17 @@ return {0, epoch, 0, math.max(redis.call('PTTL', KEYS[2]), 0), 1, transition, ca
 _RECORD = Script(_READ + """
 local transition = ''
 -- 'run': the server times (us, oldest first) of the current run of consecutive failures,
--- the latest min(failures, fail_max) of them; older ones count as before any success.
+-- the latest min(failures, fail_max, KEPT) of them: a success delivered late is late by
+-- a flush (FLUSH_S) and a round trip, and more failures than KEPT in that time open the
+-- breaker anyway; the list stays short whatever fail_max (a rate-only breaker sets it
+-- huge), so each script reads and writes a few hundred bytes at most.
+local KEPT = 32
 local function times()
-  local list = {}
-  for at in string.gmatch(run, '%d+') do list[#list + 1] = tonumber(at) end
-  while #list > failures do table.remove(list, 1) end
+  local all, list = {}, {}
+  for at in string.gmatch(run, '%d+') do all[#all + 1] = tonumber(at) end
+  for i = math.max(1, #all - math.min(failures, KEPT) + 1), #all do
+    list[#list + 1] = all[i]
+  end
   return list
 end
 local function keep(list)
@@ -509,11 +515,14 @@ local function keep(list)
 end
 -- A success at server time 'at' (us) resets the failures recorded up to it, no later ones.
 local function succeeded(at)
-  local after = {}
-  for _, failed_at in ipairs(times()) do
+  local list, after = times(), {}
+  for _, failed_at in ipairs(list) do
     if failed_at > at then after[#after + 1] = failed_at end
   end
-  failures, successes = #after, 1
+  if #after < #list or failures <= #list then
+    failures = #after
+  end -- else older than every failure kept, of more than were kept: all count as after it
+  successes = 1
   keep(after)
 end
 local function open(why)
@@ -565,10 +574,12 @@ if tonumber(ARGV[1]) == epoch then
     local failed = outcome ~= 0
     if state == 0 then
       if failed then
-        local list = times()
+        local list, kept = times(), {}
         list[#list + 1] = now_us
-        while #list > tonumber(ARGV[4]) do table.remove(list, 1) end
-        keep(list)
+        for i = math.max(1, #list - math.min(tonumber(ARGV[4]), KEPT) + 1), #list do
+          kept[#kept + 1] = list[i]
+        end
+        keep(kept)
         failures = failures + 1
         if outcome == 3 and successes == 0 then
           open('probe_failed')
