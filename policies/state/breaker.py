@@ -71,7 +71,8 @@ there and then, in a few steps, whenever that success can change nothing but the
 
 Redis layout: ``<prefix>:{<group>}:breaker`` a hash (state, epoch, counters, open-until,
 cause, and ``run``: the server times of the current run of consecutive failures, the latest
-``min(failures, fail_max)`` of them, microseconds, space-separated, oldest first),
+``min(failures, fail_max, 32)`` of them, microseconds, space-separated, oldest first: a
+success older than all those kept, of a longer run, resets none of it),
 ``...:breaker:window`` a hash of per-second counts, ``...:breaker:probe`` the probe lease.
 """
 
