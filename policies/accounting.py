@@ -24,7 +24,8 @@ What is charged (``usage`` in the event):
 
 * ``reported``: the upstream's own count, whenever the answer carried one.
 * ``none`` (0): the request never reached the upstream (refused, or no connection), or the
-  upstream answered an error status in full: providers bill neither.
+  upstream answered an error status, whether or not its body came whole (a status is sent
+  before any of it: the provider failed the request, and bills none).
 * ``estimated``: a stream cut before its usage arrived (caller gone, upstream cut or stalled,
   or an error event from the upstream in place of the rest of the answer):
   the input (the upstream's count if it came, else the estimate) and the output streamed so
@@ -520,8 +521,8 @@ class Charge(Meter):
         """What a call that reached the upstream used when its answer gave no final count."""
         cost = self.cost
         status = self.status
-        if status >= 400 and self.complete:
-            return Usage(), "none"
+        if status >= 400:  # cut or whole: an error from its first byte (an ops trial saw a
+            return Usage(), "none"  # torn 500 charged its whole reservation)
         cap = cost.output_cap
         # A stream whose upstream said in an error event that it gave up is charged as a cut
         # one: what it reported and streamed. Its whole reservation (max_tokens) made an

@@ -186,6 +186,13 @@ async def test_release_without_a_count():
 
     call = make_call()
     charge = await acct.admit(call)
+    charge.start(500, CIMultiDict({"Content-Type": "application/json"}))
+    charge.chunk(b'{"error": {"mess')  # an error cut short: billed no more than a whole one
+    charge.release(Outcome("upstream_error", True, 500))
+    assert (call.charged["input_tokens"], call.charged["usage"]) == (0, "none")
+
+    call = make_call()
+    charge = await acct.admit(call)
     charge.release(Outcome("upstream_error", False))  # never reached the upstream
     assert (call.charged["output_tokens"], call.charged["usage"]) == (0, "none")
 

@@ -342,15 +342,31 @@ def test_streamed_estimate_counts_text_at_least_one_per_event():
     assert not meter.final and not meter.complete
 
 
-def test_long_streams_count_later_events_at_the_sample_mean():
+def test_long_streams_count_later_events_by_their_size_less_the_samples_wrapping():
     meter = Meter(CHAT, anthropic=False, strip_usage=False)
     started(meter)
     for i in range(SAMPLE_EVENTS):
         meter.chunk(sse(chat_chunk("abcdef" if i % 2 else "abc")))  # 2 and 1 tokens
     assert meter.streamed_tokens == SAMPLE_EVENTS * 3 // 2
     for _ in range(10):
-        meter.chunk(sse(chat_chunk("x")))
-    assert meter.streamed_tokens == SAMPLE_EVENTS * 3 // 2 + 10 * 2  # mean 1.5, rounded up
+        meter.chunk(sse(chat_chunk("x")))  # the same wrapping, one byte of text
+    assert meter.streamed_tokens == SAMPLE_EVENTS * 3 // 2 + 10
+    # An ops trial: 3 KB tool arguments after one-character deltas were counted as the
+    # sample's mean, 1 token each (a cut stream of ~15,000 tokens charged 40).
+    for _ in range(20):
+        meter.chunk(sse(chat_chunk("y" * 3000)))
+    assert meter.streamed_tokens == SAMPLE_EVENTS * 3 // 2 + 10 + 20 * 1000
+
+    meter = Meter(MESSAGES, anthropic=True, strip_usage=False)
+    started(meter)
+    small = {"type": "content_block_delta", "index": 1,
+             "delta": {"type": "input_json_delta", "partial_json": "{"}}
+    big = {**small, "delta": {"type": "input_json_delta", "partial_json": "z" * 3000}}
+    for _ in range(SAMPLE_EVENTS):
+        meter.chunk(sse(small, event_names=["content_block_delta"]))
+    for _ in range(20):
+        meter.chunk(sse(big, event_names=["content_block_delta"]))
+    assert meter.streamed_tokens == SAMPLE_EVENTS + 20 * 1000
 
     names = ["content_block_start", "content_block_delta", "ping"]
     meter = Meter(MESSAGES, anthropic=True, strip_usage=False)
