@@ -95,8 +95,11 @@
   and never forwarded; any other expectation is refused with 417 ``expectation_failed``.
 
 Each limit is read from the config in force when a connection opens or a request arrives, so
-a reload applies them to new connections. The admin port's connections get the same timeouts
-and a small connection cap (:class:`AdminServer`); the request checks are the proxy port's.
+a reload applies them to new connections. The admin port's connections get the same header and
+idle timeouts and a small connection cap; as its callers send their requests whole, a body there
+is at most 4 KiB and due within 2 s of its head, and a connection still receiving one makes
+room for a new connection as one still receiving a head does (:class:`AdminServer`); the
+request checks are the proxy port's.
 """
 
 from __future__ import annotations
@@ -233,6 +236,15 @@ BUFFERS_FULL_RETRY_AFTER_S = 1.0
 #: oldest idle one is closed, or 503 ``too_many_connections``, as ``server.max_connections``
 #: on the proxy port.
 ADMIN_MAX_CONNECTIONS = 64
+#: The largest request body the admin port takes, bytes: none of its endpoints reads one
+#: (``sluice runs cancel`` posts an empty body). A larger ``Content-Length``, or a chunked
+#: body (its length unknown until read), is refused with 413 ``request_too_large`` at its head.
+ADMIN_MAX_BODY_BYTES = 4 * 1024
+#: The admin port's ``body_timeout`` (or ``server.body_timeout`` if shorter), seconds; its
+#: ``min_body_rate`` is :data:`ADMIN_MAX_BODY_BYTES` a second (or ``server.min_body_rate`` if
+#: higher). So a body it takes is whole within 2 s of its head, or the connection is closed:
+#: its callers send their bodies with their heads, and it has no slow uploaders to wait for.
+ADMIN_BODY_TIMEOUT = 1.0
 
 # Phases of a connection, as its timers see it.
 _OPENED = 0  # just opened, not a byte yet: header_timeout from the opening, then closed quietly
@@ -282,6 +294,9 @@ class GuardedServer(web.Server):
     """
 
     too_many = _TOO_MANY
+    #: Whether a connection still receiving a request's body may be closed to make room, as
+    #: one between requests is (:meth:`evict_one`).
+    evicts_bodies = False
 
     def __init__(self, handler: Callable[..., Awaitable[web.StreamResponse]],
                  **kwargs: Any) -> None:
@@ -297,16 +312,19 @@ class GuardedServer(web.Server):
         """Count a connection or request its connection refused (nothing by default)."""
 
     def evicted(self) -> None:
-        """Count an idle connection closed to make room (nothing by default)."""
+        """Count a connection closed to make room (nothing by default)."""
 
     def evict_one(self) -> bool:
         """Close the oldest connection between requests (:attr:`EdgeProtocol.between_requests`)
-        to make room for a new one; whether there was one. It counts as open until its
-        ``connection_lost`` (the next loop turn), so the count may pass the bound by the
-        connections evicted in one turn, each of them closing."""
+        or, with :attr:`evicts_bodies`, still receiving a request's body
+        (:attr:`EdgeProtocol.receiving_body`), to make room for a new one; whether there was
+        one. It counts as open until its ``connection_lost`` (the next loop turn), so the
+        count may pass the bound by the connections evicted in one turn, each of them
+        closing."""
+        bodies = self.evicts_bodies
         for protocol, transport in self._connections.items():  # oldest first
             if (isinstance(protocol, EdgeProtocol) and not transport.is_closing()
-                    and protocol.between_requests):
+                    and (protocol.between_requests or (bodies and protocol.receiving_body))):
                 transport.close()
                 self.evicted()
                 return True
@@ -509,13 +527,19 @@ def parse_cause(exc: BaseException) -> str | None:
 
 
 class AdminServer(GuardedServer):
-    """The admin port (``server.admin_listen``): the proxy port's header, body and idle
-    timeouts, but at most :data:`ADMIN_MAX_CONNECTIONS` connections, since only probes,
-    Prometheus and operators call it. Without them a few hundred slow or silent connections
-    would hold it as long as they liked, and the kubelet's probes with it. Requests its parser
-    refuses are answered as on the proxy port (:meth:`EdgeProtocol.handle_error`, HTTP/1.1)."""
+    """The admin port (``server.admin_listen``): the proxy port's header and idle timeouts,
+    but at most :data:`ADMIN_MAX_CONNECTIONS` connections, since only probes, Prometheus and
+    operators call it. Without them a few hundred slow or silent connections would hold it as
+    long as they liked, and the kubelet's probes with it. Its callers send a request whole,
+    so a body is held to :data:`ADMIN_MAX_BODY_BYTES` (413 above) and
+    :data:`ADMIN_BODY_TIMEOUT`, and a connection still receiving one makes room for a new
+    connection as one still receiving a head does (:attr:`evicts_bodies`): 70 connections
+    trickling a body, reopened as they were closed, got 34 of 40 probes a 503 (a hostile
+    trial). Requests its parser refuses are answered as on the proxy port
+    (:meth:`EdgeProtocol.handle_error`, HTTP/1.1)."""
 
     too_many = _ADMIN_TOO_MANY
+    evicts_bodies = True
 
     def __init__(self, runtime: Runtime, handler: Callable[..., Awaitable[web.StreamResponse]],
                  **kwargs: Any) -> None:
@@ -535,6 +559,15 @@ class AdminServer(GuardedServer):
             if host is not None and not self._hosts()(host):
                 self.refused(Reason.MISDIRECTED)
                 return render(Rejected(Reason.MISDIRECTED, None, _UNLISTED_HOST), "http")
+            headers = request.headers
+            length = headers.get(hdrs.CONTENT_LENGTH)  # digits only: the parser refused the rest
+            if (digits_value(length) > ADMIN_MAX_BODY_BYTES if length is not None
+                    else hdrs.TRANSFER_ENCODING in headers):
+                self.refused(Reason.BODY_TOO_LARGE)
+                return await sent_and_closed(request, render(Rejected(
+                    Reason.BODY_TOO_LARGE, None,
+                    f"the admin port takes a body of at most {ADMIN_MAX_BODY_BYTES} bytes, "
+                    "with Content-Length"), "http"))
             return await handler(request)
 
         super().__init__(handle, request_factory=request_factory, **kwargs)
@@ -563,7 +596,10 @@ class AdminServer(GuardedServer):
         server = self.runtime.config.server
         if server is not self._for:
             self._for = server
-            self._settings = server.model_copy(update={"max_connections": ADMIN_MAX_CONNECTIONS})
+            self._settings = server.model_copy(update={
+                "max_connections": ADMIN_MAX_CONNECTIONS,
+                "body_timeout": min(server.body_timeout, ADMIN_BODY_TIMEOUT),
+                "min_body_rate": max(server.min_body_rate, ADMIN_MAX_BODY_BYTES)})
         assert self._settings is not None
         return self._settings
 
@@ -883,6 +919,12 @@ class EdgeProtocol(RequestHandler):
         if phase == _BODY or self._messages or self._request_in_progress:
             return False
         return phase != _READ or self._waiter is not None
+
+    @property
+    def receiving_body(self) -> bool:
+        """A request's head has arrived and its body is still coming (its handler may have
+        answered already: aiohttp then reads and drops the rest before the next request)."""
+        return self._phase == _BODY
 
     def _refuse(self, transport: asyncio.Transport) -> None:
         """Over ``max_connections``: answer 503 when the request arrives, then close."""

@@ -23,7 +23,7 @@ from aiohttp.http_parser import HttpRequestParser
 
 from policies.usage import JSON_LIMIT_BYTES
 from proxy.config import parse_config
-from proxy.edge import ADMIN_MAX_CONNECTIONS, MAX_HEAD_BYTES
+from proxy.edge import ADMIN_MAX_BODY_BYTES, ADMIN_MAX_CONNECTIONS, MAX_HEAD_BYTES, AdminServer
 from proxy.runtime import Runtime
 from proxy.server import RedactMalformedRequests
 from tests.conftest import (
@@ -892,34 +892,134 @@ async def test_the_admin_port_closes_slow_and_idle_clients_and_keeps_probes_answ
     assert await sluice.metric("sluice_idle_connections_closed_total", port="admin") >= 1
     for _, writer in silent:
         writer.close()
-    # Only connections each with a request in progress (a body still to come) fill it: one
-    # over the cap is answered 503 and closed.
+    # A body still to come does not fill it either (its callers send bodies with their heads;
+    # 70 connections trickling bodies got 34 of 40 probes a 503, a hostile trial): a probe
+    # over the cap takes the oldest one's place.
+    before = await sluice.metric("sluice_idle_connections_closed_total", port="admin")
     held = []
     for _ in range(ADMIN_MAX_CONNECTIONS):
         reader, writer = await asyncio.open_connection("127.0.0.1", sluice.admin_port)
         writer.write(b"POST /healthz HTTP/1.1\r\n" + LOOPBACK + b"Content-Length: 9\r\n\r\n")
         held.append((reader, writer))
-    await asyncio.sleep(0.2)  # let the server read every head (no condition to wait on)
-    answer = await raw_request(sluice.admin_port,
-                               b"GET /healthz HTTP/1.1\r\n" + LOOPBACK + b"\r\n", timeout=5)
-    [(status, headers, body)] = parse(answer)
-    assert (status, headers["x-sluice-reason"]) == (503, "too_many_connections")
-    # Its own bound, not the proxy port's server.max_connections (a new user's trial).
-    assert b"the admin port serves 64 at once" in body and b"server.max" not in body
+    for reader, _ in held:  # each head read and answered (405), its body still awaited
+        assert (await read_answer(reader))[0] == 405
+    answer = await raw_request(sluice.admin_port, b"GET /healthz HTTP/1.1\r\n" + LOOPBACK
+                               + b"Connection: close\r\n\r\n", timeout=5)
+    assert parse(answer)[0][0] == 200
+    assert await closed_within(held[0][0], 5) == b""  # the oldest made room
+    assert await sluice.metric("sluice_idle_connections_closed_total",
+                               port="admin") >= before + 1
     for _, writer in held:
         writer.close()
-    # Counted (a hostile trial crowded probes out and no metric said so), once they can be
-    # scraped again: once the admin port has seen the held connections close.
-    async with aiohttp.ClientSession() as session:
-        for _ in range(200):
-            async with session.get(sluice.admin_url + "/healthz") as r:
-                if r.status == 200:
-                    break
-            await asyncio.sleep(0.05)
-    assert await sluice.metric("sluice_admin_rejections_total",
-                               reason="too_many_connections") >= 1
+    # Only connections each with a whole request being served fill it: one over the cap is
+    # then answered 503, naming its own bound, not the proxy port's server.max_connections
+    # (a new user's trial).
+    assert b"the admin port serves 64 at once" in AdminServer.too_many
+    assert b"server.max" not in AdminServer.too_many
     assert await sluice.metric("sluice_admin_rejections_total", reason="request_timeout") > 0
     assert await sluice.metric("process_resident_memory_bytes") > 0  # and the process's own
+
+
+async def test_trickled_bodies_cannot_crowd_probes_off_the_admin_port(upstream, start_sluice):
+    """A hostile ops trial: 70 connections each trickling a POST body to the admin port, one
+    byte every 0.5 s and reopened when closed, held its 64 connections (a body still coming
+    was a request in progress, never closed to make room, and kept ~10 s), and 34 of 40
+    kubelet-like probes of /healthz got 503 ``too_many_connections``: any pod that can reach
+    the port could fail a sidecar's liveness. A body still arriving now makes room as a head
+    still arriving does, so every probe is answered."""
+    sluice = await start_sluice({"routes": [route("svc", upstream.url, "http")]})
+    # Under the admin port's body limit: a larger one is refused at its head (below).
+    head = (b"POST /admin/runs/x/cancel HTTP/1.1\r\n" + LOOPBACK
+            + b"Content-Length: 4000\r\n\r\n")
+    flood = ADMIN_MAX_CONNECTIONS + 6
+    heads_answered = 0  # cancels answered (403: no token) while their bodies trickled on
+    stop = asyncio.Event()
+
+    async def drip(writer: asyncio.StreamWriter) -> None:
+        writer.write(head)
+        while not writer.is_closing():
+            await asyncio.sleep(0.2)
+            writer.write(b"x")
+
+    async def trickler() -> None:
+        nonlocal heads_answered
+        while not stop.is_set():
+            reader, writer = await asyncio.open_connection("127.0.0.1", sluice.admin_port)
+            dripping = asyncio.create_task(drip(writer))
+            try:
+                with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+                    answer = await reader.readuntil(b"\r\n\r\n")
+                    if answer.startswith(b"HTTP/1.1 403"):
+                        heads_answered += 1
+                    while await reader.read(65536):  # until the server closes it
+                        pass
+            finally:
+                dripping.cancel()
+                writer.close()
+            await asyncio.sleep(0.05)  # then reopened, as the trial's attacker does
+
+    tricklers = [asyncio.create_task(trickler()) for _ in range(flood)]
+    try:
+        # The flood holds the port: every connection it can have has its head answered.
+        await wait_until(lambda: heads_answered >= ADMIN_MAX_CONNECTIONS,
+                         what="the flood's heads answered")
+        probes: list[int | None] = []
+        start = heads_answered
+        # Probe (a fresh connection each, as the kubelet does) at least 20 times, and until
+        # the flood has been cut and its heads answered again past the cap twice over.
+        while (len(probes) < 20 or heads_answered - start < 2 * flood) and (
+                set(probes) <= {200}):
+            probe = await raw_request(sluice.admin_port, b"GET /healthz HTTP/1.1\r\n"
+                                      + LOOPBACK + b"Connection: close\r\n\r\n", timeout=10)
+            probes.append(parse(probe)[0][0] if probe else None)
+            await asyncio.sleep(0.1)
+    finally:
+        stop.set()
+        for task in tricklers:
+            task.cancel()
+        await asyncio.gather(*tricklers, return_exceptions=True)
+    assert set(probes) == {200}, probes
+    assert await sluice.metric("sluice_admin_rejections_total",
+                               reason="too_many_connections") == 0
+    assert await sluice.metric("sluice_idle_connections_closed_total", port="admin") >= 1
+
+
+async def test_the_admin_port_takes_small_bodies_sent_whole(upstream, start_sluice):
+    """Its endpoints read no body: a larger one than a few KiB is refused at its head, and one
+    that trickles is cut within seconds, not after the proxy port's body_timeout (30 s)."""
+    sluice = await start_sluice({"routes": [route("svc", upstream.url, "http")]})
+    cancel = b"POST /admin/runs/x/cancel HTTP/1.1\r\n" + LOOPBACK
+    # The trial's 100000 bytes, and a chunked body (its length unknown until read): 413 at
+    # the head, the body unread, the connection closed.
+    for framing in (b"Content-Length: 100000\r\n\r\n", b"Transfer-Encoding: chunked\r\n\r\n"):
+        [(status, headers, body)] = parse(await raw_request(
+            sluice.admin_port, cancel + framing, timeout=5))
+        assert (status, headers["x-sluice-reason"]) == (413, "request_too_large")
+        assert str(ADMIN_MAX_BODY_BYTES).encode() in body
+    assert await sluice.metric("sluice_admin_rejections_total",
+                               reason="request_too_large") == 2
+    # One within the bound, sent whole, is served (refused here for want of a token).
+    whole = cancel + b"Content-Length: %d\r\nConnection: close\r\n\r\n" % ADMIN_MAX_BODY_BYTES
+    answer = await raw_request(sluice.admin_port, whole + b"x" * ADMIN_MAX_BODY_BYTES, timeout=5)
+    assert parse(answer)[0][0] == 403
+    # One that trickles is closed about 2 s after its head (admin's body_timeout of 1 s, then
+    # 4 KiB/s), whatever server.body_timeout says.
+    reader, writer = await asyncio.open_connection("127.0.0.1", sluice.admin_port)
+    writer.write(cancel + b"Content-Length: 4000\r\n\r\n")
+
+    async def drip() -> None:
+        while True:
+            writer.write(b"x")
+            await asyncio.sleep(0.2)
+
+    dripping = asyncio.create_task(drip())
+    try:
+        assert (await read_answer(reader))[0] == 403
+        assert await closed_within(reader, 8) == b""
+    finally:
+        dripping.cancel()
+        writer.close()
+
 
 async def test_a_pipelined_request_waiting_for_100_continue_does_not_cut_the_one_ahead(
         upstream, start_sluice):
