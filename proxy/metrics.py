@@ -272,8 +272,9 @@ class Metrics:
         )
         idle_closed = LoopCounter(
             "sluice_idle_connections_closed",
-            "Connections closed between requests (idle, silent, or part of a head in) to make "
-            "room for a new one, the port being at its connection limit, by port.",
+            "Connections closed between requests (idle, silent, or part of a head in; on the "
+            "admin port also part of a body in) to make room for a new one, the port being at "
+            "its connection limit, by port.",
             ["port"],
             registry=r,
         )
