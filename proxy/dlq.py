@@ -175,8 +175,8 @@ def _run(config: Config | None, args: argparse.Namespace) -> int:
     except NotADeadLetterFile as exc:
         print(f"{exc}; refused, with nothing written to it", file=sys.stderr)
         return EXIT_FAILED
-    except sqlite3.Error as exc:  # not a database, or locked past the timeout
-        print(f"the dead letters in {path} are unavailable: {exc}", file=sys.stderr)
+    except sqlite3.Error as exc:  # locked past the timeout, a damaged schema page
+        _say_unavailable(path, exc)
         return EXIT_FAILED
     try:
         file = DeadLetterFile(path)
@@ -188,11 +188,17 @@ def _run(config: Config | None, args: argparse.Namespace) -> int:
         print(exc, file=sys.stderr)
         return EXIT_FAILED
     except sqlite3.Error as exc:  # locked past busy_timeout, a full disk, a damaged page
-        if corrupt(exc):
-            print(DamagedFile(path, str(exc)), file=sys.stderr)
-        else:
-            print(f"the dead letters in {path} are unavailable: {exc}", file=sys.stderr)
+        _say_unavailable(path, exc)
         return EXIT_FAILED
+
+
+def _say_unavailable(path: str, exc: sqlite3.Error) -> None:
+    """Say why the file at ``path`` could not be read: damaged (with how to recover it),
+    or unavailable (locked past the timeout, a full disk)."""
+    if corrupt(exc):
+        print(DamagedFile(path, str(exc)), file=sys.stderr)
+    else:
+        print(f"the dead letters in {path} are unavailable: {exc}", file=sys.stderr)
 
 
 async def _terminable(command: Coroutine[Any, Any, int]) -> int:
