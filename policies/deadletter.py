@@ -324,6 +324,7 @@ class DeadLetterFile:
     def __init__(self, path: str) -> None:
         self.path = path
         self._busy_timeout_ms = round(OPEN_BUSY_TIMEOUT_S * 1000)
+        self._reopening = False  # a moved file's replacement not opened yet (said once)
         self._open()
 
     def wait_for_locks(self, seconds: float) -> None:
@@ -340,7 +341,11 @@ class DeadLetterFile:
         # created here is left to SQLite, whose error says why.
         with contextlib.suppress(OSError):
             os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
-        self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        # The busy timeout from the connection's start: ``PRAGMA journal_mode=WAL`` takes
+        # a lock, and under sqlite3.connect's default (5 s) a try of the writer on a moved
+        # file's locked replacement kept the store's thread 5 s, not WRITE_BUSY_TIMEOUT_S.
+        self._db = sqlite3.connect(self.path, timeout=self._busy_timeout_ms / 1000,
+                                   isolation_level=None, check_same_thread=False)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.execute(f"PRAGMA busy_timeout={self._busy_timeout_ms}")
@@ -363,10 +368,13 @@ class DeadLetterFile:
         there = _inode(self.path)
         if there is None or self._inode is None or there == self._inode:
             return
-        log.warning("dead-letter file %s was deleted or moved away: letters go to a new "
-                    "file at that path from now", self.path)
+        if not self._reopening:  # once, not at every try while the new file stays locked
+            log.warning("dead-letter file %s was deleted or moved away: letters go to a new "
+                        "file at that path from now", self.path)
+            self._reopening = True
         self._db.close()
         self._open()
+        self._reopening = False
 
     def close(self) -> None:
         self._db.close()

@@ -3,12 +3,21 @@ a test of what Sluice does now, saying what the first cut did."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import os
 import signal
+import sqlite3
+import time
 
 import aiohttp
+import pytest
 
+import policies.deadletter
+from policies.config import DeadLetterConfig
+from policies.deadletter import DeadLetterQueue
 from tests.conftest import route
-from tests.test_dlq_locked import exclusive, stored
+from tests.test_dlq_locked import exclusive, letter, short_busy_timeout, stored  # noqa: F401
 
 
 async def _one_held_letter(sluice) -> None:
@@ -56,3 +65,35 @@ async def test_a_file_damaged_in_its_schema_page_is_named_damaged_by_the_command
     for command in (("list",), ("show", "2")):
         code, out, err = await sluice_cli("dlq", *command, "--file", str(path))
         assert code == 1 and says_damaged(err, path), (command, out, err)
+
+
+async def test_a_try_on_a_moved_files_locked_replacement_waits_the_write_busy_timeout_only(
+        tmp_path, short_busy_timeout, monkeypatch: pytest.MonkeyPatch,  # noqa: F811
+        caplog: pytest.LogCaptureFixture):
+    """WRITE_BUSY_TIMEOUT_S bounds how long a try keeps the store's thread, and the
+    shutdown's flush relies on it ("It ends within WRITE_BUSY_TIMEOUT_S"). A try that
+    follows a moved file (``_follow`` -> ``_open``) now connects with that busy timeout,
+    before ``PRAGMA journal_mode=WAL``, and says the file moved once, not at every try. The
+    first cut ran that pragma under ``sqlite3.connect``'s default 5 s timeout: a locked
+    replacement kept the thread 5 s a try (the shutdown overran its drain by as much)."""
+    monkeypatch.setattr(policies.deadletter, "FLUSH_MIN_S", 0.2)
+    caplog.set_level(logging.WARNING, "sluice")
+    path = tmp_path / "dlq.sqlite"
+    queue = DeadLetterQueue(DeadLetterConfig(path=str(path)))
+    await queue.open()
+    # The operator moves another dead-letter file in at the path, a shell still in it.
+    new = tmp_path / "new.sqlite"
+    sqlite3.connect(new).close()
+    os.replace(new, path)
+    with exclusive(path):
+        write = asyncio.ensure_future(queue.add(letter(0)))
+        await asyncio.sleep(0.2)
+        started = time.monotonic()
+        await queue.close(flush_until=time.monotonic())
+        took = time.monotonic() - started
+    with pytest.raises(policies.deadletter.LetterNotKept):
+        await write
+    # FLUSH_MIN_S (0.2) and one try (BUSY_S, 0.05) at most, with slack: not 5 s.
+    assert took < 1.5, f"close took {took:.1f}s"
+    moved = [r for r in caplog.records if "was deleted or moved away" in r.getMessage()]
+    assert len(moved) == 1, [r.getMessage() for r in caplog.records]
