@@ -862,8 +862,8 @@ class DeadLetterQueue:
             assert self._state is not None
             self._state.keep(write)  # shutdown waits for it (StateBackends.close)
         else:
-            if self._file is None:  # a reload gave a route its first retry block
-                await self.open()
+            if self._file is None and not self._stopping:  # a reload gave a route its
+                await self.open()  # first retry block (not after close: _hold refuses it)
             write = self._hold(letter)
         route = letter.route
 
@@ -910,8 +910,10 @@ class DeadLetterQueue:
         failure loses that letter only. Ends when none is left, or the server stops."""
         while self._held and not self._stopping:
             held = self._held[0]
-            assert self._file is not None
             try:
+                # In the try: a writer that died here left its letters' callers waiting.
+                if self._file is None:
+                    raise LetterNotKept(f"the server stopped before {self.path} took it")
                 added = await self._run(self._file.add, held.letter, self.max_records)
             except Exception as exc:  # handed to the letter's caller
                 if locked(exc):
@@ -946,16 +948,15 @@ class DeadLetterQueue:
     async def _flush(self, until: float | None) -> None:
         """Let the writer write what is held until ``until`` (monotonic; ``FLUSH_MIN_S``
         from now at least), then stop it; letters still held are lost, and said so."""
-        if self._writer is None or self._writer.done():
-            return
         budget = max(FLUSH_MIN_S, (until or 0.0) - time.monotonic())
-        await asyncio.wait((self._writer,), timeout=budget)
-        if not self._writer.done():
+        if self._writer is not None and not self._writer.done():
+            await asyncio.wait((self._writer,), timeout=budget)
+        if self._writer is not None and not self._writer.done():
             # Not cancelled: the try under way on the store's thread would go on, and a
             # letter it wrote would be said lost. It ends within WRITE_BUSY_TIMEOUT_S.
             self._stopping = True
             await asyncio.gather(self._writer, return_exceptions=True)
-        if not self._held:
+        if not self._held:  # (any left by a writer that ended are lost below, not left)
             return
         ids = [held.letter.request_id for held in self._held]
         log.error("dead-letter file %s still locked at shutdown, after %.1fs: %d letter(s) "
@@ -979,15 +980,27 @@ class DeadLetterQueue:
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
-        if self._checking is not None:
-            if self._checked_on is not None:
-                self._checked_on.interrupt()  # a check of a large file is not waited for
-            await asyncio.gather(self._checking, return_exceptions=True)
-        await self._flush(flush_until)
-        if self._file is not None:
-            await self._run(self._file.close)
-            self._file = None
-        self._thread.shutdown(wait=True)
+        try:
+            if self._checking is not None:
+                if (db := self._checked_on) is not None:
+                    # A check of a large file is not waited for. Its connection may be
+                    # closed already, the check ending (ProgrammingError): nothing to stop.
+                    with contextlib.suppress(sqlite3.ProgrammingError):
+                        db.interrupt()
+                await asyncio.gather(self._checking, return_exceptions=True)
+            await self._flush(flush_until)
+        finally:
+            # Whatever failed above, the file is closed and the thread ends: a close that
+            # raised before them left the thread behind (and the runtime's close stopped).
+            self._stopping = True  # a letter added from now on is refused, not reopened
+            file, self._file = self._file, None
+            try:
+                if file is not None:
+                    await self._run(file.close)
+            except sqlite3.Error as exc:
+                log.warning("dead-letter file %s not closed cleanly: %s", self.path, exc)
+            finally:
+                self._thread.shutdown(wait=True)
 
     def _run(self, fn: Any, *args: Any) -> asyncio.Future[Any]:
         return asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)

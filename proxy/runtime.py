@@ -9,7 +9,7 @@ import logging
 import os
 import sqlite3
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -573,16 +573,24 @@ class Runtime:
                     os.unlink(path)
 
     async def close(self) -> None:
-        """Close the upstream session, the dead-letter store, and flush the event log."""
+        """Close the upstream session, the dead-letter store, and flush the event log. A
+        step that fails is logged and the next ones still run: a dead-letter store whose
+        close raised left the event log unflushed (its last events lost)."""
+        steps: list[tuple[str, Callable[[], Awaitable[object]]]] = []
         if self.session is not None:
-            await self.session.close()
+            steps.append(("the upstream session", self.session.close))
         # Letters held for a locked file get what is left of the drain (1 s at least).
-        await self.dead_letters.close(self.drain_deadline)
+        steps.append(("the dead-letter store",
+                      lambda: self.dead_letters.close(self.drain_deadline)))
         if self.runs.shared is not None:
-            await self.runs.shared.feed.close()
-        await self.runs.background.wait()
-        await self.state.close()
-        await self.events.close()
+            steps.append(("the shared runs' feed", self.runs.shared.feed.close))
+        steps += [("the runs' background work", self.runs.background.wait),
+                  ("the state backend", self.state.close), ("the event log", self.events.close)]
+        for name, step in steps:
+            try:
+                await step()
+            except Exception:
+                log.exception("shutdown: closing %s failed; going on with the rest", name)
 
 
 def cancel_live(tasks: Iterable[asyncio.Task[Any]]) -> list[asyncio.Task[Any]]:

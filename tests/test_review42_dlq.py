@@ -16,8 +16,8 @@ import pytest
 import policies.deadletter
 from policies.config import DeadLetterConfig
 from policies.deadletter import DeadLetterQueue
-from tests.conftest import route
-from tests.test_dlq_locked import exclusive, letter, short_busy_timeout, stored  # noqa: F401
+from tests.conftest import open_runtime, route
+from tests.test_dlq_locked import BUSY_S, exclusive, letter, short_busy_timeout, stored  # noqa: F401
 
 
 async def _one_held_letter(sluice) -> None:
@@ -97,3 +97,78 @@ async def test_a_try_on_a_moved_files_locked_replacement_waits_the_write_busy_ti
     assert took < 1.5, f"close took {took:.1f}s"
     moved = [r for r in caplog.records if "was deleted or moved away" in r.getMessage()]
     assert len(moved) == 1, [r.getMessage() for r in caplog.records]
+
+
+async def test_close_as_the_damage_check_ends_still_flushes_and_closes(
+        tmp_path, short_busy_timeout, monkeypatch: pytest.MonkeyPatch):  # noqa: F811
+    """``close`` interrupts the check through ``_checked_on``, which ``_check`` clears only
+    once ``to_thread`` has returned to the loop; the check's connection is closed before
+    that (``_reading``'s ``finally``). A close in that window now finds nothing to
+    interrupt and goes on: the held letter is written, the file closed. The first cut's
+    ``interrupt()`` on the closed connection raised ProgrammingError out of ``close``,
+    before the flush, the file's close and the thread's shutdown (and out of
+    ``Runtime.close``, before the event log's)."""
+    real = policies.deadletter.damage
+
+    def slow_to_come_back(path, busy_timeout_s, connected):
+        found = real(path, busy_timeout_s, connected)  # its connection closed now
+        time.sleep(0.5)  # the thread not back on the loop yet (a loaded machine)
+        return found
+
+    monkeypatch.setattr(policies.deadletter, "damage", slow_to_come_back)
+    path = tmp_path / "dlq.sqlite"
+    queue = DeadLetterQueue(DeadLetterConfig(path=str(path)))
+    await queue.open()
+    await asyncio.sleep(0.2)  # the check done, its connection closed, not reported yet
+    with exclusive(path) as locker:
+        write = asyncio.ensure_future(queue.add(letter(0)))
+        await asyncio.sleep(2 * BUSY_S)
+        locker.commit()
+    await queue.close()
+    assert await write == 1
+    assert queue._file is None and queue._thread._shutdown  # closed, its thread ended
+
+
+async def test_the_runtimes_close_goes_past_a_step_that_fails(
+        tmp_path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture):
+    """A step of ``Runtime.close`` that raises is logged, and the steps after it still
+    run: the event log is flushed and closed. In the first cut a dead-letter store whose
+    close raised (the ProgrammingError above) ended the runtime's close there: the event
+    log's last events were never written."""
+    events = tmp_path / "events.jsonl"
+    runtime = await open_runtime(route("r", "http://127.0.0.1:1"),
+                                 events={"path": str(events)})
+
+    async def fails(*args: object) -> None:
+        raise RuntimeError("no close today")
+
+    monkeypatch.setattr(runtime.dead_letters, "close", fails)
+    runtime.events.emit("completed", "req-last", "r", "acme", None, None)
+    await runtime.close()
+    assert "req-last" in events.read_text()
+    said = [r.getMessage() for r in caplog.records]
+    assert any("closing the dead-letter store failed" in m for m in said), said
+
+
+async def test_letters_added_while_the_store_closes_are_written_or_refused(tmp_path):
+    """A letter added while ``close`` runs is written (the flush is still on) or refused
+    with LetterNotKept (the store is stopping): its caller never waits for ever, and the
+    store is not opened again. In the first cut a letter added once the flush was over
+    opened the store again, on a thread already shut down (RuntimeError "cannot schedule new
+    futures after shutdown", what this test saw); and the writer asserted ``self._file is
+    not None`` outside its ``try``, so one started as the file closed could die there,
+    leaving its letters' callers waiting (the review's suspicion, not reproduced here)."""
+    path = tmp_path / "dlq.sqlite"
+    queue = DeadLetterQueue(DeadLetterConfig(path=str(path)))
+    await queue.open()
+    closing = asyncio.ensure_future(queue.close())
+    writes = []
+    for n in range(20):
+        writes.append(asyncio.ensure_future(queue.add(letter(n))))
+        await asyncio.sleep(0.001)
+    await asyncio.wait_for(closing, 5.0)
+    writes.append(asyncio.ensure_future(queue.add(letter(20))))  # after the close
+    done = await asyncio.wait_for(asyncio.gather(*writes, return_exceptions=True), 5.0)
+    assert all(isinstance(d, int | policies.deadletter.LetterNotKept) for d in done), done
+    assert isinstance(done[-1], policies.deadletter.LetterNotKept)
+    assert [n for n in done if isinstance(n, int)] == [n for n, _ in stored(path)]
