@@ -102,6 +102,8 @@ MAX_HELD_BYTES = 64 * 1024 * 1024
 #: At shutdown, letters held for a locked file are written until the drain's deadline, or
 #: for this long at least, seconds; those still held then are lost (logged, with their ids).
 FLUSH_MIN_S = 1.0
+#: How often a close interrupts the damage check again until it has ended, seconds.
+CHECK_INTERRUPT_EVERY_S = 0.05
 #: Pause between two tries of a letter the file refused as locked, seconds (a try usually
 #: waits ``WRITE_BUSY_TIMEOUT_S`` itself; some lock conflicts fail at once).
 RETRY_PAUSE_S = 0.05
@@ -688,6 +690,10 @@ def locked(exc: BaseException) -> bool:
         name.startswith("SQLITE_BUSY") or name.startswith("SQLITE_LOCKED"))
 
 
+class _CheckStopped(Exception):
+    """The store was closed before its damage check connected: the check does not start."""
+
+
 class _Held(NamedTuple):
     """A letter waiting for the server's writer, and what its :meth:`DeadLetterQueue.add`
     awaits."""
@@ -735,6 +741,7 @@ class DeadLetterQueue:
         self.damaged: str | None = None
         self._checking: asyncio.Task[None] | None = None
         self._checked_on: sqlite3.Connection | None = None  # the check's, to interrupt it
+        self._closing = False  # set by close: a check not connected yet does not start
         #: Letters lost since start because they could not be kept for a locked file
         #: (``MAX_HELD_LETTERS`` or ``MAX_HELD_BYTES`` reached, or still held at shutdown).
         self.not_kept = 0
@@ -810,13 +817,19 @@ class DeadLetterQueue:
         and wrote letters that ``sluice dlq`` could not read, without a word."""
         def connected(db: sqlite3.Connection) -> None:
             self._checked_on = db
+            # Looked at after _checked_on is set, as close sets the flag before it looks at
+            # _checked_on: a close either sees the connection to interrupt, or is seen here.
+            if self._closing:
+                raise _CheckStopped
 
         started = time.monotonic()
         try:
             found = await asyncio.to_thread(damage, self.path, OPEN_BUSY_TIMEOUT_S, connected)
+        except _CheckStopped:
+            return  # closed before the check started
         except sqlite3.Error as exc:
-            if self._checked_on is not None and "interrupted" in str(exc):
-                return  # the server is stopping
+            if self._closing:
+                return  # interrupted: the server is stopping
             log.warning("dead-letter file %s not checked for damage: %s", self.path, exc)
             return
         finally:
@@ -975,18 +988,23 @@ class DeadLetterQueue:
         ``flush_until`` (monotonic seconds; ``FLUSH_MIN_S`` from now at least; those still
         held then are lost, logged, and their writes fail with :class:`LetterNotKept`),
         finish pending writes and close the file (the shared stream's connection is the
-        state backend's, closed with it)."""
+        state backend's, closed with it). The damage check is stopped, not waited for."""
+        self._closing = True  # before _checked_on is looked at (_check's ``connected``)
         for task in (self._refreshing, self._reading):
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
         try:
-            if self._checking is not None:
+            # A check of a large file is not waited for: interrupted, again until it ends
+            # (an interrupt that comes before its statement starts is lost). One not
+            # connected yet sees _closing and does not start.
+            while self._checking is not None and not self._checking.done():
                 if (db := self._checked_on) is not None:
-                    # A check of a large file is not waited for. Its connection may be
-                    # closed already, the check ending (ProgrammingError): nothing to stop.
+                    # Closed already, the check ending (ProgrammingError): nothing to stop.
                     with contextlib.suppress(sqlite3.ProgrammingError):
                         db.interrupt()
+                await asyncio.wait((self._checking,), timeout=CHECK_INTERRUPT_EVERY_S)
+            if self._checking is not None:
                 await asyncio.gather(self._checking, return_exceptions=True)
             await self._flush(flush_until)
         finally:
