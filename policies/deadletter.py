@@ -36,7 +36,8 @@ holds such letters in memory, in order, up to ``MAX_HELD_LETTERS`` letters and
 ``MAX_HELD_BYTES`` bytes (one past either is lost: :class:`LetterNotKept`, counted and logged
 as a failed write), tries the first again until the file takes it (a try waits
 ``WRITE_BUSY_TIMEOUT_S`` for the lock), and at shutdown writes them until the drain's deadline
-(``FLUSH_MIN_S`` at least); those still held then are lost, and logged with their requests.
+(``FLUSH_MIN_S`` at least) or a second stop signal; those still held then are lost, and
+logged with their requests.
 
 The server checks its file for damage once, at start, in the background
 (:func:`damage`: ``PRAGMA quick_check`` reads every page), and logs an error naming it and
@@ -100,7 +101,8 @@ WRITE_BUSY_TIMEOUT_S = 1.0
 MAX_HELD_LETTERS = 1000
 MAX_HELD_BYTES = 64 * 1024 * 1024
 #: At shutdown, letters held for a locked file are written until the drain's deadline, or
-#: for this long at least, seconds; those still held then are lost (logged, with their ids).
+#: for this long at least (a second stop signal ends it sooner), seconds; those still held then
+#: are lost (logged, with their ids).
 FLUSH_MIN_S = 1.0
 #: How often a close interrupts the damage check again until it has ended, seconds.
 CHECK_INTERRUPT_EVERY_S = 0.05
@@ -958,12 +960,31 @@ class DeadLetterQueue:
                         time.monotonic() - self._locked_since, len(self._held) - 1)
             self._locked_since = None
 
-    async def _flush(self, until: float | None) -> None:
+    async def _flush(self, until: float | None, cut: asyncio.Event | None) -> None:
         """Let the writer write what is held until ``until`` (monotonic; ``FLUSH_MIN_S``
-        from now at least), then stop it; letters still held are lost, and said so."""
-        budget = max(FLUSH_MIN_S, (until or 0.0) - time.monotonic())
-        if self._writer is not None and not self._writer.done():
-            await asyncio.wait((self._writer,), timeout=budget)
+        from now at least), or until ``cut`` is set (a second stop signal; one that came
+        before brought ``until`` to the drain's cut already), then stop it; letters still
+        held are lost, and said so."""
+        started = time.monotonic()
+        budget = max(FLUSH_MIN_S, (until or 0.0) - started)
+        cut_now = cut is not None and not cut.is_set()
+        if self._held and self._writer is not None and not self._writer.done():
+            # Said: the drain said "drained", and a wait of drain_timeout without a word
+            # looked like a hang (and a second Ctrl-C was not heard here).
+            log.warning("%d dead letter(s) held for %s, %s; waiting up to %.1fs for it to "
+                        "take them%s", len(self._held), self.path,
+                        "locked by another process" if self._locked_since is not None else
+                        "not written yet", budget,
+                        "; a second SIGTERM or Ctrl-C ends the wait" if cut_now else "")
+            waits: set[asyncio.Future[Any]] = {self._writer}
+            if cut_now:
+                assert cut is not None
+                waits.add(asyncio.ensure_future(cut.wait()))
+            try:
+                await asyncio.wait(waits, timeout=budget, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for waiting in waits - {self._writer}:
+                    waiting.cancel()
         if self._writer is not None and not self._writer.done():
             # Not cancelled: the try under way on the store's thread would go on, and a
             # letter it wrote would be said lost. It ends within WRITE_BUSY_TIMEOUT_S.
@@ -972,9 +993,11 @@ class DeadLetterQueue:
         if not self._held:  # (any left by a writer that ended are lost below, not left)
             return
         ids = [held.letter.request_id for held in self._held]
-        log.error("dead-letter file %s still locked at shutdown, after %.1fs: %d letter(s) "
-                  "held for it are lost (requests %s)", self.path, budget, len(ids),
-                  ", ".join(ids))
+        log.error("dead-letter file %s still locked at shutdown, after %.1fs%s: %d letter(s) "
+                  "held for it are lost (requests %s)", self.path,
+                  time.monotonic() - started,
+                  " (a second stop signal ended the wait)" if cut_now and cut.is_set()
+                  else "", len(ids), ", ".join(ids))
         while self._held:
             held = self._held[0]
             self._release()
@@ -983,10 +1006,12 @@ class DeadLetterQueue:
                 f"the server stopped with {self.path} still locked"))
         await asyncio.sleep(0)  # their callbacks (events, counts) run before the log closes
 
-    async def close(self, flush_until: float | None = None) -> None:
+    async def close(self, flush_until: float | None = None,
+                    cut: asyncio.Event | None = None) -> None:
         """Stop reading the depth, write the letters held for a locked file until
         ``flush_until`` (monotonic seconds; ``FLUSH_MIN_S`` from now at least; those still
-        held then are lost, logged, and their writes fail with :class:`LetterNotKept`),
+        held then are lost, logged, and their writes fail with :class:`LetterNotKept`; or
+        until ``cut`` is set, if it is not yet: a second stop signal),
         finish pending writes and close the file (the shared stream's connection is the
         state backend's, closed with it). The damage check is stopped, not waited for."""
         self._closing = True  # before _checked_on is looked at (_check's ``connected``)
@@ -1006,7 +1031,7 @@ class DeadLetterQueue:
                 await asyncio.wait((self._checking,), timeout=CHECK_INTERRUPT_EVERY_S)
             if self._checking is not None:
                 await asyncio.gather(self._checking, return_exceptions=True)
-            await self._flush(flush_until)
+            await self._flush(flush_until, cut)
         finally:
             # Whatever failed above, the file is closed and the thread ends: a close that
             # raised before them left the thread behind (and the runtime's close stopped).

@@ -174,6 +174,9 @@ class Runtime:
         #: When the drain cuts what is left, monotonic seconds: set as it starts
         #: (``server.drain_timeout`` on), brought forward to the cut (:meth:`drain_until`).
         self.drain_deadline: float | None = None
+        #: Set by a second stop signal (SIGTERM or Ctrl-C, ``proxy.server``): the drain is
+        #: cut now, and so is the shutdown's wait for letters held for a locked file.
+        self.hurry = asyncio.Event()
         #: Resolved when :attr:`drain_deadline` is set or moves, then replaced
         #: (:meth:`drain_moved`).
         self._drain_moved: asyncio.Future[None] | None = None
@@ -579,9 +582,10 @@ class Runtime:
         steps: list[tuple[str, Callable[[], Awaitable[object]]]] = []
         if self.session is not None:
             steps.append(("the upstream session", self.session.close))
-        # Letters held for a locked file get what is left of the drain (1 s at least).
+        # Letters held for a locked file get what is left of the drain (1 s at least), or
+        # until a second stop signal.
         steps.append(("the dead-letter store",
-                      lambda: self.dead_letters.close(self.drain_deadline)))
+                      lambda: self.dead_letters.close(self.drain_deadline, cut=self.hurry)))
         if self.runs.shared is not None:
             steps.append(("the shared runs' feed", self.runs.shared.feed.close))
         steps += [("the runs' background work", self.runs.background.wait),

@@ -13,7 +13,8 @@ next attempt would start only once the drain cuts (at the drain's start, or at t
 stops retrying and is answered its last failure, dead-lettered ``draining``
 (:func:`proxy.attempts._back_off`). A second SIGTERM or SIGINT (Ctrl-C again) does the same
 at once, if it comes ``SECOND_SIGNAL_AFTER_S`` or more after the first (one sooner is logged
-as ignored).
+as ignored); one that comes after the drain ends the shutdown's wait for dead letters held
+for a locked file (:meth:`policies.deadletter.DeadLetterQueue.close`).
 
 SIGHUP, or a change of the config file, reloads the config in place (:mod:`proxy.reload`).
 """
@@ -256,7 +257,7 @@ async def serve(config: Config, config_path: str | None = None,
         runtime, build_admin_app(runtime, reloader), access_log=None,
         shutdown_timeout=SHUTDOWN_GRACE_S,
     )
-    stop, hurry = asyncio.Event(), asyncio.Event()
+    stop, hurry = asyncio.Event(), runtime.hurry  # hurry: heard by the shutdown's close too
     first_signal_at = 0.0
 
     def on_stop_signal(sig: signal.Signals) -> None:

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
 import signal
 import sqlite3
 import time
@@ -27,6 +28,35 @@ async def _one_held_letter(sluice) -> None:
         async with s.post(url, json={"n": 0}, headers={"x-fake-status": "502"}) as r:
             await r.read()
             assert r.status == 502 and "X-Sluice-Dead-Letter" not in r.headers
+
+
+async def test_a_second_stop_signal_ends_the_wait_for_a_locked_dead_letter_file(
+        upstream, start_sluice, tmp_path):
+    """The drain says a second SIGTERM/Ctrl-C "cuts them now". Letters held for a locked
+    file at shutdown are now waited for with a line saying so (how many, how long, and that
+    a second signal ends the wait), and a second signal ends that wait: Sluice exits within
+    the try under way (WRITE_BUSY_TIMEOUT_S). In the first cut the flush waited for
+    ``drain_deadline``, which a second signal does not move once the drain has ended
+    (nothing in flight: at once), without a word after "drained": with drain_timeout 12s
+    Sluice exited 11.3 s after the second signal."""
+    path = tmp_path / "dlq.sqlite"
+    sluice = await start_sluice({
+        "server": {"drain_timeout": "12s"},
+        "dead_letter": {"path": str(path)},
+        "routes": [route("openai", upstream.url, retry={"attempts": 1})]})
+    with exclusive(path):
+        await _one_held_letter(sluice)
+        sluice.signal(signal.SIGTERM)
+        await asyncio.sleep(1.5)  # past SECOND_SIGNAL_AFTER_S: a real second signal
+        second = time.monotonic()
+        sluice.signal(signal.SIGTERM)
+        await sluice.wait_exit(timeout=20.0)
+        took = time.monotonic() - second
+    assert took < 4.0, f"exited {took:.1f}s after the second signal:\n{sluice.stderr()}"
+    err = sluice.stderr()
+    assert re.search(r"1 dead letter\(s\) held for .*; waiting up to 1\d\.\ds", err), err
+    assert "a second SIGTERM or Ctrl-C ends the wait" in err, err
+    assert "a second stop signal ended the wait" in err and "held for it are lost" in err, err
 
 
 async def test_a_letter_lost_at_shutdown_is_a_dead_letter_lost_event_on_the_log(
