@@ -908,10 +908,10 @@ class DeadLetterQueue:
                 self._held and self._held_bytes + size > MAX_HELD_BYTES):
             self.not_kept += 1
             written.set_exception(LetterNotKept(
-                "the server is stopping" if self._stopping else
-                f"{len(self._held)} letter(s), {self._held_bytes} bytes, are held for "
+                f"the server is stopping: {self.path} takes no more letters" if self._stopping
+                else f"{len(self._held)} letter(s), {self._held_bytes} bytes, are held for "
                 f"{self.path} already (at most {MAX_HELD_LETTERS} letters, {MAX_HELD_BYTES} "
-                f"bytes), the file {'locked' if self._locked_since else 'slow'}"))
+                f"bytes), the file {self._state_said()}"))
             return written
         self._held.append(_Held(letter, size, written))
         self._held_bytes += size
@@ -946,6 +946,12 @@ class DeadLetterQueue:
         held = self._held.popleft()
         self._held_bytes -= held.size
 
+    def _state_said(self) -> str:
+        """Why letters are held, as the log and :class:`LetterNotKept` say it: the file
+        locked by another process (its last try refused), or slow to take them (writing)."""
+        return ("locked by another process" if self._locked_since is not None
+                else "slow to take them")
+
     def _note_locked(self) -> None:
         if self._locked_since is None:
             self._locked_since = time.monotonic()
@@ -972,9 +978,7 @@ class DeadLetterQueue:
             # Said: the drain said "drained", and a wait of drain_timeout without a word
             # looked like a hang (and a second Ctrl-C was not heard here).
             log.warning("%d dead letter(s) held for %s, %s; waiting up to %.1fs for it to "
-                        "take them%s", len(self._held), self.path,
-                        "locked by another process" if self._locked_since is not None else
-                        "not written yet", budget,
+                        "take them%s", len(self._held), self.path, self._state_said(), budget,
                         "; a second SIGTERM or Ctrl-C ends the wait" if cut_now else "")
             waits: set[asyncio.Future[Any]] = {self._writer}
             if cut_now:
@@ -993,8 +997,9 @@ class DeadLetterQueue:
         if not self._held:  # (any left by a writer that ended are lost below, not left)
             return
         ids = [held.letter.request_id for held in self._held]
-        log.error("dead-letter file %s still locked at shutdown, after %.1fs%s: %d letter(s) "
-                  "held for it are lost (requests %s)", self.path,
+        said = self._state_said()
+        log.error("dead-letter file %s %s at shutdown, after %.1fs%s: %d letter(s) "
+                  "held for it are lost (requests %s)", self.path, f"still {said}",
                   time.monotonic() - started,
                   " (a second stop signal ended the wait)" if cut_now and cut.is_set()
                   else "", len(ids), ", ".join(ids))
@@ -1003,7 +1008,7 @@ class DeadLetterQueue:
             self._release()
             self.not_kept += 1
             held.written.set_exception(LetterNotKept(
-                f"the server stopped with {self.path} still locked"))
+                f"the server stopped with {self.path} still {said}"))
         await asyncio.sleep(0)  # their callbacks (events, counts) run before the log closes
 
     async def close(self, flush_until: float | None = None,

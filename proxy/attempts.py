@@ -897,8 +897,10 @@ def _dead_lettered(rt: Runtime, route: Route, call: Call, reason: str, attempts:
         log.error("dead-letter write failed on route %s: the state backend did not answer "
                   "(%s)", route.name, error.cause, extra=PER_CALL)
         return
-    if isinstance(error, LetterNotKept):  # a locked file: as for Redis away, no traceback
-        log.error("dead-letter write failed on route %s: not kept for the locked file: %s",
+    if isinstance(error, LetterNotKept):  # a locked or slow file, a stop: no traceback
+        # Its message says why (the file locked, slow, or the server stopping): this line
+        # said "for the locked file" whatever it was.
+        log.error("dead-letter write failed on route %s: not kept: %s",
                   route.name, error, extra=PER_CALL)
         return
     if write.cancelled() or error is not None:

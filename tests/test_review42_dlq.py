@@ -63,7 +63,9 @@ async def test_a_letter_lost_at_shutdown_is_a_dead_letter_lost_event_on_the_log(
         upstream, start_sluice, tmp_path):
     """README: a lost letter is "put on the event log as a dead_letter_lost event";
     those still held at shutdown are lost. (The first cut did this already: kept as a
-    guard for the shutdown's changes below.)"""
+    guard for the shutdown's changes below.) The lost letter's log line says why it was
+    not kept as its error does (the file locked, slow, or the server stopping); the first
+    cut's said "not kept for the locked file" whatever the reason."""
     path = tmp_path / "dlq.sqlite"
     sluice = await start_sluice({
         "server": {"drain_timeout": "1s"},
@@ -73,7 +75,11 @@ async def test_a_letter_lost_at_shutdown_is_a_dead_letter_lost_event_on_the_log(
         await _one_held_letter(sluice)
         sluice.signal(signal.SIGTERM)
         await sluice.wait_exit(timeout=20.0)
-    assert "held for it are lost" in sluice.stderr()
+    err = sluice.stderr()
+    assert "still locked by another process at shutdown" in err, err
+    assert "held for it are lost" in err, err
+    assert ("not kept: the server stopped with " in err
+            and "still locked by another process" in err), err
     lost = [e for e in sluice.events() if e["event"] == "dead_letter_lost"]
     assert len(lost) == 1, sluice.events()
     assert stored(path) == []
