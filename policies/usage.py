@@ -575,8 +575,9 @@ class Meter:
         final: ``usage`` is the upstream's final count.
         streamed_tokens: estimated output tokens in the content events passed on, for a
             stream that ends without usage: one per :data:`BYTES_PER_TOKEN` bytes of text, at
-            least one per event; after the first :data:`SAMPLE_EVENTS` (parsed), each event
-            counts by its size less their mean bytes around the text (the JSON of a chunk).
+            least one per event with text; after the first :data:`SAMPLE_EVENTS` (parsed),
+            each event counts as their mean, but one over twice their mean size, which is
+            parsed and counted as they were.
         headers: added to the answer's headers (the budget's, set at admission).
     """
 
@@ -609,9 +610,11 @@ class Meter:
     #: They end in a bare CR: each is read as an LF (see ``_line_ending``).
     _bare_cr = False
     _sampled = 0
-    #: Mean bytes of a sampled event's data that are not its text, and their sum.
-    _overhead = 0
-    _sample_overhead = 0
+    _sample_tokens = 0
+    _per_event = 1
+    #: Bytes of the sampled events' data, and the size past which a later one is parsed.
+    _sample_size = 0
+    _big_event = 0
     status = 0
     complete = False
     done = False
@@ -933,11 +936,13 @@ class Meter:
 
         Only events carrying a usage object are parsed in full, found by the bytes
         ``"usage"`` followed by ``{`` (an escaped quote inside text cannot match). Content
-        events are counted: the first :data:`SAMPLE_EVENTS` are parsed to measure their text
-        and what surrounds it, later ones by their size less that, so a long stream costs a
-        few byte searches per event and no copies. (Counted as the sample's mean instead, a
-        stream whose later events were larger, 3 KB tool arguments after one-character
-        deltas, was charged 40 tokens for ~15,000: an ops trial.)
+        events are counted: the first :data:`SAMPLE_EVENTS` are parsed to measure their text,
+        later ones count as the sample's mean, so a long stream costs a few byte searches per
+        event and no copies; but a later event over twice the sample's mean size is parsed
+        and counted by its text (counted as the mean, 3 KB tool arguments after
+        one-character deltas were charged 40 tokens for ~15,000: a hostile trial; counted by
+        size, a chunk carrying no text, an Azure content filter's results or a thinking
+        block's signature, or text sent as escapes, was overcharged: a review).
         """
         if buf.startswith(b"data:", start):
             first = start + 5
@@ -992,10 +997,10 @@ class Meter:
                 return False
             if not self._finished:
                 self._finished = _finish_reason_given(data, first, last)
-        if self._sampled < SAMPLE_EVENTS:
+        if self._sampled < SAMPLE_EVENTS or last - first > self._big_event:
             self._parse(data[first:last], False)
         else:
-            self.streamed_tokens += max(1, -(-(last - first - self._overhead) // BYTES_PER_TOKEN))
+            self.streamed_tokens += self._per_event
         return False
 
     def _error_event(self, payload: bytes, named: bool = False) -> bool:
@@ -1094,8 +1099,10 @@ class Meter:
             self.streamed_tokens += tokens
             if self._sampled < SAMPLE_EVENTS:
                 self._sampled += 1
-                self._sample_overhead += max(0, len(payload) - text)
-                self._overhead = self._sample_overhead // self._sampled
+                self._sample_tokens += tokens
+                self._per_event = max(1, -(-self._sample_tokens // self._sampled))
+                self._sample_size += len(payload)
+                self._big_event = 2 * self._sample_size // self._sampled
         return strip
 
     def _take(self, raw: dict) -> bool:

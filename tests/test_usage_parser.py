@@ -4,11 +4,13 @@ fed in every possible split, since chunk boundaries are not event boundaries."""
 from __future__ import annotations
 
 import json
+from unittest import mock
 
 import orjson
 import pytest
 from multidict import CIMultiDict
 
+from policies import usage
 from policies.usage import (
     ATTACHMENT_TOKENS,
     BYTES_PER_TOKEN,
@@ -342,20 +344,21 @@ def test_streamed_estimate_counts_text_at_least_one_per_event():
     assert not meter.final and not meter.complete
 
 
-def test_long_streams_count_later_events_by_their_size_less_the_samples_wrapping():
+def test_long_streams_count_later_events_at_the_sample_mean_but_big_ones_by_their_text():
     meter = Meter(CHAT, anthropic=False, strip_usage=False)
     started(meter)
     for i in range(SAMPLE_EVENTS):
         meter.chunk(sse(chat_chunk("abcdef" if i % 2 else "abc")))  # 2 and 1 tokens
     assert meter.streamed_tokens == SAMPLE_EVENTS * 3 // 2
     for _ in range(10):
-        meter.chunk(sse(chat_chunk("x")))  # the same wrapping, one byte of text
-    assert meter.streamed_tokens == SAMPLE_EVENTS * 3 // 2 + 10
-    # An ops trial: 3 KB tool arguments after one-character deltas were counted as the
-    # sample's mean, 1 token each (a cut stream of ~15,000 tokens charged 40).
+        meter.chunk(sse(chat_chunk("x")))
+    assert meter.streamed_tokens == SAMPLE_EVENTS * 3 // 2 + 10 * 2  # mean 1.5, rounded up
+    # A hostile trial: 3 KB tool arguments after one-character deltas were counted as the
+    # sample's mean, 2 tokens each (a cut stream of ~15,000 tokens charged 40). An event
+    # over twice the sample's mean size is parsed.
     for _ in range(20):
         meter.chunk(sse(chat_chunk("y" * 3000)))
-    assert meter.streamed_tokens == SAMPLE_EVENTS * 3 // 2 + 10 + 20 * 1000
+    assert meter.streamed_tokens == SAMPLE_EVENTS * 3 // 2 + 10 * 2 + 20 * 1000
 
     meter = Meter(MESSAGES, anthropic=True, strip_usage=False)
     started(meter)
@@ -773,3 +776,36 @@ def test_content_after_done_is_not_counted():
     meter.chunk(_chat("a", '"stop"') + b"data: [DONE]\n\n" + _chat("x" * 400) * 3)
     meter.finish()
     assert meter.streamed_tokens == 1
+
+
+def _streamed(kind, data: bytes, parse_all: bool = False) -> int:
+    """streamed_tokens of a stream cut before its end; ``parse_all``: every event parsed."""
+    with mock.patch.object(usage, "SAMPLE_EVENTS", 10**9 if parse_all else SAMPLE_EVENTS):
+        meter = Meter(kind, anthropic=kind is MESSAGES, strip_usage=False)
+        started(meter)
+        meter.chunk(data)
+        return meter.streamed_tokens
+
+
+def test_big_later_events_without_text_count_as_parsed():
+    """A review of a first cut, which counted every later event by its size: an Azure
+    content filter's chunks (an empty delta and the filter's results) and a thinking block's
+    signature (no text, and always past the sample) were charged as text, 33x over."""
+    annotation = {"id": "c", "object": "chat.completion.chunk", "model": "m", "choices": [
+        {"index": 0, "finish_reason": None, "delta": {},
+         "content_filter_results": {k: {"filtered": False, "severity": "safe"} for k in (
+             "hate", "self_harm", "sexual", "violence")}}]}
+    events = [chat_chunk("word ") for _ in range(SAMPLE_EVENTS)]
+    for _ in range(50):
+        events += [chat_chunk("word "), chat_chunk("word "), annotation]
+    data = sse(*events)
+    assert _streamed(CHAT, data) == _streamed(CHAT, data, parse_all=True)
+
+    def delta(body: dict) -> dict:
+        return {"type": "content_block_delta", "index": 0, "delta": body}
+
+    events = [delta({"type": "thinking_delta", "thinking": "Let me think. "})
+              for _ in range(SAMPLE_EVENTS + 4)]
+    events.append(delta({"type": "signature_delta", "signature": "EqQBCkYIARgCIkD" * 80}))
+    data = sse(*events, event_names=["content_block_delta"] * len(events))
+    assert _streamed(MESSAGES, data) == _streamed(MESSAGES, data, parse_all=True)
