@@ -485,19 +485,7 @@ async def test_sigterm_while_starting_exits_0_after_starting(tmp_path):
     # Seen by a new user: SIGTERM in serve's first second (imports, config, connections),
     # before the event loop took the signals, ended the process by the default action
     # (exit 143, no drain); the README says SIGTERM exits 0.
-    config = tmp_path / "sluice.yaml"
-    port, admin_port = free_ports(2)
-    config.write_text(f"""
-server: {{listen: "127.0.0.1:{port}", admin_listen: "127.0.0.1:{admin_port}"}}
-events: {{path: {tmp_path / "events.jsonl"}}}
-routes:
-  - {{name: r, path_prefix: /r/, upstream: "http://127.0.0.1:9"}}
-""")
-    # SIGHUP at its default in the child, as a supervisor starts it: under nohup it would be
-    # ignored before Python starts, and the SIGTERM below sent into the default action.
-    proc = subprocess.Popen([sys.executable, "-m", "proxy.cli", "serve", "--config", str(config)],
-                            stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
+    proc = _starting_serve(tmp_path)
     try:
         # Sent as soon as serve has taken SIGHUP over (its first step), long before its loop
         # takes SIGTERM (after ~0.5 s of imports).
@@ -510,6 +498,23 @@ routes:
     assert "Traceback" not in stderr and "drained" in stderr
 
 
+def _starting_serve(tmp_path: Path) -> subprocess.Popen[str]:
+    """``sluice serve`` starting in a child on a one-route config in ``tmp_path`` (events in
+    its ``events.jsonl``), with SIGHUP at its default, as a supervisor starts it: under nohup
+    it would be ignored before Python starts, and a signal sent into the default action."""
+    config = tmp_path / "sluice.yaml"
+    port, admin_port = free_ports(2)
+    config.write_text(f"""
+server: {{listen: "127.0.0.1:{port}", admin_listen: "127.0.0.1:{admin_port}"}}
+events: {{path: {tmp_path / "events.jsonl"}}}
+routes:
+  - {{name: r, path_prefix: /r/, upstream: "http://127.0.0.1:9"}}
+""")
+    return subprocess.Popen([sys.executable, "-m", "proxy.cli", "serve", "--config", str(config)],
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
+
+
 async def _serve_holds_sighup(pid: int) -> None:
     """Until ``serve``'s first step has taken the signals over (SIGHUP is caught last)."""
     await wait_until(lambda: _signal_mask(pid, "SigCgt") & (1 << (signal.SIGHUP - 1)),
@@ -520,18 +525,8 @@ async def test_sighup_while_starting_reloads_once_the_watch_starts(tmp_path):
     """An ops trial: a SIGHUP sent while serve started (after an operator replaced the file
     it was reading) was ignored; the file read could be the old one. It is remembered, and
     the config is read again once the watch starts."""
-    config = tmp_path / "sluice.yaml"
-    port, admin_port = free_ports(2)
     events = tmp_path / "events.jsonl"
-    config.write_text(f"""
-server: {{listen: "127.0.0.1:{port}", admin_listen: "127.0.0.1:{admin_port}"}}
-events: {{path: {events}}}
-routes:
-  - {{name: r, path_prefix: /r/, upstream: "http://127.0.0.1:9"}}
-""")
-    proc = subprocess.Popen([sys.executable, "-m", "proxy.cli", "serve", "--config", str(config)],
-                            stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
+    proc = _starting_serve(tmp_path)
     try:
         await _serve_holds_sighup(proc.pid)
         proc.send_signal(signal.SIGHUP)

@@ -523,6 +523,20 @@ async def test_duplicates_waiting_on_another_replica_get_the_failure(upstream, s
         delete_prefix(url, prefix)
 
 
+async def holder_and_waiting_twin(s: aiohttp.ClientSession, sluice, upstream, url: str,
+                                  headers: dict[str, str], deadline: str, reached: int = 1
+                                  ) -> tuple[asyncio.Task, asyncio.Task]:
+    """A keyed call of the ``tools`` route whose caller's deadline is ``deadline`` seconds,
+    once the upstream has its ``reached``-th request, and its twin with no deadline, once it
+    waits for the key: both tasks (``post``'s results)."""
+    first = asyncio.create_task(post(s, url, {"usd": 5},
+                                     {**headers, "X-Request-Timeout": deadline}))
+    await wait_for(lambda: len(upstream.requests) == reached)
+    twin = asyncio.create_task(post(s, url, {"usd": 5}, headers))
+    await sluice.wait_metric("sluice_idempotency_waiting", 1, route="tools")
+    return first, twin
+
+
 async def test_a_twin_stopped_by_its_callers_deadline_hands_the_key_on(upstream, start_sluice):
     """A call whose retries its caller's deadline stopped (the upstream's Retry-After did not
     fit in it) failed for that caller, not for good: a duplicate with no deadline waiting for
@@ -535,11 +549,7 @@ async def test_a_twin_stopped_by_its_callers_deadline_hands_the_key_on(upstream,
     url = sluice.url + "/tools/v1/charge"
     headers = {"Idempotency-Key": "charge-11"}
     async with aiohttp.ClientSession() as s:
-        first = asyncio.create_task(post(s, url, {"usd": 5},
-                                         {**headers, "X-Request-Timeout": "2"}))
-        await wait_for(lambda: len(upstream.requests) == 1)
-        twin = asyncio.create_task(post(s, url, {"usd": 5}, headers))
-        await sluice.wait_metric("sluice_idempotency_waiting", 1, route="tools")
+        first, twin = await holder_and_waiting_twin(s, sluice, upstream, url, headers, "2")
         upstream.hold.set()
         status, h, _ = await first
         assert status == 503 and "Idempotent-Replayed" not in h

@@ -11,7 +11,7 @@ import aiohttp
 
 from tests.conftest import route
 from tests.redis_servers import TEST_TIMEOUT_S, delete_prefix, new_prefix, require_redis
-from tests.test_idempotency import post, wait_for
+from tests.test_idempotency import holder_and_waiting_twin, post, wait_for
 
 
 async def test_an_attempt_cut_by_its_callers_deadline_is_not_shared(upstream, start_sluice):
@@ -24,11 +24,7 @@ async def test_an_attempt_cut_by_its_callers_deadline_is_not_shared(upstream, st
     url = sluice.url + "/tools/v1/charge"
     headers = {"Idempotency-Key": "deadline-1"}
     async with aiohttp.ClientSession() as s:
-        first = asyncio.create_task(post(s, url, {"usd": 5},
-                                         {**headers, "X-Request-Timeout": "1"}))
-        await wait_for(lambda: len(upstream.requests) == 1)
-        twin = asyncio.create_task(post(s, url, {"usd": 5}, headers))
-        await sluice.wait_metric("sluice_idempotency_waiting", 1, route="tools")
+        first, twin = await holder_and_waiting_twin(s, sluice, upstream, url, headers, "1")
         status, h, body = await first
         assert status == 504, (status, body)
         upstream.hold.set()
@@ -50,11 +46,8 @@ async def test_a_last_attempt_cut_by_its_callers_deadline_is_not_shared(upstream
     url = sluice.url + "/tools/v1/charge"
     headers = {"Idempotency-Key": "deadline-2"}
     async with aiohttp.ClientSession() as s:
-        first = asyncio.create_task(post(s, url, {"usd": 5},
-                                         {**headers, "X-Request-Timeout": "1.5"}))
-        await wait_for(lambda: len(upstream.requests) == 2)
-        twin = asyncio.create_task(post(s, url, {"usd": 5}, headers))
-        await sluice.wait_metric("sluice_idempotency_waiting", 1, route="tools")
+        first, twin = await holder_and_waiting_twin(s, sluice, upstream, url, headers, "1.5",
+                                                    reached=2)
         status, h, body = await first
         assert status == 504, (status, h, body)
         upstream.hold.set()
