@@ -826,7 +826,10 @@ class DeadLetterQueue:
 
         started = time.monotonic()
         try:
-            found = await asyncio.to_thread(damage, self.path, OPEN_BUSY_TIMEOUT_S, connected)
+            # A short wait for a lock: an interrupt does not end SQLite's wait for one, and a
+            # close waited out the 5 s of a file another process held locked (a clean-clone
+            # run); a locked file is checked at the next start.
+            found = await asyncio.to_thread(damage, self.path, WRITE_BUSY_TIMEOUT_S, connected)
         except _CheckStopped:
             return  # closed before the check started
         except sqlite3.Error as exc:
