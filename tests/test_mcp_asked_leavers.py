@@ -19,6 +19,7 @@ held. The server is the official SDK's (``tests/mcp_servers.py``, ``confirm_send
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from typing import Any
 
@@ -83,7 +84,19 @@ async def accepting_retry(url: str, to: str, **arguments: Any) -> str:
     async def confirm(context: Any, params: Any) -> Any:
         return types.ElicitResult(action="accept", content={"ok": True})
 
-    async with Client(url, mode="legacy", elicitation_callback=confirm) as client:
+    async with contextlib.AsyncExitStack() as stack:
+        for opening in (1, 2):
+            try:
+                client = await stack.enter_async_context(
+                    Client(url, mode="legacy", elicitation_callback=confirm))
+                break
+            except BaseException as error:
+                # Opened again once if Sluice's pooled connection to the server was closed
+                # by the server just as Sluice reused it (a POST is not resent on its own:
+                # 502 upstream_unreachable, seen once in a clean-clone run): no call was
+                # sent yet, and that race is not what these tests are about.
+                if opening == 2 or "upstream_unreachable" not in repr(error):
+                    raise
         result = await client.call_tool("confirm_send", {"to": to, **arguments},
                                         read_timeout_seconds=PROMPTLY_S)
     return result.content[0].text
