@@ -566,7 +566,8 @@ class Reconciler(Redeliveries["_Pending"]):
         entry = _Pending(reservation.rid, None, [0.0] * len(reservation.claims),
                          _keys(reservation.claims))
         try:
-            released = await source.admissions.release(budgets.group, takes, reservation.rid)
+            released = await source.admissions.release(budgets.group, takes, reservation.rid,
+                                                       bool(reservation.claims))
             if not released and source.redis is not None:
                 await source.ledger.levels(budgets.group, entry.keys)
         except StateUnavailable:

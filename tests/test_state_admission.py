@@ -173,6 +173,29 @@ async def test_a_release_refunds_and_releases_once(backends):
     assert await backends.ledger.levels("r", ["tokens:acme:1"]) == [(0.0, 0.0)]
 
 
+async def test_a_release_that_lands_before_its_admission_leaves_nothing_taken(backends):
+    """A Redis fault trial: an admission sent as Redis stalled timed out (the call went to
+    the local fallback, and its release was sent), but its script reached Redis after the
+    release: it held the call's tokens, found by nobody, until the reap minutes later. The
+    release marks the id gone: the late admission (and a late ledger reserve) takes nothing,
+    and the release refunds no unit it never took. (Memory has no late scripts: there the
+    release of an id not held just refunds nothing.)"""
+    late = rid()
+    assert not await backends.admissions.release("r", [REQUESTS], late)
+    assert await backends.rates.available("r", [REQUESTS]) == (3,)  # none refunded
+    if backends.redis is None:
+        return
+    assert (await admit(backends, [REQUESTS], [claim(60)], late)).admitted  # as it lands
+    assert await backends.rates.available("r", [REQUESTS]) == (3,)
+    assert await backends.ledger.levels("r", ["tokens:acme:1"]) == [(0.0, 0.0)]
+    also_late = rid()
+    assert not await backends.ledger.settle("r", also_late, [0.0])
+    now = time.time()
+    assert await backends.ledger.reserve("r", also_late, [claim(60)], now, 900.0) == []
+    assert await backends.ledger.levels("r", ["tokens:acme:1"]) == [(0.0, 0.0)]
+    assert not await backends.ledger.settle("r", also_late, [60.0])  # a mark settles nothing
+
+
 async def test_holders_rates_and_claims_in_one_admission(backends):
     """With a holder, the script also keeps the buckets' records (keys between the buckets
     and the counters): the claims still land on their counters, and on Redis the bucket

@@ -92,11 +92,16 @@ class Admissions(Protocol):
         """
         ...
 
-    async def release(self, group: str, takes: Sequence[Take], rid: str) -> bool:
+    async def release(self, group: str, takes: Sequence[Take], rid: str,
+                      claimed: bool = True) -> bool:
         """Give back what :meth:`admit` took for a call that never reached the upstream:
         refund each bucket's amount and release reservation ``rid`` with nothing spent, in
-        one step. The release is once by id (``False``: nothing was held under ``rid``); the
-        refund is not, so it is the caller's to ask once per admission."""
+        one step. The release is once by id (``False``: nothing was held under ``rid``).
+        ``claimed``: the admission held claims, and took its units with them: with nothing
+        held under ``rid`` it took none (it was refused, or has not landed: with Redis, an
+        admission delayed on its way then finds ``rid`` marked gone and takes nothing), so
+        nothing is refunded. Without claims the refund is not once by id: it is the
+        caller's to ask once per admission."""
         ...
 
 
@@ -127,9 +132,12 @@ class MemoryAdmissions:
             ledger.hold(group, rid, claims, now, hold_s)
         return AdmissionResult(True, rates.taken(plan), [])
 
-    async def release(self, group: str, takes: Sequence[Take], rid: str) -> bool:
-        await self._rates.refund(group, takes)
-        return self._ledger.release(group, rid)
+    async def release(self, group: str, takes: Sequence[Take], rid: str,
+                      claimed: bool = True) -> bool:
+        held = self._ledger.release(group, rid)
+        if held or not claimed:
+            await self._rates.refund(group, takes)
+        return held
 
 
 # KEYS: the reservations hash and its expiry set, then the buckets, then (with a holder) their
@@ -165,11 +173,17 @@ return {admitted, refused, wait, applied(b, refused), remaining(b), denied, leve
 
 
 # KEYS: the reservations hash and its expiry set, then the buckets. ARGV: rid, then (limit,
-# period us, amount) per bucket. Returns {1 when the reservation was released, 0 if not held,
-# the levels of its counters after (as the ledger's settle)}.
+# period us, amount) per bucket, then '1' if the admission held claims (else '0'), then how
+# long an id not held is marked gone, ms. Returns {1 when the reservation was released, 0
+# if not held, the levels of its counters after (as the ledger's settle)}.
 _RELEASE = Script(GCRA_LUA + LEDGER_LUA + """
-refund(buckets(2, 1, #KEYS - 2))
-return settle_levels(KEYS[1], KEYS[2], ARGV[1], nil)
+local raw = redis.call('HGET', KEYS[1], ARGV[1])
+-- An admission with claims takes its units with its hold, in one script: no hold, no units
+-- (not landed yet, and the mark below makes it take nothing when it does; or refused).
+if ARGV[#ARGV - 1] == '0' or (raw and cjson.decode(raw).s ~= 'x') then
+  refund(buckets(2, 1, #KEYS - 2))
+end
+return settle_levels(KEYS[1], KEYS[2], ARGV[1], nil, tonumber(ARGV[#ARGV]))
 """)
 
 
@@ -203,7 +217,10 @@ class RedisAdmissions:
         rates = rate_result(bool(admitted), int(refused), wait, applied, remaining)
         return AdmissionResult(bool(admitted), rates, [int(i) for i in denied])
 
-    async def release(self, group: str, takes: Sequence[Take], rid: str) -> bool:
+    async def release(self, group: str, takes: Sequence[Take], rid: str,
+                      claimed: bool = True) -> bool:
         keys = self._ledger.reservation_keys(group) + self._rates.keys(group, takes)
-        reply = await self._state.eval(_RELEASE, keys, [rid, *bucket_args(takes)])
+        reply = await self._state.eval(_RELEASE, keys, [rid, *bucket_args(takes),
+                                                        "1" if claimed else "0",
+                                                        self._ledger.gone_ms(group)])
         return self._ledger.remember_settled(group, reply)

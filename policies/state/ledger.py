@@ -401,9 +401,21 @@ local function settle(resv, exp, rid, a)
   redis.call('ZREM', exp, rid)
   return 1
 end
-local function settle_levels(resv, exp, rid, a)
+-- A release or settle of a reservation not (yet) held leaves a mark for gone_ms, so that
+-- the reserve it answers for, delayed on its way (sent as Redis stalled, or through a slow
+-- proxy), holds nothing when it lands: it found the id taken and did nothing. Without it
+-- the hold stayed until the reap, minutes later (a Redis fault trial). A mark settles as
+-- nothing was there.
+local function settle_levels(resv, exp, rid, a, gone_ms)
   local raw = redis.call('HGET', resv, rid)
-  if not raw then return {0, {}} end
+  if not raw then
+    if gone_ms > 0 then
+      redis.call('HSET', resv, rid, '{"s":"x","c":[]}')
+      redis.call('ZADD', exp, now + gone_ms, rid)
+    end
+    return {0, {}}
+  end
+  if cjson.decode(raw).s == 'x' then return {0, {}} end
   settle(resv, exp, rid, a)
   local out = {}
   for _, c in ipairs(cjson.decode(raw).c) do
@@ -439,11 +451,12 @@ if #denied == 0 then hold_claims(KEYS[1], KEYS[2], rid, hold, 2, 2, #KEYS - 2) e
 return {denied, levels(3)}
 """)
 
-# KEYS: reservations, their expiries. ARGV: rid, then the actual spend per claim.
+# KEYS: reservations, their expiries. ARGV: rid, then the actual spend per claim, then
+# how long an id not held is marked gone, ms.
 # Returns {0 (nothing to settle) or 1, {counter key, spent, held, ...} after}. The counters
 # are named in the reservation (same slot).
 _SETTLE = Script(LEDGER_LUA + """
-return settle_levels(KEYS[1], KEYS[2], ARGV[1], 1)
+return settle_levels(KEYS[1], KEYS[2], ARGV[1], 1, tonumber(ARGV[#ARGV]))
 """)
 
 # KEYS: counters. ARGV: per counter, amount and TTL ms.
@@ -472,6 +485,11 @@ for i = 1, #KEYS do
 end
 return out
 """)
+
+
+#: How long a release of a reservation id not held marks it gone when the group's hold is
+#: not known here, ms: two minutes, the reservations' documented longest hold.
+GONE_MS = 120_000
 
 
 def hold_ms_of(hold_s: float) -> int:
@@ -511,6 +529,12 @@ class RedisLedger:
             args += [repr(float(claim.amount)), repr(float(claim.cap)), ttl_ms]
         return args
 
+    def gone_ms(self, group: str) -> int:
+        """How long a release or settle of a reservation id not held marks it gone, ms: the
+        group's hold (a reserve delayed longer would have been reaped by then anyway), or
+        :data:`GONE_MS` before this process has reserved in the group."""
+        return self._holds.get(group) or GONE_MS
+
     def note_hold(self, group: str, hold_ms: int) -> None:
         """Remember ``group``'s reservation hold (ms), as a reserving script was given it:
         :meth:`refresh_held` reaps the group's lapsed reservations keeping them that long."""
@@ -528,7 +552,8 @@ class RedisLedger:
 
     async def settle(self, group: str, rid: str, actual: Sequence[float]) -> bool:
         reply = await self._state.eval(_SETTLE, self.reservation_keys(group),
-                                       [rid, *(repr(float(a)) for a in actual)])
+                                       [rid, *(repr(float(a)) for a in actual),
+                                        self.gone_ms(group)])
         return self.remember_settled(group, reply)
 
     def remember_settled(self, group: str, reply: Sequence[Any]) -> bool:
