@@ -602,7 +602,11 @@ class Reconciler(Redeliveries["_Pending"]):
             await ledger.reserve(group, entry.rid, entry.claims, budgets.clock(),
                                  budgets.hold_s)
             entry.actual = [claim.amount for claim in entry.claims]
-        if not await ledger.settle(group, entry.rid, entry.actual):
+        # Local spend's id is marked gone even if it held: a reserve of it sent in an earlier
+        # round may still be on its way, and must not hold again once this one settled (a
+        # review). A call's own reserve is sent once: its settle leaves no mark.
+        if not await ledger.settle(group, entry.rid, entry.actual,
+                                   mark=entry.claims is not None):
             await ledger.levels(group, entry.keys)
 
 

@@ -118,9 +118,9 @@ async def test_a_caller_leaving_during_the_admission_gets_units_tokens_and_budge
     rounds = backends.admissions.release
     released: list[str] = []
 
-    async def counted(group, takes, rid):
+    async def counted(group, takes, rid, claimed=True):
         released.append(rid)
-        return await rounds(group, takes, rid)
+        return await rounds(group, takes, rid, claimed)
     backends.admissions.release = counted
     await leave_during(route, backends.admissions, "admit", call(CHAT_PATH, CHAT))
     assert len(released) == 1  # the request unit, the tokens and the reservation: one trip

@@ -237,3 +237,22 @@ async def test_a_refresh_reaps_a_dead_replicas_lapsed_reservation(backends: Stat
         assert await other.ledger.settle("g", dead, [150]) is True  # lapsed: charged once
         assert await other.ledger.settle("g", dead, [150]) is False
         assert (await ledger.levels("g", ["day"])) == [(157, 0)]
+
+
+async def test_a_marked_settle_leaves_its_id_gone_for_a_late_copy_of_its_reserve(
+        backends: StateBackends):
+    """The reconciler charges spend made on the local fallback as a reserve of its own id,
+    then a settle; a round whose reserve timed out (still on the wire) is tried again. A
+    review: the retry's reserve landed first and was settled, then the stalled copy landed
+    and held the spend again, uncapped, until the reap. Its settle marks the id gone (the
+    reconciler's ``mark``), so the late copy holds nothing. (Memory has no late scripts.)"""
+    if backends.redis is None:
+        pytest.skip("the memory ledger has no script on its way")
+    ledger, now, one = backends.ledger, time.time(), rid()
+    spent = [Claim("tokens:acme:1", 60.0, float("inf"), now + HOUR)]
+    assert await ledger.reserve("r", one, spent, now, 120.0) == []  # the retry's reserve
+    assert await ledger.settle("r", one, [60.0], mark=True)
+    assert await ledger.reserve("r", one, spent, now, 120.0) == []  # the stalled one lands
+    assert await ledger.levels("r", ["tokens:acme:1"]) == [(60.0, 0.0)]
+    assert not await ledger.settle("r", one, [60.0], mark=True)  # charged once
+    assert await ledger.levels("r", ["tokens:acme:1"]) == [(60.0, 0.0)]

@@ -87,11 +87,15 @@ class Ledger(Protocol):
         """
         ...
 
-    async def settle(self, group: str, rid: str, actual: Sequence[float]) -> bool:
+    async def settle(self, group: str, rid: str, actual: Sequence[float],
+                     mark: bool = False) -> bool:
         """Release reservation ``rid``'s holds and add ``actual`` (one amount per claim, in
         order) to the counters' spend. ``False`` when there was nothing to settle (already
         settled, never reserved, or reaped long ago); a lapsed reservation is charged but
-        releases nothing (its holds were released when it was reaped)."""
+        releases nothing (its holds were released when it was reaped). With Redis an id
+        that held nothing is marked gone for the hold, so a reserve of it still on its way
+        holds nothing; ``mark``: so is one that held something (a reserve that may have been
+        sent twice, the reconciler's: the late copy must not hold again)."""
         ...
 
     async def charge(self, group: str, claims: Sequence[Claim], now: float) -> None:
@@ -252,7 +256,8 @@ class MemoryLedger:
         self._reservations[(group, rid)] = _Reservation(kept, clock + hold_s)
         heapq.heappush(self._due, (clock + hold_s, group, rid))
 
-    async def settle(self, group: str, rid: str, actual: Sequence[float]) -> bool:
+    async def settle(self, group: str, rid: str, actual: Sequence[float],
+                     mark: bool = False) -> bool:
         return self._settle(group, rid, actual)
 
     def _settle(self, group: str, rid: str, actual: Sequence[float]) -> bool:
@@ -406,17 +411,21 @@ end
 -- proxy), holds nothing when it lands: it found the id taken and did nothing. Without it
 -- the hold stayed until the reap, minutes later (a Redis fault trial). A mark settles as
 -- nothing was there.
-local function settle_levels(resv, exp, rid, a, gone_ms)
+local function mark_gone(resv, exp, rid, gone_ms)
+  if gone_ms > 0 then
+    redis.call('HSET', resv, rid, '{"s":"x","c":[]}')
+    redis.call('ZADD', exp, now + gone_ms, rid)
+  end
+end
+local function settle_levels(resv, exp, rid, a, gone_ms, mark)
   local raw = redis.call('HGET', resv, rid)
   if not raw then
-    if gone_ms > 0 then
-      redis.call('HSET', resv, rid, '{"s":"x","c":[]}')
-      redis.call('ZADD', exp, now + gone_ms, rid)
-    end
+    mark_gone(resv, exp, rid, gone_ms)
     return {0, {}}
   end
   if cjson.decode(raw).s == 'x' then return {0, {}} end
   settle(resv, exp, rid, a)
+  if mark then mark_gone(resv, exp, rid, gone_ms) end
   local out = {}
   for _, c in ipairs(cjson.decode(raw).c) do
     local v = redis.call('HMGET', c[1], 's', 'h')
@@ -452,11 +461,12 @@ return {denied, levels(3)}
 """)
 
 # KEYS: reservations, their expiries. ARGV: rid, then the actual spend per claim, then
-# how long an id not held is marked gone, ms.
+# how long an id not held is marked gone, ms, then '1' to mark it gone even if it held.
 # Returns {0 (nothing to settle) or 1, {counter key, spent, held, ...} after}. The counters
 # are named in the reservation (same slot).
 _SETTLE = Script(LEDGER_LUA + """
-return settle_levels(KEYS[1], KEYS[2], ARGV[1], 1, tonumber(ARGV[#ARGV]))
+return settle_levels(KEYS[1], KEYS[2], ARGV[1], 1, tonumber(ARGV[#ARGV - 1]),
+                     ARGV[#ARGV] == '1')
 """)
 
 # KEYS: counters. ARGV: per counter, amount and TTL ms.
@@ -550,10 +560,11 @@ class RedisLedger:
         self.remember(group, [c.key for c in claims], flat)
         return [int(i) for i in denied]
 
-    async def settle(self, group: str, rid: str, actual: Sequence[float]) -> bool:
+    async def settle(self, group: str, rid: str, actual: Sequence[float],
+                     mark: bool = False) -> bool:
         reply = await self._state.eval(_SETTLE, self.reservation_keys(group),
                                        [rid, *(repr(float(a)) for a in actual),
-                                        self.gone_ms(group)])
+                                        self.gone_ms(group), "1" if mark else "0"])
         return self.remember_settled(group, reply)
 
     def remember_settled(self, group: str, reply: Sequence[Any]) -> bool:
