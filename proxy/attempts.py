@@ -74,7 +74,7 @@ from policies.retry import (
 )
 from policies.state import StateUnavailable
 from proxy import forward as fwd
-from proxy.client import client_timeout
+from proxy.client import client_timeout, send_aside
 from proxy.rejections import jsonrpc_id, render
 from proxy.routes import Route
 from proxy.runtime import Polled, Runtime
@@ -1029,6 +1029,7 @@ async def _send_cancel(rt: Runtime, route: Route, call: Call,
     (0 when it gave none); then, if the server took it, close ``finishing`` once it has not
     answered the call within :data:`CANCEL_ANSWER_WAIT_S`."""
     status = 0
+    what = f"route {route.name}: the cancel of call {call.request_id}"
     try:
         headers = fwd.upstream_headers_of(call.headers, route.request_drop)
         if route.own_credentials:
@@ -1041,21 +1042,16 @@ async def _send_cancel(rt: Runtime, route: Route, call: Call,
         headers[hdrs.ACCEPT] = "application/json, text/event-stream"
         assert call.rpc_id is not None
         body = cancel_notification(call.rpc_id, f"Sluice: {call.cancelled or 'draining'}")
-        url = fwd.upstream_url(route.upstream_base, call.path[route.cut:])
         timeouts = route.config.timeouts
         assert rt.session is not None
         # A notification's answer is an empty 202: one that takes longer than a call's
         # connect and this wait is not coming.
-        async with rt.session.post(url, data=body, headers=headers, timeout=client_timeout(
-                timeouts.connect + CANCEL_ANSWER_WAIT_S, timeouts.connect)) as response:
-            await response.read()
-            status = response.status
-    except (aiohttp.ClientError, TimeoutError) as exc:
-        log.info("route %s: the cancel of call %s was not sent: %r", route.name,
-                 call.request_id, exc, extra=PER_CALL)
-    except Exception:  # nobody awaits this task
-        log.exception("route %s: the cancel of call %s was not sent", route.name,
-                      call.request_id)
+        status = await send_aside(
+            rt.session, "POST", fwd.upstream_url(route.upstream_base, call.path[route.cut:]),
+            headers, body, client_timeout(timeouts.connect + CANCEL_ANSWER_WAIT_S,
+                                          timeouts.connect), what)
+    except Exception:  # building it failed; nobody awaits this task
+        log.exception("%s was not sent", what)
     finally:
         rt.events.emit("cancel_sent", call.request_id, route.name, call.tenant, call.run,
                        call.idempotency_key, status=status, **call.event_names())

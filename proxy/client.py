@@ -10,10 +10,17 @@ profile); :class:`VerbatimRequest` instead turns the defaults off once, in the c
 
 from __future__ import annotations
 
+import logging
 import math
+from collections.abc import Mapping
 
 import aiohttp
 from multidict import CIMultiDict
+from yarl import URL
+
+from policies.logs import PER_CALL
+
+log = logging.getLogger("sluice")
 
 #: aiohttp rounds a timeout above this many seconds (5 by default) up to the next whole
 #: second of the loop's clock, to batch timer wake-ups: a ``total: 6s`` fired at 6.0-7.0 s,
@@ -76,3 +83,22 @@ def upstream_session(connector: aiohttp.BaseConnector | None = None) -> aiohttp.
         cookie_jar=aiohttp.DummyCookieJar(),
         request_class=VerbatimRequest,
     )
+
+
+async def send_aside(session: aiohttp.ClientSession, method: str, url: URL,
+                     headers: Mapping[str, str], body: bytes | None,
+                     timeout: aiohttp.ClientTimeout, what: str) -> int:
+    """Send a request of Sluice's own beside the calls (an MCP cancel, a deferred session
+    DELETE), read its answer whole, and return its status: 0 when none came, the failure
+    logged as ``what`` was not sent (a connection or timeout error at INFO, anything else
+    with its traceback). Never raises but for cancellation: nobody awaits these tasks."""
+    try:
+        async with session.request(method, url, data=body, headers=headers,
+                                   timeout=timeout) as response:
+            await response.read()
+            return response.status
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        log.info("%s was not sent: %r", what, exc, extra=PER_CALL)
+    except Exception:
+        log.exception("%s was not sent", what)
+    return 0

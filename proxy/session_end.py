@@ -47,14 +47,12 @@ import logging
 import time
 from typing import TYPE_CHECKING, NamedTuple
 
-import aiohttp
 from aiohttp import hdrs, web
 
 from policies import mcp
-from policies.logs import PER_CALL
 from proxy import attempts
 from proxy import forward as fwd
-from proxy.client import client_timeout
+from proxy.client import client_timeout, send_aside
 
 if TYPE_CHECKING:
     from multidict import CIMultiDict
@@ -186,20 +184,14 @@ async def _send(rt: Runtime, deferred: Deferred) -> int:
     status = 0
     try:
         timeouts = route.config.timeouts
-        url = fwd.upstream_url(route.upstream_base, deferred.path[route.cut:])
         assert rt.session is not None
-        async with rt.session.delete(url, headers=deferred.headers, timeout=client_timeout(
-                timeouts.total, timeouts.connect)) as response:
-            await response.read()
-            status = response.status
-        if status < 300:
+        status = await send_aside(
+            rt.session, "DELETE", fwd.upstream_url(route.upstream_base,
+                                                   deferred.path[route.cut:]),
+            deferred.headers, None, client_timeout(timeouts.total, timeouts.connect),
+            f"route {route.name}: the deferred DELETE {deferred.request_id}")
+        if status and status < 300:
             end_session_polls(rt, route, deferred.headers.get(mcp.SESSION_HEADER))
-    except (aiohttp.ClientError, TimeoutError) as exc:
-        log.info("route %s: the deferred DELETE %s was not sent: %r", route.name,
-                 deferred.request_id, exc, extra=PER_CALL)
-    except Exception:  # nobody awaits this task
-        log.exception("route %s: the deferred DELETE %s was not sent", route.name,
-                      deferred.request_id)
     finally:
         rt.events.emit("session_delete_sent", deferred.request_id, route.name,
                        deferred.tenant, deferred.run, status=status,
