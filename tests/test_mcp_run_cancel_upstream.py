@@ -70,6 +70,27 @@ async def session_headers(http: aiohttp.ClientSession, url: str, server: Any) ->
     return {**HTTP_HEADERS, "MCP-Protocol-Version": "2025-11-25"}
 
 
+async def cancelled_while_a_duplicate_waits(sluice, headers: dict[str, str], seconds: float,
+                                            completed: int = 2):
+    """A keyed ``send_after`` call of run ``job`` (its SSE answer begun: the server has it),
+    its duplicate waiting for the key, then the run cancelled: the cancel's report, the
+    first call's answer, the duplicate's (status, ``Idempotent-Replayed``, body), and the
+    ``completed`` events once ``completed`` of them are logged."""
+    url = sluice.url + "/tools/mcp"
+    async with aiohttp.ClientSession() as http:
+        first = tool_call(1, "send_after", to="ops", seconds=seconds)
+        async with http.post(url, json=first, headers={**headers, "X-Run-ID": "job"}) as r:
+            assert r.status == 200
+            duplicate = asyncio.create_task(post(
+                http, url, tool_call(2, "send_after", to="ops", seconds=seconds), headers))
+            await sluice.wait_metric("sluice_idempotency_waiting", 1, route="tools")
+            report = await cancel_run(sluice, http, "job")
+            answer = await r.text()
+        dup = await asyncio.wait_for(duplicate, 40)
+        events = await completed_events(sluice, completed)
+    return report, answer, dup, events
+
+
 async def test_the_server_stops_the_tool_and_the_waiting_duplicate_runs_it_once(
         mcp_session, start_sluice):
     """The session-mode server honours the cancel (the 2.x server answers -32800): no side
@@ -78,21 +99,12 @@ async def test_the_server_stops_the_tool_and_the_waiting_duplicate_runs_it_once(
     server while the duplicate ran it too (two sends, no cancel seen by the server)."""
     sluice = await start_sluice({"routes": [mcp_route(mcp_session.base_url)]},
                                 env={"SLUICE_ADMIN_TOKEN": TOKEN})
-    url = sluice.url + "/tools/mcp"
     async with aiohttp.ClientSession() as http:
-        headers = await session_headers(http, url, mcp_session)
-        first = tool_call(1, "send_after", to="ops", seconds=TOOL_S)
-        async with http.post(url, json=first, headers={**headers, "X-Run-ID": "job"}) as r:
-            assert r.status == 200  # its SSE answer began: the server has the call
-            duplicate = asyncio.create_task(post(
-                http, url, tool_call(2, "send_after", to="ops", seconds=TOOL_S), headers))
-            await sluice.wait_metric("sluice_idempotency_waiting", 1, route="tools")
-            report = await cancel_run(sluice, http, "job")
-            answer = await r.text()
-        assert '"reason":"run_cancelled"' in answer.replace(" ", "") and '"id":1' in answer
-        status, replayed, body = await duplicate
-        cancels, sends = mcp_session.cancels(), mcp_session.sends()
-        events = await completed_events(sluice, 2)
+        headers = await session_headers(http, sluice.url + "/tools/mcp", mcp_session)
+    report, answer, (status, replayed, body), events = await cancelled_while_a_duplicate_waits(
+        sluice, headers, TOOL_S)
+    assert '"reason":"run_cancelled"' in answer.replace(" ", "") and '"id":1' in answer
+    cancels, sends = mcp_session.cancels(), mcp_session.sends()
     assert sends == 1
     assert cancels == ["ops"]  # the server got the cancel, and stopped the tool
     assert (status, replayed) == (200, "") and "sent #1" in body and '"id":2' in body
@@ -115,20 +127,11 @@ async def test_a_server_that_runs_the_tool_on_has_its_result_replayed_to_the_dup
     runs on past ``CANCEL_ANSWER_WAIT_S`` is cut then: the review test of a silent server.)"""
     sluice = await start_sluice({"routes": [mcp_route(mcp_stateless.base_url)]},
                                 env={"SLUICE_ADMIN_TOKEN": TOKEN})
-    url = sluice.url + "/tools/mcp"
     async with aiohttp.ClientSession() as http:
-        headers = await session_headers(http, url, mcp_stateless)
-        first = tool_call(1, "send_after", to="ops", seconds=RUNS_ON_S)
-        async with http.post(url, json=first, headers={**headers, "X-Run-ID": "job"}) as r:
-            assert r.status == 200
-            duplicate = asyncio.create_task(post(
-                http, url, tool_call(2, "send_after", to="ops", seconds=RUNS_ON_S), headers))
-            await sluice.wait_metric("sluice_idempotency_waiting", 1, route="tools")
-            await cancel_run(sluice, http, "job")
-            answer = await r.text()
-        assert '"reason":"run_cancelled"' in answer.replace(" ", "")
-        status, replayed, body = await duplicate
-        events = await completed_events(sluice, 1)
+        headers = await session_headers(http, sluice.url + "/tools/mcp", mcp_stateless)
+    _, answer, (status, replayed, body), events = await cancelled_while_a_duplicate_waits(
+        sluice, headers, RUNS_ON_S, completed=1)
+    assert '"reason":"run_cancelled"' in answer.replace(" ", "")
     assert mcp_stateless.sends() == 1 and mcp_stateless.cancels() == []
     assert (status, replayed) == (200, "true") and "sent #1" in body and '"id":2' in body
     [ended] = events

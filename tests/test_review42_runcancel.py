@@ -19,9 +19,15 @@ import pytest
 from aiohttp import web
 
 from tests import mcp_servers
-from tests.conftest import completed_events, wait_until
+from tests.conftest import wait_until
 from tests.mcp_servers import HTTP_HEADERS, tool_call
-from tests.test_mcp_run_cancel_upstream import TOKEN, cancel_run, mcp_route, post
+from tests.test_mcp_run_cancel_upstream import (
+    TOKEN,
+    cancel_run,
+    cancelled_while_a_duplicate_waits,
+    mcp_route,
+    post,
+)
 
 mcp_session = mcp_servers.mcp_session
 mcp_stateless = mcp_servers.mcp_stateless
@@ -227,21 +233,11 @@ def mcp1_stateless(tmp_path: Path):
         yield srv
 
 
-async def _first_cancelled_then_duplicate(sluice, srv, headers, completed=2, seconds=3.0):
-    url = sluice.url + "/tools/mcp"
-    async with aiohttp.ClientSession() as http:
-        first = tool_call(1, "send_after", to="ops", seconds=seconds)
-        async with http.post(url, json=first, headers={**headers, "X-Run-ID": "job"}) as r:
-            assert r.status == 200
-            duplicate = asyncio.create_task(post(
-                http, url, tool_call(2, "send_after", to="ops", seconds=seconds), headers))
-            await sluice.wait_metric("sluice_idempotency_waiting", 1, route="tools")
-            report = await cancel_run(sluice, http, "job")
-            answer = await r.text()
-        status, replayed, body = await asyncio.wait_for(duplicate, 40)
-        events = await completed_events(sluice, completed)
+async def _first_cancelled_then_duplicate(sluice, headers, completed=2, seconds=3.0):
+    report, answer, dup, events = await cancelled_while_a_duplicate_waits(
+        sluice, headers, seconds, completed)
     assert "run_cancelled" in answer and report["calls_ended"] + report["calls_still_running"] == 1
-    return (status, replayed, body), events
+    return dup, events
 
 
 async def test_mcp1_session_server_stops_the_tool(mcp1_session, start_sluice):
@@ -251,7 +247,7 @@ async def test_mcp1_session_server_stops_the_tool(mcp1_session, start_sluice):
                                 env={"SLUICE_ADMIN_TOKEN": TOKEN})
     async with aiohttp.ClientSession() as http:
         headers = await mcp_servers.raw_session(http, sluice.url + "/tools/mcp")
-    dup, events = await _first_cancelled_then_duplicate(sluice, mcp1_session, headers)
+    dup, events = await _first_cancelled_then_duplicate(sluice, headers)
     assert dup[0] == 200 and dup[1] == ""
     assert mcp1_session.sends() == 1
     assert mcp1_session.cancels() == ["ops"]
@@ -265,8 +261,7 @@ async def test_mcp1_stateless_server_runs_the_tool_on_and_its_result_is_replayed
     ``CANCEL_ANSWER_WAIT_S``): its result is replayed to the duplicate (one send)."""
     sluice = await start_sluice({"routes": [mcp_route(mcp1_stateless.base_url)]},
                                 env={"SLUICE_ADMIN_TOKEN": TOKEN})
-    dup, _ = await _first_cancelled_then_duplicate(sluice, mcp1_stateless, V2025, completed=1,
-                                                   seconds=1.5)
+    dup, _ = await _first_cancelled_then_duplicate(sluice, V2025, completed=1, seconds=1.5)
     assert mcp1_stateless.sends() == 1 and dup[1] == "true"  # replayed, as with 2.x
 
 
