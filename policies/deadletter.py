@@ -739,8 +739,6 @@ class DeadLetterQueue:
         self._writer: asyncio.Task[None] | None = None
         self._locked_since: float | None = None  # monotonic; while the file refuses writes
         self._stopping = False
-        #: What the check at start found wrong with the file (:func:`damage`), or ``None``.
-        self.damaged: str | None = None
         self._checking: asyncio.Task[None] | None = None
         self._checked_on: sqlite3.Connection | None = None  # the check's, to interrupt it
         self._closing = False  # set by close: a check not connected yet does not start
@@ -843,7 +841,6 @@ class DeadLetterQueue:
             log.debug("dead-letter file %s checked, no damage found (%.2fs)", self.path,
                       time.monotonic() - started)
             return
-        self.damaged = found
         log.error("dead-letter file %s is damaged (%s): letters written to it may be lost, "
                   "and `sluice dlq` cannot read them all; %s", self.path, found,
                   recover_hint(self.path))
