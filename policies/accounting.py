@@ -72,6 +72,7 @@ from policies.usage import (
     Usage,
     content_coding,
     endpoint_for,
+    model_named,
     read_request,
 )
 
@@ -147,7 +148,8 @@ class Accounting:
         passes unmetered).
 
         Raises:
-            Rejected: ``bad_request`` on a route with token limits, when the body is
+            Rejected: ``bad_request`` on a route with token limits (or to a model with a
+                token rate of its own), when the body is
                 compressed (``Content-Encoding`` other than ``identity``) or not JSON,
                 names no output cap (and no default is configured), or a per-run budget
                 applies and no run id was sent; or from :meth:`reserve`. Nothing is held.
@@ -173,6 +175,13 @@ class Accounting:
             cost = read_request(endpoint, call.body, self.default_cap, self.write_cap,
                                 self.stream_usage)
         except ValueError as exc:
+            # A model's own token rate needs the cap as the route's does: passed unmetered,
+            # a cap sent as "900" or 900.0 (which lax upstreams read as 900) took no tokens
+            # from it (a hostile trial).
+            if not enforcing and self._model_limits_tokens(call.body):
+                raise Rejected(Reason.BAD_REQUEST, None,
+                               f"{exc}; this model's tokens are limited, so Sluice must "
+                               f"read it") from None
             if not enforcing:
                 # Unmetered; its request units are this step's if the rate step left them
                 # (a reload changed the route's blocks between the two steps).
@@ -190,6 +199,15 @@ class Accounting:
         call.body = cost.body
         call.meter = charge
         return charge
+
+    def _model_limits_tokens(self, body: bytes) -> bool:
+        """Whether the model ``body`` names has a token rate of its own (``models:``, its
+        block or ``default``): read only for a body the accounting could not take."""
+        models = self.token_models
+        if not models:
+            return False
+        model = model_named(body)
+        return model is not None and (model in models or DEFAULT_OPERATION in models)
 
     def _endpoint(self, raw_path: str) -> Endpoint | None:
         """The metered endpoint a POST to ``raw_path`` calls (:func:`endpoint_for`), kept for

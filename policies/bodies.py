@@ -12,6 +12,7 @@ the request path's parses go through :func:`loads`.
 from __future__ import annotations
 
 import gc
+import json
 import re
 from collections.abc import Callable
 from typing import Any
@@ -37,6 +38,27 @@ def loads(body: bytes | str, parse: Callable[[Any], Any] = orjson.loads) -> Any:
         return parse(body)
     finally:
         gc.enable()
+
+
+def read_leniently(body: bytes) -> tuple[Any, bool]:
+    """``body`` parsed as an upstream written in Python would read it: ``(doc, True)`` when
+    :func:`loads` reads it, else ``(doc, False)`` as the standard library's ``json.loads``
+    reads bytes, which FastAPI/Starlette-based upstreams (vLLM, SGLang, the LiteLLM proxy)
+    serve: a UTF-8 byte order mark, UTF-16 or UTF-32 text (RFC 8259 §8.1 lets a parser take
+    them), ``NaN`` and ``Infinity``, a lone surrogate escape (§8.2: valid grammar). A policy
+    that reads a body strictly would be dodged by such a body the upstream serves anyway. A
+    doc read the second way is not UTF-8 JSON as sent: rewrite it whole, never splice it.
+
+    Raises:
+        orjson.JSONDecodeError: neither reads it (``orjson``'s error, for the message).
+    """
+    try:
+        return loads(body), True
+    except orjson.JSONDecodeError as strict:
+        try:
+            return loads(body, json.loads), False
+        except (ValueError, RecursionError):  # JSONDecodeError, UnicodeDecodeError
+            raise strict from None
 
 
 def shown(value: Any, limit: int = 40) -> str:

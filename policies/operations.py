@@ -36,9 +36,6 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, TypeVar
 
-import orjson
-
-from policies import bodies
 from policies.breaker import Breaker
 from policies.budget import Budgets, Reservation
 from policies.concurrency import ConcurrencyLimiter
@@ -61,6 +58,7 @@ from policies.retry import RetryPolicy
 from policies.runs import WIDTH_QUEUE, WidthLimiters, local_width
 from policies.shared_concurrency import SharedConcurrencyLimiter
 from policies.state import StateBackends
+from policies.usage import model_named
 
 P = TypeVar("P")
 C = TypeVar("C")
@@ -342,7 +340,7 @@ class OperationIndex:
                     return name, name
             default = self.default
             return (DEFAULT_OPERATION, default) if default is not None else (None, None)
-        name = tool if self.key == "tools" else _model(body)
+        name = tool if self.key == "tools" else model_named(body)
         if name is None:
             return None, None
         if name not in self.names or name == DEFAULT_OPERATION:
@@ -433,17 +431,6 @@ class Operations:
         return {name: op.state() for name, op in self.by_name.items()}
 
 
-def _model(body: bytes) -> str | None:
-    """The ``model`` an LLM request names, or ``None`` (not JSON, no model). The accounting
-    step reads the body again; a second parse is paid on routes with ``models:`` only."""
-    if not body:
-        return None
-    try:
-        doc = bodies.loads(body)
-    except orjson.JSONDecodeError:
-        return None
-    model = doc.get("model") if isinstance(doc, dict) else None
-    return model if isinstance(model, str) and model else None
 
 
 class OperationRate:

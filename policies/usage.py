@@ -53,6 +53,7 @@ what each event reported), so no usage is counted twice.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -213,7 +214,7 @@ def read_request(endpoint: Endpoint, body: bytes, default_cap: int | None, write
             non-negative integer (reading it as "no cap" would reserve too little).
     """
     try:
-        obj = bodies.loads(body)
+        obj, exact = bodies.read_leniently(body)
     except orjson.JSONDecodeError as exc:
         raise ValueError(f"the body is not JSON ({exc})") from None
     if not isinstance(obj, dict):
@@ -262,7 +263,22 @@ def read_request(endpoint: Endpoint, body: bytes, default_cap: int | None, write
                                        "include_usage": True}
             strip = True
     return RequestCost(endpoint, model, stream, estimate_input_tokens(endpoint, body, obj),
-                       cap, strip, body if added is None else _with_fields(body, obj, added))
+                       cap, strip, body if added is None else _with_fields(body, obj, added, exact))
+
+
+def model_named(body: bytes) -> str | None:
+    """The ``model`` an LLM request's body names, read as :func:`read_request` reads it
+    (:func:`policies.bodies.read_leniently`), or ``None`` (not JSON, no model, not a
+    string). For the policies keyed by model (``models:``); the accounting step parses the
+    body again, so the second parse is paid on routes with ``models:`` only."""
+    if not body:
+        return None
+    try:
+        doc, _ = bodies.read_leniently(body)
+    except orjson.JSONDecodeError:
+        return None
+    model = doc.get("model") if isinstance(doc, dict) else None
+    return model if isinstance(model, str) and model else None
 
 
 def _completions_answers(body: bytes, prompt: object, best_of: object, choices: int) -> int:
@@ -284,10 +300,18 @@ def _completions_answers(body: bytes, prompt: object, best_of: object, choices: 
     return choices
 
 
-def _with_fields(body: bytes, obj: dict, added: dict[str, object]) -> bytes:
+def _with_fields(body: bytes, obj: dict, added: dict[str, object], exact: bool) -> bytes:
     """``body`` with top-level ``added`` fields. They are spliced in before the closing brace,
     keeping the client's bytes (and sparing a re-serialisation of a long prompt); the body is
-    rewritten whole only when one of them is already there (a duplicate key is ambiguous)."""
+    rewritten whole when one of them is already there (a duplicate key is ambiguous), and
+    when it is not the UTF-8 JSON ``orjson`` reads (``exact`` false,
+    :func:`policies.bodies.read_leniently`): then by the standard library, in ASCII, which
+    keeps its ``NaN`` and lone surrogates as it read them."""
+    if not exact:
+        try:
+            return json.dumps({**obj, **added}).encode()
+        except RecursionError:
+            raise ValueError("the body is nested too deeply for Sluice to rewrite") from None
     if not obj or any(key in obj for key in added):
         try:
             return orjson.dumps({**obj, **added})

@@ -454,6 +454,87 @@ async def test_per_model_token_rate_on_an_openai_route(upstream, start_sluice):
                                operation="gpt-4o", reason="token_rate_limited") == 1
 
 
+async def test_a_model_token_rate_needs_a_cap_it_can_read(upstream, start_sluice):
+    # A hostile trial: with no route-level token limit, a cap sent as "900" or 900.0 (which
+    # lax upstreams, vLLM or the LiteLLM proxy, read as 900) passed unmetered and took no
+    # tokens from the model's rate: ten such calls went through a spent 1000/min.
+    sluice = await start_sluice({"routes": [{
+        "name": "llm", "path_prefix": "/llm/", "upstream": upstream.url, "protocol": "openai",
+        "models": {"gpt-4o": {"rate": {"tokens": "1000/min"}}}}]})
+    url = sluice.url + "/llm/v1/chat/completions"
+    messages = [{"role": "user", "content": "hi"}]
+    async with aiohttp.ClientSession() as http:
+        for cap in ("900", 900.0):
+            async with http.post(url, json={"model": "gpt-4o", "max_tokens": cap,
+                                            "messages": messages}) as answer:
+                assert answer.status == 400, await answer.text()
+                assert "this model's tokens are limited" in (await answer.json())[
+                    "error"]["message"]
+        # A model with no token rate of its own still passes such a body on, unmetered.
+        async with http.post(url, json={"model": "gpt-4o-mini", "max_tokens": "900",
+                                        "messages": messages}) as answer:
+            assert answer.status == 200
+    assert len(upstream.requests) == 1
+
+
+#: Bodies Python's ``json.loads`` reads (as FastAPI-based upstreams do) and orjson refuses.
+_LENIENT_BODIES = {
+    "byte order mark": lambda text: b"\xef\xbb\xbf" + text.encode(),
+    "NaN": lambda text: text.replace('"temperature": 1', '"temperature": NaN').encode(),
+    "lone surrogate": lambda text: text.replace("hi", "cut \\ud83d").encode(),
+    "UTF-16": lambda text: text.encode("utf-16"),
+}
+
+
+@pytest.mark.parametrize("spelling", list(_LENIENT_BODIES))
+async def test_a_body_python_upstreams_read_names_its_model(upstream, start_sluice, spelling):
+    # A hostile trial: these bodies named no model to Sluice (orjson refuses them), so a
+    # model's concurrency and token rate were dodged, while the upstream served them as
+    # that model. They are read as the upstream reads them.
+    sluice = await start_sluice({"routes": [{
+        "name": "llm", "path_prefix": "/llm/", "upstream": upstream.url, "protocol": "openai",
+        "models": {"gpt-4o": {"rate": {"tokens": "1000/min"}}}}]})
+    url = sluice.url + "/llm/v1/chat/completions"
+    text = json.dumps({"model": "gpt-4o", "max_tokens": 600, "temperature": 1,
+                       "messages": [{"role": "user", "content": "hi"}]})
+    body = _LENIENT_BODIES[spelling](text)
+    assert json.loads(body)["model"] == "gpt-4o"
+    headers = {"Content-Type": "application/json"}
+    async with aiohttp.ClientSession() as http:
+        async with http.post(url, data=body, headers=headers) as answer:
+            assert answer.status == 200, await answer.text()
+        async with http.post(url, data=body, headers=headers) as answer:
+            assert answer.status == 429
+            assert answer.headers["X-Sluice-Reason"] == "token_rate_limited"
+    assert len(upstream.requests) == 1
+    assert upstream.requests[0].body == body  # nothing to add: passed on as sent
+
+
+async def test_a_body_read_leniently_is_rewritten_whole_when_sluice_adds_to_it(
+        upstream, start_sluice):
+    # The usage option is added to a stream's body; spliced as UTF-8 into UTF-16 bytes it
+    # would have made a body nobody reads. Rewritten whole, the upstream reads what was sent
+    # (its NaN and lone surrogate too) plus the option.
+    sluice = await start_sluice({"routes": [{
+        "name": "llm", "path_prefix": "/llm/", "upstream": upstream.url, "protocol": "openai",
+        "rate": {"tokens": "100000/min"}}]})
+    sent = ('{"model": "gpt-4o", "max_tokens": 20, "stream": true, "temperature": NaN, '
+            '"messages": [{"role": "user", "content": "cut \\ud83d"}]}')
+    async with aiohttp.ClientSession() as http:
+        async with http.post(sluice.url + "/llm/v1/chat/completions",
+                             data=sent.encode("utf-16"),
+                             headers={"Content-Type": "application/json"}) as answer:
+            assert answer.status == 200, await answer.text()
+            assert b"[DONE]" in await answer.read()
+    forwarded = json.loads(upstream.requests[0].body)
+    assert forwarded.pop("stream_options") == {"include_usage": True}
+    expected = json.loads(sent)
+    assert forwarded["messages"] == expected["messages"]
+    assert forwarded["temperature"] != forwarded["temperature"]  # NaN, as sent
+    del forwarded["temperature"], expected["temperature"]
+    assert forwarded == expected
+
+
 # -- tool costs charged to a usd budget ----------------------------------------------------------
 
 
