@@ -816,7 +816,11 @@ class RunLimits:
             headers = call.response_headers
             if headers is None:
                 headers = call.response_headers = {}
-            headers[RUN_WARNING_HEADER] = f'"{warn}";used={min(used, 1.0):.3f}'
+            said = headers.get(RUN_WARNING_HEADER)
+            # The top-level run block and the route's both warn: the fuller one is said (the
+            # route's, second, told a caller at its top-level limit used=0.500).
+            if said is None or float(said.rpartition("=")[2]) < min(used, 1.0):
+                headers[RUN_WARNING_HEADER] = f'"{warn}";used={min(used, 1.0):.3f}'
         if config.max_requests is None:
             return None
         return _Counted(registry, self.scope, lineage, take, call)

@@ -157,6 +157,22 @@ async def test_max_requests_5_counts_descendants_and_refuses_the_sixth(upstream,
     assert len(upstream.requests) == 6
 
 
+async def test_the_run_warning_says_the_fuller_of_the_top_level_and_route_limits(
+        upstream, start_sluice):
+    # A hostile trial: the route's run block, checked second, overwrote the header the
+    # top-level one set, so the call that spent the top-level max_requests was told 0.500.
+    sluice = await start_sluice({
+        "run": {"max_requests": 5, "warn_at": 0.8},
+        "routes": [route("tools", upstream.url, "http",
+                         run={"max_requests": 10, "warn_at": 0.5})]})
+    async with aiohttp.ClientSession() as s:
+        answers = [await post(s, f"{sluice.url}/tools/x", run_headers("R")) for _ in range(6)]
+    assert [a[0] for a in answers] == [200] * 5 + [429]
+    warnings = [a[1].get("X-Sluice-Run-Warning") for a in answers[:5]]
+    assert warnings == [None, None, None, '"max_requests";used=0.800',
+                        '"max_requests";used=1.000']
+
+
 async def test_max_requests_held_by_queued_calls_is_retryable_not_final(upstream, start_sluice):
     # Seen in a hostile trial: with a run's count held by a call still queued, the next call
     # was refused for good (x-should-retry: false), and the SDKs gave up; the queued call then
