@@ -149,10 +149,11 @@ class Accounting:
 
         Raises:
             Rejected: ``bad_request`` on a route with token limits (or to a model with a
-                token rate of its own), when the body is
-                compressed (``Content-Encoding`` other than ``identity``) or not JSON,
-                names no output cap (and no default is configured), or a per-run budget
-                applies and no run id was sent; or from :meth:`reserve`. Nothing is held.
+                token rate of its own), when the body is compressed (``Content-Encoding``
+                other than ``identity``) or not JSON, names no output cap (and no default
+                is configured) or one that is not a non-negative integer, or a per-run
+                budget applies and no run id was sent; or from :meth:`reserve`. Nothing is
+                held.
         """
         if call.method != "POST":
             return None  # only POSTs are metered
