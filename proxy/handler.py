@@ -286,6 +286,9 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
         return _reject(rt, route, refused, rt.next_request_id(), refused.tenant, None)
     tenant, run, request_id = who.tenant, who.run, who.request_id
     priority = None if who.priority is None else PRIORITIES.get(who.priority)
+    # Read with the identity, before the body: a reload landing while the body arrived
+    # served a call with one config's tenant and the other's deadline header (a trial).
+    timeout, timeout_reads = _caller_timeout(request, rt.timeout_header)
 
     if has_dot_segment(raw_path):
         return _reject(rt, route, Rejected(Reason.BAD_REQUEST, None, "dot-segments in path"),
@@ -371,7 +374,6 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
                 return deferred
 
     client_retry = is_client_retry(headers)
-    timeout, timeout_reads = _caller_timeout(request, rt.timeout_header)
     call = Call(
         request_id=request_id, route=route.name, method=request.method, path=raw_path,
         headers=headers, body=body, tenant=tenant, run=run,

@@ -396,3 +396,35 @@ async def test_a_file_changed_while_the_running_config_was_read_is_applied(upstr
     finally:
         await reloader.stop()
         await runtime.close()
+
+
+async def test_a_call_whose_body_arrives_across_a_reload_is_served_by_one_config(
+        upstream, start_sluice):
+    # A hostile trial: the tenant header was read before the body and the timeout header
+    # after it, so a reload landing in between served alice's call (config A's tenant
+    # header) with config B's 1 ms deadline: a 504 neither config gives.
+    upstream.delay = 0.2
+    sluice = await start_sluice({
+        "identity": {"tenant_header": "X-Ten-A", "timeout_header": "X-Timeout-A"},
+        "routes": [route("llm", upstream.url)]})
+    body = b'{"model": "gpt-test", "messages": [{"role": "user", "content": "hi"}]}'
+    reader, writer = await asyncio.open_connection("127.0.0.1", sluice.port)
+    writer.write(b"POST /llm/v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                 b"Content-Type: application/json\r\nContent-Length: %d\r\n"
+                 b"X-Ten-A: alice\r\nX-Timeout-B: 0.001\r\n\r\n" % len(body) + body[:5])
+    await writer.drain()
+    await asyncio.sleep(0.5)  # the head read and its identity taken; the body still arriving
+
+    def to_b(data: dict) -> None:
+        data["identity"] = {"tenant_header": "X-Ten-B", "timeout_header": "X-Timeout-B"}
+
+    rewrite(sluice.config_path, to_b)
+    await sluice.wait_metric("sluice_config_reloads_total", 1)
+    writer.write(body[5:])
+    await writer.drain()
+    status = await asyncio.wait_for(reader.readline(), 10)
+    writer.close()
+    assert status.startswith(b"HTTP/1.1 200"), status
+    await until(lambda: any(e["event"] == "completed" for e in sluice.events()))
+    [done] = [e for e in sluice.events() if e["event"] == "completed"]
+    assert done["tenant"] == "alice"
