@@ -372,3 +372,30 @@ async def test_a_count_taken_for_a_run_not_admitted_yet_expires():
             assert all(0 < r.ttl(key) <= 86400 for key in keys)
     finally:
         delete_prefix(url, prefix)
+
+
+async def test_a_chain_past_the_depth_cap_is_refused_and_never_closes_a_cycle(where):
+    """Hostile trial: the script's cycle check followed 64 links, so a root re-linked under
+    the tip of a 70-run chain below it closed a cycle in Redis (r0's parent r70); its runs
+    then read lineages of 64 runs that missed their root, and a cancel of r40 reached r1.
+    Now a call of a run more than ``MAX_LINEAGE - 1`` levels below its root is refused
+    (``deep``, nothing counted), and so is a link the cycle check cannot walk to its end."""
+    cap = runs_state.MAX_LINEAGE - 1
+    count = Count("s", 1000, None, None)
+    async with shared_runs(*where) as runs:
+        lineages = [await runs.admit("t", f"r{i + 1}", f"r{i}") for i in range(cap + 7)]
+        for depth, lineage in enumerate(lineages, start=1):
+            assert lineage.deep is (depth > cap), depth
+            if depth <= cap:
+                assert lineage.ids[-1] == "r0"
+        # r0 has counted nothing, but under r70 it would close a cycle the walk cannot see.
+        relinked = await runs.admit("t", "r0", f"r{cap + 7}")
+        assert (relinked.deep, relinked.ids) == (True, ("r0",))
+        assert (await runs.admit("t", "r0", None)).ids == ("r0",)  # still the root
+        counted = await runs.admit("t", f"r{cap}", None, [count])
+        assert (counted.deep, counted.counted, len(counted.ids)) == (False, True, cap + 1)
+        for run in (f"r{cap + 1}", f"r{cap + 2}", f"r{cap + 7}"):
+            refused = await runs.admit("t", run, None, [count])
+            assert (refused.deep, refused.counted) == (True, False), run
+        await runs.cancel("r40", 60.0, ["t"])
+        assert (await runs.admit("t", "r1", None)).cancelled is None

@@ -66,7 +66,11 @@ log = logging.getLogger("sluice.state")
 GROUP = "runs"
 #: A run (and its counts) with no call in its tree for this long is forgotten, seconds.
 RUN_IDLE_TTL_S = 86400
-#: Longest chain of parent links a script follows (as ``policies.runs.MAX_LINEAGE``).
+#: Longest lineage (a run and its ancestors) a script follows (as
+#: ``policies.runs.MAX_LINEAGE``): a run is never linked more than ``MAX_LINEAGE - 1`` levels
+#: below its root, and a call of a run whose lineage is longer (a root linked later above
+#: it) is refused, so a walk of at most this many links reaches the root and a cycle check
+#: is never cut short.
 MAX_LINEAGE = 64
 #: Cancellations read back at most when the feed (re)subscribes.
 RESYNC_LIMIT = 10_000
@@ -118,14 +122,20 @@ def unqualified(name: str) -> tuple[str, str] | None:
 # Each run hash made here puts the tenant in its id's tenant set; each run of the lineage
 # refreshes the expiry of its hash and of that set.
 # A new run is linked under its parent unless that would close a cycle; a run first seen as a
-# root is linked later only while it has counted nothing (as the memory registry does).
+# root is linked later only while it has counted nothing (as the memory registry does). The
+# cycle check walks the parent's chain to its root, at most max links: a chain longer than
+# that (or one reaching a run marked 'deep') is not walked further, as it would put the run
+# past max - 1 levels: the run is not linked, the call refused ('deep'), and a new run marked
+# 'deep' so that it and every run named below it stay refused. A lineage longer than max, or
+# holding a run marked 'deep', is deep: its calls are refused (so every count and
+# cancellation check reaches the root).
 # The call is counted in every scope on every run of the lineage, or nowhere: not when the
-# lineage is cancelled, deeper or older than a scope allows, a run is at a scope's limit, or
-# the take was given back before it ran (its record says 'gone'). A count is recorded as
-# _TAKE records it.
+# lineage is longer than max (deep), cancelled, deeper or older than a scope allows, a run
+# is at a scope's limit, or the take was given back before it ran (its record says 'gone').
+# A count is recorded as _TAKE records it.
 # Returns {ids, first-call ms, cancelled index (0: none), ms its refusal has left, now ms,
 # counted (0/1), per scope the index of the first run at its limit (0: none), per scope the
-# highest count after counting}.
+# highest count after counting, deep (0/1)}.
 _ADMIT = Script("""
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -133,15 +143,23 @@ local run, parent, pre = ARGV[1], ARGV[2], ARGV[3]
 local ttl, max = tonumber(ARGV[4]), tonumber(ARGV[5])
 local q, sets, hold = ARGV[6], ARGV[7], ARGV[8]
 local key = KEYS[2]
-if redis.call('HSETNX', key, 'first', now) == 1 then redis.call('SADD', sets .. run, q) end
+local deep, new = 0, redis.call('HSETNX', key, 'first', now) == 1
+if new then redis.call('SADD', sets .. run, q) end
 if parent ~= '' and parent ~= run and redis.call('HLEN', key) == 1 then
-  local node, cycle = parent, false
-  for _ = 1, max do
+  local node, cycle, above = parent, false, 0
+  while node and above < max do
     if node == run then cycle = true break end
-    node = redis.call('HGET', pre .. node, 'parent')
-    if not node then break end
+    local row = redis.call('HMGET', pre .. node, 'parent', 'deep')
+    if row[2] then break end  -- below a run marked deep: as deep as a chain too long
+    above = above + 1
+    node = row[1]
   end
-  if not cycle then
+  if node and not cycle then
+    -- The chain above the parent is longer than max: not walked further, not linked. The
+    -- call is refused; a new run is marked so that it and its descendants stay refused.
+    deep = 1
+    if new then redis.call('HSET', key, 'deep', 1) end
+  elseif not cycle then
     if redis.call('HSETNX', KEYS[3], 'first', now) == 1 then
       redis.call('SADD', sets .. parent, q)
     end
@@ -153,7 +171,9 @@ local hit, left = 0, 0
 local node = run
 for i = 1, max do
   local k = pre .. node
-  local first = redis.call('HGET', k, 'first')
+  local row = redis.call('HMGET', k, 'first', 'parent', 'deep')
+  local first = row[1]
+  if row[3] then deep = 1 end
   if not first then
     first = now
     redis.call('HSET', k, 'first', now)
@@ -169,11 +189,14 @@ for i = 1, max do
       hit, left = i, tonumber(until_ms) - now
     end
   end
-  node = redis.call('HGET', k, 'parent')
+  node = row[2]
   if not node then break end
+  if i == max then deep = 1 end
 end
 local counted, full, highs = 0, {}, {}
-if hit == 0 and #ARGV > 8 and redis.call('HEXISTS', KEYS[4], 'pre') == 1 then
+if deep == 1 then
+  hit = 0
+elseif hit == 0 and #ARGV > 8 and redis.call('HEXISTS', KEYS[4], 'pre') == 1 then
   -- Run already (the client sent it again after a connection dropped): counted once.
   counted = 1
   for g = 9, #ARGV, 4 do
@@ -220,7 +243,7 @@ elseif hit == 0 and #ARGV > 8 and redis.call('HEXISTS', KEYS[4], 'gone') == 0 th
     end
   end
 end
-return {ids, firsts, hit, left, now, counted, full, highs}
+return {ids, firsts, hit, left, now, counted, full, highs, deep}
 """)
 
 # Count one call on every run of a lineage for a scope, or on none.
@@ -381,6 +404,10 @@ class Lineage:
         full: per scope asked, the first run of ``ids`` at that scope's limit, or ``None``
             (empty when the counts were not looked at: cancelled, too deep or too old).
         highs: per scope asked, the highest count on the lineage after counting.
+        deep: the run is, or linked under the parent named would be, more than
+            ``MAX_LINEAGE - 1`` levels below its root: the call is to be refused, nothing
+            was counted, ``cancelled`` is not looked at, and ``ids`` is cut at
+            :data:`MAX_LINEAGE` (the run alone when the link was refused).
     """
 
     tenant: str
@@ -391,6 +418,7 @@ class Lineage:
     counted: bool = False
     full: tuple[str | None, ...] = ()
     highs: tuple[int, ...] = ()
+    deep: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -438,9 +466,9 @@ class RedisRuns:
         and read its lineage and whether a cancellation refuses it; refreshes the expiry of
         the run and its ancestors. With ``counts``, also count the call in each of those
         scopes on every run of the lineage, all or none (as :meth:`take_request` does for one
-        scope), unless the lineage is cancelled, deeper than a scope's ``depth`` or older
-        than its ``max_duration``; the count is recorded under ``take`` (a fresh id if
-        ``None``), for :meth:`give_back_request`.
+        scope), unless the lineage is too deep (:attr:`Lineage.deep`), cancelled, deeper
+        than a scope's ``depth`` or older than its ``max_duration``; the count is recorded
+        under ``take`` (a fresh id if ``None``), for :meth:`give_back_request`.
 
         Raises:
             StateUnavailable: Redis did not answer within ``state.timeout``; if it was sent
@@ -455,7 +483,7 @@ class RedisRuns:
             args += [f"n:{count.scope}", count.limit,
                      -1 if count.depth is None else count.depth,
                      -1 if count.max_duration is None else round(count.max_duration * 1000)]
-        ids, firsts, hit, left, now, counted, full, highs = await self.state.eval(
+        ids, firsts, hit, left, now, counted, full, highs, deep = await self.state.eval(
             _ADMIT, [self._cancelled, key, runs + parent if parent else key,
                      self._takes + (take or (new_take_id() if counts else NO_TAKE))], args)
         names = tuple(_text(name) for name in ids)
@@ -469,6 +497,7 @@ class RedisRuns:
             counted=bool(int(counted)),
             full=tuple(names[int(at) - 1] if int(at) else None for at in full),
             highs=tuple(int(high) for high in highs),
+            deep=bool(int(deep)),
         )
 
     async def take_request(self, scope: str, tenant: str, ids: tuple[str, ...],
