@@ -14,8 +14,10 @@ what Sluice reasons about:
   no ``max_requests`` count) is linked by the first call that names a parent, and its
   descendants' depths follow.
 * **Inheritance**: a call that names no priority takes its run's, else the nearest
-  ancestor's; a call with no deadline of its own takes the nearest ancestor run's remaining
-  deadline (a sub-agent cannot outlive the caller waiting for it).
+  ancestor's; a call with no deadline of its own takes its run's remaining deadline, else the
+  nearest ancestor run's (a sub-agent cannot outlive the caller waiting for it).
+* **Depth cap**: a call of a run more than :data:`MAX_DEPTH` levels below its root is refused
+  (``fanout_limited``) whatever ``fanout.depth`` says, so every lineage reaches its root.
 * **Run budgets** (``run: {max_duration, max_requests, warn_at}``) and token/USD budgets
   ``per: run`` count a run's calls *and its descendants'*: each call is counted on its run and
   on every ancestor (see ``policies/budget.py``), so a parent's limit bounds its whole subtree.
@@ -52,6 +54,7 @@ import asyncio
 import itertools
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -82,13 +85,20 @@ MAX_RUNS = 10_000
 #: that hold only counts (no call live, no cancellation in force, no child remembered) are
 #: forgotten as the eviction's scan finds them, with their own counts (ancestors keep theirs).
 MAX_COUNTED_RUNS = 100_000
-#: Runs looked at per eviction, so that one new run costs a bounded time even when the
-#: oldest ones must all be kept.
+#: Runs without a child looked at per eviction, so that one new run costs a bounded time even
+#: when the least recently seen ones must all be kept (runs found to have gained a child since
+#: they were listed are dropped from the list as they are met, each paid for by its listing).
 EVICT_SCAN = 8
 #: How often forgotten runs are swept, seconds.
 SWEEP_INTERVAL_S = 60.0
-#: Longest chain of parent links followed; deeper trees are cut here (and refused by depth).
+#: Longest lineage (a run and its ancestors) Sluice follows: runs more than
+#: :data:`MAX_DEPTH` levels below their root are refused, so every count, budget charge,
+#: cancellation check and cycle check reaches the root.
 MAX_LINEAGE = 64
+#: Deepest a run may be below its root (a root is 0); a call of a deeper run is refused
+#: ``fanout_limited`` whatever ``fanout.depth`` says, with the Redis backend too
+#: (``policies.state.runs.MAX_LINEAGE`` is the same cap).
+MAX_DEPTH = MAX_LINEAGE - 1
 #: Queue of one run's width limiter (the route's own queue bounds the rest).
 WIDTH_QUEUE = 1024
 #: Suggested wait when a run's ``max_requests`` is held by calls not yet sent upstream,
@@ -97,6 +107,14 @@ PENDING_WAIT_S = 1.0
 #: Give-backs kept while the shared state does not answer (see :class:`GiveBacks`), as
 #: ``policies.budget.MAX_PENDING`` keeps budget spend to reconcile.
 MAX_GIVE_BACKS = 100_000
+
+
+def too_deep(run: str, depth: int, verb: str) -> Rejected:
+    """``fanout_limited`` (429, final) for a call of ``run``, which ``verb`` (``"is"``,
+    ``"would be"``) ``depth`` levels below its root, past :data:`MAX_DEPTH`."""
+    return Rejected(Reason.FANOUT_LIMITED, None,
+                    f"depth: run {run} {verb} {counted(depth, 'level')} below its root; Sluice "
+                    f"follows {MAX_DEPTH} at most", retry=False)
 
 
 class RunInfo:
@@ -153,7 +171,8 @@ class RunInfo:
         self.holders: dict[str, set[Call]] | None = None
 
     def lineage(self) -> Iterator[RunInfo]:
-        """This run, then its parent, up to the root."""
+        """This run, then its parent, up to the root: at most :data:`MAX_LINEAGE` runs,
+        which reach the root of every run whose calls are admitted (:data:`MAX_DEPTH`)."""
         info: RunInfo | None = self
         for _ in range(MAX_LINEAGE):
             if info is None:
@@ -211,6 +230,10 @@ class RunRegistry:
                  shared: RedisRuns | None = None, fallback: Fallback | None = None) -> None:
         self.clock = clock
         self.runs: dict[tuple[str, str], RunInfo] = {}
+        #: Runs that had no child when listed, least recently seen first: what eviction looks
+        #: at (a run with a child is kept, and chains left their tips out of reach of a scan
+        #: of all runs, oldest first). Entries that gained a child are dropped when met.
+        self._leaves: OrderedDict[tuple[str, str], RunInfo] = OrderedDict()
         self._next_sweep = 0.0
         self.shared = shared
         self.fallback = fallback if fallback is not None else Fallback("local", 1)
@@ -233,12 +256,21 @@ class RunRegistry:
         least recently seen ones are forgotten if they hold nothing a limit needs (no call
         live, no ``max_requests`` count, no first-call time a ``max_duration`` measured, no
         cancellation in force, no child run remembered).
+        A run kept only because it has a child counts as seen when its newest descendant was:
+        once a chain's tip is among the least recently seen and holds nothing, it is
+        forgotten, and each ancestor left childless and holding nothing with it, up the tree.
         A forgotten run loses only its statistics (``sluice runs show``) and the priority and
         deadline its descendants would inherit; if it calls again it starts as a new run.
         Runs that do hold something are kept until :data:`RUN_IDLE_TTL_S` after their last
         call, so that no spend of a run budget is lost; but past :data:`MAX_COUNTED_RUNS` runs
         (a caller sending a new run id per call), those holding only ``max_requests`` counts
         are forgotten too, with a warning.
+
+        Raises:
+            Rejected: ``fanout_limited`` (429, final) when the run, a root, would be linked
+                under a ``parent`` whose chain is longer than :data:`MAX_LINEAGE` (it stays
+                a root). A new run is linked however deep: :class:`RunTracker` refuses its
+                calls past :data:`MAX_DEPTH`.
         """
         now = self.clock()
         if now >= self._next_sweep:
@@ -250,25 +282,58 @@ class RunRegistry:
             up = None
             if parent is not None and parent != run:
                 up = runs.get((tenant, parent)) or self.resolve(parent, None, tenant)
+            # Linked however deep (its calls are refused past MAX_DEPTH, see RunTracker): a
+            # run not remembered made its children roots, out of their ancestors' reach.
             info = RunInfo(run, tenant, up, now)
             runs[key] = info
+            self._unlinked(info)
             if up is not None:
                 up.children.add(run)
             if len(runs) > MAX_RUNS:
-                self._evict(now)
+                self._evict(now, info)
         else:
             runs[key] = info  # last in the dict: the most recently seen
+            if not info.children:
+                self._unlinked(info)
             if info.parent is None and parent is not None and parent != run \
                     and not info.live and not info.counts:
                 # Named as a root first only by a call that counted nothing: link it now,
-                # unless the link would make a cycle.
+                # unless the link would make a cycle. The check walks the parent's chain to
+                # its root; one longer than MAX_LINEAGE would put the run past MAX_DEPTH:
+                # the call is refused rather than the walk made longer (the shared script's).
                 up = runs.get((tenant, parent)) or self.resolve(parent, None, tenant)
-                if all(node is not info for node in up.lineage()):
+                above = self._above(info, up)
+                if above is None:
+                    raise too_deep(run, MAX_LINEAGE, "would be at least")
+                if not above:
                     info.parent = up
                     up.children.add(run)
                     self._set_depths(info)
         info.last_seen = now
         return info
+
+    @staticmethod
+    def _above(info: RunInfo, node: RunInfo) -> bool | None:
+        """Whether ``info`` is ``node`` or one of its ancestors, from a walk of ``node``'s
+        chain up to its root; ``None`` when that chain is longer than :data:`MAX_LINEAGE`
+        (not walked further: a run linked below it would be past :data:`MAX_DEPTH`). The
+        check a 64-step walk made missed a root re-linked under the tip of a longer chain
+        below it, closing a cycle (a hostile trial)."""
+        walk: RunInfo | None = node
+        for _ in range(MAX_LINEAGE):
+            if walk is None:
+                return False
+            if walk is info:
+                return True
+            walk = walk.parent
+        return False if walk is None else None
+
+    def _unlinked(self, info: RunInfo) -> None:
+        """``info`` has no child now (or was just seen without one): listed last among the
+        runs eviction may forget (:meth:`_evict`)."""
+        leaves = self._leaves
+        leaves.pop(info.key, None)
+        leaves[info.key] = info
 
     def get(self, run: str, tenant: str) -> RunInfo | None:
         """The run ``run`` of ``tenant``, if known here."""
@@ -292,13 +357,19 @@ class RunRegistry:
             node = info if index == 0 else self.runs.get((tenant, name))
             if node is None:
                 node = self.runs[(tenant, name)] = RunInfo(name, tenant, up, now)
+                self._unlinked(node)
+                if up is not None:  # before the eviction: a parent with a child is kept
+                    up.children.add(name)
                 if len(self.runs) > MAX_RUNS:
-                    self._evict(now)
+                    self._evict(now, node)
             if node.parent is not up:
                 # The shared links are acyclic and set here from the root down, so this
                 # cannot make a cycle: ``up``'s own lineage is the rest of ``lineage``.
-                if node.parent is not None:
-                    node.parent.children.discard(name)
+                old = node.parent
+                if old is not None:
+                    old.children.discard(name)
+                    if not old.children:
+                        self._unlinked(old)
                 node.parent = up
             if up is not None:
                 up.children.add(name)
@@ -318,14 +389,19 @@ class RunRegistry:
             node.depth = 0 if node.parent is None else node.parent.depth + 1
 
     def subtree(self, info: RunInfo) -> list[RunInfo]:
-        """``info`` and every descendant known here, parents before children."""
+        """``info`` and every descendant known here, parents before children (each once,
+        even were the links to make a cycle: a cycle looped here for ever, a hostile trial)."""
         out, todo = [], [info]
+        seen = {info.key}
         tenant = info.tenant
         while todo:
             node = todo.pop()
             out.append(node)
-            todo.extend(child for name in node.children
-                        if (child := self.runs.get((tenant, name))))
+            for name in node.children:
+                child = self.runs.get((tenant, name))
+                if child is not None and child.key not in seen:
+                    seen.add(child.key)
+                    todo.append(child)
         return out
 
     # -- counters (run budgets) ---------------------------------------------------------------
@@ -455,32 +531,65 @@ class RunRegistry:
             info = self.runs.get(key)
             while info is not None and idle(info) and self.runs.get(info.key) is info:
                 del self.runs[info.key]
+                self._leaves.pop(info.key, None)
                 parent = info.parent
                 if parent is not None:
                     parent.children.discard(info.id)
+                    if not parent.children:
+                        self._unlinked(parent)
                 info = parent
 
-    def _evict(self, now: float) -> None:
+    def _evict(self, now: float, new: RunInfo) -> None:
         """Forget least recently seen runs that hold nothing (see :meth:`resolve`) until at
-        most :data:`MAX_RUNS` remain, looking at :data:`EVICT_SCAN` runs at most (never at the
-        newest, the run being created)."""
-        runs = self.runs
-        for key in list(itertools.islice(runs, min(EVICT_SCAN, len(runs) - 1))):
-            if len(runs) <= MAX_RUNS:
-                return
-            info = runs.pop(key)
-            holds = info.timed or any(info.counts.values())
-            if info.live or info.children or info.cancelled_until > now or (
-                    holds and len(runs) < MAX_COUNTED_RUNS):
-                runs[key] = info  # kept: to the end, so the next scan looks further
+        most :data:`MAX_RUNS` remain, looking at :data:`EVICT_SCAN` runs without a child at
+        most (never at ``new``, the run being created). Each one forgotten takes with it
+        its ancestors that are left childless, hold nothing and were seen no later than it
+        (as :meth:`_sweep` does): a forgotten run never leaves a child remembered."""
+        runs, leaves = self.runs, self._leaves
+        looked = 0
+        while len(runs) > MAX_RUNS and looked < EVICT_SCAN and leaves:
+            key = next(iter(leaves))
+            info = leaves.pop(key)
+            if runs.get(key) is not info or info.children:
+                continue  # forgotten by the sweep, or a parent now: listed again when not
+            looked += 1
+            if info is new or not self._forgettable(info, now):
+                leaves[key] = info  # kept: to the end, so the next scan looks further
                 continue
-            if holds:
-                # One text whatever the run, so that the log's repeat filter folds a flood.
-                log.warning("more than %d runs remembered: runs holding only max_requests "
-                            "counts are forgotten, their counts with them", MAX_COUNTED_RUNS,
-                            extra=PER_CALL)
-            if info.parent is not None:
-                info.parent.children.discard(info.id)
+            seen = info.last_seen
+            while True:
+                del runs[info.key]
+                parent = info.parent
+                if parent is None:
+                    break
+                parent.children.discard(info.id)
+                if parent.children:
+                    break
+                if len(runs) > MAX_RUNS and parent is not new and parent.last_seen <= seen \
+                        and self._forgettable(parent, now):
+                    leaves.pop(parent.key, None)
+                    info = parent  # seen no later than the least recently seen: next
+                    continue
+                self._unlinked(parent)
+                if parent.last_seen <= seen:  # older than every run listed: first in line
+                    leaves.move_to_end(parent.key, last=False)
+                break
+
+    def _forgettable(self, info: RunInfo, now: float) -> bool:
+        """``info``, a run without a child, holds nothing a limit needs (see :meth:`resolve`):
+        no call live, no cancellation in force, and no ``max_requests`` count or measured
+        ``max_duration``, unless :data:`MAX_COUNTED_RUNS` runs are remembered (then those
+        go too, with a warning)."""
+        if info.live or info.cancelled_until > now:
+            return False
+        if info.timed or any(info.counts.values()):
+            if len(self.runs) < MAX_COUNTED_RUNS:
+                return False
+            # One text whatever the run, so that the log's repeat filter folds a flood.
+            log.warning("more than %d runs remembered: runs holding only max_requests "
+                        "counts are forgotten, their counts with them", MAX_COUNTED_RUNS,
+                        extra=PER_CALL)
+        return True
 
     def view(self, info: RunInfo, *, detail: bool = False) -> dict[str, Any]:
         """One run as the admin API shows it (JSON-ready), descendants' totals included."""
@@ -616,8 +725,11 @@ class RunTracker:
         :class:`SharedCount`).
 
         Raises:
-            Rejected: ``run_cancelled`` (409); ``deadline_unreachable`` when the call has no
-                deadline of its own and an ancestor's has passed; ``state_unavailable`` (503)
+            Rejected: ``run_cancelled`` (409); ``fanout_limited`` (429, final) when the run is
+                (or, linked under the parent it names, would be) more than
+                :data:`MAX_DEPTH` levels below its root; ``deadline_unreachable`` when the
+                call has no deadline of its own and its run's (else its nearest ancestor's)
+                has passed; ``state_unavailable`` (503)
                 when the shared state does not answer and ``state.on_unavailable`` is
                 ``reject``.
         """
@@ -625,6 +737,8 @@ class RunTracker:
             return None
         registry = self.registry
         info = registry.resolve(call.run, call.parent_run, call.tenant)
+        if info.depth > MAX_DEPTH:  # pushed down by a root linked later above it
+            raise too_deep(info.id, info.depth, "is")
         call.lineage = tuple(node.id for node in itertools.islice(info.lineage(), 1, None))
         self._refuse_if_cancelled(info)
         # Reachable by a cancel from here on, the shared round trip included: a cancel heard
@@ -670,6 +784,8 @@ class RunTracker:
             return  # this replica's own tree decides (state.on_unavailable: local)
         if counts:
             registry.counted[call] = SharedCount(counts, lineage, take)
+        if lineage.deep:  # the shared tree is deeper than this replica's (nothing counted)
+            raise too_deep(info.id, MAX_DEPTH + 1, "would be at least")
         registry.adopt(info, lineage)
         call.lineage = lineage.ids[1:]
         if lineage.cancelled is not None:
@@ -690,7 +806,8 @@ class RunTracker:
             self.registry.settle_count(call)
 
     def _inherit(self, info: RunInfo, call: Call) -> None:
-        """Priority and deadline from the run's lineage (this replica's view of it)."""
+        """Priority and deadline from the run's lineage (this replica's view of it): the
+        run's own last given, else its nearest ancestor's."""
         lineage = list(info.lineage())
         now = self.registry.clock()
         if call.priority_given:
@@ -707,11 +824,12 @@ class RunTracker:
             if not call.timeout_reads:
                 info.deadline = call.received_at + call.timeout
         else:
-            deadline = next((n.deadline for n in lineage[1:] if n.deadline is not None), None)
-            if deadline is not None:
+            owner = next((n for n in lineage if n.deadline is not None), None)
+            if owner is not None and owner.deadline is not None:
+                deadline = owner.deadline
                 if deadline <= now:
                     raise Rejected(Reason.DEADLINE_UNREACHABLE, None,
-                                   "the parent run's deadline has passed", retry=False)
+                                   f"run {owner.id}'s deadline has passed", retry=False)
                 call.timeout = deadline - call.received_at
                 call.timeout_reads = False  # a deadline for the whole call
 

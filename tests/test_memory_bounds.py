@@ -335,3 +335,27 @@ def test_the_config_default_is_the_ledgers():
     from policies.state.ledger import MAX_COUNTERS
 
     assert StateConfig().max_budget_counters == MAX_COUNTERS
+
+
+def test_idle_chains_are_forgotten_from_their_tips_up(monkeypatch):
+    """Hostile trial: chains of delegation were never forgotten (each run but a chain's tip
+    has a child, and the eviction looked at the 8 oldest runs, all ancestors): 30 chains of
+    700 runs kept 21,030 past ``MAX_RUNS``. A chain's tip is forgotten once it is among the
+    least recently seen, and its ancestors with it; a chain whose tip holds a call keeps
+    every ancestor, linked to objects the registry still holds."""
+    monkeypatch.setattr(runs_module, "MAX_RUNS", 200)
+    registry = RunRegistry()
+    held = registry.resolve("held-0", None, "t")
+    for i in range(20):
+        held = registry.resolve(f"held-{i + 1}", f"held-{i}", "t")
+    held.live.add(runs_module.LiveCall(_call(held.id), None))
+    for chain in range(40):  # each agent delegates 60 levels down, one after the other
+        for level in range(60):
+            registry.resolve(f"c{chain}-{level + 1}", f"c{chain}-{level}", "t")
+    assert len(registry.runs) == 200
+    assert {f"held-{i}" for i in range(21)} <= run_ids(registry)
+    for info in registry.runs.values():
+        if info.parent is not None:
+            assert registry.runs.get(info.parent.key) is info.parent, info.id
+        for child in info.children:
+            assert registry.runs[("t", child)].parent is info

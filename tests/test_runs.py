@@ -552,6 +552,73 @@ async def test_remaining_deadline_goes_upstream_and_children_inherit_it(upstream
     assert 6.5 < float(sent[-1]) <= 7.5
 
 
+async def test_a_call_with_no_deadline_takes_its_own_runs(upstream, start_sluice):
+    """README: a call with no deadline of its own "takes its run's, else its nearest
+    ancestor's"; the run's own last ``X-Request-Timeout`` was skipped (only ancestors were
+    looked at), so a run's later calls ran with no deadline at all."""
+    sluice = await start_sluice({"routes": [route("tools", upstream.url, "http")]})
+    async with aiohttp.ClientSession() as s:
+        url = f"{sluice.url}/tools/x"
+        await post(s, url, run_headers("r", None, **{"X-Request-Timeout": "5"}))
+        await post(s, url, run_headers("r"))  # no deadline of its own
+        await post(s, url, run_headers("short", None, **{"X-Request-Timeout": "0.3"}))
+        await asyncio.sleep(0.5)
+        status, headers, body = await post(s, url, run_headers("short"))
+    sent = [seen.headers.get("X-Request-Timeout") for seen in upstream.requests]
+    assert 3 < float(sent[1]) < float(sent[0]) <= 5  # the run's, less the time gone
+    assert (status, headers["X-Sluice-Reason"]) == (503, "deadline_unreachable")
+    assert b"run short" in body
+    assert len(upstream.requests) == 3
+
+
+async def test_a_root_linked_under_a_long_chain_below_it_leaves_sluice_answering(
+        upstream, start_sluice):
+    """Hostile trial: 70 calls built a chain (r(i+1) under r(i)), then a call of the root r0
+    naming the tip r70 as its parent closed a cycle (the check followed 64 links), and the
+    depth update looped on the event loop for ever: no call, not even /healthz, was answered.
+    Calls of runs more than 63 levels below their root are refused (fanout_limited), and so
+    is a link the cycle check cannot follow to its root within 64 runs."""
+    sluice = await start_sluice({"routes": [route("tools", upstream.url, "http")]})
+    quick = aiohttp.ClientTimeout(total=5)
+    async with aiohttp.ClientSession(timeout=quick) as s:
+        url = f"{sluice.url}/tools/x"
+        chain = [await post(s, url, run_headers(f"r{i + 1}", f"r{i}")) for i in range(70)]
+        assert [status for status, _, _ in chain] == [200] * 63 + [429] * 7
+        _, headers, body = chain[63]
+        assert (headers["X-Sluice-Reason"], headers["x-should-retry"]) == (
+            "fanout_limited", "false")
+        assert "run r64 is 64 levels below its root; Sluice follows 63 at most" in (
+            json.loads(body)["error"]["message"])
+        status, headers, _ = await post(s, url, run_headers("r0", "r70"))
+        assert (status, headers["X-Sluice-Reason"]) == (429, "fanout_limited")
+        async with s.get(f"{sluice.admin_url}/healthz") as r:
+            assert r.status == 200
+        async with s.get(f"{sluice.admin_url}/admin/runs/r1") as r:
+            assert (await r.json())["runs"][0]["depth"] == 1
+        assert (await post(s, url, run_headers("r63")))[0] == 200
+        assert (await post(s, url, run_headers("r0")))[0] == 200  # still the root
+
+
+async def test_a_roots_max_requests_bounds_a_chain_of_any_depth(upstream, start_sluice):
+    """Hostile trial: counts reached 64 runs up a lineage, so with no ``fanout.depth`` a
+    chain more than 64 levels deep spent nothing of its root's ``max_requests`` (4 branches
+    66 deep made 325 calls against a root limit of 80). Runs deeper than 63 levels are
+    refused, so every call is counted on every ancestor."""
+    sluice = await start_sluice({"run": {"max_requests": 80},
+                                 "routes": [route("tools", upstream.url, "http")]})
+    async with aiohttp.ClientSession() as s:
+        url = f"{sluice.url}/tools/x"
+        chain = [(await post(s, url, run_headers(f"r{i + 1}", f"r{i}")))[0]
+                 for i in range(66)]
+        for _ in range(100):  # the deepest run admitted calls until its root is spent
+            status, headers, _ = await post(s, url, run_headers("r63", "r62"))
+            if status != 200:
+                break
+    assert chain == [200] * 63 + [429] * 3
+    assert (status, headers["X-Sluice-Reason"]) == (429, "run_budget_exhausted")
+    assert len(upstream.requests) == 80
+
+
 async def test_a_parents_read_timeout_is_no_deadline_for_its_children(upstream, start_sluice):
     """Hostile trial: the SDKs' x-stainless-timeout (httpx's read timeout of one call, 600 s
     from the openai SDK on every call) was inherited as a hard deadline: once a parent's last

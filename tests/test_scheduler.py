@@ -5,11 +5,16 @@ minutes of load take well under a second."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
+from unittest import mock
 
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from bench.scheduler import Arrival, SimLoop, compare, percentile, simulate
+from policies import runs as runs_module
 from policies.budget import Budgets
 from policies.concurrency import ConcurrencyLimiter
 from policies.config import BudgetConfig, FanoutConfig, RunConfig
@@ -424,3 +429,31 @@ def test_a_cancel_in_many_tenants_looks_at_the_runs_known_once() -> None:
     assert sorted((n.tenant, n.id) for n in runs) == sorted(
         (t, name) for t in tenants for name in ("main", "main-kid"))
     assert [n.tenant for n in runs[:4:2]] == ["t0", "t1"]  # in the order asked
+
+
+@settings(max_examples=200, deadline=None)
+@example([(i + 1, -1) for i in range(6)] + [(0, 6)])  # a root under its chain's tip
+@given(st.lists(st.tuples(st.integers(0, 7), st.none() | st.just(-1) | st.integers(-7, 7)),
+                max_size=40))
+def test_random_links_keep_the_tree_acyclic_and_resolve_returns(links):
+    """Runs named in any order under any parent (a root re-linked under its own descendants
+    included) leave a tree: every chain of parents ends at a root within its depth, each
+    depth is its parent's plus one, and resolve always returns (a cycle looped it)."""
+    registry = RunRegistry()
+    # A cap of 4 runs a lineage, so that the runs make chains past it; a parent is named by
+    # its offset from the run (-1 most often: chains).
+    with mock.patch.object(runs_module, "MAX_LINEAGE", 4), \
+            mock.patch.object(runs_module, "MAX_DEPTH", 3):
+        for run, parent in links:
+            with contextlib.suppress(Rejected):
+                registry.resolve(f"r{run}", None if parent is None else f"r{run + parent}",
+                                 "t")
+    for info in registry.runs.values():
+        seen, node = set(), info
+        while node.parent is not None:
+            assert node.key not in seen, f"a cycle through {node.id}"
+            seen.add(node.key)
+            assert node.depth == node.parent.depth + 1
+            node = node.parent
+        assert node.depth == 0 and len(seen) == info.depth
+        assert {n.key for n in registry.subtree(info)} >= {info.key}
