@@ -343,6 +343,9 @@ class OperationIndex:
         name = tool if self.key == "tools" else model_named(body)
         if name is None:
             return None, None
+        if not name:  # a request naming no model is the upstream's default model's
+            default = self.default
+            return (DEFAULT_OPERATION, default) if default is not None else (None, None)
         if name not in self.names or name == DEFAULT_OPERATION:
             return name, self.default
         return name, name

@@ -268,17 +268,21 @@ def read_request(endpoint: Endpoint, body: bytes, default_cap: int | None, write
 
 def model_named(body: bytes) -> str | None:
     """The ``model`` an LLM request's body names, read as :func:`read_request` reads it
-    (:func:`policies.bodies.read_leniently`), or ``None`` (not JSON, no model, not a
-    string). For the policies keyed by model (``models:``); the accounting step parses the
-    body again, so the second parse is paid on routes with ``models:`` only."""
+    (:func:`policies.bodies.read_leniently`): ``""`` for a JSON object naming none (or not
+    as a string: vLLM serves a request with no model by its one model), ``None`` for a body
+    that is no JSON object. For the policies keyed by model (``models:``); the accounting
+    step parses the body again, so the second parse is paid on routes with ``models:``
+    only."""
     if not body:
         return None
     try:
         doc, _ = bodies.read_leniently(body)
     except orjson.JSONDecodeError:
         return None
-    model = doc.get("model") if isinstance(doc, dict) else None
-    return model if isinstance(model, str) and model else None
+    if not isinstance(doc, dict):
+        return None
+    model = doc.get("model")
+    return model if isinstance(model, str) else ""
 
 
 def _completions_answers(body: bytes, prompt: object, best_of: object, choices: int) -> int:

@@ -477,6 +477,28 @@ async def test_a_model_token_rate_needs_a_cap_it_can_read(upstream, start_sluice
     assert len(upstream.requests) == 1
 
 
+async def test_a_request_naming_no_model_takes_the_default_models_block(upstream,
+                                                                        start_sluice):
+    # vLLM serves a request with no model by its one model: such a request dodged every
+    # models: block, default's included.
+    upstream.delay = 0.5
+    sluice = await start_sluice({"routes": [{
+        "name": "llm", "path_prefix": "/llm/", "upstream": upstream.url, "protocol": "openai",
+        "models": {"gpt-4o": {"rate": {"tokens": "1000/min"}},
+                   "default": {"concurrency": {"limit": 1, "queue": 0}}}}]})
+    url = sluice.url + "/llm/v1/chat/completions"
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
+
+    async def call() -> tuple[int, str | None]:
+        async with aiohttp.ClientSession() as http, http.post(url, json=body) as answer:
+            await answer.read()
+            return answer.status, answer.headers.get("X-Sluice-Reason")
+
+    assert sorted(await asyncio.gather(call(), call())) == [(200, None), (503, "queue_full")]
+    assert await sluice.metric("sluice_operation_rejections_total", route="llm",
+                               operation="default", reason="queue_full") == 1
+
+
 #: Bodies Python's ``json.loads`` reads (as FastAPI-based upstreams do) and orjson refuses.
 _LENIENT_BODIES = {
     "byte order mark": lambda text: b"\xef\xbb\xbf" + text.encode(),
