@@ -14,8 +14,9 @@ from tests.conftest import REPO, route
 from tests.test_reload import CHAT, until
 
 
-def timeline(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "proxy", "timeline", *args], cwd=REPO,
+def timeline(*args: str, stdin: str | None = None,
+             cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "proxy", "timeline", *args], cwd=cwd,
                           capture_output=True, text=True, input=stdin, timeout=60)
 
 
@@ -163,9 +164,13 @@ def test_a_relative_events_path_not_found_says_where_it_was_looked_for(tmp_path:
     config = tmp_path / "my-sluice.yaml"
     config.write_text("events: {path: sluice-events.jsonl}\n"
                       "routes:\n  - {name: r, path_prefix: /r/, upstream: 'http://127.0.0.1:9'}\n")
-    refused = timeline("run-42", "--config", str(config))  # run from the repository
+    # Run from a directory of its own: the README's trace walk-through leaves a
+    # sluice-events.jsonl in the clone, and this found it (a new user's trial).
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    refused = timeline("run-42", "--config", str(config), cwd=elsewhere)
     assert refused.returncode == 2 and "Traceback" not in refused.stderr
-    assert (f"(events.path in {config}, relative to the working directory {REPO}: run this "
+    assert (f"(events.path in {config}, relative to the working directory {elsewhere}: run this "
             "where Sluice runs, or pass --events FILE)") in refused.stderr, refused.stderr
 
 
