@@ -103,7 +103,13 @@ def run(config: Config | None, args: argparse.Namespace, out: IO[str] | None = N
     if status != 200:
         print(f"sluice: {status}: {body.get('error', body)}", file=sys.stderr)
         if status in (401, 403) and args.runs_command == "cancel":
-            if bearer is None and config is not None:
+            if "no admin token is configured" in str(body.get("error", "")):
+                # The server's side: a new user's trial read the client's hint below and
+                # looked for the fault in the command.
+                print("sluice: the server was started with no admin token: restart `sluice "
+                      "serve` with SLUICE_ADMIN_TOKEN set in its environment, or with "
+                      "admin.token_file in its config", file=sys.stderr)
+            elif bearer is None and config is not None:
                 # Given a config that names no token file (a new user, round 35, was told to
                 # pass the --config it had passed).
                 print(f"sluice: no admin token was found to send: {args.config} sets no "

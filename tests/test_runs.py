@@ -481,12 +481,19 @@ async def test_cancel_needs_the_token_and_reads_stay_open(upstream, start_sluice
     assert (status, headers["X-Sluice-Reason"]) == (409, "run_cancelled")
 
 
-async def test_cancel_is_refused_without_a_configured_token(upstream, start_sluice):
+async def test_cancel_is_refused_without_a_configured_token(upstream, start_sluice,
+                                                             monkeypatch, capsys):
     sluice = await start_sluice({"routes": [route("tools", upstream.url, "http")]})
     async with aiohttp.ClientSession() as s, s.post(
             f"{sluice.admin_url}/admin/runs/r/cancel",
             headers={"Authorization": f"Bearer {TOKEN}"}) as r:
         assert r.status == 403
+    # The CLI says the fix is the server's (a new user's trial looked in the command).
+    monkeypatch.setenv("SLUICE_ADMIN_TOKEN", TOKEN)
+    refused = await asyncio.to_thread(cli_main, ["runs", "cancel", "r", "--admin",
+                                                 sluice.admin_url])
+    assert refused == 1
+    assert "restart `sluice serve` with SLUICE_ADMIN_TOKEN set" in capsys.readouterr().err
 
 
 async def test_deadline_expired_in_the_queue_never_reaches_the_upstream(upstream, start_sluice):
