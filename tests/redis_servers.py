@@ -317,10 +317,7 @@ def shared_state(request: pytest.FixtureRequest) -> Iterator[dict[str, object]]:
         url = cluster.url
         cleanup = lambda: cluster.delete_prefix(prefix)  # noqa: E731
     try:
-        # CLIENT_TIMEOUT_S, not TEST_TIMEOUT_S: this Redis is never frozen, and at load
-        # 8-13 a 0.5 s bound timed calls out to the local share (a run warning missing, a
-        # new user's run).
         yield {"backend": "redis", "redis_url": url, "key_prefix": prefix,
-               "timeout": f"{int(CLIENT_TIMEOUT_S * 1000)}ms", "replicas": 3}
+               "timeout": f"{int(TEST_TIMEOUT_S * 1000)}ms", "replicas": 3}
     finally:
         cleanup()
