@@ -159,7 +159,9 @@ async def test_max_requests_5_across_3_replicas_serves_exactly_5(
     """One run (and a child of it) calling all 3 replicas spends one max_requests: the
     sixth call is refused ``run_budget_exhausted`` with ``x-should-retry: false``, whichever
     replica it reaches; concurrent calls of another run through all 3 get exactly 5 served."""
-    config = {"state": shared_state,
+    # A 2 s state timeout: at load 8-13 the fixture's 0.5 s timed a count out to the local
+    # share, and the fourth call's warning was missing (a new user's run).
+    config = {"state": {**shared_state, "timeout": "2s"},
               "routes": [route("openai", upstream.url, run={"max_requests": 5})]}
     reps = await replicas(start_sluice, 3, config)
     async with aiohttp.ClientSession() as s:
