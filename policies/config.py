@@ -56,6 +56,12 @@ _DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h|d)$")
 _DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 #: The longest duration a config may give, seconds (365 days).
 MAX_DURATION_S = 365 * 86400.0
+#: The most a price or a cost may be, USD (per million tokens, per call, per second): far
+#: beyond any real one, and small enough that what a call costs stays a finite number.
+MAX_USD = 1e6
+#: The range of a tenant's fair-queueing weight: its inverse orders the queue, and that of a
+#: subnormal weight (1e-320) is infinite.
+MIN_WEIGHT, MAX_WEIGHT = 1e-6, 1e6
 _RATE = re.compile(r"^(\d+)/(s|min|h|day)$")
 _RATE_PERIODS = {"s": 1, "min": 60, "h": 3600, "day": 86400}
 _ALLOWANCE = re.compile(r"^(\d+(?:\.\d+)?)/(s|min|h|day|total)$")
@@ -227,7 +233,9 @@ Origin = Annotated[str, AfterValidator(_origin)]
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    # allow_inf_nan: YAML reads 1e309 as infinity; taken as a price it made every cost NaN
+    # (a usd budget that never refused), as a weight a bare Infinity in /admin/config.
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, allow_inf_nan=False)
 
 
 class ServerConfig(_Section):
@@ -509,10 +517,12 @@ class ConcurrencyConfig(_Section):
     max_wait: Duration = 5.0
     per_tenant: int | None = Field(default=None, gt=0)
     #: Weighted fair queueing across tenants within a priority class: a tenant's share of the
-    #: slots is its weight over the waiting tenants' sum; tenants not named weigh 1.
+    #: slots is its weight over the waiting tenants' sum; tenants not named weigh 1. From
+    #: :data:`MIN_WEIGHT` to :data:`MAX_WEIGHT`.
     #: Keyed by tenant names a caller can have (a typo like ``"team a"`` would leave the
     #: tenant it meant at weight 1 unseen).
-    tenant_weights: dict[IdentityValue, Annotated[float, Field(gt=0)]] = {}
+    tenant_weights: dict[IdentityValue, Annotated[float, Field(ge=MIN_WEIGHT,
+                                                                le=MAX_WEIGHT)]] = {}
     #: A call waiting longer than this moves up one priority class per interval (so
     #: best-effort work cannot starve); null: no aging.
     aging: PositiveDuration | None = 5.0
@@ -732,14 +742,14 @@ class UsageConfig(_Section):
 
 
 class ModelPrice(_Section):
-    """USD per million tokens of one model."""
+    """USD per million tokens of one model (each at most :data:`MAX_USD`)."""
 
-    input: float = Field(ge=0)
-    output: float = Field(ge=0)
+    input: float = Field(ge=0, le=MAX_USD)
+    output: float = Field(ge=0, le=MAX_USD)
     #: Input tokens read from a prompt cache; defaults to ``input``.
-    cache_read: float | None = Field(default=None, ge=0)
+    cache_read: float | None = Field(default=None, ge=0, le=MAX_USD)
     #: Input tokens written to a prompt cache (Anthropic); defaults to ``input``.
-    cache_write: float | None = Field(default=None, ge=0)
+    cache_write: float | None = Field(default=None, ge=0, le=MAX_USD)
 
 
 class OperationConfig(_Section):
@@ -757,10 +767,10 @@ class OperationConfig(_Section):
     timeouts: TimeoutsConfig | None = None
     #: USD charged per upstream attempt (every attempt, retries included) to the route's
     #: ``usd`` budgets; reserved before the call is forwarded.
-    cost_per_call: float | None = Field(default=None, ge=0)
+    cost_per_call: float | None = Field(default=None, ge=0, le=MAX_USD)
     #: USD charged per second of upstream time (each attempt from its sending to the end of
     #: its answer) to the route's ``usd`` budgets, settled when the call ends.
-    cost_per_second: float | None = Field(default=None, ge=0)
+    cost_per_second: float | None = Field(default=None, ge=0, le=MAX_USD)
     #: The operation's calls may be repeated safely (a read-only tool, a GET-like endpoint):
     #: ``retry`` repeats them as it repeats GETs. A route's ``idempotent: true`` already
     #: declares every operation so.

@@ -390,6 +390,11 @@ def _message(item: dict) -> str:
                 + _suggestion(str(loc[-1]), _block_at(loc[:-1])))
     if item["type"] == "missing":
         return "required key is missing"
+    if item["type"] == "finite_number":  # 1e309, or a tagged !!float .inf or .nan
+        if item["input"] != item["input"]:
+            return "must be a finite number, not NaN"
+        return ("must be a finite number; this one is beyond a float's range (about 1.8e308), "
+                "which YAML reads as infinity")
     ctx = item.get("ctx") or {}
     if item["type"] == "too_short" and "min_length" in ctx:
         # pydantic's "List should have at least 1 item after validation, not 0"

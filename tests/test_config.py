@@ -29,6 +29,8 @@ TYPO = "(a typo here would silently disable a limit)"
 NOT_A_DURATION = "is not a duration: write a number and a unit, e.g. 250ms, 5s, 10m, 24h"
 NOT_A_RATE = "is not a rate: write N/s, N/min, N/h or N/day, e.g. 600/min"
 NOT_A_URL = "must be an http:// or https:// base URL with no query or fragment"
+INFINITE = ("must be a finite number; this one is beyond a float's range (about 1.8e308), "
+            "which YAML reads as infinity")
 YAML11_BOOL = ("is a boolean to YAML 1.1 readers and a string to YAML 1.2: "
                "write true or false, or quote the string")
 
@@ -196,6 +198,28 @@ BAD_FILES = [
      [f"{{f}}:2: server.drain_timeout: '5 sec' {NOT_A_DURATION}",
       "{f}:3: server.listen: 'nowhere' is not HOST:PORT, e.g. 127.0.0.1:8080",
       f"{{f}}:8: routes[0].concurency: unknown key {TYPO}; did you mean concurrency?"]),
+    # YAML reads 1e309 as infinity: a usd budget then never refused (every cost NaN), and
+    # /admin/config showed a bare Infinity, which is no JSON (a hostile trial).
+    ("a price beyond a float's range",
+     "pricing:\n  gpt-4o-mini: {input: 1e309, output: 0.6}\n" + ROUTE,
+     [f"{{f}}:2: pricing.gpt-4o-mini.input: {INFINITE}"]),
+    ("a cost beyond a float's range",
+     ROUTE + "    protocol: http\n    endpoints: {'* /**': {cost_per_second: 1e309}}\n",
+     [f"{{f}}:6: routes[0].endpoints.\"* /**\".cost_per_second: {INFINITE}"]),
+    ("a tenant weight beyond a float's range",
+     ROUTE + "    concurrency: {limit: 2, tenant_weights: {a: 1e309}}\n",
+     [f"{{f}}:5: routes[0].concurrency.tenant_weights.a: {INFINITE}"]),
+    ("a warn_at beyond a float's range", "run: {max_requests: 5, warn_at: -1e309}\n" + ROUTE,
+     [f"{{f}}:1: run.warn_at: {INFINITE}"]),
+    ("a tagged NaN", "run: {max_requests: 5, warn_at: !!float .nan}\n" + ROUTE,
+     ["{f}:1: run.warn_at: must be a finite number, not NaN"]),
+    # 1/weight was infinite for a subnormal weight, and the fair queue's order erratic.
+    ("a subnormal tenant weight", ROUTE + "    concurrency: {limit: 2, tenant_weights: "
+     "{a: 1e-320, b: 2e6}}\n",
+     ["{f}:5: routes[0].concurrency.tenant_weights.a: 1e-320 should be 1e-06 or more",
+      "{f}:5: routes[0].concurrency.tenant_weights.b: 2000000.0 should be 1e+06 or less"]),
+    ("a price past any real one", "pricing:\n  m: {input: 1, output: 2e6}\n" + ROUTE,
+     ["{f}:2: pricing.m.output: 2000000.0 should be 1e+06 or less"]),
     ("an unknown key before a bad value",
      ROUTE + "state:\n  backend: redis\n  on_unavailible: local\n  timeout: 50\n",
      [f"{{f}}:7: state.on_unavailible: unknown key {TYPO}; did you mean on_unavailable?",
