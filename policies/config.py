@@ -56,6 +56,9 @@ _DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h|d)$")
 _DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 #: The longest duration a config may give, seconds (365 days).
 MAX_DURATION_S = 365 * 86400.0
+#: The most a budget may allow a window, or a rate a period (tokens, USD, requests): far
+#: beyond any real limit, exact as a float, and never the infinity that 1 and 400 zeros is.
+MAX_AMOUNT = 10**15
 #: The most a price or a cost may be, USD (per million tokens, per call, per second): far
 #: beyond any real one, and small enough that what a call costs stays a finite number.
 MAX_USD = 1e6
@@ -98,6 +101,9 @@ def _parse_allowance(value: Any) -> Allowance:
         amount = float(m.group(1))
         if amount <= 0:
             raise ValueError(f"{value!r}: a budget must allow more than 0")
+        if amount > MAX_AMOUNT:
+            raise ValueError(f"{shown(value, 40)}: a budget may allow at most "
+                             f"{MAX_AMOUNT:.0e} a window".replace("e+", "e"))
         unit = m.group(2)
         return Allowance(amount, None if unit == "total" else _RATE_PERIODS[unit], value.strip())
     raise ValueError(
@@ -126,6 +132,9 @@ def _parse_rate(value: Any) -> Rate:
     count = int(m.group(1))
     if count < 1:
         raise ValueError(f"{value!r}: a rate must allow at least 1 per period")
+    if count > MAX_AMOUNT:
+        raise ValueError(f"{shown(value, 40)}: a rate may allow at most "
+                         f"{MAX_AMOUNT:.0e} a period".replace("e+", "e"))
     return Rate(count, _RATE_PERIODS[m.group(2)], value.strip())
 
 
@@ -238,6 +247,10 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True, allow_inf_nan=False)
 
 
+#: The most ``server.max_connections`` may be: far beyond what one process serves.
+MAX_CONNECTIONS = 1_000_000
+
+
 class ServerConfig(_Section):
     """``server``: the listeners and how the proxy port treats callers (``proxy/edge.py``)."""
 
@@ -274,7 +287,8 @@ class ServerConfig(_Section):
     abort_on_close: bool = True
     #: Connections open at once on the proxy port; beyond it a new one takes the place of the
     #: oldest idle one, or is answered 503 ``too_many_connections`` and closed.
-    max_connections: int = Field(default=1000, gt=0)
+    #: At most :data:`MAX_CONNECTIONS`; also the listen backlog (a C int).
+    max_connections: int = Field(default=1000, gt=0, le=MAX_CONNECTIONS)
     #: Request body bytes held at once, from the request's head to the end of its call,
     #: queued calls included; each body counts what has arrived of it, and at least its first
     #: 64 KiB (``proxy.edge.BodyHold``). A request with no room for that is refused 503

@@ -25,6 +25,7 @@ import json
 import os
 import re
 import stat
+import sys
 import typing
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -51,6 +52,19 @@ class StrictLoader(yaml.SafeLoader):
     """SafeLoader resolving plain scalars as the YAML 1.2 core schema does."""
 
 
+    def construct_yaml_int(self, node: yaml.ScalarNode) -> int:
+        """An integer, or a :class:`yaml.constructor.ConstructorError` on its line for one
+        longer than Python converts (4300 digits): its ``ValueError`` named no line."""
+        try:
+            return super().construct_yaml_int(node)
+        except ValueError:
+            digits = sum(c.isdigit() for c in str(node.value))
+            raise yaml.constructor.ConstructorError(
+                None, None, f"a number of {digits} digits (at most "
+                f"{sys.get_int_max_str_digits()} are read)", node.start_mark) from None
+
+
+StrictLoader.add_constructor("tag:yaml.org,2002:int", StrictLoader.construct_yaml_int)
 StrictLoader.yaml_implicit_resolvers = {}
 StrictLoader.add_implicit_resolver(
     "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")

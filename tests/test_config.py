@@ -220,6 +220,21 @@ BAD_FILES = [
       "{f}:5: routes[0].concurrency.tenant_weights.b: 2000000.0 should be 1e+06 or less"]),
     ("a price past any real one", "pricing:\n  m: {input: 1, output: 2e6}\n" + ROUTE,
      ["{f}:2: pricing.m.output: 2000000.0 should be 1e+06 or less"]),
+    # Each passed check-config, then `sluice serve` died of an OverflowError: the listen
+    # backlog is a C int, and a budget or rate past a float's range is infinity (a hostile
+    # trial); an integer past Python's 4300 digits was a traceback.
+    ("max_connections beyond the listen backlog", "server:\n  max_connections: 2147483648\n"
+     + ROUTE, ["{f}:2: server.max_connections: 2147483648 should be 1000000 or less"]),
+    ("a budget beyond a float's range",
+     ROUTE + "    protocol: openai\n    budget: {tokens: 1" + "0" * 400 + "/day}\n",
+     ["{f}:6: routes[0].budget.tokens: '" + "1" + "0" * 35 + "...: a budget may "
+      "allow at most 1e15 a window"]),
+    ("a rate beyond a float's range",
+     ROUTE + "    rate: {requests: 1" + "0" * 400 + "/s}\n",
+     ["{f}:5: routes[0].rate.requests: '" + "1" + "0" * 35 + "...: a rate may allow "
+      "at most 1e15 a period"]),
+    ("a number of 5000 digits", ROUTE + "    concurrency: {limit: 1" + "0" * 5000 + "}\n",
+     ["{f}:5: (yaml): a number of 5001 digits (at most 4300 are read)"]),
     ("an unknown key before a bad value",
      ROUTE + "state:\n  backend: redis\n  on_unavailible: local\n  timeout: 50\n",
      [f"{{f}}:7: state.on_unavailible: unknown key {TYPO}; did you mean on_unavailable?",
