@@ -33,6 +33,7 @@ from pydantic import (
     model_validator,
 )
 from redis.asyncio.connection import ConnectionPool
+from redis.exceptions import RedisError
 
 from policies.bodies import shown
 from policies.secrets import credential_header
@@ -327,7 +328,10 @@ def _redis_url(value: str) -> str:
         field = re.search(r"argument '([^']*)'", str(exc))
         raise ValueError(f"has a query field redis-py does not take"
                          f"{f' ({field.group(1)!r})' if field else ''}") from None
-    except ValueError as exc:  # its message names a field, or quotes a piece of the URL
+    except (ValueError, RedisError) as exc:
+        # Its message names a field, or quotes a piece of the URL. A RedisError: a
+        # protocol other than 2 or 3, an ssl_cert_reqs it does not know (check-config ended
+        # in a traceback, a reload in "could not be read"; a hostile trial).
         raise ValueError(f"is not a Redis URL redis-py can read: "
                          f"{_unquoted_secret(str(exc), value)}") from None
     # redis-py reads the path as the database number and ignores one that is not a number:
@@ -350,13 +354,20 @@ def _without_userinfo(url: str) -> str:
 def _unquoted_secret(message: str, url: str) -> str:
     """``message`` with each quoted piece of ``url``'s user info redacted: redis-py quotes
     what it could not read, and a password holding ``/`` is read as the port
-    (``redis://:pa/ss@host`` says ``... as 'pa'``)."""
+    (``redis://:pa/ss@host`` says ``... as 'pa'``). The password itself is redacted
+    wherever it stands (as written or decoded): redis-py's words may repeat a query value
+    (``ssl_cert_reqs``) unquoted, and that may be the password pasted in the wrong place."""
     secret = url.partition("://")[2].rpartition("@")[0]
     if not secret:
         return message
-    return re.sub(r"'([^']*)'", lambda quoted: "'<redacted>'"
-                  if quoted.group(1) and quoted.group(1) in secret else quoted.group(0),
-                  message)
+    message = re.sub(r"'([^']*)'", lambda quoted: "'<redacted>'"
+                     if quoted.group(1) and quoted.group(1) in secret else quoted.group(0),
+                     message)
+    password = secret.partition(":")[2]
+    for form in sorted({password, urllib.parse.unquote(password)}, key=len, reverse=True):
+        if form:
+            message = message.replace(form, "<redacted>")
+    return message
 
 
 #: The path of a ``redis://`` URL: none, or ``/`` and a database number.

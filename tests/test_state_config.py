@@ -38,6 +38,18 @@ ROUTE = """routes:
     ("  backend: redis\n  redis_url: 'redis://:hunter2/x@cache:6379/0'\n",
      "state.redis_url: is not a Redis URL redis-py can read: Port could not be cast to "
      "integer value as '<redacted>'"),
+    # redis-py refuses these with a RedisError, not a ValueError: check-config ended in a
+    # traceback, and a reload said "could not be read (RedisError; see the log)" (a hostile
+    # trial). Its words may quote a query value, which may be the password itself.
+    ("  backend: redis\n  redis_url: 'redis://:hunter2@cache:6379/0?protocol=9'\n",
+     "bad.yaml:3: state.redis_url: is not a Redis URL redis-py can read: protocol must be "
+     "either 2 or 3"),
+    ("  backend: redis\n  redis_url: 'rediss://:hunter2@cache:6379/0?ssl_cert_reqs=bogus'\n",
+     "bad.yaml:3: state.redis_url: is not a Redis URL redis-py can read: Invalid SSL "
+     "Certificate Requirements Flag: bogus"),
+    ("  backend: redis\n  redis_url: 'rediss://:hunter2@cache:6379/0?ssl_cert_reqs=hunter2'\n",
+     "bad.yaml:3: state.redis_url: is not a Redis URL redis-py can read: Invalid SSL "
+     "Certificate Requirements Flag: <redacted>"),
     # redis-py ignores a database that is not a number: the typo served database 0.
     ("  backend: redis\n  redis_url: 'redis://:hunter2@cache:6379/99x'\n",
      "bad.yaml:3: state.redis_url: has a path that is no database number"),
