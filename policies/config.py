@@ -758,8 +758,10 @@ def _one_or_many(value: Any) -> Any:
 class UsageConfig(_Section):
     """How an openai/anthropic route reads and shapes token usage (policies/usage.py)."""
 
-    #: Output cap reserved for a request that sets none (max_tokens and the like), tokens.
-    default_max_tokens: int | None = Field(default=None, gt=0)
+    #: Output cap reserved for a request that sets none (max_tokens and the like), tokens;
+    #: at most :data:`MAX_AMOUNT` (it is written into the request, where JSON encoders take
+    #: 64 bits).
+    default_max_tokens: int | None = Field(default=None, gt=0, le=MAX_AMOUNT)
     #: Write that cap into such requests, so the upstream cannot exceed the reservation.
     write_max_tokens: bool = True
     #: Ask OpenAI streams for their usage chunk; it is stripped if the client did not ask.

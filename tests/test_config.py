@@ -233,6 +233,11 @@ BAD_FILES = [
      ROUTE + "    rate: {requests: 1" + "0" * 400 + "/s}\n",
      ["{f}:5: routes[0].rate.requests: '" + "1" + "0" * 35 + "...: a rate may allow "
       "at most 1e15 a period"]),
+    # Written into each request without one: orjson refuses an integer past 64 bits (502).
+    ("a default cap past 64 bits", ROUTE + "    protocol: openai\n    usage: "
+     "{default_max_tokens: 1" + "0" * 30 + "}\n",
+     ["{f}:6: routes[0].usage.default_max_tokens: 1" + "0" * 30 + " should be "
+      "1000000000000000 or less"]),
     ("a number of 5000 digits", ROUTE + "    concurrency: {limit: 1" + "0" * 5000 + "}\n",
      ["{f}:5: (yaml): a number of 5001 digits (at most 4300 are read)"]),
     ("an unknown key before a bad value",
