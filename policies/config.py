@@ -12,6 +12,7 @@ The models are strict, so a boolean or a number where a string belongs is an err
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 import urllib.parse
@@ -139,10 +140,43 @@ def _parse_rate(value: Any) -> Rate:
     return Rate(count, _RATE_PERIODS[m.group(2)], value.strip())
 
 
+#: A host name as ``server.listen`` takes it: dot-separated labels of letters, digits, ``_``
+#: and ``-`` (not at a label's ends), perhaps with the root's trailing dot.
+_LISTEN_NAME = re.compile(
+    r"[A-Za-z0-9_](?:[A-Za-z0-9_-]*[A-Za-z0-9_])?(?:\.[A-Za-z0-9_](?:[A-Za-z0-9_-]*[A-Za-z0-9_])?)*\.?")
+
+
+def _listen_host(host: str) -> bool:
+    """Whether ``host`` is one ``sluice serve`` can bind as written: an IPv4 address, an IPv6
+    one in brackets (a zone may follow ``%``), or a host name. A name whose last label is a
+    number is read as an IPv4 address by resolvers (``256.0.0.1``), so it must be one."""
+    if host.startswith("[") and host.endswith("]"):
+        try:
+            ipaddress.IPv6Address(host[1:-1])
+        except ValueError:
+            return False
+        return True
+    if not _LISTEN_NAME.fullmatch(host):
+        return False
+    if host.rstrip(".").rpartition(".")[2].isdigit():
+        try:
+            ipaddress.IPv4Address(host)
+        except ValueError:
+            return False
+    return True
+
+
 def _parse_listen(value: str) -> str:
     host, sep, port = value.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
         raise ValueError(f"{value!r} is not HOST:PORT, e.g. 127.0.0.1:8080")
+    # Only the port was checked: 'http://127.0.0.1:8080' or a space beside the host passed
+    # check-config, and serve could not start (a hostile trial).
+    if not _listen_host(host):
+        raise ValueError(
+            f"{shown(host, 60)} is not a host to listen on: write an IPv4 address, an IPv6 one "
+            "in brackets or a host name, then :PORT (no scheme, no spaces), e.g. "
+            "127.0.0.1:8080 or [::1]:8080")
     return value
 
 

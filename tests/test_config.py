@@ -29,6 +29,8 @@ TYPO = "(a typo here would silently disable a limit)"
 NOT_A_DURATION = "is not a duration: write a number and a unit, e.g. 250ms, 5s, 10m, 24h"
 NOT_A_RATE = "is not a rate: write N/s, N/min, N/h or N/day, e.g. 600/min"
 NOT_A_URL = "must be an http:// or https:// base URL with no query or fragment"
+NOT_A_HOST = ("is not a host to listen on: write an IPv4 address, an IPv6 one in brackets or "
+              "a host name, then :PORT (no scheme, no spaces), e.g. 127.0.0.1:8080 or [::1]:8080")
 INFINITE = ("must be a finite number; this one is beyond a float's range (about 1.8e308), "
             "which YAML reads as infinity")
 YAML11_BOOL = ("is a boolean to YAML 1.1 readers and a string to YAML 1.2: "
@@ -133,6 +135,18 @@ BAD_FILES = [
      ["{f}:5: routes[0].protocol: 'grpc' should be 'openai', 'anthropic', 'mcp' or 'http'"]),
     ("bad listen address", "server:\n  listen: nowhere\n" + ROUTE,
      ["{f}:2: server.listen: 'nowhere' is not HOST:PORT, e.g. 127.0.0.1:8080"]),
+    # Split at the last ':' and only the port checked, these passed check-config and serve
+    # could not start ("Name or service not known"; a hostile trial).
+    ("a listen address with a scheme", "server:\n  listen: 'http://127.0.0.1:8080'\n" + ROUTE,
+     [f"{{f}}:2: server.listen: 'http://127.0.0.1' {NOT_A_HOST}"]),
+    ("a listen address with a space", "server:\n  listen: ' 127.0.0.1:8080'\n"
+     "  admin_listen: '127.0.0.1 :9901'\n" + ROUTE,
+     [f"{{f}}:2: server.listen: ' 127.0.0.1' {NOT_A_HOST}",
+      f"{{f}}:3: server.admin_listen: '127.0.0.1 ' {NOT_A_HOST}"]),
+    ("an IPv6 address without brackets", "server:\n  listen: '::1:8080'\n" + ROUTE,
+     [f"{{f}}:2: server.listen: '::1' {NOT_A_HOST}"]),
+    ("a dotted number that is no IPv4 address", "server:\n  listen: '256.0.0.1:8080'\n" + ROUTE,
+     [f"{{f}}:2: server.listen: '256.0.0.1' {NOT_A_HOST}"]),
     ("no routes", "server:\n  drain_timeout: 5s\n",
      ["{f}:1: routes: required key is missing"]),
     ("routes as a mapping", "routes:\n  openai: {path_prefix: /openai/}\n",
@@ -578,3 +592,11 @@ def test_a_tenant_weight_is_keyed_by_a_tenant_name_a_caller_can_have():
         "c.yaml:5: routes[0].concurrency.tenant_weights.\"team-a \": 'team-a ' is not an "
         "identity value: visible ASCII (letters, digits, punctuation), no spaces, at most "
         "128 characters"]
+
+
+@pytest.mark.parametrize("listen", ["127.0.0.1:0", "0.0.0.0:8080", "[::1]:8080", "[::]:8080",
+                                    "localhost:8080", "sluice-0.sluice.svc.cluster.local.:80",
+                                    "[fe80::1%eth0]:8080"])
+def test_a_listen_address_serve_can_bind_is_accepted(listen: str) -> None:
+    parse_config(f"server: {{listen: '{listen}', admin_listen: '127.0.0.1:1'}}\n" + ROUTE,
+                 "c.yaml")  # no ConfigError
