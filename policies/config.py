@@ -1024,6 +1024,12 @@ class RouteConfig(_Section):
             return block.timeouts
         return self.timeouts
 
+    def retries(self) -> bool:
+        """Some call of this route may be retried (the route's or an operation's ``retry``),
+        so it may dead-letter one."""
+        return self.retry is not None or any(
+            op.retry is not None for op in self.operations()[1].values())
+
     def costs_usd(self) -> bool:
         """Some operation of this route has a cost (``cost_per_call``, ``cost_per_second``)."""
         return any(op.cost_per_call or op.cost_per_second
@@ -1047,6 +1053,17 @@ class Config(_Section):
     #: USD per million tokens, by model name as the request names it.
     pricing: dict[str, ModelPrice] = {}
     routes: list[RouteConfig] = Field(min_length=1)
+    # The 1-based line of each key path in the file it was read from (``proxy/config.py``);
+    # empty for a config built otherwise.
+    _lines: dict[Path_, int] = PrivateAttr(default_factory=dict)
+
+    def line(self, path: Path_) -> int:
+        """The line of ``path`` in the file this config was read from, else of the nearest
+        key above it that the file has; 1 if none."""
+        for cut in range(len(path), 0, -1):
+            if path[:cut] in self._lines:
+                return self._lines[path[:cut]]
+        return 1
 
 
 def _port(listen: str) -> int:

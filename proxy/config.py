@@ -630,6 +630,7 @@ def _parse_config(text: str, filename: str, base: Path) -> Config:
                                "refused; list at least one digest, or set "
                                "identity.unknown_key_tenant"])
     _check_sources(config, filename, marks, base)
+    config._lines = marks
     return config
 
 

@@ -303,24 +303,16 @@ class Reloader:
                 log.exception("config reload (%s): reading %s failed", trigger, self.path)
                 exc = ConfigError([f"{self.path}:1: (file): could not be read "
                                    f"({type(exc).__name__}; see the log)"])
-            problems = redact(exc.problems)  # a rejected value may be a URL with a password
-            metrics.config_reload_failures.inc()
-            metrics.config_last_reload_successful.set(0)
-            self.last_attempt = {"at": time.time(), "trigger": trigger, "ok": False,
-                                 "problems": problems}
-            if self._refused == (seen, problems):
-                log.error("config reload (%s) refused: the file is unchanged since the last "
-                          "refusal (its problems are above); the running config stays in force",
-                          trigger)
-                return False
-            self._refused = (seen, problems)
-            log.error("config reload (%s) refused, the running config stays in force:", trigger)
-            for problem in problems:
-                log.error("%s", problem)
-            return False
-        self._refused = None
+            return self._refuse(trigger, seen, exc.problems)
         running = self.runtime.config
         config, held = keep_restart_only(running, config)
+        letters = await self.runtime.open_letters_for(config)
+        if letters is not None:  # as the start refuses it
+            return self._refuse(trigger, seen, [
+                f"{self.path}:{config.line(('dead_letter', 'path'))}: dead_letter.path: "
+                f"{letters}; a route would retry, and its dead letters be lost (the path "
+                "changes on a restart only)"])
+        self._refused = None
         for key in held:
             path = tuple(key.split("."))
             section = _get(running, path[:-1])
@@ -373,6 +365,27 @@ class Reloader:
             f" (held until a restart: {', '.join(held)})" if held else "",
         )
         return True
+
+    def _refuse(self, trigger: str, seen: Fingerprint, problems: list[str]) -> bool:
+        """Log, count and keep a refused file's ``problems`` (``FILE:LINE: KEY: PROBLEM``);
+        ``seen``: its fingerprint, so an unchanged file refused again is logged in one line.
+        Returns False."""
+        problems = redact(problems)  # a rejected value may be a URL with a password
+        metrics = self.runtime.metrics
+        metrics.config_reload_failures.inc()
+        metrics.config_last_reload_successful.set(0)
+        self.last_attempt = {"at": time.time(), "trigger": trigger, "ok": False,
+                             "problems": problems}
+        if self._refused == (seen, problems):
+            log.error("config reload (%s) refused: the file is unchanged since the last "
+                      "refusal (its problems are above); the running config stays in force",
+                      trigger)
+            return False
+        self._refused = (seen, problems)
+        log.error("config reload (%s) refused, the running config stays in force:", trigger)
+        for problem in problems:
+            log.error("%s", problem)
+        return False
 
     def _not_applied(self, trigger: str, exc: Exception, what: str, outcome: str) -> bool:
         """Log, count and keep a valid config that a fault (a bug of ours) kept from being

@@ -550,6 +550,22 @@ class Runtime:
                 raise OSError(f"dead_letter.path {self.config.dead_letter.path}: {exc}"
                               ) from exc
 
+    async def open_letters_for(self, config: Config) -> str | None:
+        """Open the dead-letter store if a route of ``config`` (a reload's, its restart-only
+        ``dead_letter`` block the running one) retries and it is not open yet, as
+        :meth:`open` does at start; why it cannot be opened, else ``None``.
+
+        A reload that gave a route its first retry block was applied with a store that
+        could not be opened (a hostile trial): the first dead letter was lost, though the
+        same file refused at start."""
+        if not any(route.retries() for route in config.routes):
+            return None
+        try:
+            await self.dead_letters.open()
+        except sqlite3.Error as exc:
+            return f"cannot open {config.dead_letter.path!r}: {exc}"
+        return None
+
     def _note_new_files(self, retrying: bool) -> None:
         """Note the event log's and (``retrying``: some route retries, so :meth:`open`
         opens the store) the dead-letter store's files that :meth:`open` is about to create

@@ -428,3 +428,36 @@ async def test_a_call_whose_body_arrives_across_a_reload_is_served_by_one_config
     await until(lambda: any(e["event"] == "completed" for e in sluice.events()))
     [done] = [e for e in sluice.events() if e["event"] == "completed"]
     assert done["tenant"] == "alice"
+
+
+async def test_a_reload_that_needs_a_dead_letter_file_it_cannot_open_is_refused(tmp_path):
+    """A hostile trial: a ``dead_letter.path`` in a missing directory stops a start whose
+    routes retry, but a reload adding the first retry block was applied, and the first dead
+    letter was lost. The reload opens the file as the start does, and is refused if it
+    cannot: the old config serves, and the problem names the key on its line."""
+    from proxy.config import load_config
+    from proxy.reload import Reloader
+    from proxy.runtime import Runtime
+
+    letters = tmp_path / "missing" / "dlq.sqlite"
+    path = tmp_path / "sluice.yaml"
+    config = {"dead_letter": {"path": str(letters)},
+              "routes": [route("llm", "http://127.0.0.1:9")]}
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    runtime = Runtime(load_config(path))
+    await runtime.open()
+    reloader = Reloader(runtime, path)
+    try:
+        rewrite(path, lambda data: data["routes"][0].update(retry={"attempts": 2}))
+        assert await reloader.reload("sighup") is False
+        assert runtime.config.routes[0].retry is None
+        assert reloader.last_attempt is not None
+        assert reloader.last_attempt["problems"] == [
+            f"{path}:2: dead_letter.path: cannot open {str(letters)!r}: unable to open "
+            "database file; a route would retry, and its dead letters be lost (the path "
+            "changes on a restart only)"]
+        letters.parent.mkdir()  # the directory made: the same file applies
+        assert await reloader.reload("sighup") is True
+        assert runtime.config.routes[0].retry is not None and letters.exists()
+    finally:
+        await runtime.close()
