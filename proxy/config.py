@@ -821,12 +821,23 @@ def read_text_file(path: Path, limit: int, *, stream: bool = False) -> str:
 
 
 def _why(exc: Exception) -> str:
-    """A reading error in words that never quote the file's content."""
+    """A reading error in words that never quote the file's content (a byte that is not
+    UTF-8 is named by its value and place only)."""
     if isinstance(exc, OSError):
         return exc.strerror or type(exc).__name__
     if isinstance(exc, UnicodeDecodeError):
-        return "not UTF-8"
+        line, column = _place(exc)
+        return f"not UTF-8 (byte 0x{exc.object[exc.start]:02x} at line {line}, column {column})"
     return str(exc)
+
+
+def _place(exc: UnicodeDecodeError) -> tuple[int, int]:
+    """The 1-based line and column (in characters) of the first byte that is not UTF-8:
+    it was said at line 1 with nothing naming where, for a Latin-1 byte in a comment
+    (a hostile trial). Lines are counted as YAML breaks them (:data:`_LINE_BREAKS`)."""
+    before = bytes(exc.object[:exc.start]).decode("utf-8")  # all UTF-8, up to the byte
+    breaks = list(_LINE_BREAKS.finditer(before))
+    return len(breaks) + 1, len(before) - (breaks[-1].end() if breaks else 0) + 1
 
 
 def load_config(path: str | Path, *, stream: bool = False) -> Config:
@@ -840,7 +851,8 @@ def load_config(path: str | Path, *, stream: bool = False) -> Config:
     try:
         text = read_text_file(path, MAX_CONFIG_BYTES, stream=stream)
     except (OSError, ValueError) as exc:
-        raise ConfigError([f"{path}:1: (file): cannot read: {_why(exc)}"]) from None
+        line = _place(exc)[0] if isinstance(exc, UnicodeDecodeError) else 1
+        raise ConfigError([f"{path}:{line}: (file): cannot read: {_why(exc)}"]) from None
     # A pipe's directory (/dev, /dev/fd) is no place for the files a config names: those
     # are then found from the working directory, as the shell that made the pipe would.
     # /dev/stdin redirected from a file (`< sluice.yaml`) is that file: /proc/self/fd/0

@@ -600,3 +600,19 @@ def test_a_tenant_weight_is_keyed_by_a_tenant_name_a_caller_can_have():
 def test_a_listen_address_serve_can_bind_is_accepted(listen: str) -> None:
     parse_config(f"server: {{listen: '{listen}', admin_listen: '127.0.0.1:1'}}\n" + ROUTE,
                  "c.yaml")  # no ConfigError
+
+
+def test_a_byte_that_is_not_utf8_is_named_on_its_line_and_column(tmp_path: Path, capsys) -> None:
+    """A hostile trial: one Latin-1 byte in a comment on line 9 was said at line 1, with
+    nothing naming where it was. The tenants table names its own line too."""
+    path = tmp_path / "bad.yaml"
+    path.write_bytes(ROUTE.encode() + b"    protocol: openai\n    # caf\xe9 limits\n")
+    assert main(["check-config", str(path)]) == 2
+    assert capsys.readouterr().err == (f"{path}:6: (file): cannot read: not UTF-8 (byte 0xe9 "
+                                       "at line 6, column 10)\n")
+    (tmp_path / "tenants.yaml").write_bytes(b"# t\xc3\xa9am\n" + b"a" * 64 + b": t\xff\n")
+    path.write_text("identity: {tenants: tenants.yaml}\n" + ROUTE)
+    assert main(["check-config", str(path)]) == 2
+    assert capsys.readouterr().err == (
+        f"{path}:1: identity.tenants: cannot read {str(tmp_path / 'tenants.yaml')!r}: not "
+        "UTF-8 (byte 0xff at line 2, column 68)\n")
