@@ -287,6 +287,15 @@ def _values(node: yaml.Node, counted: dict[int, tuple[int, int]], open_: set[int
     return known[0]
 
 
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+#: YAML 1.1's merge key (``<<: *defaults``) is refused in both spellings: plain, it was an
+#: unknown key here, and tagged (``!!merge <<``) PyYAML merged it, so one file had two
+#: readings (a hostile trial). YAML 1.2 has no merge key, and a merged block's keys would have
+#: no line of their own to name in a problem.
+_NO_MERGE_KEYS = ("merge keys (<<) are not supported: write the keys out in this block, or "
+                  "make the whole block an alias (*name) of one written once")
+
+
 def _walk(node: yaml.Node, path: Path_, marks: dict[Path_, int],
           problems: list[tuple[Path_, int, str]], budget: list[int],
           inside: frozenset[int] = frozenset()) -> None:
@@ -318,6 +327,9 @@ def _walk(node: yaml.Node, path: Path_, marks: dict[Path_, int],
                 problems.append((path, line, "a key must be a plain name, not a list or mapping"))
                 continue
             key = key_node.value
+            if key_node.tag == _MERGE_TAG or (key_node.style is None and key == "<<"):
+                problems.append(((*path, key), line, _NO_MERGE_KEYS))
+                continue
             if key in seen:
                 problems.append(((*path, key), line, "duplicate key"))
             seen.add(key)

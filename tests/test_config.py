@@ -31,6 +31,8 @@ NOT_A_RATE = "is not a rate: write N/s, N/min, N/h or N/day, e.g. 600/min"
 NOT_A_URL = "must be an http:// or https:// base URL with no query or fragment"
 NOT_A_HOST = ("is not a host to listen on: write an IPv4 address, an IPv6 one in brackets or "
               "a host name, then :PORT (no scheme, no spaces), e.g. 127.0.0.1:8080 or [::1]:8080")
+MERGE_KEY = ("merge keys (<<) are not supported: write the keys out in this block, or make "
+             "the whole block an alias (*name) of one written once")
 INFINITE = ("must be a finite number; this one is beyond a float's range (about 1.8e308), "
             "which YAML reads as infinity")
 YAML11_BOOL = ("is a boolean to YAML 1.1 readers and a string to YAML 1.2: "
@@ -254,6 +256,15 @@ BAD_FILES = [
       "1000000000000000 or less"]),
     ("a number of 5000 digits", ROUTE + "    concurrency: {limit: 1" + "0" * 5000 + "}\n",
      ["{f}:5: (yaml): a number of 5001 digits (at most 4300 are read)"]),
+    # `<<: *defaults` was refused as an unknown key, `!!merge <<: *defaults` merged: one
+    # file, two readings (a hostile trial). Both are refused, saying what to write instead.
+    ("a merge key", ROUTE + "    concurrency: &d {limit: 4, queue: 8}\n"
+     "  - name: b\n    path_prefix: /b/\n    upstream: https://x.example\n"
+     "    concurrency:\n      <<: *d\n      limit: 2\n",
+     [f"{{f}}:10: routes[1].concurrency.<<: {MERGE_KEY}"]),
+    ("a tagged merge key", ROUTE + "    concurrency: &d {limit: 4, queue: 8}\n"
+     "    rate: {!!merge <<: *d}\n",
+     [f"{{f}}:6: routes[0].rate.<<: {MERGE_KEY}"]),
     ("an unknown key before a bad value",
      ROUTE + "state:\n  backend: redis\n  on_unavailible: local\n  timeout: 50\n",
      [f"{{f}}:7: state.on_unavailible: unknown key {TYPO}; did you mean on_unavailable?",
