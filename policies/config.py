@@ -1053,17 +1053,6 @@ class Config(_Section):
     #: USD per million tokens, by model name as the request names it.
     pricing: dict[str, ModelPrice] = {}
     routes: list[RouteConfig] = Field(min_length=1)
-    # The 1-based line of each key path in the file it was read from (``proxy/config.py``);
-    # empty for a config built otherwise.
-    _lines: dict[Path_, int] = PrivateAttr(default_factory=dict)
-
-    def line(self, path: Path_) -> int:
-        """The line of ``path`` in the file this config was read from, else of the nearest
-        key above it that the file has; 1 if none."""
-        for cut in range(len(path), 0, -1):
-            if path[:cut] in self._lines:
-                return self._lines[path[:cut]]
-        return 1
 
 
 def _port(listen: str) -> int:

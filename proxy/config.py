@@ -367,6 +367,12 @@ def _nearest_line(path: Path_, marks: dict[Path_, int]) -> int:
     return 1
 
 
+def key_line(path: Path_, lines: dict[Path_, int]) -> int:
+    """The line of key ``path`` in a file whose key ``lines`` :func:`load_config` gave, else
+    of the nearest key above it that the file has; 1 if none."""
+    return _nearest_line(path, lines)
+
+
 def _problems(err: ValidationError, marks: dict[Path_, int], filename: str) -> list[str]:
     """One ``FILE:LINE: KEY: PROBLEM`` line per error, in the file's order (pydantic's is the
     models' fields', which put line 10 before line 9)."""
@@ -571,15 +577,19 @@ def _enum_words(model: type[BaseModel]) -> set[tuple[tuple[str], str]]:
 _ENUM_WORDS = _enum_words(Config)
 
 
-def parse_config(text: str, filename: str = "<config>", base: Path | None = None) -> Config:
+def parse_config(text: str, filename: str = "<config>", base: Path | None = None,
+                 lines: dict[Path_, int] | None = None) -> Config:
     """Parse and validate config ``text``; ``filename`` is used in messages, and the files
-    it names are found relative to ``base`` (default: ``filename``'s directory).
+    it names are found relative to ``base`` (default: ``filename``'s directory). ``lines``,
+    if given, gets the 1-based line of each key path (see :func:`key_line`), for a problem
+    found later (a reload's).
 
     Raises:
         ConfigError: with every problem found, each as ``FILE:LINE: KEY: PROBLEM``.
     """
     try:
-        return _parse_config(text, filename, Path(filename).parent if base is None else base)
+        return _parse_config(text, filename, Path(filename).parent if base is None else base,
+                             lines)
     except RecursionError:  # the composer and the models recurse once per level
         raise ConfigError([f"{filename}:1: (yaml): nested too deeply"]) from None
     except _TooManyValues:
@@ -591,7 +601,8 @@ def parse_config(text: str, filename: str = "<config>", base: Path | None = None
                            "mappings)"]) from None
 
 
-def _parse_config(text: str, filename: str, base: Path) -> Config:
+def _parse_config(text: str, filename: str, base: Path, lines: dict[Path_, int] | None
+                  ) -> Config:
     deep = _too_deep(text)
     if deep is not None:
         raise ConfigError([f"{filename}:{deep}: (yaml): nested too deeply (more than "
@@ -642,7 +653,8 @@ def _parse_config(text: str, filename: str, base: Path) -> Config:
                                "refused; list at least one digest, or set "
                                "identity.unknown_key_tenant"])
     _check_sources(config, filename, marks, base)
-    config._lines = marks
+    if lines is not None:
+        lines.update(marks)
     return config
 
 
@@ -852,9 +864,10 @@ def _place(exc: UnicodeDecodeError) -> tuple[int, int]:
     return len(breaks) + 1, len(before) - (breaks[-1].end() if breaks else 0) + 1
 
 
-def load_config(path: str | Path, *, stream: bool = False) -> Config:
+def load_config(path: str | Path, *, stream: bool = False,
+                lines: dict[Path_, int] | None = None) -> Config:
     """Read and validate the config file at ``path`` (``stream``: see
-    :func:`read_text_file`).
+    :func:`read_text_file`; ``lines``: see :func:`parse_config`).
 
     Raises:
         ConfigError: the file is missing, unreadable (see :func:`read_text_file`) or invalid.
@@ -873,4 +886,4 @@ def load_config(path: str | Path, *, stream: bool = False) -> Config:
         base = path.parent
     else:
         base = path.resolve().parent if path.is_file() else Path.cwd()
-    return parse_config(text, str(path), base)
+    return parse_config(text, str(path), base, lines)

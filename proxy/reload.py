@@ -96,8 +96,8 @@ from typing import Any
 from aiohttp import web
 from pydantic import BaseModel
 
-from policies.config import Config
-from proxy.config import ConfigError, load_config
+from policies.config import Config, Path_
+from proxy.config import ConfigError, key_line, load_config
 from proxy.redact import redact
 from proxy.runtime import Runtime
 
@@ -295,7 +295,8 @@ class Reloader:
         metrics = self.runtime.metrics
         seen = fingerprint(self.path)
         try:
-            config = await asyncio.to_thread(load_config, self.path)
+            lines: dict[Path_, int] = {}
+            config = await asyncio.to_thread(load_config, self.path, lines=lines)
         except Exception as exc:
             if not isinstance(exc, ConfigError):
                 # A fault of ours, not the file's: logged with its traceback, and it must not
@@ -309,7 +310,7 @@ class Reloader:
         letters = await self.runtime.open_letters_for(config)
         if letters is not None:  # as the start refuses it
             return self._refuse(trigger, seen, [
-                f"{self.path}:{config.line(('dead_letter', 'path'))}: dead_letter.path: "
+                f"{self.path}:{key_line(('dead_letter', 'path'), lines)}: dead_letter.path: "
                 f"{letters}; a route would retry, and its dead letters be lost (the path "
                 "changes on a restart only)"])
         self._refused = None
