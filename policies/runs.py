@@ -14,8 +14,9 @@ what Sluice reasons about:
   no ``max_requests`` count) is linked by the first call that names a parent, and its
   descendants' depths follow.
 * **Inheritance**: a call that names no priority takes its run's, else the nearest
-  ancestor's; a call with no deadline of its own takes its run's remaining deadline, else the
-  nearest ancestor run's (a sub-agent cannot outlive the caller waiting for it).
+  ancestor's; a call with no deadline of its own takes the earliest remaining deadline of
+  its run's ancestors (a sub-agent cannot outlive the caller waiting for it; the run's own
+  last deadline bounded the call that gave it).
 * **Depth cap**: a call of a run more than :data:`MAX_DEPTH` levels below its root is refused
   (``fanout_limited``) whatever ``fanout.depth`` says, so every lineage reaches its root.
 * **Run budgets** (``run: {max_duration, max_requests, warn_at}``) and token/USD budgets
@@ -53,6 +54,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
@@ -728,10 +730,9 @@ class RunTracker:
             Rejected: ``run_cancelled`` (409); ``fanout_limited`` (429, final) when the run is
                 (or, linked under the parent it names, would be) more than
                 :data:`MAX_DEPTH` levels below its root; ``deadline_unreachable`` when the
-                call has no deadline of its own and its run's (else its nearest ancestor's)
-                has passed; ``state_unavailable`` (503)
-                when the shared state does not answer and ``state.on_unavailable`` is
-                ``reject``.
+                call has no deadline of its own and an ancestor run's has passed;
+                ``state_unavailable`` (503) when the shared state does not answer and
+                ``state.on_unavailable`` is ``reject``.
         """
         if call.run is None:
             return None
@@ -807,7 +808,9 @@ class RunTracker:
 
     def _inherit(self, info: RunInfo, call: Call) -> None:
         """Priority and deadline from the run's lineage (this replica's view of it): the
-        run's own last given, else its nearest ancestor's."""
+        priority the run last gave, else its nearest ancestor's; the earliest of its
+        ancestors' deadlines (a sub-agent cannot outlive a caller waiting for it). The
+        run's own deadline bounded the call that gave it, not the run's later calls."""
         lineage = list(info.lineage())
         now = self.registry.clock()
         if call.priority_given:
@@ -824,7 +827,11 @@ class RunTracker:
             if not call.timeout_reads:
                 info.deadline = call.received_at + call.timeout
         else:
-            owner = next((n for n in lineage if n.deadline is not None), None)
+            # Not the run's own: a review found an agent's per-call X-Request-Timeout
+            # refusing its next tool call for good, and a sub-agent that once sent 60 s
+            # outliving its parent's 1 s (the nearest deadline was its own).
+            owner = min((n for n in lineage[1:] if n.deadline is not None),
+                        key=_deadline_of, default=None)
             if owner is not None and owner.deadline is not None:
                 deadline = owner.deadline
                 if deadline <= now:
@@ -832,6 +839,10 @@ class RunTracker:
                                    f"run {owner.id}'s deadline has passed", retry=False)
                 call.timeout = deadline - call.received_at
                 call.timeout_reads = False  # a deadline for the whole call
+
+
+def _deadline_of(info: RunInfo) -> float:
+    return info.deadline if info.deadline is not None else math.inf
 
 
 class _Tracked:

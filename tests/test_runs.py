@@ -559,22 +559,39 @@ async def test_remaining_deadline_goes_upstream_and_children_inherit_it(upstream
     assert 6.5 < float(sent[-1]) <= 7.5
 
 
-async def test_a_call_with_no_deadline_takes_its_own_runs(upstream, start_sluice):
-    """README: a call with no deadline of its own "takes its run's, else its nearest
-    ancestor's"; the run's own last ``X-Request-Timeout`` was skipped (only ancestors were
-    looked at), so a run's later calls ran with no deadline at all."""
+async def test_a_runs_own_per_call_timeout_does_not_end_its_later_calls(upstream,
+                                                                         start_sluice):
+    """A review: an agent bounding its LLM call with ``X-Request-Timeout: 1`` had its tool
+    call 1.3 s later, with no timeout of its own, refused ``deadline_unreachable`` (final):
+    the run's own deadline bounds the call that gave it, not the run."""
+    sluice = await start_sluice({"routes": [route("llm", upstream.url, "http"),
+                                            route("tools", upstream.url, "http")]})
+    async with aiohttp.ClientSession() as s:
+        first = await post(s, f"{sluice.url}/llm/x",
+                           run_headers("agent", None, **{"X-Request-Timeout": "1"}))
+        await asyncio.sleep(1.3)
+        tool = await post(s, f"{sluice.url}/tools/x", run_headers("agent"))
+    assert (first[0], tool[0]) == (200, 200), tool[2]
+    assert "X-Request-Timeout" not in upstream.requests[1].headers
+
+
+async def test_a_sub_agent_takes_the_earliest_of_its_ancestors_deadlines(upstream,
+                                                                        start_sluice):
+    """A review: sub-agent c once sent 60 s; its later calls took that (the nearest
+    deadline, its own) and were admitted after its parent p's 1 s had passed. A sub-agent
+    cannot outlive the caller waiting for it."""
     sluice = await start_sluice({"routes": [route("tools", upstream.url, "http")]})
     async with aiohttp.ClientSession() as s:
         url = f"{sluice.url}/tools/x"
-        await post(s, url, run_headers("r", None, **{"X-Request-Timeout": "5"}))
-        await post(s, url, run_headers("r"))  # no deadline of its own
-        await post(s, url, run_headers("short", None, **{"X-Request-Timeout": "0.3"}))
-        await asyncio.sleep(0.5)
-        status, headers, body = await post(s, url, run_headers("short"))
+        await post(s, url, run_headers("p", None, **{"X-Request-Timeout": "1"}))
+        await post(s, url, run_headers("c", "p", **{"X-Request-Timeout": "60"}))
+        early = await post(s, url, run_headers("c", "p"))
+        await asyncio.sleep(1.3)
+        status, headers, body = await post(s, url, run_headers("c", "p"))
     sent = [seen.headers.get("X-Request-Timeout") for seen in upstream.requests]
-    assert 3 < float(sent[1]) < float(sent[0]) <= 5  # the run's, less the time gone
+    assert early[0] == 200 and 0 < float(sent[2]) <= 1.0  # p's, less the time gone
     assert (status, headers["X-Sluice-Reason"]) == (503, "deadline_unreachable")
-    assert b"run short" in body
+    assert b"run p" in body
     assert len(upstream.requests) == 3
 
 
