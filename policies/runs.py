@@ -271,7 +271,8 @@ class RunRegistry:
         Raises:
             Rejected: ``fanout_limited`` (429, final) when the run, a root, would be linked
                 under a ``parent`` whose chain is longer than :data:`MAX_LINEAGE` (it stays
-                a root). A new run is linked however deep: :class:`RunTracker` refuses its
+                a root; with shared state it stays one unrefused here, and the shared tree
+                decides). A new run is linked however deep: :class:`RunTracker` refuses its
                 calls past :data:`MAX_DEPTH`.
         """
         now = self.clock()
@@ -304,10 +305,16 @@ class RunRegistry:
                 # its root; one longer than MAX_LINEAGE would put the run past MAX_DEPTH:
                 # the call is refused rather than the walk made longer (the shared script's).
                 up = runs.get((tenant, parent)) or self.resolve(parent, None, tenant)
+                if runs.get(key) is not info:
+                    # Creating the parent made room by forgetting this run itself (childless,
+                    # nothing live yet): remembered again, or its call would be linked on an
+                    # object no cancel reaches (a review).
+                    runs[key] = info
+                    self._unlinked(info)
                 above = self._above(info, up)
-                if above is None:
+                if above is None and self.shared is None:
                     raise too_deep(run, MAX_LINEAGE, "would be at least")
-                if not above:
+                if above is False:  # with shared state, the shared tree decides (a review)
                     info.parent = up
                     up.children.add(run)
                     self._set_depths(info)
@@ -579,10 +586,12 @@ class RunRegistry:
 
     def _forgettable(self, info: RunInfo, now: float) -> bool:
         """``info``, a run without a child, holds nothing a limit needs (see :meth:`resolve`):
-        no call live, no cancellation in force, and no ``max_requests`` count or measured
-        ``max_duration``, unless :data:`MAX_COUNTED_RUNS` runs are remembered (then those
-        go too, with a warning)."""
-        if info.live or info.cancelled_until > now:
+        no call live, no cancellation in force on it or an ancestor, and no ``max_requests``
+        count or measured ``max_duration``, unless :data:`MAX_COUNTED_RUNS` runs are
+        remembered (then those go too, with a warning)."""
+        if info.live or any(node.cancelled_until > now for node in info.lineage()):
+            # A run under a cancelled ancestor holds that link: forgotten, its child's next
+            # call named it anew as a root and was served (a review).
             return False
         if info.timed or any(info.counts.values()):
             if len(self.runs) < MAX_COUNTED_RUNS:
@@ -738,8 +747,6 @@ class RunTracker:
             return None
         registry = self.registry
         info = registry.resolve(call.run, call.parent_run, call.tenant)
-        if info.depth > MAX_DEPTH:  # pushed down by a root linked later above it
-            raise too_deep(info.id, info.depth, "is")
         call.lineage = tuple(node.id for node in itertools.islice(info.lineage(), 1, None))
         self._refuse_if_cancelled(info)
         # Reachable by a cancel from here on, the shared round trip included: a cancel heard
@@ -749,6 +756,11 @@ class RunTracker:
         try:
             if registry.shared is not None:
                 await self._share(registry.shared, info, call)
+            # Checked on the tree the shared state gave (adopted), else on this replica's:
+            # checked before asking it, a link only this replica had made refused calls
+            # another replica served (a review).
+            if info.depth > MAX_DEPTH:  # also pushed down by a root linked later above it
+                raise too_deep(info.id, info.depth, "is")
             self._inherit(info, call)
         except BaseException:
             info.live.discard(live)
