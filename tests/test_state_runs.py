@@ -131,6 +131,23 @@ async def test_a_take_sent_again_counts_once(where):
         assert (await runs.admit("t", "kid", "root", both)).highs == (1, 1)
 
 
+async def test_an_uncapped_take_adds_an_outage_count_once(where):
+    """A call served on a replica's local share while Redis did not answer is added to the
+    shared counts once it answers, past the limit if need be (the call was served), and
+    once however often the add is sent (a frozen Redis runs the first when it thaws); one
+    given back before its add ran is not added at all."""
+    async with shared_runs(*where) as runs:
+        assert await runs.take_request("s", "t", ("kid", "root"), 1) == (None, 1)
+        assert await runs.take_request("s", "t", ("kid", "root"), None, "a") == (None, 2)
+        assert await runs.take_request("s", "t", ("kid", "root"), None, "a") == (None, 2)
+        assert await runs.give_back_request("b", ["s"]) == 0
+        assert await runs.take_request("s", "t", ("kid", "root"), None, "b") == (None, 0)
+        assert await runs.give_back_request("a", ["s"]) == 1
+        # Back to the first call's count: a given back, b never added.
+        assert await runs.take_request("s", "t", ("kid", "root"), 2) == (None, 2)
+        assert await runs.take_request("s", "t", ("kid", "root"), 2) == ("kid", 0)
+
+
 async def test_a_count_heard_is_given_back_after_its_record_lapsed(where, monkeypatch):
     """A call queued longer than ``TAKE_HOLD_S`` (a ``max_wait`` of 15 minutes) found its
     take's record gone when it gave its count back: marked not to count, and the count

@@ -248,7 +248,8 @@ return {ids, firsts, hit, left, now, counted, full, highs, deep}
 
 # Count one call on every run of a lineage for a scope, or on none.
 # KEYS: the run's hash (the rest are built from ARGV[1]), the take's record.
-# ARGV: key prefix of the tenant's run hashes, field, limit, idle ttl (s), take hold ms, ids...
+# ARGV: key prefix of the tenant's run hashes, field, limit (-1: none, for counts already
+# served on a replica's local share during an outage), idle ttl (s), take hold ms, ids...
 # Returns {0, highest count after} when counted, or {index of the first run at the limit, 0}.
 # A run's hash lives RUN_IDLE_TTL_S past its last use, here too: a count taken for a run the
 # admission script had not written (Redis did not answer it) left a hash that never expired.
@@ -270,7 +271,7 @@ if redis.call('HEXISTS', KEYS[2], 'pre') == 1 then
 end
 for i = 6, #ARGV do
   local n = tonumber(redis.call('HGET', pre .. ARGV[i], field) or '0')
-  if n >= limit then return {i - 5, 0} end
+  if limit >= 0 and n >= limit then return {i - 5, 0} end
   if n + 1 > high then high = n + 1 end
 end
 local ids = {}
@@ -501,10 +502,14 @@ class RedisRuns:
         )
 
     async def take_request(self, scope: str, tenant: str, ids: tuple[str, ...],
-                           limit: int, take: str | None = None) -> tuple[str | None, int]:
+                           limit: int | None, take: str | None = None
+                           ) -> tuple[str | None, int]:
         """Count one call in ``scope`` on every run of ``ids`` (a lineage of ``tenant``'s
         runs, the run first), or on none of them; the count is recorded under ``take`` (a
         fresh id if ``None``) for :data:`TAKE_HOLD_S`, for :meth:`give_back_request`.
+        ``limit`` ``None``: counted whatever the counts are (a call already served on this
+        replica's local share while Redis did not answer, added once it does). A take sent
+        again counts once; one given back before it ran counts nothing.
 
         Returns:
             ``(full, highest)``: the first run already at ``limit`` (nothing counted), else
@@ -517,7 +522,8 @@ class RedisRuns:
         runs = self._runs + qualified(tenant)
         full, high = await self.state.eval(
             _TAKE, [runs + ids[0], self._takes + (take or new_take_id())],
-            [runs, f"n:{scope}", limit, RUN_IDLE_TTL_S, round(TAKE_HOLD_S * 1000), *ids])
+            [runs, f"n:{scope}", -1 if limit is None else limit, RUN_IDLE_TTL_S,
+             round(TAKE_HOLD_S * 1000), *ids])
         return (ids[int(full) - 1] if int(full) else None), int(high)
 
     async def give_back_request(self, take: str, scopes: Sequence[str],
