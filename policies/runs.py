@@ -46,7 +46,10 @@ from this replica's own view (a ``1/state.replicas`` share of ``max_requests`` a
 ``width``), ``reject`` refuses 503 ``state_unavailable``. A count Redis may have taken
 though its answer was lost (sent to a frozen Redis, which runs it when it thaws), and a
 give-back Redis did not answer, are given back once it answers again, each once
-(:class:`GiveBacks`): calls that never reached the upstream spend nothing of the run.
+(:class:`GiveBacks`): calls that never reached the upstream spend nothing of the run. A
+``max_requests`` count taken on the local share is added to the shared counts once Redis
+answers again, once (:class:`OutageCount`), and given back as any other if its call never
+reached the upstream: after an outage a run's shared count holds every call it made.
 """
 
 from __future__ import annotations
@@ -106,8 +109,8 @@ WIDTH_QUEUE = 1024
 #: Suggested wait when a run's ``max_requests`` is held by calls not yet sent upstream,
 #: seconds: they either reach it or give their count back within a queue wait or two.
 PENDING_WAIT_S = 1.0
-#: Give-backs kept while the shared state does not answer (see :class:`GiveBacks`), as
-#: ``policies.budget.MAX_PENDING`` keeps budget spend to reconcile.
+#: Give-backs and outage counts kept while the shared state does not answer (see
+#: :class:`GiveBacks`), as ``policies.budget.MAX_PENDING`` keeps budget spend to reconcile.
 MAX_GIVE_BACKS = 100_000
 
 
@@ -430,6 +433,21 @@ class RunRegistry:
         for info in lineage:
             info.counts[scope] = max(0, info.counts.get(scope, 0) - 1)
 
+    def count_outage(self, scope: str, lineage: list[RunInfo]) -> OutageCount:
+        """Keep a count :meth:`take_request` took on the local share while the shared state
+        did not answer, to add to the shared counts of ``lineage`` once it answers
+        (:class:`GiveBacks`): else a run got its whole ``max_requests`` again after an outage
+        (a hostile trial: 40 calls served on a limit of 20 by 2 replicas)."""
+        outage = OutageCount(scope, (lineage[0].tenant, tuple(node.id for node in lineage)))
+        self.give_backs.keep(outage)
+        return outage
+
+    def give_back_outage(self, outage: OutageCount) -> None:
+        """The call of ``outage`` never reached the upstream: undo its add to the shared
+        counts (once added; a give-back that arrives first keeps it from being added)."""
+        self.give_back(outage.take, (outage.scope,),
+                       outage.counted_on if outage.added else None)
+
     def settle_count(self, call: Call) -> None:
         """The call ended: give back the shared counts it took at admission that no run
         limit claimed (it was refused, replayed or cancelled before that step)."""
@@ -644,16 +662,44 @@ class RunRegistry:
 _GiveBack = tuple[str, tuple[str, ...], CountedOn | None]
 
 
-class GiveBacks(Redeliveries[_GiveBack]):
-    """Give-backs of shared ``max_requests`` counts the shared state did not answer, sent
-    again once it answers (:class:`policies.redelivery.Redeliveries`, as budget spend is).
+class OutageCount:
+    """A ``max_requests`` count this replica took on its local share while the shared
+    state did not answer (``state.on_unavailable: local``), to add to the shared counts once
+    it answers (:class:`GiveBacks`), on the lineage the shared count would have been taken
+    on, uncapped: the call was admitted already.
+
+    Attributes:
+        take: the id it is added under (:meth:`RedisRuns.take_request`): added once however
+            often it is sent, and not at all if given back first.
+        scope: the limit scope counted.
+        counted_on: ``(tenant, run ids)``, the run first.
+        added: the shared state answered that it added it.
+    """
+
+    __slots__ = ("added", "counted_on", "scope", "take")
+
+    def __init__(self, scope: str, counted_on: CountedOn) -> None:
+        self.take = new_take_id()
+        self.scope = scope
+        self.counted_on = counted_on
+        self.added = False
+
+    def __repr__(self) -> str:
+        return f"OutageCount({self.take!r}, {self.scope!r}, {self.counted_on!r})"
+
+
+class GiveBacks(Redeliveries["_GiveBack | OutageCount"]):
+    """Give-backs of shared ``max_requests`` counts the shared state did not answer, and
+    counts taken on the local share while it did not answer (:class:`OutageCount`), sent
+    once it answers (:class:`policies.redelivery.Redeliveries`, as budget spend is), in the
+    order they were kept.
 
     Each names the id its count was taken under (:meth:`RedisRuns.give_back_request`), so it
     applies once however often it is sent: one Redis ran though its answer was lost (a
     frozen Redis runs what was sent to it when it thaws) finds nothing the second time, and
-    one sent before the count it gives back has run keeps that count from being taken.
-    They are sent again when the health sees Redis up again and whenever a run call is
-    answered (:meth:`kick`). Kept up to :data:`MAX_GIVE_BACKS`.
+    one sent before the count it gives back has run keeps that count from being taken (an
+    outage count's too). They are sent again when the health sees Redis up again and
+    whenever a run call is answered (:meth:`kick`). Kept up to :data:`MAX_GIVE_BACKS`.
 
     Args:
         shared: the shared run state (``None``: memory only, nothing to give back there).
@@ -677,22 +723,33 @@ class GiveBacks(Redeliveries[_GiveBack]):
         """
         await self.send((take, scopes, counted_on))
 
-    async def _send(self, entry: _GiveBack) -> None:
-        assert self._shared is not None
-        await self._shared.give_back_request(*entry)
+    async def _send(self, entry: _GiveBack | OutageCount) -> None:
+        shared = self._shared
+        assert shared is not None
+        if isinstance(entry, OutageCount):
+            tenant, ids = entry.counted_on
+            await shared.take_request(entry.scope, tenant, ids, None, entry.take)
+            entry.added = True
+        else:
+            await shared.give_back_request(*entry)
 
     def _round_name(self) -> str:
         return "run request give-backs"
 
-    def _dropped(self, entry: _GiveBack) -> None:
+    def _dropped(self, entry: _GiveBack | OutageCount) -> None:
+        if isinstance(entry, OutageCount):
+            log.warning("run request count made during an outage dropped (over %d kept while "
+                        "the state backend does not answer): %s of run %s", MAX_GIVE_BACKS,
+                        entry.scope, entry.counted_on[1][0], extra=PER_CALL)
+            return
         take, scopes, _ = entry
         log.warning("run request give-back dropped (over %d kept while the state backend "
                     "does not answer): take %s of %s", MAX_GIVE_BACKS, take,
                     ", ".join(scopes), extra=PER_CALL)
 
     def _sent(self, count: int) -> None:
-        log.warning("run request give-back of %s reconciled into the shared run state",
-                    counted(count, "call"))
+        log.warning("run request counts and give-backs of %s reconciled into the shared run "
+                    "state", counted(count, "call"))
 
 
 # --- the policies ----------------------------------------------------------------------------
@@ -944,7 +1001,7 @@ class RunLimits:
                     used, warn = age / config.max_duration, "max_duration"
             for node in lineage:  # their first calls' times now limit them: keep them
                 node.timed = True
-        take: str | None = None
+        take: str | OutageCount | None = None
         if config.max_requests is not None:
             claimed = self._claim(call, config.max_requests)
             take, full, share = (claimed if claimed is not None else
@@ -1015,16 +1072,18 @@ class RunLimits:
         return part.take, None, lineage.highs[index] / limit
 
     async def _take(self, lineage: list[RunInfo], limit: int
-                    ) -> tuple[str | None, str | None, float]:
+                    ) -> tuple[str | OutageCount | None, str | None, float]:
         """Count the call on ``lineage`` in the shared state, else in this replica's.
 
         A count sent to a Redis that did not answer is given back once it answers
-        (:meth:`RunRegistry.counting`): the call is refused, or counted here instead.
+        (:meth:`RunRegistry.counting`): the call is refused, or counted here instead, and
+        then added to the shared counts once Redis answers (:meth:`RunRegistry.count_outage`).
 
         Returns:
-            ``(take, full, share)``: the id the shared state counted it under (``None``:
-            counted here), the run already at the limit (nothing counted), and the fullest
-            run's share of the limit after counting.
+            ``(take, full, share)``: the id the shared state counted it under (an
+            :class:`OutageCount`: counted here while it did not answer; ``None``: counted
+            here, with no shared state), the run already at the limit (nothing counted), and
+            the fullest run's share of the limit after counting.
         """
         registry = self.registry
         shared = registry.shared
@@ -1046,7 +1105,8 @@ class RunLimits:
         node = registry.take_request(self.scope, lineage, limit)
         if node is not None:
             return None, node.id, 1.0
-        return None, None, max(n.counts[self.scope] for n in lineage) / limit
+        outage = registry.count_outage(self.scope, lineage) if shared is not None else None
+        return outage, None, max(n.counts[self.scope] for n in lineage) / limit
 
     def _give_back(self, take: str, full: str | None, counted_on: CountedOn) -> None:
         """Give back the count a call whose caller left during :meth:`_take` made."""
@@ -1058,12 +1118,13 @@ class _Counted:
     """A call's ``max_requests`` count on each run of its lineage (a holding): listed in each
     run's ``holders`` until the call ends, given back then if it never reached the upstream
     (in the shared state by ``take``, the id it was counted under there; ``None``: counted
-    in this replica's memory)."""
+    in this replica's memory; an :class:`OutageCount`: in this replica's memory and, once
+    Redis answers, in the shared state too)."""
 
     __slots__ = ("call", "lineage", "registry", "scope", "take")
 
     def __init__(self, registry: RunRegistry, scope: str, lineage: list[RunInfo],
-                 take: str | None, call: Call) -> None:
+                 take: str | OutageCount | None, call: Call) -> None:
         self.registry = registry
         self.scope = scope
         self.lineage = lineage
@@ -1087,8 +1148,10 @@ class _Counted:
                 del node.holders[scope]  # type: ignore[union-attr]
         if outcome.reached:
             return
-        if self.take is None:
+        if self.take is None or isinstance(self.take, OutageCount):
             self.registry.give_back_request(self.scope, self.lineage)
+            if self.take is not None:
+                self.registry.give_back_outage(self.take)
         else:
             lineage = self.lineage
             self.registry.give_back(self.take, (self.scope,),

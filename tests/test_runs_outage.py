@@ -43,13 +43,14 @@ NEVER_SENT = Outcome("client_disconnected", False)
 
 
 class Replica:
-    """One replica's run policies on the test's Redis (``on_unavailable: reject``)."""
+    """One replica's run policies on the test's Redis (``on_unavailable: reject``, unless
+    ``fallback`` says otherwise)."""
 
-    def __init__(self, state: StateBackends) -> None:
+    def __init__(self, state: StateBackends, fallback: Fallback | None = None) -> None:
         assert state.redis is not None
         self.state = state
         self.registry = RunRegistry(shared=RedisRuns(state.redis),
-                                    fallback=Fallback("reject", 1))
+                                    fallback=fallback or Fallback("reject", 1))
         self.limits = RunLimits(self.registry, SCOPE, RunConfig(max_requests=MAX_REQUESTS),
                                 None)
         self.tracker = RunTracker(self.registry, [self.limits])
@@ -111,10 +112,11 @@ async def served(replica: Replica) -> int:
     return n
 
 
-async def replica_on(server: RedisServer, prefix: str) -> Replica:
+async def replica_on(server: RedisServer, prefix: str,
+                     fallback: Fallback | None = None) -> Replica:
     state = await redis_backends(server.url, prefix, TIMEOUT_S, probe_interval_s=0.05)
     assert state.health.up, state.health.last_error
-    return Replica(state)
+    return Replica(state, fallback)
 
 
 async def test_a_count_whose_reply_is_lost_in_a_freeze_is_given_back(redis_server):
@@ -190,6 +192,39 @@ async def test_two_replicas_calls_in_a_freeze_leave_no_count(redis_server, repli
         assert all(isinstance(o, Rejected) for o in outcomes), outcomes
         assert await settled(redis_server, prefix, 1) == 1
         assert 1 + await served(group[1]) == MAX_REQUESTS
+    finally:
+        for replica in group:
+            await replica.close()
+
+
+async def test_calls_served_on_the_local_share_count_in_redis_after_the_outage(
+        redis_server):
+    """``on_unavailable: local``, 2 replicas: each serves its share (2 of 4) of the run
+    while Redis is frozen. Once Redis answers, those calls are added to the run's shared
+    count, once each, and the run is refused: before, they were counted only in each
+    replica's memory, and the run got its whole ``max_requests`` again after the outage (a
+    hostile trial: 40 calls served on a limit of 20). A call of the outage that never
+    reached the upstream is given back, whether it ended during the outage or after its
+    count was added."""
+    prefix = new_prefix()
+    group = [await replica_on(redis_server, prefix, Fallback("local", 2)) for _ in range(2)]
+    a, b = group
+    try:
+        _, held = await a.admit()
+        release(held, REACHED)
+        redis_server.freeze()
+        try:
+            _, left_now = await a.admit()  # ends during the outage, never sent
+            release(left_now, NEVER_SENT)
+            _, left_later = await a.admit()  # still waiting when Redis is back
+            assert await served(a) + await served(b) == 1 + 2
+        finally:
+            redis_server.thaw()
+        # 1 before, 3 served on the shares, 1 still held: all in the shared count now.
+        assert await settled(redis_server, prefix, 5) == 5
+        release(left_later, NEVER_SENT)
+        assert await settled(redis_server, prefix, 4) == 4
+        assert await served(a) + await served(b) == 0
     finally:
         for replica in group:
             await replica.close()
