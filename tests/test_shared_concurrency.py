@@ -19,6 +19,7 @@ from collections.abc import Iterator
 
 import aiohttp
 import pytest
+import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -227,6 +228,61 @@ def _run_call(run: str) -> Call:
 async def _width_leases(backends: StateBackends, run: str) -> int:
     # The group names the run's tenant (``policies.operations.width_limiters``): ``t``.
     return (await backends.leases.counts(f"r/run:1:t:{run}", run))[0]
+
+
+def _subscribed(backends: StateBackends) -> list[str]:
+    """The channels of ``backends``' key prefix that Redis has subscribers for (on the node
+    its URL names, where its pub/sub connection is), the always-on ones left out."""
+    assert backends.redis is not None
+    prefix = backends.redis.prefix
+    with redis.Redis.from_url(backends.redis.url, socket_timeout=2) as client:
+        names = [name.decode() for name in client.pubsub_channels(f"{prefix}:*")]
+    return sorted(name for name in names
+                  if name not in (f"{prefix}:notify", f"{prefix}:runs:cancel"))
+
+
+async def _channels(backends: StateBackends) -> list[str]:
+    return _subscribed(backends)
+
+
+def _publish(backends: StateBackends, channel: str) -> None:
+    assert backends.redis is not None
+    with redis.Redis.from_url(backends.redis.url, socket_timeout=2) as client:
+        client.publish(channel, "1")
+
+
+@ON_REDIS
+async def test_a_channel_is_unsubscribed_when_its_last_watcher_leaves(backends: StateBackends):
+    """A run's width queue watched its wake channel, was woken by the last release and
+    left (its calls were cancelled): nothing published on the channel after that, and it
+    stayed subscribed for good, one per such run (a hostile trial: 20 cancelled runs, 20
+    channels 30 s later). It goes when its last watcher does."""
+    notifier = backends.redis.notifier  # type: ignore[union-attr]
+    channel = backends.redis.key("r/run:1:t:job", "conc", "wake")  # type: ignore[union-attr]
+    async with notifier.watch(channel) as first, notifier.watch(channel):
+        assert await _channels(backends) == [channel]
+        _publish(backends, channel)
+        assert await first.wait(2.0)
+    await eventually(lambda: _channels(backends), [], 2.0, "channels still subscribed")
+
+
+@ON_REDIS
+async def test_a_watcher_back_while_its_channel_is_dropped_is_still_woken(
+        backends: StateBackends):
+    """Watchers leave and come back on one channel at every step of its unsubscribe (before
+    it is sent, while on its way, after): each watcher back is woken by a publish made once
+    its watch began, and once the last leaves, the channel goes."""
+    notifier = backends.redis.notifier  # type: ignore[union-attr]
+    channel = backends.redis.key("r", "conc", "wake")  # type: ignore[union-attr]
+    for pause in (None, 0.0, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05) * 3:
+        async with notifier.watch(channel):
+            pass
+        if pause is not None:
+            await asyncio.sleep(pause)
+        async with notifier.watch(channel) as signal:
+            _publish(backends, channel)
+            assert await signal.wait(2.0), f"not woken, back {pause}s after the last left"
+    await eventually(lambda: _channels(backends), [], 2.0, "channels still subscribed")
 
 
 @ON_REDIS

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import deque
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -107,19 +108,32 @@ class RedisNotifier:
 
     A channel is subscribed when its first watcher arrives (the watcher waits for the
     confirmation, bounded by the state timeout, so its first re-check happens after the
-    subscription is live), and unsubscribed lazily: when a message comes for a channel nobody
-    watches any more. The listener reconnects and re-subscribes after any failure; meanwhile
-    waiters fall back on their poll interval.
+    subscription is live), and unsubscribed when its last watcher leaves: a channel per
+    run's width queue, or per idempotency key, would otherwise stay subscribed for good
+    once nothing publishes on it any more (a hostile trial: one per cancelled run).
+
+    Every ``SUBSCRIBE`` and ``UNSUBSCRIBE`` is decided and sent under one lock, on the one
+    connection, and Redis confirms each in the order sent: so a watcher arriving while its
+    channel's ``UNSUBSCRIBE`` is on its way sends ``SUBSCRIBE`` after it and waits for the
+    confirmation of that one, not of an earlier ``SUBSCRIBE`` (after which the channel was
+    dropped again), and a watcher arriving before the ``UNSUBSCRIBE`` is sent keeps the
+    channel (it is not sent). The listener reconnects and re-subscribes every watched
+    channel after any failure; meanwhile waiters fall back on their poll interval.
     """
 
     def __init__(self, state: RedisState) -> None:
         self._state = state
         self._watchers: dict[str, set[Signal]] = {}
-        self._subscribed: set[str] = set()
-        self._confirm: dict[str, asyncio.Future[None]] = {}
+        #: Channels whose last command sent on the connection is ``SUBSCRIBE``.
+        self._wanted: set[str] = set()
+        #: Per channel, its commands sent and not confirmed yet, in order: a
+        #: ``SUBSCRIBE``'s future (done at its confirmation), ``None`` for an
+        #: ``UNSUBSCRIBE``. A channel in :attr:`_wanted` and not here is subscribed.
+        self._unconfirmed: dict[str, deque[asyncio.Future[None] | None]] = {}
         self._send = asyncio.Lock()
         self._pubsub: PubSub | None = None
         self._task: asyncio.Task[None] | None = None
+        self._drops: set[asyncio.Task[None]] = set()
         self._connected = asyncio.Event()
         self._home = state.prefix + ":notify"  # keeps the connection subscribed when idle
         self._closing = False
@@ -134,49 +148,101 @@ class RedisNotifier:
             yield signal
         finally:
             watchers.discard(signal)
-            if not watchers:
-                self._watchers.pop(channel, None)
+            if not watchers and self._watchers.get(channel) is watchers:
+                del self._watchers[channel]
+                self._drop(channel)
 
     async def close(self) -> None:
         self._closing = True
         task, self._task = self._task, None
         if task is not None:
             await stop_listener(task, "the pub/sub listener")
+        for drop in list(self._drops):
+            drop.cancel()
 
     async def _subscribe(self, channel: str) -> None:
-        """Subscribe ``channel`` if it is not; best effort, bounded by the state timeout."""
-        if channel in self._subscribed or self._closing:
+        """Subscribe ``channel`` if it is not, and wait for the confirmation; best effort,
+        bounded by the state timeout."""
+        if self._closing or (channel in self._wanted and channel not in self._unconfirmed):
             return
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._listen(), name="sluice-state-notify")
-        loop = asyncio.get_running_loop()
-        future = self._confirm.get(channel)
-        if future is None:
-            future = self._confirm[channel] = loop.create_future()
         try:
             async with asyncio.timeout(self._state.timeout_s):
                 await self._connected.wait()
-                pubsub = self._pubsub
-                if pubsub is not None and channel not in self._subscribed:
-                    async with self._send:
-                        await pubsub.subscribe(channel)
+                # Shielded: a command decided is sent whole, its bookkeeping with it, even if
+                # this watcher is cancelled or times out meanwhile.
+                future = await asyncio.shield(self._send_subscribe(channel))
+                if future is not None:
                     await asyncio.shield(future)
         except Exception as exc:  # the poll interval covers a subscription that is late
             log.debug("subscribing %s: %r", channel, exc)
-        finally:
-            if self._confirm.get(channel) is future and future.done():
-                del self._confirm[channel]
+
+    async def _send_subscribe(self, channel: str) -> asyncio.Future[None] | None:
+        """Send ``SUBSCRIBE`` unless the last command of ``channel`` is one; returns the
+        future its confirmation completes (``None``: subscribed already, or no
+        connection)."""
+        async with self._send:
+            pubsub = self._pubsub
+            # Its watchers may have left while this waited for the lock: then none is sent.
+            if pubsub is None or channel not in self._watchers:
+                return None
+            sent = self._unconfirmed.get(channel)
+            if channel in self._wanted:
+                return sent[-1] if sent else None
+            future = asyncio.get_running_loop().create_future()
+            self._wanted.add(channel)
+            self._unconfirmed.setdefault(channel, deque()).append(future)
+            try:
+                await pubsub.subscribe(channel)
+            except Exception as exc:  # the listener sees the connection gone, and starts anew
+                log.debug("subscribing %s: %r", channel, exc)
+                return None
+            return future
+
+    def _drop(self, channel: str) -> None:
+        """Unsubscribe ``channel``, which nobody watches any more (never awaits)."""
+        if channel in self._wanted and not self._closing:
+            task = asyncio.create_task(self._unsubscribe(channel),
+                                       name="sluice-state-notify-drop")
+            self._drops.add(task)
+            task.add_done_callback(self._drops.discard)
+
+    async def _unsubscribe(self, channel: str) -> None:
+        try:
+            async with self._send:
+                pubsub = self._pubsub
+                # A watcher came back meanwhile: the subscription is its.
+                if pubsub is None or channel in self._watchers or channel not in self._wanted:
+                    return
+                self._wanted.discard(channel)
+                self._unconfirmed.setdefault(channel, deque()).append(None)
+                await pubsub.unsubscribe(channel)
+        except Exception as exc:  # the connection broke: the next one subscribes only watched
+            log.debug("unsubscribing %s: %r", channel, exc)
 
     async def _listen(self) -> None:
         while not self._closing:
+            channels = list(self._watchers)
             try:
-                async with subscription(self._state, self._home, *self._watchers) as pubsub:
+                async with subscription(self._state, self._home, *channels) as pubsub:
+                    loop = asyncio.get_running_loop()
+                    self._wanted = set(channels)
+                    self._unconfirmed = {channel: deque([loop.create_future()])
+                                         for channel in channels}
                     self._pubsub = pubsub
                     self._connected.set()
+                    for channel in channels:  # its watchers left while this connected
+                        if channel not in self._watchers:
+                            self._drop(channel)
                     while not self._closing:
+                        if pubsub.connection is None or not pubsub.connection.is_connected:
+                            # A failed send dropped it. Reconnected by redis-py's next read,
+                            # it would subscribe again unseen by the bookkeeping: start anew.
+                            raise ConnectionError("pub/sub connection lost")
                         message = await pubsub.get_message(timeout=READ_TIMEOUT_S)
                         if message is not None:
-                            await self._dispatch(pubsub, message)
+                            self._dispatch(message)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # StateUnavailable before the first connection, too
@@ -184,31 +250,31 @@ class RedisNotifier:
             finally:
                 self._connected.clear()
                 self._pubsub = None
-                self._subscribed.clear()
+                # Watchers waiting for a confirmation that will not come re-check now.
+                for sent in self._unconfirmed.values():
+                    for future in sent:
+                        if future is not None and not future.done():
+                            future.set_result(None)
+                self._unconfirmed = {}
+                self._wanted = set()
             await asyncio.sleep(self._state.probe_interval_s)
 
-    async def _dispatch(self, pubsub: PubSub, message: dict[str, Any]) -> None:
+    def _dispatch(self, message: dict[str, Any]) -> None:
         kind = message["type"]
         channel = message["channel"]
         if isinstance(channel, bytes):
             channel = channel.decode("utf-8", "surrogateescape")
-        if kind == "subscribe":
-            self._subscribed.add(channel)
-            future = self._confirm.get(channel)
-            if future is not None and not future.done():
-                future.set_result(None)
+        if kind in ("subscribe", "unsubscribe"):
+            sent = self._unconfirmed.get(channel)
+            if sent:  # confirmations come in the order the commands were sent
+                future = sent.popleft()
+                if not sent:
+                    del self._unconfirmed[channel]
+                if future is not None and not future.done():
+                    future.set_result(None)
         elif kind == "message":
-            watchers = self._watchers.get(channel)
-            if watchers:
-                for signal in watchers:
-                    signal.set()
-            elif channel != self._home and channel in self._subscribed:
-                # Nobody watches it any more. Forget it first, so that a watcher arriving
-                # while this is sent subscribes again (after it, on the same connection).
-                self._subscribed.discard(channel)
-                async with self._send:
-                    await pubsub.unsubscribe(channel)
-
+            for signal in self._watchers.get(channel, ()):
+                signal.set()
 
 
 async def stop_listener(task: asyncio.Task[None], what: str) -> None:
