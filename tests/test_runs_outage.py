@@ -290,3 +290,48 @@ async def test_a_call_that_counted_nothing_gives_nothing_back():
     registry.give_back("b", (SCOPE,))
     await asyncio.sleep(0.05)
     assert len(registry.give_backs) == 1  # the one that counted is kept for when Redis answers
+
+
+def _child_call(replica, run, parent):
+    return Call(request_id=f"q{next(replica._ids)}", route="x", method="POST", path="/x/",
+                headers={}, body=b"", tenant=TENANT, run=run, parent_run=parent)
+
+
+async def _admit_child(replica, run, parent):
+    call = _child_call(replica, run, parent)
+    held = [await replica.tracker.admit(call)]
+    held.append(await replica.limits.admit(call))
+    return held
+
+
+async def test_a_child_first_seen_in_an_outage_stays_under_its_parent(redis_server):
+    """A review: a child run whose first call came while Redis was marked down was counted
+    in Redis by its outage count (no link) and, at its next call, stayed a root for good."""
+    prefix = new_prefix()
+    rep = await replica_on(redis_server, prefix)
+    rep.registry.fallback = Fallback("local", 1)
+    key = lambda run: f"{prefix}:{{runs}}:run:{qualified(TENANT)}{run}"  # noqa: E731
+    r = redis_server.client()
+    try:
+        release(await _admit_child(rep, "root", None), REACHED)  # root known to Redis
+        redis_server.freeze()
+        try:
+            # The first call in the freeze times out (served on the local share) and marks
+            # Redis down.
+            release(await _admit_child(rep, "root", None), REACHED)
+            await asyncio.sleep(0.3)
+            # a new child run's first call: Redis is marked down, nothing is sent for it
+            release(await _admit_child(rep, "kid", "root"), REACHED)
+        finally:
+            redis_server.thaw()
+        deadline = time.monotonic() + 5
+        while not r.exists(key("kid")) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.5)
+        root_before = int(r.hget(key("root"), "n:*") or 0)
+        release(await _admit_child(rep, "kid", "root"), REACHED)  # the child's next call
+        root_after = int(r.hget(key("root"), "n:*") or 0)
+        assert r.hget(key("kid"), "parent") == b"root", r.hgetall(key("kid"))
+        assert root_after == root_before + 1, (root_before, root_after)
+    finally:
+        await rep.close()

@@ -416,3 +416,16 @@ async def test_a_chain_past_the_depth_cap_is_refused_and_never_closes_a_cycle(wh
             assert (refused.deep, refused.counted) == (True, False), run
         await runs.cancel("r40", 60.0, ["t"])
         assert (await runs.admit("t", "r1", None)).cancelled is None
+
+
+async def test_a_run_whose_hash_an_outage_count_made_is_linked_by_its_first_admission(
+        where):
+    """A review: a replica's outage count of a child Redis never saw made its hash with a
+    count and no first-call time; the child's next admission linked it only when its hash
+    held one field, so it stayed a root for good (its parent's max_requests and cancels no
+    longer reached it)."""
+    async with shared_runs(*where) as runs:
+        both = [Count("s", 10, None, None)]
+        await runs.take_request("s", "t", ("kid", "root"), None, "outage-add-1")
+        lineage = await runs.admit("t", "kid", "root", both)
+        assert lineage.ids == ("kid", "root"), lineage

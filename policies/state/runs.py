@@ -145,7 +145,9 @@ local q, sets, hold = ARGV[6], ARGV[7], ARGV[8]
 local key = KEYS[2]
 local deep, new = 0, redis.call('HSETNX', key, 'first', now) == 1
 if new then redis.call('SADD', sets .. run, q) end
-if parent ~= '' and parent ~= run and redis.call('HLEN', key) == 1 then
+-- Linked when new (its first admission: a replica's outage count may have made its hash,
+-- without a link) or holding nothing but its first-call time.
+if parent ~= '' and parent ~= run and (new or redis.call('HLEN', key) == 1) then
   local node, cycle, above = parent, false, 0
   while node and above < max do
     if node == run then cycle = true break end
