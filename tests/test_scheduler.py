@@ -20,7 +20,7 @@ from policies.concurrency import ConcurrencyLimiter
 from policies.config import BudgetConfig, FanoutConfig, RunConfig
 from policies.pipeline import Call, Outcome
 from policies.reasons import Reason, Rejected
-from policies.runs import FanoutWidth, RunLimits, RunRegistry, RunTracker
+from policies.runs import FanoutWidth, LiveCall, RunLimits, RunRegistry, RunTracker
 from policies.state import memory_backends
 
 
@@ -457,3 +457,72 @@ def test_random_links_keep_the_tree_acyclic_and_resolve_returns(links):
             node = node.parent
         assert node.depth == 0 and len(seen) == info.depth
         assert {n.key for n in registry.subtree(info)} >= {info.key}
+
+
+#: One step of a random run registry's life: ``("call", run, parent offset or None)``,
+#: ``("end", run)`` (its oldest live call ends), ``("cancel", run)``, ``("tick", seconds)``.
+_REGISTRY_STEPS = st.one_of(
+    st.tuples(st.just("call"), st.integers(0, 11),
+              st.none() | st.just(-1) | st.integers(-11, 11)),
+    st.tuples(st.just("end"), st.integers(0, 11)),
+    st.tuples(st.just("cancel"), st.integers(0, 11)),
+    st.tuples(st.just("tick"), st.sampled_from([1.0, 30.0, 700.0])),
+)
+
+
+@settings(max_examples=600, deadline=None)
+@given(st.lists(_REGISTRY_STEPS, max_size=60))
+def test_random_calls_cancels_and_eviction_keep_the_registry_whole(steps):
+    """Calls (a live call per call, linking runs in any order, roots re-linked), calls
+    ending, cancels and time passing, on a registry of 5 runs at most (so eviction runs
+    all along) and lineages of 4: after every step the remembered runs form a tree whose
+    every parent is remembered (a forgotten parent left a child no cancel reached), a run
+    with a live call is the one remembered under its name (its call is reachable), a run
+    under a cancellation in force is never forgotten, and every remembered run without a
+    child is listed for eviction (a review found the first two broken)."""
+    clock = [0.0]
+    registry = RunRegistry(clock=lambda: clock[0])
+    live: dict[str, list[runs_module.LiveCall]] = {}
+    with mock.patch.object(runs_module, "MAX_LINEAGE", 4), \
+            mock.patch.object(runs_module, "MAX_DEPTH", 3), \
+            mock.patch.object(runs_module, "MAX_RUNS", 5):
+        protected: list[runs_module.RunInfo] = []  # under a cancellation at the last step
+        for step in steps:
+            if step[0] == "call":
+                run, offset = f"r{step[1]}", step[2]
+                parent = None if offset is None else f"r{step[1] + offset}"
+                with contextlib.suppress(Rejected):
+                    info = registry.resolve(run, parent, "t")
+                    call = LiveCall(Call(request_id="q", route="x", method="POST", path="/",
+                                         headers={}, body=b"", tenant="t", run=run), None)
+                    info.live.add(call)
+                    live.setdefault(run, []).append(call)
+            elif step[0] == "end" and live.get(f"r{step[1]}"):
+                call = live[f"r{step[1]}"].pop(0)
+                info = registry.get(call.call.run, "t")
+                assert info is not None and call in info.live
+                info.live.discard(call)
+            elif step[0] == "cancel":
+                registry.cancel(f"r{step[1]}", 600.0, "t")
+            elif step[0] == "tick":
+                clock[0] += step[1]
+            runs = registry.runs
+            for info in runs.values():
+                seen, node = set(), info
+                while node.parent is not None:
+                    assert node.key not in seen, f"a cycle through {node.id}"
+                    seen.add(node.key)
+                    assert runs.get(node.parent.key) is node.parent, (
+                        f"{node.id}'s parent {node.parent.id} forgotten")
+                    assert node.depth == node.parent.depth + 1
+                    node = node.parent
+                if not info.children:
+                    assert info.key in registry._leaves
+            for run, calls in live.items():
+                if calls:
+                    assert registry.get(run, "t") is not None
+                    assert all(c in registry.get(run, "t").live for c in calls)
+            for info in protected:
+                if registry.cancelled_by(info) is not None:  # still in force
+                    assert runs.get(info.key) is info, f"{info.id} forgotten under a cancel"
+            protected = [n for n in runs.values() if registry.cancelled_by(n) is not None]
