@@ -152,7 +152,7 @@ from policies.rate import Background
 from policies.reasons import Reason, Rejected
 from policies.retry import is_client_retry
 from policies.secrets import CREDENTIAL_HEADERS
-from policies.state import IdempotencyRecords, StateBackends, StateUnavailable
+from policies.state import DEFAULT_LEASE_S, IdempotencyRecords, StateBackends, StateUnavailable
 from policies.state.idempotency import (
     CLAIMED,
     FAILED,
@@ -600,7 +600,8 @@ class Idempotency:
         self._backends = backends if backends is not None and backends.redis is not None else None
         #: How long an in-flight marker in Redis lives unless renewed (``state.lease``,
         #: seconds): a replica killed mid-call frees its keys within this time.
-        self._lease_s = backends.lease_s if backends is not None else StateBackends.lease_s
+        # Not StateBackends.lease_s: on a slotted dataclass that is the field's descriptor.
+        self._lease_s = backends.lease_s if backends is not None else DEFAULT_LEASE_S
         #: Its own Redis calls that nobody awaits: shutdown waits for them.
         self._background = Background(self._backends)
 

@@ -741,3 +741,10 @@ def test_a_record_stored_before_a_header_was_left_out_replays_without_it():
     assert replayed.headers["X-Upstream"] == "kept"
     assert replayed.headers["Idempotent-Replayed"] == "true"
     assert (replayed.status, replayed.body) == (200, b"data: {}\n\n")
+
+
+def test_a_policy_without_backends_takes_the_default_lease_in_seconds() -> None:
+    # StateBackends is a slotted dataclass: its lease_s read on the class was the field's
+    # descriptor, not 5.0 (found while compiling the path with mypyc).
+    policy = Idempotency(IdempotencyConfig(), "r")
+    assert policy._lease_s == 5.0

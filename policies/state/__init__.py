@@ -79,6 +79,8 @@ CLOSE_GRACE_S = 2.0
 #: Lease renewals in flight at once when Redis answers again after an outage
 #: (:meth:`StateBackends.renew_leases`): a few, so the pool's other calls are not starved.
 RENEW_BATCH = 8
+#: ``state.lease``'s default, seconds (:attr:`StateBackends.lease_s` until configured).
+DEFAULT_LEASE_S = 5.0
 
 
 @dataclass(slots=True)
@@ -104,7 +106,7 @@ class StateBackends:
     fallback: Fallback = field(default_factory=lambda: Fallback("local", 1))
     #: Seconds a concurrency lease outlives a replica that stopped renewing it
     #: (``state.lease``).
-    lease_s: float = 5.0
+    lease_s: float = DEFAULT_LEASE_S
     #: Writes policies started and nothing awaits (settles, refunds, reconciliation, keys
     #: and leases given back, dead letters): :meth:`close` lets them end first.
     background: set[asyncio.Future[Any]] = field(default_factory=set)
