@@ -54,7 +54,9 @@ is never counted as zero.
 from __future__ import annotations
 
 import math
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Mapping
+
+from multidict import CIMultiDict
 
 from policies.budget import Budgets, Reservation, price_usd
 from policies.config import DEFAULT_OPERATION, ModelPrice, RouteConfig
@@ -98,14 +100,14 @@ class Accounting:
             metered call's request units and tokens together (:meth:`RateLimiter.take`).
         budgets: the route's budgets, if any.
         run_header: the header naming a run, for the message when it is missing.
-        token_models: models whose own ``rate.tokens`` (:mod:`policies.operations`) weighs
-            their calls, so those must name an output cap too; ``default`` in it stands for
-            every model.
+        token_models: each ``models:`` block (:mod:`policies.operations`) by name, true
+            when its ``rate.tokens`` weighs its calls, which must then name an output cap
+            too; ``default``'s stands for every model no other block names.
     """
 
     def __init__(self, config: RouteConfig, pricing: dict[str, ModelPrice],
                  rate: RateLimiter | None, budgets: Budgets | None,
-                 run_header: str, token_models: frozenset[str] = frozenset()) -> None:
+                 run_header: str, token_models: Mapping[str, bool] | None = None) -> None:
         self.protocol = config.protocol
         usage = config.usage
         self.default_cap = usage.default_max_tokens
@@ -118,7 +120,7 @@ class Accounting:
         #: Each raw path's metered endpoint (``None``: not metered), as :meth:`_endpoint` found.
         self._endpoints: dict[str, Endpoint | None] = {}
         self.run_header = run_header
-        self.token_models = token_models
+        self.token_models = token_models or {}
         #: Tenants seen on this route (the first ``MAX_TENANTS_SHOWN``), for the admin API.
         self.tenants: dict[str, None] = {}
         self.tenant_units: list[str] = []
@@ -190,8 +192,7 @@ class Accounting:
                         if call.units_deferred and rate is not None else None)
             raise Rejected(Reason.BAD_REQUEST, None,
                            f"{exc}; this route limits tokens, so Sluice must read it") from None
-        models = self.token_models
-        if enforcing or (models and (cost.model in models or DEFAULT_OPERATION in models)):
+        if enforcing or (self.token_models and self._weighs_tokens(cost.model or "")):
             self._check(cost, call.run)
         charge = Charge(self, cost, call)
         if enforcing or call.units_deferred:
@@ -202,13 +203,22 @@ class Accounting:
         return charge
 
     def _model_limits_tokens(self, body: bytes) -> bool:
-        """Whether the model ``body`` names has a token rate of its own (``models:``, its
-        block or ``default``): read only for a body the accounting could not take."""
-        models = self.token_models
-        if not models:
+        """Whether the model ``body`` names has a token rate of its own (``models:``): read
+        only for a body the accounting could not take."""
+        if not self.token_models:
             return False
         model = model_named(body)
-        return model is not None and (model in models or DEFAULT_OPERATION in models)
+        return model is not None and self._weighs_tokens(model)
+
+    def _weighs_tokens(self, model: str) -> bool:
+        """Whether the ``models:`` block that applies to ``model`` (its own, else
+        ``default``'s, as :meth:`policies.operations.OperationIndex.find` picks it; ``""``
+        for none named) has a token rate: a model's own block without one is not weighed
+        though ``default``'s is (a review)."""
+        blocks = self.token_models
+        if model and model != DEFAULT_OPERATION and model in blocks:
+            return blocks[model]
+        return blocks.get(DEFAULT_OPERATION, False)
 
     def _endpoint(self, raw_path: str) -> Endpoint | None:
         """The metered endpoint a POST to ``raw_path`` calls (:func:`endpoint_for`), kept for
@@ -406,6 +416,16 @@ class Charge(Meter):
         self.reservation: Reservation | None = None
         self.units: Units | None = None
         self._released = False
+
+    def request_headers(self, headers: CIMultiDict[str]) -> None:
+        """:meth:`Meter.request_headers`; and a body rewritten from UTF-16 or -32 (now
+        ASCII) loses the ``charset`` its ``Content-Type`` named: an upstream decoding by it
+        read nothing (a review)."""
+        super().request_headers(headers)
+        if self.cost.recoded:
+            kind = headers.get("Content-Type")
+            if kind is not None and "charset" in kind.lower():
+                headers["Content-Type"] = kind.partition(";")[0].strip()
 
     #: Reservations :meth:`hold_retry` took for retries, settled to nothing when the charge
     #: ends (the call's whole spend settles on ``reservation``). A class-level default: most

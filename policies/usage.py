@@ -189,6 +189,9 @@ class RequestCost:
         strip_usage: Sluice added ``stream_options.include_usage``, so the usage chunk must be
             removed from the client's stream.
         body: the body to forward (with the cap or the usage option added, if they were).
+        recoded: ``body`` was rewritten whole from a body that was not UTF-8 JSON (UTF-16,
+            a byte order mark...; :func:`policies.bodies.read_leniently`): a ``charset``
+            its ``Content-Type`` names no longer holds.
     """
 
     endpoint: Endpoint
@@ -198,6 +201,7 @@ class RequestCost:
     output_cap: int | None
     strip_usage: bool
     body: bytes
+    recoded: bool = False
 
 
 def read_request(endpoint: Endpoint, body: bytes, default_cap: int | None, write_cap: bool,
@@ -263,7 +267,8 @@ def read_request(endpoint: Endpoint, body: bytes, default_cap: int | None, write
                                        "include_usage": True}
             strip = True
     return RequestCost(endpoint, model, stream, estimate_input_tokens(endpoint, body, obj),
-                       cap, strip, body if added is None else _with_fields(body, obj, added, exact))
+                       cap, strip, body if added is None else _with_fields(body, obj, added, exact),
+                       recoded=added is not None and not exact)
 
 
 def model_named(body: bytes) -> str | None:

@@ -197,8 +197,8 @@ class Route:
                         if config.budget else None)
         _, blocks = config.operations()
         if config.protocol in ("openai", "anthropic"):
-            token_models = frozenset(name for name, op in blocks.items()
-                                     if op.rate is not None and op.rate.tokens is not None)
+            token_models = {name: op.rate is not None and op.rate.tokens is not None
+                            for name, op in blocks.items()}
             self.accounting = Accounting(config, pricing or {}, self.rate, self.budgets,
                                          run_header, token_models)
         self.operations = (Operations(config, self.backends, events.emit_system, self.budgets,

@@ -19,6 +19,7 @@ from typing import Any
 
 import aiohttp
 import openai
+import orjson
 import pytest
 import yaml
 from mcp import Client, MCPError
@@ -475,6 +476,71 @@ async def test_a_model_token_rate_needs_a_cap_it_can_read(upstream, start_sluice
                                         "messages": messages}) as answer:
             assert answer.status == 200
     assert len(upstream.requests) == 1
+
+
+async def test_a_models_own_block_without_a_token_rate_is_not_weighed_by_defaults(
+        upstream, start_sluice):
+    # A review: gpt-4o-mini's own block limits no tokens; default's token rate (which
+    # applies to other models) refused its unreadable cap with 400 all the same.
+    sluice = await start_sluice({"routes": [{
+        "name": "llm", "path_prefix": "/llm/", "upstream": upstream.url, "protocol": "openai",
+        "models": {"gpt-4o-mini": {"concurrency": {"limit": 5}},
+                   "default": {"rate": {"tokens": "1000/min"}}}}]})
+    url = sluice.url + "/llm/v1/chat/completions"
+    messages = [{"role": "user", "content": "hi"}]
+    async with aiohttp.ClientSession() as http:
+        for model, status in (("gpt-4o-mini", 200), ("gpt-4o", 400)):
+            for cap in ("900", None):  # unreadable, and none at all
+                body = {"model": model, "messages": messages}
+                if cap is not None:
+                    body["max_tokens"] = cap
+                async with http.post(url, json=body) as answer:
+                    assert answer.status == status, (model, cap, await answer.text())
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-32", "utf-16-le"])
+async def test_a_rewritten_body_drops_the_charset_it_no_longer_has(upstream, start_sluice,
+                                                                  encoding):
+    # A review: a UTF-16 stream body given the usage option is rewritten in ASCII, but its
+    # Content-Type still said charset=utf-16: an upstream decoding by it read garbage.
+    sluice = await start_sluice({"routes": [{
+        "name": "llm", "path_prefix": "/llm/", "upstream": upstream.url, "protocol": "openai",
+        "rate": {"tokens": "100000/min"}}]})
+    sent = ('{"model": "gpt-4o", "max_tokens": 20, "stream": true, '
+            '"messages": [{"role": "user", "content": "h\u00e9llo \u4e16\u754c"}]}')
+    async with aiohttp.ClientSession() as http:
+        async with http.post(sluice.url + "/llm/v1/chat/completions",
+                             data=sent.encode(encoding),
+                             headers={"Content-Type": f"application/json; charset={encoding}"}
+                             ) as answer:
+            assert answer.status == 200, await answer.text()
+            await answer.read()
+    seen = upstream.requests[0]
+    assert seen.headers["Content-Type"] == "application/json"
+    assert int(seen.headers["Content-Length"]) == len(seen.body)
+    forwarded = json.loads(seen.body.decode("utf-8"))
+    forwarded.pop("stream_options")
+    assert forwarded == json.loads(sent)
+
+
+def test_an_invalid_body_no_python_upstream_reads_is_parsed_once(monkeypatch):
+    # A review: every body orjson refused was parsed again by the standard library, so a
+    # 26 MiB invalid one held the event loop 1.2 s instead of 0.2. Only what Python reads
+    # and orjson does not (encodings, lone surrogates, NaN and Infinity) is tried again.
+    from policies import bodies
+
+    second: list[bytes] = []
+    real = json.loads
+    monkeypatch.setattr(bodies.json, "loads", lambda body: second.append(body) or real(body))
+    big = b'{"messages": [' + b'{"role": "user", "content": "hi"},' * 1000 + b" nope"
+    for body in (big, b'{"a": 1,}', b'{"a": nan}', b"\xc3\xa9"):
+        with pytest.raises(orjson.JSONDecodeError):
+            bodies.read_leniently(body)
+    assert second == []
+    for body in (b'{"a": NaN}', b'{"\xc3\xa9": -Infinity}', b'{"a": "\\ud83d"}',
+                 b"\xef\xbb\xbf{}", '{"a": 1}'.encode("utf-16-le")):
+        assert bodies.read_leniently(body)[1] is False
+    assert len(second) == 5
 
 
 async def test_a_request_naming_no_model_takes_the_default_models_block(upstream,
