@@ -285,6 +285,20 @@ def parse_key(raw: str) -> str:
     return key
 
 
+def names_a_key(values: list[str]) -> bool:
+    """Whether the ``Idempotency-Key`` field values of a message name one valid key
+    (:func:`parse_key`): an empty, blank or malformed value, or two fields, name none an
+    upstream could deduplicate by (a hostile trial: an empty key made a POST retried three
+    times)."""
+    if len(values) != 1:
+        return False
+    try:
+        parse_key(values[0])
+    except ValueError:
+        return False
+    return True
+
+
 class Capture:
     """Collects the upstream's answer as it is relayed (fed by ``proxy.forward``).
 

@@ -50,7 +50,7 @@ from yarl import URL
 
 from policies import breaker as brk
 from policies.deadletter import Attempt, DeadLetter, LetterNotKept, redact, redact_path
-from policies.idempotency import key_origin
+from policies.idempotency import key_origin, names_a_key
 from policies.logs import PER_CALL
 from policies.mcp import (
     LAST_EVENT_ID_HEADER,
@@ -539,8 +539,10 @@ async def _attempts(rt: Runtime, route: Route, call: Call, url: URL,
             # The caller's key counts only as it goes upstream: one a route or the caller's
             # own ``Connection`` drops (RFC 9110 §7.6.1) protects nothing there (a POST ran
             # twice with no key on either attempt, a hostile trial).
-            callers_key = IDEMPOTENCY_HEADER in call.headers and IDEMPOTENCY_HEADER in headers
-            upstream_dedups = retry.honours_idempotency_key and IDEMPOTENCY_HEADER in headers
+            # A valid one, too: an empty key made a POST retried three times (a trial).
+            keyed = names_a_key(headers.getall(IDEMPOTENCY_HEADER, []))
+            callers_key = keyed and IDEMPOTENCY_HEADER in call.headers
+            upstream_dedups = retry.honours_idempotency_key and keyed
             if not retry_is_safe(call.method, sent, callers_key=callers_key,
                                  upstream_dedups=upstream_dedups,
                                  declared_idempotent=declared_idempotent):

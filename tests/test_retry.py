@@ -340,6 +340,22 @@ async def test_a_callers_key_the_upstream_never_sees_makes_no_post_safe_to_repea
     assert (await dlq_list(sluice)).splitlines()[1].split()[5] == "unsafe_to_retry"
 
 
+@pytest.mark.parametrize("key", ["", " ", "a\tb"])
+async def test_an_invalid_callers_key_makes_no_post_safe_to_repeat(upstream, start_sluice,
+                                                                   tmp_path, key):
+    """A hostile trial: an empty ``Idempotency-Key`` (or a blank or malformed one), which no
+    upstream can deduplicate by, made a non-idempotent POST retried three times."""
+    retry = {"attempts": 3, "backoff": FAST_BACKOFF}
+    sluice = await retry_sluice(start_sluice, tmp_path, route("openai", upstream.url,
+                                                               retry=retry))
+    upstream.status = 503
+    async with aiohttp.ClientSession() as s:
+        status, answer = await post(s, sluice.url + "/openai" + CHAT,
+                                    **{"Idempotency-Key": key})
+    assert status == 503 and "x-should-retry" not in answer
+    assert len(upstream.requests) == 1  # sent once
+
+
 async def test_an_attempt_that_may_have_reached_the_upstream_is_not_logged_as_a_connect_error(
         start_sluice, tmp_path):
     """An upstream that read the whole POST, then closed without answering: the dead letter
