@@ -227,6 +227,8 @@ def read_request(endpoint: Endpoint, body: bytes, default_cap: int | None, write
     model = get("model")
     if type(model) is not str:
         model = None
+    elif not exact:
+        model = _carried(model)
     cap = None
     for field in endpoint.cap_fields:
         value = get(field)
@@ -287,7 +289,19 @@ def model_named(body: bytes) -> str | None:
     if not isinstance(doc, dict):
         return None
     model = doc.get("model")
-    return model if isinstance(model, str) else ""
+    return _carried(model) if isinstance(model, str) else ""
+
+
+def _carried(name: str) -> str:
+    """``name`` as UTF-8 can carry it: a lone surrogate a lenient read took from a
+    ``\\ud800`` escape is written as that escape's text. Model names become metric labels,
+    and one such name made every later scrape of ``/metrics`` fail (a hostile trial); no
+    ``models:`` block can name it (YAML is UTF-8), so it is ``default``'s either way."""
+    try:
+        name.encode()
+    except UnicodeEncodeError:
+        return name.encode("utf-8", "backslashreplace").decode()
+    return name
 
 
 def _completions_answers(body: bytes, prompt: object, best_of: object, choices: int) -> int:

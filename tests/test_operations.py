@@ -498,6 +498,24 @@ async def test_a_models_own_block_without_a_token_rate_is_not_weighed_by_default
                     assert answer.status == status, (model, cap, await answer.text())
 
 
+async def test_a_model_named_with_a_lone_surrogate_leaves_metrics_readable(upstream,
+                                                                           start_sluice):
+    # A hostile trial: read leniently, a model named "\\ud800" became a label, and every
+    # scrape after it failed with a 500 (UTF-8 cannot carry a lone surrogate) until restart.
+    sluice = await start_sluice({"routes": [{
+        "name": "llm", "path_prefix": "/llm/", "upstream": upstream.url, "protocol": "openai",
+        "models": {"gpt-4o": {"concurrency": {"limit": 5}}}}]})
+    body = b'{"model": "\\ud800", "messages": [{"role": "user", "content": "hi"}]}'
+    async with aiohttp.ClientSession() as http:
+        async with http.post(sluice.url + "/llm/v1/chat/completions", data=body,
+                             headers={"Content-Type": "application/json"}) as answer:
+            assert answer.status == 200
+        async with http.get(sluice.admin_url + "/metrics") as scraped:
+            assert scraped.status == 200, await scraped.text()
+    assert await sluice.metric("sluice_operation_requests_total", route="llm",
+                               operation="\\ud800", outcome="2xx") == 1
+
+
 def test_an_invalid_body_no_python_upstream_reads_is_parsed_once(monkeypatch):
     # A review: every body orjson refused was parsed again by the standard library, so a
     # 26 MiB invalid one held the event loop 1.2 s instead of 0.2. Only what Python reads
