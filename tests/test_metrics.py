@@ -138,3 +138,50 @@ async def test_refusals_before_a_route_are_counted_at_the_edge(upstream, start_s
                                    "too_many_connections"), 0)
     assert await sluice.metric("sluice_rejections_total", route="svc",
                                reason="bad_request") == 0
+
+
+async def test_scrapes_at_once_share_one_render_and_a_later_one_sees_a_change(tmp_path):
+    """A hostile trial: each of 500 concurrent scrapes rendered /metrics on the event loop
+    (20-40 ms each at 300-500 KB), which held the readiness probe 2-5 s and proxied calls up
+    to 1.3 s. Scrapes that arrive while a render runs share it; none is kept after."""
+    import yaml
+    from prometheus_client.registry import Collector
+
+    from proxy.config import load_config
+    from proxy.runtime import Runtime
+    from proxy.server import build_admin_app
+    from tests.conftest import serve_app
+
+    path = tmp_path / "sluice.yaml"
+    path.write_text(yaml.safe_dump({"routes": [route("llm", "http://127.0.0.1:9")]}))
+    runtime = Runtime(load_config(path))
+    await runtime.open()
+
+    class Counted(Collector):
+        renders = 0
+
+        def collect(self):  # type: ignore[override]
+            Counted.renders += 1
+            return []
+
+    runtime.metrics.registry.register(Counted())
+    runner, port = await serve_app(build_admin_app(runtime))
+    url = f"http://127.0.0.1:{port}/metrics"
+    try:
+        async with aiohttp.ClientSession() as session:
+            async def scrape() -> str:
+                async with session.get(url) as answer:
+                    assert answer.status == 200
+                    return await answer.text()
+
+            bodies = await asyncio.gather(*(scrape() for _ in range(40)))
+            assert all("sluice_config_reloads_total" in body for body in bodies)
+            assert Counted.renders < 40
+            shared = Counted.renders
+            runtime.metrics.config_reloads.inc()
+            after = await scrape()
+            assert Counted.renders == shared + 1  # rendered anew: nothing kept
+            assert "sluice_config_reloads_total 1.0" in after
+    finally:
+        await runner.cleanup()
+        await runtime.close()
