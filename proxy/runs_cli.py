@@ -141,13 +141,18 @@ def run(config: Config | None, args: argparse.Namespace, out: IO[str] | None = N
         out.write(f"no tenant has a run {body['run']}: nothing cancelled (--tenant NAME "
                   "refuses its calls before they start)\n")
     else:
+        # With shared state the runs and calls are this replica's; the others end theirs on
+        # hearing the cancel. A trial read "0 call(s) ended" from a replica carrying none of
+        # the run's calls as a cancel that did nothing.
+        here = " here" if body.get("shared") else ""
         out.write(
-            f"cancelled {_cancelled(body['cancelled_runs'])}: {body['calls_ended']} call(s) "
-            f"ended in {body['quiet_ms']:.1f} ms"
+            f"cancelled {_cancelled(body['cancelled_runs'])}{here}: {body['calls_ended']} "
+            f"call(s) ended{here} in {body['quiet_ms']:.1f} ms"
             + (f", {body['calls_still_running']} still running" if body["calls_still_running"]
                else "")
             + f"; new calls refused for {body['refused_for_s']:g}s"
-            + (" on every replica\n" if body.get("shared") else "\n"))
+            + ("; every replica ends the run's calls and its descendants' as it hears the "
+               "cancel\n" if body.get("shared") else "\n"))
     return 0
 
 
