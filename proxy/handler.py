@@ -1076,7 +1076,11 @@ def _completed(rt: Runtime, route: Route, call: Call, outcome: Outcome,
         elapsed = 0.0
         fields = {"status": outcome.status, "outcome": outcome.label}
         if call.enqueued_at is not None:
-            fields["waited_s"] = round(time.monotonic() - call.enqueued_at, 6)
+            waited = time.monotonic() - call.enqueued_at
+            fields["waited_s"] = round(waited, 6)
+            # The waits that ended in no admission count too: the longest waits (queue
+            # timeouts) were the ones the queue-wait alert never saw (a trial).
+            route.metrics.queue_wait.observe(waited)
     metrics = route.metrics
     if timed:
         metrics.upstream_duration.observe(elapsed)

@@ -51,8 +51,13 @@ if TYPE_CHECKING:
 
 #: LLM calls run from under a second to many minutes; the default buckets stop at 10 s.
 DURATION_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
-#: Queue waits are bounded by max_wait, typically well under a minute.
-QUEUE_WAIT_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+#: Queue waits are bounded by max_wait, typically well under a minute. Fine between 1 and 10 s:
+#: ``histogram_quantile`` interpolates within a bucket, and with 2.5 -> 5 any p95 in between
+#: read as ~4.9, so the SluiceQueueWaitNearMaxWait alert (80% of max_wait: 4 s at the default
+#: 5 s) fired at waits of 2.7 s (a trial). Up to 600 s: a max_wait over the top bucket's
+#: quantile (capped there) never alerts.
+QUEUE_WAIT_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 1.5, 2, 2.5, 3, 4,
+                        5, 6, 8, 10, 15, 20, 30, 45, 60, 90, 120, 180, 300, 600)
 
 #: Refusals made before a request has a route: counted in ``sluice_edge_rejections_total``,
 #: never in a route's ``sluice_rejections_total``.
@@ -295,7 +300,8 @@ class Metrics:
         )
         self.queue_wait = LoopHistogram(
             "sluice_queue_wait_seconds",
-            "Time from enqueue to admission, for requests that had to queue.",
+            "Time a request that had to queue waited: to its admission, or to its end "
+            "when it was never admitted (a queue timeout, a caller that left).",
             ["route"],
             buckets=QUEUE_WAIT_BUCKETS_S,
             registry=r,

@@ -296,10 +296,13 @@ class Route:
         """A policy's step for one of this route's calls (``Call.notify``): its timeline
         event, with the call's operation and MCP method, and an expiry's count in
         ``sluice_expiries_total`` (``fields["deadline"]``, taken out: the caller's own
-        deadline, else ``max_wait``)."""
+        deadline, else ``max_wait``) and its wait in ``sluice_queue_wait_seconds``."""
         if event == "expired":
             self.metrics.expiries["deadline" if fields.pop("deadline", False)
                                   else "max_wait"].inc()
+            # Its wait is a queue wait too: the longest waits were the ones the queue-wait
+            # alert never saw (a trial).
+            self.metrics.queue_wait.observe(fields["waited_s"])
         fields.update(call.event_names())
         self.events.emit(event, call.request_id, self.name, call.tenant, call.run,
                          call.idempotency_key, **fields)

@@ -185,3 +185,30 @@ async def test_scrapes_at_once_share_one_render_and_a_later_one_sees_a_change(tm
     finally:
         await runner.cleanup()
         await runtime.close()
+
+
+async def test_a_wait_that_ends_in_a_queue_timeout_is_a_queue_wait(upstream, start_sluice):
+    """A trial: only admitted calls' waits were observed, so the longest ones (those that
+    reached max_wait and were refused queue_timeout) never moved the queue-wait quantile the
+    SluiceQueueWaitNearMaxWait alert reads."""
+    sluice = await start_sluice({"routes": [route(
+        "openai", upstream.url, concurrency={"limit": 1, "queue": 4, "max_wait": "0.3s"})]})
+    url = sluice.url + "/openai/v1/chat/completions"
+    upstream.hold = asyncio.Event()
+    async with aiohttp.ClientSession() as session:
+        async def call() -> int:
+            async with session.post(url, json=CHAT) as r:
+                await r.read()
+                return r.status
+
+        first = asyncio.create_task(call())
+        await wait_until(lambda: upstream.inflight == 1, what="the slot taken")
+        assert await call() == 503  # queue_timeout after 0.3 s
+        upstream.hold.set()
+        assert await first == 200
+    assert await sluice.metric("sluice_rejections_total", route="openai",
+                               reason="queue_timeout") == 1
+    assert await sluice.metric("sluice_queue_wait_seconds_count", route="openai") == 1
+    assert await sluice.metric("sluice_queue_wait_seconds_sum", route="openai") >= 0.3
+    assert await sluice.metric("sluice_queue_wait_seconds_bucket", route="openai",
+                               le="0.25") == 0
