@@ -47,6 +47,11 @@ _SUMMARY_FIELDS = ("created_at", "route", "tenant", "method", "path", "attempts"
 #: while it runs, so a ``max_records`` lowered far below the letters kept (at a restart) is
 #: reached over the next writes, this many more each, rather than in one long script.
 MAX_DROPS_PER_ADD = 100
+#: Entry bytes one ``list`` script reads before it stops (the command reads on in more):
+#: reading 100 letters of 1 MiB in one script held Redis 356 ms (a trial).
+LIST_BYTES_PER_SCRIPT = 1 << 20
+#: Letters whose replays and claims one script of a ``purge`` deletes.
+FORGET_PER_SCRIPT = 1000
 
 
 class DeadLetterStore(Protocol):
@@ -253,21 +258,31 @@ if #e == 0 then return {} end
 return {e[1][2], redis.call('LRANGE', KEYS[2], 0, -1)}
 """)
 
-# KEYS: stream. ARGV: count, replay list key prefix, then the summary field names.
-# Returns newest first: {{stream id, {field values in ARGV order}, last replay or ''}...}.
+# KEYS: stream. ARGV: count, replay list key prefix, newest stream id to read ('+' for the
+# newest), bytes read after which to stop, then the summary field names. Returns newest
+# first: {{stream id, {field values in ARGV order}, last replay or ''}...}, fewer than
+# count once the bytes are read (the caller reads on below the last): a stream read has
+# to copy whole entries, bodies included, and a script holds Redis while it runs.
 _LIST = Script("""
 local wanted = {}
-for i = 3, #ARGV do wanted[ARGV[i]] = i - 2 end
-local out = {}
-for _, e in ipairs(redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', ARGV[1])) do
+for i = 5, #ARGV do wanted[ARGV[i]] = i - 4 end
+local out, start, read, most = {}, ARGV[3], 0, tonumber(ARGV[4])
+while #out < tonumber(ARGV[1]) and read < most do
+  local page = redis.call('XREVRANGE', KEYS[1], start, '-', 'COUNT', 1)
+  if #page == 0 then break end
+  local e = page[1]
   local values = {}
-  for i = 3, #ARGV do values[i - 2] = '' end
+  for i = 5, #ARGV do values[i - 4] = '' end
   for i = 1, #e[2], 2 do
+    read = read + #e[2][i + 1]
     local at = wanted[e[2][i]]
     if at then values[at] = e[2][i + 1] end
   end
-  local last = redis.call('LINDEX', ARGV[2] .. string.sub(e[1], 3), -1)
+  local n = tonumber(string.sub(e[1], 3))
+  local last = redis.call('LINDEX', ARGV[2] .. n, -1)
   out[#out + 1] = {e[1], values, last or ''}
+  if n <= 1 then break end
+  start = '0-' .. (n - 1)
 end
 return out
 """)
@@ -317,16 +332,27 @@ redis.call('DEL', KEYS[2], KEYS[4])
 return 1
 """)
 
-# KEYS: stream, depth. ARGV: replay list key prefix, claim key prefix. Returns how many
-# letters there were.
+# KEYS: stream, depth. Returns {how many letters there were, the first letter's n, the
+# last's} (0s when none), the stream and depth gone: UNLINK frees them off the script (a
+# purge that read every entry, bodies included, held Redis 0.5-1.4 s and every replica
+# took it for down: a trial). The letters' replays and claims go in _FORGET's batches.
 _PURGE = Script("""
 local count = redis.call('XLEN', KEYS[1])
-for _, e in ipairs(redis.call('XRANGE', KEYS[1], '-', '+')) do
-  local n = string.sub(e[1], 3)
-  redis.call('DEL', ARGV[1] .. n, ARGV[2] .. n)
+if count == 0 then
+  redis.call('UNLINK', KEYS[2])
+  return {0, 0, 0}
 end
-redis.call('DEL', KEYS[1], KEYS[2])
-return count
+local first = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', 1)[1][1]
+local last = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)[1][1]
+redis.call('UNLINK', KEYS[1], KEYS[2])
+return {count, tonumber(string.sub(first, 3)), tonumber(string.sub(last, 3))}
+""")
+
+# ARGV: replay list key prefix, claim key prefix, first n, last n: the replays and claims of
+# letters first..last deleted (named here, not in KEYS, as in _ADD: one {dlq} slot).
+_FORGET = Script("""
+for n = tonumber(ARGV[3]), tonumber(ARGV[4]) do redis.call('DEL', ARGV[1] .. n, ARGV[2] .. n) end
+return 0
 """)
 
 
@@ -388,10 +414,20 @@ class RedisDeadLetterStore:
         )
 
     async def list(self, limit: int = 100) -> list[dict[str, Any]]:
-        if limit <= 0:
-            return []
-        rows = await self._state.eval(_LIST, [self._stream],
-                                      [limit, self._replays, *_SUMMARY_FIELDS])
+        rows: list[Any] = []
+        start = "+"
+        while len(rows) < limit:  # in scripts reading LIST_BYTES_PER_SCRIPT each
+            page = await self._state.eval(
+                _LIST, [self._stream],
+                [limit - len(rows), self._replays, start, LIST_BYTES_PER_SCRIPT,
+                 *_SUMMARY_FIELDS])
+            if not page:
+                break
+            rows.extend(page)
+            n = int(page[-1][0].decode().partition("-")[2])
+            if n <= 1:
+                break
+            start = f"0-{n - 1}"
         out = []
         for stream_id, values, last in reversed(rows):
             fields: dict[str, Any] = {name: value.decode()
@@ -430,8 +466,12 @@ class RedisDeadLetterStore:
             [f"0-{letter_id}"]))
 
     async def purge(self) -> int:
-        return int(await self._state.eval(_PURGE, [self._stream, self._depth],
-                                          [self._replays, self._claims]))
+        count, first, last = await self._state.eval(_PURGE, [self._stream, self._depth], [])
+        for low in range(int(first), int(last) + 1, FORGET_PER_SCRIPT):
+            high = min(low + FORGET_PER_SCRIPT - 1, int(last))
+            await self._state.eval(_FORGET, [self._stream],
+                                   [self._replays, self._claims, low, high])
+        return int(count)
 
     async def depth(self) -> dict[str, int]:
         async def read(client: Any) -> dict[bytes, bytes]:
