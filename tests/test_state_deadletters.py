@@ -471,3 +471,16 @@ async def test_list_and_purge_hold_redis_in_bounded_scripts(
     assert len(scripts) == 1 + 3  # the unlink, then the 5 letters' keys two at a time
     assert await store.list() == [] and await store.depth() == {}
     assert await leftover_keys(backends, ids) == []
+
+
+@pytest.mark.parametrize("backends", ["redis"], indirect=True)
+async def test_one_redis_write_drops_about_a_mib_of_letters_at_most(backends: StateBackends):
+    """Each letter dropped is read whole (a stream read copies its body): 100 letters of
+    1 MiB dropped in one write would hold Redis as a trial's purge did. About 1 MiB a write."""
+    store = backends.dead_letters
+    big = b"x" * (600 << 10)
+    for _ in range(3):
+        await store.add(letter(body=big, body_size=len(big)))
+    assert (await store.add(letter(), max_records=1)).dropped == {"openai": 2}
+    assert (await store.add(letter(), max_records=1)).dropped == {"openai": 2}
+    assert len(await store.list()) == 1

@@ -43,9 +43,10 @@ from policies.state.connection import RedisState, Script
 
 #: Stream fields of a summary (``list``): enough for a table, never the body.
 _SUMMARY_FIELDS = ("created_at", "route", "tenant", "method", "path", "attempts", "reason")
-#: Most letters one ``add`` drops from the stream: a script blocks every client of Redis
-#: while it runs, so a ``max_records`` lowered far below the letters kept (at a restart) is
-#: reached over the next writes, this many more each, rather than in one long script.
+#: Most letters one ``add`` drops from the stream (and about 1 MiB of them at most): a
+#: script blocks every client of Redis while it runs, so a ``max_records`` lowered far below
+#: the letters kept (at a restart) is reached over the next writes, this many more each,
+#: rather than in one long script.
 MAX_DROPS_PER_ADD = 100
 #: Entry bytes one ``list`` script reads before it stops (the command reads on in more):
 #: reading 100 letters of 1 MiB in one script held Redis 356 ms (a trial).
@@ -229,11 +230,17 @@ redis.call('HINCRBY', KEYS[3], ARGV[1], 1)
 local dropped = {}
 local keep = tonumber(ARGV[2])
 local over = redis.call('XLEN', KEYS[1]) - keep
+local read = 0
 if keep > 0 and over > 0 then
-  local oldest = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT',
-                            math.min(over, tonumber(ARGV[3])))
-  for _, e in ipairs(oldest) do
+  -- One entry at a time, up to ARGV[3] of them or about 1 MiB: a read copies bodies too.
+  for _ = 1, math.min(over, tonumber(ARGV[3])) do
+    if read >= 1048576 then break end
+    local e = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', 1)[1]
+    if not e then break end
     local fields = e[2]
+    for i = 1, #fields, 2 do
+      read = read + #fields[i + 1]
+    end
     for i = 1, #fields, 2 do
       if fields[i] == 'route' then
         if redis.call('HINCRBY', KEYS[3], fields[i + 1], -1) <= 0 then
