@@ -63,7 +63,7 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
-from policies.concurrency import ConcurrencyLimiter, queued_hook
+from policies.concurrency import ConcurrencyLimiter, queued_hook, report_expiry
 from policies.config import FanoutConfig, RunConfig
 from policies.logs import PER_CALL
 from policies.pipeline import Call, Holding, Outcome, survive_leaving
@@ -1241,6 +1241,7 @@ class FanoutWidth:
                                             queued_hook(call), reads=call.timeout_reads)
         except Rejected as rejected:
             self._leave(key, entry)
+            report_expiry(call, rejected)  # its wait, seen as the route's queues' are
             if rejected.reason in (Reason.QUEUE_TIMEOUT, Reason.QUEUE_FULL):
                 raise Rejected(Reason.FANOUT_LIMITED, rejected.retry_after,
                                f"width: run {run} has {counted(self.width, 'call')} in "

@@ -76,6 +76,26 @@ async def test_a_wait_in_the_runs_width_queue_is_seen_in_events_and_queue_wait(u
         "enqueued", "admitted", "completed"]
 
 
+async def test_a_wait_in_the_runs_width_queue_that_expires_is_a_queue_wait(upstream,
+                                                                          start_sluice):
+    """A review: a call refused fanout_limited after waiting out fanout.max_wait for its
+    run's width was neither an expiry nor a queue wait, as one at the route's queue is."""
+    upstream.hold = asyncio.Event()
+    sluice = await start_sluice({"routes": [route("tools", upstream.url, "http",
+                                                  fanout={"width": 1, "max_wait": "0.3s"})]})
+    async with aiohttp.ClientSession() as s:
+        url = f"{sluice.url}/tools/x"
+        first = asyncio.create_task(post(s, url, run_headers("r")))
+        await wait_until(lambda: upstream.inflight == 1, what="the first call upstream")
+        status, headers, _ = await post(s, url, run_headers("r"))
+        upstream.hold.set()
+        assert (await first)[0] == 200
+    assert (status, headers["X-Sluice-Reason"]) == (429, "fanout_limited")
+    assert await sluice.metric("sluice_queue_wait_seconds_count", route="tools") == 1
+    assert await sluice.metric("sluice_queue_wait_seconds_sum", route="tools") >= 0.3
+    assert await sluice.metric("sluice_expiries_total", route="tools", reason="max_wait") == 1
+
+
 async def test_depth_2_refuses_a_grandchilds_grandchild(upstream, start_sluice):
     sluice = await start_sluice({"fanout": {"depth": 2},
                                  "routes": [route("tools", upstream.url, "http")]})
