@@ -33,6 +33,7 @@ from typing import Any
 from aiohttp import hdrs, web
 from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client.aiohttp import make_aiohttp_handler
+from prometheus_client.exposition import choose_encoder
 
 from policies.config import Config
 from policies.logs import EVERY_S as LOG_REPEATS_EVERY_S
@@ -132,15 +133,19 @@ def _metrics_handler(runtime: Runtime) -> Callable[[web.Request], Any]:
         await asyncio.gather(budgets(), *(breaker.refresh_stale() for breaker in breakers))
         return await render(request)
 
-    #: The render under way per kind of scrape (its Accept header and query): scrapes that
+    #: The render under way per kind of scrape (its format and series): scrapes that
     #: arrive while it runs share it. A render holds the event loop 20-40 ms at 300-500 KB,
     #: and 500 concurrent scrapes, each rendering, held the readiness probe 2-5 s and the
     #: proxy's calls up to 1.3 s (a hostile trial). Nothing is kept once it is done: a
     #: scrape after a change always sees it.
-    rendering: dict[tuple[str, str], asyncio.Future[web.Response]] = {}
+    rendering: dict[tuple[str, tuple[str, ...]], asyncio.Future[web.Response]] = {}
 
     async def metrics(request: web.Request) -> web.StreamResponse:
-        kind = (",".join(request.headers.getall(hdrs.ACCEPT, [])), request.query_string)
+        # What decides the output: the format the Accept header negotiates and the series
+        # asked for (name[]); a query that changes neither shares (a review: ?nocache=N
+        # rendered every scrape again).
+        kind = (choose_encoder(",".join(request.headers.getall(hdrs.ACCEPT, [])))[1],
+                tuple(sorted(request.query.getall("name[]", []))))
         shared = rendering.get(kind)
         if shared is None:
             shared = rendering[kind] = asyncio.ensure_future(fresh(request))
