@@ -51,7 +51,8 @@ MAX_DROPS_PER_ADD = 100
 #: Entry bytes one ``list`` script reads before it stops (the command reads on in more):
 #: reading 100 letters of 1 MiB in one script held Redis 356 ms (a trial).
 LIST_BYTES_PER_SCRIPT = 1 << 20
-#: Letters whose replays and claims one script of a ``purge`` deletes.
+#: Letters whose replays and claims one script of a ``purge`` deletes at most (and about
+#: ``LIST_BYTES_PER_SCRIPT`` of their entries read).
 FORGET_PER_SCRIPT = 1000
 
 
@@ -233,8 +234,10 @@ local over = redis.call('XLEN', KEYS[1]) - keep
 local read = 0
 if keep > 0 and over > 0 then
   -- One entry at a time, up to ARGV[3] of them or about 1 MiB: a read copies bodies too.
-  for _ = 1, math.min(over, tonumber(ARGV[3])) do
-    if read >= 1048576 then break end
+  for k = 1, math.min(over, tonumber(ARGV[3])) do
+    -- At least two: one letter of 1 MiB a write, against the one added, never shrank the
+    -- stream to a lowered bound (a review).
+    if read >= 1048576 and k > 2 then break end
     local e = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', 1)[1]
     if not e then break end
     local fields = e[2]
@@ -339,27 +342,38 @@ redis.call('DEL', KEYS[2], KEYS[4])
 return 1
 """)
 
-# KEYS: stream, depth. Returns {how many letters there were, the first letter's n, the
-# last's} (0s when none), the stream and depth gone: UNLINK frees them off the script (a
-# purge that read every entry, bodies included, held Redis 0.5-1.4 s and every replica
-# took it for down: a trial). The letters' replays and claims go in _FORGET's batches.
-_PURGE = Script("""
-local count = redis.call('XLEN', KEYS[1])
-if count == 0 then
-  redis.call('UNLINK', KEYS[2])
-  return {0, 0, 0}
+# KEYS: stream. ARGV: replay list key prefix, claim key prefix, n after which to walk, most
+# letters, bytes read after which to stop. The replays and claims of the letters walked are
+# deleted (named here, not in KEYS, as in _ADD: one {dlq} slot); the stream is left whole.
+# Returns {the last n walked (ARGV[3] if none), 1 if no letter is left after it}. A purge
+# that read every letter, bodies included, in one script held Redis 0.5-1.4 s, and every
+# replica took it for down (a trial); walking entries, not ids, costs what the letters
+# are, not their ids' span (a review: 2 letters 3M ids apart took 3,000 scripts).
+_FORGET = Script("""
+local n, read = tonumber(ARGV[3]), 0
+for _ = 1, tonumber(ARGV[4]) do
+  local e = redis.call('XRANGE', KEYS[1], '0-' .. (n + 1), '+', 'COUNT', 1)[1]
+  if not e then return {n, 1} end
+  n = tonumber(string.sub(e[1], 3))
+  redis.call('DEL', ARGV[1] .. n, ARGV[2] .. n)
+  for i = 2, #e[2], 2 do read = read + #e[2][i] end
+  if read >= tonumber(ARGV[5]) then break end
 end
-local first = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', 1)[1][1]
-local last = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)[1][1]
-redis.call('UNLINK', KEYS[1], KEYS[2])
-return {count, tonumber(string.sub(first, 3)), tonumber(string.sub(last, 3))}
+return {n, 0}
 """)
 
-# ARGV: replay list key prefix, claim key prefix, first n, last n: the replays and claims of
-# letters first..last deleted (named here, not in KEYS, as in _ADD: one {dlq} slot).
-_FORGET = Script("""
-for n = tonumber(ARGV[3]), tonumber(ARGV[4]) do redis.call('DEL', ARGV[1] .. n, ARGV[2] .. n) end
-return 0
+# KEYS: stream, depth. ARGV: n after which letters were walked. Returns how many letters
+# there were, with the stream and depth unlinked (freed off the script), or -1 when a letter
+# came after n meanwhile (walk on). A purge cut between scripts leaves the stream whole, for
+# the next purge: nothing is orphaned (a review).
+_PURGE = Script("""
+if redis.call('XLEN', KEYS[1]) > 0 and
+    #redis.call('XRANGE', KEYS[1], '0-' .. (tonumber(ARGV[1]) + 1), '+', 'COUNT', 1) > 0 then
+  return -1
+end
+local count = redis.call('XLEN', KEYS[1])
+redis.call('UNLINK', KEYS[1], KEYS[2])
+return count
 """)
 
 
@@ -421,9 +435,12 @@ class RedisDeadLetterStore:
         )
 
     async def list(self, limit: int = 100) -> list[dict[str, Any]]:
+        # In scripts reading about LIST_BYTES_PER_SCRIPT each, each from below the last: no
+        # letter is listed twice, but one written or dropped between two of them may be
+        # missed or shown though gone (a list is no snapshot while letters are written).
         rows: list[Any] = []
         start = "+"
-        while len(rows) < limit:  # in scripts reading LIST_BYTES_PER_SCRIPT each
+        while len(rows) < limit:
             page = await self._state.eval(
                 _LIST, [self._stream],
                 [limit - len(rows), self._replays, start, LIST_BYTES_PER_SCRIPT,
@@ -473,12 +490,17 @@ class RedisDeadLetterStore:
             [f"0-{letter_id}"]))
 
     async def purge(self) -> int:
-        count, first, last = await self._state.eval(_PURGE, [self._stream, self._depth], [])
-        for low in range(int(first), int(last) + 1, FORGET_PER_SCRIPT):
-            high = min(low + FORGET_PER_SCRIPT - 1, int(last))
-            await self._state.eval(_FORGET, [self._stream],
-                                   [self._replays, self._claims, low, high])
-        return int(count)
+        walked = 0
+        while True:
+            walked, done = await self._state.eval(
+                _FORGET, [self._stream],
+                [self._replays, self._claims, walked, FORGET_PER_SCRIPT,
+                 LIST_BYTES_PER_SCRIPT])
+            if done:
+                count = int(await self._state.eval(_PURGE, [self._stream, self._depth],
+                                                   [walked]))
+                if count >= 0:
+                    return count
 
     async def depth(self) -> dict[str, int]:
         async def read(client: Any) -> dict[bytes, bytes]:
