@@ -477,9 +477,11 @@ async def test_list_and_purge_hold_redis_in_bounded_scripts(
 @pytest.mark.parametrize("backends", ["redis"], indirect=True)
 async def test_a_purge_cut_midway_leaves_the_next_purge_everything(
         backends: StateBackends, monkeypatch: pytest.MonkeyPatch):
-    """A review: a purge that unlinked the stream first and was cut before deleting the
-    letters' replays left them for good (the next purge found no letter). The stream goes
-    last now: a cut purge leaves it whole for the next one."""
+    """Reviews: a purge that unlinked the stream first and was cut before deleting the
+    letters' replays left them for good (the next purge found no letter); one that walked
+    the letters in place let a letter whose replays it had deleted be replayed again, and
+    left replays recorded meanwhile. The letters are moved out at once, and a cut purge's
+    are walked by the next."""
     monkeypatch.setattr(policies.state.deadletters, "FORGET_PER_SCRIPT", 2)
     store = backends.dead_letters
     ids = [(await store.add(letter())).id for _ in range(5)]
@@ -499,9 +501,18 @@ async def test_a_purge_cut_midway_leaves_the_next_purge_everything(
     with pytest.raises(policies.state.StateUnavailable):
         await store.purge()
     monkeypatch.setattr(state, "eval", real)
-    assert len(await store.list()) == 5
-    assert await store.purge() == 5
-    assert await leftover_keys(backends, ids) == []
+    assert await store.list() == [] and await store.depth() == {}  # gone at once
+    assert (await store.claim_replay(ids[0], "t", 60.0)).state == MISSING  # not sent again
+    assert await store.add_replay(ids[0], 200, None, 0.1) is False  # nothing recorded
+    later = (await store.add(letter())).id
+    assert later == ids[-1] + 1
+    assert await store.purge() == 1  # the cut one's letters walked, then this one's
+    assert await leftover_keys(backends, [*ids, later]) == []
+
+    async def purging_left(client: object) -> int:
+        return await client.exists(state.key("dlq", "purging"))  # type: ignore[attr-defined]
+
+    assert await state.run(purging_left) == 0
 
 
 @pytest.mark.parametrize("backends", ["redis"], indirect=True)

@@ -15,7 +15,9 @@ Redis layout (one hash tag, ``{dlq}``, so every script touches one slot):
 * ``...:replays:<n>``: a list of JSON replay results of letter ``n``;
 * ``...:claim:<n>``: the token of the replay of letter ``n`` being sent now (``SET PX``, so
   the hold of a command killed mid-replay lapses);
-* ``...:depth``: letters per route (for the depth gauge without scanning the stream).
+* ``...:depth``: letters per route (for the depth gauge without scanning the stream);
+* ``...:purging``: the letters a purge is deleting, moved out of the stream at once (their
+  replays and claims deleted in bounded scripts, then it goes too).
 
 Nothing here is on the request path except :meth:`DeadLetterStore.add` (one script call, which
 also drops the oldest letters beyond ``dead_letter.max_records``, their replays and holds too).
@@ -342,38 +344,41 @@ redis.call('DEL', KEYS[2], KEYS[4])
 return 1
 """)
 
-# KEYS: stream. ARGV: replay list key prefix, claim key prefix, n after which to walk, most
-# letters, bytes read after which to stop. The replays and claims of the letters walked are
-# deleted (named here, not in KEYS, as in _ADD: one {dlq} slot); the stream is left whole.
-# Returns {the last n walked (ARGV[3] if none), 1 if no letter is left after it}. A purge
-# that read every letter, bodies included, in one script held Redis 0.5-1.4 s, and every
-# replica took it for down (a trial); walking entries, not ids, costs what the letters
-# are, not their ids' span (a review: 2 letters 3M ids apart took 3,000 scripts).
+# KEYS: stream, depth, the purge's stream. Returns how many letters there were, moved
+# to the purge's stream at once (RENAME: O(1)), the depth unlinked; -1 when a purge cut
+# earlier left its stream (walk that first). Moved, the letters are gone for every command
+# (a replay finds none, records none); new letters start a new stream. A purge that read
+# every letter in one script held Redis 0.5-1.4 s, and every replica took it for down (a
+# trial); one that walked the letters in place let an answered letter be replayed again
+# and left replays recorded meanwhile, and could walk for ever behind new letters (a review).
+_PURGE = Script("""
+if redis.call('EXISTS', KEYS[3]) == 1 then return -1 end
+local count = redis.call('XLEN', KEYS[1])
+if count > 0 then redis.call('RENAME', KEYS[1], KEYS[3]) end
+redis.call('UNLINK', KEYS[2])
+return count
+""")
+
+# KEYS: the purge's stream. ARGV: replay list key prefix, claim key prefix, n after which
+# to walk, most letters, bytes read after which to stop. The replays and claims of the
+# letters walked are deleted (named here, not in KEYS, as in _ADD: one {dlq} slot). Returns
+# {the last n walked (ARGV[3] if none), 1 if no letter is left after it: the stream then
+# unlinked}. Walking entries, not ids, costs what the letters are (a review: deleting by
+# id span took 3,000 scripts for 2 letters 3M ids apart).
 _FORGET = Script("""
 local n, read = tonumber(ARGV[3]), 0
 for _ = 1, tonumber(ARGV[4]) do
   local e = redis.call('XRANGE', KEYS[1], '0-' .. (n + 1), '+', 'COUNT', 1)[1]
-  if not e then return {n, 1} end
+  if not e then
+    redis.call('UNLINK', KEYS[1])
+    return {n, 1}
+  end
   n = tonumber(string.sub(e[1], 3))
   redis.call('DEL', ARGV[1] .. n, ARGV[2] .. n)
   for i = 2, #e[2], 2 do read = read + #e[2][i] end
   if read >= tonumber(ARGV[5]) then break end
 end
 return {n, 0}
-""")
-
-# KEYS: stream, depth. ARGV: n after which letters were walked. Returns how many letters
-# there were, with the stream and depth unlinked (freed off the script), or -1 when a letter
-# came after n meanwhile (walk on). A purge cut between scripts leaves the stream whole, for
-# the next purge: nothing is orphaned (a review).
-_PURGE = Script("""
-if redis.call('XLEN', KEYS[1]) > 0 and
-    #redis.call('XRANGE', KEYS[1], '0-' .. (tonumber(ARGV[1]) + 1), '+', 'COUNT', 1) > 0 then
-  return -1
-end
-local count = redis.call('XLEN', KEYS[1])
-redis.call('UNLINK', KEYS[1], KEYS[2])
-return count
 """)
 
 
@@ -385,6 +390,9 @@ class RedisDeadLetterStore:
         self._stream = state.key("dlq", "letters")
         self._seq = state.key("dlq", "seq")
         self._depth = state.key("dlq", "depth")
+        #: Where a purge moves the letters it is deleting (one purge at a time, so a cut
+        #: one's letters are found and walked by the next).
+        self._purging = state.key("dlq", "purging")
         self._replays = state.key("dlq", "replays") + ":"
         self._claims = state.key("dlq", "claim") + ":"
 
@@ -490,17 +498,17 @@ class RedisDeadLetterStore:
             [f"0-{letter_id}"]))
 
     async def purge(self) -> int:
-        walked = 0
         while True:
-            walked, done = await self._state.eval(
-                _FORGET, [self._stream],
-                [self._replays, self._claims, walked, FORGET_PER_SCRIPT,
-                 LIST_BYTES_PER_SCRIPT])
-            if done:
-                count = int(await self._state.eval(_PURGE, [self._stream, self._depth],
-                                                   [walked]))
-                if count >= 0:
-                    return count
+            count = int(await self._state.eval(
+                _PURGE, [self._stream, self._depth, self._purging], []))
+            walked, done = 0, count == 0
+            while not done:  # the moved letters' replays and claims, then their stream
+                walked, done = await self._state.eval(
+                    _FORGET, [self._purging],
+                    [self._replays, self._claims, walked, FORGET_PER_SCRIPT,
+                     LIST_BYTES_PER_SCRIPT])
+            if count >= 0:  # else a cut purge's letters were walked: now this one's
+                return count
 
     async def depth(self) -> dict[str, int]:
         async def read(client: Any) -> dict[bytes, bytes]:
