@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable
 
 import aiohttp
 from yarl import URL
@@ -13,6 +14,13 @@ from proxy.metrics import EDGE_ONLY
 from tests.conftest import raw_request, route, wait_until
 
 CHAT = {"model": "gpt-test", "messages": [{"role": "user", "content": "hi"}]}
+
+
+async def chat_status(session: aiohttp.ClientSession, url: str) -> int:
+    """The status of a chat completion posted to ``url``, its body read."""
+    async with session.post(url, json=CHAT) as r:
+        await r.read()
+        return r.status
 
 
 async def test_content_type_is_prometheus_text(upstream, start_sluice):
@@ -41,10 +49,8 @@ async def test_scenario_leaves_the_right_values(upstream, start_sluice):
     url = sluice.url + "/openai/v1/chat/completions"
     upstream.hold = asyncio.Event()
     async with aiohttp.ClientSession() as session:
-        async def call() -> int:
-            async with session.post(url, json=CHAT) as r:
-                await r.read()
-                return r.status
+        def call() -> Awaitable[int]:
+            return chat_status(session, url)
 
         first = asyncio.create_task(call())
         await wait_until(lambda: upstream.inflight == 1, what="the slot taken")
@@ -202,14 +208,9 @@ async def test_a_wait_that_ends_in_a_queue_timeout_is_a_queue_wait(upstream, sta
     url = sluice.url + "/openai/v1/chat/completions"
     upstream.hold = asyncio.Event()
     async with aiohttp.ClientSession() as session:
-        async def call() -> int:
-            async with session.post(url, json=CHAT) as r:
-                await r.read()
-                return r.status
-
-        first = asyncio.create_task(call())
+        first = asyncio.create_task(chat_status(session, url))
         await wait_until(lambda: upstream.inflight == 1, what="the slot taken")
-        assert await call() == 503  # queue_timeout after 0.3 s
+        assert await chat_status(session, url) == 503  # queue_timeout after 0.3 s
         upstream.hold.set()
         assert await first == 200
     assert await sluice.metric("sluice_rejections_total", route="openai",
