@@ -31,6 +31,7 @@ from proxy.server import build_proxy_server
 from tests.fakeupstream import FakeUpstream
 from tests.ports import free_ports
 from tests.redis_servers import (  # noqa: F401  (fixtures)
+    _prefixes_swept_at_the_end,
     backends,
     redis_cluster,
     redis_server,
