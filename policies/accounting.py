@@ -56,8 +56,6 @@ from __future__ import annotations
 import math
 from collections.abc import Awaitable, Mapping
 
-from multidict import CIMultiDict
-
 from policies.budget import Budgets, Reservation, price_usd
 from policies.config import DEFAULT_OPERATION, ModelPrice, RouteConfig
 from policies.pipeline import SENT_UNANSWERED, Call, Outcome, survive_leaving
@@ -410,22 +408,14 @@ class Charge(Meter):
         # Read in Anthropic's shape only at /messages: an anthropic route's /chat/completions
         # answers in OpenAI's.
         super().__init__(cost.endpoint, cost.endpoint is MESSAGES, cost.strip_usage)
+        if cost.recoded:
+            self.recoded = True
         self._acct = acct
         self.cost = cost
         self.call: Call | None = call
         self.reservation: Reservation | None = None
         self.units: Units | None = None
         self._released = False
-
-    def request_headers(self, headers: CIMultiDict[str]) -> None:
-        """:meth:`Meter.request_headers`; and a body rewritten from UTF-16 or -32 (now
-        ASCII) loses the ``charset`` its ``Content-Type`` named: an upstream decoding by it
-        read nothing (a review)."""
-        super().request_headers(headers)
-        if self.cost.recoded:
-            kind = headers.get("Content-Type")
-            if kind is not None and "charset" in kind.lower():
-                headers["Content-Type"] = kind.partition(";")[0].strip()
 
     #: Reservations :meth:`hold_retry` took for retries, settled to nothing when the charge
     #: ends (the call's whole spend settles on ``reservation``). A class-level default: most

@@ -713,9 +713,19 @@ class Meter:
 
     # -- the forwarder's calls ----------------------------------------------------------------
 
+    #: The request's body was rewritten from UTF-16 or -32, now ASCII
+    #: (:attr:`RequestCost.recoded`): a ``charset`` its ``Content-Type`` names is dropped.
+    recoded = False
+
     def request_headers(self, headers: CIMultiDict[str]) -> None:
-        """Ask for an uncompressed answer, so its bytes can be read as they pass."""
+        """Ask for an uncompressed answer, so its bytes can be read as they pass; drop a
+        ``charset`` a rewritten body no longer has (an upstream decoding by it read nothing,
+        a review)."""
         headers["Accept-Encoding"] = "identity"
+        if self.recoded:
+            kind = headers.get("Content-Type")
+            if kind is not None and "charset" in kind.lower():
+                headers["Content-Type"] = kind.partition(";")[0].strip()
 
     def start(self, status: int, headers: CIMultiDict[str]) -> None:
         """Note the status; add the budget headers; choose how to read the body."""

@@ -360,17 +360,13 @@ def _dotted(path: Path_) -> str:
 _PLAIN_KEY = re.compile(r"^[!-~]{1,60}$")
 
 
-def _nearest_line(path: Path_, marks: dict[Path_, int]) -> int:
-    for cut in range(len(path), -1, -1):
-        if path[:cut] in marks:
-            return marks[path[:cut]]
-    return 1
-
-
 def key_line(path: Path_, lines: dict[Path_, int]) -> int:
-    """The line of key ``path`` in a file whose key ``lines`` :func:`load_config` gave, else
-    of the nearest key above it that the file has; 1 if none."""
-    return _nearest_line(path, lines)
+    """The line of key ``path`` in a file whose key ``lines`` :func:`load_config` gave (or
+    the parse found), else of the nearest key above it that the file has; 1 if none."""
+    for cut in range(len(path), -1, -1):
+        if path[:cut] in lines:
+            return lines[path[:cut]]
+    return 1
 
 
 def _problems(err: ValidationError, marks: dict[Path_, int], filename: str) -> list[str]:
@@ -396,13 +392,13 @@ def _located(err: ValidationError, marks: dict[Path_, int]) -> Iterator[tuple[in
         value = items[0]["input"]
         if None in wanted or not _scalar(value):
             for item in items:
-                yield _nearest_line(path, marks), f"{_dotted(path)}: {_message(item)}"
+                yield key_line(path, marks), f"{_dotted(path)}: {_message(item)}"
             continue
         # Quoted back as the admin API would show it: a URL with a password pasted into the
         # wrong key (`backend: redis://:pw@host`) must not reach the log (a review).
         shown = _shown(redact(value, str(path[-1]) if path else ""))
         message = f"{shown} should be {' or '.join(dict.fromkeys(wanted))}"  # type: ignore[arg-type]
-        yield _nearest_line(path, marks), f"{_dotted(path)}: {message}{_closest(value, items)}"
+        yield key_line(path, marks), f"{_dotted(path)}: {message}{_closest(value, items)}"
 
 
 def _error_path(item: dict, marks: dict[Path_, int]) -> Path_:
@@ -637,14 +633,14 @@ def _parse_config(text: str, filename: str, base: Path, lines: dict[Path_, int] 
     except ValidationError as exc:
         raise ConfigError(_problems(exc, marks, filename)) from None
     problems = [
-        f"{filename}:{_nearest_line(path, marks)}: {_dotted(path)}: {message}"
+        f"{filename}:{key_line(path, marks)}: {_dotted(path)}: {message}"
         for path, message in cross_checks(config)
     ]
     if problems:
         raise ConfigError(problems)
     spec = config.identity.tenants
     if spec is not None:
-        at = f"{filename}:{_nearest_line(('identity', 'tenants'), marks)}: identity.tenants"
+        at = f"{filename}:{key_line(('identity', 'tenants'), marks)}: identity.tenants"
         config.identity._keys = load_tenants(spec, base, at)
         if not config.identity._keys and config.identity.unknown_key_tenant is None:
             # Every caller would be refused 401 unknown_api_key, with nothing in the log: an
@@ -678,7 +674,7 @@ def _check_sources(config: Config, filename: str, marks: dict[Path_, int], base:
         try:
             state.resolved_url()
         except ValueError as exc:
-            line = _nearest_line(("state", "redis_url"), marks)
+            line = key_line(("state", "redis_url"), marks)
             problems.append(f"{filename}:{line}: {exc}")
     token_file = config.admin.token_file
     if token_file is not None:
@@ -686,7 +682,7 @@ def _check_sources(config: Config, filename: str, marks: dict[Path_, int], base:
         try:
             load_token(path)
         except ValueError as exc:
-            line = _nearest_line(("admin", "token_file"), marks)
+            line = key_line(("admin", "token_file"), marks)
             problems.append(f"{filename}:{line}: admin.token_file: {exc}")
         config.admin._path = str(path)
     if problems:

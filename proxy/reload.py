@@ -311,8 +311,8 @@ class Reloader:
         if letters is not None:  # as the start refuses it
             return self._refuse(trigger, seen, [
                 f"{self.path}:{key_line(('dead_letter', 'path'), lines)}: dead_letter.path: "
-                f"{letters}; a route would retry, and its dead letters be lost (the path "
-                "changes on a restart only)"])
+                f"cannot open {config.dead_letter.path!r}: {letters}; a route would retry, "
+                "and its dead letters be lost (the path changes on a restart only)"])
         self._refused = None
         for key in held:
             path = tuple(key.split("."))

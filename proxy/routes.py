@@ -319,9 +319,9 @@ class Route:
 
     @property
     def retries(self) -> bool:
-        """Some call of this route may be retried (the route's or an operation's ``retry``)."""
-        return self.retry is not None or any(
-            op.retry is not None for op in self.operations or ())
+        """Some call of this route may be retried (:meth:`RouteConfig.retries
+        <policies.config.RouteConfig.retries>`)."""
+        return self.config.retries()
 
     @property
     def policies(self) -> tuple[Any, ...]:

@@ -543,27 +543,26 @@ class Runtime:
         # another process, unwritable) stops the start before any call is taken: opened
         # after, a start served calls for SQLite's busy timeout and then cut them, their
         # letters lost (a hostile review).
-        if retrying:  # else the first letter opens it (a reload adding a retry block)
-            try:
-                await self.dead_letters.open()
-            except sqlite3.Error as exc:
-                raise OSError(f"dead_letter.path {self.config.dead_letter.path}: {exc}"
-                              ) from exc
+        # Else the first letter opens it, or a reload adding a retry block does.
+        refused = await self.open_letters_for(self.config)
+        if refused is not None:
+            raise OSError(f"dead_letter.path {self.config.dead_letter.path}: {refused}"
+                          ) from refused
 
-    async def open_letters_for(self, config: Config) -> str | None:
-        """Open the dead-letter store if a route of ``config`` (a reload's, its restart-only
-        ``dead_letter`` block the running one) retries and it is not open yet, as
-        :meth:`open` does at start; why it cannot be opened, else ``None``.
+    async def open_letters_for(self, config: Config) -> sqlite3.Error | None:
+        """Open the dead-letter store if a route of ``config`` (the start's, or a reload's:
+        its restart-only ``dead_letter`` block the running one) retries and it is not open
+        yet; why it cannot be opened, else ``None``.
 
         A reload that gave a route its first retry block was applied with a store that
         could not be opened (a hostile trial): the first dead letter was lost, though the
-        same file refused at start."""
+        same file refused at start. Both ask here."""
         if not any(route.retries() for route in config.routes):
             return None
         try:
             await self.dead_letters.open()
         except sqlite3.Error as exc:
-            return f"cannot open {config.dead_letter.path!r}: {exc}"
+            return exc
         return None
 
     def _note_new_files(self, retrying: bool) -> None:

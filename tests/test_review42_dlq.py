@@ -30,6 +30,21 @@ async def _one_held_letter(sluice) -> None:
             assert r.status == 502 and "X-Sluice-Dead-Letter" not in r.headers
 
 
+@contextlib.asynccontextmanager
+async def _stopping_with_a_held_letter(start_sluice, upstream, tmp_path, drain_timeout: str):
+    """A Sluice (``drain_timeout``) holding one dead letter for its locked file, just sent
+    SIGTERM; the file stays locked until the block ends. Yields it and the file's path."""
+    path = tmp_path / "dlq.sqlite"
+    sluice = await start_sluice({
+        "server": {"drain_timeout": drain_timeout},
+        "dead_letter": {"path": str(path)},
+        "routes": [route("openai", upstream.url, retry={"attempts": 1})]})
+    with exclusive(path):
+        await _one_held_letter(sluice)
+        sluice.signal(signal.SIGTERM)
+        yield sluice, path
+
+
 async def test_a_second_stop_signal_ends_the_wait_for_a_locked_dead_letter_file(
         upstream, start_sluice, tmp_path):
     """The drain says a second SIGTERM/Ctrl-C "cuts them now". Letters held for a locked
@@ -39,14 +54,8 @@ async def test_a_second_stop_signal_ends_the_wait_for_a_locked_dead_letter_file(
     ``drain_deadline``, which a second signal does not move once the drain has ended
     (nothing in flight: at once), without a word after "drained": with drain_timeout 12s
     Sluice exited 11.3 s after the second signal."""
-    path = tmp_path / "dlq.sqlite"
-    sluice = await start_sluice({
-        "server": {"drain_timeout": "12s"},
-        "dead_letter": {"path": str(path)},
-        "routes": [route("openai", upstream.url, retry={"attempts": 1})]})
-    with exclusive(path):
-        await _one_held_letter(sluice)
-        sluice.signal(signal.SIGTERM)
+    async with _stopping_with_a_held_letter(start_sluice, upstream, tmp_path,
+                                            "12s") as (sluice, _):
         await asyncio.sleep(1.5)  # past SECOND_SIGNAL_AFTER_S: a real second signal
         second = time.monotonic()
         sluice.signal(signal.SIGTERM)
@@ -66,14 +75,8 @@ async def test_a_letter_lost_at_shutdown_is_a_dead_letter_lost_event_on_the_log(
     guard for the shutdown's changes below.) The lost letter's log line says why it was
     not kept as its error does (the file locked, slow, or the server stopping); the first
     cut's said "not kept for the locked file" whatever the reason."""
-    path = tmp_path / "dlq.sqlite"
-    sluice = await start_sluice({
-        "server": {"drain_timeout": "1s"},
-        "dead_letter": {"path": str(path)},
-        "routes": [route("openai", upstream.url, retry={"attempts": 1})]})
-    with exclusive(path):
-        await _one_held_letter(sluice)
-        sluice.signal(signal.SIGTERM)
+    async with _stopping_with_a_held_letter(start_sluice, upstream, tmp_path,
+                                            "1s") as (sluice, path):
         await sluice.wait_exit(timeout=20.0)
     err = sluice.stderr()
     assert "still locked by another process at shutdown" in err, err
