@@ -308,7 +308,8 @@ def build_parser() -> argparse.ArgumentParser:
     _name_choices(runs_sub)
     runs.set_defaults(func=_runs)
     demo = sub.add_parser(
-        "demo", help="watch Sluice contain a retry storm on a local fake provider (~40 s)"
+        "demo",
+        help="watch Sluice contain a retry storm on a local fake provider (~40 s; --quick ~20 s)"
     )
     demo.add_argument("--quick", action="store_true",
                       help="a shorter schedule (~10 s per run instead of ~20 s)")
