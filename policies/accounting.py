@@ -31,8 +31,9 @@ What is charged (``usage`` in the event):
   the input (the upstream's count if it came, else the estimate) and the output streamed so
   far, at least 1 token and at most the cap; never 0.
 * ``reserved``: anything else without a count (a complete answer without usage, a timeout
-  before the answer, a proxy error): the whole reservation, since the upstream may have
-  billed it all.
+  before the answer, a proxy error, a Responses stream with ``"background": true``, which
+  its upstream runs to the end whoever leaves): the whole reservation, since the upstream
+  may have billed it all.
 
 With retries, each attempt is a request the upstream may bill, so a call is charged for all
 of them (:meth:`Charge._used`): the answer relayed as above; when none was relayed, the
@@ -555,9 +556,11 @@ class Charge(Meter):
         cap = cost.output_cap
         # A stream whose upstream said in an error event that it gave up is charged as a cut
         # one: what it reported and streamed. Its whole reservation (max_tokens) made an
-        # overloaded_error after a few tokens cost far more than a dropped connection.
+        # overloaded_error after a few tokens cost far more than a dropped connection. Not a
+        # background one: its upstream runs on to the end and bills it all (a hostile trial
+        # left three after their first event, charged 117 tokens for 12,033 billed).
         if (cost.stream and (not self.complete or self.failed) and status < 400
-                and (status or outcome == "client_disconnected")):
+                and not cost.background and (status or outcome == "client_disconnected")):
             seen = self.usage
             output = max(seen.output_tokens, self.streamed_tokens, 1)
             if cap is not None:

@@ -192,6 +192,10 @@ class RequestCost:
         recoded: ``body`` was rewritten whole from a body that was not UTF-8 JSON (UTF-16,
             a byte order mark...; :func:`policies.bodies.read_leniently`): a ``charset``
             its ``Content-Type`` names no longer holds.
+        background: a Responses call with ``"background": true``: the upstream runs it to
+            the end whether or not its caller stays (the answer is fetched later by
+            ``GET /v1/responses/{id}``, which passes unmetered), so leaving or cutting its
+            stream saves nothing.
     """
 
     endpoint: Endpoint
@@ -202,6 +206,7 @@ class RequestCost:
     strip_usage: bool
     body: bytes
     recoded: bool = False
+    background: bool = False
 
 
 def read_request(endpoint: Endpoint, body: bytes, default_cap: int | None, write_cap: bool,
@@ -268,9 +273,12 @@ def read_request(endpoint: Endpoint, body: bytes, default_cap: int | None, write
             added["stream_options"] = {**(options if isinstance(options, dict) else {}),
                                        "include_usage": True}
             strip = True
-    return RequestCost(endpoint, model, stream, estimate_input_tokens(endpoint, body, obj),
+    cost = RequestCost(endpoint, model, stream, estimate_input_tokens(endpoint, body, obj),
                        cap, strip, body if added is None else _with_fields(body, obj, added, exact),
                        recoded=added is not None and not exact)
+    if endpoint is RESPONSES and get("background") is True:
+        cost.background = True
+    return cost
 
 
 def model_named(body: bytes) -> str | None:

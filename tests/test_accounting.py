@@ -4,6 +4,7 @@ leaves on the call, and the ``completed`` event's fields its release writes."""
 from __future__ import annotations
 
 import gzip
+import time
 
 import aiohttp
 import orjson
@@ -13,10 +14,11 @@ from multidict import CIMultiDict
 
 from policies import accounting
 from policies.accounting import Accounting, Charge
+from policies.budget import Budgets
 from policies.pipeline import Call, Outcome
 from policies.rate import RateLimiter
 from policies.reasons import Rejected
-from policies.state import memory_backends
+from policies.state import StateBackends, memory_backends
 from proxy.config import parse_config
 from tests.conftest import route as route_config
 
@@ -45,6 +47,39 @@ def make_call(path: str = "/openai/v1/chat/completions", body: bytes = BODY,
 def answer(charge: Charge, body: bytes = ANSWER, status: int = 200) -> None:
     charge.start(status, CIMultiDict({"Content-Type": "application/json"}))
     assert charge.body(body) == body
+
+
+def budgeted(backends: StateBackends) -> Accounting:
+    """The accounting of a route with a daily token budget per tenant on ``backends``."""
+    config = parse_config(yaml.safe_dump({"routes": [{
+        "name": "openai", "path_prefix": "/openai/", "upstream": "http://127.0.0.1:1",
+        "protocol": "openai", "budget": {"tokens": "1000000/day", "per": "tenant"}}]}),
+        "<test>")
+    (route,) = config.routes
+    budgets = Budgets(route.budget, {}, backends, time.time, "openai")
+    return Accounting(route, {}, None, budgets, "X-Run-ID")
+
+
+async def settled(charge: Charge, outcome: Outcome) -> float:
+    """Release ``charge`` with ``outcome``; the tokens its budget counter then says were
+    spent, read from the ledger (Redis itself on a shared one)."""
+    budgets = charge._acct.budgets
+    assert budgets is not None and charge.reservation is not None
+    (claim,) = charge.reservation.claims
+    charge.release(outcome)
+    await budgets.background.wait()
+    ((spent, held),) = await budgets.backends.ledger.levels("openai", [claim.key])
+    assert held == 0
+    return spent
+
+
+def stream_started(charge: Charge) -> None:
+    charge.start(200, CIMultiDict({"Content-Type": "text/event-stream"}))
+
+
+def responses_event(name: str, payload: dict) -> bytes:
+    return b"event: " + name.encode() + b"\ndata: " + orjson.dumps(
+        {"type": name, **payload}) + b"\n\n"
 
 
 async def test_metered_calls_are_posts_to_the_protocols_endpoints_whatever_the_query():
@@ -200,3 +235,41 @@ async def test_release_without_a_count():
     charge = await acct.admit(call)
     charge.release(Outcome("rejected", False, 429))  # refused by a later step: no fields
     assert call.charged is None
+
+
+@pytest.mark.parametrize("backends", ["memory", "redis"], indirect=True)
+async def test_a_background_stream_left_or_cut_is_charged_its_reservation(backends):
+    """A hostile trial: a Responses stream with ``"background": true`` runs on at the
+    provider when its caller leaves (the answer is fetched later by GET, unmetered), and is
+    billed whole; left after ``response.created``, three were charged 117 tokens for
+    12,033 billed. A background stream without its final usage is charged its
+    reservation, whoever cut it; one that ran to its usage is charged as reported; a
+    foreground one cut is charged what it streamed."""
+    acct = budgeted(backends)
+    created = responses_event("response.created", {"response": {
+        "id": "r1", "status": "queued", "background": True, "usage": None}})
+    delta = responses_event("response.output_text.delta", {"delta": "tok "})
+    completed = responses_event("response.completed", {"response": {
+        "id": "r1", "status": "completed",
+        "usage": {"input_tokens": 11, "output_tokens": 40}}})
+    for tenant, (background, label, events, expected) in enumerate((
+            (True, "client_disconnected", created + delta, "reserved"),
+            (True, "upstream_error", created + delta, "reserved"),
+            (True, "2xx", created + delta + completed, "reported"),
+            (False, "client_disconnected", created + delta, "estimated"))):
+        call = make_call("/openai/v1/responses", orjson.dumps({
+            "model": "m", "input": "write a lot", "max_output_tokens": 4000, "stream": True,
+            "background": background}))
+        call.tenant = str(tenant)  # a counter of its own
+        charge = await acct.admit(call)
+        assert charge is not None
+        stream_started(charge)
+        assert charge.chunk(events) == events
+        if label == "2xx":
+            charge.finish()
+        spent = await settled(charge, Outcome(label, True, 200))
+        assert call.charged is not None
+        assert call.charged["usage"] == expected, (background, label)
+        worst = charge.cost.input_tokens + 4000
+        assert spent == {"reserved": worst, "reported": 51,
+                         "estimated": charge.cost.input_tokens + 2}[expected]
