@@ -22,7 +22,8 @@ It is one step of the admission pipeline (:mod:`policies.pipeline`):
 
 What is charged (``usage`` in the event):
 
-* ``reported``: the upstream's own count, whenever the answer carried one.
+* ``reported``: the upstream's own count, whenever the answer carried one (a stream's: one
+  no content followed, :attr:`policies.usage.Meter.final`).
 * ``none`` (0): the request never reached the upstream (refused, or no connection), or the
   upstream answered an error status, whether or not its body came whole (a status is sent
   before any of it: the provider failed the request, and bills none).

@@ -627,7 +627,10 @@ class Meter:
         stream_error: whose fault the first such event says it is (:func:`stream_error_side`:
             :data:`SERVER`, :data:`CLIENT`, :data:`QUOTA`), ``None`` when there was none.
         usage: as the upstream reported it so far.
-        final: ``usage`` is the upstream's final count.
+        final: ``usage`` is the upstream's final count: a report (see :meth:`_take`) that no
+            content followed outside a usage object (a report in a stream's first chunk
+            counts none of the text after it; vLLM's ``continuous_usage_stats``, a usage
+            object in every chunk, counts its own chunk's, and the last one is final).
         streamed_tokens: estimated output tokens in the content events passed on, for a
             stream that ends without usage: one per :data:`BYTES_PER_TOKEN` bytes of text, at
             least one per event with text; after the first :data:`SAMPLE_EVENTS` (parsed),
@@ -870,6 +873,7 @@ class Meter:
                 self.final = True
         else:
             self.streamed_tokens += max(1, size // BYTES_PER_TOKEN)
+            self._final = False  # content after the usage so far (see ``_parse``)
 
     def finish(self) -> bytes:
         """The stream ended cleanly; returns any bytes still held back."""
@@ -1062,7 +1066,8 @@ class Meter:
                 return False
             if not self._finished:
                 self._finished = _finish_reason_given(data, first, last)
-        if self._sampled < SAMPLE_EVENTS or last - first > self._big_event:
+        # After a report, content is parsed: text it brings is no part of that report.
+        if self._sampled < SAMPLE_EVENTS or last - first > self._big_event or self._final:
             self._parse(data[first:last], False)
         else:
             self.streamed_tokens += self._per_event
@@ -1160,6 +1165,11 @@ class Meter:
                         if has_usage and choice.get("finish_reason"):
                             self._finished = True  # a chunk with usage skips the byte look
         if text:
+            if self._final and not has_usage:
+                # Text after the usage so far, which so does not count it, and only a later
+                # usage object may: a stream's first chunk carrying {"completion_tokens": 0}
+                # made the 50 chunks after it free (a hostile trial).
+                self._final = False
             tokens = max(1, -(-text // BYTES_PER_TOKEN))
             self.streamed_tokens += tokens
             if self._sampled < SAMPLE_EVENTS:

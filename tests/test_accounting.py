@@ -273,3 +273,46 @@ async def test_a_background_stream_left_or_cut_is_charged_its_reservation(backen
         worst = charge.cost.input_tokens + 4000
         assert spent == {"reserved": worst, "reported": 51,
                          "estimated": charge.cost.input_tokens + 2}[expected]
+
+
+def chat_event(payload: dict) -> bytes:
+    return b"data: " + orjson.dumps({"id": "c", "object": "chat.completion.chunk",
+                                     **payload}) + b"\n\n"
+
+
+@pytest.mark.parametrize("backends", ["memory", "redis"], indirect=True)
+async def test_usage_in_a_streams_first_chunk_does_not_make_its_content_free(backends):
+    """A hostile trial: usage ``{prompt 11, completion 0}`` in a stream's first chunk, then
+    50 content chunks and ``[DONE]``, was charged 0 output tokens as reported, and so when
+    the upstream cut it after 20. As the README says of a stream without final usage: the
+    whole one is charged its reservation, the cut one what it streamed."""
+    acct = budgeted(backends)
+    first = chat_event({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                     "finish_reason": None}],
+                        "usage": {"prompt_tokens": 11, "completion_tokens": 0}})
+    content = [chat_event({"choices": [{"index": 0, "delta": {"content": f"tok{i:02d} "},
+                                        "finish_reason": None}]}) for i in range(50)]
+    last = chat_event({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
+    body = orjson.dumps({"model": "m", "max_tokens": 300, "stream": True,
+                         "messages": [{"role": "user", "content": "hi"}]})
+    for tenant, (events, label) in enumerate((
+            ([first, *content, last, b"data: [DONE]\n\n"], "2xx"),
+            ([first, *content[:20]], "upstream_error"))):
+        call = make_call(body=body)
+        call.tenant = str(tenant)
+        charge = await acct.admit(call)
+        assert charge is not None
+        stream_started(charge)
+        for event in events:
+            charge.chunk(event)
+        if label == "2xx":
+            charge.finish()
+        spent = await settled(charge, Outcome(label, True, 200))
+        assert call.charged is not None
+        if label == "2xx":
+            assert (call.charged["output_tokens"], call.charged["usage"]) == (300, "reserved")
+            assert spent == charge.cost.input_tokens + 300
+        else:
+            assert call.charged["usage"] == "estimated"
+            assert (call.charged["input_tokens"], call.charged["output_tokens"]) == (11, 40)
+            assert spent == 51

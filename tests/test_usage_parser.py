@@ -670,6 +670,49 @@ def test_usage_in_every_chunk_does_not_end_the_answer():
     assert not whole.cut_short
 
 
+def _usage_chunk(text: str | None, prompt: int, completion: int, finish: str | None = None
+                 ) -> dict:
+    """A chat chunk carrying a usage object: with a choice of ``text`` (a role chunk for
+    ``""``), or none (``None``, OpenAI's last chunk)."""
+    choices = [] if text is None else [{"index": 0, "delta": {"content": text},
+                                        "finish_reason": finish}]
+    return {"id": "c", "object": "chat.completion.chunk", "model": "m", "choices": choices,
+            "usage": {"prompt_tokens": prompt, "completion_tokens": completion}}
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["event-per-chunk", "1-KB-chunks"])
+def test_usage_followed_by_content_is_no_final_count(chunked):
+    """A hostile trial: a stream whose one usage object came in its first chunk
+    (``completion_tokens: 0``), then 50 content chunks, was charged 0 output tokens as
+    reported, whole or cut. Usage is final only if no content follows it outside a usage
+    object: so that stream reports none (and settles as one without usage), while vLLM's
+    ``continuous_usage_stats`` (usage in every chunk, the totals in the last) and OpenAI's
+    usage chunk after the content stay final."""
+    content = [chat_chunk(f"tok{i:02d} ") for i in range(50)]
+    streams = {
+        "usage first": ([_usage_chunk("", 11, 0), *content, "[DONE]"], False, (11, 0)),
+        "usage first, one later": ([_usage_chunk("", 11, 0), *content,
+                                    _usage_chunk(None, 11, 100), "[DONE]"], True, (11, 100)),
+        "continuous": ([_usage_chunk("", 11, 0)]
+                       + [_usage_chunk(f"tok{i:02d} ", 11, 2 * i + 2) for i in range(50)]
+                       + [_usage_chunk("", 11, 100, "stop"), "[DONE]"], True, (11, 100)),
+        "usage last": ([*content, _usage_chunk(None, 11, 100), "[DONE]"], True, (11, 100)),
+    }
+    for name, (events, final, counts) in streams.items():
+        stream = sse(*events)
+        meter = Meter(CHAT, anthropic=False, strip_usage=False)
+        started(meter)
+        if chunked:
+            feed_in_pieces(meter, stream, list(range(1024, len(stream), 1024)))
+        else:
+            for event in events:
+                meter.chunk(sse(event))
+            meter.finish()
+        assert meter.final is final, name
+        assert (meter.usage.input_tokens, meter.usage.output_tokens) == counts, name
+        assert meter.streamed_tokens >= 50, name
+
+
 def test_an_empty_finish_reason_is_none():
     """A hostile trial: some servers send ``"finish_reason": ""`` on every chunk, and it
     ended the answer at the first one."""
