@@ -33,8 +33,9 @@ What is charged (``usage`` in the event):
   far, at least 1 token and at most the cap; never 0.
 * ``reserved``: anything else without a count (a complete answer without usage, a timeout
   before the answer, a proxy error, a Responses stream with ``"background": true``, which
-  its upstream runs to the end whoever leaves): the whole reservation, since the upstream
-  may have billed it all.
+  its upstream runs to the end whoever leaves, a stream its caller left, its run's cancel
+  or the drain cut before any content came, as a call not streamed): the whole
+  reservation, since the upstream may have billed it all.
 
 With retries, each attempt is a request the upstream may bill, so a call is charged for all
 of them (:meth:`Charge._used`): the answer relayed as above; when none was relayed, the
@@ -82,6 +83,9 @@ from policies.usage import (
 MAX_TENANTS_SHOWN = 100
 #: Raw paths whose endpoint an :class:`Accounting` keeps (a route sees a handful).
 ENDPOINTS_KEPT = 256
+#: Outcomes of a call ended from Sluice's side while its upstream was still at work: its
+#: caller left (``client_disconnected``), its run was cancelled, or the drain cut it.
+_ENDED_HERE = frozenset({"client_disconnected", "run_cancelled", "drain_cut"})
 
 
 def _limits_tokens(rate: RateLimiter | None, budgets: Budgets | None) -> bool:
@@ -559,9 +563,14 @@ class Charge(Meter):
         # one: what it reported and streamed. Its whole reservation (max_tokens) made an
         # overloaded_error after a few tokens cost far more than a dropped connection. Not a
         # background one: its upstream runs on to the end and bills it all (a hostile trial
-        # left three after their first event, charged 117 tokens for 12,033 billed).
-        if (cost.stream and (not self.complete or self.failed) and status < 400
-                and not cost.background and (status or outcome == "client_disconnected")):
+        # left three after their first event, charged 117 tokens for 12,033 billed). Nor one
+        # ended from this side (its caller gone, its run cancelled, the drain's cut) before
+        # any content came: the upstream was working unseen until then (a reasoning model
+        # thinks silently), as for a call not streamed, so it is charged as one (a hostile
+        # trial's read timeout left five such streams, charged 1 output token each).
+        if (cost.stream and status and (not self.complete or self.failed)
+                and not cost.background
+                and (self.streamed_tokens or self.failed or outcome not in _ENDED_HERE)):
             seen = self.usage
             output = max(seen.output_tokens, self.streamed_tokens, 1)
             if cap is not None:

@@ -316,3 +316,39 @@ async def test_usage_in_a_streams_first_chunk_does_not_make_its_content_free(bac
             assert call.charged["usage"] == "estimated"
             assert (call.charged["input_tokens"], call.charged["output_tokens"]) == (11, 40)
             assert spent == 51
+
+
+@pytest.mark.parametrize("backends", ["memory", "redis"], indirect=True)
+async def test_a_stream_left_before_any_content_is_charged_its_reservation(backends):
+    """A hostile trial: a reasoning model's stream sends its role chunk, then thinks
+    silently (billed, never streamed); the SDK's read timeout left five such streams, each
+    charged its input and 1 output token, while a call not streamed whose caller leaves is
+    charged its reservation. A stream ended from this side (caller gone, run cancelled,
+    drain) before any content is charged as that call; one that streamed content, or that
+    its upstream cut, is charged what it streamed."""
+    acct = budgeted(backends)
+    role = chat_event({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                    "finish_reason": None}]})
+    text = chat_event({"choices": [{"index": 0, "delta": {"content": "forty-two"},
+                                    "finish_reason": None}]})
+    body = orjson.dumps({"model": "o3", "max_completion_tokens": 8000, "stream": True,
+                         "messages": [{"role": "user", "content": "think hard"}]})
+    for tenant, (events, label, expected) in enumerate((
+            ([role], "client_disconnected", "reserved"),
+            ([role], "run_cancelled", "reserved"),
+            ([role], "drain_cut", "reserved"),
+            ([role, text], "client_disconnected", "estimated"),
+            ([role], "upstream_error", "estimated"))):
+        call = make_call(body=body)
+        call.tenant = str(tenant)
+        charge = await acct.admit(call)
+        assert charge is not None
+        stream_started(charge)
+        for event in events:
+            charge.chunk(event)
+        spent = await settled(charge, Outcome(label, True, 200))
+        assert call.charged is not None
+        assert call.charged["usage"] == expected, label
+        output = 8000 if expected == "reserved" else max(1, charge.streamed_tokens)
+        assert call.charged["output_tokens"] == output, label
+        assert spent == charge.cost.input_tokens + output, label
