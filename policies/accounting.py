@@ -60,9 +60,9 @@ import math
 from collections.abc import Awaitable, Mapping
 
 from policies.budget import Budgets, Reservation, price_usd
-from policies.config import DEFAULT_OPERATION, ModelPrice, RouteConfig
+from policies.config import DEFAULT_OPERATION, ModelPrice, Rate, RouteConfig
 from policies.pipeline import SENT_UNANSWERED, Call, Outcome, survive_leaving
-from policies.rate import RateLimiter, Units, fallback_for
+from policies.rate import RateLimiter, Units, fallback_for, fits_whole
 from policies.reasons import Reason, Rejected
 from policies.state import LedgerFull, StateBackends, StateUnavailable
 from policies.state.admission import AdmissionResult
@@ -104,14 +104,15 @@ class Accounting:
             metered call's request units and tokens together (:meth:`RateLimiter.take`).
         budgets: the route's budgets, if any.
         run_header: the header naming a run, for the message when it is missing.
-        token_models: each ``models:`` block (:mod:`policies.operations`) by name, true
-            when its ``rate.tokens`` weighs its calls, which must then name an output cap
-            too; ``default``'s stands for every model no other block names.
+        token_models: each ``models:`` block (:mod:`policies.operations`) by name, and its
+            ``rate.tokens`` (``None``: none), which weighs its calls: they must then name an
+            output cap too; ``default``'s stands for every model no other block names.
     """
 
     def __init__(self, config: RouteConfig, pricing: dict[str, ModelPrice],
                  rate: RateLimiter | None, budgets: Budgets | None,
-                 run_header: str, token_models: Mapping[str, bool] | None = None) -> None:
+                 run_header: str, token_models: Mapping[str, Rate | None] | None = None
+                 ) -> None:
         self.protocol = config.protocol
         usage = config.usage
         self.default_cap = usage.default_max_tokens
@@ -158,8 +159,9 @@ class Accounting:
                 token rate of its own), when the body is compressed (``Content-Encoding``
                 other than ``identity``) or not JSON, names no output cap (and no default
                 is configured) or one that is not a non-negative integer, or a per-run
-                budget applies and no run id was sent; or from :meth:`reserve`. Nothing is
-                held.
+                budget applies and no run id was sent; ``exceeds_limit`` when its worst case
+                passes its model's whole token rate (``models:``), which no wait could make
+                fit; or from :meth:`reserve`. Nothing is held.
         """
         if call.method != "POST":
             return None  # only POSTs are metered
@@ -196,8 +198,14 @@ class Accounting:
                         if call.units_deferred and rate is not None else None)
             raise Rejected(Reason.BAD_REQUEST, None,
                            f"{exc}; this route limits tokens, so Sluice must read it") from None
-        if enforcing or (self.token_models and self._weighs_tokens(cost.model or "")):
+        model_rate = self._token_rate(cost.model or "") if self.token_models else None
+        if enforcing or model_rate is not None:
             self._check(cost, call.run)
+            if model_rate is not None:
+                # Before the route's buckets: a call its model's rate could never take was
+                # told to retry (429) when the route's token bucket was short (a hostile
+                # trial), and its retry met this 400.
+                fits_whole(cost.input_tokens + (cost.output_cap or 0), model_rate)
         charge = Charge(self, cost, call)
         if enforcing or call.units_deferred:
             await self.reserve(charge)
@@ -212,17 +220,17 @@ class Accounting:
         if not self.token_models:
             return False
         model = model_named(body)
-        return model is not None and self._weighs_tokens(model)
+        return model is not None and self._token_rate(model) is not None
 
-    def _weighs_tokens(self, model: str) -> bool:
-        """Whether the ``models:`` block that applies to ``model`` (its own, else
+    def _token_rate(self, model: str) -> Rate | None:
+        """The token rate of the ``models:`` block that applies to ``model`` (its own, else
         ``default``'s, as :meth:`policies.operations.OperationIndex.find` picks it; ``""``
-        for none named) has a token rate: a model's own block without one is not weighed
-        though ``default``'s is (a review)."""
+        for none named), ``None`` if it has none: a model's own block without one is not
+        weighed though ``default``'s is (a review)."""
         blocks = self.token_models
         if model and model != DEFAULT_OPERATION and model in blocks:
             return blocks[model]
-        return blocks.get(DEFAULT_OPERATION, False)
+        return blocks.get(DEFAULT_OPERATION)
 
     def _endpoint(self, raw_path: str) -> Endpoint | None:
         """The metered endpoint a POST to ``raw_path`` calls (:func:`endpoint_for`), kept for

@@ -252,6 +252,21 @@ class RequestUnits:
         self._memory.give_back(self.plan)
 
 
+def fits_whole(amount: int, tokens: Rate) -> None:
+    """Refuse a call reserving ``amount`` tokens from a token rate ``tokens`` whose whole
+    bucket is smaller: it could never pass, so no wait is given.
+
+    Raises:
+        Rejected: ``exceeds_limit`` (400).
+    """
+    if amount > tokens.count:
+        raise Rejected(
+            Reason.EXCEEDS_LIMIT, None,
+            f"this request reserves {counted(amount, 'token')}, more than the whole "
+            f"token rate limit of {tokens}; lower max_tokens",
+        )
+
+
 class RateLimiter:
     """The ``rate`` block of one route: a route-wide bucket, one bucket per tenant and the
     route's token bucket, kept in ``backends.rates`` under the route's name.
@@ -382,12 +397,7 @@ class RateLimiter:
         """
         rate = self.tokens
         assert rate is not None
-        if amount > rate.count:
-            raise Rejected(
-                Reason.EXCEEDS_LIMIT, None,
-                f"this request reserves {counted(amount, 'token')}, more than the whole "
-                f"token rate limit of {rate}; lower max_tokens",
-            )
+        fits_whole(amount, rate)
         return Take(TOKENS, rate.count, float(rate.period_s), amount)
 
     async def take(self, takes: Sequence[Take]) -> Units:

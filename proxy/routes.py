@@ -197,7 +197,7 @@ class Route:
                         if config.budget else None)
         _, blocks = config.operations()
         if config.protocol in ("openai", "anthropic"):
-            token_models = {name: op.rate is not None and op.rate.tokens is not None
+            token_models = {name: op.rate.tokens if op.rate is not None else None
                             for name, op in blocks.items()}
             self.accounting = Accounting(config, pricing or {}, self.rate, self.budgets,
                                          run_header, token_models)

@@ -455,6 +455,38 @@ async def test_per_model_token_rate_on_an_openai_route(upstream, start_sluice):
                                operation="gpt-4o", reason="token_rate_limited") == 1
 
 
+async def test_a_call_over_its_models_whole_token_rate_is_400_whatever_the_route_has_left(
+        upstream, start_sluice):
+    """A hostile trial: a call whose worst case (~726 tokens) passes its model's whole token
+    rate (700/h) was 400 ``exceeds_limit`` alone, but 429 ``token_rate_limited`` with a
+    Retry-After and ``x-should-retry: true`` when the route's own token bucket was short
+    then: the SDK waited and retried into the 400. The model's whole limit is checked
+    before the route's buckets are asked."""
+    sluice = await start_sluice({"routes": [{
+        "name": "llm", "path_prefix": "/llm/", "upstream": upstream.url, "protocol": "openai",
+        "rate": {"tokens": "1000/min"},
+        "models": {"gpt-4o-mini": {"rate": {"tokens": "700/h"}}}}]})
+    url = sluice.url + "/llm/v1/chat/completions"
+
+    async def call(http: aiohttp.ClientSession, model: str, cap: int) -> tuple[int, dict]:
+        async with http.post(url, json={"model": model, "max_tokens": cap, "messages": [
+                {"role": "user", "content": "hi"}]}) as answer:
+            await answer.read()
+            return answer.status, dict(answer.headers)
+
+    async with aiohttp.ClientSession() as http:
+        for route_short in (False, True):
+            if route_short:  # 600 of the route's 1000 tokens a minute, and ~60 inputs
+                for _ in range(2):
+                    assert (await call(http, "gpt-4o", 300))[0] == 200
+            status, headers = await call(http, "gpt-4o-mini", 690)
+            assert (status, headers.get("X-Sluice-Reason")) == (400, "exceeds_limit"), headers
+            assert headers["x-should-retry"] == "false" and "Retry-After" not in headers
+    assert len(upstream.requests) == 2
+    assert await sluice.metric("sluice_operation_rejections_total", route="llm",
+                               operation="gpt-4o-mini", reason="exceeds_limit") == 2
+
+
 async def test_a_model_token_rate_needs_a_cap_it_can_read(upstream, start_sluice):
     # A hostile trial: with no route-level token limit, a cap sent as "900" or 900.0 (which
     # lax upstreams, vLLM or the LiteLLM proxy, read as 900) passed unmetered and took no
