@@ -351,12 +351,6 @@ class Capture:
             if name.lower() not in _NOT_REPLAYED
         )
 
-    def decoded(self) -> None:
-        """The answer is relayed decoded (:attr:`policies.usage.Meter.inflating`): it is kept
-        without the ``Content-Encoding`` its upstream sent."""
-        self.headers = tuple((name, value) for name, value in self.headers
-                             if name.lower() != "content-encoding")
-
     def written(self, response: web.Response) -> None:
         """The failure Sluice answers with after its attempts found no answer to relay (502
         ``upstream_unreachable``, 504 ``upstream_timeout``...), in place of whatever began.

@@ -36,9 +36,7 @@ from it: a JSON body once complete, its top-level ``usage`` member (parsed from 
 on, see :meth:`Meter._read_json`; a chunked body is copied aside as it passes, up to
 :data:`JSON_LIMIT_BYTES`), an SSE stream event by event as chunks arrive (events may split
 across chunks). Only when Sluice itself asked an OpenAI stream for its usage chunk does
-the stream change: that chunk is removed, so the client sees what it asked for (a gzip or
-deflate stream, sent so despite ``Accept-Encoding: identity``, is then decoded and passed
-on uncompressed; any other compressed answer passes untouched, unread). Then an
+the stream change: that chunk is removed, so the client sees what it asked for. Then an
 incomplete trailing event is held back until its end arrives (it might be the usage chunk;
 an SSE client cannot act on part of an event anyway); a complete event is never held.
 Otherwise every chunk is passed on as it came, and read after.
@@ -56,7 +54,6 @@ what each event reported), so no usage is counted twice.
 from __future__ import annotations
 
 import json
-import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -130,10 +127,6 @@ MESSAGES = Endpoint("messages", ("max_tokens",), "max_tokens", usage_option=Fals
 
 #: Looked up as ``istr``: a ``str`` name is lower-cased on every look-up in a CIMultiDict.
 _CONTENT_ENCODING = istr("Content-Encoding")
-#: Content codings a stream Sluice strips is decoded from (:meth:`Meter.start`), and the
-#: ``wbits`` that reads either framing (a gzip or a zlib header).
-_INFLATED = frozenset({"gzip", "x-gzip", "deflate"})
-_GZIP_OR_ZLIB = 32 + zlib.MAX_WBITS
 
 
 def content_coding(headers: Mapping[str, str]) -> str | None:
@@ -696,8 +689,6 @@ class Meter:
     #: An input count was reported (a later event may bring only the output count).
     _input_seen = False
     streamed_tokens = 0
-    #: Decodes a gzip or deflate stream Sluice must strip (see :meth:`start`), else ``None``.
-    inflating: zlib._Decompress | None = None
 
     @property
     def cut_short(self) -> bool:
@@ -752,19 +743,10 @@ class Meter:
         self.status = status
         if self.headers:
             headers.update(self.headers)
-        content_type = headers.get("Content-Type", "").lower()  # case-insensitive (RFC 9110)
-        coding = content_coding(headers)
-        if coding:
-            # Compressed anyway: unreadable, so passed on untouched. But for a stream whose
-            # usage chunk Sluice asked for, which its client did not: passed on, it reached
-            # that client (whose chunk.choices[0] raised IndexError on it, a hostile trial),
-            # so a gzip or deflate one is decoded, read and passed on as identity.
-            if not (self._strip and content_type.startswith("text/event-stream")
-                    and coding.strip().lower() in _INFLATED):
-                return
-            self.inflating = zlib.decompressobj(_GZIP_OR_ZLIB)
-            headers.popall(_CONTENT_ENCODING)
+        if content_coding(headers):
+            return  # compressed anyway: unreadable, so passed on untouched
         # Only a stream is read event by event, so only a stream can be stripped.
+        content_type = headers.get("Content-Type", "").lower()  # case-insensitive (RFC 9110)
         if content_type.startswith("text/event-stream"):
             self._mode = _SSE
             if self._strip:
@@ -796,11 +778,6 @@ class Meter:
                     self._json_tail = _tail(b"".join(self._json), data)
                     self._json = []
             return data
-        if self.inflating is not None:
-            # zlib.error (no gzip after all) ends it as a proxy error, cut: its head is out.
-            data = self.inflating.decompress(data)
-            if not data:
-                return data
         if self._cr is None:
             self._cr = self._line_ending(data)
         if self._bare_cr:
@@ -911,10 +888,6 @@ class Meter:
             self._read_json(b"".join(self._json))
             self._json = []
             return b""
-        if self.inflating is not None:
-            inflating, self.inflating = self.inflating, None
-            if rest := inflating.flush():
-                return self.chunk(rest) + self.finish()
         if self._big:  # the stream ended inside a big event: it was passed on already
             self._end_big()
             return b""

@@ -607,8 +607,6 @@ async def relay(
             headers[hdrs.CONTENT_LENGTH] = str(declared)  # aiohttp reads it with int() too
         if meter is not None:
             meter.start(status, headers)
-            if capture is not None and meter.inflating is not None:
-                capture.decoded()
         if declared is not None and declared <= BUFFER_LIMIT_BYTES:
             try:
                 data = await upstream.read()
