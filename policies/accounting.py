@@ -23,7 +23,8 @@ It is one step of the admission pipeline (:mod:`policies.pipeline`):
 What is charged (``usage`` in the event):
 
 * ``reported``: the upstream's own count, whenever the answer carried one (a stream's: one
-  no content followed, :attr:`policies.usage.Meter.final`).
+  no content followed, :attr:`policies.usage.Meter.final`; of a stream ended from this side
+  before any content, only one its answer ended with).
 * ``none`` (0): the request never reached the upstream (refused, or no connection), or the
   upstream answered an error status, whether or not its body came whole (a status is sent
   before any of it: the provider failed the request, and bills none).
@@ -492,7 +493,8 @@ class Charge(Meter):
                 units.handed_over()
                 self._acct.budgets.give_back(reservation, units.takes)
                 reservation = None
-        elif self.final and self.status and not call.unanswered:  # most calls: one answer
+        elif (self.final and self.status and not call.unanswered  # most calls: one answer
+              and (self.complete or self._count_stands(outcome.label))):
             usage, source = self.usage, "reported"
         else:
             usage, source = self._used(outcome.label, call)
@@ -537,8 +539,10 @@ class Charge(Meter):
         attempt's worst case if it may have been billed; plus the whole reservation for each
         earlier attempt that may have reached the upstream and got no answer."""
         if self.status:  # an answer was relayed, and read as it passed
-            usage, source = (self.usage, "reported") if self.final else self._unreported(
-                outcome)
+            if self.final and (self.complete or self._count_stands(outcome)):
+                usage, source = self.usage, "reported"
+            else:
+                usage, source = self._unreported(outcome)
         elif call.answer_status == SENT_UNANSWERED and call.sent_at is None:
             # It ended unanswered (a timeout, a connection lost), not cut by its caller
             # leaving: the upstream may have run it to the end, streamed or not.
@@ -555,6 +559,15 @@ class Charge(Meter):
             if source == "none":
                 source = "reserved"
         return usage, source
+
+    def _count_stands(self, outcome: str) -> bool:
+        """Whether the final count of an answer that did not complete is its bill. Not for
+        a stream ended from this side (:data:`_ENDED_HERE`) before any content came and
+        before its answer ended: a count in its first chunk (``{prompt 11, completion 0}``,
+        as vLLM's ``continuous_usage_stats`` sends) is no count of the work the upstream
+        does on unseen, and a caller that left then was charged 0 output tokens (a review);
+        it is charged as a stream without usage (:meth:`_unreported`)."""
+        return bool(self.streamed_tokens) or not self.cut_short or outcome not in _ENDED_HERE
 
     def _worst(self) -> Usage:
         """The most one attempt can use: the reservation (input estimate, output cap)."""

@@ -352,3 +352,38 @@ async def test_a_stream_left_before_any_content_is_charged_its_reservation(backe
         output = 8000 if expected == "reserved" else max(1, charge.streamed_tokens)
         assert call.charged["output_tokens"] == output, label
         assert spent == charge.cost.input_tokens + output, label
+
+
+@pytest.mark.parametrize("backends", ["memory", "redis"], indirect=True)
+async def test_usage_in_a_first_chunk_is_no_count_of_a_stream_left_before_content(backends):
+    """A review: a stream whose first chunk carried its usage (``{prompt 11, completion
+    0}``, read as final) and whose caller then left before any content was charged 0 output
+    tokens as reported, while one without that usage is charged its reservation (the
+    upstream works on unseen). Such a count is trusted only once content followed it or the
+    answer ended; one after content, its caller leaving before ``[DONE]``, still stands."""
+    acct = budgeted(backends)
+    first = chat_event({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                     "finish_reason": None}],
+                        "usage": {"prompt_tokens": 11, "completion_tokens": 0}})
+    text = chat_event({"choices": [{"index": 0, "delta": {"content": "forty-two"},
+                                    "finish_reason": "stop"}]})
+    last = chat_event({"choices": [], "usage": {"prompt_tokens": 11, "completion_tokens": 3}})
+    body = orjson.dumps({"model": "m", "max_tokens": 300, "stream": True,
+                         "messages": [{"role": "user", "content": "hi"}]})
+    for tenant, (events, label, expected, output) in enumerate((
+            ([first], "client_disconnected", "reserved", 300),
+            ([first], "run_cancelled", "reserved", 300),
+            ([first], "drain_cut", "reserved", 300),
+            ([text, last], "client_disconnected", "reported", 3))):
+        call = make_call(body=body)
+        call.tenant = str(tenant)
+        charge = await acct.admit(call)
+        assert charge is not None
+        stream_started(charge)
+        for event in events:
+            charge.chunk(event)
+        spent = await settled(charge, Outcome(label, True, 200))
+        assert call.charged is not None
+        assert (call.charged["usage"], call.charged["output_tokens"]) == (expected, output), label
+        input_tokens = charge.cost.input_tokens if expected == "reserved" else 11
+        assert spent == input_tokens + output, label
