@@ -28,15 +28,15 @@ What is charged (``usage`` in the event):
 * ``none`` (0): the request never reached the upstream (refused, or no connection), or the
   upstream answered an error status, whether or not its body came whole (a status is sent
   before any of it: the provider failed the request, and bills none).
-* ``estimated``: a stream cut before its usage arrived (caller gone, upstream cut or stalled,
-  or an error event from the upstream in place of the rest of the answer):
+* ``estimated``: a stream cut before its usage arrived (caller gone, upstream cut or timed
+  out, or an error event from the upstream in place of the rest of the answer):
   the input (the upstream's count if it came, else the estimate) and the output streamed so
   far, at least 1 token and at most the cap; never 0.
 * ``reserved``: anything else without a count (a complete answer without usage, a timeout
   before the answer, a proxy error, a Responses stream with ``"background": true``, which
-  its upstream runs to the end whoever leaves, a stream its caller left, its run's cancel
-  or the drain cut before any content came, as a call not streamed): the whole
-  reservation, since the upstream may have billed it all.
+  its upstream runs to the end whoever leaves, a stream its caller left, its run's cancel,
+  the drain or ``timeouts.total`` cut before any content came, as a call not streamed):
+  the whole reservation, since the upstream may have billed it all.
 
 With retries, each attempt is a request the upstream may bill, so a call is charged for all
 of them (:meth:`Charge._used`): the answer relayed as above; when none was relayed, the
@@ -85,8 +85,12 @@ MAX_TENANTS_SHOWN = 100
 #: Raw paths whose endpoint an :class:`Accounting` keeps (a route sees a handful).
 ENDPOINTS_KEPT = 256
 #: Outcomes of a call ended from Sluice's side while its upstream was still at work: its
-#: caller left (``client_disconnected``), its run was cancelled, or the drain cut it.
-_ENDED_HERE = frozenset({"client_disconnected", "run_cancelled", "drain_cut"})
+#: caller left (``client_disconnected``), its run was cancelled, the drain cut it, or its
+#: ``timeouts.total`` ran out (``upstream_timeout``: a metered call has no other timer, so
+#: its upstream was still sending or thinking). Not a cut its upstream made (a reset, an
+#: error event: ``upstream_error``).
+_ENDED_HERE = frozenset({"client_disconnected", "run_cancelled", "drain_cut",
+                         "upstream_timeout"})
 
 
 def _limits_tokens(rate: RateLimiter | None, budgets: Budgets | None) -> bool:
@@ -585,10 +589,11 @@ class Charge(Meter):
         # overloaded_error after a few tokens cost far more than a dropped connection. Not a
         # background one: its upstream runs on to the end and bills it all (a hostile trial
         # left three after their first event, charged 117 tokens for 12,033 billed). Nor one
-        # ended from this side (its caller gone, its run cancelled, the drain's cut) before
-        # any content came: the upstream was working unseen until then (a reasoning model
-        # thinks silently), as for a call not streamed, so it is charged as one (a hostile
-        # trial's read timeout left five such streams, charged 1 output token each).
+        # ended from this side (its caller gone, its run cancelled, the drain's cut, its
+        # timeouts.total) before any content came: the upstream was working unseen until
+        # then (a reasoning model thinks silently), as for a call not streamed, so it is
+        # charged as one (a hostile trial's read timeout left five such streams, charged 1
+        # output token each).
         if (cost.stream and status and (not self.complete or self.failed)
                 and not cost.background
                 and (self.streamed_tokens or self.failed or outcome not in _ENDED_HERE)):

@@ -387,3 +387,41 @@ async def test_usage_in_a_first_chunk_is_no_count_of_a_stream_left_before_conten
         assert (call.charged["usage"], call.charged["output_tokens"]) == (expected, output), label
         input_tokens = charge.cost.input_tokens if expected == "reserved" else 11
         assert spent == input_tokens + output, label
+
+
+@pytest.mark.parametrize("backends", ["memory", "redis"], indirect=True)
+async def test_a_stream_its_total_timeout_cut_before_any_content_is_charged_its_reservation(
+        backends):
+    """A review: ``timeouts.total`` cut a reasoning model's stream after its role chunk
+    (thinking silently, billed) and charged its input and 1 output token: Sluice's own
+    timer ended it while its upstream worked on, as a caller leaving does, so it is charged
+    its reservation, with or without a first chunk's usage. One that streamed content
+    before the cut is charged what it streamed, as is one its upstream cut."""
+    acct = budgeted(backends)
+    role = chat_event({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                    "finish_reason": None}]})
+    counted = chat_event({"choices": [{"index": 0, "delta": {"role": "assistant"},
+                                       "finish_reason": None}],
+                          "usage": {"prompt_tokens": 11, "completion_tokens": 0}})
+    text = chat_event({"choices": [{"index": 0, "delta": {"content": "forty-two"},
+                                    "finish_reason": None}]})
+    body = orjson.dumps({"model": "o3", "max_completion_tokens": 8000, "stream": True,
+                         "messages": [{"role": "user", "content": "think hard"}]})
+    for tenant, (events, label, expected) in enumerate((
+            ([role], "upstream_timeout", "reserved"),
+            ([counted], "upstream_timeout", "reserved"),
+            ([role, text], "upstream_timeout", "estimated"),
+            ([role], "upstream_error", "estimated"))):
+        call = make_call(body=body)
+        call.tenant = str(tenant)
+        charge = await acct.admit(call)
+        assert charge is not None
+        stream_started(charge)
+        for event in events:
+            charge.chunk(event)
+        spent = await settled(charge, Outcome(label, True, 200))
+        assert call.charged is not None
+        assert call.charged["usage"] == expected, (tenant, label)
+        output = 8000 if expected == "reserved" else max(1, charge.streamed_tokens)
+        assert call.charged["output_tokens"] == output, (tenant, label)
+        assert spent == charge.cost.input_tokens + output, (tenant, label)
