@@ -1118,6 +1118,7 @@ class Meter:
             return False
         text = 0
         strip = False
+        counted = False  # this event's own usage object is a full count
         if self._anthropic:
             kind = obj.get("type")
             if kind == "content_block_delta":
@@ -1153,7 +1154,8 @@ class Meter:
         else:
             choices = obj.get("choices")
             if has_usage and isinstance(u := obj.get("usage"), dict):
-                self.final = self._take(u) or self.final
+                counted = self._take(u)
+                self.final = counted or self.final
                 strip = self._strip and choices == []
                 if obj.get("error") and not self.done:  # an error chunk carrying usage
                     self._failed(obj)
@@ -1165,10 +1167,13 @@ class Meter:
                         if has_usage and choice.get("finish_reason"):
                             self._finished = True  # a chunk with usage skips the byte look
         if text:
-            if self._final and not has_usage:
+            if self._final and not counted:
                 # Text after the usage so far, which so does not count it, and only a later
                 # usage object may: a stream's first chunk carrying {"completion_tokens": 0}
-                # made the 50 chunks after it free (a hostile trial).
+                # made the 50 chunks after it free (a hostile trial). Nor does a usage object
+                # on this event that is no full count (``{}``, an input count alone, one
+                # nested as Groq's ``x_groq.usage``): they kept the first chunk's count final
+                # (a review). vLLM's ``continuous_usage_stats`` counts each chunk whole.
                 self._final = False
             tokens = max(1, -(-text // BYTES_PER_TOKEN))
             self.streamed_tokens += tokens

@@ -713,6 +713,31 @@ def test_usage_followed_by_content_is_no_final_count(chunked):
         assert meter.streamed_tokens >= 50, name
 
 
+@pytest.mark.parametrize("chunked", [False, True], ids=["event-per-chunk", "1-KB-chunks"])
+def test_content_carrying_a_usage_object_that_is_no_count_ends_an_earlier_count(chunked):
+    """A review: after a first chunk's usage (``{prompt 11, completion 0}``), content chunks
+    each carrying a usage object that is no full count (``"usage": {}``, an input count
+    alone, Groq's ``x_groq.usage``) kept that early count final, so 50 chunks of text were
+    charged 0 output tokens as reported. Only a full count on the chunk that brings the
+    text keeps the stream's usage final (vLLM's ``continuous_usage_stats``)."""
+    content = [chat_chunk(f"tok{i:02d} ") for i in range(50)]
+    for name, extra in (("empty", {"usage": {}}),
+                        ("input only", {"usage": {"prompt_tokens": 11}}),
+                        ("nested", {"usage": None, "x_groq": {"usage": {"queue_time": 0.1}}})):
+        events = [_usage_chunk("", 11, 0), *({**c, **extra} for c in content), "[DONE]"]
+        stream = sse(*events)
+        meter = Meter(CHAT, anthropic=False, strip_usage=False)
+        started(meter)
+        if chunked:
+            feed_in_pieces(meter, stream, list(range(1024, len(stream), 1024)))
+        else:
+            for event in events:
+                meter.chunk(sse(event))
+            meter.finish()
+        assert not meter.final, name
+        assert meter.streamed_tokens >= 50, name
+
+
 def test_an_empty_finish_reason_is_none():
     """A hostile trial: some servers send ``"finish_reason": ""`` on every chunk, and it
     ended the answer at the first one."""
