@@ -220,7 +220,9 @@ def read_request(endpoint: Endpoint, body: bytes, default_cap: int | None, write
 
     Raises:
         ValueError: the body is not a JSON object, or a cap or ``n`` is present but not a
-            non-negative integer (reading it as "no cap" would reserve too little).
+            non-negative integer (reading it as "no cap" would reserve too little), or a
+            Responses ``background`` is present but not a boolean (read as false, a call the
+            upstream runs on would be charged as one it stops).
     """
     try:
         obj, exact = bodies.read_leniently(body)
@@ -276,8 +278,13 @@ def read_request(endpoint: Endpoint, body: bytes, default_cap: int | None, write
     cost = RequestCost(endpoint, model, stream, estimate_input_tokens(endpoint, body, obj),
                        cap, strip, body if added is None else _with_fields(body, obj, added, exact),
                        recoded=added is not None and not exact)
-    if endpoint is RESPONSES and get("background") is True:
-        cost.background = True
+    if endpoint is RESPONSES and (background := get("background")) is not None:
+        if type(background) is not bool:
+            # A lax upstream (vLLM) runs "true" in the background: read as not, its stream
+            # left was charged what it streamed, not what the upstream ran on to bill.
+            raise ValueError(f"background must be true or false, not "
+                             f"{bodies.member_as_sent(body, 'background', background)}")
+        cost.background = background
     return cost
 
 

@@ -425,3 +425,33 @@ async def test_a_stream_its_total_timeout_cut_before_any_content_is_charged_its_
         output = 8000 if expected == "reserved" else max(1, charge.streamed_tokens)
         assert call.charged["output_tokens"] == output, (tenant, label)
         assert spent == charge.cost.input_tokens + output, (tenant, label)
+
+
+@pytest.mark.parametrize("backends", ["memory", "redis"], indirect=True)
+async def test_a_background_that_is_no_boolean_is_refused_where_tokens_are_limited(backends):
+    """A review: ``"background": "true"`` (a string, which a lax upstream such as vLLM runs
+    in the background) was read as not background, so its stream, left, was charged what it
+    streamed. As for a cap sent as a string: refused 400 on a route that limits tokens,
+    passed unmetered on one that does not; ``null`` is no background."""
+    acct = budgeted(backends)
+
+    def responses(background: object) -> Call:
+        return make_call("/openai/v1/responses", orjson.dumps({
+            "model": "m", "input": "hi", "max_output_tokens": 400, "stream": True,
+            "background": background}))
+
+    for sent in ("true", 1, {}):
+        with pytest.raises(Rejected) as refused:
+            await acct.admit(responses(sent))
+        assert refused.value.reason.status == 400
+        assert "background must be true or false" in refused.value.detail, sent
+        call = responses(sent)
+        assert await make_accounting(usage={"default_max_tokens": 100}).admit(call) is None
+        assert call.meter is None
+    for tenant, (sent, background) in enumerate(((True, True), (False, False),
+                                                 (None, False))):
+        call = responses(sent)
+        call.tenant = str(tenant)
+        charge = await acct.admit(call)
+        assert charge is not None and charge.cost.background is background, sent
+        assert await settled(charge, Outcome("rejected", False, 429)) == 0
