@@ -647,10 +647,13 @@ async def relay(
             # connection to chunked framing, so not even an error answer could follow.
             raise Rejected(Reason.UPSTREAM_UNREACHABLE, None, _BAD_HEADER)
         out = web.StreamResponse(status=status, reason=upstream.reason, headers=headers)
-        if declared is None and request.version < HttpVersion11:
+        if ((declared is None or hdrs.CONTENT_LENGTH not in headers)
+                and request.version < HttpVersion11):
             # No length and no chunks for HTTP/1.0: the answer ends at the close (RFC 9112
             # §6.3), which aiohttp writes no header for yet keeps the connection open (a
             # keep-alive 1.0 client read the next answer as this one's body, a hostile trial).
+            # Also when the meter dropped the upstream's length (it strips the usage chunk):
+            # the caller got neither and waited (a review).
             out.force_close()
         if call is not None:
             call.phase = "answering"

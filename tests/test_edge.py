@@ -258,6 +258,49 @@ async def test_an_http_1_0_keep_alive_caller_gets_an_unframed_answer_ended_by_a_
     assert b"content-length" not in head.lower()
 
 
+async def test_an_http_1_0_caller_of_a_stream_whose_length_sluice_drops_gets_a_close(
+        start_sluice):
+    """A review: an upstream sent a stream over 256 KB (BUFFER_LIMIT_BYTES) with a
+    Content-Length; Sluice removes the usage chunk it asked for, so drops that length, but
+    decided whether to close on the upstream's declared one: an HTTP/1.0 keep-alive caller
+    got neither a length nor a close, and waited. The close ends it, as for any answer
+    relayed without a length."""
+    chunk = {"id": "c", "object": "chat.completion.chunk", "model": "m",
+             "choices": [{"index": 0, "delta": {"content": "x" * 400}, "finish_reason": None}]}
+    usage = {"id": "c", "object": "chat.completion.chunk", "model": "m", "choices": [],
+             "usage": {"prompt_tokens": 11, "completion_tokens": 5}}
+    events = [chunk] * 800 + [usage]
+    body = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events)
+    body += b"data: [DONE]\n\n"
+    assert len(body) > 256 * 1024
+
+    async def chat(request: web.Request) -> web.Response:
+        assert (await request.json())["stream_options"] == {"include_usage": True}
+        return web.Response(body=body, content_type="text/event-stream")
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    runner, port = await serve_app(app)
+    try:
+        sluice = await start_sluice({"routes": [route(
+            "openai", f"http://127.0.0.1:{port}", "openai")]})
+        payload = json.dumps({"model": "m", "stream": True, "max_tokens": 5,
+                              "messages": [{"role": "user", "content": "hi"}]}).encode()
+        reader, writer = await asyncio.open_connection("127.0.0.1", sluice.port)
+        try:
+            writer.write(b"POST /openai/v1/chat/completions HTTP/1.0\r\n" + LOOPBACK
+                         + b"Connection: keep-alive\r\nContent-Type: application/json\r\n"
+                         + b"Content-Length: %d\r\n\r\n" % len(payload) + payload)
+            answer = await closed_within(reader, 5.0)
+        finally:
+            writer.close()
+    finally:
+        await runner.cleanup()
+    head, _, relayed = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.0 200") and b"content-length" not in head.lower()
+    assert relayed == body.replace(b"data: " + json.dumps(usage).encode() + b"\n\n", b"")
+
+
 async def test_a_transfer_coding_besides_chunked_is_refused_not_passed_on(upstream,
                                                                          start_sluice):
     # Seen (new-user trial): "gzip, chunked" was framed by its chunks and the still-gzipped
