@@ -18,7 +18,7 @@ import re
 import urllib.parse
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from multidict import istr
 from pydantic import (
@@ -281,6 +281,23 @@ class _Section(BaseModel):
     # (a usd budget that never refused), as a weight a bare Infinity in /admin/config.
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True, allow_inf_nan=False)
 
+    #: Keys left out by default (``None``) where a written ``null`` means what their docs say
+    #: (stdout, no file, the default). Every other such key is a policy block or a limit whose
+    #: absence means "no such limit", so a written null is refused: ``concurrency:`` with its
+    #: keys commented out, or a file an in-place writer had cut there when a reload read it,
+    #: lifted the limit (a hostile trial).
+    NULLABLE: ClassVar[frozenset[str]] = frozenset()
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _not_empty(cls, value: Any, info: ValidationInfo) -> Any:
+        name = info.field_name
+        if (value is None and name is not None and name not in cls.NULLABLE
+                and cls.model_fields[name].default is None):
+            raise ValueError("is empty (null), which would silently disable a limit: give it "
+                             "a value, or leave the key out")
+        return value
+
 
 #: The most ``server.max_connections`` may be: far beyond what one process serves.
 MAX_CONNECTIONS = 1_000_000
@@ -288,6 +305,8 @@ MAX_CONNECTIONS = 1_000_000
 
 class ServerConfig(_Section):
     """``server``: the listeners and how the proxy port treats callers (``proxy/edge.py``)."""
+
+    NULLABLE = frozenset({"allowed_hosts"})
 
     listen: Listen = "0.0.0.0:8080"
     admin_listen: Listen = "127.0.0.1:9901"
@@ -428,6 +447,8 @@ class StateConfig(_Section):
     Restart-only: a reload keeps the running block and says so.
     """
 
+    NULLABLE = frozenset({"redis_url"})
+
     #: ``memory`` (one process, the default) or ``redis`` (shared by every replica).
     backend: Literal["memory", "redis"] = "memory"
     #: The Redis server, or any node of a Redis Cluster (detected at start); may carry a
@@ -501,6 +522,8 @@ class StateConfig(_Section):
 class IdentityConfig(_Section):
     """``identity``: who is calling (``proxy/identity.py``)."""
 
+    NULLABLE = frozenset({"tenants", "unknown_key_tenant"})
+
     tenant_header: IdentityHeaderName = "X-Tenant-ID"
     run_header: IdentityHeaderName = "X-Run-ID"
     priority_header: IdentityHeaderName = "X-Priority"
@@ -537,6 +560,8 @@ class IdentityConfig(_Section):
 class AdminConfig(_Section):
     """The admin port's mutating endpoints (``POST /admin/runs/{run}/cancel``)."""
 
+    NULLABLE = frozenset({"token_file"})
+
     #: File holding the bearer token (a relative path is taken from the config file's
     #: directory; read on every mutating call, so a rotated file applies at once). It must
     #: exist and hold a token whenever the config is loaded. The ``SLUICE_ADMIN_TOKEN``
@@ -554,6 +579,8 @@ class AdminConfig(_Section):
 
 
 class EventsConfig(_Section):
+    NULLABLE = frozenset({"path"})
+
     #: Where the admission timeline goes as JSON lines; ``None`` means stdout.
     path: str | None = None
 
@@ -675,6 +702,8 @@ class IdempotencyConfig(_Section):
 class CircuitBreakerConfig(_Section):
     """``circuit_breaker``: one breaker per route upstream (see ``policies/breaker.py``)."""
 
+    NULLABLE = frozenset({"tool_errors"})
+
     #: Consecutive upstream failures that open the breaker.
     fail_max: int = Field(default=5, gt=0)
     #: Optional failure-rate trip: the fraction of calls in the last ``window`` that failed,
@@ -756,6 +785,8 @@ class DeadLetterConfig(_Section):
 class BudgetConfig(_Section):
     """One budget block (policies/budget.py): limits per unit, for one kind of scope."""
 
+    NULLABLE = frozenset({"warn_at"})
+
     tokens: AllowanceSpec | None = None  # input + output tokens
     input_tokens: AllowanceSpec | None = None
     output_tokens: AllowanceSpec | None = None
@@ -792,6 +823,8 @@ def _one_or_many(value: Any) -> Any:
 class UsageConfig(_Section):
     """How an openai/anthropic route reads and shapes token usage (policies/usage.py)."""
 
+    NULLABLE = frozenset({"default_max_tokens"})
+
     #: Output cap reserved for a request that sets none (max_tokens and the like), tokens;
     #: at most :data:`MAX_AMOUNT` (it is written into the request, where JSON encoders take
     #: 64 bits).
@@ -804,6 +837,8 @@ class UsageConfig(_Section):
 
 class ModelPrice(_Section):
     """USD per million tokens of one model (each at most :data:`MAX_USD`)."""
+
+    NULLABLE = frozenset({"cache_read", "cache_write"})
 
     input: float = Field(ge=0, le=MAX_USD)
     output: float = Field(ge=0, le=MAX_USD)

@@ -35,6 +35,8 @@ MERGE_KEY = ("merge keys (<<) are not supported: write the keys out in this bloc
              "the whole block an alias (*name) of one written once")
 INFINITE = ("must be a finite number; this one is beyond a float's range (about 1.8e308), "
             "which YAML reads as infinity")
+EMPTY = ("is empty (null), which would silently disable a limit: give it a value, or leave "
+         "the key out")
 YAML11_BOOL = ("is a boolean to YAML 1.1 readers and a string to YAML 1.2: "
                "write true or false, or quote the string")
 
@@ -265,6 +267,22 @@ BAD_FILES = [
     ("a tagged merge key", ROUTE + "    concurrency: &d {limit: 4, queue: 8}\n"
      "    rate: {!!merge <<: *d}\n",
      [f"{{f}}:6: routes[0].rate.<<: {MERGE_KEY}"]),
+    # An empty block (its keys commented out, or a file cut there mid-write when a reload read
+    # it) was taken as no block: no limit, and check-config said ok (a hostile trial).
+    ("an empty concurrency block", ROUTE + "    concurrency:\n      # limit: 2\n",
+     [f"{{f}}:5: routes[0].concurrency: {EMPTY}"]),
+    ("an empty rate block", ROUTE + "    rate:\n    protocol: openai\n",
+     [f"{{f}}:5: routes[0].rate: {EMPTY}"]),
+    ("an empty budget block", ROUTE + "    protocol: openai\n    budget:\n",
+     [f"{{f}}:6: routes[0].budget: {EMPTY}"]),
+    ("an empty limit in a block", ROUTE + "    concurrency: {limit: 4, per_tenant: }\n"
+     "    rate:\n      per_tenant:\n",
+     [f"{{f}}:5: routes[0].concurrency.per_tenant: {EMPTY}",
+      f"{{f}}:7: routes[0].rate.per_tenant: {EMPTY}"]),
+    ("an empty model block's limit", ROUTE + "    protocol: openai\n    models:\n"
+     "      gpt-4o:\n        concurrency:\n",
+     [f"{{f}}:8: routes[0].models.gpt-4o.concurrency: {EMPTY}"]),
+    ("an empty top-level fanout", "fanout:\n" + ROUTE, [f"{{f}}:1: fanout: {EMPTY}"]),
     ("an unknown key before a bad value",
      ROUTE + "state:\n  backend: redis\n  on_unavailible: local\n  timeout: 50\n",
      [f"{{f}}:7: state.on_unavailible: unknown key {TYPO}; did you mean on_unavailable?",
@@ -328,6 +346,30 @@ def test_quoted_yaml11_words_and_every_key_are_accepted(tmp_path: Path, capsys) 
         "    rate: {requests: 1/day, per_tenant: {requests: 10/h}}\n"
     )
     assert main(["check-config", str(path)]) == 0
+    assert capsys.readouterr().out == f"{path}: ok (1 route(s))\n"
+
+
+def test_the_keys_documented_as_nullable_take_null(tmp_path: Path, capsys) -> None:
+    """Where null means something written down (stdout, no table, no token file, every name
+    of the listen address, no default cap, the input price, no aging, no deadline header),
+    it stays accepted; only limits and policy blocks refuse it."""
+    path = tmp_path / "nulls.yaml"
+    path.write_text(
+        "server: {allowed_hosts: null}\n"
+        "state: {redis_url: null}\n"
+        "identity: {tenants: null, unknown_key_tenant: null}\n"
+        "admin: {token_file: null}\n"
+        "events: {path: null}\n"
+        "pricing: {gpt-4o: {input: 1, output: 2, cache_read: null, cache_write: null}}\n"
+        + ROUTE +
+        "    protocol: openai\n"
+        "    timeouts: {deadline_header: null}\n"
+        "    usage: {default_max_tokens: null}\n"
+        "    concurrency: {limit: 2, aging: null}\n"
+        "    circuit_breaker: {tool_errors: null}\n"
+        "    budget: {tokens: 1000/day, warn_at: null}\n"
+    )
+    assert main(["check-config", str(path)]) == 0, capsys.readouterr().err
     assert capsys.readouterr().out == f"{path}: ok (1 route(s))\n"
 
 

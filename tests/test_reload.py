@@ -139,6 +139,38 @@ async def test_invalid_file_keeps_the_old_limit(upstream, start_sluice):
     assert await sluice.metric("sluice_config_last_reload_successful") == 1
 
 
+async def test_a_file_cut_after_an_empty_block_is_refused_and_the_limit_holds(
+        upstream, start_sluice, tmp_path):
+    """A hostile trial: a file written in place, its writer paused just after
+    ``concurrency:``, was read as the route without its block (YAML null, taken as absent),
+    and the reload lifted the limit: the queued calls reached the upstream at once. An empty
+    block is a config error now, so the cut file is refused and the limit holds."""
+    limit = {"limit": 2, "queue": 8, "max_wait": "30s"}
+    sluice = await start_sluice({"server": {"drain_timeout": "5s"},
+                                 "events": {"path": str(tmp_path / "events.jsonl")},
+                                 "dead_letter": {"path": str(tmp_path / "dlq.sqlite")},
+                                 "routes": [route("llm", upstream.url, concurrency=limit)]})
+    text = sluice.config_path.read_text()
+    assert text.rstrip().endswith("max_wait: 30s")  # the block is the file's last
+    cut = text.index("concurrency:\n") + len("concurrency:\n")
+    upstream.hold = asyncio.Event()
+    url = sluice.url + "/llm/v1/chat/completions"
+    async with aiohttp.ClientSession() as session:
+        calls = [asyncio.create_task(status_of(session, url, CHAT)) for _ in range(5)]
+        await sluice.wait_metric("sluice_queue_depth", 3, route="llm")
+        sluice.config_path.write_text(text[:cut])  # in place: the writer stops here a while
+        await sluice.wait_metric("sluice_config_reload_failures_total", 1)
+        assert ": routes[0].concurrency: is empty (null)" in sluice.stderr()
+        assert await sluice.metric("sluice_concurrency_limit", route="llm") == 2
+        assert await sluice.metric("sluice_queue_depth", route="llm") == 3
+        sluice.config_path.write_text(text.replace("limit: 2", "limit: 3"))  # the rest comes
+        await sluice.wait_metric("sluice_concurrency_limit", 3, route="llm")
+        await until(lambda: upstream.inflight == 3, what="a third call under limit 3")
+        upstream.hold.set()
+        assert await asyncio.gather(*calls) == [200] * 5
+    assert upstream.peak_inflight == 3
+
+
 async def test_configmap_symlink_swap_is_picked_up(upstream, start_sluice, tmp_path):
     # The layout the kubelet gives a ConfigMap volume, and its atomic update (AtomicWriter):
     # write a new timestamped directory, point ..data_tmp at it, rename it over ..data.
