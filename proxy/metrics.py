@@ -347,6 +347,12 @@ class Metrics:
             "Unix time of the last successful config load or reload.",
             registry=r,
         )
+        self.config_restart_pending = Gauge(
+            "sluice_config_restart_pending",
+            "1 while the config file asks for a change only a restart applies (a listen "
+            "address, state, dead_letter...; a reload keeps the running value), else 0.",
+            registry=r,
+        )
         self.config_last_reload_successful.set(1)
         self.config_last_reload_success.set_to_current_time()
 

@@ -20,7 +20,9 @@ file that disappears is logged once; the running config stays in force.
    counts the attempt and ``sluice_config_last_reload_successful`` turns 0;
 2. keeps the keys in ``RESTART_ONLY`` (listener addresses, body size limit, event log
    destination, state backend, dead-letter file) at their running values, with a warning
-   naming each one that changed: a reload cannot move a bound socket or an open file;
+   naming each one that changed: a reload cannot move a bound socket or an open file.
+   ``sluice_config_restart_pending`` is 1 from such a reload until one whose file asks for
+   no such change (a refused file leaves it as it was);
 3. applies the rest in two phases, on the event loop with no await between them:
 
    * **build** (:meth:`proxy.runtime.Runtime.build`): every new ``Route`` and policy object,
@@ -349,6 +351,9 @@ class Reloader:
         metrics.config_reloads.inc()
         metrics.config_last_reload_successful.set(1)
         metrics.config_last_reload_success.set(self.loaded_at)
+        # A held change is no failure (the rest applied), but what runs is not the file:
+        # without this only a log line and /admin/config said so (a hostile trial).
+        metrics.config_restart_pending.set(1 if held else 0)
         self.last_attempt = {"at": self.loaded_at, "trigger": trigger, "ok": True, "held": held}
         self.runtime.events.emit_system(
             "config_reloaded", path=str(self.path), trigger=trigger,

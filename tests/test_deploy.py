@@ -86,7 +86,7 @@ def rule_exprs() -> list[str]:
 
 def test_alert_rules_check_and_unit_tests():
     promtool = tool("promtool")
-    assert "SUCCESS: 14 rules found" in run(promtool, "check", "rules", str(RULES)).stdout
+    assert "SUCCESS: 15 rules found" in run(promtool, "check", "rules", str(RULES)).stdout
     run(promtool, "test", "rules", "sluice-rules.test.yaml", cwd=RULES.parent)
 
 
@@ -95,7 +95,7 @@ def test_rules_cover_the_issues_alerts():
               for rule in g["rules"]}
     assert {"SluiceAmplificationRising", "SluiceDeadLettersGrowing", "SluiceCircuitOpen",
             "SluiceQueueWaitNearMaxWait", "SluiceBudgetNearExhaustion",
-            "SluiceStateBackendDown", "SluiceOutputDropped"} <= alerts
+            "SluiceStateBackendDown", "SluiceOutputDropped", "SluiceConfigRestartPending"} <= alerts
 
 
 def test_dashboard_queries_parse_and_cover_the_spec(tmp_path):

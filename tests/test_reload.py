@@ -372,6 +372,28 @@ async def test_a_held_state_change_names_its_key_and_never_prints_the_redis_url(
         delete_prefix(url, prefix)
 
 
+async def test_a_held_restart_only_change_sets_restart_pending_until_the_file_is_back(
+        upstream, start_sluice):
+    """A hostile trial: a reload that held back a restart-only key (here the upstream pool's
+    idle timeout; a listen address or ``state`` alike) was reported as a plain success, so
+    no alert could tell that what runs is not the file. ``sluice_config_restart_pending``
+    says so, while ``sluice_config_last_reload_successful`` stays 1 (the rest applied)."""
+    sluice = await start_sluice({"routes": [route("llm", upstream.url)]})
+    assert await sluice.metric("sluice_config_restart_pending") == 0
+    rewrite(sluice.config_path, lambda data: data["server"].update(upstream_idle_timeout="3s"))
+    await sluice.wait_metric("sluice_config_reloads_total", 1)
+    assert await sluice.metric("sluice_config_restart_pending") == 1
+    assert await sluice.metric("sluice_config_last_reload_successful") == 1
+    # A refused file says nothing of what a restart would change: the gauge stays.
+    rewrite(sluice.config_path, lambda data: data["server"].update(drain_timeout="soon"))
+    await sluice.wait_metric("sluice_config_reload_failures_total", 1)
+    assert await sluice.metric("sluice_config_restart_pending") == 1
+    rewrite(sluice.config_path, lambda data: data["server"].update(
+        upstream_idle_timeout="4s", drain_timeout="5s"))  # back to what runs
+    await sluice.wait_metric("sluice_config_reloads_total", 2)
+    assert await sluice.metric("sluice_config_restart_pending") == 0
+
+
 async def test_a_removed_limit_admits_its_queued_calls_and_counts_them_when_back(
         upstream, start_sluice):
     # Seen in a hostile trial: calls queued behind a concurrency block a reload removed
