@@ -1,9 +1,10 @@
 """Hot reload: apply a changed config file while serving, without dropping a request.
 
 **Triggers.** ``SIGHUP``, and a change of the file seen by polling ``os.stat`` every
-``POLL_INTERVAL_S``. ``stat`` follows symlinks, so polling the device, inode, size and mtime of
-the resolved file catches every way a file gets replaced: an editor's write-and-rename, an
-in-place write, and a Kubernetes ConfigMap update, where the kubelet writes a new timestamped
+``POLL_INTERVAL_S``. ``stat`` follows symlinks, so polling the device, inode, size, mtime and
+ctime of the resolved file catches every way a file gets replaced: an editor's
+write-and-rename, an in-place write (even one that keeps the size and sets the mtime back),
+and a Kubernetes ConfigMap update, where the kubelet writes a new timestamped
 directory and swaps the ``..data`` symlink to it (the mounted ``sluice.yaml ->
 ..data/sluice.yaml`` then resolves to a new inode). An inotify watch on the file would miss
 that swap; one stat a second costs nothing and needs no dependency. A change is applied once
@@ -124,16 +125,20 @@ RESTART_ONLY: tuple[tuple[str, ...], ...] = (
     ("dead_letter",),
 )
 
-Fingerprint = tuple[int, int, int, int] | None
+Fingerprint = tuple[int, int, int, int, int] | None
 
 
 def fingerprint(path: Path) -> Fingerprint:
-    """Device, inode, size and mtime (ns) of the file ``path`` resolves to; ``None`` if absent."""
+    """Device, inode, size, mtime and ctime (ns) of the file ``path`` resolves to; ``None`` if
+    absent."""
     try:
         st = os.stat(path)
     except OSError:
         return None
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    # ctime too: a write that keeps the size and sets the mtime back (``cp -p``, ``rsync
+    # -t --inplace``, an unpacked archive) changes no other field, and was never reloaded (a
+    # hostile trial). No one can set it back; a chmod changes it too, and costs one reload.
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 def keep_restart_only(running: Config, new: Config) -> tuple[Config, list[str]]:

@@ -200,6 +200,26 @@ async def test_configmap_symlink_swap_is_picked_up(upstream, start_sluice, tmp_p
         assert r.status == 200
 
 
+async def test_an_in_place_copy_that_keeps_size_and_mtime_is_applied(upstream, start_sluice):
+    """A hostile trial: ``cp -p`` of a release's config (same size, its fixed mtime) over the
+    running file was never reloaded; the watch compared device, inode, size and mtime only,
+    and the write changed none of them. Its ctime changes, and is compared too."""
+    sluice = await start_sluice({"routes": [route(
+        "llm", upstream.url, concurrency={"limit": 2, "queue": 4})]})
+    path = sluice.config_path
+    release = 1_700_000_000_000_000_000  # ns: an archive's or a build's fixed mtime
+    os.utime(path, ns=(release, release))
+    await sluice.wait_metric("sluice_config_reloads_total", 1)  # that change seen, first
+    text = path.read_text()
+    new = text.replace("limit: 2", "limit: 7")
+    assert len(new) == len(text)
+    with path.open("r+") as file:  # as cp -p writes: same inode, then the mtime copied
+        file.write(new)
+    os.utime(path, ns=(release, release))
+    await sluice.wait_metric("sluice_concurrency_limit", 7, route="llm")
+    assert await sluice.metric("sluice_config_reloads_total") == 2
+
+
 async def test_sighup_reloads_and_listeners_stay_put(upstream, start_sluice):
     sluice = await start_sluice({"routes": [route("llm", upstream.url)]})
     sluice.signal(signal.SIGHUP)
