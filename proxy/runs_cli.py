@@ -4,8 +4,9 @@ through its admin port.
 A run is a tenant's run id: ``show`` and ``cancel`` act on the run id in every tenant that has
 it, or with ``--tenant`` in that one (``list --tenant`` lists only its runs).
 
-The address is the config's ``server.admin_listen`` (a wildcard host is reached on
-127.0.0.1), or ``--admin URL`` (then no config is read unless ``--config`` is given).
+The address is the config's ``server.admin_listen`` (a wildcard host is reached on loopback:
+``0.0.0.0`` on 127.0.0.1, ``[::]`` on ::1), or ``--admin URL`` (then no config is read unless
+``--config`` is given).
 ``cancel`` sends the admin token: ``admin.token_file``, else the ``SLUICE_ADMIN_TOKEN``
 environment variable.
 """
@@ -33,11 +34,15 @@ EXIT_FAILED = 1
 
 
 def admin_url(config: Config) -> str:
-    """The admin port's base URL from ``server.admin_listen``."""
+    """The admin port's base URL (``http://HOST:PORT``) from ``server.admin_listen``, a
+    wildcard host replaced by the loopback address of its family."""
     host, _, port = config.server.admin_listen.rpartition(":")
     host = host.strip("[]")
-    if host in ("0.0.0.0", "::", ""):
+    if host in ("0.0.0.0", ""):
         host = "127.0.0.1"
+    elif host == "::":
+        # asyncio binds ``::`` IPv6-only, so 127.0.0.1 found nothing there (a hostile trial).
+        host = "::1"
     if ":" in host:
         host = f"[{host}]"
     return f"http://{host}:{port}"

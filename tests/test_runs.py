@@ -16,6 +16,7 @@ from pathlib import Path
 
 import aiohttp
 import openai
+import pytest
 import yaml
 
 from proxy.cli import main as cli_main
@@ -943,3 +944,23 @@ async def test_runs_list_says_when_it_shows_only_the_most_recent(upstream, start
     assert "run-202" in out and "run-0 " not in out
     assert out.endswith("(200 most recently active of 203 runs known here; --tenant NAME "
                         "lists one tenant's)\n")
+
+
+@pytest.mark.parametrize(("admin_listen", "dialled"), [
+    ("0.0.0.0:9901", "http://127.0.0.1:9901"),
+    ("[::]:9901", "http://[::1]:9901"),
+    ("[::1]:9901", "http://[::1]:9901"),
+    ("127.0.0.1:9901", "http://127.0.0.1:9901"),
+])
+def test_runs_dials_a_wildcard_admin_listen_on_its_own_familys_loopback(
+        admin_listen: str, dialled: str) -> None:
+    """A hostile trial: with ``admin_listen: "[::]:PORT"`` (bound IPv6-only by asyncio)
+    ``sluice runs`` dialled 127.0.0.1, where nothing listens. (Checked on the address it
+    dials: the suite binds 127.0.0.1 only.)"""
+    from proxy.config import parse_config
+    from proxy.runs_cli import admin_url
+
+    config = parse_config(yaml.safe_dump({
+        "server": {"listen": "127.0.0.1:8080", "admin_listen": admin_listen},
+        "routes": [route("llm", "http://127.0.0.1:9")]}))
+    assert admin_url(config) == dialled
