@@ -15,10 +15,10 @@ Sluice, and compares them (see ``proxy/demo/cli.py``).
 
 from __future__ import annotations
 
+# Only what ``main`` needs before ``serve`` holds its signals (asyncio, logging and
+# importlib.metadata took ~60 ms of the ~0.1 s in which a SIGHUP ended the process): the rest
+# is imported where it is used.
 import argparse
-import asyncio
-import importlib.metadata
-import logging
 import os
 import signal
 import sys
@@ -73,12 +73,12 @@ def _load(path: str, *, stream: bool = False) -> Config | None:
 
 
 def _hold_signals() -> tuple[Callable[[], bool], Callable[[], bool]]:
-    """Take the signals over while ``serve`` starts (imports, config, connections: about a
-    second, more for a large config), until its event loop takes them: SIGTERM and SIGINT
-    are remembered and stop the server as soon as it runs, with nothing to drain (exit 0);
-    SIGHUP is remembered too (its default action would end the process) and reloads the
-    config once the watch starts: the file may have changed after it was read. Returns
-    whether a stop signal came, and whether a SIGHUP did."""
+    """Take the signals over while ``serve`` starts (from ``main``'s first step: imports,
+    config, connections, about a second, more for a large config), until its event loop
+    takes them: SIGTERM and SIGINT are remembered and stop the server as soon as it runs,
+    with nothing to drain (exit 0); SIGHUP is remembered too (its default action would end
+    the process) and reloads the config once the watch starts: the file may have changed
+    after it was read. Returns whether a stop signal came, and whether a SIGHUP did."""
     came: list[int] = []
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda signum, _frame: came.append(signum))
@@ -87,8 +87,10 @@ def _hold_signals() -> tuple[Callable[[], bool], Callable[[], bool]]:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    stop_requested, reload_requested = _hold_signals()
+    stop_requested, reload_requested = args.held or _hold_signals()
     _hold_standard_descriptors()
+    import asyncio
+
     from proxy.output import logging_in_background
     from proxy.reload import fingerprint
     from proxy.server import serve
@@ -217,6 +219,8 @@ def _whole(most: int) -> Callable[[str], int]:
 
 def _version() -> str:
     """The installed ``sluice`` distribution's version (``pyproject.toml``'s)."""
+    import importlib.metadata
+
     try:
         return importlib.metadata.version(DISTRIBUTION)
     except importlib.metadata.PackageNotFoundError:  # run from a checkout never installed
@@ -325,7 +329,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``sluice`` console script; returns the exit status."""
+    # ``serve`` holds its signals before anything slow (building the parser reads the
+    # installed version): a SIGHUP sent right after the start (a deploy tool's reload) ended
+    # the process, SIGHUP's default action, before the hold (a hostile trial). No option
+    # comes before a command but those that exit (--version, -h).
+    words = sys.argv[1:] if argv is None else argv
+    held = _hold_signals() if words[:1] == ["serve"] else None
     args = build_parser().parse_args(argv)
+    args.held = held
+    import logging
+
     logging.basicConfig(
         level=logging.INFO, stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
