@@ -8,7 +8,11 @@ sluice timeline RUN --events -`` when events go to stdout; more than one for a l
 away, in any order, gzipped ones read as such when their name ends in ``.gz``). Lines that
 are not JSON events, such as log lines interleaved with them, are skipped, as are objects
 without an ``event`` name and a ``ts`` (Unix seconds, 1970 to 9999) or with a ``request_id``
-that is not a string; counts and durations that are not numbers count as none. Control
+that is not a string; counts and durations that are not numbers count as none. A line that
+begins a JSON object and is cut or damaged (a write a full disk cut short) is skipped too,
+but said: stderr names how many such lines each file has and the first few line numbers,
+since one may be an event of the run (the exit status stays 0). NUL bytes before a line
+(what a ``copytruncate`` leaves when the writer does not append) are passed over. Control
 characters in the events' text (which callers choose: models, tenants, paths) are printed as
 escapes, ``\x1b``.
 
@@ -47,21 +51,35 @@ LAST_TS = 253_402_300_799
 _CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 
 
-def read_run(lines: Iterable[bytes | str], run_id: str,
-             tenant: str | None = None) -> list[dict[str, Any]]:
+#: How many line numbers of a file's unreadable lines ``sluice timeline`` names.
+SHOWN_UNREADABLE = 5
+
+
+def read_run(lines: Iterable[bytes | str], run_id: str, tenant: str | None = None,
+             unreadable: list[int] | None = None) -> list[dict[str, Any]]:
     """The events of run ``run_id`` (of ``tenant``, else of every tenant) among ``lines``
-    (JSON lines), ordered by ``ts``."""
+    (JSON lines), ordered by ``ts``. ``unreadable``, if given, gets the 1-based numbers of
+    the lines that begin a JSON object and are cut or damaged (of this run or, as far as a
+    cut line can tell, another); lines that begin otherwise are other programs' output."""
     # The log is written by orjson, so the run id appears in a line exactly as orjson
     # encodes it: a substring test skips the other runs' lines without parsing them.
     needle = orjson.dumps(run_id)[1:-1]
     events = []
-    for line in lines:
+    for number, line in enumerate(lines, start=1):
         raw = line.encode() if isinstance(line, str) else line
+        if raw[:1] == b"\0":  # a copytruncate's hole before the next line written
+            raw = raw.lstrip(b"\0")
         if needle not in raw:
+            # A line cut before it named the run (a full disk) may still be one of its
+            # events: an object begun and not ended is counted, without parsing it.
+            if unreadable is not None and raw[:1] == b"{" and not raw.rstrip().endswith(b"}"):
+                unreadable.append(number)
             continue
         try:
             event = orjson.loads(raw)
         except orjson.JSONDecodeError:
+            if unreadable is not None and raw[:1] == b"{":
+                unreadable.append(number)
             continue
         if isinstance(event, dict) and event.get("run") == run_id and _is_event(event) and (
                 tenant is None or event.get("tenant") == tenant):
@@ -291,7 +309,18 @@ def print_timeline(run_id: str, paths: Sequence[str], out: IO[str],
     Raises:
         OSError: a log cannot be read.
     """
-    events = read_run(open_events(paths), run_id, tenant)
+    events = []
+    for path in paths:
+        unreadable: list[int] = []
+        events += read_run(open_events([path]), run_id, tenant, unreadable)
+        if unreadable:
+            shown = ", ".join(map(str, unreadable[:SHOWN_UNREADABLE]))
+            more = ", ..." if len(unreadable) > SHOWN_UNREADABLE else ""
+            print(f"{'standard input' if path == '-' else path}: skipped "
+                  f"{counted(len(unreadable), 'unreadable line')} (JSON cut short or damaged; "
+                  f"an event of this run may be among them): line(s) {shown}{more}",
+                  file=sys.stderr)
+    events.sort(key=lambda e: e["ts"])
     if not events:
         of = f" of tenant {tenant!r}" if tenant is not None else ""
         print(f"no events for run {run_id!r}{of} in {', '.join(paths)}", file=sys.stderr)

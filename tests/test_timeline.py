@@ -274,6 +274,28 @@ def test_json_lines_that_are_not_our_events_are_skipped_not_fatal(tmp_path):
     assert "None" not in shown.stdout  # no route or tenant in these events: "-" (a trial)
 
 
+def test_cut_lines_are_counted_on_stderr_and_a_copytruncates_nuls_passed_over(tmp_path):
+    """A hostile trial: a line a full disk cut (here a ``dead_letter_lost``, so the work's
+    loss was hidden) and an event behind a run of NULs (a copytruncate's hole) were dropped
+    without a word. The cut ones are named on stderr, file and line; the event after the
+    NULs is read; log lines and other runs' whole events are still skipped quietly."""
+    log = tmp_path / "events.jsonl"
+    log.write_bytes(b"\n".join([
+        b'{"ts": 10, "event": "admitted", "run": "run-7", "request_id": "x"}',
+        b'{"ts": 11, "event": "dead_letter_lost", "run": "run-7", "request_id": "x", "rou',
+        b'{"ts": 11.5, "event": "dead_letter_lost", "reque',  # cut before naming its run
+        b"2026-12-07 00:00:00,000 WARNING sluice: run run-7: a log line, not an event",
+        b'{"ts": 12, "event": "admitted", "run": "other", "request_id": "z"}',
+        b'\0' * 8 + b'{"ts": 13, "event": "admitted", "run": "run-7", "request_id": "y"}',
+    ]) + b"\n")
+    shown = timeline("run-7", "--events", str(log))
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stderr == (f"{log}: skipped 2 unreadable lines (JSON cut short or damaged; "
+                            "an event of this run may be among them): line(s) 2, 3\n")
+    assert "2 request(s), 2 event(s)" in shown.stdout
+    assert set(rows(shown.stdout, "request")) == {"x", "y"}
+
+
 def test_control_characters_callers_chose_are_printed_as_escapes(tmp_path):
     """A model, tenant or path a caller chose reached the operator's terminal raw: ESC and
     OSC sequences could clear it or retitle it, and a CR LF fake a line (a hostile trial)."""
