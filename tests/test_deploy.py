@@ -28,6 +28,7 @@ DEPLOY = REPO / "deploy"
 RULES = DEPLOY / "prometheus" / "sluice-rules.yaml"
 DASHBOARD = DEPLOY / "grafana" / "sluice-dashboard.json"
 K8S = DEPLOY / "kubernetes"
+README = (REPO / "README.md").read_text()
 #: The oldest Kubernetes that runs native sidecars by default (beta in 1.29, GA in 1.33).
 K8S_VERSION = "1.29.0"
 
@@ -226,6 +227,26 @@ def test_dockerfile_is_hadolint_clean_and_production_shaped():
     config = DEPLOY / "docker" / "sluice.yaml"
     parsed = parse_config(config.read_text(), str(config))
     assert parsed.server.admin_listen == "0.0.0.0:9901" and parsed.server.listen == "0.0.0.0:8080"
+
+
+#: ``docker stop`` and Compose send SIGKILL this long after SIGTERM unless told otherwise.
+DOCKER_STOP_TIMEOUT_S = 10
+#: What a stop takes after ``drain_timeout``, allowed for: the cut, the answers written, the
+#: admin port's and the output's shutdown (a second or two measured; 5 is the README's rule).
+SHUTDOWN_AFTER_DRAIN_S = 5
+
+
+def test_the_images_config_drains_within_docker_stops_grace():
+    """A hostile trial: the image's config drained for 30 s and ``docker stop`` killed it at
+    10 s, so a call in retry back-off got no answer and no dead letter. The baked drain fits
+    the default grace, and the README says how to give a longer one room."""
+    config = DEPLOY / "docker" / "sluice.yaml"
+    drain = parse_config(config.read_text(), str(config)).server.drain_timeout
+    assert drain + SHUTDOWN_AFTER_DRAIN_S <= DOCKER_STOP_TIMEOUT_S
+    image = README.split("The image (`Dockerfile`)", 1)[1].split("\n\n", 1)[0]
+    assert f"drains for {drain:g} s" in image
+    assert f"drain_timeout` + {SHUTDOWN_AFTER_DRAIN_S} s" in image
+    assert "--stop-timeout 35" in image and "stop_grace_period: 35s" in image
 
 
 # --- Kubernetes ------------------------------------------------------------------------------
