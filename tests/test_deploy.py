@@ -257,6 +257,32 @@ def test_manifests_validate_offline():
     assert result.stdout.count("passed") == 2
 
 
+def test_dead_letters_on_an_empty_dir_are_said_to_be_lost_at_a_rollout():
+    """A hostile trial: the sidecar (memory backend) keeps its dead-letter file on an
+    emptyDir, deleted with the pod at every rollout, and neither the manifest nor the README
+    said so. Both say it now, and where to keep the letters instead."""
+    config_map = yaml.safe_load((K8S / "configmap.yaml").read_text())
+    config = parse_config(config_map["data"]["sluice.yaml"], "configmap.yaml")
+    text = (K8S / "deployment.yaml").read_text()
+    pod = yaml.safe_load(text)["spec"]["template"]["spec"]
+    (sidecar,) = pod["initContainers"]
+    workdir = sidecar.get("workingDir") or re.findall(
+        r"^WORKDIR\s+(\S+)", (REPO / "Dockerfile").read_text(), re.M)[-1]
+    letters = Path(workdir, config.dead_letter.path)
+    mount = next(m for m in sidecar["volumeMounts"] if letters.is_relative_to(m["mountPath"]))
+    volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+    assert config.state.backend == "memory" and "emptyDir" in volume
+    above = text.split(f"- name: {volume['name']}\n          emptyDir")[0].rsplit("volumes:")[-1]
+    comment = " ".join(" ".join(line.strip().lstrip("#") for line in above.splitlines()
+                                if line.strip().startswith("#")).split())
+    assert "dead letters" in comment and "every rollout loses them" in comment
+    assert "Redis backend" in comment
+    deploy = " ".join(README.split("\n## Deploy as a Kubernetes sidecar\n")[1]
+                      .split("\n## ")[0].split())
+    assert "dead letters (memory backend) are kept on an `emptyDir`, lost with the pod" in deploy
+    assert "use the Redis backend" in deploy
+
+
 def test_sidecar_manifest_fits_sluice_config():
     config_map = yaml.safe_load((K8S / "configmap.yaml").read_text())
     config = parse_config(config_map["data"]["sluice.yaml"], "configmap.yaml")
