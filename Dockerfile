@@ -1,6 +1,8 @@
 # Sluice production image.
 #   docker build -t sluice:0.1.0 .
-#   docker run -p 8080:8080 -p 9901:9901 -v "$PWD/my-sluice.yaml:/etc/sluice/sluice.yaml:ro" sluice:0.1.0
+#   docker run --stop-timeout 35 -p 8080:8080 -p 9901:9901 -v "$PWD/my-sluice.yaml:/etc/sluice/sluice.yaml:ro" sluice:0.1.0
+# --stop-timeout is server.drain_timeout + 5 s (35 for config/sluice.yaml's 30s drain), so a
+# stop drains and exits before docker's SIGKILL; the baked config's 5s fits the default 10.
 # The config is read from /etc/sluice/sluice.yaml (mount a file or a Kubernetes ConfigMap
 # there; edits are picked up live). Both stages use the same exact base tag, so the virtualenv
 # built in the first runs unchanged in the second; pin it to a digest in your registry mirror.

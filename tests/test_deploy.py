@@ -249,6 +249,33 @@ def test_the_images_config_drains_within_docker_stops_grace():
     assert "--stop-timeout 35" in image and "stop_grace_period: 35s" in image
 
 
+def test_the_dockerfiles_run_line_gives_a_users_config_its_drain(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A review: the Dockerfile's own usage line mounts the user's config over the baked one
+    with no --stop-timeout, while the file users start from (config/sluice.yaml, and the
+    Kubernetes ConfigMaps) drains 30 s: docker stop's SIGKILL at 10 s cut the drain. The line
+    gives drain_timeout + 5 s, and config/sluice.yaml says so beside its drain_timeout."""
+    text = (REPO / "Dockerfile").read_text()
+    (line,) = [line for line in text.splitlines() if "docker run" in line]
+    assert "/etc/sluice/sluice.yaml" in line
+    given = re.search(r"--stop-timeout (\d+)\b", line)
+    assert given, line
+    grace = int(given[1])
+    monkeypatch.setenv("SLUICE_REDIS_URL", "redis://sluice-redis:6379/0")  # read at load
+    starts = [REPO / "config" / "sluice.yaml"]
+    drains = [parse_config(path.read_text(), str(path)).server.drain_timeout for path in starts]
+    for config_map in (K8S / "configmap.yaml", K8S / "redis" / "configmap.yaml"):
+        data = yaml.safe_load(config_map.read_text())["data"]["sluice.yaml"]
+        drains.append(parse_config(data, str(config_map)).server.drain_timeout)
+    assert grace == max(drains) + SHUTDOWN_AFTER_DRAIN_S
+    assert "drain_timeout + 5 s" in text
+    template = (REPO / "config" / "sluice.yaml").read_text()
+    at = template.split("  drain_timeout:", 1)[1].split("\n  max_request_bytes:", 1)[0]
+    comment = " ".join(part.split("#", 1)[1].strip() for part in at.splitlines() if "#" in part)
+    assert "container" in comment and "drain_timeout + 5 s" in comment
+    assert f"--stop-timeout {grace}" in comment
+
+
 # --- Kubernetes ------------------------------------------------------------------------------
 
 def test_manifests_validate_offline():
