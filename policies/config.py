@@ -281,21 +281,24 @@ class _Section(BaseModel):
     # (a usd budget that never refused), as a weight a bare Infinity in /admin/config.
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True, allow_inf_nan=False)
 
-    #: Keys left out by default (``None``) where a written ``null`` means what their docs say
-    #: (stdout, no file, the default). Every other such key is a policy block or a limit whose
-    #: absence means "no such limit", so a written null is refused: ``concurrency:`` with its
-    #: keys commented out, or a file an in-place writer had cut there when a reload read it,
-    #: lifted the limit (a hostile trial).
+    #: Keys where a written ``null`` means what their docs say (stdout, no file, the default,
+    #: off). Every other key refuses it, whatever its default: a policy block or limit read
+    #: as absent is no limit (``concurrency:`` with its keys commented out, or a file an
+    #: in-place writer had cut there when a reload read it, lifted the limit: a hostile
+    #: trial), and a key defaulting to a value could take null as "off" unseen. A key added
+    #: later so refuses null unless listed here.
     NULLABLE: ClassVar[frozenset[str]] = frozenset()
 
     @field_validator("*", mode="before")
     @classmethod
     def _not_empty(cls, value: Any, info: ValidationInfo) -> Any:
         name = info.field_name
-        if (value is None and name is not None and name not in cls.NULLABLE
-                and cls.model_fields[name].default is None):
-            raise ValueError("is empty (null), which would silently disable a limit: give it "
-                             "a value, or leave the key out")
+        if value is None and name is not None and name not in cls.NULLABLE:
+            if cls.model_fields[name].default is None:
+                raise ValueError("is empty (null), which would silently disable a limit: "
+                                 "give it a value, or leave the key out")
+            raise ValueError("is empty (null): give it a value, or leave the key out for "
+                             "its default")
         return value
 
 
@@ -586,6 +589,8 @@ class EventsConfig(_Section):
 
 
 class TimeoutsConfig(_Section):
+    NULLABLE = frozenset({"deadline_header"})
+
     connect: PositiveDuration = 5.0
     total: PositiveDuration = 600.0
     #: On ``mcp`` routes, the GET stream (and ``subscriptions/listen``) has no total timeout:
@@ -598,6 +603,8 @@ class TimeoutsConfig(_Section):
 
 
 class ConcurrencyConfig(_Section):
+    NULLABLE = frozenset({"aging"})
+
     limit: int = Field(gt=0)
     queue: int = Field(default=0, ge=0)
     max_wait: Duration = 5.0
