@@ -654,8 +654,18 @@ class RunConfig(_Section):
     max_requests: int | None = Field(default=None, gt=0)
     #: Fraction of a limit used from which answers carry ``X-Sluice-Run-Warning``.
     warn_at: float = Field(default=0.8, gt=0, le=1)
-    #: How long a cancelled run's new calls are refused (``POST /admin/runs/{run}/cancel``).
+    #: How long a cancelled run's new calls are refused (``POST /admin/runs/{run}/cancel``);
+    #: read from the top-level block only, which may set nothing else.
     cancel_ttl: PositiveDuration = 600.0
+
+    @model_validator(mode="after")
+    def _some_setting(self) -> RunConfig:
+        # ``run: {}`` limited nothing while ``fanout: {}`` was refused (a review).
+        if (self.max_duration is None and self.max_requests is None
+                and "cancel_ttl" not in self.model_fields_set):
+            raise ValueError("set max_duration, max_requests or both (or, at the top level, "
+                             "cancel_ttl)")
+        return self
 
 
 class TenantRateConfig(_Section):
@@ -667,6 +677,14 @@ class RateConfig(_Section):
     #: Tokens per period, each request weighted by its reserved worst case (policies/rate.py).
     tokens: RateSpec | None = None
     per_tenant: TenantRateConfig | None = None
+
+    @model_validator(mode="after")
+    def _some_limit(self) -> RateConfig:
+        # ``rate: {}`` loaded as a block that limits nothing, while ``concurrency: {}``,
+        # ``fanout: {}`` and ``budget: {}`` were refused (a review).
+        if self.requests is None and self.tokens is None and self.per_tenant is None:
+            raise ValueError("set at least one of requests, tokens, per_tenant")
+        return self
 
 
 class IdempotencyConfig(_Section):
@@ -825,6 +843,13 @@ BUDGET_UNITS = ("tokens", "input_tokens", "output_tokens", "usd")
 
 def _one_or_many(value: Any) -> Any:
     return [value] if isinstance(value, dict) else value
+
+
+def _some_budget(value: list[BudgetConfig]) -> list[BudgetConfig]:
+    if not value:  # ``budget: []`` limited nothing
+        raise ValueError("is an empty list: give at least one budget block, or leave the key "
+                         "out")
+    return value
 
 
 class UsageConfig(_Section):
@@ -986,7 +1011,16 @@ def _endpoint_keys(value: dict[str, OperationConfig]) -> dict[str, OperationConf
     return value
 
 
-Operations = dict[Annotated[str, Field(min_length=1, max_length=200)], OperationConfig]
+def _some_operation(value: dict[str, OperationConfig]) -> dict[str, OperationConfig]:
+    # ``tools: {}`` configured nothing and said nothing (a review).
+    if not value:
+        raise ValueError("names no operation: give at least one (or default), or leave the "
+                         "key out")
+    return value
+
+
+Operations = Annotated[dict[Annotated[str, Field(min_length=1, max_length=200)],
+                            OperationConfig], AfterValidator(_some_operation)]
 
 
 class RouteConfig(_Section):
@@ -1001,7 +1035,8 @@ class RouteConfig(_Section):
     circuit_breaker: CircuitBreakerConfig | None = None
     retry: RetryConfig | None = None
     #: One budget block, or a list of them (e.g. per tenant and per run).
-    budget: Annotated[list[BudgetConfig], BeforeValidator(_one_or_many)] | None = None
+    budget: Annotated[list[BudgetConfig], BeforeValidator(_one_or_many),
+                      AfterValidator(_some_budget)] | None = None
     usage: UsageConfig = UsageConfig()
     fanout: FanoutConfig | None = None
     run: RunConfig | None = None
@@ -1020,6 +1055,15 @@ class RouteConfig(_Section):
     tools: Operations | None = None
     endpoints: Annotated[Operations, AfterValidator(_endpoint_keys)] | None = None
     models: Operations | None = None
+
+    @field_validator("run")
+    @classmethod
+    def _route_run(cls, value: RunConfig | None) -> RunConfig | None:
+        # A route's cancel_ttl was never read: a cancel covers every route of the run.
+        if value is not None and "cancel_ttl" in value.model_fields_set:
+            raise ValueError("cancel_ttl is read from the top-level run block only: set it "
+                             "there")
+        return value
 
     @field_validator("path_prefix")
     @classmethod

@@ -298,6 +298,25 @@ BAD_FILES = [
      [f"{{f}}:6: routes[0].usage: {EMPTY_VALUED}"]),
     ("an empty key with a value by default", "server:\n  drain_timeout:\n" + ROUTE,
      [f"{{f}}:2: server.drain_timeout: {EMPTY_VALUED}"]),
+    # Written as {} (or []), these loaded as blocks that limit or configure nothing, while
+    # concurrency: {}, fanout: {} and budget: {} were refused (a review).
+    ("a rate block with no limit", ROUTE + "    rate: {}\n",
+     ["{f}:5: routes[0].rate: set at least one of requests, tokens, per_tenant"]),
+    ("a run block with no limit", ROUTE + "    run: {warn_at: 0.5}\n",
+     ["{f}:5: routes[0].run: set max_duration, max_requests or both (or, at the top level, "
+      "cancel_ttl)"]),
+    ("an empty top-level run block", "run: {}\n" + ROUTE,
+     ["{f}:1: run: set max_duration, max_requests or both (or, at the top level, cancel_ttl)"]),
+    ("a route's cancel_ttl, never read", ROUTE + "    run: {max_requests: 5, cancel_ttl: 5m}\n",
+     ["{f}:5: routes[0].run: cancel_ttl is read from the top-level run block only: set it "
+      "there"]),
+    ("an empty list of budgets", ROUTE + "    budget: []\n",
+     ["{f}:5: routes[0].budget: is an empty list: give at least one budget block, or leave "
+      "the key out"]),
+    *[(f"an empty {key} map", ROUTE + f"    protocol: {protocol}\n    {key}: {{}}\n",
+       [f"{{f}}:6: routes[0].{key}: names no operation: give at least one (or default), or "
+        "leave the key out"])
+      for key, protocol in (("tools", "mcp"), ("endpoints", "http"), ("models", "openai"))],
     ("an unknown key before a bad value",
      ROUTE + "state:\n  backend: redis\n  on_unavailible: local\n  timeout: 50\n",
      [f"{{f}}:7: state.on_unavailible: unknown key {TYPO}; did you mean on_unavailable?",
@@ -411,6 +430,14 @@ def test_a_key_added_later_refuses_null_whatever_its_default() -> None:
     with pytest.raises(ValidationError, match="is empty \\(null\\)"):
         Future.model_validate({"burst_cap": None})
     assert Future.model_validate({"documented": None}).documented is None
+
+
+def test_a_top_level_run_block_may_set_cancel_ttl_alone(tmp_path: Path, capsys) -> None:
+    """It sets how long a cancelled run is refused, which needs no run limit."""
+    path = tmp_path / "cancel.yaml"
+    path.write_text("run: {cancel_ttl: 5m}\n" + ROUTE)
+    assert main(["check-config", str(path)]) == 0, capsys.readouterr().err
+    assert parse_config(path.read_text(), str(path)).run.cancel_ttl == 300
 
 
 def test_missing_file_is_an_error(tmp_path: Path, capsys) -> None:
