@@ -37,6 +37,7 @@ import time
 import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import IO, Any
 
 import orjson
@@ -55,26 +56,53 @@ _CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 SHOWN_UNREADABLE = 5
 
 
+#: Lines ``read_run`` passes over together when none names the run and each is whole.
+_BLOCK = 256
+
+
 def read_run(lines: Iterable[bytes | str], run_id: str, tenant: str | None = None,
              unreadable: list[int] | None = None) -> list[dict[str, Any]]:
     """The events of run ``run_id`` (of ``tenant``, else of every tenant) among ``lines``
-    (JSON lines), ordered by ``ts``. ``unreadable``, if given, gets the 1-based numbers of
-    the lines that begin a JSON object and are cut or damaged (of this run or, as far as a
-    cut line can tell, another); lines that begin otherwise are other programs' output."""
+    (JSON lines, one a line, as a file's iteration gives them), ordered by ``ts``.
+    ``unreadable``, if given, gets the 1-based numbers of the lines that begin a JSON object
+    and are cut or damaged (of this run or, as far as a cut line can tell, another); lines
+    that begin otherwise are other programs' output."""
     # The log is written by orjson, so the run id appears in a line exactly as orjson
-    # encodes it: a substring test skips the other runs' lines without parsing them.
+    # encodes it: a substring test skips the other runs' lines without parsing them. Most
+    # lines are other runs' and whole (they end with "}\n", the one "\n" of a line), so a
+    # block of them is passed over by one substring test and one count, in C: testing each
+    # line for a cut made sluice timeline 1.4-1.75x slower on them (a review).
     needle = orjson.dumps(run_id)[1:-1]
     events = []
-    for number, line in enumerate(lines, start=1):
+    lines = iter(lines)
+    first = 1
+    while block := list(islice(lines, _BLOCK)):
+        try:
+            joined = b"".join(block)  # type: ignore[arg-type]
+        except TypeError:  # str lines, a caller's: taken one by one
+            joined = needle
+        if needle in joined or joined.count(b"}\n") != len(block):
+            _read_block(block, first, needle, run_id, tenant, unreadable, events)
+        first += len(block)
+    events.sort(key=lambda e: e["ts"])
+    return events
+
+
+def _read_block(block: list[bytes | str], first: int, needle: bytes, run_id: str,
+                tenant: str | None, unreadable: list[int] | None,
+                events: list[dict[str, Any]]) -> None:
+    """``read_run``'s look at each line of ``block``, whose first line is number ``first``."""
+    for number, line in enumerate(block, start=first):
         raw = line.encode() if isinstance(line, str) else line
-        if raw[:1] == b"\0":  # a copytruncate's hole before the next line written
-            raw = raw.lstrip(b"\0")
         if needle not in raw:
             # A line cut before it named the run (a full disk) may still be one of its
             # events: an object begun and not ended is counted, without parsing it.
-            if unreadable is not None and raw[:1] == b"{" and not raw.rstrip().endswith(b"}"):
+            if (unreadable is not None and not raw.endswith(b"}\n")
+                    and not raw.rstrip().endswith(b"}") and raw.lstrip(b"\0")[:1] == b"{"):
                 unreadable.append(number)
             continue
+        if raw[:1] == b"\0":  # a copytruncate's hole before the next line written
+            raw = raw.lstrip(b"\0")
         try:
             event = orjson.loads(raw)
         except orjson.JSONDecodeError:
@@ -84,8 +112,6 @@ def read_run(lines: Iterable[bytes | str], run_id: str, tenant: str | None = Non
         if isinstance(event, dict) and event.get("run") == run_id and _is_event(event) and (
                 tenant is None or event.get("tenant") == tenant):
             events.append(_printable(event))
-    events.sort(key=lambda e: e["ts"])
-    return events
 
 
 def _printable(value: Any) -> Any:

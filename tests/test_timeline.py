@@ -6,10 +6,14 @@ import asyncio
 import json
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import aiohttp
+import orjson
 
+from proxy.timeline import read_run
 from tests.conftest import REPO, route
 from tests.test_reload import CHAT, until
 
@@ -294,6 +298,58 @@ def test_cut_lines_are_counted_on_stderr_and_a_copytruncates_nuls_passed_over(tm
                             "an event of this run may be among them): line(s) 2, 3\n")
     assert "2 request(s), 2 event(s)" in shown.stdout
     assert set(rows(shown.stdout, "request")) == {"x", "y"}
+
+
+def test_cut_lines_and_the_runs_events_are_found_among_many_lines_of_other_runs() -> None:
+    """Lines of other runs are passed over by the block (see the next test); what the block
+    holds is still found, at its line number, wherever it falls."""
+    def event(ts: int, run: str) -> bytes:
+        return orjson.dumps({"ts": ts, "event": "admitted", "run": run,
+                             "request_id": f"r{ts}"}) + b"\n"
+    lines = [event(n, "other") for n in range(1, 1001)]
+    mine = {1, 256, 257, 512, 700}
+    cut = {2, 255, 258, 513, 999}
+    for n in mine:
+        lines[n - 1] = (b"\0" * 4 if n == 700 else b"") + event(n, "run-7")
+    for n in cut:
+        lines[n - 1] = event(n, "other")[:20] + b"\n"
+    lines[599] = b"2026-12-07 00:00:00,000 WARNING sluice: a log line\n"
+    lines[799] = event(800, "other").replace(b"\n", b"\r\n")
+    lines[-1] = lines[-1].rstrip(b"\n")  # a last line without its newline: whole
+    unreadable: list[int] = []
+    events = read_run(lines, "run-7", None, unreadable)
+    assert [e["ts"] for e in events] == sorted(mine)
+    assert unreadable == sorted(cut)
+    as_text = [line.decode() for line in lines]
+    assert read_run(as_text, "run-7") == events
+
+
+def test_lines_of_other_runs_cost_no_more_than_a_loop_that_only_looks_for_the_run() -> None:
+    """A review: counting cut lines made sluice timeline 1.4-1.75x slower on lines of other
+    runs (1M lines: 0.72 s of CPU before it, 1.30 s after), since each line was sliced,
+    stripped and tested. Against a loop doing the old per-line work alone (one substring
+    test a line), measured in the same run: about 2.1x before, 0.5x now."""
+    lines = [orjson.dumps({"ts": 1.7e9 + i, "event": "completed", "run": f"run-{i % 5000}",
+                           "route": "openai", "tenant": "t", "request_id": f"req-{i}"})
+             + b"\n" for i in range(100_000)]
+    needle = orjson.dumps("run-x")[1:-1]
+
+    def baseline() -> None:
+        for line in lines:
+            raw = line.encode() if isinstance(line, str) else line
+            if needle not in raw:
+                continue
+
+    def best(work: Callable[[], object]) -> float:
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            work()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    plain = best(baseline)
+    assert best(lambda: read_run(lines, "run-x", None, [])) < plain
 
 
 def test_control_characters_callers_chose_are_printed_as_escapes(tmp_path):
