@@ -216,6 +216,8 @@ async def test_a_wait_that_ends_in_a_queue_timeout_is_a_queue_wait(upstream, sta
     assert await sluice.metric("sluice_rejections_total", route="openai",
                                reason="queue_timeout") == 1
     assert await sluice.metric("sluice_queue_wait_seconds_count", route="openai") == 1
-    assert await sluice.metric("sluice_queue_wait_seconds_sum", route="openai") >= 0.3
+    # libuv runs timers on a millisecond clock: the expiry can come a fraction of a
+    # millisecond before 0.3 s by time.monotonic (0.29978 seen under load).
+    assert await sluice.metric("sluice_queue_wait_seconds_sum", route="openai") >= 0.29
     assert await sluice.metric("sluice_queue_wait_seconds_bucket", route="openai",
                                le="0.25") == 0

@@ -93,7 +93,9 @@ async def test_a_wait_in_the_runs_width_queue_that_expires_is_a_queue_wait(upstr
         assert (await first)[0] == 200
     assert (status, headers["X-Sluice-Reason"]) == (429, "fanout_limited")
     assert await sluice.metric("sluice_queue_wait_seconds_count", route="tools") == 1
-    assert await sluice.metric("sluice_queue_wait_seconds_sum", route="tools") >= 0.3
+    # libuv runs timers on a millisecond clock: the expiry can come a fraction of a
+    # millisecond before 0.3 s by time.monotonic (0.29978 seen under load).
+    assert await sluice.metric("sluice_queue_wait_seconds_sum", route="tools") >= 0.29
     assert await sluice.metric("sluice_expiries_total", route="tools", reason="max_wait") == 1
 
 
