@@ -361,6 +361,7 @@ async def test_a_client_level_timeout_is_a_deadline(upstream, start_sluice, sdk)
     no number and took the call for one without a deadline, so behind a 30 s wait it queued
     until the SDK gave up (2.5 s, then again per retry) instead of being answered 503 within
     it (here: the queue wait it was allowed ran out first)."""
+    sdk_timeout = 2.0  # seconds; its retries are off
     sluice = await start_sluice({"routes": [
         route("openai", upstream.url, "openai",
               concurrency={"limit": 1, "queue": 4, "max_wait": "60s"}),
@@ -370,16 +371,24 @@ async def test_a_client_level_timeout_is_a_deadline(upstream, start_sluice, sdk)
     wire = Wire()
     if sdk == "openai":
         client = openai.AsyncOpenAI(base_url=sluice.url + "/openai/v1", api_key="sk-test",
-                                    max_retries=0, timeout=1.5, http_client=(
+                                    max_retries=0, timeout=sdk_timeout, http_client=(
                                         openai.DefaultAsyncHttpxClient(event_hooks=wire.hooks())))
         call, timed_out = call_openai, openai.APITimeoutError
     else:
         client = anthropic.AsyncAnthropic(
             base_url=sluice.url + "/anthropic", api_key="sk-ant-test", max_retries=0,
-            timeout=1.5, http_client=anthropic.DefaultAsyncHttpxClient(event_hooks=wire.hooks()))
+            timeout=sdk_timeout,
+            http_client=anthropic.DefaultAsyncHttpxClient(event_hooks=wire.hooks()))
         call, timed_out = call_anthropic, anthropic.APITimeoutError
-    upstream.delay = 0.6  # the route's time to a first byte, once seen: what a read timeout
-    try:                  # must leave room for, so the queue's wait ends 0.6 s before the SDK's
+    # The route's time to a first byte, once seen: what a read timeout must leave room for,
+    # so the queue's wait ends that long before the SDK's. Sluice queues the call (rather than
+    # refusing it at once) while a turn (the mean service time) fits in what that leaves:
+    # both are this first call's time as Sluice measured it, 0.5 s plus whatever a busy
+    # machine adds. With 1.5 s and 0.6 s, 0.15 s added was a refusal at once
+    # (deadline_unreachable, under load); here 0.5 s may be, and the answer still has 0.5 s
+    # to reach the SDK before its own timeout.
+    upstream.delay = 0.5
+    try:
         await call(client)
         upstream.delay = 0.0
         upstream.hold = asyncio.Event()  # the one slot taken until the end: no call makes it
@@ -396,4 +405,4 @@ async def test_a_client_level_timeout_is_a_deadline(upstream, start_sluice, sdk)
     finally:
         await client.close()
     sent = wire.sent[-1][1].headers
-    assert float(sent["x-stainless-read-timeout"]) == 1.5  # what Sluice has to read
+    assert float(sent["x-stainless-read-timeout"]) == sdk_timeout  # what Sluice has to read
