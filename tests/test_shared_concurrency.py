@@ -457,7 +457,11 @@ async def test_three_replicas_never_put_more_than_the_limit_at_the_upstream(
         upstream, start_sluice, shared_state):
     """``concurrency.limit: 4`` on three replicas: 40 slow calls spread over them; the
     upstream sees at most 4 at once, and does see 4 (the limit is used, not just bounded)."""
-    replicas = await deployment(start_sluice, 3, shared_state, upstream.url)
+    # With Redis answering, that is: a round trip that outlasts ``state.timeout`` admits the
+    # call on the replica's local share (on_unavailable: local, 4 // 3 = 1), beside the 4
+    # leases Redis holds. The fixture's 500 ms is reached under load; 2 s is not.
+    state = {**shared_state, "timeout": "2s"}
+    replicas = await deployment(start_sluice, 3, state, upstream.url)
     async with aiohttp.ClientSession() as session:
         calls = asyncio.gather(*(
             post(session, replicas[i % 3].url, delay=0.25) for i in range(40)))
