@@ -129,6 +129,14 @@ async def flight_markers(redis_server, sluice) -> list[bytes]:
         await client.aclose()
 
 
+def answers_kept(redis_server, sluice) -> bool:
+    """An answer is kept in the test's own Redis under ``sluice``'s key prefix (a record
+    with a status: :mod:`policies.state.idempotency`'s layout)."""
+    prefix = yaml.safe_load(sluice.config_path.read_text())["state"]["key_prefix"]
+    with redis_server.client() as client:
+        return any(client.hget(k, "status") for k in client.scan_iter(match=f"{prefix}:*:idem"))
+
+
 @pytest.mark.parametrize("outage", ["freeze", "restart"])
 async def test_a_marker_lost_while_its_call_runs_is_taken_again(
         upstream, start_sluice, redis_server, outage):
@@ -180,7 +188,9 @@ async def test_an_answer_kept_while_redis_was_away_is_replayed_on_every_replica(
         await backend_up(b)
         await asyncio.sleep(1.5)  # past the lease of a marker the frozen Redis ran late
         status_a, headers_a, _ = await post(session, a.url, **KEY)
-        await asyncio.sleep(0.5)  # the answer reaches Redis in the background
+        # The answer reaches Redis in the background: waited for, as a busy machine may
+        # write it later than a fixed 0.5 s (B would then find no answer and run the call).
+        await wait_for(lambda: answers_kept(redis_server, a), what="the answer in Redis")
         status_b, headers_b, _ = await post(session, b.url, **KEY)
     assert (status_a, headers_a.get("Idempotent-Replayed")) == (200, "true")
     assert (status_b, headers_b.get("Idempotent-Replayed")) == (200, "true")
