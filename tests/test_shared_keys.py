@@ -393,6 +393,12 @@ async def test_the_cli_says_when_redis_does_not_answer(tmp_path):
 # -- Redis down ---------------------------------------------------------------------------------
 
 
+#: Slack over ``state.timeout`` for a call while Redis is down, on a busy machine (0.1 s failed
+#: a suite sharing 2 cores in tests/test_state_faults.py): one that waited for a frozen server
+#: would not answer before the test thaws it.
+SLACK_S = 1.0
+
+
 def fault_state(server: RedisServer, mode: str) -> dict:
     return {"backend": "redis", "redis_url": server.url, "key_prefix": new_prefix(),
             "timeout": "200ms", "on_unavailable": mode, "replicas": 2}
@@ -424,7 +430,7 @@ async def test_redis_down_reject_refuses_then_recovers(upstream, start_sluice, t
                         status, out, took = await timed_post(s, sluice.url + url, **headers)
                         assert (status, out["X-Sluice-Reason"]) == (503, "state_unavailable")
                         assert "Retry-After" in out
-                        assert took < 0.2 + 0.1 + 0.2  # timeout + margin + a local hop
+                        assert took < 0.2 + SLACK_S  # the timeout, not the outage
                 server.start() if fault == "stop" else server.thaw()
                 # Back without a restart, on each replica at its own next probe (B's answer
                 # says nothing of A's): shared again (a key from A replays on B).
@@ -453,7 +459,7 @@ async def test_redis_down_local_serves_from_each_replicas_memory(upstream, start
             server.freeze()
             key = {"Idempotency-Key": "local-1"}
             status, _, took = await timed_post(s, a.url + url, **key)
-            assert status == 200 and took < 0.2 + 0.1 + 0.2
+            assert status == 200 and took < 0.2 + SLACK_S
             # Deduplicated by this replica's own memory...
             status, out, _ = await post(s, a.url + url, **key)
             assert (status, out["Idempotent-Replayed"]) == (200, "true")
