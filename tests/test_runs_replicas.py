@@ -90,13 +90,18 @@ async def test_a_cancel_on_one_replica_quiets_the_run_on_every_replica(
     admin port answers all 9 callers within 1 s, closes the 3 upstream connections, and
     refuses the tree's new calls everywhere, on a replica started after the cancel too."""
     upstream.stream_hold = asyncio.Event()  # streams stop after their first event
+    # A timeout no busy machine reaches: with the fixture's 500 ms, B's first round trip
+    # timed out under load (B placed job-kid in its own tree only), and D, started after the
+    # cancel, served job-kid-kid. A timed-out round trip is an outage to Sluice (its own tree
+    # decides); what this test is about is a cancel with Redis answering.
+    state = {**shared_state, "timeout": "2s"}
 
     def config(replica: str) -> dict:
         # A route's concurrency limit is shared by every replica's route of that name (Redis
         # leases); here each replica's route has a name, so a slot, of its own. With one
         # shared slot pool, a slot freed by a call cut on B could admit A's queued call of
         # the cancelled run in the moment before A hears the cancel.
-        return {"state": shared_state, "routes": [{**route(
+        return {"state": state, "routes": [{**route(
             "openai", upstream.url, concurrency={"limit": 1, "queue": 10, "max_wait": "30s"}),
             "name": f"openai-{replica}"}]}
 
