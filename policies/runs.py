@@ -49,7 +49,10 @@ give-back Redis did not answer, are given back once it answers again, each once
 (:class:`GiveBacks`): calls that never reached the upstream spend nothing of the run. A
 ``max_requests`` count taken on the local share is added to the shared counts once Redis
 answers again, once (:class:`OutageCount`), and given back as any other if its call never
-reached the upstream: after an outage a run's shared count holds every call it made.
+reached the upstream: after an outage a run's shared count holds every call it made. A run
+placed under its parent only here while Redis did not answer is linked there once it
+answers (:class:`OutageLink`), so a cancel of an ancestor reaches its descendants on every
+replica.
 """
 
 from __future__ import annotations
@@ -688,7 +691,30 @@ class OutageCount:
         return f"OutageCount({self.take!r}, {self.scope!r}, {self.counted_on!r})"
 
 
-class GiveBacks(Redeliveries["_GiveBack | OutageCount"]):
+class OutageLink:
+    """A run this replica linked under its parent in its own tree while the shared state
+    did not answer the run's admission (``state.on_unavailable: local``), to link there too
+    once it answers (:meth:`RedisRuns.link`, through :class:`GiveBacks`). Without it the
+    shared tree could hold the run as a root for good (a descendant's admission on another
+    replica makes its hash, and a run that counted is never linked later), and a cancel of
+    an ancestor did not reach the run's descendants on replicas that ask Redis.
+
+    Attributes:
+        tenant, run, parent: the run, and the parent this replica placed it under.
+    """
+
+    __slots__ = ("parent", "run", "tenant")
+
+    def __init__(self, tenant: str, run: str, parent: str) -> None:
+        self.tenant = tenant
+        self.run = run
+        self.parent = parent
+
+    def __repr__(self) -> str:
+        return f"OutageLink({self.tenant!r}, {self.run!r}, {self.parent!r})"
+
+
+class GiveBacks(Redeliveries["_GiveBack | OutageCount | OutageLink"]):
     """Give-backs of shared ``max_requests`` counts the shared state did not answer, and
     counts taken on the local share while it did not answer (:class:`OutageCount`), sent
     once it answers (:class:`policies.redelivery.Redeliveries`, as budget spend is), in the
@@ -706,11 +732,20 @@ class GiveBacks(Redeliveries["_GiveBack | OutageCount"]):
         background: where the round runs (shutdown waits for it).
     """
 
-    __slots__ = ("_shared",)
+    __slots__ = ("_links", "_shared")
 
     def __init__(self, shared: RedisRuns | None, background: Background) -> None:
         super().__init__(background, MAX_GIVE_BACKS)
         self._shared = shared
+        #: ``(tenant, run)`` of each :class:`OutageLink` kept: one per run, not per call.
+        self._links: set[tuple[str, str]] = set()
+
+    def keep_link(self, tenant: str, run: str, parent: str) -> None:
+        """Keep the link of ``tenant``'s ``run`` under ``parent`` (:class:`OutageLink`) for
+        when the shared state answers, unless one of that run is kept already."""
+        if (tenant, run) not in self._links:
+            self._links.add((tenant, run))
+            self.keep(OutageLink(tenant, run, parent))
 
     async def give_back(self, take: str, scopes: tuple[str, ...],
                         counted_on: CountedOn | None = None) -> None:
@@ -723,10 +758,13 @@ class GiveBacks(Redeliveries["_GiveBack | OutageCount"]):
         """
         await self.send((take, scopes, counted_on))
 
-    async def _send(self, entry: _GiveBack | OutageCount) -> None:
+    async def _send(self, entry: _GiveBack | OutageCount | OutageLink) -> None:
         shared = self._shared
         assert shared is not None
-        if isinstance(entry, OutageCount):
+        if isinstance(entry, OutageLink):
+            await shared.link(entry.tenant, entry.run, entry.parent)
+            self._links.discard((entry.tenant, entry.run))
+        elif isinstance(entry, OutageCount):
             tenant, ids = entry.counted_on
             await shared.take_request(entry.scope, tenant, ids, None, entry.take)
             entry.added = True
@@ -736,7 +774,13 @@ class GiveBacks(Redeliveries["_GiveBack | OutageCount"]):
     def _round_name(self) -> str:
         return "run request give-backs"
 
-    def _dropped(self, entry: _GiveBack | OutageCount) -> None:
+    def _dropped(self, entry: _GiveBack | OutageCount | OutageLink) -> None:
+        if isinstance(entry, OutageLink):
+            self._links.discard((entry.tenant, entry.run))
+            log.warning("run link made during an outage dropped (over %d kept while the "
+                        "state backend does not answer): run %s under %s", MAX_GIVE_BACKS,
+                        entry.run, entry.parent, extra=PER_CALL)
+            return
         if isinstance(entry, OutageCount):
             log.warning("run request count made during an outage dropped (over %d kept while "
                         "the state backend does not answer): %s of run %s", MAX_GIVE_BACKS,
@@ -748,8 +792,8 @@ class GiveBacks(Redeliveries["_GiveBack | OutageCount"]):
                     ", ".join(scopes), extra=PER_CALL)
 
     def _sent(self, count: int) -> None:
-        log.warning("run request counts and give-backs of %s reconciled into the shared run "
-                    "state", counted(count, "call"))
+        log.warning("run links, request counts and give-backs of %s reconciled into the "
+                    "shared run state", counted(count, "call"))
 
 
 # --- the policies ----------------------------------------------------------------------------
@@ -851,7 +895,12 @@ class RunTracker:
             # on this replica's own view.
             if registry.fallback.mode == "reject":
                 raise unavailable(exc) from None
-            return  # this replica's own tree decides (state.on_unavailable: local)
+            # This replica's own tree decides (state.on_unavailable: local); the link it
+            # holds goes to the shared tree once Redis answers, should the admission never
+            # have run there.
+            if info.parent is not None:
+                registry.give_backs.keep_link(info.tenant, info.id, info.parent.id)
+            return
         if counts:
             registry.counted[call] = SharedCount(counts, lineage, take)
         if lineage.deep:  # the shared tree is deeper than this replica's (nothing counted)

@@ -16,8 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterator
 
 import pytest
+import redis
+from redis.cluster import RedisCluster as ClusterClient
 
 import policies.runs as runs_module
 from policies.config import RunConfig
@@ -27,7 +30,7 @@ from policies.reasons import Reason, Rejected
 from policies.runs import GiveBacks, RunLimits, RunRegistry, RunTracker
 from policies.state import Fallback, StateBackends, StateUnavailable, redis_backends
 from policies.state.runs import RedisRuns, qualified
-from tests.redis_servers import RedisServer, new_prefix
+from tests.redis_servers import RedisCluster, RedisServer, new_prefix
 
 #: ``state.timeout`` here, seconds: short, so a frozen Redis fails a call quickly.
 TIMEOUT_S = 0.2
@@ -335,3 +338,82 @@ async def test_a_child_first_seen_in_an_outage_stays_under_its_parent(redis_serv
         assert root_after == root_before + 1, (root_before, root_after)
     finally:
         await rep.close()
+
+
+@pytest.fixture(params=["redis", "cluster"])
+def own_redis(request: pytest.FixtureRequest, tmp_path) -> Iterator[
+        tuple[RedisServer | RedisCluster, list[RedisServer]]]:
+    """A Redis of this test's own to freeze, with its server processes: one server, then a
+    3-master cluster."""
+    if request.param == "redis":
+        server = RedisServer(tmp_path / "redis").start()
+        yield server, [server]
+        server.stop()
+        return
+    cluster = RedisCluster(tmp_path / "cluster").start()
+    try:
+        yield cluster, cluster.servers
+    finally:
+        cluster.stop()
+
+
+async def _answering(*replicas: Replica) -> None:
+    """Wait until each replica's state is marked up and its kept give-backs, counts and
+    links have been sent (at most :data:`SETTLE_S` seconds)."""
+    deadline = time.monotonic() + SETTLE_S
+    while any(not rep.state.health.up or len(rep.registry.give_backs) for rep in replicas):
+        assert time.monotonic() < deadline, [
+            (rep.state.health.up, len(rep.registry.give_backs)) for rep in replicas]
+        await asyncio.sleep(0.05)
+
+
+async def test_a_child_placed_only_on_its_replica_in_an_outage_is_linked_once_redis_answers(
+        own_redis):
+    """The tree job -> job-kid -> job-kid-kid. B's admission of job-kid never reaches Redis
+    (a freeze, which B's call before it has marked down), so B links job-kid under job in
+    its own tree only and serves it (``on_unavailable: local``). Redis answers again; C
+    admits job-kid-kid under job-kid there (job-kid's shared hash then holds a first-call
+    time and a count, so no later call of job-kid could link it); job is cancelled. A replica
+    started after the cancel, which asks only Redis, must refuse job-kid-kid and a child of
+    it. Before, B's link never reached Redis: job-kid stayed a root there, and D served both
+    (so did every replica but B, for the cancel's whole ``cancel_ttl``)."""
+    server, processes = own_redis
+    prefix = new_prefix()
+    local = Fallback("local", 3)
+    a, b, c = [await replica_on(server, prefix, local) for _ in range(3)]
+    d = None
+    try:
+        release(await _admit_child(a, "job", None), REACHED)
+        for process in processes:
+            process.freeze()
+        try:
+            # Times out (served on B's share) and marks Redis down on B...
+            release(await _admit_child(b, "warm", None), REACHED)
+            assert not b.state.health.up
+            # ...so job-kid's admission is not even sent: B's own tree decides.
+            release(await _admit_child(b, "job-kid", "job"), REACHED)
+        finally:
+            for process in processes:
+                process.thaw()
+        await _answering(a, b, c)
+        release(await _admit_child(c, "job-kid-kid", "job-kid"), REACHED)
+        assert await a.registry.shared.cancel("job", 600, [TENANT]) == {TENANT: 600.0}
+
+        d = await replica_on(server, prefix, local)
+        late = []
+        for run, parent in (("job-kid-kid", None), ("job-great", "job-kid-kid")):
+            try:
+                release(await _admit_child(d, run, parent), REACHED)
+                late.append((run, "served"))
+            except Rejected as rejected:
+                late.append((run, rejected.reason.code))
+        client = (ClusterClient.from_url(server.url) if isinstance(server, RedisCluster)
+                  else redis.Redis.from_url(server.url))
+        with client:
+            link = client.hget(f"{prefix}:{{runs}}:run:{qualified(TENANT)}job-kid", "parent")
+        assert (late, link) == (
+            [("job-kid-kid", "run_cancelled"), ("job-great", "run_cancelled")], b"job")
+    finally:
+        for rep in (a, b, c, d):
+            if rep is not None:
+                await rep.close()

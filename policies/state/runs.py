@@ -14,6 +14,8 @@ its child's tenant.
   under, of the same tenant) and ``n:<scope>`` (calls counted for ``run.max_requests`` in that
   scope, its descendants' included). Every call of a run refreshes the expiry of its run and
   of each ancestor to :data:`RUN_IDLE_TTL_S`, so a tree lives as long as any of it calls.
+  A run a replica linked only in its own tree while Redis did not answer its admission is
+  linked here once Redis answers (:meth:`RedisRuns.link`).
 * **Takes.** Each count is taken under an id of its caller's (:func:`new_take_id`), recorded
   in a hash ``<prefix>:{runs}:take:<id>`` (the runs it counted on and one ``n:<scope>`` field
   per scope counted) for :data:`TAKE_HOLD_S`. A give-back names that id and undoes what the
@@ -334,6 +336,52 @@ end
 return done
 """)
 
+# Link a run under the parent a replica placed it under while Redis did not answer its
+# admission (_ADMIT never ran: the call was decided on that replica's own tree), once Redis
+# answers. Without it a cancel of an ancestor, recorded here, missed the run's descendants on
+# every replica that asks Redis, and their calls counted nothing on the ancestors. Unlike
+# _ADMIT's late link of a root, it links a run that has counted (its descendants' calls
+# counted on it as a root meanwhile; those counts stay off the ancestors): the run's first
+# call named this parent, so it was never a root. A run linked already (a slow Redis ran the
+# admission after all, or another replica linked it) keeps its link; one that would close a
+# cycle stays as it is; one whose parent's chain is longer than max is not linked, and if
+# made here is marked 'deep' (as _ADMIT marks a new run), so its calls are refused.
+# KEYS: the run's hash, the parent's hash. ARGV: run, parent, key prefix of the tenant's run
+# hashes, idle ttl s, max lineage, the tenant's <q>, key prefix of tenant sets.
+# Returns 1 when linked here, else 0.
+_LINK = Script("""
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local run, parent, pre = ARGV[1], ARGV[2], ARGV[3]
+local ttl, max, q, sets = tonumber(ARGV[4]), tonumber(ARGV[5]), ARGV[6], ARGV[7]
+local key = KEYS[1]
+local row = redis.call('HMGET', key, 'parent', 'deep')
+if row[1] or row[2] or parent == run then return 0 end
+local node, above = parent, 0
+while node and above < max do
+  if node == run then return 0 end  -- a cycle
+  local up = redis.call('HMGET', pre .. node, 'parent', 'deep')
+  if up[2] then break end  -- below a run marked deep: as deep as a chain too long
+  above = above + 1
+  node = up[1]
+end
+local new = redis.call('HSETNX', key, 'first', now) == 1
+if new then redis.call('SADD', sets .. run, q) end
+redis.call('EXPIRE', key, ttl)
+redis.call('EXPIRE', sets .. run, ttl)
+if node then
+  if new then redis.call('HSET', key, 'deep', 1) end
+  return 0
+end
+if redis.call('HSETNX', KEYS[2], 'first', now) == 1 then
+  redis.call('SADD', sets .. parent, q)
+end
+redis.call('EXPIRE', KEYS[2], ttl)
+redis.call('EXPIRE', sets .. parent, ttl)
+redis.call('HSET', key, 'parent', parent)
+return 1
+""")
+
 # Record a cancellation of run id ARGV[1] in some tenants and tell every replica.
 # KEYS: cancelled zset, the run id's tenant set. ARGV: run, refusal ms, channel, key prefix of
 # run hashes, '1' to add every tenant that has a run of that id (else '0'), then the <q> of
@@ -502,6 +550,24 @@ class RedisRuns:
             highs=tuple(int(high) for high in highs),
             deep=bool(int(deep)),
         )
+
+    async def link(self, tenant: str, run: str, parent: str) -> bool:
+        """Link ``tenant``'s run ``run`` under its run ``parent`` in the shared tree, as
+        this replica linked it while Redis did not answer the run's admission (``_LINK``):
+        unless the run is linked already, the link would close a cycle, or put it more than
+        ``MAX_LINEAGE - 1`` levels below its root. Safe to repeat.
+
+        Returns:
+            whether this call made the link.
+
+        Raises:
+            StateUnavailable: Redis did not answer; it may still run this later.
+        """
+        q = qualified(tenant)
+        runs = self._runs + q
+        return bool(int(await self.state.eval(
+            _LINK, [runs + run, runs + parent],
+            [run, parent, runs, RUN_IDLE_TTL_S, MAX_LINEAGE, q, self._tenants])))
 
     async def take_request(self, scope: str, tenant: str, ids: tuple[str, ...],
                            limit: int | None, take: str | None = None
