@@ -459,7 +459,7 @@ routes:
 
 
 async def test_an_upstream_timeout_above_5s_fires_on_time_not_at_the_next_whole_second(
-        upstream: FakeUpstream) -> None:
+        upstream: FakeUpstream, monkeypatch: pytest.MonkeyPatch) -> None:
     # Seen: total: 6s answered 504 at 6.87-6.99 s, and three attempts took 20.9 s for ~18.3:
     # aiohttp rounds a timeout above 5 s up to the next whole second of the loop's clock.
     config = f"""
@@ -472,15 +472,28 @@ routes:
     upstream.hold = asyncio.Event()  # never set: the upstream does not answer
     async with proxy(config) as sluice, aiohttp.ClientSession() as session:
         loop = asyncio.get_running_loop()
-        # Start just past a whole second: rounded up, the timeout would fire 5.8-5.95 s later,
-        # which leaves a busy machine 0.65 s of slack to tell the two apart.
+        # Every timer the loop is asked for, as the delay it was set for: an exact 5.1 s, not
+        # one rounded up to a whole second of the loop's clock. Read when it is set, not when
+        # it fires, so a loaded machine's late wake-up (an elapsed-time bound failed on 2
+        # busy cores) cannot tell the two apart, nor hide a rounding.
+        delays: list[float] = []
+        call_at = loop.call_at
+
+        def recording(when: float, *args, **kwargs):  # type: ignore[no-untyped-def]
+            delays.append(when - loop.time())
+            return call_at(when, *args, **kwargs)
+
+        monkeypatch.setattr(loop, "call_at", recording)
+        # Start just past a whole second: rounded up, the timer would be set 5.75-5.95 s away.
         while not 0.05 <= loop.time() % 1 <= 0.15:
             await asyncio.sleep(0.01)
         started = loop.time()
         status, headers, _ = await post(session, sluice.url("/r/x"), {})
         elapsed = loop.time() - started
+        monkeypatch.undo()
         assert (status, headers["X-Sluice-Reason"]) == (504, "upstream_timeout")
-        assert 5.1 <= elapsed < 5.75, elapsed
+        assert elapsed >= 5.1, elapsed  # never early
+        assert [round(d, 2) for d in delays if 5 < d < 7] == [5.1], delays
 
 
 async def test_an_answer_header_that_is_not_utf8_is_relayed_and_said_in_the_log(
