@@ -45,6 +45,14 @@
   (:meth:`EdgeProtocol._answer_in_order`); on a later read the refusal is answered, and a
   client that pipelined a valid request and a malformed one in it reads the 400 as the valid
   one's (which was not sent upstream);
+* a request pipelined behind one still being served is read no further once it is whole
+  (its head, and its body if any): the connection is read again as it is taken. aiohttp
+  would parse and queue 32 of them, bodies included, none counted in ``max_buffered_bytes``
+  before its handler starts (60 connections pipelining 120 KB bodies behind a slow call
+  held 238 MB past an 8 MB bound, a hostile trial); now at most what one read brought is
+  queued per connection. A pipelining caller's EOF is read then too, so with
+  ``abort_on_close`` a caller that pipelines and leaves is found gone when its next
+  request's turn comes, not while the one before it is served;
 * after a request with chunked framing, or an HTTP/1.0 request with ``Transfer-Encoding``
   (whose framing RFC 9112 §6.1 says to treat as faulty), the connection is closed once the
   answer is sent, and nothing pipelined behind it is served. aiohttp's C parser does not
@@ -901,6 +909,12 @@ class EdgeProtocol(RequestHandler):
         messages = self._messages
         if not messages:  # the last request is being served: close once it is answered
             self._close = True
+            current = self._current_request
+            if current is not None and current.writer.output_size == 0:
+                # and say so in its answer, as a queued one's does (its EOF is read only once
+                # it is taken: reading pauses while it is queued, see data_received).
+                current._message = current._message._replace(should_close=True)
+                current._cache.pop("keep_alive", None)
             return True
         message, payload = messages[-1]
         if isinstance(message, RawRequestMessage):  # the last one says so in its answer
@@ -963,6 +977,13 @@ class EdgeProtocol(RequestHandler):
         super().data_received(data)
         if self._force_close:
             return
+        messages = self._messages
+        if messages and (self._waiter is None or len(messages) > 1) and not self._buffer_paused:
+            # A request is queued behind the one being served: read no more until its turn
+            # (:meth:`_resume_reading_for_buffer`). aiohttp would queue 32, bodies and all,
+            # uncounted in max_buffered_bytes: 60 connections pipelining 120 KB bodies behind
+            # a slow call held 238 MB past an 8 MB bound (a hostile trial).
+            self._pause_reading_for_buffer()
         hold = self._hold
         if hold is not None and not hold.grow():
             self._no_room(hold)
@@ -1013,6 +1034,20 @@ class EdgeProtocol(RequestHandler):
             self._head_tail = data[-3:]
             if self._head_bytes > MAX_HEAD_BYTES:
                 self._head_too_large()
+
+    def _resume_reading_for_buffer(self) -> None:
+        """aiohttp's resume once its queue drains (as it takes a request off it), held while
+        a request is still queued: reading resumes when the last one queued is taken. A body
+        left unread meanwhile is timed from then on (``body_timeout``, ``min_body_rate``):
+        its caller did not pause it."""
+        if self._messages:
+            return
+        super()._resume_reading_for_buffer()
+        if self._phase == _BODY:
+            now = self._loop.time()
+            self._body_start = now
+            self._body_bytes = 0
+            self._arm(now + self._settings.body_timeout)
 
     def _body_refused(self, body: StreamReader) -> None:
         """The parser refused the rest of ``body`` (a malformed chunk, trailers past its

@@ -757,6 +757,37 @@ async def test_a_head_over_60_kib_in_one_read_is_431_and_one_under_it_with_its_b
         assert len(upstream.requests) == 1 and len(upstream.requests[0].body) == len(body)
 
 
+async def test_requests_pipelined_behind_one_in_progress_are_read_one_at_a_time(upstream):
+    """A hostile trial: behind a slow call, aiohttp parsed and queued up to 32 pipelined
+    requests, bodies and all, none counted in ``max_buffered_bytes`` (it counts a body from
+    its handler's first step): 60 connections pipelining 120 KB POSTs held 238 MB past an
+    8 MB bound. Reading now stops once a whole request is queued behind the one served, and
+    goes on as each is taken: at most about a read of them is held, and all are answered in
+    order."""
+    body = b"b" * 120_000
+    post = (b"POST /svc/echo HTTP/1.1\r\n" + LOOPBACK
+            + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    async with serving_in_process(upstream.url, "http") as (runner, port):
+        server = runner.server
+        assert server is not None
+        upstream.hold = asyncio.Event()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            writer.write(b"GET /svc/slow HTTP/1.1\r\n" + LOOPBACK + b"\r\n" + post * 30)
+            await wait_until(lambda: len(upstream.requests) == 1, what="the slow call upstream")
+            [protocol] = server.connections
+            await asyncio.sleep(0.5)  # time to read all of it, were it read
+            queued = sum(payload.total_bytes for _, payload in protocol._messages)
+            assert queued <= 2 * len(body), (len(protocol._messages), queued)
+            upstream.hold.set()
+            answers = [await read_answer(reader, timeout=10) for _ in range(31)]
+        finally:
+            writer.close()
+    assert [status for status, _, _ in answers] == [200] * 31
+    assert [r.method for r in upstream.requests] == ["GET"] + ["POST"] * 30
+    assert all(r.body == body for r in upstream.requests[1:])
+
+
 async def test_a_big_head_behind_a_request_not_started_yet_does_not_answer_first(upstream):
     """A head over 60 KiB right behind a request aiohttp had taken off its queue but whose
     handler had not started yet (Python 3.11 starts it a loop turn later) was answered 431
