@@ -217,10 +217,12 @@ async def handle(rt: Runtime, request: web.BaseRequest, hold: BodyHold | None = 
     """
     raw_path = request.raw_path
     route = rt.router.match(raw_path)
-    if route is None:
+    if route is None or request.method == "CONNECT":
         # Not a path: absolute-form (a forward proxy's), CONNECT's authority, OPTIONS's "*".
-        detail = (raw_path if raw_path[:1] == "/" else
-                  "CONNECT is not served" if request.method == "CONNECT" else
+        # CONNECT on a route's path too: aiohttp's client sends it upstream as a tunnel to
+        # the upstream itself (authority form), the path gone (a hostile trial).
+        detail = ("CONNECT is not served" if request.method == "CONNECT" else
+                  raw_path if raw_path[:1] == "/" else
                   "a request target of * is not served" if raw_path == "*" else
                   "absolute-form request targets are refused")
         return refuse_at_edge(rt, Rejected(Reason.NO_ROUTE, None, detail[:200]))

@@ -298,7 +298,10 @@ async def test_absolute_uri_is_404_and_never_proxied(upstream, start_sluice):
         assert b"absolute-form" in body
     # Named for what they are (a hostile trial: they were said to be absolute-form).
     for line, said in ((b"CONNECT evil.example:443 HTTP/1.1", b"CONNECT is not served"),
-                       (b"OPTIONS * HTTP/1.1", b"a request target of * is not served")):
+                       (b"OPTIONS * HTTP/1.1", b"a request target of * is not served"),
+                       # On a route's path: it went upstream as CONNECT <upstream's host:port>,
+                       # its path gone, and the caller got a bodiless 200 (a hostile trial).
+                       (b"CONNECT /svc/v1/x HTTP/1.1", b"CONNECT is not served")):
         answer = await raw_request(
             sluice.port, line + b"\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
         )
