@@ -475,18 +475,23 @@ class Router:
 
 
 def has_dot_segment(raw_path: str) -> bool:
-    """True if the path part has a ``.`` or ``..`` segment, plain or percent-encoded, with
-    ``\\`` taken for a ``/`` too.
+    """True if the path part has a ``.`` or ``..`` segment, plain or percent-encoded (once or
+    twice), with ``\\`` taken for a ``/`` too, and a segment's ``;parameters`` left out.
 
     Such paths are refused rather than forwarded: an upstream that resolves them would serve a
     path other than the one Sluice routed on (RFC 3986 §5.2.4); some servers (IIS, and
-    frameworks on Windows) also split segments at a backslash.
+    frameworks on Windows) also split segments at a backslash, Tomcat, Jetty and Spring drop
+    a segment's parameters before resolving (``/base/..;/admin`` is ``/admin`` to them), and
+    an upstream that decodes twice reads ``%252e`` as ``.`` (a hostile trial forwarded all
+    three). A path whose twice-decoded form holds no dot-segment is forwarded, ``%25`` or not.
     """
     if "." not in raw_path and "%" not in raw_path:
         return False
-    path = raw_path.partition("?")[0]
-    return any(segment in (".", "..")
-               for segment in unquote(path).replace("\\", "/").split("/"))
+    path = unquote(raw_path.partition("?")[0])
+    if "%" in path:
+        path += "/" + unquote(path)  # both readings' segments, in one pass
+    return any(segment.partition(";")[0] in (".", "..")
+               for segment in path.replace("\\", "/").split("/"))
 
 
 def _counts_tool_errors(op: Operation) -> bool:

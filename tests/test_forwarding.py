@@ -322,6 +322,14 @@ async def test_dot_segments_refused_dots_inside_segments_forwarded(upstream, sta
                            (b"/svc/x/..", 400),
                            (b"/svc/..\\admin", 400),  # a backslash splits segments on IIS
                            (b"/svc/a%5c..%5cadmin", 400),
+                           # Tomcat, Jetty and Spring drop ;params before resolving, and an
+                           # upstream decoding twice reads %252e as a dot (a hostile trial).
+                           (b"/svc/..;/admin", 400),
+                           (b"/svc/.;/..;/admin", 400),
+                           (b"/svc/..;jsessionid=1/admin", 400),
+                           (b"/svc/%2e%2e;x/admin", 400),
+                           (b"/svc/%252e%252e/admin", 400),
+                           (b"/svc/%252E./admin", 400),
                            (b"/other/../svc/x", 404)):
         answer = await raw_request(
             sluice.port,
@@ -336,7 +344,12 @@ async def test_dot_segments_refused_dots_inside_segments_forwarded(upstream, sta
         URL(sluice.url + "/svc/v1/file.v2..json?q=../x", encoded=True)
     ) as r:
         assert r.status == 200
-    assert upstream.requests[0].raw_path == "/v1/file.v2..json?q=../x"
+        # Parameters and %25 in a path that resolves to no dot-segment pass as sent.
+        for path in ("/v1/a;b=1/..x;/50%25", "/v1/%252e%252ex/.%25"):
+            async with session.get(URL(sluice.url + "/svc" + path, encoded=True)) as r:
+                assert r.status == 200, path
+    assert [seen.raw_path for seen in upstream.requests] == [
+        "/v1/file.v2..json?q=../x", "/v1/a;b=1/..x;/50%25", "/v1/%252e%252ex/.%25"]
 
 
 async def test_body_over_max_request_bytes_is_413_in_protocol_shape(upstream, start_sluice):
