@@ -140,7 +140,7 @@ from collections import deque
 from collections.abc import Awaitable, Hashable
 from typing import TypeVar
 
-from aiohttp import web
+from aiohttp import hdrs, web
 from multidict import CIMultiDict, CIMultiDictProxy, istr
 
 from policies import mcp
@@ -163,6 +163,7 @@ from policies.state.idempotency import (
     new_owner,
     wait_for_answer,
 )
+from policies.untyped import UntypedResponse
 
 log = logging.getLogger("sluice")
 
@@ -1536,5 +1537,6 @@ def replay_response(record: Record) -> web.Response:
     headers = CIMultiDict((name, value) for name, value in record.headers
                           if name.lower() not in _NOT_REPLAYED)
     headers[REPLAYED_HEADER] = "true"
-    return web.Response(status=record.status, reason=record.reason or None, body=record.body,
-                        headers=headers)
+    made = web.Response if hdrs.CONTENT_TYPE in headers else UntypedResponse
+    return made(status=record.status, reason=record.reason or None, body=record.body,
+                headers=headers)

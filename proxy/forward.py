@@ -2,7 +2,8 @@
 
 Bytes pass through untouched in both directions: the server and the client session both run
 with ``auto_decompress=False``, so ``Content-Encoding`` and ``Content-Length`` stay true to the
-bytes they describe. Only framing is the proxy's own (RFC 9110 §7.6.1):
+bytes they describe; an answer without ``Content-Type`` is relayed without one
+(:mod:`policies.untyped`). Only framing is the proxy's own (RFC 9110 §7.6.1):
 
 * hop-by-hop fields are dropped both ways: ``Connection``, ``Keep-Alive``,
   ``Proxy-Connection``, ``TE``, ``Trailer``, ``Transfer-Encoding``, ``Upgrade``,
@@ -50,6 +51,7 @@ from policies.logs import PER_CALL
 from policies.mcp import AnswerTracker
 from policies.pipeline import Call
 from policies.reasons import Reason, Rejected
+from policies.untyped import UntypedResponse, UntypedStreamResponse
 from policies.usage import QUOTA, SERVER, Meter
 from proxy.rejections import rejection_body
 
@@ -624,7 +626,8 @@ async def relay(
                 outcome = judged_whole(meter, capture, outcome)
             if capture is not None:
                 capture.feed(data)
-            response = web.Response(
+            # None where the upstream sent none (aiohttp would say application/octet-stream).
+            response = (web.Response if hdrs.CONTENT_TYPE in headers else UntypedResponse)(
                 status=status, reason=upstream.reason, body=data, headers=headers
             )
             if finish is not None and finish.left:
@@ -646,7 +649,8 @@ async def relay(
             # Checked before prepare(): a failed prepare has already switched the caller's
             # connection to chunked framing, so not even an error answer could follow.
             raise Rejected(Reason.UPSTREAM_UNREACHABLE, None, _BAD_HEADER)
-        out = web.StreamResponse(status=status, reason=upstream.reason, headers=headers)
+        out = (web.StreamResponse if hdrs.CONTENT_TYPE in headers else UntypedStreamResponse)(
+            status=status, reason=upstream.reason, headers=headers)
         if ((declared is None or hdrs.CONTENT_LENGTH not in headers)
                 and request.version < HttpVersion11):
             # No length and no chunks for HTTP/1.0: the answer ends at the close (RFC 9112

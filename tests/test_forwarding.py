@@ -197,6 +197,39 @@ async def test_chunked_response_reframed_not_forwarded(start_sluice):
         await raw.stop()
 
 
+async def test_an_answer_without_content_type_is_relayed_without_one(start_sluice):
+    """A hostile trial: an upstream answer with no ``Content-Type`` reached the caller with
+    ``application/octet-stream`` (aiohttp's default for a body), which the upstream never
+    said; Envoy and HAProxy add none. Neither a whole answer, a streamed one nor a replay of
+    a kept one gets one now; an answer that has one keeps it."""
+    whole = await RawUpstream(b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\nreal").start()
+    streamed = await RawUpstream(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+                                 b"4\r\nreal\r\n0\r\n\r\n").start()
+    typed = await RawUpstream(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n"
+                              b"Content-Length: 4\r\n\r\nreal").start()
+    try:
+        sluice = await start_sluice({"routes": [
+            route("whole", whole.url, "http", idempotency={"mode": "dedup"}),
+            route("streamed", streamed.url, "http"), route("typed", typed.url, "http")]})
+        heads = []
+        for path, extra in (("/whole/x", b"Idempotency-Key: k1\r\n"),
+                            ("/whole/x", b"Idempotency-Key: k1\r\n"),  # a replay
+                            ("/streamed/x", b""), ("/typed/x", b"")):
+            answer = await raw_request(sluice.port, b"POST " + path.encode() + b" HTTP/1.1\r\n"
+                                       b"Host: 127.0.0.1\r\nContent-Length: 2\r\n" + extra
+                                       + b"Connection: close\r\n\r\n{}")
+            head, _, body = answer.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 200") and b"real" in body, (path, answer)
+            heads.append(head)
+        assert [re.findall(rb"(?im)^content-type:[^\r]*", head) for head in heads] == [
+            [], [], [], [b"Content-Type: text/plain"]]
+        assert b"Idempotent-Replayed: true" in heads[1]
+        assert len(whole.requests) == 1  # the second was a replay
+    finally:
+        for raw in (whole, streamed, typed):
+            await raw.stop()
+
+
 @pytest.mark.parametrize("coding", [b"gzip", b"chunked, gzip", b"gzip, chunked"])
 async def test_an_answer_with_a_transfer_coding_besides_chunked_is_refused(start_sluice,
                                                                           coding):
