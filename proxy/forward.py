@@ -14,11 +14,13 @@ bytes they describe; an answer without ``Content-Type`` is relayed without one
   buffered body) and ``Expect`` (Sluice answered ``100-continue`` itself and has the whole
   body) are dropped too, since forwarding them stale desyncs, misroutes or stalls the
   upstream connection;
-* on the request, a spelling of an identity header (tenant, run, parent run, priority) with
-  an underscore for a dash (``X_Tenant_ID``) is dropped: WSGI and CGI upstreams read it as
-  the header itself (``HTTP_X_TENANT_ID``), so it would name another tenant than the one
-  Sluice charged (nginx drops every underscored field by default, ``underscores_in_headers
-  off``); the fields Sluice reads go on as sent;
+* on the request, a spelling with an underscore for a dash (``X_Tenant_ID``,
+  ``Transfer_Encoding``) of a field dropped here, of an identity header (tenant, run, parent
+  run, priority) or of one Sluice sets (``X-Forwarded-For``, ``Idempotency-Key``) is
+  dropped: WSGI and CGI upstreams read it as the field itself (``HTTP_X_TENANT_ID``), so it
+  would name another tenant than the one Sluice charged, or frame the body a second way
+  beside Sluice's ``Content-Length`` (nginx drops every underscored field by default,
+  ``underscores_in_headers off``); the fields Sluice reads go on as sent;
 * ``X-Forwarded-For`` gets the caller's address appended;
 * ``Idempotency-Key`` is set when the route's idempotency policy chose the key (derived or
   fresh); a caller's own key passes as it came.
@@ -76,6 +78,9 @@ HOP_BY_HOP = frozenset(
     }
 )
 _REQUEST_DROP = HOP_BY_HOP | {"host", "content-length", "expect"}
+#: Request fields Sluice sets itself (a caller's own goes on as it came, or with the caller's
+#: address appended): their underscore look-alikes are dropped (:func:`request_drop`).
+_REQUEST_OWNED = frozenset({"x-forwarded-for", "idempotency-key"})
 #: aiohttp errors raised before the request left (see :func:`left`).
 _NOT_SENT = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
 _RESPONSE_DROP = HOP_BY_HOP
@@ -367,13 +372,17 @@ def _copy_headers(headers: CIMultiDictProxy[str], drop: frozenset[str]) -> CIMul
 
 def request_drop(removed: list[str], identity: Collection[str] = ()) -> frozenset[str]:
     """The request fields that never go upstream (hop-by-hop ones, ``Host``,
-    ``Content-Length``, ``Expect``), a route's ``request_headers_to_remove`` and the
-    underscore look-alikes of the ``identity`` headers (:func:`lookalikes`), lower case: the
-    ``drop`` of :func:`upstream_headers`. Found in one set intersection, in C, whatever the
-    request holds: no step of the request path's own."""
-    names = {name.lower() for name in identity}
-    return (_REQUEST_DROP | {name.lower() for name in removed}
-            | {spelling for name in names for spelling in lookalikes(name)} - names)
+    ``Content-Length``, ``Expect``) and a route's ``request_headers_to_remove``, with their
+    underscore look-alikes (:func:`lookalikes`: ``Transfer_Encoding`` beside the
+    ``Content-Length`` Sluice writes was a second framing to a WSGI or CGI upstream, a
+    hostile trial), and the look-alikes alone of the ``identity`` headers and of those Sluice
+    sets (``X-Forwarded-For``, ``Idempotency-Key``), lower case: the ``drop`` of
+    :func:`upstream_headers`. Found in one set intersection, in C, whatever the request
+    holds: no step of the request path's own."""
+    dropped = _REQUEST_DROP | {name.lower() for name in removed}
+    passed = {name.lower() for name in identity} | _REQUEST_OWNED
+    return frozenset({spelling for name in dropped | passed for spelling in lookalikes(name)}
+                     - (passed - dropped))
 
 
 #: Separators of an identity header's name spelled both ways at most (2^n spellings); past
@@ -392,7 +401,11 @@ def lookalikes(name: str) -> set[str]:
             for seps in itertools.product("-_", repeat=len(parts) - 1)}
 
 
-def upstream_headers(request: web.BaseRequest, drop: frozenset[str] = _REQUEST_DROP
+#: :func:`request_drop` of a route that removes nothing more.
+_DEFAULT_DROP = request_drop([])
+
+
+def upstream_headers(request: web.BaseRequest, drop: frozenset[str] = _DEFAULT_DROP
                      ) -> CIMultiDict[str]:
     """The caller's headers as they go upstream (see the module docstring), less ``drop``
     (:func:`request_drop`)."""
@@ -407,7 +420,7 @@ def upstream_headers(request: web.BaseRequest, drop: frozenset[str] = _REQUEST_D
     return headers
 
 
-def upstream_headers_of(headers: CIMultiDictProxy[str], drop: frozenset[str] = _REQUEST_DROP
+def upstream_headers_of(headers: CIMultiDictProxy[str], drop: frozenset[str] = _DEFAULT_DROP
                         ) -> CIMultiDict[str]:
     """A request's ``headers`` as they go upstream, less ``drop``, for a request Sluice
     makes on a call's behalf (no peer to name in ``X-Forwarded-For``)."""

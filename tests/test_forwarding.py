@@ -128,6 +128,28 @@ async def test_request_headers_to_remove_stay_with_sluice(upstream, start_sluice
     assert (done["tenant"], done["run"]) == ("acme", "r1")
 
 
+async def test_underscore_look_alikes_of_fields_sluice_drops_or_sets_are_dropped(
+        upstream, start_sluice):
+    """A hostile trial: ``Transfer_Encoding: chunked`` went upstream beside the
+    ``Content-Length`` Sluice writes, and CGI/WSGI servers fold ``_`` into ``-``: two
+    framings. A field whose ``-`` spelling Sluice drops (hop-by-hop, framing, a route's
+    ``request_headers_to_remove``) or sets (``X-Forwarded-For``, ``Idempotency-Key``) goes
+    nowhere in its ``_`` spelling either; other names with ``_`` pass."""
+    sluice = await start_sluice({"routes": [route(
+        "svc", upstream.url, "http", request_headers_to_remove=["X-Debug"])]})
+    answer = await raw_request(sluice.port, (
+        b"POST /svc/x HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 5\r\n"
+        b"Transfer_Encoding: chunked\r\nContent_Length: 40\r\nCONTENT_length: 41\r\n"
+        b"Keep_Alive: 1\r\nIdempotency_Key: k\r\nX_Forwarded_For: 10.0.0.1\r\nx_debug: 1\r\n"
+        b"X_Custom: kept\r\nConnection: close\r\n\r\n0\r\n\r\n"))
+    assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+    [seen] = upstream.requests
+    assert seen.body == b"0\r\n\r\n"
+    assert sorted((name.lower(), value) for name, value in seen.headers.items()) == [
+        ("content-length", "5"), ("host", f"127.0.0.1:{upstream.port}"),
+        ("x-forwarded-for", "127.0.0.1"), ("x_custom", "kept")]
+
+
 async def test_x_forwarded_for_set_when_absent(upstream, start_sluice):
     sluice = await start_sluice({"routes": [route("svc", upstream.url, "http")]})
     async with aiohttp.ClientSession() as session, session.get(sluice.url + "/svc/x") as r:
