@@ -45,14 +45,15 @@
   (:meth:`EdgeProtocol._answer_in_order`); on a later read the refusal is answered, and a
   client that pipelined a valid request and a malformed one in it reads the 400 as the valid
   one's (which was not sent upstream);
-* a request pipelined behind one still being served is read no further once it is whole
-  (its head, and its body if any): the connection is read again as it is taken. aiohttp
-  would parse and queue 32 of them, bodies included, none counted in ``max_buffered_bytes``
-  before its handler starts (60 connections pipelining 120 KB bodies behind a slow call
-  held 238 MB past an 8 MB bound, a hostile trial); now at most what one read brought is
-  queued per connection. A pipelining caller's EOF is read then too, so with
-  ``abort_on_close`` a caller that pipelines and leaves is found gone when its next
-  request's turn comes, not while the one before it is served;
+* requests pipelined behind one still being served are read no further once those queued
+  hold over ``FIRST_HOLD_BYTES`` (64 KiB: their heads as sent and their bodies' bytes): the
+  connection is read again as they are taken. aiohttp would parse and queue 32 of them,
+  bodies included, none counted in ``max_buffered_bytes`` before its handler starts (60
+  connections pipelining 120 KB bodies behind a slow call held 238 MB past an 8 MB bound,
+  a hostile trial); now at most 64 KiB and what one read brought are queued per
+  connection. Below that the connection is read on, so with ``abort_on_close`` a caller
+  that pipelines a small request and leaves is found gone while the one before it is
+  served (its call cut); one that pipelined more is found gone when reading resumes;
 * after a request with chunked framing, or an HTTP/1.0 request with ``Transfer-Encoding``
   (whose framing RFC 9112 §6.1 says to treat as faulty), the connection is closed once the
   answer is sent, and nothing pipelined behind it is served. aiohttp's C parser does not
@@ -917,8 +918,8 @@ class EdgeProtocol(RequestHandler):
             self._close = True
             current = self._current_request
             if current is not None and current.writer.output_size == 0:
-                # and say so in its answer, as a queued one's does (its EOF is read only once
-                # it is taken: reading pauses while it is queued, see data_received).
+                # and say so in its answer, as a queued one's does (its EOF may be read only
+                # once it is taken: reading pauses while much is queued, see data_received).
                 current._message = current._message._replace(should_close=True)
                 current._cache.pop("keep_alive", None)
             return True
@@ -984,11 +985,15 @@ class EdgeProtocol(RequestHandler):
         if self._force_close:
             return
         messages = self._messages
-        if messages and (self._waiter is None or len(messages) > 1) and not self._buffer_paused:
-            # A request is queued behind the one being served: read no more until its turn
-            # (:meth:`_resume_reading_for_buffer`). aiohttp would queue 32, bodies and all,
-            # uncounted in max_buffered_bytes: 60 connections pipelining 120 KB bodies behind
-            # a slow call held 238 MB past an 8 MB bound (a hostile trial).
+        if (messages and (self._waiter is None or len(messages) > 1)
+                and not self._buffer_paused and self._queued_bytes() > FIRST_HOLD_BYTES):
+            # Requests queued behind the one being served hold that much: read no more until
+            # they are taken (:meth:`_resume_reading_for_buffer`). aiohttp would queue 32,
+            # bodies and all, uncounted in max_buffered_bytes: 60 connections pipelining
+            # 120 KB bodies behind a slow call held 238 MB past an 8 MB bound (a hostile
+            # trial). Below it reading goes on, so a caller that pipelines a small request
+            # and leaves is seen leaving (paused at the first queued request, its FIN went
+            # unread and its call ran to its end: a review).
             self._pause_reading_for_buffer()
         hold = self._hold
         if hold is not None and not hold.grow():
@@ -1041,12 +1046,28 @@ class EdgeProtocol(RequestHandler):
             if self._head_bytes > MAX_HEAD_BYTES:
                 self._head_too_large()
 
+    def _queued_bytes(self) -> int:
+        """The bytes of the requests queued behind the one being served (the first queued is
+        the next one served while aiohttp's loop waits for one): their heads as sent (request
+        line and header lines) and what has arrived of their bodies."""
+        queued = 0
+        first = self._waiter is not None
+        for message, payload in self._messages:
+            if first:
+                first = False
+                continue
+            queued += payload.total_bytes
+            if isinstance(message, RawRequestMessage):
+                queued += len(message.method) + len(message.path) + 14 + sum(
+                    len(name) + len(value) + 4 for name, value in message.raw_headers)
+        return queued
+
     def _resume_reading_for_buffer(self) -> None:
-        """aiohttp's resume once its queue drains (as it takes a request off it), held while
-        a request is still queued: reading resumes when the last one queued is taken. A body
-        left unread meanwhile is timed from then on (``body_timeout``, ``min_body_rate``):
-        its caller did not pause it."""
-        if self._messages:
+        """aiohttp's resume as it takes a request off its queue, held while the requests
+        still queued hold over ``FIRST_HOLD_BYTES`` (:meth:`data_received`). A body left
+        unread meanwhile is timed from then on (``body_timeout``, ``min_body_rate``): its
+        caller did not pause it."""
+        if self._messages and self._queued_bytes() > FIRST_HOLD_BYTES:
             return
         super()._resume_reading_for_buffer()
         if self._phase == _BODY:

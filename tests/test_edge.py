@@ -761,9 +761,9 @@ async def test_requests_pipelined_behind_one_in_progress_are_read_one_at_a_time(
     """A hostile trial: behind a slow call, aiohttp parsed and queued up to 32 pipelined
     requests, bodies and all, none counted in ``max_buffered_bytes`` (it counts a body from
     its handler's first step): 60 connections pipelining 120 KB POSTs held 238 MB past an
-    8 MB bound. Reading now stops once a whole request is queued behind the one served, and
-    goes on as each is taken: at most about a read of them is held, and all are answered in
-    order."""
+    8 MB bound. Reading now stops once those queued behind the one served hold over 64 KiB,
+    and goes on as they are taken: at most about that and a read of them is held, and all
+    are answered in order."""
     body = b"b" * 120_000
     post = (b"POST /svc/echo HTTP/1.1\r\n" + LOOPBACK
             + b"Content-Length: %d\r\n\r\n" % len(body) + body)
@@ -786,6 +786,27 @@ async def test_requests_pipelined_behind_one_in_progress_are_read_one_at_a_time(
     assert [status for status, _, _ in answers] == [200] * 31
     assert [r.method for r in upstream.requests] == ["GET"] + ["POST"] * 30
     assert all(r.body == body for r in upstream.requests[1:])
+
+
+async def test_a_caller_that_pipelines_a_small_request_and_leaves_is_cut(upstream,
+                                                                         start_sluice):
+    """A review of 832cc08: reading paused once any request was queued behind the one being
+    served, so a caller that pipelined a tiny GET behind a slow call and closed its socket
+    was not seen leaving (its FIN unread): the slow call ran to its end upstream, holding its
+    slot. Reading now pauses only past ``FIRST_HOLD_BYTES`` queued, so the leaving is read
+    and the call cut, as with nothing pipelined."""
+    sluice = await start_sluice({"routes": [route("svc", upstream.url, "http")]})
+    upstream.hold = asyncio.Event()
+    _, writer = await asyncio.open_connection("127.0.0.1", sluice.port)
+    writer.write(b"GET /svc/slow HTTP/1.1\r\n" + LOOPBACK + b"\r\n"
+                 b"GET /svc/next HTTP/1.1\r\n" + LOOPBACK + b"\r\n")
+    await wait_until(lambda: upstream.inflight == 1, what="the slow call upstream")
+    writer.close()  # the caller leaves
+    await wait_until(lambda: upstream.cancelled == 1, timeout=3,
+                     what="the slow call cut upstream")  # before: still held after 20 s
+    await sluice.wait_metric("sluice_requests_total", 1, route="svc",
+                             outcome="client_disconnected")
+    assert [r.path_qs for r in upstream.requests] == ["/slow"]
 
 
 async def test_a_big_head_behind_a_request_not_started_yet_does_not_answer_first(upstream):
