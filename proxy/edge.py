@@ -392,6 +392,11 @@ class EdgeServer(GuardedServer):
 
     def serve(self, request: web.BaseRequest) -> Awaitable[web.StreamResponse]:
         """The request handler aiohttp calls: the edge's checks, then the request path."""
+        if request.protocol._close:
+            # The caller's EOF was read once this request was taken off the queue and before
+            # this step (uvloop reads between them), where eof_received finds no request to
+            # tell: the connection closes after this one, and its answer says so.
+            _closes_after(request)
         rt = self.runtime
         door = self._door
         if door is None or door.config is not rt.config:
@@ -617,6 +622,12 @@ class AdminServer(GuardedServer):
                 "min_body_rate": max(server.min_body_rate, ADMIN_MAX_BODY_BYTES)})
         assert self._settings is not None
         return self._settings
+
+
+def _closes_after(request: web.BaseRequest) -> None:
+    """Have ``request``'s answer say ``Connection: close`` (its connection closes after it)."""
+    request._message = request._message._replace(should_close=True)
+    request._cache.pop("keep_alive", None)
 
 
 async def _answered(response: web.StreamResponse) -> web.StreamResponse:
@@ -919,9 +930,9 @@ class EdgeProtocol(RequestHandler):
             current = self._current_request
             if current is not None and current.writer.output_size == 0:
                 # and say so in its answer, as a queued one's does (its EOF may be read only
-                # once it is taken: reading pauses while much is queued, see data_received).
-                current._message = current._message._replace(should_close=True)
-                current._cache.pop("keep_alive", None)
+                # once it is taken: reading pauses while much is queued, see data_received;
+                # one taken and not yet started is told in EdgeServer.serve).
+                _closes_after(current)
             return True
         message, payload = messages[-1]
         if isinstance(message, RawRequestMessage):  # the last one says so in its answer
