@@ -102,8 +102,11 @@
   sending 2 KiB/s held the whole bound for hours (a hostile trial);
 * ``Expect: 100-continue`` is answered by Sluice (``100 Continue`` before the body is read)
   and never forwarded; any other expectation is refused with 417 ``expectation_failed``.
-  The 100 is sent after these checks and before admission, as Envoy sends it before its
-  filters run: a call its route's limits then refuse (429, 503) has sent its body. Admission
+  The 100 is sent just before the body is read (:meth:`BodyHold.invite`): after these
+  checks and the request path's own that need no body (a route must match, CONNECT is
+  refused, the caller's identity, dot-segments), so a caller refused by any of them is not
+  invited to upload first; and before admission, as Envoy sends it before its filters run:
+  a call its route's limits then refuse (429, 503) has sent its body. Admission
   is not peeked at for it: most of it needs the body (a model's or a tool's limits, token
   rates) or a round trip to Redis (shared limits), and a peek at the rest (the route's
   queue, its breaker) would hold only for that moment, while the body is bounded by
@@ -429,12 +432,11 @@ class EdgeServer(GuardedServer):
             if expect.lower() != "100-continue":
                 return _answered(refuse_at_edge(
                     rt, Rejected(Reason.EXPECTATION_FAILED, None, "")))
-            if not request.content.is_eof() and request.transport is not None:
-                # The caller waits for this before it sends the body (RFC 9110 §10.1.1).
-                request.transport.write(_CONTINUE)
-                protocol = request.protocol
-                if isinstance(protocol, EdgeProtocol):
-                    protocol.continued(request.content)
+            if hold is not None and not request.content.is_eof():
+                # Sent just before the body is read (BodyHold.invite), once the checks that
+                # need no body (route, CONNECT, identity, dot-segments) have passed: a caller
+                # refused by them is not invited to upload first (a review).
+                hold.continues = True
         # Held from here (the handler takes the body's bytes in its first step, with no
         # await since this check) to the end of its call.
         return self._handler(rt, request, hold)
@@ -464,7 +466,7 @@ class BodyHold:
         held: the bytes counted now (0 before :meth:`take` and after :meth:`give_back`).
     """
 
-    __slots__ = ("_first", "_grows", "_limit", "_request", "_rt", "held")
+    __slots__ = ("_first", "_grows", "_limit", "_request", "_rt", "continues", "held")
 
     def __init__(self, rt: Runtime, request: web.BaseRequest, first: int, limit: int,
                  grows: bool) -> None:
@@ -476,6 +478,8 @@ class BodyHold:
         #: its reads: most bodies are smaller than the first amount).
         self._grows = grows
         self.held = 0
+        #: The caller waits for ``100 Continue`` before it sends the body (:meth:`invite`).
+        self.continues = False
 
     def take(self) -> None:
         """Count the first amount, and from now on the bytes as they arrive. Called in the
@@ -486,6 +490,20 @@ class BodyHold:
             protocol = self._request.protocol
             if isinstance(protocol, EdgeProtocol):
                 protocol._hold = self
+
+    def invite(self) -> None:
+        """Send ``100 Continue``: the caller waits for it before it sends the body (RFC 9110
+        §10.1.1). Called just before the body is read, when :attr:`continues`; the body's
+        ``body_timeout`` starts now (:meth:`EdgeProtocol.continued`)."""
+        self.continues = False
+        request = self._request
+        transport = request.transport
+        if transport is None or request.content.is_eof():
+            return
+        transport.write(_CONTINUE)
+        protocol = request.protocol
+        if isinstance(protocol, EdgeProtocol):
+            protocol.continued(request.content)
 
     def grow(self) -> bool:
         """Count the body's bytes arrived beyond those counted; ``False``, counting nothing,

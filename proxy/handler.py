@@ -295,6 +295,8 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
     if has_dot_segment(raw_path):
         return _reject(rt, route, Rejected(Reason.BAD_REQUEST, None, "dot-segments in path"),
                        request_id, tenant, run)
+    if hold is not None and hold.continues:
+        hold.invite()  # 100 Continue: every check needing no body (nor admission) has passed
     try:
         body = await request.read()
     except web.HTTPRequestEntityTooLarge:

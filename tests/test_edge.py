@@ -182,6 +182,26 @@ async def test_expect_100_continue_is_answered_by_sluice_and_never_forwarded(
     assert "Expect" not in upstream.requests[-1].headers
 
 
+async def test_a_request_refused_without_its_body_is_not_invited_to_send_it(upstream,
+                                                                           start_sluice):
+    """A review: ``100 Continue`` was written before refusals that need neither the body nor
+    admission (no route: 404; a dot-segment: 400), so their callers uploaded a body only to
+    have it dropped. The 100 now comes just before the body is read, after those checks."""
+    sluice = await start_sluice({"routes": [route("svc", upstream.url, "http")]})
+    expect = b" HTTP/1.1\r\n" + LOOPBACK + b"Content-Length: 5\r\nExpect: 100-continue\r\n\r\n"
+    for target, status in ((b"/nowhere", b"404"), (b"/svc/..;/admin", b"400"),
+                           (b"/svc/x", b"100")):
+        reader, writer = await asyncio.open_connection("127.0.0.1", sluice.port)
+        try:
+            writer.write(b"POST " + target + expect)
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        finally:
+            writer.close()
+        assert head.startswith(b"HTTP/1.1 " + status + b" "), (target, head)  # before: 100
+    assert await sluice.metric("sluice_edge_rejections_total", reason="no_route") == 1
+    assert upstream.requests == []
+
+
 async def test_a_declared_length_over_the_limit_is_413_at_once_without_100_continue(
         upstream, start_sluice):
     """A ``Content-Length`` over ``max_request_bytes`` waited for the body (408 after
