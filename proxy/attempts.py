@@ -293,16 +293,22 @@ async def forward(request: web.BaseRequest, rt: Runtime, route: Route, call: Cal
                 if call.capture is not None:  # its key's waiting duplicates get it too
                     call.capture.written(failed)
                 timed_out = error.reason is Reason.UPSTREAM_TIMEOUT
+                if timed_out and traffic == "call":
+                    _cancel_timed_out(rt, route, call)
                 return failed, "upstream_timeout" if timed_out else "upstream_error"
             tracker = tries.tracker
-            if (route.protocol == "mcp" and tracker is not None and tracker.resumable
-                    and tracker.outcome is None):
-                # Closed early for polling (2025-11-25): the client resumes it with a GET
-                # carrying the last event id, which the drain then waits for (proxy.handler).
-                # Noted before anything awaits: the client may send that GET at once.
-                rt.note_polled(route.name, call.headers.get(SESSION_HEADER),
-                               tracker.last_event_id.decode("utf-8", "surrogateescape"),
-                               _polled(request, call, traffic, outcome, tracker, total))
+            if route.protocol == "mcp" and tracker is not None and tracker.outcome is None:
+                # The answer ended without its response.
+                if tracker.resumable:
+                    # Closed early for polling (2025-11-25): the client resumes it with a
+                    # GET carrying the last event id, which the drain then waits for
+                    # (proxy.handler). Noted before anything awaits: the client may send
+                    # that GET at once.
+                    rt.note_polled(route.name, call.headers.get(SESSION_HEADER),
+                                   tracker.last_event_id.decode("utf-8", "surrogateescape"),
+                                   _polled(request, call, traffic, outcome, tracker, total))
+                if outcome == "upstream_timeout" and traffic == "call":
+                    _cancel_timed_out(rt, route, call)  # cut at its timeouts.total
             if tries.pending is not None:
                 await _verdict(tries, tries.tracker, meter,
                                cut=outcome in ("upstream_error", "upstream_timeout"))
@@ -314,8 +320,11 @@ async def forward(request: web.BaseRequest, rt: Runtime, route: Route, call: Cal
             answer.headers.update(extra)
         if call.capture is not None:  # its key's waiting duplicates get it too
             call.capture.written(answer)
-        outcome = "upstream_timeout" if tries.kind == "timeout" else "upstream_error"
-        return answer, outcome
+        if tries.kind == "timeout":
+            if traffic == "call":
+                _cancel_timed_out(rt, route, call)
+            return answer, "upstream_timeout"
+        return answer, "upstream_error"
     finally:
         tries.drop_response()
         if tries.pending is not None:  # the caller left during the answer
@@ -332,6 +341,17 @@ async def forward(request: web.BaseRequest, rt: Runtime, route: Route, call: Cal
                 else:  # after it, as the MCP SDKs do: its verdict stands
                     breaker.record_soon(ticket, brk.FAILURE if found.tool_failure
                                         else brk.SUCCESS)
+
+
+def _cancel_timed_out(rt: Runtime, route: Route, call: Call) -> None:
+    """A call Sluice answers ``upstream_timeout`` (its ``timeouts.total``, an attempt's
+    bound, the caller's own deadline) while its server may still run it: ask the server to
+    stop it (:func:`send_cancel`), as the MCP spec asks of a sender whose request timed out.
+    Before 2026-07-28 closing the POST is no cancel: the tool ran on, its side effect came
+    after its caller was told it timed out, and a retry ran it again beside it (a hostile
+    trial). Not a call its run's cancel has asked to stop already."""
+    if call.cancelled is None and cancels_upstream(call):
+        send_cancel(rt, route, call, reason="the call timed out")
 
 
 def _polled(request: web.BaseRequest, call: Call, traffic: Traffic, outcome: str,
@@ -1009,20 +1029,42 @@ def cancels_upstream(call: Call) -> bool:
 CANCEL_ANSWER_WAIT_S = 2.0
 
 
+#: How many of Sluice's own cancels may be on their way to the servers at once (each a task
+#: and a connection for up to ``timeouts.connect`` + :data:`CANCEL_ANSWER_WAIT_S`): past it,
+#: a call Sluice ends is not cancelled at its server (logged, and its ``cancel_sent`` event
+#: says status 0, ``not_sent: too_many``), rather than a storm of timeouts making a task each.
+MAX_UPSTREAM_CANCELS = 256
+
+
 def send_cancel(rt: Runtime, route: Route, call: Call,
-                finishing: asyncio.Task[Any] | None = None) -> None:
+                finishing: asyncio.Task[Any] | None = None, reason: str | None = None) -> None:
     """Send the MCP server ``call``'s cancellation (:func:`_send_cancel`) in a task of its
     own, which the drain waits for (:attr:`Runtime.upstream_cancels`). ``finishing``: the
     task finishing the call's exchange (a run's cancel), closed if the server, having taken
     the cancel, has not answered the call within :data:`CANCEL_ANSWER_WAIT_S`; the answer,
-    if any, comes on the call's own stream (the notification's is 202 and nothing else)."""
-    task = asyncio.create_task(_send_cancel(rt, route, call, finishing))
-    rt.upstream_cancels.add(task)
-    task.add_done_callback(rt.upstream_cancels.discard)
+    if any, comes on the call's own stream (the notification's is 202 and nothing else).
+    ``reason``: the notification's ``params.reason`` after ``Sluice: `` (default: the run's
+    cancel, or the drain). Never raises (it runs where Sluice ends a call): at most
+    :data:`MAX_UPSTREAM_CANCELS` are under way at once; past it, nothing is sent."""
+    try:
+        if len(rt.upstream_cancels) >= MAX_UPSTREAM_CANCELS:
+            log.warning("route %s: the cancel of call %s is not sent: %d cancels are under "
+                        "way already", route.name, call.request_id, len(rt.upstream_cancels),
+                        extra=PER_CALL)
+            rt.events.emit("cancel_sent", call.request_id, route.name, call.tenant, call.run,
+                           call.idempotency_key, status=0, not_sent="too_many",
+                           **call.event_names())
+            return
+        task = asyncio.create_task(_send_cancel(rt, route, call, finishing, reason))
+        rt.upstream_cancels.add(task)
+        task.add_done_callback(rt.upstream_cancels.discard)
+    except Exception:
+        log.exception("route %s: the cancel of call %s was not sent", route.name,
+                      call.request_id)
 
 
 async def _send_cancel(rt: Runtime, route: Route, call: Call,
-                       finishing: asyncio.Task[Any] | None) -> None:
+                       finishing: asyncio.Task[Any] | None, reason: str | None = None) -> None:
     """POST a ``notifications/cancelled`` naming ``call``'s JSON-RPC id (as the server got
     it) to the call's endpoint, with the headers the call went upstream with (its session,
     protocol version and credentials; ``Accept`` both JSON and SSE, as the transport
@@ -1043,7 +1085,8 @@ async def _send_cancel(rt: Runtime, route: Route, call: Call,
         headers[hdrs.CONTENT_TYPE] = "application/json"
         headers[hdrs.ACCEPT] = "application/json, text/event-stream"
         assert call.rpc_id is not None
-        body = cancel_notification(call.rpc_id, f"Sluice: {call.cancelled or 'draining'}")
+        body = cancel_notification(
+            call.rpc_id, f"Sluice: {reason or call.cancelled or 'draining'}")
         timeouts = route.config.timeouts
         assert rt.session is not None
         # A notification's answer is an empty 202: one that takes longer than a call's

@@ -520,6 +520,14 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
                     request.transport.close()
                 return out
             raise
+        if (finish is None and admitted_at and traffic == "call"
+                and (call.cancelled is not None or rt.cutting)
+                and attempts.cancels_upstream(call)):
+            # Sluice ends a call its server may still run (a run's cancel, the drain's cut):
+            # the server is asked to stop it, as for a call whose answer is kept (_leave).
+            # Before 2026-07-28 a closed POST is no cancel: the tool ran on, its side
+            # effect after its run was cancelled, beside the next call its slot let in.
+            attempts.send_cancel(rt, route, call)
         if call.cancelled is not None:  # its run was cancelled (POST /admin/runs/.../cancel)
             answer = await _run_cancelled(rt, route, call, request, bool(admitted_at), finish)
             if finish is not None and finish.left:  # its server was asked to cancel it
@@ -746,17 +754,21 @@ def _polled_end(rt: Runtime, route: Route, call: Call, admission: Admission, end
             if call.cancelled is not None:
                 route.metrics.cancelled("inflight")
                 outcome = Outcome("run_cancelled", call.reached, call.status)
+                _stop_polled(rt, route, call)
             elif call in rt.cancelled_waiting:  # its client's cancel (_end_polled_by_cancel)
                 rt.cancelled_waiting.discard(call)
                 outcome = Outcome(CLIENT_CANCELLED.label, call.reached, call.status)
             else:
                 outcome = Outcome("drain_cut" if rt.cutting else "client_disconnected",
                                   call.reached, call.status)
+                if rt.cutting:
+                    _stop_polled(rt, route, call)
         elif isinstance(task.exception(), TimeoutError):
             log.info("route %s: the response of call %s, closed early for polling, did not "
                      "come on a resumed GET within its timeouts.total", route.name,
                      call.request_id, extra=PER_CALL)
             outcome = Outcome("upstream_timeout", call.reached, call.status)
+            _stop_polled(rt, route, call, "the call timed out")
         elif task.exception() is not None:
             _log_failure(route, call, task.exception())  # type: ignore[arg-type]
             outcome = Outcome("upstream_error", call.reached, call.status)
@@ -770,6 +782,14 @@ def _polled_end(rt: Runtime, route: Route, call: Call, admission: Admission, end
         rt.polling.pop(task, None)
         rt.cancelled_waiting.discard(call)
         call.background = None
+
+
+def _stop_polled(rt: Runtime, route: Route, call: Call, reason: str | None = None) -> None:
+    """Sluice ends a call held for its polled answer (its run's cancel, the drain's cut, its
+    bound): its tool still runs at the server, which no request of Sluice's is open to, so
+    the server is asked to stop it (:func:`proxy.attempts.send_cancel`)."""
+    if attempts.cancels_upstream(call):
+        attempts.send_cancel(rt, route, call, reason=reason)
 
 
 def _leave(rt: Runtime, route: Route, call: Call, request: web.BaseRequest,

@@ -212,3 +212,75 @@ def test_the_cancel_notification_and_which_revisions_take_it() -> None:
     assert mcp.parse_post(mcp.cancel_notification("a", "x"), "2025-06-18").cancels == "a"
     assert [mcp.cancels_by_closing(v) for v in (None, "2025-03-26", "2025-11-25",
                                                 "2026-07-28")] == [False, False, False, True]
+
+
+def plain_route(upstream: str, **extra: Any) -> dict:
+    """A ``protocol: mcp`` route ``/tools/`` that keeps no answers (no ``idempotency``)."""
+    return {"name": "tools", "path_prefix": "/tools/", "upstream": upstream, "protocol": "mcp",
+            **extra}
+
+
+async def test_a_runs_cancel_on_a_route_without_dedup_stops_the_tool(mcp_session, start_sluice):
+    """A run's cancel of a call on a route that keeps no answers: its caller is answered
+    ``run_cancelled`` and the slot freed, as before, and now the server is asked to stop the
+    tool too, so it does not do its side effect. Before: only calls kept for their keys were
+    cancelled at their servers; this one's tool ran on (a closed POST is no cancel to a
+    2025 server), its side effect after its run was cancelled."""
+    sluice = await start_sluice({"routes": [plain_route(mcp_session.base_url)]},
+                                env={"SLUICE_ADMIN_TOKEN": TOKEN})
+    url = sluice.url + "/tools/mcp"
+    async with aiohttp.ClientSession() as http:
+        headers = await session_headers(http, url, mcp_session)
+        async with http.post(url, json=tool_call(1, "send_after", to="ops", seconds=TOOL_S),
+                             headers={**headers, "X-Run-ID": "job"}) as r:
+            assert r.status == 200
+            report = await cancel_run(sluice, http, "job")
+            answer = await r.text()
+    assert '"reason":"run_cancelled"' in answer.replace(" ", "")
+    assert report["calls_ended"] == 1
+    await wait_until(lambda: mcp_session.cancels() == ["ops"], what="the tool cancelled")
+    await asyncio.sleep(TOOL_S)  # past the time its side effect would have come
+    assert mcp_session.sends() == 0
+    [sent] = [e for e in sluice.events() if e["event"] == "cancel_sent"]
+    assert sent["status"] == 202
+
+
+async def test_a_tool_past_its_timeout_is_cancelled_at_its_server(mcp_session, start_sluice):
+    """A tool's ``timeouts.total`` passes: its caller gets ``upstream_timeout`` as before, and
+    the server is asked to stop the tool, on a ``dedup`` route too (whose key is freed for a
+    retry). Before: the tool ran on, its side effect after its caller was told it timed out,
+    and the retry ran it a second time."""
+    route = {**mcp_route(mcp_session.base_url),
+             "tools": {"send_after": {"timeouts": {"total": "1s"}}}}
+    sluice = await start_sluice({"routes": [route]})
+    url = sluice.url + "/tools/mcp"
+    async with aiohttp.ClientSession() as http:
+        headers = await session_headers(http, url, mcp_session)
+        _, _, answer = await post(http, url, tool_call(1, "send_after", to="ops",
+                                                       seconds=TOOL_S), headers)
+    assert '"reason":"upstream_timeout"' in answer.replace(" ", "")
+    await wait_until(lambda: mcp_session.cancels() == ["ops"], what="the tool cancelled")
+    await asyncio.sleep(TOOL_S)
+    assert mcp_session.sends() == 0
+    [sent] = [e for e in sluice.events() if e["event"] == "cancel_sent"]
+    assert sent["status"] == 202
+
+
+async def test_the_drain_cut_stops_the_tool_on_a_route_without_dedup(mcp_session,
+                                                                      start_sluice):
+    """Past ``drain_timeout`` a call on a route that keeps no answers is answered
+    ``draining`` as before, and its server is now told to stop the tool."""
+    sluice = await start_sluice({"server": {"drain_timeout": "300ms"},
+                                 "routes": [plain_route(mcp_session.base_url)]})
+    url = sluice.url + "/tools/mcp"
+    async with aiohttp.ClientSession() as http:
+        headers = await session_headers(http, url, mcp_session)
+        async with http.post(url, json=tool_call(1, "send_after", to="ops", seconds=TOOL_S),
+                             headers=headers) as r:
+            assert r.status == 200
+            sluice.signal(signal.SIGTERM)
+            answer = await r.text()
+        assert '"reason":"draining"' in answer.replace(" ", "")
+    assert await sluice.wait_exit(timeout=20) == 0
+    await wait_until(lambda: mcp_session.cancels() == ["ops"], what="the tool cancelled")
+    assert mcp_session.sends() == 0
