@@ -136,6 +136,7 @@ import hashlib
 import logging
 import os
 import re
+import time
 from collections import deque
 from collections.abc import Awaitable, Hashable
 from typing import TypeVar
@@ -300,6 +301,38 @@ def names_a_key(values: list[str]) -> bool:
     return True
 
 
+class Continuations:
+    """The MRTR rounds this process saw end ``input_required`` on a route, so that a
+    continuation's fingerprint stands on the round it continues rather than on the sealed
+    ``requestState`` it echoes (:func:`policies.mcp.continuation_of`): by tenant and the
+    state's SHA-256 (:func:`policies.mcp.state_key`), what the round stands for. Bounded:
+    at most ``max_entries`` (the oldest go first), each for ``ttl_s`` seconds (the Python
+    SDK's states expire after 600 s). A state not found here (another replica made it, or a
+    reload or a restart came between) counts as itself: no replay across retries, as before,
+    and never two different continuations taken for one."""
+
+    __slots__ = ("_entries", "max_entries", "ttl_s")
+
+    def __init__(self, max_entries: int = 4096, ttl_s: float = 600.0) -> None:
+        self.max_entries = max_entries
+        self.ttl_s = ttl_s
+        self._entries: dict[tuple[str, bytes], tuple[bytes, float]] = {}
+
+    def note(self, tenant: str, state: str, stands_for: bytes) -> None:
+        entries = self._entries
+        key = (tenant, mcp.state_key(state))
+        entries.pop(key, None)
+        while len(entries) >= self.max_entries:
+            del entries[next(iter(entries))]
+        entries[key] = (stands_for, time.monotonic() + self.ttl_s)
+
+    def find(self, tenant: str, state: str) -> bytes | None:
+        found = self._entries.get((tenant, mcp.state_key(state)))
+        if found is None or found[1] < time.monotonic():
+            return None
+        return found[0]
+
+
 class Capture:
     """Collects the upstream's answer as it is relayed (fed by ``proxy.forward``).
 
@@ -310,8 +343,9 @@ class Capture:
     costs no memory here.
     """
 
-    __slots__ = ("added", "by_sluice", "callers_own", "chunks", "headers", "limit", "mcp_id",
-                 "reason", "shareable", "size", "status", "storable", "tracker")
+    __slots__ = ("added", "by_sluice", "callers_own", "chunks", "continues", "headers",
+                 "limit", "mcp_id", "reason", "shareable", "size", "status", "storable",
+                 "tracker")
 
     def __init__(self, limit: int, mcp_id: mcp.RequestId | None = None) -> None:
         self.limit = limit
@@ -336,6 +370,9 @@ class Capture:
         #: its run's budget had no room for a retry (``proxy.attempts``). A waiting twin runs
         #: the call itself.
         self.callers_own = False
+        #: An MCP tool call's round, should its answer be ``input_required`` (MRTR): where to
+        #: note its ``requestState``, its tenant and its fingerprint (:meth:`_continues`).
+        self.continues: tuple[Continuations, str, bytes] | None = None
 
     def begin(self, status: int, reason: str | None, headers: CIMultiDict[str]) -> None:
         """The upstream's status line and headers (hop-by-hop fields already dropped)."""
@@ -384,7 +421,18 @@ class Capture:
         elif self.chunks:
             self.chunks = []
         if self.tracker is not None:
-            self.tracker.feed(chunk)
+            found = self.tracker.feed(chunk)
+            if found is not None and found.request_state is not None:
+                self._continues(found)
+
+    def _continues(self, found: mcp.Outcome) -> None:
+        """The answer is ``input_required`` with a ``requestState``: note what a continuation
+        echoing it stands on, once, as soon as its response is in (before the client has it,
+        so before its continuation can come)."""
+        continues, self.continues = self.continues, None
+        if continues is not None and found.request_state is not None:
+            rounds, tenant, fingerprint = continues
+            rounds.note(tenant, found.request_state, mcp.continuation_of(fingerprint, found))
 
     def not_an_outcome(self) -> None:
         """The answer turned out to be no outcome to replay: as a 429 is none (a stream the
@@ -439,6 +487,8 @@ class Capture:
         if tracker is None or tracker.complete_at is None:
             return None  # the response never came: the call may not have run to its end
         found = tracker.outcome
+        if found is not None and found.input_required:
+            self._continues(found)  # a JSON answer's response is known only now
         if found is not None and (found.cancelled or found.input_required):
             # Its client cancelled it: no outcome (as when a caller leaves), and never the
             # answer to give the key's next caller, who cancelled nothing. Or the call is not
@@ -619,6 +669,8 @@ class Idempotency:
         self._lease_s = backends.lease_s if backends is not None else DEFAULT_LEASE_S
         #: Its own Redis calls that nobody awaits: shutdown waits for them.
         self._background = Background(self._backends)
+        #: The MRTR rounds seen end ``input_required``, for their continuations' fingerprints.
+        self.continuations = Continuations()
 
     def _adopt(self, config: IdempotencyConfig) -> None:
         self.mode = config.mode
@@ -669,9 +721,12 @@ class Idempotency:
             wait_s = min(wait_s, left)
         fingerprint = call_key = None
         if message is not None:
+            state = message.params.get("requestState") if message.params is not None else None
+            after = (self.continuations.find(call.tenant, state) if isinstance(state, str)
+                     else None)
             try:
                 call_key = bytes.fromhex(mcp.fingerprint(message, call.headers,
-                                                         self.derive_from, call.body))
+                                                         self.derive_from, call.body, after))
             except mcp.InvalidMcpRequest as bad:
                 raise Rejected(Reason.BAD_REQUEST, None, bad.detail) from None
             fingerprint = _of_generation(call_key, call.headers.get(mcp.VERSION_HEADER))
@@ -686,6 +741,8 @@ class Idempotency:
             raise Replay(self._for_request(claim), claim.waited_s, claim.twin_failed)
         call.upstream_key = claim.header
         call.capture = claim.capture
+        if claim.capture is not None and fingerprint is not None:
+            claim.capture.continues = (self.continuations, call.tenant, fingerprint)
         return claim if claim.holds else None
 
     @staticmethod

@@ -45,7 +45,7 @@ import hashlib
 import json
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import orjson
@@ -451,7 +451,8 @@ _COUNTED_PARAMS = frozenset({"_meta", "inputResponses", "requestState"})
 
 
 def fingerprint(message: Message, headers: Mapping[str, str] | None = None,
-                names: Iterable[str] = (), body: bytes | None = None) -> str:
+                names: Iterable[str] = (), body: bytes | None = None,
+                after: bytes | None = None) -> str:
     """The idempotency fingerprint of a request: 64 hex digits of SHA-256.
 
     Covers the method, every member of ``params`` but ``_meta``, as canonical JSON (keys
@@ -473,6 +474,12 @@ def fingerprint(message: Message, headers: Mapping[str, str] | None = None,
     first one's answer. Every other value reads as ``orjson`` reads it, so the fingerprint is
     the same either way for a body without such an integer.
 
+    ``after``: for an MRTR continuation whose ``requestState`` Sluice saw the server make
+    (:func:`continuation_of`), what stands for that state instead: the round it continues.
+    The state itself is sealed with a random nonce by the Python SDK, so an identical call's
+    continuation never matched, and a ``dedup`` route ran the tool once per retry (a hostile
+    trial). A state Sluice did not see made counts as itself, as before.
+
     Raises:
         InvalidMcpRequest: the material is nested deeper than ``orjson`` writes (254 levels;
             it reads 1,024).
@@ -489,7 +496,8 @@ def fingerprint(message: Message, headers: Mapping[str, str] | None = None,
     chosen = sorted({n.lower() for n in names})
     material = [
         message.method, message.target, arguments if isinstance(arguments, Mapping) else {},
-        params.get("inputResponses"), params.get("requestState"),
+        params.get("inputResponses"),
+        params.get("requestState") if after is None else ["after", after.hex()],
         [[n, _header(headers, n) if headers is not None else None] for n in chosen],
     ]
     # The other params, only when there are any: a fingerprint made before they counted
@@ -567,6 +575,12 @@ class Outcome:
     #: -32800, or code 0 "Request cancelled" (the Python SDK 1.x server). No outcome of the
     #: call: not an answer to keep for its key, nor the tool's failure.
     cancelled: bool = False
+    #: An ``input_required`` result's ``requestState`` (a string; ``None`` otherwise), which
+    #: the client's continuation echoes byte for byte, and the SHA-256 of its canonical
+    #: ``inputRequests`` (what it asked): see :func:`continuation_of`.
+    #: (Not compared: what the continuation stands on, not what the answer came to.)
+    request_state: str | None = field(default=None, compare=False)
+    asked: bytes = field(default=b"", compare=False)
 
     @property
     def tool_failure(self) -> bool:
@@ -595,8 +609,34 @@ def _outcome(doc: dict[str, Any]) -> Outcome:
     result = doc["result"]
     if not isinstance(result, dict):
         return Outcome()
-    return Outcome(is_error_result=result.get("isError") is True,
-                   input_required=result.get("resultType") == "input_required")
+    if result.get("resultType") != "input_required":
+        return Outcome(is_error_result=result.get("isError") is True)
+    state = result.get("requestState")
+    try:
+        asked = hashlib.sha256(orjson.dumps(result.get("inputRequests"),
+                                            option=orjson.OPT_SORT_KEYS)).digest()
+    except orjson.JSONEncodeError:  # nested too deeply to write: its state is not followed
+        state, asked = None, b""
+    return Outcome(is_error_result=result.get("isError") is True, input_required=True,
+                   request_state=state if isinstance(state, str) else None, asked=asked)
+
+
+def state_key(request_state: str) -> bytes:
+    """The SHA-256 of an MRTR ``requestState``, by which Sluice finds the round that made it
+    (:func:`continuation_of`)."""
+    return hashlib.sha256(request_state.encode("utf-8", "surrogatepass")).digest()
+
+
+def continuation_of(fingerprint: bytes, outcome: Outcome) -> bytes:
+    """What a continuation of an MRTR round stands for in its own fingerprint
+    (:func:`fingerprint`'s ``after``): the round's fingerprint (``fingerprint``: its call,
+    and its own place in the chain) and what its ``input_required`` answer asked
+    (``outcome.asked``). Not the ``requestState`` the client echoes: the Python SDK seals it
+    with a random nonce, so it differs on every round, and two identical calls' continuations
+    never matched; and not nothing in its place, since it carries the answers of the rounds
+    before the last (``inputResponses`` holds only the last round's), which tell two
+    continuations apart."""
+    return hashlib.sha256(fingerprint + b"\0" + outcome.asked).digest()
 
 
 class AnswerTracker:

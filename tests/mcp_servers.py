@@ -28,6 +28,13 @@ Tools (all answer on ``/mcp``):
                                              the call's stream) after ``ask_after`` seconds,
                                              then ``send``'s side effect, and answers
                                              ``answer_after`` seconds later
+    ``confirm_slowly(to: str, seconds: float = 2.0) -> str``
+                                             asks its client to confirm first (a resolver:
+                                             an ``InputRequiredResult`` round at 2026-07-28),
+                                             then ``send_slowly``
+    ``ask_twice(to: str) -> str``            two questions in two such rounds, then
+                                             ``send``'s side effect, body and result
+                                             ``first=.. second=..`` (the answers)
     ``send(to: str, body: str = "") -> str`` the side effect: appends one line
                                              ``{"to", "body"}`` to the count file, returns
                                              ``"sent #N"``
@@ -368,6 +375,43 @@ def _build(count_file: Path, list_delay: float = 0.0) -> Any:
         sent = _count(count_file)
         await asyncio.sleep(min(max(answer_after, 0.0), 30.0))
         return f"sent #{sent}"
+
+    from typing import Annotated
+
+    from mcp.server.mcpserver.resolve import Elicit, Resolve
+
+    def ask_confirm(to: str) -> Any:
+        return Elicit(message=f"send to {to}?", schema=Confirm)
+
+    def ask_first(to: str) -> Any:
+        return Elicit(message="first?", schema=Confirm)
+
+    def ask_second(first: Annotated[Confirm, Resolve(ask_first)]) -> Any:
+        return Elicit(message="second?", schema=Confirm)  # asked once the first is answered
+
+    @server.tool()
+    async def confirm_slowly(to: str, ok: Annotated[Confirm, Resolve(ask_confirm)],
+                             seconds: float = 2.0) -> str:
+        """Ask the client to confirm first (at 2026-07-28 an ``InputRequiredResult`` round,
+        MRTR; at 2025 an elicitation on the call's stream), then, if it accepted, ``send``'s
+        side effect and a sleep of ``seconds`` (at most 30)."""
+        if not ok.ok:
+            return "not sent"
+        with count_file.open("a") as f:
+            f.write(json.dumps({"to": to, "body": ""}) + "\n")
+        sent = _count(count_file)
+        await asyncio.sleep(min(max(seconds, 0.0), 30.0))
+        return f"sent #{sent}"
+
+    @server.tool()
+    async def ask_twice(to: str, first: Annotated[Confirm, Resolve(ask_first)],
+                        second: Annotated[Confirm, Resolve(ask_second)]) -> str:
+        """Two questions in two MRTR rounds (the second asked once the first is answered),
+        then ``send``'s side effect, with both answers as its body and in its result."""
+        body = f"first={first.ok} second={second.ok}"
+        with count_file.open("a") as f:
+            f.write(json.dumps({"to": to, "body": body}) + "\n")
+        return body
 
     @server.tool()
     async def poll_send(ctx: Context, to: str, seconds: float = 1.0) -> str:

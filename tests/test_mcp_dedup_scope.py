@@ -227,3 +227,71 @@ async def test_an_sse_answer_with_bare_cr_line_ends_is_kept_for_its_key(start_sl
         assert answers[1][0] == "true" and "run 1" in answers[1][1]
     finally:
         await runner.cleanup()
+
+
+# -- MRTR continuations (2026-07-28), through the official 2.x client and server ---------------
+
+from mcp import Client, MCPError, types  # noqa: E402
+
+from tests import mcp_servers  # noqa: E402
+
+mcp_stateless = mcp_servers.mcp_stateless
+
+
+def mcp_route(upstream: str) -> dict:
+    return {"name": "tools", "path_prefix": "/tools/", "upstream": upstream, "protocol": "mcp",
+            "idempotency": {"mode": "dedup", "max_wait": "30s"}}
+
+
+async def accept(ctx: object, params: types.ElicitRequestParams) -> types.ElicitResult:
+    return types.ElicitResult(action="accept", content={"ok": True})
+
+
+async def test_a_continuation_retried_after_a_timeout_runs_the_tool_once(mcp_stateless,
+                                                                         start_sluice):
+    """A tool that asks its user first (an ``InputRequiredResult`` round; the client sends
+    the call again with ``inputResponses`` and the sealed ``requestState``), then has a slow
+    side effect; the call times out and the application calls the tool again. The retry's
+    continuation is the same call as the first's, so it gets the first's answer: one side
+    effect. Before: its ``requestState``, sealed with a random nonce, made every
+    continuation a call of its own, and each retry ran the tool again (three sends)."""
+    sluice = await start_sluice({"routes": [mcp_route(mcp_stateless.base_url)]})
+    answers = []
+    async with Client(sluice.url + "/tools/mcp", elicitation_callback=accept) as client:
+        for _ in range(3):
+            try:
+                result = await client.call_tool("confirm_slowly", {"to": "ops", "seconds": 2},
+                                                read_timeout_seconds=1.0)
+            except MCPError as timed_out:
+                answers.append(str(timed_out))
+            else:
+                answers.append(result.content[0].text)
+                break
+    assert answers[-1] == "sent #1", answers
+    assert mcp_stateless.sends() == 1
+
+
+async def test_continuations_after_different_answers_stay_apart(mcp_stateless, start_sluice):
+    """Two rounds: the second continuation's ``inputResponses`` hold only the second answer,
+    the first rides in the sealed ``requestState``. Two clients that answer the first
+    question differently and the second alike make two different calls: each runs the tool
+    and gets its own result, not the other's replayed (a fingerprint that left the state
+    out, and put nothing in its place, would give the second client the first's)."""
+    sluice = await start_sluice({"routes": [mcp_route(mcp_stateless.base_url)]})
+
+    def answering(first: bool) -> object:
+        async def answer(ctx: object, params: types.ElicitRequestParams) -> types.ElicitResult:
+            ok = first if params.message == "first?" else True
+            return types.ElicitResult(action="accept", content={"ok": ok})
+        return answer
+
+    results = []
+    for first in (True, False, True):
+        async with Client(sluice.url + "/tools/mcp",
+                          elicitation_callback=answering(first)) as client:
+            result = await client.call_tool("ask_twice", {"to": "ops"})
+            results.append(result.content[0].text)
+    assert results == ["first=True second=True", "first=False second=True",
+                       "first=True second=True"]
+    assert [s["body"] for s in mcp_stateless.sent()] == ["first=True second=True",
+                                                         "first=False second=True"]

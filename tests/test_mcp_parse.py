@@ -21,6 +21,7 @@ from policies.mcp import (
     allows_batch,
     answer_outcome,
     check_headers,
+    continuation_of,
     decode_header_value,
     fingerprint,
     is_modern,
@@ -348,6 +349,30 @@ def test_a_fingerprint_made_before_every_param_counted_is_unchanged() -> None:
         "73d718337e8368c22083a1efb578882ca7f6eba5e9634dc19afdf5c9235ef540")
     assert fp(rpc("resources/read", 9, uri="file:///x")) == (
         "55597ac0ac0ec3bbc0fc56b972dda0516dcf0e992bc445eb04d2c8b0eec5dbcb")
+
+
+def test_a_continuation_stands_on_the_round_it_continues_not_its_sealed_state() -> None:
+    """An MRTR continuation whose ``requestState`` Sluice saw made counts by that round
+    (``after``, :func:`continuation_of`: the round's fingerprint and what it asked), so two
+    continuations of one call match though the SDK seals each state with a random nonce;
+    other rounds, other questions, other answers differ; a state not seen counts as itself."""
+    def continuation(state: str) -> bytes:
+        return rpc("tools/call", 5, name="send", arguments={"to": "a"},
+                   inputResponses={"ask": {"action": "accept", "content": {"ok": True}}},
+                   requestState=state)
+
+    asked = answer_outcome(orjson.dumps({"jsonrpc": "2.0", "id": 1, "result": {
+        "resultType": "input_required", "requestState": "sealed-1",
+        "inputRequests": {"ask": {"method": "elicitation/create"}}}}), "application/json", 1)
+    assert asked is not None and asked.request_state == "sealed-1"
+    after = continuation_of(b"r" * 32, asked)
+    assert fingerprint(one(continuation("sealed-1")), after=after) == fingerprint(
+        one(continuation("sealed-2")), after=after)
+    assert fingerprint(one(continuation("sealed-1")), after=after) != fingerprint(
+        one(continuation("sealed-1")), after=continuation_of(b"s" * 32, asked))
+    other_question = Outcome(input_required=True, request_state="x", asked=b"q")
+    assert continuation_of(b"r" * 32, other_question) != after
+    assert fp(continuation("sealed-1")) != fp(continuation("sealed-2"))
 
 
 def test_chosen_headers_count_and_others_do_not() -> None:
