@@ -957,7 +957,7 @@ def refusal(request_id: RequestId | None, code: int, message: str, *, reason: st
                          "error": {"code": code, "message": message, "data": payload}})
 
 
-def cancelled(request_id: RequestId | None, *, sse: bool = False, sent: bool = False) -> bytes:
+def cancelled(request_id: RequestId | None, *, sse: bool = False) -> bytes:
     """The body that answers a call its client cancelled before Sluice sent it on: the
     JSON-RPC error -32800 "Request cancelled", as the Python SDK 2.x server answers a call
     its client cancelled (:data:`REQUEST_CANCELLED`), with ``data.reason``
@@ -967,13 +967,10 @@ def cancelled(request_id: RequestId | None, *, sse: bool = False, sent: bool = F
     answers in (to a client whose ``Accept`` takes it, :func:`accepts_sse`). The client has
     given up on the call: the Python 2.x client closes the call's response stream at its
     timeout, and reading a JSON answer after that raised ``anyio.BrokenResourceError`` out
-    of the client (its SSE path catches it; a hostile trial).
-
-    ``sent``: the server did get the call (its client's cancel was forwarded, and the server
-    took it and sent no answer; ``data.sent`` is then ``true``)."""
+    of the client (its SSE path catches it; a hostile trial)."""
     body = orjson.dumps({"jsonrpc": "2.0", "id": request_id, "error": {
         "code": REQUEST_CANCELLED, "message": "Request cancelled",
-        "data": {"reason": "client_cancelled", "sent": sent}}})
+        "data": {"reason": "client_cancelled", "sent": False}}})
     return b"event: message\ndata: " + body + b"\n\n" if sse else body
 
 

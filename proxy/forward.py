@@ -219,22 +219,12 @@ async def end_mcp_answer(request: web.BaseRequest, rejected: Rejected) -> bool:
     caller has gone or took none of the event within :data:`LAST_EVENT_WAIT_S` (then its
     connection is cut).
     """
-    answer = request.get(MCP_ANSWER)
-    if answer is None:
-        return False
-    body = rejection_body(rejected, "mcp", answer.request_id)
-    return await end_answer_with(request, b"event: message\ndata: " + body + b"\n\n")
-
-
-async def end_answer_with(request: web.BaseRequest, event: bytes) -> bool:
-    """End an MCP call's SSE answer, already started, with ``event`` (a whole SSE event
-    carrying the call's JSON-RPC error) as its last: as :func:`end_mcp_answer`, which this
-    is with the event given."""
     out, answer = request.get(RELAYED_STREAM), request.get(MCP_ANSWER)
     if (out is None or answer is None or answer.outcome is not None
             or not answer.between_events):
         return False
-    return await end_answer(request, out, event)
+    body = rejection_body(rejected, "mcp", answer.request_id)
+    return await end_answer(request, out, b"event: message\ndata: " + body + b"\n\n")
 
 
 async def end_answer(request: web.BaseRequest, out: web.StreamResponse,

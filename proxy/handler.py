@@ -80,7 +80,6 @@ from proxy.forward import (
     cancelled_at_server,
     delivered,
     end_answer,
-    end_answer_with,
     end_mcp_answer,
     judged_stream,
     kept_for_retry,
@@ -360,7 +359,6 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
             request[RESUMED_CALL] = (resumed, presence.idle)
         else:
             resumes = False
-    admission = Admission()
     if route.protocol == "mcp":
         # A cancel without a session names nothing: its id is only its client's.
         session = headers.get(mcp.SESSION_HEADER) if cancels is not None else None
@@ -372,9 +370,6 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
             if held is not None:
                 return _hold_cancel(rt, route, held, request_id, tenant, run)
             _end_polled_by_cancel(rt, route, tenant, session, cancels)
-            named = _call_in_flight(rt, route, tenant, session, cancels)
-            if named is not None:  # forwarded: what the server makes of it decides
-                admission.hold(_ForwardedCancel(rt, *named))
         if answers and (session := headers.get(mcp.SESSION_HEADER)) is not None:
             _client_answered(rt, route, tenant, session, answers)
         if request.method == "DELETE":  # a session's end waits for its kept calls
@@ -399,6 +394,7 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
     operation = call.operation
     if operation is not None and len(operation) > MAX_OPERATION_LABEL_CHARS:
         call.operation = _capped(operation)  # looked up whole, by route.plan
+    admission = Admission()
     outcome = ABANDONED
     admitted_at = 0.0
     finish: Finish | None = None
@@ -495,9 +491,6 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
                 outcome = _finish_outcome(rt, route, call, task, admitted_at)
                 raise
             _leave(rt, route, call, request, finish)
-        cancelled_here = call in rt.cancelled_inflight  # by _end_unanswered
-        if cancelled_here:
-            rt.cancelled_inflight.discard(call)
         if call in rt.cancelled_waiting:  # its client cancelled it as it waited (_end_waiting)
             rt.cancelled_waiting.discard(call)
             _uncancel()
@@ -527,11 +520,6 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
                     request.transport.close()
                 return out
             raise
-        if cancelled_here and call.cancelled is None and not rt.cutting:
-            # Its client cancelled it, the server took that cancel and has not answered the
-            # call since (_end_unanswered): its answer ends with the cancellation error.
-            outcome = Outcome(CLIENT_CANCELLED.label, call.reached, CLIENT_CANCELLED.status)
-            return await _end_cancelled(call, request, finish)
         if (finish is None and admitted_at and traffic == "call"
                 and (call.cancelled is not None or rt.cutting)
                 and attempts.cancels_upstream(call)):
@@ -844,10 +832,7 @@ def _leave(rt: Runtime, route: Route, call: Call, request: web.BaseRequest,
         attempts.send_cancel(rt, route, call, None if rt.cutting else task)
         held = not rt.cutting and not awaits_client(call)
     else:
-        # Nor one its client cancelled whose server took the cancel and then said nothing
-        # (_end_unanswered): read on, it held to its timeouts.total.
-        held = (not ended and not awaits_client(call)
-                and call not in rt.cancelled_inflight)
+        held = not ended and not awaits_client(call)
     if held:
         finish.left = True
     else:
@@ -1229,85 +1214,6 @@ def _waiting_call(rt: Runtime, route: Route, tenant: str, session: str,
         if not task.done() and _named_by_cancel(call, route, tenant, session, rpc_id):
             return call, task
     return None
-
-
-def _call_in_flight(rt: Runtime, route: Route, tenant: str, session: str,
-                    rpc_id: mcp.RequestId) -> tuple[Call, asyncio.Task[Any]] | None:
-    """The call a client's ``notifications/cancelled``, forwarded, names
-    (:func:`_named_by_cancel`) whose handler is running (:attr:`Runtime.mcp_calls`), with
-    that handler's task, or ``None``. A scan, as the other look-ups of a cancel: cancels
-    are rare."""
-    for call, task in rt.mcp_calls.items():
-        if (not task.done() and call.cancelled is None
-                and _named_by_cancel(call, route, tenant, session, rpc_id)):
-            return call, task
-    return None
-
-
-class _ForwardedCancel:
-    """Held by a client's ``notifications/cancelled`` that Sluice forwards, naming a call in
-    flight (:func:`_call_in_flight`): given back when the notification has been answered,
-    knowing the server's status (:meth:`release`). A 2xx means the server took the cancel,
-    and the spec says it SHOULD then send no response: the TypeScript SDK 1.x server sends
-    none and leaves the call's stream open, and no 2025-era official client closes its POST
-    after its timeout, so the call held its slot to its ``timeouts.total`` (600 s by
-    default), its route's next calls refused ``queue_full`` (a hostile trial). So the call
-    gets :data:`proxy.attempts.CANCEL_ANSWER_WAIT_S` for an answer, as Sluice's own cancels
-    do, and is then ended here (:func:`_end_unanswered`)."""
-
-    __slots__ = ("call", "rt", "task")
-
-    def __init__(self, rt: Runtime, call: Call, task: asyncio.Task[Any]) -> None:
-        self.rt = rt
-        self.call = call
-        self.task = task
-
-    def release(self, outcome: Outcome) -> None:
-        rt, call = self.rt, self.call
-        if not 200 <= outcome.status < 300 or call in rt.cancel_watches or self.task.done():
-            return  # refused or not sent (the tool runs on), watched already, or over
-        # One timer a call, however many cancels name it: no task, nothing to await.
-        rt.cancel_watches[call] = asyncio.get_running_loop().call_later(
-            attempts.CANCEL_ANSWER_WAIT_S, _end_unanswered, rt, call, self.task)
-
-
-def _end_unanswered(rt: Runtime, call: Call, task: asyncio.Task[Any]) -> None:
-    """:data:`proxy.attempts.CANCEL_ANSWER_WAIT_S` after its server took its client's cancel
-    (:class:`_ForwardedCancel`): a call still in flight is ended, its handler task cancelled
-    (:attr:`Runtime.cancelled_inflight` tells it why), which closes its upstream request,
-    frees its slot and ends its answer with the cancellation error (:func:`_end_cancelled`).
-    Not one whose run's cancel or the drain's cut ends it already. Never raises (a timer's
-    callback)."""
-    try:
-        rt.cancel_watches.pop(call, None)
-        if (task.done() or call not in rt.mcp_calls or call.cancelled is not None
-                or rt.cutting):
-            return
-        rt.cancelled_inflight.add(call)
-        task.cancel()
-    except Exception:
-        log.exception("ending call %s, cancelled by its client, failed", call.request_id)
-
-
-async def _end_cancelled(call: Call, request: web.BaseRequest, finish: Finish | None
-                         ) -> web.StreamResponse:
-    """Answer a call its client cancelled and its server left unanswered
-    (:func:`_end_unanswered`): its upstream request is closed already; an SSE answer that has
-    not carried its response ends with the JSON-RPC error -32800 "Request cancelled" as its
-    last event (as the Python SDK's server answers a cancelled call), one not begun is that
-    error (HTTP 200, SSE to a client that takes it); any other answer is cut."""
-    await _take_back(finish)
-    body = mcp.cancelled(call.rpc_id, sse=True, sent=True)
-    if call.phase == "answering":
-        if await end_answer_with(request, body):
-            return request[RELAYED_STREAM]
-        if request.transport is not None:
-            request.transport.close()
-        return web.Response(status=call.status or 502)  # never sent: the connection is closed
-    call.status = 200
-    sse = mcp.accepts_sse(call.headers.get("Accept"))
-    return web.Response(body=body if sse else mcp.cancelled(call.rpc_id, sent=True),
-                        content_type=mcp.SSE if sse else "application/json")
 
 
 def _end_waiting(rt: Runtime, route: Route, call: Call, task: asyncio.Task[Any],

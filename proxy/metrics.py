@@ -88,7 +88,7 @@ OUTCOMES = (
     "replayed",  # answered from the idempotency store (see sluice_idempotent_replays_total)
     "run_cancelled",  # admitted, then ended by its run's cancellation (POST /admin/runs/...)
     "cancel_held",  # an MCP client's cancel of a call kept for its key (dedup): answered 202
-    "client_cancelled",  # an MCP call its client cancelled, ended in Sluice (queued, or unanswered)
+    "client_cancelled",  # an MCP call its client cancelled while it waited in Sluice: never sent
     "cancel_applied",  # that client's cancel: the call ended in Sluice, the cancel answered 202
 )
 

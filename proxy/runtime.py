@@ -197,14 +197,6 @@ class Runtime:
         #: its call here, answers it "Request cancelled" and takes it out (``proxy.handler``);
         #: and calls of :attr:`polling` so cancelled, their holds ended ``client_cancelled``.
         self.cancelled_waiting: set[Call] = set()
-        #: MCP calls of :attr:`mcp_calls` that their clients cancelled, whose servers took
-        #: the cancel and have not answered within ``CANCEL_ANSWER_WAIT_S``, their handler
-        #: tasks cancelled: each handler, seeing its call here, ends its answer with the
-        #: cancellation error and takes it out (``proxy.handler``).
-        self.cancelled_inflight: set[Call] = set()
-        #: The timers that end those calls (``proxy.handler._ForwardedCancel``), one a call
-        #: at most; cancelled at :meth:`close`.
-        self.cancel_watches: dict[Call, asyncio.TimerHandle] = {}
         #: MCP calls admitted and not finished, each with its handler's task: what
         #: :meth:`end_mcp_calls` ends when the drain cuts.
         self.mcp_calls: dict[Call, asyncio.Task[Any]] = {}
@@ -606,9 +598,6 @@ class Runtime:
         """Close the upstream session, the dead-letter store, and flush the event log. A
         step that fails is logged and the next ones still run: a dead-letter store whose
         close raised left the event log unflushed (its last events lost)."""
-        for watch in self.cancel_watches.values():
-            watch.cancel()
-        self.cancel_watches.clear()
         steps: list[tuple[str, Callable[[], Awaitable[object]]]] = []
         if self.session is not None:
             steps.append(("the upstream session", self.session.close))

@@ -21,7 +21,6 @@ import json
 import os
 import shutil
 import subprocess
-import time
 from typing import Any
 
 import aiohttp
@@ -297,97 +296,3 @@ async def test_only_a_cancel_naming_a_keyed_call_of_its_session_in_flight_is_hel
                                outcome="cancel_held") == 2
     await assert_all_given_back(sluice)
     await sluice.wait_metric("sluice_inflight_requests", 0, route="plain")
-
-
-TS_SESSION_SERVER = REPO / "tests" / "mcp_ts" / "session_server.mjs"
-
-
-@pytest.fixture
-def ts_session_server(tmp_path: Any) -> Any:
-    """The TypeScript SDK 1.x server in session mode (``tests/mcp_ts/session_server.mjs``):
-    its base URL and its log file (``slow start``, ``slow aborted``)."""
-    if shutil.which("node") is None or not (MCP_TS / "node_modules" / "@modelcontextprotocol"
-                                            / "sdk").is_dir():
-        pytest.skip("needs node and .mcp-ts (.ci/run installs them)")
-    port_file, log_file = tmp_path / "port", tmp_path / "server.log"
-    log_file.write_text("")
-    proc = subprocess.Popen(["node", str(TS_SESSION_SERVER), str(port_file), str(log_file)],
-                            env={**os.environ, "MCP_TS_DIR": str(MCP_TS)})
-    try:
-        for _ in range(400):
-            if port_file.exists() and port_file.read_text():
-                break
-            if proc.poll() is not None:
-                raise RuntimeError("the TypeScript server did not start")
-            time.sleep(0.05)
-        yield f"http://127.0.0.1:{int(port_file.read_text())}", log_file
-    finally:
-        proc.terminate()
-        proc.wait(10)
-
-
-LIMIT_1 = {"limit": 1, "queue": 4, "max_wait": "8s"}
-
-
-async def test_a_forwarded_cancel_the_server_leaves_unanswered_frees_the_slot(
-        ts_session_server, start_sluice):
-    """The TypeScript SDK 1.x server aborts a cancelled tool and sends no response, leaving
-    the call's stream open; the Python 2.x client in ``legacy`` mode sends the cancel at its
-    timeout and leaves its POST open. Sluice forwards the cancel (no ``dedup``), and once the
-    server has taken it and said nothing for ``CANCEL_ANSWER_WAIT_S`` (2 s) ends the call:
-    its slot is free, and the next call runs. Before: the slot was held to
-    ``timeouts.total`` (600 s), and the next call waited its ``max_wait`` and was refused
-    ``queue_full``."""
-    base, log_file = ts_session_server
-    sluice = await start_sluice({"routes": [mcp_route(base, concurrency=LIMIT_1)]})
-    async with Client(sluice.url + "/tools/mcp", mode="legacy") as client:
-        with pytest.raises(MCPError, match="timed out"):
-            await client.call_tool("slow", {"seconds": 30}, read_timeout_seconds=1.0)
-        started = asyncio.get_running_loop().time()
-        result = await client.call_tool("add", {"a": 1, "b": 2}, read_timeout_seconds=20)
-        took = asyncio.get_running_loop().time() - started
-    assert text(result) == "3"
-    assert took < 4.0  # the 2 s wait for the server's answer, not the queue's 8 s
-    assert log_file.read_text().splitlines() == ["slow start", "slow aborted"]
-
-    def cancelled() -> bool:
-        return any(e["event"] == "completed" and e.get("outcome") == "client_cancelled"
-                   for e in sluice.events())
-    await wait_until(cancelled, what="the cancelled call's completed event")
-    [ended] = [e for e in sluice.events()
-               if e["event"] == "completed" and e.get("outcome") == "client_cancelled"]
-    assert ended["operation"] == "slow" and ended["status"] == 200
-    assert await sluice.metric("sluice_inflight_requests") == await sluice.metric(
-        "sluice_open_streams")
-
-
-async def test_the_unanswered_call_ends_with_the_cancellation_error(ts_session_server,
-                                                                     start_sluice):
-    """What the call's own POST gets, by hand: the SSE answer the server left open ends with
-    the JSON-RPC error -32800 "Request cancelled" (``data.sent``: true, the server had the
-    call) about 2 s after the server took the cancel (202)."""
-    base, log_file = ts_session_server
-    sluice = await start_sluice({"routes": [mcp_route(base, concurrency=LIMIT_1)]})
-    url = sluice.url + "/tools/mcp"
-    async with aiohttp.ClientSession() as http:
-        headers = await mcp_servers.raw_session(http, url)
-
-        async def answer() -> str:
-            call = mcp_servers.tool_call(7, "slow", seconds=30)
-            async with http.post(url, json=call, headers=headers) as r:
-                assert r.status == 200
-                return await r.text()
-
-        answered = asyncio.create_task(answer())
-        await wait_until(lambda: "slow start" in log_file.read_text(), what="the tool running")
-        async with http.post(url, json=cancel(7), headers=headers) as r:
-            assert r.status == 202
-        loop = asyncio.get_running_loop()
-        taken = loop.time()
-        body = await asyncio.wait_for(answered, 10)
-        waited = loop.time() - taken
-    [last] = [json.loads(line[len("data: "):]) for line in body.splitlines()
-              if line.startswith("data: ") and '"error"' in line]
-    assert last["id"] == 7 and last["error"]["code"] == -32800
-    assert last["error"]["data"] == {"reason": "client_cancelled", "sent": True}
-    assert 1.5 < waited < 5.0
