@@ -494,7 +494,9 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
         if call in rt.cancelled_waiting:  # its client cancelled it as it waited (_end_waiting)
             rt.cancelled_waiting.discard(call)
             _uncancel()
-            outcome = CLIENT_CANCELLED
+            # One ended in a retry back-off had an attempt at the server (answered a failure).
+            outcome = (Outcome(CLIENT_CANCELLED.label, True, CLIENT_CANCELLED.status)
+                       if call.reached else CLIENT_CANCELLED)
             # In the server's own shape (an SSE event, to a client that takes one): its
             # client gave up on it, and the Python 2.x client raised out of its JSON path.
             sse = mcp.accepts_sse(call.headers.get("Accept"))
@@ -1206,11 +1208,20 @@ def _call_to_hold(rt: Runtime, route: Route, tenant: str, session: str,
 def _waiting_call(rt: Runtime, route: Route, tenant: str, session: str,
                   rpc_id: mcp.RequestId) -> tuple[Call, asyncio.Task[Any]] | None:
     """The call a client's ``notifications/cancelled`` ends in Sluice (:func:`_end_waiting`),
-    with its handler's task, or ``None``: a call the cancel names (:func:`_named_by_cancel`)
+    with the task that waits, or ``None``: a call the cancel names (:func:`_named_by_cancel`)
     still in admission (queued for a slot or a run's width, waiting for a twin's answer or
-    the shared state), so that the upstream has not seen it. Cancels are rare: a scan of
-    the calls in admission keeps this off the path of every other request."""
+    the shared state), so that the upstream has not seen it, or waiting out a retry
+    back-off (:attr:`Runtime.backing_off`), its last attempt answered with a failure, so
+    that nothing of it runs at the upstream: forwarded, the cancel named nothing there
+    (202), and the next attempt ran the tool its client had given up on (a review). Not a
+    back-off the drain's cut has woken (it answers the call). Cancels are rare: a scan of
+    those calls keeps this off the path of every other request."""
     for call, task in rt.admitting.items():
+        if not task.done() and _named_by_cancel(call, route, tenant, session, rpc_id):
+            return call, task
+    if rt.cutting:
+        return None
+    for call, task in rt.backing_off.items():
         if not task.done() and _named_by_cancel(call, route, tenant, session, rpc_id):
             return call, task
     return None
@@ -1220,8 +1231,10 @@ def _end_waiting(rt: Runtime, route: Route, call: Call, task: asyncio.Task[Any],
                  request_id: str, tenant: str, run: str | None) -> web.Response:
     """Answer request ``request_id``, a client's cancel of ``call`` (:func:`_waiting_call`),
     202 as an MCP server answers a notification, without forwarding it: the server never
-    got the call. Unless the call is being ended already (by an earlier cancel, or its
-    run's), its handler task is cancelled where it waits, and its handler answers it
+    got the call, or answered its last attempt with a failure and waits for no other. Unless
+    the call is being ended already (by an earlier cancel, or its run's), ``task`` is
+    cancelled where it waits (the handler's, or the forward task of a call whose answer is
+    kept for its key, which the handler awaits), and its handler answers it
     "Request cancelled" (:func:`policies.mcp.cancelled`), gives back what it held and counts
     it ``client_cancelled``; sent on, the call would have run once a slot freed, though its
     client had given up on it. Counted as ``sluice_requests_total{outcome="cancel_applied"}``

@@ -23,6 +23,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
 from mcp import Client, MCPError
 
 import policies.mcp
@@ -31,7 +32,7 @@ from proxy.config import parse_config
 from proxy.runtime import Runtime
 from tests import mcp_servers, test_mcp_cancels
 from tests.conftest import wait_until
-from tests.test_mcp_cancels import RecordingMcp, cancel, mcp_route
+from tests.test_mcp_cancels import DEDUP, RecordingMcp, cancel, mcp_route
 from tests.test_mcp_left_callers import (
     CALL,
     HEADERS,
@@ -488,3 +489,57 @@ async def test_a_cancelled_queued_call_is_answered_in_the_stream_its_client_acce
                 assert body.startswith("event: message\ndata: {") and body.endswith("}\n\n")
         recording.release.set()
         assert (await holder)[0] == 200
+
+
+class FailsOnceMcp(RecordingMcp):
+    """:class:`RecordingMcp` whose first ``tools/call`` is answered 503 ``Retry-After: 1``
+    (no tool runs): the call waits out Sluice's retry back-off before its next attempt."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refused = 0
+
+    async def _post(self, request: web.Request) -> web.StreamResponse:
+        if self.refused == 0 and (await request.json()).get("method") == "tools/call":
+            self.refused += 1
+            return web.Response(status=503, headers={"Retry-After": "1"})
+        return await super()._post(request)
+
+
+@pytest.mark.parametrize("idempotency", [{"mode": "forward"}, DEDUP])
+async def test_a_cancel_of_a_call_in_retry_back_off_ends_it_with_no_next_attempt(
+        idempotency: dict, start_sluice):
+    """Its first attempt answered 503, the call waits 1 s before the next; its client's cancel
+    then used to go on to a server where nothing of it ran (202 for nothing), and the next
+    attempt ran the tool the client had given up on. Now it ends the call as it ends a queued
+    one: 202 from Sluice, not forwarded, -32800 for the call, no second attempt; on ``dedup``
+    too (the call's forward task, which waits the back-off, is cancelled)."""
+    server = await FailsOnceMcp().start()
+    server.release.set()
+    try:
+        sluice = await start_sluice({"routes": [mcp_route(
+            server.url, idempotency=idempotency, idempotent=True,
+            retry={"attempts": 3, "on": [503], "backoff": {"base": "1s", "max": "1s"}})]})
+        url = sluice.url + "/tools/mcp"
+        session = {**HEADERS, "Mcp-Session-Id": "s-1"}
+        async with aiohttp.ClientSession() as http:
+            async def post(message: dict) -> tuple[int, str]:
+                async with http.post(url, json=message, headers=session) as r:
+                    return r.status, await r.text()
+
+            answer = asyncio.create_task(post(CALL))
+            await wait_until(lambda: server.refused == 1, what="the first attempt refused")
+            await events_of(sluice, "retried", 1)
+            assert (await post(cancel(CALL["id"])))[0] == 202
+            status, body = await asyncio.wait_for(answer, 10)
+            assert status == 200 and '"code":-32800' in body
+            await asyncio.sleep(1.5)  # past the back-off: a next attempt would be sent by now
+        assert server.calls == 0 and server.cancels == []
+        [ended] = [e for e in sluice.events() if e["event"] == "completed"
+                   and e.get("operation") == CALL["params"]["name"]]
+        assert ended["outcome"] == "client_cancelled" and ended["status"] == 200
+        assert await sluice.metric("sluice_requests_total", route="tools",
+                                   outcome="cancel_applied") == 1
+        await assert_all_given_back(sluice)
+    finally:
+        await server.stop()
