@@ -306,28 +306,50 @@ class Continuations:
     continuation's fingerprint stands on the round it continues rather than on the sealed
     ``requestState`` it echoes (:func:`policies.mcp.continuation_of`): by tenant and the
     state's SHA-256 (:func:`policies.mcp.state_key`), what the round stands for. Bounded:
-    at most ``max_entries`` (the oldest go first), each for ``ttl_s`` seconds (the Python
-    SDK's states expire after 600 s). A state not found here (another replica made it, or a
-    reload or a restart came between) counts as itself: no replay across retries, as before,
-    and never two different continuations taken for one."""
+    at most ``max_entries`` in all (the oldest go first), each for ``ttl_s`` seconds (the
+    Python SDK's states expire after 600 s), and at most ``per_tenant`` of one tenant's: a
+    tenant holding that many makes room from its own oldest, so that one tenant's rounds
+    (4,096 in a hostile review) no longer evict every other tenant's notes. A state not
+    found here (another replica made it, a reload or a restart came between, or it was
+    evicted) counts as itself: no replay across retries, as before, and never two
+    different continuations taken for one."""
 
-    __slots__ = ("_entries", "max_entries", "ttl_s")
+    __slots__ = ("_order", "_tenants", "max_entries", "per_tenant", "ttl_s")
 
-    def __init__(self, max_entries: int = 4096, ttl_s: float = 600.0) -> None:
+    def __init__(self, max_entries: int = 4096, ttl_s: float = 600.0,
+                 per_tenant: int = 512) -> None:
         self.max_entries = max_entries
+        self.per_tenant = min(per_tenant, max_entries)
         self.ttl_s = ttl_s
-        self._entries: dict[tuple[str, bytes], tuple[bytes, float]] = {}
+        #: Each tenant's notes, oldest first: state key -> (what it stands for, expiry).
+        self._tenants: dict[str, dict[bytes, tuple[bytes, float]]] = {}
+        #: Every note, oldest first, for the global bound.
+        self._order: dict[tuple[str, bytes], None] = {}
+
+    def _drop(self, tenant: str, key: bytes) -> None:
+        del self._order[(tenant, key)]
+        own = self._tenants[tenant]
+        del own[key]
+        if not own:
+            del self._tenants[tenant]
 
     def note(self, tenant: str, state: str, stands_for: bytes) -> None:
-        entries = self._entries
-        key = (tenant, mcp.state_key(state))
-        entries.pop(key, None)
-        while len(entries) >= self.max_entries:
-            del entries[next(iter(entries))]
-        entries[key] = (stands_for, time.monotonic() + self.ttl_s)
+        key = mcp.state_key(state)
+        own = self._tenants.get(tenant)
+        if own is not None:
+            if key in own:
+                self._drop(tenant, key)
+            elif len(own) >= self.per_tenant:
+                self._drop(tenant, next(iter(own)))
+        order = self._order
+        while len(order) >= self.max_entries:
+            self._drop(*next(iter(order)))
+        self._tenants.setdefault(tenant, {})[key] = (stands_for, time.monotonic() + self.ttl_s)
+        order[(tenant, key)] = None
 
     def find(self, tenant: str, state: str) -> bytes | None:
-        found = self._entries.get((tenant, mcp.state_key(state)))
+        own = self._tenants.get(tenant)
+        found = None if own is None else own.get(mcp.state_key(state))
         if found is None or found[1] < time.monotonic():
             return None
         return found[0]

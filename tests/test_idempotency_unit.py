@@ -16,6 +16,7 @@ from policies.config import IdempotencyConfig
 from policies.idempotency import (
     FRESH_KEYS_PER_READ,
     Capture,
+    Continuations,
     Idempotency,
     fresh_key,
     parse_key,
@@ -748,3 +749,24 @@ def test_a_policy_without_backends_takes_the_default_lease_in_seconds() -> None:
     # descriptor, not 5.0 (found while compiling the path with mypyc).
     policy = Idempotency(IdempotencyConfig(), "r")
     assert policy._lease_s == 5.0
+
+
+def test_one_tenants_rounds_evict_only_its_own_continuation_notes() -> None:
+    """MRTR continuation notes: a tenant at its share (``per_tenant``) makes room from its own
+    oldest, so another tenant's flood of rounds leaves this tenant's note in place (before:
+    4,096 shared notes, one tenant's 4,200 rounds evicted everyone's, and a retried
+    continuation ran its tool again); the global bound still holds across tenants."""
+    notes = Continuations(max_entries=8, per_tenant=4)
+    notes.note("A", "a-0", b"A's round")
+    for i in range(100):
+        notes.note("C", f"c-{i}", b"C's round %d" % i)
+    assert notes.find("A", "a-0") == b"A's round"
+    assert [i for i in range(100) if notes.find("C", f"c-{i}") is not None] == [96, 97, 98, 99]
+    assert notes.find("C", "a-0") is None  # by tenant
+    for i in range(4):
+        notes.note("B", f"b-{i}", b"B's")
+    assert notes.find("A", "a-0") is None  # 9 notes: the oldest of all went
+    assert all(notes.find("B", f"b-{i}") == b"B's" for i in range(4))
+    assert notes.find("C", "c-96") is not None
+    notes.note("B", "b-0", b"B's again")  # noted again: moved, not counted twice
+    assert notes.find("B", "b-0") == b"B's again" and notes.find("B", "b-1") == b"B's"
