@@ -703,7 +703,10 @@ class AnswerTracker:
     @property
     def between_events(self) -> bool:
         """An SSE answer whose bytes so far end where a new event may begin (no part of a
-        line or of an event's data pending): an event written now would arrive whole."""
+        line or of an event's data pending): an event written now would arrive whole. Only
+        until :attr:`outcome` is set: the tracker reads nothing past the response, so after
+        it this says where the chunk carrying the response ended, not where the answer is
+        (read only before it: ``proxy.forward.end_mcp_answer`` checks ``outcome`` first)."""
         return self.sse and not self._buf and not self._data and self._id_pending is None
 
     def begin(self, status: int, reason: str | None, headers: object) -> None:
