@@ -55,9 +55,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Awaitable, Mapping
+from urllib.parse import urlsplit
 
 from policies.budget import Budgets, Reservation, price_usd
 from policies.config import DEFAULT_OPERATION, ModelPrice, RouteConfig
+from policies.operations import model_of
+from policies.paths import deployment_named
 from policies.pipeline import SENT_UNANSWERED, Call, Outcome, survive_leaving
 from policies.rate import RateLimiter, Units, fallback_for
 from policies.reasons import Reason, Rejected
@@ -72,7 +75,6 @@ from policies.usage import (
     Usage,
     content_coding,
     endpoint_for,
-    model_named,
     read_request,
 )
 
@@ -115,8 +117,13 @@ class Accounting:
         self.budgets = budgets
         self.rate: RateLimiter | None = None
         self.use_rate(rate)
-        #: Each raw path's metered endpoint (``None``: not metered), as :meth:`_endpoint` found.
-        self._endpoints: dict[str, Endpoint | None] = {}
+        #: Each raw path's metered endpoint (``None``: not metered) and Azure deployment
+        #: (``None``: none), as :meth:`_endpoint` found them.
+        self._endpoints: dict[str, tuple[Endpoint | None, str | None]] = {}
+        #: On ``openai`` routes, how a raw path becomes the path the upstream sees (its URL's
+        #: own path, then the path after the route's prefix), for Azure's deployments.
+        self._deployments = ((urlsplit(config.upstream).path, len(config.path_prefix) - 1)
+                             if config.protocol == "openai" else None)
         self.run_header = run_header
         self.token_models = token_models or {}
         #: Tenants seen on this route (the first ``MAX_TENANTS_SHOWN``), for the admin API.
@@ -158,9 +165,9 @@ class Accounting:
         if call.method != "POST":
             return None  # only POSTs are metered
         try:
-            endpoint = self._endpoints[call.path]
+            endpoint, deployment = self._endpoints[call.path]
         except KeyError:
-            endpoint = self._endpoint(call.path)
+            endpoint, deployment = self._endpoint(call.path)
         if endpoint is None:
             return None
         # Every metered call on a route that limits tokens must be readable and name an
@@ -179,7 +186,7 @@ class Accounting:
             # A model's own token rate needs the cap as the route's does: passed unmetered,
             # a cap sent as "900" or 900.0 (which lax upstreams read as 900) took no tokens
             # from it (a hostile trial).
-            if not enforcing and self._model_limits_tokens(call.body):
+            if not enforcing and self._model_limits_tokens(call, deployment):
                 raise Rejected(Reason.BAD_REQUEST, None,
                                f"{exc}; this model's tokens are limited, so Sluice must "
                                f"read it") from None
@@ -190,6 +197,8 @@ class Accounting:
                         if call.units_deferred and rate is not None else None)
             raise Rejected(Reason.BAD_REQUEST, None,
                            f"{exc}; this route limits tokens, so Sluice must read it") from None
+        if deployment is not None:
+            cost.model = deployment  # Azure serves its deployment's model, whatever the body says
         if enforcing or (self.token_models and self._weighs_tokens(cost.model or "")):
             self._check(cost, call.run)
         charge = Charge(self, cost, call)
@@ -200,13 +209,13 @@ class Accounting:
         call.meter = charge
         return charge
 
-    def _model_limits_tokens(self, body: bytes) -> bool:
-        """Whether the model ``body`` names has a token rate of its own (``models:``): read
-        only for a body the accounting could not take."""
+    def _model_limits_tokens(self, call: Call, deployment: str | None) -> bool:
+        """Whether the model ``call`` names (``deployment``, the Azure deployment its path
+        names, else its body's: :func:`policies.operations.model_of`) has a token rate of its
+        own (``models:``): read only for a body the accounting could not take."""
         if not self.token_models:
             return False
-        model = model_named(body)
-        return model is not None and self._weighs_tokens(model)
+        return self._weighs_tokens(deployment or model_of(call.body, call.headers))
 
     def _weighs_tokens(self, model: str) -> bool:
         """Whether the ``models:`` block that applies to ``model`` (its own, else
@@ -218,15 +227,20 @@ class Accounting:
             return blocks[model]
         return blocks.get(DEFAULT_OPERATION, False)
 
-    def _endpoint(self, raw_path: str) -> Endpoint | None:
-        """The metered endpoint a POST to ``raw_path`` calls (:func:`endpoint_for`), kept for
+    def _endpoint(self, raw_path: str) -> tuple[Endpoint | None, str | None]:
+        """The metered endpoint a POST to ``raw_path`` calls (:func:`endpoint_for`) and the
+        Azure deployment it names (:func:`deployment_named`: it names the model), kept for
         the next call to the same path (a route sees a handful; at most
         :data:`ENDPOINTS_KEPT`, then it starts over)."""
         endpoint = endpoint_for(self.protocol, "POST", raw_path)
+        deployment = None
+        if self._deployments is not None:
+            base, cut = self._deployments
+            deployment = deployment_named(base + raw_path[cut:])
         if len(self._endpoints) >= ENDPOINTS_KEPT:
             self._endpoints.clear()
-        self._endpoints[raw_path] = endpoint
-        return endpoint
+        self._endpoints[raw_path] = endpoint, deployment
+        return endpoint, deployment
 
     def _check(self, cost: RequestCost, run: str | None) -> None:
         """Refuse a call that token limits apply to if it names no output cap, or if a

@@ -35,7 +35,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
+from policies.bodies import form_field
 from policies.breaker import Breaker
 from policies.budget import Budgets, Reservation
 from policies.concurrency import ConcurrencyLimiter
@@ -50,7 +52,7 @@ from policies.config import (
     endpoint_pattern,
 )
 from policies.idempotency import Idempotency
-from policies.paths import as_routed, decode_unreserved, without_trailing_slash
+from policies.paths import as_routed, decode_unreserved, deployment_named, without_trailing_slash
 from policies.pipeline import Call, Outcome, Policy
 from policies.rate import RateLimiter, Units
 from policies.reasons import Reason, Rejected
@@ -305,11 +307,17 @@ class OperationIndex:
             refuses those first).
     """
 
-    __slots__ = ("default", "endpoints", "key", "names")
+    __slots__ = ("default", "deployments", "endpoints", "key", "names")
 
-    def __init__(self, key: str, names: Iterable[str]) -> None:
+    def __init__(self, key: str, names: Iterable[str], protocol: str = "",
+                 upstream: str = "") -> None:
         self.key = key
         self.names = frozenset(names)
+        #: On ``openai`` routes, the upstream URL's own path (``upstream``: the route's), which
+        #: the call's path follows: Azure OpenAI names the model in the path the upstream sees
+        #: (:func:`policies.paths.deployment_named`); ``None`` elsewhere.
+        self.deployments = (urlsplit(upstream).path if key == "models" and protocol == "openai"
+                            else None)
         self.default = DEFAULT_OPERATION if DEFAULT_OPERATION in self.names else None
         #: ``endpoints:`` as ``(method, path regex, block name)``, in file order.
         self.endpoints: list[tuple[str, PathGlob, str]] = []
@@ -319,15 +327,20 @@ class OperationIndex:
                     method, pattern = endpoint_pattern(name)
                     self.endpoints.append((method, pattern, name))
 
-    def find(self, method: str, path: str, body: bytes,
-             tool: str | None) -> tuple[str | None, str | None]:
+    def find(self, method: str, path: str, body: bytes, tool: str | None,
+             headers: Mapping[str, str] | None = None) -> tuple[str | None, str | None]:
         """``(name, block)`` of a call: its name for metrics and events (the tool, the
         matching endpoint pattern or ``default``, the model; ``None`` when it has none), and
         the name of the block that applies (``None`` for none).
 
         ``path``: the upstream's path (after the route's prefix, query included or not);
         ``tool``: the tool of an MCP ``tools/call`` (:attr:`policies.mcp.McpPost.tool`),
-        ``None`` for other calls, which have no operation.
+        ``None`` for other calls, which have no operation; ``headers``: the request's, for
+        the ``Content-Type`` of a form naming its model.
+
+        The model is the Azure deployment the path names, on ``openai`` routes; else the
+        body's ``model`` (a JSON member, or a form's field: :func:`model_of`); a call naming
+        none that Sluice can read is ``default``'s, as the upstream serves it some model.
         """
         if self.key == "endpoints":
             # Every reading of the path (policies.paths): the first pattern one matches applies.
@@ -340,15 +353,32 @@ class OperationIndex:
                     return name, name
             default = self.default
             return (DEFAULT_OPERATION, default) if default is not None else (None, None)
-        name = tool if self.key == "tools" else model_named(body)
-        if name is None:
-            return None, None
+        if self.key == "tools":
+            if tool is None:
+                return None, None
+            name = tool
+        else:
+            base = self.deployments
+            name = deployment_named(base + path) if base is not None else None
+            if name is None:
+                name = model_of(body, headers)
         if not name:  # a request naming no model is the upstream's default model's
             default = self.default
             return (DEFAULT_OPERATION, default) if default is not None else (None, None)
         if name not in self.names or name == DEFAULT_OPERATION:
             return name, self.default
         return name, name
+
+
+def model_of(body: bytes, headers: Mapping[str, str] | None) -> str:
+    """The model an LLM request's body names: its JSON ``model``
+    (:func:`policies.usage.model_named`), else a form's ``model`` field (OpenAI's
+    transcriptions and image edits send ``multipart/form-data``:
+    :func:`policies.bodies.form_field`); ``""`` for none, or a body neither reads."""
+    model = model_named(body)
+    if model is None and body and headers is not None:
+        model = form_field(body, headers.get("Content-Type", ""), "model")
+    return model or ""
 
 
 def operation_group(route: str, name: str) -> str:
@@ -397,7 +427,7 @@ class Operations:
         self.by_name = {name: Operation(name, block, route, backends, on_event, budgets,
                                         run_header)
                         for name, block in blocks.items()}
-        self.index = OperationIndex(self.key, self.by_name)
+        self.index = OperationIndex(self.key, self.by_name, route.protocol, route.upstream)
 
     def __iter__(self) -> Iterator[Operation]:
         """The operation blocks, in file order."""
@@ -411,7 +441,7 @@ class Operations:
         ``tools/call``); other MCP calls (``resources/read``, ...) have no operation.
         """
         name, block = self.index.find(call.method, call.path[self.prefix_len:], call.body,
-                                      call.operation)
+                                      call.operation, call.headers)
         return name, self.by_name[block] if block is not None else None
 
     def take_over(self, old: Operations | None, carry: TakeOver) -> None:

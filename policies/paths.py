@@ -22,6 +22,9 @@ import re
 _ENCODED_UNRESERVED = re.compile(
     r"%(4[1-9A-Fa-f]|5[0-9Aa]|6[1-9A-Fa-f]|7[0-9Aa]|3[0-9]|2[DEde]|5[Ff]|7[Ee])")
 _SLASH_RUN = re.compile(r"//+")
+#: Azure OpenAI's ``/openai/deployments/{name}/...``: the segment after ``deployments`` names
+#: the deployment, hence the model (its own path segment, followed by the operation's).
+_DEPLOYMENT = re.compile(r"(?:^|/)deployments/([^/]+)/", re.IGNORECASE)
 
 
 def decode_unreserved(path: str) -> str:
@@ -48,3 +51,12 @@ def without_trailing_slash(path: str) -> str:
     """``path`` less a trailing slash (Express routes ``/jobs/5/`` as ``/jobs/5``); ``path``
     itself, the same object, when it has none (or is ``/``)."""
     return path[:-1] if len(path) > 1 and path[-1] == "/" else path
+
+
+def deployment_named(path: str) -> str | None:
+    """The deployment an Azure OpenAI path (after a route's prefix, query included or not)
+    calls, read as :func:`as_routed` reads it: ``gpt-4o`` for
+    ``/openai/deployments/gpt-4o/chat/completions``; ``None`` for a path naming none.
+    Azure picks the model by it, whatever the body's ``model`` says."""
+    found = _DEPLOYMENT.search(as_routed(decode_unreserved(path.partition("?")[0])))
+    return found.group(1) if found is not None else None

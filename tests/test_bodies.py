@@ -55,3 +55,40 @@ def test_a_small_body_and_another_parser() -> None:
     import json
 
     assert bodies.loads(big, json.loads)["n"] == int("1" * 30)
+
+
+def _multipart(*parts: tuple[str, bytes], boundary: str = "b0undary") -> bytes:
+    """A ``multipart/form-data`` body of ``(Content-Disposition, value)`` parts."""
+    out = b"".join(b"--%s\r\nContent-Disposition: %s\r\n\r\n%s\r\n"
+                   % (boundary.encode(), disposition.encode(), value)
+                   for disposition, value in parts)
+    return out + b"--%s--\r\n" % boundary.encode()
+
+
+async def test_a_forms_field_is_read_as_starlette_reads_it() -> None:
+    # OpenAI's transcriptions and image edits name their model in a form: a models: block
+    # read the JSON body only, so such calls got no block at all (a hostile trial).
+    multipart = "multipart/form-data; boundary=b0undary"
+    body = _multipart(('form-data; name="file"; filename="a.wav"', b"RIFF" + bytes(range(256))),
+                      ('form-data; name="model"', b"whisper-1"))
+    assert bodies.form_field(body, multipart, "model") == "whisper-1"
+    # The last of a repeated field, as Starlette's form gives it; RFC 2231's name*= too.
+    body = _multipart(('form-data; name="model"', b"cheap"),
+                      ("form-data; name*=utf-8''%6Dodel", b"whisper-1"))
+    assert bodies.form_field(body, multipart, "model") == "whisper-1"
+    urlencoded = "application/x-www-form-urlencoded"
+    assert bodies.form_field(b"model=cheap&x=1&model=gpt%2D4o", urlencoded, "model") == "gpt-4o"
+    assert bodies.form_field(b"x=1", urlencoded, "model") is None
+    # Not a form as it says, or none at all: nothing read, nothing raised.
+    for spoiled in (b"", b"garbage", body[:30], body.replace(b"\r\n", b"\n")):
+        assert bodies.form_field(spoiled, multipart, "model") is None, spoiled
+    assert bodies.form_field(body, "multipart/form-data", "model") is None  # no boundary
+    assert bodies.form_field(body, "text/plain", "model") is None
+    assert bodies.form_field(body.replace(b"name*=utf-8", b"name*=nope-8"), multipart,
+                             "model") == "cheap"  # a charset Python lacks: that part unread
+    # Past Starlette's 1,000 fields, which it refuses: unread, and not made a list of.
+    many = b"&" * 5000 + b"model=x"
+    assert bodies.form_field(many, urlencoded, "model") is None
+    many = _multipart(*[('form-data; name="f"', b"x")] * bodies.MAX_FORM_FIELDS,
+                      ('form-data; name="model"', b"x"))
+    assert bodies.form_field(many, multipart, "model") is None

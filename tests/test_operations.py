@@ -558,6 +558,72 @@ async def test_a_request_naming_no_model_takes_the_default_models_block(upstream
                                operation="default", reason="queue_full") == 1
 
 
+async def test_an_azure_deployment_path_names_its_model(upstream, start_sluice):
+    # A hostile trial: Azure OpenAI serves the model of the deployment its path names
+    # (/openai/deployments/{name}/...), whatever the body says or without one; models: and
+    # pricing read the body only, so four calls to the gpt-4o deployment passed its 1/min,
+    # and a body naming a cheap model was priced as that one.
+    sluice = await start_sluice({
+        "pricing": {"gpt-4o-mini": {"input": 0.15, "output": 0.6}},
+        "routes": [{"name": "az", "path_prefix": "/az/", "upstream": upstream.url,
+                    "protocol": "openai", "models": {"gpt-4o": {"rate": {"requests": "1/min"}}}},
+                   {"name": "priced", "path_prefix": "/priced/", "upstream": upstream.url,
+                    "protocol": "openai", "budget": {"usd": "10/day", "per": "route"}}]})
+    chat = "/openai/deployments/gpt-4o/chat/completions?api-version=2024-10-21"
+    messages = [{"role": "user", "content": "hi"}]
+    async with aiohttp.ClientSession() as http:
+        async def call(path: str, **body: Any) -> tuple[int, str | None]:
+            async with http.post(sluice.url + path, json={"messages": messages,
+                                                          "max_tokens": 5, **body}) as answer:
+                await answer.read()
+                return answer.status, answer.headers.get("X-Sluice-Reason")
+
+        assert await call("/az" + chat) == (200, None)
+        for body in ({"model": "gpt-4o-mini"}, {}):  # the path wins over the body
+            assert await call("/az" + chat, **body) == (429, "rate_limited")
+        assert await call("/az/openai/deployments/gpt-4%6F/embeddings", input="x") == (
+            429, "rate_limited")
+        assert await call("/az/v1/chat/completions", model="gpt-4o-mini") == (200, None)
+        # Priced as the deployment's model, which the table lacks: never as the body's.
+        assert await call("/priced" + chat, model="gpt-4o-mini") == (400, "unpriced_model")
+    assert await sluice.metric("sluice_operation_rejections_total", route="az",
+                               operation="gpt-4o", reason="rate_limited") == 3
+    assert [seen.path_qs for seen in upstream.requests] == [chat, "/v1/chat/completions"]
+
+
+async def test_a_form_names_its_model_and_an_unreadable_body_is_defaults(upstream,
+                                                                         start_sluice):
+    # A hostile trial: OpenAI's transcriptions and image edits send a form (model=whisper-1);
+    # a models: block read JSON bodies only, so such calls got neither their model's block
+    # nor default's, which the docs promise a call naming none.
+    sluice = await start_sluice({"routes": [{
+        "name": "llm", "path_prefix": "/llm/", "upstream": upstream.url, "protocol": "openai",
+        "models": {"whisper-1": {"rate": {"requests": "1/min"}},
+                   "default": {"rate": {"requests": "1/min"}}}}]})
+    url = sluice.url + "/llm/v1/audio/transcriptions"
+    async with aiohttp.ClientSession() as http:
+        async def post(**kwargs: Any) -> tuple[int, str | None]:
+            async with http.post(url, **kwargs) as answer:
+                await answer.read()
+                return answer.status, answer.headers.get("X-Sluice-Reason")
+
+        for _ in range(2):
+            form = aiohttp.FormData()
+            form.add_field("file", b"RIFF....WAVE", filename="a.wav", content_type="audio/wav")
+            form.add_field("model", "whisper-1")
+            assert (await post(data=form))[0] in (200, 429)
+        assert await post(data={"model": "whisper-1"}) == (429, "rate_limited")  # urlencoded
+        assert await post(data=b"\x00 no model here",
+                          headers={"Content-Type": "application/octet-stream"}) == (200, None)
+        assert await post(data=b"model=x&y", headers={"Content-Type": "text/plain"}) == (
+            429, "rate_limited")
+    assert await sluice.metric("sluice_operation_rejections_total", route="llm",
+                               operation="whisper-1", reason="rate_limited") == 2
+    assert await sluice.metric("sluice_operation_rejections_total", route="llm",
+                               operation="default", reason="rate_limited") == 1
+    assert len(upstream.requests) == 2
+
+
 #: Bodies Python's ``json.loads`` reads (as FastAPI-based upstreams do) and orjson refuses.
 _LENIENT_BODIES = {
     "byte order mark": lambda text: b"\xef\xbb\xbf" + text.encode(),
