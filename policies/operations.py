@@ -52,7 +52,13 @@ from policies.config import (
     endpoint_pattern,
 )
 from policies.idempotency import Idempotency
-from policies.paths import as_routed, decode_unreserved, deployment_named, without_trailing_slash
+from policies.paths import (
+    as_routed,
+    decode_unreserved,
+    deployment_named,
+    without_params,
+    without_trailing_slash,
+)
 from policies.pipeline import Call, Outcome, Policy
 from policies.rate import RateLimiter, Units
 from policies.reasons import Reason, Rejected
@@ -319,13 +325,15 @@ class OperationIndex:
         self.deployments = (urlsplit(upstream).path if key == "models" and protocol == "openai"
                             else None)
         self.default = DEFAULT_OPERATION if DEFAULT_OPERATION in self.names else None
-        #: ``endpoints:`` as ``(method, path regex, block name)``, in file order.
+        #: ``endpoints:`` as ``(method, path pattern folded to lower case, block name)``, in
+        #: file order: upstreams that route case-insensitively (Express, ASP.NET Core) would
+        #: serve ``/V1/JOBS/3`` as ``/v1/jobs/3`` (:mod:`policies.paths`).
         self.endpoints: list[tuple[str, PathGlob, str]] = []
         if key == "endpoints":
             for name in names:
                 if name != DEFAULT_OPERATION:
                     method, pattern = endpoint_pattern(name)
-                    self.endpoints.append((method, pattern, name))
+                    self.endpoints.append((method, PathGlob(pattern.pattern.lower()), name))
 
     def find(self, method: str, path: str, body: bytes, tool: str | None,
              headers: Mapping[str, str] | None = None) -> tuple[str | None, str | None]:
@@ -343,10 +351,14 @@ class OperationIndex:
         none that Sluice can read is ``default``'s, as the upstream serves it some model.
         """
         if self.key == "endpoints":
-            # Every reading of the path (policies.paths): the first pattern one matches applies.
-            path = decode_unreserved(path.partition("?")[0])
+            # Every reading of the path (policies.paths), folded to lower case as the patterns
+            # are: the first pattern one matches applies.
+            path = decode_unreserved(path.partition("?")[0]).lower()
             routed = as_routed(path)
             readings = {path, routed, without_trailing_slash(routed)}
+            if ";" in path:
+                bare = as_routed(without_params(path))
+                readings.update((bare, without_trailing_slash(bare)))
             for allowed, pattern, name in self.endpoints:
                 if (allowed == "*" or allowed == method) and any(
                         pattern.fullmatch(reading) for reading in readings):
