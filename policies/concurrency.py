@@ -51,7 +51,8 @@ in time is in time, however long it runs.
 
 ``per_tenant`` caps one tenant's requests on the route, in flight *and* queued together, so one
 tenant can never hold more than ``per_tenant`` slots; the next one is answered 429
-``tenant_concurrency`` at once (its own quota is spent, SPEC). Each tenant's count is kept even
+``tenant_concurrency`` at once (its own quota is spent, SPEC); a call of the route waiting for
+an operation's slot counts too (:class:`OperationSlot`). Each tenant's count is kept even
 without a cap (one dict update per request), so a cap switched on by a reload is exact at once
 and the admin API can show who holds the slots.
 
@@ -89,7 +90,7 @@ import sys
 import time
 from collections.abc import Callable, Mapping
 
-from policies.pipeline import Call, Outcome
+from policies.pipeline import Call, Holding, Outcome
 from policies.reasons import Reason, Rejected
 from policies.wording import counted
 
@@ -509,6 +510,19 @@ class ConcurrencyLimiter:
             report_expiry(call, rejected)
             raise
         return Slot(self, tenant, charged, call.priority)
+
+    def count_waiting(self, tenant: str) -> None:
+        """Count one of ``tenant``'s calls of the route, waiting for an operation's slot
+        (:class:`OperationSlot`), among its calls in flight and queued here, which
+        ``per_tenant`` caps; :meth:`_leave` ends the count.
+
+        Raises:
+            Rejected: ``tenant_concurrency`` (429): ``tenant`` holds ``per_tenant`` calls.
+        """
+        held = self._by_tenant.get(tenant, 0)
+        if held >= self._tenant_cap:
+            raise self._tenant_refusal(held, tenant)
+        self._by_tenant[tenant] = held + 1
 
     def wait_budget(self, caller_timeout: float | None, reads: bool = False) -> float:
         """How long a request may queue, seconds: ``max_wait``, or less when the caller's own
@@ -943,3 +957,43 @@ class ConcurrencyLimiter:
             self._turns_seen = (self.turns, now)
             return now
         return since
+
+
+class OperationSlot:
+    """An operation's ``concurrency`` step on a route with its own (the pipeline step of
+    :mod:`policies.operations`): the operation's slot, and its queue, counted in the route's
+    ``per_tenant`` while the call waits there.
+
+    The operation's slot is taken before the route's, so that a call waiting for a busy
+    operation holds none of the route's slots (docs/design.md). It is queued on the route all
+    the same, and ``per_tenant`` caps a tenant's calls in flight *and queued* on it: so from
+    this step on the call counts in the route limiter's tenant count
+    (:meth:`ConcurrencyLimiter.count_waiting`; 429 ``tenant_concurrency`` at once past it),
+    until the route's own step counts it, right after the operation's slot is taken (nothing
+    awaits between the two). A hostile trial: a tenant held 1 call in flight and 9 queued for
+    an endpoint's slot on a route of ``per_tenant: 2``, none refused.
+
+    Args:
+        operation: the operation's limiter.
+        route: the route's limiter (a route without one takes the operation's step as is).
+    """
+
+    __slots__ = ("operation", "route")
+
+    def __init__(self, operation: ConcurrencyLimiter, route: ConcurrencyLimiter) -> None:
+        self.operation = operation
+        self.route = route
+
+    async def admit(self, call: Call) -> Holding:
+        """The pipeline step: :meth:`ConcurrencyLimiter.admit` of the operation's limiter.
+
+        Raises:
+            Rejected: the route's ``tenant_concurrency``; or as that ``admit`` does.
+        """
+        route = self.route
+        tenant = call.tenant
+        route.count_waiting(tenant)
+        try:
+            return await self.operation.admit(call)
+        finally:
+            route._leave(tenant)  # the route's step counts it from here, if it goes on

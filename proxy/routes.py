@@ -21,7 +21,7 @@ from urllib.parse import unquote
 from policies.accounting import Accounting
 from policies.breaker import Breaker
 from policies.budget import Budgets, hold_for
-from policies.concurrency import ConcurrencyLimiter
+from policies.concurrency import ConcurrencyLimiter, OperationSlot
 from policies.config import DEFAULT_OPERATION, ModelPrice, RouteConfig
 from policies.idempotency import Idempotency
 from policies.operations import (
@@ -278,7 +278,10 @@ class Route:
                 op and op.costs,  # the operation's cost, held on the usd budgets
                 self.global_fanout,  # the run's width, all routes, and its queue
                 self.fanout,  # the run's width on this route, and its queue
-                op and op.concurrency,  # the operation's slot, and its queue
+                # The operation's slot, and its queue, counted in the route's per_tenant.
+                op and op.concurrency and (OperationSlot(op.concurrency, self.concurrency)
+                                           if self.concurrency is not None
+                                           else op.concurrency),
                 self.concurrency,  # the slot, and its queue
             ),
             (self.breaker, op and op.breaker),

@@ -27,6 +27,7 @@ from mcp import Client, MCPError
 from proxy.config import StrictLoader
 from tests import mcp_servers
 from tests.conftest import REPO, wait_until
+from tests.redis_servers import delete_prefix, new_prefix, require_redis
 
 mcp_stateless = mcp_servers.mcp_stateless
 mcp_session = mcp_servers.mcp_session
@@ -421,6 +422,59 @@ async def test_per_endpoint_limit_on_an_http_route(upstream, start_sluice):
                                operation="POST /v1/jobs/*", reason="queue_full") == 1
     assert await sluice.metric("sluice_operation_requests_total", route="api",
                                operation="POST /v1/jobs/*", outcome="2xx") == 2
+
+
+@pytest.fixture(params=["memory", "redis"])
+def state(request: pytest.FixtureRequest) -> Any:
+    """A ``state`` block: memory, or Redis under a key prefix of the test's own."""
+    if request.param == "memory":
+        yield {"backend": "memory"}
+        return
+    url = require_redis()
+    prefix = new_prefix()
+    try:
+        yield {"backend": "redis", "redis_url": url, "key_prefix": prefix, "timeout": "2s"}
+    finally:
+        delete_prefix(url, prefix)
+
+
+async def test_route_per_tenant_counts_calls_queued_for_an_operations_slot(upstream,
+                                                                         start_sluice, state):
+    # A hostile trial: per_tenant counts a tenant's calls in flight *and queued* on the
+    # route, but one waiting for an endpoint's slot (taken before the route's, so that it
+    # holds none of the route's slots) was not counted: one tenant held 1 call in flight and
+    # 9 queued with per_tenant 2, none refused.
+    sluice = await start_sluice({"state": state, "routes": [{
+        "name": "api", "path_prefix": "/api/", "upstream": upstream.url,
+        "concurrency": {"limit": 8, "queue": 32, "max_wait": "20s", "per_tenant": 2},
+        "endpoints": {"POST /slow": {"concurrency": {"limit": 1, "queue": 16,
+                                                     "max_wait": "20s"}}}}]})
+    upstream.hold = asyncio.Event()
+    async with aiohttp.ClientSession() as http:
+        async def post(path: str, tenant: str) -> tuple[int, str | None]:
+            async with http.post(sluice.url + "/api" + path, data=b"{}",
+                                 headers={"X-Tenant-ID": tenant}) as answer:
+                await answer.read()
+                return answer.status, answer.headers.get("X-Sluice-Reason")
+
+        calls = [asyncio.create_task(post("/slow", "a"))]
+        await wait_until(lambda: len(upstream.requests) == 1, what="a's first call upstream")
+        calls.append(asyncio.create_task(post("/slow", "a")))
+        await sluice.wait_metric("sluice_queue_depth", 1, route="api")
+        # a holds 2 on the route (1 in flight, 1 queued for the endpoint): refused at once,
+        # for the endpoint and for any other call of the route.
+        assert await post("/slow", "a") == (429, "tenant_concurrency")
+        assert await post("/other", "a") == (429, "tenant_concurrency")
+        calls.append(asyncio.create_task(post("/slow", "b")))  # b's own count: it queues
+        await sluice.wait_metric("sluice_queue_depth", 2, route="api")
+        upstream.hold.set()
+        assert await asyncio.gather(*calls) == [(200, None)] * 3
+        # Each call was counted once, and is no more: a holds 2 at once again.
+        upstream.hold = asyncio.Event()
+        calls = [asyncio.create_task(post(path, "a")) for path in ("/slow", "/other")]
+        await wait_until(lambda: len(upstream.requests) == 5, what="a's two calls upstream")
+        upstream.hold.set()
+        assert await asyncio.gather(*calls) == [(200, None)] * 2
 
 
 # -- per-model token rate on an openai route -----------------------------------------------------
