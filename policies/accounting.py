@@ -62,9 +62,9 @@ from policies.config import DEFAULT_OPERATION, ModelPrice, RouteConfig
 from policies.operations import model_of
 from policies.paths import deployment_named
 from policies.pipeline import SENT_UNANSWERED, Call, Outcome, survive_leaving
-from policies.rate import RateLimiter, Units, fallback_for
+from policies.rate import RateLimiter, Units, buckets_full, fallback_for
 from policies.reasons import Reason, Rejected
-from policies.state import LedgerFull, StateBackends, StateUnavailable
+from policies.state import LedgerFull, RateBucketsFull, StateBackends, StateUnavailable
 from policies.state.admission import AdmissionResult
 from policies.state.rate import Take
 from policies.usage import (
@@ -285,8 +285,8 @@ class Accounting:
 
         Raises:
             Rejected: ``exceeds_limit``, ``unpriced_model``, ``rate_limited``,
-                ``token_rate_limited``, ``budget_exhausted``, ``state_unavailable``; nothing
-                is left held.
+                ``token_rate_limited``, ``budget_exhausted``, ``budget_counters_full``,
+                ``rate_buckets_full``, ``state_unavailable``; nothing is left held.
             asyncio.CancelledError: the caller left; what a Redis admission took is given
                 back once its reply arrives.
         """
@@ -340,8 +340,12 @@ class Accounting:
                                                        hold_s)
             except LedgerFull as full:
                 raise Budgets.full(full) from None
+            except RateBucketsFull as full:  # and memory buckets, with theirs
+                raise buckets_full(full) from None
         except LedgerFull as exc:  # raised before anything was taken
             raise Budgets.full(exc) from None
+        except RateBucketsFull as exc:  # the same
+            raise buckets_full(exc) from None
         if rate is not None:
             rate.note(source, takes, result.rates)
         if budgets is not None and reservation is not None:

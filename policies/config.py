@@ -459,6 +459,13 @@ class StateConfig(_Section):
     #: ``budget_counters_full`` while known tenants and runs keep working. Redis expires its
     #: counters itself: this bounds the memory backend and ``local`` fallback only.
     max_budget_counters: int = Field(default=1_000_000, ge=1)
+    #: Rate buckets (one per tenant with ``rate.per_tenant``, a route's and an operation's
+    #: own) the memory state keeps at most, ~0.4 KiB each with 100-character tenant ids. A
+    #: bucket is kept until it drains, so no spent rate is given back; a call needing a new
+    #: one beyond the cap (a new tenant) is refused 503 ``rate_buckets_full`` while known
+    #: tenants keep working. Redis expires its buckets itself: this bounds the memory backend
+    #: and ``local`` fallback only.
+    max_rate_buckets: int = Field(default=250_000, ge=1)
 
     @model_validator(mode="after")
     def _coherent(self) -> StateConfig:
