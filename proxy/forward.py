@@ -13,6 +13,11 @@ bytes they describe. Only framing is the proxy's own (RFC 9110 §7.6.1):
   buffered body) and ``Expect`` (Sluice answered ``100-continue`` itself and has the whole
   body) are dropped too, since forwarding them stale desyncs, misroutes or stalls the
   upstream connection;
+* on the request, a spelling of an identity header (tenant, run, parent run, priority) with
+  an underscore for a dash (``X_Tenant_ID``) is dropped: WSGI and CGI upstreams read it as
+  the header itself (``HTTP_X_TENANT_ID``), so it would name another tenant than the one
+  Sluice charged (nginx drops every underscored field by default, ``underscores_in_headers
+  off``); the fields Sluice reads go on as sent;
 * ``X-Forwarded-For`` gets the caller's address appended;
 * ``Idempotency-Key`` is set when the route's idempotency policy chose the key (derived or
   fresh); a caller's own key passes as it came.
@@ -35,9 +40,11 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import logging
 import re
 import time
+from collections.abc import Collection
 
 import aiohttp
 from aiohttp import HttpVersion11, hdrs, web
@@ -356,11 +363,31 @@ def _copy_headers(headers: CIMultiDictProxy[str], drop: frozenset[str]) -> CIMul
     return out
 
 
-def request_drop(removed: list[str]) -> frozenset[str]:
+def request_drop(removed: list[str], identity: Collection[str] = ()) -> frozenset[str]:
     """The request fields that never go upstream (hop-by-hop ones, ``Host``,
-    ``Content-Length``, ``Expect``) and a route's ``request_headers_to_remove``, lower case:
-    the ``drop`` of :func:`upstream_headers`."""
-    return _REQUEST_DROP | {name.lower() for name in removed}
+    ``Content-Length``, ``Expect``), a route's ``request_headers_to_remove`` and the
+    underscore look-alikes of the ``identity`` headers (:func:`lookalikes`), lower case: the
+    ``drop`` of :func:`upstream_headers`. Found in one set intersection, in C, whatever the
+    request holds: no step of the request path's own."""
+    names = {name.lower() for name in identity}
+    return (_REQUEST_DROP | {name.lower() for name in removed}
+            | {spelling for name in names for spelling in lookalikes(name)} - names)
+
+
+#: Separators of an identity header's name spelled both ways at most (2^n spellings); past
+#: them, only the spelling with every one an underscore (a name that long is not in use).
+_SPELLED_SEPARATORS = 6
+
+
+def lookalikes(name: str) -> set[str]:
+    """The spellings of header ``name`` (lower case) with any of its dashes written as an
+    underscore or the reverse, ``name`` itself included: WSGI and CGI read them all as one
+    field (``X_Tenant_ID``, ``X-Tenant_ID`` and ``X-Tenant-ID`` are ``HTTP_X_TENANT_ID``)."""
+    parts = re.split("[-_]", name.lower())
+    if len(parts) - 1 > _SPELLED_SEPARATORS:
+        return {name.lower(), "_".join(parts)}
+    return {"".join(part + sep for part, sep in zip(parts, (*seps, ""), strict=True))
+            for seps in itertools.product("-_", repeat=len(parts) - 1)}
 
 
 def upstream_headers(request: web.BaseRequest, drop: frozenset[str] = _REQUEST_DROP

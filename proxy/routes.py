@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 import urllib.parse
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 from urllib.parse import unquote
 
@@ -128,12 +128,15 @@ class Route:
                  clock: Callable[[], float] = time.time, run_header: str = "X-Run-ID",
                  runs: RunRegistry | None = None, global_limits: RunLimits | None = None,
                  global_fanout: FanoutWidth | None = None, global_fanout_wait: float = 0.0,
-                 state: StateBackends | None = None) -> None:
+                 state: StateBackends | None = None,
+                 identity_headers: Collection[str] = ()) -> None:
         """Build the route and its policy objects; nothing live is touched (no gauge bound, no
         shared object changed), so a route built and then dropped leaves no trace.
 
         ``global_fanout_wait`` is the top-level ``fanout.max_wait`` of the config being built:
         the shared ``global_fanout`` still has the running one until the reload is committed.
+        ``identity_headers``: the tenant, run, parent run and priority headers, whose
+        underscore look-alikes are not forwarded (:func:`proxy.forward.request_drop`).
         """
         self.config = config
         #: Where the policies keep their counters: this process's memory, or Redis shared by
@@ -146,7 +149,7 @@ class Route:
         #: The upstream URL carries user info: aiohttp sends it as HTTP Basic credentials,
         #: and refuses a request that also has an Authorization header.
         self.own_credentials = "@" in urllib.parse.urlsplit(config.upstream).netloc
-        self.request_drop = request_drop(config.request_headers_to_remove)
+        self.request_drop = request_drop(config.request_headers_to_remove, identity_headers)
         #: The request path from this index on is what goes upstream (the prefix less its
         #: last slash).
         self.cut = len(self.prefix) - 1

@@ -278,11 +278,15 @@ class Runtime:
                                         width_limiters(self.state, "*"))
         else:  # the running one adopts the block at commit, keeping every run's calls
             fanout_reconfigure = fanout
+        ident = config.identity
+        identity = (ident.tenant_header, ident.run_header, ident.parent_run_header,
+                    ident.priority_header)
         routes = [
             Route(rc, self.events, pricing=config.pricing, clock=self.clock,
                   run_header=config.identity.run_header, runs=self.runs,
                   global_limits=global_limits, global_fanout=global_fanout,
-                  global_fanout_wait=fanout.max_wait if fanout else 0.0, state=self.state)
+                  global_fanout_wait=fanout.max_wait if fanout else 0.0, state=self.state,
+                  identity_headers=identity)
             for rc in config.routes
         ]
         replaces = {route.name: running[route.name] for route in routes

@@ -138,6 +138,30 @@ async def test_trusted_identity_takes_the_tenant_from_the_api_key(upstream, star
         assert "sk-team" not in text and "sk-stolen" not in text
 
 
+async def test_underscore_look_alikes_of_identity_headers_are_not_forwarded(
+        upstream, start_sluice, tmp_path):
+    # A hostile trial: team-a's key with X_Tenant_ID: team-b was charged to team-a, and the
+    # look-alike went upstream as sent, where a WSGI or CGI server reads it as X-Tenant-ID
+    # (HTTP_X_TENANT_ID): the tool server behind saw team-b. The fields Sluice reads still go
+    # on as sent; every other underscored field too.
+    (tmp_path / "tenants.yaml").write_text(yaml.safe_dump(TENANTS))
+    sluice = await start_sluice({"identity": {"tenants": "tenants.yaml",
+                                              "run_header": "X-Agent-Run"},
+                                 "routes": [route("up", upstream.url, "http")]})
+    sent = [("Authorization", "Bearer sk-team-a"), ("X-Tenant-ID", "team-a"),
+            ("X_Tenant_ID", "team-b"), ("x-tenant_id", "team-b"), ("X-Agent-Run", "r1"),
+            ("X_Agent_Run", "r2"), ("X-Parent_Run-ID", "p"), ("X_Priority", "critical"),
+            ("X_Custom_Field", "kept")]
+    async with aiohttp.ClientSession() as session:
+        async with session.post(sluice.url + "/up/x", data=b"{}", headers=sent) as answer:
+            assert answer.status == 200
+    forwarded = {name.lower(): value for name, value in upstream.requests[-1].headers.items()}
+    assert {name: value for name, value in forwarded.items()
+            if name.replace("_", "-") in ("x-tenant-id", "x-agent-run", "x-parent-run-id",
+                                          "x-priority", "x-custom-field")} == {
+        "x-tenant-id": "team-a", "x-agent-run": "r1", "x_custom_field": "kept"}
+
+
 async def _message(session: aiohttp.ClientSession, url: str, headers: dict[str, str]
                    ) -> tuple[int, str]:
     async with session.post(url + CHAT, json=BODY, headers=headers) as r:
