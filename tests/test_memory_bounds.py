@@ -418,3 +418,15 @@ def test_the_config_default_is_the_rate_buckets_and_the_config_sets_the_cap():
     backends = backends_for(StateConfig(max_rate_buckets=7))
     assert backends.rates.max_buckets == 7  # type: ignore[attr-defined]
     assert backends.fallback.memory().rates.max_buckets == 7  # type: ignore[attr-defined]
+
+
+def test_the_readme_states_the_run_registrys_bounds():
+    """The README said "at most 10,000 runs (~0.9 KiB each)", but runs holding
+    ``run.max_requests`` counts are kept up to ``MAX_COUNTED_RUNS``, ~1.5 KiB each with
+    100-character ids (a hostile trial)."""
+    from tests.conftest import REPO
+
+    readme = " ".join((REPO / "README.md").read_text().split())
+    assert (f"at most {runs_module.MAX_RUNS:,} runs, or {runs_module.MAX_COUNTED_RUNS:,} on a "
+            f"route with `run.max_requests`") in readme
+    assert "~1.5 KiB each" in readme
