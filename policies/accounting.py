@@ -59,7 +59,6 @@ from urllib.parse import urlsplit
 
 from policies.budget import Budgets, Reservation, price_usd
 from policies.config import DEFAULT_OPERATION, ModelPrice, RouteConfig
-from policies.operations import model_of
 from policies.paths import deployment_named
 from policies.pipeline import SENT_UNANSWERED, Call, Outcome, survive_leaving
 from policies.rate import RateLimiter, Units, buckets_full, fallback_for
@@ -75,6 +74,7 @@ from policies.usage import (
     Usage,
     content_coding,
     endpoint_for,
+    model_named,
     read_request,
 )
 
@@ -210,12 +210,16 @@ class Accounting:
         return charge
 
     def _model_limits_tokens(self, call: Call, deployment: str | None) -> bool:
-        """Whether the model ``call`` names (``deployment``, the Azure deployment its path
-        names, else its body's: :func:`policies.operations.model_of`) has a token rate of its
-        own (``models:``): read only for a body the accounting could not take."""
+        """Whether the model ``call`` names has a token rate of its own (``models:``): asked
+        only for a body the accounting could not take. The model is ``call.model``, as the
+        route's ``models:`` read it (its form parsed once, off the loop when large); else
+        ``deployment`` (the Azure deployment its path names) or its JSON ``model``."""
         if not self.token_models:
             return False
-        return self._weighs_tokens(deployment or model_of(call.body, call.headers))
+        model = call.model
+        if model is None:  # token_models come from models:, whose read sets it: a fallback
+            model = deployment or model_named(call.body) or ""
+        return self._weighs_tokens(model)
 
     def _weighs_tokens(self, model: str) -> bool:
         """Whether the ``models:`` block that applies to ``model`` (its own, else

@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
-from policies.bodies import form_field
+from policies.bodies import form_field, is_form, read_form_field
 from policies.breaker import Breaker
 from policies.budget import Budgets, Reservation
 from policies.concurrency import ConcurrencyLimiter
@@ -336,7 +336,8 @@ class OperationIndex:
                     self.endpoints.append((method, PathGlob(pattern.pattern.lower()), name))
 
     def find(self, method: str, path: str, body: bytes, tool: str | None,
-             headers: Mapping[str, str] | None = None) -> tuple[str | None, str | None]:
+             headers: Mapping[str, str] | None = None,
+             model: str | None = None) -> tuple[str | None, str | None]:
         """``(name, block)`` of a call: its name for metrics and events (the tool, the
         matching endpoint pattern or ``default``, the model; ``None`` when it has none), and
         the name of the block that applies (``None`` for none).
@@ -346,9 +347,11 @@ class OperationIndex:
         ``None`` for other calls, which have no operation; ``headers``: the request's, for
         the ``Content-Type`` of a form naming its model.
 
-        The model is the Azure deployment the path names, on ``openai`` routes; else the
-        body's ``model`` (a JSON member, or a form's field: :func:`model_of`); a call naming
-        none that Sluice can read is ``default``'s, as the upstream serves it some model.
+        The model (``model``: as :meth:`read_model` read it, else read here with
+        :meth:`model`) is the Azure deployment the path names, on ``openai`` routes; else
+        the body's ``model`` (a JSON member, or a form's field: :func:`model_of`); a call
+        naming none that Sluice can read is ``default``'s, as the upstream serves it some
+        model.
         """
         if self.key == "endpoints":
             # Every reading of the path (policies.paths), folded to lower case as the patterns
@@ -370,16 +373,33 @@ class OperationIndex:
                 return None, None
             name = tool
         else:
-            base = self.deployments
-            name = deployment_named(base + path) if base is not None else None
-            if name is None:
-                name = model_of(body, headers)
+            name = model if model is not None else self.model(path, body, headers)
         if not name:  # a request naming no model is the upstream's default model's
             default = self.default
             return (DEFAULT_OPERATION, default) if default is not None else (None, None)
         if name not in self.names or name == DEFAULT_OPERATION:
             return name, self.default
         return name, name
+
+
+    def deployment(self, path: str) -> str | None:
+        """The Azure deployment ``path`` (after the route's prefix) names on an ``openai``
+        route (:func:`policies.paths.deployment_named`), else ``None``."""
+        base = self.deployments
+        return deployment_named(base + path) if base is not None else None
+
+    def model(self, path: str, body: bytes, headers: Mapping[str, str] | None) -> str:
+        """The model a POST of ``models:`` names: the Azure deployment of its ``path``, else
+        its body's (:func:`model_of`, a form parsed in this thread)."""
+        deployment = self.deployment(path)
+        return deployment if deployment is not None else model_of(body, headers)
+
+    async def read_model(self, path: str, body: bytes,
+                         headers: Mapping[str, str] | None) -> str:
+        """:meth:`model` from the event loop: a large form parsed in a worker thread
+        (:func:`read_model_of`)."""
+        deployment = self.deployment(path)
+        return deployment if deployment is not None else await read_model_of(body, headers)
 
 
 def model_of(body: bytes, headers: Mapping[str, str] | None) -> str:
@@ -389,7 +409,22 @@ def model_of(body: bytes, headers: Mapping[str, str] | None) -> str:
     :func:`policies.bodies.form_field`); ``""`` for none, or a body neither reads."""
     model = model_named(body)
     if model is None and body and headers is not None:
-        model = form_field(body, headers.get("Content-Type", ""), "model")
+        content_type = headers.get("Content-Type", "")
+        if is_form(content_type):
+            model = form_field(body, content_type, "model")
+    return model or ""
+
+
+async def read_model_of(body: bytes, headers: Mapping[str, str] | None) -> str:
+    """:func:`model_of` from the event loop: a form over
+    :data:`policies.bodies.FORM_OFF_LOOP_BYTES` is parsed in a worker thread
+    (:func:`policies.bodies.read_form_field`; a 32 MiB urlencoded body of ``%41`` parsed on
+    the loop froze every call for 9 s, a hostile trial)."""
+    model = model_named(body)
+    if model is None and body and headers is not None:
+        content_type = headers.get("Content-Type", "")
+        if is_form(content_type):
+            model = await read_form_field(body, content_type, "model")
     return model or ""
 
 
@@ -445,15 +480,22 @@ class Operations:
         """The operation blocks, in file order."""
         return iter(self.by_name.values())
 
-    def resolve(self, call: Call) -> tuple[str | None, Operation | None]:
+    async def resolve(self, call: Call) -> tuple[str | None, Operation | None]:
         """``(name, operation)`` of ``call`` (:meth:`OperationIndex.find`): its name for
-        metrics and events, and the block that applies (``None`` for none).
+        metrics and events, and the block that applies (``None`` for none). On ``models:``
+        a POST's model is read once, here (:meth:`OperationIndex.read_model`), and kept as
+        ``call.model`` for the accounting, which would otherwise read the body again.
 
         On ``mcp`` routes the name is ``call.operation`` as the handler set it (the tool of a
         ``tools/call``); other MCP calls (``resources/read``, ...) have no operation.
         """
-        name, block = self.index.find(call.method, call.path[self.prefix_len:], call.body,
-                                      call.operation, call.headers)
+        path = call.path[self.prefix_len:]
+        index = self.index
+        model = None
+        if index.key == "models" and call.method == "POST":
+            model = call.model = await index.read_model(path, call.body, call.headers)
+        name, block = index.find(call.method, path, call.body, call.operation, call.headers,
+                                 model)
         return name, self.by_name[block] if block is not None else None
 
     def take_over(self, old: Operations | None, carry: TakeOver) -> None:

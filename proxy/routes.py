@@ -313,13 +313,14 @@ class Route:
         self.events.emit(event, call.request_id, self.name, call.tenant, call.run,
                          call.idempotency_key, **fields)
 
-    def plan(self, call: Call) -> Plan:
+    async def plan(self, call: Call) -> Plan:
         """The plan ``call`` is admitted and forwarded with; sets ``call.operation`` to its
-        operation's name (``None`` for none) for metrics and events."""
+        operation's name (``None`` for none) for metrics and events, and ``call.model`` on
+        ``models:`` (a large form is read in a worker thread)."""
         operations = self.operations
         if operations is None:
             return self.base_plan
-        name, op = operations.resolve(call)
+        name, op = await operations.resolve(call)
         call.operation = name
         return self._plans[op.name] if op is not None else self.base_plan
 

@@ -612,6 +612,40 @@ async def test_a_request_naming_no_model_takes_the_default_models_block(upstream
                                operation="default", reason="queue_full") == 1
 
 
+async def test_a_forms_model_is_read_once_per_call(upstream, monkeypatch):
+    # A review: a form naming its model was parsed twice per call, by the models: look-up
+    # and again by the accounting (a model whose tokens are limited); each parse of a 32 MiB
+    # form held the event loop. The look-up's model goes on to the accounting on the call.
+    from policies import bodies
+    from policies.pipeline import REFUSED, Admission, Call
+    from policies.reasons import Rejected
+    from tests.conftest import open_runtime, route
+
+    parses: list[bytes] = []
+    real = bodies.form_field
+    monkeypatch.setattr(bodies, "form_field",
+                        lambda body, *args: parses.append(body) or real(body, *args))
+    runtime = await open_runtime(route("llm", upstream.url, models={
+        "whisper-1": {"rate": {"tokens": "1000/min"}}}))
+    try:
+        (llm,) = runtime.routes
+        form = (b'--b0\r\nContent-Disposition: form-data; name="model"\r\n\r\n'
+                b"whisper-1\r\n--b0--\r\n")
+        call = Call(request_id="r", route="llm", method="POST",
+                    path="/llm/v1/chat/completions", body=form, tenant="t",
+                    headers={"Content-Type": "multipart/form-data; boundary=b0"})
+        plan = await llm.plan(call)
+        assert (call.operation, call.model) == ("whisper-1", "whisper-1")
+        admission = Admission()
+        with pytest.raises(Rejected) as refused:  # no JSON to count its tokens by
+            await admission.admit(plan.policies, call)
+        admission.release(REFUSED)
+        assert "this model's tokens are limited" in refused.value.detail
+        assert parses == [form]
+    finally:
+        await runtime.close()
+
+
 async def test_an_azure_deployment_path_names_its_model(upstream, start_sluice):
     # A hostile trial: Azure OpenAI serves the model of the deployment its path names
     # (/openai/deployments/{name}/...), whatever the body says or without one; models: and
