@@ -349,9 +349,10 @@ class OperationIndex:
 
         The model (``model``: as :meth:`read_model` read it, else read here with
         :meth:`model`) is the Azure deployment the path names, on ``openai`` routes; else
-        the body's ``model`` (a JSON member, or a form's field: :func:`model_of`); a call
-        naming none that Sluice can read is ``default``'s, as the upstream serves it some
-        model.
+        the body's ``model`` (a JSON member, or a form's field: :func:`model_of`). Only a
+        POST takes a model block: a POST naming none that Sluice can read is ``default``'s,
+        as the upstream serves it some model; other methods (``GET /v1/models``, a file's
+        download) none.
         """
         if self.key == "endpoints":
             # Every reading of the path (policies.paths), folded to lower case as the patterns
@@ -372,6 +373,10 @@ class OperationIndex:
             if tool is None:
                 return None, None
             name = tool
+        elif method != "POST":
+            # Only a POST asks a model for an answer: GET /v1/models, a file's download and
+            # the like take the route's policies alone, never default's block.
+            return None, None
         else:
             name = model if model is not None else self.model(path, body, headers)
         if not name:  # a request naming no model is the upstream's default model's

@@ -612,6 +612,28 @@ async def test_a_request_naming_no_model_takes_the_default_models_block(upstream
                                operation="default", reason="queue_full") == 1
 
 
+async def test_only_a_post_takes_a_models_block(upstream, start_sluice):
+    # A review: a request naming no model got default's block, GET /v1/models and file
+    # downloads too (503 queue_full, 429 from default's rate). Only a POST asks a model for
+    # an answer: other methods get the route's policies alone.
+    sluice = await start_sluice({"routes": [{
+        "name": "llm", "path_prefix": "/llm/", "upstream": upstream.url, "protocol": "openai",
+        "models": {"default": {"rate": {"requests": "1/min"}}}}]})
+    async with aiohttp.ClientSession() as http:
+        async def call(method: str, path: str, **kwargs: Any) -> tuple[int, str | None]:
+            async with http.request(method, sluice.url + "/llm" + path, **kwargs) as answer:
+                await answer.read()
+                return answer.status, answer.headers.get("X-Sluice-Reason")
+
+        for method, path in (("GET", "/v1/models"), ("GET", "/v1/files/f-1/content"),
+                             ("DELETE", "/v1/files/f-1"), ("HEAD", "/v1/models")) * 2:
+            assert await call(method, path) == (200, None), (method, path)
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
+        assert await call("POST", "/v1/chat/completions", json=body) == (200, None)
+        assert await call("POST", "/v1/chat/completions", json=body) == (429, "rate_limited")
+    assert len(upstream.requests) == 9
+
+
 async def test_a_forms_model_is_read_once_per_call(upstream, monkeypatch):
     # A review: a form naming its model was parsed twice per call, by the models: look-up
     # and again by the accounting (a model whose tokens are limited); each parse of a 32 MiB
