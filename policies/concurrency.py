@@ -294,7 +294,8 @@ class ConcurrencyLimiter:
     async def acquire(self, tenant: str, priority: int = DEFAULT_PRIORITY,
                       caller_timeout: float | None = None,
                       on_queued: Callable[[int], None] | None = None,
-                      cost: float | None = None, *, reads: bool = False) -> float | None:
+                      cost: float | None = None, *, reads: bool = False,
+                      counted: bool = False) -> float | None:
         """Take a slot for ``tenant``, queueing for one if none is free.
 
         Args:
@@ -306,6 +307,9 @@ class ConcurrencyLimiter:
                 cover the wait and the upstream's first byte, not the whole call.
             on_queued: called with the queue depth once this call has joined the queue.
             cost: the call's cost in tokens, if known (else its service time is used).
+            counted: the call was counted among ``tenant``'s and checked against
+                ``per_tenant`` already (:class:`OperationSlot`), and its count given up just
+                before this (no await between): its cap is not checked again.
 
         Returns:
             the service time charged to the tenant's virtual time, seconds, when it is to be
@@ -321,7 +325,7 @@ class ConcurrencyLimiter:
             asyncio.CancelledError: the caller went away; nothing is held.
         """
         held = self._by_tenant.get(tenant, 0)
-        if held >= self._tenant_cap:
+        if held >= self._tenant_cap and not counted:
             raise self._tenant_refusal(held, tenant)
         if self.inflight < self.limit and not self.queued:
             charged = self._charge(tenant, priority, cost)
@@ -493,8 +497,16 @@ class ConcurrencyLimiter:
             Rejected: as :meth:`acquire` does.
         """
         tenant = call.tenant
+        counted = call.counted_by is self
+        if counted:
+            # An operation's slot counted it here while it waited (:class:`OperationSlot`):
+            # the count passes to this step, past the cap it was checked against then, with
+            # nothing awaited before this step counts it again.
+            call.counted_by = None
+            self._leave(tenant)
         held = self._by_tenant.get(tenant, 0)
-        if held < self._tenant_cap and self.inflight < self.limit and not self.queued:
+        if ((counted or held < self._tenant_cap) and self.inflight < self.limit
+                and not self.queued):
             # A free slot and nobody waiting (the usual case): :meth:`acquire`'s first branch,
             # without a coroutine, a hook and a second look-up.
             cls = call.priority
@@ -505,7 +517,7 @@ class ConcurrencyLimiter:
         try:
             charged = await self.acquire(tenant, call.priority, call.time_left(),
                                          queued_hook(call), call.cost,
-                                         reads=call.timeout_reads)
+                                         reads=call.timeout_reads, counted=counted)
         except Rejected as rejected:
             report_expiry(call, rejected)
             raise
@@ -969,9 +981,13 @@ class OperationSlot:
     the same, and ``per_tenant`` caps a tenant's calls in flight *and queued* on it: so from
     this step on the call counts in the route limiter's tenant count
     (:meth:`ConcurrencyLimiter.count_waiting`; 429 ``tenant_concurrency`` at once past it),
-    until the route's own step counts it, right after the operation's slot is taken (nothing
-    awaits between the two). A hostile trial: a tenant held 1 call in flight and 9 queued for
-    an endpoint's slot on a route of ``per_tenant: 2``, none refused.
+    and the count is the route's step's once the operation's slot is taken:
+    ``call.counted_by`` names the route limiter, whose step then neither checks the cap nor
+    counts the call again, and gives the count back once, as its own. A hostile trial: a
+    tenant held 1 call in flight and 9 queued for an endpoint's slot on a route of
+    ``per_tenant: 2``, none refused; and a review: the count ended here on success, and the
+    Redis limiter's step awaited Redis before counting it again, so a tenant of
+    ``per_tenant: 2`` held 3 calls.
 
     Args:
         operation: the operation's limiter.
@@ -993,7 +1009,11 @@ class OperationSlot:
         route = self.route
         tenant = call.tenant
         route.count_waiting(tenant)
+        call.counted_by = route
         try:
             return await self.operation.admit(call)
-        finally:
-            route._leave(tenant)  # the route's step counts it from here, if it goes on
+        except BaseException:
+            if call.counted_by is route:  # the route's step never took the count over
+                call.counted_by = None
+                route._leave(tenant)
+            raise
