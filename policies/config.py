@@ -945,9 +945,19 @@ def endpoint_pattern(key: str) -> tuple[str, PathGlob]:
 
 
 def _endpoint_keys(value: dict[str, OperationConfig]) -> dict[str, OperationConfig]:
+    """Every ``endpoints:`` key is an endpoint (:func:`endpoint_pattern`), and no two are
+    the same pattern but for case: patterns match case-insensitively
+    (:mod:`policies.paths`), so the later one would never match a call (a review:
+    ``POST /v1/Uploads/*`` silently shadowed ``POST /v1/uploads/*``)."""
+    folded: dict[tuple[str, str], str] = {}
     for key in value:
         if key != DEFAULT_OPERATION:
-            endpoint_pattern(key)
+            method, pattern = endpoint_pattern(key)
+            first = folded.setdefault((method, pattern.pattern.lower()), key)
+            if first != key:
+                raise ValueError(
+                    f"{key!r} is {first!r} but for case: patterns match paths "
+                    f"case-insensitively, so it would never match a call; keep one")
     return value
 
 
