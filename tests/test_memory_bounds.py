@@ -364,7 +364,7 @@ def test_idle_chains_are_forgotten_from_their_tips_up(monkeypatch):
 # --- the rate buckets ---------------------------------------------------------------------
 
 
-def _tenant_rate(cap: int, clock: list[float]):
+def _tenant_rate(cap: int, clock: list[float], per_tenant: str = "1/h"):
     from policies.config import RateConfig
     from policies.rate import RateLimiter
     from policies.state import memory_backends
@@ -372,7 +372,7 @@ def _tenant_rate(cap: int, clock: list[float]):
 
     backends = memory_backends(max_rate_buckets=cap)
     backends.rates = MemoryRateBuckets(lambda: int(clock[0] * 1e9), max_buckets=cap)
-    config = RateConfig.model_validate({"per_tenant": {"requests": "1/h"}})
+    config = RateConfig.model_validate({"per_tenant": {"requests": per_tenant}})
     return backends.rates, RateLimiter(config, backends, "r")
 
 
@@ -401,6 +401,25 @@ async def test_distinct_tenants_keep_at_most_the_cap_of_rate_buckets():
     # The buckets drain (an hour): they go, and new tenants are served again.
     clock[0] += 3600
     assert await rate.admit(_tenant_call("new")) is not None
+    assert len(buckets) == 1
+
+
+async def test_full_rate_buckets_are_swept_again_within_seconds():
+    """A review: at the cap the buckets were swept once, then only each minute: buckets that
+    drained meanwhile (1/s: a second) kept new tenants refused rate_buckets_full for up to a
+    minute. A full house is swept again every few seconds."""
+    from policies.state.rate import _FULL_SWEEP_INTERVAL_S, _SWEEP_INTERVAL_S
+
+    clock = [1.7e9]
+    buckets, rate = _tenant_rate(5, clock, "1/s")
+    for n in range(5):
+        assert await rate.admit(_tenant_call(f"t{n}")) is not None
+    with pytest.raises(Rejected) as exc:
+        await rate.admit(_tenant_call("late"))
+    assert exc.value.reason is Reason.RATE_BUCKETS_FULL
+    assert _FULL_SWEEP_INTERVAL_S < _SWEEP_INTERVAL_S
+    clock[0] += _FULL_SWEEP_INTERVAL_S + 1  # every bucket has drained
+    assert await rate.admit(_tenant_call("late")) is not None
     assert len(buckets) == 1
 
 
