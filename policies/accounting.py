@@ -59,13 +59,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Awaitable, Mapping
+from urllib.parse import urlsplit
 
 from policies.budget import Budgets, Reservation, price_usd
 from policies.config import DEFAULT_OPERATION, ModelPrice, Rate, RouteConfig
+from policies.paths import deployment_named
 from policies.pipeline import SENT_UNANSWERED, Call, Outcome, survive_leaving
-from policies.rate import RateLimiter, Units, fallback_for, fits_whole
+from policies.rate import RateLimiter, Units, buckets_full, fallback_for, fits_whole
 from policies.reasons import Reason, Rejected
-from policies.state import LedgerFull, StateBackends, StateUnavailable
+from policies.state import LedgerFull, RateBucketsFull, StateBackends, StateUnavailable
 from policies.state.admission import AdmissionResult
 from policies.state.rate import Take
 from policies.usage import (
@@ -127,8 +129,13 @@ class Accounting:
         self.budgets = budgets
         self.rate: RateLimiter | None = None
         self.use_rate(rate)
-        #: Each raw path's metered endpoint (``None``: not metered), as :meth:`_endpoint` found.
-        self._endpoints: dict[str, Endpoint | None] = {}
+        #: Each raw path's metered endpoint (``None``: not metered) and Azure deployment
+        #: (``None``: none), as :meth:`_endpoint` found them.
+        self._endpoints: dict[str, tuple[Endpoint | None, str | None]] = {}
+        #: On ``openai`` routes, how a raw path becomes the path the upstream sees (its URL's
+        #: own path, then the path after the route's prefix), for Azure's deployments.
+        self._deployments = ((urlsplit(config.upstream).path, len(config.path_prefix) - 1)
+                             if config.protocol == "openai" else None)
         self.run_header = run_header
         self.token_models = token_models or {}
         #: Tenants seen on this route (the first ``MAX_TENANTS_SHOWN``), for the admin API.
@@ -171,9 +178,9 @@ class Accounting:
         if call.method != "POST":
             return None  # only POSTs are metered
         try:
-            endpoint = self._endpoints[call.path]
+            endpoint, deployment = self._endpoints[call.path]
         except KeyError:
-            endpoint = self._endpoint(call.path)
+            endpoint, deployment = self._endpoint(call.path)
         if endpoint is None:
             return None
         # Every metered call on a route that limits tokens must be readable and name an
@@ -192,7 +199,7 @@ class Accounting:
             # A model's own token rate needs the cap as the route's does: passed unmetered,
             # a cap sent as "900" or 900.0 (which lax upstreams read as 900) took no tokens
             # from it (a hostile trial).
-            if not enforcing and self._model_limits_tokens(call.body):
+            if not enforcing and self._model_limits_tokens(call, deployment):
                 raise Rejected(Reason.BAD_REQUEST, None,
                                f"{exc}; this model's tokens are limited, so Sluice must "
                                f"read it") from None
@@ -203,6 +210,8 @@ class Accounting:
                         if call.units_deferred and rate is not None else None)
             raise Rejected(Reason.BAD_REQUEST, None,
                            f"{exc}; this route limits tokens, so Sluice must read it") from None
+        if deployment is not None:
+            cost.model = deployment  # Azure serves its deployment's model, whatever the body says
         model_rate = self._token_rate(cost.model or "") if self.token_models else None
         if enforcing or model_rate is not None:
             self._check(cost, call.run)
@@ -219,13 +228,17 @@ class Accounting:
         call.meter = charge
         return charge
 
-    def _model_limits_tokens(self, body: bytes) -> bool:
-        """Whether the model ``body`` names has a token rate of its own (``models:``): read
-        only for a body the accounting could not take."""
+    def _model_limits_tokens(self, call: Call, deployment: str | None) -> bool:
+        """Whether the model ``call`` names has a token rate of its own (``models:``): asked
+        only for a body the accounting could not take. The model is ``call.model``, as the
+        route's ``models:`` read it (its form parsed once, off the loop when large); else
+        ``deployment`` (the Azure deployment its path names) or its JSON ``model``."""
         if not self.token_models:
             return False
-        model = model_named(body)
-        return model is not None and self._token_rate(model) is not None
+        model = call.model
+        if model is None:  # token_models come from models:, whose read sets it: a fallback
+            model = deployment or model_named(call.body) or ""
+        return self._token_rate(model) is not None
 
     def _token_rate(self, model: str) -> Rate | None:
         """The token rate of the ``models:`` block that applies to ``model`` (its own, else
@@ -237,15 +250,20 @@ class Accounting:
             return blocks[model]
         return blocks.get(DEFAULT_OPERATION)
 
-    def _endpoint(self, raw_path: str) -> Endpoint | None:
-        """The metered endpoint a POST to ``raw_path`` calls (:func:`endpoint_for`), kept for
+    def _endpoint(self, raw_path: str) -> tuple[Endpoint | None, str | None]:
+        """The metered endpoint a POST to ``raw_path`` calls (:func:`endpoint_for`) and the
+        Azure deployment it names (:func:`deployment_named`: it names the model), kept for
         the next call to the same path (a route sees a handful; at most
         :data:`ENDPOINTS_KEPT`, then it starts over)."""
         endpoint = endpoint_for(self.protocol, "POST", raw_path)
+        deployment = None
+        if self._deployments is not None:
+            base, cut = self._deployments
+            deployment = deployment_named(base + raw_path[cut:])
         if len(self._endpoints) >= ENDPOINTS_KEPT:
             self._endpoints.clear()
-        self._endpoints[raw_path] = endpoint
-        return endpoint
+        self._endpoints[raw_path] = endpoint, deployment
+        return endpoint, deployment
 
     def _check(self, cost: RequestCost, run: str | None) -> None:
         """Refuse a call that token limits apply to if it names no output cap, or if a
@@ -290,8 +308,8 @@ class Accounting:
 
         Raises:
             Rejected: ``exceeds_limit``, ``unpriced_model``, ``rate_limited``,
-                ``token_rate_limited``, ``budget_exhausted``, ``state_unavailable``; nothing
-                is left held.
+                ``token_rate_limited``, ``budget_exhausted``, ``budget_counters_full``,
+                ``rate_buckets_full``, ``state_unavailable``; nothing is left held.
             asyncio.CancelledError: the caller left; what a Redis admission took is given
                 back once its reply arrives.
         """
@@ -345,8 +363,12 @@ class Accounting:
                                                        hold_s)
             except LedgerFull as full:
                 raise Budgets.full(full) from None
+            except RateBucketsFull as full:  # and memory buckets, with theirs
+                raise buckets_full(full) from None
         except LedgerFull as exc:  # raised before anything was taken
             raise Budgets.full(exc) from None
+        except RateBucketsFull as exc:  # the same
+            raise buckets_full(exc) from None
         if rate is not None:
             rate.note(source, takes, result.rates)
         if budgets is not None and reservation is not None:

@@ -1,4 +1,4 @@
-"""Parsing a request's JSON body without the cyclic garbage collector's help.
+"""Parsing a request's body: JSON without the cyclic garbage collector's help, and forms.
 
 A body of many small objects makes a parse allocate millions of containers, and CPython's
 cyclic collector, triggered by allocation counts, walks the growing heap again and again while
@@ -7,17 +7,27 @@ on, 0.48 s with it paused (measured here with orjson 3, CPython 3.11), the whole
 the event loop and every other call. Nothing a parse makes can be garbage until it returns, so
 pausing the collector for it frees nothing later than it would have been freed; past a size,
 the request path's parses go through :func:`loads`.
+
+Some calls send a form instead (OpenAI's audio transcriptions, image edits: a
+``multipart/form-data`` body whose ``model`` field names the model): :func:`form_field`
+reads one field of it with python-multipart, the parser of Starlette's forms (FastAPI,
+vLLM), as the upstream's framework would.
 """
 
 from __future__ import annotations
 
+import asyncio
+import codecs
 import gc
 import json
 import re
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import unquote_plus
 
 import orjson
+from python_multipart.exceptions import FormParserError
+from python_multipart.multipart import MultipartParser, QuerystringParser, parse_options_header
 
 #: A body this long or longer, bytes, is parsed with the collector paused; a shorter one costs
 #: the collector little, and the pause would cost more than it saves.
@@ -61,6 +71,177 @@ def read_leniently(body: bytes) -> tuple[Any, bool]:
             return loads(body, json.loads), False
         except (ValueError, RecursionError):  # JSONDecodeError, UnicodeDecodeError
             raise strict from None
+
+
+#: Fields a form is read for at most, and file parts apart (a part with a ``filename``):
+#: Starlette's ``max_fields`` and ``max_files`` (FastAPI, vLLM), past which it refuses the form.
+MAX_FORM_FIELDS = 1000
+MAX_FORM_FILES = 1000
+#: A multipart field's value is read up to this many bytes: Starlette's ``max_part_size``,
+#: past which it refuses the form.
+MAX_FORM_PART_BYTES = 1 << 20
+#: A form body longer than this, bytes, is parsed in a worker thread (:func:`read_form_field`):
+#: python-multipart's parsers are Python code, ~0.1 s a 32 MiB body, and a body of many
+#: fields more.
+FORM_OFF_LOOP_BYTES = 64 * 1024
+#: The media types read as forms, as Starlette's ``Request.form`` reads them.
+FORM_TYPES = frozenset({"multipart/form-data", "application/x-www-form-urlencoded"})
+
+
+class _FormEnd(Exception):
+    """A form's parse stops: a cap reached, or a part Starlette refuses."""
+
+
+def is_form(content_type: str) -> bool:
+    """Whether a request of ``Content-Type`` ``content_type`` carries a form that
+    :func:`form_field` reads."""
+    return content_type.partition(";")[0].strip().lower() in FORM_TYPES
+
+
+def form_field(body: bytes, content_type: str, name: str) -> str | None:
+    """The value of form field ``name`` in ``body``, a ``multipart/form-data`` or
+    ``application/x-www-form-urlencoded`` body as ``content_type`` (the request's header)
+    says, read by python-multipart as Starlette's form reads it (FastAPI, vLLM): the last of a
+    repeated field. ``None`` for a body of another type, or one without the field. A parse
+    that fails or reaches a cap (:data:`MAX_FORM_FIELDS` fields, :data:`MAX_FORM_FILES` file
+    parts, a field over :data:`MAX_FORM_PART_BYTES`), which Starlette refuses, stops there:
+    the field's value read so far, if any, is the answer (a body naming its model and then
+    spoiled is still that model's). Runs in the caller's thread, in time linear in the body:
+    :func:`read_form_field` from the event loop."""
+    media, params = parse_options_header(content_type)
+    media = media.lower()
+    found: list[str] = []
+    try:
+        if media == b"application/x-www-form-urlencoded":
+            _urlencoded_field(body, name, found)
+        elif media == b"multipart/form-data":
+            boundary = params.get(b"boundary")
+            if boundary:
+                _multipart_field(body, boundary, params.get(b"charset"), name, found)
+    except (_FormEnd, FormParserError, ValueError, LookupError):
+        pass  # refused by Starlette from here on: what was read stands
+    return found[-1] if found else None
+
+
+def _urlencoded_field(body: bytes, name: str, found: list[str]) -> None:
+    """:func:`form_field` of an urlencoded body: ``found`` holds the last value of ``name``
+    read so far (no other is kept); only that field's value is unquoted (every field's
+    unquoting, ``parse_qsl``'s, took 9 s of a 32 MiB body of ``%41``, a hostile trial)."""
+    wanted = name.encode("latin-1")
+    key = bytearray()
+    value: bytearray | None = None
+    fields = 0
+
+    def on_field_start() -> None:
+        nonlocal value
+        key.clear()
+        value = None
+
+    def on_field_name(data: bytes, start: int, end: int) -> None:
+        key.extend(data[start:end])
+
+    def on_field_data(data: bytes, start: int, end: int) -> None:
+        nonlocal value
+        if value is None:
+            # The name is whole once its value starts; an escaped name (m%6Fdel) is rare.
+            if key != wanted and (len(key) > 3 * len(wanted)
+                                  or unquote_plus(key.decode("latin-1")) != name):
+                return
+            value = bytearray()
+        value.extend(data[start:end])
+
+    def on_field_end() -> None:
+        nonlocal fields
+        fields += 1
+        if fields > MAX_FORM_FIELDS:
+            raise _FormEnd
+        if value is not None:
+            found[:] = [unquote_plus(value.decode("latin-1"))]
+        elif key == wanted:
+            found[:] = [""]
+
+    parser = QuerystringParser({"on_field_start": on_field_start,
+                                "on_field_name": on_field_name,
+                                "on_field_data": on_field_data,
+                                "on_field_end": on_field_end})
+    parser.write(body)
+    parser.finalize()
+
+
+def _multipart_field(body: bytes, boundary: bytes, charset: bytes | None, name: str,
+                     found: list[str]) -> None:
+    """:func:`form_field` of a multipart body: ``found`` holds the last value of ``name``
+    read so far (no other is kept). As Starlette's ``MultiPartParser`` reads it: fields and
+    file parts counted apart, a part without a ``name`` refused."""
+    encoding = codecs.lookup(charset.decode("latin-1") if charset else "utf-8").name
+    header_name = bytearray()
+    header_value = bytearray()
+    disposition = b""
+    value: bytearray | None = None
+    size = 0
+    fields = files = 0
+
+    def on_part_begin() -> None:
+        nonlocal disposition, value, size
+        disposition, value, size = b"", None, 0
+
+    def on_header_field(data: bytes, start: int, end: int) -> None:
+        header_name.extend(data[start:end])
+
+    def on_header_value(data: bytes, start: int, end: int) -> None:
+        header_value.extend(data[start:end])
+
+    def on_header_end() -> None:
+        nonlocal disposition
+        if header_name.lower() == b"content-disposition":
+            disposition = bytes(header_value)
+        header_name.clear()
+        header_value.clear()
+
+    def on_headers_finished() -> None:
+        nonlocal value, fields, files
+        options = parse_options_header(disposition)[1]
+        if b"name" not in options:
+            raise _FormEnd
+        file = b"filename" in options
+        if file:
+            files += 1
+        else:
+            fields += 1
+        if files > MAX_FORM_FILES or fields > MAX_FORM_FIELDS:
+            raise _FormEnd
+        if options[b"name"].decode(encoding, "replace") == name:
+            value = bytearray()
+
+    def on_part_data(data: bytes, start: int, end: int) -> None:
+        nonlocal size
+        if value is not None:
+            size += end - start
+            if size > MAX_FORM_PART_BYTES:
+                raise _FormEnd
+            value.extend(data[start:end])
+
+    def on_part_end() -> None:
+        if value is not None:
+            found[:] = [value.decode(encoding, "replace")]
+
+    parser = MultipartParser(boundary, {"on_part_begin": on_part_begin,
+                                        "on_header_field": on_header_field,
+                                        "on_header_value": on_header_value,
+                                        "on_header_end": on_header_end,
+                                        "on_headers_finished": on_headers_finished,
+                                        "on_part_data": on_part_data,
+                                        "on_part_end": on_part_end})
+    parser.write(body)
+    parser.finalize()
+
+
+async def read_form_field(body: bytes, content_type: str, name: str) -> str | None:
+    """:func:`form_field` from the event loop: in a worker thread for a body over
+    :data:`FORM_OFF_LOOP_BYTES`, so that no other call waits for the parse."""
+    if len(body) > FORM_OFF_LOOP_BYTES:
+        return await asyncio.to_thread(form_field, body, content_type, name)
+    return form_field(body, content_type, name)
 
 
 #: What ``orjson`` says at a value it does not take where Python reads ``NaN``/``Infinity``.

@@ -51,7 +51,8 @@ in time is in time, however long it runs.
 
 ``per_tenant`` caps one tenant's requests on the route, in flight *and* queued together, so one
 tenant can never hold more than ``per_tenant`` slots; the next one is answered 429
-``tenant_concurrency`` at once (its own quota is spent, SPEC). Each tenant's count is kept even
+``tenant_concurrency`` at once (its own quota is spent, SPEC); a call of the route waiting for
+an operation's slot counts too (:class:`OperationSlot`). Each tenant's count is kept even
 without a cap (one dict update per request), so a cap switched on by a reload is exact at once
 and the admin API can show who holds the slots.
 
@@ -89,7 +90,7 @@ import sys
 import time
 from collections.abc import Callable, Mapping
 
-from policies.pipeline import Call, Outcome
+from policies.pipeline import Call, Holding, Outcome
 from policies.reasons import Reason, Rejected
 from policies.wording import counted
 
@@ -293,7 +294,8 @@ class ConcurrencyLimiter:
     async def acquire(self, tenant: str, priority: int = DEFAULT_PRIORITY,
                       caller_timeout: float | None = None,
                       on_queued: Callable[[int], None] | None = None,
-                      cost: float | None = None, *, reads: bool = False) -> float | None:
+                      cost: float | None = None, *, reads: bool = False,
+                      counted: bool = False) -> float | None:
         """Take a slot for ``tenant``, queueing for one if none is free.
 
         Args:
@@ -305,6 +307,9 @@ class ConcurrencyLimiter:
                 cover the wait and the upstream's first byte, not the whole call.
             on_queued: called with the queue depth once this call has joined the queue.
             cost: the call's cost in tokens, if known (else its service time is used).
+            counted: the call was counted among ``tenant``'s and checked against
+                ``per_tenant`` already (:class:`OperationSlot`), and its count given up just
+                before this (no await between): its cap is not checked again.
 
         Returns:
             the service time charged to the tenant's virtual time, seconds, when it is to be
@@ -320,7 +325,7 @@ class ConcurrencyLimiter:
             asyncio.CancelledError: the caller went away; nothing is held.
         """
         held = self._by_tenant.get(tenant, 0)
-        if held >= self._tenant_cap:
+        if held >= self._tenant_cap and not counted:
             raise self._tenant_refusal(held, tenant)
         if self.inflight < self.limit and not self.queued:
             charged = self._charge(tenant, priority, cost)
@@ -492,8 +497,16 @@ class ConcurrencyLimiter:
             Rejected: as :meth:`acquire` does.
         """
         tenant = call.tenant
+        counted = call.counted_by is self
+        if counted:
+            # An operation's slot counted it here while it waited (:class:`OperationSlot`):
+            # the count passes to this step, past the cap it was checked against then, with
+            # nothing awaited before this step counts it again.
+            call.counted_by = None
+            self._leave(tenant)
         held = self._by_tenant.get(tenant, 0)
-        if held < self._tenant_cap and self.inflight < self.limit and not self.queued:
+        if ((counted or held < self._tenant_cap) and self.inflight < self.limit
+                and not self.queued):
             # A free slot and nobody waiting (the usual case): :meth:`acquire`'s first branch,
             # without a coroutine, a hook and a second look-up.
             cls = call.priority
@@ -504,11 +517,24 @@ class ConcurrencyLimiter:
         try:
             charged = await self.acquire(tenant, call.priority, call.time_left(),
                                          queued_hook(call), call.cost,
-                                         reads=call.timeout_reads)
+                                         reads=call.timeout_reads, counted=counted)
         except Rejected as rejected:
             report_expiry(call, rejected)
             raise
         return Slot(self, tenant, charged, call.priority)
+
+    def count_waiting(self, tenant: str) -> None:
+        """Count one of ``tenant``'s calls of the route, waiting for an operation's slot
+        (:class:`OperationSlot`), among its calls in flight and queued here, which
+        ``per_tenant`` caps; :meth:`_leave` ends the count.
+
+        Raises:
+            Rejected: ``tenant_concurrency`` (429): ``tenant`` holds ``per_tenant`` calls.
+        """
+        held = self._by_tenant.get(tenant, 0)
+        if held >= self._tenant_cap:
+            raise self._tenant_refusal(held, tenant)
+        self._by_tenant[tenant] = held + 1
 
     def wait_budget(self, caller_timeout: float | None, reads: bool = False) -> float:
         """How long a request may queue, seconds: ``max_wait``, or less when the caller's own
@@ -943,3 +969,51 @@ class ConcurrencyLimiter:
             self._turns_seen = (self.turns, now)
             return now
         return since
+
+
+class OperationSlot:
+    """An operation's ``concurrency`` step on a route with its own (the pipeline step of
+    :mod:`policies.operations`): the operation's slot, and its queue, counted in the route's
+    ``per_tenant`` while the call waits there.
+
+    The operation's slot is taken before the route's, so that a call waiting for a busy
+    operation holds none of the route's slots (docs/design.md). It is queued on the route all
+    the same, and ``per_tenant`` caps a tenant's calls in flight *and queued* on it: so from
+    this step on the call counts in the route limiter's tenant count
+    (:meth:`ConcurrencyLimiter.count_waiting`; 429 ``tenant_concurrency`` at once past it),
+    and the count is the route's step's once the operation's slot is taken:
+    ``call.counted_by`` names the route limiter, whose step then neither checks the cap nor
+    counts the call again, and gives the count back once, as its own. A hostile trial: a
+    tenant held 1 call in flight and 9 queued for an endpoint's slot on a route of
+    ``per_tenant: 2``, none refused; and a review: the count ended here on success, and the
+    Redis limiter's step awaited Redis before counting it again, so a tenant of
+    ``per_tenant: 2`` held 3 calls.
+
+    Args:
+        operation: the operation's limiter.
+        route: the route's limiter (a route without one takes the operation's step as is).
+    """
+
+    __slots__ = ("operation", "route")
+
+    def __init__(self, operation: ConcurrencyLimiter, route: ConcurrencyLimiter) -> None:
+        self.operation = operation
+        self.route = route
+
+    async def admit(self, call: Call) -> Holding:
+        """The pipeline step: :meth:`ConcurrencyLimiter.admit` of the operation's limiter.
+
+        Raises:
+            Rejected: the route's ``tenant_concurrency``; or as that ``admit`` does.
+        """
+        route = self.route
+        tenant = call.tenant
+        route.count_waiting(tenant)
+        call.counted_by = route
+        try:
+            return await self.operation.admit(call)
+        except BaseException:
+            if call.counted_by is route:  # the route's step never took the count over
+                call.counted_by = None
+                route._leave(tenant)
+            raise

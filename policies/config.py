@@ -483,6 +483,13 @@ class StateConfig(_Section):
     #: ``budget_counters_full`` while known tenants and runs keep working. Redis expires its
     #: counters itself: this bounds the memory backend and ``local`` fallback only.
     max_budget_counters: int = Field(default=1_000_000, ge=1)
+    #: Rate buckets (one per tenant with ``rate.per_tenant``, a route's and an operation's
+    #: own) the memory state keeps at most, ~0.4 KiB each with 100-character tenant ids. A
+    #: bucket is kept until it drains, so no spent rate is given back; a call needing a new
+    #: one beyond the cap (a new tenant) is refused 503 ``rate_buckets_full`` while known
+    #: tenants keep working. Redis expires its buckets itself: this bounds the memory backend
+    #: and ``local`` fallback only.
+    max_rate_buckets: int = Field(default=250_000, ge=1)
 
     @model_validator(mode="after")
     def _coherent(self) -> StateConfig:
@@ -1005,9 +1012,19 @@ def endpoint_pattern(key: str) -> tuple[str, PathGlob]:
 
 
 def _endpoint_keys(value: dict[str, OperationConfig]) -> dict[str, OperationConfig]:
+    """Every ``endpoints:`` key is an endpoint (:func:`endpoint_pattern`), and no two are
+    the same pattern but for case: patterns match case-insensitively
+    (:mod:`policies.paths`), so the later one would never match a call (a review:
+    ``POST /v1/Uploads/*`` silently shadowed ``POST /v1/uploads/*``)."""
+    folded: dict[tuple[str, str], str] = {}
     for key in value:
         if key != DEFAULT_OPERATION:
-            endpoint_pattern(key)
+            method, pattern = endpoint_pattern(key)
+            first = folded.setdefault((method, pattern.pattern.lower()), key)
+            if first != key:
+                raise ValueError(
+                    f"{key!r} is {first!r} but for case: patterns match paths "
+                    f"case-insensitively, so it would never match a call; keep one")
     return value
 
 

@@ -35,7 +35,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
+from policies.bodies import form_field, is_form, read_form_field
 from policies.breaker import Breaker
 from policies.budget import Budgets, Reservation
 from policies.concurrency import ConcurrencyLimiter
@@ -50,7 +52,13 @@ from policies.config import (
     endpoint_pattern,
 )
 from policies.idempotency import Idempotency
-from policies.paths import as_routed, decode_unreserved, without_trailing_slash
+from policies.paths import (
+    as_routed,
+    decode_unreserved,
+    deployment_named,
+    without_params,
+    without_trailing_slash,
+)
 from policies.pipeline import Call, Outcome, Policy
 from policies.rate import RateLimiter, Units
 from policies.reasons import Reason, Rejected
@@ -305,50 +313,124 @@ class OperationIndex:
             refuses those first).
     """
 
-    __slots__ = ("default", "endpoints", "key", "names")
+    __slots__ = ("default", "deployments", "endpoints", "key", "names")
 
-    def __init__(self, key: str, names: Iterable[str]) -> None:
+    def __init__(self, key: str, names: Iterable[str], protocol: str = "",
+                 upstream: str = "") -> None:
         self.key = key
         self.names = frozenset(names)
+        #: On ``openai`` routes, the upstream URL's own path (``upstream``: the route's), which
+        #: the call's path follows: Azure OpenAI names the model in the path the upstream sees
+        #: (:func:`policies.paths.deployment_named`); ``None`` elsewhere.
+        self.deployments = (urlsplit(upstream).path if key == "models" and protocol == "openai"
+                            else None)
         self.default = DEFAULT_OPERATION if DEFAULT_OPERATION in self.names else None
-        #: ``endpoints:`` as ``(method, path regex, block name)``, in file order.
+        #: ``endpoints:`` as ``(method, path pattern folded to lower case, block name)``, in
+        #: file order: upstreams that route case-insensitively (Express, ASP.NET Core) would
+        #: serve ``/V1/JOBS/3`` as ``/v1/jobs/3`` (:mod:`policies.paths`).
         self.endpoints: list[tuple[str, PathGlob, str]] = []
         if key == "endpoints":
             for name in names:
                 if name != DEFAULT_OPERATION:
                     method, pattern = endpoint_pattern(name)
-                    self.endpoints.append((method, pattern, name))
+                    self.endpoints.append((method, PathGlob(pattern.pattern.lower()), name))
 
-    def find(self, method: str, path: str, body: bytes,
-             tool: str | None) -> tuple[str | None, str | None]:
+    def find(self, method: str, path: str, body: bytes, tool: str | None,
+             headers: Mapping[str, str] | None = None,
+             model: str | None = None) -> tuple[str | None, str | None]:
         """``(name, block)`` of a call: its name for metrics and events (the tool, the
         matching endpoint pattern or ``default``, the model; ``None`` when it has none), and
         the name of the block that applies (``None`` for none).
 
         ``path``: the upstream's path (after the route's prefix, query included or not);
         ``tool``: the tool of an MCP ``tools/call`` (:attr:`policies.mcp.McpPost.tool`),
-        ``None`` for other calls, which have no operation.
+        ``None`` for other calls, which have no operation; ``headers``: the request's, for
+        the ``Content-Type`` of a form naming its model.
+
+        The model (``model``: as :meth:`read_model` read it, else read here with
+        :meth:`model`) is the Azure deployment the path names, on ``openai`` routes; else
+        the body's ``model`` (a JSON member, or a form's field: :func:`model_of`). Only a
+        POST takes a model block: a POST naming none that Sluice can read is ``default``'s,
+        as the upstream serves it some model; other methods (``GET /v1/models``, a file's
+        download) none.
         """
         if self.key == "endpoints":
-            # Every reading of the path (policies.paths): the first pattern one matches applies.
-            path = decode_unreserved(path.partition("?")[0])
+            # Every reading of the path (policies.paths), folded to lower case as the patterns
+            # are: the first pattern one matches applies.
+            path = decode_unreserved(path.partition("?")[0]).lower()
             routed = as_routed(path)
             readings = {path, routed, without_trailing_slash(routed)}
+            if ";" in path:
+                bare = as_routed(without_params(path))
+                readings.update((bare, without_trailing_slash(bare)))
             for allowed, pattern, name in self.endpoints:
                 if (allowed == "*" or allowed == method) and any(
                         pattern.fullmatch(reading) for reading in readings):
                     return name, name
             default = self.default
             return (DEFAULT_OPERATION, default) if default is not None else (None, None)
-        name = tool if self.key == "tools" else model_named(body)
-        if name is None:
+        if self.key == "tools":
+            if tool is None:
+                return None, None
+            name = tool
+        elif method != "POST":
+            # Only a POST asks a model for an answer: GET /v1/models, a file's download and
+            # the like take the route's policies alone, never default's block.
             return None, None
+        else:
+            name = model if model is not None else self.model(path, body, headers)
         if not name:  # a request naming no model is the upstream's default model's
             default = self.default
             return (DEFAULT_OPERATION, default) if default is not None else (None, None)
         if name not in self.names or name == DEFAULT_OPERATION:
             return name, self.default
         return name, name
+
+
+    def deployment(self, path: str) -> str | None:
+        """The Azure deployment ``path`` (after the route's prefix) names on an ``openai``
+        route (:func:`policies.paths.deployment_named`), else ``None``."""
+        base = self.deployments
+        return deployment_named(base + path) if base is not None else None
+
+    def model(self, path: str, body: bytes, headers: Mapping[str, str] | None) -> str:
+        """The model a POST of ``models:`` names: the Azure deployment of its ``path``, else
+        its body's (:func:`model_of`, a form parsed in this thread)."""
+        deployment = self.deployment(path)
+        return deployment if deployment is not None else model_of(body, headers)
+
+    async def read_model(self, path: str, body: bytes,
+                         headers: Mapping[str, str] | None) -> str:
+        """:meth:`model` from the event loop: a large form parsed in a worker thread
+        (:func:`read_model_of`)."""
+        deployment = self.deployment(path)
+        return deployment if deployment is not None else await read_model_of(body, headers)
+
+
+def model_of(body: bytes, headers: Mapping[str, str] | None) -> str:
+    """The model an LLM request's body names: its JSON ``model``
+    (:func:`policies.usage.model_named`), else a form's ``model`` field (OpenAI's
+    transcriptions and image edits send ``multipart/form-data``:
+    :func:`policies.bodies.form_field`); ``""`` for none, or a body neither reads."""
+    model = model_named(body)
+    if model is None and body and headers is not None:
+        content_type = headers.get("Content-Type", "")
+        if is_form(content_type):
+            model = form_field(body, content_type, "model")
+    return model or ""
+
+
+async def read_model_of(body: bytes, headers: Mapping[str, str] | None) -> str:
+    """:func:`model_of` from the event loop: a form over
+    :data:`policies.bodies.FORM_OFF_LOOP_BYTES` is parsed in a worker thread
+    (:func:`policies.bodies.read_form_field`; a 32 MiB urlencoded body of ``%41`` parsed on
+    the loop froze every call for 9 s, a hostile trial)."""
+    model = model_named(body)
+    if model is None and body and headers is not None:
+        content_type = headers.get("Content-Type", "")
+        if is_form(content_type):
+            model = await read_form_field(body, content_type, "model")
+    return model or ""
 
 
 def operation_group(route: str, name: str) -> str:
@@ -397,21 +479,28 @@ class Operations:
         self.by_name = {name: Operation(name, block, route, backends, on_event, budgets,
                                         run_header)
                         for name, block in blocks.items()}
-        self.index = OperationIndex(self.key, self.by_name)
+        self.index = OperationIndex(self.key, self.by_name, route.protocol, route.upstream)
 
     def __iter__(self) -> Iterator[Operation]:
         """The operation blocks, in file order."""
         return iter(self.by_name.values())
 
-    def resolve(self, call: Call) -> tuple[str | None, Operation | None]:
+    async def resolve(self, call: Call) -> tuple[str | None, Operation | None]:
         """``(name, operation)`` of ``call`` (:meth:`OperationIndex.find`): its name for
-        metrics and events, and the block that applies (``None`` for none).
+        metrics and events, and the block that applies (``None`` for none). On ``models:``
+        a POST's model is read once, here (:meth:`OperationIndex.read_model`), and kept as
+        ``call.model`` for the accounting, which would otherwise read the body again.
 
         On ``mcp`` routes the name is ``call.operation`` as the handler set it (the tool of a
         ``tools/call``); other MCP calls (``resources/read``, ...) have no operation.
         """
-        name, block = self.index.find(call.method, call.path[self.prefix_len:], call.body,
-                                      call.operation)
+        path = call.path[self.prefix_len:]
+        index = self.index
+        model = None
+        if index.key == "models" and call.method == "POST":
+            model = call.model = await index.read_model(path, call.body, call.headers)
+        name, block = index.find(call.method, path, call.body, call.operation, call.headers,
+                                 model)
         return name, self.by_name[block] if block is not None else None
 
     def take_over(self, old: Operations | None, carry: TakeOver) -> None:

@@ -12,7 +12,14 @@ not separators (encoded dot-segments are refused at the door,
 policy keyed on a path applies when either reading matches it: metering
 (:func:`policies.usage.endpoint_for`) and ``endpoints:`` patterns
 (:class:`policies.operations.Operations`), which ``/v1/jobs%2F3``, ``/v1//jobs/3`` and
-``/v1/jobs/3/`` dodged (a hostile trial).
+``/v1/jobs/3/`` dodged (a hostile trial). IIS and frameworks on Windows split segments at a
+backslash too, so :func:`as_routed` reads ``\\`` (and ``%5C``) as a slash.
+
+``endpoints:`` patterns go further (a later hostile trial): Express (its default) and
+ASP.NET Core route paths case-insensitively, so they are matched folded to lower case, and
+Tomcat, Jetty and Spring drop a segment's ``;parameters`` (RFC 3986 §3.3), so a path with
+them is matched without them too (:func:`without_params`): ``/V1/JOBS/3``,
+``/v1/jobs;x=1/4`` and ``/v1;v=2/jobs/5`` are all ``/v1/jobs/*``'s.
 """
 
 from __future__ import annotations
@@ -22,6 +29,11 @@ import re
 _ENCODED_UNRESERVED = re.compile(
     r"%(4[1-9A-Fa-f]|5[0-9Aa]|6[1-9A-Fa-f]|7[0-9Aa]|3[0-9]|2[DEde]|5[Ff]|7[Ee])")
 _SLASH_RUN = re.compile(r"//+")
+_ENCODED_SEPARATOR = re.compile(r"%2[Ff]|%5[Cc]")
+_PARAMS = re.compile(r";[^/]*")
+#: Azure OpenAI's ``/openai/deployments/{name}/...``: the segment after ``deployments`` names
+#: the deployment, hence the model (its own path segment, followed by the operation's).
+_DEPLOYMENT = re.compile(r"(?:^|/)deployments/([^/]+)/", re.IGNORECASE)
 
 
 def decode_unreserved(path: str) -> str:
@@ -33,18 +45,36 @@ def decode_unreserved(path: str) -> str:
 
 def as_routed(path: str) -> str:
     """``path`` (a path without its query, :func:`decode_unreserved` already) as the most
-    lenient common upstreams route it: ``%2F`` as a slash and a run of slashes as one (the
-    module docstring; a trailing slash is kept: :func:`without_trailing_slash`); ``path``
-    itself, the same object, when neither applies."""
+    lenient common upstreams route it: ``%2F``, a backslash and ``%5C`` as a slash, and a
+    run of slashes as one (the module docstring; a trailing slash is kept:
+    :func:`without_trailing_slash`); ``path`` itself, the same object, when none applies."""
     routed = path
     if "%" in routed:
-        routed = routed.replace("%2F", "/").replace("%2f", "/")
+        routed = _ENCODED_SEPARATOR.sub("/", routed)
+    if "\\" in routed:
+        routed = routed.replace("\\", "/")
     if "//" in routed:
         routed = _SLASH_RUN.sub("/", routed)
     return path if routed == path else routed
+
+
+def without_params(path: str) -> str:
+    """``path`` less each segment's ``;parameters`` (``/v1;v=2/jobs;x=1/4`` is
+    ``/v1/jobs/4``), as Tomcat, Jetty and Spring route it; ``path`` itself, the same object,
+    when it has none."""
+    return _PARAMS.sub("", path) if ";" in path else path
 
 
 def without_trailing_slash(path: str) -> str:
     """``path`` less a trailing slash (Express routes ``/jobs/5/`` as ``/jobs/5``); ``path``
     itself, the same object, when it has none (or is ``/``)."""
     return path[:-1] if len(path) > 1 and path[-1] == "/" else path
+
+
+def deployment_named(path: str) -> str | None:
+    """The deployment an Azure OpenAI path (after a route's prefix, query included or not)
+    calls, read as :func:`as_routed` reads it: ``gpt-4o`` for
+    ``/openai/deployments/gpt-4o/chat/completions``; ``None`` for a path naming none.
+    Azure picks the model by it, whatever the body's ``model`` says."""
+    found = _DEPLOYMENT.search(as_routed(decode_unreserved(path.partition("?")[0])))
+    return found.group(1) if found is not None else None

@@ -112,9 +112,10 @@ class Call:
 
     __slots__ = ("_sent_at", "_upstream_s", "answer_status", "answered_at", "attempts",
                  "background", "body",
-                 "cancelled", "capture", "charged", "client_retry", "cost", "enqueued_at",
-                 "headers", "idempotency_key", "lineage", "meter", "method", "new_unit",
-                 "operation",
+                 "cancelled", "capture", "charged", "client_retry", "cost", "counted_by",
+                 "enqueued_at",
+                 "headers", "idempotency_key", "lineage", "meter", "method", "model",
+                 "new_unit", "operation",
                  "operation_cost", "operation_overrun", "parent_run", "path", "phase",
                  "polled", "priority", "priority_given", "progress_at", "reached",
                  "received_at",
@@ -162,6 +163,13 @@ class Call:
         self.upstream_key: str | None = None
         self.capture: Any = None
         self.meter: Any = None
+        #: The model a ``models:`` route read for it, once (Azure's deployment, else the
+        #: body's; ``""``: none), for the accounting; ``None``: not read.
+        self.model: str | None = None
+        #: The route limiter that already counts this call among its tenant's (an operation's
+        #: slot counts it there while it waits: :class:`policies.concurrency.OperationSlot`),
+        #: whose own step then neither checks nor counts it again; else ``None``.
+        self.counted_by: Any = None
         self.new_unit = True
         self.units_deferred = False
         self.enqueued_at: float | None = None

@@ -69,7 +69,15 @@ from policies.reasons import Reason, Rejected
 from policies.state import StateBackends, StateUnavailable
 from policies.state.errors import outage_hint
 from policies.state.leases import new_lease_id
-from policies.state.rate import Holder, MemoryRateBuckets, Plan, RateResult, Take, memory_plan
+from policies.state.rate import (
+    Holder,
+    MemoryRateBuckets,
+    Plan,
+    RateBucketsFull,
+    RateResult,
+    Take,
+    memory_plan,
+)
 from policies.usage import endpoint_for
 from policies.wording import counted
 
@@ -96,6 +104,16 @@ def unavailable(exc: StateUnavailable) -> Rejected:
     hint = exc.hint
     wait = hint if hint is not None else 1.0
     return Rejected(Reason.STATE_UNAVAILABLE, wait)
+
+
+def buckets_full(exc: RateBucketsFull) -> Rejected:
+    """``rate_buckets_full`` (503, never retried as sent) for a call whose new tenant would
+    need a rate bucket beyond the memory state's cap (``state.max_rate_buckets``)."""
+    return Rejected(
+        Reason.RATE_BUCKETS_FULL, None,
+        f"Sluice keeps at most {exc.cap} rate buckets (state.max_rate_buckets), each until "
+        "it drains, and this call's tenant would need a new one; tenants already counted "
+        "are served", retry=False)
 
 
 def fallback_for(backends: StateBackends, exc: StateUnavailable) -> StateBackends:
@@ -343,7 +361,8 @@ class RateLimiter:
 
         Raises:
             Rejected: ``rate_limited`` from the bucket with the longest wait (nothing is held),
-                or ``state_unavailable`` (``on_unavailable: reject``).
+                ``rate_buckets_full`` (:func:`buckets_full`), or ``state_unavailable``
+                (``on_unavailable: reject``).
         """
         if self.metered_elsewhere and self.protocol is not None and endpoint_for(
                 self.protocol, call.method, call.path) is not None:
@@ -359,7 +378,10 @@ class RateLimiter:
         memory = self.memory
         if memory is None:
             return await self.take(units.takes)
-        refused = memory.take(units.plan)
+        try:
+            refused = memory.take(units.plan)
+        except RateBucketsFull as exc:
+            raise buckets_full(exc) from None
         if refused is not None:
             raise self._refusal(units.takes, refused, False)
         return units
@@ -408,7 +430,7 @@ class RateLimiter:
 
         Raises:
             Rejected: ``rate_limited`` / ``token_rate_limited`` with the wait of the slowest
-                bucket; ``state_unavailable``. Nothing is held.
+                bucket; ``rate_buckets_full``; ``state_unavailable``. Nothing is held.
             asyncio.CancelledError: the caller left; units a Redis take took are refunded
                 once its reply arrives.
         """
@@ -429,7 +451,12 @@ class RateLimiter:
         except StateUnavailable as exc:
             source = fallback_for(backends, exc)
             takes = self.local_takes(takes)
-            result = await source.rates.admit(self.group, takes)
+            try:  # the local fallback is memory buckets, with their own cap
+                result = await source.rates.admit(self.group, takes)
+            except RateBucketsFull as full:
+                raise buckets_full(full) from None
+        except RateBucketsFull as exc:  # memory: raised before anything was taken
+            raise buckets_full(exc) from None
         self.note(source, takes, result)
         if not result.admitted:
             raise self.refusal(takes, result, source)

@@ -45,6 +45,10 @@ class Reason(enum.Enum):
         "budget_counters_full", 503,
         "Sluice keeps state.max_budget_counters budget counters and a new tenant or run needs one",
     )
+    RATE_BUCKETS_FULL = (
+        "rate_buckets_full", 503,
+        "Sluice keeps state.max_rate_buckets rate buckets and a new tenant needs one",
+    )
     STATE_UNAVAILABLE = (
         "state_unavailable", 503,
         "the shared state (Redis) cannot be used: it does not answer, or refuses Sluice (a "

@@ -86,10 +86,11 @@ T = TypeVar("T")
 RUN_WARNING_HEADER = "X-Sluice-Run-Warning"
 #: A run with no call for this long is forgotten (its counts and first-call time with it).
 RUN_IDLE_TTL_S = 86400.0
-#: Runs remembered at most (about 0.9 KiB each). Past it, the least recently seen runs that
-#: hold nothing a limit needs are forgotten first: see :meth:`RunRegistry.resolve`.
+#: Runs remembered at most (about 1.5 KiB each with 100-character ids). Past it, the least
+#: recently seen runs that hold nothing a limit needs are forgotten first: see
+#: :meth:`RunRegistry.resolve`.
 MAX_RUNS = 10_000
-#: Runs remembered at most even when they hold ``max_requests`` counts (~90 MiB): past it, runs
+#: Runs remembered at most even when they hold ``max_requests`` counts (~150 MiB): past it, runs
 #: that hold only counts (no call live, no cancellation in force, no child remembered) are
 #: forgotten as the eviction's scan finds them, with their own counts (ancestors keep theirs).
 MAX_COUNTED_RUNS = 100_000

@@ -165,10 +165,14 @@ class SharedConcurrencyLimiter(ConcurrencyLimiter):
     async def acquire(self, tenant: str, priority: int = DEFAULT_PRIORITY,  # type: ignore[override]
                       caller_timeout: float | None = None,
                       on_queued: Callable[[int], None] | None = None,
-                      cost: float | None = None, *, reads: bool = False) -> SharedSlot:
+                      cost: float | None = None, *, reads: bool = False,
+                      counted: bool = False) -> SharedSlot:
         """Take a lease for ``tenant``, queueing here for one if none is free anywhere.
 
-        Args: as :meth:`ConcurrencyLimiter.acquire`.
+        Args: as :meth:`ConcurrencyLimiter.acquire`, but ``counted``: the call is counted
+            among ``tenant``'s here already (:class:`~policies.concurrency.OperationSlot`),
+            and stays counted while Redis is asked (so ``per_tenant`` holds meanwhile): the
+            count becomes the slot's, or is given back if none is taken.
 
         Returns:
             the holding: the lease (renewed until released) and the local counts.
@@ -181,36 +185,48 @@ class SharedConcurrencyLimiter(ConcurrencyLimiter):
             asyncio.CancelledError: the caller went away; nothing is held.
         """
         held = self._by_tenant.get(tenant, 0)
-        if held >= self._tenant_cap:
+        if held >= self._tenant_cap and not counted:
             raise self._tenant_refusal(held, tenant)
-        if self.limit == UNLIMITED:  # the block was removed (retire): no lease to take
-            return self._admit_unleased(tenant, priority, cost)
-        # This replica alone filling the limit means no lease is free: skip the round trip.
-        if not self.queued and self.inflight < self.limit:
-            try:
-                lease, result = await self._try(tenant)
-            except StateUnavailable as exc:
-                raise unavailable(exc) from None
-            if lease is not None:
-                # Nothing awaits or raises from here to the return: the slot is the caller's.
-                self.inflight += 1
-                self._by_tenant[tenant] = self._by_tenant.get(tenant, 0) + 1
-                return SharedSlot(self, tenant, self._charge(tenant, priority, cost), priority,
-                                  lease)
-            if self.limit == UNLIMITED:  # retired while Redis answered: the refusal is moot
-                return self._admit_unleased(tenant, priority, cost)
-            if result.refused_by == TENANT:
-                raise self._tenant_refusal(result.tenant_inflight)
+        try:
+            if self.limit == UNLIMITED:  # the block was removed (retire): no lease to take
+                return self._admit_unleased(tenant, priority, cost, counted)
+            # This replica alone filling the limit means no lease is free: skip the round trip.
+            if not self.queued and self.inflight < self.limit:
+                try:
+                    lease, result = await self._try(tenant)
+                except StateUnavailable as exc:
+                    raise unavailable(exc) from None
+                if lease is not None:
+                    # Nothing awaits or raises from here to the return: the slot is the
+                    # caller's.
+                    self.inflight += 1
+                    if not counted:
+                        self._by_tenant[tenant] = self._by_tenant.get(tenant, 0) + 1
+                    return SharedSlot(self, tenant, self._charge(tenant, priority, cost),
+                                      priority, lease)
+                if self.limit == UNLIMITED:  # retired while Redis answered: refusal is moot
+                    return self._admit_unleased(tenant, priority, cost, counted)
+                if result.refused_by == TENANT:
+                    raise self._tenant_refusal(result.tenant_inflight)
+        except BaseException:
+            if counted:  # nothing taken: the count is given back
+                self._leave(tenant)
+            raise
+        if counted:  # the queue counts it again at once (nothing awaits in between)
+            self._leave(tenant)
         self._dispatch_soon()
         charged, lease = await self._wait(tenant, priority, caller_timeout, on_queued, cost,
                                           reads)
         assert lease is None or isinstance(lease, Lease)  # None: granted by retire()
         return SharedSlot(self, tenant, charged, priority, lease)
 
-    def _admit_unleased(self, tenant: str, priority: int, cost: float | None) -> SharedSlot:
-        """Admit ``tenant``'s call with no lease: the block was removed (:meth:`retire`)."""
+    def _admit_unleased(self, tenant: str, priority: int, cost: float | None,
+                        counted: bool = False) -> SharedSlot:
+        """Admit ``tenant``'s call with no lease: the block was removed (:meth:`retire`);
+        ``counted``: as :meth:`acquire`'s."""
         self.inflight += 1
-        self._by_tenant[tenant] = self._by_tenant.get(tenant, 0) + 1
+        if not counted:
+            self._by_tenant[tenant] = self._by_tenant.get(tenant, 0) + 1
         self._unleased[tenant] = self._unleased.get(tenant, 0) + 1
         return SharedSlot(self, tenant, self._charge(tenant, priority, cost), priority, None)
 
@@ -234,9 +250,13 @@ class SharedConcurrencyLimiter(ConcurrencyLimiter):
 
     async def admit(self, call: Call) -> SharedSlot:  # type: ignore[override]
         """The pipeline step: as :meth:`ConcurrencyLimiter.admit`, holding a lease."""
+        counted = call.counted_by is self
+        if counted:  # counted by an operation's slot: the count is this step's now
+            call.counted_by = None
         try:
             return await self.acquire(call.tenant, call.priority, call.time_left(),
-                                      queued_hook(call), call.cost, reads=call.timeout_reads)
+                                      queued_hook(call), call.cost, reads=call.timeout_reads,
+                                      counted=counted)
         except Rejected as rejected:
             report_expiry(call, rejected)
             raise

@@ -613,7 +613,7 @@ def _block(route: RouteConfig, letter: DeadLetter) -> str | None:
     found as the server finds a request's (:class:`policies.operations.OperationIndex`);
     its ``idempotency`` and ``timeouts`` replace the route's. The operation is read from the
     recorded request (an MCP call's tool from its body, an endpoint from its method and
-    path, a model from its body), which every letter keeps, those written before this read
+    path, a model from its path or body), which every letter keeps, those written before this read
     too; a block added or renamed since applies as it would to the call."""
     tool = None
     if route.protocol == "mcp" and letter.method == "POST":
@@ -621,8 +621,8 @@ def _block(route: RouteConfig, letter: DeadLetter) -> str | None:
         # A body the route would refuse now names no operation: the route's block.
         with contextlib.suppress(mcp.InvalidMcpRequest):
             tool = mcp.parse_post(letter.body, version).tool
-    return OperationIndex(*route.operations()).find(letter.method, letter.path, letter.body,
-                                                    tool)[1]
+    return OperationIndex(*route.operations(), route.protocol, route.upstream).find(
+        letter.method, letter.path, letter.body, tool, CIMultiDict(letter.headers))[1]
 
 
 def _keys(route: RouteConfig, block: str | None) -> _Keys | None:

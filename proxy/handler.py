@@ -390,7 +390,7 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
     )
     call.new_unit = not client_retry
     # MCP control and stream traffic take nothing, an operation's steps included.
-    plan = route.plan(call) if traffic == "call" else route.base_plan
+    plan = await route.plan(call) if traffic == "call" else route.base_plan
     operation = call.operation
     if operation is not None and len(operation) > MAX_OPERATION_LABEL_CHARS:
         call.operation = _capped(operation)  # looked up whole, by route.plan

@@ -21,7 +21,7 @@ from urllib.parse import unquote
 from policies.accounting import Accounting
 from policies.breaker import Breaker
 from policies.budget import Budgets, hold_for
-from policies.concurrency import ConcurrencyLimiter
+from policies.concurrency import ConcurrencyLimiter, OperationSlot
 from policies.config import DEFAULT_OPERATION, ModelPrice, RouteConfig
 from policies.idempotency import Idempotency
 from policies.operations import (
@@ -281,7 +281,10 @@ class Route:
                 op and op.costs,  # the operation's cost, held on the usd budgets
                 self.global_fanout,  # the run's width, all routes, and its queue
                 self.fanout,  # the run's width on this route, and its queue
-                op and op.concurrency,  # the operation's slot, and its queue
+                # The operation's slot, and its queue, counted in the route's per_tenant.
+                op and op.concurrency and (OperationSlot(op.concurrency, self.concurrency)
+                                           if self.concurrency is not None
+                                           else op.concurrency),
                 self.concurrency,  # the slot, and its queue
             ),
             (self.breaker, op and op.breaker),
@@ -310,13 +313,14 @@ class Route:
         self.events.emit(event, call.request_id, self.name, call.tenant, call.run,
                          call.idempotency_key, **fields)
 
-    def plan(self, call: Call) -> Plan:
+    async def plan(self, call: Call) -> Plan:
         """The plan ``call`` is admitted and forwarded with; sets ``call.operation`` to its
-        operation's name (``None`` for none) for metrics and events."""
+        operation's name (``None`` for none) for metrics and events, and ``call.model`` on
+        ``models:`` (a large form is read in a worker thread)."""
         operations = self.operations
         if operations is None:
             return self.base_plan
-        name, op = operations.resolve(call)
+        name, op = await operations.resolve(call)
         call.operation = name
         return self._plans[op.name] if op is not None else self.base_plan
 

@@ -359,3 +359,93 @@ def test_idle_chains_are_forgotten_from_their_tips_up(monkeypatch):
             assert registry.runs.get(info.parent.key) is info.parent, info.id
         for child in info.children:
             assert registry.runs[("t", child)].parent is info
+
+
+# --- the rate buckets ---------------------------------------------------------------------
+
+
+def _tenant_rate(cap: int, clock: list[float], per_tenant: str = "1/h"):
+    from policies.config import RateConfig
+    from policies.rate import RateLimiter
+    from policies.state import memory_backends
+    from policies.state.rate import MemoryRateBuckets
+
+    backends = memory_backends(max_rate_buckets=cap)
+    backends.rates = MemoryRateBuckets(lambda: int(clock[0] * 1e9), max_buckets=cap)
+    config = RateConfig.model_validate({"per_tenant": {"requests": per_tenant}})
+    return backends.rates, RateLimiter(config, backends, "r")
+
+
+async def test_distinct_tenants_keep_at_most_the_cap_of_rate_buckets():
+    """A hostile trial: a bucket per tenant id was kept until it drained (1/h: an hour),
+    with no cap: 18,000 made-up X-Tenant-ID values added ~7.9 MB, linearly. Past
+    ``state.max_rate_buckets`` a new tenant is refused as a budget counter's is; buckets
+    kept go on working, and none is dropped to make room (its tenant would get its rate
+    back)."""
+    clock = [1.7e9]
+    buckets, rate = _tenant_rate(50, clock)
+    for n in range(50):
+        assert await rate.admit(_tenant_call(f"t{n}")) is not None
+    assert len(buckets) == 50
+    for n in range(50, 500):
+        with pytest.raises(Rejected) as exc:
+            await rate.admit(_tenant_call(f"flood-{n}"))
+        assert exc.value.reason is Reason.RATE_BUCKETS_FULL
+        assert exc.value.retry is False and exc.value.retry_after is None
+        assert "state.max_rate_buckets" in exc.value.detail and "50" in exc.value.detail
+        clock[0] += 1  # across sweeps, within the hour
+    assert len(buckets) == 50
+    with pytest.raises(Rejected) as exc:  # a known tenant keeps its spent rate
+        await rate.admit(_tenant_call("t7"))
+    assert exc.value.reason is Reason.RATE_LIMITED
+    # The buckets drain (an hour): they go, and new tenants are served again.
+    clock[0] += 3600
+    assert await rate.admit(_tenant_call("new")) is not None
+    assert len(buckets) == 1
+
+
+async def test_full_rate_buckets_are_swept_again_within_seconds():
+    """A review: at the cap the buckets were swept once, then only each minute: buckets that
+    drained meanwhile (1/s: a second) kept new tenants refused rate_buckets_full for up to a
+    minute. A full house is swept again every few seconds."""
+    from policies.state.rate import _FULL_SWEEP_INTERVAL_S, _SWEEP_INTERVAL_S
+
+    clock = [1.7e9]
+    buckets, rate = _tenant_rate(5, clock, "1/s")
+    for n in range(5):
+        assert await rate.admit(_tenant_call(f"t{n}")) is not None
+    with pytest.raises(Rejected) as exc:
+        await rate.admit(_tenant_call("late"))
+    assert exc.value.reason is Reason.RATE_BUCKETS_FULL
+    assert _FULL_SWEEP_INTERVAL_S < _SWEEP_INTERVAL_S
+    clock[0] += _FULL_SWEEP_INTERVAL_S + 1  # every bucket has drained
+    assert await rate.admit(_tenant_call("late")) is not None
+    assert len(buckets) == 1
+
+
+def _tenant_call(tenant: str) -> Call:
+    return Call(request_id="r", route="r", method="POST", path="/r/", headers={}, body=b"",
+                tenant=tenant)
+
+
+def test_the_config_default_is_the_rate_buckets_and_the_config_sets_the_cap():
+    from policies.config import StateConfig
+    from policies.state import backends_for
+    from policies.state.rate import MAX_BUCKETS
+
+    assert StateConfig().max_rate_buckets == MAX_BUCKETS
+    backends = backends_for(StateConfig(max_rate_buckets=7))
+    assert backends.rates.max_buckets == 7  # type: ignore[attr-defined]
+    assert backends.fallback.memory().rates.max_buckets == 7  # type: ignore[attr-defined]
+
+
+def test_the_readme_states_the_run_registrys_bounds():
+    """The README said "at most 10,000 runs (~0.9 KiB each)", but runs holding
+    ``run.max_requests`` counts are kept up to ``MAX_COUNTED_RUNS``, ~1.5 KiB each with
+    100-character ids (a hostile trial)."""
+    from tests.conftest import REPO
+
+    readme = " ".join((REPO / "README.md").read_text().split())
+    assert (f"at most {runs_module.MAX_RUNS:,} runs, or {runs_module.MAX_COUNTED_RUNS:,} on a "
+            f"route with `run.max_requests`") in readme
+    assert "~1.5 KiB each" in readme

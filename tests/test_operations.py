@@ -27,6 +27,7 @@ from mcp import Client, MCPError
 from proxy.config import StrictLoader
 from tests import mcp_servers
 from tests.conftest import REPO, wait_until
+from tests.redis_servers import delete_prefix, new_prefix, require_redis
 
 mcp_stateless = mcp_servers.mcp_stateless
 mcp_session = mcp_servers.mcp_session
@@ -423,6 +424,59 @@ async def test_per_endpoint_limit_on_an_http_route(upstream, start_sluice):
                                operation="POST /v1/jobs/*", outcome="2xx") == 2
 
 
+@pytest.fixture(params=["memory", "redis"])
+def state(request: pytest.FixtureRequest) -> Any:
+    """A ``state`` block: memory, or Redis under a key prefix of the test's own."""
+    if request.param == "memory":
+        yield {"backend": "memory"}
+        return
+    url = require_redis()
+    prefix = new_prefix()
+    try:
+        yield {"backend": "redis", "redis_url": url, "key_prefix": prefix, "timeout": "2s"}
+    finally:
+        delete_prefix(url, prefix)
+
+
+async def test_route_per_tenant_counts_calls_queued_for_an_operations_slot(upstream,
+                                                                         start_sluice, state):
+    # A hostile trial: per_tenant counts a tenant's calls in flight *and queued* on the
+    # route, but one waiting for an endpoint's slot (taken before the route's, so that it
+    # holds none of the route's slots) was not counted: one tenant held 1 call in flight and
+    # 9 queued with per_tenant 2, none refused.
+    sluice = await start_sluice({"state": state, "routes": [{
+        "name": "api", "path_prefix": "/api/", "upstream": upstream.url,
+        "concurrency": {"limit": 8, "queue": 32, "max_wait": "20s", "per_tenant": 2},
+        "endpoints": {"POST /slow": {"concurrency": {"limit": 1, "queue": 16,
+                                                     "max_wait": "20s"}}}}]})
+    upstream.hold = asyncio.Event()
+    async with aiohttp.ClientSession() as http:
+        async def post(path: str, tenant: str) -> tuple[int, str | None]:
+            async with http.post(sluice.url + "/api" + path, data=b"{}",
+                                 headers={"X-Tenant-ID": tenant}) as answer:
+                await answer.read()
+                return answer.status, answer.headers.get("X-Sluice-Reason")
+
+        calls = [asyncio.create_task(post("/slow", "a"))]
+        await wait_until(lambda: len(upstream.requests) == 1, what="a's first call upstream")
+        calls.append(asyncio.create_task(post("/slow", "a")))
+        await sluice.wait_metric("sluice_queue_depth", 1, route="api")
+        # a holds 2 on the route (1 in flight, 1 queued for the endpoint): refused at once,
+        # for the endpoint and for any other call of the route.
+        assert await post("/slow", "a") == (429, "tenant_concurrency")
+        assert await post("/other", "a") == (429, "tenant_concurrency")
+        calls.append(asyncio.create_task(post("/slow", "b")))  # b's own count: it queues
+        await sluice.wait_metric("sluice_queue_depth", 2, route="api")
+        upstream.hold.set()
+        assert await asyncio.gather(*calls) == [(200, None)] * 3
+        # Each call was counted once, and is no more: a holds 2 at once again.
+        upstream.hold = asyncio.Event()
+        calls = [asyncio.create_task(post(path, "a")) for path in ("/slow", "/other")]
+        await wait_until(lambda: len(upstream.requests) == 5, what="a's two calls upstream")
+        upstream.hold.set()
+        assert await asyncio.gather(*calls) == [(200, None)] * 2
+
+
 # -- per-model token rate on an openai route -----------------------------------------------------
 
 
@@ -588,6 +642,128 @@ async def test_a_request_naming_no_model_takes_the_default_models_block(upstream
     assert sorted(await asyncio.gather(call(), call())) == [(200, None), (503, "queue_full")]
     assert await sluice.metric("sluice_operation_rejections_total", route="llm",
                                operation="default", reason="queue_full") == 1
+
+
+async def test_only_a_post_takes_a_models_block(upstream, start_sluice):
+    # A review: a request naming no model got default's block, GET /v1/models and file
+    # downloads too (503 queue_full, 429 from default's rate). Only a POST asks a model for
+    # an answer: other methods get the route's policies alone.
+    sluice = await start_sluice({"routes": [{
+        "name": "llm", "path_prefix": "/llm/", "upstream": upstream.url, "protocol": "openai",
+        "models": {"default": {"rate": {"requests": "1/min"}}}}]})
+    async with aiohttp.ClientSession() as http:
+        async def call(method: str, path: str, **kwargs: Any) -> tuple[int, str | None]:
+            async with http.request(method, sluice.url + "/llm" + path, **kwargs) as answer:
+                await answer.read()
+                return answer.status, answer.headers.get("X-Sluice-Reason")
+
+        for method, path in (("GET", "/v1/models"), ("GET", "/v1/files/f-1/content"),
+                             ("DELETE", "/v1/files/f-1"), ("HEAD", "/v1/models")) * 2:
+            assert await call(method, path) == (200, None), (method, path)
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
+        assert await call("POST", "/v1/chat/completions", json=body) == (200, None)
+        assert await call("POST", "/v1/chat/completions", json=body) == (429, "rate_limited")
+    assert len(upstream.requests) == 9
+
+
+async def test_a_forms_model_is_read_once_per_call(upstream, monkeypatch):
+    # A review: a form naming its model was parsed twice per call, by the models: look-up
+    # and again by the accounting (a model whose tokens are limited); each parse of a 32 MiB
+    # form held the event loop. The look-up's model goes on to the accounting on the call.
+    from policies import bodies
+    from policies.pipeline import REFUSED, Admission, Call
+    from policies.reasons import Rejected
+    from tests.conftest import open_runtime, route
+
+    parses: list[bytes] = []
+    real = bodies.form_field
+    monkeypatch.setattr(bodies, "form_field",
+                        lambda body, *args: parses.append(body) or real(body, *args))
+    runtime = await open_runtime(route("llm", upstream.url, models={
+        "whisper-1": {"rate": {"tokens": "1000/min"}}}))
+    try:
+        (llm,) = runtime.routes
+        form = (b'--b0\r\nContent-Disposition: form-data; name="model"\r\n\r\n'
+                b"whisper-1\r\n--b0--\r\n")
+        call = Call(request_id="r", route="llm", method="POST",
+                    path="/llm/v1/chat/completions", body=form, tenant="t",
+                    headers={"Content-Type": "multipart/form-data; boundary=b0"})
+        plan = await llm.plan(call)
+        assert (call.operation, call.model) == ("whisper-1", "whisper-1")
+        admission = Admission()
+        with pytest.raises(Rejected) as refused:  # no JSON to count its tokens by
+            await admission.admit(plan.policies, call)
+        admission.release(REFUSED)
+        assert "this model's tokens are limited" in refused.value.detail
+        assert parses == [form]
+    finally:
+        await runtime.close()
+
+
+async def test_an_azure_deployment_path_names_its_model(upstream, start_sluice):
+    # A hostile trial: Azure OpenAI serves the model of the deployment its path names
+    # (/openai/deployments/{name}/...), whatever the body says or without one; models: and
+    # pricing read the body only, so four calls to the gpt-4o deployment passed its 1/min,
+    # and a body naming a cheap model was priced as that one.
+    sluice = await start_sluice({
+        "pricing": {"gpt-4o-mini": {"input": 0.15, "output": 0.6}},
+        "routes": [{"name": "az", "path_prefix": "/az/", "upstream": upstream.url,
+                    "protocol": "openai", "models": {"gpt-4o": {"rate": {"requests": "1/min"}}}},
+                   {"name": "priced", "path_prefix": "/priced/", "upstream": upstream.url,
+                    "protocol": "openai", "budget": {"usd": "10/day", "per": "route"}}]})
+    chat = "/openai/deployments/gpt-4o/chat/completions?api-version=2024-10-21"
+    messages = [{"role": "user", "content": "hi"}]
+    async with aiohttp.ClientSession() as http:
+        async def call(path: str, **body: Any) -> tuple[int, str | None]:
+            async with http.post(sluice.url + path, json={"messages": messages,
+                                                          "max_tokens": 5, **body}) as answer:
+                await answer.read()
+                return answer.status, answer.headers.get("X-Sluice-Reason")
+
+        assert await call("/az" + chat) == (200, None)
+        for body in ({"model": "gpt-4o-mini"}, {}):  # the path wins over the body
+            assert await call("/az" + chat, **body) == (429, "rate_limited")
+        assert await call("/az/openai/deployments/gpt-4%6F/embeddings", input="x") == (
+            429, "rate_limited")
+        assert await call("/az/v1/chat/completions", model="gpt-4o-mini") == (200, None)
+        # Priced as the deployment's model, which the table lacks: never as the body's.
+        assert await call("/priced" + chat, model="gpt-4o-mini") == (400, "unpriced_model")
+    assert await sluice.metric("sluice_operation_rejections_total", route="az",
+                               operation="gpt-4o", reason="rate_limited") == 3
+    assert [seen.path_qs for seen in upstream.requests] == [chat, "/v1/chat/completions"]
+
+
+async def test_a_form_names_its_model_and_an_unreadable_body_is_defaults(upstream,
+                                                                         start_sluice):
+    # A hostile trial: OpenAI's transcriptions and image edits send a form (model=whisper-1);
+    # a models: block read JSON bodies only, so such calls got neither their model's block
+    # nor default's, which the docs promise a call naming none.
+    sluice = await start_sluice({"routes": [{
+        "name": "llm", "path_prefix": "/llm/", "upstream": upstream.url, "protocol": "openai",
+        "models": {"whisper-1": {"rate": {"requests": "1/min"}},
+                   "default": {"rate": {"requests": "1/min"}}}}]})
+    url = sluice.url + "/llm/v1/audio/transcriptions"
+    async with aiohttp.ClientSession() as http:
+        async def post(**kwargs: Any) -> tuple[int, str | None]:
+            async with http.post(url, **kwargs) as answer:
+                await answer.read()
+                return answer.status, answer.headers.get("X-Sluice-Reason")
+
+        for _ in range(2):
+            form = aiohttp.FormData()
+            form.add_field("file", b"RIFF....WAVE", filename="a.wav", content_type="audio/wav")
+            form.add_field("model", "whisper-1")
+            assert (await post(data=form))[0] in (200, 429)
+        assert await post(data={"model": "whisper-1"}) == (429, "rate_limited")  # urlencoded
+        assert await post(data=b"\x00 no model here",
+                          headers={"Content-Type": "application/octet-stream"}) == (200, None)
+        assert await post(data=b"model=x&y", headers={"Content-Type": "text/plain"}) == (
+            429, "rate_limited")
+    assert await sluice.metric("sluice_operation_rejections_total", route="llm",
+                               operation="whisper-1", reason="rate_limited") == 2
+    assert await sluice.metric("sluice_operation_rejections_total", route="llm",
+                               operation="default", reason="rate_limited") == 1
+    assert len(upstream.requests) == 2
 
 
 #: Bodies Python's ``json.loads`` reads (as FastAPI-based upstreams do) and orjson refuses.

@@ -149,6 +149,24 @@ routes:
                                "endpoint: write METHOD /path"), found
 
 
+def test_endpoint_patterns_equal_but_for_case_are_refused(tmp_path: Path) -> None:
+    # A review: patterns match case-insensitively, so of two differing only in case the
+    # later one never matched a call, silently.
+    found = problems(tmp_path, """\
+routes:
+  - name: api
+    path_prefix: /api/
+    upstream: http://127.0.0.1:9000
+    endpoints:
+      "POST /v1/Uploads/*": {concurrency: {limit: 1}}
+      "GET /v1/uploads/*": {concurrency: {limit: 1}}
+      "POST /v1/uploads/*": {rate: {requests: 10/min}}
+""")
+    assert found == ["sluice.yaml:5: routes[0].endpoints: 'POST /v1/uploads/*' is "
+                     "'POST /v1/Uploads/*' but for case: patterns match paths "
+                     "case-insensitively, so it would never match a call; keep one"], found
+
+
 def test_models_on_llm_routes_only(tmp_path: Path) -> None:
     found = problems(tmp_path, """\
 routes:

@@ -62,13 +62,16 @@ async def test_percent_encoded_path_matches_its_endpoint_pattern(upstream, start
     # (Starlette's, behind uvicorn); a run of slashes is one to nginx, a trailing one none to
     # Express. Each spelling dodged the pattern (a hostile trial): either reading applies.
     for disguised in ("/api/v1/jobs/5%2Fx", "/api/v1/jobs%2F6", "/api/v1/jobs%2f7",
-                      "/api/v1//jobs/8", "/api//v1/jobs//9", "/api/v1/jobs/10/"):
+                      "/api/v1//jobs/8", "/api//v1/jobs//9", "/api/v1/jobs/10/",
+                      # Case, ;parameters and a backslash: a later hostile trial.
+                      "/api/V1/JOBS/11", "/api/v1/jobs;x=1/12", "/api/v1;v=2/jobs/13",
+                      "/api/v1\\jobs\\14"):
         status, headers = await raw_post(sluice.port, disguised)
         assert (status, headers.get("X-Sluice-Reason")) == (429, "rate_limited"), disguised
     assert (await raw_post(sluice.port, "/api/v1/search"))[0] == 200
     assert [seen.method for seen in upstream.requests] == ["POST", "POST"]
     assert await sluice.metric("sluice_operation_rejections_total", route="api",
-                               operation="POST /v1/jobs/*", reason="rate_limited") == 9
+                               operation="POST /v1/jobs/*", reason="rate_limited") == 13
 
 
 def test_a_pattern_ending_in_a_slash_matches_its_lenient_spellings():
@@ -80,6 +83,25 @@ def test_a_pattern_ending_in_a_slash_matches_its_lenient_spellings():
     for spelled in ("/v1/jobs/5", "/v1/jobs/5/", "/v1/jobs%2F5", "/v1//jobs/5"):
         assert index.find("POST", spelled, b"", None)[1] == "POST /v1/jobs/*", spelled
     assert index.find("POST", "/api/other/", b"", None)[1] == "default"
+
+
+def test_case_params_and_backslash_spellings_match_their_endpoint_pattern():
+    """A hostile trial: ``/V1/JOBS/3`` (Express by default and ASP.NET Core route paths
+    case-insensitively), ``/v1/jobs;x=1/4`` and ``/v1;v=2/jobs/5`` (Tomcat, Jetty and Spring
+    drop a segment's ``;parameters``) dodged ``POST /v1/jobs/*``; so did ``\\`` (IIS splits
+    segments at it). Patterns are still tried in file order: the first one a reading
+    matches applies, ``Admin``'s here, however the path spells it."""
+    index = OperationIndex("endpoints", ["GET /v1/Admin/**", "* /v1/admin/**",
+                                         "POST /v1/jobs/*", "default"])
+    for spelled in ("/V1/JOBS/3", "/v1/Jobs/3/", "/v1/jobs;x=1/4", "/v1;v=2/jobs/5",
+                    "/V1;V=2/JOBS;X=1/6/", "/v1/jobs;x=a%2Fb/7", "/v1\\jobs\\8",
+                    "/v1/jobs%5C9", "/v1/job%73;x/10"):
+        assert index.find("POST", spelled, b"", None)[1] == "POST /v1/jobs/*", spelled
+    for spelled in ("/v1/admin/users", "/V1/ADMIN/users", "/v1/admin;jsessionid=1/users"):
+        assert index.find("GET", spelled, b"", None)[1] == "GET /v1/Admin/**", spelled
+        assert index.find("DELETE", spelled, b"", None)[1] == "* /v1/admin/**", spelled
+    for other in ("/v1/jobs/1/2", "/v1/jobsx/1", "/v1/jobs", "/v2/jobs;/1"):
+        assert index.find("POST", other, b"", None)[1] == "default", other
 
 
 async def test_a_long_path_against_a_many_wildcard_pattern_stalls_nothing(upstream,

@@ -50,7 +50,13 @@ from policies.state.idempotency import (
 )
 from policies.state.leases import HeldLeases, Leases, MemoryLeases, RedisLeases, give_back
 from policies.state.ledger import MAX_COUNTERS, Ledger, LedgerFull, MemoryLedger, RedisLedger
-from policies.state.rate import MemoryRateBuckets, RateBuckets, RedisRateBuckets
+from policies.state.rate import (
+    MAX_BUCKETS,
+    MemoryRateBuckets,
+    RateBuckets,
+    RateBucketsFull,
+    RedisRateBuckets,
+)
 
 __all__ = [
     "Admissions",
@@ -63,6 +69,7 @@ __all__ = [
     "Ledger",
     "LedgerFull",
     "RateBuckets",
+    "RateBucketsFull",
     "RedisState",
     "StateBackends",
     "StateUnavailable",
@@ -274,12 +281,14 @@ class Fallback:
             a second outage continues where the first left off).
         max_budget_counters: the cap of ``local``'s budget ledger
             (``state.max_budget_counters``).
+        max_rate_buckets: the cap of ``local``'s rate buckets (``state.max_rate_buckets``).
     """
 
     mode: Literal["local", "reject"]
     replicas: int
     local: StateBackends | None = None
     max_budget_counters: int = MAX_COUNTERS
+    max_rate_buckets: int = MAX_BUCKETS
 
     def share(self, limit: float) -> float:
         """This replica's share of ``limit`` while degraded: ``limit / replicas``."""
@@ -293,7 +302,7 @@ class Fallback:
     def memory(self) -> StateBackends:
         """The memory state of ``local`` mode."""
         if self.local is None:
-            self.local = memory_backends(self.max_budget_counters)
+            self.local = memory_backends(self.max_budget_counters, self.max_rate_buckets)
         return self.local
 
 
@@ -302,12 +311,15 @@ def _end_pause(pause: asyncio.Future[bool], woken: bool) -> None:
         pause.set_result(woken)
 
 
-def memory_backends(max_budget_counters: int = MAX_COUNTERS) -> StateBackends:
+def memory_backends(max_budget_counters: int = MAX_COUNTERS,
+                    max_rate_buckets: int = MAX_BUCKETS) -> StateBackends:
     """The state of one process (the embedded default), with at most
-    ``max_budget_counters`` budget counters (:class:`~policies.state.ledger.MemoryLedger`)."""
+    ``max_budget_counters`` budget counters (:class:`~policies.state.ledger.MemoryLedger`)
+    and ``max_rate_buckets`` rate buckets (:class:`~policies.state.rate.MemoryRateBuckets`)."""
     health = Health()
     health.up = True  # memory cannot be unavailable
-    rates, ledger = MemoryRateBuckets(), MemoryLedger(max_counters=max_budget_counters)
+    rates = MemoryRateBuckets(max_buckets=max_rate_buckets)
+    ledger = MemoryLedger(max_counters=max_budget_counters)
     return StateBackends(
         health=health,
         rates=rates,
@@ -328,12 +340,13 @@ def backends_for(config: StateConfig) -> StateBackends:
         ValueError: ``redis_url`` is ``env:NAME`` and that variable is unset or not a URL.
     """
     if config.backend == "memory":
-        backends = memory_backends(config.max_budget_counters)
+        backends = memory_backends(config.max_budget_counters, config.max_rate_buckets)
     else:
         backends = _redis_set(RedisState(config.resolved_url(), config.key_prefix,
                                          config.timeout))
     backends.fallback = Fallback(config.on_unavailable, config.replicas,
-                                 max_budget_counters=config.max_budget_counters)
+                                 max_budget_counters=config.max_budget_counters,
+                                 max_rate_buckets=config.max_rate_buckets)
     backends.lease_s = config.lease
     return backends
 

@@ -79,8 +79,28 @@ from policies.state.connection import RedisState, Script
 _DUST = 1e-9
 #: How often the memory buckets forget drained buckets, seconds.
 _SWEEP_INTERVAL_S = 60.0
+#: Seconds between sweeps while ``max_buckets`` are kept: a bucket drained since is a new
+#: tenant refused for nothing until the next sweep; a sweep walks every bucket (~70 ms for
+#: 250,000), so not at every refused take.
+_FULL_SWEEP_INTERVAL_S = 5.0
 #: Buckets kept before a sweep is due whatever the interval (at least; see ``_sweep``).
 _SWEEP_AT_SIZE = 4096
+#: Buckets the memory buckets keep at most (``state.max_rate_buckets``'s default): each takes
+#: ~0.4 KiB with a 100-character tenant id in its name, so ~100 MB at most.
+MAX_BUCKETS = 250_000
+
+
+class RateBucketsFull(Exception):
+    """The memory buckets keep ``cap`` buckets that have not drained, and a take needs a new
+    one (a new tenant's, with ``rate.per_tenant``).
+
+    Nothing was taken. Buckets already kept go on working; a bucket is freed once it has
+    drained, never earlier, so no tenant's spent rate is ever given back to make room.
+    """
+
+    def __init__(self, cap: int) -> None:
+        super().__init__(f"the memory state keeps {cap} rate buckets")
+        self.cap = cap
 
 
 class Take(NamedTuple):
@@ -192,16 +212,23 @@ class MemoryRateBuckets:
     The request path calls :meth:`take` with a :data:`Plan` it keeps; the
     :class:`RateBuckets` methods prepare theirs on each call.
 
+    At most ``max_buckets`` are kept (a bucket per tenant ever seen within its period would
+    grow with the tenant ids callers make up): a take that needs a new one beyond it raises
+    :class:`RateBucketsFull` and takes nothing, while buckets already kept keep working.
+
     Args:
         clock_ns: wall time in nanoseconds (injectable for tests); buckets keep microseconds.
+        max_buckets: the cap on buckets kept (``state.max_rate_buckets``).
     """
 
-    def __init__(self, clock_ns: Callable[[], int] = time.time_ns) -> None:
+    def __init__(self, clock_ns: Callable[[], int] = time.time_ns,
+                 max_buckets: int = MAX_BUCKETS) -> None:
         self._clock_ns = clock_ns
+        self.max_buckets = max_buckets
         # (group, name) -> (level, t_us, us per unit); replaced, never changed in place
         self._buckets: dict[tuple[str, str], tuple[float, int, float]] = {}
         self._next_sweep = 0
-        self._sweep_at_size = _SWEEP_AT_SIZE
+        self._sweep_at_size: float = min(_SWEEP_AT_SIZE, max_buckets)
 
     def __len__(self) -> int:
         return len(self._buckets)
@@ -217,6 +244,9 @@ class MemoryRateBuckets:
         The request path's step, so it does the least: each level is computed once, the new
         states are stored in one ``update`` after every bucket fits, and an admission builds
         no answer (its ``remaining`` is for Redis's headers; :meth:`taken` reads it).
+
+        Raises:
+            RateBucketsFull: a bucket is new and ``max_buckets`` are kept; nothing is taken.
         """
         now = self._clock_ns() // 1000  # now_us(), inline: this runs once per request
         if now >= self._next_sweep:
@@ -230,6 +260,8 @@ class MemoryRateBuckets:
                 # Many new buckets: see _sweep (safe mid-loop: ``updated`` is stored after).
                 if len(buckets) >= self._sweep_at_size:
                     self._sweep(now)
+                if len(buckets) >= self.max_buckets:
+                    raise RateBucketsFull(self.max_buckets)
             else:  # drained since (a clock that stepped back drains nothing), then taken;
                 # compares, not max(): CPython 3.11 parses a builtin max()'s arguments on
                 # every call, ~250 instructions against a handful for a compare
@@ -308,14 +340,20 @@ class MemoryRateBuckets:
         return self.check(memory_plan(group, takes), self.now_us()).remaining
 
     def _sweep(self, now: int) -> None:
-        self._next_sweep = now + int(_SWEEP_INTERVAL_S * 1e6)
         drained = [key for key, (level, t, interval) in self._buckets.items()
                    if level - (now - t) / interval <= 0]
         for key in drained:
             del self._buckets[key]
         # Many short-lived buckets (a tenant per call) are dropped once they double what the
-        # last sweep left, not only each minute: a drained bucket is an absent one.
-        self._sweep_at_size = max(2 * len(self._buckets), _SWEEP_AT_SIZE)
+        # last sweep left, not only each minute: a drained bucket is an absent one. At the
+        # cap, once: a full house is looked at again every _FULL_SWEEP_INTERVAL_S, not at
+        # every refused take (a sweep walks every bucket).
+        kept = len(self._buckets)
+        full = kept >= self.max_buckets
+        self._sweep_at_size = (min(max(2 * kept, _SWEEP_AT_SIZE), self.max_buckets)
+                               if not full else math.inf)
+        self._next_sweep = now + int(
+            (_FULL_SWEEP_INTERVAL_S if full else _SWEEP_INTERVAL_S) * 1e6)
 
 
 def _remaining(plan: Plan, levels: Sequence[float]) -> tuple[int, ...]:
