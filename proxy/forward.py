@@ -18,10 +18,10 @@ bytes they describe; an answer without ``Content-Type`` is relayed without one
   ``Transfer_Encoding``) of a field dropped here, of an identity header (tenant, run, parent
   run, priority, the timeout header) or of one Sluice sets (``X-Forwarded-For``,
   ``Idempotency-Key``) is dropped: WSGI and CGI upstreams read it as the field itself
-  (``HTTP_X_TENANT_ID``), so it
-  would name another tenant than the one Sluice charged, or frame the body a second way
-  beside Sluice's ``Content-Length`` (nginx drops every underscored field by default,
-  ``underscores_in_headers off``); the fields Sluice reads go on as sent;
+  (``HTTP_X_TENANT_ID``), so it would name another tenant than the one Sluice charged, or
+  frame the body a second way beside Sluice's ``Content-Length`` (nginx drops every
+  underscored field by default, ``underscores_in_headers off``); the fields Sluice reads go
+  on as sent;
 * ``X-Forwarded-For`` gets the caller's address appended;
 * ``Idempotency-Key`` is set when the route's idempotency policy chose the key (derived or
   fresh); a caller's own key passes as it came.
