@@ -533,7 +533,13 @@ class BodyHold:
 
     def give_back(self) -> None:
         """Uncount every byte counted; the body's bytes still to arrive are not counted (a
-        handler that answered without reading them: aiohttp reads and drops them)."""
+        handler that answered without reading them: aiohttp reads and drops them). A body
+        never invited (``continues``: the request was refused before its ``100 Continue``)
+        has its answer say ``Connection: close`` (RFC 9110 §10.1.1): a caller that then sends
+        no body and reuses the connection had its next request read as that body (a review)."""
+        if self.continues:
+            self.continues = False
+            _closes_after(self._request)
         self._rt.buffered_bytes -= self.held
         self.held = 0
         if self._grows:

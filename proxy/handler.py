@@ -225,6 +225,8 @@ async def handle(rt: Runtime, request: web.BaseRequest, hold: BodyHold | None = 
                   raw_path if raw_path[:1] == "/" else
                   "a request target of * is not served" if raw_path == "*" else
                   "absolute-form request targets are refused")
+        if hold is not None:
+            hold.give_back()  # nothing counted yet; an uninvited body's answer says close
         return refuse_at_edge(rt, Rejected(Reason.NO_ROUTE, None, detail[:200]))
     if hold is not None:
         hold.take()

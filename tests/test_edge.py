@@ -198,6 +198,9 @@ async def test_a_request_refused_without_its_body_is_not_invited_to_send_it(upst
         finally:
             writer.close()
         assert head.startswith(b"HTTP/1.1 " + status + b" "), (target, head)  # before: 100
+        # A refusal before the 100 says the connection closes (RFC 9110 §10.1.1): a caller
+        # that sent no body and reused it had its next request read as that body (a review).
+        assert (b"\r\nconnection: close\r\n" in head.lower()) == (status != b"100"), head
     assert await sluice.metric("sluice_edge_rejections_total", reason="no_route") == 1
     assert upstream.requests == []
 
