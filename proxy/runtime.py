@@ -281,9 +281,6 @@ class Runtime:
         ident = config.identity
         identity = (ident.tenant_header, ident.run_header, ident.parent_run_header,
                     ident.priority_header, ident.timeout_header)
-        # A name configured with an underscore (X_Tenant) is read as written; its dashed
-        # spelling, the field's usual one, is not its look-alike: it goes on as sent.
-        identity = (*identity, *(name.replace("_", "-") for name in identity))
         routes = [
             Route(rc, self.events, pricing=config.pricing, clock=self.clock,
                   run_header=config.identity.run_header, runs=self.runs,
