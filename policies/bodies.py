@@ -11,13 +11,14 @@ the request path's parses go through :func:`loads`.
 Some calls send a form instead (OpenAI's audio transcriptions, image edits: a
 ``multipart/form-data`` body whose ``model`` field names the model): :func:`form_field`
 reads one field of it with python-multipart, the parser of Starlette's forms (FastAPI,
-vLLM), as the upstream's framework would.
+vLLM), as the upstream's framework would; :class:`FormReader` from the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import codecs
+import concurrent.futures
 import gc
 import json
 import re
@@ -80,10 +81,15 @@ MAX_FORM_FILES = 1000
 #: A multipart field's value is read up to this many bytes: Starlette's ``max_part_size``,
 #: past which it refuses the form.
 MAX_FORM_PART_BYTES = 1 << 20
-#: A form body longer than this, bytes, is parsed in a worker thread (:func:`read_form_field`):
-#: python-multipart's parsers are Python code, ~0.1 s a 32 MiB body, and a body of many
-#: fields more.
+#: A form body longer than this, bytes: an urlencoded one is not read at all (its field is
+#: unreadable: python-multipart's ``QuerystringParser`` walks a run of ``&`` byte by byte in
+#: Python and empty fields reach no cap: 32 MiB of ``&`` took 17.9 s, a review; an OpenAI
+#: urlencoded call is a few hundred bytes), a multipart one is parsed in
+#: :class:`FormReader`'s worker thread (python-multipart's parsers are Python code).
 FORM_OFF_LOOP_BYTES = 64 * 1024
+#: A form's ``model`` longer than this, bytes (as decoded), names no model: the field is
+#: unreadable, and parsing keeps at most this much of it.
+MAX_FORM_VALUE_BYTES = 256
 #: The media types read as forms, as Starlette's ``Request.form`` reads them.
 FORM_TYPES = frozenset({"multipart/form-data", "application/x-www-form-urlencoded"})
 
@@ -106,13 +112,17 @@ def form_field(body: bytes, content_type: str, name: str) -> str | None:
     that fails or reaches a cap (:data:`MAX_FORM_FIELDS` fields, :data:`MAX_FORM_FILES` file
     parts, a field over :data:`MAX_FORM_PART_BYTES`), which Starlette refuses, stops there:
     the field's value read so far, if any, is the answer (a body naming its model and then
-    spoiled is still that model's). Runs in the caller's thread, in time linear in the body:
-    :func:`read_form_field` from the event loop."""
+    spoiled is still that model's). ``None`` too, as unreadable, for an urlencoded body over
+    :data:`FORM_OFF_LOOP_BYTES` (not parsed) and for a value over
+    :data:`MAX_FORM_VALUE_BYTES`. Runs in the caller's thread, in time linear in the body:
+    :meth:`FormReader.field` from the event loop."""
     media, params = parse_options_header(content_type)
     media = media.lower()
-    found: list[str] = []
+    found: list[str | None] = []
     try:
         if media == b"application/x-www-form-urlencoded":
+            if len(body) > FORM_OFF_LOOP_BYTES:
+                return None
             _urlencoded_field(body, name, found)
         elif media == b"multipart/form-data":
             boundary = params.get(b"boundary")
@@ -123,10 +133,11 @@ def form_field(body: bytes, content_type: str, name: str) -> str | None:
     return found[-1] if found else None
 
 
-def _urlencoded_field(body: bytes, name: str, found: list[str]) -> None:
+def _urlencoded_field(body: bytes, name: str, found: list[str | None]) -> None:
     """:func:`form_field` of an urlencoded body: ``found`` holds the last value of ``name``
-    read so far (no other is kept); only that field's value is unquoted (every field's
-    unquoting, ``parse_qsl``'s, took 9 s of a 32 MiB body of ``%41``, a hostile trial)."""
+    read so far (no other is kept; ``None`` for one too long); only that field's value is
+    unquoted (every field's unquoting, ``parse_qsl``'s, took 9 s of a 32 MiB body of
+    ``%41``, a hostile trial)."""
     wanted = name.encode("latin-1")
     key = bytearray()
     value: bytearray | None = None
@@ -148,7 +159,8 @@ def _urlencoded_field(body: bytes, name: str, found: list[str]) -> None:
                                   or unquote_plus(key.decode("latin-1")) != name):
                 return
             value = bytearray()
-        value.extend(data[start:end])
+        if len(value) <= _MAX_QUOTED_BYTES:  # one byte past it marks the value too long
+            value.extend(data[start:min(end, start + _MAX_QUOTED_BYTES + 1 - len(value))])
 
     def on_field_end() -> None:
         nonlocal fields
@@ -156,7 +168,9 @@ def _urlencoded_field(body: bytes, name: str, found: list[str]) -> None:
         if fields > MAX_FORM_FIELDS:
             raise _FormEnd
         if value is not None:
-            found[:] = [unquote_plus(value.decode("latin-1"))]
+            text = (unquote_plus(value.decode("latin-1"))
+                    if len(value) <= _MAX_QUOTED_BYTES else None)
+            found[:] = [text if text is not None and _model_sized(text) else None]
         elif key == wanted:
             found[:] = [""]
 
@@ -168,11 +182,22 @@ def _urlencoded_field(body: bytes, name: str, found: list[str]) -> None:
     parser.finalize()
 
 
+def _model_sized(text: str) -> bool:
+    """Whether a form's decoded value ``text`` is short enough to name a model."""
+    return len(text.encode()) <= MAX_FORM_VALUE_BYTES
+
+
+#: An urlencoded value is kept up to this many bytes as sent: each decoded byte is 3 at most
+#: (``%41``), so one longer decodes past :data:`MAX_FORM_VALUE_BYTES`.
+_MAX_QUOTED_BYTES = 3 * MAX_FORM_VALUE_BYTES
+
+
 def _multipart_field(body: bytes, boundary: bytes, charset: bytes | None, name: str,
-                     found: list[str]) -> None:
+                     found: list[str | None]) -> None:
     """:func:`form_field` of a multipart body: ``found`` holds the last value of ``name``
-    read so far (no other is kept). As Starlette's ``MultiPartParser`` reads it: fields and
-    file parts counted apart, a part without a ``name`` refused."""
+    read so far (no other is kept; ``None`` for one too long). As Starlette's
+    ``MultiPartParser`` reads it: fields and file parts counted apart, a part without a
+    ``name`` refused."""
     encoding = codecs.lookup(charset.decode("latin-1") if charset else "utf-8").name
     header_name = bytearray()
     header_value = bytearray()
@@ -219,11 +244,13 @@ def _multipart_field(body: bytes, boundary: bytes, charset: bytes | None, name: 
             size += end - start
             if size > MAX_FORM_PART_BYTES:
                 raise _FormEnd
-            value.extend(data[start:end])
+            if len(value) <= MAX_FORM_VALUE_BYTES:  # one byte past it marks it too long
+                value.extend(data[start:min(end, start + MAX_FORM_VALUE_BYTES + 1 - len(value))])
 
     def on_part_end() -> None:
         if value is not None:
-            found[:] = [value.decode(encoding, "replace")]
+            text = value.decode(encoding, "replace")
+            found[:] = [text if len(value) <= MAX_FORM_VALUE_BYTES else None]
 
     parser = MultipartParser(boundary, {"on_part_begin": on_part_begin,
                                         "on_header_field": on_header_field,
@@ -236,12 +263,42 @@ def _multipart_field(body: bytes, boundary: bytes, charset: bytes | None, name: 
     parser.finalize()
 
 
-async def read_form_field(body: bytes, content_type: str, name: str) -> str | None:
-    """:func:`form_field` from the event loop: in a worker thread for a body over
-    :data:`FORM_OFF_LOOP_BYTES`, so that no other call waits for the parse."""
-    if len(body) > FORM_OFF_LOOP_BYTES:
-        return await asyncio.to_thread(form_field, body, content_type, name)
-    return form_field(body, content_type, name)
+class FormReader:
+    """Reads forms' fields from the event loop (:meth:`field`), a multipart body over
+    :data:`FORM_OFF_LOOP_BYTES` in one worker thread of its own, started at its first such
+    body: never in asyncio's default pool, which reloads (``load_config``) share, so a flood
+    of forms queues behind itself alone. One per runtime, shut down by :meth:`close`."""
+
+    def __init__(self) -> None:
+        self._thread: concurrent.futures.ThreadPoolExecutor | None = None
+
+    async def field(self, body: bytes, content_type: str, name: str) -> str | None:
+        """:func:`form_field`: on the loop for a body of :data:`FORM_OFF_LOOP_BYTES` or
+        less (and for an urlencoded body of any size, which it reads only that small), else
+        in the worker thread. A cancelled caller does not stop a parse under way there."""
+        if len(body) <= FORM_OFF_LOOP_BYTES or not _is_multipart(content_type):
+            return form_field(body, content_type, name)
+        if self._thread is None:
+            self._thread = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="sluice-forms")
+        return await asyncio.get_running_loop().run_in_executor(
+            self._thread, form_field, body, content_type, name)
+
+    @property
+    def started(self) -> bool:
+        """Whether the worker thread was started (a large multipart body came)."""
+        return self._thread is not None
+
+    def close(self) -> None:
+        """Shut the worker thread down, dropping parses not begun; one under way ends on its
+        own (its caller gone)."""
+        if self._thread is not None:
+            self._thread.shutdown(wait=False, cancel_futures=True)
+            self._thread = None
+
+
+def _is_multipart(content_type: str) -> bool:
+    return content_type.partition(";")[0].strip().lower() == "multipart/form-data"
 
 
 #: What ``orjson`` says at a value it does not take where Python reads ``NaN``/``Infinity``.

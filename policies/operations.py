@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
-from policies.bodies import form_field, is_form, read_form_field
+from policies.bodies import FormReader, form_field, is_form
 from policies.breaker import Breaker
 from policies.budget import Budgets, Reservation
 from policies.concurrency import ConcurrencyLimiter
@@ -399,12 +399,13 @@ class OperationIndex:
         deployment = self.deployment(path)
         return deployment if deployment is not None else model_of(body, headers)
 
-    async def read_model(self, path: str, body: bytes,
-                         headers: Mapping[str, str] | None) -> str:
-        """:meth:`model` from the event loop: a large form parsed in a worker thread
-        (:func:`read_model_of`)."""
+    async def read_model(self, path: str, body: bytes, headers: Mapping[str, str] | None,
+                         forms: FormReader) -> str:
+        """:meth:`model` from the event loop: a large form parsed in ``forms``' worker
+        thread (:func:`read_model_of`)."""
         deployment = self.deployment(path)
-        return deployment if deployment is not None else await read_model_of(body, headers)
+        return (deployment if deployment is not None
+                else await read_model_of(body, headers, forms))
 
 
 def model_of(body: bytes, headers: Mapping[str, str] | None) -> str:
@@ -420,16 +421,18 @@ def model_of(body: bytes, headers: Mapping[str, str] | None) -> str:
     return model or ""
 
 
-async def read_model_of(body: bytes, headers: Mapping[str, str] | None) -> str:
-    """:func:`model_of` from the event loop: a form over
-    :data:`policies.bodies.FORM_OFF_LOOP_BYTES` is parsed in a worker thread
-    (:func:`policies.bodies.read_form_field`; a 32 MiB urlencoded body of ``%41`` parsed on
-    the loop froze every call for 9 s, a hostile trial)."""
+async def read_model_of(body: bytes, headers: Mapping[str, str] | None,
+                        forms: FormReader) -> str:
+    """:func:`model_of` from the event loop: a multipart form over
+    :data:`policies.bodies.FORM_OFF_LOOP_BYTES` is parsed in ``forms``' worker thread
+    (:meth:`policies.bodies.FormReader.field`; a 32 MiB urlencoded body of ``%41`` parsed on
+    the loop froze every call for 9 s, a hostile trial), an urlencoded one that large not
+    at all."""
     model = model_named(body)
     if model is None and body and headers is not None:
         content_type = headers.get("Content-Type", "")
         if is_form(content_type):
-            model = await read_form_field(body, content_type, "model")
+            model = await forms.field(body, content_type, "model")
     return model or ""
 
 
@@ -466,14 +469,16 @@ class Operations:
         route: the route's config; its blocks are those under
             :meth:`~policies.config.RouteConfig.operations`.
         backends, on_event, budgets, run_header: as :class:`Operation` takes them.
+        forms: reads a form's model (the runtime's, shared by its routes).
     """
 
-    __slots__ = ("by_name", "index", "key", "prefix_len", "protocol")
+    __slots__ = ("by_name", "forms", "index", "key", "prefix_len", "protocol")
 
     def __init__(self, route: RouteConfig, backends: StateBackends,
                  on_event: Callable[..., None], budgets: Budgets | None,
-                 run_header: str) -> None:
+                 run_header: str, forms: FormReader) -> None:
         self.key, blocks = route.operations()
+        self.forms = forms
         self.protocol = route.protocol
         self.prefix_len = len(route.path_prefix) - 1
         self.by_name = {name: Operation(name, block, route, backends, on_event, budgets,
@@ -498,7 +503,8 @@ class Operations:
         index = self.index
         model = None
         if index.key == "models" and call.method == "POST":
-            model = call.model = await index.read_model(path, call.body, call.headers)
+            model = call.model = await index.read_model(path, call.body, call.headers,
+                                                        self.forms)
         name, block = index.find(call.method, path, call.body, call.operation, call.headers,
                                  model)
         return name, self.by_name[block] if block is not None else None

@@ -19,6 +19,7 @@ from typing import Any
 from urllib.parse import unquote
 
 from policies.accounting import Accounting
+from policies.bodies import FormReader
 from policies.breaker import Breaker
 from policies.budget import Budgets, hold_for
 from policies.concurrency import ConcurrencyLimiter, OperationSlot
@@ -129,7 +130,8 @@ class Route:
                  runs: RunRegistry | None = None, global_limits: RunLimits | None = None,
                  global_fanout: FanoutWidth | None = None, global_fanout_wait: float = 0.0,
                  state: StateBackends | None = None,
-                 identity_headers: Collection[str] = ()) -> None:
+                 identity_headers: Collection[str] = (),
+                 forms: FormReader | None = None) -> None:
         """Build the route and its policy objects; nothing live is touched (no gauge bound, no
         shared object changed), so a route built and then dropped leaves no trace.
 
@@ -137,6 +139,8 @@ class Route:
         the shared ``global_fanout`` still has the running one until the reload is committed.
         ``identity_headers``: the tenant, run, parent run and priority headers, whose
         underscore look-alikes are not forwarded (:func:`proxy.forward.request_drop`).
+        ``forms``: reads a form's model, the runtime's (its worker thread shut down with it);
+        a route's own if none is given.
         """
         self.config = config
         #: Where the policies keep their counters: this process's memory, or Redis shared by
@@ -205,7 +209,8 @@ class Route:
             self.accounting = Accounting(config, pricing or {}, self.rate, self.budgets,
                                          run_header, token_models)
         self.operations = (Operations(config, self.backends, events.emit_system, self.budgets,
-                                      run_header) if blocks else None)
+                                      run_header, forms if forms is not None else FormReader())
+                           if blocks else None)
         self._plans: dict[str, Plan] = {}
         self._admission_order()
 

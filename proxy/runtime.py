@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 from aiohttp import web
 
+from policies.bodies import FormReader
 from policies.budget import clock_from_env
 from policies.concurrency import ConcurrencyLimiter
 from policies.config import Config, FanoutConfig, RunConfig
@@ -156,6 +157,8 @@ class Runtime:
         # Created at startup from the restart-only dead_letter block; its file is opened only
         # when some route retries (see open() and DeadLetterQueue.add).
         self.dead_letters = DeadLetterQueue(config.dead_letter, self.state)
+        #: Reads forms' models for every route, large multipart ones in its own thread.
+        self.forms = FormReader()
         #: The event log's and the dead-letter store's files if :meth:`open` created them.
         self._created_events: str | None = None
         self._created_letters: str | None = None
@@ -286,7 +289,7 @@ class Runtime:
                   run_header=config.identity.run_header, runs=self.runs,
                   global_limits=global_limits, global_fanout=global_fanout,
                   global_fanout_wait=fanout.max_wait if fanout else 0.0, state=self.state,
-                  identity_headers=identity)
+                  identity_headers=identity, forms=self.forms)
             for rc in config.routes
         ]
         replaces = {route.name: running[route.name] for route in routes
@@ -607,6 +610,7 @@ class Runtime:
                       lambda: self.dead_letters.close(self.drain_deadline, cut=self.hurry)))
         if self.runs.shared is not None:
             steps.append(("the shared runs' feed", self.runs.shared.feed.close))
+        steps.append(("the forms' worker thread", self._close_forms))
         steps += [("the runs' background work", self.runs.background.wait),
                   ("the state backend", self.state.close), ("the event log", self.events.close)]
         for name, step in steps:
@@ -614,6 +618,9 @@ class Runtime:
                 await step()
             except Exception:
                 log.exception("shutdown: closing %s failed; going on with the rest", name)
+
+    async def _close_forms(self) -> None:
+        self.forms.close()
 
 
 def cancel_live(tasks: Iterable[asyncio.Task[Any]]) -> list[asyncio.Task[Any]]:

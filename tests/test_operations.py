@@ -688,6 +688,7 @@ async def test_a_forms_model_is_read_once_per_call(upstream, monkeypatch):
         call = Call(request_id="r", route="llm", method="POST",
                     path="/llm/v1/chat/completions", body=form, tenant="t",
                     headers={"Content-Type": "multipart/form-data; boundary=b0"})
+        assert llm.operations.forms is runtime.forms  # one reader, closed with the runtime
         plan = await llm.plan(call)
         assert (call.operation, call.model) == ("whisper-1", "whisper-1")
         admission = Admission()
