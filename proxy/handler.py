@@ -871,9 +871,16 @@ def _finished(rt: Runtime, route: Route, call: Call, admission: Admission, calle
               admitted_at: float, finish: Finish, held: int, task: asyncio.Task[object]
               ) -> None:
     """The end of a call's forward task that outlived its handler (:func:`_hand_over`);
-    ``held``: the bytes of its body, counted in ``buffered_bytes`` until now."""
+    ``held``: the bytes of its body, counted in ``buffered_bytes`` until now. A call its
+    client cancelled as the task waited out a retry back-off (:func:`_end_waiting`), its
+    caller gone, ended ``client_cancelled``: no handler is left to take it out of
+    :attr:`Runtime.cancelled_waiting`, where it stayed for the process's life (a review)."""
     try:
-        if finish.left:
+        if finish.left and call in rt.cancelled_waiting:
+            cancelled = (Outcome(CLIENT_CANCELLED.label, True, CLIENT_CANCELLED.status)
+                         if call.reached else CLIENT_CANCELLED)
+            _settle(rt, route, call, admission, cancelled, admitted_at, "call")
+        elif finish.left:
             if (task.cancelled() and rt.cutting and call.cancelled is None
                     and attempts.cancels_upstream(call)):
                 attempts.send_cancel(rt, route, call)  # the drain's cut: its server stops
@@ -885,6 +892,7 @@ def _finished(rt: Runtime, route: Route, call: Call, admission: Admission, calle
                 _log_failure(route, call, task.exception())
             _settle(rt, route, call, admission, caller, admitted_at, "call")
     finally:
+        rt.cancelled_waiting.discard(call)
         route.present -= 1
         rt.buffered_bytes -= held
         rt.finishing.pop(task, None)

@@ -543,3 +543,44 @@ async def test_a_cancel_of_a_call_in_retry_back_off_ends_it_with_no_next_attempt
         await assert_all_given_back(sluice)
     finally:
         await server.stop()
+
+
+async def test_a_cancel_in_back_off_after_its_caller_left_ends_the_call_client_cancelled(
+        tmp_path: Path) -> None:
+    """A review: on ``dedup``, a call's caller left while its forward task waited out a retry
+    back-off (finished without it); its client's cancel then cancelled that task, but with
+    no handler left to take the call back out of ``cancelled_waiting``, it stayed there,
+    body and all, for the life of the process, and was counted ``client_disconnected``."""
+    server = await FailsOnceMcp().start()
+    server.release.set()
+    rt = Runtime(parse_config(
+        f"dead_letter: {{path: '{tmp_path}/dlq.sqlite'}}\n"
+        "routes:\n"
+        f"  - {{name: tools, path_prefix: /tools/, upstream: '{server.url}', protocol: mcp,\n"
+        "      idempotent: true, idempotency: {mode: dedup, max_wait: 30s},\n"
+        "      retry: {attempts: 3, on: [503], backoff: {base: 2s, max: 2s}}}\n"))
+    await rt.open()
+    runner, url = await serve_in_process(rt)
+    try:
+        session = {**HEADERS, "Mcp-Session-Id": "s-1"}
+        async with aiohttp.ClientSession() as http:
+            caller = asyncio.create_task(http.post(url, json=CALL, headers=session))
+            await wait_until(lambda: bool(rt.backing_off), what="the call in back-off")
+        caller.cancel()  # its caller leaves: the forward task goes on without it
+        await wait_until(lambda: bool(rt.finishing), what="the call finished without its caller")
+        async with aiohttp.ClientSession() as http:
+            async with http.post(url, json=cancel(CALL["id"]), headers=session) as r:
+                assert r.status == 202
+        await wait_until(lambda: not rt.finishing, what="the forward task's end")
+        assert rt.cancelled_waiting == set()
+        (route,) = rt.routes
+        outcomes = route.metrics.outcomes
+        assert outcomes["client_cancelled"].value == 1
+        assert outcomes["client_disconnected"].value == 0
+        assert outcomes["cancel_applied"].value == 1
+        assert server.calls == 0
+        assert route.present == 0 and rt.buffered_bytes == 0
+    finally:
+        await runner.cleanup()
+        await rt.close()
+        await server.stop()
