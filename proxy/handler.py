@@ -314,10 +314,7 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
         # The caller left (or the drain cut it) with its body still coming: nothing is
         # held yet, but the upload is counted and logged as a call that ended so, as one
         # that leaves while queued is (a 499 in nginx's log).
-        label = "drain_cut" if rt.cutting else ABANDONED.label
-        route.metrics.outcomes[label].inc()
-        rt.events.emit("completed", request_id, route.name, tenant, run, None, status=0,
-                       outcome=label, body_incomplete=True)
+        _left_unadmitted(rt, route, request_id, tenant, run, body_incomplete=True)
         raise
     if hold is not None:
         hold.read(len(body))
@@ -392,7 +389,12 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
     )
     call.new_unit = not client_retry
     # MCP control and stream traffic take nothing, an operation's steps included.
-    plan = await route.plan(call) if traffic == "call" else route.base_plan
+    try:
+        plan = await route.plan(call) if traffic == "call" else route.base_plan
+    except (asyncio.CancelledError, ConnectionResetError):
+        # Left (or cut) while its form's model was read off the loop: nothing held yet.
+        _left_unadmitted(rt, route, request_id, tenant, run)
+        raise
     operation = call.operation
     if operation is not None and len(operation) > MAX_OPERATION_LABEL_CHARS:
         call.operation = _capped(operation)  # looked up whole, by route.plan
@@ -587,6 +589,17 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
             _settle(rt, route, call, admission, outcome, admitted_at, traffic)
         if resumes and not presence.stream and not rt.cutting:
             _poll_again(rt, route, request)
+
+
+def _left_unadmitted(rt: Runtime, route: Route, request_id: str, tenant: str,
+                     run: str | None, **fields: Any) -> None:
+    """Count and log a call whose caller left (or the drain cut) before it held anything:
+    its body still arriving, or its model being read. As one that leaves while queued is
+    (a 499 in nginx's log); ``fields`` go on its ``completed`` event."""
+    label = "drain_cut" if rt.cutting else ABANDONED.label
+    route.metrics.outcomes[label].inc()
+    rt.events.emit("completed", request_id, route.name, tenant, run, None, status=0,
+                   outcome=label, **fields)
 
 
 def _poll_again(rt: Runtime, route: Route, request: web.BaseRequest) -> None:

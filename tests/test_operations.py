@@ -977,3 +977,49 @@ def test_operation_label_values_are_capped() -> None:
     assert len(values) == MAX_OPERATION_LABELS + 1
     assert values["other"] == 50 and values["tool-0"] == 2
     assert metrics.operation_label("llm", "gpt-4o") == "gpt-4o"  # each route its own cap
+
+
+async def test_a_caller_leaving_while_its_form_is_read_is_counted_and_logged(upstream):
+    # A review: a model read off the loop (a large multipart form) was awaited before the
+    # handler's accounting, so a caller who left during it was in neither the events nor
+    # sluice_requests_total, as a caller leaving while its body arrived is.
+    from tests.conftest import open_runtime, route, serve_runtime
+
+    runtime = await open_runtime(route("llm", upstream.url, models={
+        "whisper-1": {"rate": {"requests": "1000/min"}}}))
+    reading = asyncio.Event()
+
+    async def read_slowly(body: bytes, content_type: str, name: str) -> str | None:
+        reading.set()
+        await asyncio.Event().wait()  # a parse its caller does not wait out
+        return None
+
+    runtime.forms.field = read_slowly  # type: ignore[method-assign]
+    events: list[tuple[str, dict]] = []
+    emit = runtime.events.emit
+
+    def record(event: str, *args: Any, **fields: Any) -> None:
+        events.append((event, fields))
+        emit(event, *args, **fields)
+
+    runtime.events.emit = record  # type: ignore[method-assign]
+    runner, port = await serve_runtime(runtime)
+    try:
+        form = (b'--b0\r\nContent-Disposition: form-data; name="model"\r\n\r\n'
+                b"whisper-1\r\n--b0--\r\n")
+        async with aiohttp.ClientSession() as http:
+            caller = asyncio.create_task(http.post(
+                f"http://127.0.0.1:{port}/llm/v1/audio/transcriptions", data=form,
+                headers={"Content-Type": "multipart/form-data; boundary=b0"}))
+            await asyncio.wait_for(reading.wait(), 10)
+            caller.cancel()
+        (llm,) = runtime.routes
+        await wait_until(lambda: llm.metrics.outcomes["client_disconnected"].value == 1,
+                         what="the left caller counted")
+        [(_, completed)] = [(e, f) for e, f in events if e == "completed"]
+        assert completed["outcome"] == "client_disconnected" and completed["status"] == 0
+        assert llm.present == 0 and runtime.buffered_bytes == 0
+        assert upstream.requests == []
+    finally:
+        await runner.cleanup()
+        await runtime.close()
