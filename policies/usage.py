@@ -878,7 +878,9 @@ class Meter:
                                                for kind in _FINAL_RESPONSE_EVENTS)
             else:
                 self.final = True
-        else:
+        elif not (self.done and self._kind is not MESSAGES and self._kind is not RESPONSES):
+            # (After [DONE], where the openai SDK stops reading, no text counts: as for a
+            # small event, whose ``_event`` returns first.)
             self.streamed_tokens += max(1, size // BYTES_PER_TOKEN)
             self._final = False  # content after the usage so far (see ``_parse``)
 
