@@ -227,10 +227,17 @@ async def test_calls_still_queued_when_the_drain_ends_are_answered_503_not_cut(u
         assert by_request[request_id][-1]["reason"] == "draining"
     for index in range(3):
         events = by_request[f"held-{index}"]
-        assert [e["event"] for e in events] == ["admitted", "completed"]
-        assert events[-1]["outcome"] == "drain_cut"
-    # The held calls' slots, freed by the cut, went to nobody: only they reached the upstream.
-    assert len(upstream.requests) == 3
+        names = [e["event"] for e in events]
+        # The MCP call's server is told of the cut (notifications/cancelled, docs/mcp.md).
+        assert names.count("cancel_sent") == (index == 1)
+        assert [name for name in names if name != "cancel_sent"] == ["admitted", "completed"]
+        assert next(e for e in events if e["event"] == "completed")["outcome"] == "drain_cut"
+    # The held calls' slots, freed by the cut, went to nobody: only they reached the upstream,
+    # and the MCP call's cancel.
+    calls = [seen for seen in upstream.requests if b"notifications/cancelled" not in seen.body]
+    assert len(calls) == 3
+    assert [json.loads(seen.body)["params"]["requestId"] for seen in upstream.requests
+            if b"notifications/cancelled" in seen.body] == [6]
 
 
 async def test_a_queued_call_the_drain_answers_is_counted_as_a_refusal(upstream, tmp_path):

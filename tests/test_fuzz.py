@@ -89,6 +89,18 @@ chat_events = st.one_of(
 )
 
 
+def final_expected(events: list) -> bool:
+    """Whether a usage event counts as final: one came, and no text after the last one (a
+    usage object that content follows counts none of it, :attr:`policies.usage.Meter.final`)."""
+    if USAGE_EVENT not in events:
+        return False
+    last = len(events) - 1 - events[::-1].index(USAGE_EVENT)
+    done = events.index("[DONE]") if "[DONE]" in events else len(events)  # the end: no text
+    return not any(isinstance(event, dict) and event["choices"]
+                   and event["choices"][0]["delta"]["content"]
+                   for event in events[last + 1:max(done, last + 1)])
+
+
 def sse_bytes(events: list, crlf: bool) -> bytes:
     out = b""
     for event in events:
@@ -133,7 +145,7 @@ def test_usage_reader_any_split_same_result_usage_once(events, crlf, strip, data
         assert out == stream
     if USAGE_EVENT in events:  # once or several times, it counts once
         assert (meter.usage.input_tokens, meter.usage.output_tokens) == (7, 3)
-        assert meter.final
+        assert meter.final == final_expected(events)
     else:
         assert (meter.usage.input_tokens, meter.usage.output_tokens) == (0, 0)
 
@@ -149,7 +161,7 @@ def test_usage_reader_events_past_the_hold_limit(events, crlf, data):
     with mock.patch.object(usage, "JSON_LIMIT_BYTES", 512):
         out, meter = run_meter(stream, cuts, strip=True)
     assert out == sse_bytes([e for e in events if e != USAGE_EVENT], crlf)
-    assert meter.final == (USAGE_EVENT in events)
+    assert meter.final == final_expected(events)
     assert meter.usage.output_tokens == (3 if USAGE_EVENT in events else 0)
 
 
