@@ -318,6 +318,32 @@ async def test_usage_in_a_streams_first_chunk_does_not_make_its_content_free(bac
             assert spent == 51
 
 
+#: A stream's role chunk (no text), a chunk of text, and a reasoning call streamed: the
+#: streams the tests of what a stream ended early is charged send.
+ROLE = chat_event({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                "finish_reason": None}]})
+TEXT = chat_event({"choices": [{"index": 0, "delta": {"content": "forty-two"},
+                                "finish_reason": None}]})
+THINKING = orjson.dumps({"model": "o3", "max_completion_tokens": 8000, "stream": True,
+                         "messages": [{"role": "user", "content": "think hard"}]})
+
+
+async def _streamed(acct: Accounting, tenant: int, body: bytes, events: list[bytes],
+                    label: str) -> tuple[Call, Charge, float]:
+    """One streamed call of ``tenant`` whose upstream sent ``events`` before it ended as
+    ``label``: the call, its charge and what it spent."""
+    call = make_call(body=body)
+    call.tenant = str(tenant)
+    charge = await acct.admit(call)
+    assert charge is not None
+    stream_started(charge)
+    for event in events:
+        charge.chunk(event)
+    spent = await settled(charge, Outcome(label, True, 200))
+    assert call.charged is not None
+    return call, charge, spent
+
+
 @pytest.mark.parametrize("backends", ["memory", "redis"], indirect=True)
 async def test_a_stream_left_before_any_content_is_charged_its_reservation(backends):
     """A hostile trial: a reasoning model's stream sends its role chunk, then thinks
@@ -327,27 +353,13 @@ async def test_a_stream_left_before_any_content_is_charged_its_reservation(backe
     drain) before any content is charged as that call; one that streamed content, or that
     its upstream cut, is charged what it streamed."""
     acct = budgeted(backends)
-    role = chat_event({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                    "finish_reason": None}]})
-    text = chat_event({"choices": [{"index": 0, "delta": {"content": "forty-two"},
-                                    "finish_reason": None}]})
-    body = orjson.dumps({"model": "o3", "max_completion_tokens": 8000, "stream": True,
-                         "messages": [{"role": "user", "content": "think hard"}]})
     for tenant, (events, label, expected) in enumerate((
-            ([role], "client_disconnected", "reserved"),
-            ([role], "run_cancelled", "reserved"),
-            ([role], "drain_cut", "reserved"),
-            ([role, text], "client_disconnected", "estimated"),
-            ([role], "upstream_error", "estimated"))):
-        call = make_call(body=body)
-        call.tenant = str(tenant)
-        charge = await acct.admit(call)
-        assert charge is not None
-        stream_started(charge)
-        for event in events:
-            charge.chunk(event)
-        spent = await settled(charge, Outcome(label, True, 200))
-        assert call.charged is not None
+            ([ROLE], "client_disconnected", "reserved"),
+            ([ROLE], "run_cancelled", "reserved"),
+            ([ROLE], "drain_cut", "reserved"),
+            ([ROLE, TEXT], "client_disconnected", "estimated"),
+            ([ROLE], "upstream_error", "estimated"))):
+        call, charge, spent = await _streamed(acct, tenant, THINKING, events, label)
         assert call.charged["usage"] == expected, label
         output = 8000 if expected == "reserved" else max(1, charge.streamed_tokens)
         assert call.charged["output_tokens"] == output, label
@@ -375,15 +387,7 @@ async def test_usage_in_a_first_chunk_is_no_count_of_a_stream_left_before_conten
             ([first], "run_cancelled", "reserved", 300),
             ([first], "drain_cut", "reserved", 300),
             ([text, last], "client_disconnected", "reported", 3))):
-        call = make_call(body=body)
-        call.tenant = str(tenant)
-        charge = await acct.admit(call)
-        assert charge is not None
-        stream_started(charge)
-        for event in events:
-            charge.chunk(event)
-        spent = await settled(charge, Outcome(label, True, 200))
-        assert call.charged is not None
+        call, charge, spent = await _streamed(acct, tenant, body, events, label)
         assert (call.charged["usage"], call.charged["output_tokens"]) == (expected, output), label
         input_tokens = charge.cost.input_tokens if expected == "reserved" else 11
         assert spent == input_tokens + output, label
@@ -398,29 +402,15 @@ async def test_a_stream_its_total_timeout_cut_before_any_content_is_charged_its_
     its reservation, with or without a first chunk's usage. One that streamed content
     before the cut is charged what it streamed, as is one its upstream cut."""
     acct = budgeted(backends)
-    role = chat_event({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                    "finish_reason": None}]})
     counted = chat_event({"choices": [{"index": 0, "delta": {"role": "assistant"},
                                        "finish_reason": None}],
                           "usage": {"prompt_tokens": 11, "completion_tokens": 0}})
-    text = chat_event({"choices": [{"index": 0, "delta": {"content": "forty-two"},
-                                    "finish_reason": None}]})
-    body = orjson.dumps({"model": "o3", "max_completion_tokens": 8000, "stream": True,
-                         "messages": [{"role": "user", "content": "think hard"}]})
     for tenant, (events, label, expected) in enumerate((
-            ([role], "upstream_timeout", "reserved"),
+            ([ROLE], "upstream_timeout", "reserved"),
             ([counted], "upstream_timeout", "reserved"),
-            ([role, text], "upstream_timeout", "estimated"),
-            ([role], "upstream_error", "estimated"))):
-        call = make_call(body=body)
-        call.tenant = str(tenant)
-        charge = await acct.admit(call)
-        assert charge is not None
-        stream_started(charge)
-        for event in events:
-            charge.chunk(event)
-        spent = await settled(charge, Outcome(label, True, 200))
-        assert call.charged is not None
+            ([ROLE, TEXT], "upstream_timeout", "estimated"),
+            ([ROLE], "upstream_error", "estimated"))):
+        call, charge, spent = await _streamed(acct, tenant, THINKING, events, label)
         assert call.charged["usage"] == expected, (tenant, label)
         output = 8000 if expected == "reserved" else max(1, charge.streamed_tokens)
         assert call.charged["output_tokens"] == output, (tenant, label)
