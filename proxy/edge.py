@@ -46,16 +46,14 @@
   client that pipelined a valid request and a malformed one in it reads the 400 as the valid
   one's (which was not sent upstream);
 * requests pipelined behind one still being served are read no further once those queued
-  behind the next one hold over ``FIRST_HOLD_BYTES`` (64 KiB: their heads as sent and their
-  bodies' bytes; the next one's head is bounded by ``MAX_HEAD_BYTES`` and its body by
-  aiohttp's own pause): the connection is read again as they are taken. aiohttp would parse
-  and queue 32 of them, bodies included, none counted in ``max_buffered_bytes`` before its
-  handler starts (60 connections pipelining 120 KB bodies behind a slow call held 238 MB
-  past an 8 MB bound, a hostile trial); now at most one request, 64 KiB and what one read
-  brought are queued per connection. Below that the connection is read on, so with
-  ``abort_on_close`` a caller that pipelines a small request and leaves is found gone while
-  the one before it is served (its call cut); one that pipelined more is found gone when
-  reading resumes;
+  hold over ``FIRST_HOLD_BYTES`` (64 KiB: their heads as sent and their bodies' bytes): the
+  connection is read again as they are taken. aiohttp would parse and queue 32 of them,
+  bodies included, none counted in ``max_buffered_bytes`` before its handler starts (60
+  connections pipelining 120 KB bodies behind a slow call held 238 MB past an 8 MB bound,
+  a hostile trial); now at most 64 KiB and what one read brought are queued per
+  connection. Below that the connection is read on, so with ``abort_on_close`` a caller
+  that pipelines a small request and leaves is found gone while the one before it is
+  served (its call cut); one that pipelined more is found gone when reading resumes;
 * after a request with chunked framing, or an HTTP/1.0 request with ``Transfer-Encoding``
   (whose framing RFC 9112 §6.1 says to treat as faulty), the connection is closed once the
   answer is sent, and nothing pipelined behind it is served. aiohttp's C parser does not
@@ -126,7 +124,6 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
-import itertools
 import logging
 import re
 import socket
@@ -1022,12 +1019,9 @@ class EdgeProtocol(RequestHandler):
         super().data_received(data)
         if self._force_close:
             return
-        # Looked at only with two requests queued: the first is the next one served (or
-        # the one being taken), bounded by the head limit and aiohttp's own body pause; on
-        # a keep-alive connection's next request (queued while the last answer finishes)
-        # the sum cost ~170 opcodes a request (bench opcodes).
-        if (len(self._messages) > 1 and not self._buffer_paused
-                and self._queued_bytes() > FIRST_HOLD_BYTES):
+        messages = self._messages
+        if (messages and (self._waiter is None or len(messages) > 1)
+                and not self._buffer_paused and self._queued_bytes() > FIRST_HOLD_BYTES):
             # Requests queued behind the one being served hold that much: read no more until
             # they are taken (:meth:`_resume_reading_for_buffer`). aiohttp would queue 32,
             # bodies and all, uncounted in max_buffered_bytes: 60 connections pipelining
@@ -1088,11 +1082,15 @@ class EdgeProtocol(RequestHandler):
                 self._head_too_large()
 
     def _queued_bytes(self) -> int:
-        """The bytes of the requests queued behind the next one served (the first queued):
-        their heads as sent (request line and header lines) and what has arrived of their
-        bodies."""
+        """The bytes of the requests queued behind the one being served (the first queued is
+        the next one served while aiohttp's loop waits for one): their heads as sent (request
+        line and header lines) and what has arrived of their bodies."""
         queued = 0
-        for message, payload in itertools.islice(self._messages, 1, None):
+        first = self._waiter is not None
+        for message, payload in self._messages:
+            if first:
+                first = False
+                continue
             queued += payload.total_bytes
             if isinstance(message, RawRequestMessage):
                 queued += len(message.method) + len(message.path) + 14 + sum(
