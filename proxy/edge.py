@@ -1020,8 +1020,13 @@ class EdgeProtocol(RequestHandler):
         if self._force_close:
             return
         messages = self._messages
-        if (messages and (self._waiter is None or len(messages) > 1)
-                and not self._buffer_paused and self._queued_bytes() > FIRST_HOLD_BYTES):
+        if (messages and not self._buffer_paused
+                and (len(messages) > 1 or (self._waiter is None and messages[0][1].total_bytes
+                                           + len(data) + self._head_bytes > FIRST_HOLD_BYTES))
+                and self._queued_bytes() > FIRST_HOLD_BYTES):
+            # (A keep-alive connection's next request, queued while the last answer
+            # finishes, is summed only when its body, this read and a head's bytes could
+            # pass the bound: the whole sum there cost ~150 opcodes a request.)
             # Requests queued behind the one being served hold that much: read no more until
             # they are taken (:meth:`_resume_reading_for_buffer`). aiohttp would queue 32,
             # bodies and all, uncounted in max_buffered_bytes: 60 connections pipelining
