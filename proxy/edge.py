@@ -406,6 +406,8 @@ class EdgeServer(GuardedServer):
             door = self._door = Door(rt.config)
         refused = door.check(rt, request)
         if refused is not None:
+            if hdrs.EXPECT in request.headers and not request.content.is_eof():
+                _closes_after(request)  # its body never invited (see BodyHold.give_back)
             return _answered(refused)
         headers = request.headers
         length = headers.get(hdrs.CONTENT_LENGTH)  # digits only: the parser refused the rest
@@ -430,6 +432,8 @@ class EdgeServer(GuardedServer):
         expect = headers.get(hdrs.EXPECT)
         if expect is not None and request.version >= HttpVersion11:
             if expect.lower() != "100-continue":
+                if not request.content.is_eof():
+                    _closes_after(request)  # its body never invited (see BodyHold.give_back)
                 return _answered(refuse_at_edge(
                     rt, Rejected(Reason.EXPECTATION_FAILED, None, "")))
             if hold is not None and not request.content.is_eof():
