@@ -98,10 +98,15 @@ class _FormEnd(Exception):
     """A form's parse stops: a cap reached, or a part Starlette refuses."""
 
 
+def _media_type(content_type: str) -> str:
+    """The media type of a ``Content-Type`` value, lower case, without its parameters."""
+    return content_type.partition(";")[0].strip().lower()
+
+
 def is_form(content_type: str) -> bool:
     """Whether a request of ``Content-Type`` ``content_type`` carries a form that
     :func:`form_field` reads."""
-    return content_type.partition(";")[0].strip().lower() in FORM_TYPES
+    return _media_type(content_type) in FORM_TYPES
 
 
 def form_field(body: bytes, content_type: str, name: str) -> str | None:
@@ -276,7 +281,8 @@ class FormReader:
         """:func:`form_field`: on the loop for a body of :data:`FORM_OFF_LOOP_BYTES` or
         less (and for an urlencoded body of any size, which it reads only that small), else
         in the worker thread. A cancelled caller does not stop a parse under way there."""
-        if len(body) <= FORM_OFF_LOOP_BYTES or not _is_multipart(content_type):
+        if (len(body) <= FORM_OFF_LOOP_BYTES
+                or _media_type(content_type) != "multipart/form-data"):
             return form_field(body, content_type, name)
         if self._thread is None:
             self._thread = concurrent.futures.ThreadPoolExecutor(
@@ -295,10 +301,6 @@ class FormReader:
         if self._thread is not None:
             self._thread.shutdown(wait=False, cancel_futures=True)
             self._thread = None
-
-
-def _is_multipart(content_type: str) -> bool:
-    return content_type.partition(";")[0].strip().lower() == "multipart/form-data"
 
 
 #: What ``orjson`` says at a value it does not take where Python reads ``NaN``/``Infinity``.

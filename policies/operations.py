@@ -386,7 +386,6 @@ class OperationIndex:
             return name, self.default
         return name, name
 
-
     def deployment(self, path: str) -> str | None:
         """The Azure deployment ``path`` (after the route's prefix) names on an ``openai``
         route (:func:`policies.paths.deployment_named`), else ``None``."""
@@ -414,10 +413,8 @@ def model_of(body: bytes, headers: Mapping[str, str] | None) -> str:
     transcriptions and image edits send ``multipart/form-data``:
     :func:`policies.bodies.form_field`); ``""`` for none, or a body neither reads."""
     model = model_named(body)
-    if model is None and body and headers is not None:
-        content_type = headers.get("Content-Type", "")
-        if is_form(content_type):
-            model = form_field(body, content_type, "model")
+    if model is None and (content_type := _form_type(body, headers)) is not None:
+        model = form_field(body, content_type, "model")
     return model or ""
 
 
@@ -429,11 +426,18 @@ async def read_model_of(body: bytes, headers: Mapping[str, str] | None,
     the loop froze every call for 9 s, a hostile trial), an urlencoded one that large not
     at all."""
     model = model_named(body)
-    if model is None and body and headers is not None:
-        content_type = headers.get("Content-Type", "")
-        if is_form(content_type):
-            model = await forms.field(body, content_type, "model")
+    if model is None and (content_type := _form_type(body, headers)) is not None:
+        model = await forms.field(body, content_type, "model")
     return model or ""
+
+
+def _form_type(body: bytes, headers: Mapping[str, str] | None) -> str | None:
+    """The ``Content-Type`` of a request whose non-empty ``body`` is a form
+    (:func:`policies.bodies.is_form`), else ``None``."""
+    if not body or headers is None:
+        return None
+    content_type = headers.get("Content-Type", "")
+    return content_type if is_form(content_type) else None
 
 
 def operation_group(route: str, name: str) -> str:

@@ -499,8 +499,7 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
             rt.cancelled_waiting.discard(call)
             _uncancel()
             # One ended in a retry back-off had an attempt at the server (answered a failure).
-            outcome = (Outcome(CLIENT_CANCELLED.label, True, CLIENT_CANCELLED.status)
-                       if call.reached else CLIENT_CANCELLED)
+            outcome = _client_cancelled(call)
             # In the server's own shape (an SSE event, to a client that takes one): its
             # client gave up on it, and the Python 2.x client raised out of its JSON path.
             sse = mcp.accepts_sse(call.headers.get("Accept"))
@@ -589,6 +588,13 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
             _settle(rt, route, call, admission, outcome, admitted_at, traffic)
         if resumes and not presence.stream and not rt.cutting:
             _poll_again(rt, route, request)
+
+
+def _client_cancelled(call: Call) -> Outcome:
+    """The outcome of a call its client cancelled that Sluice ended: it reached the
+    upstream when an attempt had (one answered a failure before a retry back-off)."""
+    return (Outcome(CLIENT_CANCELLED.label, True, CLIENT_CANCELLED.status)
+            if call.reached else CLIENT_CANCELLED)
 
 
 def _left_unadmitted(rt: Runtime, route: Route, request_id: str, tenant: str,
@@ -890,9 +896,7 @@ def _finished(rt: Runtime, route: Route, call: Call, admission: Admission, calle
     :attr:`Runtime.cancelled_waiting`, where it stayed for the process's life (a review)."""
     try:
         if finish.left and call in rt.cancelled_waiting:
-            cancelled = (Outcome(CLIENT_CANCELLED.label, True, CLIENT_CANCELLED.status)
-                         if call.reached else CLIENT_CANCELLED)
-            _settle(rt, route, call, admission, cancelled, admitted_at, "call")
+            _settle(rt, route, call, admission, _client_cancelled(call), admitted_at, "call")
         elif finish.left:
             if (task.cancelled() and rt.cutting and call.cancelled is None
                     and attempts.cancels_upstream(call)):

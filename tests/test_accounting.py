@@ -298,17 +298,8 @@ async def test_usage_in_a_streams_first_chunk_does_not_make_its_content_free(bac
     for tenant, (events, label) in enumerate((
             ([first, *content, last, b"data: [DONE]\n\n"], "2xx"),
             ([first, *content[:20]], "upstream_error"))):
-        call = make_call(body=body)
-        call.tenant = str(tenant)
-        charge = await acct.admit(call)
-        assert charge is not None
-        stream_started(charge)
-        for event in events:
-            charge.chunk(event)
-        if label == "2xx":
-            charge.finish()
-        spent = await settled(charge, Outcome(label, True, 200))
-        assert call.charged is not None
+        call, charge, spent = await _streamed(acct, tenant, body, events, label,
+                                              finished=label == "2xx")
         if label == "2xx":
             assert (call.charged["output_tokens"], call.charged["usage"]) == (300, "reserved")
             assert spent == charge.cost.input_tokens + 300
@@ -329,9 +320,10 @@ THINKING = orjson.dumps({"model": "o3", "max_completion_tokens": 8000, "stream":
 
 
 async def _streamed(acct: Accounting, tenant: int, body: bytes, events: list[bytes],
-                    label: str) -> tuple[Call, Charge, float]:
-    """One streamed call of ``tenant`` whose upstream sent ``events`` before it ended as
-    ``label``: the call, its charge and what it spent."""
+                    label: str, finished: bool = False) -> tuple[Call, Charge, float]:
+    """One streamed call of ``tenant`` whose upstream sent ``events`` (and its stream's clean
+    end, when ``finished``) before it ended as ``label``: the call, its charge and what it
+    spent."""
     call = make_call(body=body)
     call.tenant = str(tenant)
     charge = await acct.admit(call)
@@ -339,6 +331,8 @@ async def _streamed(acct: Accounting, tenant: int, body: bytes, events: list[byt
     stream_started(charge)
     for event in events:
         charge.chunk(event)
+    if finished:
+        charge.finish()
     spent = await settled(charge, Outcome(label, True, 200))
     assert call.charged is not None
     return call, charge, spent

@@ -680,6 +680,20 @@ def _usage_chunk(text: str | None, prompt: int, completion: int, finish: str | N
             "usage": {"prompt_tokens": prompt, "completion_tokens": completion}}
 
 
+def _chat_meter(events: list, chunked: bool) -> Meter:
+    """A Chat Completions stream's meter (its usage chunk kept) after ``events``: in 1 KiB
+    reads of the whole stream (``chunked``), else an event a read."""
+    stream = sse(*events)
+    meter = Meter(CHAT, anthropic=False, strip_usage=False)
+    started(meter)
+    if chunked:
+        feed_in_pieces(meter, stream, list(range(1024, len(stream), 1024)))
+    else:
+        for event in events:
+            meter.chunk(sse(event))
+        meter.finish()
+    return meter
+
 @pytest.mark.parametrize("chunked", [False, True], ids=["event-per-chunk", "1-KB-chunks"])
 def test_usage_followed_by_content_is_no_final_count(chunked):
     """A hostile trial: a stream whose one usage object came in its first chunk
@@ -699,15 +713,7 @@ def test_usage_followed_by_content_is_no_final_count(chunked):
         "usage last": ([*content, _usage_chunk(None, 11, 100), "[DONE]"], True, (11, 100)),
     }
     for name, (events, final, counts) in streams.items():
-        stream = sse(*events)
-        meter = Meter(CHAT, anthropic=False, strip_usage=False)
-        started(meter)
-        if chunked:
-            feed_in_pieces(meter, stream, list(range(1024, len(stream), 1024)))
-        else:
-            for event in events:
-                meter.chunk(sse(event))
-            meter.finish()
+        meter = _chat_meter(events, chunked)
         assert meter.final is final, name
         assert (meter.usage.input_tokens, meter.usage.output_tokens) == counts, name
         assert meter.streamed_tokens >= 50, name
@@ -725,15 +731,7 @@ def test_content_carrying_a_usage_object_that_is_no_count_ends_an_earlier_count(
                         ("input only", {"usage": {"prompt_tokens": 11}}),
                         ("nested", {"usage": None, "x_groq": {"usage": {"queue_time": 0.1}}})):
         events = [_usage_chunk("", 11, 0), *({**c, **extra} for c in content), "[DONE]"]
-        stream = sse(*events)
-        meter = Meter(CHAT, anthropic=False, strip_usage=False)
-        started(meter)
-        if chunked:
-            feed_in_pieces(meter, stream, list(range(1024, len(stream), 1024)))
-        else:
-            for event in events:
-                meter.chunk(sse(event))
-            meter.finish()
+        meter = _chat_meter(events, chunked)
         assert not meter.final, name
         assert meter.streamed_tokens >= 50, name
 
