@@ -30,8 +30,8 @@ A held task is over (:meth:`HeldTask.end`) when, through this replica:
   ends a ``notifications/cancelled``.
 
 At most :data:`MAX_HELD_TASKS` are held at once; past that a task's call ends with its
-``CreateTaskResult``, as before (logged, and its ``completed`` event says ``task_end:
-"not_held"``).
+``CreateTaskResult``, as before (a warning is logged; its ``completed`` event names no
+task).
 """
 
 from __future__ import annotations
