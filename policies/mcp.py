@@ -44,7 +44,7 @@ import binascii
 import hashlib
 import json
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -107,6 +107,15 @@ CONTROL_METHODS = frozenset({
     "resources/subscribe", "resources/unsubscribe", "tasks/get", "tasks/result",
     "tasks/cancel",
 })
+
+#: A task's follow-ups (MCP 2025-11-25, experimental tasks), each naming ``params.taskId``:
+#: what Sluice reads for a task's end while it holds the ``tools/call`` that made the task
+#: (``proxy.mcp_tasks``).
+TASK_METHODS = frozenset({"tasks/get", "tasks/result", "tasks/cancel"})
+#: The notification a server may send when a task's status changes (``params`` is the Task).
+TASK_STATUS = "notifications/tasks/status"
+#: A task's statuses after which its server runs nothing more for it.
+TASK_TERMINAL = frozenset({"completed", "failed", "cancelled"})
 
 #: Request methods a client connecting to a server sends first: new work for a draining
 #: replica (its client would connect there, then have its first call refused ``draining``).
@@ -253,6 +262,24 @@ class McpPost:
         """The ids of the server's requests to its client that the POST's responses answer
         (an elicitation's, a sampling call's), in order; ``()`` for a POST holding none."""
         return tuple(m.id for m in self.messages if m.kind == "response" and m.id is not None)
+
+    @property
+    def asks_task(self) -> bool:
+        """A non-batch ``tools/call`` asking to run as a task (``params.task``, an object:
+        MCP 2025-11-25), which its server answers at once with a ``CreateTaskResult``."""
+        request = self.request
+        return (request is not None and request.method == "tools/call"
+                and request.params is not None and isinstance(request.params.get("task"), dict))
+
+    @property
+    def task_id(self) -> str | None:
+        """The task a non-batch ``tasks/get``, ``tasks/result`` or ``tasks/cancel`` names
+        (``params.taskId``, a string); ``None`` for any other POST."""
+        request = self.request
+        if request is None or request.method not in TASK_METHODS or request.params is None:
+            return None
+        task_id = request.params.get("taskId")
+        return task_id if isinstance(task_id, str) else None
 
     @property
     def cancels(self) -> RequestId | None:
@@ -581,6 +608,15 @@ class Outcome:
     #: (Not compared: what the continuation stands on, not what the answer came to.)
     request_state: str | None = field(default=None, compare=False)
     asked: bytes = field(default=b"", compare=False)
+    #: A task named by the result (MCP 2025-11-25 tasks): a ``CreateTaskResult``'s
+    #: ``result.task``, or a ``Task`` itself (``tasks/get``, ``tasks/cancel``): its
+    #: ``taskId``, ``status`` and ``ttl`` (milliseconds from its creation; ``None``:
+    #: unlimited or not given). ``task_id`` is ``None`` for any other result.
+    task_id: str | None = field(default=None, compare=False)
+    #: The result is a ``CreateTaskResult`` (``result.task``), not a ``Task``.
+    task_created: bool = field(default=False, compare=False)
+    task_status: str | None = field(default=None, compare=False)
+    task_ttl_ms: float | None = field(default=None, compare=False)
 
     @property
     def tool_failure(self) -> bool:
@@ -610,6 +646,16 @@ def _outcome(doc: dict[str, Any]) -> Outcome:
     if not isinstance(result, dict):
         return Outcome()
     if result.get("resultType") != "input_required":
+        task = result.get("task")
+        created = isinstance(task, dict)
+        task = task if created else result
+        task_id = task.get("taskId")
+        if isinstance(task_id, str) and isinstance(task.get("status"), str):
+            ttl = task.get("ttl")
+            return Outcome(is_error_result=result.get("isError") is True, task_id=task_id,
+                           task_created=created, task_status=task["status"],
+                           task_ttl_ms=float(ttl) if isinstance(ttl, (int, float))
+                           and not isinstance(ttl, bool) and ttl >= 0 else None)
         return Outcome(is_error_result=result.get("isError") is True)
     state = result.get("requestState")
     try:
@@ -678,6 +724,11 @@ class AnswerTracker:
         #: a tool waits on (:data:`CLIENT_ANSWERED`) and the client has not answered yet
         #: (:meth:`client_answered`); ``None`` until the first one.
         self._asks: set[RequestId] | None = None
+        #: Called with a task's id and status when the answer carries a
+        #: ``notifications/tasks/status`` with a terminal status (:data:`TASK_TERMINAL`), up
+        #: to the response (``proxy.mcp_tasks`` sets it on the streams of a session with
+        #: tasks held); ``None``: not looked for.
+        self.on_task_end: Callable[[str, str], None] | None = None
 
     @property
     def resumable(self) -> bool:
@@ -811,6 +862,33 @@ class AnswerTracker:
             if self._asks is None:
                 self._asks = set()
             self._asks.add(doc["id"])  # 1 and "1" stay apart in a set, as ids must
+        elif self.on_task_end is not None and isinstance(doc, dict):
+            ended = task_ended(doc)
+            if ended is not None:
+                self.on_task_end(*ended)
+
+
+def task_ended(doc: object) -> tuple[str, str] | None:
+    """``(taskId, status)`` when ``doc`` is a ``notifications/tasks/status`` whose status is
+    terminal (:data:`TASK_TERMINAL`); ``None`` otherwise."""
+    if not isinstance(doc, dict) or doc.get("method") != TASK_STATUS or "id" in doc:
+        return None
+    params = doc.get("params")
+    if not isinstance(params, dict):
+        return None
+    task_id, status = params.get("taskId"), params.get("status")
+    if isinstance(task_id, str) and status in TASK_TERMINAL:
+        return task_id, status
+    return None
+
+
+def task_cancel(request_id: str, task_id: str) -> bytes:
+    """The ``tasks/cancel`` request by which Sluice asks a server to stop task ``task_id``
+    (MCP 2025-11-25) when it ends the hold of the call that made it (its bound, a run's
+    cancel, the drain's cut): a request (``request_id``, Sluice's own), answered with the
+    Task or an error (a task already terminal, or unknown)."""
+    return orjson.dumps({"jsonrpc": "2.0", "id": request_id, "method": "tasks/cancel",
+                         "params": {"taskId": task_id}})
 
 
 def answer_outcome(answer: bytes, content_type: str | None,

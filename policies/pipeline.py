@@ -101,6 +101,9 @@ class Call:
     (``proxy.forward.delivered``), which a drain ends rather than waits for (``None``
     before); polled, an MCP call's answer the upstream closed early for polling
     (``proxy.runtime.Polled``), whose end is then its response resumed on a GET
+    (``proxy.handler`` holds it until then; ``None`` otherwise); task_asked, an MCP
+    ``tools/call`` asking to run as a task (``params.task``); task, the task its
+    ``CreateTaskResult`` made (``proxy.mcp_tasks.HeldTask``), whose end is then the call's
     (``proxy.handler`` holds it until then; ``None`` otherwise); the upstream time of its
     attempts (:meth:`attempt_sent`, :meth:`attempt_over`, :meth:`attempt_unsent`,
     :meth:`upstream_seconds`).
@@ -122,7 +125,7 @@ class Call:
                  "relaying",
                  "reporter", "request_id", "response_headers", "route", "rpc_id",
                  "rpc_method", "run",
-                 "status", "stop",
+                 "status", "stop", "task", "task_asked",
                  "tenant", "timeout", "timeout_reads", "unanswered", "units_deferred",
                  "unsent", "upstream_key")
 
@@ -186,6 +189,8 @@ class Call:
         self.stop: Callable[[], None] | None = None
         self.relaying: asyncio.Task[Any] | None = None
         self.polled: Any = None
+        self.task_asked = False
+        self.task: Any = None
         self._upstream_s = 0.0
         self._sent_at: float | None = None
 

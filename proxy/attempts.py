@@ -61,6 +61,7 @@ from policies.mcp import (
     cancel_notification,
     cancels_by_closing,
     is_sse,
+    task_cancel,
 )
 from policies.operations import Plan
 from policies.pipeline import SENT_UNANSWERED, Call
@@ -74,6 +75,7 @@ from policies.retry import (
 )
 from policies.state import StateUnavailable
 from proxy import forward as fwd
+from proxy import mcp_tasks
 from proxy.client import client_timeout, send_aside
 from proxy.rejections import jsonrpc_id, render
 from proxy.routes import Route
@@ -279,6 +281,17 @@ async def forward(request: web.BaseRequest, rt: Runtime, route: Route, call: Cal
                     LAST_EVENT_ID_HEADER, "").encode("utf-8", "surrogateescape")
                 request[fwd.RESUMED_ANSWER] = tries.tracker
                 capture = _Answered(capture, tries.tracker, resumed[1], resumed[0])
+            watch: AnswerTracker | None = None
+            if route.protocol == "mcp" and response.status < 300:
+                # MCP tasks (2025-11-25): a follow-up's answer (tasks/get, tasks/result,
+                # tasks/cancel of a task held here) says whether the task is over; any SSE
+                # answer or stream of a session may carry a notifications/tasks/status.
+                poll = request.get(mcp_tasks.TASK_POLL)
+                sse = is_sse(response.headers.get("Content-Type"))
+                if poll is not None or sse:
+                    watch = _task_watch(rt, route, call, poll, response, sse)
+                    if watch is not None:
+                        capture = _Watched(capture, watch)
             total, sent_at = timeout.total, call.sent_at
             try:
                 answer, outcome = await fwd.relay(
@@ -297,6 +310,10 @@ async def forward(request: web.BaseRequest, rt: Runtime, route: Route, call: Cal
                     _cancel_timed_out(rt, route, call)
                 return failed, "upstream_timeout" if timed_out else "upstream_error"
             tracker = tries.tracker
+            if watch is not None and (poll := request.get(mcp_tasks.TASK_POLL)) is not None:
+                mcp_tasks.seen_answer(rt.tasks, poll[0], poll[1], watch.finish())
+            if call.task_asked and outcome == "2xx" and tracker is not None:
+                _task_created(rt, route, call, tracker.finish(), total)
             if route.protocol == "mcp" and tracker is not None and tracker.outcome is None:
                 # The answer ended without its response.
                 if tracker.resumable:
@@ -376,6 +393,49 @@ def _polled(request: web.BaseRequest, call: Call, traffic: Traffic, outcome: str
     return polled
 
 
+def _task_watch(rt: Runtime, route: Route, call: Call, poll: tuple[Any, str] | None,
+                response: aiohttp.ClientResponse, sse: bool) -> AnswerTracker | None:
+    """What reads an MCP answer for the ends of tasks held (:mod:`proxy.mcp_tasks`): a
+    follow-up's answer (``poll``: the held task's key and the method) for its response;
+    and any SSE answer or stream of a session with tasks held for their
+    ``notifications/tasks/status``. ``None`` when there is nothing to look for."""
+    session = call.headers.get(SESSION_HEADER)
+    watches = sse and rt.tasks.watches(route.name, session)
+    if poll is None and not (watches or (call.method == "GET" and sse and session)):
+        return None
+    # A session's GET stream opens before its tasks do: read while it lasts, for them.
+    watch = AnswerTracker(response.headers.get("Content-Type"),
+                          call.rpc_id if poll is not None and call.rpc_id is not None
+                          else _NO_RESPONSE_ID)
+    if sse:
+        watch.on_task_end = rt.tasks.watcher(route.name, session, call.tenant)
+    return watch
+
+
+#: The request id a stream's task watch looks for: none (a float is never an MCP id).
+_NO_RESPONSE_ID: Any = float("nan")
+
+
+def _task_created(rt: Runtime, route: Route, call: Call, found: Any,
+                  total: float | None) -> None:
+    """A ``tools/call`` asking to run as a task was answered: if with a ``CreateTaskResult``,
+    its task is held (:meth:`proxy.mcp_tasks.Tasks.note`) and so is the call, until the
+    task is over (``proxy.handler``) or the bound passes: the earlier of the task's ``ttl``
+    (from now) and ``total`` (the call's ``timeouts.total``; :data:`POLLED_WAIT_S`
+    without one) from its sending."""
+    if found is None or not found.task_created or found.task_id is None:
+        return
+    now = time.monotonic()
+    sent_at = call.sent_at
+    deadline = (now if sent_at is None else sent_at) + (POLLED_WAIT_S if total is None
+                                                         else total)
+    bound = "timeout"
+    if found.task_ttl_ms is not None and now + found.task_ttl_ms / 1000 < deadline:
+        deadline, bound = now + found.task_ttl_ms / 1000, "ttl"
+    call.task = rt.tasks.note((route.name, call.headers.get(SESSION_HEADER) or "",
+                               call.tenant, found.task_id), deadline, bound)
+
+
 def _retried(tries: _Tries) -> bool:
     """Whether Sluice took the failure on (it retried as far as it went): its answer then
     says ``x-should-retry: false``, so the SDK adds none of its own. A failure repeated
@@ -429,6 +489,26 @@ class _Both:
     def feed(self, chunk: bytes) -> None:
         self.capture.feed(chunk)
         self.tracker.feed(chunk)
+
+
+class _Watched:
+    """Feeds a relayed answer to ``capture`` (if any) and to a task watch
+    (:func:`_task_watch`)."""
+
+    __slots__ = ("capture", "watch")
+
+    def __init__(self, capture: Any, watch: AnswerTracker) -> None:
+        self.capture = capture
+        self.watch = watch
+
+    def begin(self, status: int, reason: str | None, headers: Any) -> None:
+        if self.capture is not None:
+            self.capture.begin(status, reason, headers)
+
+    def feed(self, chunk: bytes) -> None:
+        if self.capture is not None:
+            self.capture.feed(chunk)
+        self.watch.feed(chunk)
 
 
 class _Answered:
@@ -1037,14 +1117,17 @@ MAX_UPSTREAM_CANCELS = 256
 
 
 def send_cancel(rt: Runtime, route: Route, call: Call,
-                finishing: asyncio.Task[Any] | None = None, reason: str | None = None) -> None:
+                finishing: asyncio.Task[Any] | None = None, reason: str | None = None,
+                task_id: str | None = None) -> None:
     """Send the MCP server ``call``'s cancellation (:func:`_send_cancel`) in a task of its
     own, which the drain waits for (:attr:`Runtime.upstream_cancels`). ``finishing``: the
     task finishing the call's exchange (a run's cancel), closed if the server, having taken
     the cancel, has not answered the call within :data:`CANCEL_ANSWER_WAIT_S`; the answer,
     if any, comes on the call's own stream (the notification's is 202 and nothing else).
     ``reason``: the notification's ``params.reason`` after ``Sluice: `` (default: the run's
-    cancel, or the drain). Never raises (it runs where Sluice ends a call): at most
+    cancel, or the drain). ``task_id``: the call made that MCP task (2025-11-25), and its
+    hold ends: the server is sent the task's ``tasks/cancel`` instead (a request of Sluice's
+    own, whose answer is read and dropped). Never raises (it runs where Sluice ends a call): at most
     :data:`MAX_UPSTREAM_CANCELS` are under way at once; past it, nothing is sent."""
     try:
         if len(rt.upstream_cancels) >= MAX_UPSTREAM_CANCELS:
@@ -1055,7 +1138,7 @@ def send_cancel(rt: Runtime, route: Route, call: Call,
                            call.idempotency_key, status=0, not_sent="too_many",
                            **call.event_names())
             return
-        task = asyncio.create_task(_send_cancel(rt, route, call, finishing, reason))
+        task = asyncio.create_task(_send_cancel(rt, route, call, finishing, reason, task_id))
         rt.upstream_cancels.add(task)
         task.add_done_callback(rt.upstream_cancels.discard)
     except Exception:
@@ -1064,7 +1147,8 @@ def send_cancel(rt: Runtime, route: Route, call: Call,
 
 
 async def _send_cancel(rt: Runtime, route: Route, call: Call,
-                       finishing: asyncio.Task[Any] | None, reason: str | None = None) -> None:
+                       finishing: asyncio.Task[Any] | None, reason: str | None = None,
+                       task_id: str | None = None) -> None:
     """POST a ``notifications/cancelled`` naming ``call``'s JSON-RPC id (as the server got
     it) to the call's endpoint, with the headers the call went upstream with (its session,
     protocol version and credentials; ``Accept`` both JSON and SSE, as the transport
@@ -1084,9 +1168,12 @@ async def _send_cancel(rt: Runtime, route: Route, call: Call,
             headers.popall(route.deadline_header, None)
         headers[hdrs.CONTENT_TYPE] = "application/json"
         headers[hdrs.ACCEPT] = "application/json, text/event-stream"
-        assert call.rpc_id is not None
-        body = cancel_notification(
-            call.rpc_id, f"Sluice: {reason or call.cancelled or 'draining'}")
+        if task_id is not None:
+            body = task_cancel(f"sluice-{call.request_id}", task_id)
+        else:
+            assert call.rpc_id is not None
+            body = cancel_notification(
+                call.rpc_id, f"Sluice: {reason or call.cancelled or 'draining'}")
         timeouts = route.config.timeouts
         assert rt.session is not None
         # A notification's answer is an empty 202: one that takes longer than a call's
@@ -1098,8 +1185,13 @@ async def _send_cancel(rt: Runtime, route: Route, call: Call,
     except Exception:  # building it failed; nobody awaits this task
         log.exception("%s was not sent", what)
     finally:
-        rt.events.emit("cancel_sent", call.request_id, route.name, call.tenant, call.run,
-                       call.idempotency_key, status=status, **call.event_names())
+        if task_id is None:
+            rt.events.emit("cancel_sent", call.request_id, route.name, call.tenant, call.run,
+                           call.idempotency_key, status=status, **call.event_names())
+        else:
+            rt.events.emit("cancel_sent", call.request_id, route.name, call.tenant, call.run,
+                           call.idempotency_key, status=status, task_id=task_id,
+                           **call.event_names())
     if finishing is not None and 200 <= status < 300:  # the server took it
         # Awaited in this task, so the drain's wait for the cancels covers it too.
         await asyncio.wait((finishing,), timeout=CANCEL_ANSWER_WAIT_S)

@@ -85,6 +85,7 @@ from proxy.forward import (
     kept_for_retry,
 )
 from proxy.identity import IdentityRejected, identify
+from proxy.mcp_tasks import TASK_POLL, HeldTask
 from proxy.metrics import MAX_OPERATION_LABEL_CHARS
 from proxy.rejections import jsonrpc_id, refuse, refuse_at_edge, render
 from proxy.routes import Route, has_dot_segment
@@ -170,6 +171,10 @@ class _McpRequest(NamedTuple):
     rpc_method: str | None
     #: The ids of the server's requests to its client that its responses answer.
     answers: tuple[mcp.RequestId, ...] = ()
+    #: A ``tools/call`` asking to run as a task (``params.task``, 2025-11-25).
+    asks_task: bool = False
+    #: The task a ``tasks/get``, ``tasks/result`` or ``tasks/cancel`` names.
+    task_id: str | None = None
 
 
 def _mcp_traffic(request: web.BaseRequest, body: bytes) -> _McpRequest:
@@ -203,7 +208,8 @@ def _mcp_traffic(request: web.BaseRequest, body: bytes) -> _McpRequest:
     return _McpRequest(traffic, post.tool, post.cancels if control else None,
                        control and post.opens_session,
                        request_message.id if request_message is not None else None,
-                       post.method, post.answers if control else ())
+                       post.method, post.answers if control else (), post.asks_task,
+                       post.task_id if control else None)
 
 
 async def handle(rt: Runtime, request: web.BaseRequest, hold: BodyHold | None = None
@@ -319,12 +325,12 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
     if hold is not None:
         hold.read(len(body))
     traffic: mcp.Traffic = "call"
-    operation = cancels = rpc_id = rpc_method = None
-    opens_session = resumes = False
+    operation = cancels = rpc_id = rpc_method = task_id = None
+    opens_session = resumes = asks_task = False
     if route.protocol == "mcp":
         try:
-            traffic, operation, cancels, opens_session, rpc_id, rpc_method, answers = (
-                _mcp_traffic(request, body))
+            (traffic, operation, cancels, opens_session, rpc_id, rpc_method, answers,
+             asks_task, task_id) = _mcp_traffic(request, body)
             if rpc_method is not None:
                 rpc_method = _capped(rpc_method)
         except mcp.InvalidMcpRequest as bad:
@@ -371,6 +377,12 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
             _end_polled_by_cancel(rt, route, tenant, session, cancels)
         if answers and (session := headers.get(mcp.SESSION_HEADER)) is not None:
             _client_answered(rt, route, tenant, session, answers)
+        if task_id is not None and rt.tasks.held:
+            # A follow-up of a task whose call is held here: its answer may end the hold.
+            # By tenant too: another tenant's poll of the same id ends nothing of this one.
+            key = (route.name, headers.get(mcp.SESSION_HEADER) or "", tenant, task_id)
+            if key in rt.tasks.held:
+                request[TASK_POLL] = (key, rpc_method)
         if request.method == "DELETE":  # a session's end waits for its kept calls
             deferred = session_end.defer(rt, route, request, request_id, tenant, run)
             if deferred is not None:
@@ -388,6 +400,7 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
         rpc_method=rpc_method,
     )
     call.new_unit = not client_retry
+    call.task_asked = asks_task
     # MCP control and stream traffic take nothing, an operation's steps included.
     try:
         plan = await route.plan(call) if traffic == "call" else route.base_plan
@@ -685,6 +698,9 @@ def _settle(rt: Runtime, route: Route, call: Call, admission: Admission, outcome
         if rt.session_deletes:
             session_end.held_for_polling(rt, route, call)
         return
+    if call.task is not None and _hold_task(rt, route, call, admission, outcome,
+                                            admitted_at, left):
+        return
     if call.cancelled is not None and outcome is ABANDONED:
         outcome = (Outcome("run_cancelled", call.reached, call.status)
                    if admitted_at else REFUSED)
@@ -813,6 +829,105 @@ def _stop_polled(rt: Runtime, route: Route, call: Call, reason: str | None = Non
     the server is asked to stop it (:func:`proxy.attempts.send_cancel`)."""
     if attempts.cancels_upstream(call):
         attempts.send_cancel(rt, route, call, reason=reason)
+
+
+def _hold_task(rt: Runtime, route: Route, call: Call, admission: Admission,
+               outcome: Outcome, admitted_at: float, left: Outcome | None) -> bool:
+    """Hold a ``tools/call`` answered with a ``CreateTaskResult`` (MCP 2025-11-25 tasks)
+    instead of settling it: its tool runs on at the server as the task (:attr:`Call.task`,
+    :mod:`proxy.mcp_tasks`). Until the task is seen over or its bound passes the call keeps
+    everything it took (its slots, rate and run counts, budget reservation), its place in
+    flight on its route and its body counted held, as a call closed early for polling does
+    (:func:`_hold_polled`). Returns whether it is held: not when it ended otherwise (an
+    error, its caller gone before the answer), when the task was seen over already, when
+    its run was cancelled or the drain cuts (then its server is sent the task's
+    ``tasks/cancel``), nor when its session was deleted.
+
+    The hold is a task of its own (:func:`_task_runs`), which ends when the task is seen
+    over, or with ``TimeoutError`` at its bound (:attr:`HeldTask.deadline`), or cancelled by
+    the call's run's cancel (:attr:`Call.background`), its session's DELETE or the drain's
+    cut (:attr:`proxy.mcp_tasks.Tasks.holding`); its end settles the call, once
+    (:func:`_task_end`)."""
+    task: HeldTask = call.task
+    call.task = None
+    stopped = call.cancelled is not None or rt.cutting
+    answered = outcome.label[0].isdigit()  # else its client may not know of the task
+    if (task.ended is not None or stopped or not answered
+            or (route.name, task.key[1]) in rt.ended_sessions):
+        if task.ended is None and (stopped or not answered):
+            attempts.send_cancel(rt, route, call, reason="the call was ended",
+                                 task_id=task.task_id)
+        rt.tasks.forget(task)
+        call.task = task  # its completed event names it
+        return False
+    try:
+        waiter = task.waiter = asyncio.get_running_loop().create_future()
+        holder = asyncio.create_task(_task_runs(waiter, task.deadline))
+    except Exception:  # _settle never raises: the call ends now instead
+        log.exception("route %s: call %s, whose task runs on, is not held", route.name,
+                      call.request_id)
+        task.waiter = None
+        rt.tasks.forget(task)
+        return False
+    route.present += 1
+    held = len(call.body)
+    rt.buffered_bytes += held
+    rt.tasks.holding[holder] = call
+    call.background = holder
+    holder.add_done_callback(functools.partial(_task_end, rt, route, call, admission, outcome,
+                                               admitted_at, left, task, held))
+    return True
+
+
+async def _task_runs(waiter: asyncio.Future[None], deadline: float) -> None:
+    """Wait for ``waiter``, a held task's end (:func:`_hold_task`).
+
+    Raises:
+        TimeoutError: ``deadline`` (monotonic seconds) passed first.
+    """
+    async with asyncio.timeout_at(deadline):
+        await waiter
+
+
+def _task_end(rt: Runtime, route: Route, call: Call, admission: Admission, ended: Outcome,
+              admitted_at: float, left: Outcome | None, task: HeldTask, held: int,
+              holder: asyncio.Task[None]) -> None:
+    """The end of a held task's hold (:func:`_hold_task`): settle its call with what it came
+    to. ``ended``: how its POST ended (the ``CreateTaskResult``'s status class); ``held``:
+    the bytes of its body, counted in ``buffered_bytes`` until now. At its bound, a run's
+    cancel or the drain's cut the server is sent the task's ``tasks/cancel``."""
+    try:
+        rt.tasks.forget(task)
+        if holder.cancelled() and task.ended is None:
+            if call.cancelled is not None:  # its run's cancel
+                route.metrics.cancelled("inflight")
+                outcome = Outcome("run_cancelled", call.reached, call.status)
+                task.ended = "run_cancelled"
+            else:  # the drain's cut (or the loop's end)
+                outcome = Outcome("drain_cut", call.reached, call.status)
+                task.ended = "drain_cut"
+            attempts.send_cancel(rt, route, call, reason=f"the call was ended ({task.ended})",
+                                 task_id=task.task_id)
+        elif task.ended is None:  # its bound: the task's ttl or the call's timeouts.total
+            log.info("route %s: the task of call %s was not seen over within its %s",
+                     route.name, call.request_id,
+                     "ttl" if task.bound == "ttl" else "timeouts.total", extra=PER_CALL)
+            task.ended = task.bound
+            outcome = Outcome("upstream_timeout", call.reached, call.status)
+            attempts.send_cancel(rt, route, call, reason="the task's bound passed",
+                                 task_id=task.task_id)
+        elif task.ended == "session_ended":  # its session's DELETE went through
+            outcome = Outcome("client_disconnected", call.reached, call.status)
+        else:
+            outcome = _answer_outcome(call, ended.status, ended.label, admitted_at)
+        call.task = task  # its completed event names it
+        _settle(rt, route, call, admission, outcome, admitted_at, "call", left)
+    finally:
+        task.waiter = None
+        route.present -= 1
+        rt.buffered_bytes -= held
+        rt.tasks.holding.pop(holder, None)
+        call.background = None
 
 
 def _leave(rt: Runtime, route: Route, call: Call, request: web.BaseRequest,
@@ -1163,6 +1278,12 @@ def _completed(rt: Runtime, route: Route, call: Call, outcome: Outcome,
                 metrics.usage_over_reservation.inc()
     if call.rpc_method is not None:
         fields["mcp_method"] = call.rpc_method
+    task = call.task
+    if task is not None:  # answered with a CreateTaskResult: how its task was seen to end
+        fields["task_id"] = task.task_id
+        fields["task_end"] = task.ended or "not_held"
+        if task.status is not None:
+            fields["task_status"] = task.status
     if charged is not None:
         tenant = metrics.tenant(call.tenant)
         if charged["input_tokens"]:

@@ -530,6 +530,12 @@ class Metrics:
             "response comes on the GET that resumes it (counted in sluice_inflight_requests "
             "too).", registry=r,
         )
+        self.held_tasks = Gauge(
+            "sluice_held_task_calls",
+            "MCP tools/calls answered with a CreateTaskResult (2025-11-25 tasks), held until "
+            "their task is seen over or their bound passes (counted in "
+            "sluice_inflight_requests too).", registry=r,
+        )
         self.expiries = LoopCounter(
             "sluice_expiries",
             "Queued calls dropped before reaching the upstream, by reason (max_wait: the "

@@ -31,6 +31,7 @@ from policies.state.runs import RedisRuns
 from proxy import output
 from proxy.client import UpstreamConnector, upstream_session
 from proxy.events import EventLog
+from proxy.mcp_tasks import Tasks
 from proxy.metrics import Metrics, RouteLoad
 from proxy.routes import Route, Router
 
@@ -214,6 +215,11 @@ class Runtime:
         #: task that holds it (``proxy.handler``): present and in flight on its route until
         #: it ends; the drain waits for them, and cancels those left when it cuts.
         self.polling: dict[asyncio.Task[Any], Call] = {}
+        #: MCP tasks (2025-11-25) whose tools/calls are held until the task is over, and
+        #: the holds' tasks (``proxy.mcp_tasks``, ``proxy.handler._hold_task``): present and
+        #: in flight on their routes until they end; the drain waits for them, and cancels
+        #: those left when it cuts.
+        self.tasks = Tasks()
         #: MCP sessions whose DELETE went through while a call of theirs was in flight, by
         #: route name and ``Mcp-Session-Id`` (the latest
         #: :data:`proxy.session_end.ENDED_SESSIONS_KEPT`): such a
@@ -231,6 +237,7 @@ class Runtime:
         self.upstream_cancels: set[asyncio.Task[None]] = set()
         self.metrics.finishing.set_function(lambda: len(self.finishing))
         self.metrics.polling.set_function(lambda: len(self.polling))
+        self.metrics.held_tasks.set_function(lambda: len(self.tasks.holding))
         self.session: aiohttp.ClientSession | None = None
         #: Run trees, counts and cancellations, shared by every route (policies/runs.py),
         #: and with the Redis backend by every replica.

@@ -474,11 +474,12 @@ async def _drain(runtime: Runtime, timeout_s: float, hurry: asyncio.Event) -> No
         ending = runtime.end_answered() + runtime.end_mcp_calls()
         if ending:
             await asyncio.wait(ending, timeout=SHUTDOWN_GRACE_S)
-        # MCP calls being finished after their callers left, or held for an answer closed
-        # early for polling, are no handler's: aiohttp's shutdown does not cut them, so the
-        # drain does (each gives its holdings back as it ends), and waits for them to have
-        # ended.
-        finishing = cancel_live((*runtime.finishing, *runtime.polling))
+        # MCP calls being finished after their callers left, held for an answer closed
+        # early for polling, or held while their task runs (2025-11-25 tasks), are no
+        # handler's: aiohttp's shutdown does not cut them, so the drain does (each gives
+        # its holdings back as it ends), and waits for them to have ended.
+        finishing = cancel_live((*runtime.finishing, *runtime.polling,
+                                 *runtime.tasks.holding))
         if finishing:
             await asyncio.wait(finishing, timeout=SHUTDOWN_GRACE_S)
         # The sessions' DELETEs that waited for those calls are sent as they end: so that
