@@ -12,10 +12,13 @@ import json
 import aiohttp
 import pytest
 
+from policies.config import DeadLetterConfig
 from policies.deadletter import (
+    REDACT_OFF_LOOP_BYTES,
     REDACTED_VALUE,
     DeadLetter,
     DeadLetterFile,
+    DeadLetterQueue,
     is_body_field,
     pointer_steps,
     redact_body,
@@ -185,6 +188,31 @@ async def test_show_hides_the_body_credentials_of_a_letter_written_before_this(t
     record = json.loads(shown)
     assert record["redacted_headers"] == ["x-api-key"]
     assert record["redacted_body_fields"] == ["/mcp_servers/0/authorization_token"]
+
+
+async def test_a_body_cut_to_max_body_bytes_is_redacted_before_the_cut(tmp_path) -> None:
+    """A cut document reads as no JSON: redacted after the cut, its first bytes kept the key.
+    A body over 1 MiB is redacted on the store's own thread (REDACT_OFF_LOOP_BYTES)."""
+    queue = DeadLetterQueue(DeadLetterConfig(path=str(tmp_path / "dlq.sqlite"),
+                                             max_body_bytes=1000))
+    await queue.open()
+    try:
+        body = json.dumps({"api_key": KEY, "messages": [
+            {"role": "user", "content": "x" * 100}] * 20_000}).encode()
+        assert len(body) > REDACT_OFF_LOOP_BYTES
+        letter_id = await queue.add(DeadLetter(
+            route="openai", tenant="acme", run=None, idempotency_key=None, request_id="r-2",
+            method="POST", path="/v1/chat/completions", headers=[], redacted=[], body=body,
+            body_size=len(body), attempts=[], reason="attempts_exhausted"))
+    finally:
+        await queue.close()
+    file = DeadLetterFile(str(tmp_path / "dlq.sqlite"))
+    try:
+        letter = file.get(letter_id)
+    finally:
+        file.close()
+    assert letter is not None and letter.truncated and len(letter.body) == 1000
+    assert KEY.encode() not in letter.body and letter.redacted == ["/api_key"]
 
 
 @pytest.mark.parametrize("name", ["api_key", "apiKey", "x-api-key", "API-Key", "authorization",
