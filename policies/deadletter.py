@@ -17,7 +17,13 @@ Secrets are never written: headers whose name or value says they carry credentia
 ``sluice dlq replay`` must be given them again. Query parameters go by the same rule
 (:func:`policies.secrets.secret_query_field`: ``?api_key=``, ``?sig=``...; a value such as
 ``?q=sk-...``, whatever its name): the path is stored, and replayed, without them, and
-``?NAME`` for each is listed with the removed headers' names. Bodies are kept up to
+``?NAME`` for each is listed with the removed headers' names. A JSON body's credentials go
+too (:func:`redact_body`, before the body is cut: members named as one, ``api_key``,
+``password``, ``authorization``...; the fields providers document, Anthropic's
+``mcp_servers[].authorization_token``, OpenAI Responses' ``tools[].authorization`` and
+``tools[].headers``; strings shaped as a key, ``sk-...``): each is replaced by
+:data:`REDACTED_VALUE` and its JSON Pointer listed (``/tools/0/authorization``), and the body
+is rewritten whole then (else kept byte for byte). Bodies are kept up to
 ``max_body_bytes``; a cut body is marked and cannot be replayed.
 
 Storage follows the ``state`` block. With the memory backend: one SQLite file per replica
@@ -63,6 +69,7 @@ import base64
 import collections
 import concurrent.futures
 import contextlib
+import json
 import logging
 import os
 import shlex
@@ -75,9 +82,16 @@ from urllib.parse import quote, unquote_plus
 
 import orjson
 
+from policies import bodies
 from policies.config import DeadLetterConfig
 from policies.logs import PER_CALL
-from policies.secrets import secret_header, secret_query_field, secret_query_name
+from policies.secrets import (
+    SECRET_BODY_VALUE,
+    secret_body_name,
+    secret_header,
+    secret_query_field,
+    secret_query_name,
+)
 
 if TYPE_CHECKING:  # policies.state.deadletters imports this module's records
     from policies.state import StateBackends
@@ -186,6 +200,140 @@ def redact_path(path: str) -> tuple[str, list[str]]:
     return (f"{target}?{'&'.join(kept)}" if kept else target), removed
 
 
+#: What stands in a stored body for a member removed as a credential (:func:`redact_body`).
+REDACTED_VALUE = "<redacted>"
+#: Members of providers' request bodies documented to carry a credential, as paths (``*``:
+#: any member or index): Anthropic's MCP connector (``mcp_servers[].authorization_token``)
+#: and OpenAI Responses' MCP tool (``tools[].authorization``). Their names mark them too;
+#: these hold whatever :func:`policies.secrets.secret_body_name` says.
+PROVIDER_CREDENTIAL_FIELDS = (("mcp_servers", "*", "authorization_token"),
+                              ("tools", "*", "authorization"))
+#: Objects of HTTP headers a provider sends on, read member by member as a request's headers
+#: are (:func:`policies.secrets.secret_header`): OpenAI Responses' MCP tool ``headers``
+#: (``{"Authorization": "Bearer ..."}``).
+PROVIDER_HEADER_OBJECTS = (("tools", "*", "headers"),)
+#: A body this long or longer, bytes, is redacted on the store's own thread rather than on
+#: the event loop (a parse and a walk of every member: about a second for 30 MB).
+REDACT_OFF_LOOP_BYTES = bodies.PAUSE_COLLECTOR_BYTES
+
+
+def is_body_field(entry: str) -> bool:
+    """Whether an entry of a letter's ``redacted`` list names a body member (a JSON Pointer,
+    RFC 6901: ``/tools/0/authorization``), not a header (``Authorization``: no header name
+    holds ``/``) nor a query field (``?api_key``)."""
+    return entry.startswith("/")
+
+
+def body_pointer(path: Iterable[str | int]) -> str:
+    """The JSON Pointer (RFC 6901) of the member at ``path`` (names and indices from the
+    root): ``~`` written ``~0`` and ``/`` written ``~1``."""
+    return "".join("/" + str(step).replace("~", "~0").replace("/", "~1") for step in path)
+
+
+def pointer_steps(pointer: str) -> list[str]:
+    """The steps of a JSON Pointer, unescaped (an index as its digits).
+
+    Raises:
+        ValueError: ``pointer`` does not start with ``/``.
+    """
+    if not pointer.startswith("/"):
+        raise ValueError("a JSON Pointer starts with /")
+    return [step.replace("~1", "/").replace("~0", "~") for step in pointer[1:].split("/")]
+
+
+def _matches(path: tuple[str | int, ...], patterns: tuple[tuple[str, ...], ...]) -> bool:
+    return any(len(pattern) == len(path) and all(
+        want == "*" or want == step for want, step in zip(pattern, path, strict=True))
+        for pattern in patterns)
+
+
+def _hides(value: Any) -> bool:
+    """Whether a member named as a credential holds one: not ``null``, a boolean (a flag
+    such as ``"secret": false``) or an empty string, which hide nothing."""
+    return value is not None and not isinstance(value, bool) and value != ""
+
+
+def _redact_doc(doc: Any) -> list[str]:
+    """Replace the credentials in parsed JSON ``doc`` (an object or array; in place) with
+    :data:`REDACTED_VALUE`; returns their JSON Pointers, each once (a member's before those
+    nested below its siblings). A value that is the marker already is left: a stored body
+    walked again (``dlq show``) lists nothing new. Iterative: a body nested 1,000 deep is
+    walked without recursion."""
+    found: list[str] = []
+    stack: list[tuple[tuple[str | int, ...], Any]] = [((), doc)]
+    while stack:
+        path, node = stack.pop()
+        headers = isinstance(node, dict) and _matches(path, PROVIDER_HEADER_OBJECTS)
+        items = node.items() if isinstance(node, dict) else enumerate(node)
+        inner: list[tuple[tuple[str | int, ...], Any]] = []
+        for name, value in items:
+            if value == REDACTED_VALUE:  # removed already (``dlq show`` of a letter)
+                continue
+            at = (*path, name)
+            if isinstance(name, str) and (
+                    (headers and isinstance(value, str) and secret_header(name, value))
+                    or (_hides(value) and (secret_body_name(name)
+                                           or _matches(at, PROVIDER_CREDENTIAL_FIELDS)))):
+                node[name] = REDACTED_VALUE
+                found.append(body_pointer(at))
+            elif isinstance(value, str):
+                if SECRET_BODY_VALUE.match(value):
+                    node[name] = REDACTED_VALUE
+                    found.append(body_pointer(at))
+            elif isinstance(value, dict | list):
+                inner.append((at, value))
+        stack.extend(reversed(inner))
+    return found
+
+
+def dump_body(doc: Any) -> bytes:
+    """``doc`` as a redacted body is stored (and a replay that gives its members again
+    sends it): compact UTF-8 JSON, members in their order, numbers exact as the standard
+    library reads them (``1e400`` apart); ASCII escapes for text UTF-8 cannot hold (a lone
+    surrogate escape)."""
+    try:
+        return json.dumps(doc, ensure_ascii=False, separators=(",", ":")).encode()
+    except UnicodeEncodeError:
+        return json.dumps(doc, separators=(",", ":")).encode()
+
+
+def redact_body(body: bytes) -> tuple[bytes, list[str]]:
+    """``body`` with the credentials it carries replaced by :data:`REDACTED_VALUE`, and the
+    JSON Pointer of each (RFC 6901, ``/mcp_servers/0/authorization_token``), for a letter's
+    ``redacted`` list. A body is read only as JSON, as an upstream in Python would read it
+    (:func:`policies.bodies.read_leniently`); a credential is a member named as one
+    (:func:`policies.secrets.secret_body_name`: ``api_key``, ``password``,
+    ``authorization``...), one of :data:`PROVIDER_CREDENTIAL_FIELDS`, a header of
+    :data:`PROVIDER_HEADER_OBJECTS` that :func:`policies.secrets.secret_header` marks, or
+    a string whose whole value has a key's form (:data:`policies.secrets.SECRET_BODY_VALUE`:
+    ``sk-...``, ``Bearer ...``), at any depth below the top-level object or array.
+
+    Returns ``body`` itself, byte for byte, when nothing is removed (and for a body that is
+    not JSON: a form, text, a cut or invalid document); else the document rewritten whole
+    (:func:`dump_body`: the caller's spacing is not kept). One parse (orjson; a second, by
+    the standard library, when something is removed, for exact numbers) and one walk of
+    every member: linear in the body. Never raises: a document nested past what the
+    standard library writes (about 1,000 levels) is not kept at all when something is
+    removed (``b""``, the pointers still listed; the queue marks it cut).
+    """
+    try:
+        doc, _ = bodies.read_leniently(body)
+    except (orjson.JSONDecodeError, RecursionError):
+        return body, []
+    found = _redact_doc(doc) if isinstance(doc, dict | list) else []
+    if not found:
+        return body, []
+    try:
+        exact = bodies.loads(body, json.loads)  # orjson reads integers past 64 bits as floats
+        found = _redact_doc(exact)
+    except (ValueError, RecursionError):
+        exact = doc
+    try:
+        return dump_body(exact), found
+    except (ValueError, RecursionError):
+        return b"", found
+
+
 #: :attr:`ReplayClaim.state` values.
 CLAIMED = "claimed"
 ANSWERED = "answered"
@@ -260,6 +408,8 @@ class DeadLetter:
     method: str
     path: str
     headers: list[tuple[str, str]]
+    #: What was removed as credentials: header names, ``?NAME`` for query fields, and JSON
+    #: Pointers (``/api_key``, :func:`is_body_field`) for body members.
     redacted: list[str]
     body: bytes
     body_size: int
@@ -279,7 +429,9 @@ class DeadLetter:
         return self.body_size > len(self.body)
 
     def as_dict(self) -> dict[str, Any]:
-        """A JSON-ready view; the body is text when it is UTF-8, else base64."""
+        """A JSON-ready view; the body is text when it is UTF-8, else base64. The removed
+        credentials are listed apart: ``redacted_headers`` (header names, and ``?NAME``
+        for query fields) and ``redacted_body_fields`` (JSON Pointers)."""
         try:
             body: dict[str, Any] = {"text": self.body.decode()}
         except UnicodeDecodeError:
@@ -290,7 +442,9 @@ class DeadLetter:
             "idempotency_key": _key_as_logged(self.idempotency_key),
             "key_origin": self.key_origin, "request_id": self.request_id,
             "method": self.method, "path": self.path,
-            "headers": [list(h) for h in self.headers], "redacted_headers": self.redacted,
+            "headers": [list(h) for h in self.headers],
+            "redacted_headers": [e for e in self.redacted if not is_body_field(e)],
+            "redacted_body_fields": [e for e in self.redacted if is_body_field(e)],
             "body": body, "body_size": self.body_size, "body_truncated": self.truncated,
             "attempts": [a.as_dict() for a in self.attempts], "reason": self.reason,
             "replays": self.replays,
@@ -853,8 +1007,9 @@ class DeadLetterQueue:
             self._reading = asyncio.ensure_future(self.refresh())
 
     async def add(self, letter: DeadLetter) -> int:
-        """Write ``letter`` (its body cut to ``max_body_bytes`` here, the oldest letters
-        beyond ``max_records`` dropped with it) and return its id.
+        """Write ``letter`` (its body's credentials removed here, :func:`redact_body`, their
+        JSON Pointers added to ``redacted``; then the body cut to ``max_body_bytes``, the
+        oldest letters beyond ``max_records`` dropped with it) and return its id.
 
         The write completes even if the awaiting request is cancelled meanwhile. A letter
         for a file another process keeps locked is held in memory (``MAX_HELD_LETTERS``,
@@ -867,7 +1022,15 @@ class DeadLetterQueue:
                 a damaged file).
             StateUnavailable: the shared stream did not answer (Redis).
         """
-        letter.body_size = len(letter.body)
+        sent = len(letter.body)
+        # Before the cut: a cut document reads as no JSON, and would keep what it holds.
+        if sent >= REDACT_OFF_LOOP_BYTES and not self._stopping:  # (its thread ends then)
+            letter.body, removed = await self._run(redact_body, letter.body)
+        else:
+            letter.body, removed = redact_body(letter.body)
+        letter.redacted = [*letter.redacted, *removed]
+        # A body not kept at all (nested too deep to rewrite) is marked cut: never replayed.
+        letter.body_size = len(letter.body) if letter.body or not sent else sent
         letter.body = letter.body[: self.max_body_bytes]
         write: asyncio.Future[Added]
         if self._shared is not None:
