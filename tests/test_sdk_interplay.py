@@ -354,9 +354,16 @@ async def test_one_layer_retries_a_failure_sluice_or_the_sdk_never_both(upstream
     assert await sluice.metric("sluice_dead_letters_total", route="openai") == 2
 
 
+@pytest.mark.parametrize("seen", [True, False], ids=["route-seen", "route-new"])
 @pytest.mark.parametrize("sdk", ["openai", "anthropic"])
-async def test_a_client_level_timeout_is_a_deadline(upstream, start_sluice, sdk):
-    """A hostile trial: ``AsyncAnthropic(timeout=2.5)`` sends ``x-stainless-timeout:
+async def test_a_client_level_timeout_is_a_deadline(upstream, start_sluice, sdk, seen):
+    """``seen``: whether the route has seen a call end (so knows its call time) before the
+    one queued. Unseen, the queue's wait ended exactly at the caller's timeout counted from
+    Sluice's arrival, after the SDK's own timer (started when it sent the call) had fired:
+    1 call in 6 ended in the SDK's timeout (a hostile trial); Sluice now plans its answer a
+    share of the timeout early (``CALLER_LEAD``).
+
+    A hostile trial: ``AsyncAnthropic(timeout=2.5)`` sends ``x-stainless-timeout:
     NOT_GIVEN`` and the value in ``x-stainless-read-timeout``; Sluice read the first, found
     no number and took the call for one without a deadline, so behind a 30 s wait it queued
     until the SDK gave up (2.5 s, then again per retry) instead of being answered 503 within
@@ -389,7 +396,8 @@ async def test_a_client_level_timeout_is_a_deadline(upstream, start_sluice, sdk)
     # to reach the SDK before its own timeout.
     upstream.delay = 0.5
     try:
-        await call(client)
+        if seen:
+            await call(client)
         upstream.delay = 0.0
         upstream.hold = asyncio.Event()  # the one slot taken until the end: no call makes it
         holder = asyncio.create_task(call(client.with_options(timeout=60)))
