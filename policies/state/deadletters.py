@@ -225,6 +225,7 @@ def _as_kwargs(letter: DeadLetter) -> dict[str, Any]:
 # new id, {the route of each letter dropped}}. The replay and claim keys of a dropped letter
 # are named here, not in KEYS (as in _PURGE): they share the {dlq} slot of the stream.
 _ADD = Script("""
+num(redis.call('GET', KEYS[2]) or '0', "the dead letters' sequence")  -- INCR's own error is ERR
 local id = redis.call('INCR', KEYS[2])
 local args = {'XADD', KEYS[1], '0-' .. id}
 for i = 6, #ARGV do args[#args + 1] = ARGV[i] end
