@@ -589,7 +589,15 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
         raise
     except Exception:
         log.exception("proxy error on route %s (request %s)", route.name, request_id)
-        outcome = Outcome("upstream_error", call.reached, 502)
+        if not call.reached:
+            # Raised before anything reached the upstream (in admission, say: a state call's
+            # bug): Sluice's own fault, 500 internal_error. A 502 upstream_unreachable sent
+            # operators after a healthy upstream that was never asked (a hostile trial).
+            outcome = REFUSED
+            return refuse(rt, route, Rejected(Reason.INTERNAL_ERROR, None, "proxy error"),
+                          request_id, tenant, run, call.idempotency_key, call.body,
+                          call.operation, call.rpc_method)
+        outcome = Outcome("upstream_error", True, 502)
         error = Rejected(Reason.UPSTREAM_UNREACHABLE, None, "proxy error")
         if call.phase == "answering":
             # The upstream's status line is out: a 502 written now landed inside its body

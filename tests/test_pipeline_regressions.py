@@ -127,7 +127,9 @@ routes:
         monkeypatch.setattr(events, "emit", emit)
         status, headers, _ = await post(session, sluice.url("/r/v1/chat/completions"),
                                         **{"X-Step": "1"})
-        assert status == 502 and headers["X-Sluice-Reason"] == "upstream_unreachable"
+        # Raised before anything was sent: Sluice's own fault, not the upstream's.
+        assert status == 500 and headers["X-Sluice-Reason"] == "internal_error"
+        assert upstream.requests == []
         route = sluice.route()
         assert (route.concurrency.inflight, route.inflight) == (0, 0)
         assert route.accounting.budgets.reserved("tokens", "tenant", "default") == 0

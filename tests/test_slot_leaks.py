@@ -21,6 +21,7 @@ import policies.mcp
 import policies.usage
 import proxy.forward
 import proxy.handler
+from policies.state.admission import MemoryAdmissions
 from proxy.config import parse_config
 from proxy.runtime import Runtime
 from tests.conftest import (
@@ -217,6 +218,52 @@ async def test_proxy_error(upstream, monkeypatch, caplog):
                 assert (await post(session, url))[0] == 200
         assert "injected proxy bug" in caplog.text
         assert "sk-never-logged" not in caplog.text
+    finally:
+        await runner.cleanup()
+        await runtime.close()
+
+
+async def test_a_proxy_error_in_admission_is_an_internal_error_not_the_upstreams(
+        upstream, monkeypatch, caplog):
+    """A fault raised while admitting (a state call's bug: the budget's admission here, as
+    a Redis reply it could not read raised, after the concurrency slot was taken) was
+    answered 502 upstream_unreachable, "the upstream gave no answer", and operators chased
+    a healthy upstream that was never asked (a hostile trial). It is 500 internal_error in
+    the route's error shape, counted as a refusal, and everything taken is given back."""
+    runtime = await openai_runtime(
+        upstream.url, "concurrency: {limit: 1, queue: 0}, budget: {tokens: 100000/day},"
+        " usage: {default_max_tokens: 40}")
+    real_admit = MemoryAdmissions.admit
+    failures = []
+
+    async def broken_admit(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if not failures:
+            failures.append(1)
+            raise ValueError("injected state bug")
+        return await real_admit(self, *args, **kwargs)
+
+    monkeypatch.setattr(MemoryAdmissions, "admit", broken_admit)
+    runner, port = await serve_runtime(runtime)
+    url = f"http://127.0.0.1:{port}/openai/v1/chat/completions"
+    try:
+        with caplog.at_level(logging.ERROR, logger="sluice"):
+            async with aiohttp.ClientSession() as session:
+                status, headers, body = await post(session, url)
+                assert failures and status == 500, (status, body)
+                assert headers["X-Sluice-Reason"] == "internal_error"
+                assert orjson.loads(body)["error"]["code"] == "internal_error"
+                assert upstream.requests == []
+                [openai_route] = runtime.routes
+                assert (openai_route.inflight, openai_route.concurrency.inflight) == (0, 0)
+                assert openai_route.accounting.budgets.reserved(
+                    "tokens", "tenant", "default") == 0
+                sample = runtime.metrics.registry.get_sample_value
+                assert sample("sluice_rejections_total",
+                              {"route": "openai", "reason": "internal_error"}) == 1
+                assert sample("sluice_requests_total",
+                              {"route": "openai", "outcome": "upstream_error"}) == 0
+                assert (await post(session, url))[0] == 200
+        assert "injected state bug" in caplog.text
     finally:
         await runner.cleanup()
         await runtime.close()

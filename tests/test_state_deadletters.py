@@ -458,9 +458,9 @@ async def test_list_and_purge_hold_redis_in_bounded_scripts(
     scripts = []
     real = state.eval
 
-    async def counted(script, keys, args):  # type: ignore[no-untyped-def]
+    async def counted(script, keys, args, read=None):  # type: ignore[no-untyped-def]
         scripts.append(script)
-        return await real(script, keys, args)
+        return await real(script, keys, args, read)
 
     monkeypatch.setattr(state, "eval", counted)
     assert [s["route"] for s in await store.list(3)] == ["c", "d", "e"]
@@ -491,11 +491,11 @@ async def test_a_purge_cut_midway_leaves_the_next_purge_everything(
     assert state is not None
     real, calls = state.eval, []
 
-    async def cut(script, keys, args):  # type: ignore[no-untyped-def]
+    async def cut(script, keys, args, read=None):  # type: ignore[no-untyped-def]
         calls.append(script)
         if len(calls) == 2:
             raise policies.state.StateUnavailable("cut")
-        return await real(script, keys, args)
+        return await real(script, keys, args, read)
 
     monkeypatch.setattr(state, "eval", cut)
     with pytest.raises(policies.state.StateUnavailable):

@@ -237,6 +237,41 @@ async def test_a_key_of_another_type_under_the_prefix_fails_its_calls_only(
         admin.close()
 
 
+async def test_a_key_of_the_right_type_holding_garbage_is_a_key_fault_too(
+        own: StateBackends, redis_server: RedisServer):
+    # Text where Sluice writes numbers (a budget counter's "s", the breaker's hash, an
+    # idempotency answer's kind and status) raised ValueError, or a Lua "arithmetic on a nil
+    # value", and every call on the key was a 502 "upstream_unreachable" for the key's whole
+    # life (a hostile trial). It is a key fault, as WRONGTYPE: StateUnavailable, so
+    # state.on_unavailable applies, the backend up for the other keys, the value never shown.
+    admin = redis_server.client()
+    try:
+        for key in admin.scan_iter("*"):  # this server is the test's own
+            kind = admin.type(key)
+            if kind == b"hash":
+                admin.hset(key, mapping={field: "garbage" for field in admin.hkeys(key)})
+            elif kind == b"string":
+                admin.set(key, "garbage", keepttl=True)
+        for name, call in every_call(own).items():
+            try:
+                await call()
+            except StateUnavailable as exc:
+                assert "cannot be used" in str(exc) and "garbage" not in str(exc), (name, exc)
+        for refused in (
+                lambda: own.ledger.reserve("r", "x", [Claim("day", 1, 10, time.time() + 60)],
+                                           time.time(), 60),
+                lambda: own.breakers.admit("r", BreakerParams(5, 1.0)),
+                lambda: own.idempotency.begin("k", "o2", b"", 5)):
+            with pytest.raises(StateUnavailable, match="cannot be used"):
+                await refused()
+        assert own.health.up
+        await own.rates.admit("r2", [Take("requests", 10, 60.0)])  # other keys still serve
+        admin.flushall()
+        await each_answers(own)
+    finally:
+        admin.close()
+
+
 async def test_a_wrong_password_is_unavailable_and_never_shown(tmp_path: Path):
     require_redis()
     server = RedisServer(tmp_path / "auth", extra=("--requirepass", "right")).start()

@@ -24,7 +24,7 @@ that never reached the upstream gives both back in one step too (:meth:`Admissio
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from policies.state.connection import RedisState, Script
 from policies.state.ledger import (
@@ -180,7 +180,7 @@ _RELEASE = Script(GCRA_LUA + LEDGER_LUA + """
 local raw = redis.call('HGET', KEYS[1], ARGV[1])
 -- An admission with claims takes its units with its hold, in one script: no hold, no units
 -- (not landed yet, and the mark below makes it take nothing when it does; or refused).
-if ARGV[#ARGV - 1] == '0' or (raw and cjson.decode(raw).s ~= 'x') then
+if ARGV[#ARGV - 1] == '0' or (raw and decoded(raw, 'a budget reservation').s ~= 'x') then
   refund(buckets(2, 1, #KEYS - 2))
 end
 return settle_levels(KEYS[1], KEYS[2], ARGV[1], nil, tonumber(ARGV[#ARGV]))
@@ -210,17 +210,20 @@ class RedisAdmissions:
         keys += [ledger.counter(group, claim.key) for claim in claims]
         args = [len(takes), rid, hold_ms, *holder_args(holder), *bucket_args(takes),
                 *ledger.claim_args(claims, now, hold_ms)]
-        admitted, refused, wait, applied, remaining, denied, flat = await self._state.eval(
-            _ADMIT, keys, args)
-        if claims:
-            ledger.remember(group, [claim.key for claim in claims], flat)
-        rates = rate_result(bool(admitted), int(refused), wait, applied, remaining)
-        return AdmissionResult(bool(admitted), rates, [int(i) for i in denied])
+
+        def read(reply: Sequence[Any]) -> AdmissionResult:
+            admitted, refused, wait, applied, remaining, denied, flat = reply
+            if claims:
+                ledger.remember(group, [claim.key for claim in claims], flat)
+            rates = rate_result(bool(admitted), int(refused), wait, applied, remaining)
+            return AdmissionResult(bool(admitted), rates, [int(i) for i in denied])
+
+        return await self._state.eval(_ADMIT, keys, args, read)
 
     async def release(self, group: str, takes: Sequence[Take], rid: str,
                       claimed: bool = True) -> bool:
         keys = self._ledger.reservation_keys(group) + self._rates.keys(group, takes)
-        reply = await self._state.eval(_RELEASE, keys, [rid, *bucket_args(takes),
-                                                        "1" if claimed else "0",
-                                                        self._ledger.gone_ms(group)])
-        return self._ledger.remember_settled(group, reply)
+        return await self._state.eval(
+            _RELEASE, keys, [rid, *bucket_args(takes), "1" if claimed else "0",
+                             self._ledger.gone_ms(group)],
+            lambda reply: self._ledger.remember_settled(group, reply))

@@ -82,8 +82,8 @@ import math
 import os
 import time
 from collections import defaultdict
-from collections.abc import Callable
-from typing import NamedTuple, Protocol
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, Protocol
 
 from policies.state.connection import RedisState, Script
 
@@ -460,9 +460,9 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local v = redis.call('HMGET', KEYS[1], 'state', 'epoch', 'failures', 'successes', 'until',
                      'cause', 'run')
-local state, epoch = tonumber(v[1] or '0'), tonumber(v[2] or '0')
-local failures, successes = tonumber(v[3] or '0'), tonumber(v[4] or '0')
-local open_until, cause, run = tonumber(v[5] or '0'), v[6] or '', v[7] or ''
+local state, epoch = num(v[1] or '0', 'a breaker'), num(v[2] or '0', 'a breaker')
+local failures, successes = num(v[3] or '0', 'a breaker'), num(v[4] or '0', 'a breaker')
+local open_until, cause, run = num(v[5] or '0', 'a breaker'), v[6] or '', v[7] or ''
 local function save()
   redis.call('HSET', KEYS[1], 'state', state, 'epoch', epoch, 'failures', failures,
              'successes', successes, 'until', string.format('%.0f', open_until),
@@ -543,13 +543,13 @@ local function count(n, f)
   local calls, fails = 0, 0
   local all = redis.call('HGETALL', KEYS[3])
   for i = 1, #all, 2 do
-    local s = tonumber(string.sub(all[i], 2))
+    local s = num(string.sub(all[i], 2), "a breaker's window")
     if s <= second - size then
       redis.call('HDEL', KEYS[3], all[i])
     elseif string.sub(all[i], 1, 1) == 'c' then
-      calls = calls + tonumber(all[i + 1])
+      calls = calls + num(all[i + 1], "a breaker's window")
     else
-      fails = fails + tonumber(all[i + 1])
+      fails = fails + num(all[i + 1], "a breaker's window")
     end
   end
   return calls, fails
@@ -663,11 +663,16 @@ class RedisBreakerStates:
 
     async def admit(self, group: str, params: BreakerParams) -> Admission:
         token = new_token()
-        allowed, epoch, probe, wait_ms, state, transition, cause = await self._state.eval(
-            _ADMIT, self._keys(group)[:2], [token, _ms(params.probe_s)])
-        return Admission(bool(int(allowed)), Ticket(int(epoch), token if int(probe) else None),
-                         int(wait_ms) / 1000, int(state), transition.decode() or None,
-                         cause.decode())
+
+        def read(reply: Sequence[Any]) -> Admission:
+            allowed, epoch, probe, wait_ms, state, transition, cause = reply
+            return Admission(bool(int(allowed)),
+                             Ticket(int(epoch), token if int(probe) else None),
+                             int(wait_ms) / 1000, int(state), transition.decode() or None,
+                             cause.decode())
+
+        return await self._state.eval(_ADMIT, self._keys(group)[:2],
+                                      [token, _ms(params.probe_s)], read)
 
     async def record(self, group: str, ticket: Ticket, outcome: int, params: BreakerParams,
                      hint_s: float | None = None) -> Verdict:
@@ -701,20 +706,24 @@ class RedisBreakerStates:
             params.success_threshold, _ms(params.reset_s),
             math.ceil(params.window_s) if params.window_s else 0, repr(float(params.rate)),
             params.min_calls, _ms(hint_s) if hint_s else 0, epoch, successes, age_us]
-        state, transition, cause, left_ms = await self._state.eval(
-            _RECORD, self._keys(group), args)
-        return Verdict(int(state), transition.decode() or None, cause.decode(),
-                       int(left_ms) / 1000)
+        return await self._state.eval(_RECORD, self._keys(group), args, _verdict)
 
     async def renew(self, group: str, ticket: Ticket, lease_s: float) -> bool:
         return bool(await self._state.eval(_RENEW, [self._state.key(group, "breaker", "probe")],
                                            [ticket.probe or "", _ms(lease_s)]))
 
     async def view(self, group: str) -> View:
-        state, left_ms, probing, cause, epoch = await self._state.eval(
-            _VIEW, self._keys(group)[:2], [])
-        return View(int(state), int(left_ms) / 1000, bool(int(probing)), cause.decode(),
-                    int(epoch))
+        return await self._state.eval(_VIEW, self._keys(group)[:2], [], _view)
+
+
+def _verdict(reply: Sequence[Any]) -> Verdict:
+    state, transition, cause, left_ms = reply
+    return Verdict(int(state), transition.decode() or None, cause.decode(), int(left_ms) / 1000)
+
+
+def _view(reply: Sequence[Any]) -> View:
+    state, left_ms, probing, cause, epoch = reply
+    return View(int(state), int(left_ms) / 1000, bool(int(probing)), cause.decode(), int(epoch))
 
 
 def _ms(seconds: float) -> int:

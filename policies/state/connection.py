@@ -62,7 +62,13 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from policies.secrets import secret_query_field, secret_query_name
-from policies.state.errors import StateUnavailable, is_key_fault, is_unavailable
+from policies.state.errors import (
+    BAD_RECORD,
+    StateUnavailable,
+    is_key_fault,
+    is_unavailable,
+    key_fault,
+)
 from policies.state.notify import RedisNotifier
 
 log = logging.getLogger("sluice.state")
@@ -240,14 +246,43 @@ class Deadline:
         return await self._timeout.__aexit__(*exc)
 
 
+#: What reading a reply raises when a key under the prefix holds the right type with content
+#: Sluice does not write there (text in a number's field, a record missing a field): the
+#: call is then a key fault (:func:`~policies.state.errors.key_fault`), not a bug.
+DECODE_ERRORS: tuple[type[Exception], ...] = (
+    ValueError, TypeError, KeyError, IndexError, AttributeError)
+
+# Prepended to every script: ``num(v, what)`` and ``decoded(raw, what)`` read back a number or
+# a JSON object that a script stored, and ``bad(what, why)`` fails the call for any other
+# check: a BADRECORD error, a key fault (policies.state.errors) when the key holds something
+# else. A bare tonumber() gave nil and the script failed with "attempt to perform arithmetic
+# on a nil value", told apart from a bug in the script by nothing. ``what`` names the record;
+# the value itself is never put in the error.
+DECODE_LUA = f"""
+local function bad(what, why)
+  error({{err = '{BAD_RECORD} ' .. what .. ' ' .. why}})
+end
+local function num(v, what)
+  local n = tonumber(v)
+  if n == nil then bad(what, 'holds a non-number') end
+  return n
+end
+local function decoded(raw, what)
+  local ok, rec = pcall(cjson.decode, raw)
+  if not ok or type(rec) ~= 'table' then bad(what, 'holds no JSON object') end
+  return rec
+end
+"""
+
+
 class Script:
     """A Lua script run with EVALSHA on the current client (``register_script``, which loads
-    it again on NOSCRIPT after a restart or failover)."""
+    it again on NOSCRIPT after a restart or failover); :data:`DECODE_LUA` comes first."""
 
     __slots__ = ("_registered", "lua")
 
     def __init__(self, lua: str) -> None:
-        self.lua = lua
+        self.lua = DECODE_LUA + lua
         self._registered: tuple[Any, AsyncScript] | None = None
 
     def bind(self, client: Redis | RedisCluster) -> AsyncScript:
@@ -376,8 +411,7 @@ class RedisState:
             return StateUnavailable(f"state backend unavailable: {exc.cause}",
                                     self.probe_interval_s, down_s=self.health.down_for())
         if is_key_fault(exc):  # that key only: the backend stays up for the others
-            return StateUnavailable(f"a key under the state prefix cannot be used (another "
-                                    f"program writing there?): {describe(exc)}")
+            return key_fault(describe(exc))
         if not is_unavailable(exc):
             raise exc
         self.health.fail(describe(exc))
@@ -473,12 +507,17 @@ class RedisState:
         """``<prefix>:{<group>}:<parts...>``: a key in ``group``'s hash slot."""
         return ":".join((self.prefix, "{" + hash_tag(group) + "}", *parts))
 
-    async def run(self, op: Callable[[Redis | RedisCluster], Awaitable[T]]) -> T:
-        """``await op(client)`` bounded by the timeout, with failures mapped.
+    async def run(self, op: Callable[[Redis | RedisCluster], Awaitable[Any]],
+                  read: Callable[[Any], T] | None = None) -> T:
+        """``await op(client)`` bounded by the timeout, with failures mapped, then its reply
+        through ``read`` (the reply itself without).
 
         Raises:
             StateUnavailable: Redis is down, frozen, too slow or refusing; or it was marked
-                down and its probe has not seen it back yet (raised at once).
+                down and its probe has not seen it back yet (raised at once); or a key the
+                call touched holds what Sluice does not write there (``WRONGTYPE``, a script's
+                ``BADRECORD``, or ``read`` raising one of :data:`DECODE_ERRORS`): that key
+                only, the backend is not marked down.
         """
         client = self._client
         monitored = self._monitor is not None and not self._monitor.done()
@@ -513,15 +552,22 @@ class RedisState:
             health.ok()
         if reconnected:
             health.reconnected()
-        return result
+        if read is None:
+            return result  # type: ignore[no-any-return]
+        try:
+            return read(result)
+        except DECODE_ERRORS as exc:
+            raise key_fault(f"a reply Sluice cannot read ({type(exc).__name__})") from exc
 
-    async def eval(self, script: Script, keys: list[str], args: list[Any]) -> Any:
-        """Run ``script`` with ``keys`` and ``args`` in one round trip (see :meth:`run`)."""
+    async def eval(self, script: Script, keys: list[str], args: list[Any],
+                   read: Callable[[Any], T] | None = None) -> T:
+        """Run ``script`` with ``keys`` and ``args`` in one round trip, its reply through
+        ``read`` (see :meth:`run`)."""
 
         def call(client: Redis | RedisCluster) -> Awaitable[Any]:
             return script.bind(client)(keys=keys, args=args, client=client)
 
-        return await self.run(call)
+        return await self.run(call, read)
 
 
 class _WatchedPool(BlockingConnectionPool):

@@ -225,6 +225,7 @@ def _as_kwargs(letter: DeadLetter) -> dict[str, Any]:
 # new id, {the route of each letter dropped}}. The replay and claim keys of a dropped letter
 # are named here, not in KEYS (as in _PURGE): they share the {dlq} slot of the stream.
 _ADD = Script("""
+num(redis.call('GET', KEYS[2]) or '0', "the dead letters' sequence")  -- INCR's own error is ERR
 local id = redis.call('INCR', KEYS[2])
 local args = {'XADD', KEYS[1], '0-' .. id}
 for i = 6, #ARGV do args[#args + 1] = ARGV[i] end
@@ -309,7 +310,7 @@ if left > 0 then return {'busy', left} end
 if ARGV[4] ~= '1' then
   local replays = redis.call('LRANGE', KEYS[2], 0, -1)
   for i = #replays, 1, -1 do
-    local replay = cjson.decode(replays[i])
+    local replay = decoded(replays[i], "a dead letter's replay")
     local status, failed = replay['status'], replay['error']
     if type(status) == 'number' and status < 400 and (failed == nil or failed == cjson.null)
     then return {'answered', replays[i]} end
@@ -422,67 +423,36 @@ class RedisDeadLetterStore:
         return Added(int(new_id), dropped)
 
     async def get(self, letter_id: int) -> DeadLetter | None:
-        reply = await self._state.eval(_GET, [self._stream, self._replays + str(letter_id)],
-                                       [f"0-{letter_id}"])
-        if not reply:
-            return None
-        flat, replays = reply
-        fields = {flat[i].decode(): flat[i + 1] for i in range(0, len(flat), 2)}
-        text = {name: value.decode() for name, value in fields.items() if name != "body"}
-        return DeadLetter(
-            id=letter_id, created_at=float(text["created_at"]), route=text["route"],
-            tenant=text["tenant"], run=text.get("run"),
-            idempotency_key=text.get("idempotency_key"), key_origin=text.get("key_origin"),
-            request_id=text["request_id"],
-            method=text["method"], path=text["path"],
-            headers=[(n, v) for n, v in orjson.loads(text["headers"])],
-            redacted=orjson.loads(text["redacted"]), body=bytes(fields["body"]),
-            body_size=int(text["body_size"]),
-            attempts=[Attempt(**a) for a in orjson.loads(text["attempts"])],
-            reason=text["reason"], replays=[orjson.loads(r) for r in replays],
-        )
+        return await self._state.eval(_GET, [self._stream, self._replays + str(letter_id)],
+                                      [f"0-{letter_id}"], lambda reply: _letter(letter_id, reply))
 
     async def list(self, limit: int = 100) -> list[dict[str, Any]]:
         # In scripts reading about LIST_BYTES_PER_SCRIPT each, each from below the last: no
         # letter is listed twice, but one written or dropped between two of them may be
         # missed or shown though gone (a list is no snapshot while letters are written).
-        rows: list[Any] = []
+        out: list[dict[str, Any]] = []
         start = "+"
-        while len(rows) < limit:
+        while len(out) < limit:
             page = await self._state.eval(
                 _LIST, [self._stream],
-                [limit - len(rows), self._replays, start, LIST_BYTES_PER_SCRIPT,
-                 *_SUMMARY_FIELDS])
+                [limit - len(out), self._replays, start, LIST_BYTES_PER_SCRIPT,
+                 *_SUMMARY_FIELDS], _summaries)
             if not page:
                 break
-            rows.extend(page)
-            n = int(page[-1][0].decode().partition("-")[2])
+            out.extend(page)
+            n = page[-1]["id"]
             if n <= 1:
                 break
             start = f"0-{n - 1}"
-        out = []
-        for stream_id, values, last in reversed(rows):
-            fields: dict[str, Any] = {name: value.decode()
-                                      for name, value in zip(_SUMMARY_FIELDS, values,
-                                                             strict=True)}
-            fields["created_at"] = float(fields["created_at"])
-            fields["attempts"] = len(orjson.loads(fields["attempts"]))
-            letter_id = int(stream_id.decode().partition("-")[2])
-            out.append(_summary(letter_id, fields, orjson.loads(last) if last else None))
-        return out
+        return out[::-1]
 
     async def claim_replay(self, letter_id: int, token: str, hold_s: float,
                            again: bool = False) -> ReplayClaim:
-        reply = await self._state.eval(
+        return await self._state.eval(
             _CLAIM_REPLAY,
             [self._stream, self._replays + str(letter_id), self._claims + str(letter_id)],
-            [f"0-{letter_id}", token, max(1, round(hold_s * 1000)), "1" if again else "0"])
-        state = reply[0].decode()
-        if state == BUSY:
-            return ReplayClaim(BUSY, left_s=int(reply[1]) / 1000)
-        if state == ANSWERED:
-            return ReplayClaim(ANSWERED, orjson.loads(reply[1]))
-        return ReplayClaim(CLAIMED if state == CLAIMED else MISSING)
+            [f"0-{letter_id}", token, max(1, round(hold_s * 1000)), "1" if again else "0"],
+            _replay_claim)
 
     async def add_replay(self, letter_id: int, status: int | None, error: str | None,
                          duration_s: float, token: str | None = None) -> bool:
@@ -514,5 +484,49 @@ class RedisDeadLetterStore:
         async def read(client: Any) -> dict[bytes, bytes]:
             return await client.hgetall(self._depth)
 
-        counts = await self._state.run(read)
-        return {route.decode(): int(n) for route, n in counts.items()}
+        return await self._state.run(
+            read, lambda counts: {route.decode(): int(n) for route, n in counts.items()})
+
+
+def _letter(letter_id: int, reply: list[Any]) -> DeadLetter | None:
+    """``_GET``'s reply read: the letter, or ``None`` when it is gone."""
+    if not reply:
+        return None
+    flat, replays = reply
+    fields = {flat[i].decode(): flat[i + 1] for i in range(0, len(flat), 2)}
+    text = {name: value.decode() for name, value in fields.items() if name != "body"}
+    return DeadLetter(
+        id=letter_id, created_at=float(text["created_at"]), route=text["route"],
+        tenant=text["tenant"], run=text.get("run"),
+        idempotency_key=text.get("idempotency_key"), key_origin=text.get("key_origin"),
+        request_id=text["request_id"],
+        method=text["method"], path=text["path"],
+        headers=[(n, v) for n, v in orjson.loads(text["headers"])],
+        redacted=orjson.loads(text["redacted"]), body=bytes(fields["body"]),
+        body_size=int(text["body_size"]),
+        attempts=[Attempt(**a) for a in orjson.loads(text["attempts"])],
+        reason=text["reason"], replays=[orjson.loads(r) for r in replays],
+    )
+
+
+def _summaries(page: list[Any]) -> list[dict[str, Any]]:
+    """One ``_LIST`` page read: the summaries, newest first (as the page)."""
+    out = []
+    for stream_id, values, last in page:
+        fields: dict[str, Any] = {name: value.decode()
+                                  for name, value in zip(_SUMMARY_FIELDS, values, strict=True)}
+        fields["created_at"] = float(fields["created_at"])
+        fields["attempts"] = len(orjson.loads(fields["attempts"]))
+        letter_id = int(stream_id.decode().partition("-")[2])
+        out.append(_summary(letter_id, fields, orjson.loads(last) if last else None))
+    return out
+
+
+def _replay_claim(reply: list[Any]) -> ReplayClaim:
+    """``_CLAIM_REPLAY``'s reply read."""
+    state = reply[0].decode()
+    if state == BUSY:
+        return ReplayClaim(BUSY, left_s=int(reply[1]) / 1000)
+    if state == ANSWERED:
+        return ReplayClaim(ANSWERED, orjson.loads(reply[1]))
+    return ReplayClaim(CLAIMED if state == CLAIMED else MISSING)

@@ -2,13 +2,20 @@
 
 Callers on the request path catch :class:`StateUnavailable` and apply the configured
 ``state.on_unavailable`` (``local``: enforce this replica's share of each limit in memory;
-``reject``: 503 ``state_unavailable``). Anything else a state call raises is a bug (a Lua
-error in one of our scripts, a wrong argument) and is left to propagate.
+``reject``: 503 ``state_unavailable``). A key under the prefix that another program wrote (of
+another type, or of the right type with content Sluice cannot read) is a *key fault*: its
+calls raise :class:`StateUnavailable` too, the backend staying up for every other key.
+Anything else a state call raises is a bug (a Lua error in one of our scripts, a wrong
+argument) and is left to propagate.
 """
 
 from __future__ import annotations
 
 import redis.exceptions as rx
+
+#: The error code our Lua scripts raise when a stored value is not what Sluice writes there
+#: (``connection.DECODE_LUA``).
+BAD_RECORD = "BADRECORD"
 
 # Replies Redis sends when it is up but will not run our script now. Redis starts every error
 # reply with its code (RESP "simple errors"); redis-py turns the codes it knows into the
@@ -27,9 +34,13 @@ _UNAVAILABLE_CODES = frozenset({
     "NOREPLICAS",
 })
 # Replies about one key, not the server: a key under state.key_prefix holds another type
-# (another program writes there, or a prefix is shared). The calls on that key cannot be
-# served, but the backend is up for every other key.
-_KEY_CODES = frozenset({"WRONGTYPE"})
+# (another program writes there, or a prefix is shared), or holds the right type with content
+# our scripts cannot read (BADRECORD, raised by connection.DECODE_LUA). The calls on that key
+# cannot be served, but the backend is up for every other key.
+_KEY_CODES = frozenset({"WRONGTYPE", BAD_RECORD})
+# The same about a value: HINCRBY or HINCRBYFLOAT on a field holding a non-number (redis-py
+# strips the ERR code, which every command error shares, and leaves this message).
+_KEY_MESSAGES = ("hash value is not an integer", "hash value is not a float")
 
 # Client-side failures: the server is down, frozen, unreachable, or the pool is exhausted.
 _UNAVAILABLE_TYPES: tuple[type[BaseException], ...] = (
@@ -102,9 +113,19 @@ def _code(reply: rx.ResponseError) -> str:
 
 
 def is_key_fault(exc: BaseException) -> bool:
-    """True when ``exc`` says one key cannot be used (:data:`_KEY_CODES`), the backend
-    being up: the call fails as unavailable, but the backend is not marked down."""
-    return isinstance(exc, rx.ResponseError) and _code(exc) in _KEY_CODES
+    """True when ``exc`` says one key cannot be used (:data:`_KEY_CODES`,
+    :data:`_KEY_MESSAGES`), the backend being up: the call fails as unavailable, but the
+    backend is not marked down."""
+    return isinstance(exc, rx.ResponseError) and (
+        _code(exc) in _KEY_CODES or str(exc).startswith(_KEY_MESSAGES))
+
+
+def key_fault(detail: str) -> StateUnavailable:
+    """The error for a call on a key another program wrote (:func:`is_key_fault`, or a reply
+    Sluice could not read); ``detail`` says what was found, never the value itself (it may
+    hold anything)."""
+    return StateUnavailable("a key under the state prefix cannot be used (another program "
+                            f"writing there?): {detail}")
 
 
 def is_unavailable(exc: BaseException) -> bool:

@@ -43,7 +43,7 @@ import hashlib
 import os
 import time
 from collections.abc import Callable
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import orjson
 
@@ -323,6 +323,7 @@ _FIELDS = "'kind', 'fp', 'status', 'reason', 'headers', 'body'"
 _BEGIN = Script("""
 local marker = redis.call('GET', KEYS[2])
 local bar = marker and string.find(marker, '|', 1, true)
+if marker and not bar then bad('an idempotency marker', 'holds no owner') end
 if marker and string.sub(marker, bar + 1) == ARGV[1] then
   redis.call('PEXPIRE', KEYS[2], ARGV[3])
   return {1}
@@ -364,6 +365,7 @@ _RENEW = Script("""
 local marker = redis.call('GET', KEYS[1])
 if not marker then return 0 end
 local bar = string.find(marker, '|', 1, true)
+if not bar then bad('an idempotency marker', 'holds no owner') end
 if string.sub(marker, bar + 1) ~= ARGV[1] then return 0 end
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return 1
@@ -380,6 +382,7 @@ local held = 0
 local marker = redis.call('GET', KEYS[2])
 if marker then
   local bar = string.find(marker, '|', 1, true)
+  if not bar then bad('an idempotency marker', 'holds no owner') end
   if string.sub(marker, bar + 1) == ARGV[1] then held = 1 end
 end
 local current = redis.call('HGET', KEYS[1], 'kind')
@@ -434,19 +437,9 @@ class RedisIdempotencyRecords:
 
     async def begin(self, key: str, owner: str, fingerprint: bytes,
                     flight_s: float, expected: bool = False, waited_on: str = "") -> Begin:
-        reply = await self._state.eval(_BEGIN, self._keys(key),
-                                       [owner, fingerprint.hex(), _ms(flight_s),
-                                        "1" if expected else "0", waited_on])
-        state = int(reply[0])
-        if state == 1:
-            return Begin(CLAIMED, _answer(reply[1:7]) if len(reply) > 1 else None)
-        if state == 2:
-            return Begin(IN_FLIGHT, None, bytes.fromhex(reply[1].decode()),
-                         max(int(reply[2]), 0) / 1000,
-                         reply[3].decode() if len(reply) > 3 else "")
-        if state == 4:
-            return Begin(FAILED, _answer(reply[1:7]))
-        return Begin(FINISHED, _answer(reply[1:7]), b"", max(int(reply[7]), 0) / 1000)
+        return await self._state.eval(_BEGIN, self._keys(key),
+                                      [owner, fingerprint.hex(), _ms(flight_s),
+                                       "1" if expected else "0", waited_on], _begin)
 
     async def renew(self, key: str, owner: str, flight_s: float) -> bool:
         return bool(await self._state.eval(_RENEW, self._keys(key)[1:2],
@@ -468,11 +461,26 @@ class RedisIdempotencyRecords:
         return bool(await self._state.eval(_SEEN, self._keys(key)[:1], [_ms(ttl_s)]))
 
     async def get(self, key: str) -> Answer | None:
-        fields = await self._state.eval(_GET, self._keys(key)[:1], [])
-        return None if fields[0] is None else _answer(fields)
+        return await self._state.eval(
+            _GET, self._keys(key)[:1], [],
+            lambda fields: None if fields[0] is None else _answer(fields))
 
     def watch(self, key: str) -> contextlib.AbstractAsyncContextManager[Signal]:
         return self._state.notifier.watch(self.channel(key))
+
+
+def _begin(reply: list[Any]) -> Begin:
+    """:meth:`RedisIdempotencyRecords.begin`'s reply read (``_BEGIN``'s shapes)."""
+    state = int(reply[0])
+    if state == 1:
+        return Begin(CLAIMED, _answer(reply[1:7]) if len(reply) > 1 else None)
+    if state == 2:
+        return Begin(IN_FLIGHT, None, bytes.fromhex(reply[1].decode()),
+                     max(int(reply[2]), 0) / 1000,
+                     reply[3].decode() if len(reply) > 3 else "")
+    if state == 4:
+        return Begin(FAILED, _answer(reply[1:7]))
+    return Begin(FINISHED, _answer(reply[1:7]), b"", max(int(reply[7]), 0) / 1000)
 
 
 def _answer(fields: list[bytes]) -> Answer:

@@ -359,7 +359,7 @@ end
 local function reap(resv, exp, grace)
   for _, id in ipairs(redis.call('ZRANGEBYSCORE', exp, '-inf', now, 'LIMIT', 0, 64)) do
     local raw = redis.call('HGET', resv, id)
-    local rec = raw and cjson.decode(raw)
+    local rec = raw and decoded(raw, 'a budget reservation')
     if rec and rec.s == 'h' then
       for _, c in ipairs(rec.c) do unhold(c[1], c[2]) end
       rec.s = 'l'
@@ -385,7 +385,8 @@ local function denied_claims(k, a, n)
   for i = 1, n do
     local j = a + 3 * i - 2
     local v = redis.call('HMGET', KEYS[k + i], 's', 'h')
-    if tonumber(v[1] or '0') + tonumber(v[2] or '0') + tonumber(ARGV[j]) > tonumber(ARGV[j + 1])
+    if num(v[1] or '0', 'a budget counter') + num(v[2] or '0', 'a budget counter')
+       + tonumber(ARGV[j]) > tonumber(ARGV[j + 1])
     then denied[#denied + 1] = i - 1 end
   end
   return denied
@@ -393,7 +394,7 @@ end
 local function settle(resv, exp, rid, a)
   local raw = redis.call('HGET', resv, rid)
   if not raw then return 0 end
-  local rec = cjson.decode(raw)
+  local rec = decoded(raw, 'a budget reservation')
   for i, c in ipairs(rec.c) do
     local key, used = c[1], a and ARGV[a + i]
     if used and tonumber(used) ~= 0 and c[3] > now then
@@ -423,11 +424,11 @@ local function settle_levels(resv, exp, rid, a, gone_ms, mark)
     mark_gone(resv, exp, rid, gone_ms)
     return {0, {}}
   end
-  if cjson.decode(raw).s == 'x' then return {0, {}} end
+  if decoded(raw, 'a budget reservation').s == 'x' then return {0, {}} end
   settle(resv, exp, rid, a)
   if mark then mark_gone(resv, exp, rid, gone_ms) end
   local out = {}
-  for _, c in ipairs(cjson.decode(raw).c) do
+  for _, c in ipairs(decoded(raw, 'a budget reservation').c) do
     local v = redis.call('HMGET', c[1], 's', 'h')
     out[#out + 1] = c[1]
     out[#out + 1] = v[1] or '0'
@@ -555,17 +556,21 @@ class RedisLedger:
         hold_ms = hold_ms_of(hold_s)
         self.note_hold(group, hold_ms)
         keys = self.reservation_keys(group) + [self.counter(group, c.key) for c in claims]
-        denied, flat = await self._state.eval(
-            _RESERVE, keys, [rid, hold_ms, *self.claim_args(claims, now, hold_ms)])
-        self.remember(group, [c.key for c in claims], flat)
-        return [int(i) for i in denied]
+
+        def read(reply: Sequence[Any]) -> list[int]:
+            denied, flat = reply
+            self.remember(group, [c.key for c in claims], flat)
+            return [int(i) for i in denied]
+
+        return await self._state.eval(
+            _RESERVE, keys, [rid, hold_ms, *self.claim_args(claims, now, hold_ms)], read)
 
     async def settle(self, group: str, rid: str, actual: Sequence[float],
                      mark: bool = False) -> bool:
-        reply = await self._state.eval(_SETTLE, self.reservation_keys(group),
-                                       [rid, *(repr(float(a)) for a in actual),
-                                        self.gone_ms(group), "1" if mark else "0"])
-        return self.remember_settled(group, reply)
+        return await self._state.eval(_SETTLE, self.reservation_keys(group),
+                                      [rid, *(repr(float(a)) for a in actual),
+                                       self.gone_ms(group), "1" if mark else "0"],
+                                      lambda reply: self.remember_settled(group, reply))
 
     def remember_settled(self, group: str, reply: Sequence[Any]) -> bool:
         """Keep the levels a settling script answered (``settle_levels``: ``{settled,
@@ -588,14 +593,14 @@ class RedisLedger:
         for claim in claims:
             args += [repr(float(claim.amount)),
                      max(int((claim.expires_at - now) * 1000), 1)]
-        flat = await self._state.eval(_CHARGE, keys, args)
-        self.remember(group, [c.key for c in claims], flat)
+        await self._state.eval(_CHARGE, keys, args,
+                               lambda flat: self.remember(group, [c.key for c in claims], flat))
 
     async def levels(self, group: str, keys: Sequence[str]) -> list[tuple[float, float]]:
         if not keys:
             return []
-        flat = await self._state.eval(_LEVELS, [self.counter(group, k) for k in keys], [])
-        return self.remember(group, keys, flat)
+        return await self._state.eval(_LEVELS, [self.counter(group, k) for k in keys], [],
+                                      lambda flat: self.remember(group, keys, flat))
 
     def level(self, group: str, key: str) -> tuple[float, float]:
         return self._seen.get((group, key), (0.0, 0.0))
@@ -626,15 +631,19 @@ class RedisLedger:
                     keys.append(key)
         for group, keys in by_group.items():
             asked = self._answers
-            flat = await self._state.eval(
+
+            def read(flat: Sequence[bytes], group: str = group, keys: list[str] = keys,
+                     asked: int = asked) -> None:
+                # A call's answer about a counter kept while this read was on its way may be
+                # the newer: that one stays.
+                fresh = [i for i, key in enumerate(keys)
+                         if self._answered.get((group, key), 0) <= asked]
+                self.remember(group, [keys[i] for i in fresh],
+                              [v for i in fresh for v in (flat[2 * i], flat[2 * i + 1])])
+
+            await self._state.eval(
                 _REFRESH, self.reservation_keys(group) + [self.counter(group, k) for k in keys],
-                [self._holds.get(group, 0)])
-            # A call's answer about a counter kept while this read was on its way may be the
-            # newer: that one stays.
-            fresh = [i for i, key in enumerate(keys)
-                     if self._answered.get((group, key), 0) <= asked]
-            self.remember(group, [keys[i] for i in fresh],
-                          [v for i in fresh for v in (flat[2 * i], flat[2 * i + 1])])
+                [self._holds.get(group, 0)], read)
 
     def remember(self, group: str, keys: Sequence[str], flat: Sequence[bytes]
                  ) -> list[tuple[float, float]]:

@@ -446,9 +446,9 @@ local function buckets(k, a, n, r, holder, ms)
     -- replicas' lowest rate, may have changed since)
     b.drains[i] = tonumber(stored[3]) or interval
     if stored[1] then
-      local elapsed = now_us - tonumber(stored[2])
+      local elapsed = now_us - num(stored[2], 'a rate bucket')
       if elapsed < 0 then elapsed = 0 end
-      level = tonumber(stored[1]) - elapsed / b.drains[i]
+      level = num(stored[1], 'a rate bucket') - elapsed / b.drains[i]
       if level < 0 then level = 0 end
     end
     b.levels[i] = level

@@ -206,7 +206,7 @@ elseif hit == 0 and #ARGV > 8 and redis.call('HEXISTS', KEYS[4], 'pre') == 1 the
   for g = 9, #ARGV, 4 do
     local high = 0
     for i = 1, #ids do
-      high = math.max(high, tonumber(redis.call('HGET', pre .. ids[i], ARGV[g]) or '0'))
+      high = math.max(high, num(redis.call('HGET', pre .. ids[i], ARGV[g]) or '0', 'a run'))
     end
     full[#full + 1] = 0
     highs[#highs + 1] = high
@@ -218,7 +218,7 @@ elseif hit == 0 and #ARGV > 8 and redis.call('HEXISTS', KEYS[4], 'gone') == 0 th
     if depth_limit >= 0 and #ids - 1 > depth_limit then fits = false end
     if duration >= 0 then
       for i = 1, #ids do
-        if now - tonumber(firsts[i]) >= duration then fits = false end
+        if now - num(firsts[i], 'a run') >= duration then fits = false end
       end
     end
   end
@@ -228,7 +228,7 @@ elseif hit == 0 and #ARGV > 8 and redis.call('HEXISTS', KEYS[4], 'gone') == 0 th
       local field, limit = ARGV[g], tonumber(ARGV[g + 1])
       local at, high = 0, 0
       for i = 1, #ids do
-        local n = tonumber(redis.call('HGET', pre .. ids[i], field) or '0')
+        local n = num(redis.call('HGET', pre .. ids[i], field) or '0', 'a run')
         if n >= limit then at = i break end
         if n + 1 > high then high = n + 1 end
       end
@@ -269,12 +269,12 @@ local high = 0
 if redis.call('HEXISTS', KEYS[2], 'pre') == 1 then
   -- Run already (the client sent it again after a connection dropped): counted once.
   for i = 6, #ARGV do
-    high = math.max(high, tonumber(redis.call('HGET', pre .. ARGV[i], field) or '0'))
+    high = math.max(high, num(redis.call('HGET', pre .. ARGV[i], field) or '0', 'a run'))
   end
   return {0, high}
 end
 for i = 6, #ARGV do
-  local n = tonumber(redis.call('HGET', pre .. ARGV[i], field) or '0')
+  local n = num(redis.call('HGET', pre .. ARGV[i], field) or '0', 'a run')
   if limit >= 0 and n >= limit then return {i - 5, 0} end
   if n + 1 > high then high = n + 1 end
 end
@@ -307,7 +307,7 @@ if redis.call('EXISTS', take) == 0 then
     for f = 3, n + 2 do
       for i = n + 4, #ARGV do
         local k = pre .. ARGV[i]
-        local c = tonumber(redis.call('HGET', k, ARGV[f]) or '0')
+        local c = num(redis.call('HGET', k, ARGV[f]) or '0', 'a run')
         if c > 0 then redis.call('HINCRBY', k, ARGV[f], -1) end
       end
       done = done + 1
@@ -324,10 +324,10 @@ local done = 0
 for f = 3, n + 2 do
   local field = ARGV[f]
   if pre and redis.call('HDEL', take, field) == 1 then
-    ids = ids or cjson.decode(redis.call('HGET', take, 'ids'))
+    ids = ids or decoded(redis.call('HGET', take, 'ids'), "a run's take")
     for _, id in ipairs(ids) do
       local k = pre .. id
-      local n = tonumber(redis.call('HGET', k, field) or '0')
+      local n = num(redis.call('HGET', k, field) or '0', 'a run')
       if n > 0 then redis.call('HINCRBY', k, field, -1) end
     end
     done = done + 1
@@ -534,22 +534,26 @@ class RedisRuns:
             args += [f"n:{count.scope}", count.limit,
                      -1 if count.depth is None else count.depth,
                      -1 if count.max_duration is None else round(count.max_duration * 1000)]
-        ids, firsts, hit, left, now, counted, full, highs, deep = await self.state.eval(
+
+        def read(reply: Sequence[Any]) -> Lineage:
+            ids, firsts, hit, left, now, counted, full, highs, deep = reply
+            names = tuple(_text(name) for name in ids)
+            now = int(now)
+            return Lineage(
+                tenant=tenant,
+                ids=names,
+                ages=tuple(max(0, now - int(first)) / 1000 for first in firsts),
+                cancelled=names[int(hit) - 1] if int(hit) else None,
+                cancelled_left=int(left) / 1000,
+                counted=bool(int(counted)),
+                full=tuple(names[int(at) - 1] if int(at) else None for at in full),
+                highs=tuple(int(high) for high in highs),
+                deep=bool(int(deep)),
+            )
+
+        return await self.state.eval(
             _ADMIT, [self._cancelled, key, runs + parent if parent else key,
-                     self._takes + (take or (new_take_id() if counts else NO_TAKE))], args)
-        names = tuple(_text(name) for name in ids)
-        now = int(now)
-        return Lineage(
-            tenant=tenant,
-            ids=names,
-            ages=tuple(max(0, now - int(first)) / 1000 for first in firsts),
-            cancelled=names[int(hit) - 1] if int(hit) else None,
-            cancelled_left=int(left) / 1000,
-            counted=bool(int(counted)),
-            full=tuple(names[int(at) - 1] if int(at) else None for at in full),
-            highs=tuple(int(high) for high in highs),
-            deep=bool(int(deep)),
-        )
+                     self._takes + (take or (new_take_id() if counts else NO_TAKE))], args, read)
 
     async def link(self, tenant: str, run: str, parent: str) -> bool:
         """Link ``tenant``'s run ``run`` under its run ``parent`` in the shared tree, as
