@@ -453,6 +453,10 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
             # upstream as the process stops; nothing was sent, so the caller may retry it.
             outcome = REFUSED
             return _drained(rt, route, call)
+        if rt.draining and (mean_s := _outlasts_drain(rt, route, call)) is not None:
+            outcome = REFUSED
+            return _drained(rt, route, call, f"the drain ends before this call would (the "
+                            f"route's calls take {mean_s:.3g}s on average)")
 
         # Admitted: from here the outcome is the upstream's, or why there was none. The
         # route's in-flight count is the handler's own: taken here, after admitted_at is set,
@@ -1326,14 +1330,29 @@ def _reject(rt: Runtime, route: Route, rejected: Rejected, request_id: str, tena
                   mcp_method=rpc_method)
 
 
-def _drained(rt: Runtime, route: Route, call: Call) -> web.Response:
+def _outlasts_drain(rt: Runtime, route: Route, call: Call) -> float | None:
+    """The route's mean call time, seconds, if ``call``, admitted from a queue while
+    draining, would at that time still run when the drain cuts; else ``None`` (no queue, no
+    call time observed yet, or time enough). A hostile trial: a call admitted 0.7 s before a
+    3 s drain's end, on a route of 1 s calls, reached the upstream only to be cut, charged
+    its whole reservation (an MCP tool's side effect ran for nothing); refused instead, it
+    is safe to retry on another replica."""
+    limiter = route.concurrency
+    if call.enqueued_at is None or limiter is None or not limiter.observed:
+        return None
+    mean_s = limiter.mean_service_s
+    return mean_s if rt.cut_before(time.monotonic() + mean_s) else None
+
+
+def _drained(rt: Runtime, route: Route, call: Call,
+             why: str = "the drain ended before this call was admitted") -> web.Response:
     """The answer to a call the drain ended before it was admitted (queued, waiting for a
-    twin's answer or the shared state): 503 ``draining`` in the route's shape, counted and
-    logged as a refusal (its holdings go back as any refusal's do, in the handler's
-    ``finally``), and the connection closed, since the process is going away."""
+    twin's answer or the shared state), or admitted too late to finish (``why`` says which):
+    503 ``draining`` in the route's shape, counted and logged as a refusal (its holdings go
+    back as any refusal's do, in the handler's ``finally``), and the connection closed,
+    since the process is going away."""
     response = refuse(rt, route, Rejected(Reason.DRAINING, DRAINING_RETRY_AFTER_S,
-                                          "the drain ended before this call was admitted; "
-                                          "nothing was sent upstream"),
+                                          f"{why}; nothing was sent upstream"),
                       call.request_id, call.tenant, call.run, call.idempotency_key, call.body,
                       call.operation, call.rpc_method)
     response.force_close()

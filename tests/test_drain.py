@@ -368,6 +368,31 @@ async def test_calls_queued_at_sigterm_are_served_not_cut(upstream, start_sluice
     assert len(upstream.requests) == 3
 
 
+async def test_a_queued_call_the_drain_would_cut_is_refused_not_sent(upstream, start_sluice):
+    # A hostile trial: a call admitted from the queue shortly before the drain's end, on a
+    # route whose calls take longer than what was left, reached the upstream and was cut
+    # there (charged, its side effects run for nothing). It is refused 503 draining instead.
+    sluice, url = await openai_sluice(start_sluice, upstream, "3s",
+                                      concurrency={"limit": 1, "queue": 2, "max_wait": "60s"})
+    upstream.delay = 2.0  # the route's calls take 2 s; 1 s or less is left for the queued one
+    async with aiohttp.ClientSession() as session:
+        assert await status_of(session, url, CHAT) == 200  # the route learns its call time
+        held = asyncio.create_task(status_of(session, url, CHAT))
+        await wait_until(lambda: len(upstream.requests) == 2, what="the held call upstream")
+        queued = asyncio.create_task(_answer(session, url, CHAT, {"X-Request-ID": "late"}))
+        await sluice.wait_metric("sluice_queue_depth", 1, route="openai")
+        sluice.signal(signal.SIGTERM)
+        assert await held == 200
+        status, headers, body = await queued
+    assert await sluice.wait_exit(timeout=30) == 0
+    assert (status, headers["X-Sluice-Reason"]) == (503, "draining")
+    assert "the drain ends before this call would" in body["error"]["message"]
+    assert "nothing was sent upstream" in body["error"]["message"]
+    assert len(upstream.requests) == 2  # the late call never reached the upstream
+    assert [e["event"] for e in _by_request(sluice.events())["late"]] == ["enqueued",
+                                                                         "rejected"]
+
+
 async def test_new_requests_during_the_drain_do_not_hold_it(upstream, start_sluice):
     # From a review: the drain waits for every request present, and requests arriving while
     # it runs (each refused 503 draining once read) could keep that from ever reaching 0:
