@@ -352,6 +352,12 @@ class Metrics:
             "sluice_config_reloads", "Config reloads applied (SIGHUP or a changed file).",
             registry=r,
         )
+        self.config_reloads_unchanged = Counter(
+            "sluice_config_reloads_unchanged",
+            "Reloads (SIGHUP or a file whose times changed) that found the config file, and "
+            "the files it names, holding the config in force byte for byte: nothing applied.",
+            registry=r,
+        )
         self.config_reload_failures = Counter(
             "sluice_config_reload_failures",
             "Config reloads refused because the new file was invalid (the old one still serves).",
