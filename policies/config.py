@@ -1156,6 +1156,17 @@ class Config(_Section):
     #: USD per million tokens, by model name as the request names it.
     pricing: dict[str, ModelPrice] = {}
     routes: list[RouteConfig] = Field(min_length=1)
+    # What the config was read from, set when a file is loaded (``proxy/config.py``): each
+    # file read (the config, then those it names: a tenants table, an admin token), as
+    # (path, size in bytes, SHA-256 hex of its text). A reload whose files still hold those
+    # texts has nothing to apply (``proxy/reload.py``).
+    _read: tuple[tuple[str, int, str], ...] | None = PrivateAttr(default=None)
+
+    @property
+    def read_from(self) -> tuple[tuple[str, int, str], ...] | None:
+        """The files this config was read from (path, bytes, SHA-256 hex), the config file
+        first; ``None`` when it was not loaded from a file (parsed from text, a pipe)."""
+        return self._read
 
 
 def _port(listen: str) -> int:

@@ -21,6 +21,7 @@ float seconds; rates are ``N/s``, ``N/min``, ``N/h``, ``N/day`` and become :clas
 from __future__ import annotations
 
 import difflib
+import hashlib
 import json
 import os
 import re
@@ -606,18 +607,20 @@ _ENUM_WORDS = _enum_words(Config)
 
 
 def parse_config(text: str, filename: str = "<config>", base: Path | None = None,
-                 lines: dict[Path_, int] | None = None) -> Config:
+                 lines: dict[Path_, int] | None = None,
+                 read: dict[str, str] | None = None) -> Config:
     """Parse and validate config ``text``; ``filename`` is used in messages, and the files
     it names are found relative to ``base`` (default: ``filename``'s directory). ``lines``,
     if given, gets the 1-based line of each key path (see :func:`key_line`), for a problem
-    found later (a reload's).
+    found later (a reload's); ``read``, the text of each file it names that was read (a
+    tenants table, an admin token file), by path.
 
     Raises:
         ConfigError: with every problem found, each as ``FILE:LINE: KEY: PROBLEM``.
     """
     try:
         return _parse_config(text, filename, Path(filename).parent if base is None else base,
-                             lines)
+                             lines, {} if read is None else read)
     except RecursionError:  # the composer and the models recurse once per level
         raise ConfigError([f"{filename}:1: (yaml): nested too deeply"]) from None
     except _TooManyValues:
@@ -654,8 +657,8 @@ def _compose(text: str) -> tuple[StrictLoader | FastStrictLoader, yaml.Node | No
         raise
 
 
-def _parse_config(text: str, filename: str, base: Path, lines: dict[Path_, int] | None
-                  ) -> Config:
+def _parse_config(text: str, filename: str, base: Path, lines: dict[Path_, int] | None,
+                  read: dict[str, str]) -> Config:
     deep = _too_deep(text)
     if deep is not None:
         raise ConfigError([f"{filename}:{deep}: (yaml): nested too deeply (more than "
@@ -697,20 +700,21 @@ def _parse_config(text: str, filename: str, base: Path, lines: dict[Path_, int] 
     spec = config.identity.tenants
     if spec is not None:
         at = f"{filename}:{key_line(('identity', 'tenants'), marks)}: identity.tenants"
-        config.identity._keys = load_tenants(spec, base, at)
+        config.identity._keys = load_tenants(spec, base, at, read)
         if not config.identity._keys and config.identity.unknown_key_tenant is None:
             # Every caller would be refused 401 unknown_api_key, with nothing in the log: an
             # empty secret, or a file caught half-written by a reload (a new user's trial).
             raise ConfigError([f"{at}: the table holds no API key, so every caller would be "
                                "refused; list at least one digest, or set "
                                "identity.unknown_key_tenant"])
-    _check_sources(config, filename, marks, base)
+    _check_sources(config, filename, marks, base, read)
     if lines is not None:
         lines.update(marks)
     return config
 
 
-def _check_sources(config: Config, filename: str, marks: dict[Path_, int], base: Path) -> None:
+def _check_sources(config: Config, filename: str, marks: dict[Path_, int], base: Path,
+                   read: dict[str, str]) -> None:
     """Read what the config names outside itself now, so a missing one is a config error
     (``check-config``, a refused reload) rather than a crash at start or a 403 later.
 
@@ -736,7 +740,7 @@ def _check_sources(config: Config, filename: str, marks: dict[Path_, int], base:
     if token_file is not None:
         path = base / token_file
         try:
-            load_token(path)
+            load_token(path, read)
         except ValueError as exc:
             line = key_line(("admin", "token_file"), marks)
             problems.append(f"{filename}:{line}: admin.token_file: {exc}")
@@ -745,17 +749,21 @@ def _check_sources(config: Config, filename: str, marks: dict[Path_, int], base:
         raise ConfigError(problems)
 
 
-def load_token(path: Path) -> str:
-    """The admin bearer token in the file ``path`` (surrounding whitespace stripped).
+def load_token(path: Path, read: dict[str, str] | None = None) -> str:
+    """The admin bearer token in the file ``path`` (surrounding whitespace stripped);
+    ``read``, if given, gets the file's text by its path.
 
     Raises:
         ValueError: the file cannot be read, or holds only whitespace (the message never
             quotes the file's content).
     """
     try:
-        token = read_text_file(path, MAX_TOKEN_BYTES).strip()
+        text = read_text_file(path, MAX_TOKEN_BYTES)
     except (OSError, ValueError) as exc:  # ValueError also for a NUL in the path
         raise ValueError(f"cannot read {str(path)!r}: {_why(exc)}") from None
+    if read is not None:
+        read[str(path)] = text
+    token = text.strip()
     if not token:
         raise ValueError(f"{str(path)!r} is empty: it must hold the admin bearer token")
     return token
@@ -770,7 +778,8 @@ _NOT_A_DIGEST = (
 )
 
 
-def load_tenants(spec: str, base: Path, at: str) -> dict[str, str]:
+def load_tenants(spec: str, base: Path, at: str,
+                 read: dict[str, str] | None = None) -> dict[str, str]:
     """The ``identity.tenants`` table: SHA-256 hex digest (lower case) -> tenant.
 
     ``spec`` is a file path (relative to ``base``, the config file's directory) or
@@ -781,8 +790,9 @@ def load_tenants(spec: str, base: Path, at: str) -> dict[str, str]:
         9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08: team-a
 
     ``at`` (``FILE:LINE: KEY`` of the config's ``tenants`` line) prefixes a problem with the
-    source itself (unreadable, unset). A key that is not a digest is reported by its line
-    only: it may be an API key pasted by mistake, and must not reach a log.
+    source itself (unreadable, unset); ``read``, if given, gets a file's text by its
+    path. A key that is not a digest is reported by its line only: it may be an API key
+    pasted by mistake, and must not reach a log.
 
     Raises:
         ConfigError: ``SOURCE:LINE: identity.tenants: PROBLEM`` lines, SOURCE being the file
@@ -800,6 +810,8 @@ def load_tenants(spec: str, base: Path, at: str) -> dict[str, str]:
             text = read_text_file(path, MAX_TENANTS_BYTES)
         except (OSError, ValueError) as exc:  # ValueError also for a NUL in the path
             raise ConfigError([f"{at}: cannot read {str(path)!r}: {_why(exc)}"]) from None
+        if read is not None:
+            read[source] = text
     return parse_tenants(text, source)
 
 
@@ -935,4 +947,37 @@ def load_config(path: str | Path, *, stream: bool = False,
         base = path.parent
     else:
         base = path.resolve().parent if path.is_file() else Path.cwd()
-    return parse_config(text, str(path), base, lines)
+    named: dict[str, str] = {}
+    config = parse_config(text, str(path), base, lines, named)
+    if not stream:  # a pipe cannot be read again to be compared
+        files = [(str(path), text.encode()), *((name, read.encode())
+                                                for name, read in named.items())]
+        config._read = tuple((name, len(data), hashlib.sha256(data).hexdigest())
+                             for name, data in files)
+    return config
+
+
+def still_reads(read: tuple[tuple[str, int, str], ...]) -> bool:
+    """Whether every file in ``read`` (:attr:`policies.config.Config.read_from`) holds the
+    text it held then, byte for byte: a config loaded from them now would be the same, so a
+    reload has nothing to apply (a touch, a chmod, a rewrite of the same text). False if one
+    cannot be read.
+
+    Each is read to one byte past its size then, so a file grown large is not read whole.
+    """
+    for name, size, digest in read:
+        try:
+            with open(name, "rb", opener=_no_wait) as file:
+                if not stat.S_ISREG(os.fstat(file.fileno()).st_mode):
+                    return False
+                data = file.read(size + 1)
+        except OSError:
+            return False
+        if len(data) != size or hashlib.sha256(data).hexdigest() != digest:
+            return False
+    return True
+
+
+def _no_wait(path: str, flags: int) -> int:
+    """Opens without waiting for a FIFO's writer (as :func:`read_text_file` does)."""
+    return os.open(path, flags | os.O_NONBLOCK | os.O_CLOEXEC)

@@ -14,13 +14,22 @@ The counters and histograms a request updates are :class:`LoopCounter` and
 ``collect()`` (its custom-collector interface), exposed with the same names, types, labels and
 buckets as its own ``Counter`` and ``Histogram``. Its own take a lock and run its checks on
 every update (~54 Python opcodes an increment, 8 updates a request: 7% of Sluice's share over
-a bare proxy, ``python -m bench opcodes``, 2026-12-03), for threads Sluice does not have:
-every update and every scrape runs on the one event loop.
+a bare proxy, ``python -m bench opcodes``, 2026-12-03): every update runs on the one event
+loop.
+
+A scrape is rendered in a worker thread (:meth:`Metrics.render`): at 1,000 routes the text is
+6.6 MB, and rendered on the loop it held every proxied call 0.6-1.5 s (a hostile trial). So
+what the thread reads must bear the loop changing it meanwhile: the loop counters and
+histograms copy their series first (one C-level ``dict.copy``, which the loop cannot interleave
+with), prometheus-client's own metrics lock; and what reads the loop's objects (every gauge:
+``set_function``, a route's calls, the writers' drop counts) is read on the loop just before,
+by :meth:`Metrics.read_on_loop`, the thread formatting those values.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, NamedTuple
@@ -41,6 +50,7 @@ from prometheus_client.metrics_core import (
     HistogramMetricFamily,
     Metric,
 )
+from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from policies.reasons import Reason
@@ -204,7 +214,8 @@ class LoopCounter(_LoopMetric):
 
     def collect(self) -> Iterator[Metric]:
         family = self._family()
-        for key, series in self._series.items():
+        # A copy: the loop may add a series while a render's thread reads them.
+        for key, series in self._series.copy().items():
             family.add_metric(key, series.value)  # type: ignore[attr-defined]
         yield family
 
@@ -230,9 +241,12 @@ class LoopHistogram(_LoopMetric):
 
     def collect(self) -> Iterator[Metric]:
         family = self._family()
-        for key, series in self._series.items():
+        # Copies: the loop may add a series, or observe, while a render's thread reads them
+        # (an observation may then be in the buckets and not yet in the sum).
+        for key, series in self._series.copy().items():
             cumulative, buckets = 0, []
-            for le, count in zip(self._le, series.counts, strict=True):  # type: ignore[attr-defined]
+            for le, count in zip(self._le, series.counts.copy(),  # type: ignore[attr-defined]
+                                 strict=True):
                 cumulative += count
                 buckets.append((le, float(cumulative)))
             family.add_metric(key, buckets, series.sum)  # type: ignore[attr-defined]
@@ -245,6 +259,11 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        #: What a render's thread formats of the collectors read on the loop, while it
+        #: renders (:meth:`render`); unset elsewhere (they are then read at once).
+        self._rendering = threading.local()
+        #: Registers a collector to be read on the loop (:class:`_ReadOnLoop`).
+        on_loop = self._on_loop = _OnLoop(r, self._rendering)
         # The standard process_* (memory, CPU, open files), python_gc_* and python_info.
         for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
             r.register(collector)
@@ -290,13 +309,13 @@ class Metrics:
         for reason in ADMIN_REASONS:
             self.admin_rejections.labels(reason.code)
         self._load: Callable[[], dict[str, RouteLoad]] = dict
-        r.register(_LoadGauges(lambda: self._load()))
+        on_loop.register(_LoadGauges(lambda: self._load()))
         self.buffered_bytes = Gauge(
             "sluice_buffered_request_bytes",
             "Request body bytes held now, all routes (as they arrive, at least a body's first "
             "64 KiB, from a request's head to the end of its call); "
             "server.max_buffered_bytes bounds it.",
-            registry=r,
+            registry=on_loop,
         )
         self.queue_wait = LoopHistogram(
             "sluice_queue_wait_seconds",
@@ -317,19 +336,26 @@ class Metrics:
         # next to them (they change on reload); only routes with a concurrency block have them.
         self.concurrency_limit = Gauge(
             "sluice_concurrency_limit", "Configured concurrency limit (slots).", ["route"],
-            registry=r,
+            registry=on_loop,
         )
         self.queue_limit = Gauge(
-            "sluice_queue_limit", "Configured queue capacity (requests).", ["route"], registry=r
+            "sluice_queue_limit", "Configured queue capacity (requests).", ["route"],
+            registry=on_loop,
         )
         self.queue_max_wait = Gauge(
             "sluice_queue_max_wait_seconds", "Configured longest wait in the queue.", ["route"],
-            registry=r,
+            registry=on_loop,
         )
         # Config reloads (proxy/reload.py); the gauge pair follows Prometheus's own
         # prometheus_config_last_reload_* convention.
         self.config_reloads = Counter(
             "sluice_config_reloads", "Config reloads applied (SIGHUP or a changed file).",
+            registry=r,
+        )
+        self.config_reloads_unchanged = Counter(
+            "sluice_config_reloads_unchanged",
+            "Reloads (SIGHUP or a file whose times changed) that found the config file, and "
+            "the files it names, holding the config in force byte for byte: nothing applied.",
             registry=r,
         )
         self.config_reload_failures = Counter(
@@ -340,18 +366,18 @@ class Metrics:
         self.config_last_reload_successful = Gauge(
             "sluice_config_last_reload_successful",
             "1 if the last config load or reload succeeded, 0 if it was refused.",
-            registry=r,
+            registry=on_loop,
         )
         self.config_last_reload_success = Gauge(
             "sluice_config_last_reload_success_timestamp_seconds",
             "Unix time of the last successful config load or reload.",
-            registry=r,
+            registry=on_loop,
         )
         self.config_restart_pending = Gauge(
             "sluice_config_restart_pending",
             "1 while the config file asks for a change only a restart applies (a listen "
             "address, state, dead_letter...; a reload keeps the running value), else 0.",
-            registry=r,
+            registry=on_loop,
         )
         self.config_last_reload_successful.set(1)
         self.config_last_reload_success.set_to_current_time()
@@ -384,18 +410,18 @@ class Metrics:
             "Records in this replica's idempotency store for the route: all of them with the "
             "memory backend; with Redis, only those of the local fallback (the shared records "
             "are counted in Redis, not here).",
-            ["route"], registry=r,
+            ["route"], registry=on_loop,
         )
         self.idempotency_bytes = Gauge(
             "sluice_idempotency_store_bytes",
             "Bytes charged to this replica's idempotency store for the route (bounded by "
             "max_bytes; with Redis, the local fallback's only).",
-            ["route"], registry=r,
+            ["route"], registry=on_loop,
         )
         self.idempotency_waiting = Gauge(
             "sluice_idempotency_waiting",
             "Requests waiting for an in-flight request with the same idempotency key.",
-            ["route"], registry=r,
+            ["route"], registry=on_loop,
         )
 
         # Retries, circuit breakers and dead letters (policies/retry.py, breaker.py,
@@ -410,7 +436,7 @@ class Metrics:
         )
         self.circuit_state = Gauge(
             "sluice_circuit_state", "Circuit breaker state: 0 closed, 1 half-open, 2 open.",
-            ["route"], registry=r,
+            ["route"], registry=on_loop,
         )
         self.dead_letters = LoopCounter(
             "sluice_dead_letters", "Requests recorded in the dead-letter store.", ["route"],
@@ -418,7 +444,7 @@ class Metrics:
         )
         self.dead_letter_depth = Gauge(
             "sluice_dead_letter_depth", "Records in the dead-letter store.", ["route"],
-            registry=r,
+            registry=on_loop,
         )
         self.dead_letter_failures = LoopCounter(
             "sluice_dead_letter_write_failures",
@@ -431,7 +457,7 @@ class Metrics:
         self.state_backend_up = Gauge(
             "sluice_state_backend_up",
             "1 while the state backend answers; 0 while Redis is unreachable and "
-            "state.on_unavailable applies.", ["backend"], registry=r,
+            "state.on_unavailable applies.", ["backend"], registry=on_loop,
         )
 
         # Token accounting (policies/accounting.py).
@@ -468,13 +494,13 @@ class Metrics:
             "Budget left in the current window (tokens or USD), per tenant (tenant=\"*\" for a "
             "per-route budget).",
             ["route", "tenant", "unit"],
-            registry=r,
+            registry=on_loop,
         )
         self.budget_reserved = Gauge(
             "sluice_budget_reserved",
             "Budget held by requests in flight (tokens or USD), per tenant.",
             ["route", "tenant", "unit"],
-            registry=r,
+            registry=on_loop,
         )
         # Per operation (policies/operations.py): the tool, endpoint pattern or model.
         self.operation_requests = LoopCounter(
@@ -501,7 +527,7 @@ class Metrics:
         self.operation_circuit_state = Gauge(
             "sluice_operation_circuit_state",
             "An operation's circuit breaker state: 0 closed, 1 half-open, 2 open.",
-            ["route", "operation"], registry=r,
+            ["route", "operation"], registry=on_loop,
         )
         self._operation_labels: dict[str, set[str]] = {}
         # Anti-metrics: the signals that stay silent elsewhere (issue 12).
@@ -522,13 +548,13 @@ class Metrics:
         self.finishing = Gauge(
             "sluice_finishing_after_leaving",
             "MCP calls whose upstream exchange Sluice is finishing after their caller left "
-            "(counted in sluice_inflight_requests too).", registry=r,
+            "(counted in sluice_inflight_requests too).", registry=on_loop,
         )
         self.polling = Gauge(
             "sluice_polled_calls",
             "MCP calls whose answer the upstream closed early for polling, held until their "
             "response comes on the GET that resumes it (counted in sluice_inflight_requests "
-            "too).", registry=r,
+            "too).", registry=on_loop,
         )
         self.held_tasks = Gauge(
             "sluice_held_task_calls",
@@ -543,6 +569,25 @@ class Metrics:
             ["route", "reason"], registry=r,
         )
         self._tenant_labels: set[str] = set()
+
+    def read_on_loop(self) -> dict[_ReadOnLoop, list[Metric]]:
+        """Read, on the event loop, every collector that reads the loop's objects (the
+        gauges, the routes' calls, the writers' drop counts), for :meth:`render`."""
+        return self._on_loop.read()
+
+    def render(self, encoder: Callable[[Collector], bytes], names: Sequence[str],
+               read: dict[_ReadOnLoop, list[Metric]]) -> bytes:
+        """The exposition of the registry by ``encoder`` (prometheus-client's
+        ``choose_encoder``), only the series ``names`` if any are given (``name[]``, as its
+        own handlers do), with what ``read`` (:meth:`read_on_loop`) read on the loop.
+
+        Thread-safe: meant for a worker thread, so the loop serves calls meanwhile."""
+        self._rendering.read = read
+        try:
+            return encoder(self.registry.restricted_registry(names) if names
+                           else self.registry)
+        finally:
+            self._rendering.read = None
 
     def tenant_label(self, tenant: str) -> str:
         """``tenant`` as a label value: the first ``MAX_TENANT_LABELS`` tenants seen keep their
@@ -655,7 +700,7 @@ class Metrics:
         """Export ``sluice_output_dropped_total{output}``: lines of output (``events``,
         ``log``) dropped because their destination took nothing (proxy/output.py), read at
         scrape time from ``read()``, by output."""
-        self.registry.register(_ReadCounter(
+        self._on_loop.register(_ReadCounter(
             "sluice_output_dropped",
             "Lines of output (events, log) dropped because their destination (a pipe, a "
             "terminal, a file) was not taking them.", "output", read))
@@ -664,7 +709,7 @@ class Metrics:
         """Export ``sluice_dead_letters_dropped_total{route}``: the oldest dead letters this
         replica's writes dropped to stay within ``dead_letter.max_records``
         (policies/deadletter.py), read at scrape time from ``read()``, by route."""
-        self.registry.register(_ReadCounter(
+        self._on_loop.register(_ReadCounter(
             "sluice_dead_letters_dropped",
             "Oldest dead letters dropped to keep the store within dead_letter.max_records.",
             "route", read))
@@ -692,6 +737,53 @@ _LOAD_GAUGES = (
     ("sluice_stalled_requests",
      "Requests in flight that moved no bytes for longer than server.stall_after."),
 )
+
+
+class _ReadOnLoop:
+    """A collector of values read from the event loop's objects, which a render's thread
+    must not read (a dict the loop changes as it is iterated): it formats what
+    :meth:`Metrics.read_on_loop` read just before, on the loop. Collected outside a render
+    (a test's ``generate_latest``, on the loop), it reads them at once."""
+
+    def __init__(self, collector: Collector, rendering: threading.local) -> None:
+        self._collector = collector
+        self._rendering = rendering
+
+    def describe(self) -> list[Metric]:
+        """The collector's families (its ``describe()``, else what it collects: as the
+        registry's ``auto_describe`` would), for the registry's name checks."""
+        describe = getattr(self._collector, "describe", None)
+        return describe() if describe is not None else list(self._collector.collect())
+
+    def read(self) -> list[Metric]:
+        """The collector's families now (on the loop)."""
+        return list(self._collector.collect())
+
+    def collect(self) -> Iterable[Metric]:
+        read = getattr(self._rendering, "read", None)
+        if read is None:
+            return self._collector.collect()
+        # One registered after the render's read (none is, once the runtime is built)
+        # shows nothing in that render rather than be read from its thread.
+        return read.get(self, [])
+
+
+class _OnLoop:
+    """Registers collectors to be read on the loop (as a ``registry=`` argument too:
+    prometheus-client's metrics call ``register`` on it), each in ``registry``'s order."""
+
+    def __init__(self, registry: CollectorRegistry, rendering: threading.local) -> None:
+        self._registry = registry
+        self._rendering = rendering
+        self._collectors: list[_ReadOnLoop] = []
+
+    def register(self, collector: Collector) -> None:
+        wrapped = _ReadOnLoop(collector, self._rendering)
+        self._registry.register(wrapped)
+        self._collectors.append(wrapped)
+
+    def read(self) -> dict[_ReadOnLoop, list[Metric]]:
+        return {collector: collector.read() for collector in self._collectors}
 
 
 class _LoadGauges:

@@ -567,8 +567,9 @@ async def test_sighup_while_starting_reloads_once_the_watch_starts(tmp_path):
 
         def reloaded() -> list[str]:
             lines = events.read_text().splitlines() if events.exists() else []
+            # The file is the one serve read: read again, it is found unchanged.
             return [json.loads(line)["trigger"] for line in lines
-                    if '"config_reloaded"' in line]
+                    if '"config_reloaded"' in line or '"config_unchanged"' in line]
 
         await wait_until(lambda: reloaded() == ["sighup"], timeout=30, what="its reload")
         assert proc.poll() is None  # not ended by it
@@ -608,8 +609,9 @@ async def test_a_sighup_while_the_cli_loads_is_a_reload_not_the_end(tmp_path):
     try:
         def reloaded() -> list[str]:
             lines = events.read_text().splitlines() if events.exists() else []
+            # The file is the one serve read: read again, it is found unchanged.
             return [json.loads(line)["trigger"] for line in lines
-                    if '"config_reloaded"' in line]
+                    if '"config_reloaded"' in line or '"config_unchanged"' in line]
 
         await wait_until(lambda: reloaded() == ["sighup"] or proc.poll() is not None,
                          timeout=30, what="its reload")
