@@ -35,6 +35,7 @@ from pydantic import (
 )
 from redis.asyncio.connection import ConnectionPool
 from redis.exceptions import RedisError
+from yarl import URL
 
 from policies.bodies import shown
 from policies.secrets import credential_header
@@ -405,6 +406,72 @@ def _without_userinfo(url: str) -> str:
     start = scheme.end() if scheme else 0
     at = url.rfind("@", start)
     return url if at < 0 else f"{url[:start]}<redacted>{url[at:]}"
+
+
+#: A shell or compose variable left in a URL (``${UPSTREAM_HOST}``, ``${HOST:-x}``; in the
+#: host also ``$HOST``): Sluice expands none. Group 1 is its name.
+_VARIABLE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?:[:?+-][^}]*)?\}")
+_HOST_VARIABLE = re.compile(r"\$([A-Za-z_][A-Za-z0-9_]*)")
+
+
+def _unusable_upstream(value: str) -> str | None:
+    """Why aiohttp would refuse every request to the upstream base URL ``value`` (already
+    an ``http(s)://`` URL with a host and a valid port), else ``None``: what it does at the
+    first request, done at load: such URLs passed the config and failed every call with a
+    502, most with a "proxy error" and a traceback each (a hostile trial). Never quotes the
+    user info.
+
+    * the URL as ``proxy.forward.upstream_url`` builds it (``yarl.URL(..., encoded=True)``):
+      ``[::1]x`` is no URL;
+    * the host as aiohttp's connector uses it: a dotted-decimal IPv4 address must be
+      canonical (``127.1`` is refused), and a name is encoded by ``getaddrinfo`` with the
+      ``idna`` codec (an empty label, ``a..b``, or one over 63 characters is refused);
+    * user info as aiohttp sends it, HTTP Basic credentials encoded as Latin-1.
+    """
+    try:
+        url = URL(value, encoded=True)
+        host = url.raw_host or ""
+    except (ValueError, UnicodeError):
+        url = None
+        host = ""
+    # Only the name is shown: a default after it (${PASS:-...}) may be a secret.
+    variable = _VARIABLE.search(value) or _HOST_VARIABLE.search(host)
+    if variable is not None:
+        name = variable.group(1)
+        shown = f"${{{name}}}" if variable.re is _VARIABLE else f"${name}"
+        return (f"{shown} is a variable, and Sluice expands none in its config (only the "
+                "keys documented to take env:NAME, such as state.redis_url and "
+                "identity.tenants, read the environment): write the value itself, or render "
+                "the file before Sluice reads it (e.g. envsubst)")
+    if url is None:
+        return ("the host cannot be read as a URL's host (an IPv6 address goes in brackets "
+                "with nothing but :PORT after them, e.g. http://[::1]:8080)")
+    if ":" not in host and host.replace(".", "").isdigit():  # aiohttp's test for IPv4
+        try:
+            ipaddress.IPv4Address(host)
+        except ValueError:
+            return ("the host is not an IPv4 address aiohttp connects to: write it as four "
+                    "decimal numbers from 0 to 255 with no leading zeros, e.g. 127.0.0.1")
+    elif ":" not in host:  # a name (an IPv6 address has a colon, and yarl checked it)
+        try:
+            host.encode("idna")
+        except UnicodeError:
+            return ("the host is not a name DNS can look up (its IDNA encoding fails: a "
+                    "label, the text between dots, is empty or longer than 63 characters, "
+                    "or holds a character IDNA forbids)")
+    user, password = url.user, url.password
+    if user is not None or password is not None:
+        if ":" in (user or ""):
+            return ("the user name in the URL holds ':' (encoded as %3A), which HTTP Basic "
+                    "credentials cannot carry")
+        try:
+            f"{user or ''}:{password or ''}".encode("latin-1")
+        except UnicodeEncodeError:
+            return ("the user name or password in the URL has a character outside Latin-1, "
+                    "which aiohttp cannot send as HTTP Basic credentials (percent-encoding "
+                    "does not help: it is decoded first); send the credential in a header the "
+                    "caller sets instead")
+    return None
 
 
 def _unquoted_secret(message: str, url: str) -> str:
@@ -1110,6 +1177,9 @@ class RouteConfig(_Section):
                              "left out: 80 for http, 443 for https)")
         if not parts.hostname:
             raise ValueError("the URL has no host")
+        unusable = _unusable_upstream(value)
+        if unusable is not None:
+            raise ValueError(unusable)
         return value.rstrip("/")
 
     def operations(self) -> tuple[str, dict[str, OperationConfig]]:

@@ -736,3 +736,58 @@ def test_a_byte_that_is_not_utf8_is_named_on_its_line_and_column(tmp_path: Path,
     assert capsys.readouterr().err == (
         f"{path}:1: identity.tenants: cannot read {str(tmp_path / 'tenants.yaml')!r}: not "
         "UTF-8 (byte 0xff at line 2, column 68)\n")
+
+
+UNEXPANDED = ("is a variable, and Sluice expands none in its config (only the keys documented "
+              "to take env:NAME, such as state.redis_url and identity.tenants, read the "
+              "environment): write the value itself, or render the file before Sluice reads "
+              "it (e.g. envsubst)")
+
+
+@pytest.mark.parametrize(("upstream", "problem"), [
+    ("http://a..b:80", "the host is not a name DNS can look up (its IDNA encoding fails: a "
+     "label, the text between dots, is empty or longer than 63 characters, or holds a "
+     "character IDNA forbids)"),
+    (f"http://{'a' * 64}.example", "the host is not a name DNS can look up (its IDNA encoding "
+     "fails: a label, the text between dots, is empty or longer than 63 characters, or holds "
+     "a character IDNA forbids)"),
+    ("http://[::1]x:80", "the host cannot be read as a URL's host (an IPv6 address goes in "
+     "brackets with nothing but :PORT after them, e.g. http://[::1]:8080)"),
+    ("http://u:pässwörd中@127.0.0.1:80", "the user name or password in the URL has a "
+     "character outside Latin-1, which aiohttp cannot send as HTTP Basic credentials "
+     "(percent-encoding does not help: it is decoded first); send the credential in a header "
+     "the caller sets instead"),
+    ("http://u%3Ax:pw@127.0.0.1:80", "the user name in the URL holds ':' (encoded as %3A), "
+     "which HTTP Basic credentials cannot carry"),
+    ("http://127.1:80", "the host is not an IPv4 address aiohttp connects to: write it as four "
+     "decimal numbers from 0 to 255 with no leading zeros, e.g. 127.0.0.1"),
+    ("http://${UPSTREAM_HOST}:80", f"${{UPSTREAM_HOST}} {UNEXPANDED}"),
+    ("http://$UPSTREAM_HOST:80", f"$UPSTREAM_HOST {UNEXPANDED}"),
+    ("http://u:${PW:-pässwörd}@h:80", f"${{PW}} {UNEXPANDED}"),
+])
+def test_an_upstream_aiohttp_refuses_at_every_call_is_refused_at_load(
+        tmp_path: Path, capsys, upstream: str, problem: str) -> None:
+    """A hostile trial: each of these passed check-config, serve and reload, then failed
+    every call with a 502 "proxy error" and a traceback (IDNA, yarl and aiohttp's Basic
+    credentials refusing them at the first request), or could never resolve (a variable
+    nothing expands). Refused on their line, never quoting the password."""
+    path = tmp_path / "bad.yaml"
+    path.write_text(f"routes:\n  - {{name: r, path_prefix: /r/, upstream: '{upstream}'}}\n")
+    assert main(["check-config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines() == [f"{path}:2: routes[0].upstream: {problem}"]
+    assert "pässwörd" not in err and "pw@" not in err
+
+
+@pytest.mark.parametrize("upstream", [
+    "http://upstream_svc:8080",  # an underscore: compose service names have them
+    "https://exämple.example/v1",  # IDNA encodes it as getaddrinfo does
+    "http://[::1]:9/base",
+    "http://u:pé@127.0.0.1:9",  # Latin-1
+    "http://127.0.0.1:9/v1/$batch",  # a dollar in a path is a path
+    "http://u:pa$word@127.0.0.1:9",
+])
+def test_an_upstream_aiohttp_can_call_is_accepted(tmp_path: Path, capsys, upstream: str) -> None:
+    path = tmp_path / "ok.yaml"
+    path.write_text(f"routes:\n  - {{name: r, path_prefix: /r/, upstream: '{upstream}'}}\n")
+    assert main(["check-config", str(path)]) == 0, capsys.readouterr().err
