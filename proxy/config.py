@@ -720,6 +720,12 @@ def _check_sources(config: Config, filename: str, marks: dict[Path_, int], base:
     * ``admin.token_file``: the file must be readable and hold a token (a missing one would
       leave the admin endpoints answering 403 "no admin token is configured"); a relative
       path is taken from the config file's directory (see :func:`load_token`).
+    * ``events.path`` and, when a route retries and letters go to a file (not Redis),
+      ``dead_letter.path``: the file must be one this process can create or write, in a
+      directory that exists (:func:`_unwritable`). A start opens them and exits 1 if it
+      cannot; both are restart-only, so a reload to one in a missing directory was held
+      "until a restart" and reported a success, and that restart failed (a hostile trial).
+      Relative paths are read from the working directory, as the server opens them.
 
     Raises:
         ConfigError: ``FILE:LINE: KEY: PROBLEM`` per source that cannot be read.
@@ -741,8 +747,39 @@ def _check_sources(config: Config, filename: str, marks: dict[Path_, int], base:
             line = key_line(("admin", "token_file"), marks)
             problems.append(f"{filename}:{line}: admin.token_file: {exc}")
         config.admin._path = str(path)
+    files: list[tuple[Path_, str, bool]] = []
+    if config.events.path is not None:
+        files.append((("events", "path"), config.events.path, False))
+    if state.backend != "redis" and any(route.retries() for route in config.routes):
+        files.append((("dead_letter", "path"), config.dead_letter.path, True))
+    for key, name, beside in files:
+        unwritable = _unwritable(name, beside=beside)
+        if unwritable is not None:
+            problems.append(f"{filename}:{key_line(key, marks)}: {_dotted(key)}: {unwritable}")
     if problems:
         raise ConfigError(problems)
+
+
+def _unwritable(name: str, *, beside: bool) -> str | None:
+    """Why the server could not open the file ``name`` (relative: from the working
+    directory) for writing, creating it if absent, else ``None``. ``beside``: it writes
+    files beside it too (SQLite's ``-wal`` and ``-shm``), so the directory must be writable
+    even when the file exists. A file that is no regular one (``/dev/stdout``) need only be
+    writable itself."""
+    path = Path(name)
+    directory = path.parent
+    where = "" if path.is_absolute() else f" (relative to the working directory, {Path.cwd()})"
+    if not directory.is_dir():
+        return (f"the directory {str(directory)!r} does not exist{where}: Sluice creates the "
+                "file, not its directory")
+    if path.is_dir():
+        return f"is a directory{where}: name a file in it"
+    if path.exists():
+        writable = os.access(path, os.W_OK) and (
+            not beside or not path.is_file() or os.access(directory, os.W_OK | os.X_OK))
+    else:
+        writable = os.access(directory, os.W_OK | os.X_OK)
+    return None if writable else f"this user cannot write it or its directory{where}"
 
 
 def load_token(path: Path) -> str:

@@ -508,7 +508,7 @@ async def test_a_call_whose_body_arrives_across_a_reload_is_served_by_one_config
 
 
 async def test_a_reload_that_needs_a_dead_letter_file_it_cannot_open_is_refused(tmp_path):
-    """A hostile trial: a ``dead_letter.path`` in a missing directory stops a start whose
+    """A hostile trial: a ``dead_letter.path`` that cannot be opened stops a start whose
     routes retry, but a reload adding the first retry block was applied, and the first dead
     letter was lost. The reload opens the file as the start does, and is refused if it
     cannot: the old config serves, and the problem names the key on its line."""
@@ -516,7 +516,8 @@ async def test_a_reload_that_needs_a_dead_letter_file_it_cannot_open_is_refused(
     from proxy.reload import Reloader
     from proxy.runtime import Runtime
 
-    letters = tmp_path / "missing" / "dlq.sqlite"
+    letters = tmp_path / "dlq.sqlite"
+    letters.write_bytes(b"not a database " * 300)  # a file pasted over it, say
     path = tmp_path / "sluice.yaml"
     config = {"dead_letter": {"path": str(letters)},
               "routes": [route("llm", "http://127.0.0.1:9")]}
@@ -530,14 +531,43 @@ async def test_a_reload_that_needs_a_dead_letter_file_it_cannot_open_is_refused(
         assert runtime.config.routes[0].retry is None
         assert reloader.last_attempt is not None
         assert reloader.last_attempt["problems"] == [
-            f"{path}:2: dead_letter.path: cannot open {str(letters)!r}: unable to open "
-            "database file; a route would retry, and its dead letters be lost (the path "
-            "changes on a restart only)"]
-        letters.parent.mkdir()  # the directory made: the same file applies
+            f"{path}:2: dead_letter.path: cannot open {str(letters)!r}: file is not a "
+            "database; a route would retry, and its dead letters be lost (the path changes "
+            "on a restart only)"]
+        letters.unlink()  # the file moved away: the same config applies
         assert await reloader.reload("sighup") is True
         assert runtime.config.routes[0].retry is not None and letters.exists()
     finally:
         await runtime.close()
+
+
+async def test_a_reload_to_an_event_log_in_a_missing_directory_is_refused(start_sluice,
+                                                                          tmp_path):
+    """A hostile trial: ``events.path`` is restart-only, so a reload naming one in a missing
+    directory was held "until a restart" and counted a success, and that restart exited 1
+    (a crash loop). The reload is refused as check-config and the start refuse it, naming
+    the key on its line, and the running config stays in force."""
+    sluice = await start_sluice({"routes": [route("llm", "http://127.0.0.1:9")]})
+    missing = tmp_path / "missing" / "events.jsonl"
+
+    def move_events(data: dict) -> None:
+        data["events"] = {"path": str(missing)}
+        data["routes"][0]["concurrency"] = {"limit": 3}
+
+    rewrite(sluice.config_path, move_events)
+    sluice.signal(signal.SIGHUP)
+    await sluice.wait_metric("sluice_config_reload_failures_total", 1)
+    assert await sluice.metric("sluice_config_last_reload_successful") == 0
+    assert await sluice.metric("sluice_config_reloads_total") == 0
+    lines = sluice.config_path.read_text().splitlines()
+    line = next(n for n, text in enumerate(lines, 1) if text.startswith("events:")) + 1
+    assert (f"{sluice.config_path}:{line}: events.path: the directory "
+            f"{str(missing.parent)!r} does not exist: Sluice creates the file, not its "
+            "directory") in sluice.stderr()
+    missing.parent.mkdir()  # the directory made: the reload applies, held until a restart
+    sluice.signal(signal.SIGHUP)
+    await sluice.wait_metric("sluice_config_reloads_total", 1)
+    assert await sluice.metric("sluice_config_restart_pending") == 1
 
 
 #: ``sluice serve`` whose reloads read the config file forever (``argv``: the config, then a
