@@ -745,7 +745,8 @@ def _check_sources(config: Config, filename: str, marks: dict[Path_, int], base:
             load_token(path)
         except ValueError as exc:
             line = key_line(("admin", "token_file"), marks)
-            problems.append(f"{filename}:{line}: admin.token_file: {exc}")
+            problems.append(f"{filename}:{line}: admin.token_file: {exc} "
+                            f"({unquoted_path(token_file, base)})")
         config.admin._path = str(path)
     files: list[tuple[Path_, str, bool]] = []
     if config.events.path is not None:
@@ -792,10 +793,24 @@ def load_token(path: Path) -> str:
     try:
         token = read_text_file(path, MAX_TOKEN_BYTES).strip()
     except (OSError, ValueError) as exc:  # ValueError also for a NUL in the path
-        raise ValueError(f"cannot read {str(path)!r}: {_why(exc)}") from None
+        raise ValueError(f"cannot read the file it names: {_why(exc)}") from None
     if not token:
-        raise ValueError(f"{str(path)!r} is empty: it must hold the admin bearer token")
+        raise ValueError("the file it names is empty: it must hold the admin bearer token")
     return token
+
+
+def unquoted_path(written: str, base: Path) -> str:
+    """Which file a key's value ``written`` names (relative to ``base``), said without
+    quoting any of it: a token or key pasted where its file's path belongs was printed
+    whole by check-config, the start and the reload log (a hostile trial), and a base64
+    token may hold a ``/``, so not even its directory part is shown."""
+    if Path(written).is_absolute():
+        return "an absolute path"
+    said = f"a path relative to the config file's directory, {os.path.abspath(base)}"
+    if "/" not in written:
+        said += (", with no directory part: if the value is the secret itself, write it to a "
+                 "file and name that file")
+    return said
 
 
 # --- identity.tenants: API-key digests -> tenants --------------------------------------------
@@ -836,7 +851,8 @@ def load_tenants(spec: str, base: Path, at: str) -> dict[str, str]:
         try:
             text = read_text_file(path, MAX_TENANTS_BYTES)
         except (OSError, ValueError) as exc:  # ValueError also for a NUL in the path
-            raise ConfigError([f"{at}: cannot read {str(path)!r}: {_why(exc)}"]) from None
+            raise ConfigError([f"{at}: cannot read the file it names: {_why(exc)} "
+                               f"({unquoted_path(spec, base)})"]) from None
     return parse_tenants(text, source)
 
 

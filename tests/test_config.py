@@ -765,8 +765,10 @@ def test_a_byte_that_is_not_utf8_is_named_on_its_line_and_column(tmp_path: Path,
     path.write_text("identity: {tenants: tenants.yaml}\n" + ROUTE)
     assert main(["check-config", str(path)]) == 2
     assert capsys.readouterr().err == (
-        f"{path}:1: identity.tenants: cannot read {str(tmp_path / 'tenants.yaml')!r}: not "
-        "UTF-8 (byte 0xff at line 2, column 68)\n")
+        f"{path}:1: identity.tenants: cannot read the file it names: not UTF-8 (byte 0xff at "
+        f"line 2, column 68) (a path relative to the config file's directory, {tmp_path}, "
+        "with no directory part: if the value is the secret itself, write it to a file and "
+        "name that file)\n")
 
 
 UNEXPANDED = ("is a variable, and Sluice expands none in its config (only the keys documented "
@@ -822,3 +824,30 @@ def test_an_upstream_aiohttp_can_call_is_accepted(tmp_path: Path, capsys, upstre
     path = tmp_path / "ok.yaml"
     path.write_text(f"routes:\n  - {{name: r, path_prefix: /r/, upstream: '{upstream}'}}\n")
     assert main(["check-config", str(path)]) == 0, capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("block", "key", "secret"), [
+    ("admin: {token_file: s3cr3t-admin-token-Zq9}", "admin.token_file", "s3cr3t-admin-token-Zq9"),
+    ("admin: {token_file: /run/t0k/en+Zq9/xyz}", "admin.token_file", "t0k/en+Zq9"),
+    ("identity: {tenants: sk-proj-Zq9abcdefabcdef}", "identity.tenants", "Zq9abcdef"),
+])
+def test_a_secret_pasted_in_place_of_a_path_is_not_echoed(tmp_path: Path, capsys, block: str,
+                                                          key: str, secret: str) -> None:
+    """A hostile trial: a token pasted into ``admin.token_file`` (an API key into
+    ``identity.tenants``) in place of a path was quoted whole by check-config, serve's
+    refusal and the reload log (``cannot read '/dir/s3cr3t-token'``). The key and its line
+    are named, and whether the value has a directory part; none of the value is shown."""
+    path = tmp_path / "sluice.yaml"
+    path.write_text(f"{block}\n" + ROUTE)
+    where = ("an absolute path" if "/run/" in block else
+             f"a path relative to the config file's directory, {tmp_path}, with no directory "
+             "part: if the value is the secret itself, write it to a file and name that file")
+    expected = (f"{path}:1: {key}: cannot read the file it names: No such file or directory "
+                f"({where})\n")
+    assert main(["check-config", str(path)]) == 2
+    assert capsys.readouterr().err == expected
+    done = subprocess.run([sys.executable, "-m", "proxy", "serve", "--config", str(path)],
+                          env={**os.environ, "SLUICE_ADMIN_TOKEN": ""}, capture_output=True,
+                          text=True, timeout=60)
+    assert (done.returncode, done.stderr) == (2, expected)
+    assert secret not in done.stderr
