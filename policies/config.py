@@ -640,19 +640,28 @@ class AdminConfig(_Section):
     NULLABLE = frozenset({"token_file"})
 
     #: File holding the bearer token (a relative path is taken from the config file's
-    #: directory; read on every mutating call, so a rotated file applies at once). It must
-    #: exist and hold a token whenever the config is loaded. The ``SLUICE_ADMIN_TOKEN``
-    #: environment variable is used when this is null; with neither, mutating endpoints
-    #: answer 403.
+    #: directory). It must exist and hold a token whenever the config is loaded, and the
+    #: token in force is the one read then: at start and at each reload that applies, which
+    #: a change of the file triggers (so a rotated file applies within a poll); a reload
+    #: that refuses the file keeps the token with the rest of the running config. The
+    #: ``SLUICE_ADMIN_TOKEN`` environment variable is used when this is null; with neither,
+    #: mutating endpoints answer 403.
     token_file: str | None = Field(default=None, min_length=1)
-    # ``token_file`` resolved against the config file's directory, set when the file is loaded
-    # (``proxy/config.py``).
+    # ``token_file`` resolved against the config file's directory, and the token read from
+    # it, both set when the file is loaded (``proxy/config.py``); never shown (private).
     _path: str | None = PrivateAttr(default=None)
+    _token: str | None = PrivateAttr(default=None)
 
     @property
     def token_path(self) -> str | None:
         """The token file to read: ``token_file`` as resolved at load, or as written."""
         return self._path or self.token_file
+
+    @property
+    def token(self) -> str | None:
+        """The bearer token ``token_file`` held when this config was loaded (``None``: no
+        ``token_file``, or a config not loaded from a file)."""
+        return self._token
 
 
 class EventsConfig(_Section):

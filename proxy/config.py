@@ -719,7 +719,8 @@ def _check_sources(config: Config, filename: str, marks: dict[Path_, int], base:
       value, which may carry a password.
     * ``admin.token_file``: the file must be readable and hold a token (a missing one would
       leave the admin endpoints answering 403 "no admin token is configured"); a relative
-      path is taken from the config file's directory (see :func:`load_token`).
+      path is taken from the config file's directory (see :func:`load_token`). The token
+      read is kept with the config (``AdminConfig.token``): it is the one in force.
     * ``events.path`` and, when a route retries and letters go to a file (not Redis),
       ``dead_letter.path``: the file must be one this process can create or write, in a
       directory that exists (:func:`_unwritable`). A start opens them and exits 1 if it
@@ -742,7 +743,7 @@ def _check_sources(config: Config, filename: str, marks: dict[Path_, int], base:
     if token_file is not None:
         path = base / token_file
         try:
-            load_token(path)
+            config.admin._token = load_token(path)
         except ValueError as exc:
             line = key_line(("admin", "token_file"), marks)
             problems.append(f"{filename}:{line}: admin.token_file: {exc} "
