@@ -35,6 +35,7 @@ from pydantic import (
 )
 from redis.asyncio.connection import ConnectionPool
 from redis.exceptions import RedisError
+from yarl import URL
 
 from policies.bodies import shown
 from policies.secrets import credential_header
@@ -407,6 +408,72 @@ def _without_userinfo(url: str) -> str:
     return url if at < 0 else f"{url[:start]}<redacted>{url[at:]}"
 
 
+#: A shell or compose variable left in a URL (``${UPSTREAM_HOST}``, ``${HOST:-x}``; in the
+#: host also ``$HOST``): Sluice expands none. Group 1 is its name.
+_VARIABLE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?:[:?+-][^}]*)?\}")
+_HOST_VARIABLE = re.compile(r"\$([A-Za-z_][A-Za-z0-9_]*)")
+
+
+def _unusable_upstream(value: str) -> str | None:
+    """Why aiohttp would refuse every request to the upstream base URL ``value`` (already
+    an ``http(s)://`` URL with a host and a valid port), else ``None``: what it does at the
+    first request, done at load: such URLs passed the config and failed every call with a
+    502, most with a "proxy error" and a traceback each (a hostile trial). Never quotes the
+    user info.
+
+    * the URL as ``proxy.forward.upstream_url`` builds it (``yarl.URL(..., encoded=True)``):
+      ``[::1]x`` is no URL;
+    * the host as aiohttp's connector uses it: a dotted-decimal IPv4 address must be
+      canonical (``127.1`` is refused), and a name is encoded by ``getaddrinfo`` with the
+      ``idna`` codec (an empty label, ``a..b``, or one over 63 characters is refused);
+    * user info as aiohttp sends it, HTTP Basic credentials encoded as Latin-1.
+    """
+    try:
+        url = URL(value, encoded=True)
+        host = url.raw_host or ""
+    except (ValueError, UnicodeError):
+        url = None
+        host = ""
+    # Only the name is shown: a default after it (${PASS:-...}) may be a secret.
+    variable = _VARIABLE.search(value) or _HOST_VARIABLE.search(host)
+    if variable is not None:
+        name = variable.group(1)
+        shown = f"${{{name}}}" if variable.re is _VARIABLE else f"${name}"
+        return (f"{shown} is a variable, and Sluice expands none in its config (only the "
+                "keys documented to take env:NAME, such as state.redis_url and "
+                "identity.tenants, read the environment): write the value itself, or render "
+                "the file before Sluice reads it (e.g. envsubst)")
+    if url is None:
+        return ("the host cannot be read as a URL's host (an IPv6 address goes in brackets "
+                "with nothing but :PORT after them, e.g. http://[::1]:8080)")
+    if ":" not in host and host.replace(".", "").isdigit():  # aiohttp's test for IPv4
+        try:
+            ipaddress.IPv4Address(host)
+        except ValueError:
+            return ("the host is not an IPv4 address aiohttp connects to: write it as four "
+                    "decimal numbers from 0 to 255 with no leading zeros, e.g. 127.0.0.1")
+    elif ":" not in host:  # a name (an IPv6 address has a colon, and yarl checked it)
+        try:
+            host.encode("idna")
+        except UnicodeError:
+            return ("the host is not a name DNS can look up (its IDNA encoding fails: a "
+                    "label, the text between dots, is empty or longer than 63 characters, "
+                    "or holds a character IDNA forbids)")
+    user, password = url.user, url.password
+    if user is not None or password is not None:
+        if ":" in (user or ""):
+            return ("the user name in the URL holds ':' (encoded as %3A), which HTTP Basic "
+                    "credentials cannot carry")
+        try:
+            f"{user or ''}:{password or ''}".encode("latin-1")
+        except UnicodeEncodeError:
+            return ("the user name or password in the URL has a character outside Latin-1, "
+                    "which aiohttp cannot send as HTTP Basic credentials (percent-encoding "
+                    "does not help: it is decoded first); send the credential in a header the "
+                    "caller sets instead")
+    return None
+
+
 def _unquoted_secret(message: str, url: str) -> str:
     """``message`` with each quoted piece of ``url``'s user info redacted: redis-py quotes
     what it could not read, and a password holding ``/`` is read as the port
@@ -573,19 +640,28 @@ class AdminConfig(_Section):
     NULLABLE = frozenset({"token_file"})
 
     #: File holding the bearer token (a relative path is taken from the config file's
-    #: directory; read on every mutating call, so a rotated file applies at once). It must
-    #: exist and hold a token whenever the config is loaded. The ``SLUICE_ADMIN_TOKEN``
-    #: environment variable is used when this is null; with neither, mutating endpoints
-    #: answer 403.
+    #: directory). It must exist and hold a token whenever the config is loaded, and the
+    #: token in force is the one read then: at start and at each reload that applies, which
+    #: a change of the file triggers (so a rotated file applies within a poll); a reload
+    #: that refuses the file keeps the token with the rest of the running config. The
+    #: ``SLUICE_ADMIN_TOKEN`` environment variable is used when this is null; with neither,
+    #: mutating endpoints answer 403.
     token_file: str | None = Field(default=None, min_length=1)
-    # ``token_file`` resolved against the config file's directory, set when the file is loaded
-    # (``proxy/config.py``).
+    # ``token_file`` resolved against the config file's directory, and the token read from
+    # it, both set when the file is loaded (``proxy/config.py``); never shown (private).
     _path: str | None = PrivateAttr(default=None)
+    _token: str | None = PrivateAttr(default=None)
 
     @property
     def token_path(self) -> str | None:
         """The token file to read: ``token_file`` as resolved at load, or as written."""
         return self._path or self.token_file
+
+    @property
+    def token(self) -> str | None:
+        """The bearer token ``token_file`` held when this config was loaded (``None``: no
+        ``token_file``, or a config not loaded from a file)."""
+        return self._token
 
 
 class EventsConfig(_Section):
@@ -1110,6 +1186,9 @@ class RouteConfig(_Section):
                              "left out: 80 for http, 443 for https)")
         if not parts.hostname:
             raise ValueError("the URL has no host")
+        unusable = _unusable_upstream(value)
+        if unusable is not None:
+            raise ValueError(unusable)
         return value.rstrip("/")
 
     def operations(self) -> tuple[str, dict[str, OperationConfig]]:

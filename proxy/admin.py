@@ -42,9 +42,9 @@ the run id in every tenant.
   is sure to apply to this replica only, and to the tenants known here (``"shared": false``,
   logged; a Redis that was only slow may still run it and tell the others). With the memory
   backend, ``"shared": null``.
-  Needs ``Authorization: Bearer TOKEN`` (``admin.token_file``, else the
-  ``SLUICE_ADMIN_TOKEN`` environment variable; with neither, 403): read-only endpoints stay
-  open, one that stops work does not.
+  Needs ``Authorization: Bearer TOKEN`` (``admin.token_file``'s as the config in force read
+  it, see :func:`admin_token`; else the ``SLUICE_ADMIN_TOKEN`` environment variable; with
+  neither, 403): read-only endpoints stay open, one that stops work does not.
 * ``GET /admin/``: a status page for a person showing the same at a glance; plain HTML with no
   external assets, refreshing itself every ``PAGE_REFRESH_S`` seconds.
 
@@ -60,14 +60,12 @@ import html
 import logging
 import os
 import time
-from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
 from policies.config import IDENTITY_VALUE, MAX_IDENTITY_LENGTH
 from policies.state import StateUnavailable
-from proxy.config import load_token
 from proxy.redact import redact
 from proxy.reload import RELOADER
 from proxy.runtime import RUNTIME, Runtime
@@ -85,18 +83,18 @@ TOKEN_ENV = "SLUICE_ADMIN_TOKEN"
 
 
 def admin_token(runtime: Runtime) -> str | None:
-    """The bearer token mutating endpoints require, read now (so a rotated file applies at
-    once); ``None`` when none is configured."""
-    path = runtime.config.admin.token_path
-    if path is not None:
-        try:  # bounded, and never waiting on a FIFO: this runs on the event loop
-            token = load_token(Path(path))
-        except ValueError as exc:
-            log.warning("admin token file: %s", exc)
-            return None
-    else:
-        token = os.environ.get(TOKEN_ENV, "").strip()
-    return token or None
+    """The bearer token mutating endpoints require; ``None`` when none is configured.
+
+    ``admin.token_file``'s is the one the config in force read when it was loaded (at start,
+    or by the last reload that applied), as Envoy and HAProxy keep what was last accepted:
+    a rotated file applies through the reload its change triggers, and a reload refusing
+    the file (gone, empty) leaves the token in force with the rest of the running config.
+    It was read at each request instead, so a reload logged as refused, "the running config
+    stays in force", still took the token away and cancels got 403 (a hostile trial)."""
+    admin = runtime.config.admin
+    if admin.token_file is not None:
+        return admin.token
+    return os.environ.get(TOKEN_ENV, "").strip() or None
 
 
 def _authorized(request: web.Request) -> web.Response | None:

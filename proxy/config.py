@@ -723,7 +723,14 @@ def _check_sources(config: Config, filename: str, marks: dict[Path_, int], base:
       value, which may carry a password.
     * ``admin.token_file``: the file must be readable and hold a token (a missing one would
       leave the admin endpoints answering 403 "no admin token is configured"); a relative
-      path is taken from the config file's directory (see :func:`load_token`).
+      path is taken from the config file's directory (see :func:`load_token`). The token
+      read is kept with the config (``AdminConfig.token``): it is the one in force.
+    * ``events.path`` and, when a route retries and letters go to a file (not Redis),
+      ``dead_letter.path``: the file must be one this process can create or write, in a
+      directory that exists (:func:`_unwritable`). A start opens them and exits 1 if it
+      cannot; both are restart-only, so a reload to one in a missing directory was held
+      "until a restart" and reported a success, and that restart failed (a hostile trial).
+      Relative paths are read from the working directory, as the server opens them.
 
     Raises:
         ConfigError: ``FILE:LINE: KEY: PROBLEM`` per source that cannot be read.
@@ -740,13 +747,45 @@ def _check_sources(config: Config, filename: str, marks: dict[Path_, int], base:
     if token_file is not None:
         path = base / token_file
         try:
-            load_token(path, read)
+            config.admin._token = load_token(path, read)
         except ValueError as exc:
             line = key_line(("admin", "token_file"), marks)
-            problems.append(f"{filename}:{line}: admin.token_file: {exc}")
+            problems.append(f"{filename}:{line}: admin.token_file: {exc} "
+                            f"({unquoted_path(token_file, base)})")
         config.admin._path = str(path)
+    files: list[tuple[Path_, str, bool]] = []
+    if config.events.path is not None:
+        files.append((("events", "path"), config.events.path, False))
+    if state.backend != "redis" and any(route.retries() for route in config.routes):
+        files.append((("dead_letter", "path"), config.dead_letter.path, True))
+    for key, name, beside in files:
+        unwritable = _unwritable(name, beside=beside)
+        if unwritable is not None:
+            problems.append(f"{filename}:{key_line(key, marks)}: {_dotted(key)}: {unwritable}")
     if problems:
         raise ConfigError(problems)
+
+
+def _unwritable(name: str, *, beside: bool) -> str | None:
+    """Why the server could not open the file ``name`` (relative: from the working
+    directory) for writing, creating it if absent, else ``None``. ``beside``: it writes
+    files beside it too (SQLite's ``-wal`` and ``-shm``), so the directory must be writable
+    even when the file exists. A file that is no regular one (``/dev/stdout``) need only be
+    writable itself."""
+    path = Path(name)
+    directory = path.parent
+    where = "" if path.is_absolute() else f" (relative to the working directory, {Path.cwd()})"
+    if not directory.is_dir():
+        return (f"the directory {str(directory)!r} does not exist{where}: Sluice creates the "
+                "file, not its directory")
+    if path.is_dir():
+        return f"is a directory{where}: name a file in it"
+    if path.exists():
+        writable = os.access(path, os.W_OK) and (
+            not beside or not path.is_file() or os.access(directory, os.W_OK | os.X_OK))
+    else:
+        writable = os.access(directory, os.W_OK | os.X_OK)
+    return None if writable else f"this user cannot write it or its directory{where}"
 
 
 def load_token(path: Path, read: dict[str, str] | None = None) -> str:
@@ -760,13 +799,27 @@ def load_token(path: Path, read: dict[str, str] | None = None) -> str:
     try:
         text = read_text_file(path, MAX_TOKEN_BYTES)
     except (OSError, ValueError) as exc:  # ValueError also for a NUL in the path
-        raise ValueError(f"cannot read {str(path)!r}: {_why(exc)}") from None
+        raise ValueError(f"cannot read the file it names: {_why(exc)}") from None
     if read is not None:
         read[str(path)] = text
     token = text.strip()
     if not token:
-        raise ValueError(f"{str(path)!r} is empty: it must hold the admin bearer token")
+        raise ValueError("the file it names is empty: it must hold the admin bearer token")
     return token
+
+
+def unquoted_path(written: str, base: Path) -> str:
+    """Which file a key's value ``written`` names (relative to ``base``), said without
+    quoting any of it: a token or key pasted where its file's path belongs was printed
+    whole by check-config, the start and the reload log (a hostile trial), and a base64
+    token may hold a ``/``, so not even its directory part is shown."""
+    if Path(written).is_absolute():
+        return "an absolute path"
+    said = f"a path relative to the config file's directory, {os.path.abspath(base)}"
+    if "/" not in written:
+        said += (", with no directory part: if the value is the secret itself, write it to a "
+                 "file and name that file")
+    return said
 
 
 # --- identity.tenants: API-key digests -> tenants --------------------------------------------
@@ -809,7 +862,8 @@ def load_tenants(spec: str, base: Path, at: str,
         try:
             text = read_text_file(path, MAX_TENANTS_BYTES)
         except (OSError, ValueError) as exc:  # ValueError also for a NUL in the path
-            raise ConfigError([f"{at}: cannot read {str(path)!r}: {_why(exc)}"]) from None
+            raise ConfigError([f"{at}: cannot read the file it names: {_why(exc)} "
+                               f"({unquoted_path(spec, base)})"]) from None
         if read is not None:
             read[source] = text
     return parse_tenants(text, source)

@@ -17,12 +17,13 @@ file that disappears is logged once; the running config stays in force.
 **A reload** (:meth:`Reloader.reload`):
 
 0. first reads the files the config in force was read from (the config file, and the tenants
-   table and admin token file it names), in a worker thread: if each still holds the same
-   text byte for byte, there is nothing to apply (a touch, a chmod, a SIGHUP, the same text
-   written again), and nothing is parsed or rebuilt: ``sluice_config_reloads_unchanged_total``
-   counts it, the ``config_unchanged`` event and a log line say so. At 1,000 routes a rebuild
-   held the event loop 0.3-0.5 s (a hostile trial);
-1. reads and validates the file in a worker thread. An invalid file changes nothing: each
+   table and admin token file it names), in a daemon thread (:func:`abandonable`): if each
+   still holds the same text byte for byte, there is nothing to apply (a touch, a chmod, a
+   SIGHUP, the same text written again), and nothing is parsed or rebuilt:
+   ``sluice_config_reloads_unchanged_total`` counts it, the ``config_unchanged`` event and a
+   log line say so. At 1,000 routes a rebuild held the event loop 0.3-0.5 s (a hostile trial);
+1. reads and validates the file in a daemon thread of its own (:func:`abandonable`), so a
+   stop during the read does not wait for it. An invalid file changes nothing: each
    problem is logged as ``FILE:LINE: KEY: PROBLEM``, ``sluice_config_reload_failures_total``
    counts the attempt and ``sluice_config_last_reload_successful`` turns 0;
 2. keeps the keys in ``RESTART_ONLY`` (listener addresses, body size limit, event log
@@ -98,9 +99,11 @@ import contextlib
 import logging
 import os
 import signal
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from aiohttp import web
 from pydantic import BaseModel
@@ -132,6 +135,43 @@ RESTART_ONLY: tuple[tuple[str, ...], ...] = (
 )
 
 Fingerprint = tuple[int, int, int, int, int] | None
+
+T = TypeVar("T")
+
+
+async def abandonable(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+    """``fn(*args, **kwargs)`` run in a daemon thread of its own, its result awaited.
+
+    Cancelled (a stop while a reload reads its file), the wait ends at once and the thread's
+    result is dropped; the process exits without waiting for it. ``asyncio.to_thread`` ran
+    it on the default executor, whose threads ``asyncio.run`` and the interpreter join at
+    exit: a SIGTERM during the read of a 4 MiB config kept a drained process up for about a
+    minute, past the 10 s a ``docker stop`` allows (a hostile trial).
+
+    Raises:
+        whatever ``fn`` raises.
+    """
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if future.done():  # cancelled: nobody waits for it any more
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    def run() -> None:
+        try:
+            outcome: tuple[Any, BaseException | None] = (fn(*args, **kwargs), None)
+        except BaseException as exc:  # handed to the awaiting task, which decides
+            outcome = (None, exc)
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: abandoned
+            loop.call_soon_threadsafe(settle, *outcome)
+
+    threading.Thread(target=run, name="sluice-config-read", daemon=True).start()
+    return await future
 
 
 def fingerprint(path: Path) -> Fingerprint:
@@ -310,12 +350,12 @@ class Reloader:
         metrics = self.runtime.metrics
         seen = fingerprint(self.path)
         in_force = self.runtime.config.read_from
-        if in_force is not None and in_force[0][0] == str(self.path) and await asyncio.to_thread(
+        if in_force is not None and in_force[0][0] == str(self.path) and await abandonable(
                 still_reads, in_force):
             return self._unchanged(trigger)
         try:
             lines: dict[Path_, int] = {}
-            config = await asyncio.to_thread(load_config, self.path, lines=lines)
+            config = await abandonable(load_config, self.path, lines=lines)
         except Exception as exc:
             if not isinstance(exc, ConfigError):
                 # A fault of ours, not the file's: logged with its traceback, and it must not

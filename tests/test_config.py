@@ -565,25 +565,56 @@ def test_a_dead_letter_file_that_cannot_be_opened_stops_the_start_before_it_list
     assert answered == 0  # never listening, so no call was taken and then cut
 
 
-@pytest.mark.parametrize(("section", "key", "said"), [
-    ("events", "events.path", "No such file or directory"),
-    ("dead_letter", "dead_letter.path", "unable to open database file"),
-])
-def test_a_file_that_cannot_be_opened_is_one_clear_line_naming_its_key(
-        tmp_path: Path, section: str, key: str, said: str) -> None:
-    # Seen by a new user: an unwritable dead_letter.path ended serve with a sqlite3
-    # traceback, and a bad events.path left an "Unclosed client session" error behind.
+@pytest.mark.parametrize("section", ["events", "dead_letter"])
+def test_a_file_in_a_missing_directory_is_refused_by_check_config_and_serve_alike(
+        tmp_path: Path, capsys, section: str) -> None:
+    """A hostile trial: check-config said "ok" of an ``events.path`` (or, a route
+    retrying, a ``dead_letter.path``) in a missing directory, which serve then could not
+    open (exit 1; a crash loop for a reload that had held it "until a restart"). Both
+    refuse it as a config error, on its line, with no traceback (a new user had seen a
+    sqlite3 one, and an "Unclosed client session")."""
     config = tmp_path / "sluice.yaml"
     config.write_text(
         "server: {listen: '127.0.0.1:0', admin_listen: '127.0.0.1:0'}\n"
         f"{section}: {{path: {tmp_path / 'missing' / 'file'}}}\n"
         "routes:\n  - {name: r, path_prefix: /r/, upstream: 'http://127.0.0.1:9', "
         "retry: {attempts: 2}}\n")
+    expected = (f"{config}:2: {section}.path: the directory {str(tmp_path / 'missing')!r} "
+                "does not exist: Sluice creates the file, not its directory\n")
+    assert main(["check-config", str(config)]) == 2
+    assert capsys.readouterr().err == expected
     done = subprocess.run([sys.executable, "-m", "proxy", "serve", "--config", str(config)],
                           capture_output=True, text=True, timeout=60)
-    assert done.returncode == 1
-    assert f"sluice: cannot start: {key} {tmp_path / 'missing' / 'file'}: {said}" in done.stderr
-    assert "Traceback" not in done.stderr and "Unclosed" not in done.stderr
+    assert (done.returncode, done.stderr) == (2, expected)
+
+
+@pytest.mark.parametrize(("more", "route_retry"), [
+    ("", ""),  # no route retries: no letter is ever written
+    ("state: {backend: redis, redis_url: 'redis://127.0.0.1:9'}\n", ", retry: {attempts: 2}"),
+], ids=["no retry", "letters in redis"])
+def test_a_dead_letter_path_nothing_opens_may_be_anywhere(tmp_path: Path, capsys, more: str,
+                                                          route_retry: str) -> None:
+    config = tmp_path / "sluice.yaml"
+    config.write_text(f"dead_letter: {{path: {tmp_path / 'missing' / 'dlq.sqlite'}}}\n{more}"
+                      "routes:\n  - {name: r, path_prefix: /r/, upstream: 'http://127.0.0.1:9'"
+                      f"{route_retry}}}\n")
+    assert main(["check-config", str(config)]) == 0, capsys.readouterr().err
+
+
+def test_a_relative_event_log_path_is_checked_from_the_working_directory(
+        tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = tmp_path / "sluice.yaml"
+    config.write_text("events: {path: logs/events.jsonl}\n" + ROUTE)
+    (tmp_path / "logs").mkdir()  # beside the config, but not where serve would look
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert main(["check-config", str(config)]) == 2
+    assert capsys.readouterr().err == (
+        f"{config}:1: events.path: the directory 'logs' does not exist (relative to the "
+        f"working directory, {elsewhere}): Sluice creates the file, not its directory\n")
+    monkeypatch.chdir(tmp_path)
+    assert main(["check-config", str(config)]) == 0
 
 
 def test_a_rejected_upstream_url_is_shown_without_its_credentials(tmp_path: Path, capsys) -> None:
@@ -734,5 +765,89 @@ def test_a_byte_that_is_not_utf8_is_named_on_its_line_and_column(tmp_path: Path,
     path.write_text("identity: {tenants: tenants.yaml}\n" + ROUTE)
     assert main(["check-config", str(path)]) == 2
     assert capsys.readouterr().err == (
-        f"{path}:1: identity.tenants: cannot read {str(tmp_path / 'tenants.yaml')!r}: not "
-        "UTF-8 (byte 0xff at line 2, column 68)\n")
+        f"{path}:1: identity.tenants: cannot read the file it names: not UTF-8 (byte 0xff at "
+        f"line 2, column 68) (a path relative to the config file's directory, {tmp_path}, "
+        "with no directory part: if the value is the secret itself, write it to a file and "
+        "name that file)\n")
+
+
+UNEXPANDED = ("is a variable, and Sluice expands none in its config (only the keys documented "
+              "to take env:NAME, such as state.redis_url and identity.tenants, read the "
+              "environment): write the value itself, or render the file before Sluice reads "
+              "it (e.g. envsubst)")
+
+
+@pytest.mark.parametrize(("upstream", "problem"), [
+    ("http://a..b:80", "the host is not a name DNS can look up (its IDNA encoding fails: a "
+     "label, the text between dots, is empty or longer than 63 characters, or holds a "
+     "character IDNA forbids)"),
+    (f"http://{'a' * 64}.example", "the host is not a name DNS can look up (its IDNA encoding "
+     "fails: a label, the text between dots, is empty or longer than 63 characters, or holds "
+     "a character IDNA forbids)"),
+    ("http://[::1]x:80", "the host cannot be read as a URL's host (an IPv6 address goes in "
+     "brackets with nothing but :PORT after them, e.g. http://[::1]:8080)"),
+    ("http://u:pässwörd中@127.0.0.1:80", "the user name or password in the URL has a "
+     "character outside Latin-1, which aiohttp cannot send as HTTP Basic credentials "
+     "(percent-encoding does not help: it is decoded first); send the credential in a header "
+     "the caller sets instead"),
+    ("http://u%3Ax:pw@127.0.0.1:80", "the user name in the URL holds ':' (encoded as %3A), "
+     "which HTTP Basic credentials cannot carry"),
+    ("http://127.1:80", "the host is not an IPv4 address aiohttp connects to: write it as four "
+     "decimal numbers from 0 to 255 with no leading zeros, e.g. 127.0.0.1"),
+    ("http://${UPSTREAM_HOST}:80", f"${{UPSTREAM_HOST}} {UNEXPANDED}"),
+    ("http://$UPSTREAM_HOST:80", f"$UPSTREAM_HOST {UNEXPANDED}"),
+    ("http://u:${PW:-pässwörd}@h:80", f"${{PW}} {UNEXPANDED}"),
+])
+def test_an_upstream_aiohttp_refuses_at_every_call_is_refused_at_load(
+        tmp_path: Path, capsys, upstream: str, problem: str) -> None:
+    """A hostile trial: each of these passed check-config, serve and reload, then failed
+    every call with a 502 "proxy error" and a traceback (IDNA, yarl and aiohttp's Basic
+    credentials refusing them at the first request), or could never resolve (a variable
+    nothing expands). Refused on their line, never quoting the password."""
+    path = tmp_path / "bad.yaml"
+    path.write_text(f"routes:\n  - {{name: r, path_prefix: /r/, upstream: '{upstream}'}}\n")
+    assert main(["check-config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines() == [f"{path}:2: routes[0].upstream: {problem}"]
+    assert "pässwörd" not in err and "pw@" not in err
+
+
+@pytest.mark.parametrize("upstream", [
+    "http://upstream_svc:8080",  # an underscore: compose service names have them
+    "https://exämple.example/v1",  # IDNA encodes it as getaddrinfo does
+    "http://[::1]:9/base",
+    "http://u:pé@127.0.0.1:9",  # Latin-1
+    "http://127.0.0.1:9/v1/$batch",  # a dollar in a path is a path
+    "http://u:pa$word@127.0.0.1:9",
+])
+def test_an_upstream_aiohttp_can_call_is_accepted(tmp_path: Path, capsys, upstream: str) -> None:
+    path = tmp_path / "ok.yaml"
+    path.write_text(f"routes:\n  - {{name: r, path_prefix: /r/, upstream: '{upstream}'}}\n")
+    assert main(["check-config", str(path)]) == 0, capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("block", "key", "secret"), [
+    ("admin: {token_file: s3cr3t-admin-token-Zq9}", "admin.token_file", "s3cr3t-admin-token-Zq9"),
+    ("admin: {token_file: /run/t0k/en+Zq9/xyz}", "admin.token_file", "t0k/en+Zq9"),
+    ("identity: {tenants: sk-proj-Zq9abcdefabcdef}", "identity.tenants", "Zq9abcdef"),
+])
+def test_a_secret_pasted_in_place_of_a_path_is_not_echoed(tmp_path: Path, capsys, block: str,
+                                                          key: str, secret: str) -> None:
+    """A hostile trial: a token pasted into ``admin.token_file`` (an API key into
+    ``identity.tenants``) in place of a path was quoted whole by check-config, serve's
+    refusal and the reload log (``cannot read '/dir/s3cr3t-token'``). The key and its line
+    are named, and whether the value has a directory part; none of the value is shown."""
+    path = tmp_path / "sluice.yaml"
+    path.write_text(f"{block}\n" + ROUTE)
+    where = ("an absolute path" if "/run/" in block else
+             f"a path relative to the config file's directory, {tmp_path}, with no directory "
+             "part: if the value is the secret itself, write it to a file and name that file")
+    expected = (f"{path}:1: {key}: cannot read the file it names: No such file or directory "
+                f"({where})\n")
+    assert main(["check-config", str(path)]) == 2
+    assert capsys.readouterr().err == expected
+    done = subprocess.run([sys.executable, "-m", "proxy", "serve", "--config", str(path)],
+                          env={**os.environ, "SLUICE_ADMIN_TOKEN": ""}, capture_output=True,
+                          text=True, timeout=60)
+    assert (done.returncode, done.stderr) == (2, expected)
+    assert secret not in done.stderr

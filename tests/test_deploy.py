@@ -87,7 +87,7 @@ def rule_exprs() -> list[str]:
 
 def test_alert_rules_check_and_unit_tests():
     promtool = tool("promtool")
-    assert "SUCCESS: 15 rules found" in run(promtool, "check", "rules", str(RULES)).stdout
+    assert "SUCCESS: 16 rules found" in run(promtool, "check", "rules", str(RULES)).stdout
     run(promtool, "test", "rules", "sluice-rules.test.yaml", cwd=RULES.parent)
 
 
@@ -95,7 +95,8 @@ def test_rules_cover_the_issues_alerts():
     alerts = {rule.get("alert") for g in yaml.safe_load(RULES.read_text())["groups"]
               for rule in g["rules"]}
     assert {"SluiceAmplificationRising", "SluiceDeadLettersGrowing", "SluiceCircuitOpen",
-            "SluiceQueueWaitNearMaxWait", "SluiceBudgetNearExhaustion",
+            "SluiceOperationCircuitOpen", "SluiceQueueWaitNearMaxWait",
+            "SluiceBudgetNearExhaustion",
             "SluiceStateBackendDown", "SluiceOutputDropped", "SluiceConfigRestartPending"} <= alerts
 
 
@@ -179,7 +180,10 @@ async def test_metrics_endpoint_passes_promtool_and_names_are_real(upstream, sta
         route("llm", upstream.url, concurrency={"limit": 1, "queue": 1, "max_wait": "30s"},
               rate={"requests": "100/min"}),
         # A route-wide budget exports its gauges at once, read by SluiceBudgetNearExhaustion.
-        route("plain", upstream.url, budget={"tokens": "1000000/h", "per": "route"})]})
+        route("plain", upstream.url, budget={"tokens": "1000000/h", "per": "route"}),
+        # An operation's breaker exports its state at once, read by SluiceOperationCircuitOpen.
+        route("ops", upstream.url, "http",
+              endpoints={"POST /x": {"circuit_breaker": {"fail_max": 5}}})]})
     async with aiohttp.ClientSession() as session:
         url = sluice.url + "/llm/v1/chat/completions"
         first = asyncio.create_task(session.post(url, json=CHAT))

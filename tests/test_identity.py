@@ -283,9 +283,12 @@ def test_check_config_names_a_missing_tenants_source(tmp_path, capsys):
     config.write_text("identity:\n  tenants: nowhere.yaml\nroutes:\n"
                       "  - {name: up, path_prefix: /up/, upstream: 'http://127.0.0.1:1'}\n")
     assert main(["check-config", str(config)]) == 2
-    # The path as written, not a Python object (it said "cannot read PosixPath(...)").
-    assert (f"{config}:2: identity.tenants: cannot read '{tmp_path / 'nowhere.yaml'}'"
-            in capsys.readouterr().err)
+    # Not a Python object (it said "cannot read PosixPath(...)"), nor the value: it may be
+    # an API key pasted where the path belongs.
+    assert (f"{config}:2: identity.tenants: cannot read the file it names: No such file or "
+            f"directory (a path relative to the config file's directory, {tmp_path}, with no "
+            "directory part: if the value is the secret itself, write it to a file and name "
+            "that file)\n" == capsys.readouterr().err)
     config.write_text("identity:\n  unknown_key_tenant: guests\nroutes:\n"
                       "  - {name: up, path_prefix: /up/, upstream: 'http://127.0.0.1:1'}\n")
     assert main(["check-config", str(config)]) == 2

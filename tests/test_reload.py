@@ -5,7 +5,10 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
+import sys
 import time
+import urllib.request
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
@@ -14,7 +17,7 @@ import aiohttp
 import yaml
 
 from proxy.config import StrictLoader
-from tests.conftest import route, status_of
+from tests.conftest import REPO, free_port, route, status_of
 from tests.redis_servers import delete_prefix, new_prefix, require_redis
 
 CHAT = {"model": "gpt-test", "messages": [{"role": "user", "content": "hi"}]}
@@ -572,7 +575,7 @@ async def test_a_call_whose_body_arrives_across_a_reload_is_served_by_one_config
 
 
 async def test_a_reload_that_needs_a_dead_letter_file_it_cannot_open_is_refused(tmp_path):
-    """A hostile trial: a ``dead_letter.path`` in a missing directory stops a start whose
+    """A hostile trial: a ``dead_letter.path`` that cannot be opened stops a start whose
     routes retry, but a reload adding the first retry block was applied, and the first dead
     letter was lost. The reload opens the file as the start does, and is refused if it
     cannot: the old config serves, and the problem names the key on its line."""
@@ -580,7 +583,8 @@ async def test_a_reload_that_needs_a_dead_letter_file_it_cannot_open_is_refused(
     from proxy.reload import Reloader
     from proxy.runtime import Runtime
 
-    letters = tmp_path / "missing" / "dlq.sqlite"
+    letters = tmp_path / "dlq.sqlite"
+    letters.write_bytes(b"not a database " * 300)  # a file pasted over it, say
     path = tmp_path / "sluice.yaml"
     config = {"dead_letter": {"path": str(letters)},
               "routes": [route("llm", "http://127.0.0.1:9")]}
@@ -594,11 +598,107 @@ async def test_a_reload_that_needs_a_dead_letter_file_it_cannot_open_is_refused(
         assert runtime.config.routes[0].retry is None
         assert reloader.last_attempt is not None
         assert reloader.last_attempt["problems"] == [
-            f"{path}:2: dead_letter.path: cannot open {str(letters)!r}: unable to open "
-            "database file; a route would retry, and its dead letters be lost (the path "
-            "changes on a restart only)"]
-        letters.parent.mkdir()  # the directory made: the same file applies
+            f"{path}:2: dead_letter.path: cannot open {str(letters)!r}: file is not a "
+            "database; a route would retry, and its dead letters be lost (the path changes "
+            "on a restart only)"]
+        letters.unlink()  # the file moved away: the same config applies
         assert await reloader.reload("sighup") is True
         assert runtime.config.routes[0].retry is not None and letters.exists()
     finally:
         await runtime.close()
+
+
+async def test_a_reload_to_an_event_log_in_a_missing_directory_is_refused(start_sluice,
+                                                                          tmp_path):
+    """A hostile trial: ``events.path`` is restart-only, so a reload naming one in a missing
+    directory was held "until a restart" and counted a success, and that restart exited 1
+    (a crash loop). The reload is refused as check-config and the start refuse it, naming
+    the key on its line, and the running config stays in force."""
+    sluice = await start_sluice({"routes": [route("llm", "http://127.0.0.1:9")]})
+    missing = tmp_path / "missing" / "events.jsonl"
+
+    def move_events(data: dict) -> None:
+        data["events"] = {"path": str(missing)}
+        data["routes"][0]["concurrency"] = {"limit": 3}
+
+    rewrite(sluice.config_path, move_events)
+    sluice.signal(signal.SIGHUP)
+    await sluice.wait_metric("sluice_config_reload_failures_total", 1)
+    assert await sluice.metric("sluice_config_last_reload_successful") == 0
+    assert await sluice.metric("sluice_config_reloads_total") == 0
+    lines = sluice.config_path.read_text().splitlines()
+    line = next(n for n, text in enumerate(lines, 1) if text.startswith("events:")) + 1
+    assert (f"{sluice.config_path}:{line}: events.path: the directory "
+            f"{str(missing.parent)!r} does not exist: Sluice creates the file, not its "
+            "directory") in sluice.stderr()
+    missing.parent.mkdir()  # the directory made: the reload applies, held until a restart
+    sluice.signal(signal.SIGHUP)
+    await sluice.wait_metric("sluice_config_reloads_total", 1)
+    assert await sluice.metric("sluice_config_restart_pending") == 1
+
+
+#: ``sluice serve`` whose reloads read the config file forever (``argv``: the config, then a
+#: file written once a reload's read has begun): a parse slow beyond any bound, made so
+#: deterministically.
+_SERVE_WITH_A_READ_THAT_NEVER_ENDS = """
+import sys, threading
+from pathlib import Path
+import proxy.reload
+from proxy.cli import main
+
+def never_ends(*args, **kwargs):
+    Path(sys.argv[2]).write_text("reading")
+    threading.Event().wait()
+
+proxy.reload.load_config = never_ends
+sys.exit(main(["serve", "--config", sys.argv[1]]))
+"""
+
+
+def test_a_stop_during_a_reload_s_read_does_not_wait_for_the_read(tmp_path: Path) -> None:
+    """A hostile trial: SIGTERM while a reload parsed a large config (1 to 4 MiB) drained at
+    once, then the process stayed up until the parse ended (10 s, 62 s: past docker stop's
+    grace, so SIGKILLed): the parse ran on asyncio's default executor, whose thread exit
+    waits for. The read is abandoned: here it never ends, and the process exits anyway."""
+    port, admin = free_port(), free_port()
+    path = tmp_path / "sluice.yaml"
+    path.write_text(yaml.safe_dump({
+        "server": {"listen": f"127.0.0.1:{port}", "admin_listen": f"127.0.0.1:{admin}",
+                   "drain_timeout": "1s"},
+        "events": {"path": str(tmp_path / "events.jsonl")},
+        "dead_letter": {"path": str(tmp_path / "dlq.sqlite")},
+        "routes": [route("llm", "http://127.0.0.1:9")]}, sort_keys=False))
+    reading = tmp_path / "reading"
+    with (tmp_path / "stderr").open("w") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _SERVE_WITH_A_READ_THAT_NEVER_ENDS, str(path), str(reading)],
+            cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)}, stderr=stderr)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, (tmp_path / "stderr").read_text()
+            assert time.monotonic() < deadline, "sluice never became ready"
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{admin}/readyz", timeout=5):
+                    break
+            except OSError:
+                time.sleep(0.05)
+        with path.open("a") as edited:  # a file in force unchanged is not read again
+            edited.write("# edited\n")
+        proc.send_signal(signal.SIGHUP)
+        while not reading.exists():
+            assert time.monotonic() < deadline, "the reload never began its read"
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)
+        try:
+            code = proc.wait(timeout=60)  # no bound on speed: without the fix, never
+        except subprocess.TimeoutExpired:
+            raise AssertionError("still running after its drain, waiting for the reload's "
+                                 "read:\n" + (tmp_path / "stderr").read_text()) from None
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    log = (tmp_path / "stderr").read_text()
+    assert code == 0, log
+    assert "drained" in log
