@@ -1015,6 +1015,8 @@ class DeadLetterQueue:
         self._refreshing: asyncio.Task[None] | None = None  # every refresh_s, once open
         self._reading: asyncio.Future[None] | None = None  # one read after drops at a time
         self._opening: asyncio.Future[None] | None = None
+        #: Held while a letter is read for credentials on the store's thread (:meth:`add`).
+        self._reading_one = asyncio.Lock()
         self._thread = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="sluice-dlq"
         )
@@ -1143,7 +1145,17 @@ class DeadLetterQueue:
             # On the store's thread, for every size, never on the event loop: 200 letters
             # of 600 KB read there stalled every call for 8-15 s (a review). Not for a
             # letter _hold refuses anyway: it is refused at once, nothing read.
-            letter = await self._run(self._prepared, letter)
+            # One at a time: all of a burst's handed over at once were read before any
+            # write, which came after them on the one thread (200 letters of 600 KB: 0 ids
+            # within DEAD_LETTER_WAIT_S, the held line full). So each letter's write waits
+            # for one reading at most.
+            async with self._reading_one:
+                if not self._stopping:  # its thread ends: _hold refuses it, unread
+                    letter = await self._run(self._prepared, letter)
+                elif self._shared is not None:
+                    self.not_kept += 1
+                    raise LetterNotKept("the server is stopping: the dead-letter stream "
+                                        "takes no more letters")
         write: asyncio.Future[Added]
         if self._shared is not None:
             write = asyncio.ensure_future(self._shared.add(letter, self.max_records))
