@@ -10,13 +10,17 @@ from __future__ import annotations
 import re
 
 #: Values that are credentials whatever their name: API keys by their vendors' prefixes
-#: (OpenAI ``sk-``, Stripe ``sk_``/``rk_``, Slack ``xox?-``, GitHub ``gh?_``, AWS ``AKIA``,
-#: Google ``AIza``), JSON Web Tokens (``eyJ``: a base64url JSON header, then a dot) and
+#: (OpenAI ``sk-``, Stripe ``sk_``/``rk_``, Slack ``xox?-``, GitHub ``gh?_`` and
+#: ``github_pat_``, GitLab ``glpat-``, Groq ``gsk_``, AWS ``AKIA``, Google ``AIza``; Hugging
+#: Face ``hf_`` and xAI ``xai-`` with 20 letters or digits after them, as their keys have and
+#: ``hf_hub_download`` or a name such as ``xai-grok`` has not), JSON Web Tokens (``eyJ``: a
+#: base64url JSON header, then a dot) and
 #: ``Authorization`` schemes, whose names are case-insensitive (RFC 9110 §11.1). Not Slovak's
 #: language tag, ``sk-SK`` (``Accept-Language: sk-SK,sk;q=0.9``, ``?hl=sk-SK``), which a dead
 #: letter would otherwise lose, and its replay with it.
 #: (The vendors' prefixes and the schemes are shared with :data:`SECRET_QUERY_VALUE`.)
-_KEY_PREFIXES = r"sk-(?![A-Za-z]{2}(?:$|[,;]))|sk_|rk_|xox[abp]-|gh[pousr]_|AKIA|AIza|eyJ[\w-]*\."
+_KEY_PREFIXES = (r"sk-(?![A-Za-z]{2}(?:$|[,;]))|sk_|rk_|xox[abp]-|gh[pousr]_|github_pat_"
+                 r"|glpat-|gsk_|hf_[A-Za-z0-9]{20}|xai-[A-Za-z0-9]{20}|AKIA|AIza|eyJ[\w-]*\.")
 #: ``Authorization`` schemes, case-insensitive (a regular expression, for patterns here and in
 #: ``proxy.redact``).
 AUTH_SCHEMES = r"(?i:bearer|basic|digest|token)"

@@ -107,6 +107,7 @@ from policies.deadletter import (
     damage,
     dump_body,
     is_body_field,
+    is_whole_pointer,
     letters_in,
     pointer_steps,
     redact_body,
@@ -534,8 +535,9 @@ def _with_body_fields(letter: DeadLetter, given: list[str], send_redacted: bool
     its spacing apart.
 
     Raises:
-        ValueError: an item is not ``POINTER=ENVVAR``, names a field that was not removed or
-            a variable that is not set; or fields were removed and not all given back, and
+        ValueError: an item is not ``POINTER=ENVVAR``, names a field that was not removed
+            (or an entry that is no whole pointer: one cut, ``/…and N more``) or a variable
+            that is not set; or fields were removed and not all given back, and
             ``send_redacted`` is false (the body would carry the marker where the upstream
             reads a credential: a tool's ``password`` argument set to it). The messages never
             quote a value.
@@ -544,7 +546,8 @@ def _with_body_fields(letter: DeadLetter, given: list[str], send_redacted: bool
     values: dict[str, str] = {}
     for item in given:
         pointer, sep, var = item.rpartition("=")  # a pointer may hold "=", a variable not
-        if not sep or pointer not in removed:
+        # Not a cut pointer, nor "/…and N more": no member is named so.
+        if not sep or pointer not in removed or not is_whole_pointer(pointer):
             raise ValueError(
                 f"--body-field-from-env {item!r} is not PATH=ENVVAR with PATH a field removed "
                 f"from dead letter {letter.id}'s body (" + (
