@@ -921,9 +921,6 @@ class TaskStatusWatch:
         self._pending = b""
         self._skipping = False
 
-    def begin(self, status: int, reason: str | None, headers: object) -> None:
-        """The answer's status line and headers: only its body is read."""
-
     def feed(self, chunk: bytes) -> None:
         """Take the next bytes of the stream."""
         data = self._pending + chunk if self._pending else chunk

@@ -200,16 +200,13 @@ class Tasks:
         self._answered(route, session)
         self._give_back(tenant)
 
-    def answered(self, key: TaskKey, deadline: float | None) -> HeldTask | None:
-        """A task call with a place (:meth:`reserve`) was answered: with a
-        ``CreateTaskResult`` (``key``, the call's ``deadline``), its task is held and keeps
-        the place; ``None`` for a key held already (a server that repeats a task id: the
-        place is given back) or for no task (``deadline`` ``None``)."""
+    def answered(self, key: TaskKey, deadline: float) -> HeldTask | None:
+        """A task call with a place (:meth:`reserve`) was answered with a
+        ``CreateTaskResult`` (``key``; ``deadline``: the call's bound, monotonic seconds):
+        its task is held and keeps the place; ``None`` for a key held already (a server that
+        repeats a task id: the place is given back)."""
         route, session, tenant, _ = key
         self._answered(route, session)
-        if deadline is None:
-            self._give_back(tenant)
-            return None
         if key in self.held:
             self._give_back(tenant)
             self._warn(key)
