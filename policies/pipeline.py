@@ -102,7 +102,9 @@ class Call:
     before); polled, an MCP call's answer the upstream closed early for polling
     (``proxy.runtime.Polled``), whose end is then its response resumed on a GET
     (``proxy.handler`` holds it until then; ``None`` otherwise); task_asked, an MCP
-    ``tools/call`` asking to run as a task (``params.task``); task, the task its
+    ``tools/call`` asking to run as a task (``params.task``) that holds a place for its
+    task (``proxy.mcp_tasks.Tasks.reserve``), until its task is held or the place given
+    back; task, the task its
     ``CreateTaskResult`` made (``proxy.mcp_tasks.HeldTask``), whose end is then the call's
     (``proxy.handler`` holds it until then; ``None`` otherwise); the upstream time of its
     attempts (:meth:`attempt_sent`, :meth:`attempt_over`, :meth:`attempt_unsent`,

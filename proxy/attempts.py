@@ -57,6 +57,7 @@ from policies.mcp import (
     SESSION_HEADER,
     VERSION_HEADER,
     AnswerTracker,
+    TaskStatusWatch,
     Traffic,
     cancel_notification,
     cancels_by_closing,
@@ -281,7 +282,7 @@ async def forward(request: web.BaseRequest, rt: Runtime, route: Route, call: Cal
                     LAST_EVENT_ID_HEADER, "").encode("utf-8", "surrogateescape")
                 request[fwd.RESUMED_ANSWER] = tries.tracker
                 capture = _Answered(capture, tries.tracker, resumed[1], resumed[0])
-            watch: AnswerTracker | None = None
+            watch: AnswerTracker | TaskStatusWatch | None = None
             if route.protocol == "mcp" and response.status < 300:
                 # MCP tasks (2025-11-25): a follow-up's answer (tasks/get, tasks/result,
                 # tasks/cancel of a task held here) says whether the task is over; any SSE
@@ -310,7 +311,8 @@ async def forward(request: web.BaseRequest, rt: Runtime, route: Route, call: Cal
                     _cancel_timed_out(rt, route, call)
                 return failed, "upstream_timeout" if timed_out else "upstream_error"
             tracker = tries.tracker
-            if watch is not None and (poll := request.get(mcp_tasks.TASK_POLL)) is not None:
+            if (isinstance(watch, AnswerTracker)
+                    and (poll := request.get(mcp_tasks.TASK_POLL)) is not None):
                 mcp_tasks.seen_answer(rt.tasks, poll[0], poll[1], watch.finish())
             if call.task_asked and outcome == "2xx" and tracker is not None:
                 _task_created(rt, route, call, tracker.finish(), total)
@@ -394,46 +396,49 @@ def _polled(request: web.BaseRequest, call: Call, traffic: Traffic, outcome: str
 
 
 def _task_watch(rt: Runtime, route: Route, call: Call, poll: tuple[Any, str] | None,
-                response: aiohttp.ClientResponse, sse: bool) -> AnswerTracker | None:
+                response: aiohttp.ClientResponse, sse: bool
+                ) -> AnswerTracker | TaskStatusWatch | None:
     """What reads an MCP answer for the ends of tasks held (:mod:`proxy.mcp_tasks`): a
     follow-up's answer (``poll``: the held task's key and the method) for its response;
-    and any SSE answer or stream of a session with tasks held for their
-    ``notifications/tasks/status``. ``None`` when there is nothing to look for."""
+    and a session's GET stream, or an SSE answer of a session with task calls held or in
+    flight, for its terminal ``notifications/tasks/status`` (:class:`TaskStatusWatch`,
+    which parses only the events naming that method). ``None`` when there is nothing to
+    look for."""
     session = call.headers.get(SESSION_HEADER)
-    watches = sse and rt.tasks.watches(route.name, session)
-    if poll is None and not (watches or (call.method == "GET" and sse and session)):
-        return None
+    on_task_end = rt.tasks.watcher(route.name, session, call.tenant)
+    if poll is not None:
+        watch = AnswerTracker(response.headers.get("Content-Type"),
+                              call.rpc_id if call.rpc_id is not None else _NO_RESPONSE_ID)
+        if sse:
+            watch.on_task_end = on_task_end
+        return watch
     # A session's GET stream opens before its tasks do: read while it lasts, for them.
-    watch = AnswerTracker(response.headers.get("Content-Type"),
-                          call.rpc_id if poll is not None and call.rpc_id is not None
-                          else _NO_RESPONSE_ID)
-    if sse:
-        watch.on_task_end = rt.tasks.watcher(route.name, session, call.tenant)
-    return watch
+    if sse and ((call.method == "GET" and session) or rt.tasks.watches(route.name, session)):
+        return TaskStatusWatch(on_task_end)
+    return None
 
 
-#: The request id a stream's task watch looks for: none (a float is never an MCP id).
+#: The request id a follow-up's watch looks for without one: none (never an MCP id).
 _NO_RESPONSE_ID: Any = float("nan")
 
 
 def _task_created(rt: Runtime, route: Route, call: Call, found: Any,
                   total: float | None) -> None:
-    """A ``tools/call`` asking to run as a task was answered: if with a ``CreateTaskResult``,
-    its task is held (:meth:`proxy.mcp_tasks.Tasks.note`) and so is the call, until the
-    task is over (``proxy.handler``) or the bound passes: the earlier of the task's ``ttl``
-    (from now) and ``total`` (the call's ``timeouts.total``; :data:`POLLED_WAIT_S`
-    without one) from its sending."""
+    """A ``tools/call`` asking to run as a task (with its place taken:
+    :meth:`proxy.mcp_tasks.Tasks.reserve`) was answered: if with a ``CreateTaskResult``,
+    its task is held (:meth:`proxy.mcp_tasks.Tasks.answered`) and so is the call, until the
+    task is over (``proxy.handler``) or its bound passes: ``total`` (the call's
+    ``timeouts.total``; :data:`POLLED_WAIT_S` without one) from its sending. The task's
+    ``ttl`` bounds nothing: it is how long the server keeps the result, the client's
+    choice."""
     if found is None or not found.task_created or found.task_id is None:
         return
-    now = time.monotonic()
+    call.task_asked = False  # its place is the held task's now, or given back
     sent_at = call.sent_at
-    deadline = (now if sent_at is None else sent_at) + (POLLED_WAIT_S if total is None
-                                                         else total)
-    bound = "timeout"
-    if found.task_ttl_ms is not None and now + found.task_ttl_ms / 1000 < deadline:
-        deadline, bound = now + found.task_ttl_ms / 1000, "ttl"
-    call.task = rt.tasks.note((route.name, call.headers.get(SESSION_HEADER) or "",
-                               call.tenant, found.task_id), deadline, bound)
+    deadline = ((time.monotonic() if sent_at is None else sent_at)
+                + (POLLED_WAIT_S if total is None else total))
+    call.task = rt.tasks.answered((route.name, call.headers.get(SESSION_HEADER) or "",
+                                   call.tenant, found.task_id), deadline)
 
 
 def _retried(tries: _Tries) -> bool:
@@ -497,7 +502,7 @@ class _Watched:
 
     __slots__ = ("capture", "watch")
 
-    def __init__(self, capture: Any, watch: AnswerTracker) -> None:
+    def __init__(self, capture: Any, watch: AnswerTracker | TaskStatusWatch) -> None:
         self.capture = capture
         self.watch = watch
 
@@ -1118,7 +1123,7 @@ MAX_UPSTREAM_CANCELS = 256
 
 def send_cancel(rt: Runtime, route: Route, call: Call,
                 finishing: asyncio.Task[Any] | None = None, reason: str | None = None,
-                task_id: str | None = None) -> None:
+                task_id: str | None = None) -> asyncio.Task[None] | None:
     """Send the MCP server ``call``'s cancellation (:func:`_send_cancel`) in a task of its
     own, which the drain waits for (:attr:`Runtime.upstream_cancels`). ``finishing``: the
     task finishing the call's exchange (a run's cancel), closed if the server, having taken
@@ -1127,7 +1132,8 @@ def send_cancel(rt: Runtime, route: Route, call: Call,
     ``reason``: the notification's ``params.reason`` after ``Sluice: `` (default: the run's
     cancel, or the drain). ``task_id``: the call made that MCP task (2025-11-25), and its
     hold ends: the server is sent the task's ``tasks/cancel`` instead (a request of Sluice's
-    own, whose answer is read and dropped). Never raises (it runs where Sluice ends a call): at most
+    own, whose answer is read and dropped). Returns the task sending it (``None``: not
+    sent). Never raises (it runs where Sluice ends a call): at most
     :data:`MAX_UPSTREAM_CANCELS` are under way at once; past it, nothing is sent."""
     try:
         if len(rt.upstream_cancels) >= MAX_UPSTREAM_CANCELS:
@@ -1137,13 +1143,15 @@ def send_cancel(rt: Runtime, route: Route, call: Call,
             rt.events.emit("cancel_sent", call.request_id, route.name, call.tenant, call.run,
                            call.idempotency_key, status=0, not_sent="too_many",
                            **call.event_names())
-            return
+            return None
         task = asyncio.create_task(_send_cancel(rt, route, call, finishing, reason, task_id))
         rt.upstream_cancels.add(task)
         task.add_done_callback(rt.upstream_cancels.discard)
+        return task
     except Exception:
         log.exception("route %s: the cancel of call %s was not sent", route.name,
                       call.request_id)
+        return None
 
 
 async def _send_cancel(rt: Runtime, route: Route, call: Call,

@@ -53,9 +53,15 @@ from aiohttp import web
 from multidict import istr
 
 from policies import mcp
-from policies.concurrency import DEFAULT_PRIORITY, PRIORITIES
+from policies.concurrency import (
+    DEFAULT_PRIORITY,
+    PRIORITIES,
+    ConcurrencyLimiter,
+    OperationSlot,
+)
 from policies.idempotency import Replay, replay_response
 from policies.logs import PER_CALL
+from policies.operations import Plan
 from policies.pipeline import (
     ABANDONED,
     CLIENT_CANCELLED,
@@ -68,6 +74,7 @@ from policies.pipeline import (
 )
 from policies.reasons import Reason, Rejected
 from policies.retry import is_client_retry
+from policies.runs import FanoutWidth
 from proxy import attempts, session_end
 from proxy.edge import BODY_CUT, BodyHold, sent_and_closed
 from proxy.forward import (
@@ -85,7 +92,7 @@ from proxy.forward import (
     kept_for_retry,
 )
 from proxy.identity import IdentityRejected, identify
-from proxy.mcp_tasks import TASK_POLL, HeldTask
+from proxy.mcp_tasks import CANCEL_BEFORE_DELETE_S, TASK_POLL, HeldTask
 from proxy.metrics import MAX_OPERATION_LABEL_CHARS
 from proxy.rejections import jsonrpc_id, refuse, refuse_at_edge, render
 from proxy.routes import Route, has_dot_segment
@@ -393,6 +400,9 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
             if key in rt.tasks.held:
                 request[TASK_POLL] = (key, rpc_method)
         if request.method == "DELETE":  # a session's end waits for its kept calls
+            session = headers.get(mcp.SESSION_HEADER)
+            if session is not None:
+                await _cancel_session_tasks(rt, route, session)
             deferred = session_end.defer(rt, route, request, request_id, tenant, run)
             if deferred is not None:
                 return deferred
@@ -409,7 +419,6 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
         rpc_method=rpc_method,
     )
     call.new_unit = not client_retry
-    call.task_asked = asks_task
     # MCP control and stream traffic take nothing, an operation's steps included.
     try:
         plan = await route.plan(call) if traffic == "call" else route.base_plan
@@ -427,6 +436,12 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
     try:
         try:
             if traffic == "call":  # MCP control and stream traffic take nothing
+                if asks_task and _holds_slot(plan, run):
+                    # Its task is held while it runs (proxy.mcp_tasks): a place taken now,
+                    # refused past its tenant's share, before it takes anything else.
+                    rt.tasks.reserve(route.name, headers.get(mcp.SESSION_HEADER) or "",
+                                     tenant)
+                    call.task_asked = True
                 # Registered while admission may wait (a queue, a twin's answer, the shared
                 # state): the drain answers such calls 503 draining when it ends (_drained).
                 waiting = rt.admitting
@@ -722,6 +737,10 @@ def _settle(rt: Runtime, route: Route, call: Call, admission: Admission, outcome
     if call.task is not None and _hold_task(rt, route, call, admission, outcome,
                                             admitted_at, left):
         return
+    if call.task_asked:  # its place for a task (proxy.mcp_tasks), no task held
+        call.task_asked = False
+        rt.tasks.unreserve(route.name, call.headers.get(mcp.SESSION_HEADER) or "",
+                           call.tenant)
     if call.cancelled is not None and outcome is ABANDONED:
         outcome = (Outcome("run_cancelled", call.reached, call.status)
                    if admitted_at else REFUSED)
@@ -860,21 +879,22 @@ def _hold_task(rt: Runtime, route: Route, call: Call, admission: Admission,
     everything it took (its slots, rate and run counts, budget reservation), its place in
     flight on its route and its body counted held, as a call closed early for polling does
     (:func:`_hold_polled`). Returns whether it is held: not when it ended otherwise (an
-    error, its caller gone before the answer), when the task was seen over already, when
+    error, its caller gone before the answer), when the task was seen over already, nor when
     its run was cancelled or the drain cuts (then its server is sent the task's
-    ``tasks/cancel``), nor when its session was deleted.
+    ``tasks/cancel``). A call whose session's DELETE went through first is held all the
+    same (a server may run a deleted session's tasks on: :mod:`proxy.mcp_tasks`), its
+    ``tasks/cancel`` sent now.
 
     The hold is a task of its own (:func:`_task_runs`), which ends when the task is seen
     over, or with ``TimeoutError`` at its bound (:attr:`HeldTask.deadline`), or cancelled by
-    the call's run's cancel (:attr:`Call.background`), its session's DELETE or the drain's
-    cut (:attr:`proxy.mcp_tasks.Tasks.holding`); its end settles the call, once
+    the call's run's cancel (:attr:`Call.background`) or the drain's cut
+    (:attr:`proxy.mcp_tasks.Tasks.holding`); its end settles the call, once
     (:func:`_task_end`)."""
     task: HeldTask = call.task
     call.task = None
     stopped = call.cancelled is not None or rt.cutting
     answered = outcome.label[0].isdigit()  # else its client may not know of the task
-    if (task.ended is not None or stopped or not answered
-            or (route.name, task.key[1]) in rt.ended_sessions):
+    if task.ended is not None or stopped or not answered:
         if task.ended is None and (stopped or not answered):
             attempts.send_cancel(rt, route, call, reason="the call was ended",
                                  task_id=task.task_id)
@@ -890,6 +910,11 @@ def _hold_task(rt: Runtime, route: Route, call: Call, admission: Admission,
         task.waiter = None
         rt.tasks.forget(task)
         return False
+    task.call = call
+    if (route.name, task.key[1]) in rt.ended_sessions:  # its client will not follow it
+        task.cancel_sent = True
+        attempts.send_cancel(rt, route, call, reason="its session was deleted",
+                             task_id=task.task_id)
     route.present += 1
     held = len(call.body)
     rt.buffered_bytes += held
@@ -898,6 +923,35 @@ def _hold_task(rt: Runtime, route: Route, call: Call, admission: Admission,
     holder.add_done_callback(functools.partial(_task_end, rt, route, call, admission, outcome,
                                                admitted_at, left, task, held))
     return True
+
+
+def _holds_slot(plan: Plan, run: str | None) -> bool:
+    """Whether a call of ``plan`` (of a run or not) takes a concurrency slot: the tool's
+    or operation's, the route's, or a run's ``fanout.width``. Only such a call's task is
+    held while it runs (:mod:`proxy.mcp_tasks`): a rate or a budget is spent at admission,
+    and holding a call with no slot held a table entry for nothing."""
+    steps = plan.policies if run is not None else plan.runless
+    return any(isinstance(step, _SLOT_STEPS) for step in steps)
+
+
+_SLOT_STEPS = (ConcurrencyLimiter, OperationSlot, FanoutWidth)
+
+
+async def _cancel_session_tasks(rt: Runtime, route: Route, session: str) -> None:
+    """A DELETE of ``session`` came: send each of its held tasks' server a
+    ``tasks/cancel`` before the DELETE goes on (after it the session's id names nothing at
+    the server), waiting up to :data:`proxy.mcp_tasks.CANCEL_BEFORE_DELETE_S` for them.
+    The calls stay held, to their bounds or their tasks' ends: a server may run a deleted
+    session's tasks on (the TypeScript SDK 1.x does)."""
+    sends = []
+    for call, task in rt.tasks.session_calls(route.name, session):
+        task.cancel_sent = True
+        sent = attempts.send_cancel(rt, route, call, reason="its session is deleted",
+                                    task_id=task.task_id)
+        if sent is not None:
+            sends.append(sent)
+    if sends:
+        await asyncio.wait(sends, timeout=CANCEL_BEFORE_DELETE_S)
 
 
 async def _task_runs(waiter: asyncio.Future[None], deadline: float) -> None:
@@ -929,22 +983,20 @@ def _task_end(rt: Runtime, route: Route, call: Call, admission: Admission, ended
                 task.ended = "drain_cut"
             attempts.send_cancel(rt, route, call, reason=f"the call was ended ({task.ended})",
                                  task_id=task.task_id)
-        elif task.ended is None:  # its bound: the task's ttl or the call's timeouts.total
-            log.info("route %s: the task of call %s was not seen over within its %s",
-                     route.name, call.request_id,
-                     "ttl" if task.bound == "ttl" else "timeouts.total", extra=PER_CALL)
-            task.ended = task.bound
+        elif task.ended is None:  # its bound: the call's timeouts.total
+            log.info("route %s: the task of call %s was not seen over within its "
+                     "timeouts.total", route.name, call.request_id, extra=PER_CALL)
+            task.ended = "timeout"
             outcome = Outcome("upstream_timeout", call.reached, call.status)
-            attempts.send_cancel(rt, route, call, reason="the task's bound passed",
-                                 task_id=task.task_id)
-        elif task.ended == "session_ended":  # its session's DELETE went through
-            outcome = Outcome("client_disconnected", call.reached, call.status)
+            if not task.cancel_sent:
+                attempts.send_cancel(rt, route, call, reason="the task's bound passed",
+                                     task_id=task.task_id)
         else:
             outcome = _answer_outcome(call, ended.status, ended.label, admitted_at)
         call.task = task  # its completed event names it
         _settle(rt, route, call, admission, outcome, admitted_at, "call", left)
     finally:
-        task.waiter = None
+        task.waiter = task.call = None
         route.present -= 1
         rt.buffered_bytes -= held
         rt.tasks.holding.pop(holder, None)

@@ -8,41 +8,59 @@ follow-ups are control traffic (``policies.mcp.CONTROL_METHODS``), so the call's
 stood for the server's work only until the quick ``CreateTaskResult``: under a tool's
 ``concurrency: {limit: 1}`` three staggered tasks ran at the server at once (a hostile trial).
 
-So a call answered with a ``CreateTaskResult`` is held (``proxy.handler._hold_task``, as a
-call closed early for polling is) until its task is seen over, keeping everything it took
-and its place in flight; its end is settled in the one place (``proxy.handler._settle``).
-This module keeps the tasks held (:class:`Tasks`, on :attr:`proxy.runtime.Runtime.tasks`),
-each by route, ``Mcp-Session-Id``, tenant and ``taskId`` (:data:`TaskKey`): a task's id is
-its session's, and another tenant's or session's follow-up naming the same id ends nothing.
+So a call that holds a concurrency slot (the tool's, the route's, a run's width) and is
+answered with a ``CreateTaskResult`` is held (``proxy.handler._hold_task``, as a call closed
+early for polling is) until its task is seen over, keeping everything it took and its place
+in flight; its end is settled in the one place (``proxy.handler._settle``). This module keeps
+the tasks held (:class:`Tasks`, on :attr:`proxy.runtime.Runtime.tasks`), each by route,
+``Mcp-Session-Id``, tenant and ``taskId`` (:data:`TaskKey`): a task's id is its session's,
+and another tenant's or session's follow-up naming the same id ends nothing.
 
 A held task is over (:meth:`HeldTask.end`) when, through this replica:
 
 - a ``tasks/get`` (or ``tasks/cancel``) answer gives it a terminal status
   (``policies.mcp.TASK_TERMINAL``);
-- a ``tasks/result`` is answered (with anything but the cancellation error of that request
-  itself): the server answers it only once the task has ended;
+- a ``tasks/result`` is answered with a result (the server answers it only once the task has
+  ended). An error ends nothing: the spec has the same codes for the request's own faults
+  (``-32602``, a task unknown or a bad param, with the task maybe running on) and for a
+  task whose underlying request failed, so they cannot be told apart; such a task's
+  ``failed`` status is seen by ``tasks/get``, which the SDKs poll before ``tasks/result``;
 - a ``notifications/tasks/status`` with a terminal status passes on one of its session's
-  streams (the GET stream, or an answer of the session's);
-- its session's DELETE goes through (the server ends the session's tasks);
-- or its bound passes: the earlier of its ``ttl`` (from the ``CreateTaskResult``) and the
-  call's ``timeouts.total`` from its sending (600 s without one). Sluice then sends the
+  streams (the GET stream, or an answer of the session's); one that passed just before the
+  ``CreateTaskResult`` was read counts too (:data:`EARLY_END_WINDOW_S`);
+- or its bound passes: the call's ``timeouts.total`` (the tool's or route's) from its
+  sending, 600 s without one. The task's ``ttl`` is how long its server keeps its result,
+  chosen by the client, not how long it runs: it bounds nothing here (a ``ttl`` of 1 ms
+  freed the slot while the tool ran on, a hostile review). At the bound Sluice sends the
   server a ``tasks/cancel`` for it (``proxy.attempts.send_cancel``), as it sends a call it
   ends a ``notifications/cancelled``.
 
-At most :data:`MAX_HELD_TASKS` are held at once; past that a task's call ends with its
-``CreateTaskResult``, as before (a warning is logged; its ``completed`` event names no
-task).
+A session's DELETE does not end its tasks' holds: the TypeScript SDK 1.x server keeps
+running a deleted session's tasks (its task store outlives the session), and ending the hold
+there let a client escape a tool's limit by deleting and opening sessions (a hostile review).
+Sluice sends each held task of the session its ``tasks/cancel`` before the DELETE goes on
+(:meth:`Tasks.session_calls`), and holds the calls to their bounds.
+
+At most :data:`MAX_HELD_TASKS` task calls are held or in flight at once, and at most
+:data:`MAX_HELD_TASKS_PER_TENANT` of one tenant's (:meth:`Tasks.reserve`, taken before the
+call is admitted): past either, the task-augmented call of a tool with a slot is refused
+(429 ``tenant_concurrency`` past the tenant's share, 503 ``queue_full`` past the whole),
+not forwarded and left unheld as it was (one tenant filling the table let every other
+tenant's task calls escape their limits).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections import OrderedDict
 from typing import Any
 
 from aiohttp import web
 
 from policies.mcp import TASK_TERMINAL
+from policies.reasons import Reason, Rejected
 
 log = logging.getLogger("sluice")
 
@@ -54,9 +72,22 @@ TaskKey = tuple[str, str, str, str]
 #: answer for the task's end (:func:`seen_answer`).
 TASK_POLL = web.RequestKey("sluice_task_poll", tuple)
 
-#: How many tasks' calls are held at once, at most (each a call in flight and a small
-#: entry here); past it, a new task's call is not held.
+#: How many task calls are held or in flight at once, at most (each a call in flight and a
+#: small entry here); past it, a new one is refused.
 MAX_HELD_TASKS = 4096
+#: How many of :data:`MAX_HELD_TASKS` one tenant may take (as the MRTR continuation notes
+#: share theirs: ``policies.idempotency.Continuations``); past it, its new one is refused.
+MAX_HELD_TASKS_PER_TENANT = 512
+#: Seconds a terminal ``notifications/tasks/status`` of a task not held is remembered, when
+#: its session has a task call in flight: a fast task's status can pass on the session's
+#: GET stream before its ``CreateTaskResult`` is read (then held to its bound, a review).
+EARLY_END_WINDOW_S = 30.0
+#: How many such statuses are remembered at most (the oldest go first).
+MAX_EARLY_ENDS = 1024
+#: Seconds between two warnings of a task not held (the rest are counted in the next).
+WARN_EVERY_S = 60.0
+#: Seconds Sluice waits for a session's tasks' ``tasks/cancel`` before its DELETE goes on.
+CANCEL_BEFORE_DELETE_S = 2.0
 
 
 class HeldTask:
@@ -64,23 +95,26 @@ class HeldTask:
 
     Attributes:
         key: its :data:`TaskKey`.
-        deadline: monotonic seconds at which the hold ends if nothing ended it before.
-        bound: what set ``deadline``: ``"ttl"`` (the task's own) or ``"timeout"`` (the
-            call's ``timeouts.total``).
+        deadline: monotonic seconds at which the hold ends if nothing ended it before (the
+            call's ``timeouts.total`` from its sending).
         ended: how it was seen over (``tasks/get``, ``tasks/result``, ``tasks/cancel``,
-            ``notification``, ``session_ended``), ``None`` while it runs.
+            ``notification``), ``None`` while it runs.
         status: the terminal status seen, if any.
+        call: the call held (``proxy.handler._hold_task``), ``None`` until it is.
+        cancel_sent: Sluice has sent its server the task's ``tasks/cancel`` (its session's
+            DELETE): not sent again at its bound.
         waiter: resolved by :meth:`end`, while ``proxy.handler`` holds the call.
     """
 
-    __slots__ = ("bound", "deadline", "ended", "key", "status", "waiter")
+    __slots__ = ("call", "cancel_sent", "deadline", "ended", "key", "status", "waiter")
 
-    def __init__(self, key: TaskKey, deadline: float, bound: str) -> None:
+    def __init__(self, key: TaskKey, deadline: float) -> None:
         self.key = key
         self.deadline = deadline
-        self.bound = bound
         self.ended: str | None = None
         self.status: str | None = None
+        self.cancel_sent = False
+        self.call: Any = None
         self.waiter: asyncio.Future[None] | None = None
 
     @property
@@ -98,34 +132,108 @@ class HeldTask:
 
 
 class Tasks:
-    """The tasks whose calls are held, by :data:`TaskKey`, and the holds' own tasks (what the
+    """The tasks whose calls are held, by :data:`TaskKey`, the task calls in flight that may
+    become held (their places taken by :meth:`reserve`), and the holds' own tasks (what the
     drain waits for, and cancels when it cuts)."""
 
     def __init__(self) -> None:
         self.held: dict[TaskKey, HeldTask] = {}
         #: Each hold's task with its call (``proxy.handler._hold_task``).
         self.holding: dict[asyncio.Task[Any], Any] = {}
-        #: How many tasks each (route, session) has held: its streams are read for
-        #: ``notifications/tasks/status`` only then.
+        #: Each tenant's places taken: its task calls in flight and its tasks held.
+        self._tenants: dict[str, int] = {}
+        #: How many task calls each (route, session) has in flight, not answered yet.
+        self._asked: dict[tuple[str, str], int] = {}
+        #: How many tasks each (route, session) has held.
         self._sessions: dict[tuple[str, str], int] = {}
+        #: Terminal statuses seen for tasks not held (yet): key -> (status, expiry).
+        self._early: OrderedDict[TaskKey, tuple[str, float]] = OrderedDict()
+        self._warned_at = -WARN_EVERY_S
+        self._unwarned = 0
 
-    def note(self, key: TaskKey, deadline: float, bound: str) -> HeldTask | None:
-        """A ``CreateTaskResult`` came for a call: hold its task (``None`` past
-        :data:`MAX_HELD_TASKS`, or when the same key is held already: a server that
-        repeats a task id)."""
-        if key in self.held or len(self.held) >= MAX_HELD_TASKS:
-            log.warning("route %s: task %r is not held (%d held): its call ends with its "
-                        "CreateTaskResult", key[0], key[3][:64], len(self.held))
+    def counts(self) -> dict[str, int]:
+        """The entries of each table (``sluice_task_table_entries{table}``): ``held``,
+        ``tenants``, ``sessions``, ``asked``, ``early_ends`` (unexpired). All but
+        ``early_ends`` are 0 once no task call is in flight or held."""
+        now = time.monotonic()
+        return {"held": len(self.held), "tenants": len(self._tenants),
+                "sessions": len(self._sessions), "asked": len(self._asked),
+                "early_ends": sum(1 for _, until in self._early.values() if until > now)}
+
+    def reserve(self, route: str, session: str, tenant: str) -> None:
+        """Take a place for a task call about to be admitted (given back by
+        :meth:`unreserve`, or kept by its held task, :meth:`note`).
+
+        Raises:
+            Rejected: ``tenant_concurrency`` (429) when ``tenant`` has
+                :data:`MAX_HELD_TASKS_PER_TENANT` places, ``queue_full`` (503) when all
+                :data:`MAX_HELD_TASKS` are taken.
+        """
+        own = self._tenants.get(tenant, 0)
+        if own >= MAX_HELD_TASKS_PER_TENANT:
+            raise Rejected(Reason.TENANT_CONCURRENCY, None,
+                           f"limit {MAX_HELD_TASKS_PER_TENANT} tasks running per tenant")
+        if sum(self._tenants.values()) >= MAX_HELD_TASKS:
+            raise Rejected(Reason.QUEUE_FULL, None,
+                           f"Sluice follows {MAX_HELD_TASKS} tasks at most")
+        self._tenants[tenant] = own + 1
+        asked = route, session
+        self._asked[asked] = self._asked.get(asked, 0) + 1
+
+    def _give_back(self, tenant: str) -> None:
+        left = self._tenants.get(tenant, 1) - 1
+        if left > 0:
+            self._tenants[tenant] = left
+        else:
+            self._tenants.pop(tenant, None)
+
+    def _answered(self, route: str, session: str) -> None:
+        asked = route, session
+        left = self._asked.get(asked, 1) - 1
+        if left > 0:
+            self._asked[asked] = left
+        else:
+            self._asked.pop(asked, None)
+
+    def unreserve(self, route: str, session: str, tenant: str) -> None:
+        """A task call with a place (:meth:`reserve`) ended without a task held."""
+        self._answered(route, session)
+        self._give_back(tenant)
+
+    def answered(self, key: TaskKey, deadline: float) -> HeldTask | None:
+        """A task call with a place (:meth:`reserve`) was answered with a
+        ``CreateTaskResult`` (``key``; ``deadline``: the call's bound, monotonic seconds):
+        its task is held and keeps the place; ``None`` for a key held already (a server that
+        repeats a task id: the place is given back)."""
+        route, session, tenant, _ = key
+        self._answered(route, session)
+        if key in self.held:
+            self._give_back(tenant)
+            self._warn(key)
             return None
-        task = self.held[key] = HeldTask(key, deadline, bound)
-        session = key[0], key[1]
-        self._sessions[session] = self._sessions.get(session, 0) + 1
+        task = self.held[key] = HeldTask(key, deadline)
+        pair = route, session
+        self._sessions[pair] = self._sessions.get(pair, 0) + 1
+        early = self._early.pop(key, None)
+        if early is not None and early[1] > time.monotonic():
+            task.end("notification", early[0])
         return task
 
+    def _warn(self, key: TaskKey) -> None:
+        now = time.monotonic()
+        if now - self._warned_at < WARN_EVERY_S:
+            self._unwarned += 1
+            return
+        log.warning("route %s: task %r is held already: its second call ends with its "
+                    "CreateTaskResult (%d more since the last warning)", key[0],
+                    key[3][:64], self._unwarned)
+        self._warned_at, self._unwarned = now, 0
+
     def forget(self, task: HeldTask) -> None:
-        """The hold of ``task`` is over (whatever ended it)."""
+        """The hold of ``task`` is over (whatever ended it): its place is given back."""
         if self.held.get(task.key) is task:
             del self.held[task.key]
+            self._give_back(task.key[2])
             session = task.key[0], task.key[1]
             left = self._sessions.get(session, 1) - 1
             if left:
@@ -134,9 +242,10 @@ class Tasks:
                 self._sessions.pop(session, None)
 
     def watches(self, route: str, session: str | None) -> bool:
-        """Whether ``session`` of ``route`` has tasks held (its streams are then read for
-        their ends)."""
-        return bool(self._sessions) and (route, session or "") in self._sessions
+        """Whether ``session`` of ``route`` has tasks held or task calls in flight (its
+        streams are then read for their ends)."""
+        pair = route, session or ""
+        return pair in self._sessions or pair in self._asked
 
     def seen(self, key: TaskKey, how: str, status: str | None = None) -> None:
         """A follow-up through this replica saw the task ``key`` over."""
@@ -146,29 +255,44 @@ class Tasks:
 
     def watcher(self, route: str, session: str | None, tenant: str) -> Any:
         """What a stream of ``session`` calls with a task's id and status when it carries a
-        terminal ``notifications/tasks/status``
-        (:attr:`policies.mcp.AnswerTracker.on_task_end`)."""
+        terminal ``notifications/tasks/status``: ends its hold, or, while a task call of
+        the session is in flight, is remembered for it (:data:`EARLY_END_WINDOW_S`)."""
         def ended(task_id: str, status: str) -> None:
-            self.seen((route, session or "", tenant, task_id), "notification", status)
+            key = route, session or "", tenant, task_id
+            task = self.held.get(key)
+            if task is not None:
+                task.end("notification", status)
+            elif (route, session or "") in self._asked:
+                self._remember(key, status)
         return ended
 
-    def session_ended(self, route: str, session: str) -> None:
-        """``session``'s DELETE went through: its server has ended its tasks."""
+    def _remember(self, key: TaskKey, status: str) -> None:
+        early = self._early
+        now = time.monotonic()
+        early.pop(key, None)
+        while early and (len(early) >= MAX_EARLY_ENDS or next(iter(early.values()))[1] <= now):
+            early.popitem(last=False)
+        early[key] = status, now + EARLY_END_WINDOW_S
+
+    def session_calls(self, route: str, session: str) -> list[tuple[Any, HeldTask]]:
+        """The held calls of ``session`` on ``route`` (any tenant's: its DELETE ends the
+        server's session whoever sends it) and their tasks still running."""
         if (route, session) not in self._sessions:
-            return
-        for key, task in list(self.held.items()):
-            if key[0] == route and key[1] == session:
-                task.end("session_ended")
+            return []
+        return [(task.call, task) for key, task in self.held.items()
+                if key[0] == route and key[1] == session and task.call is not None
+                and task.ended is None]
 
 
 def seen_answer(tasks: Tasks, key: TaskKey, method: str, found: Any) -> None:
     """A follow-up's answer passed through (``found``: its
     :class:`policies.mcp.Outcome`, ``None`` if it held no response): end the held task
-    ``key`` if it says the task is over."""
+    ``key`` if it says the task is over: a ``tasks/result``'s result (not an error, module
+    docstring), a Task with a terminal status."""
     if found is None:
         return
     if method == "tasks/result":
-        if not found.cancelled:  # that request's own cancel says nothing of the task
+        if found.error_code is None and not found.cancelled and not found.input_required:
             tasks.seen(key, method, found.task_status)
         return
     if found.task_id == key[3] and found.task_status in TASK_TERMINAL:

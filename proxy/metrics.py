@@ -562,6 +562,15 @@ class Metrics:
             "their task is seen over or their bound passes (counted in "
             "sluice_inflight_requests too).", registry=r,
         )
+        self.task_tables = Gauge(
+            "sluice_task_table_entries",
+            "Entries of Sluice's tables of MCP tasks (proxy/mcp_tasks.py), by table: held "
+            "(tasks whose calls are held), tenants and sessions (counts of tenants and "
+            "sessions with task calls held or in flight), asked (sessions with task calls "
+            "in flight), early_ends (terminal statuses seen before their task's "
+            "CreateTaskResult, kept 30 s). All but early_ends are 0 when no task is held.",
+            ["table"], registry=r,
+        )
         self.expiries = LoopCounter(
             "sluice_expiries",
             "Queued calls dropped before reaching the upstream, by reason (max_wait: the "

@@ -238,6 +238,9 @@ class Runtime:
         self.metrics.finishing.set_function(lambda: len(self.finishing))
         self.metrics.polling.set_function(lambda: len(self.polling))
         self.metrics.held_tasks.set_function(lambda: len(self.tasks.holding))
+        for table in self.tasks.counts():
+            self.metrics.task_tables.labels(table).set_function(
+                lambda table=table: self.tasks.counts()[table])
         self.session: aiohttp.ClientSession | None = None
         #: Run trees, counts and cancellations, shared by every route (policies/runs.py),
         #: and with the Redis backend by every replica.

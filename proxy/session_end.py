@@ -215,7 +215,6 @@ def end_session_polls(rt: Runtime, route: Route, session: str | None) -> None:
         ended[route.name, session] = None
         if len(ended) > ENDED_SESSIONS_KEPT:
             ended.popitem(last=False)
-    rt.tasks.session_ended(route.name, session)  # its server ended its tasks too
     if not rt.polling:
         return
     for task, call in list(rt.polling.items()):

@@ -49,6 +49,8 @@ class TaskServer:
         self.running = 0
         self.max_running = 0
         self.cancels: list[str] = []
+        #: Each request's method as it came (``DELETE`` for a session's end).
+        self.methods: list[str] = []
         self.stream: asyncio.Queue[dict] = asyncio.Queue()
         self.runner: web.AppRunner | None = None
         self.port = 0
@@ -86,6 +88,7 @@ class TaskServer:
                                 "params": self.tasks[task_id]})
 
     async def _delete(self, request: web.Request) -> web.Response:
+        self.methods.append("DELETE")
         for task_id, task in self.tasks.items():  # the session's end cancels its tasks
             if task["status"] not in TERMINAL:
                 self._end(task_id, "cancelled")
@@ -101,6 +104,7 @@ class TaskServer:
     async def _post(self, request: web.Request) -> web.Response:
         message = await request.json()
         method, rpc_id, params = message.get("method"), message.get("id"), message.get("params")
+        self.methods.append(method)
 
         def answer(result: dict) -> web.Response:
             return web.json_response({"jsonrpc": "2.0", "id": rpc_id, "result": result})
@@ -173,6 +177,8 @@ async def all_given_back(sluice: Any) -> None:
     await sluice.wait_metric("sluice_inflight_requests", 0, route="tools")
     await sluice.wait_metric("sluice_held_task_calls", 0)
     await sluice.wait_metric("sluice_buffered_request_bytes", 0)
+    for table in ("held", "tenants", "sessions", "asked"):  # no entry of Sluice's left
+        await sluice.wait_metric("sluice_task_table_entries", 0, table=table)
 
 
 def task_events(sluice: Any, task_id: str) -> list[dict]:
@@ -274,15 +280,19 @@ async def test_another_tenants_or_sessions_poll_ends_nothing(server, start_sluic
         await all_given_back(sluice)
 
 
-async def test_the_tasks_ttl_bounds_the_hold(server, start_sluice):
-    """Nobody polls: at the task's ttl the call ends ``upstream_timeout`` and its server is
-    sent ``tasks/cancel``."""
-    sluice = await start_sluice({"routes": [tasks_route(server.url)]})
+async def test_the_tasks_ttl_does_not_bound_the_hold(server, start_sluice):
+    """A task's ``ttl`` is how long its server keeps the result, and the client chooses it.
+    Before: the hold ended at ``ttl: 1`` (1 ms) while the tool ran on, and a second task
+    ran beside it under limit 1 (a hostile review). The call's ``timeouts.total`` bounds
+    it, and its server is then sent ``tasks/cancel``."""
+    sluice = await start_sluice({"routes": [tasks_route(server.url,
+                                                        timeouts={"total": "3s"})]})
     async with aiohttp.ClientSession() as http:
         client = Client(http, sluice.url)
-        task_id = await client.create(1, ttl=3_000)
+        task_id = await client.create(1, ttl=1)
         assert await client.refused(2)
-        event = await ended_as(sluice, task_id, "ttl")
+        assert server.max_running == 1
+        event = await ended_as(sluice, task_id, "timeout")
         assert event["outcome"] == "upstream_timeout"
         await wait_until(lambda: server.cancels == [task_id], what="Sluice's tasks/cancel")
         await all_given_back(sluice)
@@ -302,15 +312,26 @@ async def test_the_tools_timeouts_total_bounds_the_hold(server, start_sluice):
         await all_given_back(sluice)
 
 
-async def test_the_sessions_delete_ends_the_hold(server, start_sluice):
-    sluice = await start_sluice({"routes": [tasks_route(server.url)]})
+async def test_the_sessions_delete_cancels_its_tasks_and_holds_them_to_the_bound(
+        server, start_sluice):
+    """A server may run a deleted session's tasks on (the TypeScript SDK 1.x does). Before:
+    the DELETE ended the hold and sent no ``tasks/cancel``; deleting and opening sessions
+    escaped the tool's limit (a hostile review). Now each held task is sent its
+    ``tasks/cancel`` before the DELETE goes on, and the call is held to its bound."""
+    sluice = await start_sluice({"routes": [tasks_route(server.url,
+                                                        timeouts={"total": "3s"})]})
     async with aiohttp.ClientSession() as http:
         client = Client(http, sluice.url)
         task_id = await client.create(1)
         async with http.delete(client.url, headers=HEADERS) as r:
             assert r.status < 300
-        event = await ended_as(sluice, task_id, "session_ended")
-        assert event["outcome"] == "client_disconnected"
+        assert server.cancels == [task_id]
+        assert server.methods[-2:] == ["tasks/cancel", "DELETE"]
+        other = Client(http, sluice.url, **{"Mcp-Session-Id": "s-2"})
+        assert await other.refused(2)
+        event = await ended_as(sluice, task_id, "timeout")
+        assert event["outcome"] == "upstream_timeout"
+        assert server.cancels == [task_id]  # not sent twice
         await all_given_back(sluice)
 
 
@@ -361,3 +382,244 @@ async def test_typescript_sdk_tasks_run_one_at_a_time_under_limit_1(start_sluice
     finally:
         upstream.terminate()
         upstream.wait(10)
+
+
+async def test_a_tasks_result_error_ends_nothing(start_sluice):
+    """Before: any answer to ``tasks/result`` but its own cancel ended the hold, errors
+    included: a ``-32602`` (here a strict server's, for an unknown param) while the task ran
+    on freed the slot, and a second task ran beside it under limit 1 (a hostile review)."""
+
+    class Strict(TaskServer):
+        async def _post(self, request: web.Request) -> web.Response:
+            message = await request.json()
+            params = message.get("params") or {}
+            if message.get("method") == "tasks/result" and set(params) - {"taskId", "_meta"}:
+                return web.json_response({"jsonrpc": "2.0", "id": message["id"], "error": {
+                    "code": -32602, "message": "unknown params"}})
+            return await super()._post(request)
+
+    stub = await Strict().start()
+    try:
+        sluice = await start_sluice({"routes": [tasks_route(stub.url)]})
+        async with aiohttp.ClientSession() as http:
+            client = Client(http, sluice.url)
+            task_id = await client.create(1)
+            message = follow_up(2, "tasks/result", task_id)
+            message["params"]["unknown"] = 1
+            assert (await client.post(message))["error"]["code"] == -32602
+            assert await client.refused(3)
+            assert stub.max_running == 1
+            stub.complete(task_id)
+            await client.post(follow_up(4, "tasks/result", task_id))  # a result ends it
+            await ended_as(sluice, task_id, "tasks/result")
+            await all_given_back(sluice)
+    finally:
+        await stub.stop()
+
+
+async def test_a_terminal_status_before_the_create_result_ends_the_hold(start_sluice):
+    """A fast task's ``notifications/tasks/status`` (completed) passes on the session's GET
+    stream before its ``CreateTaskResult`` is read. Before: it was lost, and the call held
+    its slot to its bound (600 s)."""
+
+    class Early(TaskServer):
+        early = ""
+
+        async def _post(self, request: web.Request) -> web.Response:
+            message = await request.json()
+            if message.get("method") == "tools/call":
+                task = {"taskId": uuid.uuid4().hex, "status": "completed", "ttl": 60_000,
+                        "createdAt": "2026-12-01T00:00:00Z",
+                        "lastUpdatedAt": "2026-12-01T00:00:00Z"}
+                self.stream.put_nowait({"jsonrpc": "2.0", "params": task,
+                                        "method": "notifications/tasks/status"})
+                self.early = task["taskId"]
+                await asyncio.sleep(0.2)  # the notification is through Sluice by then
+                return web.json_response({"jsonrpc": "2.0", "id": message["id"], "result": {
+                    "task": {**task, "status": "working"}}})
+            return await super()._post(request)
+
+    stub = await Early().start()
+    try:
+        sluice = await start_sluice({"routes": [tasks_route(stub.url)]})
+        async with aiohttp.ClientSession() as http:
+            client = Client(http, sluice.url)
+            stream = await http.get(client.url, headers={**HEADERS,
+                                                         "Accept": "text/event-stream"})
+            task_id = await client.create(1)
+            assert task_id == stub.early
+            event = await ended_as(sluice, task_id, "notification")
+            assert event["task_status"] == "completed"
+            stream.close()
+            await all_given_back(sluice)
+    finally:
+        await stub.stop()
+
+
+async def test_a_tenants_share_of_held_tasks_is_bounded_and_tools_without_slots_hold_none(
+        server, start_sluice):
+    """Before: 4,096 tasks held at once in all, shared: one tenant's tasks filled the table
+    and then every tenant's task calls went unheld, their limits escaped (a hostile review).
+    Now a tool without a slot holds no task, and a tenant has 512 of the 4,096: its next
+    task call of a tool with a slot is refused 429 ``tenant_concurrency``, and another
+    tenant's limit still holds."""
+    route = tasks_route(server.url)
+    route["tools"]["free_task"] = {}  # no slot: its tasks are not held
+    route["tools"]["wide_task"] = {"concurrency": {"limit": 1000, "queue": 0}}
+    sluice = await start_sluice({"routes": [route]})
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=32)) as http:
+        noisy = Client(http, sluice.url, **{"X-Tenant-ID": "noisy", "Mcp-Session-Id": "n"})
+
+        async def one(rpc_id: int, tool: str) -> dict:
+            message = task_call(rpc_id)
+            message["params"]["name"] = tool
+            return await noisy.post(message)
+
+        free = await asyncio.gather(*(one(i, "free_task") for i in range(20)))
+        assert all("task" in answer["result"] for answer in free)
+        assert await sluice.metric("sluice_held_task_calls") == 0
+        wide = await asyncio.gather(*(one(100 + i, "wide_task") for i in range(512)))
+        assert all("task" in answer["result"] for answer in wide)
+        assert await sluice.metric("sluice_held_task_calls") == 512
+        refused = await one(9999, "wide_task")
+        assert refused["error"]["data"]["reason"] == "tenant_concurrency", refused
+        quiet = Client(http, sluice.url, **{"X-Tenant-ID": "quiet", "Mcp-Session-Id": "q"})
+        first = await quiet.create(1)
+        assert await quiet.refused(2)
+        for task_id in [first, *(a["result"]["task"]["taskId"] for a in wide)]:
+            server.complete(task_id)
+        for n, answer in enumerate(wide):  # the owner's polls end the holds
+            await noisy.post(follow_up(20_000 + n, "tasks/get",
+                                       answer["result"]["task"]["taskId"]))
+        await quiet.post(follow_up(3, "tasks/get", first))
+        await all_given_back(sluice)
+
+
+def test_the_status_watch_parses_only_task_status_events_and_skips_large_ones(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A session's GET stream is read for task ends. Before: every event was parsed as JSON
+    (8x the CPU on 100k small notifications) and a large event was held whole."""
+    from policies import mcp
+
+    parsed: list[bytes] = []
+    loads = mcp._loads_or_none
+    monkeypatch.setattr(mcp, "_loads_or_none", lambda data: parsed.append(data) or loads(data))
+    ended: list[tuple[str, str]] = []
+    watch = mcp.TaskStatusWatch(lambda *args: ended.append(args))
+
+    def event(doc: dict, end: bytes = b"\n") -> bytes:
+        return b"event: message" + end + b"data: " + json.dumps(doc).encode() + end + end
+
+    progress = event({"jsonrpc": "2.0", "method": "notifications/progress",
+                      "params": {"progressToken": "t", "progress": 1}})
+    status = event({"jsonrpc": "2.0", "method": "notifications/tasks/status",
+                    "params": {"taskId": "a", "status": "completed"}}, b"\r\n")
+    big = event({"jsonrpc": "2.0", "method": "notifications/message",
+                 "params": {"data": "x" * 1_000_000}})
+    stream = progress * 100 + status + big + progress + event(
+        {"jsonrpc": "2.0", "method": "notifications/tasks/status",
+         "params": {"taskId": "b", "status": "working"}}) + event(
+        {"jsonrpc": "2.0", "method": "notifications/tasks/status",
+         "params": {"taskId": "c", "status": "failed"}})
+    largest = 0
+    for at in range(0, len(stream), 1000):  # chunks that split events and line ends
+        watch.feed(stream[at:at + 1000])
+        largest = max(largest, len(watch._pending))
+    assert ended == [("a", "completed"), ("c", "failed")]
+    assert len(parsed) == 3  # the three status events only
+    assert largest <= mcp.MAX_TASK_STATUS_EVENT_BYTES + 1000
+
+
+# -- a TypeScript SDK 1.x server through raw sessions -------------------------------------------
+
+
+def _ts_messages(text: str, content_type: str) -> list[dict]:
+    if "text/event-stream" in content_type:
+        return [json.loads(line[5:]) for line in text.splitlines()
+                if line.startswith("data:") and line[5:].strip()]
+    return [json.loads(text)] if text.strip() else []
+
+
+class TsSession:
+    """A raw 2025-11-25 session with the TypeScript task server (``task_server.mjs``)."""
+
+    def __init__(self, http: aiohttp.ClientSession, url: str) -> None:
+        self.http, self.url = http, url + "/tools/mcp"
+        self.headers = {"Accept": "application/json, text/event-stream",
+                        "Content-Type": "application/json",
+                        "MCP-Protocol-Version": "2025-11-25"}
+
+    async def post(self, message: dict) -> list[dict]:
+        async with self.http.post(self.url, data=json.dumps(message),
+                                  headers=self.headers) as r:
+            if (session := r.headers.get("Mcp-Session-Id")) is not None:
+                self.headers["Mcp-Session-Id"] = session
+            return _ts_messages(await r.text(), r.headers.get("Content-Type", ""))
+
+    async def open(self) -> Self:
+        await self.post({"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
+            "protocolVersion": "2025-11-25", "capabilities": {"tasks": {}},
+            "clientInfo": {"name": "test", "version": "0"}}})
+        await self.post({"jsonrpc": "2.0", "method": "notifications/initialized"})
+        return self
+
+    async def call(self, message: dict) -> dict:
+        [answer] = [m for m in await self.post(message) if m.get("id") == message["id"]]
+        return answer
+
+    async def create(self, rpc_id: int, ttl: int = 60_000) -> dict:
+        return await self.call({
+            "jsonrpc": "2.0", "id": rpc_id, "method": "tools/call",
+            "params": {"name": "slow_task", "arguments": {"seconds": 4}, "task": {"ttl": ttl}}})
+
+
+@pytest.fixture
+async def ts_server(tmp_path: Any) -> Any:
+    if shutil.which("node") is None or not (MCP_TS / "node_modules" / "@modelcontextprotocol"
+                                            / "sdk").is_dir():
+        pytest.skip("needs node and .mcp-ts (.ci/run installs them)")
+    port_file, stats_file = tmp_path / "port", tmp_path / "stats.json"
+    proc = subprocess.Popen(["node", str(TS_TASK_SERVER), str(port_file), str(stats_file)],
+                            env={**os.environ, "MCP_TS_DIR": str(MCP_TS)},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        await wait_until(lambda: port_file.exists() and port_file.read_text() != "",
+                         what="the TypeScript server's port")
+        yield f"http://127.0.0.1:{port_file.read_text()}", stats_file
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+async def test_typescript_server_a_sessions_delete_does_not_free_the_slot(ts_server,
+                                                                         start_sluice):
+    """The TypeScript SDK 1.x server runs a deleted session's tasks on. Before: the DELETE
+    ended the hold, and a new session's task ran beside the first under limit 1."""
+    url, stats_file = ts_server
+    sluice = await start_sluice({"routes": [tasks_route(url)]})
+    async with aiohttp.ClientSession() as http:
+        first = await TsSession(http, sluice.url).open()
+        assert "task" in (await first.create(1))["result"]
+        async with http.delete(first.url, headers=first.headers) as r:
+            assert r.status < 300
+        second = await TsSession(http, sluice.url).open()
+        answer = await second.create(1)
+        assert answer["error"]["data"]["reason"] == "queue_full", answer
+    assert json.loads(stats_file.read_text())["maxRunning"] == 1
+
+
+async def test_typescript_server_a_tiny_ttl_does_not_free_the_slot(ts_server, start_sluice):
+    """The TypeScript SDK 1.x server echoes the ttl its client asks for. Before: ``ttl: 1``
+    ended the hold at once, and a second task ran beside the first under limit 1."""
+    url, stats_file = ts_server
+    sluice = await start_sluice({"routes": [tasks_route(url)]})
+    async with aiohttp.ClientSession() as http:
+        session = await TsSession(http, sluice.url).open()
+        task = (await session.create(1, ttl=1))["result"]["task"]
+        # A poll's round trip: the first call's POST is over. Its answer is an error (the
+        # server kept the task 1 ms, its ttl), which ends nothing.
+        polled = await session.call(follow_up(2, "tasks/get", task["taskId"]))
+        assert polled.get("result", {}).get("status") not in TERMINAL, polled
+        answer = await session.create(3)
+        assert answer["error"]["data"]["reason"] == "queue_full", answer
+    assert json.loads(stats_file.read_text())["maxRunning"] == 1
