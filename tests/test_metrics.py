@@ -216,6 +216,9 @@ async def test_a_proxied_call_is_answered_while_a_scrape_is_rendered(upstream):
     blocked = [False]
 
     class Slow(Collector):
+        def describe(self):  # registered without a collect() (auto_describe would call it)
+            return []
+
         def collect(self):  # type: ignore[override]
             blocked[0] = True
             entered.set()
@@ -248,7 +251,7 @@ async def test_a_proxied_call_is_answered_while_a_scrape_is_rendered(upstream):
         await runtime.close()
 
 
-async def test_a_render_reads_the_loops_objects_on_the_loop_and_says_the_same():
+async def test_a_render_reads_the_loops_objects_on_the_loop_and_says_the_same(tmp_path):
     """The render's thread formats what reads the loop's objects (gauges' functions, routes'
     calls) as read on the loop just before, and the text is the one rendered on the loop,
     whole or restricted to some series (``name[]``)."""
@@ -259,7 +262,8 @@ async def test_a_render_reads_the_loops_objects_on_the_loop_and_says_the_same():
     runtime = await open_runtime(
         route("llm", "http://127.0.0.1:9", concurrency={"limit": 2, "queue": 3}),
         route("tools", "http://127.0.0.1:9", "mcp", retry={"attempts": 2},
-              circuit_breaker={"fail_max": 3}, idempotency={"mode": "dedup"}))
+              circuit_breaker={"fail_max": 3}, idempotency={"mode": "dedup"}),
+        dead_letter={"path": str(tmp_path / "dlq.sqlite")})  # not in the checkout
 
     def steady(text: bytes) -> list[bytes]:
         """The lines but the process's own samples (its CPU time, memory: they move)."""
