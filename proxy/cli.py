@@ -25,7 +25,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the config's modules take ~0.4 s to import: each command imports its own
     from policies.config import Config
@@ -59,17 +59,28 @@ def _hold_standard_descriptors() -> None:
             os.open(os.devnull, os.O_RDWR)  # the lowest free number: this one
 
 
-def _load(path: str, *, stream: bool = False) -> Config | None:
-    """The config at ``path``, or ``None`` once its problems are printed to stderr."""
-    from proxy.config import ConfigError, load_config
+def _load(path: str, *, stream: bool = False, writes: str | None = None) -> Config | None:
+    """The config at ``path``, or ``None`` once its problems are printed to stderr.
+    ``writes``: ``"refuse"`` (``serve``) or ``"warn"`` (``check-config``) on the files a
+    server of it would write and could not here (:func:`proxy.config.unwritable_files`);
+    ``None`` (the read-only commands): not looked at."""
+    from proxy.config import ConfigError, load_config, unwritable_files
     from proxy.redact import redact
 
+    lines: dict[Any, int] = {}
     try:
-        return load_config(path, stream=stream)
+        config = load_config(path, stream=stream, lines=lines)
     except ConfigError as exc:
         # A rejected value may be a URL with a password or an ?api_key= (CI logs keep this).
         print("\n".join(redact(exc.problems)), file=sys.stderr)
         return None
+    if writes is not None and (problems := unwritable_files(config, path, lines)):
+        if writes == "refuse":
+            print("\n".join(redact(problems)), file=sys.stderr)
+            return None
+        print("\n".join(f"warning: {line} (where Sluice runs, it must be able to)"
+                        for line in redact(problems)), file=sys.stderr)
+    return config
 
 
 def _hold_signals() -> tuple[Callable[[], bool], Callable[[], bool]]:
@@ -98,7 +109,7 @@ def _serve(args: argparse.Namespace) -> int:
     # Taken before the file is read: a change made while it is read (and the server starts)
     # is then one the watch sees.
     read, read_since_ns = fingerprint(Path(args.config)), time.time_ns()
-    config = _load(args.config)
+    config = _load(args.config, writes="refuse")
     if config is None:
         return EXIT_CONFIG_ERROR
     try:
@@ -123,7 +134,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _check_config(args: argparse.Namespace) -> int:
     path = args.path or args.config_option or DEFAULT_CONFIG
-    config = _load(path, stream=True)  # /dev/stdin and <(...) are read too
+    config = _load(path, stream=True, writes="warn")  # /dev/stdin and <(...) are read too
     if config is None:
         return EXIT_CONFIG_ERROR
     print(f"{path}: ok ({len(config.routes)} route(s))")

@@ -725,12 +725,6 @@ def _check_sources(config: Config, filename: str, marks: dict[Path_, int], base:
       leave the admin endpoints answering 403 "no admin token is configured"); a relative
       path is taken from the config file's directory (see :func:`load_token`). The token
       read is kept with the config (``AdminConfig.token``): it is the one in force.
-    * ``events.path`` and, when a route retries and letters go to a file (not Redis),
-      ``dead_letter.path``: the file must be one this process can create or write, in a
-      directory that exists (:func:`_unwritable`). A start opens them and exits 1 if it
-      cannot; both are restart-only, so a reload to one in a missing directory was held
-      "until a restart" and reported a success, and that restart failed (a hostile trial).
-      Relative paths are read from the working directory, as the server opens them.
 
     Raises:
         ConfigError: ``FILE:LINE: KEY: PROBLEM`` per source that cannot be read.
@@ -753,17 +747,42 @@ def _check_sources(config: Config, filename: str, marks: dict[Path_, int], base:
             problems.append(f"{filename}:{line}: admin.token_file: {exc} "
                             f"({unquoted_path(token_file, base)})")
         config.admin._path = str(path)
+    if problems:
+        raise ConfigError(problems)
+
+
+def unwritable_files(config: Config, filename: str, lines: Mapping[Path_, int],
+                     in_force: Config | None = None) -> list[str]:
+    """``FILE:LINE: KEY: PROBLEM`` for each file a server of ``config`` writes that this
+    process could not create or write (:func:`_unwritable`): ``events.path``, and
+    ``dead_letter.path`` when a route retries and letters go to a file (not Redis). Both are
+    restart-only: a reload to one in a missing directory was held "until a restart" and
+    reported a success, and that restart exited 1 (a hostile trial). A path equal to
+    ``in_force``'s (the running server's, which has it open) is not checked: a directory
+    gone since must not refuse every later reload. Only ``serve`` and a reload refuse on it;
+    ``check-config`` (often run elsewhere: CI) and the read-only commands do not. Relative
+    paths are read from the working directory, as the server opens them."""
     files: list[tuple[Path_, str, bool]] = []
     if config.events.path is not None:
         files.append((("events", "path"), config.events.path, False))
-    if state.backend != "redis" and any(route.retries() for route in config.routes):
+    if config.state.backend != "redis" and any(route.retries() for route in config.routes):
         files.append((("dead_letter", "path"), config.dead_letter.path, True))
+    problems = []
     for key, name, beside in files:
+        if in_force is not None and _get_path(in_force, key) == name:
+            continue
         unwritable = _unwritable(name, beside=beside)
         if unwritable is not None:
-            problems.append(f"{filename}:{key_line(key, marks)}: {_dotted(key)}: {unwritable}")
-    if problems:
-        raise ConfigError(problems)
+            unset = "" if key in lines else f" (not set: the default, {name!r})"
+            problems.append(f"{filename}:{key_line(key, dict(lines))}: {_dotted(key)}{unset}: "
+                            f"{unwritable}")
+    return problems
+
+
+def _get_path(config: Config, key: Path_) -> object:
+    """The value at ``key`` (a section, then a field) of ``config``."""
+    section, field = key
+    return getattr(getattr(config, str(section)), str(field))
 
 
 def _unwritable(name: str, *, beside: bool) -> str | None:

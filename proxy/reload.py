@@ -109,7 +109,13 @@ from aiohttp import web
 from pydantic import BaseModel
 
 from policies.config import Config, Path_
-from proxy.config import ConfigError, key_line, load_config, still_reads
+from proxy.config import (
+    ConfigError,
+    key_line,
+    load_config,
+    still_reads,
+    unwritable_files,
+)
 from proxy.redact import redact
 from proxy.runtime import Runtime
 
@@ -356,6 +362,9 @@ class Reloader:
         try:
             lines: dict[Path_, int] = {}
             config = await abandonable(load_config, self.path, lines=lines)
+            unwritable = unwritable_files(config, str(self.path), lines, self.runtime.config)
+            if unwritable:
+                raise ConfigError(unwritable)
         except Exception as exc:
             if not isinstance(exc, ConfigError):
                 # A fault of ours, not the file's: logged with its traceback, and it must not

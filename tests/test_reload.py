@@ -17,7 +17,7 @@ import aiohttp
 import yaml
 
 from proxy.config import StrictLoader
-from tests.conftest import REPO, free_port, route, status_of
+from tests.conftest import REPO, free_port, route, status_of, wait_until
 from tests.redis_servers import delete_prefix, new_prefix, require_redis
 
 CHAT = {"model": "gpt-test", "messages": [{"role": "user", "content": "hi"}]}
@@ -635,6 +635,28 @@ async def test_a_reload_to_an_event_log_in_a_missing_directory_is_refused(start_
     sluice.signal(signal.SIGHUP)
     await sluice.wait_metric("sluice_config_reloads_total", 1)
     assert await sluice.metric("sluice_config_restart_pending") == 1
+
+
+async def test_an_event_log_whose_directory_went_away_does_not_refuse_other_reloads(
+        start_sluice, tmp_path):
+    """A review: the check of ``events.path`` looked at the running server's own path too,
+    which it has open, so once its directory was removed (a cleanup job, a rotation) every
+    later reload was refused, a rotated admin token's with it."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    sluice = await start_sluice({"events": {"path": str(logs / "events.jsonl")},
+                                 "routes": [route("llm", "http://127.0.0.1:9")]})
+    await wait_until(lambda: (logs / "events.jsonl").exists(), what="the event log opened")
+    (logs / "events.jsonl").unlink()
+    logs.rmdir()
+
+    def raise_limit(data: dict) -> None:
+        data["routes"][0]["concurrency"] = {"limit": 3}
+
+    rewrite(sluice.config_path, raise_limit)
+    sluice.signal(signal.SIGHUP)
+    await sluice.wait_metric("sluice_config_reloads_total", 1)
+    assert await sluice.metric("sluice_config_reload_failures_total") == 0
 
 
 #: ``sluice serve`` whose reloads read the config file forever (``argv``: the config, then a
