@@ -17,19 +17,8 @@ Secrets are never written: headers whose name or value says they carry credentia
 ``sluice dlq replay`` must be given them again. Query parameters go by the same rule
 (:func:`policies.secrets.secret_query_field`: ``?api_key=``, ``?sig=``...; a value such as
 ``?q=sk-...``, whatever its name): the path is stored, and replayed, without them, and
-``?NAME`` for each is listed with the removed headers' names. A JSON body's credentials go
-too (:func:`redact_body`, before the body is cut: members named as one, ``api_key``,
-``password``, ``authorization``...; the fields providers document, Anthropic's
-``mcp_servers[].authorization_token``, OpenAI Responses' ``tools[].authorization`` and
-``tools[].headers``, Azure OpenAI On Your Data's ``data_sources[].parameters.authentication``
-``key`` and ``connection_string``; strings shaped as a key, ``sk-...``; only strings, never an
-object, number or a JSON Schema's ``properties.password``): each is replaced by
-:data:`REDACTED_VALUE` and its JSON Pointer listed (``/tools/0/authorization``; at most
-:data:`MAX_REDACTED_POINTERS`, each cut to :data:`MAX_POINTER_CHARS`), and the body is
-rewritten whole as UTF-8 then (else kept byte for byte; a ``charset`` of its
-``Content-Type`` made ``utf-8``). That is done on the store's own thread, never on the event
-loop. A body of more than :data:`MAX_REDACT_MEMBERS` members is not read, and not kept.
-Bodies are kept up to ``max_body_bytes``; a cut body is marked and cannot be replayed.
+``?NAME`` for each is listed with the removed headers' names. Bodies are kept up to
+``max_body_bytes``; a cut body is marked and cannot be replayed.
 
 Storage follows the ``state`` block. With the memory backend: one SQLite file per replica
 (``dead_letter.path``; WAL mode, so ``sluice dlq`` can read while the server writes); the
@@ -74,10 +63,8 @@ import base64
 import collections
 import concurrent.futures
 import contextlib
-import json
 import logging
 import os
-import re
 import shlex
 import sqlite3
 import time
@@ -88,16 +75,9 @@ from urllib.parse import quote, unquote_plus
 
 import orjson
 
-from policies import bodies
 from policies.config import DeadLetterConfig
 from policies.logs import PER_CALL
-from policies.secrets import (
-    SECRET_BODY_VALUE,
-    secret_body_name,
-    secret_header,
-    secret_query_field,
-    secret_query_name,
-)
+from policies.secrets import secret_header, secret_query_field, secret_query_name
 
 if TYPE_CHECKING:  # policies.state.deadletters imports this module's records
     from policies.state import StateBackends
@@ -206,236 +186,6 @@ def redact_path(path: str) -> tuple[str, list[str]]:
     return (f"{target}?{'&'.join(kept)}" if kept else target), removed
 
 
-#: What stands in a stored body for a member removed as a credential (:func:`redact_body`).
-REDACTED_VALUE = "<redacted>"
-#: Members of providers' request bodies documented to carry a credential, as paths (``*``:
-#: any member or index): Anthropic's MCP connector (``mcp_servers[].authorization_token``),
-#: OpenAI Responses' MCP tool (``tools[].authorization``) and Azure OpenAI On Your Data's
-#: ``data_sources[].parameters.authentication`` (``key``, of ``api_key`` and
-#: ``key_and_key_id``; ``connection_string``, of ``connection_string``). Their names mark
-#: them too; these hold whatever :func:`policies.secrets.secret_body_name` says.
-PROVIDER_CREDENTIAL_FIELDS = (("mcp_servers", "*", "authorization_token"),
-                              ("tools", "*", "authorization"),
-                              ("data_sources", "*", "parameters", "authentication", "key"),
-                              ("data_sources", "*", "parameters", "authentication",
-                               "connection_string"))
-#: Objects of HTTP headers a provider sends on, read member by member as a request's headers
-#: are (:func:`policies.secrets.secret_header`): OpenAI Responses' MCP tool ``headers``
-#: (``{"Authorization": "Bearer ..."}``).
-PROVIDER_HEADER_OBJECTS = (("tools", "*", "headers"),)
-#: Maps of a JSON Schema whose members are named by the caller's data, not by what they hold
-#: (``properties.password`` is the schema of a password, not one): no member of one is taken
-#: for a credential by its name, in an object that is a schema (:data:`_SCHEMA_WORDS`).
-SCHEMA_NAME_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions"})
-_SCHEMA_WORDS = ("type", "$schema", "$ref", "required", "additionalProperties")
-#: JSON Pointers a letter's ``redacted`` lists from one body, at most; those past it are
-#: counted in one last entry, ``/…and N more`` (:func:`is_whole_pointer`). A body of many
-#: credentials (or a hostile one) made a list larger than the body, and the letter with it.
-MAX_REDACTED_POINTERS = 64
-#: Characters of one listed JSON Pointer, at most: a longer one is cut and ends with ``…``.
-#: Pointers repeat their ancestors' names: a 0.25 MB body listed 400 MB (a review).
-MAX_POINTER_CHARS = 256
-#: Members (every value in an object or an array, at any depth) a body is read for
-#: credentials up to; one with more is not read: it is not kept (stored empty and marked
-#: cut, so never replayed), as a body that cannot be rewritten is not, and ``redacted``
-#: says why (:data:`NOT_READ`). At about a microsecond a member, this bounds the store's
-#: thread's work on one letter; such a body is larger than the default ``max_body_bytes``
-#: and would be cut anyway.
-MAX_REDACT_MEMBERS = 500_000
-#: The ``redacted`` entry of a body not kept because it has more than
-#: :data:`MAX_REDACT_MEMBERS` members (its credentials unknown).
-NOT_READ = f"/…not read: more than {MAX_REDACT_MEMBERS} members"
-
-
-def is_body_field(entry: str) -> bool:
-    """Whether an entry of a letter's ``redacted`` list names a body member (a JSON Pointer,
-    RFC 6901: ``/tools/0/authorization``), not a header (``Authorization``: no header name
-    holds ``/``) nor a query field (``?api_key``)."""
-    return entry.startswith("/")
-
-
-def is_whole_pointer(entry: str) -> bool:
-    """Whether a body entry of ``redacted`` is a JSON Pointer a replay can give a value for:
-    not one cut at :data:`MAX_POINTER_CHARS` (ending ``…``), nor ``/…and N more`` or
-    :data:`NOT_READ` (starting ``/…``)."""
-    return is_body_field(entry) and not entry.endswith("…") and not entry.startswith("/…")
-
-
-def body_pointer(path: Iterable[str | int]) -> str:
-    """The JSON Pointer (RFC 6901) of the member at ``path`` (names and indices from the
-    root): ``~`` written ``~0`` and ``/`` written ``~1``."""
-    return "".join("/" + str(step).replace("~", "~0").replace("/", "~1") for step in path)
-
-
-def pointer_steps(pointer: str) -> list[str]:
-    """The steps of a JSON Pointer, unescaped (an index as its digits).
-
-    Raises:
-        ValueError: ``pointer`` does not start with ``/``.
-    """
-    if not pointer.startswith("/"):
-        raise ValueError("a JSON Pointer starts with /")
-    return [step.replace("~1", "/").replace("~0", "~") for step in pointer[1:].split("/")]
-
-
-def _matches(path: tuple[str | int, ...], patterns: tuple[tuple[str, ...], ...]) -> bool:
-    return any(len(pattern) == len(path) and all(
-        want == "*" or want == step for want, step in zip(pattern, path, strict=True))
-        for pattern in patterns)
-
-
-#: A member's path in :func:`_redact_doc`: its parent's path and its name (``None``: the
-#: root), so that a member's costs nothing to make however deep it is.
-_Path = tuple[Any, str | int] | None
-_CREDENTIAL_DEPTHS = frozenset(len(p) for p in PROVIDER_CREDENTIAL_FIELDS)
-_HEADER_DEPTHS = frozenset(len(p) for p in PROVIDER_HEADER_OBJECTS)
-
-
-def _steps(path: _Path) -> tuple[str | int, ...]:
-    steps: list[str | int] = []
-    while path is not None:
-        path, step = path
-        steps.append(step)
-    return tuple(reversed(steps))
-
-
-def _listed(path: _Path) -> str:
-    """The JSON Pointer of ``path``, cut to :data:`MAX_POINTER_CHARS` (ending ``…``)."""
-    pointer = ""
-    for step in _steps(path):
-        pointer += body_pointer((str(step)[:MAX_POINTER_CHARS],))
-        if len(pointer) > MAX_POINTER_CHARS:
-            return pointer[:MAX_POINTER_CHARS - 1] + "…"
-    return pointer
-
-
-class _TooLarge(Exception):
-    """A body with more than :data:`MAX_REDACT_MEMBERS` members."""
-
-
-def _redact_doc(doc: Any) -> list[str]:
-    """Replace the credentials in parsed JSON ``doc`` (an object or array; in place) with
-    :data:`REDACTED_VALUE`; returns their JSON Pointers, each once (a member's before those
-    nested below its siblings), at most :data:`MAX_REDACTED_POINTERS` of them and
-    ``/…and N more``. A credential is a string: an object, array, number, boolean or
-    ``null`` is never replaced by its name (a JSON Schema's ``properties.password``, an
-    OTP's ``"token": 123456``), nor an empty string; and no member of a schema's
-    :data:`SCHEMA_NAME_MAPS` by its name. A value that is the marker already is left: a
-    stored body walked again (``dlq show``) lists nothing new. Iterative: a body nested
-    1,000 deep is walked without recursion.
-
-    Raises:
-        _TooLarge: ``doc`` has more than :data:`MAX_REDACT_MEMBERS` members (then it was
-            changed in part).
-    """
-    listed: list[str] = []
-    more = 0
-    left = MAX_REDACT_MEMBERS
-    said: dict[str, bool] = {}  # names repeat: an array of objects has the same ones
-
-    def named(name: str) -> bool:
-        known = said.get(name)
-        if known is None:
-            known = said[name] = secret_body_name(name)
-        return known
-
-    # (path, depth, node, whether its members' names may mark a credential, whether it is
-    # below a member named as one: ``"credentials": {"user": ..., "pass": ...}``, whose
-    # strings are all removed, as the whole object was before objects were kept)
-    stack: list[tuple[_Path, int, Any, bool, bool]] = [(None, 0, doc, True, False)]
-    while stack:
-        path, depth, node, by_name, secret = stack.pop()
-        left -= len(node)
-        if left < 0:
-            raise _TooLarge
-        below = depth + 1
-        is_object = isinstance(node, dict)
-        headers = (is_object and depth in _HEADER_DEPTHS
-                   and _matches(_steps(path), PROVIDER_HEADER_OBJECTS))
-        provider = is_object and below in _CREDENTIAL_DEPTHS
-        schema = is_object and any(word in node for word in _SCHEMA_WORDS)
-        items = node.items() if is_object else enumerate(node)
-        inner: list[tuple[_Path, int, Any, bool, bool]] = []
-        for name, value in items:
-            if isinstance(value, str):
-                if value == REDACTED_VALUE or not value:
-                    continue  # removed already (``dlq show`` of a letter); or hides nothing
-                if (secret or (is_object and by_name and named(name))
-                        or SECRET_BODY_VALUE.match(value)
-                        or (headers and secret_header(name, value))
-                        or (provider and _matches(_steps((path, name)),
-                                                  PROVIDER_CREDENTIAL_FIELDS))):
-                    node[name] = REDACTED_VALUE
-                    if len(listed) < MAX_REDACTED_POINTERS:
-                        listed.append(_listed((path, name)))
-                    else:
-                        more += 1
-            elif isinstance(value, dict | list) and value:
-                inner.append(((path, name), below, value,
-                              not (schema and name in SCHEMA_NAME_MAPS),
-                              secret or (is_object and by_name and named(name))))
-        stack.extend(reversed(inner))
-    if more:
-        listed.append(f"/…and {more} more")
-    return listed
-
-
-def dump_body(doc: Any) -> bytes:
-    """``doc`` as a redacted body is stored (and a replay that gives its members again
-    sends it): compact UTF-8 JSON, members in their order, numbers exact as the standard
-    library reads them (``1e400`` apart); ASCII escapes for text UTF-8 cannot hold (a lone
-    surrogate escape)."""
-    try:
-        return json.dumps(doc, ensure_ascii=False, separators=(",", ":")).encode()
-    except UnicodeEncodeError:
-        return json.dumps(doc, separators=(",", ":")).encode()
-
-
-def redact_body(body: bytes) -> tuple[bytes, list[str]]:
-    """``body`` with the credentials it carries replaced by :data:`REDACTED_VALUE`, and the
-    JSON Pointer of each (RFC 6901, ``/mcp_servers/0/authorization_token``), for a letter's
-    ``redacted`` list (at most :data:`MAX_REDACTED_POINTERS`, each cut to
-    :data:`MAX_POINTER_CHARS`, :func:`_redact_doc`). A body is read only as JSON, as an
-    upstream in Python would read it (:func:`policies.bodies.read_leniently`); a credential
-    is a string (never an object, array, number, boolean or ``null``) in a member named as
-    one (:func:`policies.secrets.secret_body_name`: ``api_key``, ``password``,
-    ``authorization``...; not a member of a JSON Schema's ``properties``), one of
-    :data:`PROVIDER_CREDENTIAL_FIELDS`, a header of :data:`PROVIDER_HEADER_OBJECTS` that
-    :func:`policies.secrets.secret_header` marks, or a string whose whole value has a
-    key's form (:data:`policies.secrets.SECRET_BODY_VALUE`: ``sk-...``, ``Bearer ...``),
-    at any depth below the top-level object or array.
-
-    Returns ``body`` itself, byte for byte, when nothing is removed (and for a body that is
-    not JSON: a form, text, a cut or invalid document); else the document rewritten whole
-    as UTF-8 (:func:`dump_body`: the caller's spacing and charset are not kept). One parse
-    (orjson; a second, by the standard library, when something is removed, for exact
-    numbers) and one walk of every member: linear in the body, and done on the dead-letter
-    store's own thread, never on the event loop. Never raises: a document nested past what
-    the standard library writes (about 1,000 levels) is not kept at all when something is
-    removed (``b""``, the pointers still listed; the queue marks it cut), nor is one of
-    more than :data:`MAX_REDACT_MEMBERS` members (``b""``, ``redacted`` [:data:`NOT_READ`]).
-    """
-    try:
-        doc, _ = bodies.read_leniently(body)
-    except (orjson.JSONDecodeError, RecursionError):
-        return body, []
-    try:
-        found = _redact_doc(doc) if isinstance(doc, dict | list) else []
-    except _TooLarge:
-        return b"", [NOT_READ]
-    if not found:
-        return body, []
-    try:
-        exact = bodies.loads(body, json.loads)  # orjson reads integers past 64 bits as floats
-        found = _redact_doc(exact)
-    except (ValueError, RecursionError, _TooLarge):  # (not past the bound: read above)
-        exact = doc
-    try:
-        return dump_body(exact), found
-    except (ValueError, RecursionError):
-        return b"", found
-
-
 #: :attr:`ReplayClaim.state` values.
 CLAIMED = "claimed"
 ANSWERED = "answered"
@@ -510,8 +260,6 @@ class DeadLetter:
     method: str
     path: str
     headers: list[tuple[str, str]]
-    #: What was removed as credentials: header names, ``?NAME`` for query fields, and JSON
-    #: Pointers (``/api_key``, :func:`is_body_field`) for body members.
     redacted: list[str]
     body: bytes
     body_size: int
@@ -531,9 +279,7 @@ class DeadLetter:
         return self.body_size > len(self.body)
 
     def as_dict(self) -> dict[str, Any]:
-        """A JSON-ready view; the body is text when it is UTF-8, else base64. The removed
-        credentials are listed apart: ``redacted_headers`` (header names, and ``?NAME``
-        for query fields) and ``redacted_body_fields`` (JSON Pointers)."""
+        """A JSON-ready view; the body is text when it is UTF-8, else base64."""
         try:
             body: dict[str, Any] = {"text": self.body.decode()}
         except UnicodeDecodeError:
@@ -544,9 +290,7 @@ class DeadLetter:
             "idempotency_key": _key_as_logged(self.idempotency_key),
             "key_origin": self.key_origin, "request_id": self.request_id,
             "method": self.method, "path": self.path,
-            "headers": [list(h) for h in self.headers],
-            "redacted_headers": [e for e in self.redacted if not is_body_field(e)],
-            "redacted_body_fields": [e for e in self.redacted if is_body_field(e)],
+            "headers": [list(h) for h in self.headers], "redacted_headers": self.redacted,
             "body": body, "body_size": self.body_size, "body_truncated": self.truncated,
             "attempts": [a.as_dict() for a in self.attempts], "reason": self.reason,
             "replays": self.replays,
@@ -962,19 +706,9 @@ class _Held(NamedTuple):
 
 
 def _size(letter: DeadLetter) -> int:
-    """The bytes of ``letter`` a held copy keeps: its body (as cut), headers, path and what
-    ``redacted`` lists."""
+    """The bytes of ``letter`` a held copy keeps: its body (as cut), headers and path."""
     return (len(letter.body) + len(letter.path)
-            + sum(len(name) + len(value) for name, value in letter.headers)
-            + sum(len(entry) for entry in letter.redacted))
-
-
-_CHARSET = re.compile(r"""(;\s*charset\s*=\s*)("[^"]*"|[^;\s]*)""", re.IGNORECASE)
-
-
-def _utf8_charset(content_type: str) -> str:
-    """``content_type`` with its ``charset`` parameter, if any, made ``utf-8``."""
-    return _CHARSET.sub(r"\1utf-8", content_type)
+            + sum(len(name) + len(value) for name, value in letter.headers))
 
 
 class DeadLetterQueue:
@@ -1015,8 +749,6 @@ class DeadLetterQueue:
         self._refreshing: asyncio.Task[None] | None = None  # every refresh_s, once open
         self._reading: asyncio.Future[None] | None = None  # one read after drops at a time
         self._opening: asyncio.Future[None] | None = None
-        #: Held while a letter is read for credentials on the store's thread (:meth:`add`).
-        self._reading_one = asyncio.Lock()
         self._thread = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="sluice-dlq"
         )
@@ -1121,9 +853,8 @@ class DeadLetterQueue:
             self._reading = asyncio.ensure_future(self.refresh())
 
     async def add(self, letter: DeadLetter) -> int:
-        """Write ``letter`` (its body's credentials removed first, on the store's own thread
-        whatever its size, :meth:`_prepared`; then the oldest letters beyond ``max_records``
-        dropped with it) and return its id.
+        """Write ``letter`` (its body cut to ``max_body_bytes`` here, the oldest letters
+        beyond ``max_records`` dropped with it) and return its id.
 
         The write completes even if the awaiting request is cancelled meanwhile. A letter
         for a file another process keeps locked is held in memory (``MAX_HELD_LETTERS``,
@@ -1136,26 +867,8 @@ class DeadLetterQueue:
                 a damaged file).
             StateUnavailable: the shared stream did not answer (Redis).
         """
-        if self._stopping and self._shared is not None:  # (the store's thread ends then)
-            self.not_kept += 1
-            raise LetterNotKept("the server is stopping: the dead-letter stream takes no "
-                                "more letters")
-        if not self._stopping and (self._shared is not None
-                                   or len(self._held) < MAX_HELD_LETTERS):
-            # On the store's thread, for every size, never on the event loop: 200 letters
-            # of 600 KB read there stalled every call for 8-15 s (a review). Not for a
-            # letter _hold refuses anyway: it is refused at once, nothing read.
-            # One at a time: all of a burst's handed over at once were read before any
-            # write, which came after them on the one thread (200 letters of 600 KB: 0 ids
-            # within DEAD_LETTER_WAIT_S, the held line full). So each letter's write waits
-            # for one reading at most.
-            async with self._reading_one:
-                if not self._stopping:  # its thread ends: _hold refuses it, unread
-                    letter = await self._run(self._prepared, letter)
-                elif self._shared is not None:
-                    self.not_kept += 1
-                    raise LetterNotKept("the server is stopping: the dead-letter stream "
-                                        "takes no more letters")
+        letter.body_size = len(letter.body)
+        letter.body = letter.body[: self.max_body_bytes]
         write: asyncio.Future[Added]
         if self._shared is not None:
             write = asyncio.ensure_future(self._shared.add(letter, self.max_records))
@@ -1185,25 +898,6 @@ class DeadLetterQueue:
 
         write.add_done_callback(count)
         return (await asyncio.shield(write)).id
-
-    def _prepared(self, letter: DeadLetter) -> DeadLetter:
-        """``letter`` as it is stored (changed in place; on the store's thread): its body's
-        credentials removed (:func:`redact_body`; before the cut: a cut document reads as
-        no JSON, and would keep what it holds), their JSON Pointers added to ``redacted``,
-        a ``charset`` of its ``Content-Type`` made ``utf-8`` when the body was rewritten
-        (as UTF-8: a UTF-16 body's replay said ``utf-16``), then the body cut to
-        ``max_body_bytes``."""
-        sent = len(letter.body)
-        body, removed = redact_body(letter.body)
-        letter.redacted = [*letter.redacted, *removed]
-        if body and body is not letter.body:
-            letter.headers = [(name, _utf8_charset(value) if name.lower() == "content-type"
-                               else value) for name, value in letter.headers]
-        # A body not kept at all (nested too deep to rewrite, or too many members to read)
-        # is marked cut: never replayed.
-        letter.body_size = len(body) if body or not sent else sent
-        letter.body = body[: self.max_body_bytes]
-        return letter
 
     def _hold(self, letter: DeadLetter) -> asyncio.Future[Added]:
         """Put ``letter`` in line for the writer; a future of its write, failed at once with

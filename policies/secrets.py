@@ -1,26 +1,21 @@
 """What marks a credential: by its value, in every place Sluice stores or shows what callers
 sent (dead letters, ``policies.deadletter``; the admin views and reload errors,
-``proxy.redact``; URLs it prints, ``policies.state.redact_url``), in a header, a query
-field or a JSON body's string alike, and by a header's, a query field's or a JSON body
-member's name (``proxy.redact`` reads config keys by words of its own: ``key_prefix`` is no
-key)."""
+``proxy.redact``; URLs it prints, ``policies.state.redact_url``), in a header or a query
+field alike, and by a header's or a query field's name (``proxy.redact`` reads config keys
+by words of its own: ``key_prefix`` is no key)."""
 
 from __future__ import annotations
 
 import re
 
 #: Values that are credentials whatever their name: API keys by their vendors' prefixes
-#: (OpenAI ``sk-``, Stripe ``sk_``/``rk_``, Slack ``xox?-``, GitHub ``gh?_`` and
-#: ``github_pat_``, GitLab ``glpat-``, Groq ``gsk_``, AWS ``AKIA``, Google ``AIza``; Hugging
-#: Face ``hf_`` and xAI ``xai-`` with 20 letters or digits after them, as their keys have and
-#: ``hf_hub_download`` or a name such as ``xai-grok`` has not), JSON Web Tokens (``eyJ``: a
-#: base64url JSON header, then a dot) and
+#: (OpenAI ``sk-``, Stripe ``sk_``/``rk_``, Slack ``xox?-``, GitHub ``gh?_``, AWS ``AKIA``,
+#: Google ``AIza``), JSON Web Tokens (``eyJ``: a base64url JSON header, then a dot) and
 #: ``Authorization`` schemes, whose names are case-insensitive (RFC 9110 §11.1). Not Slovak's
 #: language tag, ``sk-SK`` (``Accept-Language: sk-SK,sk;q=0.9``, ``?hl=sk-SK``), which a dead
 #: letter would otherwise lose, and its replay with it.
 #: (The vendors' prefixes and the schemes are shared with :data:`SECRET_QUERY_VALUE`.)
-_KEY_PREFIXES = (r"sk-(?![A-Za-z]{2}(?:$|[,;]))|sk_|rk_|xox[abp]-|gh[pousr]_|github_pat_"
-                 r"|glpat-|gsk_|hf_[A-Za-z0-9]{20}|xai-[A-Za-z0-9]{20}|AKIA|AIza|eyJ[\w-]*\.")
+_KEY_PREFIXES = r"sk-(?![A-Za-z]{2}(?:$|[,;]))|sk_|rk_|xox[abp]-|gh[pousr]_|AKIA|AIza|eyJ[\w-]*\."
 #: ``Authorization`` schemes, case-insensitive (a regular expression, for patterns here and in
 #: ``proxy.redact``).
 AUTH_SCHEMES = r"(?i:bearer|basic|digest|token)"
@@ -157,37 +152,3 @@ def _named_secret(lower: str, parts: tuple[str, ...]) -> bool:
     whole word (between ``-`` and ``_``)."""
     return (any(part in lower for part in parts)
             or not SECRET_HEADER_WORDS.isdisjoint(re.split(r"[-_]", lower)))
-
-
-#: Names of a JSON body's members whose value is a credential, as whole names (lower case,
-#: ``-``, ``_``, ``.`` and spaces dropped: ``api_key``, ``apiKey``, ``x-api-key`` and
-#: ``API-Key`` read alike; :func:`secret_body_name`). Stricter than a header's or a query
-#: field's rules: a body names its data too, and by those ``max_tokens``, ``author``,
-#: ``session_id``, a key-value tool's ``key`` argument or the ``signature`` Anthropic's
-#: thinking blocks must be sent back with would be dropped, and a replay would send another
-#: request. Bare ``token``, ``auth``, ``credential(s)`` and ``cookie`` name nothing else.
-SECRET_BODY_NAMES = frozenset({"token", "auth", "credential", "credentials", "cookie"})
-#: Endings of a body member's name (as compared in :data:`SECRET_BODY_NAMES`) that mark a
-#: credential: ``api_key``, ``x-api-key``, ``authorization``, Anthropic's
-#: ``authorization_token``, OAuth's ``access_token``, ``refresh_token``, ``id_token`` and
-#: ``client_secret``, ``password``, ``private_key``, ``aws_secret_access_key``... Not
-#: ``token`` alone as an ending: ``page_token``, ``next_token`` are cursors.
-SECRET_BODY_ENDINGS = (
-    "apikey", "apitoken", "accesstoken", "refreshtoken", "idtoken", "authtoken",
-    "bearertoken", "sessiontoken", "authorizationtoken", "authorization", "password",
-    "passwd", "passphrase", "secret", "secretkey", "secretaccesskey", "privatekey",
-    "subscriptionkey")
-#: A JSON string that is a credential whatever its member's name: one word with a vendor's
-#: key prefix (``sk-...``, ``ghp_...``, a JWT), or an ``Authorization`` scheme and one
-#: token-like word (:data:`SECRET_QUERY_VALUE`'s rule), the whole string. A prompt that
-#: quotes a key inside a sentence is the caller's text, kept.
-SECRET_BODY_VALUE = re.compile(
-    rf"^(?:(?:{_KEY_PREFIXES})\S*|{AUTH_SCHEMES}\s+{_TOKEN_WORD})$")
-_BODY_NAME_SEPARATORS = re.compile(r"[-_.\s]+")
-
-
-def secret_body_name(name: str) -> bool:
-    """Whether a JSON body's member named ``name`` carries a credential, by its name
-    (:data:`SECRET_BODY_NAMES`, :data:`SECRET_BODY_ENDINGS`)."""
-    read = _BODY_NAME_SEPARATORS.sub("", name).lower()
-    return read in SECRET_BODY_NAMES or read.endswith(SECRET_BODY_ENDINGS)

@@ -289,15 +289,6 @@ def build_parser() -> argparse.ArgumentParser:
         "--header-from-env", action="append", default=[], metavar="NAME=ENVVAR",
         help="add a header whose value is read from an environment variable",
     )
-    replay.add_argument(
-        "--body-field-from-env", action="append", default=[], metavar="PATH=ENVVAR",
-        help="put back a body field removed as a credential when recording (PATH: its JSON "
-             "Pointer, as `dlq show` lists it in redacted_body_fields), its value read from "
-             "an environment variable, as a JSON string",
-    )
-    replay.add_argument("--send-redacted", action="store_true",
-                        help="send a body whose removed fields are not all given back, with "
-                             "the marker \"<redacted>\" in their place")
     replay.add_argument("--output", metavar="FILE", help="write the upstream's answer here")
     replay.add_argument("--again", action="store_true",
                         help="send it even though an earlier replay was answered (below 400, "

@@ -3,10 +3,7 @@
 * ``list``: one line per record (the newest ``--limit``, 100 by default, oldest first): id,
   time (UTC), route, tenant, method and path, attempts, why retries ended, and the last
   replay's status; a last line says how many older records were left out.
-* ``show ID``: the whole record as JSON (the credentials removed from it listed apart:
-  ``redacted_headers``, with ``?NAME`` for query fields, and ``redacted_body_fields``, JSON
-  Pointers; a body kept whole by an earlier Sluice is shown with them removed), with its
-  attempts and replays, and where its
+* ``show ID``: the whole record as JSON, with its attempts and replays, and where its
   ``idempotency_key`` came from (``key_origin``: ``caller``, or ``derived`` or ``fresh``
   for a key Sluice made; null in letters written before it was recorded).
 * ``replay ID``: send the recorded request once, straight to its route's upstream as the
@@ -31,10 +28,7 @@
   record another replay is sending now is not sent at all: each replay holds its record until
   its result is stored, so two commands started at once never both send it. Credentials were
   removed when recording, so give them again with ``-H 'Authorization: Bearer ...'`` or
-  ``--header-from-env NAME=ENVVAR`` (the latter keeps the secret out of the process list),
-  and a body's fields with ``--body-field-from-env POINTER=ENVVAR`` (a letter with body
-  fields removed and not all given back is refused, nothing sent, unless ``--send-redacted``
-  sends the marker in their place: it could reach a tool as its ``password``);
+  ``--header-from-env NAME=ENVVAR`` (the latter keeps the secret out of the process list);
   ``--output FILE`` keeps the upstream's answer (a path it could not be written to is refused
   before anything is sent). Exit status 0 when the upstream answered below 400 (and an MCP
   call's tool or JSON-RPC call did not fail), 1 otherwise;
@@ -65,8 +59,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import dataclasses
-import json
 import os
 import shlex
 import signal
@@ -96,7 +88,6 @@ from policies.deadletter import (
     BUSY,
     CLAIMED,
     MISSING,
-    REDACTED_VALUE,
     DamagedFile,
     DeadLetter,
     DeadLetterFile,
@@ -105,12 +96,7 @@ from policies.deadletter import (
     check_dead_letter_file,
     corrupt,
     damage,
-    dump_body,
-    is_body_field,
-    is_whole_pointer,
     letters_in,
-    pointer_steps,
-    redact_body,
 )
 from policies.idempotency import (
     DERIVED_KEY,
@@ -352,8 +338,7 @@ async def _command(config: Config | None, store: DeadLetterStore | _FileStore, w
         print(f"no dead letter {args.id} in {where}", file=sys.stderr)
         return EXIT_FAILED
     if args.dlq_command == "show":
-        sys.stdout.buffer.write(orjson.dumps(_shown(letter).as_dict(),
-                                             option=orjson.OPT_INDENT_2))
+        sys.stdout.buffer.write(orjson.dumps(letter.as_dict(), option=orjson.OPT_INDENT_2))
         sys.stdout.write("\n")
         return 0
     assert config is not None  # sluice.cli loads it for a replay
@@ -399,8 +384,6 @@ async def _replay(config: Config, store: DeadLetterStore | _FileStore, letter: D
         return EXIT_FAILED
     headers: CIMultiDict[str] = CIMultiDict(letter.headers)
     try:
-        letter, marked = _with_body_fields(letter, args.body_field_from_env,
-                                           args.send_redacted)
         for at, item in enumerate(args.header, 1):
             name, sep, value = item.partition(":")
             if not sep or not HEADER_NAME.fullmatch(name.strip()):
@@ -478,7 +461,7 @@ async def _replay(config: Config, store: DeadLetterStore | _FileStore, letter: D
         return EXIT_FAILED
     # Said once it is sure to be sent: before a refusal (answered already, held by another
     # replay), it warned of a send that never happened (a new user's trial).
-    _warn_removed(letter, headers, marked)
+    _warn_removed(letter, headers)
     started = time.monotonic()
     status: int | None = None
     error: str | None = "interrupted"  # what is stored if the send never returns
@@ -512,82 +495,14 @@ async def _replay(config: Config, store: DeadLetterStore | _FileStore, letter: D
     return 0 if status is not None and status < 400 and error is None else EXIT_FAILED
 
 
-def _shown(letter: DeadLetter) -> DeadLetter:
-    """``letter`` as ``dlq show`` prints it: its body's credentials removed
-    (:func:`policies.deadletter.redact_body`) and listed, as a letter written before bodies
-    were redacted kept them (its replay still sends them: they are what the caller sent). A
-    body cut when it was written cannot be read as JSON, and is shown as kept."""
-    if letter.truncated:
-        return letter
-    body, removed = redact_body(letter.body)
-    if not removed:
-        return letter
-    return dataclasses.replace(letter, body=body, body_size=len(body),
-                               redacted=[*letter.redacted, *removed])
-
-
-def _with_body_fields(letter: DeadLetter, given: list[str], send_redacted: bool
-                      ) -> tuple[DeadLetter, list[str]]:
-    """``(letter, pointers left with the marker)``: ``letter`` with the body fields removed
-    as credentials when it was written put back from the environment (``given``:
-    ``--body-field-from-env POINTER=ENVVAR`` items, each value a JSON string), its body
-    rewritten as it was stored (:func:`policies.deadletter.dump_body`): what the caller sent,
-    its spacing apart.
-
-    Raises:
-        ValueError: an item is not ``POINTER=ENVVAR``, names a field that was not removed
-            (or an entry that is no whole pointer: one cut, ``/…and N more``) or a variable
-            that is not set; or fields were removed and not all given back, and
-            ``send_redacted`` is false (the body would carry the marker where the upstream
-            reads a credential: a tool's ``password`` argument set to it). The messages never
-            quote a value.
-    """
-    removed = [entry for entry in letter.redacted if is_body_field(entry)]
-    values: dict[str, str] = {}
-    for item in given:
-        pointer, sep, var = item.rpartition("=")  # a pointer may hold "=", a variable not
-        # Not a cut pointer, nor "/…and N more": no member is named so.
-        if not sep or pointer not in removed or not is_whole_pointer(pointer):
-            raise ValueError(
-                f"--body-field-from-env {item!r} is not PATH=ENVVAR with PATH a field removed "
-                f"from dead letter {letter.id}'s body (" + (
-                    f"removed: {', '.join(removed)})" if removed else "none was)"))
-        if var not in os.environ:
-            raise ValueError(f"--body-field-from-env {item!r}: no environment variable {var!r}")
-        values[pointer] = os.environ[var]
-    missing = [pointer for pointer in removed if pointer not in values]
-    if missing and not send_redacted:
-        raise ValueError(
-            f"dead letter {letter.id}: its body's field(s) {', '.join(missing)} were removed "
-            f"as credentials when it was written, and would be sent as {REDACTED_VALUE!r}; "
-            f"give each with --body-field-from-env PATH=ENVVAR, or pass --send-redacted to "
-            f"send the marker in their place")
-    if not values:
-        return letter, missing
-    doc = json.loads(letter.body)
-    for pointer, value in values.items():
-        *parents, last = pointer_steps(pointer)
-        node = doc
-        for step in parents:
-            node = node[int(step)] if isinstance(node, list) else node[step]
-        if isinstance(node, list):
-            node[int(last)] = value
-        else:
-            node[last] = value
-    body = dump_body(doc)
-    return dataclasses.replace(letter, body=body, body_size=len(body)), missing
-
-
-def _warn_removed(letter: DeadLetter, headers: CIMultiDict[str], marked: list[str]) -> None:
+def _warn_removed(letter: DeadLetter, headers: CIMultiDict[str]) -> None:
     """Say what the replay is sent without: the credentials removed when the letter was
     written (by name only) that ``--header``/``--header-from-env`` did not give again, and
-    its query fields removed so (no option gives those back), and the body fields ``marked``
-    it sends with the marker in their place (``--send-redacted``). A new user's replay printed
+    its query fields removed so (no option gives those back). A new user's replay printed
     only its status, sent without ten such fields."""
     query = [name for name in letter.redacted if name.startswith("?")]
-    missing = [name for name in letter.redacted if not name.startswith("?")
-               and not is_body_field(name) and name not in headers]
-
+    missing = [name for name in letter.redacted
+               if not name.startswith("?") and name not in headers]
     if missing:
         print(f"WARNING: dead letter {letter.id} is replayed without {', '.join(missing)}, "
               "removed as credentials when it was written; give them with --header or "
@@ -596,12 +511,6 @@ def _warn_removed(letter: DeadLetter, headers: CIMultiDict[str], marked: list[st
         print(f"WARNING: dead letter {letter.id} is replayed without its query field(s) "
               f"{', '.join(query)}, removed as credentials when it was written",
               file=sys.stderr)
-    if marked:
-        print(f"WARNING: dead letter {letter.id} is replayed with {REDACTED_VALUE!r} as its "
-              f"body's field(s) {', '.join(marked)}, removed as credentials when it was "
-              "written (--send-redacted); give them with --body-field-from-env",
-              file=sys.stderr)
-
 
 
 def _call_failure(protocol: str, request_body: bytes, status: int | None, answer: bytes,

@@ -476,8 +476,7 @@ async def test_a_result_the_store_cannot_take_is_said_and_the_answer_still_kept(
                         body=b"{}", body_size=2, attempts=[], reason="attempts_exhausted",
                         id=7)
     out = tmp_path / "answer.json"
-    args = argparse.Namespace(again=False, header=[], header_from_env=[], output=str(out),
-                              body_field_from_env=[], send_redacted=False)
+    args = argparse.Namespace(again=False, header=[], header_from_env=[], output=str(out))
     assert await dlq._replay(config, FailingStore(), letter, args) == 0
     printed = capsys.readouterr()
     assert "HTTP 200" in printed.out
