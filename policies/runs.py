@@ -796,6 +796,12 @@ class GiveBacks(Redeliveries["_GiveBack | OutageCount | OutageLink"]):
         log.warning("run links, request counts and give-backs of %s reconciled into the "
                     "shared run state", counted(count, "call"))
 
+    def _refused(self, entry: _GiveBack | OutageCount | OutageLink,
+                 exc: StateUnavailable) -> None:
+        if isinstance(entry, OutageLink):
+            self._links.discard((entry.tenant, entry.run))
+        super()._refused(entry, exc)
+
 
 # --- the policies ----------------------------------------------------------------------------
 

@@ -714,6 +714,16 @@ class Metrics:
             "Lines of output (events, log) dropped because their destination (a pipe, a "
             "terminal, a file) was not taking them.", "output", read))
 
+    def bind_state_key_faults(self, read: Callable[[], dict[str, float]]) -> None:
+        """Export ``sluice_state_key_faults_total{what}``: calls on a Redis key under the
+        prefix holding what Sluice does not write there (policies/state/connection.py), by
+        kind of state, read at scrape time from ``read()``."""
+        self._on_loop.register(_ReadCounter(
+            "sluice_state_key_faults",
+            "Shared-state calls on a key holding what Sluice does not write there (another "
+            "type, unreadable content), served as state.on_unavailable says while the backend "
+            "stays up, by kind of state.", "what", read))
+
     def bind_dead_letters_dropped(self, read: Callable[[], dict[str, float]]) -> None:
         """Export ``sluice_dead_letters_dropped_total{route}``: the oldest dead letters this
         replica's writes dropped to stay within ``dead_letter.max_records``

@@ -29,9 +29,11 @@ client (``docs/mcp.md``; a 429 or 503 status ends the whole session of the Pytho
 client), and so is a 400 ``exceeds_limit`` (a tool's cost over a whole budget). So are a
 call's own 502 ``upstream_unreachable`` and 504 ``upstream_timeout`` (code 502 / 504): the
 1.x client raises those statuses out of its transport too, cancelling every call of the
-session, for one tool that timed out before its answer began. Sluice's other errors there
-(400 unreadable request, 404, 413) keep their statuses, as do a GET's and a notification's
-502/504 (no id to answer).
+session, for one tool that timed out before its answer began. So is a call's 500
+``internal_error`` (a fault of Sluice's own before anything was sent, code 500): one call's
+bug must not end every call of a 1.x session. Sluice's other errors there (400 unreadable
+request, 404, 413) keep their statuses, as do a GET's and a notification's 500/502/504 (no
+id to answer).
 """
 
 from __future__ import annotations
@@ -165,7 +167,7 @@ def jsonrpc_id(protocol: str, body: bytes) -> mcp.RequestId | None:
 
 #: Refusals and failures of one MCP call that go out as HTTP 200 + JSON-RPC error (see the
 #: module docstring).
-_MCP_CALL_REFUSALS = frozenset({409, 422, 429, 502, 503, 504})
+_MCP_CALL_REFUSALS = frozenset({409, 422, 429, 500, 502, 503, 504})
 #: 400s that are a policy's verdict on one call, not an unreadable request: a tool whose cost
 #: exceeds a whole budget must fail that call only, as a spent budget's 429 does.
 _MCP_CALL_REFUSAL_REASONS = frozenset({Reason.EXCEEDS_LIMIT})

@@ -147,6 +147,9 @@ class Runtime:
         self.metrics.state_backend_up.labels(self.state.kind).set_function(
             lambda: 1.0 if health.up else 0.0)
         health.on_change(self._state_changed)
+        redis = self.state.redis
+        if redis is not None:
+            self.metrics.bind_state_key_faults(lambda: dict(redis.key_faults))
         self.routes: list[Route] = []
         #: Routes a reload deleted that still had requests in flight (counted by the drain).
         self.removed: list[Route] = []

@@ -15,6 +15,7 @@ import weakref
 from collections.abc import AsyncIterator
 
 import aiohttp
+import orjson
 import pytest
 from aiohttp import web
 
@@ -140,6 +141,39 @@ routes:
             status, _, _ = await post(session, sluice.url("/r/v1/chat/completions"),
                                       **{"X-Step": "1"})
         assert status == 200 and len(upstream.requests) == 1
+
+
+async def test_an_mcp_calls_internal_error_fails_that_call_not_the_session(
+        upstream: FakeUpstream, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Seen: the 500 internal_error went out as HTTP 500, which the MCP Python 1.x client
+    # raises out of its transport, ending every call of the session (a hostile review).
+    config = f"""
+routes:
+  - name: tools
+    path_prefix: /tools/
+    upstream: {upstream.url}
+    protocol: mcp
+    concurrency: {{limit: 2, queue: 0}}
+"""
+    async with proxy(config) as sluice, aiohttp.ClientSession() as session:
+        events = sluice.runtime.events
+        real_emit = events.emit
+
+        def emit(event: str, *args: object, **fields: object) -> None:
+            if event == "admitted":
+                raise ValueError("injected: a fault of Sluice's own after admission")
+            real_emit(event, *args, **fields)
+
+        monkeypatch.setattr(events, "emit", emit)
+        call = {"jsonrpc": "2.0", "id": 7, "method": "tools/call",
+                "params": {"name": "echo", "arguments": {}}}
+        status, headers, body = await post(session, sluice.url("/tools/mcp"), json=call,
+                                           Accept="application/json, text/event-stream")
+        assert status == 200 and headers["X-Sluice-Reason"] == "internal_error"
+        answer = orjson.loads(body)
+        assert answer["id"] == 7 and answer["error"]["code"] == 500
+        assert answer["error"]["data"]["reason"] == "internal_error"
+        assert upstream.requests == []
 
 
 async def test_a_breaker_that_opens_while_a_call_queues_refuses_it_without_charging(

@@ -169,7 +169,7 @@ elseif refused == 0 and #denied == 0 then
   admitted = 1
 end
 return {admitted, refused, wait, applied(b, refused), remaining(b), denied, levels(r + 1)}
-""")
+""", "admission")
 
 
 # KEYS: the reservations hash and its expiry set, then the buckets. ARGV: rid, then (limit,
@@ -178,13 +178,15 @@ return {admitted, refused, wait, applied(b, refused), remaining(b), denied, leve
 # if not held, the levels of its counters after (as the ledger's settle)}.
 _RELEASE = Script(GCRA_LUA + LEDGER_LUA + """
 local raw = redis.call('HGET', KEYS[1], ARGV[1])
+local rec = raw and record(KEYS[1], raw)
+-- Checked before the refund writes anything (see settleable in LEDGER_LUA).
+if rec and rec.s ~= 'x' then settleable(rec) end
+local b = buckets(2, 1, #KEYS - 2)
 -- An admission with claims takes its units with its hold, in one script: no hold, no units
 -- (not landed yet, and the mark below makes it take nothing when it does; or refused).
-if ARGV[#ARGV - 1] == '0' or (raw and decoded(raw, 'a budget reservation').s ~= 'x') then
-  refund(buckets(2, 1, #KEYS - 2))
-end
+if ARGV[#ARGV - 1] == '0' or (rec and rec.s ~= 'x') then refund(b) end
 return settle_levels(KEYS[1], KEYS[2], ARGV[1], nil, tonumber(ARGV[#ARGV]))
-""")
+""", "admission")
 
 
 class RedisAdmissions:

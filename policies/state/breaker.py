@@ -86,6 +86,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol
 
 from policies.state.connection import RedisState, Script
+from policies.state.stored import stored_text
 
 #: Breaker states, numbered as the ``sluice_circuit_state`` gauge.
 CLOSED, HALF_OPEN, OPEN = 0, 1, 2
@@ -486,7 +487,7 @@ if redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then
   return {1, epoch, 1, 0, 1, transition, cause}
 end
 return {0, epoch, 0, math.max(redis.call('PTTL', KEYS[2]), 0), 1, transition, cause}
-""")
+""", "breaker")
 
 # KEYS: breaker, probe lease, window. ARGV: epoch, token ('' none), outcome (3: PROBE_FAILED,
 # a failure that opens a closed breaker at once if it heard no success since), fail_max,
@@ -495,6 +496,15 @@ return {0, epoch, 0, math.max(redis.call('PTTL', KEYS[2]), 0), 1, transition, ca
 # Returns {state, transition, cause, open for ms}.
 _RECORD = Script(_READ + """
 local transition = ''
+-- The window's counts are checked before the first write (Redis does not roll a script
+-- back): a field HINCRBY refuses, midway, left the probe lease deleted and the state unsaved.
+if tonumber(ARGV[7]) > 0 then
+  local all = redis.call('HGETALL', KEYS[3])
+  for i = 1, #all, 2 do
+    if not string.find(all[i], '^[cf]%d+$') then bad("a breaker's window", 'names no second') end
+    int_field(all[i + 1], "a breaker's window")
+  end
+end
 -- 'run': the server times (us, oldest first) of the current run of consecutive failures,
 -- the latest min(failures, fail_max, KEPT) of them: a success delivered late is late by
 -- a flush (FLUSH_S) and a round trip, and more failures than KEPT in that time open the
@@ -621,7 +631,7 @@ end
 local left = 0
 if state == 2 then left = math.max(open_until - now, 0) end
 return {state, transition, cause, left}
-""")
+""", "breaker")
 
 # KEYS: breaker, probe lease. Returns {state, open for ms, probing, cause, epoch}.
 _VIEW = Script(_READ + """
@@ -630,7 +640,7 @@ if state == 2 then left = math.max(open_until - now, 0) end
 local probing = 0
 if state == 1 and redis.call('EXISTS', KEYS[2]) == 1 then probing = 1 end
 return {state, left, probing, cause, epoch}
-""")
+""", "breaker")
 
 
 # KEYS: probe lease. ARGV: token, lease ms. Returns 1 if renewed, 0 if not the token's.
@@ -640,7 +650,7 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then
   return 1
 end
 return 0
-""")
+""", "breaker")
 
 
 class RedisBreakerStates:
@@ -669,7 +679,7 @@ class RedisBreakerStates:
             return Admission(bool(int(allowed)),
                              Ticket(int(epoch), token if int(probe) else None),
                              int(wait_ms) / 1000, int(state), transition.decode() or None,
-                             cause.decode())
+                             stored_text(cause, _BREAKER))
 
         return await self._state.eval(_ADMIT, self._keys(group)[:2],
                                       [token, _ms(params.probe_s)], read)
@@ -716,14 +726,20 @@ class RedisBreakerStates:
         return await self._state.eval(_VIEW, self._keys(group)[:2], [], _view)
 
 
+#: What a key fault names a breaker's state (never its content).
+_BREAKER = "a breaker"
+
+
 def _verdict(reply: Sequence[Any]) -> Verdict:
     state, transition, cause, left_ms = reply
-    return Verdict(int(state), transition.decode() or None, cause.decode(), int(left_ms) / 1000)
+    return Verdict(int(state), transition.decode() or None, stored_text(cause, _BREAKER),
+                   int(left_ms) / 1000)
 
 
 def _view(reply: Sequence[Any]) -> View:
     state, left_ms, probing, cause, epoch = reply
-    return View(int(state), int(left_ms) / 1000, bool(int(probing)), cause.decode(), int(epoch))
+    return View(int(state), int(left_ms) / 1000, bool(int(probing)),
+                stored_text(cause, _BREAKER), int(epoch))
 
 
 def _ms(seconds: float) -> int:

@@ -64,6 +64,7 @@ from redis.exceptions import RedisError
 from policies.secrets import secret_query_field, secret_query_name
 from policies.state.errors import (
     BAD_RECORD,
+    BadRecord,
     StateUnavailable,
     is_key_fault,
     is_unavailable,
@@ -246,18 +247,20 @@ class Deadline:
         return await self._timeout.__aexit__(*exc)
 
 
-#: What reading a reply raises when a key under the prefix holds the right type with content
-#: Sluice does not write there (text in a number's field, a record missing a field): the
-#: call is then a key fault (:func:`~policies.state.errors.key_fault`), not a bug.
-DECODE_ERRORS: tuple[type[Exception], ...] = (
-    ValueError, TypeError, KeyError, IndexError, AttributeError)
-
 # Prepended to every script: ``num(v, what)`` and ``decoded(raw, what)`` read back a number or
 # a JSON object that a script stored, and ``bad(what, why)`` fails the call for any other
 # check: a BADRECORD error, a key fault (policies.state.errors) when the key holds something
 # else. A bare tonumber() gave nil and the script failed with "attempt to perform arithmetic
 # on a nil value", told apart from a bug in the script by nothing. ``what`` names the record;
 # the value itself is never put in the error.
+#
+# ``float_field(v, what)`` and ``int_field(v, what)`` read a hash field the script will then
+# change with HINCRBYFLOAT or HINCRBY (absent: 0), and fail unless Redis will take it: only
+# plain decimals, finite and far from overflow (num() took " 5 " and "0x10", which HINCRBY
+# refuses). A script that writes several keys reads every value it will write through these
+# before its first write: Redis does not roll a script back, so a refusal midway left the
+# writes before it, which a caller sending the call again applied again (a hostile review:
+# a settle charged 28 for a true 7 after four retries).
 DECODE_LUA = f"""
 local function bad(what, why)
   error({{err = '{BAD_RECORD} ' .. what .. ' ' .. why}})
@@ -267,6 +270,25 @@ local function num(v, what)
   if n == nil then bad(what, 'holds a non-number') end
   return n
 end
+local function plain_float(v)
+  if type(v) ~= 'string' or #v > 64 or not string.find(v, '%d') then return nil end
+  if not (string.find(v, '^%-?%d*%.?%d*$') or string.find(v, '^%-?%d*%.?%d*[eE][%-+]?%d+$'))
+  then return nil end
+  local n = tonumber(v)
+  if n == nil or not (n > -1e300 and n < 1e300) then return nil end
+  return n
+end
+local function float_field(v, what)
+  if not v then return 0 end
+  local n = plain_float(v)
+  if n == nil then bad(what, 'holds a non-number') end
+  return n
+end
+local function int_field(v, what)
+  if not v then return 0 end
+  if not string.find(v, '^%-?%d+$') or #v > 18 then bad(what, 'holds a non-integer') end
+  return tonumber(v)
+end
 local function decoded(raw, what)
   local ok, rec = pcall(cjson.decode, raw)
   if not ok or type(rec) ~= 'table' then bad(what, 'holds no JSON object') end
@@ -274,15 +296,28 @@ local function decoded(raw, what)
 end
 """
 
+#: The labels of ``sluice_state_key_faults_total``: which kind of state a key fault was met
+#: in (each :class:`Script` names one).
+KEY_FAULT_KINDS = ("admission", "budget", "breaker", "deadletter", "idempotency", "lease",
+                   "rate", "runs")
+#: At most one WARNING per kind of state this often about key faults, seconds (each is
+#: counted in ``sluice_state_key_faults_total`` whatever the log says).
+KEY_FAULT_LOG_INTERVAL_S = 60.0
+
 
 class Script:
     """A Lua script run with EVALSHA on the current client (``register_script``, which loads
-    it again on NOSCRIPT after a restart or failover); :data:`DECODE_LUA` comes first."""
+    it again on NOSCRIPT after a restart or failover); :data:`DECODE_LUA` comes first.
+    ``what``: the kind of state it works on (:data:`KEY_FAULT_KINDS`), its key faults'
+    label (``None``: not one of Sluice's kinds of state, such as the health probe's; its
+    key faults are not counted)."""
 
-    __slots__ = ("_registered", "lua")
+    __slots__ = ("_registered", "lua", "what")
 
-    def __init__(self, lua: str) -> None:
+    def __init__(self, lua: str, what: str | None = None) -> None:
+        assert what is None or what in KEY_FAULT_KINDS, what
         self.lua = DECODE_LUA + lua
+        self.what = what
         self._registered: tuple[Any, AsyncScript] | None = None
 
     def bind(self, client: Redis | RedisCluster) -> AsyncScript:
@@ -327,6 +362,10 @@ class RedisState:
         self.max_connections = max_connections
         self.probe_interval_s = probe_interval_s
         self.health = Health()
+        #: Key faults met, by kind of state (:data:`KEY_FAULT_KINDS`), since start:
+        #: ``sluice_state_key_faults_total``.
+        self.key_faults: dict[str, int] = dict.fromkeys(KEY_FAULT_KINDS, 0)
+        self._key_fault_logged: dict[str, float] = {}
         #: ``True`` for a Redis Cluster, ``False`` for one server, ``None`` before detection.
         self.cluster: bool | None = None
         self._client: Redis | RedisCluster | None = None
@@ -403,20 +442,38 @@ class RedisState:
         self.health.ok()
         return True
 
-    def _unavailable(self, exc: Exception) -> StateUnavailable:
+    def _unavailable(self, exc: Exception, what: str | None = None) -> StateUnavailable:
         """Mark the backend down for ``exc`` and return the error to raise; an error that
-        says nothing about availability (a bug, a bad script) is re-raised as it is."""
+        says nothing about availability (a bug, a bad script) is re-raised as it is. ``what``:
+        the kind of state the call was on, for a key fault (:meth:`key_fault`)."""
         if isinstance(exc, StateUnavailable):  # refused while connecting (see probe)
             self.health.fail(exc.cause)
             return StateUnavailable(f"state backend unavailable: {exc.cause}",
                                     self.probe_interval_s, down_s=self.health.down_for())
         if is_key_fault(exc):  # that key only: the backend stays up for the others
-            return key_fault(describe(exc))
+            return self.key_fault(describe(exc), what)
         if not is_unavailable(exc):
             raise exc
         self.health.fail(describe(exc))
         return StateUnavailable(f"state backend unavailable: {describe(exc)}",
                                 self.probe_interval_s, down_s=self.health.down_for())
+
+    def key_fault(self, detail: str, what: str | None) -> StateUnavailable:
+        """The error for a key fault met in a call on ``what`` (:data:`KEY_FAULT_KINDS`),
+        counted, and logged at WARNING at most once per :data:`KEY_FAULT_LOG_INTERVAL_S` per
+        kind: it is served as unavailable (``state.on_unavailable``) while the backend stays
+        up, so nothing else says it. ``detail`` never holds the value found."""
+        if what is not None:
+            self.key_faults[what] += 1
+            now = time.monotonic()
+            logged = self._key_fault_logged.get(what)
+            if logged is None or now - logged >= KEY_FAULT_LOG_INTERVAL_S:
+                self._key_fault_logged[what] = now
+                log.warning("%s state: a key under the prefix %r holds what Sluice does not "
+                            "write there, served as state.on_unavailable says (%d such calls "
+                            "so far; at most one such line a minute): %s", what, self.prefix,
+                            self.key_faults[what], detail)
+        return key_fault(detail)
 
     async def _watch(self) -> None:
         while not self._closed:
@@ -508,16 +565,20 @@ class RedisState:
         return ":".join((self.prefix, "{" + hash_tag(group) + "}", *parts))
 
     async def run(self, op: Callable[[Redis | RedisCluster], Awaitable[Any]],
-                  read: Callable[[Any], T] | None = None) -> T:
+                  read: Callable[[Any], T] | None = None, *, what: str | None = None) -> T:
         """``await op(client)`` bounded by the timeout, with failures mapped, then its reply
-        through ``read`` (the reply itself without).
+        through ``read`` (the reply itself without). ``what``: the kind of state the call is
+        on (:data:`KEY_FAULT_KINDS`), for its key faults (``None``: not counted).
 
         Raises:
             StateUnavailable: Redis is down, frozen, too slow or refusing; or it was marked
                 down and its probe has not seen it back yet (raised at once); or a key the
                 call touched holds what Sluice does not write there (``WRONGTYPE``, a script's
-                ``BADRECORD``, or ``read`` raising one of :data:`DECODE_ERRORS`): that key
-                only, the backend is not marked down.
+                ``BADRECORD``, or ``read`` raising
+                :class:`~policies.state.errors.BadRecord` from a
+                :mod:`policies.state.stored` decoder): that key only, the backend is not
+                marked down, the fault counted and logged (:meth:`key_fault`). Anything else
+                ``read`` raises is a bug and propagates as it is.
         """
         client = self._client
         monitored = self._monitor is not None and not self._monitor.done()
@@ -545,7 +606,7 @@ class RedisState:
                 else:
                     reconnected = False
         except Exception as exc:
-            raise self._unavailable(exc) from exc
+            raise self._unavailable(exc, what) from exc
         self._answered_at = time.monotonic()
         health = self.health
         if health.up or not monitored or health.changed_monotonic == sent_at:
@@ -556,8 +617,8 @@ class RedisState:
             return result  # type: ignore[no-any-return]
         try:
             return read(result)
-        except DECODE_ERRORS as exc:
-            raise key_fault(f"a reply Sluice cannot read ({type(exc).__name__})") from exc
+        except BadRecord as exc:
+            raise self.key_fault(str(exc), what) from exc
 
     async def eval(self, script: Script, keys: list[str], args: list[Any],
                    read: Callable[[Any], T] | None = None) -> T:
@@ -567,7 +628,7 @@ class RedisState:
         def call(client: Redis | RedisCluster) -> Awaitable[Any]:
             return script.bind(client)(keys=keys, args=args, client=client)
 
-        return await self.run(call, read)
+        return await self.run(call, read, what=script.what)
 
 
 class _WatchedPool(BlockingConnectionPool):

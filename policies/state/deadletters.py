@@ -42,8 +42,12 @@ from policies.deadletter import (
     answered,
 )
 from policies.state.connection import RedisState, Script
+from policies.state.stored import built, stored_int, stored_json, stored_text
 
 #: Stream fields of a summary (``list``): enough for a table, never the body.
+#: What a key fault names a letter (never its content).
+_LETTER = "a dead letter"
+_DEPTH = "the dead letters' depth"
 _SUMMARY_FIELDS = ("created_at", "route", "tenant", "method", "path", "attempts", "reason")
 #: Most letters one ``add`` drops from the stream (and about 1 MiB of them at most): a
 #: script blocks every client of Redis while it runs, so a ``max_records`` lowered far below
@@ -225,7 +229,14 @@ def _as_kwargs(letter: DeadLetter) -> dict[str, Any]:
 # new id, {the route of each letter dropped}}. The replay and claim keys of a dropped letter
 # are named here, not in KEYS (as in _PURGE): they share the {dlq} slot of the stream.
 _ADD = Script("""
-num(redis.call('GET', KEYS[2]) or '0', "the dead letters' sequence")  -- INCR's own error is ERR
+-- Everything written is checked before the first write (Redis does not roll a script back):
+-- the sequence is an integer INCR takes ("1.5", " 5 " and "1e3" passed tonumber() and then
+-- failed INCR with an unclassified error), the stream a stream, the depths integers.
+int_field(redis.call('GET', KEYS[2]), "the dead letters' sequence")
+local kind = redis.call('TYPE', KEYS[1])['ok']
+if kind ~= 'stream' and kind ~= 'none' then bad("the dead letters' stream", 'is no stream') end
+local depths = redis.call('HGETALL', KEYS[3])
+for i = 2, #depths, 2 do int_field(depths[i], "the dead letters' depth") end
 local id = redis.call('INCR', KEYS[2])
 local args = {'XADD', KEYS[1], '0-' .. id}
 for i = 6, #ARGV do args[#args + 1] = ARGV[i] end
@@ -262,14 +273,14 @@ if keep > 0 and over > 0 then
   end
 end
 return {id, dropped}
-""")
+""", "deadletter")
 
 # KEYS: stream, the letter's replays. ARGV: stream id. Returns {} or {fields, replays}.
 _GET = Script("""
 local e = redis.call('XRANGE', KEYS[1], ARGV[1], ARGV[1])
 if #e == 0 then return {} end
 return {e[1][2], redis.call('LRANGE', KEYS[2], 0, -1)}
-""")
+""", "deadletter")
 
 # KEYS: stream. ARGV: count, replay list key prefix, newest stream id to read ('+' for the
 # newest), bytes read after which to stop, then the summary field names. Returns newest
@@ -298,7 +309,7 @@ while #out < tonumber(ARGV[1]) and read < most do
   start = '0-' .. (n - 1)
 end
 return out
-""")
+""", "deadletter")
 
 # KEYS: stream, the letter's replays, its claim. ARGV: stream id, token, hold (ms), again
 # ('1' or '0'). Returns {'missing'}, {'busy', ms left}, {'answered', replay JSON} or
@@ -318,7 +329,7 @@ if ARGV[4] ~= '1' then
 end
 redis.call('SET', KEYS[3], ARGV[2], 'PX', ARGV[3])
 return {'claimed'}
-""")
+""", "deadletter")
 
 # KEYS: stream, the letter's replays, its claim. ARGV: stream id, replay JSON, token or ''.
 _ADD_REPLAY = Script("""
@@ -326,7 +337,7 @@ if #redis.call('XRANGE', KEYS[1], ARGV[1], ARGV[1]) == 0 then return 0 end
 redis.call('RPUSH', KEYS[2], ARGV[2])
 if ARGV[3] ~= '' and redis.call('GET', KEYS[3]) == ARGV[3] then redis.call('DEL', KEYS[3]) end
 return 1
-""")
+""", "deadletter")
 
 # KEYS: stream, the letter's replays, depth, its claim. ARGV: stream id.
 _DELETE = Script("""
@@ -343,7 +354,7 @@ end
 redis.call('XDEL', KEYS[1], ARGV[1])
 redis.call('DEL', KEYS[2], KEYS[4])
 return 1
-""")
+""", "deadletter")
 
 # KEYS: stream, depth, the purge's stream. Returns how many letters there were, moved
 # to the purge's stream at once (RENAME: O(1)), the depth unlinked; -1 when a purge cut
@@ -358,7 +369,7 @@ local count = redis.call('XLEN', KEYS[1])
 if count > 0 then redis.call('RENAME', KEYS[1], KEYS[3]) end
 redis.call('UNLINK', KEYS[2])
 return count
-""")
+""", "deadletter")
 
 # KEYS: the purge's stream. ARGV: replay list key prefix, claim key prefix, n after which
 # to walk, most letters, bytes read after which to stop. The replays and claims of the
@@ -380,7 +391,7 @@ for _ = 1, tonumber(ARGV[4]) do
   if read >= tonumber(ARGV[5]) then break end
 end
 return {n, 0}
-""")
+""", "deadletter")
 
 
 class RedisDeadLetterStore:
@@ -413,14 +424,10 @@ class RedisDeadLetterStore:
             fields += ["idempotency_key", letter.idempotency_key]
         if letter.key_origin is not None:  # absent from letters written before it was kept
             fields += ["key_origin", letter.key_origin]
-        new_id, routes = await self._state.eval(
+        return await self._state.eval(
             _ADD, [self._stream, self._seq, self._depth],
             [letter.route, max_records or 0, MAX_DROPS_PER_ADD, self._replays, self._claims,
-             *fields])
-        dropped: dict[str, int] = {}
-        for route in routes:
-            dropped[route.decode()] = dropped.get(route.decode(), 0) + 1
-        return Added(int(new_id), dropped)
+             *fields], _added)
 
     async def get(self, letter_id: int) -> DeadLetter | None:
         return await self._state.eval(_GET, [self._stream, self._replays + str(letter_id)],
@@ -485,14 +492,30 @@ class RedisDeadLetterStore:
             return await client.hgetall(self._depth)
 
         return await self._state.run(
-            read, lambda counts: {route.decode(): int(n) for route, n in counts.items()})
+            read, lambda counts: {stored_text(route, _DEPTH): stored_int(n, _DEPTH)
+                                  for route, n in counts.items()}, what="deadletter")
+
+
+def _added(reply: list[Any]) -> Added:
+    """``_ADD``'s reply read: the new id, and the routes of the letters it dropped."""
+    new_id, routes = reply
+    dropped: dict[str, int] = {}
+    for raw in routes:
+        route = stored_text(raw, _LETTER)
+        dropped[route] = dropped.get(route, 0) + 1
+    return Added(int(new_id), dropped)
 
 
 def _letter(letter_id: int, reply: list[Any]) -> DeadLetter | None:
     """``_GET``'s reply read: the letter, or ``None`` when it is gone."""
     if not reply:
         return None
-    flat, replays = reply
+    return built(_LETTER, _stored_letter, letter_id, *reply)
+
+
+def _stored_letter(letter_id: int, flat: list[bytes], replays: list[bytes]) -> DeadLetter:
+    """The letter a stream entry's fields and its replays' JSON hold (decoding only:
+    :func:`_letter` makes its failure a key fault)."""
     fields = {flat[i].decode(): flat[i + 1] for i in range(0, len(flat), 2)}
     text = {name: value.decode() for name, value in fields.items() if name != "body"}
     return DeadLetter(
@@ -511,15 +534,19 @@ def _letter(letter_id: int, reply: list[Any]) -> DeadLetter | None:
 
 def _summaries(page: list[Any]) -> list[dict[str, Any]]:
     """One ``_LIST`` page read: the summaries, newest first (as the page)."""
-    out = []
-    for stream_id, values, last in page:
-        fields: dict[str, Any] = {name: value.decode()
-                                  for name, value in zip(_SUMMARY_FIELDS, values, strict=True)}
-        fields["created_at"] = float(fields["created_at"])
-        fields["attempts"] = len(orjson.loads(fields["attempts"]))
-        letter_id = int(stream_id.decode().partition("-")[2])
-        out.append(_summary(letter_id, fields, orjson.loads(last) if last else None))
-    return out
+    return [built(_LETTER, _stored_summary, *row) for row in page]
+
+
+def _stored_summary(stream_id: bytes, values: list[bytes], last: bytes | None
+                    ) -> dict[str, Any]:
+    """One letter's summary from its stream id, fields and last replay's JSON (decoding
+    only: :func:`_summaries` makes its failure a key fault)."""
+    fields: dict[str, Any] = {name: value.decode()
+                              for name, value in zip(_SUMMARY_FIELDS, values, strict=True)}
+    fields["created_at"] = float(fields["created_at"])
+    fields["attempts"] = len(orjson.loads(fields["attempts"]))
+    letter_id = int(stream_id.decode().partition("-")[2])
+    return _summary(letter_id, fields, orjson.loads(last) if last else None)
 
 
 def _replay_claim(reply: list[Any]) -> ReplayClaim:
@@ -528,5 +555,5 @@ def _replay_claim(reply: list[Any]) -> ReplayClaim:
     if state == BUSY:
         return ReplayClaim(BUSY, left_s=int(reply[1]) / 1000)
     if state == ANSWERED:
-        return ReplayClaim(ANSWERED, orjson.loads(reply[1]))
+        return ReplayClaim(ANSWERED, stored_json(reply[1], "a dead letter's replay", dict))
     return ReplayClaim(CLAIMED if state == CLAIMED else MISSING)

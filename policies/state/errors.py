@@ -86,15 +86,21 @@ class StateUnavailable(Exception):
             (its outcome is unknown); ``False`` when it was refused before anything was sent
             (the backend was already marked down).
         down_s: how long the backend had been marked down when this was raised, seconds.
+        key_fault: a key the call touched holds what Sluice does not write there
+            (:func:`key_fault`); sending the call again changes nothing until someone
+            repairs or deletes that key, so it is never kept to be sent again
+            (:class:`policies.redelivery.Redeliveries`).
     """
 
     def __init__(self, cause: str, retry_after: float | None = None,
-                 maybe_applied: bool = True, down_s: float = 0.0) -> None:
+                 maybe_applied: bool = True, down_s: float = 0.0,
+                 key_fault: bool = False) -> None:
         super().__init__(cause)
         self.cause = cause
         self.retry_after = retry_after
         self.maybe_applied = maybe_applied
         self.down_s = down_s
+        self.key_fault = key_fault
 
     @property
     def hint(self) -> float | None:
@@ -105,6 +111,14 @@ class StateUnavailable(Exception):
         if self.retry_after is None:
             return None
         return outage_hint(self.retry_after, self.down_s)
+
+
+class BadRecord(Exception):
+    """A value Redis stored under the prefix is not what Sluice writes there (text in a
+    number's field, a record missing a field): raised by :mod:`policies.state.stored`'s
+    decoders only, so that a reply's ``read`` turns exactly this into a key fault and lets
+    any other exception (a bug in the read itself) propagate. Its message names the
+    record, never its value."""
 
 
 def _code(reply: rx.ResponseError) -> str:
@@ -122,10 +136,15 @@ def is_key_fault(exc: BaseException) -> bool:
 
 def key_fault(detail: str) -> StateUnavailable:
     """The error for a call on a key another program wrote (:func:`is_key_fault`, or a reply
-    Sluice could not read); ``detail`` says what was found, never the value itself (it may
-    hold anything)."""
+    Sluice could not read: :class:`BadRecord`); ``detail`` says what was found, never the
+    value itself (it may hold anything).
+
+    Scripts that write check every value they will write over before their first write,
+    so a key fault raised in a script left nothing half done (Redis does not roll a script
+    back); one raised reading a reply came after the script ran. Either way the call is
+    not worth sending again until the key is repaired (``key_fault``)."""
     return StateUnavailable("a key under the state prefix cannot be used (another program "
-                            f"writing there?): {detail}")
+                            f"writing there?): {detail}", key_fault=True)
 
 
 def is_unavailable(exc: BaseException) -> bool:

@@ -50,6 +50,7 @@ import orjson
 from policies.idempotency_store import DONE, SEEN, TOO_LARGE
 from policies.state.connection import RedisState, Script
 from policies.state.notify import MemoryNotifier, Signal
+from policies.state.stored import built, stored_hex, stored_text
 
 __all__ = [
     "CLAIMED",
@@ -358,7 +359,7 @@ if rec[1] then
   return reply
 end
 return {1}
-""")
+""", "idempotency")
 
 # KEYS: marker. ARGV: owner, flight ms.
 _RENEW = Script("""
@@ -369,7 +370,7 @@ if not bar then bad('an idempotency marker', 'holds no owner') end
 if string.sub(marker, bar + 1) ~= ARGV[1] then return 0 end
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return 1
-""")
+""", "idempotency")
 
 # KEYS: record, marker, failure. ARGV: owner, kind, fingerprint hex, status, reason, headers
 # JSON, body, ttl ms, channel, strict ('1': store only if the marker is the owner's or gone),
@@ -403,7 +404,7 @@ if held == 1 then
 end
 redis.call('PUBLISH', ARGV[9], kind)
 return held
-""")
+""", "idempotency")
 
 # KEYS: record. ARGV: ttl ms. Returns 1 if the key had no record.
 _SEEN = Script("""
@@ -412,9 +413,9 @@ redis.call('HSET', KEYS[1], 'kind', '0', 'fp', '', 'status', '0', 'reason', '',
            'headers', '[]', 'body', '')
 redis.call('PEXPIRE', KEYS[1], ARGV[1])
 return 1
-""")
+""", "idempotency")
 
-_GET = Script("return redis.call('HMGET', KEYS[1], " + _FIELDS + ")")
+_GET = Script("return redis.call('HMGET', KEYS[1], " + _FIELDS + ")", "idempotency")
 
 
 class RedisIdempotencyRecords:
@@ -475,18 +476,30 @@ def _begin(reply: list[Any]) -> Begin:
     if state == 1:
         return Begin(CLAIMED, _answer(reply[1:7]) if len(reply) > 1 else None)
     if state == 2:
-        return Begin(IN_FLIGHT, None, bytes.fromhex(reply[1].decode()),
+        return Begin(IN_FLIGHT, None, stored_hex(reply[1], _MARKER),
                      max(int(reply[2]), 0) / 1000,
-                     reply[3].decode() if len(reply) > 3 else "")
+                     stored_text(reply[3], _MARKER) if len(reply) > 3 else "")
     if state == 4:
         return Begin(FAILED, _answer(reply[1:7]))
     return Begin(FINISHED, _answer(reply[1:7]), b"", max(int(reply[7]), 0) / 1000)
 
 
 def _answer(fields: list[bytes]) -> Answer:
-    kind, fp, status, reason, headers, body = fields
+    """The answer a record's fields hold (a key fault if they hold what Sluice does not
+    write there)."""
+    return built(_RECORD, _stored_answer, *fields)
+
+
+def _stored_answer(kind: bytes, fp: bytes, status: bytes | None, reason: bytes,
+                   headers: bytes | None, body: bytes | None) -> Answer:
+    """Decoding only (:func:`_answer`)."""
     return Answer(int(kind), bytes.fromhex(fp.decode()), int(status or 0), reason.decode(),
                   tuple((n, v) for n, v in orjson.loads(headers or b"[]")), body or b"")
+
+
+#: What a key fault names an idempotency record and a marker (never their content).
+_RECORD = "an idempotency record"
+_MARKER = "an idempotency marker"
 
 
 def _ms(seconds: float) -> int:

@@ -255,7 +255,7 @@ end
 # limit, lease ms. Returns the group's lowest live limit.
 _REGISTER = Script(_NOW + _LOWEST + """
 return lowest(KEYS[3], KEYS[4], ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]))
-""")
+""", "lease")
 
 # KEYS: the group's leases, the tenant's, and with a holder its holders' limits and their
 # expiries. ARGV: id, limit, per_tenant (-1: none), lease ms, holder ('' for none), the
@@ -277,14 +277,14 @@ end
 if inflight + tonumber(ARGV[6]) >= limit then return {0, 1, inflight, mine} end
 hold(id, ms)
 return {1, 0, inflight + 1, mine + 1}
-""")
+""", "lease")
 
 # KEYS: as acquire. ARGV: id, lease ms. Returns 1 if it was held, 0 if it was taken again.
 _RENEW = Script(_NOW + """
 local held = redis.call('ZSCORE', KEYS[1], ARGV[1]) and 1 or 0
 hold(ARGV[1], tonumber(ARGV[2]))
 return held
-""")
+""", "lease")
 
 # KEYS: as acquire. ARGV: id, channel. Returns 1 if it was held.
 _RELEASE = Script("""
@@ -292,11 +292,11 @@ local held = redis.call('ZREM', KEYS[1], ARGV[1])
 redis.call('ZREM', KEYS[2], ARGV[1])
 if held == 1 then redis.call('PUBLISH', ARGV[2], 'released') end
 return held
-""")
+""", "lease")
 
 _COUNTS = Script(_NOW + """
 return {redis.call('ZCARD', KEYS[1]), redis.call('ZCARD', KEYS[2])}
-""")
+""", "lease")
 
 
 class RedisLeases:

@@ -40,6 +40,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol
 
 from policies.state.connection import RedisState, Script
+from policies.state.stored import stored_float, stored_text
 
 #: A counter whose held amount falls to this or less holds nothing (float dust from USD sums).
 DUST = 1e-9
@@ -356,12 +357,44 @@ local function extend(key, ttl)
   local current = redis.call('PTTL', key)
   if current >= 0 and current < ttl or current == -1 then redis.call('PEXPIRE', key, ttl) end
 end
+-- A reservation record as hold_claims and mark_gone write it: {s = 'h' (held) | 'l'
+-- (lapsed) | 'x' (gone), c = {{counter key, amount as text, counter expiry ms}...}}, each
+-- counter in the group's budget keys (named after resv, '<prefix>:{<group>}:budget:~resv');
+-- nil when raw is anything else.
+local function readable(resv, raw)
+  local ok, rec = pcall(cjson.decode, raw)
+  if not ok or type(rec) ~= 'table' or type(rec.c) ~= 'table'
+      or (rec.s ~= 'h' and rec.s ~= 'l' and rec.s ~= 'x') then return nil end
+  local base = string.sub(resv, 1, #resv - 5)
+  for _, c in ipairs(rec.c) do
+    if type(c) ~= 'table' or type(c[1]) ~= 'string' or string.sub(c[1], 1, #base) ~= base
+        or type(c[3]) ~= 'number' or not (plain_float(c[2]) and plain_float(c[2]) >= 0)
+    then return nil end
+  end
+  return rec
+end
+local function record(resv, raw)
+  return readable(resv, raw) or bad('a budget reservation', 'holds what Sluice does not write')
+end
+-- A counter whose hold can be released: absent, or a hash whose 'h' Redis can add to.
+local function holdable(key)
+  local kind = redis.call('TYPE', key)['ok']
+  return kind == 'none' or (kind == 'hash' and plain_float(redis.call('HGET', key, 'h') or '0'))
+end
+-- Reservations past their hold: a held one's holds are released and it is kept as lapsed
+-- for grace ms; a lapsed or gone one is forgotten. One that cannot be read (another program
+-- wrote it) is forgotten too, its holds (unknown) left as they are, and a counter of a
+-- readable one whose hold Redis cannot release is left as it is: it faults its own calls.
+-- Failing the reap instead failed every budgeted call of the group, every tenant's, for as
+-- long as the record stayed (a hostile review).
 local function reap(resv, exp, grace)
   for _, id in ipairs(redis.call('ZRANGEBYSCORE', exp, '-inf', now, 'LIMIT', 0, 64)) do
     local raw = redis.call('HGET', resv, id)
-    local rec = raw and decoded(raw, 'a budget reservation')
+    local rec = raw and readable(resv, raw)
     if rec and rec.s == 'h' then
-      for _, c in ipairs(rec.c) do unhold(c[1], c[2]) end
+      for _, c in ipairs(rec.c) do
+        if holdable(c[1]) then unhold(c[1], c[2]) end
+      end
       rec.s = 'l'
       redis.call('HSET', resv, id, cjson.encode(rec))
       redis.call('ZADD', exp, now + grace, id)
@@ -385,16 +418,28 @@ local function denied_claims(k, a, n)
   for i = 1, n do
     local j = a + 3 * i - 2
     local v = redis.call('HMGET', KEYS[k + i], 's', 'h')
-    if num(v[1] or '0', 'a budget counter') + num(v[2] or '0', 'a budget counter')
+    if float_field(v[1], 'a budget counter') + float_field(v[2], 'a budget counter')
        + tonumber(ARGV[j]) > tonumber(ARGV[j + 1])
     then denied[#denied + 1] = i - 1 end
   end
   return denied
 end
+-- Checks every counter a settle of rec writes to (and answers the level of) before the
+-- first write: Redis does not roll a script back, and a settle that added the spend to its
+-- first counter and then failed on the second was sent again, and charged again, at every
+-- kick of the reconciler (a hostile review).
+local function settleable(rec)
+  for _, c in ipairs(rec.c) do
+    local v = redis.call('HMGET', c[1], 's', 'h')
+    float_field(v[1], 'a budget counter')
+    float_field(v[2], 'a budget counter')
+  end
+end
 local function settle(resv, exp, rid, a)
   local raw = redis.call('HGET', resv, rid)
   if not raw then return 0 end
-  local rec = decoded(raw, 'a budget reservation')
+  local rec = record(resv, raw)
+  settleable(rec)
   for i, c in ipairs(rec.c) do
     local key, used = c[1], a and ARGV[a + i]
     if used and tonumber(used) ~= 0 and c[3] > now then
@@ -424,11 +469,12 @@ local function settle_levels(resv, exp, rid, a, gone_ms, mark)
     mark_gone(resv, exp, rid, gone_ms)
     return {0, {}}
   end
-  if decoded(raw, 'a budget reservation').s == 'x' then return {0, {}} end
+  local rec = record(resv, raw)
+  if rec.s == 'x' then return {0, {}} end
   settle(resv, exp, rid, a)
   if mark then mark_gone(resv, exp, rid, gone_ms) end
   local out = {}
-  for _, c in ipairs(decoded(raw, 'a budget reservation').c) do
+  for _, c in ipairs(rec.c) do
     local v = redis.call('HMGET', c[1], 's', 'h')
     out[#out + 1] = c[1]
     out[#out + 1] = v[1] or '0'
@@ -459,7 +505,7 @@ if redis.call('HEXISTS', KEYS[1], rid) == 1 then return {{}, levels(3)} end
 local denied = denied_claims(2, 2, #KEYS - 2)
 if #denied == 0 then hold_claims(KEYS[1], KEYS[2], rid, hold, 2, 2, #KEYS - 2) end
 return {denied, levels(3)}
-""")
+""", "budget")
 
 # KEYS: reservations, their expiries. ARGV: rid, then the actual spend per claim, then
 # how long an id not held is marked gone, ms, then '1' to mark it gone even if it held.
@@ -468,16 +514,21 @@ return {denied, levels(3)}
 _SETTLE = Script(LEDGER_LUA + """
 return settle_levels(KEYS[1], KEYS[2], ARGV[1], 1, tonumber(ARGV[#ARGV - 1]),
                      ARGV[#ARGV] == '1')
-""")
+""", "budget")
 
 # KEYS: counters. ARGV: per counter, amount and TTL ms.
 _CHARGE = Script(LEDGER_LUA + """
+for i = 1, #KEYS do  -- every counter checked before the first write (see settleable)
+  local v = redis.call('HMGET', KEYS[i], 's', 'h')
+  float_field(v[1], 'a budget counter')
+  float_field(v[2], 'a budget counter')
+end
 for i = 1, #KEYS do
   redis.call('HINCRBYFLOAT', KEYS[i], 's', ARGV[2 * i - 1])
   extend(KEYS[i], tonumber(ARGV[2 * i]))
 end
 return levels(1)
-""")
+""", "budget")
 
 # KEYS: reservations, their expiries, then counters. ARGV: the group's hold ms (0: unknown,
 # reap nothing). Reaps what is due, as a reserve would, then reads the counters' levels.
@@ -485,7 +536,7 @@ _REFRESH = Script(LEDGER_LUA + """
 local grace = tonumber(ARGV[1])
 if grace > 0 then reap(KEYS[1], KEYS[2], grace) end
 return levels(3)
-""")
+""", "budget")
 
 _LEVELS = Script("""
 local out = {}
@@ -495,8 +546,12 @@ for i = 1, #KEYS do
   out[#out + 1] = v[2] or '0'
 end
 return out
-""")
+""", "budget")
 
+
+#: What a key fault names a budget counter and a reservation record (never their values).
+_COUNTER_NAME = "a budget counter"
+_RESERVATION = "a budget reservation"
 
 #: How long a release of a reservation id not held marks it gone when the group's hold is
 #: not known here, ms: two minutes, the reservations' documented longest hold.
@@ -580,7 +635,7 @@ class RedisLedger:
         knows them, reads them then (:class:`policies.budget.Reconciler`)."""
         settled, flat = reply
         prefix = self.counter(group, "")
-        keys = [raw.decode().removeprefix(prefix) for raw in flat[0::3]]
+        keys = [stored_text(raw, _RESERVATION).removeprefix(prefix) for raw in flat[0::3]]
         values = [v for i, v in enumerate(flat) if i % 3]
         self.remember(group, keys, values)
         return bool(settled)
@@ -654,7 +709,8 @@ class RedisLedger:
         self._answers += 1
         out = []
         for i, key in enumerate(keys):
-            value = (float(flat[2 * i]), float(flat[2 * i + 1]))
+            value = (stored_float(flat[2 * i], _COUNTER_NAME),
+                     stored_float(flat[2 * i + 1], _COUNTER_NAME))
             seen[(group, key)] = value
             seen.move_to_end((group, key))
             answered[(group, key)] = self._answers

@@ -71,9 +71,11 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 from policies.state.connection import RedisState, Script
+
+T = TypeVar("T")
 
 #: Level overshoot forgiven as float rounding, as a fraction of the limit.
 _DUST = 1e-9
@@ -444,7 +446,9 @@ local function buckets(k, a, n, r, holder, ms)
     local stored = redis.call('HMGET', b.keys[i], 'l', 't', 'i')
     -- the rate the stored level drains at: the one it was stored with (a reload, or the
     -- replicas' lowest rate, may have changed since)
-    b.drains[i] = tonumber(stored[3]) or interval
+    local drain = tonumber(stored[3])
+    if not (drain and drain > 0 and drain < math.huge) then drain = interval end
+    b.drains[i] = drain
     if stored[1] then
       local elapsed = now_us - num(stored[2], 'a rate bucket')
       if elapsed < 0 then elapsed = 0 end
@@ -531,7 +535,7 @@ elseif ARGV[1] == 'refund' then
 end
 for _, r in ipairs(remaining(b)) do reply[#reply + 1] = r end
 return reply
-""")
+""", "rate")
 
 
 def bucket_args(takes: Sequence[Take]) -> list[object]:
@@ -582,27 +586,35 @@ class RedisRateBuckets:
         return [self._state.key(group, "rate", "lim", take.name) for take in takes]
 
     async def _run(self, mode: str, group: str, takes: Sequence[Take],
-                   holder: Holder | None = None) -> list[object]:
+                   read: Callable[[list[Any]], T], holder: Holder | None = None) -> T:
         keys = self.keys(group, takes)
         if holder is not None:
             keys += self.record_keys(group, takes)
         return await self._state.eval(_GCRA, keys,
-                                      [mode, *holder_args(holder), *bucket_args(takes)])
+                                      [mode, *holder_args(holder), *bucket_args(takes)], read)
 
     async def admit(self, group: str, takes: Sequence[Take], holder: Holder | None = None
                     ) -> RateResult:
         if not takes:
             return RateResult(True, None, 0.0, ())
-        reply = await self._run("take", group, takes, holder)
-        return rate_result(bool(int(reply[0])), int(reply[1]),  # type: ignore[call-overload]
-                           reply[2], reply[3], reply[4:])  # type: ignore[arg-type]
+        return await self._run("take", group, takes, _gcra_result, holder)
 
     async def refund(self, group: str, takes: Sequence[Take]) -> None:
         if takes:
-            await self._run("refund", group, takes)
+            await self._run("refund", group, takes, _nothing)
 
     async def available(self, group: str, takes: Sequence[Take]) -> tuple[int, ...]:
         if not takes:
             return ()
-        reply = await self._run("peek", group, takes)
-        return tuple(int(r) for r in reply[4:])  # type: ignore[call-overload]
+        return await self._run("peek", group, takes,
+                               lambda reply: tuple(int(r) for r in reply[4:]))
+
+
+def _gcra_result(reply: list[Any]) -> RateResult:
+    """``_GCRA``'s reply to a take read (every field computed by the script, none stored:
+    a failure here is a bug, not a key fault)."""
+    return rate_result(bool(int(reply[0])), int(reply[1]), reply[2], reply[3], reply[4:])
+
+
+def _nothing(_reply: object) -> None:
+    return None

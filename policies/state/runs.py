@@ -57,6 +57,7 @@ from typing import TYPE_CHECKING, Any
 
 from policies.state.connection import Script
 from policies.state.notify import READ_TIMEOUT_S, stop_listener, subscription
+from policies.state.stored import stored_int
 
 if TYPE_CHECKING:
 
@@ -206,7 +207,7 @@ elseif hit == 0 and #ARGV > 8 and redis.call('HEXISTS', KEYS[4], 'pre') == 1 the
   for g = 9, #ARGV, 4 do
     local high = 0
     for i = 1, #ids do
-      high = math.max(high, num(redis.call('HGET', pre .. ids[i], ARGV[g]) or '0', 'a run'))
+      high = math.max(high, int_field(redis.call('HGET', pre .. ids[i], ARGV[g]), 'a run'))
     end
     full[#full + 1] = 0
     highs[#highs + 1] = high
@@ -228,7 +229,7 @@ elseif hit == 0 and #ARGV > 8 and redis.call('HEXISTS', KEYS[4], 'gone') == 0 th
       local field, limit = ARGV[g], tonumber(ARGV[g + 1])
       local at, high = 0, 0
       for i = 1, #ids do
-        local n = num(redis.call('HGET', pre .. ids[i], field) or '0', 'a run')
+        local n = int_field(redis.call('HGET', pre .. ids[i], field), 'a run')
         if n >= limit then at = i break end
         if n + 1 > high then high = n + 1 end
       end
@@ -248,7 +249,7 @@ elseif hit == 0 and #ARGV > 8 and redis.call('HEXISTS', KEYS[4], 'gone') == 0 th
   end
 end
 return {ids, firsts, hit, left, now, counted, full, highs, deep}
-""")
+""", "runs")
 
 # Count one call on every run of a lineage for a scope, or on none.
 # KEYS: the run's hash (the rest are built from ARGV[1]), the take's record.
@@ -269,12 +270,12 @@ local high = 0
 if redis.call('HEXISTS', KEYS[2], 'pre') == 1 then
   -- Run already (the client sent it again after a connection dropped): counted once.
   for i = 6, #ARGV do
-    high = math.max(high, num(redis.call('HGET', pre .. ARGV[i], field) or '0', 'a run'))
+    high = math.max(high, int_field(redis.call('HGET', pre .. ARGV[i], field), 'a run'))
   end
   return {0, high}
 end
 for i = 6, #ARGV do
-  local n = num(redis.call('HGET', pre .. ARGV[i], field) or '0', 'a run')
+  local n = int_field(redis.call('HGET', pre .. ARGV[i], field), 'a run')
   if limit >= 0 and n >= limit then return {i - 5, 0} end
   if n + 1 > high then high = n + 1 end
 end
@@ -287,7 +288,7 @@ end
 redis.call('HSET', KEYS[2], 'pre', pre, 'ids', cjson.encode(ids), field, 1)
 redis.call('PEXPIRE', KEYS[2], ARGV[5])
 return {0, high}
-""")
+""", "runs")
 
 # Give back what one take (_TAKE or _ADMIT) counted in some scopes, once per scope (never
 # below 0; a forgotten run is not re-created). A take with no record (not run yet, or it
@@ -300,16 +301,31 @@ return {0, high}
 # Returns how many scopes were given back.
 _GIVE_BACK = Script("""
 local take, n = KEYS[1], tonumber(ARGV[2])
+-- Every count given back is read and checked before the first write: a run hash holding
+-- what HINCRBY refuses fails the call having changed nothing (Redis does not roll a script
+-- back; a give-back that failed midway kept the decrements before it).
+local function check(pre, ids, fields)
+  for _, field in ipairs(fields) do
+    for _, id in ipairs(ids) do int_field(redis.call('HGET', pre .. id, field), 'a run') end
+  end
+end
+local function give_back(pre, ids, field)
+  for _, id in ipairs(ids) do
+    local k = pre .. id
+    if tonumber(redis.call('HGET', k, field) or '0') > 0 then
+      redis.call('HINCRBY', k, field, -1)
+    end
+  end
+end
 if redis.call('EXISTS', take) == 0 then
   local done = 0
   if #ARGV > n + 2 then
-    local pre = ARGV[n + 3]
-    for f = 3, n + 2 do
-      for i = n + 4, #ARGV do
-        local k = pre .. ARGV[i]
-        local c = num(redis.call('HGET', k, ARGV[f]) or '0', 'a run')
-        if c > 0 then redis.call('HINCRBY', k, ARGV[f], -1) end
-      end
+    local pre, ids, fields = ARGV[n + 3], {}, {}
+    for i = n + 4, #ARGV do ids[#ids + 1] = ARGV[i] end
+    for f = 3, n + 2 do fields[#fields + 1] = ARGV[f] end
+    check(pre, ids, fields)
+    for _, field in ipairs(fields) do
+      give_back(pre, ids, field)
       done = done + 1
     end
     redis.call('HSET', take, 'pre', pre)
@@ -319,22 +335,24 @@ if redis.call('EXISTS', take) == 0 then
   redis.call('PEXPIRE', take, ARGV[1])
   return done
 end
-local pre, ids = redis.call('HGET', take, 'pre'), nil
-local done = 0
-for f = 3, n + 2 do
-  local field = ARGV[f]
-  if pre and redis.call('HDEL', take, field) == 1 then
-    ids = ids or decoded(redis.call('HGET', take, 'ids'), "a run's take")
-    for _, id in ipairs(ids) do
-      local k = pre .. id
-      local n = num(redis.call('HGET', k, field) or '0', 'a run')
-      if n > 0 then redis.call('HINCRBY', k, field, -1) end
-    end
-    done = done + 1
+local pre, fields = redis.call('HGET', take, 'pre'), {}
+if pre then
+  for f = 3, n + 2 do
+    if redis.call('HEXISTS', take, ARGV[f]) == 1 then fields[#fields + 1] = ARGV[f] end
   end
 end
-return done
-""")
+if #fields == 0 then return 0 end
+local ids = decoded(redis.call('HGET', take, 'ids') or '', "a run's take")
+for _, id in ipairs(ids) do
+  if type(id) ~= 'string' then bad("a run's take", 'names no run') end
+end
+check(pre, ids, fields)
+for _, field in ipairs(fields) do
+  redis.call('HDEL', take, field)
+  give_back(pre, ids, field)
+end
+return #fields
+""", "runs")
 
 # Link a run under the parent a replica placed it under while Redis did not answer its
 # admission (_ADMIT never ran: the call was decided on that replica's own tree), once Redis
@@ -380,7 +398,7 @@ redis.call('EXPIRE', KEYS[2], ttl)
 redis.call('EXPIRE', sets .. parent, ttl)
 redis.call('HSET', key, 'parent', parent)
 return 1
-""")
+""", "runs")
 
 # Record a cancellation of run id ARGV[1] in some tenants and tell every replica.
 # KEYS: cancelled zset, the run id's tenant set. ARGV: run, refusal ms, channel, key prefix of
@@ -423,7 +441,7 @@ if last > 0 then
   redis.call('PEXPIREAT', KEYS[1], math.max(last, redis.call('PTTL', KEYS[1]) + now))
 end
 return out
-""")
+""", "runs")
 
 # The cancellations in force (<q><run>), with the ms each has left. KEYS: cancelled zset.
 # ARGV: limit.
@@ -438,7 +456,7 @@ for i = 1, #rows, 2 do
   out[#out + 1] = tostring(tonumber(rows[i + 1]) - now)
 end
 return out
-""")
+""", "runs")
 
 
 @dataclass(frozen=True, slots=True)
@@ -542,7 +560,7 @@ class RedisRuns:
             return Lineage(
                 tenant=tenant,
                 ids=names,
-                ages=tuple(max(0, now - int(first)) / 1000 for first in firsts),
+                ages=tuple(max(0, now - stored_int(first, "a run")) / 1000 for first in firsts),
                 cancelled=names[int(hit) - 1] if int(hit) else None,
                 cancelled_left=int(left) / 1000,
                 counted=bool(int(counted)),
