@@ -579,10 +579,12 @@ class Metrics:
         )
         self._tenant_labels: set[str] = set()
 
-    def read_on_loop(self) -> dict[_ReadOnLoop, list[Metric]]:
+    def read_on_loop(self, names: Iterable[str] = ()) -> dict[_ReadOnLoop, list[Metric]]:
         """Read, on the event loop, every collector that reads the loop's objects (the
-        gauges, the routes' calls, the writers' drop counts), for :meth:`render`."""
-        return self._on_loop.read()
+        gauges, the routes' calls, the writers' drop counts), for :meth:`render`; with
+        ``names`` (a scrape's ``name[]``), only those exposing one of them (a review: a
+        scrape of one series read every route's gauges, 50-100 ms at 2,000 routes)."""
+        return self._on_loop.read(names)
 
     def render(self, encoder: Callable[[Collector], bytes], names: Sequence[str],
                read: dict[_ReadOnLoop, list[Metric]]) -> bytes:
@@ -767,6 +769,10 @@ class _ReadOnLoop:
     def __init__(self, collector: Collector, rendering: threading.local) -> None:
         self._collector = collector
         self._rendering = rendering
+        #: The sample names it exposes, as prometheus-client's registry names them (a
+        #: family's name with its type's suffixes), for a render of some names only.
+        self.names = frozenset(name for family in self.describe()
+                               for name in _sample_names(family))
 
     def describe(self) -> list[Metric]:
         """The collector's families (its ``describe()``, else what it collects: as the
@@ -801,8 +807,30 @@ class _OnLoop:
         self._registry.register(wrapped)
         self._collectors.append(wrapped)
 
-    def read(self) -> dict[_ReadOnLoop, list[Metric]]:
-        return {collector: collector.read() for collector in self._collectors}
+    def read(self, names: Iterable[str] = ()) -> dict[_ReadOnLoop, list[Metric]]:
+        """Each collector's families now, or only those of the collectors exposing one of
+        ``names`` (a scrape's ``name[]``: the rest are not rendered, so not read)."""
+        wanted = frozenset(names)
+        return {collector: collector.read() for collector in self._collectors
+                if not wanted or collector.names & wanted}
+
+
+#: The suffixes prometheus-client's registry adds to a family's name, by its type, in the
+#: sample names a ``name[]`` restriction matches (its ``CollectorRegistry._get_names``).
+_TYPE_SUFFIXES = {
+    "counter": ("_total", "_created"),
+    "summary": ("_sum", "_count", "_created"),
+    "histogram": ("_bucket", "_sum", "_count", "_created"),
+    "gaugehistogram": ("_bucket", "_gsum", "_gcount"),
+    "info": ("_info",),
+}
+
+
+def _sample_names(family: Metric) -> tuple[str, ...]:
+    """The sample names of ``family`` as a registry restriction matches them: its name, and
+    its name with each of its type's suffixes."""
+    return (family.name, *(family.name + suffix for suffix in _TYPE_SUFFIXES.get(family.type,
+                                                                                 ())))
 
 
 class _LoadGauges:

@@ -129,7 +129,7 @@ def _metrics_handler(runtime: Runtime,
         encoder, content_type = choose_encoder(
             ",".join(request.headers.getall(hdrs.ACCEPT, [])))
         names = request.query.getall("name[]", [])
-        read = series.read_on_loop()
+        read = series.read_on_loop(names)
         body = await asyncio.get_running_loop().run_in_executor(
             thread, series.render, encoder, names, read)
         return web.Response(body=body, headers={hdrs.CONTENT_TYPE: content_type})
