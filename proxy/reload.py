@@ -278,6 +278,10 @@ class Reloader:
         self._refused: tuple[Fingerprint, list[str]] | None = None
         #: The restart-only keys held back by the reload that put the config in force.
         self._held: list[str] = []
+        #: A reload's commit failed part way: what runs is neither file, so the next reload
+        #: applies whatever it reads, the text in force included (a review: the old file put
+        #: back read as unchanged, and the faulty one's fan-out width stayed).
+        self._partly = False
         self._signalled = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -356,8 +360,8 @@ class Reloader:
         metrics = self.runtime.metrics
         seen = fingerprint(self.path)
         in_force = self.runtime.config.read_from
-        if in_force is not None and in_force[0][0] == str(self.path) and await abandonable(
-                still_reads, in_force):
+        if (in_force is not None and not self._partly and in_force[0][0] == str(self.path)
+                and await abandonable(still_reads, in_force)):
             return self._unchanged(trigger)
         try:
             lines: dict[Path_, int] = {}
@@ -402,7 +406,9 @@ class Reloader:
             return self._not_applied(trigger, exc, "failed building it: nothing of it is "
                                      "applied, the running config stays in force", "not applied")
         try:
+            self._partly = True
             self.runtime.commit(built)
+            self._partly = False
         except Exception as exc:
             return self._not_applied(
                 trigger, exc, "failed while putting it in force: the changes made before the "

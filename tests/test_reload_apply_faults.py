@@ -248,3 +248,25 @@ async def test_a_fault_committing_a_reload_is_counted_and_a_sighup_completes_it(
         await served.wait_metric("sluice_config_reloads_total", 1)
         assert await served.metric("sluice_concurrency_limit", route="a") == 3
         assert await served.metric("sluice_circuit_state", route="a") is None
+
+
+async def test_the_old_file_put_back_after_a_partly_applied_reload_is_applied_again(
+        upstream: FakeUpstream, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A review: the file in force put back after a commit's fault read as unchanged (its text
+    # is the config in force), so the changes made before the fault stayed.
+    async with sluice(old_config(upstream.url, tmp_path), tmp_path) as served:
+        failed: list[int] = []
+
+        def broken(self: ConcurrencyLimiter, limit: int, *args: object,
+                   **kwargs: object) -> None:
+            failed.append(limit)
+            raise RuntimeError("injected: reconfiguring a limiter")
+
+        monkeypatch.setattr(ConcurrencyLimiter, "reconfigure", broken)
+        served.write(new_config(upstream.url, tmp_path))
+        await until(lambda: failed == [3], what="the commit to reconfigure a's limiter")
+        monkeypatch.undo()
+        served.write(old_config(upstream.url, tmp_path))
+        await served.wait_metric("sluice_config_reloads_total", 1)
+        assert await served.metric("sluice_config_reloads_unchanged_total") == 0
+        assert await served.metric("sluice_config_last_reload_successful") == 1
