@@ -414,6 +414,23 @@ _VARIABLE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?:[:?+-][^}]*)?\}")
 _HOST_VARIABLE = re.compile(r"\$([A-Za-z_][A-Za-z0-9_]*)")
 
 
+def _variable_in_upstream(value: str) -> str | None:
+    """Why the upstream base URL ``value`` holds a shell-style variable (``${NAME}``
+    anywhere, ``$NAME`` in its host: a file meant for envsubst, read unrendered), else
+    ``None``. Only the name is shown: a default after it (``${PASS:-...}``) may be a secret.
+    Checked before the port, which ``${PORT}`` is not (a review)."""
+    host_port = value.partition("://")[2].partition("/")[0].rpartition("@")[2]
+    variable = _VARIABLE.search(value) or _HOST_VARIABLE.search(host_port)
+    if variable is None:
+        return None
+    name = variable.group(1)
+    shown = f"${{{name}}}" if variable.re is _VARIABLE else f"${name}"
+    return (f"{shown} is a variable, and Sluice expands none in its config (only the keys "
+            "documented to take env:NAME, such as state.redis_url and identity.tenants, read "
+            "the environment): write the value itself, or render the file before Sluice "
+            "reads it (e.g. envsubst); a password holding ${ writes its $ as %24")
+
+
 def _unusable_upstream(value: str) -> str | None:
     """Why aiohttp would refuse every request to the upstream base URL ``value`` (already
     an ``http(s)://`` URL with a host and a valid port), else ``None``: what it does at the
@@ -434,18 +451,12 @@ def _unusable_upstream(value: str) -> str | None:
     except (ValueError, UnicodeError):
         url = None
         host = ""
-    # Only the name is shown: a default after it (${PASS:-...}) may be a secret.
-    variable = _VARIABLE.search(value) or _HOST_VARIABLE.search(host)
-    if variable is not None:
-        name = variable.group(1)
-        shown = f"${{{name}}}" if variable.re is _VARIABLE else f"${name}"
-        return (f"{shown} is a variable, and Sluice expands none in its config (only the "
-                "keys documented to take env:NAME, such as state.redis_url and "
-                "identity.tenants, read the environment): write the value itself, or render "
-                "the file before Sluice reads it (e.g. envsubst)")
     if url is None:
         return ("the host cannot be read as a URL's host (an IPv6 address goes in brackets "
                 "with nothing but :PORT after them, e.g. http://[::1]:8080)")
+    if "%25" in host:  # RFC 6874's zone, which aiohttp looks up as a name ("%25eth0")
+        return ("an IPv6 zone written %25NAME is looked up as part of a name and never "
+                "found: write it unencoded, e.g. http://[fe80::1%eth0]:8080")
     if ":" not in host and host.replace(".", "").isdigit():  # aiohttp's test for IPv4
         try:
             ipaddress.IPv4Address(host)
@@ -1175,6 +1186,9 @@ class RouteConfig(_Section):
                 f"{_without_userinfo(value)!r} must be an http:// or https:// base URL with no "
                 "query or fragment"
             )
+        variable = _variable_in_upstream(value)  # before the port: ${PORT} is no number
+        if variable is not None:
+            raise ValueError(variable)
         try:
             parts = urllib.parse.urlsplit(value)
             port = parts.port  # ValueError: not a number, or outside 0-65535

@@ -108,8 +108,9 @@ if yaml.__with_libyaml__:
         (3,000 routes: 2 s of CPU against 11 s in PyYAML's parser, on a reload's thread).
         It words errors its own way, so a file it refuses is read again by
         :class:`StrictLoader`, which names the fault (or reads a file only libyaml refuses:
-        ``%YAML 1.3``, a quoted lone surrogate). The one file it reads that PyYAML refused
-        has a tab between a key's colon and its value, which YAML allows (1.2 §6.2)."""
+        ``%YAML 1.3``, a quoted lone surrogate). The files it reads that PyYAML refused have
+        a tab where YAML allows one as white space (1.2 §6.2): after a key's colon, inside a
+        flow collection, before a comment, at a line's end; indenting with one is refused."""
 
         def __init__(self, stream: str) -> None:
             yaml.cyaml.CParser.__init__(self, stream)

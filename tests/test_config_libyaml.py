@@ -58,9 +58,10 @@ def test_a_file_libyaml_reads_is_read_the_same_by_pyyaml(fragments: list[str]) -
 
 
 def test_a_tab_after_a_key_s_colon_is_read_as_yaml_allows_it() -> None:
-    # The one difference found: PyYAML's scanner refuses a tab before a value ("found
-    # character '\t' that cannot start any token"), which YAML allows as a separator
-    # (1.2 §6.2 s-separate-in-line); libyaml reads it. Indenting with tabs is still refused.
+    # The differences found: PyYAML's scanner refuses a tab as white space ("found character
+    # '\t' that cannot start any token": before a value, in a flow collection, before a
+    # comment, at a line's end), which YAML allows (1.2 §6.2 s-separate-in-line); libyaml
+    # reads it. Indenting with tabs is still refused.
     config = parse_config("server:\n  listen:\t127.0.0.1:8080\nroutes:\n"
                           "  - {name: a, path_prefix: /a/, upstream: http://127.0.0.1:9}\n")
     assert config.server.listen == "127.0.0.1:8080"
