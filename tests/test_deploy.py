@@ -87,7 +87,7 @@ def rule_exprs() -> list[str]:
 
 def test_alert_rules_check_and_unit_tests():
     promtool = tool("promtool")
-    assert "SUCCESS: 16 rules found" in run(promtool, "check", "rules", str(RULES)).stdout
+    assert "SUCCESS: 17 rules found" in run(promtool, "check", "rules", str(RULES)).stdout
     run(promtool, "test", "rules", "sluice-rules.test.yaml", cwd=RULES.parent)
 
 
@@ -97,7 +97,8 @@ def test_rules_cover_the_issues_alerts():
     assert {"SluiceAmplificationRising", "SluiceDeadLettersGrowing", "SluiceCircuitOpen",
             "SluiceOperationCircuitOpen", "SluiceQueueWaitNearMaxWait",
             "SluiceBudgetNearExhaustion",
-            "SluiceStateBackendDown", "SluiceOutputDropped", "SluiceConfigRestartPending"} <= alerts
+            "SluiceStateBackendDown", "SluiceStateKeyFaults", "SluiceOutputDropped",
+            "SluiceConfigRestartPending"} <= alerts
 
 
 def test_dashboard_queries_parse_and_cover_the_spec(tmp_path):
