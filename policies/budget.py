@@ -490,36 +490,41 @@ class Budgets:
 
     def _refusal(self, denials: list[tuple[Limit, Claim]], now: float,
                  source: StateBackends) -> Rejected:
-        """``budget_exhausted`` with the wait of the slowest denying limit."""
-        waits: list[float | None] = []
+        """``budget_exhausted`` with the wait of the slowest denying limit, and that limit
+        named in its ``RateLimit`` fields: the policy, its ``r`` and its ``t`` are one
+        limit's, as the draft's fields describe one policy each (naming the first denial
+        while the wait was another's said ``w=60`` beside ``t=73385``; a hostile trial).
+        A limit that never frees (a spent total) is the slowest."""
         details = []
         ledger = source.ledger
         share = "" if source is self.backends else (
             " (this replica's share while the shared state is unavailable)")
-        left = None  # the first denying limit's, for RateLimit's r
+        binding: tuple[float, Limit, int] | None = None  # (wait, limit, whole units left)
+        never = False
         for limit, claim in denials:
             spent, held = ledger.level(self.group, claim.key)
-            if left is None:
-                left = max(math.floor(claim.cap - spent - held), 0)
+            left = max(math.floor(claim.cap - spent - held), 0)
+            wait: float
             if spent + claim.amount <= claim.cap:
-                waits.append(SETTLE_WAIT_S)  # only requests in flight are in the way
+                wait = SETTLE_WAIT_S  # only requests in flight are in the way
             elif limit.period_s is None:
-                waits.append(None)  # a run's total never frees
+                wait, never = math.inf, True  # a run's total never frees
             else:
-                waits.append(_window_end(limit.period_s, now) - now)
+                wait = _window_end(limit.period_s, now) - now
+            if binding is None or wait > binding[0]:
+                binding = (wait, limit, left)
             details.append(
                 f"{limit.name} {limit.text}{share}: {_fmt(limit.unit, spent)} spent, "
                 f"{_fmt(limit.unit, held)} reserved by requests in flight, this request "
                 f"needs up to {_fmt(limit.unit, claim.amount)}"
             )
-        never = any(w is None for w in waits)
-        wait = None if never else max(w for w in waits if w is not None)
-        limit = denials[0][0]
+        assert binding is not None
+        wait, limit, left = binding
         policy = None
         if limit.unit != "usd" and limit.period_s is not None:
-            policy = (limit.name, int(limit.amount), limit.period_s, left or 0)
-        return Rejected(Reason.BUDGET_EXHAUSTED, wait, "; ".join(details), policy,
-                        retry=False if never else None)
+            policy = (limit.name, int(limit.amount), limit.period_s, left)
+        return Rejected(Reason.BUDGET_EXHAUSTED, None if never else wait, "; ".join(details),
+                        policy, retry=False if never else None)
 
 
 class Reconciler(Redeliveries["_Pending"]):
