@@ -296,13 +296,17 @@ class RateLimiter:
         protocol: the route's protocol; on ``openai``/``anthropic`` routes with a token rate,
             metered calls leave their request units to :mod:`policies.accounting`, which
             takes them with the tokens in one call.
+        operation: the operation block's name (a model, a tool, an endpoint) for an
+            operation's ``rate``, ``None`` for the route's: it prefixes the policy names its
+            refusals give (:func:`name_of`).
     """
 
     def __init__(self, config: RateConfig, backends: StateBackends, group: str,
-                 protocol: str | None = None) -> None:
+                 protocol: str | None = None, operation: str | None = None) -> None:
         self.backends = backends
         self.group = group
         self.protocol = protocol
+        self.operation = operation
         self.background = Background(backends)
         #: The route's buckets when its state is this process's memory: the request path
         #: takes from them directly (:meth:`MemoryRateBuckets.take`, nothing to await).
@@ -504,7 +508,7 @@ class RateLimiter:
             quota, window = max(1, round(lower[0])), max(1, round(lower[1]))
             limit = rate_text(quota, window)
             why = f" (the lowest rate a live replica holds; this replica's is {rate})"
-        policy = (name_of(take.name), quota, window, left)
+        policy = (name_of(take.name, self.operation), quota, window, left)
         if take.name != TOKENS:
             return Rejected(Reason.RATE_LIMITED, result.retry_after_s, f"limit {limit}{why}",
                             policy)
@@ -530,10 +534,14 @@ class RateLimiter:
                         f"limit {limit} tokens{why}; this request reserves {reserves}", policy)
 
 
-def name_of(bucket: str) -> str:
+def name_of(bucket: str, operation: str | None = None) -> str:
     """A bucket's name in ``RateLimit-Policy``: ``requests``, ``requests-per-tenant``,
-    ``tokens``."""
-    return bucket if bucket in (REQUESTS, TOKENS) else "requests-per-tenant"
+    ``tokens``; an operation's (``operation``: its block's name) prefixed by it and a colon,
+    ``gpt-4o:requests``. The draft (draft-ietf-httpapi-ratelimit-headers, "RateLimit-Policy")
+    asks each policy's name to identify it: an operation's rate beside its route's, both
+    named ``requests``, could not be told apart (a hostile trial)."""
+    name = bucket if bucket in (REQUESTS, TOKENS) else "requests-per-tenant"
+    return name if operation is None else f"{operation}:{name}"
 
 
 #: Config's rate units by their period (``N/min``), to name a rate the replicas applied.
