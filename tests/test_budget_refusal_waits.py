@@ -50,3 +50,54 @@ async def test_two_spent_windows_name_the_one_whose_wait_is_given():
     assert headers["RateLimit-Policy"] == '"tokens-per-tenant-day";q=1000;w=86400'
     assert headers["RateLimit"] == f'"tokens-per-tenant-day";r=70;t={day_left}'
     assert headers["Retry-After"] == str(day_left)
+
+
+def held_for(b: Budgets, monotonic: Clock) -> None:
+    """Time ``b``'s reservations by ``monotonic`` (seconds); on a build without hold times,
+    the tests' own assertions fail (the fixed 1 s wait)."""
+    try:
+        from policies.budget import HoldTimes
+    except ImportError:
+        return
+    b.holds = HoldTimes(monotonic)
+
+
+async def test_calls_in_flight_holding_the_room_are_waited_for_as_long_as_they_run():
+    clock, monotonic = Clock(at("2026-03-01 12:00:00")), Clock(100.0)
+    b = budgets(clock, {"tokens": "1000/h", "per": "tenant"})
+    held_for(b, monotonic)
+    held = await b.reserve("t", None, "m", 100, 700)
+    monotonic.now += 3  # running 3 s, nothing ended yet: at least that long
+    with pytest.raises(Rejected) as denied:
+        await b.reserve("t", None, "m", 100, 200)
+    assert denied.value.retry_after == 3
+    monotonic.now += 5
+    b.settle(held, Usage(100, 50))  # an 8 s call
+    held = await b.reserve("t", None, "m", 100, 700)
+    monotonic.now += 0.5
+    with pytest.raises(Rejected) as denied:
+        await b.reserve("t", None, "m", 100, 200)
+    assert denied.value.retry_after == 8  # the mean call
+    headers = rejection_headers(denied.value)
+    assert (headers["Retry-After"], headers["x-should-retry"]) == ("8", "true")
+    # Another tenant's calls say nothing of when this one's come back: the mean alone.
+    other = await b.reserve("u", None, "m", 100, 700)
+    monotonic.now += 30
+    with pytest.raises(Rejected) as denied:
+        await b.reserve("u", None, "m", 100, 200)
+    assert denied.value.retry_after == 30
+    b.settle(other, None)
+    b.settle(held, None)
+
+
+async def test_calls_in_flight_before_midnight_are_waited_for_until_the_day_ends_at_most():
+    clock, monotonic = Clock(at("2026-03-01 23:59:54")), Clock(100.0)
+    b = budgets(clock, {"tokens": "500/day", "per": "tenant"})
+    held_for(b, monotonic)
+    held = await b.reserve("t", None, "m", 30, 400)
+    monotonic.now += 10
+    with pytest.raises(Rejected) as denied:
+        await b.reserve("t", None, "m", 30, 100)
+    assert denied.value.retry_after == 6  # midnight, sooner than the call's end
+    b.settle(held, None)
+
