@@ -19,8 +19,12 @@ another limit's reset; the slowest, whose ``RateLimit`` fields it gives): the en
 when the spend alone leaves no room, or, when only reservations of requests in flight are in
 the way (they settle to actual usage, usually less), when those calls are expected to end
 (:class:`HoldTimes`: the route's mean call time, or longer while a call here has run longer;
-at least :data:`SETTLE_WAIT_S`), or the window's end if sooner. A spent ``N/total`` budget never frees, so it says
-``x-should-retry: false`` with no wait. A request whose own worst case exceeds a whole limit is
+at least :data:`SETTLE_WAIT_S`), or the window's end if sooner. A spent ``N/total`` budget
+never frees, so it says ``x-should-retry: false`` with no wait. A ``usd`` limit's refusal
+carries no ``RateLimit`` fields: the draft (draft-ietf-httpapi-ratelimit-headers, "Quota
+Policy" parameters) makes ``q`` and ``r`` Integers and registers no currency unit for
+``qu`` (``requests``, ``content-bytes``, ``concurrent-requests``), so a quota of $0.50 has
+no faithful form there; its ``Retry-After`` and message say the wait and the amounts. A request whose own worst case exceeds a whole limit is
 refused at once with 400 ``exceeds_limit``.
 
 The counters live in the route's state backend (``backends.ledger``,
