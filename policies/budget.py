@@ -24,8 +24,9 @@ never frees, so it says ``x-should-retry: false`` with no wait. A ``usd`` limit'
 carries no ``RateLimit`` fields: the draft (draft-ietf-httpapi-ratelimit-headers, "Quota
 Policy" parameters) makes ``q`` and ``r`` Integers and registers no currency unit for
 ``qu`` (``requests``, ``content-bytes``, ``concurrent-requests``), so a quota of $0.50 has
-no faithful form there; its ``Retry-After`` and message say the wait and the amounts. A request whose own worst case exceeds a whole limit is
-refused at once with 400 ``exceeds_limit``.
+no faithful form there; its ``Retry-After`` and message say the wait and the amounts. A
+request whose own worst case exceeds a whole limit is refused at once with 400
+``exceeds_limit``.
 
 The counters live in the route's state backend (``backends.ledger``,
 :mod:`policies.state.ledger`): this process's memory, or Redis shared by every replica, so the
