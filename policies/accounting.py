@@ -380,6 +380,7 @@ class Accounting:
         if budgets is None or reservation is None:
             return
         charge.reservation = reservation
+        budgets.holds.held(reservation)
         try:
             charge.headers = budgets.headers(reservation)
         except BaseException:

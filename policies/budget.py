@@ -15,11 +15,18 @@ the input is an estimate, see :mod:`policies.usage`). After the answer, the rese
 admitted a request is the one its usage is charged to.
 
 A refusal is 429 ``budget_exhausted`` with ``Retry-After`` from the limits that denied (never
-another limit's reset): the end of the window when the spend alone leaves no room, or a short
-wait (:data:`SETTLE_WAIT_S`) when only reservations of requests in flight are in the way, since
-those settle to actual usage, usually less. A spent ``N/total`` budget never frees, so it says
-``x-should-retry: false`` with no wait. A request whose own worst case exceeds a whole limit is
-refused at once with 400 ``exceeds_limit``.
+another limit's reset; the slowest, whose ``RateLimit`` fields it gives): the end of the window
+when the spend alone leaves no room, or, when only reservations of requests in flight are in
+the way (they settle to actual usage, usually less), when those calls are expected to end
+(:class:`HoldTimes`: the route's mean call time, or longer while a call here has run longer;
+at least :data:`SETTLE_WAIT_S`), or the window's end if sooner. A spent ``N/total`` budget
+never frees, so it says ``x-should-retry: false`` with no wait. A ``usd`` limit's refusal
+carries no ``RateLimit`` fields: the draft (draft-ietf-httpapi-ratelimit-headers, "Quota
+Policy" parameters) makes ``q`` and ``r`` Integers and registers no currency unit for
+``qu`` (``requests``, ``content-bytes``, ``concurrent-requests``), so a quota of $0.50 has
+no faithful form there; its ``Retry-After`` and message say the wait and the amounts. A
+request whose own worst case exceeds a whole limit is refused at once with 400
+``exceeds_limit``.
 
 The counters live in the route's state backend (``backends.ledger``,
 :mod:`policies.state.ledger`): this process's memory, or Redis shared by every replica, so the
@@ -63,9 +70,16 @@ from policies.wording import counted
 
 log = logging.getLogger("sluice")
 
-#: Suggested wait when only reservations of requests in flight deny, seconds: they settle
-#: within a request's duration, usually to less than they hold.
+#: The wait when only reservations of requests in flight deny and no call of the route has
+#: been seen to settle nor is seen in flight (another replica's), seconds; and the least
+#: such a wait is, unless the window ends sooner (:class:`HoldTimes`).
 SETTLE_WAIT_S = 1.0
+#: Weight of the newest call in the mean time a reservation is held (as the concurrency
+#: limiter's mean service time, :mod:`policies.concurrency`).
+HOLD_EWMA_WEIGHT = 0.1
+#: Reservations in flight whose hold times :class:`HoldTimes` keeps at most (each is
+#: forgotten at its settle; beyond this the oldest are, which only shortens estimates).
+LIVE_KEPT = 100_000
 #: How long a reservation may stay unsettled before the ledger reaps it, seconds, at least:
 #: a route's calls may run longer (:func:`longest_call_s`), and its hold is then that plus
 #: :data:`HOLD_MARGIN_S` (:func:`hold_for`). The floor is short: a killed replica's
@@ -138,6 +152,62 @@ class Reservation:
         self.now = now
 
 
+class HoldTimes:
+    """How long a route's reservations are held, for the wait of a refusal that only
+    reservations of calls in flight deny: they come back, settled to usage, as the calls
+    end.
+
+    Keeps the mean time from hold to settle of this process's calls (an exponentially
+    weighted mean, :data:`HOLD_EWMA_WEIGHT`, seeded by the first), and the hold time of each
+    reservation in flight here with its counters. The estimate for a counter
+    (:meth:`estimate`) is the mean, or the age of the oldest reservation in flight on it
+    when that is longer: a call that has run that long has not ended, whatever earlier
+    calls took (as :meth:`policies.concurrency.ConcurrencyLimiter._tenant_refusal` reads
+    its tenant's stalled calls). Reservations held on other replicas are unseen here, so
+    only the mean speaks for them. ``clock``: monotonic seconds (injectable for tests).
+    """
+
+    __slots__ = ("_clock", "_live", "mean_s")
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        #: The mean hold time of calls settled here, seconds; ``None`` before the first.
+        self.mean_s: float | None = None
+        #: Reservation id -> (monotonic time held, its counters), oldest first.
+        self._live: dict[str, tuple[float, tuple[str, ...]]] = {}
+
+    def held(self, reservation: Reservation) -> None:
+        """``reservation`` is held from now until :meth:`ended`."""
+        live = self._live
+        if len(live) >= LIVE_KEPT:
+            del live[next(iter(live))]
+        live[reservation.rid] = (self._clock(), tuple(_keys(reservation.claims)))
+
+    def ended(self, reservation: Reservation, settled: bool) -> None:
+        """``reservation`` is no longer held; ``settled``: its call ran (settled to its
+        usage), so its hold time counts in the mean (a call given back never reached the
+        upstream, and says nothing of how long calls take)."""
+        start = self._live.pop(reservation.rid, None)
+        if start is None or not settled:
+            return
+        took = self._clock() - start[0]
+        mean = self.mean_s
+        self.mean_s = took if mean is None else mean + HOLD_EWMA_WEIGHT * (took - mean)
+
+    def estimate(self, key: str) -> float | None:
+        """Seconds until reservations in flight on counter ``key`` are expected to come
+        back: the larger of the mean hold time and the age of the oldest seen in flight on
+        it; ``None`` when neither is known."""
+        oldest = None
+        for start, keys in self._live.values():  # oldest first: the first found is it
+            if key in keys:
+                oldest = self._clock() - start
+                break
+        if oldest is None:
+            return self.mean_s
+        return oldest if self.mean_s is None else max(self.mean_s, oldest)
+
+
 class Budgets:
     """The budget blocks of one route, their counters in the route's state backend.
 
@@ -177,6 +247,8 @@ class Budgets:
         self.hold_s = hold_s
         self.background = Background(backends)
         self.reconciler = Reconciler(self)
+        #: How long reservations are held here (the wait while only calls in flight deny).
+        self.holds = HoldTimes()
         #: The budgets a reload replaced these with (:meth:`take_over`), if any.
         self.successor: Budgets | None = None
         if backends.redis is not None:
@@ -188,6 +260,7 @@ class Budgets:
         if self.backends is not old.backends:
             self.backends = old.backends
         self.reconciler.adopt(old.reconciler)
+        self.holds = old.holds  # its calls in flight settle into the same record
         old.successor = self
 
     def current(self) -> Budgets:
@@ -318,6 +391,7 @@ class Budgets:
         self.answered(reservation)
         if denied:
             raise self.refusal(reservation, denied)
+        self.holds.held(reservation)
         return reservation
 
     def localize(self, reservation: Reservation, local: StateBackends) -> None:
@@ -390,6 +464,7 @@ class Budgets:
         self._settle(reservation, actual)
 
     def _settle(self, reservation: Reservation, actual: list[float]) -> None:
+        self.holds.ended(reservation, True)
         source = reservation.source
         if source.redis is not None:
             self.background.start(self.reconciler.settle(reservation, actual),
@@ -404,6 +479,7 @@ class Budgets:
         units ``takes`` the same admission took, in one round trip (both are in the same
         shared state: :meth:`policies.state.admission.Admissions.release`). Never awaits; a
         release Redis cannot take now is kept for when it answers (the units drain)."""
+        self.holds.ended(reservation, False)
         self.background.start(self.reconciler.give_back(reservation, takes),
                               f"budget release on {self.group}")
 
@@ -490,36 +566,55 @@ class Budgets:
 
     def _refusal(self, denials: list[tuple[Limit, Claim]], now: float,
                  source: StateBackends) -> Rejected:
-        """``budget_exhausted`` with the wait of the slowest denying limit."""
-        waits: list[float | None] = []
+        """``budget_exhausted`` with the wait of the slowest denying limit, and that limit
+        named in its ``RateLimit`` fields: the policy, its ``r`` and its ``t`` are one
+        limit's, as the draft's fields describe one policy each (naming the first denial
+        while the wait was another's said ``w=60`` beside ``t=73385``; a hostile trial).
+        A limit that never frees (a spent total) is the slowest."""
         details = []
         ledger = source.ledger
         share = "" if source is self.backends else (
             " (this replica's share while the shared state is unavailable)")
-        left = None  # the first denying limit's, for RateLimit's r
+        binding: tuple[float, Limit, int] | None = None  # (wait, limit, whole units left)
+        never = False
         for limit, claim in denials:
             spent, held = ledger.level(self.group, claim.key)
-            if left is None:
-                left = max(math.floor(claim.cap - spent - held), 0)
-            if spent + claim.amount <= claim.cap:
-                waits.append(SETTLE_WAIT_S)  # only requests in flight are in the way
+            left = max(math.floor(claim.cap - spent - held), 0)
+            wait: float
+            if spent + claim.amount <= claim.cap:  # only requests in flight are in the way
+                wait = self._settle_wait(limit, claim, now)
             elif limit.period_s is None:
-                waits.append(None)  # a run's total never frees
+                wait, never = math.inf, True  # a run's total never frees
             else:
-                waits.append(_window_end(limit.period_s, now) - now)
+                wait = _window_end(limit.period_s, now) - now
+            if binding is None or wait > binding[0]:
+                binding = (wait, limit, left)
             details.append(
                 f"{limit.name} {limit.text}{share}: {_fmt(limit.unit, spent)} spent, "
                 f"{_fmt(limit.unit, held)} reserved by requests in flight, this request "
                 f"needs up to {_fmt(limit.unit, claim.amount)}"
             )
-        never = any(w is None for w in waits)
-        wait = None if never else max(w for w in waits if w is not None)
-        limit = denials[0][0]
+        assert binding is not None
+        wait, limit, left = binding
         policy = None
         if limit.unit != "usd" and limit.period_s is not None:
-            policy = (limit.name, int(limit.amount), limit.period_s, left or 0)
-        return Rejected(Reason.BUDGET_EXHAUSTED, wait, "; ".join(details), policy,
-                        retry=False if never else None)
+            policy = (limit.name, int(limit.amount), limit.period_s, left)
+        return Rejected(Reason.BUDGET_EXHAUSTED, None if never else wait, "; ".join(details),
+                        policy, retry=False if never else None)
+
+
+    def _settle_wait(self, limit: Limit, claim: Claim, now: float) -> float:
+        """The wait of a limit that only reservations of calls in flight deny, seconds: when
+        they are expected to come back (:meth:`HoldTimes.estimate`, at least
+        :data:`SETTLE_WAIT_S`; that when nothing is known), or the end of the window if
+        sooner, when the room comes back whatever they spend. A fixed 1 s told callers to
+        come back every second while calls of 8 s held the room, and the SDKs (2 retries)
+        gave up in 2 s; at 23:59:54 it said 1 s instead of 6 (a hostile trial)."""
+        estimate = self.holds.estimate(claim.key)
+        wait = SETTLE_WAIT_S if estimate is None else max(estimate, SETTLE_WAIT_S)
+        if limit.period_s is not None:
+            wait = min(wait, _window_end(limit.period_s, now) - now)
+        return wait
 
 
 class Reconciler(Redeliveries["_Pending"]):

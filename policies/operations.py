@@ -244,7 +244,8 @@ class Operation:
         #: from every other operation's.
         self.group = operation_group(route.name, name)
         self.concurrency = new_limiter(config.concurrency, backends, self.group)
-        self.rate = (OperationRate(RateLimiter(config.rate, backends, self.group))
+        self.rate = (OperationRate(RateLimiter(config.rate, backends, self.group,
+                                                operation=name))
                      if config.rate else None)
         i = config.idempotency
         self.idempotency = (Idempotency(i, self.group, backends=backends,

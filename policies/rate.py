@@ -12,7 +12,12 @@ Every bucket that applies to a call (the route's, the tenant's, and the route's 
 a metered call) is taken in **one** atomic call, all or none: one Redis round trip per
 admission. ``Retry-After`` is the time until every bucket would fit the call,
 ``(level + amount - N) / (N / period)`` seconds for the slowest (the RFC 6585 meaning of 429's
-Retry-After).
+Retry-After), *or later when other refused callers were already told that time*
+(:class:`Promises`): under steady over-demand every refused caller of a bucket was told the
+same instant (12 clients on ``2/s`` all told the same 10 ms slot, ~11 refusals per success;
+a hostile trial), so each refusal is given its own slot, one emission interval after the
+last one promised, as GCRA's virtual scheduling spaces conforming cells. A lone caller's
+wait stays exact: a caller that waits exactly ``retry-after-ms`` is admitted.
 
 ``tokens: N/period`` counts tokens: a metered call takes its *reserved* worst case (estimated
 input + output cap) at admission, as OpenAI counts ``max_tokens`` against its own
@@ -59,6 +64,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 from collections.abc import Awaitable, Coroutine, Sequence
 from typing import Any, TypeVar
 
@@ -91,6 +97,9 @@ TOKENS = "tokens"
 TENANT_PREFIX = "tenant:"
 #: Tenants whose request units a limiter keeps built (``request_units``).
 TAKES_KEPT = 1024
+#: Buckets whose promised slots a limiter keeps (:class:`Promises`); lapsed ones are
+#: dropped first when it is reached, and all of them if none has lapsed.
+PROMISES_KEPT = 4096
 
 
 def unavailable(exc: StateUnavailable) -> Rejected:
@@ -270,6 +279,54 @@ class RequestUnits:
         self._memory.give_back(self.plan)
 
 
+class Promises:
+    """The waits a limiter has told refused callers, per bucket, so that callers refused
+    together are told successive slots instead of one instant.
+
+    Each bucket keeps ``tat``, GCRA's theoretical arrival time (ITU-T I.371's virtual
+    scheduling form) of the units promised so far: the time the bucket would be back at
+    its present level had every caller told a wait taken its amount then. A refusal of
+    ``amount`` units whose own wait is ``wait`` (the bucket's level alone) is told when it
+    would conform once those promises are kept:
+    ``max(own slot, tat - (limit - amount) x interval)``, and ``tat`` advances by its
+    ``amount x interval`` (``interval`` = ``period / limit`` seconds per unit, the time one
+    unit takes to drain). The promises lapse by themselves: once the bucket's own level
+    is past them (time passed, or admitted calls took the units), each refusal's own wait
+    is what it is told, so a lone caller's wait stays exact. A caller that never comes
+    back costs its slot once (a later caller is told one interval more than it needed).
+
+    The promises are this process's (:class:`RateLimiter` keeps them), also when the
+    buckets are in Redis: each replica spaces its own callers; replicas that refuse the
+    same bucket at once can still tell two callers one slot, as before, but no longer
+    their every caller. Kept in memory only, they cost no round trip.
+    """
+
+    __slots__ = ("_tat",)
+
+    def __init__(self) -> None:
+        self._tat: dict[str, float] = {}
+
+    def told(self, bucket: str, wait: float, amount: float, limit: float, period_s: float,
+             now: float) -> float:
+        """The wait to tell a refusal of ``amount`` units from ``bucket`` (``limit`` per
+        ``period_s`` seconds) whose own wait is ``wait`` seconds at ``now`` (monotonic
+        seconds), recording it as promised. Never less than ``wait``."""
+        interval = period_s / limit
+        # The TAT at which this caller conforms by the bucket's level alone.
+        own = now + wait + (limit - amount) * interval
+        tat = self._tat.get(bucket, -math.inf)
+        if tat < own:
+            tat = own
+        tats = self._tat
+        if bucket not in tats and len(tats) >= PROMISES_KEPT:
+            for name in [name for name, at in tats.items() if at <= now]:
+                del tats[name]
+            if len(tats) >= PROMISES_KEPT:
+                tats.clear()
+        tats[bucket] = tat + amount * interval
+        return max(wait, tat - (limit - amount) * interval - now)
+
+
 def fits_whole(amount: int, tokens: Rate) -> None:
     """Refuse a call reserving ``amount`` tokens from a token rate ``tokens`` whose whole
     bucket is smaller: it could never pass, so no wait is given.
@@ -296,13 +353,17 @@ class RateLimiter:
         protocol: the route's protocol; on ``openai``/``anthropic`` routes with a token rate,
             metered calls leave their request units to :mod:`policies.accounting`, which
             takes them with the tokens in one call.
+        operation: the operation block's name (a model, a tool, an endpoint) for an
+            operation's ``rate``, ``None`` for the route's: it prefixes the policy names its
+            refusals give (:func:`name_of`).
     """
 
     def __init__(self, config: RateConfig, backends: StateBackends, group: str,
-                 protocol: str | None = None) -> None:
+                 protocol: str | None = None, operation: str | None = None) -> None:
         self.backends = backends
         self.group = group
         self.protocol = protocol
+        self.operation = operation
         self.background = Background(backends)
         #: The route's buckets when its state is this process's memory: the request path
         #: takes from them directly (:meth:`MemoryRateBuckets.take`, nothing to await).
@@ -318,6 +379,8 @@ class RateLimiter:
         #: reaches replicas one at a time). The same across a reload, so the new rate
         #: replaces this replica's old one at its next admission.
         self.holder = Holder(new_lease_id(), backends.lease_s)
+        #: The waits told to refused callers, per bucket (kept across a reload).
+        self.promises = Promises()
         self.reconfigure(config)
 
     def reconfigure(self, config: RateConfig) -> None:
@@ -504,10 +567,14 @@ class RateLimiter:
             quota, window = max(1, round(lower[0])), max(1, round(lower[1]))
             limit = rate_text(quota, window)
             why = f" (the lowest rate a live replica holds; this replica's is {rate})"
-        policy = (name_of(take.name), quota, window, left)
+        policy = (name_of(take.name, self.operation), quota, window, left)
+        wait = result.retry_after_s
+        if not math.isinf(wait) and take.amount <= quota:
+            checked = (take.limit, take.period_s) if lower is None else lower
+            wait = self.promises.told(take.name, wait, take.amount, checked[0], checked[1],
+                                      time.monotonic())
         if take.name != TOKENS:
-            return Rejected(Reason.RATE_LIMITED, result.retry_after_s, f"limit {limit}{why}",
-                            policy)
+            return Rejected(Reason.RATE_LIMITED, wait, f"limit {limit}{why}", policy)
         reserves = int(take.amount)
         if math.isinf(result.retry_after_s):
             # Only a local share is this small: a whole limit was checked by token_take,
@@ -526,14 +593,18 @@ class RateLimiter:
                             f"this request reserves {counted(reserves, 'token')}, more than "
                             f"{limit}{why}: it fits once that replica reloads or its rate lapses",
                             policy)
-        return Rejected(Reason.TOKEN_RATE_LIMITED, result.retry_after_s,
+        return Rejected(Reason.TOKEN_RATE_LIMITED, wait,
                         f"limit {limit} tokens{why}; this request reserves {reserves}", policy)
 
 
-def name_of(bucket: str) -> str:
+def name_of(bucket: str, operation: str | None = None) -> str:
     """A bucket's name in ``RateLimit-Policy``: ``requests``, ``requests-per-tenant``,
-    ``tokens``."""
-    return bucket if bucket in (REQUESTS, TOKENS) else "requests-per-tenant"
+    ``tokens``; an operation's (``operation``: its block's name) prefixed by it and a colon,
+    ``gpt-4o:requests``. The draft (draft-ietf-httpapi-ratelimit-headers, "RateLimit-Policy")
+    asks each policy's name to identify it: an operation's rate beside its route's, both
+    named ``requests``, could not be told apart (a hostile trial)."""
+    name = bucket if bucket in (REQUESTS, TOKENS) else "requests-per-tenant"
+    return name if operation is None else f"{operation}:{name}"
 
 
 #: Config's rate units by their period (``N/min``), to name a rate the replicas applied.

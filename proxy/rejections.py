@@ -80,11 +80,20 @@ def rejection_headers(rejected: Rejected) -> dict[str, str]:
         if rejected.policy is not None:
             name, quota, window, remaining = rejected.policy
             unit = ';qu="concurrent-requests"' if window == 0 else f";w={window}"
-            headers["RateLimit-Policy"] = f'"{name}";q={quota}{unit}'
-            headers["RateLimit"] = f'"{name}";r={remaining};t={seconds}'
+            name = sf_string(name)
+            headers["RateLimit-Policy"] = f"{name};q={quota}{unit}"
+            headers["RateLimit"] = f"{name};r={remaining};t={seconds}"
     if rejected.retry is False:
         headers["x-should-retry"] = "false"
     return headers
+
+
+def sf_string(text: str) -> str:
+    """``text`` as a Structured Field String (RFC 9651 §3.3.3): quoted, ``\\`` and ``"``
+    escaped, a character outside visible ASCII and space (which a String cannot hold) as
+    ``?``. A policy's name may be an operation's (a tool or a model named in the config)."""
+    safe = "".join(c if " " <= c <= "~" else "?" for c in text)
+    return '"' + safe.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def human_duration(seconds: float) -> str:
