@@ -18,15 +18,14 @@ A refusal is 429 ``budget_exhausted`` with ``Retry-After`` from the limits that 
 another limit's reset; the slowest, whose ``RateLimit`` fields it gives): the end of the window
 when the spend alone leaves no room, or, when only reservations of requests in flight are in
 the way (they settle to actual usage, usually less), when those calls are expected to end
-(:class:`HoldTimes`: the route's mean call time, or longer while a call here has run longer;
-at least :data:`SETTLE_WAIT_S`), or the window's end if sooner. A spent ``N/total`` budget
-never frees, so it says ``x-should-retry: false`` with no wait. A ``usd`` limit's refusal
-carries no ``RateLimit`` fields: the draft (draft-ietf-httpapi-ratelimit-headers, "Quota
-Policy" parameters) makes ``q`` and ``r`` Integers and registers no currency unit for
-``qu`` (``requests``, ``content-bytes``, ``concurrent-requests``), so a quota of $0.50 has
-no faithful form there; its ``Retry-After`` and message say the wait and the amounts. A
-request whose own worst case exceeds a whole limit is refused at once with 400
-``exceeds_limit``.
+(:class:`HoldTimes`: when the first of that counter's calls in flight should end, by its calls'
+mean time; at least :data:`SETTLE_WAIT_S`), or the window's end if sooner. A spent ``N/total``
+budget never frees, so it says ``x-should-retry: false`` with no wait. A ``usd`` limit's
+refusal carries no ``RateLimit`` fields: the draft (draft-ietf-httpapi-ratelimit-headers,
+"Quota Policy" parameters) makes ``q`` and ``r`` Integers and registers no currency unit for
+``qu`` (``requests``, ``content-bytes``, ``concurrent-requests``), so a quota of $0.50 has no
+faithful form there; its ``Retry-After`` and message say the wait and the amounts. A request
+whose own worst case exceeds a whole limit is refused at once with 400 ``exceeds_limit``.
 
 The counters live in the route's state backend (``backends.ledger``,
 :mod:`policies.state.ledger`): this process's memory, or Redis shared by every replica, so the
@@ -74,12 +73,19 @@ log = logging.getLogger("sluice")
 #: been seen to settle nor is seen in flight (another replica's), seconds; and the least
 #: such a wait is, unless the window ends sooner (:class:`HoldTimes`).
 SETTLE_WAIT_S = 1.0
+#: The longest wait told while only reservations of calls in flight deny, seconds: the room
+#: comes back as they end, however long one runs, and the SDKs honour a Retry-After up to
+#: 60 s (longer, they give up: ``x-should-retry: false``).
+MAX_SETTLE_WAIT_S = 60.0
 #: Weight of the newest call in the mean time a reservation is held (as the concurrency
 #: limiter's mean service time, :mod:`policies.concurrency`).
 HOLD_EWMA_WEIGHT = 0.1
 #: Reservations in flight whose hold times :class:`HoldTimes` keeps at most (each is
 #: forgotten at its settle; beyond this the oldest are, which only shortens estimates).
 LIVE_KEPT = 100_000
+#: Counters whose mean hold time :class:`HoldTimes` keeps at most (the least recently
+#: settled forgotten first: their refusals then wait :data:`SETTLE_WAIT_S`).
+MEANS_KEPT = 100_000
 #: How long a reservation may stay unsettled before the ledger reaps it, seconds, at least:
 #: a route's calls may run longer (:func:`longest_call_s`), and its hold is then that plus
 #: :data:`HOLD_MARGIN_S` (:func:`hold_for`). The floor is short: a killed replica's
@@ -155,24 +161,27 @@ class Reservation:
 class HoldTimes:
     """How long a route's reservations are held, for the wait of a refusal that only
     reservations of calls in flight deny: they come back, settled to usage, as the calls
-    end.
+    end, and the first to end frees room.
 
-    Keeps the mean time from hold to settle of this process's calls (an exponentially
-    weighted mean, :data:`HOLD_EWMA_WEIGHT`, seeded by the first), and the hold time of each
+    Keeps, per counter, the mean time from hold to settle of this process's calls on it
+    (an exponentially weighted mean, :data:`HOLD_EWMA_WEIGHT`, seeded by the first; at most
+    :data:`MEANS_KEPT` counters, the oldest forgotten first), and the hold time of each
     reservation in flight here with its counters. The estimate for a counter
-    (:meth:`estimate`) is the mean, or the age of the oldest reservation in flight on it
-    when that is longer: a call that has run that long has not ended, whatever earlier
-    calls took (as :meth:`policies.concurrency.ConcurrencyLimiter._tenant_refusal` reads
-    its tenant's stalled calls). Reservations held on other replicas are unseen here, so
-    only the mean speaks for them. ``clock``: monotonic seconds (injectable for tests).
+    (:meth:`estimate`) is when the first of its calls in flight here should end: the least
+    of the mean less each one's age (one past the mean is expected any moment); the mean
+    when none is seen here (another replica's). A counter's own mean: one tenant's slow
+    calls say nothing of another's budget (a review: 300 s calls told a tenant of 1 s calls
+    to wait 264 s); the soonest end, not the oldest call: one call stuck for an hour made
+    every refusal say an hour while younger calls freed the room in seconds (a review).
+    ``clock``: monotonic seconds (injectable for tests).
     """
 
-    __slots__ = ("_clock", "_live", "mean_s")
+    __slots__ = ("_clock", "_live", "_means")
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
-        #: The mean hold time of calls settled here, seconds; ``None`` before the first.
-        self.mean_s: float | None = None
+        #: Counter key -> the mean hold time of its calls settled here, seconds.
+        self._means: dict[str, float] = {}
         #: Reservation id -> (monotonic time held, its counters), oldest first.
         self._live: dict[str, tuple[float, tuple[str, ...]]] = {}
 
@@ -185,27 +194,37 @@ class HoldTimes:
 
     def ended(self, reservation: Reservation, settled: bool) -> None:
         """``reservation`` is no longer held; ``settled``: its call ran (settled to its
-        usage), so its hold time counts in the mean (a call given back never reached the
-        upstream, and says nothing of how long calls take)."""
+        usage), so its hold time counts in its counters' means (a call given back never
+        reached the upstream, and says nothing of how long calls take)."""
         start = self._live.pop(reservation.rid, None)
         if start is None or not settled:
             return
         took = self._clock() - start[0]
-        mean = self.mean_s
-        self.mean_s = took if mean is None else mean + HOLD_EWMA_WEIGHT * (took - mean)
+        means = self._means
+        for key in start[1]:
+            mean = means.pop(key, None)  # re-inserted last: the oldest go first
+            if mean is None and len(means) >= MEANS_KEPT:
+                del means[next(iter(means))]
+            means[key] = took if mean is None else mean + HOLD_EWMA_WEIGHT * (took - mean)
 
     def estimate(self, key: str) -> float | None:
-        """Seconds until reservations in flight on counter ``key`` are expected to come
-        back: the larger of the mean hold time and the age of the oldest seen in flight on
-        it; ``None`` when neither is known."""
-        oldest = None
-        for start, keys in self._live.values():  # oldest first: the first found is it
+        """Seconds until the first reservation in flight on counter ``key`` is expected to
+        come back (see the class); before any call on it has settled here, the age of the
+        youngest in flight (a call that has run that long is not near its end by anything
+        known); ``None`` when neither is known."""
+        mean = self._means.get(key)
+        now = self._clock()
+        soonest = None
+        for start, keys in reversed(self._live.values()):  # youngest first
             if key in keys:
-                oldest = self._clock() - start
-                break
-        if oldest is None:
-            return self.mean_s
-        return oldest if self.mean_s is None else max(self.mean_s, oldest)
+                if mean is None:
+                    return now - start
+                left = max(mean - (now - start), 0.0)
+                if soonest is None or left < soonest:
+                    soonest = left
+                if left <= 0.0:
+                    break
+        return mean if soonest is None else soonest
 
 
 class Budgets:
@@ -611,7 +630,8 @@ class Budgets:
         come back every second while calls of 8 s held the room, and the SDKs (2 retries)
         gave up in 2 s; at 23:59:54 it said 1 s instead of 6 (a hostile trial)."""
         estimate = self.holds.estimate(claim.key)
-        wait = SETTLE_WAIT_S if estimate is None else max(estimate, SETTLE_WAIT_S)
+        wait = SETTLE_WAIT_S if estimate is None else min(max(estimate, SETTLE_WAIT_S),
+                                                          MAX_SETTLE_WAIT_S)
         if limit.period_s is not None:
             wait = min(wait, _window_end(limit.period_s, now) - now)
         return wait

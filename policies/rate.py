@@ -293,7 +293,8 @@ class Promises:
     unit takes to drain). The promises lapse by themselves: once the bucket's own level
     is past them (time passed, or admitted calls took the units), each refusal's own wait
     is what it is told, so a lone caller's wait stays exact. A caller that never comes
-    back costs its slot once (a later caller is told one interval more than it needed).
+    back costs its slot once (a later caller is told one interval more than it needed). No
+    caller is told more than one period past its own wait.
 
     The promises are this process's (:class:`RateLimiter` keeps them), also when the
     buckets are in Redis: each replica spaces its own callers; replicas that refuse the
@@ -314,15 +315,16 @@ class Promises:
         interval = period_s / limit
         # The TAT at which this caller conforms by the bucket's level alone.
         own = now + wait + (limit - amount) * interval
-        tat = self._tat.get(bucket, -math.inf)
-        if tat < own:
-            tat = own
+        # Promises run at most one period past it: callers that ignore their waits take
+        # units as they free, and their refusals would push everyone else's further without
+        # end (a review: 409 s told on 2/s, x-should-retry false, after two minutes).
+        tat = min(max(self._tat.get(bucket, -math.inf), own), own + period_s)
         tats = self._tat
         if bucket not in tats and len(tats) >= PROMISES_KEPT:
             for name in [name for name, at in tats.items() if at <= now]:
                 del tats[name]
-            if len(tats) >= PROMISES_KEPT:
-                tats.clear()
+            if len(tats) >= PROMISES_KEPT:  # the oldest promised first, not every bucket's
+                del tats[next(iter(tats))]
         tats[bucket] = tat + amount * interval
         return max(wait, tat - (limit - amount) * interval - now)
 

@@ -77,16 +77,52 @@ async def test_calls_in_flight_holding_the_room_are_waited_for_as_long_as_they_r
     monotonic.now += 0.5
     with pytest.raises(Rejected) as denied:
         await b.reserve("t", None, "m", 100, 200)
-    assert denied.value.retry_after == 8  # the mean call
+    assert denied.value.retry_after == 7.5  # the mean call, less the 0.5 s it has run
     headers = rejection_headers(denied.value)
     assert (headers["Retry-After"], headers["x-should-retry"]) == ("8", "true")
-    # Another tenant's calls say nothing of when this one's come back: the mean alone.
+    # Another tenant's calls say nothing of when this one's come back: its own call's age.
     other = await b.reserve("u", None, "m", 100, 700)
     monotonic.now += 30
     with pytest.raises(Rejected) as denied:
         await b.reserve("u", None, "m", 100, 200)
     assert denied.value.retry_after == 30
     b.settle(other, None)
+    b.settle(held, None)
+
+
+async def test_one_call_stuck_in_flight_does_not_set_the_wait_younger_ones_free():
+    # A review: the oldest call's age was the wait, so one call running an hour made every
+    # refusal say "an hour, do not retry" while calls of 2 s freed the room.
+    clock, monotonic = Clock(at("2026-03-01 00:00:10")), Clock(100.0)
+    b = budgets(clock, {"tokens": "1000/day", "per": "route"})
+    held_for(b, monotonic)
+    b.settle(await b.reserve("t", None, "m", 10, 10), Usage(10, 10))  # calls take 0 s...
+    monotonic.now += 2
+    done = await b.reserve("t", None, "m", 10, 10)
+    monotonic.now += 2
+    b.settle(done, Usage(10, 10))  # ...and 2 s, the mean about 0.2 s
+    stuck = await b.reserve("t", None, "m", 100, 400)
+    monotonic.now += 3600
+    young = [await b.reserve("t", None, "m", 100, 50) for _ in range(3)]
+    monotonic.now += 0.1
+    with pytest.raises(Rejected) as denied:
+        await b.reserve("t", None, "m", 100, 300)
+    assert denied.value.retry_after == 1  # the young calls' end is near: the least wait
+    assert rejection_headers(denied.value)["x-should-retry"] == "true"
+    for reservation in (stuck, *young):
+        b.settle(reservation, None)
+
+
+async def test_a_wait_for_calls_in_flight_stays_within_what_the_sdks_honour():
+    clock, monotonic = Clock(at("2026-03-01 00:00:10")), Clock(100.0)
+    b = budgets(clock, {"tokens": "1000/day", "per": "tenant"})
+    held_for(b, monotonic)
+    held = await b.reserve("t", None, "m", 100, 800)
+    monotonic.now += 3600  # its mean unknown, the call has run an hour
+    with pytest.raises(Rejected) as denied:
+        await b.reserve("t", None, "m", 100, 200)
+    assert denied.value.retry_after == 60
+    assert rejection_headers(denied.value)["x-should-retry"] == "true"
     b.settle(held, None)
 
 
@@ -101,3 +137,23 @@ async def test_calls_in_flight_before_midnight_are_waited_for_until_the_day_ends
     assert denied.value.retry_after == 6  # midnight, sooner than the call's end
     b.settle(held, None)
 
+
+
+async def test_one_tenants_slow_calls_do_not_set_anothers_wait():
+    # A review: one mean per route told a tenant of 1 s calls to wait 264 s, another
+    # tenant's calls taking 300 s.
+    clock, monotonic = Clock(at("2026-03-01 00:00:10")), Clock(100.0)
+    b = budgets(clock, {"tokens": "1000/day", "per": "tenant"})
+    held_for(b, monotonic)
+    slow = await b.reserve("a", None, "m", 10, 10)
+    monotonic.now += 300
+    b.settle(slow, Usage(10, 10))
+    fast = await b.reserve("b", None, "m", 10, 10)
+    monotonic.now += 1
+    b.settle(fast, Usage(10, 10))
+    held = await b.reserve("b", None, "m", 100, 800)
+    monotonic.now += 0.2
+    with pytest.raises(Rejected) as denied:
+        await b.reserve("b", None, "m", 100, 200)
+    assert denied.value.retry_after == 1  # b's own calls: 1 s, 0.2 s of it run
+    b.settle(held, None)

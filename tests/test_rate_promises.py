@@ -38,9 +38,11 @@ async def test_callers_refused_together_are_told_one_interval_apart():
         await limits.admit(call())
     waits = [(await refused(limits)).retry_after for _ in range(3)]
     assert [round(w) for w in waits] == [30, 60, 90]
+    # Never more than one period (60 s) past a caller's own wait (30 s): a review saw
+    # callers that ignore their waits push everyone else's to 409 s on 2/s.
     headers = rejection_headers(await refused(limits))
-    assert headers["Retry-After"] == "120"  # whole seconds, the ceiling of retry-after-ms
-    assert math.ceil(int(headers["retry-after-ms"]) / 1000) == 120
+    assert headers["Retry-After"] == "90"  # whole seconds, the ceiling of retry-after-ms
+    assert math.ceil(int(headers["retry-after-ms"]) / 1000) == 90
     # Another tenant's bucket has promises of its own.
     tenants = limiter({"per_tenant": {"requests": "1/min"}})
     await tenants.admit(call("a"))
@@ -72,3 +74,19 @@ def test_promises_lapse_and_stay_bounded(monkeypatch):
     promises.told("c", 1.0, 1, 1, 1.0, now=20.0)  # full: a and b lapsed, so dropped
     assert promises.told("c", 1.0, 1, 1, 1.0, now=20.0) == 2.0
     assert len(promises._tat) == 1
+
+
+def test_callers_that_ignore_their_waits_push_no_one_past_a_period():
+    promises = rate_module.Promises()
+    # 2/s: a caller retrying every 100 ms, refused each time, beside obeying ones.
+    told = [promises.told("r", 0.5, 1, 2, 1.0, now=step / 10) for step in range(600)]
+    assert max(told) <= 0.5 + 1.0 + 1e-9  # its own wait and one period, after a minute of it
+
+
+def test_a_full_map_drops_its_oldest_promise_not_every_buckets(monkeypatch):
+    monkeypatch.setattr(rate_module, "PROMISES_KEPT", 2)
+    promises = rate_module.Promises()
+    promises.told("tenant-a", 50.0, 1, 1, 100.0, now=0.0)
+    promises.told("route", 1.0, 1, 1, 1.0, now=0.0)
+    promises.told("tenant-b", 50.0, 1, 1, 100.0, now=0.0)  # full, none lapsed
+    assert promises.told("route", 1.0, 1, 1, 1.0, now=0.0) == 2.0  # its promise kept
