@@ -1317,6 +1317,23 @@ def operation_checks(index: int, route: RouteConfig) -> Iterator[tuple[Path_, st
                 yield (*at, "retry", "per_try_timeout"), "must not exceed deadline"
 
 
+def advisories(config: Config) -> Iterator[tuple[Path_, str]]:
+    """What a valid config does that its author may not mean, for ``check-config`` to warn
+    of: an ``openai`` route that limits tokens (a budget or ``rate.tokens``) with no
+    ``usage.default_max_tokens`` refuses every call that names no output cap (400
+    ``bad_request``), and most SDK calls name none (a new user's trial: a budget added
+    quietly broke every call). Anthropic's API requires ``max_tokens``, so its routes are
+    not named."""
+    for index, route in enumerate(config.routes):
+        limits = route.budget or (route.rate is not None and route.rate.tokens is not None)
+        if route.protocol == "openai" and limits and route.usage.default_max_tokens is None:
+            key = "budget" if route.budget else "rate"
+            yield ("routes", index, key), (
+                "this route limits tokens and sets no usage.default_max_tokens: a call that "
+                "names no max_tokens (most SDK calls) is refused 400 bad_request; set one, "
+                "e.g. usage: {default_max_tokens: 4096}")
+
+
 def budget_checks(config: Config, index: int, route: RouteConfig) -> Iterator[tuple[Path_, str]]:
     """Token limits only bind where Sluice can read usage, and each must be able to admit."""
     at: Path_ = ("routes", index)

@@ -61,10 +61,12 @@ def _hold_standard_descriptors() -> None:
 
 def _load(path: str, *, stream: bool = False, writes: str | None = None) -> Config | None:
     """The config at ``path``, or ``None`` once its problems are printed to stderr.
-    ``writes``: ``"refuse"`` (``serve``) or ``"warn"`` (``check-config``) on the files a
-    server of it would write and could not here (:func:`proxy.config.unwritable_files`);
-    ``None`` (the read-only commands): not looked at."""
-    from proxy.config import ConfigError, load_config, unwritable_files
+    ``writes``: ``"refuse"`` (``serve``) or ``"warn"`` (``check-config``, which also warns
+    of :func:`policies.config.advisories`) on the files a server of it would write and
+    could not here (:func:`proxy.config.unwritable_files`); ``None`` (the read-only
+    commands): not looked at."""
+    from policies.config import advisories
+    from proxy.config import ConfigError, dotted, key_line, load_config, unwritable_files
     from proxy.redact import redact
 
     lines: dict[Any, int] = {}
@@ -80,6 +82,10 @@ def _load(path: str, *, stream: bool = False, writes: str | None = None) -> Conf
             return None
         print("\n".join(f"warning: {line} (where Sluice runs, it must be able to)"
                         for line in redact(problems)), file=sys.stderr)
+    if writes == "warn":
+        for key, advice in advisories(config):
+            print(f"warning: {path}:{key_line(key, lines)}: {dotted(key)}: {advice}",
+                  file=sys.stderr)
     return config
 
 

@@ -378,7 +378,8 @@ def _walk(node: yaml.Node, path: Path_, marks: dict[Path_, int],
         problems.append((path, node.start_mark.line + 1, why))
 
 
-def _dotted(path: Path_) -> str:
+def dotted(path: Path_) -> str:
+    """A key path as messages name it: ``routes[0].budget``; ``(top)`` for the root."""
     out = ""
     for part in path:
         if isinstance(part, int):
@@ -426,13 +427,13 @@ def _located(err: ValidationError, marks: dict[Path_, int]) -> Iterator[tuple[in
         value = items[0]["input"]
         if None in wanted or not _scalar(value):
             for item in items:
-                yield key_line(path, marks), f"{_dotted(path)}: {_message(item)}"
+                yield key_line(path, marks), f"{dotted(path)}: {_message(item)}"
             continue
         # Quoted back as the admin API would show it: a URL with a password pasted into the
         # wrong key (`backend: redis://:pw@host`) must not reach the log (a review).
         shown = _shown(redact(value, str(path[-1]) if path else ""))
         message = f"{shown} should be {' or '.join(dict.fromkeys(wanted))}"  # type: ignore[arg-type]
-        yield key_line(path, marks), f"{_dotted(path)}: {message}{_closest(value, items)}"
+        yield key_line(path, marks), f"{dotted(path)}: {message}{_closest(value, items)}"
 
 
 def _error_path(item: dict, marks: dict[Path_, int]) -> Path_:
@@ -676,7 +677,7 @@ def _parse_config(text: str, filename: str, base: Path, lines: dict[Path_, int] 
             _walk(node, (), marks, found, [MAX_CONFIG_VALUES])
             if found:
                 raise ConfigError(
-                    [f"{filename}:{line}: {_dotted(p)}: {problem}" for p, line, problem in found]
+                    [f"{filename}:{line}: {dotted(p)}: {problem}" for p, line, problem in found]
                 )
             data = loader.construct_document(node)
         finally:
@@ -693,7 +694,7 @@ def _parse_config(text: str, filename: str, base: Path, lines: dict[Path_, int] 
     except ValidationError as exc:
         raise ConfigError(_problems(exc, marks, filename)) from None
     problems = [
-        f"{filename}:{key_line(path, marks)}: {_dotted(path)}: {message}"
+        f"{filename}:{key_line(path, marks)}: {dotted(path)}: {message}"
         for path, message in cross_checks(config)
     ]
     if problems:
@@ -775,7 +776,7 @@ def unwritable_files(config: Config, filename: str, lines: Mapping[Path_, int],
         unwritable = _unwritable(name, beside=beside)
         if unwritable is not None:
             unset = "" if key in lines else f" (not set: the default, {name!r})"
-            problems.append(f"{filename}:{key_line(key, dict(lines))}: {_dotted(key)}{unset}: "
+            problems.append(f"{filename}:{key_line(key, dict(lines))}: {dotted(key)}{unset}: "
                             f"{unwritable}")
     return problems
 

@@ -874,3 +874,21 @@ def test_a_secret_pasted_in_place_of_a_path_is_not_echoed(tmp_path: Path, capsys
                           text=True, timeout=60)
     assert (done.returncode, done.stderr) == (2, expected)
     assert secret not in done.stderr
+
+
+def test_check_config_warns_of_an_openai_token_limit_with_no_default_output_cap(
+        tmp_path: Path, capsys) -> None:
+    # A new user's trial: a budget added to the openai route passed check-config, then every
+    # call without max_tokens (most SDK calls) was refused 400 bad_request.
+    path = tmp_path / "sluice.yaml"
+    path.write_text("routes:\n  - name: llm\n    path_prefix: /llm/\n"
+                    "    upstream: 'http://127.0.0.1:9'\n    protocol: openai\n"
+                    "    budget: {tokens: 100000/day, per: tenant}\n")
+    assert main(["check-config", str(path)]) == 0
+    assert capsys.readouterr().err == (
+        f"warning: {path}:6: routes[0].budget: this route limits tokens and sets no "
+        "usage.default_max_tokens: a call that names no max_tokens (most SDK calls) is refused "
+        "400 bad_request; set one, e.g. usage: {default_max_tokens: 4096}\n")
+    path.write_text(path.read_text() + "    usage: {default_max_tokens: 4096}\n")
+    assert main(["check-config", str(path)]) == 0
+    assert capsys.readouterr().err == ""
