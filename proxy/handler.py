@@ -783,7 +783,7 @@ def _hold_polled(rt: Runtime, route: Route, call: Call, admission: Admission,
     cancelled, the drain cuts or its session's DELETE went through (it ends now, as
     before), nor when its response came first (a resumed GET can beat this handler's end).
 
-    The hold is a task of its own (:func:`_resumed`), which ends when the response comes
+    The hold is a task of its own (:func:`_until`), which ends when the response comes
     through, or with ``TimeoutError`` at the call's bound (:attr:`Polled.deadline`: its
     attempt's ``timeouts.total``), or cancelled by the call's run's cancel
     (:attr:`Call.background`) or the drain's cut (:attr:`Runtime.polling`); its end settles
@@ -796,7 +796,7 @@ def _hold_polled(rt: Runtime, route: Route, call: Call, admission: Admission,
         return False
     try:
         waiter = polled.waiter = asyncio.get_running_loop().create_future()
-        task = asyncio.create_task(_resumed(waiter, polled.deadline or 0.0))
+        task = asyncio.create_task(_until(waiter, polled.deadline or 0.0))
     except Exception:  # _settle never raises: the call ends now instead
         log.exception("route %s: call %s, closed early for polling, is not held for its "
                       "response", route.name, call.request_id)
@@ -812,8 +812,9 @@ def _hold_polled(rt: Runtime, route: Route, call: Call, admission: Admission,
     return True
 
 
-async def _resumed(waiter: asyncio.Future[None], deadline: float) -> None:
-    """Wait for ``waiter``, a polled call's response on a resumed GET (:func:`_hold_polled`).
+async def _until(waiter: asyncio.Future[None], deadline: float) -> None:
+    """Wait for ``waiter``: a polled call's response on a resumed GET (:func:`_hold_polled`),
+    or a held task's end (:func:`_hold_task`).
 
     Raises:
         TimeoutError: ``deadline`` (monotonic seconds) passed first.
@@ -885,7 +886,7 @@ def _hold_task(rt: Runtime, route: Route, call: Call, admission: Admission,
     same (a server may run a deleted session's tasks on: :mod:`proxy.mcp_tasks`), its
     ``tasks/cancel`` sent now.
 
-    The hold is a task of its own (:func:`_task_runs`), which ends when the task is seen
+    The hold is a task of its own (:func:`_until`), which ends when the task is seen
     over, or with ``TimeoutError`` at its bound (:attr:`HeldTask.deadline`), or cancelled by
     the call's run's cancel (:attr:`Call.background`) or the drain's cut
     (:attr:`proxy.mcp_tasks.Tasks.holding`); its end settles the call, once
@@ -903,7 +904,7 @@ def _hold_task(rt: Runtime, route: Route, call: Call, admission: Admission,
         return False
     try:
         waiter = task.waiter = asyncio.get_running_loop().create_future()
-        holder = asyncio.create_task(_task_runs(waiter, task.deadline))
+        holder = asyncio.create_task(_until(waiter, task.deadline))
     except Exception:  # _settle never raises: the call ends now instead
         log.exception("route %s: call %s, whose task runs on, is not held", route.name,
                       call.request_id)
@@ -952,16 +953,6 @@ async def _cancel_session_tasks(rt: Runtime, route: Route, session: str) -> None
             sends.append(sent)
     if sends:
         await asyncio.wait(sends, timeout=CANCEL_BEFORE_DELETE_S)
-
-
-async def _task_runs(waiter: asyncio.Future[None], deadline: float) -> None:
-    """Wait for ``waiter``, a held task's end (:func:`_hold_task`).
-
-    Raises:
-        TimeoutError: ``deadline`` (monotonic seconds) passed first.
-    """
-    async with asyncio.timeout_at(deadline):
-        await waiter
 
 
 def _task_end(rt: Runtime, route: Route, call: Call, admission: Admission, ended: Outcome,

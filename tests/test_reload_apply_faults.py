@@ -217,21 +217,27 @@ async def test_a_fault_building_a_reload_is_counted_and_the_next_good_file_appli
             assert await call == 200
 
 
+async def commit_partly(served, upstream: FakeUpstream, tmp_path: Path,
+                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Write the new config, whose commit fails as it reconfigures route a's limiter (the
+    changes made before it stay), and wait for that fault."""
+    failed: list[int] = []
+
+    def broken(self: ConcurrencyLimiter, limit: int, *args: object, **kwargs: object) -> None:
+        failed.append(limit)
+        raise RuntimeError("injected: reconfiguring a limiter")
+
+    monkeypatch.setattr(ConcurrencyLimiter, "reconfigure", broken)
+    served.write(new_config(upstream.url, tmp_path))
+    await until(lambda: failed == [3], what="the commit to reconfigure a's limiter")
+
+
 async def test_a_fault_committing_a_reload_is_counted_and_a_sighup_completes_it(
         upstream: FakeUpstream, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.ERROR, logger="sluice")
     async with sluice(old_config(upstream.url, tmp_path), tmp_path) as served:
-        failed: list[int] = []
-
-        def broken(self: ConcurrencyLimiter, limit: int, *args: object,
-                   **kwargs: object) -> None:
-            failed.append(limit)
-            raise RuntimeError("injected: reconfiguring a limiter")
-
-        monkeypatch.setattr(ConcurrencyLimiter, "reconfigure", broken)
-        served.write(new_config(upstream.url, tmp_path))
-        await until(lambda: failed == [3], what="the commit to reconfigure a's limiter")
+        await commit_partly(served, upstream, tmp_path, monkeypatch)
 
         assert await served.metric("sluice_config_reload_failures_total") == 1
         assert await served.metric("sluice_config_last_reload_successful") == 0
@@ -255,16 +261,7 @@ async def test_the_old_file_put_back_after_a_partly_applied_reload_is_applied_ag
     # A review: the file in force put back after a commit's fault read as unchanged (its text
     # is the config in force), so the changes made before the fault stayed.
     async with sluice(old_config(upstream.url, tmp_path), tmp_path) as served:
-        failed: list[int] = []
-
-        def broken(self: ConcurrencyLimiter, limit: int, *args: object,
-                   **kwargs: object) -> None:
-            failed.append(limit)
-            raise RuntimeError("injected: reconfiguring a limiter")
-
-        monkeypatch.setattr(ConcurrencyLimiter, "reconfigure", broken)
-        served.write(new_config(upstream.url, tmp_path))
-        await until(lambda: failed == [3], what="the commit to reconfigure a's limiter")
+        await commit_partly(served, upstream, tmp_path, monkeypatch)
         monkeypatch.undo()
         served.write(old_config(upstream.url, tmp_path))
         await served.wait_metric("sluice_config_reloads_total", 1)
