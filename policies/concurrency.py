@@ -515,7 +515,7 @@ class ConcurrencyLimiter:
             self._by_tenant[tenant] = held + 1
             return Slot(self, tenant, charged, cls)
         try:
-            charged = await self.acquire(tenant, call.priority, call.time_left(),
+            charged = await self.acquire(tenant, call.priority, call.wait_left(),
                                          queued_hook(call), call.cost,
                                          reads=call.timeout_reads, counted=counted)
         except Rejected as rejected:

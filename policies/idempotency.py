@@ -738,7 +738,7 @@ class Idempotency:
             # headers make (an MCP client sets headers per session, not per request).
             return self._fresh(call)
         wait_s = self.max_wait
-        left = call.time_left()
+        left = call.wait_left()
         if left is not None:
             wait_s = min(wait_s, left)
         fingerprint = call_key = None

@@ -38,6 +38,16 @@ def _ignore(call: Call, event: str, fields: dict[str, Any]) -> None:
     return None
 
 
+#: Sluice ends a call's waits (a queue, a twin's answer) this share of the caller's own
+#: timeout early, at most :data:`CALLER_LEAD_MAX_S` (:meth:`Call.wait_left`): the caller's
+#: clock started when it sent the call, a little before Sluice read it, and a refusal due at
+#: the very end lost the race to the SDK's own timeout (1 call in 6 at 2 s, a hostile
+#: trial), whose retry then came back as new work. The attempt, the time left told
+#: upstream and what a run's calls inherit keep the caller's whole timeout.
+CALLER_LEAD = 0.1
+CALLER_LEAD_MAX_S = 0.25
+
+
 class Call:
     """Everything about one call, from the request's arrival to its outcome.
 
@@ -202,6 +212,15 @@ class Call:
         if self.timeout is None:
             return None
         return self.timeout - (time.monotonic() - self.received_at)
+
+    def wait_left(self) -> float | None:
+        """Seconds this call may still wait before it is sent (a queue, a twin's answer):
+        :meth:`time_left` less Sluice's lead on the caller's timeout (:data:`CALLER_LEAD`),
+        so that a refusal reaches the caller before its own timeout fires; ``None`` when it
+        sent none."""
+        if self.timeout is None:
+            return None
+        return self.time_left() - min(self.timeout * CALLER_LEAD, CALLER_LEAD_MAX_S)
 
     def event_names(self) -> dict[str, str]:
         """The fields of this call's events that name what it is, those it has:

@@ -1293,7 +1293,7 @@ class FanoutWidth:
         entry.users += 1
         try:
             # Queued like any other wait: ``enqueued`` and the queue wait see it.
-            slot = await entry.limiter.take(run, call.priority, call.time_left(),
+            slot = await entry.limiter.take(run, call.priority, call.wait_left(),
                                             queued_hook(call), reads=call.timeout_reads)
         except Rejected as rejected:
             self._leave(key, entry)

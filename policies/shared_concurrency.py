@@ -254,7 +254,7 @@ class SharedConcurrencyLimiter(ConcurrencyLimiter):
         if counted:  # counted by an operation's slot: the count is this step's now
             call.counted_by = None
         try:
-            return await self.acquire(call.tenant, call.priority, call.time_left(),
+            return await self.acquire(call.tenant, call.priority, call.wait_left(),
                                       queued_hook(call), call.cost, reads=call.timeout_reads,
                                       counted=counted)
         except Rejected as rejected:

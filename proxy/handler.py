@@ -110,20 +110,11 @@ _STAINLESS_TIMEOUT = istr("x-stainless-timeout")
 _STAINLESS_READ_TIMEOUT = istr("x-stainless-read-timeout")
 
 
-#: Sluice plans to answer a caller's own timeout this share of it early, at most
-#: :data:`CALLER_LEAD_MAX_S`: the caller's clock started when it sent the call, a little before
-#: Sluice read it, and a refusal due at the very end lost the race to the SDK's own timeout
-#: (1 call in 6 at 2 s, a hostile trial), whose retry then came back as new work.
-CALLER_LEAD = 0.1
-CALLER_LEAD_MAX_S = 0.25
-
-
 def _caller_timeout(request: web.BaseRequest, header: str) -> tuple[float | None, bool]:
-    """The caller's own timeout in seconds, less Sluice's lead on it (:data:`CALLER_LEAD`),
-    and whether it is a read timeout: ``header`` (``identity.timeout_header``,
-    ``X-Request-Timeout``), a deadline for the whole call, else the Stainless SDKs' headers,
-    httpx's read timeout, if sent; ``None`` for a value that is not a plain decimal above 0
-    (see :data:`_SECONDS`)."""
+    """The caller's own timeout in seconds, and whether it is a read timeout: ``header``
+    (``identity.timeout_header``, ``X-Request-Timeout``), a deadline for the whole call, else
+    the Stainless SDKs' headers, httpx's read timeout, if sent; ``None`` for a value that is
+    not a plain decimal above 0 (see :data:`_SECONDS`)."""
     get = request.headers.get
     raw, reads = get(header), False
     if raw is None:
@@ -135,7 +126,7 @@ def _caller_timeout(request: web.BaseRequest, header: str) -> tuple[float | None
     if raw and _SECONDS.fullmatch(raw):  # not "inf", "nan", "1e-300", "-1", "1_000"
         value = float(raw)
         if value > 0:
-            return value - min(value * CALLER_LEAD, CALLER_LEAD_MAX_S), reads
+            return value, reads
     return None, False
 
 

@@ -13,7 +13,7 @@ import time
 import aiohttp
 import openai
 
-from proxy.handler import CALLER_LEAD
+from policies.pipeline import CALLER_LEAD
 from tests.conftest import route, wait_until
 
 CHAT = {"model": "gpt-test", "messages": [{"role": "user", "content": "hi"}]}

@@ -19,6 +19,7 @@ import openai
 import pytest
 import yaml
 
+from policies.pipeline import CALLER_LEAD_MAX_S
 from proxy.cli import main as cli_main
 from tests.conftest import route, wait_until
 
@@ -560,6 +561,19 @@ async def test_a_queued_calls_deadline_counts_from_its_arrival(upstream, start_s
     assert took < 4.5, took
     assert len(upstream.requests) == 2
     assert 0 < float(upstream.requests[1].headers["X-Request-Timeout"]) < 1.5
+
+
+async def test_the_lead_on_a_callers_timeout_ends_waits_only(upstream, start_sluice):
+    """Sluice ends a call's queue wait a share of the caller's timeout early
+    (``CALLER_LEAD``), so its refusal beats the caller's own timeout; the attempt and the
+    time told upstream keep the whole timeout (a review: a 2 s call whose upstream answered
+    in 1.9 s was cut 504 at 1.8 s, and each Sluice of a chain shaved the deadline again)."""
+    sluice = await start_sluice({"routes": [route("tools", upstream.url, "http")]})
+    async with aiohttp.ClientSession() as s:
+        status, _, _ = await post(s, f"{sluice.url}/tools/x", {"X-Request-Timeout": "30"})
+    assert status == 200
+    told = float(upstream.requests[0].headers["X-Request-Timeout"])
+    assert 30 - CALLER_LEAD_MAX_S < told <= 30  # the whole timeout, less the time spent
 
 
 async def test_remaining_deadline_goes_upstream_and_children_inherit_it(upstream, start_sluice):
