@@ -461,8 +461,8 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
             return _drained(rt, route, call)
         if rt.draining and (mean_s := _outlasts_drain(rt, route, call)) is not None:
             outcome = REFUSED
-            return _drained(rt, route, call, f"the drain ends before this call would (the "
-                            f"route's calls take {mean_s:.3g}s on average)")
+            return _drained(rt, route, call, f"the drain ends before this call would end: "
+                            f"its calls take {mean_s:.3g}s on average")
 
         # Admitted: from here the outcome is the upstream's, or why there was none. The
         # route's in-flight count is the handler's own: taken here, after admitted_at is set,
@@ -1365,16 +1365,23 @@ def _reject(rt: Runtime, route: Route, rejected: Rejected, request_id: str, tena
 
 
 def _outlasts_drain(rt: Runtime, route: Route, call: Call) -> float | None:
-    """The route's mean call time, seconds, if ``call``, admitted from a queue while
-    draining, would at that time still run when the drain cuts; else ``None`` (no queue, no
-    call time observed yet, or time enough). A hostile trial: a call admitted 0.7 s before a
-    3 s drain's end, on a route of 1 s calls, reached the upstream only to be cut, charged
-    its whole reservation (an MCP tool's side effect ran for nothing); refused instead, it
-    is safe to retry on another replica."""
-    limiter = route.concurrency
-    if call.enqueued_at is None or limiter is None or not limiter.observed:
+    """The mean call time of ``call``'s operation or route (the longer), seconds, if ``call``,
+    admitted from a queue while draining, would at that time still run when the drain cuts;
+    else ``None`` (no queue, no call time observed yet, or time enough). A hostile trial: a
+    call admitted 0.7 s before a 3 s drain's end, on a route of 1 s calls, reached the
+    upstream only to be cut, charged its whole reservation (an MCP tool's side effect ran
+    for nothing); refused instead, it is safe to retry on another replica."""
+    if call.enqueued_at is None:
         return None
-    mean_s = limiter.mean_service_s
+    op = (route.operations.by_name.get(call.operation)
+          if route.operations is not None and call.operation is not None else None)
+    # The slower of its operation's limiter and the route's, those that have seen a call end:
+    # a slow tool queued on its own slot, on a route of fast calls (a review).
+    means = [limiter.mean_service_s for limiter in (op and op.concurrency, route.concurrency)
+             if limiter is not None and limiter.observed]
+    if not means:
+        return None
+    mean_s = max(means)
     return mean_s if rt.cut_before(time.monotonic() + mean_s) else None
 
 

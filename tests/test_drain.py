@@ -393,6 +393,31 @@ async def test_a_queued_call_the_drain_would_cut_is_refused_not_sent(upstream, s
                                                                          "rejected"]
 
 
+async def test_a_call_queued_on_its_operations_slot_the_drain_would_cut_is_refused(
+        upstream, start_sluice):
+    # A review: only the route's limiter was asked, so a slow endpoint queued on its own slot
+    # (the route has none) was sent and cut as before.
+    sluice = await start_sluice({
+        "server": {"drain_timeout": "3s"},
+        "routes": [route("tools", upstream.url, "http", endpoints={
+            "POST /slow": {"concurrency": {"limit": 1, "queue": 2, "max_wait": "60s"}}})]})
+    url = sluice.url + "/tools/slow"
+    upstream.delay = 2.0
+    async with aiohttp.ClientSession() as session:
+        assert await status_of(session, url, {}) == 200  # the endpoint learns its call time
+        held = asyncio.create_task(status_of(session, url, {}))
+        await wait_until(lambda: len(upstream.requests) == 2, what="the held call upstream")
+        queued = asyncio.create_task(_answer(session, url, {}, {"X-Request-ID": "late"}))
+        await wait_until(lambda: any(e["event"] == "enqueued" for e in sluice.events()),
+                         what="the late call queued")
+        sluice.signal(signal.SIGTERM)
+        assert await held == 200
+        status, headers, body = await queued
+    assert await sluice.wait_exit(timeout=30) == 0
+    assert (status, headers["X-Sluice-Reason"]) == (503, "draining")
+    assert len(upstream.requests) == 2
+
+
 async def test_new_requests_during_the_drain_do_not_hold_it(upstream, start_sluice):
     # From a review: the drain waits for every request present, and requests arriving while
     # it runs (each refused 503 draining once read) could keep that from ever reaching 0:
