@@ -163,10 +163,11 @@ class HoldTimes:
     reservations of calls in flight deny: they come back, settled to usage, as the calls
     end, and the first to end frees room.
 
-    Keeps, per counter, the mean time from hold to settle of this process's calls on it
-    (an exponentially weighted mean, :data:`HOLD_EWMA_WEIGHT`, seeded by the first; at most
-    :data:`MEANS_KEPT` counters, the oldest forgotten first), and the hold time of each
-    reservation in flight here with its counters. The estimate for a counter
+    Keeps, per counter's series (its limit and scope, over every window) and per limit, the
+    mean time from hold to settle of this process's calls on it (an exponentially weighted
+    mean, :data:`HOLD_EWMA_WEIGHT`, seeded by the first; at most :data:`MEANS_KEPT`, the
+    oldest forgotten first; the limit's speaks for a scope with none yet), and the hold time
+    of each reservation in flight here with its counters. The estimate for a counter
     (:meth:`estimate`) is when the first of its calls in flight here should end: the least
     of the mean less each one's age (one past the mean is expected any moment); the mean
     when none is seen here (another replica's). A counter's own mean: one tenant's slow
@@ -202,17 +203,21 @@ class HoldTimes:
         took = self._clock() - start[0]
         means = self._means
         for key in start[1]:
-            mean = means.pop(key, None)  # re-inserted last: the oldest go first
-            if mean is None and len(means) >= MEANS_KEPT:
-                del means[next(iter(means))]
-            means[key] = took if mean is None else mean + HOLD_EWMA_WEIGHT * (took - mean)
+            for kept in _mean_keys(key):
+                mean = means.pop(kept, None)  # re-inserted last: the oldest go first
+                if mean is None and len(means) >= MEANS_KEPT:
+                    del means[next(iter(means))]
+                means[kept] = took if mean is None else mean + HOLD_EWMA_WEIGHT * (took - mean)
 
     def estimate(self, key: str) -> float | None:
         """Seconds until the first reservation in flight on counter ``key`` is expected to
         come back (see the class); before any call on it has settled here, the age of the
         youngest in flight (a call that has run that long is not near its end by anything
         known); ``None`` when neither is known."""
-        mean = self._means.get(key)
+        series, limit = _mean_keys(key)
+        mean = self._means.get(series)
+        if mean is None:
+            mean = self._means.get(limit)
         now = self._clock()
         soonest = None
         for start, keys in reversed(self._live.values()):  # youngest first
@@ -745,6 +750,14 @@ class _Pending:
 
 def _keys(claims: Iterable[Claim]) -> list[str]:
     return [claim.key for claim in claims]
+
+
+def _mean_keys(key: str) -> tuple[str, str]:
+    """What :class:`HoldTimes` keeps a mean hold time under for counter ``key``
+    (``limit:scope:window``, :meth:`Budgets._key`): its series (limit and scope, every window:
+    a new minute must not forget what calls take, a review) and its limit (every scope: for
+    a tenant or run not seen to settle yet)."""
+    return key.rpartition(":")[0], key.partition(":")[0]
 
 
 def longest_call_s(route: RouteConfig, fanout_wait_s: float = 0.0) -> float:

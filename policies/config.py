@@ -1319,19 +1319,28 @@ def operation_checks(index: int, route: RouteConfig) -> Iterator[tuple[Path_, st
 
 def advisories(config: Config) -> Iterator[tuple[Path_, str]]:
     """What a valid config does that its author may not mean, for ``check-config`` to warn
-    of: an ``openai`` route that limits tokens (a budget or ``rate.tokens``) with no
+    of: an ``openai`` route that limits tokens or spend (a budget, ``rate.tokens``, a
+    model's ``rate.tokens``) with no
     ``usage.default_max_tokens`` refuses every call that names no output cap (400
     ``bad_request``), and most SDK calls name none (a new user's trial: a budget added
     quietly broke every call). Anthropic's API requires ``max_tokens``, so its routes are
     not named."""
     for index, route in enumerate(config.routes):
-        limits = route.budget or (route.rate is not None and route.rate.tokens is not None)
-        if route.protocol == "openai" and limits and route.usage.default_max_tokens is None:
-            key = "budget" if route.budget else "rate"
-            yield ("routes", index, key), (
-                "this route limits tokens and sets no usage.default_max_tokens: a call that "
-                "names no max_tokens (most SDK calls) is refused 400 bad_request; set one, "
-                "e.g. usage: {default_max_tokens: 4096}")
+        if route.protocol != "openai" or route.usage.default_max_tokens is not None:
+            continue
+        models = [name for name, block in (route.models or {}).items()
+                  if block.rate is not None and block.rate.tokens is not None]
+        if route.budget:
+            key: Path_ = ("routes", index, "budget")
+        elif route.rate is not None and route.rate.tokens is not None:
+            key = ("routes", index, "rate", "tokens")
+        elif models:
+            key = ("routes", index, "models", models[0], "rate", "tokens")
+        else:
+            continue
+        yield key, ("this route limits tokens or spend and sets no usage.default_max_tokens: a "
+                    "call that names no max_tokens (most SDK calls) is refused 400 "
+                    "bad_request; set one, e.g. usage: {default_max_tokens: 4096}")
 
 
 def budget_checks(config: Config, index: int, route: RouteConfig) -> Iterator[tuple[Path_, str]]:

@@ -80,12 +80,13 @@ async def test_calls_in_flight_holding_the_room_are_waited_for_as_long_as_they_r
     assert denied.value.retry_after == 7.5  # the mean call, less the 0.5 s it has run
     headers = rejection_headers(denied.value)
     assert (headers["Retry-After"], headers["x-should-retry"]) == ("8", "true")
-    # Another tenant's calls say nothing of when this one's come back: its own call's age.
+    # A tenant none of whose calls has ended here is judged by the limit's calls: its call of
+    # 30 s has run past their 8 s, so its end is due.
     other = await b.reserve("u", None, "m", 100, 700)
     monotonic.now += 30
     with pytest.raises(Rejected) as denied:
         await b.reserve("u", None, "m", 100, 200)
-    assert denied.value.retry_after == 30
+    assert denied.value.retry_after == 1
     b.settle(other, None)
     b.settle(held, None)
 
@@ -156,4 +157,22 @@ async def test_one_tenants_slow_calls_do_not_set_anothers_wait():
     with pytest.raises(Rejected) as denied:
         await b.reserve("b", None, "m", 100, 200)
     assert denied.value.retry_after == 1  # b's own calls: 1 s, 0.2 s of it run
+    b.settle(held, None)
+
+
+async def test_a_new_window_keeps_what_the_limits_calls_take():
+    # A review: the means were kept per window, so each new minute (or run) forgot them and
+    # told 1 s while calls of 8 s held the room.
+    clock, monotonic = Clock(at("2026-03-01 12:00:05")), Clock(100.0)
+    b = budgets(clock, {"tokens": "1000/min", "per": "tenant"})
+    held_for(b, monotonic)
+    first = await b.reserve("t", None, "m", 100, 100)
+    monotonic.now += 8
+    b.settle(first, Usage(100, 100))  # an 8 s call, in minute 12:00
+    clock.now = at("2026-03-01 12:01:05")
+    held = await b.reserve("t", None, "m", 100, 700)
+    monotonic.now += 0.5
+    with pytest.raises(Rejected) as denied:
+        await b.reserve("t", None, "m", 100, 200)
+    assert denied.value.retry_after == 7.5
     b.settle(held, None)

@@ -886,9 +886,16 @@ def test_check_config_warns_of_an_openai_token_limit_with_no_default_output_cap(
                     "    budget: {tokens: 100000/day, per: tenant}\n")
     assert main(["check-config", str(path)]) == 0
     assert capsys.readouterr().err == (
-        f"warning: {path}:6: routes[0].budget: this route limits tokens and sets no "
+        f"warning: {path}:6: routes[0].budget: this route limits tokens or spend and sets no "
         "usage.default_max_tokens: a call that names no max_tokens (most SDK calls) is refused "
         "400 bad_request; set one, e.g. usage: {default_max_tokens: 4096}\n")
     path.write_text(path.read_text() + "    usage: {default_max_tokens: 4096}\n")
     assert main(["check-config", str(path)]) == 0
     assert capsys.readouterr().err == ""
+    # A model's own token rate refuses such calls too (a review).
+    path.write_text("routes:\n  - name: llm\n    path_prefix: /llm/\n"
+                    "    upstream: 'http://127.0.0.1:9'\n    protocol: openai\n"
+                    "    models:\n      gpt-test: {rate: {tokens: 100000/min}}\n")
+    assert main(["check-config", str(path)]) == 0
+    assert "routes[0].models.gpt-test.rate.tokens: this route limits tokens" in \
+        capsys.readouterr().err
