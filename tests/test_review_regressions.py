@@ -384,13 +384,15 @@ async def test_a_queues_wait_for_a_caller_is_what_is_left_of_its_timeout() -> No
     await limiter.acquire("t")
     call = Call(request_id="q", route="r", method="POST", path="/r/", headers={}, body=b"",
                 tenant="t", run=None, timeout=10.0)
-    call.received_at -= 9.8  # 9.8 s of its 10 s already spent elsewhere
+    # 9.5 s of its 10 s already spent elsewhere, and Sluice's lead on the rest (0.25 s:
+    # CALLER_LEAD_MAX_S), so that its refusal beats the caller's own timeout.
+    call.received_at -= 9.5
     started = asyncio.get_running_loop().time()
     with pytest.raises(Rejected) as refused:
         await limiter.admit(call)
     waited = asyncio.get_running_loop().time() - started
     assert refused.value.reason is Reason.QUEUE_TIMEOUT
-    assert waited < 5, waited  # ~0.2 s, not the 10 s of its whole timeout
+    assert waited < 5, waited  # ~0.25 s, not the 10 s of its whole timeout
     call.received_at -= 1.0  # past its timeout: refused at once, the queue blaming no one
     with pytest.raises(Rejected) as refused:
         await limiter.admit(call)
