@@ -112,3 +112,14 @@ async def test_a_request_cut_at_its_steps_deadline_is_counted_once_as_abandoned(
     line = answers_line(ModeResult("direct", units, dict(run.answers), upstream={}))
     assert line == ("direct, 6 requests: 503 3 (50%), "
                     "abandoned at the step deadline 3 (50%)")
+
+
+def test_a_record_path_it_cannot_write_is_refused_before_the_run(tmp_path: Path, capsys):
+    # A hostile trial: the whole demo ran (18 s quick, ~40 s full), then lost its record to a
+    # FileNotFoundError traceback.
+    from proxy.cli import main
+
+    missing = tmp_path / "missing" / "record.json"
+    assert main(["demo", "--quick", "--no-plot", "--json", str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot write {str(missing)!r}: the directory" in err and "Traceback" not in err

@@ -84,9 +84,32 @@ def verdict(results: list[ModeResult], scenario: Scenario) -> list[str]:
     ]
 
 
+def _unwritable(path: Path) -> str | None:
+    """Why ``path`` could not be written (its directory missing or not writable, or a
+    directory itself), else ``None``."""
+    if path.is_dir():
+        return "it is a directory"
+    directory = path.parent
+    if not directory.is_dir():
+        return f"the directory {str(directory)!r} does not exist"
+    if not os.access(path if path.exists() else directory, os.W_OK):
+        return "this user cannot write it"
+    return None
+
+
 def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     """Run the demo as ``sluice demo`` does; returns the exit status."""
     scenario = QUICK if args.quick else FULL
+    # The files it writes, checked before the run: a path it cannot write lost the whole
+    # record at the end, with a traceback (a hostile trial).
+    outputs = [Path(args.json)] if args.json else []
+    if not args.no_plot:
+        outputs.append(Path(args.plot))
+    for path in outputs:
+        unwritable = _unwritable(path)
+        if unwritable is not None:
+            print(f"sluice demo: cannot write {str(path)!r}: {unwritable}", file=sys.stderr)
+            return 2
     _intro(scenario, out)
     progress = _Progress(out)
     started = time.monotonic()
