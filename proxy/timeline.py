@@ -260,8 +260,11 @@ def summary(events: list[dict[str, Any]], requests: list[RequestStory]) -> str:
                 _number(ev.get("operation_cost_usd")) or 0.0)
             unpriced += used > 0 and _number(ev.get("cost_usd")) is None
     ratio = f"{attempts / len(requests):.2f}" if requests else "-"
+    # Lines claiming more than a float holds (1e308 twice, a hostile trial) sum to inf.
+    spent = (counted(int(tokens), "token") if math.isfinite(tokens) else
+             "more tokens than can be counted (the events' counts overflow)")
     return (f"amplification {ratio} ({attempts} upstream attempt(s) for {len(requests)} "
-            f"request(s)); spend {counted(int(tokens), 'token')}, {cost_text(usd, unpriced)}")
+            f"request(s)); spend {spent}, {cost_text(usd, unpriced)}")
 
 
 def cost_text(usd: float, unpriced: int) -> str:

@@ -255,6 +255,17 @@ def test_tokens_of_a_model_without_pricing_are_not_shown_as_free() -> None:
     assert summary([{**base, "cost_usd": 0.000008}], []).endswith("$0.000008")
 
 
+def test_token_counts_that_overflow_when_summed_are_said_so() -> None:
+    # A hostile trial: two lines of 1e308 input tokens summed to inf, and int(inf) raised.
+    from proxy.timeline import summary
+
+    line = {"request_id": "r1", "route": "openai", "tenant": "t", "run": "run-1",
+            "idempotency_key": None, "event": "completed", "input_tokens": 1e308,
+            "output_tokens": 0, "cost_usd": 0.0}
+    assert "more tokens than can be counted" in summary([line, {**line, "request_id": "r2"}],
+                                                        [])
+
+
 def test_json_lines_that_are_not_our_events_are_skipped_not_fatal(tmp_path):
     # Seen by a new user: `kubectl logs ... | sluice timeline RUN --events -` may carry other
     # programs' JSON; a string `ts`, no `ts`, a numeric request id or a string token count
