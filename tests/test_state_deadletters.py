@@ -534,3 +534,25 @@ async def test_one_redis_write_drops_about_a_mib_of_letters_at_most(backends: St
     for _ in range(6):
         await store.add(letter(), max_records=2)
     assert len(await store.list()) == 2
+
+
+@pytest.mark.parametrize("backends", ["redis"], indirect=True)
+async def test_one_unreadable_letter_is_listed_as_such_not_failing_the_list(
+        backends: StateBackends):
+    # A hostile trial: one entry Sluice could not read made `dlq list` exit 1 without
+    # naming it, so no letter could be listed until the operator guessed which to delete.
+    store = backends.dead_letters
+    ids = [(await store.add(letter(route))).id for route in ("a", "b", "c")]
+    redis = backends.redis
+    assert redis is not None
+    replays = f"{redis.key('dlq', 'replays')}:{ids[1]}"
+
+    async def spoil(client: object) -> None:
+        await client.rpush(replays, b"not json")  # type: ignore[attr-defined]
+
+    await redis.run(spoil)
+    listed = await store.list()
+    assert [s["id"] for s in listed] == ids
+    assert [s["route"] for s in listed] == ["a", "?", "c"]
+    assert listed[1]["reason"] == f"unreadable (sluice dlq delete {ids[1]})"
+    assert await store.delete(ids[1]) is True

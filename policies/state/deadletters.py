@@ -42,6 +42,7 @@ from policies.deadletter import (
     answered,
 )
 from policies.state.connection import RedisState, Script
+from policies.state.errors import BadRecord
 from policies.state.stored import built, stored_int, stored_json, stored_text
 
 #: Stream fields of a summary (``list``): enough for a table, never the body.
@@ -533,8 +534,20 @@ def _stored_letter(letter_id: int, flat: list[bytes], replays: list[bytes]) -> D
 
 
 def _summaries(page: list[Any]) -> list[dict[str, Any]]:
-    """One ``_LIST`` page read: the summaries, newest first (as the page)."""
-    return [built(_LETTER, _stored_summary, *row) for row in page]
+    """One ``_LIST`` page read: the summaries, newest first (as the page). A letter Sluice
+    cannot read is listed as such, by its id, rather than failing the whole list (a hostile
+    trial: one bad entry hid every letter, and did not say which to delete)."""
+    out = []
+    for row in page:
+        try:
+            out.append(built(_LETTER, _stored_summary, *row))
+        except BadRecord:
+            letter_id = built(_LETTER, int, row[0].decode().partition("-")[2])
+            out.append({"id": letter_id, "created_at": 0.0, "route": "?", "tenant": "?",
+                        "method": "?", "path": "?", "attempts": 0,
+                        "reason": f"unreadable (sluice dlq delete {letter_id})",
+                        "last_replay": None})
+    return out
 
 
 def _stored_summary(stream_id: bytes, values: list[bytes], last: bytes | None
