@@ -66,6 +66,7 @@ from aiohttp import web
 
 from policies.config import IDENTITY_VALUE, MAX_IDENTITY_LENGTH
 from policies.state import StateUnavailable
+from proxy.config import TOKEN_ENV, check_token
 from proxy.redact import redact
 from proxy.reload import RELOADER
 from proxy.runtime import RUNTIME, Runtime
@@ -78,8 +79,6 @@ PAGE_REFRESH_S = 2
 CANCEL_WAIT_S = 2.0
 #: Runs listed by ``GET /admin/runs``, the most recently active first.
 RUNS_SHOWN = 200
-#: The environment variable holding the admin token when ``admin.token_file`` is null.
-TOKEN_ENV = "SLUICE_ADMIN_TOKEN"
 
 
 def admin_token(runtime: Runtime) -> str | None:
@@ -94,12 +93,29 @@ def admin_token(runtime: Runtime) -> str | None:
     admin = runtime.config.admin
     if admin.token_file is not None:
         return admin.token
-    return os.environ.get(TOKEN_ENV, "").strip() or None
+    return _env_token()[0]
+
+
+def _env_token() -> tuple[str | None, str | None]:
+    """``SLUICE_ADMIN_TOKEN``'s token (``None`` if unset or blank), and why it is refused if
+    it is (it holds whitespace inside: no client could send it); never quoting it."""
+    token = os.environ.get(TOKEN_ENV, "").strip()
+    if not token:
+        return None, None
+    try:
+        return check_token(token, TOKEN_ENV), None
+    except ValueError as exc:
+        return None, str(exc)
 
 
 def _authorized(request: web.Request) -> web.Response | None:
     """``None`` when the request carries the admin token, else the answer refusing it."""
-    token = admin_token(request.app[RUNTIME])
+    runtime = request.app[RUNTIME]
+    token = admin_token(runtime)
+    if token is None and runtime.config.admin.token_file is None and (
+            refused := _env_token()[1]):
+        return web.json_response(
+            {"error": f"{refused}: mutating admin endpoints are disabled"}, status=403)
     if token is None:
         return web.json_response(
             {"error": f"no admin token is configured (admin.token_file or {TOKEN_ENV}): "

@@ -809,6 +809,10 @@ def _unwritable(name: str, *, beside: bool) -> str | None:
     return None if writable else f"this user cannot write it or its directory{where}"
 
 
+#: The environment variable holding the admin token when ``admin.token_file`` is null.
+TOKEN_ENV = "SLUICE_ADMIN_TOKEN"
+
+
 def load_token(path: Path, read: dict[str, str] | None = None) -> str:
     """The admin bearer token in the file ``path`` (surrounding whitespace stripped);
     ``read``, if given, gets the file's text by its path.
@@ -826,6 +830,23 @@ def load_token(path: Path, read: dict[str, str] | None = None) -> str:
     token = text.strip()
     if not token:
         raise ValueError("the file it names is empty: it must hold the admin bearer token")
+    return check_token(token, "the file it names")
+
+
+def check_token(token: str, where: str) -> str:
+    """``token`` if it can be sent as ``Authorization: Bearer TOKEN``; ``where`` names its
+    source in the error (``the file it names``, ``SLUICE_ADMIN_TOKEN``).
+
+    Raises:
+        ValueError: it holds whitespace or a control character inside (a token file with a
+            second, comment line; an environment variable with a newline). No client could
+            send it, and http.client's refusal quoted the header, token and all (a hostile
+            trial); the message never quotes it.
+    """
+    if any(c.isspace() or not c.isprintable() for c in token):
+        raise ValueError(f"{where} holds whitespace or a control character inside the token "
+                         "(a second line?): it must hold the admin bearer token alone, on one "
+                         "line")
     return token
 
 

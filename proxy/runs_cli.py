@@ -14,10 +14,10 @@ environment variable.
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import os
 import sys
+import threading
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -25,10 +25,11 @@ from pathlib import Path
 from typing import IO, Any
 
 from policies.config import Config
-from proxy.config import load_token
+from policies.state.connection import redact_url
+from proxy.config import TOKEN_ENV, check_token, load_token
 from proxy.timeline import cost_text
 
-#: Seconds a CLI request to the admin port may take.
+#: Seconds a CLI request to the admin port may take, in all.
 TIMEOUT_S = 10.0
 EXIT_FAILED = 1
 
@@ -48,25 +49,99 @@ def admin_url(config: Config) -> str:
     return f"http://{host}:{port}"
 
 
+class AdminCallError(Exception):
+    """The admin port could not be asked, or its answer was not one Sluice serves; the
+    message is the CLI's whole complaint, quoting no token and no URL password."""
+
+
 def token(config: Config | None) -> str | None:
     """The admin bearer token, as the server reads it (``None``: no config, the environment's
-    alone)."""
+    alone).
+
+    Raises:
+        AdminCallError: the token file cannot be read, or the token holds whitespace or a
+            control character inside (never quoted).
+    """
     path = config.admin.token_path if config is not None else None
     if path is not None:
         try:
             return load_token(Path(path))
         except ValueError as exc:
-            print(f"sluice: admin.token_file: {exc}", file=sys.stderr)
-            return None
-    return os.environ.get("SLUICE_ADMIN_TOKEN", "").strip() or None
+            raise AdminCallError(f"admin.token_file: {exc}") from None
+    value = os.environ.get(TOKEN_ENV, "").strip()
+    if not value:
+        return None
+    try:
+        return check_token(value, TOKEN_ENV)
+    except ValueError as exc:
+        raise AdminCallError(str(exc)) from None
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """Refuses every redirect: following one sent ``Authorization: Bearer TOKEN`` to
+    whatever host the ``Location`` named (a hostile trial)."""
+
+    def redirect_request(self, req: urllib.request.Request, fp: IO[bytes], code: int,
+                         msg: str, headers: Any, newurl: str) -> None:
+        raise AdminCallError(f"the admin port answered {code} (a redirect): sluice does not "
+                             "follow one, which would send the admin token where it points")
+
+
+def _check_url(base: str) -> None:
+    """Refuses a URL urllib would fail on, in words of ours: its own errors were printed as
+    they were, and one (http.client's refused header) quoted the admin token."""
+    try:
+        parts = urllib.parse.urlsplit(base)
+        parts.port  # noqa: B018  (raises ValueError on a port that is no number)
+    except ValueError:
+        parts = None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+        raise AdminCallError(f"{redact_url(base)} is no admin port's URL (http://HOST:PORT)")
 
 
 def _call(method: str, url: str, bearer: str | None = None) -> tuple[int, Any]:
+    """The admin port's status and JSON answer to ``method url``, within ``TIMEOUT_S`` in
+    all (urllib's timeout is per socket read: a port trickling a byte a read never ended).
+
+    Raises:
+        AdminCallError: it could not be reached, redirected, or took longer than that.
+    """
+    result: list[tuple[int, Any]] = []
+    failure: list[BaseException] = []
+
+    def ask() -> None:
+        try:
+            result.append(_ask(method, url, bearer))
+        except BaseException as exc:  # handed to the waiting thread
+            failure.append(exc)
+
+    # A daemon thread: one still blocked on a trickling socket does not keep the CLI alive.
+    worker = threading.Thread(target=ask, name="sluice-runs-call", daemon=True)
+    worker.start()
+    worker.join(TIMEOUT_S)
+    shown = redact_url(url.split("/admin/", 1)[0])
+    if worker.is_alive():
+        raise AdminCallError(f"the admin port at {shown} did not answer within "
+                             f"{TIMEOUT_S:g}s")
+    if failure:
+        error = failure[0]
+        if isinstance(error, AdminCallError):
+            raise error
+        if isinstance(error, OSError):
+            raise AdminCallError(f"cannot reach the admin port at {shown}: {error}")
+        # Never its text: http.client's refusal of a header quotes the header's value.
+        raise AdminCallError(f"the request to the admin port at {shown} could not be made "
+                             f"({type(error).__name__})")
+    return result[0]
+
+
+def _ask(method: str, url: str, bearer: str | None) -> tuple[int, Any]:
     request = urllib.request.Request(url, method=method, data=b"" if method == "POST" else None)
     if bearer:
         request.add_header("Authorization", f"Bearer {bearer}")
+    opener = urllib.request.build_opener(_NoRedirect)
     try:
-        with urllib.request.urlopen(request, timeout=TIMEOUT_S) as response:
+        with opener.open(request, timeout=TIMEOUT_S) as response:
             return response.status, json.load(response)
     except urllib.error.HTTPError as error:
         try:
@@ -88,8 +163,9 @@ def run(config: Config | None, args: argparse.Namespace, out: IO[str] | None = N
     # "every tenant", which is what no --tenant means.
     query = (f"?{urllib.parse.urlencode({'tenant': args.tenant})}"
              if args.tenant is not None else "")
-    bearer = token(config) if args.runs_command == "cancel" else None
     try:
+        bearer = token(config) if args.runs_command == "cancel" else None
+        _check_url(base)
         if args.runs_command == "list":
             status, body = _call("GET", f"{base}/admin/runs{query}")
         elif args.runs_command == "show":
@@ -99,12 +175,11 @@ def run(config: Config | None, args: argparse.Namespace, out: IO[str] | None = N
             status, body = _call(
                 "POST", f"{base}/admin/runs/{urllib.parse.quote(args.run, '')}/cancel{query}",
                 bearer)
-    except OSError as error:
-        print(f"sluice: cannot reach the admin port at {base}: {error}", file=sys.stderr)
+    except AdminCallError as error:
+        print(f"sluice: {error}", file=sys.stderr)
         return EXIT_FAILED
-    except (ValueError, http.client.InvalidURL) as error:  # --admin 127.0.0.1:990l (a review)
-        print(f"sluice: {base} is no admin port's URL: {error}", file=sys.stderr)
-        return EXIT_FAILED
+    if not isinstance(body, dict):
+        body = {"error": body}
     if status != 200:
         print(f"sluice: {status}: {body.get('error', body)}", file=sys.stderr)
         if status in (401, 403) and args.runs_command == "cancel":
@@ -127,6 +202,24 @@ def run(config: Config | None, args: argparse.Namespace, out: IO[str] | None = N
                 print("sluice: the token sent is admin.token_file's (from --config), else the "
                       "SLUICE_ADMIN_TOKEN environment variable's", file=sys.stderr)
         return EXIT_FAILED
+    try:
+        return _render(args, body, out)
+    except (KeyError, TypeError, AttributeError, ValueError):
+        # A 200 of another shape ({} from some other service): a KeyError traceback was all
+        # the CLI said (a hostile trial).
+        print(f"sluice: the admin port's answer at {redact_url(base)} is not what Sluice "
+              "serves: is --admin (or server.admin_listen) a Sluice admin port?",
+              file=sys.stderr)
+        return EXIT_FAILED
+
+
+def _render(args: argparse.Namespace, body: dict[str, Any], out: IO[str]) -> int:
+    """Write the admin port's 200 answer ``body`` as ``sluice runs`` says it.
+
+    Raises:
+        KeyError, TypeError, AttributeError, ValueError: ``body`` is not of the shape the
+            admin port serves.
+    """
     if args.runs_command == "list":
         out.write(_list(body["runs"]))
         known = body.get("known", 0)
