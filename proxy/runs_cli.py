@@ -139,7 +139,9 @@ def _ask(method: str, url: str, bearer: str | None) -> tuple[int, Any]:
     request = urllib.request.Request(url, method=method, data=b"" if method == "POST" else None)
     if bearer:
         request.add_header("Authorization", f"Bearer {bearer}")
-    opener = urllib.request.build_opener(_NoRedirect)
+    # No redirect and no proxy from the environment: the bearer token goes to the admin
+    # port named, nowhere else.
+    opener = urllib.request.build_opener(_NoRedirect, urllib.request.ProxyHandler({}))
     try:
         with opener.open(request, timeout=TIMEOUT_S) as response:
             return response.status, json.load(response)

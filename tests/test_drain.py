@@ -415,6 +415,7 @@ async def test_a_call_queued_on_its_operations_slot_the_drain_would_cut_is_refus
         status, headers, body = await queued
     assert await sluice.wait_exit(timeout=30) == 0
     assert (status, headers["X-Sluice-Reason"]) == (503, "draining")
+    assert "the drain ends before this call would end" in body["error"]["message"]
     assert len(upstream.requests) == 2
 
 
