@@ -202,3 +202,29 @@ async def test_a_replays_answer_body_may_take_longer_than_the_per_try_timeout(tm
     finally:
         await runner.cleanup()
     assert code == 0 and "HTTP 200, 15 bytes" in out, (out, err)
+
+
+INJECTED = ("/job?q=%1b%5d0%3bPWNED%07%1b%5b2K%0d%0a"
+            "replayed%20dead%20letter%201:%20HTTP%20500")
+
+
+async def test_a_replay_prints_the_query_percent_encoded_as_it_was_sent(tmp_path):
+    """A live call's ``?q=%1b...%0d%0a...`` is kept encoded in its letter, but the replay's
+    line printed the URL with its query decoded (``redact_url``): a raw ESC retitled the
+    operator's terminal and a CR LF forged a line of its own (a hostile trial)."""
+    async def ok(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_post("/job", ok)
+    runner, port = await serve_app(app)
+    try:
+        config, letter = letter_file(tmp_path, f"http://127.0.0.1:{port}", path=INJECTED)
+        code, out, err = await outcome(await cli("dlq", "replay", letter, "--config", config))
+    finally:
+        await runner.cleanup()
+    assert code == 0, (out, err)
+    assert "\x1b" not in out + err and "\x07" not in out and "\r" not in out
+    assert out.count("\n") == 1, out
+    assert "/job?q=%1B%5D0;PWNED%07%1B%5B2K%0D%0Areplayed%20dead" in out, out
+
