@@ -117,6 +117,7 @@ from proxy.attempts import CONNECT_FIRST_S
 from proxy.client import client_timeout, upstream_session
 from proxy.forward import FORBIDDEN_IN_HEADERS, HOP_BY_HOP, send_failure, upstream_url
 from proxy.rejections import jsonrpc_id
+from proxy.terminal import printable, printable_json
 
 EXIT_FAILED = 1
 #: Exit statuses after Ctrl-C and SIGTERM, as a shell reports a process those signals ended.
@@ -338,8 +339,9 @@ async def _command(config: Config | None, store: DeadLetterStore | _FileStore, w
         print(f"no dead letter {args.id} in {where}", file=sys.stderr)
         return EXIT_FAILED
     if args.dlq_command == "show":
-        sys.stdout.buffer.write(orjson.dumps(letter.as_dict(), option=orjson.OPT_INDENT_2))
-        sys.stdout.write("\n")
+        # Header values, paths and tenants are the caller's: no control character raw.
+        sys.stdout.write(printable_json(
+            orjson.dumps(letter.as_dict(), option=orjson.OPT_INDENT_2).decode()) + "\n")
         return 0
     assert config is not None  # sluice.cli loads it for a replay
     return await _replay(config, store, letter, args, records)
@@ -354,9 +356,12 @@ async def _list(store: DeadLetterStore | _FileStore, limit: int) -> None:
     total = sum((await store.depth()).values())
     table = [("ID", "CREATED (UTC)", "ROUTE", "TENANT", "ATTEMPTS", "REASON", "REPLAY",
               "REQUEST")]
-    table += [(str(r["id"]), _when(r["created_at"]), r["route"], r["tenant"], str(r["attempts"]),
-               r["reason"], "-" if r["last_replay"] is None else str(r["last_replay"]),
-               f"{r['method']} {r['path']}") for r in rows]
+    # Tenants and paths are the callers' (and a file may be written by anything): no
+    # control character raw, nor one that would break the table's columns.
+    table += [tuple(printable(cell) for cell in (
+        str(r["id"]), _when(r["created_at"]), r["route"], r["tenant"], str(r["attempts"]),
+        r["reason"], "-" if r["last_replay"] is None else str(r["last_replay"]),
+        f"{r['method']} {r['path']}")) for r in rows]
     # Each column as wide as its longest cell (a replay's outcome can be an exception's name);
     # the numbers right-aligned, the last column left ragged.
     widths = [max(len(row[at]) for row in table) for at in range(len(table[0]) - 1)]
@@ -489,9 +494,10 @@ async def _replay(config: Config, store: DeadLetterStore | _FileStore, letter: D
         f"failed: {error} ({reason})"
     if failure is not None:
         result += f", {failure[1]}"
-    # The upstream as the admin views show it: its user info may hold a password.
-    print(f"replayed dead letter {letter.id} to {redact_url(route.upstream + letter.path)}: "
-          f"{result} in {duration:.3f}s")
+    # The upstream as the admin views show it: its user info may hold a password; the path
+    # and query are the caller's, so no control character raw.
+    print(printable(f"replayed dead letter {letter.id} to "
+                    f"{redact_url(route.upstream + letter.path)}: {result} in {duration:.3f}s"))
     return 0 if status is not None and status < 400 and error is None else EXIT_FAILED
 
 
@@ -504,13 +510,13 @@ def _warn_removed(letter: DeadLetter, headers: CIMultiDict[str]) -> None:
     missing = [name for name in letter.redacted
                if not name.startswith("?") and name not in headers]
     if missing:
-        print(f"WARNING: dead letter {letter.id} is replayed without {', '.join(missing)}, "
-              "removed as credentials when it was written; give them with --header or "
-              "--header-from-env", file=sys.stderr)
+        print(printable(f"WARNING: dead letter {letter.id} is replayed without "
+                        f"{', '.join(missing)}, removed as credentials when it was written; "
+                        "give them with --header or --header-from-env"), file=sys.stderr)
     if query:
-        print(f"WARNING: dead letter {letter.id} is replayed without its query field(s) "
-              f"{', '.join(query)}, removed as credentials when it was written",
-              file=sys.stderr)
+        print(printable(f"WARNING: dead letter {letter.id} is replayed without its query "
+                        f"field(s) {', '.join(query)}, removed as credentials when it was "
+                        "written"), file=sys.stderr)
 
 
 def _call_failure(protocol: str, request_body: bytes, status: int | None, answer: bytes,

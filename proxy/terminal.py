@@ -28,3 +28,17 @@ def printable(value: Any) -> Any:
 def _escape(match: re.Match[str]) -> str:
     code = ord(match.group())
     return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def printable_json(text: str) -> str:
+    """JSON ``text`` with every :data:`CONTROL` character but LF written as a JSON
+    ``\\uXXXX`` escape: the same document to a JSON reader, none of them raw on a terminal
+    (orjson escapes C0 controls in strings, but writes DEL, C1 controls, U+2028/2029 and
+    bidi controls as they are). LF is left as it is: an indented document's lines end with
+    it, and a string never holds one raw."""
+    return CONTROL.sub(_json_escape, text)
+
+
+def _json_escape(match: re.Match[str]) -> str:
+    found = match.group()
+    return found if found == "\n" else f"\\u{ord(found):04x}"
