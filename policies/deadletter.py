@@ -433,12 +433,13 @@ class DeadLetterFile:
             "  ORDER BY r.id DESC LIMIT 1)"
             " FROM dead_letters d ORDER BY d.id DESC LIMIT ?", (limit,),
         ).fetchall()
-        return [
-            {"id": r[0], "created_at": r[1], "route": r[2], "tenant": r[3], "method": r[4],
-             "path": r[5], "attempts": len(orjson.loads(r[6])), "reason": r[7],
-             "last_replay": r[9] if r[9] is not None else r[8]}
-            for r in reversed(rows)
-        ]
+        with _readable():
+            return [
+                {"id": r[0], "created_at": r[1], "route": r[2], "tenant": r[3],
+                 "method": r[4], "path": r[5], "attempts": len(orjson.loads(r[6])),
+                 "reason": r[7], "last_replay": r[9] if r[9] is not None else r[8]}
+                for r in reversed(rows)
+            ]
 
     def get(self, letter_id: int) -> DeadLetter | None:
         """The whole record ``letter_id`` with its replays, or ``None``."""
@@ -450,14 +451,15 @@ class DeadLetterFile:
         if row is None:
             return None
         replays = self._replays(letter_id)
-        return DeadLetter(
-            id=row[0], created_at=row[1], route=row[2], tenant=row[3], run=row[4],
-            idempotency_key=row[5], request_id=row[6], method=row[7], path=row[8],
-            headers=[(n, v) for n, v in orjson.loads(row[9])], redacted=orjson.loads(row[10]),
-            body=bytes(row[11]), body_size=row[12],
-            attempts=[Attempt(**a) for a in orjson.loads(row[13])], reason=row[14],
-            key_origin=row[15], replays=replays,
-        )
+        with _readable():
+            return DeadLetter(
+                id=row[0], created_at=row[1], route=row[2], tenant=row[3], run=row[4],
+                idempotency_key=row[5], request_id=row[6], method=row[7], path=row[8],
+                headers=[(n, v) for n, v in orjson.loads(row[9])],
+                redacted=orjson.loads(row[10]), body=bytes(row[11]), body_size=row[12],
+                attempts=[Attempt(**a) for a in orjson.loads(row[13])], reason=row[14],
+                key_origin=row[15], replays=replays,
+            )
 
     def claim_replay(self, letter_id: int, token: str, hold_s: float,
                      again: bool = False) -> ReplayClaim:
@@ -651,6 +653,23 @@ def recover_hint(path: str) -> str:
     return (f"with Sluice stopped, recover what it holds with `sqlite3 {quoted} .recover | "
             f"sqlite3 {new}` and move {new} to {quoted} (or move the damaged file away to "
             f"start an empty one)")
+
+
+class UnreadableLetter(Exception):
+    """A letter's row holds what this version never writes (its headers or attempts not
+    JSON of their shape): a file written by something else, or edited by hand. Its message
+    is the Redis store's for such a letter, and names no value."""
+
+
+@contextlib.contextmanager
+def _readable() -> Iterator[None]:
+    """Turn a failure to decode a letter's row into :class:`UnreadableLetter` (orjson's
+    ``JSONDecodeError`` is a ``ValueError``)."""
+    try:
+        yield
+    except (ValueError, TypeError, KeyError) as exc:
+        raise UnreadableLetter(f"a dead letter holds what Sluice cannot read "
+                               f"({type(exc).__name__})") from None
 
 
 class DamagedFile(Exception):

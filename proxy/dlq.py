@@ -93,6 +93,7 @@ from policies.deadletter import (
     DeadLetterFile,
     NotADeadLetterFile,
     ReplayClaim,
+    UnreadableLetter,
     check_dead_letter_file,
     corrupt,
     damage,
@@ -187,6 +188,9 @@ def _run(config: Config | None, args: argparse.Namespace) -> int:
             file.close()
     except DamagedFile as exc:
         print(exc, file=sys.stderr)
+        return EXIT_FAILED
+    except UnreadableLetter as exc:  # said as with the Redis backend
+        print(f"the dead letters in {path} are unavailable: {exc}", file=sys.stderr)
         return EXIT_FAILED
     except sqlite3.Error as exc:  # locked past busy_timeout, a full disk, a damaged page
         _say_unavailable(path, exc)
