@@ -186,6 +186,10 @@ def redact_path(path: str) -> tuple[str, list[str]]:
     return (f"{target}?{'&'.join(kept)}" if kept else target), removed
 
 
+#: The error kind of a replay interrupted (Ctrl-C, SIGTERM) once its request may have been
+#: written to the upstream: the work may be done, so it counts as :func:`answered`.
+INTERRUPTED_AFTER_SEND = "interrupted_after_send"
+
 #: :attr:`ReplayClaim.state` values.
 CLAIMED = "claimed"
 ANSWERED = "answered"
@@ -225,12 +229,14 @@ class Added(NamedTuple):
 
 
 def answered(replays: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
-    """The last replay the upstream answered below 400 with no error, or ``None``: an MCP
-    call's 200 whose tool (or JSON-RPC) failed is kept with its status and the error
-    (``tool_failed``...), and is not answered. The Redis store's ``_CLAIM_REPLAY`` says
-    the same in Lua."""
+    """The last replay that may have done the work, or ``None``: one the upstream answered
+    below 400 with no error, or one interrupted after its request may have been sent
+    (:data:`INTERRUPTED_AFTER_SEND`: its answer was never read). An MCP call's 200 whose
+    tool (or JSON-RPC) failed is kept with its status and the error (``tool_failed``...),
+    and is not answered. The Redis store's ``_CLAIM_REPLAY`` says the same in Lua."""
     return next((r for r in reversed(list(replays))
-                 if r["status"] is not None and r["status"] < 400 and r.get("error") is None),
+                 if (r["status"] is not None and r["status"] < 400 and r.get("error") is None)
+                 or r.get("error") == INTERRUPTED_AFTER_SEND),
                 None)
 
 
