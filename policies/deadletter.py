@@ -186,6 +186,10 @@ def redact_path(path: str) -> tuple[str, list[str]]:
     return (f"{target}?{'&'.join(kept)}" if kept else target), removed
 
 
+#: The error kind of a replay interrupted (Ctrl-C, SIGTERM) once its request may have been
+#: written to the upstream: the work may be done, so it counts as :func:`answered`.
+INTERRUPTED_AFTER_SEND = "interrupted_after_send"
+
 #: :attr:`ReplayClaim.state` values.
 CLAIMED = "claimed"
 ANSWERED = "answered"
@@ -225,12 +229,14 @@ class Added(NamedTuple):
 
 
 def answered(replays: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
-    """The last replay the upstream answered below 400 with no error, or ``None``: an MCP
-    call's 200 whose tool (or JSON-RPC) failed is kept with its status and the error
-    (``tool_failed``...), and is not answered. The Redis store's ``_CLAIM_REPLAY`` says
-    the same in Lua."""
+    """The last replay that may have done the work, or ``None``: one the upstream answered
+    below 400 with no error, or one interrupted after its request may have been sent
+    (:data:`INTERRUPTED_AFTER_SEND`: its answer was never read). An MCP call's 200 whose
+    tool (or JSON-RPC) failed is kept with its status and the error (``tool_failed``...),
+    and is not answered. The Redis store's ``_CLAIM_REPLAY`` says the same in Lua."""
     return next((r for r in reversed(list(replays))
-                 if r["status"] is not None and r["status"] < 400 and r.get("error") is None),
+                 if (r["status"] is not None and r["status"] < 400 and r.get("error") is None)
+                 or r.get("error") == INTERRUPTED_AFTER_SEND),
                 None)
 
 
@@ -433,12 +439,13 @@ class DeadLetterFile:
             "  ORDER BY r.id DESC LIMIT 1)"
             " FROM dead_letters d ORDER BY d.id DESC LIMIT ?", (limit,),
         ).fetchall()
-        return [
-            {"id": r[0], "created_at": r[1], "route": r[2], "tenant": r[3], "method": r[4],
-             "path": r[5], "attempts": len(orjson.loads(r[6])), "reason": r[7],
-             "last_replay": r[9] if r[9] is not None else r[8]}
-            for r in reversed(rows)
-        ]
+        with _readable():
+            return [
+                {"id": r[0], "created_at": r[1], "route": r[2], "tenant": r[3],
+                 "method": r[4], "path": r[5], "attempts": len(orjson.loads(r[6])),
+                 "reason": r[7], "last_replay": r[9] if r[9] is not None else r[8]}
+                for r in reversed(rows)
+            ]
 
     def get(self, letter_id: int) -> DeadLetter | None:
         """The whole record ``letter_id`` with its replays, or ``None``."""
@@ -450,14 +457,15 @@ class DeadLetterFile:
         if row is None:
             return None
         replays = self._replays(letter_id)
-        return DeadLetter(
-            id=row[0], created_at=row[1], route=row[2], tenant=row[3], run=row[4],
-            idempotency_key=row[5], request_id=row[6], method=row[7], path=row[8],
-            headers=[(n, v) for n, v in orjson.loads(row[9])], redacted=orjson.loads(row[10]),
-            body=bytes(row[11]), body_size=row[12],
-            attempts=[Attempt(**a) for a in orjson.loads(row[13])], reason=row[14],
-            key_origin=row[15], replays=replays,
-        )
+        with _readable():
+            return DeadLetter(
+                id=row[0], created_at=row[1], route=row[2], tenant=row[3], run=row[4],
+                idempotency_key=row[5], request_id=row[6], method=row[7], path=row[8],
+                headers=[(n, v) for n, v in orjson.loads(row[9])],
+                redacted=orjson.loads(row[10]), body=bytes(row[11]), body_size=row[12],
+                attempts=[Attempt(**a) for a in orjson.loads(row[13])], reason=row[14],
+                key_origin=row[15], replays=replays,
+            )
 
     def claim_replay(self, letter_id: int, token: str, hold_s: float,
                      again: bool = False) -> ReplayClaim:
@@ -651,6 +659,23 @@ def recover_hint(path: str) -> str:
     return (f"with Sluice stopped, recover what it holds with `sqlite3 {quoted} .recover | "
             f"sqlite3 {new}` and move {new} to {quoted} (or move the damaged file away to "
             f"start an empty one)")
+
+
+class UnreadableLetter(Exception):
+    """A letter's row holds what this version never writes (its headers or attempts not
+    JSON of their shape): a file written by something else, or edited by hand. Its message
+    is the Redis store's for such a letter, and names no value."""
+
+
+@contextlib.contextmanager
+def _readable() -> Iterator[None]:
+    """Turn a failure to decode a letter's row into :class:`UnreadableLetter` (orjson's
+    ``JSONDecodeError`` is a ``ValueError``)."""
+    try:
+        yield
+    except (ValueError, TypeError, KeyError) as exc:
+        raise UnreadableLetter(f"a dead letter holds what Sluice cannot read "
+                               f"({type(exc).__name__})") from None
 
 
 class DamagedFile(Exception):

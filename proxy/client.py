@@ -73,11 +73,14 @@ def client_timeout(total: float | None, connect: float | None,
                                  ceil_threshold=EXACT_TIMEOUTS)
 
 
-def upstream_session(connector: aiohttp.BaseConnector | None = None) -> aiohttp.ClientSession:
+def upstream_session(connector: aiohttp.BaseConnector | None = None,
+                     trace_configs: list[aiohttp.TraceConfig] | None = None,
+                     ) -> aiohttp.ClientSession:
     """A session for forwarding: bytes untouched (no decompression), no cookies, no proxy
     settings from the environment, no headers of its own. Create it inside the running loop."""
     return aiohttp.ClientSession(
         connector=connector,
+        trace_configs=trace_configs,
         auto_decompress=False,
         trust_env=False,
         cookie_jar=aiohttp.DummyCookieJar(),

@@ -33,7 +33,9 @@
   before anything is sent). Exit status 0 when the upstream answered below 400 (and an MCP
   call's tool or JSON-RPC call did not fail), 1 otherwise;
   130 after Ctrl-C and 143 after SIGTERM, the replay then recorded as interrupted and its
-  letter free at once for the next.
+  letter free at once for the next; once its request may have been written to the upstream
+  (a connection to it was made), as ``interrupted_after_send``, which, like an answer, the
+  next replay sends again only with ``--again``: the work may be done.
 * ``delete ID``: delete one record, with its replays (exit status 1 when there is none).
 * ``purge``: delete every record.
 
@@ -87,12 +89,14 @@ from policies.deadletter import (
     ANSWERED,
     BUSY,
     CLAIMED,
+    INTERRUPTED_AFTER_SEND,
     MISSING,
     DamagedFile,
     DeadLetter,
     DeadLetterFile,
     NotADeadLetterFile,
     ReplayClaim,
+    UnreadableLetter,
     check_dead_letter_file,
     corrupt,
     damage,
@@ -117,6 +121,7 @@ from proxy.attempts import CONNECT_FIRST_S
 from proxy.client import client_timeout, upstream_session
 from proxy.forward import FORBIDDEN_IN_HEADERS, HOP_BY_HOP, send_failure, upstream_url
 from proxy.rejections import jsonrpc_id
+from proxy.terminal import printable, printable_json
 
 EXIT_FAILED = 1
 #: Exit statuses after Ctrl-C and SIGTERM, as a shell reports a process those signals ended.
@@ -132,7 +137,8 @@ REPLAY_HOLD_MARGIN_S = 10.0
 
 def run(config: Config | None, args: argparse.Namespace) -> int:
     """Run ``sluice dlq <command>``; returns the exit status (130 after Ctrl-C, 143 after
-    SIGTERM: a replay under way is then recorded as interrupted and its letter freed).
+    SIGTERM: a replay under way is then recorded as interrupted and its letter freed; one
+    whose request may have been sent needs ``--again`` next).
     ``config`` may be ``None`` only with ``--file`` and a command other than ``replay``
     (which needs the routes)."""
     try:
@@ -186,6 +192,9 @@ def _run(config: Config | None, args: argparse.Namespace) -> int:
             file.close()
     except DamagedFile as exc:
         print(exc, file=sys.stderr)
+        return EXIT_FAILED
+    except UnreadableLetter as exc:  # said as with the Redis backend
+        print(f"the dead letters in {path} are unavailable: {exc}", file=sys.stderr)
         return EXIT_FAILED
     except sqlite3.Error as exc:  # locked past busy_timeout, a full disk, a damaged page
         _say_unavailable(path, exc)
@@ -338,8 +347,9 @@ async def _command(config: Config | None, store: DeadLetterStore | _FileStore, w
         print(f"no dead letter {args.id} in {where}", file=sys.stderr)
         return EXIT_FAILED
     if args.dlq_command == "show":
-        sys.stdout.buffer.write(orjson.dumps(letter.as_dict(), option=orjson.OPT_INDENT_2))
-        sys.stdout.write("\n")
+        # Header values, paths and tenants are the caller's: no control character raw.
+        sys.stdout.write(printable_json(
+            orjson.dumps(letter.as_dict(), option=orjson.OPT_INDENT_2).decode()) + "\n")
         return 0
     assert config is not None  # sluice.cli loads it for a replay
     return await _replay(config, store, letter, args, records)
@@ -354,9 +364,12 @@ async def _list(store: DeadLetterStore | _FileStore, limit: int) -> None:
     total = sum((await store.depth()).values())
     table = [("ID", "CREATED (UTC)", "ROUTE", "TENANT", "ATTEMPTS", "REASON", "REPLAY",
               "REQUEST")]
-    table += [(str(r["id"]), _when(r["created_at"]), r["route"], r["tenant"], str(r["attempts"]),
-               r["reason"], "-" if r["last_replay"] is None else str(r["last_replay"]),
-               f"{r['method']} {r['path']}") for r in rows]
+    # Tenants and paths are the callers' (and a file may be written by anything): no
+    # control character raw, nor one that would break the table's columns.
+    table += [tuple(printable(cell) for cell in (
+        str(r["id"]), _when(r["created_at"]), r["route"], r["tenant"], str(r["attempts"]),
+        r["reason"], "-" if r["last_replay"] is None else str(r["last_replay"]),
+        f"{r['method']} {r['path']}")) for r in rows]
     # Each column as wide as its longest cell (a replay's outcome can be an exception's name);
     # the numbers right-aligned, the last column left ragged.
     widths = [max(len(row[at]) for row in table) for at in range(len(table[0]) - 1)]
@@ -427,6 +440,11 @@ async def _replay(config: Config, store: DeadLetterStore | _FileStore, letter: D
         # Work is dead-lettered because it may not have happened; once a replay was answered,
         # sending it again may do it twice (with no Idempotency-Key nothing dedups it).
         done = claim.replay or {}
+        if done.get("error") == INTERRUPTED_AFTER_SEND:
+            print(f"dead letter {letter.id} was replayed ({_when(done['at'])}) and that "
+                  f"replay was interrupted after its request was sent, so the upstream may "
+                  f"have done the work; pass --again to send it once more", file=sys.stderr)
+            return EXIT_FAILED
         print(f"dead letter {letter.id} was already replayed ({_when(done['at'])}, HTTP "
               f"{done['status']}); pass --again to send it once more", file=sys.stderr)
         return EXIT_FAILED
@@ -468,13 +486,21 @@ async def _replay(config: Config, store: DeadLetterStore | _FileStore, letter: D
     answer = b""
     reason, answer_headers = "", CIMultiDict[str]()
     failure = None
+    connected = _Connected()
     try:
         status, error, answer, reason, answer_headers = await _send(route, timeouts, limit,
-                                                                    letter, headers)
+                                                                    letter, headers, connected)
         failure = _call_failure(route.protocol, letter.body, status, answer, answer_headers)
         if failure is not None:  # stored with its status: not answered, like a 4xx or 5xx
             error = failure[0]
     finally:
+        if error == "interrupted" and connected.yes:
+            # Its request may have reached the upstream, and the work be done: freeing the
+            # letter let the next replay send it a second time without --again.
+            error = INTERRUPTED_AFTER_SEND
+            print(f"dead letter {letter.id}: interrupted after its request was sent, so the "
+                  f"upstream may have done the work; the next replay needs --again",
+                  file=sys.stderr)
         duration = time.monotonic() - started
         await _record(store, letter, status, error, duration, token, hold_s)
         await _free_key(key, route.protocol, status, reason, answer_headers, answer,
@@ -489,9 +515,10 @@ async def _replay(config: Config, store: DeadLetterStore | _FileStore, letter: D
         f"failed: {error} ({reason})"
     if failure is not None:
         result += f", {failure[1]}"
-    # The upstream as the admin views show it: its user info may hold a password.
-    print(f"replayed dead letter {letter.id} to {redact_url(route.upstream + letter.path)}: "
-          f"{result} in {duration:.3f}s")
+    # The upstream as the admin views show it: its user info may hold a password; the path
+    # and query are the caller's, so no control character raw.
+    print(printable(f"replayed dead letter {letter.id} to "
+                    f"{redact_url(route.upstream + letter.path)}: {result} in {duration:.3f}s"))
     return 0 if status is not None and status < 400 and error is None else EXIT_FAILED
 
 
@@ -504,13 +531,13 @@ def _warn_removed(letter: DeadLetter, headers: CIMultiDict[str]) -> None:
     missing = [name for name in letter.redacted
                if not name.startswith("?") and name not in headers]
     if missing:
-        print(f"WARNING: dead letter {letter.id} is replayed without {', '.join(missing)}, "
-              "removed as credentials when it was written; give them with --header or "
-              "--header-from-env", file=sys.stderr)
+        print(printable(f"WARNING: dead letter {letter.id} is replayed without "
+                        f"{', '.join(missing)}, removed as credentials when it was written; "
+                        "give them with --header or --header-from-env"), file=sys.stderr)
     if query:
-        print(f"WARNING: dead letter {letter.id} is replayed without its query field(s) "
-              f"{', '.join(query)}, removed as credentials when it was written",
-              file=sys.stderr)
+        print(printable(f"WARNING: dead letter {letter.id} is replayed without its query "
+                        f"field(s) {', '.join(query)}, removed as credentials when it was "
+                        "written"), file=sys.stderr)
 
 
 def _call_failure(protocol: str, request_body: bytes, status: int | None, answer: bytes,
@@ -672,19 +699,40 @@ def _headers_limit(retry: RetryConfig | None) -> _Limit | None:
     return min(limits, key=lambda limit: limit.seconds) if limits else None
 
 
+class _Connected:
+    """Whether a replay's send got a connection to the upstream: from then on its request
+    may have been written, so an interrupted replay may have done the work."""
+
+    __slots__ = ("yes",)
+
+    def __init__(self) -> None:
+        self.yes = False
+
+    def trace(self) -> aiohttp.TraceConfig:
+        """A trace that sets :attr:`yes` once a connection is made or reused."""
+        config = aiohttp.TraceConfig()
+
+        async def made(*_: object) -> None:
+            self.yes = True
+
+        config.on_connection_create_end.append(made)
+        config.on_connection_reuseconn.append(made)
+        return config
+
+
 async def _send(route: RouteConfig, timeouts: TimeoutsConfig, limit: _Limit | None,
-                letter: DeadLetter, headers: CIMultiDict[str],
+                letter: DeadLetter, headers: CIMultiDict[str], connected: _Connected,
                 ) -> tuple[int | None, str | None, bytes, str, CIMultiDict[str]]:
     """One attempt under ``timeouts`` (the letter's operation's, or its route's), its wait
     for the response headers (connecting included) under ``limit`` too, as a live attempt's
     (:func:`_headers_limit`): ``(status, None, answer body, reason phrase, answer
     headers)``, or, when it got no whole answer, ``(None, error kind, b"", why, {})``
-    (:func:`_why_failed`)."""
+    (:func:`_why_failed`); ``connected`` is told when a connection is made."""
     connect = timeouts.connect
     if limit is not None and limit.seconds < connect:
         connect = limit.seconds  # aiohttp's bound fires first: "no connection" is said
     timeout = client_timeout(timeouts.total, connect)
-    async with upstream_session() as session:
+    async with upstream_session(trace_configs=[connected.trace()]) as session:
         scope = asyncio.timeout(None if limit is None else limit.seconds + CONNECT_FIRST_S)
         try:
             async with scope:

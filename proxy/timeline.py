@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import gzip
 import math
-import re
 import sys
 import time
 import zlib
@@ -43,13 +42,12 @@ from typing import IO, Any
 import orjson
 
 from policies.wording import counted
+from proxy.terminal import printable
 
 #: Fields every request event has; the rest are the event's own.
 COMMON_FIELDS = ("ts", "event", "request_id", "route", "tenant", "run", "idempotency_key")
 #: The last second of year 9999, the latest ``ts`` a timeline can print.
 LAST_TS = 253_402_300_799
-#: C0 and C1 controls, DEL, and the Unicode line and paragraph separators.
-_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 
 
 #: How many line numbers of a file's unreadable lines ``sluice timeline`` names.
@@ -111,25 +109,7 @@ def _read_block(block: list[bytes | str], first: int, needle: bytes, run_id: str
             continue
         if isinstance(event, dict) and event.get("run") == run_id and _is_event(event) and (
                 tenant is None or event.get("tenant") == tenant):
-            events.append(_printable(event))
-
-
-def _printable(value: Any) -> Any:
-    """``value`` with every control character of its strings (line breaks, ESC...) written as
-    an escape: callers choose models, tenants and paths, and a raw ESC or CR in them would
-    drive the operator's terminal (clear it, retitle it, fake a line)."""
-    if isinstance(value, str):
-        return _CONTROL.sub(_escape, value) if _CONTROL.search(value) else value
-    if isinstance(value, dict):
-        return {_printable(k): _printable(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_printable(v) for v in value]
-    return value
-
-
-def _escape(match: re.Match[str]) -> str:
-    code = ord(match.group())
-    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+            events.append(printable(event))
 
 
 def _is_event(event: dict[str, Any]) -> bool:

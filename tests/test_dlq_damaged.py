@@ -7,7 +7,12 @@ a letter the file had held. The real CLI and a real ``sluice serve``, in subproc
 
 from __future__ import annotations
 
+import contextlib
+import json
+import sqlite3
 from pathlib import Path
+
+import pytest
 
 from policies.deadletter import Attempt, DeadLetter, DeadLetterFile
 from tests.conftest import route, wait_until
@@ -51,6 +56,33 @@ async def test_list_of_a_damaged_file_says_so_and_how_to_recover(tmp_path):
     damaged_file(path)
     code, out, err = await sluice_cli("dlq", "list", "--file", str(path))
     assert code == 1 and says_damaged(err, path), (out, err)
+
+
+@pytest.mark.parametrize(("column", "value"), [("headers", "[["), ("attempts", "{}x")])
+async def test_a_row_sluice_cannot_read_is_said_so_not_a_traceback(tmp_path, column, value):
+    """A row whose ``headers`` (or ``attempts``) is not JSON, in a sound file (written by
+    something else, edited by hand): ``dlq show`` ended in orjson's traceback, where the
+    Redis backend says what is wrong (a hostile trial)."""
+    path = tmp_path / "dlq.sqlite"
+    file = DeadLetterFile(str(path))
+    try:
+        for n in range(2):
+            file.add(DeadLetter(route="openai", tenant="acme", run=None, idempotency_key=None,
+                                request_id=f"req-{n}", method="POST", path="/v1/x",
+                                headers=[], redacted=[], body=b"{}", body_size=2,
+                                attempts=[], reason="attempts_exhausted"))
+    finally:
+        file.close()
+    with contextlib.closing(sqlite3.connect(path)) as db, db:
+        db.execute(f"UPDATE dead_letters SET {column} = ? WHERE id = 1", (value,))
+    commands = [("show", "1")] + ([("list",)] if column == "attempts" else [])
+    for command in commands:
+        code, out, err = await sluice_cli("dlq", *command, "--file", str(path))
+        assert code == 1 and "Traceback" not in err, (command, out, err)
+        assert (f"the dead letters in {path} are unavailable: a dead letter holds what "
+                "Sluice cannot read (JSONDecodeError)") in err, (command, err)
+    code, out, err = await sluice_cli("dlq", "show", "2", "--file", str(path))
+    assert code == 0 and json.loads(out)["id"] == 2, err
 
 
 async def test_a_letter_not_in_a_sound_file_is_still_no_dead_letter(tmp_path):

@@ -202,3 +202,64 @@ async def test_a_replays_answer_body_may_take_longer_than_the_per_try_timeout(tm
     finally:
         await runner.cleanup()
     assert code == 0 and "HTTP 200, 15 bytes" in out, (out, err)
+
+
+INJECTED = ("/job?q=%1b%5d0%3bPWNED%07%1b%5b2K%0d%0a"
+            "replayed%20dead%20letter%201:%20HTTP%20500")
+
+
+async def test_a_replay_prints_the_query_percent_encoded_as_it_was_sent(tmp_path):
+    """A live call's ``?q=%1b...%0d%0a...`` is kept encoded in its letter, but the replay's
+    line printed the URL with its query decoded (``redact_url``): a raw ESC retitled the
+    operator's terminal and a CR LF forged a line of its own (a hostile trial)."""
+    async def ok(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_post("/job", ok)
+    runner, port = await serve_app(app)
+    try:
+        config, letter = letter_file(tmp_path, f"http://127.0.0.1:{port}", path=INJECTED)
+        code, out, err = await outcome(await cli("dlq", "replay", letter, "--config", config))
+    finally:
+        await runner.cleanup()
+    assert code == 0, (out, err)
+    assert "\x1b" not in out + err and "\x07" not in out and "\r" not in out
+    assert out.count("\n") == 1, out
+    assert "/job?q=%1B%5D0;PWNED%07%1B%5B2K%0D%0Areplayed%20dead" in out, out
+
+
+def add_letter(letters: str, path: str, headers: list[tuple[str, str]]) -> str:
+    """Write one letter of route ``tools`` (``POST path`` with ``headers``) to the
+    dead-letter file ``letters``; its id."""
+    file = DeadLetterFile(letters)
+    try:
+        return str(file.add(DeadLetter(
+            route="tools", tenant="acme\u202e", run=None, idempotency_key=None,
+            request_id="q", method="POST", path=path, headers=headers, redacted=[],
+            body=b"{}", body_size=2, attempts=[], reason="attempts_exhausted")).id)
+    finally:
+        file.close()
+
+
+CONTROLS = "\x1b]0;PWNED\x07\x1b[2J\x7f\u009b2J\u2028\u202e\u2066"
+#: The characters of ``CONTROLS`` that drive a terminal.
+RAW = "\x1b\x07\x7f\u009b\u2028\u202e\u2066"
+
+
+async def test_list_and_show_write_no_control_character_raw(tmp_path):
+    """``dlq show`` printed a header value's C1 CSI (U+009B), U+2028 and bidi overrides raw
+    (orjson escapes only C0), and ``dlq list`` a stored path's ESC sequences, which drove
+    the operator's terminal (a hostile trial). ``show`` stays the same JSON."""
+    letters = str(tmp_path / "dlq.sqlite")
+    letter = add_letter(letters, "/b" + CONTROLS, [("X-Note", CONTROLS)])
+    code, out, err = await outcome(await cli("dlq", "show", letter, "--file", letters))
+    assert code == 0, err
+    assert not any(ch in out for ch in RAW), ascii(out)
+    shown = json.loads(out)
+    assert shown["headers"] == [["X-Note", CONTROLS]] and shown["path"] == "/b" + CONTROLS
+    code, out, err = await outcome(await cli("dlq", "list", "--file", letters))
+    assert code == 0, err
+    assert not any(ch in out for ch in RAW), ascii(out)
+    assert "/b\\x1b]0;PWNED\\x07" in out and "acme\\u202e" in out, out
+    assert len(out.splitlines()) == 2, out

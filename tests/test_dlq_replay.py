@@ -16,7 +16,7 @@ import time
 import aiohttp
 import pytest
 
-from policies.deadletter import CLAIMED, DeadLetter, ReplayClaim
+from policies.deadletter import CLAIMED, DeadLetter, ReplayClaim, answered
 from policies.state import StateUnavailable
 from proxy import dlq
 from proxy.config import parse_config
@@ -163,23 +163,32 @@ async def test_a_letter_deleted_while_it_is_replayed_keeps_no_replay(
 
 @pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)],
                          ids=["ctrl-c", "sigterm"])
-async def test_a_replay_stopped_mid_send_leaves_its_result_and_frees_the_letter(
+async def test_a_replay_stopped_mid_send_leaves_its_result_and_needs_again(
         upstream, start_sluice, state, sig, code):
     """Ctrl-C, or SIGTERM from a supervisor or `timeout`, during the send: the replay is
-    recorded as interrupted (it may have reached the upstream) and the letter is free for
-    the next replay at once, with one line said, not a traceback. SIGTERM ended the process
-    where it stood and held the letter for the route's whole timeout (a new user's trial)."""
+    recorded as interrupted after its request was sent, with one line said, not a
+    traceback. SIGTERM ended the process where it stood and held the letter for the
+    route's whole timeout (a new user's trial). The request reached the upstream, so the
+    work may be done: the letter was freed and the next replay, without ``--again``, sent it
+    a second time (a hostile trial); it now needs ``--again``, as after an answer."""
     sluice, letter, proc = await held_replay(start_sluice, upstream, state, "pay-43")
     config = str(sluice.config_path)
     proc.send_signal(sig)
     got, _, err = await outcome(proc)
     assert got == code and "Traceback" not in err, err
+    assert "interrupted after its request was sent" in err and "--again" in err, err
     upstream.hold.set()
     _, out, _ = await outcome(await cli("dlq", "show", letter, "--config", config))
     assert [(r["status"], r["error"]) for r in json.loads(out)["replays"]] == [
-        (None, "interrupted")]
+        (None, "interrupted_after_send")]
+    sent = len(upstream.requests)
     got, out, err = await outcome(await cli("dlq", "replay", letter, "--config", config))
+    assert got == 1 and "interrupted after its request was sent" in err, (out, err)
+    assert "pass --again" in err and len(upstream.requests) == sent, err
+    got, out, err = await outcome(await cli("dlq", "replay", letter, "--config", config,
+                                            "--again"))
     assert got == 0 and "HTTP 200" in out, err
+    assert len(upstream.requests) == sent + 1
 
 
 @pytest.mark.parametrize("args,said", [
@@ -595,3 +604,13 @@ def test_a_derived_key_is_named_not_printed(key: str, origin: str | None, named:
     said = dlq._key_named(letter)
     assert said.startswith(named)
     assert "sluice-d-" not in said and "sluice-t-" not in said
+
+
+def test_only_an_interruption_after_the_send_counts_as_possibly_done() -> None:
+    """A replay interrupted before anything was sent frees its letter; one interrupted after
+    its request may have been written counts as answered (the next replay needs --again)."""
+    before = {"at": 1.0, "status": None, "error": "interrupted", "duration_s": 0.0}
+    after = {"at": 2.0, "status": None, "error": "interrupted_after_send", "duration_s": 1.0}
+    failed = {"at": 3.0, "status": 503, "error": None, "duration_s": 0.1}
+    assert answered([before]) is None
+    assert answered([before, after, failed]) == after

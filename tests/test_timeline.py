@@ -348,6 +348,20 @@ def test_control_characters_callers_chose_are_printed_as_escapes(tmp_path):
     assert "fake line" not in shown.stdout.splitlines()[-1]
 
 
+def test_bidi_controls_callers_chose_are_printed_as_escapes(tmp_path):
+    """A bidi override (U+202E) or isolate (U+2066) in a tenant or model showed the rest of
+    its line reversed, so a row read as another: written as escapes like the controls."""
+    shown = timeline_of(tmp_path, [
+        '{"ts": 10, "event": "admitted", "run": "a", "request_id": "x",'
+        ' "tenant": "t\\u202egpj.exe"}',
+        '{"ts": 11, "event": "completed", "run": "a", "request_id": "x", "status": 200,'
+        ' "model": "m\\u2066x\\u2069"}',
+    ])
+    assert shown.returncode == 0, shown.stderr
+    assert not any(ch in shown.stdout for ch in "\u202e\u2066\u2069")
+    assert "\\u202e" in shown.stdout and "\\u2066" in shown.stdout
+
+
 async def test_a_caller_that_leaves_while_queued_ends_its_story(upstream, start_sluice):
     # Seen in a hostile trial: such a call logged only `enqueued` (while the metrics counted
     # it client_disconnected), so the timeline showed it in flight forever.

@@ -116,12 +116,20 @@ def redact_url(url: str) -> str:
     query = parts.query
     if query:
         fields = urllib.parse.parse_qsl(query, keep_blank_values=True)
+        # Read decoded, written encoded again: a decoded ``%1b`` or ``%0a`` printed as it is
+        # drove the operator's terminal (an ESC sequence, a forged line).
         query = "&".join(
             REDACTED if secret_query_name(name)
-            else f"{name}={REDACTED if secret_query_field(name, value) else value}"
+            else f"{_encoded(name)}="
+                 f"{REDACTED if secret_query_field(name, value) else _encoded(value)}"
             for name, value in fields
         )
     return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+
+
+def _encoded(text: str) -> str:
+    """A query field's decoded name or value percent-encoded again, as a URL carries it."""
+    return urllib.parse.quote(text, safe="/:@!$'()*,;~")
 
 
 def hash_tag(group: str) -> str:

@@ -324,7 +324,8 @@ if ARGV[4] ~= '1' then
   for i = #replays, 1, -1 do
     local replay = decoded(replays[i], "a dead letter's replay")
     local status, failed = replay['status'], replay['error']
-    if type(status) == 'number' and status < 400 and (failed == nil or failed == cjson.null)
+    if (type(status) == 'number' and status < 400 and (failed == nil or failed == cjson.null))
+      or failed == 'interrupted_after_send'
     then return {'answered', replays[i]} end
   end
 end
