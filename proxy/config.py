@@ -845,8 +845,11 @@ def check_token(token: str, where: str) -> str:
     """
     if any(c.isspace() or not c.isprintable() for c in token):
         raise ValueError(f"{where} holds whitespace or a control character inside the token "
-                         "(a second line?): it must hold the admin bearer token alone, on one "
-                         "line")
+                         "(a second line? a byte order mark?): it must hold the admin bearer "
+                         "token alone, on one line")
+    if not token.isascii():  # an HTTP header carries no other (http.client refuses it)
+        raise ValueError(f"{where} holds a character outside ASCII in the token: it must "
+                         "hold the admin bearer token in ASCII letters, digits and signs")
     return token
 
 

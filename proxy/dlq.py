@@ -348,8 +348,13 @@ async def _command(config: Config | None, store: DeadLetterStore | _FileStore, w
         return EXIT_FAILED
     if args.dlq_command == "show":
         # Header values, paths and tenants are the caller's: no control character raw.
-        sys.stdout.write(printable_json(
-            orjson.dumps(letter.as_dict(), option=orjson.OPT_INDENT_2).decode()) + "\n")
+        # UTF-8 bytes, whatever the terminal's or pipe's encoding (a review: a non-UTF-8
+        # stdout failed on any non-ASCII letter), as JSON is.
+        sys.stdout.flush()
+        sys.stdout.buffer.write((printable_json(
+            orjson.dumps(letter.as_dict(), option=orjson.OPT_INDENT_2).decode()) + "\n"
+        ).encode())
+        sys.stdout.buffer.flush()
         return 0
     assert config is not None  # sluice.cli loads it for a replay
     return await _replay(config, store, letter, args, records)

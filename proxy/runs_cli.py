@@ -144,7 +144,13 @@ def _ask(method: str, url: str, bearer: str | None) -> tuple[int, Any]:
     opener = urllib.request.build_opener(_NoRedirect, urllib.request.ProxyHandler({}))
     try:
         with opener.open(request, timeout=TIMEOUT_S) as response:
-            return response.status, json.load(response)
+            try:
+                return response.status, json.load(response)
+            except ValueError:  # JSONDecodeError, UnicodeDecodeError: HTML, say
+                raise AdminCallError(
+                    f"the admin port's answer at {redact_url(url.split('/admin/', 1)[0])} is "
+                    "not what Sluice serves (not JSON): is --admin (or server.admin_listen) a "
+                    "Sluice admin port?") from None
     except urllib.error.HTTPError as error:
         try:
             return error.code, json.load(error)

@@ -103,3 +103,29 @@ async def test_serve_warns_at_start_of_a_damaged_file(upstream, start_sluice, tm
                      what="the warning of a damaged file")
     said = next(line for line in sluice.stderr().splitlines() if "is damaged" in line)
     assert "ERROR" in said and ".recover" in said
+
+
+def test_show_writes_utf8_json_whatever_the_terminals_encoding(tmp_path):
+    # A review: `dlq show` of a letter holding non-ASCII text failed with UnicodeEncodeError
+    # on a stdout that is not UTF-8 (a Latin-1 locale, a cp1252 pipe).
+    import os
+    import subprocess
+    import sys
+
+    path = tmp_path / "dlq.sqlite"
+    file = DeadLetterFile(str(path))
+    try:
+        file.add(DeadLetter(route="openai", tenant="acme", run=None, idempotency_key=None,
+                            request_id="req-1", method="POST", path="/v1/x",
+                            headers=[("X-Note", "中文 ☃")], redacted=[],
+                            body="{\"q\": \"中文\"}".encode(), body_size=12,
+                            attempts=[Attempt(1700000000.0, 503, None, 0.1)],
+                            reason="attempts_exhausted"))
+    finally:
+        file.close()
+    done = subprocess.run([sys.executable, "-m", "proxy", "dlq", "show", "1", "--file",
+                           str(path)], capture_output=True, timeout=60,
+                          env={**os.environ, "PYTHONIOENCODING": "latin-1"})
+    assert done.returncode == 0, done.stderr.decode()
+    shown = json.loads(done.stdout.decode("utf-8"))
+    assert ["X-Note", "中文 ☃"] in [list(pair) for pair in shown["headers"]]

@@ -156,6 +156,24 @@ def test_an_answer_of_another_shape_is_said_so_not_a_traceback(
     assert "the admin port's answer at" in capsys.readouterr().err
 
 
+def test_an_answer_that_is_no_json_is_said_so(
+        hostile, capsys: pytest.CaptureFixture[str]) -> None:
+    # A review: an HTML 200 was "the request ... could not be made (JSONDecodeError)".
+    port = hostile(json_200(b"<html>hello</html>"))
+    assert cli_main(["runs", "list", "--admin", port.url]) == 1
+    assert "is not what Sluice serves (not JSON)" in capsys.readouterr().err
+
+
+def test_a_token_outside_ascii_is_refused_before_anything_is_sent(
+        hostile, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    # A review: "could not be made (UnicodeEncodeError)"; no HTTP header can carry it.
+    port = hostile(json_200(b"{}"))
+    monkeypatch.setenv("SLUICE_ADMIN_TOKEN", "tok\u20acn")
+    assert cli_main(["runs", "cancel", "r1", "--admin", port.url]) == 1
+    assert "a character outside ASCII in the token" in capsys.readouterr().err
+    assert port.received == []
+
+
 def test_a_password_in_admin_is_not_echoed(capsys: pytest.CaptureFixture[str]) -> None:
     closed = socket.create_server(("127.0.0.1", 0))
     port = closed.getsockname()[1]
