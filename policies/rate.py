@@ -98,7 +98,7 @@ TENANT_PREFIX = "tenant:"
 #: Tenants whose request units a limiter keeps built (``request_units``).
 TAKES_KEPT = 1024
 #: Buckets whose promised slots a limiter keeps (:class:`Promises`); lapsed ones are
-#: dropped first when it is reached, and all of them if none has lapsed.
+#: dropped first when it is reached, and the oldest bucket's if none has.
 PROMISES_KEPT = 4096
 
 

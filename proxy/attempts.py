@@ -1193,13 +1193,9 @@ async def _send_cancel(rt: Runtime, route: Route, call: Call,
     except Exception:  # building it failed; nobody awaits this task
         log.exception("%s was not sent", what)
     finally:
-        if task_id is None:
-            rt.events.emit("cancel_sent", call.request_id, route.name, call.tenant, call.run,
-                           call.idempotency_key, status=status, **call.event_names())
-        else:
-            rt.events.emit("cancel_sent", call.request_id, route.name, call.tenant, call.run,
-                           call.idempotency_key, status=status, task_id=task_id,
-                           **call.event_names())
+        named = {} if task_id is None else {"task_id": task_id}
+        rt.events.emit("cancel_sent", call.request_id, route.name, call.tenant, call.run,
+                       call.idempotency_key, status=status, **named, **call.event_names())
     if finishing is not None and 200 <= status < 300:  # the server took it
         # Awaited in this task, so the drain's wait for the cancels covers it too.
         await asyncio.wait((finishing,), timeout=CANCEL_ANSWER_WAIT_S)

@@ -412,7 +412,9 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
     call.new_unit = not client_retry
     # MCP control and stream traffic take nothing, an operation's steps included.
     try:
-        plan = await route.plan(call) if traffic == "call" else route.base_plan
+        # A route without operation blocks plans every call its base way: no coroutine.
+        plan = (await route.plan(call) if traffic == "call" and route.operations is not None
+                else route.base_plan)
     except (asyncio.CancelledError, ConnectionResetError):
         # Left (or cut) while its form's model was read off the loop: nothing held yet.
         _left_unadmitted(rt, route, request_id, tenant, run)

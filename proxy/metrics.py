@@ -560,7 +560,7 @@ class Metrics:
             "sluice_held_task_calls",
             "MCP tools/calls answered with a CreateTaskResult (2025-11-25 tasks), held until "
             "their task is seen over or their bound passes (counted in "
-            "sluice_inflight_requests too).", registry=r,
+            "sluice_inflight_requests too).", registry=on_loop,
         )
         self.task_tables = Gauge(
             "sluice_task_table_entries",
@@ -569,7 +569,7 @@ class Metrics:
             "sessions with task calls held or in flight), asked (sessions with task calls "
             "in flight), early_ends (terminal statuses seen before their task's "
             "CreateTaskResult, kept 30 s). All but early_ends are 0 when no task is held.",
-            ["table"], registry=r,
+            ["table"], registry=on_loop,
         )
         self.expiries = LoopCounter(
             "sluice_expiries",

@@ -370,9 +370,7 @@ def _build(count_file: Path, list_delay: float = 0.0) -> Any:
         answer = await ctx.elicit(message=f"send to {to}?", schema=Confirm)
         if answer.action != "accept":
             return "not sent"
-        with count_file.open("a") as f:
-            f.write(json.dumps({"to": to, "body": ""}) + "\n")
-        sent = _count(count_file)
+        sent = _deliver(count_file, to)
         await asyncio.sleep(min(max(answer_after, 0.0), 30.0))
         return f"sent #{sent}"
 
@@ -397,9 +395,7 @@ def _build(count_file: Path, list_delay: float = 0.0) -> Any:
         side effect and a sleep of ``seconds`` (at most 30)."""
         if not ok.ok:
             return "not sent"
-        with count_file.open("a") as f:
-            f.write(json.dumps({"to": to, "body": ""}) + "\n")
-        sent = _count(count_file)
+        sent = _deliver(count_file, to)
         await asyncio.sleep(min(max(seconds, 0.0), 30.0))
         return f"sent #{sent}"
 
@@ -409,33 +405,26 @@ def _build(count_file: Path, list_delay: float = 0.0) -> Any:
         """Two questions in two MRTR rounds (the second asked once the first is answered),
         then ``send``'s side effect, with both answers as its body and in its result."""
         body = f"first={first.ok} second={second.ok}"
-        with count_file.open("a") as f:
-            f.write(json.dumps({"to": to, "body": body}) + "\n")
+        _deliver(count_file, to, body)
         return body
 
     @server.tool()
     async def poll_send(ctx: Context, to: str, seconds: float = 1.0) -> str:
         """``poll`` that also records one delivery (``send``'s), after closing its stream."""
         await ctx.close_sse_stream()
-        with count_file.open("a") as f:
-            f.write(json.dumps({"to": to, "body": ""}) + "\n")
-        sent = _count(count_file)
+        sent = _deliver(count_file, to)
         await asyncio.sleep(min(max(seconds, 0.0), 30.0))
         return f"sent #{sent}"
 
     @server.tool()
     async def send(to: str, body: str = "") -> str:
         """A side effect: record one delivery."""
-        with count_file.open("a") as f:
-            f.write(json.dumps({"to": to, "body": body}) + "\n")
-        return f"sent #{_count(count_file)}"
+        return f"sent #{_deliver(count_file, to, body)}"
 
     @server.tool()
     async def send_slowly(to: str, seconds: float = 2.0) -> str:
         """A slow side effect: record one delivery, then take ``seconds`` to answer."""
-        with count_file.open("a") as f:
-            f.write(json.dumps({"to": to, "body": ""}) + "\n")
-        sent = _count(count_file)
+        sent = _deliver(count_file, to)
         await asyncio.sleep(min(max(seconds, 0.0), 30.0))
         return f"sent #{sent}"
 
@@ -449,9 +438,7 @@ def _build(count_file: Path, list_delay: float = 0.0) -> Any:
             with _cancels_file(count_file).open("a") as f:
                 f.write(to + "\n")
             raise
-        with count_file.open("a") as f:
-            f.write(json.dumps({"to": to, "body": ""}) + "\n")
-        return f"sent #{_count(count_file)}"
+        return f"sent #{_deliver(count_file, to)}"
 
     @server.tool()
     async def sends() -> int:
@@ -478,6 +465,13 @@ def _cancels_file(count_file: Path) -> Path:
 
 def _count(count_file: Path) -> int:
     return sum(1 for line in count_file.read_text().splitlines() if line)
+
+
+def _deliver(count_file: Path, to: str, body: str = "") -> int:
+    """Record one delivery (a tool's side effect) in ``count_file``; the deliveries so far."""
+    with count_file.open("a") as f:
+        f.write(json.dumps({"to": to, "body": body}) + "\n")
+    return _count(count_file)
 
 
 def _event_store() -> Any:

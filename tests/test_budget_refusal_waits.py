@@ -3,35 +3,13 @@ gives (a hostile trial's F1), and the wait while only calls in flight hold the r
 
 from __future__ import annotations
 
-import calendar
-
 import pytest
 
-from policies.budget import Budgets
-from policies.config import BudgetConfig
+from policies.budget import Budgets, HoldTimes
 from policies.reasons import Reason, Rejected
-from policies.state import memory_backends
 from policies.usage import Usage
 from proxy.rejections import rejection_headers
-
-
-class Clock:
-    def __init__(self, now: float) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def at(text: str) -> float:
-    """Unix seconds of a UTC time written ``YYYY-MM-DD HH:MM:SS``."""
-    date, time_ = text.split()
-    return float(calendar.timegm((*map(int, date.split("-")), *map(int, time_.split(":")))))
-
-
-def budgets(clock: Clock, *blocks: dict) -> Budgets:
-    return Budgets([BudgetConfig.model_validate(b) for b in blocks], {}, memory_backends(),
-                   clock)
+from tests.test_budget_ledger import Clock, at, budgets
 
 
 async def test_two_spent_windows_name_the_one_whose_wait_is_given():
@@ -53,12 +31,7 @@ async def test_two_spent_windows_name_the_one_whose_wait_is_given():
 
 
 def held_for(b: Budgets, monotonic: Clock) -> None:
-    """Time ``b``'s reservations by ``monotonic`` (seconds); on a build without hold times,
-    the tests' own assertions fail (the fixed 1 s wait)."""
-    try:
-        from policies.budget import HoldTimes
-    except ImportError:
-        return
+    """Time ``b``'s reservations by ``monotonic`` (seconds)."""
     b.holds = HoldTimes(monotonic)
 
 

@@ -182,12 +182,12 @@ async def test_a_call_finishing_without_its_caller_is_cancelled_at_its_server(
     assert await sluice.metric("sluice_cancels_total", route="tools", where="inflight") == 1
 
 
-async def test_the_drain_cut_tells_the_server_to_stop_the_tool(mcp_session, start_sluice):
-    """Past ``drain_timeout`` the cut closes a keyed call's upstream request, as before, and
-    now sends its server the call's cancel too (before the process exits): the tool stops
-    before its side effect. Before: it ran on after Sluice had gone."""
+async def cut_by_the_drain(mcp_session, start_sluice, make_route):  # type: ignore[no-untyped-def]
+    """A Sluice with the route ``make_route`` builds and a 300 ms drain, a slow tool call
+    through it, SIGTERM while it runs: the call is answered ``draining``, the process exits,
+    and the server was told to stop the tool before its side effect. Returns the Sluice."""
     sluice = await start_sluice({"server": {"drain_timeout": "300ms"},
-                                 "routes": [mcp_route(mcp_session.base_url)]})
+                                 "routes": [make_route(mcp_session.base_url)]})
     url = sluice.url + "/tools/mcp"
     async with aiohttp.ClientSession() as http:
         headers = await session_headers(http, url, mcp_session)
@@ -200,6 +200,14 @@ async def test_the_drain_cut_tells_the_server_to_stop_the_tool(mcp_session, star
     assert await sluice.wait_exit(timeout=20) == 0
     await wait_until(lambda: mcp_session.cancels() == ["ops"], what="the tool cancelled")
     assert mcp_session.sends() == 0
+    return sluice
+
+
+async def test_the_drain_cut_tells_the_server_to_stop_the_tool(mcp_session, start_sluice):
+    """Past ``drain_timeout`` the cut closes a keyed call's upstream request, as before, and
+    now sends its server the call's cancel too (before the process exits): the tool stops
+    before its side effect. Before: it ran on after Sluice had gone."""
+    sluice = await cut_by_the_drain(mcp_session, start_sluice, mcp_route)
     [sent] = [e for e in sluice.events() if e["event"] == "cancel_sent"]
     assert sent["status"] == 202
 
@@ -270,17 +278,4 @@ async def test_the_drain_cut_stops_the_tool_on_a_route_without_dedup(mcp_session
                                                                       start_sluice):
     """Past ``drain_timeout`` a call on a route that keeps no answers is answered
     ``draining`` as before, and its server is now told to stop the tool."""
-    sluice = await start_sluice({"server": {"drain_timeout": "300ms"},
-                                 "routes": [plain_route(mcp_session.base_url)]})
-    url = sluice.url + "/tools/mcp"
-    async with aiohttp.ClientSession() as http:
-        headers = await session_headers(http, url, mcp_session)
-        async with http.post(url, json=tool_call(1, "send_after", to="ops", seconds=TOOL_S),
-                             headers=headers) as r:
-            assert r.status == 200
-            sluice.signal(signal.SIGTERM)
-            answer = await r.text()
-        assert '"reason":"draining"' in answer.replace(" ", "")
-    assert await sluice.wait_exit(timeout=20) == 0
-    await wait_until(lambda: mcp_session.cancels() == ["ops"], what="the tool cancelled")
-    assert mcp_session.sends() == 0
+    await cut_by_the_drain(mcp_session, start_sluice, plain_route)

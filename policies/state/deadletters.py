@@ -45,10 +45,10 @@ from policies.state.connection import RedisState, Script
 from policies.state.errors import BadRecord
 from policies.state.stored import built, stored_int, stored_json, stored_text
 
-#: Stream fields of a summary (``list``): enough for a table, never the body.
-#: What a key fault names a letter (never its content).
+#: What a key fault names a letter (never its content), and the stream's depth.
 _LETTER = "a dead letter"
 _DEPTH = "the dead letters' depth"
+#: Stream fields of a summary (``list``): enough for a table, never the body.
 _SUMMARY_FIELDS = ("created_at", "route", "tenant", "method", "path", "attempts", "reason")
 #: Most letters one ``add`` drops from the stream (and about 1 MiB of them at most): a
 #: script blocks every client of Redis while it runs, so a ``max_records`` lowered far below
@@ -543,12 +543,17 @@ def _summaries(page: list[Any]) -> list[dict[str, Any]]:
         try:
             out.append(built(_LETTER, _stored_summary, *row))
         except BadRecord:
-            letter_id = built(_LETTER, int, row[0].decode().partition("-")[2])
+            letter_id = built(_LETTER, _letter_id, row[0])
             out.append({"id": letter_id, "created_at": 0.0, "route": "?", "tenant": "?",
                         "method": "?", "path": "?", "attempts": 0,
                         "reason": f"unreadable (sluice dlq delete {letter_id})",
                         "last_replay": None})
     return out
+
+
+def _letter_id(stream_id: bytes) -> int:
+    """A letter's id from its stream id (``0-ID``)."""
+    return int(stream_id.decode().partition("-")[2])
 
 
 def _stored_summary(stream_id: bytes, values: list[bytes], last: bytes | None
@@ -559,7 +564,7 @@ def _stored_summary(stream_id: bytes, values: list[bytes], last: bytes | None
                               for name, value in zip(_SUMMARY_FIELDS, values, strict=True)}
     fields["created_at"] = float(fields["created_at"])
     fields["attempts"] = len(orjson.loads(fields["attempts"]))
-    letter_id = int(stream_id.decode().partition("-")[2])
+    letter_id = _letter_id(stream_id)
     return _summary(letter_id, fields, orjson.loads(last) if last else None)
 
 

@@ -38,17 +38,13 @@ def built(what: str, build: Callable[..., T], *args: Any, **kwargs: Any) -> T:
                         ) from None
 
 
-def stored_float(raw: bytes | str | None, what: str, default: float | None = None) -> float:
-    """A stored number (``None``, an absent field, is ``default`` when one is given)."""
-    if raw is None and default is not None:
-        return default
+def stored_float(raw: bytes | str | None, what: str) -> float:
+    """A stored number (``None``, an absent field, is unreadable)."""
     return built(what, float, raw)
 
 
-def stored_int(raw: bytes | str | None, what: str, default: int | None = None) -> int:
-    """A stored integer (``None``, an absent field, is ``default`` when one is given)."""
-    if raw is None and default is not None:
-        return default
+def stored_int(raw: bytes | str | None, what: str) -> int:
+    """A stored integer (``None``, an absent field, is unreadable)."""
     return built(what, int, raw)
 
 
