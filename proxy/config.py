@@ -813,6 +813,18 @@ def _unwritable(name: str, *, beside: bool) -> str | None:
 TOKEN_ENV = "SLUICE_ADMIN_TOKEN"
 
 
+def env_token() -> str | None:
+    """:data:`TOKEN_ENV`'s token (surrounding whitespace stripped), ``None`` if it is unset
+    or blank: read so by the server (``proxy.admin``) and the CLI (``proxy.runs_cli``) alike.
+
+    Raises:
+        ValueError: it holds whitespace, a control character or a character outside ASCII
+            inside (:func:`check_token`; the message never quotes it).
+    """
+    token = os.environ.get(TOKEN_ENV, "").strip()
+    return check_token(token, TOKEN_ENV) if token else None
+
+
 def load_token(path: Path, read: dict[str, str] | None = None) -> str:
     """The admin bearer token in the file ``path`` (surrounding whitespace stripped);
     ``read``, if given, gets the file's text by its path.
