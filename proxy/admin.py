@@ -58,7 +58,6 @@ import asyncio
 import hmac
 import html
 import logging
-import os
 import time
 from typing import Any
 
@@ -66,7 +65,7 @@ from aiohttp import web
 
 from policies.config import IDENTITY_VALUE, MAX_IDENTITY_LENGTH
 from policies.state import StateUnavailable
-from proxy.config import TOKEN_ENV, check_token
+from proxy.config import TOKEN_ENV, env_token
 from proxy.redact import redact
 from proxy.reload import RELOADER
 from proxy.runtime import RUNTIME, Runtime
@@ -99,11 +98,8 @@ def admin_token(runtime: Runtime) -> str | None:
 def _env_token() -> tuple[str | None, str | None]:
     """``SLUICE_ADMIN_TOKEN``'s token (``None`` if unset or blank), and why it is refused if
     it is (it holds whitespace inside: no client could send it); never quoting it."""
-    token = os.environ.get(TOKEN_ENV, "").strip()
-    if not token:
-        return None, None
     try:
-        return check_token(token, TOKEN_ENV), None
+        return env_token(), None
     except ValueError as exc:
         return None, str(exc)
 

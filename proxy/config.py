@@ -813,6 +813,18 @@ def _unwritable(name: str, *, beside: bool) -> str | None:
 TOKEN_ENV = "SLUICE_ADMIN_TOKEN"
 
 
+def env_token() -> str | None:
+    """:data:`TOKEN_ENV`'s token (surrounding whitespace stripped), ``None`` if it is unset
+    or blank: read so by the server (``proxy.admin``) and the CLI (``proxy.runs_cli``) alike.
+
+    Raises:
+        ValueError: it holds whitespace, a control character or a character outside ASCII
+            inside (:func:`check_token`; the message never quotes it).
+    """
+    token = os.environ.get(TOKEN_ENV, "").strip()
+    return check_token(token, TOKEN_ENV) if token else None
+
+
 def load_token(path: Path, read: dict[str, str] | None = None) -> str:
     """The admin bearer token in the file ``path`` (surrounding whitespace stripped);
     ``read``, if given, gets the file's text by its path.
@@ -985,6 +997,12 @@ def read_text_file(path: Path, limit: int, *, stream: bool = False) -> str:
             it is a directory, it is longer than ``limit`` bytes, or it is not UTF-8
             (:class:`UnicodeDecodeError`).
     """
+    return read_file(path, limit, stream=stream).decode("utf-8")
+
+
+def read_file(path: str | Path, limit: int, *, stream: bool = False) -> bytes:
+    """The bytes :func:`read_text_file` decodes (``stream`` and errors as there, less the
+    UTF-8 one); :func:`still_reads` compares them undecoded, so one reader serves both."""
     flags = os.O_RDONLY | os.O_CLOEXEC
     if not (stream and stat.S_ISFIFO(os.stat(path).st_mode)):
         # Opened without waiting for a writer (a FIFO in a server's path must not hold it);
@@ -1001,7 +1019,7 @@ def read_text_file(path: Path, limit: int, *, stream: bool = False) -> str:
         data = file.read(limit + 1)
     if len(data) > limit:
         raise ValueError(f"longer than {limit} bytes")
-    return data.decode("utf-8")
+    return data
 
 
 def _why(exc: Exception) -> str:
@@ -1066,17 +1084,10 @@ def still_reads(read: tuple[tuple[str, int, str], ...]) -> bool:
     """
     for name, size, digest in read:
         try:
-            with open(name, "rb", opener=_no_wait) as file:
-                if not stat.S_ISREG(os.fstat(file.fileno()).st_mode):
-                    return False
-                data = file.read(size + 1)
-        except OSError:
+            # Gone, no longer a regular file, or grown past its size then: not that text.
+            data = read_file(name, size)
+        except (OSError, ValueError):
             return False
         if len(data) != size or hashlib.sha256(data).hexdigest() != digest:
             return False
     return True
-
-
-def _no_wait(path: str, flags: int) -> int:
-    """Opens without waiting for a FIFO's writer (as :func:`read_text_file` does)."""
-    return os.open(path, flags | os.O_NONBLOCK | os.O_CLOEXEC)

@@ -546,8 +546,7 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
             # drain (Runtime.end_answered, end_mcp_calls), which end it as the upstream would
             # have instead of cutting it.
             outcome = _delivered_outcome(call, admitted_at)
-            if ((call.cancelled is not None or rt.draining) and request.transport is not None
-                    and not request.transport.is_closing()):
+            if (call.cancelled is not None or rt.draining) and _caller_connected(request):
                 if call.cancelled is not None:  # its run's cancel closed the upstream's stream
                     route.metrics.cancelled("inflight")
                 call.relaying = None  # ended here: a drain starting now cancels it no more
@@ -560,8 +559,7 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
                 return out
             raise
         if (finish is None and admitted_at and traffic == "call"
-                and (call.cancelled is not None or rt.cutting)
-                and attempts.cancels_upstream(call)):
+                and _ended_by_sluice(rt, call) and attempts.cancels_upstream(call)):
             # Sluice ends a call its server may still run (a run's cancel, the drain's cut):
             # the server is asked to stop it, as for a call whose answer is kept (_leave).
             # Before 2026-07-28 a closed POST is no cancel: the tool ran on, its side
@@ -581,7 +579,7 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
             outcome = REFUSED
             return _drained(rt, route, call)
         if (rt.cutting and admitted_at and traffic != "stream" and route.protocol == "mcp"
-                and request.transport is not None and not request.transport.is_closing()):
+                and _caller_connected(request)):
             # Cut by the drain (Runtime.end_mcp_calls), its caller still there.
             outcome = Outcome("drain_cut", call.reached, call.status)
             return await _end_at_drain(route, call, request, finish)
@@ -630,6 +628,20 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
             _settle(rt, route, call, admission, outcome, admitted_at, traffic)
         if resumes and not presence.stream and not rt.cutting:
             _poll_again(rt, route, request)
+
+
+def _caller_connected(request: web.BaseRequest) -> bool:
+    """Whether the caller's connection is still open, so that an answer can still be
+    written to it (a handler cancelled by the caller leaving finds it closing)."""
+    transport = request.transport
+    return transport is not None and not transport.is_closing()
+
+
+def _ended_by_sluice(rt: Runtime, call: Call) -> bool:
+    """Whether Sluice itself ends ``call``, not its caller: its run's cancel
+    (``POST /admin/runs/.../cancel``) or the drain's cut; its server may then be asked to
+    stop it (:func:`proxy.attempts.send_cancel`)."""
+    return call.cancelled is not None or rt.cutting
 
 
 def _client_cancelled(call: Call) -> Outcome:
@@ -782,7 +794,7 @@ def _hold_polled(rt: Runtime, route: Route, call: Call, admission: Admission,
     (:attr:`Call.background`) or the drain's cut (:attr:`Runtime.polling`); its end settles
     the call, once (:func:`_polled_end`), with that outcome."""
     polled, call.polled = call.polled, None
-    if (polled.answered or call.cancelled is not None or rt.cutting
+    if (polled.answered or _ended_by_sluice(rt, call)
             or (route.name, call.headers.get(mcp.SESSION_HEADER, "")) in rt.ended_sessions):
         if not polled.answered:
             polled.capture = None  # nothing is kept for the key of a call that ends now
@@ -886,7 +898,7 @@ def _hold_task(rt: Runtime, route: Route, call: Call, admission: Admission,
     (:func:`_task_end`)."""
     task: HeldTask = call.task
     call.task = None
-    stopped = call.cancelled is not None or rt.cutting
+    stopped = _ended_by_sluice(rt, call)
     answered = outcome.label[0].isdigit()  # else its client may not know of the task
     if task.ended is not None or stopped or not answered:
         if task.ended is None and (stopped or not answered):
@@ -1022,7 +1034,7 @@ def _leave(rt: Runtime, route: Route, call: Call, request: web.BaseRequest,
     if not call.reached or answered(request):
         task.cancel()
         return
-    ended = call.cancelled is not None or rt.cutting
+    ended = _ended_by_sluice(rt, call)
     if ended and attempts.cancels_upstream(call):
         attempts.send_cancel(rt, route, call, None if rt.cutting else task)
         held = not rt.cutting and not awaits_client(call)

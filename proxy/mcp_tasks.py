@@ -177,28 +177,12 @@ class Tasks:
             raise Rejected(Reason.QUEUE_FULL, None,
                            f"Sluice follows {MAX_HELD_TASKS} tasks at most")
         self._tenants[tenant] = own + 1
-        asked = route, session
-        self._asked[asked] = self._asked.get(asked, 0) + 1
-
-    def _give_back(self, tenant: str) -> None:
-        left = self._tenants.get(tenant, 1) - 1
-        if left > 0:
-            self._tenants[tenant] = left
-        else:
-            self._tenants.pop(tenant, None)
-
-    def _answered(self, route: str, session: str) -> None:
-        asked = route, session
-        left = self._asked.get(asked, 1) - 1
-        if left > 0:
-            self._asked[asked] = left
-        else:
-            self._asked.pop(asked, None)
+        _count_up(self._asked, (route, session))
 
     def unreserve(self, route: str, session: str, tenant: str) -> None:
         """A task call with a place (:meth:`reserve`) ended without a task held."""
-        self._answered(route, session)
-        self._give_back(tenant)
+        _count_down(self._asked, (route, session))
+        _count_down(self._tenants, tenant)
 
     def answered(self, key: TaskKey, deadline: float) -> HeldTask | None:
         """A task call with a place (:meth:`reserve`) was answered with a
@@ -206,14 +190,13 @@ class Tasks:
         its task is held and keeps the place; ``None`` for a key held already (a server that
         repeats a task id: the place is given back)."""
         route, session, tenant, _ = key
-        self._answered(route, session)
+        _count_down(self._asked, (route, session))
         if key in self.held:
-            self._give_back(tenant)
+            _count_down(self._tenants, tenant)
             self._warn(key)
             return None
         task = self.held[key] = HeldTask(key, deadline)
-        pair = route, session
-        self._sessions[pair] = self._sessions.get(pair, 0) + 1
+        _count_up(self._sessions, (route, session))
         early = self._early.pop(key, None)
         if early is not None and early[1] > time.monotonic():
             task.end("notification", early[0])
@@ -233,13 +216,8 @@ class Tasks:
         """The hold of ``task`` is over (whatever ended it): its place is given back."""
         if self.held.get(task.key) is task:
             del self.held[task.key]
-            self._give_back(task.key[2])
-            session = task.key[0], task.key[1]
-            left = self._sessions.get(session, 1) - 1
-            if left:
-                self._sessions[session] = left
-            else:
-                self._sessions.pop(session, None)
+            _count_down(self._tenants, task.key[2])
+            _count_down(self._sessions, (task.key[0], task.key[1]))
 
     def watches(self, route: str, session: str | None) -> bool:
         """Whether ``session`` of ``route`` has tasks held or task calls in flight (its
@@ -282,6 +260,20 @@ class Tasks:
         return [(task.call, task) for key, task in self.held.items()
                 if key[0] == route and key[1] == session and task.call is not None
                 and task.ended is None]
+
+
+def _count_up(counts: dict[Any, int], key: Any) -> None:
+    counts[key] = counts.get(key, 0) + 1
+
+
+def _count_down(counts: dict[Any, int], key: Any) -> None:
+    """One fewer of ``key``; its entry goes at 0, so that an empty table is an empty dict
+    (:meth:`Tasks.counts`, :meth:`Tasks.watches` tell by presence)."""
+    left = counts.get(key, 1) - 1
+    if left > 0:
+        counts[key] = left
+    else:
+        counts.pop(key, None)
 
 
 def seen_answer(tasks: Tasks, key: TaskKey, method: str, found: Any) -> None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import threading
 import urllib.error
@@ -26,7 +25,7 @@ from typing import IO, Any
 
 from policies.config import Config
 from policies.state.connection import redact_url
-from proxy.config import TOKEN_ENV, check_token, load_token
+from proxy.config import env_token, load_token
 from proxy.timeline import cost_text
 
 #: Seconds a CLI request to the admin port may take, in all.
@@ -68,11 +67,8 @@ def token(config: Config | None) -> str | None:
             return load_token(Path(path))
         except ValueError as exc:
             raise AdminCallError(f"admin.token_file: {exc}") from None
-    value = os.environ.get(TOKEN_ENV, "").strip()
-    if not value:
-        return None
     try:
-        return check_token(value, TOKEN_ENV)
+        return env_token()
     except ValueError as exc:
         raise AdminCallError(str(exc)) from None
 
