@@ -64,11 +64,12 @@ import collections
 import concurrent.futures
 import contextlib
 import logging
+import math
 import os
 import shlex
 import sqlite3
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 from urllib.parse import quote, unquote_plus
@@ -230,14 +231,97 @@ class Added(NamedTuple):
 
 def answered(replays: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
     """The last replay that may have done the work, or ``None``: one the upstream answered
-    below 400 with no error, or one interrupted after its request may have been sent
-    (:data:`INTERRUPTED_AFTER_SEND`: its answer was never read). An MCP call's 200 whose
-    tool (or JSON-RPC) failed is kept with its status and the error (``tool_failed``...),
-    and is not answered. The Redis store's ``_CLAIM_REPLAY`` says the same in Lua."""
+    below 400 with no error, one interrupted after its request may have been sent
+    (:data:`INTERRUPTED_AFTER_SEND`: its answer was never read), or one whose record cannot
+    be read (:data:`UNREADABLE`: it may have been either). An MCP call's 200 whose tool (or
+    JSON-RPC) failed is kept with its status and the error (``tool_failed``...), and is not
+    answered. The Redis store's ``_CLAIM_REPLAY`` says the same in Lua."""
     return next((r for r in reversed(list(replays))
-                 if (r["status"] is not None and r["status"] < 400 and r.get("error") is None)
+                 if UNREADABLE in r
+                 or (r["status"] is not None and r["status"] < 400 and r.get("error") is None)
                  or r.get("error") == INTERRUPTED_AFTER_SEND),
                 None)
+
+
+#: The one key of a replay record Sluice cannot read (:func:`replay_record`), in place of
+#: its fields: what is wrong with it. Such a replay counts as :func:`answered`.
+UNREADABLE = "unreadable"
+#: The fields of a stored replay, as Sluice writes them.
+REPLAY_FIELDS = ("at", "status", "error", "duration_s")
+#: A replay's ``at`` Sluice reads, Unix seconds: from 1970 to the end of year 9999 (a
+#: date the commands can print).
+LAST_REPLAY_AT = 253402300800.0
+
+
+def replay_record(fields: object) -> dict[str, Any]:
+    """A stored replay (``fields``: its decoded JSON, or its row's columns by name) as
+    Sluice writes one: ``at`` (Unix seconds), ``status`` (an HTTP status, or ``None``),
+    ``error`` (an error kind, or ``None``; one of the two set) and ``duration_s``; or, when
+    it is not that (another program wrote it, a hand edit), ``{UNREADABLE: what is wrong}``,
+    naming no value. The Redis store's ``_CLAIM_REPLAY`` reads it alike in Lua."""
+    problem = _replay_problem(fields)
+    if problem is not None:
+        return {UNREADABLE: problem}
+    assert isinstance(fields, dict)
+    status = fields["status"]
+    return {"at": fields["at"], "status": None if status is None else int(status),
+            "error": fields["error"], "duration_s": fields["duration_s"]}
+
+
+def _replay_problem(fields: object) -> str | None:
+    if not isinstance(fields, dict):
+        return f"it holds {_kind(fields)}, not an object"
+    for name in REPLAY_FIELDS:
+        if name not in fields:
+            return f"it has no {name}"
+    at, status, error, took = (fields[name] for name in REPLAY_FIELDS)
+    for name, value in (("at", at), ("duration_s", took)):
+        if not _number(value):
+            return f"its {name} holds {_kind(value)}, not a number"
+        if not _finite(value):
+            return f"its {name} is not a finite number"
+    if not 0 <= at < LAST_REPLAY_AT:
+        return "its at is no time from 1970 to 9999"
+    if took < 0:
+        return "its duration_s is negative"
+    if error is not None and not isinstance(error, str):
+        return f"its error holds {_kind(error)}, not text"
+    if status is None:
+        return "it holds neither a status nor an error" if error is None else None
+    if not _number(status):
+        return f"its status holds {_kind(status)}, not a number"
+    if not _finite(status) or status != int(status) or not 100 <= status <= 999:
+        return "its status is no HTTP status, a whole number from 100 to 999"
+    return None
+
+
+def _number(value: object) -> bool:
+    """Whether ``value`` is a number (not a boolean, which is an ``int`` too)."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _finite(value: int | float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an integer too large for a float
+        return False
+
+
+def _kind(value: object) -> str:
+    """What ``value`` is, as a message about a stored record names it (never the value)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if _number(value):
+        return "a number"
+    if isinstance(value, str):
+        return "text"
+    if isinstance(value, bytes):
+        return "binary data"
+    if isinstance(value, list):
+        return "a list"
+    return "an object" if isinstance(value, dict) else type(value).__name__
 
 
 @dataclass(slots=True)
@@ -430,20 +514,21 @@ class DeadLetterFile:
         return {route: count for route, count in rows}
 
     def list(self, limit: int = 100) -> list[dict[str, Any]]:
-        """The newest ``limit`` records as short summaries, oldest first."""
+        """The newest ``limit`` records as short summaries, oldest first (the keys of
+        :meth:`policies.state.DeadLetterStore.list`)."""
         rows = self._db.execute(
             "SELECT d.id, d.created_at, d.route, d.tenant, d.method, d.path, d.attempts,"
-            " d.reason, (SELECT status FROM replays r WHERE r.dead_letter_id = d.id"
-            "            ORDER BY r.id DESC LIMIT 1),"
-            " (SELECT error FROM replays r WHERE r.dead_letter_id = d.id"
-            "  ORDER BY r.id DESC LIMIT 1)"
-            " FROM dead_letters d ORDER BY d.id DESC LIMIT ?", (limit,),
+            f" d.reason, r.id, {_replay_columns('r')}"
+            " FROM dead_letters d LEFT JOIN replays r ON r.id ="
+            "  (SELECT MAX(id) FROM replays WHERE dead_letter_id = d.id)"
+            " ORDER BY d.id DESC LIMIT ?", (limit,),
         ).fetchall()
         with _readable():
             return [
                 {"id": r[0], "created_at": r[1], "route": r[2], "tenant": r[3],
                  "method": r[4], "path": r[5], "attempts": len(orjson.loads(r[6])),
-                 "reason": r[7], "last_replay": r[9] if r[9] is not None else r[8]}
+                 "reason": r[7],
+                 **last_replay(None if r[8] is None else _stored_replay(r[9:]))}
                 for r in reversed(rows)
             ]
 
@@ -512,12 +597,11 @@ class DeadLetterFile:
         return True
 
     def _replays(self, letter_id: int) -> list[dict[str, Any]]:
-        return [
-            {"at": at, "status": status, "error": error, "duration_s": duration}
-            for at, status, error, duration in self._db.execute(
-                "SELECT at, status, error, duration_s FROM replays WHERE dead_letter_id = ?"
-                " ORDER BY id", (letter_id,))
-        ]
+        """The letter's replays, oldest first; one whose row Sluice cannot read as
+        ``{UNREADABLE: what is wrong}`` (:func:`replay_record`)."""
+        return [_stored_replay(row) for row in self._db.execute(
+            f"SELECT {_replay_columns('replays')} FROM replays WHERE dead_letter_id = ?"
+            " ORDER BY id", (letter_id,))]
 
     def delete(self, letter_id: int) -> bool:
         """Delete one record with its replays and any replay's hold on it; ``False`` if
@@ -540,6 +624,41 @@ class DeadLetterFile:
             self._db.execute("DELETE FROM replays")
             self._db.execute("DELETE FROM replay_claims")
         return count
+
+
+def _replay_columns(table: str) -> str:
+    """The columns of a ``replays`` row to select, each as its type and its value, text as
+    its bytes: a column holding text that is not UTF-8 (written by another program) fails
+    the whole read in :mod:`sqlite3` ("Could not decode to UTF-8"), where the row alone is
+    unreadable (:func:`_stored_replay`)."""
+    return ", ".join(f"typeof({table}.{name}), CASE typeof({table}.{name}) WHEN 'text'"
+                     f" THEN CAST({table}.{name} AS BLOB) ELSE {table}.{name} END"
+                     for name in REPLAY_FIELDS)
+
+
+def _stored_replay(cells: Sequence[Any]) -> dict[str, Any]:
+    """A replay from its row's :func:`_replay_columns` (:func:`replay_record`)."""
+    fields: dict[str, Any] = {}
+    for name, kind, value in zip(REPLAY_FIELDS, cells[0::2], cells[1::2], strict=True):
+        if kind == "text":
+            try:
+                value = bytes(value).decode()
+            except UnicodeDecodeError:
+                return {UNREADABLE: f"its {name} holds text that is not UTF-8"}
+        fields[name] = value
+    return replay_record(fields)
+
+
+def last_replay(replay: dict[str, Any] | None) -> dict[str, Any]:
+    """The fields a letter's summary gives of its last replay (``None``: none):
+    ``last_replay``, its error, else its status (``"unreadable"`` when its record cannot be
+    read), and ``unreadable_replay``, what is wrong with that record (else ``None``)."""
+    if replay is None:
+        return {"last_replay": None, "unreadable_replay": None}
+    if UNREADABLE in replay:
+        return {"last_replay": UNREADABLE, "unreadable_replay": replay[UNREADABLE]}
+    return {"last_replay": replay["error"] if replay["error"] is not None
+            else replay["status"], "unreadable_replay": None}
 
 
 def letters_in(path: str, busy_timeout_s: float = 1.0) -> int | None:

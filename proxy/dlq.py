@@ -51,7 +51,12 @@ A file that is no dead-letter file (another application's SQLite database, an em
 is refused, exit status 1, and left as it was: the commands never make one. A damaged file
 (a read fails "database disk image is malformed", or a letter asked for is not found and
 ``PRAGMA quick_check`` finds damage) is said to be damaged, exit status 1, with how to try
-to recover it (:func:`policies.deadletter.recover_hint`), never "no dead letter N". With ``--file``,
+to recover it (:func:`policies.deadletter.recover_hint`), never "no dead letter N". A replay
+whose record Sluice cannot read (a ``replays`` row or Redis entry another program wrote: a
+status of text, text that is not UTF-8...) is said on stderr with its letter's id and what is
+wrong, exit status 1 (``list`` prints its table, ``REPLAY`` ``unreadable``; ``show`` the
+letter, that replay ``{"unreadable": WHAT}``); it counts as a replay that may have reached the
+upstream, so ``replay`` sends that letter again only with ``--again``. With ``--file``,
 only ``replay`` (which needs the letter's route) reads a config when ``--config`` is not
 given; the others read none.
 """
@@ -91,6 +96,7 @@ from policies.deadletter import (
     CLAIMED,
     INTERRUPTED_AFTER_SEND,
     MISSING,
+    UNREADABLE,
     DamagedFile,
     DeadLetter,
     DeadLetterFile,
@@ -331,8 +337,7 @@ class _FileStore:
 async def _command(config: Config | None, store: DeadLetterStore | _FileStore, where: str,
                    args: argparse.Namespace, records: IdempotencyRecords | None = None) -> int:
     if args.dlq_command == "list":
-        await _list(store, args.limit)
-        return 0
+        return await _list(store, args.limit)
     if args.dlq_command == "purge":
         print(f"purged {await store.purge()} record(s) from {where}")
         return 0
@@ -355,7 +360,7 @@ async def _command(config: Config | None, store: DeadLetterStore | _FileStore, w
             orjson.dumps(letter.as_dict(), option=orjson.OPT_INDENT_2).decode()) + "\n"
         ).encode())
         sys.stdout.buffer.flush()
-        return 0
+        return _say_unreadable_replays(letter)
     assert config is not None  # sluice.cli loads it for a replay
     return await _replay(config, store, letter, args, records)
 
@@ -364,7 +369,23 @@ def _when(ts: float) -> str:
     return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-async def _list(store: DeadLetterStore | _FileStore, limit: int) -> None:
+def _say_unreadable_replays(letter: DeadLetter) -> int:
+    """Say on stderr which of ``letter``'s replays have a record Sluice cannot read, and
+    what is wrong with each; the exit status of ``dlq show`` (1 when there is one)."""
+    status = 0
+    for number, replay in enumerate(letter.replays, 1):
+        if UNREADABLE in replay:
+            print(printable(f"dead letter {letter.id}: the record of its replay #{number} "
+                            f"cannot be read ({replay[UNREADABLE]}); that replay may have "
+                            f"reached the upstream, so the next one needs --again"),
+                  file=sys.stderr)
+            status = EXIT_FAILED
+    return status
+
+
+async def _list(store: DeadLetterStore | _FileStore, limit: int) -> int:
+    """Print the table of the newest ``limit`` letters; 1 when the record of a listed
+    letter's last replay cannot be read (said on stderr), else 0."""
     rows = await store.list(limit)
     total = sum((await store.depth()).values())
     table = [("ID", "CREATED (UTC)", "ROUTE", "TENANT", "ATTEMPTS", "REASON", "REPLAY",
@@ -386,6 +407,14 @@ async def _list(store: DeadLetterStore | _FileStore, limit: int) -> None:
         print(f"(the newest {len(rows)} of {total} records; "
               f"{counted(total - len(rows), 'older one')} left out: --limit {total} lists them "
               "all)")
+    status = 0
+    for r in rows:
+        if r["unreadable_replay"] is not None:
+            print(printable(f"dead letter {r['id']}: the record of its last replay cannot be "
+                            f"read ({r['unreadable_replay']}); that replay may have reached "
+                            f"the upstream, so the next one needs --again"), file=sys.stderr)
+            status = EXIT_FAILED
+    return status
 
 
 async def _replay(config: Config, store: DeadLetterStore | _FileStore, letter: DeadLetter,
@@ -445,6 +474,12 @@ async def _replay(config: Config, store: DeadLetterStore | _FileStore, letter: D
         # Work is dead-lettered because it may not have happened; once a replay was answered,
         # sending it again may do it twice (with no Idempotency-Key nothing dedups it).
         done = claim.replay or {}
+        if UNREADABLE in done:
+            print(printable(f"dead letter {letter.id}: the record of one of its replays "
+                            f"cannot be read ({done[UNREADABLE]}), so that replay may have "
+                            f"reached the upstream; pass --again to send it once more"),
+                  file=sys.stderr)
+            return EXIT_FAILED
         if done.get("error") == INTERRUPTED_AFTER_SEND:
             print(f"dead letter {letter.id} was replayed ({_when(done['at'])}) and that "
                   f"replay was interrupted after its request was sent, so the upstream may "

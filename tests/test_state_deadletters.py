@@ -72,7 +72,7 @@ async def test_list_replays_delete_and_depth(backends: StateBackends):
     assert summaries[0] == {
         "id": ids[1], "created_at": 1700000002.125, "route": "tools", "tenant": "acme",
         "method": "POST", "path": "/openai/v1/chat/completions", "attempts": 2,
-        "reason": "attempts", "last_replay": "connect_error"}
+        "reason": "attempts", "last_replay": "connect_error", "unreadable_replay": None}
     assert (await store.list())[0]["last_replay"] == 200
     got = await store.get(ids[0])
     assert got is not None and [(r["status"], r["error"]) for r in got.replays] == [(200, None)]
@@ -542,17 +542,50 @@ async def test_one_unreadable_letter_is_listed_as_such_not_failing_the_list(
     # A hostile trial: one entry Sluice could not read made `dlq list` exit 1 without
     # naming it, so no letter could be listed until the operator guessed which to delete.
     store = backends.dead_letters
-    ids = [(await store.add(letter(route))).id for route in ("a", "b", "c")]
     redis = backends.redis
     assert redis is not None
-    replays = f"{redis.key('dlq', 'replays')}:{ids[1]}"
+    first = (await store.add(letter("a"))).id
 
-    async def spoil(client: object) -> None:
-        await client.rpush(replays, b"not json")  # type: ignore[attr-defined]
+    async def spoil(client: object) -> int:  # an entry another program wrote: no fields
+        n = await client.incr(redis.key("dlq", "seq"))  # type: ignore[attr-defined]
+        await client.xadd(redis.key("dlq", "letters"), {"route": "b"},  # type: ignore[attr-defined]
+                          id=f"0-{n}")
+        return int(n)
 
-    await redis.run(spoil)
+    bad = await redis.run(spoil)
+    ids = [first, bad, (await store.add(letter("c"))).id]
     listed = await store.list()
     assert [s["id"] for s in listed] == ids
     assert [s["route"] for s in listed] == ["a", "?", "c"]
     assert listed[1]["reason"] == f"unreadable (sluice dlq delete {ids[1]})"
     assert await store.delete(ids[1]) is True
+
+
+@pytest.mark.parametrize("backends", ["redis"], indirect=True)
+async def test_a_replay_sluice_cannot_read_is_named_and_counts_as_sent(
+        backends: StateBackends):
+    # A replay entry another program wrote: the letter was listed as unreadable as a whole
+    # ("sluice dlq delete N"), and one whose status was not a number was sent again.
+    store = backends.dead_letters
+    ids = [(await store.add(letter(route))).id for route in ("a", "b")]
+    for n in ids:
+        assert await store.add_replay(n, 503, None, 0.1)
+    redis = backends.redis
+    assert redis is not None
+    replays = f"{redis.key('dlq', 'replays')}:{ids[0]}"
+
+    async def spoil(client: object) -> None:
+        await client.rpush(replays, b'{"at": 1, "status": "200", "error": null, '  # type: ignore[attr-defined]
+                                    b'"duration_s": 0.1}')
+
+    await redis.run(spoil)
+    listed = await store.list()
+    assert [(s["route"], s["last_replay"]) for s in listed] == [("a", "unreadable"), ("b", 503)]
+    what = "its status holds text, not a number"
+    assert listed[0]["unreadable_replay"] == what and listed[1]["unreadable_replay"] is None
+    got = await store.get(ids[0])
+    assert got is not None and got.replays[1] == {"unreadable": what}
+    claim = await store.claim_replay(ids[0], "t-1", 5.0)
+    assert claim.state == ANSWERED and claim.replay == {"unreadable": what}
+    assert (await store.claim_replay(ids[0], "t-1", 5.0, again=True)).state == CLAIMED
+    assert (await store.claim_replay(ids[1], "t-2", 5.0)).state == CLAIMED
