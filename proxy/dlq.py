@@ -5,7 +5,10 @@
   replay's status; a last line says how many older records were left out.
 * ``show ID``: the whole record as JSON, with its attempts and replays, and where its
   ``idempotency_key`` came from (``key_origin``: ``caller``, or ``derived`` or ``fresh``
-  for a key Sluice made; null in letters written before it was recorded).
+  for a key Sluice made; null in letters written before it was recorded). The credentials
+  some APIs take in a JSON body are masked (``"<redacted>"``) at their documented paths,
+  listed in ``body_masked`` (:func:`proxy.redact.body_credentials_masked`); ``--unmask``
+  prints the body as stored. The letter keeps them: a replay sends them.
 * ``replay ID``: send the recorded request once, straight to its route's upstream as the
   config names it now, with the recorded method, path, headers, body and idempotency key (the
   one the call was handled under: the caller's, or one Sluice derived from ``derive_from``
@@ -126,6 +129,7 @@ from policies.wording import counted
 from proxy.attempts import CONNECT_FIRST_S
 from proxy.client import client_timeout, upstream_session
 from proxy.forward import FORBIDDEN_IN_HEADERS, HOP_BY_HOP, send_failure, upstream_url
+from proxy.redact import body_credentials_masked
 from proxy.rejections import jsonrpc_id
 from proxy.terminal import printable, printable_json
 
@@ -357,8 +361,8 @@ async def _command(config: Config | None, store: DeadLetterStore | _FileStore, w
         # stdout failed on any non-ASCII letter), as JSON is.
         sys.stdout.flush()
         sys.stdout.buffer.write((printable_json(
-            orjson.dumps(letter.as_dict(), option=orjson.OPT_INDENT_2).decode()) + "\n"
-        ).encode())
+            orjson.dumps(_shown(letter, args.unmask), option=orjson.OPT_INDENT_2).decode())
+            + "\n").encode())
         sys.stdout.buffer.flush()
         return _say_unreadable_replays(letter)
     assert config is not None  # sluice.cli loads it for a replay
@@ -367,6 +371,20 @@ async def _command(config: Config | None, store: DeadLetterStore | _FileStore, w
 
 def _when(ts: float) -> str:
     return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _shown(letter: DeadLetter, unmask: bool) -> dict[str, Any]:
+    """What ``dlq show`` prints of ``letter``: its :meth:`DeadLetter.as_dict`, the
+    credentials some APIs take in a JSON body masked unless ``unmask``
+    (:func:`proxy.redact.body_credentials_masked`), and ``body_masked`` naming where (the
+    letter keeps them: a replay sends them)."""
+    shown = letter.as_dict()
+    masked: list[str] = []
+    if not unmask and "text" in shown["body"]:
+        shown["body"]["text"], masked = body_credentials_masked(shown["body"]["text"])
+    at = list(shown).index("body") + 1
+    items = list(shown.items())
+    return dict([*items[:at], ("body_masked", masked), *items[at:]])
 
 
 def _say_unreadable_replays(letter: DeadLetter) -> int:

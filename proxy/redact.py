@@ -1,4 +1,4 @@
-"""Redacting secrets from what Sluice shows or logs (admin API, reload errors).
+"""Redacting secrets from what Sluice shows or logs (admin API, reload errors, ``dlq show``).
 
 Sluice's config may hold credentials (a Redis URL with a password, an upstream URL with user
 info, API keys in headers); nothing served on the admin port or written to the log may show them.
@@ -6,6 +6,7 @@ info, API keys in headers); nothing served on the admin port or written to the l
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 from urllib.parse import unquote_plus
@@ -131,3 +132,76 @@ def _secret_key(key: str) -> bool:
     if words and words[-1] in _DESCRIBES_ONLY:
         return False
     return any(word in _SECRET_WORDS for word in words)
+
+
+#: The fields of Azure OpenAI On Your Data's ``data_sources[].parameters.authentication``
+#: that hold a credential, by authentication ``type``: ``key`` (``api_key``,
+#: ``key_and_key_id``), ``connection_string``, ``encoded_api_key``, ``access_token`` and
+#: ``password`` (``username_and_password``); ``key_id``, ``username`` and a managed
+#: identity's resource id name one and are shown
+#: (https://learn.microsoft.com/azure/ai-services/openai/references/on-your-data).
+_DATA_SOURCE_SECRETS = ("key", "connection_string", "encoded_api_key", "access_token",
+                        "password")
+
+
+def body_credentials_masked(text: str) -> tuple[str, list[str]]:
+    """A request body as ``dlq show`` prints it: ``text`` with the credentials some
+    provider APIs take in a JSON body replaced by :data:`REDACTED`, at these documented
+    paths only (no guess from other keys' names):
+
+    * Anthropic Messages, MCP connector: ``mcp_servers[].authorization_token``;
+    * OpenAI Responses, a tool of ``"type": "mcp"``: its ``authorization`` and every value
+      of its ``headers``;
+    * Azure OpenAI On Your Data: ``data_sources[].parameters.authentication``'s
+      :data:`_DATA_SOURCE_SECRETS`.
+
+    Returns the text (the JSON written again when anything was masked, else ``text`` as it
+    is) and the paths masked (``tools[0].headers["X-Api-Key"]``), empty when the body is no
+    JSON object or holds none of them (a null is left as it is). For display only: the
+    letter keeps its body as sent, which a replay sends."""
+    try:
+        body = json.loads(text)
+    except (ValueError, RecursionError):  # not JSON (or cut at max_body_bytes)
+        return text, []
+    if not isinstance(body, dict):
+        return text, []
+    masked: list[str] = []
+
+    def mask(holder: dict[str, Any], key: str, path: str) -> None:
+        if holder.get(key) is not None:
+            holder[key] = REDACTED
+            masked.append(path)
+
+    for at, server in _objects(body.get("mcp_servers")):
+        mask(server, "authorization_token", f"mcp_servers[{at}].authorization_token")
+    for at, tool in _objects(body.get("tools")):
+        if tool.get("type") != "mcp":
+            continue
+        mask(tool, "authorization", f"tools[{at}].authorization")
+        headers = tool.get("headers")
+        if isinstance(headers, dict):
+            for name in headers:
+                mask(headers, name, f"tools[{at}].headers[{json.dumps(name)}]")
+        else:  # not the documented object: all of it
+            mask(tool, "headers", f"tools[{at}].headers")
+    for at, source in _objects(body.get("data_sources")):
+        parameters = source.get("parameters")
+        auth = parameters.get("authentication") if isinstance(parameters, dict) else None
+        if isinstance(auth, dict):
+            for name in _DATA_SOURCE_SECRETS:
+                mask(auth, name, f"data_sources[{at}].parameters.authentication.{name}")
+    if not masked:
+        return text, []
+    shown = json.dumps(body, ensure_ascii=False)
+    try:
+        shown.encode()
+    except UnicodeEncodeError:  # a lone surrogate the body escaped ("\ud800"): escaped again
+        shown = json.dumps(body)
+    return shown, masked
+
+
+def _objects(items: object) -> list[tuple[int, dict[str, Any]]]:
+    """The objects of a JSON array, with their positions (nothing when it is no array)."""
+    if not isinstance(items, list):
+        return []
+    return [(at, item) for at, item in enumerate(items) if isinstance(item, dict)]
