@@ -235,7 +235,8 @@ def answered(replays: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
     (:data:`INTERRUPTED_AFTER_SEND`: its answer was never read), or one whose record cannot
     be read (:data:`UNREADABLE`: it may have been either). An MCP call's 200 whose tool (or
     JSON-RPC) failed is kept with its status and the error (``tool_failed``...), and is not
-    answered. The Redis store's ``_CLAIM_REPLAY`` says the same in Lua."""
+    answered. Every store's ``claim_replay`` decides with it (the Redis one in Python, on the
+    replays its claim script read under the hold it took)."""
     return next((r for r in reversed(list(replays))
                  if UNREADABLE in r
                  or (r["status"] is not None and r["status"] < 400 and r.get("error") is None)
@@ -258,7 +259,7 @@ def replay_record(fields: object) -> dict[str, Any]:
     Sluice writes one: ``at`` (Unix seconds), ``status`` (an HTTP status, or ``None``),
     ``error`` (an error kind, or ``None``; one of the two set) and ``duration_s``; or, when
     it is not that (another program wrote it, a hand edit), ``{UNREADABLE: what is wrong}``,
-    naming no value. The Redis store's ``_CLAIM_REPLAY`` reads it alike in Lua."""
+    naming no value."""
     problem = _replay_problem(fields)
     if problem is not None:
         return {UNREADABLE: problem}

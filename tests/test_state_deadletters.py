@@ -12,6 +12,8 @@ import time
 from collections.abc import AsyncIterator
 
 import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 
 import policies.deadletter
 import policies.state.deadletters
@@ -589,3 +591,71 @@ async def test_a_replay_sluice_cannot_read_is_named_and_counts_as_sent(
     assert claim.state == ANSWERED and claim.replay == {"unreadable": what}
     assert (await store.claim_replay(ids[0], "t-1", 5.0, again=True)).state == CLAIMED
     assert (await store.claim_replay(ids[1], "t-2", 5.0)).state == CLAIMED
+
+
+# -- the claim reads a replay as `dlq show` does -----------------------------------------------
+#
+# A review: the claim script read a Redis replay entry with Lua's cjson, which takes what orjson
+# refuses (a hex number, NaN, Infinity, a leading zero, "1.", bytes that are not UTF-8, text
+# after a NUL): `dlq show` called such a replay unreadable, so possibly sent, and `dlq replay`
+# took it for a failed one (cjson read 0x1F7 as 503) and sent the letter again without
+# --again. The reverse, nesting cjson refuses past 1,000 levels and orjson reads, made a
+# failed replay need --again. Each case: the claim answers as what `get` reads says.
+
+#: Tokens of each field: cjson's lenient numbers next to plain ones, text and other kinds.
+NUMBERS = [b"0x1F7", b"0x1f4", b"-0x10", b"0503", b"NaN", b"-nan", b"Infinity", b"-Infinity",
+           b"inf", b"1.", b"-.5", b"1e999", b"503", b"200", b"99", b"0", b"1000", b"503.0",
+           b"5.03e2", b"-1", b"1700000000.5", b"0.25", b"true", b"null", b'"503"', b"[]"]
+ERRORS = [b"null", b'"connect_error"', b'"interrupted_after_send"', b'"tool_failed"',
+          b'"\xff"', b'"caf\xc3"', b'"\\ud800"', b'"a\x01b"', b'""', b"5", b"{}"]
+TOKENS = {"at": NUMBERS + [b"1700000000.5"] * 4, "status": NUMBERS + [b"503", b"200"] * 4,
+          "error": ERRORS + [b"null"] * 8, "duration_s": NUMBERS + [b"0.25"] * 4}
+#: What may follow the fields in the object, and after it.
+EXTRAS = [b"", b',"n":NaN', b',"x":"\xff"', b',"status":200', b',"at":"x"',
+          b',"d":' + b"[" * 990 + b"]" * 990, b',"d":' + b"[" * 1010 + b"]" * 1010,
+          b',"d":' + b"[" * 1030 + b"]" * 1030]
+TRAILERS = [b"", b" ", b"\n", b"\x00", b"\x00 junk", b"]", b"\xff"]
+
+
+@st.composite
+def replay_entries(draw: st.DrawFn) -> bytes:
+    """A replay's JSON as another program may have written it to Redis."""
+    fields = [b'"%s":%s' % (name.encode(), draw(st.sampled_from(TOKENS[name])))
+              for name in policies.deadletter.REPLAY_FIELDS if draw(st.integers(0, 9))]
+    fields = draw(st.permutations(fields))
+    return (b"{" + b",".join(fields) + (draw(st.sampled_from(EXTRAS)) if fields else b"")
+            + b"}" + draw(st.sampled_from(TRAILERS)))
+
+
+@pytest.mark.parametrize("backends", ["redis"], indirect=True)
+@settings(max_examples=150, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@example(b'{"at":1,"status":0x1F7,"error":null,"duration_s":0.1}')
+@example(b'{"at":1,"status":503,"error":"\xff","duration_s":0.1}')
+@example(b'{"at":1,"status":503,"error":null,"duration_s":0.1,"n":NaN}')
+@example(b'{"at":1,"status":503,"error":null,"duration_s":0.1}\x00')
+@example(b'{"at":1,"status":503,"error":null,"duration_s":0.1,"d":'
+         + b"[" * 1010 + b"]" * 1010 + b"}")
+@given(st.one_of(replay_entries(), st.binary(max_size=40)))
+async def test_the_claim_reads_a_replay_as_show_does(backends: StateBackends, entry: bytes):
+    store = backends.dead_letters
+    redis = backends.redis
+    assert redis is not None
+    letter_id = (await store.add(letter())).id
+    replays = f"{redis.key('dlq', 'replays')}:{letter_id}"
+
+    async def write(client: object) -> None:
+        await client.rpush(replays, entry)  # type: ignore[attr-defined]
+
+    await redis.run(write)
+    got = await store.get(letter_id)
+    assert got is not None and len(got.replays) == 1
+    done = policies.deadletter.answered(got.replays)
+    claim = await store.claim_replay(letter_id, "t1", 5.0)
+    if done is None:
+        assert claim.state == CLAIMED, (entry[:80], got.replays)
+    else:
+        assert claim.state == ANSWERED and claim.replay == done, (entry[:80], got.replays)
+        # ...and holds nothing: the next replay, with --again, is not told it is busy.
+        assert (await store.claim_replay(letter_id, "t2", 5.0, again=True)).state == CLAIMED
+    assert await store.delete(letter_id)

@@ -34,7 +34,6 @@ from policies.deadletter import (
     ANSWERED,
     BUSY,
     CLAIMED,
-    LAST_REPLAY_AT,
     MISSING,
     UNREADABLE,
     Added,
@@ -316,38 +315,26 @@ return out
 """, "deadletter")
 
 # KEYS: stream, the letter's replays, its claim. ARGV: stream id, token, hold (ms), again
-# ('1' or '0'), the last replay time read (policies.deadletter.LAST_REPLAY_AT). Returns
-# {'missing'}, {'busy', ms left}, {'answered', replay JSON} or {'claimed'}. A replay whose
-# JSON is not a record as Sluice writes one counts as answered: it may have been sent (the
-# checks of policies.deadletter.replay_record, whose reader then says what is wrong).
+# ('1' or '0'). Returns {'missing'}, {'busy', ms left} or {'claimed', {replay JSON...}}: the
+# hold taken and, without again, the letter's replays read in the same step. The caller
+# decides whether one was answered, as the other stores do (policies.deadletter.answered,
+# on the replays as `dlq show` reads them), and gives the hold back if so (_RELEASE). Lua
+# decided it once, reading the JSON with cjson, which takes what orjson refuses (a hex
+# number, NaN, bytes that are not UTF-8, text after a NUL): a replay `dlq show` called
+# unreadable, so possibly sent, was read as a failed one and sent again (a review).
 _CLAIM_REPLAY = Script("""
 if #redis.call('XRANGE', KEYS[1], ARGV[1], ARGV[1]) == 0 then return {'missing'} end
 local left = redis.call('PTTL', KEYS[3])
 if left > 0 then return {'busy', left} end
-local function finite(n)
-  return type(n) == 'number' and n == n and n ~= math.huge and n ~= -math.huge
-end
-local function may_have_sent(raw)
-  local ok, r = pcall(cjson.decode, raw)
-  if not ok or type(r) ~= 'table' then return true end
-  local at, status, failed, took = r['at'], r['status'], r['error'], r['duration_s']
-  if not finite(at) or at < 0 or at >= tonumber(ARGV[5]) or not finite(took) or took < 0
-  then return true end
-  if failed ~= cjson.null and type(failed) ~= 'string' then return true end
-  if status == cjson.null then
-    return failed == cjson.null or failed == 'interrupted_after_send'
-  end
-  if not finite(status) or status % 1 ~= 0 or status < 100 or status > 999 then return true end
-  return (status < 400 and failed == cjson.null) or failed == 'interrupted_after_send'
-end
-if ARGV[4] ~= '1' then
-  local replays = redis.call('LRANGE', KEYS[2], 0, -1)
-  for i = #replays, 1, -1 do
-    if may_have_sent(replays[i]) then return {'answered', replays[i]} end
-  end
-end
 redis.call('SET', KEYS[3], ARGV[2], 'PX', ARGV[3])
-return {'claimed'}
+if ARGV[4] == '1' then return {'claimed', {}} end
+return {'claimed', redis.call('LRANGE', KEYS[2], 0, -1)}
+""", "deadletter")
+
+# KEYS: a letter's claim. ARGV: token. Ends that token's hold (no other's).
+_RELEASE = Script("""
+if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
+return 1
 """, "deadletter")
 
 # KEYS: stream, the letter's replays, its claim. ARGV: stream id, replay JSON, token or ''.
@@ -474,12 +461,21 @@ class RedisDeadLetterStore:
 
     async def claim_replay(self, letter_id: int, token: str, hold_s: float,
                            again: bool = False) -> ReplayClaim:
-        return await self._state.eval(
-            _CLAIM_REPLAY,
-            [self._stream, self._replays + str(letter_id), self._claims + str(letter_id)],
-            [f"0-{letter_id}", token, max(1, round(hold_s * 1000)), "1" if again else "0",
-             repr(LAST_REPLAY_AT)],
-            _replay_claim)
+        claim = self._claims + str(letter_id)
+        state, *rest = await self._state.eval(
+            _CLAIM_REPLAY, [self._stream, self._replays + str(letter_id), claim],
+            [f"0-{letter_id}", token, max(1, round(hold_s * 1000)), "1" if again else "0"])
+        if state == BUSY.encode():
+            return ReplayClaim(BUSY, left_s=int(rest[0]) / 1000)
+        if state != CLAIMED.encode():
+            return ReplayClaim(MISSING)
+        # Held while this decides: no other claim reads these replays meanwhile, and one
+        # that comes now is told it is busy for that round trip.
+        done = answered(_stored_replay(raw) for raw in rest[0])
+        if done is None:
+            return ReplayClaim(CLAIMED)
+        await self._state.eval(_RELEASE, [claim], [token])
+        return ReplayClaim(ANSWERED, done)
 
     async def add_replay(self, letter_id: int, status: int | None, error: str | None,
                          duration_s: float, token: str | None = None) -> bool:
@@ -596,13 +592,3 @@ def _stored_replay(raw: bytes) -> dict[str, Any]:
     except orjson.JSONDecodeError:  # UTF-8 that is not, too
         return {UNREADABLE: "it is not JSON"}
     return replay_record(fields)
-
-
-def _replay_claim(reply: list[Any]) -> ReplayClaim:
-    """``_CLAIM_REPLAY``'s reply read."""
-    state = reply[0].decode()
-    if state == BUSY:
-        return ReplayClaim(BUSY, left_s=int(reply[1]) / 1000)
-    if state == ANSWERED:
-        return ReplayClaim(ANSWERED, _stored_replay(reply[1]))
-    return ReplayClaim(CLAIMED if state == CLAIMED else MISSING)
