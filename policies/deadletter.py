@@ -291,8 +291,10 @@ def _replay_problem(fields: object) -> str | None:
         return "it holds neither a status nor an error" if error is None else None
     if not _number(status):
         return f"its status holds {_kind(status)}, not a number"
-    if not _finite(status) or status != int(status) or not 100 <= status <= 999:
-        return "its status is no HTTP status, a whole number from 100 to 999"
+    # From 0: an upstream's "HTTP/1.1 000" or "099" is read by aiohttp as 0 or 99, and a
+    # replay records it as it was read (a review: its record was then called unreadable).
+    if not _finite(status) or status != int(status) or not 0 <= status <= 999:
+        return "its status is no HTTP status, a whole number from 0 to 999"
     return None
 
 

@@ -7,6 +7,7 @@ a letter the file had held. The real CLI and a real ``sluice serve``, in subproc
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import sqlite3
@@ -268,3 +269,36 @@ async def test_a_redis_replay_entry_sluice_cannot_read_is_said_so_and_counts_as_
         await says_unreadable_replay_of_letter_1(["--config", config], what, upstream)
     finally:
         delete_prefix(url, prefix)
+
+
+@pytest.mark.parametrize(("line", "status"), [(b"000", 0), (b"099", 99)])
+async def test_a_status_below_100_that_replay_recorded_is_read_as_recorded(
+        tmp_path, line, status):
+    # A review: an upstream answering "HTTP/1.1 000" (aiohttp reads 0; "099", 99) had the
+    # replay recorded as sent, then list and show called that record unreadable, exit 1.
+    # Below 400 with no error, it counts as answered, as it did before records were checked.
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 " + line + b" Odd\r\nContent-Length: 0\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    try:
+        path = tmp_path / "dlq.sqlite"
+        one_failed_replay_each(path)
+        config = replay_config(tmp_path, {"dead_letter": {"path": str(path)}},
+                               f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
+        code, out, err = await sluice_cli("dlq", "replay", "1", "--config", config)
+        assert code == 0 and f"HTTP {status}," in out, (out, err)
+        code, out, err = await sluice_cli("dlq", "list", "--config", config)
+        assert code == 0 and err == "", err
+        assert f" {status} " in {line.split()[0]: line for line in out.splitlines()[1:]}["1"]
+        code, out, err = await sluice_cli("dlq", "show", "1", "--config", config)
+        assert code == 0 and err == "", err
+        assert [r["status"] for r in json.loads(out)["replays"]] == [503, status]
+        code, out, err = await sluice_cli("dlq", "replay", "1", "--config", config)
+        assert code == 1 and "--again" in err, (out, err)
+    finally:
+        server.close()
+        await server.wait_closed()
