@@ -287,7 +287,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="print the credentials some APIs take in the body (Anthropic's "
                            "mcp_servers[].authorization_token, an OpenAI mcp tool's "
                            "authorization and headers, Azure's data_sources[].parameters."
-                           "authentication) as stored; masked by default")
+                           "authentication and its embedding_dependency.authentication) as "
+                           "stored; masked by default")
     replay = dlq_sub.add_parser(
         "replay", help="re-send a record to its route's upstream and record the result"
     )

@@ -4,16 +4,19 @@ letter keeps them, and a replay sends them.
 Headers and query fields that carry credentials are removed when a letter is written; a body
 is kept as sent, and ``dlq show`` printed the tokens in it: Anthropic's MCP connector's
 ``mcp_servers[].authorization_token``, an OpenAI Responses ``mcp`` tool's ``authorization``
-and ``headers``, Azure OpenAI On Your Data's ``data_sources[].parameters.authentication``.
-They are masked at those documented paths only (an earlier attempt that guessed from key
-names was reverted). A real Sluice writes the letters; the real CLI reads them, forked."""
+and ``headers``, Azure OpenAI On Your Data's ``data_sources[].parameters.authentication``
+and ``...parameters.embedding_dependency.authentication``. They are masked at those
+documented paths only (an earlier attempt that guessed from key names was reverted). A real
+Sluice writes the letters; the real CLI reads them, forked."""
 
 from __future__ import annotations
 
 import json
 
 import aiohttp
+import pytest
 
+from proxy.redact import body_credentials_masked
 from tests.conftest import route
 from tests.sluice_child import sluice_cli
 
@@ -51,7 +54,10 @@ CALLS = [
         "data_sources": [
             {"type": "azure_search", "parameters": {
                 "endpoint": "https://search.example.com", "index_name": "docs",
-                "authentication": {"type": "api_key", "key": "azure-search-key"}}},
+                "authentication": {"type": "api_key", "key": "azure-search-key"},
+                "embedding_dependency": {
+                    "type": "endpoint", "endpoint": "https://embed.example.com",
+                    "authentication": {"type": "api_key", "key": "embed-key"}}}},
             {"type": "elasticsearch", "parameters": {
                 "endpoint": "https://es.example.com", "index_name": "docs",
                 "authentication": {"type": "key_and_key_id", "key": "es-key",
@@ -65,14 +71,24 @@ CALLS = [
             {"type": "elasticsearch", "parameters": {
                 "authentication": {"type": "encoded_api_key", "encoded_api_key": "ZW5j"}}},
             {"type": "azure_search", "parameters": {
-                "authentication": {"type": "access_token", "access_token": "eyJ-token"}}}]},
-     [f"data_sources[{at}].parameters.authentication.{name}" for at, name in (
-         (0, "key"), (1, "key"), (2, "connection_string"), (3, "password"),
-         (4, "encoded_api_key"), (5, "access_token"))]),
+                "authentication": {"type": "access_token", "access_token": "eyJ-token"},
+                "embedding_dependency": {
+                    "type": "endpoint", "endpoint": "https://embed.example.com",
+                    "authentication": {"type": "access_token",
+                                       "access_token": "eyJ-embed"}}}},
+            {"type": "azure_search", "parameters": {
+                "embedding_dependency": {"type": "deployment_name",
+                                         "deployment_name": "ada"}}}]},
+     [f"data_sources[{at}].parameters.{name}" for at, name in (
+         (0, "authentication.key"), (0, "embedding_dependency.authentication.key"),
+         (1, "authentication.key"), (2, "authentication.connection_string"),
+         (3, "authentication.password"), (4, "authentication.encoded_api_key"),
+         (5, "authentication.access_token"),
+         (5, "embedding_dependency.authentication.access_token"))]),
 ]
 SECRETS = ["ant-oauth-token-1", "ant-oauth-token-2", "oai-oauth-token", "oai-header-key",
            "acme-header", "azure-search-key", "es-key\"", "mongodb+srv", "mongo-password",
-           "ZW5j", "eyJ-token"]
+           "ZW5j", "eyJ-token", "embed-key", "eyJ-embed"]
 
 
 def masked(body: dict, paths: list[str]) -> dict:
@@ -153,3 +169,56 @@ async def test_a_body_with_nothing_to_mask_is_shown_as_stored(upstream, start_sl
     assert code == 0, err
     shown = json.loads(out)
     assert shown["body_masked"] == [] and shown["body"]["text"].encode() == raw
+
+
+# -- bodies a review found the masking missed or spoiled ---------------------------------------
+
+SECRET = "sk-in-the-body"
+
+
+@pytest.mark.parametrize(("text", "shown", "paths"), [
+    # A byte order mark before the JSON (Python's json refuses it, so nothing was masked):
+    # read without it, written back with it.
+    ('\ufeff{"mcp_servers": [{"authorization_token": "sk-in-the-body"}]}',
+     '\ufeff{"mcp_servers": [{"authorization_token": "<redacted>"}]}',
+     ["mcp_servers[0].authorization_token"]),
+    # A key twice: an upstream's parser may take the first value or the last, and Python's
+    # the last (null: nothing to mask, the text printed as stored). Each is masked and shown.
+    ('{"mcp_servers": [{"authorization_token": "sk-in-the-body"}], "mcp_servers": null}',
+     '{"mcp_servers": [{"authorization_token": "<redacted>"}], "mcp_servers": null}',
+     ["mcp_servers[0].authorization_token"]),
+    ('{"mcp_servers": [{"authorization_token": "sk-in-the-body", "authorization_token": 1}],'
+     ' "mcp_servers": [{"authorization_token": "sk-in-the-body"}]}',
+     '{"mcp_servers": [{"authorization_token": "<redacted>", "authorization_token":'
+     ' "<redacted>"}], "mcp_servers": [{"authorization_token": "<redacted>"}]}',
+     ["mcp_servers[0].authorization_token"]),
+    ('{"tools": [{"type": "mcp", "authorization": "sk-in-the-body", "type": "function"}]}',
+     '{"tools": [{"type": "mcp", "authorization": "<redacted>", "type": "function"}]}',
+     ["tools[0].authorization"]),
+    ('{"data_sources": [{"parameters": {"authentication": {"key": "sk-in-the-body"}},'
+     ' "parameters": {}}]}',
+     '{"data_sources": [{"parameters": {"authentication": {"key": "<redacted>"}},'
+     ' "parameters": {}}]}',
+     ["data_sources[0].parameters.authentication.key"]),
+    # Numbers keep their tokens: 1e999 was written "Infinity", which is no JSON; NaN stays
+    # as the body holds it (no JSON either, but Python's parser, an upstream's, takes it).
+    ('{"mcp_servers": [{"authorization_token": "sk-in-the-body"}], "t": 1e999, "u": -0.0,'
+     ' "v": 1.50, "w": 123456789012345678901234567890, "x": NaN, "y": -Infinity}',
+     '{"mcp_servers": [{"authorization_token": "<redacted>"}], "t": 1e999, "u": -0.0,'
+     ' "v": 1.50, "w": 123456789012345678901234567890, "x": NaN, "y": -Infinity}',
+     ["mcp_servers[0].authorization_token"]),
+    # A lone surrogate the body escapes stays escaped (the text must encode to UTF-8).
+    ('{"mcp_servers": [{"authorization_token": "sk-in-the-body"}], "s": "\\ud800\u00e9"}',
+     '{"mcp_servers": [{"authorization_token": "<redacted>"}], "s": "\\ud800\\u00e9"}',
+     ["mcp_servers[0].authorization_token"]),
+])
+def test_a_body_is_masked_everywhere_its_credential_may_be_read(text, shown, paths):
+    assert body_credentials_masked(text) == (shown, paths)
+
+
+def test_a_nested_body_is_masked_and_written_whole():
+    deep = "[" * 500 + "]" * 500
+    text = '{"mcp_servers": [{"authorization_token": "sk-in-the-body"}], "d": ' + deep + "}"
+    assert body_credentials_masked(text) == (
+        '{"mcp_servers": [{"authorization_token": "<redacted>"}], "d": ' + deep + "}",
+        ["mcp_servers[0].authorization_token"])
