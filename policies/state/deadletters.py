@@ -120,9 +120,11 @@ class DeadLetterStore(Protocol):
 
 def _summary(letter_id: int, fields: dict[str, Any], last: dict[str, Any] | None
              ) -> dict[str, Any]:
+    replay, unreadable = last_replay(last)
     return {"id": letter_id, "created_at": fields["created_at"], "route": fields["route"],
             "tenant": fields["tenant"], "method": fields["method"], "path": fields["path"],
-            "attempts": fields["attempts"], "reason": fields["reason"], **last_replay(last)}
+            "attempts": fields["attempts"], "reason": fields["reason"], "last_replay": replay,
+            "unreadable_replay": unreadable}
 
 
 def _replay(status: int | None, error: str | None, duration_s: float) -> dict[str, Any]:
@@ -561,7 +563,7 @@ def _summaries(page: list[Any]) -> list[dict[str, Any]]:
             out.append({"id": letter_id, "created_at": 0.0, "route": "?", "tenant": "?",
                         "method": "?", "path": "?", "attempts": 0,
                         "reason": f"unreadable (sluice dlq delete {letter_id})",
-                        **last_replay(None)})
+                        "last_replay": None, "unreadable_replay": None})
     return out
 
 
