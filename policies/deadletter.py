@@ -256,8 +256,9 @@ LAST_REPLAY_AT = 253402300800.0
 
 def replay_record(fields: object) -> dict[str, Any]:
     """A stored replay (``fields``: its decoded JSON, or its row's columns by name) as
-    Sluice writes one: ``at`` (Unix seconds), ``status`` (an HTTP status, or ``None``),
-    ``error`` (an error kind, or ``None``; one of the two set) and ``duration_s``; or, when
+    Sluice writes one: ``at`` (Unix seconds), ``status`` (an HTTP status as aiohttp read
+    it, 0 to 999, or ``None``), ``error`` (an error kind, or ``None``; at least one of the
+    two set: an MCP call's 200 whose tool failed has both) and ``duration_s``; or, when
     it is not that (another program wrote it, a hand edit), ``{UNREADABLE: what is wrong}``,
     naming no value."""
     if not isinstance(fields, dict):
@@ -315,7 +316,8 @@ def _finite(value: int | float) -> bool:
 
 
 def _kind(value: object) -> str:
-    """What ``value`` is, as a message about a stored record names it (never the value)."""
+    """What ``value`` is, as a message about a stored record names it (never the value):
+    one orjson or :mod:`sqlite3` gives, so a JSON value or bytes."""
     if value is None:
         return "null"
     if isinstance(value, bool):
@@ -328,7 +330,7 @@ def _kind(value: object) -> str:
         return "binary data"
     if isinstance(value, list):
         return "a list"
-    return "an object" if isinstance(value, dict) else type(value).__name__
+    return "an object"
 
 
 @dataclass(slots=True)

@@ -59,7 +59,9 @@ whose record Sluice cannot read (a ``replays`` row or Redis entry another progra
 status of text, text that is not UTF-8...) is said on stderr with its letter's id and what is
 wrong, exit status 1 (``list`` prints its table, ``REPLAY`` ``unreadable``; ``show`` the
 letter, that replay ``{"unreadable": WHAT}``); it counts as a replay that may have reached the
-upstream, so ``replay`` sends that letter again only with ``--again``. With ``--file``,
+upstream, so ``replay`` sends that letter again only with ``--again``. ``list`` reads each
+letter's last replay only: an older one that cannot be read is named by ``show``, and still
+makes ``replay`` need ``--again``. With ``--file``,
 only ``replay`` (which needs the letter's route) reads a config when ``--config`` is not
 given; the others read none.
 """

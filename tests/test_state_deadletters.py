@@ -706,3 +706,24 @@ def test_list_says_of_a_replay_row_what_show_reads(tmp_path, cells):
         assert said == policies.deadletter.last_replay(got.replays[-1]), cells
     finally:
         file.close()
+
+
+def test_an_older_replay_sluice_cannot_read_still_needs_again(tmp_path):
+    # As the README says: `list` reads the last replay (a failed 503 here), while the older
+    # one whose record cannot be read may have reached the upstream, so a replay needs again.
+    path = tmp_path / "dlq.sqlite"
+    file = DeadLetterFile(str(path))
+    try:
+        letter_id = file.add(letter()).id
+        file.add_replay(letter_id, 503, None, 0.1)
+        file.add_replay(letter_id, 503, None, 0.1)
+        with contextlib.closing(sqlite3.connect(path)) as db, db:
+            db.execute("UPDATE replays SET status = 'two hundred' WHERE id = 1")
+        [summary] = file.list()
+        assert (summary["last_replay"], summary["unreadable_replay"]) == (503, None)
+        what = "its status holds text, not a number"
+        claim = file.claim_replay(letter_id, "t1", 5.0)
+        assert claim.state == ANSWERED and claim.replay == {"unreadable": what}
+        assert file.claim_replay(letter_id, "t1", 5.0, again=True).state == CLAIMED
+    finally:
+        file.close()
