@@ -7,6 +7,7 @@ info, API keys in headers); nothing served on the admin port or written to the l
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Any
 from urllib.parse import unquote_plus
@@ -152,126 +153,112 @@ def body_credentials_masked(text: str) -> tuple[str, list[str]]:
 
     * Anthropic Messages, MCP connector: ``mcp_servers[].authorization_token``;
     * OpenAI Responses, a tool of ``"type": "mcp"``: its ``authorization`` and every value
-      of its ``headers``;
+      of its ``headers`` (all of it when it is no object);
     * Azure OpenAI On Your Data: ``data_sources[].parameters.authentication``'s and
       ``data_sources[].parameters.embedding_dependency.authentication``'s
       :data:`_DATA_SOURCE_SECRETS`.
 
-    Read as an upstream's parser may read it: after a UTF-8 byte order mark; a key that
-    appears more than once in an object is looked into, and masked, each time (a parser
-    may take its first value, Python's takes the last; a ``type`` is ``mcp`` if any is).
-    Returns the text (written again when anything was masked: every member kept, numbers
-    as their tokens, ``1e999`` or ``NaN`` as the body has them, the mark kept; else
-    ``text`` as it is) and the paths masked (``tools[0].headers["X-Api-Key"]``), empty when
-    the body is no JSON object or holds none of them (a null is left as it is; a ``tools``
-    that is an object, not the documented array, is not looked into). For display only:
-    the letter keeps its body as sent, which a replay sends."""
-    mark = "\ufeff" if text.startswith("\ufeff") else ""
+    Returns the text and the paths masked (``tools[0].headers["X-Api-Key"]``). When
+    something is masked the text is written again by :func:`json.dumps` (spacing and number
+    spelling may differ from the body's); else it is ``text`` as stored. A body that is no
+    JSON object (cut at ``max_body_bytes``, compressed) is shown as stored. A body that is
+    JSON only as some parsers read it (a key twice, which parsers take first or last; ``NaN``
+    or ``1e999``, which Python's writer cannot write back as JSON) and that names one of the
+    fields above is withheld (:data:`WITHHELD`, path ``"body"``): it cannot be masked as
+    every upstream reads it. For display only: the letter keeps its body, which a replay
+    sends."""
+    body_text = text.removeprefix("\ufeff")  # a byte order mark, which json refuses
     try:
-        body = json.loads(text[len(mark):], object_pairs_hook=_Object, parse_float=_Raw,
-                          parse_int=_Raw, parse_constant=_Raw)
+        body = json.loads(body_text, object_pairs_hook=_no_twice, parse_constant=_odd,
+                          parse_float=_finite)
+    except _Odd:
+        if any(name in text for name in _MASKED_NAMES):
+            return WITHHELD, ["body"]
+        return text, []
     except (ValueError, RecursionError):  # not JSON (or cut at max_body_bytes)
         return text, []
-    if not isinstance(body, _Object):
+    if not isinstance(body, dict):
         return text, []
-    masked: dict[str, None] = {}  # the paths, in order, once each
+    masked: list[str] = []
 
-    def mask(holder: _Object, key: str, path: str) -> None:
-        for member in holder.members:
-            if member[0] == key and member[1] is not None:
-                member[1] = REDACTED
-                masked[path] = None
+    def mask(holder: dict[str, Any], key: str, path: str) -> None:
+        if holder.get(key) is not None:
+            holder[key] = REDACTED
+            masked.append(path)
 
-    def mask_authentication(holder: _Object, path: str) -> None:
-        for auth in holder.every("authentication"):
-            if isinstance(auth, _Object):
-                for name in _DATA_SOURCE_SECRETS:
-                    mask(auth, name, f"{path}.authentication.{name}")
+    def mask_authentication(holder: object, path: str) -> None:
+        auth = holder.get("authentication") if isinstance(holder, dict) else None
+        if isinstance(auth, dict):
+            for name in _DATA_SOURCE_SECRETS:
+                mask(auth, name, f"{path}.authentication.{name}")
 
-    for servers in body.every("mcp_servers"):
-        for at, server in _objects(servers):
-            mask(server, "authorization_token", f"mcp_servers[{at}].authorization_token")
-    for tools in body.every("tools"):
-        for at, tool in _objects(tools):
-            if "mcp" not in tool.every("type"):
-                continue
-            mask(tool, "authorization", f"tools[{at}].authorization")
-            for headers in tool.every("headers"):
-                if isinstance(headers, _Object):
-                    for name, _ in headers.members:
-                        mask(headers, name, f"tools[{at}].headers[{json.dumps(name)}]")
-                else:  # not the documented object: all of it
-                    mask(tool, "headers", f"tools[{at}].headers")
-    for sources in body.every("data_sources"):
-        for at, source in _objects(sources):
-            for parameters in source.every("parameters"):
-                if isinstance(parameters, _Object):
-                    path = f"data_sources[{at}].parameters"
-                    mask_authentication(parameters, path)
-                    for dependency in parameters.every("embedding_dependency"):
-                        if isinstance(dependency, _Object):
-                            mask_authentication(dependency, f"{path}.embedding_dependency")
+    for at, server in _objects(body.get("mcp_servers")):
+        mask(server, "authorization_token", f"mcp_servers[{at}].authorization_token")
+    for at, tool in _objects(body.get("tools")):
+        if tool.get("type") != "mcp":
+            continue
+        mask(tool, "authorization", f"tools[{at}].authorization")
+        headers = tool.get("headers")
+        if isinstance(headers, dict):
+            for name in headers:
+                mask(headers, name, f"tools[{at}].headers[{json.dumps(name)}]")
+        else:  # not the documented object: all of it
+            mask(tool, "headers", f"tools[{at}].headers")
+    for at, source in _objects(body.get("data_sources")):
+        parameters = source.get("parameters")
+        path = f"data_sources[{at}].parameters"
+        mask_authentication(parameters, path)
+        if isinstance(parameters, dict):
+            mask_authentication(parameters.get("embedding_dependency"),
+                                f"{path}.embedding_dependency")
     if not masked:
         return text, []
-    shown = mark + _written(body, ascii=False)
     try:
+        shown = json.dumps(body, ensure_ascii=False)
         shown.encode()
     except UnicodeEncodeError:  # a lone surrogate the body escaped ("\ud800"): escaped again
-        shown = mark + _written(body, ascii=True)
-    return shown, list(masked)
+        shown = json.dumps(body)
+    except RecursionError:  # read, but too deep for the writer
+        return WITHHELD, ["body"]
+    return text[:len(text) - len(body_text)] + shown, masked
 
 
-class _Object:
-    """A JSON object as a body holds it: its members in order, a key that appears more than
-    once each time."""
-
-    __slots__ = ("members",)
-
-    def __init__(self, pairs: list[tuple[str, Any]]) -> None:
-        self.members = [[key, value] for key, value in pairs]
-
-    def every(self, key: str) -> list[Any]:
-        """The value of each member named ``key``."""
-        return [value for name, value in self.members if name == key]
+#: What ``dlq show`` prints for a body it cannot mask (:func:`body_credentials_masked`).
+WITHHELD = ("<withheld: this body is JSON only as some parsers read it (a key twice, NaN, "
+            "1e999...) and names a credential field; sluice dlq show --unmask prints it>")
+#: The field names :func:`body_credentials_masked` masks under: a body it cannot read as
+#: strict JSON is withheld only when it holds one of them.
+_MASKED_NAMES = ("authorization_token", '"authorization"', '"headers"', '"authentication"')
 
 
-class _Raw(str):
-    """Text :func:`_written` writes as it is: a number as the body writes it (Python's
-    float makes ``1e999`` ``inf``, which :func:`json.dumps` writes ``Infinity``, no JSON),
-    or punctuation."""
-
-    __slots__ = ()
+class _Odd(ValueError):
+    """A JSON body :func:`body_credentials_masked` cannot mask as every parser reads it."""
 
 
-def _written(value: Any, ascii: bool) -> str:
-    """``value`` (a body as :func:`body_credentials_masked` reads it) as JSON text, spaced
-    as :func:`json.dumps` writes it, non-ASCII text escaped if ``ascii``. Not recursive: a
-    body nested 990 deep, which Python's parser reads, is written too."""
-    out: list[str] = []
-    todo: list[Any] = [value]
-    while todo:
-        item = todo.pop()
-        if isinstance(item, _Raw):
-            out.append(item)
-        elif isinstance(item, _Object):  # "{", then each member, then "}", off the stack
-            todo.append(_Raw("}"))
-            for at in range(len(item.members) - 1, -1, -1):
-                key, member = item.members[at]
-                todo += [member, _Raw(f"{', ' if at else ''}"
-                                      f"{json.dumps(key, ensure_ascii=ascii)}: ")]
-            todo.append(_Raw("{"))
-        elif isinstance(item, list):
-            todo.append(_Raw("]"))
-            for at in range(len(item) - 1, -1, -1):
-                todo += [item[at], _Raw(", " if at else "")]
-            todo.append(_Raw("["))
-        else:  # text, true, false, null
-            out.append(json.dumps(item, ensure_ascii=ascii))
-    return "".join(out)
+def _no_twice(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """An object's members, refused (:class:`_Odd`) when a key appears twice."""
+    members = dict(pairs)
+    if len(members) != len(pairs):
+        raise _Odd("a key twice")
+    return members
 
 
-def _objects(items: object) -> list[tuple[int, _Object]]:
+def _odd(constant: str) -> float:
+    """``NaN``, ``Infinity`` and ``-Infinity``: no JSON; refused (:class:`_Odd`)."""
+    raise _Odd(constant)
+
+
+def _finite(number: str) -> float:
+    """A JSON number with a fraction or exponent, refused (:class:`_Odd`) when it is out of
+    a float's range (``1e999``: :func:`json.dumps` would write ``Infinity``)."""
+    value = float(number)
+    if math.isinf(value):
+        raise _Odd(number)
+    return value
+
+
+def _objects(items: object) -> list[tuple[int, dict[str, Any]]]:
     """The objects of a JSON array, with their positions (nothing when it is no array)."""
     if not isinstance(items, list):
         return []
-    return [(at, item) for at, item in enumerate(items) if isinstance(item, _Object)]
+    return [(at, item) for at, item in enumerate(items) if isinstance(item, dict)]
