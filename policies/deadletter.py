@@ -64,11 +64,12 @@ import collections
 import concurrent.futures
 import contextlib
 import logging
+import math
 import os
 import shlex
 import sqlite3
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 from urllib.parse import quote, unquote_plus
@@ -230,14 +231,106 @@ class Added(NamedTuple):
 
 def answered(replays: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
     """The last replay that may have done the work, or ``None``: one the upstream answered
-    below 400 with no error, or one interrupted after its request may have been sent
-    (:data:`INTERRUPTED_AFTER_SEND`: its answer was never read). An MCP call's 200 whose
-    tool (or JSON-RPC) failed is kept with its status and the error (``tool_failed``...),
-    and is not answered. The Redis store's ``_CLAIM_REPLAY`` says the same in Lua."""
+    below 400 with no error, one interrupted after its request may have been sent
+    (:data:`INTERRUPTED_AFTER_SEND`: its answer was never read), or one whose record cannot
+    be read (:data:`UNREADABLE`: it may have been either). An MCP call's 200 whose tool (or
+    JSON-RPC) failed is kept with its status and the error (``tool_failed``...), and is not
+    answered. Every store's ``claim_replay`` decides with it (the Redis one in Python, on the
+    replays its claim script read under the hold it took)."""
     return next((r for r in reversed(list(replays))
-                 if (r["status"] is not None and r["status"] < 400 and r.get("error") is None)
+                 if UNREADABLE in r
+                 or (r["status"] is not None and r["status"] < 400 and r.get("error") is None)
                  or r.get("error") == INTERRUPTED_AFTER_SEND),
                 None)
+
+
+#: The one key of a replay record Sluice cannot read (:func:`replay_record`), in place of
+#: its fields: what is wrong with it. Such a replay counts as :func:`answered`.
+UNREADABLE = "unreadable"
+#: The fields of a stored replay, as Sluice writes them.
+REPLAY_FIELDS = ("at", "status", "error", "duration_s")
+#: A replay's ``at`` Sluice reads, Unix seconds: from 1970 to the end of year 9999 (a
+#: date the commands can print).
+LAST_REPLAY_AT = 253402300800.0
+
+
+def replay_record(fields: object) -> dict[str, Any]:
+    """A stored replay (``fields``: its decoded JSON, or its row's columns by name) as
+    Sluice writes one: ``at`` (Unix seconds), ``status`` (an HTTP status as aiohttp read
+    it, 0 to 999, or ``None``), ``error`` (an error kind, or ``None``; at least one of the
+    two set: an MCP call's 200 whose tool failed has both) and ``duration_s``; or, when
+    it is not that (another program wrote it, a hand edit), ``{UNREADABLE: what is wrong}``,
+    naming no value."""
+    if not isinstance(fields, dict):
+        return {UNREADABLE: f"it holds {_kind(fields)}, not an object"}
+    for name in REPLAY_FIELDS:
+        if name not in fields:
+            return {UNREADABLE: f"it has no {name}"}
+    at, status, error, took = (fields[name] for name in REPLAY_FIELDS)
+    problem = _replay_problem(at, status, error, took)
+    if problem is not None:
+        return {UNREADABLE: problem}
+    return {"at": at, "status": None if status is None else int(status), "error": error,
+            "duration_s": took}
+
+
+def _replay_problem(at: Any, status: Any, error: Any, took: Any) -> str | None:
+    if not (_number(at) and _finite(at)):
+        return _number_problem("at", at)
+    if not (_number(took) and _finite(took)):
+        return _number_problem("duration_s", took)
+    if not 0 <= at < LAST_REPLAY_AT:
+        return "its at is no time from 1970 to 9999"
+    if took < 0:
+        return "its duration_s is negative"
+    if error is not None and not isinstance(error, str):
+        return f"its error holds {_kind(error)}, not text"
+    if status is None:
+        return "it holds neither a status nor an error" if error is None else None
+    if not _number(status):
+        return f"its status holds {_kind(status)}, not a number"
+    # From 0: an upstream's "HTTP/1.1 000" or "099" is read by aiohttp as 0 or 99, and a
+    # replay records it as it was read (a review: its record was then called unreadable).
+    if not (_finite(status) and status == int(status) and 0 <= status <= 999):
+        return "its status is no HTTP status, a whole number from 0 to 999"
+    return None
+
+
+def _number_problem(name: str, value: object) -> str:
+    """What is wrong with ``value``, a field that holds no finite number."""
+    if not _number(value):
+        return f"its {name} holds {_kind(value)}, not a number"
+    return f"its {name} is not a finite number"
+
+
+def _number(value: object) -> bool:
+    """Whether ``value`` is a number (not a boolean, which is an ``int`` too)."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _finite(value: int | float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an integer too large for a float
+        return False
+
+
+def _kind(value: object) -> str:
+    """What ``value`` is, as a message about a stored record names it (never the value):
+    one orjson or :mod:`sqlite3` gives, so a JSON value or bytes."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if _number(value):
+        return "a number"
+    if isinstance(value, str):
+        return "text"
+    if isinstance(value, bytes):
+        return "binary data"
+    if isinstance(value, list):
+        return "a list"
+    return "an object"
 
 
 @dataclass(slots=True)
@@ -430,22 +523,33 @@ class DeadLetterFile:
         return {route: count for route, count in rows}
 
     def list(self, limit: int = 100) -> list[dict[str, Any]]:
-        """The newest ``limit`` records as short summaries, oldest first."""
-        rows = self._db.execute(
-            "SELECT d.id, d.created_at, d.route, d.tenant, d.method, d.path, d.attempts,"
-            " d.reason, (SELECT status FROM replays r WHERE r.dead_letter_id = d.id"
-            "            ORDER BY r.id DESC LIMIT 1),"
-            " (SELECT error FROM replays r WHERE r.dead_letter_id = d.id"
-            "  ORDER BY r.id DESC LIMIT 1)"
-            " FROM dead_letters d ORDER BY d.id DESC LIMIT ?", (limit,),
-        ).fetchall()
+        """The newest ``limit`` records as short summaries, oldest first (the keys of
+        :meth:`policies.state.DeadLetterStore.list`)."""
+        query = ("SELECT d.id, d.created_at, d.route, d.tenant, d.method, d.path, d.attempts,"
+                 " d.reason, r.id, {} FROM dead_letters d LEFT JOIN replays r ON r.id ="
+                 "  (SELECT MAX(id) FROM replays WHERE dead_letter_id = d.id)"
+                 " ORDER BY d.id DESC LIMIT ?")
+        # The last replays' cells as they are: what _replay_columns gives, faster. A cell
+        # holding text that is not UTF-8 fails this read, made again with those columns (a
+        # review: they, and a record made for each letter, doubled the time of a list of
+        # 100,000 letters).
+        try:
+            rows = self._db.execute(query.format(", ".join(f"r.{name}" for name in REPLAY_FIELDS)),
+                                    (limit,)).fetchall()
+            read = _last_of
+        except sqlite3.OperationalError as exc:
+            if not str(exc).startswith("Could not decode to UTF-8"):
+                raise
+            rows = self._db.execute(query.format(_replay_columns("r")), (limit,)).fetchall()
+            read = _last_of_stored
+        out = []
         with _readable():
-            return [
-                {"id": r[0], "created_at": r[1], "route": r[2], "tenant": r[3],
-                 "method": r[4], "path": r[5], "attempts": len(orjson.loads(r[6])),
-                 "reason": r[7], "last_replay": r[9] if r[9] is not None else r[8]}
-                for r in reversed(rows)
-            ]
+            for r in reversed(rows):
+                last, unreadable = (None, None) if r[8] is None else read(r[9:])
+                out.append({"id": r[0], "created_at": r[1], "route": r[2], "tenant": r[3],
+                            "method": r[4], "path": r[5], "attempts": len(orjson.loads(r[6])),
+                            "reason": r[7], "last_replay": last, "unreadable_replay": unreadable})
+        return out
 
     def get(self, letter_id: int) -> DeadLetter | None:
         """The whole record ``letter_id`` with its replays, or ``None``."""
@@ -512,12 +616,11 @@ class DeadLetterFile:
         return True
 
     def _replays(self, letter_id: int) -> list[dict[str, Any]]:
-        return [
-            {"at": at, "status": status, "error": error, "duration_s": duration}
-            for at, status, error, duration in self._db.execute(
-                "SELECT at, status, error, duration_s FROM replays WHERE dead_letter_id = ?"
-                " ORDER BY id", (letter_id,))
-        ]
+        """The letter's replays, oldest first; one whose row Sluice cannot read as
+        ``{UNREADABLE: what is wrong}`` (:func:`replay_record`)."""
+        return [_stored_replay(row) for row in self._db.execute(
+            f"SELECT {_replay_columns('replays')} FROM replays WHERE dead_letter_id = ?"
+            " ORDER BY id", (letter_id,))]
 
     def delete(self, letter_id: int) -> bool:
         """Delete one record with its replays and any replay's hold on it; ``False`` if
@@ -540,6 +643,63 @@ class DeadLetterFile:
             self._db.execute("DELETE FROM replays")
             self._db.execute("DELETE FROM replay_claims")
         return count
+
+
+def _replay_columns(table: str) -> str:
+    """The columns of a ``replays`` row to select, each as its type and its value, text as
+    its bytes: a column holding text that is not UTF-8 (written by another program) fails
+    the whole read in :mod:`sqlite3` ("Could not decode to UTF-8"), where the row alone is
+    unreadable (:func:`_stored_replay`)."""
+    return ", ".join(f"typeof({table}.{name}), CASE typeof({table}.{name}) WHEN 'text'"
+                     f" THEN CAST({table}.{name} AS BLOB) ELSE {table}.{name} END"
+                     for name in REPLAY_FIELDS)
+
+
+def _stored_replay(cells: Sequence[Any]) -> dict[str, Any]:
+    """A replay from its row's :func:`_replay_columns` (:func:`replay_record`)."""
+    fields: dict[str, Any] = {}
+    for name, kind, value in zip(REPLAY_FIELDS, cells[0::2], cells[1::2], strict=True):
+        if kind == "text":
+            try:
+                value = bytes(value).decode()
+            except UnicodeDecodeError:
+                return {UNREADABLE: f"its {name} holds text that is not UTF-8"}
+        fields[name] = value
+    return replay_record(fields)
+
+
+def last_replay(replay: dict[str, Any] | None) -> tuple[Any, str | None]:
+    """What a letter's summary says of its last replay (``None``: none): ``last_replay``,
+    its error, else its status (``"unreadable"`` when its record cannot be read), and
+    ``unreadable_replay``, what is wrong with that record (else ``None``)."""
+    if replay is None:
+        return None, None
+    if UNREADABLE in replay:
+        return UNREADABLE, replay[UNREADABLE]
+    return replay["error"] if replay["error"] is not None else replay["status"], None
+
+
+def _last_of(cells: Sequence[Any]) -> tuple[Any, str | None]:
+    """:func:`last_replay` of a replay row's columns, as they are, without the record
+    :func:`replay_record` would make of them: a list reads one for each letter (a review:
+    that and a slower query doubled the time of a list of 100,000)."""
+    at, status, error, took = cells
+    # A record as Sluice writes it passes this one test, a subset of _replay_problem's (a
+    # float at and duration in range, an int status from 0 to 999, error text or null).
+    if (type(at) is float and 0 <= at < LAST_REPLAY_AT and type(took) is float
+            and 0 <= took < math.inf and (error is None or type(error) is str)
+            and ((type(status) is int and 0 <= status <= 999)
+                 or (status is None and error is not None))):
+        return error if error is not None else status, None
+    problem = _replay_problem(at, status, error, took)
+    if problem is not None:
+        return UNREADABLE, problem
+    return error if error is not None else int(status), None
+
+
+def _last_of_stored(cells: Sequence[Any]) -> tuple[Any, str | None]:
+    """:func:`last_replay` of a replay row's :func:`_replay_columns`."""
+    return last_replay(_stored_replay(cells))
 
 
 def letters_in(path: str, busy_timeout_s: float = 1.0) -> int | None:

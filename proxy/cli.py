@@ -283,6 +283,12 @@ def build_parser() -> argparse.ArgumentParser:
                          help="list the newest N records (default 100)")
     show = dlq_sub.add_parser("show", help="one record in full, as JSON")
     show.add_argument("id", type=_whole(MAX_LETTER_ID))
+    show.add_argument("--unmask", action="store_true",
+                      help="print the credentials some APIs take in the body (Anthropic's "
+                           "mcp_servers[].authorization_token, an OpenAI mcp tool's "
+                           "authorization and headers, Azure's data_sources[].parameters."
+                           "authentication and its embedding_dependency.authentication) as "
+                           "stored; masked by default")
     replay = dlq_sub.add_parser(
         "replay", help="re-send a record to its route's upstream and record the result"
     )

@@ -5,7 +5,10 @@
   replay's status; a last line says how many older records were left out.
 * ``show ID``: the whole record as JSON, with its attempts and replays, and where its
   ``idempotency_key`` came from (``key_origin``: ``caller``, or ``derived`` or ``fresh``
-  for a key Sluice made; null in letters written before it was recorded).
+  for a key Sluice made; null in letters written before it was recorded). The credentials
+  some APIs take in a JSON body are masked (``"<redacted>"``) at their documented paths,
+  listed in ``body_masked`` (:func:`proxy.redact.body_credentials_masked`); ``--unmask``
+  prints the body as stored. The letter keeps them: a replay sends them.
 * ``replay ID``: send the recorded request once, straight to its route's upstream as the
   config names it now, with the recorded method, path, headers, body and idempotency key (the
   one the call was handled under: the caller's, or one Sluice derived from ``derive_from``
@@ -51,7 +54,14 @@ A file that is no dead-letter file (another application's SQLite database, an em
 is refused, exit status 1, and left as it was: the commands never make one. A damaged file
 (a read fails "database disk image is malformed", or a letter asked for is not found and
 ``PRAGMA quick_check`` finds damage) is said to be damaged, exit status 1, with how to try
-to recover it (:func:`policies.deadletter.recover_hint`), never "no dead letter N". With ``--file``,
+to recover it (:func:`policies.deadletter.recover_hint`), never "no dead letter N". A replay
+whose record Sluice cannot read (a ``replays`` row or Redis entry another program wrote: a
+status of text, text that is not UTF-8...) is said on stderr with its letter's id and what is
+wrong, exit status 1 (``list`` prints its table, ``REPLAY`` ``unreadable``; ``show`` the
+letter, that replay ``{"unreadable": WHAT}``); it counts as a replay that may have reached the
+upstream, so ``replay`` sends that letter again only with ``--again``. ``list`` reads each
+letter's last replay only: an older one that cannot be read is named by ``show``, and still
+makes ``replay`` need ``--again``. With ``--file``,
 only ``replay`` (which needs the letter's route) reads a config when ``--config`` is not
 given; the others read none.
 """
@@ -91,6 +101,7 @@ from policies.deadletter import (
     CLAIMED,
     INTERRUPTED_AFTER_SEND,
     MISSING,
+    UNREADABLE,
     DamagedFile,
     DeadLetter,
     DeadLetterFile,
@@ -120,6 +131,7 @@ from policies.wording import counted
 from proxy.attempts import CONNECT_FIRST_S
 from proxy.client import client_timeout, upstream_session
 from proxy.forward import FORBIDDEN_IN_HEADERS, HOP_BY_HOP, send_failure, upstream_url
+from proxy.redact import body_credentials_masked
 from proxy.rejections import jsonrpc_id
 from proxy.terminal import printable, printable_json
 
@@ -331,8 +343,7 @@ class _FileStore:
 async def _command(config: Config | None, store: DeadLetterStore | _FileStore, where: str,
                    args: argparse.Namespace, records: IdempotencyRecords | None = None) -> int:
     if args.dlq_command == "list":
-        await _list(store, args.limit)
-        return 0
+        return await _list(store, args.limit)
     if args.dlq_command == "purge":
         print(f"purged {await store.purge()} record(s) from {where}")
         return 0
@@ -352,10 +363,10 @@ async def _command(config: Config | None, store: DeadLetterStore | _FileStore, w
         # stdout failed on any non-ASCII letter), as JSON is.
         sys.stdout.flush()
         sys.stdout.buffer.write((printable_json(
-            orjson.dumps(letter.as_dict(), option=orjson.OPT_INDENT_2).decode()) + "\n"
-        ).encode())
+            orjson.dumps(_shown(letter, args.unmask), option=orjson.OPT_INDENT_2).decode())
+            + "\n").encode())
         sys.stdout.buffer.flush()
-        return 0
+        return _say_unreadable_replays(letter)
     assert config is not None  # sluice.cli loads it for a replay
     return await _replay(config, store, letter, args, records)
 
@@ -364,7 +375,37 @@ def _when(ts: float) -> str:
     return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-async def _list(store: DeadLetterStore | _FileStore, limit: int) -> None:
+def _shown(letter: DeadLetter, unmask: bool) -> dict[str, Any]:
+    """What ``dlq show`` prints of ``letter``: its :meth:`DeadLetter.as_dict`, the
+    credentials some APIs take in a JSON body masked unless ``unmask``
+    (:func:`proxy.redact.body_credentials_masked`), and ``body_masked`` naming where (the
+    letter keeps them: a replay sends them)."""
+    shown = letter.as_dict()
+    masked: list[str] = []
+    if not unmask and "text" in shown["body"]:
+        shown["body"]["text"], masked = body_credentials_masked(shown["body"]["text"])
+    at = list(shown).index("body") + 1
+    items = list(shown.items())
+    return dict([*items[:at], ("body_masked", masked), *items[at:]])
+
+
+def _say_unreadable_replays(letter: DeadLetter) -> int:
+    """Say on stderr which of ``letter``'s replays have a record Sluice cannot read, and
+    what is wrong with each; the exit status of ``dlq show`` (1 when there is one)."""
+    status = 0
+    for number, replay in enumerate(letter.replays, 1):
+        if UNREADABLE in replay:
+            print(printable(f"dead letter {letter.id}: the record of its replay #{number} "
+                            f"cannot be read ({replay[UNREADABLE]}); that replay may have "
+                            f"reached the upstream, so the next one needs --again"),
+                  file=sys.stderr)
+            status = EXIT_FAILED
+    return status
+
+
+async def _list(store: DeadLetterStore | _FileStore, limit: int) -> int:
+    """Print the table of the newest ``limit`` letters; 1 when the record of a listed
+    letter's last replay cannot be read (said on stderr), else 0."""
     rows = await store.list(limit)
     total = sum((await store.depth()).values())
     table = [("ID", "CREATED (UTC)", "ROUTE", "TENANT", "ATTEMPTS", "REASON", "REPLAY",
@@ -386,6 +427,14 @@ async def _list(store: DeadLetterStore | _FileStore, limit: int) -> None:
         print(f"(the newest {len(rows)} of {total} records; "
               f"{counted(total - len(rows), 'older one')} left out: --limit {total} lists them "
               "all)")
+    status = 0
+    for r in rows:
+        if r["unreadable_replay"] is not None:
+            print(printable(f"dead letter {r['id']}: the record of its last replay cannot be "
+                            f"read ({r['unreadable_replay']}); that replay may have reached "
+                            f"the upstream, so the next one needs --again"), file=sys.stderr)
+            status = EXIT_FAILED
+    return status
 
 
 async def _replay(config: Config, store: DeadLetterStore | _FileStore, letter: DeadLetter,
@@ -445,6 +494,12 @@ async def _replay(config: Config, store: DeadLetterStore | _FileStore, letter: D
         # Work is dead-lettered because it may not have happened; once a replay was answered,
         # sending it again may do it twice (with no Idempotency-Key nothing dedups it).
         done = claim.replay or {}
+        if UNREADABLE in done:
+            print(printable(f"dead letter {letter.id}: the record of one of its replays "
+                            f"cannot be read ({done[UNREADABLE]}), so that replay may have "
+                            f"reached the upstream; pass --again to send it once more"),
+                  file=sys.stderr)
+            return EXIT_FAILED
         if done.get("error") == INTERRUPTED_AFTER_SEND:
             print(f"dead letter {letter.id} was replayed ({_when(done['at'])}) and that "
                   f"replay was interrupted after its request was sent, so the upstream may "

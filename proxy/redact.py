@@ -1,4 +1,4 @@
-"""Redacting secrets from what Sluice shows or logs (admin API, reload errors).
+"""Redacting secrets from what Sluice shows or logs (admin API, reload errors, ``dlq show``).
 
 Sluice's config may hold credentials (a Redis URL with a password, an upstream URL with user
 info, API keys in headers); nothing served on the admin port or written to the log may show them.
@@ -6,6 +6,8 @@ info, API keys in headers); nothing served on the admin port or written to the l
 
 from __future__ import annotations
 
+import json
+import math
 import re
 from typing import Any
 from urllib.parse import unquote_plus
@@ -131,3 +133,132 @@ def _secret_key(key: str) -> bool:
     if words and words[-1] in _DESCRIBES_ONLY:
         return False
     return any(word in _SECRET_WORDS for word in words)
+
+
+#: The fields of Azure OpenAI On Your Data's ``authentication`` objects (a data source's
+#: ``parameters.authentication``, and its ``parameters.embedding_dependency.authentication``)
+#: that hold a credential, by authentication ``type``: ``key`` (``api_key``,
+#: ``key_and_key_id``), ``connection_string``, ``encoded_api_key``, ``access_token`` and
+#: ``password`` (``username_and_password``); ``key_id``, ``username`` and a managed
+#: identity's resource id name one and are shown
+#: (https://learn.microsoft.com/azure/ai-services/openai/references/on-your-data).
+_DATA_SOURCE_SECRETS = ("key", "connection_string", "encoded_api_key", "access_token",
+                        "password")
+
+
+def body_credentials_masked(text: str) -> tuple[str, list[str]]:
+    """A request body as ``dlq show`` prints it: ``text`` with the credentials some
+    provider APIs take in a JSON body replaced by :data:`REDACTED`, at these documented
+    paths only (no guess from other keys' names):
+
+    * Anthropic Messages, MCP connector: ``mcp_servers[].authorization_token``;
+    * OpenAI Responses, a tool of ``"type": "mcp"``: its ``authorization`` and every value
+      of its ``headers`` (all of it when it is no object);
+    * Azure OpenAI On Your Data: ``data_sources[].parameters.authentication``'s and
+      ``data_sources[].parameters.embedding_dependency.authentication``'s
+      :data:`_DATA_SOURCE_SECRETS`.
+
+    Returns the text and the paths masked (``tools[0].headers["X-Api-Key"]``). When
+    something is masked the text is written again by :func:`json.dumps` (spacing and number
+    spelling may differ from the body's); else it is ``text`` as stored. A body that is no
+    JSON object (cut at ``max_body_bytes``, compressed) is shown as stored. A body that is
+    JSON only as some parsers read it (a key twice, which parsers take first or last; ``NaN``
+    or ``1e999``, which Python's writer cannot write back as JSON) and that names one of the
+    fields above is withheld (:data:`WITHHELD`, path ``"body"``): it cannot be masked as
+    every upstream reads it. For display only: the letter keeps its body, which a replay
+    sends."""
+    body_text = text.removeprefix("\ufeff")  # a byte order mark, which json refuses
+    try:
+        body = json.loads(body_text, object_pairs_hook=_no_twice, parse_constant=_odd,
+                          parse_float=_finite)
+    except _Odd:
+        if any(name in text for name in _MASKED_NAMES):
+            return WITHHELD, ["body"]
+        return text, []
+    except (ValueError, RecursionError):  # not JSON (or cut at max_body_bytes)
+        return text, []
+    if not isinstance(body, dict):
+        return text, []
+    masked: list[str] = []
+
+    def mask(holder: dict[str, Any], key: str, path: str) -> None:
+        if holder.get(key) is not None:
+            holder[key] = REDACTED
+            masked.append(path)
+
+    def mask_authentication(holder: object, path: str) -> None:
+        auth = holder.get("authentication") if isinstance(holder, dict) else None
+        if isinstance(auth, dict):
+            for name in _DATA_SOURCE_SECRETS:
+                mask(auth, name, f"{path}.authentication.{name}")
+
+    for at, server in _objects(body.get("mcp_servers")):
+        mask(server, "authorization_token", f"mcp_servers[{at}].authorization_token")
+    for at, tool in _objects(body.get("tools")):
+        if tool.get("type") != "mcp":
+            continue
+        mask(tool, "authorization", f"tools[{at}].authorization")
+        headers = tool.get("headers")
+        if isinstance(headers, dict):
+            for name in headers:
+                mask(headers, name, f"tools[{at}].headers[{json.dumps(name)}]")
+        else:  # not the documented object: all of it
+            mask(tool, "headers", f"tools[{at}].headers")
+    for at, source in _objects(body.get("data_sources")):
+        parameters = source.get("parameters")
+        path = f"data_sources[{at}].parameters"
+        mask_authentication(parameters, path)
+        if isinstance(parameters, dict):
+            mask_authentication(parameters.get("embedding_dependency"),
+                                f"{path}.embedding_dependency")
+    if not masked:
+        return text, []
+    try:
+        shown = json.dumps(body, ensure_ascii=False)
+        shown.encode()
+    except UnicodeEncodeError:  # a lone surrogate the body escaped ("\ud800"): escaped again
+        shown = json.dumps(body)
+    except RecursionError:  # read, but too deep for the writer
+        return WITHHELD, ["body"]
+    return text[:len(text) - len(body_text)] + shown, masked
+
+
+#: What ``dlq show`` prints for a body it cannot mask (:func:`body_credentials_masked`).
+WITHHELD = ("<withheld: this body is JSON only as some parsers read it (a key twice, NaN, "
+            "1e999...) and names a credential field; sluice dlq show --unmask prints it>")
+#: The field names :func:`body_credentials_masked` masks under: a body it cannot read as
+#: strict JSON is withheld only when it holds one of them.
+_MASKED_NAMES = ("authorization_token", '"authorization"', '"headers"', '"authentication"')
+
+
+class _Odd(ValueError):
+    """A JSON body :func:`body_credentials_masked` cannot mask as every parser reads it."""
+
+
+def _no_twice(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """An object's members, refused (:class:`_Odd`) when a key appears twice."""
+    members = dict(pairs)
+    if len(members) != len(pairs):
+        raise _Odd("a key twice")
+    return members
+
+
+def _odd(constant: str) -> float:
+    """``NaN``, ``Infinity`` and ``-Infinity``: no JSON; refused (:class:`_Odd`)."""
+    raise _Odd(constant)
+
+
+def _finite(number: str) -> float:
+    """A JSON number with a fraction or exponent, refused (:class:`_Odd`) when it is out of
+    a float's range (``1e999``: :func:`json.dumps` would write ``Infinity``)."""
+    value = float(number)
+    if math.isinf(value):
+        raise _Odd(number)
+    return value
+
+
+def _objects(items: object) -> list[tuple[int, dict[str, Any]]]:
+    """The objects of a JSON array, with their positions (nothing when it is no array)."""
+    if not isinstance(items, list):
+        return []
+    return [(at, item) for at, item in enumerate(items) if isinstance(item, dict)]

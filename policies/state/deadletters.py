@@ -35,15 +35,18 @@ from policies.deadletter import (
     BUSY,
     CLAIMED,
     MISSING,
+    UNREADABLE,
     Added,
     Attempt,
     DeadLetter,
     ReplayClaim,
     answered,
+    last_replay,
+    replay_record,
 )
 from policies.state.connection import RedisState, Script
 from policies.state.errors import BadRecord
-from policies.state.stored import built, stored_int, stored_json, stored_text
+from policies.state.stored import built, stored_int, stored_text
 
 #: What a key fault names a letter (never its content), and the stream's depth.
 _LETTER = "a dead letter"
@@ -83,7 +86,9 @@ class DeadLetterStore(Protocol):
     async def list(self, limit: int = 100) -> list[dict[str, Any]]:
         """The newest ``limit`` letters as summaries, oldest first: ``id``, ``created_at``,
         ``route``, ``tenant``, ``method``, ``path``, ``attempts`` (a count), ``reason``,
-        ``last_replay`` (the last replay's error, else its status; ``None``: none)."""
+        ``last_replay`` (the last replay's error, else its status; ``None``: none;
+        ``"unreadable"``: its record cannot be read) and ``unreadable_replay`` (what is
+        wrong with that record, else ``None``)."""
         ...
 
     async def claim_replay(self, letter_id: int, token: str, hold_s: float,
@@ -115,12 +120,11 @@ class DeadLetterStore(Protocol):
 
 def _summary(letter_id: int, fields: dict[str, Any], last: dict[str, Any] | None
              ) -> dict[str, Any]:
-    replay = None
-    if last is not None:
-        replay = last["error"] if last["error"] is not None else last["status"]
+    replay, unreadable = last_replay(last)
     return {"id": letter_id, "created_at": fields["created_at"], "route": fields["route"],
             "tenant": fields["tenant"], "method": fields["method"], "path": fields["path"],
-            "attempts": fields["attempts"], "reason": fields["reason"], "last_replay": replay}
+            "attempts": fields["attempts"], "reason": fields["reason"], "last_replay": replay,
+            "unreadable_replay": unreadable}
 
 
 def _replay(status: int | None, error: str | None, duration_s: float) -> dict[str, Any]:
@@ -285,7 +289,7 @@ return {e[1][2], redis.call('LRANGE', KEYS[2], 0, -1)}
 
 # KEYS: stream. ARGV: count, replay list key prefix, newest stream id to read ('+' for the
 # newest), bytes read after which to stop, then the summary field names. Returns newest
-# first: {{stream id, {field values in ARGV order}, last replay or ''}...}, fewer than
+# first: {{stream id, {field values in ARGV order}, {last replay} or {}}...}, fewer than
 # count once the bytes are read (the caller reads on below the last): a stream read has
 # to copy whole entries, bodies included, and a script holds Redis while it runs.
 _LIST = Script("""
@@ -305,7 +309,7 @@ while #out < tonumber(ARGV[1]) and read < most do
   end
   local n = tonumber(string.sub(e[1], 3))
   local last = redis.call('LINDEX', ARGV[2] .. n, -1)
-  out[#out + 1] = {e[1], values, last or ''}
+  out[#out + 1] = {e[1], values, last and {last} or {}}
   if n <= 1 then break end
   start = '0-' .. (n - 1)
 end
@@ -313,24 +317,26 @@ return out
 """, "deadletter")
 
 # KEYS: stream, the letter's replays, its claim. ARGV: stream id, token, hold (ms), again
-# ('1' or '0'). Returns {'missing'}, {'busy', ms left}, {'answered', replay JSON} or
-# {'claimed'}.
+# ('1' or '0'). Returns {'missing'}, {'busy', ms left} or {'claimed', {replay JSON...}}: the
+# hold taken and, without again, the letter's replays read in the same step. The caller
+# decides whether one was answered, as the other stores do (policies.deadletter.answered,
+# on the replays as `dlq show` reads them), and gives the hold back if so (_RELEASE). Lua
+# decided it once, reading the JSON with cjson, which takes what orjson refuses (a hex
+# number, NaN, bytes that are not UTF-8, text after a NUL): a replay `dlq show` called
+# unreadable, so possibly sent, was read as a failed one and sent again (a review).
 _CLAIM_REPLAY = Script("""
 if #redis.call('XRANGE', KEYS[1], ARGV[1], ARGV[1]) == 0 then return {'missing'} end
 local left = redis.call('PTTL', KEYS[3])
 if left > 0 then return {'busy', left} end
-if ARGV[4] ~= '1' then
-  local replays = redis.call('LRANGE', KEYS[2], 0, -1)
-  for i = #replays, 1, -1 do
-    local replay = decoded(replays[i], "a dead letter's replay")
-    local status, failed = replay['status'], replay['error']
-    if (type(status) == 'number' and status < 400 and (failed == nil or failed == cjson.null))
-      or failed == 'interrupted_after_send'
-    then return {'answered', replays[i]} end
-  end
-end
 redis.call('SET', KEYS[3], ARGV[2], 'PX', ARGV[3])
-return {'claimed'}
+if ARGV[4] == '1' then return {'claimed', {}} end
+return {'claimed', redis.call('LRANGE', KEYS[2], 0, -1)}
+""", "deadletter")
+
+# KEYS: a letter's claim. ARGV: token. Ends that token's hold (no other's).
+_RELEASE = Script("""
+if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
+return 1
 """, "deadletter")
 
 # KEYS: stream, the letter's replays, its claim. ARGV: stream id, replay JSON, token or ''.
@@ -457,11 +463,21 @@ class RedisDeadLetterStore:
 
     async def claim_replay(self, letter_id: int, token: str, hold_s: float,
                            again: bool = False) -> ReplayClaim:
-        return await self._state.eval(
-            _CLAIM_REPLAY,
-            [self._stream, self._replays + str(letter_id), self._claims + str(letter_id)],
-            [f"0-{letter_id}", token, max(1, round(hold_s * 1000)), "1" if again else "0"],
-            _replay_claim)
+        claim = self._claims + str(letter_id)
+        state, *rest = await self._state.eval(
+            _CLAIM_REPLAY, [self._stream, self._replays + str(letter_id), claim],
+            [f"0-{letter_id}", token, max(1, round(hold_s * 1000)), "1" if again else "0"])
+        if state == BUSY.encode():
+            return ReplayClaim(BUSY, left_s=int(rest[0]) / 1000)
+        if state != CLAIMED.encode():
+            return ReplayClaim(MISSING)
+        # Held while this decides: no other claim reads these replays meanwhile, and one
+        # that comes now is told it is busy for that round trip.
+        done = answered(_stored_replay(raw) for raw in rest[0])
+        if done is None:
+            return ReplayClaim(CLAIMED)
+        await self._state.eval(_RELEASE, [claim], [token])
+        return ReplayClaim(ANSWERED, done)
 
     async def add_replay(self, letter_id: int, status: int | None, error: str | None,
                          duration_s: float, token: str | None = None) -> bool:
@@ -530,7 +546,7 @@ def _stored_letter(letter_id: int, flat: list[bytes], replays: list[bytes]) -> D
         redacted=orjson.loads(text["redacted"]), body=bytes(fields["body"]),
         body_size=int(text["body_size"]),
         attempts=[Attempt(**a) for a in orjson.loads(text["attempts"])],
-        reason=text["reason"], replays=[orjson.loads(r) for r in replays],
+        reason=text["reason"], replays=[_stored_replay(r) for r in replays],
     )
 
 
@@ -547,7 +563,7 @@ def _summaries(page: list[Any]) -> list[dict[str, Any]]:
             out.append({"id": letter_id, "created_at": 0.0, "route": "?", "tenant": "?",
                         "method": "?", "path": "?", "attempts": 0,
                         "reason": f"unreadable (sluice dlq delete {letter_id})",
-                        "last_replay": None})
+                        "last_replay": None, "unreadable_replay": None})
     return out
 
 
@@ -556,23 +572,25 @@ def _letter_id(stream_id: bytes) -> int:
     return int(stream_id.decode().partition("-")[2])
 
 
-def _stored_summary(stream_id: bytes, values: list[bytes], last: bytes | None
+def _stored_summary(stream_id: bytes, values: list[bytes], last: list[bytes]
                     ) -> dict[str, Any]:
-    """One letter's summary from its stream id, fields and last replay's JSON (decoding
-    only: :func:`_summaries` makes its failure a key fault)."""
+    """One letter's summary from its stream id, fields and last replay's JSON (a list of
+    one; empty: none) (decoding only: :func:`_summaries` makes its failure a key fault; a
+    replay that cannot be read is said so in the summary, :func:`_stored_replay`)."""
     fields: dict[str, Any] = {name: value.decode()
                               for name, value in zip(_SUMMARY_FIELDS, values, strict=True)}
     fields["created_at"] = float(fields["created_at"])
     fields["attempts"] = len(orjson.loads(fields["attempts"]))
     letter_id = _letter_id(stream_id)
-    return _summary(letter_id, fields, orjson.loads(last) if last else None)
+    return _summary(letter_id, fields, _stored_replay(last[0]) if last else None)
 
 
-def _replay_claim(reply: list[Any]) -> ReplayClaim:
-    """``_CLAIM_REPLAY``'s reply read."""
-    state = reply[0].decode()
-    if state == BUSY:
-        return ReplayClaim(BUSY, left_s=int(reply[1]) / 1000)
-    if state == ANSWERED:
-        return ReplayClaim(ANSWERED, stored_json(reply[1], "a dead letter's replay", dict))
-    return ReplayClaim(CLAIMED if state == CLAIMED else MISSING)
+def _stored_replay(raw: bytes) -> dict[str, Any]:
+    """A replay from its stored JSON (:func:`policies.deadletter.replay_record`: one that is
+    not a record as Sluice writes one is ``{UNREADABLE: what is wrong}``, never a failure of
+    its letter's read)."""
+    try:
+        fields = orjson.loads(raw)
+    except orjson.JSONDecodeError:  # UTF-8 that is not, too
+        return {UNREADABLE: "it is not JSON"}
+    return replay_record(fields)
