@@ -44,6 +44,7 @@ from policies.state import StateBackends, memory_backends
 from proxy.client import client_timeout
 from proxy.events import EventLog
 from proxy.forward import request_drop
+from proxy.locations import Relocation
 from proxy.metrics import BudgetGauges, Metrics, RouteMetrics
 
 
@@ -54,6 +55,8 @@ class Route:
         prefix: the path prefix it owns, with both slashes (``/openai/``).
         upstream_base: scheme, host and base path of the upstream, no trailing slash; the
             request path after the prefix is appended to it.
+        locations: maps a redirect's ``Location`` under ``upstream_base`` back to
+            ``prefix`` (:class:`proxy.locations.Relocation`).
         timeout: the aiohttp client timeout: ``connect`` to get a connection, ``total`` for the
             whole exchange including a streamed body (seconds).
         inflight: requests admitted through this object and not finished.
@@ -106,6 +109,7 @@ class Route:
         "idempotency",
         "inflight",
         "live",
+        "locations",
         "metrics",
         "name",
         "operations",
@@ -150,6 +154,8 @@ class Route:
         self.prefix = config.path_prefix
         self.protocol = config.protocol
         self.upstream_base = config.upstream
+        #: A redirect's ``Location`` mapped back onto this route (``proxy.locations``).
+        self.locations = Relocation(self.prefix, self.upstream_base)
         #: The upstream URL carries user info: aiohttp sends it as HTTP Basic credentials,
         #: and refuses a request that also has an Authorization header.
         self.own_credentials = "@" in urllib.parse.urlsplit(config.upstream).netloc

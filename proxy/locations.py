@@ -1,0 +1,109 @@
+"""Where an upstream's redirect points, mapped back onto Sluice so that following it stays
+inside Sluice (nginx's ``proxy_redirect default``).
+
+Sluice forwards without following redirects (``allow_redirects=False``): the caller gets the
+upstream's 3xx and follows it itself, as the SDKs do (httpx with ``follow_redirects=True``).
+The upstream writes ``Location`` from the request it got, which names the upstream, not
+Sluice: Starlette's trailing-slash redirect answers ``POST /mcp`` with ``307 Location:
+http://<upstream host:port>/mcp/``, and the MCP and OpenAI SDKs sent the call again straight
+to the upstream, past every limit; a path alone (``Location: /v1/models``) lacks the route's
+prefix, and got 404 ``no_route`` from Sluice (a hostile trial).
+
+So in a redirect (3xx) or a 201, ``Location`` and ``Content-Location`` are mapped back when
+they name a place under the route's upstream:
+
+* an absolute URL whose origin (scheme, host, port, 80 and 443 when none is written;
+  compared as written, no name is looked up) is the upstream's and whose path is under the
+  upstream URL's base path, and an absolute-path reference (``/...``) under that base path,
+  become the route's prefix followed by the rest of the path, as an absolute-path reference
+  (``http://10.0.0.7:8000/mcp/?a=1`` on a route ``/tools/`` to ``http://10.0.0.7:8000``:
+  ``/tools/mcp/?a=1``), which the client resolves against Sluice's own address; the query
+  and fragment are kept byte for byte;
+* anything else is relayed unchanged: another origin (Sluice is no open proxy, and the
+  caller may mean to go there), a path outside the base path (Sluice has no URL for it; the
+  base path itself without its last slash is outside too), a relative path (``models``:
+  the client resolves it against the URL it called, at Sluice, so it stays there), a
+  network-path reference (``//host/...``) or a value that is no URL.
+"""
+
+from __future__ import annotations
+
+import re
+import urllib.parse
+
+from aiohttp import hdrs
+from multidict import CIMultiDict
+
+#: ``scheme://authority`` and what follows the authority (path, query, fragment).
+_ABSOLUTE = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://([^/?#]*)(.*)", re.S)
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+#: The fields mapped, in the answers that carry one that is a redirect's or a new resource's.
+_FIELDS = (hdrs.LOCATION, hdrs.CONTENT_LOCATION)
+
+
+class Relocation:
+    """The mapping of one route (its ``prefix``, ``/tools/``; its ``upstream`` base URL,
+    scheme, host, port and base path without a trailing slash, as the config holds it)."""
+
+    __slots__ = ("_base", "_origin", "_prefix")
+
+    def __init__(self, prefix: str, upstream: str) -> None:
+        parts = urllib.parse.urlsplit(upstream)
+        scheme = parts.scheme.lower()
+        self._origin = (scheme, (parts.hostname or "").lower(),
+                        parts.port or _DEFAULT_PORTS.get(scheme))
+        self._base = parts.path.rstrip("/")
+        #: What a mapped path begins with (the prefix less its last slash: the rest of the
+        #: path brings its own, as a request's path does going the other way).
+        self._prefix = prefix[:-1]
+
+    def rewrite(self, headers: CIMultiDict[str]) -> None:
+        """Map ``headers``' ``Location`` and ``Content-Location`` fields (every line of each)
+        in place; unchanged where they name no place under the upstream."""
+        for name in _FIELDS:
+            values = headers.getall(name, None)
+            if values is None:
+                continue
+            mapped = [self.mapped(value) for value in values]
+            if mapped != values:
+                headers.popall(name)
+                for value in mapped:
+                    headers.add(name, value)
+
+    def mapped(self, location: str) -> str:
+        """``location`` as the caller of Sluice should follow it (see the module docstring)."""
+        if location[:1] == "/":
+            if location[1:2] == "/":
+                return location  # //host/...: another authority, by the caller's scheme
+            rest = location
+        else:
+            absolute = _ABSOLUTE.fullmatch(location)
+            if absolute is None or not self._same_origin(absolute[1], absolute[2]):
+                return location
+            rest = absolute[3]
+            if rest[:1] != "/":
+                rest = "/" + rest  # no path is the root path (RFC 9110 §4.2.3)
+        base = self._base
+        if base:
+            if not rest.startswith(base) or rest[len(base):len(base) + 1] != "/":
+                return location  # outside the base path (the base itself included)
+            rest = rest[len(base):]
+        return self._prefix + rest
+
+    def _same_origin(self, scheme: str, authority: str) -> bool:
+        hostport = authority.rpartition("@")[2].lower()  # user info is not the origin's
+        if hostport.startswith("["):
+            host, _, port = hostport[1:].partition("]")
+            if port and port[0] != ":":
+                return False
+            port = port[1:]
+        else:
+            host, _, port = hostport.partition(":")
+        scheme = scheme.lower()
+        if port:
+            if not port.isascii() or not port.isdigit():
+                return False
+            number: int | None = int(port)
+        else:
+            number = _DEFAULT_PORTS.get(scheme)
+        return (scheme, host, number) == self._origin
