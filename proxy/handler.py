@@ -1,6 +1,7 @@
 """The request path, top to bottom.
 
-match route -> identify caller -> read body -> admit: the route's policies in order
+match route -> identify caller -> refuse what cannot be forwarded as sent (dot-segments, a
+WebSocket upgrade) -> read body -> admit: the route's policies in order
 (``Route.policies``: idempotency key, where a replay or a wait for an in-flight twin costs no
 quota and no slot; circuit breaker; rate; token accounting: token rate and budget reservation;
 the concurrency slot and its queue) -> forward (attempts with the breaker and retries,
@@ -50,7 +51,7 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from aiohttp import web
-from multidict import istr
+from multidict import CIMultiDictProxy, istr
 
 from policies import mcp
 from policies.concurrency import (
@@ -108,6 +109,18 @@ _SECONDS = re.compile(r"[0-9]{1,9}(?:\.[0-9]{1,9})?")
 #: The Stainless SDKs' own timeout headers (istr: looked up without lower-casing each time).
 _STAINLESS_TIMEOUT = istr("x-stainless-timeout")
 _STAINLESS_READ_TIMEOUT = istr("x-stainless-read-timeout")
+_UPGRADE = istr("upgrade")
+
+
+def _asks_websocket(headers: CIMultiDictProxy[str]) -> bool:
+    """Whether the request asks to switch to a WebSocket: ``websocket`` (any case, any
+    version) among its ``Upgrade`` protocols, on any of its lines. Sluice relays no
+    WebSocket, and Upgrade is hop-by-hop: forwarded, the handshake went upstream as a plain
+    GET, and the caller got the upstream's puzzling 400 (a hostile trial); it is refused
+    501 ``websocket_not_supported`` before anything is taken or sent. Another protocol
+    (``h2c``) is ignored, as before: the request is served over HTTP/1.1."""
+    return any(token.partition("/")[0].strip().lower() == "websocket"
+               for line in headers.getall(_UPGRADE) for token in line.split(","))
 
 
 def _caller_timeout(request: web.BaseRequest, header: str) -> tuple[float | None, bool]:
@@ -309,6 +322,9 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
 
     if has_dot_segment(raw_path):
         return _reject(rt, route, Rejected(Reason.BAD_REQUEST, None, "dot-segments in path"),
+                       request_id, tenant, run)
+    if _UPGRADE in headers and _asks_websocket(headers):
+        return _reject(rt, route, Rejected(Reason.WEBSOCKET_NOT_SUPPORTED, None),
                        request_id, tenant, run)
     if hold is not None and hold.continues:
         hold.invite()  # 100 Continue: every check needing no body (nor admission) has passed
