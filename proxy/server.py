@@ -44,6 +44,7 @@ from proxy.attempts import DEAD_LETTER_WAIT_S
 from proxy.dlq import file_left_behind
 from proxy.edge import REQUEST_NOT_LOGGED, AdminServer, EdgeServer, parse_cause
 from proxy.handler import handle
+from proxy.rejections import SERVER_NAME
 from proxy.reload import RELOADER, Fingerprint, Reloader
 from proxy.runtime import RUNTIME, Runtime, cancel_live
 
@@ -176,6 +177,12 @@ def _metrics_handler(runtime: Runtime,
     return metrics
 
 
+async def _own_server(request: web.Request, response: web.StreamResponse) -> None:
+    """Every admin answer says ``Server: sluice``, not aiohttp's name and versions (as the
+    proxy port's do: :class:`proxy.edge.EdgeRequest`)."""
+    response.headers[hdrs.SERVER] = SERVER_NAME
+
+
 def build_admin_app(runtime: Runtime, reloader: Reloader | None = None) -> web.Application:
     """The app on ``server.admin_listen``: ``/metrics``, ``/healthz``, ``/readyz``, ``/admin/``."""
     app = web.Application()
@@ -192,6 +199,7 @@ def build_admin_app(runtime: Runtime, reloader: Reloader | None = None) -> web.A
         thread.shutdown(wait=False, cancel_futures=True)
 
     app.on_cleanup.append(stop_rendering)
+    app.on_response_prepare.append(_own_server)
     app.router.add_get("/metrics", _metrics_handler(runtime, thread))
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
