@@ -28,7 +28,8 @@ bytes they describe; an answer without ``Content-Type`` is relayed without one
 * on the answer, a 3xx's or 201's ``Location`` and ``Content-Location`` under the route's
   upstream are mapped back onto the route (:mod:`proxy.locations`), so that a client
   following a redirect stays inside Sluice; ``Server`` is the upstream's, or none
-  (:mod:`policies.relayed`).
+  (:mod:`policies.relayed`). No ``Via`` is added either way; trailers of a chunked answer
+  are not relayed (aiohttp's client drops them).
 
 A response is streamed chunk by chunk as it arrives (``iter_any``), so SSE events reach the
 caller with no added buffering; a small, complete, non-streaming answer is read whole and sent
