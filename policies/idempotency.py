@@ -151,7 +151,6 @@ from policies.logs import PER_CALL
 from policies.pipeline import Call, Outcome, survive_leaving
 from policies.rate import Background
 from policies.reasons import Reason, Rejected
-from policies.relayed import RelayedResponse, UntypedResponse
 from policies.retry import is_client_retry
 from policies.secrets import CREDENTIAL_HEADERS
 from policies.state import DEFAULT_LEASE_S, IdempotencyRecords, StateBackends, StateUnavailable
@@ -165,6 +164,7 @@ from policies.state.idempotency import (
     new_owner,
     wait_for_answer,
 )
+from policies.untyped import UntypedResponse
 
 log = logging.getLogger("sluice")
 
@@ -1616,6 +1616,6 @@ def replay_response(record: Record) -> web.Response:
     headers = CIMultiDict((name, value) for name, value in record.headers
                           if name.lower() not in _NOT_REPLAYED)
     headers[REPLAYED_HEADER] = "true"
-    made = RelayedResponse if hdrs.CONTENT_TYPE in headers else UntypedResponse
+    made = web.Response if hdrs.CONTENT_TYPE in headers else UntypedResponse
     return made(status=record.status, reason=record.reason or None, body=record.body,
                 headers=headers)

@@ -133,13 +133,7 @@ from typing import Any
 
 from aiohttp import hdrs, web
 from aiohttp.base_protocol import BaseProtocol
-from aiohttp.http import (
-    SERVER_SOFTWARE,
-    HttpVersion,
-    HttpVersion10,
-    HttpVersion11,
-    RawRequestMessage,
-)
+from aiohttp.http import HttpVersion, HttpVersion10, HttpVersion11, RawRequestMessage
 from aiohttp.http_exceptions import BadHttpMethod, HttpProcessingError, LineTooLong
 from aiohttp.http_parser import HttpRequestParser
 from aiohttp.streams import StreamReader
@@ -149,16 +143,8 @@ from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 from policies.config import Config, ServerConfig
 from policies.logs import PER_CALL
 from policies.reasons import Reason, Rejected
-from policies.relayed import Relayed
 from proxy.forward import digits_value, only_chunked, parser_reason
-from proxy.rejections import (
-    SERVER_NAME,
-    refuse,
-    refuse_at_edge,
-    rejection_body,
-    rejection_headers,
-    render,
-)
+from proxy.rejections import refuse, refuse_at_edge, rejection_body, rejection_headers, render
 from proxy.routes import Route
 from proxy.runtime import Runtime
 
@@ -286,14 +272,21 @@ _READ = 3  # a whole request has arrived (being handled, or answered and the con
 # aiohttp's keep-alive timer, idle_timeout, applies then)
 
 
+#: The ``Server`` field of the answers Sluice writes itself, and of a relayed one whose
+#: upstream sent none (Envoy's say ``envoy``): :func:`proxy.server.serve` makes it aiohttp's
+#: default, in place of one naming Python and aiohttp with their versions.
+SERVER_NAME = "sluice"
+
+
 def raw_answer(rejected: Rejected) -> bytes:
     """A whole HTTP/1.1 answer for ``rejected`` in the plain ``http`` shape, closing the
-    connection: for the edge's refusals, written straight to the transport."""
+    connection: for the edge's refusals, written straight to the transport (so with its own
+    ``Server``: aiohttp adds none here)."""
     body = rejection_body(rejected, "http")
     status = rejected.reason.status
     lines = [f"HTTP/1.1 {status} {HTTPStatus(status).phrase}",
              "Content-Type: application/json", f"Content-Length: {len(body)}",
-             "Connection: close"]
+             "Connection: close", f"Server: {SERVER_NAME}"]
     lines += [f"{name}: {value}" for name, value in rejection_headers(rejected).items()]
     return ("\r\n".join(lines) + "\r\n\r\n").encode("ascii") + body
 
@@ -404,8 +397,8 @@ class EdgeServer(GuardedServer):
                                  and "Transfer-Encoding" in message.headers):
             # Close after the answer; see the module docstring (trailers, RFC 9112 §6.1).
             message = message._replace(should_close=True)
-        return EdgeRequest(message, payload, protocol, writer, task, self._loop,
-                           client_max_size=self.runtime.config.server.max_request_bytes)
+        return web.BaseRequest(message, payload, protocol, writer, task, self._loop,
+                               client_max_size=self.runtime.config.server.max_request_bytes)
 
     def serve(self, request: web.BaseRequest) -> Awaitable[web.StreamResponse]:
         """The request handler aiohttp calls: the edge's checks, then the request path."""
@@ -458,29 +451,6 @@ class EdgeServer(GuardedServer):
         # Held from here (the handler takes the body's bytes in its first step, with no
         # await since this check) to the end of its call.
         return self._handler(rt, request, hold)
-
-
-_SERVER = hdrs.SERVER
-
-
-class EdgeRequest(web.BaseRequest):
-    """A request on the proxy port, whose answer names its server as Sluice means to: an
-    answer Sluice writes itself says ``Server: sluice``, a relayed one carries its
-    upstream's ``Server`` or none (:mod:`policies.relayed`), where aiohttp would give either
-    its own (``Python/3.11 aiohttp/3.14.5``: the proxy's stack and versions, shown as the
-    upstream's, a hostile trial)."""
-
-    async def _prepare_hook(self, response: web.StreamResponse) -> None:
-        # aiohttp's one step between an answer's headers being made and written (where its
-        # Application sends on_response_prepare; this server has none). Its default is told
-        # by identity, so an upstream that sends the same words keeps them; it is always
-        # there (_prepare_headers sets it when none is), so [] rather than get(): 7 opcodes
-        # a request in all.
-        if response._headers[_SERVER] is SERVER_SOFTWARE:
-            if isinstance(response, Relayed):
-                del response._headers[_SERVER]
-            else:
-                response._headers[_SERVER] = SERVER_NAME
 
 
 def buffers_full(rt: Runtime, limit: int) -> Rejected:

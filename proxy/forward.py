@@ -3,7 +3,7 @@
 Bytes pass through untouched in both directions: the server and the client session both run
 with ``auto_decompress=False``, so ``Content-Encoding`` and ``Content-Length`` stay true to the
 bytes they describe; an answer without ``Content-Type`` is relayed without one
-(:mod:`policies.relayed`). Only framing is the proxy's own (RFC 9110 §7.6.1):
+(:mod:`policies.untyped`). Only framing is the proxy's own (RFC 9110 §7.6.1):
 
 * hop-by-hop fields are dropped both ways: ``Connection``, ``Keep-Alive``,
   ``Proxy-Connection``, ``TE``, ``Trailer``, ``Transfer-Encoding``, ``Upgrade``,
@@ -27,9 +27,9 @@ bytes they describe; an answer without ``Content-Type`` is relayed without one
   fresh); a caller's own key passes as it came;
 * on the answer, a 3xx's or 201's ``Location`` and ``Content-Location`` under the route's
   upstream are mapped back onto the route (:mod:`proxy.locations`), so that a client
-  following a redirect stays inside Sluice; ``Server`` is the upstream's, or none
-  (:mod:`policies.relayed`). No ``Via`` is added either way; trailers of a chunked answer
-  are not relayed (aiohttp's client drops them).
+  following a redirect stays inside Sluice; ``Server`` is the upstream's, or ``sluice``
+  when it sent none (:func:`proxy.server.serve`). No ``Via`` is added either way;
+  trailers of a chunked answer are not relayed (aiohttp's client drops them).
 
 A response is streamed chunk by chunk as it arrives (``iter_any``), so SSE events reach the
 caller with no added buffering; a small, complete, non-streaming answer is read whole and sent
@@ -66,12 +66,7 @@ from policies.logs import PER_CALL
 from policies.mcp import AnswerTracker
 from policies.pipeline import Call
 from policies.reasons import Reason, Rejected
-from policies.relayed import (
-    RelayedResponse,
-    RelayedStreamResponse,
-    UntypedResponse,
-    UntypedStreamResponse,
-)
+from policies.untyped import UntypedResponse, UntypedStreamResponse
 from policies.usage import QUOTA, SERVER, Meter
 from proxy.locations import Relocation
 from proxy.rejections import rejection_body
@@ -686,7 +681,7 @@ async def relay(
             if capture is not None:
                 capture.feed(data)
             # None where the upstream sent none (aiohttp would say application/octet-stream).
-            response = (RelayedResponse if hdrs.CONTENT_TYPE in headers else UntypedResponse)(
+            response = (web.Response if hdrs.CONTENT_TYPE in headers else UntypedResponse)(
                 status=status, reason=upstream.reason, body=data, headers=headers
             )
             if finish is not None and finish.left:
@@ -708,8 +703,7 @@ async def relay(
             # Checked before prepare(): a failed prepare has already switched the caller's
             # connection to chunked framing, so not even an error answer could follow.
             raise Rejected(Reason.UPSTREAM_UNREACHABLE, None, _BAD_HEADER)
-        out = (RelayedStreamResponse if hdrs.CONTENT_TYPE in headers
-               else UntypedStreamResponse)(
+        out = (web.StreamResponse if hdrs.CONTENT_TYPE in headers else UntypedStreamResponse)(
             status=status, reason=upstream.reason, headers=headers)
         if ((declared is None or hdrs.CONTENT_LENGTH not in headers)
                 and request.version < HttpVersion11):

@@ -16,7 +16,6 @@ Headers on every answer Sluice writes itself:
   417, 421, 422, 431, 501). The SDKs do not retry those statuses but 501 (a 5xx to them)
   anyway; the header says so to them and to any other client too.
 * ``X-Sluice-Reason``: the reason code.
-* ``Server: sluice`` (:data:`SERVER_NAME`), as on every answer Sluice writes itself.
 * For quota rejections, the IETF RateLimit fields (draft-ietf-httpapi-ratelimit-headers):
   ``RateLimit-Policy: "name";q=N;w=S`` and ``RateLimit: "name";r=R;t=S``, ``R`` the whole
   units the limit has left: 0 for a request count or a concurrency limit, and for tokens or a
@@ -68,18 +67,9 @@ _ANTHROPIC_TYPES = {
 }
 
 
-#: The ``Server`` field of every answer Sluice writes itself (Envoy's says ``envoy``), in
-#: place of aiohttp's, which names Python and aiohttp with their versions. A relayed answer
-#: carries its upstream's own (:mod:`policies.relayed`).
-SERVER_NAME = "sluice"
-
-
 def rejection_headers(rejected: Rejected) -> dict[str, str]:
-    """The SPEC's "not now" headers for ``rejected`` (see the module docstring), and
-    ``Server: sluice`` (also where no hook sets it: the edge's raw answers, the admin port's
-    door)."""
-    headers = {"X-Sluice-Reason": rejected.reason.code, "Cache-Control": "no-store",
-               "Server": SERVER_NAME}
+    """The SPEC's "not now" headers for ``rejected`` (see the module docstring)."""
+    headers = {"X-Sluice-Reason": rejected.reason.code, "Cache-Control": "no-store"}
     wait = rejected.retry_after
     if wait is not None:
         wait = max(wait, 0.001)

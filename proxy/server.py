@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from aiohttp import hdrs, web
+from aiohttp import hdrs, web, web_response
 from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client.exposition import choose_encoder
 
@@ -42,9 +42,8 @@ from policies.state import StateUnavailable
 from proxy.admin import add_admin_routes
 from proxy.attempts import DEAD_LETTER_WAIT_S
 from proxy.dlq import file_left_behind
-from proxy.edge import REQUEST_NOT_LOGGED, AdminServer, EdgeServer, parse_cause
+from proxy.edge import REQUEST_NOT_LOGGED, SERVER_NAME, AdminServer, EdgeServer, parse_cause
 from proxy.handler import handle
-from proxy.rejections import SERVER_NAME
 from proxy.reload import RELOADER, Fingerprint, Reloader
 from proxy.runtime import RUNTIME, Runtime, cancel_live
 
@@ -177,12 +176,6 @@ def _metrics_handler(runtime: Runtime,
     return metrics
 
 
-async def _own_server(request: web.Request, response: web.StreamResponse) -> None:
-    """Every admin answer says ``Server: sluice``, not aiohttp's name and versions (as the
-    proxy port's do: :class:`proxy.edge.EdgeRequest`)."""
-    response.headers[hdrs.SERVER] = SERVER_NAME
-
-
 def build_admin_app(runtime: Runtime, reloader: Reloader | None = None) -> web.Application:
     """The app on ``server.admin_listen``: ``/metrics``, ``/healthz``, ``/readyz``, ``/admin/``."""
     app = web.Application()
@@ -199,7 +192,6 @@ def build_admin_app(runtime: Runtime, reloader: Reloader | None = None) -> web.A
         thread.shutdown(wait=False, cancel_futures=True)
 
     app.on_cleanup.append(stop_rendering)
-    app.on_response_prepare.append(_own_server)
     app.router.add_get("/metrics", _metrics_handler(runtime, thread))
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
@@ -310,6 +302,12 @@ async def serve(config: Config, config_path: str | None = None,
         await runtime.close()  # what opened before the failure (the upstream session)
         runtime.remove_created_files()
         raise
+    # aiohttp gives every answer without a Server field (Sluice's own, on both ports, and a
+    # relayed one whose upstream sent none) "Python/3.11 aiohttp/3.x", naming the stack and
+    # its versions, with headers.setdefault(hdrs.SERVER, SERVER_SOFTWARE), the name read from
+    # this module's globals; "sluice" instead, as Envoy's say "envoy". Set here, once, for
+    # no cost per request (tests/test_server_header.py fails if aiohttp stops reading it).
+    web_response.SERVER_SOFTWARE = SERVER_NAME
     proxy_runner = web.ServerRunner(build_proxy_server(runtime),
                                     shutdown_timeout=PROXY_SHUTDOWN_GRACE_S)
     admin_runner = AdminRunner(
