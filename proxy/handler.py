@@ -117,8 +117,11 @@ def _asks_websocket(headers: CIMultiDictProxy[str]) -> bool:
     version) among its ``Upgrade`` protocols, on any of its lines. Sluice relays no
     WebSocket, and Upgrade is hop-by-hop: forwarded, the handshake went upstream as a plain
     GET, and the caller got the upstream's puzzling 400 (a hostile trial); it is refused
-    501 ``websocket_not_supported`` before anything is taken or sent. Another protocol
-    (``h2c``) is ignored, as before: the request is served over HTTP/1.1."""
+    501 ``websocket_not_supported`` before anything is taken or sent. Asked only of a
+    request without a body: a handshake is a GET sent with none (RFC 6455 §4.1), and a
+    request with one is no handshake, so its ``Upgrade`` is ignored, as RFC 9110 §7.8 lets
+    a server, and it is served. Another protocol (``h2c``) is ignored too: the request is
+    served over HTTP/1.1."""
     return any(token.partition("/")[0].strip().lower() == "websocket"
                for line in headers.getall(_UPGRADE) for token in line.split(","))
 
@@ -323,10 +326,13 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
     if has_dot_segment(raw_path):
         return _reject(rt, route, Rejected(Reason.BAD_REQUEST, None, "dot-segments in path"),
                        request_id, tenant, run)
-    if _UPGRADE in headers and _asks_websocket(headers):
-        return _reject(rt, route, Rejected(Reason.WEBSOCKET_NOT_SUPPORTED, None),
-                       request_id, tenant, run)
-    if hold is not None and hold.continues:
+    if hold is None:
+        # No body: only such a request can be a WebSocket handshake (a GET, which clients
+        # send with none), so a call with one (an LLM API's POST) pays nothing for this.
+        if _UPGRADE in headers and _asks_websocket(headers):
+            return _reject(rt, route, Rejected(Reason.WEBSOCKET_NOT_SUPPORTED, None),
+                           request_id, tenant, run)
+    elif hold.continues:
         hold.invite()  # 100 Continue: every check needing no body (nor admission) has passed
     try:
         body = await request.read()

@@ -50,5 +50,10 @@ async def test_refusal_body_and_other_upgrades(upstream, start_sluice):
         async with session.get(sluice.url + "/tools/h2c",
                                headers={"Connection": "Upgrade", "Upgrade": "h2c"}) as r:
             assert r.status == 200
-    assert [seen.path_qs for seen in upstream.requests] == ["/h2c"]
-    assert "Upgrade" not in upstream.requests[0].headers
+        # A request with a body is no handshake (one is a GET sent without): its Upgrade is
+        # ignored as h2c's is, and it is served.
+        async with session.post(sluice.url + "/tools/posted", data=b"{}",
+                                headers={"Connection": "Upgrade", "Upgrade": "websocket"}) as r:
+            assert r.status == 200
+    assert [seen.path_qs for seen in upstream.requests] == ["/h2c", "/posted"]
+    assert all("Upgrade" not in seen.headers for seen in upstream.requests)
