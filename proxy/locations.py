@@ -23,13 +23,19 @@ they name a place under the route's upstream:
   caller may mean to go there), a path outside the base path (Sluice has no URL for it; the
   base path itself without its last slash is outside too), a relative path (``models``:
   the client resolves it against the URL it called, at Sluice, so it stays there), a
-  network-path reference (``//host/...``) or a value that is no URL.
+  network-path reference (``//host/...``) or a value that is no URL;
+* and a place whose mapped path another route owns: with routes ``/a/`` and ``/a/b/``, route
+  ``/a/``'s upstream redirecting ``/b`` to ``/b/`` would be mapped to ``/a/b/``, which Sluice
+  routes to ``/a/b/``'s upstream, and the client following it would take the call (its
+  ``Authorization``, a 307's body) there. A mapped value is one the client's next request
+  reaches this route by, or there is none.
 """
 
 from __future__ import annotations
 
 import re
 import urllib.parse
+from collections.abc import Collection
 
 from aiohttp import hdrs
 from multidict import CIMultiDict
@@ -43,11 +49,12 @@ _FIELDS = (hdrs.LOCATION, hdrs.CONTENT_LOCATION)
 
 class Relocation:
     """The mapping of one route (its ``prefix``, ``/tools/``; its ``upstream`` base URL,
-    scheme, host, port and base path without a trailing slash, as the config holds it)."""
+    scheme, host, port and base path without a trailing slash, as the config holds it;
+    ``prefixes``, every route's prefix in the config, this one's included or not)."""
 
-    __slots__ = ("_base", "_origin", "_prefix")
+    __slots__ = ("_base", "_beneath", "_origin", "_prefix")
 
-    def __init__(self, prefix: str, upstream: str) -> None:
+    def __init__(self, prefix: str, upstream: str, prefixes: Collection[str] = ()) -> None:
         parts = urllib.parse.urlsplit(upstream)
         scheme = parts.scheme.lower()
         self._origin = (scheme, (parts.hostname or "").lower(),
@@ -56,6 +63,11 @@ class Relocation:
         #: What a mapped path begins with (the prefix less its last slash: the rest of the
         #: path brings its own, as a request's path does going the other way).
         self._prefix = prefix[:-1]
+        #: The longer prefixes beneath this one (``/a/b/`` beneath ``/a/``): the router gives
+        #: a path the longest prefix it starts with (:meth:`proxy.routes.Router.match`), so a
+        #: mapped path starting with one of these would be another route's.
+        self._beneath = tuple(other for other in prefixes
+                              if len(other) > len(prefix) and other.startswith(prefix))
 
     def rewrite(self, headers: CIMultiDict[str]) -> None:
         """Map ``headers``' ``Location`` and ``Content-Location`` fields (every line of each)
@@ -88,7 +100,10 @@ class Relocation:
             if not rest.startswith(base) or rest[len(base):len(base) + 1] != "/":
                 return location  # outside the base path (the base itself included)
             rest = rest[len(base):]
-        return self._prefix + rest
+        mapped = self._prefix + rest
+        if self._beneath and mapped.startswith(self._beneath):
+            return location  # another route's path: following it would take this one's call there
+        return mapped
 
     def _same_origin(self, scheme: str, authority: str) -> bool:
         hostport = authority.rpartition("@")[2].lower()  # user info is not the origin's

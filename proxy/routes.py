@@ -135,7 +135,7 @@ class Route:
                  global_fanout: FanoutWidth | None = None, global_fanout_wait: float = 0.0,
                  state: StateBackends | None = None,
                  identity_headers: Collection[str] = (),
-                 forms: FormReader | None = None) -> None:
+                 forms: FormReader | None = None, prefixes: Collection[str] = ()) -> None:
         """Build the route and its policy objects; nothing live is touched (no gauge bound, no
         shared object changed), so a route built and then dropped leaves no trace.
 
@@ -144,7 +144,8 @@ class Route:
         ``identity_headers``: the tenant, run, parent run and priority headers, whose
         underscore look-alikes are not forwarded (:func:`proxy.forward.request_drop`).
         ``forms``: reads a form's model, the runtime's (its worker thread shut down with it);
-        a route's own if none is given.
+        a route's own if none is given. ``prefixes``: every route's prefix in the config, so
+        that a redirect is never mapped onto another route's (:mod:`proxy.locations`).
         """
         self.config = config
         #: Where the policies keep their counters: this process's memory, or Redis shared by
@@ -155,7 +156,7 @@ class Route:
         self.protocol = config.protocol
         self.upstream_base = config.upstream
         #: A redirect's ``Location`` mapped back onto this route (``proxy.locations``).
-        self.locations = Relocation(self.prefix, self.upstream_base)
+        self.locations = Relocation(self.prefix, self.upstream_base, prefixes)
         #: The upstream URL carries user info: aiohttp sends it as HTTP Basic credentials,
         #: and refuses a request that also has an Authorization header.
         self.own_credentials = "@" in urllib.parse.urlsplit(config.upstream).netloc

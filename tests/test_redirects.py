@@ -43,6 +43,8 @@ class RedirectingUpstream:
             "/api/base": "/api",
             "/away": "http://127.0.0.1:9/x",
             "/relative": "models",
+            "/b": f"{own}/b/",  # route /a/'s trailing-slash redirect, onto route /a/b/
+            "/b-path": "/b/",
         }
         if path in locations:
             return web.Response(status=307, headers={"Location": locations[path]})
@@ -136,5 +138,29 @@ async def test_a_replayed_redirect_points_where_the_first_one_did(start_sluice):
         assert answers == [(307, "/raw/mcp/?session=1", None),
                            (307, "/raw/mcp/?session=1", "true")]
         assert upstream.seen == [("/mcp", True)]
+    finally:
+        await runner.cleanup()
+
+
+async def test_never_mapped_onto_a_longer_prefix_of_another_route(start_sluice, upstream):
+    """Routes ``/a/`` and ``/a/b/``: ``/a/``'s upstream redirecting ``/b`` to ``/b/`` is not
+    mapped to ``/a/b/`` (route ``/a/b/``'s, which would get ``/a/``'s call and its
+    Authorization): the Location is relayed as it came."""
+    a = RedirectingUpstream()
+    runner = await a.start()
+    try:
+        sluice = await start_sluice({"routes": [
+            {"name": "a", "path_prefix": "/a/", "upstream": a.url, "protocol": "http"},
+            {"name": "ab", "path_prefix": "/a/b/", "upstream": upstream.url,
+             "protocol": "http"}]})
+        async with aiohttp.ClientSession() as session:
+            for path, location in (("/a/b", f"{a.url}/b/"), ("/a/b-path", "/b/"),
+                                   ("/a/v1/models", "/a/v1/models/")):  # route /a/'s: mapped
+                async with session.get(sluice.url + path, allow_redirects=False) as r:
+                    assert (r.status, r.headers["Location"]) == (307, location)
+        async with httpx.AsyncClient(follow_redirects=True) as client:
+            r = await client.get(f"{sluice.url}/a/b", headers={"Authorization": "Bearer a"})
+            assert r.json() == {"path": "/b/", "query": ""}
+        assert upstream.requests == []
     finally:
         await runner.cleanup()
