@@ -63,6 +63,7 @@ from policies.concurrency import (
 from policies.idempotency import Replay, replay_response
 from policies.logs import PER_CALL
 from policies.operations import Plan
+from policies.paths import has_dot_segment
 from policies.pipeline import (
     ABANDONED,
     CLIENT_CANCELLED,
@@ -96,7 +97,7 @@ from proxy.identity import IdentityRejected, identify
 from proxy.mcp_tasks import CANCEL_BEFORE_DELETE_S, TASK_POLL, HeldTask
 from proxy.metrics import MAX_OPERATION_LABEL_CHARS
 from proxy.rejections import jsonrpc_id, refuse, refuse_at_edge, render
-from proxy.routes import Route, has_dot_segment
+from proxy.routes import Route
 from proxy.runtime import Polled, Runtime
 
 log = logging.getLogger("sluice")

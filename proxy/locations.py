@@ -24,6 +24,10 @@ they name a place under the route's upstream:
   base path itself without its last slash is outside too), a relative path (``models``:
   the client resolves it against the URL it called, at Sluice, so it stays there), a
   network-path reference (``//host/...``) or a value that is no URL;
+* a path with a dot-segment (``..``, ``.``, encoded or not, as
+  :func:`policies.paths.has_dot_segment` finds them): ``http://<upstream>/api/../admin/x``
+  under a base path ``/api`` would be ``/tools/../admin/x``, which a client resolves to
+  ``/admin/x``, another route's, with this one's ``Authorization``;
 * and a place whose mapped path another route owns: with routes ``/a/`` and ``/a/b/``, route
   ``/a/``'s upstream redirecting ``/b`` to ``/b/`` would be mapped to ``/a/b/``, which Sluice
   routes to ``/a/b/``'s upstream, and the client following it would take the call (its
@@ -39,6 +43,8 @@ from collections.abc import Collection
 
 from aiohttp import hdrs
 from multidict import CIMultiDict
+
+from policies.paths import has_dot_segment
 
 #: ``scheme://authority`` and what follows the authority (path, query, fragment).
 _ABSOLUTE = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://([^/?#]*)(.*)", re.S)
@@ -100,6 +106,8 @@ class Relocation:
             if not rest.startswith(base) or rest[len(base):len(base) + 1] != "/":
                 return location  # outside the base path (the base itself included)
             rest = rest[len(base):]
+        if has_dot_segment(rest.partition("#")[0]):
+            return location  # the client would resolve it: /tools/../admin/ is /admin/
         mapped = self._prefix + rest
         if self._beneath and mapped.startswith(self._beneath):
             return location  # another route's path: following it would take this one's call there

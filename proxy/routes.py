@@ -16,7 +16,6 @@ import time
 import urllib.parse
 from collections.abc import Callable, Collection
 from typing import Any
-from urllib.parse import unquote
 
 from policies.accounting import Accounting
 from policies.bodies import FormReader
@@ -464,7 +463,7 @@ class Route:
         return out
 
 
-__all__ = ["Route", "Router", "carry_over", "has_dot_segment"]
+__all__ = ["Route", "Router", "carry_over"]
 
 
 class Router:
@@ -491,26 +490,6 @@ class Router:
             if raw_path.startswith(route.prefix):
                 return route
         return None
-
-
-def has_dot_segment(raw_path: str) -> bool:
-    """True if the path part has a ``.`` or ``..`` segment, plain or percent-encoded (once or
-    twice), with ``\\`` taken for a ``/`` too, and a segment's ``;parameters`` left out.
-
-    Such paths are refused rather than forwarded: an upstream that resolves them would serve a
-    path other than the one Sluice routed on (RFC 3986 §5.2.4); some servers (IIS, and
-    frameworks on Windows) also split segments at a backslash, Tomcat, Jetty and Spring drop
-    a segment's parameters before resolving (``/base/..;/admin`` is ``/admin`` to them), and
-    an upstream that decodes twice reads ``%252e`` as ``.`` (a hostile trial forwarded all
-    three). A path whose twice-decoded form holds no dot-segment is forwarded, ``%25`` or not.
-    """
-    if "." not in raw_path and "%" not in raw_path:
-        return False
-    path = unquote(raw_path.partition("?")[0])
-    if "%" in path:
-        path += "/" + unquote(path)  # both readings' segments, in one pass
-    return any(segment.partition(";")[0] in (".", "..")
-               for segment in path.replace("\\", "/").split("/"))
 
 
 def _counts_tool_errors(op: Operation) -> bool:

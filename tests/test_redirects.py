@@ -45,6 +45,8 @@ class RedirectingUpstream:
             "/relative": "models",
             "/b": f"{own}/b/",  # route /a/'s trailing-slash redirect, onto route /a/b/
             "/b-path": "/b/",
+            "/api/dots": f"{own}/api/../raw/x",  # /based/../raw/x: route raw's once resolved
+            "/api/encoded-dots": "/api/%2E%2e/raw/x",
         }
         if path in locations:
             return web.Response(status=307, headers={"Location": locations[path]})
@@ -107,6 +109,9 @@ async def test_location_mapped_under_the_base_path_only(start_sluice):
             assert await location("/based/base") == (307, "/api")
             assert await location("/raw/away") == (307, "http://127.0.0.1:9/x")
             assert await location("/raw/relative") == (307, "models")
+            # A dot-segment: mapped, the client would resolve it onto another route.
+            assert await location("/based/dots") == (307, f"{upstream.url}/api/../raw/x")
+            assert await location("/based/encoded-dots") == (307, "/api/%2E%2e/raw/x")
             # A 201's Location and Content-Location name the new resource.
             async with session.post(sluice.url + "/raw/created") as r:
                 assert r.status == 201
