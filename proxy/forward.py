@@ -25,10 +25,11 @@ bytes they describe; an answer without ``Content-Type`` is relayed without one
 * ``X-Forwarded-For`` gets the caller's address appended;
 * ``Idempotency-Key`` is set when the route's idempotency policy chose the key (derived or
   fresh); a caller's own key passes as it came;
-* on the answer, a 3xx's or 201's ``Location`` and ``Content-Location`` under the route's
-  upstream are mapped back onto the route (:mod:`proxy.locations`), so that a client
-  following a redirect stays inside Sluice; ``Server`` is the upstream's, or ``sluice``
-  when it sent none (:func:`proxy.server.serve`). No ``Via`` is added either way;
+* on an answer other than a 200, ``Location``, ``Content-Location`` and ``Refresh``'s URL
+  under the route's upstream are mapped back onto the route (:mod:`proxy.locations`), so
+  that a client following a redirect (or polling a 202's ``Location``) stays inside
+  Sluice; ``Server`` is the upstream's, or ``sluice`` when it sent none
+  (:func:`proxy.server.serve`). No ``Via`` is added either way;
   trailers of a chunked answer are not relayed (aiohttp's client drops them).
 
 A response is streamed chunk by chunk as it arrives (``iter_any``), so SSE events reach the
@@ -608,7 +609,7 @@ async def relay(
     relayed (its attempt's ``timeouts.total``): a caller whose connection still cannot take
     more of it then has that connection cut (:class:`_Deadline`), as if it had left.
     ``locations``: the route's mapping of a redirect's ``Location`` back onto Sluice
-    (:mod:`proxy.locations`), applied to a 3xx or 201 answer before ``capture`` sees it, so
+    (:mod:`proxy.locations`), applied to any answer but a 200 before ``capture`` sees it, so
     that a replay of it from its key's record points where the first caller was sent.
 
     Returns:
@@ -645,7 +646,7 @@ async def relay(
                            "it answered with a transfer coding other than chunked, which "
                            "Sluice does not relay")
         headers = _copy_headers(upstream_headers, _RESPONSE_DROP)
-        if status != 200 and locations is not None and (300 <= status < 400 or status == 201):
+        if status != 200 and locations is not None:  # a 200's are relayed as they came
             locations.rewrite(headers)
         if not "".join(headers.values()).isascii():  # in C: one pass over every value
             _warn_undecodable(headers, call)

@@ -9,8 +9,15 @@ http://<upstream host:port>/mcp/``, and the MCP and OpenAI SDKs sent the call ag
 to the upstream, past every limit; a path alone (``Location: /v1/models``) lacks the route's
 prefix, and got 404 ``no_route`` from Sluice (a hostile trial).
 
-So in a redirect (3xx) or a 201, ``Location`` and ``Content-Location`` are mapped back when
-they name a place under the route's upstream:
+So in any answer but a 200, ``Location``, ``Content-Location`` and the URL of ``Refresh``
+are mapped back when they name a place under the route's upstream (a redirect's 3xx; a
+201's new resource; the 202 Accepted whose ``Location`` a client polls for a job's end, as
+long-running REST APIs answer; whatever the status, as nginx's ``proxy_redirect`` maps on
+any). A 200's are relayed as they came: most answers are 200, and they pay one comparison
+for this (a 200's ``Content-Location`` names the representation sent, which no client
+follows). ``Refresh`` is mapped in its ``<seconds>; url=<URL>`` form (``url=`` in any case,
+the URL quoted or not), as nginx maps it; the WHATWG form without ``url=`` is relayed as
+it came.
 
 * an absolute URL whose origin (scheme, host, port, 80 and 443 when none is written;
   compared as written, no name is looked up) is the upstream's and whose path is under the
@@ -39,18 +46,23 @@ from __future__ import annotations
 
 import re
 import urllib.parse
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 from aiohttp import hdrs
-from multidict import CIMultiDict
+from multidict import CIMultiDict, istr
 
 from policies.paths import has_dot_segment
 
 #: ``scheme://authority`` and what follows the authority (path, query, fragment).
 _ABSOLUTE = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://([^/?#]*)(.*)", re.S)
 _DEFAULT_PORTS = {"http": 80, "https": 443}
-#: The fields mapped, in the answers that carry one that is a redirect's or a new resource's.
+#: The fields whose whole value is mapped.
 _FIELDS = (hdrs.LOCATION, hdrs.CONTENT_LOCATION)
+#: ``Refresh`` (aiohttp's ``hdrs`` names it not), whose URL is mapped.
+_REFRESH = istr("Refresh")
+#: ``Refresh: <seconds>; url=<URL>``: up to the URL, its opening quote, the URL, the rest.
+_REFRESH_URL = re.compile(r"""([^;,]*[;,][ \t]*url[ \t]*=[ \t]*)(['"]?)(.*?)(\2[ \t]*)""",
+                      re.I | re.S)
 
 
 class Relocation:
@@ -76,17 +88,19 @@ class Relocation:
                               if len(other) > len(prefix) and other.startswith(prefix))
 
     def rewrite(self, headers: CIMultiDict[str]) -> None:
-        """Map ``headers``' ``Location`` and ``Content-Location`` fields (every line of each)
-        in place; unchanged where they name no place under the upstream."""
+        """Map ``headers``' ``Location``, ``Content-Location`` and ``Refresh`` fields (every
+        line of each) in place; unchanged where they name no place under the upstream."""
         for name in _FIELDS:
-            values = headers.getall(name, None)
-            if values is None:
-                continue
-            mapped = [self.mapped(value) for value in values]
-            if mapped != values:
-                headers.popall(name)
-                for value in mapped:
-                    headers.add(name, value)
+            _replace(headers, name, self.mapped)
+        _replace(headers, _REFRESH, self.refreshed)
+
+    def refreshed(self, refresh: str) -> str:
+        """A ``Refresh`` value with its URL :meth:`mapped` (``0; url=/tools/x`` for ``0;
+        url=http://<upstream>/x``); unchanged without ``url=``."""
+        found = _REFRESH_URL.fullmatch(refresh)
+        if found is None:
+            return refresh
+        return found[1] + found[2] + self.mapped(found[3]) + found[4]
 
     def mapped(self, location: str) -> str:
         """``location`` as the caller of Sluice should follow it (see the module docstring)."""
@@ -130,3 +144,15 @@ class Relocation:
         else:
             number = _DEFAULT_PORTS.get(scheme)
         return (scheme, host, number) == self._origin
+
+
+def _replace(headers: CIMultiDict[str], name: str, mapping: Callable[[str], str]) -> None:
+    """Every ``name`` line of ``headers`` through ``mapping``, in place, where one changes."""
+    values = headers.getall(name, None)
+    if values is None:
+        return
+    mapped = [mapping(value) for value in values]
+    if mapped != values:
+        headers.popall(name)
+        for value in mapped:
+            headers.add(name, value)

@@ -54,6 +54,14 @@ class RedirectingUpstream:
             return web.json_response({"id": 1}, status=201,
                                      headers={"Location": f"{own}/items/1",
                                               "Content-Location": f"{own}/items/1?v=2"})
+        if path == "/jobs":  # a long-running job: poll its Location
+            return web.json_response({"id": "j1"}, status=202,
+                                     headers={"Location": f"{own}/jobs/j1",
+                                              "Refresh": f'5; URL="{own}/jobs/j1"'})
+        if path == "/gone":
+            return web.json_response({}, status=410, headers={"Location": f"{own}/new"})
+        if path == "/same":  # a 200's are relayed as they came
+            return web.json_response({}, headers={"Content-Location": f"{own}/same.json"})
         if path in ("/v1/models/", "/api/v1/models"):
             return web.json_response({"object": "list", "data": []})
         return web.json_response({"path": path, "query": request.query_string})
@@ -167,5 +175,26 @@ async def test_never_mapped_onto_a_longer_prefix_of_another_route(start_sluice, 
             r = await client.get(f"{sluice.url}/a/b", headers={"Authorization": "Bearer a"})
             assert r.json() == {"path": "/b/", "query": ""}
         assert upstream.requests == []
+    finally:
+        await runner.cleanup()
+
+
+async def test_mapped_in_any_answer_but_a_200(start_sluice):
+    """A 202's ``Location`` (the job a client polls), a 4xx's, and ``Refresh``'s URL are
+    mapped as a 3xx's are; a 200's fields are relayed as they came."""
+    upstream = RedirectingUpstream()
+    runner = await upstream.start()
+    try:
+        sluice = await start_sluice({"routes": [route("raw", upstream.url, "http")]})
+        async with aiohttp.ClientSession() as session:
+            async with session.post(sluice.url + "/raw/jobs", json={}) as r:
+                assert r.status == 202
+                assert r.headers["Location"] == "/raw/jobs/j1"
+                assert r.headers["Refresh"] == '5; URL="/raw/jobs/j1"'
+            async with session.get(sluice.url + "/raw/gone") as r:
+                assert (r.status, r.headers["Location"]) == (410, "/raw/new")
+            async with session.get(sluice.url + "/raw/same") as r:
+                assert r.status == 200
+                assert r.headers["Content-Location"] == f"{upstream.url}/same.json"
     finally:
         await runner.cleanup()
