@@ -422,6 +422,8 @@ class EdgeServer(GuardedServer):
             declared = digits_value(length)
         elif hdrs.TRANSFER_ENCODING in headers:  # chunked: its length is known once read,
             declared = door.max_request_bytes    # so it counts as the most it may be
+            if hdrs.UPGRADE in headers and asks_websocket(request):
+                declared = 0  # no hold: the handler refuses it as a handshake (asks_websocket)
         else:
             declared = 0
         hold = None
@@ -451,6 +453,30 @@ class EdgeServer(GuardedServer):
         # Held from here (the handler takes the body's bytes in its first step, with no
         # await since this check) to the end of its call.
         return self._handler(rt, request, hold)
+
+
+def asks_websocket(request: web.BaseRequest) -> bool:
+    """Whether ``request`` is a WebSocket handshake Sluice refuses 501
+    ``websocket_not_supported`` (:func:`proxy.handler._serve`, before anything is taken or
+    sent): ``websocket`` (any case, any version) among its ``Upgrade`` protocols, on any of
+    its lines, in an HTTP/1.1 request. Sluice relays no WebSocket, and Upgrade is
+    hop-by-hop: forwarded, the handshake went upstream as a plain GET, and the caller got
+    the upstream's puzzling 400 (a hostile trial).
+
+    The rule, the cheapest exact one: asked (by the handler) of a request the edge holds no
+    body for, which is one without a body (no ``Content-Length``, or 0: a handshake is a GET
+    sent with none, RFC 6455 §4.1) or one with chunked framing (asked by the edge, which
+    then takes no hold, so the handler asks it too). A chunked body's emptiness is known
+    only once read, after this check: a chunked request with ``Upgrade: websocket`` is
+    refused whatever its body, where a ``Content-Length`` body (an LLM API's POST) makes the
+    request no handshake, its ``Upgrade`` ignored (RFC 9110 §7.8 lets a server) and the
+    call served; so neither pays a look-up of ``Upgrade``, only a request without a body
+    or a chunked one does. An HTTP/1.0 request's ``Upgrade`` is ignored (RFC 9110 §7.8: a
+    server MUST), and so is another protocol (``h2c``): such a request is served over
+    HTTP/1.1. Called only when ``Upgrade`` is present."""
+    return request.version >= HttpVersion11 and any(
+        token.partition("/")[0].strip().lower() == "websocket"
+        for line in request.headers.getall(hdrs.UPGRADE) for token in line.split(","))
 
 
 def buffers_full(rt: Runtime, limit: int) -> Rejected:

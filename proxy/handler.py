@@ -51,7 +51,7 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from aiohttp import web
-from multidict import CIMultiDictProxy, istr
+from multidict import istr
 
 from policies import mcp
 from policies.concurrency import (
@@ -78,7 +78,7 @@ from policies.reasons import Reason, Rejected
 from policies.retry import is_client_retry
 from policies.runs import FanoutWidth
 from proxy import attempts, session_end
-from proxy.edge import BODY_CUT, BodyHold, sent_and_closed
+from proxy.edge import BODY_CUT, BodyHold, asks_websocket, sent_and_closed
 from proxy.forward import (
     RELAYED_STREAM,
     RESUMED_ANSWER,
@@ -110,21 +110,7 @@ _SECONDS = re.compile(r"[0-9]{1,9}(?:\.[0-9]{1,9})?")
 #: The Stainless SDKs' own timeout headers (istr: looked up without lower-casing each time).
 _STAINLESS_TIMEOUT = istr("x-stainless-timeout")
 _STAINLESS_READ_TIMEOUT = istr("x-stainless-read-timeout")
-_UPGRADE = istr("upgrade")
-
-
-def _asks_websocket(headers: CIMultiDictProxy[str]) -> bool:
-    """Whether the request asks to switch to a WebSocket: ``websocket`` (any case, any
-    version) among its ``Upgrade`` protocols, on any of its lines. Sluice relays no
-    WebSocket, and Upgrade is hop-by-hop: forwarded, the handshake went upstream as a plain
-    GET, and the caller got the upstream's puzzling 400 (a hostile trial); it is refused
-    501 ``websocket_not_supported`` before anything is taken or sent. Asked only of a
-    request without a body: a handshake is a GET sent with none (RFC 6455 §4.1), and a
-    request with one is no handshake, so its ``Upgrade`` is ignored, as RFC 9110 §7.8 lets
-    a server, and it is served. Another protocol (``h2c``) is ignored too: the request is
-    served over HTTP/1.1."""
-    return any(token.partition("/")[0].strip().lower() == "websocket"
-               for line in headers.getall(_UPGRADE) for token in line.split(","))
+_UPGRADE = istr("upgrade")  # looked up here first: asks_websocket is called only with one
 
 
 def _caller_timeout(request: web.BaseRequest, header: str) -> tuple[float | None, bool]:
@@ -328,9 +314,10 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
         return _reject(rt, route, Rejected(Reason.BAD_REQUEST, None, "dot-segments in path"),
                        request_id, tenant, run)
     if hold is None:
-        # No body: only such a request can be a WebSocket handshake (a GET, which clients
-        # send with none), so a call with one (an LLM API's POST) pays nothing for this.
-        if _UPGRADE in headers and _asks_websocket(headers):
+        # No body held: no body, or a chunked WebSocket handshake (the edge takes no hold
+        # for one, asks_websocket): a call with a Content-Length body (an LLM API's POST)
+        # pays nothing for this.
+        if _UPGRADE in headers and asks_websocket(request):
             return _reject(rt, route, Rejected(Reason.WEBSOCKET_NOT_SUPPORTED, None),
                            request_id, tenant, run)
     elif hold.continues:

@@ -57,3 +57,36 @@ async def test_refusal_body_and_other_upgrades(upstream, start_sluice):
             assert r.status == 200
     assert [seen.path_qs for seen in upstream.requests] == ["/h2c", "/posted"]
     assert all("Upgrade" not in seen.headers for seen in upstream.requests)
+
+
+_HANDSHAKE = (b"Connection: Upgrade\r\nSec-WebSocket-Version: 13\r\n"
+              b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n")
+
+
+async def test_chunked_handshake_refused_and_http_1_0_upgrade_ignored(upstream, start_sluice):
+    """A chunked request asking for a WebSocket is refused whatever its body (an empty one
+    had a body hold, and went upstream as a plain GET); a chunked one with another Upgrade
+    is served with its body; an HTTP/1.0 request's Upgrade is ignored (RFC 9110 §7.8: a
+    server MUST), and it is served."""
+    sluice = await start_sluice({"routes": [route("tools", upstream.url, "http")]})
+
+    async def status(data: bytes) -> bytes:
+        return (await raw_request(sluice.port, data)).partition(b"\r\n")[0]
+
+    chunked = b"Transfer-Encoding: chunked\r\nConnection: close\r\n"
+    assert await status(b"GET /tools/empty HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                        b"Upgrade: websocket\r\n" + _HANDSHAKE + chunked
+                        + b"\r\n0\r\n\r\n") == b"HTTP/1.1 501 Not Implemented"
+    assert await status(b"POST /tools/full HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                        b"Upgrade: websocket\r\n" + chunked
+                        + b"\r\n2\r\n{}\r\n0\r\n\r\n") == b"HTTP/1.1 501 Not Implemented"
+    assert await status(b"POST /tools/h2c HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                        b"Upgrade: h2c\r\n" + chunked
+                        + b"\r\n2\r\n{}\r\n0\r\n\r\n") == b"HTTP/1.1 200 OK"
+    assert await status(b"GET /tools/h10 HTTP/1.0\r\nHost: 127.0.0.1\r\n"
+                        b"Upgrade: websocket\r\n" + _HANDSHAKE + b"\r\n") == b"HTTP/1.0 200 OK"
+    assert [(seen.path_qs, seen.body) for seen in upstream.requests] == [
+        ("/h2c", b"{}"), ("/h10", b"")]
+    assert await sluice.metric("sluice_rejections_total", route="tools",
+                               reason="websocket_not_supported") == 2
+    assert await sluice.metric("sluice_buffered_request_bytes") == 0
