@@ -1,5 +1,7 @@
 """Where an upstream's redirect points, mapped back onto Sluice so that following it stays
-inside Sluice (nginx's ``proxy_redirect default``).
+inside Sluice: like nginx's ``proxy_redirect default`` (``Location`` and ``Refresh`` URLs
+starting with the upstream's), plus absolute-path ``Location`` values and
+``Content-Location``, on every status but 200.
 
 Sluice forwards without following redirects (``allow_redirects=False``): the caller gets the
 upstream's 3xx and follows it itself, as the SDKs do (httpx with ``follow_redirects=True``).
@@ -17,7 +19,7 @@ any). A 200's are relayed as they came: most answers are 200, and they pay one c
 for this (a 200's ``Content-Location`` names the representation sent, which no client
 follows). ``Refresh`` is mapped in its ``<seconds>; url=<URL>`` form (``url=`` in any case,
 the URL quoted or not), as nginx maps it; the WHATWG form without ``url=`` is relayed as
-it came.
+it came. A value is mapped thus:
 
 * an absolute URL whose origin (scheme, host, port, 80 and 443 when none is written;
   compared as written, no name is looked up) is the upstream's and whose path is under the
@@ -29,8 +31,8 @@ it came.
 * anything else is relayed unchanged: another origin (Sluice is no open proxy, and the
   caller may mean to go there), a path outside the base path (Sluice has no URL for it; the
   base path itself without its last slash is outside too), a relative path (``models``:
-  the client resolves it against the URL it called, at Sluice, so it stays there), a
-  network-path reference (``//host/...``) or a value that is no URL;
+  the client resolves it against the URL it called, at Sluice), a network-path reference
+  (``//host/...``) or a value that is no URL;
 * a path with a dot-segment (``..``, ``.``, encoded or not, as
   :func:`policies.paths.has_dot_segment` finds them): ``http://<upstream>/api/../admin/x``
   under a base path ``/api`` would be ``/tools/../admin/x``, which a client resolves to
@@ -40,6 +42,10 @@ it came.
   routes to ``/a/b/``'s upstream, and the client following it would take the call (its
   ``Authorization``, a 307's body) there. A mapped value is one the client's next request
   reaches this route by, or there is none.
+
+Unchanged is not contained: an upstream can always name another URL (another host; a path,
+or a relative one, that resolves onto another route at Sluice), and the client follows it
+with the headers it sent. The mapping keeps a client on its route only where it maps.
 """
 
 from __future__ import annotations
