@@ -144,8 +144,8 @@ class Relocation:
             host, _, port = hostport.partition(":")
         scheme = scheme.lower()
         if port:
-            if not port.isascii() or not port.isdigit():
-                return False
+            if not port.isascii() or not port.isdigit() or len(port) > 5:
+                return False  # more digits than 65535's: int() refuses 4,300 and more
             number: int | None = int(port)
         else:
             number = _DEFAULT_PORTS.get(scheme)

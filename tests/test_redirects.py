@@ -47,6 +47,7 @@ class RedirectingUpstream:
             "/b-path": "/b/",
             "/api/dots": f"{own}/api/../raw/x",  # /based/../raw/x: route raw's once resolved
             "/api/encoded-dots": "/api/%2E%2e/raw/x",
+            "/long-port": "http://127.0.0.1:" + "0" * 4400 + "1/x",  # int() refuses 4300+
         }
         if path in locations:
             return web.Response(status=307, headers={"Location": locations[path]})
@@ -117,6 +118,8 @@ async def test_location_mapped_under_the_base_path_only(start_sluice):
             assert await location("/based/base") == (307, "/api")
             assert await location("/raw/away") == (307, "http://127.0.0.1:9/x")
             assert await location("/raw/relative") == (307, "models")
+            assert await location("/raw/long-port") == (
+                307, "http://127.0.0.1:" + "0" * 4400 + "1/x")
             # A dot-segment: mapped, the client would resolve it onto another route.
             assert await location("/based/dots") == (307, f"{upstream.url}/api/../raw/x")
             assert await location("/based/encoded-dots") == (307, "/api/%2E%2e/raw/x")
