@@ -66,9 +66,8 @@ _DEFAULT_PORTS = {"http": 80, "https": 443}
 _FIELDS = (hdrs.LOCATION, hdrs.CONTENT_LOCATION)
 #: ``Refresh`` (aiohttp's ``hdrs`` names it not), whose URL is mapped.
 _REFRESH = istr("Refresh")
-#: ``Refresh: <seconds>; url=<URL>``: up to the URL, its opening quote, the URL, the rest.
-_REFRESH_URL = re.compile(r"""([^;,]*[;,][ \t]*url[ \t]*=[ \t]*)(['"]?)(.*?)(\2[ \t]*)""",
-                      re.I | re.S)
+#: ``Refresh: <seconds>; url=``, up to the URL (one pass: nothing after it is matched).
+_REFRESH_URL = re.compile(r"[^;,]*[;,][ \t]*url[ \t]*=[ \t]*", re.I)
 
 
 class Relocation:
@@ -103,10 +102,16 @@ class Relocation:
     def refreshed(self, refresh: str) -> str:
         """A ``Refresh`` value with its URL :meth:`mapped` (``0; url=/tools/x`` for ``0;
         url=http://<upstream>/x``); unchanged without ``url=``."""
-        found = _REFRESH_URL.fullmatch(refresh)
+        found = _REFRESH_URL.match(refresh)
         if found is None:
             return refresh
-        return found[1] + found[2] + self.mapped(found[3]) + found[4]
+        at = found.end()
+        url = refresh[at:].rstrip(" \t")
+        tail = refresh[at + len(url):]
+        quote = url[:1]
+        if quote in ("'", '"') and len(url) > 1 and url[-1] == quote:
+            return refresh[:at] + quote + self.mapped(url[1:-1]) + quote + tail
+        return refresh[:at] + self.mapped(url) + tail
 
     def mapped(self, location: str) -> str:
         """``location`` as the caller of Sluice should follow it (see the module docstring)."""
