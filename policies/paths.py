@@ -6,7 +6,7 @@ the character itself, and upstreams decode it before routing (aiohttp, Starlette
 would let the encoded spelling dodge it, so it matches :func:`decode_unreserved` of it.
 Encoded reserved characters (``%2F``) stay encoded there: to some upstreams they are data,
 not separators (encoded dot-segments are refused at the door,
-``proxy.routes.has_dot_segment``). But others route on a more lenient reading,
+``has_dot_segment``). But others route on a more lenient reading,
 :func:`as_routed`: uvicorn hands Starlette the fully decoded path (``/v1/jobs%2F3`` is
 ``/v1/jobs/3`` there), nginx merges runs of slashes, Express ignores a trailing one. So a
 policy keyed on a path applies when either reading matches it: metering
@@ -25,6 +25,7 @@ them is matched without them too (:func:`without_params`): ``/V1/JOBS/3``,
 from __future__ import annotations
 
 import re
+from urllib.parse import unquote
 
 _ENCODED_UNRESERVED = re.compile(
     r"%(4[1-9A-Fa-f]|5[0-9Aa]|6[1-9A-Fa-f]|7[0-9Aa]|3[0-9]|2[DEde]|5[Ff]|7[Ee])")
@@ -78,3 +79,25 @@ def deployment_named(path: str) -> str | None:
     Azure picks the model by it, whatever the body's ``model`` says."""
     found = _DEPLOYMENT.search(as_routed(decode_unreserved(path.partition("?")[0])))
     return found.group(1) if found is not None else None
+
+
+def has_dot_segment(raw_path: str) -> bool:
+    """True if the path part has a ``.`` or ``..`` segment, plain or percent-encoded (once or
+    twice), with ``\\`` taken for a ``/`` too, and a segment's ``;parameters`` left out.
+
+    Such paths are refused rather than forwarded: an upstream that resolves them would serve a
+    path other than the one Sluice routed on (RFC 3986 §5.2.4); some servers (IIS, and
+    frameworks on Windows) also split segments at a backslash, Tomcat, Jetty and Spring drop
+    a segment's parameters before resolving (``/base/..;/admin`` is ``/admin`` to them), and
+    an upstream that decodes twice reads ``%252e`` as ``.`` (a hostile trial forwarded all
+    three). A path whose twice-decoded form holds no dot-segment is forwarded, ``%25`` or not.
+    An upstream's redirect to such a path is not mapped onto the route either
+    (:mod:`proxy.locations`): a client resolves the segments, onto another route maybe.
+    """
+    if "." not in raw_path and "%" not in raw_path:
+        return False
+    path = unquote(raw_path.partition("?")[0])
+    if "%" in path:
+        path += "/" + unquote(path)  # both readings' segments, in one pass
+    return any(segment.partition(";")[0] in (".", "..")
+               for segment in path.replace("\\", "/").split("/"))

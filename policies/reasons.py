@@ -75,6 +75,10 @@ class Reason(enum.Enum):
     UNPRICED_MODEL = (
         "unpriced_model", 400, "the model has no price and this route has a usd budget"
     )
+    WEBSOCKET_NOT_SUPPORTED = (
+        "websocket_not_supported", 501,
+        "Sluice does not relay WebSockets: it proxies HTTP requests and their answers only",
+    )
     # The caller or its connection, refused at the door (proxy/edge.py, proxy/identity.py).
     UNKNOWN_API_KEY = (
         "unknown_api_key", 401, "Sluice could not tell the caller's tenant from an API key"
@@ -118,7 +122,7 @@ class Reason(enum.Enum):
 
 #: Statuses of refusals that no retry of the same request can turn into a success: what the
 #: request says (its path, host, headers, size, key or model) is what is refused.
-AS_SENT_NEVER = frozenset({400, 401, 403, 404, 413, 417, 421, 422, 431})
+AS_SENT_NEVER = frozenset({400, 401, 403, 404, 413, 417, 421, 422, 431, 501})
 
 
 class Rejected(Exception):

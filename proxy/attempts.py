@@ -297,7 +297,8 @@ async def forward(request: web.BaseRequest, rt: Runtime, route: Route, call: Cal
             try:
                 answer, outcome = await fwd.relay(
                     request, response, extra, capture, meter, call, finish,
-                    None if total is None or sent_at is None else sent_at + total)
+                    None if total is None or sent_at is None else sent_at + total,
+                    route.locations)
             except Rejected as error:  # not relayable (a bad status or header) or cut in time
                 await _verdict(tries, None, meter, cut=True)
                 call.status = error.reason.status

@@ -101,15 +101,15 @@
   Counted at its declared length from its head on, 8 connections declaring 32 MiB and
   sending 2 KiB/s held the whole bound for hours (a hostile trial);
 * ``Expect: 100-continue`` is answered by Sluice (``100 Continue`` before the body is read)
-  and never forwarded; any other expectation is refused with 417 ``expectation_failed``.
-  The 100 is sent just before the body is read (:meth:`BodyHold.invite`): after these
-  checks and the request path's own that need no body (a route must match, CONNECT is
-  refused, the caller's identity, dot-segments), so a caller refused by any of them is not
-  invited to upload first; and before admission, as Envoy sends it before its filters run:
-  a call its route's limits then refuse (429, 503) has sent its body. Admission
-  is not peeked at for it: most of it needs the body (a model's or a tool's limits, token
-  rates) or a round trip to Redis (shared limits), and a peek at the rest (the route's
-  queue, its breaker) would hold only for that moment, while the body is bounded by
+  and never forwarded; any other expectation is refused with 417 ``expectation_failed``. The
+  100 is sent just before the body is read (:meth:`BodyHold.invite`): after these checks and
+  the request path's own that need no body (a route must match, CONNECT is refused, the
+  caller's identity, dot-segments, a WebSocket upgrade), so a caller refused by any of them
+  is not invited to upload first; and before admission, as Envoy sends it before its filters
+  run: a call its route's limits then refuse (429, 503) has sent its body. Admission is not
+  peeked at for it: most of it needs the body (a model's or a tool's limits, token rates) or
+  a round trip to Redis (shared limits), and a peek at the rest (the route's queue, its
+  breaker) would hold only for that moment, while the body is bounded by
   ``max_request_bytes`` and counted in ``max_buffered_bytes`` as any other.
 
 Each limit is read from the config in force when a connection opens or a request arrives, so
@@ -272,14 +272,21 @@ _READ = 3  # a whole request has arrived (being handled, or answered and the con
 # aiohttp's keep-alive timer, idle_timeout, applies then)
 
 
+#: The ``Server`` field of the answers Sluice writes itself, and of a relayed one whose
+#: upstream sent none (Envoy's say ``envoy``): :func:`proxy.server.serve` makes it aiohttp's
+#: default, in place of one naming Python and aiohttp with their versions.
+SERVER_NAME = "sluice"
+
+
 def raw_answer(rejected: Rejected) -> bytes:
     """A whole HTTP/1.1 answer for ``rejected`` in the plain ``http`` shape, closing the
-    connection: for the edge's refusals, written straight to the transport."""
+    connection: for the edge's refusals, written straight to the transport (so with its own
+    ``Server``: aiohttp adds none here)."""
     body = rejection_body(rejected, "http")
     status = rejected.reason.status
     lines = [f"HTTP/1.1 {status} {HTTPStatus(status).phrase}",
              "Content-Type: application/json", f"Content-Length: {len(body)}",
-             "Connection: close"]
+             "Connection: close", f"Server: {SERVER_NAME}"]
     lines += [f"{name}: {value}" for name, value in rejection_headers(rejected).items()]
     return ("\r\n".join(lines) + "\r\n\r\n").encode("ascii") + body
 
@@ -415,6 +422,8 @@ class EdgeServer(GuardedServer):
             declared = digits_value(length)
         elif hdrs.TRANSFER_ENCODING in headers:  # chunked: its length is known once read,
             declared = door.max_request_bytes    # so it counts as the most it may be
+            if hdrs.UPGRADE in headers and asks_websocket(request):
+                declared = 0  # no hold: the handler refuses it as a handshake (asks_websocket)
         else:
             declared = 0
         hold = None
@@ -444,6 +453,30 @@ class EdgeServer(GuardedServer):
         # Held from here (the handler takes the body's bytes in its first step, with no
         # await since this check) to the end of its call.
         return self._handler(rt, request, hold)
+
+
+def asks_websocket(request: web.BaseRequest) -> bool:
+    """Whether ``request`` is a WebSocket handshake Sluice refuses 501
+    ``websocket_not_supported`` (:func:`proxy.handler._serve`, before anything is taken or
+    sent): ``websocket`` (any case, any version) among its ``Upgrade`` protocols, on any of
+    its lines, in an HTTP/1.1 request. Sluice relays no WebSocket, and Upgrade is
+    hop-by-hop: forwarded, the handshake went upstream as a plain GET, and the caller got
+    the upstream's puzzling 400 (a hostile trial).
+
+    The rule, the cheapest exact one: asked (by the handler) of a request the edge holds no
+    body for, which is one without a body (no ``Content-Length``, or 0: a handshake is a GET
+    sent with none, RFC 6455 §4.1) or one with chunked framing (asked by the edge, which
+    then takes no hold, so the handler asks it too). A chunked body's emptiness is known
+    only once read, after this check: a chunked request with ``Upgrade: websocket`` is
+    refused whatever its body, where a ``Content-Length`` body (an LLM API's POST) makes the
+    request no handshake, its ``Upgrade`` ignored (RFC 9110 §7.8 lets a server) and the
+    call served; so neither pays a look-up of ``Upgrade``, only a request without a body
+    or a chunked one does. An HTTP/1.0 request's ``Upgrade`` is ignored (RFC 9110 §7.8: a
+    server MUST), and so is another protocol (``h2c``): such a request is served over
+    HTTP/1.1. Called only when ``Upgrade`` is present."""
+    return request.version >= HttpVersion11 and any(
+        token.partition("/")[0].strip().lower() == "websocket"
+        for line in request.headers.getall(hdrs.UPGRADE) for token in line.split(","))
 
 
 def buffers_full(rt: Runtime, limit: int) -> Rejected:

@@ -24,7 +24,13 @@ bytes they describe; an answer without ``Content-Type`` is relayed without one
   on as sent;
 * ``X-Forwarded-For`` gets the caller's address appended;
 * ``Idempotency-Key`` is set when the route's idempotency policy chose the key (derived or
-  fresh); a caller's own key passes as it came.
+  fresh); a caller's own key passes as it came;
+* on an answer other than a 200, ``Location``, ``Content-Location`` and ``Refresh``'s URL
+  under the route's upstream are mapped back onto the route (:mod:`proxy.locations`), so
+  that a client following a redirect (or polling a 202's ``Location``) stays inside
+  Sluice; ``Server`` is the upstream's, or ``sluice`` when it sent none
+  (:func:`proxy.server.serve`). No ``Via`` is added either way;
+  trailers of a chunked answer are not relayed (aiohttp's client drops them).
 
 A response is streamed chunk by chunk as it arrives (``iter_any``), so SSE events reach the
 caller with no added buffering; a small, complete, non-streaming answer is read whole and sent
@@ -63,6 +69,7 @@ from policies.pipeline import Call
 from policies.reasons import Reason, Rejected
 from policies.untyped import UntypedResponse, UntypedStreamResponse
 from policies.usage import QUOTA, SERVER, Meter
+from proxy.locations import Relocation
 from proxy.rejections import rejection_body
 
 HOP_BY_HOP = frozenset(
@@ -587,6 +594,7 @@ async def relay(
     call: Call | None = None,
     finish: Finish | None = None,
     deadline: float | None = None,
+    locations: Relocation | None = None,
 ) -> tuple[web.StreamResponse, str]:
     """Relay an upstream answer to the caller, then release it; never retried.
 
@@ -600,6 +608,9 @@ async def relay(
     response. ``deadline``: monotonic seconds by which a streamed answer must have been
     relayed (its attempt's ``timeouts.total``): a caller whose connection still cannot take
     more of it then has that connection cut (:class:`_Deadline`), as if it had left.
+    ``locations``: the route's mapping of a redirect's ``Location`` back onto Sluice
+    (:mod:`proxy.locations`), applied to any answer but a 200 before ``capture`` sees it, so
+    that a replay of it from its key's record points where the first caller was sent.
 
     Returns:
         ``(response, outcome)`` as :func:`forward` does; a stream ``meter`` found ended by a
@@ -617,7 +628,8 @@ async def relay(
     guard: _Deadline | None = None
     try:
         status = upstream.status
-        if not 200 <= status <= 599:
+        # Most answers are 200: one test passes them (here and for their Location below).
+        if status != 200 and not 200 <= status <= 599:
             # 600-999 are invalid (RFC 9110 §15: treat as 5xx); the only final 1xx aiohttp
             # returns is 101, an upgrade Sluice never asks for (Upgrade is hop-by-hop).
             raise Rejected(Reason.UPSTREAM_UNREACHABLE, None,
@@ -634,6 +646,8 @@ async def relay(
                            "it answered with a transfer coding other than chunked, which "
                            "Sluice does not relay")
         headers = _copy_headers(upstream_headers, _RESPONSE_DROP)
+        if status != 200 and locations is not None:  # a 200's are relayed as they came
+            locations.rewrite(headers)
         if not "".join(headers.values()).isascii():  # in C: one pass over every value
             _warn_undecodable(headers, call)
         if capture is not None:

@@ -1,6 +1,7 @@
 """The request path, top to bottom.
 
-match route -> identify caller -> read body -> admit: the route's policies in order
+match route -> identify caller -> refuse what cannot be forwarded as sent (dot-segments, a
+WebSocket upgrade) -> read body -> admit: the route's policies in order
 (``Route.policies``: idempotency key, where a replay or a wait for an in-flight twin costs no
 quota and no slot; circuit breaker; rate; token accounting: token rate and budget reservation;
 the concurrency slot and its queue) -> forward (attempts with the breaker and retries,
@@ -62,6 +63,7 @@ from policies.concurrency import (
 from policies.idempotency import Replay, replay_response
 from policies.logs import PER_CALL
 from policies.operations import Plan
+from policies.paths import has_dot_segment
 from policies.pipeline import (
     ABANDONED,
     CLIENT_CANCELLED,
@@ -76,7 +78,7 @@ from policies.reasons import Reason, Rejected
 from policies.retry import is_client_retry
 from policies.runs import FanoutWidth
 from proxy import attempts, session_end
-from proxy.edge import BODY_CUT, BodyHold, sent_and_closed
+from proxy.edge import BODY_CUT, BodyHold, asks_websocket, sent_and_closed
 from proxy.forward import (
     RELAYED_STREAM,
     RESUMED_ANSWER,
@@ -95,7 +97,7 @@ from proxy.identity import IdentityRejected, identify
 from proxy.mcp_tasks import CANCEL_BEFORE_DELETE_S, TASK_POLL, HeldTask
 from proxy.metrics import MAX_OPERATION_LABEL_CHARS
 from proxy.rejections import jsonrpc_id, refuse, refuse_at_edge, render
-from proxy.routes import Route, has_dot_segment
+from proxy.routes import Route
 from proxy.runtime import Polled, Runtime
 
 log = logging.getLogger("sluice")
@@ -108,6 +110,7 @@ _SECONDS = re.compile(r"[0-9]{1,9}(?:\.[0-9]{1,9})?")
 #: The Stainless SDKs' own timeout headers (istr: looked up without lower-casing each time).
 _STAINLESS_TIMEOUT = istr("x-stainless-timeout")
 _STAINLESS_READ_TIMEOUT = istr("x-stainless-read-timeout")
+_UPGRADE = istr("upgrade")  # looked up here first: asks_websocket is called only with one
 
 
 def _caller_timeout(request: web.BaseRequest, header: str) -> tuple[float | None, bool]:
@@ -310,7 +313,14 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
     if has_dot_segment(raw_path):
         return _reject(rt, route, Rejected(Reason.BAD_REQUEST, None, "dot-segments in path"),
                        request_id, tenant, run)
-    if hold is not None and hold.continues:
+    if hold is None:
+        # No body held: no body, or a chunked WebSocket handshake (the edge takes no hold
+        # for one, asks_websocket): a call with a Content-Length body (an LLM API's POST)
+        # pays nothing for this.
+        if _UPGRADE in headers and asks_websocket(request):
+            return _reject(rt, route, Rejected(Reason.WEBSOCKET_NOT_SUPPORTED, None),
+                           request_id, tenant, run)
+    elif hold.continues:
         hold.invite()  # 100 Continue: every check needing no body (nor admission) has passed
     try:
         body = await request.read()

@@ -13,8 +13,8 @@ Headers on every answer Sluice writes itself:
   ``false``, with or without a wait, when the policy says retrying cannot help
   (``Rejected.retry``), e.g. a spent ``N/total`` budget, which it always is for a refusal
   of the request as sent (:data:`policies.reasons.AS_SENT_NEVER`: 400, 401, 403, 404, 413,
-  417, 421, 422, 431). The SDKs do not retry those statuses anyway; the header says so to
-  any other client too.
+  417, 421, 422, 431, 501). The SDKs do not retry those statuses but 501 (a 5xx to them)
+  anyway; the header says so to them and to any other client too.
 * ``X-Sluice-Reason``: the reason code.
 * For quota rejections, the IETF RateLimit fields (draft-ietf-httpapi-ratelimit-headers):
   ``RateLimit-Policy: "name";q=N;w=S`` and ``RateLimit: "name";r=R;t=S``, ``R`` the whole

@@ -16,7 +16,6 @@ import time
 import urllib.parse
 from collections.abc import Callable, Collection
 from typing import Any
-from urllib.parse import unquote
 
 from policies.accounting import Accounting
 from policies.bodies import FormReader
@@ -44,6 +43,7 @@ from policies.state import StateBackends, memory_backends
 from proxy.client import client_timeout
 from proxy.events import EventLog
 from proxy.forward import request_drop
+from proxy.locations import Relocation
 from proxy.metrics import BudgetGauges, Metrics, RouteMetrics
 
 
@@ -54,6 +54,8 @@ class Route:
         prefix: the path prefix it owns, with both slashes (``/openai/``).
         upstream_base: scheme, host and base path of the upstream, no trailing slash; the
             request path after the prefix is appended to it.
+        locations: maps a redirect's ``Location`` under ``upstream_base`` back to
+            ``prefix`` (:class:`proxy.locations.Relocation`).
         timeout: the aiohttp client timeout: ``connect`` to get a connection, ``total`` for the
             whole exchange including a streamed body (seconds).
         inflight: requests admitted through this object and not finished.
@@ -106,6 +108,7 @@ class Route:
         "idempotency",
         "inflight",
         "live",
+        "locations",
         "metrics",
         "name",
         "operations",
@@ -131,7 +134,7 @@ class Route:
                  global_fanout: FanoutWidth | None = None, global_fanout_wait: float = 0.0,
                  state: StateBackends | None = None,
                  identity_headers: Collection[str] = (),
-                 forms: FormReader | None = None) -> None:
+                 forms: FormReader | None = None, prefixes: Collection[str] = ()) -> None:
         """Build the route and its policy objects; nothing live is touched (no gauge bound, no
         shared object changed), so a route built and then dropped leaves no trace.
 
@@ -140,7 +143,8 @@ class Route:
         ``identity_headers``: the tenant, run, parent run and priority headers, whose
         underscore look-alikes are not forwarded (:func:`proxy.forward.request_drop`).
         ``forms``: reads a form's model, the runtime's (its worker thread shut down with it);
-        a route's own if none is given.
+        a route's own if none is given. ``prefixes``: every route's prefix in the config, so
+        that a redirect is never mapped onto another route's (:mod:`proxy.locations`).
         """
         self.config = config
         #: Where the policies keep their counters: this process's memory, or Redis shared by
@@ -150,6 +154,8 @@ class Route:
         self.prefix = config.path_prefix
         self.protocol = config.protocol
         self.upstream_base = config.upstream
+        #: A redirect's ``Location`` mapped back onto this route (``proxy.locations``).
+        self.locations = Relocation(self.prefix, self.upstream_base, prefixes)
         #: The upstream URL carries user info: aiohttp sends it as HTTP Basic credentials,
         #: and refuses a request that also has an Authorization header.
         self.own_credentials = "@" in urllib.parse.urlsplit(config.upstream).netloc
@@ -457,7 +463,7 @@ class Route:
         return out
 
 
-__all__ = ["Route", "Router", "carry_over", "has_dot_segment"]
+__all__ = ["Route", "Router", "carry_over"]
 
 
 class Router:
@@ -484,26 +490,6 @@ class Router:
             if raw_path.startswith(route.prefix):
                 return route
         return None
-
-
-def has_dot_segment(raw_path: str) -> bool:
-    """True if the path part has a ``.`` or ``..`` segment, plain or percent-encoded (once or
-    twice), with ``\\`` taken for a ``/`` too, and a segment's ``;parameters`` left out.
-
-    Such paths are refused rather than forwarded: an upstream that resolves them would serve a
-    path other than the one Sluice routed on (RFC 3986 §5.2.4); some servers (IIS, and
-    frameworks on Windows) also split segments at a backslash, Tomcat, Jetty and Spring drop
-    a segment's parameters before resolving (``/base/..;/admin`` is ``/admin`` to them), and
-    an upstream that decodes twice reads ``%252e`` as ``.`` (a hostile trial forwarded all
-    three). A path whose twice-decoded form holds no dot-segment is forwarded, ``%25`` or not.
-    """
-    if "." not in raw_path and "%" not in raw_path:
-        return False
-    path = unquote(raw_path.partition("?")[0])
-    if "%" in path:
-        path += "/" + unquote(path)  # both readings' segments, in one pass
-    return any(segment.partition(";")[0] in (".", "..")
-               for segment in path.replace("\\", "/").split("/"))
 
 
 def _counts_tool_errors(op: Operation) -> bool:

@@ -297,12 +297,13 @@ class Runtime:
         ident = config.identity
         identity = (ident.tenant_header, ident.run_header, ident.parent_run_header,
                     ident.priority_header, ident.timeout_header)
+        prefixes = [rc.path_prefix for rc in config.routes]
         routes = [
             Route(rc, self.events, pricing=config.pricing, clock=self.clock,
                   run_header=config.identity.run_header, runs=self.runs,
                   global_limits=global_limits, global_fanout=global_fanout,
                   global_fanout_wait=fanout.max_wait if fanout else 0.0, state=self.state,
-                  identity_headers=identity, forms=self.forms)
+                  identity_headers=identity, forms=self.forms, prefixes=prefixes)
             for rc in config.routes
         ]
         replaces = {route.name: running[route.name] for route in routes

@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from aiohttp import hdrs, web
+from aiohttp import hdrs, web, web_response
 from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client.exposition import choose_encoder
 
@@ -42,7 +42,7 @@ from policies.state import StateUnavailable
 from proxy.admin import add_admin_routes
 from proxy.attempts import DEAD_LETTER_WAIT_S
 from proxy.dlq import file_left_behind
-from proxy.edge import REQUEST_NOT_LOGGED, AdminServer, EdgeServer, parse_cause
+from proxy.edge import REQUEST_NOT_LOGGED, SERVER_NAME, AdminServer, EdgeServer, parse_cause
 from proxy.handler import handle
 from proxy.reload import RELOADER, Fingerprint, Reloader
 from proxy.runtime import RUNTIME, Runtime, cancel_live
@@ -302,6 +302,12 @@ async def serve(config: Config, config_path: str | None = None,
         await runtime.close()  # what opened before the failure (the upstream session)
         runtime.remove_created_files()
         raise
+    # aiohttp gives every answer without a Server field (Sluice's own, on both ports, and a
+    # relayed one whose upstream sent none) "Python/3.11 aiohttp/3.x", naming the stack and
+    # its versions, with headers.setdefault(hdrs.SERVER, SERVER_SOFTWARE), the name read from
+    # this module's globals; "sluice" instead, as Envoy's say "envoy". Set here, once, for
+    # no cost per request (tests/test_server_header.py fails if aiohttp stops reading it).
+    web_response.SERVER_SOFTWARE = SERVER_NAME
     proxy_runner = web.ServerRunner(build_proxy_server(runtime),
                                     shutdown_timeout=PROXY_SHUTDOWN_GRACE_S)
     admin_runner = AdminRunner(
