@@ -58,6 +58,7 @@ from policies.reasons import Reason
 if TYPE_CHECKING:
     from policies.budget import Budgets
     from policies.concurrency import ConcurrencyLimiter
+    from policies.state.eviction import Eviction
 
 #: LLM calls run from under a second to many minutes; the default buckets stop at 10 s.
 DURATION_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
@@ -726,6 +727,12 @@ class Metrics:
             "type, unreadable content), served as state.on_unavailable says while the backend "
             "stays up, by kind of state.", "what", read))
 
+    def bind_state_eviction(self, read: Callable[[], Eviction | None]) -> None:
+        """Export whether the Redis of the shared state evicts keys, as ``read()`` last read
+        it (policies/state/eviction.py): ``sluice_state_evicting_policy{policy}`` and
+        ``sluice_state_redis_evicted_keys``, both absent while unknown (``None``)."""
+        self._on_loop.register(_EvictionGauges(read))
+
     def bind_dead_letters_dropped(self, read: Callable[[], dict[str, float]]) -> None:
         """Export ``sluice_dead_letters_dropped_total{route}``: the oldest dead letters this
         replica's writes dropped to stay within ``dead_letter.max_records``
@@ -866,6 +873,44 @@ class _ReadCounter:
         for value, count in self._read().items():
             family.add_metric([value], count)
         yield family
+
+
+class _EvictionGauges:
+    """The Redis server's eviction policy and count, read at scrape time from ``read()``;
+    no sample while it is unknown (absent rather than NaN: an alert on it then neither fires
+    nor resolves on a value that means nothing)."""
+
+    def __init__(self, read: Callable[[], Eviction | None]) -> None:
+        self._read = read
+
+    def describe(self) -> list[Metric]:
+        return list(self._families())
+
+    def collect(self) -> Iterator[Metric]:
+        policy, evicted = self._families()
+        eviction = self._read()
+        if eviction is not None:
+            policy.add_metric([eviction.policy], 1.0 if eviction.evicting else 0.0)
+            evicted.add_metric([], eviction.evicted_keys)
+        yield policy
+        yield evicted
+
+    @staticmethod
+    def _families() -> tuple[GaugeMetricFamily, GaugeMetricFamily]:
+        return (
+            GaugeMetricFamily(
+                "sluice_state_evicting_policy",
+                "1 while the state's Redis has a maxmemory-policy that evicts keys (any but "
+                "noeviction, with a maxmemory set): at its maxmemory it deletes Sluice's "
+                "leases, markers and counters unseen; 0 with noeviction. Label policy: its "
+                "maxmemory-policy. Absent while unknown (Redis down, INFO refused).",
+                labels=["policy"]),
+            GaugeMetricFamily(
+                "sluice_state_redis_evicted_keys",
+                "Keys the state's Redis has evicted since it started (its INFO stats "
+                "evicted_keys, every program's keys, summed over a cluster's primaries), as "
+                "last read. Absent while unknown."),
+        )
 
 
 class RouteMetrics:

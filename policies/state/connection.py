@@ -34,7 +34,9 @@ no restart and no new client. A write, not a PING: a Redis at its ``maxmemory``
 (noeviction) answers PING and reads and refuses every write, and was marked up at each
 probe. A call sent before the backend was marked down and answered after does not mark it up
 either (a read, or a release, answered by such a Redis). While up, an idle backend is PINGed
-(:data:`HEARTBEAT_S`).
+(:data:`HEARTBEAT_S`). The same task reads whether the server evicts keys
+(:mod:`policies.state.eviction`) when the backend connects or answers again, and every
+:data:`~policies.state.eviction.CHECK_INTERVAL_S` while it is up.
 
 Keys: ``<prefix>:{<group>}:<kind>:...``. Everything one script touches shares the ``{group}``
 hash tag (a route's name, an idempotency key's digest...), so in a cluster each script runs
@@ -70,6 +72,7 @@ from policies.state.errors import (
     is_unavailable,
     key_fault,
 )
+from policies.state.eviction import CHECK_INTERVAL_S, EvictionWatch, read_eviction
 from policies.state.notify import RedisNotifier
 
 log = logging.getLogger("sluice.state")
@@ -355,11 +358,14 @@ class RedisState:
         timeout_s: bound on every call, seconds (``state.timeout``).
         max_connections: connections opened at most (per node, for a cluster).
         probe_interval_s: how often a backend marked down is probed, seconds.
+        eviction_check_s: how often the server's eviction policy and count are read while
+            the backend is up, seconds (:attr:`eviction`).
     """
 
     def __init__(self, url: str, prefix: str, timeout_s: float, *,
                  max_connections: int = MAX_CONNECTIONS,
-                 probe_interval_s: float = PROBE_INTERVAL_S) -> None:
+                 probe_interval_s: float = PROBE_INTERVAL_S,
+                 eviction_check_s: float = CHECK_INTERVAL_S) -> None:
         if timeout_s <= 0:
             raise ValueError("timeout_s must be positive")
         if "{" in prefix or "}" in prefix:
@@ -370,6 +376,11 @@ class RedisState:
         self.max_connections = max_connections
         self.probe_interval_s = probe_interval_s
         self.health = Health()
+        #: Whether the server evicts keys, as last read: ``sluice_state_evicting_policy``
+        #: and ``sluice_state_redis_evicted_keys``.
+        self.eviction = EvictionWatch()
+        self.eviction_check_s = eviction_check_s
+        self.health.on_change(self._eviction_unknown)
         #: Key faults met, by kind of state (:data:`KEY_FAULT_KINDS`), since start:
         #: ``sluice_state_key_faults_total``.
         self.key_faults: dict[str, int] = dict.fromkeys(KEY_FAULT_KINDS, 0)
@@ -396,6 +407,8 @@ class RedisState:
         """
         with contextlib.suppress(StateUnavailable):
             await self.probe()
+        if self.health.up:
+            await self.check_eviction()
         if self._monitor is None:
             self._monitor = asyncio.create_task(self._watch(), name="sluice-state-probe")
 
@@ -483,20 +496,41 @@ class RedisState:
                             self.key_faults[what], detail)
         return key_fault(detail)
 
+    async def check_eviction(self) -> None:
+        """Read whether the server evicts keys into :attr:`eviction` (two ``INFO`` calls,
+        within the timeout). Never raises, and never changes :attr:`health`: a read that
+        fails leaves it unknown (:meth:`~policies.state.eviction.EvictionWatch.failed`)."""
+        client = self._client
+        if client is None:
+            return
+        try:
+            async with Deadline(self.timeout_s):
+                found = await read_eviction(client)
+        except Exception as exc:
+            self.eviction.failed(exc, time.monotonic())
+        else:
+            self.eviction.read(found, time.monotonic())
+
+    def _eviction_unknown(self, up: bool, _error: str | None) -> None:
+        """A :meth:`Health.on_change` listener: down, what the server does is unknown; up
+        again, it is read at the probe task's next turn (the server may have been replaced)."""
+        self.eviction.unknown()
+
     async def _watch(self) -> None:
         while not self._closed:
             await asyncio.sleep(self.probe_interval_s)
             # While up, PING only when no call has succeeded lately: an idle replica still
             # notices an outage (its gauge and /readyz say so) before a request finds it.
-            if self.health.up and time.monotonic() - self._answered_at < HEARTBEAT_S:
-                continue
-            try:
-                await self.probe()
-            except StateUnavailable:
-                pass
-            except Exception as exc:  # a bug, not Redis: say so, keep probing
-                self.health.fail(describe(exc))
-                log.error("state backend probe: %s", describe(exc))
+            if not self.health.up or time.monotonic() - self._answered_at >= HEARTBEAT_S:
+                try:
+                    await self.probe()
+                except StateUnavailable:
+                    pass
+                except Exception as exc:  # a bug, not Redis: say so, keep probing
+                    self.health.fail(describe(exc))
+                    log.error("state backend probe: %s", describe(exc))
+            if self.health.up and self.eviction.due(time.monotonic(), self.eviction_check_s):
+                await self.check_eviction()
 
     @property
     def backstop_s(self) -> float:

@@ -1,0 +1,178 @@
+"""A hostile trial of Sluice's Redis faults (trial/redismem): under an evicting
+``maxmemory-policy`` Redis evicted Sluice's leases, idempotency markers and budget counters
+(a ``limit: 4`` route ran 14 calls at once, a 3,000-token budget spent 18,228) while
+``sluice_state_backend_up`` stayed 1 and nothing was logged. The policy and the server's
+``evicted_keys`` are now read (``INFO``) at connect and in the background, exported, and
+logged once when evicting; a read that fails leaves them absent and the backend up. Each test
+runs a ``redis-server`` of its own."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+import redis
+from prometheus_client import generate_latest
+
+from policies.state.connection import RedisState
+from policies.state.eviction import Eviction
+from proxy.metrics import Metrics
+from tests.conftest import route
+from tests.redis_servers import RedisCluster, RedisServer, new_prefix
+from tests.test_shared_rate_budget import own_state, post
+
+EVICTING = ("--maxmemory", "4mb", "--maxmemory-policy", "allkeys-lru")
+#: Reads this often in the tests that drive the state module, seconds.
+CHECK_S = 0.1
+
+
+def eviction_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.name == "sluice.state" and "maxmemory-policy" in r.getMessage()]
+
+
+async def until(condition: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.02)
+
+
+def rendered(state: RedisState) -> list[str]:
+    """The eviction gauges' samples as ``/metrics`` shows them."""
+    metrics = Metrics()
+    metrics.bind_state_eviction(lambda: state.eviction.last)
+    text = metrics.render(generate_latest, [], metrics.read_on_loop()).decode()
+    return [line for line in text.splitlines()
+            if line.startswith(("sluice_state_evicting_policy", "sluice_state_redis_evicted"))]
+
+
+async def test_an_evicting_redis_shows_in_the_gauges_and_one_warning(
+        upstream, start_sluice, tmp_path: Path) -> None:
+    server = RedisServer(tmp_path / "redis", extra=EVICTING).start()
+    try:
+        sluice = await start_sluice({"state": own_state(server, "local"), "routes": [
+            route("openai", upstream.url, concurrency={"limit": 4})]})
+        await sluice.wait_metric("sluice_state_evicting_policy", 1, policy="allkeys-lru")
+        samples = await sluice.metrics()
+        assert samples[("sluice_state_redis_evicted_keys", ())] == 0
+        assert samples[("sluice_state_backend_up", (("backend", "redis"),))] == 1
+        async with aiohttp.ClientSession() as session:
+            for _ in range(5):
+                status, _, _ = await post(session, sluice.url)
+                assert status == 200
+            async with session.get(sluice.admin_url + "/readyz") as ready:
+                assert ready.status == 200  # the calls work: the limits are what is at risk
+    finally:
+        server.stop()
+    (line,) = [line for line in sluice.stderr().splitlines() if "maxmemory-policy" in line]
+    assert " WARNING " in line and "maxmemory-policy is allkeys-lru" in line
+    assert "concurrency leases" in line and "Set maxmemory-policy noeviction" in line
+
+
+async def test_evictions_and_policy_changes_are_read_in_the_background_and_told_once(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, "sluice.state")
+    server = RedisServer(tmp_path / "redis", extra=EVICTING).start()
+    state = RedisState(server.url, new_prefix(), 0.5, eviction_check_s=CHECK_S)
+    admin = server.client()
+    try:
+        await state.start()
+        assert state.eviction.last == Eviction("allkeys-lru", True, 0)
+        assert rendered(state) == ['sluice_state_evicting_policy{policy="allkeys-lru"} 1.0',
+                                   "sluice_state_redis_evicted_keys 0.0"]
+        # Another program's data pushes Redis past its maxmemory: keys are evicted.
+        with admin.pipeline(transaction=False) as pipe:
+            for i in range(8000):
+                pipe.set(f"other:{i}", "x" * 1000)
+            pipe.execute()
+        await until(lambda: (state.eviction.last or Eviction("", False, 0)).evicted_keys > 0,
+                    "evicted_keys read again")
+        assert state.health.up
+        assert len(eviction_lines(caplog)) == 1  # many reads, one line
+
+        admin.config_set("maxmemory-policy", "noeviction")
+        await until(lambda: state.eviction.last is not None and not state.eviction.last.evicting,
+                    "noeviction read")
+        assert rendered(state)[0] == 'sluice_state_evicting_policy{policy="noeviction"} 0.0'
+        admin.config_set("maxmemory-policy", "volatile-ttl")
+        await until(lambda: state.eviction.last is not None and state.eviction.last.evicting,
+                    "volatile-ttl read")
+        await asyncio.sleep(5 * CHECK_S)
+        lines = eviction_lines(caplog)
+        assert len(lines) == 3, lines
+        assert "no longer evicts" in lines[1] and "maxmemory-policy is volatile-ttl" in lines[2]
+    finally:
+        await state.close()
+        admin.close()
+        server.stop()
+
+
+async def test_a_refused_or_unanswered_read_leaves_the_gauges_absent_and_the_backend_as_it_is(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """An ACL without INFO's memory and stats sections: one warning, the backend still up
+    (its calls work). Redis frozen: down by the probe's say alone, and unknown meanwhile."""
+    caplog.set_level(logging.INFO, "sluice.state")
+    server = RedisServer(tmp_path / "redis", extra=EVICTING).start()
+    admin = server.client()
+    # INFO cluster stays allowed: Sluice asks it at connect (a cluster or not).
+    admin.acl_setuser("sluice", enabled=True, passwords=["+pw"], keys=["~*"], channels=["&*"],
+                      commands=["+@all", "-info", "+info|cluster"])
+    url = f"redis://sluice:pw@127.0.0.1:{server.port}/0"
+    state = RedisState(url, new_prefix(), 0.2, eviction_check_s=CHECK_S, probe_interval_s=0.1)
+    try:
+        await state.start()
+        await asyncio.sleep(5 * CHECK_S)
+        assert state.health.up and state.eviction.last is None
+        assert rendered(state) == []
+        (line,) = eviction_lines(caplog)
+        assert "no permissions" in line and "absent until it can" in line
+
+        caplog.clear()
+        admin.acl_setuser("sluice", enabled=True, commands=["+info"])
+        await until(lambda: state.eviction.last is not None, "a read allowed")
+        server.freeze()
+        try:
+            await until(lambda: not state.health.up, "the probe to mark it down")
+            assert state.eviction.last is None and rendered(state) == []
+        finally:
+            server.thaw()
+        await until(lambda: state.eviction.last is not None, "read again once it answers")
+        # The policy was told once; the outage and the refused reads say nothing more.
+        assert len(eviction_lines(caplog)) == 1
+    finally:
+        await state.close()
+        admin.close()
+        server.stop()
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[RedisCluster]:
+    """A cluster of this test's own: it changes a node's policy."""
+    nodes = RedisCluster(tmp_path / "cluster").start()
+    try:
+        yield nodes
+    finally:
+        nodes.stop()
+
+
+async def test_a_cluster_is_read_on_every_primary(cluster: RedisCluster) -> None:
+    state = RedisState(cluster.url, new_prefix(), 1.0, eviction_check_s=CHECK_S)
+    try:
+        await state.start()
+        assert state.cluster
+        assert state.eviction.last == Eviction("noeviction", False, 0)
+        one = cluster.servers[1]
+        with redis.Redis(port=one.port, socket_timeout=2) as node:
+            node.config_set("maxmemory", "64mb")
+            node.config_set("maxmemory-policy", "allkeys-lfu")
+        await until(lambda: state.eviction.last is not None and state.eviction.last.evicting,
+                    "one primary's policy read")
+        assert state.eviction.last.policy == "allkeys-lfu,noeviction"
+    finally:
+        await state.close()
