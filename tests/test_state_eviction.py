@@ -31,6 +31,16 @@ EVICTING = ("--maxmemory", "4mb", "--maxmemory-policy", "allkeys-lru")
 CHECK_S = 0.1
 
 
+@pytest.fixture
+def evicting(tmp_path: Path) -> Iterator[RedisServer]:
+    """A ``redis-server`` of this test's own with ``maxmemory 4mb`` and ``allkeys-lru``."""
+    server = RedisServer(tmp_path / "redis", extra=EVICTING).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
 def eviction_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records
             if r.name == "sluice.state" and "maxmemory-policy" in r.getMessage()]
@@ -53,34 +63,29 @@ def rendered(state: RedisState) -> list[str]:
 
 
 async def test_an_evicting_redis_shows_in_the_gauges_and_one_warning(
-        upstream, start_sluice, tmp_path: Path) -> None:
-    server = RedisServer(tmp_path / "redis", extra=EVICTING).start()
-    try:
-        sluice = await start_sluice({"state": own_state(server, "local"), "routes": [
-            route("openai", upstream.url, concurrency={"limit": 4})]})
-        await sluice.wait_metric("sluice_state_evicting_policy", 1, policy="allkeys-lru")
-        samples = await sluice.metrics()
-        assert samples[("sluice_state_redis_evicted_keys", ())] == 0
-        assert samples[("sluice_state_backend_up", (("backend", "redis"),))] == 1
-        async with aiohttp.ClientSession() as session:
-            for _ in range(5):
-                status, _, _ = await post(session, sluice.url)
-                assert status == 200
-            async with session.get(sluice.admin_url + "/readyz") as ready:
-                assert ready.status == 200  # the calls work: the limits are what is at risk
-    finally:
-        server.stop()
+        upstream, start_sluice, evicting: RedisServer) -> None:
+    sluice = await start_sluice({"state": own_state(evicting, "local"), "routes": [
+        route("openai", upstream.url, concurrency={"limit": 4})]})
+    await sluice.wait_metric("sluice_state_evicting_policy", 1, policy="allkeys-lru")
+    samples = await sluice.metrics()
+    assert samples[("sluice_state_redis_evicted_keys", ())] == 0
+    assert samples[("sluice_state_backend_up", (("backend", "redis"),))] == 1
+    async with aiohttp.ClientSession() as session:
+        for _ in range(5):
+            status, _, _ = await post(session, sluice.url)
+            assert status == 200
+        async with session.get(sluice.admin_url + "/readyz") as ready:
+            assert ready.status == 200  # the calls work: the limits are what is at risk
     (line,) = [line for line in sluice.stderr().splitlines() if "maxmemory-policy" in line]
     assert " WARNING " in line and "maxmemory-policy is allkeys-lru" in line
     assert "concurrency leases" in line and "Set maxmemory-policy noeviction" in line
 
 
 async def test_evictions_and_policy_changes_are_read_in_the_background_and_told_once(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+        evicting: RedisServer, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, "sluice.state")
-    server = RedisServer(tmp_path / "redis", extra=EVICTING).start()
-    state = RedisState(server.url, new_prefix(), 0.5, eviction_check_s=CHECK_S)
-    admin = server.client()
+    state = RedisState(evicting.url, new_prefix(), 0.5, eviction_check_s=CHECK_S)
+    admin = evicting.client()
     try:
         await state.start()
         assert state.eviction.last == Eviction("allkeys-lru", True, 0)
@@ -110,15 +115,14 @@ async def test_evictions_and_policy_changes_are_read_in_the_background_and_told_
     finally:
         await state.close()
         admin.close()
-        server.stop()
 
 
 async def test_a_refused_or_unanswered_read_leaves_the_gauges_absent_and_the_backend_as_it_is(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+        evicting: RedisServer, caplog: pytest.LogCaptureFixture) -> None:
     """An ACL without INFO's memory and stats sections: one warning, the backend still up
     (its calls work). Redis frozen: down by the probe's say alone, and unknown meanwhile."""
     caplog.set_level(logging.INFO, "sluice.state")
-    server = RedisServer(tmp_path / "redis", extra=EVICTING).start()
+    server = evicting
     admin = server.client()
     # INFO cluster stays allowed: Sluice asks it at connect (a cluster or not).
     admin.acl_setuser("sluice", enabled=True, passwords=["+pw"], keys=["~*"], channels=["&*"],
@@ -148,7 +152,6 @@ async def test_a_refused_or_unanswered_read_leaves_the_gauges_absent_and_the_bac
     finally:
         await state.close()
         admin.close()
-        server.stop()
 
 
 @pytest.fixture

@@ -72,7 +72,12 @@ from policies.state.errors import (
     is_unavailable,
     key_fault,
 )
-from policies.state.eviction import CHECK_INTERVAL_S, EvictionWatch, read_eviction
+from policies.state.eviction import (
+    CHECK_INTERVAL_S,
+    READ_TIMEOUT_S,
+    EvictionWatch,
+    read_eviction,
+)
 from policies.state.notify import RedisNotifier
 
 log = logging.getLogger("sluice.state")
@@ -498,13 +503,14 @@ class RedisState:
 
     async def check_eviction(self) -> None:
         """Read whether the server evicts keys into :attr:`eviction` (two ``INFO`` calls,
-        within the timeout). Never raises, and never changes :attr:`health`: a read that
-        fails leaves it unknown (:meth:`~policies.state.eviction.EvictionWatch.failed`)."""
+        within the timeout or :data:`~policies.state.eviction.READ_TIMEOUT_S`, the longer).
+        Never raises, and never changes :attr:`health`: a read that fails leaves it unknown
+        (:meth:`~policies.state.eviction.EvictionWatch.failed`)."""
         client = self._client
         if client is None:
             return
         try:
-            async with Deadline(self.timeout_s):
+            async with Deadline(max(self.timeout_s, READ_TIMEOUT_S)):
                 found = await read_eviction(client)
         except Exception as exc:
             self.eviction.failed(exc, time.monotonic())

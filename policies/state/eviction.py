@@ -34,6 +34,9 @@ log = logging.getLogger("sluice.state")
 
 #: How often the server's eviction policy and count are read while the backend is up, seconds.
 CHECK_INTERVAL_S = 10.0
+#: The least bound on one read (two ``INFO`` calls), seconds: off the request path, so wider
+#: than a tight ``state.timeout``, whose misses would blank the gauges until the next read.
+READ_TIMEOUT_S = 1.0
 #: The one ``maxmemory-policy`` that never evicts: a full Redis refuses writes instead, which
 #: Sluice sees as an outage (``state.on_unavailable``).
 NO_EVICTION = "noeviction"
