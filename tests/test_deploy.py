@@ -50,7 +50,7 @@ FROM_OTHER_ISSUES = {
 #: Exported with ``state.backend: redis`` only (the key faults at 0 for each kind from the
 #: start; the eviction gauges once Redis's INFO has been read).
 REDIS_ONLY = {"sluice_state_key_faults_total", "sluice_state_evicting_policy",
-              "sluice_state_redis_evicted_keys"}
+              "sluice_state_redis_evicted_keys_total"}
 _METRIC = re.compile(r"(?<![\w:])sluice_[a-z_]+(?![\w:])")
 
 

@@ -381,8 +381,8 @@ class RedisState:
         self.max_connections = max_connections
         self.probe_interval_s = probe_interval_s
         self.health = Health()
-        #: Whether the server evicts keys, as last read: ``sluice_state_evicting_policy``
-        #: and ``sluice_state_redis_evicted_keys``.
+        #: Whether the servers evict keys, as last read: ``sluice_state_evicting_policy``
+        #: and ``sluice_state_redis_evicted_keys_total``.
         self.eviction = EvictionWatch()
         self.eviction_check_s = eviction_check_s
         self.health.on_change(self._eviction_unknown)

@@ -12,8 +12,13 @@ managed services disable ``CONFIG GET``. :class:`~policies.state.connection.Redi
 them when the backend connects or answers again after an outage, and every
 :data:`CHECK_INTERVAL_S` while it is up, from its probe's task: nothing on a request's path.
 
-What was read is :attr:`EvictionWatch.last` (``sluice_state_evicting_policy`` and
-``sluice_state_redis_evicted_keys``), ``None`` while unknown: before the first read, while
+What was read is :attr:`EvictionWatch.last`, one :class:`NodeEviction` per server (a
+cluster's primaries): ``sluice_state_evicting_policy{node,policy}`` and the counter
+``sluice_state_redis_evicted_keys_total{node}``. Per server, not summed: a server's count
+drops to 0 when it restarts, a replica takes its place (failover) or ``CONFIG RESETSTAT``
+runs, and a sum with one term dropped read as a counter reset whose remaining sum was all new
+evictions (a review: 500 -> 480 raised the critical alert for 480 keys). ``None`` while
+unknown: before the first read, while
 the backend is marked down, and after a read that failed (refused by an ACL, timed out). A
 failed read changes nothing else: the backend's health is the probe's to say, and the replica
 stays ready (the calls work; the limits are what is at risk). The log says it once at the first
@@ -43,36 +48,76 @@ NO_EVICTION = "noeviction"
 
 
 @dataclass(frozen=True)
-class Eviction:
-    """What the server's ``INFO`` said of eviction.
+class NodeEviction:
+    """What one server's ``INFO`` said of eviction.
 
     Attributes:
-        policy: ``maxmemory_policy`` (a cluster's primaries' policies, sorted and joined by
-            ``,`` when they differ).
+        node: the server's address as Sluice reaches it, ``host:port`` (a Unix socket's
+            path).
+        policy: its ``maxmemory_policy``.
         evicting: keys can be evicted: a policy other than ``noeviction`` with a
-            ``maxmemory`` set (on any primary of a cluster).
-        evicted_keys: keys evicted since the server started (or ``CONFIG RESETSTAT``), the
-            sum over a cluster's primaries: every program's keys, not only Sluice's.
+            ``maxmemory`` set (``maxmemory 0`` never evicts, whatever the policy).
+        evicted_keys: keys it evicted since it started (or ``CONFIG RESETSTAT``): every
+            program's keys, not only Sluice's.
     """
 
+    node: str
     policy: str
     evicting: bool
     evicted_keys: int
 
 
-def eviction_of(nodes: list[tuple[dict[str, Any], dict[str, Any]]]) -> Eviction:
-    """The :class:`Eviction` of servers' ``(INFO memory, INFO stats)`` replies (one pair per
-    server: a cluster's primaries).
+@dataclass(frozen=True)
+class Eviction:
+    """What the servers holding the state said of eviction: one :class:`NodeEviction` per
+    server (a cluster's primaries), sorted by ``node``."""
+
+    nodes: tuple[NodeEviction, ...]
+
+    @property
+    def policy(self) -> str:
+        """The servers' ``maxmemory_policy``, sorted and joined by ``,`` when they differ."""
+        return ",".join(sorted({node.policy for node in self.nodes}))
+
+    @property
+    def evicting(self) -> bool:
+        """Some server can evict keys."""
+        return any(node.evicting for node in self.nodes)
+
+    @property
+    def evicted_keys(self) -> int:
+        """Keys the servers evicted, summed: for the log only (a sum is no counter)."""
+        return sum(node.evicted_keys for node in self.nodes)
+
+
+def node_eviction(node: str, memory: dict[str, Any], stats: dict[str, Any]) -> NodeEviction:
+    """The :class:`NodeEviction` of server ``node``'s ``INFO memory`` and ``INFO stats``.
 
     Raises:
         KeyError, ValueError, TypeError: a reply lacks a field or holds a non-number (a
             Redis-compatible server that does not say).
     """
-    policies = sorted({str(memory["maxmemory_policy"]) for memory, _ in nodes})
-    evicting = any(str(memory["maxmemory_policy"]) != NO_EVICTION
-                   and int(memory["maxmemory"]) > 0 for memory, _ in nodes)
-    evicted = sum(int(stats["evicted_keys"]) for _, stats in nodes)
-    return Eviction(",".join(policies), evicting, evicted)
+    policy = str(memory["maxmemory_policy"])
+    return NodeEviction(node, policy, policy != NO_EVICTION and int(memory["maxmemory"]) > 0,
+                        int(stats["evicted_keys"]))
+
+
+def eviction_of(nodes: dict[str, tuple[dict[str, Any], dict[str, Any]]]) -> Eviction:
+    """The :class:`Eviction` of servers' ``(INFO memory, INFO stats)`` replies, by address.
+
+    Raises:
+        :func:`node_eviction`'s errors.
+    """
+    return Eviction(tuple(node_eviction(node, memory, stats)
+                          for node, (memory, stats) in sorted(nodes.items())))
+
+
+def address_of(client: Redis) -> str:
+    """A single server client's address: ``host:port``, or its Unix socket's path."""
+    options = client.connection_pool.connection_kwargs
+    if "path" in options:
+        return str(options["path"])
+    return f"{options.get('host', 'localhost')}:{options.get('port', 6379)}"
 
 
 async def read_eviction(client: Redis | RedisCluster) -> Eviction:
@@ -84,13 +129,15 @@ async def read_eviction(client: Redis | RedisCluster) -> Eviction:
         or :func:`eviction_of`'s errors.
     """
     if isinstance(client, RedisCluster):
-        primaries = RedisCluster.PRIMARIES
+        primaries = client.get_primaries()
         memory = await client.info("memory", target_nodes=primaries)
         stats = await client.info("stats", target_nodes=primaries)
-        if "maxmemory_policy" in memory:  # one primary: its reply comes as it is
-            return eviction_of([(memory, stats)])
-        return eviction_of([(memory[node], stats[node]) for node in memory])
-    return eviction_of([(await client.info("memory"), await client.info("stats"))])
+        if len(primaries) == 1:  # one node's reply comes as it is, not by node
+            return eviction_of({primaries[0].name: (memory, stats)})
+        return eviction_of({node.name: (memory[node.name], stats[node.name])
+                            for node in primaries})
+    return eviction_of({address_of(client): (await client.info("memory"),
+                                             await client.info("stats"))})
 
 
 class EvictionWatch:
@@ -138,7 +185,7 @@ class EvictionWatch:
                 "keys, Sluice's too (concurrency leases, idempotency in-flight markers, "
                 "budget counters, rate buckets), while it answers and sluice_state_backend_up "
                 "stays 1: shared limits, dedup and budgets then stop holding, unseen (%d keys "
-                "evicted so far, sluice_state_redis_evicted_keys). Set maxmemory-policy %s "
+                "evicted so far, sluice_state_redis_evicted_keys_total). Set maxmemory-policy %s "
                 "(README, Shared state)", found.policy, found.evicted_keys, NO_EVICTION)
         elif before is not None and before[1]:
             log.warning("state backend: Redis's maxmemory-policy is %s now: it no longer "
@@ -156,5 +203,5 @@ class EvictionWatch:
         self._told_failure = True
         log.warning("state backend: cannot read Redis's maxmemory-policy and evicted_keys "
                     "(INFO memory, INFO stats): %s: %s; sluice_state_evicting_policy and "
-                    "sluice_state_redis_evicted_keys are absent until it can (allow INFO "
+                    "sluice_state_redis_evicted_keys_total are absent until it can (allow INFO "
                     "to Sluice's Redis user)", type(exc).__name__, exc)
