@@ -15,12 +15,14 @@ import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
 import redis
 from prometheus_client import generate_latest
 
+from policies.state import connection
 from policies.state.connection import RedisState
 from policies.state.eviction import Eviction, NodeEviction
 from proxy.metrics import Metrics
@@ -103,6 +105,7 @@ async def test_evictions_and_policy_changes_are_read_in_the_background_and_told_
     try:
         await state.start()
         address = f"127.0.0.1:{evicting.port}"
+        await until(lambda: state.eviction.last is not None, "the first read")
         assert state.eviction.last == Eviction((NodeEviction(address, "allkeys-lru", True, 0),))
         assert rendered(state) == [
             f'sluice_state_evicting_policy{{node="{address}",policy="allkeys-lru"}} 1.0',
@@ -171,6 +174,46 @@ async def test_a_refused_or_unanswered_read_leaves_the_gauges_absent_and_the_bac
         admin.close()
 
 
+async def test_a_read_in_flight_never_holds_up_the_probe_nor_another_read(
+        evicting: RedisServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Redis freezes as a read starts (SIGSTOP). The read ran in the probe's task and the
+    probe waited it out, up to its bound, before its next PING (a review: an idle replica
+    marked a frozen Redis down after 1.56 s against main's 1 s). Now the read is a task of
+    its own: with a bound far longer than any probe, the probe's heartbeat marks the backend
+    down while the read is still waiting, and no second read starts meanwhile."""
+    reads: list[asyncio.Task[None] | None] = []
+    read_eviction = connection.read_eviction
+
+    async def freezing(client: Any) -> Eviction:
+        reads.append(asyncio.current_task())  # type: ignore[arg-type]
+        if len(reads) == 2:
+            evicting.freeze()
+        return await read_eviction(client)
+
+    monkeypatch.setattr(connection, "read_eviction", freezing)
+    monkeypatch.setattr(connection, "READ_TIMEOUT_S", 120.0)
+    state = RedisState(evicting.url, new_prefix(), 0.2, eviction_check_s=CHECK_S)
+    probes_while_reading: list[bool] = []
+    probe = state.probe
+
+    async def probing() -> bool:
+        probes_while_reading.append(len(reads) == 2 and not reads[1].done())
+        return await probe()
+
+    monkeypatch.setattr(state, "probe", probing)
+    try:
+        await state.start()
+        await until(lambda: len(reads) == 2, "a second read, frozen")
+        await until(lambda: not state.health.up, "the probe to mark it down")
+        assert not reads[1].done()  # the read still waits: the probe did not wait for it
+        assert any(probes_while_reading)  # a PING sent with the read in flight
+        await asyncio.sleep(5 * CHECK_S)
+        assert len(reads) == 2  # one read at a time
+    finally:
+        evicting.thaw()
+        await state.close()
+
+
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[RedisCluster]:
     """A cluster of this test's own: it changes a node's policy."""
@@ -192,6 +235,7 @@ async def test_a_cluster_is_read_on_every_primary_each_its_own_series(
         await state.start()
         assert state.cluster
         addresses = sorted(f"127.0.0.1:{server.port}" for server in cluster.servers)
+        await until(lambda: state.eviction.last is not None, "the first read")
         assert state.eviction.last == Eviction(tuple(
             NodeEviction(address, "noeviction", False, 0) for address in addresses))
         one = cluster.servers[1]
@@ -221,6 +265,7 @@ async def test_the_series_pass_promtools_metrics_lint(evicting: RedisServer) -> 
     state = RedisState(evicting.url, new_prefix(), 0.5, eviction_check_s=CHECK_S)
     try:
         await state.start()
+        await until(lambda: state.eviction.last is not None, "the first read")
         text = exposition(state)
         assert "# TYPE sluice_state_redis_evicted_keys_total counter" in text
         lint = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True,

@@ -34,9 +34,12 @@ no restart and no new client. A write, not a PING: a Redis at its ``maxmemory``
 (noeviction) answers PING and reads and refuses every write, and was marked up at each
 probe. A call sent before the backend was marked down and answered after does not mark it up
 either (a read, or a release, answered by such a Redis). While up, an idle backend is PINGed
-(:data:`HEARTBEAT_S`). The same task reads whether the server evicts keys
-(:mod:`policies.state.eviction`) when the backend connects or answers again, and every
-:data:`~policies.state.eviction.CHECK_INTERVAL_S` while it is up.
+(:data:`HEARTBEAT_S`). Whether the server evicts keys (:mod:`policies.state.eviction`) is
+read when the backend connects or answers again, and every
+:data:`~policies.state.eviction.CHECK_INTERVAL_S` while it is up, by a task of its own that the
+probe starts and never waits for: one read at a time, bounded by its own timeout, so a slow
+or frozen ``INFO`` leaves the probe's schedule as it is (a review: a Redis frozen as a read
+began was marked down after 1.56 s, the probe waiting out the read, against about 1 s).
 
 Keys: ``<prefix>:{<group>}:<kind>:...``. Everything one script touches shares the ``{group}``
 hash tag (a route's name, an idempotency key's digest...), so in a cluster each script runs
@@ -394,6 +397,8 @@ class RedisState:
         self.cluster: bool | None = None
         self._client: Redis | RedisCluster | None = None
         self._monitor: asyncio.Task[None] | None = None
+        #: The eviction read in flight, or the last one (:meth:`_start_eviction_read`).
+        self._eviction_read: asyncio.Task[None] | None = None
         self._closed = False
         self._answered_at = 0.0
         self.notifier = RedisNotifier(self)
@@ -412,19 +417,19 @@ class RedisState:
         """
         with contextlib.suppress(StateUnavailable):
             await self.probe()
-        if self.health.up:
-            await self.check_eviction()
         if self._monitor is None:
             self._monitor = asyncio.create_task(self._watch(), name="sluice-state-probe")
+        self._start_eviction_read()
 
     async def close(self) -> None:
         """Stop the probe and the notifier, and close every connection."""
         self._closed = True
-        if self._monitor is not None:
-            self._monitor.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._monitor
-            self._monitor = None
+        for task in (self._monitor, self._eviction_read):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._monitor = self._eviction_read = None
         await self.notifier.close()
         client, self._client = self._client, None
         if client is not None:
@@ -522,6 +527,18 @@ class RedisState:
         again, it is read at the probe task's next turn (the server may have been replaced)."""
         self.eviction.unknown()
 
+    def _start_eviction_read(self) -> None:
+        """Start :meth:`check_eviction` as a task of its own when a read is due, the backend
+        is up and no read is in flight: a read never overlaps another, and nothing awaits it
+        (the probe's schedule is the probe's alone)."""
+        task = self._eviction_read
+        if (self._closed or self._client is None or not self.health.up
+                or (task is not None and not task.done())
+                or not self.eviction.due(time.monotonic(), self.eviction_check_s)):
+            return
+        self._eviction_read = asyncio.create_task(self.check_eviction(),
+                                                  name="sluice-state-eviction")
+
     async def _watch(self) -> None:
         while not self._closed:
             await asyncio.sleep(self.probe_interval_s)
@@ -535,8 +552,7 @@ class RedisState:
                 except Exception as exc:  # a bug, not Redis: say so, keep probing
                     self.health.fail(describe(exc))
                     log.error("state backend probe: %s", describe(exc))
-            if self.health.up and self.eviction.due(time.monotonic(), self.eviction_check_s):
-                await self.check_eviction()
+            self._start_eviction_read()
 
     @property
     def backstop_s(self) -> float:

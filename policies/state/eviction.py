@@ -10,7 +10,9 @@ logged). :class:`EvictionWatch` makes it visible: it reads ``maxmemory_policy`` 
 ``maxmemory`` (``INFO memory``) and ``evicted_keys`` (``INFO stats``): ``INFO`` answers where
 managed services disable ``CONFIG GET``. :class:`~policies.state.connection.RedisState` reads
 them when the backend connects or answers again after an outage, and every
-:data:`CHECK_INTERVAL_S` while it is up, from its probe's task: nothing on a request's path.
+:data:`CHECK_INTERVAL_S` while it is up, in a task of its own that its probe starts and never
+waits for (one read at a time, bounded by :data:`READ_TIMEOUT_S` or ``state.timeout``): nothing
+on a request's path, and nothing on the probe's.
 
 What was read is :attr:`EvictionWatch.last`, one :class:`NodeEviction` per server (a
 cluster's primaries): ``sluice_state_evicting_policy{node,policy}`` and the counter
