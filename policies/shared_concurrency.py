@@ -103,27 +103,39 @@ POLL_S = 0.25
 
 class OutageNotice:
     """The log lines of limiters admitting from this replica's share while Redis does not
-    answer: one when the first of them starts, one when one of them finds Redis answering
-    again. A route's limiter has one of its own. The limiters of one ``fanout.width``, one per
-    live run, made again for a run whose calls had all ended, share one (``name`` says whose
+    answer: one when the outage starts, one when a limiter finds Redis answering again. A
+    route's limiter has one of its own. The limiters of one ``fanout.width``, one per live
+    run, made again for a run whose calls had all ended, share one (``name`` says whose
     runs): each logged its own line, so a limiter made per call logged at every call (a
     hostile trial: 300 calls over 10 runs, 301 lines).
+
+    An outage is the backend's: its line is said once per outage
+    (:attr:`~policies.state.connection.Health.changed_monotonic` of the backend marked
+    down), whichever run meets it first, and the line of an outage that began after Redis
+    was back is said even if no limiter saw it back in between (a review: the second
+    outage's start was not said). Counting the runs degraded cannot tell when the outage
+    ends: a run's limiter is dropped with its last call, degraded or not. A key fault on one
+    run's key (the backend up, the other runs shared) is not the scope's outage: its shared
+    notice says nothing of it (the state's key-fault line does, at most once a minute, and
+    ``sluice_state_key_faults_total`` counts it); a route's own notice says it as an outage
+    (a review: a bad run's calls and a good run's, alternating, flipped a shared line
+    "unavailable" / "shared again" at every call).
 
     Args:
         name: what the shared lines name, e.g. ``fanout.width of route openai``; ``None``:
             one limiter's own notice, whose lines name its group.
     """
 
-    __slots__ = ("degraded", "more", "name")
+    __slots__ = ("more", "name", "outage")
 
     def __init__(self, name: str | None = None) -> None:
         self.name = name
-        #: A limiter sharing it admits from its share since the line said so.
-        self.degraded = False
+        #: The outage said and not yet said over: the backend health's last change when its
+        #: line was said; ``None``: none.
+        self.outage: float | None = None
         #: Limiters sharing it that started admitting from their share since that line (a
         #: run's limiter made again counts again).
         self.more = 0
-
 
 class SharedSlot:
     """One call's lease, and its place in the local counts (a pipeline holding). A call
@@ -347,7 +359,7 @@ class SharedConcurrencyLimiter(ConcurrencyLimiter):
             raise
         else:
             self.shared_inflight = result.inflight
-            if self.degraded or self.notice.degraded:
+            if self.degraded or self.notice.outage is not None:
                 self._shared_again()
             if result.granted and (settling := self._over_share(tenant)) is not None:
                 self._forget_lease(lease_id, tenant)
@@ -395,14 +407,18 @@ class SharedConcurrencyLimiter(ConcurrencyLimiter):
                         self.backends.held_leases)
 
     def _degrade(self, exc: StateUnavailable, share: int) -> None:
-        """Admitting from this replica's ``share``: said once for the :attr:`notice`."""
+        """Admitting from this replica's ``share``: said once per outage for the
+        :attr:`notice`."""
         before, self.degraded = self.degraded, True
         notice = self.notice
-        if notice.degraded:
+        if exc.key_fault and notice.name is not None:
+            return  # this run's key alone: not the scope's outage (see OutageNotice)
+        outage = self.backends.health.changed_monotonic
+        if notice.outage == outage:
             if not before:
                 notice.more += 1
             return
-        notice.degraded, notice.more = True, 0
+        notice.outage, notice.more = outage, 0
         if notice.name is None:
             log.warning("concurrency of route %s: %s; this replica admits at most %d of the "
                         "%s from its own memory until it answers (state.on_unavailable: "
@@ -414,12 +430,12 @@ class SharedConcurrencyLimiter(ConcurrencyLimiter):
                         counted(self.limit, "slot"), self.group)
 
     def _shared_again(self) -> None:
-        """Redis answered this limiter: said once for the :attr:`notice`."""
+        """Redis answered this limiter: said once per outage for the :attr:`notice`."""
         self.degraded = False
         notice = self.notice
-        if not notice.degraded:
+        if notice.outage is None:
             return
-        notice.degraded = False
+        notice.outage = None
         if notice.name is None:
             log.warning("concurrency of route %s: shared across replicas again", self.group)
         else:
