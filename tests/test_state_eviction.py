@@ -24,6 +24,7 @@ from prometheus_client import generate_latest
 
 from policies.state import connection
 from policies.state.connection import RedisState
+from policies.state.errors import StateUnavailable
 from policies.state.eviction import Eviction, NodeEviction
 from proxy.metrics import Metrics
 from tests.conftest import route
@@ -211,6 +212,33 @@ async def test_a_read_in_flight_never_holds_up_the_probe_nor_another_read(
         assert len(reads) == 2  # one read at a time
     finally:
         evicting.thaw()
+        await state.close()
+
+
+async def test_a_read_answered_after_the_backend_was_marked_down_is_dropped(
+        evicting: RedisServer) -> None:
+    """Redis stalls with a read in flight; a call marks the backend down; Redis answers the
+    read within its bound. The read filled the series the outage had emptied, and as no read
+    is made while down, they stayed for the whole outage. Dropped now."""
+    # No probe within the test: the backend stays marked down once a call marks it so.
+    state = RedisState(evicting.url, new_prefix(), 0.05, probe_interval_s=60.0,
+                       eviction_check_s=60.0)
+    try:
+        await state.start()
+        await until(lambda: state.eviction.last is not None, "the first read")
+        evicting.freeze()
+        try:
+            read = asyncio.create_task(state.check_eviction())
+            await asyncio.sleep(0.01)  # the read's INFO sent
+            with pytest.raises(StateUnavailable):
+                await state.run(lambda client: client.get(state.key("x", "y")))
+            assert not state.health.up and state.eviction.last is None
+        finally:
+            evicting.thaw()
+        await read
+        assert not state.health.up
+        assert state.eviction.last is None and rendered(state) == []
+    finally:
         await state.close()
 
 

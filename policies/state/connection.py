@@ -508,19 +508,26 @@ class RedisState:
 
     async def check_eviction(self) -> None:
         """Read whether the server evicts keys into :attr:`eviction` (two ``INFO`` calls,
-        within the timeout or :data:`~policies.state.eviction.READ_TIMEOUT_S`, the longer).
-        Never raises, and never changes :attr:`health`: a read that fails leaves it unknown
-        (:meth:`~policies.state.eviction.EvictionWatch.failed`)."""
-        client = self._client
-        if client is None:
+        within the timeout or :data:`~policies.state.eviction.READ_TIMEOUT_S`, the longer),
+        while the backend is up. Never raises, and never changes :attr:`health`: a read that
+        fails leaves it unknown (:meth:`~policies.state.eviction.EvictionWatch.failed`). A
+        read during which the backend was marked down (and perhaps up again) is dropped,
+        whatever it found: its answer may be from before the outage, and it filled the
+        series the outage had emptied, to stay for the whole outage (a review: no read is
+        made while down); the read after the backend is up again says."""
+        client, health = self._client, self.health
+        if client is None or not health.up:
             return
+        began = health.changed_monotonic
         try:
             async with Deadline(max(self.timeout_s, READ_TIMEOUT_S)):
                 found = await read_eviction(client)
         except Exception as exc:
-            self.eviction.failed(exc, time.monotonic())
+            if health.up and health.changed_monotonic == began:
+                self.eviction.failed(exc, time.monotonic())
         else:
-            self.eviction.read(found, time.monotonic())
+            if health.up and health.changed_monotonic == began:
+                self.eviction.read(found, time.monotonic())
 
     def _eviction_unknown(self, up: bool, _error: str | None) -> None:
         """A :meth:`Health.on_change` listener: down, what the server does is unknown; up
