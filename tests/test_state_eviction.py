@@ -138,6 +138,34 @@ async def test_evictions_and_policy_changes_are_read_in_the_background_and_told_
         admin.close()
 
 
+async def test_an_evicting_policy_without_a_maxmemory_never_evicts(
+        evicting: RedisServer, caplog: pytest.LogCaptureFixture) -> None:
+    """``maxmemory 0`` (no limit, the default of a server outside a container): Redis never
+    reaches a maxmemory, so allkeys-lru evicts nothing. The gauge says 0 and nothing is
+    logged; a maxmemory set then makes it 1, with the warning."""
+    caplog.set_level(logging.INFO, "sluice.state")
+    admin = evicting.client()
+    admin.config_set("maxmemory", "0")
+    state = RedisState(evicting.url, new_prefix(), 0.5, eviction_check_s=CHECK_S)
+    address = f"127.0.0.1:{evicting.port}"
+    try:
+        await state.start()
+        await until(lambda: state.eviction.last is not None, "the first read")
+        assert state.eviction.last == Eviction((NodeEviction(address, "allkeys-lru", False, 0),))
+        assert rendered(state)[0] == (
+            f'sluice_state_evicting_policy{{node="{address}",policy="allkeys-lru"}} 0.0')
+        assert eviction_lines(caplog) == []
+
+        admin.config_set("maxmemory", "64mb")
+        await until(lambda: state.eviction.last is not None and state.eviction.last.evicting,
+                    "a maxmemory read")
+        (line,) = eviction_lines(caplog)
+        assert "maxmemory-policy is allkeys-lru" in line
+    finally:
+        await state.close()
+        admin.close()
+
+
 async def test_a_refused_or_unanswered_read_leaves_the_gauges_absent_and_the_backend_as_it_is(
         evicting: RedisServer, caplog: pytest.LogCaptureFixture) -> None:
     """An ACL without INFO's memory and stats sections: one warning, the backend still up
