@@ -64,7 +64,7 @@ from policies.rate import RateLimiter, Units
 from policies.reasons import Reason, Rejected
 from policies.retry import RetryPolicy
 from policies.runs import WIDTH_QUEUE, WidthLimiters, local_width
-from policies.shared_concurrency import SharedConcurrencyLimiter
+from policies.shared_concurrency import OutageNotice, SharedConcurrencyLimiter
 from policies.state import StateBackends
 from policies.usage import model_named
 
@@ -173,10 +173,15 @@ def width_limiters(backends: StateBackends, scope: str) -> WidthLimiters:
     never mix with a route's."""
     if backends.redis is None:
         return local_width
+    # One outage line for all of the scope's runs (each run's limiter is made anew once its
+    # calls have all ended, so a limiter's own "once" was once per call).
+    notice = OutageNotice("fanout.width (top level)" if scope == "*"
+                          else f"fanout.width of route {scope}")
 
     def shared(tenant: str, run: str, width: int, max_wait: float) -> ConcurrencyLimiter:
         return SharedConcurrencyLimiter(width, WIDTH_QUEUE, max_wait, None, backends=backends,
-                                        group=f"{scope}/run:{len(tenant)}:{tenant}:{run}")
+                                        group=f"{scope}/run:{len(tenant)}:{tenant}:{run}",
+                                        notice=notice)
     return shared
 
 

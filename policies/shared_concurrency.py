@@ -26,11 +26,12 @@ When Redis does not answer (``StateUnavailable``), ``state.on_unavailable`` appl
 rates (:mod:`policies.rate`): ``local`` admits while this replica's calls in flight (those
 admitted on Redis leases before the outage included) are under its share of the limit
 (:meth:`~policies.state.Fallback.whole_share`), taking a lease from its memory for the share of
-``per_tenant``, and logs it once per outage; ``reject`` refuses 503 ``state_unavailable``
-(every waiter too). Every attempt asks Redis first, so the shared limit is back as soon as it
-answers. A call admitted on the local share and still running then is moved into Redis (its
-memory lease taken there, past the limit if need be, so new calls wait until the route is back
-under it) as soon as this replica sees Redis up, by its probe or a call
+``per_tenant``, and logs it once per outage (:class:`OutageNotice`: once for all the runs of a
+``fanout.width``, whose limiters come and go with their runs); ``reject`` refuses 503
+``state_unavailable`` (every waiter too). Every attempt asks Redis first, so the shared limit
+is back as soon as it answers. A call admitted on the local share and still running then is
+moved into Redis (its memory lease taken there, past the limit if need be, so new calls wait
+until the route is back under it) as soon as this replica sees Redis up, by its probe or a call
 (:meth:`~policies.state.StateBackends.renew_leases`), or else at its lease's next renewal;
 until it is moved, this replica's acquires count it beside the leases Redis holds
 (``uncounted``). Another replica's such calls are unknown here until that replica has moved
@@ -100,6 +101,42 @@ log = logging.getLogger("sluice")
 POLL_S = 0.25
 
 
+class OutageNotice:
+    """The log lines of limiters admitting from this replica's share while Redis does not
+    answer: one when the outage starts, one when a limiter finds Redis answering again. A
+    route's limiter has one of its own. The limiters of one ``fanout.width``, one per live
+    run, made again for a run whose calls had all ended, share one (``name`` says whose
+    runs): each logged its own line, so a limiter made per call logged at every call (a
+    hostile trial: 300 calls over 10 runs, 301 lines).
+
+    An outage is the backend's: its line is said once per outage
+    (:attr:`~policies.state.connection.Health.changed_monotonic` of the backend marked
+    down), whichever run meets it first, and the line of an outage that began after Redis
+    was back is said even if no limiter saw it back in between (a review: the second
+    outage's start was not said). Counting the runs degraded cannot tell when the outage
+    ends: a run's limiter is dropped with its last call, degraded or not. A key fault on one
+    run's key (the backend up, the other runs shared) is not the scope's outage: its shared
+    notice says nothing of it (the state's key-fault line does, at most once a minute, and
+    ``sluice_state_key_faults_total`` counts it); a route's own notice says it as an outage
+    (a review: a bad run's calls and a good run's, alternating, flipped a shared line
+    "unavailable" / "shared again" at every call).
+
+    Args:
+        name: what the shared lines name, e.g. ``fanout.width of route openai``; ``None``:
+            one limiter's own notice, whose lines name its group.
+    """
+
+    __slots__ = ("more", "name", "outage")
+
+    def __init__(self, name: str | None = None) -> None:
+        self.name = name
+        #: The outage said and not yet said over: the backend health's last change when its
+        #: line was said; ``None``: none.
+        self.outage: float | None = None
+        #: Limiters sharing it that started admitting from their share since that line (a
+        #: run's limiter made again counts again).
+        self.more = 0
+
 class SharedSlot:
     """One call's lease, and its place in the local counts (a pipeline holding). A call
     admitted after a reload removed the block (:meth:`ConcurrencyLimiter.retire`) holds no
@@ -131,12 +168,15 @@ class SharedConcurrencyLimiter(ConcurrencyLimiter):
         backends: the Redis state set (its ``leases``, ``lease_s`` and ``fallback``).
         group: the leases' group, the route's name (one hash slot).
         poll_s: see :data:`POLL_S`.
+        notice: the outage's log lines, shared with other limiters of the same kind (a
+            ``fanout.width``'s runs); ``None``: its own.
     """
 
     def __init__(self, limit: int, queue: int, max_wait: float, per_tenant: int | None, *,
                  backends: StateBackends, group: str,
                  tenant_weights: Mapping[str, float] | None = None,
-                 aging: float | None = None, poll_s: float = POLL_S) -> None:
+                 aging: float | None = None, poll_s: float = POLL_S,
+                 notice: OutageNotice | None = None) -> None:
         super().__init__(limit, queue, max_wait, per_tenant, tenant_weights=tenant_weights,
                          aging=aging)
         self.backends = backends
@@ -146,6 +186,7 @@ class SharedConcurrencyLimiter(ConcurrencyLimiter):
         self.shared_inflight: int | None = None
         #: Admitting from this replica's share while Redis does not answer.
         self.degraded = False
+        self.notice = notice or OutageNotice()
         #: Acquires of this replica waiting for Redis's answer, by tenant.
         self._asking: dict[str, int] = {}
         #: Calls admitted here with no lease, by tenant, once a reload removed the block
@@ -318,10 +359,8 @@ class SharedConcurrencyLimiter(ConcurrencyLimiter):
             raise
         else:
             self.shared_inflight = result.inflight
-            if self.degraded:
-                self.degraded = False
-                log.warning("concurrency of route %s: shared across replicas again",
-                            self.group)
+            if self.degraded or self.notice.outage is not None:
+                self._shared_again()
             if result.granted and (settling := self._over_share(tenant)) is not None:
                 self._forget_lease(lease_id, tenant)
                 return None, settling
@@ -368,11 +407,41 @@ class SharedConcurrencyLimiter(ConcurrencyLimiter):
                         self.backends.held_leases)
 
     def _degrade(self, exc: StateUnavailable, share: int) -> None:
-        if not self.degraded:
-            self.degraded = True
+        """Admitting from this replica's ``share``: said once per outage for the
+        :attr:`notice`."""
+        before, self.degraded = self.degraded, True
+        notice = self.notice
+        if exc.key_fault and notice.name is not None:
+            return  # this run's key alone: not the scope's outage (see OutageNotice)
+        outage = self.backends.health.changed_monotonic
+        if notice.outage == outage:
+            if not before:
+                notice.more += 1
+            return
+        notice.outage, notice.more = outage, 0
+        if notice.name is None:
             log.warning("concurrency of route %s: %s; this replica admits at most %d of the "
                         "%s from its own memory until it answers (state.on_unavailable: "
                         "local)", self.group, exc.cause, share, counted(self.limit, "slot"))
+        else:
+            log.warning("%s: %s; this replica admits at most %d of each run's %s from its "
+                        "own memory until it answers (state.on_unavailable: local); said once "
+                        "for every run (the first: %s)", notice.name, exc.cause, share,
+                        counted(self.limit, "slot"), self.group)
+
+    def _shared_again(self) -> None:
+        """Redis answered this limiter: said once per outage for the :attr:`notice`."""
+        self.degraded = False
+        notice = self.notice
+        if notice.outage is None:
+            return
+        notice.outage = None
+        if notice.name is None:
+            log.warning("concurrency of route %s: shared across replicas again", self.group)
+        else:
+            log.warning("%s: shared across replicas again (%d more run limiters admitted from "
+                        "this replica's share after the outage's line)", notice.name,
+                        notice.more)
 
     # -- the dispatcher -----------------------------------------------------------------------
 

@@ -58,6 +58,7 @@ from policies.reasons import Reason
 if TYPE_CHECKING:
     from policies.budget import Budgets
     from policies.concurrency import ConcurrencyLimiter
+    from policies.state.eviction import Eviction
 
 #: LLM calls run from under a second to many minutes; the default buckets stop at 10 s.
 DURATION_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
@@ -726,6 +727,14 @@ class Metrics:
             "type, unreadable content), served as state.on_unavailable says while the backend "
             "stays up, by kind of state.", "what", read))
 
+    def bind_state_eviction(self, read: Callable[[], Eviction | None]) -> None:
+        """Export whether the Redis servers of the shared state evict keys, as ``read()``
+        last read them (policies/state/eviction.py), per server:
+        ``sluice_state_evicting_policy{node,policy}`` and the counter
+        ``sluice_state_redis_evicted_keys_total{node}``, both absent while unknown
+        (``None``)."""
+        self._on_loop.register(_EvictionSeries(read))
+
     def bind_dead_letters_dropped(self, read: Callable[[], dict[str, float]]) -> None:
         """Export ``sluice_dead_letters_dropped_total{route}``: the oldest dead letters this
         replica's writes dropped to stay within ``dead_letter.max_records``
@@ -866,6 +875,50 @@ class _ReadCounter:
         for value, count in self._read().items():
             family.add_metric([value], count)
         yield family
+
+
+class _EvictionSeries:
+    """Each Redis server's eviction policy and count, read at scrape time from ``read()``;
+    no sample while it is unknown (absent rather than NaN: an alert on it then neither fires
+    nor resolves on a value that means nothing). The count is the server's own cumulative
+    ``evicted_keys``, exported as a counter per server: it goes back to 0 only when that
+    server's does (a restart, a failover, ``CONFIG RESETSTAT``), which ``increase()`` reads as
+    a reset of that series alone."""
+
+    def __init__(self, read: Callable[[], Eviction | None]) -> None:
+        self._read = read
+
+    def describe(self) -> list[Metric]:
+        return list(self._families())
+
+    def collect(self) -> Iterator[Metric]:
+        policy, evicted = self._families()
+        eviction = self._read()
+        for node in eviction.nodes if eviction is not None else ():
+            policy.add_metric([node.node, node.policy], 1.0 if node.evicting else 0.0)
+            evicted.add_metric([node.node], node.evicted_keys)
+        yield policy
+        yield evicted
+
+    @staticmethod
+    def _families() -> tuple[GaugeMetricFamily, CounterMetricFamily]:
+        return (
+            GaugeMetricFamily(
+                "sluice_state_evicting_policy",
+                "1 while a Redis server of the state has a maxmemory-policy that evicts keys "
+                "(any but noeviction, with a maxmemory set): at its maxmemory it deletes "
+                "Sluice's leases, markers and counters unseen; 0 with noeviction. Labels: "
+                "node, the server's host:port (each primary of a cluster); policy, its "
+                "maxmemory-policy. Absent while unknown (Redis down, INFO refused).",
+                labels=["node", "policy"]),
+            CounterMetricFamily(
+                "sluice_state_redis_evicted_keys",
+                "Keys a Redis server of the state has evicted since it started (its INFO "
+                "stats evicted_keys, every program's keys), as last read, by node (each "
+                "primary of a cluster). Back to 0 when that server restarts, fails over or "
+                "runs CONFIG RESETSTAT. Absent while unknown.",
+                labels=["node"]),
+        )
 
 
 class RouteMetrics:

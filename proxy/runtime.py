@@ -150,6 +150,7 @@ class Runtime:
         redis = self.state.redis
         if redis is not None:
             self.metrics.bind_state_key_faults(lambda: dict(redis.key_faults))
+            self.metrics.bind_state_eviction(lambda: redis.eviction.last)
         self.routes: list[Route] = []
         #: Routes a reload deleted that still had requests in flight (counted by the drain).
         self.removed: list[Route] = []

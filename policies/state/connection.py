@@ -34,7 +34,12 @@ no restart and no new client. A write, not a PING: a Redis at its ``maxmemory``
 (noeviction) answers PING and reads and refuses every write, and was marked up at each
 probe. A call sent before the backend was marked down and answered after does not mark it up
 either (a read, or a release, answered by such a Redis). While up, an idle backend is PINGed
-(:data:`HEARTBEAT_S`).
+(:data:`HEARTBEAT_S`). Whether the server evicts keys (:mod:`policies.state.eviction`) is
+read when the backend connects or answers again, and every
+:data:`~policies.state.eviction.CHECK_INTERVAL_S` while it is up, by a task of its own that the
+probe starts and never waits for: one read at a time, bounded by its own timeout, so a slow
+or frozen ``INFO`` leaves the probe's schedule as it is (a review: a Redis frozen as a read
+began was marked down after 1.56 s, the probe waiting out the read, against about 1 s).
 
 Keys: ``<prefix>:{<group>}:<kind>:...``. Everything one script touches shares the ``{group}``
 hash tag (a route's name, an idempotency key's digest...), so in a cluster each script runs
@@ -69,6 +74,12 @@ from policies.state.errors import (
     is_key_fault,
     is_unavailable,
     key_fault,
+)
+from policies.state.eviction import (
+    CHECK_INTERVAL_S,
+    READ_TIMEOUT_S,
+    EvictionWatch,
+    read_eviction,
 )
 from policies.state.notify import RedisNotifier
 
@@ -355,11 +366,14 @@ class RedisState:
         timeout_s: bound on every call, seconds (``state.timeout``).
         max_connections: connections opened at most (per node, for a cluster).
         probe_interval_s: how often a backend marked down is probed, seconds.
+        eviction_check_s: how often the server's eviction policy and count are read while
+            the backend is up, seconds (:attr:`eviction`).
     """
 
     def __init__(self, url: str, prefix: str, timeout_s: float, *,
                  max_connections: int = MAX_CONNECTIONS,
-                 probe_interval_s: float = PROBE_INTERVAL_S) -> None:
+                 probe_interval_s: float = PROBE_INTERVAL_S,
+                 eviction_check_s: float = CHECK_INTERVAL_S) -> None:
         if timeout_s <= 0:
             raise ValueError("timeout_s must be positive")
         if "{" in prefix or "}" in prefix:
@@ -370,6 +384,11 @@ class RedisState:
         self.max_connections = max_connections
         self.probe_interval_s = probe_interval_s
         self.health = Health()
+        #: Whether the servers evict keys, as last read: ``sluice_state_evicting_policy``
+        #: and ``sluice_state_redis_evicted_keys_total``.
+        self.eviction = EvictionWatch()
+        self.eviction_check_s = eviction_check_s
+        self.health.on_change(self._eviction_unknown)
         #: Key faults met, by kind of state (:data:`KEY_FAULT_KINDS`), since start:
         #: ``sluice_state_key_faults_total``.
         self.key_faults: dict[str, int] = dict.fromkeys(KEY_FAULT_KINDS, 0)
@@ -378,6 +397,8 @@ class RedisState:
         self.cluster: bool | None = None
         self._client: Redis | RedisCluster | None = None
         self._monitor: asyncio.Task[None] | None = None
+        #: The eviction read in flight, or the last one (:meth:`_start_eviction_read`).
+        self._eviction_read: asyncio.Task[None] | None = None
         self._closed = False
         self._answered_at = 0.0
         self.notifier = RedisNotifier(self)
@@ -398,15 +419,17 @@ class RedisState:
             await self.probe()
         if self._monitor is None:
             self._monitor = asyncio.create_task(self._watch(), name="sluice-state-probe")
+        self._start_eviction_read()
 
     async def close(self) -> None:
         """Stop the probe and the notifier, and close every connection."""
         self._closed = True
-        if self._monitor is not None:
-            self._monitor.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._monitor
-            self._monitor = None
+        for task in (self._monitor, self._eviction_read):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._monitor = self._eviction_read = None
         await self.notifier.close()
         client, self._client = self._client, None
         if client is not None:
@@ -483,20 +506,60 @@ class RedisState:
                             self.key_faults[what], detail)
         return key_fault(detail)
 
+    async def check_eviction(self) -> None:
+        """Read whether the server evicts keys into :attr:`eviction` (two ``INFO`` calls,
+        within the timeout or :data:`~policies.state.eviction.READ_TIMEOUT_S`, the longer),
+        while the backend is up. Never raises, and never changes :attr:`health`: a read that
+        fails leaves it unknown (:meth:`~policies.state.eviction.EvictionWatch.failed`). A
+        read during which the backend was marked down (and perhaps up again) is dropped,
+        whatever it found: its answer may be from before the outage, and it filled the
+        series the outage had emptied, to stay for the whole outage (a review: no read is
+        made while down); the read after the backend is up again says."""
+        client, health = self._client, self.health
+        if client is None or not health.up:
+            return
+        began = health.changed_monotonic
+        try:
+            async with Deadline(max(self.timeout_s, READ_TIMEOUT_S)):
+                found = await read_eviction(client)
+        except Exception as exc:
+            if health.up and health.changed_monotonic == began:
+                self.eviction.failed(exc, time.monotonic())
+        else:
+            if health.up and health.changed_monotonic == began:
+                self.eviction.read(found, time.monotonic())
+
+    def _eviction_unknown(self, up: bool, _error: str | None) -> None:
+        """A :meth:`Health.on_change` listener: down, what the server does is unknown; up
+        again, it is read at the probe task's next turn (the server may have been replaced)."""
+        self.eviction.unknown()
+
+    def _start_eviction_read(self) -> None:
+        """Start :meth:`check_eviction` as a task of its own when a read is due, the backend
+        is up and no read is in flight: a read never overlaps another, and nothing awaits it
+        (the probe's schedule is the probe's alone)."""
+        task = self._eviction_read
+        if (self._closed or self._client is None or not self.health.up
+                or (task is not None and not task.done())
+                or not self.eviction.due(time.monotonic(), self.eviction_check_s)):
+            return
+        self._eviction_read = asyncio.create_task(self.check_eviction(),
+                                                  name="sluice-state-eviction")
+
     async def _watch(self) -> None:
         while not self._closed:
             await asyncio.sleep(self.probe_interval_s)
             # While up, PING only when no call has succeeded lately: an idle replica still
             # notices an outage (its gauge and /readyz say so) before a request finds it.
-            if self.health.up and time.monotonic() - self._answered_at < HEARTBEAT_S:
-                continue
-            try:
-                await self.probe()
-            except StateUnavailable:
-                pass
-            except Exception as exc:  # a bug, not Redis: say so, keep probing
-                self.health.fail(describe(exc))
-                log.error("state backend probe: %s", describe(exc))
+            if not self.health.up or time.monotonic() - self._answered_at >= HEARTBEAT_S:
+                try:
+                    await self.probe()
+                except StateUnavailable:
+                    pass
+                except Exception as exc:  # a bug, not Redis: say so, keep probing
+                    self.health.fail(describe(exc))
+                    log.error("state backend probe: %s", describe(exc))
+            self._start_eviction_read()
 
     @property
     def backstop_s(self) -> float:
