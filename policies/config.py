@@ -899,6 +899,20 @@ class DeadLetterConfig(_Section):
     #: The store then holds up to ``max_records * (max_body_bytes + ~2 KiB)`` bytes: 10 GiB
     #: at the defaults if every body is 1 MiB, ~100 MiB for 8 KiB chat requests.
     max_records: int = Field(default=10_000, ge=1, le=MAX_DEAD_LETTERS)
+    #: Letters one tenant keeps at most; its letter written past it drops that tenant's own
+    #: oldest, so one caller's flood of failures cannot push out every other tenant's
+    #: letters (a hostile trial: 60 self-timed-out 1 MiB calls left 50 of the attacker's
+    #: letters, and the victim's outage letter was gone). Default (unset): a quarter of
+    #: ``max_records``, at least 1 (:attr:`tenant_share`); at most ``max_records``.
+    max_records_per_tenant: int | None = Field(default=None, ge=1, le=MAX_DEAD_LETTERS)
+
+    @property
+    def tenant_share(self) -> int:
+        """Letters one tenant keeps at most: ``max_records_per_tenant``, else a quarter of
+        ``max_records`` (at least 1)."""
+        if self.max_records_per_tenant is not None:
+            return self.max_records_per_tenant
+        return max(1, self.max_records // 4)
 
 
 class BudgetConfig(_Section):
@@ -1268,11 +1282,18 @@ def _port(listen: str) -> int:
 
 def cross_checks(config: Config) -> Iterator[tuple[Path_, str]]:
     """Problems no single key shows: one port for both listeners, the same route name or prefix
-    twice, budgets that could not bind."""
+    twice, budgets that could not bind, a tenant's share of the dead letters above the
+    store's bound."""
     if _port(config.server.listen) == _port(config.server.admin_listen) != 0:
         yield ("server", "admin_listen"), (
             f"{config.server.admin_listen} uses the same port as listen ({config.server.listen})"
         )
+    letters = config.dead_letter
+    if letters.max_records_per_tenant is not None and (
+            letters.max_records_per_tenant > letters.max_records):
+        yield ("dead_letter", "max_records_per_tenant"), (
+            f"{letters.max_records_per_tenant} exceeds max_records ({letters.max_records}): "
+            f"no tenant can keep more letters than the store")
     seen: dict[tuple[str, str], int] = {}
     for index, route in enumerate(config.routes):
         for key in ("name", "path_prefix"):

@@ -45,9 +45,15 @@ how to recover it if damaged; letters it then cannot write are counted as failed
 
 The store is bounded: the write that would keep more than ``max_records`` letters drops the
 oldest (with their replays and replay holds) in the same transaction or script, so a long
-outage cannot fill the disk or the Redis every replica shares; each drop is logged (once
-per route every few seconds, :data:`policies.logs.PER_CALL`) and counted in
-:attr:`DeadLetterQueue.dropped`.
+outage cannot fill the disk or the Redis every replica shares. Each tenant has a share of
+it, ``max_records_per_tenant`` (a quarter of ``max_records`` unless set): the write that
+would keep more of its tenant's letters drops that tenant's own oldest first, in the same
+step. One bound for every tenant let one caller push out the others' letters (a hostile
+trial: 60 calls with 1 MiB bodies and their own short deadline, each dead-lettered, left 50
+letters of that caller in a store of 50, and a victim's outage letter was gone). Each drop
+is logged (once per route, and tenant for a share, every few seconds,
+:data:`policies.logs.PER_CALL`) and counted in :attr:`DeadLetterQueue.dropped`, by the bound
+that dropped it.
 
 The depth the server reports (:meth:`DeadLetterQueue.depth`) is read from the store every
 ``DEPTH_REFRESH_S`` and after a write that dropped letters, off the request path (on the
@@ -131,6 +137,7 @@ CREATE TABLE IF NOT EXISTS dead_letters (
     key_origin TEXT
 );
 CREATE INDEX IF NOT EXISTS dead_letters_route ON dead_letters (route);
+CREATE INDEX IF NOT EXISTS dead_letters_tenant ON dead_letters (tenant, id);
 CREATE TABLE IF NOT EXISTS replays (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
     dead_letter_id INTEGER NOT NULL,
@@ -223,10 +230,14 @@ class Added(NamedTuple):
         id: the new letter's id.
         dropped: how many of the oldest letters were dropped to stay within ``max_records``
             (with their replays and replay holds), by route; empty when none were.
+        tenant_dropped: how many of the letter's tenant's own oldest letters were dropped
+            to stay within its share (``max_records_per_tenant``), by route; empty when none
+            were. Those go first: ``dropped`` counts what the store bound took after them.
     """
 
     id: int
     dropped: dict[str, int]
+    tenant_dropped: dict[str, int]
 
 
 def answered(replays: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
@@ -482,9 +493,11 @@ class DeadLetterFile:
     def close(self) -> None:
         self._db.close()
 
-    def add(self, letter: DeadLetter, max_records: int | None = None) -> Added:
-        """Store ``letter``; with ``max_records``, drop the oldest letters beyond it (their
-        replays and replay holds too) in the same transaction."""
+    def add(self, letter: DeadLetter, max_records: int | None = None,
+            max_per_tenant: int | None = None) -> Added:
+        """Store ``letter``; with ``max_per_tenant``, drop the oldest letters of its tenant
+        beyond it, then with ``max_records`` the oldest letters beyond that (their replays
+        and replay holds too), in the same transaction."""
         self._follow()
         with self._db:
             self._db.execute("BEGIN IMMEDIATE")
@@ -498,8 +511,31 @@ class DeadLetterFile:
                  letter.body_size, orjson.dumps([a.as_dict() for a in letter.attempts]),
                  letter.reason, letter.key_origin),
             )
+            own = ({} if max_per_tenant is None
+                   else self._drop_oldest_of(letter.tenant, max_per_tenant))
             dropped = self._drop_oldest(max_records) if max_records is not None else {}
-        return Added(int(cursor.lastrowid or 0), dropped)
+        return Added(int(cursor.lastrowid or 0), dropped, own)
+
+    def _drop_oldest_of(self, tenant: str, keep: int) -> dict[str, int]:
+        """Delete all but the newest ``keep`` letters of ``tenant``; returns how many went,
+        by route. Read through the ``(tenant, id)`` index, which opening a file from before
+        it was kept creates."""
+        over = self._db.execute("SELECT COUNT(*) FROM dead_letters WHERE tenant = ?",
+                                (tenant,)).fetchone()[0] - keep
+        if over <= 0:
+            return {}
+        (last,) = self._db.execute(
+            "SELECT id FROM dead_letters WHERE tenant = ? ORDER BY id LIMIT 1 OFFSET ?",
+            (tenant, over - 1)).fetchone()
+        gone = "SELECT id FROM dead_letters WHERE tenant = ? AND id <= ?"
+        dropped = dict(self._db.execute(
+            "SELECT route, COUNT(*) FROM dead_letters WHERE tenant = ? AND id <= ?"
+            " GROUP BY route", (tenant, last)))
+        self._db.execute(f"DELETE FROM replays WHERE dead_letter_id IN ({gone})", (tenant, last))
+        self._db.execute(f"DELETE FROM replay_claims WHERE dead_letter_id IN ({gone})",
+                         (tenant, last))
+        self._db.execute("DELETE FROM dead_letters WHERE tenant = ? AND id <= ?", (tenant, last))
+        return dropped
 
     def _drop_oldest(self, keep: int) -> dict[str, int]:
         """Delete all but the newest ``keep`` letters; returns how many went, by route."""
@@ -911,8 +947,13 @@ class DeadLetterQueue:
         self.path = config.path
         self.max_body_bytes = config.max_body_bytes
         self.max_records = config.max_records
-        #: Letters dropped to stay within ``max_records`` since start, by route (a counter).
-        self.dropped: dict[str, int] = {}
+        #: A tenant's share; ``None`` when it is the whole store: a tenant then holds more
+        #: only when the store does, and the drop is the store bound's (so counted).
+        self.max_per_tenant = (config.tenant_share if config.tenant_share < config.max_records
+                               else None)
+        #: Letters dropped since start, by route and the bound that dropped them
+        #: (``max_records``, or ``max_records_per_tenant``: a tenant's share) (a counter).
+        self.dropped: dict[tuple[str, str], int] = {}
         self._depth: dict[str, int] = {}
         self._state = state
         self._shared = state.dead_letters if state is not None and state.redis else None
@@ -1038,8 +1079,9 @@ class DeadLetterQueue:
             self._reading = asyncio.ensure_future(self.refresh())
 
     async def add(self, letter: DeadLetter) -> int:
-        """Write ``letter`` (its body cut to ``max_body_bytes`` here, the oldest letters
-        beyond ``max_records`` dropped with it) and return its id.
+        """Write ``letter`` (its body cut to ``max_body_bytes`` here, the oldest letters of
+        its tenant beyond its share, then the oldest beyond ``max_records``, dropped with it)
+        and return its id.
 
         The write completes even if the awaiting request is cancelled meanwhile. A letter
         for a file another process keeps locked is held in memory (``MAX_HELD_LETTERS``,
@@ -1056,7 +1098,8 @@ class DeadLetterQueue:
         letter.body = letter.body[: self.max_body_bytes]
         write: asyncio.Future[Added]
         if self._shared is not None:
-            write = asyncio.ensure_future(self._shared.add(letter, self.max_records))
+            write = asyncio.ensure_future(
+                self._shared.add(letter, self.max_records, self.max_per_tenant))
             self._writes.add(write)  # the loop keeps only a weak reference to a task
             write.add_done_callback(self._writes.discard)
             assert self._state is not None
@@ -1065,24 +1108,35 @@ class DeadLetterQueue:
             if self._file is None and not self._stopping:  # a reload gave a route its
                 await self.open()  # first retry block (not after close: _hold refuses it)
             write = self._hold(letter)
-        route = letter.route
+        route, tenant = letter.route, letter.tenant
 
         def count(done: asyncio.Future[Added]) -> None:
             if done.cancelled() or done.exception() is not None:
                 return
             self._depth[route] = self._depth.get(route, 0) + 1
-            for name, n in done.result().dropped.items():
-                self._depth[name] = max(0, self._depth.get(name, 0) - n)
-                self.dropped[name] = self.dropped.get(name, 0) + n
+            added = done.result()
+            for name, n in added.tenant_dropped.items():
+                self._count_dropped(name, "max_records_per_tenant", n)
+                # PER_CALL: once a tenant's share is full, each of its new letters drops one.
+                log.warning("dead-letter share of tenant %s full "
+                            "(dead_letter.max_records_per_tenant: %d): its oldest letters of "
+                            "route %s are dropped to keep its newest", tenant,
+                            self.max_per_tenant, name, extra=PER_CALL)
+            for name, n in added.dropped.items():
+                self._count_dropped(name, "max_records", n)
                 # PER_CALL: once the store is full, every new letter drops one.
                 log.warning("dead-letter store full (dead_letter.max_records: %d): the "
                             "oldest letters of route %s are dropped to keep the newest",
                             self.max_records, name, extra=PER_CALL)
-            if done.result().dropped:
+            if added.dropped or added.tenant_dropped:
                 self._refresh_soon()
 
         write.add_done_callback(count)
         return (await asyncio.shield(write)).id
+
+    def _count_dropped(self, route: str, bound: str, n: int) -> None:
+        self._depth[route] = max(0, self._depth.get(route, 0) - n)
+        self.dropped[route, bound] = self.dropped.get((route, bound), 0) + n
 
     def _hold(self, letter: DeadLetter) -> asyncio.Future[Added]:
         """Put ``letter`` in line for the writer; a future of its write, failed at once with
@@ -1114,7 +1168,8 @@ class DeadLetterQueue:
                 # In the try: a writer that died here left its letters' callers waiting.
                 if self._file is None:
                     raise LetterNotKept(f"the server stopped before {self.path} took it")
-                added = await self._run(self._file.add, held.letter, self.max_records)
+                added = await self._run(self._file.add, held.letter, self.max_records,
+                                        self.max_per_tenant)
             except Exception as exc:  # handed to the letter's caller
                 if locked(exc):
                     self._note_locked()

@@ -31,8 +31,8 @@ from __future__ import annotations
 import contextlib
 import threading
 from bisect import bisect_left
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from prometheus_client import (
     GC_COLLECTOR,
@@ -735,14 +735,19 @@ class Metrics:
         (``None``)."""
         self._on_loop.register(_EvictionSeries(read))
 
-    def bind_dead_letters_dropped(self, read: Callable[[], dict[str, float]]) -> None:
-        """Export ``sluice_dead_letters_dropped_total{route}``: the oldest dead letters this
-        replica's writes dropped to stay within ``dead_letter.max_records``
-        (policies/deadletter.py), read at scrape time from ``read()``, by route."""
+    def bind_dead_letters_dropped(
+            self, read: Callable[[], Mapping[tuple[str, str], float]]) -> None:
+        """Export ``sluice_dead_letters_dropped_total{route,reason}``: the oldest dead letters
+        this replica's writes dropped (policies/deadletter.py), read at scrape time from
+        ``read()``, by route and the bound that dropped them (``reason``: its key,
+        ``max_records`` or ``max_records_per_tenant``; as ``sluice_expiries_total`` names
+        ``max_wait``)."""
         self._on_loop.register(_ReadCounter(
             "sluice_dead_letters_dropped",
-            "Oldest dead letters dropped to keep the store within dead_letter.max_records.",
-            "route", read))
+            "Oldest dead letters dropped, by the bound that dropped them (max_records: the "
+            "store's, dead_letter.max_records; max_records_per_tenant: the share of the "
+            "tenant whose letter was written, its own oldest).",
+            ("route", "reason"), read))
 
 
 class RouteLoad(NamedTuple):
@@ -862,18 +867,20 @@ class _LoadGauges:
 
 
 class _ReadCounter:
-    """A counter with one label whose values are read at scrape time, as ``{label value:
-    count}`` (kept by whatever counts them: the output writers, the dead-letter queue)."""
+    """A counter whose values are read at scrape time, as ``{label value: count}`` for one
+    label, ``{(label values...): count}`` for several (kept by whatever counts them: the
+    output writers, the dead-letter queue)."""
 
-    def __init__(self, name: str, documentation: str, label: str,
-                 read: Callable[[], dict[str, float]]) -> None:
-        self._name, self._documentation, self._label = name, documentation, label
+    def __init__(self, name: str, documentation: str, labels: str | tuple[str, ...],
+                 read: Callable[[], Mapping[Any, float]]) -> None:
+        self._name, self._documentation = name, documentation
+        self._labels = [labels] if isinstance(labels, str) else list(labels)
         self._read = read
 
     def collect(self) -> Iterator[Metric]:
-        family = CounterMetricFamily(self._name, self._documentation, labels=[self._label])
-        for value, count in self._read().items():
-            family.add_metric([value], count)
+        family = CounterMetricFamily(self._name, self._documentation, labels=self._labels)
+        for values, count in self._read().items():
+            family.add_metric(list(values) if isinstance(values, tuple) else [values], count)
         yield family
 
 

@@ -123,6 +123,13 @@ BAD_FILES = [
      ["{f}:2: identity.default_tenant: 3.1 should be a string (quote it)"]),
     ("string where a number belongs", ROUTE + "    concurrency: {limit: '8'}\n",
      ["{f}:5: routes[0].concurrency.limit: '8' should be a whole number"]),
+    # A tenant's share of the dead letters cannot be more than the store.
+    ("dead-letter share above the store",
+     "dead_letter:\n  max_records: 8\n  max_records_per_tenant: 9\n" + ROUTE,
+     ["{f}:3: dead_letter.max_records_per_tenant: 9 exceeds max_records (8): no tenant can "
+      "keep more letters than the store"]),
+    ("empty dead-letter share", "dead_letter:\n  max_records_per_tenant:\n" + ROUTE,
+     [f"{{f}}:2: dead_letter.max_records_per_tenant: {EMPTY}"]),
     ("zero limit", ROUTE + "    concurrency: {limit: 0}\n",
      ["{f}:5: routes[0].concurrency.limit: 0 should be more than 0"]),
     ("missing upstream", "routes:\n  - name: openai\n    path_prefix: /openai/\n",

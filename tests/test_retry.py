@@ -119,9 +119,11 @@ async def test_retry_storm_is_one_layer_and_dead_letter_replays(upstream, start_
 
 async def test_a_full_dead_letter_store_keeps_the_newest_letters(upstream, start_sluice,
                                                                    tmp_path):
-    """dead_letter.max_records: an outage cannot fill the disk; the drops are counted."""
+    """dead_letter.max_records: an outage cannot fill the disk; the drops are counted (one
+    tenant's letters, the share lifted to the whole store)."""
     sluice = await start_sluice({
-        "dead_letter": {"path": str(tmp_path / "dlq.sqlite"), "max_records": 2},
+        "dead_letter": {"path": str(tmp_path / "dlq.sqlite"), "max_records": 2,
+                        "max_records_per_tenant": 2},
         "routes": [route("openai", upstream.url,
                          retry={"attempts": 2, "backoff": FAST_BACKOFF})]})
     upstream.status = 503
@@ -133,9 +135,38 @@ async def test_a_full_dead_letter_store_keeps_the_newest_letters(upstream, start
             assert status == 503
             ids.append(headers["X-Sluice-Dead-Letter"])
     assert await sluice.metric("sluice_dead_letters_total", route="openai") == 3
-    assert await sluice.metric("sluice_dead_letters_dropped_total", route="openai") == 1
+    assert await sluice.metric("sluice_dead_letters_dropped_total", route="openai",
+                               reason="max_records") == 1
     assert await sluice.metric("sluice_dead_letter_depth", route="openai") == 2
     assert [line.split()[0] for line in (await dlq_list(sluice)).splitlines()[1:]] == ids[1:]
+
+
+async def test_one_tenants_failures_cannot_push_out_another_tenants_letter(
+        upstream, start_sluice, tmp_path):
+    """dead_letter.max_records_per_tenant (a quarter of max_records by default): a caller
+    flooding the store drops its own oldest letters, not another tenant's (a hostile trial:
+    60 calls of one caller left 50 of its letters in a store of 50, the victim's gone)."""
+    sluice = await start_sluice({
+        "dead_letter": {"path": str(tmp_path / "dlq.sqlite"), "max_records": 8},
+        "routes": [route("openai", upstream.url,
+                         retry={"attempts": 2, "backoff": FAST_BACKOFF})]})
+    upstream.status = 503
+    async with aiohttp.ClientSession() as s:
+        _, headers = await post(s, sluice.url + "/openai" + CHAT, **{
+            "Idempotency-Key": "victim-0", "X-Tenant-ID": "victim"})
+        victim = headers["X-Sluice-Dead-Letter"]
+        ids = []
+        for n in range(6):
+            status, headers = await post(s, sluice.url + "/openai" + CHAT, **{
+                "Idempotency-Key": f"flood-{n}", "X-Tenant-ID": "attacker"})
+            assert status == 503
+            ids.append(headers["X-Sluice-Dead-Letter"])
+    assert await sluice.metric("sluice_dead_letters_dropped_total", route="openai",
+                               reason="max_records_per_tenant") == 4
+    assert await sluice.metric("sluice_dead_letters_dropped_total", route="openai",
+                               reason="max_records") == 0
+    listed = [line.split()[0] for line in (await dlq_list(sluice)).splitlines()[1:]]
+    assert listed == [victim, *ids[-2:]]
 
 
 async def test_a_locked_dead_letter_file_holds_no_slot_past_a_second(upstream, start_sluice,

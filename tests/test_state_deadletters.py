@@ -348,14 +348,14 @@ def test_a_full_sqlite_file_drops_its_oldest_letters_with_their_replays(tmp_path
 async def test_the_queue_counts_and_logs_what_the_bound_dropped(
         backends: StateBackends, tmp_path, caplog: pytest.LogCaptureFixture):
     """The server's side: the SQLite file with the memory backend, the stream with Redis."""
-    queue = DeadLetterQueue(DeadLetterConfig(path=str(tmp_path / "dlq.sqlite"), max_records=2),
-                            backends)
+    queue = DeadLetterQueue(DeadLetterConfig(path=str(tmp_path / "dlq.sqlite"), max_records=2,
+                                             max_records_per_tenant=2), backends)
     await queue.open()
     try:
         with caplog.at_level(logging.WARNING, logger="sluice"):
             ids = [await queue.add(letter(route)) for route in ("tools", "openai", "openai")]
         assert ids == [ids[0], ids[0] + 1, ids[0] + 2]
-        assert queue.dropped == {"tools": 1}
+        assert queue.dropped == {("tools", "max_records"): 1}
         assert (queue.depth("openai"), queue.depth("tools")) == (2, 0)
         warned = [r for r in caplog.records if "dead_letter.max_records" in r.getMessage()]
         assert len(warned) == 1 and "route tools" in warned[0].getMessage()
@@ -369,8 +369,10 @@ async def test_the_queue_counts_and_logs_what_the_bound_dropped(
 
 def queue_of(backends: StateBackends, tmp_path, refresh_s: float,
              max_records: int = 1000) -> DeadLetterQueue:
-    """The server's queue: on the SQLite file with the memory backend, else the stream."""
-    config = DeadLetterConfig(path=str(tmp_path / "dlq.sqlite"), max_records=max_records)
+    """The server's queue: on the SQLite file with the memory backend, else the stream (one
+    tenant may fill it)."""
+    config = DeadLetterConfig(path=str(tmp_path / "dlq.sqlite"), max_records=max_records,
+                              max_records_per_tenant=max_records)
     return DeadLetterQueue(config, backends, refresh_s=refresh_s)
 
 
@@ -433,7 +435,7 @@ async def test_the_depth_is_read_again_after_a_write_drops_letters(backends: Sta
                 await other.add(letter())
         assert (queue.depth("openai"), queue.depth("tools")) == (0, 1)  # not read yet
         await queue.add(letter())  # 5 letters: the oldest ("tools") dropped
-        assert queue.dropped == {"tools": 1}
+        assert queue.dropped == {("tools", "max_records"): 1}
         await wait_until(lambda: (queue.depth("openai"), queue.depth("tools")) == (4, 0),
                          what="the depth read after the drop")
     finally:

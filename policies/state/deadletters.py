@@ -16,11 +16,17 @@ Redis layout (one hash tag, ``{dlq}``, so every script touches one slot):
 * ``...:claim:<n>``: the token of the replay of letter ``n`` being sent now (``SET PX``, so
   the hold of a command killed mid-replay lapses);
 * ``...:depth``: letters per route (for the depth gauge without scanning the stream);
+* ``...:tenant:<tenant>``: a sorted set of the ids of the tenant's letters (scored by id), so
+  a write finds the tenant's oldest when it holds more than its share
+  (``dead_letter.max_records_per_tenant``) without scanning the stream; written with the
+  letter, an id taken off as its letter is dropped, deleted or purged (an emptied set is
+  gone). Letters written before it was kept are in none: they count in ``max_records`` only;
 * ``...:purging``: the letters a purge is deleting, moved out of the stream at once (their
   replays and claims deleted in bounded scripts, then it goes too).
 
 Nothing here is on the request path except :meth:`DeadLetterStore.add` (one script call, which
-also drops the oldest letters beyond ``dead_letter.max_records``, their replays and holds too).
+also drops the tenant's oldest letters beyond its share, ``dead_letter.max_records_per_tenant``,
+then the oldest beyond ``dead_letter.max_records``, their replays and holds too).
 """
 
 from __future__ import annotations
@@ -73,10 +79,12 @@ class DeadLetterStore(Protocol):
         StateUnavailable: the backend did not answer in time (Redis only).
     """
 
-    async def add(self, letter: DeadLetter, max_records: int | None = None) -> Added:
+    async def add(self, letter: DeadLetter, max_records: int | None = None,
+                  max_per_tenant: int | None = None) -> Added:
         """Store ``letter`` (as given; ``id`` and ``replays`` are ignored) and, with
-        ``max_records``, drop the oldest letters beyond it (their replays and replay holds
-        too), in one step; returns the new id and what was dropped."""
+        ``max_per_tenant``, drop the oldest letters of its tenant beyond it, then with
+        ``max_records`` the oldest letters beyond that (their replays and replay holds too),
+        in one step; returns the new id and what was dropped."""
         ...
 
     async def get(self, letter_id: int) -> DeadLetter | None:
@@ -141,19 +149,37 @@ class MemoryDeadLetterStore:
     def __init__(self) -> None:
         self._letters: dict[int, DeadLetter] = {}
         self._claims: dict[int, tuple[str, float]] = {}  # token, until (monotonic)
+        #: Each tenant's letter ids, oldest first (dicts as ordered sets).
+        self._tenants: dict[str, dict[int, None]] = {}
         self._next = 0
 
-    async def add(self, letter: DeadLetter, max_records: int | None = None) -> Added:
+    async def add(self, letter: DeadLetter, max_records: int | None = None,
+                  max_per_tenant: int | None = None) -> Added:
         self._next += 1
         copy = DeadLetter(**{**_as_kwargs(letter), "id": self._next, "replays": []})
         self._letters[self._next] = copy
+        # ids only grow: insertion order is age
+        own = self._tenants.setdefault(letter.tenant, {})
+        own[self._next] = None
+        tenant_dropped: dict[str, int] = {}
+        while max_per_tenant is not None and len(own) > max_per_tenant:
+            route = self._drop(next(iter(own)))
+            tenant_dropped[route] = tenant_dropped.get(route, 0) + 1
         dropped: dict[str, int] = {}
         while max_records is not None and len(self._letters) > max_records:
-            oldest = next(iter(self._letters))  # ids only grow: insertion order is age
-            gone = self._letters.pop(oldest)
-            self._claims.pop(oldest, None)
-            dropped[gone.route] = dropped.get(gone.route, 0) + 1
-        return Added(self._next, dropped)
+            route = self._drop(next(iter(self._letters)))
+            dropped[route] = dropped.get(route, 0) + 1
+        return Added(self._next, dropped, tenant_dropped)
+
+    def _drop(self, letter_id: int) -> str:
+        """Forget letter ``letter_id`` (its replays and hold with it); returns its route."""
+        gone = self._letters.pop(letter_id)
+        self._claims.pop(letter_id, None)
+        own = self._tenants[gone.tenant]
+        del own[letter_id]
+        if not own:
+            del self._tenants[gone.tenant]
+        return gone.route
 
     async def get(self, letter_id: int) -> DeadLetter | None:
         letter = self._letters.get(letter_id)
@@ -199,13 +225,17 @@ class MemoryDeadLetterStore:
         return True
 
     async def delete(self, letter_id: int) -> bool:
-        self._claims.pop(letter_id, None)
-        return self._letters.pop(letter_id, None) is not None
+        if letter_id not in self._letters:
+            self._claims.pop(letter_id, None)
+            return False
+        self._drop(letter_id)
+        return True
 
     async def purge(self) -> int:
         count = len(self._letters)
         self._letters.clear()
         self._claims.clear()
+        self._tenants.clear()
         return count
 
     async def depth(self) -> dict[str, int]:
@@ -229,55 +259,86 @@ def _as_kwargs(letter: DeadLetter) -> dict[str, Any]:
 
 # -- redis ------------------------------------------------------------------------------------
 
-# KEYS: stream, seq, depth. ARGV: route, most letters kept (0: no bound), most letters
-# dropped, replay list key prefix, claim key prefix, then field, value pairs. Returns {the
-# new id, {the route of each letter dropped}}. The replay and claim keys of a dropped letter
-# are named here, not in KEYS (as in _PURGE): they share the {dlq} slot of the stream.
+# KEYS: stream, seq, depth, the letter's tenant's ids. ARGV: route, most letters kept (0: no
+# bound), most letters dropped, replay list key prefix, claim key prefix, tenant ids key
+# prefix, most letters of a tenant kept (0: no bound), then field, value pairs. Returns {the
+# new id, {the route of each letter dropped for the store's bound}, {the route of each of the
+# tenant's letters dropped for its share}}. The replay, claim and other tenants' id keys of a
+# dropped letter are named here, not in KEYS (as in _PURGE): they share the {dlq} slot of
+# the stream.
 _ADD = Script("""
 -- Everything written is checked before the first write (Redis does not roll a script back):
 -- the sequence is an integer INCR takes ("1.5", " 5 " and "1e3" passed tonumber() and then
--- failed INCR with an unclassified error), the stream a stream, the depths integers.
+-- failed INCR with an unclassified error), the stream a stream, the depths integers, the
+-- tenant's ids a sorted set.
 int_field(redis.call('GET', KEYS[2]), "the dead letters' sequence")
 local kind = redis.call('TYPE', KEYS[1])['ok']
 if kind ~= 'stream' and kind ~= 'none' then bad("the dead letters' stream", 'is no stream') end
 local depths = redis.call('HGETALL', KEYS[3])
 for i = 2, #depths, 2 do int_field(depths[i], "the dead letters' depth") end
+kind = redis.call('TYPE', KEYS[4])['ok']
+if kind ~= 'zset' and kind ~= 'none' then bad("a tenant's dead letters", 'is no sorted set') end
 local id = redis.call('INCR', KEYS[2])
 local args = {'XADD', KEYS[1], '0-' .. id}
-for i = 6, #ARGV do args[#args + 1] = ARGV[i] end
-redis.call(unpack(args))
+for i = 8, #ARGV do args[#args + 1] = ARGV[i] end
+local added = redis.call(unpack(args))
+redis.call('ZADD', KEYS[4], id, string.sub(added, 3))
 redis.call('HINCRBY', KEYS[3], ARGV[1], 1)
+local read = 0
+-- Deletes entry e (its depth, replays, claim, and its place among its tenant's ids unless
+-- popped from there already); returns its route, or nil if it has none.
+local function drop(e, popped)
+  local fields, route, tenant = e[2], nil, nil
+  for i = 1, #fields, 2 do
+    read = read + #fields[i + 1]
+    if fields[i] == 'route' and not route then route = fields[i + 1] end
+    if fields[i] == 'tenant' and not tenant then tenant = fields[i + 1] end
+  end
+  if route and redis.call('HINCRBY', KEYS[3], route, -1) <= 0 then
+    redis.call('HDEL', KEYS[3], route)
+  end
+  local n = string.sub(e[1], 3)
+  -- Skipped if it holds what Sluice does not write there: this script cannot fail now.
+  if tenant and not popped and redis.call('TYPE', ARGV[6] .. tenant)['ok'] == 'zset' then
+    redis.call('ZREM', ARGV[6] .. tenant, n)
+  end
+  redis.call('XDEL', KEYS[1], e[1])
+  redis.call('DEL', ARGV[4] .. n, ARGV[5] .. n)
+  return route
+end
+local budget = tonumber(ARGV[3])
+-- The tenant's share first: its own oldest letters go. One at a time, up to ARGV[3] of them
+-- or about 1 MiB (at least two, as below); an id whose letter is gone (a purge under way
+-- walks it) is only taken off.
+local own = {}
+local share = tonumber(ARGV[7])
+local k = 0
+while share > 0 and k < budget and redis.call('ZCARD', KEYS[4]) > share do
+  if read >= 1048576 and k >= 2 then break end
+  k = k + 1
+  local n = redis.call('ZPOPMIN', KEYS[4])[1]
+  local e = redis.call('XRANGE', KEYS[1], '0-' .. n, '0-' .. n)[1]
+  local route = e and drop(e, true)
+  if route then own[#own + 1] = route end
+end
+budget = budget - k
 local dropped = {}
 local keep = tonumber(ARGV[2])
 local over = redis.call('XLEN', KEYS[1]) - keep
-local read = 0
 if keep > 0 and over > 0 then
-  -- One entry at a time, up to ARGV[3] of them or about 1 MiB: a read copies bodies too.
-  for k = 1, math.min(over, tonumber(ARGV[3])) do
+  -- One entry at a time, up to what is left of ARGV[3] or about 1 MiB read in all: a read
+  -- copies bodies too.
+  for j = 1, math.min(over, math.max(budget, 2)) do
     -- At least two: one letter of 1 MiB a write, against the one added, never shrank the
     -- stream to a lowered bound (a review).
-    if read >= 1048576 and k > 2 then break end
+    if read >= 1048576 and j > 2 then break end
     local e = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', 1)[1]
     if not e then break end
-    local fields = e[2]
-    for i = 1, #fields, 2 do
-      read = read + #fields[i + 1]
-    end
-    for i = 1, #fields, 2 do
-      if fields[i] == 'route' then
-        if redis.call('HINCRBY', KEYS[3], fields[i + 1], -1) <= 0 then
-          redis.call('HDEL', KEYS[3], fields[i + 1])
-        end
-        dropped[#dropped + 1] = fields[i + 1]
-        break
-      end
-    end
-    local n = string.sub(e[1], 3)
-    redis.call('XDEL', KEYS[1], e[1])
-    redis.call('DEL', ARGV[4] .. n, ARGV[5] .. n)
+    local route = drop(e, false)
+    if route then dropped[#dropped + 1] = route end
   end
 end
-return {id, dropped}
+return {id, dropped, own}
 """, "deadletter")
 
 # KEYS: stream, the letter's replays. ARGV: stream id. Returns {} or {fields, replays}.
@@ -347,7 +408,8 @@ if ARGV[3] ~= '' and redis.call('GET', KEYS[3]) == ARGV[3] then redis.call('DEL'
 return 1
 """, "deadletter")
 
-# KEYS: stream, the letter's replays, depth, its claim. ARGV: stream id.
+# KEYS: stream, the letter's replays, depth, its claim. ARGV: stream id, tenant ids key prefix
+# (its tenant's key is named here, not in KEYS, as in _ADD: its tenant is read here).
 _DELETE = Script("""
 local e = redis.call('XRANGE', KEYS[1], ARGV[1], ARGV[1])
 if #e == 0 then return 0 end
@@ -357,6 +419,9 @@ for i = 1, #fields, 2 do
     if redis.call('HINCRBY', KEYS[3], fields[i + 1], -1) <= 0 then
       redis.call('HDEL', KEYS[3], fields[i + 1])
     end
+  elseif fields[i] == 'tenant'
+      and redis.call('TYPE', ARGV[2] .. fields[i + 1])['ok'] == 'zset' then
+    redis.call('ZREM', ARGV[2] .. fields[i + 1], string.sub(ARGV[1], 3))
   end
 end
 redis.call('XDEL', KEYS[1], ARGV[1])
@@ -380,8 +445,9 @@ return count
 """, "deadletter")
 
 # KEYS: the purge's stream. ARGV: replay list key prefix, claim key prefix, n after which
-# to walk, most letters, bytes read after which to stop. The replays and claims of the
-# letters walked are deleted (named here, not in KEYS, as in _ADD: one {dlq} slot). Returns
+# to walk, most letters, bytes read after which to stop, tenant ids key prefix. The replays
+# and claims of the letters walked are deleted, and their ids taken off their tenants' (all
+# named here, not in KEYS, as in _ADD: one {dlq} slot; new letters' ids stay). Returns
 # {the last n walked (ARGV[3] if none), 1 if no letter is left after it: the stream then
 # unlinked}. Walking entries, not ids, costs what the letters are (a review: deleting by
 # id span took 3,000 scripts for 2 letters 3M ids apart).
@@ -395,7 +461,12 @@ for _ = 1, tonumber(ARGV[4]) do
   end
   n = tonumber(string.sub(e[1], 3))
   redis.call('DEL', ARGV[1] .. n, ARGV[2] .. n)
-  for i = 2, #e[2], 2 do read = read + #e[2][i] end
+  for i = 1, #e[2], 2 do
+    read = read + #e[2][i + 1]
+    if e[2][i] == 'tenant' and redis.call('TYPE', ARGV[6] .. e[2][i + 1])['ok'] == 'zset' then
+      redis.call('ZREM', ARGV[6] .. e[2][i + 1], string.sub(e[1], 3))
+    end
+  end
   if read >= tonumber(ARGV[5]) then break end
 end
 return {n, 0}
@@ -415,8 +486,10 @@ class RedisDeadLetterStore:
         self._purging = state.key("dlq", "purging")
         self._replays = state.key("dlq", "replays") + ":"
         self._claims = state.key("dlq", "claim") + ":"
+        self._tenants = state.key("dlq", "tenant") + ":"
 
-    async def add(self, letter: DeadLetter, max_records: int | None = None) -> Added:
+    async def add(self, letter: DeadLetter, max_records: int | None = None,
+                  max_per_tenant: int | None = None) -> Added:
         fields: list[object] = [
             "created_at", repr(letter.created_at), "route", letter.route,
             "tenant", letter.tenant, "request_id", letter.request_id,
@@ -433,9 +506,9 @@ class RedisDeadLetterStore:
         if letter.key_origin is not None:  # absent from letters written before it was kept
             fields += ["key_origin", letter.key_origin]
         return await self._state.eval(
-            _ADD, [self._stream, self._seq, self._depth],
+            _ADD, [self._stream, self._seq, self._depth, self._tenants + letter.tenant],
             [letter.route, max_records or 0, MAX_DROPS_PER_ADD, self._replays, self._claims,
-             *fields], _added)
+             self._tenants, max_per_tenant or 0, *fields], _added)
 
     async def get(self, letter_id: int) -> DeadLetter | None:
         return await self._state.eval(_GET, [self._stream, self._replays + str(letter_id)],
@@ -490,7 +563,7 @@ class RedisDeadLetterStore:
         return bool(await self._state.eval(
             _DELETE, [self._stream, self._replays + str(letter_id), self._depth,
                       self._claims + str(letter_id)],
-            [f"0-{letter_id}"]))
+            [f"0-{letter_id}", self._tenants]))
 
     async def purge(self) -> int:
         while True:
@@ -501,7 +574,7 @@ class RedisDeadLetterStore:
                 walked, done = await self._state.eval(
                     _FORGET, [self._purging],
                     [self._replays, self._claims, walked, FORGET_PER_SCRIPT,
-                     LIST_BYTES_PER_SCRIPT])
+                     LIST_BYTES_PER_SCRIPT, self._tenants])
             if count >= 0:  # else a cut purge's letters were walked: now this one's
                 return count
 
@@ -515,13 +588,18 @@ class RedisDeadLetterStore:
 
 
 def _added(reply: list[Any]) -> Added:
-    """``_ADD``'s reply read: the new id, and the routes of the letters it dropped."""
-    new_id, routes = reply
-    dropped: dict[str, int] = {}
+    """``_ADD``'s reply read: the new id, and the routes of the letters it dropped for the
+    store's bound and for the tenant's share."""
+    new_id, routes, own = reply
+    return Added(int(new_id), _by_route(routes), _by_route(own))
+
+
+def _by_route(routes: list[Any]) -> dict[str, int]:
+    counts: dict[str, int] = {}
     for raw in routes:
         route = stored_text(raw, _LETTER)
-        dropped[route] = dropped.get(route, 0) + 1
-    return Added(int(new_id), dropped)
+        counts[route] = counts.get(route, 0) + 1
+    return counts
 
 
 def _letter(letter_id: int, reply: list[Any]) -> DeadLetter | None:
