@@ -83,6 +83,26 @@ def test_endpoints_by_protocol_and_path():
     assert endpoint_for("anthropic", "POST", "/v1/messages/count_tokens") is None
 
 
+@pytest.mark.parametrize(("protocol", "path", "endpoint"), [
+    ("openai", "/v1/Chat/Completions", CHAT),
+    ("openai", "/V1/CHAT/COMPLETIONS?x=1", CHAT),
+    ("openai", "/v1/chat/completions;jsessionid=1", CHAT),
+    ("openai", "/v1/chat;x=1/completions", CHAT),  # chat (Tomcat's reading), not completions
+    ("openai", "/v1/Responses/", RESPONSES),
+    ("openai", "/v1/embeddings;x", EMBEDDINGS),
+    ("anthropic", "/v1/Messages", MESSAGES),
+    ("anthropic", "/v1/messages;jsessionid=1", MESSAGES),
+    ("anthropic", "/v1/Chat/Completions", CHAT),
+    ("anthropic", "/v1/messages/Count_Tokens", None),
+    ("anthropic", "/v1/messages/count_tokens;x=1", None),
+])
+def test_endpoints_are_read_as_case_folding_and_param_dropping_upstreams_route_them(
+        protocol, path, endpoint):
+    """Metering reads every spelling ``endpoints:`` patterns read (policies.paths.readings):
+    Express and ASP.NET Core fold case, Tomcat and Spring drop ``;parameters``."""
+    assert endpoint_for(protocol, "POST", path) is endpoint
+
+
 def test_request_reads_cap_and_adds_usage_option_and_default_cap():
     body = orjson.dumps({"model": "gpt-x", "stream": True,
                          "messages": [{"role": "user", "content": "hi"}]})
