@@ -72,7 +72,7 @@ from policies.pipeline import (
     Outcome,
     Policy,
 )
-from policies.reasons import Reason, Rejected
+from policies.reasons import REASON_HEADER, Reason, Rejected
 from policies.retry import is_client_retry
 from policies.runs import FanoutWidth
 from proxy import attempts, session_end
@@ -1164,7 +1164,7 @@ def _written_status(response: web.StreamResponse) -> int:
     (``upstream_timeout``, ``upstream_error``): the reason's own, 504 or 502, though on an
     ``mcp`` route a call's is sent as HTTP 200 and a JSON-RPC error
     (:func:`proxy.rejections.render`), as a run's cancel's 409 is, and its event names 409."""
-    reason = _REASONS.get(response.headers.get("X-Sluice-Reason", ""))
+    reason = _REASONS.get(response.headers.get(REASON_HEADER, ""))
     return reason.status if reason is not None else response.status
 
 

@@ -2,13 +2,25 @@
 
 from __future__ import annotations
 
+import ast
 import json
+import re
 import time
+from pathlib import Path
 
+import aiohttp
 import pytest
+import yaml
+from aiohttp import web
+from multidict import CIMultiDict
 
-from tests.conftest import raw_request, route
+from policies.deadletter import DeadLetter
+from proxy import dlq
+from proxy.config import parse_config
+from proxy.forward import SLUICE_ANSWER_HEADERS
+from tests.conftest import raw_request, route, serve_app
 
+REPO = Path(__file__).resolve().parent.parent
 #: Budgets' clock: today 12:00 UTC, so no daily window rolls over mid-test.
 NOON = {"SLUICE_TEST_NOW": str(int(time.time()) // 86400 * 86400 + 43200)}
 
@@ -41,3 +53,76 @@ async def test_a_path_spelled_as_case_folding_or_param_dropping_upstreams_route_
     assert upstream.requests == [], f"served unmetered: {answer[:120]!r}"
     assert answer.startswith(b"HTTP/1.1 400 "), answer[:200]
     assert b"X-Sluice-Reason: exceeds_limit" in answer
+
+
+# -- 2. an upstream's own X-Sluice-* answer fields reached the caller, and its replays --
+
+#: Sluice's own fields as a hostile upstream forges them.
+FORGED = {"X-Sluice-Reason": "budget_exhausted", "X-Sluice-Dead-Letter": "1",
+          "X-Sluice-Run-Warning": '"run";used=0.990', "x-sluice-budget-remaining": "0",
+          "X-Sluice-Budget-Policy": '"forged";q=1;w=1'}
+
+
+async def test_an_upstreams_own_sluice_fields_are_neither_relayed_nor_replayed(
+        start_sluice) -> None:
+    """An upstream answering with ``X-Sluice-Reason``, ``X-Sluice-Dead-Letter`` (naming
+    another tenant's letter), ``X-Sluice-Run-Warning`` or ``X-Sluice-Budget-*`` had them
+    relayed as Sluice's own signals, and stored for an ``Idempotency-Key``'s replays."""
+    async def forging(request: web.Request) -> web.Response:
+        await request.read()
+        return web.json_response({"ok": True}, headers={**FORGED, "X-Upstream-Own": "kept"})
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", forging)
+    runner, port = await serve_app(app)
+    try:
+        sluice = await start_sluice({"routes": [route(
+            "h", f"http://127.0.0.1:{port}", protocol="http",
+            idempotency={"mode": "dedup", "ttl": "1h"})]})
+        async with aiohttp.ClientSession() as session:
+            for replayed in ("", "true"):
+                async with session.post(sluice.url + "/h/v1/tool", json={},
+                                        headers={"Idempotency-Key": "k1"}) as answer:
+                    assert answer.status == 200
+                    assert answer.headers.get("Idempotent-Replayed", "") == replayed
+                    assert answer.headers["X-Upstream-Own"] == "kept"
+                    assert [n for n in answer.headers if n.lower().startswith("x-sluice-")] == []
+    finally:
+        await runner.cleanup()
+
+
+def test_every_answer_field_sluice_sets_is_dropped_from_upstream_answers() -> None:
+    """Every ``X-Sluice-*`` name written in Sluice's code is in
+    :data:`proxy.forward.SLUICE_ANSWER_HEADERS`, so an upstream cannot forge one added
+    later (a string constant naming one, outside docstrings and comments)."""
+    named = set()
+    for source in [*(REPO / "proxy").rglob("*.py"), *(REPO / "policies").rglob("*.py")]:
+        for node in ast.walk(ast.parse(source.read_text())):
+            if (isinstance(node, ast.Constant) and isinstance(node.value, str)
+                    and re.fullmatch(r"x-sluice-[a-z0-9-]+", node.value, re.IGNORECASE)):
+                named.add(node.value.lower())
+    assert len(named) >= 7  # the scan found the names it should
+    assert named <= SLUICE_ANSWER_HEADERS, named - SLUICE_ANSWER_HEADERS
+
+
+async def test_a_dead_letter_replay_keeps_none_of_the_upstreams_sluice_fields() -> None:
+    """``sluice dlq replay`` stores the answer it gets for the letter's key, to be replayed to
+    the key's later requests: it kept an upstream's forged ``X-Sluice-*`` fields too."""
+    async def forging(request: web.Request) -> web.Response:
+        return web.json_response({"ok": True}, headers=FORGED)
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", forging)
+    runner, port = await serve_app(app)
+    try:
+        config = parse_config(yaml.safe_dump({"routes": [route(
+            "h", f"http://127.0.0.1:{port}", protocol="http")]}))
+        [config_route] = config.routes
+        letter = DeadLetter("h", "acme", None, "k1", "r1", "POST", "/v1/tool", [], [], b"{}",
+                            2, [], "attempts")
+        status, _, _, _, headers = await dlq._send(
+            config_route, config_route.timeouts, None, letter, CIMultiDict(), dlq._Connected())
+        assert status == 200
+        assert [n for n in headers if n.lower().startswith("x-sluice-")] == []
+    finally:
+        await runner.cleanup()
