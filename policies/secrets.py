@@ -21,18 +21,26 @@ _KEY_PREFIXES = r"sk-(?![A-Za-z]{2}(?:$|[,;]))|sk_|rk_|xox[abp]-|gh[pousr]_|AKIA
 AUTH_SCHEMES = r"(?i:bearer|basic|digest|token)"
 SECRET_VALUE = re.compile(rf"^(?:{_KEY_PREFIXES}|{AUTH_SCHEMES}\s)")
 
-#: Headers carrying an API key as their whole value (Anthropic; Azure OpenAI), besides
-#: ``Authorization: Bearer``: where ``identity.tenants`` looks keys up.
-API_KEY_HEADERS = ("x-api-key", "api-key")
+#: Headers carrying an API key as their whole value, besides ``Authorization: Bearer``:
+#: Anthropic's (and OpenAI-compatible servers') ``x-api-key``, Azure OpenAI's ``api-key``,
+#: Gemini's ``x-goog-api-key``, Azure API Management's ``Ocp-Apim-Subscription-Key`` and the
+#: common ``X-Auth-Token``. ``identity.tenants`` looks keys up in each (``proxy/identity.py``;
+#: a security trial: a key sent in one it did not read was charged to
+#: ``unknown_key_tenant``).
+API_KEY_HEADERS = ("x-api-key", "api-key", "x-goog-api-key", "Ocp-Apim-Subscription-Key",
+                   "X-Auth-Token")
 #: The request headers that carry a caller's credentials, as APIs read them: the
-#: ``Authorization`` schemes; OpenAI-compatible, Anthropic and Azure OpenAI keys
-#: (``proxy/identity.py``); Gemini's; Azure API Management's; and the common token header.
-#: A list, not every field :func:`secret_header` takes for one: a gateway's
-#: ``X-Authenticated-Userid`` names a user it checked, and an RFC 9421 ``Signature``, an
-#: ``X-CSRF-Token`` or a per-request JWT change with every request (an idempotency key
-#: Sluice derives includes these: with those, a call's retry would be another call).
-CREDENTIAL_HEADERS = ("Authorization", *API_KEY_HEADERS, "x-goog-api-key",
-                      "Ocp-Apim-Subscription-Key", "X-Auth-Token")
+#: ``Authorization`` schemes and :data:`API_KEY_HEADERS`. A list, not every field
+#: :func:`secret_header` takes for one: a gateway's ``X-Authenticated-Userid`` names a user
+#: it checked, and an RFC 9421 ``Signature``, an ``X-CSRF-Token`` or a per-request JWT
+#: change with every request (an idempotency key Sluice derives includes these: with
+#: those, a call's retry would be another call).
+CREDENTIAL_HEADERS = ("Authorization", *API_KEY_HEADERS)
+#: Query fields carrying an API key as their whole value, by their lower-cased names:
+#: Google's ``?key=`` (Gemini), ``?api_key=`` and its spellings, Azure API Management's
+#: ``?subscription-key=``. ``identity.tenants`` looks keys up in each too; each is a field
+#: :func:`secret_query_field` takes for a credential, so no dead letter keeps one.
+API_KEY_QUERY_FIELDS = frozenset({"key", "api_key", "api-key", "apikey", "subscription-key"})
 #: Headers that carry a credential no API reads as the caller's: a proxy's ``Authorization``
 #: and a browser's (or a load balancer's) ``Cookie``.
 CARRIER_HEADERS = ("Proxy-Authorization", "Cookie")

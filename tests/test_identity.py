@@ -13,6 +13,7 @@ import aiohttp
 import pytest
 import yaml
 
+from policies.secrets import API_KEY_QUERY_FIELDS, secret_query_field
 from proxy.cli import main
 from tests.conftest import raw_request, route, wait_until
 
@@ -209,8 +210,9 @@ async def test_identity_refusals_say_what_was_sent_once(upstream, start_sluice, 
                  "x-api-key is not in identity.tenants)")
         assert await _message(session, sluice.url, {}) == (
             401, "Sluice could not tell the caller's tenant from an API key (none was sent, "
-                 "and identity.tenants is set: send one as Authorization: Bearer, x-api-key "
-                 "or api-key)")
+                 "and identity.tenants is set: send one as Authorization: Bearer, x-api-key, "
+                 "api-key, x-goog-api-key, Ocp-Apim-Subscription-Key, X-Auth-Token, ?api-key=, "
+                 "?api_key=, ?apikey=, ?key=, ?subscription-key=)")
     assert upstream.requests == []
 
 
@@ -255,6 +257,48 @@ async def test_unknown_keys_can_go_to_a_configured_tenant(upstream, start_sluice
                      what="3 completed events")
     assert [e["tenant"] for e in sluice.events() if e["event"] == "completed"] == [
         "guests", "guests", "team-b"]
+
+
+async def test_a_key_in_any_header_or_query_field_an_upstream_reads_gives_its_tenant(
+        upstream, start_sluice):
+    """A security trial: identity read keys only from ``Authorization``, ``x-api-key`` and
+    ``api-key``, so team-a's key sent as ``x-goog-api-key`` or ``?key=`` (which Gemini's
+    OpenAI-compatible endpoint and Azure API Management take) was charged to
+    ``unknown_key_tenant``: team-a escaped its own quota and spent the guests'."""
+    sluice = await start_sluice(
+        {"identity": {"tenants": "env:SLUICE_TENANTS", "unknown_key_tenant": "guests"},
+         "routes": [route("up", upstream.url, "openai")]},
+        env={"SLUICE_TENANTS": json.dumps(TENANTS)})
+    sent = [({"x-goog-api-key": "sk-team-a"}, ""), ({"Ocp-Apim-Subscription-Key": "sk-team-a"}, ""),
+            ({"X-Auth-Token": "sk-team-a"}, ""), ({}, "?key=sk-team-a"),
+            ({}, "?api_key=sk-team-a"), ({}, "?Subscription-Key=sk-team-a"),
+            ({}, "?%6Bey=sk-team-a")]
+    async with aiohttp.ClientSession() as session:
+        for headers, query in sent:
+            async with session.post(sluice.url + CHAT + query, json=BODY,
+                                    headers=headers) as r:
+                assert r.status == 200, (headers, query)
+        # Two keys of different tenants, wherever they are, as Authorization + x-api-key.
+        for headers, query in (({"Authorization": "Bearer sk-team-a"}, "?key=sk-team-b"),
+                               ({"Authorization": "Bearer sk-team-a"}, "?key=sk-made-up"),
+                               ({"x-goog-api-key": "sk-team-b", "X-Tenant-ID": "team-a"}, "")):
+            async with session.post(sluice.url + CHAT + query, json=BODY,
+                                    headers=headers) as r:
+                assert (r.status, r.headers.get("X-Sluice-Reason")) == (
+                    403, "tenant_mismatch"), (headers, query)
+        async with session.post(sluice.url + CHAT + "?key=sk-team-b", json=BODY,
+                                headers={"x-api-key": "sk-team-a"}) as r:
+            assert "the API keys in x-api-key and ?key give different tenants" in (
+                await r.json())["error"]["message"]
+    await wait_until(lambda: sum(e["event"] == "completed" for e in sluice.events())
+                     == len(sent), what="the completed events")
+    assert {e["tenant"] for e in sluice.events() if e["event"] == "completed"} == {"team-a"}
+    assert len(upstream.requests) == len(sent)
+
+
+def test_every_query_field_identity_reads_a_key_from_is_kept_from_dead_letters():
+    """A key identity reads from the query is a credential to redaction too."""
+    assert all(secret_query_field(name, "v") for name in API_KEY_QUERY_FIELDS)
 
 
 @pytest.mark.parametrize("table, line, problem", [
