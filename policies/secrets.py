@@ -50,21 +50,23 @@ CARRIER_HEADERS = ("Proxy-Authorization", "Cookie")
 SECRET_HEADER_PARTS = ("auth", "cookie", "key", "token", "secret", "password", "passwd",
                        "passphrase", "credential", "creds", "session", "signature", "private")
 #: Whole words of a header name (between ``-`` and ``_``) that mark one: too short to be
-#: looked for inside other words (``X-Pass``, but not ``X-Passenger-Count``).
-SECRET_HEADER_WORDS = frozenset({"pass", "pwd", "pin"})
+#: looked for inside other words (``X-Pass``, but not ``X-Passenger-Count``), and ``bearer``
+#: (``X-Upstream-Bearer``: kept in a dead letter, a security trial).
+SECRET_HEADER_WORDS = frozenset({"pass", "pwd", "pin", "bearer"})
 #: Headers whose name has such a fragment but that carry no credential.
 NOT_SECRET_HEADERS = frozenset({"idempotency-key"})
 #: Words of a query field's name (split at ``-``, ``_``, ``.``, brackets and camelCase,
 #: ``APIToken`` as ``API`` ``Token``) that mark a credential: ``?key=``, ``?api_key=``,
 #: ``?apiKey=``, ``?access_token=``, a signed URL's ``?sig=``, ``X-Amz-Signature``,
-#: ``user[password]``, OpenWeatherMap's ``?appid=``. Whole words, not fragments as for
-#: headers: a query names its data too, and by fragment ``author``, ``keyword``,
-#: ``max_tokens`` and ``monkey`` were dropped from dead letters and their replays (a new
-#: user's trial).
+#: ``user[password]``, OpenWeatherMap's ``?appid=``, an OAuth authorization ``?code=``
+#: (RFC 6749 §4.1.2: it buys a token; kept in a dead letter, a security trial). Whole
+#: words, not fragments as for headers: a query names its data too, and by fragment
+#: ``author``, ``keyword``, ``max_tokens`` and ``monkey`` were dropped from dead letters and
+#: their replays (a new user's trial).
 SECRET_QUERY_WORDS = frozenset({
     "auth", "authorization", "key", "token", "secret", "password", "passwd", "passphrase",
     "pass", "pwd", "pw", "credential", "credentials", "creds", "session", "sessionid", "sid",
-    "sig", "signature", "cookie", "jwt", "bearer", "appid"})
+    "sig", "signature", "cookie", "jwt", "bearer", "appid", "code"})
 #: Endings of a word that runs a credential's name together (``appkey``, ``hapikey``,
 #: ``apitoken``, ``appsecret``, ``subscriptionkey``): by whole words alone these were kept
 #: (a review).
@@ -73,12 +75,13 @@ SECRET_QUERY_ENDINGS = ("apikey", "appkey", "accesskey", "secretkey", "privateke
                         "signature")
 #: Names (lower case, separators dropped) that hold such a word and carry no credential:
 #: pagination cursors (Google's ``pageToken``, AWS's ``NextToken``, S3's
-#: ``continuation-token``) and keys of data (a review: dropped, their replays sent another
-#: request).
+#: ``continuation-token``), keys of data (a review: dropped, their replays sent another
+#: request) and codes of data (``country_code``, ``languageCode``).
 NOT_SECRET_QUERY_NAMES = frozenset({
     "pagetoken", "nextpagetoken", "nexttoken", "continuationtoken", "synctoken",
     "resumptiontoken", "cursortoken", "sortkey", "partitionkey", "rowkey", "primarykey",
-    "cachekey", "groupkey", "objectkey"})
+    "cachekey", "groupkey", "objectkey", "countrycode", "languagecode", "langcode",
+    "currencycode", "regioncode", "postalcode", "zipcode", "statuscode", "errorcode"})
 _NAME_WORDS = re.compile(r"[-_.\s\[\]]+|(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])")
 _NAME_SEPARATORS = re.compile(r"[-_.\s\[\]]+")
 
