@@ -29,13 +29,19 @@ of :data:`policies.secrets.API_KEY_HEADERS` (``x-api-key``, ``api-key``, ``x-goo
 ``Ocp-Apim-Subscription-Key``, ``X-Auth-Token``) and every query field of
 :data:`policies.secrets.API_KEY_QUERY_FIELDS` (``?key=``, ``?api_key=``...): upstreams take a
 key in any of them (Gemini's OpenAI-compatible endpoint, Azure API Management), and one
-that was not read was charged to ``unknown_key_tenant`` (a security trial). Each one sent is
-hashed and looked up:
+that was not read was charged to ``unknown_key_tenant`` (a security trial). Each value sent
+in any of them is hashed and looked up, one rule for every place:
 
-* a key in the table gives its tenant; a key not in it (or a request with no credential) gives
+* keys in the table give their tenant; keys in it of different tenants are refused with 403
+  ``tenant_mismatch``;
+* a value not in the table is ignored when a key in it was sent too: it is data (``?key=user123``
+  on a key-value tool) or another service's credential (a weather API's ``?apikey=``, a tool
+  server's own ``X-Auth-Token``), and the caller is charged to its known key's tenant, so
+  no quota is escaped (a review: such requests, authenticated by a known key, were refused
+  401 or 403);
+* with no key in the table (only unknown values, or no credential at all) the request gets
   ``identity.unknown_key_tenant``, or is refused with 401 ``unknown_api_key`` when that is
   ``null``;
-* credentials that resolve to different tenants are refused with 403 ``tenant_mismatch``;
 * a tenant header naming another tenant than the credential's is refused with 403
   ``tenant_mismatch`` (sending the same tenant, or none, is fine).
 
@@ -139,7 +145,9 @@ def identify(rt: Runtime, request: web.BaseRequest) -> Identity:
         priority = checked(priority, config.priority_header, default)
     keys = config.keys
     if keys is not None:
-        tenant = trusted_tenant(config, keys, headers, tenant, request.query)
+        # request.query parses the query string into a new MultiDict: only when there is one.
+        tenant = trusted_tenant(config, keys, headers, tenant,
+                                request.query if request.query_string else None)
     # tuple.__new__ builds the same Identity in C; a NamedTuple's own __new__ is a Python
     # function (as its _make says).
     return _make_identity(Identity, (tenant or default, run,
@@ -202,33 +210,34 @@ def trusted_tenant(config: IdentityConfig, keys: dict[str, str],
                    headers: CIMultiDictProxy[str], claimed: str | None,
                    query: MultiMapping[str] | None = None) -> str:
     """The tenant the request's credentials give, in its ``headers`` and ``query`` (see the
-    module docstring).
+    module docstring): the tenant of the keys in ``keys``, values not in it ignored when one
+    is; ``unknown_key_tenant`` when none is.
 
     Raises:
         IdentityRejected: 401 ``unknown_api_key`` or 403 ``tenant_mismatch``.
     """
     found: str | None = None
-    found_in = ""  # the header of the key that gave ``found``
-    known = False  # whether some key was in the table (else found is unknown_key_tenant)
-    for header, key in credentials(headers, query):
+    found_in = ""  # where the key that gave ``found`` was
+    unknown_in = ""  # where the first value not in the table was
+    for place, key in credentials(headers, query):
         tenant = keys.get(key_digest(key))
-        known = known or tenant is not None
-        tenant = tenant or config.unknown_key_tenant
         if tenant is None:
-            raise IdentityRejected(Reason.UNKNOWN_API_KEY,
-                                   f"the API key in {header} is not in identity.tenants",
-                                   found or config.default_tenant)
-        if found is not None and tenant != found:
-            where = (f"two API keys in {header}" if header == found_in
-                     else f"the API keys in {found_in} and {header}")
+            unknown_in = unknown_in or place
+        elif found is None or tenant == found:
+            found, found_in = tenant, place
+        else:
+            where = (f"two API keys in {place}" if place == found_in
+                     else f"the API keys in {found_in} and {place}")
             raise IdentityRejected(Reason.TENANT_MISMATCH,
                                    f"{where} give different tenants: send one key", found)
-        found, found_in = tenant, header
+    known = found is not None  # else found is unknown_key_tenant
     if found is None:
         if config.unknown_key_tenant is None:
             raise IdentityRejected(
-                Reason.UNKNOWN_API_KEY, "none was sent, and identity.tenants is set: send one "
-                f"as {_KEY_PLACES}", config.default_tenant)
+                Reason.UNKNOWN_API_KEY,
+                f"the API key in {unknown_in} is not in identity.tenants" if unknown_in else
+                f"none was sent, and identity.tenants is set: send one as {_KEY_PLACES}",
+                config.default_tenant)
         found = config.unknown_key_tenant
     if claimed is not None and claimed != found:
         raise IdentityRejected(
