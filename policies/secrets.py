@@ -58,15 +58,25 @@ NOT_SECRET_HEADERS = frozenset({"idempotency-key"})
 #: Words of a query field's name (split at ``-``, ``_``, ``.``, brackets and camelCase,
 #: ``APIToken`` as ``API`` ``Token``) that mark a credential: ``?key=``, ``?api_key=``,
 #: ``?apiKey=``, ``?access_token=``, a signed URL's ``?sig=``, ``X-Amz-Signature``,
-#: ``user[password]``, OpenWeatherMap's ``?appid=``, an OAuth authorization ``?code=``
-#: (RFC 6749 §4.1.2: it buys a token; kept in a dead letter, a security trial). Whole
-#: words, not fragments as for headers: a query names its data too, and by fragment
-#: ``author``, ``keyword``, ``max_tokens`` and ``monkey`` were dropped from dead letters and
-#: their replays (a new user's trial).
+#: ``user[password]``, OpenWeatherMap's ``?appid=``. Whole words, not fragments as for
+#: headers: a query names its data too, and by fragment ``author``, ``keyword``,
+#: ``max_tokens`` and ``monkey`` were dropped from dead letters and their replays (a new
+#: user's trial).
 SECRET_QUERY_WORDS = frozenset({
     "auth", "authorization", "key", "token", "secret", "password", "passwd", "passphrase",
     "pass", "pwd", "pw", "credential", "credentials", "creds", "session", "sessionid", "sid",
-    "sig", "signature", "cookie", "jwt", "bearer", "appid", "code"})
+    "sig", "signature", "cookie", "jwt", "bearer", "appid"})
+#: Whole names (lower case, separators dropped: ``authCode``, ``auth-code``) of query fields
+#: that carry a one-time code that buys a token or a login: OAuth's ``?code=`` (RFC 6749
+#: §4.1.2; kept in a dead letter, a security trial), ``device_code`` (RFC 8628), and
+#: ``authorization_code``, ``auth_code``, ``authcode``, ``verification_code``,
+#: ``otp_code``, ``passcode``. Names, not the word ``code``: as a word it dropped
+#: ``promo_code``, ``coupon_code``, ``code_interpreter``, ``areaCode``, ``iso_code``,
+#: ``source_code``, PKCE's public ``code_challenge``... from dead letters, and their replays
+#: sent another request (a review).
+SECRET_QUERY_NAMES = frozenset({
+    "code", "authcode", "authorizationcode", "devicecode", "verificationcode", "otpcode",
+    "passcode"})
 #: Endings of a word that runs a credential's name together (``appkey``, ``hapikey``,
 #: ``apitoken``, ``appsecret``, ``subscriptionkey``): by whole words alone these were kept
 #: (a review).
@@ -75,13 +85,12 @@ SECRET_QUERY_ENDINGS = ("apikey", "appkey", "accesskey", "secretkey", "privateke
                         "signature")
 #: Names (lower case, separators dropped) that hold such a word and carry no credential:
 #: pagination cursors (Google's ``pageToken``, AWS's ``NextToken``, S3's
-#: ``continuation-token``), keys of data (a review: dropped, their replays sent another
-#: request) and codes of data (``country_code``, ``languageCode``).
+#: ``continuation-token``) and keys of data (a review: dropped, their replays sent another
+#: request).
 NOT_SECRET_QUERY_NAMES = frozenset({
     "pagetoken", "nextpagetoken", "nexttoken", "continuationtoken", "synctoken",
     "resumptiontoken", "cursortoken", "sortkey", "partitionkey", "rowkey", "primarykey",
-    "cachekey", "groupkey", "objectkey", "countrycode", "languagecode", "langcode",
-    "currencycode", "regioncode", "postalcode", "zipcode", "statuscode", "errorcode"})
+    "cachekey", "groupkey", "objectkey"})
 _NAME_WORDS = re.compile(r"[-_.\s\[\]]+|(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])")
 _NAME_SEPARATORS = re.compile(r"[-_.\s\[\]]+")
 
@@ -107,8 +116,8 @@ SECRET_IN_TEXT = re.compile(
 
 def secret_query_field(name: str, value: str) -> bool:
     """Whether a query parameter carries a credential (both percent-decoded): by its name
-    (:data:`SECRET_QUERY_WORDS`, :data:`SECRET_QUERY_ENDINGS`, less
-    :data:`NOT_SECRET_QUERY_NAMES`), by its value (``?q=sk-...``,
+    (:data:`SECRET_QUERY_NAMES`, :data:`SECRET_QUERY_WORDS`, :data:`SECRET_QUERY_ENDINGS`,
+    less :data:`NOT_SECRET_QUERY_NAMES`), by its value (``?q=sk-...``,
     :data:`SECRET_QUERY_VALUE`), or by a name shaped as a key itself (``?sk-proj-...``, sent
     with no ``=``)."""
     return (_secret_query_words(name) or SECRET_QUERY_VALUE.match(value) is not None
@@ -116,7 +125,10 @@ def secret_query_field(name: str, value: str) -> bool:
 
 
 def _secret_query_words(name: str) -> bool:
-    if _NAME_SEPARATORS.sub("", name).lower() in NOT_SECRET_QUERY_NAMES:
+    whole = _NAME_SEPARATORS.sub("", name).lower()
+    if whole in SECRET_QUERY_NAMES:
+        return True
+    if whole in NOT_SECRET_QUERY_NAMES:
         return False
     return any(word in SECRET_QUERY_WORDS or word.endswith(SECRET_QUERY_ENDINGS)
                for word in (part.lower() for part in _NAME_WORDS.split(name) if part))

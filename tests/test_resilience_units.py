@@ -295,6 +295,25 @@ def test_an_oauth_code_and_a_bearer_header_of_any_name_are_not_stored() -> None:
     assert (kept, removed) == ([("X-Trace", "t")], ["X-Upstream-Bearer"])
 
 
+@pytest.mark.parametrize("field", [
+    "promo_code=SUMMER", "coupon_code=X", "code_interpreter=true", "areaCode=212",
+    "iso_code=FR", "product_code=A1", "airport_code=SFO", "source_code=1",
+    "code_challenge=E9Melhoa2Owv", "code_challenge_method=S256", "zipCode=1",
+    "error_code=E1", "status_code=404", "country_code=SK", "languageCode=sk", "codes=1"])
+def test_data_fields_named_with_the_word_code_are_kept(field: str) -> None:
+    # A review: "code" as a word of a field's name dropped promo_code, code_interpreter,
+    # areaCode, PKCE's public code_challenge... from dead letters, so a replay sent another
+    # request. A field named code, or one of a short list, is a credential; not the word.
+    assert redact_path("/v1/x?" + field) == ("/v1/x?" + field, [])
+
+
+@pytest.mark.parametrize("name", [
+    "code", "Code", "auth_code", "authCode", "authorization_code", "device_code",
+    "verification_code", "otp_code", "passcode", "authcode", "pass-code"])
+def test_one_time_codes_that_buy_a_token_are_not_stored(name: str) -> None:
+    assert redact_path(f"/cb?{name}=SplxlOBeZQQ&state=s") == ("/cb?state=s", [f"?{name}"])
+
+
 def test_slovak_language_tags_are_no_credential() -> None:
     # The OpenAI key prefix "sk-" is also Slovak's language tag: by value alone, ?hl=sk-SK
     # was dropped from a dead letter (and from its replay), and Accept-Language with it.
