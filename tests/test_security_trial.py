@@ -18,7 +18,7 @@ from policies.deadletter import DeadLetter
 from proxy import dlq
 from proxy.config import parse_config
 from proxy.forward import SLUICE_ANSWER_HEADERS
-from tests.conftest import raw_request, route, serve_app
+from tests.conftest import open_runtime, raw_request, route, serve_app, serve_runtime
 
 REPO = Path(__file__).resolve().parent.parent
 #: Budgets' clock: today 12:00 UTC, so no daily window rolls over mid-test.
@@ -89,6 +89,35 @@ async def test_an_upstreams_own_sluice_fields_are_neither_relayed_nor_replayed(
                     assert [n for n in answer.headers if n.lower().startswith("x-sluice-")] == []
     finally:
         await runner.cleanup()
+
+
+async def test_a_chained_sluices_refusal_arrives_with_its_status_and_body_not_its_fields(
+        upstream) -> None:
+    """A review: the README says another Sluice may sit behind this one, and its
+    ``X-Sluice-*`` answer fields are now dropped as any upstream's (an upstream cannot be
+    trusted to speak for Sluice). What the README promises instead: the inner refusal's
+    status and body, whose ``error.code`` names the reason, still reach the caller."""
+    inner = await open_runtime(route("openai", upstream.url, protocol="openai",
+                                     budget={"tokens": "1000/day", "per": "tenant"}))
+    inner_runner, inner_port = await serve_runtime(inner)
+    outer = await open_runtime(route("openai", f"http://127.0.0.1:{inner_port}/openai",
+                                     protocol="openai"))
+    outer_runner, outer_port = await serve_runtime(outer)
+    try:
+        body = {"model": "m", "max_tokens": 5000,
+                "messages": [{"role": "user", "content": "hi"}]}
+        async with aiohttp.ClientSession() as session:
+            async with session.post(f"http://127.0.0.1:{outer_port}/openai/v1/chat/completions",
+                                    json=body) as answer:
+                assert answer.status == 400
+                assert (await answer.json())["error"]["code"] == "exceeds_limit"
+                assert [n for n in answer.headers if n.lower().startswith("x-sluice-")] == []
+        assert upstream.requests == []
+    finally:
+        await outer_runner.cleanup()
+        await outer.close()
+        await inner_runner.cleanup()
+        await inner.close()
 
 
 def test_every_answer_field_sluice_sets_is_dropped_from_upstream_answers() -> None:
