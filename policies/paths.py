@@ -22,7 +22,10 @@ them is matched without them too (:func:`without_params`): ``/V1/JOBS/3``,
 ``/v1/jobs;x=1/4`` and ``/v1;v=2/jobs/5`` are all ``/v1/jobs/*``'s. Metering reads the same
 spellings (a later security trial: ``/v1/Chat/Completions`` and
 ``/v1/chat/completions;jsessionid=1`` passed a token budget unmetered), so both ask
-:func:`readings` for them: one rule for every policy keyed on a path.
+:func:`readings` for them: one rule for every policy keyed on a path. When a metered POST's
+readings name different endpoints (``/v1/responses;x=%2Fcompletions`` is responses to
+Tomcat, whose ``;parameters`` go before it decodes, completions to others), it is refused
+(:func:`policies.usage.endpoints_differ`, a review).
 """
 
 from __future__ import annotations

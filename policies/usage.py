@@ -156,7 +156,9 @@ def endpoint_for(protocol: str, method: str, raw_path: str) -> Endpoint | None:
     Tomcat and Spring ``/v1/chat/completions;jsessionid=1`` (both went through unmetered, a
     security trial). The endpoints are tried in order (:data:`_METERED`), so a path some
     reading of which ends ``/chat/completions`` is chat, not legacy completions. Metering a
-    path an upstream would not serve so costs nothing: its error answer is charged none.
+    path an upstream would not serve so costs nothing: its error answer is charged none. A
+    POST whose readings name different endpoints (or one and none) never gets here: the
+    handler refuses it (:func:`endpoints_differ`).
     """
     if method != "POST":
         return None
@@ -166,6 +168,28 @@ def endpoint_for(protocol: str, method: str, raw_path: str) -> Endpoint | None:
             if path.endswith(suffix):
                 return endpoint
     return None
+
+
+def endpoints_differ(protocol: str, method: str, raw_path: str) -> bool:
+    """Whether the readings of ``raw_path`` (:func:`policies.paths.readings`) name different
+    metered endpoints, or one names an endpoint and another none: then Sluice cannot know
+    what the upstream serves, and the request is refused (400 ``bad_request``, as a path
+    with dot-segments is). Tomcat, Jetty and Spring drop ``;parameters`` before they decode,
+    so ``/v1/responses;x=%2Fcompletions`` is ``responses`` to them, which
+    :func:`endpoint_for` metered as legacy completions by its suffix order, and
+    ``/v1/messages/count_tokens;x=%2Fmessages`` (free) was metered as ``messages`` (a
+    review). Only a path with ``;`` or ``%`` is read (those are what make readings name
+    different endpoints; the caller may test for them first to skip the call); a POST's
+    only, as only a POST is metered."""
+    if method != "POST":
+        return False
+    path = raw_path.partition("?")[0] if "?" in raw_path else raw_path
+    if ";" not in path and "%" not in path:
+        return False
+    suffixes = _ANTHROPIC_METERED if protocol == "anthropic" else _METERED
+    named = {next((endpoint for suffix, endpoint in suffixes if reading.endswith(suffix)),
+                  None) for reading in readings(path)}
+    return len(named) > 1
 
 
 @dataclass(slots=True)

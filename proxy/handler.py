@@ -75,6 +75,7 @@ from policies.pipeline import (
 from policies.reasons import REASON_HEADER, Reason, Rejected
 from policies.retry import is_client_retry
 from policies.runs import FanoutWidth
+from policies.usage import endpoints_differ
 from proxy import attempts, session_end
 from proxy.edge import BODY_CUT, BodyHold, sent_and_closed
 from proxy.forward import (
@@ -309,6 +310,12 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
 
     if has_dot_segment(raw_path):
         return _reject(rt, route, Rejected(Reason.BAD_REQUEST, None, "dot-segments in path"),
+                       request_id, tenant, run)
+    if (("%" in raw_path or ";" in raw_path) and route.accounting is not None
+            and endpoints_differ(route.protocol, request.method, raw_path)):
+        return _reject(rt, route, Rejected(Reason.BAD_REQUEST, None,
+                                           "a path upstreams read as different "
+                                           "endpoints: its ;parameters or %-encoding"),
                        request_id, tenant, run)
     if hold is not None and hold.continues:
         hold.invite()  # 100 Continue: every check needing no body (nor admission) has passed

@@ -27,20 +27,22 @@ NOON = {"SLUICE_TEST_NOW": str(int(time.time()) // 86400 * 86400 + 43200)}
 
 # -- 1. metering read the path case-sensitively and with its ;parameters --
 
-@pytest.mark.parametrize(("protocol", "target"), [
-    ("openai", "/openai/V1/Chat/Completions"),
-    ("openai", "/openai/v1/Chat/Completions"),
-    ("openai", "/openai/v1/chat/completions;jsessionid=1"),
-    ("openai", "/openai/v1;v=1/chat/completions"),
-    ("anthropic", "/anthropic/v1/Messages"),
-    ("anthropic", "/anthropic/v1/messages;jsessionid=1"),
+@pytest.mark.parametrize(("protocol", "target", "reason"), [
+    ("openai", "/openai/V1/Chat/Completions", "exceeds_limit"),
+    ("openai", "/openai/v1/Chat/Completions", "exceeds_limit"),
+    ("openai", "/openai/v1/chat/completions;jsessionid=1", "bad_request"),
+    ("openai", "/openai/v1;v=1/chat/completions", "exceeds_limit"),
+    ("anthropic", "/anthropic/v1/Messages", "exceeds_limit"),
+    ("anthropic", "/anthropic/v1/messages;jsessionid=1", "bad_request"),
 ])
 async def test_a_path_spelled_as_case_folding_or_param_dropping_upstreams_route_is_metered(
-        upstream, start_sluice, protocol, target) -> None:
+        upstream, start_sluice, protocol, target, reason) -> None:
     """Express and ASP.NET Core route ``/v1/Chat/Completions``, Tomcat and Spring
     ``/v1/chat/completions;jsessionid=1``, as the chat endpoint, and ``endpoints:`` patterns
     read them so (policies.paths), but metering compared the path as sent: a 5,000-token
-    call passed a 1,000-token daily budget unmetered (no reservation, no charge)."""
+    call passed a 1,000-token daily budget unmetered (no reservation, no charge). (A
+    ``;jsessionid`` spelling names chat in one reading and no endpoint in the other, so it
+    is refused at the door since: section 4.)"""
     sluice = await start_sluice({"routes": [route(
         protocol, upstream.url, protocol=protocol,
         budget={"tokens": "1000/day", "per": "tenant"})]}, env=NOON)
@@ -52,7 +54,7 @@ async def test_a_path_spelled_as_case_folding_or_param_dropping_upstreams_route_
     ).encode() + body)
     assert upstream.requests == [], f"served unmetered: {answer[:120]!r}"
     assert answer.startswith(b"HTTP/1.1 400 "), answer[:200]
-    assert b"X-Sluice-Reason: exceeds_limit" in answer
+    assert f"X-Sluice-Reason: {reason}".encode() in answer
 
 
 # -- 2. an upstream's own X-Sluice-* answer fields reached the caller, and its replays --
@@ -155,3 +157,53 @@ async def test_a_dead_letter_replay_keeps_none_of_the_upstreams_sluice_fields() 
         assert [n for n in headers if n.lower().startswith("x-sluice-")] == []
     finally:
         await runner.cleanup()
+
+
+# -- 4. readings of one path that name different endpoints were metered as one of them --
+
+@pytest.mark.parametrize(("protocol", "target"), [
+    ("openai", "/openai/v1/responses;x=%2Fcompletions"),  # responses to Tomcat, not completions
+    ("openai", "/openai/v1/embeddings;x=%2Fchat%2Fcompletions"),  # embeddings, not chat
+    ("anthropic", "/anthropic/v1/messages/count_tokens;x=%2Fmessages"),  # free, not messages
+    ("openai", "/openai/v1/chat/completions;jsessionid=1"),  # chat to Tomcat, none to aiohttp
+    ("openai", "/openai/v1/chat%2Fcompletions"),  # chat to uvicorn, none to Express
+])
+async def test_a_path_whose_readings_name_different_endpoints_is_refused(
+        upstream, start_sluice, protocol, target) -> None:
+    """A review: Tomcat, Jetty and Spring drop ``;parameters`` before they decode, so they
+    serve ``/v1/responses;x=%2Fcompletions`` as ``responses``, which Sluice metered as
+    legacy completions (its suffix order picks among the readings), and
+    ``/v1/messages/count_tokens;x=%2Fmessages`` (free) as messages (a false 400 on a
+    budgeted route). When a path's readings name different endpoints, or one an endpoint
+    and another none, Sluice cannot know what the upstream serves: refused 400
+    ``bad_request``, as dot-segments are, before the upstream sees it."""
+    sluice = await start_sluice({"routes": [route(protocol, upstream.url, protocol=protocol)]})
+    body = json.dumps({"model": "m", "max_tokens": 5, "input": "hi",
+                       "messages": [{"role": "user", "content": "hi"}]}).encode()
+    answer = await raw_request(sluice.port, (
+        f"POST {target} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode() + body)
+    assert upstream.requests == [], f"forwarded: {answer[:120]!r}"
+    assert answer.startswith(b"HTTP/1.1 400 "), answer[:200]
+    assert b"X-Sluice-Reason: bad_request" in answer
+    assert b"read as different endpoints" in answer
+
+
+@pytest.mark.parametrize(("protocol", "method", "target"), [
+    ("openai", "POST", "/openai/v1;v=1/chat/completions"),  # chat in every reading
+    ("openai", "POST", "/openai/v1/chat/completion%73"),  # %73 is s to every upstream
+    ("openai", "POST", "/openai/v1/files;x=%2Fy"),  # no endpoint in any reading
+    ("openai", "POST", "/openai/v1/chat/completions?q=%2F;x"),  # the query is not the path
+    ("openai", "GET", "/openai/v1/responses;x=%2Fcompletions"),  # only a POST is metered
+    ("http", "POST", "/http/v1/responses;x=%2Fcompletions"),  # an http route meters nothing
+])
+async def test_a_path_whose_readings_agree_is_served(upstream, start_sluice, protocol, method,
+                                                     target) -> None:
+    sluice = await start_sluice({"routes": [route(protocol, upstream.url, protocol=protocol)]})
+    body = json.dumps({"model": "m", "max_tokens": 5,
+                       "messages": [{"role": "user", "content": "hi"}]}).encode()
+    answer = await raw_request(sluice.port, (
+        f"{method} {target} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode() + body)
+    assert answer.startswith(b"HTTP/1.1 200 "), answer[:200]
+    assert len(upstream.requests) == 1
