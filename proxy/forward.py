@@ -89,10 +89,12 @@ _REQUEST_OWNED = frozenset({"x-forwarded-for", "idempotency-key"})
 _NOT_SENT = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
 #: Answer fields Sluice sets itself, lower case. An upstream's own are dropped from its answer
 #: before it is relayed or stored for a replay: an upstream could otherwise forge Sluice's
-#: signals (a reason, a dead letter's id, a budget or run warning; a security trial), as
-#: Envoy drops ``x-envoy-*`` from an untrusted peer. Part of :data:`RESPONSE_DROP`, whose
-#: intersection with an answer's fields is taken anyway: no cost per field.
-#: ``tests/test_security_trial.py`` fails on an ``X-Sluice-`` name in the source not here.
+#: signals (a reason, a dead letter's id, a budget or run warning; a security trial): the
+#: idea of Envoy's header sanitizing (it removes ``x-envoy-*`` request headers an external
+#: client sends), the other way. A chained Sluice's are dropped too (README, Budgets). Part
+#: of :data:`RESPONSE_DROP`, whose intersection with an answer's fields is taken anyway: no
+#: cost per field. ``tests/test_security_trial.py`` fails on an ``X-Sluice-`` name in the
+#: source not here, and on one built at run time.
 SLUICE_ANSWER_HEADERS = frozenset(name.lower() for name in (
     REASON_HEADER, DEAD_LETTER_HEADER, RUN_WARNING_HEADER, REMAINING_HEADER, POLICY_HEADER,
     RESET_HEADER, WARNING_HEADER))
