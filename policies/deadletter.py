@@ -169,6 +169,8 @@ def redact(headers: Iterable[tuple[str, str]]) -> tuple[list[tuple[str, str]], l
 
 #: What stands for a query field's name that is itself a credential (``?sk-...``).
 REDACTED_NAME = "<redacted>"
+#: The answer field naming the dead letter a call was written to.
+DEAD_LETTER_HEADER = "X-Sluice-Dead-Letter"
 
 
 def redact_path(path: str) -> tuple[str, list[str]]:

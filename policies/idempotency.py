@@ -46,8 +46,10 @@ tenant and route: two tenants never share a stored result, whatever keys they se
   holding no concurrency slot, and gets the first one's answer as a replay; with ``reject``
   it gets 409 ``idempotency_conflict`` with ``Retry-After: 1`` (the draft's answer; the
   official SDKs retry a 409). The wait is bounded by ``max_wait`` and by the caller's own
-  timeout (``X-Sluice-Timeout``), whichever ends first; past it the duplicate gets the same
-  409 (the first request still holds the key), so nobody waits on a stuck twin for ever. It
+  timeout (``Call.wait_left``: ``identity.timeout_header``, ``X-Request-Timeout`` by
+  default, else the Stainless SDKs' ``x-stainless-timeout``), whichever ends first; past it
+  the duplicate gets the same 409 (the first request still holds the key), so nobody waits
+  on a stuck twin for ever. It
   is bounded in number too: at most ``max_waiters`` duplicates of one key wait at once in a
   process (each holds its caller's connection meanwhile); one more gets the same 409 at once,
   saying so. A retry storm on one key then costs one waiter list, not one per retry.

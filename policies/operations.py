@@ -52,13 +52,7 @@ from policies.config import (
     endpoint_pattern,
 )
 from policies.idempotency import Idempotency
-from policies.paths import (
-    as_routed,
-    decode_unreserved,
-    deployment_named,
-    without_params,
-    without_trailing_slash,
-)
+from policies.paths import deployment_named, readings
 from policies.pipeline import Call, Outcome, Policy
 from policies.rate import RateLimiter, Units
 from policies.reasons import Reason, Rejected
@@ -363,15 +357,10 @@ class OperationIndex:
         if self.key == "endpoints":
             # Every reading of the path (policies.paths), folded to lower case as the patterns
             # are: the first pattern one matches applies.
-            path = decode_unreserved(path.partition("?")[0]).lower()
-            routed = as_routed(path)
-            readings = {path, routed, without_trailing_slash(routed)}
-            if ";" in path:
-                bare = as_routed(without_params(path))
-                readings.update((bare, without_trailing_slash(bare)))
+            found = readings(path)
             for allowed, pattern, name in self.endpoints:
                 if (allowed == "*" or allowed == method) and any(
-                        pattern.fullmatch(reading) for reading in readings):
+                        pattern.fullmatch(reading) for reading in found):
                     return name, name
             default = self.default
             return (DEFAULT_OPERATION, default) if default is not None else (None, None)

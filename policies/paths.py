@@ -19,7 +19,13 @@ backslash too, so :func:`as_routed` reads ``\\`` (and ``%5C``) as a slash.
 ASP.NET Core route paths case-insensitively, so they are matched folded to lower case, and
 Tomcat, Jetty and Spring drop a segment's ``;parameters`` (RFC 3986 §3.3), so a path with
 them is matched without them too (:func:`without_params`): ``/V1/JOBS/3``,
-``/v1/jobs;x=1/4`` and ``/v1;v=2/jobs/5`` are all ``/v1/jobs/*``'s.
+``/v1/jobs;x=1/4`` and ``/v1;v=2/jobs/5`` are all ``/v1/jobs/*``'s. Metering reads the same
+spellings (a later security trial: ``/v1/Chat/Completions`` and
+``/v1/chat/completions;jsessionid=1`` passed a token budget unmetered), so both ask
+:func:`readings` for them: one rule for every policy keyed on a path. When a metered POST's
+readings name different endpoints (``/v1/responses;x=%2Fcompletions`` is responses to
+Tomcat, whose ``;parameters`` go before it decodes, completions to others), it is refused
+(:func:`policies.usage.endpoints_differ`, a review).
 """
 
 from __future__ import annotations
@@ -70,6 +76,29 @@ def without_trailing_slash(path: str) -> str:
     """``path`` less a trailing slash (Express routes ``/jobs/5/`` as ``/jobs/5``); ``path``
     itself, the same object, when it has none (or is ``/``)."""
     return path[:-1] if len(path) > 1 and path[-1] == "/" else path
+
+
+def readings(path: str) -> tuple[str, ...]:
+    """Every reading of ``path`` (raw, as sent, its query included or not) that a common
+    upstream may route, folded to lower case: :func:`decode_unreserved` of it, then
+    :func:`as_routed`, :func:`without_trailing_slash` and :func:`without_params` (the module
+    docstring). A policy keyed on a path applies when any reading matches it.
+
+    A path already in the form every upstream reads alike (lower case; no ``%``, ``;``,
+    backslash, run of slashes or trailing slash: what SDKs send) is its only reading, found
+    without building another string: the hot path pays for a few character tests only."""
+    if "?" in path:
+        path = path.partition("?")[0]
+    if (path.islower() and "%" not in path and ";" not in path and "\\" not in path
+            and "//" not in path and path[-1] != "/"):
+        return (path,)
+    lowered = decode_unreserved(path).lower()
+    routed = as_routed(lowered)
+    found = {lowered, routed, without_trailing_slash(routed)}
+    if ";" in lowered:
+        bare = as_routed(without_params(lowered))
+        found.update((bare, without_trailing_slash(bare)))
+    return tuple(found)
 
 
 def deployment_named(path: str) -> str | None:

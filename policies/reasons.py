@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import enum
 
+#: The answer field naming the reason of an answer Sluice writes itself.
+REASON_HEADER = "X-Sluice-Reason"
 #: Longest wait a refusal tells a caller to retry after, seconds: a longer one says
 #: ``x-should-retry: false`` (``proxy/rejections.py`` says why: the OpenAI SDK drops a wait
 #: over 120 s for its own short back-off, and the Anthropic SDK dropped one over 60 s).

@@ -21,18 +21,26 @@ _KEY_PREFIXES = r"sk-(?![A-Za-z]{2}(?:$|[,;]))|sk_|rk_|xox[abp]-|gh[pousr]_|AKIA
 AUTH_SCHEMES = r"(?i:bearer|basic|digest|token)"
 SECRET_VALUE = re.compile(rf"^(?:{_KEY_PREFIXES}|{AUTH_SCHEMES}\s)")
 
-#: Headers carrying an API key as their whole value (Anthropic; Azure OpenAI), besides
-#: ``Authorization: Bearer``: where ``identity.tenants`` looks keys up.
-API_KEY_HEADERS = ("x-api-key", "api-key")
+#: Headers carrying an API key as their whole value, besides ``Authorization: Bearer``:
+#: Anthropic's (and OpenAI-compatible servers') ``x-api-key``, Azure OpenAI's ``api-key``,
+#: Gemini's ``x-goog-api-key``, Azure API Management's ``Ocp-Apim-Subscription-Key`` and the
+#: common ``X-Auth-Token``. ``identity.tenants`` looks keys up in each (``proxy/identity.py``;
+#: a security trial: a key sent in one it did not read was charged to
+#: ``unknown_key_tenant``).
+API_KEY_HEADERS = ("x-api-key", "api-key", "x-goog-api-key", "Ocp-Apim-Subscription-Key",
+                   "X-Auth-Token")
 #: The request headers that carry a caller's credentials, as APIs read them: the
-#: ``Authorization`` schemes; OpenAI-compatible, Anthropic and Azure OpenAI keys
-#: (``proxy/identity.py``); Gemini's; Azure API Management's; and the common token header.
-#: A list, not every field :func:`secret_header` takes for one: a gateway's
-#: ``X-Authenticated-Userid`` names a user it checked, and an RFC 9421 ``Signature``, an
-#: ``X-CSRF-Token`` or a per-request JWT change with every request (an idempotency key
-#: Sluice derives includes these: with those, a call's retry would be another call).
-CREDENTIAL_HEADERS = ("Authorization", *API_KEY_HEADERS, "x-goog-api-key",
-                      "Ocp-Apim-Subscription-Key", "X-Auth-Token")
+#: ``Authorization`` schemes and :data:`API_KEY_HEADERS`. A list, not every field
+#: :func:`secret_header` takes for one: a gateway's ``X-Authenticated-Userid`` names a user
+#: it checked, and an RFC 9421 ``Signature``, an ``X-CSRF-Token`` or a per-request JWT
+#: change with every request (an idempotency key Sluice derives includes these: with
+#: those, a call's retry would be another call).
+CREDENTIAL_HEADERS = ("Authorization", *API_KEY_HEADERS)
+#: Query fields carrying an API key as their whole value, by their lower-cased names:
+#: Google's ``?key=`` (Gemini), ``?api_key=`` and its spellings, Azure API Management's
+#: ``?subscription-key=``. ``identity.tenants`` looks keys up in each too; each is a field
+#: :func:`secret_query_field` takes for a credential, so no dead letter keeps one.
+API_KEY_QUERY_FIELDS = frozenset({"key", "api_key", "api-key", "apikey", "subscription-key"})
 #: Headers that carry a credential no API reads as the caller's: a proxy's ``Authorization``
 #: and a browser's (or a load balancer's) ``Cookie``.
 CARRIER_HEADERS = ("Proxy-Authorization", "Cookie")
@@ -42,8 +50,9 @@ CARRIER_HEADERS = ("Proxy-Authorization", "Cookie")
 SECRET_HEADER_PARTS = ("auth", "cookie", "key", "token", "secret", "password", "passwd",
                        "passphrase", "credential", "creds", "session", "signature", "private")
 #: Whole words of a header name (between ``-`` and ``_``) that mark one: too short to be
-#: looked for inside other words (``X-Pass``, but not ``X-Passenger-Count``).
-SECRET_HEADER_WORDS = frozenset({"pass", "pwd", "pin"})
+#: looked for inside other words (``X-Pass``, but not ``X-Passenger-Count``), and ``bearer``
+#: (``X-Upstream-Bearer``: kept in a dead letter, a security trial).
+SECRET_HEADER_WORDS = frozenset({"pass", "pwd", "pin", "bearer"})
 #: Headers whose name has such a fragment but that carry no credential.
 NOT_SECRET_HEADERS = frozenset({"idempotency-key"})
 #: Words of a query field's name (split at ``-``, ``_``, ``.``, brackets and camelCase,
@@ -57,6 +66,17 @@ SECRET_QUERY_WORDS = frozenset({
     "auth", "authorization", "key", "token", "secret", "password", "passwd", "passphrase",
     "pass", "pwd", "pw", "credential", "credentials", "creds", "session", "sessionid", "sid",
     "sig", "signature", "cookie", "jwt", "bearer", "appid"})
+#: Whole names (lower case, separators dropped: ``authCode``, ``auth-code``) of query fields
+#: that carry a one-time code that buys a token or a login: OAuth's ``?code=`` (RFC 6749
+#: §4.1.2; kept in a dead letter, a security trial), ``device_code`` (RFC 8628), and
+#: ``authorization_code``, ``auth_code``, ``authcode``, ``verification_code``,
+#: ``otp_code``, ``passcode``. Names, not the word ``code``: as a word it dropped
+#: ``promo_code``, ``coupon_code``, ``code_interpreter``, ``areaCode``, ``iso_code``,
+#: ``source_code``, PKCE's public ``code_challenge``... from dead letters, and their replays
+#: sent another request (a review).
+SECRET_QUERY_NAMES = frozenset({
+    "code", "authcode", "authorizationcode", "devicecode", "verificationcode", "otpcode",
+    "passcode"})
 #: Endings of a word that runs a credential's name together (``appkey``, ``hapikey``,
 #: ``apitoken``, ``appsecret``, ``subscriptionkey``): by whole words alone these were kept
 #: (a review).
@@ -96,8 +116,8 @@ SECRET_IN_TEXT = re.compile(
 
 def secret_query_field(name: str, value: str) -> bool:
     """Whether a query parameter carries a credential (both percent-decoded): by its name
-    (:data:`SECRET_QUERY_WORDS`, :data:`SECRET_QUERY_ENDINGS`, less
-    :data:`NOT_SECRET_QUERY_NAMES`), by its value (``?q=sk-...``,
+    (:data:`SECRET_QUERY_NAMES`, :data:`SECRET_QUERY_WORDS`, :data:`SECRET_QUERY_ENDINGS`,
+    less :data:`NOT_SECRET_QUERY_NAMES`), by its value (``?q=sk-...``,
     :data:`SECRET_QUERY_VALUE`), or by a name shaped as a key itself (``?sk-proj-...``, sent
     with no ``=``)."""
     return (_secret_query_words(name) or SECRET_QUERY_VALUE.match(value) is not None
@@ -105,7 +125,10 @@ def secret_query_field(name: str, value: str) -> bool:
 
 
 def _secret_query_words(name: str) -> bool:
-    if _NAME_SEPARATORS.sub("", name).lower() in NOT_SECRET_QUERY_NAMES:
+    whole = _NAME_SEPARATORS.sub("", name).lower()
+    if whole in SECRET_QUERY_NAMES:
+        return True
+    if whole in NOT_SECRET_QUERY_NAMES:
         return False
     return any(word in SECRET_QUERY_WORDS or word.endswith(SECRET_QUERY_ENDINGS)
                for word in (part.lower() for part in _NAME_WORDS.split(name) if part))

@@ -61,7 +61,7 @@ import orjson
 from multidict import CIMultiDict, istr
 
 from policies import bodies
-from policies.paths import as_routed, decode_unreserved, without_trailing_slash
+from policies.paths import readings
 
 # Bytes are searched with ``find``, never ``sub in data``: CPython 3.11's ``in`` on bytes first
 # tries ``sub`` as an int and builds (then drops) a TypeError, about 1,000 instructions more
@@ -125,6 +125,15 @@ MESSAGES = Endpoint("messages", ("max_tokens",), "max_tokens", usage_option=Fals
                     choices=False, messages="messages")
 
 
+#: ``(path suffix, endpoint)`` a POST is metered as on an ``openai`` route, first match wins.
+_METERED = (("/chat/completions", CHAT), ("/completions", COMPLETIONS),
+            ("/responses", RESPONSES), ("/embeddings", EMBEDDINGS))
+#: The same on an ``anthropic`` route, which also serves the OpenAI SDK at
+#: ``/chat/completions`` (Anthropic's OpenAI SDK compatibility: billed as any call, answered
+#: in OpenAI's shape).
+_ANTHROPIC_METERED = (("/messages", MESSAGES), ("/chat/completions", CHAT))
+
+
 #: Looked up as ``istr``: a ``str`` name is lower-cased on every look-up in a CIMultiDict.
 _CONTENT_ENCODING = istr("Content-Encoding")
 
@@ -140,28 +149,47 @@ def content_coding(headers: Mapping[str, str]) -> str | None:
 def endpoint_for(protocol: str, method: str, raw_path: str) -> Endpoint | None:
     """The metered endpoint a request calls, or ``None`` if it is not metered.
 
-    Read as the most lenient upstreams route it (:func:`policies.paths.as_routed`): uvicorn
-    hands Starlette the decoded path, so vLLM, SGLang or the LiteLLM proxy serve
-    ``/v1/chat%2Fcompletions`` as chat completions (it went through unmetered). Metering a
-    path an upstream would not serve so costs nothing: its error answer is charged none.
+    Read as upstreams route it, every reading of :func:`policies.paths.readings` (the one
+    rule ``endpoints:`` patterns match by too): uvicorn hands Starlette the decoded path, so
+    vLLM, SGLang or the LiteLLM proxy serve ``/v1/chat%2Fcompletions`` as chat completions
+    (it went through unmetered); Express and ASP.NET Core serve ``/V1/Chat/Completions``,
+    Tomcat and Spring ``/v1/chat/completions;jsessionid=1`` (both went through unmetered, a
+    security trial). The endpoints are tried in order (:data:`_METERED`), so a path some
+    reading of which ends ``/chat/completions`` is chat, not legacy completions. Metering a
+    path an upstream would not serve so costs nothing: its error answer is charged none. A
+    POST whose readings name different endpoints (or one and none) never gets here: the
+    handler refuses it (:func:`endpoints_differ`).
     """
     if method != "POST":
         return None
-    path = without_trailing_slash(as_routed(decode_unreserved(raw_path.partition("?")[0])))
-    if protocol == "anthropic":
-        if path.endswith("/messages"):
-            return MESSAGES
-        # Anthropic's OpenAI SDK compatibility: billed as any call, answered in OpenAI's shape.
-        return CHAT if path.endswith("/chat/completions") else None
-    if path.endswith("/chat/completions"):
-        return CHAT
-    if path.endswith("/completions"):
-        return COMPLETIONS
-    if path.endswith("/responses"):
-        return RESPONSES
-    if path.endswith("/embeddings"):
-        return EMBEDDINGS
+    found = readings(raw_path)
+    for suffix, endpoint in _ANTHROPIC_METERED if protocol == "anthropic" else _METERED:
+        for path in found:
+            if path.endswith(suffix):
+                return endpoint
     return None
+
+
+def endpoints_differ(protocol: str, method: str, raw_path: str) -> bool:
+    """Whether the readings of ``raw_path`` (:func:`policies.paths.readings`) name different
+    metered endpoints, or one names an endpoint and another none: then Sluice cannot know
+    what the upstream serves, and the request is refused (400 ``bad_request``, as a path
+    with dot-segments is). Tomcat, Jetty and Spring drop ``;parameters`` before they decode,
+    so ``/v1/responses;x=%2Fcompletions`` is ``responses`` to them, which
+    :func:`endpoint_for` metered as legacy completions by its suffix order, and
+    ``/v1/messages/count_tokens;x=%2Fmessages`` (free) was metered as ``messages`` (a
+    review). Only a path with ``;`` or ``%`` is read (those are what make readings name
+    different endpoints; the caller may test for them first to skip the call); a POST's
+    only, as only a POST is metered."""
+    if method != "POST":
+        return False
+    path = raw_path.partition("?")[0] if "?" in raw_path else raw_path
+    if ";" not in path and "%" not in path:
+        return False
+    suffixes = _ANTHROPIC_METERED if protocol == "anthropic" else _METERED
+    named = {next((endpoint for suffix, endpoint in suffixes if reading.endswith(suffix)),
+                  None) for reading in readings(path)}
+    return len(named) > 1
 
 
 @dataclass(slots=True)

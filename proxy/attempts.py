@@ -49,7 +49,14 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from policies import breaker as brk
-from policies.deadletter import Attempt, DeadLetter, LetterNotKept, redact, redact_path
+from policies.deadletter import (
+    DEAD_LETTER_HEADER,
+    Attempt,
+    DeadLetter,
+    LetterNotKept,
+    redact,
+    redact_path,
+)
 from policies.idempotency import key_origin, names_a_key
 from policies.logs import PER_CALL
 from policies.mcp import (
@@ -236,7 +243,7 @@ async def forward(request: web.BaseRequest, rt: Runtime, route: Route, call: Cal
             if not (tries.stop == "unsafe_to_retry" and CLIENT_RETRY_HEADER in call.headers):
                 letter_id = await _dead_letter(rt, route, call, headers, tries)
                 if letter_id is not None:
-                    extra["X-Sluice-Dead-Letter"] = str(letter_id)
+                    extra[DEAD_LETTER_HEADER] = str(letter_id)
             if tries.response is None and tries.stop == "deadline":
                 tries.error = Rejected(Reason.DEADLINE_UNREACHABLE, None,
                                        f"{len(tries.log)} attempt(s); the last: {tries.kind}")

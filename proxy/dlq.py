@@ -130,7 +130,7 @@ from policies.state.idempotency import IN_FLIGHT, IdempotencyRecords, new_owner
 from policies.wording import counted
 from proxy.attempts import CONNECT_FIRST_S
 from proxy.client import client_timeout, upstream_session
-from proxy.forward import FORBIDDEN_IN_HEADERS, HOP_BY_HOP, send_failure, upstream_url
+from proxy.forward import FORBIDDEN_IN_HEADERS, RESPONSE_DROP, send_failure, upstream_url
 from proxy.redact import body_credentials_masked
 from proxy.rejections import jsonrpc_id
 from proxy.terminal import printable, printable_json
@@ -802,7 +802,7 @@ async def _send(route: RouteConfig, timeouts: TimeoutsConfig, limit: _Limit | No
             async with response:
                 body = await response.read()
                 kept = CIMultiDict((name, value) for name, value in response.headers.items()
-                                   if name.lower() not in HOP_BY_HOP)
+                                   if name.lower() not in RESPONSE_DROP)
                 return response.status, None, body, response.reason or "", kept
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             # ValueError: aiohttp refused what it was given, before sending it.

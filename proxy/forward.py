@@ -62,11 +62,14 @@ from aiohttp.http_exceptions import LineTooLong
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
+from policies.budget import POLICY_HEADER, REMAINING_HEADER, RESET_HEADER, WARNING_HEADER
+from policies.deadletter import DEAD_LETTER_HEADER
 from policies.idempotency import Capture
 from policies.logs import PER_CALL
 from policies.mcp import AnswerTracker
 from policies.pipeline import Call
-from policies.reasons import Reason, Rejected
+from policies.reasons import REASON_HEADER, Reason, Rejected
+from policies.runs import RUN_WARNING_HEADER
 from policies.untyped import UntypedResponse, UntypedStreamResponse
 from policies.usage import QUOTA, SERVER, Meter
 from proxy.locations import Relocation
@@ -91,7 +94,19 @@ _REQUEST_DROP = HOP_BY_HOP | {"host", "content-length", "expect"}
 _REQUEST_OWNED = frozenset({"x-forwarded-for", "idempotency-key"})
 #: aiohttp errors raised before the request left (see :func:`left`).
 _NOT_SENT = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
-_RESPONSE_DROP = HOP_BY_HOP
+#: Answer fields Sluice sets itself, lower case. An upstream's own are dropped from its answer
+#: before it is relayed or stored for a replay: an upstream could otherwise forge Sluice's
+#: signals (a reason, a dead letter's id, a budget or run warning; a security trial): the
+#: idea of Envoy's header sanitizing (it removes ``x-envoy-*`` request headers an external
+#: client sends), the other way. A chained Sluice's are dropped too (README, Budgets). Part
+#: of :data:`RESPONSE_DROP`, whose intersection with an answer's fields is taken anyway: no
+#: cost per field. ``tests/test_security_trial.py`` fails on an ``X-Sluice-`` name in the
+#: source not here, and on one built at run time.
+SLUICE_ANSWER_HEADERS = frozenset(name.lower() for name in (
+    REASON_HEADER, DEAD_LETTER_HEADER, RUN_WARNING_HEADER, REMAINING_HEADER, POLICY_HEADER,
+    RESET_HEADER, WARNING_HEADER))
+#: Fields of an upstream's answer never relayed nor stored for a replay.
+RESPONSE_DROP = HOP_BY_HOP | SLUICE_ANSWER_HEADERS
 
 #: Complete answers up to this size are read whole and sent in one write.
 BUFFER_LIMIT_BYTES = 256 * 1024
@@ -645,7 +660,7 @@ async def relay(
             raise Rejected(Reason.UPSTREAM_UNREACHABLE, None,
                            "it answered with a transfer coding other than chunked, which "
                            "Sluice does not relay")
-        headers = _copy_headers(upstream_headers, _RESPONSE_DROP)
+        headers = _copy_headers(upstream_headers, RESPONSE_DROP)
         if status != 200 and locations is not None:  # a 200's are relayed as they came
             locations.rewrite(headers)
         if not "".join(headers.values()).isascii():  # in C: one pass over every value

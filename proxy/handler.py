@@ -74,9 +74,10 @@ from policies.pipeline import (
     Outcome,
     Policy,
 )
-from policies.reasons import Reason, Rejected
+from policies.reasons import REASON_HEADER, Reason, Rejected
 from policies.retry import is_client_retry
 from policies.runs import FanoutWidth
+from policies.usage import endpoints_differ
 from proxy import attempts, session_end
 from proxy.edge import BODY_CUT, BodyHold, asks_websocket, sent_and_closed
 from proxy.forward import (
@@ -312,6 +313,12 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
 
     if has_dot_segment(raw_path):
         return _reject(rt, route, Rejected(Reason.BAD_REQUEST, None, "dot-segments in path"),
+                       request_id, tenant, run)
+    if (("%" in raw_path or ";" in raw_path) and route.accounting is not None
+            and endpoints_differ(route.protocol, request.method, raw_path)):
+        return _reject(rt, route, Rejected(Reason.BAD_REQUEST, None,
+                                           "a path upstreams read as different "
+                                           "endpoints: its ;parameters or %-encoding"),
                        request_id, tenant, run)
     if hold is None:
         # No body held: no body, or a chunked WebSocket handshake (the edge takes no hold
@@ -1174,7 +1181,7 @@ def _written_status(response: web.StreamResponse) -> int:
     (``upstream_timeout``, ``upstream_error``): the reason's own, 504 or 502, though on an
     ``mcp`` route a call's is sent as HTTP 200 and a JSON-RPC error
     (:func:`proxy.rejections.render`), as a run's cancel's 409 is, and its event names 409."""
-    reason = _REASONS.get(response.headers.get("X-Sluice-Reason", ""))
+    reason = _REASONS.get(response.headers.get(REASON_HEADER, ""))
     return reason.status if reason is not None else response.status
 
 

@@ -24,13 +24,24 @@ exposition cannot encode.
 
 **Trusted identity.** With ``identity.tenants`` (a table of SHA-256 hex digests of API keys ->
 tenants; :func:`proxy.config.load_tenants`), the tenant comes from the caller's credential, not
-from what it declares. The credentials read are ``Authorization: Bearer <key>``, ``x-api-key``
-and ``api-key`` (Azure OpenAI); each one sent is hashed and looked up:
+from what it declares. The credentials read are ``Authorization: Bearer <key>``, every header
+of :data:`policies.secrets.API_KEY_HEADERS` (``x-api-key``, ``api-key``, ``x-goog-api-key``,
+``Ocp-Apim-Subscription-Key``, ``X-Auth-Token``) and every query field of
+:data:`policies.secrets.API_KEY_QUERY_FIELDS` (``?key=``, ``?api_key=``...): upstreams take a
+key in any of them (Gemini's OpenAI-compatible endpoint, Azure API Management), and one
+that was not read was charged to ``unknown_key_tenant`` (a security trial). Each value sent
+in any of them is hashed and looked up, one rule for every place:
 
-* a key in the table gives its tenant; a key not in it (or a request with no credential) gives
+* keys in the table give their tenant; keys in it of different tenants are refused with 403
+  ``tenant_mismatch``;
+* a value not in the table is ignored when a key in it was sent too: it is data (``?key=user123``
+  on a key-value tool) or another service's credential (a weather API's ``?apikey=``, a tool
+  server's own ``X-Auth-Token``), and the caller is charged to its known key's tenant, so
+  no quota is escaped (a review: such requests, authenticated by a known key, were refused
+  401 or 403);
+* with no key in the table (only unknown values, or no credential at all) the request gets
   ``identity.unknown_key_tenant``, or is refused with 401 ``unknown_api_key`` when that is
   ``null``;
-* credentials that resolve to different tenants are refused with 403 ``tenant_mismatch``;
 * a tenant header naming another tenant than the credential's is refused with 403
   ``tenant_mismatch`` (sending the same tenant, or none, is fine).
 
@@ -43,11 +54,12 @@ import hashlib
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, NamedTuple
 
-from multidict import CIMultiDictProxy, istr
+from aiohttp import hdrs
+from multidict import CIMultiDictProxy, MultiMapping, istr
 
 from policies.config import IDENTITY_VALUE, MAX_IDENTITY_LENGTH, IdentityConfig
 from policies.reasons import Reason, Rejected
-from policies.secrets import API_KEY_HEADERS
+from policies.secrets import API_KEY_HEADERS, API_KEY_QUERY_FIELDS
 
 if TYPE_CHECKING:
     from aiohttp import web
@@ -56,8 +68,12 @@ if TYPE_CHECKING:
 
 #: The header a caller may name its request with (events, timeline).
 REQUEST_ID_HEADER = istr("X-Request-ID")
-#: Headers carrying an API key as their whole value (Anthropic; Azure OpenAI).
-KEY_HEADERS = API_KEY_HEADERS
+#: Headers carrying an API key as their whole value (:data:`policies.secrets.API_KEY_HEADERS`),
+#: as ``istr``: a ``str`` name is lower-cased on every look-up in a CIMultiDict.
+KEY_HEADERS = tuple(istr(name) for name in API_KEY_HEADERS)
+#: Where a request with no key is told to send one.
+_KEY_PLACES = ", ".join(("Authorization: Bearer", *API_KEY_HEADERS,
+                         *(f"?{name}=" for name in sorted(API_KEY_QUERY_FIELDS))))
 
 
 class Identity(NamedTuple):
@@ -129,7 +145,9 @@ def identify(rt: Runtime, request: web.BaseRequest) -> Identity:
         priority = checked(priority, config.priority_header, default)
     keys = config.keys
     if keys is not None:
-        tenant = trusted_tenant(config, keys, headers, tenant)
+        # request.query parses the query string into a new MultiDict: only when there is one.
+        tenant = trusted_tenant(config, keys, headers, tenant,
+                                request.query if request.query_string else None)
     # tuple.__new__ builds the same Identity in C; a NamedTuple's own __new__ is a Python
     # function (as its _make says).
     return _make_identity(Identity, (tenant or default, run,
@@ -167,10 +185,13 @@ def key_digest(key: str) -> str:
     return hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()
 
 
-def credentials(headers: CIMultiDictProxy[str]) -> Iterator[tuple[str, str]]:
-    """Every API key the request carries, with the header it came in: bearer tokens
-    (``Authorization``) and the :data:`KEY_HEADERS` values."""
-    for value in headers.getall("Authorization", ()):
+def credentials(headers: CIMultiDictProxy[str], query: MultiMapping[str] | None = None
+                ) -> Iterator[tuple[str, str]]:
+    """Every API key the request carries, with where it came: bearer tokens
+    (``Authorization``), the :data:`KEY_HEADERS` values and those of ``query``'s fields
+    (percent-decoded) named in :data:`policies.secrets.API_KEY_QUERY_FIELDS` (any case), as
+    ``?NAME``."""
+    for value in headers.getall(hdrs.AUTHORIZATION, ()):
         scheme, _, token = value.partition(" ")
         token = token.strip()
         if scheme.lower() == "bearer" and token:
@@ -179,37 +200,44 @@ def credentials(headers: CIMultiDictProxy[str]) -> Iterator[tuple[str, str]]:
         for value in headers.getall(name, ()):
             if value.strip():
                 yield name, value.strip()
+    if query:
+        for name, value in query.items():
+            if name.lower() in API_KEY_QUERY_FIELDS and value.strip():
+                yield f"?{name}", value.strip()
 
 
 def trusted_tenant(config: IdentityConfig, keys: dict[str, str],
-                   headers: CIMultiDictProxy[str], claimed: str | None) -> str:
-    """The tenant the request's credentials give (see the module docstring).
+                   headers: CIMultiDictProxy[str], claimed: str | None,
+                   query: MultiMapping[str] | None = None) -> str:
+    """The tenant the request's credentials give, in its ``headers`` and ``query`` (see the
+    module docstring): the tenant of the keys in ``keys``, values not in it ignored when one
+    is; ``unknown_key_tenant`` when none is.
 
     Raises:
         IdentityRejected: 401 ``unknown_api_key`` or 403 ``tenant_mismatch``.
     """
     found: str | None = None
-    found_in = ""  # the header of the key that gave ``found``
-    known = False  # whether some key was in the table (else found is unknown_key_tenant)
-    for header, key in credentials(headers):
+    found_in = ""  # where the key that gave ``found`` was
+    unknown_in = ""  # where the first value not in the table was
+    for place, key in credentials(headers, query):
         tenant = keys.get(key_digest(key))
-        known = known or tenant is not None
-        tenant = tenant or config.unknown_key_tenant
         if tenant is None:
-            raise IdentityRejected(Reason.UNKNOWN_API_KEY,
-                                   f"the API key in {header} is not in identity.tenants",
-                                   found or config.default_tenant)
-        if found is not None and tenant != found:
-            where = (f"two API keys in {header}" if header == found_in
-                     else f"the API keys in {found_in} and {header}")
+            unknown_in = unknown_in or place
+        elif found is None or tenant == found:
+            found, found_in = tenant, place
+        else:
+            where = (f"two API keys in {place}" if place == found_in
+                     else f"the API keys in {found_in} and {place}")
             raise IdentityRejected(Reason.TENANT_MISMATCH,
                                    f"{where} give different tenants: send one key", found)
-        found, found_in = tenant, header
+    known = found is not None  # else found is unknown_key_tenant
     if found is None:
         if config.unknown_key_tenant is None:
             raise IdentityRejected(
-                Reason.UNKNOWN_API_KEY, "none was sent, and identity.tenants is set: send one "
-                "as Authorization: Bearer, x-api-key or api-key", config.default_tenant)
+                Reason.UNKNOWN_API_KEY,
+                f"the API key in {unknown_in} is not in identity.tenants" if unknown_in else
+                f"none was sent, and identity.tenants is set: send one as {_KEY_PLACES}",
+                config.default_tenant)
         found = config.unknown_key_tenant
     if claimed is not None and claimed != found:
         raise IdentityRejected(

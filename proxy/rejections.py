@@ -45,7 +45,7 @@ import orjson
 from aiohttp import web
 
 from policies import bodies, mcp
-from policies.reasons import SDK_RETRY_AFTER_CAP_S, Reason, Rejected
+from policies.reasons import REASON_HEADER, SDK_RETRY_AFTER_CAP_S, Reason, Rejected
 
 if TYPE_CHECKING:
     from proxy.routes import Route
@@ -69,7 +69,7 @@ _ANTHROPIC_TYPES = {
 
 def rejection_headers(rejected: Rejected) -> dict[str, str]:
     """The SPEC's "not now" headers for ``rejected`` (see the module docstring)."""
-    headers = {"X-Sluice-Reason": rejected.reason.code, "Cache-Control": "no-store"}
+    headers = {REASON_HEADER: rejected.reason.code, "Cache-Control": "no-store"}
     wait = rejected.retry_after
     if wait is not None:
         wait = max(wait, 0.001)

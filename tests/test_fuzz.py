@@ -235,7 +235,7 @@ def runtime(config) -> SimpleNamespace:
 
 def assert_identify_is_safe(config, fields: list[tuple[str, bytes]]) -> None:
     headers = CIMultiDict((name, as_aiohttp_decodes(value)) for name, value in fields)
-    request = SimpleNamespace(headers=CIMultiDictProxy(headers))
+    request = SimpleNamespace(headers=CIMultiDictProxy(headers), query_string="")
     try:
         who = identify(runtime(config), request)  # type: ignore[arg-type]
     except IdentityRejected as refused:

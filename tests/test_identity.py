@@ -13,6 +13,7 @@ import aiohttp
 import pytest
 import yaml
 
+from policies.secrets import API_KEY_QUERY_FIELDS, secret_query_field
 from proxy.cli import main
 from tests.conftest import raw_request, route, wait_until
 
@@ -209,8 +210,9 @@ async def test_identity_refusals_say_what_was_sent_once(upstream, start_sluice, 
                  "x-api-key is not in identity.tenants)")
         assert await _message(session, sluice.url, {}) == (
             401, "Sluice could not tell the caller's tenant from an API key (none was sent, "
-                 "and identity.tenants is set: send one as Authorization: Bearer, x-api-key "
-                 "or api-key)")
+                 "and identity.tenants is set: send one as Authorization: Bearer, x-api-key, "
+                 "api-key, x-goog-api-key, Ocp-Apim-Subscription-Key, X-Auth-Token, ?api-key=, "
+                 "?api_key=, ?apikey=, ?key=, ?subscription-key=)")
     assert upstream.requests == []
 
 
@@ -255,6 +257,98 @@ async def test_unknown_keys_can_go_to_a_configured_tenant(upstream, start_sluice
                      what="3 completed events")
     assert [e["tenant"] for e in sluice.events() if e["event"] == "completed"] == [
         "guests", "guests", "team-b"]
+
+
+async def test_a_key_in_any_header_or_query_field_an_upstream_reads_gives_its_tenant(
+        upstream, start_sluice):
+    """A security trial: identity read keys only from ``Authorization``, ``x-api-key`` and
+    ``api-key``, so team-a's key sent as ``x-goog-api-key`` or ``?key=`` (which Gemini's
+    OpenAI-compatible endpoint and Azure API Management take) was charged to
+    ``unknown_key_tenant``: team-a escaped its own quota and spent the guests'."""
+    sluice = await start_sluice(
+        {"identity": {"tenants": "env:SLUICE_TENANTS", "unknown_key_tenant": "guests"},
+         "routes": [route("up", upstream.url, "openai")]},
+        env={"SLUICE_TENANTS": json.dumps(TENANTS)})
+    sent = [({"x-goog-api-key": "sk-team-a"}, ""), ({"Ocp-Apim-Subscription-Key": "sk-team-a"}, ""),
+            ({"X-Auth-Token": "sk-team-a"}, ""), ({}, "?key=sk-team-a"),
+            ({}, "?api_key=sk-team-a"), ({}, "?Subscription-Key=sk-team-a"),
+            ({}, "?%6Bey=sk-team-a")]
+    async with aiohttp.ClientSession() as session:
+        for headers, query in sent:
+            async with session.post(sluice.url + CHAT + query, json=BODY,
+                                    headers=headers) as r:
+                assert r.status == 200, (headers, query)
+        # Two keys of different tenants, wherever they are, as Authorization + x-api-key.
+        # (A known key and a value not in the table is no mismatch: the value is ignored, see
+        # test_values_not_in_the_table_beside_a_known_key_are_data_not_keys.)
+        for headers, query in (({"Authorization": "Bearer sk-team-a"}, "?key=sk-team-b"),
+                               ({"x-goog-api-key": "sk-team-b", "X-Tenant-ID": "team-a"}, "")):
+            async with session.post(sluice.url + CHAT + query, json=BODY,
+                                    headers=headers) as r:
+                assert (r.status, r.headers.get("X-Sluice-Reason")) == (
+                    403, "tenant_mismatch"), (headers, query)
+        async with session.post(sluice.url + CHAT + "?key=sk-team-b", json=BODY,
+                                headers={"x-api-key": "sk-team-a"}) as r:
+            assert "the API keys in x-api-key and ?key give different tenants" in (
+                await r.json())["error"]["message"]
+    await wait_until(lambda: sum(e["event"] == "completed" for e in sluice.events())
+                     == len(sent), what="the completed events")
+    assert {e["tenant"] for e in sluice.events() if e["event"] == "completed"} == {"team-a"}
+    assert len(upstream.requests) == len(sent)
+
+
+@pytest.mark.parametrize("unknown_key_tenant", [None, "guests"])
+async def test_values_not_in_the_table_beside_a_known_key_are_data_not_keys(
+        upstream, start_sluice, unknown_key_tenant):
+    """A review: once identity read every place a key can be, a caller authenticated by a
+    known ``Authorization: Bearer`` key got 401 (``unknown_key_tenant: null``) or 403
+    ``tenant_mismatch`` (set) when its request also carried ``?key=user123`` (a key-value
+    tool's data), a third-party ``?apikey=`` or a tool server's own ``X-Auth-Token``. Values
+    not in the table are ignored when a known key is sent (the caller is charged to that
+    key's tenant: no quota escapes); with no known key, the unknown-key rule applies, so a
+    made-up key in a header beside a real one in ``?key=`` is still charged to the real
+    one's tenant (the bypass the places were added for stays closed)."""
+    identity = {"tenants": "env:SLUICE_TENANTS",
+                **({"unknown_key_tenant": unknown_key_tenant} if unknown_key_tenant else {})}
+    sluice = await start_sluice(
+        {"identity": identity, "routes": [route("kv", upstream.url, "http")]},
+        env={"SLUICE_TENANTS": json.dumps(TENANTS)})
+    bearer_a = {"Authorization": "Bearer sk-team-a"}
+    admitted = [  # (headers, query) -> charged to team-a
+        (bearer_a, "?key=user123"), (bearer_a, "?apikey=ow-123"),
+        ({**bearer_a, "X-Auth-Token": "tool-server-token"}, ""),
+        ({**bearer_a, "X-Tenant-ID": "team-a"}, "?key=user123"),
+        ({"Authorization": "Bearer sk-made-up"}, "?key=sk-team-a"),
+        ({"x-api-key": "sk-made-up", "X-Auth-Token": "t"}, "?api_key=sk-team-a&key=k")]
+    async with aiohttp.ClientSession() as session:
+        for headers, query in admitted:
+            async with session.get(f"{sluice.url}/kv/get{query}", headers=headers) as r:
+                assert r.status == 200, (headers, query)
+        # Still refused: keys of two tenants; a tenant header naming another tenant.
+        for headers, query in (({**bearer_a, "X-Auth-Token": "t"}, "?key=sk-team-b"),
+                               ({**bearer_a, "X-Tenant-ID": "guests"}, "?key=user123")):
+            async with session.get(f"{sluice.url}/kv/get{query}", headers=headers) as r:
+                assert (r.status, r.headers.get("X-Sluice-Reason")) == (
+                    403, "tenant_mismatch"), (headers, query)
+        # No known key: the unknown-key rule, naming the first place of a value.
+        async with session.get(f"{sluice.url}/kv/get?key=user123",
+                               headers={"X-Auth-Token": "tool-server-token"}) as r:
+            if unknown_key_tenant is None:
+                assert (r.status, (await r.json())["error"]["message"]) == (
+                    401, "Sluice could not tell the caller's tenant from an API key (the API "
+                         "key in X-Auth-Token is not in identity.tenants)")
+            else:
+                assert r.status == 200
+    completed = len(admitted) + (unknown_key_tenant is not None)
+    await wait_until(lambda: sum(e["event"] == "completed" for e in sluice.events())
+                     == completed, what="the completed events")
+    assert [e["tenant"] for e in sluice.events() if e["event"] == "completed"] == (
+        ["team-a"] * len(admitted) + ([unknown_key_tenant] if unknown_key_tenant else []))
+
+
+def test_every_query_field_identity_reads_a_key_from_is_kept_from_dead_letters():
+    """A key identity reads from the query is a credential to redaction too."""
+    assert all(secret_query_field(name, "v") for name in API_KEY_QUERY_FIELDS)
 
 
 @pytest.mark.parametrize("table, line, problem", [

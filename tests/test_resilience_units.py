@@ -261,27 +261,57 @@ def test_credential_query_parameters_are_not_stored() -> None:
 
 def test_query_parameters_with_credential_values_are_not_stored_whatever_their_name() -> None:
     # Found by a hostile trial: ?k=sk-... and ?q=AIza... were kept in dead letters while the
-    # same value in a header was redacted. Neutral names (code=, k=) go by value; a value read
+    # same value in a header was redacted. Neutral names (k=) go by value; a value read
     # percent-decoded; plain values stay, "sk" and a Bearer-less "token" too.
     assert redact_path("/v1/x?k=sk-proj-abc&q=AIzaXYZ&page=2") == (
         "/v1/x?page=2", ["?k", "?q"])
     assert redact_path("/v1/x?code=ghp_abc&state=s1") == ("/v1/x?state=s1", ["?code"])
     assert redact_path("/v1/x?a=Bearer%20t0k3n-2f9a1c&b=eyJhbGciOi.e30.sig&c=sk%2Dx") == (
         "/v1/x", ["?a", "?b", "?c"])
-    assert redact_path("/v1/x?q=sketch&lang=en&n=token&code=42") == (
-        "/v1/x?q=sketch&lang=en&n=token&code=42", [])
+    assert redact_path("/v1/x?q=sketch&lang=en&n=token") == (
+        "/v1/x?q=sketch&lang=en&n=token", [])
 
 
 def test_query_fields_go_by_whole_words_of_their_names() -> None:
     # A new user's trial: by fragment, author=, keyword=, max_tokens= and monkey= were
     # dropped from a dead letter (and its replay) as credentials.
-    kept = "/v1/x?author=bob&keyword=x&max_tokens=5&monkey=banana&code=42&state=s"
+    kept = "/v1/x?author=bob&keyword=x&max_tokens=5&monkey=banana&country_code=SK&state=s"
     assert redact_path(kept) == (kept, [])
     secret = ("/v1/x?apiKey=a&access_token=b&X-Amz-Signature=c&X-Amz-Security-Token=d"
               "&client_secret=e&pw=f&refreshtoken=g&page=2")
     assert redact_path(secret) == ("/v1/x?page=2", [
         "?apiKey", "?access_token", "?X-Amz-Signature", "?X-Amz-Security-Token",
         "?client_secret", "?pw", "?refreshtoken"])
+
+
+def test_an_oauth_code_and_a_bearer_header_of_any_name_are_not_stored() -> None:
+    # A security trial: ?code= (an OAuth authorization code: it buys a token) and
+    # X-Upstream-Bearer were kept in a dead letter; codes of data stay.
+    assert redact_path("/cb?code=SplxlOBeZQQYbYS6WxSbIA&state=xyz&languageCode=sk") == (
+        "/cb?state=xyz&languageCode=sk", ["?code"])
+    assert redact_path("/v1/x?device_code=d&authorization_code=a") == (
+        "/v1/x", ["?device_code", "?authorization_code"])
+    kept, removed = redact([("X-Upstream-Bearer", "plain-value"), ("X-Trace", "t")])
+    assert (kept, removed) == ([("X-Trace", "t")], ["X-Upstream-Bearer"])
+
+
+@pytest.mark.parametrize("field", [
+    "promo_code=SUMMER", "coupon_code=X", "code_interpreter=true", "areaCode=212",
+    "iso_code=FR", "product_code=A1", "airport_code=SFO", "source_code=1",
+    "code_challenge=E9Melhoa2Owv", "code_challenge_method=S256", "zipCode=1",
+    "error_code=E1", "status_code=404", "country_code=SK", "languageCode=sk", "codes=1"])
+def test_data_fields_named_with_the_word_code_are_kept(field: str) -> None:
+    # A review: "code" as a word of a field's name dropped promo_code, code_interpreter,
+    # areaCode, PKCE's public code_challenge... from dead letters, so a replay sent another
+    # request. A field named code, or one of a short list, is a credential; not the word.
+    assert redact_path("/v1/x?" + field) == ("/v1/x?" + field, [])
+
+
+@pytest.mark.parametrize("name", [
+    "code", "Code", "auth_code", "authCode", "authorization_code", "device_code",
+    "verification_code", "otp_code", "passcode", "authcode", "pass-code"])
+def test_one_time_codes_that_buy_a_token_are_not_stored(name: str) -> None:
+    assert redact_path(f"/cb?{name}=SplxlOBeZQQ&state=s") == ("/cb?state=s", [f"?{name}"])
 
 
 def test_slovak_language_tags_are_no_credential() -> None:

@@ -24,6 +24,7 @@ from policies.usage import (
     Endpoint,
     Meter,
     endpoint_for,
+    endpoints_differ,
     read_request,
 )
 
@@ -81,6 +82,47 @@ def test_endpoints_by_protocol_and_path():
     assert endpoint_for("openai", "POST", "/v1/files") is None
     assert endpoint_for("anthropic", "POST", "/v1/messages") is MESSAGES
     assert endpoint_for("anthropic", "POST", "/v1/messages/count_tokens") is None
+
+
+@pytest.mark.parametrize(("protocol", "path", "endpoint"), [
+    ("openai", "/v1/Chat/Completions", CHAT),
+    ("openai", "/V1/CHAT/COMPLETIONS?x=1", CHAT),
+    ("openai", "/v1/chat/completions;jsessionid=1", CHAT),
+    ("openai", "/v1/chat;x=1/completions", CHAT),  # chat (Tomcat's reading), not completions
+    ("openai", "/v1/Responses/", RESPONSES),
+    ("openai", "/v1/embeddings;x", EMBEDDINGS),
+    ("anthropic", "/v1/Messages", MESSAGES),
+    ("anthropic", "/v1/messages;jsessionid=1", MESSAGES),
+    ("anthropic", "/v1/Chat/Completions", CHAT),
+    ("anthropic", "/v1/messages/Count_Tokens", None),
+    ("anthropic", "/v1/messages/count_tokens;x=1", None),
+])
+def test_endpoints_are_read_as_case_folding_and_param_dropping_upstreams_route_them(
+        protocol, path, endpoint):
+    """Metering reads every spelling ``endpoints:`` patterns read (policies.paths.readings):
+    Express and ASP.NET Core fold case, Tomcat and Spring drop ``;parameters``."""
+    assert endpoint_for(protocol, "POST", path) is endpoint
+
+
+@pytest.mark.parametrize(("protocol", "method", "path", "differ"), [
+    ("openai", "POST", "/v1/responses;x=%2Fcompletions", True),  # responses | completions
+    ("openai", "POST", "/v1/embeddings;x=%2Fchat%2Fcompletions", True),
+    ("openai", "POST", "/v1/chat/completions;jsessionid=1", True),  # chat | none
+    ("openai", "POST", "/v1/chat%2Fcompletions?x=1", True),
+    ("openai", "POST", "/v1/chat;x=1/completions", True),  # chat | completions
+    ("anthropic", "POST", "/v1/messages/count_tokens;x=%2Fmessages", True),
+    ("anthropic", "POST", "/v1/messages;jsessionid=1", True),
+    ("openai", "POST", "/v1;v=1/chat/completions", False),  # chat in each
+    ("openai", "POST", "/v1/chat/completion%73", False),
+    ("openai", "POST", "/v1/files;x=%2Fy", False),  # none in each
+    ("openai", "POST", "/v1/Chat/Completions", False),
+    ("openai", "POST", "/v1/chat/completions?q=%2F;x", False),  # the query is not read
+    ("openai", "GET", "/v1/responses;x=%2Fcompletions", False),  # a GET is not metered
+    ("anthropic", "POST", "/v1/messages/count_tokens;x=1", False),
+])
+def test_endpoints_differ_when_the_readings_of_a_metered_post_name_different_ones(
+        protocol, method, path, differ):
+    assert endpoints_differ(protocol, method, path) is differ
 
 
 def test_request_reads_cap_and_adds_usage_option_and_default_cap():
