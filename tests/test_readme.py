@@ -104,7 +104,7 @@ async def test_read_the_dashboard_and_alerts(upstream, start_sluice):
     sluice = await start_sluice({"routes": [route("openai", upstream.url)]})
     (code,) = blocks("Read the dashboard and alerts")
     out = await asyncio.to_thread(run_block, code, sluice)
-    assert "SUCCESS: 17 rules found" in out and "SUCCESS" in out.split("Unit Testing")[1]
+    assert "SUCCESS: 19 rules found" in out and "SUCCESS" in out.split("Unit Testing")[1]
 
 
 @pytest.mark.parametrize("section", TESTED_SECTIONS)
