@@ -45,10 +45,10 @@ how to recover it if damaged; letters it then cannot write are counted as failed
 
 The store is bounded: the write that would keep more than ``max_records`` letters drops the
 oldest (with their replays and replay holds) in the same transaction or script, so a long
-outage cannot fill the disk or the Redis every replica shares. Each tenant has a share of
-it, ``max_records_per_tenant`` (a quarter of ``max_records`` unless set): the write that
-would keep more of its tenant's letters drops that tenant's own oldest first, in the same
-step. One bound for every tenant let one caller push out the others' letters (a hostile
+outage cannot fill the disk or the Redis every replica shares. With
+``max_records_per_tenant`` set (unset: no share), each tenant has a share of it: the write
+that would keep more of its tenant's letters drops that tenant's own oldest first, in the
+same step. One bound for every tenant let one caller push out the others' letters (a hostile
 trial: 60 calls with 1 MiB bodies and their own short deadline, each dead-lettered, left 50
 letters of that caller in a store of 50, and a victim's outage letter was gone). Each drop
 is logged (once per route, and tenant for a share, every few seconds,
@@ -947,10 +947,10 @@ class DeadLetterQueue:
         self.path = config.path
         self.max_body_bytes = config.max_body_bytes
         self.max_records = config.max_records
-        #: A tenant's share; ``None`` when it is the whole store: a tenant then holds more
-        #: only when the store does, and the drop is the store bound's (so counted).
-        self.max_per_tenant = (config.tenant_share if config.tenant_share < config.max_records
-                               else None)
+        #: A tenant's share; ``None`` when unset or the whole store: a tenant then holds
+        #: more only when the store does, and the drop is the store bound's (so counted).
+        share = config.max_records_per_tenant
+        self.max_per_tenant = share if share is not None and share < config.max_records else None
         #: Letters dropped since start, by route and the bound that dropped them
         #: (``max_records``, or ``max_records_per_tenant``: a tenant's share) (a counter).
         self.dropped: dict[tuple[str, str], int] = {}

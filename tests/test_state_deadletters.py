@@ -348,8 +348,8 @@ def test_a_full_sqlite_file_drops_its_oldest_letters_with_their_replays(tmp_path
 async def test_the_queue_counts_and_logs_what_the_bound_dropped(
         backends: StateBackends, tmp_path, caplog: pytest.LogCaptureFixture):
     """The server's side: the SQLite file with the memory backend, the stream with Redis."""
-    queue = DeadLetterQueue(DeadLetterConfig(path=str(tmp_path / "dlq.sqlite"), max_records=2,
-                                             max_records_per_tenant=2), backends)
+    queue = DeadLetterQueue(DeadLetterConfig(path=str(tmp_path / "dlq.sqlite"), max_records=2),
+                            backends)
     await queue.open()
     try:
         with caplog.at_level(logging.WARNING, logger="sluice"):
@@ -369,10 +369,8 @@ async def test_the_queue_counts_and_logs_what_the_bound_dropped(
 
 def queue_of(backends: StateBackends, tmp_path, refresh_s: float,
              max_records: int = 1000) -> DeadLetterQueue:
-    """The server's queue: on the SQLite file with the memory backend, else the stream (one
-    tenant may fill it)."""
-    config = DeadLetterConfig(path=str(tmp_path / "dlq.sqlite"), max_records=max_records,
-                              max_records_per_tenant=max_records)
+    """The server's queue: on the SQLite file with the memory backend, else the stream."""
+    config = DeadLetterConfig(path=str(tmp_path / "dlq.sqlite"), max_records=max_records)
     return DeadLetterQueue(config, backends, refresh_s=refresh_s)
 
 
