@@ -116,6 +116,20 @@ CHECK_INTERRUPT_EVERY_S = 0.05
 #: Pause between two tries of a letter the file refused as locked, seconds (a try usually
 #: waits ``WRITE_BUSY_TIMEOUT_S`` itself; some lock conflicts fail at once).
 RETRY_PAUSE_S = 0.05
+#: Most letters one write drops (SQLite: in its transaction; Redis: in its script,
+#: :mod:`policies.state.deadletters`), and about how many bytes of them; at least
+#: ``MIN_DROPS_PER_ADD`` (letters of 1 MiB, one dropped a write against the one added, never
+#: brought a store down to a lowered bound: a review). A ``max_records`` or
+#: ``max_records_per_tenant`` lowered far below what the store holds (at a restart) is
+#: reached over the next writes, this many more each: one write dropped 7,501 letters of
+#: 64 KiB in 2 s on SQLite, its caller waiting (a review), and a script blocks every
+#: client of Redis while it runs.
+MAX_DROPS_PER_ADD = 100
+MAX_DROP_BYTES_PER_ADD = 1 << 20
+MIN_DROPS_PER_ADD = 2
+#: A letter's bytes as a write that drops it counts them against ``MAX_DROP_BYTES_PER_ADD``
+#: (what freeing its pages costs; the Redis script counts its entry's field values).
+_LETTER_BYTES = "length(body) + length(headers) + length(attempts) + length(path)"
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS dead_letters (
@@ -422,6 +436,14 @@ def _key_as_logged(key: str | None) -> str | None:
         return key
 
 
+@dataclass(slots=True)
+class _Drops:
+    """What one write dropped so far: letters, and their bytes (``_LETTER_BYTES``)."""
+
+    count: int = 0
+    bytes: int = 0
+
+
 class DeadLetterFile:
     """Blocking access to the SQLite file: for the server's writer thread and the CLI.
 
@@ -497,7 +519,9 @@ class DeadLetterFile:
             max_per_tenant: int | None = None) -> Added:
         """Store ``letter``; with ``max_per_tenant``, drop the oldest letters of its tenant
         beyond it, then with ``max_records`` the oldest letters beyond that (their replays
-        and replay holds too), in the same transaction."""
+        and replay holds too), in the same transaction: ``MAX_DROPS_PER_ADD`` letters and
+        about ``MAX_DROP_BYTES_PER_ADD`` bytes of them at most, so a store over its bound
+        comes down over the next writes."""
         self._follow()
         with self._db:
             self._db.execute("BEGIN IMMEDIATE")
@@ -511,42 +535,57 @@ class DeadLetterFile:
                  letter.body_size, orjson.dumps([a.as_dict() for a in letter.attempts]),
                  letter.reason, letter.key_origin),
             )
+            drops = _Drops()
             own = ({} if max_per_tenant is None
-                   else self._drop_oldest_of(letter.tenant, max_per_tenant))
-            dropped = self._drop_oldest(max_records) if max_records is not None else {}
+                   else self._drop_oldest_of(letter.tenant, max_per_tenant, drops))
+            dropped = ({} if max_records is None else self._drop_oldest(
+                max_records, max(MAX_DROPS_PER_ADD - drops.count, MIN_DROPS_PER_ADD), drops))
         return Added(int(cursor.lastrowid or 0), dropped, own)
 
-    def _drop_oldest_of(self, tenant: str, keep: int) -> dict[str, int]:
-        """Delete all but the newest ``keep`` letters of ``tenant``; returns how many went,
-        by route. Read through the ``(tenant, id)`` index, which opening a file from before
-        it was kept creates."""
+    def _oldest(self, where: str, args: tuple[Any, ...], most: int,
+                drops: _Drops) -> tuple[int | None, dict[str, int]]:
+        """Pick the oldest letters ``where`` (SQL on ``dead_letters``) selects to drop: up
+        to ``most``, fewer once those this write dropped reach ``MAX_DROP_BYTES_PER_ADD``
+        bytes (``MIN_DROPS_PER_ADD`` of them at least), counted in ``drops``. Returns the
+        last one's id (``None``: none) and how many by route."""
+        last, routes, picked = None, {}, 0
+        for letter_id, route, size in self._db.execute(
+                f"SELECT id, route, {_LETTER_BYTES} FROM dead_letters WHERE {where}"
+                " ORDER BY id LIMIT ?", (*args, most)):
+            if drops.bytes >= MAX_DROP_BYTES_PER_ADD and picked >= MIN_DROPS_PER_ADD:
+                break
+            last, picked = letter_id, picked + 1
+            routes[route] = routes.get(route, 0) + 1
+            drops.bytes += size
+        drops.count += picked
+        return last, routes
+
+    def _drop_oldest_of(self, tenant: str, keep: int, drops: _Drops) -> dict[str, int]:
+        """Delete the oldest letters of ``tenant`` beyond the newest ``keep``, up to
+        ``MAX_DROPS_PER_ADD`` (:meth:`_oldest`); returns how many went, by route. Read
+        through the ``(tenant, id)`` index, which opening a file from before it was kept
+        creates."""
         over = self._db.execute("SELECT COUNT(*) FROM dead_letters WHERE tenant = ?",
                                 (tenant,)).fetchone()[0] - keep
         if over <= 0:
             return {}
-        (last,) = self._db.execute(
-            "SELECT id FROM dead_letters WHERE tenant = ? ORDER BY id LIMIT 1 OFFSET ?",
-            (tenant, over - 1)).fetchone()
+        last, dropped = self._oldest("tenant = ?", (tenant,), min(over, MAX_DROPS_PER_ADD),
+                                     drops)
         gone = "SELECT id FROM dead_letters WHERE tenant = ? AND id <= ?"
-        dropped = dict(self._db.execute(
-            "SELECT route, COUNT(*) FROM dead_letters WHERE tenant = ? AND id <= ?"
-            " GROUP BY route", (tenant, last)))
         self._db.execute(f"DELETE FROM replays WHERE dead_letter_id IN ({gone})", (tenant, last))
         self._db.execute(f"DELETE FROM replay_claims WHERE dead_letter_id IN ({gone})",
                          (tenant, last))
         self._db.execute("DELETE FROM dead_letters WHERE tenant = ? AND id <= ?", (tenant, last))
         return dropped
 
-    def _drop_oldest(self, keep: int) -> dict[str, int]:
-        """Delete all but the newest ``keep`` letters; returns how many went, by route."""
+    def _drop_oldest(self, keep: int, most: int, drops: _Drops) -> dict[str, int]:
+        """Delete the oldest letters beyond the newest ``keep``, up to ``most``
+        (:meth:`_oldest`); returns how many went, by route."""
         over = self._db.execute("SELECT COUNT(*) FROM dead_letters").fetchone()[0] - keep
         if over <= 0:
             return {}
-        # Ids only grow, so the oldest letters are those up to the over-th smallest id.
-        (last,) = self._db.execute("SELECT id FROM dead_letters ORDER BY id LIMIT 1 OFFSET ?",
-                                   (over - 1,)).fetchone()
-        dropped = dict(self._db.execute(
-            "SELECT route, COUNT(*) FROM dead_letters WHERE id <= ? GROUP BY route", (last,)))
+        # Ids only grow, so the oldest letters are those up to the last one picked.
+        last, dropped = self._oldest("1", (), min(over, most), drops)
         self._db.execute("DELETE FROM dead_letters WHERE id <= ?", (last,))
         self._db.execute("DELETE FROM replays WHERE dead_letter_id <= ?", (last,))
         self._db.execute("DELETE FROM replay_claims WHERE dead_letter_id <= ?", (last,))

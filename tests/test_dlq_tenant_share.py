@@ -232,6 +232,26 @@ def test_a_file_written_before_the_tenant_index_is_read_and_bounded(tmp_path):
         file.close()
 
 
+async def test_a_tenant_over_a_lowered_share_comes_down_over_its_writes_on_sqlite(tmp_path):
+    """A share lowered far below what a tenant holds drops a bounded number of its letters
+    a write (``MAX_DROPS_PER_ADD``, as the Redis script), not all at once in the caller's
+    transaction; other tenants' letters stay."""
+    most = policies.deadletter.MAX_DROPS_PER_ADD
+    file = DeadLetterFile(str(tmp_path / "dlq.sqlite"))
+    try:
+        other = file.add(letter(tenant="other")).id
+        for _ in range(most + 50):
+            file.add(letter(tenant="a"))
+        dropped = [sum(file.add(letter(tenant="a"), max_records=1000,
+                                max_per_tenant=10).tenant_dropped.values())
+                   for _ in range(3)]
+        assert dropped == [most, 42, 1]
+        held = await tenants_held(OnFile(file))
+        assert len(held["a"]) == 10 and held["other"] == [other]
+    finally:
+        file.close()
+
+
 @pytest.mark.parametrize("backends", ["memory", "redis"], indirect=True)
 async def test_the_queue_counts_and_logs_a_tenants_share_by_name(
         backends: StateBackends, tmp_path, caplog: pytest.LogCaptureFixture):
