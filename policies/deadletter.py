@@ -131,6 +131,9 @@ MIN_DROPS_PER_ADD = 2
 #: (what freeing its pages costs; the Redis script counts its entry's field values).
 _LETTER_BYTES = "length(body) + length(headers) + length(attempts) + length(path)"
 
+#: What a file opened for writing is given where missing (:class:`DeadLetterFile`), never a
+#: file opened read-only: ``dead_letters_route`` came with the table, ``dead_letters_tenant``
+#: later, and a file from before it is read, not changed, by ``sluice dlq list``.
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS dead_letters (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -453,12 +456,20 @@ class DeadLetterFile:
     letter went into the deleted file, named in its answer's ``X-Sluice-Dead-Letter`` and
     found by no ``sluice dlq``.
 
+    Opened ``read_only`` (``sluice dlq list`` and ``show``), it writes nothing: the file
+    must exist, and its tables, indexes and columns are as an older release left them
+    (``key_origin`` read as none where it is missing). Opened for writing (the server's
+    store, ``replay``, ``delete``, ``purge``), it creates what is missing. A read-only
+    command failed on a read-only file (a backup, a read-only volume) written before the
+    ``(tenant, id)`` index, with ``attempt to write a readonly database`` (a review).
+
     Raises:
         sqlite3.Error: the file cannot be opened or created, or is no SQLite database.
     """
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, read_only: bool = False) -> None:
         self.path = path
+        self.read_only = read_only
         self._busy_timeout_ms = round(OPEN_BUSY_TIMEOUT_S * 1000)
         self._reopening = False  # a moved file's replacement not opened yet (said once)
         self._open()
@@ -471,6 +482,23 @@ class DeadLetterFile:
         self._db.execute(f"PRAGMA busy_timeout={self._busy_timeout_ms}")
 
     def _open(self) -> None:
+        if self.read_only:
+            # mode=rw, not ro, as _reading: nothing created, and a read-only connection
+            # leaves the -wal and -shm files behind. SQLite reads a file it may not write.
+            self._db = sqlite3.connect(f"file:{quote(self.path)}?mode=rw", uri=True,
+                                       timeout=self._busy_timeout_ms / 1000,
+                                       isolation_level=None, check_same_thread=False)
+            self._db.execute(f"PRAGMA busy_timeout={self._busy_timeout_ms}")
+            # What get() reads for it: none in a file written before it was recorded.
+            self._key_origin = "key_origin" if "key_origin" in self._columns() else "NULL"
+        else:
+            self._open_for_writing()
+            self._key_origin = "key_origin"
+        self._inode = _inode(self.path)
+
+    def _open_for_writing(self) -> None:
+        """Open the file, created if missing, in WAL mode, with every table, index and
+        column this release writes (those a file from an older release lacks added)."""
         # Created readable by its owner only: its letters hold whole request bodies (prompts,
         # tool arguments), and it was made 0644 in the working directory (a new user's
         # trial). SQLite gives its write-ahead log the same mode. A path that cannot be
@@ -492,7 +520,6 @@ class DeadLetterFile:
             except sqlite3.OperationalError:
                 if "key_origin" not in self._columns():  # not another process's, just now
                     raise
-        self._inode = _inode(self.path)
 
     def _columns(self) -> set[str]:
         return {row[1] for row in self._db.execute("PRAGMA table_info(dead_letters)")}
@@ -563,8 +590,7 @@ class DeadLetterFile:
     def _drop_oldest_of(self, tenant: str, keep: int, drops: _Drops) -> dict[str, int]:
         """Delete the oldest letters of ``tenant`` beyond the newest ``keep``, up to
         ``MAX_DROPS_PER_ADD`` (:meth:`_oldest`); returns how many went, by route. Read
-        through the ``(tenant, id)`` index, which opening a file from before it was kept
-        creates."""
+        through the ``(tenant, id)`` index, which opening a file for writing creates."""
         over = self._db.execute("SELECT COUNT(*) FROM dead_letters WHERE tenant = ?",
                                 (tenant,)).fetchone()[0] - keep
         if over <= 0:
@@ -630,7 +656,7 @@ class DeadLetterFile:
         """The whole record ``letter_id`` with its replays, or ``None``."""
         row = self._db.execute(
             "SELECT id, created_at, route, tenant, run, idempotency_key, request_id, method,"
-            " path, headers, redacted, body, body_size, attempts, reason, key_origin"
+            f" path, headers, redacted, body, body_size, attempts, reason, {self._key_origin}"
             " FROM dead_letters WHERE id = ?", (letter_id,),
         ).fetchone()
         if row is None:
@@ -797,7 +823,7 @@ class NotADeadLetterFile(Exception):
 
 
 #: The columns of every dead-letter file's ``dead_letters`` table (``key_origin``, added
-#: later, is added when a file without it is opened).
+#: later, is added when a file without it is opened for writing).
 _LETTER_COLUMNS = frozenset({
     "id", "created_at", "route", "tenant", "run", "idempotency_key", "request_id", "method",
     "path", "headers", "redacted", "body", "body_size", "attempts", "reason"})
