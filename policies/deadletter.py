@@ -45,10 +45,10 @@ how to recover it if damaged; letters it then cannot write are counted as failed
 
 The store is bounded: the write that would keep more than ``max_records`` letters drops the
 oldest (with their replays and replay holds) in the same transaction or script, so a long
-outage cannot fill the disk or the Redis every replica shares. Each tenant has a share of
-it, ``max_records_per_tenant`` (a quarter of ``max_records`` unless set): the write that
-would keep more of its tenant's letters drops that tenant's own oldest first, in the same
-step. One bound for every tenant let one caller push out the others' letters (a hostile
+outage cannot fill the disk or the Redis every replica shares. With
+``max_records_per_tenant`` set (unset: no share), each tenant has a share of it: the write
+that would keep more of its tenant's letters drops that tenant's own oldest first, in the
+same step. One bound for every tenant let one caller push out the others' letters (a hostile
 trial: 60 calls with 1 MiB bodies and their own short deadline, each dead-lettered, left 50
 letters of that caller in a store of 50, and a victim's outage letter was gone). Each drop
 is logged (once per route, and tenant for a share, every few seconds,
@@ -116,7 +116,24 @@ CHECK_INTERRUPT_EVERY_S = 0.05
 #: Pause between two tries of a letter the file refused as locked, seconds (a try usually
 #: waits ``WRITE_BUSY_TIMEOUT_S`` itself; some lock conflicts fail at once).
 RETRY_PAUSE_S = 0.05
+#: Most letters one write drops (SQLite: in its transaction; Redis: in its script,
+#: :mod:`policies.state.deadletters`), and about how many bytes of them; at least
+#: ``MIN_DROPS_PER_ADD`` (letters of 1 MiB, one dropped a write against the one added, never
+#: brought a store down to a lowered bound: a review). A ``max_records`` or
+#: ``max_records_per_tenant`` lowered far below what the store holds (at a restart) is
+#: reached over the next writes, this many more each: one write dropped 7,501 letters of
+#: 64 KiB in 2 s on SQLite, its caller waiting (a review), and a script blocks every
+#: client of Redis while it runs.
+MAX_DROPS_PER_ADD = 100
+MAX_DROP_BYTES_PER_ADD = 1 << 20
+MIN_DROPS_PER_ADD = 2
+#: A letter's bytes as a write that drops it counts them against ``MAX_DROP_BYTES_PER_ADD``
+#: (what freeing its pages costs; the Redis script counts its entry's field values).
+_LETTER_BYTES = "length(body) + length(headers) + length(attempts) + length(path)"
 
+#: What a file opened for writing is given where missing (:class:`DeadLetterFile`), never a
+#: file opened read-only: ``dead_letters_route`` came with the table, ``dead_letters_tenant``
+#: later, and a file from before it is read, not changed, by ``sluice dlq list``.
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS dead_letters (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -424,6 +441,14 @@ def _key_as_logged(key: str | None) -> str | None:
         return key
 
 
+@dataclass(slots=True)
+class _Drops:
+    """What one write dropped so far: letters, and their bytes (``_LETTER_BYTES``)."""
+
+    count: int = 0
+    bytes: int = 0
+
+
 class DeadLetterFile:
     """Blocking access to the SQLite file: for the server's writer thread and the CLI.
 
@@ -433,12 +458,20 @@ class DeadLetterFile:
     letter went into the deleted file, named in its answer's ``X-Sluice-Dead-Letter`` and
     found by no ``sluice dlq``.
 
+    Opened ``read_only`` (``sluice dlq list`` and ``show``), it writes nothing: the file
+    must exist, and its tables, indexes and columns are as an older release left them
+    (``key_origin`` read as none where it is missing). Opened for writing (the server's
+    store, ``replay``, ``delete``, ``purge``), it creates what is missing. A read-only
+    command failed on a read-only file (a backup, a read-only volume) written before the
+    ``(tenant, id)`` index, with ``attempt to write a readonly database`` (a review).
+
     Raises:
         sqlite3.Error: the file cannot be opened or created, or is no SQLite database.
     """
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, read_only: bool = False) -> None:
         self.path = path
+        self.read_only = read_only
         self._busy_timeout_ms = round(OPEN_BUSY_TIMEOUT_S * 1000)
         self._reopening = False  # a moved file's replacement not opened yet (said once)
         self._open()
@@ -451,6 +484,23 @@ class DeadLetterFile:
         self._db.execute(f"PRAGMA busy_timeout={self._busy_timeout_ms}")
 
     def _open(self) -> None:
+        if self.read_only:
+            # mode=rw, not ro, as _reading: nothing created, and a read-only connection
+            # leaves the -wal and -shm files behind. SQLite reads a file it may not write.
+            self._db = sqlite3.connect(f"file:{quote(self.path)}?mode=rw", uri=True,
+                                       timeout=self._busy_timeout_ms / 1000,
+                                       isolation_level=None, check_same_thread=False)
+            self._db.execute(f"PRAGMA busy_timeout={self._busy_timeout_ms}")
+            # What get() reads for it: none in a file written before it was recorded.
+            self._key_origin = "key_origin" if "key_origin" in self._columns() else "NULL"
+        else:
+            self._open_for_writing()
+            self._key_origin = "key_origin"
+        self._inode = _inode(self.path)
+
+    def _open_for_writing(self) -> None:
+        """Open the file, created if missing, in WAL mode, with every table, index and
+        column this release writes (those a file from an older release lacks added)."""
         # Created readable by its owner only: its letters hold whole request bodies (prompts,
         # tool arguments), and it was made 0644 in the working directory (a new user's
         # trial). SQLite gives its write-ahead log the same mode. A path that cannot be
@@ -472,7 +522,6 @@ class DeadLetterFile:
             except sqlite3.OperationalError:
                 if "key_origin" not in self._columns():  # not another process's, just now
                     raise
-        self._inode = _inode(self.path)
 
     def _columns(self) -> set[str]:
         return {row[1] for row in self._db.execute("PRAGMA table_info(dead_letters)")}
@@ -499,7 +548,9 @@ class DeadLetterFile:
             max_per_tenant: int | None = None) -> Added:
         """Store ``letter``; with ``max_per_tenant``, drop the oldest letters of its tenant
         beyond it, then with ``max_records`` the oldest letters beyond that (their replays
-        and replay holds too), in the same transaction."""
+        and replay holds too), in the same transaction: ``MAX_DROPS_PER_ADD`` letters and
+        about ``MAX_DROP_BYTES_PER_ADD`` bytes of them at most, so a store over its bound
+        comes down over the next writes."""
         self._follow()
         with self._db:
             self._db.execute("BEGIN IMMEDIATE")
@@ -513,42 +564,56 @@ class DeadLetterFile:
                  letter.body_size, orjson.dumps([a.as_dict() for a in letter.attempts]),
                  letter.reason, letter.key_origin),
             )
+            drops = _Drops()
             own = ({} if max_per_tenant is None
-                   else self._drop_oldest_of(letter.tenant, max_per_tenant))
-            dropped = self._drop_oldest(max_records) if max_records is not None else {}
+                   else self._drop_oldest_of(letter.tenant, max_per_tenant, drops))
+            dropped = ({} if max_records is None else self._drop_oldest(
+                max_records, max(MAX_DROPS_PER_ADD - drops.count, MIN_DROPS_PER_ADD), drops))
         return Added(int(cursor.lastrowid or 0), dropped, own)
 
-    def _drop_oldest_of(self, tenant: str, keep: int) -> dict[str, int]:
-        """Delete all but the newest ``keep`` letters of ``tenant``; returns how many went,
-        by route. Read through the ``(tenant, id)`` index, which opening a file from before
-        it was kept creates."""
+    def _oldest(self, where: str, args: tuple[Any, ...], most: int,
+                drops: _Drops) -> tuple[int | None, dict[str, int]]:
+        """Pick the oldest letters ``where`` (SQL on ``dead_letters``) selects to drop: up
+        to ``most``, fewer once those this write dropped reach ``MAX_DROP_BYTES_PER_ADD``
+        bytes (``MIN_DROPS_PER_ADD`` of them at least), counted in ``drops``. Returns the
+        last one's id (``None``: none) and how many by route."""
+        last, routes, picked = None, {}, 0
+        for letter_id, route, size in self._db.execute(
+                f"SELECT id, route, {_LETTER_BYTES} FROM dead_letters WHERE {where}"
+                " ORDER BY id LIMIT ?", (*args, most)):
+            if drops.bytes >= MAX_DROP_BYTES_PER_ADD and picked >= MIN_DROPS_PER_ADD:
+                break
+            last, picked = letter_id, picked + 1
+            routes[route] = routes.get(route, 0) + 1
+            drops.bytes += size
+        drops.count += picked
+        return last, routes
+
+    def _drop_oldest_of(self, tenant: str, keep: int, drops: _Drops) -> dict[str, int]:
+        """Delete the oldest letters of ``tenant`` beyond the newest ``keep``, up to
+        ``MAX_DROPS_PER_ADD`` (:meth:`_oldest`); returns how many went, by route. Read
+        through the ``(tenant, id)`` index, which opening a file for writing creates."""
         over = self._db.execute("SELECT COUNT(*) FROM dead_letters WHERE tenant = ?",
                                 (tenant,)).fetchone()[0] - keep
         if over <= 0:
             return {}
-        (last,) = self._db.execute(
-            "SELECT id FROM dead_letters WHERE tenant = ? ORDER BY id LIMIT 1 OFFSET ?",
-            (tenant, over - 1)).fetchone()
+        last, dropped = self._oldest("tenant = ?", (tenant,), min(over, MAX_DROPS_PER_ADD),
+                                     drops)
         gone = "SELECT id FROM dead_letters WHERE tenant = ? AND id <= ?"
-        dropped = dict(self._db.execute(
-            "SELECT route, COUNT(*) FROM dead_letters WHERE tenant = ? AND id <= ?"
-            " GROUP BY route", (tenant, last)))
         self._db.execute(f"DELETE FROM replays WHERE dead_letter_id IN ({gone})", (tenant, last))
         self._db.execute(f"DELETE FROM replay_claims WHERE dead_letter_id IN ({gone})",
                          (tenant, last))
         self._db.execute("DELETE FROM dead_letters WHERE tenant = ? AND id <= ?", (tenant, last))
         return dropped
 
-    def _drop_oldest(self, keep: int) -> dict[str, int]:
-        """Delete all but the newest ``keep`` letters; returns how many went, by route."""
+    def _drop_oldest(self, keep: int, most: int, drops: _Drops) -> dict[str, int]:
+        """Delete the oldest letters beyond the newest ``keep``, up to ``most``
+        (:meth:`_oldest`); returns how many went, by route."""
         over = self._db.execute("SELECT COUNT(*) FROM dead_letters").fetchone()[0] - keep
         if over <= 0:
             return {}
-        # Ids only grow, so the oldest letters are those up to the over-th smallest id.
-        (last,) = self._db.execute("SELECT id FROM dead_letters ORDER BY id LIMIT 1 OFFSET ?",
-                                   (over - 1,)).fetchone()
-        dropped = dict(self._db.execute(
-            "SELECT route, COUNT(*) FROM dead_letters WHERE id <= ? GROUP BY route", (last,)))
+        # Ids only grow, so the oldest letters are those up to the last one picked.
+        last, dropped = self._oldest("1", (), min(over, most), drops)
         self._db.execute("DELETE FROM dead_letters WHERE id <= ?", (last,))
         self._db.execute("DELETE FROM replays WHERE dead_letter_id <= ?", (last,))
         self._db.execute("DELETE FROM replay_claims WHERE dead_letter_id <= ?", (last,))
@@ -593,7 +658,7 @@ class DeadLetterFile:
         """The whole record ``letter_id`` with its replays, or ``None``."""
         row = self._db.execute(
             "SELECT id, created_at, route, tenant, run, idempotency_key, request_id, method,"
-            " path, headers, redacted, body, body_size, attempts, reason, key_origin"
+            f" path, headers, redacted, body, body_size, attempts, reason, {self._key_origin}"
             " FROM dead_letters WHERE id = ?", (letter_id,),
         ).fetchone()
         if row is None:
@@ -760,7 +825,7 @@ class NotADeadLetterFile(Exception):
 
 
 #: The columns of every dead-letter file's ``dead_letters`` table (``key_origin``, added
-#: later, is added when a file without it is opened).
+#: later, is added when a file without it is opened for writing).
 _LETTER_COLUMNS = frozenset({
     "id", "created_at", "route", "tenant", "run", "idempotency_key", "request_id", "method",
     "path", "headers", "redacted", "body", "body_size", "attempts", "reason"})
@@ -949,10 +1014,10 @@ class DeadLetterQueue:
         self.path = config.path
         self.max_body_bytes = config.max_body_bytes
         self.max_records = config.max_records
-        #: A tenant's share; ``None`` when it is the whole store: a tenant then holds more
-        #: only when the store does, and the drop is the store bound's (so counted).
-        self.max_per_tenant = (config.tenant_share if config.tenant_share < config.max_records
-                               else None)
+        #: A tenant's share; ``None`` when unset or the whole store: a tenant then holds
+        #: more only when the store does, and the drop is the store bound's (so counted).
+        share = config.max_records_per_tenant
+        self.max_per_tenant = share if share is not None and share < config.max_records else None
         #: Letters dropped since start, by route and the bound that dropped them
         #: (``max_records``, or ``max_records_per_tenant``: a tenant's share) (a counter).
         self.dropped: dict[tuple[str, str], int] = {}

@@ -145,6 +145,9 @@ CLI_TIMEOUT_S = 5.0
 #: How much longer than its timeouts (its operation's, or its route's) a replay holds its
 #: letter and its key, seconds.
 REPLAY_HOLD_MARGIN_S = 10.0
+#: Commands that only read: they open the file read-only, so they work on a file they may
+#: not write (a backup, a read-only volume) and never change one from an older release.
+READ_ONLY_COMMANDS = frozenset({"list", "show"})
 
 
 def run(config: Config | None, args: argparse.Namespace) -> int:
@@ -197,7 +200,7 @@ def _run(config: Config | None, args: argparse.Namespace) -> int:
         _say_unavailable(path, exc)
         return EXIT_FAILED
     try:
-        file = DeadLetterFile(path)
+        file = DeadLetterFile(path, read_only=args.dlq_command in READ_ONLY_COMMANDS)
         try:
             return asyncio.run(_terminable(_command(config, _FileStore(file), path, args)))
         finally:

@@ -8,6 +8,8 @@ import contextlib
 import json
 import os
 import sqlite3
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -98,6 +100,100 @@ async def test_with_file_only_replay_needs_a_config(tmp_path):
     code, _, err = await cli_in(elsewhere, "dlq", "list", "--file", letters,
                                 "--config", str(broken))
     assert code == 2 and "broken.yaml" in err, err
+
+
+# -- a read-only file written by an older release ------------------------------------------------
+
+#: The schema of the release before the ``(tenant, id)`` index (d6daa20^1), exactly.
+SCHEMA_BEFORE_TENANT_INDEX = """
+CREATE TABLE IF NOT EXISTS dead_letters (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    created_at REAL NOT NULL,
+    route TEXT NOT NULL,
+    tenant TEXT NOT NULL,
+    run TEXT,
+    idempotency_key TEXT,
+    request_id TEXT NOT NULL,
+    method TEXT NOT NULL,
+    path TEXT NOT NULL,
+    headers TEXT NOT NULL,
+    redacted TEXT NOT NULL,
+    body BLOB NOT NULL,
+    body_size INTEGER NOT NULL,
+    attempts TEXT NOT NULL,
+    reason TEXT NOT NULL,
+    key_origin TEXT
+);
+CREATE INDEX IF NOT EXISTS dead_letters_route ON dead_letters (route);
+CREATE TABLE IF NOT EXISTS replays (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    dead_letter_id INTEGER NOT NULL,
+    at REAL NOT NULL,
+    status INTEGER,
+    error TEXT,
+    duration_s REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS replays_dead_letter ON replays (dead_letter_id);
+CREATE TABLE IF NOT EXISTS replay_claims (
+    dead_letter_id INTEGER PRIMARY KEY,
+    token TEXT NOT NULL,
+    until REAL NOT NULL
+);
+"""
+#: ... and of the release before ``key_origin`` (3f6c61c^1).
+SCHEMA_BEFORE_KEY_ORIGIN = SCHEMA_BEFORE_TENANT_INDEX.replace(",\n    key_origin TEXT", "")
+
+
+def older_file(path: Path, schema: str) -> None:
+    """Three letters in a file as an older release wrote it (WAL mode, its schema)."""
+    with contextlib.closing(sqlite3.connect(path)) as db:
+        db.execute("PRAGMA journal_mode=WAL")
+        db.executescript(schema)
+        db.executemany(
+            "INSERT INTO dead_letters (created_at, route, tenant, request_id, method, path,"
+            " headers, redacted, body, body_size, attempts, reason) VALUES (1.0, 'openai',"
+            " 'acme', ?, 'POST', '/v1', '[]', '[]', x'7b7d', 2, '[]', 'attempts')",
+            [(f"req-{n}",) for n in range(3)])
+        db.commit()
+
+
+def cli_bound_by_file_modes(*args: str) -> subprocess.CompletedProcess[str]:
+    """``sluice ARGS`` in a process that file modes bind: root writes a file of mode 0444,
+    so under root without the capabilities that override them (``setpriv``)."""
+    bound = (["setpriv", "--bounding-set=-dac_override,-dac_read_search", "--"]
+             if os.geteuid() == 0 else [])
+    return subprocess.run([*bound, sys.executable, "-m", "proxy", *args], capture_output=True,
+                          text=True, timeout=60)
+
+
+@pytest.mark.parametrize("schema", [SCHEMA_BEFORE_TENANT_INDEX, SCHEMA_BEFORE_KEY_ORIGIN],
+                         ids=["before-tenant-index", "before-key-origin"])
+def test_list_and_show_read_an_older_read_only_file_and_change_nothing(tmp_path, schema):
+    """``list`` and ``show`` only read: on a read-only file (a backup, a read-only volume)
+    from before the ``(tenant, id)`` index, ``list`` failed with ``attempt to write a
+    readonly database``, as opening the file created the index (a review). Both work, and
+    a file they may write is left as it was too."""
+    path = tmp_path / "dlq.sqlite"  # in a directory it may write
+    older_file(path, schema)
+    path.chmod(0o444)
+    listed = cli_bound_by_file_modes("dlq", "list", "--file", str(path))
+    assert listed.returncode == 0, listed.stderr
+    assert [line.split()[0] for line in listed.stdout.splitlines()[1:]] == ["1", "2", "3"]
+    shown = cli_bound_by_file_modes("dlq", "show", "2", "--file", str(path))
+    assert shown.returncode == 0, shown.stderr
+    letter = json.loads(shown.stdout)
+    assert (letter["request_id"], letter["key_origin"]) == ("req-1", None)
+    path.chmod(0o644)
+    for command in (["list"], ["show", "1"]):
+        code = subprocess.run([sys.executable, "-m", "proxy", "dlq", *command, "--file",
+                               str(path)], capture_output=True, timeout=60).returncode
+        assert code == 0, command
+    with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as db:
+        assert sorted(row[0] for row in db.execute(
+            "SELECT name FROM sqlite_master WHERE type = 'index' AND sql IS NOT NULL")) == [
+            "dead_letters_route", "replays_dead_letter"]
+        columns = {row[1] for row in db.execute("PRAGMA table_info(dead_letters)")}
+        assert ("key_origin" in columns) == ("key_origin" in schema)
 
 
 def held(letters: str) -> bool:

@@ -85,10 +85,23 @@ async def tenants_held(store: Any) -> dict[str, list[int]]:
     return held
 
 
-def test_a_tenants_share_is_a_quarter_of_the_store_unless_set():
-    assert DeadLetterConfig().tenant_share == 2500
-    assert DeadLetterConfig(max_records=3).tenant_share == 1  # at least one
-    assert DeadLetterConfig(max_records=3, max_records_per_tenant=3).tenant_share == 3
+@pytest.mark.parametrize("backends", ["memory", "redis"], indirect=True)
+async def test_without_a_share_set_one_tenant_keeps_the_whole_store(
+        backends: StateBackends, tmp_path):
+    """The share is opt-in: a deployment without tenant headers is one tenant (``default``),
+    and a default share of a quarter kept it to 2,500 of its 10,000 letters, dropping 7,501
+    in one write on upgrade (a review)."""
+    config = DeadLetterConfig(path=str(tmp_path / "dlq.sqlite"), max_records=8)
+    assert config.max_records_per_tenant is None
+    queue = DeadLetterQueue(config, backends)
+    await queue.open()
+    try:
+        for _ in range(9):
+            await queue.add(letter())
+        assert queue.dropped == {("openai", "max_records"): 1}
+        assert queue.depth("openai") == 8
+    finally:
+        await queue.close()
 
 
 @STORES
@@ -219,13 +232,33 @@ def test_a_file_written_before_the_tenant_index_is_read_and_bounded(tmp_path):
         file.close()
 
 
+async def test_a_tenant_over_a_lowered_share_comes_down_over_its_writes_on_sqlite(tmp_path):
+    """A share lowered far below what a tenant holds drops a bounded number of its letters
+    a write (``MAX_DROPS_PER_ADD``, as the Redis script), not all at once in the caller's
+    transaction; other tenants' letters stay."""
+    most = policies.deadletter.MAX_DROPS_PER_ADD
+    file = DeadLetterFile(str(tmp_path / "dlq.sqlite"))
+    try:
+        other = file.add(letter(tenant="other")).id
+        for _ in range(most + 50):
+            file.add(letter(tenant="a"))
+        dropped = [sum(file.add(letter(tenant="a"), max_records=1000,
+                                max_per_tenant=10).tenant_dropped.values())
+                   for _ in range(3)]
+        assert dropped == [most, 42, 1]
+        held = await tenants_held(OnFile(file))
+        assert len(held["a"]) == 10 and held["other"] == [other]
+    finally:
+        file.close()
+
+
 @pytest.mark.parametrize("backends", ["memory", "redis"], indirect=True)
 async def test_the_queue_counts_and_logs_a_tenants_share_by_name(
         backends: StateBackends, tmp_path, caplog: pytest.LogCaptureFixture):
     """The server's side: the SQLite file with the memory backend, the stream with Redis;
-    the default share is a quarter of the store."""
-    config = DeadLetterConfig(path=str(tmp_path / "dlq.sqlite"), max_records=8)
-    assert config.tenant_share == 2
+    the share set."""
+    config = DeadLetterConfig(path=str(tmp_path / "dlq.sqlite"), max_records=8,
+                              max_records_per_tenant=2)
     queue = DeadLetterQueue(config, backends)
     await queue.open()
     try:

@@ -119,11 +119,9 @@ async def test_retry_storm_is_one_layer_and_dead_letter_replays(upstream, start_
 
 async def test_a_full_dead_letter_store_keeps_the_newest_letters(upstream, start_sluice,
                                                                    tmp_path):
-    """dead_letter.max_records: an outage cannot fill the disk; the drops are counted (one
-    tenant's letters, the share lifted to the whole store)."""
+    """dead_letter.max_records: an outage cannot fill the disk; the drops are counted."""
     sluice = await start_sluice({
-        "dead_letter": {"path": str(tmp_path / "dlq.sqlite"), "max_records": 2,
-                        "max_records_per_tenant": 2},
+        "dead_letter": {"path": str(tmp_path / "dlq.sqlite"), "max_records": 2},
         "routes": [route("openai", upstream.url,
                          retry={"attempts": 2, "backoff": FAST_BACKOFF})]})
     upstream.status = 503
@@ -143,11 +141,12 @@ async def test_a_full_dead_letter_store_keeps_the_newest_letters(upstream, start
 
 async def test_one_tenants_failures_cannot_push_out_another_tenants_letter(
         upstream, start_sluice, tmp_path):
-    """dead_letter.max_records_per_tenant (a quarter of max_records by default): a caller
-    flooding the store drops its own oldest letters, not another tenant's (a hostile trial:
-    60 calls of one caller left 50 of its letters in a store of 50, the victim's gone)."""
+    """dead_letter.max_records_per_tenant: a caller flooding the store drops its own oldest
+    letters, not another tenant's (a hostile trial: 60 calls of one caller left 50 of its
+    letters in a store of 50, the victim's gone)."""
     sluice = await start_sluice({
-        "dead_letter": {"path": str(tmp_path / "dlq.sqlite"), "max_records": 8},
+        "dead_letter": {"path": str(tmp_path / "dlq.sqlite"), "max_records": 8,
+                        "max_records_per_tenant": 2},
         "routes": [route("openai", upstream.url,
                          retry={"attempts": 2, "backoff": FAST_BACKOFF})]})
     upstream.status = 503

@@ -344,12 +344,61 @@ def test_a_full_sqlite_file_drops_its_oldest_letters_with_their_replays(tmp_path
         other.close()
 
 
+def count_letters(file: DeadLetterFile) -> int:
+    return file._db.execute("SELECT COUNT(*) FROM dead_letters").fetchone()[0]
+
+
+def test_a_sqlite_file_over_its_bound_comes_down_over_writes_a_bounded_number_each(tmp_path):
+    """A bound lowered far below what a file holds (at a restart) was reached in one write,
+    which dropped everything over it in its transaction: 7,501 letters of 64 KiB in 2 s,
+    its caller waiting (a review). Now a write drops ``MAX_DROPS_PER_ADD`` at most, as the
+    Redis script does, and the file comes down over the next writes."""
+    most = policies.deadletter.MAX_DROPS_PER_ADD
+    file = DeadLetterFile(str(tmp_path / "dlq.sqlite"))
+    try:
+        for _ in range(3 * most + 50):
+            file.add(letter())
+        held = [count_letters(file)]
+        while held[-1] > 10:
+            added = file.add(letter("tools"), max_records=10)
+            assert sum(added.dropped.values()) <= most
+            held.append(count_letters(file))
+        # Each write adds one and drops up to the limit; the last only what is over.
+        assert held == [350, 251, 152, 53, 10]
+        assert file.add(letter(), max_records=10).dropped == {"openai": 1}
+        assert count_letters(file) == 10
+    finally:
+        file.close()
+
+
+def test_one_sqlite_write_drops_about_a_mebibyte_of_letters_and_at_least_two(tmp_path):
+    """The bytes bound of the Redis script too: about ``MAX_DROP_BYTES_PER_ADD`` of
+    letters a write, and at least two, so letters of 1 MiB still come down against the
+    one each write adds."""
+    file = DeadLetterFile(str(tmp_path / "dlq.sqlite"))
+    try:
+        for _ in range(5):
+            file.add(letter(body=b"x" * (400 << 10)))
+        # 400 KiB, 800 KiB, then one more (under 1 MiB before it): three.
+        assert file.add(letter("tools"), max_records=1).dropped == {"openai": 3}
+        assert count_letters(file) == 3
+        file.purge()
+        for _ in range(4):
+            file.add(letter(body=b"x" * (1 << 20)))
+        assert file.add(letter("tools"), max_records=1).dropped == {"openai": 2}
+        assert file.add(letter("tools"), max_records=1).dropped == {"openai": 2}
+        assert file.add(letter("tools"), max_records=1).dropped == {"tools": 2}
+        assert count_letters(file) == 1
+    finally:
+        file.close()
+
+
 @pytest.mark.parametrize("backends", ["memory", "redis"], indirect=True)
 async def test_the_queue_counts_and_logs_what_the_bound_dropped(
         backends: StateBackends, tmp_path, caplog: pytest.LogCaptureFixture):
     """The server's side: the SQLite file with the memory backend, the stream with Redis."""
-    queue = DeadLetterQueue(DeadLetterConfig(path=str(tmp_path / "dlq.sqlite"), max_records=2,
-                                             max_records_per_tenant=2), backends)
+    queue = DeadLetterQueue(DeadLetterConfig(path=str(tmp_path / "dlq.sqlite"), max_records=2),
+                            backends)
     await queue.open()
     try:
         with caplog.at_level(logging.WARNING, logger="sluice"):
@@ -369,10 +418,8 @@ async def test_the_queue_counts_and_logs_what_the_bound_dropped(
 
 def queue_of(backends: StateBackends, tmp_path, refresh_s: float,
              max_records: int = 1000) -> DeadLetterQueue:
-    """The server's queue: on the SQLite file with the memory backend, else the stream (one
-    tenant may fill it)."""
-    config = DeadLetterConfig(path=str(tmp_path / "dlq.sqlite"), max_records=max_records,
-                              max_records_per_tenant=max_records)
+    """The server's queue: on the SQLite file with the memory backend, else the stream."""
+    config = DeadLetterConfig(path=str(tmp_path / "dlq.sqlite"), max_records=max_records)
     return DeadLetterQueue(config, backends, refresh_s=refresh_s)
 
 

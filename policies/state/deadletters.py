@@ -40,6 +40,9 @@ from policies.deadletter import (
     ANSWERED,
     BUSY,
     CLAIMED,
+    MAX_DROP_BYTES_PER_ADD,
+    MAX_DROPS_PER_ADD,
+    MIN_DROPS_PER_ADD,
     MISSING,
     UNREADABLE,
     Added,
@@ -59,11 +62,6 @@ _LETTER = "a dead letter"
 _DEPTH = "the dead letters' depth"
 #: Stream fields of a summary (``list``): enough for a table, never the body.
 _SUMMARY_FIELDS = ("created_at", "route", "tenant", "method", "path", "attempts", "reason")
-#: Most letters one ``add`` drops from the stream (and about 1 MiB of them at most): a
-#: script blocks every client of Redis while it runs, so a ``max_records`` lowered far below
-#: the letters kept (at a restart) is reached over the next writes, this many more each,
-#: rather than in one long script.
-MAX_DROPS_PER_ADD = 100
 #: Entry bytes one ``list`` script reads before it stops (the command reads on in more):
 #: reading 100 letters of 1 MiB in one script held Redis 356 ms (a trial).
 LIST_BYTES_PER_SCRIPT = 1 << 20
@@ -261,7 +259,10 @@ def _as_kwargs(letter: DeadLetter) -> dict[str, Any]:
 
 # KEYS: stream, seq, depth, the letter's tenant's ids. ARGV: route, most letters kept (0: no
 # bound), most letters dropped, replay list key prefix, claim key prefix, tenant ids key
-# prefix, most letters of a tenant kept (0: no bound), then field, value pairs. Returns {the
+# prefix, most letters of a tenant kept (0: no bound), bytes of letters dropped after which
+# to stop, fewest letters dropped before that stops it (policies.deadletter's
+# MAX_DROPS_PER_ADD, MAX_DROP_BYTES_PER_ADD, MIN_DROPS_PER_ADD), then field, value pairs.
+# Returns {the
 # new id, {the route of each letter dropped for the store's bound}, {the route of each of the
 # tenant's letters dropped for its share}}. The replay, claim and other tenants' id keys of a
 # dropped letter are named here, not in KEYS (as in _PURGE): they share the {dlq} slot of
@@ -280,7 +281,7 @@ kind = redis.call('TYPE', KEYS[4])['ok']
 if kind ~= 'zset' and kind ~= 'none' then bad("a tenant's dead letters", 'is no sorted set') end
 local id = redis.call('INCR', KEYS[2])
 local args = {'XADD', KEYS[1], '0-' .. id}
-for i = 8, #ARGV do args[#args + 1] = ARGV[i] end
+for i = 10, #ARGV do args[#args + 1] = ARGV[i] end
 local added = redis.call(unpack(args))
 redis.call('ZADD', KEYS[4], id, string.sub(added, 3))
 redis.call('HINCRBY', KEYS[3], ARGV[1], 1)
@@ -307,14 +308,15 @@ local function drop(e, popped)
   return route
 end
 local budget = tonumber(ARGV[3])
+local most_read, fewest = tonumber(ARGV[8]), tonumber(ARGV[9])
 -- The tenant's share first: its own oldest letters go. One at a time, up to ARGV[3] of them
--- or about 1 MiB (at least two, as below); an id whose letter is gone (a purge under way
--- walks it) is only taken off.
+-- or ARGV[8] bytes (at least ARGV[9] letters, as below); an id whose letter is gone (a purge
+-- under way walks it) is only taken off.
 local own = {}
 local share = tonumber(ARGV[7])
 local k = 0
 while share > 0 and k < budget and redis.call('ZCARD', KEYS[4]) > share do
-  if read >= 1048576 and k >= 2 then break end
+  if read >= most_read and k >= fewest then break end
   k = k + 1
   local n = redis.call('ZPOPMIN', KEYS[4])[1]
   local e = redis.call('XRANGE', KEYS[1], '0-' .. n, '0-' .. n)[1]
@@ -326,12 +328,12 @@ local dropped = {}
 local keep = tonumber(ARGV[2])
 local over = redis.call('XLEN', KEYS[1]) - keep
 if keep > 0 and over > 0 then
-  -- One entry at a time, up to what is left of ARGV[3] or about 1 MiB read in all: a read
-  -- copies bodies too.
-  for j = 1, math.min(over, math.max(budget, 2)) do
-    -- At least two: one letter of 1 MiB a write, against the one added, never shrank the
+  -- One entry at a time, up to what is left of ARGV[3] or ARGV[8] bytes read in all: a
+  -- read copies bodies too.
+  for j = 1, math.min(over, math.max(budget, fewest)) do
+    -- At least ARGV[9]: one letter of 1 MiB a write, against the one added, never shrank the
     -- stream to a lowered bound (a review).
-    if read >= 1048576 and j > 2 then break end
+    if read >= most_read and j > fewest then break end
     local e = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', 1)[1]
     if not e then break end
     local route = drop(e, false)
@@ -508,7 +510,8 @@ class RedisDeadLetterStore:
         return await self._state.eval(
             _ADD, [self._stream, self._seq, self._depth, self._tenants + letter.tenant],
             [letter.route, max_records or 0, MAX_DROPS_PER_ADD, self._replays, self._claims,
-             self._tenants, max_per_tenant or 0, *fields], _added)
+             self._tenants, max_per_tenant or 0, MAX_DROP_BYTES_PER_ADD, MIN_DROPS_PER_ADD,
+             *fields], _added)
 
     async def get(self, letter_id: int) -> DeadLetter | None:
         return await self._state.eval(_GET, [self._stream, self._replays + str(letter_id)],
