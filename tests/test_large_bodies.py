@@ -1,0 +1,239 @@
+"""Large MCP bodies (policies/bodies.py ``LargeBodies``): each parsed once, and their parses
+and fingerprints take turns, with the loop serving other calls between them.
+
+No wall-clock asserts: the structure is checked by counting the loop's passes (a task that
+counts one each time it runs) at each parse and fingerprint of a large body."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import re
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from policies import bodies, mcp
+from policies.bodies import LARGE_BODY_BYTES, LargeBodies
+from tests.conftest import free_ports, open_runtime, route, serve_app, serve_runtime
+from tests.fakeupstream import FakeUpstream
+
+#: Large calls sent at once, each a little over LARGE_BODY_BYTES.
+LARGE_CALLS = 4
+_RPC_ID = re.compile(rb'"id":\s*(\d+)')
+
+
+async def _mcp_server(request: web.Request) -> web.Response:
+    message = json.loads(await request.read())
+    return web.json_response({"jsonrpc": "2.0", "id": message["id"], "result": {
+        "content": [{"type": "text", "text": "ok"}], "isError": False}})
+
+
+@contextlib.asynccontextmanager
+async def _passes() -> AsyncIterator[list[int]]:
+    """A count of the loop's passes so far (``[n]``), kept by a task that runs once a pass."""
+    count = [0]
+
+    async def tick() -> None:
+        while True:
+            count[0] += 1
+            await asyncio.sleep(0)
+
+    task = asyncio.create_task(tick())
+    try:
+        yield count
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+async def test_large_mcp_calls_are_parsed_once_and_take_turns_with_the_loop_between(
+        upstream: FakeUpstream, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    app = web.Application(client_max_size=1 << 30)
+    app.router.add_post("/{tail:.*}", _mcp_server)
+    mcp_runner, mcp_port = await serve_app(app)
+    runtime = await open_runtime(
+        route("tools", f"http://127.0.0.1:{mcp_port}", "mcp",
+              idempotency={"mode": "dedup"}),
+        route("chat", upstream.url),
+        events={"path": str(tmp_path / "events.jsonl")},
+        dead_letter={"path": str(tmp_path / "dlq.sqlite")})
+    runner, port = await serve_runtime(runtime)
+    steps: list[tuple[str, int, int]] = []  # (parse | fingerprint, rpc id, loop pass)
+    async with _passes() as passes:
+        loads, fingerprint = bodies.loads, mcp.fingerprint
+
+        def counted_loads(body: Any, *args: Any) -> Any:
+            if len(body) >= LARGE_BODY_BYTES:
+                found = _RPC_ID.search(body[:100])
+                assert found is not None
+                steps.append(("parse", int(found[1]), passes[0]))
+            return loads(body, *args)
+
+        def counted_fingerprint(message: mcp.Message, *args: Any) -> str:
+            if len(args[2] or b"") >= LARGE_BODY_BYTES:
+                steps.append(("fingerprint", int(message.id), passes[0]))  # type: ignore[arg-type]
+            return fingerprint(message, *args)
+
+        monkeypatch.setattr(bodies, "loads", counted_loads)
+        monkeypatch.setattr(mcp, "fingerprint", counted_fingerprint)
+        small: list[tuple[int, int]] = []  # (status, loop pass) of the calls on the other route
+        try:
+            async with aiohttp.ClientSession() as session:
+
+                async def large(i: int) -> int:
+                    call = {"jsonrpc": "2.0", "id": i, "method": "tools/call", "params": {
+                        "name": "add", "arguments": {"a": [{"a": i}] * 170_000}}}
+                    body = json.dumps(call).encode()
+                    assert len(body) > LARGE_BODY_BYTES
+                    async with session.post(
+                            f"http://127.0.0.1:{port}/tools/mcp", data=body,
+                            headers={"Content-Type": "application/json",
+                                     "Accept": "application/json, text/event-stream"}) as r:
+                        answer = await r.json()
+                        assert answer["result"]["isError"] is False
+                        return r.status
+
+                async def chat(done: asyncio.Event) -> None:
+                    while not done.is_set():
+                        async with session.post(
+                                f"http://127.0.0.1:{port}/chat/v1/chat/completions",
+                                json={"model": "m", "messages": [
+                                    {"role": "user", "content": "hi"}]}) as r:
+                            await r.read()
+                            small.append((r.status, passes[0]))
+
+                done = asyncio.Event()
+                chatting = asyncio.create_task(chat(done))
+                statuses = await asyncio.gather(*(large(i) for i in range(1, LARGE_CALLS + 1)))
+                done.set()
+                await chatting
+        finally:
+            await runner.cleanup()
+            await runtime.close()
+            await mcp_runner.cleanup()
+    assert statuses == [200] * LARGE_CALLS
+    # Each body parsed once (the idempotency step uses the request path's parse), and
+    # fingerprinted once.
+    parses = sorted(i for kind, i, _ in steps if kind == "parse")
+    assert parses == list(range(1, LARGE_CALLS + 1))
+    assert sorted(i for kind, i, _ in steps if kind == "fingerprint") == parses
+    # One step at a time, each in a loop pass of its own, and a body's fingerprint right after
+    # its parse: one parsed tree alive at a time.
+    at = [when for _, _, when in steps]
+    assert at == sorted(set(at))
+    kinds = [(kind, i) for kind, i, _ in steps]
+    assert kinds == [pair for i in parses for pair in (("parse", i), ("fingerprint", i))]
+    # The other route's calls went on between the steps (none failed).
+    assert small and all(status == 200 for status, _ in small)
+    assert any(at[0] < when < at[-1] for _, when in small)
+
+
+async def test_a_turn_freeing_a_tree_goes_first_and_a_cancelled_waiter_is_skipped() -> None:
+    turns = LargeBodies()
+    order: list[str] = []
+    release = asyncio.Event()
+
+    async def work(name: str, holding: bool = False) -> None:
+        async with turns.turn(holding=holding):
+            order.append(name)
+            if name == "first":
+                await release.wait()
+
+    first = asyncio.create_task(work("first"))
+    await asyncio.sleep(0)
+    new = asyncio.create_task(work("new"))
+    gone = asyncio.create_task(work("gone", holding=True))
+    holder = asyncio.create_task(work("holder", holding=True))
+    await asyncio.sleep(0)
+    gone.cancel()  # a caller that left while waiting
+    release.set()
+    await asyncio.gather(first, new, holder)
+    assert gone.cancelled()
+    assert order == ["first", "holder", "new"]
+    # Nothing is left waiting, and the next turn is taken at once.
+    async with asyncio.timeout(5):
+        async with turns.turn():
+            order.append("later")
+    assert order[-1] == "later"
+
+
+async def test_a_turn_handed_to_a_caller_that_left_is_handed_on() -> None:
+    turns = LargeBodies()
+    release = asyncio.Event()
+    order: list[str] = []
+
+    async def hold() -> None:
+        async with turns.turn():
+            await release.wait()
+
+    async def work(name: str) -> None:
+        async with turns.turn():
+            order.append(name)
+
+    first = asyncio.create_task(hold())
+    await asyncio.sleep(0)
+    handed = asyncio.create_task(work("handed"))
+    after = asyncio.create_task(work("after"))
+    await asyncio.sleep(0)
+    release.set()
+    await first
+    # Handed the turn (its future resolved, "after" still waiting) and cancelled before it ran.
+    async with asyncio.timeout(5):
+        while len(turns._new) == 2:
+            await asyncio.sleep(0)
+    handed.cancel()
+    async with asyncio.timeout(5):
+        await after
+    assert order == ["after"]
+
+
+async def test_a_large_call_refused_or_failed_is_not_parsed_again_for_its_error(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Its error answer carries the request's id, read when the request was parsed: each
+    # error to a 25 MB tools/call parsed the body once more, on the loop.
+    app = web.Application(client_max_size=1 << 30)
+    app.router.add_post("/{tail:.*}", _mcp_server)
+    mcp_runner, mcp_port = await serve_app(app)
+    dead_port = free_ports(1)[0]  # nothing listens there
+    runtime = await open_runtime(
+        route("limited", f"http://127.0.0.1:{mcp_port}", "mcp",
+              rate={"requests": "1/h"}),
+        route("dead", f"http://127.0.0.1:{dead_port}", "mcp"),
+        events={"path": str(tmp_path / "events.jsonl")},
+        dead_letter={"path": str(tmp_path / "dlq.sqlite")})
+    runner, port = await serve_runtime(runtime)
+    parsed: list[int] = []
+    loads = bodies.loads
+
+    def counted_loads(body: Any, *args: Any) -> Any:
+        if len(body) >= LARGE_BODY_BYTES:
+            parsed.append(len(body))
+        return loads(body, *args)
+
+    monkeypatch.setattr(bodies, "loads", counted_loads)
+    answers = []
+    try:
+        async with aiohttp.ClientSession() as session:
+            for i, path in enumerate(("limited", "limited", "dead"), start=1):
+                body = json.dumps({"jsonrpc": "2.0", "id": i, "method": "tools/call",
+                                   "params": {"name": "add",
+                                              "arguments": {"a": [{"a": i}] * 170_000}}})
+                async with session.post(
+                        f"http://127.0.0.1:{port}/{path}/mcp", data=body,
+                        headers={"Content-Type": "application/json",
+                                 "Accept": "application/json, text/event-stream"}) as r:
+                    answer = await r.json()
+                    answers.append((answer["id"], r.headers.get("X-Sluice-Reason")))
+    finally:
+        await runner.cleanup()
+        await runtime.close()
+        await mcp_runner.cleanup()
+    assert answers == [(1, None), (2, "rate_limited"), (3, "upstream_unreachable")]
+    assert len(parsed) == 3  # once each
