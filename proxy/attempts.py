@@ -93,14 +93,6 @@ DEAD_LETTER_WAIT_S = 1.0
 #: How long after an attempt's limit its own timeout scope ends, seconds: aiohttp's bound on
 #: connecting, set to the limit, goes first, so a connection not made in time says so.
 CONNECT_FIRST_S = 0.05
-#: A connect timeout that fires this much later than due, seconds, fired late because
-#: Sluice's own event loop was held (a large body's parse, a loaded machine): its timer and
-#: the connection's completion came due in the same pass, the timer first (libuv runs
-#: timers before I/O), so the connection may well have been made in time. Such an attempt
-#: fails as before (504 ``upstream_timeout``, retried as a timeout) but its breakers hear
-#: nothing: the delay was Sluice's, not the upstream's (ten 25 MB bodies at once opened a
-#: route's breaker so, a hostile trial).
-LATE_CONNECT_TIMEOUT_S = 0.25
 #: How long a call closed early for polling is held for its response when its attempt had
 #: no total timeout to bound it (``timeouts.total``'s default), seconds.
 POLLED_WAIT_S = 600.0
@@ -817,14 +809,6 @@ async def _attempt(rt: Runtime, route: Route, call: Call, url: URL,
         tries.kind = ("timeout" if exc.reason is Reason.UPSTREAM_TIMEOUT
                       else "connection_lost" if sent else "connect_error")
         neutral = False
-        if (not sent and exc.reason is Reason.UPSTREAM_TIMEOUT and timeout.connect is not None
-                and (late := time.monotonic() - started - timeout.connect)
-                > LATE_CONNECT_TIMEOUT_S):
-            tries.error = Rejected(Reason.UPSTREAM_TIMEOUT, None, (
-                f"no connection to it in time; Sluice's event loop ran {late:.2g}s late, so "
-                "the connection may have been made: not counted against the upstream"))
-            tries.error.__cause__ = exc.__cause__  # still never sent (forward.left)
-            neutral = True
     except TimeoutError:
         tries.error = Rejected(Reason.UPSTREAM_TIMEOUT, None, (
             f"no response headers within {limit:.3g}s, what was left of the caller's own "
