@@ -22,11 +22,13 @@ So, as production servers do:
   ``too_many_connections`` the edge answers (:mod:`proxy.edge`) before descriptors run out
   (:data:`DESCRIPTORS_PER_CONNECTION` each, after :func:`descriptor_reserve`);
 * :class:`DescriptorWatch`: should they run out anyway (idle upstream connections pooled to
-  several upstreams, descriptors another library holds), a check every
-  :data:`WATCH_EVERY_S` that finds the process at its limit logs a warning (at most one every
+  several upstreams, descriptors another library holds), a probe every
+  :data:`WATCH_EVERY_S` that finds the process out of them logs a warning (at most one every
   :data:`policies.logs.EVERY_S`) and counts it in ``sluice_descriptors_exhausted_total``: the
-  loop reports no failed ``accept()`` itself. The check counts the process's own descriptors,
-  so a system-wide table that is full (``ENFILE``) is not seen.
+  loop reports no failed ``accept()`` itself. The probe (:func:`out_of_descriptors`) opens
+  one descriptor and closes it, the same few microseconds whatever the count; it once
+  listed ``/proc/self/fd`` instead, which held the loop 13.5 ms at 10,000 descriptors and
+  ~140 ms at 100,000, every second.
 """
 
 from __future__ import annotations
@@ -56,10 +58,8 @@ BASE_DESCRIPTORS = 64
 #: Connections to Redis besides its pool's: the pub/sub connections that carry cancels and
 #: wake-ups.
 REDIS_EXTRA_CONNECTIONS = 4
-#: How often :class:`DescriptorWatch` counts the process's descriptors, seconds.
+#: How often :class:`DescriptorWatch` probes for a free descriptor, seconds.
 WATCH_EVERY_S = 1.0
-#: Where the process's open descriptors are listed, one entry each (Linux, then macOS).
-_FD_DIRS = ("/proc/self/fd", "/dev/fd")
 #: The errors of a process (``EMFILE``) or a system (``ENFILE``) out of descriptors.
 _EXHAUSTED = frozenset({errno.EMFILE, errno.ENFILE})
 
@@ -107,53 +107,49 @@ def connection_limit(max_connections: int, soft_limit: int, reserve: int) -> int
     return max(1, min(max_connections, room))
 
 
-def open_descriptors() -> int | None:
-    """How many descriptors the process has open now; ``None`` where that cannot be read.
+def out_of_descriptors() -> bool:
+    """Whether the process is out of descriptors now: opening one (``/dev/null``, closed at
+    once) fails with ``EMFILE`` (the process's soft limit) or ``ENFILE`` (the system's table
+    full). Constant time, on Linux and macOS alike.
 
     Raises:
-        OSError: ``EMFILE`` or ``ENFILE``: none is left to list them with.
+        OSError: any other error opening ``/dev/null``.
     """
-    for path in _FD_DIRS:
-        try:
-            return len(os.listdir(path)) - 1  # listing the directory opened one of them
-        except OSError as exc:
-            if exc.errno in _EXHAUSTED:
-                raise
-    return None
+    try:
+        fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno in _EXHAUSTED:
+            return True
+        raise
+    os.close(fd)
+    return False
 
 
 class DescriptorWatch:
-    """Counts the process's descriptors every :data:`WATCH_EVERY_S` and, when they reach
-    the soft limit (new connections are then closed unaccepted, and files and upstream
-    connections fail to open), logs a warning and calls ``exhausted``.
+    """Probes for a free descriptor every :data:`WATCH_EVERY_S` and, when none is left (new
+    connections are then closed unaccepted, and files and upstream connections fail to
+    open), logs a warning and calls ``exhausted``.
 
     Args:
-        exhausted: called once for each check that finds the limit reached.
-        count: the descriptors open now (:func:`open_descriptors`; a test's).
-        limit: the soft limit now (a test's).
+        exhausted: called once for each check that finds none left.
+        probe: whether none is left now (:func:`out_of_descriptors`; a test's).
     """
 
     def __init__(self, exhausted: Callable[[], None],
-                 count: Callable[[], int | None] = open_descriptors,
-                 limit: Callable[[], int] = lambda: open_files_limit()[0]) -> None:
+                 probe: Callable[[], bool] = out_of_descriptors) -> None:
         self._exhausted = exhausted
-        self._count = count
-        self._limit = limit
+        self._probe = probe
 
     def check(self) -> bool:
-        """One check: whether the limit is reached (logged and counted if so)."""
-        limit = self._limit()
-        try:
-            count = self._count()
-        except OSError:  # none left to count them with: exhausted
-            count = limit
-        if count is None or limit == resource.RLIM_INFINITY or count < limit:
+        """One check: whether none is left (logged and counted if so)."""
+        if not self._probe():
             return False
         self._exhausted()
         log.warning("out of descriptors (open files at RLIMIT_NOFILE %d, or the system's "
                     "table full): new connections on both ports are closed unaccepted, "
                     "upstream connections and files fail to open; raise the limit (ulimit -n, "
-                    "LimitNOFILE=) or lower server.max_connections", limit, extra=PER_CALL)
+                    "LimitNOFILE=) or lower server.max_connections", open_files_limit()[0],
+                    extra=PER_CALL)
         return True
 
     async def run(self) -> None:
