@@ -130,9 +130,80 @@ async def test_large_mcp_calls_are_parsed_once_and_take_turns_with_the_loop_betw
     assert at == sorted(set(at))
     kinds = [(kind, i) for kind, i, _ in steps]
     assert kinds == [pair for i in parses for pair in (("parse", i), ("fingerprint", i))]
-    # The other route's calls went on between the steps (none failed).
+    # The other route's calls went on between the steps (none failed), in rests.
+    assert runtime.large_bodies.rests > 0
     assert small and all(status == 200 for status, _ in small)
     assert any(at[0] < when < at[-1] for _, when in small)
+
+
+async def test_a_turn_rests_only_when_another_is_waiting() -> None:
+    turns = LargeBodies()
+    # A lone body: its parse's turn, then its fingerprint's, each handed on after one pass.
+    async with turns.turn():
+        pass
+    async with turns.turn(holding=True):
+        pass
+    assert turns.rests == 0
+    # One waiting (and one that left while waiting): the turn ending is rested for, once.
+    release = asyncio.Event()
+
+    async def hold() -> None:
+        async with turns.turn():
+            await release.wait()
+
+    async def work() -> None:
+        async with turns.turn():
+            pass
+
+    first = asyncio.create_task(hold())
+    await asyncio.sleep(0)
+    waiting, gone = asyncio.create_task(work()), asyncio.create_task(work())
+    await asyncio.sleep(0)
+    gone.cancel()
+    release.set()
+    async with asyncio.timeout(5):
+        await asyncio.gather(first, waiting)
+    assert turns.rests == 1
+    # Only a waiter that left: no rest.
+    first = asyncio.create_task(hold())
+    release.clear()
+    await asyncio.sleep(0)
+    gone = asyncio.create_task(work())
+    await asyncio.sleep(0)
+    gone.cancel()
+    await asyncio.sleep(0)
+    release.set()
+    await first
+    assert turns.rests == 1
+
+
+async def test_a_lone_large_mcp_call_does_not_rest(tmp_path: Path) -> None:
+    # On an MCP route without idempotency, a lone 14 MB call waited out a rest (+0.2-0.3 s)
+    # with nothing else to serve.
+    app = web.Application(client_max_size=1 << 30)
+    app.router.add_post("/{tail:.*}", _mcp_server)
+    mcp_runner, mcp_port = await serve_app(app)
+    runtime = await open_runtime(
+        route("tools", f"http://127.0.0.1:{mcp_port}", "mcp"),
+        events={"path": str(tmp_path / "events.jsonl")},
+        dead_letter={"path": str(tmp_path / "dlq.sqlite")})
+    runner, port = await serve_runtime(runtime)
+    call = {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {
+        "name": "add", "arguments": {"a": [{"a": 1}] * 170_000}}}
+    body = json.dumps(call).encode()
+    assert len(body) > LARGE_BODY_BYTES
+    try:
+        async with aiohttp.ClientSession() as session, session.post(
+                f"http://127.0.0.1:{port}/tools/mcp", data=body,
+                headers={"Content-Type": "application/json",
+                         "Accept": "application/json, text/event-stream"}) as r:
+            assert r.status == 200
+            assert (await r.json())["result"]["isError"] is False
+        assert runtime.large_bodies.rests == 0
+    finally:
+        await runner.cleanup()
+        await runtime.close()
+        await mcp_runner.cleanup()
 
 
 async def test_a_turn_freeing_a_tree_goes_first_and_a_cancelled_waiter_is_skipped() -> None:
