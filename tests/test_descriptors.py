@@ -168,6 +168,8 @@ async def test_connections_past_the_open_files_limit_get_503_and_healthz_answers
         await upstream.stop()
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"),
+                    reason="reads the child's limit from /proc/PID/limits (Linux)")
 async def test_a_soft_limit_below_the_hard_one_is_raised_at_start(
         serve_limited: Callable[..., Awaitable[Served]]) -> None:
     upstream = await FakeUpstream().start()

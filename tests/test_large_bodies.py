@@ -18,7 +18,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from policies import bodies, mcp
+from policies import bodies, idempotency, mcp
 from policies.bodies import LARGE_BODY_BYTES, LargeBodies
 from tests.conftest import free_ports, open_runtime, route, serve_app, serve_runtime
 from tests.fakeupstream import FakeUpstream
@@ -308,3 +308,82 @@ async def test_a_large_call_refused_or_failed_is_not_parsed_again_for_its_error(
         await mcp_runner.cleanup()
     assert answers == [(1, None), (2, "rate_limited"), (3, "upstream_unreachable")]
     assert len(parsed) == 3  # once each
+
+
+#: Bodies whose idempotency fingerprints (and the keys answers are stored under) must not
+#: change with how a body is parsed: key order, non-ASCII text, floats, integers past 64
+#: bits, ``_meta`` and ``requestState``, and two of 1 MiB or more that take turns. Each:
+#: the message, ``ensure_ascii``, its ``MCP-Protocol-Version``.
+_FIXED_BODIES: list[tuple[dict[str, Any], bool, str | None]] = [
+    ({"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {
+        "name": "add", "arguments": {"b": 1, "a": [1.5, 1e23, 0.1, True, None]}}}, True, None),
+    ({"params": {"arguments": {"s": "\u00e9\u2028\U0001f600", "n": {"z": [], "a": {}}},
+                 "name": "\u00e9", "_meta": {"progressToken": 7}},
+      "method": "tools/call", "id": "s2", "jsonrpc": "2.0"}, False, "2025-06-18"),
+    ({"jsonrpc": "2.0", "id": 3, "method": "tools/call", "params": {
+        "name": "add", "arguments": {"big": 12345678901234567890, "huge": 2**70, "neg": -7}}},
+     True, "2025-11-25"),
+    ({"jsonrpc": "2.0", "id": 4, "method": "tools/call", "params": {
+        "name": "search", "arguments": {"q": ""}, "requestState": "opaque-state"}}, True, None),
+    ({"jsonrpc": "2.0", "id": 5, "method": "tools/call", "params": {
+        "name": "add", "arguments": {"blob": [{"a": 5, "b": "\u00e9\u00e9\u00e9"}] * 90_000}}},
+     False, None),
+    ({"jsonrpc": "2.0", "id": 6, "method": "tools/call", "params": {
+        "name": "add", "arguments": {"big": 12345678901234567890,
+                                     "blob": [{"a": 1.5}] * 120_000}}}, True, "2025-03-26"),
+]
+#: Their fingerprints and stored keys, by JSON-RPC id, as main computed them before large
+#: bodies were parsed once (dd2c477): a change here orphans every stored answer.
+_FIXED_FINGERPRINTS = {
+    "1": ("6e15821d9075dec43e66f7372828eacbc9e8857ec986a38a40fe3f3a6128e488",
+          "sluice-t-0a15a19bc069d42764ba3fc80feac7d7"),
+    "s2": ("15ffaf46925c83f2df8585d030afb4386f5ddfc145a25a41c556c4dc53f3a308",
+          "sluice-t-1d9834fadacb81d3b69798ade7ca51de"),
+    "3": ("d99fcdceb6c7165353e6ecb3c2ec1153c90812758f196a5378f8142ba2a75052",
+          "sluice-t-c3a4521291e2231333c39517d55f475a"),
+    "4": ("01402e3499eca31b9e8b861881dfeedd8b5645f5f6821865a89582a6db96f9fe",
+          "sluice-t-0615e3bd4d58c0b554dcdc1200f6da0a"),
+    "5": ("89542f4957435907336603690b5b96eafa197a563e3f20ad94156f3637d48c4a",
+          "sluice-t-557bae471379f90748b1a74944c7d752"),
+    "6": ("00ed18f8bd8187dd065fb4c59c69b25efd88ad019de1ffe677029c53635f48b2",
+          "sluice-t-4495c8a5c9c4e6b131ba0e8aafa790ae"),
+}
+
+
+async def test_fingerprints_and_stored_keys_stay_as_they_were(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: dict[str, tuple[str, str]] = {}
+    claim = idempotency.Idempotency.claim
+
+    async def recorded(self: idempotency.Idempotency, *args: Any, **kwargs: Any
+                       ) -> idempotency.Claim:
+        claimed = await claim(self, *args, **kwargs)
+        assert kwargs["call_key"] == kwargs["fingerprint"]
+        seen[str(kwargs["mcp_id"])] = (kwargs["fingerprint"].hex(), claimed.key)
+        return claimed
+
+    monkeypatch.setattr(idempotency.Idempotency, "claim", recorded)
+    app = web.Application(client_max_size=1 << 30)
+    app.router.add_post("/{tail:.*}", _mcp_server)
+    mcp_runner, mcp_port = await serve_app(app)
+    runtime = await open_runtime(
+        route("tools", f"http://127.0.0.1:{mcp_port}", "mcp", idempotency={"mode": "dedup"}),
+        events={"path": str(tmp_path / "events.jsonl")},
+        dead_letter={"path": str(tmp_path / "dlq.sqlite")})
+    runner, port = await serve_runtime(runtime)
+    try:
+        async with aiohttp.ClientSession() as session:
+            for message, ascii_only, version in _FIXED_BODIES:
+                headers = {"Content-Type": "application/json",
+                           "Accept": "application/json, text/event-stream"}
+                if version is not None:
+                    headers["MCP-Protocol-Version"] = version
+                async with session.post(
+                        f"http://127.0.0.1:{port}/tools/mcp", headers=headers,
+                        data=json.dumps(message, ensure_ascii=ascii_only).encode()) as r:
+                    assert r.status == 200
+    finally:
+        await runner.cleanup()
+        await runtime.close()
+        await mcp_runner.cleanup()
+    assert seen == _FIXED_FINGERPRINTS
