@@ -8,6 +8,15 @@ the event loop and every other call. Nothing a parse makes can be garbage until 
 pausing the collector for it frees nothing later than it would have been freed; past a size,
 the request path's parses go through :func:`loads`.
 
+Even so a large body holds the loop: a 25 MB MCP ``tools/call`` took ~0.45 s to parse, ~0.35 s
+to fingerprint (its arguments written as canonical JSON) and ~0.1 s to free, and ``orjson``
+holds the GIL throughout, so a worker thread would not give the loop back. Ten of them
+arriving together were all worked through in one loop pass: an innocent call on another
+route waited 12 s, ``/healthz`` up to 13 s, and connect timers of other calls fired late (a
+hostile trial). So the work on a body of :data:`LARGE_BODY_BYTES` or more takes turns
+(:class:`LargeBodies`): one at a time per process, with the loop serving everything else
+between them.
+
 Some calls send a form instead (OpenAI's audio transcriptions, image edits: a
 ``multipart/form-data`` body whose ``model`` field names the model): :func:`form_field`
 reads one field of it with python-multipart, the parser of Starlette's forms (FastAPI,
@@ -18,11 +27,14 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import collections
 import concurrent.futures
+import contextlib
 import gc
 import json
 import re
-from collections.abc import Callable
+import time
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 from urllib.parse import unquote_plus
 
@@ -33,6 +45,81 @@ from python_multipart.multipart import MultipartParser, QuerystringParser, parse
 #: A body this long or longer, bytes, is parsed with the collector paused; a shorter one costs
 #: the collector little, and the pause would cost more than it saves.
 PAUSE_COLLECTOR_BYTES = 1 << 20
+
+
+#: A request body this long or longer, bytes, is parsed, fingerprinted and its parsed tree
+#: freed in turns (:class:`LargeBodies`); a smaller one costs the loop well under 20 ms.
+LARGE_BODY_BYTES = 1 << 20
+
+
+class LargeBodies:
+    """Turns for the CPU-bound work on large JSON bodies (see the module docstring): one
+    turn at a time per process. When another turn is waiting, the loop then rests: it serves
+    everything else (small calls, probes, timers) for as long as the turn held it before the
+    next begins. So with large bodies queued the loop is held by one body's step at a time,
+    at most about half the time, not by every large body that arrived together: a single
+    loop pass between turns did not let a small call through, which needs several. With
+    none waiting, the turn is handed on after one loop pass: a lone body's next step (its
+    fingerprint after its parse) does not wait out a rest with nothing to rest for (+0.2-0.3 s
+    on a 14 MB call, a review). One per runtime.
+
+    A turn that frees a parsed tree (fingerprints it first: ``holding``) goes before one that
+    would parse a new body: so a body's parse and its fingerprint follow each other, and one
+    large tree at a time is alive (in arrival order, ten 25 MB bodies were all parsed before
+    the first was fingerprinted, each tree 500 MB).
+    """
+
+    __slots__ = ("_busy", "_holding", "_new", "rests")
+
+    def __init__(self) -> None:
+        self._busy = False
+        #: Turns waiting, each a future resolved when it is handed the turn: those holding
+        #: a parsed tree, and those that would parse one, each in arrival order.
+        self._holding: collections.deque[asyncio.Future[None]] = collections.deque()
+        self._new: collections.deque[asyncio.Future[None]] = collections.deque()
+        #: Turns ended with another waiting, so followed by a rest.
+        self.rests = 0
+
+    @contextlib.asynccontextmanager
+    async def turn(self, *, holding: bool = False) -> AsyncIterator[None]:
+        """Wait for the turn and hold it for the block's work (``holding``: the block frees a
+        parsed tree). It is handed on after one loop pass, or, if another turn is waiting,
+        once the loop has served the rest for as long as the block held it."""
+        loop = asyncio.get_running_loop()
+        if self._busy:
+            handed = loop.create_future()
+            (self._holding if holding else self._new).append(handed)
+            try:
+                await handed
+            except asyncio.CancelledError:
+                if handed.done() and not handed.cancelled():  # handed it, then cancelled
+                    self._hand_on()
+                raise  # a future cancelled while waiting is skipped by _hand_on
+        else:
+            self._busy = True
+        began = time.monotonic()  # not loop.time(): uvloop's is read once a loop pass
+        try:
+            yield
+        finally:
+            if self._waiting():
+                self.rests += 1
+                loop.call_later(time.monotonic() - began, self._hand_on)
+            else:
+                loop.call_soon(self._hand_on)
+
+    def _waiting(self) -> bool:
+        """Whether a turn is waiting (a caller that left while waiting is not)."""
+        return any(not handed.done() for waiting in (self._holding, self._new)
+                   for handed in waiting)
+
+    def _hand_on(self) -> None:
+        for waiting in (self._holding, self._new):
+            while waiting:
+                handed = waiting.popleft()
+                if not handed.done():
+                    handed.set_result(None)
+                    return
+        self._busy = False
 
 
 def loads(body: bytes | str, parse: Callable[[Any], Any] = orjson.loads) -> Any:

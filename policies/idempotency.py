@@ -733,8 +733,9 @@ class Idempotency:
         if not (self.mcp or KEY_HEADER in headers
                 or (derive_from and all(map(headers.__contains__, derive_from)))):
             return self._fresh(call)  # most calls: no key sent, no derive_from header set
-        message = self._mcp_call(call.body)
-        if message is not None and message.method != "tools/call":
+        parsed, turns = call.parsed or (self._mcp_call(call.body), None)
+        call.parsed = None  # the call keeps no parsed tree while it waits or runs
+        if parsed is not None and parsed.method != "tools/call":
             # Only a tool call is one unit of work: a resource read, a task's poll or a log
             # level asked again must reach the server again, under whatever key its
             # headers make (an MCP client sets headers per session, not per request).
@@ -743,20 +744,19 @@ class Idempotency:
         left = call.wait_left()
         if left is not None:
             wait_s = min(wait_s, left)
-        fingerprint = call_key = None
-        if message is not None:
-            state = message.params.get("requestState") if message.params is not None else None
-            after = (self.continuations.find(call.tenant, state) if isinstance(state, str)
-                     else None)
-            try:
-                call_key = bytes.fromhex(mcp.fingerprint(message, call.headers,
-                                                         self.derive_from, call.body, after))
-            except mcp.InvalidMcpRequest as bad:
-                raise Rejected(Reason.BAD_REQUEST, None, bad.detail) from None
+        fingerprint = call_key = mcp_id = None
+        if parsed is not None:
+            mcp_id = parsed.id
+            if turns is None:
+                call_key = self._mcp_fingerprint(call, parsed)
+            else:  # a large body: fingerprinted, and its tree freed, in its turn
+                async with turns.turn(holding=True):
+                    call_key = self._mcp_fingerprint(call, parsed)
+                    parsed = None
             fingerprint = _of_generation(call_key, call.headers.get(mcp.VERSION_HEADER))
         claim = await self.claim(call.method, call.path, call.headers, call.tenant, call.body,
                                  wait_s=wait_s, fingerprint=fingerprint, call_key=call_key,
-                                 mcp_id=message.id if message is not None else None)
+                                 mcp_id=mcp_id)
         call.new_unit = claim.new_unit
         call.idempotency_key = claim.key
         if claim.rejected is not None:
@@ -777,6 +777,22 @@ class Idempotency:
         call.idempotency_key = key
         call.upstream_key = f'"{key}"'
         call.new_unit = not call.client_retry
+
+    def _mcp_fingerprint(self, call: Call, message: mcp.Message) -> bytes:
+        """The fingerprint of ``call``, an MCP ``tools/call`` whose request is ``message``.
+
+        Raises:
+            Rejected: 400 ``bad_request``: its params are nested too deeply to fingerprint.
+        """
+        params = message.params
+        state = params.get("requestState") if params is not None else None
+        after = (self.continuations.find(call.tenant, state) if isinstance(state, str)
+                 else None)
+        try:
+            return bytes.fromhex(mcp.fingerprint(message, call.headers, self.derive_from,
+                                                 call.body, after))
+        except mcp.InvalidMcpRequest as bad:
+            raise Rejected(Reason.BAD_REQUEST, None, bad.detail) from None
 
     def _mcp_call(self, body: bytes) -> mcp.Message | None:
         """The request of an MCP POST holding one request (``mcp`` routes), else ``None``."""

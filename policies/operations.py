@@ -193,10 +193,13 @@ class Plan:
         timeouts: the upstream timeouts (the operation's replace the route's).
         idempotent: retries may repeat the call whatever its method (``idempotent`` of the
             route or of the operation).
+        reads_request: a step reads an MCP call's parsed request (an ``mcp`` route's
+            idempotency keys it): the request path hands it over (``Call.parsed``) rather
+            than the step parsing the body again.
     """
 
-    __slots__ = ("breakers", "idempotent", "operation", "policies", "retry", "runless",
-                 "timeouts", "tool_breaker")
+    __slots__ = ("breakers", "idempotent", "operation", "policies", "reads_request", "retry",
+                 "runless", "timeouts", "tool_breaker")
 
     def __init__(self, operation: Operation | None, policies: Iterable[Policy | None],
                  breakers: Iterable[Breaker | None], tool_breaker: Breaker | None,
@@ -204,6 +207,7 @@ class Plan:
                  run_steps: Iterable[Policy | None] = ()) -> None:
         self.operation = operation
         self.policies: tuple[Policy, ...] = tuple(p for p in policies if p is not None)
+        self.reads_request = any(isinstance(p, Idempotency) and p.mcp for p in self.policies)
         by_run = {id(p) for p in run_steps if p is not None}
         self.runless: tuple[Policy, ...] = tuple(p for p in self.policies
                                                  if id(p) not in by_run)

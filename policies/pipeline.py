@@ -29,7 +29,11 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+if TYPE_CHECKING:
+    from policies.bodies import LargeBodies
+    from policies.mcp import Message
 
 log = logging.getLogger("sluice")
 
@@ -131,7 +135,7 @@ class Call:
                  "enqueued_at",
                  "headers", "idempotency_key", "lineage", "meter", "method", "model",
                  "new_unit", "operation",
-                 "operation_cost", "operation_overrun", "parent_run", "path", "phase",
+                 "operation_cost", "operation_overrun", "parent_run", "parsed", "path", "phase",
                  "polled", "priority", "priority_given", "progress_at", "reached",
                  "received_at",
                  "relaying",
@@ -181,6 +185,11 @@ class Call:
         #: The model a ``models:`` route read for it, once (Azure's deployment, else the
         #: body's; ``""``: none), for the accounting; ``None``: not read.
         self.model: str | None = None
+        #: An MCP call's request as the request path parsed it, for the idempotency step's
+        #: fingerprint, with the turns to take for a large body (``None`` for a small one):
+        #: so a body is parsed once. The step takes it off the call (``None`` again), so the
+        #: parsed tree is freed before the call queues; ``None``: not handed over.
+        self.parsed: tuple[Message, LargeBodies | None] | None = None
         #: The route limiter that already counts this call among its tenant's (an operation's
         #: slot counts it there while it waits: :class:`policies.concurrency.OperationSlot`),
         #: whose own step then neither checks nor counts it again; else ``None``.

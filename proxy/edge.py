@@ -8,7 +8,9 @@
   has a request in progress, it is answered 503 ``too_many_connections`` once its first bytes
   arrive (so the caller reads the answer rather than a reset), then closed. The first counts
   in ``sluice_idle_connections_closed_total``, the second in ``too_many_connections``. So
-  idle or silent sockets, however many, never keep a probe or a caller out;
+  idle or silent sockets, however many, never keep a probe or a caller out. Where the
+  open-files limit leaves room for fewer connections, the bound is that many
+  (:mod:`proxy.descriptors`), so that the 503 comes before descriptors run out;
 * ``header_timeout``: a request's head (request line and headers) must arrive within this of
   its first byte (of the connection's opening, for the first request), else 408
   ``request_timeout`` and close. This is what ends slowloris connections and silent ones;
@@ -143,6 +145,12 @@ from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 from policies.config import Config, ServerConfig
 from policies.logs import PER_CALL
 from policies.reasons import Reason, Rejected
+from proxy.descriptors import (
+    DESCRIPTORS_PER_CONNECTION,
+    connection_limit,
+    descriptor_reserve,
+    open_files_limit,
+)
 from proxy.forward import digits_value, only_chunked, parser_reason
 from proxy.rejections import refuse, refuse_at_edge, rejection_body, rejection_headers, render
 from proxy.routes import Route
@@ -370,9 +378,48 @@ class EdgeServer(GuardedServer):
         self.runtime = runtime
         self._handler = handler
         self._door: Door | None = None
+        self._for: ServerConfig | None = None
+        self._settings: ServerConfig | None = None
+        #: The open-files limit and the bound it left, as last logged.
+        self._told: tuple[int, int] | None = None
+        runtime.metrics.connections_limit.labels("proxy").set_function(
+            lambda: self.connection_settings().max_connections)
 
     def connection_settings(self) -> ServerConfig:
-        return self.runtime.config.server
+        """The config's ``server`` block, its ``max_connections`` lowered to what the
+        open-files limit leaves room for (:func:`proxy.descriptors.connection_limit`), read
+        again when a reload brings a new block."""
+        server = self.runtime.config.server
+        if server is not self._for:
+            self._for = server
+            self._settings = self._bounded(server)
+        assert self._settings is not None
+        return self._settings
+
+    def _bounded(self, server: ServerConfig) -> ServerConfig:
+        redis = self.runtime.state.redis
+        reserve = descriptor_reserve(ADMIN_MAX_CONNECTIONS,
+                                     None if redis is None else redis.max_connections)
+        soft = open_files_limit()[0]
+        bound = connection_limit(server.max_connections, soft, reserve)
+        if bound == server.max_connections:
+            self.too_many = _TOO_MANY
+            self._told = None
+            return server
+        self.too_many = raw_answer(Rejected(
+            Reason.TOO_MANY_CONNECTIONS, 1.0,
+            f"the open-files limit lets this process serve {bound} connections at once; "
+            "try again shortly"))
+        if self._told != (soft, bound):
+            self._told = (soft, bound)
+            log.warning(
+                "open-files limit (RLIMIT_NOFILE) %d leaves room for %d connections on the "
+                "proxy port, not server.max_connections %d (%d descriptors each, %d kept for "
+                "the admin port, Redis and files): connections over %d get 503 "
+                "too_many_connections. Raise the limit (ulimit -n, systemd LimitNOFILE=, "
+                "docker run --ulimit nofile=) to serve more", soft, bound,
+                server.max_connections, DESCRIPTORS_PER_CONNECTION, reserve, bound)
+        return server.model_copy(update={"max_connections": bound})
 
     def refused(self, reason: Reason) -> None:
         self.runtime.metrics.edge_rejections.labels(reason.code).inc()
@@ -653,6 +700,7 @@ class AdminServer(GuardedServer):
 
         super().__init__(handle, request_factory=request_factory, **kwargs)
         self.runtime = runtime
+        runtime.metrics.connections_limit.labels("admin").set(ADMIN_MAX_CONNECTIONS)
         self._for: ServerConfig | None = None
         self._settings: ServerConfig | None = None
         self._hosts_for: tuple[ServerConfig, HostCheck] | None = None

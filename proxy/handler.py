@@ -54,6 +54,7 @@ from aiohttp import web
 from multidict import istr
 
 from policies import mcp
+from policies.bodies import LARGE_BODY_BYTES
 from policies.concurrency import (
     DEFAULT_PRIORITY,
     PRIORITIES,
@@ -97,7 +98,7 @@ from proxy.forward import (
 from proxy.identity import IdentityRejected, identify
 from proxy.mcp_tasks import CANCEL_BEFORE_DELETE_S, TASK_POLL, HeldTask
 from proxy.metrics import MAX_OPERATION_LABEL_CHARS
-from proxy.rejections import jsonrpc_id, refuse, refuse_at_edge, render
+from proxy.rejections import call_jsonrpc_id, refuse, refuse_at_edge, render
 from proxy.routes import Route
 from proxy.runtime import Polled, Runtime
 
@@ -186,6 +187,8 @@ class _McpRequest(NamedTuple):
     asks_task: bool = False
     #: The task a ``tasks/get``, ``tasks/result`` or ``tasks/cancel`` names.
     task_id: str | None = None
+    #: The request of a ``call`` (parsed: for the idempotency step, ``Call.parsed``).
+    request: mcp.Message | None = None
 
 
 def _mcp_traffic(request: web.BaseRequest, body: bytes) -> _McpRequest:
@@ -220,7 +223,15 @@ def _mcp_traffic(request: web.BaseRequest, body: bytes) -> _McpRequest:
                        control and post.opens_session,
                        request_message.id if request_message is not None else None,
                        post.method, post.answers if control else (), post.asks_task,
-                       post.task_id if control else None)
+                       post.task_id if control else None,
+                       request_message if traffic == "call" else None)
+
+
+async def _mcp_traffic_in_turn(rt: Runtime, request: web.BaseRequest, body: bytes
+                               ) -> _McpRequest:
+    """:func:`_mcp_traffic` of a large body, in its turn (:class:`policies.bodies.LargeBodies`)."""
+    async with rt.large_bodies.turn():
+        return _mcp_traffic(request, body)
 
 
 async def handle(rt: Runtime, request: web.BaseRequest, hold: BodyHold | None = None
@@ -349,18 +360,25 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
     if hold is not None:
         hold.read(len(body))
     traffic: mcp.Traffic = "call"
-    operation = cancels = rpc_id = rpc_method = task_id = None
+    operation = cancels = rpc_id = rpc_method = task_id = rpc_request = None
     opens_session = resumes = asks_task = False
     if route.protocol == "mcp":
         try:
+            # A large body is parsed in its turn, one at a time per process.
+            large = len(body) >= LARGE_BODY_BYTES
             (traffic, operation, cancels, opens_session, rpc_id, rpc_method, answers,
-             asks_task, task_id) = _mcp_traffic(request, body)
+             asks_task, task_id, rpc_request) = (
+                await _mcp_traffic_in_turn(rt, request, body) if large
+                else _mcp_traffic(request, body))
             if rpc_method is not None:
                 rpc_method = _capped(rpc_method)
         except mcp.InvalidMcpRequest as bad:
             return _reject(rt, route, Rejected(Reason.BAD_REQUEST, None, bad.detail[:200]),
                            request_id, tenant, run, body,
                            None if bad.method is None else _capped(bad.method))
+        except asyncio.CancelledError:  # left (or cut) while its large body waited its turn
+            _left_unadmitted(rt, route, request_id, tenant, run)
+            raise
         resumes = mcp.resumes(request.method, headers)
     # New work is refused while draining; an MCP session's control traffic is not new work:
     # a client lists its tools after the first result of one it had not listed, and refused,
@@ -373,7 +391,7 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
     if rt.draining and (rt.cutting or not continues):
         refused = _reject(rt, route, Rejected(Reason.DRAINING, DRAINING_RETRY_AFTER_S,
                                               "it takes no new calls"),
-                          request_id, tenant, run, body, rpc_method)
+                          request_id, tenant, run, body, rpc_method, rpc_id)
         refused.force_close()  # the process is going away: the next call goes elsewhere
         return refused
     if not presence.present:  # let in during the drain: it waits for it
@@ -439,6 +457,19 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
     operation = call.operation
     if operation is not None and len(operation) > MAX_OPERATION_LABEL_CHARS:
         call.operation = _capped(operation)  # looked up whole, by route.plan
+    if rpc_request is not None:  # an MCP call (so `large` is set): its request, parsed once
+        if plan.reads_request:  # by its idempotency step, which frees it
+            call.parsed = (rpc_request, rt.large_bodies if large else None)
+            rpc_request = None
+        elif large:  # by nothing: freed now, in its turn, not held while the call queues
+            try:
+                async with rt.large_bodies.turn(holding=True):
+                    rpc_request = None
+            except asyncio.CancelledError:
+                _left_unadmitted(rt, route, request_id, tenant, run)
+                raise
+        else:
+            rpc_request = None
     admission = Admission()
     outcome = ABANDONED
     admitted_at = 0.0
@@ -469,7 +500,7 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
         except Rejected as rejected:
             outcome = REFUSED
             return refuse(rt, route, rejected, request_id, tenant, run, call.idempotency_key,
-                          call.body, call.operation, call.rpc_method)
+                          call.body, call.operation, call.rpc_method, call.rpc_id)
         except Replay as replay:
             outcome = Outcome("replayed", reached=False, status=replay.record.status)
             return _replay(rt, route, call, replay)
@@ -523,7 +554,7 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
         except Rejected as rejected:  # the first attempt refused (breaker, deadline)
             outcome = Outcome("rejected", reached=False, status=rejected.reason.status)
             return refuse(rt, route, rejected, request_id, tenant, run, call.idempotency_key,
-                          call.body, call.operation, call.rpc_method)
+                          call.body, call.operation, call.rpc_method, call.rpc_id)
         if (label == "upstream_timeout" and presence.stream and call.phase == "answering"
                 and RESUMED_CALL not in request):
             # An MCP session's GET stream (or subscriptions/listen) silent for timeouts.idle:
@@ -623,7 +654,7 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
             outcome = REFUSED
             return refuse(rt, route, Rejected(Reason.INTERNAL_ERROR, None, "proxy error"),
                           request_id, tenant, run, call.idempotency_key, call.body,
-                          call.operation, call.rpc_method)
+                          call.operation, call.rpc_method, call.rpc_id)
         outcome = Outcome("upstream_error", True, 502)
         error = Rejected(Reason.UPSTREAM_UNREACHABLE, None, "proxy error")
         if call.phase == "answering":
@@ -631,7 +662,7 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
             # (a second status line mid-stream), or, in an MCP call's task, nothing did and
             # the caller waited for the rest of an answer that would never come.
             return await _cut(request, error, call.status)
-        return render(error, route.protocol, jsonrpc_id(route.protocol, call.body))
+        return render(error, route.protocol, call_jsonrpc_id(route.protocol, call))
     finally:
         rt.mcp_calls.pop(call, None)
         if finish is None:
@@ -1230,9 +1261,9 @@ async def _run_cancelled(rt: Runtime, route: Route, call: Call, request: web.Bas
     if admitted:
         route.metrics.rejections[rejected.reason].inc()
         call.status = rejected.reason.status  # what its `completed` event says it was sent
-        return render(rejected, route.protocol, jsonrpc_id(route.protocol, call.body))
+        return render(rejected, route.protocol, call_jsonrpc_id(route.protocol, call))
     return refuse(rt, route, rejected, call.request_id, call.tenant, call.run,
-                  call.idempotency_key, call.body, call.operation, call.rpc_method)
+                  call.idempotency_key, call.body, call.operation, call.rpc_method, call.rpc_id)
 
 
 async def _take_back(finish: Finish | None) -> None:
@@ -1273,7 +1304,7 @@ async def _end_at_drain(route: Route, call: Call, request: web.BaseRequest,
     if call.phase == "answering":
         return await _cut(request, rejected, call.status)
     call.status = rejected.reason.status  # what its `completed` event says it was sent
-    response = render(rejected, route.protocol, jsonrpc_id(route.protocol, call.body))
+    response = render(rejected, route.protocol, call_jsonrpc_id(route.protocol, call))
     response.force_close()  # the process is going away
     return response
 
@@ -1387,12 +1418,13 @@ def _completed(rt: Runtime, route: Route, call: Call, outcome: Outcome,
 
 
 def _reject(rt: Runtime, route: Route, rejected: Rejected, request_id: str, tenant: str,
-            run: str | None, body: bytes = b"", rpc_method: str | None = None
-            ) -> web.Response:
-    """Refuse before the call is built: the refusal, and the request's ``rejected`` outcome."""
+            run: str | None, body: bytes = b"", rpc_method: str | None = None,
+            rpc_id: mcp.RequestId | None = None) -> web.Response:
+    """Refuse before the call is built: the refusal, and the request's ``rejected`` outcome
+    (``rpc_id``: its MCP request's id, when read already)."""
     route.metrics.outcomes["rejected"].inc()
     return refuse(rt, route, rejected, request_id, tenant, run, None, body,
-                  mcp_method=rpc_method)
+                  mcp_method=rpc_method, rpc_id=rpc_id)
 
 
 def _outlasts_drain(rt: Runtime, route: Route, call: Call) -> float | None:

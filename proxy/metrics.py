@@ -305,6 +305,20 @@ class Metrics:
         )
         self.idle_closed_proxy = idle_closed.labels("proxy")
         self.idle_closed_admin = idle_closed.labels("admin")
+        # Descriptors (proxy/descriptors.py).
+        self.connections_limit = Gauge(
+            "sluice_connections_limit",
+            "Connections a port serves at once, by port: on the proxy port "
+            "server.max_connections, or fewer when the open-files limit (RLIMIT_NOFILE) "
+            "leaves room for fewer (the log says so at start and reload).",
+            ["port"], registry=on_loop,
+        )
+        self.descriptors_exhausted = LoopCounter(
+            "sluice_descriptors_exhausted",
+            "Checks (one a second) that found the process out of descriptors (open files at "
+            "RLIMIT_NOFILE): new connections were being closed unaccepted, which the event "
+            "loop does not report.", [], registry=r,
+        ).labels()
         for reason in EDGE_REASONS:  # at 0 from the start, so that rate() sees the first
             self.edge_rejections.labels(reason.code)
         for reason in ADMIN_REASONS:

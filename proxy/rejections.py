@@ -48,6 +48,7 @@ from policies import bodies, mcp
 from policies.reasons import REASON_HEADER, SDK_RETRY_AFTER_CAP_S, Reason, Rejected
 
 if TYPE_CHECKING:
+    from policies.pipeline import Call
     from proxy.routes import Route
     from proxy.runtime import Runtime
 
@@ -174,6 +175,14 @@ def jsonrpc_id(protocol: str, body: bytes) -> mcp.RequestId | None:
     return found if mcp.is_id(found) else None
 
 
+def call_jsonrpc_id(protocol: str, call: Call) -> mcp.RequestId | None:
+    """:func:`jsonrpc_id` of ``call``'s body, taken from the call where the request path read
+    it (``call.rpc_id``: an MCP POST holding one request) rather than parsed again: each
+    error answer to a 25 MB ``tools/call`` parsed it once more on the loop."""
+    rpc_id = call.rpc_id
+    return rpc_id if rpc_id is not None else jsonrpc_id(protocol, call.body)
+
+
 #: Refusals and failures of one MCP call that go out as HTTP 200 + JSON-RPC error (see the
 #: module docstring).
 _MCP_CALL_REFUSALS = frozenset({409, 422, 429, 500, 502, 503, 504})
@@ -207,11 +216,13 @@ def refuse_at_edge(rt: Runtime, rejected: Rejected) -> web.Response:
 
 def refuse(rt: Runtime, route: Route, rejected: Rejected, request_id: str, tenant: str,
            run: str | None, idempotency_key: str | None = None, body: bytes = b"",
-           operation: str | None = None, mcp_method: str | None = None) -> web.Response:
+           operation: str | None = None, mcp_method: str | None = None,
+           rpc_id: mcp.RequestId | None = None) -> web.Response:
     """Count ``rejected`` by reason, log its ``rejected`` event, and render it for ``route``.
 
     The one way Sluice refuses a request on a route, whether before admission (the handler)
-    or at the breaker after it (``proxy.attempts``); ``body`` supplies an MCP request's id;
+    or at the breaker after it (``proxy.attempts``); ``body`` supplies an MCP request's id,
+    unless ``rpc_id`` gives it as the request path read it (not parsed again);
     ``operation`` is the call's (``policies/operations.py``), counted and logged with it;
     ``mcp_method``, an MCP POST's JSON-RPC method, is logged with it.
     """
@@ -226,4 +237,5 @@ def refuse(rt: Runtime, route: Route, rejected: Rejected, request_id: str, tenan
                    reason=rejected.reason.code,
                    retry_after_s=None if rejected.retry_after is None
                    else round(rejected.retry_after, 3), **extra)
-    return render(rejected, route.protocol, jsonrpc_id(route.protocol, body))
+    return render(rejected, route.protocol,
+                  rpc_id if rpc_id is not None else jsonrpc_id(route.protocol, body))

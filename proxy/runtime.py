@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 from aiohttp import web
 
-from policies.bodies import FormReader
+from policies.bodies import FormReader, LargeBodies
 from policies.budget import clock_from_env
 from policies.concurrency import ConcurrencyLimiter
 from policies.config import Config, FanoutConfig, RunConfig
@@ -164,6 +164,8 @@ class Runtime:
         self.dead_letters = DeadLetterQueue(config.dead_letter, self.state)
         #: Reads forms' models for every route, large multipart ones in its own thread.
         self.forms = FormReader()
+        #: Turns for the work on large JSON bodies, one at a time (``proxy.handler``).
+        self.large_bodies = LargeBodies()
         #: The event log's and the dead-letter store's files if :meth:`open` created them.
         self._created_events: str | None = None
         self._created_letters: str | None = None

@@ -41,6 +41,7 @@ from policies.logs import RepeatFilter
 from policies.state import StateUnavailable
 from proxy.admin import add_admin_routes
 from proxy.attempts import DEAD_LETTER_WAIT_S
+from proxy.descriptors import DescriptorWatch, raise_open_files_limit
 from proxy.dlq import file_left_behind
 from proxy.edge import REQUEST_NOT_LOGGED, SERVER_NAME, AdminServer, EdgeServer, parse_cause
 from proxy.handler import handle
@@ -293,6 +294,9 @@ async def serve(config: Config, config_path: str | None = None,
     if not any(isinstance(f, RedactMalformedRequests) for f in server_log.filters):
         server_log.addFilter(RedactMalformedRequests())
     repeats = _repeat_filters()
+    raised = raise_open_files_limit()
+    if raised is not None:
+        log.info("open-files limit (RLIMIT_NOFILE) raised from %d to the hard limit %d", *raised)
     runtime = Runtime(config)
     reloader = (Reloader(runtime, config_path, read=read, read_since_ns=read_since_ns)
                 if config_path else None)
@@ -308,8 +312,9 @@ async def serve(config: Config, config_path: str | None = None,
     # this module's globals; "sluice" instead, as Envoy's say "envoy". Set here, once, for
     # no cost per request (tests/test_server_header.py fails if aiohttp stops reading it).
     web_response.SERVER_SOFTWARE = SERVER_NAME
-    proxy_runner = web.ServerRunner(build_proxy_server(runtime),
-                                    shutdown_timeout=PROXY_SHUTDOWN_GRACE_S)
+    proxy_server = build_proxy_server(runtime)
+    proxy_server.connection_settings()  # logs now if the open-files limit lowers its bound
+    proxy_runner = web.ServerRunner(proxy_server, shutdown_timeout=PROXY_SHUTDOWN_GRACE_S)
     admin_runner = AdminRunner(
         runtime, build_admin_app(runtime, reloader), access_log=None,
         shutdown_timeout=SHUTDOWN_GRACE_S,
@@ -342,6 +347,8 @@ async def serve(config: Config, config_path: str | None = None,
     hup_came = [reload_requested()]
     loop.add_signal_handler(signal.SIGHUP, hup_came.append, True)
     reporter = asyncio.create_task(_report_held(repeats), name="sluice-log-repeats")
+    watch = asyncio.create_task(DescriptorWatch(runtime.metrics.descriptors_exhausted.inc).run(),
+                                name="sluice-descriptors")
     try:
         await proxy_runner.setup()
         await admin_runner.setup()
@@ -378,6 +385,7 @@ async def serve(config: Config, config_path: str | None = None,
         if not runtime.started:  # a listener could not be bound: leave no new file behind
             runtime.remove_created_files()
         reporter.cancel()
+        watch.cancel()
         _log_held(repeats, final=True)
 
 
