@@ -181,7 +181,8 @@ async def test_a_reload_raising_the_limit_admits_waiters_without_a_release(
     waiting = asyncio.create_task(lim.acquire("t"))
     await eventually(lambda: _value(lim.queued), 1, 5.0, "queued")
     lim.reconfigure(2, 8, 5.0, None)
-    second = await asyncio.wait_for(waiting, 2.0)
+    # Woken by the reload, not its 30 s poll: 10 s leaves a loaded machine room.
+    second = await asyncio.wait_for(waiting, 10.0)
     assert (lim.inflight, await leases_held(backends)) == (2, 2)
     lim.reconfigure(1, 8, 5.0, None)  # lowered: reached as the calls finish
     third = asyncio.create_task(lim.acquire("t"))
