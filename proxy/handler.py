@@ -1,11 +1,12 @@
 """The request path, top to bottom.
 
 match route -> identify caller -> refuse what cannot be forwarded as sent (dot-segments, a
-WebSocket upgrade) -> read body -> admit: the route's policies in order
-(``Route.policies``: idempotency key, where a replay or a wait for an in-flight twin costs no
-quota and no slot; circuit breaker; rate; token accounting: token rate and budget reservation;
-the concurrency slot and its queue) -> forward (attempts with the breaker and retries,
-metering usage: ``proxy.attempts``) -> release and record.
+path upstreams read as different metered endpoints, a WebSocket upgrade) -> read body ->
+admit: the route's policies in order (``Route.policies``: idempotency key, where a replay or
+a wait for an in-flight twin costs no quota and no slot; circuit breaker; rate; token
+accounting: token rate and budget reservation; the concurrency slot and its queue) ->
+forward (attempts with the breaker and retries, metering usage: ``proxy.attempts``) ->
+release and record.
 
 On ``mcp`` routes the POST body is read as MCP first (an unreadable one, or request headers
 that disagree with it, get 400 ``bad_request``), and only ``call`` traffic (``tools/call`` and
