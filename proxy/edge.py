@@ -102,17 +102,18 @@
   next bytes find no room, with the same 503 as they arrive, and its connection closed.
   Counted at its declared length from its head on, 8 connections declaring 32 MiB and
   sending 2 KiB/s held the whole bound for hours (a hostile trial);
-* ``Expect: 100-continue`` is answered by Sluice (``100 Continue`` before the body is read)
-  and never forwarded; any other expectation is refused with 417 ``expectation_failed``. The
-  100 is sent just before the body is read (:meth:`BodyHold.invite`): after these checks and
-  the request path's own that need no body (a route must match, CONNECT is refused, the
-  caller's identity, dot-segments, a WebSocket upgrade), so a caller refused by any of them
-  is not invited to upload first; and before admission, as Envoy sends it before its filters
-  run: a call its route's limits then refuse (429, 503) has sent its body. Admission is not
-  peeked at for it: most of it needs the body (a model's or a tool's limits, token rates) or
-  a round trip to Redis (shared limits), and a peek at the rest (the route's queue, its
-  breaker) would hold only for that moment, while the body is bounded by
-  ``max_request_bytes`` and counted in ``max_buffered_bytes`` as any other.
+* ``Expect: 100-continue`` is answered by Sluice (``100 Continue`` before the body is
+  read) and never forwarded; any other expectation is refused with 417
+  ``expectation_failed``. The 100 is sent just before the body is read
+  (:meth:`BodyHold.invite`): after these checks and the request path's own that need no body
+  (a route must match, CONNECT is refused, the caller's identity, dot-segments, a path read
+  as different metered endpoints), so a caller refused by any of them is not invited to
+  upload first; and before admission, as Envoy sends it before its filters run: a call its
+  route's limits then refuse (429, 503) has sent its body. Admission is not peeked at for
+  it: most of it needs the body (a model's or a tool's limits, token rates) or a round trip
+  to Redis (shared limits), and a peek at the rest (the route's queue, its breaker) would
+  hold only for that moment, while the body is bounded by ``max_request_bytes`` and counted
+  in ``max_buffered_bytes`` as any other.
 
 Each limit is read from the config in force when a connection opens or a request arrives, so
 a reload applies them to new connections. The admin port's connections get the same header and
@@ -494,7 +495,7 @@ class EdgeServer(GuardedServer):
                     rt, Rejected(Reason.EXPECTATION_FAILED, None, "")))
             if hold is not None and not request.content.is_eof():
                 # Sent just before the body is read (BodyHold.invite), once the checks that
-                # need no body (route, CONNECT, identity, dot-segments) have passed: a caller
+                # need no body (the module docstring lists them) have passed: a caller
                 # refused by them is not invited to upload first (a review).
                 hold.continues = True
         # Held from here (the handler takes the body's bytes in its first step, with no

@@ -1,11 +1,12 @@
 """The request path, top to bottom.
 
 match route -> identify caller -> refuse what cannot be forwarded as sent (dot-segments, a
-WebSocket upgrade) -> read body -> admit: the route's policies in order
-(``Route.policies``: idempotency key, where a replay or a wait for an in-flight twin costs no
-quota and no slot; circuit breaker; rate; token accounting: token rate and budget reservation;
-the concurrency slot and its queue) -> forward (attempts with the breaker and retries,
-metering usage: ``proxy.attempts``) -> release and record.
+path upstreams read as different metered endpoints, a WebSocket upgrade) -> read body ->
+admit: the route's policies in order (``Route.policies``: idempotency key, where a replay or
+a wait for an in-flight twin costs no quota and no slot; circuit breaker; rate; token
+accounting: token rate and budget reservation; the concurrency slot and its queue) ->
+forward (attempts with the breaker and retries, metering usage: ``proxy.attempts``) ->
+release and record.
 
 On ``mcp`` routes the POST body is read as MCP first (an unreadable one, or request headers
 that disagree with it, get 400 ``bad_request``), and only ``call`` traffic (``tools/call`` and
@@ -50,7 +51,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from aiohttp import web
+from aiohttp import hdrs, web
 from multidict import istr
 
 from policies import mcp
@@ -112,7 +113,6 @@ _SECONDS = re.compile(r"[0-9]{1,9}(?:\.[0-9]{1,9})?")
 #: The Stainless SDKs' own timeout headers (istr: looked up without lower-casing each time).
 _STAINLESS_TIMEOUT = istr("x-stainless-timeout")
 _STAINLESS_READ_TIMEOUT = istr("x-stainless-read-timeout")
-_UPGRADE = istr("upgrade")  # looked up here first: asks_websocket is called only with one
 
 
 def _caller_timeout(request: web.BaseRequest, header: str) -> tuple[float | None, bool]:
@@ -335,7 +335,7 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
         # No body held: no body, or a chunked WebSocket handshake (the edge takes no hold
         # for one, asks_websocket): a call with a Content-Length body (an LLM API's POST)
         # pays nothing for this.
-        if _UPGRADE in headers and asks_websocket(request):
+        if hdrs.UPGRADE in headers and asks_websocket(request):  # it needs one
             return _reject(rt, route, Rejected(Reason.WEBSOCKET_NOT_SUPPORTED, None),
                            request_id, tenant, run)
     elif hold.continues:

@@ -179,8 +179,13 @@ def call_jsonrpc_id(protocol: str, call: Call) -> mcp.RequestId | None:
     """:func:`jsonrpc_id` of ``call``'s body, taken from the call where the request path read
     it (``call.rpc_id``: an MCP POST holding one request) rather than parsed again: each
     error answer to a 25 MB ``tools/call`` parsed it once more on the loop."""
-    rpc_id = call.rpc_id
-    return rpc_id if rpc_id is not None else jsonrpc_id(protocol, call.body)
+    return _read_or_parsed_id(protocol, call.rpc_id, call.body)
+
+
+def _read_or_parsed_id(protocol: str, rpc_id: mcp.RequestId | None, body: bytes
+                       ) -> mcp.RequestId | None:
+    """``rpc_id`` when the request path read one, else :func:`jsonrpc_id` of ``body``."""
+    return rpc_id if rpc_id is not None else jsonrpc_id(protocol, body)
 
 
 #: Refusals and failures of one MCP call that go out as HTTP 200 + JSON-RPC error (see the
@@ -237,5 +242,4 @@ def refuse(rt: Runtime, route: Route, rejected: Rejected, request_id: str, tenan
                    reason=rejected.reason.code,
                    retry_after_s=None if rejected.retry_after is None
                    else round(rejected.retry_after, 3), **extra)
-    return render(rejected, route.protocol,
-                  rpc_id if rpc_id is not None else jsonrpc_id(route.protocol, body))
+    return render(rejected, route.protocol, _read_or_parsed_id(route.protocol, rpc_id, body))
