@@ -262,11 +262,10 @@ def _as_kwargs(letter: DeadLetter) -> dict[str, Any]:
 # prefix, most letters of a tenant kept (0: no bound), bytes of letters dropped after which
 # to stop, fewest letters dropped before that stops it (policies.deadletter's
 # MAX_DROPS_PER_ADD, MAX_DROP_BYTES_PER_ADD, MIN_DROPS_PER_ADD), then field, value pairs.
-# Returns {the
-# new id, {the route of each letter dropped for the store's bound}, {the route of each of the
-# tenant's letters dropped for its share}}. The replay, claim and other tenants' id keys of a
-# dropped letter are named here, not in KEYS (as in _PURGE): they share the {dlq} slot of
-# the stream.
+# Returns {the new id, {the route of each letter dropped for the store's bound}, {the route
+# of each of the tenant's letters dropped for its share}}. The replay, claim and other
+# tenants' id keys of a dropped letter are named here, not in KEYS (as in _PURGE): they
+# share the {dlq} slot of the stream.
 _ADD = Script("""
 -- Everything written is checked before the first write (Redis does not roll a script back):
 -- the sequence is an integer INCR takes ("1.5", " 5 " and "1e3" passed tonumber() and then
