@@ -382,10 +382,10 @@ return out
 # ('1' or '0'). Returns {'missing'}, {'busy', ms left} or {'claimed', {replay JSON...}}: the
 # hold taken and, without again, the letter's replays read in the same step. The caller
 # decides whether one was answered, as the other stores do (policies.deadletter.answered,
-# on the replays as `dlq show` reads them), and gives the hold back if so (_RELEASE). Lua
-# decided it once, reading the JSON with cjson, which takes what orjson refuses (a hex
-# number, NaN, bytes that are not UTF-8, text after a NUL): a replay `dlq show` called
-# unreadable, so possibly sent, was read as a failed one and sent again (a review).
+# on the replays as `dlq show` reads them), and gives the hold back if so (_RELEASE). Not
+# decided here: Lua's cjson takes what orjson refuses (a hex number, NaN, bytes that are not
+# UTF-8, text after a NUL), so a replay `dlq show` calls unreadable, so possibly sent, would
+# be read as a failed one and sent again without --again.
 _CLAIM_REPLAY = Script("""
 if #redis.call('XRANGE', KEYS[1], ARGV[1], ARGV[1]) == 0 then return {'missing'} end
 local left = redis.call('PTTL', KEYS[3])
