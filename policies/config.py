@@ -904,9 +904,8 @@ class DeadLetterConfig(_Section):
     #: letters (a hostile trial: 60 self-timed-out 1 MiB calls left 50 of the attacker's
     #: letters, and the victim's outage letter was gone). At most ``max_records``. Unset (the
     #: default): no share, ``max_records`` alone. Opt-in: a call without ``X-Tenant-ID`` is
-    #: tenant ``default``, and a default of a quarter of the store kept a deployment without
-    #: tenant headers to 2,500 of its 10,000 letters, dropping 7,501 in one write on upgrade
-    #: (a review).
+    #: tenant ``identity.default_tenant``, so any default share would hold a deployment
+    #: without tenant headers below its ``max_records`` (and drop the rest on upgrade).
     max_records_per_tenant: int | None = Field(default=None, ge=1, le=MAX_DEAD_LETTERS)
 
 

@@ -461,9 +461,9 @@ class DeadLetterFile:
     Opened ``read_only`` (``sluice dlq list`` and ``show``), it writes nothing: the file
     must exist, and its tables, indexes and columns are as an older release left them
     (``key_origin`` read as none where it is missing). Opened for writing (the server's
-    store, ``replay``, ``delete``, ``purge``), it creates what is missing. A read-only
-    command failed on a read-only file (a backup, a read-only volume) written before the
-    ``(tenant, id)`` index, with ``attempt to write a readonly database`` (a review).
+    store, ``replay``, ``delete``, ``purge``), it creates what is missing: creating the
+    ``(tenant, id)`` index in a file from before it fails on a file Sluice may not write (a
+    backup, a read-only volume) with ``attempt to write a readonly database``.
 
     Raises:
         sqlite3.Error: the file cannot be opened or created, or is no SQLite database.

@@ -7,8 +7,10 @@
   ``idempotency_key`` came from (``key_origin``: ``caller``, or ``derived`` or ``fresh``
   for a key Sluice made; null in letters written before it was recorded). The credentials
   some APIs take in a JSON body are masked (``"<redacted>"``) at their documented paths,
-  listed in ``body_masked`` (:func:`proxy.redact.body_credentials_masked`); ``--unmask``
-  prints the body as stored. The letter keeps them: a replay sends them.
+  listed in ``body_masked`` (:func:`proxy.redact.body_credentials_masked`); a body that
+  parsers read differently (a key twice, ``NaN``, ``1e999``) and that names one of those
+  fields is withheld whole (``body_masked``: ``["body"]``); ``--unmask`` prints the body as
+  stored. The letter keeps them: a replay sends them.
 * ``replay ID``: send the recorded request once, straight to its route's upstream as the
   config names it now, with the recorded method, path, headers, body and idempotency key (the
   one the call was handled under: the caller's, or one Sluice derived from ``derive_from``

@@ -6,7 +6,8 @@ is kept as sent, and ``dlq show`` printed the tokens in it: Anthropic's MCP conn
 ``mcp_servers[].authorization_token``, an OpenAI Responses ``mcp`` tool's ``authorization``
 and ``headers``, Azure OpenAI On Your Data's ``data_sources[].parameters.authentication``
 and ``...parameters.embedding_dependency.authentication``. They are masked at those
-documented paths only (an earlier attempt that guessed from key names was reverted). A real
+documented paths only, never guessed from key names (``max_tokens``, a function tool's own
+``authorization`` parameter and ``key_id`` stay). A real
 Sluice writes the letters; the real CLI reads them, forked."""
 
 from __future__ import annotations

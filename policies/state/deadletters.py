@@ -262,11 +262,10 @@ def _as_kwargs(letter: DeadLetter) -> dict[str, Any]:
 # prefix, most letters of a tenant kept (0: no bound), bytes of letters dropped after which
 # to stop, fewest letters dropped before that stops it (policies.deadletter's
 # MAX_DROPS_PER_ADD, MAX_DROP_BYTES_PER_ADD, MIN_DROPS_PER_ADD), then field, value pairs.
-# Returns {the
-# new id, {the route of each letter dropped for the store's bound}, {the route of each of the
-# tenant's letters dropped for its share}}. The replay, claim and other tenants' id keys of a
-# dropped letter are named here, not in KEYS (as in _PURGE): they share the {dlq} slot of
-# the stream.
+# Returns {the new id, {the route of each letter dropped for the store's bound}, {the route
+# of each of the tenant's letters dropped for its share}}. The replay, claim and other
+# tenants' id keys of a dropped letter are named here, not in KEYS (as in _PURGE): they
+# share the {dlq} slot of the stream.
 _ADD = Script("""
 -- Everything written is checked before the first write (Redis does not roll a script back):
 -- the sequence is an integer INCR takes ("1.5", " 5 " and "1e3" passed tonumber() and then
@@ -383,10 +382,10 @@ return out
 # ('1' or '0'). Returns {'missing'}, {'busy', ms left} or {'claimed', {replay JSON...}}: the
 # hold taken and, without again, the letter's replays read in the same step. The caller
 # decides whether one was answered, as the other stores do (policies.deadletter.answered,
-# on the replays as `dlq show` reads them), and gives the hold back if so (_RELEASE). Lua
-# decided it once, reading the JSON with cjson, which takes what orjson refuses (a hex
-# number, NaN, bytes that are not UTF-8, text after a NUL): a replay `dlq show` called
-# unreadable, so possibly sent, was read as a failed one and sent again (a review).
+# on the replays as `dlq show` reads them), and gives the hold back if so (_RELEASE). Not
+# decided here: Lua's cjson takes what orjson refuses (a hex number, NaN, bytes that are not
+# UTF-8, text after a NUL), so a replay `dlq show` calls unreadable, so possibly sent, would
+# be read as a failed one and sent again without --again.
 _CLAIM_REPLAY = Script("""
 if #redis.call('XRANGE', KEYS[1], ARGV[1], ARGV[1]) == 0 then return {'missing'} end
 local left = redis.call('PTTL', KEYS[3])
