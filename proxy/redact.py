@@ -163,19 +163,20 @@ def body_credentials_masked(text: str) -> tuple[str, list[str]]:
     spelling may differ from the body's); else it is ``text`` as stored. A body that is no
     JSON object (cut at ``max_body_bytes``, compressed) is shown as stored. A body that is
     JSON only as some parsers read it (a key twice, which parsers take first or last; ``NaN``
-    or ``1e999``, which Python's writer cannot write back as JSON) and that names one of the
-    fields above is withheld (:data:`WITHHELD`, path ``"body"``): it cannot be masked as
-    every upstream reads it. For display only: the letter keeps its body, which a replay
+    or ``1e999``, which Python's writer cannot write back as JSON; nesting too deep for
+    Python's reader) and that may name one of the fields above (:data:`_MASKED_NAMES`, a
+    JSON escape included) is withheld (:data:`WITHHELD`, path ``"body"``): it cannot be
+    masked as every upstream reads it. For display only: the letter keeps its body, which a replay
     sends."""
     body_text = text.removeprefix("\ufeff")  # a byte order mark, which json refuses
     try:
         body = json.loads(body_text, object_pairs_hook=_no_twice, parse_constant=_odd,
                           parse_float=_finite)
-    except _Odd:
+    except (_Odd, RecursionError):  # RecursionError: JSON too deep for Python's reader
         if any(name in text for name in _MASKED_NAMES):
             return WITHHELD, ["body"]
         return text, []
-    except (ValueError, RecursionError):  # not JSON (or cut at max_body_bytes)
+    except ValueError:  # not JSON (or cut at max_body_bytes)
         return text, []
     if not isinstance(body, dict):
         return text, []
@@ -226,9 +227,10 @@ def body_credentials_masked(text: str) -> tuple[str, list[str]]:
 #: What ``dlq show`` prints for a body it cannot mask (:func:`body_credentials_masked`).
 WITHHELD = ("<withheld: this body is JSON only as some parsers read it (a key twice, NaN, "
             "1e999...) and names a credential field; sluice dlq show --unmask prints it>")
-#: The field names :func:`body_credentials_masked` masks under: a body it cannot read as
-#: strict JSON is withheld only when it holds one of them.
-_MASKED_NAMES = ("authorization_token", '"authorization"', '"headers"', '"authentication"')
+#: Parts of the field names :func:`body_credentials_masked` masks under, and the start of
+#: a JSON escape (a parser reads ``"authoriz\\u0061tion"`` as ``"authorization"``): a body it
+#: cannot read as strict JSON is withheld when it holds one of them.
+_MASKED_NAMES = ("authoriz", "headers", "authentic", "\\u")
 
 
 class _Odd(ValueError):

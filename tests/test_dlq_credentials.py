@@ -196,6 +196,12 @@ SECRET = "sk-in-the-body"
      WITHHELD, ["body"]),
     ('{"mcp_servers": [{"authorization_token": "sk-in-the-body"}], "x": NaN}',
      WITHHELD, ["body"]),
+    # A name spelled with a JSON escape is the same name to every parser: withheld too.
+    ('{"temperature": NaN, "tools": [{"type": "mcp", "authoriz\\u0061tion": "sk-in-the-body"}]}',
+     WITHHELD, ["body"]),
+    # Nesting too deep for Python's reader (a reader without a limit reads it): withheld.
+    ('{"mcp_servers": [{"authorization_token": "sk-in-the-body"}], "d": '
+     + "[" * 5000 + "]" * 5000 + "}", WITHHELD, ["body"]),
     # ... unless the body names none of the masked fields: shown as stored.
     ('{"model": "m", "model": "n", "t": 1e999, "x": NaN}',
      '{"model": "m", "model": "n", "t": 1e999, "x": NaN}', []),
