@@ -136,6 +136,7 @@ class OutageNotice:
         #: run's limiter made again counts again).
         self.more = 0
 
+
 class SharedSlot:
     """One call's lease, and its place in the local counts (a pipeline holding). A call
     admitted after a reload removed the block (:meth:`ConcurrencyLimiter.retire`) holds no
