@@ -168,7 +168,7 @@ def width_limiters(backends: StateBackends, scope: str) -> WidthLimiters:
     if backends.redis is None:
         return local_width
     # One outage line for all of the scope's runs (each run's limiter is made anew once its
-    # calls have all ended, so a limiter's own "once" was once per call).
+    # calls have all ended, so a limiter's own "once" would be once per call).
     notice = OutageNotice("fanout.width (top level)" if scope == "*"
                           else f"fanout.width of route {scope}")
 

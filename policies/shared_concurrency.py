@@ -106,20 +106,19 @@ class OutageNotice:
     answer: one when the outage starts, one when a limiter finds Redis answering again. A
     route's limiter has one of its own. The limiters of one ``fanout.width``, one per live
     run, made again for a run whose calls had all ended, share one (``name`` says whose
-    runs): each logged its own line, so a limiter made per call logged at every call (a
-    hostile trial: 300 calls over 10 runs, 301 lines).
+    runs): a line of each limiter's own would be a line per call when each call's run is
+    new (300 calls over 10 runs logged 301 lines).
 
     An outage is the backend's: its line is said once per outage
     (:attr:`~policies.state.connection.Health.changed_monotonic` of the backend marked
     down), whichever run meets it first, and the line of an outage that began after Redis
-    was back is said even if no limiter saw it back in between (a review: the second
-    outage's start was not said). Counting the runs degraded cannot tell when the outage
-    ends: a run's limiter is dropped with its last call, degraded or not. A key fault on one
-    run's key (the backend up, the other runs shared) is not the scope's outage: its shared
-    notice says nothing of it (the state's key-fault line does, at most once a minute, and
-    ``sluice_state_key_faults_total`` counts it); a route's own notice says it as an outage
-    (a review: a bad run's calls and a good run's, alternating, flipped a shared line
-    "unavailable" / "shared again" at every call).
+    was back is said even if no limiter saw it back in between. Counting the runs degraded
+    cannot tell when the outage ends: a run's limiter is dropped with its last call,
+    degraded or not. A key fault on one run's key (the backend up, the other runs shared)
+    is not the scope's outage: its shared notice says nothing of it (the state's key-fault
+    line does, at most once a minute, and ``sluice_state_key_faults_total`` counts it), or
+    a bad run's calls and a good run's, alternating, would flip a shared line "unavailable"
+    / "shared again" at every call; a route's own notice says it as an outage.
 
     Args:
         name: what the shared lines name, e.g. ``fanout.width of route openai``; ``None``:
@@ -136,6 +135,7 @@ class OutageNotice:
         #: Limiters sharing it that started admitting from their share since that line (a
         #: run's limiter made again counts again).
         self.more = 0
+
 
 class SharedSlot:
     """One call's lease, and its place in the local counts (a pipeline holding). A call

@@ -97,7 +97,8 @@ def admin_token(runtime: Runtime) -> str | None:
 
 def _env_token() -> tuple[str | None, str | None]:
     """``SLUICE_ADMIN_TOKEN``'s token (``None`` if unset or blank), and why it is refused if
-    it is (it holds whitespace inside: no client could send it); never quoting it."""
+    it is (:func:`proxy.config.env_token`'s error: no client could send it); never quoting
+    it."""
     try:
         return env_token(), None
     except ValueError as exc:

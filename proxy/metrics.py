@@ -900,11 +900,11 @@ class _ReadCounter:
 
 class _EvictionSeries:
     """Each Redis server's eviction policy and count, read at scrape time from ``read()``;
-    no sample while it is unknown (absent rather than NaN: an alert on it then neither fires
-    nor resolves on a value that means nothing). The count is the server's own cumulative
-    ``evicted_keys``, exported as a counter per server: it goes back to 0 only when that
-    server's does (a restart, a failover, ``CONFIG RESETSTAT``), which ``increase()`` reads as
-    a reset of that series alone."""
+    no sample while it is unknown (absent rather than NaN, Prometheus's unknown: a NaN
+    sample would make the counter's ``increase()`` over it NaN). The count is the server's
+    own cumulative ``evicted_keys``, exported as a counter per server: it goes back to 0 only
+    when that server's does (a restart, a failover, ``CONFIG RESETSTAT``), which
+    ``increase()`` reads as a reset of that series alone."""
 
     def __init__(self, read: Callable[[], Eviction | None]) -> None:
         self._read = read

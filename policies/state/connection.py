@@ -38,8 +38,8 @@ either (a read, or a release, answered by such a Redis). While up, an idle backe
 read when the backend connects or answers again, and every
 :data:`~policies.state.eviction.CHECK_INTERVAL_S` while it is up, by a task of its own that the
 probe starts and never waits for: one read at a time, bounded by its own timeout, so a slow
-or frozen ``INFO`` leaves the probe's schedule as it is (a review: a Redis frozen as a read
-began was marked down after 1.56 s, the probe waiting out the read, against about 1 s).
+or frozen ``INFO`` leaves the probe's schedule as it is (a probe that waited out the read
+would mark a Redis frozen as the read began down a second later than one that did not).
 
 Keys: ``<prefix>:{<group>}:<kind>:...``. Everything one script touches shares the ``{group}``
 hash tag (a route's name, an idempotency key's digest...), so in a cluster each script runs
@@ -512,9 +512,9 @@ class RedisState:
         while the backend is up. Never raises, and never changes :attr:`health`: a read that
         fails leaves it unknown (:meth:`~policies.state.eviction.EvictionWatch.failed`). A
         read during which the backend was marked down (and perhaps up again) is dropped,
-        whatever it found: its answer may be from before the outage, and it filled the
-        series the outage had emptied, to stay for the whole outage (a review: no read is
-        made while down); the read after the backend is up again says."""
+        whatever it found: its answer may be from before the outage, and kept it would fill
+        the series the outage emptied for the rest of the outage, as no read is made while
+        down; the read after the backend is up again says."""
         client, health = self._client, self.health
         if client is None or not health.up:
             return

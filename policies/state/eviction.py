@@ -18,13 +18,13 @@ What was read is :attr:`EvictionWatch.last`, one :class:`NodeEviction` per serve
 cluster's primaries): ``sluice_state_evicting_policy{node,policy}`` and the counter
 ``sluice_state_redis_evicted_keys_total{node}``. Per server, not summed: a server's count
 drops to 0 when it restarts, a replica takes its place (failover) or ``CONFIG RESETSTAT``
-runs, and a sum with one term dropped read as a counter reset whose remaining sum was all new
-evictions (a review: 500 -> 480 raised the critical alert for 480 keys). ``None`` while
-unknown: before the first read, while
-the backend is marked down, and after a read that failed (refused by an ACL, timed out). A
-failed read changes nothing else: the backend's health is the probe's to say, and the replica
-stays ready (the calls work; the limits are what is at risk). The log says it once at the first
-read and at each change of policy, never per read.
+runs, and a sum with one term dropped reads as a counter reset whose remaining sum is all new
+evictions (500 -> 480: 480 keys, and the critical alert, for none evicted). ``None`` while
+unknown: before the first read, while the backend is marked down, and after a read that
+failed (refused by an ACL, timed out). A failed read changes nothing else: the backend's
+health is the probe's to say, and the replica stays ready (the calls work; the limits are what
+is at risk). The log says so when a read first finds an evicting policy, and again when a
+later read finds another evicting policy or none that evicts, never per read.
 """
 
 from __future__ import annotations
