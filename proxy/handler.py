@@ -326,11 +326,13 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
     if has_dot_segment(raw_path):
         return _reject(rt, route, Rejected(Reason.BAD_REQUEST, None, "dot-segments in path"),
                        request_id, tenant, run)
-    if (("%" in raw_path or ";" in raw_path) and route.accounting is not None
+    # Three `in` tests: one combined test (a frozenset's isdisjoint, a regex) runs fewer
+    # opcodes but takes 4-6 times as long on a plain path.
+    if (("%" in raw_path or ";" in raw_path or "\\" in raw_path) and route.accounting is not None
             and endpoints_differ(route.protocol, request.method, raw_path)):
         return _reject(rt, route, Rejected(Reason.BAD_REQUEST, None,
-                                           "a path upstreams read as different "
-                                           "endpoints: its ;parameters or %-encoding"),
+                                           "a path upstreams read as different endpoints: "
+                                           "its ;parameters, %-encoding or backslashes"),
                        request_id, tenant, run)
     if hold is None:
         # No body held: no body, or a chunked WebSocket handshake (the edge takes no hold
