@@ -145,12 +145,15 @@ class InvalidMcpRequest(ValueError):
 
     ``method``: the JSON-RPC method of the POST when its body was read before the fault (a
     header that disagrees with it), for the refusal's event; ``None`` otherwise.
+    ``rpc_id``: the id its error echoes (:func:`echoed_id`) when the body was parsed before
+    the fault, so that the refusal need not parse it again; ``None`` otherwise.
     """
 
     def __init__(self, detail: str) -> None:
         super().__init__(detail)
         self.detail = detail
         self.method: str | None = None
+        self.rpc_id: RequestId | None = None
 
 
 class HeaderMismatch(InvalidMcpRequest):
@@ -332,7 +335,19 @@ def parse_post(body: bytes, protocol_version: str | None = None) -> McpPost:
         if not doc:
             raise InvalidMcpRequest("empty JSON-RPC batch")
         return McpPost(tuple(_message(m) for m in doc), batch=True)
-    return McpPost((_message(doc),))
+    try:
+        return McpPost((_message(doc),))
+    except InvalidMcpRequest as bad:
+        bad.rpc_id = echoed_id(doc)
+        raise
+
+
+def echoed_id(doc: object) -> RequestId | None:
+    """The id an error answer to the parsed body ``doc`` echoes: its ``id`` when a string or
+    an integer (MCP's ids), else ``None`` (a batch, an id that is not one: a list nested 300
+    deep once made the refusal itself fail, 500)."""
+    found = doc.get("id") if isinstance(doc, dict) else None
+    return found if is_id(found) else None
 
 
 def is_id(value: object) -> bool:

@@ -178,13 +178,14 @@ def endpoints_differ(protocol: str, method: str, raw_path: str) -> bool:
     so ``/v1/responses;x=%2Fcompletions`` is ``responses`` to them, which
     :func:`endpoint_for` metered as legacy completions by its suffix order, and
     ``/v1/messages/count_tokens;x=%2Fmessages`` (free) was metered as ``messages`` (a
-    review). Only a path with ``;`` or ``%`` is read (those are what make readings name
-    different endpoints; the caller may test for them first to skip the call); a POST's
-    only, as only a POST is metered."""
+    review). Only a path with ``;``, ``%`` or ``\\`` is read (those are what make readings
+    name different endpoints: ``readings`` takes a backslash for a slash, as Windows-born
+    servers do, so ``/v1/chat\\/completions`` is chat and legacy completions; the caller may
+    test for them first to skip the call); a POST's only, as only a POST is metered."""
     if method != "POST":
         return False
     path = raw_path.partition("?")[0] if "?" in raw_path else raw_path
-    if ";" not in path and "%" not in path:
+    if ";" not in path and "%" not in path and "\\" not in path:
         return False
     suffixes = _ANTHROPIC_METERED if protocol == "anthropic" else _METERED
     named = {next((endpoint for suffix, endpoint in suffixes if reading.endswith(suffix)),

@@ -85,7 +85,7 @@ from policies.state import StateUnavailable
 from proxy import forward as fwd
 from proxy import mcp_tasks
 from proxy.client import client_timeout, send_aside
-from proxy.rejections import call_jsonrpc_id, render
+from proxy.rejections import render
 from proxy.routes import Route
 from proxy.runtime import Polled, Runtime
 
@@ -309,7 +309,7 @@ async def forward(request: web.BaseRequest, rt: Runtime, route: Route, call: Cal
             except Rejected as error:  # not relayable (a bad status or header) or cut in time
                 await _verdict(tries, None, meter, cut=True)
                 call.status = error.reason.status
-                failed = render(error, route.protocol, call_jsonrpc_id(route.protocol, call))
+                failed = render(error, route.protocol, call.rpc_id)
                 if _retried(tries):  # else no layer of Sluice's retried it: the SDK may
                     failed.headers.update(_NO_RETRY)
                 if call.capture is not None:  # its key's waiting duplicates get it too
@@ -342,7 +342,7 @@ async def forward(request: web.BaseRequest, rt: Runtime, route: Route, call: Cal
             return answer, outcome
         error = tries.error
         assert error is not None
-        answer = render(error, route.protocol, call_jsonrpc_id(route.protocol, call))
+        answer = render(error, route.protocol, call.rpc_id)
         if extra:
             answer.headers.update(extra)
         if call.capture is not None:  # its key's waiting duplicates get it too

@@ -644,6 +644,8 @@ async def relay(
     try:
         status = upstream.status
         # Most answers are 200: one test passes them (here and for their Location below).
+        # The range test alone is correct; `status != 200` is a fast path before it (bench
+        # opcodes: relay 168 opcodes per 200 answer, 172 without it).
         if status != 200 and not 200 <= status <= 599:
             # 600-999 are invalid (RFC 9110 §15: treat as 5xx); the only final 1xx aiohttp
             # returns is 101, an upgrade Sluice never asks for (Upgrade is hop-by-hop).

@@ -48,7 +48,6 @@ from policies import bodies, mcp
 from policies.reasons import REASON_HEADER, SDK_RETRY_AFTER_CAP_S, Reason, Rejected
 
 if TYPE_CHECKING:
-    from policies.pipeline import Call
     from proxy.routes import Route
     from proxy.runtime import Runtime
 
@@ -162,30 +161,16 @@ def rejection_body(rejected: Rejected, protocol: str, jsonrpc_id: object = None)
 
 
 def jsonrpc_id(protocol: str, body: bytes) -> mcp.RequestId | None:
-    """The JSON-RPC ``id`` of an MCP request, echoed in its error: a string or an integer
-    (MCP's ids), else ``None`` (unknown, or not an id an answer could carry: a list nested
-    300 deep once made the refusal itself fail, 500)."""
+    """The JSON-RPC ``id`` of an MCP request (:func:`mcp.echoed_id`), ``body`` parsed; ``None``
+    for none. Not for a refusal: its request path read the id already (``Call.rpc_id``), and
+    parsing a 25 MB body again would stall the loop outside its turn."""
     if protocol != "mcp" or not body:
         return None
     try:
         message = bodies.loads(body)
     except orjson.JSONDecodeError:
         return None
-    found = message.get("id") if isinstance(message, dict) else None
-    return found if mcp.is_id(found) else None
-
-
-def call_jsonrpc_id(protocol: str, call: Call) -> mcp.RequestId | None:
-    """:func:`jsonrpc_id` of ``call``'s body, taken from the call where the request path read
-    it (``call.rpc_id``: an MCP POST holding one request) rather than parsed again: each
-    error answer to a 25 MB ``tools/call`` parsed it once more on the loop."""
-    return _read_or_parsed_id(protocol, call.rpc_id, call.body)
-
-
-def _read_or_parsed_id(protocol: str, rpc_id: mcp.RequestId | None, body: bytes
-                       ) -> mcp.RequestId | None:
-    """``rpc_id`` when the request path read one, else :func:`jsonrpc_id` of ``body``."""
-    return rpc_id if rpc_id is not None else jsonrpc_id(protocol, body)
+    return mcp.echoed_id(message)
 
 
 #: Refusals and failures of one MCP call that go out as HTTP 200 + JSON-RPC error (see the
@@ -220,14 +205,15 @@ def refuse_at_edge(rt: Runtime, rejected: Rejected) -> web.Response:
 
 
 def refuse(rt: Runtime, route: Route, rejected: Rejected, request_id: str, tenant: str,
-           run: str | None, idempotency_key: str | None = None, body: bytes = b"",
+           run: str | None, idempotency_key: str | None = None,
            operation: str | None = None, mcp_method: str | None = None,
            rpc_id: mcp.RequestId | None = None) -> web.Response:
     """Count ``rejected`` by reason, log its ``rejected`` event, and render it for ``route``.
 
     The one way Sluice refuses a request on a route, whether before admission (the handler)
-    or at the breaker after it (``proxy.attempts``); ``body`` supplies an MCP request's id,
-    unless ``rpc_id`` gives it as the request path read it (not parsed again);
+    or at the breaker after it (``proxy.attempts``); ``rpc_id`` is the MCP request's id
+    as the request path read it (``None``: none, or not read: never parsed here, where a
+    large body's parse would stall the loop outside its turn, ``policies.bodies.LargeBodies``);
     ``operation`` is the call's (``policies/operations.py``), counted and logged with it;
     ``mcp_method``, an MCP POST's JSON-RPC method, is logged with it.
     """
@@ -242,4 +228,4 @@ def refuse(rt: Runtime, route: Route, rejected: Rejected, request_id: str, tenan
                    reason=rejected.reason.code,
                    retry_after_s=None if rejected.retry_after is None
                    else round(rejected.retry_after, 3), **extra)
-    return render(rejected, route.protocol, _read_or_parsed_id(route.protocol, rpc_id, body))
+    return render(rejected, route.protocol, rpc_id)

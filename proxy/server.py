@@ -306,12 +306,6 @@ async def serve(config: Config, config_path: str | None = None,
         await runtime.close()  # what opened before the failure (the upstream session)
         runtime.remove_created_files()
         raise
-    # aiohttp gives every answer without a Server field (Sluice's own, on both ports, and a
-    # relayed one whose upstream sent none) "Python/3.11 aiohttp/3.x", naming the stack and
-    # its versions, with headers.setdefault(hdrs.SERVER, SERVER_SOFTWARE), the name read from
-    # this module's globals; "sluice" instead, as Envoy's say "envoy". Set here, once, for
-    # no cost per request (tests/test_server_header.py fails if aiohttp stops reading it).
-    web_response.SERVER_SOFTWARE = SERVER_NAME
     proxy_server = build_proxy_server(runtime)
     proxy_server.connection_settings()  # logs now if the open-files limit lowers its bound
     proxy_runner = web.ServerRunner(proxy_server, shutdown_timeout=PROXY_SHUTDOWN_GRACE_S)
@@ -349,6 +343,15 @@ async def serve(config: Config, config_path: str | None = None,
     reporter = asyncio.create_task(_report_held(repeats), name="sluice-log-repeats")
     watch = asyncio.create_task(DescriptorWatch(runtime.metrics.descriptors_exhausted.inc).run(),
                                 name="sluice-descriptors")
+    # aiohttp gives every answer without a Server field (Sluice's own, on both ports, and a
+    # relayed one whose upstream sent none) "Python/3.11 aiohttp/3.x", naming the stack and
+    # its versions, with headers.setdefault(hdrs.SERVER, SERVER_SOFTWARE), the name read from
+    # this module's globals; "sluice" instead, as Envoy's say "envoy". Set here, once, for
+    # no cost per request (tests/test_server_header.py fails if aiohttp stops reading it),
+    # and given back when serving ends: a process that serves in-process (a test, an
+    # embedding app) keeps its own default after.
+    server_software = web_response.SERVER_SOFTWARE
+    web_response.SERVER_SOFTWARE = SERVER_NAME
     try:
         await proxy_runner.setup()
         await admin_runner.setup()
@@ -387,6 +390,7 @@ async def serve(config: Config, config_path: str | None = None,
         reporter.cancel()
         watch.cancel()
         _log_held(repeats, final=True)
+        web_response.SERVER_SOFTWARE = server_software
 
 
 async def _listen(site: web.TCPSite, key: str, address: str) -> None:

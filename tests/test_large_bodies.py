@@ -310,6 +310,48 @@ async def test_a_large_call_refused_or_failed_is_not_parsed_again_for_its_error(
     assert len(parsed) == 3  # once each
 
 
+async def test_a_large_invalid_body_or_notification_is_not_parsed_again_for_its_error(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A refusal took the body with no id when the request path found it invalid, or found
+    # it held no id (a notification), and parsed it again, on the loop, outside its turn.
+    dead_port = free_ports(1)[0]  # nothing listens there
+    runtime = await open_runtime(
+        route("dead", f"http://127.0.0.1:{dead_port}", "mcp"),
+        events={"path": str(tmp_path / "events.jsonl")},
+        dead_letter={"path": str(tmp_path / "dlq.sqlite")})
+    runner, port = await serve_runtime(runtime)
+    parsed: list[int] = []
+    loads = bodies.loads
+
+    def counted_loads(body: Any, *args: Any) -> Any:
+        if len(body) >= LARGE_BODY_BYTES:
+            parsed.append(len(body))
+        return loads(body, *args)
+
+    monkeypatch.setattr(bodies, "loads", counted_loads)
+    arguments = {"a": [{"a": 1}] * 170_000}
+    messages = [  # a tools/call whose params.name is no string: 400, with its id
+        {"jsonrpc": "2.0", "id": 7, "method": "tools/call",
+         "params": {"name": 5, "arguments": arguments}},
+        # a notification the upstream never gets: 502, with no id
+        {"jsonrpc": "2.0", "method": "notifications/message", "params": arguments}]
+    answers = []
+    try:
+        async with aiohttp.ClientSession() as session:
+            for message in messages:
+                async with session.post(
+                        f"http://127.0.0.1:{port}/dead/mcp", data=json.dumps(message),
+                        headers={"Content-Type": "application/json",
+                                 "Accept": "application/json, text/event-stream"}) as r:
+                    answer = await r.json()
+                    answers.append((r.status, answer["id"], r.headers.get("X-Sluice-Reason")))
+    finally:
+        await runner.cleanup()
+        await runtime.close()
+    assert answers == [(400, 7, "bad_request"), (502, None, "upstream_unreachable")]
+    assert len(parsed) == 2  # once each
+
+
 #: Bodies whose idempotency fingerprints (and the keys answers are stored under) must not
 #: change with how a body is parsed: key order, non-ASCII text, floats, integers past 64
 #: bits, ``_meta`` and ``requestState``, and two of 1 MiB or more that take turns. Each:

@@ -218,6 +218,7 @@ async def test_a_dead_letter_replay_keeps_none_of_the_upstreams_sluice_fields() 
     ("anthropic", "/anthropic/v1/messages/count_tokens;x=%2Fmessages"),  # free, not messages
     ("openai", "/openai/v1/chat/completions;jsessionid=1"),  # chat to Tomcat, none to aiohttp
     ("openai", "/openai/v1/chat%2Fcompletions"),  # chat to uvicorn, none to Express
+    ("openai", "/openai/v1/chat\\/completions"),  # chat to Kestrel (\\ is /), else completions
 ])
 async def test_a_path_whose_readings_name_different_endpoints_is_refused(
         upstream, start_sluice, protocol, target) -> None:

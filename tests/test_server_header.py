@@ -9,10 +9,14 @@ Sluice sets that default once, as ``aiohttp.web_response.SERVER_SOFTWARE``
 from __future__ import annotations
 
 import aiohttp
+import yaml
+from aiohttp import web_response
 from aiohttp.http import SERVER_SOFTWARE
 from yarl import URL
 
-from tests.conftest import raw_request, route
+from proxy import server
+from proxy.config import parse_config
+from tests.conftest import free_ports, raw_request, route
 from tests.fakeupstream import RawUpstream
 
 _BODY = b'{"ok": true}'
@@ -91,3 +95,27 @@ async def test_sluices_own_answers_say_sluice(upstream, start_sluice):
     assert raw.startswith(b"HTTP/1.1 400 ") and _servers(raw) == ["sluice"]
     raw = await raw_request(sluice.port, b"GET /openai/x HTTP/1.1\r\nHost: 127.0.0.1\r\n")
     assert raw.startswith(b"HTTP/1.1 408 ") and _servers(raw) == ["sluice"]
+
+
+
+async def test_serve_in_process_gives_aiohttps_default_back(tmp_path, monkeypatch):
+    # serve() names Sluice in aiohttp's module-wide default while it serves; it left it set
+    # after it returned, for every other aiohttp server of the process.
+    monkeypatch.setattr(web_response, "SERVER_SOFTWARE", "embedder/1")
+    named: list[str] = []
+    drain = server._drain
+
+    async def drained(*args: object) -> None:  # serving, stopped at once: its drain
+        named.append(web_response.SERVER_SOFTWARE)
+        await drain(*args)
+
+    monkeypatch.setattr(server, "_drain", drained)
+    port, admin_port = free_ports(2)
+    config = parse_config(yaml.safe_dump({
+        "server": {"listen": f"127.0.0.1:{port}", "admin_listen": f"127.0.0.1:{admin_port}"},
+        "events": {"path": str(tmp_path / "events.jsonl")},
+        "dead_letter": {"path": str(tmp_path / "dlq.sqlite")},
+        "routes": [route("openai", "http://127.0.0.1:9")]}))
+    await server.serve(config, stop_requested=lambda: True)
+    assert named == [server.SERVER_NAME]
+    assert web_response.SERVER_SOFTWARE == "embedder/1"

@@ -110,10 +110,13 @@ def test_endpoints_are_read_as_case_folding_and_param_dropping_upstreams_route_t
     ("openai", "POST", "/v1/chat/completions;jsessionid=1", True),  # chat | none
     ("openai", "POST", "/v1/chat%2Fcompletions?x=1", True),
     ("openai", "POST", "/v1/chat;x=1/completions", True),  # chat | completions
+    ("openai", "POST", "/v1/chat\\/completions", True),  # chat | completions: \\ is /
+    ("openai", "POST", "/v1/responses\\completions", True),  # completions | responses
     ("anthropic", "POST", "/v1/messages/count_tokens;x=%2Fmessages", True),
     ("anthropic", "POST", "/v1/messages;jsessionid=1", True),
     ("openai", "POST", "/v1;v=1/chat/completions", False),  # chat in each
     ("openai", "POST", "/v1/chat/completion%73", False),
+    ("openai", "POST", "/v1/files\\x", False),  # none in each
     ("openai", "POST", "/v1/files;x=%2Fy", False),  # none in each
     ("openai", "POST", "/v1/Chat/Completions", False),
     ("openai", "POST", "/v1/chat/completions?q=%2F;x", False),  # the query is not read
