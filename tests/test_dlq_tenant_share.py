@@ -197,6 +197,34 @@ async def test_redis_letters_from_before_the_share_count_in_the_store_bound_only
     assert added.dropped == {"openai": 1} and await store.get(old[0]) is None
 
 
+@pytest.mark.parametrize("backends", ["redis", "cluster"], indirect=True)
+async def test_an_id_sluice_did_not_write_in_a_tenants_ids_is_skipped_not_failing_the_write(
+        backends: StateBackends):
+    """A member another program put in a tenant's ids ("abc", "-5", "1.5"): the script
+    failed at XRANGE '0-abc' after the letter was written and counted, so its caller was
+    told the letter was lost though it was stored. Now such a member is taken off and the
+    write completes, dropping the tenant's real oldest letter."""
+    store = backends.dead_letters
+    first = (await store.add(letter(tenant="t"), max_records=10, max_per_tenant=1)).id
+    redis = backends.redis
+    assert redis is not None
+    key = redis.key("dlq", "tenant") + ":t"
+
+    async def spoil(client: Any) -> None:
+        await client.zadd(key, {"abc": 0, "-5": 0, "1.5": 0, " 7": 0})
+
+    await redis.run(spoil)
+    added = await store.add(letter(tenant="t"), max_records=10, max_per_tenant=1)
+    assert added.tenant_dropped == {"openai": 1}
+    assert await tenants_held(store) == {"t": [added.id]}
+    assert await store.get(first) is None and await store.depth() == {"openai": 1}
+
+    async def members(client: Any) -> list[bytes]:
+        return await client.zrange(key, 0, -1)
+
+    assert await redis.run(members) == [str(added.id).encode()]
+
+
 def test_a_file_written_before_the_tenant_index_is_read_and_bounded(tmp_path):
     """A file from before the share has no ``(tenant, id)`` index: opening it adds one, and
     its letters count in their tenant's share."""

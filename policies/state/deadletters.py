@@ -270,7 +270,8 @@ _ADD = Script("""
 -- Everything written is checked before the first write (Redis does not roll a script back):
 -- the sequence is an integer INCR takes ("1.5", " 5 " and "1e3" passed tonumber() and then
 -- failed INCR with an unclassified error), the stream a stream, the depths integers, the
--- tenant's ids a sorted set.
+-- tenant's ids a sorted set. Its members are read after the writes: one that is no id
+-- (another program's) is taken off there, not read as one.
 int_field(redis.call('GET', KEYS[2]), "the dead letters' sequence")
 local kind = redis.call('TYPE', KEYS[1])['ok']
 if kind ~= 'stream' and kind ~= 'none' then bad("the dead letters' stream", 'is no stream') end
@@ -310,7 +311,8 @@ local budget = tonumber(ARGV[3])
 local most_read, fewest = tonumber(ARGV[8]), tonumber(ARGV[9])
 -- The tenant's share first: its own oldest letters go. One at a time, up to ARGV[3] of them
 -- or ARGV[8] bytes (at least ARGV[9] letters, as below); an id whose letter is gone (a purge
--- under way walks it) is only taken off.
+-- under way walks it), or a member that is no id, is only taken off: XRANGE '0-abc' failed
+-- the script after the letter was written, its caller told it was lost (a review).
 local own = {}
 local share = tonumber(ARGV[7])
 local k = 0
@@ -318,7 +320,8 @@ while share > 0 and k < budget and redis.call('ZCARD', KEYS[4]) > share do
   if read >= most_read and k >= fewest then break end
   k = k + 1
   local n = redis.call('ZPOPMIN', KEYS[4])[1]
-  local e = redis.call('XRANGE', KEYS[1], '0-' .. n, '0-' .. n)[1]
+  local e = whole(n) and tonumber(n) > 0
+    and redis.call('XRANGE', KEYS[1], '0-' .. n, '0-' .. n)[1]
   local route = e and drop(e, true)
   if route then own[#own + 1] = route end
 end
