@@ -159,12 +159,16 @@ class MemoryDeadLetterStore:
         # ids only grow: insertion order is age
         own = self._tenants.setdefault(letter.tenant, {})
         own[self._next] = None
+        # As the other stores: MAX_DROPS_PER_ADD letters a write in all (no bytes counted).
+        budget = MAX_DROPS_PER_ADD
         tenant_dropped: dict[str, int] = {}
-        while max_per_tenant is not None and len(own) > max_per_tenant:
+        while max_per_tenant is not None and len(own) > max_per_tenant and budget > 0:
+            budget -= 1
             route = self._drop(next(iter(own)))
             tenant_dropped[route] = tenant_dropped.get(route, 0) + 1
         dropped: dict[str, int] = {}
-        while max_records is not None and len(self._letters) > max_records:
+        while max_records is not None and len(self._letters) > max_records and budget > 0:
+            budget -= 1
             route = self._drop(next(iter(self._letters)))
             dropped[route] = dropped.get(route, 0) + 1
         return Added(self._next, dropped, tenant_dropped)
@@ -332,10 +336,11 @@ local over = redis.call('XLEN', KEYS[1]) - keep
 if keep > 0 and over > 0 then
   -- One entry at a time, up to what is left of ARGV[3] or ARGV[8] bytes read in all: a
   -- read copies bodies too.
-  for j = 1, math.min(over, math.max(budget, fewest)) do
-    -- At least ARGV[9]: one letter of 1 MiB a write, against the one added, never shrank the
-    -- stream to a lowered bound (a review).
-    if read >= most_read and j > fewest then break end
+  for j = 1, math.min(over, budget) do
+    -- At least ARGV[9] in all (the tenant's pass's too, never past ARGV[3]): one letter of
+    -- 1 MiB a write, against the one added, never shrank the stream to a lowered bound (a
+    -- review).
+    if read >= most_read and k + j > fewest then break end
     local e = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', 1)[1]
     if not e then break end
     local route = drop(e, false)
