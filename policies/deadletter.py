@@ -460,9 +460,11 @@ class DeadLetterFile:
     letter went into the deleted file, named in its answer's ``X-Sluice-Dead-Letter`` and
     found by no ``sluice dlq``.
 
-    Opened ``read_only`` (``sluice dlq list`` and ``show``), it writes nothing: the file
-    must exist, and its tables, indexes and columns are as an older release left them
-    (``key_origin`` read as none where it is missing). Opened for writing (the server's
+    Opened ``read_only`` (``sluice dlq list`` and ``show``), it changes no schema or
+    letter: the file must exist, and its tables, indexes and columns are as an older
+    release left them (``key_origin`` read as none where it is missing). Its bytes may
+    change all the same: closing the connection checkpoints a ``-wal`` file a writer left
+    (one killed) into the main file, the letters in it unchanged. Opened for writing (the server's
     store, ``replay``, ``delete``, ``purge``), it creates what is missing: creating the
     ``(tenant, id)`` index in a file from before it fails on a file Sluice may not write (a
     backup, a read-only volume) with ``attempt to write a readonly database``.
@@ -487,8 +489,9 @@ class DeadLetterFile:
 
     def _open(self) -> None:
         if self.read_only:
-            # mode=rw, not ro, as _reading: nothing created, and a read-only connection
-            # leaves the -wal and -shm files behind. SQLite reads a file it may not write.
+            # mode=rw, not ro, as _reading: no file created, and a read-only connection
+            # leaves the -wal and -shm files behind (so a -wal left here is checkpointed at
+            # close: bytes, not letters, change). SQLite reads a file it may not write.
             self._db = sqlite3.connect(f"file:{quote(self.path)}?mode=rw", uri=True,
                                        timeout=self._busy_timeout_ms / 1000,
                                        isolation_level=None, check_same_thread=False)
@@ -867,7 +870,8 @@ def check_dead_letter_file(path: str, busy_timeout_s: float = 5.0) -> None:
 @contextlib.contextmanager
 def _reading(path: str, busy_timeout_s: float) -> Iterator[sqlite3.Connection]:
     """A connection to the existing SQLite file at ``path`` that creates nothing when it
-    opens (no file, no table, no journal mode set), closed at the end of the block.
+    opens (no file, no table, no journal mode set), closed at the end of the block: it
+    changes no schema or letter (a ``-wal`` file left there is checkpointed at close).
 
     Raises:
         sqlite3.Error: there is no file there (``unable to open database file``).

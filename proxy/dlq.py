@@ -148,7 +148,8 @@ CLI_TIMEOUT_S = 5.0
 #: letter and its key, seconds.
 REPLAY_HOLD_MARGIN_S = 10.0
 #: Commands that only read: they open the file read-only, so they work on a file they may
-#: not write (a backup, a read-only volume) and never change one from an older release.
+#: not write (a backup, a read-only volume) and change no schema or letter of one from an
+#: older release (a ``-wal`` file a killed writer left is checkpointed into it at close).
 READ_ONLY_COMMANDS = frozenset({"list", "show"})
 
 
