@@ -117,9 +117,11 @@ CHECK_INTERRUPT_EVERY_S = 0.05
 #: waits ``WRITE_BUSY_TIMEOUT_S`` itself; some lock conflicts fail at once).
 RETRY_PAUSE_S = 0.05
 #: Most letters one write drops (SQLite: in its transaction; Redis: in its script,
-#: :mod:`policies.state.deadletters`), and about how many bytes of them; at least
-#: ``MIN_DROPS_PER_ADD`` (letters of 1 MiB, one dropped a write against the one added, never
-#: brought a store down to a lowered bound: a review). A ``max_records`` or
+#: :mod:`policies.state.deadletters`), for its tenant's share and the store's bound together,
+#: and about how many bytes of them; at least ``MIN_DROPS_PER_ADD`` whatever their bytes
+#: (letters of 1 MiB, one dropped a write against the one added, never brought a store down
+#: to a lowered bound: a review), counted across both, never on top of the budget (a review:
+#: the store's pass dropped 2 more after the tenant's had dropped 100). A ``max_records`` or
 #: ``max_records_per_tenant`` lowered far below what the store holds (at a restart) is
 #: reached over the next writes, this many more each: one write dropped 7,501 letters of
 #: 64 KiB in 2 s on SQLite, its caller waiting (a review), and a script blocks every
@@ -458,9 +460,11 @@ class DeadLetterFile:
     letter went into the deleted file, named in its answer's ``X-Sluice-Dead-Letter`` and
     found by no ``sluice dlq``.
 
-    Opened ``read_only`` (``sluice dlq list`` and ``show``), it writes nothing: the file
-    must exist, and its tables, indexes and columns are as an older release left them
-    (``key_origin`` read as none where it is missing). Opened for writing (the server's
+    Opened ``read_only`` (``sluice dlq list`` and ``show``), it changes no schema or
+    letter: the file must exist, and its tables, indexes and columns are as an older
+    release left them (``key_origin`` read as none where it is missing). Its bytes may
+    change all the same: closing the connection checkpoints a ``-wal`` file a writer left
+    (one killed) into the main file, the letters in it unchanged. Opened for writing (the server's
     store, ``replay``, ``delete``, ``purge``), it creates what is missing: creating the
     ``(tenant, id)`` index in a file from before it fails on a file Sluice may not write (a
     backup, a read-only volume) with ``attempt to write a readonly database``.
@@ -485,8 +489,9 @@ class DeadLetterFile:
 
     def _open(self) -> None:
         if self.read_only:
-            # mode=rw, not ro, as _reading: nothing created, and a read-only connection
-            # leaves the -wal and -shm files behind. SQLite reads a file it may not write.
+            # mode=rw, not ro, as _reading: no file created, and a read-only connection
+            # leaves the -wal and -shm files behind (so a -wal left here is checkpointed at
+            # close: bytes, not letters, change). SQLite reads a file it may not write.
             self._db = sqlite3.connect(f"file:{quote(self.path)}?mode=rw", uri=True,
                                        timeout=self._busy_timeout_ms / 1000,
                                        isolation_level=None, check_same_thread=False)
@@ -568,20 +573,21 @@ class DeadLetterFile:
             own = ({} if max_per_tenant is None
                    else self._drop_oldest_of(letter.tenant, max_per_tenant, drops))
             dropped = ({} if max_records is None else self._drop_oldest(
-                max_records, max(MAX_DROPS_PER_ADD - drops.count, MIN_DROPS_PER_ADD), drops))
+                max_records, MAX_DROPS_PER_ADD - drops.count, drops))
         return Added(int(cursor.lastrowid or 0), dropped, own)
 
     def _oldest(self, where: str, args: tuple[Any, ...], most: int,
                 drops: _Drops) -> tuple[int | None, dict[str, int]]:
         """Pick the oldest letters ``where`` (SQL on ``dead_letters``) selects to drop: up
         to ``most``, fewer once those this write dropped reach ``MAX_DROP_BYTES_PER_ADD``
-        bytes (``MIN_DROPS_PER_ADD`` of them at least), counted in ``drops``. Returns the
-        last one's id (``None``: none) and how many by route."""
+        bytes (unless the write dropped fewer than ``MIN_DROPS_PER_ADD`` in all), counted in
+        ``drops``. Returns the last one's id (``None``: none) and how many by route."""
         last, routes, picked = None, {}, 0
         for letter_id, route, size in self._db.execute(
                 f"SELECT id, route, {_LETTER_BYTES} FROM dead_letters WHERE {where}"
                 " ORDER BY id LIMIT ?", (*args, most)):
-            if drops.bytes >= MAX_DROP_BYTES_PER_ADD and picked >= MIN_DROPS_PER_ADD:
+            if (drops.bytes >= MAX_DROP_BYTES_PER_ADD
+                    and drops.count + picked >= MIN_DROPS_PER_ADD):
                 break
             last, picked = letter_id, picked + 1
             routes[route] = routes.get(route, 0) + 1
@@ -610,7 +616,7 @@ class DeadLetterFile:
         """Delete the oldest letters beyond the newest ``keep``, up to ``most``
         (:meth:`_oldest`); returns how many went, by route."""
         over = self._db.execute("SELECT COUNT(*) FROM dead_letters").fetchone()[0] - keep
-        if over <= 0:
+        if over <= 0 or most <= 0:
             return {}
         # Ids only grow, so the oldest letters are those up to the last one picked.
         last, dropped = self._oldest("1", (), min(over, most), drops)
@@ -864,7 +870,8 @@ def check_dead_letter_file(path: str, busy_timeout_s: float = 5.0) -> None:
 @contextlib.contextmanager
 def _reading(path: str, busy_timeout_s: float) -> Iterator[sqlite3.Connection]:
     """A connection to the existing SQLite file at ``path`` that creates nothing when it
-    opens (no file, no table, no journal mode set), closed at the end of the block.
+    opens (no file, no table, no journal mode set), closed at the end of the block: it
+    changes no schema or letter (a ``-wal`` file left there is checkpointed at close).
 
     Raises:
         sqlite3.Error: there is no file there (``unable to open database file``).

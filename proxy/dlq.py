@@ -148,7 +148,8 @@ CLI_TIMEOUT_S = 5.0
 #: letter and its key, seconds.
 REPLAY_HOLD_MARGIN_S = 10.0
 #: Commands that only read: they open the file read-only, so they work on a file they may
-#: not write (a backup, a read-only volume) and never change one from an older release.
+#: not write (a backup, a read-only volume) and change no schema or letter of one from an
+#: older release (a ``-wal`` file a killed writer left is checkpointed into it at close).
 READ_ONLY_COMMANDS = frozenset({"list", "show"})
 
 
@@ -394,16 +395,22 @@ def _shown(letter: DeadLetter, unmask: bool) -> dict[str, Any]:
     return dict([*items[:at], ("body_masked", masked), *items[at:]])
 
 
+def _unreadable_replay(letter_id: int | None, which: str, what: str, then: str) -> str:
+    """What ``list``, ``show`` and ``replay`` say of a replay record Sluice cannot read
+    (``which``: "its last replay"...; ``what``: what is wrong with it; ``then``: what the
+    next replay needs), printable: such a replay counts as one that may have been sent."""
+    return printable(f"dead letter {letter_id}: the record of {which} cannot be read "
+                     f"({what}); that replay may have reached the upstream; {then}")
+
+
 def _say_unreadable_replays(letter: DeadLetter) -> int:
     """Say on stderr which of ``letter``'s replays have a record Sluice cannot read, and
     what is wrong with each; the exit status of ``dlq show`` (1 when there is one)."""
     status = 0
     for number, replay in enumerate(letter.replays, 1):
         if UNREADABLE in replay:
-            print(printable(f"dead letter {letter.id}: the record of its replay #{number} "
-                            f"cannot be read ({replay[UNREADABLE]}); that replay may have "
-                            f"reached the upstream, so the next one needs --again"),
-                  file=sys.stderr)
+            print(_unreadable_replay(letter.id, f"its replay #{number}", replay[UNREADABLE],
+                                     "the next one needs --again"), file=sys.stderr)
             status = EXIT_FAILED
     return status
 
@@ -435,9 +442,8 @@ async def _list(store: DeadLetterStore | _FileStore, limit: int) -> int:
     status = 0
     for r in rows:
         if r["unreadable_replay"] is not None:
-            print(printable(f"dead letter {r['id']}: the record of its last replay cannot be "
-                            f"read ({r['unreadable_replay']}); that replay may have reached "
-                            f"the upstream, so the next one needs --again"), file=sys.stderr)
+            print(_unreadable_replay(r["id"], "its last replay", r["unreadable_replay"],
+                                     "the next one needs --again"), file=sys.stderr)
             status = EXIT_FAILED
     return status
 
@@ -500,10 +506,8 @@ async def _replay(config: Config, store: DeadLetterStore | _FileStore, letter: D
         # sending it again may do it twice (with no Idempotency-Key nothing dedups it).
         done = claim.replay or {}
         if UNREADABLE in done:
-            print(printable(f"dead letter {letter.id}: the record of one of its replays "
-                            f"cannot be read ({done[UNREADABLE]}), so that replay may have "
-                            f"reached the upstream; pass --again to send it once more"),
-                  file=sys.stderr)
+            print(_unreadable_replay(letter.id, "one of its replays", done[UNREADABLE],
+                                     "pass --again to send it once more"), file=sys.stderr)
             return EXIT_FAILED
         if done.get("error") == INTERRUPTED_AFTER_SEND:
             print(f"dead letter {letter.id} was replayed ({_when(done['at'])}) and that "

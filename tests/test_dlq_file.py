@@ -168,11 +168,11 @@ def cli_bound_by_file_modes(*args: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.parametrize("schema", [SCHEMA_BEFORE_TENANT_INDEX, SCHEMA_BEFORE_KEY_ORIGIN],
                          ids=["before-tenant-index", "before-key-origin"])
-def test_list_and_show_read_an_older_read_only_file_and_change_nothing(tmp_path, schema):
+def test_list_and_show_read_an_older_read_only_file_and_change_no_schema(tmp_path, schema):
     """``list`` and ``show`` only read: on a read-only file (a backup, a read-only volume)
     from before the ``(tenant, id)`` index, ``list`` failed with ``attempt to write a
     readonly database``, as opening the file created the index (a review). Both work, and
-    a file they may write is left as it was too."""
+    a file they may write keeps its schema too."""
     path = tmp_path / "dlq.sqlite"  # in a directory it may write
     older_file(path, schema)
     path.chmod(0o444)

@@ -17,10 +17,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import policies.deadletter
+import policies.state.deadletters
 from policies.config import DeadLetterConfig
 from policies.deadletter import CLAIMED, MISSING, Added, DeadLetterFile, DeadLetterQueue
 from policies.state import StateBackends
@@ -197,6 +198,34 @@ async def test_redis_letters_from_before_the_share_count_in_the_store_bound_only
     assert added.dropped == {"openai": 1} and await store.get(old[0]) is None
 
 
+@pytest.mark.parametrize("backends", ["redis", "cluster"], indirect=True)
+async def test_an_id_sluice_did_not_write_in_a_tenants_ids_is_skipped_not_failing_the_write(
+        backends: StateBackends):
+    """A member another program put in a tenant's ids ("abc", "-5", "1.5"): the script
+    failed at XRANGE '0-abc' after the letter was written and counted, so its caller was
+    told the letter was lost though it was stored. Now such a member is taken off and the
+    write completes, dropping the tenant's real oldest letter."""
+    store = backends.dead_letters
+    first = (await store.add(letter(tenant="t"), max_records=10, max_per_tenant=1)).id
+    redis = backends.redis
+    assert redis is not None
+    key = redis.key("dlq", "tenant") + ":t"
+
+    async def spoil(client: Any) -> None:
+        await client.zadd(key, {"abc": 0, "-5": 0, "1.5": 0, " 7": 0})
+
+    await redis.run(spoil)
+    added = await store.add(letter(tenant="t"), max_records=10, max_per_tenant=1)
+    assert added.tenant_dropped == {"openai": 1}
+    assert await tenants_held(store) == {"t": [added.id]}
+    assert await store.get(first) is None and await store.depth() == {"openai": 1}
+
+    async def members(client: Any) -> list[bytes]:
+        return await client.zrange(key, 0, -1)
+
+    assert await redis.run(members) == [str(added.id).encode()]
+
+
 def test_a_file_written_before_the_tenant_index_is_read_and_bounded(tmp_path):
     """A file from before the share has no ``(tenant, id)`` index: opening it adds one, and
     its letters count in their tenant's share."""
@@ -323,3 +352,68 @@ async def test_any_sequence_keeps_each_share_and_the_bound_dropping_each_tenants
                                                                        share)
     assert await store.purge() == len(kept(writes, max_records, share))
     assert await tenant_keys(backends) == []
+
+
+def kept_a_write_at_a_time(writes: list[tuple[int, str, int, int]], most: int
+                           ) -> tuple[list[int], list[int]]:
+    """The ids the rules keep, oldest first, when one write drops ``most`` letters at most
+    (its tenant's oldest first, then the oldest overall with what is left), and how many
+    each write dropped (``writes``: id, tenant, max_records and share of each, in order)."""
+    held: list[tuple[int, str]] = []
+    counts = []
+    for n, tenant, max_records, share in writes:
+        held.append((n, tenant))
+        mine = [w for w in held if w[1] == tenant]
+        own = mine[:min(most, max(0, len(mine) - share))]
+        for gone in own:
+            held.remove(gone)
+        over = min(most - len(own), max(0, len(held) - max_records))
+        del held[:over]
+        counts.append(len(own) + over)
+    return [n for n, _ in held], counts
+
+
+LOWERED = st.lists(st.tuples(st.sampled_from("ab"), st.integers(1, 12), st.integers(1, 12)),
+                   min_size=1, max_size=30)
+
+
+@STORES
+@settings(max_examples=40, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(LOWERED)
+@example([("b", 12, 12)] + [("a", 12, 12)] * 7 + [("a", 1, 1)])
+async def test_one_write_drops_at_most_the_stated_number_however_far_both_bounds_are_lowered(
+        store: Any, backends: StateBackends, sequence: list[tuple[str, int, int]]):
+    """A review: with a tenant's share and max_records both lowered, the store's pass still
+    dropped MIN_DROPS_PER_ADD after the tenant's had used the write's budget (102 letters,
+    or 4 x 1 MiB). Each write here has its own bounds (raised, lowered), the budget cut to
+    3 letters."""
+    most = 3
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(policies.deadletter, "MAX_DROPS_PER_ADD", most)
+        patch.setattr(policies.state.deadletters, "MAX_DROPS_PER_ADD", most)
+        await store.purge()
+        writes: list[tuple[int, str, int, int]] = []
+        for tenant, max_records, share in sequence:
+            added = await store.add(letter(tenant=tenant), max_records=max_records,
+                                    max_per_tenant=share)
+            writes.append((added.id, tenant, max_records, share))
+            ids, counts = kept_a_write_at_a_time(writes, most)
+            dropped = sum(added.dropped.values()) + sum(added.tenant_dropped.values())
+            assert dropped == counts[-1] <= most, (dropped, counts[-1])
+            assert sorted(n for held in (await tenants_held(store)).values()
+                          for n in held) == ids
+        assert await store.purge() == len(ids)
+    assert await tenant_keys(backends) == []
+
+
+@pytest.mark.parametrize(("kind", "backends"), [("sqlite", "memory"), ("redis", "redis")],
+                         indirect=["backends"])
+async def test_one_write_drops_about_a_mib_with_both_bounds_lowered(store: Any):
+    """The bytes bound across both passes: the store's pass dropped MIN_DROPS_PER_ADD more
+    letters after the tenant's had read its mebibyte (4 letters of 1 MiB in one write)."""
+    big = b"x" * (600 << 10)
+    for _ in range(8):
+        await store.add(letter(tenant="b", body=big, body_size=len(big)))
+    added = await store.add(letter(tenant="b"), max_records=2, max_per_tenant=1)
+    assert (added.tenant_dropped, added.dropped) == ({"openai": 2}, {})

@@ -276,10 +276,11 @@ class Deadline:
 # ``float_field(v, what)`` and ``int_field(v, what)`` read a hash field the script will then
 # change with HINCRBYFLOAT or HINCRBY (absent: 0), and fail unless Redis will take it: only
 # plain decimals, finite and far from overflow (num() took " 5 " and "0x10", which HINCRBY
-# refuses). A script that writes several keys reads every value it will write through these
-# before its first write: Redis does not roll a script back, so a refusal midway left the
-# writes before it, which a caller sending the call again applied again (a hostile review:
-# a settle charged 28 for a true 7 after four retries).
+# refuses). ``whole(v)`` is int_field's test without the failure (a string only). A script
+# that writes several keys reads every value it will write through these before its first
+# write: Redis does not roll a script back, so a refusal midway left the writes before it,
+# which a caller sending the call again applied again (a hostile review: a settle charged 28
+# for a true 7 after four retries).
 DECODE_LUA = f"""
 local function bad(what, why)
   error({{err = '{BAD_RECORD} ' .. what .. ' ' .. why}})
@@ -303,9 +304,12 @@ local function float_field(v, what)
   if n == nil then bad(what, 'holds a non-number') end
   return n
 end
+local function whole(v)
+  return string.find(v, '^%-?%d+$') ~= nil and #v <= 18
+end
 local function int_field(v, what)
   if not v then return 0 end
-  if not string.find(v, '^%-?%d+$') or #v > 18 then bad(what, 'holds a non-integer') end
+  if not whole(v) then bad(what, 'holds a non-integer') end
   return tonumber(v)
 end
 local function decoded(raw, what)

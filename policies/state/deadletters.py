@@ -159,12 +159,16 @@ class MemoryDeadLetterStore:
         # ids only grow: insertion order is age
         own = self._tenants.setdefault(letter.tenant, {})
         own[self._next] = None
+        # As the other stores: MAX_DROPS_PER_ADD letters a write in all (no bytes counted).
+        budget = MAX_DROPS_PER_ADD
         tenant_dropped: dict[str, int] = {}
-        while max_per_tenant is not None and len(own) > max_per_tenant:
+        while max_per_tenant is not None and len(own) > max_per_tenant and budget > 0:
+            budget -= 1
             route = self._drop(next(iter(own)))
             tenant_dropped[route] = tenant_dropped.get(route, 0) + 1
         dropped: dict[str, int] = {}
-        while max_records is not None and len(self._letters) > max_records:
+        while max_records is not None and len(self._letters) > max_records and budget > 0:
+            budget -= 1
             route = self._drop(next(iter(self._letters)))
             dropped[route] = dropped.get(route, 0) + 1
         return Added(self._next, dropped, tenant_dropped)
@@ -270,7 +274,8 @@ _ADD = Script("""
 -- Everything written is checked before the first write (Redis does not roll a script back):
 -- the sequence is an integer INCR takes ("1.5", " 5 " and "1e3" passed tonumber() and then
 -- failed INCR with an unclassified error), the stream a stream, the depths integers, the
--- tenant's ids a sorted set.
+-- tenant's ids a sorted set. Its members are read after the writes: one that is no id
+-- (another program's) is taken off there, not read as one.
 int_field(redis.call('GET', KEYS[2]), "the dead letters' sequence")
 local kind = redis.call('TYPE', KEYS[1])['ok']
 if kind ~= 'stream' and kind ~= 'none' then bad("the dead letters' stream", 'is no stream') end
@@ -310,7 +315,8 @@ local budget = tonumber(ARGV[3])
 local most_read, fewest = tonumber(ARGV[8]), tonumber(ARGV[9])
 -- The tenant's share first: its own oldest letters go. One at a time, up to ARGV[3] of them
 -- or ARGV[8] bytes (at least ARGV[9] letters, as below); an id whose letter is gone (a purge
--- under way walks it) is only taken off.
+-- under way walks it), or a member that is no id, is only taken off: XRANGE '0-abc' failed
+-- the script after the letter was written, its caller told it was lost (a review).
 local own = {}
 local share = tonumber(ARGV[7])
 local k = 0
@@ -318,7 +324,8 @@ while share > 0 and k < budget and redis.call('ZCARD', KEYS[4]) > share do
   if read >= most_read and k >= fewest then break end
   k = k + 1
   local n = redis.call('ZPOPMIN', KEYS[4])[1]
-  local e = redis.call('XRANGE', KEYS[1], '0-' .. n, '0-' .. n)[1]
+  local e = whole(n) and tonumber(n) > 0
+    and redis.call('XRANGE', KEYS[1], '0-' .. n, '0-' .. n)[1]
   local route = e and drop(e, true)
   if route then own[#own + 1] = route end
 end
@@ -329,10 +336,11 @@ local over = redis.call('XLEN', KEYS[1]) - keep
 if keep > 0 and over > 0 then
   -- One entry at a time, up to what is left of ARGV[3] or ARGV[8] bytes read in all: a
   -- read copies bodies too.
-  for j = 1, math.min(over, math.max(budget, fewest)) do
-    -- At least ARGV[9]: one letter of 1 MiB a write, against the one added, never shrank the
-    -- stream to a lowered bound (a review).
-    if read >= most_read and j > fewest then break end
+  for j = 1, math.min(over, budget) do
+    -- At least ARGV[9] in all (the tenant's pass's too, never past ARGV[3]): one letter of
+    -- 1 MiB a write, against the one added, never shrank the stream to a lowered bound (a
+    -- review).
+    if read >= most_read and k + j > fewest then break end
     local e = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', 1)[1]
     if not e then break end
     local route = drop(e, false)
