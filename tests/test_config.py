@@ -31,7 +31,7 @@ ROUTE = ("routes:\n"
          "  - name: openai\n"
          "    path_prefix: /openai/\n"
          "    upstream: https://api.openai.com\n")
-TYPO = "(a typo here would silently disable a limit)"
+TYPO = "(a typo here would otherwise be silently ignored)"
 NOT_A_DURATION = "is not a duration: write a number and a unit, e.g. 250ms, 5s, 10m, 24h"
 NOT_A_RATE = "is not a rate: write N/s, N/min, N/h or N/day, e.g. 600/min"
 NOT_A_URL = "must be an http:// or https:// base URL with no query or fragment"
@@ -51,6 +51,9 @@ YAML11_BOOL = ("is a boolean to YAML 1.1 readers and a string to YAML 1.2: "
 BAD_FILES = [
     ("unknown top-level key", "servr:\n  listen: 127.0.0.1:8080\n" + ROUTE,
      [f"{{f}}:1: servr: unknown key {TYPO}; did you mean server?"]),
+    # Said of any key: server.listen is no limit (it said "would silently disable a limit").
+    ("unknown server key", "server:\n  lisen: 127.0.0.1:8080\n" + ROUTE,
+     [f"{{f}}:2: server.lisen: unknown key {TYPO}; did you mean listen?"]),
     ("unknown route key", ROUTE + "    concurency: {limit: 2}\n",
      [f"{{f}}:5: routes[0].concurency: unknown key {TYPO}; did you mean concurrency?"]),
     ("unknown nested key", ROUTE + "    concurrency:\n      limit: 2\n      max_wiat: 5s\n",
