@@ -431,6 +431,27 @@ def _variable_in_upstream(value: str) -> str | None:
             "reads it (e.g. envsubst); a password holding ${ writes its $ as %24")
 
 
+def _not_a_base_url(value: str) -> str:
+    """Why the upstream ``value`` is not an ``http(s)://`` base URL with no query or fragment:
+    a blank in one named where it is (``http://exa mple.com`` was told only the rule, a new
+    user's trial), else the rule. Never quotes the user info."""
+    shown = repr(_without_userinfo(value))
+    scheme = re.match(r"\s*https?://", value)
+    blank = re.search(r"\s", value)
+    if scheme is None or blank is None:
+        return f"{shown} must be an http:// or https:// base URL with no query or fragment"
+    what = {"\t": "a tab", "\n": "a line break", "\r": "a line break"}.get(blank.group(),
+                                                                         "a space")
+    if value != value.strip():
+        return f"{shown} starts or ends with {what}: leave it out"
+    authority = re.match(r"[^/?#]*", value[scheme.end():]).group()  # type: ignore[union-attr]
+    if blank.start() >= scheme.end() + len(authority):
+        return f"{shown} has {what} after its host, which a URL cannot hold: write it %20"
+    if blank.start() < scheme.end() + authority.rfind("@") + 1:
+        return f"{shown} has {what} in its user info, which a URL cannot hold: write it %20"
+    return f"{shown} has {what} in its host or port, which neither can hold"
+
+
 def _unusable_upstream(value: str) -> str | None:
     """Why aiohttp would refuse every request to the upstream base URL ``value`` (already
     an ``http(s)://`` URL with a host and a valid port), else ``None``: what it does at the
@@ -1190,10 +1211,7 @@ class RouteConfig(_Section):
         # Checked here, not at the first request: aiohttp refuses a bad port or host only
         # when it connects, and every call would then fail 502.
         if not re.match(r"^https?://[^/?#\s]+(/[^?#\s]*)?$", value):
-            raise ValueError(
-                f"{_without_userinfo(value)!r} must be an http:// or https:// base URL with no "
-                "query or fragment"
-            )
+            raise ValueError(_not_a_base_url(value))
         variable = _variable_in_upstream(value)  # before the port: ${PORT} is no number
         if variable is not None:
             raise ValueError(variable)

@@ -449,7 +449,7 @@ def _message(item: dict) -> str:
     """pydantic's words for an error, where no plainer ones are known."""
     if item["type"] == "extra_forbidden":
         loc = item["loc"]
-        return ("unknown key (a typo here would silently disable a limit)"
+        return ("unknown key (a typo here would otherwise be silently ignored)"
                 + _suggestion(str(loc[-1]), _block_at(loc[:-1])))
     if item["type"] == "missing":
         return "required key is missing"

@@ -391,8 +391,14 @@ class Reloader:
             section = _get(running, path[:-1])
             if type(section).model_fields[path[-1]].repr:
                 value = _get(running, path)
-                # The restart-only floats are durations: "4s" as written, not "4.0".
-                shown = f"{value:g}s" if isinstance(value, float) else repr(value)
+                # The restart-only floats are durations: "4s" as written, not "4.0"; a key
+                # left out is "unset", not Python's "None" (a new user's trial).
+                if value is None:
+                    shown = "unset"
+                elif isinstance(value, float):
+                    shown = f"{value:g}s"
+                else:
+                    shown = repr(value)
                 log.warning("config reload: %s changed but cannot change while running; "
                             "still %s until a restart", key, shown)
             else:  # a value kept out of reprs (state.redis_url may hold a password)

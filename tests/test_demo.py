@@ -13,10 +13,13 @@ import pytest
 from aiohttp import web
 
 from proxy.demo import fakellm
+from proxy.demo.cli import NO_PLOT
 from proxy.demo.fleet import ABANDONED, Fleet, FleetRun
 from proxy.demo.report import answers_line
 from proxy.demo.storm import ModeResult
 from tests.conftest import REPO, serve_app
+
+README = (REPO / "README.md").read_text()
 
 
 async def test_demo_quick_prints_the_comparison_and_sluice_cuts_amplification(tmp_path: Path):
@@ -55,7 +58,7 @@ async def test_demo_quick_prints_the_comparison_and_sluice_cuts_amplification(tm
         assert shown == total and sum(counts) == int(total.replace(",", "")), (line, total)
     assert "Upstream attempts per unit of work:" in text
     assert f"Full record: {record}" in text
-    assert f"Plot: {plot}" in text or "No plot: matplotlib is not installed" in text
+    assert f"Plot: {plot}" in text or NO_PLOT in text
     if f"Plot: {plot}" in text:
         assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -68,6 +71,15 @@ async def test_demo_quick_prints_the_comparison_and_sluice_cuts_amplification(tm
     assert sluice["amplification"] < direct["amplification"]
     # Its working files (configs, logs, event log, dead letters) are gone.
     assert list(scratch.iterdir()) == []
+
+
+def test_the_no_plot_hint_gives_the_readmes_install_command():
+    """Seen (new-user trial): the hint said ``pip install '.[bench]'``, the README's demo
+    section ``.venv/bin/pip install -e '.[bench]'``."""
+    demo = README.split("\n## See it work: `sluice demo`\n", 1)[1].split("\n## ", 1)[0]
+    (said,) = re.findall(r"`([^`]*pip install[^`]*)`", demo)
+    command = NO_PLOT.split("repository: ", 1)[1].split(";", 1)[0]
+    assert command == said
 
 
 def test_the_fake_providers_docstring_names_the_options_it_takes(capsys):

@@ -224,6 +224,17 @@ async def test_an_in_place_copy_that_keeps_size_and_mtime_is_applied(upstream, s
     assert await sluice.metric("sluice_config_reloads_total") == 1
 
 
+async def test_a_held_key_that_was_unset_is_said_unset(upstream, start_sluice):
+    """A new user's trial: the log read "dead_letter.max_records_per_tenant changed ... still
+    None until a restart"."""
+    sluice = await start_sluice({"routes": [route("llm", upstream.url)]})
+    rewrite(sluice.config_path,
+            lambda data: data["dead_letter"].update(max_records_per_tenant=50))
+    await sluice.wait_metric("sluice_config_reloads_total", 1)
+    await until(lambda: "config reload: dead_letter.max_records_per_tenant changed but cannot "
+                "change while running; still unset until a restart" in sluice.stderr())
+
+
 async def test_sighup_reloads_and_listeners_stay_put(upstream, start_sluice):
     sluice = await start_sluice({"routes": [route("llm", upstream.url)]})
     # The file as in force: nothing to apply (a hostile trial: every SIGHUP rebuilt it all).

@@ -2,7 +2,7 @@
 
 Prints what it is about to do, a progress line while each run goes, then the side-by-side
 result, the per-phase figures, what the agents' requests got back, and where the plot (only
-with matplotlib installed: ``pip install '.[bench]'`` from a clone) and, with ``--json``, the full
+with matplotlib installed: :data:`NO_PLOT` says how) and, with ``--json``, the full
 record were written. Exit status 0 when both runs completed, 1 if one could not be run.
 """
 
@@ -19,6 +19,12 @@ from typing import TextIO
 
 from proxy.demo import report
 from proxy.demo.storm import FULL, QUICK, ModeResult, Scenario, record, run_storm, summarise
+
+#: Said when matplotlib is missing. The command is the README's (a new user's trial: this said
+#: ``pip install '.[bench]'``, the README ``.venv/bin/pip install -e '.[bench]'``).
+NO_PLOT = ("No plot: matplotlib is not installed (from a clone of Sluice's repository: "
+           ".venv/bin/pip install -e '.[bench]'; the package called sluice on PyPI is another "
+           "project).")
 
 
 def _intro(scenario: Scenario, out: TextIO) -> None:
@@ -140,9 +146,7 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
         return 0
     written = report.plot(results, scenario, Path(args.plot))
     if written is None:
-        print("No plot: matplotlib is not installed (from a clone of Sluice's repository: "
-              "pip install '.[bench]'; the package called sluice on PyPI is another project).",
-              file=out)
+        print(NO_PLOT, file=out)
     else:
         print(f"Plot: {written}", file=out)
     return 0
