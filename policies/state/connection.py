@@ -421,9 +421,14 @@ class RedisState:
         """
         with contextlib.suppress(StateUnavailable):
             await self.probe()
+        # The first eviction read is awaited here, later ones run beside the probe: one left
+        # running as calls start opened a second pooled connection whose first connect a
+        # Redis restart could fail, so the restart, seen only as a connection connecting
+        # again, went unnoticed and the leases it lost were not taken again (a regression
+        # hunt). At most max(state.timeout, READ_TIMEOUT_S) more at start.
+        await self.check_eviction()
         if self._monitor is None:
             self._monitor = asyncio.create_task(self._watch(), name="sluice-state-probe")
-        self._start_eviction_read()
 
     async def close(self) -> None:
         """Stop the probe and the notifier, and close every connection."""
