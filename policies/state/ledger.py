@@ -427,13 +427,15 @@ end
 -- Checks every counter a settle of rec writes to (and answers the level of) before the
 -- first write: Redis does not roll a script back, and a settle that added the spend to its
 -- first counter and then failed on the second was sent again, and charged again, at every
--- kick of the reconciler (a hostile review).
+-- kick of the reconciler (a hostile review). counter_checked: one counter, as
+-- HINCRBYFLOAT will take its fields (absent: 0).
+local function counter_checked(key)
+  local v = redis.call('HMGET', key, 's', 'h')
+  float_field(v[1], 'a budget counter')
+  float_field(v[2], 'a budget counter')
+end
 local function settleable(rec)
-  for _, c in ipairs(rec.c) do
-    local v = redis.call('HMGET', c[1], 's', 'h')
-    float_field(v[1], 'a budget counter')
-    float_field(v[2], 'a budget counter')
-  end
+  for _, c in ipairs(rec.c) do counter_checked(c[1]) end
 end
 local function settle(resv, exp, rid, a)
   local raw = redis.call('HGET', resv, rid)
@@ -518,11 +520,8 @@ return settle_levels(KEYS[1], KEYS[2], ARGV[1], 1, tonumber(ARGV[#ARGV - 1]),
 
 # KEYS: counters. ARGV: per counter, amount and TTL ms.
 _CHARGE = Script(LEDGER_LUA + """
-for i = 1, #KEYS do  -- every counter checked before the first write (see settleable)
-  local v = redis.call('HMGET', KEYS[i], 's', 'h')
-  float_field(v[1], 'a budget counter')
-  float_field(v[2], 'a budget counter')
-end
+-- every counter checked before the first write (see settleable)
+for i = 1, #KEYS do counter_checked(KEYS[i]) end
 for i = 1, #KEYS do
   redis.call('HINCRBYFLOAT', KEYS[i], 's', ARGV[2 * i - 1])
   extend(KEYS[i], tonumber(ARGV[2 * i]))
