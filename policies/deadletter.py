@@ -571,7 +571,8 @@ class DeadLetterFile:
             )
             drops = _Drops()
             own = ({} if max_per_tenant is None
-                   else self._drop_oldest_of(letter.tenant, max_per_tenant, drops))
+                   else self._drop_oldest(max_per_tenant, MAX_DROPS_PER_ADD, drops,
+                                          letter.tenant))
             dropped = ({} if max_records is None else self._drop_oldest(
                 max_records, MAX_DROPS_PER_ADD - drops.count, drops))
         return Added(int(cursor.lastrowid or 0), dropped, own)
@@ -595,34 +596,24 @@ class DeadLetterFile:
         drops.count += picked
         return last, routes
 
-    def _drop_oldest_of(self, tenant: str, keep: int, drops: _Drops) -> dict[str, int]:
-        """Delete the oldest letters of ``tenant`` beyond the newest ``keep``, up to
-        ``MAX_DROPS_PER_ADD`` (:meth:`_oldest`); returns how many went, by route. Read
-        through the ``(tenant, id)`` index, which opening a file for writing creates."""
-        over = self._db.execute("SELECT COUNT(*) FROM dead_letters WHERE tenant = ?",
-                                (tenant,)).fetchone()[0] - keep
-        if over <= 0:
-            return {}
-        last, dropped = self._oldest("tenant = ?", (tenant,), min(over, MAX_DROPS_PER_ADD),
-                                     drops)
-        gone = "SELECT id FROM dead_letters WHERE tenant = ? AND id <= ?"
-        self._db.execute(f"DELETE FROM replays WHERE dead_letter_id IN ({gone})", (tenant, last))
-        self._db.execute(f"DELETE FROM replay_claims WHERE dead_letter_id IN ({gone})",
-                         (tenant, last))
-        self._db.execute("DELETE FROM dead_letters WHERE tenant = ? AND id <= ?", (tenant, last))
-        return dropped
-
-    def _drop_oldest(self, keep: int, most: int, drops: _Drops) -> dict[str, int]:
-        """Delete the oldest letters beyond the newest ``keep``, up to ``most``
-        (:meth:`_oldest`); returns how many went, by route."""
-        over = self._db.execute("SELECT COUNT(*) FROM dead_letters").fetchone()[0] - keep
+    def _drop_oldest(self, keep: int, most: int, drops: _Drops,
+                     tenant: str | None = None) -> dict[str, int]:
+        """Delete the oldest letters beyond the newest ``keep``, of ``tenant`` (read through
+        the ``(tenant, id)`` index, which opening a file for writing creates) or, ``None``,
+        of the whole store, up to ``most`` (:meth:`_oldest`); returns how many went, by
+        route."""
+        where, args = ("1", ()) if tenant is None else ("tenant = ?", (tenant,))
+        over = self._db.execute(f"SELECT COUNT(*) FROM dead_letters WHERE {where}",
+                                args).fetchone()[0] - keep
         if over <= 0 or most <= 0:
             return {}
         # Ids only grow, so the oldest letters are those up to the last one picked.
-        last, dropped = self._oldest("1", (), min(over, most), drops)
-        self._db.execute("DELETE FROM dead_letters WHERE id <= ?", (last,))
-        self._db.execute("DELETE FROM replays WHERE dead_letter_id <= ?", (last,))
-        self._db.execute("DELETE FROM replay_claims WHERE dead_letter_id <= ?", (last,))
+        last, dropped = self._oldest(where, args, min(over, most), drops)
+        gone = f"SELECT id FROM dead_letters WHERE {where} AND id <= ?"
+        for table in ("replays", "replay_claims"):
+            self._db.execute(f"DELETE FROM {table} WHERE dead_letter_id IN ({gone})",
+                             (*args, last))
+        self._db.execute(f"DELETE FROM dead_letters WHERE {where} AND id <= ?", (*args, last))
         return dropped
 
     def depth(self) -> dict[str, int]:
