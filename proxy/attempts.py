@@ -413,16 +413,17 @@ def _task_watch(rt: Runtime, route: Route, call: Call, poll: tuple[Any, str] | N
     which parses only the events naming that method). ``None`` when there is nothing to
     look for."""
     session = call.headers.get(SESSION_HEADER)
-    on_task_end = rt.tasks.watcher(route.name, session, call.tenant)
+    # The watcher (a closure) is built only for a watch that uses it: most SSE answers of
+    # an MCP route have no task to look for.
     if poll is not None:
         watch = AnswerTracker(response.headers.get("Content-Type"),
                               call.rpc_id if call.rpc_id is not None else _NO_RESPONSE_ID)
         if sse:
-            watch.on_task_end = on_task_end
+            watch.on_task_end = rt.tasks.watcher(route.name, session, call.tenant)
         return watch
     # A session's GET stream opens before its tasks do: read while it lasts, for them.
     if sse and ((call.method == "GET" and session) or rt.tasks.watches(route.name, session)):
-        return TaskStatusWatch(on_task_end)
+        return TaskStatusWatch(rt.tasks.watcher(route.name, session, call.tenant))
     return None
 
 
