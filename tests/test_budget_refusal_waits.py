@@ -35,31 +35,35 @@ def held_for(b: Budgets, monotonic: Clock) -> None:
     b.holds = HoldTimes(monotonic)
 
 
+async def refused(b: Budgets, tenant: str, prompt: int, completion: int) -> Rejected:
+    """What ``b`` refuses a call of ``tenant``'s to model ``m`` with (it must refuse)."""
+    with pytest.raises(Rejected) as denied:
+        await b.reserve(tenant, None, "m", prompt, completion)
+    return denied.value
+
+
 async def test_calls_in_flight_holding_the_room_are_waited_for_as_long_as_they_run():
     clock, monotonic = Clock(at("2026-03-01 12:00:00")), Clock(100.0)
     b = budgets(clock, {"tokens": "1000/h", "per": "tenant"})
     held_for(b, monotonic)
     held = await b.reserve("t", None, "m", 100, 700)
     monotonic.now += 3  # running 3 s, nothing ended yet: at least that long
-    with pytest.raises(Rejected) as denied:
-        await b.reserve("t", None, "m", 100, 200)
-    assert denied.value.retry_after == 3
+    denied = await refused(b, "t", 100, 200)
+    assert denied.retry_after == 3
     monotonic.now += 5
     b.settle(held, Usage(100, 50))  # an 8 s call
     held = await b.reserve("t", None, "m", 100, 700)
     monotonic.now += 0.5
-    with pytest.raises(Rejected) as denied:
-        await b.reserve("t", None, "m", 100, 200)
-    assert denied.value.retry_after == 7.5  # the mean call, less the 0.5 s it has run
-    headers = rejection_headers(denied.value)
+    denied = await refused(b, "t", 100, 200)
+    assert denied.retry_after == 7.5  # the mean call, less the 0.5 s it has run
+    headers = rejection_headers(denied)
     assert (headers["Retry-After"], headers["x-should-retry"]) == ("8", "true")
     # A tenant none of whose calls has ended here is judged by the limit's calls: its call of
     # 30 s has run past their 8 s, so its end is due.
     other = await b.reserve("u", None, "m", 100, 700)
     monotonic.now += 30
-    with pytest.raises(Rejected) as denied:
-        await b.reserve("u", None, "m", 100, 200)
-    assert denied.value.retry_after == 1
+    denied = await refused(b, "u", 100, 200)
+    assert denied.retry_after == 1
     b.settle(other, None)
     b.settle(held, None)
 
@@ -79,10 +83,9 @@ async def test_one_call_stuck_in_flight_does_not_set_the_wait_younger_ones_free(
     monotonic.now += 3600
     young = [await b.reserve("t", None, "m", 100, 50) for _ in range(3)]
     monotonic.now += 0.1
-    with pytest.raises(Rejected) as denied:
-        await b.reserve("t", None, "m", 100, 300)
-    assert denied.value.retry_after == 1  # the young calls' end is near: the least wait
-    assert rejection_headers(denied.value)["x-should-retry"] == "true"
+    denied = await refused(b, "t", 100, 300)
+    assert denied.retry_after == 1  # the young calls' end is near: the least wait
+    assert rejection_headers(denied)["x-should-retry"] == "true"
     for reservation in (stuck, *young):
         b.settle(reservation, None)
 
@@ -93,10 +96,9 @@ async def test_a_wait_for_calls_in_flight_stays_within_what_the_sdks_honour():
     held_for(b, monotonic)
     held = await b.reserve("t", None, "m", 100, 800)
     monotonic.now += 3600  # its mean unknown, the call has run an hour
-    with pytest.raises(Rejected) as denied:
-        await b.reserve("t", None, "m", 100, 200)
-    assert denied.value.retry_after == 60
-    assert rejection_headers(denied.value)["x-should-retry"] == "true"
+    denied = await refused(b, "t", 100, 200)
+    assert denied.retry_after == 60
+    assert rejection_headers(denied)["x-should-retry"] == "true"
     b.settle(held, None)
 
 
@@ -106,11 +108,9 @@ async def test_calls_in_flight_before_midnight_are_waited_for_until_the_day_ends
     held_for(b, monotonic)
     held = await b.reserve("t", None, "m", 30, 400)
     monotonic.now += 10
-    with pytest.raises(Rejected) as denied:
-        await b.reserve("t", None, "m", 30, 100)
-    assert denied.value.retry_after == 6  # midnight, sooner than the call's end
+    denied = await refused(b, "t", 30, 100)
+    assert denied.retry_after == 6  # midnight, sooner than the call's end
     b.settle(held, None)
-
 
 
 async def test_one_tenants_slow_calls_do_not_set_anothers_wait():
@@ -127,9 +127,8 @@ async def test_one_tenants_slow_calls_do_not_set_anothers_wait():
     b.settle(fast, Usage(10, 10))
     held = await b.reserve("b", None, "m", 100, 800)
     monotonic.now += 0.2
-    with pytest.raises(Rejected) as denied:
-        await b.reserve("b", None, "m", 100, 200)
-    assert denied.value.retry_after == 1  # b's own calls: 1 s, 0.2 s of it run
+    denied = await refused(b, "b", 100, 200)
+    assert denied.retry_after == 1  # b's own calls: 1 s, 0.2 s of it run
     b.settle(held, None)
 
 
@@ -145,7 +144,6 @@ async def test_a_new_window_keeps_what_the_limits_calls_take():
     clock.now = at("2026-03-01 12:01:05")
     held = await b.reserve("t", None, "m", 100, 700)
     monotonic.now += 0.5
-    with pytest.raises(Rejected) as denied:
-        await b.reserve("t", None, "m", 100, 200)
-    assert denied.value.retry_after == 7.5
+    denied = await refused(b, "t", 100, 200)
+    assert denied.retry_after == 7.5
     b.settle(held, None)

@@ -265,6 +265,20 @@ async def test_a_turn_handed_to_a_caller_that_left_is_handed_on() -> None:
     assert order == ["after"]
 
 
+def count_large_parses(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The length of each large body ``bodies.loads`` parses from now on, in order."""
+    parsed: list[int] = []
+    loads = bodies.loads
+
+    def counted_loads(body: Any, *args: Any) -> Any:
+        if len(body) >= LARGE_BODY_BYTES:
+            parsed.append(len(body))
+        return loads(body, *args)
+
+    monkeypatch.setattr(bodies, "loads", counted_loads)
+    return parsed
+
+
 async def test_a_large_call_refused_or_failed_is_not_parsed_again_for_its_error(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Its error answer carries the request's id, read when the request was parsed: each
@@ -280,15 +294,7 @@ async def test_a_large_call_refused_or_failed_is_not_parsed_again_for_its_error(
         events={"path": str(tmp_path / "events.jsonl")},
         dead_letter={"path": str(tmp_path / "dlq.sqlite")})
     runner, port = await serve_runtime(runtime)
-    parsed: list[int] = []
-    loads = bodies.loads
-
-    def counted_loads(body: Any, *args: Any) -> Any:
-        if len(body) >= LARGE_BODY_BYTES:
-            parsed.append(len(body))
-        return loads(body, *args)
-
-    monkeypatch.setattr(bodies, "loads", counted_loads)
+    parsed = count_large_parses(monkeypatch)
     answers = []
     try:
         async with aiohttp.ClientSession() as session:
@@ -320,15 +326,7 @@ async def test_a_large_invalid_body_or_notification_is_not_parsed_again_for_its_
         events={"path": str(tmp_path / "events.jsonl")},
         dead_letter={"path": str(tmp_path / "dlq.sqlite")})
     runner, port = await serve_runtime(runtime)
-    parsed: list[int] = []
-    loads = bodies.loads
-
-    def counted_loads(body: Any, *args: Any) -> Any:
-        if len(body) >= LARGE_BODY_BYTES:
-            parsed.append(len(body))
-        return loads(body, *args)
-
-    monkeypatch.setattr(bodies, "loads", counted_loads)
+    parsed = count_large_parses(monkeypatch)
     arguments = {"a": [{"a": 1}] * 170_000}
     messages = [  # a tools/call whose params.name is no string: 400, with its id
         {"jsonrpc": "2.0", "id": 7, "method": "tools/call",

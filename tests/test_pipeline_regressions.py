@@ -12,7 +12,7 @@ import contextlib
 import socket
 import tempfile
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import aiohttp
 import orjson
@@ -25,6 +25,7 @@ from policies.deadletter import Attempt, DeadLetter, DeadLetterQueue
 from policies.state.rate import Take
 from proxy import forward
 from proxy.config import parse_config
+from proxy.events import EventLog
 from proxy.runtime import Runtime
 from proxy.server import build_proxy_server
 from tests.fakeupstream import FakeUpstream
@@ -102,6 +103,22 @@ def emitted(runtime: Runtime, event: str) -> list[dict]:
     return [record for record in flushed + buffered if record["event"] == event]
 
 
+def raise_at_admission(monkeypatch: pytest.MonkeyPatch, events: EventLog,
+                       message: str) -> Callable[..., None]:
+    """Make ``events`` raise ``ValueError(message)`` as it logs a call's ``admitted`` (a
+    fault of Sluice's own once the slot, budget and key are taken); its real ``emit``
+    returned."""
+    real_emit = events.emit
+
+    def emit(event: str, *args: object, **fields: object) -> None:
+        if event == "admitted":
+            raise ValueError(message)
+        real_emit(event, *args, **fields)
+
+    monkeypatch.setattr(events, "emit", emit)
+    return real_emit
+
+
 async def test_an_exception_after_admission_gives_back_the_slot_the_budget_and_the_key(
         upstream: FakeUpstream, monkeypatch: pytest.MonkeyPatch) -> None:
     # Seen: the event log refused a header value after the slot, the reservation and the
@@ -118,14 +135,8 @@ routes:
 """
     async with proxy(config) as sluice, aiohttp.ClientSession() as session:
         events = sluice.runtime.events
-        real_emit = events.emit
-
-        def emit(event: str, *args: object, **fields: object) -> None:
-            if event == "admitted":
-                raise ValueError("str is not valid UTF-8: surrogates not allowed")
-            real_emit(event, *args, **fields)
-
-        monkeypatch.setattr(events, "emit", emit)
+        real_emit = raise_at_admission(monkeypatch, events,
+                                       "str is not valid UTF-8: surrogates not allowed")
         status, headers, _ = await post(session, sluice.url("/r/v1/chat/completions"),
                                         **{"X-Step": "1"})
         # Raised before anything was sent: Sluice's own fault, not the upstream's.
@@ -156,15 +167,8 @@ routes:
     concurrency: {{limit: 2, queue: 0}}
 """
     async with proxy(config) as sluice, aiohttp.ClientSession() as session:
-        events = sluice.runtime.events
-        real_emit = events.emit
-
-        def emit(event: str, *args: object, **fields: object) -> None:
-            if event == "admitted":
-                raise ValueError("injected: a fault of Sluice's own after admission")
-            real_emit(event, *args, **fields)
-
-        monkeypatch.setattr(events, "emit", emit)
+        raise_at_admission(monkeypatch, sluice.runtime.events,
+                           "injected: a fault of Sluice's own after admission")
         call = {"jsonrpc": "2.0", "id": 7, "method": "tools/call",
                 "params": {"name": "echo", "arguments": {}}}
         status, headers, body = await post(session, sluice.url("/tools/mcp"), json=call,
