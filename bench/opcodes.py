@@ -13,6 +13,7 @@ nothing in C is counted.
     python -m bench opcodes                       # baseline and sluice, Sluice's top functions
     python -m bench opcodes --targets baseline,sluice-plain --top 40
     python -m bench opcodes --group               # totals per package instead of per function
+    python -m bench opcodes --lines 40            # also Sluice's 40 costliest source lines
 
 Targets are ``instructions``' (``baseline``, ``sluice``, ``sluice-plain``, ``sluice-no-BLOCK``).
 The table gives opcodes and Python calls per request and the ratio to the baseline; then,
@@ -79,10 +80,27 @@ def measure(args: argparse.Namespace, tmp: Path, upstream: Service, target: str)
                          f"{load.errors} errors)")
     rows = json.loads(out.read_text())
     n = load.requests
-    return {"target": target, "requests": n, "errors": load.errors,
+    case = {"target": target, "requests": n, "errors": load.errors,
             "opcodes": sum(r[1] for r in rows) / n, "calls": sum(r[2] for r in rows) / n,
             "functions": sorted(([_short(w), o / n, c / n] for w, o, c in rows if o or c),
                                 key=lambda r: -r[1])}
+    lines = Path(str(out) + ".lines")
+    if lines.exists():
+        case["lines"] = sorted(([_short(w), o / n] for w, o in json.loads(lines.read_text())
+                                if str(common.REPO) in w and "-packages/" not in w),
+                               key=lambda r: -r[1])
+    return case
+
+
+def costly_lines(case: dict, top: int) -> list[str]:
+    """The repository's ``top`` source lines by opcodes per request, with their text."""
+    rows = []
+    for where, ops in case["lines"][:top]:
+        path, line = where.rsplit(":", 1)
+        text = (common.REPO / path).read_text().splitlines()[int(line) - 1].strip()
+        rows.append((where, f"{ops:,.0f}", text[:70]))
+    return [f"\n{case['target']}, costliest lines:",
+            common.table([("line", "opcodes/req", "source"), *rows])]
 
 
 def breakdown(case: dict, top: int, group: bool) -> list[str]:
@@ -110,6 +128,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=float, default=2.0, help="unmeasured seconds first (2)")
     p.add_argument("--top", type=int, default=30, help="functions (or packages) listed (30)")
     p.add_argument("--group", action="store_true", help="totals per package")
+    p.add_argument("--lines", type=int, default=0, metavar="N",
+                   help="also list the repository's N costliest source lines (0)")
     p.add_argument("--quick", action="store_true", help="2 s counted after 1 s of warm-up")
     p.add_argument("--output", type=Path, help="JSON result path (bench/results/...)")
     args = p.parse_args(argv)
@@ -128,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
         print("NOTE: wrk or nginx is not installed (apt-get install -y wrk nginx-light): "
               "opcodes skipped.", file=sys.stderr)
         return 0
+    if args.lines:
+        os.environ["OPTRACE_LINES"] = "1"  # read by bench/optrace.py in each target
     started = common.utcnow()
     cases = each_target(args, measure, lambda c: f"{c['opcodes']:,.0f} opcodes/request")
     base = next(c["opcodes"] for c in cases if c["target"] == "baseline")
@@ -142,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     for case in cases:
         if case["target"] != "baseline":
             lines += breakdown(case, args.top, args.group)
+            if args.lines:
+                lines += costly_lines(case, args.lines)
     print("\n".join(lines))
     path = save("opcodes", started, info, args, cases)
     print(f"\nfull record: {path}")

@@ -3,8 +3,9 @@
 ``python bench/optrace.py OUT.json -- python -m proxy serve ...`` (or ``python script.py``)
 runs the program in this interpreter; between the two signals every Python bytecode executed
 in the main thread is counted against its function, with the function's calls, and SIGUSR2
-writes ``[[file:line:name, opcodes, calls], ...]`` to ``OUT.json``. ``bench/opcodes.py``
-drives it.
+writes ``[[file:line:name, opcodes, calls], ...]`` to ``OUT.json``. With ``OPTRACE_LINES=1``
+in its environment it also counts per source line and writes ``[[file:line, opcodes], ...]``
+to ``OUT.json.lines``. ``bench/opcodes.py`` drives it.
 
 Only frames that start while counting are counted (``sys.settrace`` applies to new frames):
 the request path's coroutines and callbacks do, the event loop's own frame does not. It runs
@@ -28,14 +29,18 @@ _Key = tuple[str, int, str]
 class Counter:
     """Opcodes and calls per function (``(file, first line, name)``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, lines: bool = False) -> None:
         self.opcodes: collections.Counter[_Key] = collections.Counter()
         self.calls: collections.Counter[_Key] = collections.Counter()
+        self.lines: collections.Counter[tuple[str, int]] | None = (
+            collections.Counter() if lines else None)
 
     def _local(self, frame: FrameType, event: str, arg: Any) -> Any:
         if event == "opcode":
             code = frame.f_code
             self.opcodes[(code.co_filename, code.co_firstlineno, code.co_name)] += 1
+            if self.lines is not None:
+                self.lines[(code.co_filename, frame.f_lineno)] += 1
         return self._local
 
     def _global(self, frame: FrameType, event: str, arg: Any) -> Any:
@@ -56,13 +61,16 @@ class Counter:
                 for f, line, name in set(self.opcodes) | set(self.calls)]
         with open(path, "w") as out:
             json.dump(rows, out)
+        if self.lines is not None:
+            with open(path + ".lines", "w") as out:
+                json.dump([[f"{f}:{line}", n] for (f, line), n in self.lines.items()], out)
 
 
 def main(argv: list[str]) -> None:
     out, sep, *program = argv
     if sep != "--" or len(program) < 2:
         raise SystemExit("usage: optrace.py OUT.json -- python -m MODULE ARGS | python FILE ARGS")
-    counter = Counter()
+    counter = Counter(lines=os.environ.get("OPTRACE_LINES") == "1")
     signal.signal(signal.SIGUSR1, counter.start)
     signal.signal(signal.SIGUSR2, lambda *_: counter.stop_and_write(out))
     args = program[1:]  # the interpreter named first is this one
