@@ -18,7 +18,7 @@ Benchmarks (``python -m bench NAME --help`` for each one's options):
 * ``mcp_refusals``: how the official MCP clients take a refused ``tools/call`` (docs/mcp.md).
 
 Each prints its table (with the machine's core count and load average), and writes a JSON
-record and, with matplotlib installed (``pip install -e '.[bench]'``), a PNG plot under
+record and, with matplotlib installed (``.venv/bin/pip install -e '.[bench]'``), a PNG plot under
 ``bench/results/``. ``all [--quick]`` runs every one with its defaults (or its ``--quick``).
 """
 

@@ -434,7 +434,7 @@ def pyplot() -> ModuleType | None:
     try:
         import matplotlib
     except ImportError:
-        print("NOTE: matplotlib is not installed (pip install -e '.[bench]'): no plot.",
+        print("NOTE: matplotlib is not installed (.venv/bin/pip install -e '.[bench]'): no plot.",
               file=sys.stderr)
         return None
     matplotlib.use("Agg")

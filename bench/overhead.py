@@ -47,7 +47,7 @@ to stdout, the full record (settings, versions, load averages, every case) to
 ``bench/results/overhead-<UTC time>.json``, and a plot of CPU per request and added p50 beside
 it (with matplotlib).
 
-With ``--profile`` (needs ``pip install py-spy``), each scenario ends with one more,
+With ``--profile`` (needs ``.venv/bin/pip install py-spy``), each scenario ends with one more,
 unmeasured, run of the load through Sluice while py-spy samples it (``--profile-seconds``,
 default ``--duration``); the raw stacks are saved beside the JSON record, and a summary is
 printed under the table: where the CPU goes, the costliest functions, and what the event log
@@ -808,7 +808,7 @@ def main(argv: list[str] | None = None) -> int:
         args.py_spy = shutil.which("py-spy") or shutil.which(
             "py-spy", path=str(Path(sys.executable).parent))
         if args.py_spy is None:
-            raise SystemExit("--profile needs py-spy: pip install py-spy")
+            raise SystemExit("--profile needs py-spy: .venv/bin/pip install py-spy")
     args.wrk = common.find_wrk() if args.loadgen != "python" else None
     if args.wrk is None:
         if args.loadgen == "wrk":

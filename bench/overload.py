@@ -133,7 +133,7 @@ def profile_refusals(args: argparse.Namespace, sluice: common.Service, raw: Path
     """Sample Sluice with py-spy under the highest multiple's load (not a measured step)."""
     py_spy = shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))
     if py_spy is None:
-        raise SystemExit("--profile needs py-spy: pip install py-spy")
+        raise SystemExit("--profile needs py-spy: .venv/bin/pip install py-spy")
     rate = args.slots / args.delay * max(args.multiples)
     spy = subprocess.Popen(
         [py_spy, "record", "--pid", str(sluice.pid), "--rate", str(PYSPY_RATE_HZ), "--duration",

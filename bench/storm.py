@@ -166,6 +166,6 @@ def main(argv: list[str] | None = None) -> int:
     if png:
         print(f"plot: {png}", file=sys.stderr)
     else:
-        print("NOTE: matplotlib is not installed (pip install -e '.[bench]'): no plot.",
+        print("NOTE: matplotlib is not installed (.venv/bin/pip install -e '.[bench]'): no plot.",
               file=sys.stderr)
     return 0
