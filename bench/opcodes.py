@@ -97,7 +97,9 @@ def costly_lines(case: dict, top: int) -> list[str]:
     rows = []
     for where, ops in case["lines"][:top]:
         path, line = where.rsplit(":", 1)
-        text = (common.REPO / path).read_text().splitlines()[int(line) - 1].strip()
+        # A frame with no line number (``None``: code run before its first line) has no text.
+        text = ((common.REPO / path).read_text().splitlines()[int(line) - 1].strip()
+                if line.isdigit() else "")
         rows.append((where, f"{ops:,.0f}", text[:70]))
     return [f"\n{case['target']}, costliest lines:",
             common.table([("line", "opcodes/req", "source"), *rows])]

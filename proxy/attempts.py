@@ -259,47 +259,10 @@ async def forward(request: web.BaseRequest, rt: Runtime, route: Route, call: Cal
             call.status = response.status
             call.progress_at = time.monotonic()
             capture = call.capture
-            # (An MCP tool's breaker waits for its answer, tries.pending, on a call only.)
-            if route.protocol == "mcp" and (
-                    traffic == "call" or (traffic == "control" and call.rpc_id is not None
-                                          and is_sse(response.headers.get("Content-Type")))):
-                # A call's answer, or a control request's on a stream (initialize,
-                # tools/list): followed to its response, which tells when the caller has it
-                # (forward.delivered). Not a control request's JSON answer: complete only at
-                # its end, it would tell nothing, and be held whole for nothing.
-                # The id as the handler read it from the body (not parsed again here).
-                # ``""`` is an id as ``0`` is: ``or 0`` took it for none, so the response
-                # was never seen and a made-up error for request 0 ended the stream.
-                rpc_id = call.rpc_id
-                tries.tracker = AnswerTracker(response.headers.get("Content-Type"),
-                                              0 if rpc_id is None else rpc_id)
-                request[fwd.MCP_ANSWER] = tries.tracker
-                capture = _Both(capture, tries.tracker) if capture is not None \
-                    else tries.tracker
-            elif (route.protocol == "mcp"  # a look-up that misses raises: not on every call
-                  and (resumed := request.get(fwd.RESUMED_CALL)) is not None):
-                # A GET resuming a call's answer: followed for where it ends, should the
-                # upstream close it early again (below); its id is the one it resumed from.
-                # Once the response is through, it is told (``resumed[1]``: the drain waits
-                # no more for it, though a server may hold it open and a client read on),
-                # and so is the call, held until then (``resumed[0]``, proxy.handler).
-                tries.tracker = AnswerTracker(response.headers.get("Content-Type"),
-                                              resumed[0].rpc_id)
-                tries.tracker.last_event_id = request.headers.get(
-                    LAST_EVENT_ID_HEADER, "").encode("utf-8", "surrogateescape")
-                request[fwd.RESUMED_ANSWER] = tries.tracker
-                capture = _Answered(capture, tries.tracker, resumed[1], resumed[0])
             watch: AnswerTracker | TaskStatusWatch | None = None
-            if route.protocol == "mcp" and response.status < 300:
-                # MCP tasks (2025-11-25): a follow-up's answer (tasks/get, tasks/result,
-                # tasks/cancel of a task held here) says whether the task is over; any SSE
-                # answer or stream of a session may carry a notifications/tasks/status.
-                poll = request.get(mcp_tasks.TASK_POLL)
-                sse = is_sse(response.headers.get("Content-Type"))
-                if poll is not None or sse:
-                    watch = _task_watch(rt, route, call, poll, response, sse)
-                    if watch is not None:
-                        capture = _Watched(capture, watch)
+            if route.protocol == "mcp":  # one test keeps the rest off other routes' path
+                capture, watch = _follow_mcp_answer(rt, route, call, request, response, tries,
+                                                    traffic, capture)
             total, sent_at = timeout.total, call.sent_at
             try:
                 answer, outcome = await fwd.relay(
@@ -318,24 +281,9 @@ async def forward(request: web.BaseRequest, rt: Runtime, route: Route, call: Cal
                 if timed_out and traffic == "call":
                     _cancel_timed_out(rt, route, call)
                 return failed, "upstream_timeout" if timed_out else "upstream_error"
-            tracker = tries.tracker
-            if (isinstance(watch, AnswerTracker)
-                    and (poll := request.get(mcp_tasks.TASK_POLL)) is not None):
-                mcp_tasks.seen_answer(rt.tasks, poll[0], poll[1], watch.finish())
-            if call.task_asked and outcome == "2xx" and tracker is not None:
-                _task_created(rt, route, call, tracker.finish(), total)
-            if route.protocol == "mcp" and tracker is not None and tracker.outcome is None:
-                # The answer ended without its response.
-                if tracker.resumable:
-                    # Closed early for polling (2025-11-25): the client resumes it with a
-                    # GET carrying the last event id, which the drain then waits for
-                    # (proxy.handler). Noted before anything awaits: the client may send
-                    # that GET at once.
-                    rt.note_polled(route.name, call.headers.get(SESSION_HEADER),
-                                   tracker.last_event_id.decode("utf-8", "surrogateescape"),
-                                   _polled(request, call, traffic, outcome, tracker, total))
-                if outcome == "upstream_timeout" and traffic == "call":
-                    _cancel_timed_out(rt, route, call)  # cut at its timeouts.total
+            if route.protocol == "mcp":
+                _after_mcp_answer(rt, route, call, request, tries.tracker, watch, traffic,
+                                  outcome, total)
             if tries.pending is not None:
                 await _verdict(tries, tries.tracker, meter,
                                cut=outcome in ("upstream_error", "upstream_timeout"))
@@ -368,6 +316,81 @@ async def forward(request: web.BaseRequest, rt: Runtime, route: Route, call: Cal
                 else:  # after it, as the MCP SDKs do: its verdict stands
                     breaker.record_soon(ticket, brk.FAILURE if found.tool_failure
                                         else brk.SUCCESS)
+
+
+def _follow_mcp_answer(rt: Runtime, route: Route, call: Call, request: web.BaseRequest,
+                       response: aiohttp.ClientResponse, tries: _Tries, traffic: Traffic,
+                       capture: Any) -> tuple[Any, AnswerTracker | TaskStatusWatch | None]:
+    """What reads an MCP route's answer as it is relayed, besides ``capture`` (the call's
+    idempotency capture, or ``None``): its response's tracker (``tries.tracker``) and a
+    task watch (:func:`_task_watch`). Returns the capture the relay is given (feeding
+    them all) and the watch, if any. (An MCP tool's breaker waits for its answer,
+    ``tries.pending``, on a call only.)"""
+    if traffic == "call" or (traffic == "control" and call.rpc_id is not None
+                             and is_sse(response.headers.get("Content-Type"))):
+        # A call's answer, or a control request's on a stream (initialize,
+        # tools/list): followed to its response, which tells when the caller has it
+        # (forward.delivered). Not a control request's JSON answer: complete only at
+        # its end, it would tell nothing, and be held whole for nothing.
+        # The id as the handler read it from the body (not parsed again here).
+        # ``""`` is an id as ``0`` is: ``or 0`` took it for none, so the response
+        # was never seen and a made-up error for request 0 ended the stream.
+        rpc_id = call.rpc_id
+        tries.tracker = AnswerTracker(response.headers.get("Content-Type"),
+                                      0 if rpc_id is None else rpc_id)
+        request[fwd.MCP_ANSWER] = tries.tracker
+        capture = _Both(capture, tries.tracker) if capture is not None else tries.tracker
+    elif (resumed := request.get(fwd.RESUMED_CALL)) is not None:
+        # A GET resuming a call's answer: followed for where it ends, should the
+        # upstream close it early again (_after_mcp_answer); its id is the one it resumed
+        # from. Once the response is through, it is told (``resumed[1]``: the drain waits
+        # no more for it, though a server may hold it open and a client read on),
+        # and so is the call, held until then (``resumed[0]``, proxy.handler).
+        tries.tracker = AnswerTracker(response.headers.get("Content-Type"),
+                                      resumed[0].rpc_id)
+        tries.tracker.last_event_id = request.headers.get(
+            LAST_EVENT_ID_HEADER, "").encode("utf-8", "surrogateescape")
+        request[fwd.RESUMED_ANSWER] = tries.tracker
+        capture = _Answered(capture, tries.tracker, resumed[1], resumed[0])
+    watch: AnswerTracker | TaskStatusWatch | None = None
+    if response.status < 300:
+        # MCP tasks (2025-11-25): a follow-up's answer (tasks/get, tasks/result,
+        # tasks/cancel of a task held here) says whether the task is over; any SSE
+        # answer or stream of a session may carry a notifications/tasks/status.
+        poll = request.get(mcp_tasks.TASK_POLL)
+        sse = is_sse(response.headers.get("Content-Type"))
+        if poll is not None or sse:
+            watch = _task_watch(rt, route, call, poll, response, sse)
+            if watch is not None:
+                capture = _Watched(capture, watch)
+    return capture, watch
+
+
+def _after_mcp_answer(rt: Runtime, route: Route, call: Call, request: web.BaseRequest,
+                      tracker: AnswerTracker | None,
+                      watch: AnswerTracker | TaskStatusWatch | None, traffic: Traffic,
+                      outcome: str, total: float | None) -> None:
+    """An MCP route's relayed answer (:func:`_follow_mcp_answer`'s ``tracker`` and
+    ``watch``; ``outcome``, its ``sluice_requests_total`` label) as the held tasks and
+    polled calls see it: a follow-up's answer seen, a task created, an answer closed early
+    for polling noted for its resuming GET. Never awaits (the client may resume at once)."""
+    if (isinstance(watch, AnswerTracker)
+            and (poll := request.get(mcp_tasks.TASK_POLL)) is not None):
+        mcp_tasks.seen_answer(rt.tasks, poll[0], poll[1], watch.finish())
+    if call.task_asked and outcome == "2xx" and tracker is not None:
+        _task_created(rt, route, call, tracker.finish(), total)
+    if tracker is not None and tracker.outcome is None:
+        # The answer ended without its response.
+        if tracker.resumable:
+            # Closed early for polling (2025-11-25): the client resumes it with a
+            # GET carrying the last event id, which the drain then waits for
+            # (proxy.handler). Noted before anything awaits: the client may send
+            # that GET at once.
+            rt.note_polled(route.name, call.headers.get(SESSION_HEADER),
+                           tracker.last_event_id.decode("utf-8", "surrogateescape"),
+                           _polled(request, call, traffic, outcome, tracker, total))
+        if outcome == "upstream_timeout" and traffic == "call":
+            _cancel_timed_out(rt, route, call)  # cut at its timeouts.total
 
 
 def _cancel_timed_out(rt: Runtime, route: Route, call: Call) -> None:

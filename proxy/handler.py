@@ -363,8 +363,8 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
     if hold is not None:
         hold.read(len(body))
     traffic: mcp.Traffic = "call"
-    operation = cancels = rpc_id = rpc_method = task_id = rpc_request = None
-    opens_session = resumes = asks_task = False
+    operation = rpc_id = rpc_method = rpc_request = None
+    resumes = asks_task = False
     if route.protocol == "mcp":
         try:
             # A large body is parsed in its turn, one at a time per process.
@@ -383,33 +383,30 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
             _left_unadmitted(rt, route, request_id, tenant, run)
             raise
         resumes = mcp.resumes(request.method, headers)
-    # New work is refused while draining; an MCP session's control traffic is not new work:
-    # a client lists its tools after the first result of one it had not listed, and refused,
-    # the Python 2.x client failed calls that had finished (a new user's trial). Nor is a
-    # resumed stream: it brings the answer of a call admitted before (refused, its caller
-    # never got it). Opening a session is new work (its calls would be refused here next), and
-    # so is a 2026 client's ``server/discover`` (the Python 2.x client's default first message).
-    # Once the drain cuts, nothing more is let in: it would be cut as it began.
-    continues = resumes or (traffic == "control" and not opens_session)
-    if rt.draining and (rt.cutting or not continues):
-        refused = _reject(rt, route, Rejected(Reason.DRAINING, DRAINING_RETRY_AFTER_S,
-                                              "it takes no new calls"),
-                          request_id, tenant, run, rpc_method, rpc_id)
-        refused.force_close()  # the process is going away: the next call goes elsewhere
-        return refused
-    if not presence.present:  # let in during the drain: it waits for it
-        presence.enter()
-    if resumes:
-        # Waited for only when it resumes a call this process saw closed early: a session's
-        # own GET stream is resumed with Last-Event-ID too (the Python SDK's client, once a
-        # notification had an id), and it stays open, silent, for the whole session.
-        resumed = rt.take_polled(route.name, headers.get(mcp.SESSION_HEADER),
-                                 headers[mcp.LAST_EVENT_ID_HEADER])
-        if resumed is not None:  # its call answered, it is a stream the drain leaves
-            request[RESUMED_CALL] = (resumed, presence.idle)
-        else:
-            resumes = False
-    if route.protocol == "mcp":
+        # New work is refused while draining; an MCP session's control traffic is not new
+        # work: a client lists its tools after the first result of one it had not listed,
+        # and refused, the Python 2.x client failed calls that had finished (a new user's
+        # trial). Nor is a resumed stream: it brings the answer of a call admitted before
+        # (refused, its caller never got it). Opening a session is new work (its calls would
+        # be refused here next), and so is a 2026 client's ``server/discover`` (the Python
+        # 2.x client's default first message). Once the drain cuts, nothing more is let in:
+        # it would be cut as it began.
+        if rt.draining and (rt.cutting or not (
+                resumes or (traffic == "control" and not opens_session))):
+            return _refuse_draining(rt, route, request_id, tenant, run, rpc_method, rpc_id)
+        if not presence.present:  # let in during the drain: it waits for it
+            presence.enter()
+        if resumes:
+            # Waited for only when it resumes a call this process saw closed early: a
+            # session's own GET stream is resumed with Last-Event-ID too (the Python SDK's
+            # client, once a notification had an id), and it stays open, silent, for the
+            # whole session.
+            resumed = rt.take_polled(route.name, headers.get(mcp.SESSION_HEADER),
+                                     headers[mcp.LAST_EVENT_ID_HEADER])
+            if resumed is not None:  # its call answered, it is a stream the drain leaves
+                request[RESUMED_CALL] = (resumed, presence.idle)
+            else:
+                resumes = False
         # A cancel without a session names nothing: its id is only its client's.
         session = headers.get(mcp.SESSION_HEADER) if cancels is not None else None
         if session is not None:
@@ -435,6 +432,10 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
             deferred = session_end.defer(rt, route, request, request_id, tenant, run)
             if deferred is not None:
                 return deferred
+    elif rt.draining:
+        # Every call of another protocol is new work. (So nothing let in during the drain
+        # gets this far, and presence needs no entering here.)
+        return _refuse_draining(rt, route, request_id, tenant, run)
 
     client_retry = is_client_retry(headers)
     call = Call(
@@ -679,6 +680,18 @@ async def _serve(rt: Runtime, route: Route, request: web.BaseRequest,
             _settle(rt, route, call, admission, outcome, admitted_at, traffic)
         if resumes and not presence.stream and not rt.cutting:
             _poll_again(rt, route, request)
+
+
+def _refuse_draining(rt: Runtime, route: Route, request_id: str, tenant: str,
+                     run: str | None, rpc_method: str | None = None,
+                     rpc_id: mcp.RequestId | None = None) -> web.Response:
+    """503 ``draining`` for new work arriving while the process drains, closing the
+    connection: the process is going away, so the caller's next call goes elsewhere."""
+    refused = _reject(rt, route, Rejected(Reason.DRAINING, DRAINING_RETRY_AFTER_S,
+                                          "it takes no new calls"),
+                      request_id, tenant, run, rpc_method, rpc_id)
+    refused.force_close()
+    return refused
 
 
 def _caller_connected(request: web.BaseRequest) -> bool:
