@@ -1254,24 +1254,25 @@ class Meter:
             sent_in = total_in
         # The counts start at 0, so "larger than the count so far" also drops a negative one
         # (``type() is int`` drops a float, a string, null and a bool).
+        sent_int, out_int = type(sent_in) is int, type(out) is int
         if type(total_in) is int and total_in > u.input_tokens:
             u.input_tokens = total_in
-        if type(out) is int and out > u.output_tokens:
+        if out_int and out > u.output_tokens:
             u.output_tokens = out
         if type(read) is int and read > u.cache_read_tokens:
             u.cache_read_tokens = read
-        if (type(sent_in) is int and sent_in < 0) or (type(out) is int and out < 0):
+        if (sent_int and sent_in < 0) or (out_int and out < 0):
             # No report, now or later in the stream (an Anthropic message_start's input
             # count is not merged again): charged as a call without usage.
             self._negative = True
             self._final = False
             return False
-        if type(sent_in) is int:
+        if sent_int:
             self._input_seen = True
         # Both counts make a report: one without its output count (null, missing) would
         # charge the output as 0. The input may have come earlier in the stream (Anthropic's
         # message_start); embeddings have no output.
-        return self._input_seen and (type(out) is int or self._kind is EMBEDDINGS)
+        return self._input_seen and (out_int or self._kind is EMBEDDINGS)
 
 
 def _tail(kept: bytes, data: bytes) -> bytes:
