@@ -15,6 +15,7 @@ to a few thousand requests.
 Targets (one nginx upstream, as ``overhead``'s fast scenario; wrk 1 thread):
 
 * ``baseline``: ``bench/passthrough.py``, the bare aiohttp + uvloop pass-through proxy;
+* ``floor``: ``bench/floor.py``, the baseline plus Sluice's per-request work written tight;
 * ``sluice``: Sluice on ``overhead``'s config (``config/sluice.yaml``, every policy of the
   ``openai`` route on, with limits no run reaches);
 * ``sluice-plain``: the same route with no policy blocks and ``protocol: http`` (no usage
@@ -51,7 +52,8 @@ from bench.common import UPSTREAM_PATH, Service
 
 #: Route blocks a ``sluice-no-BLOCK`` target drops (``usage``: the protocol's accounting).
 BLOCKS = ("concurrency", "rate", "idempotency", "circuit_breaker", "retry", "usage")
-TARGETS = ("baseline", "sluice", "sluice-plain", *(f"sluice-no-{b}" for b in BLOCKS))
+TARGETS = ("baseline", "floor", "sluice", "sluice-plain",
+           *(f"sluice-no-{b}" for b in BLOCKS))
 #: Seconds a proxy may take to start under valgrind.
 STARTUP_TIMEOUT_S = 300.0
 
@@ -93,8 +95,8 @@ def measure(args: argparse.Namespace, tmp: Path, upstream: Service, target: str)
     out = tmp / f"{target}.callgrind"
     wrapper = ["valgrind", "--tool=callgrind", "--instr-atstart=no",
                f"--callgrind-out-file={out}"]
-    if target == "baseline":
-        service = overhead.start_baseline(tmp, upstream, wrapper, STARTUP_TIMEOUT_S)
+    if target in overhead.STANDALONE:
+        service = overhead.STANDALONE[target](tmp, upstream, wrapper, STARTUP_TIMEOUT_S)
     else:
         service = common.start_sluice(tmp, target_config(upstream, target), target,
                                       wrapper=wrapper, timeout_s=STARTUP_TIMEOUT_S)

@@ -15,9 +15,10 @@ nothing in C is counted.
     python -m bench opcodes --group               # totals per package instead of per function
     python -m bench opcodes --lines 40            # also Sluice's 40 costliest source lines
 
-Targets are ``instructions``' (``baseline``, ``sluice``, ``sluice-plain``, ``sluice-no-BLOCK``).
-The table gives opcodes and Python calls per request and the ratio to the baseline; then,
-for every Sluice target, its functions (or packages) by opcodes per request.
+Targets are ``instructions``' (``baseline``, ``floor``, ``sluice``, ``sluice-plain``,
+``sluice-no-BLOCK``). The table gives opcodes and Python calls per request and the ratio to
+the baseline; then, for every target but the baseline, its functions (or packages) by opcodes
+per request.
 """
 
 from __future__ import annotations
@@ -58,8 +59,8 @@ def measure(args: argparse.Namespace, tmp: Path, upstream: Service, target: str)
     """Start ``target`` under the counter, warm it up, count one measured run."""
     out = tmp / f"{target}-opcodes.json"
     wrapper = [sys.executable, str(HERE / "optrace.py"), str(out), "--"]
-    if target == "baseline":
-        service = overhead.start_baseline(tmp, upstream, wrapper)
+    if target in overhead.STANDALONE:
+        service = overhead.STANDALONE[target](tmp, upstream, wrapper)
     else:
         service = common.start_sluice(tmp, target_config(upstream, target), target,
                                       wrapper=wrapper)

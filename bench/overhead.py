@@ -12,6 +12,9 @@ request, keep-alive) goes to each target:
   with no policies, events or metrics, on the same low-level server and client settings as
   Sluice and sending the same bytes upstream, so "Sluice minus baseline" is what Sluice itself
   adds;
+* ``floor`` (only when named in ``--targets``): through ``bench/floor.py``, the baseline
+  plus the per-request work Sluice does for this request, written as tightly as plain
+  Python allows: the least Sluice's work can cost on this stack;
 * ``haproxy``: through HAProxy (``apt-get install -y haproxy``), one thread, keep-alive to
   the upstream, stripping the same path prefix: what a C proxy costs on the same machine in
   the same run. Skipped, with a note, when ``haproxy`` is not installed.
@@ -103,7 +106,7 @@ from proxy.config import StrictLoader
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_CONFIG = REPO / "config" / "sluice.yaml"
-TARGETS = ("direct", "sluice", "baseline", "haproxy", "sluice-redis")
+TARGETS = ("direct", "sluice", "baseline", "haproxy", "sluice-redis", "floor")
 #: The targets of ``--state redis`` (unless ``--targets`` names others).
 REDIS_TARGETS = ("direct", "sluice", "sluice-redis")
 #: Calls of the unmeasured pass that names the scripts (under MONITOR).
@@ -197,6 +200,22 @@ def start_baseline(tmp: Path, upstream: Service, wrapper: Sequence[str] = (),
                            f"http://127.0.0.1:{port}{PROXY_PREFIX}")
     common.wait_ready(service, service.url + UPSTREAM_PATH, "POST", timeout_s=timeout_s)
     return service
+
+
+def start_floor(tmp: Path, upstream: Service, wrapper: Sequence[str] = (),
+                timeout_s: float = common.STARTUP_TIMEOUT_S) -> Service:
+    """``bench/floor.py`` (the baseline plus Sluice's work, tight) in front of ``upstream``."""
+    port = common.free_port()
+    service = common.spawn("floor", [*wrapper, sys.executable, str(HERE / "floor.py"),
+                                     "--port", str(port), "--upstream", upstream.url,
+                                     "--events", str(tmp / "floor-events.jsonl")], tmp,
+                           f"http://127.0.0.1:{port}{PROXY_PREFIX}")
+    common.wait_ready(service, service.url + UPSTREAM_PATH, "POST", timeout_s=timeout_s)
+    return service
+
+
+#: The Python proxies started from one script of bench/, by target name.
+STANDALONE = {"baseline": start_baseline, "floor": start_floor}
 
 
 def start_haproxy(haproxy: str, tmp: Path, upstream: Service) -> Service:
@@ -328,7 +347,7 @@ class Case:
     """One row of the table."""
 
     scenario: str
-    target: str  # direct | sluice | baseline | haproxy
+    target: str  # direct | sluice | baseline | haproxy | sluice-redis | floor
     repeat: int
     connections: int
     rps: float
@@ -419,9 +438,10 @@ def services(args: argparse.Namespace, tmp: Path, nginx: bool,
             found["sluice-redis"] = common.start_sluice(
                 tmp, sluice_config(upstream, metered, state), name="sluice-redis")
             live.append(found["sluice-redis"])
-        if "baseline" in args.targets:
-            found["baseline"] = start_baseline(tmp, upstream)
-            live.append(found["baseline"])
+        for name, start in STANDALONE.items():
+            if name in args.targets:
+                found[name] = start(tmp, upstream)
+                live.append(found[name])
         if "haproxy" in args.targets:
             found["haproxy"] = start_haproxy(args.haproxy, tmp, upstream)
             live.append(found["haproxy"])
@@ -668,7 +688,7 @@ def summary(cases: list[Case]) -> list[str]:
                       and getattr(c, attr) is not None]
             return statistics.median(values) if values else None
 
-        for target in ("sluice", "sluice-redis", "baseline", "haproxy"):
+        for target in ("sluice", "sluice-redis", "baseline", "floor", "haproxy"):
             cpu = med(target, "proxy_cpu_us_per_req")
             if cpu is None:
                 continue
@@ -683,25 +703,28 @@ def summary(cases: list[Case]) -> list[str]:
                 f"p50 and {common.fmt(med(target, 'added_p99_ms'), '+.2f')} ms at p99, costs "
                 f"{cpu:.0f} us of proxy CPU per request{redis_part}"
             )
-        s, b = med("sluice", "proxy_cpu_us_per_req"), med("baseline", "proxy_cpu_us_per_req")
-        if s is not None and b is not None:
-            # Each repeat's Sluice against the baseline measured right after it: the
+        b = med("baseline", "proxy_cpu_us_per_req")
+        for target, whose in (("sluice", "Sluice's"), ("floor", "The floor's")):
+            s = med(target, "proxy_cpu_us_per_req")
+            if s is None or b is None:
+                continue
+            # Each repeat's target against the baseline measured in the same repeat: the
             # machine's speed drifts between repeats far more than within one.
-            paired = _paired_ratios(cases, scenario)
+            paired = _paired_ratios(cases, scenario, target)
             per_repeat = (f"; per repeat {', '.join(f'{r:.2f}' for r in paired)}, median "
                           f"{statistics.median(paired):.2f}x" if len(paired) > 1 else "")
-            out.append(f"{scenario}: Sluice's own share over the bare aiohttp proxy: "
+            out.append(f"{scenario}: {whose} own share over the bare aiohttp proxy: "
                        f"{s - b:+.0f} us/req ({s / b:.2f}x{per_repeat})")
     return out
 
 
-def _paired_ratios(cases: list[Case], scenario: str) -> list[float]:
-    """Sluice's CPU per request over the baseline's, repeat by repeat."""
+def _paired_ratios(cases: list[Case], scenario: str, target: str = "sluice") -> list[float]:
+    """``target``'s CPU per request over the baseline's, repeat by repeat."""
     cpu = {(c.target, c.repeat): c.proxy_cpu_us_per_req for c in cases
            if c.scenario == scenario and c.proxy_cpu_us_per_req}
-    return [cpu[("sluice", r)] / cpu[("baseline", r)]
+    return [cpu[(target, r)] / cpu[("baseline", r)]
             for r in sorted({r for _, r in cpu})
-            if ("sluice", r) in cpu and ("baseline", r) in cpu]
+            if (target, r) in cpu and ("baseline", r) in cpu]
 
 
 
@@ -714,7 +737,7 @@ def plot(cases: list[Case], path: Path) -> Path | None:
     scenarios = list(dict.fromkeys(c.scenario for c in cases))
     targets = [t for t in TARGETS[1:] if any(c.target == t for c in cases)]
     colours = {"sluice": "#1f77b4", "baseline": "#7f7f7f", "haproxy": "#2ca02c",
-               "sluice-redis": "#d62728"}
+               "sluice-redis": "#d62728", "floor": "#9467bd"}
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.4))
     width = 0.8 / max(len(targets), 1)
     for n, target in enumerate(targets):
