@@ -129,26 +129,21 @@ class Call:
     the request path passes one reporter per route, so no call builds a closure.
     """
 
-    # Fields most calls never set go to the instance's ``__dict__`` (made only when one is
-    # set) and read their class-level defaults below: a slot must be stored per call. Each
-    # is read on some paths only (a caller gone, a drain, a refused connection, an
-    # operation's cost), where a class-level default is read more slowly than a slot.
-    __slots__ = ("__dict__", "_sent_at", "answer_status", "answered_at", "attempts", "body",
+    __slots__ = ("_sent_at", "_upstream_s", "answer_status", "answered_at", "attempts",
+                 "background", "body",
                  "cancelled", "capture", "charged", "client_retry", "cost", "counted_by",
-                 "enqueued_at", "headers", "idempotency_key", "lineage", "meter", "method",
-                 "model", "new_unit", "operation", "parent_run", "parsed", "path", "phase",
+                 "enqueued_at",
+                 "headers", "idempotency_key", "lineage", "meter", "method", "model",
+                 "new_unit", "operation",
+                 "operation_cost", "operation_overrun", "parent_run", "parsed", "path", "phase",
                  "polled", "priority", "priority_given", "progress_at", "reached",
-                 "received_at", "reporter", "request_id", "response_headers", "route",
-                 "rpc_id", "rpc_method", "run", "status", "task", "task_asked", "tenant",
-                 "timeout", "timeout_reads", "unanswered", "units_deferred", "upstream_key")
-
-    background: asyncio.Task[Any] | None = None
-    stop: Callable[[], None] | None = None
-    relaying: asyncio.Task[Any] | None = None
-    operation_cost: float | None = None
-    operation_overrun = 0.0
-    unsent = 0
-    _upstream_s = 0.0
+                 "received_at",
+                 "relaying",
+                 "reporter", "request_id", "response_headers", "route", "rpc_id",
+                 "rpc_method", "run",
+                 "status", "stop", "task", "task_asked",
+                 "tenant", "timeout", "timeout_reads", "unanswered", "units_deferred",
+                 "unsent", "upstream_key")
 
     def __init__(self, *, request_id: str, route: str, method: str, path: str,
                  headers: Mapping[str, str], body: bytes, tenant: str, run: str | None = None,
@@ -203,14 +198,21 @@ class Call:
         self.units_deferred = False
         self.enqueued_at: float | None = None
         self.charged: dict[str, object] | None = None
+        self.operation_cost: float | None = None
+        self.operation_overrun = 0.0
         self.status = 0
         self.reached = False
         self.answer_status = 0
         self.unanswered = 0
+        self.unsent = 0
         self.answered_at = 0.0
+        self.background: asyncio.Task[Any] | None = None
+        self.stop: Callable[[], None] | None = None
+        self.relaying: asyncio.Task[Any] | None = None
         self.polled: Any = None
         self.task_asked = False
         self.task: Any = None
+        self._upstream_s = 0.0
         self._sent_at: float | None = None
 
     def time_left(self) -> float | None:
