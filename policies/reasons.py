@@ -68,7 +68,7 @@ class Reason(enum.Enum):
         "another request"
     )
     # The request itself cannot be forwarded.
-    NO_ROUTE = ("no_route", 404, "no route matches this path; Sluice forwards only to its routes")
+    NO_ROUTE = ("no_route", 404, "no route matches this path")
     BAD_REQUEST = ("bad_request", 400, "the request cannot be forwarded as sent")
     BODY_TOO_LARGE = ("request_too_large", 413, "the request body exceeds the proxy's limit")
     EXCEEDS_LIMIT = (

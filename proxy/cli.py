@@ -75,6 +75,12 @@ def _load(path: str, *, stream: bool = False, writes: str | None = None) -> Conf
     except ConfigError as exc:
         # A rejected value may be a URL with a password or an ?api_key= (CI logs keep this).
         print("\n".join(redact(exc.problems)), file=sys.stderr)
+        if path == DEFAULT_CONFIG and not os.path.exists(path):
+            # Outside the clone, "cannot read: No such file" alone did not say that no
+            # config was named, nor where one is (a new user's trial).
+            print(f"sluice: no {DEFAULT_CONFIG} (the default config) in this directory, "
+                  f"{os.getcwd()}: it ships in Sluice's repository, not in the installed "
+                  "package; run from the clone or pass --config PATH", file=sys.stderr)
         return None
     if writes is not None and (problems := unwritable_files(config, path, lines)):
         if writes == "refuse":

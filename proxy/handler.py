@@ -251,12 +251,13 @@ async def handle(rt: Runtime, request: web.BaseRequest, hold: BodyHold | None = 
         # CONNECT on a route's path too: aiohttp's client sends it upstream as a tunnel to
         # the upstream itself (authority form), the path gone (a hostile trial).
         detail = ("CONNECT is not served" if request.method == "CONNECT" else
-                  raw_path if raw_path[:1] == "/" else
+                  f"{raw_path[:200]}; Sluice forwards only under its routes' prefixes: "
+                  f"{rt.router.prefixes}" if raw_path[:1] == "/" else
                   "a request target of * is not served" if raw_path == "*" else
                   "absolute-form request targets are refused")
         if hold is not None:
             hold.give_back()  # nothing counted yet; an uninvited body's answer says close
-        return refuse_at_edge(rt, Rejected(Reason.NO_ROUTE, None, detail[:200]))
+        return refuse_at_edge(rt, Rejected(Reason.NO_ROUTE, None, detail))
     if hold is not None:
         hold.take()
     # One arriving during the drain counts once it is let in (_serve).

@@ -466,11 +466,22 @@ class Route:
 __all__ = ["Route", "Router", "carry_over"]
 
 
+#: How many route prefixes a ``no_route`` refusal lists; the rest are counted (a config may
+#: hold thousands of routes).
+PREFIXES_LISTED = 10
+
+
 class Router:
     """Finds the route owning a raw request path: the longest matching prefix wins."""
 
     def __init__(self, routes: list[Route]) -> None:
         self.routes = sorted(routes, key=lambda r: len(r.prefix), reverse=True)
+        #: The prefixes a ``no_route`` refusal names, in config order: a caller that missed
+        #: them (an SDK's base URL without ``/openai``) sees where to point. Built once here,
+        #: not per refusal.
+        listed = ", ".join(route.prefix for route in routes[:PREFIXES_LISTED])
+        more = len(routes) - PREFIXES_LISTED
+        self.prefixes = f"{listed} and {more} more" if more > 0 else listed
         # Where no prefix is longer than one segment ("/openai/"), a path's first segment
         # names its route: one slice and one look-up, however many routes.
         self._by_segment: dict[str, Route] | None = None

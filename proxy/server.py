@@ -38,6 +38,7 @@ from prometheus_client.exposition import choose_encoder
 from policies.config import Config
 from policies.logs import EVERY_S as LOG_REPEATS_EVERY_S
 from policies.logs import RepeatFilter
+from policies.reasons import Reason, Rejected
 from policies.state import StateUnavailable
 from proxy.admin import add_admin_routes
 from proxy.attempts import DEAD_LETTER_WAIT_S
@@ -45,6 +46,7 @@ from proxy.descriptors import DescriptorWatch, raise_open_files_limit
 from proxy.dlq import file_left_behind
 from proxy.edge import REQUEST_NOT_LOGGED, SERVER_NAME, AdminServer, EdgeServer, parse_cause
 from proxy.handler import handle
+from proxy.rejections import render
 from proxy.reload import RELOADER, Fingerprint, Reloader
 from proxy.runtime import RUNTIME, Runtime, cancel_live
 
@@ -179,7 +181,7 @@ def _metrics_handler(runtime: Runtime,
 
 def build_admin_app(runtime: Runtime, reloader: Reloader | None = None) -> web.Application:
     """The app on ``server.admin_listen``: ``/metrics``, ``/healthz``, ``/readyz``, ``/admin/``."""
-    app = web.Application()
+    app = web.Application(middlewares=[_not_the_proxy_port])
     app[RUNTIME] = runtime
     if reloader is not None:
         app[RELOADER] = reloader
@@ -215,6 +217,20 @@ class AdminRunner(web.AppRunner):
         return AdminServer(self._runtime, plain.request_handler,
                            request_factory=plain.request_factory, loop=plain._loop,
                            **plain._kwargs)
+
+
+@web.middleware
+async def _not_the_proxy_port(request: web.Request, handler: Any) -> web.StreamResponse:
+    """A path the admin port does not serve: a 404 ``no_route`` in the proxy's shape that says
+    which port this is. An SDK pointed here (``http://127.0.0.1:9901/openai/v1``) showed a bare
+    "404: Not Found" (a new user's trial)."""
+    if not isinstance(request.match_info.http_exception, web.HTTPNotFound):
+        return await handler(request)
+    listen = request.app[RUNTIME].config.server.listen  # restart-only: the one bound
+    return render(Rejected(Reason.NO_ROUTE, None, (
+        f"{request.raw_path[:200]}; this is Sluice's admin port, server.admin_listen: "
+        f"/metrics, /healthz, /readyz, /admin/; agents call server.listen, {listen}")),
+        "http")
 
 
 # Both probes name the process that answers (``pid``), so a supervisor or a test can tell its

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import aiohttp
+import openai
 import pytest
 from aiohttp import web
 
@@ -136,6 +137,30 @@ async def test_routes_state_config_and_status_page(upstream, start_sluice):
             response.release()
         async with session.post(url, json=CHAT) as r:
             assert r.status == 200
+
+
+async def test_an_agent_pointed_at_the_admin_port_is_told_which_port_to_use(upstream,
+                                                                             start_sluice):
+    """A new user's SDK on ``http://127.0.0.1:9901/openai/v1`` got a bare "404: Not Found"."""
+    sluice = await start_sluice({"routes": [route("openai", upstream.url)]})
+    client = openai.AsyncOpenAI(base_url=sluice.admin_url + "/openai/v1", api_key="sk-test",
+                                max_retries=0)
+    with pytest.raises(openai.NotFoundError) as refused:
+        await client.chat.completions.create(model="m", messages=CHAT["messages"])
+    await client.close()
+    assert refused.value.response.headers["X-Sluice-Reason"] == "no_route"
+    assert str(refused.value) == (
+        "Error code: 404 - Sluice: no route matches this path (/openai/v1/chat/completions; "
+        "this is Sluice's admin port, server.admin_listen: /metrics, /healthz, /readyz, "
+        f"/admin/; agents call server.listen, 127.0.0.1:{sluice.port})")
+    assert upstream.requests == []
+    async with aiohttp.ClientSession() as session:  # what it serves is served as before
+        async with session.get(sluice.admin_url + "/healthz") as r:
+            assert r.status == 200
+        async with session.post(sluice.admin_url + "/metrics") as r:
+            assert r.status == 405
+        async with session.get(sluice.admin_url + "/admin/runs/nothing") as r:
+            assert r.status == 404 and "no such run" in (await r.json())["error"]
 
 
 async def test_every_policy_shows_its_state(upstream, start_sluice):

@@ -471,6 +471,23 @@ def test_missing_file_is_an_error(tmp_path: Path, capsys) -> None:
     assert line.startswith(f"{path}:1: (file): cannot read: ")
 
 
+def test_the_default_config_missing_says_to_pass_one(tmp_path: Path, monkeypatch, capsys
+                                                      ) -> None:
+    """Outside the clone (a new user's trial) "config/sluice.yaml:1: (file): cannot read: No
+    such file or directory" was all ``serve`` and ``check-config`` said."""
+    hint = (f"sluice: no config/sluice.yaml (the default config) in this directory, {tmp_path}: "
+            "it ships in Sluice's repository, not in the installed package; run from the clone "
+            "or pass --config PATH")
+    monkeypatch.chdir(tmp_path)
+    assert main(["check-config"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "config/sluice.yaml:1: (file): cannot read: No such file or directory", hint]
+    served = subprocess.run([sys.executable, "-m", "proxy", "serve"], cwd=tmp_path,
+                            env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True,
+                            text=True, timeout=60)
+    assert (served.returncode, served.stderr.splitlines()[-1]) == (2, hint)
+
+
 def test_console_script_exit_codes_and_default_config(tmp_path: Path) -> None:
     script = Path(sys.executable).parent / "sluice"
     sluice = [str(script)] if script.exists() else [sys.executable, "-m", "proxy"]

@@ -328,7 +328,8 @@ async def test_authorization_passes_through_and_is_never_logged(upstream, start_
 
 
 async def test_unknown_prefix_is_404_with_reason(upstream, start_sluice):
-    sluice = await start_sluice({"routes": [route("svc", upstream.url, "openai")]})
+    sluice = await start_sluice({"routes": [route("svc", upstream.url, "openai"),
+                                            route("mcp", upstream.url, "mcp")]})
     async with aiohttp.ClientSession() as session:
         for path in ("/nope/v1/chat/completions", "/svc", "/", "/SVC/x"):
             async with session.post(sluice.url + path, json={}) as r:
@@ -336,6 +337,11 @@ async def test_unknown_prefix_is_404_with_reason(upstream, start_sluice):
                 assert r.headers["X-Sluice-Reason"] == "no_route"
                 body = await r.json()
                 assert body["error"]["reason"] == "no_route"
+                # The path asked, then where to point (a new user read the path alone, in
+                # brackets after "its routes", as the list of routes).
+                assert body["error"]["message"] == (
+                    f"Sluice: no route matches this path ({path}; Sluice forwards only under "
+                    "its routes' prefixes: /svc/, /mcp/)")
     assert upstream.requests == []
 
 

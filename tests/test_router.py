@@ -29,3 +29,10 @@ def test_the_longest_matching_prefix_wins(prefixes: tuple[str, ...], path: str) 
     matching = [p for p in prefixes if path.startswith(p)]
     expected = max(matching, key=len) if matching else None
     assert (found.prefix if found is not None else None) == expected
+
+
+def test_prefixes_a_no_route_refusal_lists_are_bounded() -> None:
+    """Listed in config order; past ten, counted (a config may hold thousands of routes)."""
+    assert router("/openai/", "/anthropic/").prefixes == "/openai/, /anthropic/"
+    many = router(*(f"/r{i}/" for i in range(2000)))
+    assert many.prefixes == ", ".join(f"/r{i}/" for i in range(10)) + " and 1990 more"
