@@ -148,7 +148,8 @@ _RARE = frozenset({"transfer-encoding", "expect", "upgrade", "content-encoding",
                    "x-stainless-timeout", "x-stainless-read-timeout", "x-stainless-retry-count",
                    "idempotency-key", "x-step-id"})
 _FRESH_KEYS_PER_READ = 64
-_HEX_KEY = re.compile("[0-9a-f]{32}")
+#: Where each key's 32 hex digits sit in one read's hex string.
+_KEY_SLICES = [slice(i, i + 32) for i in range(0, 32 * _FRESH_KEYS_PER_READ, 32)]
 
 # -- circuit breaker, retry (the openai route's blocks) ---------------------------------------
 CLOSED, OPEN, HALF_OPEN = "closed", "open", "half-open"
@@ -500,8 +501,8 @@ def _rare(headers: CIMultiDictProxy[str], length: str | None
 def _fresh_keys() -> list[tuple[str, str]]:
     """Keys for :data:`_FRESH_KEYS_PER_READ` calls, as logged and as sent (quoted), cut in
     C from one read."""
-    keys = list(map("sluice-".__add__,
-                    _HEX_KEY.findall(os.urandom(16 * _FRESH_KEYS_PER_READ).hex())))
+    digits = os.urandom(16 * _FRESH_KEYS_PER_READ).hex()
+    keys = list(map("sluice-".__add__, map(digits.__getitem__, _KEY_SLICES)))
     return list(zip(keys, map('"{}"'.format, keys), strict=True))
 
 
@@ -556,8 +557,7 @@ def _read_cost(body: bytes) -> tuple[str | None, int, int | None, bytes] | None:
         if type(options) is not dict or options.get("include_usage") is not True:
             body = _asking_usage(body, obj, options)
     messages = get("messages")
-    # A part's "type" key is in the body's bytes as such, or escaped (\\u): else none to walk.
-    if type(messages) is list and (b'"type"' in body or b"\\u" in body):
+    if type(messages) is list:
         for message in messages:
             if type(message) is dict and type(parts := message.get("content")) is list:
                 for part in parts:
