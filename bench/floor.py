@@ -191,9 +191,19 @@ _line = functools.partial(orjson.dumps, option=orjson.OPT_APPEND_NEWLINE)
 
 
 class VerbatimRequest(aiohttp.ClientRequest):
-    """A ``ClientRequest`` that adds no header of its own (as ``proxy.client`` does)."""
+    """A ``ClientRequest`` that adds no header of its own (as ``proxy.client`` does), and
+    copies the caller's headers in C (as the baseline's does)."""
 
     DEFAULT_HEADERS: dict[str, str] = {}
+
+    def update_headers(self, headers: object) -> None:
+        # aiohttp's own adds them one by one in Python; the same fields in the same order:
+        # Host first, then the caller's (which never hold one).
+        if not isinstance(headers, CIMultiDict) or hdrs.HOST in headers:
+            super().update_headers(headers)  # type: ignore[arg-type]
+            return
+        self.headers = CIMultiDict(((hdrs.HOST, self.url.host_port_subcomponent),))
+        self.headers.extend(headers)
 
     def update_auto_headers(self, skip_auto_headers: object) -> None:
         self._skip_auto_headers = _NEVER_ADDED
@@ -904,8 +914,11 @@ def make_handler(session: aiohttp.ClientSession, routes: list[Route], events: Ev
                     breaker.record(_verdict(status, upstream_headers), now)
                 label = _STATUS_CLASSES[status // 100]
                 return response
-            finally:
+            except BaseException:
+                # An answer read to its end gave its connection back; one cut short or
+                # refused is released here (as the baseline does).
                 answer.release()
+                raise
         except Refused as failed:
             status, label = failed.status, failed.label
             return _refusal(failed)
