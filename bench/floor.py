@@ -11,7 +11,9 @@ The same bytes go upstream and back as through Sluice, and the same events and c
 kept. For that request it does, in this order:
 
 * route: the path's first segment looked up among two prefixes (``/openai/``,
-  ``/anthropic/``), stripped when forwarding;
+  ``/anthropic/``), stripped when forwarding; this, the upstream URL, whether the target is
+  metered and the door's checks of the target alone (below) are worked out once per
+  distinct request target (256 kept);
 * door (``proxy/edge.py`` ``EdgeServer.serve``, ``Door.check``): HTTP version, ``Host``
   (the loopback names; values allowed once are remembered), non-ASCII header values, a
   target holding ``%``, ``;``, ``\\`` or ``#`` (refused outright: Sluice refuses only a
@@ -37,9 +39,10 @@ kept. For that request it does, in this order:
   failure in the 30 s window, is ``calls += 1, failures = 0`` (Sluice's
   ``MemoryBreakerStates.defer``); else per-second window buckets, opening on ``fail_max``
   in a row or ``rate`` of ``min_calls``, half-open after ``reset_timeout``;
-* rate: two GCRA buckets, the tenant's (a dict by tenant, swept of drained ones every
-  minute, at most ``max_rate_buckets``) and the route's, tested and then taken all or
-  nothing; given back when the call never reached the upstream;
+* rate: two GCRA buckets kept as theoretical arrival times, the tenant's (a dict by
+  tenant, swept of drained ones every minute, at most ``max_rate_buckets``) and the
+  route's, tested and then taken all or nothing; given back when the call never reached
+  the upstream;
 * token accounting: a POST to a chat-completions path (kept per path) with an uncompressed
   body parsed once (orjson): ``model``, ``max_completion_tokens`` / ``max_tokens`` (the
   larger), ``n``, ``stream`` (a stream not asking for its usage chunk is sent asking for
