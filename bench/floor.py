@@ -11,7 +11,9 @@ The same bytes go upstream and back as through Sluice, and the same events and c
 kept. For that request it does, in this order:
 
 * route: the path's first segment looked up among two prefixes (``/openai/``,
-  ``/anthropic/``), stripped when forwarding;
+  ``/anthropic/``), stripped when forwarding; this, the upstream URL, whether the target is
+  metered and the door's checks of the target alone (below) are worked out once per
+  distinct request target (256 kept);
 * door (``proxy/edge.py`` ``EdgeServer.serve``, ``Door.check``): HTTP version, ``Host``
   (the loopback names; values allowed once are remembered), non-ASCII header values, a
   target holding ``%``, ``;``, ``\\`` or ``#`` (refused outright: Sluice refuses only a
@@ -37,9 +39,10 @@ kept. For that request it does, in this order:
   failure in the 30 s window, is ``calls += 1, failures = 0`` (Sluice's
   ``MemoryBreakerStates.defer``); else per-second window buckets, opening on ``fail_max``
   in a row or ``rate`` of ``min_calls``, half-open after ``reset_timeout``;
-* rate: two GCRA buckets, the tenant's (a dict by tenant, swept of drained ones every
-  minute, at most ``max_rate_buckets``) and the route's, tested and then taken all or
-  nothing; given back when the call never reached the upstream;
+* rate: two GCRA buckets kept as theoretical arrival times, the tenant's (a dict by
+  tenant, swept of drained ones every minute, at most ``max_rate_buckets``) and the
+  route's, tested and then taken all or nothing; given back when the call never reached
+  the upstream;
 * token accounting: a POST to a chat-completions path (kept per path) with an uncompressed
   body parsed once (orjson): ``model``, ``max_completion_tokens`` / ``max_tokens`` (the
   larger), ``n``, ``stream`` (a stream not asking for its usage chunk is sent asking for
@@ -148,7 +151,8 @@ _RARE = frozenset({"transfer-encoding", "expect", "upgrade", "content-encoding",
                    "x-stainless-timeout", "x-stainless-read-timeout", "x-stainless-retry-count",
                    "idempotency-key", "x-step-id"})
 _FRESH_KEYS_PER_READ = 64
-_HEX_KEY = re.compile("[0-9a-f]{32}")
+#: Where each key's 32 hex digits sit in one read's hex string.
+_KEY_SLICES = [slice(i, i + 32) for i in range(0, 32 * _FRESH_KEYS_PER_READ, 32)]
 
 # -- circuit breaker, retry (the openai route's blocks) ---------------------------------------
 CLOSED, OPEN, HALF_OPEN = "closed", "open", "half-open"
@@ -161,6 +165,10 @@ _RATE_LIMIT_HEADERS = ("retry-after", "retry-after-ms", "x-ratelimit-reset-reque
 # -- rate, concurrency (the bench's limits: 6,000,000/min each, 1024 slots, 1024 a tenant) ---
 RATE_LIMIT, RATE_PER_S = 6_000_000, 6_000_000 / 60
 TENANT_RATE_LIMIT, TENANT_RATE_PER_S = 6_000_000, 6_000_000 / 60
+#: The same in GCRA's terms: seconds one call adds to a bucket's theoretical arrival time,
+#: and how far past now that time may run (the burst a full bucket holds).
+INTERVAL_S, BURST_S = 1 / RATE_PER_S, RATE_LIMIT / RATE_PER_S
+TENANT_INTERVAL_S, TENANT_BURST_S = 1 / TENANT_RATE_PER_S, TENANT_RATE_LIMIT / TENANT_RATE_PER_S
 CONCURRENCY_LIMIT, PER_TENANT = 1024, 1024
 MAX_RATE_BUCKETS = 250_000
 SWEEP_INTERVAL_S = 60.0
@@ -186,9 +194,19 @@ _line = functools.partial(orjson.dumps, option=orjson.OPT_APPEND_NEWLINE)
 
 
 class VerbatimRequest(aiohttp.ClientRequest):
-    """A ``ClientRequest`` that adds no header of its own (as ``proxy.client`` does)."""
+    """A ``ClientRequest`` that adds no header of its own (as ``proxy.client`` does), and
+    copies the caller's headers in C (as the baseline's does)."""
 
     DEFAULT_HEADERS: dict[str, str] = {}
+
+    def update_headers(self, headers: object) -> None:
+        # aiohttp's own adds them one by one in Python; the same fields in the same order:
+        # Host first, then the caller's (which never hold one).
+        if not isinstance(headers, CIMultiDict) or hdrs.HOST in headers:
+            super().update_headers(headers)  # type: ignore[arg-type]
+            return
+        self.headers = CIMultiDict(((hdrs.HOST, self.url.host_port_subcomponent),))
+        self.headers.extend(headers)
 
     def update_auto_headers(self, skip_auto_headers: object) -> None:
         self._skip_auto_headers = _NEVER_ADDED
@@ -299,12 +317,12 @@ class Route:
         self.openai = openai  # its usage is read (the anthropic route's is not, here)
         self.drop = _HOP_BY_HOP | {"host", "content-length", "expect"} | {
             name.lower() for name in removed}
-        self.metered: dict[str, bool] = {}  # raw path -> a metered endpoint (chat completions)
         self.breaker = Breaker()
-        # rate: GCRA buckets as [level in units, monotonic seconds], the route's and each
-        # tenant's (swept of drained ones every minute)
-        self.bucket = [0.0, 0.0]
-        self.tenant_buckets: dict[str, list[float]] = {}
+        # rate: GCRA buckets as their theoretical arrival times (monotonic seconds; one at
+        # or before now is empty), the route's and each tenant's (swept of drained ones
+        # every minute)
+        self.tat = 0.0
+        self.tenant_tats: dict[str, float] = {}
         self.next_sweep = 0.0
         # concurrency: the route's calls in flight (the drain waits for them), per tenant
         self.inflight = 0
@@ -319,30 +337,27 @@ class Route:
         self.duration_counts = [0] * (len(DURATION_BOUNDS) + 1)
         self.duration_sum = 0.0
 
-    def new_bucket(self, tenant: str, now: float) -> list[float]:
-        """An empty bucket for ``tenant``.
+    def new_bucket(self) -> float:
+        """An empty bucket's arrival time for a tenant not yet kept (kept once it takes).
 
         Raises:
             Refused: 503 ``rate_buckets_full`` past ``MAX_RATE_BUCKETS``.
         """
-        if len(self.tenant_buckets) >= MAX_RATE_BUCKETS:
+        if len(self.tenant_tats) >= MAX_RATE_BUCKETS:
             raise Refused(503, "rate_buckets_full", "", 5.0)
-        bucket = self.tenant_buckets[tenant] = [0.0, now]
-        return bucket
+        return 0.0
+
+    def give_back(self, tenant: str) -> None:
+        """Return one call's units to the tenant's bucket and the route's (a call that never
+        reached the upstream); a bucket swept meanwhile had drained, and stays empty."""
+        self.tat -= INTERVAL_S
+        if tenant in self.tenant_tats:
+            self.tenant_tats[tenant] -= TENANT_INTERVAL_S
 
     def sweep(self, now: float) -> None:
         """Forget the tenants' buckets that have drained (an absent one is empty)."""
-        self.tenant_buckets = {tenant: bucket for tenant, bucket in self.tenant_buckets.items()
-                               if bucket[0] - (now - bucket[1]) * TENANT_RATE_PER_S > 0.0}
+        self.tenant_tats = {tenant: tat for tenant, tat in self.tenant_tats.items() if tat > now}
         self.next_sweep = now + SWEEP_INTERVAL_S
-
-    def is_metered(self, raw_path: str) -> bool:
-        """Whether a POST to ``raw_path`` is a chat completion to read, kept per path."""
-        if len(self.metered) >= 256:
-            self.metered.clear()
-        found = self.metered[raw_path] = self.openai and raw_path.partition("?")[0].endswith(
-            "/chat/completions")
-        return found
 
 
 class Events:
@@ -393,7 +408,7 @@ def _without(headers: CIMultiDictProxy[str], drop: frozenset[str]) -> CIMultiDic
     ``proxy/forward.py`` finds them: the named set cached by value, a case-insensitive
     key-view intersection (in C)."""
     out = headers.copy()
-    connection = headers.get("Connection")
+    connection = headers.get(hdrs.CONNECTION)
     if connection:
         drop = _dropped(drop, connection)
     for name in headers.keys() & drop:
@@ -404,6 +419,11 @@ def _without(headers: CIMultiDictProxy[str], drop: frozenset[str]) -> CIMultiDic
 @functools.lru_cache(maxsize=256)
 def _dropped(drop: frozenset[str], connection: str) -> frozenset[str]:
     return drop | {token.strip().lower() for token in connection.split(",")}
+
+
+#: Identity values that passed :func:`_checked` (at most 1,024 kept): a tenant's name comes on
+#: every call, and a set look-up costs a quarter of the regex's match.
+_VALID_IDS: set[str] = set()
 
 
 def _checked(values: list[str], name: str) -> str | None:
@@ -417,6 +437,8 @@ def _checked(values: list[str], name: str) -> str | None:
     value = values[0]
     if value and not _IDENTITY_VALUE.fullmatch(value):
         raise Refused(400, "bad_request", f"{name} takes at most 128 visible ASCII characters")
+    if value and len(_VALID_IDS) < 1024:
+        _VALID_IDS.add(value)
     return value or None
 
 
@@ -492,8 +514,8 @@ def _rare(headers: CIMultiDictProxy[str], length: str | None
 def _fresh_keys() -> list[tuple[str, str]]:
     """Keys for :data:`_FRESH_KEYS_PER_READ` calls, as logged and as sent (quoted), cut in
     C from one read."""
-    keys = list(map("sluice-".__add__,
-                    _HEX_KEY.findall(os.urandom(16 * _FRESH_KEYS_PER_READ).hex())))
+    digits = os.urandom(16 * _FRESH_KEYS_PER_READ).hex()
+    keys = list(map("sluice-".__add__, map(digits.__getitem__, _KEY_SLICES)))
     return list(zip(keys, map('"{}"'.format, keys), strict=True))
 
 
@@ -636,23 +658,52 @@ class Process:
         self.draining = False
 
 
+#: What a request target comes to: its route (``None``: no route serves it), the upstream URL,
+#: whether a POST to it is a chat completion to meter, and the door's refusal of the target
+#: itself (``(status, reason, detail)``) or ``None``. All of it is a function of the target
+#: alone, so it is worked out once per distinct target (:func:`make_handler` keeps 256).
+Target = tuple[Route | None, URL | None, bool, tuple[int, str, str] | None]
+
+
+def _target(raw_path: str, by_segment: dict[str, Route]) -> Target:
+    """:data:`Target` of ``raw_path`` (found by its first segment among the routes' prefixes)."""
+    end = raw_path.find("/", 1)
+    route = by_segment.get(raw_path[:end + 1]) if end > 0 else None
+    if route is None:
+        return None, None, False, None
+    bad = None
+    # Stricter than Sluice, which forwards the paths whose readings agree.
+    if "%" in raw_path or ";" in raw_path or "\\" in raw_path or "#" in raw_path:
+        bad = (400, "bad_request", "%, ;, \\ or # in the request target")
+    elif "." in raw_path and any(segment in (".", "..") for segment in
+                                 raw_path.partition("?")[0].split("/")):
+        bad = (400, "bad_request", "dot-segments in path")
+    metered = route.openai and raw_path.partition("?")[0].endswith("/chat/completions")
+    return (route, URL(route.upstream + raw_path[route.cut:], encoded=True), metered, bad)
+
+
 def make_handler(session: aiohttp.ClientSession, routes: list[Route], events: Events,
                  proc: Process, loop: asyncio.AbstractEventLoop
                  ) -> Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]:
     """The one handler: the door, the route's policies, the forward, the accounts."""
     by_segment = {route.prefix: route for route in routes}
+    targets: dict[str, Target] = {}
     # Runtime.next_request_id: a process prefix and a counter (formatted in C).
     next_id = map(f"{os.getpid():x}-{os.urandom(3).hex()}-{{}}".format,
                   itertools.count(1)).__next__
     hosts_seen: set[str] = set()
     key_pool: list[tuple[str, str]] = []
     buffer, flush, call_soon = events.buffer, events.flush, loop.call_soon
-    monotonic = time.monotonic
+    monotonic, wall = time.monotonic, time.time
 
     async def handle(request: web.BaseRequest) -> web.StreamResponse:
         raw_path = request.raw_path
-        end = raw_path.find("/", 1)
-        route = by_segment.get(raw_path[:end + 1]) if end > 0 else None
+        target = targets.get(raw_path)
+        if target is None:
+            if len(targets) >= 256:
+                targets.clear()
+            target = targets[raw_path] = _target(raw_path, by_segment)
+        route, url, metered, bad = target
         if route is None or request.method == "CONNECT":
             return _refusal(Refused(404, "no_route", "no route serves this path"))
         headers = request.headers
@@ -671,16 +722,12 @@ def make_handler(session: aiohttp.ClientSession, routes: list[Route], events: Ev
                 raise Refused(421, "misdirected_request", "Host is not served here")
             if not "".join(headers.values()).isascii() and _undecodable(headers.values()):
                 raise Refused(400, "bad_request", "a header value is not UTF-8")
-            # Stricter than Sluice, which forwards the paths whose readings agree.
-            if "%" in raw_path or ";" in raw_path or "\\" in raw_path or "#" in raw_path:
-                raise Refused(400, "bad_request", "%, ;, \\ or # in the request target")
-            if "." in raw_path and any(segment in (".", "..") for segment in
-                                       raw_path.partition("?")[0].split("/")):
-                raise Refused(400, "bad_request", "dot-segments in path")
+            if bad is not None:
+                raise Refused(*bad)
             length = headers.get(hdrs.CONTENT_LENGTH)
             # Every other header read, looked for in one pass (in C): most calls send none.
             run, request_id, timeout, expect, chunked, keyed, coded, client_retry = (
-                _rare(headers, length) if headers.keys() & _RARE else _NONE_RARE)
+                _NONE_RARE if headers.keys().isdisjoint(_RARE) else _rare(headers, length))
             declared = (int(length.lstrip("0") or "0") if length is not None
                         else MAX_REQUEST_BYTES if chunked else 0)
             if declared > MAX_REQUEST_BYTES:
@@ -693,7 +740,8 @@ def make_handler(session: aiohttp.ClientSession, routes: list[Route], events: Ev
             # -- identity
             tenant = headers.getall(TENANT, None)
             if tenant is not None:
-                tenant = _checked(tenant, TENANT)
+                tenant = (tenant[0] if len(tenant) == 1 and tenant[0] in _VALID_IDS
+                          else _checked(tenant, TENANT))
             tenant = tenant or DEFAULT_TENANT
             request_id = request_id or next_id()
             # -- body
@@ -725,16 +773,18 @@ def make_handler(session: aiohttp.ClientSession, routes: list[Route], events: Ev
             # -- rate: the tenant's bucket and the route's, all or nothing
             if now >= route.next_sweep:
                 route.sweep(now)
-            bucket = route.tenant_buckets.get(tenant) or route.new_bucket(tenant, now)
-            shared = route.bucket
-            mine = bucket[0] - (now - bucket[1]) * TENANT_RATE_PER_S
-            ours = shared[0] - (now - shared[1]) * RATE_PER_S
-            mine = (mine if mine > 0.0 else 0.0) + 1.0
-            ours = (ours if ours > 0.0 else 0.0) + 1.0
-            if mine > TENANT_RATE_LIMIT or ours > RATE_LIMIT:
-                raise Refused(429, "rate_limited", "", max(mine - TENANT_RATE_LIMIT,
-                              0.0) / TENANT_RATE_PER_S + max(ours - RATE_LIMIT, 0.0) / RATE_PER_S)
-            bucket[0], bucket[1], shared[0], shared[1] = mine, now, ours, now
+            tats = route.tenant_tats
+            mine = tats.get(tenant)
+            if mine is None:
+                mine = route.new_bucket()
+            ours = route.tat
+            mine = (mine if mine > now else now) + TENANT_INTERVAL_S
+            ours = (ours if ours > now else now) + INTERVAL_S
+            if mine - now > TENANT_BURST_S or ours - now > BURST_S:
+                raise Refused(429, "rate_limited", "", max(mine - now - TENANT_BURST_S, 0.0)
+                              + max(ours - now - BURST_S, 0.0))
+            tats[tenant] = mine
+            route.tat = ours
         except Refused as refused:
             proc.buffered -= held
             route.outcomes["rejected"] += 1
@@ -748,12 +798,8 @@ def make_handler(session: aiohttp.ClientSession, routes: list[Route], events: Ev
         try:
             # -- token accounting
             cost = None
-            if method == "POST" and not coded:
-                metered = route.metered.get(raw_path)
-                if metered is None:
-                    metered = route.is_metered(raw_path)
-                if metered:
-                    cost = _read_cost(body)
+            if metered and method == "POST" and not coded:
+                cost = _read_cost(body)
             # -- concurrency
             in_tenant = route.by_tenant.get(tenant, 0)
             if in_tenant >= PER_TENANT:
@@ -761,8 +807,7 @@ def make_handler(session: aiohttp.ClientSession, routes: list[Route], events: Ev
             if route.inflight >= CONCURRENCY_LIMIT:
                 raise Refused(503, "concurrency_full", "this floor has no queue", 1.0)
         except Refused as refused:
-            bucket[0] -= 1.0
-            shared[0] -= 1.0
+            route.give_back(tenant)
             proc.buffered -= held
             route.outcomes["rejected"] += 1
             events.emit("rejected", request_id, route.name, tenant, run, key,
@@ -773,7 +818,7 @@ def make_handler(session: aiohttp.ClientSession, routes: list[Route], events: Ev
         admitted_at = now  # the rate step's
         status, label, usage = 0, "client_disconnected", None
         try:
-            buffer.append({"ts": time.time(), "event": "admitted", "request_id": request_id,
+            buffer.append({"ts": wall(), "event": "admitted", "request_id": request_id,
                            "route": route.name, "tenant": tenant, "run": run,
                            "idempotency_key": key})
             if len(buffer) == FLUSH_BATCH:
@@ -790,7 +835,6 @@ def make_handler(session: aiohttp.ClientSession, routes: list[Route], events: Ev
             if cost is not None:
                 out[hdrs.ACCEPT_ENCODING] = "identity"  # an answer whose usage can be read
                 body = cost[3]
-            url = URL(route.upstream + raw_path[route.cut:], encoded=True)
             attempt = 0
             while True:
                 attempt += 1
@@ -844,7 +888,9 @@ def make_handler(session: aiohttp.ClientSession, routes: list[Route], events: Ev
                     log.warning("route %s: an answer header is not UTF-8; its undecodable "
                                 "bytes do not reach the caller", route.name)
                 length = upstream_headers.get(hdrs.CONTENT_LENGTH)
-                if length is not None and int(length.lstrip("0") or "0") <= BUFFER_LIMIT_BYTES:
+                # (Fewer than 6 digits: below the limit, with no int() to build.)
+                if length is not None and (len(length) < 6 or int(length.lstrip("0") or "0")
+                                           <= BUFFER_LIMIT_BYTES):
                     try:
                         data = await answer.read()
                     except (aiohttp.ClientError, TimeoutError):
@@ -871,8 +917,11 @@ def make_handler(session: aiohttp.ClientSession, routes: list[Route], events: Ev
                     breaker.record(_verdict(status, upstream_headers), now)
                 label = _STATUS_CLASSES[status // 100]
                 return response
-            finally:
+            except BaseException:
+                # An answer read to its end gave its connection back; one cut short or
+                # refused is released here (as the baseline does).
                 answer.release()
+                raise
         except Refused as failed:
             status, label = failed.status, failed.label
             return _refusal(failed)
@@ -885,18 +934,18 @@ def make_handler(session: aiohttp.ClientSession, routes: list[Route], events: Ev
             else:
                 del route.by_tenant[tenant]
             if not reached:
-                bucket[0] -= 1.0
-                shared[0] -= 1.0
+                route.give_back(tenant)
             proc.buffered -= held
             elapsed = monotonic() - admitted_at
             route.duration_counts[bisect_left(DURATION_BOUNDS, elapsed)] += 1
             route.duration_sum += elapsed
             route.outcomes[label] += 1
-            record = {"ts": time.time(), "event": "completed", "request_id": request_id,
-                      "route": route.name, "tenant": tenant, "run": run,
-                      "idempotency_key": key, "status": status, "outcome": label,
-                      "duration_s": round(elapsed, 6)}
-            if cost is not None and label != "rejected":
+            if cost is None or label == "rejected":
+                record = {"ts": wall(), "event": "completed", "request_id": request_id,
+                          "route": route.name, "tenant": tenant, "run": run,
+                          "idempotency_key": key, "status": status, "outcome": label,
+                          "duration_s": round(elapsed * 1e6) / 1e6}
+            else:
                 model, estimate, cap, _ = cost
                 cached = 0
                 if not reached:
@@ -913,10 +962,14 @@ def make_handler(session: aiohttp.ClientSession, routes: list[Route], events: Ev
                     source = "reserved"
                     route.usage_missing += 1
                 price = PRICING.get(model)
-                record.update(model=model, input_tokens=used_in, output_tokens=used_out,
-                              cost_usd=None if price is None else round(
-                                  ((used_in - cached) * price[0] + used_out * price[1]
-                                   + cached * price[2]) / 1e6, 9), usage=source)
+                record = {"ts": wall(), "event": "completed", "request_id": request_id,
+                          "route": route.name, "tenant": tenant, "run": run,
+                          "idempotency_key": key, "status": status, "outcome": label,
+                          "duration_s": round(elapsed * 1e6) / 1e6, "model": model,
+                          "input_tokens": used_in, "output_tokens": used_out,
+                          "cost_usd": None if price is None else round(
+                              ((used_in - cached) * price[0] + used_out * price[1]
+                               + cached * price[2]) / 1e6, 9), "usage": source}
                 if source == "reported" and cap is not None and (
                         over := used_in + used_out - estimate - cap) > 0:
                     record["over_reservation_tokens"] = over
