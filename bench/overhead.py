@@ -792,7 +792,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--targets",
                    help="direct,sluice,baseline,haproxy (the default; direct first, for the "
                    "'vs direct' columns; haproxy only when installed); with --state redis "
-                   "direct,sluice,sluice-redis")
+                   "direct,sluice,sluice-redis; floor (bench/floor.py) only when named")
     p.add_argument("--state", choices=("memory", "redis"), default="memory",
                    help="redis: also run Sluice on the Redis backend (its own redis-server), "
                    "every call metered; report Redis round trips per call")
