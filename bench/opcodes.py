@@ -36,6 +36,7 @@ from pathlib import Path
 from bench import common, overhead
 from bench.common import HERE, UPSTREAM_PATH, Service
 from bench.instructions import TARGETS, each_target, parse_targets, save, target_config
+from bench.optrace import refuse_unsupported_python
 
 #: Seconds a target has to write its counts after SIGUSR2.
 WRITE_TIMEOUT_S = 30.0
@@ -144,6 +145,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    refuse_unsupported_python()  # before any target starts
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     args.wrk = common.find_wrk()
     nginx = shutil.which("nginx") or shutil.which("nginx", path="/usr/sbin")

@@ -66,7 +66,17 @@ class Counter:
                 json.dump([[f"{f}:{line}", n] for (f, line), n in self.lines.items()], out)
 
 
+def refuse_unsupported_python() -> None:
+    """Exit (``SystemExit`` with the reason) on Python 3.12, whose ``sys.settrace`` never
+    delivers the 'opcode' events a frame turns on from its 'call' event (CPython gh-114480,
+    fixed in 3.13): every count would be 0."""
+    if sys.version_info[:2] == (3, 12):
+        raise SystemExit(f"optrace: Python {sys.version.split()[0]} delivers no opcode trace "
+                         "events (CPython gh-114480): run it with Python 3.11 or 3.13+")
+
+
 def main(argv: list[str]) -> None:
+    refuse_unsupported_python()
     out, sep, *program = argv
     if sep != "--" or len(program) < 2:
         raise SystemExit("usage: optrace.py OUT.json -- python -m MODULE ARGS | python FILE ARGS")

@@ -126,6 +126,12 @@ def loads(body: bytes | str, parse: Callable[[Any], Any] = orjson.loads) -> Any:
     """``parse(body)`` (``orjson.loads`` by default), with the cyclic collector paused for a
     body of :data:`PAUSE_COLLECTOR_BYTES` or more if it was enabled.
 
+    The pause matters mostly on Python 3.11, whose collector runs inside the parse each time
+    allocations pass its threshold, walking the young objects again and again (27 MB of
+    small objects: 1.71 s, 0.73 s paused). From 3.12 on a collection only falls due inside a
+    C call and runs once after it (CPython gh-97922); paused, it runs once after
+    ``gc.enable()``, which still saves some (0.72 s against 0.45 s on 3.12.1).
+
     Raises:
         whatever ``parse`` raises (``orjson.JSONDecodeError`` for invalid JSON).
     """

@@ -488,6 +488,18 @@ class DeadLetterFile:
         self._db.execute(f"PRAGMA busy_timeout={self._busy_timeout_ms}")
 
     def _open(self) -> None:
+        try:
+            self._connect()
+        except BaseException:
+            # A connection made before the failure (a pragma past the busy timeout) is
+            # closed, not left to the collector; one that failed to connect is none here,
+            # or the connection _follow closed already.
+            with contextlib.suppress(AttributeError):
+                self._db.close()
+            raise
+        self._inode = _inode(self.path)
+
+    def _connect(self) -> None:
         if self.read_only:
             # mode=rw, not ro, as _reading: no file created, and a read-only connection
             # leaves the -wal and -shm files behind (so a -wal left here is checkpointed at
@@ -501,7 +513,6 @@ class DeadLetterFile:
         else:
             self._open_for_writing()
             self._key_origin = "key_origin"
-        self._inode = _inode(self.path)
 
     def _open_for_writing(self) -> None:
         """Open the file, created if missing, in WAL mode, with every table, index and

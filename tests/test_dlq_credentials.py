@@ -17,7 +17,7 @@ import json
 import aiohttp
 import pytest
 
-from proxy.redact import WITHHELD, body_credentials_masked
+from proxy.redact import MAX_NESTING, WITHHELD, body_credentials_masked
 from tests.conftest import route
 from tests.sluice_child import sluice_cli
 
@@ -199,7 +199,8 @@ SECRET = "sk-in-the-body"
     # A name spelled with a JSON escape is the same name to every parser: withheld too.
     ('{"temperature": NaN, "tools": [{"type": "mcp", "authoriz\\u0061tion": "sk-in-the-body"}]}',
      WITHHELD, ["body"]),
-    # Nesting too deep for Python's reader (a reader without a limit reads it): withheld.
+    # Nesting deeper than MAX_NESTING (3.11's reader refuses it, 3.13's reads it): withheld
+    # on every version.
     ('{"mcp_servers": [{"authorization_token": "sk-in-the-body"}], "d": '
      + "[" * 5000 + "]" * 5000 + "}", WITHHELD, ["body"]),
     # ... unless the body names none of the masked fields: shown as stored.
@@ -221,8 +222,13 @@ def test_a_body_is_masked_everywhere_its_credential_may_be_read(text, shown, pat
 
 
 def test_a_nested_body_is_masked_and_written_whole():
-    deep = "[" * 500 + "]" * 500
-    text = '{"mcp_servers": [{"authorization_token": "sk-in-the-body"}], "d": ' + deep + "}"
+    # MAX_NESTING levels, the outer object's included, and brackets in strings apart.
+    deep = "[" * (MAX_NESTING - 1) + "]" * (MAX_NESTING - 1)
+    text = ('{"mcp_servers": [{"authorization_token": "sk-in-the-body"}], "d": ' + deep
+            + ', "s": "[{\\"' + "[" * 2000 + '"}')
     assert body_credentials_masked(text) == (
-        '{"mcp_servers": [{"authorization_token": "<redacted>"}], "d": ' + deep + "}",
-        ["mcp_servers[0].authorization_token"])
+        '{"mcp_servers": [{"authorization_token": "<redacted>"}], "d": ' + deep
+        + ', "s": "[{\\"' + "[" * 2000 + '"}', ["mcp_servers[0].authorization_token"])
+    # One level more is withheld, as on a Python whose reader refuses it (3.11 reads 993).
+    deeper = text.replace(deep, "[" + deep + "]")
+    assert body_credentials_masked(deeper) == (WITHHELD, ["body"])

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import sqlite3
 import time
@@ -198,3 +199,29 @@ async def test_a_served_letter_outlives_a_lock_held_past_sqlites_old_5s_busy_tim
     assert code == 0, err
     assert '"n": 1' in out or '\\"n\\": 1' in out or '{"n":1}' in out.replace(" ", "")
     assert "database is locked" not in sluice.stderr()
+
+
+def open_connections() -> list[sqlite3.Connection]:
+    """The ``sqlite3`` connections alive in this process that still answer a query."""
+    found = []
+    for thing in gc.get_objects():
+        if isinstance(thing, sqlite3.Connection):
+            with contextlib.suppress(sqlite3.Error):
+                thing.execute("select 1")
+                found.append(thing)
+    return found
+
+
+@pytest.mark.parametrize("read_only", [False, True])
+def test_a_file_that_cannot_be_opened_leaves_no_connection_open(tmp_path, monkeypatch,
+                                                                 read_only):
+    # Its WAL pragma (a table read, read-only) failed past the busy timeout, and the
+    # connection was left to the collector (3.13: "ResourceWarning: unclosed database").
+    monkeypatch.setattr(policies.deadletter, "OPEN_BUSY_TIMEOUT_S", BUSY_S)
+    path = tmp_path / "dlq.sqlite"
+    with exclusive(path) as locker:  # on a new file, not yet in WAL mode: readers wait too
+        before = open_connections()
+        with pytest.raises(sqlite3.OperationalError, match="locked"):
+            DeadLetterFile(str(path), read_only=read_only)
+        left = [c for c in open_connections() if c is not locker and c not in before]
+    assert left == []

@@ -11,6 +11,7 @@ import logging
 import re
 import signal
 import statistics
+import sys
 import time
 from unittest import mock
 
@@ -834,6 +835,9 @@ async def test_a_caller_that_pipelines_a_small_request_and_leaves_is_cut(upstrea
     assert [r.path_qs for r in upstream.requests] == ["/slow"]
 
 
+@pytest.mark.skipif(sys.version_info >= (3, 12), reason=(
+    "aiohttp starts handlers as eager tasks on 3.12+ (eager_start=True in web_protocol.py): "
+    "no request is ever off the queue with its handler not started, so the window can't be built"))
 async def test_a_big_head_behind_a_request_not_started_yet_does_not_answer_first(upstream):
     """A head over 60 KiB right behind a request aiohttp had taken off its queue but whose
     handler had not started yet (Python 3.11 starts it a loop turn later) was answered 431
