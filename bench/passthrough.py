@@ -18,11 +18,11 @@ Sluice itself adds and nothing else:
   default route timeout (``connect`` 5 s, ``total`` 600 s), on a ``TCPConnector`` with
   ``limit=0``, ``ttl_dns_cache=60``, ``keepalive_timeout=4`` (``server.upstream_idle_timeout``);
 * forwarding (``proxy/forward.py``): header copies less the dropped fields, found by a
-  case-insensitive key-view intersection, the ``Connection``-named set cached by value.
-  Faster than Sluice here (a baseline must be as fast as it can be made): the request class
-  copies the forwarded headers in C (aiohttp's ``update_headers`` adds them one by one in
-  Python), each request target's upstream URL is built once, not per request, and an
-  answer read to its end is not ``release()``-d again;
+  case-insensitive key-view intersection, the ``Connection``-named set cached by value; the
+  request class copies the forwarded headers in C (aiohttp's ``update_headers`` adds them
+  one by one in Python), each request target's upstream URL is built once, not per request
+  (``proxy/routes.py`` ``Route.url``), and an answer read to its end is not ``release()``-d
+  again;
 * process (``proxy/server.py`` ``tune_gc``): startup's objects frozen out of the cyclic
   collector's sight, young collections every 10,000 allocations.
 

@@ -215,7 +215,9 @@ async def forward(request: web.BaseRequest, rt: Runtime, route: Route, call: Cal
     meter = call.meter
     if meter is not None:
         meter.request_headers(headers)
-    url = URL(route.upstream_base + call.path[route.cut:], encoded=True)
+    url = route.urls.get(call.path)
+    if url is None:
+        url = route.url(call.path)
     tries = _Tries()
     if plan is None:
         plan = route.base_plan

@@ -15,6 +15,7 @@ import math
 from collections.abc import Mapping
 
 import aiohttp
+from aiohttp import hdrs
 from multidict import CIMultiDict
 from yarl import URL
 
@@ -37,6 +38,17 @@ class VerbatimRequest(aiohttp.ClientRequest):
     """A ``ClientRequest`` that adds no default header (``request_class`` of the session)."""
 
     DEFAULT_HEADERS: dict[str, str] = {}
+
+    def update_headers(self, headers: object) -> None:
+        # aiohttp's own adds the fields one by one in Python (bench opcodes: 128 a call); the
+        # same fields in the same order in one C copy: Host first, from the URL, then the
+        # session's CIMultiDict of the caller's. One holding a Host (Sluice's never do: it
+        # is dropped from every call) takes aiohttp's way, which lets it replace the URL's.
+        if not isinstance(headers, CIMultiDict) or hdrs.HOST in headers:
+            super().update_headers(headers)  # type: ignore[arg-type]
+            return
+        self.headers = CIMultiDict(((hdrs.HOST, self.url.host_port_subcomponent),))
+        self.headers.extend(headers)
 
     def update_auto_headers(self, skip_auto_headers: object) -> None:
         # The default-header and User-Agent steps add nothing; the skip set is read later by

@@ -17,6 +17,8 @@ import urllib.parse
 from collections.abc import Callable, Collection
 from typing import Any
 
+from yarl import URL
+
 from policies.accounting import Accounting
 from policies.bodies import FormReader
 from policies.breaker import Breaker
@@ -42,7 +44,7 @@ from policies.runs import FanoutWidth, RunLimits, RunRegistry, RunTracker
 from policies.state import StateBackends, memory_backends
 from proxy.client import client_timeout
 from proxy.events import EventLog
-from proxy.forward import request_drop
+from proxy.forward import request_drop, upstream_url
 from proxy.locations import Relocation
 from proxy.metrics import BudgetGauges, Metrics, RouteMetrics
 
@@ -125,6 +127,7 @@ class Route:
         "streams",
         "timeout",
         "upstream_base",
+        "urls",
     )
 
     def __init__(self, config: RouteConfig, events: EventLog, *,
@@ -163,6 +166,8 @@ class Route:
         #: The request path from this index on is what goes upstream (the prefix less its
         #: last slash).
         self.cut = len(self.prefix) - 1
+        #: The upstream URL of each short request target seen (:meth:`url`), by the target.
+        self.urls: dict[str, URL] = {}
         #: The header carrying what is left of a caller's deadline to the upstream
         #: (``timeouts.deadline_header``; ``http`` and ``mcp`` routes only), or ``None``.
         self.deadline_header = (config.timeouts.deadline_header
@@ -335,6 +340,20 @@ class Route:
         call.operation = name
         return self._plans[op.name] if op is not None else self.base_plan
 
+    def url(self, target: str) -> URL:
+        """The upstream URL of request target ``target`` (path and query, the prefix
+        included), kept in :attr:`urls` for the next call to the same target when it is at
+        most :data:`URL_KEPT_CHARS` long (routes are called on a few targets each; yarl's
+        own cache is shared by every route, 128 strings, and its constructor costs ~20
+        opcodes a call on a hit). Callers look in :attr:`urls` first."""
+        url = upstream_url(self.upstream_base, target[self.cut:])
+        if len(target) <= URL_KEPT_CHARS:
+            urls = self.urls
+            if len(urls) >= URLS_KEPT:
+                urls.clear()  # targets a caller chose can be any: the old ones are made again
+            urls[target] = url
+        return url
+
     @property
     def retries(self) -> bool:
         """Some call of this route may be retried (:meth:`RouteConfig.retries
@@ -465,6 +484,11 @@ class Route:
 
 __all__ = ["Route", "Router", "carry_over"]
 
+
+#: The most upstream URLs a route keeps (:meth:`Route.url`), and the longest request target
+#: it keeps one for, in characters: at most ~1 MB a route whatever its callers send.
+URLS_KEPT = 256
+URL_KEPT_CHARS = 1024
 
 #: How many route prefixes a ``no_route`` refusal lists; the rest are counted (a config may
 #: hold thousands of routes).

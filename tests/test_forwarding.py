@@ -613,3 +613,31 @@ async def test_an_answer_nobody_asked_for_never_reaches_the_next_caller(start_sl
         assert upstream.connections == 2  # the tainted one closed, a fresh one for the rest
     finally:
         await upstream.stop()
+
+
+async def test_the_request_head_upstream_is_byte_for_byte_in_the_callers_order(start_sluice):
+    """Host first (the upstream's own), then the caller's fields in its order and spelling,
+    repeated lines kept apart, X-Forwarded-For and Idempotency-Key last, then the length:
+    what ``VerbatimRequest.update_headers`` must write, whichever way it copies them."""
+    raw = await RawUpstream(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n"
+                            b"Connection: close\r\n\r\nok").start()
+    try:
+        sluice = await start_sluice({"routes": [
+            route("up", raw.url, "http", idempotency={"mode": "forward"})]})
+        answer = await raw_request(sluice.port, (
+            b"POST /up/head?q=1 HTTP/1.1\r\nHost: 127.0.0.1\r\nx-lower: a\r\n"
+            b"X-Twice: 1\r\nAuthorization: Bearer k\r\nX-Twice: 2\r\n"
+            b"Content-Length: 5\r\nConnection: close\r\n\r\nhello"))
+        assert answer.startswith(b"HTTP/1.1 200")
+        [seen] = raw.requests
+        head, _, body = seen.partition(b"\r\n\r\n")
+        lines = head.split(b"\r\n")
+        key = [line for line in lines if line.startswith(b"Idempotency-Key: ")]
+        assert len(key) == 1
+        assert lines == [
+            b"POST /head?q=1 HTTP/1.1", f"Host: 127.0.0.1:{raw.port}".encode(),
+            b"x-lower: a", b"X-Twice: 1", b"Authorization: Bearer k", b"X-Twice: 2",
+            b"X-Forwarded-For: 127.0.0.1", key[0], b"Content-Length: 5"]
+        assert body == b"hello"
+    finally:
+        await raw.stop()

@@ -14,10 +14,12 @@ import pytest
 from bench.scheduler import SimLoop
 from policies import runs as runs_module
 from policies.concurrency import ConcurrencyLimiter
-from policies.config import RunConfig
+from policies.config import RouteConfig, RunConfig
 from policies.pipeline import Call, Outcome
 from policies.reasons import Reason, Rejected
 from policies.runs import RunLimits, RunRegistry, RunTracker
+from proxy.events import EventLog
+from proxy.routes import URL_KEPT_CHARS, URLS_KEPT, Route
 
 
 def _call(run: str, parent: str | None = None) -> Call:
@@ -449,3 +451,21 @@ def test_the_readme_states_the_run_registrys_bounds():
     assert (f"at most {runs_module.MAX_RUNS:,} runs, or {runs_module.MAX_COUNTED_RUNS:,} on a "
             f"route with `run.max_requests`") in readme
     assert "~1.5 KiB each" in readme
+
+
+def test_a_routes_upstream_urls_stay_few_whatever_targets_callers_send():
+    """Each route keeps the upstream URL of the targets it is called on (proxy.routes
+    Route.url): at most URLS_KEPT of them, none of a target over URL_KEPT_CHARS, each the URL
+    built from the target as sent (the prefix cut, the route's base path kept)."""
+    route = Route(RouteConfig.model_validate({
+        "name": "svc", "path_prefix": "/svc/", "upstream": "http://127.0.0.1:1/base",
+        "protocol": "http"}), EventLog(None))
+    for n in range(3 * URLS_KEPT + 1):
+        target = f"/svc/items/{n}?q=%2F{n}"
+        url = route.url(target)
+        assert str(url) == f"http://127.0.0.1:1/base/items/{n}?q=%2F{n}"
+        assert route.urls[target] is url
+        assert len(route.urls) <= URLS_KEPT
+    long_target = "/svc/" + "a" * URL_KEPT_CHARS
+    assert route.url(long_target).raw_path == "/base/" + "a" * URL_KEPT_CHARS
+    assert long_target not in route.urls
