@@ -607,7 +607,11 @@ async def test_local_mode_asks_a_reservation_over_the_replicas_share_to_come_bac
     """A token reservation within the route's `rate.tokens` but over this replica's share of
     it while Redis is away was 400 exceeds_limit, which tells a client never to retry a call
     that fits as soon as Redis answers: it is 503 state_unavailable, retryable, instead."""
-    state = {**own_state(redis_server, "local"), "replicas": 10}
+    # A timeout of seconds, not own_state's 200 ms: nothing here is timed, and a loaded
+    # machine stalled Sluice's loop 0.4-0.6 s at startup, so its first read of Redis (the
+    # cancel feed's) timed out, Redis was marked down, and the first call, over the local
+    # share, was 503 (a new user's suite under load).
+    state = {**own_state(redis_server, "local"), "replicas": 10, "timeout": "2s"}
     (sluice,) = await replicas(start_sluice, 1, state, route(
         "openai", upstream.url, rate={"tokens": "1000/min"},
         usage={"write_max_tokens": False}))
