@@ -103,28 +103,22 @@ import aiohttp
 import orjson
 import uvloop
 from aiohttp import HttpVersion10, HttpVersion11, hdrs, web
-from multidict import CIMultiDict, CIMultiDictProxy, istr
+from multidict import CIMultiDictProxy, istr
+
+# The baseline's own stack pieces (run as a script, bench/ is first on sys.path): the floor is
+# the baseline plus Sluice's work by construction, not by a copy kept in step by hand.
+from passthrough import _HOP_BY_HOP, MAX_REQUEST_BYTES, TIMEOUT, VerbatimRequest, _without
 from yarl import URL
 
 log = logging.getLogger("floor")
 
-_HOP_BY_HOP = frozenset(
-    {"connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding",
-     "upgrade", "proxy-authenticate", "proxy-authorization"}
-)
 #: Answer fields never relayed: hop-by-hop ones, and Sluice's own signals an upstream could forge.
 _DROP_RESPONSE = _HOP_BY_HOP | {"x-sluice-reason", "x-sluice-dead-letter", "x-sluice-run-warning",
                                 "x-sluice-budget-remaining", "x-sluice-budget-policy",
                                 "x-sluice-budget-reset", "x-sluice-budget-warning"}
-#: ``server.max_request_bytes``, ``max_buffered_bytes``; a body's first count (the edge's).
-MAX_REQUEST_BYTES = 32 * 1024 * 1024
+#: ``server.max_buffered_bytes``; a body's first count (the edge's).
 MAX_BUFFERED_BYTES = 256 * 1024 * 1024
 FIRST_HOLD_BYTES = 64 * 1024
-#: Kept exact, not rounded up to a whole second, as Sluice keeps them (proxy/client.py).
-TIMEOUT = aiohttp.ClientTimeout(total=600.0, connect=5.0, ceil_threshold=math.inf)
-_NEVER_ADDED: CIMultiDict[None] = CIMultiDict(
-    (name, None) for name in ("Accept", "Accept-Encoding", "User-Agent", "Content-Type")
-)
 #: ``server.allowed_hosts: null`` on a loopback listen address.
 _HOSTS = frozenset({"localhost", "127.0.0.1", "[::1]"})
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
@@ -191,25 +185,6 @@ OUTCOMES = (*_STATUS_CLASSES, "rejected", "upstream_error", "upstream_timeout",
 DURATION_BOUNDS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0,
                    600.0)
 _line = functools.partial(orjson.dumps, option=orjson.OPT_APPEND_NEWLINE)
-
-
-class VerbatimRequest(aiohttp.ClientRequest):
-    """A ``ClientRequest`` that adds no header of its own (as ``proxy.client`` does), and
-    copies the caller's headers in C (as the baseline's does)."""
-
-    DEFAULT_HEADERS: dict[str, str] = {}
-
-    def update_headers(self, headers: object) -> None:
-        # aiohttp's own adds them one by one in Python; the same fields in the same order:
-        # Host first, then the caller's (which never hold one).
-        if not isinstance(headers, CIMultiDict) or hdrs.HOST in headers:
-            super().update_headers(headers)  # type: ignore[arg-type]
-            return
-        self.headers = CIMultiDict(((hdrs.HOST, self.url.host_port_subcomponent),))
-        self.headers.extend(headers)
-
-    def update_auto_headers(self, skip_auto_headers: object) -> None:
-        self._skip_auto_headers = _NEVER_ADDED
 
 
 class Refused(Exception):
@@ -401,24 +376,6 @@ class Events:
             view = memoryview(data)
             while view:
                 view = view[os.write(self._fd, view):]
-
-
-def _without(headers: CIMultiDictProxy[str], drop: frozenset[str]) -> CIMultiDict[str]:
-    """A copy of ``headers`` less ``drop`` and the fields ``Connection`` names, found as
-    ``proxy/forward.py`` finds them: the named set cached by value, a case-insensitive
-    key-view intersection (in C)."""
-    out = headers.copy()
-    connection = headers.get(hdrs.CONNECTION)
-    if connection:
-        drop = _dropped(drop, connection)
-    for name in headers.keys() & drop:
-        out.popall(name, None)
-    return out
-
-
-@functools.lru_cache(maxsize=256)
-def _dropped(drop: frozenset[str], connection: str) -> frozenset[str]:
-    return drop | {token.strip().lower() for token in connection.split(",")}
 
 
 #: Identity values that passed :func:`_checked` (at most 1,024 kept): a tenant's name comes on
