@@ -97,11 +97,13 @@ def measure(args: argparse.Namespace, tmp: Path, upstream: Service, target: str)
 def costly_lines(case: dict, top: int) -> list[str]:
     """The repository's ``top`` source lines by opcodes per request, with their text."""
     rows = []
+    sources: dict[str, list[str]] = {}
     for where, ops in case["lines"][:top]:
         path, line = where.rsplit(":", 1)
+        if path not in sources:
+            sources[path] = (common.REPO / path).read_text().splitlines()
         # A frame with no line number (``None``: code run before its first line) has no text.
-        text = ((common.REPO / path).read_text().splitlines()[int(line) - 1].strip()
-                if line.isdigit() else "")
+        text = sources[path][int(line) - 1].strip() if line.isdigit() else ""
         rows.append((where, f"{ops:,.0f}", text[:70]))
     return [f"\n{case['target']}, costliest lines:",
             common.table([("line", "opcodes/req", "source"), *rows])]

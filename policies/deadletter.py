@@ -492,8 +492,8 @@ class DeadLetterFile:
             self._connect()
         except BaseException:
             # A connection made before the failure (a pragma past the busy timeout) is
-            # closed, not left to the collector; one that failed to connect is none here,
-            # or the connection _follow closed already.
+            # closed, not left to the collector. On a first open that failed to connect
+            # there is no _db yet; on a reopen, _db is the old one _follow closed already.
             with contextlib.suppress(AttributeError):
                 self._db.close()
             raise

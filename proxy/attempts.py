@@ -215,9 +215,7 @@ async def forward(request: web.BaseRequest, rt: Runtime, route: Route, call: Cal
     meter = call.meter
     if meter is not None:
         meter.request_headers(headers)
-    url = route.urls.get(call.path)
-    if url is None:
-        url = route.url(call.path)
+    url = route.url(call.path)
     tries = _Tries()
     if plan is None:
         plan = route.base_plan
@@ -326,8 +324,8 @@ def _follow_mcp_answer(rt: Runtime, route: Route, call: Call, request: web.BaseR
     """What reads an MCP route's answer as it is relayed, besides ``capture`` (the call's
     idempotency capture, or ``None``): its response's tracker (``tries.tracker``) and a
     task watch (:func:`_task_watch`). Returns the capture the relay is given (feeding
-    them all) and the watch, if any. (An MCP tool's breaker waits for its answer,
-    ``tries.pending``, on a call only.)"""
+    them all) and the watch, if any. The tracker also gives an MCP tool's breaker its
+    verdict once the answer is read (:func:`_verdict`)."""
     if traffic == "call" or (traffic == "control" and call.rpc_id is not None
                              and is_sse(response.headers.get("Content-Type"))):
         # A call's answer, or a control request's on a stream (initialize,
@@ -1095,7 +1093,7 @@ async def _fetch_held(rt: Runtime, route: Route, call: Call, polled: Polled,
         headers.popall(name, None)
     headers[hdrs.ACCEPT] = "text/event-stream"
     headers[LAST_EVENT_ID_HEADER] = event_id
-    url = fwd.upstream_url(route.upstream_base, call.path[route.cut:])
+    url = route.url(call.path)
     timeouts = route.config.timeouts
     try:
         async with rt.session.get(url, headers=headers, timeout=client_timeout(
@@ -1221,7 +1219,7 @@ async def _send_cancel(rt: Runtime, route: Route, call: Call,
         # A notification's answer is an empty 202: one that takes longer than a call's
         # connect and this wait is not coming.
         status = await send_aside(
-            rt.session, "POST", fwd.upstream_url(route.upstream_base, call.path[route.cut:]),
+            rt.session, "POST", route.url(call.path),
             headers, body, client_timeout(timeouts.connect + CANCEL_ANSWER_WAIT_S,
                                           timeouts.connect), what)
     except Exception:  # building it failed; nobody awaits this task

@@ -260,7 +260,8 @@ async def handle(rt: Runtime, request: web.BaseRequest, hold: BodyHold | None = 
         return refuse_at_edge(rt, Rejected(Reason.NO_ROUTE, None, detail))
     if hold is not None:
         hold.take()
-    # One arriving during the drain counts once it is let in (_serve).
+    # An MCP request arriving during the drain counts once _serve lets it in; others are
+    # refused there.
     presence = _Presence(route, not rt.draining)
     try:
         return await _serve(rt, route, request, raw_path, hold, presence)

@@ -159,16 +159,17 @@ def body_credentials_masked(text: str) -> tuple[str, list[str]]:
       ``data_sources[].parameters.embedding_dependency.authentication``'s
       :data:`_DATA_SOURCE_SECRETS`.
 
-    Returns the text and the paths masked (``tools[0].headers["X-Api-Key"]``). When
-    something is masked the text is written again by :func:`json.dumps` (spacing and number
-    spelling may differ from the body's); else it is ``text`` as stored. A body that is no
-    JSON object (cut at ``max_body_bytes``, compressed) is shown as stored. A body that is
-    JSON only as some parsers read it (a key twice, which parsers take first or last; ``NaN``
-    or ``1e999``, which Python's writer cannot write back as JSON; nesting deeper than
-    :data:`MAX_NESTING` levels) and that may name one of the fields above (:data:`_MASKED_NAMES`, a
-    JSON escape included) is withheld (:data:`WITHHELD`, path ``"body"``): it cannot be
-    masked as every upstream reads it. For display only: the letter keeps its body, which a replay
-    sends."""
+    Returns the text and the paths masked (``tools[0].headers["X-Api-Key"]``). When something
+    is masked the text is written again by :func:`json.dumps` (spacing and number spelling may
+    differ from the body's); else it is ``text`` as stored. A body that is no JSON object (cut
+    at ``max_body_bytes``, compressed) is shown as stored, unless it nests deeper than
+    :data:`MAX_NESTING` levels (counted before it is parsed, JSON or not): then it is withheld
+    as below. A body that is JSON only as some parsers read it (a key twice, which parsers
+    take first or last; ``NaN`` or ``1e999``, which Python's writer cannot write back as JSON;
+    nesting deeper than :data:`MAX_NESTING` levels) and that may name one of the fields above
+    (:data:`_MASKED_NAMES`, a JSON escape included) is withheld (:data:`WITHHELD`, path
+    ``"body"``): it cannot be masked as every upstream reads it. For display only: the letter
+    keeps its body, which a replay sends."""
     body_text = text.removeprefix("\ufeff")  # a byte order mark, which json refuses
     try:
         if _nested_deeper_than(body_text, MAX_NESTING):

@@ -345,7 +345,10 @@ class Route:
         included), kept in :attr:`urls` for the next call to the same target when it is at
         most :data:`URL_KEPT_CHARS` long (routes are called on a few targets each; yarl's
         own cache is shared by every route, 128 strings, and its constructor costs ~20
-        opcodes a call on a hit). Callers look in :attr:`urls` first."""
+        opcodes a call on a hit)."""
+        url = self.urls.get(target)
+        if url is not None:
+            return url
         url = upstream_url(self.upstream_base, target[self.cut:])
         if len(target) <= URL_KEPT_CHARS:
             urls = self.urls

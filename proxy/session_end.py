@@ -186,8 +186,7 @@ async def _send(rt: Runtime, deferred: Deferred) -> int:
         timeouts = route.config.timeouts
         assert rt.session is not None
         status = await send_aside(
-            rt.session, "DELETE", fwd.upstream_url(route.upstream_base,
-                                                   deferred.path[route.cut:]),
+            rt.session, "DELETE", route.url(deferred.path),
             deferred.headers, None, client_timeout(timeouts.total, timeouts.connect),
             f"route {route.name}: the deferred DELETE {deferred.request_id}")
         if status and status < 300:
