@@ -84,7 +84,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
-import gc
 import itertools
 import logging
 import math
@@ -107,7 +106,14 @@ from multidict import CIMultiDictProxy, istr
 
 # The baseline's own stack pieces (run as a script, bench/ is first on sys.path): the floor is
 # the baseline plus Sluice's work by construction, not by a copy kept in step by hand.
-from passthrough import _HOP_BY_HOP, MAX_REQUEST_BYTES, TIMEOUT, VerbatimRequest, _without
+from passthrough import (
+    _HOP_BY_HOP,
+    MAX_REQUEST_BYTES,
+    _without,
+    client_session,
+    server_runner,
+    tune_gc,
+)
 from yarl import URL
 
 log = logging.getLogger("floor")
@@ -949,25 +955,13 @@ def make_handler(session: aiohttp.ClientSession, routes: list[Route], events: Ev
 async def serve(port: int, upstream: str, events_path: str) -> None:
     """Serve on 127.0.0.1:``port`` until SIGTERM or SIGINT; then drain (2 s at most)."""
     loop = asyncio.get_running_loop()
-    connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=60, keepalive_timeout=4,
-                                     enable_cleanup_closed=True)
-    session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
-                                    trust_env=False, cookie_jar=aiohttp.DummyCookieJar(),
-                                    request_class=VerbatimRequest, timeout=TIMEOUT)
+    session = client_session()
     removed = ("X-Tenant-ID", "X-Run-ID", "X-Parent-Run-ID", "X-Priority")
     routes = [Route("openai", "/openai/", upstream, True, removed),
               Route("anthropic", "/anthropic/", "https://api.anthropic.com", False, removed)]
     events = Events(events_path)
     proc = Process()
-
-    def make_request(message, payload, protocol, writer, task):  # type: ignore[no-untyped-def]
-        return web.BaseRequest(message, payload, protocol, writer, task, loop,
-                               client_max_size=MAX_REQUEST_BYTES)
-
-    server = web.Server(make_handler(session, routes, events, proc, loop),
-                        request_factory=make_request, handler_cancellation=True,
-                        access_log=None, auto_decompress=False)
-    runner = web.ServerRunner(server, shutdown_timeout=1.0)
+    runner = server_runner(make_handler(session, routes, events, proc, loop), loop)
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
@@ -975,10 +969,7 @@ async def serve(port: int, upstream: str, events_path: str) -> None:
     try:
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", port, reuse_address=True).start()
-        # Sluice's collector settings (proxy/server.py tune_gc), as the baseline's.
-        gc.collect()
-        gc.freeze()
-        gc.set_threshold(10_000, *gc.get_threshold()[1:])
+        tune_gc()
         await stop.wait()
         proc.draining = True
         deadline = time.monotonic() + 2.0

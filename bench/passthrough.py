@@ -134,33 +134,47 @@ def make_handler(session: aiohttp.ClientSession, upstream: str,
     return proxy
 
 
-async def serve(port: int, upstream: str, prefix: str) -> None:
-    """Serve on 127.0.0.1:``port`` until SIGTERM or SIGINT."""
-    loop = asyncio.get_running_loop()
+def client_session() -> aiohttp.ClientSession:
+    """The upstream client on Sluice's settings (``proxy/client.py``, ``proxy/runtime.py``)."""
     connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=60, keepalive_timeout=4,
                                      enable_cleanup_closed=True)
-    session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
-                                    trust_env=False, cookie_jar=aiohttp.DummyCookieJar(),
-                                    request_class=VerbatimRequest, timeout=TIMEOUT)
+    return aiohttp.ClientSession(connector=connector, auto_decompress=False, trust_env=False,
+                                 cookie_jar=aiohttp.DummyCookieJar(),
+                                 request_class=VerbatimRequest, timeout=TIMEOUT)
 
+
+def server_runner(handler: Callable[[web.BaseRequest], Awaitable[web.StreamResponse]],
+                  loop: asyncio.AbstractEventLoop) -> web.ServerRunner:
+    """``handler`` on aiohttp's low-level server with Sluice's settings (``proxy/server.py``)."""
     def make_request(message, payload, protocol, writer, task):  # type: ignore[no-untyped-def]
         return web.BaseRequest(message, payload, protocol, writer, task, loop,
                                client_max_size=MAX_REQUEST_BYTES)
 
-    server = web.Server(make_handler(session, upstream, prefix), request_factory=make_request,
-                        handler_cancellation=True, access_log=None, auto_decompress=False)
-    runner = web.ServerRunner(server, shutdown_timeout=1.0)
+    server = web.Server(handler, request_factory=make_request, handler_cancellation=True,
+                        access_log=None, auto_decompress=False)
+    return web.ServerRunner(server, shutdown_timeout=1.0)
+
+
+def tune_gc() -> None:
+    """Sluice's collector settings (``proxy/server.py`` ``tune_gc``): startup's objects out of
+    the collector's sight, young collections every 10,000 allocations."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(10_000, *gc.get_threshold()[1:])
+
+
+async def serve(port: int, upstream: str, prefix: str) -> None:
+    """Serve on 127.0.0.1:``port`` until SIGTERM or SIGINT."""
+    loop = asyncio.get_running_loop()
+    session = client_session()
+    runner = server_runner(make_handler(session, upstream, prefix), loop)
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", port, reuse_address=True).start()
-        # Sluice's collector settings (proxy/server.py tune_gc): startup's objects out of the
-        # collector's sight, young collections every 10,000 allocations.
-        gc.collect()
-        gc.freeze()
-        gc.set_threshold(10_000, *gc.get_threshold()[1:])
+        tune_gc()
         await stop.wait()
     finally:
         await runner.cleanup()
